@@ -1,0 +1,22 @@
+"""Exception types the CLI turns into one-line messages and exit codes."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad config, missing file, damaged checkpoint).
+
+    The CLI prints ``error: <message>`` and exits with ``exit_code``; ``--debug`` shows the traceback.
+    """
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """The recipe or a command-line override is invalid."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+    exit_code = 3
