@@ -1,0 +1,87 @@
+"""The recipe schema: one dataclass per YAML section, with the defaults of the embedded recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+
+
+@dataclass
+class StepSchedulerConfig:
+    """How many samples make a step, and when to stop, validate and checkpoint."""
+
+    global_batch_size: int = 32  # samples per optimizer step, over all ranks
+    local_batch_size: int = 8  # samples per forward pass on one rank; grad accumulation makes up the rest
+    max_steps: Optional[int] = None  # stop after this many optimizer steps (None: run num_epochs)
+    num_epochs: int = 1  # stop after this many passes over the training data
+    ckpt_every_steps: Optional[int] = None  # checkpoint every N optimizer steps (None: only at the end)
+    val_every_steps: Optional[int] = None  # validate every N optimizer steps (None: only at checkpoints)
+
+
+@dataclass
+class DataConfig:
+    """How examples become token sequences, and how the validation split is made."""
+
+    seq_length: int = 32  # tokens per sequence after padding or packing
+    packing: bool = False  # pack several examples into one sequence instead of padding each
+    val_size: float = 0.05  # held-out fraction (<1) or count (>=1) of the training data, if no validation_dataset
+    shuffle: bool = True  # visit training samples in a seeded random order each epoch
+    prompt_field: str = "prompt"  # prompt/completion columns: loss on the completion only
+    completion_field: str = "completion"
+    text_field: str = "text"  # plain-text column: loss on every token
+
+
+@dataclass
+class TokenizerConfig:
+    pretrained_model_name_or_path: Optional[str] = None  # local folder; default: the model's folder
+
+
+@dataclass
+class DistributedConfig:
+    backend: Optional[str] = None  # None: nccl when CUDA is available, else gloo
+    mixed_precision: Optional[str] = None  # None (fp32) | bf16: FSDP2 computes in bf16, reduces in fp32
+    timeout_minutes: int = 30  # collective timeout
+
+
+@dataclass
+class TrainingConfig:
+    max_grad_norm: Optional[float] = 1.0  # gradient clipping (None: off)
+    progress_bar: bool = True  # rank-0 progress bar with step, loss and rate
+    log_sample_ids: bool = False  # add the ids of the step's samples to training.jsonl
+
+
+def _default_model() -> Dict[str, Any]:
+    return {"_target_": "automodel_ckpt.models.build.build_causal_lm"}
+
+
+def _default_dataset() -> Dict[str, Any]:
+    return {"_target_": "automodel_ckpt.data.builtin.builtin_task_dataset"}
+
+
+def _default_optimizer() -> Dict[str, Any]:
+    return {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]}
+
+
+def _default_lr_scheduler() -> Dict[str, Any]:
+    return {"_target_": "automodel_ckpt.training.lr.warmup_cosine", "warmup_steps": 10, "min_lr_ratio": 0.1}
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe. `_target_` sections accept the keyword arguments of their target."""
+
+    recipe: str = "automodel_ckpt.recipes.llm_finetune.FinetuneRecipe"  # recipe class (dotted or file.py:Class)
+    seed: int = 42
+    model: Dict[str, Any] = field(default_factory=_default_model)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    dataset: Dict[str, Any] = field(default_factory=_default_dataset)
+    validation_dataset: Optional[Dict[str, Any]] = None
+    data: DataConfig = field(default_factory=DataConfig)
+    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
+    optimizer: Dict[str, Any] = field(default_factory=_default_optimizer)
+    lr_scheduler: Dict[str, Any] = field(default_factory=_default_lr_scheduler)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -1,0 +1,69 @@
+"""Checks of a loaded recipe that its types cannot express, made before any process starts training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from automodel_ckpt.checkpoint.config import normalize_checkpoint_config
+from automodel_ckpt.config.instantiate import locate
+from automodel_ckpt.errors import ConfigError
+
+
+def _positive(value: int | None, key: str, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ConfigError(f"{key}: expected a positive integer, got {value}")
+
+
+def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
+    """Gradient-accumulation steps that make ``global_batch_size`` from ``local_batch_size`` on ``dp_size`` ranks."""
+    per_micro_step = local_batch_size * dp_size
+    if global_batch_size % per_micro_step:
+        raise ConfigError(
+            f"step_scheduler.global_batch_size ({global_batch_size}) must be a multiple of local_batch_size × "
+            f"data-parallel size ({local_batch_size} × {dp_size} = {per_micro_step}); change "
+            "step_scheduler.global_batch_size or step_scheduler.local_batch_size"
+        )
+    return global_batch_size // per_micro_step
+
+
+def validate_config(cfg: DictConfig, world_size: int) -> None:
+    """Raise ConfigError (one line) for values that would fail later; canonicalise checkpoint aliases."""
+    sched = cfg.step_scheduler
+    _positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
+    _positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
+    _positive(sched.max_steps, "step_scheduler.max_steps")
+    _positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
+    _positive(sched.ckpt_every_steps, "step_scheduler.ckpt_every_steps")
+    _positive(sched.val_every_steps, "step_scheduler.val_every_steps")
+    check_batch_sizes(sched.global_batch_size, sched.local_batch_size, world_size)
+    if cfg.data.seq_length < 2:
+        raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
+    if cfg.data.val_size < 0:
+        raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
+    ckpt = OmegaConf.to_object(cfg.checkpoint)
+    normalize_checkpoint_config(ckpt)
+    cfg.checkpoint.save_consolidated = ckpt.save_consolidated
+    locate(cfg.recipe, "recipe")
+
+
+def check_inputs_exist(cfg: DictConfig) -> None:
+    """Missing model or data paths, reported before any process starts."""
+    from automodel_ckpt.models.build import check_model_source
+
+    model = cfg.model
+    check_model_source(model.get("pretrained_model_name_or_path"), model.get("config"), model.get("embedded"))
+    for section in ("dataset", "validation_dataset"):
+        node = cfg.get(section)
+        if node is None:
+            continue
+        for key in ("path", "data_files", "data_dir"):
+            value = node.get(key)
+            if isinstance(value, str) and not any(ch in value for ch in "*?[") and not Path(value).expanduser().exists():
+                raise ConfigError(f"{section}.{key}: '{value}' not found")
+    tok = cfg.tokenizer.pretrained_model_name_or_path
+    if tok and not Path(tok).expanduser().exists():
+        raise ConfigError(f"tokenizer.pretrained_model_name_or_path: '{tok}' not found")
