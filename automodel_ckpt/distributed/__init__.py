@@ -1,1 +1,1 @@
-"""distributed package."""
+"""Process groups, device meshes and FSDP2 sharding."""

@@ -1,1 +1,1 @@
-"""training package."""
+"""Training-loop components: step scheduler, RNG state, LR schedules, metric logs."""

@@ -1,0 +1,42 @@
+"""Python, NumPy and torch (CPU and CUDA) generator state as one checkpointable object."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RNGState:
+    """Saved per rank (``rng/rng_dp_rank_R.pt``): each rank's generators continue exactly after a resume."""
+
+    checkpoint_scope = "rank"
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state()
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].copy()), "pos": int(np_state[2]),
+                      "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        n = state["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
