@@ -1,1 +1,1 @@
-"""data package."""
+"""Datasets: local files and the built-in task, tokenization, and a resumable global-position loader."""

@@ -1,0 +1,123 @@
+"""A resumable loader whose position is global: epoch + samples consumed in a seeded, rank-independent order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor
+    sample_ids: torch.Tensor
+
+
+class GlobalBatchLoader:
+    """Yields, per optimizer step, this rank's micro-batches of one global batch.
+
+    Epoch ``e`` visits the rows in ``randperm(n, seed + e)`` order (or in order without shuffle). A global batch
+    is the next ``global_batch_size`` rows of that order; it is cut into ``grad_accum`` micro-steps of
+    ``local_batch_size × world_size`` rows, and rank ``r`` takes the ``r``-th slice of each micro-step. The state
+    is only ``(epoch, position)``, the same on every rank, so a run resumed with another world size sees exactly
+    the samples an uninterrupted run would. An incomplete last global batch of an epoch is skipped.
+    """
+
+    checkpoint_scope = "rank"
+
+    def __init__(
+        self,
+        data: TokenizedData,
+        *,
+        global_batch_size: int,
+        local_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        self.data = data
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = local_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.grad_accum = global_batch_size // (local_batch_size * world_size)
+        self.epoch = 0
+        self.position = 0
+        self._order: torch.Tensor | None = None
+        self._order_epoch = -1
+        self.last_sample_ids: list[int] = []
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.data) // self.global_batch_size
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order_epoch != self.epoch:
+            n = len(self.data)
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(n, generator=g)
+            else:
+                self._order = torch.arange(n)
+            self._order_epoch = self.epoch
+        assert self._order is not None
+        return self._order
+
+    def next_batch(self) -> tuple[int, list[MicroBatch]]:
+        """``(epoch, micro_batches)`` of the next optimizer step; advances the position."""
+        if self.steps_per_epoch == 0:
+            raise ValueError("the training set is smaller than one global batch")
+        if self.position + self.global_batch_size > len(self.data):
+            self.epoch += 1
+            self.position = 0
+        order = self._epoch_order()
+        rows = order[self.position : self.position + self.global_batch_size]
+        per_micro = self.local_batch_size * self.world_size
+        micro = []
+        for i in range(self.grad_accum):
+            start = i * per_micro + self.rank * self.local_batch_size
+            idx = rows[start : start + self.local_batch_size]
+            micro.append(
+                MicroBatch(
+                    self.data.input_ids[idx], self.data.labels[idx], self.data.attention_mask[idx], self.data.sample_ids[idx]
+                )
+            )
+        epoch = self.epoch
+        self.last_sample_ids = self.data.sample_ids[rows].tolist()
+        self.position += self.global_batch_size
+        return epoch, micro
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "global_batch_size": self.global_batch_size,
+                "world_size": self.world_size, "rank": self.rank, "num_rows": len(self.data), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+
+def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
+    """Every validation row exactly once over all ranks: rank ``r`` takes rows ``r, r+W, r+2W, ...``.
+
+    Every rank gets the same number of batches (FSDP forwards are collective): a rank short of rows fills its
+    last batch with copies of row 0 whose labels are all ignored, so they add nothing to the loss.
+    """
+    per_rank = -(-len(data) // world_size)
+    idx = torch.arange(rank, len(data), world_size)
+    real = torch.ones(per_rank, dtype=torch.bool)
+    real[len(idx):] = False
+    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
+    batches = []
+    for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
+        labels = data.labels[b].clone()
+        labels[~keep] = IGNORE_INDEX
+        batches.append(MicroBatch(data.input_ids[b], labels, data.attention_mask[b], data.sample_ids[b]))
+    return batches

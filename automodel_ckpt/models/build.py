@@ -1,0 +1,99 @@
+"""Builds the causal LM and tokenizer a recipe trains, from a local HF folder or a config block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from automodel_ckpt.errors import ConfigError
+
+EMBEDDED_BASES = ("tiny_llama",)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ConfigError(f"model.dtype: expected one of {', '.join(_DTYPES)}, got '{name}'") from None
+
+
+def local_model_path(path: str | None) -> Path | None:
+    """The local folder of ``path``, or None when it is absent (a hub id or a missing folder)."""
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    return p if (p / "config.json").exists() else None
+
+
+def ensure_embedded_base(name: str, path: str) -> Path:
+    """Create the embedded base model ``name`` at ``path`` if it is not there yet."""
+    if name not in EMBEDDED_BASES:
+        raise ConfigError(f"model.embedded: unknown embedded base '{name}' (available: {', '.join(EMBEDDED_BASES)})")
+    from automodel_ckpt.models.tiny import ensure_tiny_base
+
+    return ensure_tiny_base(path)
+
+
+def check_model_source(pretrained_model_name_or_path: str | None, config: dict | None, embedded: str | None) -> None:
+    """Fail early, with one line, when the model cannot be built offline."""
+    if config is None and not pretrained_model_name_or_path:
+        raise ConfigError("model: set model.pretrained_model_name_or_path (a local HF folder) or a model.config block")
+    if config is not None or embedded:
+        return
+    if local_model_path(pretrained_model_name_or_path) is None:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(str(pretrained_model_name_or_path), "config.json")
+        except Exception:  # not a valid hub id either
+            cached = None
+        if not isinstance(cached, str):
+            raise ConfigError(
+                f"model.pretrained_model_name_or_path: '{pretrained_model_name_or_path}' not found "
+                "(expected a local folder with config.json, or a model in the Hugging Face cache)"
+            )
+
+
+def build_causal_lm(
+    pretrained_model_name_or_path: str | None = None,
+    config: dict[str, Any] | None = None,
+    embedded: str | None = None,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A causal LM with parameters in ``dtype`` (the training dtype; the base may be stored in another).
+
+    With ``config`` the weights are initialised from ``seed``; otherwise they are read from the folder.
+    ``embedded`` names a built-in base created at ``pretrained_model_name_or_path`` on first use.
+    """
+    check_model_source(pretrained_model_name_or_path, config, embedded)
+    torch_dtype = resolve_dtype(dtype)
+    if config is not None:
+        cfg_kwargs = dict(config)
+        model_type = cfg_kwargs.pop("model_type", "llama")
+        hf_config = AutoConfig.for_model(model_type, **cfg_kwargs)
+        hf_config._attn_implementation = attn_implementation
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config)
+        return model.to(torch_dtype)
+    assert pretrained_model_name_or_path is not None
+    if embedded and local_model_path(pretrained_model_name_or_path) is None:
+        ensure_embedded_base(embedded, pretrained_model_name_or_path)
+    hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
+    hf_config._attn_implementation = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
+
+
+def build_tokenizer(path: str | None):
+    if not path:
+        raise ConfigError("tokenizer.pretrained_model_name_or_path: no tokenizer folder (set it, or use a model folder)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot load a tokenizer from '{path}': {str(exc).splitlines()[0]}") from None
