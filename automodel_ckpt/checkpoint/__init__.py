@@ -1,1 +1,1 @@
-"""checkpoint package."""
+"""Checkpointing: what to save (discovered state), how (format backends) and when (lifecycle)."""

@@ -1,1 +1,1 @@
-"""checkpoint/formats package."""
+"""Format backends for sharded state: DCP `.distcp` files and per-rank Hugging Face safetensors shards."""

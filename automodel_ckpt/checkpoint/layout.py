@@ -1,0 +1,175 @@
+"""Every on-disk name of a checkpoint directory, in one place.
+
+```
+checkpoint_dir/
+  LATEST -> epoch_E_step_N          relative symlink (LATEST.txt holds the name where links fail)
+  LOWEST_VAL -> epoch_E_step_M
+  training.jsonl  validation.jsonl
+  .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
+  epoch_E_step_N/
+    config.yaml  losses.json  step_scheduler.pt  <attr>.pt
+    model/       shard-0000R-model-0000K-of-0000F.safetensors + consolidate.sh   (safetensors)
+                 __R_0.distcp + .metadata                                         (torch_save)
+                 .hf_metadata/  config.json, generation_config.json, tokenizer files, original_tensors.json
+                 consolidated/  model-0000K-of-0000F.safetensors, config.json, ... (HF export)
+                 .consolidated.tmp-XXXX/  an export being written; renamed to consolidated/ when complete
+    optim/       __R_0.distcp + .metadata
+    dataloader/dataloader_dp_rank_R.pt
+    rng/rng_dp_rank_R.pt
+```
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# --- checkpoint_dir level -------------------------------------------------------------------------
+LATEST = "LATEST"
+LOWEST_VAL = "LOWEST_VAL"
+POINTERS = (LATEST, LOWEST_VAL)
+TRAINING_LOG = "training.jsonl"
+VALIDATION_LOG = "validation.jsonl"
+STAGING_PREFIX = ".staging-"
+DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
+_DEFAULT_NAME_RE = re.compile(r"^epoch_(\d+)_step_(\d+)$")
+
+# --- inside one checkpoint ------------------------------------------------------------------------
+CONFIG_FILE = "config.yaml"
+LOSSES_FILE = "losses.json"
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+CONSOLIDATED_DIR = "consolidated"
+CONSOLIDATE_SCRIPT = "consolidate.sh"
+HF_METADATA_DIR = ".hf_metadata"
+ORIGINAL_TENSORS_FILE = "original_tensors.json"
+SAVED_TENSORS_FILE = "saved_tensors.json"
+DCP_METADATA = ".metadata"
+
+# --- Hugging Face names -----------------------------------------------------------------------------
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE_WEIGHTS = "model.safetensors"
+HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_FULL_CONFIG = "automodel_peft_config.json"
+# Tokenizer files a Hugging Face model folder may hold (copied from a base folder when no tokenizer is given).
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+# Discovered state attributes whose folder name differs from the attribute name.
+_STATE_DIR_NAMES = {"optimizer": OPTIM_DIR}
+
+
+def pointer_text_file(pointer: str) -> str:
+    """Fallback file holding a pointer's target name on filesystems without symlinks."""
+    return f"{pointer}.txt"
+
+
+def checkpoint_name(epoch: int, step: int, template: str = DEFAULT_NAME_TEMPLATE, **fields: object) -> str:
+    """Folder name of the checkpoint taken after ``step`` optimizer steps in ``epoch``."""
+    return template.format(epoch=epoch, step=step, **fields)
+
+
+def parse_default_name(name: str) -> tuple[int, int] | None:
+    """``(epoch, step)`` for a name of the default template, else None."""
+    m = _DEFAULT_NAME_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def staging_name(name: str) -> str:
+    return STAGING_PREFIX + name
+
+
+def is_staging(name: str) -> bool:
+    return name.startswith(STAGING_PREFIX)
+
+
+def state_dir(attr: str) -> str:
+    """Folder of a sharded (DCP) state object, e.g. ``optimizer`` -> ``optim``."""
+    return _STATE_DIR_NAMES.get(attr, attr)
+
+
+def global_state_file(attr: str) -> str:
+    """File of a state object that is the same on every rank, e.g. ``step_scheduler.pt``."""
+    return f"{attr}.pt"
+
+
+def rank_state_file(attr: str, rank: int) -> str:
+    """Per-rank file, relative to the checkpoint: ``dataloader/dataloader_dp_rank_0.pt``."""
+    return f"{attr}/{attr}_dp_rank_{rank}.pt"
+
+
+_RANK_FILE_RE = re.compile(r"^(?P<attr>.+)_dp_rank_(?P<rank>\d+)\.pt$")
+
+
+def parse_rank_state_file(filename: str) -> tuple[str, int] | None:
+    m = _RANK_FILE_RE.match(filename)
+    return (m.group("attr"), int(m.group("rank"))) if m else None
+
+
+def model_shard_file(rank: int, index: int, total: int) -> str:
+    """Per-rank safetensors shard as written by torch's HuggingFaceStorageWriter (rank is 0-based)."""
+    return f"shard-{rank + 1:05d}-model-{index:05d}-of-{total:05d}.safetensors"
+
+
+_SHARD_RE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def parse_model_shard_file(filename: str) -> tuple[int, int, int] | None:
+    """``(rank, index, total)`` for a shard file name (rank 0-based), else None."""
+    m = _SHARD_RE.match(filename)
+    return (int(m.group(1)) - 1, int(m.group(2)), int(m.group(3))) if m else None
+
+
+def hf_weights_file(index: int, total: int) -> str:
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+def export_tmp_name(final_name: str, tag: str) -> str:
+    """Hidden sibling an export is written into before it is renamed to ``final_name``."""
+    return f".{final_name}.tmp-{tag}"
+
+
+def export_old_name(final_name: str, tag: str) -> str:
+    """Hidden sibling a previous export is moved to while the new one takes its place."""
+    return f".{final_name}.old-{tag}"
+
+
+def export_rank_marker(rank: int) -> str:
+    """File a consolidation rank leaves in the temporary export folder once its files are complete."""
+    return f".rank-{rank:05d}.done"
+
+
+def export_rank_failure(rank: int) -> str:
+    """File a consolidation rank leaves in the temporary export folder when it failed (holds the message)."""
+    return f".rank-{rank:05d}.failed"
+
+
+def dcp_rank_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def model_dir(ckpt: Path) -> Path:
+    return ckpt / MODEL_DIR
+
+
+def consolidated_dir(ckpt: Path) -> Path:
+    return ckpt / MODEL_DIR / CONSOLIDATED_DIR
+
+
+def hf_metadata_dir(model_folder: Path) -> Path:
+    """Hidden folder beside the model shards holding what a Hugging Face export needs besides weights."""
+    return model_folder / HF_METADATA_DIR

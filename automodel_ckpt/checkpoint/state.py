@@ -1,0 +1,72 @@
+"""Discovers a recipe's checkpointed state: every attribute with both `state_dict` and `load_state_dict`.
+
+The rule is deliberately small so it can be stated in one sentence in the docs:
+
+* every public instance attribute (name not starting with ``_``) whose value has callable ``state_dict`` and
+  ``load_state_dict`` is saved and restored under its attribute name;
+* names listed in the recipe's ``checkpoint_exclude`` are skipped (the explicit opt-out);
+* how it is stored depends on what it is, not on its name: an ``nn.Module`` or an ``Optimizer`` is sharded state
+  written through torch.distributed.checkpoint; an object whose class sets ``checkpoint_scope = "rank"`` gets one
+  file per rank (dataloader position, RNG); anything else is global and written once by rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from torch import nn
+from torch.optim import Optimizer
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+RANK = "rank"
+GLOBAL = "global"
+
+
+def has_state(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def discover_state(owner: Any, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """``{attribute name: object}`` of ``owner``'s checkpointed state, in attribute definition order."""
+    skip = set(exclude)
+    return {
+        name: value
+        for name, value in vars(owner).items()
+        if not name.startswith("_") and name not in skip and has_state(value)
+    }
+
+
+def kind_of(value: Any) -> str:
+    if isinstance(value, nn.Module):
+        return MODEL
+    if isinstance(value, Optimizer):
+        return OPTIMIZER
+    return RANK if getattr(value, "checkpoint_scope", GLOBAL) == RANK else GLOBAL
+
+
+@dataclass
+class StatePlan:
+    """Discovered state grouped by how it is stored; ``model_for`` pairs each optimizer with its model."""
+
+    models: dict[str, nn.Module]
+    optimizers: dict[str, Optimizer]
+    per_rank: dict[str, Any]
+    global_: dict[str, Any]
+
+    def model_for(self, optimizer_name: str) -> nn.Module:
+        if len(self.models) != 1:
+            raise ValueError(
+                f"optimizer '{optimizer_name}' needs exactly one checkpointed nn.Module to pair with, "
+                f"found {sorted(self.models) or 'none'}"
+            )
+        return next(iter(self.models.values()))
+
+
+def plan_state(states: dict[str, Any]) -> StatePlan:
+    plan = StatePlan({}, {}, {}, {})
+    groups = {MODEL: plan.models, OPTIMIZER: plan.optimizers, RANK: plan.per_rank, GLOBAL: plan.global_}
+    for name, value in states.items():
+        groups[kind_of(value)][name] = value
+    return plan
