@@ -1,0 +1,200 @@
+"""Supervised fine-tuning of a Hugging Face causal LM with FSDP2, resumable at every checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from automodel_ckpt.checkpoint.checkpointer import Checkpointer, HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.config.loader import to_yaml
+from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
+from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData, tokenize_dataset
+from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, init_distributed
+from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
+from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.models.build import build_tokenizer, local_model_path
+from automodel_ckpt.recipes.base import BaseRecipe
+from automodel_ckpt.training.metrics import JsonlLog
+from automodel_ckpt.training.progress import Progress
+from automodel_ckpt.training.rng import RNGState, seed_everything
+from automodel_ckpt.training.step_scheduler import StepScheduler
+
+
+class FinetuneRecipe(BaseRecipe):
+    """Builds everything from the config in ``setup``; ``run`` restores, trains, validates and checkpoints.
+
+    Checkpointed state (discovered from the attributes): ``model``, ``optimizer``, ``lr_scheduler``,
+    ``dataloader``, ``rng``, ``step_scheduler`` and anything a subclass adds.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    # ---------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.env: DistEnv = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes)
+        seed_everything(cfg.seed)
+        self.tokenizer, model = self.build_model_and_tokenizer()
+        self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
+                                 cfg.distributed.mixed_precision)
+        train_data, val_data = self.build_data()
+        sched = cfg.step_scheduler
+        self.dataloader = GlobalBatchLoader(
+            train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
+            rank=self.env.rank, world_size=self.env.world_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
+        )
+        self.val_batches = (
+            validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.env.rank,
+                               world_size=self.env.world_size)
+            if val_data is not None and len(val_data) else None
+        )
+        self.step_scheduler = StepScheduler(
+            max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
+            val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
+        )
+        self.optimizer = instantiate(cfg.optimizer, "optimizer", [p for p in self.model.parameters() if p.requires_grad])
+        self.lr_scheduler = instantiate(cfg.lr_scheduler, "lr_scheduler", self.optimizer,
+                                        total_steps=self.step_scheduler.total_steps)
+        self.rng = RNGState()
+        ckpt_cfg = OmegaConf.to_object(cfg.checkpoint)
+        run_dir = Path(ckpt_cfg.checkpoint_dir)
+        self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
+        self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
+        self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
+        self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=to_yaml(cfg),
+                                         hf=self.hf_artifacts(), say=self.progress.write) if ckpt_cfg.enabled or \
+            ckpt_cfg.restore_from else None
+        self._save_enabled = bool(ckpt_cfg.enabled)
+
+    def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
+        """Rank 0 builds first, so an embedded base is created once before the other ranks read it."""
+        if not self.env.is_main:
+            barrier()
+        model = instantiate(self.cfg.model, "model")
+        if self.env.is_main:
+            barrier()
+        tok_path = self.cfg.tokenizer.pretrained_model_name_or_path or self.cfg.model.get("pretrained_model_name_or_path")
+        tokenizer = build_tokenizer(tok_path)
+        return tokenizer, model.to(self.env.device)
+
+    def hf_artifacts(self) -> HFArtifacts:
+        model = self.model
+        return HFArtifacts(
+            hf_config=getattr(model, "config", None),
+            generation_config=getattr(model, "generation_config", None),
+            tokenizer=self.tokenizer,
+            base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
+        )
+
+    def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
+        cfg = self.cfg
+        train = instantiate(cfg.dataset, "dataset")
+        if cfg.validation_dataset is not None:
+            val = instantiate(cfg.validation_dataset, "validation_dataset")
+        else:
+            n_val = int(cfg.data.val_size) if cfg.data.val_size >= 1 else int(round(len(train) * cfg.data.val_size))
+            if n_val >= len(train):
+                raise ConfigError(f"data.val_size: {cfg.data.val_size} leaves no training data ({len(train)} examples)")
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+            val = train.select(sorted(order[:n_val])) if n_val > 0 else None
+            train = train.select(sorted(order[n_val:]))
+        fields = {"prompt": cfg.data.prompt_field, "completion": cfg.data.completion_field, "text": cfg.data.text_field}
+        kw = {"seq_length": cfg.data.seq_length, "packing": cfg.data.packing, "fields": fields}
+        train_data = tokenize_dataset(train, self.tokenizer, **kw)
+        val_data = tokenize_dataset(val, self.tokenizer, **kw) if val is not None else None
+        if len(train_data) < cfg.step_scheduler.global_batch_size:
+            raise ConfigError(
+                f"step_scheduler.global_batch_size: {cfg.step_scheduler.global_batch_size} is larger than the "
+                f"training set ({len(train_data)} sequences)"
+            )
+        return train_data, val_data
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self) -> None:
+        self.setup()
+        restored = self.restore_checkpoint()
+        sched = self.step_scheduler
+        if restored is not None:
+            self.train_log.truncate_after(sched.step)
+            self.val_log.truncate_after(sched.step)
+        if sched.done:
+            self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
+            return
+        self.progress.start(sched.step)
+        while not sched.done:
+            epoch, micro = self.dataloader.next_batch()
+            t0 = time.perf_counter()
+            loss, grad_norm, tokens = self.train_step(micro)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.lr_scheduler.step()
+            sched.record_step(epoch, self.dataloader.global_batch_size)
+            record = {"step": sched.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_sec": tokens / max(time.perf_counter() - t0, 1e-9)}
+            if self.cfg.training.log_sample_ids:
+                record["sample_ids"] = self.dataloader.last_sample_ids
+            self.train_log.append(record)
+            self.progress.update(sched.step, loss, lr)
+            val_loss = None
+            if self.val_batches is not None and (sched.is_val_step or (self._save_enabled and sched.is_ckpt_step)):
+                val_loss = self.validate()
+                self.val_log.append({"step": sched.step, "val_loss": val_loss})
+            if self._save_enabled and sched.is_ckpt_step:
+                self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done))
+        self.progress.close()
+
+    def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
+        """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).
+
+        The loss is the mean over every label token of the global batch, whatever the world size: each rank
+        scales its summed token losses by ``world_size / global_tokens`` because FSDP averages gradients.
+        """
+        self.model.train()
+        counts = torch.stack([
+            sum((mb.labels[:, 1:] != IGNORE_INDEX).sum() for mb in micro),
+            sum(mb.attention_mask.sum() for mb in micro),
+        ])
+        global_tokens, input_tokens = all_reduce_sum(counts).tolist()
+        scale = self.env.world_size / max(global_tokens, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(micro):
+            self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            summed = self.token_loss_sum(mb)
+            (summed * scale).backward()
+            loss_sum += summed.detach().double().cpu()
+        max_norm = self.cfg.training.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], max_norm if max_norm else float("inf")
+        )
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = (all_reduce_sum(loss_sum) / max(global_tokens, 1.0)).item()
+        return loss, float(grad_norm), input_tokens
+
+    def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
+        dev = self.env.device
+        logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
+        return F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), mb.labels[:, 1:].flatten().to(dev),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        self.model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens = 0
+        for mb in self.val_batches or []:
+            loss_sum += self.token_loss_sum(mb).double().cpu()
+            tokens += int((mb.labels[:, 1:] != IGNORE_INDEX).sum())
+        totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]))
+        return (totals[0] / max(totals[1].item(), 1.0)).item()
