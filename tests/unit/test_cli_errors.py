@@ -1,0 +1,87 @@
+"""Bad input to `ckpt-train`: one clear error line, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from automodel_ckpt.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = str(REPO / "recipes" / "tiny_llama_sft.yaml")
+
+
+def _error(capsys, argv: list[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def test_missing_recipe(capsys, tmp_path):
+    assert "recipe file not found" in _error(capsys, [str(tmp_path / "nope.yaml")])
+
+
+def test_yaml_syntax_error_names_line(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: 1\nstep_scheduler:\n  max_steps: 4\n   ckpt_every_steps: 2\n")
+    msg = _error(capsys, [str(bad)])
+    assert "bad.yaml:4" in msg
+
+
+def test_unknown_key_suggests(capsys):
+    msg = _error(capsys, [RECIPE, "--step_scheduler.max_stepz", "3"])
+    assert "step_scheduler.max_stepz" in msg and "did you mean 'step_scheduler.max_steps'" in msg
+
+
+
+def test_wrong_type(capsys):
+    msg = _error(capsys, [RECIPE, "--step_scheduler.max_steps", "abc"])
+    assert "step_scheduler.max_steps" in msg and "int" in msg and "abc" in msg
+
+
+def test_missing_model_path(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(Path(RECIPE).read_text().replace("  embedded: tiny_llama\n", ""))
+    msg = _error(capsys, [str(recipe), "--model.pretrained_model_name_or_path", str(tmp_path / "no_model")])
+    assert "model.pretrained_model_name_or_path" in msg and "no_model" in msg
+
+
+def test_missing_data_path(capsys, tmp_path):
+    msg = _error(capsys, [RECIPE, "--dataset._target_", "automodel_ckpt.data.files.load_local_dataset",
+                          "--dataset.path", str(tmp_path / "nodata.jsonl")])
+    assert "dataset.path" in msg and "nodata.jsonl" in msg
+
+
+def test_nproc_zero(capsys):
+    assert "--nproc-per-node" in _error(capsys, ["--nproc-per-node", "0", RECIPE])
+
+
+def test_bad_checkpoint_value(capsys):
+    msg = _error(capsys, [RECIPE, "--checkpoint.model_save_format", "pickle"])
+    assert "checkpoint.model_save_format" in msg and "safetensors" in msg
+
+
+def test_batch_size_not_divisible(capsys):
+    msg = _error(capsys, ["--nproc-per-node", "3", RECIPE])
+    assert "global_batch_size" in msg and "local_batch_size" in msg
+
+
+def test_no_traceback_from_the_real_command(tmp_path):
+    exe = Path(sys.executable).parent / "ckpt-train"
+    proc = subprocess.run([str(exe), RECIPE, "--step_scheduler.max_stepz", "3"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "Traceback" not in proc.stderr
+
+
+def test_debug_shows_traceback(capsys):
+    main([RECIPE, "--debug", "--step_scheduler.max_stepz", "3"])
+    assert "Traceback" in capsys.readouterr().err
