@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
+from automodel_ckpt.checkpoint.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
 MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
@@ -21,6 +22,16 @@ class CheckpointConfig:
     model_save_format: str = "safetensors"  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
+    verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)
+    # Retention (docs/retention.md): a checkpoint survives pruning if ANY rule keeps it; nothing is deleted unless
+    # max_recent_checkpoints or save_top_k is set.
+    max_recent_checkpoints: Optional[int] = None  # keep the K most recent complete checkpoints
+    save_top_k: Optional[int] = None  # keep the K best by `monitor` (checkpoints without a finite value never rank)
+    keep_steps: List[int] = field(default_factory=list)  # milestone steps whose checkpoints are never deleted
+    monitor: str = "val_loss"  # validation metric that ranks checkpoints (save_top_k) and moves LOWEST_VAL
+    mode: str = "min"  # min | max: whether a lower or a higher `monitor` is better
+    best_metric_key: Optional[str] = None  # with named validation sets: the set whose `monitor` counts
+    name_template: str = "epoch_{epoch}_step_{step}"  # folder name; fields: epoch step consumed_samples train_loss val_loss
 
 
 def normalize_checkpoint_config(cfg: CheckpointConfig) -> None:
@@ -41,3 +52,4 @@ def normalize_checkpoint_config(cfg: CheckpointConfig) -> None:
         raise ConfigError("checkpoint.checkpoint_dir: must not be empty")
     if cfg.restore_from is not None and not str(cfg.restore_from).strip():
         cfg.restore_from = None
+    check_retention_config(cfg)

@@ -6,11 +6,14 @@ checkpoint_dir/
   LOWEST_VAL -> epoch_E_step_M
   training.jsonl  validation.jsonl
   .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
+  .deleting-epoch_E_step_K/         a checkpoint being pruned (hidden by rename first, then removed)
   epoch_E_step_N/
-    config.yaml  losses.json  step_scheduler.pt  <attr>.pt
+    metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt
+    manifest.json                    every other file's size and checksum; written last, before publish
     model/       shard-0000R-model-0000K-of-0000F.safetensors + consolidate.sh   (safetensors)
                  __R_0.distcp + .metadata                                         (torch_save)
-                 .hf_metadata/  config.json, generation_config.json, tokenizer files, original_tensors.json
+                 .hf_metadata/  config.json, generation_config.json, tokenizer files,
+                                original_tensors.json, saved_state.json                  (HF export inputs)
                  consolidated/  model-0000K-of-0000F.safetensors, config.json, ... (HF export)
                  .consolidated.tmp-XXXX/  an export being written; renamed to consolidated/ when complete
     optim/       __R_0.distcp + .metadata
@@ -22,6 +25,7 @@ checkpoint_dir/
 from __future__ import annotations
 
 import re
+import string
 from pathlib import Path
 
 # --- checkpoint_dir level -------------------------------------------------------------------------
@@ -31,10 +35,17 @@ POINTERS = (LATEST, LOWEST_VAL)
 TRAINING_LOG = "training.jsonl"
 VALIDATION_LOG = "validation.jsonl"
 STAGING_PREFIX = ".staging-"
+DELETING_PREFIX = ".deleting-"
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
+# Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
+NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")
 _DEFAULT_NAME_RE = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
 # --- inside one checkpoint ------------------------------------------------------------------------
+METADATA_FILE = "metadata.json"  # counters, losses, versions: what identifies a folder as a checkpoint
+# Version of this layout, recorded in every checkpoint's metadata; bumped on incompatible on-disk changes.
+LAYOUT_VERSION = 1
+MANIFEST_FILE = "manifest.json"  # size + checksum of every file of the checkpoint (docs/integrity.md)
 CONFIG_FILE = "config.yaml"
 LOSSES_FILE = "losses.json"
 MODEL_DIR = "model"
@@ -43,7 +54,7 @@ CONSOLIDATED_DIR = "consolidated"
 CONSOLIDATE_SCRIPT = "consolidate.sh"
 HF_METADATA_DIR = ".hf_metadata"
 ORIGINAL_TENSORS_FILE = "original_tensors.json"
-SAVED_TENSORS_FILE = "saved_tensors.json"
+SAVED_STATE_FILE = "saved_state.json"
 DCP_METADATA = ".metadata"
 
 # --- Hugging Face names -----------------------------------------------------------------------------
@@ -78,9 +89,25 @@ def pointer_text_file(pointer: str) -> str:
     return f"{pointer}.txt"
 
 
+class _NameFormatter(string.Formatter):
+    """``str.format`` that renders a missing value (None) as ``none`` whatever its format spec."""
+
+    def format_field(self, value: object, format_spec: str) -> str:
+        return "none" if value is None else super().format_field(value, format_spec)
+
+
 def checkpoint_name(epoch: int, step: int, template: str = DEFAULT_NAME_TEMPLATE, **fields: object) -> str:
     """Folder name of the checkpoint taken after ``step`` optimizer steps in ``epoch``."""
-    return template.format(epoch=epoch, step=step, **fields)
+    return _NameFormatter().format(template, epoch=epoch, step=step, **fields)
+
+
+def name_template_fields(template: str) -> list[str]:
+    """The field names a name template uses, in order (``ValueError`` for malformed braces)."""
+    return [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+
+
+def deleting_name(name: str) -> str:
+    return DELETING_PREFIX + name
 
 
 def parse_default_name(name: str) -> tuple[int, int] | None:

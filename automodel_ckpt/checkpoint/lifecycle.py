@@ -8,11 +8,13 @@ pointers. A failure on any rank makes every rank raise the same error instead of
 from __future__ import annotations
 
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.retention import RetentionPolicy, to_delete
 from automodel_ckpt.checkpoint.storage import fsync_dir, read_pointer, remove_tree, set_pointer
 from automodel_ckpt.distributed.env import all_gather_object, barrier, broadcast_object
 from automodel_ckpt.errors import CheckpointError
@@ -96,6 +98,35 @@ def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool) -> Path
     return final
 
 
+def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metric_key: str | None = None) -> list[str]:
+    """Rank 0, after publish: delete the checkpoints the retention policy gives up (see ``retention``).
+
+    Pointer targets and the newest checkpoint are never deleted, staging folders never touched. Each checkpoint
+    is first hidden by a rename (so a crash mid-delete never leaves a half-deleted checkpoint that looks
+    complete), then removed. A checkpoint that cannot be deleted is a warning, never an error.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    for leftover in checkpoint_dir.iterdir():
+        if leftover.name.startswith(layout.DELETING_PREFIX) and leftover.is_dir():
+            remove_tree(leftover)
+    if not policy.prunes:
+        return []
+    protected = {t for t in catalog.pointer_targets(checkpoint_dir).values() if t}
+    records = catalog.candidates(catalog.scan(checkpoint_dir), monitor, best_metric_key)
+    deleted = []
+    for name in to_delete(records, policy, protected):
+        hidden = checkpoint_dir / layout.deleting_name(name)
+        try:
+            (checkpoint_dir / name).rename(hidden)
+        except OSError as exc:
+            warnings.warn(f"checkpoint retention could not delete '{checkpoint_dir / name}': {exc}", stacklevel=2)
+            continue
+        fsync_dir(checkpoint_dir)
+        remove_tree(hidden)  # what remains of it is removed by the next prune
+        deleted.append(name)
+    return deleted
+
+
 # --- selection ---------------------------------------------------------------------------------------
 
 
@@ -108,16 +139,12 @@ class CheckpointRef:
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointRef]:
-    """Published checkpoints, oldest first (staging folders are never listed)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        return []
-    refs = []
-    for p in checkpoint_dir.iterdir():
-        parsed = layout.parse_default_name(p.name)
-        if parsed and p.is_dir() and not p.is_symlink():
-            refs.append(CheckpointRef(p.name, parsed[0], parsed[1], p))
-    return sorted(refs, key=lambda r: (r.step, r.epoch))
+    """Published checkpoints, oldest first (staging folders are never listed).
+
+    A checkpoint is a folder with metadata.json (any name template) or, without one, a default-template name;
+    its step and epoch come from the metadata (see ``catalog``).
+    """
+    return [CheckpointRef(r.name, r.epoch or 0, r.step, r.path) for r in catalog.scan(checkpoint_dir)]  # type: ignore[arg-type]
 
 
 def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
@@ -127,6 +154,14 @@ def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
         return None
     path = Path(checkpoint_dir) / name
     return path if path.is_dir() and not layout.is_staging(name) else None
+
+
+def dangling_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
+    """The name a pointer targets when that target is not a published checkpoint (else None)."""
+    name = read_pointer(checkpoint_dir, pointer)
+    if name is None or pointer_target(checkpoint_dir, pointer) is not None:
+        return None
+    return name
 
 
 def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
@@ -139,8 +174,8 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
     if not found:
         return target
     newest = found[-1]
-    parsed = layout.parse_default_name(target.name) if target is not None else None
-    if target is None or (parsed is not None and newest.step > parsed[1]):
+    current = next((r for r in found if target is not None and r.name == target.name), None)
+    if target is None or (current is not None and newest.step > current.step):
         return newest.path
     return target
 
@@ -148,9 +183,22 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
 def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path | None:
     """The checkpoint to restore: auto (None) → latest or nothing; otherwise it must exist."""
     checkpoint_dir = Path(checkpoint_dir)
+    dangling = dangling_pointer(checkpoint_dir, layout.LATEST)
     if restore_from is None:
-        return latest_checkpoint(checkpoint_dir)
+        found = latest_checkpoint(checkpoint_dir)
+        if dangling is not None:
+            fallback = f"resuming from the newest complete checkpoint '{found.name}'" if found else "starting fresh"
+            warnings.warn(f"LATEST points to '{dangling}', which is not a checkpoint in {checkpoint_dir}; {fallback}",
+                          stacklevel=2)
+        return found
     if restore_from == layout.LATEST:
+        if dangling is not None:
+            existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
+            raise CheckpointError(
+                f"checkpoint.restore_from: LATEST points to '{dangling}', which is not a checkpoint in "
+                f"{checkpoint_dir} (checkpoints there: {existing}); name one, or unset restore_from to resume "
+                "from the newest"
+            )
         found = latest_checkpoint(checkpoint_dir)
     elif restore_from == layout.LOWEST_VAL:
         found = pointer_target(checkpoint_dir, layout.LOWEST_VAL)

@@ -147,7 +147,8 @@ class FinetuneRecipe(BaseRecipe):
                 val_loss = self.validate()
                 self.val_log.append({"step": sched.step, "val_loss": val_loss})
             if self._save_enabled and sched.is_ckpt_step:
-                self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done))
+                self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
+                                              extra={"consumed_samples": sched.consumed_samples}))
         self.progress.close()
 
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:

@@ -1,0 +1,145 @@
+"""``ckpt-train inspect CHECKPOINT_DIR [--json]``: the checkpoints of a run folder, their state and the pointers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.metadata import as_float
+from automodel_ckpt.errors import UserError
+
+_COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (usage: ckpt-train inspect CHECKPOINT_DIR [--json])")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ckpt-train inspect", description="List the checkpoints of a run folder.")
+    p.add_argument("checkpoint_dir", type=Path, help="the run's checkpoint.checkpoint_dir (or one checkpoint in it)")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    report = inspect_dir(args.checkpoint_dir)
+    try:
+        print(json.dumps(report, indent=2) if args.json else render_table(report), flush=True)
+    except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def inspect_dir(path: Path) -> dict[str, Any]:
+    """The listing of a checkpoint_dir (or of the one checkpoint ``path`` names) as plain JSON-ready values."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserError(f"checkpoint folder '{path}' not found")
+    only = None
+    if (path / layout.METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
+        path, only = path.resolve().parent, path.resolve().name
+    pointers = catalog.pointer_targets(path)
+    rows = [
+        _row(r, pointers)
+        for r in catalog.scan(path, include_incomplete=True)
+        if only is None or r.name == only
+    ]
+    return {
+        "checkpoint_dir": str(path),
+        "pointers": {p: {"target": t, "exists": bool(t) and (path / t).is_dir()} for p, t in pointers.items()},
+        "checkpoints": rows,
+        "totals": {
+            "count": len(rows),
+            "complete": sum(r["complete"] for r in rows),
+            "size_bytes": sum(r["size_bytes"] for r in rows),
+        },
+    }
+
+
+def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> dict[str, Any]:
+    meta = record.metadata or {}
+    return {
+        "name": record.name,
+        "step": record.step,
+        "epoch": record.epoch,
+        "consumed_samples": meta.get("consumed_samples"),
+        "train_loss": _json_float(as_float(meta.get("train_loss"))),
+        "val_loss": _json_float(as_float(meta.get("val_loss"))),
+        "size_bytes": catalog.size_on_disk(record.path),
+        "format": meta.get("model_save_format") or _detect_format(record.path),
+        "consolidated": layout.consolidated_dir(record.path).is_dir(),
+        "complete": record.complete,
+        "pointers": [p for p, target in pointers.items() if target == record.name],
+        "metadata": record.metadata,
+    }
+
+
+def _detect_format(ckpt: Path) -> str | None:
+    """Model format of a checkpoint written without metadata.json."""
+    model = layout.model_dir(ckpt)
+    if any(layout.parse_model_shard_file(p.name) for p in model.glob("*.safetensors")):
+        return "safetensors"
+    return "torch_save" if (model / layout.DCP_METADATA).is_file() else None
+
+
+def _json_float(value: float | None) -> float | str | None:
+    """JSON has no NaN or infinity: NaN becomes null, infinities "inf"/"-inf" (as in the metric logs)."""
+    if value is None or math.isfinite(value):
+        return value
+    return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def render_table(report: dict[str, Any]) -> str:
+    lines = [[*_COLUMNS]]
+    for r in report["checkpoints"]:
+        lines.append([
+            r["name"],
+            _text(r["step"]),
+            _text(r["epoch"]),
+            f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"]),
+            human_size(r["size_bytes"]),
+            _text(r["format"]),
+            "yes" if r["consolidated"] else "no",
+            "yes" if r["complete"] else "no",
+            ", ".join(r["pointers"]) or "-",
+        ])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(_COLUMNS))]
+    numeric = {1, 2, 3, 4}
+    out = [
+        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in lines
+    ]
+    totals = report["totals"]
+    out.append(
+        f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "
+        f"({totals['complete']} complete), {human_size(totals['size_bytes'])} in total"
+    )
+    for name, pointer in report["pointers"].items():
+        if pointer["target"] is None:
+            out.append(f"{name}: not set")
+        elif not pointer["exists"]:
+            out.append(f"{name} -> {pointer['target']} (missing)")
+    return "\n".join(out)
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def human_size(size: int) -> str:
+    value, units = float(size), ("B", "KiB", "MiB", "GiB", "TiB")
+    for unit in units[:-1]:
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} {units[-1]}"
