@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -102,6 +102,11 @@ class GlobalBatchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
+                      world_size: int) -> dict[str, Any]:
+        """At another world size every rank takes rank 0's position: it is global, not per rank."""
+        return saved(0)
 
 
 def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, HFArtifacts, SaveInfo
@@ -20,6 +21,7 @@ from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, ini
 from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
+from automodel_ckpt.models.lora import apply_lora
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.progress import Progress
@@ -43,6 +45,8 @@ class FinetuneRecipe(BaseRecipe):
         self.env: DistEnv = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes)
         seed_everything(cfg.seed)
         self.tokenizer, model = self.build_model_and_tokenizer()
+        if cfg.peft is not None:  # LoRA: wrap before sharding, so FSDP2 sees frozen base and trainable adapters
+            model = apply_lora(model, cfg.peft)
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
         train_data, val_data = self.build_data()
@@ -92,6 +96,7 @@ class FinetuneRecipe(BaseRecipe):
             generation_config=getattr(model, "generation_config", None),
             tokenizer=self.tokenizer,
             base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
+            peft=OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None,
         )
 
     def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
@@ -125,6 +130,7 @@ class FinetuneRecipe(BaseRecipe):
         if restored is not None:
             self.train_log.truncate_after(sched.step)
             self.val_log.truncate_after(sched.step)
+            self.report_world_size_change(restored)
         if sched.done:
             self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
             return
@@ -150,6 +156,24 @@ class FinetuneRecipe(BaseRecipe):
                 self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
                                               extra={"consumed_samples": sched.consumed_samples}))
         self.progress.close()
+
+    def report_world_size_change(self, checkpoint: Path) -> None:
+        """Say what changed when a checkpoint written by W processes resumes on W' processes."""
+        saved = Checkpointer.saved_world_size(checkpoint)
+        if saved == self.env.world_size or not self.env.is_main:
+            return
+        sched = self.cfg.step_scheduler
+        try:
+            saved_local = int(yaml.safe_load((checkpoint / layout.CONFIG_FILE).read_text())["step_scheduler"]
+                              ["local_batch_size"])
+        except (OSError, KeyError, TypeError, ValueError):
+            saved_local = sched.local_batch_size
+        before = sched.global_batch_size // max(saved_local * saved, 1)
+        self.progress.write(
+            f"Resuming at world size {self.env.world_size} (checkpoint written by {saved}): global batch "
+            f"{sched.global_batch_size} kept, gradient accumulation {before} -> {self.dataloader.grad_accum}; "
+            "model and optimizer resharded, data position kept"
+        )
 
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,3 +41,20 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+
+    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
+                      world_size: int) -> dict[str, Any]:
+        """A rank that existed when the checkpoint was written keeps its own generators.
+
+        A rank that did not (the job grew) gets generators seeded from a hash of rank 0's saved torch generator
+        state and its own rank: deterministic, different per rank, and different at every checkpoint.
+        """
+        if rank < saved_world_size:
+            return saved(rank)
+        reference = saved(0)["torch"]
+        digest = hashlib.sha256(reference.numpy().tobytes() + rank.to_bytes(4, "little")).digest()
+        seed = int.from_bytes(digest[:8], "little")
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        return self.state_dict()
