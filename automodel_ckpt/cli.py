@@ -13,6 +13,9 @@ from automodel_ckpt.errors import UserError
 USAGE = """\
 usage: ckpt-train [launcher flags] RECIPE.yaml [--section.key value ...]
        ckpt-train consolidate CHECKPOINT [--out DIR] [--cast-dtype bf16|fp16|fp32|fp64] [--num-threads N]
+       ckpt-train inspect CHECKPOINT_DIR [--json]
+       ckpt-train merge-lora CHECKPOINT [--out DIR] [--base DIR]
+       ckpt-train verify CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only]
 
 launcher flags:
   --nproc-per-node N       processes on this node (N > 1 starts torch's elastic agent)
@@ -34,7 +37,25 @@ def _consolidate(argv: list[str]) -> int:
     return consolidate_main(argv)
 
 
-VERBS = {"consolidate": _consolidate}
+def _inspect(argv: list[str]) -> int:
+    from automodel_ckpt.checkpoint.inspect_cli import main as inspect_main
+
+    return inspect_main(argv)
+
+
+def _merge_lora(argv: list[str]) -> int:
+    from automodel_ckpt.checkpoint.merge_lora import main as merge_lora_main
+
+    return merge_lora_main(argv)
+
+
+def _verify(argv: list[str]) -> int:
+    from automodel_ckpt.checkpoint.verify_cli import main as verify_main
+
+    return verify_main(argv)
+
+
+VERBS = {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify, "merge-lora": _merge_lora}
 
 
 def _verb(argv: list[str]):
@@ -90,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--version":
         print(f"ckpt-train {__version__}")
         return 0
-    if not debug:
-        warnings.filterwarnings("ignore", category=FutureWarning)
+    _quiet_third_party(debug)
     try:
         verb = _verb(argv)
         code = verb(argv[1:]) if verb is not None else train(argv)
@@ -108,6 +128,23 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)  # skip process-group teardown: the other ranks may be gone already
     return code
+
+
+def _quiet_third_party(debug: bool) -> None:
+    """One-line ``warning: ...`` messages, and no progress bars or advice from libraries we drive."""
+    if debug:
+        return
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
 
 
 def _report(message: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,9 +12,12 @@ from typing import Any, Callable
 
 import torch
 
-from automodel_ckpt.checkpoint import layout, lifecycle
+from automodel_ckpt.checkpoint import layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
+from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage import fsync_tree
 from automodel_ckpt.distributed.env import DistEnv, barrier
@@ -31,6 +34,7 @@ class HFArtifacts:
     generation_config: Any = None
     tokenizer: Any = None
     base_model_path: Path | None = None
+    peft: dict[str, Any] | None = None  # the recipe's `peft:` section, recorded beside a PEFT adapter
 
 
 @dataclass
@@ -62,10 +66,21 @@ class Checkpointer:
         self.hf = hf or HFArtifacts()
         self.say = say
         self._warned_torch_save_consolidation = False
+        self._warned_peft_format = False
+        self.retention = RetentionPolicy.from_config(cfg)
+        self._started = time.monotonic()
+        self._seconds_before = 0.0  # training seconds recorded in the restored checkpoint
+        if cfg.enabled:  # fail before training, not at the first save
+            problem = lifecycle.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
+            if problem:
+                raise CheckpointError(problem)
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
-        name = layout.checkpoint_name(info.epoch, info.step)
+        name = layout.checkpoint_name(
+            info.epoch, info.step, self.cfg.name_template, consumed_samples=info.extra.get("consumed_samples"),
+            train_loss=info.train_loss, val_loss=info.val_loss,
+        )
         final = self.dir / name
         rank = self.env.rank
         if self.env.is_main:
@@ -74,19 +89,39 @@ class Checkpointer:
         plan = plan_state(states)
         fmt = self.cfg.model_save_format
         for attr, model in plan.models.items():  # collective; DCP raises on every rank if any rank fails
-            sharded.save_model(model, staging / layout.state_dir(attr), fmt)
+            if peft_format.is_peft_model(model):
+                self._save_adapter(model, staging / layout.state_dir(attr))
+            else:
+                sharded.save_model(model, staging / layout.state_dir(attr), fmt)
         for attr, optim in plan.optimizers.items():
             sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr))
-        lifecycle.collectively(lambda: self._write_local(staging, plan, info), "writing the checkpoint", rank)
+        lifecycle.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
         if self._consolidate_now(info, plan):
             lifecycle.collectively(lambda: self._consolidate(staging, plan), "consolidating the checkpoint", rank)
-        lifecycle.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), "syncing the checkpoint", rank)
-        best = self._is_new_best(info.val_loss)
+        lifecycle.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
+        manifest.seal(staging, rank, self.env.world_size)  # manifest.json, written last and fsynced
         path = lifecycle.on_main(
-            lambda: lifecycle.publish(self.dir, name, update_lowest_val=best), "publishing the checkpoint", rank
+            lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging)),
+            "publishing the checkpoint", rank,
         )
+        if self.retention.prunes:
+            self._prune()
         barrier()
         return path
+
+    def _prune(self) -> None:
+        """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
+        try:
+            deleted = lifecycle.on_main(
+                lambda: lifecycle.prune(self.dir, self.retention, self.cfg.monitor, self.cfg.best_metric_key),
+                "pruning old checkpoints", self.env.rank,
+            )
+        except CheckpointError as exc:
+            if self.env.is_main:
+                warnings.warn(f"checkpoint retention: {exc}", stacklevel=3)
+            return
+        if deleted and self.env.is_main:
+            self.say(f"Removed checkpoints by retention: {', '.join(deleted)}")
 
     def _write_local(self, staging: Path, plan: StatePlan, info: SaveInfo) -> None:
         """This rank's files: per-rank state; on rank 0 also global state, config, losses and HF helpers."""
@@ -101,11 +136,17 @@ class Checkpointer:
         (staging / layout.CONFIG_FILE).write_text(self.resolved_config_yaml, encoding="utf-8")
         losses = {"epoch": info.epoch, "step": info.step, "train_loss": info.train_loss, "val_loss": info.val_loss}
         (staging / layout.LOSSES_FILE).write_text(json.dumps(losses, indent=2) + "\n", encoding="utf-8")
-        if plan.models and self.cfg.model_save_format == sharded.SAFETENSORS:
+        write_metadata(staging, build_metadata(
+            name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
+            train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
+            world_size=self.env.world_size, model_save_format=self.cfg.model_save_format,
+            training_seconds=self._seconds_before + time.monotonic() - self._started,
+        ))
+        if plan.models and self.cfg.model_save_format == sharded.SAFETENSORS and not _has_peft(plan):
             self._write_hf_helpers(staging / layout.MODEL_DIR)
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
-        from automodel_ckpt.checkpoint.consolidate import render_consolidate_script
+        from automodel_ckpt.checkpoint.consolidate_script import render_consolidate_script
         from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
 
         write_hf_metadata(
@@ -117,10 +158,23 @@ class Checkpointer:
         )
         render_consolidate_script(model_dir)
 
+    def _save_adapter(self, model: Any, folder: Path) -> None:
+        """PEFT model: a Hugging Face adapter folder whatever ``model_save_format`` says (formats/peft.py)."""
+        if self.cfg.model_save_format != sharded.SAFETENSORS and self.env.is_main and not self._warned_peft_format:
+            warnings.warn(f"checkpoint.model_save_format={self.cfg.model_save_format} does not apply to PEFT models; "
+                          "saving the adapter in Hugging Face PEFT format (safetensors)", stacklevel=3)
+            self._warned_peft_format = True
+        peft_format.save_adapter(model, folder, rank=self.env.rank, base_model_path=self.hf.base_model_path,
+                                 tokenizer=self.hf.tokenizer, peft_section=self.hf.peft)
+
     def _consolidate_now(self, info: SaveInfo, plan: StatePlan) -> bool:
         mode = self.cfg.save_consolidated
         wanted = mode == "every" or (mode == "final" and info.is_final)
         if not wanted or not plan.models:
+            return False
+        if _has_peft(plan):  # the adapter folder is already Hugging Face-ready; `ckpt-train merge-lora` merges it
+            if self.env.is_main:
+                logger.info("save_consolidated does not apply to PEFT checkpoints; the adapter is saved HF-ready")
             return False
         if self.cfg.model_save_format != sharded.SAFETENSORS:
             if self.env.is_main and not self._warned_torch_save_consolidation:
@@ -143,14 +197,17 @@ class Checkpointer:
             progress=False,
         )
 
-    def _is_new_best(self, val_loss: float | None) -> bool:
-        if val_loss is None or not math.isfinite(val_loss):
-            return False
-        current = lifecycle.pointer_target(self.dir, layout.LOWEST_VAL)
-        if current is None:
-            return True
-        best = read_losses(current).get("val_loss")
-        return best is None or not math.isfinite(float(best)) or val_loss < float(best)
+    def _is_new_best(self, staged: Path) -> bool:
+        """Rank 0: whether the staged checkpoint beats LOWEST_VAL's target by ``checkpoint.monitor``.
+
+        Both values are read from the checkpoints' metadata on disk, so a restarted run compares against the best
+        of every earlier run. LOWEST_VAL means "best by monitor": with ``mode: max`` it follows the highest value.
+        Non-finite values never win.
+        """
+        def value(folder: Path | None) -> float | None:
+            return metric_value(read_metadata(folder), self.cfg.monitor, self.cfg.best_metric_key) if folder else None
+
+        return is_better(value(staged), value(lifecycle.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
 
     # ------------------------------------------------------------------------------------------ load
     def find_restore_target(self) -> Path | None:
@@ -165,10 +222,20 @@ class Checkpointer:
         path = Path(path)
         if self.env.is_main:
             self.say(f"Loading checkpoint from {path}")
+        lifecycle.collectively(
+            lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
+                                               world_size=self.env.world_size, warn=_warn),
+            "verifying the checkpoint", self.env.rank,
+        )
         plan = plan_state(states)
+        self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
+        self._started = time.monotonic()
         for attr, model in plan.models.items():
             folder = self._require(path / layout.state_dir(attr))
-            sharded.load_model(model, folder, sharded.detect_model_format(folder))
+            if peft_format.is_peft_model(model):
+                peft_format.load_adapter(model, folder)
+            else:
+                sharded.load_model(model, folder, sharded.detect_model_format(folder))
         for attr, optim in plan.optimizers.items():
             folder = self._require(path / layout.state_dir(attr))
             sharded.load_optimizer(plan.model_for(attr), optim, folder)
@@ -178,13 +245,29 @@ class Checkpointer:
                 self._missing_state(attr, file)
                 continue
             obj.load_state_dict(_load_pt(file))
+        saved_world = self.saved_world_size(path)
         for attr, obj in plan.per_rank.items():
             file = path / layout.rank_state_file(attr, self.env.rank)
-            if not file.exists():
+            if saved_world != self.env.world_size and hasattr(obj, "reshard_state"):
+                state = obj.reshard_state(
+                    lambda r, attr=attr: _load_pt(path / layout.rank_state_file(attr, r)),
+                    saved_world, self.env.rank, self.env.world_size,
+                )
+                obj.load_state_dict(state)
+            elif not file.exists():
                 self._missing_state(attr, file)
-                continue
-            obj.load_state_dict(_load_pt(file))
+            else:
+                obj.load_state_dict(_load_pt(file))
         barrier()
+
+    @staticmethod
+    def saved_world_size(path: Path) -> int:
+        """The world size that wrote ``path`` (metadata.json, else the number of per-rank files)."""
+        meta = read_metadata(path) or {}
+        if meta.get("world_size"):
+            return int(meta["world_size"])
+        ranks = {parsed[1] for f in Path(path).glob("*/*_dp_rank_*.pt") if (parsed := layout.parse_rank_state_file(f.name))}
+        return len(ranks) or 1
 
     def _require(self, folder: Path) -> Path:
         if not folder.is_dir():
@@ -196,16 +279,31 @@ class Checkpointer:
             warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh", stacklevel=3)
 
 
+def _has_peft(plan: StatePlan) -> bool:
+    return any(peft_format.is_peft_model(m) for m in plan.models.values())
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Create ``folder`` if needed and prove a file can be created in it; the problem if not (read-only, ...)."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return (f"checkpoint.checkpoint_dir: cannot write to '{folder}' ({exc.strerror or type(exc).__name__}); "
+                "choose a writable folder or set checkpoint.enabled: false")
+    return None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=2)
+
+
 def _load_pt(file: Path) -> Any:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read '{file}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
-
-def read_losses(checkpoint: Path) -> dict[str, Any]:
-    file = Path(checkpoint) / layout.LOSSES_FILE
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}

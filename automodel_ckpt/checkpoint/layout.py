@@ -16,6 +16,9 @@ checkpoint_dir/
                                 original_tensors.json, saved_state.json                  (HF export inputs)
                  consolidated/  model-0000K-of-0000F.safetensors, config.json, ... (HF export)
                  .consolidated.tmp-XXXX/  an export being written; renamed to consolidated/ when complete
+                 adapter_config.json, adapter_model.safetensors, automodel_peft_config.json,
+                 tokenizer files                                                   (PEFT: instead of the above)
+                 merged/        full HF model of base + adapter (`ckpt-train merge-lora`)
     optim/       __R_0.distcp + .metadata
     dataloader/dataloader_dp_rank_R.pt
     rng/rng_dp_rank_R.pt
@@ -51,6 +54,7 @@ LOSSES_FILE = "losses.json"
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
 CONSOLIDATED_DIR = "consolidated"
+MERGED_DIR = "merged"  # base + LoRA adapter merged into a full HF model (PEFT checkpoints)
 CONSOLIDATE_SCRIPT = "consolidate.sh"
 HF_METADATA_DIR = ".hf_metadata"
 ORIGINAL_TENSORS_FILE = "original_tensors.json"

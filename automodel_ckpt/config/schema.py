@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 
@@ -52,6 +52,24 @@ class TrainingConfig:
     log_sample_ids: bool = False  # add the ids of the step's samples to training.jsonl
 
 
+# Llama-style attention and MLP projections: the usual LoRA targets.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class PeftConfig:
+    """LoRA fine-tuning (docs/peft.md): only the adapter weights train, the base model stays frozen."""
+
+    method: str = "lora"  # the only method for now
+    rank: int = 8  # LoRA rank r of every adapted projection
+    alpha: float = 16.0  # scaling numerator: updates are scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)
+    dropout: float = 0.0  # dropout on the adapter input
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))  # module name suffixes
+    bias: str = "none"  # none | all | lora_only: which biases also train
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank)
+    init_lora_weights: bool = True  # True: B starts at zero (the adapted model starts as the base); False: random
+
+
 def _default_model() -> Dict[str, Any]:
     return {"_target_": "automodel_ckpt.models.build.build_causal_lm"}
 
@@ -85,3 +103,4 @@ class RecipeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
