@@ -91,16 +91,16 @@ class RecipeConfig:
     """A whole recipe. `_target_` sections accept the keyword arguments of their target."""
 
     recipe: str = "automodel_ckpt.recipes.llm_finetune.FinetuneRecipe"  # recipe class (dotted or file.py:Class)
-    seed: int = 42
-    model: Dict[str, Any] = field(default_factory=_default_model)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    dataset: Dict[str, Any] = field(default_factory=_default_dataset)
-    validation_dataset: Optional[Dict[str, Any]] = None
-    data: DataConfig = field(default_factory=DataConfig)
-    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
-    optimizer: Dict[str, Any] = field(default_factory=_default_optimizer)
-    lr_scheduler: Dict[str, Any] = field(default_factory=_default_lr_scheduler)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    seed: int = 42  # seeds Python, NumPy and torch, the data order and the validation split
+    model: Dict[str, Any] = field(default_factory=_default_model)  # causal LM to fine-tune: a local HF folder or a config block
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # tokenizer folder
+    dataset: Dict[str, Any] = field(default_factory=_default_dataset)  # training examples: prompt/completion or text columns
+    validation_dataset: Optional[Dict[str, Any]] = None  # held-out examples; default: data.val_size of the training data
+    data: DataConfig = field(default_factory=DataConfig)  # tokenization and the validation split
+    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)  # batch sizes, length of the run, validation and checkpoint intervals
+    optimizer: Dict[str, Any] = field(default_factory=_default_optimizer)  # optimizer, called with the trainable parameters
+    lr_scheduler: Dict[str, Any] = field(default_factory=_default_lr_scheduler)  # learning-rate schedule, called with the optimizer and total_steps
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # gradient clipping and logging
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # process group and FSDP2 settings
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint format, location, export, resume and retention
     peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
