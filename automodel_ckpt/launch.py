@@ -18,6 +18,7 @@ class LaunchOptions:
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     debug: bool = False
+    dry_run: bool = False
     extra: list[str] = field(default_factory=list)
 
     @property
@@ -39,8 +40,8 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
         token = argv[i]
-        if token == "--debug":
-            opts.debug = True
+        if token in ("--debug", "--dry-run"):
+            setattr(opts, token[2:].replace("-", "_"), True)
             i += 1
             continue
         name, eq, value = token.lstrip("-").partition("=")
@@ -64,9 +65,10 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
     if i >= len(argv):
         raise ConfigError("missing recipe: ckpt-train [launcher flags] RECIPE.yaml [--key value ...]")
     recipe, rest = argv[i], argv[i + 1:]
-    if "--debug" in rest:
-        opts.debug = True
-        rest = [a for a in rest if a != "--debug"]
+    for flag in ("--debug", "--dry-run"):
+        if flag in rest:
+            setattr(opts, flag[2:].replace("-", "_"), True)
+            rest = [a for a in rest if a != flag]
     if opts.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: expected at least 1, got {opts.nproc_per_node}")
     if opts.nnodes < 1:
@@ -92,8 +94,16 @@ def torchrun_args(opts: LaunchOptions, recipe: str, overrides: list[str]) -> lis
     return args + ["-m", "automodel_ckpt", recipe, *overrides]
 
 
-def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str]) -> int:
-    """Run torch's elastic agent in this process; return the workers' exit code."""
+def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
+                 preemption_signal: str | None = None) -> int:
+    """Run torch's elastic agent in this process; return the workers' exit code.
+
+    ``preemption_signal`` (e.g. ``SIGTERM``): when this process receives it, the signal is forwarded to the
+    workers, which save a checkpoint at their next step and exit 0; so does this process then. torch's agent
+    would instead stop the workers (the signal, then SIGKILL after ``--shutdown-timeout``) and fail; it keeps
+    doing that for a second signal.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -102,6 +112,11 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str]) -> int:
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
     args = get_args_parser().parse_args(torchrun_args(opts, recipe, overrides))
+    forwarder = SignalForwarder(preemption_signal) if preemption_signal else None
+    if forwarder is not None and hasattr(args, "signals_to_handle"):  # the agent leaves this signal to us
+        handled = [s.strip() for s in str(args.signals_to_handle).split(",") if s.strip()]
+        args.signals_to_handle = ",".join(s for s in handled if s != forwarder.signal.name) or "SIGINT"
+        forwarder.install()
     try:
         run(args)
     except ChildFailedError as exc:
@@ -110,4 +125,88 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str]) -> int:
         print(f"error: training failed on rank {rank} (exit code {failure.exitcode}); see its message above",
               file=sys.stderr, flush=True)
         return code
+    except SignalException as exc:
+        print(f"error: stopped by {exc.sigval.name}; the workers were terminated", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    finally:
+        if forwarder is not None:
+            forwarder.uninstall()
     return 0
+
+
+class SignalForwarder:
+    """The launcher's handler of the preemption signal: pass it on to the workers, once.
+
+    torch's agent starts each worker in a session of its own, so a signal sent to the launcher's process group
+    does not reach them; this forwards it to the launcher's worker processes (children running
+    ``automodel_ckpt``). A second signal raises torch's ``SignalException``: the agent then stops the workers
+    (the signal again, SIGKILL after ``--shutdown-timeout``, 30 s by default) and the launcher fails.
+    """
+
+    def __init__(self, signal_name: str) -> None:
+        import signal
+
+        self.signal = signal.Signals[signal_name]
+        self.received = 0
+        self._previous = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signal, self._handle)
+
+    def uninstall(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(self.signal, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.received += 1
+        workers = worker_pids(os.getpid())
+        if self.received > 1 or not workers:  # again, or nothing to forward to yet: stop the way torch does
+            raise SignalException(f"Process {os.getpid()} got signal: {self.signal.name}", sigval=self.signal)
+        print(f"Received {self.signal.name}: the workers save a checkpoint at their next step and stop",
+              file=sys.stderr, flush=True)
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The worker processes the launcher ``parent`` started (its children running ``automodel_ckpt``)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        entries = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"automodel_ckpt" in cmdline:
+            found.append(int(entry))
+    if not entries:  # no /proc (macOS): psutil, if installed
+        try:
+            import psutil
+
+            found = [c.pid for c in psutil.Process(parent).children()
+                     if any("automodel_ckpt" in part for part in c.cmdline())]
+        except Exception:  # noqa: BLE001 - no way to find them: the signal then stops the job as torch does
+            found = []
+    return sorted(found)
