@@ -1,0 +1,137 @@
+"""Low-level safetensors format pieces: dtype names, header reading and writing, positioned file I/O."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.errors import CheckpointError
+
+HEADER_LEN_BYTES = 8
+METADATA_KEY = "__metadata__"
+# The header cannot be larger than this in any real file; a bigger length means the file is not safetensors.
+_MAX_HEADER_BYTES = 100 * 2**20
+
+# safetensors dtype names, in the order of safetensors' own ``Dtype`` enum. safetensors lays tensors out sorted by
+# this order, largest first, then by name: following it keeps every tensor aligned to its element size and makes
+# our files byte-identical to ``safetensors.torch.save_file`` for the same tensors.
+_DTYPE_ORDER = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
+    "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+_DTYPE_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
+
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+}  # fmt: skip
+# Only the names this torch build knows (older builds lack some fp8 kinds).
+ST_TO_TORCH: dict[str, torch.dtype] = {
+    st: getattr(torch, name) for st, name in _TORCH_NAMES.items() if isinstance(getattr(torch, name, None), torch.dtype)
+}
+TORCH_TO_ST: dict[torch.dtype, str] = {dt: st for st, dt in ST_TO_TORCH.items()}
+
+
+def st_dtype_name(dtype: torch.dtype) -> str:
+    """safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    try:
+        return TORCH_TO_ST[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def is_plain_float(dtype: torch.dtype) -> bool:
+    """A floating dtype that may be cast freely: 16, 32 or 64 bit floats (not fp8, not complex)."""
+    return dtype.is_floating_point and not is_fp8(dtype)
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """``(header, data_start)`` of a safetensors file, reading only its first bytes.
+
+    Raises CheckpointError naming the file when the header is missing, cut short or not JSON.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw_len = f.read(HEADER_LEN_BYTES)
+            if len(raw_len) < HEADER_LEN_BYTES:
+                raise CheckpointError(f"truncated safetensors file {path}: {len(raw_len)} bytes, no header")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > _MAX_HEADER_BYTES:
+                raise CheckpointError(f"damaged safetensors file {path}: header length {header_len} is implausible")
+            raw = f.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointError(f"missing safetensors file {path}") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"expected a safetensors file, found a folder: {path}") from None
+    if len(raw) < header_len:
+        raise CheckpointError(f"truncated safetensors file {path}: header cut short")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"damaged safetensors file {path}: header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"damaged safetensors file {path}: header is not a JSON object")
+    return header, HEADER_LEN_BYTES + header_len
+
+
+def tensor_entries(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The tensor entries of a header (everything but ``__metadata__``)."""
+    return {k: v for k, v in header.items() if k != METADATA_KEY}
+
+
+def layout_order(items: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``(name, st_dtype)`` pairs in the order safetensors lays tensors out: largest dtype first, then by name."""
+    return sorted(items, key=lambda item: (-_DTYPE_RANK.get(item[1], -1), item[0]))
+
+
+def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None) -> bytes:
+    """Length prefix + JSON header for ``(name, st_dtype, shape, nbytes)`` entries laid out back to back.
+
+    The JSON is padded with spaces to a multiple of 8 bytes so the data section (and every tensor, given
+    ``layout_order``) starts aligned, as safetensors itself does.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header[METADATA_KEY] = metadata
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(shape)
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; a short file is a truncated checkpoint."""
+    done = 0
+    total = len(buf)
+    while done < total:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise CheckpointError(f"truncated file {path}: ends before byte {offset + total}")
+        done += n
+
+
+def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
