@@ -47,7 +47,26 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     ckpt = OmegaConf.to_object(cfg.checkpoint)
     normalize_checkpoint_config(ckpt)
     cfg.checkpoint.save_consolidated = ckpt.save_consolidated
-    locate(cfg.recipe, "recipe")
+    cfg.checkpoint.preemption_signal = ckpt.preemption_signal
+    check_importable(cfg.recipe, "recipe")
+
+
+def check_importable(path: str, key: str) -> None:
+    """That ``path`` names an existing module or file, without importing it (the workers import it)."""
+    import importlib.util
+
+    if ":" in path:
+        file = path.rsplit(":", 1)[0]
+        if not Path(file).expanduser().exists():
+            raise ConfigError(f"{key}: file '{file}' not found (from '{path}')")
+        return
+    module = path.rsplit(".", 1)[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        locate(path, key)  # raises the detailed error
 
 
 def check_inputs_exist(cfg: DictConfig) -> None:

@@ -5,19 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from typing import TYPE_CHECKING
 
 from automodel_ckpt.errors import ConfigError
 
+if TYPE_CHECKING:  # transformers and torch load lazily: the launcher validates recipes without them
+    import torch
+    from transformers import PreTrainedModel
+
 EMBEDDED_BASES = ("tiny_llama",)
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str) -> "torch.dtype":
+    import torch
+
     try:
-        return _DTYPES[str(name).lower()]
+        return getattr(torch, _DTYPES[str(name).lower()])
     except KeyError:
         raise ConfigError(f"model.dtype: expected one of {', '.join(_DTYPES)}, got '{name}'") from None
 
@@ -72,6 +77,9 @@ def build_causal_lm(
     With ``config`` the weights are initialised from ``seed``; otherwise they are read from the folder.
     ``embedded`` names a built-in base created at ``pretrained_model_name_or_path`` on first use.
     """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     check_model_source(pretrained_model_name_or_path, config, embedded)
     torch_dtype = resolve_dtype(dtype)
     if config is not None:
@@ -91,6 +99,8 @@ def build_causal_lm(
 
 
 def build_tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+
     if not path:
         raise ConfigError("tokenizer.pretrained_model_name_or_path: no tokenizer folder (set it, or use a model folder)")
     try:
