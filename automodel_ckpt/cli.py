@@ -16,12 +16,14 @@ usage: ckpt-train [launcher flags] RECIPE.yaml [--section.key value ...]
        ckpt-train inspect CHECKPOINT_DIR [--json]
        ckpt-train merge-lora CHECKPOINT [--out DIR] [--base DIR]
        ckpt-train verify CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only]
+       ckpt-train plot CHECKPOINT_DIR [--out FILE.png]
 
 launcher flags:
   --nproc-per-node N       processes on this node (N > 1 starts torch's elastic agent)
   --nnodes N               number of nodes; with --node-rank R and --master-addr A --master-port P,
                            or --rdzv-endpoint HOST:PORT
   --debug                  show tracebacks instead of one-line errors
+  --dry-run                check the recipe and overrides, print the resolved config, do not train
 
 Any recipe key can be overridden after the recipe: --step_scheduler.max_steps 6 or --optimizer.lr=3e-4.
 """
@@ -55,7 +57,14 @@ def _verify(argv: list[str]) -> int:
     return verify_main(argv)
 
 
-VERBS = {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify, "merge-lora": _merge_lora}
+def _plot(argv: list[str]) -> int:
+    from automodel_ckpt.plot import main as plot_main
+
+    return plot_main(argv)
+
+
+VERBS = {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify, "merge-lora": _merge_lora,
+         "plot": _plot}
 
 
 def _verb(argv: list[str]):
@@ -79,8 +88,15 @@ def train(argv: list[str]) -> int:
     cfg = load_config(recipe_path, overrides, RecipeConfig)
     validate_config(cfg, opts.world_size)
     check_inputs_exist(cfg)
+    if opts.dry_run:
+        from automodel_ckpt.config.loader import to_yaml
+
+        print(to_yaml(cfg), end="")
+        print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
+        return 0
     if opts.needs_agent:
-        return launch_agent(opts, recipe_path, overrides)
+        preemption = cfg.checkpoint.preemption_signal if cfg.checkpoint.enabled else None
+        return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
     return run_worker(recipe_path, overrides)
 
 
@@ -137,14 +153,11 @@ def _quiet_third_party(debug: bool) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Environment rather than API calls: the launcher then need not import these libraries, and the workers it
+    # starts inherit the settings.
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _report(message: str) -> None:

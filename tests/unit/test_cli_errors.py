@@ -82,6 +82,7 @@ def test_no_traceback_from_the_real_command(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_debug_shows_traceback(capsys):
+def test_debug_shows_traceback(capsys, monkeypatch):
+    monkeypatch.setenv("AUTOMODEL_CKPT_DEBUG", "0")  # restored after the test: --debug sets it for the workers
     main([RECIPE, "--debug", "--step_scheduler.max_stepz", "3"])
     assert "Traceback" in capsys.readouterr().err
