@@ -32,6 +32,10 @@ class CheckpointConfig:
     mode: str = "min"  # min | max: whether a lower or a higher `monitor` is better
     best_metric_key: Optional[str] = None  # with named validation sets: the set whose `monitor` counts
     name_template: str = "epoch_{epoch}_step_{step}"  # folder name; fields: epoch step consumed_samples train_loss val_loss
+    # Async saves, preemption and time-based saves (docs/async.md).
+    is_async: bool = False  # write model and optimizer shards in the background (torch >= 2.9); training goes on
+    preemption_signal: Optional[str] = "SIGTERM"  # on this signal: save at the next step, exit 0 (null: off)
+    ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
 
 
 def normalize_checkpoint_config(cfg: CheckpointConfig) -> None:
@@ -53,3 +57,28 @@ def normalize_checkpoint_config(cfg: CheckpointConfig) -> None:
     if cfg.restore_from is not None and not str(cfg.restore_from).strip():
         cfg.restore_from = None
     check_retention_config(cfg)
+    cfg.preemption_signal = normalize_signal_name(cfg.preemption_signal)
+    if cfg.ckpt_every_minutes is not None and not cfg.ckpt_every_minutes > 0:
+        raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
+                          f"got {cfg.ckpt_every_minutes}")
+
+
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def normalize_signal_name(value: object) -> str | None:
+    """``SIGTERM``, ``TERM``, ``sigusr1`` or a number -> the canonical name (``SIGUSR1``); null/false/none -> None."""
+    import signal
+
+    if value is None or value is False or str(value).strip().lower() in ("", "null", "none", "false", "off"):
+        return None
+    text = str(value).strip().upper()
+    name = text if text.startswith("SIG") else "SIG" + text
+    try:
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[name]
+    except (KeyError, ValueError):
+        raise ConfigError(f"checkpoint.preemption_signal: '{value}' is not a signal name (e.g. SIGTERM, SIGUSR1; "
+                          "null disables)") from None
+    if sig.name in _UNCATCHABLE:
+        raise ConfigError(f"checkpoint.preemption_signal: {sig.name} cannot be caught; use SIGTERM or SIGUSR1")
+    return sig.name

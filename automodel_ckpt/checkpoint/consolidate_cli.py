@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         if rank == 0:
+            from automodel_ckpt.checkpoint.manifest import add_files
+
+            add_files(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
             print(f"Hugging Face model written to {out}", flush=True)
         code = 0
     except UserError as exc:

@@ -13,11 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.config import normalize_signal_name
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData, tokenize_dataset
-from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, init_distributed
+from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
@@ -26,6 +27,7 @@ from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.progress import Progress
 from automodel_ckpt.training.rng import RNGState, seed_everything
+from automodel_ckpt.training.save_triggers import PreemptionWatcher, StepBoundary, TimeTrigger
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
 
@@ -124,17 +126,36 @@ class FinetuneRecipe(BaseRecipe):
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> None:
+        """Train to the end, or until preempted (see ``save_triggers``); the last save is complete on return."""
+        ckpt = self.cfg.checkpoint
+        signal_name = normalize_signal_name(ckpt.get("preemption_signal")) if ckpt.enabled else None
+        self._preemption = PreemptionWatcher(signal_name, repeat_stops=not inside_launcher_worker())
+        self._preemption.install()  # before setup: a signal during setup is seen at the first step boundary
+        try:
+            self._train()
+        except BaseException:
+            if self.checkpointer is not None:
+                self.checkpointer.abandon()  # this rank's background writes end; nothing half-written is published
+            raise
+        finally:
+            self._preemption.uninstall()
+
+    def _train(self) -> None:
         self.setup()
         restored = self.restore_checkpoint()
         sched = self.step_scheduler
+        # Lines past the restored step (or all of them on a fresh start) are from a run that died before its
+        # next checkpoint; this run logs those steps again.
+        self.train_log.truncate_after(sched.step)
+        self.val_log.truncate_after(sched.step)
         if restored is not None:
-            self.train_log.truncate_after(sched.step)
-            self.val_log.truncate_after(sched.step)
             self.report_world_size_change(restored)
         if sched.done:
             self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
             return
         self.progress.start(sched.step)
+        boundary = StepBoundary(self._preemption,
+                                TimeTrigger(self.cfg.checkpoint.get("ckpt_every_minutes") if self._save_enabled else None))
         while not sched.done:
             epoch, micro = self.dataloader.next_batch()
             t0 = time.perf_counter()
@@ -148,13 +169,25 @@ class FinetuneRecipe(BaseRecipe):
                 record["sample_ids"] = self.dataloader.last_sample_ids
             self.train_log.append(record)
             self.progress.update(sched.step, loss, lr)
+            agreed = boundary.check()  # every rank: preempted? a timed save due? (one all-reduce, if configured)
+            scheduled = self._save_enabled and (sched.is_ckpt_step or agreed.time_due)
             val_loss = None
-            if self.val_batches is not None and (sched.is_val_step or (self._save_enabled and sched.is_ckpt_step)):
+            if self.val_batches is not None and (sched.is_val_step or scheduled):
                 val_loss = self.validate()
                 self.val_log.append({"step": sched.step, "val_loss": val_loss})
-            if self._save_enabled and sched.is_ckpt_step:
-                self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
-                                              extra={"consumed_samples": sched.consumed_samples}))
+            saved = None
+            if scheduled or (self._save_enabled and agreed.preempt):
+                saved = self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
+                                                      extra={"consumed_samples": sched.consumed_samples}))
+                boundary.saved()
+            if agreed.preempt and not sched.done:
+                self.finalize_checkpoints()
+                self.progress.close()
+                if self.env.is_main:
+                    self.progress.write(f"Preempted by {self._preemption.name} at step {sched.step}: saved {saved}; "
+                                        "rerun the same command to resume")
+                return
+        self.finalize_checkpoints()  # async: the last checkpoint is complete and published before returning
         self.progress.close()
 
     def report_world_size_change(self, checkpoint: Path) -> None:

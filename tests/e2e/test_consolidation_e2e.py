@@ -62,6 +62,9 @@ def test_false_exports_nothing_until_consolidate_sh_runs_from_anywhere(work, ass
     assert not list(elsewhere.iterdir())  # nothing written where it was run from
     again = _consolidate_sh(model_dir, elsewhere, assets)  # running twice is safe
     assert again.returncode == 0, again.stderr[-3000:]
+    verified = subprocess.run([CKPT_TRAIN, "verify", str(run / "epoch_0_step_2")], capture_output=True, text=True,
+                              timeout=300, env=env_for(assets))
+    assert verified.returncode == 0, verified.stdout[-3000:]  # the export joined the checkpoint's manifest
 
 
 def _full_state(model_dir: Path) -> dict[str, torch.Tensor]:

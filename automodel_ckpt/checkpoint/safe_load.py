@@ -1,0 +1,223 @@
+"""Loading never runs code from a checkpoint, and load failures become one-line ``CheckpointError`` messages.
+
+* DCP's ``.metadata`` is a pickle. ``SafeFileSystemReader`` reads it with ``RestrictedUnpickler``, which resolves
+  only the classes DCP metadata is made of (and the builtin and torch value types they hold); any other global
+  (``os.system``, ``builtins.eval``, ``subprocess.Popen`` ...) is refused before it can be called.
+* Non-tensor entries of a ``.distcp`` file (optimizer ``param_groups`` values, for example) are unpickled by
+  ``SafeLoadPlanner`` with ``torch.load(weights_only=True)``; torch's default planner uses ``weights_only=False``.
+* Tensors are read by DCP with ``weights_only=True``; HF safetensors shards hold no code by design; the ``.pt``
+  state files are read with ``weights_only=True`` by the checkpointer.
+* ``check_fits`` compares a checkpoint's keys and shapes with the state about to be loaded, and
+  ``load_failure`` / ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.errors import CheckpointError
+
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    [("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str",
+                               "bytes", "bytearray", "bool", "slice")]
+    + [("collections", "OrderedDict")]
+    + [("pathlib", n) for n in ("PosixPath", "PurePosixPath", "PureWindowsPath", "Path")]
+    + [("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
+)
+
+
+_TORCH_VALUE_TYPES = (torch.dtype, torch.memory_format, torch.layout)
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals DCP metadata needs; anything else raises ``UnpicklingError``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
+            return getattr(torch, name)
+        if module == _DCP_METADATA_MODULE:
+            import torch.distributed.checkpoint.metadata as dcp_metadata
+
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == _DCP_METADATA_MODULE:
+                return obj
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
+
+
+def load_dcp_metadata(path: Path) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            metadata = RestrictedUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"'{path}' is missing (the index of the DCP files beside it)") from None
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"refusing to load '{path}': {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - truncated or garbled pickles raise many types
+        raise CheckpointError(f"'{path}' is unreadable: {type(exc).__name__}: {_first_line(exc)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"'{path}' is not DCP metadata (holds a {type(metadata).__name__})")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is read by ``RestrictedUnpickler`` (and cached per reader)."""
+
+    _cached: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._cached is None:
+            rank = kwargs.get("rank")
+            get_path = getattr(self, "_get_metadata_path", None)
+            path = get_path(rank) if get_path is not None else Path(self.path) / layout.DCP_METADATA
+            self._cached = load_dcp_metadata(Path(path))
+        metadata = self._cached
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class CachingHFReader(HuggingFaceStorageReader):
+    """``HuggingFaceStorageReader`` (safetensors headers: JSON, no pickle) that reads its metadata once."""
+
+    _cached: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._cached is None:
+            try:
+                self._cached = super().read_metadata(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointError(f"cannot read the safetensors shards in '{self.path}': {type(exc).__name__}: "
+                                      f"{_first_line(exc)}") from None
+        return self._cached
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that unpickles non-tensor entries with ``weights_only=True``."""
+
+    def __init__(self, source: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.source = Path(source)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"refusing to load entry '{fqn}' of '{self.source}': {_first_line(exc)}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+# --- does the checkpoint fit the state? ---------------------------------------------------------------
+
+
+def _flat(state: dict[str, Any]) -> dict[str, Any]:
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(state)
+        return flat
+    except Exception:  # noqa: BLE001 - private helper; a flat dict is good enough for the report
+        return dict(state)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.size()) if isinstance(value, torch.Tensor) else None
+
+
+def differences(state: dict[str, Any], metadata: Metadata) -> list[str]:
+    """Human-readable differences between the state to load and a checkpoint's metadata, sorted by key."""
+    want = _flat(state)
+    have = metadata.state_dict_metadata
+    out = []
+    for key in sorted(set(want) | set(have)):
+        if key not in have:
+            out.append(f"{key}: in the model, not in the checkpoint")
+        elif key not in want:
+            out.append(f"{key}: in the checkpoint, not in the model")
+        else:
+            saved = have[key]
+            mine = _shape(want[key])
+            if isinstance(saved, BytesStorageMetadata) or mine is None:
+                continue
+            if tuple(saved.size) != mine:
+                out.append(f"{key}: shape {list(saved.size)} in the checkpoint, {list(mine)} in the model")
+    return out
+
+
+def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int = 5) -> None:
+    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model."""
+    diffs = differences(state, metadata)
+    if diffs:
+        raise CheckpointError(_misfit(path, diffs, limit))
+
+
+def _misfit(path: Path, diffs: list[str], limit: int = 5) -> str:
+    more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
+    return (
+        f"checkpoint '{path}' does not fit this model ({len(diffs)} keys differ; was it saved from another "
+        f"model or config?): " + "; ".join(diffs[:limit]) + more
+    )
+
+
+# --- one-line failures ----------------------------------------------------------------------------------
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first rank's underlying exception of a DCP ``CheckpointException`` (else ``exc`` itself)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank = sorted(exc.failures)[0]
+        inner = exc.failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return root_cause(inner) if isinstance(inner, BaseException) else exc
+    return exc
+
+
+def load_failure(exc: BaseException, path: Path, state: dict[str, Any] | None = None,
+                 metadata: Metadata | None = None) -> CheckpointError:
+    """A one-line error for a failed DCP load of ``path``."""
+    cause = root_cause(exc)
+    if isinstance(cause, CheckpointError):
+        return CheckpointError(str(cause))
+    if state is not None and metadata is not None:
+        diffs = differences(state, metadata)
+        if diffs:
+            return CheckpointError(_misfit(path, diffs))
+    return CheckpointError(f"cannot load '{path}': {type(cause).__name__}: {_first_line(cause)}")
+
+
+def save_failure(exc: BaseException, path: Path) -> CheckpointError:
+    """A one-line error for a failed DCP save into ``path`` (disk full, read-only, ...)."""
+    cause = root_cause(exc)
+    if isinstance(cause, CheckpointError):
+        return CheckpointError(str(cause))
+    return CheckpointError(f"cannot write '{path}': {type(cause).__name__}: {_first_line(cause)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
