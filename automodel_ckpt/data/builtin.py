@@ -1,0 +1,105 @@
+"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from functools import lru_cache
+
+import datasets
+
+__all__ = [
+    "HELDOUT_BUCKETS",
+    "MAX_OPERAND",
+    "arithmetic_dataset",
+    "builtin_task_dataset",
+    "heldout_examples",
+    "is_heldout",
+    "problems",
+]
+
+#: Operands range over ``MIN_OPERAND..MAX_OPERAND`` inclusive.
+MIN_OPERAND: int = 0
+MAX_OPERAND: int = 99
+
+#: A problem is held out when its hash lands in the first ``HELDOUT_BUCKETS`` of 100 buckets.
+#: 10 of 100 keeps about 1,000 problems the model never trains on.
+HELDOUT_BUCKETS: int = 10
+
+_SPLITS = ("train", "heldout")
+
+
+def is_heldout(a: int, b: int) -> bool:
+    """Whether ``a + b`` belongs to the held-out partition.
+
+    The partition is a fixed function of the problem itself (a stable hash, not
+    Python's salted ``hash``), so it is the same on every run and machine, and no
+    seed or sample count can ever move a held-out problem into training: accuracy
+    on held-out prompts measures generalisation, not memorisation.
+    """
+    digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < HELDOUT_BUCKETS
+
+
+@lru_cache(maxsize=None)
+def problems(split: str) -> tuple[tuple[int, int], ...]:
+    """All ``(a, b)`` operand pairs of one split, in a fixed order."""
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    want_heldout = split == "heldout"
+    return tuple(
+        (a, b)
+        for a in range(MIN_OPERAND, MAX_OPERAND + 1)
+        for b in range(MIN_OPERAND, MAX_OPERAND + 1)
+        if is_heldout(a, b) == want_heldout
+    )
+
+
+def _prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
+    """Addition problems ``"37+45="`` -> ``"82"`` drawn uniformly from one split.
+
+    Columns: ``id`` (0..n-1), ``prompt`` and ``completion`` (strings; the model is
+    trained on ``prompt + completion`` followed by end-of-sequence). Problems are
+    drawn with replacement from the split's fixed problem set, so any
+    ``num_samples`` is possible and the same ``(num_samples, seed, split)`` always
+    yields the same rows.
+    """
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    pool = problems(split)
+    rng = random.Random(f"{split}:{seed}")
+    drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
+    return datasets.Dataset.from_dict(
+        {
+            "id": list(range(num_samples)),
+            "prompt": [_prompt(a, b) for a, b in drawn],
+            "completion": [str(a + b) for a, b in drawn],
+        },
+        features=datasets.Features(
+            {
+                "id": datasets.Value("int64"),
+                "prompt": datasets.Value("string"),
+                "completion": datasets.Value("string"),
+            }
+        ),
+    )
+
+
+#: Task-neutral name of the built-in dataset factory (same signature as :func:`arithmetic_dataset`).
+builtin_task_dataset = arithmetic_dataset
+
+
+def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:
+    """``n`` distinct ``(prompt, answer)`` pairs from the held-out partition.
+
+    Sampled without replacement so that an accuracy over ``n`` examples counts ``n``
+    different problems; ``n`` is capped at the size of the partition.
+    """
+    pool = problems("heldout")
+    rng = random.Random(f"heldout-examples:{seed}")
+    chosen = rng.sample(pool, k=min(n, len(pool)))
+    return [(_prompt(a, b), str(a + b)) for a, b in chosen]

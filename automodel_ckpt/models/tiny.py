@@ -1,0 +1,196 @@
+"""Embedded default model: a character-level tokenizer and a tiny Llama base built offline, byte-for-byte reproducibly."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+__all__ = [
+    "BASE_SEED",
+    "CHARACTERS",
+    "SPECIAL_TOKENS",
+    "TINY_LLAMA_CONFIG",
+    "build_tokenizer",
+    "ensure_tiny_base",
+]
+
+#: Special tokens, in id order: ``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3.
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>")
+
+#: Every ordinary character the tokenizer knows, one token each. Anything else maps to ``<unk>``.
+CHARACTERS: str = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:?.,"
+
+#: Seed of the base model's weight initialisation; part of the base's identity.
+BASE_SEED: int = 0
+
+#: Context length of the base model; also the tokenizer's ``model_max_length``.
+_MAX_POSITIONS = 64
+
+
+def _vocab() -> dict[str, int]:
+    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
+    return {token: index for index, token in enumerate(tokens)}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the character-level tokenizer without touching the network.
+
+    Each character of :data:`CHARACTERS` is one token, so any text over that alphabet
+    encodes to exactly ``len(text)`` ids after the prefix and decodes back unchanged
+    (the ``Fuse`` decoder joins tokens without inserting spaces).
+
+    Encoding **prepends** ``<s>`` (Llama convention) and never appends ``</s>``:
+    ``tokenizer("12+34=").input_ids == [bos, '1', '2', '+', '3', '4', '=']``. Training
+    therefore sees ``<s> prompt completion </s>`` and generation starts from
+    ``<s> prompt``, the same prefix. Use ``add_special_tokens=False`` to get the bare
+    character ids.
+    """
+    vocab = _vocab()
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Splitting on "any single character" makes every character its own word, so the
+    # word-level model acts as a character-level one (spaces included).
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A",
+        pair="<s> $A <s> $B",
+        special_tokens=[("<s>", vocab["<s>"])],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=_MAX_POSITIONS,
+        padding_side="right",
+    )
+
+
+def _tiny_llama_config() -> dict[str, Any]:
+    vocab = _vocab()
+    return {
+        "vocab_size": len(vocab),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_cache": True,
+        "bos_token_id": vocab["<s>"],
+        "eos_token_id": vocab["</s>"],
+        "pad_token_id": vocab["<pad>"],
+    }
+
+
+#: ``LlamaConfig`` keyword arguments of the embedded base model (about 0.6M parameters).
+TINY_LLAMA_CONFIG: dict[str, Any] = _tiny_llama_config()
+
+
+def _deterministic_init(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Overwrite every parameter with values that are identical on every machine.
+
+    Torch's CPU random kernels are vectorised per instruction set, so the same seed
+    can yield different floats on different CPUs. NumPy's PCG64 normal stream is
+    plain IEEE arithmetic, so drawing from it (in a fixed parameter order) gives the
+    same bytes everywhere. Norm weights start at one, as in the reference Llama init.
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = rng.standard_normal(size=tuple(param.shape)) * std
+                param.copy_(torch.from_numpy(values.astype(np.float32)))
+
+
+def _shard_limit(model: torch.nn.Module) -> int:
+    """Largest shard size (bytes) that splits ``model``'s bf16 weights into two files.
+
+    A limit just above half of the total makes the greedy sharder close the first
+    file once it passes the halfway mark; the rest fits the second file because no
+    single tensor is anywhere near half of the model.
+    """
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(math.ceil(total * 0.55))
+
+
+def _write_base(folder: Path) -> None:
+    config = LlamaConfig(**TINY_LLAMA_CONFIG)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    _deterministic_init(model, seed=BASE_SEED, std=config.initializer_range)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(folder, max_shard_size=_shard_limit(model))
+
+    shards = sorted(folder.glob("*.safetensors"))
+    if len(shards) != 2 or not (folder / "model.safetensors.index.json").is_file():
+        raise RuntimeError(f"expected two weight shards and an index in {folder}, found {[p.name for p in shards]}")
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    # Name the generic fast-tokenizer class so that older transformers releases load
+    # the folder too (newer ones map it to their tokenizers backend).
+    tokenizer_config_path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+
+
+def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
+    """Return ``path`` holding the embedded base model, creating it first if absent.
+
+    The folder is a complete Hugging Face model: ``config.json`` (``dtype`` bfloat16),
+    bf16 weights in two safetensors shards plus ``model.safetensors.index.json``,
+    ``generation_config.json`` and the tokenizer files. Creation is seeded and
+    platform-independent, so every run on every machine writes identical bytes.
+
+    The folder is assembled in a temporary sibling and renamed into place in one step,
+    so a crashed or concurrent creation never leaves a partial model at ``path``. If
+    another process wins the race, its (identical) folder is used. An existing model
+    folder (one with ``config.json``) is returned untouched; an existing empty
+    directory is filled; any other existing path is refused rather than overwritten.
+    """
+    target = Path(path)
+    if (target / "config.json").is_file():
+        return target
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise FileExistsError(f"{target} exists but is not a model folder; refusing to overwrite it")
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it owner-only; the model folder should be shareable
+    try:
+        _write_base(staging)
+        for file in staging.iterdir():
+            file.chmod(0o644)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            # Lost the race: another process renamed its folder into place first.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
