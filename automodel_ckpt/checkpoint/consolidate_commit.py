@@ -9,7 +9,6 @@ initialised, else through marker files in the shared temporary folder.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.storage import fsync_dir, fsync_file
+from automodel_ckpt.checkpoint.storage import fsync_dir, fsync_file, replace_folder
 from automodel_ckpt.errors import CheckpointError, UserError
 
 if TYPE_CHECKING:
@@ -186,19 +185,7 @@ def _swap_in(tmp: Path, out_dir: Path, expected: set[str]) -> None:
         if entry.name not in expected:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     fsync_dir(tmp)
-    old = None
-    if out_dir.exists() or out_dir.is_symlink():
-        old = out_dir.parent / layout.export_old_name(out_dir.name, secrets.token_hex(4))
-        os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        if old is not None:
-            os.rename(old, out_dir)
-        raise
-    fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() and not old.is_symlink() else old.unlink()
+    replace_folder(tmp, out_dir, layout.export_old_name(out_dir.name, secrets.token_hex(4)))
 
 
 def write_durable(path: Path, text: str) -> None:

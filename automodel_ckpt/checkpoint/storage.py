@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from automodel_ckpt.checkpoint import layout
@@ -35,11 +38,81 @@ def files_under(root: Path) -> list[Path]:
     return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
 
 
+# --- files this process wrote: synced already? checksum computed while writing? -----------------------
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the writer of a file recorded about it (``note_written``)."""
+
+    synced: bool
+    algorithm: str | None = None
+    digest: str | None = None
+
+
+_WRITTEN: dict[str, tuple[tuple[int, ...], Written]] = {}
+_WRITTEN_LOCK = threading.Lock()
+
+
+def _stamp(path: Path) -> tuple[int, ...]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def note_written(path: Path, *, synced: bool, algorithm: str | None = None, digest: str | None = None) -> None:
+    """Record, after closing ``path``, that it was fsynced (``synced``) and its checksum, if computed while writing.
+
+    ``fsync_tree`` then skips the file and the manifest uses the checksum instead of reading the file back, as long
+    as the file is unchanged (same inode, size, mtime and ctime).
+    """
+    key = os.path.abspath(path)
+    entry = (_stamp(Path(key)), Written(synced, algorithm, digest))
+    with _WRITTEN_LOCK:
+        _WRITTEN[key] = entry
+
+
+def written(path: Path) -> Written | None:
+    """What ``note_written`` recorded for ``path``, if the file has not changed since."""
+    key = os.path.abspath(path)
+    with _WRITTEN_LOCK:
+        entry = _WRITTEN.get(key)
+    if entry is None:
+        return None
+    try:
+        if _stamp(Path(key)) == entry[0]:
+            return entry[1]
+    except OSError:
+        pass
+    with _WRITTEN_LOCK:
+        _WRITTEN.pop(key, None)
+    return None
+
+
+def forget_written(root: Path) -> None:
+    """Drop the records of files below ``root`` (once they are no longer needed)."""
+    prefix = os.path.join(os.path.abspath(root), "")
+    with _WRITTEN_LOCK:
+        for key in [k for k in _WRITTEN if k.startswith(prefix)]:
+            del _WRITTEN[key]
+
+
 def fsync_tree(root: Path, rank: int = 0, world_size: int = 1) -> None:
-    """fsync this rank's share of the files below ``root``, then (rank 0) every folder, deepest first."""
+    """fsync this rank's share of the files below ``root``, then (rank 0) every folder, deepest first.
+
+    Files this process wrote and fsynced already (``note_written``) are not synced again; the rest are synced
+    by a few threads at once (the filesystem can then commit them together).
+    """
+    todo = []
     for i, path in enumerate(files_under(root)):
         if i % world_size == rank:
-            fsync_file(path)
+            known = written(path)
+            if known is None or not known.synced:
+                todo.append(path)
+    if len(todo) > 1:
+        with ThreadPoolExecutor(min(8, len(todo)), thread_name_prefix="ckpt-fsync") as pool:
+            list(pool.map(fsync_file, todo))
+    elif todo:
+        fsync_file(todo[0])
     if rank == 0:
         dirs = sorted((p for p in Path(root).rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
         for d in [*dirs, Path(root)]:
@@ -87,3 +160,24 @@ def read_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
+    """Rename the finished folder ``tmp`` to ``out``, replacing an existing ``out`` without a moment of absence.
+
+    The existing folder is renamed aside to ``old_name`` first (restored if the swap fails) and deleted after.
+    """
+    out = Path(out)
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.parent / old_name
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() and not old.is_symlink() else old.unlink()
