@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -70,6 +72,16 @@ class Checkpointer:
         self.retention = RetentionPolicy.from_config(cfg)
         self._started = time.monotonic()
         self._seconds_before = 0.0  # training seconds recorded in the restored checkpoint
+        self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
+        self._pending: _PendingSave | None = None  # the async save still being written (at most one)
+        self._stager = None
+        self._group = None  # checkpointing's own process group: background writes never meet training collectives
+        self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
+        self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
+        if self.is_async:  # collective: every rank creates it, in the same order
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
         if cfg.enabled:  # fail before training, not at the first save
             problem = lifecycle.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
             if problem:
@@ -77,6 +89,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
+        """Save ``states`` as ``epoch_E_step_N/``; returns its path.
+
+        Synchronous: the checkpoint is complete and published when this returns. With ``is_async``, the model and
+        optimizer state is copied before this returns and written in the background; the checkpoint is completed
+        (synced, sealed, published, pruned) by the next ``save`` or by ``finalize``, whichever comes first.
+        """
+        clock = _PhaseClock()
+        self.wait()  # at most one save in flight: finish (and publish) the previous one first
+        clock.mark("complete_previous")
         name = layout.checkpoint_name(
             info.epoch, info.step, self.cfg.name_template, consumed_samples=info.extra.get("consumed_samples"),
             train_loss=info.train_loss, val_loss=info.val_loss,
@@ -86,20 +107,104 @@ class Checkpointer:
         if self.env.is_main:
             self.say(f"Saving checkpoint to {final}")
         staging = lifecycle.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+        clock.mark("reserve")
         plan = plan_state(states)
         fmt = self.cfg.model_save_format
+        staged: list[sharded.StagedSave] = []  # async: copied now, written in the background below
         for attr, model in plan.models.items():  # collective; DCP raises on every rank if any rank fails
-            if peft_format.is_peft_model(model):
+            if peft_format.is_peft_model(model):  # adapters: always written now, by rank 0
                 self._save_adapter(model, staging / layout.state_dir(attr))
+            elif self.is_async:
+                staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager()))
             else:
                 sharded.save_model(model, staging / layout.state_dir(attr), fmt)
         for attr, optim in plan.optimizers.items():
-            sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr))
+            if self.is_async:
+                staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
+                                                      self._host_stager()))
+            else:
+                sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr))
+        clock.mark("copy_state" if staged else "write_sharded")
         lifecycle.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
-        if self._consolidate_now(info, plan):
-            lifecycle.collectively(lambda: self._consolidate(staging, plan), "consolidating the checkpoint", rank)
+        clock.mark("write_local")
+        pending = _PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
+        for item in staged:  # one write at a time on the checkpoint group, each after the previous one
+            pending.add(item.start(self._group, after=pending.writes[-1][0] if pending.writes else None), item.path)
+        if pending.writes:
+            clock.mark("start_background")
+            self._pending = pending
+            self.last_save_seconds = clock.phases
+            return final
+        path = self._complete(pending)
+        clock.mark("complete")
+        self.last_save_seconds = clock.phases
+        return path
+
+    def wait(self) -> Path | None:
+        """Complete the save still being written in the background, if any; returns its path once published.
+
+        Collective. A failure of the background writes on any rank raises one ``CheckpointError`` on every rank;
+        the unfinished checkpoint is then never published (its staging folder is removed by the next save).
+        """
+        pending, self._pending = self._pending, None
+        return self._complete(pending) if pending is not None else None
+
+    def finalize(self) -> Path | None:
+        """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
+        try:
+            return self.wait()
+        finally:
+            self._close_stager()
+
+    def abandon(self) -> None:
+        """Training failed: let this rank's background writes end, without collectives and without publishing."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            for future, _ in pending.writes:
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
+                    pass
+        self._close_stager()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an async save is still to be completed by ``wait``/``finalize``."""
+        return self._pending is not None
+
+    def _host_stager(self) -> sharded.HostStager:
+        if self._stager is None:
+            self._stager = sharded.HostStager()
+        return self._stager
+
+    def _close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _complete(self, pending: _PendingSave) -> Path:
+        """The steps after the model and optimizer files are written: consolidate, fsync, manifest, publish, prune."""
+        rank, staging, name = self.env.rank, pending.staging, pending.name
+        if pending.writes:
+            def wait_writes() -> None:  # every write ends before any failure is raised: none outlives the save
+                errors = []
+                for future, folder in pending.writes:
+                    try:
+                        sharded.wait_async_save(future, folder)
+                    except Exception as exc:  # noqa: BLE001 - raised below, after the other writes ended
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
+
+            lifecycle.collectively(wait_writes, f"writing '{staging}' in the background", rank)
+        clock = _PhaseClock()
+        if pending.consolidate:
+            lifecycle.collectively(lambda: self._consolidate(staging, None), "consolidating the checkpoint", rank)
+            clock.mark("consolidate")
         lifecycle.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
+        clock.mark("sync")
         manifest.seal(staging, rank, self.env.world_size)  # manifest.json, written last and fsynced
+        clock.mark("manifest")
         path = lifecycle.on_main(
             lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging)),
             "publishing the checkpoint", rank,
@@ -107,6 +212,8 @@ class Checkpointer:
         if self.retention.prunes:
             self._prune()
         barrier()
+        clock.mark("publish")
+        self.last_complete_seconds = clock.phases
         return path
 
     def _prune(self) -> None:
@@ -142,7 +249,7 @@ class Checkpointer:
             world_size=self.env.world_size, model_save_format=self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
         ))
-        if plan.models and self.cfg.model_save_format == sharded.SAFETENSORS and not _has_peft(plan):
+        if plan.models and not _has_peft(plan):
             self._write_hf_helpers(staging / layout.MODEL_DIR)
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
@@ -156,7 +263,8 @@ class Checkpointer:
             tokenizer=self.hf.tokenizer,
             base_model_path=self.hf.base_model_path,
         )
-        render_consolidate_script(model_dir)
+        if self.cfg.model_save_format == sharded.SAFETENSORS:  # torch_save exports with `ckpt-train consolidate`
+            render_consolidate_script(model_dir)
 
     def _save_adapter(self, model: Any, folder: Path) -> None:
         """PEFT model: a Hugging Face adapter folder whatever ``model_save_format`` says (formats/peft.py)."""
@@ -187,7 +295,7 @@ class Checkpointer:
             return False
         return True
 
-    def _consolidate(self, staging: Path, plan: StatePlan) -> None:
+    def _consolidate(self, staging: Path, plan: StatePlan | None) -> None:
         from automodel_ckpt.checkpoint.consolidate import consolidate
 
         consolidate(
@@ -277,6 +385,46 @@ class Checkpointer:
     def _missing_state(self, attr: str, file: Path) -> None:
         if self.env.is_main:
             warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh", stacklevel=3)
+
+
+class _PhaseClock:
+    """Seconds spent per phase of a save (``Checkpointer.last_save_seconds``, read by tools/bench_async.py)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 4)
+        self._last = now
+
+
+@dataclass
+class _PendingSave:
+    """A save whose model/optimizer files may still be written in the background (``writes``)."""
+
+    name: str
+    staging: Path
+    consolidate: bool
+    writes: list[tuple[Future, Path]] = field(default_factory=list)
+
+    def add(self, future: Future, folder: Path) -> None:
+        self.writes.append((future, folder))
+
+
+ASYNC_MIN_TORCH = (2, 9)
+
+
+def _async_supported(warn: bool) -> bool:
+    """``checkpoint.is_async`` needs torch >= 2.9; older versions save synchronously, with a one-line warning."""
+    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
+    if version >= ASYNC_MIN_TORCH:
+        return True
+    if warn:
+        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, ASYNC_MIN_TORCH))} (found "
+                      f"{torch.__version__}); saving synchronously", stacklevel=3)
+    return False
 
 
 def _has_peft(plan: StatePlan) -> bool:

@@ -14,9 +14,11 @@ Format (docs/integrity.md)::
 wrote it: model shards, optimizer state, per-rank files, config, metadata, an inline HF export. The manifest
 itself is not listed; symlinks are neither listed nor followed.
 
-When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. Every file was written
-moments earlier, so hashing reads it from the page cache, not from storage; each rank hashes a share (the files
-it wrote itself where the name tells, the rest balanced by size) and rank 0 writes the manifest and fsyncs it.
+When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
+files get their checksum while they are written, from the same memory (``formats/parallel_io``, recorded with
+``storage.note_written``), so they are not read back; the other files were written moments earlier and are hashed
+from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
+size) and rank 0 writes the manifest and fsyncs it.
 
 Checksum: xxHash3-64 (``xxhash``, ~18 GB/s on one core); ``zlib.crc32`` (~2.7 GB/s) where ``xxhash`` is not
 installed. The manifest names its algorithm, so either can verify either. Checksums detect corruption
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.storage import fsync_dir, fsync_file
+from automodel_ckpt.checkpoint.storage import forget_written, fsync_dir, fsync_file, written
 from automodel_ckpt.errors import CheckpointError
 
 MANIFEST_VERSION = 1
@@ -210,14 +212,30 @@ def write(root: Path, manifest: dict[str, Any]) -> Path:
 
 
 def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: str) -> dict[str, str]:
+    """Checksums of ``rels``: the one computed while a file was written (``storage.note_written``) if the file is
+    unchanged since, else hashed now (a few files at once)."""
     out = {}
+    todo = []
     for rel in rels:
+        known = written(root / rel)
+        if known is not None and known.algorithm == algorithm and known.digest and os.path.getsize(root / rel) == files[rel]:
+            out[rel] = known.digest
+        else:
+            todo.append(rel)
+
+    def one(rel: str) -> tuple[str, str]:
         size, digest = hash_file(root / rel, algorithm)
         if size != files[rel]:
             raise CheckpointError(
                 f"'{root / rel}' changed while the manifest was computed ({files[rel]} -> {size} bytes)"
             )
-        out[rel] = digest
+        return rel, digest
+
+    if len(todo) > 1:
+        with ThreadPoolExecutor(min(4, len(todo)), thread_name_prefix="ckpt-hash") as pool:
+            out.update(pool.map(one, todo))
+    else:
+        out.update(one(rel) for rel in todo)
     return out
 
 
@@ -242,6 +260,7 @@ def seal(staging: Path, rank: int, world_size: int) -> None:
     checksums: dict[str, str] = {}
     for part in all_gather_object(mine):
         checksums.update(part)
+    forget_written(staging)
     lifecycle.on_main(
         lambda: write(staging, build(staging, files, checksums, algorithm)),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,

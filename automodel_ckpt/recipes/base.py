@@ -27,6 +27,12 @@ class BaseRecipe:
             return None
         return self.checkpointer.save(self.checkpointed_state(), info)
 
+    def finalize_checkpoints(self) -> Path | None:
+        """Complete the checkpoint still being written in the background (``checkpoint.is_async``), if any."""
+        if self.checkpointer is None:
+            return None
+        return self.checkpointer.finalize()
+
     def restore_checkpoint(self) -> Path | None:
         """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the latest), if any."""
         if self.checkpointer is None:

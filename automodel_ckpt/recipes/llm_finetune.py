@@ -129,7 +129,8 @@ class FinetuneRecipe(BaseRecipe):
         """Train to the end, or until preempted (see ``save_triggers``); the last save is complete on return."""
         ckpt = self.cfg.checkpoint
         signal_name = normalize_signal_name(ckpt.get("preemption_signal")) if ckpt.enabled else None
-        self._preemption = PreemptionWatcher(signal_name, repeat_stops=not inside_launcher_worker())
+        worker = inside_launcher_worker()
+        self._preemption = PreemptionWatcher(signal_name, repeat_stops=not worker)
         self._preemption.install()  # before setup: a signal during setup is seen at the first step boundary
         try:
             self._train()
@@ -138,7 +139,8 @@ class FinetuneRecipe(BaseRecipe):
                 self.checkpointer.abandon()  # this rank's background writes end; nothing half-written is published
             raise
         finally:
-            self._preemption.uninstall()
+            if not worker:  # a worker keeps ignoring the signal while it exits: its exit code stays 0
+                self._preemption.uninstall()
 
     def _train(self) -> None:
         self.setup()

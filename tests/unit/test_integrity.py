@@ -316,7 +316,10 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     if where == "dcp_write":
         import torch.distributed.checkpoint.filesystem as fs
 
-        monkeypatch.setattr(fs, "_write_item", _enospc)
+        from automodel_ckpt.checkpoint.formats import parallel_io
+
+        monkeypatch.setattr(fs, "_write_item", _enospc)  # torch's writers
+        monkeypatch.setattr(parallel_io, "_pwrite_all", _enospc)  # ours (the model and optimizer files)
     elif where == "rank_file":
         import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
 

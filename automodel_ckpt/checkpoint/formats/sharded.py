@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -16,9 +19,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from automodel_ckpt.checkpoint.formats import parallel_io
 from automodel_ckpt.checkpoint.safe_load import (
-    CachingHFReader,
-    SafeFileSystemReader,
     SafeLoadPlanner,
     check_fits,
     load_failure,
@@ -30,16 +32,21 @@ TORCH_SAVE = "torch_save"
 
 
 def _writer(path: Path, fmt: str):
+    """torch's writers' file formats, written in parallel from the tensors' memory (see ``parallel_io``).
+
+    safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
+    (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
+    ``__R_0.distcp`` per rank (``FileSystemWriter``'s). Each file is fsynced once, with its checksum noted.
+    """
     if fmt == SAFETENSORS:
-        # save_distributed: every rank writes its own shard-0000R-... file holding its local pieces and their
-        # offsets; nothing is gathered.
-        return HuggingFaceStorageWriter(str(path), save_distributed=True)
-    return FileSystemWriter(str(path), sync_files=True)
+        return parallel_io.ParallelSafetensorsWriter(path)
+    return parallel_io.ParallelFileSystemWriter(path)
 
 
 def _reader(path: Path, fmt: str):
-    """Readers that never unpickle code (see ``safe_load``) and read the checkpoint's metadata once."""
-    return CachingHFReader(str(path)) if fmt == SAFETENSORS else SafeFileSystemReader(str(path))
+    """Readers that never unpickle code (see ``safe_load``), read the checkpoint's metadata once, and read the
+    tensors straight into the state being loaded (``parallel_io``)."""
+    return parallel_io.ParallelHFReader(path) if fmt == SAFETENSORS else parallel_io.ParallelFileSystemReader(path)
 
 
 def _save(state: dict, path: Path, writer, process_group) -> None:
@@ -75,9 +82,162 @@ def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
     _save(get_optimizer_state_dict(model, optimizer), path, _writer(path, TORCH_SAVE), process_group)
 
 
+class StagedSave:
+    """A model or optimizer state copied for a background save: ``start`` writes the copy in a thread."""
+
+    def __init__(self, staged: dict, path: Path, fmt: str) -> None:
+        self.staged = staged
+        self.path = path
+        self.fmt = fmt
+
+    def start(self, process_group, after: Future | None = None) -> Future:
+        """Begin writing through ``dcp.async_save``; the future's ``result()`` raises what the write raised.
+
+        ``after``: an earlier background write on the same ``process_group``; this one starts when that one is
+        done, so the group's collectives never interleave.
+        """
+        response = dcp.async_save(self.staged, storage_writer=_writer(self.path, self.fmt),
+                                  process_group=process_group, async_stager=_Handoff(self.staged, after))
+        return getattr(response, "upload_completion", response)
+
+
+def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager) -> StagedSave:
+    """The first half of a background ``save_model``: copy the model's (sharded) state into host memory."""
+    return StagedSave(stager.stage(f"model:{path.name}", get_model_state_dict(model)), path, fmt)
+
+
+def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager) -> StagedSave:
+    """The first half of a background ``save_optimizer``."""
+    return StagedSave(stager.stage(f"optim:{path.name}", get_optimizer_state_dict(model, optimizer)), path,
+                      TORCH_SAVE)
+
+
+def wait_async_save(future: Future, path: Path) -> None:
+    """Wait for a background write; a DCP failure becomes the same one-line error as a synchronous save's."""
+    try:
+        future.result()
+    except CheckpointException as exc:
+        raise save_failure(exc, path) from None
+
+
+class HostStager:
+    """Copies state dicts into host-memory buffers that are kept for the next save (the "staging" of a save).
+
+    The first save of a state allocates its buffers (DTensors keep their sharding, on a host copy of their local
+    shard); later saves only copy into them, so staging costs one memory copy of the state. A state whose structure
+    changed (an optimizer that gained its moments) gets new buffers. Pinned memory and non-blocking copies where
+    the state lives on an accelerator. Holds a second copy of the model and optimizer state in host memory.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Any] = {}
+
+    @torch.no_grad()
+    def stage(self, key: str, state: dict) -> dict:
+        """A copy of ``state`` that later changes to the live tensors do not affect."""
+        buffers = self._buffers.get(key)
+        if buffers is not None:
+            try:
+                return self._copied(state, buffers)
+            except _Mismatch:
+                pass
+        self._buffers[key] = buffers = _host_buffers(state)
+        return self._copied(state, buffers)
+
+    def _copied(self, state: dict, buffers: dict) -> dict:
+        staged = _copy_into(state, buffers)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        return staged
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+class _Mismatch(Exception):
+    """The state no longer has the structure its buffers were made for."""
+
+
+def _host_buffers(obj: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        if obj.device.type == "cpu":  # an empty local shard with the same sharding
+            return DTensor.from_local(torch.empty_like(obj.to_local()), obj.device_mesh, obj.placements,
+                                      shape=obj.shape, stride=obj.stride(), run_check=False)
+        host = obj.to("cpu")  # keeps the mesh and placements; the local shard moves to host memory
+        host._local_tensor = host._local_tensor.pin_memory()
+        return host
+    if isinstance(obj, torch.Tensor):
+        host = torch.empty_like(obj, device="cpu")
+        return host.pin_memory() if obj.is_cuda else host
+    if isinstance(obj, dict):
+        return {k: _host_buffers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_buffers(v) for v in obj)
+    return None  # plain values are copied at every save
+
+
+def _copy_into(src: Any, buf: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(src, torch.Tensor):
+        if isinstance(src, DTensor) != isinstance(buf, DTensor) or not isinstance(buf, torch.Tensor):
+            raise _Mismatch
+        local_src, local_buf = (src.to_local(), buf.to_local()) if isinstance(src, DTensor) else (src, buf)
+        if local_src.shape != local_buf.shape or local_src.dtype != local_buf.dtype or src.shape != buf.shape:
+            raise _Mismatch
+        local_buf.copy_(local_src, non_blocking=local_src.is_cuda)
+        return buf
+    if isinstance(src, dict):
+        if not isinstance(buf, dict) or buf.keys() != src.keys():
+            raise _Mismatch
+        return {k: _copy_into(v, buf[k]) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        if not isinstance(buf, (list, tuple)) or len(buf) != len(src):
+            raise _Mismatch
+        return type(src)(_copy_into(v, b) for v, b in zip(src, buf))
+    return copy.deepcopy(src)
+
+
+class _Handoff:
+    """An ``AsyncStager`` for ``dcp.async_save`` that hands over a state dict staged already.
+
+    With ``after``, the hand-over (and so the write) waits for that earlier write to finish.
+    """
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def __init__(self, staged: dict, after: Future | None) -> None:
+        self.staged = staged
+        self.after = after
+
+    def stage(self, state_dict: dict):
+        if self.after is None:
+            return self.staged
+        ready: Future = Future()
+        self.after.add_done_callback(lambda _: ready.set_result(self.staged))
+        return ready
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None) -> None:
-    state = get_optimizer_state_dict(model, optimizer)  # materialises empty moments to load into
-    _load(state, path, _reader(path, TORCH_SAVE), process_group, strict_keys=False)
+    fresh = not optimizer.state
+    # Moments to load into, allocated without an optimizer step (torch steps on zero gradients where it cannot).
+    created = fresh and parallel_io.init_optimizer_state(optimizer)
+    try:
+        state = get_optimizer_state_dict(model, optimizer)
+        _load(state, path, _reader(path, TORCH_SAVE), process_group, strict_keys=False)
+    except BaseException:
+        if created:  # never leave the uninitialised moments behind
+            optimizer.state.clear()
+        raise
     set_optimizer_state_dict(model, optimizer, state)
 
 

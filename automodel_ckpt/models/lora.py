@@ -1,0 +1,70 @@
+"""LoRA: wrap a causal LM with Hugging Face PEFT adapters so that only the adapter weights train."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from automodel_ckpt.errors import ConfigError
+
+if TYPE_CHECKING:  # keep check_peft_section importable without torch (the launcher validates recipes early)
+    from torch import nn
+
+METHODS = ("lora",)
+BIAS_MODES = ("none", "all", "lora_only")
+
+
+def lora_config(peft: Any):
+    """The ``peft.LoraConfig`` of a recipe's ``peft:`` section (a ``PeftConfig`` or any object with its fields)."""
+    from peft import LoraConfig, TaskType
+
+    check_peft_section(peft)
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=int(peft.rank),
+        lora_alpha=float(peft.alpha),
+        lora_dropout=float(peft.dropout),
+        target_modules=list(peft.target_modules),
+        bias=str(peft.bias),
+        use_rslora=bool(peft.use_rslora),
+        init_lora_weights=bool(peft.init_lora_weights),
+    )
+
+
+def check_peft_section(peft: Any) -> None:
+    """One-line ``ConfigError`` for values of the ``peft:`` section that PEFT would reject later or obscurely."""
+    if str(peft.method).lower() not in METHODS:
+        raise ConfigError(f"peft.method: expected one of {', '.join(METHODS)}, got '{peft.method}'")
+    if int(peft.rank) < 1:
+        raise ConfigError(f"peft.rank: expected a positive integer, got {peft.rank}")
+    if not 0.0 <= float(peft.dropout) < 1.0:
+        raise ConfigError(f"peft.dropout: expected a value in [0, 1), got {peft.dropout}")
+    if str(peft.bias) not in BIAS_MODES:
+        raise ConfigError(f"peft.bias: expected one of {', '.join(BIAS_MODES)}, got '{peft.bias}'")
+    if not list(peft.target_modules):
+        raise ConfigError("peft.target_modules: expected at least one module name (e.g. q_proj)")
+
+
+def apply_lora(model: nn.Module, peft: Any) -> nn.Module:
+    """``model`` wrapped by ``peft.get_peft_model``: base weights frozen, LoRA weights trainable.
+
+    Call it before FSDP sharding: ``fully_shard`` then shards frozen and trainable parameters of a decoder layer
+    together and reduces gradients of the trainable ones only. The adapter weights are initialised from the torch
+    RNG, which the recipe seeds identically on every rank.
+    """
+    from peft import get_peft_model
+
+    config = lora_config(peft)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in config.target_modules if m not in present]
+    if missing:
+        raise ConfigError(
+            f"peft.target_modules: no module named {', '.join(sorted(missing))} in the model "
+            f"(linear layers present: {', '.join(sorted(_linear_names(model)))})"
+        )
+    return get_peft_model(model, config)
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    from torch import nn
+
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}

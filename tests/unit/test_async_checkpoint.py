@@ -1,0 +1,273 @@
+"""Async saves in-process (docs/async.md): what is written, when it is published, how failures surface.
+
+A one-rank process group and a small model with AdamW state. A gate in front of the storage writer holds the
+background write for as long as a test needs, so "still being written" is a state the test controls (no sleeps).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.distributed.env import init_distributed
+from automodel_ckpt.errors import CheckpointError
+from tests.e2e.contents import comparable
+
+FORMATS = ("safetensors", "torch_save")
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
+class RankCounter(Counter):
+    checkpoint_scope = "rank"
+
+
+class State:
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 2))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.counter = Counter()
+        self.cursor = RankCounter()
+
+    def step(self) -> None:
+        self.model(torch.randn(3, 4)).sum().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.counter.n += 1
+        self.cursor.n += 10
+
+    def states(self):
+        return {"model": self.model, "optimizer": self.optimizer, "counter": self.counter, "cursor": self.cursor}
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        out = {f"p.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+        for i, st in enumerate(self.optimizer.state.values()):
+            out |= {f"o{i}.{k}": torch.as_tensor(v).clone() for k, v in st.items()}
+        return out
+
+
+@pytest.fixture(scope="module")
+def env():
+    return init_distributed()
+
+
+class Gate:
+    """Holds every background write until ``open()``; ``fail`` makes the writes raise instead."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.fail = False
+        self.entered = threading.Event()
+
+    def open(self) -> None:
+        self.event.set()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    g = Gate()
+    make = sharded._writer
+
+    def gated_writer(path, fmt):
+        writer = make(path, fmt)
+        write_data = writer.write_data
+
+        def gated(plan, planner):
+            g.entered.set()
+            assert g.event.wait(120), "test gate never opened"
+            if g.fail:
+                raise OSError(28, "No space left on device")
+            return write_data(plan, planner)
+
+        writer.write_data = gated
+        return writer
+
+    monkeypatch.setattr(sharded, "_writer", gated_writer)
+    return g
+
+
+def make_checkpointer(env, root: Path, *, is_async: bool, fmt: str = "safetensors") -> Checkpointer:
+    cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated="false",
+                           is_async=is_async)
+    return Checkpointer(cfg, env, resolved_config_yaml=f"checkpoint: {{is_async: {is_async}}}\n",
+                        say=lambda _msg: None)
+
+
+def info(step: int) -> SaveInfo:
+    return SaveInfo(epoch=0, step=step, train_loss=1.0, val_loss=None, is_final=False)
+
+
+def test_latest_moves_only_when_the_async_save_is_complete(env, tmp_path, gate):
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    assert ckpt.is_async
+    state = State()
+    state.step()
+    path = ckpt.save(state.states(), info(1))
+    assert path == root / "epoch_0_step_1"
+    assert gate.entered.wait(60)  # the background write has started and is held at the gate
+    assert ckpt.in_flight
+    assert read_pointer(root, layout.LATEST) is None
+    assert not path.exists() and (root / layout.staging_name(path.name)).is_dir()
+    gate.open()
+    for future, _ in ckpt._pending.writes:  # every file written...
+        future.result(timeout=120)
+    assert read_pointer(root, layout.LATEST) is None  # ...and still not published: that is finalize's job
+    assert not path.exists()
+    assert ckpt.finalize() == path
+    assert read_pointer(root, layout.LATEST) == path.name
+    assert manifest.verify(path).ok
+    assert not ckpt.in_flight
+
+
+def test_next_save_publishes_the_previous_one_first(env, tmp_path, gate):
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    state = State()
+    gate.open()
+    state.step()
+    first = ckpt.save(state.states(), info(1))
+    assert read_pointer(root, layout.LATEST) is None
+    state.step()
+    second = ckpt.save(state.states(), info(2))
+    assert read_pointer(root, layout.LATEST) == first.name and manifest.verify(first).ok  # one save in flight
+    assert not second.exists()
+    ckpt.finalize()
+    assert read_pointer(root, layout.LATEST) == second.name and manifest.verify(second).ok
+
+
+def test_async_copy_is_taken_before_save_returns(env, tmp_path, gate):
+    """Training goes on while the files are written: what is saved is the state at the call."""
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    state = State()
+    state.step()
+    at_save = state.snapshot()
+    ckpt.save(state.states(), info(1))
+    for _ in range(3):  # optimizer steps while the write is held at the gate
+        state.step()
+    assert any(not torch.equal(at_save[k], v) for k, v in state.snapshot().items())
+    gate.open()
+    path = ckpt.finalize()
+    restored = State(seed=7)
+    ckpt.load(restored.states(), path)
+    after = restored.snapshot()
+    assert after.keys() == at_save.keys()
+    assert all(torch.equal(at_save[k], after[k]) for k in at_save)
+    assert restored.counter.n == 1 and restored.cursor.n == 10
+
+
+def test_background_failure_raises_once_and_publishes_nothing(env, tmp_path, gate):
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    state = State()
+    state.step()
+    ckpt.save(state.states(), info(1))
+    gate.fail = True
+    gate.open()
+    with pytest.raises(CheckpointError, match="in the background failed on rank 0"):
+        ckpt.finalize()
+    assert read_pointer(root, layout.LATEST) is None
+    assert not (root / "epoch_0_step_1").exists()
+    assert not ckpt.in_flight
+    gate.fail = False  # the next save starts clean and removes the failed staging folder
+    state.step()
+    ckpt.save(state.states(), info(2))
+    assert ckpt.finalize() == root / "epoch_0_step_2"
+    assert not list(root.glob(".staging-*"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_async_checkpoint_equals_sync_checkpoint(env, tmp_path, fmt):
+    out = {}
+    for mode in (False, True):
+        ckpt = make_checkpointer(env, tmp_path / f"ck_{mode}", is_async=mode, fmt=fmt)
+        state = State()
+        for step in (1, 2):
+            state.step()
+            ckpt.save(state.states(), info(step))
+        ckpt.finalize()
+        out[mode] = [tmp_path / f"ck_{mode}" / f"epoch_0_step_{s}" for s in (1, 2)]
+    for sync_ckpt, async_ckpt in zip(out[False], out[True]):
+        assert sorted(manifest.read(sync_ckpt)["files"]) == sorted(manifest.read(async_ckpt)["files"])
+        assert comparable(sync_ckpt) == comparable(async_ckpt)
+
+
+def test_sync_mode_publishes_before_returning(env, tmp_path):
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=False)
+    state = State()
+    state.step()
+    path = ckpt.save(state.states(), info(1))
+    assert read_pointer(root, layout.LATEST) == path.name and not ckpt.in_flight
+    assert ckpt.finalize() is None
+
+
+def test_old_torch_falls_back_to_sync_with_one_warning(env, tmp_path, monkeypatch):
+    import automodel_ckpt.checkpoint.checkpointer as mod
+
+    monkeypatch.setattr(mod.torch, "__version__", "2.8.1+cpu")
+    with pytest.warns(UserWarning, match=r"is_async needs torch >= 2\.9 \(found 2\.8\.1\+cpu\); saving synchronously"):
+        ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
+    assert not ckpt.is_async
+
+
+def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tmp_path, gate):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel_ckpt.config.schema import PeftConfig
+    from automodel_ckpt.models.lora import apply_lora
+    from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
+
+    torch.manual_seed(0)
+    model = apply_lora(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA_CONFIG)), PeftConfig(init_lora_weights=False))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(input_ids=torch.randint(0, 40, (2, 8))).logits.sum().backward()
+    optimizer.step()
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    path = ckpt.save({"model": model, "optimizer": optimizer}, info(1))
+    staging = root / layout.staging_name(path.name)
+    assert (staging / "model" / layout.ADAPTER_WEIGHTS).is_file()  # written before save returned
+    assert gate.entered.wait(60) and [folder.name for _, folder in ckpt._pending.writes] == ["optim"]
+    assert not (staging / "optim" / ".metadata").exists()  # still held at the gate
+    gate.open()
+    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert (path / "optim" / ".metadata").is_file()
+
+
+def test_a_second_signal_stops_a_single_process(tmp_path):
+    """Without the launcher, the first signal asks for a save; a second one is the signal's default action."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal\n"
+        "from automodel_ckpt.training.save_triggers import PreemptionWatcher\n"
+        "w = PreemptionWatcher('SIGTERM', repeat_stops=True); w.install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM); print('requested', w.requested, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); print('still alive', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["requested True"]
+    assert proc.returncode == -signal.SIGTERM

@@ -1,0 +1,241 @@
+"""The parallel model/optimizer file writers and readers (formats/parallel_io.py): same files as torch's, exact
+round trips, torch's readers read ours and ours read torch's, partial reads, checksums noted while writing.
+
+In-process, through a one-rank process group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import (
+    FileSystemReader,
+    FileSystemWriter,
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
+
+from automodel_ckpt.checkpoint import manifest, storage
+from automodel_ckpt.checkpoint.formats import parallel_io, sharded
+from automodel_ckpt.distributed.env import init_distributed
+
+FORMATS = ("safetensors", "torch_save")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def env():
+    return init_distributed()
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Small writes and reads, so that even a small model is split across threads and chunks."""
+    monkeypatch.setattr(parallel_io, "CHUNK", 4096)
+    monkeypatch.setattr(parallel_io, "_SMALL", 1024)
+
+
+def model_and_optimizer(seed: int = 0, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(40, 300), nn.Linear(300, 7), nn.LayerNorm(7)).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 40, dtype=dtype)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def values(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in enumerate(optimizer.state.values()):
+        out |= {f"o{i}.{k}": torch.as_tensor(v).clone() for k, v in st.items()}
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _torch_io_unused(monkeypatch):
+    """Make torch's own write and read paths fail: the round trip must not fall back to them."""
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.state_dict as sd
+
+    def boom(*args, **kwargs):
+        raise AssertionError("torch's path was used")
+
+    monkeypatch.setattr(fs, "_write_files_from_queue", boom)
+    monkeypatch.setattr(fs.FileSystemReader, "read_data", boom)
+    monkeypatch.setattr(HuggingFaceStorageReader, "read_data", boom)
+    monkeypatch.setattr(sd, "_init_optim_state", lambda optim: None if optim.state else boom())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, dtype):
+    model, optimizer = model_and_optimizer(0, dtype)
+    _torch_io_unused(monkeypatch)
+    sharded.save_model(model, tmp_path / "model", fmt)
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    files = sorted(p.name for p in (tmp_path / "model").iterdir())
+    if fmt == "safetensors":
+        assert files == ["shard-00001-model-00001-of-00001.safetensors"]
+    else:
+        assert files == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in (tmp_path / "optim").iterdir()) == [".metadata", "__0_0.distcp"]
+
+    fresh_model, fresh_optimizer = model_and_optimizer(1, dtype)
+    fresh_optimizer.state.clear()  # a resume: the optimizer has no state yet
+    sharded.load_model(fresh_model, tmp_path / "model", fmt)
+    sharded.load_optimizer(fresh_model, fresh_optimizer, tmp_path / "optim")
+    assert same(values(fresh_model, fresh_optimizer), values(model, optimizer))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torch_reads_our_files_and_we_read_torchs(tmp_path, fmt):
+    model, _ = model_and_optimizer(0)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    sharded.save_model(model, tmp_path / "ours", fmt)  # ours -> torch's reader
+    state = {k: torch.zeros_like(v) for k, v in expected.items()}
+    reader = HuggingFaceStorageReader(str(tmp_path / "ours")) if fmt == "safetensors" else \
+        FileSystemReader(str(tmp_path / "ours"))
+    dcp.load(state, storage_reader=reader)
+    assert same(state, expected)
+
+    writer = HuggingFaceStorageWriter(str(tmp_path / "torch"), save_distributed=True) if fmt == "safetensors" \
+        else FileSystemWriter(str(tmp_path / "torch"))
+    dcp.save(expected, storage_writer=writer)  # torch's writer -> ours
+    fresh, _ = model_and_optimizer(1)
+    sharded.load_model(fresh, tmp_path / "torch", fmt)
+    assert same({k: v.detach() for k, v in fresh.state_dict().items()}, expected)
+
+
+def test_safetensors_shard_is_a_valid_safetensors_file(tmp_path):
+    from safetensors import safe_open
+
+    model, _ = model_and_optimizer(0, torch.bfloat16)
+    sharded.save_model(model, tmp_path / "m", "safetensors")
+    with safe_open(str(tmp_path / "m" / "shard-00001-model-00001-of-00001.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(model.state_dict())
+        assert f.metadata()["format"] == "pt" and "DCP_SHARDING_INFO" in f.metadata()
+        for k, v in model.state_dict().items():
+            assert torch.equal(f.get_tensor(k), v)
+
+
+def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
+    model, optimizer = model_and_optimizer(0)
+    sharded.save_model(model, tmp_path / "model", "safetensors")
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    algorithm = manifest.default_algorithm()
+    for f in ["model/shard-00001-model-00001-of-00001.safetensors", "optim/__0_0.distcp"]:
+        known = storage.written(tmp_path / f)
+        assert known is not None and known.synced and known.algorithm == algorithm
+        assert known.digest == manifest.hash_file(tmp_path / f, algorithm)[1]
+    assert storage.written(tmp_path / "optim" / ".metadata").synced
+
+    hashed = []
+    real = manifest.hash_file
+    monkeypatch.setattr(manifest, "hash_file", lambda p, a: hashed.append(Path(p).name) or real(p, a))
+    manifest.seal(tmp_path, 0, 1)
+    assert sorted(hashed) == [".metadata"]  # the two data files were not read back
+    assert manifest.verify(tmp_path).ok
+
+    (tmp_path / "optim" / "__0_0.distcp").write_bytes(b"changed")  # a changed file is never trusted
+    assert storage.written(tmp_path / "optim" / "__0_0.distcp") is None
+
+
+def test_fsync_tree_skips_files_synced_by_their_writer(tmp_path, monkeypatch):
+    model, _ = model_and_optimizer(0)
+    sharded.save_model(model, tmp_path / "model", "torch_save")
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    synced = []
+    monkeypatch.setattr(storage, "fsync_file", lambda p: synced.append(Path(p).name))
+    storage.fsync_tree(tmp_path)
+    assert synced == ["config.yaml"]
+
+
+def test_partial_reads_of_every_shape(tmp_path):
+    """A resharded load asks for pieces of saved tensors: contiguous runs are read in place, the rest copied."""
+    torch.manual_seed(0)
+    saved = torch.randn(6, 5, 4)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"x" * 24 + saved.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        located = parallel_io._Located(24, tuple(saved.shape), saved.dtype)
+        direct = 0
+        for o0, l0, o1, l1, o2, l2 in itertools.product((0, 2), (1, 4), (0, 1), (1, 5), (0, 3), (1, 4)):
+            if o0 + l0 > 6 or o1 + l1 > 5 or o2 + l2 > 4:
+                continue
+            want = saved[o0:o0 + l0, o1:o1 + l1, o2:o2 + l2]
+            target = torch.full(want.shape, float("nan"))
+            job = parallel_io._ReadJob(fd, located, (o0, o1, o2), (l0, l1, l2), target)
+            parallel_io._run_reads([job], threads=3)
+            assert torch.equal(target, want), (o0, l0, o1, l1, o2, l2)
+            direct += job.direct
+        assert direct > 0
+        as_bf16 = torch.empty(2, 5, 4, dtype=torch.bfloat16)  # another dtype: converted like copy_
+        parallel_io._run_reads([parallel_io._ReadJob(fd, located, (1, 0, 0), (2, 5, 4), as_bf16)], threads=2)
+        assert torch.equal(as_bf16, saved[1:3].to(torch.bfloat16))
+    finally:
+        os.close(fd)
+
+
+def test_contiguous_range():
+    assert parallel_io._contiguous_range((6, 5), (2, 0), (3, 5)) == (10, 15)
+    assert parallel_io._contiguous_range((6, 5), (2, 1), (1, 3)) == (11, 3)
+    assert parallel_io._contiguous_range((6, 5), (2, 1), (2, 3)) is None
+    assert parallel_io._contiguous_range((), (), ()) == (0, 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(7, 3).t(),  # not contiguous
+    lambda: torch.randn(10)[2:5],  # a view into a larger storage
+    lambda: torch.tensor(3.5),  # 0-d
+    lambda: torch.empty(0, 4),  # empty
+    lambda: torch.arange(12, dtype=torch.int64).view(3, 4),
+    lambda: torch.randn(5, 5).to(torch.bfloat16),
+])
+def test_torch_save_records_load_with_torch_load(tmp_path, make):
+    tensor = make()
+    pieces = parallel_io._torch_save_pieces(tensor)
+    assert pieces is not None
+    parallel_io.write_file(tmp_path / "r.pt", pieces, threads=2)
+    loaded = torch.load(tmp_path / "r.pt", weights_only=True)
+    assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
+    fd = os.open(tmp_path / "r.pt", os.O_RDONLY)
+    try:
+        located = parallel_io._locate_record(fd, 0, os.path.getsize(tmp_path / "r.pt"))
+    finally:
+        os.close(fd)
+    assert located is not None and located.shape == tuple(tensor.shape) and located.dtype == tensor.dtype
+
+
+def test_optimizer_state_is_created_without_a_step():
+    model, _ = model_and_optimizer(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    adamw = torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.5)
+    assert parallel_io.init_optimizer_state(adamw)
+    assert all(set(adamw.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert same({k: v.detach() for k, v in model.state_dict().items()}, before)  # parameters untouched
+
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # creates no state before a step
+    assert not parallel_io.init_optimizer_state(sgd)
+    assert not sgd.state and all(p.grad is None for p in model.parameters())
+
+
+def test_failed_optimizer_load_leaves_no_uninitialised_state(tmp_path):
+    model, optimizer = model_and_optimizer(0)
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    other = nn.Sequential(nn.Linear(40, 300), nn.Linear(300, 8), nn.LayerNorm(8))  # another shape
+    fresh = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    with pytest.raises(Exception):
+        sharded.load_optimizer(other, fresh, tmp_path / "optim")
+    assert not fresh.state

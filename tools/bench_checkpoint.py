@@ -1,0 +1,577 @@
+#!/usr/bin/env python3
+"""Benchmark checkpoint save, load and HF export against raw I/O and the usual alternatives, in one run.
+
+A Llama model (fp32) plus its AdamW state (two moments), about ``--size-gb`` in all, is saved and loaded by:
+
+save
+* ``raw write``            the same number of bytes written sequentially from memory, fsync at the end
+                           (``--nproc`` writers, one file each: what the storage itself can do)
+* ``torch.save``           the full (unsharded) model + optimizer state dict in one file, as shipped (no fsync)
+* ``torch.save + fsync``   the same, with an fsync of the file: as durable as a checkpoint
+* ``dcp.save``             plain ``torch.distributed.checkpoint.save`` of the sharded state, ``FileSystemWriter``
+                           defaults (one thread, fsync per file)
+* ``ours (safetensors)``   ``Checkpointer.save``: the trainer's real path, model as per-rank safetensors shards,
+* ``ours (torch_save)``    or as DCP files; both including fsync, manifest (checksums) and publish
+
+load (the page cache is dropped before every run when permitted: reads come from storage)
+* ``raw read``             the same bytes read sequentially into one buffer (``--nproc`` readers)
+* ``torch.load``           ``torch.load`` of the torch.save file + ``load_state_dict`` into model and optimizer
+* ``dcp.load``             plain ``dcp.load`` (``FileSystemReader``) + ``set_{model,optimizer}_state_dict``
+* ``ours (...)``           ``Checkpointer.load`` (resume: model, optimizer, scheduler, RNG; manifest size check)
+
+HF export of the safetensors checkpoint's model shards into one ``model.safetensors``
+* ``ours``                 ``automodel_ckpt.checkpoint.consolidate.consolidate`` (fsyncs its output)
+* ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
+
+Every run is a fresh process (``torch.distributed.run`` with ``--nproc 2``: gloo, FSDP2 ``fully_shard`` as in the
+trainer); repetitions are interleaved, rotating the order. Prints a markdown table (median, min, max, GB/s,
+ratio to raw, memory the operation adds on rank 0) and writes JSON (``--json``). ``--only async`` (default with
+``--device cuda``) also times ``checkpoint.is_async`` saves: how long training is blocked, and until published.
+
+    python tools/bench_checkpoint.py --dir /path/on/your/storage --size-gb 1 --nproc 1 --reps 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HIDDEN, INTER, VOCAB, HEADS = 1024, 2816, 4096, 16
+BLOCK = 64 << 20  # raw I/O block
+
+SAVE = ("raw_write", "torch_save", "dcp_save", "ours_save_safetensors", "ours_save_torch_save")
+LOAD = ("raw_read", "torch_load", "dcp_load", "ours_load_safetensors", "ours_load_torch_save")
+EXPORT = ("ours_consolidate", "torch_consolidate")
+ASYNC = ("ours_async_save_safetensors", "ours_async_save_torch_save")
+LABELS = {
+    "raw_write": "raw write + fsync",
+    "torch_save": "torch.save",
+    "torch_save+fsync": "torch.save + fsync",
+    "dcp_save": "dcp.save (FileSystemWriter defaults)",
+    "ours_save_safetensors": "**ours, safetensors**",
+    "ours_save_torch_save": "**ours, torch_save**",
+    "raw_read": "raw read",
+    "torch_load": "torch.load + load_state_dict",
+    "dcp_load": "dcp.load + set_state_dict",
+    "ours_load_safetensors": "**ours, safetensors**",
+    "ours_load_torch_save": "**ours, torch_save**",
+    "ours_consolidate": "**ours** (fsync)",
+    "torch_consolidate": "torch's consolidate_safetensors_files",
+    "torch_consolidate+fsync": "torch's + fsync",
+    "ours_async_save_safetensors": "ours async, safetensors: training blocked",
+    "ours_async_save_safetensors+total": "ours async, safetensors: until published",
+    "ours_async_save_torch_save": "ours async, torch_save: training blocked",
+    "ours_async_save_torch_save+total": "ours async, torch_save: until published",
+}
+
+
+# ---------------------------------------------------------------------------------------------- the state
+def layers_for(size_gb: float) -> int:
+    """Decoder layers so that fp32 params + two AdamW moments are about ``size_gb``."""
+    per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN
+    fixed = 2 * VOCAB * HIDDEN + HIDDEN
+    return max(1, round((size_gb * 1e9 / 12 - fixed) / per_layer))
+
+
+def llama_config(layers: int):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def payload_bytes(layers: int) -> tuple[int, int]:
+    """(model bytes, model + optimizer bytes) of the fp32 state: params, two moments, one 4-byte step each."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(layers))
+    params = list(model.parameters())
+    model_bytes = sum(p.numel() * 4 for p in params)
+    return model_bytes, 3 * model_bytes + 4 * len(params)
+
+
+class Progress:
+    """A small global object (written once, by rank 0)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def dist_env(device: str):
+    """Join the group (one rank without a launcher), as the trainer does; returns our ``DistEnv``."""
+    import torch
+    import torch.distributed as dist
+
+    from automodel_ckpt.distributed.env import DistEnv, init_distributed
+
+    env = init_distributed("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
+    dev = torch.device("cuda", env.local_rank) if device == "cuda" else torch.device("cpu")
+    return DistEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, dev, env.backend)
+
+
+def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = True) -> dict:
+    """Model (FSDP2-sharded like the trainer's) + AdamW (moments materialised) + the small objects."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from automodel_ckpt.training.rng import RNGState
+
+    torch.manual_seed(0)
+    with torch.device("meta"):  # random values without the (slow, untimed) default initialisation
+        model = LlamaForCausalLM(llama_config(layers)).float()
+    model.to_empty(device=env.device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.05, 0.05)
+    if sharded:
+        from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
+
+        shard_model(model, data_parallel_mesh(env.device, env.world_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=100)
+    if with_moments:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler, "progress": Progress(),
+            "rng": RNGState()}
+
+
+def checkpointer(env, root: Path, fmt: str, is_async: bool = False):
+    from automodel_ckpt.checkpoint.checkpointer import Checkpointer
+    from automodel_ckpt.checkpoint.config import CheckpointConfig
+
+    cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated="false",
+                           is_async=is_async)
+    return Checkpointer(cfg, env, resolved_config_yaml="# bench_checkpoint\n", say=lambda _m: None)
+
+
+# ---------------------------------------------------------------------------------------------- raw I/O
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parallel(fn, n: int) -> None:
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def raw_write(folder: Path, nbytes: int, writers: int) -> None:
+    block = memoryview(os.urandom(BLOCK))
+    folder.mkdir(parents=True, exist_ok=True)
+    share = -(-nbytes // writers)
+
+    def one(i: int) -> None:
+        left = max(0, min(share, nbytes - i * share))
+        fd = os.open(folder / f"raw_{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while left:
+                left -= os.write(fd, block[: min(left, BLOCK)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    _parallel(one, writers)
+
+
+def raw_read(folder: Path, readers: int) -> int:
+    files = sorted(folder.glob("raw_*.bin"))
+    total = [0] * len(files)
+
+    def one(i: int) -> None:
+        buf = bytearray(BLOCK)
+        with open(files[i], "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total[i] += n
+
+    _parallel(one, len(files))
+    return sum(total)
+
+
+# ---------------------------------------------------------------------------------------------- children
+class _RSSSampler(threading.Thread):
+    """Samples this process's resident memory every few milliseconds during the timed operation."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.stop_event = threading.Event()
+        self.base = self.peak = _rss()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def extra_mb(self) -> float:
+        self.stop_event.set()
+        self.join()
+        return (max(self.peak, _rss()) - self.base) / 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_SAMPLER: list[_RSSSampler] = []
+
+
+def _start_timing() -> float:
+    """Start the memory sampler; the start time of the timed operation."""
+    if not _SAMPLER and os.path.exists("/proc/self/statm"):
+        _SAMPLER.append(_RSSSampler())
+        _SAMPLER[0].start()
+    return time.perf_counter()
+
+
+def _report(result: dict) -> None:
+    """Print the run's result (with the memory the operation added: peak during it minus before it)."""
+    result["extra_rss_mb"] = _SAMPLER[0].extra_mb() if _SAMPLER else None
+    print(json.dumps(result), flush=True)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One timed run in this (fresh) process; rank 0 prints ``{"seconds": ...}`` as its last line."""
+    import torch
+
+    method, work, layers = args.child, args.dir, args.layers
+    src, out = work / "src", work / "out"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.nproc)))
+    result: dict = {}
+
+    if method == "raw_write":
+        t0 = _start_timing()
+        raw_write(out, args.nbytes, args.nproc)
+        result["seconds"] = time.perf_counter() - t0
+    elif method == "raw_read":
+        t0 = _start_timing()
+        result["bytes_read"] = raw_read(src / "raw", args.nproc)
+        result["seconds"] = time.perf_counter() - t0
+    elif method in ("torch_save", "torch_load"):
+        from automodel_ckpt.distributed.env import DistEnv
+
+        env = DistEnv(0, 1, 0, torch.device(args.device if args.device == "cpu" else "cuda:0"), "none")
+        states = build_state(layers, env, sharded=False, with_moments=method == "torch_save")
+        model, optimizer = states["model"], states["optimizer"]
+        if method == "torch_save":
+            out.mkdir(parents=True)
+            file = out / "state.pt"
+            t0 = _start_timing()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, file)
+            t1 = time.perf_counter()
+            _fsync_file(file)
+            result |= {"seconds": t1 - t0, "seconds_fsync": time.perf_counter() - t0}
+        else:
+            t0 = _start_timing()
+            loaded = torch.load(src / "torch_save" / "state.pt", map_location=env.device, weights_only=True)
+            model.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
+            result["seconds"] = time.perf_counter() - t0
+    else:
+        import torch.distributed as dist
+
+        env = dist_env(args.device)
+        states = build_state(layers, env, with_moments="save" in method)
+        model, optimizer = states["model"], states["optimizer"]
+        dist.barrier()
+        if method == "dcp_save":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            t0 = _start_timing()
+            dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+                     storage_writer=FileSystemWriter(str(out)))
+            dist.barrier()
+            result["seconds"] = time.perf_counter() - t0
+        elif method == "dcp_load":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import FileSystemReader
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                get_optimizer_state_dict,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            t0 = _start_timing()
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, storage_reader=FileSystemReader(str(src / "dcp_save")))
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            dist.barrier()
+            result["seconds"] = time.perf_counter() - t0
+        elif method.startswith("ours_save_"):
+            from automodel_ckpt.checkpoint.checkpointer import SaveInfo
+
+            fmt = method[len("ours_save_"):]
+            ckpt = checkpointer(env, out, fmt)
+            info = SaveInfo(epoch=0, step=1, train_loss=1.0, val_loss=1.0, is_final=False)
+            dist.barrier()
+            t0 = _start_timing()
+            ckpt.save(states, info)
+            result["seconds"] = time.perf_counter() - t0
+        elif method.startswith("ours_async_save_"):
+            from automodel_ckpt.checkpoint.checkpointer import SaveInfo
+
+            fmt = method[len("ours_async_save_"):]
+            ckpt = checkpointer(env, out, fmt, is_async=True)
+            ckpt.save(states, SaveInfo(epoch=0, step=1, train_loss=1.0, val_loss=1.0, is_final=False))
+            ckpt.wait()  # the first save allocates the staging buffers; the measured one reuses them
+            dist.barrier()
+            t0 = _start_timing()
+            ckpt.save(states, SaveInfo(epoch=0, step=2, train_loss=1.0, val_loss=1.0, is_final=False))
+            blocked = time.perf_counter() - t0
+            ckpt.finalize()
+            dist.barrier()
+            result |= {"seconds": blocked, "seconds_total": time.perf_counter() - t0}
+        elif method.startswith("ours_load_"):
+            fmt = method[len("ours_load_"):]
+            root = src / f"ours_save_{fmt}"
+            ckpt = checkpointer(env, root, fmt)
+            t0 = _start_timing()
+            ckpt.load(states, root / "epoch_0_step_1")
+            dist.barrier()
+            result["seconds"] = time.perf_counter() - t0
+        else:
+            raise SystemExit(f"unknown method {method}")
+        if env.rank != 0:
+            return
+
+    _report(result)
+
+
+def export_child(args: argparse.Namespace) -> None:
+    src = args.dir / "src" / "ours_save_safetensors" / "epoch_0_step_1" / "model"
+    out = args.dir / "out"
+    if args.child == "ours_consolidate":
+        from automodel_ckpt.checkpoint.consolidate import consolidate
+
+        t0 = _start_timing()
+        consolidate(src, out, progress=False)
+        _report({"seconds": time.perf_counter() - t0})
+        return
+    from safetensors import safe_open
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    names: set[str] = set()
+    for f in sorted(src.glob("shard-*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    t0 = _start_timing()
+    out.mkdir(parents=True)
+    consolidate_safetensors_files(str(src), str(out), dict.fromkeys(sorted(names), 1), 5)
+    t1 = time.perf_counter()
+    for f in sorted(out.iterdir()):
+        _fsync_file(f)
+    _report({"seconds": t1 - t0, "seconds_fsync": time.perf_counter() - t0})
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache (root only); False when not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(method: str, args: argparse.Namespace, layers: int, nbytes: int) -> dict:
+    """Run one timed child (under ``torch.distributed.run`` when it is distributed)."""
+    script = [__file__, "--child", method, "--dir", str(args.dir), "--layers", str(layers), "--nbytes", str(nbytes),
+              "--ranks", str(args.nproc), "--device", args.device]
+    distributed = method.startswith(("dcp_", "ours_save", "ours_load", "ours_async"))
+    if distributed and args.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               *script]
+    else:
+        cmd = [sys.executable, *script]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc)),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode:
+            raise SystemExit(f"{method} failed:\n{err.read()[-4000:]}")
+        lines = [ln for ln in out.read().splitlines() if ln.startswith("{")]
+        return json.loads(lines[-1])
+
+
+def fresh(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def stats(secs: list[float], nbytes: int) -> dict:
+    med = statistics.median(secs)
+    return {"median_s": med, "min_s": min(secs), "max_s": max(secs), "gb_per_s": nbytes / 1e9 / med, "runs_s": secs}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_checkpoint",
+                   help="where to write (on the storage to measure); emptied first")
+    p.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state, 0.25-4")
+    p.add_argument("--nproc", type=int, choices=(1, 2), default=1, help="ranks (2: torch.distributed.run, gloo)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--only", choices=("save", "load", "export", "async"), nargs="+", default=None,
+                   help="groups to run (default: save load export, and async with --device cuda)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, help=argparse.SUPPRESS)  # --nproc of a child (torchrun owns --nproc*)
+    args = p.parse_args()
+    if args.child:
+        args.nproc = args.ranks or 1
+        (export_child if args.child in EXPORT else child)(args)
+        return
+    if not 0.25 <= args.size_gb <= 4:
+        p.error("--size-gb: between 0.25 and 4")
+    args.dir = args.dir.resolve()
+
+    layers = layers_for(args.size_gb)
+    model_bytes, nbytes = payload_bytes(layers)
+    fresh(args.dir)
+    (args.dir / "src").mkdir(parents=True)
+    out = args.dir / "out"
+    print(f"{nbytes / 1e9:.2f} GB of state ({model_bytes / 1e9:.2f} GB model, {layers} layers), "
+          f"{args.nproc} rank(s), {args.reps} reps, in {args.dir}", flush=True)
+
+    if args.only is None:
+        args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else [])
+    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC}
+    methods = [m for g in args.only for m in groups[g]]
+    needed = {m.replace("load", "save").replace("raw_read", "raw_write") for m in methods if m in LOAD}
+    if "export" in args.only:
+        needed.add("ours_save_safetensors")
+    for method in sorted(needed):  # sources for the reads, written once
+        fresh(out)
+        run_child(method, args, layers, nbytes)
+        target = "raw" if method == "raw_write" else method
+        out.rename(args.dir / "src" / target)
+
+    dropped = True
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for rep in range(args.reps):
+        order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+        for method in order:
+            fresh(out)
+            if method in LOAD:
+                dropped = drop_caches() and dropped
+            else:
+                os.sync()
+            r = run_child(method, args, layers, nbytes)
+            runs[method].append(r)
+            print(f"  rep {rep + 1} {method}: {r['seconds']:.3f} s", flush=True)
+        fresh(out)
+
+    result: dict = {
+        "size_gb": nbytes / 1e9, "payload_bytes": nbytes, "model_bytes": model_bytes, "layers": layers,
+        "nproc": args.nproc, "reps": args.reps, "device": args.device, "page_cache_dropped": dropped,
+        "cpu_count": os.cpu_count(), "torch": _torch_version(), "methods": {},
+    }
+    for method, rs in runs.items():
+        size = model_bytes if method in EXPORT else nbytes
+        result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
+        for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total")):
+            if extra in rs[0]:
+                result["methods"][method + suffix] = stats([r[extra] for r in rs], size) | {
+                    "extra_rss_mb": _max_rss(rs)}
+    print_table(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    fresh(args.dir)
+
+
+def _max_rss(runs: list[dict]) -> float | None:
+    values = [r["extra_rss_mb"] for r in runs if r.get("extra_rss_mb") is not None]
+    return max(values) if values else None
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def print_table(res: dict) -> None:
+    m = res["methods"]
+    reads = "reads from storage (page cache dropped)" if res["page_cache_dropped"] else "reads from the page cache"
+    print(f"\n{res['size_gb']:.2f} GB of model + AdamW state, {res['nproc']} rank(s), {res['device']}, "
+          f"{res['reps']} interleaved reps; {reads}\n")
+    print("| operation | method | median s | min s | max s | GB/s | ratio to raw | vs peer | memory added MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    sections = [("save", ["raw_write", "torch_save", "torch_save+fsync", "dcp_save", "ours_save_safetensors",
+                          "ours_save_torch_save"], "raw_write", "dcp_save"),
+                ("load", ["raw_read", "torch_load", "dcp_load", "ours_load_safetensors", "ours_load_torch_save"],
+                 "raw_read", "dcp_load"),
+                ("HF export", ["torch_consolidate", "torch_consolidate+fsync", "ours_consolidate"], None,
+                 "torch_consolidate+fsync"),
+                ("async save", ["ours_async_save_safetensors", "ours_async_save_safetensors+total",
+                                "ours_async_save_torch_save", "ours_async_save_torch_save+total"], "raw_write", None)]
+    for op, names, raw, peer in sections:
+        for name in names:
+            if name not in m:
+                continue
+            r = m[name]
+            ratio = f"{m[raw]['median_s'] / r['median_s']:.2f}×" if raw in m else "–"
+            vs = f"{m[peer]['median_s'] / r['median_s']:.2f}×" if peer in m else "–"
+            print(f"| {op} | {LABELS[name]} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
+                  f"| {r['gb_per_s']:.2f} | {ratio} | {vs} | {_mb(r['extra_rss_mb'])} |")
+    print("\nratio to raw: raw's median time / this method's (1.00× = as fast as the storage; higher is faster); "
+          "vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; memory added: peak "
+          "resident memory during the operation minus before it (rank 0, largest run).")
+
+
+def _mb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+if __name__ == "__main__":
+    main()
