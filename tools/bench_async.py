@@ -108,7 +108,6 @@ class BenchRecipe(FinetuneRecipe):
             last = pending.writes[-1][0]
             last.add_done_callback(lambda _f, r=record: r.__setitem__("background", time.perf_counter() - returned))
         self._timings["saves"].append(record)
-        self._save_returned = returned
         return path
 
     def finalize_checkpoints(self):
