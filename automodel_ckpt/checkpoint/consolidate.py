@@ -65,8 +65,9 @@ def parse_cast_dtype(value: str | None) -> torch.dtype | None:
 def resolve_model_dir(path: Path) -> Path:
     """Accept a checkpoint folder (``epoch_0_step_4``) or its ``model/`` folder; return the one holding shards."""
     path = Path(path)
-    if detect_format(path) is None and detect_format(layout.model_dir(path)) is not None:
-        return layout.model_dir(path)
+    inner = layout.model_dir(path)
+    if detect_format(path) is None and (detect_format(inner) is not None or (inner / layout.ADAPTER_CONFIG).exists()):
+        return inner
     return path
 
 

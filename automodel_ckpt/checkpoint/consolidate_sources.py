@@ -94,6 +94,10 @@ def detect_format(folder: Path) -> str | None:
 
 def require_format(folder: Path) -> str:
     """The format of ``folder``'s shards; a CheckpointError when it is absent or holds none."""
+    if (folder / layout.ADAPTER_CONFIG).exists():
+        raise CheckpointError(
+            f"{folder} holds a PEFT adapter, not model shards; use `ckpt-train merge-lora` for a full HF model"
+        )
     fmt = detect_format(folder)
     if fmt is None:
         if not folder.exists():

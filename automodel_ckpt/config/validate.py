@@ -49,6 +49,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     cfg.checkpoint.save_consolidated = ckpt.save_consolidated
     cfg.checkpoint.preemption_signal = ckpt.preemption_signal
     check_importable(cfg.recipe, "recipe")
+    if cfg.get("peft") is not None:
+        from automodel_ckpt.models.lora import check_peft_section
+
+        check_peft_section(cfg.peft)
 
 
 def check_importable(path: str, key: str) -> None:

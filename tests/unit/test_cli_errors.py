@@ -85,3 +85,18 @@ def test_debug_shows_traceback(capsys, monkeypatch):
     monkeypatch.setenv("AUTOMODEL_CKPT_DEBUG", "0")  # restored after the test: --debug sets it for the workers
     main([RECIPE, "--debug", "--step_scheduler.max_stepz", "3"])
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_bad_peft_value_fails_before_launch(capsys):
+    msg = _error(capsys, ["--nproc-per-node", "2", str(REPO / "recipes" / "tiny_llama_peft.yaml"), "--peft.rank", "0"])
+    assert "peft.rank" in msg
+
+
+def test_consolidate_refuses_an_adapter_checkpoint(capsys, tmp_path):
+    model = tmp_path / "epoch_0_step_4" / "model"
+    model.mkdir(parents=True)
+    (model / "adapter_config.json").write_text("{}")
+    assert main(["consolidate", str(model.parent)]) != 0
+    err = capsys.readouterr().err
+    assert "PEFT adapter" in err and "merge-lora" in err
+    assert not (model / "consolidated").exists()
