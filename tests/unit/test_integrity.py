@@ -316,10 +316,10 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     if where == "dcp_write":
         import torch.distributed.checkpoint.filesystem as fs
 
-        from automodel_ckpt.checkpoint.formats import parallel_io
+        from automodel_ckpt.checkpoint.formats.fastio import filewrite
 
         monkeypatch.setattr(fs, "_write_item", _enospc)  # torch's writers
-        monkeypatch.setattr(parallel_io, "_pwrite_all", _enospc)  # ours (the model and optimizer files)
+        monkeypatch.setattr(filewrite, "_pwrite_all", _enospc)  # ours (the model and optimizer files)
     elif where == "rank_file":
         import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
 

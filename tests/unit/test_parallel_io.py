@@ -1,4 +1,4 @@
-"""The parallel model/optimizer file writers and readers (formats/parallel_io.py): same files as torch's, exact
+"""The parallel model/optimizer file writers and readers (formats/fastio): same files as torch's, exact
 round trips, torch's readers read ours and ours read torch's, partial reads, checksums noted while writing.
 
 In-process, through a one-rank process group.
@@ -22,7 +22,8 @@ from torch.distributed.checkpoint import (
 )
 
 from automodel_ckpt.checkpoint import manifest, storage
-from automodel_ckpt.checkpoint.formats import parallel_io, sharded
+from automodel_ckpt.checkpoint.formats import fastio, sharded
+from automodel_ckpt.checkpoint.formats.fastio import common, filewrite, readers, records
 from automodel_ckpt.distributed.env import init_distributed
 
 FORMATS = ("safetensors", "torch_save")
@@ -36,8 +37,8 @@ def env():
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Small writes and reads, so that even a small model is split across threads and chunks."""
-    monkeypatch.setattr(parallel_io, "CHUNK", 4096)
-    monkeypatch.setattr(parallel_io, "_SMALL", 1024)
+    monkeypatch.setattr(common, "CHUNK", 4096)
+    monkeypatch.setattr(common, "SMALL", 1024)
 
 
 def model_and_optimizer(seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -166,32 +167,39 @@ def test_partial_reads_of_every_shape(tmp_path):
     saved = torch.randn(6, 5, 4)
     path = tmp_path / "t.bin"
     path.write_bytes(b"x" * 24 + saved.numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        located = parallel_io._Located(24, tuple(saved.shape), saved.dtype)
-        direct = 0
-        for o0, l0, o1, l1, o2, l2 in itertools.product((0, 2), (1, 4), (0, 1), (1, 5), (0, 3), (1, 4)):
-            if o0 + l0 > 6 or o1 + l1 > 5 or o2 + l2 > 4:
-                continue
-            want = saved[o0:o0 + l0, o1:o1 + l1, o2:o2 + l2]
-            target = torch.full(want.shape, float("nan"))
-            job = parallel_io._ReadJob(fd, located, (o0, o1, o2), (l0, l1, l2), target)
-            parallel_io._run_reads([job], threads=3)
-            assert torch.equal(target, want), (o0, l0, o1, l1, o2, l2)
-            direct += job.direct
-        assert direct > 0
-        as_bf16 = torch.empty(2, 5, 4, dtype=torch.bfloat16)  # another dtype: converted like copy_
-        parallel_io._run_reads([parallel_io._ReadJob(fd, located, (1, 0, 0), (2, 5, 4), as_bf16)], threads=2)
-        assert torch.equal(as_bf16, saved[1:3].to(torch.bfloat16))
-    finally:
-        os.close(fd)
+    located = common.Located(24, tuple(saved.shape), saved.dtype)
+    jobs, wants = [], []
+    for o0, l0, o1, l1, o2, l2 in itertools.product((0, 2), (1, 4), (0, 1), (1, 5), (0, 3), (1, 4)):
+        if o0 + l0 > 6 or o1 + l1 > 5 or o2 + l2 > 4:
+            continue
+        want = saved[o0:o0 + l0, o1:o1 + l1, o2:o2 + l2]
+        jobs.append(readers.ReadJob(str(path), located, (o0, o1, o2), (l0, l1, l2),
+                                         torch.full(want.shape, float("nan"))))
+        wants.append(want)
+    as_bf16 = torch.empty(2, 5, 4, dtype=torch.bfloat16)  # another dtype: converted like copy_
+    jobs.append(readers.ReadJob(str(path), located, (1, 0, 0), (2, 5, 4), as_bf16))
+    wants.append(saved[1:3].to(torch.bfloat16))
+    readers.run_reads(jobs, threads=3)  # all at once, split across threads
+    for job, want in zip(jobs, wants):
+        assert torch.equal(job.target, want), (job.offsets, job.lengths)
+    assert 0 < sum(job.direct for job in jobs) < len(jobs)
+
+
+def test_unrecognised_records_are_loaded_by_torch_load(tmp_path, monkeypatch):
+    model, optimizer = model_and_optimizer(0)
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    monkeypatch.setattr(readers, "locate_record", lambda *a: None)
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    fresh_optimizer.state.clear()
+    sharded.load_optimizer(fresh, fresh_optimizer, tmp_path / "optim")
+    assert same(values(model, fresh_optimizer), values(model, optimizer))
 
 
 def test_contiguous_range():
-    assert parallel_io._contiguous_range((6, 5), (2, 0), (3, 5)) == (10, 15)
-    assert parallel_io._contiguous_range((6, 5), (2, 1), (1, 3)) == (11, 3)
-    assert parallel_io._contiguous_range((6, 5), (2, 1), (2, 3)) is None
-    assert parallel_io._contiguous_range((), (), ()) == (0, 1)
+    assert readers.contiguous_range((6, 5), (2, 0), (3, 5)) == (10, 15)
+    assert readers.contiguous_range((6, 5), (2, 1), (1, 3)) == (11, 3)
+    assert readers.contiguous_range((6, 5), (2, 1), (2, 3)) is None
+    assert readers.contiguous_range((), (), ()) == (0, 1)
 
 
 @pytest.mark.parametrize("make", [
@@ -204,14 +212,14 @@ def test_contiguous_range():
 ])
 def test_torch_save_records_load_with_torch_load(tmp_path, make):
     tensor = make()
-    pieces = parallel_io._torch_save_pieces(tensor)
+    pieces = records.torch_save_pieces(tensor)
     assert pieces is not None
-    parallel_io.write_file(tmp_path / "r.pt", pieces, threads=2)
+    filewrite.write_file(tmp_path / "r.pt", pieces, threads=2)
     loaded = torch.load(tmp_path / "r.pt", weights_only=True)
     assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
     fd = os.open(tmp_path / "r.pt", os.O_RDONLY)
     try:
-        located = parallel_io._locate_record(fd, 0, os.path.getsize(tmp_path / "r.pt"))
+        located = records.locate_record(fd, 0, os.path.getsize(tmp_path / "r.pt"))
     finally:
         os.close(fd)
     assert located is not None and located.shape == tuple(tensor.shape) and located.dtype == tensor.dtype
@@ -221,13 +229,13 @@ def test_optimizer_state_is_created_without_a_step():
     model, _ = model_and_optimizer(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     adamw = torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.5)
-    assert parallel_io.init_optimizer_state(adamw)
+    assert fastio.init_optimizer_state(adamw)
     assert all(set(adamw.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
     assert same({k: v.detach() for k, v in model.state_dict().items()}, before)  # parameters untouched
 
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # creates no state before a step
-    assert not parallel_io.init_optimizer_state(sgd)
+    assert not fastio.init_optimizer_state(sgd)
     assert not sgd.state and all(p.grad is None for p in model.parameters())
 
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from automodel_ckpt.checkpoint.formats import parallel_io
+from automodel_ckpt.checkpoint.formats import fastio
 from automodel_ckpt.checkpoint.safe_load import (
     SafeLoadPlanner,
     check_fits,
@@ -32,21 +32,21 @@ TORCH_SAVE = "torch_save"
 
 
 def _writer(path: Path, fmt: str):
-    """torch's writers' file formats, written in parallel from the tensors' memory (see ``parallel_io``).
+    """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
 
     safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
     (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
     ``__R_0.distcp`` per rank (``FileSystemWriter``'s). Each file is fsynced once, with its checksum noted.
     """
     if fmt == SAFETENSORS:
-        return parallel_io.ParallelSafetensorsWriter(path)
-    return parallel_io.ParallelFileSystemWriter(path)
+        return fastio.ParallelSafetensorsWriter(path)
+    return fastio.ParallelFileSystemWriter(path)
 
 
 def _reader(path: Path, fmt: str):
     """Readers that never unpickle code (see ``safe_load``), read the checkpoint's metadata once, and read the
-    tensors straight into the state being loaded (``parallel_io``)."""
-    return parallel_io.ParallelHFReader(path) if fmt == SAFETENSORS else parallel_io.ParallelFileSystemReader(path)
+    tensors straight into the state being loaded (``fastio``)."""
+    return fastio.ParallelHFReader(path) if fmt == SAFETENSORS else fastio.ParallelFileSystemReader(path)
 
 
 def _save(state: dict, path: Path, writer, process_group) -> None:
@@ -230,7 +230,7 @@ class _Handoff:
 def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None) -> None:
     fresh = not optimizer.state
     # Moments to load into, allocated without an optimizer step (torch steps on zero gradients where it cannot).
-    created = fresh and parallel_io.init_optimizer_state(optimizer)
+    created = fresh and fastio.init_optimizer_state(optimizer)
     try:
         state = get_optimizer_state_dict(model, optimizer)
         _load(state, path, _reader(path, TORCH_SAVE), process_group, strict_keys=False)

@@ -1,0 +1,43 @@
+"""Parallel, zero-copy reads and writes of the model and optimizer files, in the formats torch's own DCP writers use.
+
+Each rank still writes exactly one file per state folder (``__R_0.distcp`` or ``shard-0000R-model-00001-of-00001
+.safetensors``), byte-compatible with ``FileSystemReader`` / ``HuggingFaceStorageReader``, ``dcp_to_torch_save``
+and ``safetensors``; what changes is how the bytes get there:
+
+* Writes. The file's layout (every record's offset) is planned first, then the bytes go from the tensors' own
+  memory straight to the file with positioned writes (``pwritev``) from ``threads`` threads, in chunks of
+  ``CHUNK``; no serialized copy of the state is built (torch's safetensors writer builds one of the whole shard).
+  Writeback of each chunk is started as soon as it is written (``sync_file_range`` on Linux), so the disk works
+  while later chunks are copied; one ``fsync`` at the end makes the file durable. The checksum the manifest needs
+  is computed from the same memory while the file is written, so sealing the checkpoint does not read it back.
+  A ``torch_save`` record is what ``torch.save`` writes for the tensor (zip archive, pickled tensor metadata), but
+  without torch's zip CRC-32 (the manifest's checksum covers the file; ``torch.load`` does not check the CRC).
+* Reads. The tensor bytes are located in the file (safetensors header, or the torch.save record's zip entry) and
+  read with ``preadv`` directly into the destination tensor's memory when the requested piece is one contiguous
+  byte range of it (always, when the world size did not change); otherwise into a buffer and copied.
+* Optimizer state is materialised for loading without running an optimizer step (``init_optimizer_state``).
+
+Modules: ``common`` (sizes, thread counts, dtype codes), ``filewrite`` (one file from tensor memory), ``records``
+(the torch.save record format), ``writers`` / ``readers`` (the DCP storage classes), ``optim_state``.
+
+Anything unusual (stream transforms, tensors of an unknown dtype, non-CPU destinations, a record this package does not
+recognise) takes torch's own code path for that item, so this package never changes what can be saved or loaded.
+"""
+
+from automodel_ckpt.checkpoint.formats.fastio.common import CHUNK, READ_THREADS, WRITE_THREADS
+from automodel_ckpt.checkpoint.formats.fastio.filewrite import write_file
+from automodel_ckpt.checkpoint.formats.fastio.optim_state import init_optimizer_state
+from automodel_ckpt.checkpoint.formats.fastio.readers import ParallelFileSystemReader, ParallelHFReader
+from automodel_ckpt.checkpoint.formats.fastio.writers import ParallelFileSystemWriter, ParallelSafetensorsWriter
+
+__all__ = [
+    "CHUNK",
+    "READ_THREADS",
+    "WRITE_THREADS",
+    "ParallelFileSystemReader",
+    "ParallelFileSystemWriter",
+    "ParallelHFReader",
+    "ParallelSafetensorsWriter",
+    "init_optimizer_state",
+    "write_file",
+]

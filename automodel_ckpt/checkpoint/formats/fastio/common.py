@@ -1,0 +1,59 @@
+"""Shared by the parallel file writers and readers: chunk size, thread counts, raw tensor memory, dtype codes."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+
+import torch
+
+CHUNK = 32 << 20  # bytes per positioned write or read, and per writeback request
+WRITE_THREADS = 4  # per rank
+READ_THREADS = 4  # per rank
+SMALL = 1 << 20  # pieces below this are coalesced into one buffer before writing
+
+
+def default_threads(wanted: int) -> int:
+    return max(1, min(wanted, 2 * (os.cpu_count() or 1)))
+
+
+def tensor_memory(t: torch.Tensor, writable: bool = False) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (the caller keeps ``t`` alive while using them)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    view = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    return view if writable else view.toreadonly()
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclasses.dataclass
+class Located:
+    """A saved tensor in a file: C-contiguous ``shape`` of ``dtype`` starting at byte ``offset``."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        ST_DTYPES[getattr(torch, _name)] = _code
+ST_CODES = {code: dtype for dtype, code in ST_DTYPES.items()}
+
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """What torch's writer saves: the tensor on the CPU, with a storage of its own size."""
+    t = tensor.cpu()
+    return t.clone() if t.untyped_storage().size() != t.numel() * t.element_size() else t

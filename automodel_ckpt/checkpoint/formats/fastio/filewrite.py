@@ -1,0 +1,204 @@
+"""Writing one checkpoint file from tensor memory: planned layout, positioned writes from several threads,
+early writeback, one fsync, and the checksum computed on the way."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from automodel_ckpt.checkpoint import storage
+from automodel_ckpt.checkpoint.formats.fastio import common
+from automodel_ckpt.checkpoint.formats.fastio.common import tensor_memory
+
+# --- writeback ---------------------------------------------------------------------------------------
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
+    if not hasattr(os, "sched_getaffinity"):  # Linux only
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+_start_writeback = _load_sync_file_range()
+
+
+# --- writing one file --------------------------------------------------------------------------------
+
+
+class Lazy:
+    """A tensor's bytes in a file plan: materialised (made contiguous, moved to the CPU) only when written."""
+
+    __slots__ = ("tensor", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes can be used in place (CPU, contiguous)."""
+        return self.tensor.device.type == "cpu" and self.tensor.is_contiguous()
+
+    def materialise(self) -> tuple[torch.Tensor, memoryview]:
+        t = self.tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        return t, tensor_memory(t)
+
+
+def piece_length(piece: Any) -> int:
+    return piece.nbytes if isinstance(piece, (Lazy, memoryview)) else len(piece)
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One positioned write: consecutive pieces (or part of one large piece) at ``offset``."""
+
+    offset: int
+    parts: list[tuple[Any, int, int]]  # (piece, start, stop) within the piece
+
+
+def _units(pieces: list[Any]) -> Iterator[_Unit]:
+    """Split the file into writes of about ``common.CHUNK`` bytes: small pieces together, large ones in slices."""
+    offset = 0
+    pending: list[tuple[Any, int, int]] = []
+    pending_at, pending_len = 0, 0
+    for piece in pieces:
+        n = piece_length(piece)
+        if n == 0:
+            continue
+        if n < common.SMALL and pending_len + n <= common.CHUNK:
+            if not pending:
+                pending_at = offset
+            pending.append((piece, 0, n))
+            pending_len += n
+            offset += n
+            continue
+        if pending:
+            yield _Unit(pending_at, pending)
+            pending, pending_len = [], 0
+        if isinstance(piece, Lazy) and not piece.direct:  # materialised once, by the one write of it
+            yield _Unit(offset, [(piece, 0, n)])
+            offset += n
+            continue
+        for start in range(0, n, common.CHUNK):
+            stop = min(n, start + common.CHUNK)
+            yield _Unit(offset + start, [(piece, start, stop)])
+        offset += n
+    if pending:
+        yield _Unit(pending_at, pending)
+
+
+def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    while buffers:
+        written = os.pwritev(fd, buffers, offset) if len(buffers) > 1 else os.pwrite(fd, buffers[0], offset)
+        if written <= 0:
+            raise OSError(f"no progress writing at byte {offset}")
+        offset += written
+        while buffers and written >= buffers[0].nbytes:
+            written -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and written:
+            buffers[0] = buffers[0][written:]
+
+
+class _Hasher:
+    """The file's checksum (the manifest's algorithm), fed with its bytes in file order from a thread of its own."""
+
+    def __init__(self) -> None:
+        from automodel_ckpt.checkpoint import manifest
+
+        self.algorithm = manifest.default_algorithm()
+        self._h = manifest._hasher(self.algorithm)
+        self.ok = False
+
+    def feed(self, pieces: list[Any]) -> None:
+        try:
+            self._feed(pieces)
+            self.ok = True
+        except Exception:  # noqa: BLE001 - no checksum then: the manifest reads the file instead
+            self.ok = False
+
+    def _feed(self, pieces: list[Any]) -> None:
+        for piece in pieces:
+            if isinstance(piece, Lazy):
+                _, view = piece.materialise()  # direct pieces only: a view, no copy
+            else:
+                view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+            for start in range(0, view.nbytes, 8 << 20):
+                self._h.update(view[start:start + (8 << 20)])
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def write_file(path: Path, pieces: list[Any], threads: int) -> int:
+    """Write ``pieces`` back to back into ``path`` (created or truncated) and fsync it; returns its size.
+
+    Records the file as synced, with its checksum, for ``fsync_tree`` and the manifest (``storage.note_written``).
+    """
+    path = Path(path)
+    total = sum(piece_length(p) for p in pieces)
+    hash_now = all(not isinstance(p, Lazy) or p.direct for p in pieces)  # else the manifest reads it back
+    hasher = _Hasher() if hash_now else None
+    hash_thread = threading.Thread(target=hasher.feed, args=(pieces,), daemon=True) if hasher else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if hash_thread is not None:
+            hash_thread.start()
+
+        def write(unit: _Unit) -> None:
+            keep = []
+            views = []
+            for piece, start, stop in unit.parts:
+                if isinstance(piece, Lazy):
+                    t, view = piece.materialise()
+                    keep.append(t)
+                else:
+                    view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+                views.append(view[start:stop])
+            _pwrite_all(fd, views, unit.offset)
+            if _start_writeback is not None:
+                _start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
+
+        units = list(_units(pieces))
+        if threads > 1 and len(units) > 1:
+            with ThreadPoolExecutor(min(threads, len(units)), thread_name_prefix="ckpt-write") as pool:
+                futures = [pool.submit(write, u) for u in units]
+                try:
+                    for f in futures:
+                        f.result()
+                except BaseException:
+                    for f in futures:  # a failed write (disk full ...): the rest is not attempted
+                        f.cancel()
+                    raise
+        else:
+            for u in units:
+                write(u)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        if hash_thread is not None:
+            hash_thread.join()
+    if hasher is not None and hasher.ok:
+        storage.note_written(path, synced=True, algorithm=hasher.algorithm, digest=hasher.hexdigest())
+    else:
+        storage.note_written(path, synced=True)
+    return total
+

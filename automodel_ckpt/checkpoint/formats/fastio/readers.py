@@ -1,0 +1,292 @@
+"""DCP storage readers that read tensor bytes with ``preadv`` straight into the tensors being loaded."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from automodel_ckpt.checkpoint.formats.fastio import common
+from automodel_ckpt.checkpoint.formats.fastio.common import READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
+from automodel_ckpt.checkpoint.formats.fastio.records import locate_record
+from automodel_ckpt.checkpoint.safe_load import CachingHFReader, SafeFileSystemReader
+
+def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` when the piece ``offsets``/``lengths`` of a C-contiguous tensor of
+    ``shape`` is one contiguous run of elements, else None."""
+    j = len(shape) - 1
+    while j >= 0 and offsets[j] == 0 and lengths[j] == shape[j]:
+        j -= 1
+    if any(lengths[i] != 1 for i in range(j)):
+        return None
+    stride, strides = 1, [0] * len(shape)
+    for i in range(len(shape) - 1, -1, -1):
+        strides[i] = stride
+        stride *= shape[i]
+    count = 1
+    for n in lengths:
+        count *= n
+    return sum(o * s for o, s in zip(offsets, strides)), count
+
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        view = view[n:]
+        offset += n
+
+
+class ReadJob:
+    """One request: the saved piece's bytes read straight into the destination, or via a buffer and ``copy_``.
+
+    ``located`` None: a torch.save record this module does not recognise, read whole and loaded by ``torch.load``
+    (what torch's reader does for every record).
+    """
+
+    def __init__(self, path: str, located: Located | None, offsets: tuple[int, ...], lengths: tuple[int, ...],
+                 target: torch.Tensor, record: tuple[int, int] | None = None) -> None:
+        self.path, self.located, self.offsets, self.lengths, self.target = path, located, offsets, lengths, target
+        self.record = record
+        self.span = None
+        self.direct = False
+        if located is None:
+            self.start, self.nbytes = record
+            return
+        size_of = itemsize(located.dtype)
+        span = contiguous_range(located.shape, offsets, lengths)
+        self.direct = (span is not None and target.device.type == "cpu" and target.is_contiguous()
+                       and target.dtype == located.dtype and tuple(target.shape) == tuple(lengths))
+        if span is not None:
+            self.start = located.offset + span[0] * size_of
+            self.nbytes = span[1] * size_of
+        else:  # whole rows of dimension 0 that contain the piece
+            row = size_of
+            for n in located.shape[1:]:
+                row *= n
+            self.start = located.offset + offsets[0] * row
+            self.nbytes = lengths[0] * row if located.shape else size_of
+        self.span = span
+
+    def tasks(self) -> list[tuple[int, int, Callable[[int], None]]]:
+        """``(file offset, bytes, read(fd))``: a direct read in ``common.CHUNK`` pieces, else one task."""
+        if not self.direct:
+            return [(self.start, self.nbytes, self.read_copy)]
+        return [(self.start + s, min(common.CHUNK, self.nbytes - s), functools.partial(self.read_direct, s=s))
+                for s in range(0, self.nbytes, common.CHUNK)] or [(self.start, 0, lambda fd: None)]
+
+    def read_direct(self, fd: int, s: int) -> None:
+        n = min(common.CHUNK, self.nbytes - s)
+        pread_into(fd, tensor_memory(self.target, writable=True)[s:s + n], self.start + s)
+
+    def read_copy(self, fd: int) -> None:
+        if self.located is None:
+            self._read_record(fd)
+            return
+        buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
+        pread_into(fd, tensor_memory(buffer, writable=True), self.start)
+        if self.span is not None:
+            piece = buffer.view(tuple(self.lengths))
+        else:
+            piece = buffer.view((self.lengths[0], *self.located.shape[1:]))
+            for dim in range(1, len(self.lengths)):
+                piece = piece.narrow(dim, self.offsets[dim], self.lengths[dim])
+        self._copy(piece)
+
+    def _read_record(self, fd: int) -> None:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        data = bytearray(self.nbytes)
+        pread_into(fd, memoryview(data), self.start)
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        self._copy(narrow_tensor_by_index(tensor, self.offsets, self.lengths))
+
+    def _copy(self, piece: torch.Tensor) -> None:
+        if tuple(self.target.shape) != tuple(piece.shape):
+            raise AssertionError(f"size mismatch: {tuple(self.target.shape)} vs {tuple(piece.shape)}")
+        self.target.copy_(piece)
+
+
+def split_even(tasks: list[tuple[str, int, int, Any]], groups: int) -> list[list[tuple[str, int, int, Any]]]:
+    """Consecutive runs of ``tasks`` (sorted by file and offset) of about equal bytes: one per thread."""
+    total = sum(t[2] for t in tasks) or 1
+    out: list[list[tuple[str, int, int, Any]]] = [[]]
+    done = 0
+    for task in tasks:
+        if out[-1] and done >= total * len(out) / groups and len(out) < groups:
+            out.append([])
+        out[-1].append(task)
+        done += task[2]
+    return out
+
+
+def in_threads(groups: list[list[Any]], work: Callable[[list[Any]], None]) -> None:
+    if len(groups) == 1:
+        work(groups[0])
+        return
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="ckpt-read") as pool:
+        for f in [pool.submit(work, g) for g in groups]:
+            f.result()
+
+
+def open_fd(path: str, advice: int | None) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    if advice is not None and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, advice)
+    return fd
+
+
+def run_reads(jobs: list[ReadJob], threads: int) -> None:
+    """Every job's bytes, each thread reading one consecutive stretch of the files with a descriptor of its own
+    (so the kernel sees sequential reads and reads ahead)."""
+    tasks = sorted(((job.path, start, n, read) for job in jobs for start, n, read in job.tasks()),
+                   key=lambda t: (t[0], t[1]))
+    if not tasks:
+        return
+
+    def work(group: list[tuple[str, int, int, Any]]) -> None:
+        fds: dict[str, int] = {}
+        try:
+            for path, _start, _n, read in group:
+                if path not in fds:
+                    fds[path] = open_fd(path, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
+                read(fds[path])
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    in_threads(split_even(tasks, max(1, min(threads, len(tasks)))), work)
+
+
+def finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPlanner) -> Future:
+    for req, target in reqs_targets:
+        planner.commit_tensor(req, target)
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut
+
+
+# safetensors --------------------------------------------------------------------------------------
+
+
+def safetensors_header(fd: int) -> tuple[int, dict[str, Any]]:
+    """``(data start, header)`` of an open safetensors file."""
+    head = os.pread(fd, 8, 0)
+    if len(head) != 8:
+        raise OSError("not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head)
+    raw = os.pread(fd, n, 8)
+    if len(raw) != n:
+        raise OSError("not a safetensors file (truncated header)")
+    return 8 + n, json.loads(raw)
+
+
+def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future | None:
+    """``HuggingFaceStorageReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead."""
+    headers: dict[str, tuple[int, dict[str, Any]]] = {}
+    jobs, done = [], []
+    for req in plan.items:
+        path = str(reader.storage_data[req.storage_index].relative_path)
+        if path not in headers:
+            fd = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
+            try:
+                headers[path] = safetensors_header(fd)
+            finally:
+                os.close(fd)
+        start, header = headers[path]
+        entry = header.get(req.storage_index.fqn)
+        if entry is None or entry.get("dtype") not in ST_CODES:
+            return None
+        located = Located(start + entry["data_offsets"][0], tuple(entry["shape"]), ST_CODES[entry["dtype"]])
+        target = planner.resolve_tensor(req).detach()
+        jobs.append(ReadJob(path, located, tuple(req.storage_offsets), tuple(req.lengths), target))
+        done.append((req, target))
+    run_reads(jobs, threads)
+    return finish_reads(done, planner)
+
+
+
+def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future | None:
+    """``FileSystemReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead.
+
+    First every tensor record is located (its zip entries and pickled shape, a few small reads at its start and
+    end, in ``threads`` threads), then the data is read as in ``read_safetensors``. A record that is not a plain
+    tensor is loaded by ``torch.load``, as torch's reader would; byte entries (optimizer ``param_groups`` values
+    ...) go to ``planner.load_bytes`` as before.
+    """
+    items = []
+    for req in plan.items:
+        info: _StorageInfo = reader.storage_data[req.storage_index]
+        if info.transform_descriptors:
+            return None
+        items.append((str(Path(reader.path) / info.relative_path), info.offset, info.length, req))
+    items.sort(key=lambda t: (t[0], t[1]))
+    tensors = [it for it in items if it[3].type != LoadItemType.BYTE_IO]
+    located: dict[int, Located | None] = {}
+
+    def locate(group: list[tuple[str, int, int, Any]]) -> None:
+        fds: dict[str, int] = {}
+        try:
+            for path, offset, length, req in group:
+                if path not in fds:
+                    fds[path] = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
+                located[id(req)] = locate_record(fds[path], offset, length)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    if tensors:
+        in_threads(split_even(tensors, max(1, min(threads, len(tensors)))), locate)
+    jobs, done = [], []
+    for path, offset, length, req in tensors:
+        target = planner.resolve_tensor(req).detach()
+        jobs.append(ReadJob(path, located[id(req)], tuple(req.storage_offsets), tuple(req.lengths), target,
+                             record=(offset, length)))
+        done.append((req, target))
+    for path, offset, length, req in items:
+        if req.type == LoadItemType.BYTE_IO:
+            fd = open_fd(path, None)
+            try:
+                data = os.pread(fd, length, offset)
+            finally:
+                os.close(fd)
+            if len(data) != length:
+                raise OSError(f"unexpected end of file in '{path}'")
+            planner.load_bytes(req, io.BytesIO(data))
+    run_reads(jobs, threads)
+    return finish_reads(done, planner)
+
+
+
+class ParallelHFReader(CachingHFReader):
+    """``CachingHFReader`` whose reads go straight into the destination tensors (``read_safetensors``)."""
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS) -> None:
+        super().__init__(str(path))
+        self.threads = default_threads(threads)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        return read_safetensors(self, plan, planner, self.threads) or super().read_data(plan, planner)
+
+
+class ParallelFileSystemReader(SafeFileSystemReader):
+    """``SafeFileSystemReader`` whose reads go straight into the destination tensors (``read_distcp``)."""
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS) -> None:
+        super().__init__(str(path))
+        self.threads = default_threads(threads)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        return read_distcp(self, plan, planner, self.threads) or super().read_data(plan, planner)

@@ -1,0 +1,123 @@
+"""DCP storage writers (``.distcp`` and safetensors shards, one file per rank) that write with ``write_file``."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from automodel_ckpt.checkpoint import storage
+from automodel_ckpt.checkpoint.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
+from automodel_ckpt.checkpoint.formats.fastio.filewrite import Lazy, piece_length, write_file
+from automodel_ckpt.checkpoint.formats.fastio.records import torch_save_bytes, torch_save_pieces
+
+def _done(results: list[WriteResult]) -> Future:
+    fut: Future = Future()
+    fut.set_result(results)
+    return fut
+
+
+class ParallelFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` (DCP ``.distcp`` files, one per rank) written by ``write_file``.
+
+    ``sync_files`` stays on for the ``.metadata`` file torch writes itself; the data file is fsynced once by
+    ``write_file``.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.threads = default_threads(threads)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        if self.transforms.extensions or not self.single_file_per_rank:
+            return super().write_data(plan, planner)
+        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        pieces: list[Any] = []
+        results: list[WriteResult] = []
+        offset = 0
+        items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+        items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                record = [bytes(data.getbuffer())]
+            else:
+                tensor = data.detach()
+                record = torch_save_pieces(tensor) or [torch_save_bytes(compact(tensor))]
+            length = sum(piece_length(p) for p in record)
+            pieces += record
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(file_name, offset, length)))
+            offset += length
+        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads)
+        return _done(results)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)  # runs where the .metadata file is written (and fsynced)
+        path = Path(self._get_metadata_path(None if self.use_collectives else self.rank))
+        if path.is_file():
+            storage.note_written(path, synced=self.sync_files)
+
+
+class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
+    """``HuggingFaceStorageWriter(save_distributed=True)``: one safetensors shard per rank, written by ``write_file``.
+
+    The shard holds the same header (tensor names, shapes, dtypes, ``DCP_SHARDING_INFO`` offsets) as torch's
+    writer produces, tensors ordered by alignment then name as ``safetensors`` orders them.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS) -> None:
+        super().__init__(str(path), save_distributed=True)
+        self.threads = default_threads(threads)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        from torch.distributed.checkpoint._hf_utils import (
+            CUSTOM_METADATA_KEY,
+            DCP_VERSION_KEY,
+            FORMAT_KEY,
+            FORMAT_VALUE,
+            HF_DCP_VERSION,
+            _gen_file_name,
+        )
+
+        storage_data = plan.storage_data or {}
+        if (not plan.items or "fqn_to_index_mapping" in storage_data or self.enable_consolidation
+                or any(wi.type == WriteItemType.BYTE_IO for wi in plan.items)):
+            return super().write_data(plan, planner)
+        tensors = [(wi, planner.resolve_data(wi).detach()) for wi in plan.items]
+        if any(t.dtype not in ST_DTYPES or t.layout != torch.strided for _, t in tensors):
+            return super().write_data(plan, planner)
+        file_name = _gen_file_name(1, 1, storage_data.get("shard_index"))
+        tensors.sort(key=lambda e: (-e[1].element_size(), e[0].index.fqn))
+        header: dict[str, Any] = {"__metadata__": {
+            CUSTOM_METADATA_KEY: json.dumps({wi.index.fqn: {"saved_offsets": list(wi.tensor_data.chunk.offsets)}
+                                             for wi, _ in tensors}),
+            DCP_VERSION_KEY: str(HF_DCP_VERSION),
+            FORMAT_KEY: FORMAT_VALUE,
+        }}
+        offset = 0
+        for wi, t in tensors:
+            n = t.numel() * t.element_size()
+            header[wi.index.fqn] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        head += b" " * (-len(head) % 8)
+        pieces: list[Any] = [struct.pack("<Q", len(head)) + head]
+        results = []
+        for wi, t in tensors:
+            begin = header[wi.index.fqn]["data_offsets"][0]
+            pieces.append(Lazy(t))
+            results.append(WriteResult(index=wi.index, size_in_bytes=piece_length(pieces[-1]),
+                                       storage_data=_StorageInfo(file_name, 8 + len(head) + begin, piece_length(pieces[-1]))))
+        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads)
+        return _done(results)
+
