@@ -19,7 +19,7 @@ load (the page cache is dropped before every run when permitted: reads come from
 * ``dcp.load``             plain ``dcp.load`` (``FileSystemReader``) + ``set_{model,optimizer}_state_dict``
 * ``ours (...)``           ``Checkpointer.load`` (resume: model, optimizer, scheduler, RNG; manifest size check)
 
-HF export of the safetensors checkpoint's model shards into one ``model.safetensors``
+HF export of the safetensors checkpoint's model shards into one ``model.safetensors`` (page cache dropped first, too)
 * ``ours``                 ``automodel_ckpt.checkpoint.consolidate.consolidate`` (fsyncs its output)
 * ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
 
@@ -51,18 +51,20 @@ sys.path.insert(0, str(REPO))
 HIDDEN, INTER, VOCAB, HEADS = 1024, 2816, 4096, 16
 BLOCK = 64 << 20  # raw I/O block
 
-SAVE = ("raw_write", "torch_save", "dcp_save", "ours_save_safetensors", "ours_save_torch_save")
-LOAD = ("raw_read", "torch_load", "dcp_load", "ours_load_safetensors", "ours_load_torch_save")
+SAVE = ("raw_write", "raw_write_mt", "torch_save", "dcp_save", "ours_save_safetensors", "ours_save_torch_save")
+LOAD = ("raw_read", "raw_read_mt", "torch_load", "dcp_load", "ours_load_safetensors", "ours_load_torch_save")
 EXPORT = ("ours_consolidate", "torch_consolidate")
 ASYNC = ("ours_async_save_safetensors", "ours_async_save_torch_save")
 LABELS = {
     "raw_write": "raw write + fsync",
+    "raw_write_mt": "raw write + fsync, same threads as ours",
     "torch_save": "torch.save",
     "torch_save+fsync": "torch.save + fsync",
     "dcp_save": "dcp.save (FileSystemWriter defaults)",
     "ours_save_safetensors": "**ours, safetensors**",
     "ours_save_torch_save": "**ours, torch_save**",
     "raw_read": "raw read",
+    "raw_read_mt": "raw read, same threads as ours",
     "torch_load": "torch.load + load_state_dict",
     "dcp_load": "dcp.load + set_state_dict",
     "ours_load_safetensors": "**ours, safetensors**",
@@ -197,17 +199,34 @@ def _parallel(fn, n: int) -> None:
         raise errors[0]
 
 
-def raw_write(folder: Path, nbytes: int, writers: int) -> None:
+def _pieces(size: int, threads: int) -> list[list[tuple[int, int]]]:
+    """``(offset, length)`` pieces of ``BLOCK`` bytes dealt round-robin to ``threads`` threads."""
+    pieces = [(o, min(BLOCK, size - o)) for o in range(0, size, BLOCK)]
+    return [pieces[t::threads] for t in range(threads)]
+
+
+def raw_write(folder: Path, nbytes: int, writers: int, threads: int = 1) -> None:
+    """``writers`` files (one per rank) of ``nbytes`` in all, each written by ``threads`` threads, then fsynced."""
     block = memoryview(os.urandom(BLOCK))
     folder.mkdir(parents=True, exist_ok=True)
     share = -(-nbytes // writers)
 
     def one(i: int) -> None:
-        left = max(0, min(share, nbytes - i * share))
+        size = max(0, min(share, nbytes - i * share))
         fd = os.open(folder / f"raw_{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            while left:
-                left -= os.write(fd, block[: min(left, BLOCK)])
+            if threads == 1:
+                left = size
+                while left:
+                    left -= os.write(fd, block[: min(left, BLOCK)])
+            else:
+                def part(t: int, todo=_pieces(size, threads)) -> None:
+                    for offset, length in todo[t]:
+                        done = 0
+                        while done < length:
+                            done += os.pwrite(fd, block[done:length], offset + done)
+
+                _parallel(part, threads)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -215,15 +234,36 @@ def raw_write(folder: Path, nbytes: int, writers: int) -> None:
     _parallel(one, writers)
 
 
-def raw_read(folder: Path, readers: int) -> int:
+def raw_read(folder: Path, readers: int, threads: int = 1) -> int:
+    """Read the raw files (one reader per file), each with ``threads`` threads, into reused buffers."""
     files = sorted(folder.glob("raw_*.bin"))
     total = [0] * len(files)
+    lock = threading.Lock()
 
     def one(i: int) -> None:
-        buf = bytearray(BLOCK)
-        with open(files[i], "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total[i] += n
+        if threads == 1:
+            buf = bytearray(BLOCK)
+            with open(files[i], "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    total[i] += n
+            return
+        size = os.path.getsize(files[i])
+        span = -(-size // threads)
+
+        def part(t: int) -> None:  # one consecutive stretch per thread, with a descriptor of its own (as ours)
+            buf = memoryview(bytearray(BLOCK))
+            fd = os.open(files[i], os.O_RDONLY)
+            try:
+                offset, end = t * span, min(size, (t + 1) * span)
+                while offset < end:
+                    n = os.preadv(fd, [buf[: min(BLOCK, end - offset)]], offset)
+                    offset += n
+                    with lock:
+                        total[i] += n
+            finally:
+                os.close(fd)
+
+        _parallel(part, threads)
 
     _parallel(one, len(files))
     return sum(total)
@@ -279,13 +319,17 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.nproc)))
     result: dict = {}
 
-    if method == "raw_write":
+    if method in ("raw_write", "raw_write_mt"):
+        from automodel_ckpt.checkpoint.formats.fastio import WRITE_THREADS
+
         t0 = _start_timing()
-        raw_write(out, args.nbytes, args.nproc)
+        raw_write(out, args.nbytes, args.nproc, WRITE_THREADS if method == "raw_write_mt" else 1)
         result["seconds"] = time.perf_counter() - t0
-    elif method == "raw_read":
+    elif method in ("raw_read", "raw_read_mt"):
+        from automodel_ckpt.checkpoint.formats.fastio import READ_THREADS
+
         t0 = _start_timing()
-        result["bytes_read"] = raw_read(src / "raw", args.nproc)
+        result["bytes_read"] = raw_read(src / "raw", args.nproc, READ_THREADS if method == "raw_read_mt" else 1)
         result["seconds"] = time.perf_counter() - t0
     elif method in ("torch_save", "torch_load"):
         from automodel_ckpt.distributed.env import DistEnv
@@ -311,7 +355,7 @@ def child(args: argparse.Namespace) -> None:
         import torch.distributed as dist
 
         env = dist_env(args.device)
-        states = build_state(layers, env, with_moments="save" in method)
+        states = build_state(layers, env, with_moments=not method.endswith("_load") and "_load_" not in method)
         model, optimizer = states["model"], states["optimizer"]
         dist.barrier()
         if method == "dcp_save":
@@ -419,10 +463,16 @@ def drop_caches() -> bool:
         return False
 
 
+BASELINE = "baseline:"  # a method run with the automodel_ckpt of --baseline-tree
+
+
 def run_child(method: str, args: argparse.Namespace, layers: int, nbytes: int) -> dict:
     """Run one timed child (under ``torch.distributed.run`` when it is distributed)."""
+    tree = []
+    if method.startswith(BASELINE):
+        method, tree = method[len(BASELINE):], ["--tree", str(args.baseline_tree)]
     script = [__file__, "--child", method, "--dir", str(args.dir), "--layers", str(layers), "--nbytes", str(nbytes),
-              "--ranks", str(args.nproc), "--device", args.device]
+              "--ranks", str(args.nproc), "--device", args.device, *tree]
     distributed = method.startswith(("dcp_", "ours_save", "ours_load", "ours_async"))
     if distributed and args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
@@ -465,10 +515,16 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="another checkout of automodel-ckpt (an older version, say): its save and load are timed "
+                        "too, interleaved with this one's")
     p.add_argument("--ranks", type=int, help=argparse.SUPPRESS)  # --nproc of a child (torchrun owns --nproc*)
+    p.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         args.nproc = args.ranks or 1
+        if args.tree:
+            sys.path.insert(0, str(args.tree))
         (export_child if args.child in EXPORT else child)(args)
         return
     if not 0.25 <= args.size_gb <= 4:
@@ -487,7 +543,10 @@ def main() -> None:
         args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else [])
     groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC}
     methods = [m for g in args.only for m in groups[g]]
-    needed = {m.replace("load", "save").replace("raw_read", "raw_write") for m in methods if m in LOAD}
+    if args.baseline_tree:
+        methods += [BASELINE + m for m in methods if m.startswith(("ours_save", "ours_load"))]
+    needed = {m.replace("load", "save").replace("raw_read_mt", "raw_write").replace("raw_read", "raw_write")
+              for m in methods if m in LOAD}  # (the baseline loads read the same sources)
     if "export" in args.only:
         needed.add("ours_save_safetensors")
     for method in sorted(needed):  # sources for the reads, written once
@@ -497,21 +556,24 @@ def main() -> None:
         out.rename(args.dir / "src" / target)
 
     dropped = True
+    load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for rep in range(args.reps):
         order = methods[rep % len(methods):] + methods[: rep % len(methods)]
         for method in order:
             fresh(out)
-            if method in LOAD:
+            if method.removeprefix(BASELINE) in LOAD + EXPORT:  # reads come from storage
                 dropped = drop_caches() and dropped
             else:
                 os.sync()
+            time.sleep(1.0)  # let the storage settle (deleted files' discards, writeback of other processes)
             r = run_child(method, args, layers, nbytes)
             runs[method].append(r)
             print(f"  rep {rep + 1} {method}: {r['seconds']:.3f} s", flush=True)
         fresh(out)
 
     result: dict = {
+        "machine": machine(args.dir) | {"load_average_before": load_before, "load_average_after": os.getloadavg()},
         "size_gb": nbytes / 1e9, "payload_bytes": nbytes, "model_bytes": model_bytes, "layers": layers,
         "nproc": args.nproc, "reps": args.reps, "device": args.device, "page_cache_dropped": dropped,
         "cpu_count": os.cpu_count(), "torch": _torch_version(), "methods": {},
@@ -529,6 +591,27 @@ def main() -> None:
     fresh(args.dir)
 
 
+def machine(folder: Path) -> dict:
+    """What the numbers depend on: CPUs, memory, the filesystem of ``folder``, kernel, Python and torch."""
+    import platform
+
+    info: dict = {"cpu_count": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+        best = ""
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype, opts = line.split()[:4]
+                if str(folder).startswith(mnt) and len(mnt) >= len(best):
+                    best, info["filesystem"] = mnt, f"{fstype} on {dev} ({opts})"
+    except OSError:
+        pass
+    return info
+
+
 def _max_rss(runs: list[dict]) -> float | None:
     values = [r["extra_rss_mb"] for r in runs if r.get("extra_rss_mb") is not None]
     return max(values) if values else None
@@ -543,29 +626,43 @@ def _torch_version() -> str:
 def print_table(res: dict) -> None:
     m = res["methods"]
     reads = "reads from storage (page cache dropped)" if res["page_cache_dropped"] else "reads from the page cache"
+    mach = res.get("machine", {})
     print(f"\n{res['size_gb']:.2f} GB of model + AdamW state, {res['nproc']} rank(s), {res['device']}, "
-          f"{res['reps']} interleaved reps; {reads}\n")
-    print("| operation | method | median s | min s | max s | GB/s | ratio to raw | vs peer | memory added MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    sections = [("save", ["raw_write", "torch_save", "torch_save+fsync", "dcp_save", "ours_save_safetensors",
-                          "ours_save_torch_save"], "raw_write", "dcp_save"),
-                ("load", ["raw_read", "torch_load", "dcp_load", "ours_load_safetensors", "ours_load_torch_save"],
-                 "raw_read", "dcp_load"),
-                ("HF export", ["torch_consolidate", "torch_consolidate+fsync", "ours_consolidate"], None,
-                 "torch_consolidate+fsync"),
-                ("async save", ["ours_async_save_safetensors", "ours_async_save_safetensors+total",
-                                "ours_async_save_torch_save", "ours_async_save_torch_save+total"], "raw_write", None)]
-    for op, names, raw, peer in sections:
+          f"{res['reps']} interleaved reps; {reads}")
+    print(f"{mach.get('cpu_count')} CPUs ({mach.get('cpu')}), {mach.get('memory_gib')} GiB, "
+          f"{mach.get('filesystem')}, torch {res['torch']}; load average "
+          f"{mach.get('load_average_before', [0])[0]:.1f} before, {mach.get('load_average_after', [0])[0]:.1f} after\n")
+    print("| operation | method | median s | min s | max s | GB/s | vs raw | vs raw, same threads | vs peer "
+          "| memory added MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    sections = [
+        ("save", ["raw_write", "raw_write_mt", "torch_save", "torch_save+fsync", "dcp_save", "ours_save_safetensors",
+                  "ours_save_torch_save"], "raw_write", "raw_write_mt", "dcp_save"),
+        ("load", ["raw_read", "raw_read_mt", "torch_load", "dcp_load", "ours_load_safetensors", "ours_load_torch_save"],
+         "raw_read", "raw_read_mt", "dcp_load"),
+        ("HF export", ["torch_consolidate", "torch_consolidate+fsync", "ours_consolidate"], None, None,
+         "torch_consolidate+fsync"),
+        ("async save", ["ours_async_save_safetensors", "ours_async_save_safetensors+total",
+                        "ours_async_save_torch_save", "ours_async_save_torch_save+total"], "raw_write", "raw_write_mt",
+         None),
+    ]
+
+    def ratio(ref: str | None, r: dict) -> str:
+        return f"{m[ref]['median_s'] / r['median_s']:.2f}×" if ref in m else "–"
+
+    for op, names, raw, raw_mt, peer in sections:
+        names = names + [BASELINE + n for n in names if n.startswith(("ours_save", "ours_load"))]
         for name in names:
-            if name not in m:
-                continue
-            r = m[name]
-            ratio = f"{m[raw]['median_s'] / r['median_s']:.2f}×" if raw in m else "–"
-            vs = f"{m[peer]['median_s'] / r['median_s']:.2f}×" if peer in m else "–"
-            print(f"| {op} | {LABELS[name]} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
-                  f"| {r['gb_per_s']:.2f} | {ratio} | {vs} | {_mb(r['extra_rss_mb'])} |")
-    print("\nratio to raw: raw's median time / this method's (1.00× = as fast as the storage; higher is faster); "
-          "vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; memory added: peak "
+            if name in m:
+                r = m[name]
+                label = LABELS[name.removeprefix(BASELINE)].replace("ours", "baseline tree", 1) \
+                    if name.startswith(BASELINE) else LABELS[name]
+                print(f"| {op} | {label} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
+                      f"| {r['gb_per_s']:.2f} | {ratio(raw, r)} | {ratio(raw_mt, r)} | {ratio(peer, r)} "
+                      f"| {_mb(r['extra_rss_mb'])} |")
+    print("\nvs raw: raw's median time / this method's (1.00× = as fast as one plain sequential stream per rank; "
+          "higher is faster); vs raw, same threads: the same against raw I/O with as many threads per rank as ours "
+          "uses; vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; memory added: peak "
           "resident memory during the operation minus before it (rank 0, largest run).")
 
 

@@ -1,0 +1,67 @@
+"""tools/bench_checkpoint.py: its raw I/O baselines move the bytes they claim, sizes match the request, and the
+report's ratios are computed the right way round."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_checkpoint.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("writers,threads", [(1, 1), (2, 1), (1, 3), (2, 4)])
+def test_raw_write_and_read_move_exactly_the_bytes(bench, tmp_path, monkeypatch, writers, threads):
+    monkeypatch.setattr(bench, "BLOCK", 4096)
+    nbytes = 10 * 4096 + 123  # not a multiple of the block, nor of the writers
+    bench.raw_write(tmp_path, nbytes, writers, threads)
+    files = sorted(tmp_path.glob("raw_*.bin"))
+    assert len(files) == writers
+    assert sum(f.stat().st_size for f in files) == nbytes
+    assert bench.raw_read(tmp_path, writers, threads) == nbytes
+
+
+@pytest.mark.parametrize("size_gb", [0.25, 1.0, 4.0])
+def test_state_size_follows_the_request(bench, size_gb):
+    _, nbytes = bench.payload_bytes(bench.layers_for(size_gb))
+    assert abs(nbytes / 1e9 - size_gb) / size_gb < 0.25
+
+
+def test_table_ratios_are_reference_time_over_method_time(bench, capsys):
+    def row(median):
+        return bench.stats([median, median * 0.9, median * 1.2], 2_000_000_000) | {"extra_rss_mb": 10.0}
+
+    result = {
+        "size_gb": 2.0, "nproc": 1, "device": "cpu", "reps": 3, "page_cache_dropped": True, "torch": "x",
+        "machine": {"cpu_count": 2, "load_average_before": [0.5], "load_average_after": [0.7]},
+        "methods": {"raw_write": row(2.0), "raw_write_mt": row(1.6), "dcp_save": row(3.0),
+                    "ours_save_safetensors": row(1.0), "raw_read": row(1.0), "ours_load_safetensors": row(2.0)},
+    }
+    bench.print_table(result)
+    out = capsys.readouterr().out
+    ours_save = next(line for line in out.splitlines() if "save | **ours, safetensors**" in line)
+    cells = [c.strip() for c in ours_save.split("|")]
+    assert cells[3:7] == ["1.000", "0.900", "1.200", "2.00"]  # median, min, max, GB/s
+    assert cells[7:10] == ["2.00×", "1.60×", "3.00×"]  # vs raw, vs raw with threads, vs dcp.save
+    ours_load = next(line for line in out.splitlines() if "load | **ours, safetensors**" in line)
+    assert [c.strip() for c in ours_load.split("|")][7] == "0.50×"
+    assert "torch.save" not in out  # methods that did not run have no row
+
+
+def test_size_outside_the_range_is_a_usage_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOL), "--size-gb", "8", "--dir", str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--size-gb: between 0.25 and 4" in proc.stderr
+    assert not (tmp_path / "b").exists()
