@@ -246,7 +246,8 @@ class Checkpointer:
         write_metadata(staging, build_metadata(
             name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
             train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
-            world_size=self.env.world_size, model_save_format=self.cfg.model_save_format,
+            world_size=self.env.world_size,
+            model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
         ))
         if plan.models and not _has_peft(plan):

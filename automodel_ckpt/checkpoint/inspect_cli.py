@@ -87,6 +87,8 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
 def _detect_format(ckpt: Path) -> str | None:
     """Model format of a checkpoint written without metadata.json."""
     model = layout.model_dir(ckpt)
+    if (model / layout.ADAPTER_WEIGHTS).is_file():
+        return layout.ADAPTER_FORMAT
     if any(layout.parse_model_shard_file(p.name) for p in model.glob("*.safetensors")):
         return "safetensors"
     return "torch_save" if (model / layout.DCP_METADATA).is_file() else None

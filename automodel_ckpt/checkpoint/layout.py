@@ -68,6 +68,8 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: ``model_save_format`` recorded in metadata.json for a checkpoint whose model is a PEFT adapter.
+ADAPTER_FORMAT = "adapter"
 PEFT_FULL_CONFIG = "automodel_peft_config.json"
 # Tokenizer files a Hugging Face model folder may hold (copied from a base folder when no tokenizer is given).
 HF_TOKENIZER_FILES = (

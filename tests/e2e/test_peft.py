@@ -113,6 +113,10 @@ def test_checkpoint_model_folder_is_a_peft_adapter(work, assets):
     verify = subprocess.run([CKPT_TRAIN, "verify", str(run / "epoch_0_step_8")], capture_output=True, text=True,
                             env=env_for(assets), timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert json.loads((run / "epoch_0_step_8" / "metadata.json").read_text())["model_save_format"] == "adapter"
+    listing = subprocess.run([CKPT_TRAIN, "inspect", str(run), "--json"], capture_output=True, text=True,
+                             env=env_for(assets), timeout=300)
+    assert [r["format"] for r in json.loads(listing.stdout)["checkpoints"]] == ["adapter", "adapter"]
 
 
 def test_adapter_holds_exactly_the_lora_tensors(work, assets):
