@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m automodel_ckpt.checkpoint.consolidate_cli",
+        prog="ckpt-train consolidate",
         description="Export a checkpoint's model (sharded safetensors or DCP) to a Hugging Face folder.",
     )
     p.add_argument("model_dir", type=Path, help="checkpoint folder (epoch_E_step_N) or its model/ folder")
