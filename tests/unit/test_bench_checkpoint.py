@@ -29,7 +29,8 @@ def test_raw_write_and_read_move_exactly_the_bytes(bench, tmp_path, monkeypatch,
     files = sorted(tmp_path.glob("raw_*.bin"))
     assert len(files) == writers
     assert sum(f.stat().st_size for f in files) == nbytes
-    assert bench.raw_read(tmp_path, writers, threads) == nbytes
+    assert bench.raw_read(tmp_path, writers, threads) == nbytes  # into memory of the file's size
+    assert bench.raw_read(tmp_path, writers, threads, keep=False) == nbytes  # through one reused buffer
 
 
 @pytest.mark.parametrize("size_gb", [0.25, 1.0, 4.0])
