@@ -159,7 +159,7 @@ def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = 
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=100)
     if with_moments:
         for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
+            p.grad = torch.randn_like(p) * 1e-3  # moments of real-looking (incompressible) values
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
