@@ -1,4 +1,4 @@
-"""Durable filesystem steps: fsync of files and folders, atomic pointer swaps, pointer resolution."""
+"""Durable filesystem steps: early writeback, fsync of files and folders, atomic pointer swaps, pointer resolution."""
 
 from __future__ import annotations
 
