@@ -9,12 +9,10 @@ column split) need the whole tensor assembled in memory.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from automodel_ckpt.checkpoint import storage
 from automodel_ckpt.checkpoint.consolidate_sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.checkpoint.safetensors_io import (
     encode_header,
@@ -79,26 +78,6 @@ class OutFile:
     @property
     def size(self) -> int:
         return len(self.header) + sum(t.nbytes for t in self.tensors)
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    """Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start writing a range back now, without waiting.
-
-    Starting writeback as soon as a chunk is written overlaps disk I/O with the copying, so the one fsync per
-    file at the end has little left to do. Elsewhere (or if libc lacks it) this is None and fsync does it all.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # 2 = SYNC_FILE_RANGE_WRITE; errors are harmless
-
-
-_start_writeback = _load_sync_file_range()
 
 
 def write_files(files: list[OutFile], folder: Path, num_threads: int, advance: Callable[[int], None]) -> None:
@@ -273,8 +252,7 @@ class _Writer:
 
     # ------------------------------------------------------------------------------------------ helpers
     def _written(self, fd: int, offset: int, nbytes: int) -> None:
-        if _start_writeback is not None:
-            _start_writeback(fd, offset, nbytes)
+        storage.start_writeback(fd, offset, nbytes)
         self.advance(nbytes)
 
     def _src_fd(self, path: Path) -> int:

@@ -3,39 +3,18 @@ early writeback, one fsync, and the checksum computed on the way."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from automodel_ckpt.checkpoint import storage
 from automodel_ckpt.checkpoint.formats.fastio import common
 from automodel_ckpt.checkpoint.formats.fastio.common import tensor_memory
-
-# --- writeback ---------------------------------------------------------------------------------------
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    if not hasattr(os, "sched_getaffinity"):  # Linux only
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-_start_writeback = _load_sync_file_range()
-
 
 # --- writing one file --------------------------------------------------------------------------------
 
@@ -174,8 +153,7 @@ def write_file(path: Path, pieces: list[Any], threads: int) -> int:
                     view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
                 views.append(view[start:stop])
             _pwrite_all(fd, views, unit.offset)
-            if _start_writeback is not None:
-                _start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
+            storage.start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
 
         units = list(_units(pieces))
         if threads > 1 and len(units) > 1:
