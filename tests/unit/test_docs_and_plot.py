@@ -1,9 +1,11 @@
-"""The generated config reference is current, and `ckpt-train plot` draws what it should."""
+"""The generated config reference is current, links between the docs resolve, and `ckpt-train plot` draws what
+it should."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from automodel_ckpt.cli import main
@@ -44,6 +46,17 @@ def _fake_run(root: Path) -> Path:
     os.symlink("epoch_0_step_8", run / "LOWEST_VAL")
     os.symlink("epoch_0_step_8", run / "LATEST")
     return run
+
+
+
+def test_relative_links_in_readme_and_docs_resolve():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not broken, broken
 
 
 def test_plot_has_labelled_axes_and_marks_checkpoints(tmp_path):
