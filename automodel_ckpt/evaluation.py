@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["answer_from_ids", "generate_answers", "generation_accuracy"]
+__all__ = ["answer_from_ids", "generate_answers", "generation_accuracy", "print_accuracy_report"]
 
 
 def answer_from_ids(new_ids: Sequence[int], tokenizer: Any) -> str:
@@ -92,3 +92,22 @@ def generation_accuracy(
     answers = generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     correct = sum(got == want for got, (_, want) in zip(answers, examples))
     return correct / len(examples)
+
+
+def print_accuracy_report(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[tuple[str, str]],
+    show: int = 5,
+    max_new_tokens: int = 8,
+) -> float:
+    """Print the first ``show`` greedy answers with a verdict each, then ``accuracy: X (k/n)``; returns X."""
+    answers = generate_answers(model, tokenizer, [prompt for prompt, _ in examples], max_new_tokens=max_new_tokens)
+    for (prompt, expected), got in list(zip(examples, answers))[:show]:
+        verdict = "ok" if got == expected else f"wrong, expected {expected}"
+        print(f"{prompt}{got}    ({verdict})")
+    correct = sum(got == expected for got, (_, expected) in zip(answers, examples))
+    total = len(examples)
+    accuracy = correct / total if total else 0.0
+    print(f"accuracy: {accuracy:.2f} ({correct}/{total})")
+    return accuracy

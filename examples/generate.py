@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from automodel_ckpt.data.builtin import heldout_examples
-from automodel_ckpt.evaluation import generate_answers
+from automodel_ckpt.evaluation import print_accuracy_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,14 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir)
     model.eval()
 
-    examples = heldout_examples(args.n)
-    answers = generate_answers(model, tokenizer, [prompt for prompt, _ in examples], max_new_tokens=args.max_new_tokens)
-    for (prompt, expected), got in list(zip(examples, answers))[: args.show]:
-        verdict = "ok" if got == expected else f"wrong, expected {expected}"
-        print(f"{prompt}{got}    ({verdict})")
-    correct = sum(got == expected for got, (_, expected) in zip(answers, examples))
-    total = len(examples)
-    print(f"accuracy: {correct / total if total else 0.0:.2f} ({correct}/{total})")
+    print_accuracy_report(model, tokenizer, heldout_examples(args.n), show=args.show,
+                          max_new_tokens=args.max_new_tokens)
     return 0
 
 

@@ -17,7 +17,7 @@ from automodel_ckpt.data.builtin import (
     is_heldout,
     problems,
 )
-from automodel_ckpt.evaluation import answer_from_ids, generate_answers, generation_accuracy
+from automodel_ckpt.evaluation import answer_from_ids, generate_answers, generation_accuracy, print_accuracy_report
 from automodel_ckpt.models.tiny import CHARACTERS, TINY_LLAMA_CONFIG, build_tokenizer, ensure_tiny_base
 
 
@@ -228,3 +228,17 @@ def test_generate_answers_with_real_model(base_dir: Path) -> None:
     answers = generate_answers(model, tokenizer, ["1+2=", "10+20=", "3+4="], max_new_tokens=3, batch_size=2)
     assert len(answers) == 3
     assert all(isinstance(a, str) and len(a) <= 3 for a in answers)
+
+
+def test_accuracy_report_prints_samples_and_the_score(base_dir: Path, capsys) -> None:
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    examples = heldout_examples(6)
+    answers = generate_answers(model, tokenizer, [p for p, _ in examples], max_new_tokens=8)
+    rigged = [(p, a) for (p, _), a in zip(examples[:2], answers[:2])] + examples[2:]  # the first two are right
+    accuracy = print_accuracy_report(model, tokenizer, rigged, show=3)
+    lines = capsys.readouterr().out.splitlines()
+    right = 2 + sum(a == e for a, (_, e) in zip(answers[2:], examples[2:]))
+    assert accuracy == right / 6
+    assert lines[-1] == f"accuracy: {right / 6:.2f} ({right}/6)"
+    assert len(lines) == 4 and lines[0].endswith("(ok)") and lines[1].endswith("(ok)")
