@@ -6,12 +6,12 @@ background write for as long as a test needs, so "still being written" is a stat
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from automodel_ckpt.checkpoint import layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
@@ -21,48 +21,10 @@ from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
 from tests.e2e.contents import comparable
+from tests.unit import ckpt_state
 
 FORMATS = ("safetensors", "torch_save")
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
-
-
-class RankCounter(Counter):
-    checkpoint_scope = "rank"
-
-
-class State:
-    def __init__(self, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 2))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.counter = Counter()
-        self.cursor = RankCounter()
-
-    def step(self) -> None:
-        self.model(torch.randn(3, 4)).sum().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self.counter.n += 1
-        self.cursor.n += 10
-
-    def states(self):
-        return {"model": self.model, "optimizer": self.optimizer, "counter": self.counter, "cursor": self.cursor}
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        out = {f"p.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
-        for i, st in enumerate(self.optimizer.state.values()):
-            out |= {f"o{i}.{k}": torch.as_tensor(v).clone() for k, v in st.items()}
-        return out
+State = functools.partial(ckpt_state.State, hidden=16)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from automodel_ckpt.checkpoint import layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
@@ -26,46 +25,10 @@ from automodel_ckpt.checkpoint.safe_load import RestrictedUnpickler
 from automodel_ckpt.checkpoint.verify_cli import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
+from tests.unit.ckpt_state import State
 
 FORMATS = ("safetensors", "torch_save")
 SHARD0 = "model/shard-00001-model-00001-of-00001.safetensors"
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
-
-
-class RankCounter(Counter):
-    checkpoint_scope = "rank"
-
-
-class State:
-    """What a recipe would checkpoint: model, optimizer, a global and a per-rank object."""
-
-    def __init__(self, hidden: int = 8, layers: int = 2, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        mods = [nn.Linear(4, hidden)] + [nn.Linear(hidden, hidden) for _ in range(layers - 2)] + [nn.Linear(hidden, 2)]
-        self.model = nn.Sequential(*mods)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.counter = Counter()
-        self.cursor = RankCounter()
-
-    def step(self) -> None:
-        self.model(torch.randn(3, 4)).sum().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self.counter.n += 1
-        self.cursor.n += 10
-
-    def states(self):
-        return {"model": self.model, "optimizer": self.optimizer, "counter": self.counter, "cursor": self.cursor}
 
 
 @pytest.fixture(scope="module")
