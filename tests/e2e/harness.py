@@ -1,11 +1,14 @@
-"""Runs `ckpt-train` as a user would (a subprocess, 1 or 2 processes) and reads what it wrote."""
+"""Runs `ckpt-train` as a user would (a subprocess, 1 or 2 processes), reads what it wrote, and kills whole jobs."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,3 +64,57 @@ def tree(root: Path) -> set[str]:
         if p.is_symlink() or p.is_file():
             out.add(rel)
     return out
+
+
+# --- processes ---------------------------------------------------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out[ppid].append(int(entry))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    children = _children()
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_job(proc: subprocess.Popen) -> int:
+    """SIGKILL the launcher's process group and every descendant; wait until all are gone. Returns #processes."""
+    pids = process_tree(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(pids)

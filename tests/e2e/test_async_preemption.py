@@ -27,7 +27,7 @@ from automodel_ckpt.checkpoint import layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.launch import worker_pids
 from tests.e2e.contents import comparable
-from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, losses
+from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses
 
 pytestmark = pytest.mark.e2e
 
@@ -99,16 +99,6 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str) -> None:
         time.sleep(0.01)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    pids = [proc.pid, *worker_pids(proc.pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=60)
-
-
 @cache
 def _preempted(work: Path, assets: Path, delivery: str) -> tuple[int, str, Path]:
     """Start the job in a session of its own, SIGTERM it once training has logged a step; (code, output, dir)."""
@@ -134,7 +124,7 @@ def _preempted(work: Path, assets: Path, delivery: str) -> tuple[int, str, Path]
                 os.kill(pid, signal.SIGTERM)
         code = proc.wait(timeout=DEADLINE_S)
     except BaseException:
-        _kill_tree(proc)
+        kill_job(proc)
         raise
     return code, log.read_text(errors="replace"), run_dir
 

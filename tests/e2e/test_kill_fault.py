@@ -25,17 +25,15 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from automodel_ckpt.checkpoint import layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
-from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, losses
+from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses
 
 MAX_STEPS = 12
 ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "1",
@@ -48,60 +46,6 @@ def kill_count() -> int:
     default = 20 if os.environ.get("RUN_SLOW") == "1" else 3
     count = int(os.environ.get("KILL_COUNT", default))
     return max(count, 20) if os.environ.get("RUN_SLOW") == "1" else count
-
-
-# --- processes -------------------------------------------------------------------------------------------
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out[ppid].append(int(entry))
-    return out
-
-
-def process_tree(pid: int) -> list[int]:
-    children = _children()
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def kill_job(proc: subprocess.Popen) -> int:
-    """SIGKILL the launcher's process group and every descendant; wait until all are gone. Returns #processes."""
-    pids = process_tree(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=60)
-    deadline = time.monotonic() + 60
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return len(pids)
 
 
 def start_job(cwd: Path, assets: Path, ckpt_dir: str, log: Path) -> subprocess.Popen:
