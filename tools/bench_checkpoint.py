@@ -178,11 +178,9 @@ def checkpointer(env, root: Path, fmt: str, is_async: bool = False):
 
 # ---------------------------------------------------------------------------------------------- raw I/O
 def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    from automodel_ckpt.checkpoint.storage import fsync_file  # imported late: --tree may pick another checkout
+
+    fsync_file(path)
 
 
 def _parallel(fn, n: int) -> None:

@@ -26,6 +26,7 @@ from automodel_ckpt.checkpoint.retention import (
 from automodel_ckpt.checkpoint.storage import read_pointer, set_pointer
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.errors import ConfigError
+from tests.unit.ckpt_state import Counter
 
 
 def recs(*metrics: float | None) -> list[Candidate]:
@@ -275,19 +276,6 @@ def test_prune_failure_is_a_warning(tmp_path, monkeypatch):
 
 
 # --- the best-checkpoint decision through the Checkpointer -------------------------------------------------
-
-
-class Counter:
-    """A tiny global state object so that every save writes something."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.n = state["n"]
 
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
