@@ -4,6 +4,8 @@
 ``model/consolidated/``: ``model-K-of-F.safetensors`` files, their index, ``config.json``, the generation config
 and tokenizer files kept in ``model/.hf_metadata``. When the base model came from an HF folder, every tensor
 returns to its original dtype and file number, so the export diffs cleanly against the base. Tensors are
+written under the names and in the layout ``save_pretrained`` gives the model family (``export/family.py``):
+tied weights once, mixture-of-experts weights per expert. Tensors are
 streamed piece by piece (see ``consolidate_writer``); the whole model is never held in memory. The export is
 written into a hidden sibling folder and renamed into place only when complete.
 """
@@ -32,6 +34,7 @@ from automodel_ckpt.checkpoint.consolidate_commit import make_coordinator, write
 from automodel_ckpt.checkpoint.consolidate_script import render_consolidate_script
 from automodel_ckpt.checkpoint.consolidate_sources import ShardSource, detect_format, open_source, require_format
 from automodel_ckpt.checkpoint.consolidate_writer import OutFile, OutTensor, total_bytes, write_files
+from automodel_ckpt.checkpoint.export.views import on_disk_tensors
 from automodel_ckpt.checkpoint.hf_metadata import HFMetadata, read_hf_metadata
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, is_plain_float
 from automodel_ckpt.checkpoint.storage import fsync_file
@@ -191,6 +194,7 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -
     """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata``."""
     meta = _read_metadata(model_dir)
     source = open_source(model_dir, meta.saved if meta else None, meta.saved_world_size if meta else None)
+    source.tensors = on_disk_tensors(source.tensors, meta.config if meta else None)
     original = meta.original if meta else None
     dtypes = _output_dtypes(source, original, cast)
     tensors = [OutTensor(source.tensors[name], dtypes[name]) for name in sorted(source.tensors, key=_natural_key)]

@@ -35,7 +35,8 @@ class Piece:
     """One rank's part of a tensor: a box at ``offsets`` of size ``shape`` inside the full tensor.
 
     safetensors pieces are raw C-order bytes at ``[start, start + length)`` of ``file``; DCP pieces are a
-    ``torch.save`` payload there (``raw`` False), possibly with stream transforms (``transforms``).
+    ``torch.save`` payload there (``raw`` False), possibly with stream transforms (``transforms``); ``select``
+    then takes elements ``[a, b)`` of the stored payload (a piece cut to part of an exported tensor).
     """
 
     file: Path
@@ -45,6 +46,7 @@ class Piece:
     length: int
     raw: bool = True
     transforms: tuple[str, ...] = ()
+    select: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -57,6 +59,10 @@ class SourceTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[Piece] = field(default_factory=list)
+    base_shape: tuple[int, ...] | None = None
+    """Set for a strided view of a saved tensor: ``pieces`` tile a tensor of this shape, ..."""
+    view: tuple[int, tuple[int, ...]] | None = None
+    """... and this tensor is its ``as_strided(shape, stride, offset)`` view, given as ``(offset, stride)``."""
 
     @property
     def numel(self) -> int:
@@ -261,6 +267,11 @@ def load_dcp_piece(piece: Piece) -> torch.Tensor:
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for damaged payloads
         raise CheckpointError(f"damaged shard file {piece.file}: cannot read a piece at byte {piece.start} ({e})") from None
+    if piece.select is not None:
+        a, b = piece.select
+        if b - a != math.prod(piece.shape) or b > tensor.numel():
+            raise CheckpointError(f"damaged shard file {piece.file}: piece at byte {piece.start} is too small")
+        tensor = tensor.reshape(-1)[a:b].view(piece.shape)
     if tuple(tensor.shape) != piece.shape:
         raise CheckpointError(f"damaged shard file {piece.file}: piece at byte {piece.start} has the wrong shape")
     return tensor.contiguous()

@@ -233,9 +233,11 @@ class _Writer:
     def _assemble(self, dst: int, out: OutTensor) -> None:
         """Build the whole tensor in memory from pieces that are not contiguous in it, then write it."""
         src = out.source
-        self.budget.acquire(out.nbytes)
+        shape = src.base_shape or src.shape
+        nbytes = max(out.nbytes, numel(shape) * src.dtype.itemsize)
+        self.budget.acquire(nbytes)
         try:
-            full = torch.empty(src.shape, dtype=src.dtype)
+            full = torch.empty(shape, dtype=src.dtype)
             for piece in src.pieces:
                 if piece.numel == 0:
                     continue
@@ -245,10 +247,12 @@ class _Writer:
                         region.copy_(values.view(piece.shape))
                 else:
                     region.copy_(load_dcp_piece(piece))
+            if src.view is not None:  # a strided part of a saved tensor (see export/views.py)
+                full = full.as_strided(src.shape, src.view[1], src.view[0])
             pwrite_all(dst, _bytes_of(full.to(out.dtype).reshape(-1)), out.offset)
             self._written(dst, out.offset, out.nbytes)
         finally:
-            self.budget.release(out.nbytes)
+            self.budget.release(nbytes)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _written(self, fd: int, offset: int, nbytes: int) -> None:
@@ -294,10 +298,14 @@ def _mapped(fd: int, offset: int, count: int, dtype: torch.dtype) -> Iterator[to
 
 def _streamable(tensor: SourceTensor) -> bool:
     """Whether every piece is one contiguous run of the full tensor (true for row-split FSDP shards)."""
+    if tensor.view is not None:
+        return False
     return all(_contiguous_box(p.offsets, p.shape, tensor.shape) for p in tensor.pieces if p.numel)
 
 
 def _contiguous_box(offsets: tuple[int, ...], shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    if len(offsets) != len(full):
+        return False
     for d, size in enumerate(shape):
         if size != 1:
             return all(offsets[i] == 0 and shape[i] == full[i] for i in range(d + 1, len(shape)))

@@ -1,0 +1,149 @@
+"""On-disk tensor layout of a model family: which saved tensor, and which part of it, each exported tensor is.
+
+Training checkpoints keep the names and shapes transformers uses *in memory* (they serve exact resume and
+resharding). Several families store their weights differently on disk: mixture-of-experts layers are fused in
+memory (``mlp.experts.gate_up_proj``) but stored per expert (``block_sparse_moe.experts.3.w1.weight``), heads and
+layers are renamed on load, tied weights exist twice in memory and once on disk. ``save_pretrained`` reverses
+all of that; the export must write exactly what it writes.
+
+Rather than keep a table per family, this module asks transformers itself. It builds the model from its config
+on the meta device (no memory, no weights), drops the tied copies exactly as ``save_pretrained`` does
+(``remove_tied_weights_from_state_dict``) and runs ``revert_weight_conversion`` (the family's conversion mapping,
+reversed) on meta tensors standing for the saved ones. While it runs, copies (``clone``/``contiguous``) are
+turned into no-ops, so every resulting tensor stays a *view* of the saved tensor it comes from: its storage
+offset, sizes and strides say exactly which elements of that tensor it holds. A family added to transformers
+therefore exports in its own layout without a change here. Conversions that combine several saved tensors into
+one on-disk tensor (none of the families transformers fuses today) are reported, and the export then keeps the
+in-memory names.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DiskTensor", "disk_layout", "family_of"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiskTensor:
+    """One on-disk tensor: elements ``offset + sum(i_k * stride_k)`` of the saved tensor ``source``."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    offset: int
+    stride: tuple[int, ...]
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether it is one run of consecutive elements of the source (then it streams piece by piece)."""
+        return self.stride == c_strides(self.shape) or math.prod(self.shape) <= 1
+
+    def is_whole(self, source_shape: tuple[int, ...]) -> bool:
+        return self.offset == 0 and self.shape == tuple(source_shape) and self.contiguous
+
+
+def family_of(config: Mapping[str, Any] | None) -> str | None:
+    """The ``model_type`` of an HF config dict (``llama``, ``mixtral``, ...), or None."""
+    if not config:
+        return None
+    value = config.get("model_type")
+    return str(value) if value else None
+
+
+def disk_layout(
+    config: Mapping[str, Any] | None, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, DiskTensor] | None:
+    """On-disk name -> where it lies in the saved tensors ``saved`` (name -> (shape, dtype)).
+
+    None when the family is unknown to this transformers or its layout cannot be expressed as views of single
+    saved tensors: the export then keeps the saved names (logged).
+    """
+    family = family_of(config)
+    if family is None:
+        return None
+    model = _meta_model(dict(config or {}))
+    if model is None:
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+
+    dropped = _tied_copies(model, saved)
+    sources = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in saved.items()}
+    kept = {name: t for name, t in sources.items() if name not in dropped}
+    try:
+        with torch.no_grad(), _KeepViews():
+            reverted = revert_weight_conversion(model, dict(kept))
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' conversion means: keep saved names
+        logger.warning("cannot map the %s checkpoint to its on-disk names (%s); the export keeps the saved names",
+                       family, e)  # fmt: skip
+        return None
+    by_id = {id(t): name for name, t in kept.items()}
+    out: dict[str, DiskTensor] = {}
+    for name, tensor in reverted.items():
+        root = tensor if id(tensor) in by_id else tensor._base
+        source = by_id.get(id(root)) if root is not None else None
+        if source is None:
+            logger.warning(
+                "%s: on-disk tensor '%s' combines several saved tensors, which the streaming export does not "
+                "support; the export keeps the saved names", family, name,
+            )  # fmt: skip
+            return None
+        out[name] = DiskTensor(name, source, tuple(tensor.shape), tensor.storage_offset(), tuple(tensor.stride()))
+    if dropped:
+        logger.info("%s: tied weight(s) written once, as save_pretrained does: %s left out", family,
+                    ", ".join(sorted(dropped)))  # fmt: skip
+    return out
+
+
+def _meta_model(config: dict[str, Any]) -> Any | None:
+    """The family's causal LM built from ``config`` on the meta device, or None when transformers lacks it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = config.pop("model_type")
+    try:
+        hf_config = AutoConfig.for_model(family, **config)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError, ImportError) as e:
+        logger.warning("model family '%s' is unknown to this transformers (%s); the export keeps the saved names",
+                       family, e)  # fmt: skip
+        return None
+
+
+def _tied_copies(model: Any, saved: Mapping[str, Any]) -> set[str]:
+    """Saved names ``save_pretrained`` leaves out because they are tied to another weight (e.g. ``lm_head``)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
+    return {name for name in state if name not in kept and name in saved}
+
+
+class _KeepViews(TorchDispatchMode):
+    """Makes copies return their input, so that converted tensors remain views of the tensors they come from."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor):
+            if func is torch.ops.aten.clone.default:
+                return first
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", first.dtype) == first.dtype:
+                return first
+        return func(*args, **kwargs)
+
+
+def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
