@@ -52,10 +52,6 @@ class TrainingConfig:
     log_sample_ids: bool = False  # add the ids of the step's samples to training.jsonl
 
 
-# Llama-style attention and MLP projections: the usual LoRA targets.
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass
 class PeftConfig:
     """LoRA fine-tuning (docs/peft.md): only the adapter weights train, the base model stays frozen."""
@@ -64,7 +60,7 @@ class PeftConfig:
     rank: int = 8  # LoRA rank r of every adapted projection
     alpha: float = 16.0  # scaling numerator: updates are scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)
     dropout: float = 0.0  # dropout on the adapter input
-    target_modules: List[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))  # module name suffixes
+    target_modules: Optional[List[str]] = None  # module name suffixes (None: chosen for the model family, docs/peft.md)
     bias: str = "none"  # none | all | lora_only: which biases also train
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank)
     init_lora_weights: bool = True  # True: B starts at zero (the adapted model starts as the base); False: random

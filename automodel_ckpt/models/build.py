@@ -69,12 +69,14 @@ def build_causal_lm(
     config: dict[str, Any] | None = None,
     embedded: str | None = None,
     dtype: str = "float32",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     seed: int = 0,
 ) -> PreTrainedModel:
     """A causal LM with parameters in ``dtype`` (the training dtype; the base may be stored in another).
 
     With ``config`` the weights are initialised from ``seed``; otherwise they are read from the folder.
+    ``attn_implementation`` (``eager``, ``sdpa``, ``flash_attention_2``, ...) overrides transformers' own choice
+    for the family (sdpa where the family supports it, else eager).
     ``embedded`` names a built-in base created at ``pretrained_model_name_or_path`` on first use.
     """
     import torch
@@ -86,7 +88,8 @@ def build_causal_lm(
         cfg_kwargs = dict(config)
         model_type = cfg_kwargs.pop("model_type", "llama")
         hf_config = AutoConfig.for_model(model_type, **cfg_kwargs)
-        hf_config._attn_implementation = attn_implementation
+        if attn_implementation:
+            hf_config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config)
         return model.to(torch_dtype)
@@ -94,7 +97,8 @@ def build_causal_lm(
     if embedded and local_model_path(pretrained_model_name_or_path) is None:
         ensure_embedded_base(embedded, pretrained_model_name_or_path)
     hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
-    hf_config._attn_implementation = attn_implementation
+    if attn_implementation:
+        hf_config._attn_implementation = attn_implementation
     return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
 
 

@@ -2,28 +2,44 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.models.lora_targets import linear_names
 
 if TYPE_CHECKING:  # keep check_peft_section importable without torch (the launcher validates recipes early)
     from torch import nn
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("lora",)
 BIAS_MODES = ("none", "all", "lora_only")
 
 
-def lora_config(peft: Any):
-    """The ``peft.LoraConfig`` of a recipe's ``peft:`` section (a ``PeftConfig`` or any object with its fields)."""
+def lora_config(peft: Any, model: nn.Module | None = None):
+    """The ``peft.LoraConfig`` of a recipe's ``peft:`` section (a ``PeftConfig`` or any object with its fields).
+
+    Without ``target_modules`` in the section, the targets are chosen for ``model``'s family (``lora_targets``).
+    """
     from peft import LoraConfig, TaskType
 
     check_peft_section(peft)
+    targets = list(peft.target_modules) if peft.target_modules is not None else None
+    if targets is None:
+        if model is None:
+            raise ConfigError("peft.target_modules: not set, and no model to choose the targets for")
+        from automodel_ckpt.models.lora_targets import default_targets
+
+        targets = default_targets(model)
+        if not targets:
+            raise ConfigError("peft.target_modules: the model has no linear layer to adapt; name the modules to adapt")
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=int(peft.rank),
         lora_alpha=float(peft.alpha),
         lora_dropout=float(peft.dropout),
-        target_modules=list(peft.target_modules),
+        target_modules=targets,
         bias=str(peft.bias),
         use_rslora=bool(peft.use_rslora),
         init_lora_weights=bool(peft.init_lora_weights),
@@ -40,7 +56,7 @@ def check_peft_section(peft: Any) -> None:
         raise ConfigError(f"peft.dropout: expected a value in [0, 1), got {peft.dropout}")
     if str(peft.bias) not in BIAS_MODES:
         raise ConfigError(f"peft.bias: expected one of {', '.join(BIAS_MODES)}, got '{peft.bias}'")
-    if not list(peft.target_modules):
+    if peft.target_modules is not None and not list(peft.target_modules):
         raise ConfigError("peft.target_modules: expected at least one module name (e.g. q_proj)")
 
 
@@ -53,18 +69,28 @@ def apply_lora(model: nn.Module, peft: Any) -> nn.Module:
     """
     from peft import get_peft_model
 
-    config = lora_config(peft)
+    config = lora_config(peft, model)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in config.target_modules if m not in present]
     if missing:
         raise ConfigError(
             f"peft.target_modules: no module named {', '.join(sorted(missing))} in the model "
-            f"(linear layers present: {', '.join(sorted(_linear_names(model)))})"
+            f"(linear layers present: {', '.join(sorted(linear_names(model)))})"
         )
-    return get_peft_model(model, config)
+    wrapped = get_peft_model(model, config)
+    logger.info(lora_summary(wrapped))
+    return wrapped
 
 
-def _linear_names(model: nn.Module) -> set[str]:
-    from torch import nn
+def adapted_modules(model: nn.Module) -> list[str]:
+    """Paths of the modules a PEFT model adapts with LoRA (``...layers.0.self_attn.q_proj``)."""
+    return sorted(n.removeprefix("base_model.model.") for n, m in model.named_modules() if hasattr(m, "lora_A") and n)
 
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+def lora_summary(model: nn.Module) -> str:
+    """One line for the run's output: the family, the target suffixes and how many modules LoRA adapts."""
+    adapted = adapted_modules(model)
+    suffixes = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    base = getattr(model, "base_model", model)
+    family = getattr(getattr(base, "config", None), "model_type", None) or "model"
+    return f"LoRA: {family}, {len(adapted)} module(s) adapted ({', '.join(suffixes)} in every layer that has them)"

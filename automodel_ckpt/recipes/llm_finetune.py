@@ -22,7 +22,7 @@ from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, ini
 from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
-from automodel_ckpt.models.lora import apply_lora
+from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.progress import Progress
@@ -49,6 +49,8 @@ class FinetuneRecipe(BaseRecipe):
         self.tokenizer, model = self.build_model_and_tokenizer()
         if cfg.peft is not None:  # LoRA: wrap before sharding, so FSDP2 sees frozen base and trainable adapters
             model = apply_lora(model, cfg.peft)
+            if self.env.is_main:
+                print(lora_summary(model), flush=True)
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
         train_data, val_data = self.build_data()

@@ -14,12 +14,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.merge_lora import base_model_folder, merge_lora
-from automodel_ckpt.config.schema import LORA_DEFAULT_TARGETS, PeftConfig
+from automodel_ckpt.config.schema import PeftConfig
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.lora import apply_lora
 from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG, ensure_tiny_base
 
 LAYERS = TINY_LLAMA_CONFIG["num_hidden_layers"]
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's own default for Llama, chosen when target_modules is unset
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
