@@ -1,0 +1,158 @@
+"""The export writes what save_pretrained writes, for every family: names, shapes, dtypes, values and file numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.consolidate import consolidate
+from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
+from automodel_ckpt.checkpoint.export.views import flat_boxes
+from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from family_bases import FAMILIES, build_family_base  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bases(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("family_bases")
+    return {family: build_family_base(family, root / family) for family in FAMILIES}
+
+
+def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (file, tensor) over every safetensors file of an HF folder."""
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update({name: (path.name, t) for name, t in load_file(path).items()})
+    return out
+
+
+def _in_memory_state(base: Path, noise: float = 0.0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The base loaded in fp32 (optionally perturbed, as training would) and its in-memory state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if noise:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise)
+    return model, model.state_dict()
+
+
+def _save_rank_shards(state: dict[str, torch.Tensor], model_dir: Path, split_dim: int = 0) -> None:
+    """Two ranks' safetensors shards as FSDP2 writes them: each tensor split in two along ``split_dim``."""
+    model_dir.mkdir(parents=True)
+    for rank in range(2):
+        pieces, info = {}, {}
+        for name, t in state.items():
+            dim = split_dim if t.dim() > split_dim else 0
+            rows = math.ceil(t.shape[dim] / 2)
+            lo, hi = rank * rows, min(t.shape[dim], (rank + 1) * rows)
+            if lo >= hi:
+                continue
+            pieces[name] = t.narrow(dim, lo, hi - lo).contiguous().clone()
+            info[name] = {"saved_offsets": [lo if d == dim else 0 for d in range(t.dim())]}
+        meta = {"format": "pt", "DCP_SHARDING_INFO": json.dumps(info)}
+        save_file(pieces, model_dir / layout.model_shard_file(rank, 1, 1), metadata=meta)
+
+
+def _checkpoint(base: Path, root: Path, fmt: str, noise: float = 0.0, split_dim: int = 0):
+    model, state = _in_memory_state(base, noise)
+    model_dir = root / "epoch_0_step_4" / layout.MODEL_DIR
+    if fmt == "safetensors":
+        _save_rank_shards(state, model_dir, split_dim)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({k: v.clone() for k, v in state.items()}, checkpoint_id=str(model_dir), no_dist=True)
+    write_hf_metadata(model_dir, hf_config=model.config, base_model_path=base, world_size=2 if fmt == "safetensors" else 1)
+    return model, model_dir
+
+
+def _assert_same_files(expected: dict, actual: dict) -> None:
+    assert sorted(actual) == sorted(expected), f"extra {set(actual) - set(expected)}, missing {set(expected) - set(actual)}"
+    for name, (file, tensor) in expected.items():
+        out_file, out = actual[name]
+        assert (out_file, out.dtype, out.shape) == (file, tensor.dtype, tensor.shape), name
+        assert torch.equal(out.view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_unchanged_weights_export_to_the_base_files_bit_for_bit(bases, family, fmt, tmp_path):
+    """lr=0 oracle: same names, file numbers, shapes, dtypes and bytes as the base; the index too."""
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir = _checkpoint(bases[family], tmp_path, fmt)
+    out = consolidate(model_dir, progress=False)
+    _assert_same_files(_weights(bases[family]), _weights(out))
+    index = json.loads((out / layout.HF_INDEX).read_text())["weight_map"]
+    assert index == json.loads((bases[family] / layout.HF_INDEX).read_text())["weight_map"]
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt2", "qwen2"])
+def test_trained_weights_export_as_save_pretrained_writes_them(bases, family, tmp_path):
+    """With changed weights: the export equals save_pretrained of the model holding them (cast to the base dtype)."""
+    model, model_dir = _checkpoint(bases[family], tmp_path, "safetensors", noise=1e-2)
+    out = consolidate(model_dir, progress=False)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "reference")
+    expected = {name: ("", t) for name, (_, t) in _weights(tmp_path / "reference").items()}
+    _assert_same_files(expected, {name: ("", t) for name, (_, t) in _weights(out).items()})
+
+
+def test_column_split_experts_assemble_and_two_ranks_write_the_same_bytes(bases, tmp_path):
+    """Pieces that are not runs of the fused expert tensor still export exactly; a 2-process export is identical."""
+    _, model_dir = _checkpoint(bases["mixtral"], tmp_path / "cols", "safetensors", split_dim=1)
+    out = consolidate(model_dir, progress=False)
+    _assert_same_files(_weights(bases["mixtral"]), _weights(out))
+    _, rows_dir = _checkpoint(bases["mixtral"], tmp_path / "rows", "safetensors")
+    single = consolidate(rows_dir, tmp_path / "single", progress=False)
+    consolidate(rows_dir, tmp_path / "multi", rank=1, world_size=2, progress=False)
+    multi = consolidate(rows_dir, tmp_path / "multi", rank=0, world_size=2, progress=False)
+    files = sorted(p.name for p in single.iterdir())
+    assert files == sorted(p.name for p in multi.iterdir())
+    assert all((single / f).read_bytes() == (multi / f).read_bytes() for f in files)
+
+
+def test_layout_names_experts_per_expert_and_drops_tied_copies(bases):
+    from transformers import AutoConfig
+
+    def layout_of(family: str) -> dict:
+        config = AutoConfig.from_pretrained(bases[family]).to_dict()
+        _, state = _in_memory_state(bases[family])
+        return config, disk_layout(config, {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+
+    config, mixtral = layout_of("mixtral")
+    assert family_of(config) == "mixtral"
+    w3 = mixtral["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    assert w3.source == "model.layers.1.mlp.experts.gate_up_proj" and w3.contiguous
+    assert w3.offset == (2 * 2 + 1) * 64 * 128  # expert 2, second half of gate_up: (E, 2I, H) = (4, 256, 64)
+    _, qwen2 = layout_of("qwen2")
+    assert "lm_head.weight" not in qwen2 and "model.embed_tokens.weight" in qwen2
+    assert disk_layout({"model_type": "no_such_family"}, {}) is None
+
+
+def test_flat_boxes_tile_any_range():
+    shape = (3, 4, 5)
+    for first, end in [(0, 60), (7, 53), (20, 40), (3, 4), (19, 21)]:
+        seen = []
+        for start, offsets, box in flat_boxes(first, end, shape):
+            strides = (20, 5, 1)
+            at = sum(o * s for o, s in zip(offsets, strides))
+            assert at == first + start
+            lead = next((i for i, n in enumerate(box) if n != 1), len(box))
+            assert all(box[i] == shape[i] and offsets[i] == 0 for i in range(lead + 1, 3))
+            seen.extend(range(at, at + math.prod(box)))
+        assert seen == list(range(first, end))
