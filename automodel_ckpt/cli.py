@@ -15,7 +15,7 @@ usage: ckpt-train [launcher flags] RECIPE.yaml [--section.key value ...]
        ckpt-train consolidate CHECKPOINT [--out DIR] [--cast-dtype bf16|fp16|fp32|fp64] [--num-threads N]
        ckpt-train inspect CHECKPOINT_DIR [--json]
        ckpt-train merge-lora CHECKPOINT [--out DIR] [--base DIR]
-       ckpt-train verify CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only]
+       ckpt-train verify CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only] | --export CHECKPOINT
        ckpt-train plot CHECKPOINT_DIR [--out FILE.png]
 
 launcher flags:

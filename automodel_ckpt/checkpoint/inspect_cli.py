@@ -14,7 +14,7 @@ from automodel_ckpt.checkpoint import catalog, layout
 from automodel_ckpt.checkpoint.metadata import as_float
 from automodel_ckpt.errors import UserError
 
-_COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
+_COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,12 +76,33 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "train_loss": _json_float(as_float(meta.get("train_loss"))),
         "val_loss": _json_float(as_float(meta.get("val_loss"))),
         "size_bytes": catalog.size_on_disk(record.path),
+        "family": model_family(record.path),
         "format": meta.get("model_save_format") or _detect_format(record.path),
         "consolidated": layout.consolidated_dir(record.path).is_dir(),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "metadata": record.metadata,
     }
+
+
+def model_family(ckpt: Path) -> str | None:
+    """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
+    model = layout.model_dir(ckpt)
+    candidates = [layout.hf_metadata_dir(model) / layout.HF_CONFIG]
+    try:
+        adapter = json.loads((model / layout.ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        if adapter.get("base_model_name_or_path"):
+            candidates.append(Path(adapter["base_model_name_or_path"]) / layout.HF_CONFIG)
+    except (OSError, ValueError):
+        pass
+    for path in candidates:
+        try:
+            value = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if value:
+            return str(value)
+    return None
 
 
 def _detect_format(ckpt: Path) -> str | None:
@@ -110,6 +131,7 @@ def render_table(report: dict[str, Any]) -> str:
             _text(r["epoch"]),
             f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"]),
             human_size(r["size_bytes"]),
+            _text(r.get("family")),
             _text(r["format"]),
             "yes" if r["consolidated"] else "no",
             "yes" if r["complete"] else "no",

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path, help="a checkpoint folder, or a checkpoint_dir (every checkpoint in it)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems and the summary")
     p.add_argument("--sizes-only", action="store_true", help="skip checksums (fast: no file is read)")
+    p.add_argument("--export", action="store_true",
+                   help="check the HF export of CHECKPOINT instead: it reloads in transformers with no missing or "
+                        "unexpected keys, equals the shards, and has the base's names, shapes and dtypes")
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="files hashed in parallel")
     return p
 
@@ -116,6 +119,13 @@ def main(argv: list[str]) -> int:
         raise UserError(f"'{path}' does not exist")
     if not path.is_dir():
         raise UserError(f"'{path}' is not a folder; give a checkpoint folder or a checkpoint_dir")
+    if args.export:
+        from automodel_ckpt.checkpoint.export.verify import print_report, verify_export
+
+        report = verify_export(path)
+        print_report(report)
+        print(f"verify: {'OK' if report.ok else 'FAILED'}")
+        return 0 if report.ok else FAILED
     opts = {"checksums": not args.sizes_only, "threads": args.threads, "quiet": args.quiet}
     if is_checkpoint(path):
         ok = verify_checkpoint(path, **opts)
