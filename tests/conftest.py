@@ -14,3 +14,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def family_bases(tmp_path_factory: pytest.TempPathFactory):
+    """Tiny bf16 bases of every family in tests/family_bases.py, built once per session (two weight files each)."""
+    from tests.family_bases import FAMILIES, build_family_base
+
+    root = tmp_path_factory.mktemp("family_bases")
+    return {family: build_family_base(family, root / family) for family in FAMILIES}

@@ -3,6 +3,7 @@
 The base named in ``adapter_config.json`` is loaded in float32, the adapter applied with PEFT and merged
 (``merge_and_unload``: W + scale * B @ A), and every tensor is cast back to the dtype it has in the base's own
 safetensors files (bf16 for the embedded base), so the merged folder is as large and as loadable as the base.
+``save_pretrained`` writes it in the family's on-disk layout (experts per expert, tied weights once).
 The folder is written under a hidden temporary name and renamed into place when complete; inside a checkpoint,
 the checkpoint's manifest is updated to list the new files.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint.export.family import in_memory_dtypes
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.checkpoint.storage import replace_folder
 from automodel_ckpt.errors import CheckpointError
@@ -81,7 +83,7 @@ def merged_model(adapter_dir: Path, base: Path) -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    dtypes = original_dtypes(base)
+    dtypes = in_memory_dtypes(merged, original_dtypes(base))  # on-disk names -> the model's in-memory names
     with torch.no_grad():
         for name, tensor in list(merged.named_parameters()) + list(merged.named_buffers()):
             want = dtypes.get(name)

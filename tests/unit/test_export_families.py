@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,12 @@ from automodel_ckpt.checkpoint.consolidate import consolidate
 from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
 from automodel_ckpt.checkpoint.export.views import flat_boxes
 from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from family_bases import FAMILIES, build_family_base  # noqa: E402
+from tests.family_bases import FAMILIES
 
 
 @pytest.fixture(scope="session")
-def bases(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("family_bases")
-    return {family: build_family_base(family, root / family) for family in FAMILIES}
+def bases(family_bases) -> dict[str, Path]:
+    return family_bases
 
 
 def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:

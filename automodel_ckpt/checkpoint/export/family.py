@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DiskTensor", "disk_layout", "family_of"]
+__all__ = ["DiskTensor", "disk_layout", "family_of", "in_memory_dtypes"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,22 @@ def disk_layout(
     if dropped:
         logger.info("%s: tied weight(s) written once, as save_pretrained does: %s left out", family,
                     ", ".join(sorted(dropped)))  # fmt: skip
+    return out
+
+
+def in_memory_dtypes(model: Any, disk_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """Dtypes of the base's on-disk tensors (``disk_dtypes``) under ``model``'s in-memory names.
+
+    A fused expert stack takes the dtype of the per-expert tensors it is made of.
+    """
+    state = model.state_dict()
+    disk = disk_layout(model.config.to_dict(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+    if disk is None:
+        return dict(disk_dtypes)
+    out: dict[str, torch.dtype] = {}
+    for name, view in disk.items():
+        if name in disk_dtypes:
+            out.setdefault(view.source, disk_dtypes[name])
     return out
 
 
