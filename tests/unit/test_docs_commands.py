@@ -48,6 +48,16 @@ def documented_commands() -> list[tuple[str, list[str], bool]]:
 COMMANDS = documented_commands()
 
 
+def _user_folder(arg: str, tmp_path: Path) -> str:
+    """Docs create model folders under ``my-models/`` in an example before training on them: stand one in."""
+    if not arg.startswith("my-models/"):
+        return arg
+    folder = tmp_path / arg
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    return str(folder)
+
+
 def test_docs_show_commands():
     assert len(COMMANDS) >= 10
     assert any(shows_error for _, _, shows_error in COMMANDS)
@@ -62,6 +72,7 @@ def test_documented_command_is_valid(where, args, shows_error, monkeypatch, tmp_
     assert (REPO / recipe).exists(), f"{where}: recipe {recipe} does not exist"
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("AUTOMODEL_CKPT_ASSETS", str(tmp_path))
+    args = [_user_folder(a, tmp_path) for a in args]
     code = main(["--dry-run", *args])
     err = capsys.readouterr().err
     if shows_error:
