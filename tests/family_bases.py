@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
 from automodel_ckpt.models.tiny import build_tokenizer
 
 #: Families the export, resume and LoRA tests cover, with what makes each one interesting.
@@ -46,3 +50,47 @@ def build_family_base(family: str, folder: Path, two_files: bool = True) -> Path
     model.save_pretrained(folder, max_shard_size=limit)
     build_tokenizer().save_pretrained(folder)
     return folder
+
+
+def in_memory_state(base: Path, noise: float = 0.0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The base loaded in fp32 (optionally perturbed, as training would) and its in-memory state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if noise:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise)
+    return model, model.state_dict()
+
+
+def _save_rank_shards(state: dict[str, torch.Tensor], model_dir: Path, split_dim: int = 0) -> None:
+    """Two ranks' safetensors shards as FSDP2 writes them: each tensor split in two along ``split_dim``."""
+    model_dir.mkdir(parents=True)
+    for rank in range(2):
+        pieces, info = {}, {}
+        for name, t in state.items():
+            dim = split_dim if t.dim() > split_dim else 0
+            rows = math.ceil(t.shape[dim] / 2)
+            lo, hi = rank * rows, min(t.shape[dim], (rank + 1) * rows)
+            if lo >= hi:
+                continue
+            pieces[name] = t.narrow(dim, lo, hi - lo).contiguous().clone()
+            info[name] = {"saved_offsets": [lo if d == dim else 0 for d in range(t.dim())]}
+        meta = {"format": "pt", "DCP_SHARDING_INFO": json.dumps(info)}
+        save_file(pieces, model_dir / layout.model_shard_file(rank, 1, 1), metadata=meta)
+
+
+def checkpoint_of(base: Path, root: Path, fmt: str, noise: float = 0.0, split_dim: int = 0):
+    """A checkpoint's ``model/`` folder of ``base`` as ckpt-train writes it (2-rank shards, or DCP), no processes."""
+    model, state = in_memory_state(base, noise)
+    model_dir = root / "epoch_0_step_4" / layout.MODEL_DIR
+    if fmt == "safetensors":
+        _save_rank_shards(state, model_dir, split_dim)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({k: v.clone() for k, v in state.items()}, checkpoint_id=str(model_dir), no_dist=True)
+    write_hf_metadata(model_dir, hf_config=model.config, base_model_path=base, world_size=2 if fmt == "safetensors" else 1)
+    return model, model_dir

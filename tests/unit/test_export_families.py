@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.consolidate import consolidate
 from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
 from automodel_ckpt.checkpoint.export.views import flat_boxes
-from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
-from tests.family_bases import FAMILIES
+from tests.family_bases import FAMILIES, checkpoint_of, in_memory_state
 
 
 @pytest.fixture(scope="session")
@@ -29,49 +28,6 @@ def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
     for path in sorted(folder.glob("*.safetensors")):
         out.update({name: (path.name, t) for name, t in load_file(path).items()})
     return out
-
-
-def _in_memory_state(base: Path, noise: float = 0.0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The base loaded in fp32 (optionally perturbed, as training would) and its in-memory state dict."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if noise:
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * noise)
-    return model, model.state_dict()
-
-
-def _save_rank_shards(state: dict[str, torch.Tensor], model_dir: Path, split_dim: int = 0) -> None:
-    """Two ranks' safetensors shards as FSDP2 writes them: each tensor split in two along ``split_dim``."""
-    model_dir.mkdir(parents=True)
-    for rank in range(2):
-        pieces, info = {}, {}
-        for name, t in state.items():
-            dim = split_dim if t.dim() > split_dim else 0
-            rows = math.ceil(t.shape[dim] / 2)
-            lo, hi = rank * rows, min(t.shape[dim], (rank + 1) * rows)
-            if lo >= hi:
-                continue
-            pieces[name] = t.narrow(dim, lo, hi - lo).contiguous().clone()
-            info[name] = {"saved_offsets": [lo if d == dim else 0 for d in range(t.dim())]}
-        meta = {"format": "pt", "DCP_SHARDING_INFO": json.dumps(info)}
-        save_file(pieces, model_dir / layout.model_shard_file(rank, 1, 1), metadata=meta)
-
-
-def _checkpoint(base: Path, root: Path, fmt: str, noise: float = 0.0, split_dim: int = 0):
-    model, state = _in_memory_state(base, noise)
-    model_dir = root / "epoch_0_step_4" / layout.MODEL_DIR
-    if fmt == "safetensors":
-        _save_rank_shards(state, model_dir, split_dim)
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save({k: v.clone() for k, v in state.items()}, checkpoint_id=str(model_dir), no_dist=True)
-    write_hf_metadata(model_dir, hf_config=model.config, base_model_path=base, world_size=2 if fmt == "safetensors" else 1)
-    return model, model_dir
 
 
 def _assert_same_files(expected: dict, actual: dict) -> None:
@@ -88,7 +44,7 @@ def test_unchanged_weights_export_to_the_base_files_bit_for_bit(bases, family, f
     """lr=0 oracle: same names, file numbers, shapes, dtypes and bytes as the base; the index too."""
     from transformers import AutoModelForCausalLM
 
-    _, model_dir = _checkpoint(bases[family], tmp_path, fmt)
+    _, model_dir = checkpoint_of(bases[family], tmp_path, fmt)
     out = consolidate(model_dir, progress=False)
     _assert_same_files(_weights(bases[family]), _weights(out))
     index = json.loads((out / layout.HF_INDEX).read_text())["weight_map"]
@@ -101,7 +57,7 @@ def test_unchanged_weights_export_to_the_base_files_bit_for_bit(bases, family, f
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt2", "qwen2"])
 def test_trained_weights_export_as_save_pretrained_writes_them(bases, family, tmp_path):
     """With changed weights: the export equals save_pretrained of the model holding them (cast to the base dtype)."""
-    model, model_dir = _checkpoint(bases[family], tmp_path, "safetensors", noise=1e-2)
+    model, model_dir = checkpoint_of(bases[family], tmp_path, "safetensors", noise=1e-2)
     out = consolidate(model_dir, progress=False)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "reference")
     expected = {name: ("", t) for name, (_, t) in _weights(tmp_path / "reference").items()}
@@ -110,10 +66,10 @@ def test_trained_weights_export_as_save_pretrained_writes_them(bases, family, tm
 
 def test_column_split_experts_assemble_and_two_ranks_write_the_same_bytes(bases, tmp_path):
     """Pieces that are not runs of the fused expert tensor still export exactly; a 2-process export is identical."""
-    _, model_dir = _checkpoint(bases["mixtral"], tmp_path / "cols", "safetensors", split_dim=1)
+    _, model_dir = checkpoint_of(bases["mixtral"], tmp_path / "cols", "safetensors", split_dim=1)
     out = consolidate(model_dir, progress=False)
     _assert_same_files(_weights(bases["mixtral"]), _weights(out))
-    _, rows_dir = _checkpoint(bases["mixtral"], tmp_path / "rows", "safetensors")
+    _, rows_dir = checkpoint_of(bases["mixtral"], tmp_path / "rows", "safetensors")
     single = consolidate(rows_dir, tmp_path / "single", progress=False)
     consolidate(rows_dir, tmp_path / "multi", rank=1, world_size=2, progress=False)
     multi = consolidate(rows_dir, tmp_path / "multi", rank=0, world_size=2, progress=False)
@@ -127,7 +83,7 @@ def test_layout_names_experts_per_expert_and_drops_tied_copies(bases):
 
     def layout_of(family: str) -> dict:
         config = AutoConfig.from_pretrained(bases[family]).to_dict()
-        _, state = _in_memory_state(bases[family])
+        _, state = in_memory_state(bases[family])
         return config, disk_layout(config, {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
 
     config, mixtral = layout_of("mixtral")
