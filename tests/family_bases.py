@@ -92,5 +92,6 @@ def checkpoint_of(base: Path, root: Path, fmt: str, noise: float = 0.0, split_di
         import torch.distributed.checkpoint as dcp
 
         dcp.save({k: v.clone() for k, v in state.items()}, checkpoint_id=str(model_dir), no_dist=True)
-    write_hf_metadata(model_dir, hf_config=model.config, base_model_path=base, world_size=2 if fmt == "safetensors" else 1)
+    world_size = 2 if fmt == "safetensors" else 1
+    write_hf_metadata(model_dir, hf_config=model.config, base_model_path=base, world_size=world_size)
     return model, model_dir

@@ -73,7 +73,10 @@ def test_trains_resumes_exactly_and_exports_in_the_base_layout(work, assets, fam
                         "--checkpoint.restore_from", str(straight / "epoch_0_step_1"))
     assert "epoch_0_step_1" in out
     a, b = jsonl(straight / "training.jsonl"), jsonl(resumed / "training.jsonl")
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in a[1:]] == [(r["step"], r["loss"], r["grad_norm"]) for r in b]
+    def steps(records: list[dict]) -> list[tuple]:
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+
+    assert steps(a[1:]) == steps(b)
     first, second = _export(assets, straight / "epoch_0_step_3"), _export(assets, resumed / "epoch_0_step_3")
     files = sorted(p.name for p in first.glob("*.safetensors"))
     assert files and filecmp.cmpfiles(first, second, files, shallow=False)[0] == files  # bitwise same weights
@@ -111,4 +114,7 @@ def test_default_lora_trains_loads_in_peft_and_merges(work, assets, family_bases
     done = _cli(assets, "merge-lora", str(run / "epoch_0_step_2"), "--out", str(tmp_path / "merged"))
     assert done.returncode == 0, done.stderr[-3000:]
     merged, base_files = _weights(tmp_path / "merged"), _weights(base)
-    assert {k: (t.shape, t.dtype) for k, (_, t) in merged.items()} == {k: (t.shape, t.dtype) for k, (_, t) in base_files.items()}
+    def layout_of(weights: dict) -> dict:
+        return {k: (t.shape, t.dtype) for k, (_, t) in weights.items()}
+
+    assert layout_of(merged) == layout_of(base_files)

@@ -31,7 +31,8 @@ def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
 
 
 def _assert_same_files(expected: dict, actual: dict) -> None:
-    assert sorted(actual) == sorted(expected), f"extra {set(actual) - set(expected)}, missing {set(expected) - set(actual)}"
+    extra, missing = set(actual) - set(expected), set(expected) - set(actual)
+    assert not extra and not missing, f"extra {extra}, missing {missing}"
     for name, (file, tensor) in expected.items():
         out_file, out = actual[name]
         assert (out_file, out.dtype, out.shape) == (file, tensor.dtype, tensor.shape), name

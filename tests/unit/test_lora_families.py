@@ -1,4 +1,4 @@
-"""Default LoRA on every family: targets chosen for the family, it trains, loads in PEFT and merges to the base layout."""
+"""Default LoRA on every family: targets chosen for it; it trains, loads in PEFT and merges to the base layout."""
 
 from __future__ import annotations
 

@@ -90,11 +90,13 @@ def _compare_with_shards(model: torch.nn.Module, model_dir: Path, meta, report: 
         saved = read_full(source.tensors[name])
         if tuple(saved.shape) != tuple(loaded.shape):
             differ.append(f"{name} (shape {list(loaded.shape)}, checkpoint {list(saved.shape)})")
-        elif not torch.equal(saved.to(loaded.dtype).view(-1).view(torch.uint8), loaded.contiguous().view(-1).view(torch.uint8)):
+        elif not _same_bits(saved.to(loaded.dtype), loaded):
             differ.append(f"{name} (values)")
         report.tensors += 1
     if differ:
-        report.problems.append(f"{len(differ)} tensor(s) of the reloaded model differ from the checkpoint: {_few(differ)}")
+        report.problems.append(
+            f"{len(differ)} tensor(s) of the reloaded model differ from the checkpoint: {_few(differ)}"
+        )
 
 
 def _compare_with_base(export_dir: Path, original: dict, report: ExportReport) -> None:
@@ -113,7 +115,9 @@ def _compare_with_base(export_dir: Path, original: dict, report: ExportReport) -
         if exported[k] != (original[k].dtype, tuple(original[k].shape))
     ]
     if changed:
-        report.problems.append(f"{len(changed)} tensor(s) differ in dtype or shape from the base's files: {_few(changed)}")
+        report.problems.append(
+            f"{len(changed)} tensor(s) differ in dtype or shape from the base's files: {_few(changed)}"
+        )
 
 
 def read_full(tensor: SourceTensor) -> torch.Tensor:
@@ -134,6 +138,10 @@ def read_full(tensor: SourceTensor) -> torch.Tensor:
         else:
             region.copy_(load_dcp_piece(piece))
     return full
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 def _few(items: list[str]) -> str:
