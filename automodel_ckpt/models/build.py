@@ -28,11 +28,24 @@ def resolve_dtype(name: str) -> "torch.dtype":
 
 
 def local_model_path(path: str | None) -> Path | None:
-    """The local folder of ``path``, or None when it is absent (a hub id or a missing folder)."""
+    """The local folder of ``path``: the folder itself, or for a hub id its snapshot in the Hugging Face cache.
+
+    None when it is neither (a missing folder, or a hub id that is not cached).
+    """
     if not path:
         return None
     p = Path(path).expanduser()
-    return p if (p / "config.json").exists() else None
+    if (p / "config.json").exists():
+        return p
+    if p.is_absolute() or p.exists() or str(path).count("/") > 1:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(path), "config.json")
+    except Exception:  # not a valid hub id
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def ensure_embedded_base(name: str, path: str) -> Path:
