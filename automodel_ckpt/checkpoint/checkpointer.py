@@ -8,13 +8,15 @@ import re
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import yaml
 
-from automodel_ckpt.checkpoint import layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, collective, layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -26,6 +28,8 @@ from automodel_ckpt.distributed.env import DistEnv, barrier
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
 
 
 @dataclass
@@ -41,12 +45,22 @@ class HFArtifacts:
 
 @dataclass
 class SaveInfo:
+    """What a save records besides the state: counters, losses, whether it is the run's last, extra metadata."""
+
     epoch: int
     step: int
     train_loss: float | None
     val_loss: float | None
     is_final: bool
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WrittenBy:
+    """The shape of the job that wrote a checkpoint (``Checkpointer.written_by``)."""
+
+    world_size: int
+    local_batch_size: int | None  # step_scheduler.local_batch_size of its config.yaml, if readable
 
 
 class Checkpointer:
@@ -83,7 +97,7 @@ class Checkpointer:
 
             self._group = dist.new_group(backend="gloo")
         if cfg.enabled:  # fail before training, not at the first save
-            problem = lifecycle.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
+            problem = collective.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
             if problem:
                 raise CheckpointError(problem)
 
@@ -106,7 +120,7 @@ class Checkpointer:
         rank = self.env.rank
         if self.env.is_main:
             self.say(f"Saving checkpoint to {final}")
-        staging = lifecycle.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+        staging = collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
         clock.mark("reserve")
         plan = plan_state(states)
         fmt = self.cfg.model_save_format
@@ -125,7 +139,7 @@ class Checkpointer:
             else:
                 sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr))
         clock.mark("copy_state" if staged else "write_sharded")
-        lifecycle.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
+        collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
         clock.mark("write_local")
         pending = _PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
         for item in staged:  # one write at a time on the checkpoint group, each after the previous one
@@ -157,14 +171,27 @@ class Checkpointer:
             self._close_stager()
 
     def abandon(self) -> None:
-        """Training failed: let this rank's background writes end, without collectives and without publishing."""
+        """Training failed: let this rank's background writes end, without collectives and without publishing.
+
+        The wait is bounded by ``ABANDON_WAIT_SECONDS`` in all: a write whose peer rank has died would otherwise
+        block until the collective timeout (30 minutes by default). Writes still running then are left to the
+        process exit; their staging buffers are not released under them.
+        """
         pending, self._pending = self._pending, None
         if pending is not None:
+            deadline = time.monotonic() + ABANDON_WAIT_SECONDS
+            unfinished = 0
             for future, _ in pending.writes:
                 try:
-                    future.result()
+                    future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    unfinished += 1
                 except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
                     pass
+            if unfinished:
+                logger.warning("abandoning %d background checkpoint write(s) still running after %.0f s",
+                               unfinished, ABANDON_WAIT_SECONDS)
+                return
         self._close_stager()
 
     @property
@@ -196,16 +223,16 @@ class Checkpointer:
                 if errors:
                     raise errors[0]
 
-            lifecycle.collectively(wait_writes, f"writing '{staging}' in the background", rank)
+            collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
         clock = _PhaseClock()
         if pending.consolidate:
-            lifecycle.collectively(lambda: self._consolidate(staging, None), "consolidating the checkpoint", rank)
+            collective.collectively(lambda: self._consolidate(staging, None), "consolidating the checkpoint", rank)
             clock.mark("consolidate")
-        lifecycle.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
+        collective.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
         clock.mark("sync")
         manifest.seal(staging, rank, self.env.world_size)  # manifest.json, written last and fsynced
         clock.mark("manifest")
-        path = lifecycle.on_main(
+        path = collective.on_main(
             lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging)),
             "publishing the checkpoint", rank,
         )
@@ -219,7 +246,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
         try:
-            deleted = lifecycle.on_main(
+            deleted = collective.on_main(
                 lambda: lifecycle.prune(self.dir, self.retention, self.cfg.monitor, self.cfg.best_metric_key),
                 "pruning old checkpoints", self.env.rank,
             )
@@ -254,8 +281,8 @@ class Checkpointer:
             self._write_hf_helpers(staging / layout.MODEL_DIR)
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
-        from automodel_ckpt.checkpoint.consolidate_script import render_consolidate_script
-        from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
+        from automodel_ckpt.checkpoint.export.script import render_consolidate_script
+        from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
 
         write_hf_metadata(
             model_dir,
@@ -297,7 +324,7 @@ class Checkpointer:
         return True
 
     def _consolidate(self, staging: Path, plan: StatePlan | None) -> None:
-        from automodel_ckpt.checkpoint.consolidate import consolidate
+        from automodel_ckpt.checkpoint.export.plan import consolidate
 
         consolidate(
             staging / layout.MODEL_DIR,
@@ -316,22 +343,22 @@ class Checkpointer:
         def value(folder: Path | None) -> float | None:
             return metric_value(read_metadata(folder), self.cfg.monitor, self.cfg.best_metric_key) if folder else None
 
-        return is_better(value(staged), value(lifecycle.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
+        return is_better(value(staged), value(catalog.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
 
     # ------------------------------------------------------------------------------------------ load
     def find_restore_target(self) -> Path | None:
         """The checkpoint to restore (as decided by rank 0), or None to start fresh."""
         if not self.cfg.enabled and self.cfg.restore_from is None:
             return None
-        return lifecycle.on_main(
-            lambda: lifecycle.resolve_restore_from(self.dir, self.cfg.restore_from), "finding the checkpoint", self.env.rank
+        return collective.on_main(
+            lambda: catalog.resolve_restore_from(self.dir, self.cfg.restore_from), "finding the checkpoint", self.env.rank
         )
 
     def load(self, states: dict[str, Any], path: Path) -> None:
         path = Path(path)
         if self.env.is_main:
             self.say(f"Loading checkpoint from {path}")
-        lifecycle.collectively(
+        collective.collectively(
             lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
                                                world_size=self.env.world_size, warn=_warn),
             "verifying the checkpoint", self.env.rank,
@@ -377,6 +404,17 @@ class Checkpointer:
             return int(meta["world_size"])
         ranks = {parsed[1] for f in Path(path).glob("*/*_dp_rank_*.pt") if (parsed := layout.parse_rank_state_file(f.name))}
         return len(ranks) or 1
+
+    @classmethod
+    def written_by(cls, path: Path) -> WrittenBy:
+        """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
+        local: int | None = None
+        try:
+            saved = yaml.safe_load((Path(path) / layout.CONFIG_FILE).read_text(encoding="utf-8"))
+            local = int(saved["step_scheduler"]["local_batch_size"])
+        except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+            pass
+        return WrittenBy(world_size=cls.saved_world_size(path), local_batch_size=local)
 
     def _require(self, folder: Path) -> Path:
         if not folder.is_dir():

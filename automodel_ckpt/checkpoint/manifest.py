@@ -244,7 +244,7 @@ def seal(staging: Path, rank: int, world_size: int) -> None:
 
     A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
     """
-    from automodel_ckpt.checkpoint import lifecycle
+    from automodel_ckpt.checkpoint import collective
     from automodel_ckpt.distributed.env import all_gather_object
 
     staging = Path(staging)
@@ -253,15 +253,15 @@ def seal(staging: Path, rank: int, world_size: int) -> None:
         files = list_files(staging)
         return default_algorithm(), files, assign(files, world_size)
 
-    algorithm, files, shares = lifecycle.on_main(plan, f"listing the files of '{staging}'", rank)
-    mine = lifecycle.collectively(
+    algorithm, files, shares = collective.on_main(plan, f"listing the files of '{staging}'", rank)
+    mine = collective.collectively(
         lambda: _hash_share(staging, shares[rank], files, algorithm), f"checksumming '{staging}'", rank
     )
     checksums: dict[str, str] = {}
     for part in all_gather_object(mine):
         checksums.update(part)
     forget_written(staging)
-    lifecycle.on_main(
+    collective.on_main(
         lambda: write(staging, build(staging, files, checksums, algorithm)),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
@@ -463,7 +463,7 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
                       warn: Callable[[str], None] | None = None) -> None:
     """Raise ``CheckpointError`` if ``checkpoint`` is from a newer layout or its files do not match its manifest.
 
-    Run on every rank (inside ``lifecycle.collectively``): rank 0 checks that every listed file exists with its
+    Run on every rank (inside ``collective.collectively``): rank 0 checks that every listed file exists with its
     size; with ``checksums`` each rank also hashes its share. Files the manifest does not list are ignored here
     (``ckpt-train verify`` reports them). A checkpoint without a manifest loads with a warning.
     """

@@ -23,6 +23,12 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def write_durable(path: Path, text: str) -> None:
+    """Write a small text file and fsync it."""
+    path.write_text(text, encoding="utf-8")
+    fsync_file(path)
+
+
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from automodel_ckpt.checkpoint import layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.launch import worker_pids
 from tests.e2e.contents import comparable
@@ -153,7 +153,7 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_0(work, assets, delivery
     assert read_pointer(run_dir, layout.LATEST) == name  # complete and published before the job exited
     assert manifest.verify(run_dir / name, checksums=True).ok
     assert not list(run_dir.glob(".staging-*"))
-    assert [c.step for c in lifecycle.list_checkpoints(run_dir)][-1] == step
+    assert [c.step for c in catalog.list_checkpoints(run_dir)][-1] == step
     reference = _reference(work, assets)
     assert losses(run_dir) == reference[:step]  # the steps it trained are the uninterrupted run's
     if _resumes_exactly(delivery):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint import layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
 from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses
 
@@ -110,7 +110,7 @@ def run_round(cwd: Path, assets: Path, ckpt_dir: str, log: Path, plan: dict | No
 def check_dir(root: Path, before: set[str]) -> tuple[set[str], list[str], dict]:
     """Invariants of a checkpoint_dir after a kill: (complete checkpoints, failures, facts)."""
     failures = []
-    complete = {r.name for r in lifecycle.list_checkpoints(root)}
+    complete = {r.name for r in catalog.list_checkpoints(root)}
     lost = sorted(before - complete)
     if lost:
         failures.append(f"complete checkpoints lost: {lost}")
@@ -123,7 +123,7 @@ def check_dir(root: Path, before: set[str]) -> tuple[set[str], list[str], dict]:
         failures.append(f"LATEST points to '{latest}', not a complete checkpoint")
     if latest is None and complete:
         pass  # killed between the first publish and the first pointer swap: resume picks the newest
-    newest = lifecycle.latest_checkpoint(root)
+    newest = catalog.latest_checkpoint(root)
     facts = {"complete": len(complete), "latest": latest, "newest": newest.name if newest else None,
              "latest_lags": bool(newest is not None and latest != newest.name)}
     return complete, failures, facts
@@ -156,7 +156,7 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets):
     while True:
         rnd += 1
         root = tmp_path / ckpt_dir
-        newest = lifecycle.latest_checkpoint(root)
+        newest = catalog.latest_checkpoint(root)
         expect_from = newest.name if newest else None
         if results["kills"] < count:
             if rng.random() < 2 / 3:

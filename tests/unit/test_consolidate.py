@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.consolidate import consolidate, render_consolidate_script
-from automodel_ckpt.checkpoint.consolidate_cli import main as cli_main
-from automodel_ckpt.checkpoint.consolidate_cli import parse_size
-from automodel_ckpt.checkpoint.hf_metadata import read_hf_metadata, write_hf_metadata
+from automodel_ckpt.checkpoint.export.plan import consolidate, render_consolidate_script
+from automodel_ckpt.cli.consolidate import main as cli_main
+from automodel_ckpt.cli.consolidate import parse_size
+from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata, write_hf_metadata
 from automodel_ckpt.errors import CheckpointError, UserError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint import layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.safe_load import RestrictedUnpickler
-from automodel_ckpt.checkpoint.verify_cli import main as verify_main
+from automodel_ckpt.cli.verify import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
 from tests.unit.ckpt_state import State
@@ -296,9 +296,9 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     assert "No space left on device" in str(err.value) and "\n" not in str(err.value)
     monkeypatch.undo()
     assert (ckpt.dir / layout.staging_name("epoch_0_step_3")).is_dir()  # the partial save stays hidden...
-    assert [r.name for r in lifecycle.list_checkpoints(ckpt.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert [r.name for r in catalog.list_checkpoints(ckpt.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
     assert os.readlink(ckpt.dir / layout.LATEST) == "epoch_0_step_2"
-    assert lifecycle.resolve_restore_from(ckpt.dir, None) == second  # ...and never selected
+    assert catalog.resolve_restore_from(ckpt.dir, None) == second  # ...and never selected
     code, out = verify_cli(capsys, ckpt.dir)
     assert code == 0 and "interrupted save" in out
     assert manifest.verify(second).ok and manifest.verify(first).ok
@@ -311,9 +311,9 @@ def test_dangling_latest(saved, capsys):
     shutil.rmtree(second)
     with pytest.warns(UserWarning, match="LATEST points to 'epoch_0_step_2'.*resuming from the newest complete "
                                          "checkpoint 'epoch_0_step_1'"):
-        assert lifecycle.resolve_restore_from(ckpt.dir, None) == first
+        assert catalog.resolve_restore_from(ckpt.dir, None) == first
     with pytest.raises(CheckpointError) as err:
-        lifecycle.resolve_restore_from(ckpt.dir, "LATEST")
+        catalog.resolve_restore_from(ckpt.dir, "LATEST")
     assert "LATEST points to 'epoch_0_step_2', which is not a checkpoint" in str(err.value)
     assert "checkpoints there: epoch_0_step_1" in str(err.value)
     code, out = verify_cli(capsys, ckpt.dir)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from automodel_ckpt.checkpoint import layout, lifecycle
+from automodel_ckpt.checkpoint import collective, layout
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: 
         write_adapter_folder(folder, tensors, adapter_config, automodel_config=automodel_config,
                              tokenizer=tokenizer, base_model_path=base_model_path)
 
-    lifecycle.on_main(write, f"writing the adapter to '{folder}'", rank)
+    collective.on_main(write, f"writing the adapter to '{folder}'", rank)
 
 
 def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any], *,

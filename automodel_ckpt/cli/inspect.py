@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -12,21 +11,16 @@ from typing import Any
 
 from automodel_ckpt.checkpoint import catalog, layout
 from automodel_ckpt.checkpoint.metadata import as_float
+from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 
 _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (usage: ckpt-train inspect CHECKPOINT_DIR [--json])")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ckpt-train inspect", description="List the checkpoints of a run folder.")
+def build_parser() -> VerbParser:
+    p = VerbParser("inspect", "List the checkpoints of a run folder.")
     p.add_argument("checkpoint_dir", type=Path, help="the run's checkpoint.checkpoint_dir (or one checkpoint in it)")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
-    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     return p
 
 
@@ -136,12 +130,3 @@ def render_table(report: dict[str, Any]) -> str:
 
 def _text(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def human_size(size: int) -> str:
-    value, units = float(size), ("B", "KiB", "MiB", "GiB", "TiB")
-    for unit in units[:-1]:
-        if value < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} {units[-1]}"

@@ -1,16 +1,15 @@
-"""Command line for exporting a checkpoint's model to a Hugging Face folder, alone or under torchrun."""
+"""`ckpt-train consolidate CHECKPOINT`: export a checkpoint's model to a Hugging Face folder, alone or under torchrun."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
 import sys
-import traceback
 from pathlib import Path
 
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.cli.common import VerbParser
+from automodel_ckpt.errors import UsageError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -20,39 +19,36 @@ def parse_size(text: str) -> int:
     """``"5GB"`` -> 5e9 bytes, ``"5GiB"`` -> 5 * 2**30 (Hugging Face's convention); a plain number is bytes."""
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise UserError(f"bad size '{text}'; use e.g. 5GB, 500MB or 2GiB")
+        raise UsageError(f"--max-shard-size: bad size '{text}'; use e.g. 5GB, 500MB or 2GiB")
     unit = (m.group(2) or "").lower().removesuffix("b")
     if unit not in _UNITS:
-        raise UserError(f"bad size '{text}'; use e.g. 5GB, 500MB or 2GiB")
+        raise UsageError(f"--max-shard-size: bad size '{text}'; use e.g. 5GB, 500MB or 2GiB")
     size = int(float(m.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise UserError(f"size must be positive, got '{text}'")
+        raise UsageError(f"--max-shard-size: size must be positive, got '{text}'")
     return size
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ckpt-train consolidate",
-        description="Export a checkpoint's model (sharded safetensors or DCP) to a Hugging Face folder.",
-    )
+def build_parser() -> VerbParser:
+    p = VerbParser("consolidate", "Export a checkpoint's model (sharded safetensors or DCP) to a Hugging Face folder.")
     p.add_argument("model_dir", type=Path, help="checkpoint folder (epoch_E_step_N) or its model/ folder")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: MODEL_DIR/consolidated)")
     p.add_argument("--cast-dtype", default=None, help="bf16, fp16, fp32 or fp64 for floating tensors")
     p.add_argument("--num-threads", type=int, default=5, help="writer threads per process (default 5)")
     p.add_argument("--max-shard-size", default="5GiB", help="file size limit without base layout (default 5GiB)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    max_shard_size = parse_size(args.max_shard_size)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     started_group = False
     try:
-        from automodel_ckpt.checkpoint.consolidate import consolidate
+        from automodel_ckpt.checkpoint.export.plan import consolidate
 
         if world_size > 1:
             import torch.distributed as dist
@@ -66,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             cast_dtype=args.cast_dtype,
             num_threads=args.num_threads,
-            max_shard_size=parse_size(args.max_shard_size),
+            max_shard_size=max_shard_size,
             rank=rank,
             world_size=world_size,
             progress=not args.no_progress,
@@ -76,20 +72,15 @@ def main(argv: list[str] | None = None) -> int:
 
             add_files(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
             print(f"Hugging Face model written to {out}", flush=True)
-        code = 0
-    except UserError as exc:
-        if args.debug:
-            traceback.print_exc()
-        prefix = f"[rank {rank}] " if rank else ""
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        code = exc.exit_code
     finally:
         if started_group:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    return code
+    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # what consolidate.sh runs (alone or under torch.distributed.run)
+    from automodel_ckpt.cli import run
+
+    sys.exit(run(main, sys.argv[1:]))

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.consolidate_commit import make_coordinator, write_durable
-from automodel_ckpt.checkpoint.consolidate_script import render_consolidate_script
-from automodel_ckpt.checkpoint.consolidate_sources import ShardSource, detect_format, open_source, require_format
-from automodel_ckpt.checkpoint.consolidate_writer import OutFile, OutTensor, total_bytes, write_files
-from automodel_ckpt.checkpoint.hf_metadata import HFMetadata, read_hf_metadata
+from automodel_ckpt.checkpoint.export.commit import make_coordinator
+from automodel_ckpt.checkpoint.export.script import render_consolidate_script
+from automodel_ckpt.checkpoint.export.sources import ShardSource, detect_format, open_source, require_format
+from automodel_ckpt.checkpoint.export.writer import OutFile, OutTensor, total_bytes, write_files
+from automodel_ckpt.checkpoint.export.hf_metadata import HFMetadata, read_hf_metadata
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, is_plain_float
-from automodel_ckpt.checkpoint.storage import fsync_file
+from automodel_ckpt.checkpoint.storage import fsync_file, write_durable
 from automodel_ckpt.errors import UserError
 
 __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate_script", "resolve_model_dir"]
@@ -237,8 +237,7 @@ def _output_dtypes(source: ShardSource, original: dict | None, cast: torch.dtype
             f"they are exported as floats, not re-quantized: {', '.join(unrestorable[:5])}"
             + (" ..." if len(unrestorable) > 5 else "")
         )
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=3)
+        warnings.warn(msg, stacklevel=3)  # one report: the CLI shows warnings as `warning: ...` lines
     return out
 
 

@@ -13,16 +13,21 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.storage import fsync_dir, fsync_file, replace_folder
-from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.checkpoint.storage import fsync_dir, replace_folder, write_durable
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
-if TYPE_CHECKING:
-    from automodel_ckpt.checkpoint.consolidate import ExportPlan
+
+class ExportPlan(Protocol):
+    """What publication needs from the export plan (``plan.ExportPlan``): the files it writes, and its identity."""
+
+    def expected_names(self) -> set[str]: ...
+
+    def fingerprint(self) -> str: ...
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ class _DistCoordinator(Coordinator):
         import torch.distributed as dist
 
         errors: list[Any] = [None] * self.world_size
-        dist.all_gather_object(errors, None if error is None else _one_line(error))
+        dist.all_gather_object(errors, None if error is None else first_line(error))
         failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
         if failed:
             if self.rank == 0:
@@ -138,7 +143,7 @@ class _FileCoordinator(Coordinator):
             if self.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             else:
-                _write_quietly(self.failure, _one_line(error))
+                _write_quietly(self.failure, first_line(error))
             raise _as_checkpoint_error(error)
         assert plan is not None
         fingerprint = plan.fingerprint()
@@ -188,21 +193,11 @@ def _swap_in(tmp: Path, out_dir: Path, expected: set[str]) -> None:
     replace_folder(tmp, out_dir, layout.export_old_name(out_dir.name, secrets.token_hex(4)))
 
 
-def write_durable(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
-    fsync_file(path)
-
-
 def _write_quietly(path: Path, text: str) -> None:
     try:
         write_durable(path, text)
     except OSError:
         logger.warning("could not record the failure in %s", path)
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def _as_checkpoint_error(error: BaseException) -> BaseException:

@@ -6,35 +6,23 @@ and exits 0 only when every file matches its checkpoint's manifest and every poi
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint import catalog, layout, manifest
+from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 
 FAILED = 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ckpt-train verify",
-        description="Check checkpoint files against their manifest.json (sizes and checksums) and the pointers.",
-    )
+def build_parser() -> VerbParser:
+    p = VerbParser("verify", "Check checkpoint files against their manifest.json (sizes and checksums) and the pointers.")
     p.add_argument("path", type=Path, help="a checkpoint folder, or a checkpoint_dir (every checkpoint in it)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems and the summary")
     p.add_argument("--sizes-only", action="store_true", help="skip checksums (fast: no file is read)")
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="files hashed in parallel")
     return p
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -50,7 +38,7 @@ def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool)
     head = f"checkpoint {path}"
     if report.problem is None:
         what = "sizes" if not checksums else report.algorithm
-        head += f" ({n_files} files, {_human(report.total_bytes)}, layout {layout.LAYOUT_VERSION}, {what})"
+        head += f" ({n_files} files, {human_size(report.total_bytes)}, layout {layout.LAYOUT_VERSION}, {what})"
     print(head)
     width = max(len(manifest.CHECKSUM_MISMATCH), len(manifest.UNEXPECTED))
     for v in report.verdicts:
@@ -68,18 +56,15 @@ def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool)
 
 
 def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> bool:
-    from automodel_ckpt.checkpoint import lifecycle
-    from automodel_ckpt.checkpoint.storage import read_pointer
-
-    refs = lifecycle.list_checkpoints(root)
+    refs = catalog.scan(root)
+    pointers = catalog.pointer_targets(root)
     names = {r.name for r in refs}
-    if not refs and all(read_pointer(root, p) is None for p in layout.POINTERS):
+    if not refs and all(t is None for t in pointers.values()):
         raise UserError(f"'{root}' is neither a checkpoint nor a checkpoint_dir (no checkpoints or pointers in it)")
     print(f"checkpoint_dir {root}: {len(refs)} checkpoint(s)")
     bad = [r.name for r in refs if not verify_checkpoint(r.path, checksums=checksums, threads=threads, quiet=quiet)]
     pointer_problems = 0
-    for pointer in layout.POINTERS:
-        target = read_pointer(root, pointer)
+    for pointer, target in pointers.items():
         if target is None:
             continue
         if target not in names:
@@ -90,11 +75,11 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
             pointer_problems += 1
         else:
             print(f"pointer {pointer} -> {target}: ok")
-    latest = read_pointer(root, layout.LATEST)
+    latest = pointers[layout.LATEST]
     if refs and latest in names and refs[-1].name != latest:
         print(f"note: LATEST is behind the newest checkpoint {refs[-1].name} (a run stopped between publishing it "
               "and moving LATEST); resume picks the newest")
-    if refs and read_pointer(root, layout.LATEST) is None:
+    if refs and latest is None:
         print(f"note: no LATEST pointer; resume picks the newest checkpoint {refs[-1].name}")
     for leftover in sorted(root.iterdir()):
         if leftover.is_dir() and layout.is_staging(leftover.name):

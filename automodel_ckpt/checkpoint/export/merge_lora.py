@@ -1,4 +1,4 @@
-"""``ckpt-train merge-lora``: fold a PEFT checkpoint's LoRA adapter into its base, as a full Hugging Face model.
+"""Fold a PEFT checkpoint's LoRA adapter into its base, as a full Hugging Face model.
 
 The base named in ``adapter_config.json`` is loaded in float32, the adapter applied with PEFT and merged
 (``merge_and_unload``: W + scale * B @ A), and every tensor is cast back to the dtype it has in the base's own
@@ -9,11 +9,9 @@ the checkpoint's manifest is updated to list the new files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,22 +129,3 @@ def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
 
 def _swap_in(tmp: Path, out: Path) -> None:
     replace_folder(tmp, out, layout.export_old_name(out.name, secrets.token_hex(4)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ckpt-train merge-lora",
-        description="Merge a PEFT checkpoint's LoRA adapter into its base model and write a full HF model folder.",
-    )
-    parser.add_argument("checkpoint", type=Path, help="PEFT checkpoint folder (epoch_E_step_N) or its model/ folder")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: CHECKPOINT/model/merged)")
-    parser.add_argument("--base", type=Path, default=None,
-                        help="base model folder (default: base_model_name_or_path of adapter_config.json)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    out = merge_lora(args.checkpoint, args.out, args.base)
-    print(f"Merged model written to {out}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.hf_metadata import TensorInfo
+from automodel_ckpt.checkpoint.export.hf_metadata import TensorInfo
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.catalog import scan
-from automodel_ckpt.checkpoint.lifecycle import pointer_target
+from automodel_ckpt.checkpoint.catalog import pointer_target, scan
+from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.training.metrics import read_jsonl
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckpt-train plot", description=__doc__)
+def build_parser() -> VerbParser:
+    p = VerbParser("plot", "A PNG of training/validation loss and learning rate, with checkpoints marked.")
     p.add_argument("checkpoint_dir", type=Path, help="the run folder (checkpoint.checkpoint_dir)")
     p.add_argument("--out", type=Path, default=None, help="PNG to write (default: CHECKPOINT_DIR/loss.png)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     out = plot_run(args.checkpoint_dir, args.out)
     print(f"wrote {out}")

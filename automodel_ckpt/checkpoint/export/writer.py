@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.checkpoint import storage
-from automodel_ckpt.checkpoint.consolidate_sources import Piece, SourceTensor, load_dcp_piece
+from automodel_ckpt.checkpoint.export.sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.checkpoint.safetensors_io import (
     encode_header,
     layout_order,
