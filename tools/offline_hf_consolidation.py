@@ -13,7 +13,7 @@ from pathlib import Path
 # Run from a source tree without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from automodel_ckpt.cli.consolidate import main  # noqa: E402
+from automodel_ckpt.cli.consolidate import script_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main())

@@ -80,7 +80,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # what consolidate.sh runs (alone or under torch.distributed.run)
-    from automodel_ckpt.cli import run
+def script_main() -> int:
+    """``python -m automodel_ckpt.cli.consolidate ARGS``: what consolidate.sh runs (alone or under torchrun)."""
+    from automodel_ckpt.cli import exit_code, run
 
-    sys.exit(run(main, sys.argv[1:]))
+    return exit_code(run(main, sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(script_main())

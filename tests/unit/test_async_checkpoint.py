@@ -20,7 +20,7 @@ from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
-from tests.e2e.contents import comparable
+from tests.integration.contents import comparable
 from tests.unit import ckpt_state
 
 FORMATS = ("safetensors", "torch_save")
@@ -215,21 +215,3 @@ def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tm
     gate.open()
     assert ckpt.finalize() == path and manifest.verify(path).ok
     assert (path / "optim" / ".metadata").is_file()
-
-
-def test_a_second_signal_stops_a_single_process(tmp_path):
-    """Without the launcher, the first signal asks for a save; a second one is the signal's default action."""
-    import signal
-    import subprocess
-    import sys
-
-    script = (
-        "import os, signal\n"
-        "from automodel_ckpt.training.save_triggers import PreemptionWatcher\n"
-        "w = PreemptionWatcher('SIGTERM', repeat_stops=True); w.install()\n"
-        "os.kill(os.getpid(), signal.SIGTERM); print('requested', w.requested, flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGTERM); print('still alive', flush=True)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.stdout.splitlines() == ["requested True"]
-    assert proc.returncode == -signal.SIGTERM

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.export.plan import consolidate, render_consolidate_script
-from automodel_ckpt.cli.consolidate import main as cli_main
+from automodel_ckpt.cli import main as ckpt_train_main
 from automodel_ckpt.cli.consolidate import parse_size
 from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata, write_hf_metadata
 from automodel_ckpt.errors import CheckpointError, UserError
@@ -376,9 +376,9 @@ def test_empty_or_absent_model_dir(tmp_path):
 # ---------------------------------------------------------------------------------------------- CLI and script
 def test_cli(shards, reference_export, tmp_path, capsys):
     model_dir = _copy_model(shards, "st", tmp_path)
-    assert cli_main([str(model_dir.parent), "--no-progress", "--max-shard-size", "1MB"]) == 0
+    assert ckpt_train_main(["consolidate", str(model_dir.parent), "--no-progress", "--max-shard-size", "1MB"]) == 0
     assert _files(model_dir / layout.CONSOLIDATED_DIR) == _files(reference_export)
-    assert cli_main([str(tmp_path / "nope"), "--no-progress"]) == CheckpointError.exit_code
+    assert ckpt_train_main(["consolidate", str(tmp_path / "nope"), "--no-progress"]) == CheckpointError.exit_code
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model folder") and "\n" not in err
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("123") == 123

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl
-from tests.e2e.test_train import _free_port
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl
+from tests.integration.test_train import _free_port
 
 ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "4",
         "--training.log_sample_ids", "true")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.harness import REPO, ckpt_train, jsonl, losses, tree
+from tests.integration.harness import REPO, ckpt_train, jsonl, losses, tree
 
 FORMATS = ("safetensors", "torch_save")
 COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--checkpoint.save_consolidated", "false")
@@ -134,7 +134,7 @@ def test_user_defined_state_round_trips(work, assets):
 
 def test_killed_during_save_resumes_from_previous_checkpoint(work, assets):
     args = (*COMMON, "--checkpoint.checkpoint_dir", "crash", "--step_scheduler.max_steps", "8")
-    crashed = ckpt_train(work, assets, *args, "--recipe", "tests.e2e.recipes_for_tests.CrashDuringSaveRecipe",
+    crashed = ckpt_train(work, assets, *args, "--recipe", "tests.integration.recipes_for_tests.CrashDuringSaveRecipe",
                          nproc=2, env={"CRASH_AT_STEP": "8", "PYTHONPATH": str(REPO)}, check=False)
     run_dir = work / "crash"
     assert crashed.returncode != 0

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.config.schema import LORA_DEFAULT_TARGETS
-from tests.e2e.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
 
 PEFT_RECIPE = REPO / "recipes" / "tiny_llama_peft.yaml"
 COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--data.val_size", "64")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, jsonl, losses
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, jsonl, losses
 
 FAST = ("--checkpoint.save_consolidated", "false")
 

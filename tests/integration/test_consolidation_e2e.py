@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.harness import CKPT_TRAIN, ckpt_train, env_for
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for
 
 STEPS = ("--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2")
 

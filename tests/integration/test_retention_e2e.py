@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 RETENTION = ("--checkpoint.max_recent_checkpoints", "2", "--checkpoint.save_top_k", "1",
              "--checkpoint.keep_steps", "[4]")

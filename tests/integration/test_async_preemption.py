@@ -26,10 +26,10 @@ import yaml
 from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.launch import worker_pids
-from tests.e2e.contents import comparable
-from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses
+from tests.integration.contents import comparable
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 FORMATS = ("safetensors", "torch_save")
 MAX_STEPS = 8

@@ -14,7 +14,7 @@ LATEST is absent or designates a complete checkpoint, and the next run resumes f
 Runs that are not killed must succeed. When a run completes training, its losses in training.jsonl must equal
 an uninterrupted run's bit for bit, and a fresh checkpoint_dir starts the next trial.
 
-``KILL_COUNT`` kills are delivered (default 3; at least 20 with RUN_SLOW=1), ``KILL_SEED`` picks the moments.
+``KILL_COUNT`` kills are delivered (default 3; the ``storm`` variant, marked slow, at least 20), ``KILL_SEED`` picks the moments.
 The results (kills, resumes, failures) are written to ``kill_fault_results.json`` in the test's tmp dir (and to
 ``KILL_RESULTS_JSON`` if set) and printed.
 """
@@ -33,7 +33,7 @@ import pytest
 
 from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
-from tests.e2e.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses
 
 MAX_STEPS = 12
 ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "1",
@@ -42,10 +42,11 @@ RUN_TIMEOUT = 600
 _LOADING = re.compile(r"Loading checkpoint from (\S+)")
 
 
-def kill_count() -> int:
-    default = 20 if os.environ.get("RUN_SLOW") == "1" else 3
-    count = int(os.environ.get("KILL_COUNT", default))
-    return max(count, 20) if os.environ.get("RUN_SLOW") == "1" else count
+STORM_KILLS = 20  # the slow variant (RUN_SLOW=1)
+
+
+def kill_count(at_least: int = 0) -> int:
+    return max(int(os.environ.get("KILL_COUNT", 3)), at_least)
 
 
 def start_job(cwd: Path, assets: Path, ckpt_dir: str, log: Path) -> subprocess.Popen:
@@ -132,9 +133,10 @@ def check_dir(root: Path, before: set[str]) -> tuple[set[str], list[str], dict]:
 # --- the test ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.e2e
-def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets):
-    count = kill_count()
+@pytest.mark.integration
+@pytest.mark.parametrize("at_least", [0, pytest.param(STORM_KILLS, marks=pytest.mark.slow, id="storm")])
+def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
+    count = kill_count(at_least)
     seed = int(os.environ.get("KILL_SEED", "1234"))
     rng = random.Random(seed)
     logs = tmp_path / "logs"
