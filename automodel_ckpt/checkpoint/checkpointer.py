@@ -20,12 +20,13 @@ from automodel_ckpt.checkpoint import catalog, collective, layout, lifecycle, ma
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage import fsync_tree
 from automodel_ckpt.distributed.env import DistEnv, barrier
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ class Checkpointer:
             collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
         clock = _PhaseClock()
         if pending.consolidate:
-            collective.collectively(lambda: self._consolidate(staging, None), "consolidating the checkpoint", rank)
+            collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)
             clock.mark("consolidate")
         collective.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
         clock.mark("sync")
@@ -323,7 +324,7 @@ class Checkpointer:
             return False
         return True
 
-    def _consolidate(self, staging: Path, plan: StatePlan | None) -> None:
+    def _consolidate(self, staging: Path) -> None:
         from automodel_ckpt.checkpoint.export.plan import consolidate
 
         consolidate(
@@ -371,7 +372,7 @@ class Checkpointer:
             if peft_format.is_peft_model(model):
                 peft_format.load_adapter(model, folder)
             else:
-                sharded.load_model(model, folder, sharded.detect_model_format(folder))
+                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE)
         for attr, optim in plan.optimizers.items():
             folder = self._require(path / layout.state_dir(attr))
             sharded.load_optimizer(plan.model_for(attr), optim, folder)
@@ -492,5 +493,5 @@ def _load_pt(file: Path) -> Any:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"cannot read '{file}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
 

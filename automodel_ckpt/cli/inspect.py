@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.metadata import as_float
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
+from automodel_ckpt.jsonsafe import json_safe
 
 _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
@@ -67,32 +68,16 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "step": record.step,
         "epoch": record.epoch,
         "consumed_samples": meta.get("consumed_samples"),
-        "train_loss": _json_float(as_float(meta.get("train_loss"))),
-        "val_loss": _json_float(as_float(meta.get("val_loss"))),
+        "train_loss": json_safe(as_float(meta.get("train_loss"))),
+        "val_loss": json_safe(as_float(meta.get("val_loss"))),
         "size_bytes": catalog.size_on_disk(record.path),
-        "format": meta.get("model_save_format") or _detect_format(record.path),
+        "format": meta.get("model_save_format") or detect_model_format(layout.model_dir(record.path)),
         "consolidated": layout.consolidated_dir(record.path).is_dir(),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "metadata": record.metadata,
     }
 
-
-def _detect_format(ckpt: Path) -> str | None:
-    """Model format of a checkpoint written without metadata.json."""
-    model = layout.model_dir(ckpt)
-    if (model / layout.ADAPTER_WEIGHTS).is_file():
-        return layout.ADAPTER_FORMAT
-    if any(layout.parse_model_shard_file(p.name) for p in model.glob("*.safetensors")):
-        return "safetensors"
-    return "torch_save" if (model / layout.DCP_METADATA).is_file() else None
-
-
-def _json_float(value: float | None) -> float | str | None:
-    """JSON has no NaN or infinity: NaN becomes null, infinities "inf"/"-inf" (as in the metric logs)."""
-    if value is None or math.isfinite(value):
-        return value
-    return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 def render_table(report: dict[str, Any]) -> str:

@@ -30,7 +30,8 @@ import torch
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.export.commit import make_coordinator
 from automodel_ckpt.checkpoint.export.script import render_consolidate_script
-from automodel_ckpt.checkpoint.export.sources import ShardSource, detect_format, open_source, require_format
+from automodel_ckpt.checkpoint.export.sources import ShardSource, open_source, require_format
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.export.writer import OutFile, OutTensor, total_bytes, write_files
 from automodel_ckpt.checkpoint.export.hf_metadata import HFMetadata, read_hf_metadata
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, is_plain_float
@@ -66,7 +67,7 @@ def resolve_model_dir(path: Path) -> Path:
     """Accept a checkpoint folder (``epoch_0_step_4``) or its ``model/`` folder; return the one holding shards."""
     path = Path(path)
     inner = layout.model_dir(path)
-    if detect_format(path) is None and (detect_format(inner) is not None or (inner / layout.ADAPTER_CONFIG).exists()):
+    if detect_model_format(path) is None and detect_model_format(inner) is not None:
         return inner
     return path
 

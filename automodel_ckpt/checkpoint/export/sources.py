@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.export.hf_metadata import TensorInfo
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
@@ -81,25 +82,14 @@ class ShardSource:
         return out
 
 
-def detect_format(folder: Path) -> str | None:
-    """SAFETENSORS, TORCH_SAVE, or None when ``folder`` holds no model shards."""
-    if not folder.is_dir():
-        return None
-    if _safetensors_files(folder):
-        return SAFETENSORS
-    if (folder / layout.DCP_METADATA).is_file():
-        return TORCH_SAVE
-    return None
-
-
 def require_format(folder: Path) -> str:
     """The format of ``folder``'s shards; a CheckpointError when it is absent or holds none."""
     if (folder / layout.ADAPTER_CONFIG).exists():
         raise CheckpointError(
             f"{folder} holds a PEFT adapter, not model shards; use `ckpt-train merge-lora` for a full HF model"
         )
-    fmt = detect_format(folder)
-    if fmt is None:
+    fmt = detect_model_format(folder)
+    if fmt is None or fmt == layout.ADAPTER_FORMAT:
         if not folder.exists():
             raise CheckpointError(f"model folder {folder} does not exist")
         raise CheckpointError(

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from automodel_ckpt.checkpoint import collective, layout
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except Exception as exc:  # noqa: BLE001 - a damaged file must be one line, not a traceback
-        raise CheckpointError(f"cannot read '{file}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") \
             from None
 
 

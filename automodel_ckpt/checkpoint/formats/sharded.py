@@ -239,11 +239,3 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
             optimizer.state.clear()
         raise
     set_optimizer_state_dict(model, optimizer, state)
-
-
-def detect_model_format(path: Path) -> str:
-    """Which format a checkpoint's model folder holds."""
-    path = Path(path)
-    if any(path.glob("*.safetensors")):
-        return SAFETENSORS
-    return TORCH_SAVE

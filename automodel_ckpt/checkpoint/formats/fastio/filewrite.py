@@ -101,10 +101,10 @@ class _Hasher:
     """The file's checksum (the manifest's algorithm), fed with its bytes in file order from a thread of its own."""
 
     def __init__(self) -> None:
-        from automodel_ckpt.checkpoint import manifest
+        from automodel_ckpt.checkpoint import checksum
 
-        self.algorithm = manifest.default_algorithm()
-        self._h = manifest._hasher(self.algorithm)
+        self.algorithm = checksum.default_algorithm()
+        self._h = checksum.hasher(self.algorithm)
         self.ok = False
 
     def feed(self, pieces: list[Any]) -> None:

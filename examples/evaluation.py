@@ -1,4 +1,4 @@
-"""Generation accuracy: greedy decoding of prompts and exact-match scoring of the answers."""
+"""Generation accuracy for the examples: greedy decoding of prompts and exact-match scoring of the answers."""
 
 from __future__ import annotations
 
