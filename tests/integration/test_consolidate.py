@@ -435,3 +435,33 @@ def test_offline_tool_wrapper(shards, reference_export, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert _files(tmp_path / "hf") == _files(reference_export)
+
+
+def test_the_quantized_warning_is_reported_once(tmp_path, caplog):
+    """One report per problem: a warning (the CLI prints it as one `warning:` line), not a log line as well."""
+    model_dir = tmp_path / "model"
+    w = torch.randn(4, 4)
+    _write_rank_files(model_dir, [{"w": (w[:2], [0, 0])}, {"w": (w[2:], [2, 0])}])
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"w": torch.zeros(4, 4, dtype=torch.int8)}, base / layout.HF_SINGLE_WEIGHTS)
+    write_hf_metadata(model_dir, hf_config={"model_type": "llama"}, base_model_path=base)
+    caplog.set_level("INFO", logger="automodel_ckpt")
+    with pytest.warns(UserWarning, match="quantized or packed") as warned:
+        consolidate(model_dir, progress=False)
+    assert len([w for w in warned if "quantized or packed" in str(w.message)]) == 1
+    assert not [r for r in caplog.records if "quantized or packed" in r.getMessage()]
+
+
+def test_a_consolidate_sh_of_the_previous_release_still_exports(shards, reference_export, tmp_path):
+    """Checkpoints written by 0.1.0 hold a consolidate.sh that runs `python -m automodel_ckpt.checkpoint.consolidate_cli`."""
+    import shlex
+
+    model_dir = _copy_model(shards, "st", tmp_path)
+    old = (REPO / "tests" / "fixtures" / "consolidate_sh_0.1.0.txt").read_text(encoding="utf-8")
+    assert "-m automodel_ckpt.checkpoint.consolidate_cli" in old
+    script = model_dir / layout.CONSOLIDATE_SCRIPT
+    script.write_text(old.replace("@PYTHON@", shlex.quote(PYTHON)).replace("@PACKAGE_ROOT@", shlex.quote(str(REPO))))
+    result = _bash([str(script)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _files(model_dir / layout.CONSOLIDATED_DIR) == _files(reference_export)

@@ -215,3 +215,23 @@ def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tm
     gate.open()
     assert ckpt.finalize() == path and manifest.verify(path).ok
     assert (path / "optim" / ".metadata").is_file()
+
+
+def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_path, monkeypatch):
+    """A failing run whose peer died: the background write would block until the collective timeout."""
+    from concurrent.futures import Future
+
+    from automodel_ckpt.checkpoint import checkpointer as checkpointer_module
+
+    ckpt = make_checkpointer(env, tmp_path, is_async=True)
+    stager = ckpt._host_stager()
+    never = Future()  # a write stuck in a collective with a dead rank
+    ckpt._pending = checkpointer_module._PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
+    monkeypatch.setattr(checkpointer_module, "ABANDON_WAIT_SECONDS", 0.0)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (ckpt.abandon(), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(60), "abandon() waited on a write that never ends"
+    assert not ckpt.in_flight
+    assert ckpt._stager is stager  # its buffers are not released under a write that may still run
+    never.set_result(None)

@@ -22,6 +22,7 @@ from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.safe_load import RestrictedUnpickler
+from automodel_ckpt.cli.common import human_size
 from automodel_ckpt.cli.verify import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
@@ -124,6 +125,8 @@ def test_fresh_checkpoint_resumes_and_verifies(saved, capsys):
     assert loaded.counter.n == 2 and loaded.cursor.n == 20
     code, out = verify_cli(capsys, second)
     assert code == 0 and "verify: OK" in out and f"ok                 {layout.CONFIG_FILE}" in out
+    size = human_size(manifest.read(second)["total_bytes"])
+    assert f"files, {size}, layout" in out and size.endswith("KiB")  # sizes read as `inspect` prints them
     code, out = verify_cli(capsys, ckpt.dir)
     assert code == 0, out
     assert "pointer LATEST -> epoch_0_step_2: ok" in out and "verify: OK (2 checkpoint(s))" in out
