@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Checkpointer": "checkpointer",
-    "HFArtifacts": "checkpointer",
-    "SaveInfo": "checkpointer",
-    "WrittenBy": "checkpointer",
+    "HFArtifacts": "info",
+    "SaveInfo": "info",
+    "WrittenBy": "info",
     "CheckpointConfig": "config",
     "ConsolidationMode": "config",
     "ModelSaveFormat": "config",
@@ -27,7 +27,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from automodel_ckpt.checkpoint.checkpointer import Checkpointer, HFArtifacts, SaveInfo, WrittenBy
+    from automodel_ckpt.checkpoint.checkpointer import Checkpointer
+    from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
     from automodel_ckpt.checkpoint.config import CheckpointConfig, ConsolidationMode, ModelSaveFormat, MonitorMode
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
 

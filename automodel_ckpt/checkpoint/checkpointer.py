@@ -21,47 +21,17 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
+from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
 from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
-from automodel_ckpt.checkpoint.storage import fsync_tree
+from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree
 from automodel_ckpt.distributed.env import DistEnv, barrier
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
 ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
-
-
-@dataclass
-class HFArtifacts:
-    """What an HF export of the model needs besides the weights: configs, tokenizer, the base's own files."""
-
-    hf_config: Any = None
-    generation_config: Any = None
-    tokenizer: Any = None
-    base_model_path: Path | None = None
-    peft: dict[str, Any] | None = None  # the recipe's `peft:` section, recorded beside a PEFT adapter
-
-
-@dataclass
-class SaveInfo:
-    """What a save records besides the state: counters, losses, whether it is the run's last, extra metadata."""
-
-    epoch: int
-    step: int
-    train_loss: float | None
-    val_loss: float | None
-    is_final: bool
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class WrittenBy:
-    """The shape of the job that wrote a checkpoint (``Checkpointer.written_by``)."""
-
-    world_size: int
-    local_batch_size: int | None  # step_scheduler.local_batch_size of its config.yaml, if readable
 
 
 class Checkpointer:
@@ -90,6 +60,7 @@ class Checkpointer:
         self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
         self._pending: _PendingSave | None = None  # the async save still being written (at most one)
         self._stager = None
+        self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
         self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
@@ -130,15 +101,17 @@ class Checkpointer:
             if peft_format.is_peft_model(model):  # adapters: always written now, by rank 0
                 self._save_adapter(model, staging / layout.state_dir(attr))
             elif self.is_async:
-                staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager()))
+                staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager(),
+                                                  self.written))
             else:
-                sharded.save_model(model, staging / layout.state_dir(attr), fmt)
+                sharded.save_model(model, staging / layout.state_dir(attr), fmt, written=self.written)
         for attr, optim in plan.optimizers.items():
             if self.is_async:
                 staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
-                                                      self._host_stager()))
+                                                      self._host_stager(), self.written))
             else:
-                sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr))
+                sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
+                                       written=self.written)
         clock.mark("copy_state" if staged else "write_sharded")
         collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
         clock.mark("write_local")
@@ -209,6 +182,7 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
 
     def _complete(self, pending: _PendingSave) -> Path:
         """The steps after the model and optimizer files are written: consolidate, fsync, manifest, publish, prune."""
@@ -229,9 +203,9 @@ class Checkpointer:
         if pending.consolidate:
             collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)
             clock.mark("consolidate")
-        collective.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
+        collective.collectively(lambda: fsync_tree(staging, rank, self.env.world_size, self.written), f"syncing '{staging}'", rank)
         clock.mark("sync")
-        manifest.seal(staging, rank, self.env.world_size)  # manifest.json, written last and fsynced
+        manifest.seal(staging, rank, self.env.world_size, self.written)  # manifest.json, written last and fsynced
         clock.mark("manifest")
         path = collective.on_main(
             lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging)),

@@ -16,7 +16,7 @@ itself is not listed; symlinks are neither listed nor followed.
 
 When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
 files get their checksum while they are written, from the same memory (``formats/fastio``, recorded with
-``storage.note_written``), so they are not read back; the other files were written moments earlier and are hashed
+``storage.WrittenFiles``, owned by the checkpointer), so they are not read back; the other files were written moments earlier and are hashed
 from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
 size) and rank 0 writes the manifest and fsyncs it.
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.checksum import CRC32, default_algorithm, hash_file, hasher
-from automodel_ckpt.checkpoint.storage import forget_written, fsync_dir, fsync_file, written
+from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_dir, fsync_file
 from automodel_ckpt.errors import CheckpointError, first_line
 
 MANIFEST_VERSION = 1
@@ -133,13 +133,14 @@ def write(root: Path, manifest: dict[str, Any]) -> Path:
     return file
 
 
-def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: str) -> dict[str, str]:
-    """Checksums of ``rels``: the one computed while a file was written (``storage.note_written``) if the file is
+def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: str,
+                written: WrittenFiles | None) -> dict[str, str]:
+    """Checksums of ``rels``: the one computed while a file was written (recorded in ``written``) if the file is
     unchanged since, else hashed now (a few files at once)."""
     out = {}
     todo = []
     for rel in rels:
-        known = written(root / rel)
+        known = written.get(root / rel) if written is not None else None
         if known is not None and known.algorithm == algorithm and known.digest and os.path.getsize(root / rel) == files[rel]:
             out[rel] = known.digest
         else:
@@ -161,8 +162,10 @@ def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: s
     return out
 
 
-def seal(staging: Path, rank: int, world_size: int) -> None:
+def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None = None) -> None:
     """Collective: every rank hashes its share of ``staging``'s files; rank 0 writes the manifest.
+
+    Checksums ``written`` recorded while the files were written are used instead of reading the files back.
 
     A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
     """
@@ -177,12 +180,13 @@ def seal(staging: Path, rank: int, world_size: int) -> None:
 
     algorithm, files, shares = collective.on_main(plan, f"listing the files of '{staging}'", rank)
     mine = collective.collectively(
-        lambda: _hash_share(staging, shares[rank], files, algorithm), f"checksumming '{staging}'", rank
+        lambda: _hash_share(staging, shares[rank], files, algorithm, written), f"checksumming '{staging}'", rank
     )
     checksums: dict[str, str] = {}
     for part in all_gather_object(mine):
         checksums.update(part)
-    forget_written(staging)
+    if written is not None:
+        written.forget(staging)
     collective.on_main(
         lambda: write(staging, build(staging, files, checksums, algorithm)),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,

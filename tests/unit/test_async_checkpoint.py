@@ -49,8 +49,8 @@ def gate(monkeypatch):
     g = Gate()
     make = sharded._writer
 
-    def gated_writer(path, fmt):
-        writer = make(path, fmt)
+    def gated_writer(path, fmt, written=None):
+        writer = make(path, fmt, written)
         write_data = writer.write_data
 
         def gated(plan, planner):
