@@ -434,7 +434,10 @@ def export_child(args: argparse.Namespace) -> None:
     src = args.dir / "src" / "ours_save_safetensors" / "epoch_0_step_1" / "model"
     out = args.dir / "out"
     if args.child == "ours_consolidate":
-        from automodel_ckpt.checkpoint.export.plan import consolidate
+        try:
+            from automodel_ckpt.checkpoint.export.plan import consolidate
+        except ImportError:  # a --tree from before checkpoint/export/
+            from automodel_ckpt.checkpoint.consolidate import consolidate  # type: ignore[no-redef]
 
         t0 = _start_timing()
         consolidate(src, out, progress=False)

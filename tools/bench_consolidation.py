@@ -94,9 +94,7 @@ def child(
 ) -> None:
     """One timed run in this (fresh) process; prints ``{"seconds": ...}``."""
     if method == "plan":
-        from automodel_ckpt.checkpoint.export.plan import build_plan
-
-        from automodel_ckpt.checkpoint.export.plan import parse_cast_dtype
+        from automodel_ckpt.checkpoint.export.plan import build_plan, parse_cast_dtype
 
         plan = build_plan(src, parse_cast_dtype(cast_dtype), max_shard_size)
         fqn_to_index = {t.name: k for k, f in enumerate(plan.files, start=1) for t in f.tensors}

@@ -1,4 +1,4 @@
-"""Shared fixtures for end-to-end tests: one embedded base model for the whole session."""
+"""Shared fixtures for integration tests (processes are launched): one embedded base model for the whole session."""
 
 from __future__ import annotations
 
