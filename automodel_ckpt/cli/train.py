@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 import os
 import sys
+from typing import NoReturn
 
 
 def main(argv: list[str]) -> int:
