@@ -53,8 +53,7 @@ class CheckpointConfig:
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
     verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)
     on_load_error: str = "fallback"  # fallback | error: what auto-resume does when the newest checkpoint is damaged
-    # Start a new run from restore_from's weights: only these states load (e.g. [model]); the rest starts fresh.
-    load_only: Optional[List[str]] = None
+    load_only: Optional[List[str]] = None  # with restore_from: load only these states (e.g. [model]), a new run
     # Retention (docs/retention.md): a checkpoint survives pruning if ANY rule keeps it; nothing is deleted unless
     # max_recent_checkpoints or save_top_k is set.
     max_recent_checkpoints: Optional[int] = None  # keep the K most recent complete checkpoints
