@@ -45,8 +45,10 @@ class Checkpointer:
         resolved_config_yaml: str,
         hf: HFArtifacts | None = None,
         say: Callable[[str], None] = print,
+        fingerprint: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/fingerprint.py)
         self.env = env
         self.dir = Path(cfg.checkpoint_dir)
         self.resolved_config_yaml = resolved_config_yaml
@@ -251,6 +253,7 @@ class Checkpointer:
             world_size=self.env.world_size,
             model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
+            fingerprint=self.fingerprint,
         ))
         if plan.models and not _has_peft(plan):
             self._write_hf_helpers(staging / layout.MODEL_DIR)
@@ -321,25 +324,46 @@ class Checkpointer:
         return is_better(value(staged), value(catalog.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
 
     # ------------------------------------------------------------------------------------------ load
-    def find_restore_target(self) -> Path | None:
-        """The checkpoint to restore (as decided by rank 0), or None to start fresh."""
-        if not self.cfg.enabled and self.cfg.restore_from is None:
+    def restore(self, states: dict[str, Any]) -> Path | None:
+        """Restore what ``checkpoint.restore_from`` selects into ``states``; returns the checkpoint, or None (fresh).
+
+        Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
+        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. See ``resume``.
+        """
+        from automodel_ckpt.checkpoint.resume import restore
+
+        return restore(self, states)
+
+    def find_restore_target(self, restore_from: str | None = None, *, auto: bool | None = None) -> Path | None:
+        """The checkpoint to restore (as decided by rank 0), or None to start fresh.
+
+        ``restore_from`` defaults to ``checkpoint.restore_from``; ``auto=True`` asks for the latest checkpoint.
+        """
+        if auto is None and not self.cfg.enabled and self.cfg.restore_from is None:
             return None
+        target = None if auto else (restore_from or self.cfg.restore_from)
         return collective.on_main(
-            lambda: catalog.resolve_restore_from(self.dir, self.cfg.restore_from), "finding the checkpoint", self.env.rank
+            lambda: catalog.resolve_restore_from(self.dir, target), "finding the checkpoint", self.env.rank
         )
 
-    def load(self, states: dict[str, Any], path: Path) -> None:
+    def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> None:
+        """Load ``states`` from checkpoint ``path`` on every rank.
+
+        ``checked``: the files were already checked against the manifest (``resume.probe``). ``fresh_run``: the
+        states start a new run (``load_only``), so the training time recorded in the checkpoint does not carry over.
+        """
         path = Path(path)
         if self.env.is_main:
             self.say(f"Loading checkpoint from {path}")
-        collective.collectively(
-            lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
-                                               world_size=self.env.world_size, warn=_warn),
-            "verifying the checkpoint", self.env.rank,
-        )
+        if not checked:
+            collective.collectively(
+                lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
+                                                   world_size=self.env.world_size, warn=_warn),
+                "verifying the checkpoint", self.env.rank,
+            )
         plan = plan_state(states)
-        self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
+        if not fresh_run:
+            self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
         self._started = time.monotonic()
         for attr, model in plan.models.items():
             folder = self._require(path / layout.state_dir(attr))
