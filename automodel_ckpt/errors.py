@@ -20,3 +20,13 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
 
     exit_code = 3
+
+
+class UsageError(UserError):
+    """A command line the verb cannot parse (unknown flag, missing argument)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from automodel_ckpt.data.builtin import heldout_examples
-from automodel_ckpt.evaluation import print_accuracy_report
+from evaluation import print_accuracy_report  # examples/evaluation.py, beside this script
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoTokenizer
 
 from automodel_ckpt.data.builtin import heldout_examples
-from automodel_ckpt.evaluation import print_accuracy_report
+from evaluation import print_accuracy_report  # examples/evaluation.py, beside this script
 
 
 def main(argv: list[str] | None = None) -> int:

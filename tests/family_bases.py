@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
+from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
 from automodel_ckpt.models.tiny import build_tokenizer
 
 #: Families the export, resume and LoRA tests cover, with what makes each one interesting.

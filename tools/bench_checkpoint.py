@@ -22,7 +22,7 @@ load (the page cache is dropped before every run when permitted: reads come from
 * ``ours (...)``           ``Checkpointer.load`` (resume: model, optimizer, scheduler, RNG; manifest size check)
 
 HF export of the safetensors checkpoint's model shards into one ``model.safetensors`` (page cache dropped first, too)
-* ``ours``                 ``automodel_ckpt.checkpoint.consolidate.consolidate`` (fsyncs its output)
+* ``ours``                 ``automodel_ckpt.checkpoint.export.plan.consolidate`` (fsyncs its output)
 * ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
 
 Every run is a fresh process (``torch.distributed.run`` with ``--nproc 2``: gloo, FSDP2 ``fully_shard`` as in the
@@ -434,7 +434,10 @@ def export_child(args: argparse.Namespace) -> None:
     src = args.dir / "src" / "ours_save_safetensors" / "epoch_0_step_1" / "model"
     out = args.dir / "out"
     if args.child == "ours_consolidate":
-        from automodel_ckpt.checkpoint.consolidate import consolidate
+        try:
+            from automodel_ckpt.checkpoint.export.plan import consolidate
+        except ImportError:  # a --tree from before checkpoint/export/
+            from automodel_ckpt.checkpoint.consolidate import consolidate  # type: ignore[no-redef]
 
         t0 = _start_timing()
         consolidate(src, out, progress=False)

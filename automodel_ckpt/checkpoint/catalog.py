@@ -1,4 +1,7 @@
-"""A checkpoint_dir read as records: what restore selection, retention and ``ckpt-train inspect`` look at.
+"""A checkpoint_dir read as records, and the choice of the checkpoint to resume: what every reader looks at.
+
+Restore selection, retention, ``ckpt-train inspect``, ``verify`` and ``plot`` all list checkpoints through
+``scan`` and resolve pointers through ``pointer_target``.
 
 A folder is a checkpoint when it holds ``metadata.json`` (whatever name template made its name) or, for folders
 written without one, when its name has the default ``epoch_E_step_N`` form. Counters come from the metadata, not
@@ -8,6 +11,8 @@ Other hidden folders (``.deleting-*``, temporary pointer files) and symlinks (th
 
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -16,6 +21,7 @@ from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import Candidate
 from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -78,3 +84,101 @@ def size_on_disk(path: Path) -> int:
         except OSError:
             continue  # removed while we looked
     return total
+
+
+def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    """Checkpoints that resume moved aside as damaged (``resume.quarantine``): never records of ``scan``.
+
+    ``{name, path, step, reason, quarantined_at}`` each, oldest first.
+    """
+    folder = Path(checkpoint_dir) / layout.QUARANTINE_DIR
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if not entry.is_dir():
+            continue
+        try:
+            note = json.loads((folder / layout.quarantine_note(entry.name)).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            note = {}
+        found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
+                      "reason": note.get("reason"), "quarantined_at": note.get("quarantined_at")})
+    return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
+
+
+# --- selection: which checkpoint a run resumes --------------------------------------------------------
+
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointRecord]:
+    """Published checkpoints, oldest first (``scan`` without the incomplete ones)."""
+    return scan(checkpoint_dir)
+
+
+def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
+    """The checkpoint a pointer designates, if it exists and is published."""
+    name = read_pointer(checkpoint_dir, pointer)
+    if name is None:
+        return None
+    path = Path(checkpoint_dir) / name
+    return path if path.is_dir() and not layout.is_staging(name) else None
+
+
+def dangling_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
+    """The name a pointer targets when that target is not a published checkpoint (else None)."""
+    name = read_pointer(checkpoint_dir, pointer)
+    if name is None or pointer_target(checkpoint_dir, pointer) is not None:
+        return None
+    return name
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """LATEST's target; the newest published checkpoint when LATEST is missing, dangling or behind.
+
+    LATEST can lag only if a run died between publishing a checkpoint and swapping the pointer.
+    """
+    found = list_checkpoints(checkpoint_dir)
+    target = pointer_target(checkpoint_dir, layout.LATEST)
+    if not found:
+        return target
+    newest = found[-1]
+    current = next((r for r in found if target is not None and r.name == target.name), None)
+    if target is None or (current is not None and newest.step > current.step):
+        return newest.path
+    return target
+
+
+def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path | None:
+    """The checkpoint to restore: auto (None) → latest or nothing; otherwise it must exist."""
+    checkpoint_dir = Path(checkpoint_dir)
+    dangling = dangling_pointer(checkpoint_dir, layout.LATEST)
+    if restore_from is None:
+        found = latest_checkpoint(checkpoint_dir)
+        if dangling is not None:
+            fallback = f"resuming from the newest complete checkpoint '{found.name}'" if found else "starting fresh"
+            warnings.warn(f"LATEST points to '{dangling}', which is not a checkpoint in {checkpoint_dir}; {fallback}",
+                          stacklevel=2)
+        return found
+    if restore_from == layout.LATEST:
+        if dangling is not None:
+            existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
+            raise CheckpointError(
+                f"checkpoint.restore_from: LATEST points to '{dangling}', which is not a checkpoint in "
+                f"{checkpoint_dir} (checkpoints there: {existing}); name one, or unset restore_from to resume "
+                "from the newest"
+            )
+        found = latest_checkpoint(checkpoint_dir)
+    elif restore_from == layout.LOWEST_VAL:
+        found = pointer_target(checkpoint_dir, layout.LOWEST_VAL)
+    else:
+        candidate = Path(restore_from).expanduser()
+        if not candidate.is_dir():
+            candidate = checkpoint_dir / restore_from
+        found = candidate if candidate.is_dir() and not layout.is_staging(candidate.name) else None
+    if found is None:
+        existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
+        raise CheckpointError(
+            f"checkpoint.restore_from: '{restore_from}' not found in {checkpoint_dir} (checkpoints there: {existing})"
+        )
+    return found

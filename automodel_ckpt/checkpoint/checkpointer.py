@@ -8,45 +8,30 @@ import re
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import yaml
 
-from automodel_ckpt.checkpoint import layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, collective, layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
+from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
 from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
-from automodel_ckpt.checkpoint.storage import fsync_tree
+from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree
 from automodel_ckpt.distributed.env import DistEnv, barrier
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class HFArtifacts:
-    """What an HF export of the model needs besides the weights: configs, tokenizer, the base's own files."""
-
-    hf_config: Any = None
-    generation_config: Any = None
-    tokenizer: Any = None
-    base_model_path: Path | None = None
-    peft: dict[str, Any] | None = None  # the recipe's `peft:` section, recorded beside a PEFT adapter
-
-
-@dataclass
-class SaveInfo:
-    epoch: int
-    step: int
-    train_loss: float | None
-    val_loss: float | None
-    is_final: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
 
 
 class Checkpointer:
@@ -60,8 +45,10 @@ class Checkpointer:
         resolved_config_yaml: str,
         hf: HFArtifacts | None = None,
         say: Callable[[str], None] = print,
+        fingerprint: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/fingerprint.py)
         self.env = env
         self.dir = Path(cfg.checkpoint_dir)
         self.resolved_config_yaml = resolved_config_yaml
@@ -75,6 +62,7 @@ class Checkpointer:
         self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
         self._pending: _PendingSave | None = None  # the async save still being written (at most one)
         self._stager = None
+        self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
         self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
@@ -83,7 +71,7 @@ class Checkpointer:
 
             self._group = dist.new_group(backend="gloo")
         if cfg.enabled:  # fail before training, not at the first save
-            problem = lifecycle.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
+            problem = collective.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
             if problem:
                 raise CheckpointError(problem)
 
@@ -106,7 +94,7 @@ class Checkpointer:
         rank = self.env.rank
         if self.env.is_main:
             self.say(f"Saving checkpoint to {final}")
-        staging = lifecycle.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+        staging = collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
         clock.mark("reserve")
         plan = plan_state(states)
         fmt = self.cfg.model_save_format
@@ -115,17 +103,19 @@ class Checkpointer:
             if peft_format.is_peft_model(model):  # adapters: always written now, by rank 0
                 self._save_adapter(model, staging / layout.state_dir(attr))
             elif self.is_async:
-                staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager()))
+                staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager(),
+                                                  self.written))
             else:
-                sharded.save_model(model, staging / layout.state_dir(attr), fmt)
+                sharded.save_model(model, staging / layout.state_dir(attr), fmt, written=self.written)
         for attr, optim in plan.optimizers.items():
             if self.is_async:
                 staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
-                                                      self._host_stager()))
+                                                      self._host_stager(), self.written))
             else:
-                sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr))
+                sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
+                                       written=self.written)
         clock.mark("copy_state" if staged else "write_sharded")
-        lifecycle.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
+        collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
         clock.mark("write_local")
         pending = _PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
         for item in staged:  # one write at a time on the checkpoint group, each after the previous one
@@ -157,14 +147,27 @@ class Checkpointer:
             self._close_stager()
 
     def abandon(self) -> None:
-        """Training failed: let this rank's background writes end, without collectives and without publishing."""
+        """Training failed: let this rank's background writes end, without collectives and without publishing.
+
+        The wait is bounded by ``ABANDON_WAIT_SECONDS`` in all: a write whose peer rank has died would otherwise
+        block until the collective timeout (30 minutes by default). Writes still running then are left to the
+        process exit; their staging buffers are not released under them.
+        """
         pending, self._pending = self._pending, None
         if pending is not None:
+            deadline = time.monotonic() + ABANDON_WAIT_SECONDS
+            unfinished = 0
             for future, _ in pending.writes:
                 try:
-                    future.result()
+                    future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    unfinished += 1
                 except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
                     pass
+            if unfinished:
+                logger.warning("abandoning %d background checkpoint write(s) still running after %.0f s",
+                               unfinished, ABANDON_WAIT_SECONDS)
+                return
         self._close_stager()
 
     @property
@@ -181,6 +184,7 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
 
     def _complete(self, pending: _PendingSave) -> Path:
         """The steps after the model and optimizer files are written: consolidate, fsync, manifest, publish, prune."""
@@ -196,16 +200,16 @@ class Checkpointer:
                 if errors:
                     raise errors[0]
 
-            lifecycle.collectively(wait_writes, f"writing '{staging}' in the background", rank)
+            collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
         clock = _PhaseClock()
         if pending.consolidate:
-            lifecycle.collectively(lambda: self._consolidate(staging, None), "consolidating the checkpoint", rank)
+            collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)
             clock.mark("consolidate")
-        lifecycle.collectively(lambda: fsync_tree(staging, rank, self.env.world_size), f"syncing '{staging}'", rank)
+        collective.collectively(lambda: fsync_tree(staging, rank, self.env.world_size, self.written), f"syncing '{staging}'", rank)
         clock.mark("sync")
-        manifest.seal(staging, rank, self.env.world_size)  # manifest.json, written last and fsynced
+        manifest.seal(staging, rank, self.env.world_size, self.written)  # manifest.json, written last and fsynced
         clock.mark("manifest")
-        path = lifecycle.on_main(
+        path = collective.on_main(
             lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging)),
             "publishing the checkpoint", rank,
         )
@@ -219,7 +223,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
         try:
-            deleted = lifecycle.on_main(
+            deleted = collective.on_main(
                 lambda: lifecycle.prune(self.dir, self.retention, self.cfg.monitor, self.cfg.best_metric_key),
                 "pruning old checkpoints", self.env.rank,
             )
@@ -249,13 +253,14 @@ class Checkpointer:
             world_size=self.env.world_size,
             model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
+            fingerprint=self.fingerprint,
         ))
         if plan.models and not _has_peft(plan):
             self._write_hf_helpers(staging / layout.MODEL_DIR)
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
-        from automodel_ckpt.checkpoint.consolidate_script import render_consolidate_script
-        from automodel_ckpt.checkpoint.hf_metadata import write_hf_metadata
+        from automodel_ckpt.checkpoint.export.script import render_consolidate_script
+        from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
 
         write_hf_metadata(
             model_dir,
@@ -296,8 +301,8 @@ class Checkpointer:
             return False
         return True
 
-    def _consolidate(self, staging: Path, plan: StatePlan | None) -> None:
-        from automodel_ckpt.checkpoint.consolidate import consolidate
+    def _consolidate(self, staging: Path) -> None:
+        from automodel_ckpt.checkpoint.export.plan import consolidate
 
         consolidate(
             staging / layout.MODEL_DIR,
@@ -316,35 +321,56 @@ class Checkpointer:
         def value(folder: Path | None) -> float | None:
             return metric_value(read_metadata(folder), self.cfg.monitor, self.cfg.best_metric_key) if folder else None
 
-        return is_better(value(staged), value(lifecycle.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
+        return is_better(value(staged), value(catalog.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
 
     # ------------------------------------------------------------------------------------------ load
-    def find_restore_target(self) -> Path | None:
-        """The checkpoint to restore (as decided by rank 0), or None to start fresh."""
-        if not self.cfg.enabled and self.cfg.restore_from is None:
+    def restore(self, states: dict[str, Any]) -> Path | None:
+        """Restore what ``checkpoint.restore_from`` selects into ``states``; returns the checkpoint, or None (fresh).
+
+        Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
+        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. See ``resume``.
+        """
+        from automodel_ckpt.checkpoint.resume import restore
+
+        return restore(self, states)
+
+    def find_restore_target(self, restore_from: str | None = None, *, auto: bool | None = None) -> Path | None:
+        """The checkpoint to restore (as decided by rank 0), or None to start fresh.
+
+        ``restore_from`` defaults to ``checkpoint.restore_from``; ``auto=True`` asks for the latest checkpoint.
+        """
+        if auto is None and not self.cfg.enabled and self.cfg.restore_from is None:
             return None
-        return lifecycle.on_main(
-            lambda: lifecycle.resolve_restore_from(self.dir, self.cfg.restore_from), "finding the checkpoint", self.env.rank
+        target = None if auto else (restore_from or self.cfg.restore_from)
+        return collective.on_main(
+            lambda: catalog.resolve_restore_from(self.dir, target), "finding the checkpoint", self.env.rank
         )
 
-    def load(self, states: dict[str, Any], path: Path) -> None:
+    def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> None:
+        """Load ``states`` from checkpoint ``path`` on every rank.
+
+        ``checked``: the files were already checked against the manifest (``resume.probe``). ``fresh_run``: the
+        states start a new run (``load_only``), so the training time recorded in the checkpoint does not carry over.
+        """
         path = Path(path)
         if self.env.is_main:
             self.say(f"Loading checkpoint from {path}")
-        lifecycle.collectively(
-            lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
-                                               world_size=self.env.world_size, warn=_warn),
-            "verifying the checkpoint", self.env.rank,
-        )
+        if not checked:
+            collective.collectively(
+                lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
+                                                   world_size=self.env.world_size, warn=_warn),
+                "verifying the checkpoint", self.env.rank,
+            )
         plan = plan_state(states)
-        self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
+        if not fresh_run:
+            self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
         self._started = time.monotonic()
         for attr, model in plan.models.items():
             folder = self._require(path / layout.state_dir(attr))
             if peft_format.is_peft_model(model):
                 peft_format.load_adapter(model, folder)
             else:
-                sharded.load_model(model, folder, sharded.detect_model_format(folder))
+                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE)
         for attr, optim in plan.optimizers.items():
             folder = self._require(path / layout.state_dir(attr))
             sharded.load_optimizer(plan.model_for(attr), optim, folder)
@@ -377,6 +403,17 @@ class Checkpointer:
             return int(meta["world_size"])
         ranks = {parsed[1] for f in Path(path).glob("*/*_dp_rank_*.pt") if (parsed := layout.parse_rank_state_file(f.name))}
         return len(ranks) or 1
+
+    @classmethod
+    def written_by(cls, path: Path) -> WrittenBy:
+        """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
+        local: int | None = None
+        try:
+            saved = yaml.safe_load((Path(path) / layout.CONFIG_FILE).read_text(encoding="utf-8"))
+            local = int(saved["step_scheduler"]["local_batch_size"])
+        except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+            pass
+        return WrittenBy(world_size=cls.saved_world_size(path), local_batch_size=local)
 
     def _require(self, folder: Path) -> Path:
         if not folder.is_dir():
@@ -454,5 +491,5 @@ def _load_pt(file: Path) -> Any:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"cannot read '{file}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
 

@@ -1,16 +1,45 @@
-"""The `checkpoint:` section of a recipe: schema, defaults and validation of its values."""
+"""The `checkpoint:` section of a recipe: schema, defaults, and its validation and normalisation on creation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from enum import Enum
+from typing import Any, List, Optional
 
 from automodel_ckpt.checkpoint.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
-MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
-CONSOLIDATION_MODES = ("final", "every", "false")
-_CONSOLIDATION_ALIASES = {"true": "every", "every": "every", "final": "final", "false": "false", "none": "false"}
+class _Choice(str, Enum):
+    """A config value from a fixed set: a ``str`` (YAML, OmegaConf and comparisons see the plain value)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class ModelSaveFormat(_Choice):
+    SAFETENSORS = "safetensors"  # per-rank Hugging Face safetensors shards
+    TORCH_SAVE = "torch_save"  # DCP .distcp files
+
+
+class ConsolidationMode(_Choice):
+    FINAL = "final"  # export an HF folder with the last checkpoint of a run
+    EVERY = "every"  # ... with every checkpoint
+    NEVER = "false"  # never inline (``ckpt-train consolidate`` exports later)
+
+
+class LoadErrorPolicy(_Choice):
+    FALLBACK = "fallback"  # auto-resume quarantines a checkpoint that fails to load and tries the previous one
+    ERROR = "error"  # stop with the error
+
+
+class MonitorMode(_Choice):
+    MIN = "min"  # a lower `monitor` value is better
+    MAX = "max"
+
+
+_CONSOLIDATION_ALIASES = {"true": ConsolidationMode.EVERY, "every": ConsolidationMode.EVERY,
+                          "final": ConsolidationMode.FINAL, "false": ConsolidationMode.NEVER,
+                          "none": ConsolidationMode.NEVER}
 
 
 @dataclass
@@ -23,6 +52,8 @@ class CheckpointConfig:
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
     verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)
+    on_load_error: str = "fallback"  # fallback | error: what auto-resume does when the newest checkpoint is damaged
+    load_only: Optional[List[str]] = None  # with restore_from: load only these states (e.g. [model]), a new run
     # Retention (docs/retention.md): a checkpoint survives pruning if ANY rule keeps it; nothing is deleted unless
     # max_recent_checkpoints or save_top_k is set.
     max_recent_checkpoints: Optional[int] = None  # keep the K most recent complete checkpoints
@@ -37,30 +68,50 @@ class CheckpointConfig:
     preemption_signal: Optional[str] = "SIGTERM"  # on this signal: save at the next step, exit 0 (null: off)
     ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
 
+    def __post_init__(self) -> None:
+        """Validate once and canonicalise: enums for the choices, aliases resolved, empty restore_from unset.
 
-def normalize_checkpoint_config(cfg: CheckpointConfig) -> None:
-    """Check the values the schema types cannot express; canonicalise aliases in place."""
-    if cfg.model_save_format not in MODEL_SAVE_FORMATS:
-        raise ConfigError(
-            f"checkpoint.model_save_format: expected one of {', '.join(MODEL_SAVE_FORMATS)}, "
-            f"got '{cfg.model_save_format}'"
-        )
-    mode = _CONSOLIDATION_ALIASES.get(str(cfg.save_consolidated).strip().lower())
-    if mode is None:
-        raise ConfigError(
-            "checkpoint.save_consolidated: expected one of final, every, true, false, "
-            f"got '{cfg.save_consolidated}'"
-        )
-    cfg.save_consolidated = mode
-    if not str(cfg.checkpoint_dir).strip():
-        raise ConfigError("checkpoint.checkpoint_dir: must not be empty")
-    if cfg.restore_from is not None and not str(cfg.restore_from).strip():
-        cfg.restore_from = None
-    check_retention_config(cfg)
-    cfg.preemption_signal = normalize_signal_name(cfg.preemption_signal)
-    if cfg.ckpt_every_minutes is not None and not cfg.ckpt_every_minutes > 0:
-        raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
-                          f"got {cfg.ckpt_every_minutes}")
+        Runs whenever a ``CheckpointConfig`` is made, including by ``OmegaConf.to_object`` (``from_section``), so
+        every holder of one sees checked, canonical values and nothing normalises again.
+        """
+        self.model_save_format = _choice(ModelSaveFormat, self.model_save_format, "checkpoint.model_save_format")
+        mode = _CONSOLIDATION_ALIASES.get(str(self.save_consolidated).strip().lower())
+        if mode is None:
+            raise ConfigError("checkpoint.save_consolidated: expected one of final, every, true, false, "
+                              f"got '{self.save_consolidated}'")
+        self.save_consolidated = mode
+        if not str(self.checkpoint_dir).strip():
+            raise ConfigError("checkpoint.checkpoint_dir: must not be empty")
+        if self.restore_from is not None and not str(self.restore_from).strip():
+            self.restore_from = None  # `--checkpoint.restore_from ""` means "not set": resume from the latest
+        self.mode = _choice(MonitorMode, self.mode, "checkpoint.mode")
+        self.on_load_error = _choice(LoadErrorPolicy, self.on_load_error, "checkpoint.on_load_error")
+        if self.load_only is not None:
+            self.load_only = [str(name).strip() for name in self.load_only if str(name).strip()]
+            if not self.load_only:
+                raise ConfigError("checkpoint.load_only: expected state names such as [model], got an empty list")
+            if self.restore_from is None or self.restore_from in ("LATEST", "LOWEST_VAL"):
+                raise ConfigError("checkpoint.load_only needs checkpoint.restore_from: the path of a checkpoint, a "
+                                  "consolidated Hugging Face folder or a PEFT adapter folder to start from")
+        check_retention_config(self)
+        self.preemption_signal = normalize_signal_name(self.preemption_signal)
+        if self.ckpt_every_minutes is not None and not self.ckpt_every_minutes > 0:
+            raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
+                              f"got {self.ckpt_every_minutes}")
+
+    @classmethod
+    def from_section(cls, section: Any) -> CheckpointConfig:
+        """The validated config of a recipe's ``checkpoint:`` section (an OmegaConf node of this schema)."""
+        from omegaconf import OmegaConf
+
+        return section if isinstance(section, cls) else OmegaConf.to_object(section)
+
+
+def _choice(kind: type[_Choice], value: object, key: str) -> Any:
+    try:
+        return kind(str(value).strip().lower())
+    except ValueError:
+        raise ConfigError(f"{key}: expected one of {', '.join(m.value for m in kind)}, got '{value}'") from None
 
 
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")

@@ -16,36 +16,28 @@ itself is not listed; symlinks are neither listed nor followed.
 
 When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
 files get their checksum while they are written, from the same memory (``formats/fastio``, recorded with
-``storage.note_written``), so they are not read back; the other files were written moments earlier and are hashed
+``storage.WrittenFiles``, owned by the checkpointer), so they are not read back; the other files were written moments earlier and are hashed
 from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
 size) and rank 0 writes the manifest and fsyncs it.
 
-Checksum: xxHash3-64 (``xxhash``, ~18 GB/s on one core); ``zlib.crc32`` (~2.7 GB/s) where ``xxhash`` is not
-installed. The manifest names its algorithm, so either can verify either. Checksums detect corruption
-(truncation, flipped bytes, a file replaced by another); they are not a signature against deliberate tampering.
+Checksums: see ``checksum`` (xxHash3-64, CRC32 where ``xxhash`` is missing); the manifest names its algorithm.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.storage import forget_written, fsync_dir, fsync_file, written
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.checkpoint.checksum import CRC32, default_algorithm, hash_file, hasher
+from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_dir, fsync_file
+from automodel_ckpt.errors import CheckpointError, first_line
 
 MANIFEST_VERSION = 1
-XXH3_64 = "xxh3_64"
-CRC32 = "crc32"
-_CHUNK = 8 << 20
-_MMAP_MIN = 1 << 20
-_MMAP_CHUNK = 64 << 20
 
 # verdicts of one file
 OK = "ok"
@@ -54,76 +46,6 @@ CHECKSUM_MISMATCH = "checksum mismatch"
 MISSING = "missing"
 UNEXPECTED = "unexpected file"
 UNREADABLE = "unreadable"
-
-
-# --- checksums --------------------------------------------------------------------------------------
-
-
-def default_algorithm() -> str:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return CRC32
-    return XXH3_64
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def _hasher(algorithm: str):
-    if algorithm == XXH3_64:
-        try:
-            import xxhash
-        except ImportError:
-            raise CheckpointError(
-                "this checkpoint's manifest uses xxh3_64 checksums; install the 'xxhash' package to check them"
-            ) from None
-        return xxhash.xxh3_64()
-    if algorithm == CRC32:
-        return _Crc32()
-    raise CheckpointError(f"unknown checksum algorithm '{algorithm}' in {layout.MANIFEST_FILE}")
-
-
-def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
-    """``(bytes read, hex checksum)`` of one file.
-
-    Files of 1 MiB and more are memory-mapped: hashing reads the page cache in place, about twice as fast as
-    copying it through ``read`` (10 vs 5 GB/s measured). Smaller files, and filesystems without mmap, are read in
-    8 MiB chunks into one reused buffer.
-    """
-    h = _hasher(algorithm)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        length = os.fstat(f.fileno()).st_size
-        if length >= _MMAP_MIN:
-            try:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    view = memoryview(m)
-                    try:
-                        for start in range(0, len(m), _MMAP_CHUNK):
-                            h.update(view[start:start + _MMAP_CHUNK])
-                    finally:
-                        view.release()
-                    return len(m), h.hexdigest()
-            except (OSError, ValueError):
-                h = _hasher(algorithm)  # no mmap here: read it instead
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
 
 
 # --- which rank hashes what --------------------------------------------------------------------------
@@ -211,13 +133,14 @@ def write(root: Path, manifest: dict[str, Any]) -> Path:
     return file
 
 
-def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: str) -> dict[str, str]:
-    """Checksums of ``rels``: the one computed while a file was written (``storage.note_written``) if the file is
+def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: str,
+                written: WrittenFiles | None) -> dict[str, str]:
+    """Checksums of ``rels``: the one computed while a file was written (recorded in ``written``) if the file is
     unchanged since, else hashed now (a few files at once)."""
     out = {}
     todo = []
     for rel in rels:
-        known = written(root / rel)
+        known = written.get(root / rel) if written is not None else None
         if known is not None and known.algorithm == algorithm and known.digest and os.path.getsize(root / rel) == files[rel]:
             out[rel] = known.digest
         else:
@@ -239,12 +162,14 @@ def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: s
     return out
 
 
-def seal(staging: Path, rank: int, world_size: int) -> None:
+def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None = None) -> None:
     """Collective: every rank hashes its share of ``staging``'s files; rank 0 writes the manifest.
+
+    Checksums ``written`` recorded while the files were written are used instead of reading the files back.
 
     A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
     """
-    from automodel_ckpt.checkpoint import lifecycle
+    from automodel_ckpt.checkpoint import collective
     from automodel_ckpt.distributed.env import all_gather_object
 
     staging = Path(staging)
@@ -253,15 +178,16 @@ def seal(staging: Path, rank: int, world_size: int) -> None:
         files = list_files(staging)
         return default_algorithm(), files, assign(files, world_size)
 
-    algorithm, files, shares = lifecycle.on_main(plan, f"listing the files of '{staging}'", rank)
-    mine = lifecycle.collectively(
-        lambda: _hash_share(staging, shares[rank], files, algorithm), f"checksumming '{staging}'", rank
+    algorithm, files, shares = collective.on_main(plan, f"listing the files of '{staging}'", rank)
+    mine = collective.collectively(
+        lambda: _hash_share(staging, shares[rank], files, algorithm, written), f"checksumming '{staging}'", rank
     )
     checksums: dict[str, str] = {}
     for part in all_gather_object(mine):
         checksums.update(part)
-    forget_written(staging)
-    lifecycle.on_main(
+    if written is not None:
+        written.forget(staging)
+    collective.on_main(
         lambda: write(staging, build(staging, files, checksums, algorithm)),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
@@ -317,7 +243,7 @@ def read(checkpoint: Path) -> dict[str, Any] | None:
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"'{file}' is unreadable: {_first_line(exc)}") from None
+        raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
         isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("checksum"), str)
@@ -388,14 +314,14 @@ def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, chec
     except FileNotFoundError:
         return Verdict(rel, MISSING)
     except OSError as exc:
-        return Verdict(rel, UNREADABLE, _first_line(exc))
+        return Verdict(rel, UNREADABLE, first_line(exc))
     if size != entry["size"]:
         return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, on disk {size}")
     if checksums:
         try:
             _, digest = hash_file(path, algorithm)
         except OSError as exc:
-            return Verdict(rel, UNREADABLE, _first_line(exc))
+            return Verdict(rel, UNREADABLE, first_line(exc))
         if digest != entry["checksum"]:
             return Verdict(rel, CHECKSUM_MISMATCH, f"manifest {entry['checksum']}, on disk {digest}")
     return Verdict(rel, OK)
@@ -430,7 +356,7 @@ def verify(
     listed: dict[str, dict[str, Any]] = manifest["files"]
     names = list(listed) if only is None else [rel for rel in only if rel in listed]
     try:
-        _hasher(algorithm)
+        hasher(algorithm)
     except CheckpointError as exc:
         report.problem = str(exc)
         return report
@@ -463,7 +389,7 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
                       warn: Callable[[str], None] | None = None) -> None:
     """Raise ``CheckpointError`` if ``checkpoint`` is from a newer layout or its files do not match its manifest.
 
-    Run on every rank (inside ``lifecycle.collectively``): rank 0 checks that every listed file exists with its
+    Run on every rank (inside ``collective.collectively``): rank 0 checks that every listed file exists with its
     size; with ``checksums`` each rank also hashes its share. Files the manifest does not list are ignored here
     (``ckpt-train verify`` reports them). A checkpoint without a manifest loads with a warning.
     """
@@ -492,8 +418,3 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
             f"checkpoint '{checkpoint}' is damaged: {summarize(merged)} "
             f"(`ckpt-train verify {checkpoint}` lists every file)"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -8,12 +8,12 @@ Non-finite floats are written the way the JSON-lines logs write them: NaN as nul
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.jsonsafe import json_safe
 
 # Keys of SaveInfo.extra that become top-level metadata fields; other extra keys land under "extra".
 _EXTRA_FIELDS = ("consumed_samples", "val_metrics")
@@ -31,6 +31,7 @@ def build_metadata(
     world_size: int,
     model_save_format: str,
     training_seconds: float | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metadata of a checkpoint being saved now.
 
@@ -61,6 +62,8 @@ def build_metadata(
         "automodel_ckpt_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
     }
+    if fingerprint is not None:
+        meta["fingerprint"] = fingerprint  # what this is a checkpoint of (checkpoint/fingerprint.py)
     rest = {k: v for k, v in extra.items() if k not in _EXTRA_FIELDS}
     if rest:
         meta["extra"] = rest
@@ -69,7 +72,7 @@ def build_metadata(
 
 def write_metadata(checkpoint: Path, meta: dict[str, Any]) -> Path:
     file = Path(checkpoint) / layout.METADATA_FILE
-    file.write_text(json.dumps(_clean(meta), indent=2, default=str) + "\n", encoding="utf-8")
+    file.write_text(json.dumps(json_safe(meta), indent=2, default=str) + "\n", encoding="utf-8")
     return file
 
 
@@ -111,13 +114,3 @@ def metric_value(meta: dict[str, Any] | None, monitor: str, best_metric_key: str
         if not isinstance(metrics, dict):
             return None
     return as_float(metrics.get(monitor))
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value

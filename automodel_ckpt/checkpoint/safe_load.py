@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
@@ -70,9 +70,9 @@ def load_dcp_metadata(path: Path) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"'{path}' is missing (the index of the DCP files beside it)") from None
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"refusing to load '{path}': {_first_line(exc)}") from None
+        raise CheckpointError(f"refusing to load '{path}': {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - truncated or garbled pickles raise many types
-        raise CheckpointError(f"'{path}' is unreadable: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise CheckpointError(f"'{path}' is unreadable: {type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"'{path}' is not DCP metadata (holds a {type(metadata).__name__})")
     return metadata
@@ -107,7 +107,7 @@ class CachingHFReader(HuggingFaceStorageReader):
                 self._cached = super().read_metadata(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001
                 raise CheckpointError(f"cannot read the safetensors shards in '{self.path}': {type(exc).__name__}: "
-                                      f"{_first_line(exc)}") from None
+                                      f"{first_line(exc)}") from None
         return self._cached
 
 
@@ -125,7 +125,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"refusing to load entry '{fqn}' of '{self.source}': {_first_line(exc)}") from None
+            raise CheckpointError(f"refusing to load entry '{fqn}' of '{self.source}': {first_line(exc)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -207,7 +207,7 @@ def load_failure(exc: BaseException, path: Path, state: dict[str, Any] | None = 
         diffs = differences(state, metadata)
         if diffs:
             return CheckpointError(_misfit(path, diffs))
-    return CheckpointError(f"cannot load '{path}': {type(cause).__name__}: {_first_line(cause)}")
+    return CheckpointError(f"cannot load '{path}': {type(cause).__name__}: {first_line(cause)}")
 
 
 def save_failure(exc: BaseException, path: Path) -> CheckpointError:
@@ -215,9 +215,4 @@ def save_failure(exc: BaseException, path: Path) -> CheckpointError:
     cause = root_cause(exc)
     if isinstance(cause, CheckpointError):
         return CheckpointError(str(cause))
-    return CheckpointError(f"cannot write '{path}': {type(cause).__name__}: {_first_line(cause)}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return CheckpointError(f"cannot write '{path}': {type(cause).__name__}: {first_line(cause)}")

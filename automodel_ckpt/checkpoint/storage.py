@@ -23,6 +23,12 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def write_durable(path: Path, text: str) -> None:
+    """Write a small text file and fsync it."""
+    path.write_text(text, encoding="utf-8")
+    fsync_file(path)
+
+
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -72,15 +78,11 @@ def files_under(root: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class Written:
-    """What the writer of a file recorded about it (``note_written``)."""
+    """What the writer of a file recorded about it (``WrittenFiles.note``)."""
 
     synced: bool
     algorithm: str | None = None
     digest: str | None = None
-
-
-_WRITTEN: dict[str, tuple[tuple[int, ...], Written]] = {}
-_WRITTEN_LOCK = threading.Lock()
 
 
 def _stamp(path: Path) -> tuple[int, ...]:
@@ -88,53 +90,59 @@ def _stamp(path: Path) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def note_written(path: Path, *, synced: bool, algorithm: str | None = None, digest: str | None = None) -> None:
-    """Record, after closing ``path``, that it was fsynced (``synced``) and its checksum, if computed while writing.
+class WrittenFiles:
+    """The files one writer (a ``Checkpointer``) wrote: whether each was fsynced, and its checksum if computed then.
 
-    ``fsync_tree`` then skips the file and the manifest uses the checksum instead of reading the file back, as long
-    as the file is unchanged (same inode, size, mtime and ctime).
+    ``fsync_tree`` skips a file recorded as synced and the manifest uses the recorded checksum instead of reading
+    the file back, as long as the file is unchanged (same inode, size, mtime and ctime). Thread-safe: background
+    writes record their files from their own threads.
     """
-    key = os.path.abspath(path)
-    entry = (_stamp(Path(key)), Written(synced, algorithm, digest))
-    with _WRITTEN_LOCK:
-        _WRITTEN[key] = entry
 
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[tuple[int, ...], Written]] = {}
+        self._lock = threading.Lock()
 
-def written(path: Path) -> Written | None:
-    """What ``note_written`` recorded for ``path``, if the file has not changed since."""
-    key = os.path.abspath(path)
-    with _WRITTEN_LOCK:
-        entry = _WRITTEN.get(key)
-    if entry is None:
+    def note(self, path: Path, *, synced: bool, algorithm: str | None = None, digest: str | None = None) -> None:
+        """Record, after closing ``path``, that it was fsynced (``synced``) and its checksum, if computed."""
+        key = os.path.abspath(path)
+        entry = (_stamp(Path(key)), Written(synced, algorithm, digest))
+        with self._lock:
+            self._files[key] = entry
+
+    def get(self, path: Path) -> Written | None:
+        """What ``note`` recorded for ``path``, if the file has not changed since."""
+        key = os.path.abspath(path)
+        with self._lock:
+            entry = self._files.get(key)
+        if entry is None:
+            return None
+        try:
+            if _stamp(Path(key)) == entry[0]:
+                return entry[1]
+        except OSError:
+            pass
+        with self._lock:
+            self._files.pop(key, None)
         return None
-    try:
-        if _stamp(Path(key)) == entry[0]:
-            return entry[1]
-    except OSError:
-        pass
-    with _WRITTEN_LOCK:
-        _WRITTEN.pop(key, None)
-    return None
+
+    def forget(self, root: Path) -> None:
+        """Drop the records of files below ``root`` (once they are no longer needed)."""
+        prefix = os.path.join(os.path.abspath(root), "")
+        with self._lock:
+            for key in [k for k in self._files if k.startswith(prefix)]:
+                del self._files[key]
 
 
-def forget_written(root: Path) -> None:
-    """Drop the records of files below ``root`` (once they are no longer needed)."""
-    prefix = os.path.join(os.path.abspath(root), "")
-    with _WRITTEN_LOCK:
-        for key in [k for k in _WRITTEN if k.startswith(prefix)]:
-            del _WRITTEN[key]
-
-
-def fsync_tree(root: Path, rank: int = 0, world_size: int = 1) -> None:
+def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenFiles | None = None) -> None:
     """fsync this rank's share of the files below ``root``, then (rank 0) every folder, deepest first.
 
-    Files this process wrote and fsynced already (``note_written``) are not synced again; the rest are synced
-    by a few threads at once (the filesystem can then commit them together).
+    Files ``written`` records as fsynced already are not synced again; the rest are synced by a few threads at
+    once (the filesystem can then commit them together).
     """
     todo = []
     for i, path in enumerate(files_under(root)):
         if i % world_size == rank:
-            known = written(path)
+            known = written.get(path) if written is not None else None
             if known is None or not known.synced:
                 todo.append(path)
     if len(todo) > 1:
@@ -185,6 +193,15 @@ def read_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
         name = text.read_text(encoding="utf-8").strip()
         return name or None
     return None
+
+
+def remove_pointer(checkpoint_dir: Path, pointer: str) -> None:
+    """Remove a pointer (symlink and .txt fallback), e.g. when the checkpoint it named was quarantined."""
+    checkpoint_dir = Path(checkpoint_dir)
+    for path in (checkpoint_dir / pointer, checkpoint_dir / layout.pointer_text_file(pointer)):
+        if path.is_symlink() or path.exists():
+            path.unlink()
+    fsync_dir(checkpoint_dir)
 
 
 def remove_tree(path: Path) -> None:

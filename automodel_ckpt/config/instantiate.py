@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from automodel_ckpt.config.loader import omega_message
 from automodel_ckpt.errors import ConfigError
 
 __all__ = ["instantiate", "locate"]
@@ -109,7 +110,7 @@ def _plain(node: Any, section: str) -> Any:
             return OmegaConf.to_container(node, resolve=True)
         except OmegaConfBaseException as exc:
             key = f"{section}.{exc.full_key}" if exc.full_key else section
-            raise ConfigError(f"{key}: {(str(exc.msg or exc).splitlines() or [''])[0]}") from None
+            raise ConfigError(f"{key}: {omega_message(exc)}") from None
     if isinstance(node, Mapping):
         return {k: _plain(v, f"{section}.{k}") for k, v in node.items()}
     if isinstance(node, (list, tuple)):

@@ -227,7 +227,7 @@ def _set(parent: DictConfig, key: Any, value: Any, full: str, src: _Source) -> N
     except ValidationError:
         raise ConfigError(src.fmt(full, f"{full}: expected {_expected(parent, key)}, got {_describe(value)}")) from None
     except OmegaConfBaseException as exc:
-        raise ConfigError(src.fmt(full, f"{full}: {_omega_msg(exc)}")) from None
+        raise ConfigError(src.fmt(full, f"{full}: {omega_message(exc)}")) from None
 
 
 def _empty_section(ref_type: Any) -> Any:
@@ -306,7 +306,7 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _omega_msg(exc: OmegaConfBaseException) -> str:
+def omega_message(exc: OmegaConfBaseException) -> str:
     """OmegaConf's message without the ``full_key:``/``object_type=`` lines it appends."""
     return _one_line((str(exc.msg or exc).splitlines() or [""])[0])
 
@@ -323,7 +323,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
         if isinstance(exc, InterpolationValidationError) and isinstance(exc.parent_node, DictConfig):
             expected = _expected(exc.parent_node, exc.key)
             raise ConfigError(f"{key}: expected {expected}, got {_describe(exc.value)} from{shown}") from None
-        reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", _omega_msg(exc)).strip('"')
+        reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", omega_message(exc)).strip('"')
         raise ConfigError(f"{key}: cannot resolve{shown}: {reason}") from None
     _escape_literals(out)
     return out

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from automodel_ckpt.checkpoint.config import normalize_checkpoint_config
+from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import locate
 from automodel_ckpt.errors import ConfigError
 
@@ -31,7 +31,7 @@ def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: in
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> None:
-    """Raise ConfigError (one line) for values that would fail later; canonicalise checkpoint aliases."""
+    """Raise ConfigError (one line) for values that would fail later."""
     sched = cfg.step_scheduler
     _positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
     _positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
@@ -44,10 +44,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
     if cfg.data.val_size < 0:
         raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
-    ckpt = OmegaConf.to_object(cfg.checkpoint)
-    normalize_checkpoint_config(ckpt)
-    cfg.checkpoint.save_consolidated = ckpt.save_consolidated
-    cfg.checkpoint.preemption_signal = ckpt.preemption_signal
+    CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     if cfg.get("peft") is not None:
         from automodel_ckpt.models.lora import check_peft_section

@@ -103,15 +103,6 @@ def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if ``flag`` is true on any rank (used to fail together instead of hanging)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

@@ -7,7 +7,7 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, first_line
 
 if TYPE_CHECKING:  # transformers and torch load lazily: the launcher validates recipes without them
     import torch
@@ -123,4 +123,4 @@ def build_tokenizer(path: str | None):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"tokenizer: cannot load a tokenizer from '{path}': {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"tokenizer: cannot load a tokenizer from '{path}': {first_line(exc)}") from None

@@ -1,23 +1,39 @@
-"""The recipe base class: state discovery and the save/restore hooks every recipe shares."""
+"""The recipe contract (``__init__(cfg)``, ``run()``) and the state discovery and save/restore hooks it shares."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, ClassVar
 
-from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
-from automodel_ckpt.checkpoint.state import discover_state
+from omegaconf import DictConfig
+
+from automodel_ckpt.checkpoint import Checkpointer, CheckpointConfig, SaveInfo, discover_state
 
 
 class BaseRecipe:
-    """Subclass and add state as attributes: ``self.my_state = MyState()`` is checkpointed automatically.
+    """What `ckpt-train` runs: ``recipe: my_pkg.MyRecipe`` in the YAML names a subclass.
 
-    Every public attribute with ``state_dict`` and ``load_state_dict`` is saved and restored under its name.
-    List attribute names in ``checkpoint_exclude`` to keep them out of checkpoints.
+    The contract: every rank constructs the class with the validated config (``MyRecipe(cfg)``: an OmegaConf
+    node of the recipe schema, cheap to build, no process group yet) and calls ``run()`` once; ``run`` trains to
+    the end (or until preempted) and returns with the last checkpoint complete. Everything else is the
+    subclass's choice.
+
+    Checkpointing is by discovery: every public attribute with ``state_dict`` and ``load_state_dict`` is saved
+    and restored under its name (``self.my_state = MyState()`` is checkpointed automatically); list attribute
+    names in ``checkpoint_exclude`` to keep them out. Set ``self.checkpointer`` (a ``Checkpointer`` built from
+    ``self.checkpoint_config``) to enable ``save_checkpoint``/``restore_checkpoint``.
     """
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
     checkpointer: Checkpointer | None = None
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.checkpoint_config: CheckpointConfig = CheckpointConfig.from_section(cfg.checkpoint)
+
+    def run(self) -> None:
+        """Train; called once on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run()")
 
     def checkpointed_state(self) -> dict[str, Any]:
         return discover_state(self, exclude=self.checkpoint_exclude)
@@ -34,10 +50,7 @@ class BaseRecipe:
         return self.checkpointer.finalize()
 
     def restore_checkpoint(self) -> Path | None:
-        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the latest), if any."""
+        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any."""
         if self.checkpointer is None:
             return None
-        path = self.checkpointer.find_restore_target()
-        if path is not None:
-            self.checkpointer.load(self.checkpointed_state(), path)
-        return path
+        return self.checkpointer.restore(self.checkpointed_state())

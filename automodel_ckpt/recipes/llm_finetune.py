@@ -8,12 +8,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint.checkpointer import Checkpointer, HFArtifacts, SaveInfo
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.config import normalize_signal_name
+from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, layout
+from automodel_ckpt.checkpoint.fingerprint import run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
@@ -38,9 +36,6 @@ class FinetuneRecipe(BaseRecipe):
     ``dataloader``, ``rng``, ``step_scheduler`` and anything a subclass adds.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
@@ -54,6 +49,7 @@ class FinetuneRecipe(BaseRecipe):
             model = apply_lora(model, cfg.peft)
             if self.env.is_main:
                 print(lora_summary(model), flush=True)
+        fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
         with rng_untouched():
@@ -76,14 +72,14 @@ class FinetuneRecipe(BaseRecipe):
         self.lr_scheduler = instantiate(cfg.lr_scheduler, "lr_scheduler", self.optimizer,
                                         total_steps=self.step_scheduler.total_steps)
         self.rng = RNGState()
-        ckpt_cfg = OmegaConf.to_object(cfg.checkpoint)
+        ckpt_cfg = self.checkpoint_config
         run_dir = Path(ckpt_cfg.checkpoint_dir)
         self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
         self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=to_yaml(cfg),
-                                         hf=self.hf_artifacts(), say=self.progress.write) if ckpt_cfg.enabled or \
-            ckpt_cfg.restore_from else None
+                                         hf=self.hf_artifacts(), say=self.progress.write,
+                                         fingerprint=fingerprint) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
         self._save_enabled = bool(ckpt_cfg.enabled)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
@@ -97,6 +93,15 @@ class FinetuneRecipe(BaseRecipe):
         tokenizer = build_tokenizer(tok_path)
         return tokenizer, model.to(self.env.device)
 
+    def state_meaning(self) -> dict[str, Any]:
+        """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint)."""
+        cfg = self.cfg
+        return {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "seq_length": cfg.data.seq_length,
+                "global_batch_size": cfg.step_scheduler.global_batch_size}
+
+    def _peft_section(self) -> dict[str, Any] | None:
+        return OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None
+
     def hf_artifacts(self) -> HFArtifacts:
         model = self.model
         return HFArtifacts(
@@ -104,7 +109,7 @@ class FinetuneRecipe(BaseRecipe):
             generation_config=getattr(model, "generation_config", None),
             tokenizer=self.tokenizer,
             base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
-            peft=OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None,
+            peft=self._peft_section(),
         )
 
     def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
@@ -133,8 +138,8 @@ class FinetuneRecipe(BaseRecipe):
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> None:
         """Train to the end, or until preempted (see ``save_triggers``); the last save is complete on return."""
-        ckpt = self.cfg.checkpoint
-        signal_name = normalize_signal_name(ckpt.get("preemption_signal")) if ckpt.enabled else None
+        ckpt = self.checkpoint_config
+        signal_name = ckpt.preemption_signal if ckpt.enabled else None
         worker = inside_launcher_worker()
         self._preemption = PreemptionWatcher(signal_name, repeat_stops=not worker)
         self._preemption.install()  # before setup: a signal during setup is seen at the first step boundary
@@ -163,7 +168,7 @@ class FinetuneRecipe(BaseRecipe):
             return
         self.progress.start(sched.step)
         boundary = StepBoundary(self._preemption,
-                                TimeTrigger(self.cfg.checkpoint.get("ckpt_every_minutes") if self._save_enabled else None))
+                                TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self._save_enabled else None))
         while not sched.done:
             epoch, micro = self.dataloader.next_batch()
             t0 = time.perf_counter()
@@ -200,19 +205,16 @@ class FinetuneRecipe(BaseRecipe):
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written by W processes resumes on W' processes."""
-        saved = Checkpointer.saved_world_size(checkpoint)
-        if saved == self.env.world_size or not self.env.is_main:
+        assert self.checkpointer is not None
+        written = self.checkpointer.written_by(checkpoint)
+        if written.world_size == self.env.world_size or not self.env.is_main:
             return
         sched = self.cfg.step_scheduler
-        try:
-            saved_local = int(yaml.safe_load((checkpoint / layout.CONFIG_FILE).read_text())["step_scheduler"]
-                              ["local_batch_size"])
-        except (OSError, KeyError, TypeError, ValueError):
-            saved_local = sched.local_batch_size
-        before = sched.global_batch_size // max(saved_local * saved, 1)
+        saved_local = written.local_batch_size or sched.local_batch_size
+        before = sched.global_batch_size // max(saved_local * written.world_size, 1)
         self.progress.write(
-            f"Resuming at world size {self.env.world_size} (checkpoint written by {saved}): global batch "
-            f"{sched.global_batch_size} kept, gradient accumulation {before} -> {self.dataloader.grad_accum}; "
+            f"Resuming at world size {self.env.world_size} (checkpoint written by {written.world_size}): global "
+            f"batch {sched.global_batch_size} kept, gradient accumulation {before} -> {self.dataloader.grad_accum}; "
             "model and optimizer resharded, data position kept"
         )
 

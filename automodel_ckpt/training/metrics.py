@@ -7,11 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from automodel_ckpt.jsonsafe import json_safe
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
 
 
 class JsonlLog:
@@ -26,7 +23,7 @@ class JsonlLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            f.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step``: a resumed run rewrites the steps it repeats."""

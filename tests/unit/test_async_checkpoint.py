@@ -20,7 +20,7 @@ from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
-from tests.e2e.contents import comparable
+from tests.integration.contents import comparable
 from tests.unit import ckpt_state
 
 FORMATS = ("safetensors", "torch_save")
@@ -49,8 +49,8 @@ def gate(monkeypatch):
     g = Gate()
     make = sharded._writer
 
-    def gated_writer(path, fmt):
-        writer = make(path, fmt)
+    def gated_writer(path, fmt, written=None):
+        writer = make(path, fmt, written)
         write_data = writer.write_data
 
         def gated(plan, planner):
@@ -217,19 +217,21 @@ def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tm
     assert (path / "optim" / ".metadata").is_file()
 
 
-def test_a_second_signal_stops_a_single_process(tmp_path):
-    """Without the launcher, the first signal asks for a save; a second one is the signal's default action."""
-    import signal
-    import subprocess
-    import sys
+def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_path, monkeypatch):
+    """A failing run whose peer died: the background write would block until the collective timeout."""
+    from concurrent.futures import Future
 
-    script = (
-        "import os, signal\n"
-        "from automodel_ckpt.training.save_triggers import PreemptionWatcher\n"
-        "w = PreemptionWatcher('SIGTERM', repeat_stops=True); w.install()\n"
-        "os.kill(os.getpid(), signal.SIGTERM); print('requested', w.requested, flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGTERM); print('still alive', flush=True)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.stdout.splitlines() == ["requested True"]
-    assert proc.returncode == -signal.SIGTERM
+    from automodel_ckpt.checkpoint import checkpointer as checkpointer_module
+
+    ckpt = make_checkpointer(env, tmp_path, is_async=True)
+    stager = ckpt._host_stager()
+    never = Future()  # a write stuck in a collective with a dead rank
+    ckpt._pending = checkpointer_module._PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
+    monkeypatch.setattr(checkpointer_module, "ABANDON_WAIT_SECONDS", 0.0)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (ckpt.abandon(), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(60), "abandon() waited on a write that never ends"
+    assert not ckpt.in_flight
+    assert ckpt._stager is stager  # its buffers are not released under a write that may still run
+    never.set_result(None)

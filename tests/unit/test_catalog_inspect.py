@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt import cli
-from automodel_ckpt.checkpoint import catalog, layout, lifecycle
-from automodel_ckpt.checkpoint.inspect_cli import human_size, inspect_dir, render_table
+from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.cli.inspect import human_size, inspect_dir, render_table
 from automodel_ckpt.checkpoint.metadata import as_float, build_metadata, metric_value, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.storage import set_pointer
 from automodel_ckpt.errors import UserError
@@ -80,19 +80,19 @@ def test_scan_identifies_checkpoints_by_metadata_then_default_names(tmp_path):
         ("epoch_0_step_2", 2), ("epoch_0_step_99", 5), ("ck_9", 9), ("ck_10", 10)]
     incomplete = [(r.name, r.step) for r in catalog.scan(tmp_path, include_incomplete=True) if not r.complete]
     assert incomplete == [(".staging-ck_11", 11), (".staging-epoch_0_step_12", 12), (".staging-whatever", None)]
-    assert [r.step for r in lifecycle.list_checkpoints(tmp_path)] == [2, 5, 9, 10]
+    assert [r.step for r in catalog.list_checkpoints(tmp_path)] == [2, 5, 9, 10]
     assert catalog.scan(tmp_path / "missing") == []
 
 
 def test_latest_falls_back_to_the_newest_by_metadata_step_with_any_template(tmp_path):
     make(tmp_path, "run-9-x", 9)
     make(tmp_path, "run-10-x", 10)
-    assert lifecycle.latest_checkpoint(tmp_path) == tmp_path / "run-10-x"  # no LATEST: newest by step, not by name
+    assert catalog.latest_checkpoint(tmp_path) == tmp_path / "run-10-x"  # no LATEST: newest by step, not by name
     set_pointer(tmp_path, layout.LATEST, "run-9-x")  # LATEST behind (a run died between publish and the swap)
-    assert lifecycle.latest_checkpoint(tmp_path) == tmp_path / "run-10-x"
+    assert catalog.latest_checkpoint(tmp_path) == tmp_path / "run-10-x"
     set_pointer(tmp_path, layout.LATEST, "run-10-x")
-    assert lifecycle.resolve_restore_from(tmp_path, None) == tmp_path / "run-10-x"
-    assert lifecycle.resolve_restore_from(tmp_path, "run-9-x") == tmp_path / "run-9-x"
+    assert catalog.resolve_restore_from(tmp_path, None) == tmp_path / "run-10-x"
+    assert catalog.resolve_restore_from(tmp_path, "run-9-x") == tmp_path / "run-9-x"
 
 
 # --- inspect -----------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from automodel_ckpt.cli import main
 from automodel_ckpt.config.reference import render_reference
-from automodel_ckpt.plot import make_figure
+from automodel_ckpt.cli.plot import make_figure
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -65,7 +65,7 @@ def test_docs_show_commands():
 
 @pytest.mark.parametrize("where,args,shows_error", COMMANDS, ids=[c[0][:90] for c in COMMANDS])
 def test_documented_command_is_valid(where, args, shows_error, monkeypatch, tmp_path, capsys):
-    """Training commands are checked with --dry-run; utility verbs must exist (each has its own e2e test)."""
+    """Training commands are checked with --dry-run; utility verbs must exist (each has its own integration test)."""
     if args[0] in VERBS:
         return
     recipe = next(a for a in args if a.endswith(".yaml"))

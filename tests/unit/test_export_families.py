@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.consolidate import consolidate
+from automodel_ckpt.checkpoint.export.plan import consolidate
 from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
 from automodel_ckpt.checkpoint.export.views import flat_boxes
 from tests.family_bases import FAMILIES, checkpoint_of, in_memory_state

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint import layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.safe_load import RestrictedUnpickler
-from automodel_ckpt.checkpoint.verify_cli import main as verify_main
+from automodel_ckpt.cli.common import human_size
+from automodel_ckpt.cli.verify import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
 from tests.unit.ckpt_state import State
@@ -124,6 +125,8 @@ def test_fresh_checkpoint_resumes_and_verifies(saved, capsys):
     assert loaded.counter.n == 2 and loaded.cursor.n == 20
     code, out = verify_cli(capsys, second)
     assert code == 0 and "verify: OK" in out and f"ok                 {layout.CONFIG_FILE}" in out
+    size = human_size(manifest.read(second)["total_bytes"])
+    assert f"files, {size}, layout" in out and size.endswith("KiB")  # sizes read as `inspect` prints them
     code, out = verify_cli(capsys, ckpt.dir)
     assert code == 0, out
     assert "pointer LATEST -> epoch_0_step_2: ok" in out and "verify: OK (2 checkpoint(s))" in out
@@ -296,9 +299,9 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     assert "No space left on device" in str(err.value) and "\n" not in str(err.value)
     monkeypatch.undo()
     assert (ckpt.dir / layout.staging_name("epoch_0_step_3")).is_dir()  # the partial save stays hidden...
-    assert [r.name for r in lifecycle.list_checkpoints(ckpt.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert [r.name for r in catalog.list_checkpoints(ckpt.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
     assert os.readlink(ckpt.dir / layout.LATEST) == "epoch_0_step_2"
-    assert lifecycle.resolve_restore_from(ckpt.dir, None) == second  # ...and never selected
+    assert catalog.resolve_restore_from(ckpt.dir, None) == second  # ...and never selected
     code, out = verify_cli(capsys, ckpt.dir)
     assert code == 0 and "interrupted save" in out
     assert manifest.verify(second).ok and manifest.verify(first).ok
@@ -311,9 +314,9 @@ def test_dangling_latest(saved, capsys):
     shutil.rmtree(second)
     with pytest.warns(UserWarning, match="LATEST points to 'epoch_0_step_2'.*resuming from the newest complete "
                                          "checkpoint 'epoch_0_step_1'"):
-        assert lifecycle.resolve_restore_from(ckpt.dir, None) == first
+        assert catalog.resolve_restore_from(ckpt.dir, None) == first
     with pytest.raises(CheckpointError) as err:
-        lifecycle.resolve_restore_from(ckpt.dir, "LATEST")
+        catalog.resolve_restore_from(ckpt.dir, "LATEST")
     assert "LATEST points to 'epoch_0_step_2', which is not a checkpoint" in str(err.value)
     assert "checkpoints there: epoch_0_step_1" in str(err.value)
     code, out = verify_cli(capsys, ckpt.dir)

@@ -131,33 +131,44 @@ def test_safetensors_shard_is_a_valid_safetensors_file(tmp_path):
 
 def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
     model, optimizer = model_and_optimizer(0)
-    sharded.save_model(model, tmp_path / "model", "safetensors")
-    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    written = storage.WrittenFiles()  # owned by the checkpointer in a run
+    sharded.save_model(model, tmp_path / "model", "safetensors", written=written)
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim", written=written)
     algorithm = manifest.default_algorithm()
     for f in ["model/shard-00001-model-00001-of-00001.safetensors", "optim/__0_0.distcp"]:
-        known = storage.written(tmp_path / f)
+        known = written.get(tmp_path / f)
         assert known is not None and known.synced and known.algorithm == algorithm
         assert known.digest == manifest.hash_file(tmp_path / f, algorithm)[1]
-    assert storage.written(tmp_path / "optim" / ".metadata").synced
+    assert written.get(tmp_path / "optim" / ".metadata").synced
+    assert storage.WrittenFiles().get(tmp_path / "optim" / "__0_0.distcp") is None  # no process-wide registry
 
     hashed = []
     real = manifest.hash_file
     monkeypatch.setattr(manifest, "hash_file", lambda p, a: hashed.append(Path(p).name) or real(p, a))
-    manifest.seal(tmp_path, 0, 1)
+    manifest.seal(tmp_path, 0, 1, written)
     assert sorted(hashed) == [".metadata"]  # the two data files were not read back
     assert manifest.verify(tmp_path).ok
+    assert written.get(tmp_path / "optim" / "__0_0.distcp") is None  # forgotten once sealed
 
-    (tmp_path / "optim" / "__0_0.distcp").write_bytes(b"changed")  # a changed file is never trusted
-    assert storage.written(tmp_path / "optim" / "__0_0.distcp") is None
+
+def test_a_changed_file_is_never_trusted(tmp_path):
+    written = storage.WrittenFiles()
+    file = tmp_path / "a.bin"
+    file.write_bytes(b"first")
+    written.note(file, synced=True, algorithm="crc32", digest="0")
+    assert written.get(file) is not None
+    file.write_bytes(b"changed")
+    assert written.get(file) is None
 
 
 def test_fsync_tree_skips_files_synced_by_their_writer(tmp_path, monkeypatch):
     model, _ = model_and_optimizer(0)
-    sharded.save_model(model, tmp_path / "model", "torch_save")
+    written = storage.WrittenFiles()
+    sharded.save_model(model, tmp_path / "model", "torch_save", written=written)
     (tmp_path / "config.yaml").write_text("x: 1\n")
     synced = []
     monkeypatch.setattr(storage, "fsync_file", lambda p: synced.append(Path(p).name))
-    storage.fsync_tree(tmp_path)
+    storage.fsync_tree(tmp_path, written=written)
     assert synced == ["config.yaml"]
 
 

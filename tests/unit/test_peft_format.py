@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.formats import peft as peft_format
-from automodel_ckpt.checkpoint.merge_lora import base_model_folder, merge_lora
+from automodel_ckpt.checkpoint.export.merge_lora import base_model_folder, merge_lora
 from automodel_ckpt.config.schema import PeftConfig
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.lora import apply_lora

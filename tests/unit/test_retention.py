@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from automodel_ckpt.checkpoint import layout, lifecycle
+from automodel_ckpt.checkpoint import catalog, layout, lifecycle
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
-from automodel_ckpt.checkpoint.config import CheckpointConfig, normalize_checkpoint_config
+from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.metadata import build_metadata, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.retention import (
     Candidate,
@@ -191,9 +191,8 @@ def test_lowest_val_moved_by_is_better_is_what_top_1_keeps(metrics, mode):
     ],
 )
 def test_config_errors_name_the_key(changes, message):
-    cfg = CheckpointConfig(**changes)
     with pytest.raises(ConfigError, match=f".*{message.replace('{', '[{]').replace('}', '[}]')}"):
-        normalize_checkpoint_config(cfg)
+        CheckpointConfig(**changes)
 
 
 @pytest.mark.parametrize(
@@ -228,7 +227,6 @@ def test_good_name_templates_render(template, name):
 
 def test_default_config_is_valid_and_keeps_everything():
     cfg = CheckpointConfig()
-    normalize_checkpoint_config(cfg)
     assert not RetentionPolicy.from_config(cfg).prunes
 
 
@@ -283,7 +281,6 @@ ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), ba
 
 def checkpointer(tmp_path: Path, **cfg) -> Checkpointer:
     config = CheckpointConfig(checkpoint_dir=str(tmp_path), save_consolidated="false", **cfg)
-    normalize_checkpoint_config(config)
     return Checkpointer(config, ENV, resolved_config_yaml="{}\n", say=lambda _: None)
 
 
@@ -327,4 +324,4 @@ def test_checkpointer_prunes_after_publish_and_names_by_template(tmp_path):
     assert read_pointer(tmp_path, layout.LOWEST_VAL) == "s003-n24"
     meta = read_metadata(tmp_path / "s005-n40")
     assert (meta["step"], meta["consumed_samples"], meta["layout_version"]) == (5, 40, layout.LAYOUT_VERSION)
-    assert lifecycle.latest_checkpoint(tmp_path) == tmp_path / "s005-n40"
+    assert catalog.latest_checkpoint(tmp_path) == tmp_path / "s005-n40"

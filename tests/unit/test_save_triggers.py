@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.config import CheckpointConfig, normalize_checkpoint_config, normalize_signal_name
+from automodel_ckpt.checkpoint.config import CheckpointConfig, normalize_signal_name
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.training.save_triggers import Boundary, PreemptionWatcher, StepBoundary, TimeTrigger
 
@@ -98,11 +98,9 @@ def test_signal_names_and_minutes_are_validated():
         normalize_signal_name("SIGNOPE")
     with pytest.raises(ConfigError, match="cannot be caught"):
         normalize_signal_name("SIGKILL")
-    cfg = CheckpointConfig(ckpt_every_minutes=0)
     with pytest.raises(ConfigError, match="ckpt_every_minutes: expected a positive number"):
-        normalize_checkpoint_config(cfg)
+        CheckpointConfig(ckpt_every_minutes=0)
     cfg = CheckpointConfig(preemption_signal="usr2", ckpt_every_minutes=0.5)
-    normalize_checkpoint_config(cfg)
     assert cfg.preemption_signal == "SIGUSR2"
 
 

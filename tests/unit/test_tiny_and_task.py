@@ -17,7 +17,7 @@ from automodel_ckpt.data.builtin import (
     is_heldout,
     problems,
 )
-from automodel_ckpt.evaluation import answer_from_ids, generate_answers, generation_accuracy, print_accuracy_report
+from examples.evaluation import answer_from_ids, generate_answers, generation_accuracy, print_accuracy_report
 from automodel_ckpt.models.tiny import CHARACTERS, TINY_LLAMA_CONFIG, build_tokenizer, ensure_tiny_base
 
 

@@ -1,1 +1,1 @@
-"""Hugging Face export: how a checkpoint becomes a folder in the base model's own on-disk layout."""
+"""Hugging Face export of checkpoints: the plan, shard sources, writer, atomic commit, HF metadata, LoRA merge."""

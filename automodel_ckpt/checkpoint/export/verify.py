@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.consolidate import resolve_model_dir
-from automodel_ckpt.checkpoint.consolidate_sources import SourceTensor, load_dcp_piece, open_source
-from automodel_ckpt.checkpoint.hf_metadata import read_hf_metadata
+from automodel_ckpt.checkpoint.export.plan import resolve_model_dir
+from automodel_ckpt.checkpoint.export.sources import SourceTensor, load_dcp_piece, open_source
+from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.checkpoint.safetensors_io import pread_into, read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 

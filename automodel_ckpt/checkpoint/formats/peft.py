@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from automodel_ckpt.checkpoint import layout, lifecycle
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.checkpoint import collective, layout
+from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: 
         write_adapter_folder(folder, tensors, adapter_config, automodel_config=automodel_config,
                              tokenizer=tokenizer, base_model_path=base_model_path)
 
-    lifecycle.on_main(write, f"writing the adapter to '{folder}'", rank)
+    collective.on_main(write, f"writing the adapter to '{folder}'", rank)
 
 
 def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any], *,
@@ -146,7 +146,7 @@ def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except Exception as exc:  # noqa: BLE001 - a damaged file must be one line, not a traceback
-        raise CheckpointError(f"cannot read '{file}': {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") \
             from None
 
 

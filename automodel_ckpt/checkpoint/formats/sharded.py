@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from automodel_ckpt.checkpoint.formats import fastio
+from automodel_ckpt.checkpoint.storage import WrittenFiles
 from automodel_ckpt.checkpoint.safe_load import (
     SafeLoadPlanner,
     check_fits,
@@ -31,16 +32,17 @@ SAFETENSORS = "safetensors"
 TORCH_SAVE = "torch_save"
 
 
-def _writer(path: Path, fmt: str):
+def _writer(path: Path, fmt: str, written: WrittenFiles | None = None):
     """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
 
     safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
     (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
-    ``__R_0.distcp`` per rank (``FileSystemWriter``'s). Each file is fsynced once, with its checksum noted.
+    ``__R_0.distcp`` per rank (``FileSystemWriter``'s). Each file is fsynced once, with its checksum noted in
+    ``written``.
     """
     if fmt == SAFETENSORS:
-        return fastio.ParallelSafetensorsWriter(path)
-    return fastio.ParallelFileSystemWriter(path)
+        return fastio.ParallelSafetensorsWriter(path, written=written)
+    return fastio.ParallelFileSystemWriter(path, written=written)
 
 
 def _reader(path: Path, fmt: str):
@@ -67,8 +69,8 @@ def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) 
         raise load_failure(exc, path, state, metadata) from None
 
 
-def save_model(model: nn.Module, path: Path, fmt: str, process_group=None) -> None:
-    _save(get_model_state_dict(model), path, _writer(path, fmt), process_group)
+def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None) -> None:
+    _save(get_model_state_dict(model), path, _writer(path, fmt, written), process_group)
 
 
 def load_model(model: nn.Module, path: Path, fmt: str, process_group=None) -> None:
@@ -78,17 +80,19 @@ def load_model(model: nn.Module, path: Path, fmt: str, process_group=None) -> No
     set_model_state_dict(model, state)
 
 
-def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None) -> None:
-    _save(get_optimizer_state_dict(model, optimizer), path, _writer(path, TORCH_SAVE), process_group)
+def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
+                   written: WrittenFiles | None = None) -> None:
+    _save(get_optimizer_state_dict(model, optimizer), path, _writer(path, TORCH_SAVE, written), process_group)
 
 
 class StagedSave:
     """A model or optimizer state copied for a background save: ``start`` writes the copy in a thread."""
 
-    def __init__(self, staged: dict, path: Path, fmt: str) -> None:
+    def __init__(self, staged: dict, path: Path, fmt: str, written: WrittenFiles | None = None) -> None:
         self.staged = staged
         self.path = path
         self.fmt = fmt
+        self.written = written
 
     def start(self, process_group, after: Future | None = None) -> Future:
         """Begin writing through ``dcp.async_save``; the future's ``result()`` raises what the write raised.
@@ -96,20 +100,22 @@ class StagedSave:
         ``after``: an earlier background write on the same ``process_group``; this one starts when that one is
         done, so the group's collectives never interleave.
         """
-        response = dcp.async_save(self.staged, storage_writer=_writer(self.path, self.fmt),
+        response = dcp.async_save(self.staged, storage_writer=_writer(self.path, self.fmt, self.written),
                                   process_group=process_group, async_stager=_Handoff(self.staged, after))
         return getattr(response, "upload_completion", response)
 
 
-def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager) -> StagedSave:
+def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager,
+                written: WrittenFiles | None = None) -> StagedSave:
     """The first half of a background ``save_model``: copy the model's (sharded) state into host memory."""
-    return StagedSave(stager.stage(f"model:{path.name}", get_model_state_dict(model)), path, fmt)
+    return StagedSave(stager.stage(f"model:{path.name}", get_model_state_dict(model)), path, fmt, written)
 
 
-def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager) -> StagedSave:
+def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
+                    written: WrittenFiles | None = None) -> StagedSave:
     """The first half of a background ``save_optimizer``."""
     return StagedSave(stager.stage(f"optim:{path.name}", get_optimizer_state_dict(model, optimizer)), path,
-                      TORCH_SAVE)
+                      TORCH_SAVE, written)
 
 
 def wait_async_save(future: Future, path: Path) -> None:
@@ -239,11 +245,3 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
             optimizer.state.clear()
         raise
     set_optimizer_state_dict(model, optimizer, state)
-
-
-def detect_model_format(path: Path) -> str:
-    """Which format a checkpoint's model folder holds."""
-    path = Path(path)
-    if any(path.glob("*.safetensors")):
-        return SAFETENSORS
-    return TORCH_SAVE

@@ -43,7 +43,7 @@
     if [[ -n "${CONSOLIDATION_TOOL:-}" ]]; then
         target=("$CONSOLIDATION_TOOL")
     else
-        target=(-m automodel_ckpt.checkpoint.consolidate_cli)
+        target=(-m automodel_ckpt.cli.consolidate)
     fi
     if [[ "$nproc" -gt 1 ]]; then
         "$python_bin" -m torch.distributed.run --standalone --nproc-per-node "$nproc" "${target[@]}" "${args[@]}" "$@"

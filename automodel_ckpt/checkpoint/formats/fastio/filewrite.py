@@ -101,10 +101,10 @@ class _Hasher:
     """The file's checksum (the manifest's algorithm), fed with its bytes in file order from a thread of its own."""
 
     def __init__(self) -> None:
-        from automodel_ckpt.checkpoint import manifest
+        from automodel_ckpt.checkpoint import checksum
 
-        self.algorithm = manifest.default_algorithm()
-        self._h = manifest._hasher(self.algorithm)
+        self.algorithm = checksum.default_algorithm()
+        self._h = checksum.hasher(self.algorithm)
         self.ok = False
 
     def feed(self, pieces: list[Any]) -> None:
@@ -127,10 +127,10 @@ class _Hasher:
         return self._h.hexdigest()
 
 
-def write_file(path: Path, pieces: list[Any], threads: int) -> int:
+def write_file(path: Path, pieces: list[Any], threads: int, written: storage.WrittenFiles | None = None) -> int:
     """Write ``pieces`` back to back into ``path`` (created or truncated) and fsync it; returns its size.
 
-    Records the file as synced, with its checksum, for ``fsync_tree`` and the manifest (``storage.note_written``).
+    Records the file in ``written`` as synced, with its checksum, for ``fsync_tree`` and the manifest.
     """
     path = Path(path)
     total = sum(piece_length(p) for p in pieces)
@@ -174,9 +174,9 @@ def write_file(path: Path, pieces: list[Any], threads: int) -> int:
         os.close(fd)
         if hash_thread is not None:
             hash_thread.join()
-    if hasher is not None and hasher.ok:
-        storage.note_written(path, synced=True, algorithm=hasher.algorithm, digest=hasher.hexdigest())
-    else:
-        storage.note_written(path, synced=True)
+    if written is not None and hasher is not None and hasher.ok:
+        written.note(path, synced=True, algorithm=hasher.algorithm, digest=hasher.hexdigest())
+    elif written is not None:
+        written.note(path, synced=True)
     return total
 

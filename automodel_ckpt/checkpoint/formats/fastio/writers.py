@@ -33,9 +33,11 @@ class ParallelFileSystemWriter(FileSystemWriter):
     ``write_file``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS) -> None:
+    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
+                 written: storage.WrittenFiles | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.threads = default_threads(threads)
+        self.written = written
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.transforms.extensions or not self.single_file_per_rank:
@@ -58,14 +60,14 @@ class ParallelFileSystemWriter(FileSystemWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(file_name, offset, length)))
             offset += length
-        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads)
+        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
         return _done(results)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)  # runs where the .metadata file is written (and fsynced)
         path = Path(self._get_metadata_path(None if self.use_collectives else self.rank))
-        if path.is_file():
-            storage.note_written(path, synced=self.sync_files)
+        if path.is_file() and self.written is not None:
+            self.written.note(path, synced=self.sync_files)
 
 
 class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
@@ -75,9 +77,11 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
     writer produces, tensors ordered by alignment then name as ``safetensors`` orders them.
     """
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS) -> None:
+    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
+                 written: storage.WrittenFiles | None = None) -> None:
         super().__init__(str(path), save_distributed=True)
         self.threads = default_threads(threads)
+        self.written = written
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         from torch.distributed.checkpoint._hf_utils import (
@@ -118,6 +122,6 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
             pieces.append(Lazy(t))
             results.append(WriteResult(index=wi.index, size_in_bytes=piece_length(pieces[-1]),
                                        storage_data=_StorageInfo(file_name, 8 + len(head) + begin, piece_length(pieces[-1]))))
-        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads)
+        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
         return _done(results)
 

@@ -1,0 +1,81 @@
+"""Steps every rank takes together: one rank's failure raises the same error on every rank, instead of a hang.
+
+``collectively`` runs a step on every rank and all-gathers who failed; ``on_main`` runs it on rank 0 and
+broadcasts the result or the failure. Both always reach their collective, even when the step is interrupted
+(``KeyboardInterrupt``): the other ranks learn of the failure, and the interrupt is raised again afterwards.
+The error raised on the failing rank is chained to the original exception, so ``--debug`` shows its traceback;
+with ``--debug`` (``AUTOMODEL_CKPT_DEBUG=1``) the other ranks' message carries the failing rank's traceback too.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Callable, TypeVar
+
+from automodel_ckpt.distributed.env import all_gather_object, broadcast_object
+from automodel_ckpt.errors import CheckpointError, first_line
+
+T = TypeVar("T")
+
+
+def collectively(fn: Callable[[], T], what: str, rank: int) -> T:
+    """Run ``fn`` on every rank; if it fails anywhere, raise the first failure's message on every rank."""
+    result: T | None = None
+    error: str | None = None
+    caught: BaseException | None = None
+    try:
+        result = fn()
+    except BaseException as exc:  # noqa: BLE001 - every failure, interrupts included, must reach every rank
+        caught, error = exc, _describe(exc)
+    errors = all_gather_object(error)
+    if isinstance(caught, (KeyboardInterrupt, SystemExit)):
+        raise caught
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        r, e = failed[0]
+        raise _failure(what, r, e, caught if r == rank else None)
+    return result  # type: ignore[return-value]
+
+
+def on_main(fn: Callable[[], T], what: str, rank: int) -> T:
+    """Run ``fn`` on rank 0 only; its result (or its failure) reaches every rank."""
+    payload: tuple[bool, object] = (True, None)
+    caught: BaseException | None = None
+    if rank == 0:
+        try:
+            payload = (True, fn())
+        except BaseException as exc:  # noqa: BLE001 - the other ranks wait in the broadcast below
+            caught, payload = exc, (False, _describe(exc))
+    ok, value = broadcast_object(payload)
+    if isinstance(caught, (KeyboardInterrupt, SystemExit)):
+        raise caught
+    if not ok:
+        raise _failure(what, 0, str(value), caught)
+    return value  # type: ignore[return-value]
+
+
+def debugging() -> bool:
+    """Whether the user asked for full tracebacks (``--debug``, inherited by workers as AUTOMODEL_CKPT_DEBUG=1)."""
+    return os.environ.get("AUTOMODEL_CKPT_DEBUG") == "1"
+
+
+def _describe(exc: BaseException) -> str:
+    """The failure as sent to the other ranks: its first line, and with --debug its traceback after it."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    text = first_line(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {first_line(exc)}"
+    if debugging() and not isinstance(exc, CheckpointError):
+        text += "\n" + "".join(traceback.format_exception(exc))
+    return text
+
+
+def _failure(what: str, rank: int, description: str, cause: BaseException | None) -> CheckpointError:
+    """The error every rank raises: one line; with --debug a remote traceback follows it (a local one is chained)."""
+    head, _, rest = description.partition("\n")
+    message = f"{what} failed on rank {rank}: {head}"
+    if rest and cause is None and debugging():
+        message += f"\n--- traceback on rank {rank} ---\n{rest.rstrip()}"
+    error = CheckpointError(message)
+    error.__cause__ = cause
+    return error

@@ -1,0 +1,107 @@
+"""The `ckpt-train` entry point: training (the default verb) and the utility verbs, with one-line errors.
+
+Each verb is one module of this package with ``main(argv) -> int``; ``VERBS`` registers it under its name with
+its usage line. A verb module parses with ``common.VerbParser`` (``--debug`` and one-line argument errors) and
+raises the project's ``UserError`` types; ``run`` turns those into ``error: ...`` and an exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+
+from automodel_ckpt import __version__
+from automodel_ckpt.cli.common import debug_requested, report
+from automodel_ckpt.errors import UserError
+
+# verb -> (module in this package, arguments as shown by --help)
+VERBS: dict[str, tuple[str, str]] = {
+    "consolidate": ("consolidate", "CHECKPOINT [--out DIR] [--cast-dtype bf16|fp16|fp32|fp64] [--num-threads N]"),
+    "inspect": ("inspect", "CHECKPOINT_DIR [--json]"),
+    "merge-lora": ("merge_lora", "CHECKPOINT [--out DIR] [--base DIR]"),
+    "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only] | --export CHECKPOINT"),
+    "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),
+}
+
+_LAUNCHER_HELP = """
+launcher flags:
+  --nproc-per-node N       processes on this node (N > 1 starts torch's elastic agent)
+  --nnodes N               number of nodes; with --node-rank R and --master-addr A --master-port P,
+                           or --rdzv-endpoint HOST:PORT
+  --debug                  show tracebacks instead of one-line errors (every verb)
+  --dry-run                check the recipe and overrides, print the resolved config, do not train
+
+Any recipe key can be overridden after the recipe: --step_scheduler.max_steps 6 or --optimizer.lr=3e-4.
+"""
+
+
+def usage() -> str:
+    lines = ["usage: ckpt-train [launcher flags] RECIPE.yaml [--section.key value ...]"]
+    lines += [f"       ckpt-train {verb} {args} [--debug]" for verb, (_, args) in VERBS.items()]
+    return "\n".join(lines) + "\n" + _LAUNCHER_HELP
+
+
+def verb_main(name: str) -> Callable[[list[str]], int]:
+    """The ``main`` of verb ``name`` (imported on use: a verb's dependencies load only when it runs)."""
+    module = importlib.import_module(f"automodel_ckpt.cli.{VERBS[name][0]}")
+    return module.main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(), end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"ckpt-train {__version__}")
+        return 0
+    if argv[0] in VERBS:
+        code = run(verb_main(argv[0]), argv[1:])
+    else:
+        from automodel_ckpt.cli.train import main as train_main
+
+        code = run(train_main, argv)
+    return exit_code(code)
+
+
+def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run one verb: a ``UserError`` becomes ``error: <one line>`` (the traceback too with --debug)."""
+    debug = debug_requested(argv)
+    quiet_third_party(debug)
+    try:
+        return verb(argv)
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        report(f"error: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        report("error: interrupted")
+        return 130
+
+
+def exit_code(code: int) -> int:
+    """How a process ends with ``code``: a failed rank of a multi-process job skips process-group teardown."""
+    if os.environ.get("WORLD_SIZE", "1") != "1" and code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip process-group teardown: the other ranks may be gone already
+    return code
+
+
+def quiet_third_party(debug: bool) -> None:
+    """One-line ``warning: ...`` messages, and no progress bars or advice from libraries we drive."""
+    if debug:
+        return
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Environment rather than API calls: the launcher then need not import these libraries, and the workers it
+    # starts inherit the settings.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

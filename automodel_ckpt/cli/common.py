@@ -1,0 +1,43 @@
+"""What every `ckpt-train` verb shares: its argument parser, --debug, one-line error output and size format."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from automodel_ckpt.errors import UsageError
+
+
+class VerbParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for one verb: ``--debug`` always; bad arguments raise ``UsageError`` (one line, exit 2)."""
+
+    def __init__(self, verb: str, description: str) -> None:
+        super().__init__(prog=f"ckpt-train {verb}", description=description)
+        self.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise UsageError(f"{message} (usage: {usage})")
+
+
+def debug_requested(argv: list[str]) -> bool:
+    """``--debug`` anywhere on the command line, or ``AUTOMODEL_CKPT_DEBUG=1`` (inherited by worker processes)."""
+    return "--debug" in argv or os.environ.get("AUTOMODEL_CKPT_DEBUG") == "1"
+
+
+def report(message: str) -> None:
+    """Print ``message`` to stderr, prefixed with the rank on every rank but 0."""
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+    print(prefix + message, file=sys.stderr, flush=True)
+
+
+def human_size(size: int) -> str:
+    """Bytes in binary units, as every verb prints them: ``1023 B``, ``1.5 KiB``, ``5.0 GiB``."""
+    value, units = float(size), ("B", "KiB", "MiB", "GiB", "TiB")
+    for unit in units[:-1]:
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} {units[-1]}"

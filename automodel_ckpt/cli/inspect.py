@@ -1,0 +1,144 @@
+"""``ckpt-train inspect CHECKPOINT_DIR [--json]``: the checkpoints of a run folder, their state and the pointers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
+from automodel_ckpt.checkpoint.metadata import as_float
+from automodel_ckpt.cli.common import VerbParser, human_size
+from automodel_ckpt.errors import UserError
+from automodel_ckpt.jsonsafe import json_safe
+
+_COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
+
+
+def build_parser() -> VerbParser:
+    p = VerbParser("inspect", "List the checkpoints of a run folder.")
+    p.add_argument("checkpoint_dir", type=Path, help="the run's checkpoint.checkpoint_dir (or one checkpoint in it)")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    report = inspect_dir(args.checkpoint_dir)
+    try:
+        print(json.dumps(report, indent=2) if args.json else render_table(report), flush=True)
+    except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def inspect_dir(path: Path) -> dict[str, Any]:
+    """The listing of a checkpoint_dir (or of the one checkpoint ``path`` names) as plain JSON-ready values."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserError(f"checkpoint folder '{path}' not found")
+    only = None
+    if (path / layout.METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
+        path, only = path.resolve().parent, path.resolve().name
+    pointers = catalog.pointer_targets(path)
+    rows = [
+        _row(r, pointers)
+        for r in catalog.scan(path, include_incomplete=True)
+        if only is None or r.name == only
+    ]
+    return {
+        "checkpoint_dir": str(path),
+        "pointers": {p: {"target": t, "exists": bool(t) and (path / t).is_dir()} for p, t in pointers.items()},
+        "checkpoints": rows,
+        "quarantined": catalog.quarantined(path) if only is None else [],
+        "totals": {
+            "count": len(rows),
+            "complete": sum(r["complete"] for r in rows),
+            "size_bytes": sum(r["size_bytes"] for r in rows),
+        },
+    }
+
+
+def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> dict[str, Any]:
+    meta = record.metadata or {}
+    return {
+        "name": record.name,
+        "step": record.step,
+        "epoch": record.epoch,
+        "consumed_samples": meta.get("consumed_samples"),
+        "train_loss": json_safe(as_float(meta.get("train_loss"))),
+        "val_loss": json_safe(as_float(meta.get("val_loss"))),
+        "size_bytes": catalog.size_on_disk(record.path),
+        "family": model_family(record.path),
+        "format": meta.get("model_save_format") or detect_model_format(layout.model_dir(record.path)),
+        "consolidated": layout.consolidated_dir(record.path).is_dir(),
+        "complete": record.complete,
+        "pointers": [p for p, target in pointers.items() if target == record.name],
+        "metadata": record.metadata,
+    }
+
+
+def model_family(ckpt: Path) -> str | None:
+    """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
+    model = layout.model_dir(ckpt)
+    candidates = [layout.hf_metadata_dir(model) / layout.HF_CONFIG]
+    try:
+        adapter = json.loads((model / layout.ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        if adapter.get("base_model_name_or_path"):
+            candidates.append(Path(adapter["base_model_name_or_path"]) / layout.HF_CONFIG)
+    except (OSError, ValueError):
+        pass
+    for path in candidates:
+        try:
+            value = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if value:
+            return str(value)
+    return None
+
+
+def render_table(report: dict[str, Any]) -> str:
+    lines = [[*_COLUMNS]]
+    for r in report["checkpoints"]:
+        lines.append([
+            r["name"],
+            _text(r["step"]),
+            _text(r["epoch"]),
+            f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"]),
+            human_size(r["size_bytes"]),
+            _text(r.get("family")),
+            _text(r["format"]),
+            "yes" if r["consolidated"] else "no",
+            "yes" if r["complete"] else "no",
+            ", ".join(r["pointers"]) or "-",
+        ])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(_COLUMNS))]
+    numeric = {1, 2, 3, 4}
+    out = [
+        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in lines
+    ]
+    totals = report["totals"]
+    out.append(
+        f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "
+        f"({totals['complete']} complete), {human_size(totals['size_bytes'])} in total"
+    )
+    quarantined = report.get("quarantined") or []
+    if quarantined:
+        out.append(f"quarantined (failed to load on resume; kept in {layout.QUARANTINE_DIR}/, never resumed from):")
+        for q in quarantined:
+            out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
+    for name, pointer in report["pointers"].items():
+        if pointer["target"] is None:
+            out.append(f"{name}: not set")
+        elif not pointer["exists"]:
+            out.append(f"{name} -> {pointer['target']} (missing)")
+    return "\n".join(out)
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)

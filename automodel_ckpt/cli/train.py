@@ -1,0 +1,60 @@
+"""`ckpt-train RECIPE.yaml`: validate the recipe, then train in-process or under torch's elastic agent."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+
+def main(argv: list[str]) -> int:
+    """Validate the recipe here, then train in-process or under the elastic agent."""
+    from automodel_ckpt.checkpoint import CheckpointConfig
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.validate import check_inputs_exist, validate_config
+    from automodel_ckpt.distributed.env import inside_launcher_worker
+    from automodel_ckpt.launch import launch_agent, parse_launch_args
+
+    opts, recipe_path, overrides = parse_launch_args(argv)
+    if inside_launcher_worker():
+        return run_worker(recipe_path, overrides)
+    if opts.debug:
+        os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
+    cfg = load_config(recipe_path, overrides, RecipeConfig)
+    validate_config(cfg, opts.world_size)
+    check_inputs_exist(cfg)
+    if opts.dry_run:
+        from automodel_ckpt.config.loader import to_yaml
+
+        print(to_yaml(cfg), end="")
+        print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
+        return 0
+    if opts.needs_agent:
+        ckpt = CheckpointConfig.from_section(cfg.checkpoint)
+        preemption = ckpt.preemption_signal if ckpt.enabled else None
+        return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
+    return run_worker(recipe_path, overrides)
+
+
+def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
+    """Train in this process (one rank of the job): the recipe class the config names, ``cls(cfg).run()``.
+
+    After a finished run the process ends here, with status 0. A failure raises, and ``cli.main`` reports it.
+    Success ends the process through ``end_process``: torch's C++ threads must not meet the interpreter's
+    teardown (see there).
+    """
+    from automodel_ckpt.config.instantiate import locate
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.validate import validate_config
+    from automodel_ckpt.distributed.env import end_process, shutdown_distributed
+
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    cfg = load_config(recipe_path, overrides, RecipeConfig)
+    validate_config(cfg, world_size)
+    recipe_cls = locate(cfg.recipe, "recipe")
+    recipe = recipe_cls(cfg)
+    recipe.run()
+    shutdown_distributed()
+    end_process(0)
