@@ -42,6 +42,15 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     check_batch_sizes(sched.global_batch_size, sched.local_batch_size, world_size)
     if cfg.data.seq_length < 2:
         raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
+    from automodel_ckpt.data.chat import CHAT_LOSS_MODES
+
+    if cfg.data.chat_loss not in CHAT_LOSS_MODES:
+        raise ConfigError(f"data.chat_loss: expected one of {', '.join(CHAT_LOSS_MODES)}, got '{cfg.data.chat_loss}'")
+    if (cfg.data.prompt_template is None) != (cfg.data.completion_template is None):
+        missing = "prompt_template" if cfg.data.prompt_template is None else "completion_template"
+        raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
+    _positive(cfg.data.num_proc, "data.num_proc")
+    _positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
     if cfg.data.val_size < 0:
         raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
     ckpt = OmegaConf.to_object(cfg.checkpoint)
