@@ -17,6 +17,7 @@ usage: ckpt-train [launcher flags] RECIPE.yaml [--section.key value ...]
        ckpt-train merge-lora CHECKPOINT [--out DIR] [--base DIR]
        ckpt-train verify CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only]
        ckpt-train plot CHECKPOINT_DIR [--out FILE.png]
+       ckpt-train preview RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]
 
 launcher flags:
   --nproc-per-node N       processes on this node (N > 1 starts torch's elastic agent)
@@ -63,8 +64,14 @@ def _plot(argv: list[str]) -> int:
     return plot_main(argv)
 
 
+def _preview(argv: list[str]) -> int:
+    from automodel_ckpt.data.preview import main as preview_main
+
+    return preview_main(argv)
+
+
 VERBS = {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify, "merge-lora": _merge_lora,
-         "plot": _plot}
+         "plot": _plot, "preview": _preview}
 
 
 def _verb(argv: list[str]):

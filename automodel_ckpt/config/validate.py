@@ -84,6 +84,7 @@ def check_importable(path: str, key: str) -> None:
 
 def check_inputs_exist(cfg: DictConfig) -> None:
     """Missing model or data paths, reported before any process starts."""
+    from automodel_ckpt.data.files import hub_dataset_cached, is_hub_id
     from automodel_ckpt.models.build import check_model_source
 
     model = cfg.model
@@ -95,7 +96,10 @@ def check_inputs_exist(cfg: DictConfig) -> None:
         for key in ("path", "data_files", "data_dir"):
             value = node.get(key)
             if isinstance(value, str) and not any(ch in value for ch in "*?[") and not Path(value).expanduser().exists():
-                raise ConfigError(f"{section}.{key}: '{value}' not found")
+                if key == "path" and is_hub_id(value) and hub_dataset_cached(value):
+                    continue
+                hint = " (nor a dataset in the Hugging Face cache)" if key == "path" and is_hub_id(value) else ""
+                raise ConfigError(f"{section}.{key}: '{value}' not found{hint}")
     tok = cfg.tokenizer.pretrained_model_name_or_path
     if tok and not Path(tok).expanduser().exists():
         raise ConfigError(f"tokenizer.pretrained_model_name_or_path: '{tok}' not found")
