@@ -83,7 +83,9 @@ class Encoder:
             prompts, completions = self._prompts(batch, indices)
             ids, labels = self._prompt_completion(prompts, completions)
         n = self.spec.seq_length
-        ids_col = batch.get("id")
+        ids_col = batch.get("id")  # an integer id column names the samples; otherwise the record number does
+        if ids_col is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids_col):
+            ids_col = None
         return {
             "input_ids": [x[:n] for x in ids],
             "labels": [x[:n] for x in labels],
