@@ -108,7 +108,7 @@ class Encoder:
         return prompts, completions
 
     def _encode(self, texts: list[str], **kwargs: Any) -> Any:
-        return self.tokenizer(texts, add_special_tokens=False, **kwargs)
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False, **kwargs)
 
     def _prompt_completion(self, prompts: list[str], completions: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         p_ids = self._encode(prompts)["input_ids"]
