@@ -239,8 +239,11 @@ class FinetuneRecipe(BaseRecipe):
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.env.device
-        if mb.position_ids is not None:  # packed rows: no 2-D mask, so attention stays inside each example
-            logits = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev)).logits
+        if mb.position_ids is not None:
+            # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
+            # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
+            logits = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                                use_cache=False).logits
         else:
             logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
         return F.cross_entropy(

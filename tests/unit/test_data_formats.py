@@ -183,3 +183,40 @@ def test_preview_args_split_own_flags_from_overrides():
     assert (args.recipe, args.num, args.split, args.overrides) == ("r.yaml", 5, "validation", ["--data.seq_length", "8"])
     with pytest.raises(ConfigError, match="--split is train or validation"):
         parse_args(["r.yaml", "--split", "test"])
+
+
+# ------------------------------------------------------------------------------- packed rows in the model
+
+def test_packed_rows_give_each_example_the_loss_it_has_alone(tok):
+    """The recipe passes position_ids for packed rows: attention and positions restart at every example."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel_ckpt.data.loader import micro_batch
+    from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
+    from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_LLAMA_CONFIG)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    recipe = FinetuneRecipe.__new__(FinetuneRecipe)
+    recipe.model, recipe.env = model, SimpleNamespace(device=torch.device("cpu"))
+    from automodel_ckpt.data.builtin import chat_task_dataset
+
+    ds = chat_task_dataset(6)
+    spec = DataSpec(seq_length=64, packing=True)
+    encoded, _ = encode_dataset(ds, tok, spec)
+    packed = build_rows(encoded, spec, tok.pad_token_id)
+    alone = build_rows(encoded, DataSpec(seq_length=64), tok.pad_token_id)
+    assert len(packed) < len(alone)
+    with torch.no_grad():
+        together = recipe.token_loss_sum(micro_batch(packed, torch.arange(len(packed)))).item()
+        separate = recipe.token_loss_sum(micro_batch(alone, torch.arange(len(alone)))).item()
+        mb = micro_batch(packed, torch.arange(len(packed)))
+        mb.position_ids = None  # without them the examples would see each other: a different loss
+        leaky = recipe.token_loss_sum(mb).item()
+    assert together == pytest.approx(separate, rel=1e-5)
+    assert abs(leaky - separate) > 1e-3
