@@ -7,6 +7,7 @@ from typing import Any
 from automodel_ckpt.errors import ConfigError
 
 CHAT_LOSS_MODES = ("assistant", "last", "all")
+_PROBE = "\u2063reply\u2063"  # an assistant reply no real conversation contains
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -38,6 +39,23 @@ class ChatRenderer:
         self.template = resolve_chat_template(tokenizer, chat_template)
         self.loss = loss
         self.kwargs = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        self._header, self._end_of_turn = self._probe()
+
+    def _probe(self) -> tuple[str, str] | tuple[None, None]:
+        """What the template writes before a reply (the generation prompt) and after it (the end of the turn).
+
+        With both known, one rendering per conversation finds every reply; without, each turn is rendered.
+        """
+        user = [{"role": "user", "content": "ping"}]
+        try:
+            asked = self._render(user)
+            prompted = self._render(user, add_generation_prompt=True)
+            answered = self._render(user + [{"role": "assistant", "content": _PROBE}])
+        except Exception:  # noqa: BLE001 - a template that needs more than this probe gives: render turn by turn
+            return None, None
+        if not prompted.startswith(asked) or not answered.startswith(prompted + _PROBE):
+            return None, None
+        return prompted[len(asked):], answered[len(prompted) + len(_PROBE):]
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -61,6 +79,9 @@ class ChatRenderer:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if self.loss == "last":
             turns = turns[-1:]
+        found = self._find_spans(text, messages, set(turns))
+        if found is not None:
+            return text, found
         spans = []
         for i in turns:
             start = len(self._prefix(messages[:i], True, text, record_number))
@@ -68,6 +89,32 @@ class ChatRenderer:
             if end > start:
                 spans.append((start, end))
         return text, spans
+
+    def _find_spans(self, text: str, messages: list[dict], turns: set[int]) -> list[tuple[int, int]] | None:
+        """Spans from one rendering: each message's content in order, a reply right after the generation prompt
+        and followed by the end-of-turn text. None when the template changes the text (then render turn by turn)."""
+        if self._header is None or self._end_of_turn is None:
+            return None
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if not isinstance(content, str) or not content:
+                if i in turns:
+                    return None
+                continue
+            pos = text.find(content, cursor)
+            h = self._header
+            while i in turns and pos >= 0 and not (pos >= len(h) and text.startswith(h, pos - len(h))):
+                pos = text.find(content, pos + 1)
+            if pos < 0:
+                return None
+            end = pos + len(content)
+            if i in turns:
+                if not text.startswith(self._end_of_turn, end):
+                    return None
+                spans.append((pos, end + len(self._end_of_turn)))
+            cursor = end
+        return spans
 
     def _prefix(self, messages: list[dict], generation_prompt: bool, full: str, record_number: int) -> str:
         prefix = self._render(messages, add_generation_prompt=generation_prompt) if messages or generation_prompt \

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from bisect import bisect_left
 
 from automodel_ckpt.data.chat import ChatRenderer
 from automodel_ckpt.data.fields import RecordTemplate
@@ -107,12 +107,23 @@ class Encoder:
             completions.append(self.templates[1].render(record, i))
         return prompts, completions
 
-    def _encode(self, texts: list[str], **kwargs: Any) -> Any:
-        return self.tokenizer(texts, add_special_tokens=False, verbose=False, **kwargs)
+    def _encode(self, texts: list[str], offsets: bool = False) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        """Token ids (and character offsets) of ``texts``, without added special tokens, in one batched call.
+
+        A fast tokenizer's Rust backend is called directly: the same ids as ``tokenizer(texts)``, without
+        converting every encoding to Python dictionaries first.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+            return [e.ids for e in encodings], [e.offsets for e in encodings] if offsets else []
+        if offsets:
+            raise ConfigError("tokenizer: chat data needs a fast tokenizer (one with offset mapping)")
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"], []
 
     def _prompt_completion(self, prompts: list[str], completions: list[str]) -> tuple[list[list[int]], list[list[int]]]:
-        p_ids = self._encode(prompts)["input_ids"]
-        c_ids = self._encode(completions)["input_ids"]
+        p_ids = self._encode(prompts)[0]
+        c_ids = self._encode(completions)[0]
         ids, labels = [], []
         masked = len(self.bos)
         for p, c in zip(p_ids, c_ids):
@@ -122,7 +133,7 @@ class Encoder:
         return ids, labels
 
     def _text(self, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
-        ids = [self.bos + x + self.eos for x in self._encode(texts)["input_ids"]]
+        ids = [self.bos + x + self.eos for x in self._encode(texts)[0]]
         return ids, [list(x) for x in ids]
 
     def _chat(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
@@ -132,17 +143,13 @@ class Encoder:
             text, trained = self.chat.render(messages, i, self.spec.messages_field)
             texts.append(text)
             spans.append(trained)
-        try:
-            enc = self._encode(texts, return_offsets_mapping=True)
-        except NotImplementedError:
-            raise ConfigError("tokenizer: chat data needs a fast tokenizer (one with offset mapping)") from None
-        ids_out, labels_out = [], []
-        for ids, offsets, trained in zip(enc["input_ids"], enc["offset_mapping"], spans):
-            ids_arr = np.asarray(ids, dtype=np.int64)
-            starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-            keep = np.zeros(len(ids), dtype=bool)
-            for s, e in trained:
-                keep |= (starts >= s) & (starts < e)
-            ids_out.append(ids)
-            labels_out.append(np.where(keep, ids_arr, IGNORE_INDEX).tolist())
-        return ids_out, labels_out
+        all_ids, all_offsets = self._encode(texts, offsets=True)
+        labels_out = []
+        for ids, offsets, trained in zip(all_ids, all_offsets, spans):
+            starts = [o[0] for o in offsets]
+            labels = [IGNORE_INDEX] * len(ids)
+            for s, e in trained:  # tokens that start inside a span take the loss
+                a, b = bisect_left(starts, s), bisect_left(starts, e)
+                labels[a:b] = ids[a:b]
+            labels_out.append(labels)
+        return all_ids, labels_out

@@ -220,3 +220,24 @@ def test_packed_rows_give_each_example_the_loss_it_has_alone(tok):
         leaky = recipe.token_loss_sum(mb).item()
     assert together == pytest.approx(separate, rel=1e-5)
     assert abs(leaky - separate) > 1e-3
+
+
+TRICKY = [[{"role": "user", "content": "assistant"}, {"role": "assistant", "content": "assistant"}],
+          [{"role": "user", "content": "4"}, {"role": "assistant", "content": "4"}, {"role": "tool", "content": "4"},
+           {"role": "assistant", "content": "4"}],
+          [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi"},
+           {"role": "assistant", "content": ""}, {"role": "user", "content": "x"},
+           {"role": "assistant", "content": "y"}]]
+
+
+@pytest.mark.parametrize("template", ["embedded", "chatml"])
+@pytest.mark.parametrize("loss", ["assistant", "last"])
+def test_one_rendering_finds_the_same_spans_as_rendering_turn_by_turn(tok, template, loss):
+    from tests.e2e.families import QWEN_CHAT_TEMPLATE, word_chats
+
+    fast = ChatRenderer(tok, chat_template=QWEN_CHAT_TEMPLATE if template == "chatml" else None, loss=loss)
+    slow = ChatRenderer(tok, chat_template=fast.template, loss=loss)
+    slow._header = slow._end_of_turn = None
+    assert fast._header is not None
+    for n, chat in enumerate([CHAT, *TRICKY, *(c["messages"] for c in word_chats(20))]):
+        assert fast.render(chat, n) == slow.render(chat, n), chat
