@@ -7,7 +7,8 @@ jsonl file, and a byte-level BPE tokenizer trained on the same words with a Chat
 Then, each in a fresh process so that its peak memory is its own:
 
 * ``loop``: how tokenization worked before: every record read from the dataset one at a time, rendered and
-  tokenized on its own, the results kept in Python lists and copied into tensors at the end.
+  tokenized on its own with ``tokenizer(...)``, the results kept in Python lists and copied into tensors at the
+  end.
 * ``first``: ``encode_dataset`` + ``build_rows`` (batched ``datasets.map``, ``--num-proc`` processes) into an
   empty cache folder.
 * ``cached``: the same again; it finds the cache and only maps the Arrow files.
@@ -95,12 +96,17 @@ def worker(mode: str, data: str, tokenizer_dir: str, cache: str, seq_length: int
     spec = DataSpec(seq_length=seq_length, num_proc=num_proc, cache_dir=str(Path(cache) / "tokenized"))
     t0 = time.perf_counter()
     if mode == "loop":
-        encoder = Encoder(tok, spec, "chat")
+        # The previous tokenize_dataset's shape: one record at a time through ``tokenizer(...)``, Python lists,
+        # tensors at the end; chats rendered (and their loss spans found) as the batched path does.
+        renderer = Encoder(tok, spec, "chat").chat
         ids_rows, label_rows = [], []
         for i, example in enumerate(ds):
-            out = encoder({k: [v] for k, v in example.items()}, [i])
-            ids_rows.append(out["input_ids"][0])
-            label_rows.append(out["labels"][0])
+            text, spans = renderer.render(example["messages"], i)
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = enc["input_ids"]
+            lab = [t if any(s <= o[0] < e for s, e in spans) else -100 for t, o in zip(ids, enc["offset_mapping"])]
+            ids_rows.append(ids[:seq_length])
+            label_rows.append(lab[:seq_length])
         input_ids = torch.full((len(ids_rows), seq_length), tok.pad_token_id, dtype=torch.long)
         labels = torch.full((len(ids_rows), seq_length), -100, dtype=torch.long)
         for r, (ids, lab) in enumerate(zip(ids_rows, label_rows)):
