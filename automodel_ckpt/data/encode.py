@@ -78,7 +78,7 @@ class Encoder:
         if self.mode == "chat":
             ids, labels = self._chat(batch, indices)
         elif self.mode == "text":
-            ids, labels = self._text(self._column(batch, self.spec.text_field))
+            ids, labels = self._text(batch[self.spec.text_field])
         else:
             prompts, completions = self._prompts(batch, indices)
             ids, labels = self._prompt_completion(prompts, completions)
@@ -92,9 +92,6 @@ class Encoder:
             "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
             "num_tokens": [len(x) for x in ids],
         }
-
-    def _column(self, batch: dict[str, list], name: str) -> list[str]:
-        return batch[name]
 
     def _prompts(self, batch: dict[str, list], indices: list[int]) -> tuple[list[str], list[str]]:
         if self.templates is None:

@@ -135,7 +135,10 @@ def _cached_map(ds: datasets.Dataset, fn: Any, *, name: str, fingerprint: str, s
                  features=features, new_fingerprint=fingerprint, load_from_cache_file=True,
                  cache_file_name=str(path) if path is not None else None, keep_in_memory=path is None,
                  desc=f"{name} ({len(ds)} records)", **kwargs)
-    return out, CacheInfo(path, hit, time.perf_counter() - t0)
+    info = CacheInfo(path, hit, time.perf_counter() - t0)
+    logger.info("%s: %s %s in %.1fs", name, "loaded from cache" if hit else "computed", path or "(in memory)",
+                info.seconds)
+    return out, info
 
 
 def encode_dataset(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec) -> tuple[datasets.Dataset, CacheInfo]:
