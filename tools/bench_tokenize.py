@@ -165,7 +165,7 @@ def main() -> None:
     for name, r in (("per-example loop", loop), ("datasets.map, first run", first), ("datasets.map, cached", cached)):
         print(f"| {name} | {r['seconds']:.1f} | {r['examples_per_s']:.0f} | {r['peak_mb']:.0f} |")
     print(f"first run vs loop: {loop['seconds'] / first['seconds']:.1f}x faster; cached rerun: "
-          f"{100 * cached['seconds'] / first['seconds']:.1f}% of the first run; same rows: {same}")
+          f"{100 * cached['seconds'] / first['seconds']:.2f}% of the first run; same rows: {same}")
     (root / "bench_tokenize.json").write_text(json.dumps({"args": vars(args) | {"out": str(root)}, **results,
                                                           "same_rows": same}, indent=2))
 
