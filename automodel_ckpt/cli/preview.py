@@ -6,51 +6,28 @@ Runs without a GPU, processes or a model: it loads the recipe, tokenizes its dat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
 
-from automodel_ckpt.errors import ConfigError
-
-USAGE = "usage: ckpt-train preview RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]"
+from automodel_ckpt.cli.common import VerbParser
 
 
-@dataclass
-class PreviewArgs:
-    recipe: str
-    num: int = 3
-    split: str = "train"
-    color: bool = False
-    overrides: list[str] = field(default_factory=list)
+def build_parser() -> VerbParser:
+    p = VerbParser("preview", "The first rows of a recipe's data as the model sees them, loss spans marked, and counts.")
+    p.add_argument("recipe", help="the recipe YAML; --section.key value overrides may follow")
+    p.add_argument("--num", "-n", type=int, default=3, help="rows to show (default 3)")
+    p.add_argument("--split", choices=("train", "validation"), default="train", help="which split (default train)")
+    p.add_argument("--color", action="store_true", help="mark trained text in green instead of with « »")
+    return p
 
 
-def parse_args(argv: list[str]) -> PreviewArgs:
-    """The verb's own flags; every other ``--section.key value`` is a recipe override."""
-    if not argv or argv[0].startswith("-"):
-        raise ConfigError(f"preview: name a recipe first ({USAGE})")
-    args = PreviewArgs(argv[0])
-    rest = argv[1:]
-    i = 0
-    while i < len(rest):
-        arg = rest[i]
-        name, eq, value = arg.partition("=")
-        if name in ("--num", "-n", "--split"):
-            if not eq:
-                if i + 1 >= len(rest):
-                    raise ConfigError(f"preview: {name} needs a value ({USAGE})")
-                value, i = rest[i + 1], i + 1
-            if name == "--split":
-                if value not in ("train", "validation"):
-                    raise ConfigError(f"preview: --split is train or validation, got '{value}'")
-                args.split = value
-            else:
-                try:
-                    args.num = int(value)
-                except ValueError:
-                    raise ConfigError(f"preview: --num expects a number, got '{value}'") from None
-        elif arg == "--color":
-            args.color = True
-        elif arg != "--debug":
-            args.overrides.append(arg)
-        i += 1
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The verb's own flags; every ``--section.key value`` after them is a recipe override (``args.overrides``)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    strays = [a for a in rest if a.startswith("-") and "." not in a.split("=", 1)[0]]
+    if strays:
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    args.overrides = rest
     return args
 
 

@@ -178,11 +178,14 @@ def test_a_hub_dataset_loads_from_the_local_cache(tmp_path, monkeypatch):
 
 def test_preview_args_split_own_flags_from_overrides():
     from automodel_ckpt.cli.preview import parse_args
+    from automodel_ckpt.errors import UsageError
 
     args = parse_args(["r.yaml", "--num", "5", "--data.seq_length", "8", "--split=validation", "--debug"])
     assert (args.recipe, args.num, args.split, args.overrides) == ("r.yaml", 5, "validation", ["--data.seq_length", "8"])
-    with pytest.raises(ConfigError, match="--split is train or validation"):
+    with pytest.raises(UsageError, match="invalid choice: 'test'"):
         parse_args(["r.yaml", "--split", "test"])
+    with pytest.raises(UsageError, match="unrecognized arguments: --nmu"):
+        parse_args(["r.yaml", "--nmu", "5"])
 
 
 # ------------------------------------------------------------------------------- packed rows in the model
