@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from automodel_ckpt.checkpoint import catalog, collective, layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -59,6 +59,7 @@ class Checkpointer:
         self._seconds_before = 0.0  # training seconds recorded in the restored checkpoint
         self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
         self._pending: _PendingSave | None = None  # the async save still being written (at most one)
+        self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager = None
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
@@ -80,7 +81,16 @@ class Checkpointer:
         Synchronous: the checkpoint is complete and published when this returns. With ``is_async``, the model and
         optimizer state is copied before this returns and written in the background; the checkpoint is completed
         (synced, sealed, published, pruned) by the next ``save`` or by ``finalize``, whichever comes first.
+        A save that runs out of room (``diskfull``) removes its staging folder and raises ``DiskFullError``.
         """
+        self._saved_objects = list(states.values())
+        try:
+            return self._save(states, info)
+        except Exception as exc:
+            diskfull.raise_if_out_of_room(exc, self.dir, self._saved_objects, self.env.rank)
+            raise
+
+    def _save(self, states: dict[str, Any], info: SaveInfo) -> Path:
         clock = _PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
@@ -135,7 +145,11 @@ class Checkpointer:
         the unfinished checkpoint is then never published (its staging folder is removed by the next save).
         """
         pending, self._pending = self._pending, None
-        return self._complete(pending) if pending is not None else None
+        try:
+            return self._complete(pending) if pending is not None else None
+        except Exception as exc:
+            diskfull.raise_if_out_of_room(exc, self.dir, self._saved_objects, self.env.rank)
+            raise
 
     def finalize(self) -> Path | None:
         """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
