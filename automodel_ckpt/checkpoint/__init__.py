@@ -17,6 +17,7 @@ _EXPORTS = {
     "WrittenBy": "info",
     "CheckpointConfig": "config",
     "ConsolidationMode": "config",
+    "LoadErrorPolicy": "config",
     "ModelSaveFormat": "config",
     "MonitorMode": "config",
     "StatePlan": "state",
@@ -29,7 +30,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.checkpointer import Checkpointer
     from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
-    from automodel_ckpt.checkpoint.config import CheckpointConfig, ConsolidationMode, ModelSaveFormat, MonitorMode
+    from automodel_ckpt.checkpoint.config import (CheckpointConfig, ConsolidationMode, LoadErrorPolicy, ModelSaveFormat,
+                                                  MonitorMode)
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
 
 

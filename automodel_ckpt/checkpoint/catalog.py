@@ -11,6 +11,7 @@ Other hidden folders (``.deleting-*``, temporary pointer files) and symlinks (th
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,27 @@ def size_on_disk(path: Path) -> int:
         except OSError:
             continue  # removed while we looked
     return total
+
+
+def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    """Checkpoints that resume moved aside as damaged (``resume.quarantine``): never records of ``scan``.
+
+    ``{name, path, step, reason, quarantined_at}`` each, oldest first.
+    """
+    folder = Path(checkpoint_dir) / layout.QUARANTINE_DIR
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if not entry.is_dir():
+            continue
+        try:
+            note = json.loads((folder / layout.quarantine_note(entry.name)).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            note = {}
+        found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
+                      "reason": note.get("reason"), "quarantined_at": note.get("quarantined_at")})
+    return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
 
 
 # --- selection: which checkpoint a run resumes --------------------------------------------------------

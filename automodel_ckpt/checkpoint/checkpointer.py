@@ -45,8 +45,10 @@ class Checkpointer:
         resolved_config_yaml: str,
         hf: HFArtifacts | None = None,
         say: Callable[[str], None] = print,
+        fingerprint: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/fingerprint.py)
         self.env = env
         self.dir = Path(cfg.checkpoint_dir)
         self.resolved_config_yaml = resolved_config_yaml
@@ -75,22 +77,16 @@ class Checkpointer:
                 raise CheckpointError(problem)
 
     # ------------------------------------------------------------------------------------------ save
+    @diskfull.guarded
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
         """Save ``states`` as ``epoch_E_step_N/``; returns its path.
 
         Synchronous: the checkpoint is complete and published when this returns. With ``is_async``, the model and
         optimizer state is copied before this returns and written in the background; the checkpoint is completed
         (synced, sealed, published, pruned) by the next ``save`` or by ``finalize``, whichever comes first.
-        A save that runs out of room (``diskfull``) removes its staging folder and raises ``DiskFullError``.
+        A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
         self._saved_objects = list(states.values())
-        try:
-            return self._save(states, info)
-        except Exception as exc:
-            diskfull.raise_if_out_of_room(exc, self.dir, self._saved_objects, self.env.rank)
-            raise
-
-    def _save(self, states: dict[str, Any], info: SaveInfo) -> Path:
         clock = _PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
@@ -138,6 +134,7 @@ class Checkpointer:
         self.last_save_seconds = clock.phases
         return path
 
+    @diskfull.guarded
     def wait(self) -> Path | None:
         """Complete the save still being written in the background, if any; returns its path once published.
 
@@ -145,11 +142,7 @@ class Checkpointer:
         the unfinished checkpoint is then never published (its staging folder is removed by the next save).
         """
         pending, self._pending = self._pending, None
-        try:
-            return self._complete(pending) if pending is not None else None
-        except Exception as exc:
-            diskfull.raise_if_out_of_room(exc, self.dir, self._saved_objects, self.env.rank)
-            raise
+        return self._complete(pending) if pending is not None else None
 
     def finalize(self) -> Path | None:
         """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
@@ -265,6 +258,7 @@ class Checkpointer:
             world_size=self.env.world_size,
             model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
+            fingerprint=self.fingerprint,
         ))
         if plan.models and not _has_peft(plan):
             self._write_hf_helpers(staging / layout.MODEL_DIR)
@@ -335,25 +329,46 @@ class Checkpointer:
         return is_better(value(staged), value(catalog.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
 
     # ------------------------------------------------------------------------------------------ load
-    def find_restore_target(self) -> Path | None:
-        """The checkpoint to restore (as decided by rank 0), or None to start fresh."""
-        if not self.cfg.enabled and self.cfg.restore_from is None:
+    def restore(self, states: dict[str, Any]) -> Path | None:
+        """Restore what ``checkpoint.restore_from`` selects into ``states``; returns the checkpoint, or None (fresh).
+
+        Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
+        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. See ``resume``.
+        """
+        from automodel_ckpt.checkpoint.resume import restore
+
+        return restore(self, states)
+
+    def find_restore_target(self, restore_from: str | None = None, *, auto: bool | None = None) -> Path | None:
+        """The checkpoint to restore (as decided by rank 0), or None to start fresh.
+
+        ``restore_from`` defaults to ``checkpoint.restore_from``; ``auto=True`` asks for the latest checkpoint.
+        """
+        if auto is None and not self.cfg.enabled and self.cfg.restore_from is None:
             return None
+        target = None if auto else (restore_from or self.cfg.restore_from)
         return collective.on_main(
-            lambda: catalog.resolve_restore_from(self.dir, self.cfg.restore_from), "finding the checkpoint", self.env.rank
+            lambda: catalog.resolve_restore_from(self.dir, target), "finding the checkpoint", self.env.rank
         )
 
-    def load(self, states: dict[str, Any], path: Path) -> None:
+    def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> None:
+        """Load ``states`` from checkpoint ``path`` on every rank.
+
+        ``checked``: the files were already checked against the manifest (``resume.probe``). ``fresh_run``: the
+        states start a new run (``load_only``), so the training time recorded in the checkpoint does not carry over.
+        """
         path = Path(path)
         if self.env.is_main:
             self.say(f"Loading checkpoint from {path}")
-        collective.collectively(
-            lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
-                                               world_size=self.env.world_size, warn=_warn),
-            "verifying the checkpoint", self.env.rank,
-        )
+        if not checked:
+            collective.collectively(
+                lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
+                                                   world_size=self.env.world_size, warn=_warn),
+                "verifying the checkpoint", self.env.rank,
+            )
         plan = plan_state(states)
-        self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
+        if not fresh_run:
+            self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
         self._started = time.monotonic()
         for attr, model in plan.models.items():
             folder = self._require(path / layout.state_dir(attr))

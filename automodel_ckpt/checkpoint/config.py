@@ -27,6 +27,11 @@ class ConsolidationMode(_Choice):
     NEVER = "false"  # never inline (``ckpt-train consolidate`` exports later)
 
 
+class LoadErrorPolicy(_Choice):
+    FALLBACK = "fallback"  # auto-resume quarantines a checkpoint that fails to load and tries the previous one
+    ERROR = "error"  # stop with the error
+
+
 class MonitorMode(_Choice):
     MIN = "min"  # a lower `monitor` value is better
     MAX = "max"
@@ -47,6 +52,8 @@ class CheckpointConfig:
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
     verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)
+    on_load_error: str = "fallback"  # fallback | error: what auto-resume does when the newest checkpoint is damaged
+    load_only: Optional[List[str]] = None  # with restore_from: load only these states (e.g. [model]), a new run
     # Retention (docs/retention.md): a checkpoint survives pruning if ANY rule keeps it; nothing is deleted unless
     # max_recent_checkpoints or save_top_k is set.
     max_recent_checkpoints: Optional[int] = None  # keep the K most recent complete checkpoints
@@ -78,6 +85,14 @@ class CheckpointConfig:
         if self.restore_from is not None and not str(self.restore_from).strip():
             self.restore_from = None  # `--checkpoint.restore_from ""` means "not set": resume from the latest
         self.mode = _choice(MonitorMode, self.mode, "checkpoint.mode")
+        self.on_load_error = _choice(LoadErrorPolicy, self.on_load_error, "checkpoint.on_load_error")
+        if self.load_only is not None:
+            self.load_only = [str(name).strip() for name in self.load_only if str(name).strip()]
+            if not self.load_only:
+                raise ConfigError("checkpoint.load_only: expected state names such as [model], got an empty list")
+            if self.restore_from is None or self.restore_from in ("LATEST", "LOWEST_VAL"):
+                raise ConfigError("checkpoint.load_only needs checkpoint.restore_from: the path of a checkpoint, a "
+                                  "consolidated Hugging Face folder or a PEFT adapter folder to start from")
         check_retention_config(self)
         self.preemption_signal = normalize_signal_name(self.preemption_signal)
         if self.ckpt_every_minutes is not None and not self.ckpt_every_minutes > 0:

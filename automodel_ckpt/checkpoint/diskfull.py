@@ -8,17 +8,19 @@ operating system's message for that errno in the text.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
 from automodel_ckpt.errors import DiskFullError
 
 logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 _REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -141,6 +143,22 @@ def raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Iter
     err = DiskFullError(collective.on_main(settle, "removing the unfinished checkpoint", rank))
     err.errno = code
     raise err from exc
+
+
+def guarded(method: F) -> F:
+    """A ``Checkpointer`` method whose failure, if it ran out of room, becomes ``raise_if_out_of_room``'s error.
+
+    Reads the checkpointer's ``dir``, ``env.rank`` and ``_saved_objects`` (the state of its last ``save``).
+    """
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            raise_if_out_of_room(exc, self.dir, getattr(self, "_saved_objects", []), self.env.rank)
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def export_error(exc: BaseException, out_dir: Path, needed: int | None) -> BaseException:

@@ -7,6 +7,8 @@ checkpoint_dir/
   training.jsonl  validation.jsonl
   .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
   .deleting-epoch_E_step_K/         a checkpoint being pruned (hidden by rename first, then removed)
+  quarantine/                       checkpoints that failed to load on resume, kept for inspection
+    epoch_E_step_N/  epoch_E_step_N.json     the checkpoint as it was, and why it was moved (step, reason, time)
   epoch_E_step_N/
     metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt
     manifest.json                    every other file's size and checksum; written last, before publish
@@ -39,6 +41,7 @@ TRAINING_LOG = "training.jsonl"
 VALIDATION_LOG = "validation.jsonl"
 STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"
+QUARANTINE_DIR = "quarantine"  # damaged checkpoints moved aside by resume (never listed, never pointed at)
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
 # Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
 NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")
@@ -110,6 +113,11 @@ def checkpoint_name(epoch: int, step: int, template: str = DEFAULT_NAME_TEMPLATE
 def name_template_fields(template: str) -> list[str]:
     """The field names a name template uses, in order (``ValueError`` for malformed braces)."""
     return [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+
+
+def quarantine_note(name: str) -> str:
+    """File beside a quarantined checkpoint folder that records why it was moved there."""
+    return f"{name}.json"
 
 
 def deleting_name(name: str) -> str:

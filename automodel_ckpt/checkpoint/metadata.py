@@ -31,6 +31,7 @@ def build_metadata(
     world_size: int,
     model_save_format: str,
     training_seconds: float | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metadata of a checkpoint being saved now.
 
@@ -61,6 +62,8 @@ def build_metadata(
         "automodel_ckpt_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
     }
+    if fingerprint is not None:
+        meta["fingerprint"] = fingerprint  # what this is a checkpoint of (checkpoint/fingerprint.py)
     rest = {k: v for k, v in extra.items() if k not in _EXTRA_FIELDS}
     if rest:
         meta["extra"] = rest

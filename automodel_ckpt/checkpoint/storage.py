@@ -195,6 +195,15 @@ def read_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
     return None
 
 
+def remove_pointer(checkpoint_dir: Path, pointer: str) -> None:
+    """Remove a pointer (symlink and .txt fallback), e.g. when the checkpoint it named was quarantined."""
+    checkpoint_dir = Path(checkpoint_dir)
+    for path in (checkpoint_dir / pointer, checkpoint_dir / layout.pointer_text_file(pointer)):
+        if path.is_symlink() or path.exists():
+            path.unlink()
+    fsync_dir(checkpoint_dir)
+
+
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 

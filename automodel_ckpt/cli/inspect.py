@@ -53,6 +53,7 @@ def inspect_dir(path: Path) -> dict[str, Any]:
         "checkpoint_dir": str(path),
         "pointers": {p: {"target": t, "exists": bool(t) and (path / t).is_dir()} for p, t in pointers.items()},
         "checkpoints": rows,
+        "quarantined": catalog.quarantined(path) if only is None else [],
         "totals": {
             "count": len(rows),
             "complete": sum(r["complete"] for r in rows),
@@ -105,6 +106,11 @@ def render_table(report: dict[str, Any]) -> str:
         f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "
         f"({totals['complete']} complete), {human_size(totals['size_bytes'])} in total"
     )
+    quarantined = report.get("quarantined") or []
+    if quarantined:
+        out.append(f"quarantined (failed to load on resume; kept in {layout.QUARANTINE_DIR}/, never resumed from):")
+        for q in quarantined:
+            out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
     for name, pointer in report["pointers"].items():
         if pointer["target"] is None:
             out.append(f"{name}: not set")

@@ -40,8 +40,9 @@ def main(argv: list[str]) -> int:
 def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     """Train in this process (one rank of the job): the recipe class the config names, ``cls(cfg).run()``.
 
-    After a finished run the process ends here, with status 0. A failure raises, and ``main`` reports it. Success
-    ends the process through ``end_process``: torch's C++ threads must not meet the interpreter's teardown.
+    After a finished run the process ends here, with status 0. A failure raises, and ``cli.main`` reports it.
+    Success ends the process through ``end_process``: torch's C++ threads must not meet the interpreter's
+    teardown (see there).
     """
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config

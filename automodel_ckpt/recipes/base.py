@@ -50,10 +50,7 @@ class BaseRecipe:
         return self.checkpointer.finalize()
 
     def restore_checkpoint(self) -> Path | None:
-        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the latest), if any."""
+        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any."""
         if self.checkpointer is None:
             return None
-        path = self.checkpointer.find_restore_target()
-        if path is not None:
-            self.checkpointer.load(self.checkpointed_state(), path)
-        return path
+        return self.checkpointer.restore(self.checkpointed_state())

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, layout
+from automodel_ckpt.checkpoint.fingerprint import run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
@@ -46,6 +47,7 @@ class FinetuneRecipe(BaseRecipe):
             self.tokenizer, model = self.build_model_and_tokenizer()
         if cfg.peft is not None:  # LoRA: wrap before sharding, so FSDP2 sees frozen base and trainable adapters
             model = apply_lora(model, cfg.peft)
+        fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
         with rng_untouched():
@@ -74,8 +76,8 @@ class FinetuneRecipe(BaseRecipe):
         self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=to_yaml(cfg),
-                                         hf=self.hf_artifacts(), say=self.progress.write) if ckpt_cfg.enabled or \
-            ckpt_cfg.restore_from else None
+                                         hf=self.hf_artifacts(), say=self.progress.write,
+                                         fingerprint=fingerprint) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
         self._save_enabled = bool(ckpt_cfg.enabled)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
@@ -89,6 +91,15 @@ class FinetuneRecipe(BaseRecipe):
         tokenizer = build_tokenizer(tok_path)
         return tokenizer, model.to(self.env.device)
 
+    def state_meaning(self) -> dict[str, Any]:
+        """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint)."""
+        cfg = self.cfg
+        return {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "seq_length": cfg.data.seq_length,
+                "global_batch_size": cfg.step_scheduler.global_batch_size}
+
+    def _peft_section(self) -> dict[str, Any] | None:
+        return OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None
+
     def hf_artifacts(self) -> HFArtifacts:
         model = self.model
         return HFArtifacts(
@@ -96,7 +107,7 @@ class FinetuneRecipe(BaseRecipe):
             generation_config=getattr(model, "generation_config", None),
             tokenizer=self.tokenizer,
             base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
-            peft=OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None,
+            peft=self._peft_section(),
         )
 
     def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
