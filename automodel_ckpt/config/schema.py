@@ -31,11 +31,19 @@ class DataConfig:
     prompt_field: str = "prompt"  # prompt/completion columns: loss on the completion only
     completion_field: str = "completion"
     text_field: str = "text"  # plain-text column: loss on every token
+    messages_field: str = "messages"  # chat column: a list of {role, content}, rendered with the chat template
+    chat_loss: str = "assistant"  # chat turns that take the loss: assistant | last (last assistant turn) | all
+    prompt_template: Optional[str] = None  # build the prompt from a record's fields: "{context}\nQ: {question}"
+    completion_template: Optional[str] = None  # build the completion likewise: " {answers.text[0]}", "{endings[label]}"
+    num_proc: Optional[int] = None  # processes that tokenize (None: this one)
+    map_batch_size: int = 1000  # records per tokenization batch (and per packing window)
+    cache_dir: Optional[str] = None  # tokenized-data cache folder (None: beside the dataset's Hugging Face cache)
 
 
 @dataclass
 class TokenizerConfig:
     pretrained_model_name_or_path: Optional[str] = None  # local folder; default: the model's folder
+    chat_template: Optional[str] = None  # Jinja chat template for `messages` data (None: the tokenizer's own)
 
 
 @dataclass
@@ -94,7 +102,7 @@ class RecipeConfig:
     seed: int = 42  # seeds Python, NumPy and torch, the data order and the validation split
     model: Dict[str, Any] = field(default_factory=_default_model)  # causal LM to fine-tune: a local HF folder or a config block
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # tokenizer folder
-    dataset: Dict[str, Any] = field(default_factory=_default_dataset)  # training examples: prompt/completion or text columns
+    dataset: Dict[str, Any] = field(default_factory=_default_dataset)  # training examples: messages, prompt/completion or text columns (docs/data.md)
     validation_dataset: Optional[Dict[str, Any]] = None  # held-out examples; default: data.val_size of the training data
     data: DataConfig = field(default_factory=DataConfig)  # tokenization and the validation split
     step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)  # batch sizes, length of the run, validation and checkpoint intervals

@@ -42,6 +42,15 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     check_batch_sizes(sched.global_batch_size, sched.local_batch_size, world_size)
     if cfg.data.seq_length < 2:
         raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
+    from automodel_ckpt.data.chat import CHAT_LOSS_MODES
+
+    if cfg.data.chat_loss not in CHAT_LOSS_MODES:
+        raise ConfigError(f"data.chat_loss: expected one of {', '.join(CHAT_LOSS_MODES)}, got '{cfg.data.chat_loss}'")
+    if (cfg.data.prompt_template is None) != (cfg.data.completion_template is None):
+        missing = "prompt_template" if cfg.data.prompt_template is None else "completion_template"
+        raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
+    _positive(cfg.data.num_proc, "data.num_proc")
+    _positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
     if cfg.data.val_size < 0:
         raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
@@ -72,6 +81,7 @@ def check_importable(path: str, key: str) -> None:
 
 def check_inputs_exist(cfg: DictConfig) -> None:
     """Missing model or data paths, reported before any process starts."""
+    from automodel_ckpt.data.files import hub_dataset_cached, is_hub_id
     from automodel_ckpt.models.build import check_model_source
 
     model = cfg.model
@@ -83,7 +93,10 @@ def check_inputs_exist(cfg: DictConfig) -> None:
         for key in ("path", "data_files", "data_dir"):
             value = node.get(key)
             if isinstance(value, str) and not any(ch in value for ch in "*?[") and not Path(value).expanduser().exists():
-                raise ConfigError(f"{section}.{key}: '{value}' not found")
+                if key == "path" and is_hub_id(value) and hub_dataset_cached(value):
+                    continue
+                hint = " (nor a dataset in the Hugging Face cache)" if key == "path" and is_hub_id(value) else ""
+                raise ConfigError(f"{section}.{key}: '{value}' not found{hint}")
     tok = cfg.tokenizer.pretrained_model_name_or_path
     if tok and not Path(tok).expanduser().exists():
         raise ConfigError(f"tokenizer.pretrained_model_name_or_path: '{tok}' not found")

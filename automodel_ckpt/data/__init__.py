@@ -1,1 +1,1 @@
-"""Datasets: local files and the built-in task, tokenization, and a resumable global-position loader."""
+"""Datasets (built-in, local files, the Hugging Face cache), cached tokenization into rows, preview, and a resumable global-position loader."""

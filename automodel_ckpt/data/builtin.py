@@ -14,6 +14,7 @@ __all__ = [
     "MIN_OPERAND",
     "arithmetic_dataset",
     "builtin_task_dataset",
+    "chat_task_dataset",
     "heldout_examples",
     "is_heldout",
     "problems",
@@ -94,6 +95,22 @@ def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = 
 
 #: Task-neutral name of the built-in dataset factory (same signature as :func:`arithmetic_dataset`).
 builtin_task_dataset = arithmetic_dataset
+
+
+def chat_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train",
+                      system: str | None = None) -> datasets.Dataset:
+    """The built-in task as chats: ``messages`` = [system?], user ``"37+45="``, assistant ``"82"``.
+
+    The same problems as :func:`arithmetic_dataset` with the same arguments; rendered with the embedded
+    tokenizer's chat template, so the offline path covers chat data too.
+    """
+    rows = arithmetic_dataset(num_samples, seed, split)
+    head = [{"role": "system", "content": system}] if system else []
+    return datasets.Dataset.from_dict({
+        "id": rows["id"],
+        "messages": [head + [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                     for p, c in zip(rows["prompt"], rows["completion"])],
+    })
 
 
 def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:

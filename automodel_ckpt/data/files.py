@@ -1,4 +1,4 @@
-"""Datasets from local files: json/jsonl, parquet, csv, plain text, or a `save_to_disk` folder."""
+"""Datasets from local files (json/jsonl, parquet, csv, arrow, text, `save_to_disk` folders) or the Hugging Face cache."""
 
 from __future__ import annotations
 
@@ -8,15 +8,49 @@ import datasets
 
 from automodel_ckpt.errors import ConfigError
 
-_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text"}
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text",
+             ".arrow": "arrow"}
 
 
-def load_local_dataset(path: str, split: str = "train", format: str | None = None) -> datasets.Dataset:
-    """Load ``path`` (a file, a glob, or a folder) without touching the network.
+def is_hub_id(path: str) -> bool:
+    """Whether ``path`` reads as a Hub dataset id (``name`` or ``owner/name``) rather than a local path."""
+    p = Path(path).expanduser()
+    return not p.exists() and not any(ch in path for ch in "*?[") and not path.startswith((".", "/", "~")) \
+        and path.count("/") <= 1 and Path(path).suffix not in _BUILDERS
+
+
+def hub_dataset_cached(repo_id: str) -> bool:
+    """Whether the Hub dataset ``repo_id`` is in the local Hugging Face cache (hub files or prepared Arrow)."""
+    from huggingface_hub import constants
+
+    hub = Path(constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}"
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___")
+    return hub.is_dir() or prepared.is_dir()
+
+
+def load_hub_dataset(repo_id: str, name: str | None, split: str) -> datasets.Dataset:
+    """``datasets.load_dataset(repo_id, name, split=split)`` from the local cache, with a one-line error if absent."""
+    if not hub_dataset_cached(repo_id):
+        raise ConfigError(f"dataset.path: '{repo_id}' is neither a local path nor a dataset in the Hugging Face cache "
+                          f"({datasets.config.HF_DATASETS_CACHE}); download it once where the Hub is reachable, or "
+                          "point dataset.path at local files")
+    try:
+        return datasets.load_dataset(repo_id, name, split=split)
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        raise ConfigError(f"dataset.path: cannot load '{repo_id}' (split '{split}') from the cache: "
+                          f"{str(exc).splitlines()[0]}") from None
+
+
+def load_local_dataset(path: str, split: str = "train", format: str | None = None,
+                       name: str | None = None) -> datasets.Dataset:
+    """Load ``path`` (a file, a glob, a folder, or a Hub dataset id in the local cache) without the network.
 
     A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` is loaded with ``load_from_disk``;
-    any other folder is read as the files inside it with the builder of their extension.
+    any other folder is read as the files inside it with the builder of their extension. A Hub id such as
+    ``rajpurkar/squad`` (with ``name``, the dataset's configuration, if it has several) is read from the cache.
     """
+    if is_hub_id(path):
+        return load_hub_dataset(path, name, split)
     p = Path(path).expanduser()
     files: list[str]
     if p.is_dir():

@@ -12,10 +12,19 @@ from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 
 @dataclass
 class MicroBatch:
+    """Rows of one forward pass. ``position_ids`` (packed rows only) restart at every example in a row."""
+
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
     sample_ids: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+
+def micro_batch(data: TokenizedData, idx: torch.Tensor) -> MicroBatch:
+    rows = data.batch(idx)
+    return MicroBatch(rows["input_ids"], rows["labels"], rows["attention_mask"], data.sample_ids[idx],
+                      rows["position_ids"])
 
 
 class GlobalBatchLoader:
@@ -85,11 +94,7 @@ class GlobalBatchLoader:
         for i in range(self.grad_accum):
             start = i * per_micro + self.rank * self.local_batch_size
             idx = rows[start : start + self.local_batch_size]
-            micro.append(
-                MicroBatch(
-                    self.data.input_ids[idx], self.data.labels[idx], self.data.attention_mask[idx], self.data.sample_ids[idx]
-                )
-            )
+            micro.append(micro_batch(self.data, idx))
         epoch = self.epoch
         self.last_sample_ids = self.data.sample_ids[rows].tolist()
         self.position += self.global_batch_size
@@ -122,7 +127,7 @@ def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int,
     idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
     batches = []
     for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
-        labels = data.labels[b].clone()
-        labels[~keep] = IGNORE_INDEX
-        batches.append(MicroBatch(data.input_ids[b], labels, data.attention_mask[b], data.sample_ids[b]))
+        mb = micro_batch(data, b)
+        mb.labels[~keep] = IGNORE_INDEX
+        batches.append(mb)
     return batches

@@ -1,84 +1,172 @@
-"""Turns examples into fixed-length token sequences with loss masks (padding or packing)."""
+"""Tokenization through ``datasets.map`` (batched, parallel, cached by fingerprint) into fixed-length rows."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import datasets
+import numpy as np
 import torch
 
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.data.encode import IGNORE_INDEX, DataSpec, Encoder
+from automodel_ckpt.data.packing import RowBuilder
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "DataSpec", "TokenizedData", "encode_dataset", "build_rows", "tokenizer_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the encoding or row layout changes, so old cache files are not reused.
+CACHE_VERSION = "1"
+
+
+@dataclass
+class CacheInfo:
+    """Where a ``map`` result lives and whether this call computed it or found it."""
+
+    path: Path | None
+    hit: bool
+    seconds: float
 
 
 @dataclass
 class TokenizedData:
-    """Rows of ``seq_length`` tokens. ``labels`` is IGNORE_INDEX where no loss is taken (prompt, padding).
+    """Rows of ``seq_length`` tokens, memory-mapped from Arrow; ``labels`` is IGNORE_INDEX where no loss is taken.
 
-    ``sample_ids`` maps each row to the example it came from (the first one for packed rows).
+    ``batch(idx)`` reads rows on demand, so a large set never sits in Python lists. ``sample_ids`` maps each row
+    to its (first) example. ``position_ids`` exist for packed rows only.
     """
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    attention_mask: torch.Tensor
-    sample_ids: torch.Tensor
+    rows: datasets.Dataset
+    caches: list[CacheInfo] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._np = self.rows.with_format("numpy")
+        self.sample_ids = torch.from_numpy(_column(self.rows, "sample_id").astype(np.int64))
+        self.packed = "position_ids" in self.rows.column_names
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return len(self.rows)
+
+    def batch(self, idx: torch.Tensor | list[int]) -> dict[str, torch.Tensor | None]:
+        index = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
+        cols = ["input_ids", "labels", "length"] + (["position_ids"] if self.packed else [])
+        got = self._np.select_columns(cols)[index] if index else None
+        if got is None:
+            n = self.rows.features["input_ids"].length
+            empty = torch.zeros((0, n), dtype=torch.long)
+            return {"input_ids": empty, "labels": empty, "attention_mask": empty, "position_ids": None}
+        ids = torch.from_numpy(np.asarray(got["input_ids"], dtype=np.int64))
+        lengths = torch.from_numpy(np.asarray(got["length"], dtype=np.int64))
+        mask = (torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        positions = torch.from_numpy(np.asarray(got["position_ids"], dtype=np.int64)) if self.packed else None
+        return {"input_ids": ids, "labels": torch.from_numpy(np.asarray(got["labels"], dtype=np.int64)),
+                "attention_mask": mask, "position_ids": positions}
+
+    # Whole-set tensors, for small sets and tests.
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.batch(range(len(self)))["input_ids"]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.batch(range(len(self)))["labels"]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.batch(range(len(self)))["attention_mask"]
+
+    def totals(self) -> dict[str, int]:
+        """Examples, rows, real tokens, trained tokens and truncated examples over the whole set."""
+        sums = {c: int(_column(self.rows, c).sum()) for c in ("length", "num_examples", "num_truncated", "num_trained")}
+        return {"examples": sums["num_examples"], "rows": len(self), "tokens": sums["length"],
+                "trained_tokens": sums["num_trained"], "truncated": sums["num_truncated"]}
 
 
-def _example_tokens(tokenizer, example: dict, fields: dict[str, str]) -> tuple[list[int], list[int]]:
-    """(ids, labels) of one example: bos + prompt + completion + eos; loss on completion + eos only."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if fields["prompt"] in example and fields["completion"] in example:
-        prompt = tokenizer(example[fields["prompt"]], add_special_tokens=False)["input_ids"]
-        completion = tokenizer(example[fields["completion"]], add_special_tokens=False)["input_ids"] + eos
-        ids = bos + prompt + completion
-        return ids, [IGNORE_INDEX] * (len(bos) + len(prompt)) + completion
-    if fields["text"] in example:
-        ids = bos + tokenizer(example[fields["text"]], add_special_tokens=False)["input_ids"] + eos
-        return ids, list(ids)
-    raise ConfigError(
-        f"dataset: examples need '{fields['prompt']}'+'{fields['completion']}' or '{fields['text']}' columns, "
-        f"got {sorted(example)} (set data.prompt_field / data.completion_field / data.text_field)"
-    )
+def _column(ds: datasets.Dataset, name: str) -> np.ndarray:
+    """One scalar column as a NumPy array, read in one piece from Arrow."""
+    return ds.with_format("arrow", columns=[name])[:][name].to_numpy()
 
 
-def tokenize_dataset(
-    ds: datasets.Dataset, tokenizer, *, seq_length: int, packing: bool, fields: dict[str, str]
-) -> TokenizedData:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    ids_rows: list[list[int]] = []
-    label_rows: list[list[int]] = []
-    row_ids: list[int] = []
-    buf_ids: list[int] = []
-    buf_labels: list[int] = []
-    buf_first = -1
-    for i, example in enumerate(ds):
-        sid = int(example.get("id", i))
-        ids, labels = _example_tokens(tokenizer, example, fields)
-        if not packing:
-            ids_rows.append(ids[:seq_length])
-            label_rows.append(labels[:seq_length])
-            row_ids.append(sid)
-            continue
-        if buf_first < 0:
-            buf_first = sid
-        buf_ids += ids
-        buf_labels += labels
-        while len(buf_ids) >= seq_length:
-            ids_rows.append(buf_ids[:seq_length])
-            label_rows.append(buf_labels[:seq_length])
-            row_ids.append(buf_first)
-            buf_ids, buf_labels, buf_first = buf_ids[seq_length:], buf_labels[seq_length:], sid
-    n = len(ids_rows)
-    input_ids = torch.full((n, seq_length), pad, dtype=torch.long)
-    labels_t = torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((n, seq_length), dtype=torch.long)
-    for r, (ids, labels) in enumerate(zip(ids_rows, label_rows)):
-        input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        labels_t[r, : len(labels)] = torch.tensor(labels, dtype=torch.long)
-        mask[r, : len(ids)] = 1
-    return TokenizedData(input_ids, labels_t, mask, torch.tensor(row_ids, dtype=torch.long))
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable hash of what the tokenizer does: its vocabulary and rules, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        from datasets.fingerprint import Hasher
+
+        h.update(Hasher.hash(tokenizer).encode())
+    h.update(json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.bos_token_id,
+                         tokenizer.eos_token_id, getattr(tokenizer, "chat_template", None)],
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _cache_dir(ds: datasets.Dataset, spec: DataSpec) -> Path | None:
+    """``data.cache_dir``, else beside the dataset's own Arrow cache; None for an in-memory dataset."""
+    if spec.cache_dir:
+        return Path(spec.cache_dir).expanduser()
+    if ds.cache_files:
+        return Path(ds.cache_files[0]["filename"]).parent
+    return None
+
+
+def _cached_map(ds: datasets.Dataset, fn: Any, *, name: str, fingerprint: str, spec: DataSpec,
+                features: datasets.Features, **kwargs: Any) -> tuple[datasets.Dataset, CacheInfo]:
+    folder = _cache_dir(ds, spec)
+    path = folder / f"{name}-{fingerprint}.arrow" if folder is not None else None
+    hit = path is not None and (path.exists() or any(folder.glob(f"{name}-{fingerprint}_*_of_*.arrow")))
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    num_proc = spec.num_proc if spec.num_proc and spec.num_proc > 1 and len(ds) > 1 else None
+    out = ds.map(fn, batched=True, batch_size=spec.map_batch_size, num_proc=num_proc, remove_columns=ds.column_names,
+                 features=features, new_fingerprint=fingerprint, load_from_cache_file=True,
+                 cache_file_name=str(path) if path is not None else None, keep_in_memory=path is None,
+                 desc=f"{name} ({len(ds)} records)", **kwargs)
+    info = CacheInfo(path, hit, time.perf_counter() - t0)
+    logger.info("%s: %s %s in %.1fs", name, "loaded from cache" if hit else "computed", path or "(in memory)",
+                info.seconds)
+    return out, info
+
+
+def encode_dataset(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec) -> tuple[datasets.Dataset, CacheInfo]:
+    """One tokenized example per record: ``input_ids``, ``labels``, ``sample_id``, ``num_tokens``."""
+    mode = spec.mode(ds.column_names)
+    encoder = Encoder(tokenizer, spec, mode)
+    fp = _hash(CACHE_VERSION, "encode", ds._fingerprint, tokenizer_fingerprint(tokenizer), mode, spec.seq_length,
+               spec.prompt_field, spec.completion_field, spec.text_field, spec.messages_field, spec.prompt_template,
+               spec.completion_template, spec.chat_loss, spec.chat_template)
+    features = datasets.Features({
+        "input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32")),
+        "sample_id": datasets.Value("int64"), "num_tokens": datasets.Value("int32"),
+    })
+    return _cached_map(ds, encoder, name="tokenized", fingerprint=fp, spec=spec, features=features, with_indices=True)
+
+
+def build_rows(encoded: datasets.Dataset, spec: DataSpec, pad_id: int) -> TokenizedData:
+    """Pad or pack encoded examples into rows of ``spec.seq_length`` tokens (cached like the encoding)."""
+    n = spec.seq_length
+    seq = datasets.List(datasets.Value("int32"), length=n)
+    cols = {"input_ids": seq, "labels": seq, "length": datasets.Value("int32"), "sample_id": datasets.Value("int64"),
+            "num_examples": datasets.Value("int32"), "num_truncated": datasets.Value("int32"),
+            "num_trained": datasets.Value("int32")}
+    if spec.packing:
+        cols["position_ids"] = seq
+    # Packing fills rows within each map batch (and process), so those settings shape the rows too.
+    fp = _hash(CACHE_VERSION, "rows", encoded._fingerprint, n, spec.packing, pad_id,
+               (spec.map_batch_size, spec.num_proc) if spec.packing else None)
+    rows, info = _cached_map(encoded, RowBuilder(n, spec.packing, pad_id), name="rows", fingerprint=fp, spec=spec,
+                             features=datasets.Features(cols))
+    return TokenizedData(rows, [info])

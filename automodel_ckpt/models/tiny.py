@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 __all__ = [
     "BASE_SEED",
     "CHARACTERS",
+    "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "TINY_LLAMA_CONFIG",
     "build_tokenizer",
@@ -29,6 +30,14 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>")
 
 #: Every ordinary character the tokenizer knows, one token each. Anything else maps to ``<unk>``.
 CHARACTERS: str = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:?.,"
+
+#: Chat template of the embedded tokenizer: ``<s>user: hi system: ... assistant: reply</s>``. It renders only
+#: characters of :data:`CHARACTERS` (plus the special tokens), so lower-case chats over that alphabet round-trip.
+CHAT_TEMPLATE: str = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ ' ' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 #: Seed of the base model's weight initialisation; part of the base's identity.
 BASE_SEED: int = 0
@@ -53,7 +62,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     ``tokenizer("12+34=").input_ids == [bos, '1', '2', '+', '3', '4', '=']``. Training
     therefore sees ``<s> prompt completion </s>`` and generation starts from
     ``<s> prompt``, the same prefix. Use ``add_special_tokens=False`` to get the bare
-    character ids.
+    character ids. :data:`CHAT_TEMPLATE` renders ``messages`` conversations.
     """
     vocab = _vocab()
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -66,7 +75,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         pair="<s> $A <s> $B",
         special_tokens=[("<s>", vocab["<s>"])],
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<s>",
         eos_token="</s>",
@@ -75,6 +84,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=_MAX_POSITIONS,
         padding_side="right",
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _tiny_llama_config() -> dict[str, Any]:

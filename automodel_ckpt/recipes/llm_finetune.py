@@ -15,7 +15,8 @@ from automodel_ckpt.checkpoint.fingerprint import run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
-from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData, tokenize_dataset
+from automodel_ckpt.data.pipeline import prepare_data
+from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 from automodel_ckpt.errors import ConfigError
@@ -75,6 +76,8 @@ class FinetuneRecipe(BaseRecipe):
         self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
         self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
+        if self.env.is_main:
+            self.progress.write(self.data_report)
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=to_yaml(cfg),
                                          hf=self.hf_artifacts(), say=self.progress.write,
                                          fingerprint=fingerprint) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
@@ -111,27 +114,21 @@ class FinetuneRecipe(BaseRecipe):
         )
 
     def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
-        cfg = self.cfg
-        train = instantiate(cfg.dataset, "dataset")
-        if cfg.validation_dataset is not None:
-            val = instantiate(cfg.validation_dataset, "validation_dataset")
-        else:
-            n_val = int(cfg.data.val_size) if cfg.data.val_size >= 1 else int(round(len(train) * cfg.data.val_size))
-            if n_val >= len(train):
-                raise ConfigError(f"data.val_size: {cfg.data.val_size} leaves no training data ({len(train)} examples)")
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-            val = train.select(sorted(order[:n_val])) if n_val > 0 else None
-            train = train.select(sorted(order[n_val:]))
-        fields = {"prompt": cfg.data.prompt_field, "completion": cfg.data.completion_field, "text": cfg.data.text_field}
-        kw = {"seq_length": cfg.data.seq_length, "packing": cfg.data.packing, "fields": fields}
-        train_data = tokenize_dataset(train, self.tokenizer, **kw)
-        val_data = tokenize_dataset(val, self.tokenizer, **kw) if val is not None else None
-        if len(train_data) < cfg.step_scheduler.global_batch_size:
+        """Rank 0 tokenizes first (into the cache); the other ranks then read its result."""
+        main = getattr(self, "env", None) is None or self.env.is_main
+        if not main:
+            barrier()
+        prepared = prepare_data(self.cfg, self.tokenizer)
+        if main:
+            barrier()
+        self.data_report = prepared.report()
+        train_data = prepared.train
+        if len(train_data) < self.cfg.step_scheduler.global_batch_size:
             raise ConfigError(
-                f"step_scheduler.global_batch_size: {cfg.step_scheduler.global_batch_size} is larger than the "
+                f"step_scheduler.global_batch_size: {self.cfg.step_scheduler.global_batch_size} is larger than the "
                 f"training set ({len(train_data)} sequences)"
             )
-        return train_data, val_data
+        return train_data, prepared.validation
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> None:
@@ -248,7 +245,13 @@ class FinetuneRecipe(BaseRecipe):
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.env.device
-        logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
+        if mb.position_ids is not None:
+            # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
+            # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
+            logits = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                                use_cache=False).logits
+        else:
+            logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
         return F.cross_entropy(
             logits[:, :-1].flatten(0, 1).float(), mb.labels[:, 1:].flatten().to(dev),
             ignore_index=IGNORE_INDEX, reduction="sum",

@@ -9,7 +9,8 @@ import pytest
 from automodel_ckpt.cli import VERBS, main, usage
 from automodel_ckpt.cli.common import human_size
 
-POSITIONAL = {"consolidate": "ckpt", "inspect": "dir", "merge-lora": "ckpt", "verify": "path", "plot": "dir"}
+POSITIONAL = {"consolidate": "ckpt", "inspect": "dir", "merge-lora": "ckpt", "verify": "path", "plot": "dir",
+              "preview": "recipe.yaml"}
 
 
 def test_help_lists_every_verb(capsys):

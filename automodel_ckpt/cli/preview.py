@@ -1,0 +1,52 @@
+"""`ckpt-train preview RECIPE.yaml [overrides]`: the first rows as the model sees them, loss spans marked, counts.
+
+Runs without a GPU, processes or a model: it loads the recipe, tokenizes its data (through the cache) and prints
+``data.preview``'s rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from automodel_ckpt.cli.common import VerbParser
+
+
+def build_parser() -> VerbParser:
+    p = VerbParser("preview", "The first rows of a recipe's data as the model sees them, loss spans marked, and counts.")
+    p.add_argument("recipe", help="the recipe YAML; --section.key value overrides may follow")
+    p.add_argument("--num", "-n", type=int, default=3, help="rows to show (default 3)")
+    p.add_argument("--split", choices=("train", "validation"), default="train", help="which split (default train)")
+    p.add_argument("--color", action="store_true", help="mark trained text in green instead of with « »")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The verb's own flags; every ``--section.key value`` after them is a recipe override (``args.overrides``)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    strays = [a for a in rest if a.startswith("-") and "." not in a.split("=", 1)[0]]
+    if strays:
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    args.overrides = rest
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """Load the recipe, tokenize its data (through the cache) and print the preview; no model, no processes."""
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.validate import check_inputs_exist, validate_config
+    from automodel_ckpt.data.pipeline import prepare_data
+    from automodel_ckpt.data.preview import preview
+    from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
+
+    args = parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides, RecipeConfig)
+    validate_config(cfg, 1)
+    check_inputs_exist(cfg)
+    model_path = cfg.model.get("pretrained_model_name_or_path")
+    if cfg.model.get("embedded") and model_path and local_model_path(model_path) is None:
+        ensure_embedded_base(cfg.model.embedded, model_path)
+    tokenizer = build_tokenizer(cfg.tokenizer.pretrained_model_name_or_path or model_path)
+    preview(prepare_data(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
+    return 0

@@ -1,0 +1,152 @@
+"""Turns a batch of records into token ids and loss labels (one example each), as ``datasets.map`` calls it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bisect import bisect_left
+
+from automodel_ckpt.data.chat import ChatRenderer
+from automodel_ckpt.data.fields import RecordTemplate
+from automodel_ckpt.errors import ConfigError
+
+IGNORE_INDEX = -100
+MODES = ("chat", "template", "prompt_completion", "text")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Everything that decides the token sequences; all of it goes into the cache fingerprint."""
+
+    seq_length: int
+    packing: bool = False
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_template: str | None = None
+    completion_template: str | None = None
+    chat_loss: str = "assistant"
+    chat_template: str | None = None
+    num_proc: int | None = None
+    map_batch_size: int = 1000
+    cache_dir: str | None = None
+
+    def mode(self, columns: list[str]) -> str:
+        """How records become examples, from the recipe's templates or else from the dataset's columns."""
+        if self.prompt_template is not None or self.completion_template is not None:
+            if self.prompt_template is None or self.completion_template is None:
+                missing = "prompt_template" if self.prompt_template is None else "completion_template"
+                raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
+            return "template"
+        if self.messages_field in columns:
+            return "chat"
+        if self.prompt_field in columns and self.completion_field in columns:
+            return "prompt_completion"
+        if self.text_field in columns:
+            return "text"
+        raise ConfigError(
+            f"dataset: records need a '{self.messages_field}' column, '{self.prompt_field}'+"
+            f"'{self.completion_field}' columns or a '{self.text_field}' column, got {sorted(columns)} "
+            "(set data.messages_field / data.prompt_field / data.completion_field / data.text_field, or build them "
+            "with data.prompt_template and data.completion_template)"
+        )
+
+
+class Encoder:
+    """``encoder(batch, indices)`` -> ``input_ids``, ``labels``, ``sample_id``, ``num_tokens`` per record.
+
+    prompt/completion (and templates): ``bos prompt completion eos``, loss on ``completion eos``. text: ``bos text
+    eos``, loss everywhere. chat: the template's rendering, loss on the spans :class:`ChatRenderer` finds. Ids are
+    cut to ``seq_length``; ``num_tokens`` keeps the length before the cut, so truncation can be counted.
+    """
+
+    def __init__(self, tokenizer: Any, spec: DataSpec, mode: str) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.mode = mode
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.chat = ChatRenderer(tokenizer, chat_template=spec.chat_template, loss=spec.chat_loss) \
+            if mode == "chat" else None
+        self.templates = (RecordTemplate(spec.prompt_template, "data.prompt_template"),
+                          RecordTemplate(spec.completion_template, "data.completion_template")) \
+            if mode == "template" else None
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        if self.mode == "chat":
+            ids, labels = self._chat(batch, indices)
+        elif self.mode == "text":
+            ids, labels = self._text(batch[self.spec.text_field])
+        else:
+            prompts, completions = self._prompts(batch, indices)
+            ids, labels = self._prompt_completion(prompts, completions)
+        n = self.spec.seq_length
+        ids_col = batch.get("id")  # an integer id column names the samples; otherwise the record number does
+        if ids_col is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids_col):
+            ids_col = None
+        return {
+            "input_ids": [x[:n] for x in ids],
+            "labels": [x[:n] for x in labels],
+            "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
+            "num_tokens": [len(x) for x in ids],
+        }
+
+    def _prompts(self, batch: dict[str, list], indices: list[int]) -> tuple[list[str], list[str]]:
+        if self.templates is None:
+            return batch[self.spec.prompt_field], batch[self.spec.completion_field]
+        keys = list(batch)
+        prompts, completions = [], []
+        for k, i in enumerate(indices):
+            record = {key: batch[key][k] for key in keys}
+            prompts.append(self.templates[0].render(record, i))
+            completions.append(self.templates[1].render(record, i))
+        return prompts, completions
+
+    def _encode(self, texts: list[str], offsets: bool = False) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        """Token ids (and character offsets) of ``texts``, without added special tokens, in one batched call.
+
+        A fast tokenizer's Rust backend is called directly: the same ids as ``tokenizer(texts)``, without
+        converting every encoding to Python dictionaries first.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+            return [e.ids for e in encodings], [e.offsets for e in encodings] if offsets else []
+        if offsets:
+            raise ConfigError("tokenizer: chat data needs a fast tokenizer (one with offset mapping)")
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"], []
+
+    def _prompt_completion(self, prompts: list[str], completions: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        p_ids = self._encode(prompts)[0]
+        c_ids = self._encode(completions)[0]
+        ids, labels = [], []
+        masked = len(self.bos)
+        for p, c in zip(p_ids, c_ids):
+            comp = c + self.eos
+            ids.append(self.bos + p + comp)
+            labels.append([IGNORE_INDEX] * (masked + len(p)) + comp)
+        return ids, labels
+
+    def _text(self, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        ids = [self.bos + x + self.eos for x in self._encode(texts)[0]]
+        return ids, [list(x) for x in ids]
+
+    def _chat(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        assert self.chat is not None
+        texts, spans = [], []
+        for messages, i in zip(batch[self.spec.messages_field], indices):
+            text, trained = self.chat.render(messages, i, self.spec.messages_field)
+            texts.append(text)
+            spans.append(trained)
+        all_ids, all_offsets = self._encode(texts, offsets=True)
+        labels_out = []
+        for ids, offsets, trained in zip(all_ids, all_offsets, spans):
+            starts = [o[0] for o in offsets]
+            labels = [IGNORE_INDEX] * len(ids)
+            for s, e in trained:  # tokens that start inside a span take the loss
+                a, b = bisect_left(starts, s), bisect_left(starts, e)
+                labels[a:b] = ids[a:b]
+            labels_out.append(labels)
+        return all_ids, labels_out

@@ -1,0 +1,65 @@
+"""Fixed-length rows from tokenized examples: one padded example per row, or several packed into one."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from automodel_ckpt.data.encode import IGNORE_INDEX
+
+
+class RowBuilder:
+    """``builder(batch)`` -> rows of ``seq_length`` tokens, for a batched ``datasets.map``.
+
+    Padding: one example per row, right-padded with ``pad_id``. Packing: examples are placed whole, in order,
+    into the current row until the next one does not fit; the rest of the row is padding. Each row carries
+    ``position_ids`` that restart at 0 at every example (the padding tail is a block of its own), so the model's
+    attention stays inside each example, and the first token of an example takes no loss (nothing before it in
+    the row predicts it). ``length`` counts real tokens; ``sample_id`` is the row's first example.
+    """
+
+    def __init__(self, seq_length: int, packing: bool, pad_id: int) -> None:
+        self.n = seq_length
+        self.packing = packing
+        self.pad_id = pad_id
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        groups = self._groups([len(x) for x in batch["input_ids"]])
+        rows = len(groups)
+        ids = np.full((rows, self.n), self.pad_id, dtype=np.int32)
+        labels = np.full((rows, self.n), IGNORE_INDEX, dtype=np.int32)
+        positions = np.zeros((rows, self.n), dtype=np.int32)
+        lengths, sample_ids, docs, truncated, trained = [], [], [], [], []
+        for r, group in enumerate(groups):
+            pos = 0
+            for k in group:
+                x, y = batch["input_ids"][k], batch["labels"][k]
+                ids[r, pos:pos + len(x)] = x
+                labels[r, pos:pos + len(y)] = y
+                positions[r, pos:pos + len(x)] = np.arange(len(x))
+                if self.packing:
+                    labels[r, pos] = IGNORE_INDEX
+                pos += len(x)
+            positions[r, pos:] = np.arange(self.n - pos)
+            lengths.append(pos)
+            sample_ids.append(batch["sample_id"][group[0]])
+            docs.append(len(group))
+            truncated.append(sum(batch["num_tokens"][k] > self.n for k in group))
+            trained.append(int((labels[r, 1:] != IGNORE_INDEX).sum()))
+        out = {"input_ids": list(ids), "labels": list(labels), "length": lengths, "sample_id": sample_ids,
+               "num_examples": docs, "num_truncated": truncated, "num_trained": trained}
+        if self.packing:
+            out["position_ids"] = list(positions)
+        return out
+
+    def _groups(self, lengths: list[int]) -> list[list[int]]:
+        if not self.packing:
+            return [[k] for k in range(len(lengths))]
+        groups: list[list[int]] = []
+        used = self.n
+        for k, length in enumerate(lengths):
+            if used + length > self.n:
+                groups.append([])
+                used = 0
+            groups[-1].append(k)
+            used += length
+        return groups

@@ -1,0 +1,90 @@
+"""From a recipe's dataset sections to training and validation rows, with a one-line report of what was built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+from omegaconf import DictConfig
+
+from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.data.encode import DataSpec
+from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, encode_dataset
+from automodel_ckpt.errors import ConfigError
+
+
+def data_spec(cfg: DictConfig) -> DataSpec:
+    d = cfg.data
+    return DataSpec(
+        seq_length=int(d.seq_length), packing=bool(d.packing), prompt_field=d.prompt_field,
+        completion_field=d.completion_field, text_field=d.text_field, messages_field=d.messages_field,
+        prompt_template=d.prompt_template, completion_template=d.completion_template, chat_loss=d.chat_loss,
+        chat_template=cfg.tokenizer.get("chat_template"), num_proc=d.num_proc, map_batch_size=int(d.map_batch_size),
+        cache_dir=d.cache_dir,
+    )
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+@dataclass
+class PreparedData:
+    train: TokenizedData
+    validation: TokenizedData | None
+    spec: DataSpec
+    caches: list[CacheInfo]
+
+    def report(self) -> str:
+        """One line: examples, tokens, truncation, packing efficiency, and whether tokenization was cached."""
+        t = self.train.totals()
+        n = self.spec.seq_length
+        eff = t["tokens"] / max(t["rows"] * n, 1)
+        parts = [f"data: {t['examples']} training examples -> {t['rows']} sequences of {n} tokens "
+                 f"({'packed' if self.spec.packing else 'padded'}, {100 * eff:.1f}% real tokens), "
+                 f"{t['tokens']} tokens, {t['trained_tokens']} with loss, {t['truncated']} truncated examples"]
+        if self.validation is not None:
+            parts.append(f"validation {self.validation.totals()['examples']} examples")
+        files = [c for c in self.caches if c.path is not None]
+        if not files:
+            parts.append(f"tokenized in memory in {sum(c.seconds for c in self.caches):.1f}s")
+        elif all(c.hit for c in files):
+            parts.append(f"tokenization cached (loaded {files[0].path.parent})")
+        else:
+            parts.append(f"tokenized in {sum(c.seconds for c in self.caches):.1f}s, cached in {files[0].path.parent}")
+        return "; ".join(parts)
+
+
+def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, validation)`` record indices: a seeded random ``val_size`` fraction (<1) or count (>=1) held out."""
+    n_val = int(val_size) if val_size >= 1 else int(round(n * val_size))
+    if n_val >= n:
+        raise ConfigError(f"data.val_size: {val_size} leaves no training data ({n} examples)")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def prepare_data(cfg: DictConfig, tokenizer: Any) -> PreparedData:
+    """Load, tokenize (cached), split and pad or pack the recipe's data."""
+    spec = data_spec(cfg)
+    pad = pad_token_id(tokenizer)
+    source: datasets.Dataset = instantiate(cfg.dataset, "dataset")
+    encoded, info = encode_dataset(source, tokenizer, spec)
+    caches = [info]
+    if cfg.validation_dataset is not None:
+        val_source = instantiate(cfg.validation_dataset, "validation_dataset")
+        val_encoded, val_info = encode_dataset(val_source, tokenizer, spec)
+        caches.append(val_info)
+        train_encoded = encoded
+    else:
+        train_idx, val_idx = split_indices(len(encoded), cfg.data.val_size, cfg.seed)
+        val_encoded = encoded.select(val_idx) if val_idx else None
+        train_encoded = encoded.select(train_idx)
+    train = build_rows(train_encoded, spec, pad)
+    caches += train.caches
+    val = build_rows(val_encoded, spec, pad) if val_encoded is not None and len(val_encoded) else None
+    if val is not None:
+        caches += val.caches
+    return PreparedData(train, val, spec, caches)

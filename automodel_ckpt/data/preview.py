@@ -1,0 +1,79 @@
+"""The preview of a recipe's data: the first rows as the model sees them, loss spans marked, and the counts."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from automodel_ckpt.data.pipeline import PreparedData
+from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
+from automodel_ckpt.errors import ConfigError
+
+
+#: Plain-text marks around trained (loss) text; masked text is left bare.
+OPEN, CLOSE = "«", "»"
+_GREEN, _RESET = "\033[32m", "\033[0m"
+
+
+
+
+def _segments(tokenizer: Any, ids: list[int], trained: list[bool]) -> list[tuple[str, bool]]:
+    """Decoded runs of tokens that share one state (trained or masked)."""
+    out: list[tuple[str, bool]] = []
+    start = 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or trained[t] != trained[start]:
+            out.append((tokenizer.decode(ids[start:t], skip_special_tokens=False), trained[start]))
+            start = t
+    return out
+
+
+def render_row(tokenizer: Any, data: TokenizedData, row: int, color: bool = False) -> str:
+    """One row: a header line, then each example in it with its trained text marked."""
+    b = data.batch([row])
+    length = int(b["attention_mask"][0].sum())
+    ids = b["input_ids"][0, :length].tolist()
+    labels = b["labels"][0, :length].tolist()
+    starts = [0]
+    if b["position_ids"] is not None:
+        starts = [t for t, p in enumerate(b["position_ids"][0, :length].tolist()) if p == 0] or [0]
+    trained = [label != IGNORE_INDEX for label in labels]
+    n_trained = sum(trained[1:])
+    head = (f"── row {row} · sample {int(data.sample_ids[row])} · {len(starts)} example(s) · "
+            f"{length}/{b['input_ids'].shape[1]} tokens · {n_trained} with loss")
+    lines = [head]
+    for k, s in enumerate(starts):
+        e = starts[k + 1] if k + 1 < len(starts) else length
+        text = "".join(
+            (f"{_GREEN}{piece}{_RESET}" if color else f"{OPEN}{piece}{CLOSE}") if on else piece
+            for piece, on in _segments(tokenizer, ids[s:e], trained[s:e])
+        )
+        lines.append(("  + " if k else "    ") + text.replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+def render_counts(prepared: PreparedData) -> str:
+    lines = []
+    for name, data in (("train", prepared.train), ("validation", prepared.validation)):
+        if data is None:
+            continue
+        t = data.totals()
+        eff = t["tokens"] / max(t["rows"] * prepared.spec.seq_length, 1)
+        lines.append(f"{name}: {t['examples']} examples, {t['rows']} sequences of {prepared.spec.seq_length} tokens, "
+                     f"{t['tokens']} tokens ({t['trained_tokens']} with loss), {t['truncated']} truncated examples, "
+                     f"{'packing' if prepared.spec.packing else 'padding'} efficiency {100 * eff:.1f}%")
+    return "\n".join(lines)
+
+
+def preview(prepared: PreparedData, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
+            out: TextIO = sys.stdout) -> None:
+    data = prepared.train if split == "train" else prepared.validation
+    if data is None:
+        raise ConfigError("preview: this recipe has no validation data (data.val_size is 0 and no validation_dataset)")
+    marks = "green" if color else f"{OPEN}marked{CLOSE}"
+    print(f"First {min(num, len(data))} of {len(data)} {split} sequences; text with loss is {marks}, the rest is "
+          "masked:", file=out)
+    for row in range(min(num, len(data))):
+        print(render_row(tokenizer, data, row, color), file=out)
+    print(render_counts(prepared), file=out)
+    print(prepared.report().split("; ")[-1], file=out)
