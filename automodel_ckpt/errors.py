@@ -22,6 +22,13 @@ class CheckpointError(UserError):
     exit_code = 3
 
 
+class DiskFullError(CheckpointError):
+    """A save or export ran out of room: no space left, a quota, or a read-only filesystem."""
+
+    exit_code = 4
+    errno: int | None = None
+
+
 class UsageError(UserError):
     """A command line the verb cannot parse (unknown flag, missing argument)."""
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from automodel_ckpt.checkpoint import catalog, collective, layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, manifest
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -61,6 +61,7 @@ class Checkpointer:
         self._seconds_before = 0.0  # training seconds recorded in the restored checkpoint
         self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
         self._pending: _PendingSave | None = None  # the async save still being written (at most one)
+        self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager = None
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
@@ -76,13 +77,16 @@ class Checkpointer:
                 raise CheckpointError(problem)
 
     # ------------------------------------------------------------------------------------------ save
+    @diskfull.guarded
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
         """Save ``states`` as ``epoch_E_step_N/``; returns its path.
 
         Synchronous: the checkpoint is complete and published when this returns. With ``is_async``, the model and
         optimizer state is copied before this returns and written in the background; the checkpoint is completed
         (synced, sealed, published, pruned) by the next ``save`` or by ``finalize``, whichever comes first.
+        A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
+        self._saved_objects = list(states.values())
         clock = _PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
@@ -130,6 +134,7 @@ class Checkpointer:
         self.last_save_seconds = clock.phases
         return path
 
+    @diskfull.guarded
     def wait(self) -> Path | None:
         """Complete the save still being written in the background, if any; returns its path once published.
 

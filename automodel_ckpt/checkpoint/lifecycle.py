@@ -28,13 +28,21 @@ def reserve(checkpoint_dir: Path, name: str) -> Path:
             f"checkpoint '{final}' already exists and is never overwritten; "
             "restore from the newest checkpoint or use another checkpoint.checkpoint_dir"
         )
-    for leftover in checkpoint_dir.iterdir():
-        if layout.is_staging(leftover.name) and leftover.is_dir():
-            remove_tree(leftover)
+    discard_staging(checkpoint_dir)
     staging = checkpoint_dir / layout.staging_name(name)
     staging.mkdir()
     fsync_dir(checkpoint_dir)
     return staging
+
+
+def discard_staging(checkpoint_dir: Path) -> list[str]:
+    """Rank 0: remove the ``.staging-*`` folders of unfinished saves; returns their names."""
+    removed = []
+    for leftover in Path(checkpoint_dir).iterdir():
+        if layout.is_staging(leftover.name) and leftover.is_dir():
+            remove_tree(leftover)
+            removed.append(leftover.name)
+    return removed
 
 
 def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool) -> Path:

@@ -9,8 +9,14 @@ worker in a session of its own, so the group alone would miss them). The moment 
   inside the save (a save takes about 0.5 s here) or just after its publish;
 * ``anytime``: kill after a delay drawn over the whole run, startup and restore included.
 
-After every kill: no complete checkpoint was lost, every complete checkpoint still matches its manifest,
-LATEST is absent or designates a complete checkpoint, and the next run resumes from the newest complete one.
+Rounds take turns among three ways of saving (``SAVE_MODES``), all resuming from the same checkpoint_dir:
+``sync``; ``async`` (``checkpoint.is_async``: a kill can land in the background writes); ``export``
+(``save_consolidated: every``: a kill can land in the inline Hugging Face export).
+
+After every kill: no complete checkpoint was lost, every complete checkpoint still matches its manifest (no file
+missing, changed or unexpected), LATEST is absent or designates a complete checkpoint, and the next run resumes
+from the newest complete one. After a run that completes, nothing is leaked: no staging, deleting or export
+temporary folder is left in the checkpoint_dir (``leaked_bytes`` counts what would be).
 Runs that are not killed must succeed. When a run completes training, its losses in training.jsonl must equal
 an uninterrupted run's bit for bit, and a fresh checkpoint_dir starts the next trial.
 
@@ -37,7 +43,12 @@ from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_j
 
 MAX_STEPS = 12
 ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "1",
-        "--checkpoint.save_consolidated", "false", "--data.val_size", "64")
+        "--data.val_size", "64")
+SAVE_MODES = {
+    "sync": ("--checkpoint.save_consolidated", "false"),
+    "async": ("--checkpoint.save_consolidated", "false", "--checkpoint.is_async", "true"),
+    "export": ("--checkpoint.save_consolidated", "every"),
+}
 RUN_TIMEOUT = 600
 _LOADING = re.compile(r"Loading checkpoint from (\S+)")
 
@@ -49,8 +60,9 @@ def kill_count(at_least: int = 0) -> int:
     return max(int(os.environ.get("KILL_COUNT", 3)), at_least)
 
 
-def start_job(cwd: Path, assets: Path, ckpt_dir: str, log: Path) -> subprocess.Popen:
-    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", ckpt_dir]
+def start_job(cwd: Path, assets: Path, ckpt_dir: str, log: Path, mode: str = "sync") -> subprocess.Popen:
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, *SAVE_MODES[mode],
+           "--checkpoint.checkpoint_dir", ckpt_dir]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -75,11 +87,11 @@ def saves_in_progress(ckpt_dir: Path, since: float) -> list[str]:
 # --- one round -----------------------------------------------------------------------------------------------
 
 
-def run_round(cwd: Path, assets: Path, ckpt_dir: str, log: Path, plan: dict | None) -> dict:
-    """Run the job once; kill it as ``plan`` says (None: let it finish)."""
+def run_round(cwd: Path, assets: Path, ckpt_dir: str, log: Path, plan: dict | None, mode: str = "sync") -> dict:
+    """Run the job once, saving the ``mode`` way; kill it as ``plan`` says (None: let it finish)."""
     root = cwd / ckpt_dir
     started, started_wall = time.monotonic(), time.time()
-    proc = start_job(cwd, assets, ckpt_dir, log)
+    proc = start_job(cwd, assets, ckpt_dir, log, mode)
     kill_at = started + plan["delay_s"] if plan and plan["mode"] == "anytime" else None
     outcome: dict = {"killed": False}
     while proc.poll() is None:
@@ -130,6 +142,17 @@ def check_dir(root: Path, before: set[str]) -> tuple[set[str], list[str], dict]:
     return complete, failures, facts
 
 
+def leaked(root: Path) -> tuple[list[str], int]:
+    """Hidden leftovers in a checkpoint_dir (staging, deleting, export temporaries) and their bytes."""
+    names, nbytes = [], 0
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if entry.name.startswith("."):
+            names.append(entry.name)
+            nbytes += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) if entry.is_dir() else \
+                entry.stat().st_size
+    return names, nbytes
+
+
 # --- the test ------------------------------------------------------------------------------------------------
 
 
@@ -151,8 +174,9 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
 
     results: dict = {"seed": seed, "kill_count": count, "max_steps": MAX_STEPS, "reference_wall_s": run_s,
                      "kills": 0, "kills_during_save": 0, "resumes": 0, "resumes_from_newest": 0, "fresh_starts": 0,
-                     "latest_lagged": 0, "trials_completed": 0, "trials_bitwise_equal": 0, "failures": [],
-                     "rounds": []}
+                     "latest_lagged": 0, "trials_completed": 0, "trials_bitwise_equal": 0, "leaked_bytes": 0,
+                     "kills_by_mode": {m: 0 for m in SAVE_MODES}, "failures": [], "rounds": []}
+    modes = list(SAVE_MODES)
     trial, complete, rnd = 0, set(), 0
     ckpt_dir = f"trial_{trial}"
     while True:
@@ -167,8 +191,9 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
                 plan = {"mode": "anytime", "delay_s": round(rng.uniform(0.2, run_s), 3)}
         else:
             plan = None
-        out = run_round(tmp_path, assets, ckpt_dir, logs / f"round_{rnd:03d}.log", plan)
-        record = {"round": rnd, "trial": trial, "plan": plan, "expected_resume": expect_from,
+        mode = modes[(rnd - 1) % len(modes)]
+        out = run_round(tmp_path, assets, ckpt_dir, logs / f"round_{rnd:03d}.log", plan, mode)
+        record = {"round": rnd, "trial": trial, "mode": mode, "plan": plan, "expected_resume": expect_from,
                   **{k: v for k, v in out.items() if k != "tail"}}
         # resume: from the newest complete checkpoint, whenever the run got that far
         if out["loaded"] is not None:
@@ -183,6 +208,7 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
             results["fresh_starts"] += 1
         if out["killed"]:
             results["kills"] += 1
+            results["kills_by_mode"][mode] += 1
             results["kills_during_save"] += int(out["during_save"])
             complete, failures, facts = check_dir(root, complete)
             results["latest_lagged"] += int(facts["latest_lags"])
@@ -203,6 +229,10 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
                                            f"{got} != {expected}")
             _, failures, _ = check_dir(root, complete)
             results["failures"] += [f"trial {trial} final: {f}" for f in failures]
+            names, nbytes = leaked(root)
+            results["leaked_bytes"] += nbytes
+            if names:
+                results["failures"].append(f"trial {trial}: left behind {names} ({nbytes} bytes)")
             if results["kills"] >= count:
                 results["rounds"].append(record)
                 break
@@ -218,5 +248,7 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
     summary = {k: v for k, v in results.items() if k != "rounds"}
     print("kill-fault results:", json.dumps(summary, indent=1))
     assert results["kills"] == count
+    if count >= len(SAVE_MODES):  # every way of saving was hit
+        assert all(results["kills_by_mode"].values()), results["kills_by_mode"]
     assert not results["failures"], "\n".join(results["failures"])
     assert results["trials_completed"] >= 1 and results["trials_bitwise_equal"] == results["trials_completed"]

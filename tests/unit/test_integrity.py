@@ -25,7 +25,7 @@ from automodel_ckpt.checkpoint.safe_load import RestrictedUnpickler
 from automodel_ckpt.cli.common import human_size
 from automodel_ckpt.cli.verify import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, DiskFullError
 from tests.unit.ckpt_state import State
 
 FORMATS = ("safetensors", "torch_save")
@@ -270,43 +270,83 @@ def test_unwritable_checkpoint_dir_real(env, tmp_path):
             ro.chmod(0o755)
 
 
-def _enospc(*args, **kwargs):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def _raiser(code: int):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return fail
 
 
-@pytest.mark.parametrize("where", ["dcp_write", "rank_file", "manifest"])
+_enospc = _raiser(errno.ENOSPC)
+
+
+@pytest.mark.parametrize("where", ["dcp_write", "rank_file", "metadata", "manifest", "edquot", "erofs", "async"])
 def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, capsys, where):
     ckpt, state, first, second = saved
     before = manifest.verify(second)
     assert before.ok
-    if where == "dcp_write":
+    reason = "no space left on device"
+    if where in ("dcp_write", "edquot", "erofs", "async"):
         import torch.distributed.checkpoint.filesystem as fs
 
         from automodel_ckpt.checkpoint.formats.fastio import filewrite
 
-        monkeypatch.setattr(fs, "_write_item", _enospc)  # torch's writers
-        monkeypatch.setattr(filewrite, "_pwrite_all", _enospc)  # ours (the model and optimizer files)
+        code = {"edquot": errno.EDQUOT, "erofs": errno.EROFS}.get(where, errno.ENOSPC)
+        reason = {"edquot": "disk quota exceeded", "erofs": "the filesystem is read-only"}.get(where, reason)
+        monkeypatch.setattr(fs, "_write_item", _raiser(code))  # torch's writers
+        monkeypatch.setattr(filewrite, "_pwrite_all", _raiser(code))  # ours (the model and optimizer files)
+        if where == "async":
+            ckpt = make_checkpointer(ckpt.env, ckpt.dir, ckpt.cfg.model_save_format, is_async=True)
     elif where == "rank_file":
         import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
 
         real_save = torch.save
         monkeypatch.setattr(checkpointer_mod.torch, "save",
                             lambda obj, f, *a, **k: _enospc() if "cursor" in str(f) else real_save(obj, f, *a, **k))
+    elif where == "metadata":
+        import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
+
+        monkeypatch.setattr(checkpointer_mod, "write_metadata", _enospc)
     else:
         monkeypatch.setattr(manifest, "write", _enospc)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(DiskFullError) as err:
         save(ckpt, state, 3)
-    assert "No space left on device" in str(err.value) and "\n" not in str(err.value)
+        ckpt.finalize()  # async: the background write's failure is raised when the save is completed
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"saving a checkpoint in '{ckpt.dir}' failed: {reason} (needs about ")
+    assert "free there" in message and "'epoch_0_step_2' and the pointers are untouched" in message
     monkeypatch.undo()
-    assert (ckpt.dir / layout.staging_name("epoch_0_step_3")).is_dir()  # the partial save stays hidden...
+    assert not list(ckpt.dir.glob(layout.STAGING_PREFIX + "*"))  # removed at once
     assert [r.name for r in catalog.list_checkpoints(ckpt.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
     assert os.readlink(ckpt.dir / layout.LATEST) == "epoch_0_step_2"
-    assert catalog.resolve_restore_from(ckpt.dir, None) == second  # ...and never selected
+    assert catalog.resolve_restore_from(ckpt.dir, None) == second
     code, out = verify_cli(capsys, ckpt.dir)
-    assert code == 0 and "interrupted save" in out
+    assert code == 0
     assert manifest.verify(second).ok and manifest.verify(first).ok
-    third = save(ckpt, state, 3)  # space is back: the next save replaces the leftover
+    third = save(ckpt, state, 3)  # space is back: the same step saves
+    ckpt.finalize()
     assert manifest.verify(third).ok and not list(ckpt.dir.glob(layout.STAGING_PREFIX + "*"))
+
+
+def test_out_of_room_is_recognised_from_errno_dcp_failures_and_remote_text():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from automodel_ckpt.checkpoint import diskfull
+
+    assert diskfull.out_of_room(OSError(errno.ENOSPC, "x")) == errno.ENOSPC
+    dcp = CheckpointException("save", {1: (OSError(errno.EDQUOT, "quota"), "traceback")})
+    assert diskfull.out_of_room(dcp) == errno.EDQUOT
+    chained = CheckpointError("writing 'x' failed on rank 0")
+    chained.__cause__ = dcp
+    assert diskfull.out_of_room(chained) == errno.EDQUOT
+    remote = CheckpointError(f"writing 'x' failed on rank 1: OSError: [Errno 30] {os.strerror(errno.EROFS)}: 'f'")
+    assert diskfull.out_of_room(remote) == errno.EROFS
+    assert diskfull.out_of_room(OSError(errno.EIO, "x")) is None
+    assert diskfull.out_of_room(CheckpointError("cannot load 'x': bad header")) is None
+    assert diskfull.message(errno.ENOSPC, "saving a checkpoint", Path("/ck"), 5 * 2**20, 2**20, "then") == (
+        "saving a checkpoint in '/ck' failed: no space left on device (needs about 5.0 MiB, 1.0 MiB free there); "
+        "free space (or raise the quota) or choose a folder on a larger filesystem; then")
+    assert diskfull.human(5 * 2**20) == human_size(5 * 2**20)
 
 
 def test_dangling_latest(saved, capsys):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import diskfull, layout
 from automodel_ckpt.checkpoint.export.commit import make_coordinator
 from automodel_ckpt.checkpoint.export.script import render_consolidate_script
 from automodel_ckpt.checkpoint.export.sources import ShardSource, open_source, require_format
@@ -126,7 +126,7 @@ def consolidate(
             rank, len(mine), nbytes / 1e9, elapsed, nbytes / 1e9 / max(elapsed, 1e-9),
         )  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - every rank must take part in the final step, even after a failure
-        error = e
+        error = diskfull.export_error(e, out_dir, total_bytes(plan.files_for_rank(0, 1)) if plan else None)
     coordinator.end(error, plan)
     return out_dir
 

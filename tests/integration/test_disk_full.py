@@ -1,0 +1,110 @@
+"""A full disk (a real tmpfs): the save fails in one line on every rank, leaves nothing behind, a rerun resumes.
+
+Each case trains 2 steps into a roomy tmpfs (checkpoint A), shrinks the tmpfs to half a checkpoint of free space,
+trains 2 more steps (the save at step 4 hits ENOSPC), gives room back and reruns: it resumes from A and logs
+steps 3 and 4 bitwise equal to the losses of the run that hit the full disk. Then ``ckpt-train consolidate``
+runs out of room. Mounting needs root; without it the tests are skipped. The full-disk paths of every save
+(both formats, async, metadata, manifest, EDQUOT, EROFS) are also covered in-process by
+``tests/unit/test_integrity.py``; the second case here (torch_save, async) is slow-marked for CI time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from automodel_ckpt.checkpoint import catalog, diskfull, layout
+from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.errors import DiskFullError
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses
+
+ROOMY = 64 * 2**20
+COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--data.val_size", "64")
+CASES = [
+    pytest.param(("--checkpoint.model_save_format", "safetensors", "--checkpoint.save_consolidated", "every"),
+                 id="safetensors-sync-export"),
+    pytest.param(("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true",
+                  "--checkpoint.save_consolidated", "false"), id="torch_save-async", marks=pytest.mark.slow),
+]
+
+
+def _mount(folder: Path, size: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+
+
+def _resize(folder: Path, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True, capture_output=True)
+
+
+def _umount(folder: Path) -> None:
+    subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("diskfull")
+
+
+@pytest.fixture
+def disk(tmp_path: Path):
+    mnt = tmp_path / "disk"
+    _mount(mnt, ROOMY)
+    yield mnt
+    _umount(mnt)
+
+
+def _squeeze(mnt: Path, folder: Path, fraction: int = 2) -> None:
+    """Leave about ``1/fraction`` of ``folder``'s size free on the tmpfs."""
+    used = shutil.disk_usage(mnt).used
+    _resize(mnt, used + diskfull.tree_bytes(folder) // fraction)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_full_disk_fails_in_one_line_and_rerun_resumes(work, assets, disk, case):
+    args = (*COMMON, *case, "--checkpoint.checkpoint_dir", str(disk / "ckpt"))
+    ckpt_train(work, assets, *args, "--step_scheduler.max_steps", "2", nproc=2)
+    first = disk / "ckpt" / "epoch_0_step_2"
+    assert catalog.latest_checkpoint(disk / "ckpt") == first
+    before = sorted(p.relative_to(first).as_posix() for p in first.rglob("*"))
+
+    _squeeze(disk, first)
+    full = ckpt_train(work, assets, *args, "--step_scheduler.max_steps", "4", nproc=2, check=False)
+    assert full.returncode == DiskFullError.exit_code, full.output[-3000:]
+    errors = [line for line in full.output.splitlines() if "error:" in line and "no space left" in line]
+    assert errors, full.output[-3000:]
+    assert f"in '{disk / 'ckpt'}' failed: no space left on device (needs about" in errors[0]
+    assert "free there" in errors[0] and "a rerun resumes from it" in errors[0]
+    assert "Traceback" not in full.output
+    computed = losses(disk / "ckpt")  # steps 1-2 of the first run, 3-4 of the run whose save failed
+    assert len(computed) == 4
+    leftovers = [p.name for p in (disk / "ckpt").iterdir() if layout.is_staging(p.name) or p.name.startswith(".")]
+    assert leftovers == []
+    assert read_pointer(disk / "ckpt", layout.LATEST) == first.name
+    assert sorted(p.relative_to(first).as_posix() for p in first.rglob("*")) == before
+    assert [r.name for r in catalog.list_checkpoints(disk / "ckpt")] == [first.name]
+
+    _resize(disk, ROOMY)
+    rerun = ckpt_train(work, assets, *args, "--step_scheduler.max_steps", "4", nproc=2)
+    assert f"Loading checkpoint from {first}" in rerun.output
+    assert losses(disk / "ckpt") == computed
+    assert read_pointer(disk / "ckpt", layout.LATEST) == "epoch_0_step_4"
+
+    # `ckpt-train consolidate` out of room: one line, its temporary folder removed, nothing published
+    export = disk / "export"
+    _squeeze(disk, disk / "ckpt" / "epoch_0_step_4" / layout.MODEL_DIR, 8)  # bf16 export: half the fp32 shards
+    done = subprocess.run([CKPT_TRAIN, "consolidate", str(disk / "ckpt" / "epoch_0_step_4"), "--out", str(export)],
+                          cwd=work, env=env_for(assets), capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == DiskFullError.exit_code, output
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in output, output
+    assert lines[0].startswith(f"error: writing the Hugging Face export in '{disk}' failed: no space left on device")
+    assert "needs about" in lines[0] and "free there" in lines[0]
+    assert sorted(p.name for p in disk.iterdir()) == ["ckpt"]  # no export, no temporary folder
