@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 
 def main(argv: list[str]) -> int:
@@ -36,13 +37,18 @@ def main(argv: list[str]) -> int:
     return run_worker(recipe_path, overrides)
 
 
-def run_worker(recipe_path: str, overrides: list[str]) -> int:
-    """Train in this process (one rank of the job): the recipe class the config names, ``cls(cfg).run()``."""
+def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
+    """Train in this process (one rank of the job): the recipe class the config names, ``cls(cfg).run()``; after a
+    finished run the process ends here, with status 0.
+
+    A failure raises, and ``main`` reports it. Success ends the process through ``end_process``: torch's C++
+    threads must not meet the interpreter's teardown (see there).
+    """
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.config.validate import validate_config
-    from automodel_ckpt.distributed.env import shutdown_distributed
+    from automodel_ckpt.distributed.env import end_process, shutdown_distributed
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)
@@ -51,4 +57,4 @@ def run_worker(recipe_path: str, overrides: list[str]) -> int:
     recipe = recipe_cls(cfg)
     recipe.run()
     shutdown_distributed()
-    return 0
+    end_process(0)

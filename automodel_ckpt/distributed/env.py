@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -57,12 +58,43 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group; the barrier first avoids aborts in gloo's teardown when ranks exit unevenly."""
+    """Leave the process group once every rank got here, so no rank leaves while a peer still needs it."""
     if dist.is_initialized():
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End a process that trained, with exit status ``code``, without the interpreter's teardown.
+
+    When a run returns, its work is durable: checkpoints are fsynced and published, logs are written line by line.
+    What is left are threads that torch runs in C++. gloo's worker threads, for one, can still hold the last
+    reference to a collective's tensor for a moment after the collective completed; freeing it takes the GIL to
+    release the tensor's Python object. If the interpreter is finalizing by then, CPython ends that thread with a
+    forced unwind, C++ turns that into ``std::terminate`` ("terminate called without an active exception"), and a
+    finished job exits -6 and is reported failed. The window is tiny on an idle host and common under CPU
+    contention. So this runs the interpreter's exit handlers and joins this process's own threads while everything
+    is alive, flushes the standard streams, and leaves with ``os._exit``, which never finalizes.
+    """
+    import atexit
+    import logging
+    import threading
+
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from automodel_ckpt.models.lora import apply_lora
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.progress import Progress
-from automodel_ckpt.training.rng import RNGState, seed_everything
+from automodel_ckpt.training.rng import RNGState, rng_untouched, seed_everything
 from automodel_ckpt.training.save_triggers import PreemptionWatcher, StepBoundary, TimeTrigger
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
@@ -40,12 +40,16 @@ class FinetuneRecipe(BaseRecipe):
         cfg = self.cfg
         self.env: DistEnv = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes)
         seed_everything(cfg.seed)
-        self.tokenizer, model = self.build_model_and_tokenizer()
+        # One-time work (creating the embedded base on rank 0 alone, loading, tokenizing) draws no number from the
+        # training stream: the same seed gives the same run on every rank, first run in a fresh clone included.
+        with rng_untouched():
+            self.tokenizer, model = self.build_model_and_tokenizer()
         if cfg.peft is not None:  # LoRA: wrap before sharding, so FSDP2 sees frozen base and trainable adapters
             model = apply_lora(model, cfg.peft)
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
-        train_data, val_data = self.build_data()
+        with rng_untouched():
+            train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
         self.dataloader = GlobalBatchLoader(
             train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -14,6 +15,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Python, NumPy and torch generators leave the block as they entered it.
+
+    For work that happens once or only on some ranks (creating an embedded base, building a tokenizer, warming a
+    cache): whatever random numbers it draws, the training stream after it is the same on every rank and in every
+    run with the same seed.
+    """
+    saved = RNGState().state_dict()
+    try:
+        yield
+    finally:
+        RNGState().load_state_dict(saved)
 
 
 class RNGState:
