@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import torch
 
 from automodel_ckpt.errors import DiskFullError
+from automodel_ckpt.sizes import human_size
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,23 +98,13 @@ def free_bytes(folder: Path) -> int | None:
         return None
 
 
-def human(size: int) -> str:
-    """Bytes in binary units (``1023 B``, ``1.5 KiB``, ``5.0 GiB``), as the CLI prints them."""
-    value, units = float(size), ("B", "KiB", "MiB", "GiB", "TiB")
-    for unit in units[:-1]:
-        if value < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} {units[-1]}"
-
-
 def message(code: int, what: str, folder: Path, needed: int | None, free: int | None, then: str) -> str:
     """``<what> in '<folder>' failed: <reason> (needs about N, M free there); <then>``, one line."""
     sizes = []
     if needed:
-        sizes.append(f"needs about {human(needed)}")
+        sizes.append(f"needs about {human_size(needed)}")
     if free is not None:
-        sizes.append(f"{human(free)} free there")
+        sizes.append(f"{human_size(free)} free there")
     detail = f" ({', '.join(sizes)})" if sizes else ""
     fix = ("remount it writable or choose another folder" if code == errno.EROFS
            else "free space (or raise the quota) or choose a folder on a larger filesystem")

@@ -7,6 +7,7 @@ import os
 import sys
 
 from automodel_ckpt.errors import UsageError
+from automodel_ckpt.sizes import human_size  # noqa: F401 - every verb prints sizes this one way
 
 
 class VerbParser(argparse.ArgumentParser):
@@ -31,13 +32,3 @@ def report(message: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     print(prefix + message, file=sys.stderr, flush=True)
-
-
-def human_size(size: int) -> str:
-    """Bytes in binary units, as every verb prints them: ``1023 B``, ``1.5 KiB``, ``5.0 GiB``."""
-    value, units = float(size), ("B", "KiB", "MiB", "GiB", "TiB")
-    for unit in units[:-1]:
-        if value < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} {units[-1]}"

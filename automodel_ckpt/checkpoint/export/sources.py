@@ -242,15 +242,20 @@ def _open_dcp(folder: Path) -> ShardSource:
     return ShardSource(folder, TORCH_SAVE, tensors, files)
 
 
-def load_dcp_piece(piece: Piece) -> torch.Tensor:
-    """The tensor stored for one DCP piece (a ``torch.save`` payload), read with one positioned read."""
+def read_piece(piece: Piece) -> bytearray:
+    """The stored bytes of one DCP piece, read with one positioned read."""
     buf = bytearray(piece.length)
     fd = os.open(piece.file, os.O_RDONLY)
     try:
         pread_into(fd, memoryview(buf), piece.start, piece.file)
     finally:
         os.close(fd)
-    stream: io.IOBase = io.BytesIO(buf)
+    return buf
+
+
+def load_dcp_piece(piece: Piece) -> torch.Tensor:
+    """The tensor stored for one DCP piece (a ``torch.save`` payload), read with one positioned read."""
+    stream: io.IOBase = io.BytesIO(read_piece(piece))
     if piece.transforms:
         stream = _untransform(piece, stream)
     try:

@@ -14,7 +14,6 @@ The reload needs memory for the whole model, in its exported dtypes; shard tenso
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +21,9 @@ import torch
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.export.plan import resolve_model_dir
-from automodel_ckpt.checkpoint.export.sources import SourceTensor, load_dcp_piece, open_source
+from automodel_ckpt.checkpoint.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
 from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata
-from automodel_ckpt.checkpoint.safetensors_io import pread_into, read_header, tensor_entries
+from automodel_ckpt.checkpoint.safetensors_io import read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
 __all__ = ["ExportReport", "verify_export"]
@@ -128,12 +127,7 @@ def read_full(tensor: SourceTensor) -> torch.Tensor:
             continue
         region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))]
         if piece.raw:
-            buf = bytearray(piece.length)
-            fd = os.open(piece.file, os.O_RDONLY)
-            try:
-                pread_into(fd, memoryview(buf), piece.start, piece.file)
-            finally:
-                os.close(fd)
+            buf = read_piece(piece)
             region.copy_(torch.frombuffer(buf, dtype=tensor.dtype).view(piece.shape))
         else:
             region.copy_(load_dcp_piece(piece))
