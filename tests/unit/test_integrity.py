@@ -346,7 +346,6 @@ def test_out_of_room_is_recognised_from_errno_dcp_failures_and_remote_text():
     assert diskfull.message(errno.ENOSPC, "saving a checkpoint", Path("/ck"), 5 * 2**20, 2**20, "then") == (
         "saving a checkpoint in '/ck' failed: no space left on device (needs about 5.0 MiB, 1.0 MiB free there); "
         "free space (or raise the quota) or choose a folder on a larger filesystem; then")
-    assert diskfull.human(5 * 2**20) == human_size(5 * 2**20)
 
 
 def test_dangling_latest(saved, capsys):
