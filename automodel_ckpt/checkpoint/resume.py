@@ -150,6 +150,8 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
             if not auto or cfg.on_load_error == LoadErrorPolicy.ERROR:
                 raise
             reason = first_line(exc)
+            if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
+                reason = reason.split(": ", 1)[-1]
             moved = collective.on_main(
                 lambda: str(quarantine(ckpt.dir, path.name, reason, monitor=cfg.monitor,
                                        best_metric_key=cfg.best_metric_key, mode=str(cfg.mode))),

@@ -99,8 +99,8 @@ class FinetuneRecipe(BaseRecipe):
     def state_meaning(self) -> dict[str, Any]:
         """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint)."""
         cfg = self.cfg
-        return {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "seq_length": cfg.data.seq_length,
-                "global_batch_size": cfg.step_scheduler.global_batch_size}
+        return {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "data.seq_length": cfg.data.seq_length,
+                "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
 
     def _peft_section(self) -> dict[str, Any] | None:
         return OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None
