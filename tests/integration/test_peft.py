@@ -290,3 +290,16 @@ def test_restore_from_another_runs_checkpoint_is_exact(work, assets):
     assert [r["step"] for r in records] == [5, 6, 7, 8]
     assert [r["loss"] for r in records] == losses(straight)[4:]
     assert os.readlink(restored / "LATEST") == "epoch_0_step_8"
+
+
+def test_load_only_model_from_an_adapter_folder_starts_a_new_run_with_its_weights(work, assets):
+    from safetensors.torch import load_file
+
+    source = _model_dir(_straight(work, assets))  # a PEFT adapter folder
+    result = _train(work, assets, "from_adapter", 2, "--checkpoint.restore_from", str(source),
+                    "--checkpoint.load_only", "[model]", "--optimizer.lr", "0")
+    assert f"Started from model of {source}" in result.output
+    saved = load_file(source / layout.ADAPTER_WEIGHTS)
+    now = load_file(_model_dir(work / "from_adapter", 2) / layout.ADAPTER_WEIGHTS)  # lr 0: unchanged
+    assert saved.keys() == now.keys() and all(torch.equal(saved[k], now[k]) for k in saved)
+    assert [r["step"] for r in jsonl(work / "from_adapter" / layout.TRAINING_LOG)] == [1, 2]
