@@ -272,7 +272,8 @@ def test_fp8_and_integer_tensors_are_never_cast_and_column_splits_assemble(tmp_p
     assert not (out / layout.HF_CONFIG).exists()  # no .hf_metadata: weights and index only
 
 
-def test_quantized_original_saved_as_float_warns_and_stays_float(tmp_path):
+def _float_shards_of_an_int8_base(tmp_path):
+    """Float shards of a tensor whose base stored it as int8 (quantized); returns the model folder and the tensor."""
     model_dir = tmp_path / "model"
     w = torch.randn(4, 4)
     _write_rank_files(model_dir, [{"w": (w[:2], [0, 0])}, {"w": (w[2:], [2, 0])}])
@@ -280,6 +281,11 @@ def test_quantized_original_saved_as_float_warns_and_stays_float(tmp_path):
     base.mkdir()
     save_file({"w": torch.zeros(4, 4, dtype=torch.int8)}, base / layout.HF_SINGLE_WEIGHTS)
     write_hf_metadata(model_dir, hf_config={"model_type": "llama"}, base_model_path=base)
+    return model_dir, w
+
+
+def test_quantized_original_saved_as_float_warns_and_stays_float(tmp_path):
+    model_dir, w = _float_shards_of_an_int8_base(tmp_path)
     meta = read_hf_metadata(model_dir)
     assert meta.original_num_files == 1 and meta.original["w"].dtype == "I8" and meta.original["w"].file == 1
     with pytest.warns(UserWarning, match="quantized or packed"):
@@ -439,13 +445,7 @@ def test_offline_tool_wrapper(shards, reference_export, tmp_path):
 
 def test_the_quantized_warning_is_reported_once(tmp_path, caplog):
     """One report per problem: a warning (the CLI prints it as one `warning:` line), not a log line as well."""
-    model_dir = tmp_path / "model"
-    w = torch.randn(4, 4)
-    _write_rank_files(model_dir, [{"w": (w[:2], [0, 0])}, {"w": (w[2:], [2, 0])}])
-    base = tmp_path / "base"
-    base.mkdir()
-    save_file({"w": torch.zeros(4, 4, dtype=torch.int8)}, base / layout.HF_SINGLE_WEIGHTS)
-    write_hf_metadata(model_dir, hf_config={"model_type": "llama"}, base_model_path=base)
+    model_dir, w = _float_shards_of_an_int8_base(tmp_path)
     caplog.set_level("INFO", logger="automodel_ckpt")
     with pytest.warns(UserWarning, match="quantized or packed") as warned:
         consolidate(model_dir, progress=False)

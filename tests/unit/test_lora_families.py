@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from automodel_ckpt.checkpoint import layout
@@ -29,15 +28,6 @@ EXPECTED_TARGETS = {
     "qwen3_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},
 }
 
-
-@pytest.fixture
-def process_group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -35,16 +34,6 @@ def _lora_model(seed: int = 0, **peft_kwargs) -> torch.nn.Module:
     base = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA_CONFIG))
     return apply_lora(base, PeftConfig(**peft_kwargs))
 
-
-@pytest.fixture
-def process_group():
-    """A one-rank process group, as the recipe runs in-process (gathers and loads are collectives)."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
