@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, manifest
+from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, manifest, overlap
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -63,6 +63,8 @@ class Checkpointer:
         self._pending: _PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager = None
+        self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
+        self.write_threads = cfg.async_write_threads or overlap.default_write_threads()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
@@ -81,9 +83,12 @@ class Checkpointer:
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
         """Save ``states`` as ``epoch_E_step_N/``; returns its path.
 
-        Synchronous: the checkpoint is complete and published when this returns. With ``is_async``, the model and
-        optimizer state is copied before this returns and written in the background; the checkpoint is completed
-        (synced, sealed, published, pruned) by the next ``save`` or by ``finalize``, whichever comes first.
+        Synchronous: the checkpoint is complete and published when this returns. With ``is_async`` this returns
+        at once: the small states (scheduler, data position, RNG, anything but models and optimizers) and the
+        small tensors are copied now; the model and optimizer tensors are copied by a background thread while
+        training goes on, and the next ``optimizer.step()`` waits for that copy (``fence``). Then the copy is
+        written in the background; the checkpoint is completed (synced, sealed, published, pruned) by the next
+        ``save`` or by ``finalize``, whichever comes first.
         A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
         self._saved_objects = list(states.values())
@@ -108,22 +113,24 @@ class Checkpointer:
                 self._save_adapter(model, staging / layout.state_dir(attr))
             elif self.is_async:
                 staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager(),
-                                                  self.written))
+                                                  self.written, threads=self.write_threads))
             else:
                 sharded.save_model(model, staging / layout.state_dir(attr), fmt, written=self.written)
         for attr, optim in plan.optimizers.items():
             if self.is_async:
                 staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
-                                                      self._host_stager(), self.written))
+                                                      self._host_stager(), self.written, threads=self.write_threads))
+                self._install_fence(optim)
             else:
                 sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
                                        written=self.written)
-        clock.mark("copy_state" if staged else "write_sharded")
+        clock.mark("copy_small" if staged else "write_sharded")
         collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
         clock.mark("write_local")
         pending = _PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
-        for item in staged:  # one write at a time on the checkpoint group, each after the previous one
-            pending.add(item.start(self._group, after=pending.writes[-1][0] if pending.writes else None), item.path)
+        if staged:  # captured, then written one at a time on the checkpoint group, by one background thread
+            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice)
+            pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
         if pending.writes:
             clock.mark("start_background")
             self._pending = pending
@@ -133,6 +140,20 @@ class Checkpointer:
         clock.mark("complete")
         self.last_save_seconds = clock.phases
         return path
+
+    def fence(self) -> None:
+        """Wait until the async save in flight has copied the live model and optimizer state (if it has not yet).
+
+        Call before changing saved tensors in place; ``optimizer.step()`` of a checkpointed optimizer calls it by
+        itself (a step pre-hook installed by ``save``). Cheap when nothing is in flight.
+        """
+        pending = self._pending
+        if pending is not None and pending.job is not None:
+            pending.job.fence()
+
+    def _install_fence(self, optimizer: Any) -> None:
+        if id(optimizer) not in self._fences and hasattr(optimizer, "register_step_pre_hook"):
+            self._fences[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.fence())
 
     @diskfull.guarded
     def wait(self) -> Path | None:
@@ -189,6 +210,9 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        for handle in self._fences.values():
+            handle.remove()
+        self._fences.clear()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
 
     def _complete(self, pending: _PendingSave) -> Path:
@@ -451,9 +475,7 @@ class _PendingSave:
     staging: Path
     consolidate: bool
     writes: list[tuple[Future, Path]] = field(default_factory=list)
-
-    def add(self, future: Future, folder: Path) -> None:
-        self.writes.append((future, folder))
+    job: overlap.Overlapped | None = None  # the background capture and writes
 
 
 ASYNC_MIN_TORCH = (2, 9)

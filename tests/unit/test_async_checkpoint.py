@@ -49,8 +49,8 @@ def gate(monkeypatch):
     g = Gate()
     make = sharded._writer
 
-    def gated_writer(path, fmt, written=None):
-        writer = make(path, fmt, written)
+    def gated_writer(path, fmt, written=None, **kw):
+        writer = make(path, fmt, written, **kw)
         write_data = writer.write_data
 
         def gated(plan, planner):
@@ -235,3 +235,115 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     assert not ckpt.in_flight
     assert ckpt._stager is stager  # its buffers are not released under a write that may still run
     never.set_result(None)
+
+
+@pytest.fixture
+def capture_gate(monkeypatch):
+    """Holds the background copy of the live state (``StagedSave.capture``) until ``open()``; records the order
+    in which captures end and optimizer steps run in ``events``."""
+    g = Gate()
+    g.events = []
+    capture = sharded.StagedSave.capture
+
+    def gated(self):
+        g.entered.set()
+        assert g.event.wait(120), "test gate never opened"
+        capture(self)
+        g.events.append(f"captured {self.key.split(':')[0]}")
+
+    monkeypatch.setattr(sharded.StagedSave, "capture", gated)
+    return g
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_contended_fence_keeps_the_checkpoint_at_its_step(env, tmp_path, capture_gate, fmt):
+    """The next optimizer step is ready before the snapshot is taken: it waits at the fence, and the async
+    checkpoint is bitwise the sync checkpoint of the same step."""
+    sync_state = State()
+    sync_state.step()
+    sync_ckpt = make_checkpointer(env, tmp_path / "sync", is_async=False, fmt=fmt)
+    sync_path = sync_ckpt.save(sync_state.states(), info(1))
+
+    state = State()
+    state.step()
+    at_save = state.snapshot()
+    ckpt = make_checkpointer(env, tmp_path / "async", is_async=True, fmt=fmt)
+    state.optimizer.register_step_post_hook(lambda *_: capture_gate.events.append("optimizer step"))
+    reached = threading.Event()
+    fence = ckpt.fence
+    ckpt.fence = lambda: (reached.set(), fence())[1]  # the step pre-hook calls the instance's fence
+    path = ckpt.save(state.states(), info(1))  # returns with the copy held at the gate
+    assert capture_gate.entered.wait(60)
+    stepper = threading.Thread(target=state.step, daemon=True)  # the next step: forward, backward, optimizer.step
+    stepper.start()
+    assert reached.wait(60)  # the optimizer step is at the fence...
+    assert stepper.is_alive() and capture_gate.events == []
+    assert all(torch.equal(at_save[k], v) for k, v in state.snapshot().items())  # ...and has changed nothing
+    capture_gate.open()
+    stepper.join(60)
+    assert not stepper.is_alive()
+    assert capture_gate.events == ["captured model", "captured optim", "optimizer step"]
+    assert any(not torch.equal(at_save[k], v) for k, v in state.snapshot().items())
+    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert comparable(path) == comparable(sync_path)
+    restored = State(seed=7)
+    ckpt.load(restored.states(), path)
+    assert all(torch.equal(at_save[k], v) for k, v in restored.snapshot().items())
+    assert restored.counter.n == 1 and restored.cursor.n == 10  # small states: taken when save() was called
+
+
+def test_small_states_are_captured_when_save_is_called(env, tmp_path, capture_gate):
+    """The scheduler-like state, step counts and learning rates change after save() returns; the checkpoint
+    keeps their values at the save."""
+    state = State()
+    state.step()
+    ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
+    path = ckpt.save(state.states(), info(1))
+    assert capture_gate.entered.wait(60)
+    state.counter.n = 99  # a global state object
+    state.optimizer.param_groups[0]["lr"] = 123.0  # what an LR scheduler does
+    capture_gate.open()
+    ckpt.finalize()
+    restored = State(seed=7)
+    ckpt.load(restored.states(), path)
+    assert restored.counter.n == 1 and restored.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+
+
+def test_fence_is_free_without_a_save_in_flight_and_hooks_go_with_finalize(env, tmp_path):
+    state = State()
+    ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
+    ckpt.fence()  # nothing in flight: returns at once
+    state.step()
+    ckpt.save(state.states(), info(1))
+    assert len(state.optimizer._optimizer_step_pre_hooks) == 1
+    ckpt.save(state.states(), info(1 + 1))  # the same optimizer is fenced once
+    assert len(state.optimizer._optimizer_step_pre_hooks) == 1
+    ckpt.finalize()
+    assert not state.optimizer._optimizer_step_pre_hooks
+
+
+def test_background_threads_defaults_and_priority(monkeypatch):
+    import os
+
+    from automodel_ckpt.checkpoint import overlap
+
+    assert overlap.default_write_threads(cpu_count=2, local_ranks=2) == 1  # a small host: one writer thread
+    assert overlap.default_write_threads(cpu_count=96, local_ranks=8) == overlap.WRITE_THREADS_MAX
+    assert overlap.default_write_threads(cpu_count=4, local_ranks=1) == 3
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities here")
+    seen = []
+
+    def probe():
+        overlap.lower_priority(5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        child = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = threading.Thread(target=probe)
+    worker.start()
+    worker.join()
+    assert seen == [min(19, before + 5)] * 2  # the thread and the writer threads it starts
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # training's thread untouched

@@ -1,0 +1,94 @@
+"""The background half of an async save: capture and write on a low-priority thread, and the fence that waits for the capture."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+WRITE_THREADS_MAX = 4  # background writer threads per rank, at most (by default)
+
+
+class Staged(Protocol):
+    """What ``Overlap`` runs: ``sharded.StagedSave``."""
+
+    def capture(self) -> None: ...
+
+    def write(self, process_group: Any) -> None: ...
+
+    def fail(self, error: BaseException, process_group: Any) -> None: ...
+
+
+def default_write_threads(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
+    """Writer threads per rank when ``checkpoint.async_write_threads`` is unset: the cores left per local rank
+    after its training thread, between 1 and ``WRITE_THREADS_MAX``."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(WRITE_THREADS_MAX, cores // max(1, ranks) - 1))
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux: per thread; the threads it starts inherit it)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # not fatal: the writes just compete with training at the same priority
+        logger.debug("cannot lower the checkpoint thread's priority: %s", exc)
+
+
+@dataclass
+class Overlapped:
+    """One async save's background work: ``captured`` is done once every state is copied; one future per write."""
+
+    captured: Future = field(default_factory=Future)
+    writes: list[Future] = field(default_factory=list)
+    fence_seconds: float = 0.0  # how long the training thread waited at fences for this save
+    capture_seconds: float = 0.0  # how long the background copy of the live state took
+
+    def fence(self) -> None:
+        """Block until the live state is copied (the state may be changed after this returns)."""
+        if self.captured.done():
+            return
+        t0 = time.perf_counter()
+        self.captured.exception()  # waits; a failed capture is raised by the writes, at completion
+        self.fence_seconds += time.perf_counter() - t0
+
+
+def start(items: list[Staged], process_group: Any, *, nice: int, name: str = "ckpt-async") -> Overlapped:
+    """Capture every item, then write each in order, on one daemon thread at niceness ``nice``.
+
+    The writes are collective on ``process_group``: every rank starts the same items in the same order. A rank
+    whose capture failed still enters every write, which then fails on every rank (one error, no hang).
+    """
+    job = Overlapped(writes=[Future() for _ in items])
+
+    def run() -> None:
+        lower_priority(nice)
+        error: BaseException | None = None
+        t0 = time.perf_counter()
+        try:
+            for item in items:
+                item.capture()
+        except BaseException as exc:  # noqa: BLE001 - raised through the writes below
+            error = exc
+        finally:
+            job.capture_seconds = time.perf_counter() - t0
+            job.captured.set_result(None)
+        for item, future in zip(items, job.writes):
+            try:
+                item.write(process_group) if error is None else item.fail(error, process_group)
+            except BaseException as exc:  # noqa: BLE001 - the save's completion raises it
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return job
