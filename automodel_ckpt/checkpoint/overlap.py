@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -69,14 +70,16 @@ def start(items: list[Staged], process_group: Any, *, nice: int, name: str = "ck
     whose capture failed still enters every write, which then fails on every rank (one error, no hang).
     """
     job = Overlapped(writes=[Future() for _ in items])
+    ready = _device_work_so_far()
 
     def run() -> None:
         lower_priority(nice)
         error: BaseException | None = None
         t0 = time.perf_counter()
         try:
-            for item in items:
-                item.capture()
+            with _copy_stream(ready):
+                for item in items:
+                    item.capture()
         except BaseException as exc:  # noqa: BLE001 - raised through the writes below
             error = exc
         finally:
@@ -92,3 +95,32 @@ def start(items: list[Staged], process_group: Any, *, nice: int, name: str = "ck
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return job
+
+
+def _device_work_so_far() -> Any:
+    """On a GPU: an event after the work queued so far on this thread's stream (the last optimizer step); else None."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return torch.cuda.current_device(), event
+
+
+@contextlib.contextmanager
+def _copy_stream(ready: Any):
+    """On a GPU: copy on a stream of its own that starts after ``ready``, so the device-to-host copies overlap
+    the next step's kernels instead of queueing behind them; ends when the copies have landed."""
+    if ready is None:
+        yield
+        return
+    import torch
+
+    device, event = ready
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()

@@ -197,8 +197,8 @@ class HostStager:
 
     def _copied(self, state: dict, buffers: dict) -> dict:
         staged = _copy_into(state, buffers)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies have landed
         return staged
 
     def close(self) -> None:
