@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import warnings
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +23,7 @@ from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, rea
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree
-from automodel_ckpt.distributed.env import DistEnv, barrier
+from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -59,8 +56,8 @@ class Checkpointer:
         self.retention = RetentionPolicy.from_config(cfg)
         self._started = time.monotonic()
         self._seconds_before = 0.0  # training seconds recorded in the restored checkpoint
-        self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
-        self._pending: _PendingSave | None = None  # the async save still being written (at most one)
+        self.is_async = bool(cfg.is_async) and cfg.enabled and overlap.async_supported(env.is_main)
+        self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager = None
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
@@ -84,11 +81,9 @@ class Checkpointer:
         """Save ``states`` as ``epoch_E_step_N/``; returns its path.
 
         Synchronous: the checkpoint is complete and published when this returns. With ``is_async`` this returns
-        at once: the small states (scheduler, data position, RNG, anything but models and optimizers) and the
-        small tensors are copied now; the model and optimizer tensors are copied by a background thread while
-        training goes on, and the next ``optimizer.step()`` waits for that copy (``fence``). Then the copy is
-        written in the background; the checkpoint is completed (synced, sealed, published, pruned) by the next
-        ``save`` or by ``finalize``, whichever comes first.
+        at once: small states and small tensors are copied now; a background thread copies the model and optimizer
+        tensors (the next ``optimizer.step()`` waits for that copy: ``fence``), writes the copy, then completes the
+        checkpoint (sync, seal, publish, prune; with an inline HF export: the next ``save`` or ``finalize`` does).
         A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
         self._saved_objects = list(states.values())
@@ -127,9 +122,10 @@ class Checkpointer:
         clock.mark("copy_small" if staged else "write_sharded")
         collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
         clock.mark("write_local")
-        pending = _PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
-        if staged:  # captured, then written one at a time on the checkpoint group, by one background thread
-            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice)
+        pending = overlap.PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
+        if staged:  # captured, written one at a time, then published, on the checkpoint group by one thread
+            then = None if pending.consolidate else lambda: self._complete_on(self._group, pending)
+            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, then=then)
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
         if pending.writes:
             clock.mark("start_background")
@@ -157,13 +153,19 @@ class Checkpointer:
 
     @diskfull.guarded
     def wait(self) -> Path | None:
-        """Complete the save still being written in the background, if any; returns its path once published.
+        """Wait for the async save in flight, if any, to be complete; returns its path once published.
 
-        Collective. A failure of the background writes on any rank raises one ``CheckpointError`` on every rank;
+        Collective. A failure of the background work on any rank raises one ``CheckpointError`` on every rank;
         the unfinished checkpoint is then never published (its staging folder is removed by the next save).
         """
         pending, self._pending = self._pending, None
+        if pending is not None and pending.job is not None and pending.job.completed is not None:
+            return pending.job.completed.result()  # published in the background (or failed there, on every rank)
         return self._complete(pending) if pending is not None else None
+
+    def _complete_on(self, group: Any, pending: overlap.PendingSave) -> Path:
+        with collectives_on(group):  # the background thread's collectives never meet training's
+            return self._complete(pending)
 
     def finalize(self) -> Path | None:
         """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
@@ -215,7 +217,7 @@ class Checkpointer:
         self._fences.clear()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
 
-    def _complete(self, pending: _PendingSave) -> Path:
+    def _complete(self, pending: overlap.PendingSave) -> Path:
         """The steps after the model and optimizer files are written: consolidate, fsync, manifest, publish, prune."""
         rank, staging, name = self.env.rank, pending.staging, pending.name
         if pending.writes:
@@ -465,31 +467,6 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[phase] = round(now - self._last, 4)
         self._last = now
-
-
-@dataclass
-class _PendingSave:
-    """A save whose model/optimizer files may still be written in the background (``writes``)."""
-
-    name: str
-    staging: Path
-    consolidate: bool
-    writes: list[tuple[Future, Path]] = field(default_factory=list)
-    job: overlap.Overlapped | None = None  # the background capture and writes
-
-
-ASYNC_MIN_TORCH = (2, 9)
-
-
-def _async_supported(warn: bool) -> bool:
-    """``checkpoint.is_async`` needs torch >= 2.9; older versions save synchronously, with a one-line warning."""
-    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
-    if version >= ASYNC_MIN_TORCH:
-        return True
-    if warn:
-        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, ASYNC_MIN_TORCH))} (found "
-                      f"{torch.__version__}); saving synchronously", stacklevel=3)
-    return False
 
 
 def _has_peft(plan: StatePlan) -> bool:

@@ -5,15 +5,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
 logger = logging.getLogger(__name__)
 
 WRITE_THREADS_MAX = 4  # background writer threads per rank, at most (by default)
+ASYNC_MIN_TORCH = (2, 9)
+
+
+def async_supported(warn: bool) -> bool:
+    """``checkpoint.is_async`` needs torch >= 2.9; older versions save synchronously, with a one-line warning."""
+    import torch
+
+    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
+    if version >= ASYNC_MIN_TORCH:
+        return True
+    if warn:
+        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, ASYNC_MIN_TORCH))} (found "
+                      f"{torch.__version__}); saving synchronously", stacklevel=4)
+    return False
 
 
 class Staged(Protocol):
@@ -53,6 +70,7 @@ class Overlapped:
     writes: list[Future] = field(default_factory=list)
     fence_seconds: float = 0.0  # how long the training thread waited at fences for this save
     capture_seconds: float = 0.0  # how long the background copy of the live state took
+    completed: Future | None = None  # with ``then``: its result (the published checkpoint) or its failure
 
     def fence(self) -> None:
         """Block until the live state is copied (the state may be changed after this returns)."""
@@ -63,13 +81,14 @@ class Overlapped:
         self.fence_seconds += time.perf_counter() - t0
 
 
-def start(items: list[Staged], process_group: Any, *, nice: int, name: str = "ckpt-async") -> Overlapped:
-    """Capture every item, then write each in order, on one daemon thread at niceness ``nice``.
+def start(items: list[Staged], process_group: Any, *, nice: int, then: Callable[[], Any] | None = None,
+          name: str = "ckpt-async") -> Overlapped:
+    """Capture every item, then write each in order, then run ``then``, on one daemon thread at niceness ``nice``.
 
     The writes are collective on ``process_group``: every rank starts the same items in the same order. A rank
     whose capture failed still enters every write, which then fails on every rank (one error, no hang).
     """
-    job = Overlapped(writes=[Future() for _ in items])
+    job = Overlapped(writes=[Future() for _ in items], completed=Future() if then is not None else None)
     ready = _device_work_so_far()
 
     def run() -> None:
@@ -92,6 +111,11 @@ def start(items: list[Staged], process_group: Any, *, nice: int, name: str = "ck
                 future.set_exception(exc)
             else:
                 future.set_result(None)
+        if then is not None and job.completed is not None:
+            try:
+                job.completed.set_result(then())
+            except BaseException as exc:  # noqa: BLE001 - raised on the training thread by the next wait
+                job.completed.set_exception(exc)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return job
@@ -124,3 +148,14 @@ def _copy_stream(ready: Any):
         with torch.cuda.stream(stream):
             yield
         stream.synchronize()
+
+
+@dataclass
+class PendingSave:
+    """A save whose model/optimizer files may still be written in the background (``writes``)."""
+
+    name: str
+    staging: Path
+    consolidate: bool
+    writes: list[tuple[Future, Path]] = field(default_factory=list)
+    job: Overlapped | None = None  # the background capture, writes and (unless ``consolidate``) completion

@@ -91,10 +91,9 @@ def test_latest_moves_only_when_the_async_save_is_complete(env, tmp_path, gate):
     assert read_pointer(root, layout.LATEST) is None
     assert not path.exists() and (root / layout.staging_name(path.name)).is_dir()
     gate.open()
-    for future, _ in ckpt._pending.writes:  # every file written...
-        future.result(timeout=120)
-    assert read_pointer(root, layout.LATEST) is None  # ...and still not published: that is finalize's job
-    assert not path.exists()
+    assert ckpt._pending.job.completed.result(timeout=120) == path  # written, then published in the background
+    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
+    assert ckpt.in_flight  # until the training thread collects the outcome
     assert ckpt.finalize() == path
     assert read_pointer(root, layout.LATEST) == path.name
     assert manifest.verify(path).ok
@@ -108,7 +107,6 @@ def test_next_save_publishes_the_previous_one_first(env, tmp_path, gate):
     gate.open()
     state.step()
     first = ckpt.save(state.states(), info(1))
-    assert read_pointer(root, layout.LATEST) is None
     state.step()
     second = ckpt.save(state.states(), info(2))
     assert read_pointer(root, layout.LATEST) == first.name and manifest.verify(first).ok  # one save in flight
@@ -222,11 +220,12 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     from concurrent.futures import Future
 
     from automodel_ckpt.checkpoint import checkpointer as checkpointer_module
+    from automodel_ckpt.checkpoint import overlap
 
     ckpt = make_checkpointer(env, tmp_path, is_async=True)
     stager = ckpt._host_stager()
     never = Future()  # a write stuck in a collective with a dead rank
-    ckpt._pending = checkpointer_module._PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
+    ckpt._pending = overlap.PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
     monkeypatch.setattr(checkpointer_module, "ABANDON_WAIT_SECONDS", 0.0)
     done = threading.Event()
     worker = threading.Thread(target=lambda: (ckpt.abandon(), done.set()), daemon=True)
