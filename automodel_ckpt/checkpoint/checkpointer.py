@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import time
@@ -120,11 +121,14 @@ class Checkpointer:
                 sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
                                        written=self.written)
         clock.mark("copy_small" if staged else "write_sharded")
-        collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
-        clock.mark("write_local")
+        write_local = self._local_files(staging, plan, info)
         pending = overlap.PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
-        if staged:  # captured, written one at a time, then published, on the checkpoint group by one thread
-            then = None if pending.consolidate else lambda: self._complete_on(self._group, pending)
+        background = bool(staged) and not pending.consolidate  # small files, sync, seal, publish: in the background
+        if not background:
+            collective.collectively(write_local, f"writing '{staging}'", rank)
+        clock.mark("write_local")
+        if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
+            then = (lambda: self._complete_on(self._group, pending, write_local)) if background else None
             pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, then=then)
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
         if pending.writes:
@@ -163,8 +167,9 @@ class Checkpointer:
             return pending.job.completed.result()  # published in the background (or failed there, on every rank)
         return self._complete(pending) if pending is not None else None
 
-    def _complete_on(self, group: Any, pending: overlap.PendingSave) -> Path:
+    def _complete_on(self, group: Any, pending: overlap.PendingSave, write_local: Callable[[], None]) -> Path:
         with collectives_on(group):  # the background thread's collectives never meet training's
+            collective.collectively(write_local, f"writing '{pending.staging}'", self.env.rank)
             return self._complete(pending)
 
     def finalize(self) -> Path | None:
@@ -265,29 +270,33 @@ class Checkpointer:
         if deleted and self.env.is_main:
             self.say(f"Removed checkpoints by retention: {', '.join(deleted)}")
 
-    def _write_local(self, staging: Path, plan: StatePlan, info: SaveInfo) -> None:
-        """This rank's files: per-rank state; on rank 0 also global state, config, losses and HF helpers."""
-        for attr, obj in plan.per_rank.items():
-            target = staging / layout.rank_state_file(attr, self.env.rank)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(obj.state_dict(), target)
+    def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> Callable[[], None]:
+        """This rank's files (per-rank state; on rank 0 also global state, config, losses, metadata, HF helpers),
+        their contents taken now; the returned function writes them (now, or in the background)."""
+        rank_files = {staging / layout.rank_state_file(a, self.env.rank): _pt_bytes(o) for a, o in plan.per_rank.items()}
         if not self.env.is_main:
-            return
-        for attr, obj in plan.global_.items():
-            torch.save(obj.state_dict(), staging / layout.global_state_file(attr))
-        (staging / layout.CONFIG_FILE).write_text(self.resolved_config_yaml, encoding="utf-8")
+            return lambda: _write_files(rank_files)
+        files = rank_files | {staging / layout.global_state_file(a): _pt_bytes(o) for a, o in plan.global_.items()}
+        files[staging / layout.CONFIG_FILE] = self.resolved_config_yaml.encode("utf-8")
         losses = {"epoch": info.epoch, "step": info.step, "train_loss": info.train_loss, "val_loss": info.val_loss}
-        (staging / layout.LOSSES_FILE).write_text(json.dumps(losses, indent=2) + "\n", encoding="utf-8")
-        write_metadata(staging, build_metadata(
+        files[staging / layout.LOSSES_FILE] = (json.dumps(losses, indent=2) + "\n").encode("utf-8")
+        metadata = build_metadata(
             name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
             train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
             world_size=self.env.world_size,
             model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
             fingerprint=self.fingerprint,
-        ))
-        if plan.models and not _has_peft(plan):
-            self._write_hf_helpers(staging / layout.MODEL_DIR)
+        )
+        helpers = bool(plan.models) and not _has_peft(plan)
+
+        def write() -> None:
+            _write_files(files)
+            write_metadata(staging, metadata)
+            if helpers:
+                self._write_hf_helpers(staging / layout.MODEL_DIR)
+
+        return write
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
         from automodel_ckpt.checkpoint.export.script import render_consolidate_script
@@ -489,6 +498,19 @@ def _unwritable(folder: Path) -> str | None:
 
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=2)
+
+
+def _pt_bytes(obj: Any) -> bytes:
+    """``obj.state_dict()`` as ``torch.save`` writes it, taken now."""
+    buffer = io.BytesIO()
+    torch.save(obj.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+def _write_files(files: dict[Path, bytes]) -> None:
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
 
 
 def _load_pt(file: Path) -> Any:

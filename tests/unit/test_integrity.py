@@ -299,9 +299,9 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     elif where == "rank_file":
         import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
 
-        real_save = torch.save
-        monkeypatch.setattr(checkpointer_mod.torch, "save",
-                            lambda obj, f, *a, **k: _enospc() if "cursor" in str(f) else real_save(obj, f, *a, **k))
+        real_write = checkpointer_mod._write_files  # the per-rank and global state files
+        monkeypatch.setattr(checkpointer_mod, "_write_files",
+                            lambda files: _enospc() if any("cursor" in str(f) for f in files) else real_write(files))
     elif where == "metadata":
         import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
 
