@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import time
 import warnings
@@ -14,13 +12,13 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, manifest, overlap
+from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, overlap
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
-from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
+from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree
@@ -125,7 +123,7 @@ class Checkpointer:
         pending = overlap.PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
         background = bool(staged) and not pending.consolidate  # small files, sync, seal, publish: in the background
         if not background:
-            collective.collectively(write_local, f"writing '{staging}'", rank)
+            collective.collectively(write_local.write, f"writing '{staging}'", rank)
         clock.mark("write_local")
         if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
             then = (lambda: self._complete_on(self._group, pending, write_local)) if background else None
@@ -167,9 +165,9 @@ class Checkpointer:
             return pending.job.completed.result()  # published in the background (or failed there, on every rank)
         return self._complete(pending) if pending is not None else None
 
-    def _complete_on(self, group: Any, pending: overlap.PendingSave, write_local: Callable[[], None]) -> Path:
+    def _complete_on(self, group: Any, pending: overlap.PendingSave, write_local: local_files.LocalFiles) -> Path:
         with collectives_on(group):  # the background thread's collectives never meet training's
-            collective.collectively(write_local, f"writing '{pending.staging}'", self.env.rank)
+            collective.collectively(write_local.write, f"writing '{pending.staging}'", self.env.rank)
             return self._complete(pending)
 
     def finalize(self) -> Path | None:
@@ -270,33 +268,17 @@ class Checkpointer:
         if deleted and self.env.is_main:
             self.say(f"Removed checkpoints by retention: {', '.join(deleted)}")
 
-    def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> Callable[[], None]:
-        """This rank's files (per-rank state; on rank 0 also global state, config, losses, metadata, HF helpers),
-        their contents taken now; the returned function writes them (now, or in the background)."""
-        rank_files = {staging / layout.rank_state_file(a, self.env.rank): _pt_bytes(o) for a, o in plan.per_rank.items()}
-        if not self.env.is_main:
-            return lambda: _write_files(rank_files)
-        files = rank_files | {staging / layout.global_state_file(a): _pt_bytes(o) for a, o in plan.global_.items()}
-        files[staging / layout.CONFIG_FILE] = self.resolved_config_yaml.encode("utf-8")
-        losses = {"epoch": info.epoch, "step": info.step, "train_loss": info.train_loss, "val_loss": info.val_loss}
-        files[staging / layout.LOSSES_FILE] = (json.dumps(losses, indent=2) + "\n").encode("utf-8")
-        metadata = build_metadata(
-            name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
-            train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
-            world_size=self.env.world_size,
-            model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
+    def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
+        """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
+        peft = _has_peft(plan)
+        helpers = (lambda: self._write_hf_helpers(staging / layout.MODEL_DIR)) if plan.models and not peft else None
+        return local_files.take(
+            staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
+            config_yaml=self.resolved_config_yaml,
+            model_save_format=layout.ADAPTER_FORMAT if peft else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
-            fingerprint=self.fingerprint,
+            fingerprint=self.fingerprint, then=helpers,
         )
-        helpers = bool(plan.models) and not _has_peft(plan)
-
-        def write() -> None:
-            _write_files(files)
-            write_metadata(staging, metadata)
-            if helpers:
-                self._write_hf_helpers(staging / layout.MODEL_DIR)
-
-        return write
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
         from automodel_ckpt.checkpoint.export.script import render_consolidate_script
@@ -498,19 +480,6 @@ def _unwritable(folder: Path) -> str | None:
 
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=2)
-
-
-def _pt_bytes(obj: Any) -> bytes:
-    """``obj.state_dict()`` as ``torch.save`` writes it, taken now."""
-    buffer = io.BytesIO()
-    torch.save(obj.state_dict(), buffer)
-    return buffer.getvalue()
-
-
-def _write_files(files: dict[Path, bytes]) -> None:
-    for path, data in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
 
 
 def _load_pt(file: Path) -> Any:
