@@ -81,10 +81,16 @@ LABELS = {
     "ours_consolidate": "**ours** (fsync)",
     "torch_consolidate": "torch's consolidate_safetensors_files",
     "torch_consolidate+fsync": "torch's + fsync",
-    "ours_async_save_safetensors": "ours async, safetensors: training blocked",
+    "ours_async_save_safetensors": "ours async, safetensors: training blocked (save call + fence wait)",
     "ours_async_save_safetensors+total": "ours async, safetensors: until published",
-    "ours_async_save_torch_save": "ours async, torch_save: training blocked",
+    "ours_async_save_safetensors+fence": "ours async, safetensors: of which the next optimizer step waited at the fence",
+    "ours_async_save_safetensors+step": "ours async, safetensors: the next step (forward, backward, optimizer step)",
+    "ours_async_save_safetensors+capture": "ours async, safetensors: background copy of the state",
+    "ours_async_save_torch_save": "ours async, torch_save: training blocked (save call + fence wait)",
     "ours_async_save_torch_save+total": "ours async, torch_save: until published",
+    "ours_async_save_torch_save+fence": "ours async, torch_save: of which the next optimizer step waited at the fence",
+    "ours_async_save_torch_save+step": "ours async, torch_save: the next step (forward, backward, optimizer step)",
+    "ours_async_save_torch_save+capture": "ours async, torch_save: background copy of the state",
 }
 
 
@@ -461,13 +467,23 @@ def child(args: argparse.Namespace) -> None:
             ckpt = checkpointer(env, out, fmt, is_async=True)
             ckpt.save(states, SaveInfo(epoch=0, step=1, train_loss=1.0, val_loss=1.0, is_final=False))
             ckpt.wait()  # the first save allocates the staging buffers; the measured one reuses them
+            batch = torch.randint(0, VOCAB, (1, 128), device=env.device)
             dist.barrier()
             t0 = _start_timing()
             ckpt.save(states, SaveInfo(epoch=0, step=2, train_loss=1.0, val_loss=1.0, is_final=False))
-            blocked = time.perf_counter() - t0
+            call = time.perf_counter() - t0
+            job = ckpt._pending.job  # the next training step, while the state is copied in the background:
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()  # waits at the fence for what is not copied yet
+            optimizer.zero_grad(set_to_none=True)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            step = time.perf_counter() - t0 - call
             ckpt.finalize()
             dist.barrier()
-            result |= {"seconds": blocked, "seconds_total": time.perf_counter() - t0}
+            result |= {"seconds": call + job.fence_seconds, "seconds_total": time.perf_counter() - t0,
+                       "seconds_call": call, "seconds_fence": job.fence_seconds, "seconds_step": step,
+                       "seconds_capture": job.capture_seconds}
         elif method.startswith("ours_load_"):
             fmt = method[len("ours_load_"):]
             root = src / f"ours_save_{fmt}"
@@ -567,7 +583,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_checkpoint",
                    help="where to write (on the storage to measure); emptied first")
-    p.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state, 0.25-4")
+    p.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state, 0.25-4 (16 with --device cuda)")
     p.add_argument("--nproc", type=int, choices=(1, 2), default=1, help="ranks (2: torch.distributed.run, gloo)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -589,8 +605,8 @@ def main() -> None:
             sys.path.insert(0, str(args.tree))
         (export_child if args.child in EXPORT else child)(args)
         return
-    if not 0.25 <= args.size_gb <= 4:
-        p.error("--size-gb: between 0.25 and 4")
+    if not 0.25 <= args.size_gb <= (16 if args.device == "cuda" else 4):
+        p.error("--size-gb: between 0.25 and 4 (16 with --device cuda)")
     args.dir = args.dir.resolve()
 
     layers = layers_for(args.size_gb)
@@ -646,7 +662,8 @@ def main() -> None:
     for method, rs in runs.items():
         size = model_bytes if method in EXPORT else nbytes
         result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
-        for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total")):
+        for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total"), ("seconds_fence", "+fence"),
+                              ("seconds_step", "+step"), ("seconds_capture", "+capture")):
             if extra in rs[0]:
                 result["methods"][method + suffix] = stats([r[extra] for r in rs], size) | {
                     "extra_rss_mb": _max_rss(rs)}
@@ -709,9 +726,9 @@ def print_table(res: dict) -> None:
          "raw_read", "raw_read_mt", "dcp_load", "raw_read_direct"),
         ("HF export", ["torch_consolidate", "torch_consolidate+fsync", "ours_consolidate"], None, None,
          "torch_consolidate+fsync", None),
-        ("async save", ["ours_async_save_safetensors", "ours_async_save_safetensors+total",
-                        "ours_async_save_torch_save", "ours_async_save_torch_save+total"], "raw_write", "raw_write_mt",
-         None, "raw_write_direct"),
+        ("async save", [f"ours_async_save_{f}{x}" for f in ("safetensors", "torch_save")
+                        for x in ("", "+fence", "+step", "+capture", "+total")], "raw_write", "raw_write_mt",
+         "ours_save_safetensors", "raw_write_direct"),
     ]
 
     def ratio(ref: str | None, r: dict) -> str:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import yaml
@@ -26,6 +25,7 @@ from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
 
@@ -97,9 +97,17 @@ class Checkpointer:
         rank = self.env.rank
         if self.env.is_main:
             self.say(f"Saving checkpoint to {final}")
-        staging = collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
-        clock.mark("reserve")
         plan = plan_state(states)
+        consolidate = self._consolidate_now(info, plan)
+        # async, in the background: the small files, sync, seal, publish and prune; and reserving the staging
+        # folder, unless something is written into it now (a PEFT adapter)
+        background = self.is_async and bool(plan.models or plan.optimizers) and not consolidate
+        reserve_later = background and not _has_peft(plan)
+        if reserve_later:
+            staging = self.dir / layout.staging_name(name)
+        else:
+            staging = collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+        clock.mark("reserve")
         fmt = self.cfg.model_save_format
         staged: list[sharded.StagedSave] = []  # async: copied now, written in the background below
         for attr, model in plan.models.items():  # collective; DCP raises on every rank if any rank fails
@@ -120,14 +128,16 @@ class Checkpointer:
                                        written=self.written)
         clock.mark("copy_small" if staged else "write_sharded")
         write_local = self._local_files(staging, plan, info)
-        pending = overlap.PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
-        background = bool(staged) and not pending.consolidate  # small files, sync, seal, publish: in the background
+        pending = overlap.PendingSave(name, staging, consolidate=consolidate)
+        background = background and bool(staged)
         if not background:
             collective.collectively(write_local.write, f"writing '{staging}'", rank)
         clock.mark("write_local")
         if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
-            then = (lambda: self._complete_on(self._group, pending, write_local)) if background else None
-            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, then=then)
+            reserve = (lambda: self._on_group(lambda: collective.on_main(
+                lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank))) if reserve_later else None
+            then = (lambda: self._on_group(lambda: self._complete(pending, write_local))) if background else None
+            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, prepare=reserve, then=then)
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
         if pending.writes:
             clock.mark("start_background")
@@ -165,10 +175,10 @@ class Checkpointer:
             return pending.job.completed.result()  # published in the background (or failed there, on every rank)
         return self._complete(pending) if pending is not None else None
 
-    def _complete_on(self, group: Any, pending: overlap.PendingSave, write_local: local_files.LocalFiles) -> Path:
-        with collectives_on(group):  # the background thread's collectives never meet training's
-            collective.collectively(write_local.write, f"writing '{pending.staging}'", self.env.rank)
-            return self._complete(pending)
+    def _on_group(self, fn: Callable[[], T]) -> T:
+        """``fn`` with its collectives on checkpointing's own group: the background thread's never meet training's."""
+        with collectives_on(self._group):
+            return fn()
 
     def finalize(self) -> Path | None:
         """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
@@ -185,21 +195,8 @@ class Checkpointer:
         process exit; their staging buffers are not released under them.
         """
         pending, self._pending = self._pending, None
-        if pending is not None:
-            deadline = time.monotonic() + ABANDON_WAIT_SECONDS
-            unfinished = 0
-            for future, _ in pending.writes:
-                try:
-                    future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    unfinished += 1
-                except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
-                    pass
-            if unfinished:
-                logger.warning("abandoning %d background checkpoint write(s) still running after %.0f s",
-                               unfinished, ABANDON_WAIT_SECONDS)
-                return
-        self._close_stager()
+        if pending is None or pending.let_end(ABANDON_WAIT_SECONDS):
+            self._close_stager()
 
     @property
     def in_flight(self) -> bool:
@@ -220,8 +217,9 @@ class Checkpointer:
         self._fences.clear()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
 
-    def _complete(self, pending: overlap.PendingSave) -> Path:
-        """The steps after the model and optimizer files are written: consolidate, fsync, manifest, publish, prune."""
+    def _complete(self, pending: overlap.PendingSave, write_local: local_files.LocalFiles | None = None) -> Path:
+        """The steps after the model and optimizer files are written: the small files (``write_local``, when not
+        written yet), consolidate, fsync, manifest, publish, prune."""
         rank, staging, name = self.env.rank, pending.staging, pending.name
         if pending.writes:
             def wait_writes() -> None:  # every write ends before any failure is raised: none outlives the save
@@ -235,6 +233,8 @@ class Checkpointer:
                     raise errors[0]
 
             collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
+        if write_local is not None:
+            collective.collectively(write_local.write, f"writing '{staging}'", rank)
         clock = _PhaseClock()
         if pending.consolidate:
             collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)

@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -81,12 +82,14 @@ class Overlapped:
         self.fence_seconds += time.perf_counter() - t0
 
 
-def start(items: list[Staged], process_group: Any, *, nice: int, then: Callable[[], Any] | None = None,
-          name: str = "ckpt-async") -> Overlapped:
-    """Capture every item, then write each in order, then run ``then``, on one daemon thread at niceness ``nice``.
+def start(items: list[Staged], process_group: Any, *, nice: int, prepare: Callable[[], Any] | None = None,
+          then: Callable[[], Any] | None = None, name: str = "ckpt-async") -> Overlapped:
+    """Capture every item, run ``prepare`` (e.g. reserve the staging folder), write each item in order, then run
+    ``then``, on one daemon thread at niceness ``nice``.
 
-    The writes are collective on ``process_group``: every rank starts the same items in the same order. A rank
-    whose capture failed still enters every write, which then fails on every rank (one error, no hang).
+    ``prepare`` and the writes are collective on ``process_group``: every rank runs them, in the same order. A rank
+    whose capture or ``prepare`` failed still enters every write, which then fails on every rank (one error, no
+    hang).
     """
     job = Overlapped(writes=[Future() for _ in items], completed=Future() if then is not None else None)
     ready = _device_work_so_far()
@@ -104,6 +107,11 @@ def start(items: list[Staged], process_group: Any, *, nice: int, then: Callable[
         finally:
             job.capture_seconds = time.perf_counter() - t0
             job.captured.set_result(None)
+        if prepare is not None:
+            try:
+                prepare()
+            except BaseException as exc:  # noqa: BLE001 - raised through the writes below
+                error = error or exc
         for item, future in zip(items, job.writes):
             try:
                 item.write(process_group) if error is None else item.fail(error, process_group)
@@ -159,3 +167,18 @@ class PendingSave:
     consolidate: bool
     writes: list[tuple[Future, Path]] = field(default_factory=list)
     job: Overlapped | None = None  # the background capture, writes and (unless ``consolidate``) completion
+
+    def let_end(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` in all for the background writes, whatever their outcome; whether all ended."""
+        deadline = time.monotonic() + seconds
+        unfinished = 0
+        for future, _ in self.writes:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                unfinished += 1
+            except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
+                pass
+        if unfinished:
+            logger.warning("abandoning %d background checkpoint write(s) still running after %.0f s", unfinished, seconds)
+        return not unfinished

@@ -346,3 +346,34 @@ def test_background_threads_defaults_and_priority(monkeypatch):
     worker.join()
     assert seen == [min(19, before + 5)] * 2  # the thread and the writer threads it starts
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # training's thread untouched
+
+
+def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_background(env, tmp_path, capture_gate,
+                                                                                    monkeypatch):
+    """save() returns without a collective on the training thread (no rank waits for another there); the staging
+    folder is reserved by the background thread after the copy, and a reservation that fails (the checkpoint
+    exists already) is raised by the next wait, on every rank, with nothing published."""
+    from automodel_ckpt.checkpoint import collective
+
+    state = State()
+    state.step()
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    on_training_thread = []
+    broadcast = collective.broadcast_object
+    monkeypatch.setattr(collective, "broadcast_object", lambda obj, *a, **k: (
+        on_training_thread.append(threading.current_thread() is threading.main_thread()), broadcast(obj, *a, **k))[1])
+    path = ckpt.save(state.states(), info(1))
+    assert capture_gate.entered.wait(60)
+    assert not any(on_training_thread) and not list(root.glob(".staging-*"))  # nothing reserved yet
+    capture_gate.open()
+    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert on_training_thread and not any(on_training_thread)  # reserve, seal and publish: in the background
+
+    ckpt = make_checkpointer(env, root, is_async=True)  # the same step again: its folder exists
+    state.step()
+    ckpt.save(state.states(), info(1))
+    with pytest.raises(CheckpointError, match="already exists and is never overwritten"):
+        ckpt.finalize()
+    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
+    assert not list(root.glob(".staging-*"))

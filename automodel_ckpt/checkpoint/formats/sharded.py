@@ -123,6 +123,7 @@ class StagedSave:
         def refuse(plan, planner):
             raise error
 
+        writer.prepare_local_plan = lambda plan: plan  # creates no folder: the staging one may not be reserved
         writer.write_data = refuse
         _save(self.staged or self.state or {}, self.path, writer, process_group)
 
