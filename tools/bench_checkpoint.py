@@ -494,6 +494,8 @@ def child(args: argparse.Namespace) -> None:
             result["seconds"] = time.perf_counter() - t0
         else:
             raise SystemExit(f"unknown method {method}")
+        dist.barrier()
+        dist.destroy_process_group()  # NCCL's threads end before the interpreter's (else: a crash at exit)
         if env.rank != 0:
             return
 
@@ -576,7 +578,8 @@ def fresh(path: Path) -> None:
 
 def stats(secs: list[float], nbytes: int) -> dict:
     med = statistics.median(secs)
-    return {"median_s": med, "min_s": min(secs), "max_s": max(secs), "gb_per_s": nbytes / 1e9 / med, "runs_s": secs}
+    return {"median_s": med, "min_s": min(secs), "max_s": max(secs), "gb_per_s": nbytes / 1e9 / med if med > 0 else None,
+            "runs_s": secs}
 
 
 def main() -> None:
@@ -732,7 +735,7 @@ def print_table(res: dict) -> None:
     ]
 
     def ratio(ref: str | None, r: dict) -> str:
-        return f"{m[ref]['median_s'] / r['median_s']:.2f}×" if ref in m else "–"
+        return f"{m[ref]['median_s'] / r['median_s']:.2f}×" if ref in m and r["median_s"] > 0 else "–"
 
     for op, names, raw, raw_mt, peer, device in sections:
         names = names + [BASELINE + n for n in names if n.startswith(("ours_save", "ours_load"))]
@@ -742,7 +745,7 @@ def print_table(res: dict) -> None:
                 label = LABELS[name.removeprefix(BASELINE)].replace("ours", "baseline tree", 1) \
                     if name.startswith(BASELINE) else LABELS[name]
                 print(f"| {op} | {label} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
-                      f"| {r['gb_per_s']:.2f} | {ratio(raw, r)} | {ratio(raw_mt, r)} | {ratio(peer, r)} "
+                      f"| {_gbs(r['gb_per_s'])} | {ratio(raw, r)} | {ratio(raw_mt, r)} | {ratio(peer, r)} "
                       f"| {ratio(device, r)} | {_mb(r['extra_rss_mb'])} |")
     print("\nvs raw: raw's median time / this method's (1.00× = as fast as one plain sequential stream per rank; "
           "higher is faster); vs raw, same threads: the same against raw I/O with as many threads per rank as ours "
@@ -750,6 +753,10 @@ def print_table(res: dict) -> None:
           "O_DIRECT write / read of the same bytes (the page cache bypassed: what the device does) over this "
           "method's (save goal: >= 0.95×, load goal: >= 0.9×); memory added: peak "
           "resident memory during the operation minus before it (rank 0, largest run).")
+
+
+def _gbs(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def _mb(value: float | None) -> str:
