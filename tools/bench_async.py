@@ -1,6 +1,6 @@
 """Async checkpoints against sync ones and against none: stall per checkpoint, and whole-run throughput.
 
-    python tools/bench_async.py [--nproc 2] [--steps 40] [--every 10] [--layers 4] [--modes ...] [--json OUT]
+    python tools/bench_async.py [--nproc 2] [--steps 61] [--every 20] [--layers 2] [--reps 2] [--modes ...] [--json OUT]
     python tools/bench_async.py --small --json OUT      # a tiny model and few steps: checks the tool, not speed
 
 Trains a Llama-style model (hidden 768; ``--layers`` sets its size; fp32 weights + AdamW moments) on the embedded
@@ -14,11 +14,17 @@ tiny task once per mode, checkpointing every ``--every`` steps:
 
 Rank 0 records, per checkpoint, the ``stall``: the wall time the training thread lost to it (the save call, plus
 for ``async`` the time the next ``optimizer.step()`` waited at the fence for the background copy), and per run the
-throughput from the end of the first step to the end of the run (last checkpoint complete). Reported as ratios:
+throughput from the end of the first step to the end of the run (last checkpoint complete), and the CPU seconds
+the process used meanwhile (training and background threads together). With ``--reps N`` the modes run N times,
+interleaved (none, sync, async, ..., none, sync, ...), so that a drift of the machine's load hits every mode alike.
+Reported as ratios:
 
 * ``stall_over_sync``: median async stall of the steady-state checkpoints (not the first, not the final one)
-  over the median sync save of the same checkpoints;
-* ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` run (``run_overhead_async``, ...).
+  over the median sync save of the same checkpoints, over every repetition;
+* ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` runs (median steps/s over the
+  repetitions; ``run_overhead_async``, ...);
+* ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
+  whose cores training keeps busy, this is what the checkpoints take from training.
 
 ``--json OUT`` writes these (and the raw numbers) to OUT. Not a test: the default takes about ten minutes here.
 """
@@ -42,7 +48,7 @@ from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "sync", "async", "dcp_thread", "dcp_process")
 HIDDEN, INTERMEDIATE, VOCAB = 768, 3456, 64
-SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "layers": 2, "steps": 6, "every": 2,
+SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "layers": 2, "steps": 5, "every": 2,
          "modes": ("none", "sync", "async", "dcp_thread")}
 
 RECIPE = """\
@@ -116,7 +122,7 @@ class BenchRecipe(FinetuneRecipe):
         t0 = time.perf_counter()
         out = super().train_step(micro)
         end = time.perf_counter()
-        self._timings["steps"].append({"seconds": end - t0, "end": end,
+        self._timings["steps"].append({"seconds": end - t0, "end": end, "cpu": time.process_time(),
                                        "background": busy or self._background_busy()})
         return out
 
@@ -166,6 +172,7 @@ class BenchRecipe(FinetuneRecipe):
         if self._timings["saves"]:
             self._timings["saves"][-1]["finalize"] = time.perf_counter() - t0
         self._timings["end"] = time.perf_counter()
+        self._timings["cpu_end"] = time.process_time()
         return out
 
     def run(self) -> None:
@@ -207,6 +214,7 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     steps = timings["steps"]
     timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
     timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
+    timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return timings
 
@@ -217,54 +225,66 @@ def steady(saves: list[dict]) -> list[dict]:
     return body[1:] or body
 
 
-def summary(results: dict[str, dict]) -> dict:
-    """The ratios (see the module docstring); a mode that failed or did not run has None."""
-    ok = {m: r for m, r in results.items() if "failed" not in r}
+def summary(results: dict[str, list[dict]]) -> dict:
+    """The ratios (see the module docstring) over every repetition; a mode that failed or did not run has None."""
+    ok = {m: [r for r in runs if "failed" not in r] for m, runs in results.items()}
+    ok = {m: runs for m, runs in ok.items() if runs}
     out: dict = {"stall_over_sync": None}
     if "sync" in ok and "async" in ok:
-        sync = statistics.median(s["stall"] for s in steady(ok["sync"]["saves"]))
-        asyn = statistics.median(s["stall"] for s in steady(ok["async"]["saves"]))
+        sync = statistics.median(s["stall"] for r in ok["sync"] for s in steady(r["saves"]))
+        asyn = statistics.median(s["stall"] for r in ok["async"] for s in steady(r["saves"]))
         out |= {"stall_over_sync": asyn / sync, "sync_save_seconds": sync, "async_stall_seconds": asyn}
+    rate = {m: statistics.median(r["steps_per_second"] for r in runs) for m, runs in ok.items()}
     for mode in MODES[1:]:
         if mode in results:
-            lost = None
+            lost = cpu = None
             if mode in ok and "none" in ok:
-                lost = 1 - ok[mode]["steps_per_second"] / ok["none"]["steps_per_second"]
+                lost = 1 - rate[mode] / rate["none"]
+                saves = statistics.median(len(r["saves"]) for r in ok[mode]) or 1
+                per_step = statistics.median(r["cpu_seconds"] / (len(r["steps"]) - 1) for r in ok["none"])
+                cpu = statistics.median(r["cpu_seconds"] - per_step * (len(r["steps"]) - 1) for r in ok[mode]) / saves
             out[f"run_overhead_{mode}"] = lost
+            out[f"cpu_per_checkpoint_{mode}"] = cpu
+    out["steps_per_second"] = rate
     return out
 
 
-def table(results: dict[str, dict], ratios: dict) -> str:
+def table(results: dict[str, list[dict]], ratios: dict) -> str:
     rows = ["| checkpoint | sync save (s) | async stall (s) | of which: fence wait (s) | async stall / sync save "
             "| background copy (s) | background write (s) |", "|---|---|---|---|---|---|---|"]
-    sync, asyn = results.get("sync", {}), results.get("async", {})
-    for s, a in zip(sync.get("saves", []), asyn.get("saves", [])):
-        if s["final"]:
-            continue
-        bg = f"{a['background']:.2f}" if a.get("background") is not None else "-"
-        cap = f"{a['capture']:.2f}" if a.get("capture") is not None else "-"
-        rows.append(f"| step {s['step']} | {s['stall']:.3f} | {a['stall']:.3f} | {a['fence']:.3f} | "
-                    f"{100 * a['stall'] / s['stall']:.1f}% | {cap} | {bg} |")
+    for rep, (sync, asyn) in enumerate(zip(results.get("sync", []), results.get("async", []))):
+        for s, a in zip(sync.get("saves", []), asyn.get("saves", [])):
+            if s["final"]:
+                continue
+            bg = f"{a['background']:.2f}" if a.get("background") is not None else "-"
+            cap = f"{a['capture']:.2f}" if a.get("capture") is not None else "-"
+            where = f"step {s['step']}" + (f" (run {rep + 1})" if len(results["sync"]) > 1 else "")
+            rows.append(f"| {where} | {s['stall']:.3f} | {a['stall']:.3f} | {a['fence']:.3f} | "
+                        f"{100 * a['stall'] / s['stall']:.1f}% | {cap} | {bg} |")
     lines = ["\n".join(rows), ""]
     if ratios.get("stall_over_sync") is not None:
         lines.append(f"stall_over_sync (median, steady state): {100 * ratios['stall_over_sync']:.1f}%")
-    lines += ["", "| run | steps/s | tokens/s lost vs no checkpoints | step time median (s) |", "|---|---|---|---|"]
-    for mode, r in results.items():
-        if "failed" in r:
-            lines.append(f"| {mode} | failed: {r['failed'].strip().splitlines()[-1][:120]} | - | - |")
+    lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints | CPU s per checkpoint | "
+              "step time median (s) |", "|---|---|---|---|---|"]
+    for mode, runs in results.items():
+        good = [r for r in runs if "failed" not in r]
+        if not good:
+            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - |")
             continue
-        lost = ratios.get(f"run_overhead_{mode}")
-        med = statistics.median(x["seconds"] for x in r["steps"][1:] or r["steps"])
-        lines.append(f"| {mode} | {r['steps_per_second']:.3f} | "
-                     f"{'-' if lost is None else f'{100 * lost:+.1f}%'} | {med:.3f} |")
+        lost, cpu = ratios.get(f"run_overhead_{mode}"), ratios.get(f"cpu_per_checkpoint_{mode}")
+        med = statistics.median(x["seconds"] for r in good for x in r["steps"][1:] or r["steps"])
+        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | "
+                     f"{'-' if lost is None else f'{100 * lost:+.1f}%'} | {'-' if cpu is None else f'{cpu:.2f}'} "
+                     f"| {med:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=61)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=2, help="runs per mode, interleaved")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--small", action="store_true", help="a tiny model and few steps (checks the tool)")
@@ -275,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.small:
         args.hidden, args.intermediate, args.heads = SMALL["hidden"], SMALL["intermediate"], SMALL["heads"]
-        args.layers, args.steps, args.every = SMALL["layers"], SMALL["steps"], SMALL["every"]
+        args.layers, args.steps, args.every, args.reps = SMALL["layers"], SMALL["steps"], SMALL["every"], 1
         modes = [m for m in modes if m in SMALL["modes"]]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -291,15 +311,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"state: {state / 1e9:.3f} GB (weights + AdamW), {args.nproc} process(es), {args.steps} steps, a "
           f"checkpoint every {args.every}; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs", flush=True)
-    results = {}
-    for mode in modes:
-        results[mode] = run_mode(work, base, args, mode)
-        print(f"{mode} run {'failed' if 'failed' in results[mode] else 'done'} "
-              f"({results[mode].get('wall', 0):.0f} s)", flush=True)
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for rep in range(args.reps):
+        for mode in modes:
+            run = run_mode(work, base, args, mode)
+            results[mode].append(run)
+            print(f"{mode} run {rep + 1} {'failed' if 'failed' in run else 'done'} ({run.get('wall', 0):.0f} s)",
+                  flush=True)
     ratios = summary(results)
     print(table(results, ratios))
     report = ratios | {"state_bytes": state, "nproc": args.nproc, "steps": args.steps, "every": args.every,
-                       "cpu_count": os.cpu_count(), "torch": torch.__version__, "runs": results}
+                       "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                       "load_average": os.getloadavg(), "runs": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"json: {args.json}")

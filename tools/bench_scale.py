@@ -1,7 +1,7 @@
 """How checkpoint coordination grows with the rank count: save, load and publish with 2 to 32 gloo ranks.
 
     python tools/bench_scale.py [--ranks 2,4,8,16,32] [--reps 3] [--json OUT]
-    python tools/bench_scale.py --small --json OUT     # 2 and 4 ranks, one repetition: checks the tool
+    python tools/bench_scale.py --small --json OUT     # 2 and 3 ranks, one repetition: checks the tool
 
 For each rank count, ``torchrun --standalone`` starts that many CPU processes on this machine; each holds a tiny
 FSDP2-sharded model (a few KiB per rank, so coordination dominates) with AdamW state and saves it ``--reps``
@@ -159,14 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--small", action="store_true", help="2 and 4 ranks, one repetition")
+    parser.add_argument("--small", action="store_true", help="2 and 3 ranks, one repetition")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         worker(args.worker, args.reps)
         return {}
-    ranks = [2, 4] if args.small else [int(n) for n in args.ranks.split(",") if n.strip()]
+    ranks = [2, 3] if args.small else [int(n) for n in args.ranks.split(",") if n.strip()]
     reps = 1 if args.small else args.reps
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:

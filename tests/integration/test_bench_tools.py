@@ -30,14 +30,14 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path):
     assert report["stall_over_sync"] == pytest.approx(report["async_stall_seconds"] / report["sync_save_seconds"])
     for mode in ("sync", "async"):
         lost = report[f"run_overhead_{mode}"]
-        assert math.isfinite(lost) and lost < 1
-        run = report["runs"][mode]
-        assert [s["step"] for s in run["saves"]] == [2, 4, 6] and run["saves"][-1]["final"]
-        assert len(run["steps"]) == 6
-    for save in report["runs"]["async"]["saves"]:
+        assert math.isfinite(lost) and lost < 1 and math.isfinite(report[f"cpu_per_checkpoint_{mode}"])
+        [run] = report["runs"][mode]  # one repetition in the small mode
+        assert [s["step"] for s in run["saves"]] == [2, 4, 5] and run["saves"][-1]["final"]
+        assert len(run["steps"]) == 5 and run["cpu_seconds"] > 0
+    for save in report["runs"]["async"][0]["saves"]:
         assert save["stall"] == pytest.approx(save["call"] + save["fence"]) and save["fence"] >= 0
         assert save["capture"] is not None and save["background"] is not None  # the copy and write were timed
-    assert report["runs"]["none"]["saves"] == [] or all(s["background"] is None for s in report["runs"]["none"]["saves"])
+    assert all(s["background"] is None and s["call"] < 0.01 for s in report["runs"]["none"][0]["saves"])
     assert "stall_over_sync (median, steady state)" in printed and "| async |" in printed
 
 
@@ -45,12 +45,12 @@ def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path):
     out = tmp_path / "scale.json"
     printed = _run("bench_scale.py", "--small", "--json", str(out))
     report = json.loads(out.read_text())
-    assert report["ranks"] == [2, 4]
+    assert report["ranks"] == [2, 3]
     for phase in ("reserve", "plan_local", "plan_global", "write_sharded", "manifest", "publish", "save", "load"):
         row = report["phases"][phase]
-        assert set(row) == {"2", "4"} and all(v >= 0 for v in row.values()), phase
+        assert set(row) == {"2", "3"} and all(v >= 0 for v in row.values()), phase
         assert phase in report["growth"]
     sent = report["phases"]["object_bytes"]  # what object collectives moved per rank and save: plans, checksums
-    assert 0 < sent["2"] and 0 < sent["4"] <= 2 * 1.5 * sent["2"]  # no faster than the rank count
-    assert sent["4"] < 1 << 20  # metadata-sized
+    assert 0 < sent["2"] < sent["3"] <= 1.5 * 1.5 * sent["2"]  # no faster than the rank count
+    assert sent["3"] < 1 << 20  # metadata-sized
     assert "| manifest (s) |" in printed
