@@ -99,14 +99,14 @@ class Checkpointer:
             self.say(f"Saving checkpoint to {final}")
         plan = plan_state(states)
         consolidate = self._consolidate_now(info, plan)
-        # async, in the background: the small files, sync, seal, publish and prune; and reserving the staging
-        # folder, unless something is written into it now (a PEFT adapter)
-        background = self.is_async and bool(plan.models or plan.optimizers) and not consolidate
-        reserve_later = background and not _has_peft(plan)
-        if reserve_later:
-            staging = self.dir / layout.staging_name(name)
-        else:
-            staging = collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+
+        def reserve() -> Path:
+            return collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+
+        # async: the background thread reserves the staging folder (after the copy), unless something is written
+        # into it now (a PEFT adapter) or the save completes on this thread (an inline HF export)
+        reserve_later = self.is_async and not consolidate and not _has_peft(plan) and bool(plan.models or plan.optimizers)
+        staging = self.dir / layout.staging_name(name) if reserve_later else reserve()
         clock.mark("reserve")
         fmt = self.cfg.model_save_format
         staged: list[sharded.StagedSave] = []  # async: copied now, written in the background below
@@ -129,15 +129,14 @@ class Checkpointer:
         clock.mark("copy_small" if staged else "write_sharded")
         write_local = self._local_files(staging, plan, info)
         pending = overlap.PendingSave(name, staging, consolidate=consolidate)
-        background = background and bool(staged)
+        background = bool(staged) and not consolidate  # small files, sync, seal, publish, prune: in the background
         if not background:
             collective.collectively(write_local.write, f"writing '{staging}'", rank)
         clock.mark("write_local")
         if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
-            reserve = (lambda: self._on_group(lambda: collective.on_main(
-                lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank))) if reserve_later else None
+            prepare = (lambda: self._on_group(reserve)) if reserve_later else None
             then = (lambda: self._on_group(lambda: self._complete(pending, write_local))) if background else None
-            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, prepare=reserve, then=then)
+            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, prepare=prepare, then=then)
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
         if pending.writes:
             clock.mark("start_background")

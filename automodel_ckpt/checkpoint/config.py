@@ -64,7 +64,7 @@ class CheckpointConfig:
     best_metric_key: Optional[str] = None  # with named validation sets: the set whose `monitor` counts
     name_template: str = "epoch_{epoch}_step_{step}"  # folder name; fields: epoch step consumed_samples train_loss val_loss
     # Async saves, preemption and time-based saves (docs/async.md).
-    is_async: bool = False  # write model and optimizer shards in the background (torch >= 2.9); training goes on
+    is_async: bool = False  # copy and write the state in the background (torch >= 2.9); the next optimizer step waits only for the copy
     preemption_signal: Optional[str] = "SIGTERM"  # on this signal: save at the next step, exit 0 (null: off)
     ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
     async_write_threads: Optional[int] = None  # background writer threads per rank (null: cores per local rank - 1, 1..4)
