@@ -35,7 +35,7 @@ def async_supported(warn: bool) -> bool:
 
 
 class Staged(Protocol):
-    """What ``Overlap`` runs: ``sharded.StagedSave``."""
+    """What ``start`` runs: ``sharded.StagedSave``."""
 
     def capture(self) -> None: ...
 
