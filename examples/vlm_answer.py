@@ -22,14 +22,18 @@ from automodel_ckpt.data.shapes import heldout_vqa_examples
 @torch.no_grad()
 def answer(model: Any, processor: Any, images: Sequence[Any], conversations: Sequence[list],
            max_new_tokens: int = 8, batch_size: int = 64) -> list[str]:
-    """Greedy replies of ``model`` to each ``(image, conversation)``, prompted through the processor's chat template."""
+    """Greedy replies of ``model`` to each ``(image, conversation)``, prompted through the processor's chat template.
+
+    The rendered chat already holds the special tokens the template writes (``<s>``), so the tokenizer adds none:
+    the model sees its prompts exactly as in training.
+    """
     tokenizer = processor.tokenizer
     replies: list[str] = []
     for start in range(0, len(images), batch_size):
         texts = [processor.apply_chat_template(c, add_generation_prompt=True)
                  for c in conversations[start:start + batch_size]]
         batch = processor(images=list(images[start:start + batch_size]), text=texts, return_tensors="pt",
-                          padding=True, padding_side="left").to(model.device)
+                          padding=True, padding_side="left", add_special_tokens=False).to(model.device)
         out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         for row in out[:, batch["input_ids"].shape[1]:].tolist():

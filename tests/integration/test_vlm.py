@@ -152,7 +152,7 @@ def test_lora_adapter_loads_in_peft_and_merges(work, assets, vlm_base, tmp_path)
     processor = AutoProcessor.from_pretrained(adapter)
     image, messages, _ = heldout_vqa_examples(1)[0]
     batch = processor(images=[image], text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
-                      return_tensors="pt")
+                      return_tensors="pt", add_special_tokens=False)
     merged_model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         a, b = peft_model(**batch).logits, merged_model(**batch).logits
