@@ -106,16 +106,22 @@ def test_layout_and_bitwise_resume_in_both_formats(work, assets, vlm_base):
     assert "(llava, " in done.stdout and "no missing or unexpected keys" in done.stdout
 
 
-def test_export_loads_in_transformers_and_answers_like_the_trained_model(work, assets, vlm_base, tmp_path):
-    ckpt = _straight(work, assets) / "epoch_0_step_6"
+def _answers_like_the_trained_model(assets: Path, ckpt: Path, tmp_path: Path, n: int) -> list[str]:
+    """Answers of the checkpoint's export, checked against those of its weights exactly as trained (float32)."""
     export = ckpt / "model" / "consolidated"
-    assert sorted(_weights(export)) == sorted(_weights(vlm_base))  # the base's on-disk names (language_model.model.)
-    trained = tmp_path / "fp32"  # the trained weights exactly as trained: float32, nothing rounded
+    trained = tmp_path / "fp32"
     done = _cli(assets, "consolidate", str(ckpt), "--out", str(trained), "--cast", "fp32")
     assert done.returncode == 0, done.stderr[-3000:]
-    got, want = _answers(export), _answers(trained)
-    assert all(isinstance(a, str) for a in got)
-    assert sum(a == b for a, b in zip(got, want)) >= 0.9 * len(want), (got, want)
+    got, want = _answers(export, n), _answers(trained, n)
+    assert sum(a == b for a, b in zip(got, want)) >= 0.95 * n, (got, want)  # bf16 rounding flips few answers
+    return got
+
+
+def test_export_is_in_the_base_layout_and_loads_with_auto_classes(work, assets, vlm_base):
+    export = _straight(work, assets) / "epoch_0_step_6" / "model" / "consolidated"
+    assert sorted(_weights(export)) == sorted(_weights(vlm_base))  # the base's on-disk names (language_model.model.)
+    got = _answers(export, 6)  # AutoModelForImageTextToText + AutoProcessor, nothing of ours
+    assert len(got) == 6 and all(isinstance(a, str) for a in got)
 
 
 def test_lr0_export_is_the_base_bit_for_bit(work, assets, vlm_base):
@@ -161,10 +167,12 @@ def test_lora_adapter_loads_in_peft_and_merges(work, assets, vlm_base, tmp_path)
 
 @pytest.mark.skipif(os.environ.get("SKIP_LEARNING_TEST") == "1", reason="SKIP_LEARNING_TEST=1")
 def test_default_vlm_recipe_learns_to_answer_about_heldout_images(tmp_path, assets, vlm_base):
-    """The default recipe as a user runs it, then examples/vlm_answer.py on the consolidated export."""
+    """The default recipe as a user runs it, then examples/vlm_answer.py on the consolidated export, which answers
+    held-out images as the trained weights do."""
     ckpt_train(tmp_path, assets, nproc=2, recipe=VLM_RECIPE, timeout=1200)
     run = tmp_path / "checkpoints"
     consolidated = run / os.readlink(run / "LATEST") / "model" / "consolidated"
+    _answers_like_the_trained_model(assets, run / os.readlink(run / "LATEST"), tmp_path, 60)
     gen = subprocess.run([sys.executable, str(REPO / "examples" / "vlm_answer.py"), str(consolidated)],
                          capture_output=True, text=True, timeout=600, env=env_for(assets))
     assert gen.returncode == 0, gen.stderr[-3000:]
