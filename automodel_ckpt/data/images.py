@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import datasets
@@ -38,7 +38,8 @@ def image_spec(processor: Any) -> ImageSpec:
     ids = list(text["input_ids"][0])
     token_id = tokenizer.convert_tokens_to_ids(token)
     pixels = tuple(text["pixel_values"].shape[1:])
-    fp = hashlib.sha256(processor.image_processor.to_json_string().encode() + str(ids).encode()).hexdigest()[:16]
+    fp = hashlib.sha256((processor.image_processor.to_json_string() + str(ids)
+                         + str(getattr(processor, "chat_template", None))).encode()).hexdigest()[:16]
     return ImageSpec(int(token_id), ids.count(token_id), pixels, fp)  # type: ignore[arg-type]
 
 
@@ -50,6 +51,8 @@ class ImageChatEncoder:
     """
 
     def __init__(self, tokenizer: Any, spec: DataSpec, processor: Any, images: ImageSpec) -> None:
+        # The chat template: the recipe's, else the processor's (where image-text models keep theirs).
+        spec = replace(spec, chat_template=spec.chat_template or getattr(processor, "chat_template", None))
         self.text = Encoder(tokenizer, spec, "chat")
         self.spec = spec
         self.processor = processor
