@@ -80,10 +80,10 @@ def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     def read() -> dict[str, torch.Tensor]:
-        from transformers import AutoModelForCausalLM
+        from automodel_ckpt.checkpoint.export.family import auto_model_class
 
         dtype = next(model.parameters()).dtype
-        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        loaded = auto_model_class(folder).from_pretrained(folder, dtype=dtype)
         wanted = set(model.state_dict())
         state = {k: v for k, v in loaded.state_dict().items() if k in wanted}
         missing = sorted(wanted - set(state))

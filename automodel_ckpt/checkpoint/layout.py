@@ -74,8 +74,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: ``model_save_format`` recorded in metadata.json for a checkpoint whose model is a PEFT adapter.
 ADAPTER_FORMAT = "adapter"
 PEFT_FULL_CONFIG = "automodel_peft_config.json"
-# Tokenizer files a Hugging Face model folder may hold (copied from a base folder when no tokenizer is given).
+# Tokenizer (and image-text processor) files a Hugging Face model folder may hold (copied from a base folder when
+# no tokenizer is given).
 HF_TOKENIZER_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",

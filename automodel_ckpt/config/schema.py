@@ -32,6 +32,7 @@ class DataConfig:
     completion_field: str = "completion"
     text_field: str = "text"  # plain-text column: loss on every token
     messages_field: str = "messages"  # chat column: a list of {role, content}, rendered with the chat template
+    image_field: str = "image"  # image column of image + messages records, for image-text models (docs/vlm.md)
     chat_loss: str = "assistant"  # chat turns that take the loss: assistant | last (last assistant turn) | all
     prompt_template: Optional[str] = None  # build the prompt from a record's fields: "{context}\nQ: {question}"
     completion_template: Optional[str] = None  # build the completion likewise: " {answers.text[0]}", "{endings[label]}"
@@ -71,6 +72,7 @@ class PeftConfig:
     target_modules: Optional[List[str]] = None  # module name suffixes (None: chosen for the model family, docs/peft.md)
     bias: str = "none"  # none | all | lora_only: which biases also train
     use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank)
+    vision_tower: bool = False  # image-text models: also adapt the vision tower (default: the language model only)
     init_lora_weights: bool = True  # True: B starts at zero (the adapted model starts as the base); False: random
 
 

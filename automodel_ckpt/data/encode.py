@@ -25,6 +25,7 @@ class DataSpec:
     completion_field: str = "completion"
     text_field: str = "text"
     messages_field: str = "messages"
+    image_field: str = "image"
     prompt_template: str | None = None
     completion_template: str | None = None
     chat_loss: str = "assistant"

@@ -12,19 +12,21 @@ from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 
 @dataclass
 class MicroBatch:
-    """Rows of one forward pass. ``position_ids`` (packed rows only) restart at every example in a row."""
+    """Rows of one forward pass. ``position_ids`` (packed rows only) restart at every example in a row;
+    ``pixel_values`` (image records only) hold each row's image as the processor prepared it."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
     sample_ids: torch.Tensor
     position_ids: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
 
 
 def micro_batch(data: TokenizedData, idx: torch.Tensor) -> MicroBatch:
     rows = data.batch(idx)
     return MicroBatch(rows["input_ids"], rows["labels"], rows["attention_mask"], data.sample_ids[idx],
-                      rows["position_ids"])
+                      rows["position_ids"], rows.get("pixel_values"))
 
 
 class GlobalBatchLoader:

@@ -49,6 +49,8 @@ class RowBuilder:
                "num_examples": docs, "num_truncated": truncated, "num_trained": trained}
         if self.packing:
             out["position_ids"] = list(positions)
+        if "pixel_values" in batch:  # image examples are never packed: row r is example r
+            out["pixel_values"] = batch["pixel_values"]
         return out
 
     def _groups(self, lengths: list[int]) -> list[list[int]]:

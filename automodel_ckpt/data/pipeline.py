@@ -20,7 +20,7 @@ def data_spec(cfg: DictConfig) -> DataSpec:
     return DataSpec(
         seq_length=int(d.seq_length), packing=bool(d.packing), prompt_field=d.prompt_field,
         completion_field=d.completion_field, text_field=d.text_field, messages_field=d.messages_field,
-        prompt_template=d.prompt_template, completion_template=d.completion_template, chat_loss=d.chat_loss,
+        image_field=d.image_field, prompt_template=d.prompt_template, completion_template=d.completion_template, chat_loss=d.chat_loss,
         chat_template=cfg.tokenizer.get("chat_template"), num_proc=d.num_proc, map_batch_size=int(d.map_batch_size),
         cache_dir=d.cache_dir,
     )
@@ -66,16 +66,19 @@ def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[i
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
-def prepare_data(cfg: DictConfig, tokenizer: Any) -> PreparedData:
-    """Load, tokenize (cached), split and pad or pack the recipe's data."""
+def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> PreparedData:
+    """Load, tokenize (cached), split and pad or pack the recipe's data.
+
+    With an image-text ``processor``, records with an image column also get the image's pixel values.
+    """
     spec = data_spec(cfg)
     pad = pad_token_id(tokenizer)
     source: datasets.Dataset = instantiate(cfg.dataset, "dataset")
-    encoded, info = encode_dataset(source, tokenizer, spec)
+    encoded, info = encode_dataset(source, tokenizer, spec, processor)
     caches = [info]
     if cfg.validation_dataset is not None:
         val_source = instantiate(cfg.validation_dataset, "validation_dataset")
-        val_encoded, val_info = encode_dataset(val_source, tokenizer, spec)
+        val_encoded, val_info = encode_dataset(val_source, tokenizer, spec, processor)
         caches.append(val_info)
         train_encoded = encoded
     else:

@@ -16,6 +16,7 @@ import torch
 
 from automodel_ckpt.data.encode import IGNORE_INDEX, DataSpec, Encoder
 from automodel_ckpt.data.packing import RowBuilder
+from automodel_ckpt.errors import ConfigError
 
 __all__ = ["IGNORE_INDEX", "DataSpec", "TokenizedData", "encode_dataset", "build_rows", "tokenizer_fingerprint"]
 
@@ -49,24 +50,28 @@ class TokenizedData:
         self._np = self.rows.with_format("numpy")
         self.sample_ids = torch.from_numpy(_column(self.rows, "sample_id").astype(np.int64))
         self.packed = "position_ids" in self.rows.column_names
+        self.has_images = "pixel_values" in self.rows.column_names
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def batch(self, idx: torch.Tensor | list[int]) -> dict[str, torch.Tensor | None]:
         index = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
-        cols = ["input_ids", "labels", "length"] + (["position_ids"] if self.packed else [])
+        cols = ["input_ids", "labels", "length"] + (["position_ids"] if self.packed else []) \
+            + (["pixel_values"] if self.has_images else [])
         got = self._np.select_columns(cols)[index] if index else None
         if got is None:
             n = self.rows.features["input_ids"].length
             empty = torch.zeros((0, n), dtype=torch.long)
-            return {"input_ids": empty, "labels": empty, "attention_mask": empty, "position_ids": None}
+            return {"input_ids": empty, "labels": empty, "attention_mask": empty, "position_ids": None,
+                    "pixel_values": None}
         ids = torch.from_numpy(np.asarray(got["input_ids"], dtype=np.int64))
         lengths = torch.from_numpy(np.asarray(got["length"], dtype=np.int64))
         mask = (torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()
         positions = torch.from_numpy(np.asarray(got["position_ids"], dtype=np.int64)) if self.packed else None
+        pixels = torch.from_numpy(np.asarray(got["pixel_values"], dtype=np.float32)) if self.has_images else None
         return {"input_ids": ids, "labels": torch.from_numpy(np.asarray(got["labels"], dtype=np.int64)),
-                "attention_mask": mask, "position_ids": positions}
+                "attention_mask": mask, "position_ids": positions, "pixel_values": pixels}
 
     # Whole-set tensors, for small sets and tests.
     @property
@@ -141,17 +146,35 @@ def _cached_map(ds: datasets.Dataset, fn: Any, *, name: str, fingerprint: str, s
     return out, info
 
 
-def encode_dataset(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec) -> tuple[datasets.Dataset, CacheInfo]:
-    """One tokenized example per record: ``input_ids``, ``labels``, ``sample_id``, ``num_tokens``."""
+def encode_dataset(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec,
+                   processor: Any = None) -> tuple[datasets.Dataset, CacheInfo]:
+    """One tokenized example per record: ``input_ids``, ``labels``, ``sample_id``, ``num_tokens``.
+
+    With an image-text ``processor`` and an image column (``spec.image_field``), chat records also get their
+    image's ``pixel_values`` (see :mod:`automodel_ckpt.data.images`).
+    """
     mode = spec.mode(ds.column_names)
-    encoder = Encoder(tokenizer, spec, mode)
+    images = None
+    if processor is not None and spec.image_field in ds.column_names:
+        from automodel_ckpt.data.images import ImageChatEncoder, image_spec
+
+        if mode != "chat":
+            raise ConfigError(f"dataset: image records need a '{spec.messages_field}' column (image + messages)")
+        if spec.packing:
+            raise ConfigError("data.packing: image records are padded one per sequence; set data.packing: false")
+        images = image_spec(processor)
+        encoder: Any = ImageChatEncoder(tokenizer, spec, processor, images)
+        features = ImageChatEncoder.features(images)
+    else:
+        encoder = Encoder(tokenizer, spec, mode)
+        features = datasets.Features({
+            "input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32")),
+            "sample_id": datasets.Value("int64"), "num_tokens": datasets.Value("int32"),
+        })
     fp = _hash(CACHE_VERSION, "encode", ds._fingerprint, tokenizer_fingerprint(tokenizer), mode, spec.seq_length,
                spec.prompt_field, spec.completion_field, spec.text_field, spec.messages_field, spec.prompt_template,
-               spec.completion_template, spec.chat_loss, spec.chat_template)
-    features = datasets.Features({
-        "input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32")),
-        "sample_id": datasets.Value("int64"), "num_tokens": datasets.Value("int32"),
-    })
+               spec.completion_template, spec.chat_loss, spec.chat_template,
+               *([spec.image_field, images.fingerprint] if images is not None else []))
     return _cached_map(ds, encoder, name="tokenized", fingerprint=fp, spec=spec, features=features, with_indices=True)
 
 
@@ -164,6 +187,8 @@ def build_rows(encoded: datasets.Dataset, spec: DataSpec, pad_id: int) -> Tokeni
             "num_trained": datasets.Value("int32")}
     if spec.packing:
         cols["position_ids"] = seq
+    if "pixel_values" in encoded.column_names:  # image records: one per row, the pixels carried along
+        cols["pixel_values"] = encoded.features["pixel_values"]
     # Packing fills rows within each map batch (and process), so those settings shape the rows too.
     fp = _hash(CACHE_VERSION, "rows", encoded._fingerprint, n, spec.packing, pad_id,
                (spec.map_batch_size, spec.num_proc) if spec.packing else None)

@@ -1,4 +1,4 @@
-"""FSDP2 sharding of a causal LM over a one-dimensional data-parallel mesh."""
+"""FSDP2 sharding of a causal LM (and an image-text model's vision tower) over a one-dimensional data-parallel mesh."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.models.parts import vision_tower
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -25,17 +26,53 @@ def mixed_precision_policy(name: str | None) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: the largest ``nn.ModuleList`` in the model (``model.layers`` for Llama)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+def decoder_layers(model: nn.Module, exclude: nn.Module | None = None) -> list[nn.Module]:
+    """The repeated transformer blocks: the largest ``nn.ModuleList`` in the model (``model.layers`` for Llama),
+    outside ``exclude`` (a vision tower) if given."""
+    inside = {id(m) for m in exclude.modules()} if exclude is not None else set()
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and id(m) not in inside]
     return list(max(lists, key=len)) if lists else []
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, mixed_precision: str | None = None) -> nn.Module:
-    """``fully_shard`` each decoder layer, then the root, so parameters are gathered one block at a time."""
+    """``fully_shard`` each decoder layer, then the root, so parameters are gathered one block at a time.
+
+    An image-text model's vision tower is sharded the same way, each of its blocks, then the tower as a whole.
+    """
     policy = mixed_precision_policy(mixed_precision)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
-    for layer in decoder_layers(model):
+    tower = vision_tower(model)
+    recorded = _recorded_outputs(model)
+    if tower is not None:
+        for layer in decoder_layers(tower):
+            fully_shard(layer, **kwargs)
+        fully_shard(tower, **kwargs)
+    for layer in decoder_layers(model, exclude=tower):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    _restore_recorded_outputs(recorded)
     return model
+
+
+def _recorded_outputs(model: nn.Module) -> list[tuple[nn.Module, dict]]:
+    """Which outputs (hidden states, attentions) each transformers (sub)model can record, keyed by its class.
+
+    ``fully_shard`` swaps a module's class for an FSDP subclass, under which transformers no longer finds them:
+    a LLaVA vision tower would then return no hidden states to pick its image features from.
+    """
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without output capturing: nothing to keep
+        return []
+    return [(m, _CAN_RECORD_REGISTRY.get(m)) for m in model.modules() if isinstance(m, PreTrainedModel)
+            and _CAN_RECORD_REGISTRY.get(m)]
+
+
+def _restore_recorded_outputs(recorded: list[tuple[nn.Module, dict]]) -> None:
+    if not recorded:
+        return
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    for module, flags in recorded:
+        _CAN_RECORD_REGISTRY[module] = flags

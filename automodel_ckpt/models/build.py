@@ -1,4 +1,4 @@
-"""Builds the causal LM and tokenizer a recipe trains, from a local HF folder or a config block."""
+"""Builds the model (causal LM or image-text-to-text) and tokenizer a recipe trains, from a local HF folder or a config."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # transformers and torch load lazily: the launcher validates 
     import torch
     from transformers import PreTrainedModel
 
-EMBEDDED_BASES = ("tiny_llama",)
+EMBEDDED_BASES = ("tiny_llama", "tiny_llava")
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 
@@ -52,6 +52,10 @@ def ensure_embedded_base(name: str, path: str) -> Path:
     """Create the embedded base model ``name`` at ``path`` if it is not there yet."""
     if name not in EMBEDDED_BASES:
         raise ConfigError(f"model.embedded: unknown embedded base '{name}' (available: {', '.join(EMBEDDED_BASES)})")
+    if name == "tiny_llava":
+        from automodel_ckpt.models.tiny_vlm import ensure_tiny_vlm_base
+
+        return ensure_tiny_vlm_base(path)
     from automodel_ckpt.models.tiny import ensure_tiny_base
 
     return ensure_tiny_base(path)
@@ -92,8 +96,35 @@ def build_causal_lm(
     for the family (sdpa where the family supports it, else eager).
     ``embedded`` names a built-in base created at ``pretrained_model_name_or_path`` on first use.
     """
+    from transformers import AutoModelForCausalLM
+
+    return _build(AutoModelForCausalLM, pretrained_model_name_or_path, config, embedded, dtype, attn_implementation,
+                  seed)
+
+
+def build_image_text_model(
+    pretrained_model_name_or_path: str | None = None,
+    config: dict[str, Any] | None = None,
+    embedded: str | None = None,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """An image-text-to-text model (``AutoModelForImageTextToText``: LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`.
+
+    A ``config`` block names its family with ``model_type`` (e.g. ``llava``) and holds ``text_config`` and
+    ``vision_config`` sections.
+    """
+    from transformers import AutoModelForImageTextToText
+
+    return _build(AutoModelForImageTextToText, pretrained_model_name_or_path, config, embedded, dtype,
+                  attn_implementation, seed)
+
+
+def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: dict[str, Any] | None,
+           embedded: str | None, dtype: str, attn_implementation: str | None, seed: int) -> PreTrainedModel:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     check_model_source(pretrained_model_name_or_path, config, embedded)
     torch_dtype = resolve_dtype(dtype)
@@ -104,7 +135,7 @@ def build_causal_lm(
         if attn_implementation:
             hf_config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = auto_class.from_config(hf_config)
         return model.to(torch_dtype)
     assert pretrained_model_name_or_path is not None
     if embedded and local_model_path(pretrained_model_name_or_path) is None:
@@ -112,7 +143,19 @@ def build_causal_lm(
     hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
     if attn_implementation:
         hf_config._attn_implementation = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
+    return auto_class.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
+
+
+def build_processor(path: str | None):
+    """The Hugging Face processor (image processor + tokenizer + chat template) of an image-text model folder."""
+    from transformers import AutoProcessor
+
+    if not path:
+        raise ConfigError("tokenizer.pretrained_model_name_or_path: no processor folder (set it, or use a model folder)")
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot load a processor from '{path}': {first_line(exc)}") from None
 
 
 def build_tokenizer(path: str | None):

@@ -26,6 +26,11 @@ def lora_config(peft: Any, model: nn.Module | None = None):
 
     check_peft_section(peft)
     targets = list(peft.target_modules) if peft.target_modules is not None else None
+    exclude = None
+    if model is not None:
+        from automodel_ckpt.models.lora_targets import lora_exclusions
+
+        exclude = lora_exclusions(model, bool(getattr(peft, "vision_tower", False)))
     if targets is None:
         if model is None:
             raise ConfigError("peft.target_modules: not set, and no model to choose the targets for")
@@ -43,6 +48,7 @@ def lora_config(peft: Any, model: nn.Module | None = None):
         bias=str(peft.bias),
         use_rslora=bool(peft.use_rslora),
         init_lora_weights=bool(peft.init_lora_weights),
+        exclude_modules=exclude,
     )
 
 

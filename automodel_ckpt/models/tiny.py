@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TINY_LLAMA_CONFIG",
     "build_tokenizer",
+    "ensure_model_folder",
     "ensure_tiny_base",
 ]
 
@@ -185,6 +186,16 @@ def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
     folder (one with ``config.json``) is returned untouched; an existing empty
     directory is filled; any other existing path is refused rather than overwritten.
     """
+    return ensure_model_folder(path, _write_base)
+
+
+def ensure_model_folder(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """``path`` holding a model folder, written by ``write(folder)`` into a temporary sibling and renamed into place.
+
+    An existing model folder (one with ``config.json``) is returned untouched; an existing empty directory is
+    filled; any other existing path is refused rather than overwritten. If another process wins the race, its
+    (identical) folder is used.
+    """
     target = Path(path)
     if (target / "config.json").is_file():
         return target
@@ -195,7 +206,7 @@ def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the model folder should be shareable
     try:
-        _write_base(staging)
+        write(staging)
         for file in staging.iterdir():
             file.chmod(0o644)
         try:

@@ -37,6 +37,10 @@ class FinetuneRecipe(BaseRecipe):
     ``dataloader``, ``rng``, ``step_scheduler`` and anything a subclass adds.
     """
 
+    #: An image-text model's processor (set by ``VLMFinetuneRecipe``): it prepares the images of the data and
+    #: is saved beside the weights in place of the tokenizer alone.
+    processor: Any = None
+
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
@@ -93,8 +97,11 @@ class FinetuneRecipe(BaseRecipe):
         if self.env.is_main:
             barrier()
         tok_path = self.cfg.tokenizer.pretrained_model_name_or_path or self.cfg.model.get("pretrained_model_name_or_path")
-        tokenizer = build_tokenizer(tok_path)
-        return tokenizer, model.to(self.env.device)
+        return self.load_tokenizer(tok_path), model.to(self.env.device)
+
+    def load_tokenizer(self, path: str | None) -> Any:
+        """The tokenizer of the folder ``path`` (``tokenizer.pretrained_model_name_or_path``, else the model's)."""
+        return build_tokenizer(path)
 
     def state_meaning(self) -> dict[str, Any]:
         """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint)."""
@@ -110,7 +117,7 @@ class FinetuneRecipe(BaseRecipe):
         return HFArtifacts(
             hf_config=getattr(model, "config", None),
             generation_config=getattr(model, "generation_config", None),
-            tokenizer=self.tokenizer,
+            tokenizer=self.processor if self.processor is not None else self.tokenizer,
             base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
             peft=self._peft_section(),
         )
@@ -120,7 +127,7 @@ class FinetuneRecipe(BaseRecipe):
         main = getattr(self, "env", None) is None or self.env.is_main
         if not main:
             barrier()
-        prepared = prepare_data(self.cfg, self.tokenizer)
+        prepared = prepare_data(self.cfg, self.tokenizer, self.processor)
         if main:
             barrier()
         self.data_report = prepared.report()
@@ -247,7 +254,10 @@ class FinetuneRecipe(BaseRecipe):
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.env.device
-        if mb.position_ids is not None:
+        if mb.pixel_values is not None:  # image-text rows: one image each, placed at its image tokens
+            logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
+                                pixel_values=mb.pixel_values.to(dev), use_cache=False).logits
+        elif mb.position_ids is not None:
             # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
             # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
             logits = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),

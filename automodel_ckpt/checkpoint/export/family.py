@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DiskTensor", "disk_layout", "family_of", "in_memory_dtypes"]
+__all__ = ["DiskTensor", "auto_model_class", "disk_layout", "family_of", "in_memory_dtypes"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,18 +121,32 @@ def in_memory_dtypes(model: Any, disk_dtypes: Mapping[str, torch.dtype]) -> dict
 
 
 def _meta_model(config: dict[str, Any]) -> Any | None:
-    """The family's causal LM built from ``config`` on the meta device, or None when transformers lacks it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The family's causal LM (or image-text-to-text model, e.g. LLaVA) built from ``config`` on the meta device,
+    or None when transformers lacks it."""
+    from transformers import AutoConfig
 
     family = config.pop("model_type")
     try:
         hf_config = AutoConfig.for_model(family, **config)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf_config)
+            return auto_model_class(hf_config).from_config(hf_config)
     except (ValueError, KeyError, TypeError, ImportError) as e:
         logger.warning("model family '%s' is unknown to this transformers (%s); the export keeps the saved names",
                        family, e)  # fmt: skip
         return None
+
+
+def auto_model_class(config: Any) -> Any:
+    """The transformers auto class that builds a model of ``config`` (a config object, or a model folder):
+    ``AutoModelForImageTextToText`` for image-text families (LLaVA, Qwen2-VL, ...), else ``AutoModelForCausalLM``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if not hasattr(config, "model_type"):
+        config = AutoConfig.from_pretrained(str(config))
+    image_text = AutoModelForImageTextToText._model_mapping  # noqa: SLF001 - the auto class's own registry
+    causal = AutoModelForCausalLM._model_mapping  # noqa: SLF001
+    return AutoModelForImageTextToText if type(config) in image_text and type(config) not in causal \
+        else AutoModelForCausalLM
 
 
 def _tied_copies(model: Any, saved: Mapping[str, Any]) -> set[str]:

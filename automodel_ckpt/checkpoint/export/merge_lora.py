@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint import layout, manifest
-from automodel_ckpt.checkpoint.export.family import in_memory_dtypes
+from automodel_ckpt.checkpoint.export.family import auto_model_class, in_memory_dtypes
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.checkpoint.storage import replace_folder
 from automodel_ckpt.errors import CheckpointError
@@ -77,9 +77,8 @@ def original_dtypes(base: Path) -> dict[str, torch.dtype]:
 def merged_model(adapter_dir: Path, base: Path) -> Any:
     """Base + adapter merged in float32, then cast tensor by tensor to the base's stored dtypes."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = auto_model_class(base).from_pretrained(str(base), dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     dtypes = in_memory_dtypes(merged, original_dtypes(base))  # on-disk names -> the model's in-memory names
     with torch.no_grad():
