@@ -140,6 +140,7 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
         path = ckpt.find_restore_target(auto=auto)
         if path is None:
             return None
+        ckpt.fetch(path)  # a checkpoint on an object store: its files into the local mirror first
         check_same_run(path, ckpt.fingerprint, ckpt.dir)  # every rank reads the same small file: same verdict
         try:
             collective.collectively(
@@ -152,16 +153,24 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
             reason = first_line(exc)
             if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
                 reason = reason.split(": ", 1)[-1]
-            moved = collective.on_main(
-                lambda: str(quarantine(ckpt.dir, path.name, reason, monitor=cfg.monitor,
-                                       best_metric_key=cfg.best_metric_key, mode=str(cfg.mode))),
-                "moving the damaged checkpoint aside", rank)
+            moved = collective.on_main(lambda: _quarantine(ckpt, path.name, reason),
+                                       "moving the damaged checkpoint aside", rank)
             if ckpt.env.is_main:
                 ckpt.say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
                          "and resuming from the newest checkpoint before it")
             continue
         ckpt.load(states, path, checked=True)
         return path
+
+
+def _quarantine(ckpt: Any, name: str, reason: str) -> str:
+    cfg = ckpt.cfg
+    moved = quarantine(ckpt.dir, name, reason, monitor=cfg.monitor, best_metric_key=cfg.best_metric_key,
+                       mode=str(cfg.mode))
+    if getattr(ckpt, "remote", None) is not None:  # on an object store: a note object, and the pointers re-set
+        ckpt.remote.quarantine(name, reason)
+        return f"{ckpt.remote.url}/{layout.QUARANTINE_DIR}/ (and {moved})"
+    return str(moved)
 
 
 def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path) -> None:
