@@ -25,7 +25,8 @@ from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
 from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
-from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree
+from automodel_ckpt.checkpoint.safe_load import load_pt
+from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
 from automodel_ckpt.distributed.env import DistEnv, barrier
 from automodel_ckpt.errors import CheckpointError, first_line
 
@@ -74,7 +75,7 @@ class Checkpointer:
 
             self._group = dist.new_group(backend="gloo")
         if cfg.enabled:  # fail before training, not at the first save
-            problem = collective.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
+            problem = collective.on_main(lambda: unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
             if problem:
                 raise CheckpointError(problem)
             if self.remote is not None:  # endpoint, bucket and credentials: one line each, before training
@@ -403,20 +404,20 @@ class Checkpointer:
             if not file.exists():
                 self._missing_state(attr, file)
                 continue
-            obj.load_state_dict(_load_pt(file))
+            obj.load_state_dict(load_pt(file))
         saved_world = self.saved_world_size(path)
         for attr, obj in plan.per_rank.items():
             file = path / layout.rank_state_file(attr, self.env.rank)
             if saved_world != self.env.world_size and hasattr(obj, "reshard_state"):
                 state = obj.reshard_state(
-                    lambda r, attr=attr: _load_pt(path / layout.rank_state_file(attr, r)),
+                    lambda r, attr=attr: load_pt(path / layout.rank_state_file(attr, r)),
                     saved_world, self.env.rank, self.env.world_size,
                 )
                 obj.load_state_dict(state)
             elif not file.exists():
                 self._missing_state(attr, file)
             else:
-                obj.load_state_dict(_load_pt(file))
+                obj.load_state_dict(load_pt(file))
         barrier()
 
     @staticmethod
@@ -493,27 +494,5 @@ def _has_peft(plan: StatePlan) -> bool:
     return any(peft_format.is_peft_model(m) for m in plan.models.values())
 
 
-def _unwritable(folder: Path) -> str | None:
-    """Create ``folder`` if needed and prove a file can be created in it; the problem if not (read-only, ...)."""
-    import tempfile
-
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        return (f"checkpoint.checkpoint_dir: cannot write to '{folder}' ({exc.strerror or type(exc).__name__}); "
-                "choose a writable folder or set checkpoint.enabled: false")
-    return None
-
-
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=2)
-
-
-def _load_pt(file: Path) -> Any:
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
-

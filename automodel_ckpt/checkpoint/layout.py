@@ -61,8 +61,7 @@ LAYOUT_VERSION = 1
 MANIFEST_FILE = "manifest.json"  # size + checksum of every file of the checkpoint (docs/integrity.md)
 CONFIG_FILE = "config.yaml"
 LOSSES_FILE = "losses.json"
-# What a mirror of an object-store checkpoint keeps until the checkpoint is loaded: enough to list and select it.
-CATALOG_FILES = (METADATA_FILE, CONFIG_FILE, LOSSES_FILE, MANIFEST_FILE)
+
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
 CONSOLIDATED_DIR = "consolidated"
@@ -72,6 +71,9 @@ HF_METADATA_DIR = ".hf_metadata"
 ORIGINAL_TENSORS_FILE = "original_tensors.json"
 SAVED_STATE_FILE = "saved_state.json"
 DCP_METADATA = ".metadata"
+# What a mirror of an object-store checkpoint keeps until the checkpoint is loaded: enough to list and select it
+# (the manifest, the commit object, last).
+CATALOG_FILES = (METADATA_FILE, CONFIG_FILE, LOSSES_FILE, f"{MODEL_DIR}/{HF_METADATA_DIR}/config.json", MANIFEST_FILE)
 
 # --- Hugging Face names -----------------------------------------------------------------------------
 HF_INDEX = "model.safetensors.index.json"

@@ -14,8 +14,8 @@ from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import UserError
 
-__all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "is_url", "open_for_reading", "run_folder",
-           "source_of"]
+__all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "fetch_collectively", "is_url", "localize",
+           "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder"]
 
 
 def attach(cfg: Any) -> RemoteRun | None:
@@ -31,6 +31,14 @@ def run_folder(cfg: Any) -> Path:
     if is_url(cfg.checkpoint_dir):
         return mirror_folder(str(cfg.checkpoint_dir), cfg.staging_dir)
     return local_path(str(cfg.checkpoint_dir))
+
+
+def stored_files(folder: Path) -> dict[str, int]:
+    """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
+    from automodel_ckpt.checkpoint import manifest
+
+    listed = (manifest.read(folder) or {}).get("files", {})
+    return {rel: int(e["size"]) for rel, e in listed.items()}
 
 
 def localize(target: str | None, storage_options: dict[str, Any] | None) -> str | None:
@@ -49,13 +57,14 @@ def fetch_collectively(path: Path, storage_options: dict[str, Any] | None, rank:
         collective.collectively(lambda: fetch(path, url, storage_options), f"fetching '{url}/{path.name}'", rank)
 
 
-def open_for_reading(location: str, storage_options: dict[str, Any] | None = None, *, fetch_all: bool = False,
-                     key: str = "path") -> Path:
+def open_for_reading(location: str | Path, storage_options: dict[str, Any] | None = None, *,
+                     fetch_all: bool = False, only: str | None = None, key: str = "path") -> Path:
     """A local folder to read ``location`` from: itself when local; for a URL, a mirror of the run folder (or of
     the one checkpoint it names) with the committed checkpoints' catalog files, and with ``fetch_all`` all of
-    their files."""
+    their files (``only``: those below this folder of each checkpoint)."""
     if not is_url(location):
-        return local_path(location)
+        return local_path(str(location))
+    location = str(location)
     check_url(location, key)
     url = normalize(location)
     store = ObjectStore(url, storage_options)
@@ -77,5 +86,19 @@ def open_for_reading(location: str, storage_options: dict[str, Any] | None = Non
         targets = [run.mirror / n for n in names]
     if fetch_all:
         for folder in targets:
-            fetch(folder, run.url, storage_options, 0, 1)
+            fetch(folder, run.url, storage_options, 0, 1, only=only)
     return targets[0] if one else run.mirror
+
+
+def upload_folder(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
+                  last: tuple[str, ...] = ()) -> None:
+    """Upload every file below ``folder`` to ``url`` (same relative keys); the ``last`` names after all others
+    (for a Hugging Face folder, ``config.json``: a reader never sees a config without its weights)."""
+    from automodel_ckpt.checkpoint.manifest import list_files
+
+    check_url(url, "--out")
+    store = ObjectStore(normalize(url), storage_options)
+    rels = list(list_files(folder))
+    first = [r for r in rels if r not in last]
+    wrap(f"uploading to '{store.url}'", lambda: store.upload(folder, first, ""))
+    wrap(f"uploading to '{store.url}'", lambda: store.upload(folder, [r for r in rels if r in last], ""))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from pathlib import Path
@@ -82,6 +83,8 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     """
     import fsspec
 
+    for noisy in ("botocore", "aiobotocore", "s3fs"):  # "Found credentials in ..." on every client
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     scheme, _ = split(url)
     options: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
     if scheme in ("s3", "s3a"):

@@ -63,7 +63,8 @@ class RemoteRun:
                     and entry.name != layout.QUARANTINE_DIR:
                 remove_tree(entry)
         wanted = [self.store.key(n, f) for n in names for f in layout.CATALOG_FILES]
-        got = wrap(f"reading the catalog of '{self.url}'", lambda: self.store.fs.cat(wanted, on_error="omit"))
+        got = wrap(f"reading the catalog of '{self.url}'",
+                   lambda: self.store.fs.cat(wanted, on_error="omit") if wanted else {})
         for name in names:
             folder = self.mirror / name
             remote_manifest = got.get(self.store.key(name, layout.MANIFEST_FILE))
@@ -74,6 +75,7 @@ class RemoteRun:
             for file in layout.CATALOG_FILES:  # the commit object last
                 data = got.get(self.store.key(name, file))
                 if data is not None:
+                    (folder / file).parent.mkdir(parents=True, exist_ok=True)
                     (folder / file).write_bytes(data)
         for pointer in layout.POINTERS:
             target = (self.store.read_text(pointer) or "").strip()
@@ -100,7 +102,7 @@ class RemoteRun:
         """Prefixes without a commit object: saves that never committed (or deletions that were interrupted)."""
         names = [n for n in self.store.prefixes() if n != layout.QUARANTINE_DIR]
         committed = set(self.store.committed(names))
-        return [n for n in names if n not in committed]
+        return [n for n in names if n not in committed and self.store.fs.find(self.store.key(n))]
 
     # --- a save ----------------------------------------------------------------------------------------
     def before_save(self, name: str) -> list[str]:
@@ -213,10 +215,11 @@ def source_of(folder: Path) -> str | None:
 
 
 def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None, rank: int | None = None,
-          world_size: int | None = None) -> None:
+          world_size: int | None = None, only: str | None = None) -> None:
     """Download the files of mirrored checkpoint ``folder`` the mirror lacks (every rank of a node takes a share).
 
     ``url`` is the run folder's (``source_of``). Files already there with their manifest size are kept.
+    ``only``: just the files below this folder of the checkpoint (``model/`` for an export).
     """
     folder = Path(folder)
     rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
@@ -229,6 +232,8 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
     share = []
     for i, (rel, entry) in enumerate(sorted(listed.items())):
         path = folder / rel
+        if only is not None and not rel.startswith(only.rstrip("/") + "/"):
+            continue
         if i % world_size == rank and not (path.is_file() and path.stat().st_size == int(entry["size"])):
             share.append(rel)
     wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder))
