@@ -41,18 +41,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> list[fl
     return [r["loss"] for r in jsonl(run / "ckpt" / "training.jsonl")]
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+@pytest.mark.parametrize("fmt,is_async", [("safetensors", "false"), ("torch_save", "true")])
 def test_s3_run_resumes_bitwise_and_retention_keeps_resumed_from_and_pointer_targets(
-        fmt, seaweed, assets, reference, tmp_path):
+        fmt, is_async, seaweed, assets, reference, tmp_path):
+    """Both formats (torch_save with async saves), 2 processes: save to S3, rerun from an empty staging folder."""
     bucket = seaweed.new_bucket()
     url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env()
     ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage1", "--checkpoint.model_save_format", fmt,
-                                          "--step_scheduler.max_steps", "4"), nproc=2, env=env)
+                                          "--checkpoint.is_async", is_async, "--step_scheduler.max_steps", "4"),
+               nproc=2, env=env)
     assert not (tmp_path / "s3:").exists()  # a URL never becomes a local folder
     assert committed(fs, f"{bucket}/run") >= {"epoch_0_step_2", "epoch_0_step_4"}
     # rerun from a fresh machine (a new staging folder): it resumes from S3; mode max makes LOWEST_VAL follow the
     # highest validation loss (an early checkpoint), so retention must keep three kinds of checkpoints
     second = ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage2", "--checkpoint.model_save_format", fmt,
+                                                   "--checkpoint.is_async", is_async,
                                                    "--checkpoint.max_recent_checkpoints", "1",
                                                    "--checkpoint.mode", "max"),
                         nproc=2, env=env)

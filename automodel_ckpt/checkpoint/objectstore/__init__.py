@@ -73,7 +73,7 @@ def open_for_reading(location: str | Path, storage_options: dict[str, Any] | Non
         raise UserError(problem)
     one = wrap(f"reading '{url}'", lambda: store.exists(layout.MANIFEST_FILE))
     run_url = url.rsplit("/", 1)[0] if one else url
-    run = open_run(run_url, storage_options, mirror_folder(run_url, None, role="read"))
+    run = open_run(run_url, storage_options, _fresh_folder() if fetch_all else mirror_folder(run_url, None, "read"))
     names = run.pull()
     if one:
         name = url.rsplit("/", 1)[1]
@@ -88,6 +88,17 @@ def open_for_reading(location: str | Path, storage_options: dict[str, Any] | Non
         for folder in targets:
             fetch(folder, run.url, storage_options, 0, 1, only=only)
     return targets[0] if one else run.mirror
+
+
+def _fresh_folder() -> Path:
+    """An empty folder, removed when the process exits: what is checked or exported is what the store holds now."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="automodel-ckpt-object-store-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def upload_folder(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
