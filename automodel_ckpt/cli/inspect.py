@@ -11,7 +11,7 @@ from typing import Any
 from automodel_ckpt.checkpoint import catalog, layout
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.metadata import as_float
-from automodel_ckpt.checkpoint.objectstore import open_for_reading, source_of, stored_files
+from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.jsonsafe import json_safe
@@ -30,6 +30,8 @@ def build_parser() -> VerbParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     report = inspect_dir(open_for_reading(args.checkpoint_dir, key="inspect"))
+    if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
+        report["checkpoint_dir"] = args.checkpoint_dir
     try:
         print(json.dumps(report, indent=2) if args.json else render_table(report), flush=True)
     except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted

@@ -98,10 +98,11 @@ def test_verbs_on_s3_and_the_export_loads_in_transformers(seaweed, assets, refer
     assert plotted.returncode == 0 and (tmp_path / "loss.png").stat().st_size > 0, plotted.stderr
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.5])
-def test_sigkill_during_upload_never_selects_the_partial_checkpoint(delay, seaweed, assets, reference, tmp_path):
-    """Kill the job while it uploads epoch_0_step_4 (0 s / 0.5 s after rank 0 announced it); whatever was uploaded
-    is never listed, the rerun resumes from a committed checkpoint, ends bitwise equal, and no leftover remains."""
+@pytest.mark.parametrize("moment", ["save_starts", "upload_started"])
+def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaweed, assets, reference, tmp_path):
+    """Kill the job as epoch_0_step_4's save starts (the local write), or as soon as its first object is on the
+    store (the upload); whatever was uploaded is never listed, the rerun resumes from a committed checkpoint, ends
+    bitwise equal to an uninterrupted run, and no leftover remains (gc, or the rerun's next save, removed it)."""
     bucket = seaweed.new_bucket()
     url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env()
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET,
@@ -114,7 +115,9 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(delay, seawe
                 break
         else:
             pytest.fail("the run ended before saving epoch_0_step_4")
-        time.sleep(delay)  # the moment of the kill, not a wait for something to happen
+        deadline = time.monotonic() + 120
+        while moment == "upload_started" and not fs.find(f"{bucket}/run/epoch_0_step_4"):
+            assert time.monotonic() < deadline and proc.poll() is None, "no upload of epoch_0_step_4 seen"
     finally:
         kill_job(proc)
     root = f"{bucket}/run"
@@ -126,7 +129,9 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(delay, seawe
                             text=True, timeout=300)
     assert {r["name"] for r in json.loads(listed.stdout)["checkpoints"]} == seen
     leftovers = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p)} - seen
-    if delay == 0.0 and leftovers:  # gc removes what the killed save left (age 0: nothing else is running)
+    if moment == "upload_started":
+        assert leftovers or "epoch_0_step_4" in seen
+    if leftovers and moment == "upload_started":  # gc removes what the killed save left (age 0: nothing else is running)
         gc = subprocess.run([CKPT_TRAIN, "gc", url, "--min-age-minutes", "0"], env=env_for(assets, env),
                             capture_output=True, text=True, timeout=300)
         assert gc.returncode == 0, gc.stderr
