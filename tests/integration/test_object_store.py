@@ -29,6 +29,11 @@ def committed(fs, root: str) -> set[str]:
             if fs.exists(f"{p}/manifest.json")} if fs.exists(root) else set()
 
 
+def has_objects(fs, prefix: str) -> bool:
+    """Whether any object is below ``prefix`` (SeaweedFS keeps empty folder placeholders: those do not count)."""
+    return any(info.get("type") != "directory" for info in fs.find(prefix, detail=True).values())
+
+
 def s3_losses(fs, root: str) -> list[float]:
     return [json.loads(line)["loss"] for line in fs.cat(f"{root}/training.jsonl").decode().splitlines() if line]
 
@@ -116,7 +121,7 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
         else:
             pytest.fail("the run ended before saving epoch_0_step_4")
         deadline = time.monotonic() + 120
-        while moment == "upload_started" and not fs.find(f"{bucket}/run/epoch_0_step_4"):
+        while moment == "upload_started" and not has_objects(fs, f"{bucket}/run/epoch_0_step_4"):
             assert time.monotonic() < deadline and proc.poll() is None, "no upload of epoch_0_step_4 seen"
     finally:
         kill_job(proc)
@@ -128,19 +133,20 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
     listed = subprocess.run([CKPT_TRAIN, "inspect", url, "--json"], env=env_for(assets, env), capture_output=True,
                             text=True, timeout=300)
     assert {r["name"] for r in json.loads(listed.stdout)["checkpoints"]} == seen
-    leftovers = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p)} - seen
+    leftovers = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if has_objects(fs, p)} - seen
     if moment == "upload_started":
         assert leftovers or "epoch_0_step_4" in seen
-    if leftovers and moment == "upload_started":  # gc removes what the killed save left (age 0: nothing else is running)
+    if leftovers and moment == "upload_started":  # gc removes what the killed save left (nothing else runs)
         gc = subprocess.run([CKPT_TRAIN, "gc", url, "--min-age-minutes", "0"], env=env_for(assets, env),
                             capture_output=True, text=True, timeout=300)
-        assert gc.returncode == 0, gc.stderr
+        assert gc.returncode == 0 and f"gc: {len(leftovers)} leftover(s) deleted" in gc.stdout, gc.stdout + gc.stderr
+        assert not any(has_objects(fs, f"{root}/{name}") for name in leftovers)
     rerun = ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage2", "--checkpoint.model_save_format",
                                                   "torch_save"), nproc=2, env=env)
     resumed = max(seen, key=lambda n: int(n.rsplit("_", 1)[1]))
     assert f"Loading checkpoint from {tmp_path / 'stage2' / resumed}" in rerun.output
     assert s3_losses(fs, root) == reference
-    assert {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p) and fs.find(p)} == \
+    assert {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if has_objects(fs, p)} == \
         committed(fs, root)  # no leftover prefix: removed by gc or by the rerun's next save
 
 

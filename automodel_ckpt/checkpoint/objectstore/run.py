@@ -102,7 +102,7 @@ class RemoteRun:
         """Prefixes without a commit object: saves that never committed (or deletions that were interrupted)."""
         names = [n for n in self.store.prefixes() if n != layout.QUARANTINE_DIR]
         committed = set(self.store.committed(names))
-        return [n for n in names if n not in committed and self.store.fs.find(self.store.key(n))]
+        return [n for n in names if n not in committed and self.store.objects(n)]
 
     # --- a save ----------------------------------------------------------------------------------------
     def before_save(self, name: str) -> list[str]:
@@ -156,7 +156,8 @@ class RemoteRun:
         for pointer in layout.POINTERS:
             target = read_pointer(self.mirror, pointer)
             if target is not None:
-                wrap(f"setting {pointer} in '{self.url}'", lambda p=pointer, t=target: self.store.write_text(t + "\n", p))
+                wrap(f"setting {pointer} in '{self.url}'",
+                     lambda p=pointer, t=target: self.store.write_text(t + "\n", p))
             else:
                 wrap(f"removing {pointer} in '{self.url}'", lambda p=pointer: self.store.remove(p))
 
@@ -185,7 +186,8 @@ class RemoteRun:
         """Rank 0: mark checkpoint ``name`` as unloadable (a note object): never listed or selected again."""
         note = {"name": name, "reason": reason, "quarantined_at": now()}
         wrap(f"quarantining '{self.store.url_of(name)}'",
-             lambda: self.store.write_text(json.dumps(note) + "\n", layout.QUARANTINE_DIR, layout.quarantine_note(name)))
+             lambda: self.store.write_text(json.dumps(note) + "\n", layout.QUARANTINE_DIR,
+                                           layout.quarantine_note(name)))
         self.push_pointers()
 
     def gc(self, min_age_seconds: float) -> list[str]:

@@ -52,7 +52,8 @@ class ObjectStore:
                 self.fs.pipe_file(probe, b"")
                 self.fs.rm_file(probe)
         except FileNotFoundError:
-            return f"{key}: bucket '{bucket}' does not exist at {self._endpoint()}; create it or fix the URL '{self.url}'"
+            return (f"{key}: bucket '{bucket}' does not exist at {self._endpoint()}; create it or fix the URL "
+                    f"'{self.url}'")
         except PermissionError as exc:
             return (f"{key}: access to '{self.url}' denied ({first_line(exc)}); check AWS_ACCESS_KEY_ID / "
                     "AWS_SECRET_ACCESS_KEY (or checkpoint.storage_options)")
@@ -89,13 +90,17 @@ class ObjectStore:
         except FileNotFoundError:
             return False
 
-    def newest_write(self, name: str) -> float | None:
-        """Seconds since the epoch of the newest object below prefix ``name`` (None when it holds none)."""
+    def objects(self, name: str) -> list[dict[str, Any]]:
+        """The objects below prefix ``name`` (folder placeholders, which some stores keep, left out)."""
         try:
             found = self.fs.find(self.key(name), detail=True)
         except FileNotFoundError:
-            return None
-        stamps = [_mtime(info) for info in found.values()]
+            return []
+        return [info for info in found.values() if info.get("type") != "directory"]
+
+    def newest_write(self, name: str) -> float | None:
+        """Seconds since the epoch of the newest object below prefix ``name`` (None when it holds none)."""
+        stamps = [_mtime(info) for info in self.objects(name)]
         return max((s for s in stamps if s is not None), default=None)
 
     # --- small objects -------------------------------------------------------------------------------
