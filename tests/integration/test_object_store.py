@@ -34,6 +34,12 @@ def has_objects(fs, prefix: str) -> bool:
     return any(info.get("type") != "directory" for info in fs.find(prefix, detail=True).values())
 
 
+def prefixes_with_objects(fs, root: str) -> set[str]:
+    """The checkpoint-level prefixes below ``root`` that hold objects (committed or not)."""
+    return {e["name"].rsplit("/", 1)[-1] for e in fs.ls(root, detail=True)
+            if e["type"] == "directory" and has_objects(fs, e["name"])}
+
+
 def s3_losses(fs, root: str) -> list[float]:
     return [json.loads(line)["loss"] for line in fs.cat(f"{root}/training.jsonl").decode().splitlines() if line]
 
@@ -133,7 +139,7 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
     listed = subprocess.run([CKPT_TRAIN, "inspect", url, "--json"], env=env_for(assets, env), capture_output=True,
                             text=True, timeout=300)
     assert {r["name"] for r in json.loads(listed.stdout)["checkpoints"]} == seen
-    leftovers = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if has_objects(fs, p)} - seen
+    leftovers = prefixes_with_objects(fs, root) - seen
     if moment == "upload_started":
         assert leftovers or "epoch_0_step_4" in seen
     if leftovers and moment == "upload_started":  # gc removes what the killed save left (nothing else runs)
@@ -146,8 +152,8 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
     resumed = max(seen, key=lambda n: int(n.rsplit("_", 1)[1]))
     assert f"Loading checkpoint from {tmp_path / 'stage2' / resumed}" in rerun.output
     assert s3_losses(fs, root) == reference
-    assert {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if has_objects(fs, p)} == \
-        committed(fs, root)  # no leftover prefix: removed by gc or by the rerun's next save
+    # no leftover prefix: removed by gc or by the rerun's next save
+    assert prefixes_with_objects(fs, root) == committed(fs, root)
 
 
 @pytest.mark.parametrize("case", ["unreachable", "missing_bucket", "wrong_credentials", "unknown_scheme",

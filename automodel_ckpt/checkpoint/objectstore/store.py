@@ -17,7 +17,9 @@ from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
-BATCH = 16  # files transferred at once per process (each large one in multipart parts, streamed from disk)
+BATCH = 8  # files transferred at once per process
+PARTS = 4  # parts of one large file (over 100 MiB: 50 MiB multipart parts) uploaded at once: memory is bounded by
+# BATCH * PARTS * 50 MiB per process, whatever the size of the state
 
 
 @dataclass
@@ -126,7 +128,7 @@ class ObjectStore:
             return
         lpaths = [str(Path(local_root) / rel) for rel in rels]
         rpaths = [self.key(name, rel) for rel in rels]
-        self.fs.put(lpaths, rpaths, batch_size=BATCH)
+        self.fs.put(lpaths, rpaths, batch_size=BATCH, max_concurrency=PARTS)
 
     def download(self, name: str, rels: list[str], local_root: Path) -> None:
         """Fetch ``name/rel`` into ``local_root/rel`` (each through a temporary name, renamed when complete)."""
