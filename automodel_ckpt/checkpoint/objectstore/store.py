@@ -140,7 +140,8 @@ class ObjectStore:
             t.parent.mkdir(parents=True, exist_ok=True)
         tmps = [str(t) + tag for t in targets]
         try:
-            self.fs.get([self.key(name, rel) for rel in rels], tmps, batch_size=BATCH)
+            # s3fs's own concurrency: a download streams to disk in small blocks, memory stays small anyway
+            self.fs.get([self.key(name, rel) for rel in rels], tmps)
             for tmp, target in zip(tmps, targets):
                 os.replace(tmp, target)
         finally:
