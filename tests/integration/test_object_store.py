@@ -78,7 +78,7 @@ def test_s3_run_resumes_bitwise_and_retention_keeps_resumed_from_and_pointer_tar
     assert committed(fs, f"{bucket}/run") == {"epoch_0_step_8", "epoch_0_step_4", best}
 
 
-def test_verbs_on_s3_and_the_export_loads_in_transformers(seaweed, assets, reference, tmp_path):
+def test_verbs_and_restore_from_on_s3_and_the_export_loads_in_transformers(seaweed, assets, tmp_path):
     bucket = seaweed.new_bucket()
     url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env()
     ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage", "--step_scheduler.max_steps", "2"), nproc=2,
@@ -94,9 +94,6 @@ def test_verbs_on_s3_and_the_export_loads_in_transformers(seaweed, assets, refer
     assert [r["name"] for r in rows] == ["epoch_0_step_2"] and rows[0]["size_bytes"] > 1_000_000
     verified = verb("verify", url)
     assert verified.returncode == 0 and "verify: OK (1 checkpoint(s))" in verified.stdout, verified.stdout
-    fs.pipe(f"{bucket}/run/epoch_0_step_2/rng/rng_dp_rank_1.pt", b"garbage")  # damage one object
-    damaged = verb("verify", "--sizes-only", f"{url}/epoch_0_step_2")
-    assert damaged.returncode == 1 and "size mismatch" in damaged.stdout, damaged.stdout
     exported = verb("consolidate", f"{url}/epoch_0_step_2", "--out", f"{url}-hf", "--no-progress")
     assert exported.returncode == 0, exported.stderr
     local = tmp_path / "hf"
@@ -107,6 +104,15 @@ def test_verbs_on_s3_and_the_export_loads_in_transformers(seaweed, assets, refer
     assert sum(p.numel() for p in model.parameters()) > 0
     plotted = verb("plot", url, "--out", str(tmp_path / "loss.png"))
     assert plotted.returncode == 0 and (tmp_path / "loss.png").stat().st_size > 0, plotted.stderr
+    # restore_from a checkpoint's URL, at another world size (2 -> 1), into another run folder on the store
+    second = ckpt_train(tmp_path, assets, *s3_args(f"{url}2", tmp_path / "stage2", "--step_scheduler.max_steps", "3",
+                                                   "--checkpoint.restore_from", f"{url}/epoch_0_step_2"),
+                        nproc=1, env=env)
+    assert "Resuming at world size 1 (checkpoint written by 2)" in second.output
+    assert committed(fs, f"{bucket}/run2") == {"epoch_0_step_3"}
+    fs.pipe(f"{bucket}/run/epoch_0_step_2/rng/rng_dp_rank_1.pt", b"garbage")  # damage one object
+    damaged = verb("verify", "--sizes-only", f"{url}/epoch_0_step_2")
+    assert damaged.returncode == 1 and "size mismatch" in damaged.stdout, damaged.stdout
 
 
 @pytest.mark.parametrize("moment", ["save_starts", "upload_started"])

@@ -1,5 +1,8 @@
-"""One run folder on an object store, as the checkpoint protocol uses it: committed checkpoints, small objects,
-parallel uploads and downloads, deletion commit-object first."""
+"""One run folder on an object store as the commit protocol uses it: listing, small objects, transfers, deletion.
+
+Committed checkpoints are the prefixes holding a commit object; uploads and downloads run many files at once;
+a checkpoint is deleted commit object first.
+"""
 
 from __future__ import annotations
 
