@@ -140,9 +140,12 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
         path = ckpt.find_restore_target(auto=auto)
         if path is None:
             return None
-        ckpt.fetch(path)  # a checkpoint on an object store: its files into the local mirror first
-        check_same_run(path, ckpt.fingerprint, ckpt.dir)  # every rank reads the same small file: same verdict
+        unfetched = _fetch(ckpt, path)  # a checkpoint on an object store: its files into the local mirror first
+        if unfetched is None:
+            check_same_run(path, ckpt.fingerprint, ckpt.dir)  # every rank reads the same small file: same verdict
         try:
+            if unfetched is not None:  # a missing or unreadable object: damaged like a missing file
+                raise unfetched
             collective.collectively(
                 lambda: probe(path, checksums=cfg.verify_on_load, rank=rank, world_size=ckpt.env.world_size,
                               warn=_warn),
@@ -161,6 +164,14 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
             continue
         ckpt.load(states, path, checked=True)
         return path
+
+
+def _fetch(ckpt: Any, path: Path) -> CheckpointError | None:
+    try:
+        ckpt.fetch(path)
+    except CheckpointError as exc:
+        return exc
+    return None
 
 
 def _quarantine(ckpt: Any, name: str, reason: str) -> str:
