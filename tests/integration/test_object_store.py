@@ -57,7 +57,7 @@ def test_s3_run_resumes_bitwise_and_retention_keeps_resumed_from_and_pointer_tar
         fmt, is_async, seaweed, assets, reference, tmp_path):
     """Both formats (torch_save with async saves), 2 processes: save to S3, rerun from an empty staging folder."""
     bucket = seaweed.new_bucket()
-    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env()
+    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage1", "--checkpoint.model_save_format", fmt,
                                           "--checkpoint.is_async", is_async, "--step_scheduler.max_steps", "4"),
                nproc=2, env=env)
@@ -80,7 +80,7 @@ def test_s3_run_resumes_bitwise_and_retention_keeps_resumed_from_and_pointer_tar
 
 def test_verbs_and_restore_from_on_s3_and_the_export_loads_in_transformers(seaweed, assets, tmp_path):
     bucket = seaweed.new_bucket()
-    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env()
+    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage", "--step_scheduler.max_steps", "2"), nproc=2,
                env=env)
 
@@ -121,7 +121,7 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
     store (the upload); whatever was uploaded is never listed, the rerun resumes from a committed checkpoint, ends
     bitwise equal to an uninterrupted run, and no leftover remains (gc, or the rerun's next save, removed it)."""
     bucket = seaweed.new_bucket()
-    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env()
+    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET,
            *s3_args(url, tmp_path / "stage1", "--checkpoint.model_save_format", "torch_save")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets, env), stdout=subprocess.PIPE,
@@ -166,7 +166,7 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
                                   "missing_backend"])
 def test_bad_object_store_input_is_one_line_before_training(case, seaweed, assets, tmp_path):
     bucket = seaweed.new_bucket()
-    env = seaweed.env()
+    env = seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     url = f"s3://{bucket}/run"
     expect = {"unreachable": "cannot reach the object store", "missing_bucket": "does not exist",
               "wrong_credentials": "denied", "unknown_scheme": "unknown storage scheme",
