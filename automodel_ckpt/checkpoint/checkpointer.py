@@ -11,7 +11,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import yaml
 
-from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, overlap
+from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -20,7 +20,8 @@ from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
-from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree
+from automodel_ckpt.checkpoint.safe_load import load_pt
+from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.errors import CheckpointError, first_line
 
@@ -46,7 +47,9 @@ class Checkpointer:
         self.cfg = cfg
         self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/fingerprint.py)
         self.env = env
-        self.dir = Path(cfg.checkpoint_dir)
+        self.remote = objectstore.attach(cfg)  # checkpoint_dir on an object store, worked through a local mirror
+        self.dir = objectstore.run_folder(cfg)  # the local folder: checkpoint_dir itself, or the mirror
+        self.resumed_from: str | None = None  # the checkpoint this run resumed from (retention on a store keeps it)
         self.resolved_config_yaml = resolved_config_yaml
         self.hf = hf or HFArtifacts()
         self.say = say
@@ -70,9 +73,11 @@ class Checkpointer:
 
             self._group = dist.new_group(backend="gloo")
         if cfg.enabled:  # fail before training, not at the first save
-            problem = collective.on_main(lambda: _unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
+            problem = collective.on_main(lambda: unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
             if problem:
                 raise CheckpointError(problem)
+            if self.remote is not None:  # endpoint, bucket and credentials: one line each, before training
+                collective.on_main(self.remote.prepare, f"opening {self.remote.url}", env.rank)
 
     # ------------------------------------------------------------------------------------------ save
     @diskfull.guarded
@@ -96,16 +101,19 @@ class Checkpointer:
         final = self.dir / name
         rank = self.env.rank
         if self.env.is_main:
-            self.say(f"Saving checkpoint to {final}")
+            self.say(f"Saving checkpoint to {self.remote.store.url_of(name) if self.remote else final}")
         plan = plan_state(states)
         consolidate = self._consolidate_now(info, plan)
 
         def reserve() -> Path:
-            return collective.on_main(lambda: lifecycle.reserve(self.dir, name), "reserving the checkpoint", rank)
+            local = lambda: lifecycle.reserve(self.dir, name)  # noqa: E731
+            return collective.on_main(lambda: self.remote.reserve(name, local) if self.remote else local(),
+                                      "reserving the checkpoint", rank)
 
         # async: the background thread reserves the staging folder (after the copy), unless something is written
         # into it now (a PEFT adapter) or the save completes on this thread (an inline HF export)
-        reserve_later = self.is_async and not consolidate and not _has_peft(plan) and bool(plan.models or plan.optimizers)
+        reserve_later = (self.is_async and not consolidate and not _has_peft(plan) and self.remote is None
+                         and bool(plan.models or plan.optimizers))
         staging = self.dir / layout.staging_name(name) if reserve_later else reserve()
         clock.mark("reserve")
         fmt = self.cfg.model_save_format
@@ -242,10 +250,15 @@ class Checkpointer:
         clock.mark("sync")
         manifest.seal(staging, rank, self.env.world_size, self.written)  # manifest.json, written last and fsynced
         clock.mark("manifest")
-        path = collective.on_main(
-            lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging)),
-            "publishing the checkpoint", rank,
-        )
+        publish = lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging))  # noqa: E731
+        if self.remote is not None:  # upload every rank's share, then commit on rank 0 (objectstore.run)
+            collective.collectively(lambda: self.remote.upload_share(staging, name, rank, self.env.world_size),
+                                    f"uploading '{self.remote.store.url_of(name)}'", rank)
+            clock.mark("upload")
+            path = collective.on_main(lambda: self.remote.commit(staging, name, publish), "committing the checkpoint",
+                                      rank)
+        else:
+            path = collective.on_main(publish, "publishing the checkpoint", rank)
         if self.retention.prunes:
             self._prune()
         barrier()
@@ -256,16 +269,18 @@ class Checkpointer:
     def _prune(self) -> None:
         """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
         try:
-            deleted = collective.on_main(
-                lambda: lifecycle.prune(self.dir, self.retention, self.cfg.monitor, self.cfg.best_metric_key),
-                "pruning old checkpoints", self.env.rank,
-            )
+            deleted = collective.on_main(self._prune_on_main, "pruning old checkpoints", self.env.rank)
         except CheckpointError as exc:
             if self.env.is_main:
                 warnings.warn(f"checkpoint retention: {exc}", stacklevel=3)
             return
         if deleted and self.env.is_main:
             self.say(f"Removed checkpoints by retention: {', '.join(deleted)}")
+
+    def _prune_on_main(self) -> list[str]:
+        prune = lambda keep=(): lifecycle.prune(self.dir, self.retention, self.cfg.monitor,  # noqa: E731
+                                                self.cfg.best_metric_key, protected=keep)
+        return self.remote.prune(prune, self.resumed_from) if self.remote else prune()
 
     def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
         """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
@@ -363,9 +378,13 @@ class Checkpointer:
         if auto is None and not self.cfg.enabled and self.cfg.restore_from is None:
             return None
         target = None if auto else (restore_from or self.cfg.restore_from)
-        return collective.on_main(
-            lambda: catalog.resolve_restore_from(self.dir, target), "finding the checkpoint", self.env.rank
-        )
+        local = lambda: objectstore.localize(target, self.cfg.storage_options)  # noqa: E731 - a URL: its mirror
+        return collective.on_main(lambda: catalog.resolve_restore_from(self.dir, local()), "finding the checkpoint",
+                                  self.env.rank)
+
+    def fetch(self, path: Path) -> None:
+        """Collective: an object store's checkpoint is downloaded into its mirror before it is checked and loaded."""
+        objectstore.fetch_collectively(Path(path), self.cfg.storage_options, self.env.rank)
 
     def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> None:
         """Load ``states`` from checkpoint ``path`` on every rank.
@@ -377,6 +396,7 @@ class Checkpointer:
         if self.env.is_main:
             self.say(f"Loading checkpoint from {path}")
         if not checked:
+            self.fetch(path)
             collective.collectively(
                 lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
                                                    world_size=self.env.world_size, warn=_warn),
@@ -384,6 +404,7 @@ class Checkpointer:
             )
         plan = plan_state(states)
         if not fresh_run:
+            self.resumed_from = path.name
             self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
         self._started = time.monotonic()
         for attr, model in plan.models.items():
@@ -400,20 +421,20 @@ class Checkpointer:
             if not file.exists():
                 self._missing_state(attr, file)
                 continue
-            obj.load_state_dict(_load_pt(file))
+            obj.load_state_dict(load_pt(file))
         saved_world = self.saved_world_size(path)
         for attr, obj in plan.per_rank.items():
             file = path / layout.rank_state_file(attr, self.env.rank)
             if saved_world != self.env.world_size and hasattr(obj, "reshard_state"):
                 state = obj.reshard_state(
-                    lambda r, attr=attr: _load_pt(path / layout.rank_state_file(attr, r)),
+                    lambda r, attr=attr: load_pt(path / layout.rank_state_file(attr, r)),
                     saved_world, self.env.rank, self.env.world_size,
                 )
                 obj.load_state_dict(state)
             elif not file.exists():
                 self._missing_state(attr, file)
             else:
-                obj.load_state_dict(_load_pt(file))
+                obj.load_state_dict(load_pt(file))
         barrier()
 
     @staticmethod
@@ -463,27 +484,5 @@ def _has_peft(plan: StatePlan) -> bool:
     return any(peft_format.is_peft_model(m) for m in plan.models.values())
 
 
-def _unwritable(folder: Path) -> str | None:
-    """Create ``folder`` if needed and prove a file can be created in it; the problem if not (read-only, ...)."""
-    import tempfile
-
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        return (f"checkpoint.checkpoint_dir: cannot write to '{folder}' ({exc.strerror or type(exc).__name__}); "
-                "choose a writable folder or set checkpoint.enabled: false")
-    return None
-
-
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=2)
-
-
-def _load_pt(file: Path) -> Any:
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
-

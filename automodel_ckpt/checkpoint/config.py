@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from automodel_ckpt.checkpoint.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
@@ -47,7 +47,9 @@ class CheckpointConfig:
     """Where, in which format, and whether checkpoints are written and restored."""
 
     enabled: bool = True  # write checkpoints (and auto-resume from them)
-    checkpoint_dir: str = "checkpoints/"  # run folder: checkpoints, pointers, training/validation logs
+    checkpoint_dir: str = "checkpoints/"  # run folder: checkpoints, pointers, training/validation logs; or s3://BUCKET/PREFIX
+    storage_options: Optional[Dict[str, Any]] = None  # object store checkpoint_dir: fsspec options (endpoint_url, key, ...)
+    staging_dir: Optional[str] = None  # object store checkpoint_dir: local folder for writes and loads (default: ~/.cache)
     model_save_format: str = "safetensors"  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
@@ -84,6 +86,9 @@ class CheckpointConfig:
         self.save_consolidated = mode
         if not str(self.checkpoint_dir).strip():
             raise ConfigError("checkpoint.checkpoint_dir: must not be empty")
+        _check_location(self.checkpoint_dir, "checkpoint.checkpoint_dir")
+        if self.restore_from is not None:
+            _check_location(self.restore_from, "checkpoint.restore_from")
         if self.restore_from is not None and not str(self.restore_from).strip():
             self.restore_from = None  # `--checkpoint.restore_from ""` means "not set": resume from the latest
         self.mode = _choice(MonitorMode, self.mode, "checkpoint.mode")
@@ -112,6 +117,14 @@ class CheckpointConfig:
         from omegaconf import OmegaConf
 
         return section if isinstance(section, cls) else OmegaConf.to_object(section)
+
+
+def _check_location(location: object, key: str) -> None:
+    """A URL location must name an object store whose backend is installed (it never becomes a local path)."""
+    from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url
+
+    if is_url(location):
+        check_url(str(location), key)
 
 
 def _choice(kind: type[_Choice], value: object, key: str) -> Any:

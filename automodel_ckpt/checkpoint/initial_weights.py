@@ -32,6 +32,7 @@ def start_from(ckpt: Any, states: dict[str, Any], restore_from: str, only: list[
     if kind == "checkpoint":
         from automodel_ckpt.checkpoint.resume import probe
 
+        ckpt.fetch(source)
         collective.collectively(
             lambda: probe(source, checksums=ckpt.cfg.verify_on_load, rank=rank, world_size=ckpt.env.world_size),
             f"checking '{source}'", rank)

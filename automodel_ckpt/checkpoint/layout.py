@@ -9,6 +9,7 @@ checkpoint_dir/
   .deleting-epoch_E_step_K/         a checkpoint being pruned (hidden by rename first, then removed)
   quarantine/                       checkpoints that failed to load on resume, kept for inspection
     epoch_E_step_N/  epoch_E_step_N.json     the checkpoint as it was, and why it was moved (step, reason, time)
+  .object-store.json                the URL this folder mirrors (checkpoint_dir on an object store, see below)
   epoch_E_step_N/
     metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt
     manifest.json                    every other file's size and checksum; written last, before publish
@@ -25,6 +26,11 @@ checkpoint_dir/
     dataloader/dataloader_dp_rank_R.pt
     rng/rng_dp_rank_R.pt
 ```
+
+On an object store (``checkpoint_dir: s3://bucket/run``) the same names are object keys below the URL, with no
+staging prefix: ``manifest.json`` is the commit object (a checkpoint exists once it does), ``LATEST`` and
+``LOWEST_VAL`` are small objects holding the target's name, and ``quarantine/<name>.json`` marks a checkpoint that
+failed to load. The run works in a local mirror folder (``checkpoint.staging_dir``) with the local layout above.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ VALIDATION_LOG = "validation.jsonl"
 STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"
 QUARANTINE_DIR = "quarantine"  # damaged checkpoints moved aside by resume (never listed, never pointed at)
+OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-store checkpoint_dir: its URL
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
 # Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
 NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")
@@ -54,6 +61,7 @@ LAYOUT_VERSION = 1
 MANIFEST_FILE = "manifest.json"  # size + checksum of every file of the checkpoint (docs/integrity.md)
 CONFIG_FILE = "config.yaml"
 LOSSES_FILE = "losses.json"
+
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
 CONSOLIDATED_DIR = "consolidated"
@@ -63,6 +71,9 @@ HF_METADATA_DIR = ".hf_metadata"
 ORIGINAL_TENSORS_FILE = "original_tensors.json"
 SAVED_STATE_FILE = "saved_state.json"
 DCP_METADATA = ".metadata"
+# What a mirror of an object-store checkpoint keeps until the checkpoint is loaded: enough to list and select it
+# (the manifest, the commit object, last).
+CATALOG_FILES = (METADATA_FILE, CONFIG_FILE, LOSSES_FILE, f"{MODEL_DIR}/{HF_METADATA_DIR}/config.json", MANIFEST_FILE)
 
 # --- Hugging Face names -----------------------------------------------------------------------------
 HF_INDEX = "model.safetensors.index.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Iterable
 
 from automodel_ckpt.checkpoint import catalog, layout
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, to_delete
@@ -57,10 +58,12 @@ def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool) -> Path
     return final
 
 
-def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metric_key: str | None = None) -> list[str]:
+def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metric_key: str | None = None,
+          protected: Iterable[str] = ()) -> list[str]:
     """Rank 0, after publish: delete the checkpoints the retention policy gives up (see ``retention``).
 
-    Pointer targets and the newest checkpoint are never deleted, staging folders never touched. Each checkpoint
+    Pointer targets, the ``protected`` names and the newest checkpoint are never deleted, staging folders never
+    touched. Each checkpoint
     is first hidden by a rename (so a crash mid-delete never leaves a half-deleted checkpoint that looks
     complete), then removed. A checkpoint that cannot be deleted is a warning, never an error.
     """
@@ -70,7 +73,7 @@ def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metr
             remove_tree(leftover)
     if not policy.prunes:
         return []
-    protected = {t for t in catalog.pointer_targets(checkpoint_dir).values() if t}
+    protected = {t for t in catalog.pointer_targets(checkpoint_dir).values() if t} | set(protected)
     records = catalog.candidates(catalog.scan(checkpoint_dir), monitor, best_metric_key)
     deleted = []
     for name in to_delete(records, policy, protected):

@@ -140,8 +140,12 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
         path = ckpt.find_restore_target(auto=auto)
         if path is None:
             return None
-        check_same_run(path, ckpt.fingerprint, ckpt.dir)  # every rank reads the same small file: same verdict
+        unfetched = _fetch(ckpt, path)  # a checkpoint on an object store: its files into the local mirror first
+        if unfetched is None:
+            check_same_run(path, ckpt.fingerprint, ckpt.dir)  # every rank reads the same small file: same verdict
         try:
+            if unfetched is not None:  # a missing or unreadable object: damaged like a missing file
+                raise unfetched
             collective.collectively(
                 lambda: probe(path, checksums=cfg.verify_on_load, rank=rank, world_size=ckpt.env.world_size,
                               warn=_warn),
@@ -152,16 +156,32 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
             reason = first_line(exc)
             if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
                 reason = reason.split(": ", 1)[-1]
-            moved = collective.on_main(
-                lambda: str(quarantine(ckpt.dir, path.name, reason, monitor=cfg.monitor,
-                                       best_metric_key=cfg.best_metric_key, mode=str(cfg.mode))),
-                "moving the damaged checkpoint aside", rank)
+            moved = collective.on_main(lambda: _quarantine(ckpt, path.name, reason),
+                                       "moving the damaged checkpoint aside", rank)
             if ckpt.env.is_main:
                 ckpt.say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
                          "and resuming from the newest checkpoint before it")
             continue
         ckpt.load(states, path, checked=True)
         return path
+
+
+def _fetch(ckpt: Any, path: Path) -> CheckpointError | None:
+    try:
+        ckpt.fetch(path)
+    except CheckpointError as exc:
+        return exc
+    return None
+
+
+def _quarantine(ckpt: Any, name: str, reason: str) -> str:
+    cfg = ckpt.cfg
+    moved = quarantine(ckpt.dir, name, reason, monitor=cfg.monitor, best_metric_key=cfg.best_metric_key,
+                       mode=str(cfg.mode))
+    if getattr(ckpt, "remote", None) is not None:  # on an object store: a note object, and the pointers re-set
+        ckpt.remote.quarantine(name, reason)
+        return f"{ckpt.remote.url}/{layout.QUARANTINE_DIR}/ (and {moved})"
+    return str(moved)
 
 
 def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path) -> None:

@@ -216,3 +216,11 @@ def save_failure(exc: BaseException, path: Path) -> CheckpointError:
     if isinstance(cause, CheckpointError):
         return CheckpointError(str(cause))
     return CheckpointError(f"cannot write '{path}': {type(cause).__name__}: {first_line(cause)}")
+
+
+def load_pt(file: Path) -> Any:
+    """A small ``.pt`` state file (tensors and plain data only); a one-line ``CheckpointError`` if unreadable."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None

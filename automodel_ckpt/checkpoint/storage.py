@@ -6,6 +6,7 @@ import ctypes
 import os
 import shutil
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -227,3 +228,15 @@ def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
     fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+def unwritable(folder: Path) -> str | None:
+    """Create ``folder`` if needed and prove a file can be created in it; the problem if not (read-only, ...)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return (f"checkpoint.checkpoint_dir: cannot write to '{folder}' ({exc.strerror or type(exc).__name__}); "
+                "choose a writable folder or set checkpoint.enabled: false")
+    return None

@@ -25,6 +25,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "merge-lora": ("merge_lora", "CHECKPOINT [--out DIR] [--base DIR]"),
     "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only] | --export CHECKPOINT"),
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),
+    "gc": ("gc", "s3://BUCKET/RUN [--min-age-minutes M] [--dry-run]"),
     "preview": ("preview", "RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]"),
 }
 

@@ -31,8 +31,10 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> VerbParser:
     p = VerbParser("consolidate", "Export a checkpoint's model (sharded safetensors or DCP) to a Hugging Face folder.")
-    p.add_argument("model_dir", type=Path, help="checkpoint folder (epoch_E_step_N) or its model/ folder")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: MODEL_DIR/consolidated)")
+    p.add_argument("model_dir", help="checkpoint folder (epoch_E_step_N) or its model/ folder; or its object store "
+                                     "URL (s3://BUCKET/RUN/epoch_E_step_N)")
+    p.add_argument("--out", default=None, help="output folder or object store URL (default: MODEL_DIR/consolidated; "
+                                               "required for a checkpoint on an object store)")
     p.add_argument("--cast-dtype", default=None, help="bf16, fp16, fp32 or fp64 for floating tensors")
     p.add_argument("--num-threads", type=int, default=5, help="writer threads per process (default 5)")
     p.add_argument("--max-shard-size", default="5GiB", help="file size limit without base layout (default 5GiB)")
@@ -47,6 +49,14 @@ def main(argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     started_group = False
+    model_dir, out_url = _localize(args, world_size)
+    out_dir = Path(args.out) if args.out and not out_url else None
+    tmp = None
+    if out_url:
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory(prefix="consolidated-")
+        out_dir = Path(tmp.name) / "consolidated"
     try:
         from automodel_ckpt.checkpoint.export.plan import consolidate
 
@@ -58,8 +68,8 @@ def main(argv: list[str]) -> int:
                 started_group = True
             rank, world_size = dist.get_rank(), dist.get_world_size()
         out = consolidate(
-            args.model_dir,
-            args.out,
+            model_dir,
+            out_dir,
             cast_dtype=args.cast_dtype,
             num_threads=args.num_threads,
             max_shard_size=max_shard_size,
@@ -67,17 +77,44 @@ def main(argv: list[str]) -> int:
             world_size=world_size,
             progress=not args.no_progress,
         )
-        if rank == 0:
+        if rank == 0 and out_url:
+            from automodel_ckpt.checkpoint import layout
+            from automodel_ckpt.checkpoint.objectstore import upload_folder
+
+            upload_folder(out, out_url, last=(layout.HF_CONFIG,))
+            print(f"Hugging Face model written to {out_url}", flush=True)
+        elif rank == 0:
             from automodel_ckpt.checkpoint.manifest import add_files
 
             add_files(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
             print(f"Hugging Face model written to {out}", flush=True)
     finally:
+        if tmp is not None:
+            tmp.cleanup()
         if started_group:
             import torch.distributed as dist
 
             dist.destroy_process_group()
     return 0
+
+
+def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
+    """The local model folder to read (an object store checkpoint's model/ is downloaded first) and the output URL."""
+    from automodel_ckpt.checkpoint import layout
+    from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
+
+    source, out = str(args.model_dir), args.out
+    out_url = str(out) if out is not None and is_url(out) else None
+    if not is_url(source):
+        return Path(source), out_url
+    if world_size > 1:
+        raise UsageError("consolidate: a checkpoint on an object store is exported by one process; run it without "
+                         "torchrun")
+    if out is None:
+        raise UsageError(f"consolidate: give --out (a local folder or an object store URL) for '{source}'")
+    checkpoint = source.rstrip("/").removesuffix("/" + layout.MODEL_DIR)
+    local = open_for_reading(checkpoint, fetch_all=True, only=layout.MODEL_DIR, key="consolidate")
+    return local / layout.MODEL_DIR, out_url
 
 
 def script_main() -> int:

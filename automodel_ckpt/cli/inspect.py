@@ -11,6 +11,7 @@ from typing import Any
 from automodel_ckpt.checkpoint import catalog, layout
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.metadata import as_float
+from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.jsonsafe import json_safe
@@ -20,14 +21,17 @@ _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CO
 
 def build_parser() -> VerbParser:
     p = VerbParser("inspect", "List the checkpoints of a run folder.")
-    p.add_argument("checkpoint_dir", type=Path, help="the run's checkpoint.checkpoint_dir (or one checkpoint in it)")
+    p.add_argument("checkpoint_dir", help="the run's checkpoint.checkpoint_dir (or one checkpoint in it); a path or "
+                                          "an object store URL (s3://BUCKET/RUN)")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    report = inspect_dir(args.checkpoint_dir)
+    report = inspect_dir(open_for_reading(args.checkpoint_dir, key="inspect"))
+    if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
+        report["checkpoint_dir"] = args.checkpoint_dir
     try:
         print(json.dumps(report, indent=2) if args.json else render_table(report), flush=True)
     except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
@@ -64,6 +68,7 @@ def inspect_dir(path: Path) -> dict[str, Any]:
 
 def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> dict[str, Any]:
     meta = record.metadata or {}
+    stored = stored_files(record.path) if source_of(record.path) else None  # a mirror: the store's files
     return {
         "name": record.name,
         "step": record.step,
@@ -71,10 +76,11 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "consumed_samples": meta.get("consumed_samples"),
         "train_loss": json_safe(as_float(meta.get("train_loss"))),
         "val_loss": json_safe(as_float(meta.get("val_loss"))),
-        "size_bytes": catalog.size_on_disk(record.path),
+        "size_bytes": sum(stored.values()) if stored is not None else catalog.size_on_disk(record.path),
         "family": model_family(record.path),
         "format": meta.get("model_save_format") or detect_model_format(layout.model_dir(record.path)),
-        "consolidated": layout.consolidated_dir(record.path).is_dir(),
+        "consolidated": layout.consolidated_dir(record.path).is_dir() if stored is None else
+        any(rel.startswith(f"{layout.MODEL_DIR}/{layout.CONSOLIDATED_DIR}/") for rel in stored),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "metadata": record.metadata,

@@ -13,14 +13,18 @@ from automodel_ckpt.training.metrics import read_jsonl
 
 def build_parser() -> VerbParser:
     p = VerbParser("plot", "A PNG of training/validation loss and learning rate, with checkpoints marked.")
-    p.add_argument("checkpoint_dir", type=Path, help="the run folder (checkpoint.checkpoint_dir)")
-    p.add_argument("--out", type=Path, default=None, help="PNG to write (default: CHECKPOINT_DIR/loss.png)")
+    p.add_argument("checkpoint_dir", help="the run folder (checkpoint.checkpoint_dir): a path or an object store URL")
+    p.add_argument("--out", type=Path, default=None,
+                   help="PNG to write (default: CHECKPOINT_DIR/loss.png; ./loss.png for a URL)")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    out = plot_run(args.checkpoint_dir, args.out)
+    from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
+
+    run_dir = open_for_reading(args.checkpoint_dir, key="plot")
+    out = plot_run(run_dir, args.out or (Path("loss.png") if is_url(args.checkpoint_dir) else None))
     print(f"wrote {out}")
     return 0
 

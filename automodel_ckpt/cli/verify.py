@@ -18,7 +18,8 @@ FAILED = 1
 
 def build_parser() -> VerbParser:
     p = VerbParser("verify", "Check checkpoint files against their manifest.json (sizes and checksums) and the pointers.")
-    p.add_argument("path", type=Path, help="a checkpoint folder, or a checkpoint_dir (every checkpoint in it)")
+    p.add_argument("path", help="a checkpoint folder, or a checkpoint_dir (every checkpoint in it); a path or an "
+                                "object store URL (its files are downloaded, then checked)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems and the summary")
     p.add_argument("--sizes-only", action="store_true", help="skip checksums (fast: no file is read)")
     p.add_argument("--export", action="store_true",
@@ -99,7 +100,9 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    path: Path = args.path
+    from automodel_ckpt.checkpoint.objectstore import open_for_reading
+
+    path = open_for_reading(args.path, fetch_all=True, key="verify")
     if not path.exists():
         raise UserError(f"'{path}' does not exist")
     if not path.is_dir():

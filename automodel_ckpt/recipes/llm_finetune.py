@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, layout
 from automodel_ckpt.checkpoint.fingerprint import run_fingerprint
+from automodel_ckpt.checkpoint.objectstore import run_folder
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
@@ -78,7 +79,7 @@ class FinetuneRecipe(BaseRecipe):
                                         total_steps=self.step_scheduler.total_steps)
         self.rng = RNGState()
         ckpt_cfg = self.checkpoint_config
-        run_dir = Path(ckpt_cfg.checkpoint_dir)
+        run_dir = run_folder(ckpt_cfg)  # checkpoint_dir, or the local mirror of an object-store URL
         self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
         self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)

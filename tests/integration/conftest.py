@@ -21,3 +21,13 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("assets")
     ensure_tiny_base(root / "tiny_llama_base")
     return root
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory):
+    """One real S3 server (SeaweedFS on loopback) for the whole session; each test makes its own bucket."""
+    from tests.integration.seaweed import start
+
+    server = start(tmp_path_factory.mktemp("seaweed"))
+    yield server
+    server.stop()

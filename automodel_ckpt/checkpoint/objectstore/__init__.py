@@ -1,0 +1,115 @@
+"""Checkpoints on object storage (``checkpoint_dir: s3://bucket/run``): what the checkpointer and the verbs call.
+
+A local ``checkpoint_dir`` never comes here. See ``run`` for the commit protocol and docs/object-storage.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
+from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, source_of
+from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
+from automodel_ckpt.errors import UserError
+
+__all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "fetch_collectively", "is_url", "localize",
+           "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder"]
+
+
+def attach(cfg: Any) -> RemoteRun | None:
+    """The object-store run folder of a ``CheckpointConfig`` (None for a local ``checkpoint_dir``)."""
+    if not is_url(cfg.checkpoint_dir):
+        return None
+    url = normalize(str(cfg.checkpoint_dir))
+    return open_run(url, cfg.storage_options, mirror_folder(url, cfg.staging_dir))
+
+
+def run_folder(cfg: Any) -> Path:
+    """The local folder a run writes its checkpoints and logs to: ``checkpoint_dir``, or its mirror for a URL."""
+    if is_url(cfg.checkpoint_dir):
+        return mirror_folder(str(cfg.checkpoint_dir), cfg.staging_dir)
+    return local_path(str(cfg.checkpoint_dir))
+
+
+def stored_files(folder: Path) -> dict[str, int]:
+    """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
+    from automodel_ckpt.checkpoint import manifest
+
+    listed = (manifest.read(folder) or {}).get("files", {})
+    return {rel: int(e["size"]) for rel, e in listed.items()}
+
+
+def localize(target: str | None, storage_options: dict[str, Any] | None) -> str | None:
+    """Rank 0: a ``restore_from`` URL as the local mirror folder of that checkpoint (catalog files only)."""
+    if target is None or not is_url(target):
+        return target
+    return str(open_for_reading(target, storage_options, key="checkpoint.restore_from"))
+
+
+def fetch_collectively(path: Path, storage_options: dict[str, Any] | None, rank: int) -> None:
+    """Every rank: download mirrored checkpoint ``path`` (each rank of a node a share); a local one is left alone."""
+    from automodel_ckpt.checkpoint import collective
+
+    url = collective.on_main(lambda: source_of(path), "finding the checkpoint's store", rank)
+    if url is not None:
+        collective.collectively(lambda: fetch(path, url, storage_options), f"fetching '{url}/{path.name}'", rank)
+
+
+def open_for_reading(location: str | Path, storage_options: dict[str, Any] | None = None, *,
+                     fetch_all: bool = False, only: str | None = None, key: str = "path") -> Path:
+    """A local folder to read ``location`` from: itself when local; for a URL, a mirror of the run folder (or of
+    the one checkpoint it names) with the committed checkpoints' catalog files, and with ``fetch_all`` all of
+    their files (``only``: those below this folder of each checkpoint)."""
+    if not is_url(location):
+        return local_path(str(location))
+    location = str(location)
+    check_url(location, key)
+    url = normalize(location)
+    store = ObjectStore(url, storage_options)
+    problem = store.access_problem(key, write=False)
+    if problem:
+        raise UserError(problem)
+    one = wrap(f"reading '{url}'", lambda: store.exists(layout.MANIFEST_FILE))
+    run_url = url.rsplit("/", 1)[0] if one else url
+    run = open_run(run_url, storage_options, _fresh_folder() if fetch_all else mirror_folder(run_url, None, "read"))
+    names = run.pull()
+    if one:
+        name = url.rsplit("/", 1)[1]
+        if name not in names:
+            raise UserError(f"{key}: '{url}' is not a committed checkpoint")
+        targets = [run.mirror / name]
+    else:
+        if not names and not run.store.prefixes():
+            raise UserError(f"{key}: nothing at '{url}' (no checkpoints, no pointers)")
+        targets = [run.mirror / n for n in names]
+    if fetch_all:
+        for folder in targets:
+            fetch(folder, run.url, storage_options, 0, 1, only=only)
+    return targets[0] if one else run.mirror
+
+
+def _fresh_folder() -> Path:
+    """An empty folder, removed when the process exits: what is checked or exported is what the store holds now."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="automodel-ckpt-object-store-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def upload_folder(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
+                  last: tuple[str, ...] = ()) -> None:
+    """Upload every file below ``folder`` to ``url`` (same relative keys); the ``last`` names after all others
+    (for a Hugging Face folder, ``config.json``: a reader never sees a config without its weights)."""
+    from automodel_ckpt.checkpoint.manifest import list_files
+
+    check_url(url, "--out")
+    store = ObjectStore(normalize(url), storage_options)
+    rels = list(list_files(folder))
+    first = [r for r in rels if r not in last]
+    wrap(f"uploading to '{store.url}'", lambda: store.upload(folder, first, ""))
+    wrap(f"uploading to '{store.url}'", lambda: store.upload(folder, [r for r in rels if r in last], ""))

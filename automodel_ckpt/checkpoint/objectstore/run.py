@@ -1,0 +1,245 @@
+"""A run folder on an object store worked through a local mirror: pull the catalog, fetch, upload, commit, prune, gc.
+
+The mirror (``checkpoint.staging_dir``) has the local layout, so selection, retention and loading run unchanged on
+it; this module keeps it and the store in step. The commit protocol, with no rename on an object store:
+
+1. every rank writes its files into the mirror's staging folder (the local save path, unchanged);
+2. every rank uploads its share of the files under their final keys ``<name>/<file>`` (in parallel, multipart,
+   streamed from disk), and all ranks agree that every upload succeeded;
+3. rank 0 uploads ``<name>/manifest.json``, the commit object: from then on, and not before, the checkpoint
+   exists for every reader; then the pointer objects ``LATEST`` / ``LOWEST_VAL`` and the training logs;
+4. the mirror keeps only the small catalog files of the checkpoint (``layout.CATALOG_FILES``).
+
+Readers list only prefixes that hold a commit object. Retention deletes the commit object first. Prefixes without
+one are leftovers of a save that was killed; a later save of the run deletes them, ``ckpt-train gc`` deletes the
+ones older than a minimum age (an upload in progress is younger).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint.objectstore.location import normalize
+from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
+from automodel_ckpt.checkpoint.storage import read_pointer, remove_pointer, remove_tree, set_pointer
+from automodel_ckpt.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+LOGS = (layout.TRAINING_LOG, layout.VALIDATION_LOG)
+
+
+class RemoteRun:
+    """``store`` (the run folder's URL) mirrored in the local folder ``mirror``."""
+
+    def __init__(self, store: ObjectStore, mirror: Path) -> None:
+        self.store = store
+        self.mirror = Path(mirror)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # --- start of a run or a verb: the catalog -------------------------------------------------------
+    def prepare(self, key: str = "checkpoint.checkpoint_dir") -> None:
+        """Rank 0, before training: check access (one-line error), then pull the catalog into the mirror."""
+        problem = self.store.access_problem(key)
+        if problem:
+            raise CheckpointError(problem)
+        self.pull()
+
+    def pull(self) -> list[str]:
+        """Make the mirror list exactly the committed checkpoints (small files only), the pointers and the logs."""
+        self.mirror.mkdir(parents=True, exist_ok=True)
+        (self.mirror / layout.OBJECT_STORE_SOURCE).write_text(json.dumps({"url": self.url}) + "\n", encoding="utf-8")
+        names = wrap(f"listing '{self.url}'", self._selectable)
+        for entry in self.mirror.iterdir():  # uncommitted or deleted remotely: not a checkpoint here either
+            if entry.is_dir() and not entry.is_symlink() and entry.name not in names \
+                    and entry.name != layout.QUARANTINE_DIR:
+                remove_tree(entry)
+        wanted = [self.store.key(n, f) for n in names for f in layout.CATALOG_FILES]
+        got = wrap(f"reading the catalog of '{self.url}'",
+                   lambda: self.store.fs.cat(wanted, on_error="omit") if wanted else {})
+        for name in names:
+            folder = self.mirror / name
+            remote_manifest = got.get(self.store.key(name, layout.MANIFEST_FILE))
+            local_manifest = folder / layout.MANIFEST_FILE
+            if local_manifest.is_file() and local_manifest.read_bytes() != remote_manifest:
+                remove_tree(folder)  # another checkpoint of the same name: nothing cached of the old one is valid
+            folder.mkdir(exist_ok=True)
+            for file in layout.CATALOG_FILES:  # the commit object last
+                data = got.get(self.store.key(name, file))
+                if data is not None:
+                    (folder / file).parent.mkdir(parents=True, exist_ok=True)
+                    (folder / file).write_bytes(data)
+        for pointer in layout.POINTERS:
+            target = (self.store.read_text(pointer) or "").strip()
+            if target in names:
+                set_pointer(self.mirror, pointer, target)
+            elif read_pointer(self.mirror, pointer) is not None:
+                remove_pointer(self.mirror, pointer)
+        for log in LOGS:
+            data = self.store.read_text(log)
+            if data is None:
+                (self.mirror / log).unlink(missing_ok=True)
+            else:
+                (self.mirror / log).write_text(data, encoding="utf-8")
+        return names
+
+    def _selectable(self) -> list[str]:
+        quarantined = set()
+        qdir = self.store.key(layout.QUARANTINE_DIR)
+        if self.store.fs.exists(qdir):
+            quarantined = {p.rsplit("/", 1)[-1].removesuffix(".json") for p in self.store.fs.ls(qdir, detail=False)}
+        return [n for n in self.store.committed() if n not in quarantined]
+
+    def leftovers(self) -> list[str]:
+        """Prefixes without a commit object: saves that never committed (or deletions that were interrupted)."""
+        names = [n for n in self.store.prefixes() if n != layout.QUARANTINE_DIR]
+        committed = set(self.store.committed(names))
+        return [n for n in names if n not in committed and self.store.objects(n)]
+
+    # --- a save ----------------------------------------------------------------------------------------
+    def before_save(self, name: str) -> list[str]:
+        """Rank 0, before a save: refuse an existing checkpoint; delete leftovers of earlier, unfinished saves.
+
+        At most one save of a run is in flight, and it starts only after the previous one committed or failed: any
+        prefix without a commit object now is a leftover. Returns the names deleted.
+        """
+        if wrap(f"checking '{self.store.url_of(name)}'", lambda: self.store.exists(name, layout.MANIFEST_FILE)):
+            raise CheckpointError(
+                f"checkpoint '{self.store.url_of(name)}' already exists and is never overwritten; "
+                "restore from the newest checkpoint or use another checkpoint.checkpoint_dir"
+            )
+        leftovers = wrap(f"listing '{self.url}'", self.leftovers)
+        for leftover in leftovers:
+            wrap(f"deleting '{self.store.url_of(leftover)}'", lambda n=leftover: self.store.delete_prefix(n))
+        return leftovers
+
+    def reserve(self, name: str, reserve_local: Callable[[], Path]) -> Path:
+        """Rank 0: ``before_save``, then the local staging folder (``reserve_local``)."""
+        removed = self.before_save(name)
+        if removed:
+            logger.info("removed unfinished uploads from %s: %s", self.url, ", ".join(removed))
+        return reserve_local()
+
+    def prune(self, prune_local: Callable[..., list[str]], resumed_from: str | None) -> list[str]:
+        """Rank 0: retention on the mirror (``prune_local(protected)``; the resumed-from checkpoint is kept),
+        then the same checkpoints deleted from the store."""
+        deleted = prune_local([resumed_from] if resumed_from else [])
+        self.delete(deleted)
+        return deleted
+
+    def upload_share(self, staging: Path, name: str, rank: int, world_size: int) -> None:
+        """Every rank: upload its share of the staged files (the manifest excluded) under their final keys."""
+        files = manifest.list_files(staging)
+        share = manifest.assign(files, world_size)[rank]
+        wrap(f"uploading to '{self.store.url_of(name)}'", lambda: self.store.upload(staging, share, name))
+
+    def commit(self, staging: Path, name: str, publish: Any) -> Path:
+        """Rank 0, after every rank's uploads succeeded: upload the commit object, publish in the mirror
+        (``publish()`` renames and sets the local pointers), then the pointer objects and the logs."""
+        wrap(f"committing '{self.store.url_of(name)}'",
+             lambda: self.store.upload(staging, [layout.MANIFEST_FILE], name))
+        final = publish()
+        self.push_pointers()
+        self.push_logs()
+        self.evict(final)
+        return final
+
+    def push_pointers(self) -> None:
+        for pointer in layout.POINTERS:
+            target = read_pointer(self.mirror, pointer)
+            if target is not None:
+                wrap(f"setting {pointer} in '{self.url}'",
+                     lambda p=pointer, t=target: self.store.write_text(t + "\n", p))
+            else:
+                wrap(f"removing {pointer} in '{self.url}'", lambda p=pointer: self.store.remove(p))
+
+    def push_logs(self) -> None:
+        rels = [log for log in LOGS if (self.mirror / log).is_file()]
+        wrap(f"uploading the logs to '{self.url}'", lambda: self.store.upload(self.mirror, rels, ""))
+
+    def evict(self, folder: Path) -> None:
+        """Drop the mirror's copy of a committed checkpoint's files, except the catalog files."""
+        for rel in manifest.list_files(folder):
+            if rel not in layout.CATALOG_FILES:
+                (folder / rel).unlink(missing_ok=True)
+        for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            try:
+                sub.rmdir()
+            except OSError:
+                pass
+
+    # --- retention, quarantine, gc ---------------------------------------------------------------------
+    def delete(self, names: list[str]) -> None:
+        """Rank 0: delete committed checkpoints (each commit object first), then re-point what named them."""
+        for name in names:
+            wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_checkpoint(n))
+
+    def quarantine(self, name: str, reason: str) -> None:
+        """Rank 0: mark checkpoint ``name`` as unloadable (a note object): never listed or selected again."""
+        note = {"name": name, "reason": reason, "quarantined_at": now()}
+        wrap(f"quarantining '{self.store.url_of(name)}'",
+             lambda: self.store.write_text(json.dumps(note) + "\n", layout.QUARANTINE_DIR,
+                                           layout.quarantine_note(name)))
+        self.push_pointers()
+
+    def gc(self, min_age_seconds: float) -> list[str]:
+        """Delete leftovers whose newest object is older than ``min_age_seconds`` (younger ones may be uploads
+        in progress). Returns the names deleted."""
+        deleted = []
+        for name in wrap(f"listing '{self.url}'", self.leftovers):
+            newest = self.store.newest_write(name)
+            if newest is not None and now() - newest < min_age_seconds:
+                logger.info("keeping '%s': written %.0f s ago, may still be uploading", name, now() - newest)
+                continue
+            wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))
+            deleted.append(name)
+        return deleted
+
+
+# --- loading: a checkpoint of the mirror is fetched before it is checked and loaded ------------------
+
+
+def source_of(folder: Path) -> str | None:
+    """The URL of the run folder whose mirror holds checkpoint ``folder``, or None for a local checkpoint."""
+    note = Path(folder).parent / layout.OBJECT_STORE_SOURCE
+    try:
+        return str(json.loads(note.read_text(encoding="utf-8"))["url"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None, rank: int | None = None,
+          world_size: int | None = None, only: str | None = None) -> None:
+    """Download the files of mirrored checkpoint ``folder`` the mirror lacks (every rank of a node takes a share).
+
+    ``url`` is the run folder's (``source_of``). Files already there with their manifest size are kept.
+    ``only``: just the files below this folder of the checkpoint (``model/`` for an export).
+    """
+    folder = Path(folder)
+    rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if world_size is None else world_size
+    store = ObjectStore(url, storage_options)
+    if not (folder / layout.MANIFEST_FILE).is_file():
+        wrap(f"fetching '{store.url_of(folder.name)}'",
+             lambda: store.download(folder.name, [layout.MANIFEST_FILE], folder))
+    listed = (manifest.read(folder) or {}).get("files", {})
+    share = []
+    for i, (rel, entry) in enumerate(sorted(listed.items())):
+        path = folder / rel
+        if only is not None and not rel.startswith(only.rstrip("/") + "/"):
+            continue
+        if i % world_size == rank and not (path.is_file() and path.stat().st_size == int(entry["size"])):
+            share.append(rel)
+    wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder))
+
+
+def open_run(url: str, storage_options: dict[str, Any] | None, mirror: Path) -> RemoteRun:
+    return RemoteRun(ObjectStore(normalize(url), storage_options), mirror)

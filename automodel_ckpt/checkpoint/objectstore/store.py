@@ -1,0 +1,194 @@
+"""One run folder on an object store as the commit protocol uses it: listing, small objects, transfers, deletion.
+
+Committed checkpoints are the prefixes holding a commit object; uploads and downloads run many files at once;
+a checkpoint is deleted commit object first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.objectstore.location import normalize, open_filesystem, split
+from automodel_ckpt.errors import CheckpointError, first_line
+
+logger = logging.getLogger(__name__)
+
+BATCH = 8  # files transferred at once per process
+PARTS = 4  # parts of one large file (over 100 MiB: 50 MiB multipart parts) uploaded at once: memory is bounded by
+# BATCH * PARTS * 50 MiB per process, whatever the size of the state
+
+
+@dataclass
+class ObjectStore:
+    """``url`` (``s3://bucket/run``): checkpoints are prefixes below it; one exists once its commit object does."""
+
+    url: str
+    storage_options: dict[str, Any] | None = None
+    fs: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.url = normalize(self.url)
+        self.scheme, self.root = split(self.url)
+        if self.fs is None:
+            self.fs = open_filesystem(self.url, self.storage_options)
+
+    # --- names -------------------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        return "/".join([self.root, *(p.strip("/") for p in parts if p)])
+
+    def url_of(self, *parts: str) -> str:
+        return f"{self.scheme}://{self.key(*parts)}"
+
+    # --- checks ------------------------------------------------------------------------------------
+    def access_problem(self, key: str, *, write: bool = True) -> str | None:
+        """Whether the run folder can be listed (and ``write``: written): the problem in one line, or None."""
+        bucket = self.root.split("/", 1)[0]
+        probe = self.key(f".write-probe-{uuid.uuid4().hex[:12]}")
+        try:
+            self.fs.ls(self.root, refresh=True) if self.fs.exists(self.root) else self.fs.ls(bucket, refresh=True)
+            if write:
+                self.fs.pipe_file(probe, b"")
+                self.fs.rm_file(probe)
+        except FileNotFoundError:
+            return (f"{key}: bucket '{bucket}' does not exist at {self._endpoint()}; create it or fix the URL "
+                    f"'{self.url}'")
+        except PermissionError as exc:
+            return (f"{key}: access to '{self.url}' denied ({first_line(exc)}); check AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY (or checkpoint.storage_options)")
+        except Exception as exc:  # noqa: BLE001 - network errors come in many types
+            text = first_line(exc)
+            if "connect" in text.lower() or "endpoint" in text.lower() or isinstance(exc, (OSError, TimeoutError)):
+                return (f"{key}: cannot reach the object store at {self._endpoint()} for '{self.url}' ({text}); "
+                        "check AWS_ENDPOINT_URL and the network")
+            return f"{key}: cannot use '{self.url}': {type(exc).__name__}: {text}"
+        return None
+
+    def _endpoint(self) -> str:
+        client = getattr(self.fs, "client_kwargs", None) or {}
+        return str(getattr(self.fs, "endpoint_url", None) or client.get("endpoint_url")
+                   or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint")
+
+    # --- listing -----------------------------------------------------------------------------------
+    def prefixes(self) -> list[str]:
+        """Names of the prefixes directly below the run folder (committed or not)."""
+        try:
+            entries = self.fs.ls(self.root, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+    def committed(self, names: Iterable[str] | None = None) -> list[str]:
+        """The checkpoints whose commit object exists (a prefix without one does not exist for any reader)."""
+        names = self.prefixes() if names is None else list(names)
+        return [n for n in names if self.exists(n, layout.MANIFEST_FILE)]
+
+    def exists(self, *parts: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.key(*parts)))
+        except FileNotFoundError:
+            return False
+
+    def objects(self, name: str) -> list[dict[str, Any]]:
+        """The objects below prefix ``name`` (folder placeholders, which some stores keep, left out)."""
+        try:
+            found = self.fs.find(self.key(name), detail=True)
+        except FileNotFoundError:
+            return []
+        return [info for info in found.values() if info.get("type") != "directory"]
+
+    def newest_write(self, name: str) -> float | None:
+        """Seconds since the epoch of the newest object below prefix ``name`` (None when it holds none)."""
+        stamps = [_mtime(info) for info in self.objects(name)]
+        return max((s for s in stamps if s is not None), default=None)
+
+    # --- small objects -------------------------------------------------------------------------------
+    def read_text(self, *parts: str) -> str | None:
+        try:
+            return self.fs.cat_file(self.key(*parts)).decode("utf-8")
+        except FileNotFoundError:
+            return None
+
+    def write_text(self, text: str, *parts: str) -> None:
+        self.fs.pipe_file(self.key(*parts), text.encode("utf-8"))
+
+    def remove(self, *parts: str) -> None:
+        try:
+            self.fs.rm_file(self.key(*parts))
+        except FileNotFoundError:
+            pass
+
+    # --- bulk transfers ------------------------------------------------------------------------------
+    def upload(self, local_root: Path, rels: list[str], name: str) -> None:
+        """Upload ``local_root/rel`` to ``name/rel`` for every rel: many files at once, each streamed from disk."""
+        if not rels:
+            return
+        lpaths = [str(Path(local_root) / rel) for rel in rels]
+        rpaths = [self.key(name, rel) for rel in rels]
+        self.fs.put(lpaths, rpaths, batch_size=BATCH, max_concurrency=PARTS)
+
+    def download(self, name: str, rels: list[str], local_root: Path) -> None:
+        """Fetch ``name/rel`` into ``local_root/rel`` (each through a temporary name, renamed when complete)."""
+        if not rels:
+            return
+        tag = f".part-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        targets = [Path(local_root) / rel for rel in rels]
+        for t in targets:
+            t.parent.mkdir(parents=True, exist_ok=True)
+        tmps = [str(t) + tag for t in targets]
+        try:
+            # s3fs's own concurrency: a download streams to disk in small blocks, memory stays small anyway
+            self.fs.get([self.key(name, rel) for rel in rels], tmps)
+            for tmp, target in zip(tmps, targets):
+                os.replace(tmp, target)
+        finally:
+            for tmp in tmps:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+    def delete_checkpoint(self, name: str) -> None:
+        """Delete prefix ``name``: its commit object first, so a half-deleted checkpoint is never selectable."""
+        self.remove(name, layout.MANIFEST_FILE)
+        self.delete_prefix(name)
+
+    def delete_prefix(self, name: str) -> None:
+        try:
+            self.fs.rm(self.key(name), recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    stamp = info.get("LastModified") or info.get("mtime") or info.get("last_modified") or info.get("updated")
+    if stamp is None:
+        return None
+    if isinstance(stamp, (int, float)):
+        return float(stamp)
+    if hasattr(stamp, "timestamp"):
+        return float(stamp.timestamp())
+    try:
+        from datetime import datetime
+
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def wrap(what: str, fn: Any) -> Any:
+    """Run a store operation; its failure as a one-line ``CheckpointError`` naming ``what``."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - botocore/aiohttp raise many types
+        raise CheckpointError(f"{what}: {type(exc).__name__}: {first_line(exc)}") from exc
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,42 @@
+"""``ckpt-train gc URL``: delete what killed saves left on an object store (prefixes without a commit object)."""
+
+from __future__ import annotations
+
+from automodel_ckpt.cli.common import VerbParser
+from automodel_ckpt.errors import UserError
+
+
+def build_parser() -> VerbParser:
+    p = VerbParser("gc", "Delete the uploads of saves that never committed from an object-store checkpoint_dir.")
+    p.add_argument("checkpoint_dir", help="the run's checkpoint.checkpoint_dir on an object store (s3://BUCKET/RUN)")
+    p.add_argument("--min-age-minutes", type=float, default=60.0,
+                   help="keep leftovers written more recently than this: a save of a live run may still be "
+                        "uploading them (default 60; 0 deletes every leftover)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from automodel_ckpt.checkpoint.objectstore import check_url, is_url
+    from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
+    from automodel_ckpt.checkpoint.objectstore.run import open_run
+
+    if not is_url(args.checkpoint_dir):
+        raise UserError(f"gc: '{args.checkpoint_dir}' is a local folder; a local run's interrupted saves "
+                        "(.staging-*) are removed by its next save")
+    check_url(args.checkpoint_dir, "gc")
+    url = normalize(args.checkpoint_dir)
+    run = open_run(url, None, mirror_folder(url, None, role="read"))
+    problem = run.store.access_problem("gc", write=False)
+    if problem:
+        raise UserError(problem)
+    if args.dry_run:
+        for name in run.leftovers():
+            print(f"would delete {run.store.url_of(name)}/ (no commit object)")
+        return 0
+    deleted = run.gc(args.min_age_minutes * 60)
+    for name in deleted:
+        print(f"deleted {run.store.url_of(name)}/ (no commit object)")
+    print(f"gc: {len(deleted)} leftover(s) deleted from {url}")
+    return 0

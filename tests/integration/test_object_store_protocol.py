@@ -1,0 +1,87 @@
+"""The commit protocol on a real S3 server, without training: what readers list, gc's age rule, deletion order."""
+
+from __future__ import annotations
+
+import json
+
+from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.objectstore.run import open_run
+
+
+def _run(seaweed, tmp_path, monkeypatch):
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    bucket = seaweed.new_bucket()
+    return open_run(f"s3://{bucket}/run", None, tmp_path / "mirror"), seaweed.filesystem(), f"{bucket}/run"
+
+
+def _checkpoint(fs, root: str, name: str, step: int, commit: bool) -> None:
+    fs.pipe(f"{root}/{name}/model/shard.bin", b"x" * 100)
+    fs.pipe(f"{root}/{name}/metadata.json", json.dumps({"step": step, "epoch": 0}).encode())
+    if commit:
+        files = {"model/shard.bin": {"size": 100, "checksum": "0"}}
+        fs.pipe(f"{root}/{name}/{layout.MANIFEST_FILE}", json.dumps({"manifest_version": 1, "files": files}).encode())
+
+
+def test_readers_list_only_committed_checkpoints_and_pointers_to_them(seaweed, tmp_path, monkeypatch):
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    _checkpoint(fs, root, "epoch_0_step_2", 2, commit=True)
+    _checkpoint(fs, root, "epoch_0_step_4", 4, commit=False)  # uploaded, never committed
+    fs.pipe(f"{root}/LATEST", b"epoch_0_step_4\n")  # cannot happen (pointers follow commits); still ignored
+    assert run.pull() == ["epoch_0_step_2"]
+    assert [r.name for r in catalog.scan(run.mirror)] == ["epoch_0_step_2"]
+    assert catalog.latest_checkpoint(run.mirror).name == "epoch_0_step_2"
+    assert run.leftovers() == ["epoch_0_step_4"]
+    # the mirror keeps only what lists a checkpoint; loading fetches the rest
+    assert not (run.mirror / "epoch_0_step_2" / "model" / "shard.bin").exists()
+
+
+def test_gc_spares_young_leftovers_and_never_touches_committed(seaweed, tmp_path, monkeypatch):
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    _checkpoint(fs, root, "epoch_0_step_2", 2, commit=True)
+    _checkpoint(fs, root, "epoch_0_step_4", 4, commit=False)
+    assert run.gc(min_age_seconds=3600) == []  # written just now: may be an upload in progress
+    assert run.leftovers() == ["epoch_0_step_4"]
+    assert run.gc(min_age_seconds=0) == ["epoch_0_step_4"]
+    assert run.leftovers() == [] and fs.exists(f"{root}/epoch_0_step_2/{layout.MANIFEST_FILE}")
+
+
+def test_a_save_refuses_a_committed_name_and_clears_leftovers(seaweed, tmp_path, monkeypatch):
+    import pytest
+
+    from automodel_ckpt.errors import CheckpointError
+
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    _checkpoint(fs, root, "epoch_0_step_2", 2, commit=True)
+    _checkpoint(fs, root, "epoch_0_step_4", 4, commit=False)
+    with pytest.raises(CheckpointError, match="already exists and is never overwritten"):
+        run.before_save("epoch_0_step_2")
+    assert run.before_save("epoch_0_step_4") == ["epoch_0_step_4"]
+    assert not run.store.objects("epoch_0_step_4")
+
+
+def test_delete_removes_the_commit_object_first(seaweed, tmp_path, monkeypatch):
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    _checkpoint(fs, root, "epoch_0_step_2", 2, commit=True)
+    removed = []
+    original = run.store.fs.rm_file
+
+    def rm_file(path, *a, **k):
+        removed.append(path)
+        return original(path, *a, **k)
+
+    monkeypatch.setattr(run.store.fs, "rm_file", rm_file)
+    run.delete(["epoch_0_step_2"])
+    assert removed[0].endswith(f"epoch_0_step_2/{layout.MANIFEST_FILE}")
+    assert not run.store.objects("epoch_0_step_2") and run.pull() == []
+
+
+def test_a_quarantined_checkpoint_is_never_listed_again(seaweed, tmp_path, monkeypatch):
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    _checkpoint(fs, root, "epoch_0_step_2", 2, commit=True)
+    _checkpoint(fs, root, "epoch_0_step_4", 4, commit=True)
+    assert run.pull() == ["epoch_0_step_2", "epoch_0_step_4"]
+    run.quarantine("epoch_0_step_4", "size mismatch")
+    assert run.pull() == ["epoch_0_step_2"]
+    assert json.loads(fs.cat(f"{root}/{layout.QUARANTINE_DIR}/epoch_0_step_4.json"))["reason"] == "size mismatch"
+    assert run.leftovers() == [] and fs.exists(f"{root}/epoch_0_step_4/{layout.MANIFEST_FILE}")  # kept to inspect
