@@ -1,21 +1,32 @@
-"""Async vs sync checkpointing: how long training stalls per checkpoint, and how much slower steps get meanwhile.
+"""Async checkpoints against sync ones and against none: stall per checkpoint, and whole-run throughput.
 
-    python tools/bench_async.py [--nproc 2] [--steps 12] [--every 4] [--layers 12] [--out DIR]
+    python tools/bench_async.py [--nproc 2] [--steps 61] [--every 20] [--layers 2] [--reps 2] [--modes ...] [--json OUT]
+    python tools/bench_async.py --small --json OUT      # a tiny model and few steps: checks the tool, not speed
 
-Trains a Llama-style model sized for about 125M parameters (fp32 weights + AdamW moments: about 1.5 GB of
-state) on the embedded tiny task, twice: ``checkpoint.is_async: false`` then ``true``, checkpointing every
-``--every`` steps. Every rank records (rank 0's numbers are reported, they are the slowest-to-return rank's
-collective view anyway):
+Trains a Llama-style model (hidden 768; ``--layers`` sets its size; fp32 weights + AdamW moments) on the embedded
+tiny task once per mode, checkpointing every ``--every`` steps:
 
-* ``stall``: wall time of each save call on the training thread. Sync: the whole save. Async: completing the
-  previous save (if its files were written already this is the fsync/manifest/publish of a finished
-  checkpoint), reserving, copying the state to host memory, starting the background write and the small files.
-* ``background``: from the save call's return until the background write finished (async only).
-* step time of the steps that ran while a background write was in progress, against the other steps.
-* ``final``: the last save plus ``finalize`` (async: the process cannot exit before the checkpoint is complete).
+* ``none``: no checkpoints (the throughput reference);
+* ``sync``: ``checkpoint.is_async: false``;
+* ``async``: ``checkpoint.is_async: true`` (this project's overlapped snapshot);
+* ``dcp_thread`` / ``dcp_process``: ``torch.distributed.checkpoint.async_save`` of the same model and optimizer
+  state, in its thread and process modes (each waits for the previous one before starting the next).
 
-Prints a Markdown table (docs/async.md has the one measured on the machine it names) and writes the raw numbers
-to ``DIR/bench_async.json``. Not a test: it takes minutes and writes several GB.
+Rank 0 records, per checkpoint, the ``stall``: the wall time the training thread lost to it (the save call, plus
+for ``async`` the time the next ``optimizer.step()`` waited at the fence for the background copy), and per run the
+throughput from the end of the first step to the end of the run (last checkpoint complete), and the CPU seconds
+the process used meanwhile (training and background threads together). With ``--reps N`` the modes run N times,
+interleaved (none, sync, async, ..., none, sync, ...), so that a drift of the machine's load hits every mode alike.
+Reported as ratios:
+
+* ``stall_over_sync``: median async stall of the steady-state checkpoints (not the first, not the final one)
+  over the median sync save of the same checkpoints, over every repetition;
+* ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` runs (median steps/s over the
+  repetitions; ``run_overhead_async``, ...);
+* ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
+  whose cores training keeps busy, this is what the checkpoints take from training.
+
+``--json OUT`` writes these (and the raw numbers) to OUT. Not a test: the default takes about ten minutes here.
 """
 
 from __future__ import annotations
@@ -35,6 +46,10 @@ from pathlib import Path
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
+MODES = ("none", "sync", "async", "dcp_thread", "dcp_process")
+HIDDEN, INTERMEDIATE, VOCAB = 768, 3456, 64
+SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "layers": 2, "steps": 5, "every": 2,
+         "modes": ("none", "sync", "async", "dcp_thread")}
 
 RECIPE = """\
 recipe: {recipe}
@@ -46,11 +61,11 @@ model:
   config:
     model_type: llama
     vocab_size: 64
-    hidden_size: 768
-    intermediate_size: 3456
+    hidden_size: {hidden}
+    intermediate_size: {intermediate}
     num_hidden_layers: {layers}
-    num_attention_heads: 12
-    num_key_value_heads: 12
+    num_attention_heads: {heads}
+    num_key_value_heads: {heads}
     max_position_embeddings: 64
     tie_word_embeddings: false
 dataset:
@@ -78,13 +93,27 @@ checkpoint:
 
 
 class BenchRecipe(FinetuneRecipe):
-    """The fine-tuning recipe, timing its steps and saves into ``$BENCH_ASYNC_OUT`` (one JSON per rank)."""
+    """The fine-tuning recipe, timing its steps and checkpoints into ``$BENCH_ASYNC_OUT`` (one JSON per rank).
+
+    ``$BENCH_ASYNC_MODE`` (see ``MODES``) picks how it checkpoints: ``none`` skips saves, ``dcp_*`` saves through
+    ``dcp.async_save`` instead of the checkpointer.
+    """
 
     def setup(self) -> None:
         super().setup()
-        self._timings: dict = {"steps": [], "saves": []}
+        self._mode = os.environ.get("BENCH_ASYNC_MODE", "sync")
+        self._timings: dict = {"mode": self._mode, "steps": [], "saves": []}
+        self._jobs: list = []  # (save record, async job) to read the fence time from
+        self._dcp_future = None
+        self._dcp_group = None
+        if self._mode == "dcp_thread":
+            import torch.distributed as dist
+
+            self._dcp_group = dist.new_group(backend="gloo")
 
     def _background_busy(self) -> bool:
+        if self._dcp_future is not None:
+            return not self._dcp_future.done()
         pending = getattr(self.checkpointer, "_pending", None)
         return pending is not None and any(not f.done() for f, _ in pending.writes)
 
@@ -92,105 +121,185 @@ class BenchRecipe(FinetuneRecipe):
         busy = self._background_busy()
         t0 = time.perf_counter()
         out = super().train_step(micro)
-        self._timings["steps"].append({"seconds": time.perf_counter() - t0,
+        end = time.perf_counter()
+        self._timings["steps"].append({"seconds": end - t0, "end": end, "cpu": time.process_time(),
                                        "background": busy or self._background_busy()})
         return out
 
     def save_checkpoint(self, info):
         t0 = time.perf_counter()
-        path = super().save_checkpoint(info)
+        path = None
+        if self._mode.startswith("dcp_"):
+            self._dcp_save(info)
+        elif self._mode != "none":
+            path = super().save_checkpoint(info)
         returned = time.perf_counter()
-        record = {"step": info.step, "stall": returned - t0, "background": None, "final": info.is_final,
-                  "phases": dict(self.checkpointer.last_save_seconds),
-                  "complete": dict(self.checkpointer.last_complete_seconds)}
+        record = {"step": info.step, "stall": returned - t0, "call": returned - t0, "fence": 0.0,
+                  "background": None, "final": info.is_final}
+        if self._mode in ("sync", "async"):
+            record |= {"phases": dict(self.checkpointer.last_save_seconds),
+                       "complete": dict(self.checkpointer.last_complete_seconds)}
         pending = getattr(self.checkpointer, "_pending", None)
-        if pending is not None and pending.writes:
-            last = pending.writes[-1][0]
-            last.add_done_callback(lambda _f, r=record: r.__setitem__("background", time.perf_counter() - returned))
+        done = self._dcp_future if self._mode.startswith("dcp_") else (
+            pending.writes[-1][0] if pending is not None and pending.writes else None)
+        if done is not None:
+            done.add_done_callback(lambda _f, r=record: r.__setitem__("background", time.perf_counter() - returned))
+        if pending is not None and pending.job is not None:
+            self._jobs.append((record, pending.job))
         self._timings["saves"].append(record)
         return path
 
+    def _dcp_save(self, info) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if self._dcp_future is not None:  # one save in flight, as with the checkpointer
+            self._dcp_future.result()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        kind = AsyncCheckpointerType.PROCESS if self._mode == "dcp_process" else AsyncCheckpointerType.THREAD
+        folder = Path(self.checkpoint_config.checkpoint_dir) / f"dcp_step_{info.step}"
+        response = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
+                                  process_group=self._dcp_group, async_checkpointer_type=kind)
+        self._dcp_future = getattr(response, "upload_completion", response)
+
     def finalize_checkpoints(self):
         t0 = time.perf_counter()
+        if self._dcp_future is not None:
+            self._dcp_future.result()
+            self._dcp_future = None
         out = super().finalize_checkpoints()
         if self._timings["saves"]:
-            last = self._timings["saves"][-1]
-            last["finalize"] = time.perf_counter() - t0
+            self._timings["saves"][-1]["finalize"] = time.perf_counter() - t0
+        self._timings["end"] = time.perf_counter()
+        self._timings["cpu_end"] = time.process_time()
         return out
 
     def run(self) -> None:
         super().run()
+        for record, job in self._jobs:  # the next optimizer step waited this long for the background copy
+            record["fence"] = job.fence_seconds
+            record["capture"] = job.capture_seconds
+            record["stall"] = record["call"] + job.fence_seconds
         out = os.environ.get("BENCH_ASYNC_OUT")
         if out:
             Path(out, f"rank{self.env.rank}.json").write_text(json.dumps(self._timings, indent=1))
 
 
-def _state_bytes(layers: int) -> int:
-    h, i, v = 768, 3456, 64
-    params = layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
+def _state_bytes(hidden: int, intermediate: int, layers: int) -> int:
+    params = layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + 2 * VOCAB * hidden + hidden
     return params * 4 * 3  # fp32 weights + two AdamW moments
 
 
-def run_mode(work: Path, base: Path, args, is_async: bool) -> dict:
-    mode = "async" if is_async else "sync"
+def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     recipe_file = work / f"bench_{mode}.yaml"
+    ckpt_dir = work / f"ckpt_{mode}"
     recipe_file.write_text(RECIPE.format(
-        recipe=f"{Path(__file__).resolve()}:BenchRecipe", base=base, layers=args.layers, steps=args.steps,
-        every=args.every, gbs=2 * args.nproc, ckpt_dir=work / f"ckpt_{mode}", is_async=str(is_async).lower()))
+        recipe=f"{Path(__file__).resolve()}:BenchRecipe", base=base, hidden=args.hidden,
+        intermediate=args.intermediate, heads=args.heads, layers=args.layers, steps=args.steps, every=args.every,
+        gbs=2 * args.nproc, ckpt_dir=ckpt_dir, is_async=str(mode == "async").lower()))
     out = work / f"timings_{mode}"
     out.mkdir(exist_ok=True)
-    env = dict(os.environ, BENCH_ASYNC_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)),
+    env = dict(os.environ, BENCH_ASYNC_OUT=str(out), BENCH_ASYNC_MODE=mode,
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(args.nproc), str(recipe_file)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return {"mode": mode, "failed": (proc.stdout + proc.stderr)[-2000:]}
     timings = json.loads((out / "rank0.json").read_text())
     timings["wall"] = wall
-    size = sum(f.stat().st_size for f in (work / f"ckpt_{mode}").glob("epoch_*/**/*") if f.is_file())
-    timings["checkpoint_bytes"] = size // max(1, len(list((work / f"ckpt_{mode}").glob("epoch_*"))))
-    shutil.rmtree(work / f"ckpt_{mode}", ignore_errors=True)
+    steps = timings["steps"]
+    timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
+    timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
+    timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
     return timings
 
 
-def table(sync: dict, asyn: dict) -> str:
-    rows = ["| checkpoint | sync save (s) | async stall (s) | of which: copy of the state (s) | stall / sync save "
-            "| background write (s) |",
-            "|---|---|---|---|---|---|"]
-    for i, (s, a) in enumerate(zip(sync["saves"], asyn["saves"])):
-        if s["final"]:
-            continue
-        bg = f"{a['background']:.2f}" if a.get("background") is not None else "-"
-        copy = a.get("phases", {}).get("copy_state")
-        note = " (first: allocates the host copy)" if i == 0 else ""
-        rows.append(f"| step {s['step']}{note} | {s['stall']:.2f} | {a['stall']:.2f} | "
-                    f"{f'{copy:.2f}' if copy is not None else '-'} | {100 * a['stall'] / s['stall']:.1f}% | {bg} |")
-    fs, fa = sync["saves"][-1], asyn["saves"][-1]
-    rows.append(f"| step {fs['step']} (final, until complete) | {fs['stall'] + fs.get('finalize', 0):.2f} | "
-                f"{fa['stall'] + fa.get('finalize', 0):.2f} | - | - | - |")
-    idle = [s["seconds"] for s in asyn["steps"] if not s["background"]][1:]  # the first step warms up
-    busy = [s["seconds"] for s in asyn["steps"] if s["background"]]
-    sync_steps = [s["seconds"] for s in sync["steps"]][1:]
+def steady(saves: list[dict]) -> list[dict]:
+    """The checkpoints that are neither the first (allocates host buffers) nor the final one (completed at once)."""
+    body = [s for s in saves if not s["final"]]
+    return body[1:] or body
+
+
+def summary(results: dict[str, list[dict]]) -> dict:
+    """The ratios (see the module docstring) over every repetition; a mode that failed or did not run has None."""
+    ok = {m: [r for r in runs if "failed" not in r] for m, runs in results.items()}
+    ok = {m: runs for m, runs in ok.items() if runs}
+    out: dict = {"stall_over_sync": None}
+    if "sync" in ok and "async" in ok:
+        sync = statistics.median(s["stall"] for r in ok["sync"] for s in steady(r["saves"]))
+        asyn = statistics.median(s["stall"] for r in ok["async"] for s in steady(r["saves"]))
+        out |= {"stall_over_sync": asyn / sync, "sync_save_seconds": sync, "async_stall_seconds": asyn}
+    rate = {m: statistics.median(r["steps_per_second"] for r in runs) for m, runs in ok.items()}
+    for mode in MODES[1:]:
+        if mode in results:
+            lost = cpu = None
+            if mode in ok and "none" in ok:
+                lost = 1 - rate[mode] / rate["none"]
+                saves = statistics.median(len(r["saves"]) for r in ok[mode]) or 1
+                per_step = statistics.median(r["cpu_seconds"] / (len(r["steps"]) - 1) for r in ok["none"])
+                cpu = statistics.median(r["cpu_seconds"] - per_step * (len(r["steps"]) - 1) for r in ok[mode]) / saves
+            out[f"run_overhead_{mode}"] = lost
+            out[f"cpu_per_checkpoint_{mode}"] = cpu
+    out["steps_per_second"] = rate
+    return out
+
+
+def table(results: dict[str, list[dict]], ratios: dict) -> str:
+    rows = ["| checkpoint | sync save (s) | async stall (s) | of which: fence wait (s) | async stall / sync save "
+            "| background copy (s) | background write (s) |", "|---|---|---|---|---|---|---|"]
+    for rep, (sync, asyn) in enumerate(zip(results.get("sync", []), results.get("async", []))):
+        for s, a in zip(sync.get("saves", []), asyn.get("saves", [])):
+            if s["final"]:
+                continue
+            bg = f"{a['background']:.2f}" if a.get("background") is not None else "-"
+            cap = f"{a['capture']:.2f}" if a.get("capture") is not None else "-"
+            where = f"step {s['step']}" + (f" (run {rep + 1})" if len(results["sync"]) > 1 else "")
+            rows.append(f"| {where} | {s['stall']:.3f} | {a['stall']:.3f} | {a['fence']:.3f} | "
+                        f"{100 * a['stall'] / s['stall']:.1f}% | {cap} | {bg} |")
     lines = ["\n".join(rows), ""]
-    if idle and busy:
-        slow = statistics.median(busy) / statistics.median(idle) - 1
-        lines.append(f"Step time (median): {statistics.median(idle):.2f} s without a background write, "
-                     f"{statistics.median(busy):.2f} s while one runs ({100 * slow:+.0f}%, {len(busy)} steps); "
-                     f"sync run: {statistics.median(sync_steps):.2f} s.")
-    lines.append(f"Whole run: sync {sync['wall']:.0f} s, async {asyn['wall']:.0f} s.")
+    if ratios.get("stall_over_sync") is not None:
+        lines.append(f"stall_over_sync (median, steady state): {100 * ratios['stall_over_sync']:.1f}%")
+    lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints | CPU s per checkpoint | "
+              "step time median (s) |", "|---|---|---|---|---|"]
+    for mode, runs in results.items():
+        good = [r for r in runs if "failed" not in r]
+        if not good:
+            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - |")
+            continue
+        lost, cpu = ratios.get(f"run_overhead_{mode}"), ratios.get(f"cpu_per_checkpoint_{mode}")
+        med = statistics.median(x["seconds"] for r in good for x in r["steps"][1:] or r["steps"])
+        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | "
+                     f"{'-' if lost is None else f'{100 * lost:+.1f}%'} | {'-' if cpu is None else f'{cpu:.2f}'} "
+                     f"| {med:.3f} |")
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--every", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--out", type=Path, default=None, help="folder for the run (default: a temporary one)")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=61)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=2, help="runs per mode, interleaved")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--small", action="store_true", help="a tiny model and few steps (checks the tool)")
+    parser.add_argument("--json", type=Path, default=None, help="write the ratios and raw numbers here")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
+    args = parser.parse_args(argv)
+    args.hidden, args.intermediate, args.heads = HIDDEN, INTERMEDIATE, 12
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.small:
+        args.hidden, args.intermediate, args.heads = SMALL["hidden"], SMALL["intermediate"], SMALL["heads"]
+        args.layers, args.steps, args.every, args.reps = SMALL["layers"], SMALL["steps"], SMALL["every"], 1
+        modes = [m for m in modes if m in SMALL["modes"]]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
     work = args.out or Path(tempfile.mkdtemp(prefix="bench_async_"))
     work.mkdir(parents=True, exist_ok=True)
     from automodel_ckpt.models.tiny import ensure_tiny_base
@@ -198,18 +307,28 @@ def main() -> None:
     base = ensure_tiny_base(work / "tiny_llama_base")  # its tokenizer; the model is built from the config above
     import torch
 
-    print(f"state: {_state_bytes(args.layers) / 1e9:.2f} GB (weights + AdamW), {args.nproc} process(es), "
-          f"{args.steps} steps, a checkpoint every {args.every}; torch {torch.__version__}, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
-    results = {}
-    for is_async in (False, True):
-        results["async" if is_async else "sync"] = run_mode(work, base, args, is_async)
-        print(f"{'async' if is_async else 'sync'} run done ({results['async' if is_async else 'sync']['wall']:.0f} s)",
-              flush=True)
-    print(f"checkpoint size: {results['sync']['checkpoint_bytes'] / 1e9:.2f} GB")
-    print(table(results["sync"], results["async"]))
-    (work / "bench_async.json").write_text(json.dumps(results, indent=1))
-    print(f"raw numbers: {work / 'bench_async.json'}")
+    state = _state_bytes(args.hidden, args.intermediate, args.layers)
+    print(f"state: {state / 1e9:.3f} GB (weights + AdamW), {args.nproc} process(es), {args.steps} steps, a "
+          f"checkpoint every {args.every}; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs", flush=True)
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for rep in range(args.reps):
+        for mode in modes:
+            run = run_mode(work, base, args, mode)
+            results[mode].append(run)
+            print(f"{mode} run {rep + 1} {'failed' if 'failed' in run else 'done'} ({run.get('wall', 0):.0f} s)",
+                  flush=True)
+    ratios = summary(results)
+    print(table(results, ratios))
+    report = ratios | {"state_bytes": state, "nproc": args.nproc, "steps": args.steps, "every": args.every,
+                       "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                       "load_average": os.getloadavg(), "runs": results}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"json: {args.json}")
+    if not args.out:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ A Llama model (fp32) plus its AdamW state (two moments), about ``--size-gb`` in 
 save
 * ``raw write``            the same number of bytes written sequentially from memory, fsync at the end
                            (``--nproc`` writers, one file each: what the storage itself can do)
+* ``raw write, O_DIRECT``  the same bytes, same threads as ours, bypassing the page cache: what the device
+                           itself does (the physical reference; skipped where the filesystem refuses O_DIRECT)
 * ``torch.save``           the full (unsharded) model + optimizer state dict in one file, as shipped (no fsync)
 * ``torch.save + fsync``   the same, with an fsync of the file: as durable as a checkpoint
 * ``dcp.save``             plain ``torch.distributed.checkpoint.save`` of the sharded state, ``FileSystemWriter``
@@ -16,7 +18,8 @@ save
 load (the page cache is dropped before every run when permitted: reads come from storage)
 * ``raw read``             the same bytes read sequentially into fresh memory of their size, as a load must
                            (``--nproc`` readers, one file each); also with our thread count per reader, and
-                           streamed through one reused 64 MB buffer (nothing kept: the storage alone)
+                           streamed through one reused 64 MB buffer (nothing kept: the storage alone), and
+                           with O_DIRECT into fresh memory, same threads as ours (the device's own read)
 * ``torch.load``           ``torch.load`` of the torch.save file + ``load_state_dict`` into model and optimizer
 * ``dcp.load``             plain ``dcp.load`` (``FileSystemReader``) + ``set_{model,optimizer}_state_dict``
 * ``ours (...)``           ``Checkpointer.load`` (resume: model, optimizer, scheduler, RNG; manifest size check)
@@ -53,14 +56,15 @@ sys.path.insert(0, str(REPO))
 HIDDEN, INTER, VOCAB, HEADS = 1024, 2816, 4096, 16
 BLOCK = 64 << 20  # raw I/O block
 
-SAVE = ("raw_write", "raw_write_mt", "torch_save", "dcp_save", "ours_save_safetensors", "ours_save_torch_save")
-LOAD = ("raw_read", "raw_read_mt", "raw_read_stream", "torch_load", "dcp_load", "ours_load_safetensors",
+SAVE = ("raw_write", "raw_write_mt", "raw_write_direct", "torch_save", "dcp_save", "ours_save_safetensors", "ours_save_torch_save")
+LOAD = ("raw_read", "raw_read_mt", "raw_read_direct", "raw_read_stream", "torch_load", "dcp_load", "ours_load_safetensors",
         "ours_load_torch_save")
 EXPORT = ("ours_consolidate", "torch_consolidate")
 ASYNC = ("ours_async_save_safetensors", "ours_async_save_torch_save")
 LABELS = {
     "raw_write": "raw write + fsync",
     "raw_write_mt": "raw write + fsync, same threads as ours",
+    "raw_write_direct": "device write (O_DIRECT) + fsync, same threads as ours",
     "torch_save": "torch.save",
     "torch_save+fsync": "torch.save + fsync",
     "dcp_save": "dcp.save (FileSystemWriter defaults)",
@@ -68,6 +72,7 @@ LABELS = {
     "ours_save_torch_save": "**ours, torch_save**",
     "raw_read": "raw read into memory",
     "raw_read_mt": "raw read into memory, same threads as ours",
+    "raw_read_direct": "device read (O_DIRECT) into memory, same threads as ours",
     "raw_read_stream": "raw read through a reused 64 MB buffer",
     "torch_load": "torch.load + load_state_dict",
     "dcp_load": "dcp.load + set_state_dict",
@@ -76,10 +81,16 @@ LABELS = {
     "ours_consolidate": "**ours** (fsync)",
     "torch_consolidate": "torch's consolidate_safetensors_files",
     "torch_consolidate+fsync": "torch's + fsync",
-    "ours_async_save_safetensors": "ours async, safetensors: training blocked",
+    "ours_async_save_safetensors": "ours async, safetensors: training blocked (save call + fence wait)",
     "ours_async_save_safetensors+total": "ours async, safetensors: until published",
-    "ours_async_save_torch_save": "ours async, torch_save: training blocked",
+    "ours_async_save_safetensors+fence": "ours async, safetensors: of which the next optimizer step waited at the fence",
+    "ours_async_save_safetensors+step": "ours async, safetensors: the next step (forward, backward, optimizer step)",
+    "ours_async_save_safetensors+capture": "ours async, safetensors: background copy of the state",
+    "ours_async_save_torch_save": "ours async, torch_save: training blocked (save call + fence wait)",
     "ours_async_save_torch_save+total": "ours async, torch_save: until published",
+    "ours_async_save_torch_save+fence": "ours async, torch_save: of which the next optimizer step waited at the fence",
+    "ours_async_save_torch_save+step": "ours async, torch_save: the next step (forward, backward, optimizer step)",
+    "ours_async_save_torch_save+capture": "ours async, torch_save: background copy of the state",
 }
 
 
@@ -207,39 +218,82 @@ def _pieces(size: int, threads: int) -> list[list[tuple[int, int]]]:
     return [pieces[t::threads] for t in range(threads)]
 
 
-def raw_write(folder: Path, nbytes: int, writers: int, threads: int = 1) -> None:
-    """``writers`` files (one per rank) of ``nbytes`` in all, each written by ``threads`` threads, then fsynced."""
-    block = memoryview(os.urandom(BLOCK))
+ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of this
+
+
+def _aligned_buffer(n: int) -> memoryview:
+    """``n`` bytes of fresh, page-aligned memory (an anonymous mapping; pages are faulted in when first touched)."""
+    import mmap
+
+    return memoryview(mmap.mmap(-1, max(n, 1)))[:n]
+
+
+def direct_io_supported(folder: Path) -> bool:
+    """Whether files in ``folder`` can be opened with O_DIRECT (tmpfs and some others refuse it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / ".o_direct_probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _io_range(direct_fd: int | None, fd: int, op, buf: memoryview, offset: int, length: int) -> None:
+    """``op`` (``os.pwritev`` or ``os.preadv``) over ``[offset, offset + length)`` of the file from ``buf``: the
+    aligned part through ``direct_fd`` when given, the unaligned tail through ``fd``."""
+    head = length // ALIGN * ALIGN if direct_fd is not None and offset % ALIGN == 0 else 0
+    for descriptor, start, end in ((direct_fd, 0, head), (fd, head, length)):
+        done = start
+        while done < end:
+            n = op(descriptor, [buf[done:end]], offset + done)
+            if n == 0:
+                raise OSError("unexpected end of file")
+            done += n
+
+
+def raw_write(folder: Path, nbytes: int, writers: int, threads: int = 1, direct: bool = False) -> None:
+    """``writers`` files (one per rank) of ``nbytes`` in all, each written by ``threads`` threads, then fsynced.
+
+    ``direct``: through O_DIRECT (the page cache bypassed), from page-aligned memory.
+    """
+    block = _aligned_buffer(BLOCK)
+    block[:] = os.urandom(BLOCK)
     folder.mkdir(parents=True, exist_ok=True)
     share = -(-nbytes // writers)
+    share = -(-share // ALIGN) * ALIGN if direct else share
 
     def one(i: int) -> None:
         size = max(0, min(share, nbytes - i * share))
-        fd = os.open(folder / f"raw_{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        file = folder / f"raw_{i}.bin"
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        dfd = os.open(file, os.O_WRONLY | os.O_DIRECT) if direct else None
         try:
-            if threads == 1:
-                left = size
-                while left:
-                    left -= os.write(fd, block[: min(left, BLOCK)])
-            else:
-                def part(t: int, todo=_pieces(size, threads)) -> None:
-                    for offset, length in todo[t]:
-                        done = 0
-                        while done < length:
-                            done += os.pwrite(fd, block[done:length], offset + done)
+            def part(t: int, todo=_pieces(size, threads)) -> None:
+                for offset, length in todo[t]:
+                    _io_range(dfd, fd, os.pwritev, block, offset, length)
 
-                _parallel(part, threads)
-            os.fsync(fd)
+            _parallel(part, threads)
+            for descriptor in (dfd, fd):
+                if descriptor is not None:
+                    os.fsync(descriptor)
         finally:
             os.close(fd)
+            if dfd is not None:
+                os.close(dfd)
 
     _parallel(one, writers)
 
 
-def raw_read(folder: Path, readers: int, threads: int = 1, keep: bool = True) -> int:
+def raw_read(folder: Path, readers: int, threads: int = 1, keep: bool = True, direct: bool = False) -> int:
     """Read the raw files (one reader per file), each with ``threads`` threads taking one consecutive stretch with
     a descriptor of its own (as ours). ``keep``: into fresh memory of the file's size, as a load must (its pages are
-    faulted in by the read); else through a reused ``BLOCK`` buffer, keeping nothing."""
+    faulted in by the read); else through a reused ``BLOCK`` buffer, keeping nothing. ``direct``: through
+    O_DIRECT, into page-aligned memory."""
     import numpy as np
 
     files = sorted(folder.glob("raw_*.bin"))
@@ -248,24 +302,28 @@ def raw_read(folder: Path, readers: int, threads: int = 1, keep: bool = True) ->
 
     def one(i: int) -> None:
         size = os.path.getsize(files[i])
-        dest = memoryview(np.empty(size, dtype=np.uint8)) if keep else None  # untouched until read into
+        if keep:  # untouched until read into
+            dest = _aligned_buffer(size) if direct else memoryview(np.empty(size, dtype=np.uint8))
         span = -(-size // threads)
+        span = -(-span // ALIGN) * ALIGN if direct else span
 
         def part(t: int) -> None:
-            buf = None if keep else memoryview(bytearray(BLOCK))
+            buf = None if keep else _aligned_buffer(BLOCK)
             fd = os.open(files[i], os.O_RDONLY)
+            dfd = os.open(files[i], os.O_RDONLY | os.O_DIRECT) if direct else None
             try:
                 offset, end = t * span, min(size, (t + 1) * span)
                 while offset < end:
                     length = min(BLOCK, end - offset)
-                    n = os.preadv(fd, [dest[offset:offset + length] if keep else buf[:length]], offset)
-                    if n == 0:
-                        raise OSError(f"unexpected end of {files[i]}")
-                    offset += n
+                    target = dest[offset:offset + length] if keep else buf[:length]
+                    _io_range(dfd, fd, os.preadv, target, offset, length)
+                    offset += length
                     with lock:
-                        total[i] += n
+                        total[i] += length
             finally:
                 os.close(fd)
+                if dfd is not None:
+                    os.close(dfd)
 
         _parallel(part, threads)
 
@@ -323,18 +381,20 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.nproc)))
     result: dict = {}
 
-    if method in ("raw_write", "raw_write_mt"):
+    if method in ("raw_write", "raw_write_mt", "raw_write_direct"):
         from automodel_ckpt.checkpoint.formats.fastio import WRITE_THREADS
 
         t0 = _start_timing()
-        raw_write(out, args.nbytes, args.nproc, WRITE_THREADS if method == "raw_write_mt" else 1)
+        raw_write(out, args.nbytes, args.nproc, 1 if method == "raw_write" else WRITE_THREADS,
+                  direct=method == "raw_write_direct")
         result["seconds"] = time.perf_counter() - t0
-    elif method in ("raw_read", "raw_read_mt", "raw_read_stream"):
+    elif method in ("raw_read", "raw_read_mt", "raw_read_direct", "raw_read_stream"):
         from automodel_ckpt.checkpoint.formats.fastio import READ_THREADS
 
         t0 = _start_timing()
-        result["bytes_read"] = raw_read(src / "raw", args.nproc, READ_THREADS if method == "raw_read_mt" else 1,
-                                        keep=method != "raw_read_stream")
+        result["bytes_read"] = raw_read(src / "raw", args.nproc, 1 if method in ("raw_read", "raw_read_stream")
+                                        else READ_THREADS, keep=method != "raw_read_stream",
+                                        direct=method == "raw_read_direct")
         result["seconds"] = time.perf_counter() - t0
     elif method in ("torch_save", "torch_load"):
         from automodel_ckpt.distributed.env import DistEnv
@@ -407,13 +467,23 @@ def child(args: argparse.Namespace) -> None:
             ckpt = checkpointer(env, out, fmt, is_async=True)
             ckpt.save(states, SaveInfo(epoch=0, step=1, train_loss=1.0, val_loss=1.0, is_final=False))
             ckpt.wait()  # the first save allocates the staging buffers; the measured one reuses them
+            batch = torch.randint(0, VOCAB, (1, 128), device=env.device)
             dist.barrier()
             t0 = _start_timing()
             ckpt.save(states, SaveInfo(epoch=0, step=2, train_loss=1.0, val_loss=1.0, is_final=False))
-            blocked = time.perf_counter() - t0
+            call = time.perf_counter() - t0
+            job = ckpt._pending.job  # the next training step, while the state is copied in the background:
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()  # waits at the fence for what is not copied yet
+            optimizer.zero_grad(set_to_none=True)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            step = time.perf_counter() - t0 - call
             ckpt.finalize()
             dist.barrier()
-            result |= {"seconds": blocked, "seconds_total": time.perf_counter() - t0}
+            result |= {"seconds": call + job.fence_seconds, "seconds_total": time.perf_counter() - t0,
+                       "seconds_call": call, "seconds_fence": job.fence_seconds, "seconds_step": step,
+                       "seconds_capture": job.capture_seconds}
         elif method.startswith("ours_load_"):
             fmt = method[len("ours_load_"):]
             root = src / f"ours_save_{fmt}"
@@ -424,6 +494,8 @@ def child(args: argparse.Namespace) -> None:
             result["seconds"] = time.perf_counter() - t0
         else:
             raise SystemExit(f"unknown method {method}")
+        dist.barrier()
+        dist.destroy_process_group()  # NCCL's threads end before the interpreter's (else: a crash at exit)
         if env.rank != 0:
             return
 
@@ -506,14 +578,15 @@ def fresh(path: Path) -> None:
 
 def stats(secs: list[float], nbytes: int) -> dict:
     med = statistics.median(secs)
-    return {"median_s": med, "min_s": min(secs), "max_s": max(secs), "gb_per_s": nbytes / 1e9 / med, "runs_s": secs}
+    return {"median_s": med, "min_s": min(secs), "max_s": max(secs), "gb_per_s": nbytes / 1e9 / med if med > 0 else None,
+            "runs_s": secs}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_checkpoint",
                    help="where to write (on the storage to measure); emptied first")
-    p.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state, 0.25-4")
+    p.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state, 0.25-4 (16 with --device cuda)")
     p.add_argument("--nproc", type=int, choices=(1, 2), default=1, help="ranks (2: torch.distributed.run, gloo)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -535,8 +608,8 @@ def main() -> None:
             sys.path.insert(0, str(args.tree))
         (export_child if args.child in EXPORT else child)(args)
         return
-    if not 0.25 <= args.size_gb <= 4:
-        p.error("--size-gb: between 0.25 and 4")
+    if not 0.25 <= args.size_gb <= (16 if args.device == "cuda" else 4):
+        p.error("--size-gb: between 0.25 and 4 (16 with --device cuda)")
     args.dir = args.dir.resolve()
 
     layers = layers_for(args.size_gb)
@@ -551,6 +624,9 @@ def main() -> None:
         args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else [])
     groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC}
     methods = [m for g in args.only for m in groups[g]]
+    if not direct_io_supported(args.dir):
+        print(f"{args.dir}: the filesystem refuses O_DIRECT; no device write/read reference", flush=True)
+        methods = [m for m in methods if not m.endswith("_direct")]
     if args.baseline_tree:
         methods += [BASELINE + m for m in methods if m.startswith(("ours_save", "ours_load"))]
     # sources for the reads (the baseline tree's loads read the same ones)
@@ -589,7 +665,8 @@ def main() -> None:
     for method, rs in runs.items():
         size = model_bytes if method in EXPORT else nbytes
         result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
-        for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total")):
+        for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total"), ("seconds_fence", "+fence"),
+                              ("seconds_step", "+step"), ("seconds_capture", "+capture")):
             if extra in rs[0]:
                 result["methods"][method + suffix] = stats([r[extra] for r in rs], size) | {
                     "extra_rss_mb": _max_rss(rs)}
@@ -641,25 +718,26 @@ def print_table(res: dict) -> None:
           f"{mach.get('filesystem')}, torch {res['torch']}; load average "
           f"{mach.get('load_average_before', [0])[0]:.1f} before, {mach.get('load_average_after', [0])[0]:.1f} after\n")
     print("| operation | method | median s | min s | max s | GB/s | vs raw | vs raw, same threads | vs peer "
-          "| memory added MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| vs device | memory added MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     sections = [
-        ("save", ["raw_write", "raw_write_mt", "torch_save", "torch_save+fsync", "dcp_save", "ours_save_safetensors",
-                  "ours_save_torch_save"], "raw_write", "raw_write_mt", "dcp_save"),
-        ("load", ["raw_read", "raw_read_mt", "raw_read_stream", "torch_load", "dcp_load", "ours_load_safetensors",
-                  "ours_load_torch_save"],
-         "raw_read", "raw_read_mt", "dcp_load"),
+        ("save", ["raw_write", "raw_write_mt", "raw_write_direct", "torch_save", "torch_save+fsync", "dcp_save",
+                  "ours_save_safetensors", "ours_save_torch_save"], "raw_write", "raw_write_mt", "dcp_save",
+         "raw_write_direct"),
+        ("load", ["raw_read", "raw_read_mt", "raw_read_direct", "raw_read_stream", "torch_load", "dcp_load",
+                  "ours_load_safetensors", "ours_load_torch_save"],
+         "raw_read", "raw_read_mt", "dcp_load", "raw_read_direct"),
         ("HF export", ["torch_consolidate", "torch_consolidate+fsync", "ours_consolidate"], None, None,
-         "torch_consolidate+fsync"),
-        ("async save", ["ours_async_save_safetensors", "ours_async_save_safetensors+total",
-                        "ours_async_save_torch_save", "ours_async_save_torch_save+total"], "raw_write", "raw_write_mt",
-         None),
+         "torch_consolidate+fsync", None),
+        ("async save", [f"ours_async_save_{f}{x}" for f in ("safetensors", "torch_save")
+                        for x in ("", "+fence", "+step", "+capture", "+total")], "raw_write", "raw_write_mt",
+         "ours_save_safetensors", "raw_write_direct"),
     ]
 
     def ratio(ref: str | None, r: dict) -> str:
-        return f"{m[ref]['median_s'] / r['median_s']:.2f}×" if ref in m else "–"
+        return f"{m[ref]['median_s'] / r['median_s']:.2f}×" if ref in m and r["median_s"] > 0 else "–"
 
-    for op, names, raw, raw_mt, peer in sections:
+    for op, names, raw, raw_mt, peer, device in sections:
         names = names + [BASELINE + n for n in names if n.startswith(("ours_save", "ours_load"))]
         for name in names:
             if name in m:
@@ -667,12 +745,18 @@ def print_table(res: dict) -> None:
                 label = LABELS[name.removeprefix(BASELINE)].replace("ours", "baseline tree", 1) \
                     if name.startswith(BASELINE) else LABELS[name]
                 print(f"| {op} | {label} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
-                      f"| {r['gb_per_s']:.2f} | {ratio(raw, r)} | {ratio(raw_mt, r)} | {ratio(peer, r)} "
-                      f"| {_mb(r['extra_rss_mb'])} |")
+                      f"| {_gbs(r['gb_per_s'])} | {ratio(raw, r)} | {ratio(raw_mt, r)} | {ratio(peer, r)} "
+                      f"| {ratio(device, r)} | {_mb(r['extra_rss_mb'])} |")
     print("\nvs raw: raw's median time / this method's (1.00× = as fast as one plain sequential stream per rank; "
           "higher is faster); vs raw, same threads: the same against raw I/O with as many threads per rank as ours "
-          "uses; vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; memory added: peak "
+          "uses; vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; vs device: the "
+          "O_DIRECT write / read of the same bytes (the page cache bypassed: what the device does) over this "
+          "method's (save goal: >= 0.95×, load goal: >= 0.9×); memory added: peak "
           "resident memory during the operation minus before it (rank 0, largest run).")
+
+
+def _gbs(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def _mb(value: float | None) -> str:

@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 import warnings
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import yaml
 
-from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, manifest, objectstore
+from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
-from automodel_ckpt.checkpoint.metadata import build_metadata, metric_value, read_metadata, write_metadata
+from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.safe_load import load_pt
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
-from automodel_ckpt.distributed.env import DistEnv, barrier
+from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
 
@@ -62,10 +58,12 @@ class Checkpointer:
         self.retention = RetentionPolicy.from_config(cfg)
         self._started = time.monotonic()
         self._seconds_before = 0.0  # training seconds recorded in the restored checkpoint
-        self.is_async = bool(cfg.is_async) and cfg.enabled and _async_supported(env.is_main)
-        self._pending: _PendingSave | None = None  # the async save still being written (at most one)
+        self.is_async = bool(cfg.is_async) and cfg.enabled and overlap.async_supported(env.is_main)
+        self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager = None
+        self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
+        self.write_threads = cfg.async_write_threads or overlap.default_write_threads()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
@@ -86,9 +84,10 @@ class Checkpointer:
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
         """Save ``states`` as ``epoch_E_step_N/``; returns its path.
 
-        Synchronous: the checkpoint is complete and published when this returns. With ``is_async``, the model and
-        optimizer state is copied before this returns and written in the background; the checkpoint is completed
-        (synced, sealed, published, pruned) by the next ``save`` or by ``finalize``, whichever comes first.
+        Synchronous: the checkpoint is complete and published when this returns. With ``is_async`` this returns
+        at once: small states and small tensors are copied now; a background thread copies the model and optimizer
+        tensors (the next ``optimizer.step()`` waits for that copy: ``fence``), writes the copy, then completes the
+        checkpoint (sync, seal, publish, prune; with an inline HF export: the next ``save`` or ``finalize`` does).
         A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
         self._saved_objects = list(states.values())
@@ -103,11 +102,20 @@ class Checkpointer:
         rank = self.env.rank
         if self.env.is_main:
             self.say(f"Saving checkpoint to {self.remote.store.url_of(name) if self.remote else final}")
-        reserve = lambda: lifecycle.reserve(self.dir, name)  # noqa: E731
-        staging = collective.on_main(lambda: self.remote.reserve(name, reserve) if self.remote else reserve(),
-                                     "reserving the checkpoint", rank)
-        clock.mark("reserve")
         plan = plan_state(states)
+        consolidate = self._consolidate_now(info, plan)
+
+        def reserve() -> Path:
+            local = lambda: lifecycle.reserve(self.dir, name)  # noqa: E731
+            return collective.on_main(lambda: self.remote.reserve(name, local) if self.remote else local(),
+                                      "reserving the checkpoint", rank)
+
+        # async: the background thread reserves the staging folder (after the copy), unless something is written
+        # into it now (a PEFT adapter) or the save completes on this thread (an inline HF export)
+        reserve_later = (self.is_async and not consolidate and not _has_peft(plan) and self.remote is None
+                         and bool(plan.models or plan.optimizers))
+        staging = self.dir / layout.staging_name(name) if reserve_later else reserve()
+        clock.mark("reserve")
         fmt = self.cfg.model_save_format
         staged: list[sharded.StagedSave] = []  # async: copied now, written in the background below
         for attr, model in plan.models.items():  # collective; DCP raises on every rank if any rank fails
@@ -115,22 +123,29 @@ class Checkpointer:
                 self._save_adapter(model, staging / layout.state_dir(attr))
             elif self.is_async:
                 staged.append(sharded.stage_model(model, staging / layout.state_dir(attr), fmt, self._host_stager(),
-                                                  self.written))
+                                                  self.written, threads=self.write_threads))
             else:
                 sharded.save_model(model, staging / layout.state_dir(attr), fmt, written=self.written)
         for attr, optim in plan.optimizers.items():
             if self.is_async:
                 staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
-                                                      self._host_stager(), self.written))
+                                                      self._host_stager(), self.written, threads=self.write_threads))
+                self._install_fence(optim)
             else:
                 sharded.save_optimizer(plan.model_for(attr), optim, staging / layout.state_dir(attr),
                                        written=self.written)
-        clock.mark("copy_state" if staged else "write_sharded")
-        collective.collectively(lambda: self._write_local(staging, plan, info), f"writing '{staging}'", rank)
+        clock.mark("copy_small" if staged else "write_sharded")
+        write_local = self._local_files(staging, plan, info)
+        pending = overlap.PendingSave(name, staging, consolidate=consolidate)
+        background = bool(staged) and not consolidate  # small files, sync, seal, publish, prune: in the background
+        if not background:
+            collective.collectively(write_local.write, f"writing '{staging}'", rank)
         clock.mark("write_local")
-        pending = _PendingSave(name, staging, consolidate=self._consolidate_now(info, plan))
-        for item in staged:  # one write at a time on the checkpoint group, each after the previous one
-            pending.add(item.start(self._group, after=pending.writes[-1][0] if pending.writes else None), item.path)
+        if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
+            prepare = (lambda: self._on_group(reserve)) if reserve_later else None
+            then = (lambda: self._on_group(lambda: self._complete(pending, write_local))) if background else None
+            pending.job = overlap.start(staged, self._group, nice=self.cfg.async_nice, prepare=prepare, then=then)
+            pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
         if pending.writes:
             clock.mark("start_background")
             self._pending = pending
@@ -141,15 +156,36 @@ class Checkpointer:
         self.last_save_seconds = clock.phases
         return path
 
+    def fence(self) -> None:
+        """Wait until the async save in flight has copied the live model and optimizer state (if it has not yet).
+
+        Call before changing saved tensors in place; ``optimizer.step()`` of a checkpointed optimizer calls it by
+        itself (a step pre-hook installed by ``save``). Cheap when nothing is in flight.
+        """
+        pending = self._pending
+        if pending is not None and pending.job is not None:
+            pending.job.fence()
+
+    def _install_fence(self, optimizer: Any) -> None:
+        if id(optimizer) not in self._fences and hasattr(optimizer, "register_step_pre_hook"):
+            self._fences[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.fence())
+
     @diskfull.guarded
     def wait(self) -> Path | None:
-        """Complete the save still being written in the background, if any; returns its path once published.
+        """Wait for the async save in flight, if any, to be complete; returns its path once published.
 
-        Collective. A failure of the background writes on any rank raises one ``CheckpointError`` on every rank;
+        Collective. A failure of the background work on any rank raises one ``CheckpointError`` on every rank;
         the unfinished checkpoint is then never published (its staging folder is removed by the next save).
         """
         pending, self._pending = self._pending, None
+        if pending is not None and pending.job is not None and pending.job.completed is not None:
+            return pending.job.completed.result()  # published in the background (or failed there, on every rank)
         return self._complete(pending) if pending is not None else None
+
+    def _on_group(self, fn: Callable[[], T]) -> T:
+        """``fn`` with its collectives on checkpointing's own group: the background thread's never meet training's."""
+        with collectives_on(self._group):
+            return fn()
 
     def finalize(self) -> Path | None:
         """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
@@ -166,21 +202,8 @@ class Checkpointer:
         process exit; their staging buffers are not released under them.
         """
         pending, self._pending = self._pending, None
-        if pending is not None:
-            deadline = time.monotonic() + ABANDON_WAIT_SECONDS
-            unfinished = 0
-            for future, _ in pending.writes:
-                try:
-                    future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    unfinished += 1
-                except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
-                    pass
-            if unfinished:
-                logger.warning("abandoning %d background checkpoint write(s) still running after %.0f s",
-                               unfinished, ABANDON_WAIT_SECONDS)
-                return
-        self._close_stager()
+        if pending is None or pending.let_end(ABANDON_WAIT_SECONDS):
+            self._close_stager()
 
     @property
     def in_flight(self) -> bool:
@@ -196,10 +219,14 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        for handle in self._fences.values():
+            handle.remove()
+        self._fences.clear()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
 
-    def _complete(self, pending: _PendingSave) -> Path:
-        """The steps after the model and optimizer files are written: consolidate, fsync, manifest, publish, prune."""
+    def _complete(self, pending: overlap.PendingSave, write_local: local_files.LocalFiles | None = None) -> Path:
+        """The steps after the model and optimizer files are written: the small files (``write_local``, when not
+        written yet), consolidate, fsync, manifest, publish, prune."""
         rank, staging, name = self.env.rank, pending.staging, pending.name
         if pending.writes:
             def wait_writes() -> None:  # every write ends before any failure is raised: none outlives the save
@@ -213,6 +240,8 @@ class Checkpointer:
                     raise errors[0]
 
             collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
+        if write_local is not None:
+            collective.collectively(write_local.write, f"writing '{staging}'", rank)
         clock = _PhaseClock()
         if pending.consolidate:
             collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)
@@ -253,29 +282,17 @@ class Checkpointer:
                                                 self.cfg.best_metric_key, protected=keep)
         return self.remote.prune(prune, self.resumed_from) if self.remote else prune()
 
-    def _write_local(self, staging: Path, plan: StatePlan, info: SaveInfo) -> None:
-        """This rank's files: per-rank state; on rank 0 also global state, config, losses and HF helpers."""
-        for attr, obj in plan.per_rank.items():
-            target = staging / layout.rank_state_file(attr, self.env.rank)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(obj.state_dict(), target)
-        if not self.env.is_main:
-            return
-        for attr, obj in plan.global_.items():
-            torch.save(obj.state_dict(), staging / layout.global_state_file(attr))
-        (staging / layout.CONFIG_FILE).write_text(self.resolved_config_yaml, encoding="utf-8")
-        losses = {"epoch": info.epoch, "step": info.step, "train_loss": info.train_loss, "val_loss": info.val_loss}
-        (staging / layout.LOSSES_FILE).write_text(json.dumps(losses, indent=2) + "\n", encoding="utf-8")
-        write_metadata(staging, build_metadata(
-            name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
-            train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
-            world_size=self.env.world_size,
-            model_save_format=layout.ADAPTER_FORMAT if _has_peft(plan) else self.cfg.model_save_format,
+    def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
+        """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
+        peft = _has_peft(plan)
+        helpers = (lambda: self._write_hf_helpers(staging / layout.MODEL_DIR)) if plan.models and not peft else None
+        return local_files.take(
+            staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
+            config_yaml=self.resolved_config_yaml,
+            model_save_format=layout.ADAPTER_FORMAT if peft else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
-            fingerprint=self.fingerprint,
-        ))
-        if plan.models and not _has_peft(plan):
-            self._write_hf_helpers(staging / layout.MODEL_DIR)
+            fingerprint=self.fingerprint, then=helpers,
+        )
 
     def _write_hf_helpers(self, model_dir: Path) -> None:
         from automodel_ckpt.checkpoint.export.script import render_consolidate_script
@@ -461,33 +478,6 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[phase] = round(now - self._last, 4)
         self._last = now
-
-
-@dataclass
-class _PendingSave:
-    """A save whose model/optimizer files may still be written in the background (``writes``)."""
-
-    name: str
-    staging: Path
-    consolidate: bool
-    writes: list[tuple[Future, Path]] = field(default_factory=list)
-
-    def add(self, future: Future, folder: Path) -> None:
-        self.writes.append((future, folder))
-
-
-ASYNC_MIN_TORCH = (2, 9)
-
-
-def _async_supported(warn: bool) -> bool:
-    """``checkpoint.is_async`` needs torch >= 2.9; older versions save synchronously, with a one-line warning."""
-    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
-    if version >= ASYNC_MIN_TORCH:
-        return True
-    if warn:
-        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, ASYNC_MIN_TORCH))} (found "
-                      f"{torch.__version__}); saving synchronously", stacklevel=3)
-    return False
 
 
 def _has_peft(plan: StatePlan) -> bool:

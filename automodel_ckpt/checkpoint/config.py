@@ -66,9 +66,11 @@ class CheckpointConfig:
     best_metric_key: Optional[str] = None  # with named validation sets: the set whose `monitor` counts
     name_template: str = "epoch_{epoch}_step_{step}"  # folder name; fields: epoch step consumed_samples train_loss val_loss
     # Async saves, preemption and time-based saves (docs/async.md).
-    is_async: bool = False  # write model and optimizer shards in the background (torch >= 2.9); training goes on
+    is_async: bool = False  # copy and write the state in the background (torch >= 2.9); the next optimizer step waits only for the copy
     preemption_signal: Optional[str] = "SIGTERM"  # on this signal: save at the next step, exit 0 (null: off)
     ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
+    async_write_threads: Optional[int] = None  # background writer threads per rank (null: cores per local rank - 1, 1..4)
+    async_nice: int = 10  # niceness added to the background threads (0-19): training gets the CPU first; 0 on big nodes
 
     def __post_init__(self) -> None:
         """Validate once and canonicalise: enums for the choices, aliases resolved, empty restore_from unset.
@@ -100,6 +102,11 @@ class CheckpointConfig:
                                   "consolidated Hugging Face folder or a PEFT adapter folder to start from")
         check_retention_config(self)
         self.preemption_signal = normalize_signal_name(self.preemption_signal)
+        if self.async_write_threads is not None and not self.async_write_threads >= 1:
+            raise ConfigError(f"checkpoint.async_write_threads: expected a positive number of threads (or null), "
+                              f"got {self.async_write_threads}")
+        if not 0 <= self.async_nice <= 19:
+            raise ConfigError(f"checkpoint.async_nice: expected a niceness between 0 and 19, got {self.async_nice}")
         if self.ckpt_every_minutes is not None and not self.ckpt_every_minutes > 0:
             raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
                               f"got {self.ckpt_every_minutes}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -103,12 +105,31 @@ def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
     return t
 
 
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def collectives_on(group: Any):
+    """This thread's ``broadcast_object``, ``all_gather_object`` and ``barrier`` run on ``group`` (a group of every
+    rank, e.g. checkpointing's own) instead of the default group, whose collectives belong to training."""
+    before = getattr(_THREAD, "group", None)
+    _THREAD.group = group
+    try:
+        yield
+    finally:
+        _THREAD.group = before
+
+
+def _group() -> Any:
+    return getattr(_THREAD, "group", None)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_group())
     return box[0]
 
 
@@ -116,10 +137,10 @@ def all_gather_object(obj: Any) -> list[Any]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group())
     return out
 
 
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=_group())

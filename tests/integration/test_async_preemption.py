@@ -27,7 +27,7 @@ from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.launch import worker_pids
 from tests.integration.contents import comparable
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, losses
 
 pytestmark = pytest.mark.integration
 
@@ -161,3 +161,36 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_0(work, assets, delivery
         assert f"Loading checkpoint from preempt_{delivery}/{name}" in rerun
         assert losses(run_dir) == reference  # bitwise-equal to the uninterrupted run
         assert read_pointer(run_dir, layout.LATEST) == f"epoch_0_step_{MAX_STEPS}"
+
+
+# --- a kill during an overlapped snapshot --------------------------------------------------------------------
+
+
+def test_kill_during_an_overlapped_snapshot_publishes_nothing_and_resumes_from_the_previous(work, assets):
+    """The copy of step 4's state is held in the background while step 5 trains up to its optimizer step (the
+    fence); SIGKILL then. Step 4 is never published; the rerun resumes from step 2 and trains exactly."""
+    run_dir, markers, log = work / "held", work / "held_markers", work / "held.log"
+    markers.mkdir()
+    args = (*COMMON, "--step_scheduler.ckpt_every_steps", "2", "--checkpoint.is_async", "true",
+            "--checkpoint.checkpoint_dir", run_dir.name)
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *args,
+           "--recipe", "tests.integration.recipes_for_tests.HoldSnapshotRecipe"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=work, env=env_for(assets, {"HOLD_AT_STEP": "4", "HOLD_MARKERS": str(markers),
+                                                      "PYTHONPATH": str(REPO)}),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(lambda: all((markers / f"{m}{r}").exists() for m in ("capture", "fence") for r in (0, 1)), proc,
+                  "the held snapshot and the next step's fence")
+    finally:
+        kill_job(proc)
+    assert losses(run_dir) == _reference(work, assets)[:4]  # step 5 never finished: it waited at the fence
+    assert [c.name for c in catalog.list_checkpoints(run_dir)] == ["epoch_0_step_2"]
+    assert read_pointer(run_dir, layout.LATEST) == "epoch_0_step_2"
+    assert not (run_dir / "epoch_0_step_4").exists()
+    assert not (run_dir / layout.staging_name("epoch_0_step_4")).exists()  # reserved only after the copy
+    rerun = ckpt_train(work, assets, *args, nproc=2).output
+    assert f"Loading checkpoint from {run_dir.name}/epoch_0_step_2" in rerun
+    assert losses(run_dir) == _reference(work, assets)
+    assert read_pointer(run_dir, layout.LATEST) == f"epoch_0_step_{MAX_STEPS}"
+    assert not list(run_dir.glob(".staging-*"))

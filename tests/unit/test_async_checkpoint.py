@@ -49,8 +49,8 @@ def gate(monkeypatch):
     g = Gate()
     make = sharded._writer
 
-    def gated_writer(path, fmt, written=None):
-        writer = make(path, fmt, written)
+    def gated_writer(path, fmt, written=None, **kw):
+        writer = make(path, fmt, written, **kw)
         write_data = writer.write_data
 
         def gated(plan, planner):
@@ -91,10 +91,9 @@ def test_latest_moves_only_when_the_async_save_is_complete(env, tmp_path, gate):
     assert read_pointer(root, layout.LATEST) is None
     assert not path.exists() and (root / layout.staging_name(path.name)).is_dir()
     gate.open()
-    for future, _ in ckpt._pending.writes:  # every file written...
-        future.result(timeout=120)
-    assert read_pointer(root, layout.LATEST) is None  # ...and still not published: that is finalize's job
-    assert not path.exists()
+    assert ckpt._pending.job.completed.result(timeout=120) == path  # written, then published in the background
+    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
+    assert ckpt.in_flight  # until the training thread collects the outcome
     assert ckpt.finalize() == path
     assert read_pointer(root, layout.LATEST) == path.name
     assert manifest.verify(path).ok
@@ -108,7 +107,6 @@ def test_next_save_publishes_the_previous_one_first(env, tmp_path, gate):
     gate.open()
     state.step()
     first = ckpt.save(state.states(), info(1))
-    assert read_pointer(root, layout.LATEST) is None
     state.step()
     second = ckpt.save(state.states(), info(2))
     assert read_pointer(root, layout.LATEST) == first.name and manifest.verify(first).ok  # one save in flight
@@ -222,11 +220,12 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     from concurrent.futures import Future
 
     from automodel_ckpt.checkpoint import checkpointer as checkpointer_module
+    from automodel_ckpt.checkpoint import overlap
 
     ckpt = make_checkpointer(env, tmp_path, is_async=True)
     stager = ckpt._host_stager()
     never = Future()  # a write stuck in a collective with a dead rank
-    ckpt._pending = checkpointer_module._PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
+    ckpt._pending = overlap.PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
     monkeypatch.setattr(checkpointer_module, "ABANDON_WAIT_SECONDS", 0.0)
     done = threading.Event()
     worker = threading.Thread(target=lambda: (ckpt.abandon(), done.set()), daemon=True)
@@ -235,3 +234,146 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     assert not ckpt.in_flight
     assert ckpt._stager is stager  # its buffers are not released under a write that may still run
     never.set_result(None)
+
+
+@pytest.fixture
+def capture_gate(monkeypatch):
+    """Holds the background copy of the live state (``StagedSave.capture``) until ``open()``; records the order
+    in which captures end and optimizer steps run in ``events``."""
+    g = Gate()
+    g.events = []
+    capture = sharded.StagedSave.capture
+
+    def gated(self):
+        g.entered.set()
+        assert g.event.wait(120), "test gate never opened"
+        capture(self)
+        g.events.append(f"captured {self.key.split(':')[0]}")
+
+    monkeypatch.setattr(sharded.StagedSave, "capture", gated)
+    return g
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_contended_fence_keeps_the_checkpoint_at_its_step(env, tmp_path, capture_gate, fmt):
+    """The next optimizer step is ready before the snapshot is taken: it waits at the fence, and the async
+    checkpoint is bitwise the sync checkpoint of the same step."""
+    sync_state = State()
+    sync_state.step()
+    sync_ckpt = make_checkpointer(env, tmp_path / "sync", is_async=False, fmt=fmt)
+    sync_path = sync_ckpt.save(sync_state.states(), info(1))
+
+    state = State()
+    state.step()
+    at_save = state.snapshot()
+    ckpt = make_checkpointer(env, tmp_path / "async", is_async=True, fmt=fmt)
+    state.optimizer.register_step_post_hook(lambda *_: capture_gate.events.append("optimizer step"))
+    reached = threading.Event()
+    fence = ckpt.fence
+    ckpt.fence = lambda: (reached.set(), fence())[1]  # the step pre-hook calls the instance's fence
+    path = ckpt.save(state.states(), info(1))  # returns with the copy held at the gate
+    assert capture_gate.entered.wait(60)
+    stepper = threading.Thread(target=state.step, daemon=True)  # the next step: forward, backward, optimizer.step
+    stepper.start()
+    assert reached.wait(60)  # the optimizer step is at the fence...
+    assert stepper.is_alive() and capture_gate.events == []
+    assert all(torch.equal(at_save[k], v) for k, v in state.snapshot().items())  # ...and has changed nothing
+    capture_gate.open()
+    stepper.join(60)
+    assert not stepper.is_alive()
+    assert capture_gate.events == ["captured model", "captured optim", "optimizer step"]
+    assert any(not torch.equal(at_save[k], v) for k, v in state.snapshot().items())
+    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert comparable(path) == comparable(sync_path)
+    restored = State(seed=7)
+    ckpt.load(restored.states(), path)
+    assert all(torch.equal(at_save[k], v) for k, v in restored.snapshot().items())
+    assert restored.counter.n == 1 and restored.cursor.n == 10  # small states: taken when save() was called
+
+
+def test_small_states_are_captured_when_save_is_called(env, tmp_path, capture_gate):
+    """The scheduler-like state, step counts and learning rates change after save() returns; the checkpoint
+    keeps their values at the save."""
+    state = State()
+    state.step()
+    ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
+    path = ckpt.save(state.states(), info(1))
+    assert capture_gate.entered.wait(60)
+    state.counter.n = 99  # a global state object
+    state.optimizer.param_groups[0]["lr"] = 123.0  # what an LR scheduler does
+    capture_gate.open()
+    ckpt.finalize()
+    restored = State(seed=7)
+    ckpt.load(restored.states(), path)
+    assert restored.counter.n == 1 and restored.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+
+
+def test_fence_is_free_without_a_save_in_flight_and_hooks_go_with_finalize(env, tmp_path):
+    state = State()
+    ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
+    ckpt.fence()  # nothing in flight: returns at once
+    state.step()
+    ckpt.save(state.states(), info(1))
+    assert len(state.optimizer._optimizer_step_pre_hooks) == 1
+    ckpt.save(state.states(), info(1 + 1))  # the same optimizer is fenced once
+    assert len(state.optimizer._optimizer_step_pre_hooks) == 1
+    ckpt.finalize()
+    assert not state.optimizer._optimizer_step_pre_hooks
+
+
+def test_background_threads_defaults_and_priority(monkeypatch):
+    import os
+
+    from automodel_ckpt.checkpoint import overlap
+
+    assert overlap.default_write_threads(cpu_count=2, local_ranks=2) == 1  # a small host: one writer thread
+    assert overlap.default_write_threads(cpu_count=96, local_ranks=8) == overlap.WRITE_THREADS_MAX
+    assert overlap.default_write_threads(cpu_count=4, local_ranks=1) == 3
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities here")
+    seen = []
+
+    def probe():
+        overlap.lower_priority(5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        child = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = threading.Thread(target=probe)
+    worker.start()
+    worker.join()
+    assert seen == [min(19, before + 5)] * 2  # the thread and the writer threads it starts
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # training's thread untouched
+
+
+def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_background(env, tmp_path, capture_gate,
+                                                                                    monkeypatch):
+    """save() returns without a collective on the training thread (no rank waits for another there); the staging
+    folder is reserved by the background thread after the copy, and a reservation that fails (the checkpoint
+    exists already) is raised by the next wait, on every rank, with nothing published."""
+    from automodel_ckpt.checkpoint import collective
+
+    state = State()
+    state.step()
+    root = tmp_path / "ck"
+    ckpt = make_checkpointer(env, root, is_async=True)
+    on_training_thread = []
+    broadcast = collective.broadcast_object
+    monkeypatch.setattr(collective, "broadcast_object", lambda obj, *a, **k: (
+        on_training_thread.append(threading.current_thread() is threading.main_thread()), broadcast(obj, *a, **k))[1])
+    path = ckpt.save(state.states(), info(1))
+    assert capture_gate.entered.wait(60)
+    assert not any(on_training_thread) and not list(root.glob(".staging-*"))  # nothing reserved yet
+    capture_gate.open()
+    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert on_training_thread and not any(on_training_thread)  # reserve, seal and publish: in the background
+
+    ckpt = make_checkpointer(env, root, is_async=True)  # the same step again: its folder exists
+    state.step()
+    ckpt.save(state.states(), info(1))
+    with pytest.raises(CheckpointError, match="already exists and is never overwritten"):
+        ckpt.finalize()
+    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
+    assert not list(root.glob(".staging-*"))

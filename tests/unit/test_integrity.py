@@ -297,15 +297,15 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
         if where == "async":
             ckpt = make_checkpointer(ckpt.env, ckpt.dir, ckpt.cfg.model_save_format, is_async=True)
     elif where == "rank_file":
-        import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
+        from automodel_ckpt.checkpoint import local_files
 
-        real_save = torch.save
-        monkeypatch.setattr(checkpointer_mod.torch, "save",
-                            lambda obj, f, *a, **k: _enospc() if "cursor" in str(f) else real_save(obj, f, *a, **k))
+        real_write = local_files.write_files  # the per-rank and global state files
+        monkeypatch.setattr(local_files, "write_files",
+                            lambda files: _enospc() if any("cursor" in str(f) for f in files) else real_write(files))
     elif where == "metadata":
-        import automodel_ckpt.checkpoint.checkpointer as checkpointer_mod
+        from automodel_ckpt.checkpoint import local_files
 
-        monkeypatch.setattr(checkpointer_mod, "write_metadata", _enospc)
+        monkeypatch.setattr(local_files, "write_metadata", _enospc)
     else:
         monkeypatch.setattr(manifest, "write", _enospc)
     with pytest.raises(DiskFullError) as err:

@@ -32,17 +32,18 @@ SAFETENSORS = "safetensors"
 TORCH_SAVE = "torch_save"
 
 
-def _writer(path: Path, fmt: str, written: WrittenFiles | None = None):
+def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None):
     """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
 
     safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
     (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
     ``__R_0.distcp`` per rank (``FileSystemWriter``'s). Each file is fsynced once, with its checksum noted in
-    ``written``.
+    ``written``. ``threads``: writer threads (default ``fastio.WRITE_THREADS``).
     """
+    extra = {} if threads is None else {"threads": threads}
     if fmt == SAFETENSORS:
-        return fastio.ParallelSafetensorsWriter(path, written=written)
-    return fastio.ParallelFileSystemWriter(path, written=written)
+        return fastio.ParallelSafetensorsWriter(path, written=written, **extra)
+    return fastio.ParallelFileSystemWriter(path, written=written, **extra)
 
 
 def _reader(path: Path, fmt: str):
@@ -86,36 +87,81 @@ def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
 
 
 class StagedSave:
-    """A model or optimizer state copied for a background save: ``start`` writes the copy in a thread."""
+    """A model or optimizer state for a background save.
 
-    def __init__(self, staged: dict, path: Path, fmt: str, written: WrittenFiles | None = None) -> None:
-        self.staged = staged
+    Made on the training thread with ``state`` from ``overlap.freeze`` (small tensors and plain values copied
+    already, large tensors still the live ones); ``capture`` copies the rest into the stager's host buffers (in
+    the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
+    """
+
+    def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: str,
+                 written: WrittenFiles | None = None, threads: int | None = None) -> None:
+        self.key = key
+        self.state: dict | None = state
+        self.stager = stager
+        self.staged: dict | None = None
         self.path = path
         self.fmt = fmt
         self.written = written
+        self.threads = threads
 
-    def start(self, process_group, after: Future | None = None) -> Future:
-        """Begin writing through ``dcp.async_save``; the future's ``result()`` raises what the write raised.
+    def capture(self) -> None:
+        """Copy the live tensors; afterwards the training thread may change them."""
+        assert self.state is not None, "captured twice"
+        self.staged = self.stager.stage(self.key, self.state)
+        self.state = None  # no reference to the live tensors outlives the capture
 
-        ``after``: an earlier background write on the same ``process_group``; this one starts when that one is
-        done, so the group's collectives never interleave.
-        """
-        response = dcp.async_save(self.staged, storage_writer=_writer(self.path, self.fmt, self.written),
-                                  process_group=process_group, async_stager=_Handoff(self.staged, after))
-        return getattr(response, "upload_completion", response)
+    def write(self, process_group) -> None:
+        """Write the captured copy (collective on ``process_group``; raises on every rank if any rank fails)."""
+        assert self.staged is not None, "write before capture"
+        _save(self.staged, self.path, _writer(self.path, self.fmt, self.written, threads=self.threads), process_group)
+
+    def fail(self, error: BaseException, process_group) -> None:
+        """This rank could not capture: take part in the write collectively, so that every rank raises ``error``."""
+        writer = _writer(self.path, self.fmt, self.written, threads=self.threads)
+
+        def refuse(plan, planner):
+            raise error
+
+        writer.prepare_local_plan = lambda plan: plan  # creates no folder: the staging one may not be reserved
+        writer.write_data = refuse
+        _save(self.staged or self.state or {}, self.path, writer, process_group)
 
 
-def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager,
-                written: WrittenFiles | None = None) -> StagedSave:
-    """The first half of a background ``save_model``: copy the model's (sharded) state into host memory."""
-    return StagedSave(stager.stage(f"model:{path.name}", get_model_state_dict(model)), path, fmt, written)
+def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, written: WrittenFiles | None = None,
+                *, threads: int | None = None) -> StagedSave:
+    """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
+    change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
+    buffers = {name for name, _ in model.named_buffers()}
+    state = freeze(get_model_state_dict(model), eager=lambda key: key in buffers)
+    return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads)
 
 
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
-                    written: WrittenFiles | None = None) -> StagedSave:
-    """The first half of a background ``save_optimizer``."""
-    return StagedSave(stager.stage(f"optim:{path.name}", get_optimizer_state_dict(model, optimizer)), path,
-                      TORCH_SAVE, written)
+                    written: WrittenFiles | None = None, *, threads: int | None = None) -> StagedSave:
+    """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
+    (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``."""
+    state = freeze(get_optimizer_state_dict(model, optimizer))
+    return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads)
+
+
+SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later
+
+
+@torch.no_grad()
+def freeze(state: Any, eager=None, key: str = "") -> Any:
+    """``state`` with its plain values and small tensors copied now; larger tensors stay the live ones.
+
+    ``eager(key)``: top-level keys whose tensors are copied now whatever their size.
+    """
+    if isinstance(state, torch.Tensor):
+        small = state.numel() * state.element_size() <= SMALL_TENSOR_BYTES
+        return state.detach().clone() if small or (eager is not None and eager(key)) else state
+    if isinstance(state, dict):
+        return {k: freeze(v, eager, key or str(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(freeze(v, eager, key) for v in state)
+    return copy.deepcopy(state)
 
 
 def wait_async_save(future: Future, path: Path) -> None:
@@ -152,8 +198,8 @@ class HostStager:
 
     def _copied(self, state: dict, buffers: dict) -> dict:
         staged = _copy_into(state, buffers)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies have landed
         return staged
 
     def close(self) -> None:
@@ -204,33 +250,6 @@ def _copy_into(src: Any, buf: Any) -> Any:
             raise _Mismatch
         return type(src)(_copy_into(v, b) for v, b in zip(src, buf))
     return copy.deepcopy(src)
-
-
-class _Handoff:
-    """An ``AsyncStager`` for ``dcp.async_save`` that hands over a state dict staged already.
-
-    With ``after``, the hand-over (and so the write) waits for that earlier write to finish.
-    """
-
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
-
-    def __init__(self, staged: dict, after: Future | None) -> None:
-        self.staged = staged
-        self.after = after
-
-    def stage(self, state_dict: dict):
-        if self.after is None:
-            return self.staged
-        ready: Future = Future()
-        self.after.add_done_callback(lambda _: ready.set_result(self.staged))
-        return ready
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None) -> None:

@@ -1,0 +1,184 @@
+"""The background half of an async save: capture and write on a low-priority thread, and the fence that waits for the capture."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+logger = logging.getLogger(__name__)
+
+WRITE_THREADS_MAX = 4  # background writer threads per rank, at most (by default)
+ASYNC_MIN_TORCH = (2, 9)
+
+
+def async_supported(warn: bool) -> bool:
+    """``checkpoint.is_async`` needs torch >= 2.9; older versions save synchronously, with a one-line warning."""
+    import torch
+
+    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
+    if version >= ASYNC_MIN_TORCH:
+        return True
+    if warn:
+        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, ASYNC_MIN_TORCH))} (found "
+                      f"{torch.__version__}); saving synchronously", stacklevel=4)
+    return False
+
+
+class Staged(Protocol):
+    """What ``start`` runs: ``sharded.StagedSave``."""
+
+    def capture(self) -> None: ...
+
+    def write(self, process_group: Any) -> None: ...
+
+    def fail(self, error: BaseException, process_group: Any) -> None: ...
+
+
+def default_write_threads(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
+    """Writer threads per rank when ``checkpoint.async_write_threads`` is unset: the cores left per local rank
+    after its training thread, between 1 and ``WRITE_THREADS_MAX``."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(WRITE_THREADS_MAX, cores // max(1, ranks) - 1))
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux: per thread; the threads it starts inherit it)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # not fatal: the writes just compete with training at the same priority
+        logger.debug("cannot lower the checkpoint thread's priority: %s", exc)
+
+
+@dataclass
+class Overlapped:
+    """One async save's background work: ``captured`` is done once every state is copied; one future per write."""
+
+    captured: Future = field(default_factory=Future)
+    writes: list[Future] = field(default_factory=list)
+    fence_seconds: float = 0.0  # how long the training thread waited at fences for this save
+    capture_seconds: float = 0.0  # how long the background copy of the live state took
+    completed: Future | None = None  # with ``then``: its result (the published checkpoint) or its failure
+
+    def fence(self) -> None:
+        """Block until the live state is copied (the state may be changed after this returns)."""
+        if self.captured.done():
+            return
+        t0 = time.perf_counter()
+        self.captured.exception()  # waits; a failed capture is raised by the writes, at completion
+        self.fence_seconds += time.perf_counter() - t0
+
+
+def start(items: list[Staged], process_group: Any, *, nice: int, prepare: Callable[[], Any] | None = None,
+          then: Callable[[], Any] | None = None, name: str = "ckpt-async") -> Overlapped:
+    """Capture every item, run ``prepare`` (e.g. reserve the staging folder), write each item in order, then run
+    ``then``, on one daemon thread at niceness ``nice``.
+
+    ``prepare`` and the writes are collective on ``process_group``: every rank runs them, in the same order. A rank
+    whose capture or ``prepare`` failed still enters every write, which then fails on every rank (one error, no
+    hang).
+    """
+    job = Overlapped(writes=[Future() for _ in items], completed=Future() if then is not None else None)
+    ready = _device_work_so_far()
+
+    def run() -> None:
+        lower_priority(nice)
+        error: BaseException | None = None
+        t0 = time.perf_counter()
+        try:
+            with _copy_stream(ready):
+                for item in items:
+                    item.capture()
+        except BaseException as exc:  # noqa: BLE001 - raised through the writes below
+            error = exc
+        finally:
+            job.capture_seconds = time.perf_counter() - t0
+            job.captured.set_result(None)
+        if prepare is not None:
+            try:
+                prepare()
+            except BaseException as exc:  # noqa: BLE001 - raised through the writes below
+                error = error or exc
+        for item, future in zip(items, job.writes):
+            try:
+                item.write(process_group) if error is None else item.fail(error, process_group)
+            except BaseException as exc:  # noqa: BLE001 - the save's completion raises it
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        if then is not None and job.completed is not None:
+            try:
+                job.completed.set_result(then())
+            except BaseException as exc:  # noqa: BLE001 - raised on the training thread by the next wait
+                job.completed.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return job
+
+
+def _device_work_so_far() -> Any:
+    """On a GPU: an event after the work queued so far on this thread's stream (the last optimizer step); else None."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return torch.cuda.current_device(), event
+
+
+@contextlib.contextmanager
+def _copy_stream(ready: Any):
+    """On a GPU: copy on a stream of its own that starts after ``ready``, so the device-to-host copies overlap
+    the next step's kernels instead of queueing behind them; ends when the copies have landed."""
+    if ready is None:
+        yield
+        return
+    import torch
+
+    device, event = ready
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+
+
+@dataclass
+class PendingSave:
+    """A save whose model/optimizer files may still be written in the background (``writes``)."""
+
+    name: str
+    staging: Path
+    consolidate: bool
+    writes: list[tuple[Future, Path]] = field(default_factory=list)
+    job: Overlapped | None = None  # the background capture, writes and (unless ``consolidate``) completion
+
+    def let_end(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` in all for the background writes, whatever their outcome; whether all ended."""
+        deadline = time.monotonic() + seconds
+        unfinished = 0
+        for future, _ in self.writes:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                unfinished += 1
+            except Exception:  # noqa: BLE001 - the run is failing already; its own error is the one to show
+                pass
+        if unfinished:
+            logger.warning("abandoning %d background checkpoint write(s) still running after %.0f s", unfinished, seconds)
+        return not unfinished

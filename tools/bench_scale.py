@@ -1,0 +1,184 @@
+"""How checkpoint coordination grows with the rank count: save, load and publish with 2 to 32 gloo ranks.
+
+    python tools/bench_scale.py [--ranks 2,4,8,16,32] [--reps 3] [--json OUT]
+    python tools/bench_scale.py --small --json OUT     # 2 and 3 ranks, one repetition: checks the tool
+
+For each rank count, ``torchrun --standalone`` starts that many CPU processes on this machine; each holds a tiny
+FSDP2-sharded model (a few KiB per rank, so coordination dominates) with AdamW state and saves it ``--reps``
+times through the ``Checkpointer`` (synchronous, safetensors), then loads the last checkpoint. Rank 0 reports
+the median seconds of each phase:
+
+* ``reserve``: the collective agreement on the staging folder (rank 0 decides, every rank learns it);
+* ``plan_local`` / ``plan_global``: DCP's save planning (global: rank 0 merges every rank's plan);
+* ``write_sharded``: the whole sharded save (planning, writing, DCP's metadata commit);
+* ``write_local``: per-rank state, config and metadata files;
+* ``sync``, ``manifest`` (checksums gathered to rank 0, manifest written), ``publish`` (rename, LATEST);
+* ``load``: verifying the manifest and reading the checkpoint back.
+
+It also counts the bytes that object collectives (``all_gather_object``, ``broadcast_object_list``, ...) move
+per rank and per save (``object_bytes``): checksums and plans, never tensors. All ranks share this machine's cores,
+so every phase also carries the cost of running N processes on them: read the growth between rows, not the
+absolute times. ``growth`` is each phase's time at the largest rank count over the smallest, divided by the rank
+ratio: at most 1 means at most linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RANKS = (2, 4, 8, 16, 32)
+PHASES = ("reserve", "plan_local", "plan_global", "write_sharded", "write_local", "sync", "manifest", "publish",
+          "save", "load")
+
+
+def worker(out: Path, reps: int) -> None:
+    """One rank: build, step, save ``reps`` times, load; rank 0 writes its timings to ``out``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from automodel_ckpt.checkpoint.checkpointer import Checkpointer
+    from automodel_ckpt.checkpoint.config import CheckpointConfig
+    from automodel_ckpt.checkpoint.info import SaveInfo
+    from automodel_ckpt.distributed.env import init_distributed
+
+    env = init_distributed("gloo")
+    timers: dict[str, list[float]] = {}
+    counted = {"object_bytes": 0}
+
+    def timed(owner, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers.setdefault(phase, []).append(time.perf_counter() - t0)
+
+        setattr(owner, name, wrapper)
+
+    timed(DefaultSavePlanner, "create_local_plan", "plan_local")
+    timed(DefaultSavePlanner, "create_global_plan", "plan_global")
+    c10d = dist.distributed_c10d
+    to_tensor = c10d._object_to_tensor
+
+    def counting(obj, *args, **kwargs):
+        tensor, size = to_tensor(obj, *args, **kwargs)
+        counted["object_bytes"] += int(size.sum()) if hasattr(size, "sum") else int(size)
+        return tensor, size
+
+    c10d._object_to_tensor = counting
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 16)).sum().backward()
+    optim.step()
+    root = out.parent / f"ckpt_{env.world_size}"
+    cfg = CheckpointConfig(checkpoint_dir=str(root), save_consolidated="false", max_recent_checkpoints=1)
+    ckpt = Checkpointer(cfg, env, resolved_config_yaml="bench: scale\n", say=lambda _m: None)
+    states = {"model": model, "optimizer": optim}
+    path = None
+    for step in range(1, reps + 1):
+        before = counted["object_bytes"]
+        dist.barrier()
+        t0 = time.perf_counter()
+        path = ckpt.save(states, SaveInfo(epoch=0, step=step, train_loss=1.0, val_loss=None, is_final=False))
+        timers.setdefault("save", []).append(time.perf_counter() - t0)
+        timers.setdefault("object_bytes", []).append(counted["object_bytes"] - before)
+        for phase, seconds in (ckpt.last_save_seconds | ckpt.last_complete_seconds).items():
+            timers.setdefault(phase, []).append(seconds)
+    dist.barrier()
+    t0 = time.perf_counter()
+    ckpt.load(states, path)
+    timers["load"] = [time.perf_counter() - t0]
+    if env.is_main:
+        out.write_text(json.dumps({"world_size": env.world_size, "timers": timers}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(ranks: int, reps: int, work: Path) -> dict:
+    out = work / f"scale_{ranks}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(Path(__file__).resolve()), "--worker", str(out), "--reps", str(reps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise SystemExit(f"{ranks} ranks failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    data = json.loads(out.read_text())
+    data["wall"] = time.perf_counter() - t0
+    data["median"] = {k: statistics.median(v) for k, v in data["timers"].items() if v}
+    return data
+
+
+def summary(results: dict[int, dict]) -> dict:
+    """Per phase: the median seconds per rank count and the growth factor (see the module docstring)."""
+    counts = sorted(results)
+    phases = [p for p in (*PHASES, "object_bytes") if all(p in results[n]["median"] for n in counts)]
+    table = {p: {str(n): results[n]["median"][p] for n in counts} for p in phases}
+    growth = {}
+    if len(counts) > 1:
+        lo, hi = counts[0], counts[-1]
+        for p in phases:
+            a, b = results[lo]["median"][p], results[hi]["median"][p]
+            growth[p] = (b / a) / (hi / lo) if a > 0 else None
+    return {"ranks": counts, "phases": table, "growth": growth}
+
+
+def print_table(report: dict) -> None:
+    counts = report["ranks"]
+    print("| phase | " + " | ".join(f"{n} ranks" for n in counts) + " | growth / linear |")
+    print("|---|" + "---|" * (len(counts) + 1))
+    for phase, row in report["phases"].items():
+        unit = "B" if phase == "object_bytes" else "s"
+        cells = [f"{row[str(n)]:.0f}" if unit == "B" else f"{row[str(n)]:.4f}" for n in counts]
+        g = report["growth"].get(phase)
+        print(f"| {phase} ({unit}) | " + " | ".join(cells) + f" | {'-' if g is None else f'{g:.2f}'} |")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="2 and 3 ranks, one repetition")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker, args.reps)
+        return {}
+    ranks = [2, 3] if args.small else [int(n) for n in args.ranks.split(",") if n.strip()]
+    reps = 1 if args.small else args.reps
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+        for n in ranks:
+            results[n] = run(n, reps, Path(tmp))
+            print(f"{n} ranks: {results[n]['wall']:.0f} s", flush=True)
+    report = summary(results) | {"reps": reps, "cpu_count": os.cpu_count()}
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
