@@ -83,16 +83,7 @@ class Encoder:
         else:
             prompts, completions = self._prompts(batch, indices)
             ids, labels = self._prompt_completion(prompts, completions)
-        n = self.spec.seq_length
-        ids_col = batch.get("id")  # an integer id column names the samples; otherwise the record number does
-        if ids_col is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids_col):
-            ids_col = None
-        return {
-            "input_ids": [x[:n] for x in ids],
-            "labels": [x[:n] for x in labels],
-            "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
-            "num_tokens": [len(x) for x in ids],
-        }
+        return token_columns(ids, labels, batch, indices, self.spec.seq_length)
 
     def _prompts(self, batch: dict[str, list], indices: list[int]) -> tuple[list[str], list[str]]:
         if self.templates is None:
@@ -151,3 +142,16 @@ class Encoder:
                 labels[a:b] = ids[a:b]
             labels_out.append(labels)
         return all_ids, labels_out
+
+
+def token_columns(ids: list[list[int]], labels: list[list[int]], batch: dict, indices: list[int], n: int) -> dict:
+    """The tokenized columns of a batch: ids and labels cut to n tokens, sample ids, untruncated lengths."""
+    ids_col = batch.get("id")  # an integer id column names the samples; otherwise the record number does
+    if ids_col is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids_col):
+        ids_col = None
+    return {
+        "input_ids": [x[:n] for x in ids],
+        "labels": [x[:n] for x in labels],
+        "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
+        "num_tokens": [len(x) for x in ids],
+    }

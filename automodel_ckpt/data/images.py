@@ -9,7 +9,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from automodel_ckpt.data.encode import IGNORE_INDEX, DataSpec, Encoder
+from automodel_ckpt.data.encode import IGNORE_INDEX, DataSpec, Encoder, token_columns
 from automodel_ckpt.errors import ConfigError
 
 __all__ = ["ImageSpec", "ImageChatEncoder", "image_spec"]
@@ -80,13 +80,6 @@ class ImageChatEncoder:
             out_labels.append(y[:at] + [IGNORE_INDEX] * k + y[at + 1:])
         pixels = self.processor.image_processor([img.convert("RGB") for img in batch[field]],
                                                 return_tensors="np")["pixel_values"]
-        ids_col = batch.get("id")
-        if ids_col is not None and not all(isinstance(v, int) and not isinstance(v, bool) for v in ids_col):
-            ids_col = None
-        return {
-            "input_ids": [x[:n] for x in out_ids],
-            "labels": [y[:n] for y in out_labels],
-            "sample_id": [int(ids_col[j]) if ids_col is not None else i for j, i in enumerate(indices)],
-            "num_tokens": [len(x) for x in out_ids],
-            "pixel_values": list(np.asarray(pixels, dtype=np.float32)),
-        }
+        columns = token_columns(out_ids, out_labels, batch, indices, n)
+        columns["pixel_values"] = list(np.asarray(pixels, dtype=np.float32))
+        return columns

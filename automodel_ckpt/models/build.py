@@ -146,24 +146,23 @@ def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: d
     return auto_class.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
 
 
+def _from_folder(auto_class, path: str | None, what: str):
+    if not path:
+        raise ConfigError(f"tokenizer.pretrained_model_name_or_path: no {what} folder (set it, or use a model folder)")
+    try:
+        return auto_class.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot load a {what} from '{path}': {first_line(exc)}") from None
+
+
 def build_processor(path: str | None):
     """The Hugging Face processor (image processor + tokenizer + chat template) of an image-text model folder."""
     from transformers import AutoProcessor
 
-    if not path:
-        raise ConfigError("tokenizer.pretrained_model_name_or_path: no processor folder (set it, or use a model folder)")
-    try:
-        return AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"tokenizer: cannot load a processor from '{path}': {first_line(exc)}") from None
+    return _from_folder(AutoProcessor, path, "processor")
 
 
 def build_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-    if not path:
-        raise ConfigError("tokenizer.pretrained_model_name_or_path: no tokenizer folder (set it, or use a model folder)")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"tokenizer: cannot load a tokenizer from '{path}': {first_line(exc)}") from None
+    return _from_folder(AutoTokenizer, path, "tokenizer")
