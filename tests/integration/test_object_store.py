@@ -94,7 +94,7 @@ def test_verbs_and_restore_from_on_s3_and_the_export_loads_in_transformers(seawe
     assert [r["name"] for r in rows] == ["epoch_0_step_2"] and rows[0]["size_bytes"] > 1_000_000
     verified = verb("verify", url)
     assert verified.returncode == 0 and "verify: OK (1 checkpoint(s))" in verified.stdout, verified.stdout
-    exported = verb("consolidate", f"{url}/epoch_0_step_2", "--out", f"{url}-hf", "--no-progress")
+    exported = verb("consolidate", f"{url}/LATEST", "--out", f"{url}-hf", "--no-progress")  # a pointer resolves
     assert exported.returncode == 0, exported.stderr
     local = tmp_path / "hf"
     fs.get(f"{bucket}/run-hf/", str(local), recursive=True)

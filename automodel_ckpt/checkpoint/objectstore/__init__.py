@@ -71,6 +71,13 @@ def open_for_reading(location: str | Path, storage_options: dict[str, Any] | Non
     problem = store.access_problem(key, write=False)
     if problem:
         raise UserError(problem)
+    run_url, _, last = url.rpartition("/")
+    if last in layout.POINTERS:  # s3://bucket/run/LATEST: the checkpoint the pointer names
+        target = (ObjectStore(run_url, storage_options).read_text(last) or "").strip()
+        if not target:
+            raise UserError(f"{key}: '{url}' does not exist (no {last} pointer in '{run_url}')")
+        url = f"{run_url}/{target}"
+        store = ObjectStore(url, storage_options)
     one = wrap(f"reading '{url}'", lambda: store.exists(layout.MANIFEST_FILE))
     run_url = url.rsplit("/", 1)[0] if one else url
     run = open_run(run_url, storage_options, _fresh_folder() if fetch_all else mirror_folder(run_url, None, "read"))
