@@ -94,6 +94,12 @@ def _write_base(folder: Path) -> None:
                 param.fill_(1.0 if name.endswith(".weight") else 0.0)
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
+    # Written in the layout of the LLaVA folders on the Hub, which vLLM reads: all of the family's conversions
+    # reverted, the CLIP tower's own ``vision_model.`` level included (``vision_tower.vision_model.*``), as
+    # save_pretrained does for a model loaded from such a folder.
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)  # noqa: SLF001
     model.save_pretrained(folder, max_shard_size=_shard_limit(model))
     if len(list(folder.glob("*.safetensors"))) != 2:
         raise RuntimeError(f"expected two weight shards in {folder}")

@@ -119,7 +119,11 @@ def _answers_like_the_trained_model(assets: Path, ckpt: Path, tmp_path: Path, n:
 
 def test_export_is_in_the_base_layout_and_loads_with_auto_classes(work, assets, vlm_base):
     export = _straight(work, assets) / "epoch_0_step_6" / "model" / "consolidated"
-    assert sorted(_weights(export)) == sorted(_weights(vlm_base))  # the base's on-disk names (language_model.model.)
+    names = sorted(_weights(export))
+    assert names == sorted(_weights(vlm_base))  # the base's on-disk names: the Hub's LLaVA layout, which vLLM reads
+    assert {n.split(".")[0] + "." + n.split(".")[1] for n in names} == {
+        "language_model.model", "language_model.lm_head", "multi_modal_projector.linear_1",
+        "multi_modal_projector.linear_2", "vision_tower.vision_model"}
     got = _answers(export, 6)  # AutoModelForImageTextToText + AutoProcessor, nothing of ours
     assert len(got) == 6 and all(isinstance(a, str) for a in got)
 

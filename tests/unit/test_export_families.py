@@ -109,3 +109,18 @@ def test_flat_boxes_tile_any_range():
             assert all(box[i] == shape[i] and offsets[i] == 0 for i in range(lead + 1, 3))
             seen.extend(range(at, at + math.prod(box)))
         assert seen == list(range(first, end))
+
+
+def test_the_base_folders_own_names_decide_prefix_conversions():
+    """A LLaVA base stored as on the Hub (``vision_tower.vision_model.*``) exports under those names; one stored as
+    transformers 5 writes a model built from its config (``vision_tower.*``) exports under those."""
+    from automodel_ckpt.checkpoint.export.family import _meta_model
+    from automodel_ckpt.models.tiny_vlm import tiny_llava_config
+
+    config = {**tiny_llava_config(), "model_type": "llava"}
+    saved = {k: (tuple(v.shape), v.dtype) for k, v in _meta_model(dict(config)).state_dict().items()}
+    plain = sorted(disk_layout(config, saved))
+    assert any(n.startswith("vision_tower.embeddings.") for n in plain)
+    hub = sorted(n.replace("vision_tower.", "vision_tower.vision_model.", 1) for n in plain)
+    assert sorted(disk_layout(config, saved, base_names=hub)) == hub
+    assert sorted(disk_layout(config, saved, base_names=plain)) == plain

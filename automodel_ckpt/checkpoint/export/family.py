@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +61,15 @@ def family_of(config: Mapping[str, Any] | None) -> str | None:
 
 
 def disk_layout(
-    config: Mapping[str, Any] | None, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    config: Mapping[str, Any] | None, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    base_names: Collection[str] | None = None,
 ) -> dict[str, DiskTensor] | None:
     """On-disk name -> where it lies in the saved tensors ``saved`` (name -> (shape, dtype)).
 
+    ``base_names``, the base folder's own tensor names, decide the conversions that depend on how the base was
+    stored (e.g. the ``vision_model.`` level of a CLIP vision tower that older LLaVA folders keep): as
+    ``from_pretrained`` does, only the conversions that match a base name are reverted. Without them, the layout is
+    the one ``save_pretrained`` writes for a model built from its config.
     None when the family is unknown to this transformers or its layout cannot be expressed as views of single
     saved tensors: the export then keeps the saved names (logged).
     """
@@ -75,6 +80,9 @@ def disk_layout(
     if model is None:
         return None
     from transformers.core_model_loading import revert_weight_conversion
+
+    if base_names:
+        _record_conversions_of(model, base_names)
 
     dropped = _tied_copies(model, saved)
     sources = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in saved.items()}
@@ -110,7 +118,8 @@ def in_memory_dtypes(model: Any, disk_dtypes: Mapping[str, torch.dtype]) -> dict
     A fused expert stack takes the dtype of the per-expert tensors it is made of.
     """
     state = model.state_dict()
-    disk = disk_layout(model.config.to_dict(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+    disk = disk_layout(model.config.to_dict(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()},
+                       base_names=list(disk_dtypes))
     if disk is None:
         return dict(disk_dtypes)
     out: dict[str, torch.dtype] = {}
@@ -134,6 +143,20 @@ def _meta_model(config: dict[str, Any]) -> Any | None:
         logger.warning("model family '%s' is unknown to this transformers (%s); the export keeps the saved names",
                        family, e)  # fmt: skip
         return None
+
+
+def _record_conversions_of(model: Any, base_names: Collection[str]) -> None:
+    """Attach to ``model`` the conversions that loading ``base_names`` would use, as ``from_pretrained`` does, so
+    that ``revert_weight_conversion`` reverts exactly those (prefix changes included) and no others."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    for name in base_names:
+        rename_source_key(name, renamings, converters)
+    model._weight_conversions = [m for m in mapping if m.was_used()]  # noqa: SLF001 - what from_pretrained records
 
 
 def auto_model_class(config: Any) -> Any:

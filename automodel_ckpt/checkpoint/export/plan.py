@@ -195,7 +195,8 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -
     """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata``."""
     meta = _read_metadata(model_dir)
     source = open_source(model_dir, meta.saved if meta else None, meta.saved_world_size if meta else None)
-    source.tensors = on_disk_tensors(source.tensors, meta.config if meta else None)
+    source.tensors = on_disk_tensors(source.tensors, meta.config if meta else None,
+                                     list(meta.original) if meta and meta.original else None)
     original = meta.original if meta else None
     dtypes = _output_dtypes(source, original, cast)
     tensors = [OutTensor(source.tensors[name], dtypes[name]) for name in sorted(source.tensors, key=_natural_key)]

@@ -9,7 +9,7 @@ other view (e.g. a transpose) is read by assembling the saved tensor and taking 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -19,9 +19,11 @@ from automodel_ckpt.checkpoint.export.family import DiskTensor, c_strides, disk_
 __all__ = ["apply_disk_layout", "flat_boxes", "on_disk_tensors"]
 
 
-def on_disk_tensors(tensors: dict[str, SourceTensor], config: Mapping[str, Any] | None) -> dict[str, SourceTensor]:
-    """``tensors`` (saved names) as the tensors ``save_pretrained`` writes for the family of ``config``."""
-    disk = disk_layout(config, {name: (t.shape, t.dtype) for name, t in tensors.items()})
+def on_disk_tensors(tensors: dict[str, SourceTensor], config: Mapping[str, Any] | None,
+                    base_names: Collection[str] | None = None) -> dict[str, SourceTensor]:
+    """``tensors`` (saved names) as the tensors ``save_pretrained`` writes for the family of ``config``, in the
+    naming of the base folder whose tensor names are ``base_names`` (when known)."""
+    disk = disk_layout(config, {name: (t.shape, t.dtype) for name, t in tensors.items()}, base_names)
     return tensors if disk is None else apply_disk_layout(tensors, disk)
 
 
