@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
@@ -95,3 +95,11 @@ def checkpoint_of(base: Path, root: Path, fmt: str, noise: float = 0.0, split_di
     world_size = 2 if fmt == "safetensors" else 1
     write_hf_metadata(model_dir, hf_config=model.config, base_model_path=base, world_size=world_size)
     return model, model_dir
+
+
+def folder_weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (file, tensor) over every safetensors file of an HF folder."""
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update({name: (path.name, t) for name, t in load_file(path).items()})
+    return out

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from tests.family_bases import folder_weights
 
 from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl
 
@@ -57,13 +58,6 @@ def _export(assets: Path, ckpt: Path) -> Path:
     return out
 
 
-def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update({name: (path.name, t) for name, t in load_file(path).items()})
-    return out
-
-
 @pytest.mark.parametrize("family, fmt, lr", FULL)
 def test_trains_resumes_exactly_and_exports_in_the_base_layout(work, assets, family_bases, family, fmt, lr):
     base = family_bases[family]
@@ -91,7 +85,7 @@ def test_trains_resumes_exactly_and_exports_in_the_base_layout(work, assets, fam
 
 
 def _assert_base_files(base: Path, export: Path) -> None:
-    expected, actual = _weights(base), _weights(export)
+    expected, actual = folder_weights(base), folder_weights(export)
     assert sorted(actual) == sorted(expected)
     for name, (file, tensor) in expected.items():
         assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
@@ -113,7 +107,7 @@ def test_default_lora_trains_loads_in_peft_and_merges(work, assets, family_bases
     assert any("lora_A" in n for n, _ in model.named_parameters())
     done = _cli(assets, "merge-lora", str(run / "epoch_0_step_2"), "--out", str(tmp_path / "merged"))
     assert done.returncode == 0, done.stderr[-3000:]
-    merged, base_files = _weights(tmp_path / "merged"), _weights(base)
+    merged, base_files = folder_weights(tmp_path / "merged"), folder_weights(base)
     def layout_of(weights: dict) -> dict:
         return {k: (t.shape, t.dtype) for k, (_, t) in weights.items()}
 

@@ -19,7 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
+from tests.family_bases import folder_weights
+
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, losses, tree
 
 VLM_RECIPE = REPO / "recipes" / "tiny_vlm_sft.yaml"
 VLM_PEFT_RECIPE = REPO / "recipes" / "tiny_vlm_peft.yaml"
@@ -59,13 +61,6 @@ def _resumed(work: Path, assets: Path) -> tuple[Path, str]:
 
 def _cli(assets: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([CKPT_TRAIN, *args], capture_output=True, text=True, timeout=600, env=env_for(assets))
-
-
-def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update({name: (path.name, t) for name, t in load_file(path).items()})
-    return out
 
 
 def _answers(folder: Path, n: int = 24) -> list[str]:
@@ -119,8 +114,8 @@ def _answers_like_the_trained_model(assets: Path, ckpt: Path, tmp_path: Path, n:
 
 def test_export_is_in_the_base_layout_and_loads_with_auto_classes(work, assets, vlm_base):
     export = _straight(work, assets) / "epoch_0_step_6" / "model" / "consolidated"
-    names = sorted(_weights(export))
-    assert names == sorted(_weights(vlm_base))  # the base's on-disk names: the Hub's LLaVA layout, which vLLM reads
+    names = sorted(folder_weights(export))
+    assert names == sorted(folder_weights(vlm_base))  # the base's on-disk names: the Hub's LLaVA layout, which vLLM reads
     assert {n.split(".")[0] + "." + n.split(".")[1] for n in names} == {
         "language_model.model", "language_model.lm_head", "multi_modal_projector.linear_1",
         "multi_modal_projector.linear_2", "vision_tower.vision_model"}
@@ -131,7 +126,7 @@ def test_export_is_in_the_base_layout_and_loads_with_auto_classes(work, assets, 
 def test_lr0_export_is_the_base_bit_for_bit(work, assets, vlm_base):
     run, _ = _run(work, assets, "lr0", "--optimizer.lr", "0", "--step_scheduler.max_steps", "2")
     export = run / "epoch_0_step_2" / "model" / "consolidated"
-    expected, actual = _weights(vlm_base), _weights(export)
+    expected, actual = folder_weights(vlm_base), folder_weights(export)
     assert sorted(actual) == sorted(expected)
     for name, (file, tensor) in expected.items():
         assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
@@ -154,8 +149,8 @@ def test_lora_adapter_loads_in_peft_and_merges(work, assets, vlm_base, tmp_path)
     peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
     done = _cli(assets, "merge-lora", str(run / "epoch_0_step_4"), "--out", str(tmp_path / "merged"))
     assert done.returncode == 0, done.stderr[-3000:]
-    merged = _weights(tmp_path / "merged")
-    assert {k: t.shape for k, (_, t) in merged.items()} == {k: t.shape for k, (_, t) in _weights(vlm_base).items()}
+    merged = folder_weights(tmp_path / "merged")
+    assert {k: t.shape for k, (_, t) in merged.items()} == {k: t.shape for k, (_, t) in folder_weights(vlm_base).items()}
     from automodel_ckpt.data.shapes import heldout_vqa_examples
     from transformers import AutoProcessor
 

@@ -8,26 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.export.plan import consolidate
 from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
 from automodel_ckpt.checkpoint.export.views import flat_boxes
-from tests.family_bases import FAMILIES, checkpoint_of, in_memory_state
+from tests.family_bases import FAMILIES, checkpoint_of, in_memory_state, folder_weights
 
 
 @pytest.fixture(scope="session")
 def bases(family_bases) -> dict[str, Path]:
     return family_bases
-
-
-def _weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
-    """name -> (file, tensor) over every safetensors file of an HF folder."""
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update({name: (path.name, t) for name, t in load_file(path).items()})
-    return out
 
 
 def _assert_same_files(expected: dict, actual: dict) -> None:
@@ -47,7 +38,7 @@ def test_unchanged_weights_export_to_the_base_files_bit_for_bit(bases, family, f
 
     _, model_dir = checkpoint_of(bases[family], tmp_path, fmt)
     out = consolidate(model_dir, progress=False)
-    _assert_same_files(_weights(bases[family]), _weights(out))
+    _assert_same_files(folder_weights(bases[family]), folder_weights(out))
     index = json.loads((out / layout.HF_INDEX).read_text())["weight_map"]
     assert index == json.loads((bases[family] / layout.HF_INDEX).read_text())["weight_map"]
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -61,15 +52,15 @@ def test_trained_weights_export_as_save_pretrained_writes_them(bases, family, tm
     model, model_dir = checkpoint_of(bases[family], tmp_path, "safetensors", noise=1e-2)
     out = consolidate(model_dir, progress=False)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "reference")
-    expected = {name: ("", t) for name, (_, t) in _weights(tmp_path / "reference").items()}
-    _assert_same_files(expected, {name: ("", t) for name, (_, t) in _weights(out).items()})
+    expected = {name: ("", t) for name, (_, t) in folder_weights(tmp_path / "reference").items()}
+    _assert_same_files(expected, {name: ("", t) for name, (_, t) in folder_weights(out).items()})
 
 
 def test_column_split_experts_assemble_and_two_ranks_write_the_same_bytes(bases, tmp_path):
     """Pieces that are not runs of the fused expert tensor still export exactly; a 2-process export is identical."""
     _, model_dir = checkpoint_of(bases["mixtral"], tmp_path / "cols", "safetensors", split_dim=1)
     out = consolidate(model_dir, progress=False)
-    _assert_same_files(_weights(bases["mixtral"]), _weights(out))
+    _assert_same_files(folder_weights(bases["mixtral"]), folder_weights(out))
     _, rows_dir = checkpoint_of(bases["mixtral"], tmp_path / "rows", "safetensors")
     single = consolidate(rows_dir, tmp_path / "single", progress=False)
     consolidate(rows_dir, tmp_path / "multi", rank=1, world_size=2, progress=False)
