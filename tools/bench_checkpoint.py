@@ -494,10 +494,12 @@ def child(args: argparse.Namespace) -> None:
             result["seconds"] = time.perf_counter() - t0
         else:
             raise SystemExit(f"unknown method {method}")
-        dist.barrier()
-        dist.destroy_process_group()  # NCCL's threads end before the interpreter's (else: a crash at exit)
-        if env.rank != 0:
-            return
+        from automodel_ckpt.distributed.env import end_process, shutdown_distributed
+
+        shutdown_distributed()  # NCCL's threads end before the interpreter's (else: a crash at exit)
+        if env.rank == 0:
+            _report(result)
+        end_process(0)  # nor do gloo's: a rank never meets interpreter teardown (see end_process)
 
     _report(result)
 

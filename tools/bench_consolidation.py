@@ -60,8 +60,9 @@ for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 dcp.save(get_model_state_dict(model), storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
-dist.barrier()
-dist.destroy_process_group()
+from automodel_ckpt.distributed.env import end_process, shutdown_distributed
+shutdown_distributed()
+end_process(0)
 '''
 
 

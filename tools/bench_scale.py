@@ -52,7 +52,7 @@ def worker(out: Path, reps: int) -> None:
     from automodel_ckpt.checkpoint.checkpointer import Checkpointer
     from automodel_ckpt.checkpoint.config import CheckpointConfig
     from automodel_ckpt.checkpoint.info import SaveInfo
-    from automodel_ckpt.distributed.env import init_distributed
+    from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 
     env = init_distributed("gloo")
     timers: dict[str, list[float]] = {}
@@ -111,8 +111,8 @@ def worker(out: Path, reps: int) -> None:
     timers["load"] = [time.perf_counter() - t0]
     if env.is_main:
         out.write_text(json.dumps({"world_size": env.world_size, "timers": timers}))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
+    end_process(0)  # a rank never meets interpreter teardown (see end_process)
 
 
 def run(ranks: int, reps: int, work: Path) -> dict:

@@ -7,6 +7,7 @@ each exit code.
 
     .venv/bin/python tools/soak_exit.py --runs 30            # exit status 1 if any run failed
     .venv/bin/python tools/soak_exit.py --runs 5 --async     # async checkpoints
+    .venv/bin/python tools/soak_exit.py --runs 10 --consolidate   # then the last checkpoint's consolidate.sh, 2 ranks
 """
 
 from __future__ import annotations
@@ -30,14 +31,20 @@ def _spin(stop: Any) -> None:
         sum(i * i for i in range(10_000))
 
 
-def run_once(index: int, work: Path, assets: Path, extra: list[str]) -> tuple[int, str]:
-    """One short 2-process run; returns its exit code and the tail of its output."""
+def run_once(index: int, work: Path, assets: Path, extra: list[str], consolidate: bool) -> tuple[int, str]:
+    """One short 2-process run (and its 2-process export); returns its exit code and the tail of its output."""
     ckpt_train = str(Path(sys.executable).parent / "ckpt-train")
     run_dir = work / f"run{index}"
     cmd = [ckpt_train, "--nproc-per-node", "2", str(RECIPE), "--step_scheduler.max_steps", "4",
            "--step_scheduler.ckpt_every_steps", "2", "--checkpoint.checkpoint_dir", str(run_dir), *extra]
     env = dict(os.environ, AUTOMODEL_CKPT_ASSETS=str(assets), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    if consolidate and proc.returncode == 0:
+        from automodel_ckpt.checkpoint import layout
+
+        script = run_dir / layout.LATEST / layout.MODEL_DIR / layout.CONSOLIDATE_SCRIPT
+        proc = subprocess.run(["bash", str(script)], cwd=work, env=dict(env, NPROC_PER_NODE="2"),
+                              capture_output=True, text=True, timeout=900)
     shutil.rmtree(run_dir, ignore_errors=True)
     return proc.returncode, (proc.stdout + proc.stderr)[-3000:]
 
@@ -48,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2,
                         help="busy processes beside the runs (default: one per core)")
     parser.add_argument("--async", dest="is_async", action="store_true", help="async checkpoints")
+    parser.add_argument("--consolidate", action="store_true",
+                        help="after each run, export its last checkpoint with consolidate.sh on 2 processes")
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs (default: a temporary one)")
     args = parser.parse_args(argv)
     extra = ["--checkpoint.is_async", "true"] if args.is_async else []
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     try:
         for i in range(1, args.runs + 1):
-            code, tail = run_once(i, work, assets, extra)
+            code, tail = run_once(i, work, assets, extra, args.consolidate)
             print(f"run {i}/{args.runs}: exit {code}", flush=True)
             if code != 0:
                 failures.append((i, code, tail))

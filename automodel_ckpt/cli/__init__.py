@@ -87,12 +87,20 @@ def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
 
 
 def exit_code(code: int) -> int:
-    """How a process ends with ``code``: a failed rank of a multi-process job skips process-group teardown."""
-    if os.environ.get("WORLD_SIZE", "1") != "1" and code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip process-group teardown: the other ranks may be gone already
-    return code
+    """How a process ends with ``code``; a rank of a multi-process job (any verb) never meets interpreter teardown.
+
+    A finished rank leaves through ``end_process`` (torch's C++ threads may still be running, see there); a failed
+    rank leaves at once, skipping process-group teardown: the other ranks may be gone already.
+    """
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        return code
+    if code == 0:
+        from automodel_ckpt.distributed.env import end_process
+
+        end_process(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def quiet_third_party(debug: bool) -> None:

@@ -91,10 +91,10 @@ def main(argv: list[str]) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-        if started_group:
-            import torch.distributed as dist
+    if started_group:  # a failed rank leaves without teardown (cli.exit_code): its peers may be gone already
+        from automodel_ckpt.distributed.env import shutdown_distributed
 
-            dist.destroy_process_group()
+        shutdown_distributed()
     return 0
 
 

@@ -36,13 +36,22 @@ SCRIPT = textwrap.dedent("""
     busy.wait()
     print("last line", end="")
     shutdown_distributed()
-    end_process(0)
+    END
 """)
 
+# Every verb (consolidate.sh runs one under torchrun) ends a rank of a multi-process job the same way.
+ENDINGS = {
+    "end_process": "end_process(0)",
+    "verb_rank": "import os; os.environ['WORLD_SIZE'] = '2'; from automodel_ckpt.cli import exit_code; exit_code(0); "
+                 "raise SystemExit('exit_code returned: the interpreter would finalize')",
+}
 
-def test_end_process_exits_zero_with_torch_threads_busy() -> None:
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_end_process_exits_zero_with_torch_threads_busy(ending: str) -> None:
+    script = SCRIPT.replace("END", ENDINGS[ending])
     for _ in range(3):
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "terminate called" not in proc.stderr
