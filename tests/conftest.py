@@ -1,10 +1,15 @@
-"""Suite-wide test options: slow tests run only with RUN_SLOW=1."""
+"""Suite-wide test options: slow tests run only with RUN_SLOW=1; `-n auto` picks the worker count."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per two CPUs, at least two and at most eight (an end-to-end test runs two ranks)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

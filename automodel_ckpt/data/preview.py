@@ -66,7 +66,8 @@ def render_counts(prepared: PreparedData) -> str:
 
 
 def preview(prepared: PreparedData, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
-            out: TextIO = sys.stdout) -> None:
+            out: TextIO | None = None) -> None:
+    out = out or sys.stdout  # the stream of the moment (not the one at import time: it may be replaced since)
     data = prepared.train if split == "train" else prepared.validation
     if data is None:
         raise ConfigError("preview: this recipe has no validation data (data.val_size is 0 and no validation_dataset)")
