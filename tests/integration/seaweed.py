@@ -85,7 +85,7 @@ def start(folder: Path, ready_timeout: float = 90.0) -> Seaweed:
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
     data = folder / "data"
     data.mkdir(exist_ok=True)
-    cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+    cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false", "-webdav=false",
            f"-s3.config={config}", *(f"-{flag}={port}" for flag, port in ports.items())]
     log = folder / "weed.log"
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,

@@ -85,3 +85,31 @@ def test_a_quarantined_checkpoint_is_never_listed_again(seaweed, tmp_path, monke
     assert run.pull() == ["epoch_0_step_2"]
     assert json.loads(fs.cat(f"{root}/{layout.QUARANTINE_DIR}/epoch_0_step_4.json"))["reason"] == "size mismatch"
     assert run.leftovers() == [] and fs.exists(f"{root}/epoch_0_step_4/{layout.MANIFEST_FILE}")  # kept to inspect
+
+
+def test_download_in_ranges_is_byte_exact_and_takes_objects_of_another_size_as_they_are(seaweed, tmp_path,
+                                                                                         monkeypatch):
+    import os
+
+    from automodel_ckpt.checkpoint.objectstore import store as store_module
+
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    monkeypatch.setattr(store_module, "RANGE", 1000)  # many ranges per file, fetched at once
+    files = {"model/a.bin": os.urandom(10_500), "model/b.bin": os.urandom(999), "optim/c.bin": os.urandom(3000),
+             "empty.txt": b""}
+    for rel, data in files.items():
+        fs.pipe(f"{root}/ck/{rel}", data)
+    sizes = {rel: len(data) for rel, data in files.items()}
+    run.store.download("ck", sorted(files), tmp_path / "one", sizes)
+    assert {rel: (tmp_path / "one" / rel).read_bytes() for rel in files} == files
+    assert sorted(p.name for p in (tmp_path / "one").rglob("*") if p.is_file()) == ["a.bin", "b.bin", "c.bin",
+                                                                                   "empty.txt"]  # no temporaries
+    # objects longer, shorter or other than the listed sizes arrive whole, as stored (the checks report them)
+    changed = {"model/a.bin": files["model/a.bin"] + b"+", "model/b.bin": b"short", "optim/c.bin": b"x" * 500,
+               "empty.txt": b"not empty"}  # c.bin: ranges past its end are refused by the store
+    for rel, data in changed.items():
+        fs.pipe(f"{root}/ck/{rel}", data)
+    run.store.download("ck", sorted(files), tmp_path / "two", sizes)
+    assert {rel: (tmp_path / "two" / rel).read_bytes() for rel in files} == files | changed
+    run.store.download("ck", ["model/a.bin"], tmp_path / "three")  # sizes unknown: asked of the store
+    assert (tmp_path / "three" / "model/a.bin").read_bytes() == changed["model/a.bin"]

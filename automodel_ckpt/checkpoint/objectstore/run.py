@@ -238,7 +238,8 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
             continue
         if i % world_size == rank and not (path.is_file() and path.stat().st_size == int(entry["size"])):
             share.append(rel)
-    wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder))
+    sizes = {rel: int(listed[rel]["size"]) for rel in share}
+    wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder, sizes))
 
 
 def open_run(url: str, storage_options: dict[str, Any] | None, mirror: Path) -> RemoteRun:
