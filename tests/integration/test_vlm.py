@@ -1,7 +1,8 @@
 """Image-text (LLaVA) fine-tuning end to end, 2 processes: the text models' checkpoints, exports and resume.
 
 Short runs of recipes/tiny_vlm_sft.yaml and recipes/tiny_vlm_peft.yaml on a small slice of the shapes task, shared
-by the tests: 6 steps straight (safetensors shards); 3 then 6 steps resumed (torch_save shards); 2 steps at
+by the tests: 6 steps straight (safetensors shards); 3 then 6 steps resumed (torch_save shards); 4 steps with async
+saves and retention, resumed to 6 on one process; 2 steps at
 ``lr: 0`` (the export must be the base's files, bit for bit); 4 LoRA steps. The learning test runs the default
 recipe to its end.
 """
@@ -21,12 +22,13 @@ from safetensors.torch import load_file
 
 from tests.family_bases import folder_weights
 
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, losses, tree
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
 
 VLM_RECIPE = REPO / "recipes" / "tiny_vlm_sft.yaml"
 VLM_PEFT_RECIPE = REPO / "recipes" / "tiny_vlm_peft.yaml"
 SMALL = ("--dataset.num_samples", "160", "--data.val_size", "16", "--step_scheduler.val_every_steps", "null",
-         "--step_scheduler.global_batch_size", "8", "--step_scheduler.local_batch_size", "4")  # fmt: skip
+         "--step_scheduler.global_batch_size", "8", "--step_scheduler.local_batch_size", "4",
+         "--training.log_sample_ids", "true")  # fmt: skip
 PROCESSOR_FILES = {"processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
@@ -99,6 +101,26 @@ def test_layout_and_bitwise_resume_in_both_formats(work, assets, vlm_base):
     done = _cli(assets, "verify", "--export", str(straight / "epoch_0_step_6"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(llava, " in done.stdout and "no missing or unexpected keys" in done.stdout
+
+
+def test_async_saves_retention_and_a_resume_on_one_process(work, assets, vlm_base):
+    straight = _straight(work, assets)
+    args = ("--checkpoint.checkpoint_dir", "resized", "--step_scheduler.ckpt_every_steps", "2",
+            "--checkpoint.is_async", "true", "--checkpoint.max_recent_checkpoints", "1",
+            "--checkpoint.save_consolidated", "false")
+    ckpt_train(work, assets, *SMALL, *args, "--step_scheduler.max_steps", "4", nproc=2, recipe=VLM_RECIPE)
+    assert sorted(p.name for p in (work / "resized").glob("epoch_*")) == ["epoch_0_step_4"]  # retention
+    second = ckpt_train(work, assets, *SMALL, *args, "--step_scheduler.max_steps", "6", nproc=1, recipe=VLM_RECIPE)
+    assert "Resuming at world size 1 (checkpoint written by 2)" in second.output
+    got = {r["step"]: r for r in jsonl(work / "resized" / "training.jsonl")}
+    want = {r["step"]: r for r in jsonl(straight / "training.jsonl")}
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert got[step]["sample_ids"] == want[step]["sample_ids"]  # the same images and questions, none skipped
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5)
+    assert (work / "resized" / "epoch_0_step_6" / "manifest.json").is_file()
+    done = _cli(assets, "verify", str(work / "resized" / "epoch_0_step_6"))
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def _answers_like_the_trained_model(assets: Path, ckpt: Path, tmp_path: Path, n: int) -> list[str]:
