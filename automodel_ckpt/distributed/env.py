@@ -13,6 +13,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from automodel_ckpt.errors import UsageError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -45,6 +47,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> D
     timeout = datetime.timedelta(minutes=timeout_minutes)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this node; "
+                             "start at most one process per GPU (--nproc-per-node), or set CUDA_VISIBLE_DEVICES= "
+                             "to run on the CPU")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

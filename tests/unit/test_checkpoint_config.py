@@ -56,3 +56,17 @@ def test_a_bad_value_is_a_one_line_config_error_at_validation():
     cfg = load_config(RECIPE, ["--checkpoint.save_consolidated", "sometimes"], RecipeConfig)
     with pytest.raises(ConfigError, match="checkpoint.save_consolidated: expected one of final, every"):
         validate_config(cfg, 1)
+
+
+def test_more_local_ranks_than_gpus_is_one_line_naming_the_fix(monkeypatch):
+    import pytest
+    import torch
+
+    from automodel_ckpt.distributed.env import init_distributed
+    from automodel_ckpt.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(UsageError, match=r"local rank 1 has no GPU: 1 visible .*CUDA_VISIBLE_DEVICES="):
+        init_distributed()
