@@ -76,9 +76,13 @@ def _torch_io_unused(monkeypatch):
     monkeypatch.setattr(sd, "_init_optim_state", lambda optim: None if optim.state else boom())
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, dtype):
+def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, dtype, direct):
+    if direct:  # every file written past the page cache, in many small regions
+        monkeypatch.setattr(filewrite, "DIRECT_MIN", 0)
+        monkeypatch.setattr(filewrite, "DIRECT_CHUNK", 8192)
     model, optimizer = model_and_optimizer(0, dtype)
     _torch_io_unused(monkeypatch)
     sharded.save_model(model, tmp_path / "model", fmt)
@@ -258,3 +262,37 @@ def test_failed_optimizer_load_leaves_no_uninitialised_state(tmp_path):
     with pytest.raises(Exception):
         sharded.load_optimizer(other, fresh, tmp_path / "optim")
     assert not fresh.state
+
+
+def test_large_files_go_past_the_page_cache_byte_for_byte_with_their_checksum(tmp_path, monkeypatch):
+    from automodel_ckpt.checkpoint import checksum, storage
+
+    monkeypatch.setattr(filewrite, "DIRECT_MIN", 0)
+    monkeypatch.setattr(filewrite, "DIRECT_CHUNK", 8192)
+    calls = []
+    real = filewrite._write_direct
+    monkeypatch.setattr(filewrite, "_write_direct", lambda *a: calls.append(a[3]) or real(*a))
+    torch.manual_seed(0)
+    tensors = [torch.randn(5000), torch.randn(3333).to(torch.bfloat16), torch.empty(0), torch.randint(0, 9, (77,))]
+    pieces = [b"header" * 17, filewrite.Lazy(tensors[0]), memoryview(bytes(range(256)) * 31),
+              filewrite.Lazy(tensors[1]), filewrite.Lazy(tensors[2]), filewrite.Lazy(tensors[3]), b"tail"]
+    expected = b"".join(bytes(p) if not isinstance(p, filewrite.Lazy) else p.tensor.numpy().tobytes()
+                        if p.tensor.dtype != torch.bfloat16 else p.tensor.view(torch.int16).numpy().tobytes()
+                        for p in pieces)
+    written = storage.WrittenFiles()
+    path = tmp_path / "file.bin"
+    assert filewrite.write_file(path, pieces, 3, written) == len(expected)
+    assert path.read_bytes() == expected
+    noted = written.get(path)
+    assert noted.synced and noted.digest == checksum.hash_file(path, noted.algorithm)[1]
+    if filewrite._open_direct(path) is not None:  # the filesystem takes O_DIRECT: that path wrote it
+        assert calls == [len(expected)]
+    # a filesystem that refuses O_DIRECT writes: the same file, written through the page cache
+    import errno
+
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(filewrite, "_write_direct", refuse)
+    filewrite.write_file(tmp_path / "again.bin", pieces, 3)
+    assert (tmp_path / "again.bin").read_bytes() == expected
