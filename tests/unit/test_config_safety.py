@@ -83,6 +83,11 @@ def test_dry_run_and_config_yaml_show_no_secret_even_from_an_env_interpolation(c
     assert ENV_SECRET not in text and INLINE_KEY not in text and "CKPT_TEST_S3_SECRET" not in text
 
 
+def test_an_error_about_a_secret_value_does_not_show_it(capsys):
+    msg = _one_error_line(capsys, [RECIPE, "--dry-run", "--checkpoint.storage_options", INLINE_KEY])
+    assert "checkpoint.storage_options: expected" in msg and INLINE_KEY not in msg and REDACTED in msg
+
+
 def test_reprs_show_no_storage_options():
     ckpt = CheckpointConfig(storage_options={"key": INLINE_KEY, "secret": ENV_SECRET})
     assert INLINE_KEY not in repr(ckpt) and ENV_SECRET not in repr(ckpt)
