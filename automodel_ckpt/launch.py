@@ -88,9 +88,10 @@ def _launcher_flags_after_recipe(rest: list[str], opts: LaunchOptions) -> list[s
     while i < len(rest):
         name, eq, value = rest[i].partition("=")
         key = name[2:].replace("-", "_") if name.startswith("--") else ""
-        if key not in _FLAGS:
-            out.append(rest[i])
-            i += 1
+        if key not in _FLAGS:  # an override: its value (the next token, without `=`) is never a flag
+            step = 1 if eq or not name.startswith("--") else 2
+            out.extend(rest[i:i + step])
+            i += step
             continue
         if not eq:
             if i + 1 >= len(rest):

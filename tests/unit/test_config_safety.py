@@ -173,6 +173,11 @@ def test_nproc_per_node_below_one_is_one_line_about_the_launcher_option(capsys, 
     assert msg.startswith("error: --nproc-per-node: expected at least 1, got ") and "unknown key" not in msg
 
 
+def test_a_launcher_flag_after_the_recipe_is_the_launcher_flag(capsys):
+    assert main([RECIPE, "--nproc-per-node=2", "--dry-run", "--step_scheduler.max_steps", "3"]) == 0
+    assert "valid for 2 process(es)" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------- sequence length
 
 def _prepare(tmp_path: Path, seq_length: int):
