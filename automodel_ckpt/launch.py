@@ -69,6 +69,7 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
         if flag in rest:
             setattr(opts, flag[2:].replace("-", "_"), True)
             rest = [a for a in rest if a != flag]
+    rest = _launcher_flags_after_recipe(rest, opts)
     if opts.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: expected at least 1, got {opts.nproc_per_node}")
     if opts.nnodes < 1:
@@ -78,6 +79,30 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
     if opts.nnodes > 1 and not (opts.rdzv_endpoint or opts.master_addr):
         raise ConfigError("--nnodes > 1 needs --master-addr/--master-port or --rdzv-endpoint HOST:PORT")
     return opts, recipe, rest
+
+
+def _launcher_flags_after_recipe(rest: list[str], opts: LaunchOptions) -> list[str]:
+    """Take launcher flags written after the recipe (``--nproc-per-node=2``): no config key has their names."""
+    out: list[str] = []
+    i = 0
+    while i < len(rest):
+        name, eq, value = rest[i].partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else ""
+        if key not in _FLAGS:  # an override: its value (the next token, without `=`) is never a flag
+            step = 1 if eq or not name.startswith("--") else 2
+            out.extend(rest[i:i + step])
+            i += step
+            continue
+        if not eq:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"{name} needs a value")
+            value, i = rest[i + 1], i + 1
+        i += 1
+        try:
+            setattr(opts, key, int(value) if key in _INT_FLAGS else value)
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got '{value}'") from None
+    return out
 
 
 def torchrun_args(opts: LaunchOptions, recipe: str, overrides: list[str]) -> list[str]:

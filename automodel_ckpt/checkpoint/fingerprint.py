@@ -9,7 +9,8 @@ What is recorded: the model class and its architecture config (minus keys that d
 dtype, attention implementation, caching, versions), every parameter's name and shape, a hash of the tokenizer's
 vocabulary, the PEFT settings, and the recipe keys that change what the saved data position and optimizer state
 mean (the data source, the sequence length, the global batch). What may change between runs is left out on
-purpose: world size, local batch size, ``max_steps``, logging, checkpoint interval.
+purpose: world size, local batch size, ``max_steps``, logging, checkpoint interval, and credentials: the recipe
+keys are recorded redacted (``config/redact.py``), so a rotated token resumes and no secret reaches metadata.json.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
+
+from automodel_ckpt.config.redact import redacted
 
 FINGERPRINT_VERSION = 1
 
@@ -41,7 +44,7 @@ def run_fingerprint(model: Any, tokenizer: Any = None, peft: dict[str, Any] | No
         "parameters": {name: list(p.shape) for name, p in model.named_parameters()},
         "tokenizer": vocabulary(tokenizer),
         "peft": _plain(peft),
-        "recipe": _plain(recipe or {}),
+        "recipe": _plain(redacted(recipe or {})),
     }
 
 
@@ -92,7 +95,8 @@ def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     diff = _dict_difference("peft", saved.get("peft") or {}, current.get("peft") or {})
     if diff:
         return diff
-    return _dict_difference("recipe", saved.get("recipe") or {}, current.get("recipe") or {})
+    # redacted on both sides: a checkpoint written before redaction may hold a credential in clear
+    return _dict_difference("recipe", redacted(saved.get("recipe") or {}), redacted(current.get("recipe") or {}))
 
 
 def _dict_difference(what: str, saved: dict[str, Any], current: dict[str, Any]) -> str | None:

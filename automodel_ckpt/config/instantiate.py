@@ -16,10 +16,11 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from automodel_ckpt.config.arguments import check_value
 from automodel_ckpt.config.loader import omega_message
 from automodel_ckpt.errors import ConfigError
 
-__all__ = ["instantiate", "locate"]
+__all__ = ["check_arguments", "instantiate", "locate"]
 
 TARGET_KEY = "_target_"
 
@@ -157,7 +158,23 @@ def instantiate(node: Mapping[str, Any] | DictConfig, section: str, /, *args: An
         raise ConfigError(f"{section}: {target_name}: {exc}") from exc
 
 
-def _check_signature(target: Any, name: str, section: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_arguments(node: Mapping[str, Any] | DictConfig, section: str) -> None:
+    """Check a ``_target_`` section's keys and value types against its target's signature, without calling it.
+
+    Made before any process starts (``validate_config``): a typo or ``--optimizer.lr abc`` is one line then,
+    not a failure minutes later. Targets in a ``file.py`` are left to ``instantiate`` (importing runs the file).
+    """
+    config = _plain(node, section)
+    if not isinstance(config, Mapping) or not isinstance(config.get(TARGET_KEY), str) or ":" in config[TARGET_KEY]:
+        return
+    target = locate(config[TARGET_KEY], f"{section}.{TARGET_KEY}")
+    if callable(target):
+        kwargs = {k: v for k, v in config.items() if k != TARGET_KEY}
+        _check_signature(target, config[TARGET_KEY], section, (), kwargs, missing=False)
+
+
+def _check_signature(target: Any, name: str, section: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     missing: bool = True) -> None:
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):
@@ -172,6 +189,12 @@ def _check_signature(target: Any, name: str, section: str, args: tuple[Any, ...]
                 hint = f"(did you mean '{section}.{close[0]}'?)" if close else (
                     "(valid keys: " + ", ".join(f"{section}.{n}" for n in named) + ")" if named else "(it takes none)")
                 raise ConfigError(f"unknown key '{section}.{key}' for {name} {hint}")
+    by_name = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for key, value in kwargs.items():
+        if key in by_name and not isinstance(value, Mapping):
+            check_value(target, by_name[key], value, f"{section}.{key}", name)
+    if not missing:
+        return
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     filled = {p.name for p in positional[:len(args)]}
     for p in params:

@@ -17,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationValidationError, OmegaConfBaseException, ValidationError
 
+from automodel_ckpt.config.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
 __all__ = ["load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml"]
@@ -109,6 +110,8 @@ def _load_yaml_marked(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
+        if node is not None:
+            _check_aliases(node, path)
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -125,6 +128,49 @@ def _load_yaml_marked(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
     marks: dict[str, int] = {}
     _collect_marks(node, "", marks)
     return data, marks
+
+
+ALIAS_BUDGET = 10_000  # values that YAML aliases may add to a recipe once expanded
+
+
+def _check_aliases(root: yaml.Node, path: str | os.PathLike[str]) -> None:
+    """Refuse a document whose aliases expand it by more than ``ALIAS_BUDGET`` values, or refer to themselves.
+
+    Aliases share nodes, so nested ones (``b: [*a, *a, ...]``, ``c: [*b, *b, ...]``) grow a small file
+    exponentially once expanded, which every later step (merge, validation, ``to_yaml``) would do. The expanded
+    size is counted once per distinct node, so the check itself is linear in the file.
+    """
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    distinct = 0
+
+    def size(node: yaml.Node) -> int:
+        nonlocal distinct
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if id(node) in open_:
+            raise ConfigError(f"{path}:{node.start_mark.line + 1}: a YAML alias refers to its own anchor "
+                              "(a recursive structure); recipes cannot hold one")
+        open_.add(id(node))
+        distinct += 1
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        total = 1
+        for child in children:
+            total += size(child)
+            if total - distinct > ALIAS_BUDGET:
+                raise ConfigError(f"{path}:{node.start_mark.line + 1}: YAML aliases expand this recipe by more "
+                                  f"than {ALIAS_BUDGET} values (anchors nested in anchors); write the values out "
+                                  "or use ${...} interpolation")
+        open_.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    size(root)
 
 
 def _collect_marks(node: yaml.Node, prefix: str, marks: dict[str, int]) -> None:
@@ -225,7 +271,8 @@ def _set(parent: DictConfig, key: Any, value: Any, full: str, src: _Source) -> N
         else:
             parent[key] = value
     except ValidationError:
-        raise ConfigError(src.fmt(full, f"{full}: expected {_expected(parent, key)}, got {_describe(value)}")) from None
+        shown = describe_value(value, full)
+        raise ConfigError(src.fmt(full, f"{full}: expected {_expected(parent, key)}, got {shown}")) from None
     except OmegaConfBaseException as exc:
         raise ConfigError(src.fmt(full, f"{full}: {omega_message(exc)}")) from None
 
@@ -294,7 +341,10 @@ def _type_str(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any, key: str = "") -> str:
+    """A value for an error message; a secret's (by its key, ``config/redact.py``) is never shown."""
+    if value is not None and (is_secret_key(key) or "storage_options" in key.split(".")):
+        return f"{REDACTED} ({type(value).__name__})"
     return "null" if value is None else f"{value!r} ({type(value).__name__})"
 
 
@@ -322,7 +372,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
         shown = f" {raw!r}" if isinstance(raw, str) else ""
         if isinstance(exc, InterpolationValidationError) and isinstance(exc.parent_node, DictConfig):
             expected = _expected(exc.parent_node, exc.key)
-            raise ConfigError(f"{key}: expected {expected}, got {_describe(exc.value)} from{shown}") from None
+            raise ConfigError(f"{key}: expected {expected}, got {describe_value(exc.value, key)} from{shown}") from None
         reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", omega_message(exc)).strip('"')
         raise ConfigError(f"{key}: cannot resolve{shown}: {reason}") from None
     _escape_literals(out)
@@ -353,6 +403,7 @@ def _escape_literals(node: DictConfig | ListConfig) -> None:
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    """The resolved config as YAML that ``load_config`` reads back to an equal config."""
-    data = OmegaConf.to_container(resolve(cfg), resolve=False, enum_to_str=True)
+    """The resolved config as YAML, secrets redacted (``config/redact.py``): what a checkpoint's ``config.yaml``
+    and ``--dry-run`` show. ``load_config`` reads it back to an equal config when it holds no secret."""
+    data = redacted(OmegaConf.to_container(resolve(cfg), resolve=False, enum_to_str=True))
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.config.instantiate import locate
+from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
 from automodel_ckpt.errors import ConfigError
 
 
@@ -55,6 +55,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
+    for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):
+        node = cfg.get(section)
+        if node is not None and TARGET_KEY in node:
+            check_arguments(node, section)  # unknown keys and wrong value types, before any process starts
     if cfg.get("peft") is not None:
         from automodel_ckpt.models.lora import check_peft_section
 

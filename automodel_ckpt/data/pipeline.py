@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -30,12 +31,17 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
+TRUNCATED_SHARE_WARNING = 0.10  # warn when more than this share of the training examples is cut short
+WHOLE_SHARE = 0.95  # the warning names the seq_length that keeps this share of the examples whole
+
+
 @dataclass
 class PreparedData:
     train: TokenizedData
     validation: TokenizedData | None
     spec: DataSpec
     caches: list[CacheInfo]
+    warning: str | None = None  # a large share of the examples cut short: what seq_length would keep them whole
 
     def report(self) -> str:
         """One line: examples, tokens, truncation, packing efficiency, and whether tokenization was cached."""
@@ -90,4 +96,26 @@ def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Prep
     val = build_rows(val_encoded, spec, pad) if val_encoded is not None and len(val_encoded) else None
     if val is not None:
         caches += val.caches
-    return PreparedData(train, val, spec, caches)
+    return PreparedData(train, val, spec, caches, check_lengths(train, train_encoded, spec.seq_length))
+
+
+def check_lengths(train: TokenizedData, encoded: datasets.Dataset, seq_length: int) -> str | None:
+    """Refuse rows without a single token that takes the loss; a warning when many examples are cut short.
+
+    Both name the ``data.seq_length`` that keeps 95% of the examples whole (the lengths are known from the
+    tokenization, so this costs one pass over a column).
+    """
+    totals = train.totals()
+    if not totals["examples"]:
+        return None
+    lengths = np.asarray(encoded.with_format("arrow", columns=["num_tokens"])[:]["num_tokens"].to_numpy())
+    whole = int(np.ceil(np.quantile(lengths, WHOLE_SHARE))) if lengths.size else seq_length
+    if totals["trained_tokens"] == 0:
+        raise ConfigError(f"data.seq_length: {seq_length} tokens leave no token with a loss in the "
+                          f"{totals['examples']} training examples ({totals['truncated']} cut short); "
+                          f"--data.seq_length {whole} keeps {WHOLE_SHARE:.0%} of them whole")
+    share = totals["truncated"] / totals["examples"]
+    if share > TRUNCATED_SHARE_WARNING and whole > seq_length:
+        return (f"data.seq_length {seq_length} cuts {totals['truncated']} of {totals['examples']} training examples "
+                f"({share:.0%}) short; --data.seq_length {whole} keeps {WHOLE_SHARE:.0%} of them whole")
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,8 @@ class FinetuneRecipe(BaseRecipe):
         if main:
             barrier()
         self.data_report = prepared.report()
+        if prepared.warning and main:
+            warnings.warn(prepared.warning, stacklevel=2)
         train_data = prepared.train
         if len(train_data) < self.cfg.step_scheduler.global_batch_size:
             raise ConfigError(

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job
+from tests.integration.seaweed import ACCESS_KEY, SECRET_KEY
 
 STEPS = ("--step_scheduler.max_steps", "8", "--step_scheduler.ckpt_every_steps", "2",
          "--step_scheduler.val_every_steps", "2", "--data.val_size", "64", "--checkpoint.save_consolidated", "false")
@@ -81,8 +83,21 @@ def test_s3_run_resumes_bitwise_and_retention_keeps_resumed_from_and_pointer_tar
 def test_verbs_and_restore_from_on_s3_and_the_export_loads_in_transformers(seaweed, assets, tmp_path):
     bucket = seaweed.new_bucket()
     url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
-    ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage", "--step_scheduler.max_steps", "2"), nproc=2,
-               env=env)
+    # the first run has its credentials from storage_options only, the secret through ${oc.env:...}: no copy of
+    # the config (config.yaml here and on the store, metadata.json) may hold them
+    only_options = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage", "--step_scheduler.max_steps", "2",
+                                          "--checkpoint.storage_options.key", ACCESS_KEY,
+                                          "--checkpoint.storage_options.secret", "${oc.env:CKPT_TEST_S3_SECRET}"),
+               nproc=2, env={**only_options, "CKPT_TEST_S3_SECRET": SECRET_KEY})
+    stored = {p: fs.cat(p).decode() for p in fs.find(f"{bucket}/run") if p.endswith(("config.yaml", ".json"))}
+    local = {str(p): p.read_text() for p in (tmp_path / "stage").rglob("*") if p.name == "config.yaml"}
+    assert any(p.endswith("epoch_0_step_2/config.yaml") for p in stored) and local
+    for path, text in {**stored, **local}.items():
+        assert SECRET_KEY not in text and f"key: {ACCESS_KEY}" not in text, path
+        if path.endswith("config.yaml"):
+            assert yaml.safe_load(text)["checkpoint"]["storage_options"] == {"key": "<redacted>",
+                                                                             "secret": "<redacted>"}, path
 
     def verb(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([CKPT_TRAIN, *args], cwd=tmp_path, env=env_for(assets, env), capture_output=True,

@@ -32,7 +32,7 @@ class ObjectStore:
     """``url`` (``s3://bucket/run``): checkpoints are prefixes below it; one exists once its commit object does."""
 
     url: str
-    storage_options: dict[str, Any] | None = None
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # credentials: never shown
     fs: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,129 @@
+"""Whether a config value fits the parameter of a ``_target_`` it is passed to: the annotation, else the default.
+
+``--optimizer.lr abc`` reaches ``torch.optim.AdamW(lr="abc")``, which fails deep inside with Python's
+"'<=' not supported between instances of 'float' and 'str'". Checked here first, it is one line naming the key
+and the type expected. The check only refuses what it is sure of: values YAML can produce (numbers, strings,
+booleans, lists, mappings, null) against the plain types of an annotation (``int``, ``float``, ``bool``, ``str``,
+``Literal``, lists, tuples, mappings, unions of them). Anything else (a class, ``Any``, an annotation that cannot
+be evaluated) is left to the target; without an annotation a number or boolean default only refuses a string.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import inspect
+import types
+import typing
+from typing import Any
+
+from automodel_ckpt.config.loader import describe_value
+from automodel_ckpt.errors import ConfigError
+
+__all__ = ["check_value"]
+
+_SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
+              collections.abc.Collection, collections.abc.MutableSequence)
+_MAPPINGS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+
+
+def check_value(target: Any, param: inspect.Parameter, value: Any, key: str, target_name: str) -> None:
+    """Raise ConfigError (one line) when ``value`` cannot be what ``param`` of ``target`` takes."""
+    if value is None:
+        return  # `x: int = None` is common; null is left to the target
+    tp = _annotation(target, param)
+    if tp is inspect.Parameter.empty:
+        default = param.default
+        if isinstance(default, (bool, int, float)) and isinstance(value, str):
+            tp = type(default)
+        else:
+            return
+    if _accepts(tp, value) is False:
+        raise ConfigError(f"{key}: expected {_type_name(tp)} for {target_name}, got {describe_value(value, key)}")
+
+
+def _annotation(target: Any, param: inspect.Parameter) -> Any:
+    """The parameter's annotation, evaluated in the target's module (``from __future__ import annotations``)."""
+    ann = param.annotation
+    if not isinstance(ann, str):
+        return ann
+    fn = target.__init__ if isinstance(target, type) else target
+    namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+    try:
+        return eval(ann, dict(namespace))  # noqa: S307 - the installed target's own annotation, in its module
+    except Exception:  # noqa: BLE001 - a name imported only for type checkers: unknown
+        return inspect.Parameter.empty
+
+
+def _members(tp: Any) -> tuple[Any, ...] | None:
+    origin = typing.get_origin(tp)
+    return typing.get_args(tp) if origin is typing.Union or origin is types.UnionType else None
+
+
+def _accepts(tp: Any, value: Any) -> bool | None:
+    """True: fits; False: cannot fit; None: not known here (left to the target)."""
+    if tp in (Any, object, inspect.Parameter.empty) or isinstance(tp, (str, typing.TypeVar)):
+        return None
+    members = _members(tp)
+    if members is not None:
+        results = [_accepts(m, value) for m in members]
+        return True if True in results else None if None in results else False
+    if tp is None or tp is type(None):
+        return value is None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return value in args
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return not isinstance(value, (list, tuple, collections.abc.Mapping))  # `revision: 2024` may still do
+    if (origin or tp) in _MAPPINGS:
+        return isinstance(value, collections.abc.Mapping)
+    if (origin or tp) in _SEQUENCES:
+        if not isinstance(value, (list, tuple)):
+            return False
+        return _items_fit(origin or tp, args, list(value))
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return True
+        if tp.__module__.startswith("torch") and tp.__name__ == "Tensor":
+            return False  # a tensor never comes from YAML
+    return None
+
+
+def _items_fit(origin: Any, args: tuple[Any, ...], items: list[Any]) -> bool | None:
+    if not args:
+        return True
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(args) != len(items):
+            return False
+        pairs = list(zip(args, items))
+    else:
+        pairs = [(args[0], item) for item in items]
+    results = [_accepts(t, item) for t, item in pairs]
+    return False if False in results else True
+
+
+def _type_name(tp: Any) -> str:
+    members = _members(tp)
+    if members is not None:
+        names = [_type_name(m) for m in members if m is not type(None) and not _is_tensor(m)]
+        text = " or ".join(dict.fromkeys(names)) or "a value"
+        return f"{text} or null" if type(None) in members else text
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if (origin or tp) in _MAPPINGS:
+        return "a mapping"
+    if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+        return f"a list of {len(args)} ({', '.join(_type_name(a) for a in args)})"
+    if (origin or tp) in _SEQUENCES:
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _is_tensor(tp: Any) -> bool:
+    return isinstance(tp, type) and tp.__module__.startswith("torch") and tp.__name__ == "Tensor"
