@@ -204,6 +204,8 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None or pending.let_end(ABANDON_WAIT_SECONDS):
             self._close_stager()
+        if self.remote is not None:  # the run folder's lease (rank 0): the next run need not wait for it to expire
+            self.remote.release()
 
     @property
     def in_flight(self) -> bool:

@@ -205,7 +205,14 @@ class ObjectStore:
         self.delete_prefix(name)
 
     def delete_prefix(self, name: str) -> None:
-        try:
+        """Delete every object of prefix ``name``, its upload marker last: a delete that is interrupted leaves a
+        prefix still recognised as this project's (a leftover that the next save or ``gc`` deletes)."""
+        marker = self.key(name, layout.UPLOAD_MARKER)
+        rest = [info["name"] for info in self.objects(name) if info["name"].rstrip("/") != marker]
+        if rest:
+            self.fs.rm(rest)
+        self.remove(name, layout.UPLOAD_MARKER)
+        try:  # folder placeholders some stores keep
             self.fs.rm(self.key(name), recursive=True)
         except FileNotFoundError:
             pass
