@@ -219,3 +219,36 @@ def test_a_lease_whose_holder_died_on_this_machine_is_taken_at_once_and_the_hear
     finally:
         run.release()
     assert not run.store.exists(layout.LEASE_OBJECT)
+
+
+def test_a_training_run_at_a_bucket_root_keeps_foreign_objects_and_a_live_lease_refuses_the_next(seaweed, assets,
+                                                                                                   tmp_path):
+    """Two short ``ckpt-train`` runs on ``s3://bucket`` (a team's datasets/ and models/ there): the first saves,
+    removes a killed upload, keeps every foreign object and releases its lease at exit; the second meets a lease
+    held by a live process and stops before training, in one line naming the holder."""
+    from tests.integration.harness import ckpt_train
+
+    bucket = seaweed.new_bucket()
+    fs, env = seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for key, data in FOREIGN.items():
+        fs.pipe(f"{bucket}/{key}", data)
+    _killed_upload(fs, bucket, "epoch_0_step_9")
+    args = ("--checkpoint.checkpoint_dir", f"s3://{bucket}", "--checkpoint.staging_dir", str(tmp_path / "stage"),
+            "--step_scheduler.max_steps", "2", "--step_scheduler.ckpt_every_steps", "2",
+            "--checkpoint.save_consolidated", "false")
+    ckpt_train(tmp_path, assets, *args, env=env)
+    assert {k: fs.cat(f"{bucket}/{k}") for k in FOREIGN} == FOREIGN
+    assert fs.exists(f"{bucket}/epoch_0_step_2/{layout.MANIFEST_FILE}")
+    assert not fs.exists(f"{bucket}/epoch_0_step_9/model/shard.bin")
+    assert fs.exists(f"{bucket}/{layout.RUN_MARKER}") and not fs.exists(f"{bucket}/{layout.LEASE_OBJECT}")
+
+    holder = me()  # this test process: alive, on this machine
+    now = time.time()
+    fs.pipe(f"{bucket}/{layout.LEASE_OBJECT}", json.dumps(
+        {"token": "live", "holder": holder, "since": now, "renewed": now, "expires": now + 600}).encode())
+    result = ckpt_train(tmp_path, assets, *args, "--step_scheduler.max_steps", "4", env=env, check=False)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.output[-2000:]
+    assert "is in use by another run" in errors[0] and f"pid {holder['pid']}" in errors[0]
+    assert "Traceback" not in result.output and not fs.exists(f"{bucket}/epoch_0_step_4")
+    assert json.loads(fs.cat(f"{bucket}/{layout.LEASE_OBJECT}"))["token"] == "live"  # the holder's, untouched
