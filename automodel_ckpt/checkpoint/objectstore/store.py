@@ -212,10 +212,6 @@ class ObjectStore:
         if rest:
             self.fs.rm(rest)
         self.remove(name, layout.UPLOAD_MARKER)
-        try:  # folder placeholders some stores keep
-            self.fs.rm(self.key(name), recursive=True)
-        except FileNotFoundError:
-            pass
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
