@@ -122,6 +122,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
         target = fresh.find_restore_target(auto=True)
         fresh.load(states, target)
         times["load"].append(time.perf_counter() - t)
+        fresh.finalize()
         shutil.rmtree(work / f"stage{rep}", ignore_errors=True)
         shutil.rmtree(work / f"load{rep}", ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}

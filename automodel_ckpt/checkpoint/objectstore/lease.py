@@ -46,6 +46,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _process_start(pid: int) -> str:
     """When process ``pid`` started (clock ticks since boot, from /proc), or "" where that cannot be read."""
     try:
@@ -57,16 +64,18 @@ def _process_start(pid: int) -> str:
 
 
 def me() -> dict[str, Any]:
-    """This process as a lease holder: host, machine boot, pid and the pid's start (pid reuse tells apart)."""
+    """This process as a lease holder: host, machine boot, pid namespace (containers), pid and the pid's start
+    (which tells a reused pid apart)."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "pid_start": _process_start(pid)}
+    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid_ns": _pid_namespace(), "pid": pid,
+            "pid_start": _process_start(pid)}
 
 
 def holder_is_gone(holder: dict[str, Any]) -> bool:
-    """Whether ``holder`` was a process of this machine (same host, same boot) that no longer runs."""
+    """Whether ``holder`` was a process of this machine (same host, boot and pid namespace) that no longer runs."""
     here = me()
-    if not holder.get("boot_id") or holder.get("host") != here["host"] or holder.get("boot_id") != here["boot_id"]:
-        return False  # another machine (or unknown): only expiry frees it
+    if not holder.get("boot_id") or any(holder.get(k) != here[k] for k in ("host", "boot_id", "pid_ns")):
+        return False  # another machine or container (or unknown): only expiry frees it
     try:
         pid = int(holder.get("pid", 0))
     except (TypeError, ValueError):
