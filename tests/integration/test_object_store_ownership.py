@@ -119,8 +119,12 @@ def test_gc_refuses_a_folder_that_is_not_a_run_folder_and_deletes_nothing(seawee
         _gc(f"s3://{bucket}/runs", "--min-age-minutes", "0")
     assert "\n" not in str(refused.value)
     assert _keys(fs, bucket) == before
-    # on a run folder it deletes that run's leftover only
-    assert "gc: 1 leftover(s) deleted" in _gc(f"s3://{bucket}/runs/run1", "--min-age-minutes", "0")
+    # on a run folder it deletes that run's leftover only (and with --break-lease, a dead run's lease)
+    fs.pipe(f"{bucket}/runs/run1/{layout.LEASE_OBJECT}", json.dumps(
+        {"token": "t", "holder": {"host": "node-7", "pid": 41}, "since": 0, "renewed": 0, "expires": 0}).encode())
+    printed = _gc(f"s3://{bucket}/runs/run1", "--min-age-minutes", "0", "--break-lease")
+    assert "gc: 1 leftover(s) deleted" in printed and "(held by host node-7, pid 41)" in printed
+    assert not fs.exists(f"{bucket}/runs/run1/{layout.LEASE_OBJECT}")
     assert before - _keys(fs, bucket) == {f"runs/run1/epoch_0_step_4/{f}"
                                           for f in (layout.UPLOAD_MARKER, "model/shard.bin")}
 
