@@ -97,6 +97,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
         t = time.perf_counter()
         ckpt.save(states, SaveInfo(epoch=0, step=rep + 1, train_loss=None, val_loss=None, is_final=False))
         times["save"].append(time.perf_counter() - t)
+        ckpt.finalize()  # the run ends: its lease on the run folder goes, so the load below may open it
         name = f"epoch_0_step_{rep + 1}"
         listed = json.loads(fs.cat_file(f"{bucket}/run{rep}/{name}/manifest.json"))["files"]
         nbytes = sum(int(e["size"]) for e in listed.values())
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
         target = fresh.find_restore_target(auto=True)
         fresh.load(states, target)
         times["load"].append(time.perf_counter() - t)
+        fresh.finalize()
         shutil.rmtree(work / f"stage{rep}", ignore_errors=True)
         shutil.rmtree(work / f"load{rep}", ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}

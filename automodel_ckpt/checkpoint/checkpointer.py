@@ -188,11 +188,14 @@ class Checkpointer:
             return fn()
 
     def finalize(self) -> Path | None:
-        """End of training: complete the save in flight (see ``wait``) and release the staging buffers."""
+        """End of training: complete the save in flight (see ``wait``), release the staging buffers and the run
+        folder's lease (object store)."""
         try:
             return self.wait()
         finally:
             self._close_stager()
+            if self.remote is not None:
+                self.remote.release()
 
     def abandon(self) -> None:
         """Training failed: let this rank's background writes end, without collectives and without publishing.
@@ -204,6 +207,8 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None or pending.let_end(ABANDON_WAIT_SECONDS):
             self._close_stager()
+        if self.remote is not None:  # the run folder's lease (rank 0): the next run need not wait for it to expire
+            self.remote.release()
 
     @property
     def in_flight(self) -> bool:

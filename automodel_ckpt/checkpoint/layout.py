@@ -31,6 +31,10 @@ On an object store (``checkpoint_dir: s3://bucket/run``) the same names are obje
 staging prefix: ``manifest.json`` is the commit object (a checkpoint exists once it does), ``LATEST`` and
 ``LOWEST_VAL`` are small objects holding the target's name, and ``quarantine/<name>.json`` marks a checkpoint that
 failed to load. The run works in a local mirror folder (``checkpoint.staging_dir``) with the local layout above.
+Three more objects say what this project wrote there: ``.automodel-ckpt-run.json`` in the run folder (written at
+the start of every run: what makes a URL a run folder for ``gc``), ``<name>/.automodel-ckpt-upload.json`` (the
+first object of every checkpoint's prefix: a prefix without it is never deleted) and ``.automodel-ckpt-lease.json``
+(the lease of the run now writing there).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"
 QUARANTINE_DIR = "quarantine"  # damaged checkpoints moved aside by resume (never listed, never pointed at)
 OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-store checkpoint_dir: its URL
+# On an object store: the run folder's marker, a checkpoint upload's first object, the lease of the writing run.
+RUN_MARKER = ".automodel-ckpt-run.json"
+UPLOAD_MARKER = ".automodel-ckpt-upload.json"
+LEASE_OBJECT = ".automodel-ckpt-lease.json"
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
 # Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
 NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")

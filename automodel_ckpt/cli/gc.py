@@ -1,4 +1,4 @@
-"""``ckpt-train gc URL``: delete what killed saves left on an object store (prefixes without a commit object)."""
+"""``ckpt-train gc URL``: delete what killed saves left in an object-store run folder (marked, never committed)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,18 @@ def build_parser() -> VerbParser:
                    help="keep leftovers written more recently than this: a save of a live run may still be "
                         "uploading them (default 60; 0 deletes every leftover)")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p.add_argument("--break-lease", action="store_true",
+                   help="also remove the run folder's lease (only when the run holding it is dead: the next run "
+                        "then starts at once instead of waiting for the lease to expire)")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    from automodel_ckpt.checkpoint import layout
     from automodel_ckpt.checkpoint.objectstore import check_url, is_url
     from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
+    from automodel_ckpt.checkpoint.objectstore.lease import break_lease
     from automodel_ckpt.checkpoint.objectstore.run import open_run
 
     if not is_url(args.checkpoint_dir):
@@ -31,12 +36,20 @@ def main(argv: list[str]) -> int:
     problem = run.store.access_problem("gc", write=False)
     if problem:
         raise UserError(problem)
+    if not run.store.exists(layout.RUN_MARKER):
+        raise UserError(f"gc: '{url}' is not a run folder (it holds no {layout.RUN_MARKER}, which every ckpt-train "
+                        "run writes at its start); give the checkpoint.checkpoint_dir of one run")
+    if args.break_lease and not args.dry_run:
+        lease = break_lease(run.store)
+        holder = (lease or {}).get("holder") or {}
+        print(f"no lease on {url}" if lease is None else
+              f"removed the lease of {url} (held by host {holder.get('host', '?')}, pid {holder.get('pid', '?')})")
     if args.dry_run:
         for name in run.leftovers():
-            print(f"would delete {run.store.url_of(name)}/ (no commit object)")
+            print(f"would delete {run.store.url_of(name)}/ (an upload that never committed)")
         return 0
     deleted = run.gc(args.min_age_minutes * 60)
     for name in deleted:
-        print(f"deleted {run.store.url_of(name)}/ (no commit object)")
+        print(f"deleted {run.store.url_of(name)}/ (an upload that never committed)")
     print(f"gc: {len(deleted)} leftover(s) deleted from {url}")
     return 0

@@ -10,20 +10,27 @@ it; this module keeps it and the store in step. The commit protocol, with no ren
    exists for every reader; then the pointer objects ``LATEST`` / ``LOWEST_VAL`` and the training logs;
 4. the mirror keeps only the small catalog files of the checkpoint (``layout.CATALOG_FILES``).
 
-Readers list only prefixes that hold a commit object. Retention deletes the commit object first. Prefixes without
-one are leftovers of a save that was killed; a later save of the run deletes them, ``ckpt-train gc`` deletes the
-ones older than a minimum age (an upload in progress is younger).
+Readers list only prefixes that hold a commit object. Retention deletes the commit object first. Only what this
+project wrote is ever deleted: a save writes ``<name>/layout.UPLOAD_MARKER`` before any other object of its prefix
+(and a delete removes it last), so a prefix with that marker and no commit object is the leftover of a save that was
+killed; a later save of the run deletes it, ``ckpt-train gc`` deletes the ones older than a minimum age (an upload
+in progress is younger). A prefix without the marker is never deleted, whatever it holds. In the mirror, only
+folders that hold a checkpoint's catalog files or a staging name are removed, and a ``staging_dir`` that already
+holds other files is refused. A run holds the run folder's lease (``lease``) from ``prepare`` to its end.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint.objectstore.lease import Lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
 from automodel_ckpt.checkpoint.storage import read_pointer, remove_pointer, remove_tree, set_pointer
@@ -40,27 +47,48 @@ class RemoteRun:
     def __init__(self, store: ObjectStore, mirror: Path) -> None:
         self.store = store
         self.mirror = Path(mirror)
+        self.lease: Lease | None = None  # rank 0 of a training run: held from ``prepare`` to the end
 
     @property
     def url(self) -> str:
         return self.store.url
 
     # --- start of a run or a verb: the catalog -------------------------------------------------------
-    def prepare(self, key: str = "checkpoint.checkpoint_dir") -> None:
-        """Rank 0, before training: check access (one-line error), then pull the catalog into the mirror."""
+    def prepare(self, key: str = "checkpoint.checkpoint_dir", lease: Lease | None = None) -> None:
+        """Rank 0, before training: check access (one-line error), take the run folder's lease (one line naming
+        the holder if another run has it), mark the URL as a run folder, then pull the catalog into the mirror."""
         problem = self.store.access_problem(key)
         if problem:
             raise CheckpointError(problem)
-        self.pull()
+        self._claim_mirror()
+        self.lease = lease or Lease(self.store, key)
+        self.lease.acquire()
+        try:
+            self.lease.start_heartbeat()
+            atexit.register(self.release)
+            if not wrap(f"reading '{self.url}'", lambda: self.store.exists(layout.RUN_MARKER)):
+                note = {"written_by": "automodel-ckpt", "first_run": now(), "host": socket.gethostname()}
+                wrap(f"marking '{self.url}' as a run folder",
+                     lambda: self.store.write_text(json.dumps(note) + "\n", layout.RUN_MARKER))
+            self.pull()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """End of the run (any rank; a no-op where no lease is held): stop the heartbeat and remove the lease."""
+        if self.lease is not None:
+            self.lease.release()
 
     def pull(self) -> list[str]:
         """Make the mirror list exactly the committed checkpoints (small files only), the pointers and the logs."""
+        self._claim_mirror()
         self.mirror.mkdir(parents=True, exist_ok=True)
         (self.mirror / layout.OBJECT_STORE_SOURCE).write_text(json.dumps({"url": self.url}) + "\n", encoding="utf-8")
         names = wrap(f"listing '{self.url}'", self._selectable)
         for entry in self.mirror.iterdir():  # uncommitted or deleted remotely: not a checkpoint here either
             if entry.is_dir() and not entry.is_symlink() and entry.name not in names \
-                    and entry.name != layout.QUARANTINE_DIR:
+                    and entry.name != layout.QUARANTINE_DIR and _made_here(entry):
                 remove_tree(entry)
         wanted = [self.store.key(n, f) for n in names for f in layout.CATALOG_FILES]
         got = wrap(f"reading the catalog of '{self.url}'",
@@ -91,6 +119,15 @@ class RemoteRun:
                 (self.mirror / log).write_text(data, encoding="utf-8")
         return names
 
+    def _claim_mirror(self) -> None:
+        """Refuse a mirror folder that already holds files this project did not write: it would remove folders
+        there. Ours holds ``layout.OBJECT_STORE_SOURCE`` (written by the first pull)."""
+        if self.mirror.is_dir() and not (self.mirror / layout.OBJECT_STORE_SOURCE).is_file() \
+                and any(self.mirror.iterdir()):
+            raise CheckpointError(
+                f"checkpoint.staging_dir: '{self.mirror}' already holds files that ckpt-train did not write (no "
+                f"{layout.OBJECT_STORE_SOURCE}); give an empty or new folder (ckpt-train removes folders in it)")
+
     def _selectable(self) -> list[str]:
         quarantined = set()
         qdir = self.store.key(layout.QUARANTINE_DIR)
@@ -99,26 +136,43 @@ class RemoteRun:
         return [n for n in self.store.committed() if n not in quarantined]
 
     def leftovers(self) -> list[str]:
-        """Prefixes without a commit object: saves that never committed (or deletions that were interrupted)."""
+        """Prefixes this project wrote that hold no commit object (the upload marker, no manifest): saves that
+        never committed, or deletions that were interrupted. A prefix without the marker is never one."""
+        return self._scan()[1]
+
+    def _scan(self) -> tuple[list[str], list[str]]:
+        """``(prefixes, leftovers)`` of the run folder."""
         names = [n for n in self.store.prefixes() if n != layout.QUARANTINE_DIR]
         committed = set(self.store.committed(names))
-        return [n for n in names if n not in committed and self.store.objects(n)]
+        return names, [n for n in names if n not in committed and self.store.exists(n, layout.UPLOAD_MARKER)]
 
     # --- a save ----------------------------------------------------------------------------------------
     def before_save(self, name: str) -> list[str]:
-        """Rank 0, before a save: refuse an existing checkpoint; delete leftovers of earlier, unfinished saves.
+        """Rank 0, before a save: refuse an existing checkpoint (or a prefix of that name this project did not
+        write); delete leftovers of earlier, unfinished saves; write the upload marker, the prefix's first object.
 
         At most one save of a run is in flight, and it starts only after the previous one committed or failed: any
-        prefix without a commit object now is a leftover. Returns the names deleted.
+        marked prefix without a commit object now is a leftover. Returns the names deleted.
         """
+        if self.lease is not None:
+            self.lease.check()
         if wrap(f"checking '{self.store.url_of(name)}'", lambda: self.store.exists(name, layout.MANIFEST_FILE)):
             raise CheckpointError(
                 f"checkpoint '{self.store.url_of(name)}' already exists and is never overwritten; "
                 "restore from the newest checkpoint or use another checkpoint.checkpoint_dir"
             )
-        leftovers = wrap(f"listing '{self.url}'", self.leftovers)
+        names, leftovers = wrap(f"listing '{self.url}'", self._scan)
         for leftover in leftovers:
             wrap(f"deleting '{self.store.url_of(leftover)}'", lambda n=leftover: self.store.delete_prefix(n))
+        if name in names and name not in leftovers and wrap(f"listing '{self.store.url_of(name)}'",
+                                                             lambda: self.store.objects(name)):
+            raise CheckpointError(
+                f"checkpoint '{self.store.url_of(name)}' already holds objects that ckpt-train did not write (no "
+                f"{layout.UPLOAD_MARKER}); they are never deleted: move them, or use another "
+                "checkpoint.checkpoint_dir or checkpoint.name_template")
+        marker = {"checkpoint": name, "started": now(), "host": socket.gethostname(), "pid": os.getpid()}
+        wrap(f"starting the upload of '{self.store.url_of(name)}'",
+             lambda: self.store.write_text(json.dumps(marker) + "\n", name, layout.UPLOAD_MARKER))
         return leftovers
 
     def reserve(self, name: str, reserve_local: Callable[[], Path]) -> Path:
@@ -202,6 +256,15 @@ class RemoteRun:
             wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))
             deleted.append(name)
         return deleted
+
+
+def _made_here(folder: Path) -> bool:
+    """Whether a mirror subfolder is one this project makes: a checkpoint (its catalog files), a save or delete in
+    progress (a staging name), or an empty folder. Anything else is left where it is."""
+    if folder.name.startswith((layout.STAGING_PREFIX, layout.DELETING_PREFIX)):
+        return True
+    return (folder / layout.MANIFEST_FILE).is_file() or (folder / layout.METADATA_FILE).is_file() \
+        or not any(folder.iterdir())
 
 
 # --- loading: a checkpoint of the mirror is fetched before it is checked and loaded ------------------

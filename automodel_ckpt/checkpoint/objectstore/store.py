@@ -205,10 +205,13 @@ class ObjectStore:
         self.delete_prefix(name)
 
     def delete_prefix(self, name: str) -> None:
-        try:
-            self.fs.rm(self.key(name), recursive=True)
-        except FileNotFoundError:
-            pass
+        """Delete every object of prefix ``name``, its upload marker last: a delete that is interrupted leaves a
+        prefix still recognised as this project's (a leftover that the next save or ``gc`` deletes)."""
+        marker = self.key(name, layout.UPLOAD_MARKER)
+        rest = [info["name"] for info in self.objects(name) if info["name"].rstrip("/") != marker]
+        if rest:
+            self.fs.rm(rest)
+        self.remove(name, layout.UPLOAD_MARKER)
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
