@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
+from automodel_ckpt.checkpoint.paths import is_plain_name
 from automodel_ckpt.checkpoint.retention import Candidate
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.errors import CheckpointError
@@ -119,7 +120,7 @@ def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointRecord]:
 def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
     """The checkpoint a pointer designates, if it exists and is published."""
     name = read_pointer(checkpoint_dir, pointer)
-    if name is None:
+    if name is None or not is_plain_name(name):  # LATEST.txt holding "..", "/x", "a/b": designates no checkpoint
         return None
     path = Path(checkpoint_dir) / name
     return path if path.is_dir() and not layout.is_staging(name) else None

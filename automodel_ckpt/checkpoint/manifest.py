@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.checkpoint.checksum import CRC32, default_algorithm, hash_file, hasher
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_dir, fsync_file
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -246,11 +246,17 @@ def read(checkpoint: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("checksum"), str)
+        isinstance(v, dict) and _is_size(v.get("size")) and isinstance(v.get("checksum"), str)
         for v in files.values()
     ):
         raise CheckpointError(f"'{file}' is malformed (no 'files' table of sizes and checksums)")
+    for rel in files:  # untrusted: every listed path must stay inside the checkpoint
+        paths.check(rel, f"'{file}'")
     return manifest
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _declared_version(file: Path) -> int | None:
@@ -308,13 +314,20 @@ class Report:
 
 
 def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool) -> Verdict:
-    path = Path(root) / rel
+    """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read`` has checked
+    that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too)."""
     try:
-        size = path.stat().st_size
+        path = paths.inside(Path(root), rel, "the manifest")
+        not_regular = paths.regular_file_problem(path)
+        size = path.lstat().st_size
+    except CheckpointError:
+        return Verdict(rel, UNREADABLE, "leads out of the checkpoint through a symlink")
     except FileNotFoundError:
         return Verdict(rel, MISSING)
     except OSError as exc:
         return Verdict(rel, UNREADABLE, first_line(exc))
+    if not_regular:
+        return Verdict(rel, UNREADABLE, not_regular)
     if size != entry["size"]:
         return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, on disk {size}")
     if checksums:
