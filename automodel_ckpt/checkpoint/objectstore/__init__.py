@@ -37,7 +37,10 @@ def stored_files(folder: Path) -> dict[str, int]:
     """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
     from automodel_ckpt.checkpoint import manifest
 
-    listed = (manifest.read(folder) or {}).get("files", {})
+    try:
+        listed = (manifest.read(folder) or {}).get("files", {})
+    except CheckpointError:  # malformed or naming unsafe paths: nothing is known of it (`verify` says what)
+        return {}
     return {rel: int(e["size"]) for rel, e in listed.items()}
 
 

@@ -220,11 +220,12 @@ class ObjectStore:
 def plain_names(parent: str, keys: Iterable[str]) -> list[str]:
     """The names below ``parent`` of the listed ``keys`` that are plain names (``paths.is_plain_name``), sorted;
     the others (``..``, an empty name, a key not below ``parent``, ...) are logged and dropped."""
-    head = parent.rstrip("/") + "/"
+    head = parent.strip("/") + "/"
     names = []
     for key in keys:
         key = str(key)
-        name = key[len(head):] if key.startswith(head) else None
+        bare = key.lstrip("/")  # some filesystems (memory://) list absolute names
+        name = bare[len(head):] if bare.startswith(head) else None
         if name is not None and name.endswith("/"):
             name = name[:-1]
         if paths.is_plain_name(name):
