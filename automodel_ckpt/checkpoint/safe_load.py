@@ -289,8 +289,10 @@ def save_failure(exc: BaseException, path: Path) -> CheckpointError:
 
 
 def load_pt(file: Path) -> Any:
-    """A small ``.pt`` state file (tensors and plain data only); a one-line ``CheckpointError`` if unreadable."""
+    """A small ``.pt`` state file (tensors and plain data only, ``weights_only``; a regular file, never a FIFO or
+    device); a one-line ``CheckpointError`` if unreadable."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with open(paths.open_regular(Path(file), follow=True), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
