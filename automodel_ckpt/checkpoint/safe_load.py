@@ -1,12 +1,17 @@
 """Loading never runs code from a checkpoint, and load failures become one-line ``CheckpointError`` messages.
 
-* DCP's ``.metadata`` is a pickle. ``SafeFileSystemReader`` reads it with ``RestrictedUnpickler``, which resolves
-  only the classes DCP metadata is made of (and the builtin and torch value types they hold); any other global
-  (``os.system``, ``builtins.eval``, ``subprocess.Popen`` ...) is refused before it can be called.
+This module is the only place of the package that unpickles (tests/unit/test_structure.py enforces it):
+
+* DCP's ``.metadata`` is a pickle. ``load_dcp_metadata`` (used by ``SafeFileSystemReader``, resume's check and the
+  HF export) reads it with ``RestrictedUnpickler``, which resolves only the classes DCP metadata is made of (and the
+  builtin and torch value types they hold); any other global (``os.system``, ``builtins.eval``,
+  ``subprocess.Popen`` ...) is refused before it can be called. The data files it names must be plain relative
+  paths inside its folder and regular files (``paths``).
 * Non-tensor entries of a ``.distcp`` file (optimizer ``param_groups`` values, for example) are unpickled by
   ``SafeLoadPlanner`` with ``torch.load(weights_only=True)``; torch's default planner uses ``weights_only=False``.
-* Tensors are read by DCP with ``weights_only=True``; HF safetensors shards hold no code by design; the ``.pt``
-  state files are read with ``weights_only=True`` by the checkpointer.
+* Tensors are read by DCP with ``weights_only=True`` (``formats/fastio`` locates a tensor record's data with
+  ``TensorRecordUnpickler``, which resolves nothing but inert stand-ins); HF safetensors shards hold no code by
+  design; the ``.pt`` state files are read by ``load_pt`` with ``weights_only=True``.
 * ``check_fits`` compares a checkpoint's keys and shapes with the state about to be loaded, and
   ``load_failure`` / ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
 """
