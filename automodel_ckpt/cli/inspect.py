@@ -55,7 +55,8 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     ]
     return {
         "checkpoint_dir": str(path),
-        "pointers": {p: {"target": t, "exists": bool(t) and (path / t).is_dir()} for p, t in pointers.items()},
+        "pointers": {p: {"target": t, "exists": catalog.pointer_target(path, p) is not None}
+                     for p, t in pointers.items()},
         "checkpoints": rows,
         "quarantined": catalog.quarantined(path) if only is None else [],
         "totals": {

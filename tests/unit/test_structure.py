@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, no module over 500 lines, components never import recipes, a public API."""
+"""The package's shape: no import cycle, no module over 500 lines, components never import recipes, a public API,
+and every pickle read from a checkpoint goes through ``checkpoint/safe_load.py``."""
 
 from __future__ import annotations
 
