@@ -241,7 +241,7 @@ def read(checkpoint: Path) -> dict[str, Any] | None:
     if not file.exists():
         return None
     try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
+        manifest = json.loads(paths.read_text(file))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -261,7 +261,7 @@ def _is_size(value: object) -> bool:
 
 def _declared_version(file: Path) -> int | None:
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(paths.read_text(file))
     except (OSError, ValueError):
         return None
     v = data.get("layout_version") if isinstance(data, dict) else None

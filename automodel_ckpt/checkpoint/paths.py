@@ -110,6 +110,13 @@ def open_regular(path: Path, *, follow: bool = False) -> int:
     return fd
 
 
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a small file read from a checkpoint (metadata, manifest, config, pointer): only a regular
+    file, or a symlink to one, is read; a FIFO or device is refused (``OSError``) instead of blocking forever."""
+    with os.fdopen(open_regular(Path(path), follow=True), "rb") as f:
+        return f.read().decode("utf-8")
+
+
 def regular_file_problem(path: Path) -> str | None:
     """Why ``path`` (not followed if a symlink) is no regular file; None when it is one. ``FileNotFoundError``
     propagates."""

@@ -207,6 +207,41 @@ def test_verify_never_reads_a_device_a_fifo_or_a_symlink_out(templates, tmp_path
     assert "verify: FAILED (4 of 4 checkpoint(s) damaged" in proc.stdout
 
 
+_VERBS_ON = """
+import sys
+from pathlib import Path
+from automodel_ckpt.cli import main
+from automodel_ckpt.distributed.env import init_distributed
+from tests.unit.ckpt_state import State
+from tests.unit.test_untrusted import checkpointer
+root = Path(sys.argv[1])
+print("verify", main(["verify", str(root)]), flush=True)
+print("inspect", main(["inspect", str(root)]), flush=True)
+print("resumed", checkpointer(init_distributed(), root, "torch_save").restore(State(seed=3).states()), flush=True)
+"""
+
+
+def test_fifos_in_place_of_small_files_never_block_a_verb(templates, tmp_path):
+    """A FIFO as manifest.json, metadata.json or LATEST.txt: verify, inspect and resume go on (a reader of a FIFO
+    would wait forever). In a subprocess with a timeout, so a regression fails instead of hanging."""
+    root, first, second = copy_run(templates, "torch_save", tmp_path)
+    third = root / "epoch_0_step_3"
+    shutil.copytree(second, third)
+    (second / layout.MANIFEST_FILE).unlink()
+    os.mkfifo(second / layout.MANIFEST_FILE)
+    (third / layout.METADATA_FILE).unlink()
+    os.mkfifo(third / layout.METADATA_FILE)
+    (root / layout.LATEST).unlink()
+    os.mkfifo(root / layout.pointer_text_file(layout.LATEST))
+    proc = subprocess.run([sys.executable, "-c", _VERBS_ON, str(root)], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verify 1\n" in proc.stdout and "inspect 0\n" in proc.stdout
+    assert f"resumed {first}\n" in proc.stdout
+    assert "a FIFO, not a regular file" in proc.stdout
+    assert sorted(p.name for p in (root / layout.QUARANTINE_DIR).iterdir() if p.is_dir()) == [second.name, third.name]
+
+
 @pytest.mark.parametrize("entry", ["../outside.bin", "ABSOLUTE"])
 def test_resume_with_verify_on_load_quarantines_a_manifest_naming_outside_paths(env, templates, tmp_path, entry):
     root, first, second = copy_run(templates, "torch_save", tmp_path)
