@@ -313,13 +313,15 @@ class Report:
         return [v for v in self.verdicts if not v.ok]
 
 
-def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool) -> Verdict:
+def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
+               resolved: dict[str, str] | None = None) -> Verdict:
     """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read`` has checked
-    that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too)."""
+    that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too).
+    ``resolved``: the folders resolved so far (``paths.inside``)."""
     try:
-        path = paths.inside(Path(root), rel, "the manifest")
-        not_regular = paths.regular_file_problem(path)
-        size = path.lstat().st_size
+        path = paths.inside(Path(root), rel, "the manifest", resolved)
+        st = os.lstat(path)
+        not_regular, size = paths.not_regular(st.st_mode), st.st_size
     except CheckpointError:
         return Verdict(rel, UNREADABLE, "leads out of the checkpoint through a symlink")
     except FileNotFoundError:
@@ -373,7 +375,9 @@ def verify(
     except CheckpointError as exc:
         report.problem = str(exc)
         return report
-    check: Callable[[str], Verdict] = lambda rel: check_file(checkpoint, rel, listed[rel], algorithm, checksums)
+    resolved: dict[str, str] = {}
+    check: Callable[[str], Verdict] = lambda rel: check_file(checkpoint, rel, listed[rel], algorithm, checksums,
+                                                             resolved)
     if threads > 1 and len(names) > 1:
         with ThreadPoolExecutor(threads) as pool:
             report.verdicts = list(pool.map(check, names))

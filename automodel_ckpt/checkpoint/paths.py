@@ -11,7 +11,7 @@ taken from there is used only if it is *plain*:
 
 A bucket prefix taken for a checkpoint name is one such component. Only regular files are read or hashed:
 ``open_regular`` refuses symlinks, FIFOs, devices and sockets before a single byte is read (and never blocks on a
-FIFO). Anything else is a ``CheckpointError`` naming the path and where it came from: the checkpoint is damaged
+FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it. Anything else is a ``CheckpointError`` naming the path and where it came from: the checkpoint is damaged
 (resume's fallback and quarantine apply) or the verb fails in one line.
 """
 
@@ -68,17 +68,28 @@ def check(rel: object, where: str) -> str:
     return rel  # type: ignore[return-value]
 
 
-def inside(root: Path, rel: object, where: str) -> Path:
+def inside(root: Path, rel: object, where: str, cache: dict[str, str] | None = None) -> Path:
     """``root / rel`` after ``check``, refused (``CheckpointError``) when it resolves outside ``root`` through a
-    symlink on the way. Nothing is created; the path need not exist."""
+    symlink on the way. Nothing is created; the path need not exist. ``cache``: resolved folders, kept by a
+    caller that checks many paths below one root."""
     root = Path(root)
     path = root / check(rel, where)
-    base = root.resolve()
-    resolved = path.resolve()
-    if resolved != base and base not in resolved.parents:
+    base = _real(str(root), cache)
+    real = _real(str(path.parent), cache)
+    real = os.path.realpath(path) if os.path.islink(path) else os.path.join(real, path.name)
+    if not real.startswith(base.rstrip(os.sep) + os.sep):
         raise CheckpointError(f"{where} names the unsafe path {rel!r} (it leads out of '{root}' through a "
                               "symlink); only plain relative paths inside the checkpoint are read or written")
     return path
+
+
+def _real(folder: str, cache: dict[str, str] | None) -> str:
+    if cache is None:
+        return os.path.realpath(folder)
+    real = cache.get(folder)
+    if real is None:
+        real = cache[folder] = os.path.realpath(folder)
+    return real
 
 
 def open_regular(path: Path, *, follow: bool = False) -> int:
@@ -120,7 +131,11 @@ def read_text(path: Path) -> str:
 def regular_file_problem(path: Path) -> str | None:
     """Why ``path`` (not followed if a symlink) is no regular file; None when it is one. ``FileNotFoundError``
     propagates."""
-    mode = os.lstat(path).st_mode
+    return not_regular(os.lstat(path).st_mode)
+
+
+def not_regular(mode: int) -> str | None:
+    """Why a file of ``mode`` (an ``lstat``'s) is no regular file; None when it is one."""
     return None if stat.S_ISREG(mode) else f"{_kind(mode)}, not a regular file"
 
 

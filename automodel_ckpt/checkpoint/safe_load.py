@@ -137,12 +137,13 @@ def _check_storage_files(metadata: Metadata, path: Path) -> None:
     if not isinstance(storage, dict):
         return
     seen: set[object] = set()
+    resolved: dict[str, str] = {}
     for info in storage.values():
         rel = getattr(info, "relative_path", None)
         if isinstance(rel, str) and rel in seen:
             continue
         seen.add(rel)
-        file = paths.inside(path.parent, rel, f"'{path}'")
+        file = paths.inside(path.parent, rel, f"'{path}'", resolved)
         try:
             why = paths.regular_file_problem(file)
         except FileNotFoundError:

@@ -156,8 +156,8 @@ class ObjectStore:
             if rel not in sizes:
                 sizes[rel] = int(self.fs.info(self.key(name, rel))["size"])
         tag = f".part-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        where = f"the listing of '{self.url_of(name)}'"
-        targets = {rel: paths.inside(Path(local_root), rel, where) for rel in rels}  # untrusted names
+        where, resolved = f"the listing of '{self.url_of(name)}'", {}
+        targets = {rel: paths.inside(Path(local_root), rel, where, resolved) for rel in rels}  # untrusted names
         fds: dict[str, int] = {}
         try:
             for rel, target in targets.items():
