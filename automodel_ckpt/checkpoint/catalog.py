@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.paths import is_plain_name
+from automodel_ckpt.checkpoint.paths import is_plain_name, read_text
 from automodel_ckpt.checkpoint.retention import Candidate
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.errors import CheckpointError
@@ -100,9 +100,10 @@ def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
         if not entry.is_dir():
             continue
         try:
-            note = json.loads((folder / layout.quarantine_note(entry.name)).read_text(encoding="utf-8"))
+            note = json.loads(read_text(folder / layout.quarantine_note(entry.name)))
         except (OSError, ValueError):
             note = {}
+        note = note if isinstance(note, dict) else {}
         found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
                       "reason": note.get("reason"), "quarantined_at": note.get("quarantined_at")})
     return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
