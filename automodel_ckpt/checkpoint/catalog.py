@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from automodel_ckpt.checkpoint import layout
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
+from automodel_ckpt.checkpoint.paths import is_plain_name, read_text
 from automodel_ckpt.checkpoint.retention import Candidate
 from automodel_ckpt.checkpoint.storage import read_pointer
 from automodel_ckpt.errors import CheckpointError
@@ -99,9 +100,10 @@ def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
         if not entry.is_dir():
             continue
         try:
-            note = json.loads((folder / layout.quarantine_note(entry.name)).read_text(encoding="utf-8"))
+            note = json.loads(read_text(folder / layout.quarantine_note(entry.name)))
         except (OSError, ValueError):
             note = {}
+        note = note if isinstance(note, dict) else {}
         found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
                       "reason": note.get("reason"), "quarantined_at": note.get("quarantined_at")})
     return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
@@ -119,7 +121,7 @@ def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointRecord]:
 def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
     """The checkpoint a pointer designates, if it exists and is published."""
     name = read_pointer(checkpoint_dir, pointer)
-    if name is None:
+    if name is None or not is_plain_name(name):  # LATEST.txt holding "..", "/x", "a/b": designates no checkpoint
         return None
     path = Path(checkpoint_dir) / name
     return path if path.is_dir() and not layout.is_staging(name) else None

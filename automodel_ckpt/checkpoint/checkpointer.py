@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
+from automodel_ckpt.checkpoint import paths
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -456,7 +457,7 @@ class Checkpointer:
         """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
         local: int | None = None
         try:
-            saved = yaml.safe_load((Path(path) / layout.CONFIG_FILE).read_text(encoding="utf-8"))
+            saved = yaml.safe_load(paths.read_text(Path(path) / layout.CONFIG_FILE))
             local = int(saved["step_scheduler"]["local_batch_size"])
         except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
             pass

@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.errors import CheckpointError
 
 XXH3_64 = "xxh3_64"
@@ -60,7 +60,7 @@ def hasher(algorithm: str) -> Any:
 
 
 def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
-    """``(bytes read, hex checksum)`` of one file.
+    """``(bytes read, hex checksum)`` of one regular file (``OSError`` for a symlink, FIFO, device...).
 
     Files of 1 MiB and more are memory-mapped: hashing reads the page cache in place, about twice as fast as
     copying it through ``read`` (10 vs 5 GB/s measured). Smaller files, and filesystems without mmap, are read in
@@ -68,7 +68,7 @@ def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
     """
     h = hasher(algorithm)
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(paths.open_regular(path), "rb", buffering=0) as f:
         length = os.fstat(f.fileno()).st_size
         if length >= _MMAP_MIN:
             try:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.checkpoint.checksum import CRC32, default_algorithm, hash_file, hasher
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_dir, fsync_file
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -241,21 +241,27 @@ def read(checkpoint: Path) -> dict[str, Any] | None:
     if not file.exists():
         return None
     try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
+        manifest = json.loads(paths.read_text(file))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("checksum"), str)
+        isinstance(v, dict) and _is_size(v.get("size")) and isinstance(v.get("checksum"), str)
         for v in files.values()
     ):
         raise CheckpointError(f"'{file}' is malformed (no 'files' table of sizes and checksums)")
+    for rel in files:  # untrusted: every listed path must stay inside the checkpoint
+        paths.check(rel, f"'{file}'")
     return manifest
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _declared_version(file: Path) -> int | None:
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(paths.read_text(file))
     except (OSError, ValueError):
         return None
     v = data.get("layout_version") if isinstance(data, dict) else None
@@ -307,14 +313,23 @@ class Report:
         return [v for v in self.verdicts if not v.ok]
 
 
-def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool) -> Verdict:
-    path = Path(root) / rel
+def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
+               resolved: dict[str, str] | None = None) -> Verdict:
+    """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read`` has checked
+    that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too).
+    ``resolved``: the folders resolved so far (``paths.inside``)."""
     try:
-        size = path.stat().st_size
+        path = paths.inside(Path(root), rel, "the manifest", resolved)
+        st = os.lstat(path)
+        not_regular, size = paths.not_regular(st.st_mode), st.st_size
+    except CheckpointError:
+        return Verdict(rel, UNREADABLE, "leads out of the checkpoint through a symlink")
     except FileNotFoundError:
         return Verdict(rel, MISSING)
     except OSError as exc:
         return Verdict(rel, UNREADABLE, first_line(exc))
+    if not_regular:
+        return Verdict(rel, UNREADABLE, not_regular)
     if size != entry["size"]:
         return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, on disk {size}")
     if checksums:
@@ -360,7 +375,9 @@ def verify(
     except CheckpointError as exc:
         report.problem = str(exc)
         return report
-    check: Callable[[str], Verdict] = lambda rel: check_file(checkpoint, rel, listed[rel], algorithm, checksums)
+    resolved: dict[str, str] = {}
+    check: Callable[[str], Verdict] = lambda rel: check_file(checkpoint, rel, listed[rel], algorithm, checksums,
+                                                             resolved)
     if threads > 1 and len(names) > 1:
         with ThreadPoolExecutor(threads) as pool:
             report.verdicts = list(pool.map(check, names))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.jsonsafe import json_safe
 
 # Keys of SaveInfo.extra that become top-level metadata fields; other extra keys land under "extra".
@@ -79,7 +79,7 @@ def write_metadata(checkpoint: Path, meta: dict[str, Any]) -> Path:
 def read_metadata(checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint's metadata, or None when it has none (or it is unreadable, or lacks an integer step)."""
     try:
-        meta = json.loads((Path(checkpoint) / layout.METADATA_FILE).read_text(encoding="utf-8"))
+        meta = json.loads(paths.read_text(Path(checkpoint) / layout.METADATA_FILE))
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or isinstance(meta.get("step"), bool) or not isinstance(meta.get("step"), int):

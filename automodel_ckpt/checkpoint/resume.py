@@ -23,7 +23,7 @@ from typing import Any, Callable
 from automodel_ckpt.checkpoint import catalog, layout, manifest
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import is_better
-from automodel_ckpt.checkpoint.safe_load import load_dcp_metadata
+from automodel_ckpt.checkpoint.safe_load import load_dcp_metadata, load_pt
 from automodel_ckpt.checkpoint.safetensors_io import read_header
 from automodel_ckpt.checkpoint.storage import fsync_dir, remove_pointer, set_pointer
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -62,12 +62,10 @@ def _exported(root: Path, file: Path) -> bool:
 
 
 def _readable_pt(file: Path) -> None:
-    import torch
-
     try:
-        torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - truncated or garbled files raise many types
-        raise CheckpointError(f"'{file}' is unreadable: {type(exc).__name__}: {first_line(exc)}") from None
+        load_pt(file)
+    except CheckpointError as exc:  # truncated, garbled, a pickle of anything but plain data, no regular file
+        raise CheckpointError(f"'{file}' is unreadable: {str(exc).split(': ', 1)[-1]}") from None
 
 
 def quarantine(checkpoint_dir: Path, name: str, reason: str, *, monitor: str = "val_loss",

@@ -1,20 +1,27 @@
 """Loading never runs code from a checkpoint, and load failures become one-line ``CheckpointError`` messages.
 
-* DCP's ``.metadata`` is a pickle. ``SafeFileSystemReader`` reads it with ``RestrictedUnpickler``, which resolves
-  only the classes DCP metadata is made of (and the builtin and torch value types they hold); any other global
-  (``os.system``, ``builtins.eval``, ``subprocess.Popen`` ...) is refused before it can be called.
+This module is the only place of the package that unpickles (tests/unit/test_structure.py enforces it):
+
+* DCP's ``.metadata`` is a pickle. ``load_dcp_metadata`` (used by ``SafeFileSystemReader``, resume's check and the
+  HF export) reads it with ``RestrictedUnpickler``, which resolves only the classes DCP metadata is made of (and the
+  builtin and torch value types they hold); any other global (``os.system``, ``builtins.eval``,
+  ``subprocess.Popen`` ...) is refused before it can be called. The data files it names must be plain relative
+  paths inside its folder and regular files (``paths``).
 * Non-tensor entries of a ``.distcp`` file (optimizer ``param_groups`` values, for example) are unpickled by
   ``SafeLoadPlanner`` with ``torch.load(weights_only=True)``; torch's default planner uses ``weights_only=False``.
-* Tensors are read by DCP with ``weights_only=True``; HF safetensors shards hold no code by design; the ``.pt``
-  state files are read with ``weights_only=True`` by the checkpointer.
+* Tensors are read by DCP with ``weights_only=True`` (``formats/fastio`` locates a tensor record's data with
+  ``TensorRecordUnpickler``, which resolves nothing but inert stand-ins); HF safetensors shards hold no code by
+  design; the ``.pt`` state files are read by ``load_pt`` with ``weights_only=True``.
 * ``check_fits`` compares a checkpoint's keys and shapes with the state about to be loaded, and
   ``load_failure`` / ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.errors import CheckpointError, first_line
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -61,6 +68,50 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
 
 
+@functools.lru_cache(maxsize=1)
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """``{"FloatStorage": torch.float32, ...}``: the storage names torch.save pickles for each dtype."""
+    try:
+        return torch.storage._storage_type_to_dtype_map()
+    except AttributeError:
+        return {}
+
+
+class StorageRef:
+    """The storage a tensor record's pickle names: its key in the record, dtype and number of elements."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class TensorRecordUnpickler(pickle.Unpickler):
+    """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it
+    (``formats/fastio`` locates tensor data with it).
+
+    Only the globals a plain tensor's pickle holds are resolved, to inert stand-ins; anything else raises
+    ``UnpicklingError`` (the record then goes to ``torch.load(weights_only=True)``).
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            dtype = _storage_dtypes().get(name)
+            if dtype is not None:
+                return dtype
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        _, dtype, key, _location, numel = pid
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError("unexpected storage type")
+        return StorageRef(str(key), dtype, int(numel))
+
+
 def load_dcp_metadata(path: Path) -> Metadata:
     """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem."""
     path = Path(path)
@@ -75,7 +126,32 @@ def load_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"'{path}' is unreadable: {type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"'{path}' is not DCP metadata (holds a {type(metadata).__name__})")
+    _check_storage_files(metadata, path)
     return metadata
+
+
+def _check_storage_files(metadata: Metadata, path: Path) -> None:
+    """Every data file the metadata names is a plain relative path inside its folder and, where it exists, a
+    regular file (a FIFO or device would hang the reader, a symlink could lead anywhere)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return
+    seen: set[object] = set()
+    resolved: dict[str, str] = {}
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if isinstance(rel, str) and rel in seen:
+            continue
+        seen.add(rel)
+        file = paths.inside(path.parent, rel, f"'{path}'", resolved)
+        try:
+            why = paths.regular_file_problem(file)
+        except FileNotFoundError:
+            continue  # reported as missing where it is read (or by the manifest check before)
+        except OSError as exc:
+            why = first_line(exc)
+        if why:
+            raise CheckpointError(f"'{file}' (named by '{path}') is {why}; refusing to read it")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -219,8 +295,10 @@ def save_failure(exc: BaseException, path: Path) -> CheckpointError:
 
 
 def load_pt(file: Path) -> Any:
-    """A small ``.pt`` state file (tensors and plain data only); a one-line ``CheckpointError`` if unreadable."""
+    """A small ``.pt`` state file (tensors and plain data only, ``weights_only``; a regular file, never a FIFO or
+    device); a one-line ``CheckpointError`` if unreadable."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with open(paths.open_regular(Path(file), follow=True), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from automodel_ckpt.checkpoint.paths import open_regular
 from automodel_ckpt.errors import CheckpointError
 
 HEADER_LEN_BYTES = 8
@@ -60,11 +61,12 @@ def is_plain_float(dtype: torch.dtype) -> bool:
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """``(header, data_start)`` of a safetensors file, reading only its first bytes.
 
-    Raises CheckpointError naming the file when the header is missing, cut short or not JSON.
+    Raises CheckpointError naming the file when the header is missing, cut short or not JSON, or when the path
+    is no regular file (a FIFO or a device is never read).
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, follow=True), "rb") as f:
             raw_len = f.read(HEADER_LEN_BYTES)
             if len(raw_len) < HEADER_LEN_BYTES:
                 raise CheckpointError(f"truncated safetensors file {path}: {len(raw_len)} bytes, no header")
@@ -76,6 +78,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise CheckpointError(f"missing safetensors file {path}") from None
     except IsADirectoryError:
         raise CheckpointError(f"expected a safetensors file, found a folder: {path}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from None
     if len(raw) < header_len:
         raise CheckpointError(f"truncated safetensors file {path}: header cut short")
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 
 
 def fsync_file(path: Path) -> None:
@@ -191,7 +191,10 @@ def read_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
         return Path(os.readlink(link)).name
     text = Path(checkpoint_dir) / layout.pointer_text_file(pointer)
     if text.exists():
-        name = text.read_text(encoding="utf-8").strip()
+        try:
+            name = paths.read_text(text).strip()
+        except (OSError, ValueError):  # not a regular file, not UTF-8: designates nothing
+            return None
         return name or None
     return None
 

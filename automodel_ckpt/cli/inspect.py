@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint import catalog, layout, paths
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.metadata import as_float
 from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
@@ -55,7 +55,8 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     ]
     return {
         "checkpoint_dir": str(path),
-        "pointers": {p: {"target": t, "exists": bool(t) and (path / t).is_dir()} for p, t in pointers.items()},
+        "pointers": {p: {"target": t, "exists": catalog.pointer_target(path, p) is not None}
+                     for p, t in pointers.items()},
         "checkpoints": rows,
         "quarantined": catalog.quarantined(path) if only is None else [],
         "totals": {
@@ -92,14 +93,14 @@ def model_family(ckpt: Path) -> str | None:
     model = layout.model_dir(ckpt)
     candidates = [layout.hf_metadata_dir(model) / layout.HF_CONFIG]
     try:
-        adapter = json.loads((model / layout.ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        adapter = json.loads(paths.read_text(model / layout.ADAPTER_CONFIG))
         if adapter.get("base_model_name_or_path"):
             candidates.append(Path(adapter["base_model_name_or_path"]) / layout.HF_CONFIG)
     except (OSError, ValueError):
         pass
     for path in candidates:
         try:
-            value = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+            value = json.loads(paths.read_text(path)).get("model_type")
         except (OSError, ValueError, AttributeError):
             continue
         if value:

@@ -465,3 +465,36 @@ def test_a_consolidate_sh_of_the_previous_release_still_exports(shards, referenc
     result = _bash([str(script)], tmp_path)
     assert result.returncode == 0, result.stderr
     assert _files(model_dir / layout.CONSOLIDATED_DIR) == _files(reference_export)
+
+
+class _Evil:
+    """A pickle that would create ``marker`` when unpickled by torch's plain reader."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_dcp_metadata_never_runs_in_consolidate_sh_consolidate_or_verify_export(shards, tmp_path, capsys):
+    """A torch_save checkpoint from elsewhere whose model/.metadata runs a command when unpickled: every verb that
+    reads it (consolidate.sh, `ckpt-train consolidate`, `ckpt-train verify --export`) refuses it in one line."""
+    import pickle
+
+    model_dir = _copy_model(shards, "ts", tmp_path)
+    assert ckpt_train_main(["consolidate", str(model_dir.parent), "--no-progress"]) == 0  # an export to verify
+    marker = tmp_path / "pwned"
+    metadata = model_dir / layout.DCP_METADATA
+    metadata.write_bytes(pickle.dumps(_Evil(marker)))
+    expected = f"error: refusing to load '{metadata}': global 'posix.system' is not allowed in checkpoint metadata"
+    render_consolidate_script(model_dir)
+    result = _bash([str(model_dir / layout.CONSOLIDATE_SCRIPT)], tmp_path)
+    assert (result.returncode, result.stderr.strip()) == (CheckpointError.exit_code, expected)
+    capsys.readouterr()
+    assert ckpt_train_main(["consolidate", str(model_dir.parent), "--no-progress"]) == CheckpointError.exit_code
+    assert capsys.readouterr().err.strip() == expected
+    assert ckpt_train_main(["verify", "--export", str(model_dir.parent)]) == CheckpointError.exit_code
+    err = capsys.readouterr().err  # transformers' reload of the export comes first, then the shards are read
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [expected], err
+    assert not marker.exists()

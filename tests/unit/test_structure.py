@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, no module over 500 lines, components never import recipes, a public API."""
+"""The package's shape: no import cycle, no module over 500 lines, components never import recipes, a public API,
+and every pickle read from a checkpoint goes through ``checkpoint/safe_load.py``."""
 
 from __future__ import annotations
 
@@ -135,3 +136,110 @@ def test_the_export_and_cli_packages_exist_and_the_old_module_path_still_resolve
     for name in ("automodel_ckpt.cli", "automodel_ckpt.checkpoint.export", "automodel_ckpt.checkpoint.export.plan",
                  "automodel_ckpt.checkpoint.consolidate_cli"):
         assert importlib.util.find_spec(name) is not None, name
+
+
+# --- every pickle from a checkpoint goes through checkpoint/safe_load.py ----------------------------------------
+
+SAFE_LOAD = PACKAGE / "checkpoint" / "safe_load.py"
+_DCP = "torch.distributed.checkpoint"
+# torch names that read a checkpoint's pickles with torch's own (unrestricted) reader or planner
+_PLAIN_DCP_READERS = {"FileSystemReader", "FsspecReader", "dcp_to_torch_save", "torch_save_to_dcp",
+                      "BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner", "_load_state_dict_from_keys"}
+
+
+def unsafe_loads(source: str) -> list[str]:
+    """Places in ``source`` that could unpickle untrusted bytes other than through ``safe_load``: ``pickle.load``,
+    ``pickle.loads`` and ``pickle.Unpickler`` (however imported), ``torch.load`` without ``weights_only=True``,
+    torch's plain DCP readers, a ``read_metadata`` of one's own, and ``dcp.load`` without our reader and planner."""
+    tree = ast.parse(source)
+    pickle_mods, torch_mods, dcp_mods, bad_names = {"pickle", "_pickle", "cPickle"}, {"torch"}, set(), {}
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                local = a.asname or a.name.split(".")[0]
+                if a.name in ("pickle", "_pickle", "cPickle", "dill", "cloudpickle"):
+                    pickle_mods.add(local)
+                if a.name == "torch":
+                    torch_mods.add(local)
+                if a.name == _DCP and a.asname:
+                    dcp_mods.add(a.asname)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            for a in node.names:
+                local = a.asname or a.name
+                if module in ("pickle", "_pickle", "dill", "cloudpickle") and a.name in ("load", "loads", "Unpickler"):
+                    bad_names[local] = f"{module}.{a.name}"
+                elif module in ("torch", "torch.serialization") and a.name == "load":
+                    bad_names[local] = f"{module}.load"
+                elif module.startswith(_DCP) and a.name in _PLAIN_DCP_READERS:
+                    out.append(f"line {node.lineno}: imports torch's plain {a.name}")
+                elif module == "torch.distributed" and a.name == "checkpoint":
+                    dcp_mods.add(local)
+                elif module.startswith(_DCP) and a.name == "load":
+                    bad_names[local] = "dcp.load"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            owner, attr = node.value.id, node.attr
+            if owner in pickle_mods and attr in ("load", "loads", "Unpickler", "_Unpickler"):
+                out.append(f"line {node.lineno}: {owner}.{attr}")
+            if attr in _PLAIN_DCP_READERS:
+                out.append(f"line {node.lineno}: {owner}.{attr}")
+        elif isinstance(node, ast.Name) and node.id in bad_names and bad_names[node.id] != "torch.load" \
+                and bad_names[node.id] != "dcp.load":
+            out.append(f"line {node.lineno}: {bad_names[node.id]}")
+        elif isinstance(node, ast.ClassDef) and any(isinstance(f, ast.FunctionDef) and f.name == "read_metadata"
+                                                    for f in node.body):
+            out.append(f"line {node.lineno}: class {node.name} reads DCP metadata itself (read_metadata)")
+        if not isinstance(node, ast.Call):
+            continue
+        func, keywords = node.func, {k.arg: k.value for k in node.keywords}
+        dotted = ast.unparse(func)
+        is_torch_load = (isinstance(func, ast.Attribute) and func.attr == "load" and isinstance(func.value, ast.Name)
+                         and func.value.id in torch_mods) or dotted in ("torch.serialization.load",) or \
+            (isinstance(func, ast.Name) and bad_names.get(func.id) == "torch.load")
+        if is_torch_load:
+            flag = keywords.get("weights_only")
+            if not (isinstance(flag, ast.Constant) and flag.value is True):
+                out.append(f"line {node.lineno}: {dotted} without weights_only=True")
+        is_dcp_load = (isinstance(func, ast.Attribute) and func.attr == "load" and isinstance(func.value, ast.Name)
+                       and func.value.id in dcp_mods) or dotted in (f"{_DCP}.load",) or \
+            (isinstance(func, ast.Name) and bad_names.get(func.id) == "dcp.load")
+        if is_dcp_load and not {"storage_reader", "planner"} <= set(keywords):
+            out.append(f"line {node.lineno}: {dotted} without storage_reader= and planner= (torch's plain reader)")
+    return sorted(set(out))
+
+
+def test_every_pickle_is_read_by_safe_load():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == SAFE_LOAD:
+            continue
+        found = unsafe_loads(path.read_text(encoding="utf-8"))
+        if found:
+            offenders[str(path.relative_to(PACKAGE.parent))] = found
+    assert offenders == {}, f"read pickles from checkpoints only through checkpoint/safe_load.py: {offenders}"
+
+
+@pytest.mark.parametrize("source", [
+    "import pickle\npickle.load(f)\n",
+    "import pickle as p\np.loads(b)\n",
+    "from pickle import loads\nloads(b)\n",
+    "import pickle\nclass U(pickle.Unpickler):\n    pass\n",
+    "import torch\ntorch.load(f)\n",
+    "import torch\ntorch.load(f, weights_only=False)\n",
+    "from torch import load\nload(f, weights_only=flag)\n",
+    "from torch.distributed.checkpoint import FileSystemReader\nFileSystemReader(p).read_metadata()\n",
+    "import torch.distributed.checkpoint as dcp\ndcp.FileSystemReader(p)\n",
+    "import torch.distributed.checkpoint as dcp\ndcp.load(state, checkpoint_id=p)\n",
+    "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n",
+    "class R:\n    def read_metadata(self):\n        pass\n",
+])
+def test_the_pickle_rule_sees_each_unsafe_read(source):
+    assert unsafe_loads(source), source
+
+
+def test_the_pickle_rule_accepts_safe_reads():
+    ok = ("import torch\nimport torch.distributed.checkpoint as dcp\ntorch.load(f, map_location='cpu', "
+          "weights_only=True)\ndcp.load(s, storage_reader=r, planner=p)\nimport pickle\npickle.dumps(x)\n")
+    assert unsafe_loads(ok) == []

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.checkpoint.safetensors_io import read_header, st_dtype_name, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
@@ -146,7 +146,7 @@ def read_hf_metadata(model_dir: Path) -> HFMetadata:
         if data.get("world_size"):
             meta.saved_world_size = int(data["world_size"])
     skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
-    meta.extra_files = sorted(p for p in folder.iterdir() if p.is_file() and p.name not in skip)
+    meta.extra_files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.name not in skip)
     return meta
 
 
@@ -155,7 +155,7 @@ def _original_tensors(base: Path) -> dict[str, Any] | None:
     index_path = base / layout.HF_INDEX
     if index_path.is_file():
         weight_map: dict[str, str] = _read_json(index_path)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = sorted({paths.check(f, f"'{index_path}'") for f in weight_map.values()})
     elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
         files = [layout.HF_SINGLE_WEIGHTS]
     else:
@@ -192,6 +192,6 @@ def _write_json(path: Path, data: Any) -> None:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(paths.read_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint import layout, manifest, paths
 from automodel_ckpt.checkpoint.export.family import auto_model_class, in_memory_dtypes
 from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.checkpoint.storage import replace_folder
@@ -60,7 +60,8 @@ def original_dtypes(base: Path) -> dict[str, torch.dtype]:
     """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
     index = base / layout.HF_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({paths.check(f, f"'{index}'") for f in weight_map.values()})
     elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
         files = [layout.HF_SINGLE_WEIGHTS]
     else:

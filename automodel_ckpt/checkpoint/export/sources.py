@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,13 +203,13 @@ def _check_rank_files(folder: Path, files: list[Path], saved_world_size: int | N
 
 # ---------------------------------------------------------------------------------------------- DCP
 def _open_dcp(folder: Path) -> ShardSource:
-    from torch.distributed.checkpoint import FileSystemReader
+    """The pieces named by ``folder/.metadata``, read by the restricted unpickler (a pickle from a checkpoint
+    never runs code; its file names stay inside ``folder``)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"damaged DCP metadata {folder / layout.DCP_METADATA}: {e}") from None
+    from automodel_ckpt.checkpoint.safe_load import load_dcp_metadata
+
+    metadata = load_dcp_metadata(folder / layout.DCP_METADATA)
     storage = metadata.storage_data or {}
     tensors: dict[str, SourceTensor] = {}
     sizes: dict[str, int] = {}
@@ -223,15 +222,16 @@ def _open_dcp(folder: Path) -> ShardSource:
             info = storage.get(MetadataIndex(name, chunk.offsets))
             if info is None:
                 raise CheckpointError(f"damaged DCP metadata in {folder}: no storage entry for a piece of '{name}'")
-            path = folder / info.relative_path
-            if path.name not in sizes:
+            rel = str(info.relative_path)  # checked by load_dcp_metadata: plain, inside the folder, regular
+            path = folder / rel
+            if rel not in sizes:
                 try:
-                    sizes[path.name] = path.stat().st_size
+                    sizes[rel] = path.stat().st_size
                 except FileNotFoundError:
                     raise CheckpointError(f"missing shard file {path}") from None
-            if info.offset + info.length > sizes[path.name]:
+            if info.offset + info.length > sizes[rel]:
                 raise CheckpointError(
-                    f"truncated shard file {path}: holds {sizes[path.name]} bytes, needs {info.offset + info.length}"
+                    f"truncated shard file {path}: holds {sizes[rel]} bytes, needs {info.offset + info.length}"
                 )
             transforms = tuple(getattr(info, "transform_descriptors", None) or ())
             tensor.pieces.append(

@@ -66,7 +66,8 @@ def _reload(export_dir: Path, report: ExportReport) -> torch.nn.Module | None:
     from automodel_ckpt.checkpoint.export.family import auto_model_class
 
     try:
-        model, info = auto_model_class(export_dir).from_pretrained(export_dir, dtype="auto", output_loading_info=True)
+        model, info = auto_model_class(export_dir).from_pretrained(export_dir, dtype="auto", output_loading_info=True,
+                                                                    use_safetensors=True)
     except Exception as e:  # noqa: BLE001 - any load failure is the finding
         report.problems.append(f"transformers cannot load {export_dir}: {str(e).splitlines()[0]}")
         return None

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, source_of
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.errors import CheckpointError, UserError
 
 __all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "fetch_collectively", "is_url", "localize",
            "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder"]
@@ -37,7 +37,10 @@ def stored_files(folder: Path) -> dict[str, int]:
     """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
     from automodel_ckpt.checkpoint import manifest
 
-    listed = (manifest.read(folder) or {}).get("files", {})
+    try:
+        listed = (manifest.read(folder) or {}).get("files", {})
+    except CheckpointError:  # malformed or naming unsafe paths: nothing is known of it (`verify` says what)
+        return {}
     return {rel: int(e["size"]) for rel, e in listed.items()}
 
 
@@ -76,6 +79,9 @@ def open_for_reading(location: str | Path, storage_options: dict[str, Any] | Non
         target = (ObjectStore(run_url, storage_options).read_text(last) or "").strip()
         if not target:
             raise UserError(f"{key}: '{url}' does not exist (no {last} pointer in '{run_url}')")
+        if not paths.is_plain_name(target):
+            raise CheckpointError(f"{key}: the {last} pointer in '{run_url}' names {target!r}, which is not a "
+                                  "checkpoint name (one plain path component); name a checkpoint instead")
         url = f"{run_url}/{target}"
         store = ObjectStore(url, storage_options)
     one = wrap(f"reading '{url}'", lambda: store.exists(layout.MANIFEST_FILE))

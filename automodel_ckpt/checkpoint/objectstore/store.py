@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint import layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import normalize, open_filesystem, split
 from automodel_ckpt.errors import CheckpointError, first_line
 
@@ -79,12 +79,17 @@ class ObjectStore:
 
     # --- listing -----------------------------------------------------------------------------------
     def prefixes(self) -> list[str]:
-        """Names of the prefixes directly below the run folder (committed or not)."""
+        """Names of the prefixes directly below the run folder (committed or not).
+
+        A listing is untrusted: a prefix whose name is not one plain path component (``..``, ``.``, an empty
+        name, a backslash or control character) is never taken for a checkpoint, fetched into or removed from a
+        local folder, or deleted; it is logged and left alone.
+        """
         try:
             entries = self.fs.ls(self.root, detail=True, refresh=True)
         except FileNotFoundError:
             return []
-        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+        return plain_names(self.root, [e["name"] for e in entries if e.get("type") == "directory"])
 
     def committed(self, names: Iterable[str] | None = None) -> list[str]:
         """The checkpoints whose commit object exists (a prefix without one does not exist for any reader)."""
@@ -151,7 +156,8 @@ class ObjectStore:
             if rel not in sizes:
                 sizes[rel] = int(self.fs.info(self.key(name, rel))["size"])
         tag = f".part-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        targets = {rel: Path(local_root) / rel for rel in rels}
+        where, resolved = f"the listing of '{self.url_of(name)}'", {}
+        targets = {rel: paths.inside(Path(local_root), rel, where, resolved) for rel in rels}  # untrusted names
         fds: dict[str, int] = {}
         try:
             for rel, target in targets.items():
@@ -212,6 +218,25 @@ class ObjectStore:
         if rest:
             self.fs.rm(rest)
         self.remove(name, layout.UPLOAD_MARKER)
+
+
+def plain_names(parent: str, keys: Iterable[str]) -> list[str]:
+    """The names below ``parent`` of the listed ``keys`` that are plain names (``paths.is_plain_name``), sorted;
+    the others (``..``, an empty name, a key not below ``parent``, ...) are logged and dropped."""
+    head = parent.strip("/") + "/"
+    names = []
+    for key in keys:
+        key = str(key)
+        bare = key.lstrip("/")  # some filesystems (memory://) list absolute names
+        name = bare[len(head):] if bare.startswith(head) else None
+        if name is not None and name.endswith("/"):
+            name = name[:-1]
+        if paths.is_plain_name(name):
+            names.append(name)
+        else:
+            logger.warning("ignoring the prefix %r in '%s': not a plain name, never taken for a checkpoint", key,
+                           parent)
+    return sorted(names)
 
 
 def _mtime(info: dict[str, Any]) -> float | None:

@@ -3,20 +3,19 @@ saved record keeps them."""
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import pickle
 import struct
 import threading
 import zipfile
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from automodel_ckpt.checkpoint.formats.fastio.common import Located, itemsize
 from automodel_ckpt.checkpoint.formats.fastio.filewrite import Lazy
+from automodel_ckpt.checkpoint.safe_load import StorageRef, TensorRecordUnpickler
 
 # --- writing: what torch.save puts around a tensor's bytes -------------------------------------------
 
@@ -162,46 +161,6 @@ def _zip_entries(fd: int, offset: int, length: int) -> dict[str, tuple[int, int]
     return entries
 
 
-@functools.lru_cache(maxsize=1)
-def _storage_dtypes() -> dict[str, torch.dtype]:
-    """``{"FloatStorage": torch.float32, ...}``: the storage names torch.save pickles for each dtype."""
-    try:
-        return torch.storage._storage_type_to_dtype_map()
-    except AttributeError:
-        return {}
-
-
-class _StorageRef:
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-class _TensorMeta(pickle.Unpickler):
-    """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it.
-
-    Only the globals a plain tensor's pickle holds are resolved; anything else means "use torch.load".
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            dtype = _storage_dtypes().get(name)
-            if dtype is not None:
-                return dtype
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, torch.dtype):
-            raise pickle.UnpicklingError("unexpected storage type")
-        return _StorageRef(str(key), dtype, int(numel))
-
-
 def locate_record(fd: int, offset: int, length: int) -> Located | None:
     """Where the tensor of a torch.save record (``FileSystemWriter``'s format) keeps its data, if recognised."""
     entries = _zip_entries(fd, offset, length)
@@ -209,10 +168,10 @@ def locate_record(fd: int, offset: int, length: int) -> Located | None:
         return None
     pkl_at, pkl_len = entries["data.pkl"]
     try:
-        meta = _TensorMeta(io.BytesIO(os.pread(fd, pkl_len, pkl_at))).load()
+        meta = TensorRecordUnpickler(io.BytesIO(os.pread(fd, pkl_len, pkl_at))).load()
     except Exception:  # noqa: BLE001 - not a plain tensor: torch.load decides
         return None
-    if not (isinstance(meta, tuple) and len(meta) == 4 and isinstance(meta[0], _StorageRef)):
+    if not (isinstance(meta, tuple) and len(meta) == 4 and isinstance(meta[0], StorageRef)):
         return None
     storage_ref, storage_offset, size, stride = meta
     data = entries.get(f"data/{storage_ref.key}")

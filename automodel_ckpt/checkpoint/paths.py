@@ -1,0 +1,148 @@
+"""Paths named by untrusted input (manifests, DCP metadata, index files, bucket listings): the one validator.
+
+Everything read from a checkpoint folder, a manifest, a DCP ``.metadata``, a ``model.safetensors.index.json`` or an
+object-store listing is untrusted: a checkpoint may come from a colleague, a download or a shared bucket. A path
+taken from there is used only if it is *plain*:
+
+* a relative POSIX path of normal components: not empty, not absolute, no ``.`` or ``..`` component, no empty
+  component (``a//b``, a trailing ``/``), no backslash, NUL or other control character, no drive (``C:``), no
+  component longer than 255 bytes;
+* joined to its root it resolves inside the root: a symlinked folder on the way may not lead out of it.
+
+A bucket prefix taken for a checkpoint name is one such component. Only regular files are read or hashed:
+``open_regular`` refuses symlinks, FIFOs, devices and sockets before a single byte is read (and never blocks on a
+FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it. Anything else is a ``CheckpointError`` naming the path and where it came from: the checkpoint is damaged
+(resume's fallback and quarantine apply) or the verb fails in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from automodel_ckpt.errors import CheckpointError
+
+_MAX_COMPONENT_BYTES = 255
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\\]")
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def problem(rel: object) -> str | None:
+    """Why ``rel`` is not a plain relative path of normal components (None when it is)."""
+    if not isinstance(rel, str):
+        return f"not a string but a {type(rel).__name__}"
+    if not rel:
+        return "empty"
+    if _CONTROL.search(rel):
+        return "a backslash or a control character"
+    if rel.startswith("/"):
+        return "absolute"
+    if _DRIVE.match(rel):
+        return "a drive"
+    for part in rel.split("/"):
+        if part in ("", ".", ".."):
+            return f"a '{part}' component" if part else "an empty component"
+        if len(part.encode("utf-8", "surrogateescape")) > _MAX_COMPONENT_BYTES:
+            return f"a component longer than {_MAX_COMPONENT_BYTES} bytes"
+    return None
+
+
+def is_plain(rel: object) -> bool:
+    """Whether ``rel`` is a plain relative path (see the module docstring)."""
+    return problem(rel) is None
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is one plain path component: what a checkpoint name (a bucket prefix) must be."""
+    return isinstance(name, str) and "/" not in name and problem(name) is None
+
+
+def check(rel: object, where: str) -> str:
+    """``rel`` itself if plain; else a ``CheckpointError`` saying that ``where`` names an unsafe path."""
+    why = problem(rel)
+    if why is not None:
+        raise CheckpointError(f"{where} names the unsafe path {rel!r} ({why}); only plain relative paths inside "
+                              "the checkpoint are read or written")
+    return rel  # type: ignore[return-value]
+
+
+def inside(root: Path, rel: object, where: str, cache: dict[str, str] | None = None) -> Path:
+    """``root / rel`` after ``check``, refused (``CheckpointError``) when it resolves outside ``root`` through a
+    symlink on the way. Nothing is created; the path need not exist. ``cache``: resolved folders, kept by a
+    caller that checks many paths below one root."""
+    root = Path(root)
+    path = root / check(rel, where)
+    base = _real(str(root), cache)
+    real = _real(str(path.parent), cache)
+    real = os.path.realpath(path) if os.path.islink(path) else os.path.join(real, path.name)
+    if not real.startswith(base.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"{where} names the unsafe path {rel!r} (it leads out of '{root}' through a "
+                              "symlink); only plain relative paths inside the checkpoint are read or written")
+    return path
+
+
+def _real(folder: str, cache: dict[str, str] | None) -> str:
+    if cache is None:
+        return os.path.realpath(folder)
+    real = cache.get(folder)
+    if real is None:
+        real = cache[folder] = os.path.realpath(folder)
+    return real
+
+
+def open_regular(path: Path, *, follow: bool = False) -> int:
+    """A read-only file descriptor of ``path`` if it is a regular file (not a FIFO, device, socket or folder;
+    not a symlink either unless ``follow``: a Hugging Face cache folder is made of symlinks into its blobs).
+
+    ``OSError`` otherwise (``FileNotFoundError`` when it does not exist). A FIFO is opened without blocking and
+    refused before it is read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if not follow and os.path.islink(path):  # ELOOP from O_NOFOLLOW
+            raise OSError(exc.errno, "a symlink, not a regular file", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(f"'{path}' is a folder, not a regular file")
+            raise OSError(f"'{path}' is {_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a small file read from a checkpoint (metadata, manifest, config, pointer): only a regular
+    file, or a symlink to one, is read; a FIFO or device is refused (``OSError``) instead of blocking forever."""
+    with os.fdopen(open_regular(Path(path), follow=True), "rb") as f:
+        return f.read().decode("utf-8")
+
+
+def regular_file_problem(path: Path) -> str | None:
+    """Why ``path`` (not followed if a symlink) is no regular file; None when it is one. ``FileNotFoundError``
+    propagates."""
+    return not_regular(os.lstat(path).st_mode)
+
+
+def not_regular(mode: int) -> str | None:
+    """Why a file of ``mode`` (an ``lstat``'s) is no regular file; None when it is one."""
+    return None if stat.S_ISREG(mode) else f"{_kind(mode)}, not a regular file"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "of an unknown kind"
