@@ -12,7 +12,6 @@ import torch
 import yaml
 
 from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
-from automodel_ckpt.checkpoint.runlock import RunLock, hold
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
@@ -20,6 +19,7 @@ from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better, render_name
+from automodel_ckpt.checkpoint.runlock import RunLock, hold
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.safe_load import load_pt
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
