@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from automodel_ckpt.distributed.lifeline import mark_launcher
 from automodel_ckpt.errors import ConfigError
 
 
@@ -136,6 +137,7 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // opts.nproc_per_node))
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
+    mark_launcher()  # the workers end when this process ends, however it ends (distributed/lifeline.py)
     args = get_args_parser().parse_args(torchrun_args(opts, recipe, overrides))
     forwarder = SignalForwarder(preemption_signal) if preemption_signal else None
     if forwarder is not None and hasattr(args, "signals_to_handle"):  # the agent leaves this signal to us

@@ -19,11 +19,13 @@ from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better
+from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better, render_name
+from automodel_ckpt.checkpoint.runlock import RunLock, hold
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.safe_load import load_pt
 from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
+from automodel_ckpt.distributed.lifeline import stop_if_orphaned
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Checkpointer:
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
         self.write_threads = cfg.async_write_threads or overlap.default_write_threads()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
+        self.lock = RunLock(self.dir)  # held (by rank 0) from here until ``finalize``, when saving is enabled
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
         self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
@@ -77,6 +80,7 @@ class Checkpointer:
             problem = collective.on_main(lambda: unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
             if problem:
                 raise CheckpointError(problem)
+            self.lock = hold(self.dir, env.rank)  # one run per folder: before anything is written (runlock)
             if self.remote is not None:  # endpoint, bucket and credentials: one line each, before training
                 collective.on_main(self.remote.prepare, f"opening {self.remote.url}", env.rank)
 
@@ -95,8 +99,8 @@ class Checkpointer:
         clock = _PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
-        name = layout.checkpoint_name(
-            info.epoch, info.step, self.cfg.name_template, consumed_samples=info.extra.get("consumed_samples"),
+        name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
+            self.cfg.name_template, info.epoch, info.step, consumed_samples=info.extra.get("consumed_samples"),
             train_loss=info.train_loss, val_loss=info.val_loss,
         )
         final = self.dir / name
@@ -189,14 +193,15 @@ class Checkpointer:
             return fn()
 
     def finalize(self) -> Path | None:
-        """End of training: complete the save in flight (see ``wait``), release the staging buffers and the run
-        folder's lease (object store)."""
+        """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease."""
         try:
-            return self.wait()
+            path = self.wait()
         finally:
             self._close_stager()
             if self.remote is not None:
                 self.remote.release()
+        self.lock.release()  # the next run may take the folder (a failed run keeps it until its process ends)
+        return path
 
     def abandon(self) -> None:
         """Training failed: let this rank's background writes end, without collectives and without publishing.
@@ -256,6 +261,7 @@ class Checkpointer:
         clock.mark("sync")
         manifest.seal(staging, rank, self.env.world_size, self.written)  # manifest.json, written last and fsynced
         clock.mark("manifest")
+        stop_if_orphaned(f"publishing '{name}'")  # a worker that outlived its launcher never publishes
         publish = lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging))  # noqa: E731
         if self.remote is not None:  # upload every rank's share, then commit on rank 0 (objectstore.run)
             collective.collectively(lambda: self.remote.upload_share(staging, name, rank, self.env.world_size),

@@ -10,6 +10,7 @@ checkpoint_dir/
   quarantine/                       checkpoints that failed to load on resume, kept for inspection
     epoch_E_step_N/  epoch_E_step_N.json     the checkpoint as it was, and why it was moved (step, reason, time)
   .object-store.json                the URL this folder mirrors (checkpoint_dir on an object store, see below)
+  .run.lock                         the running run's lock (flock) and who holds it; removed when the run ends
   epoch_E_step_N/
     metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt
     manifest.json                    every other file's size and checksum; written last, before publish
@@ -57,6 +58,7 @@ OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-sto
 RUN_MARKER = ".automodel-ckpt-run.json"
 UPLOAD_MARKER = ".automodel-ckpt-upload.json"
 LEASE_OBJECT = ".automodel-ckpt-lease.json"
+RUN_LOCK = ".run.lock"  # flock'ed by the run that owns the folder; holds its host, pid and start time (runlock.py)
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
 # Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
 NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")
@@ -130,6 +132,29 @@ class _NameFormatter(string.Formatter):
 def checkpoint_name(epoch: int, step: int, template: str = DEFAULT_NAME_TEMPLATE, **fields: object) -> str:
     """Folder name of the checkpoint taken after ``step`` optimizer steps in ``epoch``."""
     return _NameFormatter().format(template, epoch=epoch, step=step, **fields)
+
+
+# Names at the checkpoint_dir level that a rendered checkpoint name must never take.
+RESERVED_NAMES = frozenset({*POINTERS, *(pointer_text_file(p) for p in POINTERS), TRAINING_LOG, VALIDATION_LOG,
+                            QUARANTINE_DIR})
+# The longest file name most filesystems accept is 255 bytes; a checkpoint name also goes behind a prefix.
+MAX_NAME_BYTES = 255 - max(len(STAGING_PREFIX), len(DELETING_PREFIX))
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a checkpoint folder in checkpoint_dir (None: it can): one folder level, not hidden,
+    not a name the folder already uses for something else, short enough for the filesystem."""
+    if not name:
+        return "it is empty"
+    if "/" in name or "\\" in name or "\0" in name:
+        return "it contains a path separator or NUL"
+    if name.startswith("."):
+        return "it starts with a dot (hidden and staging names)"
+    if name in RESERVED_NAMES:
+        return "it is a name the checkpoint folder uses for something else"
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+        return f"it is longer than {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def name_template_fields(template: str) -> list[str]:

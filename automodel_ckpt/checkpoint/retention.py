@@ -121,34 +121,48 @@ def check_retention_config(cfg: Any) -> None:
     check_name_template(cfg.name_template)
 
 
+# Values the template is tried with at start: the shortest and some long ones (a fill character shows at short
+# values), unknown losses, and a step that sets a nested width. Every save renders its name through
+# ``render_name`` again: a value met only at run time is refused then, before anything is created.
 _SAMPLE_FIELDS = (
     {"epoch": 0, "step": 1, "consumed_samples": 64, "train_loss": 1.5, "val_loss": 1.25},
     {"epoch": 0, "step": 1, "consumed_samples": 64, "train_loss": None, "val_loss": None},
+    {"epoch": 0, "step": 0, "consumed_samples": 0, "train_loss": 0.0, "val_loss": 0.0},
+    {"epoch": 12, "step": 123456, "consumed_samples": 98765432, "train_loss": -12.75, "val_loss": float("nan")},
 )
+_KEY = "checkpoint.name_template"
 
 
 def check_name_template(template: str) -> None:
     """A template must use known fields, contain ``{step}`` and render a plain folder name."""
-    key = "checkpoint.name_template"
     try:
         fields = layout.name_template_fields(template)
     except ValueError as exc:
-        raise ConfigError(f"{key}: malformed template '{template}': {exc}") from None
+        raise ConfigError(f"{_KEY}: malformed template '{template}': {exc}") from None
     unknown = [f for f in fields if f not in layout.NAME_TEMPLATE_FIELDS]
     if unknown:
         raise ConfigError(
-            f"{key}: unknown field '{{{unknown[0]}}}' in '{template}'; "
+            f"{_KEY}: unknown field '{{{unknown[0]}}}' in '{template}'; "
             f"available: {', '.join('{' + f + '}' for f in layout.NAME_TEMPLATE_FIELDS)}"
         )
     if "step" not in fields:
-        raise ConfigError(f"{key}: '{template}' must contain {{step}} so that every checkpoint gets its own folder")
+        raise ConfigError(f"{_KEY}: '{template}' must contain {{step}} so that every checkpoint gets its own folder")
     for sample in _SAMPLE_FIELDS:
-        try:
-            name = layout.checkpoint_name(template=template, **sample)  # type: ignore[arg-type]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-            raise ConfigError(f"{key}: cannot render '{template}': {exc}") from None
-        if not name or "/" in name or "\\" in name or name.startswith(".") or name in layout.POINTERS:
-            raise ConfigError(
-                f"{key}: '{template}' renders '{name}', which is not a usable folder name "
-                "(no slashes, no leading dot, not a pointer name)"
-            )
+        render_name(template, when="with sample values", **sample)  # type: ignore[arg-type]
+
+
+def render_name(template: str, epoch: int, step: int, *, when: str | None = None, **fields: object) -> str:
+    """The checkpoint folder name ``template`` gives these values; ``ConfigError`` (one line naming the template and
+    what it rendered) when that is not a usable folder name (``layout.name_problem``). Called for every save."""
+    when = when or f"at step {step}"
+    try:
+        name = layout.checkpoint_name(epoch, step, template, **fields)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise ConfigError(f"{_KEY}: cannot render '{template}' {when}: {exc}") from None
+    problem = layout.name_problem(name)
+    if problem:
+        raise ConfigError(
+            f"{_KEY}: '{template}' renders {name!r} {when}, which is not a usable folder name ({problem}); "
+            "use a template without fill characters or path separators, e.g. 'epoch_{epoch}_step_{step}'"
+        )
+    return name

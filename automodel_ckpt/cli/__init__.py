@@ -54,6 +54,9 @@ def verb_main(name: str) -> Callable[[list[str]], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from automodel_ckpt.distributed.lifeline import bind_to_launcher
+
+    bind_to_launcher()  # a worker of the launcher (any verb): first thing, it ends when the launcher ends
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage(), end="")

@@ -30,8 +30,13 @@ def main(argv: list[str]) -> int:
         print(to_yaml(cfg), end="")
         print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
         return 0
+    ckpt = CheckpointConfig.from_section(cfg.checkpoint)
+    if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
+        from automodel_ckpt.checkpoint.objectstore import run_folder
+        from automodel_ckpt.checkpoint.runlock import RunLock
+
+        RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0
     if opts.needs_agent:
-        ckpt = CheckpointConfig.from_section(cfg.checkpoint)
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
     return run_worker(recipe_path, overrides)

@@ -16,6 +16,7 @@ from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.metadata import build_metadata, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.retention import (
+    render_name,
     Candidate,
     RetentionPolicy,
     check_name_template,
@@ -225,6 +226,53 @@ def test_good_name_templates_render(template, name):
     assert layout.checkpoint_name(1, 30, template, consumed_samples=960, train_loss=1.5, val_loss=None) == name
 
 
+@pytest.mark.parametrize("template", ["s{step}_{consumed_samples:/>2}", "{consumed_samples:.>2}s{step}",
+                                      "s{step}_{val_loss:/>4}"])
+def test_a_template_that_renders_a_bad_name_only_at_some_values_is_refused_at_start(template):
+    # each renders a plain name at the values the check once tried alone (step 1, 64 samples, losses 1.5/1.25)
+    assert "/" not in layout.checkpoint_name(0, 1, template, consumed_samples=64, train_loss=1.5, val_loss=1.25)
+    with pytest.raises(ConfigError, match="checkpoint.name_template: .* renders") as err:
+        check_name_template(template)
+    assert template in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("fields, rendered", [
+    ({"step": 1, "consumed_samples": 8}, "'s1_/8'"),
+    ({"step": 2, "consumed_samples": 128}, None),
+    ({"step": 3, "consumed_samples": None}, None),  # unknown: "none"
+])
+def test_every_render_is_checked(fields, rendered):
+    template = "s{step}_{consumed_samples:/>2}"
+    if rendered is None:
+        assert "/" not in render_name(template, 0, **fields)
+        return
+    with pytest.raises(ConfigError) as err:
+        render_name(template, 0, **fields)
+    message = str(err.value)
+    assert message.startswith("checkpoint.name_template: ") and template in message and rendered in message
+    assert "at step 1" in message and len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("", "empty"), ("a/b", "separator"), ("a\\b", "separator"), ("..", "dot"), (".staging-x", "dot"),
+    ("LATEST", "uses for something else"), ("LATEST.txt", "uses for something else"),
+    ("training.jsonl", "uses for something else"), ("quarantine", "uses for something else"),
+    ("x" * 246, "longer than"), ("x" * 245, None), ("epoch_0_step_1", None),
+])
+def test_usable_checkpoint_names(name, problem):
+    found = layout.name_problem(name)
+    assert (found is None) if problem is None else (problem in found)
+
+
+def test_a_save_whose_name_renders_a_slash_creates_nothing(tmp_path):
+    ck = checkpointer(tmp_path)
+    ck.cfg.name_template = "s{step}_{consumed_samples:/>2}"  # as if the check at start had let it through
+    with pytest.raises(ConfigError, match=r"renders 's1_/8' at step 1"):
+        save_all(ck, [(1, 1.0)])
+    ck.finalize()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no staging folder, no checkpoint, no lock file left
+
+
 def test_default_config_is_valid_and_keeps_everything():
     cfg = CheckpointConfig()
     assert not RetentionPolicy.from_config(cfg).prunes
@@ -319,6 +367,7 @@ def test_checkpointer_prunes_after_publish_and_names_by_template(tmp_path):
     ck = checkpointer(tmp_path, max_recent_checkpoints=1, save_top_k=1, keep_steps=[2],
                       name_template="s{step:03d}-n{consumed_samples}")
     save_all(ck, [(1, 3.0), (2, 4.0), (3, 1.0), (4, 2.0), (5, 5.0)])
+    ck.finalize()  # the run ends: its lock file goes
     left = sorted(p.name for p in tmp_path.iterdir() if not p.is_symlink())
     assert left == ["s002-n16", "s003-n24", "s005-n40"]
     assert read_pointer(tmp_path, layout.LOWEST_VAL) == "s003-n24"

@@ -1,0 +1,130 @@
+"""Workers die with their launcher: a parent-death signal, and a watchdog on the launcher's pid as a fallback.
+
+torch's elastic agent (run inside the ``ckpt-train`` process) starts each worker in a session of its own, so a
+SIGKILL of the launcher's process group (a user's ``kill -9``, the OOM killer, a wrapper script) does not reach
+the workers: without this they would train on as orphans and keep publishing checkpoints into a folder the next
+run already uses. So every worker, first thing (``bind_to_launcher``, from ``python -m automodel_ckpt``):
+
+* asks Linux to SIGKILL it when its parent dies (``prctl(PR_SET_PDEATHSIG)``). The parent is the process (the
+  thread, in fact: torch starts workers from the agent's main thread) that started the worker: the launcher. Then
+  it checks that the launcher is still its parent: if the launcher died before the signal was armed, the worker
+  was already handed to another parent and stops at once;
+* starts a daemon thread that checks every ``POLL_SECONDS`` that its parent has not changed and that the launcher
+  is alive (elsewhere than on Linux this is the only guard; on Linux it also covers a launcher that is not the
+  direct parent, e.g. a wrapper in between);
+* before it publishes a checkpoint, rank 0 checks the same (``stop_if_orphaned``): a worker that outlived its
+  launcher never completes a save.
+
+A worker that finds its launcher gone prints one line and ends with SIGKILL, as the signal would have ended it.
+The launcher names itself to its workers in ``LAUNCHER_PID_ENV``; a worker started by plain ``torchrun`` binds to
+its parent, torchrun's agent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import MutableMapping
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER_PID_ENV = "AUTOMODEL_CKPT_LAUNCHER_PID"
+POLL_SECONDS = 0.5
+_PR_SET_PDEATHSIG = 1
+
+_bound: tuple[int, int] | None = None  # (launcher pid, parent pid when bound)
+_HAS_PROC = os.path.isdir("/proc/self")
+
+
+def mark_launcher(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Launcher side: name this process as the launcher of the workers it is about to start."""
+    environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
+def launcher_pid() -> int | None:
+    """The pid of this worker's launcher: as the launcher named itself, or the parent torchrun; None elsewhere."""
+    named = os.environ.get(LAUNCHER_PID_ENV, "")
+    if named.isdigit():
+        return int(named)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return os.getppid()
+    return None
+
+
+def bind_to_launcher() -> None:
+    """Worker side, as early as possible: end this process when its launcher ends (no-op outside a launcher)."""
+    global _bound
+    if _bound is not None or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = launcher_pid()
+    if launcher is None or launcher == os.getpid():
+        return
+    _arm_parent_death_signal()
+    parent = os.getppid()  # after arming: a launcher that died before is seen here
+    _bound = (launcher, parent)
+    if launcher_gone():
+        _stop("before this worker started")
+    threading.Thread(target=_watch, name="ckpt-launcher-watchdog", daemon=True).start()
+
+
+def launcher_gone() -> bool:
+    """Whether this worker outlived its launcher (False when it has none)."""
+    if _bound is None:
+        return False
+    launcher, parent = _bound
+    return os.getppid() != parent or not _alive(launcher)
+
+
+def stop_if_orphaned(doing: str) -> None:
+    """End this process now if its launcher is gone, instead of ``doing`` (e.g. "publishing 'epoch_0_step_8'")."""
+    if launcher_gone():
+        _stop(f"not {doing}")
+
+
+def _watch() -> None:
+    stop = threading.Event()
+    while not stop.wait(POLL_SECONDS):
+        if launcher_gone():
+            _stop("stopping")
+
+
+def _stop(why: str) -> None:
+    launcher = _bound[0] if _bound else "?"
+    try:
+        print(f"[pid {os.getpid()}] error: the launcher (pid {launcher}) is gone; {why}: this worker ends now",
+              file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            logger.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):  # no prctl: the watchdog alone guards
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    if _HAS_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,158 @@
+"""One run per checkpoint_dir, and workers that die with their launcher, on real 2-process jobs.
+
+``first_run`` trains a 2-process job straight through, except that while it holds its checkpoint_dir it is paused
+(SIGSTOP, so the test does not race its end) and the folder is claimed twice more: by a second ``ckpt-train`` run
+and by two ranks started by plain ``torchrun`` (which has no launcher check: the ranks take the lock as a run's
+checkpointer does, rank 0 for all). Both must be refused, naming the holder, and the first run must finish
+untouched. Its losses then serve as the straight run the kill storm is compared with.
+
+The storm SIGKILLs the launcher's process group only, as ``kill -9 -PGID``, a wrapper script or the OOM killer
+would: torch's elastic agent starts the workers in sessions of their own, so the signal does not reach them. The
+workers must be gone a few seconds later without having trained or published past the moment of the kill, the
+killed run's lock must not block the next run, and the run that finishes must log the straight run's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.runlock import RunLock
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, Result, _alive, ckpt_train, env_for, jsonl, losses, \
+    process_tree
+
+MAX_STEPS = 8
+ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "2",
+        "--data.val_size", "64", "--checkpoint.save_consolidated", "false")
+TIMEOUT = 300  # generous: each wait below ends as soon as what it waits for happens
+CLAIM = """
+import sys
+from automodel_ckpt.checkpoint.runlock import hold
+from automodel_ckpt.distributed.env import init_distributed
+hold(sys.argv[1], init_distributed("gloo").rank)
+"""
+
+
+def start(cwd: Path, assets: Path, ckpt_dir: str, log: Path) -> subprocess.Popen:
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", ckpt_dir]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_for(what: str, ready, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not ready():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def last_step(root: Path) -> int:
+    try:
+        return max((r["step"] for r in jsonl(root / layout.TRAINING_LOG)), default=0)
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or a line being written
+        return 0
+
+
+@dataclass
+class FirstRun:
+    root: Path
+    returncode: int
+    log: str
+    holder: dict
+    launcher_pid: int
+    via_launcher: Result
+    via_torchrun: Result
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, assets) -> FirstRun:
+    cwd = tmp_path_factory.mktemp("run_guard")
+    root, log = cwd / "shared", cwd / "first.log"
+    proc = start(cwd, assets, "shared", log)
+    lock = RunLock(root)
+    try:
+        wait_for("the run to take its checkpoint_dir", lambda: lock.holder() is not None, proc, log)
+        holder = json.loads((root / layout.RUN_LOCK).read_text())
+        job = process_tree(proc.pid)
+        for pid in job:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            second = ckpt_train(cwd, assets, *ARGS, "--checkpoint.checkpoint_dir", "shared", nproc=2, check=False,
+                                timeout=TIMEOUT)
+            (cwd / "claim.py").write_text(CLAIM)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(cwd / "claim.py"), "shared"]
+            done = subprocess.run(cmd, cwd=cwd, env=env_for(assets), capture_output=True, text=True, timeout=TIMEOUT)
+            third = Result(done.returncode, done.stdout, done.stderr)
+        finally:
+            for pid in job:
+                os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return FirstRun(root, proc.returncode, log.read_text(), holder, proc.pid, second, third)
+
+
+def test_a_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_holder(first_run, assets):
+    holder = f"pid {first_run.holder['pid']} (launcher pid {first_run.launcher_pid})"
+    refused = first_run.via_launcher
+    assert refused.returncode != 0
+    lines = [line for line in refused.output.splitlines() if line.strip()]
+    assert len(lines) == 1, refused.output
+    assert lines[0].startswith(f"error: checkpoint.checkpoint_dir 'shared' is in use by another run "
+                               f"(host {first_run.holder['host']}, {holder}, since ")
+    # ranks started by plain torchrun: every rank fails with the same line (rank 0's finding), none hangs
+    ranks = [line for line in first_run.via_torchrun.output.splitlines() if "is in use by another run" in line]
+    assert first_run.via_torchrun.returncode != 0
+    assert len(ranks) == 2 and all(holder in line for line in ranks), first_run.via_torchrun.output[-3000:]
+    # the first run finished as if alone
+    assert first_run.returncode == 0, first_run.log[-3000:]
+    assert len(losses(first_run.root)) == MAX_STEPS
+    assert not (first_run.root / layout.RUN_LOCK).exists()
+    out = subprocess.run([CKPT_TRAIN, "verify", str(first_run.root)], env=env_for(assets), capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert out.returncode == 0 and f"verify: OK ({MAX_STEPS // 2} checkpoint(s))" in out.stdout, out.stdout + out.stderr
+
+
+def test_workers_die_with_their_launcher_and_a_kill_storm_then_a_rerun_gives_the_straight_losses(
+        first_run, tmp_path, assets):
+    root = tmp_path / "storm"
+    for kill, ahead in enumerate((1, 2, 1)):
+        log = tmp_path / f"kill_{kill}.log"
+        before = last_step(root)  # the killed runs' lines past their last checkpoint are rewritten by the next
+        proc = start(tmp_path, assets, "storm", log)
+        wait_for(f"step {before + ahead}", lambda: last_step(root) >= before + ahead, proc, log)
+        workers = [pid for pid in process_tree(proc.pid) if pid != proc.pid]
+        at_kill = last_step(root)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group only
+        proc.wait(timeout=TIMEOUT)
+        assert len(workers) >= 2
+        deadline = time.monotonic() + TIMEOUT
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [pid for pid in workers if _alive(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, f"kill {kill}: workers {alive} outlived their launcher"
+        # nothing trained or published after the kill (a step or save already under way may complete)
+        assert last_step(root) <= at_kill + 1, f"kill {kill}: training went on from step {at_kill}"
+        published = [r.step for r in catalog.list_checkpoints(root)] if root.exists() else []
+        assert max(published, default=0) <= at_kill + 1, f"kill {kill}: published {published} after step {at_kill}"
+        assert "already exists" not in log.read_text()
+    rerun = ckpt_train(tmp_path, assets, *ARGS, "--checkpoint.checkpoint_dir", "storm", nproc=2, timeout=TIMEOUT)
+    assert "Loading checkpoint from" in rerun.output  # resumed, the killed runs' lock notwithstanding
+    assert losses(root) == losses(first_run.root)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
