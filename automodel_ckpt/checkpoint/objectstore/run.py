@@ -121,9 +121,10 @@ class RemoteRun:
 
     def _claim_mirror(self) -> None:
         """Refuse a mirror folder that already holds files this project did not write: it would remove folders
-        there. Ours holds ``layout.OBJECT_STORE_SOURCE`` (written by the first pull)."""
+        there. Ours holds ``layout.OBJECT_STORE_SOURCE`` (written by the first pull); ``layout.RUN_LOCK`` is taken
+        before it."""
         if self.mirror.is_dir() and not (self.mirror / layout.OBJECT_STORE_SOURCE).is_file() \
-                and any(self.mirror.iterdir()):
+                and any(p.name != layout.RUN_LOCK for p in self.mirror.iterdir()):  # the lock: this run's own
             raise CheckpointError(
                 f"checkpoint.staging_dir: '{self.mirror}' already holds files that ckpt-train did not write (no "
                 f"{layout.OBJECT_STORE_SOURCE}); give an empty or new folder (ckpt-train removes folders in it)")
