@@ -206,6 +206,12 @@ class Checkpointer:
             self._close_stager()
 
     @property
+    def background(self) -> overlap.Overlapped | None:
+        """The background work of the async save in flight (fence wait, copy time, writes, completion), or None."""
+        pending = self._pending
+        return pending.job if pending is not None else None
+
+    @property
     def in_flight(self) -> bool:
         """Whether an async save is still to be completed by ``wait``/``finalize``."""
         return self._pending is not None
