@@ -19,7 +19,7 @@ def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, A
     else:
         mtbf_s, source = DEFAULT_MTBF_HOURS * 3600.0, "assumed"
     report: dict[str, Any] = {
-        "launches": costs.launches, "interruptions": costs.interruptions, "wall_s": round(costs.wall_s, 3),
+        "launches": costs.launches, "interruptions": costs.interruptions, "wall_s": costs.wall_s,
         "steps": costs.steps, "step_s": costs.step_s, "checkpoints": costs.checkpoints,
         "blocked_s": round(costs.blocked_s, 4), "blocked_per_checkpoint_s": costs.blocked_per_checkpoint_s,
         "background_per_checkpoint_s": costs.background_per_checkpoint_s,
@@ -65,7 +65,7 @@ def one_line(report: dict[str, Any]) -> str:
     advice = report["advice"]
     if advice is not None:
         text += (f"; Young/Daly interval for {_mtbf(report)}: every {advice['interval_steps']} steps "
-                 f"({advice['interval_s'] / 60:.1f} min), expected overhead {100 * advice['overhead']:.2f}%")
+                 f"({_duration(advice['interval_s'])}), expected overhead {100 * advice['overhead']:.2f}%")
     return text
 
 
@@ -96,11 +96,11 @@ def render(report: dict[str, Any]) -> str:
     lines += [
         f"failure rate:               {_mtbf(report)}",
         f"Young/Daly interval:        sqrt(2 x {report['blocked_per_checkpoint_s']:.3f} s x {report['mtbf_s']:.0f} s) = "
-        f"{advice['interval_s'] / 60:.1f} min = every {advice['interval_steps']} steps, expected overhead "
+        f"{_duration(advice['interval_s'])} = every {advice['interval_steps']} steps, expected overhead "
         f"{100 * advice['overhead']:.2f}%",
     ]
     if advice["current_overhead"] is not None:
         lines.append(f"at the run's own interval:  every {report['every_steps']} steps "
-                     f"({advice['current_interval_s'] / 60:.1f} min), expected overhead "
+                     f"({_duration(advice['current_interval_s'])}), expected overhead "
                      f"{100 * advice['current_overhead']:.2f}%")
     return "\n".join(lines)
