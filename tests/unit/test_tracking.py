@@ -184,3 +184,29 @@ def test_nothing_configured_is_no_state_and_no_thread(tmp_path):
     tracker.start(0, resumed=False, events=[])
     tracker.log({"train/loss": 1.0}, 1)
     assert tracker.state_dict() == {} and tracker._thread is None
+
+
+def test_checkpoint_costs_time_sync_and_async_saves(tmp_path):
+    from concurrent.futures import Future
+
+    from automodel_ckpt.checkpoint.overlap import Overlapped
+    from automodel_ckpt.tracking.costlog import CheckpointCosts
+
+    seen: list[dict] = []
+    costs = CheckpointCosts(tmp_path, enabled=True, on_record=seen.append)
+    costs.start(0, None, every_steps=5)
+    costs.save(lambda: None, 5, lambda: None)  # synchronous: recorded at once
+    assert [r["step"] for r in seen] == [5] and seen[0]["background_s"] is None
+    job = Overlapped(completed=Future())
+    costs.save(lambda: None, 10, lambda: job)  # async: recorded when the next save (or the final wait) returns
+    assert len(seen) == 1
+    job.fence_seconds = 0.25  # the next optimizer step waited this long for the background copy
+    job.completed.set_result(tmp_path)
+    costs.finalize(lambda: None, 12)
+    record = seen[-1]
+    assert (record["step"], record["at_step"]) == (10, 12)
+    assert record["fence_s"] == 0.25 and record["blocked_s"] >= 0.25 and record["background_s"] >= 0
+    costs.end(12, "complete")
+    events = [json.loads(line) for line in (tmp_path / layout.EVENTS_LOG).read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "checkpoint", "checkpoint", "end"]
+    assert events[-1]["blocked_s"] == pytest.approx(sum(e["blocked_s"] for e in events[1:3]), abs=1e-3)
