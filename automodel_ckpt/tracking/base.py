@@ -41,6 +41,11 @@ class Backend:
     def open(self, ctx: OpenContext) -> dict[str, Any]:
         raise NotImplementedError
 
+    def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The state known before ``open`` (from the restored ``saved`` state): checkpoints record it even while
+        the backend is still opening. Default: none (a checkpoint then waits for ``open``, if the backend is durable)."""
+        return {}
+
     def first_replay_step(self, confirmed_step: int) -> int:
         """The first step to replay on resume, given the step ``flush`` had confirmed when the checkpoint was saved."""
         return confirmed_step + 1

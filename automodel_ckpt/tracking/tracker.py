@@ -4,23 +4,23 @@
 is each backend's run id and the last step it had made durable. A resume restores it before ``start``, which reopens
 the same tracked runs and replays from the run's own logs (``training.jsonl``, ``validation.jsonl``,
 ``events.jsonl``, already cut back to the restored step) whatever a backend may lack up to that step. Only rank 0
-logs. Every backend call runs on one background thread, in order; a failing backend is a warning and is dropped,
-training goes on.
+logs. Each backend's calls run on its own background thread, in order; a failing backend is a warning and is
+dropped, training goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.errors import first_line
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
+from automodel_ckpt.tracking.lane import Lane
 from automodel_ckpt.tracking.mlflow_backend import MLflowBackend
 from automodel_ckpt.tracking.tensorboard_backend import TensorBoardBackend
 from automodel_ckpt.tracking.wandb_backend import WandbBackend
@@ -65,11 +65,7 @@ class RunTracker:
         self.backends: list[Backend] = [b(section.get(b.name)) for b in chosen] if enabled else []
         self._hparams = hparams
         self._saved: dict[str, Any] = {}
-        self._states: dict[str, dict[str, Any]] = {}
-        self._logged: dict[str, int] = {}  # backend -> last step whose metrics it accepted
-        self._dropped: set[str] = set()  # backends that failed: skipped for the rest of the launch
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._lanes: list[Lane] = []  # one thread per backend, from ``start``
 
     @property
     def active(self) -> bool:
@@ -77,17 +73,18 @@ class RunTracker:
 
     # --- recipe state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Each backend's run id and last durable step; waits (bounded) for the trackers to catch up first."""
+        """Each backend's run id and last durable step; waits (bounded) for the durable trackers to catch up."""
         self.flush()
-        return {b.name: {**self._states[b.name], "confirmed_step": self._logged.get(b.name, 0) if b.durable else 0}
-                for b in self.backends if b.name in self._states and b.name not in self._dropped}
+        return {lane.backend.name: {**lane.state, "confirmed_step": lane.logged if lane.backend.durable else 0}
+                for lane in self._lanes if not lane.failed and lane.state}
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Wait (bounded) until every backend has logged and flushed what was queued so far."""
-        if self.active and self._thread is not None:
-            for backend in self.backends:
-                self._call(backend, "flush")
-            self.wait(timeout)
+        """Wait (bounded) until every durable backend has written what was queued so far (the others: no wait,
+        a resume replays their history anyway)."""
+        durable = [lane for lane in self._lanes if lane.backend.durable]
+        for lane in durable:
+            lane.put(lane.backend.flush)
+        self._wait([lane.marker() for lane in durable], timeout)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._saved = dict(state or {})
@@ -97,25 +94,26 @@ class RunTracker:
         """Open every backend (same tracked run when ``resumed``), replay up to ``step``, log ``events``."""
         if not self.active:
             return
-        self._thread = threading.Thread(target=self._work, name="tracking", daemon=True)
-        self._thread.start()
         hparams = self._hparams()
-        for backend in list(self.backends):
+        for backend in self.backends:
             saved = dict(self._saved.get(backend.name) or {}) if resumed else {}
-            ctx = OpenContext(self.run_dir, self.run_dir.name, hparams, saved, step if resumed else None,
-                              int(saved.get("confirmed_step") or 0))
-            self._queue.put((backend, lambda b=backend, c=ctx: self._open(b, c)))
+            lane = Lane(backend)
+            lane.state = backend.initial_state(saved)  # known now: e.g. the W&B run id it will open
+            ctx = OpenContext(self.run_dir, self.run_dir.name, hparams, {**saved, **lane.state},
+                              step if resumed else None, int(saved.get("confirmed_step") or 0))
+            lane.put(lambda lane=lane, ctx=ctx: self._open(lane, ctx))
+            self._lanes.append(lane)
         for kind, text in events:
             self.event(kind, text, step)
 
-    def _open(self, backend: Backend, ctx: OpenContext) -> None:
-        self._states[backend.name] = backend.open(ctx)
+    def _open(self, lane: Lane, ctx: OpenContext) -> None:
+        lane.state = lane.backend.open(ctx)
         if ctx.resume_step is None:
             return
-        first = backend.first_replay_step(ctx.confirmed_step)
+        first = lane.backend.first_replay_step(ctx.confirmed_step)
         for step, metrics in self._history(first, ctx.resume_step):
-            backend.log_metrics(metrics, step)
-            self._logged[backend.name] = step
+            lane.backend.log_metrics(metrics, step)
+            lane.logged = step
 
     def _history(self, first: int, last: int) -> list[tuple[int, dict[str, float]]]:
         """The run's logged metrics of steps ``first..last`` from its logs, merged by step."""
@@ -134,57 +132,34 @@ class RunTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Queue ``metrics`` of ``step`` for every backend; returns at once."""
-        if self.active and metrics:
-            for backend in self.backends:
-                self._call(backend, "log_metrics", metrics, step)
+        if metrics:
+            for lane in self._lanes:
+                lane.put(lambda lane=lane: self._log(lane, metrics, step))
+
+    @staticmethod
+    def _log(lane: Lane, metrics: dict[str, float], step: int) -> None:
+        lane.backend.log_metrics(metrics, step)
+        lane.logged = step
 
     def event(self, kind: str, text: str, step: int) -> None:
         """An event (``resume``, ``fallback``, ``preemption``, ``end``...) as text at ``step``."""
-        for backend in self.backends:
-            self._call(backend, "log_event", kind, text, step)
+        for lane in self._lanes:
+            lane.put(lambda lane=lane: lane.backend.log_event(kind, text, step))
 
     def close(self, status: str, timeout: float = FLUSH_TIMEOUT_S) -> None:
         """End of the launch: flush and close every backend (``status``: complete, preempted, failed)."""
-        if not self.active or self._thread is None:
-            return
-        for backend in self.backends:
-            self._call(backend, "close", status)
-        self.wait(timeout)
-        self._queue.put(None)
-        self._thread = None
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.put(lambda lane=lane: lane.backend.close(status))
+        self._wait([lane.marker() for lane in lanes], timeout)
+        for lane in lanes:
+            lane.stop()
 
-    # --- the tracking thread --------------------------------------------------------------------
-    def _call(self, backend: Backend, method: str, *args: Any) -> None:
-        def call() -> None:
-            getattr(backend, method)(*args)
-            if method == "log_metrics":
-                self._logged[backend.name] = args[1]
-        self._queue.put((backend, call))
-
-    def wait(self, timeout: float) -> bool:
-        """Block until everything queued so far has run (or ``timeout``); whether it has."""
-        if self._thread is None:
+    @staticmethod
+    def _wait(markers: list[threading.Event], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        if all(m.wait(max(0.0, deadline - time.monotonic())) for m in markers):
             return True
-        done = threading.Event()
-        self._queue.put((None, done.set))
-        if not done.wait(timeout):
-            warnings.warn(f"experiment tracking is {timeout:.0f} s behind; going on (a resume replays what it lacks)",
-                          stacklevel=3)
-            return False
-        return True
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            backend, job = item
-            if backend is not None and backend.name in self._dropped:
-                continue
-            try:
-                job()
-            except Exception as exc:  # noqa: BLE001 - a tracker never stops training
-                name = backend.name if backend is not None else "tracking"
-                self._dropped.add(name)
-                warnings.warn(f"logging.{name} failed ({type(exc).__name__}: {first_line(exc)}); it stops logging "
-                              "for this launch, training goes on", stacklevel=2)
+        warnings.warn(f"experiment tracking is {timeout:.0f} s behind; going on (a resume replays what it lacks)",
+                      stacklevel=3)
+        return False

@@ -23,10 +23,13 @@ class WandbBackend(Backend):
     extra = "wandb"
     durable = False
 
+    def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        return {"run_id": saved.get("run_id") or uuid.uuid4().hex[:12]}  # so no checkpoint waits for wandb.init
+
     def open(self, ctx: OpenContext) -> dict[str, Any]:
         import wandb
 
-        run_id = ctx.saved.get("run_id") or uuid.uuid4().hex[:12]
+        run_id = ctx.saved["run_id"]
         directory = self.section.get("dir") or str(ctx.run_dir)
         self.run = wandb.init(
             project=self.section.get("project") or ctx.run_name, entity=self.section.get("entity"),

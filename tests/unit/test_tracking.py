@@ -183,7 +183,7 @@ def test_nothing_configured_is_no_state_and_no_thread(tmp_path):
     assert not tracker.requested and not tracker.active
     tracker.start(0, resumed=False, events=[])
     tracker.log({"train/loss": 1.0}, 1)
-    assert tracker.state_dict() == {} and tracker._thread is None
+    assert tracker.state_dict() == {} and tracker._lanes == []
 
 
 def test_checkpoint_costs_time_sync_and_async_saves(tmp_path):
