@@ -2,6 +2,7 @@
 
     python tools/bench_async.py [--nproc 2] [--steps 61] [--every 20] [--layers 2] [--reps 2] [--modes ...] [--json OUT]
     python tools/bench_async.py --small --json OUT      # a tiny model and few steps: checks the tool, not speed
+    python tools/bench_async.py --tracking tensorboard  # the same with experiment tracking on (docs/tracking.md)
 
 Trains a Llama-style model (hidden 768; ``--layers`` sets its size; fp32 weights + AdamW moments) on the embedded
 tiny task once per mode, checkpointing every ``--every`` steps:
@@ -89,7 +90,7 @@ checkpoint:
   model_save_format: safetensors
   save_consolidated: false
   is_async: {is_async}
-"""
+{logging}"""
 
 
 class BenchRecipe(FinetuneRecipe):
@@ -186,6 +187,15 @@ class BenchRecipe(FinetuneRecipe):
             Path(out, f"rank{self.env.rank}.json").write_text(json.dumps(self._timings, indent=1))
 
 
+TRACKING = {"tensorboard": "  tensorboard: {}", "mlflow": "  mlflow: {}", "wandb": "  wandb: {mode: offline}"}
+
+
+def _logging(tracking: str) -> str:
+    """The recipe's `logging:` section for ``--tracking`` (comma-separated backends; empty: none)."""
+    names = [t.strip() for t in tracking.split(",") if t.strip()]
+    return "logging:\n" + "\n".join(TRACKING[n] for n in names) + "\n" if names else ""
+
+
 def _state_bytes(hidden: int, intermediate: int, layers: int) -> int:
     params = layers * (4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden) + 2 * VOCAB * hidden + hidden
     return params * 4 * 3  # fp32 weights + two AdamW moments
@@ -197,7 +207,7 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     recipe_file.write_text(RECIPE.format(
         recipe=f"{Path(__file__).resolve()}:BenchRecipe", base=base, hidden=args.hidden,
         intermediate=args.intermediate, heads=args.heads, layers=args.layers, steps=args.steps, every=args.every,
-        gbs=2 * args.nproc, ckpt_dir=ckpt_dir, is_async=str(mode == "async").lower()))
+        gbs=2 * args.nproc, ckpt_dir=ckpt_dir, is_async=str(mode == "async").lower(), logging=_logging(args.tracking)))
     out = work / f"timings_{mode}"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, BENCH_ASYNC_OUT=str(out), BENCH_ASYNC_MODE=mode,
@@ -287,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=2, help="runs per mode, interleaved")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--tracking", default="", help=f"experiment trackers to log to, comma-separated, from "
+                                                       f"{', '.join(TRACKING)} (default: none)")
     parser.add_argument("--small", action="store_true", help="a tiny model and few steps (checks the tool)")
     parser.add_argument("--json", type=Path, default=None, help="write the ratios and raw numbers here")
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
@@ -297,6 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.hidden, args.intermediate, args.heads = SMALL["hidden"], SMALL["intermediate"], SMALL["heads"]
         args.layers, args.steps, args.every, args.reps = SMALL["layers"], SMALL["steps"], SMALL["every"], 1
         modes = [m for m in modes if m in SMALL["modes"]]
+    bad = sorted({t.strip() for t in args.tracking.split(",") if t.strip()} - set(TRACKING))
+    if bad:
+        parser.error(f"--tracking: unknown {', '.join(bad)} (choose from {', '.join(TRACKING)})")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
@@ -321,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = summary(results)
     print(table(results, ratios))
     report = ratios | {"state_bytes": state, "nproc": args.nproc, "steps": args.steps, "every": args.every,
-                       "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                       "reps": args.reps, "tracking": args.tracking, "cpu_count": os.cpu_count(), "torch": torch.__version__,
                        "load_average": os.getloadavg(), "runs": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

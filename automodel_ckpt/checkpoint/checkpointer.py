@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
-import yaml
 
 from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
 from automodel_ckpt.checkpoint import paths
@@ -17,7 +16,8 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
-from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
+from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint import metadata
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better, render_name
 from automodel_ckpt.checkpoint.runlock import RunLock, hold
@@ -215,6 +215,12 @@ class Checkpointer:
             self._close_stager()
         if self.remote is not None:  # the run folder's lease (rank 0): the next run need not wait for it to expire
             self.remote.release()
+
+    @property
+    def background(self) -> overlap.Overlapped | None:
+        """The background work of the async save in flight (fence wait, copy time, writes, completion), or None."""
+        pending = self._pending
+        return pending.job if pending is not None else None
 
     @property
     def in_flight(self) -> bool:
@@ -449,25 +455,8 @@ class Checkpointer:
                 obj.load_state_dict(load_pt(file))
         barrier()
 
-    @staticmethod
-    def saved_world_size(path: Path) -> int:
-        """The world size that wrote ``path`` (metadata.json, else the number of per-rank files)."""
-        meta = read_metadata(path) or {}
-        if meta.get("world_size"):
-            return int(meta["world_size"])
-        ranks = {parsed[1] for f in Path(path).glob("*/*_dp_rank_*.pt") if (parsed := layout.parse_rank_state_file(f.name))}
-        return len(ranks) or 1
-
-    @classmethod
-    def written_by(cls, path: Path) -> WrittenBy:
-        """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
-        local: int | None = None
-        try:
-            saved = yaml.safe_load(paths.read_text(Path(path) / layout.CONFIG_FILE))
-            local = int(saved["step_scheduler"]["local_batch_size"])
-        except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
-            pass
-        return WrittenBy(world_size=cls.saved_world_size(path), local_batch_size=local)
+    saved_world_size = staticmethod(metadata.saved_world_size)
+    written_by = staticmethod(metadata.written_by)
 
     def _require(self, folder: Path) -> Path:
         if not folder.is_dir():

@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from automodel_ckpt.checkpoint import layout, paths
+from automodel_ckpt.checkpoint.info import WrittenBy
 from automodel_ckpt.jsonsafe import json_safe
 
 # Keys of SaveInfo.extra that become top-level metadata fields; other extra keys land under "extra".
@@ -114,3 +117,23 @@ def metric_value(meta: dict[str, Any] | None, monitor: str, best_metric_key: str
         if not isinstance(metrics, dict):
             return None
     return as_float(metrics.get(monitor))
+
+
+def saved_world_size(path: Path) -> int:
+    """The world size that wrote checkpoint ``path`` (metadata.json, else the number of per-rank files)."""
+    meta = read_metadata(path) or {}
+    if meta.get("world_size"):
+        return int(meta["world_size"])
+    ranks = {parsed[1] for f in Path(path).glob("*/*_dp_rank_*.pt") if (parsed := layout.parse_rank_state_file(f.name))}
+    return len(ranks) or 1
+
+
+def written_by(path: Path) -> WrittenBy:
+    """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
+    local: int | None = None
+    try:
+        saved = yaml.safe_load(paths.read_text(Path(path) / layout.CONFIG_FILE))
+        local = int(saved["step_scheduler"]["local_batch_size"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        pass
+    return WrittenBy(world_size=saved_world_size(path), local_batch_size=local)

@@ -21,7 +21,7 @@ from automodel_ckpt.errors import UserError
 # verb -> (module in this package, arguments as shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
     "consolidate": ("consolidate", "CHECKPOINT [--out DIR] [--cast-dtype bf16|fp16|fp32|fp64] [--num-threads N]"),
-    "inspect": ("inspect", "CHECKPOINT_DIR [--json]"),
+    "inspect": ("inspect", "CHECKPOINT_DIR [--json] [--cost [--mtbf-hours H]]"),
     "merge-lora": ("merge_lora", "CHECKPOINT [--out DIR] [--base DIR]"),
     "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only] | --export CHECKPOINT"),
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),

@@ -1,4 +1,4 @@
-"""``ckpt-train inspect CHECKPOINT_DIR [--json]``: the checkpoints of a run folder, their state and the pointers."""
+"""``ckpt-train inspect CHECKPOINT_DIR [--json] [--cost [--mtbf-hours H]]``: a run folder's checkpoints, or their cost."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.metadata import as_float
 from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
+from automodel_ckpt.tracking.costlog import read_events, summarize
+from automodel_ckpt.tracking.costreport import cost_report
+from automodel_ckpt.tracking.costreport import render as render_cost
 
 _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
@@ -24,19 +27,39 @@ def build_parser() -> VerbParser:
     p.add_argument("checkpoint_dir", help="the run's checkpoint.checkpoint_dir (or one checkpoint in it); a path or "
                                           "an object store URL (s3://BUCKET/RUN)")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.add_argument("--cost", action="store_true", help="what checkpoints cost this run, and the Young/Daly interval "
+                                                        "for its failure rate (docs/tracking.md)")
+    p.add_argument("--mtbf-hours", type=float, default=None,
+                   help="mean time between failures for --cost (default: observed in the run, else 24)")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    report = inspect_dir(open_for_reading(args.checkpoint_dir, key="inspect"))
+    if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
+        raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
+    local = open_for_reading(args.checkpoint_dir, key="inspect")
+    report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
     if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
         report["checkpoint_dir"] = args.checkpoint_dir
     try:
-        print(json.dumps(report, indent=2) if args.json else render_table(report), flush=True)
+        text = render_cost(report) if args.cost else render_table(report)
+        print(json.dumps(report, indent=2) if args.json else text, flush=True)
     except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
+    """``--cost``: the cost report of the run folder ``path`` (or of the run of the checkpoint it names)."""
+    path = Path(path).expanduser()
+    if (path / layout.METADATA_FILE).is_file():
+        path = path.resolve().parent
+    events = read_events(path)
+    if not events:
+        raise UserError(f"'{path}' has no {layout.EVENTS_LOG}: the cost report needs a run folder trained with "
+                        "checkpoint costs recorded (this version or later)")
+    return {"checkpoint_dir": str(path), **cost_report(summarize(events), mtbf_hours)}
 
 
 def inspect_dir(path: Path) -> dict[str, Any]:

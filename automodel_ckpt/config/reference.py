@@ -136,6 +136,11 @@ def render_reference() -> str:
             for f in dataclasses.fields(spec):
                 lines.append(f"| `{name}.{f.name}` | {_type_name(sub_hints[f.name])} | {_fmt(_default(f))} | "
                              f"{sub_comments.get(f.name, '')} |")
+                nested = _unwrap_optional(sub_hints[f.name])
+                if dataclasses.is_dataclass(nested):  # a subsection: its keys too
+                    nested_hints, nested_comments = typing.get_type_hints(nested), _comments(nested)
+                    lines += [f"| `{name}.{f.name}.{g.name}` | {_type_name(nested_hints[g.name])} | "
+                              f"{_fmt(_default(g))} | {nested_comments.get(g.name, '')} |" for g in dataclasses.fields(nested)]
         elif isinstance(spec, dict) and "_target_" in spec:
             lines += _target_rows(name, spec)
         else:

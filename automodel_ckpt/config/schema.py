@@ -76,6 +76,40 @@ class PeftConfig:
     init_lora_weights: bool = True  # True: B starts at zero (the adapted model starts as the base); False: random
 
 
+@dataclass
+class TensorBoardConfig:
+    """TensorBoard event files (pip install 'automodel-ckpt[tensorboard]')."""
+
+    log_dir: Optional[str] = None  # event files folder (None: tensorboard/ in the run folder)
+
+
+@dataclass
+class MLflowConfig:
+    """An MLflow run (pip install 'automodel-ckpt[mlflow]')."""
+
+    tracking_uri: Optional[str] = None  # server URL or store URI (None: a file store mlruns/ in the run folder)
+    experiment: Optional[str] = None  # experiment name, created if missing (None: the run folder's name)
+
+
+@dataclass
+class WandbConfig:
+    """A Weights & Biases run (pip install 'automodel-ckpt[wandb]')."""
+
+    project: Optional[str] = None  # W&B project (None: the run folder's name)
+    entity: Optional[str] = None  # user or team (None: your default entity)
+    mode: Optional[str] = None  # online, offline or disabled (None: W&B's default, WANDB_MODE)
+    dir: Optional[str] = None  # folder W&B writes wandb/ into (None: the run folder)
+
+
+@dataclass
+class LoggingConfig:
+    """Experiment trackers (docs/tracking.md): each one present is enabled; rank 0 logs."""
+
+    tensorboard: Optional[TensorBoardConfig] = None  # `tensorboard: {}` enables it
+    mlflow: Optional[MLflowConfig] = None  # `mlflow: {}` enables it
+    wandb: Optional[WandbConfig] = None  # `wandb: {mode: offline}` enables it
+
+
 def _default_model() -> Dict[str, Any]:
     return {"_target_": "automodel_ckpt.models.build.build_causal_lm"}
 
@@ -110,3 +144,4 @@ class RecipeConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # process group and FSDP2 settings
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint format, location, export, resume and retention
     peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, MLflow, Weights & Biases (none by default)

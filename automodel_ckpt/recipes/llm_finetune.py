@@ -25,6 +25,7 @@ from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.recipes.base import BaseRecipe
+from automodel_ckpt.tracking.observer import RunObserver
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.progress import Progress
 from automodel_ckpt.training.rng import RNGState, rng_untouched, seed_everything
@@ -86,7 +87,11 @@ class FinetuneRecipe(BaseRecipe):
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
         if self.env.is_main:
             self.progress.write(self.data_report)
-        self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=to_yaml(cfg),
+        config_yaml = to_yaml(cfg)  # as each checkpoint's config.yaml: also the trackers' hyper-parameters
+        self._observer = RunObserver(cfg.logging, run_dir, is_main=self.env.is_main, config_yaml=config_yaml)
+        if self._observer.tracker.requested:
+            self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
+        self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=config_yaml,
                                          hf=self.hf_artifacts(), say=self.progress.write,
                                          fingerprint=fingerprint) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
         self._save_enabled = bool(ckpt_cfg.enabled)
@@ -154,6 +159,8 @@ class FinetuneRecipe(BaseRecipe):
         try:
             self._train()
         except BaseException:
+            if getattr(self, "_observer", None) is not None:
+                self._observer.fail()
             if self.checkpointer is not None:
                 self.checkpointer.abandon()  # this rank's background writes end; nothing half-written is published
             raise
@@ -174,6 +181,8 @@ class FinetuneRecipe(BaseRecipe):
         if sched.done:
             self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
             return
+        self._observer.start(sched.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
+                             world_size=self.env.world_size)
         self.progress.start(sched.step)
         boundary = StepBoundary(self._preemption,
                                 TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self._save_enabled else None))
@@ -189,6 +198,7 @@ class FinetuneRecipe(BaseRecipe):
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
             self.train_log.append(record)
+            self._observer.log_train(record | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
             agreed = boundary.check()  # every rank: preempted? a timed save due? (one all-reduce, if configured)
             scheduled = self._save_enabled and (sched.is_ckpt_step or agreed.time_due)
@@ -196,20 +206,33 @@ class FinetuneRecipe(BaseRecipe):
             if self.val_batches is not None and (sched.is_val_step or scheduled):
                 val_loss = self.validate()
                 self.val_log.append({"step": sched.step, "val_loss": val_loss})
+                self._observer.log_validation({"step": sched.step, "val_loss": val_loss})
             saved = None
             if scheduled or (self._save_enabled and agreed.preempt):
-                saved = self.save_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
-                                                      extra={"consumed_samples": sched.consumed_samples}))
+                info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
+                                extra={"consumed_samples": sched.consumed_samples})
+                saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
+                                            preemption=agreed.preempt)
                 boundary.saved()
             if agreed.preempt and not sched.done:
-                self.finalize_checkpoints()
+                self._observer.finalize(self.finalize_checkpoints, sched.step)
                 self.progress.close()
+                line = self._observer.end(sched.step, "preempted")
                 if self.env.is_main:
+                    if line:
+                        self.progress.write(line)
                     self.progress.write(f"Preempted by {self._preemption.name} at step {sched.step}: saved {saved}; "
                                         "rerun the same command to resume")
                 return
-        self.finalize_checkpoints()  # async: the last checkpoint is complete and published before returning
+        self._observer.finalize(self.finalize_checkpoints, sched.step)  # async: the last checkpoint is published
         self.progress.close()
+        line = self._observer.end(sched.step, "complete")
+        if self.env.is_main and line:
+            self.progress.write(line)
+
+    def _save_in_background(self) -> Any:
+        """The async save just started, if any (its fence wait and background time are part of its cost)."""
+        return self.checkpointer.background if self.checkpointer is not None else None
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written by W processes resumes on W' processes."""

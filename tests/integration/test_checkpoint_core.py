@@ -69,7 +69,7 @@ def _visible(paths: set[str]) -> set[str]:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_layout_file_for_file(work, assets, fmt):
     run_dir, output = _resumed(work, assets, 2, fmt)
-    expected = {"LATEST", "LOWEST_VAL", "training.jsonl", "validation.jsonl"}
+    expected = {"LATEST", "LOWEST_VAL", "training.jsonl", "validation.jsonl", "events.jsonl"}
     for name in ("epoch_0_step_4", "epoch_0_step_8"):
         expected |= {f"{name}/{f}" for f in _expected_checkpoint_files(fmt, 2)}
     assert _visible(tree(run_dir)) == expected

@@ -38,7 +38,7 @@ from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-LOGS = (layout.TRAINING_LOG, layout.VALIDATION_LOG)
+LOGS = (layout.TRAINING_LOG, layout.VALIDATION_LOG, layout.EVENTS_LOG)
 
 
 class RemoteRun:

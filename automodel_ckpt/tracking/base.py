@@ -1,0 +1,84 @@
+"""The one interface every experiment-tracking backend implements, and what opening one is told."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.errors import ConfigError
+
+
+@dataclass
+class OpenContext:
+    """What a backend needs to open (or reopen) the run's tracked run."""
+
+    run_dir: Path  # the run folder (checkpoint.checkpoint_dir, or its local mirror)
+    run_name: str  # the run folder's name: the tracked run's display name
+    hparams: dict[str, Any]  # the resolved recipe, as written into each checkpoint's config.yaml
+    saved: dict[str, Any] = field(default_factory=dict)  # this backend's state from the restored checkpoint
+    resume_step: int | None = None  # the restored step (None: a fresh start)
+    confirmed_step: int = 0  # the last step the backend had made durable when the restored checkpoint was saved
+
+
+class Backend:
+    """One tracker. Every call runs on the tracking thread of rank 0, in order; an exception disables the backend.
+
+    ``open`` returns the state that lets a later launch reopen the same tracked run (saved in each checkpoint).
+    ``durable``: after ``flush`` returns, what was logged survives a SIGKILL of the whole job (a resume then replays
+    only what came after the checkpoint); when False, a resume replays the run's whole history into a new segment.
+    """
+
+    name = ""
+    module = ""  # the package that must be importable
+    extra = ""  # the pip extra that installs it
+    durable = True
+
+    def __init__(self, section: Any) -> None:
+        self.section = section  # the backend's `logging.<name>` config node
+
+    def open(self, ctx: OpenContext) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The state known before ``open`` (from the restored ``saved`` state): checkpoints record it even while
+        the backend is still opening. Default: none (a checkpoint then waits for ``open``, if the backend is durable)."""
+        return {}
+
+    def first_replay_step(self, confirmed_step: int) -> int:
+        """The first step to replay on resume, given the step ``flush`` had confirmed when the checkpoint was saved."""
+        return confirmed_step + 1
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def log_event(self, kind: str, text: str, step: int) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Make everything logged so far durable (as far as the backend can)."""
+
+    def close(self, status: str) -> None:
+        """End of this launch: ``status`` is ``complete``, ``preempted`` or ``failed``."""
+
+
+def require_installed(backend: type[Backend]) -> None:
+    """``ConfigError`` naming the extra when the backend's package is missing."""
+    if importlib.util.find_spec(backend.module) is None:
+        raise ConfigError(f"logging.{backend.name}: the '{backend.module}' package is not installed; "
+                          f"pip install 'automodel-ckpt[{backend.extra}]' (or remove logging.{backend.name})")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": 1}`` from ``{"a": {"b": 1}}``; lists stay values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out

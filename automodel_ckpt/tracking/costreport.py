@@ -1,0 +1,106 @@
+"""The cost report of a run: what its checkpoints cost, and the Young/Daly interval for its failure rate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel_ckpt.tracking.costlog import RunCosts
+from automodel_ckpt.tracking.interval import advise
+
+DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none is given (--mtbf-hours)
+
+
+def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, Any]:
+    """Plain JSON-ready numbers: measured costs, the MTBF used (and where it comes from), the advice if computable."""
+    if mtbf_hours is not None:
+        mtbf_s, source = mtbf_hours * 3600.0, "given"
+    elif costs.interruptions:
+        mtbf_s, source = costs.wall_s / costs.interruptions, "observed"
+    else:
+        mtbf_s, source = DEFAULT_MTBF_HOURS * 3600.0, "assumed"
+    report: dict[str, Any] = {
+        "launches": costs.launches, "interruptions": costs.interruptions, "wall_s": costs.wall_s,
+        "steps": costs.steps, "step_s": costs.step_s, "checkpoints": costs.checkpoints,
+        "blocked_s": round(costs.blocked_s, 4), "blocked_per_checkpoint_s": costs.blocked_per_checkpoint_s,
+        "background_per_checkpoint_s": costs.background_per_checkpoint_s,
+        "bytes_per_checkpoint": costs.bytes_per_checkpoint, "write_gbps": costs.write_gbps,
+        "share_of_wall": costs.share, "every_steps": costs.every_steps,
+        "mtbf_s": mtbf_s, "mtbf_source": source, "advice": None,
+    }
+    cost, step_s = costs.blocked_per_checkpoint_s, costs.step_s
+    if cost is not None and step_s:
+        advice = advise(cost, mtbf_s, step_s, latency_s=costs.background_per_checkpoint_s or 0.0,
+                        current_every_steps=costs.every_steps)
+        report["advice"] = {
+            "interval_s": advice.interval_s, "interval_steps": advice.interval_steps, "overhead": advice.overhead,
+            "current_interval_s": advice.current_interval_s, "current_overhead": advice.current_overhead,
+        }
+    return report
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 90:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.2f} s"
+
+
+def _mtbf(report: dict[str, Any]) -> str:
+    source = report["mtbf_source"]
+    why = {"given": "given", "observed": f"observed: {report['interruptions']} interruption(s)",
+           "assumed": "assumed, no interruption seen; set it with --mtbf-hours"}[source]
+    return f"MTBF {_duration(report['mtbf_s'])} ({why})"
+
+
+def one_line(report: dict[str, Any]) -> str:
+    """The line printed at the end of a run ("" when it saved no checkpoint)."""
+    if not report["checkpoints"]:
+        return ""
+    text = (f"Checkpoint cost: {report['checkpoints']} checkpoint(s), {report['blocked_per_checkpoint_s']:.3f} s "
+            f"blocking each")
+    if report["background_per_checkpoint_s"] is not None:
+        text += f" + {report['background_per_checkpoint_s']:.2f} s in the background"
+    text += f", {100 * report['share_of_wall']:.2f}% of run time"
+    advice = report["advice"]
+    if advice is not None:
+        text += (f"; Young/Daly interval for {_mtbf(report)}: every {advice['interval_steps']} steps "
+                 f"({_duration(advice['interval_s'])}), expected overhead {100 * advice['overhead']:.2f}%")
+    return text
+
+
+def render(report: dict[str, Any]) -> str:
+    """``ckpt-train inspect RUN --cost``: the measured costs, then the interval advice."""
+    size = report["bytes_per_checkpoint"]
+    rate = report["write_gbps"]
+    lines = [
+        f"launches:                   {report['launches']} ({report['interruptions']} interrupted)",
+        f"wall time:                  {_duration(report['wall_s'])} over {report['steps']} steps"
+        + (f" ({report['step_s']:.3f} s/step without checkpoints)" if report["step_s"] else ""),
+        f"checkpoints:                {report['checkpoints']}"
+        + (f", every {report['every_steps']} steps" if report["every_steps"] else ""),
+    ]
+    if report["checkpoints"]:
+        lines += [
+            f"blocking per checkpoint:    {report['blocked_per_checkpoint_s']:.3f} s (training thread waited)",
+            f"background per checkpoint:  {report['background_per_checkpoint_s']:.3f} s"
+            if report["background_per_checkpoint_s"] is not None else "background per checkpoint:  - (synchronous)",
+            f"size per checkpoint:        {size / 1e9:.3f} GB" + (f", written at {rate:.2f} GB/s" if rate else "")
+            if size else "size per checkpoint:        -",
+            f"run time lost:              {report['blocked_s']:.2f} s = {100 * report['share_of_wall']:.2f}% of wall time",
+        ]
+    advice = report["advice"]
+    if advice is None:
+        lines.append("interval advice:            needs at least one checkpoint and one timed step")
+        return "\n".join(lines)
+    lines += [
+        f"failure rate:               {_mtbf(report)}",
+        f"Young/Daly interval:        sqrt(2 x {report['blocked_per_checkpoint_s']:.3f} s x {report['mtbf_s']:.0f} s) = "
+        f"{_duration(advice['interval_s'])} = every {advice['interval_steps']} steps, expected overhead "
+        f"{100 * advice['overhead']:.2f}%",
+    ]
+    if advice["current_overhead"] is not None:
+        lines.append(f"at the run's own interval:  every {report['every_steps']} steps "
+                     f"({_duration(advice['current_interval_s'])}), expected overhead "
+                     f"{100 * advice['current_overhead']:.2f}%")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The checkpoint interval that minimises expected lost time (Young/Daly), and the overhead at any interval.
+
+A run that checkpoints every ``interval`` seconds of training, each checkpoint costing ``cost`` seconds of the
+training thread, and that fails on average once every ``mtbf`` seconds, loses per second of wall time about
+
+    overhead(interval) = cost / interval  +  (interval / 2 + latency) / mtbf
+
+the first term the checkpoints themselves, the second the work redone after a failure: on average half an interval,
+plus ``latency`` (an async checkpoint counts only once its background writes are complete). Its minimum is
+Young's interval (J. W. Young, 1974; first order of J. T. Daly, 2006):
+
+    interval* = sqrt(2 * cost * mtbf)        overhead(interval*) = sqrt(2 * cost / mtbf) + latency / mtbf
+
+Assumptions: failures are independent with a constant rate (exponential inter-arrival times), the checkpoint cost
+and the step time are constant, ``cost`` is much smaller than ``mtbf``, and the restart time (relaunch, restore) is
+left out (it adds ``restart / mtbf`` at every interval and does not move the optimum).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Seconds of training between checkpoints that minimise the expected overhead: ``sqrt(2 * cost * mtbf)``."""
+    if cost_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"need cost >= 0 and mtbf > 0, got cost={cost_s}, mtbf={mtbf_s}")
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def expected_overhead(interval_s: float, cost_s: float, mtbf_s: float, latency_s: float = 0.0) -> float:
+    """Expected fraction of wall time lost to checkpoints and redone work at a checkpoint every ``interval_s``."""
+    if interval_s <= 0 or mtbf_s <= 0:
+        raise ValueError(f"need interval > 0 and mtbf > 0, got interval={interval_s}, mtbf={mtbf_s}")
+    return cost_s / interval_s + (interval_s / 2.0 + latency_s) / mtbf_s
+
+
+@dataclass(frozen=True)
+class IntervalAdvice:
+    """Young/Daly's interval for one run: in seconds, in steps (at least 1), and the expected overheads."""
+
+    interval_s: float  # sqrt(2 * cost * mtbf)
+    interval_steps: int  # interval_s in whole steps, at least one
+    overhead: float  # at interval_steps
+    current_interval_s: float | None  # the run's own interval (None: it checkpointed once or never)
+    current_overhead: float | None
+
+
+def advise(cost_s: float, mtbf_s: float, step_s: float, *, latency_s: float = 0.0,
+           current_every_steps: float | None = None) -> IntervalAdvice:
+    """The advice for checkpoints costing ``cost_s`` on a run of ``step_s`` seconds per step.
+
+    The interval in steps is rounded to the nearest whole step, at least one; the overhead is the one of that whole
+    number of steps. ``current_every_steps``: the run's own interval, for comparison.
+    """
+    if step_s <= 0:
+        raise ValueError(f"need step time > 0, got {step_s}")
+    ideal = young_daly_interval(cost_s, mtbf_s)
+    steps = max(1, round(ideal / step_s))
+    current = current_every_steps * step_s if current_every_steps else None
+    return IntervalAdvice(
+        interval_s=ideal, interval_steps=steps,
+        overhead=expected_overhead(steps * step_s, cost_s, mtbf_s, latency_s),
+        current_interval_s=current,
+        current_overhead=expected_overhead(current, cost_s, mtbf_s, latency_s) if current else None,
+    )

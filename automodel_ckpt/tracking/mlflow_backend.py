@@ -1,0 +1,83 @@
+"""MLflow: one run per training run, reopened on resume; metrics, parameters, events as tags."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.tracking.base import Backend, OpenContext, flatten
+
+PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
+PARAM_VALUE_MAX = 6000  # MLflow's limit for a parameter value
+TAG_VALUE_MAX = 5000
+
+
+class MLflowBackend(Backend):
+    """``logging.mlflow``: ``MlflowClient`` on ``tracking_uri`` (default: a file store ``mlruns/`` in the run folder).
+
+    MLflow keeps every value logged for a step (its metric history is append-only), so a resume cannot replace the
+    steps a crashed launch logged after the restored checkpoint: they appear twice, and the run gets the tag
+    ``resumed.step_N`` marking where the later values start. Readers keep the last value logged for each step
+    (``last_per_step``).
+    """
+
+    name = "mlflow"
+    module = "mlflow"
+    extra = "mlflow"
+
+    def open(self, ctx: OpenContext) -> dict[str, Any]:
+        uri = self.section.get("tracking_uri") or ctx.saved.get("tracking_uri") or \
+            (ctx.run_dir / layout.MLFLOW_DIR).resolve().as_uri()
+        if uri.startswith("file:") or "://" not in uri:
+            # MLflow keeps its file store in maintenance mode and asks for this opt-in; the store works as before
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        run_id = ctx.saved.get("run_id") if ctx.saved.get("tracking_uri") in (None, uri) else None
+        if run_id is not None:
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            name = self.section.get("experiment") or ctx.run_name
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+            run_id = self.client.create_run(experiment_id, run_name=ctx.run_name).info.run_id
+            self._log_params(run_id, ctx.hparams)
+        self.run_id = run_id
+        if ctx.resume_step is not None:
+            self.client.set_tag(run_id, f"resumed.step_{ctx.resume_step}",
+                                f"values of steps after {ctx.resume_step} logged before this resume are superseded "
+                                "by the ones logged after it (keep the last value per step)")
+        return {"tracking_uri": uri, "run_id": run_id}
+
+    def _log_params(self, run_id: str, hparams: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)[:PARAM_VALUE_MAX]) for k, v in flatten(hparams).items()]
+        for i in range(0, len(params), PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=params[i:i + PARAMS_PER_BATCH])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def log_event(self, kind: str, text: str, step: int) -> None:
+        self.client.set_tag(self.run_id, f"event.{kind}.step_{step}", text[:TAG_VALUE_MAX])
+
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, {"complete": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED"))
+
+
+def last_per_step(history: list[Any]) -> list[Any]:
+    """An MLflow metric history with one entry per step, the last logged (highest timestamp; later in the list on
+    a tie), sorted by step: the series a resumed run means."""
+    latest: dict[int, tuple[int, int, Any]] = {}
+    for order, metric in enumerate(history):
+        key = (metric.timestamp, order)
+        if metric.step not in latest or key >= latest[metric.step][:2]:
+            latest[metric.step] = (*key, metric)
+    return [latest[step][2] for step in sorted(latest)]

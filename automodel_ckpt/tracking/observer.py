@@ -1,0 +1,81 @@
+"""What a recipe reports about one launch, in one object: metrics and events to the trackers, checkpoint costs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from automodel_ckpt.checkpoint import catalog
+from automodel_ckpt.tracking.costlog import CheckpointCosts, read_events, summarize
+from automodel_ckpt.tracking.costreport import cost_report, one_line
+from automodel_ckpt.tracking.tracker import RunTracker, checkpoint_metrics, train_metrics, validation_metrics
+
+
+class RunObserver:
+    """The trackers of ``logging:`` (``tracker``, recipe state when any is configured) and the cost log, rank 0.
+
+    ``config_yaml`` is the resolved recipe exactly as each checkpoint's config.yaml holds it: the trackers log the
+    same hyper-parameters.
+    """
+
+    def __init__(self, section: Any, run_dir: Path, *, is_main: bool, config_yaml: str) -> None:
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.tracker = RunTracker(section, self.run_dir, enabled=is_main,
+                                  hparams=lambda: yaml.safe_load(config_yaml) or {})
+        self.costs = CheckpointCosts(self.run_dir, enabled=is_main, on_record=self._checkpoint_record)
+        self._launched = time.time()
+        self._step = 0
+
+    def start(self, step: int, restored: Path | None, **facts: Any) -> None:
+        """A launch begins at ``step`` (``restored``: the checkpoint it resumed from): record it, open the trackers."""
+        self._step = step
+        events: list[tuple[str, str]] = []
+        if self.is_main:
+            for q in catalog.quarantined(self.run_dir):  # moved aside by this launch's restore
+                if (q.get("quarantined_at") or 0) >= self._launched:
+                    events.append(("fallback", f"checkpoint {q['name']} could not be loaded ({q['reason']}); moved "
+                                               "to quarantine/ and resumed from the newest checkpoint before it"))
+            if restored is not None:
+                events.append(("resume", f"resumed from {restored.name} at step {step}"))
+        self.costs.start(step, restored.name if restored is not None else None,
+                         fallbacks=[text for kind, text in events if kind == "fallback"], **facts)
+        self.tracker.start(step, resumed=restored is not None, events=events)
+
+    def log_train(self, record: dict[str, Any]) -> None:
+        self._step = int(record["step"])
+        self.tracker.log(train_metrics(record), self._step)
+
+    def log_validation(self, record: dict[str, Any]) -> None:
+        self.tracker.log(validation_metrics(record), int(record["step"]))
+
+    def save(self, save: Callable[[], Path | None], step: int, background: Callable[[], Any], *,
+             preemption: bool = False) -> Path | None:
+        """Run the recipe's save, timed (see ``CheckpointCosts``): the trackers catch up first, untimed (the
+        checkpoint saves the steps they have made durable)."""
+        self.tracker.flush()
+        path = self.costs.save(save, step, background, preemption=preemption)
+        if preemption:
+            self.tracker.event("preemption", f"preempted at step {step}: saved {path}", step)
+        return path
+
+    def finalize(self, finalize: Callable[[], Any], step: int) -> Any:
+        return self.costs.finalize(finalize, step)
+
+    def end(self, step: int, status: str) -> str:
+        """The launch ends (``complete`` or ``preempted``): record it, close the trackers; the cost line."""
+        self.costs.end(step, status)
+        line = one_line(cost_report(summarize(read_events(self.run_dir)))) if self.is_main else ""
+        self.tracker.event("end", f"{status} at step {step}. {line}", step)
+        self.tracker.close(status)
+        return line
+
+    def fail(self) -> None:
+        """The launch fails: close the trackers (no ``end`` record: a later resume counts it as an interruption)."""
+        self.tracker.close("failed", timeout=10.0)
+
+    def _checkpoint_record(self, record: dict[str, Any]) -> None:
+        self.tracker.log(checkpoint_metrics(record), int(record.get("at_step", record["step"])))

@@ -1,0 +1,48 @@
+"""TensorBoard: scalars and text events in event files; a resume purges what a crashed launch logged past it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.tracking.base import Backend, OpenContext
+
+
+class TensorBoardBackend(Backend):
+    """``logging.tensorboard``: ``torch.utils.tensorboard.SummaryWriter`` into ``log_dir`` (default ``tensorboard/``).
+
+    Every launch opens a new event file in the same folder with ``purge_step`` = the first step it logs: TensorBoard's
+    readers then drop the events at and after that step from the earlier files, so the steps a crashed launch logged
+    after the restored checkpoint are replaced, not duplicated.
+    """
+
+    name = "tensorboard"
+    module = "tensorboard"
+    extra = "tensorboard"
+
+    def open(self, ctx: OpenContext) -> dict[str, Any]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = Path(self.section.get("log_dir") or ctx.saved.get("log_dir") or ctx.run_dir / layout.TENSORBOARD_DIR)
+        first = self.first_replay_step(ctx.confirmed_step)
+        self.writer = SummaryWriter(str(log_dir), purge_step=first)
+        text = yaml.safe_dump(ctx.hparams, sort_keys=False, default_flow_style=False)
+        # Markdown: indented lines render as a code block
+        self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), first)
+        return {"log_dir": str(log_dir)}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_event(self, kind: str, text: str, step: int) -> None:
+        self.writer.add_text(f"events/{kind}", text, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self, status: str) -> None:
+        self.writer.close()

@@ -1,0 +1,165 @@
+"""The run's experiment trackers behind one object: logs off the training thread, its run ids saved in checkpoints.
+
+``RunTracker`` is recipe state (it has ``state_dict``/``load_state_dict``, so every checkpoint saves it): the state
+is each backend's run id and the last step it had made durable. A resume restores it before ``start``, which reopens
+the same tracked runs and replays from the run's own logs (``training.jsonl``, ``validation.jsonl``,
+``events.jsonl``, already cut back to the restored step) whatever a backend may lack up to that step. Only rank 0
+logs. Each backend's calls run on its own background thread, in order; a failing backend is a warning and is
+dropped, training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
+from automodel_ckpt.tracking.lane import Lane
+from automodel_ckpt.tracking.mlflow_backend import MLflowBackend
+from automodel_ckpt.tracking.tensorboard_backend import TensorBoardBackend
+from automodel_ckpt.tracking.wandb_backend import WandbBackend
+from automodel_ckpt.training.metrics import read_jsonl
+
+logger = logging.getLogger(__name__)
+
+BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbBackend)
+FLUSH_TIMEOUT_S = 60.0  # how long a checkpoint waits for the trackers to catch up (then the resume replays)
+SKIPPED = ("step", "epoch", "sample_ids")  # record keys that are no metric
+
+
+def train_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """``training.jsonl`` record -> ``train/<key>`` scalars."""
+    return {f"train/{k}": float(v) for k, v in record.items() if k not in SKIPPED and _number(v)}
+
+
+def validation_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """``validation.jsonl`` record -> ``val/<key>`` scalars (``val_loss`` -> ``val/loss``)."""
+    return {f"val/{k.removeprefix('val_')}": float(v) for k, v in record.items() if k not in SKIPPED and _number(v)}
+
+
+def checkpoint_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """``events.jsonl`` checkpoint record -> ``checkpoint/<key>`` scalars."""
+    keys = ("blocked_s", "background_s", "bytes", "write_gbps", "wall_share")
+    return {f"checkpoint/{k}": float(record[k]) for k in keys if _number(record.get(k))}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class RunTracker:
+    """The trackers named under ``logging:`` (none: every call is a no-op)."""
+
+    def __init__(self, section: Any, run_dir: Path, *, enabled: bool, hparams: Callable[[], dict[str, Any]]) -> None:
+        chosen = [b for b in BACKENDS if section is not None and section.get(b.name) is not None]
+        for backend in chosen:  # every rank: the same one-line error before training
+            require_installed(backend)
+        self.requested = bool(chosen)  # on every rank: the state is saved whenever a backend is configured
+        self.run_dir = Path(run_dir)
+        self.backends: list[Backend] = [b(section.get(b.name)) for b in chosen] if enabled else []
+        self._hparams = hparams
+        self._saved: dict[str, Any] = {}
+        self._lanes: list[Lane] = []  # one thread per backend, from ``start``
+
+    @property
+    def active(self) -> bool:
+        return bool(self.backends)
+
+    # --- recipe state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Each backend's run id and last durable step; waits (bounded) for the durable trackers to catch up."""
+        self.flush()
+        return {lane.backend.name: {**lane.state, "confirmed_step": lane.logged if lane.backend.durable else 0}
+                for lane in self._lanes if not lane.failed and lane.state}
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Wait (bounded) until every durable backend has written what was queued so far (the others: no wait,
+        a resume replays their history anyway)."""
+        durable = [lane for lane in self._lanes if lane.backend.durable]
+        for lane in durable:
+            lane.put(lane.backend.flush)
+        self._wait([lane.marker() for lane in durable], timeout)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._saved = dict(state or {})
+
+    # --- a launch -------------------------------------------------------------------------------
+    def start(self, step: int, *, resumed: bool, events: list[tuple[str, str]]) -> None:
+        """Open every backend (same tracked run when ``resumed``), replay up to ``step``, log ``events``."""
+        if not self.active:
+            return
+        hparams = self._hparams()
+        for backend in self.backends:
+            saved = dict(self._saved.get(backend.name) or {}) if resumed else {}
+            lane = Lane(backend)
+            lane.state = backend.initial_state(saved)  # known now: e.g. the W&B run id it will open
+            ctx = OpenContext(self.run_dir, self.run_dir.name, hparams, {**saved, **lane.state},
+                              step if resumed else None, int(saved.get("confirmed_step") or 0))
+            lane.put(lambda lane=lane, ctx=ctx: self._open(lane, ctx))
+            self._lanes.append(lane)
+        for kind, text in events:
+            self.event(kind, text, step)
+
+    def _open(self, lane: Lane, ctx: OpenContext) -> None:
+        lane.state = lane.backend.open(ctx)
+        if ctx.resume_step is None:
+            return
+        first = lane.backend.first_replay_step(ctx.confirmed_step)
+        for step, metrics in self._history(first, ctx.resume_step):
+            lane.backend.log_metrics(metrics, step)
+            lane.logged = step
+
+    def _history(self, first: int, last: int) -> list[tuple[int, dict[str, float]]]:
+        """The run's logged metrics of steps ``first..last`` from its logs, merged by step."""
+        rows: dict[int, dict[str, float]] = {}
+        sources = ((layout.TRAINING_LOG, train_metrics), (layout.VALIDATION_LOG, validation_metrics))
+        for name, convert in sources:
+            for record in read_jsonl(self.run_dir / name):
+                step = record.get("step")
+                if isinstance(step, int) and first <= step <= last:
+                    rows.setdefault(step, {}).update(convert(record))
+        for record in read_jsonl(self.run_dir / layout.EVENTS_LOG):  # the last record of a step wins
+            step = record.get("at_step", record.get("step"))
+            if record.get("event") == "checkpoint" and isinstance(step, int) and first <= step <= last:
+                rows.setdefault(step, {}).update(checkpoint_metrics(record))
+        return sorted(rows.items())
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Queue ``metrics`` of ``step`` for every backend; returns at once."""
+        if metrics:
+            for lane in self._lanes:
+                lane.put(lambda lane=lane: self._log(lane, metrics, step))
+
+    @staticmethod
+    def _log(lane: Lane, metrics: dict[str, float], step: int) -> None:
+        lane.backend.log_metrics(metrics, step)
+        lane.logged = step
+
+    def event(self, kind: str, text: str, step: int) -> None:
+        """An event (``resume``, ``fallback``, ``preemption``, ``end``...) as text at ``step``."""
+        for lane in self._lanes:
+            lane.put(lambda lane=lane: lane.backend.log_event(kind, text, step))
+
+    def close(self, status: str, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """End of the launch: flush and close every backend (``status``: complete, preempted, failed)."""
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.put(lambda lane=lane: lane.backend.close(status))
+        self._wait([lane.marker() for lane in lanes], timeout)
+        for lane in lanes:
+            lane.stop()
+
+    @staticmethod
+    def _wait(markers: list[threading.Event], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        if all(m.wait(max(0.0, deadline - time.monotonic())) for m in markers):
+            return True
+        warnings.warn(f"experiment tracking is {timeout:.0f} s behind; going on (a resume replays what it lacks)",
+                      stacklevel=3)
+        return False

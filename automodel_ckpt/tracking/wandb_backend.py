@@ -1,0 +1,58 @@
+"""Weights & Biases: one run id per training run, reused on resume; metrics by step, events as tags and summary."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from automodel_ckpt.tracking.base import Backend, OpenContext
+
+
+class WandbBackend(Backend):
+    """``logging.wandb``: ``wandb.init(id=..., resume="allow")`` with the id saved in each checkpoint.
+
+    W&B buffers what it writes (its ``.wandb`` file is flushed every few seconds and at ``finish``), so a SIGKILL
+    loses the last seconds; and offline, each launch writes its own ``offline-run-*-ID`` folder. So a resume replays
+    the run's history from its logs into the new launch: offline, the newest folder of the id holds every step
+    once; online, W&B keeps the first value it received for a step (steps must increase), and the replay fills what
+    the server lacks.
+    """
+
+    name = "wandb"
+    module = "wandb"
+    extra = "wandb"
+    durable = False
+
+    def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        return {"run_id": saved.get("run_id") or uuid.uuid4().hex[:12]}  # so no checkpoint waits for wandb.init
+
+    def open(self, ctx: OpenContext) -> dict[str, Any]:
+        import wandb
+
+        run_id = ctx.saved["run_id"]
+        directory = self.section.get("dir") or str(ctx.run_dir)
+        self.run = wandb.init(
+            project=self.section.get("project") or ctx.run_name, entity=self.section.get("entity"),
+            mode=self.section.get("mode"), dir=directory, id=run_id, resume="allow", name=ctx.run_name,
+            config=ctx.hparams, allow_val_change=True,
+        )
+        self.offline = bool(getattr(self.run.settings, "_offline", False))
+        return {"run_id": run_id}
+
+    def first_replay_step(self, confirmed_step: int) -> int:
+        if self.offline:
+            return 1  # this launch's folder gets the whole history
+        return max(1, int(getattr(self.run, "step", 0) or 0))  # what the server already has is kept
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_event(self, kind: str, text: str, step: int) -> None:
+        self.run.log({f"events/{kind}": step}, step=step)
+        self.run.summary[f"events/{kind}"] = text
+        self.run.tags = tuple(sorted(set(self.run.tags or ()) | {kind}))
+
+    def close(self, status: str) -> None:
+        if status == "preempted":
+            self.run.mark_preempting()
+        self.run.finish(exit_code=0 if status in ("complete", "preempted") else 1)
