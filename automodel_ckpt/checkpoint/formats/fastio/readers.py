@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from automodel_ckpt.checkpoint.formats.fastio import common
+from automodel_ckpt.checkpoint.formats.fastio import common, directread
 from automodel_ckpt.checkpoint.formats.fastio.common import READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.checkpoint.formats.fastio.records import locate_record
 from automodel_ckpt.checkpoint.safe_load import CachingHFReader, SafeFileSystemReader
@@ -91,12 +91,33 @@ class ReadJob:
         n = min(common.CHUNK, self.nbytes - s)
         pread_into(fd, tensor_memory(self.target, writable=True)[s:s + n], self.start + s)
 
+    def segment(self) -> directread.Segment | None:
+        """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record.
+
+        A piece that is not read in place gets a buffer here, put into place by ``finish`` once it is read."""
+        if self.located is None:
+            return None
+        if self.direct:
+            return directread.Segment(self.start, self.target.reshape(-1).view(torch.uint8))
+        self.buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
+        return directread.Segment(self.start, self.buffer.view(-1).view(torch.uint8))
+
+    def finish(self) -> None:
+        """After a ``segment`` read: the buffered piece copied into the target."""
+        buffer = getattr(self, "buffer", None)
+        if buffer is not None:
+            self.buffer = None
+            self._place(buffer)
+
     def read_copy(self, fd: int) -> None:
         if self.located is None:
             self._read_record(fd)
             return
         buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
         pread_into(fd, tensor_memory(buffer, writable=True), self.start)
+        self._place(buffer)
+
+    def _place(self, buffer: torch.Tensor) -> None:
         if self.span is not None:
             piece = buffer.view(tuple(self.lengths))
         else:
@@ -148,9 +169,34 @@ def open_fd(path: str, advice: int | None) -> int:
     return fd
 
 
-def run_reads(jobs: list[ReadJob], threads: int) -> None:
-    """Every job's bytes, each thread reading one consecutive stretch of the files with a descriptor of its own
-    (so the kernel sees sequential reads and reads ahead)."""
+def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | None = None) -> None:
+    """Every job's bytes. Large files (``directread.wanted``) and files to hash (``hash_files``: ``{path:
+    hasher}``) are read past the page cache in page-aligned regions (``directread``); the rest with ``preadv``
+    straight into the targets, each thread reading one consecutive stretch of the files with a descriptor of its
+    own (so the kernel sees sequential reads and reads ahead)."""
+    hash_files = hash_files or {}
+    sizes: dict[str, int] = {}
+    for job in jobs:
+        if job.path not in sizes:
+            sizes[job.path] = os.stat(job.path).st_size
+    regions = {p for p, n in sizes.items() if p in hash_files or directread.wanted(n)}
+    segments: dict[str, list[directread.Segment]] = {}
+    placed, rest = [], []
+    for job in jobs:
+        segment = job.segment() if job.path in regions else None
+        if segment is None:
+            rest.append(job)
+        else:
+            segments.setdefault(job.path, []).append(segment)
+            placed.append(job)
+    if segments or hash_files:
+        directread.read_files(segments, threads, sizes=sizes, hash_files=hash_files)
+        for job in placed:
+            job.finish()
+    _preadv_reads(rest, threads)
+
+
+def _preadv_reads(jobs: list[ReadJob], threads: int) -> None:
     tasks = sorted(((job.path, start, n, read) for job in jobs for start, n, read in job.tasks()),
                    key=lambda t: (t[0], t[1]))
     if not tasks:

@@ -1,0 +1,226 @@
+"""Loads past the page cache (fastio.directread): exact round trips through O_DIRECT and the page-cache fallback,
+both formats, odd sizes and offsets, empty and many small tensors, other dtypes; checksums computed while reading.
+
+In-process, through a one-rank process group.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from automodel_ckpt.checkpoint import checksum
+from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.formats.fastio import directread, readers
+from automodel_ckpt.distributed.env import init_distributed
+
+FORMATS = ("safetensors", "torch_save")
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def env():
+    return init_distributed()
+
+
+@pytest.fixture(autouse=True)
+def small_regions(monkeypatch):
+    """Small regions, so that even a small model spans many of them and every thread."""
+    monkeypatch.setattr(directread, "REGION", 3 * 4096)
+    monkeypatch.setattr(directread, "GAP", 4096)
+
+
+class Odd(nn.Module):
+    """Parameters and buffers of awkward sizes, dtypes and layouts."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.odd = nn.Parameter(torch.randn(1, 4099, generator=g))  # one element past a page
+        self.bf16 = nn.Parameter(torch.randn(37, 13, generator=g).to(torch.bfloat16))
+        self.empty = nn.Parameter(torch.empty(0, 5))
+        self.small = nn.ParameterList([nn.Parameter(torch.randn(3 + i, generator=g)) for i in range(40)])
+        self.register_buffer("ints", torch.randint(-2**31, 2**31 - 1, (1001,), generator=g, dtype=torch.int32))
+        self.register_buffer("longs", torch.randint(0, 2**40, (3, 7), generator=g, dtype=torch.int64))
+        self.register_buffer("flags", torch.rand(333, generator=g) > 0.5)
+        self.register_buffer("scalar", torch.tensor(float(seed)))
+        # saved from a non-contiguous view (a transpose): the file holds it contiguous
+        self.register_buffer("transposed", torch.randn(19, 23, generator=g).t())
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.numel()], lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def _values(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        out |= {f"o{i}.{k}": torch.as_tensor(v).clone() for k, v in st.items()}
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _count_direct_reads(monkeypatch) -> list[bool]:
+    """Records, per region read, whether it went through an O_DIRECT descriptor."""
+    seen: list[bool] = []
+    real = directread._read_region
+
+    def spy(file, region, buffer):
+        n = real(file, region, buffer)
+        seen.append(file.direct_fd is not None and file.direct)
+        return n
+
+    monkeypatch.setattr(directread, "_read_region", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["force", "off"], ids=["o_direct", "page_cache"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, mode):
+    model = Odd(0)
+    opt = _optimizer(model)
+    sharded.save_model(model, tmp_path / "model", fmt)
+    sharded.save_optimizer(model, opt, tmp_path / "optim")
+    monkeypatch.setenv(directread.ENV, mode)
+    seen = _count_direct_reads(monkeypatch)
+
+    fresh = Odd(1)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.numel()], lr=1e-2)
+    sharded.load_model(fresh, tmp_path / "model", fmt)
+    sharded.load_optimizer(fresh, fresh_opt, tmp_path / "optim")
+    assert _same(_values(fresh, fresh_opt), _values(model, opt))
+    if mode == "force":
+        assert len(seen) > 4 and all(seen)  # every read in regions, past the page cache
+    else:
+        assert seen == []  # straight into the tensors through the page cache, as before
+
+
+def test_a_filesystem_that_refuses_o_direct_reads_through_the_page_cache(monkeypatch):
+    if not SHM.is_dir() or not hasattr(os, "O_DIRECT"):
+        pytest.skip("no /dev/shm")
+    folder = Path(os.path.realpath(SHM)) / f"direct-read-{os.getpid()}"
+    try:
+        model = Odd(0)
+        sharded.save_model(model, folder / "model", "torch_save")
+        try:
+            os.close(os.open(folder / "model" / "__0_0.distcp", os.O_RDONLY | os.O_DIRECT))
+            pytest.skip("this tmpfs takes O_DIRECT")
+        except OSError as exc:
+            assert exc.errno == errno.EINVAL
+        monkeypatch.setenv(directread.ENV, "force")
+        seen = _count_direct_reads(monkeypatch)
+        fresh = Odd(1)
+        sharded.load_model(fresh, folder / "model", "torch_save")
+        assert _same(_values(fresh, _optimizer_empty(fresh)), _values(model, _optimizer_empty(model)))
+        assert seen and not any(seen)  # regions read, none through O_DIRECT
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _optimizer_empty(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.numel()], lr=0.1)
+
+
+def test_einval_at_read_time_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """Some filesystems accept the O_DIRECT open and refuse the read: the same bytes through the page cache."""
+    data = os.urandom(5 * 4096 + 123)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    real = directread._pread_into
+    refused = []
+
+    def pread(fd, view, offset):
+        if fd == getattr(pread, "direct", None):
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, view, offset)
+
+    real_fds = directread._File.fds
+
+    def fds(self):
+        fd, direct_fd = real_fds(self)
+        pread.direct = direct_fd
+        return fd, direct_fd
+
+    monkeypatch.setattr(directread, "_pread_into", pread)
+    monkeypatch.setattr(directread._File, "fds", fds)
+    monkeypatch.setenv(directread.ENV, "force")
+    out = torch.zeros(len(data) - 7, dtype=torch.uint8)
+    directread.read_files({str(path): [directread.Segment(7, out)]}, threads=1)
+    assert bytes(out.numpy()) == data[7:]
+    assert refused  # it was tried
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("mode", ["force", "off"])
+def test_segments_at_odd_offsets_and_whole_file_checksum(tmp_path, monkeypatch, mode, threads):
+    monkeypatch.setenv(directread.ENV, mode)
+    data = os.urandom(11 * 4096 + 77)  # a tail that is not a whole page
+    path = str(tmp_path / "f.bin")
+    Path(path).write_bytes(data)
+    spans = [(0, 1), (1, 4095), (4095, 2), (8192, 0), (9000, 3 * 4096 + 5), (len(data) - 77, 77),
+             (40000, 1)] + [(20000 + 7 * i, 5) for i in range(200)]  # many small ones, overlapping regions
+    outs = [torch.full((n,), 0xAB, dtype=torch.uint8) for _, n in spans]
+    h = checksum.hasher(checksum.CRC32)
+    got = directread.read_files({path: [directread.Segment(s, o) for (s, _), o in zip(spans, outs)]}, threads,
+                                hash_files={path: h})
+    for (s, n), o in zip(spans, outs):
+        assert bytes(o.numpy()) == data[s:s + n]
+    assert got[path] == len(data)  # read whole, once, for its checksum
+    assert h.hexdigest() == _crc(data)
+
+
+def _crc(data: bytes) -> str:
+    h = checksum.hasher(checksum.CRC32)
+    h.update(data)
+    return h.hexdigest()
+
+
+def test_a_failed_read_stops_every_thread_and_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv(directread.ENV, "force")
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(20 * 4096))
+    out = torch.zeros(20 * 4096, dtype=torch.uint8)
+    segments = {str(path): [directread.Segment(0, out)]}
+    sizes = {str(path): 40 * 4096}  # claims more than the file holds: a truncated file
+    with pytest.raises(OSError, match="unexpected end of file"):
+        directread.read_files(segments, 3, sizes=sizes, hash_files={str(path): checksum.hasher(checksum.CRC32)})
+
+
+def test_partial_reads_go_through_regions_too(tmp_path, monkeypatch):
+    """A resharded load: pieces of saved tensors, in place or via a buffer, the same as through the page cache."""
+    import itertools
+
+    from automodel_ckpt.checkpoint.formats.fastio import common
+
+    monkeypatch.setenv(directread.ENV, "force")
+    torch.manual_seed(0)
+    saved = torch.randn(6, 5, 4)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"x" * 24 + saved.numpy().tobytes())
+    located = common.Located(24, tuple(saved.shape), saved.dtype)
+    jobs, wants = [], []
+    for o0, l0, o1, l1 in itertools.product((0, 2), (1, 4), (0, 1), (1, 4)):
+        want = saved[o0:o0 + l0, o1:o1 + l1, :]
+        jobs.append(readers.ReadJob(str(path), located, (o0, o1, 0), (l0, l1, 4), torch.full(want.shape, float("nan"))))
+        wants.append(want)
+    seen = _count_direct_reads(monkeypatch)
+    readers.run_reads(jobs, threads=3)
+    for job, want in zip(jobs, wants):
+        assert torch.equal(job.target, want), (job.offsets, job.lengths)
+    assert seen and all(seen)
