@@ -224,3 +224,74 @@ def test_partial_reads_go_through_regions_too(tmp_path, monkeypatch):
     for job, want in zip(jobs, wants):
         assert torch.equal(job.target, want), (job.offsets, job.lengths)
     assert seen and all(seen)
+
+
+# --- verify_on_load: checksums computed while the files are read ---------------------------------------------
+
+
+def _saved(tmp_path: Path, fmt: str):
+    from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
+    from automodel_ckpt.checkpoint.config import CheckpointConfig
+    from tests.unit.ckpt_state import State
+
+    cfg = CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), model_save_format=fmt, save_consolidated="false",
+                           verify_on_load=True)
+    ckpt = Checkpointer(cfg, init_distributed(), resolved_config_yaml="seed: 1\n", say=lambda _msg: None)
+    state = State(hidden=64, layers=3)
+    state.step()
+    path = ckpt.save(state.states(), SaveInfo(epoch=0, step=1, train_loss=1.0, val_loss=None, is_final=False))
+    return ckpt, state, path
+
+
+def _data_files(path: Path) -> list[str]:
+    from automodel_ckpt.checkpoint import loadcheck, manifest
+
+    return sorted(rel for rel in manifest.read(path)["files"] if loadcheck.deferred(rel))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_on_load_hashes_the_data_files_while_loading_them(tmp_path, monkeypatch, fmt):
+    from automodel_ckpt.checkpoint import loadcheck, manifest
+    from tests.unit.ckpt_state import State
+
+    ckpt, state, path = _saved(tmp_path, fmt)
+    data = _data_files(path)
+    assert len(data) == 2  # the model's and the optimizer's
+    hashed_whole, hashed_on_read = [], []
+    for mod in (manifest, loadcheck):
+        real = mod.hash_file
+        monkeypatch.setattr(mod, "hash_file", lambda p, a, real=real: hashed_whole.append(Path(p)) or real(p, a))
+    real_read = directread.read_files
+    monkeypatch.setattr(directread, "read_files", lambda segments, threads, **kw: hashed_on_read.extend(
+        kw.get("hash_files") or {}) or real_read(segments, threads, **kw))
+
+    fresh = State(hidden=64, layers=3, seed=5)
+    ckpt.load(fresh.states(), path)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+    assert sorted(Path(p).relative_to(path.resolve()).as_posix() for p in hashed_on_read) == data
+    assert not [p for p in hashed_whole if p.relative_to(path).as_posix() in data]  # not read a second time
+    assert hashed_whole  # the small files still are hashed before loading
+
+    # a flipped byte in tensor data: found by the load, one line naming the file
+    rel = data[0]
+    raw = bytearray((path / rel).read_bytes())
+    raw[-50] ^= 0xFF
+    (path / rel).write_bytes(bytes(raw))
+    with pytest.raises(loadcheck.DamagedFile) as err:
+        ckpt.load(State(hidden=64, layers=3).states(), path)
+    assert "\n" not in str(err.value) and rel in str(err.value) and "checksum mismatch" in str(err.value)
+
+
+def test_verify_on_load_checks_data_files_no_load_read(tmp_path):
+    """A state not loaded (load_only): its files are still checked, at the end of the load."""
+    from automodel_ckpt.checkpoint import loadcheck
+    from tests.unit.ckpt_state import State
+
+    ckpt, _state, path = _saved(tmp_path, "safetensors")
+    optim = next(rel for rel in _data_files(path) if rel.endswith(".distcp"))
+    raw = bytearray((path / optim).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (path / optim).write_bytes(bytes(raw))
+    only_model = {"model": State(hidden=64, layers=3).model}
+    with pytest.raises(loadcheck.DamagedFile, match="checksum mismatch"):
+        ckpt.load(only_model, path)

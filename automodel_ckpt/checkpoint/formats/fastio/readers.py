@@ -169,28 +169,34 @@ def open_fd(path: str, advice: int | None) -> int:
     return fd
 
 
-def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | None = None) -> None:
+def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | None = None,
+              on_hashed: Callable[[], None] | None = None) -> None:
     """Every job's bytes. Large files (``directread.wanted``) and files to hash (``hash_files``: ``{path:
     hasher}``) are read past the page cache in page-aligned regions (``directread``); the rest with ``preadv``
     straight into the targets, each thread reading one consecutive stretch of the files with a descriptor of its
-    own (so the kernel sees sequential reads and reads ahead)."""
-    hash_files = hash_files or {}
+    own (so the kernel sees sequential reads and reads ahead). ``on_hashed``: called once the hashed files are
+    read, before anything else may fail (a damaged record that ``torch.load`` refuses: the checksum tells first)."""
+    hash_files = {os.path.realpath(p): h for p, h in (hash_files or {}).items()}
     sizes: dict[str, int] = {}
+    real: dict[str, str] = {}
     for job in jobs:
-        if job.path not in sizes:
-            sizes[job.path] = os.stat(job.path).st_size
+        if job.path not in real:
+            real[job.path] = os.path.realpath(job.path)
+            sizes[real[job.path]] = os.stat(job.path).st_size
     regions = {p for p, n in sizes.items() if p in hash_files or directread.wanted(n)}
     segments: dict[str, list[directread.Segment]] = {}
     placed, rest = [], []
     for job in jobs:
-        segment = job.segment() if job.path in regions else None
+        segment = job.segment() if real[job.path] in regions else None
         if segment is None:
             rest.append(job)
         else:
-            segments.setdefault(job.path, []).append(segment)
+            segments.setdefault(real[job.path], []).append(segment)
             placed.append(job)
     if segments or hash_files:
         directread.read_files(segments, threads, sizes=sizes, hash_files=hash_files)
+        if on_hashed is not None:
+            on_hashed()
         for job in placed:
             job.finish()
     _preadv_reads(rest, threads)
@@ -239,7 +245,8 @@ def safetensors_header(fd: int) -> tuple[int, dict[str, Any]]:
     return 8 + n, json.loads(raw)
 
 
-def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future | None:
+def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
+                     hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``HuggingFaceStorageReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead."""
     headers: dict[str, tuple[int, dict[str, Any]]] = {}
     jobs, done = [], []
@@ -259,12 +266,13 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
         target = planner.resolve_tensor(req).detach()
         jobs.append(ReadJob(path, located, tuple(req.storage_offsets), tuple(req.lengths), target))
         done.append((req, target))
-    run_reads(jobs, threads)
+    run_reads(jobs, threads, hash_files, on_hashed)
     return finish_reads(done, planner)
 
 
 
-def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future | None:
+def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
+                hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``FileSystemReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead.
 
     First every tensor record is located (its zip entries and pickled shape, a few small reads at its start and
@@ -311,28 +319,44 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int)
             if len(data) != length:
                 raise OSError(f"unexpected end of file in '{path}'")
             planner.load_bytes(req, io.BytesIO(data))
-    run_reads(jobs, threads)
+    run_reads(jobs, threads, hash_files, on_hashed)
     return finish_reads(done, planner)
 
 
 
-class ParallelHFReader(CachingHFReader):
+class _Checked:
+    """A reader's optional ``check`` (``loadcheck.LoadCheck``): the folder's files of its share hashed while read."""
+
+    check: Any = None
+
+    def _read(self, read: Callable[..., Future | None], plan: LoadPlan, planner: LoadPlanner) -> Future:
+        hashers = self.check.hashers(Path(self.path)) if self.check is not None else {}
+        # a mismatch is raised in read_data: every rank learns of it through DCP
+        done = read(self, plan, planner, self.threads, hashers, (lambda: self.check.check(hashers)) if hashers else None)
+        if done is None:  # torch's reader: the files are hashed at the end of the load instead
+            return super().read_data(plan, planner)  # type: ignore[misc]
+        return done
+
+
+class ParallelHFReader(_Checked, CachingHFReader):
     """``CachingHFReader`` whose reads go straight into the destination tensors (``read_safetensors``)."""
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS) -> None:
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None) -> None:
         super().__init__(str(path))
         self.threads = default_threads(threads)
+        self.check = check
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        return read_safetensors(self, plan, planner, self.threads) or super().read_data(plan, planner)
+        return self._read(read_safetensors, plan, planner)
 
 
-class ParallelFileSystemReader(SafeFileSystemReader):
+class ParallelFileSystemReader(_Checked, SafeFileSystemReader):
     """``SafeFileSystemReader`` whose reads go straight into the destination tensors (``read_distcp``)."""
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS) -> None:
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None) -> None:
         super().__init__(str(path))
         self.threads = default_threads(threads)
+        self.check = check
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        return read_distcp(self, plan, planner, self.threads) or super().read_data(plan, planner)
+        return self._read(read_distcp, plan, planner)
