@@ -219,11 +219,15 @@ def test_partial_reads_go_through_regions_too(tmp_path, monkeypatch):
         want = saved[o0:o0 + l0, o1:o1 + l1, :]
         jobs.append(readers.ReadJob(str(path), located, (o0, o1, 0), (l0, l1, 4), torch.full(want.shape, float("nan"))))
         wants.append(want)
+    as_bf16 = torch.empty(2, 5, 4, dtype=torch.bfloat16)  # another dtype: converted like copy_
+    jobs.append(readers.ReadJob(str(path), located, (1, 0, 0), (2, 5, 4), as_bf16))
+    wants.append(saved[1:3].to(torch.bfloat16))
     seen = _count_direct_reads(monkeypatch)
     readers.run_reads(jobs, threads=3)
     for job, want in zip(jobs, wants):
         assert torch.equal(job.target, want), (job.offsets, job.lengths)
     assert seen and all(seen)
+    assert 0 < sum(job.direct for job in jobs) < len(jobs)  # some in place, some through a buffer
 
 
 # --- verify_on_load: checksums computed while the files are read ---------------------------------------------

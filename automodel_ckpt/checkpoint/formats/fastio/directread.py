@@ -24,7 +24,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -49,12 +49,38 @@ def wanted(size: int) -> bool:
     return m == "force" or (m == "auto" and size >= DIRECT_READ_MIN and hasattr(os, "O_DIRECT"))
 
 
-@dataclasses.dataclass
 class Segment:
-    """Bytes ``[start, start + dest.numel())`` of a file, to be copied into ``dest`` (a flat uint8 tensor)."""
+    """Bytes ``[start, start + nbytes)`` of a file, to be copied into a flat uint8 tensor: ``dest``, or one that
+    ``make()`` creates when the first of its bytes arrive; ``done()`` runs (on a reader thread) once all of them
+    have (so a buffer for a piece that cannot be read in place lives only while its bytes stream in)."""
 
-    start: int
-    dest: torch.Tensor
+    __slots__ = ("start", "nbytes", "dest", "make", "done", "_left", "_lock")
+
+    def __init__(self, start: int, dest: torch.Tensor | None = None, *, nbytes: int | None = None,
+                 make: Callable[[], torch.Tensor] | None = None, done: Callable[[], None] | None = None) -> None:
+        assert dest is not None or (make is not None and nbytes is not None)
+        self.start = start
+        self.nbytes = dest.numel() if nbytes is None else nbytes
+        self.dest, self.make, self.done = dest, make, done
+        self._left = self.nbytes
+        self._lock = threading.Lock()
+
+    def target(self) -> torch.Tensor:
+        if self.dest is None:
+            with self._lock:
+                if self.dest is None:
+                    self.dest = self.make()
+        return self.dest
+
+    def arrived(self, n: int) -> None:
+        with self._lock:
+            self._left -= n
+            last = self._left == 0
+        if last:
+            if self.done is not None:
+                self.done()
+            if self.make is not None:
+                self.dest = None  # the buffer goes with its piece
 
 
 @dataclasses.dataclass
@@ -102,11 +128,11 @@ class _File:
 
 def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int) -> list[_Region]:
     """The file's reads: needed ranges (or the whole file) in page-aligned regions of at most ``REGION`` bytes."""
-    segments = sorted((s for s in segments if s.dest.numel()), key=lambda s: s.start)
+    segments = sorted((s for s in segments if s.nbytes), key=lambda s: s.start)
     ranges: list[list[int]] = [[0, size]] if whole else []
     if not whole:
         for s in segments:
-            a, b = s.start // ALIGN * ALIGN, s.start + s.dest.numel()
+            a, b = s.start // ALIGN * ALIGN, s.start + s.nbytes
             if ranges and a <= ranges[-1][1] + GAP:
                 ranges[-1][1] = max(ranges[-1][1], b)
             else:
@@ -122,7 +148,7 @@ def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int
 
     for s in segments:  # every segment into the regions it overlaps (a segment may span several)
         i = bisect.bisect_right(starts, s.start) - 1
-        end = s.start + s.dest.numel()
+        end = s.start + s.nbytes
         while i < len(regions) and regions[i].lo < end:
             if regions[i].hi > s.start:
                 regions[i].segments.append(s)
@@ -243,10 +269,10 @@ def _read_region(file: _File, region: _Region, buffer: Any) -> int:
 
 def _copy_out(region: _Region, tensor: torch.Tensor) -> None:
     for s in region.segments:
-        n = s.dest.numel()
-        a, b = max(region.lo, s.start), min(region.hi, s.start + n)
+        a, b = max(region.lo, s.start), min(region.hi, s.start + s.nbytes)
         if b > a:  # a tensor copy: without the GIL, so the threads copy at once
-            s.dest[a - s.start:b - s.start].copy_(tensor[a - region.lo:b - region.lo])
+            s.target()[a - s.start:b - s.start].copy_(tensor[a - region.lo:b - region.lo])
+            s.arrived(b - a)
 
 
 def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[str, int] | None = None,

@@ -94,20 +94,20 @@ class ReadJob:
     def segment(self) -> directread.Segment | None:
         """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record.
 
-        A piece that is not read in place gets a buffer here, put into place by ``finish`` once it is read."""
+        A piece that is not read in place (another dtype or device, part of a saved tensor) gets a buffer when its
+        first bytes arrive, put into place and freed once its last bytes have."""
         if self.located is None:
             return None
         if self.direct:
             return directread.Segment(self.start, self.target.reshape(-1).view(torch.uint8))
-        self.buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
-        return directread.Segment(self.start, self.buffer.view(-1).view(torch.uint8))
+        dtype = self.located.dtype
+        buffer: list[torch.Tensor] = []
 
-    def finish(self) -> None:
-        """After a ``segment`` read: the buffered piece copied into the target."""
-        buffer = getattr(self, "buffer", None)
-        if buffer is not None:
-            self.buffer = None
-            self._place(buffer)
+        def make() -> torch.Tensor:
+            buffer.append(torch.empty(self.nbytes // itemsize(dtype), dtype=dtype))
+            return buffer[0].view(-1).view(torch.uint8)
+
+        return directread.Segment(self.start, nbytes=self.nbytes, make=make, done=lambda: self._place(buffer.pop()))
 
     def read_copy(self, fd: int) -> None:
         if self.located is None:
@@ -185,20 +185,17 @@ def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | No
             sizes[real[job.path]] = os.stat(job.path).st_size
     regions = {p for p, n in sizes.items() if p in hash_files or directread.wanted(n)}
     segments: dict[str, list[directread.Segment]] = {}
-    placed, rest = [], []
+    rest = []
     for job in jobs:
         segment = job.segment() if real[job.path] in regions else None
         if segment is None:
             rest.append(job)
         else:
             segments.setdefault(real[job.path], []).append(segment)
-            placed.append(job)
     if segments or hash_files:
         directread.read_files(segments, threads, sizes=sizes, hash_files=hash_files)
         if on_hashed is not None:
             on_hashed()
-        for job in placed:
-            job.finish()
     _preadv_reads(rest, threads)
 
 
