@@ -166,6 +166,27 @@ def test_einval_at_read_time_falls_back_to_the_page_cache(tmp_path, monkeypatch)
     assert refused  # it was tried
 
 
+def test_einval_at_open_reads_through_the_page_cache(tmp_path, monkeypatch):
+    """Where the O_DIRECT open is refused (tmpfs on older kernels): the same bytes, none of them O_DIRECT."""
+    data = os.urandom(7 * 4096 + 5)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    real_open = os.open
+
+    def refusing(file, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(directread.os, "open", refusing)
+    monkeypatch.setenv(directread.ENV, "force")
+    seen = _count_direct_reads(monkeypatch)
+    out = torch.zeros(len(data) - 3, dtype=torch.uint8)
+    directread.read_files({str(path): [directread.Segment(3, out)]}, threads=2)
+    assert bytes(out.numpy()) == data[3:]
+    assert seen and not any(seen)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("mode", ["force", "off"])
 def test_segments_at_odd_offsets_and_whole_file_checksum(tmp_path, monkeypatch, mode, threads):
