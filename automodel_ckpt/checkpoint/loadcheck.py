@@ -33,7 +33,7 @@ def deferred(rel: str) -> bool:
     if len(parts) != 2:
         return False
     name = parts[1]
-    return layout.parse_model_shard_file(name) is not None or (name.startswith("__") and name.endswith(".distcp"))
+    return layout.parse_model_shard_file(name) is not None or layout.is_dcp_data_file(name)
 
 
 class LoadCheck:
