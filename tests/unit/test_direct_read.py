@@ -320,3 +320,48 @@ def test_verify_on_load_checks_data_files_no_load_read(tmp_path):
     only_model = {"model": State(hidden=64, layers=3).model}
     with pytest.raises(loadcheck.DamagedFile, match="checksum mismatch"):
         ckpt.load(only_model, path)
+
+
+def _finishes(fn) -> BaseException | None:
+    """Runs ``fn`` on a thread; the exception it raised. Fails the test if it has not returned within a minute."""
+    import threading
+
+    out: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            out[0] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "read_files hung"
+    return out[0]
+
+
+@pytest.mark.parametrize("fail_at", ["reader", "hasher"])
+def test_a_failure_while_hashing_never_hangs(tmp_path, monkeypatch, fail_at):
+    """An early region fails while later ones wait for the hasher (or the hasher fails): every thread stops."""
+    monkeypatch.setenv(directread.ENV, "force")
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(40 * 4096))
+    real = directread._read_region
+
+    def failing(file, region, buffer):
+        if fail_at == "reader" and region.lo == 3 * 4096:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(file, region, buffer)
+
+    class BadHasher:
+        def update(self, data):
+            raise ValueError("hasher broke")
+
+    monkeypatch.setattr(directread, "_read_region", failing)
+    monkeypatch.setattr(directread, "REGION", 4096)
+    hasher = BadHasher() if fail_at == "hasher" else checksum.hasher(checksum.CRC32)
+    out = torch.zeros(40 * 4096, dtype=torch.uint8)
+    error = _finishes(lambda: directread.read_files({str(path): [directread.Segment(0, out)]}, 3,
+                                                    hash_files={str(path): hasher}))
+    assert isinstance(error, OSError if fail_at == "reader" else ValueError)

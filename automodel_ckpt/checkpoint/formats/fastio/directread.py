@@ -114,10 +114,7 @@ class _File:
 
     def refuse_direct(self) -> None:
         with self.lock:
-            self.direct = False
-            if self.direct_fd is not None:
-                os.close(self.direct_fd)
-                self.direct_fd = None
+            self.direct = False  # its descriptor stays open until ``close``: other threads may be reading with it
 
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
@@ -159,8 +156,8 @@ def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int
 class _Ordered:
     """Feeds hashed regions to their files' hashers in file order, on one thread, then frees their buffers."""
 
-    def __init__(self, order: list[int], hashers: dict[int, Any], release: Any) -> None:
-        self.order = order  # region numbers to hash, in file order
+    def __init__(self, order: list[tuple[int, int]], hashers: dict[int, Any], release: Any) -> None:
+        self.order = order  # (region number, file number) of the regions to hash, in file order
         self.hashers = hashers
         self.release = release
         self.ready: dict[int, tuple[Any, int]] = {}
@@ -168,6 +165,7 @@ class _Ordered:
         self.failed = False
         self.thread = threading.Thread(target=self._run, name="ckpt-read-hash", daemon=True)
         self.error: BaseException | None = None
+        self.on_error: Any = None
 
     def put(self, number: int, buffer: Any, n: int) -> None:
         with self.cond:
@@ -181,17 +179,22 @@ class _Ordered:
 
     def _run(self) -> None:
         try:
-            for number, file in self.order:
-                with self.cond:
-                    while number not in self.ready and not self.failed:
-                        self.cond.wait()
-                    if self.failed:
-                        return
-                    buffer, n = self.ready.pop(number)
-                self.hashers[file].update(memoryview(buffer)[:n])
-                self.release(buffer)
+            self._consume()
         except BaseException as exc:  # noqa: BLE001 - reported by read_files
             self.error = exc
+            if self.on_error is not None:
+                self.on_error()  # the readers wait for buffers only this thread gives back
+
+    def _consume(self) -> None:
+        for number, file in self.order:
+            with self.cond:
+                while number not in self.ready and not self.failed:
+                    self.cond.wait()
+                if self.failed:
+                    return
+                buffer, n = self.ready.pop(number)
+            self.hashers[file].update(memoryview(buffer)[:n])
+            self.release(buffer)
 
 
 class _Pool:
@@ -306,7 +309,24 @@ def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[
     cursor = [0]
     totals = [0] * len(files)
 
+    def abort() -> None:
+        pool.abort()
+        if hasher is not None:
+            hasher.abort()
+
+    if hasher is not None:
+        hasher.on_error = abort
+
     def work() -> None:
+        try:
+            _work()
+        except _Aborted:
+            raise
+        except BaseException:
+            abort()  # at once: threads waiting for a buffer, and the hasher waiting for this region, stop
+            raise
+
+    def _work() -> None:
         while True:
             buffer = pool.get()  # a buffer before a region: the oldest regions in flight always hold one
             with lock:
@@ -339,9 +359,6 @@ def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[
                 except BaseException as exc:  # noqa: BLE001 - the first failure stops the others
                     if error is None:
                         error = exc
-                    pool.abort()
-                    if hasher is not None:
-                        hasher.abort()
             if error is not None:
                 raise error
         if hasher is not None:
