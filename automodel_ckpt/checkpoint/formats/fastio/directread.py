@@ -46,7 +46,7 @@ def mode() -> str:
 def wanted(size: int) -> bool:
     """Whether a file of ``size`` bytes is read with O_DIRECT (where the filesystem allows it)."""
     m = mode()
-    return m == "force" or (m == "auto" and size >= DIRECT_READ_MIN and hasattr(os, "O_DIRECT"))
+    return hasattr(os, "O_DIRECT") and (m == "force" or (m == "auto" and size >= DIRECT_READ_MIN))
 
 
 class Segment:
