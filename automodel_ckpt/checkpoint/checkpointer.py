@@ -18,6 +18,7 @@ from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint import metadata
+from automodel_ckpt.checkpoint.loadcheck import LoadCheck, deferred, finish_collectively
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better, render_name
 from automodel_ckpt.checkpoint.runlock import RunLock, hold
@@ -417,7 +418,7 @@ class Checkpointer:
             self.fetch(path)
             collective.collectively(
                 lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
-                                                   world_size=self.env.world_size, warn=_warn),
+                                                   world_size=self.env.world_size, warn=_warn, leave=deferred),
                 "verifying the checkpoint", self.env.rank,
             )
         plan = plan_state(states)
@@ -425,15 +426,18 @@ class Checkpointer:
             self.resumed_from = path.name
             self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
         self._started = time.monotonic()
+        check = LoadCheck.plan(path, self.env.rank, self.env.world_size) if self.cfg.verify_on_load else None
         for attr, model in plan.models.items():
             folder = self._require(path / layout.state_dir(attr))
             if peft_format.is_peft_model(model):
                 peft_format.load_adapter(model, folder)
             else:
-                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE)
+                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE, check=check)
         for attr, optim in plan.optimizers.items():
             folder = self._require(path / layout.state_dir(attr))
-            sharded.load_optimizer(plan.model_for(attr), optim, folder)
+            sharded.load_optimizer(plan.model_for(attr), optim, folder, check=check)
+        if self.cfg.verify_on_load:  # the deferred files no load above read
+            finish_collectively(check, self.env.rank)
         for attr, obj in plan.global_.items():
             file = path / layout.global_state_file(attr)
             if not file.exists():

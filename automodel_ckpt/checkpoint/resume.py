@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import catalog, layout, manifest
+from automodel_ckpt.checkpoint.loadcheck import DamagedFile, deferred
 from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
 from automodel_ckpt.checkpoint.retention import is_better
 from automodel_ckpt.checkpoint.safe_load import load_dcp_metadata, load_pt
@@ -37,7 +38,8 @@ def probe(path: Path, *, checksums: bool, rank: int, world_size: int,
     rank 0 reads every safetensors header and DCP index; each rank reads the per-rank files it will load.
     """
     path = Path(path)
-    manifest.check_before_load(path, checksums=checksums, rank=rank, world_size=world_size, warn=warn)
+    manifest.check_before_load(path, checksums=checksums, rank=rank, world_size=world_size, warn=warn,
+                               leave=deferred)  # the model and optimizer files: hashed by the load
     if rank == 0:
         for file in sorted(path.rglob("*.safetensors")):
             if _exported(path, file):
@@ -134,9 +136,13 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
 
             return start_from(ckpt, states, cfg.restore_from, cfg.load_only)
         auto = True
+    touched = None  # a damaged checkpoint found while loading it: some state already holds its bytes
     while True:
         path = ckpt.find_restore_target(auto=auto)
         if path is None:
+            if touched is not None:
+                raise CheckpointError(f"{touched}; it was moved aside, and no older checkpoint is left to load over "
+                                      "what was partly loaded from it: start the run again to begin afresh")
             return None
         unfetched = _fetch(ckpt, path)  # a checkpoint on an object store: its files into the local mirror first
         if unfetched is None:
@@ -151,17 +157,31 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
         except CheckpointError as exc:
             if not auto or cfg.on_load_error == LoadErrorPolicy.ERROR:
                 raise
-            reason = first_line(exc)
-            if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
-                reason = reason.split(": ", 1)[-1]
-            moved = collective.on_main(lambda: _quarantine(ckpt, path.name, reason),
-                                       "moving the damaged checkpoint aside", rank)
-            if ckpt.env.is_main:
-                ckpt.say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
-                         "and resuming from the newest checkpoint before it")
+            _set_aside(ckpt, path, exc)
             continue
-        ckpt.load(states, path, checked=True)
+        try:
+            ckpt.load(states, path, checked=True)
+        except DamagedFile as exc:  # a checksum computed while loading (verify_on_load): as if found by the probe
+            if not auto or cfg.on_load_error == LoadErrorPolicy.ERROR:
+                raise
+            _set_aside(ckpt, path, exc)
+            touched = first_line(exc)
+            continue
         return path
+
+
+def _set_aside(ckpt: Any, path: Path, exc: CheckpointError) -> None:
+    """Quarantine damaged checkpoint ``path`` (collective) and say so."""
+    from automodel_ckpt.checkpoint import collective
+
+    reason = first_line(exc)
+    if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
+        reason = reason.split(": ", 1)[-1]
+    moved = collective.on_main(lambda: _quarantine(ckpt, path.name, reason),
+                               "moving the damaged checkpoint aside", ckpt.env.rank)
+    if ckpt.env.is_main:
+        ckpt.say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
+                 "and resuming from the newest checkpoint before it")
 
 
 def _fetch(ckpt: Any, path: Path) -> CheckpointError | None:
