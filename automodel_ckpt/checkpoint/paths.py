@@ -6,7 +6,8 @@ taken from there is used only if it is *plain*:
 
 * a relative POSIX path of normal components: not empty, not absolute, no ``.`` or ``..`` component, no empty
   component (``a//b``, a trailing ``/``), no backslash, NUL or other control character, no drive (``C:``), no
-  component longer than 255 bytes;
+  component longer than 255 bytes, no ``*``, ``?``, ``[`` or ``::`` (an object-store client would expand the
+  first three as a glob and read ``::`` as a chain of URLs: the key would stand for other keys);
 * joined to its root it resolves inside the root: a symlinked folder on the way may not lead out of it.
 
 A bucket prefix taken for a checkpoint name is one such component. Only regular files are read or hashed:
@@ -27,6 +28,7 @@ from automodel_ckpt.errors import CheckpointError
 _MAX_COMPONENT_BYTES = 255
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\\]")
 _DRIVE = re.compile(r"^[A-Za-z]:")
+_FSSPEC_SYNTAX = re.compile(r"[*?\[]|::")
 
 
 def problem(rel: object) -> str | None:
@@ -41,6 +43,8 @@ def problem(rel: object) -> str | None:
         return "absolute"
     if _DRIVE.match(rel):
         return "a drive"
+    if _FSSPEC_SYNTAX.search(rel):
+        return "a glob character or '::'"
     for part in rel.split("/"):
         if part in ("", ".", ".."):
             return f"a '{part}' component" if part else "an empty component"
