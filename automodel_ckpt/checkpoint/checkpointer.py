@@ -10,20 +10,22 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
-from automodel_ckpt.checkpoint import paths
+from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
+from automodel_ckpt.checkpoint import collective, objectstore
+from automodel_ckpt.checkpoint.save import diskfull, lifecycle, local_files, overlap
+from automodel_ckpt.checkpoint.disk import paths
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
-from automodel_ckpt.checkpoint import metadata
-from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better, render_name
-from automodel_ckpt.checkpoint.runlock import RunLock, hold
+from automodel_ckpt.checkpoint.disk import metadata
+from automodel_ckpt.checkpoint.disk.metadata import metric_value, read_metadata
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy, is_better, render_name
+from automodel_ckpt.checkpoint.storage.runlock import RunLock, hold
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
-from automodel_ckpt.checkpoint.safe_load import load_pt
-from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
+from automodel_ckpt.checkpoint.formats.safe_load import load_pt
+from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_tree, unwritable
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -48,7 +50,7 @@ class Checkpointer:
         fingerprint: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/fingerprint.py)
+        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/disk/fingerprint.py)
         self.env = env
         self.remote = objectstore.attach(cfg)  # checkpoint_dir on an object store, worked through a local mirror
         self.dir = objectstore.run_folder(cfg)  # the local folder: checkpoint_dir itself, or the mirror
@@ -384,7 +386,7 @@ class Checkpointer:
         Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
         starts a new run from a checkpoint's (or an HF / adapter folder's) weights. See ``resume``.
         """
-        from automodel_ckpt.checkpoint.resume import restore
+        from automodel_ckpt.checkpoint.restore.resume import restore
 
         return restore(self, states)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from automodel_ckpt.checkpoint.retention import check_retention_config
+from automodel_ckpt.checkpoint.disk.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
 class _Choice(str, Enum):

@@ -1,5 +1,5 @@
 """The package's shape: no import cycle, no module over 500 lines, components never import recipes, a public API,
-and every pickle read from a checkpoint goes through ``checkpoint/safe_load.py``."""
+and every pickle read from a checkpoint goes through ``checkpoint/formats/safe_load.py``."""
 
 from __future__ import annotations
 
@@ -138,9 +138,9 @@ def test_the_export_and_cli_packages_exist_and_the_old_module_path_still_resolve
         assert importlib.util.find_spec(name) is not None, name
 
 
-# --- every pickle from a checkpoint goes through checkpoint/safe_load.py ----------------------------------------
+# --- every pickle from a checkpoint goes through checkpoint/formats/safe_load.py -------------------------------
 
-SAFE_LOAD = PACKAGE / "checkpoint" / "safe_load.py"
+SAFE_LOAD = PACKAGE / "checkpoint" / "formats" / "safe_load.py"
 _DCP = "torch.distributed.checkpoint"
 # torch names that read a checkpoint's pickles with torch's own (unrestricted) reader or planner
 _PLAIN_DCP_READERS = {"FileSystemReader", "FsspecReader", "dcp_to_torch_save", "torch_save_to_dcp",
@@ -218,7 +218,7 @@ def test_every_pickle_is_read_by_safe_load():
         found = unsafe_loads(path.read_text(encoding="utf-8"))
         if found:
             offenders[str(path.relative_to(PACKAGE.parent))] = found
-    assert offenders == {}, f"read pickles from checkpoints only through checkpoint/safe_load.py: {offenders}"
+    assert offenders == {}, f"read pickles from checkpoints only through checkpoint/formats/safe_load.py: {offenders}"
 
 
 @pytest.mark.parametrize("source", [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.config import ModelSaveFormat
 
 

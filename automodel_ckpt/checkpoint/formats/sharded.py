@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from automodel_ckpt.checkpoint.formats import fastio
-from automodel_ckpt.checkpoint.storage import WrittenFiles
-from automodel_ckpt.checkpoint.safe_load import (
+from automodel_ckpt.checkpoint.disk.durable import WrittenFiles
+from automodel_ckpt.checkpoint.formats.safe_load import (
     SafeLoadPlanner,
     check_fits,
     load_failure,

@@ -15,7 +15,7 @@ import torch
 
 from automodel_ckpt.checkpoint.formats.fastio.common import Located, itemsize
 from automodel_ckpt.checkpoint.formats.fastio.filewrite import Lazy
-from automodel_ckpt.checkpoint.safe_load import StorageRef, TensorRecordUnpickler
+from automodel_ckpt.checkpoint.formats.safe_load import StorageRef, TensorRecordUnpickler
 
 # --- writing: what torch.save puts around a tensor's bytes -------------------------------------------
 

@@ -20,12 +20,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint import catalog, layout, manifest
-from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.retention import is_better
-from automodel_ckpt.checkpoint.safe_load import load_dcp_metadata, load_pt
-from automodel_ckpt.checkpoint.safetensors_io import read_header
-from automodel_ckpt.checkpoint.storage import fsync_dir, remove_pointer, set_pointer
+from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
+from automodel_ckpt.checkpoint.disk.metadata import metric_value, read_metadata
+from automodel_ckpt.checkpoint.disk.retention import is_better
+from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata, load_pt
+from automodel_ckpt.checkpoint.formats.safetensors_io import read_header
+from automodel_ckpt.checkpoint.disk.durable import fsync_dir, remove_pointer, set_pointer
 from automodel_ckpt.errors import CheckpointError, first_line
 
 
@@ -130,7 +130,7 @@ def restore(ckpt: Any, states: dict[str, Any]) -> Path | None:
         own = cfg.enabled and collective.on_main(lambda: catalog.latest_checkpoint(ckpt.dir) is not None,
                                                  "listing checkpoints", rank)
         if not own:
-            from automodel_ckpt.checkpoint.initial_weights import start_from
+            from automodel_ckpt.checkpoint.restore.initial_weights import start_from
 
             return start_from(ckpt, states, cfg.restore_from, cfg.load_only)
         auto = True
@@ -184,7 +184,7 @@ def _quarantine(ckpt: Any, name: str, reason: str) -> str:
 
 def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path) -> None:
     """``CheckpointError`` when checkpoint ``path`` belongs to another run (model, tokenizer, data...)."""
-    from automodel_ckpt.checkpoint.fingerprint import first_difference
+    from automodel_ckpt.checkpoint.disk.fingerprint import first_difference
 
     saved = (read_metadata(path) or {}).get("fingerprint")
     difference = first_difference(saved, fingerprint)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import catalog, collective, layout
+from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.formats import peft as peft_format
-from automodel_ckpt.checkpoint.metadata import read_metadata
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.errors import CheckpointError, ConfigError
 
 
@@ -30,7 +31,7 @@ def start_from(ckpt: Any, states: dict[str, Any], restore_from: str, only: list[
     subset = {name: states[name] for name in only}
     kind = kind_of(source)
     if kind == "checkpoint":
-        from automodel_ckpt.checkpoint.resume import probe
+        from automodel_ckpt.checkpoint.restore.resume import probe
 
         ckpt.fetch(source)
         collective.collectively(

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.paths import is_plain_name, read_text
-from automodel_ckpt.checkpoint.retention import Candidate
-from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.metadata import metric_value, read_metadata
+from automodel_ckpt.checkpoint.disk.paths import is_plain_name, read_text
+from automodel_ckpt.checkpoint.disk.retention import Candidate
+from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.errors import CheckpointError
 
 
