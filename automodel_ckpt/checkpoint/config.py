@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.disk.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
@@ -17,8 +18,8 @@ class _Choice(str, Enum):
 
 
 class ModelSaveFormat(_Choice):
-    SAFETENSORS = "safetensors"  # per-rank Hugging Face safetensors shards
-    TORCH_SAVE = "torch_save"  # DCP .distcp files
+    SAFETENSORS = layout.SAFETENSORS  # per-rank Hugging Face safetensors shards
+    TORCH_SAVE = layout.TORCH_SAVE  # DCP .distcp files
 
 
 class ConsolidationMode(_Choice):

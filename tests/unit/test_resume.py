@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from automodel_ckpt.checkpoint.disk import catalog, layout
-from automodel_ckpt.checkpoint.restore.resume import probe, quarantine
+from automodel_ckpt.checkpoint.disk.quarantine import quarantine
+from automodel_ckpt.checkpoint.restore.probe import probe
 from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
 from automodel_ckpt.cli.inspect import inspect_dir, render_table
 from automodel_ckpt.errors import CheckpointError

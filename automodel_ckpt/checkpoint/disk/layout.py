@@ -97,7 +97,10 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-#: ``model_save_format`` recorded in metadata.json for a checkpoint whose model is a PEFT adapter.
+#: The model formats (``checkpoint.model_save_format``, recorded in metadata.json): per-rank safetensors shards,
+#: DCP ``.distcp`` files, and for a checkpoint whose model is a PEFT adapter, ``adapter``.
+SAFETENSORS = "safetensors"
+TORCH_SAVE = "torch_save"
 ADAPTER_FORMAT = "adapter"
 PEFT_FULL_CONFIG = "automodel_peft_config.json"
 # Tokenizer (and image-text processor) files a Hugging Face model folder may hold (copied from a base folder when

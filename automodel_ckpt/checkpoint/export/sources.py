@@ -20,12 +20,11 @@ from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.export.hf_metadata import TensorInfo
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
+from automodel_ckpt.checkpoint.disk.layout import SAFETENSORS, TORCH_SAVE
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS = "safetensors"
-TORCH_SAVE = "torch_save"
 _SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _SAVED_OFFSETS_KEY = "saved_offsets"
 

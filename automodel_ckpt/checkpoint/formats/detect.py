@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.config import ModelSaveFormat
 
 
 def detect_model_format(folder: Path) -> str | None:
@@ -20,7 +19,7 @@ def detect_model_format(folder: Path) -> str | None:
     if (folder / layout.ADAPTER_WEIGHTS).is_file() or (folder / layout.ADAPTER_CONFIG).is_file():
         return layout.ADAPTER_FORMAT
     if any(p.is_file() for p in folder.glob("*.safetensors")):
-        return ModelSaveFormat.SAFETENSORS.value
+        return layout.SAFETENSORS
     if (folder / layout.DCP_METADATA).is_file():
-        return ModelSaveFormat.TORCH_SAVE.value
+        return layout.TORCH_SAVE
     return None

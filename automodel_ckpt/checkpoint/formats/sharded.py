@@ -28,8 +28,7 @@ from automodel_ckpt.checkpoint.formats.safe_load import (
     save_failure,
 )
 
-SAFETENSORS = "safetensors"
-TORCH_SAVE = "torch_save"
+from automodel_ckpt.checkpoint.disk.layout import SAFETENSORS, TORCH_SAVE  # the format names, spelled once
 
 
 def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None):
