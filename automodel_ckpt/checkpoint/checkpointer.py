@@ -117,8 +117,8 @@ class Checkpointer:
 
         # async: the background thread reserves the staging folder (after the copy), unless something is written
         # into it now (a PEFT adapter) or the save completes on this thread (an inline HF export)
-        reserve_later = (self.is_async and not consolidate and not _has_peft(plan) and self.run.reserves_in_background
-                         and bool(plan.models or plan.optimizers))
+        reserve_later = (self.is_async and not consolidate and not _has_peft(plan)
+                         and self.run.reserves_in_background and bool(plan.models or plan.optimizers))
         staging = self.dir / layout.staging_name(name) if reserve_later else reserve()
         clock.mark("reserve")
         fmt = self.cfg.model_save_format
@@ -412,7 +412,7 @@ class Checkpointer:
     def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> None:
         """Load ``states`` from checkpoint ``path`` on every rank.
 
-        ``checked``: the files were already checked against the manifest (``resume.probe``). ``fresh_run``: the
+        ``checked``: the files were already checked against the manifest (``restore.probe``). ``fresh_run``: the
         states start a new run (``load_only``), so the training time recorded in the checkpoint does not carry over.
         """
         path = Path(path)

@@ -1,1 +1,1 @@
-"""The checkpoint folder as files: every name (layout), metadata, manifest, checksums, durable writes and pointers, catalog, retention, fingerprint."""
+"""The checkpoint folder as files: names, metadata, manifest, checksums, durable writes, catalog, retention."""

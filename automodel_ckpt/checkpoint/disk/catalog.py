@@ -114,7 +114,7 @@ def size_on_disk(path: Path) -> int:
 
 
 def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    """Checkpoints that resume moved aside as damaged (``resume.quarantine``): never records of ``scan``.
+    """Checkpoints that resume moved aside as damaged (``disk.quarantine``): never records of ``scan``.
 
     ``{name, path, step, reason, quarantined_at}`` each, oldest first.
     """

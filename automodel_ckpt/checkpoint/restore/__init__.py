@@ -1,1 +1,1 @@
-"""Choosing what a run starts from: pick, probe, quarantine, check the run, or start from other weights; returns a decision."""
+"""What a run starts from: pick, probe, quarantine, check the run, or other weights; returns a decision."""

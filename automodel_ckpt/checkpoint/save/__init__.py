@@ -1,1 +1,1 @@
-"""Writing a checkpoint: reserve, write, seal, publish, prune; the small per-rank files, the background overlap, the disk-full guard."""
+"""Writing a checkpoint: reserve, write, seal, publish, prune; small per-rank files, async overlap, disk-full."""
