@@ -36,7 +36,7 @@ class Source(Protocol):
 
     local: Path  # the local folder whose checkpoints are listed (``checkpoint_dir``, or an object store's mirror)
 
-    def find(self, restore_from: str | None) -> Path | None:
+    def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:
         """The checkpoint ``restore_from`` names (None: the latest, or None when there is none)."""
 
     def has_checkpoints(self) -> bool:

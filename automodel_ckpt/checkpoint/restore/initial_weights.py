@@ -33,7 +33,7 @@ def start_from(cfg: CheckpointConfig, source: Source, states: list[str], *, mode
     if unknown:
         raise ConfigError(f"checkpoint.load_only: no state named {', '.join(repr(n) for n in unknown)} in this "
                           f"recipe (its state: {', '.join(sorted(states))})")
-    path = source.find(restore_from)
+    path = source.find(restore_from, "finding checkpoint.restore_from")
     if path is None:  # an explicit restore_from is found, or ``find`` raised
         raise CheckpointError(f"checkpoint.restore_from: '{restore_from}' not found")
     kind = kind_of(path)

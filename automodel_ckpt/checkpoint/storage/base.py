@@ -51,8 +51,9 @@ class RunFolder(Protocol):
         """Rank 0: delete what the retention policy gives up (an object store keeps ``resumed_from``, whose files
         its mirror no longer holds); returns the names deleted."""
 
-    def find(self, restore_from: str | None) -> Path | None:
-        """Collective: the checkpoint ``restore_from`` names (None: the latest), as a local folder."""
+    def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:
+        """Collective: the checkpoint ``restore_from`` names (None: the latest), as a local folder; ``what``
+        names the step in an error."""
 
     def has_checkpoints(self) -> bool:
         """Collective: whether the run folder holds a checkpoint."""

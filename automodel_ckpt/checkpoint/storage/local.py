@@ -62,10 +62,9 @@ class LocalRunFolder:
     def _prune_here(self, policy: RetentionPolicy, monitor: Monitor, protected: Iterable[str] = ()) -> list[str]:
         return lifecycle.prune(self.local, policy, monitor.name, monitor.key, protected=protected)
 
-    def find(self, restore_from: str | None) -> Path | None:
+    def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:
         local = lambda: localize(restore_from, self.storage_options)  # noqa: E731 - a URL: its mirror
-        return collective.on_main(lambda: catalog.resolve_restore_from(self.local, local()), "finding the checkpoint",
-                                  self.rank)
+        return collective.on_main(lambda: catalog.resolve_restore_from(self.local, local()), what, self.rank)
 
     def has_checkpoints(self) -> bool:
         return collective.on_main(lambda: catalog.latest_checkpoint(self.local) is not None, "listing checkpoints",
