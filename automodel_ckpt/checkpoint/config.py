@@ -51,7 +51,7 @@ class CheckpointConfig:
     checkpoint_dir: str = "checkpoints/"  # run folder: checkpoints, pointers, training/validation logs; or s3://BUCKET/PREFIX
     storage_options: Optional[Dict[str, Any]] = field(default=None, repr=False)  # object store checkpoint_dir: fsspec options (endpoint_url, key, ...)
     staging_dir: Optional[str] = None  # object store checkpoint_dir: local folder for writes and loads (default: ~/.cache)
-    model_save_format: str = "safetensors"  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
+    model_save_format: str = layout.SAFETENSORS  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
     verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)

@@ -8,7 +8,7 @@ from automodel_ckpt.checkpoint.disk import layout
 
 
 def detect_model_format(folder: Path) -> str | None:
-    """``"peft"`` (an adapter), ``"safetensors"`` (shards or HF weight files), ``"torch_save"`` (DCP) or None.
+    """``"adapter"`` (a PEFT adapter), ``"safetensors"`` (shards or HF weight files), ``"torch_save"`` (DCP) or None.
 
     An adapter is recognised first (its weights are a ``.safetensors`` file too); None when ``folder`` does not
     exist or holds no model files.
