@@ -595,7 +595,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, choices=(1, 2), default=1, help="ranks (2: torch.distributed.run, gloo)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--only", choices=("save", "load", "export", "async"), nargs="+", default=None,
+    p.add_argument("--only", choices=("save", "load", "export", "async", "resume"), nargs="+", default=None,
                    help="groups to run (default: save load export, and async with --device cuda)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -626,8 +626,8 @@ def main() -> None:
           f"{args.nproc} rank(s), {args.reps} reps, in {args.dir}", flush=True)
 
     if args.only is None:
-        args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else [])
-    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC}
+        args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else []) + ["resume"]
+    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC, "resume": ()}
     methods = [m for g in args.only for m in groups[g]]
     if not direct_io_supported(args.dir):
         print(f"{args.dir}: the filesystem refuses O_DIRECT; no device write/read reference", flush=True)
@@ -648,7 +648,8 @@ def main() -> None:
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for rep in range(args.reps):
-        order = methods[rep % len(methods):] + methods[: rep % len(methods)]
+        turn = rep % max(1, len(methods))
+        order = methods[turn:] + methods[:turn]
         for method in order:
             fresh(out)
             if method.removeprefix(BASELINE) in LOAD + EXPORT:  # reads come from storage
@@ -675,7 +676,15 @@ def main() -> None:
             if extra in rs[0]:
                 result["methods"][method + suffix] = stats([r[extra] for r in rs], size) | {
                     "extra_rss_mb": _max_rss(rs)}
+    if "resume" in args.only:  # launch to first step, resumed against fresh (tools/bench_resume.py)
+        import bench_resume
+
+        print("launch to first step:", flush=True)
+        result["resume"] = bench_resume.measure(args.dir / "resume", llama_config(layers), args.nproc, args.reps,
+                                                "safetensors", drop_caches)
     print_table(result)
+    if "resume" in result:
+        bench_resume.print_rows(result["resume"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     fresh(args.dir)

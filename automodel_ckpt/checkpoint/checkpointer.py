@@ -14,6 +14,7 @@ from automodel_ckpt.checkpoint import collective, storage
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.disk import catalog, layout, manifest, metadata
 from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_tree
+from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, LoadCheck, deferred, finish_collectively
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy, render_name
 from automodel_ckpt.checkpoint.formats import peft as peft_format
@@ -24,11 +25,12 @@ from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.restore import initial_weights, resume
 from automodel_ckpt.checkpoint.restore.decision import CHECKPOINT, Decision
 from automodel_ckpt.checkpoint.save import diskfull, lifecycle, local_files, overlap
+from automodel_ckpt.checkpoint.save.phases import PhaseClock
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
-from automodel_ckpt.errors import CheckpointError, warn
+from automodel_ckpt.errors import CheckpointError, first_line, warn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,7 +100,7 @@ class Checkpointer:
         A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
         self._saved_objects = list(states.values())
-        clock = _PhaseClock()
+        clock = PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
         name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
@@ -258,7 +260,7 @@ class Checkpointer:
             collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
         if write_local is not None:
             collective.collectively(write_local.write, f"writing '{staging}'", rank)
-        clock = _PhaseClock()
+        clock = PhaseClock()
         if pending.consolidate:
             collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)
             clock.mark("consolidate")
@@ -376,9 +378,18 @@ class Checkpointer:
         this carries it out (``carry_out``).
         """
         peft = "model" in states and peft_format.is_peft_model(states["model"])
-        decision = resume.decide(self.cfg, self.run, states, model_is_peft=peft, rank=self.env.rank,
-                                 world_size=self.env.world_size, fingerprint=self.fingerprint, say=self.say)
-        return self.carry_out(decision, states)
+        touched = None  # a checkpoint found damaged while loading it: some state already holds its bytes
+        while True:
+            decision = resume.decide(self.cfg, self.run, states, model_is_peft=peft, rank=self.env.rank,
+                                     world_size=self.env.world_size, fingerprint=self.fingerprint, say=self.say,
+                                     touched=touched)
+            try:
+                return self.carry_out(decision, states)
+            except DamagedFile as exc:  # a checksum computed while loading (verify_on_load): as if found by probe
+                if not decision.fallback or decision.path is None:
+                    raise
+                resume.set_aside(self.run, decision.path, exc, rank=self.env.rank, say=self.say)
+                touched = first_line(exc)
 
     def carry_out(self, decision: Decision, states: dict[str, Any]) -> Path | None:
         """Load what ``decision`` names into ``states`` on every rank; returns its path, or None (a fresh run)."""
@@ -422,7 +433,7 @@ class Checkpointer:
             self.fetch(path)
             collective.collectively(
                 lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
-                                                   world_size=self.env.world_size, warn=warn),
+                                                   world_size=self.env.world_size, warn=warn, leave=deferred),
                 "verifying the checkpoint", self.env.rank,
             )
         plan = plan_state(states)
@@ -430,15 +441,18 @@ class Checkpointer:
             self.resumed_from = path.name
             self._seconds_before = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
         self._started = time.monotonic()
+        check = LoadCheck.plan(path, self.env.rank, self.env.world_size) if self.cfg.verify_on_load else None
         for attr, model in plan.models.items():
             folder = self._require(path / layout.state_dir(attr))
             if peft_format.is_peft_model(model):
                 peft_format.load_adapter(model, folder)
             else:
-                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE)
+                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE, check=check)
         for attr, optim in plan.optimizers.items():
             folder = self._require(path / layout.state_dir(attr))
-            sharded.load_optimizer(plan.model_for(attr), optim, folder)
+            sharded.load_optimizer(plan.model_for(attr), optim, folder, check=check)
+        if self.cfg.verify_on_load:  # the deferred files no load above read
+            finish_collectively(check, self.env.rank)
         for attr, obj in plan.global_.items():
             file = path / layout.global_state_file(attr)
             if not file.exists():
@@ -471,19 +485,6 @@ class Checkpointer:
     def _missing_state(self, attr: str, file: Path) -> None:
         if self.env.is_main:
             warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh", stacklevel=3)
-
-
-class _PhaseClock:
-    """Seconds spent per phase of a save (``Checkpointer.last_save_seconds``, read by tools/bench_async.py)."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.phases[phase] = round(now - self._last, 4)
-        self._last = now
 
 
 def _has_peft(plan: StatePlan) -> bool:

@@ -38,6 +38,7 @@ def uploaded(seaweed, tmp_path_factory):
         for step in (1, 2):
             state.step()
             ckpt.save(state.states(), SaveInfo(epoch=0, step=step, train_loss=1.0, val_loss=None, is_final=False))
+        ckpt.finalize()  # releases the run's lease: the copies below are other runs' folders
     return f"{bucket}/run"
 
 
@@ -84,6 +85,7 @@ def test_a_remote_manifest_naming_paths_outside_writes_nothing_outside_the_mirro
     mirror = tmp_path / "mirror"  # a resume: the damaged newest checkpoint is set aside, the one before loads
     ckpt = checkpointer(init_distributed(), url, "torch_save", staging_dir=str(mirror))
     assert ckpt.restore(State(seed=5).states()) == mirror / "epoch_0_step_1"
+    ckpt.finalize()
     assert fs.exists(f"{root}/{layout.QUARANTINE_DIR}/{layout.quarantine_note('epoch_0_step_2')}")
 
     assert victim.read_text() == "original\n"

@@ -258,6 +258,11 @@ def dcp_rank_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+def is_dcp_data_file(filename: str) -> bool:
+    """A DCP data file (``__R_K.distcp``, as torch's ``FileSystemWriter`` names them)."""
+    return filename.startswith("__") and filename.endswith(".distcp")
+
+
 def model_dir(ckpt: Path) -> Path:
     return ckpt / MODEL_DIR
 

@@ -403,12 +403,13 @@ def summarize(report: Report, limit: int = 3) -> str:
 
 
 def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_size: int,
-                      warn: Callable[[str], None] | None = None) -> None:
+                      warn: Callable[[str], None] | None = None, leave: Callable[[str], bool] | None = None) -> None:
     """Raise ``CheckpointError`` if ``checkpoint`` is from a newer layout or its files do not match its manifest.
 
     Run on every rank (inside ``collective.collectively``): rank 0 checks that every listed file exists with its
     size; with ``checksums`` each rank also hashes its share. Files the manifest does not list are ignored here
-    (``ckpt-train verify`` reports them). A checkpoint without a manifest loads with a warning.
+    (``ckpt-train verify`` reports them). A checkpoint without a manifest loads with a warning. ``leave``: files
+    whose checksum the load computes while reading them (``loadcheck``), only size-checked here.
     """
     checkpoint = Path(checkpoint)
     check_layout_version(checkpoint)
@@ -423,6 +424,7 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
         reports.append(verify(checkpoint, checksums=False, unexpected=False))
     if checksums:
         share = assign({rel: int(e["size"]) for rel, e in listed.items()}, world_size)[rank]
+        share = [rel for rel in share if leave is None or not leave(rel)]
         reports.append(verify(checkpoint, checksums=True, only=share, unexpected=False))
     bad = [v for r in reports for v in r.bad]
     problem = next((r.problem for r in reports if r.problem), None)

@@ -21,10 +21,12 @@ from torch.optim import Optimizer
 
 from automodel_ckpt.checkpoint.formats import fastio
 from automodel_ckpt.checkpoint.disk.durable import WrittenFiles
+from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, LoadCheck
 from automodel_ckpt.checkpoint.formats.safe_load import (
     SafeLoadPlanner,
     check_fits,
     load_failure,
+    root_cause,
     save_failure,
 )
 
@@ -45,10 +47,13 @@ def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, thread
     return fastio.ParallelFileSystemWriter(path, written=written, **extra)
 
 
-def _reader(path: Path, fmt: str):
+def _reader(path: Path, fmt: str, check: LoadCheck | None = None):
     """Readers that never unpickle code (see ``safe_load``), read the checkpoint's metadata once, and read the
-    tensors straight into the state being loaded (``fastio``)."""
-    return fastio.ParallelHFReader(path) if fmt == SAFETENSORS else fastio.ParallelFileSystemReader(path)
+    tensors into the state being loaded (``fastio``: past the page cache for large files). ``check``: the files'
+    checksums are computed as they are read (``loadcheck``)."""
+    if fmt == SAFETENSORS:
+        return fastio.ParallelHFReader(path, check=check)
+    return fastio.ParallelFileSystemReader(path, check=check)
 
 
 def _save(state: dict, path: Path, writer, process_group) -> None:
@@ -66,6 +71,9 @@ def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) 
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), process_group=process_group)
     except CheckpointException as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, DamagedFile):  # on every rank: the checkpoint is damaged, not the state unfit
+            raise DamagedFile(str(cause)) from None
         raise load_failure(exc, path, state, metadata) from None
 
 
@@ -73,10 +81,10 @@ def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, writt
     _save(get_model_state_dict(model), path, _writer(path, fmt, written), process_group)
 
 
-def load_model(model: nn.Module, path: Path, fmt: str, process_group=None) -> None:
+def load_model(model: nn.Module, path: Path, fmt: str, process_group=None, check: LoadCheck | None = None) -> None:
     """Load into the model's current sharding (which may differ from the one that saved it)."""
     state = get_model_state_dict(model)
-    _load(state, path, _reader(path, fmt), process_group, strict_keys=True)
+    _load(state, path, _reader(path, fmt, check), process_group, strict_keys=True)
     set_model_state_dict(model, state)
 
 
@@ -251,13 +259,14 @@ def _copy_into(src: Any, buf: Any) -> Any:
     return copy.deepcopy(src)
 
 
-def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None) -> None:
+def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
+                   check: LoadCheck | None = None) -> None:
     fresh = not optimizer.state
     # Moments to load into, allocated without an optimizer step (torch steps on zero gradients where it cannot).
     created = fresh and fastio.init_optimizer_state(optimizer)
     try:
         state = get_optimizer_state_dict(model, optimizer)
-        _load(state, path, _reader(path, TORCH_SAVE), process_group, strict_keys=False)
+        _load(state, path, _reader(path, TORCH_SAVE, check), process_group, strict_keys=False)
     except BaseException:
         if created:  # never leave the uninitialised moments behind
             optimizer.state.clear()

@@ -23,6 +23,7 @@ class Decision:
     kind: str = CHECKPOINT
     states: tuple[str, ...] | None = None  # the states to load; None: every state of the recipe
     fresh_run: bool = False  # a new run from other weights (``load_only``): nothing but those states carries over
+    fallback: bool = False  # found damaged while loading: set it aside and decide again (an automatic resume)
 
     @property
     def fresh(self) -> bool:

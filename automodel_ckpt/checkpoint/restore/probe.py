@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint.disk import layout, manifest
 from automodel_ckpt.checkpoint.disk.fingerprint import first_difference
+from automodel_ckpt.checkpoint.disk.loadcheck import deferred
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata, load_pt
 from automodel_ckpt.checkpoint.formats.safetensors_io import read_header
@@ -21,7 +22,8 @@ def probe(path: Path, *, checksums: bool, rank: int, world_size: int,
     rank 0 reads every safetensors header and DCP index; each rank reads the per-rank files it will load.
     """
     path = Path(path)
-    manifest.check_before_load(path, checksums=checksums, rank=rank, world_size=world_size, warn=warn)
+    manifest.check_before_load(path, checksums=checksums, rank=rank, world_size=world_size, warn=warn,
+                               leave=deferred)  # the model and optimizer files: hashed by the load
     if rank == 0:
         for file in sorted(path.rglob("*.safetensors")):
             if _exported(path, file):

@@ -26,23 +26,33 @@ from automodel_ckpt.errors import CheckpointError, first_line, warn
 
 
 def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, model_is_peft: bool, rank: int,
-           world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None]) -> Decision:
+           world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None],
+           touched: str | None = None) -> Decision:
     """Collective: select and check what ``checkpoint.restore_from`` (and ``load_only``) asks for.
 
     ``states``: the names of the recipe's states; ``model_is_peft``: whether its ``model`` is a PEFT model.
+    ``touched``: deciding again after the load of the last decision found its checkpoint damaged (and set it
+    aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an option.
     """
-    if not cfg.enabled and cfg.restore_from is None:
-        return Decision()
-    auto = cfg.restore_from is None
-    if cfg.load_only:
-        # The run's own checkpoints come first: a rerun of a run that started from other weights resumes itself.
-        if not (cfg.enabled and source.has_checkpoints()):
-            return start_from(cfg, source, sorted(states), model_is_peft=model_is_peft, rank=rank,
-                              world_size=world_size)
-        auto = True
+    if touched is None:
+        if not cfg.enabled and cfg.restore_from is None:
+            return Decision()
+        auto = cfg.restore_from is None
+        if cfg.load_only:
+            # The run's own checkpoints come first: a rerun of a run that started from other weights resumes itself.
+            if not (cfg.enabled and source.has_checkpoints()):
+                return start_from(cfg, source, sorted(states), model_is_peft=model_is_peft, rank=rank,
+                                  world_size=world_size)
+            auto = True
+    else:
+        auto = True  # only an automatic resume decides again
+    fallback = auto and cfg.on_load_error != LoadErrorPolicy.ERROR
     while True:
         path = source.find(None if auto else cfg.restore_from)
         if path is None:
+            if touched is not None:
+                raise CheckpointError(f"{touched}; it was moved aside, and no older checkpoint is left to load over "
+                                      "what was partly loaded from it: start the run again to begin afresh")
             return Decision()
         unfetched = _fetch(source, path)  # a checkpoint on an object store: its files into the local mirror first
         if unfetched is None:
@@ -54,18 +64,23 @@ def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, mode
                 lambda: probe(path, checksums=cfg.verify_on_load, rank=rank, world_size=world_size, warn=warn),
                 f"checking '{path}'", rank)
         except CheckpointError as exc:
-            if not auto or cfg.on_load_error == LoadErrorPolicy.ERROR:
+            if not fallback:
                 raise
-            reason = first_line(exc)
-            if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
-                reason = reason.split(": ", 1)[-1]
-            moved = collective.on_main(lambda: source.quarantine(path.name, reason),
-                                       "moving the damaged checkpoint aside", rank)
-            if rank == 0:
-                say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
-                    "and resuming from the newest checkpoint before it")
+            set_aside(source, path, exc, rank=rank, say=say)
             continue
-        return Decision(path)
+        return Decision(path, fallback=fallback)
+
+
+def set_aside(source: Source, path: Path, exc: CheckpointError, *, rank: int, say: Callable[[str], None]) -> None:
+    """Collective: quarantine damaged checkpoint ``path`` and say so."""
+    reason = first_line(exc)
+    if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
+        reason = reason.split(": ", 1)[-1]
+    moved = collective.on_main(lambda: source.quarantine(path.name, reason), "moving the damaged checkpoint aside",
+                               rank)
+    if rank == 0:
+        say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
+            "and resuming from the newest checkpoint before it")
 
 
 def _fetch(source: Source, path: Path) -> CheckpointError | None:

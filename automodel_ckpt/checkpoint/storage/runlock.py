@@ -173,8 +173,9 @@ def _drop(path: str, fd: int) -> None:
 
 
 @atexit.register
-def _release_all() -> None:
-    """At exit, whatever path the run ends by (short of being killed, when the kernel drops the lock anyway)."""
+def release_all() -> None:
+    """At exit, whatever path the run ends by (short of being killed, when the kernel drops the lock anyway); a
+    failed rank that leaves without exit handlers calls it itself."""
     with _MUTEX:
         for path, entry in _HELD.items():
             _drop(path, entry.fd)

@@ -12,13 +12,18 @@ and ``safetensors``; what changes is how the bytes get there:
   is computed from the same memory while the file is written, so sealing the checkpoint does not read it back.
   A ``torch_save`` record is what ``torch.save`` writes for the tensor (zip archive, pickled tensor metadata), but
   without torch's zip CRC-32 (the manifest's checksum covers the file; ``torch.load`` does not check the CRC).
-* Reads. The tensor bytes are located in the file (safetensors header, or the torch.save record's zip entry) and
-  read with ``preadv`` directly into the destination tensor's memory when the requested piece is one contiguous
-  byte range of it (always, when the world size did not change); otherwise into a buffer and copied.
+* Reads. The tensor bytes are located in the file (safetensors header, or the torch.save record's zip entry).
+  Files of ``directread.DIRECT_READ_MIN`` and more are read past the page cache (``directread``: page-aligned
+  O_DIRECT regions into reused buffers, copied into the tensors by several threads, the files' checksums computed
+  from the same buffers when the load verifies them); smaller files, and filesystems that refuse O_DIRECT, with
+  ``preadv`` directly into the destination tensor's memory. A requested piece that is not one contiguous byte
+  range of the saved tensor (after a change of world size), or goes to another dtype or device, goes through a
+  buffer and is copied.
 * Optimizer state is materialised for loading without running an optimizer step (``init_optimizer_state``).
 
-Modules: ``common`` (sizes, thread counts, dtype codes), ``filewrite`` (one file from tensor memory), ``records``
-(the torch.save record format), ``writers`` / ``readers`` (the DCP storage classes), ``optim_state``.
+Modules: ``common`` (sizes, thread counts, dtype codes), ``filewrite`` (one file from tensor memory), ``directread``
+(files read past the page cache), ``records`` (the torch.save record format), ``writers`` / ``readers`` (the DCP
+storage classes), ``optim_state``.
 
 Anything unusual (stream transforms, tensors of an unknown dtype, non-CPU destinations, a record this package does not
 recognise) takes torch's own code path for that item, so this package never changes what can be saved or loaded.

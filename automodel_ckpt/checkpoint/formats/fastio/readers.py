@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from automodel_ckpt.checkpoint.formats.fastio import common
+from automodel_ckpt.checkpoint.formats.fastio import common, directread
 from automodel_ckpt.checkpoint.formats.fastio.common import READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.checkpoint.formats.fastio.records import locate_record
 from automodel_ckpt.checkpoint.formats.safe_load import CachingHFReader, SafeFileSystemReader
@@ -91,12 +91,33 @@ class ReadJob:
         n = min(common.CHUNK, self.nbytes - s)
         pread_into(fd, tensor_memory(self.target, writable=True)[s:s + n], self.start + s)
 
+    def segment(self) -> directread.Segment | None:
+        """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record.
+
+        A piece that is not read in place (another dtype or device, part of a saved tensor) gets a buffer when its
+        first bytes arrive, put into place and freed once its last bytes have."""
+        if self.located is None:
+            return None
+        if self.direct:
+            return directread.Segment(self.start, self.target.reshape(-1).view(torch.uint8))
+        dtype = self.located.dtype
+        buffer: list[torch.Tensor] = []
+
+        def make() -> torch.Tensor:
+            buffer.append(torch.empty(self.nbytes // itemsize(dtype), dtype=dtype))
+            return buffer[0].view(-1).view(torch.uint8)
+
+        return directread.Segment(self.start, nbytes=self.nbytes, make=make, done=lambda: self._place(buffer.pop()))
+
     def read_copy(self, fd: int) -> None:
         if self.located is None:
             self._read_record(fd)
             return
         buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
         pread_into(fd, tensor_memory(buffer, writable=True), self.start)
+        self._place(buffer)
+
+    def _place(self, buffer: torch.Tensor) -> None:
         if self.span is not None:
             piece = buffer.view(tuple(self.lengths))
         else:
@@ -148,9 +169,37 @@ def open_fd(path: str, advice: int | None) -> int:
     return fd
 
 
-def run_reads(jobs: list[ReadJob], threads: int) -> None:
-    """Every job's bytes, each thread reading one consecutive stretch of the files with a descriptor of its own
-    (so the kernel sees sequential reads and reads ahead)."""
+def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | None = None,
+              on_hashed: Callable[[], None] | None = None) -> None:
+    """Every job's bytes. Large files (``directread.wanted``) and files to hash (``hash_files``: ``{path:
+    hasher}``) are read past the page cache in page-aligned regions (``directread``); the rest with ``preadv``
+    straight into the targets, each thread reading one consecutive stretch of the files with a descriptor of its
+    own (so the kernel sees sequential reads and reads ahead). ``on_hashed``: called once the hashed files are
+    read, before anything else may fail (a damaged record that ``torch.load`` refuses: the checksum tells first)."""
+    hash_files = {os.path.realpath(p): h for p, h in (hash_files or {}).items()}
+    sizes: dict[str, int] = {}
+    real: dict[str, str] = {}
+    for job in jobs:
+        if job.path not in real:
+            real[job.path] = os.path.realpath(job.path)
+            sizes[real[job.path]] = os.stat(job.path).st_size
+    regions = {p for p, n in sizes.items() if p in hash_files or directread.wanted(n)}
+    segments: dict[str, list[directread.Segment]] = {}
+    rest = []
+    for job in jobs:
+        segment = job.segment() if real[job.path] in regions else None
+        if segment is None:
+            rest.append(job)
+        else:
+            segments.setdefault(real[job.path], []).append(segment)
+    if segments or hash_files:
+        directread.read_files(segments, threads, sizes=sizes, hash_files=hash_files)
+        if on_hashed is not None:
+            on_hashed()
+    _preadv_reads(rest, threads)
+
+
+def _preadv_reads(jobs: list[ReadJob], threads: int) -> None:
     tasks = sorted(((job.path, start, n, read) for job in jobs for start, n, read in job.tasks()),
                    key=lambda t: (t[0], t[1]))
     if not tasks:
@@ -193,7 +242,8 @@ def safetensors_header(fd: int) -> tuple[int, dict[str, Any]]:
     return 8 + n, json.loads(raw)
 
 
-def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future | None:
+def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
+                     hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``HuggingFaceStorageReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead."""
     headers: dict[str, tuple[int, dict[str, Any]]] = {}
     jobs, done = [], []
@@ -213,12 +263,13 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
         target = planner.resolve_tensor(req).detach()
         jobs.append(ReadJob(path, located, tuple(req.storage_offsets), tuple(req.lengths), target))
         done.append((req, target))
-    run_reads(jobs, threads)
+    run_reads(jobs, threads, hash_files, on_hashed)
     return finish_reads(done, planner)
 
 
 
-def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future | None:
+def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
+                hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``FileSystemReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead.
 
     First every tensor record is located (its zip entries and pickled shape, a few small reads at its start and
@@ -265,28 +316,44 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int)
             if len(data) != length:
                 raise OSError(f"unexpected end of file in '{path}'")
             planner.load_bytes(req, io.BytesIO(data))
-    run_reads(jobs, threads)
+    run_reads(jobs, threads, hash_files, on_hashed)
     return finish_reads(done, planner)
 
 
 
-class ParallelHFReader(CachingHFReader):
+class _Checked:
+    """A reader's optional ``check`` (``loadcheck.LoadCheck``): the folder's files of its share hashed while read."""
+
+    check: Any = None
+
+    def _read(self, read: Callable[..., Future | None], plan: LoadPlan, planner: LoadPlanner) -> Future:
+        hashers = self.check.hashers(Path(self.path)) if self.check is not None else {}
+        # a mismatch is raised in read_data: every rank learns of it through DCP
+        done = read(self, plan, planner, self.threads, hashers, (lambda: self.check.check(hashers)) if hashers else None)
+        if done is None:  # torch's reader: the files are hashed at the end of the load instead
+            return super().read_data(plan, planner)  # type: ignore[misc]
+        return done
+
+
+class ParallelHFReader(_Checked, CachingHFReader):
     """``CachingHFReader`` whose reads go straight into the destination tensors (``read_safetensors``)."""
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS) -> None:
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None) -> None:
         super().__init__(str(path))
         self.threads = default_threads(threads)
+        self.check = check
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        return read_safetensors(self, plan, planner, self.threads) or super().read_data(plan, planner)
+        return self._read(read_safetensors, plan, planner)
 
 
-class ParallelFileSystemReader(SafeFileSystemReader):
+class ParallelFileSystemReader(_Checked, SafeFileSystemReader):
     """``SafeFileSystemReader`` whose reads go straight into the destination tensors (``read_distcp``)."""
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS) -> None:
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None) -> None:
         super().__init__(str(path))
         self.threads = default_threads(threads)
+        self.check = check
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        return read_distcp(self, plan, planner, self.threads) or super().read_data(plan, planner)
+        return self._read(read_distcp, plan, planner)
