@@ -98,7 +98,7 @@ class CheckpointConfig:
             self.load_only = [str(name).strip() for name in self.load_only if str(name).strip()]
             if not self.load_only:
                 raise ConfigError("checkpoint.load_only: expected state names such as [model], got an empty list")
-            if self.restore_from is None or self.restore_from in ("LATEST", "LOWEST_VAL"):
+            if self.restore_from is None or self.restore_from in layout.POINTERS:
                 raise ConfigError("checkpoint.load_only needs checkpoint.restore_from: the path of a checkpoint, a "
                                   "consolidated Hugging Face folder or a PEFT adapter folder to start from")
         check_retention_config(self)

@@ -108,6 +108,57 @@ def test_every_module_opens_with_a_docstring():
     assert missing == []
 
 
+def test_every_module_docstring_opens_with_one_line():
+    """The first line says what the module owns, alone: a blank line (or nothing) follows it."""
+    wrapped = []
+    for p in PACKAGE.rglob("*.py"):
+        lines = (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")), clean=False) or "").splitlines()
+        if len(lines) > 1 and lines[1].strip():
+            wrapped.append(str(p.relative_to(PACKAGE.parent)))
+    assert wrapped == [], f"make the first docstring line one line: {wrapped}"
+
+
+LAYOUT = PACKAGE / "checkpoint" / "disk" / "layout.py"
+
+
+def checkpoint_file_names() -> set[str]:
+    """The file and pointer names ``disk/layout.py`` spells (its module-level string constants that name files)."""
+    names = set()
+    for node in ast.parse(LAYOUT.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            value = node.value.value
+            if "." in value.strip(".") or value.isupper():
+                names.add(value)
+    return names
+
+
+def spelled_names(source: str, names: set[str]) -> list[str]:
+    """String literals of ``source`` (docstrings aside) that spell one of ``names``."""
+    tree = ast.parse(source)
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [f"line {n.lineno}: {n.value!r}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names and id(n) not in docs]
+
+
+def test_layout_alone_spells_checkpoint_file_names():
+    """Outside ``disk/layout.py`` a checkpoint's file names come from it (``models/`` spells the files of a base
+    model's Hugging Face folder, which is not a checkpoint)."""
+    names = checkpoint_file_names()
+    assert {"manifest.json", "metadata.json", "LATEST", ".run.lock"} <= names
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == LAYOUT or path.is_relative_to(PACKAGE / "models"):
+            continue
+        found = spelled_names(path.read_text(encoding="utf-8"), names)
+        if found:
+            offenders[str(path.relative_to(PACKAGE.parent))] = found
+    assert offenders == {}, f"name these files through checkpoint/disk/layout.py: {offenders}"
+    assert spelled_names('"""manifest.json is named here."""\nNAME = "manifest.json"\n', names) == [
+        "line 2: 'manifest.json'"]
+
+
 def test_components_never_import_recipes():
     modules = _modules()
     offenders = []

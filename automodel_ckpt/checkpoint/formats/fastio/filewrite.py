@@ -1,5 +1,8 @@
-"""Writing one checkpoint file from tensor memory: planned layout, positioned writes from several threads
-(straight to the device for large files), early writeback, one fsync, and the checksum computed on the way."""
+"""Writing one checkpoint file from tensor memory, its checksum computed on the way.
+
+Planned layout, positioned writes from several threads (straight to the device for large files), early writeback,
+one fsync.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The torch.save record format of DCP ``.distcp`` files: what to write around a tensor's bytes, and where a
-saved record keeps them."""
+"""The torch.save record format of DCP ``.distcp`` files: what surrounds a tensor's bytes, and where they are."""
 
 from __future__ import annotations
 
