@@ -1,6 +1,8 @@
-"""Exception types the CLI turns into one-line messages and exit codes."""
+"""Exception types the CLI turns into one-line messages and exit codes, and the one helper for user warnings."""
 
 from __future__ import annotations
+
+import warnings
 
 
 class UserError(Exception):
@@ -37,3 +39,8 @@ def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message, or its type name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def warn(message: str) -> None:
+    """A warning for the user, attributed to the code that calls this helper."""
+    warnings.warn(message, stacklevel=2)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
 from automodel_ckpt.models.tiny import build_tokenizer
 

@@ -189,7 +189,10 @@ def checkpointer(env, root: Path, fmt: str, is_async: bool = False):
 
 # ---------------------------------------------------------------------------------------------- raw I/O
 def _fsync_file(path: Path) -> None:
-    from automodel_ckpt.checkpoint.storage import fsync_file  # imported late: --tree may pick another checkout
+    try:  # imported late: --tree may pick another checkout
+        from automodel_ckpt.checkpoint.disk.durable import fsync_file
+    except ImportError:  # a --tree from before checkpoint/disk/
+        from automodel_ckpt.checkpoint.storage import fsync_file  # type: ignore[no-redef]
 
     fsync_file(path)
 

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
     import torch
 
     from bench_checkpoint import build_state, dist_env, layers_for
-    from automodel_ckpt.checkpoint import manifest
+    from automodel_ckpt.checkpoint.disk import manifest
     from automodel_ckpt.checkpoint.checkpointer import Checkpointer
     from automodel_ckpt.checkpoint.config import CheckpointConfig
     from automodel_ckpt.checkpoint.info import SaveInfo

@@ -10,24 +10,27 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from automodel_ckpt.checkpoint import catalog, collective, diskfull, layout, lifecycle, local_files, manifest, objectstore, overlap
-from automodel_ckpt.checkpoint import paths
+from automodel_ckpt.checkpoint import collective, storage
 from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.disk import catalog, layout, manifest, metadata
+from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_tree
+from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, LoadCheck, deferred, finish_collectively
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy, render_name
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
+from automodel_ckpt.checkpoint.formats.safe_load import load_pt
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
-from automodel_ckpt.checkpoint import metadata
-from automodel_ckpt.checkpoint.loadcheck import LoadCheck, deferred, finish_collectively
-from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.retention import RetentionPolicy, is_better, render_name
-from automodel_ckpt.checkpoint.runlock import RunLock, hold
+from automodel_ckpt.checkpoint.restore import initial_weights, resume
+from automodel_ckpt.checkpoint.restore.decision import CHECKPOINT, Decision
+from automodel_ckpt.checkpoint.save import diskfull, lifecycle, local_files, overlap
+from automodel_ckpt.checkpoint.save.phases import PhaseClock
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
-from automodel_ckpt.checkpoint.safe_load import load_pt
-from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_tree, unwritable
+from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
-from automodel_ckpt.errors import CheckpointError, first_line
+from automodel_ckpt.errors import CheckpointError, first_line, warn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,10 +52,11 @@ class Checkpointer:
         fingerprint: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/fingerprint.py)
+        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/disk/fingerprint.py)
         self.env = env
-        self.remote = objectstore.attach(cfg)  # checkpoint_dir on an object store, worked through a local mirror
-        self.dir = objectstore.run_folder(cfg)  # the local folder: checkpoint_dir itself, or the mirror
+        self.run = storage.open_run_folder(cfg, env.rank, env.world_size)  # local folder or object store: once
+        self.dir = self.run.local  # the local folder: checkpoint_dir itself, or an object store's mirror
+        self.monitor = storage.monitor_of(cfg)  # "best by monitor": LOWEST_VAL
         self.resumed_from: str | None = None  # the checkpoint this run resumed from (retention on a store keeps it)
         self.resolved_config_yaml = resolved_config_yaml
         self.hf = hf or HFArtifacts()
@@ -69,7 +73,6 @@ class Checkpointer:
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
         self.write_threads = cfg.async_write_threads or overlap.default_write_threads()
         self.written = WrittenFiles()  # files this checkpointer wrote: fsynced already, checksum known
-        self.lock = RunLock(self.dir)  # held (by rank 0) from here until ``finalize``, when saving is enabled
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
         self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
@@ -77,13 +80,13 @@ class Checkpointer:
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo")
-        if cfg.enabled:  # fail before training, not at the first save
-            problem = collective.on_main(lambda: unwritable(self.dir), "checking checkpoint.checkpoint_dir", env.rank)
-            if problem:
-                raise CheckpointError(problem)
-            self.lock = hold(self.dir, env.rank)  # one run per folder: before anything is written (runlock)
-            if self.remote is not None:  # endpoint, bucket and credentials: one line each, before training
-                collective.on_main(self.remote.prepare, f"opening {self.remote.url}", env.rank)
+        if cfg.enabled:  # fail before training, not at the first save: writable, one run per folder, credentials
+            self.run.acquire()
+
+    @property
+    def lock(self) -> RunLock:
+        """The run folder's lock: held (by rank 0) from the start until ``finalize``, when saving is enabled."""
+        return self.run.lock
 
     # ------------------------------------------------------------------------------------------ save
     @diskfull.guarded
@@ -97,7 +100,7 @@ class Checkpointer:
         A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
         """
         self._saved_objects = list(states.values())
-        clock = _PhaseClock()
+        clock = PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
         name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
@@ -107,19 +110,17 @@ class Checkpointer:
         final = self.dir / name
         rank = self.env.rank
         if self.env.is_main:
-            self.say(f"Saving checkpoint to {self.remote.store.url_of(name) if self.remote else final}")
+            self.say(f"Saving checkpoint to {self.run.location(name)}")
         plan = plan_state(states)
         consolidate = self._consolidate_now(info, plan)
 
         def reserve() -> Path:
-            local = lambda: lifecycle.reserve(self.dir, name)  # noqa: E731
-            return collective.on_main(lambda: self.remote.reserve(name, local) if self.remote else local(),
-                                      "reserving the checkpoint", rank)
+            return collective.on_main(lambda: self.run.reserve(name), "reserving the checkpoint", rank)
 
         # async: the background thread reserves the staging folder (after the copy), unless something is written
         # into it now (a PEFT adapter) or the save completes on this thread (an inline HF export)
-        reserve_later = (self.is_async and not consolidate and not _has_peft(plan) and self.remote is None
-                         and bool(plan.models or plan.optimizers))
+        reserve_later = (self.is_async and not consolidate and not _has_peft(plan)
+                         and self.run.reserves_in_background and bool(plan.models or plan.optimizers))
         staging = self.dir / layout.staging_name(name) if reserve_later else reserve()
         clock.mark("reserve")
         fmt = self.cfg.model_save_format
@@ -195,13 +196,13 @@ class Checkpointer:
 
     def finalize(self) -> Path | None:
         """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease."""
+        done = False
         try:
             path = self.wait()
+            done = True
         finally:
             self._close_stager()
-            if self.remote is not None:
-                self.remote.release()
-        self.lock.release()  # the next run may take the folder (a failed run keeps it until its process ends)
+            self.run.release(keep_lock=not done)  # the next run may take the folder (a failed run: at its exit)
         return path
 
     def abandon(self) -> None:
@@ -214,8 +215,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None or pending.let_end(ABANDON_WAIT_SECONDS):
             self._close_stager()
-        if self.remote is not None:  # the run folder's lease (rank 0): the next run need not wait for it to expire
-            self.remote.release()
+        self.run.release(keep_lock=True)  # an object store's lease: the next run need not wait for it to expire
 
     @property
     def background(self) -> overlap.Overlapped | None:
@@ -260,7 +260,7 @@ class Checkpointer:
             collective.collectively(wait_writes, f"writing '{staging}' in the background", rank)
         if write_local is not None:
             collective.collectively(write_local.write, f"writing '{staging}'", rank)
-        clock = _PhaseClock()
+        clock = PhaseClock()
         if pending.consolidate:
             collective.collectively(lambda: self._consolidate(staging), "consolidating the checkpoint", rank)
             clock.mark("consolidate")
@@ -270,14 +270,9 @@ class Checkpointer:
         clock.mark("manifest")
         stop_if_orphaned(f"publishing '{name}'")  # a worker that outlived its launcher never publishes
         publish = lambda: lifecycle.publish(self.dir, name, update_lowest_val=self._is_new_best(staging))  # noqa: E731
-        if self.remote is not None:  # upload every rank's share, then commit on rank 0 (objectstore.run)
-            collective.collectively(lambda: self.remote.upload_share(staging, name, rank, self.env.world_size),
-                                    f"uploading '{self.remote.store.url_of(name)}'", rank)
+        if self.run.upload(staging, name):  # an object store: every rank's share, before the commit
             clock.mark("upload")
-            path = collective.on_main(lambda: self.remote.commit(staging, name, publish), "committing the checkpoint",
-                                      rank)
-        else:
-            path = collective.on_main(publish, "publishing the checkpoint", rank)
+        path = self.run.commit(staging, name, publish)
         if self.retention.prunes:
             self._prune()
         barrier()
@@ -297,9 +292,7 @@ class Checkpointer:
             self.say(f"Removed checkpoints by retention: {', '.join(deleted)}")
 
     def _prune_on_main(self) -> list[str]:
-        prune = lambda keep=(): lifecycle.prune(self.dir, self.retention, self.cfg.monitor,  # noqa: E731
-                                                self.cfg.best_metric_key, protected=keep)
-        return self.remote.prune(prune, self.resumed_from) if self.remote else prune()
+        return self.run.prune(self.retention, self.monitor, self.resumed_from)
 
     def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
         """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
@@ -373,21 +366,46 @@ class Checkpointer:
         of every earlier run. LOWEST_VAL means "best by monitor": with ``mode: max`` it follows the highest value.
         Non-finite values never win.
         """
-        def value(folder: Path | None) -> float | None:
-            return metric_value(read_metadata(folder), self.cfg.monitor, self.cfg.best_metric_key) if folder else None
-
-        return is_better(value(staged), value(catalog.pointer_target(self.dir, layout.LOWEST_VAL)), self.cfg.mode)
+        best = catalog.pointer_target(self.dir, layout.LOWEST_VAL)
+        return self.monitor.beats(read_metadata(staged), read_metadata(best) if best else None)
 
     # ------------------------------------------------------------------------------------------ load
     def restore(self, states: dict[str, Any]) -> Path | None:
         """Restore what ``checkpoint.restore_from`` selects into ``states``; returns the checkpoint, or None (fresh).
 
         Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
-        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. See ``resume``.
+        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. ``restore.resume`` decides,
+        this carries it out (``carry_out``).
         """
-        from automodel_ckpt.checkpoint.resume import restore
+        peft = "model" in states and peft_format.is_peft_model(states["model"])
+        touched = None  # a checkpoint found damaged while loading it: some state already holds its bytes
+        while True:
+            decision = resume.decide(self.cfg, self.run, states, model_is_peft=peft, rank=self.env.rank,
+                                     world_size=self.env.world_size, fingerprint=self.fingerprint, say=self.say,
+                                     touched=touched)
+            try:
+                return self.carry_out(decision, states)
+            except DamagedFile as exc:  # a checksum computed while loading (verify_on_load): as if found by probe
+                if not decision.fallback or decision.path is None:
+                    raise
+                resume.set_aside(self.run, decision.path, exc, rank=self.env.rank, say=self.say)
+                touched = first_line(exc)
 
-        return restore(self, states)
+    def carry_out(self, decision: Decision, states: dict[str, Any]) -> Path | None:
+        """Load what ``decision`` names into ``states`` on every rank; returns its path, or None (a fresh run)."""
+        if decision.path is None:
+            return None
+        subset = states if decision.states is None else {name: states[name] for name in decision.states}
+        if decision.kind == CHECKPOINT:
+            self.load(subset, decision.path, checked=True, fresh_run=decision.fresh_run)
+        else:
+            if self.env.is_main:
+                self.say(f"Loading model weights from {decision.kind} {decision.path}")
+            initial_weights.load_weights(subset["model"], decision, self.env.rank)
+        if decision.fresh_run and self.env.is_main:
+            self.say(f"Started from {', '.join(decision.states or ())} of {decision.path}; everything else starts "
+                     "fresh")
+        return decision.path
 
     def find_restore_target(self, restore_from: str | None = None, *, auto: bool | None = None) -> Path | None:
         """The checkpoint to restore (as decided by rank 0), or None to start fresh.
@@ -396,29 +414,26 @@ class Checkpointer:
         """
         if auto is None and not self.cfg.enabled and self.cfg.restore_from is None:
             return None
-        target = None if auto else (restore_from or self.cfg.restore_from)
-        local = lambda: objectstore.localize(target, self.cfg.storage_options)  # noqa: E731 - a URL: its mirror
-        return collective.on_main(lambda: catalog.resolve_restore_from(self.dir, local()), "finding the checkpoint",
-                                  self.env.rank)
+        return self.run.find(None if auto else (restore_from or self.cfg.restore_from))
 
     def fetch(self, path: Path) -> None:
         """Collective: an object store's checkpoint is downloaded into its mirror before it is checked and loaded."""
-        objectstore.fetch_collectively(Path(path), self.cfg.storage_options, self.env.rank)
+        self.run.fetch(Path(path))
 
     def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> None:
         """Load ``states`` from checkpoint ``path`` on every rank.
 
-        ``checked``: the files were already checked against the manifest (``resume.probe``). ``fresh_run``: the
+        ``checked``: the files were already checked against the manifest (``restore.probe``). ``fresh_run``: the
         states start a new run (``load_only``), so the training time recorded in the checkpoint does not carry over.
         """
         path = Path(path)
         if self.env.is_main:
-            self.say(f"Loading checkpoint from {path}")
+            self.say(f"Loading checkpoint from {self.run.where(path)}")
         if not checked:
             self.fetch(path)
             collective.collectively(
                 lambda: manifest.check_before_load(path, checksums=self.cfg.verify_on_load, rank=self.env.rank,
-                                                   world_size=self.env.world_size, warn=_warn, leave=deferred),
+                                                   world_size=self.env.world_size, warn=warn, leave=deferred),
                 "verifying the checkpoint", self.env.rank,
             )
         plan = plan_state(states)
@@ -472,22 +487,6 @@ class Checkpointer:
             warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh", stacklevel=3)
 
 
-class _PhaseClock:
-    """Seconds spent per phase of a save (``Checkpointer.last_save_seconds``, read by tools/bench_async.py)."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.phases[phase] = round(now - self._last, 4)
-        self._last = now
-
-
 def _has_peft(plan: StatePlan) -> bool:
     return any(peft_format.is_peft_model(m) for m in plan.models.values())
 
-
-def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=2)

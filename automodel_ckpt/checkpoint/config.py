@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from automodel_ckpt.checkpoint.retention import check_retention_config
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
 class _Choice(str, Enum):
@@ -17,8 +18,8 @@ class _Choice(str, Enum):
 
 
 class ModelSaveFormat(_Choice):
-    SAFETENSORS = "safetensors"  # per-rank Hugging Face safetensors shards
-    TORCH_SAVE = "torch_save"  # DCP .distcp files
+    SAFETENSORS = layout.SAFETENSORS  # per-rank Hugging Face safetensors shards
+    TORCH_SAVE = layout.TORCH_SAVE  # DCP .distcp files
 
 
 class ConsolidationMode(_Choice):
@@ -50,7 +51,7 @@ class CheckpointConfig:
     checkpoint_dir: str = "checkpoints/"  # run folder: checkpoints, pointers, training/validation logs; or s3://BUCKET/PREFIX
     storage_options: Optional[Dict[str, Any]] = field(default=None, repr=False)  # object store checkpoint_dir: fsspec options (endpoint_url, key, ...)
     staging_dir: Optional[str] = None  # object store checkpoint_dir: local folder for writes and loads (default: ~/.cache)
-    model_save_format: str = "safetensors"  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
+    model_save_format: str = layout.SAFETENSORS  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
     verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)
@@ -97,7 +98,7 @@ class CheckpointConfig:
             self.load_only = [str(name).strip() for name in self.load_only if str(name).strip()]
             if not self.load_only:
                 raise ConfigError("checkpoint.load_only: expected state names such as [model], got an empty list")
-            if self.restore_from is None or self.restore_from in ("LATEST", "LOWEST_VAL"):
+            if self.restore_from is None or self.restore_from in layout.POINTERS:
                 raise ConfigError("checkpoint.load_only needs checkpoint.restore_from: the path of a checkpoint, a "
                                   "consolidated Hugging Face folder or a PEFT adapter folder to start from")
         check_retention_config(self)

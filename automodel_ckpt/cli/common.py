@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from automodel_ckpt.errors import UsageError
 from automodel_ckpt.sizes import human_size  # noqa: F401 - every verb prints sizes this one way
@@ -32,3 +33,16 @@ def report(message: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     print(prefix + message, file=sys.stderr, flush=True)
+
+
+def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True) -> None:
+    """Every check of a loaded recipe made before training: its values (``config.validate``, ``data.checks``) and,
+    with ``inputs``, that its model, tokenizer and dataset paths exist. One-line ``ConfigError``s."""
+    from automodel_ckpt.config.validate import check_inputs_exist, validate_config
+    from automodel_ckpt.data.checks import check_data_section, check_dataset_paths
+
+    validate_config(cfg, world_size)
+    check_data_section(cfg)
+    if inputs:
+        check_inputs_exist(cfg)
+        check_dataset_paths(cfg)

@@ -78,13 +78,13 @@ def main(argv: list[str]) -> int:
             progress=not args.no_progress,
         )
         if rank == 0 and out_url:
-            from automodel_ckpt.checkpoint import layout
+            from automodel_ckpt.checkpoint.disk import layout
             from automodel_ckpt.checkpoint.objectstore import upload_folder
 
             upload_folder(out, out_url, last=(layout.HF_CONFIG,))
             print(f"Hugging Face model written to {out_url}", flush=True)
         elif rank == 0:
-            from automodel_ckpt.checkpoint.manifest import add_files
+            from automodel_ckpt.checkpoint.disk.manifest import add_files
 
             add_files(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
             print(f"Hugging Face model written to {out}", flush=True)
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
 
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
     """The local model folder to read (an object store checkpoint's model/ is downloaded first) and the output URL."""
-    from automodel_ckpt.checkpoint import layout
+    from automodel_ckpt.checkpoint.disk import layout
     from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
 
     source, out = str(args.model_dir), args.out

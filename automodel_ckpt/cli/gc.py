@@ -21,7 +21,7 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint import layout
+    from automodel_ckpt.checkpoint.disk import layout
     from automodel_ckpt.checkpoint.objectstore import check_url, is_url
     from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
     from automodel_ckpt.checkpoint.objectstore.lease import break_lease

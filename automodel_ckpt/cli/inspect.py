@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import catalog, layout, paths
+from automodel_ckpt.checkpoint.disk import catalog, layout, paths
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
-from automodel_ckpt.checkpoint.metadata import as_float
+from automodel_ckpt.checkpoint.disk.metadata import as_float
 from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.catalog import pointer_target, scan
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.catalog import pointer_target, scan
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.training.metrics import read_jsonl

@@ -35,15 +35,14 @@ def main(argv: list[str]) -> int:
     """Load the recipe, tokenize its data (through the cache) and print the preview; no model, no processes."""
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.config.validate import check_inputs_exist, validate_config
+    from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.data.pipeline import prepare_data
     from automodel_ckpt.data.preview import preview
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
 
     args = parse_args(argv)
     cfg = load_config(args.recipe, args.overrides, RecipeConfig)
-    validate_config(cfg, 1)
-    check_inputs_exist(cfg)
+    check_recipe(cfg, 1)
     model_path = cfg.model.get("pretrained_model_name_or_path")
     if cfg.model.get("embedded") and model_path and local_model_path(model_path) is None:
         ensure_embedded_base(cfg.model.embedded, model_path)

@@ -12,7 +12,7 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.checkpoint import CheckpointConfig
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.config.validate import check_inputs_exist, validate_config
+    from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.distributed.env import inside_launcher_worker
     from automodel_ckpt.launch import launch_agent, parse_launch_args
 
@@ -22,8 +22,7 @@ def main(argv: list[str]) -> int:
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
     cfg = load_config(recipe_path, overrides, RecipeConfig)
-    validate_config(cfg, opts.world_size)
-    check_inputs_exist(cfg)
+    check_recipe(cfg, opts.world_size)
     if opts.dry_run:
         from automodel_ckpt.config.loader import to_yaml
 
@@ -33,7 +32,7 @@ def main(argv: list[str]) -> int:
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
         from automodel_ckpt.checkpoint.objectstore import run_folder
-        from automodel_ckpt.checkpoint.runlock import RunLock
+        from automodel_ckpt.checkpoint.storage.runlock import RunLock
 
         RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0
     if opts.needs_agent:
@@ -52,12 +51,12 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.config.validate import validate_config
+    from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.distributed.env import end_process, shutdown_distributed
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)
-    validate_config(cfg, world_size)
+    check_recipe(cfg, world_size, inputs=False)
     recipe_cls = locate(cfg.recipe, "recipe")
     recipe = recipe_cls(cfg)
     recipe.run()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import catalog, layout, manifest
+from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 

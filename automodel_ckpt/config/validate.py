@@ -11,7 +11,8 @@ from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locat
 from automodel_ckpt.errors import ConfigError
 
 
-def _positive(value: int | None, key: str, allow_none: bool = True) -> None:
+def positive(value: int | None, key: str, allow_none: bool = True) -> None:
+    """``ConfigError`` unless ``value`` is a positive integer (or None, where ``allow_none``)."""
     if value is None and allow_none:
         return
     if value is None or value < 1:
@@ -31,28 +32,15 @@ def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: in
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> None:
-    """Raise ConfigError (one line) for values that would fail later."""
+    """Raise ConfigError (one line) for values that would fail later (the ``data:`` keys: ``data.checks``)."""
     sched = cfg.step_scheduler
-    _positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
-    _positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
-    _positive(sched.max_steps, "step_scheduler.max_steps")
-    _positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
-    _positive(sched.ckpt_every_steps, "step_scheduler.ckpt_every_steps")
-    _positive(sched.val_every_steps, "step_scheduler.val_every_steps")
+    positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
+    positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
+    positive(sched.max_steps, "step_scheduler.max_steps")
+    positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
+    positive(sched.ckpt_every_steps, "step_scheduler.ckpt_every_steps")
+    positive(sched.val_every_steps, "step_scheduler.val_every_steps")
     check_batch_sizes(sched.global_batch_size, sched.local_batch_size, world_size)
-    if cfg.data.seq_length < 2:
-        raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
-    from automodel_ckpt.data.chat import CHAT_LOSS_MODES
-
-    if cfg.data.chat_loss not in CHAT_LOSS_MODES:
-        raise ConfigError(f"data.chat_loss: expected one of {', '.join(CHAT_LOSS_MODES)}, got '{cfg.data.chat_loss}'")
-    if (cfg.data.prompt_template is None) != (cfg.data.completion_template is None):
-        missing = "prompt_template" if cfg.data.prompt_template is None else "completion_template"
-        raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
-    _positive(cfg.data.num_proc, "data.num_proc")
-    _positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
-    if cfg.data.val_size < 0:
-        raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):
@@ -84,23 +72,11 @@ def check_importable(path: str, key: str) -> None:
 
 
 def check_inputs_exist(cfg: DictConfig) -> None:
-    """Missing model or data paths, reported before any process starts."""
-    from automodel_ckpt.data.files import hub_dataset_cached, is_hub_id
+    """Missing model or tokenizer paths, reported before any process starts (dataset paths: ``data.checks``)."""
     from automodel_ckpt.models.build import check_model_source
 
     model = cfg.model
     check_model_source(model.get("pretrained_model_name_or_path"), model.get("config"), model.get("embedded"))
-    for section in ("dataset", "validation_dataset"):
-        node = cfg.get(section)
-        if node is None:
-            continue
-        for key in ("path", "data_files", "data_dir"):
-            value = node.get(key)
-            if isinstance(value, str) and not any(ch in value for ch in "*?[") and not Path(value).expanduser().exists():
-                if key == "path" and is_hub_id(value) and hub_dataset_cached(value):
-                    continue
-                hint = " (nor a dataset in the Hugging Face cache)" if key == "path" and is_hub_id(value) else ""
-                raise ConfigError(f"{section}.{key}: '{value}' not found{hint}")
     tok = cfg.tokenizer.pretrained_model_name_or_path
     if tok and not Path(tok).expanduser().exists():
         raise ConfigError(f"tokenizer.pretrained_model_name_or_path: '{tok}' not found")

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, layout
-from automodel_ckpt.checkpoint.fingerprint import run_fingerprint
+from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.fingerprint import run_fingerprint
 from automodel_ckpt.checkpoint.objectstore import run_folder
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml

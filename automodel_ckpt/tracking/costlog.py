@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint import layout, manifest
-from automodel_ckpt.checkpoint.catalog import size_on_disk
+from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.checkpoint.disk.catalog import size_on_disk
 from automodel_ckpt.training.metrics import JsonlLog, read_jsonl
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"

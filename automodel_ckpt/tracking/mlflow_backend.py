@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext, flatten
 
 PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import yaml
 
-from automodel_ckpt.checkpoint import catalog
+from automodel_ckpt.checkpoint.disk import catalog
 from automodel_ckpt.tracking.costlog import CheckpointCosts, read_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report, one_line
 from automodel_ckpt.tracking.tracker import RunTracker, checkpoint_metrics, train_metrics, validation_metrics

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext
 
 

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
 from automodel_ckpt.tracking.lane import Lane
 from automodel_ckpt.tracking.mlflow_backend import MLflowBackend

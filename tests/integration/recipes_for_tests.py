@@ -37,7 +37,7 @@ class HoldSnapshotRecipe(FinetuneRecipe):
             import threading
             from pathlib import Path
 
-            from automodel_ckpt.checkpoint import overlap
+            from automodel_ckpt.checkpoint.save import overlap
             from automodel_ckpt.checkpoint.formats import sharded
 
             markers, rank = Path(os.environ["HOLD_MARKERS"]), self.env.rank

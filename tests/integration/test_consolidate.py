@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.export.plan import consolidate, render_consolidate_script
 from automodel_ckpt.cli import main as ckpt_train_main
 from automodel_ckpt.cli.consolidate import parse_size

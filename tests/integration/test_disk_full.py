@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint import catalog, diskfull, layout
-from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.checkpoint.save import diskfull
+from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.errors import DiskFullError
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint import catalog, layout
-from automodel_ckpt.checkpoint.runlock import RunLock
+from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, Result, _alive, ckpt_train, env_for, jsonl, losses, \
     process_tree
 
@@ -36,7 +36,7 @@ ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_eve
 TIMEOUT = 300  # generous: each wait below ends as soon as what it waits for happens
 CLAIM = """
 import sys
-from automodel_ckpt.checkpoint.runlock import hold
+from automodel_ckpt.checkpoint.storage.runlock import hold
 from automodel_ckpt.distributed.env import init_distributed
 hold(sys.argv[1], init_distributed("gloo").rank)
 """

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint.disk import layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats import sharded
-from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
 from tests.integration.contents import comparable
@@ -220,7 +220,7 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     from concurrent.futures import Future
 
     from automodel_ckpt.checkpoint import checkpointer as checkpointer_module
-    from automodel_ckpt.checkpoint import overlap
+    from automodel_ckpt.checkpoint.save import overlap
 
     ckpt = make_checkpointer(env, tmp_path, is_async=True)
     stager = ckpt._host_stager()
@@ -324,7 +324,7 @@ def test_fence_is_free_without_a_save_in_flight_and_hooks_go_with_finalize(env, 
 def test_background_threads_defaults_and_priority(monkeypatch):
     import os
 
-    from automodel_ckpt.checkpoint import overlap
+    from automodel_ckpt.checkpoint.save import overlap
 
     assert overlap.default_write_threads(cpu_count=2, local_ranks=2) == 1  # a small host: one writer thread
     assert overlap.default_write_threads(cpu_count=96, local_ranks=8) == overlap.WRITE_THREADS_MAX

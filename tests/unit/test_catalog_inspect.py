@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt import cli
-from automodel_ckpt.checkpoint import catalog, layout
+from automodel_ckpt.checkpoint.disk import catalog, layout
 from automodel_ckpt.cli.inspect import human_size, inspect_dir, render_table
-from automodel_ckpt.checkpoint.metadata import as_float, build_metadata, metric_value, read_metadata, write_metadata
-from automodel_ckpt.checkpoint.storage import set_pointer
+from automodel_ckpt.checkpoint.disk.metadata import as_float, build_metadata, metric_value, read_metadata, write_metadata
+from automodel_ckpt.checkpoint.disk.durable import set_pointer
 from automodel_ckpt.errors import UserError
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from automodel_ckpt.checkpoint import checksum
+from automodel_ckpt.checkpoint.disk import checksum
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.fastio import directread, readers
 from automodel_ckpt.distributed.env import init_distributed
@@ -269,14 +269,14 @@ def _saved(tmp_path: Path, fmt: str):
 
 
 def _data_files(path: Path) -> list[str]:
-    from automodel_ckpt.checkpoint import loadcheck, manifest
+    from automodel_ckpt.checkpoint.disk import loadcheck, manifest
 
     return sorted(rel for rel in manifest.read(path)["files"] if loadcheck.deferred(rel))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_verify_on_load_hashes_the_data_files_while_loading_them(tmp_path, monkeypatch, fmt):
-    from automodel_ckpt.checkpoint import loadcheck, manifest
+    from automodel_ckpt.checkpoint.disk import loadcheck, manifest
     from tests.unit.ckpt_state import State
 
     ckpt, state, path = _saved(tmp_path, fmt)
@@ -309,7 +309,7 @@ def test_verify_on_load_hashes_the_data_files_while_loading_them(tmp_path, monke
 
 def test_verify_on_load_checks_data_files_no_load_read(tmp_path):
     """A state not loaded (load_only): its files are still checked, at the end of the load."""
-    from automodel_ckpt.checkpoint import loadcheck
+    from automodel_ckpt.checkpoint.disk import loadcheck
     from tests.unit.ckpt_state import State
 
     ckpt, _state, path = _saved(tmp_path, "safetensors")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.export.plan import consolidate
 from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
 from automodel_ckpt.checkpoint.export.views import flat_boxes

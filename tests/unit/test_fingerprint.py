@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from automodel_ckpt.checkpoint.fingerprint import first_difference, run_fingerprint
+from automodel_ckpt.checkpoint.disk.fingerprint import first_difference, run_fingerprint
 from automodel_ckpt.models.tiny import build_tokenizer
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint import catalog, layout, manifest
+from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.safe_load import RestrictedUnpickler
+from automodel_ckpt.checkpoint.formats.safe_load import RestrictedUnpickler
 from automodel_ckpt.cli.common import human_size
 from automodel_ckpt.cli.verify import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
@@ -297,13 +297,13 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
         if where == "async":
             ckpt = make_checkpointer(ckpt.env, ckpt.dir, ckpt.cfg.model_save_format, is_async=True)
     elif where == "rank_file":
-        from automodel_ckpt.checkpoint import local_files
+        from automodel_ckpt.checkpoint.save import local_files
 
         real_write = local_files.write_files  # the per-rank and global state files
         monkeypatch.setattr(local_files, "write_files",
                             lambda files: _enospc() if any("cursor" in str(f) for f in files) else real_write(files))
     elif where == "metadata":
-        from automodel_ckpt.checkpoint import local_files
+        from automodel_ckpt.checkpoint.save import local_files
 
         monkeypatch.setattr(local_files, "write_metadata", _enospc)
     else:
@@ -331,7 +331,7 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
 def test_out_of_room_is_recognised_from_errno_dcp_failures_and_remote_text():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from automodel_ckpt.checkpoint import diskfull
+    from automodel_ckpt.checkpoint.save import diskfull
 
     assert diskfull.out_of_room(OSError(errno.ENOSPC, "x")) == errno.ENOSPC
     dcp = CheckpointException("save", {1: (OSError(errno.EDQUOT, "quota"), "traceback")})

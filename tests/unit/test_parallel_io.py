@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import (
     HuggingFaceStorageWriter,
 )
 
-from automodel_ckpt.checkpoint import manifest, storage
+from automodel_ckpt.checkpoint.disk import manifest, durable
 from automodel_ckpt.checkpoint.formats import fastio, sharded
 from automodel_ckpt.checkpoint.formats.fastio import common, filewrite, readers, records
 from automodel_ckpt.distributed.env import init_distributed
@@ -135,7 +135,7 @@ def test_safetensors_shard_is_a_valid_safetensors_file(tmp_path):
 
 def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
     model, optimizer = model_and_optimizer(0)
-    written = storage.WrittenFiles()  # owned by the checkpointer in a run
+    written = durable.WrittenFiles()  # owned by the checkpointer in a run
     sharded.save_model(model, tmp_path / "model", "safetensors", written=written)
     sharded.save_optimizer(model, optimizer, tmp_path / "optim", written=written)
     algorithm = manifest.default_algorithm()
@@ -144,7 +144,7 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
         assert known is not None and known.synced and known.algorithm == algorithm
         assert known.digest == manifest.hash_file(tmp_path / f, algorithm)[1]
     assert written.get(tmp_path / "optim" / ".metadata").synced
-    assert storage.WrittenFiles().get(tmp_path / "optim" / "__0_0.distcp") is None  # no process-wide registry
+    assert durable.WrittenFiles().get(tmp_path / "optim" / "__0_0.distcp") is None  # no process-wide registry
 
     hashed = []
     real = manifest.hash_file
@@ -156,7 +156,7 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
 
 
 def test_a_changed_file_is_never_trusted(tmp_path):
-    written = storage.WrittenFiles()
+    written = durable.WrittenFiles()
     file = tmp_path / "a.bin"
     file.write_bytes(b"first")
     written.note(file, synced=True, algorithm="crc32", digest="0")
@@ -167,12 +167,12 @@ def test_a_changed_file_is_never_trusted(tmp_path):
 
 def test_fsync_tree_skips_files_synced_by_their_writer(tmp_path, monkeypatch):
     model, _ = model_and_optimizer(0)
-    written = storage.WrittenFiles()
+    written = durable.WrittenFiles()
     sharded.save_model(model, tmp_path / "model", "torch_save", written=written)
     (tmp_path / "config.yaml").write_text("x: 1\n")
     synced = []
-    monkeypatch.setattr(storage, "fsync_file", lambda p: synced.append(Path(p).name))
-    storage.fsync_tree(tmp_path, written=written)
+    monkeypatch.setattr(durable, "fsync_file", lambda p: synced.append(Path(p).name))
+    durable.fsync_tree(tmp_path, written=written)
     assert synced == ["config.yaml"]
 
 
@@ -265,7 +265,7 @@ def test_failed_optimizer_load_leaves_no_uninitialised_state(tmp_path):
 
 
 def test_large_files_go_past_the_page_cache_byte_for_byte_with_their_checksum(tmp_path, monkeypatch):
-    from automodel_ckpt.checkpoint import checksum, storage
+    from automodel_ckpt.checkpoint.disk import checksum, durable
 
     monkeypatch.setattr(filewrite, "DIRECT_MIN", 0)
     monkeypatch.setattr(filewrite, "DIRECT_CHUNK", 8192)
@@ -279,7 +279,7 @@ def test_large_files_go_past_the_page_cache_byte_for_byte_with_their_checksum(tm
     expected = b"".join(bytes(p) if not isinstance(p, filewrite.Lazy) else p.tensor.numpy().tobytes()
                         if p.tensor.dtype != torch.bfloat16 else p.tensor.view(torch.int16).numpy().tobytes()
                         for p in pieces)
-    written = storage.WrittenFiles()
+    written = durable.WrittenFiles()
     path = tmp_path / "file.bin"
     assert filewrite.write_file(path, pieces, 3, written) == len(expected)
     assert path.read_bytes() == expected

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.export.merge_lora import base_model_folder, merge_lora
 from automodel_ckpt.config.schema import PeftConfig

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from automodel_ckpt.checkpoint import catalog, layout
-from automodel_ckpt.checkpoint.resume import probe, quarantine
-from automodel_ckpt.checkpoint.storage import read_pointer, set_pointer
+from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.checkpoint.disk.quarantine import quarantine
+from automodel_ckpt.checkpoint.restore.probe import probe
+from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
 from automodel_ckpt.cli.inspect import inspect_dir, render_table
 from automodel_ckpt.errors import CheckpointError
 from tests.unit.test_catalog_inspect import make

@@ -11,11 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from automodel_ckpt.checkpoint import catalog, layout, lifecycle
+from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.checkpoint.save import lifecycle
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.metadata import build_metadata, read_metadata, write_metadata
-from automodel_ckpt.checkpoint.retention import (
+from automodel_ckpt.checkpoint.disk.metadata import build_metadata, read_metadata, write_metadata
+from automodel_ckpt.checkpoint.disk.retention import (
     render_name,
     Candidate,
     RetentionPolicy,
@@ -24,7 +25,7 @@ from automodel_ckpt.checkpoint.retention import (
     survivors,
     to_delete,
 )
-from automodel_ckpt.checkpoint.storage import read_pointer, set_pointer
+from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.errors import ConfigError
 from tests.unit.ckpt_state import Counter

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.runlock import FolderInUseError, RunLock
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.storage.runlock import FolderInUseError, RunLock
 
 REPO = Path(__file__).resolve().parents[2]
 HOLD = textwrap.dedent("""
     import sys, time
-    from automodel_ckpt.checkpoint.runlock import RunLock
+    from automodel_ckpt.checkpoint.storage.runlock import RunLock
     RunLock(sys.argv[1]).acquire()
     print("held", flush=True)
     time.sleep(600)

@@ -1,5 +1,5 @@
-"""The package's shape: no import cycle, no module over 500 lines, components never import recipes, a public API,
-and every pickle read from a checkpoint goes through ``checkpoint/safe_load.py``."""
+"""The package's shape: no import cycle (lazy imports included), no module over 500 lines, components never import
+recipes, a public API, and every pickle read from a checkpoint goes through ``checkpoint/formats/safe_load.py``."""
 
 from __future__ import annotations
 
@@ -14,73 +14,86 @@ PACKAGE = Path(__file__).resolve().parents[2] / "automodel_ckpt"
 MAX_LINES = 500
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
     return out
 
 
-def _module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Modules of the package that ``name`` imports when it is imported (imports inside functions are lazy)."""
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere: at module level, inside functions and methods, under
+    ``if TYPE_CHECKING`` (a lazy import is still a dependency: it only moves the cycle's failure to run time)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name in known)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-                for alias in node.names:
-                    target = f"{base}.{alias.name}"
-                    found.add(target if target in known else base)
-            elif isinstance(node, (ast.If, ast.Try, ast.With)):  # module-level blocks run at import
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-                visit(getattr(node, "finalbody", []))
-
-    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in known else base)
     return {m for m in found if m in known and m != name}
 
 
-def test_no_import_cycle():
-    modules = _modules()
-    graph = {name: _module_level_imports(name, path, set(modules)) for name, path in modules.items()}
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    modules = _modules(root)
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (``[a, b, ..., a]``), or None when there is none."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     stack: list[str] = []
 
-    def walk(node: str) -> None:
+    def walk(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
+                return stack[stack.index(nxt):] + [nxt]
             if nxt not in state:
-                walk(nxt)
+                found = walk(nxt)
+                if found:
+                    return found
         stack.pop()
         state[node] = 2
+        return None
 
     for name in sorted(graph):
         if name not in state:
-            walk(name)
+            found = walk(name)
+            if found:
+                return found
+    return None
 
 
-def test_the_cycle_finder_sees_a_cycle(tmp_path):
-    (tmp_path / "a.py").write_text("from automodel_ckpt import b\n")
-    assert _module_level_imports("automodel_ckpt.a", tmp_path / "a.py", {"automodel_ckpt.a", "automodel_ckpt.b"}) == {
-        "automodel_ckpt.b"}
-    (tmp_path / "c.py").write_text("def f():\n    from automodel_ckpt import b\n")
-    assert _module_level_imports("automodel_ckpt.c", tmp_path / "c.py", {"automodel_ckpt.b"}) == set()
+def test_no_import_cycle():
+    cycle = find_cycle(_import_graph(PACKAGE))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
+    package = tmp_path / "automodel_ckpt"
+    (package / "room").mkdir(parents=True)
+    (package / "__init__.py").write_text('"""Planted."""\n')
+    (package / "room" / "__init__.py").write_text('"""Planted."""\n')
+    (package / "room" / "a.py").write_text("from automodel_ckpt.room import b\n")
+    (package / "room" / "b.py").write_text("def f():\n    from automodel_ckpt.room.a import g\n")
+    assert find_cycle(_import_graph(package)) == ["automodel_ckpt.room.a", "automodel_ckpt.room.b",
+                                                  "automodel_ckpt.room.a"]
+    (package / "room" / "b.py").write_text("def f():\n    import json\n")  # the cycle removed: none found
+    assert find_cycle(_import_graph(package)) is None
+    (package / "room" / "b.py").write_text("def f():\n    from . import a\n")  # relative, inside a function
+    assert find_cycle(_import_graph(package)) is not None
 
 
 def test_no_module_over_500_lines():
@@ -93,6 +106,57 @@ def test_every_module_opens_with_a_docstring():
     missing = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
     assert missing == []
+
+
+def test_every_module_docstring_opens_with_one_line():
+    """The first line says what the module owns, alone: a blank line (or nothing) follows it."""
+    wrapped = []
+    for p in PACKAGE.rglob("*.py"):
+        lines = (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")), clean=False) or "").splitlines()
+        if len(lines) > 1 and lines[1].strip():
+            wrapped.append(str(p.relative_to(PACKAGE.parent)))
+    assert wrapped == [], f"make the first docstring line one line: {wrapped}"
+
+
+LAYOUT = PACKAGE / "checkpoint" / "disk" / "layout.py"
+
+
+def checkpoint_file_names() -> set[str]:
+    """The file and pointer names ``disk/layout.py`` spells (its module-level string constants that name files)."""
+    names = set()
+    for node in ast.parse(LAYOUT.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            value = node.value.value
+            if "." in value.strip(".") or value.isupper():
+                names.add(value)
+    return names
+
+
+def spelled_names(source: str, names: set[str]) -> list[str]:
+    """String literals of ``source`` (docstrings aside) that spell one of ``names``."""
+    tree = ast.parse(source)
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [f"line {n.lineno}: {n.value!r}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names and id(n) not in docs]
+
+
+def test_layout_alone_spells_checkpoint_file_names():
+    """Outside ``disk/layout.py`` a checkpoint's file names come from it (``models/`` spells the files of a base
+    model's Hugging Face folder, which is not a checkpoint)."""
+    names = checkpoint_file_names()
+    assert {"manifest.json", "metadata.json", "LATEST", ".run.lock"} <= names
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == LAYOUT or path.is_relative_to(PACKAGE / "models"):
+            continue
+        found = spelled_names(path.read_text(encoding="utf-8"), names)
+        if found:
+            offenders[str(path.relative_to(PACKAGE.parent))] = found
+    assert offenders == {}, f"name these files through checkpoint/disk/layout.py: {offenders}"
+    assert spelled_names('"""manifest.json is named here."""\nNAME = "manifest.json"\n', names) == [
+        "line 2: 'manifest.json'"]
 
 
 def test_components_never_import_recipes():
@@ -138,9 +202,9 @@ def test_the_export_and_cli_packages_exist_and_the_old_module_path_still_resolve
         assert importlib.util.find_spec(name) is not None, name
 
 
-# --- every pickle from a checkpoint goes through checkpoint/safe_load.py ----------------------------------------
+# --- every pickle from a checkpoint goes through checkpoint/formats/safe_load.py -------------------------------
 
-SAFE_LOAD = PACKAGE / "checkpoint" / "safe_load.py"
+SAFE_LOAD = PACKAGE / "checkpoint" / "formats" / "safe_load.py"
 _DCP = "torch.distributed.checkpoint"
 # torch names that read a checkpoint's pickles with torch's own (unrestricted) reader or planner
 _PLAIN_DCP_READERS = {"FileSystemReader", "FsspecReader", "dcp_to_torch_save", "torch_save_to_dcp",
@@ -218,7 +282,7 @@ def test_every_pickle_is_read_by_safe_load():
         found = unsafe_loads(path.read_text(encoding="utf-8"))
         if found:
             offenders[str(path.relative_to(PACKAGE.parent))] = found
-    assert offenders == {}, f"read pickles from checkpoints only through checkpoint/safe_load.py: {offenders}"
+    assert offenders == {}, f"read pickles from checkpoints only through checkpoint/formats/safe_load.py: {offenders}"
 
 
 @pytest.mark.parametrize("source", [

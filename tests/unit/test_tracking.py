@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.tracking import tracker as tracker_module
 from automodel_ckpt.tracking.base import Backend
@@ -189,7 +189,7 @@ def test_nothing_configured_is_no_state_and_no_thread(tmp_path):
 def test_checkpoint_costs_time_sync_and_async_saves(tmp_path):
     from concurrent.futures import Future
 
-    from automodel_ckpt.checkpoint.overlap import Overlapped
+    from automodel_ckpt.checkpoint.save.overlap import Overlapped
     from automodel_ckpt.tracking.costlog import CheckpointCosts
 
     seen: list[dict] = []

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.storage import fsync_dir, replace_folder, write_durable
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.durable import fsync_dir, replace_folder, write_durable
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint import layout, paths
-from automodel_ckpt.checkpoint.safetensors_io import read_header, st_dtype_name, tensor_entries
+from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.formats.safetensors_io import read_header, st_dtype_name, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

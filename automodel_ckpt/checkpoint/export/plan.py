@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint import diskfull, layout
+from automodel_ckpt.checkpoint.save import diskfull
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.export.commit import make_coordinator
 from automodel_ckpt.checkpoint.export.script import render_consolidate_script
 from automodel_ckpt.checkpoint.export.sources import ShardSource, open_source, require_format
@@ -37,8 +38,8 @@ from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.export.writer import OutFile, OutTensor, total_bytes, write_files
 from automodel_ckpt.checkpoint.export.views import on_disk_tensors
 from automodel_ckpt.checkpoint.export.hf_metadata import HFMetadata, read_hf_metadata
-from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, is_plain_float
-from automodel_ckpt.checkpoint.storage import fsync_file, write_durable
+from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, is_plain_float
+from automodel_ckpt.checkpoint.disk.durable import fsync_file, write_durable
 from automodel_ckpt.errors import UserError
 
 __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate_script", "resolve_model_dir"]

@@ -8,7 +8,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 
 _TEMPLATE = "templates/consolidate.sh"
 

@@ -16,16 +16,15 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.export.hf_metadata import TensorInfo
-from automodel_ckpt.checkpoint.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
+from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
+from automodel_ckpt.checkpoint.disk.layout import SAFETENSORS, TORCH_SAVE
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS = "safetensors"
-TORCH_SAVE = "torch_save"
 _SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _SAVED_OFFSETS_KEY = "saved_offsets"
 
@@ -207,7 +206,7 @@ def _open_dcp(folder: Path) -> ShardSource:
     never runs code; its file names stay inside ``folder``)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    from automodel_ckpt.checkpoint.safe_load import load_dcp_metadata
+    from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata
 
     metadata = load_dcp_metadata(folder / layout.DCP_METADATA)
     storage = metadata.storage_data or {}

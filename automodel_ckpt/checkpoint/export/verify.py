@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.export.plan import resolve_model_dir
 from automodel_ckpt.checkpoint.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
 from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata
-from automodel_ckpt.checkpoint.safetensors_io import read_header, tensor_entries
+from automodel_ckpt.checkpoint.formats.safetensors_io import read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
 __all__ = ["ExportReport", "verify_export"]

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.checkpoint import storage
+from automodel_ckpt.checkpoint.disk import durable
 from automodel_ckpt.checkpoint.export.sources import Piece, SourceTensor, load_dcp_piece
-from automodel_ckpt.checkpoint.safetensors_io import (
+from automodel_ckpt.checkpoint.formats.safetensors_io import (
     encode_header,
     layout_order,
     numel,
@@ -256,7 +256,7 @@ class _Writer:
 
     # ------------------------------------------------------------------------------------------ helpers
     def _written(self, fd: int, offset: int, nbytes: int) -> None:
-        storage.start_writeback(fd, offset, nbytes)
+        durable.start_writeback(fd, offset, nbytes)
         self.advance(nbytes)
 
     def _src_fd(self, path: Path) -> int:

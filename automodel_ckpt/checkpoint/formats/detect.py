@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.config import ModelSaveFormat
+from automodel_ckpt.checkpoint.disk import layout
 
 
 def detect_model_format(folder: Path) -> str | None:
-    """``"peft"`` (an adapter), ``"safetensors"`` (shards or HF weight files), ``"torch_save"`` (DCP) or None.
+    """``"adapter"`` (a PEFT adapter), ``"safetensors"`` (shards or HF weight files), ``"torch_save"`` (DCP) or None.
 
     An adapter is recognised first (its weights are a ``.safetensors`` file too); None when ``folder`` does not
     exist or holds no model files.
@@ -20,7 +19,7 @@ def detect_model_format(folder: Path) -> str | None:
     if (folder / layout.ADAPTER_WEIGHTS).is_file() or (folder / layout.ADAPTER_CONFIG).is_file():
         return layout.ADAPTER_FORMAT
     if any(p.is_file() for p in folder.glob("*.safetensors")):
-        return ModelSaveFormat.SAFETENSORS.value
+        return layout.SAFETENSORS
     if (folder / layout.DCP_METADATA).is_file():
-        return ModelSaveFormat.TORCH_SAVE.value
+        return layout.TORCH_SAVE
     return None

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from automodel_ckpt.checkpoint import collective, layout
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from automodel_ckpt.checkpoint.formats import fastio
-from automodel_ckpt.checkpoint.loadcheck import DamagedFile, LoadCheck
-from automodel_ckpt.checkpoint.storage import WrittenFiles
-from automodel_ckpt.checkpoint.safe_load import (
+from automodel_ckpt.checkpoint.disk.durable import WrittenFiles
+from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, LoadCheck
+from automodel_ckpt.checkpoint.formats.safe_load import (
     SafeLoadPlanner,
     check_fits,
     load_failure,
@@ -30,8 +30,7 @@ from automodel_ckpt.checkpoint.safe_load import (
     save_failure,
 )
 
-SAFETENSORS = "safetensors"
-TORCH_SAVE = "torch_save"
+from automodel_ckpt.checkpoint.disk.layout import SAFETENSORS, TORCH_SAVE  # the format names, spelled once
 
 
 def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None):

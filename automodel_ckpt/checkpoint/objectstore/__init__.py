@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout, paths
+from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, source_of
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
@@ -35,7 +35,7 @@ def run_folder(cfg: Any) -> Path:
 
 def stored_files(folder: Path) -> dict[str, int]:
     """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
-    from automodel_ckpt.checkpoint import manifest
+    from automodel_ckpt.checkpoint.disk import manifest
 
     try:
         listed = (manifest.read(folder) or {}).get("files", {})
@@ -118,7 +118,7 @@ def upload_folder(folder: Path, url: str, storage_options: dict[str, Any] | None
                   last: tuple[str, ...] = ()) -> None:
     """Upload every file below ``folder`` to ``url`` (same relative keys); the ``last`` names after all others
     (for a Hugging Face folder, ``config.json``: a reader never sees a config without its weights)."""
-    from automodel_ckpt.checkpoint.manifest import list_files
+    from automodel_ckpt.checkpoint.disk.manifest import list_files
 
     check_url(url, "--out")
     store = ObjectStore(normalize(url), storage_options)

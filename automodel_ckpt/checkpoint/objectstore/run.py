@@ -29,11 +29,11 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint import layout, manifest
+from automodel_ckpt.checkpoint.disk import layout, manifest
 from automodel_ckpt.checkpoint.objectstore.lease import Lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
-from automodel_ckpt.checkpoint.storage import read_pointer, remove_pointer, remove_tree, set_pointer
+from automodel_ckpt.checkpoint.disk.durable import read_pointer, remove_pointer, remove_tree, set_pointer
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

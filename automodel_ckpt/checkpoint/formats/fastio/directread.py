@@ -1,5 +1,6 @@
-"""Reading checkpoint files past the page cache: page-aligned O_DIRECT reads into reused buffers, copied into the
-destination tensors by several threads, and the files' checksums computed from the same buffers on the way.
+"""Reading checkpoint files past the page cache, their checksums computed from the same buffers on the way.
+
+Page-aligned O_DIRECT reads into reused buffers, copied into the destination tensors by several threads.
 
 Why: a load through the page cache copies every byte twice (device to page cache, page cache to the tensor) and
 fills the page cache with gigabytes nobody reads again; an O_DIRECT read lands in a page-aligned buffer of ours,

@@ -1,5 +1,8 @@
-"""Writing one checkpoint file from tensor memory: planned layout, positioned writes from several threads
-(straight to the device for large files), early writeback, one fsync, and the checksum computed on the way."""
+"""Writing one checkpoint file from tensor memory, its checksum computed on the way.
+
+Planned layout, positioned writes from several threads (straight to the device for large files), early writeback,
+one fsync.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from automodel_ckpt.checkpoint import storage
+from automodel_ckpt.checkpoint.disk import durable
 from automodel_ckpt.checkpoint.formats.fastio import common
 from automodel_ckpt.checkpoint.formats.fastio.common import tensor_memory
 
@@ -108,7 +111,7 @@ class _Hasher:
     """The file's checksum (the manifest's algorithm), fed with its bytes in file order from a thread of its own."""
 
     def __init__(self) -> None:
-        from automodel_ckpt.checkpoint import checksum
+        from automodel_ckpt.checkpoint.disk import checksum
 
         self.algorithm = checksum.default_algorithm()
         self._h = checksum.hasher(self.algorithm)
@@ -201,7 +204,7 @@ def _run_all(work: Any, items: list[Any], threads: int) -> None:
             raise
 
 
-def write_file(path: Path, pieces: list[Any], threads: int, written: storage.WrittenFiles | None = None) -> int:
+def write_file(path: Path, pieces: list[Any], threads: int, written: durable.WrittenFiles | None = None) -> int:
     """Write ``pieces`` back to back into ``path`` (created or truncated) and fsync it; returns its size.
 
     Records the file in ``written`` as synced, with its checksum, for ``fsync_tree`` and the manifest.
@@ -227,7 +230,7 @@ def write_file(path: Path, pieces: list[Any], threads: int, written: storage.Wri
                     view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
                 views.append(view[start:stop])
             _pwrite_all(fd, views, unit.offset)
-            storage.start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
+            durable.start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
 
         direct_fd = _open_direct(path) if hash_now and total >= DIRECT_MIN else None
         done = False

@@ -19,7 +19,7 @@ from torch.futures import Future
 from automodel_ckpt.checkpoint.formats.fastio import common, directread
 from automodel_ckpt.checkpoint.formats.fastio.common import READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.checkpoint.formats.fastio.records import locate_record
-from automodel_ckpt.checkpoint.safe_load import CachingHFReader, SafeFileSystemReader
+from automodel_ckpt.checkpoint.formats.safe_load import CachingHFReader, SafeFileSystemReader
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
     """``(first element, element count)`` when the piece ``offsets``/``lengths`` of a C-contiguous tensor of

@@ -1,5 +1,4 @@
-"""The torch.save record format of DCP ``.distcp`` files: what to write around a tensor's bytes, and where a
-saved record keeps them."""
+"""The torch.save record format of DCP ``.distcp`` files: what surrounds a tensor's bytes, and where they are."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import torch
 
 from automodel_ckpt.checkpoint.formats.fastio.common import Located, itemsize
 from automodel_ckpt.checkpoint.formats.fastio.filewrite import Lazy
-from automodel_ckpt.checkpoint.safe_load import StorageRef, TensorRecordUnpickler
+from automodel_ckpt.checkpoint.formats.safe_load import StorageRef, TensorRecordUnpickler
 
 # --- writing: what torch.save puts around a tensor's bytes -------------------------------------------
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from automodel_ckpt.checkpoint import storage
+from automodel_ckpt.checkpoint.disk import durable
 from automodel_ckpt.checkpoint.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
 from automodel_ckpt.checkpoint.formats.fastio.filewrite import Lazy, piece_length, write_file
 from automodel_ckpt.checkpoint.formats.fastio.records import torch_save_bytes, torch_save_pieces
@@ -34,7 +34,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
-                 written: storage.WrittenFiles | None = None) -> None:
+                 written: durable.WrittenFiles | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.threads = default_threads(threads)
         self.written = written
@@ -78,7 +78,7 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
-                 written: storage.WrittenFiles | None = None) -> None:
+                 written: durable.WrittenFiles | None = None) -> None:
         super().__init__(str(path), save_distributed=True)
         self.threads = default_threads(threads)
         self.written = written

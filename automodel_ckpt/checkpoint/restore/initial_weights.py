@@ -12,61 +12,65 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import catalog, collective, layout
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.checkpoint.formats import peft as peft_format
-from automodel_ckpt.checkpoint.metadata import read_metadata
+from automodel_ckpt.checkpoint.restore.decision import ADAPTER_FOLDER, CHECKPOINT, HF_FOLDER, Decision, Source
+from automodel_ckpt.checkpoint.restore.probe import probe
 from automodel_ckpt.errors import CheckpointError, ConfigError
 
 
-def start_from(ckpt: Any, states: dict[str, Any], restore_from: str, only: list[str]) -> Path:
-    """Load the ``only`` states of ``restore_from`` into ``states`` on every rank; returns the source folder."""
-    rank = ckpt.env.rank
+def start_from(cfg: CheckpointConfig, source: Source, states: list[str], *, model_is_peft: bool, rank: int,
+               world_size: int) -> Decision:
+    """Collective: check that the ``load_only`` states of ``restore_from`` can be loaded into ``states``.
+
+    A checkpoint is fetched and probed; a Hugging Face or adapter folder is checked against the recipe's model.
+    """
+    only, restore_from = list(cfg.load_only or []), str(cfg.restore_from)
     unknown = [name for name in only if name not in states]
     if unknown:
         raise ConfigError(f"checkpoint.load_only: no state named {', '.join(repr(n) for n in unknown)} in this "
                           f"recipe (its state: {', '.join(sorted(states))})")
-    source = collective.on_main(lambda: catalog.resolve_restore_from(ckpt.dir, restore_from),
-                                "finding checkpoint.restore_from", rank)
-    subset = {name: states[name] for name in only}
-    kind = kind_of(source)
-    if kind == "checkpoint":
-        from automodel_ckpt.checkpoint.resume import probe
-
-        ckpt.fetch(source)
+    path = source.find(restore_from, "finding checkpoint.restore_from")
+    if path is None:  # an explicit restore_from is found, or ``find`` raised
+        raise CheckpointError(f"checkpoint.restore_from: '{restore_from}' not found")
+    kind = kind_of(path)
+    if kind == CHECKPOINT:
+        source.fetch(path)
         collective.collectively(
-            lambda: probe(source, checksums=ckpt.cfg.verify_on_load, rank=rank, world_size=ckpt.env.world_size),
-            f"checking '{source}'", rank)
-        ckpt.load(subset, source, checked=True, fresh_run=True)
+            lambda: probe(path, checksums=cfg.verify_on_load, rank=rank, world_size=world_size),
+            f"checking '{path}'", rank)
+    elif only != ["model"] or "model" not in states:
+        raise ConfigError(f"checkpoint.load_only: a {kind} holds model weights only; use load_only: [model]")
+    elif kind == ADAPTER_FOLDER and not model_is_peft:
+        raise ConfigError(f"checkpoint.restore_from: '{path}' is a PEFT adapter; it needs a recipe with a "
+                          "peft: section")
+    elif kind == HF_FOLDER and model_is_peft:
+        raise ConfigError(f"checkpoint.restore_from: '{path}' is a full model; for LoRA on top of it, set "
+                          "model.pretrained_model_name_or_path to it instead")
+    return Decision(path, kind, tuple(only), fresh_run=True)
+
+
+def load_weights(model: Any, decision: Decision, rank: int) -> None:
+    """Collective: the weights of a Hugging Face model folder or a PEFT adapter folder into ``model``."""
+    folder = Path(decision.path or "")
+    if decision.kind == ADAPTER_FOLDER:
+        collective.collectively(lambda: peft_format.load_adapter(model, folder), f"loading '{folder}'", rank)
     else:
-        if only != ["model"] or "model" not in states:
-            raise ConfigError(f"checkpoint.load_only: a {kind} holds model weights only; use load_only: [model]")
-        model = states["model"]
-        if ckpt.env.is_main:
-            ckpt.say(f"Loading model weights from {kind} {source}")
-        if kind == "adapter folder":
-            if not peft_format.is_peft_model(model):
-                raise ConfigError(f"checkpoint.restore_from: '{source}' is a PEFT adapter; it needs a recipe with a "
-                                  "peft: section")
-            collective.collectively(lambda: peft_format.load_adapter(model, source), f"loading '{source}'", rank)
-        else:
-            if peft_format.is_peft_model(model):
-                raise ConfigError(f"checkpoint.restore_from: '{source}' is a full model; for LoRA on top of it, set "
-                                  "model.pretrained_model_name_or_path to it instead")
-            load_hf_folder(model, source, rank)
-    if ckpt.env.is_main:
-        ckpt.say(f"Started from {', '.join(only)} of {source}; everything else starts fresh")
-    return source
+        load_hf_folder(model, folder, rank)
 
 
 def kind_of(folder: Path) -> str:
     """``checkpoint``, ``Hugging Face model folder`` or ``adapter folder``; ``CheckpointError`` for anything else."""
     folder = Path(folder)
     if read_metadata(folder) is not None or layout.parse_default_name(folder.name) is not None:
-        return "checkpoint"
+        return CHECKPOINT
     if (folder / layout.ADAPTER_CONFIG).exists():
-        return "adapter folder"
+        return ADAPTER_FOLDER
     if (folder / layout.HF_CONFIG).exists() and (any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
-        return "Hugging Face model folder"
+        return HF_FOLDER
     raise CheckpointError(f"checkpoint.restore_from: '{folder}' is neither a checkpoint, a Hugging Face model folder "
                           "(config.json + weights) nor a PEFT adapter folder")
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from automodel_ckpt.checkpoint import layout, paths
+from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.errors import CheckpointError, first_line
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"

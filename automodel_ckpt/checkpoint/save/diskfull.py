@@ -120,7 +120,9 @@ def raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Iter
     code = out_of_room(exc)
     if code is None or isinstance(exc, DiskFullError):  # None: another failure; DiskFullError: settled already
         return
-    from automodel_ckpt.checkpoint import catalog, collective, lifecycle
+    from automodel_ckpt.checkpoint.disk import catalog
+    from automodel_ckpt.checkpoint import collective
+    from automodel_ckpt.checkpoint.save import lifecycle
 
     def settle() -> str:
         newest = catalog.latest_checkpoint(checkpoint_dir)

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from automodel_ckpt.checkpoint import layout, paths
+from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.info import WrittenBy
 from automodel_ckpt.jsonsafe import json_safe
 
@@ -66,7 +66,7 @@ def build_metadata(
         "torch_version": torch.__version__.split("+")[0],
     }
     if fingerprint is not None:
-        meta["fingerprint"] = fingerprint  # what this is a checkpoint of (checkpoint/fingerprint.py)
+        meta["fingerprint"] = fingerprint  # what this is a checkpoint of (checkpoint/disk/fingerprint.py)
     rest = {k: v for k, v in extra.items() if k not in _EXTRA_FIELDS}
     if rest:
         meta["extra"] = rest

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint import layout
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.errors import ConfigError
 
 MODES = ("min", "max")

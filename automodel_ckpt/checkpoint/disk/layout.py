@@ -63,7 +63,7 @@ OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-sto
 RUN_MARKER = ".automodel-ckpt-run.json"
 UPLOAD_MARKER = ".automodel-ckpt-upload.json"
 LEASE_OBJECT = ".automodel-ckpt-lease.json"
-RUN_LOCK = ".run.lock"  # flock'ed by the run that owns the folder; holds its host, pid and start time (runlock.py)
+RUN_LOCK = ".run.lock"  # flock'ed by the run that owns the folder; host, pid, start time (storage/runlock.py)
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
 # Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
 NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")
@@ -97,7 +97,10 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-#: ``model_save_format`` recorded in metadata.json for a checkpoint whose model is a PEFT adapter.
+#: The model formats (``checkpoint.model_save_format``, recorded in metadata.json): per-rank safetensors shards,
+#: DCP ``.distcp`` files, and for a checkpoint whose model is a PEFT adapter, ``adapter``.
+SAFETENSORS = "safetensors"
+TORCH_SAVE = "torch_save"
 ADAPTER_FORMAT = "adapter"
 PEFT_FULL_CONFIG = "automodel_peft_config.json"
 # Tokenizer (and image-text processor) files a Hugging Face model folder may hold (copied from a base folder when

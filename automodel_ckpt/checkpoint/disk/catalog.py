@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint import layout
-from automodel_ckpt.checkpoint.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.paths import is_plain_name, read_text
-from automodel_ckpt.checkpoint.retention import Candidate
-from automodel_ckpt.checkpoint.storage import read_pointer
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.metadata import metric_value, read_metadata
+from automodel_ckpt.checkpoint.disk.paths import is_plain_name, read_text
+from automodel_ckpt.checkpoint.disk.retention import Candidate, is_better
+from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.errors import CheckpointError
 
 
@@ -61,6 +61,32 @@ def _record(path: Path) -> CheckpointRecord | None:
     return CheckpointRecord(name, path, None, None, False, None) if staging else None
 
 
+@dataclass(frozen=True)
+class Monitor:
+    """"Best by monitor": metric ``name`` (of validation set ``key``) as recorded in each checkpoint's metadata;
+    with ``mode: min`` the lowest wins, with ``max`` the highest. Non-finite values never win."""
+
+    name: str = "val_loss"
+    key: str | None = None
+    mode: str = "min"
+
+    def value(self, meta: dict[str, Any] | None) -> float | None:
+        return metric_value(meta, self.name, self.key)
+
+    def beats(self, meta: dict[str, Any] | None, current: dict[str, Any] | None) -> bool:
+        """Whether a checkpoint with metadata ``meta`` beats the one with ``current`` (None: there is none)."""
+        return is_better(self.value(meta), self.value(current), self.mode)
+
+    def best(self, records: Iterable[CheckpointRecord]) -> CheckpointRecord | None:
+        """The best of ``records`` (the first of equals), or None when none recorded the metric."""
+        best: tuple[CheckpointRecord, float] | None = None
+        for record in records:
+            value = self.value(record.metadata)
+            if value is not None and (best is None or is_better(value, best[1], self.mode)):
+                best = (record, value)
+        return best[0] if best is not None else None
+
+
 def pointer_targets(checkpoint_dir: Path) -> dict[str, str | None]:
     """``{pointer: target name}`` for LATEST and LOWEST_VAL (None where a pointer is not set)."""
     return {p: read_pointer(Path(checkpoint_dir), p) for p in layout.POINTERS}
@@ -88,7 +114,7 @@ def size_on_disk(path: Path) -> int:
 
 
 def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    """Checkpoints that resume moved aside as damaged (``resume.quarantine``): never records of ``scan``.
+    """Checkpoints that resume moved aside as damaged (``disk.quarantine``): never records of ``scan``.
 
     ``{name, path, step, reason, quarantined_at}`` each, oldest first.
     """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from automodel_ckpt.checkpoint import layout, paths
+from automodel_ckpt.checkpoint.disk import layout, paths
 
 
 def fsync_file(path: Path) -> None:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from automodel_ckpt.checkpoint import layout, paths
-from automodel_ckpt.checkpoint.checksum import CRC32, default_algorithm, hash_file, hasher
-from automodel_ckpt.checkpoint.storage import WrittenFiles, fsync_dir, fsync_file
+from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk.checksum import CRC32, default_algorithm, hash_file, hasher
+from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_dir, fsync_file
 from automodel_ckpt.errors import CheckpointError, first_line
 
 MANIFEST_VERSION = 1

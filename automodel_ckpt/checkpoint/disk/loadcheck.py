@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout, manifest
-from automodel_ckpt.checkpoint.checksum import hash_file, hasher
+from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.checkpoint.disk.checksum import hash_file, hasher
 from automodel_ckpt.errors import CheckpointError
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import layout, paths
+from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.errors import CheckpointError
 
 XXH3_64 = "xxh3_64"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.paths import open_regular
+from automodel_ckpt.checkpoint.disk.paths import open_regular
 from automodel_ckpt.errors import CheckpointError
 
 HEADER_LEN_BYTES = 8

@@ -1,0 +1,62 @@
+"""Whether a checkpoint can be loaded, and is this run's: headers, indexes and the fingerprint read, nothing changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.checkpoint.disk.fingerprint import first_difference
+from automodel_ckpt.checkpoint.disk.loadcheck import deferred
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata, load_pt
+from automodel_ckpt.checkpoint.formats.safetensors_io import read_header
+from automodel_ckpt.errors import CheckpointError
+
+
+def probe(path: Path, *, checksums: bool, rank: int, world_size: int,
+          warn: Callable[[str], None] | None = None) -> None:
+    """Raise ``CheckpointError`` if ``path`` cannot be loaded; reads headers and indexes only, changes nothing.
+
+    Run on every rank (inside ``collective.collectively``): the manifest check splits checksum work over ranks;
+    rank 0 reads every safetensors header and DCP index; each rank reads the per-rank files it will load.
+    """
+    path = Path(path)
+    manifest.check_before_load(path, checksums=checksums, rank=rank, world_size=world_size, warn=warn,
+                               leave=deferred)  # the model and optimizer files: hashed by the load
+    if rank == 0:
+        for file in sorted(path.rglob("*.safetensors")):
+            if _exported(path, file):
+                continue
+            read_header(file)
+        for file in sorted(path.rglob(layout.DCP_METADATA)):
+            load_dcp_metadata(file)
+        for file in sorted(path.glob("*.pt")):
+            _readable_pt(file)
+    for file in sorted(path.glob(f"*/*_dp_rank_{rank}.pt")):
+        _readable_pt(file)
+
+
+def _exported(root: Path, file: Path) -> bool:
+    """Files of an HF export inside the checkpoint (``model/consolidated``, ``model/merged``): not resume state."""
+    parts = file.relative_to(root).parts
+    return len(parts) > 2 and parts[1] in (layout.CONSOLIDATED_DIR, layout.MERGED_DIR)
+
+
+def _readable_pt(file: Path) -> None:
+    try:
+        load_pt(file)
+    except CheckpointError as exc:  # truncated, garbled, a pickle of anything but plain data, no regular file
+        raise CheckpointError(f"'{file}' is unreadable: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path) -> None:
+    """``CheckpointError`` when checkpoint ``path`` belongs to another run (model, tokenizer, data...)."""
+    saved = (read_metadata(path) or {}).get("fingerprint")
+    difference = first_difference(saved, fingerprint)
+    if difference is not None:
+        raise CheckpointError(
+            f"'{path}' is a checkpoint of another run: {difference}. Use a new checkpoint.checkpoint_dir (this one: "
+            f"'{checkpoint_dir}'), or start from its weights with checkpoint.restore_from={path} and "
+            "checkpoint.load_only=[model]"
+        )

@@ -1,0 +1,91 @@
+"""What a run resumes from: the newest checkpoint that loads, checked before any state changes; damaged ones quarantined.
+
+Auto-resume picks the newest complete checkpoint. A checkpoint can still be damaged after it was published (a bad
+disk block, a truncated copy, a partial sync to another filesystem). Before anything is loaded, every rank checks
+the candidate together (``probe``): its manifest (sizes always, checksums with ``verify_on_load``), the headers of
+its safetensors files, its DCP ``.metadata`` files and its small ``.pt`` state files. If that fails anywhere, every
+rank sees the same failure; rank 0 moves the checkpoint to ``quarantine/`` (kept for inspection, never listed as a
+checkpoint, named by no pointer), repoints ``LATEST``/``LOWEST_VAL``, and the next newest is tried. Because the
+check comes first, a resume after a fallback is bitwise the resume from that older checkpoint.
+
+An explicitly named ``restore_from`` that fails is an error, never a silent fallback; so is any failure with
+``checkpoint.on_load_error: error``. ``decide`` returns the ``Decision``; the ``Checkpointer`` loads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
+from automodel_ckpt.checkpoint.restore.decision import Decision, Source
+from automodel_ckpt.checkpoint.restore.initial_weights import start_from
+from automodel_ckpt.checkpoint.restore.probe import check_same_run, probe
+from automodel_ckpt.errors import CheckpointError, first_line, warn
+
+
+def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, model_is_peft: bool, rank: int,
+           world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None],
+           touched: str | None = None) -> Decision:
+    """Collective: select and check what ``checkpoint.restore_from`` (and ``load_only``) asks for.
+
+    ``states``: the names of the recipe's states; ``model_is_peft``: whether its ``model`` is a PEFT model.
+    ``touched``: deciding again after the load of the last decision found its checkpoint damaged (and set it
+    aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an option.
+    """
+    if touched is None:
+        if not cfg.enabled and cfg.restore_from is None:
+            return Decision()
+        auto = cfg.restore_from is None
+        if cfg.load_only:
+            # The run's own checkpoints come first: a rerun of a run that started from other weights resumes itself.
+            if not (cfg.enabled and source.has_checkpoints()):
+                return start_from(cfg, source, sorted(states), model_is_peft=model_is_peft, rank=rank,
+                                  world_size=world_size)
+            auto = True
+    else:
+        auto = True  # only an automatic resume decides again
+    fallback = auto and cfg.on_load_error != LoadErrorPolicy.ERROR
+    while True:
+        path = source.find(None if auto else cfg.restore_from)
+        if path is None:
+            if touched is not None:
+                raise CheckpointError(f"{touched}; it was moved aside, and no older checkpoint is left to load over "
+                                      "what was partly loaded from it: start the run again to begin afresh")
+            return Decision()
+        unfetched = _fetch(source, path)  # a checkpoint on an object store: its files into the local mirror first
+        if unfetched is None:
+            check_same_run(path, fingerprint, source.local)  # every rank reads the same small file: same verdict
+        try:
+            if unfetched is not None:  # a missing or unreadable object: damaged like a missing file
+                raise unfetched
+            collective.collectively(
+                lambda: probe(path, checksums=cfg.verify_on_load, rank=rank, world_size=world_size, warn=warn),
+                f"checking '{path}'", rank)
+        except CheckpointError as exc:
+            if not fallback:
+                raise
+            set_aside(source, path, exc, rank=rank, say=say)
+            continue
+        return Decision(path, fallback=fallback)
+
+
+def set_aside(source: Source, path: Path, exc: CheckpointError, *, rank: int, say: Callable[[str], None]) -> None:
+    """Collective: quarantine damaged checkpoint ``path`` and say so."""
+    reason = first_line(exc)
+    if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
+        reason = reason.split(": ", 1)[-1]
+    moved = collective.on_main(lambda: source.quarantine(path.name, reason), "moving the damaged checkpoint aside",
+                               rank)
+    if rank == 0:
+        say(f"warning: checkpoint '{path.name}' cannot be loaded ({reason}); moved it to {moved} "
+            "and resuming from the newest checkpoint before it")
+
+
+def _fetch(source: Source, path: Path) -> CheckpointError | None:
+    try:
+        source.fetch(path)
+    except CheckpointError as exc:
+        return exc
+    return None

@@ -1,0 +1,81 @@
+"""A run folder on a local or mounted filesystem: ``checkpoint_dir`` itself, taken by a ``flock`` for the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.disk import catalog
+from automodel_ckpt.checkpoint.disk.catalog import Monitor
+from automodel_ckpt.checkpoint.disk.durable import unwritable
+from automodel_ckpt.checkpoint.disk.quarantine import quarantine
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.checkpoint.objectstore import fetch_collectively, localize, source_of
+from automodel_ckpt.checkpoint.save import lifecycle
+from automodel_ckpt.checkpoint.storage.runlock import RunLock, hold
+from automodel_ckpt.errors import CheckpointError
+
+
+class LocalRunFolder:
+    """``storage.base.RunFolder`` for a folder on disk; also the local half of an object-store run folder."""
+
+    reserves_in_background = True
+
+    def __init__(self, folder: Path, rank: int, *, monitor: Monitor,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.local = Path(folder)
+        self.rank = rank
+        self.monitor = monitor  # "best by monitor": LOWEST_VAL after a quarantine
+        self.storage_options = storage_options  # for a ``restore_from`` URL (another run folder on a store)
+        self.lock = RunLock(self.local)  # held (by rank 0) from ``acquire`` to ``release``
+
+    def location(self, name: str) -> str:
+        return str(self.local / name)
+
+    def where(self, path: Path) -> str:
+        url = source_of(path)  # a checkpoint in an object store's mirror (this run's or a restore_from URL's)
+        return f"{url}/{Path(path).name}" if url else str(path)
+
+    def acquire(self) -> None:
+        problem = collective.on_main(lambda: unwritable(self.local), "checking checkpoint.checkpoint_dir", self.rank)
+        if problem:
+            raise CheckpointError(problem)
+        self.lock = hold(self.local, self.rank)  # one run per folder: before anything is written (runlock)
+
+    def release(self, *, keep_lock: bool = False) -> None:
+        if not keep_lock:
+            self.lock.release()  # the next run may take the folder (a failed run keeps it until its process ends)
+
+    def reserve(self, name: str) -> Path:
+        return lifecycle.reserve(self.local, name)
+
+    def upload(self, staging: Path, name: str) -> bool:
+        return False
+
+    def commit(self, staging: Path, name: str, publish: Callable[[], Path]) -> Path:
+        return collective.on_main(publish, "publishing the checkpoint", self.rank)
+
+    def prune(self, policy: RetentionPolicy, monitor: Monitor, resumed_from: str | None) -> list[str]:
+        return self._prune_here(policy, monitor)
+
+    def _prune_here(self, policy: RetentionPolicy, monitor: Monitor, protected: Iterable[str] = ()) -> list[str]:
+        return lifecycle.prune(self.local, policy, monitor.name, monitor.key, protected=protected)
+
+    def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:
+        local = lambda: localize(restore_from, self.storage_options)  # noqa: E731 - a URL: its mirror
+        return collective.on_main(lambda: catalog.resolve_restore_from(self.local, local()), what, self.rank)
+
+    def has_checkpoints(self) -> bool:
+        return collective.on_main(lambda: catalog.latest_checkpoint(self.local) is not None, "listing checkpoints",
+                                  self.rank)
+
+    def fetch(self, path: Path) -> None:
+        fetch_collectively(Path(path), self.storage_options, self.rank)
+
+    def quarantine(self, name: str, reason: str) -> str:
+        return str(self._quarantine_here(name, reason))
+
+    def _quarantine_here(self, name: str, reason: str) -> Path:
+        return quarantine(self.local, name, reason, monitor=self.monitor.name, best_metric_key=self.monitor.key,
+                          mode=self.monitor.mode)

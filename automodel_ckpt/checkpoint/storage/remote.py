@@ -1,0 +1,59 @@
+"""An object-store run folder (``checkpoint_dir: s3://bucket/run``): the local mirror's steps plus the store's.
+
+Saves are written into the mirror exactly as into a local folder; each rank then uploads its share and rank 0
+commits (``objectstore.run``). The run holds the mirror's ``flock`` and the bucket's lease (``objectstore.lease``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.catalog import Monitor
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
+from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
+
+
+class ObjectStoreRunFolder(LocalRunFolder):
+    """``storage.base.RunFolder`` for a run folder on an object store, worked through its local mirror."""
+
+    reserves_in_background = False  # the store is checked (and its upload marker written) before the copy
+
+    def __init__(self, remote: RemoteRun, rank: int, world_size: int, **kwargs: object) -> None:
+        super().__init__(remote.mirror, rank, **kwargs)  # type: ignore[arg-type]
+        self.remote = remote
+        self.world_size = world_size
+
+    def location(self, name: str) -> str:
+        return self.remote.store.url_of(name)
+
+    def acquire(self) -> None:
+        super().acquire()  # endpoint, bucket and credentials: one line each, before training; then the lease
+        collective.on_main(self.remote.prepare, f"opening {self.remote.url}", self.rank)
+
+    def release(self, *, keep_lock: bool = False) -> None:
+        self.remote.release()  # the run folder's lease (rank 0): the next run need not wait for it to expire
+        super().release(keep_lock=keep_lock)
+
+    def reserve(self, name: str) -> Path:
+        return self.remote.reserve(name, lambda: super(ObjectStoreRunFolder, self).reserve(name))
+
+    def upload(self, staging: Path, name: str) -> bool:
+        collective.collectively(lambda: self.remote.upload_share(staging, name, self.rank, self.world_size),
+                                f"uploading '{self.remote.store.url_of(name)}'", self.rank)
+        return True
+
+    def commit(self, staging: Path, name: str, publish: Callable[[], Path]) -> Path:
+        return collective.on_main(lambda: self.remote.commit(staging, name, publish), "committing the checkpoint",
+                                  self.rank)
+
+    def prune(self, policy: RetentionPolicy, monitor: Monitor, resumed_from: str | None) -> list[str]:
+        return self.remote.prune(lambda keep=(): self._prune_here(policy, monitor, keep), resumed_from)
+
+    def quarantine(self, name: str, reason: str) -> str:
+        moved = self._quarantine_here(name, reason)
+        self.remote.quarantine(name, reason)  # a note object, and the pointers re-set
+        return f"{self.remote.url}/{layout.QUARANTINE_DIR}/ (and {moved})"

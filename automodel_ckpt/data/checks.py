@@ -1,0 +1,43 @@
+"""Checks of the ``data:`` keys and the dataset paths of a loaded recipe, made before any process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from automodel_ckpt.config.validate import positive
+from automodel_ckpt.data.chat import CHAT_LOSS_MODES
+from automodel_ckpt.errors import ConfigError
+
+
+def check_data_section(cfg: DictConfig) -> None:
+    """Raise ConfigError (one line) for a ``data:`` value that would fail later."""
+    if cfg.data.seq_length < 2:
+        raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
+    if cfg.data.chat_loss not in CHAT_LOSS_MODES:
+        raise ConfigError(f"data.chat_loss: expected one of {', '.join(CHAT_LOSS_MODES)}, got '{cfg.data.chat_loss}'")
+    if (cfg.data.prompt_template is None) != (cfg.data.completion_template is None):
+        missing = "prompt_template" if cfg.data.prompt_template is None else "completion_template"
+        raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
+    positive(cfg.data.num_proc, "data.num_proc")
+    positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
+    if cfg.data.val_size < 0:
+        raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
+
+
+def check_dataset_paths(cfg: DictConfig) -> None:
+    """A local dataset path that does not exist (and names no dataset in the Hugging Face cache): one line."""
+    from automodel_ckpt.data.files import hub_dataset_cached, is_hub_id
+
+    for section in ("dataset", "validation_dataset"):
+        node = cfg.get(section)
+        if node is None:
+            continue
+        for key in ("path", "data_files", "data_dir"):
+            value = node.get(key)
+            if isinstance(value, str) and not any(ch in value for ch in "*?[") and not Path(value).expanduser().exists():
+                if key == "path" and is_hub_id(value) and hub_dataset_cached(value):
+                    continue
+                hint = " (nor a dataset in the Hugging Face cache)" if key == "path" and is_hub_id(value) else ""
+                raise ConfigError(f"{section}.{key}: '{value}' not found{hint}")
