@@ -18,6 +18,7 @@ from automodel_ckpt.checkpoint.disk import checksum
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.fastio import directread, readers
 from automodel_ckpt.distributed.env import init_distributed
+from tests.unit.test_parallel_io import same, values
 
 FORMATS = ("safetensors", "torch_save")
 SHM = Path("/dev/shm")
@@ -62,17 +63,6 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
-def _values(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for i, st in enumerate(opt.state.values()):
-        out |= {f"o{i}.{k}": torch.as_tensor(v).clone() for k, v in st.items()}
-    return out
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
-
 def _count_direct_reads(monkeypatch) -> list[bool]:
     """Records, per region read, whether it went through an O_DIRECT descriptor."""
     seen: list[bool] = []
@@ -101,7 +91,7 @@ def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, mode):
     fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.numel()], lr=1e-2)
     sharded.load_model(fresh, tmp_path / "model", fmt)
     sharded.load_optimizer(fresh, fresh_opt, tmp_path / "optim")
-    assert _same(_values(fresh, fresh_opt), _values(model, opt))
+    assert same(values(fresh, fresh_opt), values(model, opt))
     if mode == "force":
         assert len(seen) > 4 and all(seen)  # every read in regions, past the page cache
     else:
@@ -124,7 +114,7 @@ def test_a_filesystem_that_refuses_o_direct_reads_through_the_page_cache(monkeyp
         seen = _count_direct_reads(monkeypatch)
         fresh = Odd(1)
         sharded.load_model(fresh, folder / "model", "torch_save")
-        assert _same(_values(fresh, _optimizer_empty(fresh)), _values(model, _optimizer_empty(model)))
+        assert same(values(fresh, _optimizer_empty(fresh)), values(model, _optimizer_empty(model)))
         assert seen and not any(seen)  # regions read, none through O_DIRECT
     finally:
         import shutil
