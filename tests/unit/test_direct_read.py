@@ -18,7 +18,7 @@ from automodel_ckpt.checkpoint.disk import checksum
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.fastio import directread, readers
 from automodel_ckpt.distributed.env import init_distributed
-from tests.unit.test_parallel_io import same, values
+from tests.unit.test_parallel_io import same, saved_tensor_file, values
 
 FORMATS = ("safetensors", "torch_save")
 SHM = Path("/dev/shm")
@@ -217,14 +217,8 @@ def test_partial_reads_go_through_regions_too(tmp_path, monkeypatch):
     """A resharded load: pieces of saved tensors, in place or via a buffer, the same as through the page cache."""
     import itertools
 
-    from automodel_ckpt.checkpoint.formats.fastio import common
-
     monkeypatch.setenv(directread.ENV, "force")
-    torch.manual_seed(0)
-    saved = torch.randn(6, 5, 4)
-    path = tmp_path / "t.bin"
-    path.write_bytes(b"x" * 24 + saved.numpy().tobytes())
-    located = common.Located(24, tuple(saved.shape), saved.dtype)
+    saved, path, located = saved_tensor_file(tmp_path)
     jobs, wants = [], []
     for o0, l0, o1, l1 in itertools.product((0, 2), (1, 4), (0, 1), (1, 4)):
         want = saved[o0:o0 + l0, o1:o1 + l1, :]

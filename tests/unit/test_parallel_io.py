@@ -176,13 +176,18 @@ def test_fsync_tree_skips_files_synced_by_their_writer(tmp_path, monkeypatch):
     assert synced == ["config.yaml"]
 
 
-def test_partial_reads_of_every_shape(tmp_path):
-    """A resharded load asks for pieces of saved tensors: contiguous runs are read in place, the rest copied."""
+def saved_tensor_file(tmp_path: Path) -> tuple[torch.Tensor, Path, common.Located]:
+    """A (6, 5, 4) float tensor stored at offset 24 of a file, and where it lies: what resharded loads read from."""
     torch.manual_seed(0)
     saved = torch.randn(6, 5, 4)
     path = tmp_path / "t.bin"
     path.write_bytes(b"x" * 24 + saved.numpy().tobytes())
-    located = common.Located(24, tuple(saved.shape), saved.dtype)
+    return saved, path, common.Located(24, tuple(saved.shape), saved.dtype)
+
+
+def test_partial_reads_of_every_shape(tmp_path):
+    """A resharded load asks for pieces of saved tensors: contiguous runs are read in place, the rest copied."""
+    saved, path, located = saved_tensor_file(tmp_path)
     jobs, wants = [], []
     for o0, l0, o1, l1, o2, l2 in itertools.product((0, 2), (1, 4), (0, 1), (1, 5), (0, 3), (1, 4)):
         if o0 + l0 > 6 or o1 + l1 > 5 or o2 + l2 > 4:
