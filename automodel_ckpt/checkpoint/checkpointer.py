@@ -41,6 +41,8 @@ ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background c
 class Checkpointer:
     """Writes ``epoch_E_step_N/`` (see ``layout``) from discovered state and restores state from it."""
 
+    loaded_states: tuple[str, ...] = ()  # what the last restore loaded (the recipe fills the rest itself)
+
     def __init__(
         self,
         cfg: CheckpointConfig,
@@ -402,6 +404,7 @@ class Checkpointer:
             if self.env.is_main:
                 self.say(f"Loading model weights from {decision.kind} {decision.path}")
             initial_weights.load_weights(subset["model"], decision, self.env.rank)
+        self.loaded_states = tuple(subset)
         if decision.fresh_run and self.env.is_main:
             self.say(f"Started from {', '.join(decision.states or ())} of {decision.path}; everything else starts "
                      "fresh")

@@ -88,6 +88,7 @@ def build_causal_lm(
     dtype: str = "float32",
     attn_implementation: str | None = None,
     seed: int = 0,
+    on_meta: bool = False,
 ) -> PreTrainedModel:
     """A causal LM with parameters in ``dtype`` (the training dtype; the base may be stored in another).
 
@@ -95,11 +96,13 @@ def build_causal_lm(
     ``attn_implementation`` (``eager``, ``sdpa``, ``flash_attention_2``, ...) overrides transformers' own choice
     for the family (sdpa where the family supports it, else eager).
     ``embedded`` names a built-in base created at ``pretrained_model_name_or_path`` on first use.
+    ``on_meta``: the model is built on the meta device, without weights (``models/materialize.py`` gives each rank
+    its own part of them once sharded).
     """
     from transformers import AutoModelForCausalLM
 
     return _build(AutoModelForCausalLM, pretrained_model_name_or_path, config, embedded, dtype, attn_implementation,
-                  seed)
+                  seed, on_meta)
 
 
 def build_image_text_model(
@@ -109,6 +112,7 @@ def build_image_text_model(
     dtype: str = "float32",
     attn_implementation: str | None = None,
     seed: int = 0,
+    on_meta: bool = False,
 ) -> PreTrainedModel:
     """An image-text-to-text model (``AutoModelForImageTextToText``: LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`.
 
@@ -118,11 +122,12 @@ def build_image_text_model(
     from transformers import AutoModelForImageTextToText
 
     return _build(AutoModelForImageTextToText, pretrained_model_name_or_path, config, embedded, dtype,
-                  attn_implementation, seed)
+                  attn_implementation, seed, on_meta)
 
 
 def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: dict[str, Any] | None,
-           embedded: str | None, dtype: str, attn_implementation: str | None, seed: int) -> PreTrainedModel:
+           embedded: str | None, dtype: str, attn_implementation: str | None, seed: int,
+           on_meta: bool = False) -> PreTrainedModel:
     import torch
     from transformers import AutoConfig
 
@@ -134,6 +139,8 @@ def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: d
         hf_config = AutoConfig.for_model(model_type, **cfg_kwargs)
         if attn_implementation:
             hf_config._attn_implementation = attn_implementation
+        if on_meta:
+            return _on_meta(auto_class, hf_config, torch_dtype)
         torch.manual_seed(seed)
         model = auto_class.from_config(hf_config)
         return model.to(torch_dtype)
@@ -143,7 +150,16 @@ def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: d
     hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
     if attn_implementation:
         hf_config._attn_implementation = attn_implementation
+    if on_meta:
+        return _on_meta(auto_class, hf_config, torch_dtype)
     return auto_class.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
+
+
+def _on_meta(auto_class: Any, hf_config: Any, dtype: "torch.dtype") -> PreTrainedModel:
+    import torch
+
+    with torch.device("meta"):
+        return auto_class.from_config(hf_config, dtype=dtype)
 
 
 def _from_folder(auto_class, path: str | None, what: str):

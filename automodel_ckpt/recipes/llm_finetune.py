@@ -25,6 +25,7 @@ from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.lora import apply_lora, lora_summary
+from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.tracking.observer import RunObserver
 from automodel_ckpt.training.metrics import JsonlLog
@@ -52,15 +53,20 @@ class FinetuneRecipe(BaseRecipe):
         seed_everything(cfg.seed)
         # One-time work (creating the embedded base on rank 0 alone, loading, tokenizing) draws no number from the
         # training stream: the same seed gives the same run on every rank, first run in a fresh clone included.
+        # The model is built on the meta device and each rank materialises its own shards (models/materialize.py);
+        # its weights are filled once restore_checkpoint knows whether a checkpoint fills them.
+        self.starting_weights = StartingWeights(cfg.model, self.env.rank)
         with rng_untouched():
             self.tokenizer, model = self.build_model_and_tokenizer()
         if cfg.peft is not None:  # LoRA: wrap before sharding, so FSDP2 sees frozen base and trainable adapters
-            model = apply_lora(model, cfg.peft)
+            with self.starting_weights.kept_parameters():
+                model = apply_lora(model, cfg.peft)
             if self.env.is_main:
                 print(lora_summary(model), flush=True)
         fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
+        self.starting_weights.materialize(self.model, self.env.device)
         with rng_untouched():
             train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
@@ -98,14 +104,26 @@ class FinetuneRecipe(BaseRecipe):
         self._save_enabled = bool(ckpt_cfg.enabled)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
-        """Rank 0 builds first, so an embedded base is created once before the other ranks read it."""
+        """Rank 0 builds first, so an embedded base is created once before the other ranks read it.
+
+        This package's builders build on the meta device (weights come after sharding); another ``_target_``
+        builds the whole model, moved to the device."""
         if not self.env.is_main:
             barrier()
-        model = instantiate(self.cfg.model, "model")
+        meta = builds_on_meta(self.cfg.model)
+        model = instantiate(self.cfg.model, "model", **({"on_meta": True} if meta else {}))
         if self.env.is_main:
             barrier()
         tok_path = self.cfg.tokenizer.pretrained_model_name_or_path or self.cfg.model.get("pretrained_model_name_or_path")
-        return self.load_tokenizer(tok_path), model.to(self.env.device)
+        return self.load_tokenizer(tok_path), model if meta else model.to(self.env.device)
+
+    def restore_checkpoint(self) -> Path | None:
+        """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
+        when no checkpoint holds the model's weights)."""
+        restored = super().restore_checkpoint()
+        loaded = self.checkpointer.loaded_states if self.checkpointer is not None else ()
+        self.starting_weights.fill(self.model, model_loaded="model" in loaded)
+        return restored
 
     def load_tokenizer(self, path: str | None) -> Any:
         """The tokenizer of the folder ``path`` (``tokenizer.pretrained_model_name_or_path``, else the model's)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import threading
 
 import torch
 
@@ -12,6 +13,21 @@ CHUNK = 32 << 20  # bytes per positioned write or read, and per writeback reques
 WRITE_THREADS = 4  # per rank
 READ_THREADS = 4  # per rank
 SMALL = 1 << 20  # pieces below this are coalesced into one buffer before writing
+
+
+class ReadCounter:
+    """Bytes this process has read from tensor files (``preadv`` calls of the readers): what a load cost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.total += n
+
+
+BYTES_READ = ReadCounter()
 
 
 def default_threads(wanted: int) -> int:

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ
+
 log = logging.getLogger(__name__)
 
 REGION = 8 << 20  # bytes per read (one page-aligned buffer of this size per thread, and a few spare)
@@ -245,6 +247,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
         if n == 0:
             break
         done += n
+    BYTES_READ.add(done)
     return done
 
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from automodel_ckpt.checkpoint.formats.fastio import common, directread
-from automodel_ckpt.checkpoint.formats.fastio.common import READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
+from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.checkpoint.formats.fastio.records import locate_record
 from automodel_ckpt.checkpoint.formats.safe_load import CachingHFReader, SafeFileSystemReader
 
@@ -45,8 +45,24 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         n = os.preadv(fd, [view], offset)
         if n == 0:
             raise OSError(f"unexpected end of file at byte {offset}")
+        BYTES_READ.add(n)
         view = view[n:]
         offset += n
+
+
+def runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[list[int], int]:
+    """``(first elements, run length)``: the piece ``offsets``/``lengths`` of a C-contiguous tensor of ``shape``
+    as runs of consecutive elements, in order (a column block of a matrix: one run per row)."""
+    j = len(shape) - 1
+    while j > 0 and offsets[j] == 0 and lengths[j] == shape[j]:
+        j -= 1
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    starts = [offsets[j] * strides[j]]
+    for i in range(j - 1, -1, -1):  # every index of the outer dimensions, the last one varying fastest
+        starts = [(offsets[i] + k) * strides[i] + s for k in range(lengths[i]) for s in starts]
+    return starts, lengths[j] * strides[j]
 
 
 class ReadJob:
@@ -62,6 +78,7 @@ class ReadJob:
         self.record = record
         self.span = None
         self.direct = False
+        self.runs: list[tuple[int, int]] | None = None
         if located is None:
             self.start, self.nbytes = record
             return
@@ -72,12 +89,11 @@ class ReadJob:
         if span is not None:
             self.start = located.offset + span[0] * size_of
             self.nbytes = span[1] * size_of
-        else:  # whole rows of dimension 0 that contain the piece
-            row = size_of
-            for n in located.shape[1:]:
-                row *= n
-            self.start = located.offset + offsets[0] * row
-            self.nbytes = lengths[0] * row if located.shape else size_of
+        else:  # several runs (a block of columns, ...): only their bytes are read, run by run
+            starts, run = runs(located.shape, offsets, lengths)
+            self.start = located.offset + starts[0] * size_of
+            self.nbytes = len(starts) * run * size_of
+            self.runs = [(located.offset + first * size_of, run * size_of) for first in starts]
         self.span = span
 
     def tasks(self) -> list[tuple[int, int, Callable[[int], None]]]:
@@ -96,7 +112,7 @@ class ReadJob:
 
         A piece that is not read in place (another dtype or device, part of a saved tensor) gets a buffer when its
         first bytes arrive, put into place and freed once its last bytes have."""
-        if self.located is None:
+        if self.located is None or self.runs is not None:
             return None
         if self.direct:
             return directread.Segment(self.start, self.target.reshape(-1).view(torch.uint8))
@@ -114,17 +130,18 @@ class ReadJob:
             self._read_record(fd)
             return
         buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
-        pread_into(fd, tensor_memory(buffer, writable=True), self.start)
+        memory = tensor_memory(buffer, writable=True)
+        if self.runs is None:
+            pread_into(fd, memory, self.start)
+        else:
+            done = 0
+            for start, n in self.runs:
+                pread_into(fd, memory[done:done + n], start)
+                done += n
         self._place(buffer)
 
     def _place(self, buffer: torch.Tensor) -> None:
-        if self.span is not None:
-            piece = buffer.view(tuple(self.lengths))
-        else:
-            piece = buffer.view((self.lengths[0], *self.located.shape[1:]))
-            for dim in range(1, len(self.lengths)):
-                piece = piece.narrow(dim, self.offsets[dim], self.lengths[dim])
-        self._copy(piece)
+        self._copy(buffer.view(tuple(self.lengths)))
 
     def _read_record(self, fd: int) -> None:
         from torch.distributed._shard._utils import narrow_tensor_by_index

@@ -1,0 +1,138 @@
+"""Reading a Hugging Face model folder into a sharded model: each rank reads the bytes of its own slices only.
+
+The model may be sharded in any way (FSDP's ``Shard(0)``, tensor parallelism's ``Shard(1)``, ``Replicate``, on a
+mesh of any shape): DCP plans the reads from each parameter's ``DTensor`` placements, and the safetensors reader
+(``formats/fastio``) reads from the folder's files exactly the byte ranges of the rank's pieces, cast to the
+parameter's dtype as ``from_pretrained(dtype=...)`` does. A plain tensor (not sharded) is read whole.
+
+The folder's names are the family's on-disk names; the model's are transformers' in-memory names. The mapping is
+the export's (``export/family.disk_layout``: the family's conversions, reversed): a renamed tensor is read under
+its on-disk name; tied copies are not read (they share the tensor of the weight they are tied to). A tensor that
+the family builds from parts of several on-disk tensors (a fused mixture-of-experts stack) cannot be read as one
+slice: its on-disk parts are read whole on every rank, put together and sliced.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.checkpoint.export.family import DiskTensor, disk_layout
+from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ
+from automodel_ckpt.checkpoint.formats.fastio.readers import ParallelHFReader
+from automodel_ckpt.errors import CheckpointError
+
+__all__ = ["load_hf_weights", "local_part", "in_memory_names"]
+
+logger = logging.getLogger(__name__)
+
+
+def in_memory_names(model: Any) -> tuple[Any, dict[str, str]]:
+    """``(transformers model, {in-memory name: its key in that model's state dict})``.
+
+    For a PEFT model the transformers model is the one PEFT wraps, whose adapted layers keep their weight under
+    ``base_layer``; its adapters (``lora_A``, ...) are left out.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    adapters = _adapter_keys(base)
+    names = {}
+    for key in base.state_dict():
+        if key not in adapters:
+            names[key.replace(".base_layer.", ".")] = key
+    return base, names
+
+
+def _adapter_keys(base: Any) -> set[str]:
+    out = set()
+    for mod_name, module in base.named_modules():
+        for attr in getattr(module, "adapter_layer_names", ()) + getattr(module, "other_param_names", ()):
+            holder = getattr(module, attr, None)
+            if isinstance(holder, torch.nn.Module):
+                prefix = f"{mod_name}.{attr}." if mod_name else f"{attr}."
+                out.update(prefix + k for k in holder.state_dict())
+    return out
+
+
+def local_part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` (a whole tensor) that ``target`` (a ``DTensor`` or a plain tensor) holds on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, DTensor):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _local(target: torch.Tensor) -> torch.Tensor:
+    return target.to_local() if hasattr(target, "to_local") else target
+
+
+def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) -> int:
+    """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not); returns this rank's bytes read.
+
+    Every parameter of the transformers model must be in the folder (or tied to one that is); a buffer that is
+    not (rotary tables and the like) is left as it is. Adapters of a PEFT model are not read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    folder = Path(folder)
+    before = BYTES_READ.total
+    base, names = in_memory_names(model)
+    state = base.state_dict(keep_vars=True)  # the tensors themselves: tied weights are one object
+    buffer_keys = {k for k, _ in base.named_buffers()}
+    reader = ParallelHFReader(folder)
+    on_disk = reader.read_metadata().state_dict_metadata
+    mem = {name: state[key] for name, key in names.items()}
+    layout = disk_layout(base.config.to_dict(), {n: (tuple(t.shape), t.dtype) for n, t in mem.items()},
+                         base_names=list(on_disk))
+    if layout is None:  # an unknown family: the folder keeps the in-memory names
+        layout = {n: DiskTensor(n, n, tuple(t.shape), 0, tuple(_strides(t.shape))) for n, t in mem.items()}
+    whole: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[DiskTensor]] = {}
+    for disk_name, view in layout.items():
+        if disk_name not in on_disk:
+            if names[view.source] in buffer_keys and buffers_optional:
+                continue
+            raise CheckpointError(f"'{folder}' does not fit the model: tensor '{disk_name}' is not in its safetensors "
+                                  "files; point model.pretrained_model_name_or_path at this model's own folder")
+        if view.is_whole(tuple(mem[view.source].shape)):
+            whole[disk_name] = mem[view.source]
+        else:
+            parts.setdefault(view.source, []).append(view)
+    covered = {v.source for v in layout.values() if v.name in on_disk}
+    covered_ids = {id(mem[n]) for n in covered}  # a tied weight is filled through the one it is tied to
+    missing = sorted(n for n in mem if n not in covered and id(mem[n]) not in covered_ids
+                     and names[n] not in buffer_keys)
+    if missing:
+        raise CheckpointError(f"'{folder}' does not fit the model: {len(missing)} tensor(s) missing (e.g. "
+                              f"'{missing[0]}'); point model.pretrained_model_name_or_path at this model's own folder")
+    pieces = {v.name: torch.empty(tuple(on_disk[v.name].size), dtype=on_disk[v.name].properties.dtype)
+              for views in parts.values() for v in views}
+    if parts:
+        logger.info("%d tensor(s) of '%s' are read whole on every rank (the family stores them in parts): %s",
+                    len(pieces), folder, ", ".join(sorted(parts)))
+    with torch.no_grad():
+        dcp.load({**whole, **pieces}, storage_reader=reader, planner=DefaultLoadPlanner())
+        for source, views in parts.items():
+            target = mem[source]
+            full = torch.empty(tuple(target.shape), dtype=pieces[views[0].name].dtype)
+            flat = full.view(-1)
+            for v in views:
+                flat.as_strided(v.shape, v.stride, v.offset).copy_(pieces.pop(v.name))
+            _local(target).copy_(local_part(full, target))
+            del full
+    return BYTES_READ.total - before
+
+
+def _strides(shape: tuple[int, ...] | torch.Size) -> list[int]:
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return out
+

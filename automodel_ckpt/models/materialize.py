@@ -1,0 +1,197 @@
+"""A model built on the meta device gets its first weights once sharded: each rank materialises only its own part.
+
+The order (``recipes/llm_finetune.py``):
+
+1. the model is built on the meta device (``build_causal_lm(..., on_meta=True)``): no storage, no weights;
+2. LoRA wraps it as it would a real one (``kept_parameters``: the adapters PEFT draws from the seeded RNG are
+   created for real, and kept, before PEFT moves them to the meta device of their base layer);
+3. it is sharded (``fully_shard``, any mesh);
+4. ``materialize``: ``to_empty`` gives each rank storage for its own shards only, and the buffers that are in no
+   weight file (rotary tables, ...) are computed by transformers' own initialisation (``initialize_weights`` with
+   every parameter marked as initialised);
+5. once the recipe knows whether a checkpoint filled the model (``fill``): the base folder's slices are read by
+   each rank (``checkpoint/restore/hf_weights.py``), or, for a model built from a ``config`` block, rank 0 builds the
+   model from the seed exactly as without sharding and torch broadcasts it, tensor by tensor, into every rank's
+   shards (``set_model_state_dict(..., broadcast_from_rank0=True)``): the one path where one rank holds the whole
+   model. A checkpoint that is restored fills the model instead, and the base is never read.
+
+A model from any other builder (a custom ``model._target_``) is built whole as before; nothing here applies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel_ckpt.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: The builders that can build on the meta device (``on_meta=True``).
+META_BUILDERS = frozenset({"automodel_ckpt.models.build.build_causal_lm",
+                           "automodel_ckpt.models.build.build_image_text_model"})
+#: A folder where every rank writes what its materialisation held and read (``rank<R>.json``), for tests and
+#: benchmarks.
+RECORD_ENV = "AUTOMODEL_CKPT_LOAD_RECORD"
+
+
+def builds_on_meta(node: Mapping[str, Any]) -> bool:
+    """Whether the ``model:`` section names one of this package's builders (which build on the meta device)."""
+    return str(node.get("_target_", "")) in META_BUILDERS
+
+
+class StartingWeights:
+    """Where a meta-built model's first weights come from, and the filling of them on every rank.
+
+    ``node``: the ``model:`` section. ``rank``: this process's global rank (rank 0 builds a config-built model).
+    """
+
+    def __init__(self, node: Mapping[str, Any], rank: int) -> None:
+        self.node = dict(node)
+        self.rank = rank
+        self.on_meta = builds_on_meta(self.node)
+        self._created: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._record: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------ before sharding
+    @contextmanager
+    def kept_parameters(self) -> Iterator[None]:
+        """Parameters created with storage inside the block (LoRA adapters on a meta model) keep their values,
+        which ``fill`` copies into the materialised model."""
+        if not self.on_meta:
+            yield
+            return
+        created = []
+
+        def hook(module: nn.Module, name: str, param: Any) -> None:
+            if param is not None and param.device.type != "meta":
+                created.append((module, name, param))
+
+        handle = nn.modules.module.register_module_parameter_registration_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+        # only those the module still holds (a module may replace a parameter while it is built)
+        self._created += [(m, n, p.detach().clone()) for m, n, p in created if n in m._parameters]
+
+    # ------------------------------------------------------------------------------------- after sharding
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """Storage for this rank's shards on ``device``; buffers that no weight file holds computed; ties kept."""
+        if not self.on_meta:
+            return
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        tied = _tied_groups(base)
+        model.to_empty(device=device)
+        for group in tied:
+            tensors = {id(base.get_parameter(name)) for name in group}
+            if len(tensors) != 1:
+                raise RuntimeError(f"tied weights {', '.join(group)} came apart when materialised")
+        init_buffers(base)
+        self._record["params"] = _held(model)
+
+    def fill(self, model: nn.Module, *, model_loaded: bool) -> None:
+        """Collective: the first weights of whatever a checkpoint did not fill (``model_loaded``: a restore loaded
+        the model's state: a full model's weights, or a PEFT model's adapters)."""
+        if not self.on_meta:
+            return
+        peft = hasattr(model, "get_base_model")
+        if not model_loaded:
+            self._fill_created()
+        if peft or not model_loaded:
+            if self.node.get("config") is not None:
+                self._broadcast_seeded(model)
+            else:
+                self._read_folder(model)
+        self._created.clear()
+        self._write_record()
+
+    def _fill_created(self) -> None:
+        from automodel_ckpt.checkpoint.restore.hf_weights import local_part
+
+        with torch.no_grad():
+            for module, name, full in self._created:
+                target = getattr(module, name)
+                local = target.to_local() if hasattr(target, "to_local") else target
+                local.copy_(local_part(full.to(local.dtype), target))
+
+    def _read_folder(self, model: nn.Module) -> None:
+        from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
+        from automodel_ckpt.models.build import local_model_path
+
+        path = self.node.get("pretrained_model_name_or_path")
+        folder = local_model_path(path)
+        if folder is None:
+            raise ConfigError(f"model.pretrained_model_name_or_path: '{path}' not found (expected a local folder "
+                              "with config.json, or a model in the Hugging Face cache)")
+        self._record["base_bytes_read"] = load_hf_weights(model, folder)
+        self._record["base_file_bytes"] = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+    def _broadcast_seeded(self, model: nn.Module) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from automodel_ckpt.checkpoint.restore.hf_weights import in_memory_names
+        from automodel_ckpt.config.instantiate import instantiate
+        from automodel_ckpt.training.rng import rng_untouched
+
+        base, names = in_memory_names(model)
+        full: dict[str, torch.Tensor] = {}
+        if self.rank == 0:  # the model as a one-rank run builds it: the same seed, the same values
+            with rng_untouched():
+                whole = instantiate(self.node, "model").state_dict()
+            full = {key: whole[name] for name, key in names.items()}
+        set_model_state_dict(base, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                  strict=False))
+
+    def _write_record(self) -> None:
+        folder = os.environ.get(RECORD_ENV)
+        if not folder:
+            return
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"rank{self.rank}.json").write_text(json.dumps(self._record, indent=1) + "\n")
+
+
+def init_buffers(base: nn.Module) -> None:
+    """Compute the buffers of a materialised transformers model as its own initialisation does (rotary tables and
+    the like), leaving every parameter as it is."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(base, PreTrainedModel):
+        return
+    for module in base.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    flagged = []
+    for param in base.parameters():
+        if not getattr(param, "_is_hf_initialized", False):
+            param._is_hf_initialized = True
+            flagged.append(param)
+    base.initialize_weights()
+    for param in flagged:
+        del param._is_hf_initialized
+
+
+def _tied_groups(base: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _held(model: nn.Module) -> list[dict[str, Any]]:
+    """Each parameter's global and local element counts, and whether it is sharded (for the load record)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = []
+    for name, p in model.named_parameters():
+        sharded = isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out.append({"name": name, "numel": p.numel(), "local": local.numel(), "sharded": sharded})
+    return out
