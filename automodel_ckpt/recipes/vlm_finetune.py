@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from automodel_ckpt.models.build import build_processor
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 logger = logging.getLogger(__name__)
+_NO_VALUE_CHECKS = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 class VLMFinetuneRecipe(FinetuneRecipe):
@@ -50,11 +52,23 @@ def freeze_unused_parameters(model: torch.nn.Module, processor: Any) -> list[str
     device = next(model.parameters()).device
     was_training = model.training
     model.train()
+    # On the meta device (shapes and the graph only, all the probe needs) nothing may depend on a value: transformers'
+    # checks of values (image tokens against image features) are turned off by its own switch, the probe's attention
+    # mask (all ones) is left out and a cache is used, so that no mask is derived from values.
+    meta = device.type == "meta"
+    checks = os.environ.get(_NO_VALUE_CHECKS)
+    if meta:
+        os.environ[_NO_VALUE_CHECKS] = "1"
+        probe.pop("attention_mask", None)
     try:
-        out = model(**{k: v.to(device) for k, v in probe.items()}, use_cache=False)
+        out = model(**{k: v.to(device) for k, v in probe.items()}, use_cache=meta)
         out.logits.float().sum().backward()
     finally:
         model.train(was_training)
+        if checks is None:
+            os.environ.pop(_NO_VALUE_CHECKS, None)
+        else:
+            os.environ[_NO_VALUE_CHECKS] = checks
     unused = []
     for name, param in model.named_parameters():
         if param.requires_grad and param.grad is None:
