@@ -76,7 +76,21 @@ def kind_of(folder: Path) -> str:
 
 
 def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
-    """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not), read once on rank 0.
+    """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not).
+
+    Each rank reads only its own slices of the folder's safetensors files (``hf_weights``: the family's on-disk
+    names, tied weights and fused layouts mapped to the model's own, as transformers maps them).
+    """
+    from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
+
+    if not any(Path(folder).glob("*.safetensors")):  # PyTorch .bin weights only: transformers reads them
+        _load_on_rank0(model, folder, rank)
+        return
+    collective.collectively(lambda: load_hf_weights(model, folder), f"reading '{folder}'", rank)
+
+
+def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
+    """Collective: the weights of HF folder ``folder`` without safetensors files, read once on rank 0.
 
     transformers reads the folder (its on-disk names, tied weights and fused layouts mapped to the model's own),
     and torch broadcasts each tensor from rank 0 into every rank's shards.
