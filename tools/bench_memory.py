@@ -1,6 +1,6 @@
 """Memory per rank while a run starts from a folder base and takes its first steps, at 1, 2 and 4 processes.
 
-    python tools/bench_memory.py [--size 1GB] [--nprocs 1,2,4] [--steps 2] [--work DIR] [--json OUT]
+    python tools/bench_memory.py [--size 1GB] [--nprocs 1,2,4] [--steps 2] [--work DIR] [--json OUT] [--code DIR]
 
 Writes (once, into ``--work``) a Hugging Face folder base of about ``--size`` bytes of bf16 weights, Llama-shaped
 (hidden 1024, GQA, untied embeddings; the number of layers gives the size), then fine-tunes it in fp32 with AdamW
@@ -16,7 +16,8 @@ for ``--steps`` steps on 1, 2 and 4 processes. Each rank records:
 against its share of the training state: ``params`` (fp32 weights / world size) and ``state`` (weights, gradients
 and both AdamW moments: 16 bytes per parameter / world size). The goals: ``setup_peak - idle <= 1.25 * params +
 256 MiB`` on every rank, and at 4 ranks a setup peak per rank <= 0.35 x the one at 1 rank. Also reported: the time
-from launch to the end of the first step. When the recipe schema knows ``distributed.activation_checkpointing``,
+from launch to the end of the first step. ``--code DIR`` runs another checkout's package (a before/after
+comparison on the same base). When the recipe schema knows ``distributed.activation_checkpointing``,
 every world size runs with it off and on. Not a test; the default size takes several minutes on a small machine.
 """
 
@@ -91,7 +92,8 @@ class MemoryRecipe(FinetuneRecipe):
     def restore_checkpoint(self):
         restored = super().restore_checkpoint()  # the starting weights are in place on return
         self._memory["setup_peak"] = _status("VmHWM")
-        self._memory["base_bytes_read"] = self.starting_weights._record.get("base_bytes_read")
+        starting = getattr(self, "starting_weights", None)  # absent in a checkout that builds the whole model
+        self._memory["base_bytes_read"] = starting._record.get("base_bytes_read") if starting else None
         if torch.cuda.is_available():
             self._memory["setup_device_peak"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -182,7 +184,7 @@ def knows_activation_checkpointing() -> bool:
     return any(f.name == "activation_checkpointing" for f in dataclasses.fields(schema.DistributedConfig))
 
 
-def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None) -> dict:
+def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO) -> dict:
     tag = f"n{nproc}" + ("" if ac is None else f"_ac{int(ac)}")
     out = work / f"memory_{tag}"
     out.mkdir(exist_ok=True)
@@ -191,7 +193,7 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None) -> 
                                     work=work, distributed="" if ac is None else
                                     f"distributed:\n  activation_checkpointing: {str(ac).lower()}\n"))
     env = dict(os.environ, BENCH_MEMORY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe)],
                           cwd=work, env=env, capture_output=True, text=True)
@@ -233,12 +235,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("bench_memory_work"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--code", type=Path, default=REPO,
+                        help="the checkout whose automodel_ckpt trains (default: this one; another for comparisons)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     config = llama_config(parse_size(args.size))
     base = write_base(args.work / f"base_{config['num_hidden_layers']}l", config)
     acs: list[bool | None] = [False, True] if knows_activation_checkpointing() else [None]
-    results = [run_one(args.work.resolve(), base.resolve(), int(n), args.steps, ac)
+    results = [run_one(args.work.resolve(), base.resolve(), int(n), args.steps, ac, args.code.resolve())
                for n in args.nprocs.split(",") for ac in acs]
     ok = {r["nproc"]: r for r in results if "failed" not in r and not r["activation_checkpointing"]}
     report = {"size_bytes": sum(f.stat().st_size for f in base.glob("*.safetensors")), "config": config,

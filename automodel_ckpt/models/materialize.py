@@ -88,14 +88,7 @@ class StartingWeights:
         """Storage for this rank's shards on ``device``; buffers that no weight file holds computed; ties kept."""
         if not self.on_meta:
             return
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        tied = _tied_groups(base)
-        model.to_empty(device=device)
-        for group in tied:
-            tensors = {id(base.get_parameter(name)) for name in group}
-            if len(tensors) != 1:
-                raise RuntimeError(f"tied weights {', '.join(group)} came apart when materialised")
-        init_buffers(base)
+        materialize_module(model, device)
         self._record["params"] = _held(model)
 
     def fill(self, model: nn.Module, *, model_loaded: bool) -> None:
@@ -157,6 +150,21 @@ class StartingWeights:
             return
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"rank{self.rank}.json").write_text(json.dumps(self._record, indent=1) + "\n")
+
+
+def materialize_module(model: nn.Module, device: torch.device | str) -> None:
+    """``to_empty`` on ``device`` (storage for this rank's shards only, values undefined), tied weights tied again
+    where ``to_empty`` made two tensors of one (FSDP keeps them one), and the buffers computed (``init_buffers``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tied = _tied_groups(base)
+    model.to_empty(device=device)
+    for group in tied:
+        first = base.get_parameter(group[0])
+        for name in group[1:]:
+            if base.get_parameter(name) is not first:
+                owner, _, attr = name.rpartition(".")
+                setattr(base.get_submodule(owner), attr, first)
+    init_buffers(base)
 
 
 def init_buffers(base: nn.Module) -> None:
