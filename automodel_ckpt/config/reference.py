@@ -17,7 +17,7 @@ from automodel_ckpt.config.schema import RecipeConfig
 
 _FIELD_COMMENT = re.compile(r"^\s*(\w+)\s*:[^#]*#\s*(.+?)\s*$")
 # Arguments the recipe passes itself; they are not config keys.
-_SUPPLIED_BY_RECIPE = {"params", "optimizer", "total_steps", "self"}
+_SUPPLIED_BY_RECIPE = {"params", "optimizer", "total_steps", "self", "on_meta"}
 
 
 def _comments(cls: type) -> dict[str, str]:
