@@ -86,7 +86,7 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
     base, names = in_memory_names(model)
     state = base.state_dict(keep_vars=True)  # the tensors themselves: tied weights are one object
     buffer_keys = {k for k, _ in base.named_buffers()}
-    reader = ParallelHFReader(folder)
+    reader = ParallelHFReader(folder, gap=0)  # the pages of this rank's pieces, nothing between them
     on_disk = reader.read_metadata().state_dict_metadata
     mem = {name: state[key] for name, key in names.items()}
     layout = disk_layout(base.config.to_dict(), {n: (tuple(t.shape), t.dtype) for n, t in mem.items()},

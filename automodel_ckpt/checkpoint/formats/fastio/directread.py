@@ -126,14 +126,14 @@ class _File:
         self.fd = self.direct_fd = None
 
 
-def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int) -> list[_Region]:
+def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int, gap: int = GAP) -> list[_Region]:
     """The file's reads: needed ranges (or the whole file) in page-aligned regions of at most ``REGION`` bytes."""
     segments = sorted((s for s in segments if s.nbytes), key=lambda s: s.start)
     ranges: list[list[int]] = [[0, size]] if whole else []
     if not whole:
         for s in segments:
             a, b = s.start // ALIGN * ALIGN, s.start + s.nbytes
-            if ranges and a <= ranges[-1][1] + GAP:
+            if ranges and a <= ranges[-1][1] + gap:
                 ranges[-1][1] = max(ranges[-1][1], b)
             else:
                 ranges.append([a, b])
@@ -283,12 +283,13 @@ def _copy_out(region: _Region, tensor: torch.Tensor) -> None:
 
 
 def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[str, int] | None = None,
-               hash_files: dict[str, Any] | None = None) -> dict[str, int]:
+               hash_files: dict[str, Any] | None = None, gap: int = GAP) -> dict[str, int]:
     """Copy every segment's bytes from its file into its ``dest``; returns ``{path: bytes read}``.
 
     ``sizes``: the files' sizes where already known. ``hash_files``: ``{path: hasher}`` (``update``) of files to be
     read whole and fed to the hasher in order (a path may have no segments). Files ``wanted`` says are read with
-    O_DIRECT where allowed, the others through the page cache (same buffers, same threads).
+    O_DIRECT where allowed, the others through the page cache (same buffers, same threads). ``gap``: unneeded
+    bytes between two needed ranges that are read rather than skipped (0: only the pages of the needed ranges).
     """
     hash_files = hash_files or {}
     paths = sorted(set(segments) | set(hash_files))
@@ -299,7 +300,7 @@ def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[
         if size is None:
             size = os.stat(path).st_size
         files.append(_File(path, size, wanted(size)))
-        regions += _plan(path, size, segments.get(path, []), path in hash_files, index)
+        regions += _plan(path, size, segments.get(path, []), path in hash_files, index, gap)
     read = {path: 0 for path in paths}
     if not regions:
         return read

@@ -187,7 +187,7 @@ def open_fd(path: str, advice: int | None) -> int:
 
 
 def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | None = None,
-              on_hashed: Callable[[], None] | None = None) -> None:
+              on_hashed: Callable[[], None] | None = None, gap: int = directread.GAP) -> None:
     """Every job's bytes. Large files (``directread.wanted``) and files to hash (``hash_files``: ``{path:
     hasher}``) are read past the page cache in page-aligned regions (``directread``); the rest with ``preadv``
     straight into the targets, each thread reading one consecutive stretch of the files with a descriptor of its
@@ -210,7 +210,7 @@ def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | No
         else:
             segments.setdefault(real[job.path], []).append(segment)
     if segments or hash_files:
-        directread.read_files(segments, threads, sizes=sizes, hash_files=hash_files)
+        directread.read_files(segments, threads, sizes=sizes, hash_files=hash_files, gap=gap)
         if on_hashed is not None:
             on_hashed()
     _preadv_reads(rest, threads)
@@ -280,7 +280,7 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
         target = planner.resolve_tensor(req).detach()
         jobs.append(ReadJob(path, located, tuple(req.storage_offsets), tuple(req.lengths), target))
         done.append((req, target))
-    run_reads(jobs, threads, hash_files, on_hashed)
+    run_reads(jobs, threads, hash_files, on_hashed, gap=getattr(reader, "gap", directread.GAP))
     return finish_reads(done, planner)
 
 
@@ -353,12 +353,17 @@ class _Checked:
 
 
 class ParallelHFReader(_Checked, CachingHFReader):
-    """``CachingHFReader`` whose reads go straight into the destination tensors (``read_safetensors``)."""
+    """``CachingHFReader`` whose reads go straight into the destination tensors (``read_safetensors``).
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None) -> None:
+    ``gap``: in files read past the page cache, unneeded bytes between two needed ranges that are read rather than
+    skipped (0: a rank reads the pages of its own pieces only)."""
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None,
+                 gap: int = directread.GAP) -> None:
         super().__init__(str(path))
         self.threads = default_threads(threads)
         self.check = check
+        self.gap = gap
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         return self._read(read_safetensors, plan, planner)
