@@ -93,7 +93,7 @@ class MemoryRecipe(FinetuneRecipe):
         restored = super().restore_checkpoint()  # the starting weights are in place on return
         self._memory["setup_peak"] = _status("VmHWM")
         starting = getattr(self, "starting_weights", None)  # absent in a checkout that builds the whole model
-        self._memory["base_bytes_read"] = starting._record.get("base_bytes_read") if starting else None
+        self._memory["base_bytes_read"] = starting.record.get("base_bytes_read") if starting else None
         if torch.cuda.is_available():
             self._memory["setup_device_peak"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()

@@ -61,6 +61,11 @@ class StartingWeights:
         self._created: list[tuple[nn.Module, str, torch.Tensor]] = []
         self._record: dict[str, Any] = {}
 
+    @property
+    def record(self) -> dict[str, Any]:
+        """What this rank's materialisation held and read (``base_bytes_read``, ``params``; see ``RECORD_ENV``)."""
+        return self._record
+
     # ------------------------------------------------------------------------------------ before sharding
     @contextmanager
     def kept_parameters(self) -> Iterator[None]:

@@ -54,3 +54,16 @@ def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path):
     assert 0 < sent["2"] < sent["3"] <= 1.5 * 1.5 * sent["2"]  # no faster than the rank count
     assert sent["3"] < 1 << 20  # metadata-sized
     assert "| manifest (s) |" in printed
+
+
+def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_path):
+    out = tmp_path / "memory.json"
+    printed = _run("bench_memory.py", "--size", "20MB", "--nprocs", "1", "--steps", "1", "--work", str(tmp_path),
+                   "--json", str(out))
+    report = json.loads(out.read_text())
+    [run] = [r for r in report["runs"] if not r["activation_checkpointing"]]
+    [rank] = run["ranks"]
+    assert rank["base_bytes_read"] == report["size_bytes"]  # one rank: the whole base, read once
+    assert rank["idle"] < rank["setup_peak"] <= rank["steps_peak"] and run["first_step_seconds"] > 0
+    assert rank["params_share"] == 4 * rank["local_params"] and run["setup_goal_met"]  # <= 1.25 x share + 256 MiB
+    assert "setup peak MiB" in printed
