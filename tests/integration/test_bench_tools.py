@@ -1,5 +1,5 @@
-"""tools/bench_async.py and tools/bench_scale.py in their small modes: they run, and their reports hold what they
-promise (the ratios, every phase at every rank count). Correctness of the output, not speed."""
+"""tools/bench_async.py, bench_scale.py and bench_memory.py in their small modes: they run, and their reports hold
+what they promise (the ratios, every phase at every rank count). Correctness of the output, not speed."""
 
 from __future__ import annotations
 
