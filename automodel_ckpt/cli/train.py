@@ -22,13 +22,16 @@ def main(argv: list[str]) -> int:
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
     cfg = load_config(recipe_path, overrides, RecipeConfig)
-    check_recipe(cfg, opts.world_size)
+    inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
         from automodel_ckpt.config.loader import to_yaml
 
         print(to_yaml(cfg), end="")
+        for line in inputs:
+            print(f"# {line}", file=sys.stderr)
         print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
         return 0
+    fetch_models(cfg)  # once per node, before any worker starts
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
         from automodel_ckpt.checkpoint.objectstore import run_folder
@@ -39,6 +42,22 @@ def main(argv: list[str]) -> int:
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
     return run_worker(recipe_path, overrides)
+
+
+def fetch_models(cfg) -> None:
+    """Download a Hub model (and tokenizer) missing from the Hugging Face cache, here in the launcher: once per node.
+
+    Workers started another way (torchrun, srun) fetch it themselves, one process per cache (``models.hub``).
+    """
+    from automodel_ckpt.models.hub import is_hub_id, model_folder
+
+    model = cfg.model
+    name = model.get("pretrained_model_name_or_path")
+    if name and model.get("config") is None and not model.get("embedded") and is_hub_id(str(name)):
+        model_folder(str(name))
+    tok = cfg.tokenizer.pretrained_model_name_or_path
+    if tok and is_hub_id(str(tok)):
+        model_folder(str(tok), "tokenizer.pretrained_model_name_or_path", weights=False)
 
 
 def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
