@@ -45,9 +45,11 @@ def main(argv: list[str]) -> int:
 
 
 def fetch_models(cfg) -> None:
-    """Download a Hub model (and tokenizer) missing from the Hugging Face cache, here in the launcher: once per node.
+    """Download a Hub model (and tokenizer) missing from the Hugging Face cache: once per node, in the launcher.
 
-    Workers started another way (torchrun, srun) fetch it themselves, one process per cache (``models.hub``).
+    Workers started another way (torchrun, srun) fetch it themselves before the process group exists (a download
+    never races a collective's timeout): the first process to take the cache's lock downloads, the others wait for
+    it (``models.hub``).
     """
     from automodel_ckpt.models.hub import is_hub_id, model_folder
 
@@ -76,6 +78,7 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)
     check_recipe(cfg, world_size, inputs=False)
+    fetch_models(cfg)  # started by ckpt-train: already there; by torchrun or srun: one process per cache downloads
     recipe_cls = locate(cfg.recipe, "recipe")
     recipe = recipe_cls(cfg)
     recipe.run()

@@ -184,8 +184,8 @@ def _status(exc: Exception) -> int | None:
 
 
 def _offline_message(repo_id: str, key: str) -> str:
-    return (f"{key}: '{repo_id}' is not in the Hugging Face cache ({_cache_dir()}) "
-            f"and the Hub cannot be reached (offline); fetch it where the Hub is reachable with: "
+    return (f"{key}: '{repo_id}' is neither a local folder nor in the Hugging Face cache ({_cache_dir()}), and the "
+            f"Hub cannot be reached (offline); fetch it where the Hub is reachable with: "
             f"{fetch_command(repo_id)}")
 
 

@@ -83,8 +83,8 @@ def test_offline_fails_in_one_line_naming_the_fetch_command(hub, assets, tmp_pat
     result = ckpt_train(tmp_path, assets, *HUB_MODEL, env=_hub_env(hub, tmp_path / "hf", offline=True), check=False)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.output
-    assert lines[0].startswith(f"error: model.pretrained_model_name_or_path: '{REPO_ID}' is not in the Hugging Face "
-                               "cache")
+    assert lines[0].startswith(f"error: model.pretrained_model_name_or_path: '{REPO_ID}' is neither a local folder "
+                               "nor in the Hugging Face cache")
     assert f"hf download {REPO_ID} " in lines[0] and "--include '*.safetensors'" in lines[0]
 
 

@@ -28,7 +28,7 @@ def test_a_cached_hub_id_resolves_to_its_snapshot_folder(tmp_path, monkeypatch):
     assert "to be downloaded" in check_model_source("acme/not-cached", None, None)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert "unavailable offline" in check_model_source("acme/not-cached", None, None, offline_ok=True)
-    with pytest.raises(ConfigError, match="'acme/not-cached' is not in the Hugging Face cache .* hf download acme/not"):
+    with pytest.raises(ConfigError, match="'acme/not-cached' is neither a local folder nor in the Hugging Face cache .* hf download acme/not"):
         check_model_source("acme/not-cached", None, None)
     with pytest.raises(ConfigError, match="'./missing' not found"):
         check_model_source("./missing", None, None)
