@@ -31,13 +31,13 @@ def main(argv: list[str]) -> int:
             print(f"# {line}", file=sys.stderr)
         print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
         return 0
-    fetch_models(cfg)  # once per node, before any worker starts
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
         from automodel_ckpt.checkpoint.objectstore import run_folder
         from automodel_ckpt.checkpoint.storage.runlock import RunLock
 
         RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0
+    fetch_models(cfg)  # a Hub model missing from the cache: downloaded once per node, before any worker starts
     if opts.needs_agent:
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)

@@ -4,7 +4,7 @@ A recipe names its base either as a local folder or as a Hub id (``meta-llama/Ll
 to its snapshot in the Hugging Face cache; when that snapshot is missing or incomplete it is downloaded with
 ``huggingface_hub.snapshot_download``: the top-level config, tokenizer and generation files and the
 ``*.safetensors`` weights, never ``.bin``/``.pth``/``.pt`` pickles. The launcher does it once per node, before the
-workers start (``ckpt-train`` calls :func:`fetch_model_files`); a worker that finds the snapshot still missing (a job
+workers start (``cli.train.fetch_models``); a worker that finds the snapshot still missing (a job
 started by torchrun or srun directly) downloads it under a file lock in the cache, so one process per cache
 downloads and the others wait, then read the same snapshot. With ``HF_HUB_OFFLINE=1`` or no network, one line says
 what is missing and the command that fetches it.
@@ -90,9 +90,23 @@ def cached_snapshot(repo_id: str, weights: bool = True) -> Path | None:
                                         local_files_only=True))
     except (LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError, OSError):
         return None
-    if weights and not ((folder / "config.json").exists() and any(folder.glob("*.safetensors"))):
+    if weights and not ((folder / "config.json").exists() and _has_all_weights(folder)):
         return None
     return folder
+
+
+def _has_all_weights(folder: Path) -> bool:
+    """Safetensors weights, and every shard an index names (a snapshot cached file by file may lack some)."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError):
+            return False
+        return bool(shards) and all((folder / shard).exists() for shard in shards)
+    return any(folder.glob("*.safetensors"))
 
 
 def model_source(name: str, key: str = "model.pretrained_model_name_or_path", weights: bool = True) -> ModelSource:

@@ -68,3 +68,26 @@ def test_every_shipped_recipe_passes_dry_run_offline_with_an_empty_cache(recipe,
     else:  # a Hub id: where it lies, and how to fetch it
         assert "unavailable offline" in model_line and "hf download" in model_line
     assert not (tmp_path / "hub").exists() or not any((tmp_path / "hub").rglob("*.safetensors"))
+
+
+def test_a_cached_snapshot_missing_a_shard_of_its_index_is_not_cached(tmp_path, monkeypatch):
+    import json
+
+    import huggingface_hub.constants
+
+    from automodel_ckpt.models.hub import CACHED, DOWNLOAD, model_source
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    repo = tmp_path / "models--acme--sharded"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model-1.safetensors").write_bytes(b"")
+    weight_map = {"a": "model-1.safetensors", "b": "model-2.safetensors"}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert model_source("acme/sharded").status == DOWNLOAD  # a file-by-file cache that lacks a shard
+    (snapshot / "model-2.safetensors").write_bytes(b"")
+    assert model_source("acme/sharded").status == CACHED
