@@ -3,6 +3,7 @@ gated and pickle-only repos fail in one line; `--dry-run` says where the model l
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,15 @@ def test_offline_fails_in_one_line_naming_the_fetch_command(hub, assets, tmp_pat
     assert lines[0].startswith(f"error: model.pretrained_model_name_or_path: '{REPO_ID}' is neither a local folder "
                                "nor in the Hugging Face cache")
     assert f"hf download {REPO_ID} " in lines[0] and "--include '*.safetensors'" in lines[0]
+    # The command it names, run where the Hub is reachable, fetches what the run needs: the run is then offline-ready.
+    hf = str(Path(sys.executable).parent / "hf")
+    command = shlex.split(lines[0].split("with: ", 1)[1].replace("hf ", f"{hf} ", 1))
+    subprocess.run(command, env=env_for(tmp_path, _hub_env(hub, tmp_path / "hf")), check=True, capture_output=True,
+                   timeout=120)
+    status = "from automodel_ckpt.models.hub import model_source; print(model_source(%r).status)" % REPO_ID
+    env = env_for(tmp_path, _hub_env(hub, tmp_path / "hf", offline=True)) | {"PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", status], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "cached"
 
 
 GATED_AND_PICKLES = """
