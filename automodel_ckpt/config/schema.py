@@ -52,6 +52,7 @@ class DistributedConfig:
     backend: Optional[str] = None  # None: nccl when CUDA is available, else gloo
     mixed_precision: Optional[str] = None  # None (fp32) | bf16: FSDP2 computes in bf16, reduces in fp32
     timeout_minutes: int = 30  # collective timeout
+    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward: less memory
 
 
 @dataclass

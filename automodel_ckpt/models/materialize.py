@@ -31,8 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel_ckpt.errors import ConfigError
-
 logger = logging.getLogger(__name__)
 
 #: The builders that can build on the meta device (``on_meta=True``).
@@ -123,13 +121,9 @@ class StartingWeights:
 
     def _read_folder(self, model: nn.Module) -> None:
         from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
-        from automodel_ckpt.models.build import local_model_path
+        from automodel_ckpt.models.hub import model_folder
 
-        path = self.node.get("pretrained_model_name_or_path")
-        folder = local_model_path(path)
-        if folder is None:
-            raise ConfigError(f"model.pretrained_model_name_or_path: '{path}' not found (expected a local folder "
-                              "with config.json, or a model in the Hugging Face cache)")
+        folder = model_folder(str(self.node.get("pretrained_model_name_or_path")))  # built from it: it is there
         self._record["base_bytes_read"] = load_hf_weights(model, folder)
         self._record["base_file_bytes"] = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 

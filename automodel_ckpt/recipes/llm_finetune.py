@@ -21,6 +21,7 @@ from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation
 from automodel_ckpt.data.pipeline import prepare_data
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, init_distributed, inside_launcher_worker
+from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
@@ -64,6 +65,10 @@ class FinetuneRecipe(BaseRecipe):
             if self.env.is_main:
                 print(lora_summary(model), flush=True)
         fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
+        if cfg.distributed.activation_checkpointing:  # per block, before sharding; parameter names unchanged
+            blocks = checkpoint_blocks(model)
+            if self.env.is_main:
+                print(f"Activation checkpointing: {blocks} blocks recompute their activations in backward", flush=True)
         self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
                                  cfg.distributed.mixed_precision)
         self.starting_weights.materialize(self.model, self.env.device)
