@@ -129,7 +129,7 @@ def test_inspect_report_matches_the_disk(run_dir):
 def test_inspect_table_and_json_through_the_cli(run_dir, capsys):
     assert cli.main(["inspect", str(run_dir)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CONSOLIDATED",
+    assert table[0].split() == ["NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "MESH", "CONSOLIDATED",
                                 "COMPLETE", "POINTERS"]
     assert table[3].split()[:4] == ["epoch_1_step_6", "6", "1", "2.2500"]
     assert table[3].endswith("LATEST, LOWEST_VAL")
