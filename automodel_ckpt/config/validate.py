@@ -52,6 +52,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     if cfg.get("peft") is not None:
         from automodel_ckpt.models.lora import check_peft_section
 
+        if sizes.tp > 1:
+            raise ConfigError("distributed.tp_size: LoRA (a peft: section) with tensor parallelism is not supported "
+                              "yet; use tp_size 1 (FSDP2 or HSDP shard the frozen base as well)")
+
         check_peft_section(cfg.peft)
 
 

@@ -11,6 +11,7 @@ reshape with ``-1`` heads, so a rank computes its ``heads / tp`` heads without a
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -102,6 +103,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
 
     plan = check_tensor_parallel(model, tp_mesh.size())
     styles = _styles()
+    # The head's gathered logits are a view; FSDP2 warns that an in-place change of the root's output would skip
+    # its hooks. The loss never changes the logits in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()})
     return model
 
@@ -121,10 +125,16 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     squares = []
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in members])
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares.append(norm.double() ** 2)
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its hint to flatten the mesh for one all-reduce of a scalar norm
+    try:
+        for members in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares.append(norm.double() ** 2)
+    finally:
+        quiet.setLevel(level)
     from torch.distributed.tensor.experimental import implicit_replication
 
     total = torch.stack([s.cpu() for s in squares]).sum().sqrt().float()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+from tests.family_bases import folder_weights
 from tests.integration.harness import ckpt_train, jsonl
 
-BATCH = ("--step_scheduler.global_batch_size", "32", "--step_scheduler.local_batch_size", "8",
+BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", "32", "--step_scheduler.local_batch_size", "8",
          "--data.val_size", "16", "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false",
          "--step_scheduler.ckpt_every_steps", "2")
 DP4 = ()
@@ -28,34 +31,81 @@ def _records(run_dir):
     return {r["step"]: r for r in jsonl(run_dir / "training.jsonl")}
 
 
-def _chain(tmp_path, assets, fmt: str, legs, steps_per_leg: int = 2):
-    fmt_args = ("--checkpoint.model_save_format", fmt)
-    total = steps_per_leg * len(legs)
-    ckpt_train(tmp_path, assets, *BATCH, *fmt_args, "--step_scheduler.max_steps", str(total),
-               "--checkpoint.checkpoint_dir", "straight", nproc=4)
-    run = ("--checkpoint.checkpoint_dir", "chain")
-    before = None
-    for i, (nproc, keys, name) in enumerate(legs):
-        out = ckpt_train(tmp_path, assets, *BATCH, *fmt_args, *run, *keys,
-                         "--step_scheduler.max_steps", str(steps_per_leg * (i + 1)), nproc=nproc)
-        if before is not None:
-            assert f"Resuming a {before} checkpoint on {name}" in out.stdout
-        meta = json.loads((tmp_path / "chain" / f"epoch_0_step_{steps_per_leg * (i + 1)}" / "metadata.json").read_text())
-        assert meta["world_size"] == nproc
-        before = name
-    got, want = _records(tmp_path / "chain"), _records(tmp_path / "straight")
-    assert sorted(got) == list(range(1, total + 1))
-    for step in range(1, total + 1):
+def _leg(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...], *extra: str):
+    return ckpt_train(tmp_path, assets, *BATCH, *keys, *extra, "--checkpoint.checkpoint_dir", run,
+                      "--step_scheduler.max_steps", str(step), nproc=nproc)
+
+
+def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
+    got, want = _records(run_dir), _records(straight)
+    for step in steps:
         assert got[step]["sample_ids"] == want[step]["sample_ids"], step  # the same samples, in the same order
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
-    return tmp_path / "chain"
 
 
 def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
-    chain = _chain(tmp_path, assets, "safetensors", LEGS)
+    total = 2 * len(LEGS)
+    _leg(tmp_path, assets, "straight", total, 4, DP4)
+    chain, before = tmp_path / "chain", None
+    for i, (nproc, keys, name) in enumerate(LEGS):  # safetensors shards
+        out = _leg(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys)
+        if before is not None:
+            assert f"Resuming a {before} checkpoint on {name}" in out.stdout
+        meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
+        assert meta["world_size"] == nproc
+        before = name
+    assert sorted(_records(chain)) == list(range(1, total + 1))
+    _assert_same_steps(chain, tmp_path / "straight", range(1, total + 1))
     # per-rank state is per data-parallel rank: dp 2 × tp 2 wrote two RNG files, tp 2 one
     assert sorted(p.name for p in (chain / "epoch_0_step_4" / "rng").iterdir()) == ["rng_dp_rank_0.pt",
                                                                                    "rng_dp_rank_1.pt"]
     assert sorted(p.name for p in (chain / "epoch_0_step_6" / "rng").iterdir()) == ["rng_dp_rank_0.pt"]
     meta = json.loads((chain / "epoch_0_step_4" / "metadata.json").read_text())
     assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+
+    # HSDP writes each byte once: the replicas' shards are written by one rank each (DCP deduplicates them)
+    def model_bytes(step: int) -> int:
+        return sum(f.stat().st_size for f in (chain / f"epoch_0_step_{step}" / "model").glob("shard-*.safetensors"))
+
+    assert model_bytes(8) == pytest.approx(model_bytes(2), rel=0.05)
+
+    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 writes step 4
+    # in the background, HSDP resumes from it; the same samples and losses as the straight run
+    dcp = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
+    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2, *dcp, "--checkpoint.restore_from", str(chain / "epoch_0_step_2"))
+    assert (tmp_path / "dcp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
+    out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
+    assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
+    _assert_same_steps(tmp_path / "dcp", tmp_path / "straight", range(3, 7))
+
+
+def _tp_base(family: str, folder: Path) -> Path:
+    """A bf16 base of ``family`` whose 4 heads and 2 key-value heads split over 2 tensor-parallel ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_bases import build_tokenizer, family_config
+
+    config = family_config(family)
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    model.save_pretrained(folder, max_shard_size=int(total * 0.55) + 1)  # two weight files and an index
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings, q/k/v biases
+def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
+    base = _tp_base(family, tmp_path / f"{family}_base")
+    ckpt_train(tmp_path, assets, "--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null",
+               "--optimizer.lr", "0", "--dataset.num_samples", "400", "--data.val_size", "16",
+               "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "8",
+               "--step_scheduler.max_steps", "1", "--distributed.tp_size", "2",
+               "--checkpoint.checkpoint_dir", "run", nproc=4)
+    export = tmp_path / "run" / "epoch_0_step_1" / "model" / "consolidated"
+    expected, actual = folder_weights(base), folder_weights(export)
+    assert sorted(actual) == sorted(expected)
+    for name, (file, tensor) in expected.items():
+        assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
+        assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), name
