@@ -1,13 +1,17 @@
-"""Resume across parallelism strategies: dp 4 → dp 2 × tp 2 → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4 run."""
+"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4 run),
+both formats, async saves and a SIGKILL on a 2-D mesh, and the export of a dp 2 × tp 2 checkpoint."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from automodel_ckpt.checkpoint.disk import catalog
 from tests.family_bases import folder_weights
 from tests.integration.harness import ckpt_train, jsonl
 
@@ -16,7 +20,7 @@ BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", 
          "--step_scheduler.ckpt_every_steps", "2")
 DP4 = ()
 DP2_TP2 = ("--distributed.tp_size", "2")
-TP2 = ("--distributed.tp_size", "2")
+TP2 = DP2_TP2  # on 2 processes
 HSDP = ("--distributed.dp_replicate_size", "2")
 LEGS = [  # (processes, mesh keys, what the resume line calls the mesh)
     (4, DP4, "dp 4"),
@@ -43,11 +47,37 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
 
 
+def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...]) -> None:
+    """Start a leg, SIGKILL the whole job while its first save is being written; the checkpoint folder stays sound
+    (every complete checkpoint matches its manifest, LATEST names a complete one, the half-written one is staging)."""
+    from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job
+    from tests.integration.test_kill_fault import check_dir, saves_in_progress
+
+    before = {r.name for r in catalog.list_checkpoints(tmp_path / run)}
+    log, started = tmp_path / f"killed_{run}_{step}.log", time.time()
+    cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), str(RECIPE), *QUIET, *BATCH, *keys,
+           "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "Saving checkpoint to" not in log.read_text(errors="replace") and proc.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.002)
+    in_save = saves_in_progress(tmp_path / run, started)
+    kill_job(proc)
+    assert in_save, log.read_text()[-2000:]  # the kill landed inside the save
+    complete, failures, _ = check_dir(tmp_path / run, before)
+    assert not failures and complete == before  # the killed save is never selected
+
+
 def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     total = 2 * len(LEGS)
     _leg(tmp_path, assets, "straight", total, 4, DP4)
     chain, before = tmp_path / "chain", None
     for i, (nproc, keys, name) in enumerate(LEGS):  # safetensors shards
+        if name == "dp 2 × tp 2":  # a SIGKILL during a 2-D save first: the rerun resumes from the dp 4 checkpoint
+            _killed_inside_a_save(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys)
         out = _leg(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys)
         if before is not None:
             assert f"Resuming a {before} checkpoint on {name}" in out.stdout
@@ -77,6 +107,10 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
     assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
     _assert_same_steps(tmp_path / "dcp", tmp_path / "straight", range(3, 7))
+    # the same mesh from the same checkpoint, in either format: bitwise the same steps
+    got, chained = _records(tmp_path / "dcp"), _records(chain)
+    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in (3, 4)] == [(chained[s]["loss"], chained[s]["grad_norm"])
+                                                                       for s in (3, 4)]
 
 
 def _tp_base(family: str, folder: Path) -> Path:
@@ -109,3 +143,4 @@ def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
     for name, (file, tensor) in expected.items():
         assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
         assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), name
+
