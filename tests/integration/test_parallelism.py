@@ -47,7 +47,8 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
 
 
-def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...]) -> None:
+def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...],
+                          *extra: str) -> None:
     """Start a leg, SIGKILL the whole job while its first save is being written; the checkpoint folder stays sound
     (every complete checkpoint matches its manifest, LATEST names a complete one, the half-written one is staging)."""
     from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job
@@ -55,7 +56,7 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
 
     before = {r.name for r in catalog.list_checkpoints(tmp_path / run)}
     log, started = tmp_path / f"killed_{run}_{step}.log", time.time()
-    cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), str(RECIPE), *QUIET, *BATCH, *keys,
+    cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), str(RECIPE), *QUIET, *BATCH, *keys, *extra,
            "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
@@ -72,20 +73,22 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
 
 
 def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
+    """The straight dp 4 run is also the chain's first leg: the chain starts from its step-2 checkpoint."""
     total = 2 * len(LEGS)
+    straight, chain = tmp_path / "straight", tmp_path / "chain"
     _leg(tmp_path, assets, "straight", total, 4, DP4)
-    chain, before = tmp_path / "chain", None
-    for i, (nproc, keys, name) in enumerate(LEGS):  # safetensors shards
-        if name == "dp 2 × tp 2":  # a SIGKILL during a 2-D save first: the rerun resumes from the dp 4 checkpoint
-            _killed_inside_a_save(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys)
-        out = _leg(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys)
-        if before is not None:
-            assert f"Resuming a {before} checkpoint on {name}" in out.stdout
+    start = ("--checkpoint.restore_from", str(straight / "epoch_0_step_2"))
+    # a SIGKILL during a 2-D save first: nothing of it is selected, the rerun starts from the dp 4 checkpoint again
+    _killed_inside_a_save(tmp_path, assets, "chain", 4, 4, DP2_TP2, *start)
+    before = LEGS[0][2]
+    for i, (nproc, keys, name) in enumerate(LEGS[1:], start=1):  # safetensors shards
+        out = _leg(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys, *(start if i == 1 else ()))
+        assert f"Resuming a {before} checkpoint on {name}" in out.stdout
         meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
         assert meta["world_size"] == nproc
         before = name
-    assert sorted(_records(chain)) == list(range(1, total + 1))
-    _assert_same_steps(chain, tmp_path / "straight", range(1, total + 1))
+    assert sorted(_records(chain)) == list(range(3, total + 1))
+    _assert_same_steps(chain, straight, range(3, total + 1))
     # per-rank state is per data-parallel rank: dp 2 × tp 2 wrote two RNG files, tp 2 one
     assert sorted(p.name for p in (chain / "epoch_0_step_4" / "rng").iterdir()) == ["rng_dp_rank_0.pt",
                                                                                    "rng_dp_rank_1.pt"]
@@ -94,19 +97,19 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
 
     # HSDP writes each byte once: the replicas' shards are written by one rank each (DCP deduplicates them)
-    def model_bytes(step: int) -> int:
-        return sum(f.stat().st_size for f in (chain / f"epoch_0_step_{step}" / "model").glob("shard-*.safetensors"))
+    def model_bytes(ckpt: Path) -> int:
+        return sum(f.stat().st_size for f in (ckpt / "model").glob("shard-*.safetensors"))
 
-    assert model_bytes(8) == pytest.approx(model_bytes(2), rel=0.05)
+    assert model_bytes(chain / "epoch_0_step_8") == pytest.approx(model_bytes(straight / "epoch_0_step_8"), rel=0.05)
 
     # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 writes step 4
     # in the background, HSDP resumes from it; the same samples and losses as the straight run
     dcp = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
-    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2, *dcp, "--checkpoint.restore_from", str(chain / "epoch_0_step_2"))
+    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2, *dcp, *start)
     assert (tmp_path / "dcp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
     out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
     assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
-    _assert_same_steps(tmp_path / "dcp", tmp_path / "straight", range(3, 7))
+    _assert_same_steps(tmp_path / "dcp", straight, range(3, 7))
     # the same mesh from the same checkpoint, in either format: bitwise the same steps
     got, chained = _records(tmp_path / "dcp"), _records(chain)
     assert [(got[s]["loss"], got[s]["grad_norm"]) for s in (3, 4)] == [(chained[s]["loss"], chained[s]["grad_norm"])
