@@ -35,14 +35,18 @@ def report(message: str) -> None:
     print(prefix + message, file=sys.stderr, flush=True)
 
 
-def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True) -> None:
+def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: bool = False) -> list[str]:
     """Every check of a loaded recipe made before training: its values (``config.validate``, ``data.checks``) and,
-    with ``inputs``, that its model, tokenizer and dataset paths exist. One-line ``ConfigError``s."""
+    with ``inputs``, that its model, tokenizer and dataset paths exist. One-line ``ConfigError``s.
+
+    Returns one line per input saying where it lies. ``fetchable`` (``--dry-run``): inputs that are only missing from
+    the Hugging Face cache are said, not errors.
+    """
     from automodel_ckpt.config.validate import check_inputs_exist, validate_config
     from automodel_ckpt.data.checks import check_data_section, check_dataset_paths
 
     validate_config(cfg, world_size)
     check_data_section(cfg)
-    if inputs:
-        check_inputs_exist(cfg)
-        check_dataset_paths(cfg)
+    if not inputs:
+        return []
+    return check_inputs_exist(cfg, fetchable=fetchable) + check_dataset_paths(cfg, fetchable=fetchable)

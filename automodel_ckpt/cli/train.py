@@ -22,11 +22,13 @@ def main(argv: list[str]) -> int:
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
     cfg = load_config(recipe_path, overrides, RecipeConfig)
-    check_recipe(cfg, opts.world_size)
+    inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
         from automodel_ckpt.config.loader import to_yaml
 
         print(to_yaml(cfg), end="")
+        for line in inputs:
+            print(f"# {line}", file=sys.stderr)
         print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
         return 0
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
@@ -35,10 +37,29 @@ def main(argv: list[str]) -> int:
         from automodel_ckpt.checkpoint.storage.runlock import RunLock
 
         RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0
+    fetch_models(cfg)  # a Hub model missing from the cache: downloaded once per node, before any worker starts
     if opts.needs_agent:
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
     return run_worker(recipe_path, overrides)
+
+
+def fetch_models(cfg) -> None:
+    """Download a Hub model (and tokenizer) missing from the Hugging Face cache: once per node, in the launcher.
+
+    Workers started another way (torchrun, srun) fetch it themselves before the process group exists (a download
+    never races a collective's timeout): the first process to take the cache's lock downloads, the others wait for
+    it (``models.hub``).
+    """
+    from automodel_ckpt.models.hub import is_hub_id, model_folder
+
+    model = cfg.model
+    name = model.get("pretrained_model_name_or_path")
+    if name and model.get("config") is None and not model.get("embedded") and is_hub_id(str(name)):
+        model_folder(str(name))
+    tok = cfg.tokenizer.pretrained_model_name_or_path
+    if tok and is_hub_id(str(tok)):
+        model_folder(str(tok), "tokenizer.pretrained_model_name_or_path", weights=False)
 
 
 def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
@@ -57,6 +78,7 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)
     check_recipe(cfg, world_size, inputs=False)
+    fetch_models(cfg)  # started by ckpt-train: already there; by torchrun or srun: one process per cache downloads
     recipe_cls = locate(cfg.recipe, "recipe")
     recipe = recipe_cls(cfg)
     recipe.run()

@@ -59,6 +59,7 @@ class DistributedConfig:
     pp_size: Optional[int] = None  # pipeline parallelism: not supported yet (1 or null)
     cp_size: Optional[int] = None  # context parallelism: not supported yet (1 or null)
     ep_size: Optional[int] = None  # expert parallelism: not supported yet (1 or null)
+    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward: less memory
 
 
 @dataclass

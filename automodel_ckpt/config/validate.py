@@ -77,12 +77,25 @@ def check_importable(path: str, key: str) -> None:
         locate(path, key)  # raises the detailed error
 
 
-def check_inputs_exist(cfg: DictConfig) -> None:
-    """Missing model or tokenizer paths, reported before any process starts (dataset paths: ``data.checks``)."""
+def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:
+    """Missing model or tokenizer paths, reported before any process starts (dataset paths: ``data.checks``).
+
+    Returns one line per input saying where it lies (local folder, cached, to be downloaded, unavailable offline).
+    A Hub id missing from the cache while offline is an error unless ``fetchable`` (``--dry-run`` only says so).
+    """
     from automodel_ckpt.models.build import check_model_source
+    from automodel_ckpt.models.hub import is_hub_id, model_source
 
     model = cfg.model
-    check_model_source(model.get("pretrained_model_name_or_path"), model.get("config"), model.get("embedded"))
+    lines = [check_model_source(model.get("pretrained_model_name_or_path"), model.get("config"), model.get("embedded"),
+                                offline_ok=fetchable)]
+    key = "tokenizer.pretrained_model_name_or_path"
     tok = cfg.tokenizer.pretrained_model_name_or_path
     if tok and not Path(tok).expanduser().exists():
-        raise ConfigError(f"tokenizer.pretrained_model_name_or_path: '{tok}' not found")
+        if not is_hub_id(tok):
+            raise ConfigError(f"{key}: '{tok}' not found")
+        source = model_source(tok, key, weights=False)
+        if not fetchable:
+            source.require_available()
+        lines.append(f"{key} {source.describe()}")
+    return lines

@@ -26,10 +26,15 @@ def check_data_section(cfg: DictConfig) -> None:
         raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
 
 
-def check_dataset_paths(cfg: DictConfig) -> None:
-    """A local dataset path that does not exist (and names no dataset in the Hugging Face cache): one line."""
+def check_dataset_paths(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:
+    """A local dataset path that does not exist (and names no dataset in the Hugging Face cache): one line.
+
+    With ``fetchable`` (``--dry-run``) a Hub dataset missing from the cache is not an error: the returned lines say
+    so, with the command that fetches it.
+    """
     from automodel_ckpt.data.files import hub_dataset_cached, is_hub_id
 
+    lines: list[str] = []
     for section in ("dataset", "validation_dataset"):
         node = cfg.get(section)
         if node is None:
@@ -38,6 +43,12 @@ def check_dataset_paths(cfg: DictConfig) -> None:
             value = node.get(key)
             if isinstance(value, str) and not any(ch in value for ch in "*?[") and not Path(value).expanduser().exists():
                 if key == "path" and is_hub_id(value) and hub_dataset_cached(value):
+                    lines.append(f"{section}.path '{value}': cached")
+                    continue
+                if key == "path" and is_hub_id(value) and fetchable:
+                    lines.append(f"{section}.path '{value}': not in the Hugging Face cache (datasets are read from "
+                                 f"the cache only); fetch it with: hf download {value} --repo-type dataset")
                     continue
                 hint = " (nor a dataset in the Hugging Face cache)" if key == "path" and is_hub_id(value) else ""
                 raise ConfigError(f"{section}.{key}: '{value}' not found{hint}")
+    return lines

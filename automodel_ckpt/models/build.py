@@ -61,24 +61,24 @@ def ensure_embedded_base(name: str, path: str) -> Path:
     return ensure_tiny_base(path)
 
 
-def check_model_source(pretrained_model_name_or_path: str | None, config: dict | None, embedded: str | None) -> None:
-    """Fail early, with one line, when the model cannot be built offline."""
+def check_model_source(pretrained_model_name_or_path: str | None, config: dict | None, embedded: str | None, *,
+                       offline_ok: bool = False) -> str:
+    """Fail early, with one line, when the model can be neither read nor downloaded; else say where it lies.
+
+    ``offline_ok``: a Hub id missing from the cache while offline is only said (``--dry-run``), not an error.
+    """
     if config is None and not pretrained_model_name_or_path:
         raise ConfigError("model: set model.pretrained_model_name_or_path (a local HF folder) or a model.config block")
-    if config is not None or embedded:
-        return
-    if local_model_path(pretrained_model_name_or_path) is None:
-        from huggingface_hub import try_to_load_from_cache
+    if config is not None:
+        return "model: built from model.config (seeded initialisation)"
+    if embedded:
+        return f"model: embedded base '{embedded}' (created at '{pretrained_model_name_or_path}' on first use)"
+    from automodel_ckpt.models.hub import model_source
 
-        try:
-            cached = try_to_load_from_cache(str(pretrained_model_name_or_path), "config.json")
-        except Exception:  # not a valid hub id either
-            cached = None
-        if not isinstance(cached, str):
-            raise ConfigError(
-                f"model.pretrained_model_name_or_path: '{pretrained_model_name_or_path}' not found "
-                "(expected a local folder with config.json, or a model in the Hugging Face cache)"
-            )
+    source = model_source(str(pretrained_model_name_or_path), "model.pretrained_model_name_or_path")
+    if not offline_ok:
+        source.require_available()
+    return f"model.pretrained_model_name_or_path {source.describe()}"
 
 
 def build_causal_lm(
@@ -140,15 +140,22 @@ def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: d
     assert pretrained_model_name_or_path is not None
     if embedded and local_model_path(pretrained_model_name_or_path) is None:
         ensure_embedded_base(embedded, pretrained_model_name_or_path)
-    hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
+    from automodel_ckpt.models.hub import model_folder
+
+    folder = model_folder(pretrained_model_name_or_path)  # a Hub id: its snapshot, downloaded once if missing
+    hf_config = AutoConfig.from_pretrained(folder)
     if attn_implementation:
         hf_config._attn_implementation = attn_implementation
-    return auto_class.from_pretrained(pretrained_model_name_or_path, config=hf_config, dtype=torch_dtype)
+    return auto_class.from_pretrained(folder, config=hf_config, dtype=torch_dtype)
 
 
 def _from_folder(auto_class, path: str | None, what: str):
     if not path:
         raise ConfigError(f"tokenizer.pretrained_model_name_or_path: no {what} folder (set it, or use a model folder)")
+    from automodel_ckpt.models.hub import is_hub_id, model_folder
+
+    if is_hub_id(path):  # the same snapshot as the model's, downloaded once if missing
+        path = str(model_folder(path, "tokenizer.pretrained_model_name_or_path", weights=False))
     try:
         return auto_class.from_pretrained(path)
     except (OSError, ValueError) as exc:

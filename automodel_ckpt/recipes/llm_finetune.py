@@ -20,6 +20,7 @@ from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.pipeline import prepare_data
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
+from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
@@ -64,6 +65,10 @@ class FinetuneRecipe(BaseRecipe):
             if self.env.is_main:
                 print(lora_summary(model), flush=True)
         fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
+        if cfg.distributed.activation_checkpointing:  # per block, before sharding; parameter names unchanged
+            blocks = checkpoint_blocks(model)
+            if self.env.is_main:
+                print(f"Activation checkpointing: {blocks} blocks recompute their activations in backward", flush=True)
         self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
         with rng_untouched():
             train_data, val_data = self.build_data()

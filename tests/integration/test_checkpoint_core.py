@@ -48,6 +48,23 @@ def test_resume_is_bitwise_exact(work, assets, nproc, fmt):
            [r["val_loss"] for r in jsonl(straight / "validation.jsonl")]
 
 
+def test_resume_with_activation_checkpointing_is_bitwise_exact_and_matches_a_run_without_it(work, assets):
+    """Two processes, stopped after the checkpoint of step 4 and resumed to step 8.
+
+    On the CPU the recomputed blocks give the very floats of a run that kept its activations (the unit test shows
+    it for losses and gradients), so the straight run without it stands for the straight run with it.
+    The format does not matter to it: the parameter names are unchanged (unit test).
+    """
+    ac = (*COMMON, "--distributed.activation_checkpointing", "true", "--checkpoint.checkpoint_dir", "ac")
+    first = ckpt_train(work, assets, *ac, "--step_scheduler.max_steps", "4", nproc=2)
+    second = ckpt_train(work, assets, *ac, "--step_scheduler.max_steps", "8", nproc=2)
+    for result in (first, second):
+        assert "Activation checkpointing: 4 blocks recompute their activations in backward" in result.stdout
+    assert "Loading checkpoint from ac/epoch_0_step_4" in second.output
+    assert len(losses(work / "ac")) == 8
+    assert losses(work / "ac") == losses(_straight(work, assets, 2))  # bitwise: same floats
+
+
 def _expected_checkpoint_files(fmt: str, world: int) -> set[str]:
     files = {"config.yaml", "losses.json", "step_scheduler.pt", "lr_scheduler.pt", "optim/.metadata",
              "metadata.json", "manifest.json"}
