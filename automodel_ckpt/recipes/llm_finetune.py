@@ -256,14 +256,15 @@ class FinetuneRecipe(BaseRecipe):
         saved_local = written.local_batch_size or sched.local_batch_size
         saved_dp = written.mesh.dp if written.mesh is not None else written.world_size
         before = sched.global_batch_size // max(saved_local * saved_dp, 1)
-        if not same_mesh:
-            self.progress.write(f"Resuming a {written.mesh.describe()} checkpoint on {now.describe()}")
-        if written.world_size != self.env.world_size or before != self.dataloader.grad_accum:
-            self.progress.write(
-                f"Resuming at world size {self.env.world_size} (checkpoint written by {written.world_size}): global "
-                f"batch {sched.global_batch_size} kept, gradient accumulation {before} -> {self.dataloader.grad_accum}; "
-                "model and optimizer resharded, data position kept"
-            )
+        kept = (f"global batch {sched.global_batch_size} kept, gradient accumulation {before} -> "
+                f"{self.dataloader.grad_accum}; model and optimizer resharded, data position kept")
+        if same_mesh or (written.mesh.one_dimensional and now.one_dimensional):
+            self.progress.write(f"Resuming at world size {self.env.world_size} (checkpoint written by "
+                                f"{written.world_size}): {kept}")
+        else:  # another strategy: one line that says which
+            resized = (f" (world size {written.world_size} -> {self.env.world_size})"
+                       if written.world_size != self.env.world_size else "")
+            self.progress.write(f"Resuming a {written.mesh.describe()} checkpoint on {now.describe()}{resized}: {kept}")
 
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).
