@@ -115,3 +115,9 @@ def test_lora_with_tensor_parallelism_is_refused_before_launch(capsys):
     peft_recipe = RECIPE.replace("tiny_llama_sft.yaml", "tiny_llama_peft.yaml")
     msg = _error(capsys, ["--nproc-per-node", "2", peft_recipe, "--distributed.tp_size", "2"])
     assert "LoRA (a peft: section) with tensor parallelism is not supported yet" in msg
+
+
+def test_dry_run_says_the_mesh(capsys):
+    assert main(["--nproc-per-node", "4", RECIPE, "--dry-run", "--step_scheduler.local_batch_size", "16",
+                 "--distributed.tp_size", "2"]) == 0
+    assert "# valid for 4 process(es) (dp 2 × tp 2); --dry-run: not training" in capsys.readouterr().err
