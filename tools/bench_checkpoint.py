@@ -32,6 +32,7 @@ Every run is a fresh process (``torch.distributed.run`` with ``--nproc 2``: gloo
 trainer); repetitions are interleaved, rotating the order. Prints a markdown table (median, min, max, GB/s,
 ratio to raw, memory the operation adds on rank 0) and writes JSON (``--json``). ``--only async`` (default with
 ``--device cuda``) also times ``checkpoint.is_async`` saves: how long training is blocked, and until published.
+``--mesh`` (4 ranks) times save and load on dp 4, dp 2 × tp 2 and HSDP 2 × 2 side by side (``tools/bench_mesh.py``).
 
     python tools/bench_checkpoint.py --dir /path/on/your/storage --size-gb 1 --nproc 1 --reps 5 --json out.json
 """
@@ -52,6 +53,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_mesh, bench_resume beside this file
 
 HIDDEN, INTER, VOCAB, HEADS = 1024, 2816, 4096, 16
 BLOCK = 64 << 20  # raw I/O block
@@ -148,8 +150,9 @@ def dist_env(device: str):
     return DistEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, dev, env.backend)
 
 
-def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = True) -> dict:
-    """Model (FSDP2-sharded like the trainer's) + AdamW (moments materialised) + the small objects."""
+def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = True, dims=None) -> dict:
+    """Model (FSDP2-sharded like the trainer's; ``dims``: on that mesh) + AdamW (moments materialised) + the small
+    objects."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -165,7 +168,7 @@ def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = 
     if sharded:
         from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
 
-        shard_model(model, data_parallel_mesh(env.device, env.world_size))
+        shard_model(model, dims if dims is not None else data_parallel_mesh(env.device, env.world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=100)
     if with_moments:
@@ -178,13 +181,14 @@ def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = 
             "rng": RNGState()}
 
 
-def checkpointer(env, root: Path, fmt: str, is_async: bool = False):
+def checkpointer(env, root: Path, fmt: str, is_async: bool = False, dims=None):
     from automodel_ckpt.checkpoint.checkpointer import Checkpointer
     from automodel_ckpt.checkpoint.config import CheckpointConfig
 
     cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated="false",
                            is_async=is_async)
-    return Checkpointer(cfg, env, resolved_config_yaml="# bench_checkpoint\n", say=lambda _m: None)
+    extra = {"dims": dims} if dims is not None else {}  # a --baseline-tree may predate meshes
+    return Checkpointer(cfg, env, resolved_config_yaml="# bench_checkpoint\n", say=lambda _m: None, **extra)
 
 
 # ---------------------------------------------------------------------------------------------- raw I/O
@@ -558,7 +562,7 @@ def run_child(method: str, args: argparse.Namespace, layers: int, nbytes: int) -
         method, tree = method[len(BASELINE):], ["--tree", str(args.baseline_tree)]
     script = [__file__, "--child", method, "--dir", str(args.dir), "--layers", str(layers), "--nbytes", str(nbytes),
               "--ranks", str(args.nproc), "--device", args.device, *tree]
-    distributed = method.startswith(("dcp_", "ours_save", "ours_load", "ours_async"))
+    distributed = method.startswith(("dcp_", "ours_save", "ours_load", "ours_async", "mesh_"))
     if distributed and args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                *script]
@@ -592,10 +596,13 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_checkpoint",
                    help="where to write (on the storage to measure); emptied first")
     p.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state, 0.25-4 (16 with --device cuda)")
-    p.add_argument("--nproc", type=int, choices=(1, 2), default=1, help="ranks (2: torch.distributed.run, gloo)")
+    p.add_argument("--nproc", type=int, choices=(1, 2, 4), default=1,
+                   help="ranks (2 or 4: torch.distributed.run, gloo)")
+    p.add_argument("--mesh", action="store_true",
+                   help="save and load on dp 4, dp 2 × tp 2 and HSDP 2 × 2 beside raw I/O (4 ranks; --only mesh)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--only", choices=("save", "load", "export", "async", "resume"), nargs="+", default=None,
+    p.add_argument("--only", choices=("save", "load", "export", "async", "resume", "mesh"), nargs="+", default=None,
                    help="groups to run (default: save load export, and async with --device cuda)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -611,8 +618,15 @@ def main() -> None:
         args.nproc = args.ranks or 1
         if args.tree:
             sys.path.insert(0, str(args.tree))
+        if args.child.startswith("mesh_"):
+            import bench_mesh
+
+            bench_mesh.child(args, sys.modules[__name__])
+            return
         (export_child if args.child in EXPORT else child)(args)
         return
+    if args.mesh:
+        args.only, args.nproc = ["mesh"], 4
     if not 0.25 <= args.size_gb <= (16 if args.device == "cuda" else 4):
         p.error("--size-gb: between 0.25 and 4 (16 with --device cuda)")
     args.dir = args.dir.resolve()
@@ -627,7 +641,11 @@ def main() -> None:
 
     if args.only is None:
         args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else []) + ["resume"]
-    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC, "resume": ()}
+    import bench_mesh
+
+    mesh_group = ("raw_write", "raw_write_mt", "raw_write_direct", *bench_mesh.SAVES, "raw_read", "raw_read_mt",
+                  "raw_read_direct", *bench_mesh.LOADS)
+    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC, "resume": (), "mesh": mesh_group}
     methods = [m for g in args.only for m in groups[g]]
     if not direct_io_supported(args.dir):
         print(f"{args.dir}: the filesystem refuses O_DIRECT; no device write/read reference", flush=True)
@@ -636,6 +654,7 @@ def main() -> None:
         methods += [BASELINE + m for m in methods if m.startswith(("ours_save", "ours_load"))]
     # sources for the reads (the baseline tree's loads read the same ones)
     needed = {"raw_write" if m.startswith("raw_read") else m.replace("load", "save") for m in methods if m in LOAD}
+    needed |= {bench_mesh.source_of(m) for m in methods if bench_mesh.source_of(m)}
     if "export" in args.only:
         needed.add("ours_save_safetensors")
     for method in sorted(needed):  # sources for the reads, written once
@@ -652,7 +671,7 @@ def main() -> None:
         order = methods[turn:] + methods[:turn]
         for method in order:
             fresh(out)
-            if method.removeprefix(BASELINE) in LOAD + EXPORT:  # reads come from storage
+            if method.removeprefix(BASELINE) in LOAD + EXPORT + bench_mesh.LOADS:  # reads come from storage
                 dropped = drop_caches() and dropped
             else:
                 os.sync()
@@ -671,6 +690,8 @@ def main() -> None:
     for method, rs in runs.items():
         size = model_bytes if method in EXPORT else nbytes
         result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
+        if "bytes_on_disk" in rs[0]:  # a save on a mesh: what it put on disk
+            result.setdefault("bytes_on_disk", {})[method] = rs[0]["bytes_on_disk"]
         for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total"), ("seconds_fence", "+fence"),
                               ("seconds_step", "+step"), ("seconds_capture", "+capture")):
             if extra in rs[0]:
@@ -751,6 +772,12 @@ def print_table(res: dict) -> None:
     def ratio(ref: str | None, r: dict) -> str:
         return f"{m[ref]['median_s'] / r['median_s']:.2f}×" if ref in m and r["median_s"] > 0 else "–"
 
+    if any(name.startswith("mesh_") for name in m):
+        import bench_mesh
+
+        sections += bench_mesh.sections()
+        LABELS.update(bench_mesh.labels())
+
     for op, names, raw, raw_mt, peer, device in sections:
         names = names + [BASELINE + n for n in names if n.startswith(("ours_save", "ours_load"))]
         for name in names:
@@ -761,11 +788,14 @@ def print_table(res: dict) -> None:
                 print(f"| {op} | {label} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
                       f"| {_gbs(r['gb_per_s'])} | {ratio(raw, r)} | {ratio(raw_mt, r)} | {ratio(peer, r)} "
                       f"| {ratio(device, r)} | {_mb(r['extra_rss_mb'])} |")
+    for name, nbytes in (res.get("bytes_on_disk") or {}).items():
+        print(f"{LABELS[name].strip('*')} put {nbytes / 1e9:.3f} GB on disk (model and optimizer files)")
     print("\nvs raw: raw's median time / this method's (1.00× = as fast as one plain sequential stream per rank; "
           "higher is faster); vs raw, same threads: the same against raw I/O with as many threads per rank as ours "
           "uses; vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; vs device: the "
           "O_DIRECT write / read of the same bytes (the page cache bypassed: what the device does) over this "
-          "method's (save goal: >= 0.95×, load goal: >= 0.9×); memory added: peak "
+          "method's (save goal: >= 0.95×, load goal: >= 0.9×); on a mesh, vs peer: dp 4's time over this mesh's, and "
+          "HSDP loads read each byte once per replica group; memory added: peak "
           "resident memory during the operation minus before it (rank 0, largest run).")
 
 

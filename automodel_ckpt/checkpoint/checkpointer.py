@@ -30,6 +30,7 @@ from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
+from automodel_ckpt.distributed.mesh import ParallelDims
 from automodel_ckpt.errors import CheckpointError, first_line, warn
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,11 @@ class Checkpointer:
         hf: HFArtifacts | None = None,
         say: Callable[[str], None] = print,
         fingerprint: dict[str, Any] | None = None,
+        dims: ParallelDims | None = None,
     ) -> None:
         self.cfg = cfg
+        # Per-rank files (data position, RNG) are per data-parallel rank, written by its first tensor-parallel rank.
+        self.dims = dims or ParallelDims.single(env.rank, env.world_size)
         self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/disk/fingerprint.py)
         self.env = env
         self.run = storage.open_run_folder(cfg, env.rank, env.world_size)  # local folder or object store: once
@@ -121,7 +125,7 @@ class Checkpointer:
 
         # async: the background thread reserves the staging folder (after the copy), unless something is written
         # into it now (a PEFT adapter) or the save completes on this thread (an inline HF export)
-        reserve_later = (self.is_async and not consolidate and not _has_peft(plan)
+        reserve_later = (self.is_async and not consolidate and not plan.has_peft
                          and self.run.reserves_in_background and bool(plan.models or plan.optimizers))
         staging = self.dir / layout.staging_name(name) if reserve_later else reserve()
         clock.mark("reserve")
@@ -298,10 +302,11 @@ class Checkpointer:
 
     def _local_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
         """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
-        peft = _has_peft(plan)
+        peft = plan.has_peft
         helpers = (lambda: self._write_hf_helpers(staging / layout.MODEL_DIR)) if plan.models and not peft else None
         return local_files.take(
             staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
+            dp_rank=self.dims.dp_rank if self.dims.writes_rank_state else None, mesh=self.dims.sizes.record(),
             config_yaml=self.resolved_config_yaml,
             model_save_format=layout.ADAPTER_FORMAT if peft else self.cfg.model_save_format,
             training_seconds=self._seconds_before + time.monotonic() - self._started,
@@ -336,7 +341,7 @@ class Checkpointer:
         wanted = mode == "every" or (mode == "final" and info.is_final)
         if not wanted or not plan.models:
             return False
-        if _has_peft(plan):  # the adapter folder is already Hugging Face-ready; `ckpt-train merge-lora` merges it
+        if plan.has_peft:  # the adapter folder is already Hugging Face-ready; `ckpt-train merge-lora` merges it
             if self.env.is_main:
                 logger.info("save_consolidated does not apply to PEFT checkpoints; the adapter is saved HF-ready")
             return False
@@ -462,13 +467,14 @@ class Checkpointer:
                 self._missing_state(attr, file)
                 continue
             obj.load_state_dict(load_pt(file))
-        saved_world = self.saved_world_size(path)
+        saved_dp = self.saved_mesh(path).dp  # per-rank files are per data-parallel rank
+        dp_rank, dp_size = self.dims.dp_rank, self.dims.dp_size
         for attr, obj in plan.per_rank.items():
-            file = path / layout.rank_state_file(attr, self.env.rank)
-            if saved_world != self.env.world_size and hasattr(obj, "reshard_state"):
+            file = path / layout.rank_state_file(attr, dp_rank)
+            if saved_dp != dp_size and hasattr(obj, "reshard_state"):
                 state = obj.reshard_state(
                     lambda r, attr=attr: load_pt(path / layout.rank_state_file(attr, r)),
-                    saved_world, self.env.rank, self.env.world_size,
+                    saved_dp, dp_rank, dp_size,
                 )
                 obj.load_state_dict(state)
             elif not file.exists():
@@ -478,6 +484,7 @@ class Checkpointer:
         barrier()
 
     saved_world_size = staticmethod(metadata.saved_world_size)
+    saved_mesh = staticmethod(metadata.saved_mesh)
     written_by = staticmethod(metadata.written_by)
 
     def _require(self, folder: Path) -> Path:
@@ -488,8 +495,3 @@ class Checkpointer:
     def _missing_state(self, attr: str, file: Path) -> None:
         if self.env.is_main:
             warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh", stacklevel=3)
-
-
-def _has_peft(plan: StatePlan) -> bool:
-    return any(peft_format.is_peft_model(m) for m in plan.models.values())
-

@@ -36,3 +36,4 @@ class WrittenBy:
 
     world_size: int
     local_batch_size: int | None  # step_scheduler.local_batch_size of its config.yaml, if readable
+    mesh: Any = None  # its ``distributed.mesh.MeshSizes`` (dp_replicate × dp_shard × tp)

@@ -55,6 +55,13 @@ class StatePlan:
     per_rank: dict[str, Any]
     global_: dict[str, Any]
 
+    @property
+    def has_peft(self) -> bool:
+        """Whether a model of the plan is a PEFT model (its checkpoint is an adapter folder)."""
+        from automodel_ckpt.checkpoint.formats.peft import is_peft_model
+
+        return any(is_peft_model(m) for m in self.models.values())
+
     def model_for(self, optimizer_name: str) -> nn.Module:
         if len(self.models) != 1:
             raise ValueError(

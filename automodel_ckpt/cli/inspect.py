@@ -11,6 +11,7 @@ from typing import Any
 from automodel_ckpt.checkpoint.disk import catalog, layout, paths
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.disk.metadata import as_float
+from automodel_ckpt.distributed.mesh import MeshSizes
 from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
@@ -19,7 +20,7 @@ from automodel_ckpt.tracking.costlog import read_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report
 from automodel_ckpt.tracking.costreport import render as render_cost
 
-_COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CONSOLIDATED", "COMPLETE", "POINTERS")
+_COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "MESH", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
 
 def build_parser() -> VerbParser:
@@ -103,12 +104,23 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "size_bytes": sum(stored.values()) if stored is not None else catalog.size_on_disk(record.path),
         "family": model_family(record.path),
         "format": meta.get("model_save_format") or detect_model_format(layout.model_dir(record.path)),
+        "mesh": _mesh(meta),
         "consolidated": layout.consolidated_dir(record.path).is_dir() if stored is None else
         any(rel.startswith(f"{layout.MODEL_DIR}/{layout.CONSOLIDATED_DIR}/") for rel in stored),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "metadata": record.metadata,
     }
+
+
+def _mesh(meta: dict[str, Any]) -> str | None:
+    """The mesh that wrote the checkpoint, as the resume line says it: ``dp 4``, ``dp 2 × tp 2``, ``HSDP 2 × 2``."""
+    if not meta.get("world_size"):
+        return None
+    try:
+        return MeshSizes.from_record(meta.get("mesh"), int(meta["world_size"])).describe()
+    except (TypeError, ValueError):
+        return None
 
 
 def model_family(ckpt: Path) -> str | None:
@@ -142,6 +154,7 @@ def render_table(report: dict[str, Any]) -> str:
             human_size(r["size_bytes"]),
             _text(r.get("family")),
             _text(r["format"]),
+            _text(r.get("mesh")),
             "yes" if r["consolidated"] else "no",
             "yes" if r["complete"] else "no",
             ", ".join(r["pointers"]) or "-",

@@ -29,7 +29,10 @@ def main(argv: list[str]) -> int:
         print(to_yaml(cfg), end="")
         for line in inputs:
             print(f"# {line}", file=sys.stderr)
-        print(f"# valid for {opts.world_size} process(es); --dry-run: not training", file=sys.stderr)
+        from automodel_ckpt.distributed.mesh import resolve_sizes
+
+        mesh = resolve_sizes(cfg.distributed, opts.world_size).describe()
+        print(f"# valid for {opts.world_size} process(es) ({mesh}); --dry-run: not training", file=sys.stderr)
         return 0
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded

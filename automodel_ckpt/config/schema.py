@@ -52,6 +52,13 @@ class DistributedConfig:
     backend: Optional[str] = None  # None: nccl when CUDA is available, else gloo
     mixed_precision: Optional[str] = None  # None (fp32) | bf16: FSDP2 computes in bf16, reduces in fp32
     timeout_minutes: int = 30  # collective timeout
+    tp_size: int = 1  # tensor-parallel ranks per model replica, split by the family's own plan (docs/parallelism.md)
+    dp_size: Optional[int] = None  # data-parallel ranks (None: the world size / tp_size)
+    dp_replicate_size: int = 1  # HSDP: replicate over this many groups, shard within each (must divide dp_size)
+    sequence_parallel: bool = False  # not supported yet: must be false
+    pp_size: Optional[int] = None  # pipeline parallelism: not supported yet (1 or null)
+    cp_size: Optional[int] = None  # context parallelism: not supported yet (1 or null)
+    ep_size: Optional[int] = None  # expert parallelism: not supported yet (1 or null)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward: less memory
 
 

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
+from automodel_ckpt.distributed.mesh import resolve_sizes
 from automodel_ckpt.errors import ConfigError
 
 
@@ -40,7 +41,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
     positive(sched.ckpt_every_steps, "step_scheduler.ckpt_every_steps")
     positive(sched.val_every_steps, "step_scheduler.val_every_steps")
-    check_batch_sizes(sched.global_batch_size, sched.local_batch_size, world_size)
+    sizes = resolve_sizes(cfg.distributed, world_size)  # one-line errors: sizes, unsupported strategies
+    check_batch_sizes(sched.global_batch_size, sched.local_batch_size, sizes.dp)
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):
@@ -49,6 +51,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
             check_arguments(node, section)  # unknown keys and wrong value types, before any process starts
     if cfg.get("peft") is not None:
         from automodel_ckpt.models.lora import check_peft_section
+
+        if sizes.tp > 1:
+            raise ConfigError("distributed.tp_size: LoRA (a peft: section) with tensor parallelism is not supported "
+                              "yet; use tp_size 1 (FSDP2 or HSDP shard the frozen base as well)")
 
         check_peft_section(cfg.peft)
 

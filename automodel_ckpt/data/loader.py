@@ -34,7 +34,8 @@ class GlobalBatchLoader:
 
     Epoch ``e`` visits the rows in ``randperm(n, seed + e)`` order (or in order without shuffle). A global batch
     is the next ``global_batch_size`` rows of that order; it is cut into ``grad_accum`` micro-steps of
-    ``local_batch_size × world_size`` rows, and rank ``r`` takes the ``r``-th slice of each micro-step. The state
+    ``local_batch_size × world_size`` rows, and rank ``r`` takes the ``r``-th slice of each micro-step (``rank`` and
+    ``world_size`` are the data-parallel ones: tensor-parallel peers take the same rows). The state
     is only ``(epoch, position)``, the same on every rank, so a run resumed with another world size sees exactly
     the samples an uninterrupted run would. An incomplete last global batch of an epoch is skipped.
     """

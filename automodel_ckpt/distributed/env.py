@@ -103,11 +103,12 @@ def end_process(code: int) -> NoReturn:
         os._exit(code)
 
 
-def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, as float64 on the CPU group (exact for counts, stable for losses)."""
+def all_reduce_sum(value: float | torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over ranks (of ``group``; default: every rank), as float64 on the CPU group (exact for counts, stable
+    for losses)."""
     t = torch.as_tensor(value, dtype=torch.float64).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

@@ -1,4 +1,4 @@
-"""FSDP2 sharding of a causal LM (and an image-text model's vision tower) over a one-dimensional data-parallel mesh."""
+"""FSDP2 / HSDP sharding of a causal LM (and an image-text model's vision tower), after tensor parallelism if any."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from automodel_ckpt.distributed.mesh import ParallelDims
+from automodel_ckpt.distributed.tensor_parallel import apply_tensor_parallel
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.parts import vision_tower
 
@@ -34,11 +36,22 @@ def decoder_layers(model: nn.Module, exclude: nn.Module | None = None) -> list[n
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, mixed_precision: str | None = None) -> nn.Module:
+def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precision: str | None = None) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root, so parameters are gathered one block at a time.
 
     An image-text model's vision tower is sharded the same way, each of its blocks, then the tower as a whole.
+    ``mesh``: a data-parallel mesh, or the run's ``ParallelDims``: then its projections are first split over the
+    tensor-parallel mesh by the family's plan, and ``fully_shard`` shards over the data-parallel mesh (with HSDP,
+    the 2-D replicate × shard mesh: shard within a group, replicate across groups).
     """
+    if isinstance(mesh, ParallelDims):
+        dims = mesh
+        if dims.tp_mesh is not None:
+            if vision_tower(model) is not None:
+                raise ConfigError("distributed.tp_size: tensor parallelism for image-text models is not supported "
+                                  "yet; use tp_size 1")
+            apply_tensor_parallel(model, dims.tp_mesh)
+        mesh = dims.fsdp_mesh
     policy = mixed_precision_policy(mixed_precision)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
     tower = vision_tower(model)

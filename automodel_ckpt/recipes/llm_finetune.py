@@ -20,9 +20,11 @@ from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.pipeline import prepare_data
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
-from automodel_ckpt.distributed.env import DistEnv, all_reduce_sum, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
-from automodel_ckpt.distributed.fsdp import data_parallel_mesh, shard_model
+from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
+from automodel_ckpt.distributed.fsdp import shard_model
+from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
+from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.lora import apply_lora, lora_summary
@@ -51,6 +53,9 @@ class FinetuneRecipe(BaseRecipe):
     def setup(self) -> None:
         cfg = self.cfg
         self.env: DistEnv = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes)
+        # who is who: data-parallel and tensor-parallel ranks (everything per rank below is per data-parallel rank)
+        self.dims = build_parallel_dims(resolve_sizes(cfg.distributed, self.env.world_size), self.env.rank,
+                                        self.env.device.type)
         seed_everything(cfg.seed)
         # One-time work (creating the embedded base on rank 0 alone, loading, tokenizing) draws no number from the
         # training stream: the same seed gives the same run on every rank, first run in a fresh clone included.
@@ -69,19 +74,18 @@ class FinetuneRecipe(BaseRecipe):
             blocks = checkpoint_blocks(model)
             if self.env.is_main:
                 print(f"Activation checkpointing: {blocks} blocks recompute their activations in backward", flush=True)
-        self.model = shard_model(model, data_parallel_mesh(self.env.device, self.env.world_size),
-                                 cfg.distributed.mixed_precision)
+        self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
         self.starting_weights.materialize(self.model, self.env.device)
         with rng_untouched():
             train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
         self.dataloader = GlobalBatchLoader(
             train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
-            rank=self.env.rank, world_size=self.env.world_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
+            rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
         )
         self.val_batches = (
-            validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.env.rank,
-                               world_size=self.env.world_size)
+            validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.dims.dp_rank,
+                               world_size=self.dims.dp_size)
             if val_data is not None and len(val_data) else None
         )
         self.step_scheduler = StepScheduler(
@@ -105,7 +109,7 @@ class FinetuneRecipe(BaseRecipe):
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=config_yaml,
                                          hf=self.hf_artifacts(), say=self.progress.write,
-                                         fingerprint=fingerprint) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
+                                         fingerprint=fingerprint, dims=self.dims) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
         self._save_enabled = bool(ckpt_cfg.enabled)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
@@ -259,48 +263,52 @@ class FinetuneRecipe(BaseRecipe):
         return self.checkpointer.background if self.checkpointer is not None else None
 
     def report_world_size_change(self, checkpoint: Path) -> None:
-        """Say what changed when a checkpoint written by W processes resumes on W' processes."""
+        """Say what changed when a checkpoint written on one mesh (W processes) resumes on another."""
         assert self.checkpointer is not None
         written = self.checkpointer.written_by(checkpoint)
-        if written.world_size == self.env.world_size or not self.env.is_main:
+        now = self.dims.sizes
+        same_mesh = written.mesh is None or written.mesh.record() == now.record()
+        if (written.world_size == self.env.world_size and same_mesh) or not self.env.is_main:
             return
         sched = self.cfg.step_scheduler
         saved_local = written.local_batch_size or sched.local_batch_size
-        before = sched.global_batch_size // max(saved_local * written.world_size, 1)
-        self.progress.write(
-            f"Resuming at world size {self.env.world_size} (checkpoint written by {written.world_size}): global "
-            f"batch {sched.global_batch_size} kept, gradient accumulation {before} -> {self.dataloader.grad_accum}; "
-            "model and optimizer resharded, data position kept"
-        )
+        saved_dp = written.mesh.dp if written.mesh is not None else written.world_size
+        before = sched.global_batch_size // max(saved_local * saved_dp, 1)
+        kept = (f"global batch {sched.global_batch_size} kept, gradient accumulation {before} -> "
+                f"{self.dataloader.grad_accum}; model and optimizer resharded, data position kept")
+        if same_mesh or (written.mesh.one_dimensional and now.one_dimensional):
+            self.progress.write(f"Resuming at world size {self.env.world_size} (checkpoint written by "
+                                f"{written.world_size}): {kept}")
+        else:  # another strategy: one line that says which
+            resized = (f" (world size {written.world_size} -> {self.env.world_size})"
+                       if written.world_size != self.env.world_size else "")
+            self.progress.write(f"Resuming a {written.mesh.describe()} checkpoint on {now.describe()}{resized}: {kept}")
 
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).
 
-        The loss is the mean over every label token of the global batch, whatever the world size: each rank
-        scales its summed token losses by ``world_size / global_tokens`` because FSDP averages gradients.
+        The loss is the mean over every label token of the global batch, whatever the mesh: each rank scales its
+        summed token losses by ``dp_size / global_tokens`` because FSDP averages gradients over the data-parallel
+        ranks (tensor-parallel peers compute the same loss on the same rows; token counts and losses are summed
+        over the data-parallel ranks only).
         """
         self.model.train()
         counts = torch.stack([
             sum((mb.labels[:, 1:] != IGNORE_INDEX).sum() for mb in micro),
             sum(mb.attention_mask.sum() for mb in micro),
         ])
-        global_tokens, input_tokens = all_reduce_sum(counts).tolist()
-        scale = self.env.world_size / max(global_tokens, 1.0)
+        global_tokens, input_tokens = self.dims.sum_over_dp(counts).tolist()
+        scale = self.dims.dp_size / max(global_tokens, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
             summed = self.token_loss_sum(mb)
             (summed * scale).backward()
             loss_sum += summed.detach().double().cpu()
-        max_norm = self.cfg.training.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], max_norm if max_norm else float("inf")
-        )
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = (all_reduce_sum(loss_sum) / max(global_tokens, 1.0)).item()
+        loss = (self.dims.sum_over_dp(loss_sum) / max(global_tokens, 1.0)).item()
         return loss, float(grad_norm), input_tokens
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
@@ -328,5 +336,5 @@ class FinetuneRecipe(BaseRecipe):
         for mb in self.val_batches or []:
             loss_sum += self.token_loss_sum(mb).double().cpu()
             tokens += int((mb.labels[:, 1:] != IGNORE_INDEX).sum())
-        totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]))
+        totals = self.dims.sum_over_dp(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]))
         return (totals[0] / max(totals[1].item(), 1.0)).item()

@@ -33,7 +33,8 @@ def rng_untouched() -> Iterator[None]:
 
 
 class RNGState:
-    """Saved per rank (``rng/rng_dp_rank_R.pt``): each rank's generators continue exactly after a resume."""
+    """Saved per data-parallel rank (``rng/rng_dp_rank_R.pt``): each rank's generators continue exactly after a
+    resume (tensor-parallel peers draw the same numbers and share their data-parallel rank's file)."""
 
     checkpoint_scope = "rank"
 

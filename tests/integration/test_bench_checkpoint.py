@@ -93,3 +93,21 @@ def test_resume_rows_split_the_launch_and_compare_with_a_fresh_start(capsys):
     resume = next(line for line in out.splitlines() if line.startswith("| **resume**"))
     assert [c.strip() for c in fresh.split("|")][2:7] == ["10.00", "8.00", "–", "2.00", "1.00×"]
     assert [c.strip() for c in resume.split("|")][2:7] == ["12.00", "8.50", "0.50", "3.00", "**1.20×**"]
+
+
+def test_mesh_rows_compare_each_mesh_with_dp(bench, capsys):
+    def row(median):
+        return bench.stats([median], 1_000_000_000) | {"extra_rss_mb": 1.0}
+
+    result = {
+        "size_gb": 1.0, "nproc": 4, "device": "cpu", "reps": 1, "page_cache_dropped": True, "torch": "x",
+        "machine": {}, "bytes_on_disk": {"mesh_save_hsdp": 250_000_000},
+        "methods": {"raw_write": row(2.0), "mesh_save_dp": row(1.0), "mesh_save_dp_tp": row(0.5),
+                    "mesh_save_hsdp": row(2.0), "raw_read": row(1.0), "mesh_load_dp_tp": row(1.0)},
+    }
+    bench.print_table(result)
+    out = capsys.readouterr().out
+    tp = next(line for line in out.splitlines() if "save on a mesh | **ours, safetensors, dp 2 × tp 2**" in line)
+    assert [c.strip() for c in tp.split("|")][7:10] == ["4.00×", "–", "2.00×"]  # vs raw, same threads, vs dp 4
+    assert "ours, safetensors, HSDP 2 × 2 put 0.250 GB on disk" in out
+    assert "load on a mesh | **ours, safetensors, dp 2 × tp 2**" in out

@@ -44,7 +44,7 @@ def test_metadata_fields_round_trip_and_non_finite_values(tmp_path):
     meta = read_metadata(tmp_path / "a")
     assert {"step", "epoch", "consumed_samples", "train_loss", "val_loss", "val_metrics", "saved_at",
             "training_seconds", "world_size", "model_save_format", "automodel_ckpt_version", "torch_version",
-            "layout_version", "is_final", "name"} <= set(meta)
+            "layout_version", "is_final", "name", "mesh"} <= set(meta)
     assert meta["val_loss"] == "inf" and as_float(meta["val_loss"]) == math.inf
     assert meta["layout_version"] == layout.LAYOUT_VERSION == 1
     assert metric_value(meta, "val_loss") == math.inf
@@ -120,6 +120,7 @@ def test_inspect_report_matches_the_disk(run_dir):
     assert rows["epoch_0_step_4"]["format"] == "torch_save" and rows["epoch_0_step_4"]["val_loss"] is None
     assert rows["epoch_0_step_2"]["val_loss"] == 3.5 and rows["epoch_0_step_2"]["consumed_samples"] == 128
     assert rows[".staging-epoch_1_step_8"]["complete"] is False and rows[".staging-epoch_1_step_8"]["format"] == "safetensors"
+    assert rows["epoch_0_step_2"]["mesh"] == "dp 2"  # the mesh that wrote it (2 ranks, one dimension)
     for name, row in rows.items():
         assert row["size_bytes"] == sum(p.stat().st_size for p in (run_dir / name).rglob("*") if p.is_file())
     assert report["totals"] == {"count": 4, "complete": 3, "size_bytes": sum(r["size_bytes"] for r in rows.values())}
@@ -129,7 +130,7 @@ def test_inspect_report_matches_the_disk(run_dir):
 def test_inspect_table_and_json_through_the_cli(run_dir, capsys):
     assert cli.main(["inspect", str(run_dir)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "CONSOLIDATED",
+    assert table[0].split() == ["NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "MESH", "CONSOLIDATED",
                                 "COMPLETE", "POINTERS"]
     assert table[3].split()[:4] == ["epoch_1_step_6", "6", "1", "2.2500"]
     assert table[3].endswith("LATEST, LOWEST_VAL")

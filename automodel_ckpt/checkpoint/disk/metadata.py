@@ -16,6 +16,7 @@ import yaml
 
 from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.info import WrittenBy
+from automodel_ckpt.distributed.mesh import MeshSizes
 from automodel_ckpt.jsonsafe import json_safe
 
 # Keys of SaveInfo.extra that become top-level metadata fields; other extra keys land under "extra".
@@ -35,6 +36,7 @@ def build_metadata(
     model_save_format: str,
     training_seconds: float | None = None,
     fingerprint: dict[str, Any] | None = None,
+    mesh: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The metadata of a checkpoint being saved now.
 
@@ -61,6 +63,7 @@ def build_metadata(
         "saved_at": time.time(),
         "training_seconds": None if training_seconds is None else round(float(training_seconds), 3),
         "world_size": int(world_size),
+        "mesh": dict(mesh) if mesh else {"dp_replicate": 1, "dp_shard": int(world_size), "tp": 1},
         "model_save_format": model_save_format,
         "automodel_ckpt_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
@@ -128,6 +131,11 @@ def saved_world_size(path: Path) -> int:
     return len(ranks) or 1
 
 
+def saved_mesh(path: Path) -> MeshSizes:
+    """The mesh that wrote checkpoint ``path`` (its metadata's ``mesh``; without one: a 1-D data-parallel mesh)."""
+    return MeshSizes.from_record((read_metadata(path) or {}).get("mesh"), saved_world_size(path))
+
+
 def written_by(path: Path) -> WrittenBy:
     """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
     local: int | None = None
@@ -136,4 +144,4 @@ def written_by(path: Path) -> WrittenBy:
         local = int(saved["step_scheduler"]["local_batch_size"])
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         pass
-    return WrittenBy(world_size=saved_world_size(path), local_batch_size=local)
+    return WrittenBy(world_size=saved_world_size(path), local_batch_size=local, mesh=saved_mesh(path))

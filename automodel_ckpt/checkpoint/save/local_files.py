@@ -39,10 +39,18 @@ class LocalFiles:
 
 def take(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_size: int, config_yaml: str,
          model_save_format: str, training_seconds: float, fingerprint: dict[str, Any] | None,
-         then: Callable[[], None] | None = None) -> LocalFiles:
+         then: Callable[[], None] | None = None, dp_rank: int | None = -1,
+         mesh: dict[str, int] | None = None) -> LocalFiles:
     """This rank's files, their contents taken now: per-rank state; on rank 0 (``rank == 0``) also global state,
-    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``then``, run after them)."""
-    out = LocalFiles(staging, {staging / layout.rank_state_file(a, rank): pt_bytes(o) for a, o in plan.per_rank.items()})
+    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``then``, run after them).
+
+    Per-rank state is per data-parallel rank: ``dp_rank`` names its files (-1: ``rank``, a 1-D mesh), None writes
+    none (a tensor-parallel peer of the rank that writes them). ``mesh``: the sizes recorded in the metadata.
+    """
+    if dp_rank == -1:
+        dp_rank = rank
+    per_rank = plan.per_rank if dp_rank is not None else {}
+    out = LocalFiles(staging, {staging / layout.rank_state_file(a, dp_rank): pt_bytes(o) for a, o in per_rank.items()})
     if rank != 0:
         return out
     out.files |= {staging / layout.global_state_file(a): pt_bytes(o) for a, o in plan.global_.items()}
@@ -53,7 +61,7 @@ def take(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_siz
         name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
         train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
         world_size=world_size, model_save_format=model_save_format, training_seconds=training_seconds,
-        fingerprint=fingerprint,
+        fingerprint=fingerprint, mesh=mesh,
     )
     out.then = then
     return out

@@ -1,0 +1,144 @@
+"""Tensor parallelism from a model family's own plan (transformers' ``base_model_tp_plan``), applied with torch.
+
+transformers ships, with each family's config, which projection splits how (``"colwise"``, ``"rowwise"``, ...).
+Its own ``tp_plan="auto"`` path applies that plan at load time with hooks of its own; here the same plan is
+translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` styles and applied with ``parallelize_module`` on
+the tensor-parallel mesh, so the parameters become DTensors that ``fully_shard`` then also shards over the
+data-parallel mesh, and that DCP saves, reshards and loads like any other. The attention modules of the families
+reshape with ``-1`` heads, so a rank computes its ``heads / tp`` heads without any change to the model code.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from automodel_ckpt.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _styles() -> dict[str, Callable[[], Any]]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows split
+    }
+
+
+SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_split_input",
+                    "embedding_rowwise")
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return getattr(config, "get_text_config", lambda: config)() if config is not None else None
+
+
+def _tied(model: nn.Module) -> bool:
+    try:
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def family_plan(model: nn.Module) -> dict[str, str]:
+    """``{module path pattern: style}`` for ``model``: the plan transformers assembles for the model (the
+    config's ``base_model_tp_plan`` under the base model's prefix, plus the embeddings and the head), or the
+    config's plan alone. Tied embeddings stay whole on every tensor-parallel rank: the input embedding and the
+    head share one weight, which the two styles would each make a parameter of its own."""
+    config = _text_config(model)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base:
+        return {}
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        plan = {(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v for k, v in base.items()}
+    if _tied(model):
+        shared = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+        names = {name for name, module in model.named_modules() if id(module) in shared}
+        plan = {k: v for k, v in plan.items() if k not in names}
+    return plan
+
+
+def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
+    """The plan for ``model`` on ``tp_size`` ranks; one-line ``ConfigError`` when there is none or it cannot apply."""
+    config = _text_config(model)
+    family = getattr(config, "model_type", None) or type(model).__name__
+    if hasattr(model, "peft_config"):
+        raise ConfigError("distributed.tp_size: LoRA with tensor parallelism is not supported yet; use tp_size 1 "
+                          "(FSDP2 or HSDP shard the frozen base as well)")
+    plan = family_plan(model)
+    if not plan:
+        raise ConfigError(f"distributed.tp_size {tp_size}: the model family '{family}' has no tensor-parallel plan "
+                          "(base_model_tp_plan in its transformers config); use tp_size 1")
+    unknown = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
+    if unknown:
+        raise ConfigError(f"distributed.tp_size {tp_size}: the '{family}' plan uses {', '.join(unknown)}, not "
+                          f"supported yet (supported: {', '.join(SUPPORTED_STYLES)}); use tp_size 1")
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ConfigError(f"distributed.tp_size {tp_size} does not divide {key} ({heads}) of the '{family}' "
+                              "model; choose a tp_size that divides it")
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Split ``model``'s projections over ``tp_mesh`` by its family's plan (checked by ``check_tensor_parallel``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = check_tensor_parallel(model, tp_mesh.size())
+    styles = _styles()
+    # The head's gathered logits are a view; FSDP2 warns that an in-place change of the root's output would skip
+    # its hooks. The loss never changes the logits in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()})
+    return model
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients that live on different meshes (tensor-parallel projections on the 2-D
+    mesh, the rest on the data-parallel one): one total norm over all of them, then every gradient scaled by it.
+
+    With one mesh (or none) this is ``torch.nn.utils.clip_grad_norm_`` itself.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    limit = max_norm if max_norm else float("inf")
+    groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        groups[getattr(p.grad, "device_mesh", None)].append(p)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    squares = []
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its hint to flatten the mesh for one all-reduce of a scalar norm
+    try:
+        for members in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares.append(norm.double() ** 2)
+    finally:
+        quiet.setLevel(level)
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    total = torch.stack([s.cpu() for s in squares]).sum().sqrt().float()
+    with implicit_replication():  # the plain total scales DTensor gradients
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, limit, total.to(members[0].grad.device))
+    return total

@@ -1,0 +1,156 @@
+"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4 run),
+both formats, async saves and a SIGKILL on a 2-D mesh, and the export of a dp 2 × tp 2 checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel_ckpt.checkpoint.disk import catalog
+from tests.family_bases import folder_weights
+from tests.integration.harness import ckpt_train, env_for, jsonl
+
+BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", "32", "--step_scheduler.local_batch_size", "8",
+         "--data.val_size", "16", "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false",
+         "--step_scheduler.ckpt_every_steps", "2")
+DP4 = ()
+DP2_TP2 = ("--distributed.tp_size", "2")
+TP2 = DP2_TP2  # on 2 processes
+HSDP = ("--distributed.dp_replicate_size", "2")
+LEGS = [  # (processes, mesh keys, what the resume line calls the mesh)
+    (4, DP4, "dp 4"),
+    (4, DP2_TP2, "dp 2 × tp 2"),
+    (2, TP2, "tp 2"),
+    (4, HSDP, "HSDP 2 × 2"),
+    (1, DP4, "dp 1"),
+]
+
+
+def _records(run_dir):
+    return {r["step"]: r for r in jsonl(run_dir / "training.jsonl")}
+
+
+def _leg(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...], *extra: str):
+    return ckpt_train(tmp_path, assets, *BATCH, *keys, *extra, "--checkpoint.checkpoint_dir", run,
+                      "--step_scheduler.max_steps", str(step), nproc=nproc)
+
+
+def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
+    got, want = _records(run_dir), _records(straight)
+    for step in steps:
+        assert got[step]["sample_ids"] == want[step]["sample_ids"], step  # the same samples, in the same order
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+
+
+def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...],
+                          *extra: str) -> None:
+    """Start a leg, SIGKILL the whole job while its first save is being written; the checkpoint folder stays sound
+    (every complete checkpoint matches its manifest, LATEST names a complete one, the half-written one is staging)."""
+    from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, kill_job
+    from tests.integration.test_kill_fault import check_dir, saves_in_progress
+
+    before = {r.name for r in catalog.list_checkpoints(tmp_path / run)}
+    log, started = tmp_path / f"killed_{run}_{step}.log", time.time()
+    cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), str(RECIPE), *QUIET, *BATCH, *keys, *extra,
+           "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "Saving checkpoint to" not in log.read_text(errors="replace") and proc.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.002)
+    in_save = saves_in_progress(tmp_path / run, started)
+    kill_job(proc)
+    assert in_save, log.read_text()[-2000:]  # the kill landed inside the save
+    complete, failures, _ = check_dir(tmp_path / run, before)
+    assert not failures and complete == before  # the killed save is never selected
+
+
+def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
+    """The straight dp 4 run is also the chain's first leg: the chain starts from its step-2 checkpoint."""
+    total = 2 * len(LEGS)
+    straight, chain = tmp_path / "straight", tmp_path / "chain"
+    _leg(tmp_path, assets, "straight", total, 4, DP4)
+    start = ("--checkpoint.restore_from", str(straight / "epoch_0_step_2"))
+    # a SIGKILL during a 2-D save first: nothing of it is selected, the rerun starts from the dp 4 checkpoint again
+    _killed_inside_a_save(tmp_path, assets, "chain", 4, 4, DP2_TP2, *start)
+    before = LEGS[0][2]
+    for i, (nproc, keys, name) in enumerate(LEGS[1:], start=1):  # safetensors shards
+        out = _leg(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys, *(start if i == 1 else ()))
+        assert f"Resuming a {before} checkpoint on {name}" in out.stdout
+        meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
+        assert meta["world_size"] == nproc
+        before = name
+    assert sorted(_records(chain)) == list(range(3, total + 1))
+    _assert_same_steps(chain, straight, range(3, total + 1))
+    # per-rank state is per data-parallel rank: dp 2 × tp 2 wrote two RNG files, tp 2 one
+    assert sorted(p.name for p in (chain / "epoch_0_step_4" / "rng").iterdir()) == ["rng_dp_rank_0.pt",
+                                                                                   "rng_dp_rank_1.pt"]
+    assert sorted(p.name for p in (chain / "epoch_0_step_6" / "rng").iterdir()) == ["rng_dp_rank_0.pt"]
+    meta = json.loads((chain / "epoch_0_step_4" / "metadata.json").read_text())
+    assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+
+    # HSDP writes each byte once: the replicas' shards are written by one rank each (DCP deduplicates them)
+    def model_bytes(ckpt: Path) -> int:
+        return sum(f.stat().st_size for f in (ckpt / "model").glob("shard-*.safetensors"))
+
+    assert model_bytes(chain / "epoch_0_step_8") == pytest.approx(model_bytes(straight / "epoch_0_step_8"), rel=0.05)
+
+    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 writes step 4
+    # in the background, HSDP resumes from it; the same samples and losses as the straight run
+    dcp = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
+    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2, *dcp, *start)
+    assert (tmp_path / "dcp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
+    out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
+    assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
+    _assert_same_steps(tmp_path / "dcp", straight, range(3, 7))
+    # the same mesh from the same checkpoint, in either format: bitwise the same steps
+    got, chained = _records(tmp_path / "dcp"), _records(chain)
+    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in (3, 4)] == [(chained[s]["loss"], chained[s]["grad_norm"])
+                                                                       for s in (3, 4)]
+
+
+def _tp_base(family: str, folder: Path) -> Path:
+    """A bf16 base of ``family`` whose 4 heads and 2 key-value heads split over 2 tensor-parallel ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_bases import build_tokenizer, family_config
+
+    config = family_config(family)
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    model.save_pretrained(folder, max_shard_size=int(total * 0.55) + 1)  # two weight files and an index
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings, q/k/v biases
+def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
+    """qwen2 exports inline at the save; llama's checkpoint is exported afterwards by its consolidate.sh in one
+    process (not the 4 that wrote it)."""
+    base = _tp_base(family, tmp_path / f"{family}_base")
+    inline = family == "qwen2"
+    ckpt_train(tmp_path, assets, "--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null",
+               "--optimizer.lr", "0", "--dataset.num_samples", "400", "--data.val_size", "16",
+               "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "8",
+               "--step_scheduler.max_steps", "1", "--distributed.tp_size", "2",
+               "--checkpoint.save_consolidated", "final" if inline else "false",
+               "--checkpoint.checkpoint_dir", "run", nproc=4)
+    model_dir = tmp_path / "run" / "epoch_0_step_1" / "model"
+    if not inline:
+        done = subprocess.run(["bash", str(model_dir / "consolidate.sh")], capture_output=True, text=True,
+                              timeout=600, env=env_for(assets))
+        assert done.returncode == 0, done.stderr[-3000:]
+    expected, actual = folder_weights(base), folder_weights(model_dir / "consolidated")
+    assert sorted(actual) == sorted(expected)
+    for name, (file, tensor) in expected.items():
+        assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
+        assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), name

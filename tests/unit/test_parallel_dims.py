@@ -1,0 +1,123 @@
+"""The mesh keys: sizes that must multiply to the world size, refused strategies, who is who, and the TP plan checks."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from automodel_ckpt.checkpoint.disk.metadata import build_metadata, saved_mesh, write_metadata
+from automodel_ckpt.cli import main
+from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims, resolve_sizes
+from automodel_ckpt.distributed.tensor_parallel import check_tensor_parallel, family_plan
+from automodel_ckpt.errors import ConfigError
+from tests.unit.test_cli_errors import RECIPE, _error
+
+
+def _sizes(world_size: int, **keys) -> MeshSizes:
+    return resolve_sizes(OmegaConf.create(keys), world_size)
+
+
+def test_sizes_default_to_data_parallel_over_the_world():
+    assert _sizes(4) == MeshSizes(1, 4, 1)
+    assert _sizes(4, tp_size=2) == MeshSizes(1, 2, 2)
+    assert _sizes(4, dp_replicate_size=2) == MeshSizes(2, 2, 1)
+    assert _sizes(8, tp_size=2, dp_size=4, dp_replicate_size=2) == MeshSizes(2, 2, 2)
+    assert [m.describe() for m in (MeshSizes(1, 4, 1), MeshSizes(1, 2, 2), MeshSizes(1, 1, 2), MeshSizes(2, 2, 1),
+                                   MeshSizes(2, 2, 2), MeshSizes(1, 1, 1))] == [
+        "dp 4", "dp 2 × tp 2", "tp 2", "HSDP 2 × 2", "HSDP 2 × 2 × tp 2", "dp 1"]
+
+
+@pytest.mark.parametrize("world, keys, words", [
+    (4, {"tp_size": 2, "dp_size": 4}, "dp_size × tp_size = 4 × 2 = 8 must equal the world size (4)"),
+    (4, {"tp_size": 3}, "distributed.tp_size (3) does not divide the world size (4)"),
+    (4, {"dp_replicate_size": 3}, "distributed.dp_replicate_size (3) must divide dp_size (4)"),
+    (4, {"pp_size": 2}, "distributed.pp_size: pipeline parallelism is not supported yet"),
+    (4, {"cp_size": 2}, "distributed.cp_size: context parallelism is not supported yet"),
+    (4, {"ep_size": 4}, "distributed.ep_size: expert parallelism is not supported yet"),
+    (4, {"tp_size": 2, "sequence_parallel": True}, "distributed.sequence_parallel: not supported yet"),
+    (4, {"tp_size": 0}, "distributed.tp_size: expected a positive integer, got 0"),
+])
+def test_bad_sizes_are_one_line_errors(world, keys, words):
+    with pytest.raises(ConfigError) as exc:
+        _sizes(world, **keys)
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_unsupported_sizes_of_one_are_accepted():
+    assert _sizes(2, pp_size=1, cp_size=None, ep_size=1) == MeshSizes(1, 2, 1)
+
+
+def test_cli_refuses_sizes_before_any_process_starts(capsys):
+    msg = _error(capsys, ["--nproc-per-node", "2", RECIPE, "--distributed.tp_size", "2", "--distributed.dp_size", "2"])
+    assert "dp_size × tp_size = 2 × 2 = 4 must equal the world size (2)" in msg
+    assert "pp_size" in _error(capsys, [RECIPE, "--distributed.pp_size", "2"])
+
+
+def test_batch_arithmetic_uses_the_data_parallel_size(capsys):
+    # 64 = 32 × 2 data-parallel ranks on 4 processes with tp 2; on 4 data-parallel ranks it would not divide
+    msg = _error(capsys, ["--nproc-per-node", "4", RECIPE, "--step_scheduler.local_batch_size", "24",
+                          "--distributed.tp_size", "2"])
+    assert "(24 × 2 = 48)" in msg
+
+
+def test_who_is_who_tensor_parallel_innermost():
+    sizes = MeshSizes(2, 2, 2)
+    dims = [ParallelDims(sizes, rank) for rank in range(8)]
+    assert [d.tp_rank for d in dims] == [0, 1] * 4
+    assert [d.dp_rank for d in dims] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [(d.replicate_rank, d.shard_rank) for d in dims[::2]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [d.writes_rank_state for d in dims] == [True, False] * 4
+    assert ParallelDims.single(3, 4).dp_rank == 3 and ParallelDims.single(3, 4).dp_size == 4
+
+
+def test_checkpoint_metadata_records_the_mesh(tmp_path):
+    common = dict(name="c", epoch=0, step=1, train_loss=1.0, val_loss=None, is_final=False, world_size=4,
+                  model_save_format="safetensors")
+    write_metadata(tmp_path, build_metadata(**common, mesh=MeshSizes(1, 2, 2).record()))
+    assert saved_mesh(tmp_path) == MeshSizes(1, 2, 2)
+    write_metadata(tmp_path, {k: v for k, v in build_metadata(**common).items() if k != "mesh"})  # older checkpoint
+    assert saved_mesh(tmp_path) == MeshSizes(1, 4, 1)
+
+
+def _model(family: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_bases import family_config
+
+    config = family_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_plans_of_the_families():
+    llama = family_plan(_model("llama", num_key_value_heads=2))
+    assert llama["lm_head"] == "colwise_gather_output" and llama["model.embed_tokens"] == "embedding_rowwise"
+    assert llama["model.layers.*.self_attn.q_proj"] == "colwise"
+    qwen2 = family_plan(_model("qwen2", num_key_value_heads=2))  # tied: the shared weight stays whole
+    assert "lm_head" not in qwen2 and "model.embed_tokens" not in qwen2
+    assert qwen2["model.layers.*.mlp.down_proj"] == "rowwise"
+
+
+@pytest.mark.parametrize("family, overrides, words", [
+    ("gpt2", {}, "the model family 'gpt2' has no tensor-parallel plan"),
+    ("llama", {}, "distributed.tp_size 2 does not divide num_key_value_heads (1) of the 'llama' model"),
+    ("llama", {"num_attention_heads": 1, "num_key_value_heads": 1}, "does not divide num_attention_heads (1)"),
+    ("mixtral", {"num_key_value_heads": 2}, "the 'mixtral' plan uses moe_tp_experts, packed_colwise, not supported yet"),
+])
+def test_tensor_parallel_refusals_are_one_line(family, overrides, words):
+    with pytest.raises(ConfigError) as exc:
+        check_tensor_parallel(_model(family, **overrides), 2)
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_lora_with_tensor_parallelism_is_refused_before_launch(capsys):
+    peft_recipe = RECIPE.replace("tiny_llama_sft.yaml", "tiny_llama_peft.yaml")
+    msg = _error(capsys, ["--nproc-per-node", "2", peft_recipe, "--distributed.tp_size", "2"])
+    assert "LoRA (a peft: section) with tensor parallelism is not supported yet" in msg
+
+
+def test_dry_run_says_the_mesh(capsys):
+    assert main(["--nproc-per-node", "4", RECIPE, "--dry-run", "--step_scheduler.local_batch_size", "16",
+                 "--distributed.tp_size", "2"]) == 0
+    assert "# valid for 4 process(es) (dp 2 × tp 2); --dry-run: not training" in capsys.readouterr().err
