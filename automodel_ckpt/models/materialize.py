@@ -198,7 +198,8 @@ def _held(model: nn.Module) -> list[dict[str, Any]]:
 
     out = []
     for name, p in model.named_parameters():
-        sharded = isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+        sharded = isinstance(p, DTensor) and any(isinstance(pl, Shard) and p.device_mesh.size(i) > 1
+                                                 for i, pl in enumerate(p.placements))
         local = p.to_local() if isinstance(p, DTensor) else p
         out.append({"name": name, "numel": p.numel(), "local": local.numel(), "sharded": sharded})
     return out
