@@ -47,11 +47,6 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def any_peft(models: Any) -> bool:
-    """Whether any of ``models`` (a checkpoint plan's models) is a PEFT model."""
-    return any(is_peft_model(m) for m in models)
-
-
 def trainable_names(model: nn.Module) -> list[str]:
     """Names of the trainable parameters, as the model's state dict spells them."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
