@@ -18,7 +18,14 @@ and both AdamW moments: 16 bytes per parameter / world size). The goals: ``setup
 256 MiB`` on every rank, and at 4 ranks a setup peak per rank <= 0.35 x the one at 1 rank. Also reported: the time
 from launch to the end of the first step. ``--code DIR`` runs another checkout's package (a before/after
 comparison on the same base). When the recipe schema knows ``distributed.activation_checkpointing``,
-every world size runs with it off and on. Not a test; the default size takes several minutes on a small machine.
+every world size runs with it off and on. ``--steps 0`` stops every run once the model holds its starting weights:
+the setup alone, for bases whose training state would not fit the machine on one rank.
+
+Each process also holds memory that does not depend on the model (the interpreter, torch's and the other libraries'
+code and data, the tokenised dataset): ``idle`` plus the data build, roughly 450 MiB here. The 4-over-1 ratio of
+setup peaks therefore falls with the base's size; the ratio of what the setup adds (``setup_peak - idle``) is the
+model's share alone, and is printed beside it. Not a test; the default size takes several minutes on a small
+machine.
 """
 
 from __future__ import annotations
@@ -102,6 +109,13 @@ class MemoryRecipe(FinetuneRecipe):
         self._memory["total_params"] = sum(p.numel() for p in self.model.parameters())
         _reset_peak()
         return restored
+
+    def _train(self) -> None:
+        if os.environ.get("BENCH_MEMORY_SETUP_ONLY") != "1":
+            return super()._train()
+        self.setup()
+        self.restore_checkpoint()
+        self._memory["first_step_end"] = time.time()  # the setup's end: no step is taken
 
     def train_step(self, micro):
         out = super().train_step(micro)
@@ -189,11 +203,12 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, cod
     out = work / f"memory_{tag}"
     out.mkdir(exist_ok=True)
     recipe = work / f"bench_{tag}.yaml"
-    recipe.write_text(RECIPE.format(recipe=f"{Path(__file__).resolve()}:MemoryRecipe", base=base, steps=steps,
-                                    work=work, distributed="" if ac is None else
+    recipe.write_text(RECIPE.format(recipe=f"{Path(__file__).resolve()}:MemoryRecipe", base=base,
+                                    work=work, steps=max(1, steps), distributed="" if ac is None else
                                     f"distributed:\n  activation_checkpointing: {str(ac).lower()}\n"))
     env = dict(os.environ, BENCH_MEMORY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}")
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}",
+               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe)],
                           cwd=work, env=env, capture_output=True, text=True)
@@ -205,11 +220,20 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, cod
         r["state_share"] = r["local_params"] * 16
         r["setup_over_idle"] = r["setup_peak"] - r["idle"]
         r["setup_goal"] = 1.25 * r["params_share"] + 256 * MiB
-        r["steps_over_state"] = (r["steps_peak"] - r["idle"]) / r["state_share"]
+        r["steps_over_state"] = (r["steps_peak"] - r["idle"]) / r["state_share"] if "steps_peak" in r else None
     return {"nproc": nproc, "activation_checkpointing": ac, "ranks": ranks,
             "first_step_seconds": max(r["first_step_end"] for r in ranks) - t0,
             "setup_peak_max": max(r["setup_peak"] for r in ranks),
+            "setup_added_max": max(r["setup_over_idle"] for r in ranks),
             "setup_goal_met": all(r["setup_over_idle"] <= r["setup_goal"] for r in ranks)}
+
+
+def _mib(value: int | None) -> str:
+    return "–" if value is None else f"{value / MiB:.0f}"
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def table(results: list[dict]) -> str:
@@ -223,8 +247,8 @@ def table(results: list[dict]) -> str:
             rows.append(
                 f"| {res['nproc']} | {res['activation_checkpointing']} | {i} | {r['idle'] / MiB:.0f} | "
                 f"{r['setup_peak'] / MiB:.0f} | {r['setup_over_idle'] / r['params_share']:.2f} | "
-                f"{'yes' if r['setup_over_idle'] <= r['setup_goal'] else 'no'} | {r['steps_peak'] / MiB:.0f} | "
-                f"{r['steps_over_state']:.2f} | {(r['base_bytes_read'] or 0) / MiB:.0f} |")
+                f"{'yes' if r['setup_over_idle'] <= r['setup_goal'] else 'no'} | {_mib(r.get('steps_peak'))} | "
+                f"{_num(r['steps_over_state'])} | {(r['base_bytes_read'] or 0) / MiB:.0f} |")
     return "\n".join(rows)
 
 
@@ -232,7 +256,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GB", help="bf16 bytes of the base (default 1GB)")
     parser.add_argument("--nprocs", default="1,2,4", help="process counts to run (default 1,2,4)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="steps per run (0: the setup alone)")
     parser.add_argument("--work", type=Path, default=Path("bench_memory_work"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--code", type=Path, default=REPO,
@@ -250,16 +274,19 @@ def main() -> None:
               "skipped: distributed.activation_checkpointing is not a key of this version"}
     if 1 in ok and 4 in ok:
         report["setup_peak_4_over_1"] = ok[4]["setup_peak_max"] / ok[1]["setup_peak_max"]
+        report["setup_added_4_over_1"] = ok[4]["setup_added_max"] / ok[1]["setup_added_max"]
     print(f"base: {report['size_bytes'] / MiB:.0f} MiB bf16, {config['num_hidden_layers']} layers")
     print(table(results))
     for r in results:
         if "failed" in r:
             print(f"{r['nproc']} ranks failed:\n{r['failed']}")
         else:
-            print(f"{r['nproc']} ranks (activation checkpointing {r['activation_checkpointing']}): first step "
+            what = "first step" if args.steps else "setup done"
+            print(f"{r['nproc']} ranks (activation checkpointing {r['activation_checkpointing']}): {what} "
                   f"{r['first_step_seconds']:.1f} s after launch")
     if "setup_peak_4_over_1" in report:
-        print(f"setup peak per rank, 4 ranks over 1 rank: {report['setup_peak_4_over_1']:.2f} (goal <= 0.35)")
+        print(f"setup peak per rank, 4 ranks over 1 rank: {report['setup_peak_4_over_1']:.2f} (goal <= 0.35); "
+              f"what the setup adds to an idle process, 4 ranks over 1 rank: {report['setup_added_4_over_1']:.2f}")
     if acs == [None]:
         print(report["activation_checkpointing"])
     if args.json:

@@ -67,3 +67,14 @@ def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_p
     assert rank["idle"] < rank["setup_peak"] <= rank["steps_peak"] and run["first_step_seconds"] > 0
     assert rank["params_share"] == 4 * rank["local_params"] and run["setup_goal_met"]  # <= 1.25 x share + 256 MiB
     assert "setup peak MiB" in printed
+
+
+def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path):
+    out = tmp_path / "memory.json"
+    printed = _run("bench_memory.py", "--size", "20MB", "--nprocs", "1", "--steps", "0", "--work", str(tmp_path),
+                   "--json", str(out))
+    [run] = [r for r in json.loads(out.read_text())["runs"] if not r["activation_checkpointing"]]
+    [rank] = run["ranks"]
+    assert "steps_peak" not in rank and rank["steps_over_state"] is None  # no step was taken
+    assert rank["idle"] < rank["setup_peak"] and rank["base_bytes_read"] > 0
+    assert "setup done" in printed
