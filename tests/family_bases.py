@@ -103,3 +103,19 @@ def folder_weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
     for path in sorted(folder.glob("*.safetensors")):
         out.update({name: (path.name, t) for name, t in load_file(path).items()})
     return out
+
+
+def row_shares(folder: Path, ranks: int) -> tuple[int, int]:
+    """``(bytes of tensor data in the folder's safetensors files, the most one of ``ranks`` FSDP ranks may read)``:
+    per tensor, the first rank's rows of dim 0 (it holds the most when they do not divide evenly)."""
+    from automodel_ckpt.checkpoint.formats.safetensors_io import read_header, tensor_entries
+
+    data, share = 0, 0
+    for file in sorted(folder.glob("*.safetensors")):
+        header, _ = read_header(file)
+        for entry in tensor_entries(header).values():
+            start, end = entry["data_offsets"]
+            data += end - start
+            rows = entry["shape"][0] if entry["shape"] else 1
+            share += math.ceil(rows / ranks) * (end - start) // max(rows, 1)
+    return data, share

@@ -10,6 +10,7 @@ default LoRA on a mixture of experts without a PEFT default (qwen3_moe).
 from __future__ import annotations
 
 import filecmp
+import json
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.family_bases import folder_weights
+from automodel_ckpt.models.materialize import RECORD_ENV
+from tests.family_bases import folder_weights, row_shares
 
 from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl
 
@@ -42,7 +44,7 @@ def _model(base: Path) -> tuple[str, ...]:
 def _run(work: Path, assets: Path, base: Path, name: str, *args: str, recipe: Path | None = None):
     extra = {"recipe": recipe} if recipe is not None else {}
     result = ckpt_train(work, assets, *_model(base), *SMALL, "--checkpoint.checkpoint_dir", name, *args, nproc=2,
-                        **extra)
+                        env={RECORD_ENV: str(work / f"{name}.record")}, **extra)
     return work / name, result.output
 
 
@@ -80,6 +82,10 @@ def test_trains_resumes_exactly_and_exports_in_the_base_layout(work, assets, fam
     assert f"({family}, " in done.stdout and "no missing or unexpected keys" in done.stdout
     listing = _cli(assets, "inspect", str(straight))
     assert listing.returncode == 0 and f" {family} " in listing.stdout
+    records = [json.loads((work / f"{family}_{fmt}.record" / f"rank{r}.json").read_text()) for r in range(2)]
+    data_bytes, share = row_shares(base, 2)
+    read = [r["base_bytes_read"] for r in records]  # fused experts too: each rank its own experts' parts
+    assert all(0 < n <= share for n in read) and sum(read) == data_bytes, (read, share, data_bytes)
     if float(lr) == 0:  # the lr=0 oracle: the base's files, bit for bit (every family: the unit matrix)
         _assert_base_files(base, first)
 

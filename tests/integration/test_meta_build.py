@@ -7,7 +7,6 @@ the weights stay as they were loaded, so the checkpoint holds the starting weigh
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from functools import cache
 from pathlib import Path
@@ -17,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.formats.safetensors_io import read_header, tensor_entries
 from automodel_ckpt.models.materialize import RECORD_ENV
+from tests.family_bases import row_shares
 from tests.integration.harness import ckpt_train, losses
 
 FAST = ("--optimizer.lr", "0", "--dataset.num_samples", "400", "--data.val_size", "16",
@@ -54,14 +53,7 @@ def _exported(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 def test_each_rank_reads_only_its_slices_of_the_base_and_never_holds_a_whole_sharded_parameter(work, assets):
     run, records = _run(work, assets, "folder", 2, 2)
-    data_bytes, share = 0, 0
-    for file in _base_files(assets):
-        header, _ = read_header(file)
-        for entry in tensor_entries(header).values():
-            start, end = entry["data_offsets"]
-            data_bytes += end - start
-            rows = entry["shape"][0] if entry["shape"] else 1
-            share += math.ceil(rows / 2) * (end - start) // max(rows, 1)  # FSDP: rows of dim 0, the first rank more
+    data_bytes, share = row_shares(assets / "tiny_llama_base", 2)
     read = [r["base_bytes_read"] for r in records]
     assert all(0 < n <= share for n in read), (read, share, data_bytes)
     assert sum(read) == data_bytes  # every byte of tensor data read once, by one rank

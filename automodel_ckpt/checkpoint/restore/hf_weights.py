@@ -8,8 +8,11 @@ parameter's dtype as ``from_pretrained(dtype=...)`` does. A plain tensor (not sh
 The folder's names are the family's on-disk names; the model's are transformers' in-memory names. The mapping is
 the export's (``export/family.disk_layout``: the family's conversions, reversed): a renamed tensor is read under
 its on-disk name; tied copies are not read (they share the tensor of the weight they are tied to). A tensor that
-the family builds from parts of several on-disk tensors (a fused mixture-of-experts stack) cannot be read as one
-slice: its on-disk parts are read whole on every rank, put together and sliced.
+the family builds from parts of several on-disk tensors (a fused mixture-of-experts stack: one on-disk tensor per
+expert and projection) is filled part by part: a part that is a box of the fused tensor (an expert's rows) is read
+only by the ranks whose slice it meets, and only that overlap is copied, so a stack sharded over its experts costs
+each rank its own experts' bytes. A part that is not a box (none of the supported families has one) makes its
+tensor read whole on every rank, put together and sliced.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.export.family import DiskTensor, disk_layout
+from automodel_ckpt.checkpoint.export.family import DiskTensor, c_strides, disk_layout
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ
 from automodel_ckpt.checkpoint.formats.fastio.readers import ParallelHFReader
 from automodel_ckpt.errors import CheckpointError
@@ -112,13 +115,21 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
     if missing:
         raise CheckpointError(f"'{folder}' does not fit the model: {len(missing)} tensor(s) missing (e.g. "
                               f"'{missing[0]}'); point model.pretrained_model_name_or_path at this model's own folder")
+    boxed: list[tuple[DiskTensor, _Box, torch.Tensor]] = []  # (part, where it lies, the rank's slice of its tensor)
+    for source in list(parts):
+        boxes = [_box(v, tuple(mem[source].shape)) for v in parts[source]]
+        if all(b is not None for b in boxes):
+            region = _region(mem[source])
+            boxed += [(v, b, mem[source]) for v, b in zip(parts.pop(source), boxes) if b.meets(region)]
     pieces = {v.name: torch.empty(tuple(on_disk[v.name].size), dtype=on_disk[v.name].properties.dtype)
-              for views in parts.values() for v in views}
+              for v in [*(v for views in parts.values() for v in views), *(v for v, _, _ in boxed)]}
     if parts:
         logger.info("%d tensor(s) of '%s' are read whole on every rank (the family stores them in parts): %s",
-                    len(pieces), folder, ", ".join(sorted(parts)))
+                    len(parts), folder, ", ".join(sorted(parts)))
     with torch.no_grad():
         dcp.load({**whole, **pieces}, storage_reader=reader, planner=DefaultLoadPlanner())
+        for view, box, target in boxed:
+            box.copy_into(_local(target), _region(target), pieces.pop(view.name))
         for source, views in parts.items():
             target = mem[source]
             full = torch.empty(tuple(target.shape), dtype=pieces[views[0].name].dtype)
@@ -131,8 +142,71 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
 
 
 def _strides(shape: tuple[int, ...] | torch.Size) -> list[int]:
-    out = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        out[i] = out[i + 1] * shape[i + 1]
-    return out
+    return list(c_strides(tuple(shape)))
+
+
+def _region(target: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``(start, size)`` per dimension of the part of ``target``'s whole tensor that this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, DTensor):
+        return [0] * target.dim(), list(target.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return list(offset), list(shape)
+
+
+class _Box:
+    """Where an on-disk part lies in its in-memory tensor, when it is a box of it: a start and a size per dimension
+    of the tensor, and for each dimension of the part the tensor's dimension it runs along."""
+
+    def __init__(self, start: list[int], size: list[int], dims: list[int | None]):
+        self.start, self.size, self.dims = start, size, dims
+
+    def overlap(self, region: tuple[list[int], list[int]]) -> list[slice] | None:
+        out = []
+        for s, n, (o, m) in zip(self.start, self.size, zip(*region)):
+            lo, hi = max(s, o), min(s + n, o + m)
+            if hi <= lo:
+                return None
+            out.append(slice(lo, hi))
+        return out
+
+    def meets(self, region: tuple[list[int], list[int]]) -> bool:
+        return self.overlap(region) is not None
+
+    def copy_into(self, local: torch.Tensor, region: tuple[list[int], list[int]], piece: torch.Tensor) -> None:
+        """Copy the overlap of ``piece`` (the part, as read) and ``region`` into ``local`` (the rank's slice)."""
+        runs = [d for d in self.dims if d is not None]
+        order = sorted(range(len(runs)), key=runs.__getitem__)
+        placed = piece.reshape([n for n, d in zip(piece.shape, self.dims) if d is not None]).permute(order)
+        placed = placed.reshape(self.size)
+        overlap = self.overlap(region)
+        assert overlap is not None
+        src = tuple(slice(sl.start - s, sl.stop - s) for sl, s in zip(overlap, self.start))
+        dst = tuple(slice(sl.start - o, sl.stop - o) for sl, o in zip(overlap, region[0]))
+        local[dst].copy_(placed[src])
+
+
+def _box(view: DiskTensor, shape: tuple[int, ...]) -> _Box | None:
+    """The box ``view`` fills in a tensor of ``shape``, or None when its elements are not one box of it."""
+    strides = _strides(shape)
+    start, rest = [], view.offset
+    for stride in strides:
+        start.append(rest // stride)
+        rest %= stride
+    size, dims = [1] * len(shape), []
+    for n, stride in zip(view.shape, view.stride):
+        if n == 1:
+            dims.append(None)
+            continue
+        match = [d for d, s in enumerate(strides) if s == stride and shape[d] > 1 and size[d] == 1]
+        if len(match) != 1 or start[match[0]] + n > shape[match[0]]:
+            return None
+        size[match[0]] = n
+        dims.append(match[0])
+    if any(s >= n for s, n in zip(start, shape)):
+        return None
+    return _Box(start, size, dims)
 
