@@ -132,18 +132,27 @@ def _tp_base(family: str, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings, q/k/v biases
+# qwen2: tied embeddings, q/k/v biases; qwen3_moe: fused experts (whole on each tensor-parallel rank), per-head norms
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
-    """qwen2 exports inline at the save; llama's checkpoint is exported afterwards by its consolidate.sh in one
-    process (not the 4 that wrote it)."""
+    """qwen2 and qwen3_moe export inline at the save; llama's checkpoint is exported afterwards by its
+    consolidate.sh in one process (not the 4 that wrote it). qwen3_moe's first loss and gradient norm are also a
+    dp 4 run's."""
     base = _tp_base(family, tmp_path / f"{family}_base")
-    inline = family == "qwen2"
-    ckpt_train(tmp_path, assets, "--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null",
-               "--optimizer.lr", "0", "--dataset.num_samples", "400", "--data.val_size", "16",
-               "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "8",
-               "--step_scheduler.max_steps", "1", "--distributed.tp_size", "2",
+    inline = family != "llama"
+    args = ("--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null", "--optimizer.lr", "0",
+            "--dataset.num_samples", "400", "--data.val_size", "16", "--step_scheduler.global_batch_size", "16",
+            "--step_scheduler.local_batch_size", "4" if family == "qwen3_moe" else "8",
+            "--step_scheduler.max_steps", "1")
+    ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2",
                "--checkpoint.save_consolidated", "final" if inline else "false",
                "--checkpoint.checkpoint_dir", "run", nproc=4)
+    if family == "qwen3_moe":
+        ckpt_train(tmp_path, assets, *args, "--checkpoint.enabled", "false", "--checkpoint.checkpoint_dir", "dp4",
+                   nproc=4)
+        (tp,), (dp,) = jsonl(tmp_path / "run" / "training.jsonl"), jsonl(tmp_path / "dp4" / "training.jsonl")
+        assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5)
+        assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5)
     model_dir = tmp_path / "run" / "epoch_0_step_1" / "model"
     if not inline:
         done = subprocess.run(["bash", str(model_dir / "consolidate.sh")], capture_output=True, text=True,
