@@ -136,8 +136,8 @@ def _tp_base(family: str, folder: Path) -> Path:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
     """qwen2 and qwen3_moe export inline at the save; llama's checkpoint is exported afterwards by its
-    consolidate.sh in one process (not the 4 that wrote it). qwen3_moe's first loss and gradient norm are also a
-    dp 4 run's."""
+    consolidate.sh in one process and in two (not the 4 that wrote it), to the same bytes. qwen3_moe's first loss
+    and gradient norm are also a dp 4 run's."""
     base = _tp_base(family, tmp_path / f"{family}_base")
     inline = family != "llama"
     args = ("--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null", "--optimizer.lr", "0",
@@ -154,12 +154,17 @@ def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
         assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5)
         assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5)
     model_dir = tmp_path / "run" / "epoch_0_step_1" / "model"
+    outputs = [model_dir / "consolidated"]
     if not inline:
-        done = subprocess.run(["bash", str(model_dir / "consolidate.sh")], capture_output=True, text=True,
-                              timeout=600, env=env_for(assets))
-        assert done.returncode == 0, done.stderr[-3000:]
-    expected, actual = folder_weights(base), folder_weights(model_dir / "consolidated")
-    assert sorted(actual) == sorted(expected)
-    for name, (file, tensor) in expected.items():
-        assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
-        assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), name
+        outputs.append(tmp_path / "two_processes")
+        for nproc, out in zip((1, 2), outputs):
+            done = subprocess.run(["bash", str(model_dir / "consolidate.sh"), "--out", str(out)], capture_output=True,
+                                  text=True, timeout=600, env=env_for(assets, {"NPROC_PER_NODE": str(nproc)}))
+            assert done.returncode == 0, done.stderr[-3000:]
+    expected = folder_weights(base)
+    for out in outputs:
+        actual = folder_weights(out)
+        assert sorted(actual) == sorted(expected)
+        for name, (file, tensor) in expected.items():
+            assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, (out.name, name)
+            assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), (out.name, name)
