@@ -6,11 +6,24 @@ translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` styles and appli
 the tensor-parallel mesh, so the parameters become DTensors that ``fully_shard`` then also shards over the
 data-parallel mesh, and that DCP saves, reshards and loads like any other. The attention modules of the families
 reshape with ``-1`` heads, so a rank computes its ``heads / tp`` heads without any change to the model code.
+
+Mixture-of-experts families (Mixtral, Qwen3-MoE, ...) keep their fused experts whole on every tensor-parallel rank:
+the plan's ``moe_tp_experts`` module and every entry under it (``packed_colwise`` gate/up, ``rowwise`` down) are
+left out, so the experts and their router are replicated over the tensor-parallel ranks and sharded over the
+data-parallel ranks by ``fully_shard``, like a norm. This stays consistent: the block's input (a norm of the
+residual) is replicated, a module with whole weights computes the whole output from it, and the colwise/rowwise
+pairs left (attention, a dense MLP, a shared expert) are each kept or left out together. The cost is memory:
+the experts, most of such a model, are split only over the data-parallel ranks. Expert parallelism is refused
+(``distributed.ep_size``). ``replicated_with_grad_allreduce`` (the per-head ``q_norm`` / ``k_norm`` of Qwen3 and
+others, between a colwise and a rowwise projection) is torch's ``SequenceParallel`` on the heads dimension: the
+weight is replicated, the input holds this rank's heads, and the weight's partial gradient is summed over the
+tensor-parallel ranks when FSDP2 reduces it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
@@ -25,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def _styles() -> dict[str, Callable[[], Any]]:
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     return {
         "colwise": ColwiseParallel,
@@ -34,11 +47,15 @@ def _styles() -> dict[str, Callable[[], Any]]:
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows split
+        # a per-head norm's input is (..., this rank's heads, head_dim)
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
     }
 
 
 SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_split_input",
-                    "embedding_rowwise")
+                    "embedding_rowwise", "replicated_with_grad_allreduce")
+#: The style of a mixture-of-experts block's fused experts: they, and every plan entry under them, stay whole.
+EXPERTS_STYLE = "moe_tp_experts"
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -71,7 +88,20 @@ def family_plan(model: nn.Module) -> dict[str, str]:
         shared = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
         names = {name for name, module in model.named_modules() if id(module) in shared}
         plan = {k: v for k, v in plan.items() if k not in names}
-    return plan
+    return without_experts(plan)
+
+
+def without_experts(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` less the fused experts of a mixture-of-experts block: the ``moe_tp_experts`` entries and every
+    entry under them, which then stay whole (replicated) on every tensor-parallel rank."""
+    experts = [k for k, v in plan.items() if v == EXPERTS_STYLE]
+    return {k: v for k, v in plan.items() if not any(k == e or k.startswith(f"{e}.") for e in experts)}
+
+
+def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The modules of ``model`` whose path matches ``pattern`` (``*``: one path segment)."""
+    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+    return [m for name, m in model.named_modules() if regex.fullmatch(name)]
 
 
 def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
@@ -94,6 +124,12 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
         if isinstance(heads, int) and heads % tp_size:
             raise ConfigError(f"distributed.tp_size {tp_size} does not divide {key} ({heads}) of the '{family}' "
                               "model; choose a tp_size that divides it")
+    head_dim = getattr(config, "head_dim", None)
+    for pattern in (k for k, v in plan.items() if v == "replicated_with_grad_allreduce"):
+        shapes = {tuple(p.shape) for m in _matching(model, pattern) for p in m.parameters(recurse=False)}
+        if head_dim is None or shapes - {(head_dim,)}:
+            raise ConfigError(f"distributed.tp_size {tp_size}: the '{family}' plan replicates {pattern}, which is "
+                              "not a per-head norm (one weight of head_dim); not supported yet, use tp_size 1")
     return plan
 
 
@@ -106,7 +142,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
     # The head's gathered logits are a view; FSDP2 warns that an in-place change of the root's output would skip
     # its hooks. The loss never changes the logits in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()})
+    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
+    parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()
+                                        if _matching(model, pattern)})
     return model
 
 

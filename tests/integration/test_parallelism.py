@@ -1,10 +1,12 @@
 """Resume across parallelism strategies (dp 4 → dp 2 × tp 2 → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4 run),
-both formats, async saves and a SIGKILL on a 2-D mesh, and the export of a dp 2 × tp 2 checkpoint."""
+both formats, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on another
+mesh, and the export of a dp 2 × tp 2 checkpoint."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,6 +118,20 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
                                                                        for s in (3, 4)]
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_model_and_optimizer_tensors_after_a_resume_on_another_mesh_are_those_saved(tmp_path, assets, fmt):
+    """dp 4 → dp 2 × tp 2 → HSDP 2 × 2 (reshard_tensors.py): every parameter and AdamW state, gathered whole, bit
+    for bit what the previous mesh saved."""
+    script = Path(__file__).with_name("reshard_tensors.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), str(tmp_path), fmt], capture_output=True, text=True, timeout=600,
+                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert f"{fmt}: dp 4 -> dp 2 × tp 2: 84 tensors equal" in done.stdout
+    assert f"{fmt}: dp 2 × tp 2 -> HSDP 2 × 2: 84 tensors equal" in done.stdout
+
+
 def _tp_base(family: str, folder: Path) -> Path:
     """A bf16 base of ``family`` whose 4 heads and 2 key-value heads split over 2 tensor-parallel ranks."""
     from transformers import AutoModelForCausalLM
@@ -132,25 +148,39 @@ def _tp_base(family: str, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: tied embeddings, q/k/v biases
+# qwen2: tied embeddings, q/k/v biases; qwen3_moe: fused experts (whole on each tensor-parallel rank), per-head norms
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
-    """qwen2 exports inline at the save; llama's checkpoint is exported afterwards by its consolidate.sh in one
-    process (not the 4 that wrote it)."""
+    """qwen2 and qwen3_moe export inline at the save; llama's checkpoint is exported afterwards by its
+    consolidate.sh in one process and in two (not the 4 that wrote it), to the same bytes. qwen3_moe's first loss
+    and gradient norm are also a dp 4 run's."""
     base = _tp_base(family, tmp_path / f"{family}_base")
-    inline = family == "qwen2"
-    ckpt_train(tmp_path, assets, "--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null",
-               "--optimizer.lr", "0", "--dataset.num_samples", "400", "--data.val_size", "16",
-               "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "8",
-               "--step_scheduler.max_steps", "1", "--distributed.tp_size", "2",
+    inline = family != "llama"
+    args = ("--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null", "--optimizer.lr", "0",
+            "--dataset.num_samples", "400", "--data.val_size", "16", "--step_scheduler.global_batch_size", "16",
+            "--step_scheduler.local_batch_size", "4" if family == "qwen3_moe" else "8",
+            "--step_scheduler.max_steps", "1")
+    ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2",
                "--checkpoint.save_consolidated", "final" if inline else "false",
                "--checkpoint.checkpoint_dir", "run", nproc=4)
+    if family == "qwen3_moe":
+        ckpt_train(tmp_path, assets, *args, "--checkpoint.enabled", "false", "--checkpoint.checkpoint_dir", "dp4",
+                   nproc=4)
+        (tp,), (dp,) = jsonl(tmp_path / "run" / "training.jsonl"), jsonl(tmp_path / "dp4" / "training.jsonl")
+        assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5)
+        assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5)
     model_dir = tmp_path / "run" / "epoch_0_step_1" / "model"
+    outputs = [model_dir / "consolidated"]
     if not inline:
-        done = subprocess.run(["bash", str(model_dir / "consolidate.sh")], capture_output=True, text=True,
-                              timeout=600, env=env_for(assets))
-        assert done.returncode == 0, done.stderr[-3000:]
-    expected, actual = folder_weights(base), folder_weights(model_dir / "consolidated")
-    assert sorted(actual) == sorted(expected)
-    for name, (file, tensor) in expected.items():
-        assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, name
-        assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), name
+        outputs.append(tmp_path / "two_processes")
+        for nproc, out in zip((1, 2), outputs):
+            done = subprocess.run(["bash", str(model_dir / "consolidate.sh"), "--out", str(out)], capture_output=True,
+                                  text=True, timeout=600, env=env_for(assets, {"NPROC_PER_NODE": str(nproc)}))
+            assert done.returncode == 0, done.stderr[-3000:]
+    expected = folder_weights(base)
+    for out in outputs:
+        actual = folder_weights(out)
+        assert sorted(actual) == sorted(expected)
+        for name, (file, tensor) in expected.items():
+            assert actual[name][0] == file and actual[name][1].dtype == tensor.dtype, (out.name, name)
+            assert torch.equal(actual[name][1].view(torch.uint8), tensor.view(torch.uint8)), (out.name, name)

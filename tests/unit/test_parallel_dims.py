@@ -97,13 +97,19 @@ def test_plans_of_the_families():
     qwen2 = family_plan(_model("qwen2", num_key_value_heads=2))  # tied: the shared weight stays whole
     assert "lm_head" not in qwen2 and "model.embed_tokens" not in qwen2
     assert qwen2["model.layers.*.mlp.down_proj"] == "rowwise"
+    # mixture of experts: the fused experts stay whole (replicated over the tensor-parallel ranks)
+    moe = check_tensor_parallel(_model("qwen3_moe", num_attention_heads=4, num_key_value_heads=2), 2)
+    assert not [k for k in moe if ".experts" in k] and moe["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert moe["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert not [k for k in check_tensor_parallel(_model("mixtral", num_key_value_heads=2), 2) if ".experts" in k]
 
 
 @pytest.mark.parametrize("family, overrides, words", [
     ("gpt2", {}, "the model family 'gpt2' has no tensor-parallel plan"),
     ("llama", {}, "distributed.tp_size 2 does not divide num_key_value_heads (1) of the 'llama' model"),
     ("llama", {"num_attention_heads": 1, "num_key_value_heads": 1}, "does not divide num_attention_heads (1)"),
-    ("mixtral", {"num_key_value_heads": 2}, "the 'mixtral' plan uses moe_tp_experts, packed_colwise, not supported yet"),
+    ("llama", {"num_key_value_heads": 2, "base_model_tp_plan": {"layers.*.mlp.gate_up_proj": "packed_colwise"}},
+     "the 'llama' plan uses packed_colwise, not supported yet"),
 ])
 def test_tensor_parallel_refusals_are_one_line(family, overrides, words):
     with pytest.raises(ConfigError) as exc:
