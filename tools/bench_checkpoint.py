@@ -29,7 +29,8 @@ HF export of the safetensors checkpoint's model shards into one ``model.safetens
 * ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
 
 Every run is a fresh process (``torch.distributed.run`` with ``--nproc 2``: gloo, FSDP2 ``fully_shard`` as in the
-trainer); repetitions are interleaved, rotating the order. Prints a markdown table (median, min, max, GB/s,
+trainer); repetitions are interleaved, rotating the order. ``--background-load N`` keeps N busy processes (a Python
+loop each) running during every timed run, references included: the ratios under a loaded machine. Prints a markdown table (median, min, max, GB/s,
 ratio to raw, memory the operation adds on rank 0) and writes JSON (``--json``). ``--only async`` (default with
 ``--device cuda``) also times ``checkpoint.is_async`` saves: how long training is blocked, and until published.
 ``--mesh`` (4 ranks) times save and load on dp 4, dp 2 × tp 2 and HSDP 2 × 2 side by side (``tools/bench_mesh.py``).
@@ -605,6 +606,8 @@ def main() -> None:
     p.add_argument("--only", choices=("save", "load", "export", "async", "resume", "mesh"), nargs="+", default=None,
                    help="groups to run (default: save load export, and async with --device cuda)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes (one Python loop each) running during the timed runs")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
@@ -664,28 +667,33 @@ def main() -> None:
         out.rename(args.dir / "src" / target)
 
     dropped = True
+    busy = start_busy(args.background_load)
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {m: [] for m in methods}
-    for rep in range(args.reps):
-        turn = rep % max(1, len(methods))
-        order = methods[turn:] + methods[:turn]
-        for method in order:
+    try:
+        for rep in range(args.reps):
+            turn = rep % max(1, len(methods))
+            order = methods[turn:] + methods[:turn]
+            for method in order:
+                fresh(out)
+                if method.removeprefix(BASELINE) in LOAD + EXPORT + bench_mesh.LOADS:  # reads come from storage
+                    dropped = drop_caches() and dropped
+                else:
+                    os.sync()
+                time.sleep(1.0)  # let the storage settle (deleted files' discards, writeback of other processes)
+                r = run_child(method, args, layers, nbytes)
+                runs[method].append(r)
+                print(f"  rep {rep + 1} {method}: {r['seconds']:.3f} s", flush=True)
             fresh(out)
-            if method.removeprefix(BASELINE) in LOAD + EXPORT + bench_mesh.LOADS:  # reads come from storage
-                dropped = drop_caches() and dropped
-            else:
-                os.sync()
-            time.sleep(1.0)  # let the storage settle (deleted files' discards, writeback of other processes)
-            r = run_child(method, args, layers, nbytes)
-            runs[method].append(r)
-            print(f"  rep {rep + 1} {method}: {r['seconds']:.3f} s", flush=True)
-        fresh(out)
+        load_after = os.getloadavg()
+    finally:
+        stop_busy(busy)
 
     result: dict = {
-        "machine": machine(args.dir) | {"load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "machine": machine(args.dir) | {"load_average_before": load_before, "load_average_after": load_after},
         "size_gb": nbytes / 1e9, "payload_bytes": nbytes, "model_bytes": model_bytes, "layers": layers,
         "nproc": args.nproc, "reps": args.reps, "device": args.device, "page_cache_dropped": dropped,
-        "cpu_count": os.cpu_count(), "torch": _torch_version(), "methods": {},
+        "cpu_count": os.cpu_count(), "torch": _torch_version(), "background_load": args.background_load, "methods": {},
     }
     for method, rs in runs.items():
         size = model_bytes if method in EXPORT else nbytes
@@ -709,6 +717,18 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     fresh(args.dir)
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that keep a CPU busy each (a Python loop) until ``stop_busy``."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def stop_busy(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait()
 
 
 def machine(folder: Path) -> dict:
@@ -751,7 +771,8 @@ def print_table(res: dict) -> None:
           f"{res['reps']} interleaved reps; {reads}")
     print(f"{mach.get('cpu_count')} CPUs ({mach.get('cpu')}), {mach.get('memory_gib')} GiB, "
           f"{mach.get('filesystem')}, torch {res['torch']}; load average "
-          f"{mach.get('load_average_before', [0])[0]:.1f} before, {mach.get('load_average_after', [0])[0]:.1f} after\n")
+          f"{mach.get('load_average_before', [0])[0]:.1f} before, {mach.get('load_average_after', [0])[0]:.1f} after"
+          + (f"; {res['background_load']} busy background processes" if res.get("background_load") else "") + "\n")
     print("| operation | method | median s | min s | max s | GB/s | vs raw | vs raw, same threads | vs peer "
           "| vs device | memory added MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

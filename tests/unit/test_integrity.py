@@ -12,13 +12,14 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
+from automodel_ckpt.checkpoint.disk import catalog, checksum, layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.formats.safe_load import RestrictedUnpickler
@@ -148,6 +149,17 @@ def test_crc32_manifest_verifies(tmp_path):
     assert manifest.verify(tmp_path).ok
     flip_byte(tmp_path / "a.bin")
     assert [v.status for v in manifest.verify(tmp_path).verdicts] == [manifest.CHECKSUM_MISMATCH]
+
+
+def test_size_check_needs_no_checksum_module(tmp_path, monkeypatch):
+    """The size check every load makes never imports the hashing module (xxhash here: made unimportable)."""
+    (tmp_path / "a.bin").write_bytes(b"x" * 1000)
+    manifest.write(tmp_path, manifest.build(tmp_path, {"a.bin": 1000}, {"a.bin": "0" * 16}, checksum.XXH3_64))
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # ``import xxhash`` raises ImportError
+    assert manifest.verify(tmp_path, checksums=False).ok
+    (tmp_path / "a.bin").write_bytes(b"x" * 999)
+    assert [v.status for v in manifest.verify(tmp_path, checksums=False).verdicts] != [manifest.OK]
+    assert "install the 'xxhash' package" in manifest.verify(tmp_path).problem
 
 
 # --- bad inputs ------------------------------------------------------------------------------------------
