@@ -93,7 +93,13 @@ def shards(tmp_path_factory) -> Path:
     script.write_text(_GENERATOR)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(root)]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    for attempt in range(2):  # a second launch when the first lost its free port to a concurrent launch
+        shutil.rmtree(root / "st", ignore_errors=True)
+        shutil.rmtree(root / "ts", ignore_errors=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode == 0:
+            break
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     base_cfg = AutoConfig.from_pretrained(root / "base")
     write_hf_metadata(root / "st" / "model", hf_config=base_cfg, tokenizer=_tokenizer(), base_model_path=root / "base", world_size=2)
     write_hf_metadata(root / "ts" / "model", hf_config=base_cfg, base_model_path=root / "base", world_size=2)
