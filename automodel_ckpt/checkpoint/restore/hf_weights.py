@@ -95,7 +95,7 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
     layout = disk_layout(base.config.to_dict(), {n: (tuple(t.shape), t.dtype) for n, t in mem.items()},
                          base_names=list(on_disk))
     if layout is None:  # an unknown family: the folder keeps the in-memory names
-        layout = {n: DiskTensor(n, n, tuple(t.shape), 0, tuple(_strides(t.shape))) for n, t in mem.items()}
+        layout = {n: DiskTensor(n, n, tuple(t.shape), 0, c_strides(tuple(t.shape))) for n, t in mem.items()}
     whole: dict[str, torch.Tensor] = {}
     parts: dict[str, list[DiskTensor]] = {}
     for disk_name, view in layout.items():
@@ -115,21 +115,21 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
     if missing:
         raise CheckpointError(f"'{folder}' does not fit the model: {len(missing)} tensor(s) missing (e.g. "
                               f"'{missing[0]}'); point model.pretrained_model_name_or_path at this model's own folder")
-    boxed: list[tuple[DiskTensor, _Box, torch.Tensor]] = []  # (part, where it lies, the rank's slice of its tensor)
+    boxed = []  # (part, where it lies, its tensor, the region of that tensor this rank holds)
     for source in list(parts):
         boxes = [_box(v, tuple(mem[source].shape)) for v in parts[source]]
         if all(b is not None for b in boxes):
             region = _region(mem[source])
-            boxed += [(v, b, mem[source]) for v, b in zip(parts.pop(source), boxes) if b.meets(region)]
+            boxed += [(v, b, mem[source], region) for v, b in zip(parts.pop(source), boxes) if b.meets(region)]
     pieces = {v.name: torch.empty(tuple(on_disk[v.name].size), dtype=on_disk[v.name].properties.dtype)
-              for v in [*(v for views in parts.values() for v in views), *(v for v, _, _ in boxed)]}
+              for v in [*(v for views in parts.values() for v in views), *(v for v, *_ in boxed)]}
     if parts:
         logger.info("%d tensor(s) of '%s' are read whole on every rank (the family stores them in parts): %s",
                     len(parts), folder, ", ".join(sorted(parts)))
     with torch.no_grad():
         dcp.load({**whole, **pieces}, storage_reader=reader, planner=DefaultLoadPlanner())
-        for view, box, target in boxed:
-            box.copy_into(_local(target), _region(target), pieces.pop(view.name))
+        for view, box, target, region in boxed:
+            box.copy_into(_local(target), region, pieces.pop(view.name))
         for source, views in parts.items():
             target = mem[source]
             full = torch.empty(tuple(target.shape), dtype=pieces[views[0].name].dtype)
@@ -139,10 +139,6 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
             _local(target).copy_(local_part(full, target))
             del full
     return BYTES_READ.total - before
-
-
-def _strides(shape: tuple[int, ...] | torch.Size) -> list[int]:
-    return list(c_strides(tuple(shape)))
 
 
 def _region(target: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -191,7 +187,7 @@ class _Box:
 
 def _box(view: DiskTensor, shape: tuple[int, ...]) -> _Box | None:
     """The box ``view`` fills in a tensor of ``shape``, or None when its elements are not one box of it."""
-    strides = _strides(shape)
+    strides = c_strides(tuple(shape))
     start, rest = [], view.offset
     for stride in strides:
         start.append(rest // stride)
