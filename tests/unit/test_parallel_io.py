@@ -209,10 +209,65 @@ def test_unrecognised_records_are_loaded_by_torch_load(tmp_path, monkeypatch):
     model, optimizer = model_and_optimizer(0)
     sharded.save_optimizer(model, optimizer, tmp_path / "optim")
     monkeypatch.setattr(readers, "locate_record", lambda *a: None)
+    monkeypatch.setattr(readers, "noted_location", lambda *a: None)
     fresh, fresh_optimizer = model_and_optimizer(1)
     fresh_optimizer.state.clear()
     sharded.load_optimizer(fresh, fresh_optimizer, tmp_path / "optim")
     assert same(values(model, fresh_optimizer), values(model, optimizer))
+
+
+def test_records_note_where_their_tensor_lies_and_loads_need_not_look(tmp_path, monkeypatch):
+    model, optimizer = model_and_optimizer(0)
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    sharded.save_model(model, tmp_path / "model", "torch_save")
+    for folder in ("optim", "model"):
+        metadata = sharded._reader(tmp_path / folder, "torch_save").read_metadata()
+        noted = 0
+        for index, info in metadata.storage_data.items():
+            chunk = metadata.state_dict_metadata[index.fqn]
+            if not hasattr(chunk, "chunks"):
+                continue  # a byte entry
+            size = tuple(chunk.chunks[0].sizes)
+            fd = os.open(tmp_path / folder / info.relative_path, os.O_RDONLY)
+            try:
+                found = records.locate_record(fd, info.offset, info.length)
+            finally:
+                os.close(fd)
+            note = records.noted_location(info, (0,) * len(size), size)
+            if not all(size):
+                assert note is None
+                continue
+            assert note == found, index.fqn  # what a look inside the record finds
+            noted += 1
+        assert noted >= 3
+    # a load takes the notes: no record is looked inside
+    monkeypatch.setattr(readers, "locate_record", lambda *a: pytest.fail("a noted record was looked up"))
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    fresh_optimizer.state.clear()
+    sharded.load_model(fresh, tmp_path / "model", "torch_save")
+    sharded.load_optimizer(fresh, fresh_optimizer, tmp_path / "optim")
+    assert same(values(fresh, fresh_optimizer), values(model, optimizer))
+
+
+def test_a_note_outside_its_record_or_its_request_is_not_taken():
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def info(note):
+        i = _StorageInfo("f", 1000, 600)
+        setattr(i, records.NOTE, note)
+        return i
+
+    good = info((64, (10, 10), torch.float32))
+    assert records.noted_location(good, (0, 0), (10, 10)) == common.Located(1064, (10, 10), torch.float32)
+    assert records.noted_location(good, (2, 0), (8, 10)) is not None
+    assert records.noted_location(good, (2, 0), (9, 10)) is None  # beyond the saved shape
+    assert records.noted_location(good, (0,), (10,)) is None  # another rank of shape
+    assert records.noted_location(info((201, (10, 10), torch.float32)), (0, 0), (10, 10)) is None  # past the end
+    assert records.noted_location(info((-1, (1,), torch.float32)), (0,), (1,)) is None
+    assert records.noted_location(info((0, (1,), "float32")), (0,), (1,)) is None
+    assert records.noted_location(info((0, (-1,), torch.float32)), (0,), (0,)) is None
+    assert records.noted_location(info("anything"), (0,), (1,)) is None
+    assert records.noted_location(_StorageInfo("f", 0, 8), (0,), (1,)) is None  # no note: torch's writer
 
 
 def test_contiguous_range():

@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from automodel_ckpt.checkpoint.formats.fastio import common, directread
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
-from automodel_ckpt.checkpoint.formats.fastio.records import locate_record
+from automodel_ckpt.checkpoint.formats.fastio.records import locate_record, noted_location
 from automodel_ckpt.checkpoint.formats.safe_load import CachingHFReader, SafeFileSystemReader
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
@@ -289,20 +289,26 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                 hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``FileSystemReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead.
 
-    First every tensor record is located (its zip entries and pickled shape, a few small reads at its start and
-    end, in ``threads`` threads), then the data is read as in ``read_safetensors``. A record that is not a plain
+    First every tensor record is located: where the writer noted it in the metadata (``records.NOTE``), else from
+    the record itself (its zip entries and pickled shape, a few small reads at its start and end, in ``threads``
+    threads); then the data is read as in ``read_safetensors``. A record that is not a plain
     tensor is loaded by ``torch.load``, as torch's reader would; byte entries (optimizer ``param_groups`` values
     ...) go to ``planner.load_bytes`` as before.
     """
     items = []
+    located: dict[int, Located | None] = {}
     for req in plan.items:
         info: _StorageInfo = reader.storage_data[req.storage_index]
         if info.transform_descriptors:
             return None
         items.append((str(Path(reader.path) / info.relative_path), info.offset, info.length, req))
+        if req.type != LoadItemType.BYTE_IO:
+            noted = noted_location(info, tuple(req.storage_offsets), tuple(req.lengths))
+            if noted is not None:
+                located[id(req)] = noted
     items.sort(key=lambda t: (t[0], t[1]))
     tensors = [it for it in items if it[3].type != LoadItemType.BYTE_IO]
-    located: dict[int, Located | None] = {}
+    unknown = [it for it in tensors if id(it[3]) not in located]
 
     def locate(group: list[tuple[str, int, int, Any]]) -> None:
         fds: dict[str, int] = {}
@@ -315,8 +321,8 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
             for fd in fds.values():
                 os.close(fd)
 
-    if tensors:
-        in_threads(split_even(tensors, max(1, min(threads, len(tensors)))), locate)
+    if unknown:  # records of another writer: a few small reads each
+        in_threads(split_even(unknown, max(1, min(threads, len(unknown)))), locate)
     jobs, done = [], []
     for path, offset, length, req in tensors:
         target = planner.resolve_tensor(req).detach()

@@ -96,6 +96,48 @@ def torch_save_pieces(tensor: torch.Tensor) -> list[Any] | None:
     return [Lazy(tensor) if part is None else part for part in template]
 
 
+#: The attribute of a ``.distcp`` record's ``_StorageInfo`` (pickled with it in ``.metadata``) where the writer notes
+#: where the tensor's bytes lie: ``(offset in the record, shape, dtype)``. Readers without it look the record up.
+NOTE = "tensor_bytes"
+
+
+def note_location(info: Any, pieces: list[Any]) -> Any:
+    """``info`` with ``NOTE`` set when ``pieces`` (from ``torch_save_pieces``) hold a non-empty tensor's bytes."""
+    at = 0
+    for piece in pieces:
+        if isinstance(piece, Lazy):
+            t = piece.tensor
+            if t.numel():
+                setattr(info, NOTE, (at, tuple(int(n) for n in t.shape), t.dtype))
+            return info
+        at += len(piece)
+    return info
+
+
+def noted_location(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Located | None:
+    """Where ``info``'s record keeps its tensor, as its writer noted it (``NOTE``), if that note is well formed,
+    lies inside the record and holds the requested piece (``offsets``, ``lengths``); None: look the record up."""
+    note = getattr(info, NOTE, None)
+    if not (isinstance(note, tuple) and len(note) == 3):
+        return None
+    at, shape, dtype = note
+    if not (isinstance(at, int) and isinstance(dtype, torch.dtype) and isinstance(shape, tuple)
+            and all(isinstance(n, int) and n >= 0 for n in shape) and len(shape) == len(offsets) == len(lengths)):
+        return None
+    if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        return None
+    numel = 1
+    for n in shape:
+        numel *= n
+    try:
+        nbytes = numel * itemsize(dtype)
+    except (KeyError, TypeError, RuntimeError):
+        return None
+    if at < 0 or at + nbytes > info.length:
+        return None
+    return Located(info.offset + at, shape, dtype)
+
+
 def torch_save_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)

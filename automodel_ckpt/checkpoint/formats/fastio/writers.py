@@ -18,7 +18,7 @@ from torch.futures import Future
 from automodel_ckpt.checkpoint.disk import durable
 from automodel_ckpt.checkpoint.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
 from automodel_ckpt.checkpoint.formats.fastio.filewrite import Lazy, piece_length, write_file
-from automodel_ckpt.checkpoint.formats.fastio.records import torch_save_bytes, torch_save_pieces
+from automodel_ckpt.checkpoint.formats.fastio.records import note_location, torch_save_bytes, torch_save_pieces
 
 def _done(results: list[WriteResult]) -> Future:
     fut: Future = Future()
@@ -57,8 +57,9 @@ class ParallelFileSystemWriter(FileSystemWriter):
                 record = torch_save_pieces(tensor) or [torch_save_bytes(compact(tensor))]
             length = sum(piece_length(p) for p in record)
             pieces += record
-            results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(file_name, offset, length)))
+            # where the tensor's bytes lie in the record, so that a load need not look inside it
+            info = note_location(_StorageInfo(file_name, offset, length), record)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             offset += length
         write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
         return _done(results)
