@@ -96,9 +96,21 @@ def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, dtype, direct):
 
     fresh_model, fresh_optimizer = model_and_optimizer(1, dtype)
     fresh_optimizer.state.clear()  # a resume: the optimizer has no state yet
+    # the reads land in the parameters themselves: nothing is copied afterwards
+    monkeypatch.setattr(sharded, "set_model_state_dict", lambda *a, **k: pytest.fail("copied after the load"))
     sharded.load_model(fresh_model, tmp_path / "model", fmt)
     sharded.load_optimizer(fresh_model, fresh_optimizer, tmp_path / "optim")
     assert same(values(fresh_model, fresh_optimizer), values(model, optimizer))
+
+
+def test_a_state_not_loaded_in_place_is_set_into_the_model():
+    model, _ = model_and_optimizer(0)
+    state = sharded.get_model_state_dict(model)
+    assert sharded._loaded_in_place(model, state)
+    state["0.weight"] = state["0.weight"].clone()
+    assert not sharded._loaded_in_place(model, state)
+    del state["0.weight"]
+    assert not sharded._loaded_in_place(model, state)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -85,7 +85,25 @@ def load_model(model: nn.Module, path: Path, fmt: str, process_group=None, check
     """Load into the model's current sharding (which may differ from the one that saved it)."""
     state = get_model_state_dict(model)
     _load(state, path, _reader(path, fmt, check), process_group, strict_keys=True)
-    set_model_state_dict(model, state)
+    if not _loaded_in_place(model, state):
+        set_model_state_dict(model, state)
+
+
+def _loaded_in_place(model: nn.Module, state: dict) -> bool:
+    """Whether the load wrote every value into the model's own memory (the state dict's tensors are views of the
+    parameters and buffers, and DCP loads into them), so that ``set_model_state_dict`` would copy each onto itself."""
+    current = get_model_state_dict(model)
+    if current.keys() != state.keys():
+        return False
+    for key, value in state.items():
+        own = current[key]
+        if not (isinstance(value, torch.Tensor) and isinstance(own, torch.Tensor)) or type(value) is not type(own):
+            return False
+        a, b = (value.to_local(), own.to_local()) if hasattr(value, "to_local") else (value, own)
+        if (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) != (b.data_ptr(), b.shape, b.stride(), b.dtype,
+                                                                      b.device):
+            return False
+    return True
 
 
 def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
