@@ -434,7 +434,10 @@ class Checkpointer:
         ``checked``: the files were already checked against the manifest (``restore.probe``). ``fresh_run``: the
         states start a new run (``load_only``), so the training time recorded in the checkpoint does not carry over.
         """
-        path = Path(path)
+        with sharded.reading():  # the reader threads start now, beside the checks and the planning
+            self._load(states, Path(path), checked, fresh_run)
+
+    def _load(self, states: dict[str, Any], path: Path, checked: bool, fresh_run: bool) -> None:
         if self.env.is_main:
             self.say(f"Loading checkpoint from {self.run.where(path)}")
         if not checked:

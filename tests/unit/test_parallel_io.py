@@ -282,6 +282,32 @@ def test_a_note_outside_its_record_or_its_request_is_not_taken():
     assert records.noted_location(_StorageInfo("f", 0, 8), (0,), (1,)) is None  # no note: torch's writer
 
 
+def test_a_load_session_shares_threads_and_buffers_and_leaves_none_behind(tmp_path, monkeypatch):
+    import threading
+
+    from automodel_ckpt.checkpoint.formats.fastio import directread, session
+
+    monkeypatch.setenv(directread.ENV, "force")  # every file through the page-aligned buffers
+    model, optimizer = model_and_optimizer(0)
+    sharded.save_model(model, tmp_path / "model", "torch_save")
+    sharded.save_optimizer(model, optimizer, tmp_path / "optim")
+    mapped, readers_seen = [], set()
+    real_mmap, real_read = session.mmap.mmap, directread._read_region
+    monkeypatch.setattr(session.mmap, "mmap", lambda *a: mapped.append(a) or real_mmap(*a))
+    monkeypatch.setattr(directread, "_read_region",
+                        lambda *a: readers_seen.add(threading.current_thread()) or real_read(*a))
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    fresh_optimizer.state.clear()
+    with sharded.reading():
+        sharded.load_model(fresh, tmp_path / "model", "torch_save")
+        first = len(mapped)
+        sharded.load_optimizer(fresh, fresh_optimizer, tmp_path / "optim")
+    assert same(values(fresh, fresh_optimizer), values(model, optimizer))
+    assert first > 0 and len(mapped) == first  # the second folder reused the first one's buffers
+    assert 0 < len(readers_seen) <= fastio.READ_THREADS  # and its threads
+    assert not [t for t in threading.enumerate() if t.name.startswith(session.THREAD_PREFIX)]
+
+
 def test_contiguous_range():
     assert readers.contiguous_range((6, 5), (2, 0), (3, 5)) == (10, 15)
     assert readers.contiguous_range((6, 5), (2, 1), (1, 3)) == (11, 3)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from automodel_ckpt.checkpoint.formats import fastio
+from automodel_ckpt.checkpoint.formats.fastio import session
 from automodel_ckpt.checkpoint.disk.durable import WrittenFiles
 from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, LoadCheck
 from automodel_ckpt.checkpoint.formats.safe_load import (
@@ -79,6 +80,12 @@ def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) 
 
 def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None) -> None:
     _save(get_model_state_dict(model), path, _writer(path, fmt, written), process_group)
+
+
+def reading():
+    """A context in which loads share reader threads and read buffers (``fastio.session``): one checkpoint's
+    folders read one after the other without starting threads or mapping buffers again for each."""
+    return session.kept()
 
 
 def load_model(model: nn.Module, path: Path, fmt: str, process_group=None, check: LoadCheck | None = None) -> None:

@@ -21,14 +21,13 @@ import bisect
 import dataclasses
 import errno
 import logging
-import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
+from automodel_ckpt.checkpoint.formats.fastio import session
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ
 
 log = logging.getLogger(__name__)
@@ -204,7 +203,7 @@ class _Pool:
     """Page-aligned buffers of ``REGION`` bytes (anonymous mappings are page-aligned), reused for every read."""
 
     def __init__(self, count: int) -> None:
-        self.free = [mmap.mmap(-1, REGION) for _ in range(count)]
+        self.free = session.buffers(count, REGION)  # a load's earlier reads may have left some
         self.all = list(self.free)
         self.cond = threading.Condition()
         self.failed = False
@@ -228,6 +227,8 @@ class _Pool:
             self.cond.notify_all()
 
     def close(self) -> None:
+        if not self.failed and session.give_back(self.all, REGION):
+            return
         for buffer in self.all:
             try:
                 buffer.close()
@@ -353,7 +354,7 @@ def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[
     if hasher is not None:
         hasher.thread.start()
     try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as executor:
+        with session.pool(threads) as executor:
             futures = [executor.submit(work) for _ in range(threads)]
             error: BaseException | None = None
             for f in futures:

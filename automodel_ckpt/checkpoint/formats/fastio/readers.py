@@ -7,7 +7,6 @@ import io
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from automodel_ckpt.checkpoint.formats.fastio import common, directread
+from automodel_ckpt.checkpoint.formats.fastio import common, directread, session
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.checkpoint.formats.fastio.records import locate_record, noted_location
 from automodel_ckpt.checkpoint.formats.safe_load import CachingHFReader, SafeFileSystemReader
@@ -174,7 +173,7 @@ def in_threads(groups: list[list[Any]], work: Callable[[list[Any]], None]) -> No
     if len(groups) == 1:
         work(groups[0])
         return
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="ckpt-read") as pool:
+    with session.pool(len(groups)) as pool:
         for f in [pool.submit(work, g) for g in groups]:
             f.result()
 
