@@ -22,11 +22,12 @@ BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", 
          "--step_scheduler.ckpt_every_steps", "2")
 DP4 = ()
 DP2_TP2 = ("--distributed.tp_size", "2")
+SP = ("--distributed.sequence_parallel", "true")
 TP2 = DP2_TP2  # on 2 processes
 HSDP = ("--distributed.dp_replicate_size", "2")
 LEGS = [  # (processes, mesh keys, what the resume line calls the mesh)
     (4, DP4, "dp 4"),
-    (4, DP2_TP2, "dp 2 × tp 2"),
+    (4, DP2_TP2 + SP, "dp 2 × tp 2 + SP"),  # sequence parallelism: the checkpoint is the same (a dp 2 × tp 2 one)
     (2, TP2, "tp 2"),
     (4, HSDP, "HSDP 2 × 2"),
     (1, DP4, "dp 1"),
@@ -47,6 +48,7 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
     for step in steps:
         assert got[step]["sample_ids"] == want[step]["sample_ids"], step  # the same samples, in the same order
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
 
 
 def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...],
@@ -88,7 +90,7 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
         assert f"Resuming a {before} checkpoint on {name}" in out.stdout
         meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
         assert meta["world_size"] == nproc
-        before = name
+        before = name.removesuffix(" + SP")
     assert sorted(_records(chain)) == list(range(3, total + 1))
     _assert_same_steps(chain, straight, range(3, total + 1))
     # per-rank state is per data-parallel rank: dp 2 × tp 2 wrote two RNG files, tp 2 one
@@ -104,10 +106,11 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
 
     assert model_bytes(chain / "epoch_0_step_8") == pytest.approx(model_bytes(straight / "epoch_0_step_8"), rel=0.05)
 
-    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 writes step 4
-    # in the background, HSDP resumes from it; the same samples and losses as the straight run
+    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 (with sequence
+    # parallelism) writes step 4 in the background, HSDP resumes from it; the same samples and losses as the
+    # straight run
     dcp = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
-    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2, *dcp, *start)
+    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2 + SP, *dcp, *start)
     assert (tmp_path / "dcp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
     out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
     assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
