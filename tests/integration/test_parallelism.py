@@ -151,27 +151,33 @@ def _tp_base(family: str, folder: Path) -> Path:
     return folder
 
 
-# qwen2: tied embeddings, q/k/v biases; qwen3_moe: fused experts (whole on each tensor-parallel rank), per-head norms
+# qwen2: tied embeddings, q/k/v biases, sequence parallelism; qwen3_moe: fused experts (whole on each
+# tensor-parallel rank), per-head norms
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
     """qwen2 and qwen3_moe export inline at the save; llama's checkpoint is exported afterwards by its
     consolidate.sh in one process and in two (not the 4 that wrote it), to the same bytes. qwen3_moe's first loss
-    and gradient norm are also a dp 4 run's."""
+    and gradient norm are also a dp 4 run's, with and without sequence parallelism."""
     base = _tp_base(family, tmp_path / f"{family}_base")
     inline = family != "llama"
     args = ("--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null", "--optimizer.lr", "0",
             "--dataset.num_samples", "400", "--data.val_size", "16", "--step_scheduler.global_batch_size", "16",
             "--step_scheduler.local_batch_size", "4" if family == "qwen3_moe" else "8",
             "--step_scheduler.max_steps", "1")
-    ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2",
+    sp = SP if family == "qwen2" else ()  # the tied embedding (whole) and the head gather or cut the sequence
+    ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2", *sp,
                "--checkpoint.save_consolidated", "final" if inline else "false",
                "--checkpoint.checkpoint_dir", "run", nproc=4)
     if family == "qwen3_moe":
         ckpt_train(tmp_path, assets, *args, "--checkpoint.enabled", "false", "--checkpoint.checkpoint_dir", "dp4",
                    nproc=4)
-        (tp,), (dp,) = jsonl(tmp_path / "run" / "training.jsonl"), jsonl(tmp_path / "dp4" / "training.jsonl")
-        assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5)
-        assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5)
+        ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2", *SP, "--checkpoint.enabled", "false",
+                   "--checkpoint.checkpoint_dir", "sp", nproc=4)
+        (dp,) = jsonl(tmp_path / "dp4" / "training.jsonl")
+        for run in ("run", "sp"):
+            (tp,) = jsonl(tmp_path / run / "training.jsonl")
+            assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5), run
+            assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5), run
     model_dir = tmp_path / "run" / "epoch_0_step_1" / "model"
     outputs = [model_dir / "consolidated"]
     if not inline:
