@@ -142,25 +142,29 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
     return plan
 
 
+def parallel_styles(model: nn.Module, tp_size: int, sequence_parallel: bool = False) -> dict[str, Any]:
+    """``{module path or pattern: torch style}`` that ``apply_tensor_parallel`` gives ``parallelize_module``."""
+    plan = check_tensor_parallel(model, tp_size)
+    styles = _styles()
+    if sequence_parallel:
+        from automodel_ckpt.distributed.sequence_parallel import sequence_parallel_plan
+
+        experts = [k for k, v in _assembled_plan(model).items() if v == EXPERTS_STYLE]
+        return sequence_parallel_plan(model, plan, experts, styles, _family(model))
+    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
+    return {pattern: styles[style]() for pattern, style in plan.items() if _matching(model, pattern)}
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model``'s projections over ``tp_mesh`` by its family's plan (checked by ``check_tensor_parallel``);
     with ``sequence_parallel``, also the activations between them along the sequence (``sequence_parallel.py``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = check_tensor_parallel(model, tp_mesh.size())
-    styles = _styles()
+    styles = parallel_styles(model, tp_mesh.size(), sequence_parallel)
     # The head's gathered logits are a view; FSDP2 warns that an in-place change of the root's output would skip
     # its hooks. The loss never changes the logits in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    if sequence_parallel:
-        from automodel_ckpt.distributed.sequence_parallel import sequence_parallel_plan
-
-        experts = [k for k, v in _assembled_plan(model).items() if v == EXPERTS_STYLE]
-        parallelize_module(model, tp_mesh, sequence_parallel_plan(model, plan, experts, styles, _family(model)))
-        return model
-    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
-    parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()
-                                        if _matching(model, pattern)})
+    parallelize_module(model, tp_mesh, styles)
     return model
 
 
