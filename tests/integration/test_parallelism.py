@@ -1,6 +1,6 @@
-"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4 run),
-both formats, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on another
-mesh, and the export of a dp 2 × tp 2 checkpoint."""
+"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 + SP → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4
+run), both formats, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on
+another mesh, sequence parallelism on several families, and the export of a dp 2 × tp 2 checkpoint."""
 
 from __future__ import annotations
 
@@ -133,6 +133,20 @@ def test_model_and_optimizer_tensors_after_a_resume_on_another_mesh_are_those_sa
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"{fmt}: dp 4 -> dp 2 × tp 2: 84 tensors equal" in done.stdout
     assert f"{fmt}: dp 2 × tp 2 -> HSDP 2 × 2: 84 tensors equal" in done.stdout
+
+
+def test_sequence_parallel_families_give_the_whole_model_gradients(assets):
+    """Gemma (tied, scaled embeddings), Phi-3 (fused projections), Mixtral (whole experts) on tp 2 + SP:
+    sequence_parallel_families.py compares the loss and every gradient with the whole model's."""
+    script = Path(__file__).with_name("sequence_parallel_families.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    families = ["gemma", "phi3", "mixtral"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *families], capture_output=True, text=True, timeout=600,
+                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for family in families:
+        assert f"{family}: tp 2 + SP loss and" in done.stdout
 
 
 def _tp_base(family: str, folder: Path) -> Path:
