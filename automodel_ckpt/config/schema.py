@@ -55,7 +55,7 @@ class DistributedConfig:
     tp_size: int = 1  # tensor-parallel ranks per model replica, split by the family's own plan (docs/parallelism.md)
     dp_size: Optional[int] = None  # data-parallel ranks (None: the world size / tp_size)
     dp_replicate_size: int = 1  # HSDP: replicate over this many groups, shard within each (must divide dp_size)
-    sequence_parallel: bool = False  # not supported yet: must be false
+    sequence_parallel: bool = False  # with tp_size > 1: norms and residuals split along the sequence (docs/parallelism.md)
     pp_size: Optional[int] = None  # pipeline parallelism: not supported yet (1 or null)
     cp_size: Optional[int] = None  # context parallelism: not supported yet (1 or null)
     ep_size: Optional[int] = None  # expert parallelism: not supported yet (1 or null)

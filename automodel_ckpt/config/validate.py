@@ -43,6 +43,11 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     positive(sched.val_every_steps, "step_scheduler.val_every_steps")
     sizes = resolve_sizes(cfg.distributed, world_size)  # one-line errors: sizes, unsupported strategies
     check_batch_sizes(sched.global_batch_size, sched.local_batch_size, sizes.dp)
+    seq_length = cfg.get("data", {}).get("seq_length")
+    if sizes.sequence_parallel and isinstance(seq_length, int) and seq_length % sizes.tp:
+        raise ConfigError(f"distributed.sequence_parallel: data.seq_length ({seq_length}) must be a multiple of "
+                          f"tp_size ({sizes.tp}), each tensor-parallel rank holding seq_length / tp_size positions; "
+                          "change data.seq_length")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):

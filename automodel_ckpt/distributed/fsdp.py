@@ -50,7 +50,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
             if vision_tower(model) is not None:
                 raise ConfigError("distributed.tp_size: tensor parallelism for image-text models is not supported "
                                   "yet; use tp_size 1")
-            apply_tensor_parallel(model, dims.tp_mesh)
+            apply_tensor_parallel(model, dims.tp_mesh, dims.sizes.sequence_parallel)
         mesh = dims.fsdp_mesh
     policy = mixed_precision_policy(mixed_precision)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})

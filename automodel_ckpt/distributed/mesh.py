@@ -41,7 +41,8 @@ class MeshSizes:
         return self.tp == 1 and self.dp_replicate == 1
 
     def describe(self) -> str:
-        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``."""
+        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``; ``... + SP`` with sequence
+        parallelism (which a checkpoint does not record: its tensors are the same)."""
         parts = []
         if self.dp_replicate > 1:
             parts.append(f"HSDP {self.dp_replicate} × {self.dp_shard}")
@@ -49,7 +50,7 @@ class MeshSizes:
             parts.append(f"dp {self.dp_shard}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
-        return " × ".join(parts)
+        return " × ".join(parts) + (" + SP" if self.sequence_parallel else "")
 
     def record(self) -> dict[str, int]:
         """What a checkpoint's metadata records (``mesh``)."""
@@ -89,9 +90,9 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
         raise ConfigError(f"distributed.dp_replicate_size ({replicate}) must divide dp_size ({dp}): HSDP shards "
                           "within each of dp_replicate_size groups of dp_size / dp_replicate_size ranks")
     sequence_parallel = bool(get("sequence_parallel", False))
-    if sequence_parallel:
-        raise ConfigError("distributed.sequence_parallel: not supported yet; set it to false (tensor parallelism "
-                          "then keeps activations replicated between the tensor-parallel ranks)")
+    if sequence_parallel and tp == 1:
+        raise ConfigError("distributed.sequence_parallel: true needs tensor parallelism (it splits the activations "
+                          "over the tensor-parallel ranks); set distributed.tp_size > 1 or sequence_parallel false")
     return MeshSizes(replicate, dp // replicate, tp, sequence_parallel)
 
 

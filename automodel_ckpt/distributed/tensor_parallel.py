@@ -71,11 +71,20 @@ def _tied(model: nn.Module) -> bool:
     return out is not None and inp is not None and out.weight is inp.weight
 
 
+def _family(model: nn.Module) -> str:
+    return getattr(_text_config(model), "model_type", None) or type(model).__name__
+
+
 def family_plan(model: nn.Module) -> dict[str, str]:
     """``{module path pattern: style}`` for ``model``: the plan transformers assembles for the model (the
     config's ``base_model_tp_plan`` under the base model's prefix, plus the embeddings and the head), or the
     config's plan alone. Tied embeddings stay whole on every tensor-parallel rank: the input embedding and the
     head share one weight, which the two styles would each make a parameter of its own."""
+    return without_experts(_assembled_plan(model))
+
+
+def _assembled_plan(model: nn.Module) -> dict[str, str]:
+    """``family_plan`` with the fused experts' entries still in."""
     config = _text_config(model)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
@@ -88,7 +97,7 @@ def family_plan(model: nn.Module) -> dict[str, str]:
         shared = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
         names = {name for name, module in model.named_modules() if id(module) in shared}
         plan = {k: v for k, v in plan.items() if k not in names}
-    return without_experts(plan)
+    return plan
 
 
 def without_experts(plan: dict[str, str]) -> dict[str, str]:
@@ -107,7 +116,7 @@ def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
 def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
     """The plan for ``model`` on ``tp_size`` ranks; one-line ``ConfigError`` when there is none or it cannot apply."""
     config = _text_config(model)
-    family = getattr(config, "model_type", None) or type(model).__name__
+    family = _family(model)
     if hasattr(model, "peft_config"):
         raise ConfigError("distributed.tp_size: LoRA with tensor parallelism is not supported yet; use tp_size 1 "
                           "(FSDP2 or HSDP shard the frozen base as well)")
@@ -133,18 +142,29 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Split ``model``'s projections over ``tp_mesh`` by its family's plan (checked by ``check_tensor_parallel``)."""
+def parallel_styles(model: nn.Module, tp_size: int, sequence_parallel: bool = False) -> dict[str, Any]:
+    """``{module path or pattern: torch style}`` that ``apply_tensor_parallel`` gives ``parallelize_module``."""
+    plan = check_tensor_parallel(model, tp_size)
+    styles = _styles()
+    if sequence_parallel:
+        from automodel_ckpt.distributed.sequence_parallel import sequence_parallel_plan
+
+        experts = [k for k, v in _assembled_plan(model).items() if v == EXPERTS_STYLE]
+        return sequence_parallel_plan(model, plan, experts, styles, _family(model))
+    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
+    return {pattern: styles[style]() for pattern, style in plan.items() if _matching(model, pattern)}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
+    """Split ``model``'s projections over ``tp_mesh`` by its family's plan (checked by ``check_tensor_parallel``);
+    with ``sequence_parallel``, also the activations between them along the sequence (``sequence_parallel.py``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = check_tensor_parallel(model, tp_mesh.size())
-    styles = _styles()
+    styles = parallel_styles(model, tp_mesh.size(), sequence_parallel)
     # The head's gathered logits are a view; FSDP2 warns that an in-place change of the root's output would skip
     # its hooks. The loss never changes the logits in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
-    parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()
-                                        if _matching(model, pattern)})
+    parallelize_module(model, tp_mesh, styles)
     return model
 
 

@@ -1,6 +1,6 @@
-"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4 run),
-both formats, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on another
-mesh, and the export of a dp 2 × tp 2 checkpoint."""
+"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 + SP → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4
+run), both formats, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on
+another mesh, sequence parallelism on several families, and the export of a dp 2 × tp 2 checkpoint."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", 
          "--step_scheduler.ckpt_every_steps", "2")
 DP4 = ()
 DP2_TP2 = ("--distributed.tp_size", "2")
+SP = ("--distributed.sequence_parallel", "true")
 TP2 = DP2_TP2  # on 2 processes
 HSDP = ("--distributed.dp_replicate_size", "2")
 LEGS = [  # (processes, mesh keys, what the resume line calls the mesh)
     (4, DP4, "dp 4"),
-    (4, DP2_TP2, "dp 2 × tp 2"),
+    (4, DP2_TP2 + SP, "dp 2 × tp 2 + SP"),  # sequence parallelism: the checkpoint is the same (a dp 2 × tp 2 one)
     (2, TP2, "tp 2"),
     (4, HSDP, "HSDP 2 × 2"),
     (1, DP4, "dp 1"),
@@ -47,6 +48,7 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
     for step in steps:
         assert got[step]["sample_ids"] == want[step]["sample_ids"], step  # the same samples, in the same order
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
 
 
 def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...],
@@ -88,7 +90,7 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
         assert f"Resuming a {before} checkpoint on {name}" in out.stdout
         meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
         assert meta["world_size"] == nproc
-        before = name
+        before = name.removesuffix(" + SP")
     assert sorted(_records(chain)) == list(range(3, total + 1))
     _assert_same_steps(chain, straight, range(3, total + 1))
     # per-rank state is per data-parallel rank: dp 2 × tp 2 wrote two RNG files, tp 2 one
@@ -104,10 +106,11 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
 
     assert model_bytes(chain / "epoch_0_step_8") == pytest.approx(model_bytes(straight / "epoch_0_step_8"), rel=0.05)
 
-    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 writes step 4
-    # in the background, HSDP resumes from it; the same samples and losses as the straight run
+    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 (with sequence
+    # parallelism) writes step 4 in the background, HSDP resumes from it; the same samples and losses as the
+    # straight run
     dcp = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
-    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2, *dcp, *start)
+    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2 + SP, *dcp, *start)
     assert (tmp_path / "dcp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
     out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
     assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
@@ -132,6 +135,20 @@ def test_model_and_optimizer_tensors_after_a_resume_on_another_mesh_are_those_sa
     assert f"{fmt}: dp 2 × tp 2 -> HSDP 2 × 2: 84 tensors equal" in done.stdout
 
 
+def test_sequence_parallel_families_give_the_whole_model_gradients(assets):
+    """Gemma (tied, scaled embeddings), Phi-3 (fused projections), Mixtral (whole experts) on tp 2 + SP:
+    sequence_parallel_families.py compares the loss and every gradient with the whole model's."""
+    script = Path(__file__).with_name("sequence_parallel_families.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    families = ["gemma", "phi3", "mixtral"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *families], capture_output=True, text=True, timeout=600,
+                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for family in families:
+        assert f"{family}: tp 2 + SP loss and" in done.stdout
+
+
 def _tp_base(family: str, folder: Path) -> Path:
     """A bf16 base of ``family`` whose 4 heads and 2 key-value heads split over 2 tensor-parallel ranks."""
     from transformers import AutoModelForCausalLM
@@ -148,27 +165,33 @@ def _tp_base(family: str, folder: Path) -> Path:
     return folder
 
 
-# qwen2: tied embeddings, q/k/v biases; qwen3_moe: fused experts (whole on each tensor-parallel rank), per-head norms
+# qwen2: tied embeddings, q/k/v biases, sequence parallelism; qwen3_moe: fused experts (whole on each
+# tensor-parallel rank), per-head norms
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_lr0_export_from_dp2_tp2_is_the_base(tmp_path, assets, family):
     """qwen2 and qwen3_moe export inline at the save; llama's checkpoint is exported afterwards by its
     consolidate.sh in one process and in two (not the 4 that wrote it), to the same bytes. qwen3_moe's first loss
-    and gradient norm are also a dp 4 run's."""
+    and gradient norm are also a dp 4 run's, with and without sequence parallelism."""
     base = _tp_base(family, tmp_path / f"{family}_base")
     inline = family != "llama"
     args = ("--model.pretrained_model_name_or_path", str(base), "--model.embedded", "null", "--optimizer.lr", "0",
             "--dataset.num_samples", "400", "--data.val_size", "16", "--step_scheduler.global_batch_size", "16",
             "--step_scheduler.local_batch_size", "4" if family == "qwen3_moe" else "8",
             "--step_scheduler.max_steps", "1")
-    ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2",
+    sp = SP if family == "qwen2" else ()  # the tied embedding (whole) and the head gather or cut the sequence
+    ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2", *sp,
                "--checkpoint.save_consolidated", "final" if inline else "false",
                "--checkpoint.checkpoint_dir", "run", nproc=4)
     if family == "qwen3_moe":
         ckpt_train(tmp_path, assets, *args, "--checkpoint.enabled", "false", "--checkpoint.checkpoint_dir", "dp4",
                    nproc=4)
-        (tp,), (dp,) = jsonl(tmp_path / "run" / "training.jsonl"), jsonl(tmp_path / "dp4" / "training.jsonl")
-        assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5)
-        assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5)
+        ckpt_train(tmp_path, assets, *args, "--distributed.tp_size", "2", *SP, "--checkpoint.enabled", "false",
+                   "--checkpoint.checkpoint_dir", "sp", nproc=4)
+        (dp,) = jsonl(tmp_path / "dp4" / "training.jsonl")
+        for run in ("run", "sp"):
+            (tp,) = jsonl(tmp_path / run / "training.jsonl")
+            assert tp["loss"] == pytest.approx(dp["loss"], abs=1e-5), run
+            assert tp["grad_norm"] == pytest.approx(dp["grad_norm"], rel=1e-5), run
     model_dir = tmp_path / "run" / "epoch_0_step_1" / "model"
     outputs = [model_dir / "consolidated"]
     if not inline:

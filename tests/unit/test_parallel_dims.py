@@ -34,7 +34,8 @@ def test_sizes_default_to_data_parallel_over_the_world():
     (4, {"pp_size": 2}, "distributed.pp_size: pipeline parallelism is not supported yet"),
     (4, {"cp_size": 2}, "distributed.cp_size: context parallelism is not supported yet"),
     (4, {"ep_size": 4}, "distributed.ep_size: expert parallelism is not supported yet"),
-    (4, {"tp_size": 2, "sequence_parallel": True}, "distributed.sequence_parallel: not supported yet"),
+    (4, {"sequence_parallel": True}, "distributed.sequence_parallel: true needs tensor parallelism"),
+    (4, {"tp_size": 1, "dp_replicate_size": 2, "sequence_parallel": True}, "set distributed.tp_size > 1"),
     (4, {"tp_size": 0}, "distributed.tp_size: expected a positive integer, got 0"),
 ])
 def test_bad_sizes_are_one_line_errors(world, keys, words):
@@ -45,6 +46,21 @@ def test_bad_sizes_are_one_line_errors(world, keys, words):
 
 def test_unsupported_sizes_of_one_are_accepted():
     assert _sizes(2, pp_size=1, cp_size=None, ep_size=1) == MeshSizes(1, 2, 1)
+
+
+def test_sequence_parallel_with_tensor_parallelism_is_accepted():
+    sizes = _sizes(4, tp_size=2, sequence_parallel=True)
+    assert sizes == MeshSizes(1, 2, 2, True) and sizes.describe() == "dp 2 × tp 2 + SP"
+    assert sizes.record() == MeshSizes(1, 2, 2).record()  # a checkpoint's tensors are the same with or without it
+
+
+def test_sequence_parallel_needs_a_sequence_length_the_tensor_parallel_ranks_divide(capsys):
+    keys = ["--step_scheduler.local_batch_size", "16", "--distributed.tp_size", "2",
+            "--distributed.sequence_parallel", "true"]
+    msg = _error(capsys, ["--nproc-per-node", "4", RECIPE, *keys, "--data.seq_length", "15"])
+    assert "data.seq_length (15) must be a multiple of tp_size (2)" in msg and "\n" not in msg.strip()
+    assert main(["--nproc-per-node", "4", RECIPE, "--dry-run", *keys]) == 0
+    assert "(dp 2 × tp 2 + SP)" in capsys.readouterr().err
 
 
 def test_cli_refuses_sizes_before_any_process_starts(capsys):
@@ -127,3 +143,47 @@ def test_dry_run_says_the_mesh(capsys):
     assert main(["--nproc-per-node", "4", RECIPE, "--dry-run", "--step_scheduler.local_batch_size", "16",
                  "--distributed.tp_size", "2"]) == 0
     assert "# valid for 4 process(es) (dp 2 × tp 2); --dry-run: not training" in capsys.readouterr().err
+
+
+def _kinds(styles: dict) -> dict[str, str]:
+    return {name: type(style).__name__ for name, style in styles.items()}
+
+
+def test_sequence_parallel_styles_follow_the_family_plan():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from automodel_ckpt.distributed.tensor_parallel import parallel_styles
+
+    styles = parallel_styles(_model("llama", num_key_value_heads=2), 2, sequence_parallel=True)
+    kinds = _kinds(styles)
+    for layer in ("model.layers.0", "model.layers.1"):  # every layer, by its path
+        assert kinds[f"{layer}.input_layernorm"] == kinds[f"{layer}.post_attention_layernorm"] == "SequenceParallel"
+        assert kinds[f"{layer}.self_attn"] == kinds[f"{layer}.mlp"] == "PrepareModuleInput"
+    assert kinds["model.norm"] == "SequenceParallel"
+    attn, mlp = styles["model.layers.0.self_attn"], styles["model.layers.0.mlp"]
+    # the decoder layer passes the attention its hidden states as a keyword, the MLP positionally
+    assert attn.input_kwarg_layouts == {"hidden_states": Shard(1)} and attn.input_layouts is None
+    assert attn.desired_input_kwarg_layouts == {"hidden_states": Replicate()}
+    assert mlp.input_layouts == (Shard(1),) and mlp.desired_input_layouts == (Replicate(),)
+    for rowwise in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj", "model.embed_tokens"):
+        assert kinds[rowwise] == "RowwiseParallel" and styles[rowwise].output_layouts == (Shard(1),), rowwise
+    assert kinds["model.layers.0.self_attn.q_proj"] == "ColwiseParallel"
+    assert styles["lm_head"].input_layouts == (Shard(1),) and styles["lm_head"].output_layouts == (Replicate(),)
+
+    tied = _kinds(parallel_styles(_model("qwen2", num_key_value_heads=2), 2, sequence_parallel=True))
+    assert tied["model.embed_tokens"] == "PrepareModuleOutput" and tied["lm_head"] == "PrepareModuleInput"
+    moe = parallel_styles(_model("qwen3_moe", num_attention_heads=4, num_key_value_heads=2), 2, sequence_parallel=True)
+    assert type(moe["model.layers.0.mlp"]).__name__ == "PrepareModuleInputOutput"  # whole experts: gathered, cut
+    assert not [k for k in moe if ".experts" in k]
+    assert type(moe["model.layers.0.self_attn.q_norm"]).__name__ == "SequenceParallel"  # per-head, as without SP
+
+
+def test_sequence_parallel_refusals_are_one_line():
+    from automodel_ckpt.distributed.tensor_parallel import parallel_styles
+
+    plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise"}  # no rowwise projection gives the residual stream back
+    with pytest.raises(ConfigError) as exc:
+        parallel_styles(_model("llama", num_key_value_heads=2, base_model_tp_plan=plan), 2, sequence_parallel=True)
+    assert "distributed.sequence_parallel: the 'llama' model splits model.layers.0.self_attn in a way" in str(exc.value)
+    assert "\n" not in str(exc.value)
