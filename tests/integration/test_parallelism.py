@@ -141,9 +141,16 @@ def test_sequence_parallel_families_give_the_whole_model_gradients(assets):
     script = Path(__file__).with_name("sequence_parallel_families.py")
     repo = str(Path(__file__).resolve().parents[2])
     families = ["gemma", "phi3", "mixtral"]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), *families], capture_output=True, text=True, timeout=600,
-                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    def launch() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(script), *families], capture_output=True, text=True, timeout=600,
+                              env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+
+    done = launch()
+    if done.returncode != 0 and "AssertionError" not in done.stderr:  # a launch that failed (a port taken ...)
+        first = (done.stdout + done.stderr)[-2000:]
+        done = launch()
+        assert done.returncode == 0, f"first launch:\n{first}\nsecond launch:\n{(done.stdout + done.stderr)[-2000:]}"
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for family in families:
         assert f"{family}: tp 2 + SP loss and" in done.stdout
