@@ -1,4 +1,5 @@
-"""Suite-wide test options: slow tests run only with RUN_SLOW=1; `-n auto` picks the worker count."""
+"""Suite-wide test options: slow tests run only with RUN_SLOW=1; `-n auto` picks the worker count; the files of
+long multi-process runs are handed to the workers first."""
 
 from __future__ import annotations
 
@@ -12,7 +13,27 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
+#: Test files whose runs take minutes: given to the workers first (longest first), so that they run side by side
+#: and the many short tests fill in at the end, instead of one long file running alone at the end.
+LONG_FILES = ("test_train.py", "test_vlm.py", "test_parallelism.py", "test_world_size_change.py",
+              "test_object_store.py", "test_kill_fault.py", "test_run_guard.py", "test_checkpoint_core.py",
+              "test_families.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # xdist's default: files with the most tests first
+        config.option.loadscopereorder = False
+
+
+def _cost_order(item: pytest.Item) -> tuple[int, int]:
+    name = os.path.basename(str(item.fspath))
+    if name in LONG_FILES:
+        return 0, LONG_FILES.index(name)
+    return (1 if "/integration/" in str(item.fspath) else 2), 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_cost_order)  # stable: each file's tests keep their order
     if os.environ.get("RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow; set RUN_SLOW=1 to run")
