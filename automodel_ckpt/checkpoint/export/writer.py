@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.checkpoint.disk import durable
+from automodel_ckpt.checkpoint.export.family import c_strides
 from automodel_ckpt.checkpoint.export.sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.checkpoint.formats.safetensors_io import (
     encode_header,
@@ -174,7 +175,7 @@ class _Writer:
         if not _streamable(src):
             yield lambda: self._assemble(dst, out)
             return
-        strides = _strides(src.shape)
+        strides = c_strides(tuple(src.shape))
         for piece in src.pieces:
             if piece.numel == 0:
                 continue
@@ -310,13 +311,6 @@ def _contiguous_box(offsets: tuple[int, ...], shape: tuple[int, ...], full: tupl
         if size != 1:
             return all(offsets[i] == 0 and shape[i] == full[i] for i in range(d + 1, len(shape)))
     return True
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return strides
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
