@@ -107,15 +107,10 @@ def without_experts(plan: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in plan.items() if not any(k == e or k.startswith(f"{e}.") for e in experts)}
 
 
-def matching_names(model: nn.Module, pattern: str) -> list[str]:
-    """The paths of ``model``'s modules that match the plan ``pattern`` (``*``: one path segment)."""
-    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
-    return [name for name, _ in model.named_modules() if regex.fullmatch(name)]
-
-
 def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
-    """The modules of ``model`` whose path matches ``pattern``."""
-    return [model.get_submodule(name) for name in matching_names(model, pattern)]
+    """The modules of ``model`` whose path matches ``pattern`` (``*``: one path segment)."""
+    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+    return [m for name, m in model.named_modules() if regex.fullmatch(name)]
 
 
 def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
