@@ -6,8 +6,10 @@ it; this module keeps it and the store in step. The commit protocol, with no ren
 1. every rank writes its files into the mirror's staging folder (the local save path, unchanged);
 2. every rank uploads its share of the files under their final keys ``<name>/<file>`` (in parallel, multipart,
    streamed from disk), and all ranks agree that every upload succeeded;
-3. rank 0 uploads ``<name>/manifest.json``, the commit object: from then on, and not before, the checkpoint
-   exists for every reader; then the pointer objects ``LATEST`` / ``LOWEST_VAL`` and the training logs;
+3. rank 0 uploads the training logs (a resume cuts off the steps after the checkpoint it restores, so logs ahead
+   of the store's newest checkpoint are harmless), then ``<name>/manifest.json``, the commit object: from then on,
+   and not before, the checkpoint exists for every reader, with its steps already in the logs; then the pointer
+   objects ``LATEST`` / ``LOWEST_VAL`` and the logs again (anything recorded meanwhile);
 4. the mirror keeps only the small catalog files of the checkpoint (``layout.CATALOG_FILES``).
 
 Readers list only prefixes that hold a commit object. Retention deletes the commit object first. Only what this
@@ -197,8 +199,12 @@ class RemoteRun:
         wrap(f"uploading to '{self.store.url_of(name)}'", lambda: self.store.upload(staging, share, name))
 
     def commit(self, staging: Path, name: str, publish: Any) -> Path:
-        """Rank 0, after every rank's uploads succeeded: upload the commit object, publish in the mirror
-        (``publish()`` renames and sets the local pointers), then the pointer objects and the logs."""
+        """Rank 0, after every rank's uploads succeeded: the logs, the commit object, publish in the mirror
+        (``publish()`` renames and sets the local pointers), then the pointer objects and the logs again.
+
+        The logs go first: a job killed right after the commit object leaves a checkpoint a rerun resumes from,
+        and the steps up to it must already be in the store's ``training.jsonl``."""
+        self.push_logs()
         wrap(f"committing '{self.store.url_of(name)}'",
              lambda: self.store.upload(staging, [layout.MANIFEST_FILE], name))
         final = publish()
