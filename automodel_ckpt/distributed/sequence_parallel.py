@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import ast
 import inspect
-import re
 import textwrap
 from typing import Any
 
 from torch import nn
 
+from automodel_ckpt.distributed.plan_paths import module_paths
 from automodel_ckpt.errors import ConfigError
 
 #: Plan styles whose module gives the residual stream (their output becomes ``Shard(1)``).
@@ -42,11 +42,6 @@ HEAD_STYLES = ("colwise_gather_output", "colwise_rep")
 def is_norm(module: nn.Module) -> bool:
     """A norm applied position by position: ``nn.LayerNorm``, or a class named ``...RMSNorm`` / ``...LayerNorm``."""
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-
-
-def _names(model: nn.Module, pattern: str) -> list[str]:
-    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
-    return [name for name, _ in model.named_modules() if regex.fullmatch(name)]
 
 
 def _call_layouts(layer: nn.Module, child: str, family: str) -> dict[str, Any]:
@@ -120,8 +115,8 @@ def sequence_parallel_plan(model: nn.Module, plan: dict[str, str], experts: list
     base = model.get_submodule(base_path)
     prefix = f"{base_path}." if base_path else ""
 
-    concrete: dict[str, str] = {name: style for pattern, style in plan.items() for name in _names(model, pattern)}
-    expert_names = [name for pattern in experts for name in _names(model, pattern)]
+    concrete: dict[str, str] = {name: style for pattern, style in plan.items() for name in module_paths(model, pattern)}
+    expert_names = [name for pattern in experts for name in module_paths(model, pattern)]
     out: dict[str, Any] = {}
     try:
         embedding = model.get_input_embeddings()

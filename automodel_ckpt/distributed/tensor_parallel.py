@@ -23,7 +23,6 @@ tensor-parallel ranks when FSDP2 reduces it.
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
@@ -31,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from automodel_ckpt.distributed.plan_paths import module_paths
 from automodel_ckpt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,7 @@ def without_experts(plan: dict[str, str]) -> dict[str, str]:
 
 def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
     """The modules of ``model`` whose path matches ``pattern`` (``*``: one path segment)."""
-    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
-    return [m for name, m in model.named_modules() if regex.fullmatch(name)]
+    return [model.get_submodule(name) for name in module_paths(model, pattern)]
 
 
 def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
