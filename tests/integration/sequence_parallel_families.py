@@ -2,7 +2,8 @@
 parallelism give, on ``tp 2 + SP`` (``shard_model`` as a run does it), the loss and gradients of the whole model.
 
 ``python -m torch.distributed.run --nproc-per-node 2 sequence_parallel_families.py FAMILY...``: Gemma (tied, scaled
-embeddings), Phi-3 (fused projections, ``rowwise_split_input``), Mixtral (whole experts), on rows with padding.
+embeddings), Phi-3 (fused projections, ``rowwise_split_input``), Mixtral (whole experts), Qwen3-MoE (whole experts,
+per-head norms), on rows with padding.
 """
 
 from __future__ import annotations
