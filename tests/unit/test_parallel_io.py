@@ -217,6 +217,41 @@ def test_partial_reads_of_every_shape(tmp_path):
     assert 0 < sum(job.direct for job in jobs) < len(jobs)
 
 
+def _resident() -> int:
+    import re
+
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) << 10
+
+
+def test_scratch_memory_is_given_back_to_the_system_as_soon_as_it_is_dropped():
+    before = _resident()
+    buffer = common.scratch(64 << 20, torch.uint8)
+    buffer.fill_(1)
+    assert _resident() - before >= 60 << 20
+    del buffer
+    assert _resident() - before < 8 << 20
+
+
+@pytest.mark.parametrize("read_mode", ["force", "off"])  # past the page cache in regions, or preadv
+def test_pieces_not_read_in_place_are_staged_on_scratch_memory(tmp_path, monkeypatch, read_mode):
+    """A piece that cannot be read in place (another dtype, as a bf16 base read into fp32 weights; not one run of
+    the file) is staged on ``common.scratch`` memory, which the allocator's heap cannot keep after the load."""
+    from automodel_ckpt.checkpoint.formats.fastio import directread
+
+    monkeypatch.setenv(directread.ENV, read_mode)
+    staged = []
+    real = common.scratch
+    monkeypatch.setattr(common, "scratch", lambda numel, dtype: staged.append((numel, dtype)) or real(numel, dtype))
+    saved, path, located = saved_tensor_file(tmp_path)
+    jobs = [readers.ReadJob(str(path), located, (1, 0, 0), (2, 5, 4), torch.empty(2, 5, 4, dtype=torch.bfloat16)),
+            readers.ReadJob(str(path), located, (0, 1, 0), (6, 2, 4), torch.empty(6, 2, 4)),
+            readers.ReadJob(str(path), located, (2, 0, 0), (3, 5, 4), torch.empty(3, 5, 4))]  # in place
+    readers.run_reads(jobs, threads=2)
+    assert torch.equal(jobs[0].target, saved[1:3].to(torch.bfloat16))
+    assert torch.equal(jobs[1].target, saved[:, 1:3]) and torch.equal(jobs[2].target, saved[2:5])
+    assert sorted(staged, key=str) == sorted([(40, torch.float32), (48, torch.float32)], key=str)
+
+
 def test_unrecognised_records_are_loaded_by_torch_load(tmp_path, monkeypatch):
     model, optimizer = model_and_optimizer(0)
     sharded.save_optimizer(model, optimizer, tmp_path / "optim")

@@ -119,7 +119,7 @@ class ReadJob:
         buffer: list[torch.Tensor] = []
 
         def make() -> torch.Tensor:
-            buffer.append(torch.empty(self.nbytes // itemsize(dtype), dtype=dtype))
+            buffer.append(common.scratch(self.nbytes // itemsize(dtype), dtype))
             return buffer[0].view(-1).view(torch.uint8)
 
         return directread.Segment(self.start, nbytes=self.nbytes, make=make, done=lambda: self._place(buffer.pop()))
@@ -128,7 +128,7 @@ class ReadJob:
         if self.located is None:
             self._read_record(fd)
             return
-        buffer = torch.empty(self.nbytes // itemsize(self.located.dtype), dtype=self.located.dtype)
+        buffer = common.scratch(self.nbytes // itemsize(self.located.dtype), self.located.dtype)
         memory = tensor_memory(buffer, writable=True)
         if self.runs is None:
             pread_into(fd, memory, self.start)
