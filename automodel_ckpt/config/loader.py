@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationValidationError, OmegaConfBaseException, ValidationError
 
-from automodel_ckpt.config.redact import REDACTED, is_secret_key, redacted
+from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
 __all__ = ["load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml"]
@@ -342,7 +342,7 @@ def _type_str(tp: Any) -> str:
 
 
 def describe_value(value: Any, key: str = "") -> str:
-    """A value for an error message; a secret's (by its key, ``config/redact.py``) is never shown."""
+    """A value for an error message; a secret's (by its key, ``redact.py``) is never shown."""
     if value is not None and (is_secret_key(key) or "storage_options" in key.split(".")):
         return f"{REDACTED} ({type(value).__name__})"
     return "null" if value is None else f"{value!r} ({type(value).__name__})"
@@ -403,7 +403,7 @@ def _escape_literals(node: DictConfig | ListConfig) -> None:
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    """The resolved config as YAML, secrets redacted (``config/redact.py``): what a checkpoint's ``config.yaml``
+    """The resolved config as YAML, secrets redacted (``redact.py``): what a checkpoint's ``config.yaml``
     and ``--dry-run`` show. ``load_config`` reads it back to an equal config when it holds no secret."""
     data = redacted(OmegaConf.to_container(resolve(cfg), resolve=False, enum_to_str=True))
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)

@@ -13,7 +13,7 @@ from automodel_ckpt.checkpoint import CheckpointConfig
 from automodel_ckpt.checkpoint.disk.fingerprint import first_difference, run_fingerprint
 from automodel_ckpt.cli import main
 from automodel_ckpt.config.loader import load_config, load_yaml, to_yaml
-from automodel_ckpt.config.redact import REDACTED, is_secret_key, redacted
+from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.config.schema import RecipeConfig
 from automodel_ckpt.errors import ConfigError
 

@@ -10,7 +10,7 @@ dtype, attention implementation, caching, versions), every parameter's name and 
 vocabulary, the PEFT settings, and the recipe keys that change what the saved data position and optimizer state
 mean (the data source, the sequence length, the global batch). What may change between runs is left out on
 purpose: world size, local batch size, ``max_steps``, logging, checkpoint interval, and credentials: the recipe
-keys are recorded redacted (``config/redact.py``), so a rotated token resumes and no secret reaches metadata.json.
+keys are recorded redacted (``redact.py``), so a rotated token resumes and no secret reaches metadata.json.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import hashlib
 import json
 from typing import Any
 
-from automodel_ckpt.config.redact import redacted
+from automodel_ckpt.redact import redacted
 
 FINGERPRINT_VERSION = 1
 
