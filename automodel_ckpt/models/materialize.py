@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,12 +49,14 @@ def builds_on_meta(node: Mapping[str, Any]) -> bool:
 class StartingWeights:
     """Where a meta-built model's first weights come from, and the filling of them on every rank.
 
-    ``node``: the ``model:`` section. ``rank``: this process's global rank (rank 0 builds a config-built model).
+    ``node``: the ``model:`` section. ``rank``: this process's global rank. ``build_whole``: builds the model whole
+    from ``node`` as a one-rank run would (rank 0 calls it for a config-built model).
     """
 
-    def __init__(self, node: Mapping[str, Any], rank: int) -> None:
+    def __init__(self, node: Mapping[str, Any], rank: int, build_whole: Callable[[], nn.Module]) -> None:
         self.node = dict(node)
         self.rank = rank
+        self._build_whole = build_whole
         self.on_meta = builds_on_meta(self.node)
         self._created: list[tuple[nn.Module, str, torch.Tensor]] = []
         self._record: dict[str, Any] = {}
@@ -131,14 +133,13 @@ class StartingWeights:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         from automodel_ckpt.checkpoint.restore.hf_weights import in_memory_names
-        from automodel_ckpt.config.instantiate import instantiate
         from automodel_ckpt.training.rng import rng_untouched
 
         base, names = in_memory_names(model)
         full: dict[str, torch.Tensor] = {}
         if self.rank == 0:  # the model as a one-rank run builds it: the same seed, the same values
             with rng_untouched():
-                whole = instantiate(self.node, "model").state_dict()
+                whole = self._build_whole().state_dict()
             full = {key: whole[name] for name, key in names.items()}
         set_model_state_dict(base, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                   strict=False))

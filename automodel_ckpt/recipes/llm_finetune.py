@@ -61,7 +61,8 @@ class FinetuneRecipe(BaseRecipe):
         # training stream: the same seed gives the same run on every rank, first run in a fresh clone included.
         # The model is built on the meta device and each rank materialises its own shards (models/materialize.py);
         # its weights are filled once restore_checkpoint knows whether a checkpoint fills them.
-        self.starting_weights = StartingWeights(cfg.model, self.env.rank)
+        self.starting_weights = StartingWeights(cfg.model, self.env.rank,
+                                               build_whole=lambda: instantiate(cfg.model, "model"))
         with rng_untouched():
             self.tokenizer, model = self.build_model_and_tokenizer()
         if cfg.peft is not None:  # LoRA: wrap before sharding, so FSDP2 sees frozen base and trainable adapters
