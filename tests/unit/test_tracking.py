@@ -16,7 +16,7 @@ from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.tracking import tracker as tracker_module
 from automodel_ckpt.tracking.base import Backend
 from automodel_ckpt.tracking.costlog import summarize
-from automodel_ckpt.tracking.costreport import cost_report, one_line
+from automodel_ckpt.tracking.costreport import cost_report, one_line, render
 from automodel_ckpt.tracking.interval import advise, expected_overhead, young_daly_interval
 from automodel_ckpt.tracking.tracker import RunTracker
 
@@ -88,6 +88,8 @@ def test_report_uses_the_observed_mtbf_and_else_announces_the_default():
     assumed = cost_report(summarize(preempted))
     assert assumed["interruptions"] == 0 and assumed["mtbf_source"] == "assumed"
     assert "assumed" in one_line(assumed) and "--mtbf-hours" in one_line(assumed)
+
+    assert "size per checkpoint:        3.7 GiB, written at 1.4 GiB/s" in render(report)  # the one size format
 
 
 # --- the trackers ---------------------------------------------------------------------------------

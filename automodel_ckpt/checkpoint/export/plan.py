@@ -41,6 +41,7 @@ from automodel_ckpt.checkpoint.export.hf_metadata import HFMetadata, read_hf_met
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, is_plain_float
 from automodel_ckpt.checkpoint.disk.durable import fsync_file, write_durable
 from automodel_ckpt.errors import UserError
+from automodel_ckpt.sizes import human_size
 
 __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate_script", "resolve_model_dir"]
 
@@ -123,8 +124,8 @@ def consolidate(
             plan.write_side_files(tmp)
         elapsed = time.perf_counter() - start
         logger.info(
-            "rank %d wrote %d file(s), %.2f GB in %.1f s (%.2f GB/s)",
-            rank, len(mine), nbytes / 1e9, elapsed, nbytes / 1e9 / max(elapsed, 1e-9),
+            "rank %d wrote %d file(s), %s in %.1f s (%s/s)",
+            rank, len(mine), human_size(nbytes), elapsed, human_size(int(nbytes / max(elapsed, 1e-9))),
         )  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - every rank must take part in the final step, even after a failure
         error = diskfull.export_error(e, out_dir, total_bytes(plan.files_for_rank(0, 1)) if plan else None)
