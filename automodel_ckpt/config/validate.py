@@ -8,8 +8,11 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
-from automodel_ckpt.distributed.mesh import resolve_sizes
+from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, resolve_sizes
 from automodel_ckpt.errors import ConfigError
+
+#: The package's image-text builder, whose models tensor parallelism does not split yet.
+IMAGE_TEXT_BUILDER = "automodel_ckpt.models.build.build_image_text_model"
 
 
 def positive(value: int | None, key: str, allow_none: bool = True) -> None:
@@ -48,6 +51,9 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(f"distributed.sequence_parallel: data.seq_length ({seq_length}) must be a multiple of "
                           f"tp_size ({sizes.tp}), each tensor-parallel rank holding seq_length / tp_size positions; "
                           "change data.seq_length")
+    model = cfg.get("model")
+    if sizes.tp > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
+        raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):

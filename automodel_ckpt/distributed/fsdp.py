@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from automodel_ckpt.distributed.mesh import ParallelDims
+from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, ParallelDims
 from automodel_ckpt.distributed.tensor_parallel import apply_tensor_parallel
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.parts import vision_tower
@@ -48,8 +48,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
         dims = mesh
         if dims.tp_mesh is not None:
             if vision_tower(model) is not None:
-                raise ConfigError("distributed.tp_size: tensor parallelism for image-text models is not supported "
-                                  "yet; use tp_size 1")
+                raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
             apply_tensor_parallel(model, dims.tp_mesh, dims.sizes.sequence_parallel)
         mesh = dims.fsdp_mesh
     policy = mixed_precision_policy(mixed_precision)

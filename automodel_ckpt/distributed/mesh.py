@@ -16,6 +16,10 @@ from automodel_ckpt.errors import ConfigError
 
 #: Keys recognised in ``distributed:`` whose strategies are not implemented: refused unless 1 or null.
 UNSUPPORTED = {"pp_size": "pipeline parallelism", "cp_size": "context parallelism", "ep_size": "expert parallelism"}
+#: Tensor parallelism does not split an image-text model yet: refused before launch for the package's image-text
+#: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
+IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
+                         "use tp_size 1")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint.disk.metadata import build_metadata, saved_mesh, write_metadata
 from automodel_ckpt.cli import main
-from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims, resolve_sizes
+from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, MeshSizes, ParallelDims, resolve_sizes
 from automodel_ckpt.distributed.tensor_parallel import check_tensor_parallel, family_plan
 from automodel_ckpt.errors import ConfigError
 from tests.unit.test_cli_errors import RECIPE, _error
@@ -137,6 +137,14 @@ def test_lora_with_tensor_parallelism_is_refused_before_launch(capsys):
     peft_recipe = RECIPE.replace("tiny_llama_sft.yaml", "tiny_llama_peft.yaml")
     msg = _error(capsys, ["--nproc-per-node", "2", peft_recipe, "--distributed.tp_size", "2"])
     assert "LoRA (a peft: section) with tensor parallelism is not supported yet" in msg
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_an_image_text_model_with_tensor_parallelism_is_refused_before_launch(capsys, dry_run):
+    vlm_recipe = RECIPE.replace("tiny_llama_sft.yaml", "tiny_vlm_sft.yaml")
+    msg = _error(capsys, ["--nproc-per-node", "2", vlm_recipe, "--distributed.tp_size", "2"]
+                 + (["--dry-run"] if dry_run else []))
+    assert msg == f"error: {IMAGE_TEXT_TP_REFUSAL}" and "image-text models is not supported yet" in msg
 
 
 def test_dry_run_says_the_mesh(capsys):
