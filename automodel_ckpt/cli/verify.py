@@ -23,8 +23,9 @@ def build_parser() -> VerbParser:
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems and the summary")
     p.add_argument("--sizes-only", action="store_true", help="skip checksums (fast: no file is read)")
     p.add_argument("--export", action="store_true",
-                   help="check the HF export of CHECKPOINT instead: it reloads in transformers with no missing or "
-                        "unexpected keys, equals the shards, and has the base's names, shapes and dtypes")
+                   help="check the HF export of CHECKPOINT (or the export folder itself) instead: it reloads in "
+                        "transformers with no missing or unexpected keys, equals the shards, and has the base's "
+                        "names, shapes and dtypes")
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="files hashed in parallel")
     return p
 

@@ -390,6 +390,10 @@ def test_cli(shards, reference_export, tmp_path, capsys):
     model_dir = _copy_model(shards, "st", tmp_path)
     assert ckpt_train_main(["consolidate", str(model_dir.parent), "--no-progress", "--max-shard-size", "1MB"]) == 0
     assert _files(model_dir / layout.CONSOLIDATED_DIR) == _files(reference_export)
+    capsys.readouterr()
+    for given in (model_dir.parent, model_dir / layout.CONSOLIDATED_DIR):  # the checkpoint, or the export itself
+        assert ckpt_train_main(["verify", "--export", str(given)]) == 0
+        assert capsys.readouterr().out.rstrip().endswith("verify: OK")
     assert ckpt_train_main(["consolidate", str(tmp_path / "nope"), "--no-progress"]) == CheckpointError.exit_code
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model folder") and "\n" not in err

@@ -47,8 +47,12 @@ class ExportReport:
 
 
 def verify_export(checkpoint: Path) -> ExportReport:
-    """Run the three checks on the export of ``checkpoint`` (a checkpoint folder or its ``model/`` folder)."""
-    model_dir = resolve_model_dir(Path(checkpoint))
+    """Run the three checks on the export of ``checkpoint`` (a checkpoint folder, its ``model/`` folder, or the
+    export itself, ``model/consolidated``)."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.name == layout.CONSOLIDATED_DIR and (checkpoint / layout.HF_CONFIG).is_file():
+        checkpoint = checkpoint.parent  # the export folder given: its model/ folder holds the shards to compare
+    model_dir = resolve_model_dir(checkpoint)
     export_dir = model_dir / layout.CONSOLIDATED_DIR
     if not (export_dir / layout.HF_CONFIG).is_file():
         raise CheckpointError(f"no export in {export_dir}; run `ckpt-train consolidate {checkpoint}` first")
