@@ -110,3 +110,32 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
             source.require_available()
         lines.append(f"{key} {source.describe()}")
     return lines
+
+
+def check_tensor_parallel_plan(cfg: DictConfig, world_size: int) -> list[str]:
+    """``--dry-run`` with ``tp_size`` > 1: the family's tensor-parallel plan checked against the model, built on the
+    meta device (no weights read), as the workers would check it once built. One line saying it applies; the
+    workers' one-line ``ConfigError`` when it does not. Nothing for a model not on this machine yet (a Hub id to be
+    downloaded, an embedded base not yet created) or from a builder of another package.
+    """
+    from automodel_ckpt.models.materialize import builds_on_meta
+
+    sizes = resolve_sizes(cfg.distributed, world_size)
+    model = cfg.model
+    if sizes.tp == 1 or not builds_on_meta(model):
+        return []
+    if model.get("config") is None:
+        from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
+        from automodel_ckpt.models.hub import CACHED, model_source
+
+        name = str(model.get("pretrained_model_name_or_path") or "")
+        here = bool(name) and (Path(name).expanduser() / HF_CONFIG).is_file()
+        if not here and (model.get("embedded") or not name or model_source(name).status != CACHED):
+            return []
+    from automodel_ckpt.config.instantiate import instantiate
+    from automodel_ckpt.distributed.tensor_parallel import family_name, parallel_styles
+
+    built = instantiate(model, "model", on_meta=True)
+    parallel_styles(built, sizes.tp, sizes.sequence_parallel)  # the sequence-parallel entries too
+    what = "tensor-parallel plan" + (" with sequence parallelism" if sizes.sequence_parallel else "")
+    return [f"model: the '{family_name(built)}' {what} applies on tp {sizes.tp}"]

@@ -71,7 +71,8 @@ def _tied(model: nn.Module) -> bool:
     return out is not None and inp is not None and out.weight is inp.weight
 
 
-def _family(model: nn.Module) -> str:
+def family_name(model: nn.Module) -> str:
+    """The family as transformers names it (``model_type`` of the text config), else the model's class name."""
     return getattr(_text_config(model), "model_type", None) or type(model).__name__
 
 
@@ -115,7 +116,7 @@ def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
 def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
     """The plan for ``model`` on ``tp_size`` ranks; one-line ``ConfigError`` when there is none or it cannot apply."""
     config = _text_config(model)
-    family = _family(model)
+    family = family_name(model)
     if hasattr(model, "peft_config"):
         raise ConfigError("distributed.tp_size: LoRA with tensor parallelism is not supported yet; use tp_size 1 "
                           "(FSDP2 or HSDP shard the frozen base as well)")
@@ -149,7 +150,7 @@ def parallel_styles(model: nn.Module, tp_size: int, sequence_parallel: bool = Fa
         from automodel_ckpt.distributed.sequence_parallel import sequence_parallel_plan
 
         experts = [k for k, v in _assembled_plan(model).items() if v == EXPERTS_STYLE]
-        return sequence_parallel_plan(model, plan, experts, styles, _family(model))
+        return sequence_parallel_plan(model, plan, experts, styles, family_name(model))
     # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
     return {pattern: styles[style]() for pattern, style in plan.items() if _matching(model, pattern)}
 

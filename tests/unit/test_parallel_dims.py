@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -145,6 +147,32 @@ def test_an_image_text_model_with_tensor_parallelism_is_refused_before_launch(ca
     msg = _error(capsys, ["--nproc-per-node", "2", vlm_recipe, "--distributed.tp_size", "2"]
                  + (["--dry-run"] if dry_run else []))
     assert msg == f"error: {IMAGE_TEXT_TP_REFUSAL}" and "image-text models is not supported yet" in msg
+
+
+def _config_built(model_config: dict, tokenizer: object) -> list[str]:
+    return ["--model.pretrained_model_name_or_path", "null", "--model.embedded", "null",
+            "--model.config", json.dumps(model_config), "--tokenizer.pretrained_model_name_or_path", str(tokenizer)]
+
+
+@pytest.mark.parametrize("model_config, words", [
+    ({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64},
+     "the model family 'gpt2' has no tensor-parallel plan"),
+    ({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "num_key_value_heads": 1, "vocab_size": 64}, "does not divide num_key_value_heads (1)"),
+])
+def test_dry_run_checks_the_family_plan_against_the_model(capsys, tmp_path, model_config, words):
+    msg = _error(capsys, ["--nproc-per-node", "2", RECIPE, "--dry-run", "--distributed.tp_size", "2",
+                          *_config_built(model_config, tmp_path)])
+    assert words in msg
+
+
+def test_dry_run_says_the_family_plan_applies(capsys, tmp_path):
+    llama = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "vocab_size": 64}
+    assert main(["--nproc-per-node", "2", RECIPE, "--dry-run", "--distributed.tp_size", "2",
+                 *_config_built(llama, tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "# model: the 'llama' tensor-parallel plan applies on tp 2\n" in err and "(tp 2)" in err
 
 
 def test_dry_run_says_the_mesh(capsys):
