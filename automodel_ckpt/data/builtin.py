@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import datasets
+if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
+    import datasets
 
 __all__ = [
     "HELDOUT_BUCKETS",
@@ -77,6 +79,8 @@ def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = 
     pool = problems(split)
     rng = random.Random(f"{split}:{seed}")
     drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
+    import datasets
+
     return datasets.Dataset.from_dict(
         {
             "id": list(range(num_samples)),
@@ -106,6 +110,8 @@ def chat_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "
     """
     rows = arithmetic_dataset(num_samples, seed, split)
     head = [{"role": "system", "content": system}] if system else []
+    import datasets
+
     return datasets.Dataset.from_dict({
         "id": rows["id"],
         "messages": [head + [{"role": "user", "content": p}, {"role": "assistant", "content": c}]

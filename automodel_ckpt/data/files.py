@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from automodel_ckpt.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where a dataset is loaded: the launcher's checks of dataset paths need none of it
+    import datasets
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text",
              ".arrow": "arrow"}
@@ -21,6 +23,7 @@ def is_hub_id(path: str) -> bool:
 
 def hub_dataset_cached(repo_id: str) -> bool:
     """Whether the Hub dataset ``repo_id`` is in the local Hugging Face cache (hub files or prepared Arrow)."""
+    import datasets
     from huggingface_hub import constants
 
     hub = Path(constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}"
@@ -30,6 +33,8 @@ def hub_dataset_cached(repo_id: str) -> bool:
 
 def load_hub_dataset(repo_id: str, name: str | None, split: str) -> datasets.Dataset:
     """``datasets.load_dataset(repo_id, name, split=split)`` from the local cache, with a one-line error if absent."""
+    import datasets
+
     if not hub_dataset_cached(repo_id):
         raise ConfigError(f"dataset.path: '{repo_id}' is neither a local path nor a dataset in the Hugging Face cache "
                           f"({datasets.config.HF_DATASETS_CACHE}); download it once where the Hub is reachable, or "
@@ -49,6 +54,8 @@ def load_local_dataset(path: str, split: str = "train", format: str | None = Non
     any other folder is read as the files inside it with the builder of their extension. A Hub id such as
     ``rajpurkar/squad`` (with ``name``, the dataset's configuration, if it has several) is read from the cache.
     """
+    import datasets
+
     if is_hub_id(path):
         return load_hub_dataset(path, name, split)
     p = Path(path).expanduser()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
+    import datasets
 
 __all__ = ["COLOURS", "QUESTIONS", "SHAPES", "draw", "heldout_vqa_examples", "shapes_vqa_dataset"]
 
@@ -76,6 +77,8 @@ def shapes_vqa_dataset(num_samples: int = 4000, seed: int = 1234, split: str = "
         colour, shape, count, question = _scene(rng)
         images.append(draw(colour, shape, count, rng, image_size))
         messages.append(_messages(question, _answer(colour, shape, count, question)))
+    import datasets
+
     return datasets.Dataset.from_dict({"id": list(range(num_samples)), "image": images, "messages": messages},
                                       features=datasets.Features({
                                           "id": datasets.Value("int64"), "image": datasets.Image(),
