@@ -307,3 +307,19 @@ def test_the_pickle_rule_accepts_safe_reads():
     ok = ("import torch\nimport torch.distributed.checkpoint as dcp\ntorch.load(f, map_location='cpu', "
           "weights_only=True)\ndcp.load(s, storage_reader=r, planner=p)\nimport pickle\npickle.dumps(x)\n")
     assert unsafe_loads(ok) == []
+
+
+def test_the_launcher_checks_a_recipe_without_the_training_stack():
+    """``ckpt-train RECIPE`` validates the recipe in the launcher before the workers start: it imports neither
+    ``datasets`` nor the recipes' training code, which every worker imports anyway (a slower start, a larger
+    launcher)."""
+    import subprocess
+    import sys
+
+    recipe = PACKAGE.parent / "recipes" / "tiny_llama_sft.yaml"
+    code = ("import sys\nfrom automodel_ckpt.cli import main\n"
+            f"assert main(['--nproc-per-node', '2', {str(recipe)!r}, '--dry-run']) == 0\n"
+            "print(sorted(m for m in sys.modules if m == 'datasets' or m.startswith('automodel_ckpt.recipes.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
