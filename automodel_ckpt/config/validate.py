@@ -126,11 +126,12 @@ def check_tensor_parallel_plan(cfg: DictConfig, world_size: int) -> list[str]:
         return []
     if model.get("config") is None:
         from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
-        from automodel_ckpt.models.hub import CACHED, model_source
+        from automodel_ckpt.models.hub import CACHED, LOCAL, model_source
 
         name = str(model.get("pretrained_model_name_or_path") or "")
-        here = bool(name) and (Path(name).expanduser() / HF_CONFIG).is_file()
-        if not here and (model.get("embedded") or not name or model_source(name).status != CACHED):
+        if model.get("embedded") and not (Path(name).expanduser() / HF_CONFIG).is_file():
+            return []  # created on first use, by the workers
+        if not name or model_source(name).status not in (LOCAL, CACHED):
             return []
     from automodel_ckpt.config.instantiate import instantiate
     from automodel_ckpt.distributed.tensor_parallel import family_name, parallel_styles

@@ -74,13 +74,13 @@ def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = 
     ``num_samples`` is possible and the same ``(num_samples, seed, split)`` always
     yields the same rows.
     """
+    import datasets
+
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     pool = problems(split)
     rng = random.Random(f"{split}:{seed}")
     drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
-    import datasets
-
     return datasets.Dataset.from_dict(
         {
             "id": list(range(num_samples)),
@@ -108,10 +108,10 @@ def chat_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "
     The same problems as :func:`arithmetic_dataset` with the same arguments; rendered with the embedded
     tokenizer's chat template, so the offline path covers chat data too.
     """
-    rows = arithmetic_dataset(num_samples, seed, split)
-    head = [{"role": "system", "content": system}] if system else []
     import datasets
 
+    rows = arithmetic_dataset(num_samples, seed, split)
+    head = [{"role": "system", "content": system}] if system else []
     return datasets.Dataset.from_dict({
         "id": rows["id"],
         "messages": [head + [{"role": "user", "content": p}, {"role": "assistant", "content": c}]

@@ -69,6 +69,8 @@ def shapes_vqa_dataset(num_samples: int = 4000, seed: int = 1234, split: str = "
     Every image is drawn fresh from a seeded stream of its own split (``train`` or ``heldout``), so the same
     arguments always give the same records and no held-out image is ever trained on.
     """
+    import datasets
+
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
     rng = random.Random(f"shapes:{split}:{seed}")
@@ -77,8 +79,6 @@ def shapes_vqa_dataset(num_samples: int = 4000, seed: int = 1234, split: str = "
         colour, shape, count, question = _scene(rng)
         images.append(draw(colour, shape, count, rng, image_size))
         messages.append(_messages(question, _answer(colour, shape, count, question)))
-    import datasets
-
     return datasets.Dataset.from_dict({"id": list(range(num_samples)), "image": images, "messages": messages},
                                       features=datasets.Features({
                                           "id": datasets.Value("int64"), "image": datasets.Image(),

@@ -86,7 +86,8 @@ def render(report: dict[str, Any]) -> str:
             f"blocking per checkpoint:    {report['blocked_per_checkpoint_s']:.3f} s (training thread waited)",
             f"background per checkpoint:  {report['background_per_checkpoint_s']:.3f} s"
             if report["background_per_checkpoint_s"] is not None else "background per checkpoint:  - (synchronous)",
-            f"size per checkpoint:        {human_size(size)}" + (f", written at {human_size(int(rate * 1e9))}/s" if rate else "")
+            f"size per checkpoint:        {human_size(size)}"
+            + (f", written at {human_size(int(rate * 1e9))}/s" if rate else "")
             if size else "size per checkpoint:        -",
             f"run time lost:              {report['blocked_s']:.2f} s = {100 * report['share_of_wall']:.2f}% of wall time",
         ]

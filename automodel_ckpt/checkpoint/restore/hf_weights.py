@@ -18,7 +18,6 @@ tensor read whole on every rank, put together and sliced.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +121,7 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
         if all(b is not None for b in boxes):
             region = _region(mem[source])
             boxed += [(v, b, mem[source], region) for v, b in zip(parts.pop(source), boxes) if b.meets(region)]
-    pieces = {v.name: _scratch(tuple(on_disk[v.name].size), on_disk[v.name].properties.dtype)
+    pieces = {v.name: scratch(tuple(on_disk[v.name].size), on_disk[v.name].properties.dtype)
               for v in [*(v for views in parts.values() for v in views), *(v for v, *_ in boxed)]}
     if parts:
         logger.info("%d tensor(s) of '%s' are read whole on every rank (the family stores them in parts): %s",
@@ -133,18 +132,13 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
             box.copy_into(_local(target), region, pieces.pop(view.name))
         for source, views in parts.items():
             target = mem[source]
-            full = _scratch(tuple(target.shape), pieces[views[0].name].dtype)
+            full = scratch(tuple(target.shape), pieces[views[0].name].dtype)
             flat = full.view(-1)
             for v in views:
                 flat.as_strided(v.shape, v.stride, v.offset).copy_(pieces.pop(v.name))
             _local(target).copy_(local_part(full, target))
             del full
     return BYTES_READ.total - before
-
-
-def _scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor that lives only while parts are put together, on memory given back once it is dropped."""
-    return scratch(math.prod(shape), dtype).view(shape)
 
 
 def _region(target: torch.Tensor) -> tuple[list[int], list[int]]:

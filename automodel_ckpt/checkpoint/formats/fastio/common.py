@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import mmap
 import os
 import threading
@@ -44,18 +45,18 @@ def tensor_memory(t: torch.Tensor, writable: bool = False) -> memoryview:
     return view if writable else view.toreadonly()
 
 
-def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor of ``numel`` elements on memory of its own (an anonymous mapping), returned to the system as
-    soon as the tensor is dropped.
+def scratch(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` (a number of elements: flat) on memory of its own (an anonymous mapping), returned to
+    the system as soon as the tensor is dropped.
 
     For the short-lived buffers of a load (a piece read in another dtype, then cast into place): the allocator's
     heap would keep them after they are freed (glibc raises its mapping threshold after freeing a large block, so the
     next ones land on the heap and stay resident), and a load of many pieces would end holding more than it reads.
     """
-    nbytes = numel * itemsize(dtype)
+    nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * itemsize(dtype)
     if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def itemsize(dtype: torch.dtype) -> int:
