@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.info import SaveInfo
-from automodel_ckpt.distributed.env import init_distributed
+from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 
@@ -77,7 +77,9 @@ def main(root: Path, fmt: str) -> None:
         saved = _tensors(model, optimizer)
         path = ckpt.save(states, SaveInfo(epoch=0, step=i + 1, train_loss=1.0, val_loss=None, is_final=False))
         ckpt.finalize()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    end_process(0)  # never the interpreter's teardown while gloo's threads may still run (see end_process)

@@ -14,7 +14,7 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.distributed.env import init_distributed
+from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 from tests.family_bases import family_config
@@ -52,7 +52,9 @@ def main(families: list[str]) -> None:
         assert worst < 1e-5, (family, worst)
         if env.rank == 0:
             print(f"{family}: tp 2 + SP loss and {len(want)} gradients equal the whole model's", flush=True)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_process(0)  # never the interpreter's teardown while gloo's threads may still run (see end_process)

@@ -52,8 +52,9 @@ dcp.save(sd, checkpoint_id=os.path.join(root, "ts", "model"))
 full = {k: v.full_tensor() for k, v in sd.items()}
 if dist.get_rank() == 0:
     torch.save(full, os.path.join(root, "full.pt"))
-dist.barrier()
-dist.destroy_process_group()
+from automodel_ckpt.distributed.env import end_process, shutdown_distributed
+shutdown_distributed()
+end_process(0)
 """
 
 
