@@ -48,6 +48,14 @@ def ckpt_train(cwd: Path, assets: Path, *args: str, nproc: int = 1, launcher: tu
     return result
 
 
+def launch_failure(done: subprocess.CompletedProcess) -> str:
+    """What a failed ``torch.distributed.run`` launch printed: the workers' own lines first (the root cause), then
+    the tail (torch's summary of which rank ended how), so that neither hides the other."""
+    err = done.stderr
+    head = err if len(err) <= 6000 else f"{err[:3000]}\n[...]\n{err[-3000:]}"
+    return f"exit {done.returncode}\nstdout (tail):\n{done.stdout[-1500:]}\nstderr:\n{head}"
+
+
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -20,6 +20,7 @@ from automodel_ckpt.cli import main as ckpt_train_main
 from automodel_ckpt.cli.consolidate import parse_size
 from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata, write_hf_metadata
 from automodel_ckpt.errors import CheckpointError, UserError
+from tests.integration.harness import launch_failure
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -100,7 +101,7 @@ def shards(tmp_path_factory) -> Path:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode == 0:
             break
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.returncode == 0, launch_failure(done)
     base_cfg = AutoConfig.from_pretrained(root / "base")
     write_hf_metadata(root / "st" / "model", hf_config=base_cfg, tokenizer=_tokenizer(), base_model_path=root / "base", world_size=2)
     write_hf_metadata(root / "ts" / "model", hf_config=base_cfg, base_model_path=root / "base", world_size=2)

@@ -15,7 +15,7 @@ import torch
 
 from automodel_ckpt.checkpoint.disk import catalog
 from tests.family_bases import folder_weights
-from tests.integration.harness import ckpt_train, env_for, jsonl
+from tests.integration.harness import ckpt_train, env_for, jsonl, launch_failure
 
 BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", "32", "--step_scheduler.local_batch_size", "8",
          "--data.val_size", "16", "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false",
@@ -130,7 +130,7 @@ def test_model_and_optimizer_tensors_after_a_resume_on_another_mesh_are_those_sa
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                            str(script), str(tmp_path), fmt], capture_output=True, text=True, timeout=600,
                           env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.returncode == 0, launch_failure(done)
     assert f"{fmt}: dp 4 -> dp 2 × tp 2: 84 tensors equal" in done.stdout
     assert f"{fmt}: dp 2 × tp 2 -> HSDP 2 × 2: 84 tensors equal" in done.stdout
 
@@ -149,10 +149,10 @@ def test_sequence_parallel_families_give_the_whole_model_gradients(assets):
 
     done = launch()
     if done.returncode != 0 and "AssertionError" not in done.stderr:  # a launch that failed (a port taken ...)
-        first = (done.stdout + done.stderr)[-2000:]
+        first = launch_failure(done)
         done = launch()
-        assert done.returncode == 0, f"first launch:\n{first}\nsecond launch:\n{(done.stdout + done.stderr)[-2000:]}"
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert done.returncode == 0, f"first launch: {first}\nsecond launch: {launch_failure(done)}"
+    assert done.returncode == 0, launch_failure(done)
     for family in families:
         assert f"{family}: tp 2 + SP loss and" in done.stdout
 
