@@ -42,6 +42,8 @@ def test_runtime_only_config_keys_do_not_block() -> None:
 @pytest.mark.parametrize("change, words", [
     ({"vocab_size": 96}, "model config key 'vocab_size' is 64 there, 96 here"),
     ({"num_hidden_layers": 2}, "model config key 'num_hidden_layers' is 1 there, 2 here"),
+    ({"vocab_size": 96, "num_hidden_layers": 2}, "model config keys differ: 'num_hidden_layers' is 1 there, 2 here; "
+                                                 "'vocab_size' is 64 there, 96 here"),
 ])
 def test_architecture_change_is_named(change, words) -> None:
     saved = _roundtrip(run_fingerprint(_model(), None, None, RECIPE))
@@ -63,6 +65,10 @@ def test_tokenizer_peft_and_recipe_changes_are_named() -> None:
     other = dict(RECIPE, seq_length=32)
     assert first_difference(saved, run_fingerprint(_model(), tok, None, other)) == \
         "recipe key 'seq_length' is 16 there, 32 here"
+    many = dict(RECIPE, a=1, b=2, c=3, seq_length=32)
+    assert first_difference(saved, run_fingerprint(_model(), tok, None, many)) == \
+        "recipe keys differ: 'a' is unset there and 1 here; 'b' is unset there and 2 here; 'c' is unset there and 3 " \
+        "here and 1 more"
 
 
 def test_checkpoints_without_a_fingerprint_never_block() -> None:
@@ -70,6 +76,7 @@ def test_checkpoints_without_a_fingerprint_never_block() -> None:
 
 
 def test_derived_keys_still_name_a_difference() -> None:
+    """A changed key that another derives from: both are named, so the key the user changed is among them."""
     saved = _roundtrip(run_fingerprint(_model(), None, None, RECIPE))
     words = first_difference(saved, run_fingerprint(_model(hidden_size=64), None, None, RECIPE))
-    assert words is not None and words.startswith("model config key ")
+    assert words == "model config keys differ: 'head_dim' is 16 there, 32 here; 'hidden_size' is 32 there, 64 here"

@@ -66,7 +66,8 @@ def vocabulary(tokenizer: Any) -> dict[str, Any] | None:
 
 
 def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
-    """The first way ``current`` differs from ``saved``, in words; None when they match or either is unknown.
+    """How ``current`` differs from ``saved``, in words (the first part that differs, with its differing keys);
+    None when they match or either is unknown.
 
     Checkpoints written before fingerprints existed (no ``saved``) never block.
     """
@@ -99,15 +100,22 @@ def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     return _dict_difference("recipe", redacted(saved.get("recipe") or {}), redacted(current.get("recipe") or {}))
 
 
-def _dict_difference(what: str, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+def _dict_difference(what: str, saved: dict[str, Any], current: dict[str, Any], shown: int = 3) -> str | None:
+    """How ``current`` differs from ``saved``, key by key (the first ``shown`` keys in sorted order), in words."""
+    found = []
     for key in sorted(set(saved) | set(current)):
         if key not in current:
-            return f"{what} key '{key}' is {_show(saved[key])} there and unset here"
-        if key not in saved:
-            return f"{what} key '{key}' is unset there and {_show(current[key])} here"
-        if saved[key] != current[key]:
-            return f"{what} key '{key}' is {_show(saved[key])} there, {_show(current[key])} here"
-    return None
+            found.append(f"'{key}' is {_show(saved[key])} there and unset here")
+        elif key not in saved:
+            found.append(f"'{key}' is unset there and {_show(current[key])} here")
+        elif saved[key] != current[key]:
+            found.append(f"'{key}' is {_show(saved[key])} there, {_show(current[key])} here")
+    if not found:
+        return None
+    if len(found) == 1:
+        return f"{what} key {found[0]}"
+    more = f" and {len(found) - shown} more" if len(found) > shown else ""
+    return f"{what} keys differ: {'; '.join(found[:shown])}{more}"
 
 
 def _show(value: Any) -> str:
