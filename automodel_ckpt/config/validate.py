@@ -102,6 +102,8 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
                                 offline_ok=fetchable)]
     key = "tokenizer.pretrained_model_name_or_path"
     tok = cfg.tokenizer.pretrained_model_name_or_path
+    if not tok and not model.get("pretrained_model_name_or_path"):  # a model.config build has no folder to read
+        raise ConfigError(f"{key}: no tokenizer folder (set it, or use a model folder)")
     if tok and not Path(tok).expanduser().exists():
         if not is_hub_id(tok):
             raise ConfigError(f"{key}: '{tok}' not found")

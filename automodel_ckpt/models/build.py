@@ -69,6 +69,12 @@ def check_model_source(pretrained_model_name_or_path: str | None, config: dict |
     """
     if config is None and not pretrained_model_name_or_path:
         raise ConfigError("model: set model.pretrained_model_name_or_path (a local HF folder) or a model.config block")
+    if config is not None and pretrained_model_name_or_path:
+        raise ConfigError(
+            "model: both model.config (a new model, initialised from the seed) and model.pretrained_model_name_or_path "
+            f"('{pretrained_model_name_or_path}', a folder's weights) are set; to build from model.config set "
+            "model.pretrained_model_name_or_path null (and tokenizer.pretrained_model_name_or_path to a tokenizer), "
+            "else remove model.config")
     if config is not None:
         return "model: built from model.config (seeded initialisation)"
     if embedded:

@@ -91,3 +91,26 @@ def test_a_cached_snapshot_missing_a_shard_of_its_index_is_not_cached(tmp_path, 
     assert model_source("acme/sharded").status == DOWNLOAD  # a file-by-file cache that lacks a shard
     (snapshot / "model-2.safetensors").write_bytes(b"")
     assert model_source("acme/sharded").status == CACHED
+
+
+def test_a_config_block_beside_a_folder_is_refused_in_one_line(capsys):
+    """``--model.config.hidden_size 128`` on a recipe that reads a folder: not a fresh model with transformers'
+    defaults for every other key, silently, but one line saying which of the two to keep."""
+    from tests.unit.test_cli_errors import RECIPE, _error
+
+    line = _error(capsys, ["--nproc-per-node", "1", RECIPE, "--dry-run", "--model.config.hidden_size", "128"])
+    assert line.startswith("error: model: both model.config (a new model, initialised from the seed) and "
+                           "model.pretrained_model_name_or_path ('")
+    assert line.endswith("tiny_llama_base', a folder's weights) are set; to build from model.config set "
+                         "model.pretrained_model_name_or_path null (and tokenizer.pretrained_model_name_or_path to a "
+                         "tokenizer), else remove model.config")
+    with pytest.raises(ConfigError, match="both model.config"):
+        build_causal_lm("some/folder", config={"hidden_size": 32})
+
+
+def test_a_config_built_model_without_a_tokenizer_is_refused_before_launch(capsys):
+    from tests.unit.test_cli_errors import RECIPE, _error
+
+    line = _error(capsys, ["--nproc-per-node", "1", RECIPE, "--dry-run", "--model.pretrained_model_name_or_path",
+                           "null", "--model.embedded", "null", "--model.config", '{"hidden_size": 32}'])
+    assert line == "error: tokenizer.pretrained_model_name_or_path: no tokenizer folder (set it, or use a model folder)"
