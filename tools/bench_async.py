@@ -57,7 +57,7 @@ recipe: {recipe}
 seed: 42
 model:
   _target_: automodel_ckpt.models.build.build_causal_lm
-  pretrained_model_name_or_path: {base}
+  pretrained_model_name_or_path: null
   dtype: float32
   config:
     model_type: llama
@@ -69,6 +69,8 @@ model:
     num_key_value_heads: {heads}
     max_position_embeddings: 64
     tie_word_embeddings: false
+tokenizer:
+  pretrained_model_name_or_path: {base}
 dataset:
   _target_: automodel_ckpt.data.builtin.builtin_task_dataset
   num_samples: 512
@@ -343,6 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"json: {args.json}")
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
+    failed = [(mode, run["failed"]) for mode, runs in results.items() for run in runs if "failed" in run]
+    for mode, tail in failed:
+        print(f"{mode} run failed:\n{tail}", file=sys.stderr)
+    if failed:
+        raise SystemExit(1)
     return report
 
 

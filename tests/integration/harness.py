@@ -109,6 +109,20 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stop_job(proc: subprocess.Popen) -> None:
+    """SIGSTOP the launcher and every descendant (the workers run in sessions of their own): nothing of the job
+    runs on until ``kill_job``. A process started meanwhile is found by a second pass."""
+    stopped: set[int] = set()
+    for _ in range(2):
+        for pid in process_tree(proc.pid):
+            if pid not in stopped:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+                stopped.add(pid)
+
+
 def kill_job(proc: subprocess.Popen) -> int:
     """SIGKILL the launcher's process group and every descendant; wait until all are gone. Returns #processes."""
     pids = process_tree(proc.pid)

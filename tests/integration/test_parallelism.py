@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint.disk import catalog
 from tests.family_bases import folder_weights
 from tests.integration.harness import ckpt_train, env_for, jsonl, launch_failure
 
@@ -53,27 +52,41 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps) -> None:
 
 def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, keys: tuple[str, ...],
                           *extra: str) -> None:
-    """Start a leg, SIGKILL the whole job while its first save is being written; the checkpoint folder stays sound
-    (every complete checkpoint matches its manifest, LATEST names a complete one, the half-written one is staging)."""
-    from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, kill_job
+    """Start a leg in a new checkpoint folder and SIGKILL the whole job while its first save is being written; the
+    folder stays sound (every complete checkpoint matches its manifest, LATEST names a complete one, the
+    half-written one is staging, never selected).
+
+    The kill lands inside the save by construction: as soon as the save's staging folder exists the whole job is
+    stopped (SIGSTOP), and killed only if the staging folder is still there once nothing runs. A save that
+    published before the job stopped is a miss: the folder is removed and the leg started again.
+    """
+    import shutil
+
+    from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, kill_job, stop_job
     from tests.integration.test_kill_fault import check_dir, saves_in_progress
 
-    before = {r.name for r in catalog.list_checkpoints(tmp_path / run)}
-    log, started = tmp_path / f"killed_{run}_{step}.log", time.time()
+    root = tmp_path / run
+    assert not root.exists()
     cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), str(RECIPE), *QUIET, *BATCH, *keys, *extra,
            "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + 300
-    while "Saving checkpoint to" not in log.read_text(errors="replace") and proc.poll() is None:
-        assert time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.002)
-    in_save = saves_in_progress(tmp_path / run, started)
-    kill_job(proc)
+    for attempt in range(3):
+        log, started = tmp_path / f"killed_{run}_{step}_{attempt}.log", time.time()
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not saves_in_progress(root, started) and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.002)
+        stop_job(proc)
+        in_save = saves_in_progress(root, started)
+        kill_job(proc)
+        if in_save:
+            break
+        shutil.rmtree(root, ignore_errors=True)  # the save published first: start the leg again
     assert in_save, log.read_text()[-2000:]  # the kill landed inside the save
-    complete, failures, _ = check_dir(tmp_path / run, before)
-    assert not failures and complete == before  # the killed save is never selected
+    complete, failures, _ = check_dir(root, set())
+    assert not failures and complete == set()  # the killed save is never selected
 
 
 def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
