@@ -94,7 +94,7 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
     Returns one line per input saying where it lies (local folder, cached, to be downloaded, unavailable offline).
     A Hub id missing from the cache while offline is an error unless ``fetchable`` (``--dry-run`` only says so).
     """
-    from automodel_ckpt.models.build import check_model_source
+    from automodel_ckpt.models.build import check_model_source, no_folder_error
     from automodel_ckpt.models.hub import is_hub_id, model_source
 
     model = cfg.model
@@ -103,7 +103,7 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
     key = "tokenizer.pretrained_model_name_or_path"
     tok = cfg.tokenizer.pretrained_model_name_or_path
     if not tok and not model.get("pretrained_model_name_or_path"):  # a model.config build has no folder to read
-        raise ConfigError(f"{key}: no tokenizer folder (set it, or use a model folder)")
+        raise no_folder_error()
     if tok and not Path(tok).expanduser().exists():
         if not is_hub_id(tok):
             raise ConfigError(f"{key}: '{tok}' not found")

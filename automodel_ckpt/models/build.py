@@ -171,9 +171,14 @@ def _on_meta(auto_class: Any, hf_config: Any, dtype: "torch.dtype") -> PreTraine
         return auto_class.from_config(hf_config, dtype=dtype)
 
 
+def no_folder_error(what: str = "tokenizer") -> ConfigError:
+    """Neither ``tokenizer.pretrained_model_name_or_path`` nor a model folder to read the ``what`` from."""
+    return ConfigError(f"tokenizer.pretrained_model_name_or_path: no {what} folder (set it, or use a model folder)")
+
+
 def _from_folder(auto_class, path: str | None, what: str):
     if not path:
-        raise ConfigError(f"tokenizer.pretrained_model_name_or_path: no {what} folder (set it, or use a model folder)")
+        raise no_folder_error(what)
     from automodel_ckpt.models.hub import is_hub_id, model_folder
 
     if is_hub_id(path):  # the same snapshot as the model's, downloaded once if missing

@@ -5,6 +5,7 @@ another mesh, sequence parallelism on several families, and the export of a dp 2
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -60,8 +61,6 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
     stopped (SIGSTOP), and killed only if the staging folder is still there once nothing runs. A save that
     published before the job stopped is a miss: the folder is removed and the leg started again.
     """
-    import shutil
-
     from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, kill_job, stop_job
     from tests.integration.test_kill_fault import check_dir, saves_in_progress
 
