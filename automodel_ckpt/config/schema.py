@@ -95,7 +95,7 @@ class TensorBoardConfig:
 class MLflowConfig:
     """An MLflow run (pip install 'automodel-ckpt[mlflow]')."""
 
-    tracking_uri: Optional[str] = None  # server URL or store URI (None: a file store mlruns/ in the run folder)
+    tracking_uri: Optional[str] = None  # server URL or store URI (None: a SQLite store mlflow.db in the run folder)
     experiment: Optional[str] = None  # experiment name, created if missing (None: the run folder's name)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ class OpenContext:
 
     run_dir: Path  # the run folder (checkpoint.checkpoint_dir, or its local mirror)
     run_name: str  # the run folder's name: the tracked run's display name
+    location: str  # where the backend writes: ``Backend.location``, from the recipe alone
     hparams: dict[str, Any]  # the resolved recipe, as written into each checkpoint's config.yaml
-    saved: dict[str, Any] = field(default_factory=dict)  # this backend's state from the restored checkpoint
+    saved: dict[str, Any] = field(default_factory=dict)  # the restored run id, only when saved for ``location``
     resume_step: int | None = None  # the restored step (None: a fresh start)
     confirmed_step: int = 0  # the last step the backend had made durable when the restored checkpoint was saved
 
@@ -34,11 +36,24 @@ class Backend:
     module = ""  # the package that must be importable
     extra = ""  # the pip extra that installs it
     durable = True
+    legacy_location_key = ""  # the state key under which earlier versions saved the location
 
     def __init__(self, section: Any) -> None:
         self.section = section  # the backend's `logging.<name>` config node
 
+    def location(self, run_dir: Path, run_name: str) -> str:
+        """Where this backend writes or sends the run's data: from the recipe's section and its defaults alone,
+        never from a checkpoint (a received checkpoint must not redirect the metrics, nor the credentials sent
+        with them). Default: the run folder."""
+        return os.path.abspath(run_dir)
+
+    def same_location(self, saved: Any, location: str) -> bool:
+        """Whether ``saved`` (read from a checkpoint: any value) names ``location``."""
+        return isinstance(saved, str) and saved == location
+
     def open(self, ctx: OpenContext) -> dict[str, Any]:
+        """Open (``ctx.saved`` holds a run id: reopen) the tracked run at ``ctx.location``; the state that lets a
+        later launch reopen it."""
         raise NotImplementedError
 
     def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:

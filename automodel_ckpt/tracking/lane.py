@@ -18,6 +18,7 @@ class Lane:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.state: dict[str, Any] = {}
+        self.location = ""  # where the backend writes (saved beside ``state``)
         self.logged = 0
         self.failed = False
         self._queue: queue.Queue = queue.Queue()

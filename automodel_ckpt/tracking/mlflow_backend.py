@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.checkpoint.disk import layout
@@ -12,10 +15,21 @@ from automodel_ckpt.tracking.base import Backend, OpenContext, flatten
 PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
 PARAM_VALUE_MAX = 6000  # MLflow's limit for a parameter value
 TAG_VALUE_MAX = 5000
+_SQLITE = "sqlite:///"
+
+
+def default_store(run_dir: Path) -> str:
+    """The tracking URI of ``logging.mlflow`` without ``tracking_uri``: a SQLite database in the run folder
+    (MLflow's recommended local store, which ``mlflow ui`` and ``MlflowClient`` open as they are), or the file store
+    ``mlruns/`` that an earlier version left there, continued (a real folder only, never a link)."""
+    legacy = Path(run_dir) / layout.MLFLOW_DIR
+    if legacy.is_dir() and not legacy.is_symlink():
+        return legacy.resolve().as_uri()
+    return _SQLITE + str((Path(run_dir) / layout.MLFLOW_DB).resolve())
 
 
 class MLflowBackend(Backend):
-    """``logging.mlflow``: ``MlflowClient`` on ``tracking_uri`` (default: a file store ``mlruns/`` in the run folder).
+    """``logging.mlflow``: ``MlflowClient`` on ``tracking_uri`` (default: ``default_store``).
 
     MLflow keeps every value logged for a step (its metric history is append-only), so a resume cannot replace the
     steps a crashed launch logged after the restored checkpoint: they appear twice, and the run gets the tag
@@ -26,23 +40,40 @@ class MLflowBackend(Backend):
     name = "mlflow"
     module = "mlflow"
     extra = "mlflow"
+    legacy_location_key = "tracking_uri"
+
+    def location(self, run_dir: Path, run_name: str) -> str:
+        return str(self.section.get("tracking_uri") or default_store(run_dir))
 
     def open(self, ctx: OpenContext) -> dict[str, Any]:
-        uri = self.section.get("tracking_uri") or ctx.saved.get("tracking_uri") or \
-            (ctx.run_dir / layout.MLFLOW_DIR).resolve().as_uri()
+        uri = ctx.location
+        artifacts = None
+        if uri.startswith(_SQLITE) and not self.section.get("tracking_uri"):
+            database = Path(uri[len(_SQLITE):])
+            if database.is_symlink() or (database.exists() and not database.is_file()):
+                raise OSError(f"'{database}' is not a regular file: the store is not written through it")
+            artifacts = (database.parent / layout.MLFLOW_ARTIFACTS).as_uri()
+            for quiet in ("alembic", "mlflow.store.db.utils"):  # "Creating initial MLflow database tables..."
+                logging.getLogger(quiet).setLevel(logging.WARNING)
         if uri.startswith("file:") or "://" not in uri:
             # MLflow keeps its file store in maintenance mode and asks for this opt-in; the store works as before
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            if not self.section.get("tracking_uri"):
+                store = Path(ctx.run_dir) / layout.MLFLOW_DIR
+                warnings.warn(f"logging.mlflow: continuing the file store '{store}' of an earlier version; MLflow's "
+                              f"own tools open it only with MLFLOW_ALLOW_FILE_STORE=true. To move it: mlflow "
+                              f"migrate-filestore --source {store} --target {_SQLITE}{store.parent.resolve()}/"
+                              f"{layout.MLFLOW_DB}, then remove '{store}' (the next launch starts a new tracked "
+                              "run in the database)", stacklevel=2)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        run_id = ctx.saved.get("run_id") if ctx.saved.get("tracking_uri") in (None, uri) else None
-        if run_id is not None:
-            self.client.update_run(run_id, status="RUNNING")
-        else:
+        run_id = self._reopen(ctx.saved.get("run_id"))
+        if run_id is None:
             name = self.section.get("experiment") or ctx.run_name
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+            experiment_id = experiment.experiment_id if experiment is not None else \
+                self.client.create_experiment(name, artifact_location=artifacts)
             run_id = self.client.create_run(experiment_id, run_name=ctx.run_name).info.run_id
             self._log_params(run_id, ctx.hparams)
         self.run_id = run_id
@@ -50,7 +81,21 @@ class MLflowBackend(Backend):
             self.client.set_tag(run_id, f"resumed.step_{ctx.resume_step}",
                                 f"values of steps after {ctx.resume_step} logged before this resume are superseded "
                                 "by the ones logged after it (keep the last value per step)")
-        return {"tracking_uri": uri, "run_id": run_id}
+        return {"run_id": run_id}
+
+    def _reopen(self, run_id: str | None) -> str | None:
+        """``run_id`` marked running again, if the store still has it; else None (a new run is created)."""
+        if run_id is None:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+        except MlflowException:
+            warnings.warn(f"logging.mlflow: the store has no run {run_id} any more; starting a new tracked run "
+                          "(the run's history is replayed into it)", stacklevel=2)
+            return None
+        return run_id
 
     def _log_params(self, run_id: str, hparams: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +24,26 @@ class TensorBoardBackend(Backend):
     module = "tensorboard"
     extra = "tensorboard"
 
+    legacy_location_key = "log_dir"
+
+    def location(self, run_dir: Path, run_name: str) -> str:
+        return os.path.abspath(self.section.get("log_dir") or Path(run_dir) / layout.TENSORBOARD_DIR)
+
+    def same_location(self, saved: Any, location: str) -> bool:
+        return isinstance(saved, str) and "\0" not in saved and os.path.abspath(saved) == location
+
     def open(self, ctx: OpenContext) -> dict[str, Any]:
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = Path(self.section.get("log_dir") or ctx.saved.get("log_dir") or ctx.run_dir / layout.TENSORBOARD_DIR)
+        log_dir = Path(ctx.location)
+        if log_dir.is_symlink():
+            raise OSError(f"'{log_dir}' is a symlink: event files are not written through it")
         first = self.first_replay_step(ctx.confirmed_step)
         self.writer = SummaryWriter(str(log_dir), purge_step=first)
         text = yaml.safe_dump(ctx.hparams, sort_keys=False, default_flow_style=False)
         # Markdown: indented lines render as a code block
         self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), first)
-        return {"log_dir": str(log_dir)}
+        return {"log_dir": str(log_dir)}  # a state to save: the location is saved beside it
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 import warnings
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbBackend)
 FLUSH_TIMEOUT_S = 60.0  # how long a checkpoint waits for the trackers to catch up (then the resume replays)
 SKIPPED = ("step", "epoch", "sample_ids")  # record keys that are no metric
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracked run's id as the trackers make them (MLflow: 32 hex)
 
 
 def train_metrics(record: dict[str, Any]) -> dict[str, float]:
@@ -75,7 +77,8 @@ class RunTracker:
     def state_dict(self) -> dict[str, Any]:
         """Each backend's run id and last durable step; waits (bounded) for the durable trackers to catch up."""
         self.flush()
-        return {lane.backend.name: {**lane.state, "confirmed_step": lane.logged if lane.backend.durable else 0}
+        return {lane.backend.name: {**lane.state, "location": lane.location,
+                                    "confirmed_step": lane.logged if lane.backend.durable else 0}
                 for lane in self._lanes if not lane.failed and lane.state}
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
@@ -87,7 +90,7 @@ class RunTracker:
         self._wait([lane.marker() for lane in durable], timeout)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._saved = dict(state or {})
+        self._saved = dict(state) if isinstance(state, dict) else {}  # checked per backend by ``_reusable``
 
     # --- a launch -------------------------------------------------------------------------------
     def start(self, step: int, *, resumed: bool, events: list[tuple[str, str]]) -> None:
@@ -96,15 +99,39 @@ class RunTracker:
             return
         hparams = self._hparams()
         for backend in self.backends:
-            saved = dict(self._saved.get(backend.name) or {}) if resumed else {}
+            location = backend.location(self.run_dir, self.run_dir.name)
+            saved = self._reusable(backend, location, step) if resumed else {}
             lane = Lane(backend)
+            lane.location = location
             lane.state = backend.initial_state(saved)  # known now: e.g. the W&B run id it will open
-            ctx = OpenContext(self.run_dir, self.run_dir.name, hparams, {**saved, **lane.state},
+            ctx = OpenContext(self.run_dir, self.run_dir.name, location, hparams, {**saved, **lane.state},
                               step if resumed else None, int(saved.get("confirmed_step") or 0))
             lane.put(lambda lane=lane, ctx=ctx: self._open(lane, ctx))
             self._lanes.append(lane)
         for kind, text in events:
             self.event(kind, text, step)
+
+    def _reusable(self, backend: Backend, location: str, step: int) -> dict[str, Any]:
+        """The restored state of ``backend`` when the checkpoint saved it for this same ``location`` (its run id
+        and confirmed step, checked); else nothing, with one warning: a new tracked run starts there and the run's
+        history is replayed into it. Nothing in a checkpoint chooses where the metrics go."""
+        saved = self._saved.get(backend.name)
+        if not isinstance(saved, dict) or not saved:
+            return {}
+        where = saved.get("location", saved.get(backend.legacy_location_key) if backend.legacy_location_key else None)
+        run_id, confirmed = saved.get("run_id"), saved.get("confirmed_step", 0)
+        if not backend.same_location(where, location):
+            why = "was kept elsewhere"
+        elif run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+            why = "has no valid run id"
+        elif not (type(confirmed) is int and 0 <= confirmed <= step):
+            why = "has no valid confirmed step"
+        else:
+            return {k: v for k, v in (("run_id", run_id), ("confirmed_step", confirmed)) if v is not None}
+        warnings.warn(f"logging.{backend.name}: the restored checkpoint's tracked run {why}; starting a new "
+                      f"tracked run at {location} (the run's history up to step {step} is replayed into it)",
+                      stacklevel=3)
+        return {}
 
     def _open(self, lane: Lane, ctx: OpenContext) -> None:
         lane.state = lane.backend.open(ctx)

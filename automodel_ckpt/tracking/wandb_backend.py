@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.tracking.base import Backend, OpenContext
@@ -22,6 +23,10 @@ class WandbBackend(Backend):
     module = "wandb"
     extra = "wandb"
     durable = False
+
+    def location(self, run_dir: Path, run_name: str) -> str:
+        """The W&B project (``entity/project``) the run is sent to: a saved run id is reused only there."""
+        return f"wandb:{self.section.get('entity') or ''}/{self.section.get('project') or run_name}"
 
     def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
         return {"run_id": saved.get("run_id") or uuid.uuid4().hex[:12]}  # so no checkpoint waits for wandb.init

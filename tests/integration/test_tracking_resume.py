@@ -93,12 +93,12 @@ def test_tensorboard_replaces_the_steps_after_the_restored_checkpoint(tracked_ru
 def test_mlflow_has_one_run_and_marks_the_replaced_steps(tracked_run, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's opt-in for its file store, readers too
-
     from automodel_ckpt.tracking.mlflow_backend import last_per_step
 
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the default store opens with no opt-in
     run = tracked_run["run"]
-    client = MlflowClient(tracking_uri=(run / layout.MLFLOW_DIR).resolve().as_uri())
+    assert not (run / layout.MLFLOW_DIR).exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / layout.MLFLOW_DB}")
     experiment = client.get_experiment_by_name("tracked")
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"

@@ -139,7 +139,8 @@ def test_mlflow_resume_reopens_the_run_and_replays_what_it_had_not_confirmed(tmp
     first.flush()
     second = _launch(tmp_path, section, saved, range(5, 7), restored=4)
     second.close("complete")
-    client = MlflowClient(tracking_uri=(tmp_path / layout.MLFLOW_DIR).resolve().as_uri())
+    assert not (tmp_path / layout.MLFLOW_DIR).exists()  # the default store is MLflow's own SQLite database
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / layout.MLFLOW_DB}")
     runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
     assert len(runs) == 1 and runs[0].info.run_id == saved["mlflow"]["run_id"]
     history = client.get_metric_history(runs[0].info.run_id, "train/loss")
@@ -212,3 +213,79 @@ def test_checkpoint_costs_time_sync_and_async_saves(tmp_path):
     events = [json.loads(line) for line in (tmp_path / layout.EVENTS_LOG).read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "checkpoint", "checkpoint", "end"]
     assert events[-1]["blocked_s"] == pytest.approx(sum(e["blocked_s"] for e in events[1:3]), abs=1e-3)
+
+
+# --- a checkpoint never decides where the trackers write -------------------------------------------
+
+
+def _hostile_state(tmp_path: Path, **state) -> dict:
+    return {name: {"confirmed_step": 2, **fields} for name, fields in state.items()}
+
+
+def test_a_saved_tensorboard_log_dir_is_never_written(tmp_path):
+    from tests.integration.trackers import tensorboard_scalars
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    saved = _hostile_state(tmp_path, tensorboard={"log_dir": str(elsewhere), "location": str(elsewhere)})
+    (run / layout.TRAINING_LOG).write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n"
+                                                   for s in range(1, 5)))
+    with pytest.warns(UserWarning, match=r"logging.tensorboard: the restored checkpoint's tracked run was kept "
+                                         r"elsewhere; starting a new tracked run at .*run/tensorboard"):
+        tracker = _launch(run, _section(tensorboard={"log_dir": None}), saved, range(5, 6), restored=4)
+        tracker.close("complete")
+    assert not elsewhere.exists()
+    # the history of the run is replayed into the recipe's location from step 1 (nothing was confirmed there)
+    shown = tensorboard_scalars(run / layout.TENSORBOARD_DIR, "train/loss")
+    assert [s for s, _ in shown] == [1, 2, 3, 4, 5]
+    assert tracker.state_dict() == {} and saved["tensorboard"]["location"] == str(elsewhere)
+
+
+def test_a_saved_mlflow_server_never_receives_anything(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    other = tmp_path / "other.db"
+    MlflowClient(tracking_uri=f"sqlite:///{other}").create_experiment("exp")  # "the other server"
+    before = other.read_bytes()
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = _hostile_state(tmp_path, mlflow={"tracking_uri": f"sqlite:///{other}", "run_id": "0" * 32})
+    with pytest.warns(UserWarning, match="logging.mlflow: the restored checkpoint's tracked run was kept elsewhere"):
+        tracker = _launch(run, _section(mlflow={"tracking_uri": None, "experiment": "exp"}), saved, range(5, 6),
+                          restored=4)
+        state = tracker.state_dict()
+        tracker.close("complete")
+    assert other.read_bytes() == before
+    assert state["mlflow"]["location"] == f"sqlite:///{(run / layout.MLFLOW_DB).resolve()}"
+    assert state["mlflow"]["run_id"] != "0" * 32
+
+
+@pytest.mark.parametrize("bad", [{"run_id": "../../x"}, {"run_id": 7}, {"confirmed_step": 10**9},
+                                 {"confirmed_step": "2"}])
+def test_a_saved_run_id_or_step_that_is_not_one_starts_a_new_tracked_run(tmp_path, bad):
+    run = tmp_path / "run"
+    run.mkdir()
+    location = f"sqlite:///{(run / layout.MLFLOW_DB).resolve()}"
+    saved = {"mlflow": {"run_id": "a" * 32, "confirmed_step": 2, "location": location, **bad}}
+    with pytest.warns(UserWarning, match="logging.mlflow: the restored checkpoint's tracked run has no valid"):
+        tracker = _launch(run, _section(mlflow={"tracking_uri": None, "experiment": "exp"}), saved, range(5, 6),
+                          restored=4)
+        state = tracker.state_dict()
+        tracker.close("complete")
+    assert state["mlflow"]["run_id"] != "a" * 32
+
+
+def test_an_earlier_versions_mlflow_file_store_is_continued(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # set by the backend for its own process: restored after
+    (tmp_path / layout.MLFLOW_DIR).mkdir()
+    with pytest.warns(UserWarning, match="mlflow migrate-filestore --source"):
+        tracker = _launch(tmp_path, _section(mlflow={"tracking_uri": None, "experiment": "exp"}), None, range(1, 3),
+                          None)
+        saved = tracker.state_dict()
+        tracker.close("complete")
+    assert saved["mlflow"]["location"] == (tmp_path / layout.MLFLOW_DIR).resolve().as_uri()
+    assert not (tmp_path / layout.MLFLOW_DB).exists()
+    client = MlflowClient(tracking_uri=saved["mlflow"]["location"])
+    assert len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1

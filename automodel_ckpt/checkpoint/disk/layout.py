@@ -5,7 +5,7 @@ checkpoint_dir/
   LATEST -> epoch_E_step_N          relative symlink (LATEST.txt holds the name where links fail)
   LOWEST_VAL -> epoch_E_step_M
   training.jsonl  validation.jsonl  events.jsonl
-  tensorboard/  mlruns/  wandb/      experiment trackers' files, when `logging:` enables them with default places
+  tensorboard/  mlflow.db  wandb/   experiment trackers' files, when `logging:` enables them with default places
   .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
   .deleting-epoch_E_step_K/         a checkpoint being pruned (hidden by rename first, then removed)
   quarantine/                       checkpoints that failed to load on resume, kept for inspection
@@ -53,7 +53,9 @@ TRAINING_LOG = "training.jsonl"
 VALIDATION_LOG = "validation.jsonl"
 EVENTS_LOG = "events.jsonl"  # each launch, each save's cost, each end: appended, never truncated (tracking/costlog.py)
 TENSORBOARD_DIR = "tensorboard"  # logging.tensorboard's event files when log_dir is not set
-MLFLOW_DIR = "mlruns"  # logging.mlflow's file store when tracking_uri is not set
+MLFLOW_DB = "mlflow.db"  # logging.mlflow's SQLite store when tracking_uri is not set
+MLFLOW_ARTIFACTS = "mlartifacts"  # that store's artifact root
+MLFLOW_DIR = "mlruns"  # the file store of earlier versions' default: continued where a run folder has one
 WANDB_DIR = "wandb"  # what Weights & Biases writes below logging.wandb.dir (default: the run folder)
 STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"
