@@ -17,6 +17,7 @@ from collections.abc import Callable
 from automodel_ckpt import __version__
 from automodel_ckpt.cli.common import debug_requested, report
 from automodel_ckpt.errors import UserError
+from automodel_ckpt.shown import EscapingStream
 
 # verb -> (module in this package, arguments as shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -64,13 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--version":
         print(f"ckpt-train {__version__}")
         return 0
-    if argv[0] in VERBS:
-        code = run(verb_main(argv[0]), argv[1:])
-    else:
-        from automodel_ckpt.cli.train import main as train_main
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = EscapingStream(sys.stdout), EscapingStream(sys.stderr)  # names from folders: escaped
+    try:
+        if argv[0] in VERBS:
+            code = run(verb_main(argv[0]), argv[1:])
+        else:
+            from automodel_ckpt.cli.train import main as train_main
 
-        code = run(train_main, argv)
-    return exit_code(code)
+            code = run(train_main, argv)
+        return exit_code(code)
+    finally:
+        sys.stdout, sys.stderr = streams
 
 
 def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from automodel_ckpt.cli.common import VerbParser
+from automodel_ckpt.shown import allow_colors
 
 
 def build_parser() -> VerbParser:
@@ -41,6 +42,7 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
 
     args = parse_args(argv)
+    allow_colors(args.color)  # our own green marks pass; a control character in the data is still escaped
     cfg = load_config(args.recipe, args.overrides, RecipeConfig)
     check_recipe(cfg, 1)
     model_path = cfg.model.get("pretrained_model_name_or_path")

@@ -1,0 +1,64 @@
+"""Text on the user's terminal: control characters escaped, so that no name read from a folder can drive it.
+
+A checkpoint's name, a quarantine reason, a metadata value or a file name in an error may come from a folder
+someone else made. Printed raw, an escape sequence in it could retitle the terminal, rewrite earlier lines or hide
+text, and a newline could forge a line of our own. Every verb's standard output and error pass through
+``EscapingStream`` (``cli.main`` installs it), which writes such characters as ``\\x1b``-style escapes: C0
+controls but newline and tab (a carriage return only where a write begins: progress bars redraw that way), DEL,
+C1 controls, and the bidirectional-text controls that reorder what a line seems to say. ``--color`` output of our
+own passes its SGR colour sequences through.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TextIO
+
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_COLOR = re.compile(r"\x1b\[[0-9;]{0,16}m")
+
+
+def escaped(text: str) -> str:
+    """``text`` with every unsafe character written as an escape (``\\x1b``, ``\\u202e``)."""
+    return _UNSAFE.sub(_code, text)
+
+
+def _code(match: re.Match[str]) -> str:
+    o = ord(match.group())
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"
+
+
+class EscapingStream:
+    """A text stream that writes through to ``stream`` with ``escaped`` text; everything else is ``stream``'s.
+    ``colors``: SGR colour sequences (``ESC[32m``) pass through, for output that asked for colour."""
+
+    def __init__(self, stream: TextIO, *, colors: bool = False) -> None:
+        self.stream = stream
+        self.colors = colors
+
+    def write(self, text: str) -> int:
+        start = "\r" if text.startswith("\r") else ""
+        body = text[len(start):]
+        if self.colors:
+            parts = _COLOR.split(body)
+            codes = _COLOR.findall(body) + [""]
+            body = "".join(escaped(part) + code for part, code in zip(parts, codes))
+        else:
+            body = escaped(body)
+        self.stream.write(start + body)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def allow_colors(enabled: bool) -> None:
+    """Let SGR colour sequences through standard output (``preview --color``)."""
+    import sys
+
+    if isinstance(sys.stdout, EscapingStream):
+        sys.stdout.colors = enabled
