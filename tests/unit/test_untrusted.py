@@ -434,3 +434,27 @@ def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path):
         (tmp_path / "ck").mkdir()
         os.symlink(tempfile.gettempdir(), tmp_path / "ck" / "model")
         paths.inside(tmp_path / "ck", "model/x", "the manifest")
+
+
+def test_a_mirror_note_in_a_received_folder_never_chooses_the_bucket_to_fetch_from(tmp_path, monkeypatch):
+    """A folder sent by someone else with a mirror's note naming a bucket: the verbs read it as a local folder and
+    never fetch from that bucket with the user's credentials; a mirror this process pulled is fetched from."""
+    import automodel_ckpt.checkpoint.objectstore as objectstore
+
+    fetched: list[str] = []
+    monkeypatch.setattr(objectstore, "fetch", lambda path, url, *a, **k: fetched.append(url))
+    received = tmp_path / "received"
+    (received / "epoch_0_step_1").mkdir(parents=True)
+    (received / layout.OBJECT_STORE_SOURCE).write_text(json.dumps({"url": "s3://attacker/run"}) + "\n")
+    objectstore.fetch_collectively(received / "epoch_0_step_1", {"key": "mine"}, rank=0)
+    assert fetched == []
+
+    bucket = f"b-{uuid.uuid4().hex[:10]}"
+    store = ObjectStore(f"memory://{bucket}/run")
+    store.fs.pipe(f"{store.root}/epoch_0_step_1/{layout.MANIFEST_FILE}", json.dumps({"files": {}}).encode())
+    try:
+        RemoteRun(store, tmp_path / "mirror").pull()
+        objectstore.fetch_collectively(tmp_path / "mirror" / "epoch_0_step_1", None, rank=0)
+        assert fetched == [store.url]
+    finally:
+        store.fs.rm(bucket, recursive=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
-from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, source_of
+from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, pulled_from, source_of
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError, UserError
 
@@ -55,7 +55,7 @@ def fetch_collectively(path: Path, storage_options: dict[str, Any] | None, rank:
     """Every rank: download mirrored checkpoint ``path`` (each rank of a node a share); a local one is left alone."""
     from automodel_ckpt.checkpoint import collective
 
-    url = collective.on_main(lambda: source_of(path), "finding the checkpoint's store", rank)
+    url = collective.on_main(lambda: pulled_from(path), "finding the checkpoint's store", rank)
     if url is not None:
         collective.collectively(lambda: fetch(path, url, storage_options), f"fetching '{url}/{path.name}'", rank)
 

@@ -87,6 +87,7 @@ class RemoteRun:
         self._claim_mirror()
         self.mirror.mkdir(parents=True, exist_ok=True)
         (self.mirror / layout.OBJECT_STORE_SOURCE).write_text(json.dumps({"url": self.url}) + "\n", encoding="utf-8")
+        _PULLED[os.path.realpath(self.mirror)] = self.url
         names = wrap(f"listing '{self.url}'", self._selectable)
         for entry in self.mirror.iterdir():  # uncommitted or deleted remotely: not a checkpoint here either
             if entry.is_dir() and not entry.is_symlink() and entry.name not in names \
@@ -277,8 +278,20 @@ def _made_here(folder: Path) -> bool:
 # --- loading: a checkpoint of the mirror is fetched before it is checked and loaded ------------------
 
 
+_PULLED: dict[str, str] = {}  # mirror folder (real path) -> the URL this process pulled into it
+
+
+def pulled_from(folder: Path) -> str | None:
+    """The URL to fetch checkpoint ``folder``'s files from: only for a mirror this process pulled itself. A note
+    found in a folder (``layout.OBJECT_STORE_SOURCE``) never chooses where this process reads with the user's
+    credentials: a folder received from elsewhere may name any bucket."""
+    return _PULLED.get(os.path.realpath(Path(folder).parent))
+
+
 def source_of(folder: Path) -> str | None:
-    """The URL of the run folder whose mirror holds checkpoint ``folder``, or None for a local checkpoint."""
+    """The URL of the run folder whose mirror holds checkpoint ``folder``, or None for a local checkpoint: what
+    names a mirrored checkpoint in messages (read from the mirror's note; never used to fetch, see
+    ``pulled_from``)."""
     note = Path(folder).parent / layout.OBJECT_STORE_SOURCE
     try:
         return str(json.loads(note.read_text(encoding="utf-8"))["url"])
