@@ -7,6 +7,7 @@ Runs without a GPU, processes or a model: it loads the recipe, tokenizes its dat
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.shown import allow_colors
@@ -32,22 +33,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def smallest_world_size(distributed: Any) -> int:
+    """The fewest processes the ``distributed:`` sizes run on: the recipe is checked as for such a run (the rows are
+    the same on any number); a size that is not a positive integer counts 1 and is refused by the check itself."""
+    def size(key: str, default: int) -> int:
+        value = distributed.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
+
+    return size("tp_size", 1) * size("dp_size", size("dp_replicate_size", 1))
+
+
 def main(argv: list[str]) -> int:
-    """Load the recipe, tokenize its data (through the cache) and print the preview; no model, no processes."""
+    """Load the recipe, tokenize its data (through the cache) and print the preview; no model, no processes.
+
+    What training refuses only for what the model would see (no token with a loss) is a ``warning:`` line here.
+    """
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.cli.common import check_recipe
-    from automodel_ckpt.data.pipeline import prepare_data
-    from automodel_ckpt.data.preview import preview
+    from automodel_ckpt.data.preview import prepare_to_show, preview
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
 
     args = parse_args(argv)
     allow_colors(args.color)  # our own green marks pass; a control character in the data is still escaped
     cfg = load_config(args.recipe, args.overrides, RecipeConfig)
-    check_recipe(cfg, 1)
+    check_recipe(cfg, smallest_world_size(cfg.distributed))
     model_path = cfg.model.get("pretrained_model_name_or_path")
     if cfg.model.get("embedded") and model_path and local_model_path(model_path) is None:
         ensure_embedded_base(cfg.model.embedded, model_path)
     tokenizer = build_tokenizer(cfg.tokenizer.pretrained_model_name_or_path or model_path)
-    preview(prepare_data(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
+    preview(prepare_to_show(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
     return 0

@@ -67,7 +67,7 @@ def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[i
     """``(train, validation)`` record indices: a seeded random ``val_size`` fraction (<1) or count (>=1) held out."""
     n_val = int(val_size) if val_size >= 1 else int(round(n * val_size))
     if n_val >= n:
-        raise ConfigError(f"data.val_size: {val_size} leaves no training data ({n} examples)")
+        raise ConfigError(f"data.val_size: {val_size:g} leaves no training data ({n} examples)")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[n_val:]), sorted(order[:n_val])
 
@@ -96,24 +96,36 @@ def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Prep
     val = build_rows(val_encoded, spec, pad) if val_encoded is not None and len(val_encoded) else None
     if val is not None:
         caches += val.caches
-    return PreparedData(train, val, spec, caches, check_lengths(train, train_encoded, spec.seq_length))
+    prepared = PreparedData(train, val, spec, caches)
+    prepared.warning = check_lengths(prepared, train_encoded)
+    return prepared
 
 
-def check_lengths(train: TokenizedData, encoded: datasets.Dataset, seq_length: int) -> str | None:
-    """Refuse rows without a single token that takes the loss; a warning when many examples are cut short.
+class NoLossError(ConfigError):
+    """``data.seq_length`` leaves no token with a loss: training refuses; ``prepared`` holds the rows as cut."""
+
+    def __init__(self, message: str, prepared: PreparedData) -> None:
+        super().__init__(message)
+        self.prepared = prepared
+
+
+def check_lengths(prepared: PreparedData, encoded: datasets.Dataset) -> str | None:
+    """Refuse rows without a single token that takes the loss (``NoLossError``); a warning when many examples
+    are cut short.
 
     Both name the ``data.seq_length`` that keeps 95% of the examples whole (the lengths are known from the
     tokenization, so this costs one pass over a column).
     """
-    totals = train.totals()
+    seq_length = prepared.spec.seq_length
+    totals = prepared.train.totals()
     if not totals["examples"]:
         return None
     lengths = np.asarray(encoded.with_format("arrow", columns=["num_tokens"])[:]["num_tokens"].to_numpy())
     whole = int(np.ceil(np.quantile(lengths, WHOLE_SHARE))) if lengths.size else seq_length
     if totals["trained_tokens"] == 0:
-        raise ConfigError(f"data.seq_length: {seq_length} tokens leave no token with a loss in the "
+        raise NoLossError(f"data.seq_length: {seq_length} tokens leave no token with a loss in the "
                           f"{totals['examples']} training examples ({totals['truncated']} cut short); "
-                          f"--data.seq_length {whole} keeps {WHOLE_SHARE:.0%} of them whole")
+                          f"--data.seq_length {whole} keeps {WHOLE_SHARE:.0%} of them whole", prepared)
     share = totals["truncated"] / totals["examples"]
     if share > TRUNCATED_SHARE_WARNING and whole > seq_length:
         return (f"data.seq_length {seq_length} cuts {totals['truncated']} of {totals['examples']} training examples "

@@ -5,16 +5,29 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from automodel_ckpt.data.pipeline import PreparedData
+from automodel_ckpt.data.pipeline import NoLossError, PreparedData, prepare_data
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, warn
 
 
 #: Plain-text marks around trained (loss) text; masked text is left bare.
 OPEN, CLOSE = "«", "»"
+#: Where an example is cut short: the tokens after it never reach the model.
+CUT = "✂"
 _GREEN, _RESET = "\033[32m", "\033[0m"
 
 
+def prepare_to_show(cfg: Any, tokenizer: Any) -> PreparedData:
+    """``prepare_data``, with its warning shown; a ``data.seq_length`` that training refuses (no token with a
+    loss) is a warning here too, since the rows show why."""
+    try:
+        prepared = prepare_data(cfg, tokenizer)
+    except NoLossError as exc:
+        prepared = exc.prepared
+        prepared.warning = str(exc)
+    if prepared.warning:
+        warn(prepared.warning)
+    return prepared
 
 
 def _segments(tokenizer: Any, ids: list[int], trained: list[bool]) -> list[tuple[str, bool]]:
@@ -39,8 +52,9 @@ def render_row(tokenizer: Any, data: TokenizedData, row: int, color: bool = Fals
         starts = [t for t, p in enumerate(b["position_ids"][0, :length].tolist()) if p == 0] or [0]
     trained = [label != IGNORE_INDEX for label in labels]
     n_trained = sum(trained[1:])
+    cut = bool(data.rows[row]["num_truncated"])  # a cut example fills its row alone: the cut is at the row's end
     head = (f"── row {row} · sample {int(data.sample_ids[row])} · {len(starts)} example(s) · "
-            f"{length}/{b['input_ids'].shape[1]} tokens · {n_trained} with loss")
+            f"{length}/{b['input_ids'].shape[1]} tokens · {n_trained} with loss{f' · cut short {CUT}' if cut else ''}")
     lines = [head]
     for k, s in enumerate(starts):
         e = starts[k + 1] if k + 1 < len(starts) else length
@@ -48,6 +62,8 @@ def render_row(tokenizer: Any, data: TokenizedData, row: int, color: bool = Fals
             (f"{_GREEN}{piece}{_RESET}" if color else f"{OPEN}{piece}{CLOSE}") if on else piece
             for piece, on in _segments(tokenizer, ids[s:e], trained[s:e])
         )
+        if cut and k == len(starts) - 1:
+            text += CUT
         lines.append(("  + " if k else "    ") + text.replace("\n", "\n    "))
     return "\n".join(lines)
 
