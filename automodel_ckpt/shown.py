@@ -23,6 +23,12 @@ def escaped(text: str) -> str:
     return _UNSAFE.sub(_code, text)
 
 
+def one_line(text: str) -> str:
+    """``text`` as one line: ``escaped``, its newlines and tabs written as ``\\n`` and ``\\t`` (an error or a
+    warning is one line: a name holding a newline must not forge a second one)."""
+    return escaped(text.strip()).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _code(match: re.Match[str]) -> str:
     o = ord(match.group())
     return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from automodel_ckpt import __version__
 from automodel_ckpt.cli.common import debug_requested, report
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.shown import EscapingStream
+from automodel_ckpt.shown import EscapingStream, one_line
 
 # verb -> (module in this package, arguments as shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -88,7 +88,7 @@ def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        report(f"error: {exc}")
+        report(f"error: {one_line(str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         report("error: interrupted")
@@ -120,7 +120,7 @@ def quiet_third_party(debug: bool) -> None:
     if debug:
         return
     warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {one_line(str(message))}\n"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Environment rather than API calls: the launcher then need not import these libraries, and the workers it
     # starts inherit the settings.

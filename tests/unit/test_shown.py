@@ -41,3 +41,11 @@ def test_a_verb_prints_a_name_from_a_folder_escaped(tmp_path, capsys):
     assert code != 0 and "\x1b" not in out + err and "\x07" not in out + err
     assert "\\x1b]0;pwned\\x07" in err and len(err.strip().splitlines()) == 1
     assert not isinstance(sys.stdout, EscapingStream)  # the streams are given back when the verb returns
+
+
+def test_an_error_naming_a_name_with_a_newline_stays_one_line(tmp_path, capsys):
+    hostile = tmp_path / "a\nerror: forged"
+    hostile.mkdir()
+    code = cli_main(["verify", str(hostile)])
+    err = capsys.readouterr().err
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "a\\nerror: forged" in err
