@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from automodel_ckpt.checkpoint.disk import bounded, paths
+from automodel_ckpt.checkpoint.disk.durable import write_atomic
+from automodel_ckpt.errors import UserError, first_line
 from automodel_ckpt.jsonsafe import json_safe
 
 
@@ -22,36 +28,89 @@ class JsonlLog:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
+        line = (json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n").encode("utf-8")
+        fd = _open_append(self.path)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step``: a resumed run rewrites the steps it repeats."""
-        if not self.enabled or not self.path.exists():
+        if not self.enabled or not os.path.lexists(self.path):
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        tmp.replace(self.path)
+        kept = [line for line in _read_log(self.path).splitlines() if _step_of(line) <= step]
+        write_atomic(self.path, "".join(line + "\n" for line in kept).encode("utf-8"))
 
 
 def _step_of(line: str) -> float:
     try:
         return float(json.loads(line).get("step", math.inf))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return math.inf
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in _log_lines(path):
         line = line.strip()
         if line:
             try:
                 out.append(json.loads(line))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a line nested too deeply to be a record
                 continue  # a line cut by a kill mid-write
     return out
+
+
+def _open_append(path: Path) -> int:
+    """``path`` opened for appending, created if missing; a symlink, FIFO or anything but a regular file there is
+    refused (``UserError``), never written through."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        os.set_blocking(fd, True)
+        return fd
+    if fd is not None:
+        os.close(fd)
+    raise UserError(f"the log '{path}' is {paths.kind(os.lstat(path).st_mode)}, not a regular file; logs are "
+                    "appended only to regular files of the run: remove it")
+
+
+def _log_lines(path: Path) -> Iterator[str]:
+    """A log's lines, read one at a time (a run folder received from elsewhere may hold a log of any size); a line
+    longer than ``bounded.LOG_LINE`` is skipped, never held whole. Opened as ``_read_log`` opens it."""
+    try:
+        f = os.fdopen(paths.open_regular(path), "rb")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"cannot read the log '{path}': {first_line(exc)}; logs are read only as regular files: "
+                        "remove it") from None
+    with f:
+        while line := f.readline(bounded.LOG_LINE + 1):
+            if len(line) > bounded.LOG_LINE:
+                while line and not line.endswith(b"\n"):  # the rest of an over-long line
+                    line = f.readline(bounded.LOG_LINE + 1)
+                continue
+            yield line.decode("utf-8", "replace")
+
+
+def _read_log(path: Path) -> str:
+    """A log's text; a symlink, FIFO or device in its place is refused (``UserError``), never followed or waited
+    on."""
+    try:
+        with os.fdopen(paths.open_regular(path), "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise UserError(f"cannot read the log '{path}': {first_line(exc)}; logs are read only as regular files: "
+                        "remove it") from None

@@ -1,10 +1,19 @@
-"""Durable filesystem steps: early writeback, fsync of files and folders, atomic pointer swaps, pointer resolution."""
+"""Durable filesystem steps: early writeback, fsync of files and folders, atomic pointer swaps, pointer resolution.
+
+Our own files in a run folder (pointers, notes, markers, copies) are written without following a link: a new file
+is created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over its place, which replaces a symlink or FIFO
+found there instead of writing through it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import os
+import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -16,18 +25,63 @@ from typing import Callable
 from automodel_ckpt.checkpoint.disk import layout, paths
 
 
+_NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """fsync one of our regular files (a symlink is not followed, a FIFO not waited on: ``OSError``)."""
+    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def write_durable(path: Path, text: str) -> None:
-    """Write a small text file and fsync it."""
-    path.write_text(text, encoding="utf-8")
-    fsync_file(path)
+    """Write a small text file and fsync it: created beside ``path`` and renamed over it (``write_atomic``)."""
+    write_atomic(Path(path), text.encode("utf-8"))
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Put ``data`` at ``path``: written to a new file beside it (never through a link), fsynced, renamed over
+    ``path``. Whatever was at ``path`` (a file, a symlink, a FIFO) is replaced, never written through."""
+    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def copy_regular(src: Path, dst: Path, *, follow: bool = False) -> None:
+    """Copy the regular file ``src`` (a symlink only with ``follow``; never a FIFO or device: ``OSError``) to a
+    new ``dst``, replacing whatever is there by rename (``write_atomic``'s way); fsynced."""
+    tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(6)}"
+    with os.fdopen(paths.open_regular(Path(src), follow=follow), "rb") as source:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as target:
+                shutil.copyfileobj(source, target, 8 << 20)
+            os.fsync(fd)
+            os.close(fd)
+            os.replace(tmp, dst)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:
@@ -59,7 +113,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 def fsync_dir(path: Path) -> None:
     """Make a folder's entries (new names, renames) durable."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return
     try:
@@ -71,7 +125,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def files_under(root: Path) -> list[Path]:
-    return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
+    """The regular files below ``root``, reached without following a link."""
+    return [Path(root) / rel for rel, _ in paths.walk_regular(root)]
 
 
 # --- files this process wrote: synced already? checksum computed while writing? -----------------------
@@ -152,8 +207,8 @@ def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenF
     elif todo:
         fsync_file(todo[0])
     if rank == 0:
-        dirs = sorted((p for p in Path(root).rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
-        for d in [*dirs, Path(root)]:
+        dirs = sorted(paths.folders_under(root), key=lambda rel: rel.count("/"), reverse=True)
+        for d in [*(Path(root) / rel for rel in dirs), Path(root)]:
             fsync_dir(d)
 
 
@@ -165,22 +220,17 @@ def set_pointer(checkpoint_dir: Path, pointer: str, target_name: str) -> None:
     """
     checkpoint_dir = Path(checkpoint_dir)
     link = checkpoint_dir / pointer
-    tmp = checkpoint_dir / f".{pointer}.tmp-{os.getpid()}"
+    tmp = checkpoint_dir / f".{pointer}.tmp-{secrets.token_hex(6)}"
     try:
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
         os.symlink(target_name, tmp)
         os.replace(tmp, link)
         text = checkpoint_dir / layout.pointer_text_file(pointer)
-        if text.exists():
+        if os.path.lexists(text):
             text.unlink()
     except OSError:
         if tmp.is_symlink():
             tmp.unlink()
-        txt_tmp = checkpoint_dir / f".{pointer}.txt.tmp-{os.getpid()}"
-        txt_tmp.write_text(target_name + "\n", encoding="utf-8")
-        fsync_file(txt_tmp)
-        os.replace(txt_tmp, checkpoint_dir / layout.pointer_text_file(pointer))
+        write_atomic(checkpoint_dir / layout.pointer_text_file(pointer), (target_name + "\n").encode("utf-8"))
     fsync_dir(checkpoint_dir)
 
 
@@ -209,7 +259,14 @@ def remove_pointer(checkpoint_dir: Path, pointer: str) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a folder of ours and everything below it, following no link: a symlink (or a file) found in its
+    place is removed itself, never what it points to."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return
+    shutil.rmtree(path, ignore_errors=True)  # rmtree never follows a link below the top
 
 
 def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
@@ -230,7 +287,7 @@ def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
         raise
     fsync_dir(out.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() and not old.is_symlink() else old.unlink()
+        remove_tree(old)
 
 
 def unwritable(folder: Path) -> str | None:

@@ -99,6 +99,8 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_PICKLE = "adapter_model.bin"  # older PEFT adapters: read by PEFT when no safetensors file exists
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 #: The model formats (``checkpoint.model_save_format``, recorded in metadata.json): per-rank safetensors shards,
 #: DCP ``.distcp`` files, and for a checkpoint whose model is a PEFT adapter, ``adapter``.
 SAFETENSORS = "safetensors"

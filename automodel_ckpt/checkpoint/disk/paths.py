@@ -8,12 +8,16 @@ taken from there is used only if it is *plain*:
   component (``a//b``, a trailing ``/``), no backslash, NUL or other control character, no drive (``C:``), no
   component longer than 255 bytes, no ``*``, ``?``, ``[`` or ``::`` (an object-store client would expand the
   first three as a glob and read ``::`` as a chain of URLs: the key would stand for other keys);
-* joined to its root it resolves inside the root: a symlinked folder on the way may not lead out of it.
+* joined to its root it is reached without following a link: no folder on the way is a symlink (even one that
+  stays inside the root), and a final symlink may not lead out of the root.
 
 A bucket prefix taken for a checkpoint name is one such component. Only regular files are read or hashed:
 ``open_regular`` refuses symlinks, FIFOs, devices and sockets before a single byte is read (and never blocks on a
-FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it. Anything else is a ``CheckpointError`` naming the path and where it came from: the checkpoint is damaged
-(resume's fallback and quarantine apply) or the verb fails in one line.
+FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it, without
+following a link unless told to (a Hugging Face cache folder the user named is made of links into its blobs).
+``walk_regular`` lists the regular files below a folder without entering a linked folder, and names the links and
+special files it passed over. Anything else is a ``CheckpointError`` naming the path and where it came from: the
+checkpoint is damaged (resume's fallback and quarantine apply) or the verb fails in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Iterator
 
 from automodel_ckpt.errors import CheckpointError
 
@@ -72,28 +77,83 @@ def check(rel: object, where: str) -> str:
     return rel  # type: ignore[return-value]
 
 
+class UnsafePathError(CheckpointError):
+    """A path that a folder reaches only through a link; ``reason`` says how, in a few words."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def inside(root: Path, rel: object, where: str, cache: dict[str, str] | None = None) -> Path:
-    """``root / rel`` after ``check``, refused (``CheckpointError``) when it resolves outside ``root`` through a
-    symlink on the way. Nothing is created; the path need not exist. ``cache``: resolved folders, kept by a
-    caller that checks many paths below one root."""
+    """``root / rel`` after ``check``, refused (``UnsafePathError``) when a folder on the way is a symlink (inside
+    ``root`` or not) or the path itself is a symlink leading out of ``root``. Nothing is created; the path need not
+    exist. ``cache``: folders checked already, kept by a caller that checks many paths below one root."""
     root = Path(root)
     path = root / check(rel, where)
-    base = _real(str(root), cache)
-    real = _real(str(path.parent), cache)
-    real = os.path.realpath(path) if os.path.islink(path) else os.path.join(real, path.name)
-    if not real.startswith(base.rstrip(os.sep) + os.sep):
-        raise CheckpointError(f"{where} names the unsafe path {rel!r} (it leads out of '{root}' through a "
-                              "symlink); only plain relative paths inside the checkpoint are read or written")
+    folder = root
+    for part in rel.split("/")[:-1]:  # type: ignore[union-attr]
+        folder = folder / part
+        key = str(folder)
+        if cache is not None and key in cache:
+            continue
+        try:
+            mode = os.lstat(folder).st_mode
+        except OSError:
+            break  # nothing below a missing folder exists to be followed
+        if stat.S_ISLNK(mode):
+            _refuse_leading_out(root, folder, rel, where)
+            shown = folder.relative_to(root).as_posix()
+            raise UnsafePathError(f"{where} names the path {rel!r}, reached through the symlinked folder "
+                                  f"'{shown}' in '{root}'; folders inside a checkpoint are never followed as links",
+                                  f"reached through the symlinked folder '{shown}'")
+        if cache is not None:
+            cache[key] = key
+    if os.path.islink(path):
+        _refuse_leading_out(root, path, rel, where)
     return path
 
 
-def _real(folder: str, cache: dict[str, str] | None) -> str:
-    if cache is None:
-        return os.path.realpath(folder)
-    real = cache.get(folder)
-    if real is None:
-        real = cache[folder] = os.path.realpath(folder)
-    return real
+def _refuse_leading_out(root: Path, link: Path, rel: object, where: str) -> None:
+    base = os.path.realpath(root).rstrip(os.sep) + os.sep
+    if not os.path.realpath(link).startswith(base):
+        raise UnsafePathError(f"{where} names the unsafe path {rel!r} (it leads out of '{root}' through a "
+                              "symlink); only plain relative paths inside the checkpoint are read or written",
+                              "leads out of the checkpoint through a symlink")
+
+
+def walk_regular(root: Path, passed: list[tuple[str, str]] | None = None) -> Iterator[tuple[str, int]]:
+    """``(relative path, size)`` of every regular file below ``root``, sorted by path, reached without following
+    a link: a symlinked folder is not entered. Each symlink, FIFO, socket or device found is appended to ``passed``
+    as ``(relative path, why)``. A folder removed while it is walked is skipped."""
+    for rel, st in _walk(Path(root), ""):
+        why = not_regular(st.st_mode)
+        if why is None:
+            yield rel, st.st_size
+        elif passed is not None and not stat.S_ISDIR(st.st_mode):
+            passed.append((rel, why))
+
+
+def folders_under(root: Path) -> list[str]:
+    """The relative paths of the real folders below ``root`` (symlinked ones are not entered), sorted."""
+    return [rel for rel, st in _walk(Path(root), "") if stat.S_ISDIR(st.st_mode)]
+
+
+def _walk(folder: Path, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        rel = prefix + entry.name
+        yield rel, st
+        if stat.S_ISDIR(st.st_mode):
+            yield from _walk(Path(entry.path), rel + "/")
 
 
 def open_regular(path: Path, *, follow: bool = False) -> int:
@@ -117,7 +177,7 @@ def open_regular(path: Path, *, follow: bool = False) -> int:
         if not stat.S_ISREG(mode):
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(f"'{path}' is a folder, not a regular file")
-            raise OSError(f"'{path}' is {_kind(mode)}, not a regular file")
+            raise OSError(f"'{path}' is {kind(mode)}, not a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -125,10 +185,11 @@ def open_regular(path: Path, *, follow: bool = False) -> int:
     return fd
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, *, follow: bool = False) -> str:
     """The UTF-8 text of a small file read from a checkpoint (metadata, manifest, config, pointer): only a regular
-    file, or a symlink to one, is read; a FIFO or device is refused (``OSError``) instead of blocking forever."""
-    with os.fdopen(open_regular(Path(path), follow=True), "rb") as f:
+    file is read (a symlink only with ``follow``, for a folder the user named); a symlink, FIFO or device is refused
+    (``OSError``) instead of being followed or blocking forever."""
+    with os.fdopen(open_regular(Path(path), follow=follow), "rb") as f:
         return f.read().decode("utf-8")
 
 
@@ -140,10 +201,11 @@ def regular_file_problem(path: Path) -> str | None:
 
 def not_regular(mode: int) -> str | None:
     """Why a file of ``mode`` (an ``lstat``'s) is no regular file; None when it is one."""
-    return None if stat.S_ISREG(mode) else f"{_kind(mode)}, not a regular file"
+    return None if stat.S_ISREG(mode) else f"{kind(mode)}, not a regular file"
 
 
-def _kind(mode: int) -> str:
+def kind(mode: int) -> str:
+    """What a file of ``mode`` (an ``lstat``'s) is, in words: "a symlink", "a FIFO", "a folder", ..."""
     for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):

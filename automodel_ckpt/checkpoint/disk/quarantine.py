@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.checkpoint.disk import catalog, layout, paths
 from automodel_ckpt.checkpoint.disk.catalog import Monitor
-from automodel_ckpt.checkpoint.disk.durable import fsync_dir, remove_pointer, set_pointer
+from automodel_ckpt.checkpoint.disk.durable import fsync_dir, remove_pointer, set_pointer, write_atomic
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.errors import CheckpointError
 
 
 def quarantine(checkpoint_dir: Path, name: str, reason: str, *, monitor: str = "val_loss",
@@ -20,21 +23,33 @@ def quarantine(checkpoint_dir: Path, name: str, reason: str, *, monitor: str = "
     ``monitor`` (or is removed). Returns the checkpoint's new path.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    folder = checkpoint_dir / layout.QUARANTINE_DIR
-    folder.mkdir(exist_ok=True)
+    folder = _own_folder(checkpoint_dir / layout.QUARANTINE_DIR)
     target = folder / name
     n = 1
-    while target.exists():  # the same step damaged twice (a rerun wrote it again): keep both
+    while os.path.lexists(target):  # the same step damaged twice (a rerun wrote it again): keep both
         n += 1
         target = folder / f"{name}.{n}"
     meta = read_metadata(checkpoint_dir / name) or {}
     (checkpoint_dir / name).rename(target)
     note = {"name": name, "step": meta.get("step"), "reason": reason, "quarantined_at": time.time()}
-    (folder / layout.quarantine_note(target.name)).write_text(json.dumps(note, indent=2) + "\n", encoding="utf-8")
+    write_atomic(folder / layout.quarantine_note(target.name), (json.dumps(note, indent=2) + "\n").encode("utf-8"))
     fsync_dir(folder)
     fsync_dir(checkpoint_dir)
     _repoint(checkpoint_dir, name, Monitor(monitor, best_metric_key, mode))
     return target
+
+
+def _own_folder(folder: Path) -> Path:
+    """``folder``, created if missing; a symlink or anything but a real folder in its place is refused: nothing is
+    moved or written through a link out of the run folder."""
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        mode = os.lstat(folder).st_mode
+        if not stat.S_ISDIR(mode):
+            raise CheckpointError(f"'{folder}' is {paths.kind(mode)}, not a folder; damaged checkpoints are moved "
+                                  "only into a real folder there: remove it") from None
+    return folder
 
 
 def _repoint(checkpoint_dir: Path, gone: str, monitor: Monitor) -> None:

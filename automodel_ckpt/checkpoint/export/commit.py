@@ -9,6 +9,7 @@ initialised, else through marker files in the shared temporary folder.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -17,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.durable import fsync_dir, replace_folder, write_durable
+from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk.durable import fsync_dir, remove_tree, replace_folder, write_durable
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -159,16 +160,13 @@ class _FileCoordinator(Coordinator):
         while waiting:
             for r in sorted(waiting):
                 failure = self.tmp / layout.export_rank_failure(r)
-                if failure.exists():
-                    msg = failure.read_text(encoding="utf-8", errors="replace").strip()
+                if os.path.lexists(failure):
+                    msg = _read_note(failure)
                     shutil.rmtree(self.tmp, ignore_errors=True)
                     raise CheckpointError(f"consolidation failed on rank {r}: {msg}")
                 marker = self.tmp / layout.export_rank_marker(r)
-                try:
-                    if marker.read_text(encoding="utf-8").strip() == fingerprint:
-                        waiting.discard(r)
-                except FileNotFoundError:
-                    pass
+                if os.path.lexists(marker) and _read_note(marker) == fingerprint:
+                    waiting.discard(r)
             if waiting:
                 if time.monotonic() > deadline:
                     shutil.rmtree(self.tmp, ignore_errors=True)
@@ -182,15 +180,27 @@ def _make_folder(tmp: Path, out_dir: Path, exist_ok: bool = False) -> None:
         tmp.mkdir(exist_ok=exist_ok)
     except OSError as e:
         raise CheckpointError(f"output folder {out_dir.parent} is not writable ({e.strerror or e})") from None
+    if tmp.is_symlink():  # a shared folder's name, taken by a link: never written through
+        raise CheckpointError(f"'{tmp}' is a symlink, not a folder; an export is written only into a folder of its "
+                              "own: remove it")
 
 
 def _swap_in(tmp: Path, out_dir: Path, expected: set[str]) -> None:
     """Rename the finished ``tmp`` to ``out_dir``; an existing export is moved aside first, then deleted."""
     for entry in tmp.iterdir():  # markers, or leftovers of an interrupted run with another layout
         if entry.name not in expected:
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            remove_tree(entry)
     fsync_dir(tmp)
     replace_folder(tmp, out_dir, layout.export_old_name(out_dir.name, secrets.token_hex(4)))
+
+
+def _read_note(path: Path) -> str:
+    """A rank's marker or failure note: its text, or "" when it is no regular file (never followed or waited on)."""
+    try:
+        with os.fdopen(paths.open_regular(path), "rb") as f:
+            return f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
 
 
 def _write_quietly(path: Path, text: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk import bounded, layout, paths
 from automodel_ckpt.checkpoint.formats.safetensors_io import read_header, st_dtype_name, tensor_entries
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.checkpoint.disk.durable import copy_regular, remove_tree
+from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ def write_hf_metadata(
     """
     model_dir = Path(model_dir)
     folder = layout.hf_metadata_dir(model_dir)
-    if folder.exists():
-        shutil.rmtree(folder)
+    remove_tree(folder)
     folder.mkdir(parents=True)
     if hf_config is not None:
         _save_config(hf_config, folder, layout.HF_CONFIG)
@@ -101,13 +101,13 @@ def write_hf_metadata(
     if generation_config is not None:
         _save_config(generation_config, folder, layout.HF_GENERATION_CONFIG)
     elif base is not None and (base / layout.HF_GENERATION_CONFIG).is_file():
-        shutil.copyfile(base / layout.HF_GENERATION_CONFIG, folder / layout.HF_GENERATION_CONFIG)
+        _copy_from_base(base / layout.HF_GENERATION_CONFIG, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     elif base is not None:
         for name in layout.HF_TOKENIZER_FILES:
             if (base / name).is_file():
-                shutil.copyfile(base / name, folder / name)
+                _copy_from_base(base / name, folder)
     if base is not None:
         original = _original_tensors(base)
         if original is not None:
@@ -128,33 +128,66 @@ def write_hf_metadata(
 def read_hf_metadata(model_dir: Path) -> HFMetadata:
     """Read ``model_dir/.hf_metadata``; a missing folder is a CheckpointError."""
     folder = layout.hf_metadata_dir(Path(model_dir))
+    if folder.is_symlink():
+        raise CheckpointError(f"'{folder}' is a symlink, not a folder; folders inside a checkpoint are never "
+                              "followed as links")
     if not folder.is_dir():
         raise CheckpointError(f"no {layout.HF_METADATA_DIR} folder in {model_dir}")
     config_path = folder / layout.HF_CONFIG
-    config = _read_json(config_path) if config_path.is_file() else None
+    config = _read_json(config_path) if os.path.lexists(config_path) else None
     meta = HFMetadata(folder=folder, config=config)
+    if config is not None and not isinstance(config, dict):
+        raise CheckpointError(f"damaged {config_path}: not a JSON object")
     original_path = folder / layout.ORIGINAL_TENSORS_FILE
-    if original_path.is_file():
-        data = _read_json(original_path)
-        meta.original = {name: _tensor_info(name, v, original_path) for name, v in data["tensors"].items()}
-        meta.original_num_files = int(data["num_files"])
     saved_path = folder / layout.SAVED_STATE_FILE
-    if saved_path.is_file():
-        data = _read_json(saved_path)
-        if data.get("tensors") is not None:
-            meta.saved = {name: _tensor_info(name, v, saved_path) for name, v in data["tensors"].items()}
-        if data.get("world_size"):
-            meta.saved_world_size = int(data["world_size"])
-    skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
-    meta.extra_files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.name not in skip)
+    try:
+        if os.path.lexists(original_path):
+            data = _read_json(original_path)
+            meta.original = {name: _tensor_info(name, v, original_path) for name, v in data["tensors"].items()}
+            meta.original_num_files = bounded.count(data["num_files"], str(original_path), "num_files",
+                                                    max(1, len(meta.original)))
+        if os.path.lexists(saved_path):
+            data = _read_json(saved_path)
+            if data.get("tensors") is not None:
+                meta.saved = {name: _tensor_info(name, v, saved_path) for name, v in data["tensors"].items()}
+            if data.get("world_size"):
+                meta.saved_world_size = bounded.count(data["world_size"], str(saved_path), "world_size",
+                                                      bounded.MAX_WORLD_SIZE)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"damaged {folder}: {layout.ORIGINAL_TENSORS_FILE} or {layout.SAVED_STATE_FILE} "
+                              "lacks its 'tensors' table") from None
+    meta.extra_files = _side_files(folder)
     return meta
+
+
+def _side_files(folder: Path) -> list[Path]:
+    """The files of ``.hf_metadata`` an export copies: regular files only (subfolders are not copied); a symlink,
+    FIFO, socket or device there is refused in one line, never followed or read."""
+    skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
+    passed: list[tuple[str, str]] = []
+    files = [folder / rel for rel, _ in paths.walk_regular(folder, passed) if "/" not in rel and rel not in skip]
+    passed = [(rel, why) for rel, why in passed if "/" not in rel]
+    if passed:
+        rel, why = passed[0]
+        raise CheckpointError(f"'{folder / rel}' is {why}; an export copies only regular files from "
+                              f"{layout.HF_METADATA_DIR}: replace it with the file itself or remove it")
+    return files
+
+
+def _copy_from_base(source: Path, folder: Path) -> None:
+    """Copy a side file of the base model folder the recipe names (a Hugging Face cache folder is made of links
+    into its blobs: followed) into ``folder``; a FIFO or device there is refused (``CheckpointError``)."""
+    try:
+        copy_regular(source, folder / source.name, follow=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot copy '{source}' from the base model folder: {first_line(exc)}") from None
 
 
 def _original_tensors(base: Path) -> dict[str, Any] | None:
     """Per-tensor dtype, shape and file number of a base HF folder, from its index and safetensors headers."""
     index_path = base / layout.HF_INDEX
     if index_path.is_file():
-        weight_map: dict[str, str] = _read_json(index_path)["weight_map"]
+        weight_map: dict[str, str] = _read_json(index_path, follow=True)["weight_map"]
         files = sorted({paths.check(f, f"'{index_path}'") for f in weight_map.values()})
     elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
         files = [layout.HF_SINGLE_WEIGHTS]
@@ -190,8 +223,10 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, *, follow: bool = False) -> Any:
+    """JSON of a file of a checkpoint (never through a link), or with ``follow`` of the base folder the recipe
+    names."""
     try:
-        return json.loads(paths.read_text(path))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return bounded.read_json(path, "export metadata", bounded.INDEX_FILE, follow=follow)
+    except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None

@@ -6,11 +6,17 @@ safetensors files (bf16 for the embedded base), so the merged folder is as large
 ``save_pretrained`` writes it in the family's on-disk layout (experts per expert, tied weights once).
 The folder is written under a hidden temporary name and renamed into place when complete; inside a checkpoint,
 the checkpoint's manifest is updated to list the new files.
+
+The adapter folder is untrusted: its files are read, and its tokenizer files copied, only as regular files reached
+without following a link (a symlink, FIFO or device there is refused in one line: the merged folder needs them).
+The base folder may be a Hugging Face cache snapshot, made of links into its repository's ``blobs/``: named with
+``--base``, its links are followed; named by ``adapter_config.json``, only links that stay inside that repository.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -18,18 +24,21 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout, manifest, paths
+from automodel_ckpt.checkpoint.disk import bounded, layout, manifest, paths
 from automodel_ckpt.checkpoint.export.family import auto_model_class, in_memory_dtypes
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
-from automodel_ckpt.checkpoint.disk.durable import replace_folder
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.checkpoint.disk.durable import copy_regular, replace_folder
+from automodel_ckpt.errors import CheckpointError, first_line
 
 
 def adapter_folder(path: Path) -> Path:
     """The PEFT adapter folder of a checkpoint (``CHECKPOINT/model``) or the folder itself."""
     path = Path(path)
     for candidate in (path / layout.MODEL_DIR, path):
-        if (candidate / layout.ADAPTER_CONFIG).is_file():
+        if candidate is not path and candidate.is_symlink():
+            raise CheckpointError(f"'{candidate}' is a symlink, not a folder; folders inside a checkpoint are never "
+                                  "followed as links")
+        if os.path.lexists(candidate / layout.ADAPTER_CONFIG):
             return candidate
     if not path.exists():
         raise CheckpointError(f"'{path}' not found")
@@ -43,10 +52,10 @@ def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
         base = Path(override)
     else:
         try:
-            config = json.loads((adapter_dir / layout.ADAPTER_CONFIG).read_text(encoding="utf-8"))
+            config = bounded.read_json(adapter_dir / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {adapter_dir / layout.ADAPTER_CONFIG}: {exc}") from None
-        name = config.get("base_model_name_or_path")
+            raise CheckpointError(f"cannot read {adapter_dir / layout.ADAPTER_CONFIG}: {first_line(exc)}") from None
+        name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
         if not name:
             raise CheckpointError(f"{adapter_dir / layout.ADAPTER_CONFIG} names no base model; pass --base DIR")
         base = Path(name)
@@ -60,7 +69,10 @@ def original_dtypes(base: Path) -> dict[str, torch.dtype]:
     """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
     index = base / layout.HF_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE, follow=True)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"'{index}' has no 'weight_map' table")
         files = sorted({paths.check(f, f"'{index}'") for f in weight_map.values()})
     elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
         files = [layout.HF_SINGLE_WEIGHTS]
@@ -96,8 +108,13 @@ def merged_model(adapter_dir: Path, base: Path) -> Any:
 def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = None) -> Path:
     """Write the merged model of a PEFT checkpoint to ``out`` (default ``CHECKPOINT/model/merged``)."""
     adapter_dir = adapter_folder(checkpoint)
+    for name in (layout.ADAPTER_CONFIG, layout.ADAPTER_WEIGHTS, layout.ADAPTER_WEIGHTS_PICKLE):
+        _refuse_unless_regular(adapter_dir / name, "the adapter folder")  # before they are read
     base_dir = base_model_folder(adapter_dir, base)
     out = Path(out) if out is not None else adapter_dir / layout.MERGED_DIR
+    own_tokenizer = os.path.lexists(adapter_dir / layout.HF_TOKENIZER_CONFIG)
+    side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
+                             within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
     model = merged_model(adapter_dir, base_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
@@ -106,16 +123,53 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
         _fix_config_dtype(tmp / layout.HF_CONFIG, model.config.dtype)
         for weights in tmp.glob("*.safetensors"):  # written owner-only; as readable as the other files
             shutil.copymode(tmp / layout.HF_CONFIG, weights)
-        tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
-        for name in layout.HF_TOKENIZER_FILES:
-            if (tokenizer_source / name).is_file():
-                shutil.copyfile(tokenizer_source / name, tmp / name)
+        for source, follow in side_files:
+            try:
+                copy_regular(source, tmp / source.name, follow=follow)
+            except OSError as exc:
+                raise CheckpointError(f"cannot copy '{source}' into the merged folder: {first_line(exc)}") from None
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     manifest.add_files(out)  # no-op outside a checkpoint
     return out
+
+
+def _refuse_unless_regular(path: Path, where: str) -> None:
+    """A ``CheckpointError`` (one line) when ``path`` exists and is a symlink, FIFO, device or folder."""
+    try:
+        why = paths.regular_file_problem(path)
+    except FileNotFoundError:
+        return
+    if why is not None:
+        raise CheckpointError(f"'{path}' is {why}; files of {where} are read only as regular files, never through "
+                              "a link: replace it with the file itself")
+
+
+def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tuple[Path, bool]]:
+    """The tokenizer files of ``source`` to copy into the merged folder, checked before the merge starts: an
+    adapter's must be regular files (``follow`` False); a base folder's may be links (``follow``), which with
+    ``within`` must resolve to a regular file below it."""
+    found = []
+    for name in layout.HF_TOKENIZER_FILES:
+        path = source / name
+        if not os.path.lexists(path):
+            continue
+        if not follow:
+            _refuse_unless_regular(path, "the adapter folder")
+        elif within is not None and path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(within):
+            raise CheckpointError(f"'{path}' is a symlink leading out of the base model folder '{within}' named by "
+                                  f"{layout.ADAPTER_CONFIG}; pass --base DIR to use a base folder you trust")
+        found.append((path, follow))
+    return found
+
+
+def _cache_repo(base: Path) -> Path:
+    """The folder a base's links may lead into: a Hugging Face cache snapshot's repository (``models--org--name``,
+    whose ``blobs/`` its links name), else the base folder itself."""
+    real = Path(os.path.realpath(base))
+    return real.parent.parent if real.parent.name == "snapshots" else real
 
 
 def _fix_config_dtype(config_file: Path, dtype: Any) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import durable
+from automodel_ckpt.checkpoint.disk import durable, paths
 from automodel_ckpt.checkpoint.export.family import c_strides
 from automodel_ckpt.checkpoint.export.sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.checkpoint.formats.safetensors_io import (
@@ -32,7 +32,7 @@ from automodel_ckpt.checkpoint.formats.safetensors_io import (
     pwrite_all,
     st_dtype_name,
 )
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -267,9 +267,11 @@ class _Writer:
                 fd = self.src_fds.get(path)
                 if fd is None:
                     try:
-                        fd = os.open(path, os.O_RDONLY)
+                        fd = paths.open_regular(path)  # never through a link, never a FIFO
                     except FileNotFoundError:
                         raise CheckpointError(f"missing shard file {path}") from None
+                    except OSError as exc:
+                        raise CheckpointError(f"cannot read shard file {path}: {first_line(exc)}") from None
                     self.src_fds[path] = fd
         return fd
 

@@ -8,6 +8,7 @@ Which checkpoint to resume is chosen in ``catalog``.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Iterable
@@ -24,7 +25,7 @@ def reserve(checkpoint_dir: Path, name: str) -> Path:
     """Rank 0: create ``.staging-<name>`` after removing leftovers of interrupted saves. Never overwrites."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir / name
-    if final.exists():
+    if os.path.lexists(final):
         raise CheckpointError(
             f"checkpoint '{final}' already exists and is never overwritten; "
             "restore from the newest checkpoint or use another checkpoint.checkpoint_dir"
@@ -37,10 +38,11 @@ def reserve(checkpoint_dir: Path, name: str) -> Path:
 
 
 def discard_staging(checkpoint_dir: Path) -> list[str]:
-    """Rank 0: remove the ``.staging-*`` folders of unfinished saves; returns their names."""
+    """Rank 0: remove the ``.staging-*`` folders of unfinished saves (a symlink or file of that name is removed
+    itself, never followed); returns their names."""
     removed = []
     for leftover in Path(checkpoint_dir).iterdir():
-        if layout.is_staging(leftover.name) and leftover.is_dir():
+        if layout.is_staging(leftover.name):
             remove_tree(leftover)
             removed.append(leftover.name)
     return removed
@@ -69,8 +71,8 @@ def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metr
     """
     checkpoint_dir = Path(checkpoint_dir)
     for leftover in checkpoint_dir.iterdir():
-        if leftover.name.startswith(layout.DELETING_PREFIX) and leftover.is_dir():
-            remove_tree(leftover)
+        if leftover.name.startswith(layout.DELETING_PREFIX):
+            remove_tree(leftover)  # a symlink of that name is removed itself, never followed
     if not policy.prunes:
         return []
     protected = {t for t in catalog.pointer_targets(checkpoint_dir).values() if t} | set(protected)

@@ -13,6 +13,9 @@ So the run that owns the folder holds a lock on it from before its first write u
   overwrites. A process forked by the holder (not ``exec``ed: the descriptor is close-on-exec) keeps the lock
   while it lives;
 * within one process the lock is shared: a second ``RunLock`` on the same folder is the same run and counts up;
+* the lock file is opened without following a link and without waiting on a FIFO: a symlink, FIFO or anything
+  but a regular file in its place is refused in one line (remove it), never written through, truncated or
+  deleted; the release removes the file only while it is still the one this run holds;
 * reading verbs (``inspect``, ``verify``) take no lock; ``consolidate`` writes only its export folder, which
   replaces itself by rename, and takes none either.
 
@@ -32,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -39,13 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.distributed.lifeline import LAUNCHER_PID_ENV
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_NOT_REGULAR = (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR, errno.ENOTDIR)  # a link, FIFO, folder...
 
 
 class FolderInUseError(CheckpointError):
@@ -79,7 +84,7 @@ class RunLock:
         """Take the folder for this run; ``FolderInUseError`` (one line naming the holder) if another run has it."""
         if self._mine:
             return
-        key = os.path.realpath(self.path)
+        key = self._key()
         with _MUTEX:
             held = _HELD.get(key)
             if held is not None:  # this process already holds it: the same run
@@ -97,7 +102,7 @@ class RunLock:
         if not self._mine:
             return
         self._mine = False
-        key = os.path.realpath(self.path)
+        key = self._key()
         with _MUTEX:
             held = _HELD.get(key)
             if held is None:
@@ -109,10 +114,15 @@ class RunLock:
             _drop(key, held.fd)
 
     def holder(self) -> str | None:
-        """Who holds the lock (host, pid, since when), or None when nobody does. Never takes it."""
+        """Who holds the lock (host, pid, since when), or None when nobody does. Never takes it; a lock file that
+        is a symlink, FIFO or other non-regular file is refused (``CheckpointError``)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            fd = self._open(os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in _NOT_REGULAR:
+                raise self._not_regular() from None
             return None
         try:
             try:
@@ -133,6 +143,32 @@ class RunLock:
         if who is not None:
             raise FolderInUseError(self._in_use(who))
 
+    def _key(self) -> str:
+        """This process's key for the lock: the lock file's path in the resolved folder (the folder is the user's
+        to name, through links if they like; the lock file itself is never resolved)."""
+        return os.path.join(os.path.realpath(self.folder), layout.RUN_LOCK)
+
+    def _open(self, flags: int) -> int:
+        """The lock file opened with ``flags``, never through a symlink nor waiting on a FIFO; ``OSError`` with
+        errno ``ELOOP`` or ``EFTYPE``-like ``EINVAL`` when it is no regular file."""
+        fd = os.open(self._key(), flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", self._key())
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _not_regular(self) -> CheckpointError:
+        try:
+            kind = paths.not_regular(os.lstat(self.path).st_mode) or "not a regular file"
+        except OSError:
+            kind = "not a regular file"
+        return CheckpointError(f"checkpoint.checkpoint_dir '{self.folder}': the run lock '{self.path}' is {kind}; "
+                               "a run only locks a regular file of its own there: remove it and start again")
+
     def _in_use(self, who: str) -> str:
         return (f"checkpoint.checkpoint_dir '{self.folder}' is in use by another run ({who}); wait for it to end "
                 f"or stop it, or choose another checkpoint.checkpoint_dir (lock: {self.path})")
@@ -141,7 +177,12 @@ class RunLock:
         """An open descriptor of the lock file, locked; None where the filesystem has no locks (with a warning)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = self._open(os.O_RDWR | os.O_CREAT)
+            except OSError as exc:
+                if exc.errno in _NOT_REGULAR:
+                    raise self._not_regular() from None
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -156,7 +197,7 @@ class RunLock:
                               f"({exc.strerror}); nothing stops a second run from using this folder", stacklevel=4)
                 return None
             try:  # the file may have been removed (and replaced) by a holder releasing it while we opened it
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
             if same:
@@ -165,8 +206,11 @@ class RunLock:
 
 
 def _drop(path: str, fd: int) -> None:
+    """Remove the lock file, only if the name still is the very file ``fd`` holds (never a link or a file put in
+    its place), then let the lock go."""
     try:
-        os.unlink(path)  # while still locked: a run that opened this file meanwhile retries on a new one
+        if os.path.samestat(os.lstat(path), os.fstat(fd)):
+            os.unlink(path)  # while still locked: a run that opened this file meanwhile retries on a new one
     except OSError:
         pass
     os.close(fd)

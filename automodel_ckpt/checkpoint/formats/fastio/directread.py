@@ -23,10 +23,12 @@ import errno
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from automodel_ckpt.checkpoint.disk.paths import open_regular
 from automodel_ckpt.checkpoint.formats.fastio import session
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ
 
@@ -104,7 +106,7 @@ class _File:
     def fds(self) -> tuple[int, int | None]:
         with self.lock:
             if self.fd is None:
-                self.fd = os.open(self.path, os.O_RDONLY)
+                self.fd = open_regular(Path(self.path), follow=True)  # never a FIFO or device (a base's cache links)
                 if self.direct:
                     try:
                         self.direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import os
-import struct
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,10 +13,13 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from automodel_ckpt.checkpoint.disk.paths import open_regular
 from automodel_ckpt.checkpoint.formats.fastio import common, directread, session
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.checkpoint.formats.fastio.records import locate_record, noted_location
 from automodel_ckpt.checkpoint.formats.safe_load import CachingHFReader, SafeFileSystemReader
+from automodel_ckpt.checkpoint.formats.safetensors_io import check_header, header_length, parse_header
+from automodel_ckpt.errors import CheckpointError
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
     """``(first element, element count)`` when the piece ``offsets``/``lengths`` of a C-contiguous tensor of
@@ -179,7 +180,7 @@ def in_threads(groups: list[list[Any]], work: Callable[[list[Any]], None]) -> No
 
 
 def open_fd(path: str, advice: int | None) -> int:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(Path(path), follow=True)  # never a FIFO or device (a base's cache links are followed)
     if advice is not None and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, advice)
     return fd
@@ -246,16 +247,17 @@ def finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPlan
 # safetensors --------------------------------------------------------------------------------------
 
 
-def safetensors_header(fd: int) -> tuple[int, dict[str, Any]]:
-    """``(data start, header)`` of an open safetensors file."""
-    head = os.pread(fd, 8, 0)
-    if len(head) != 8:
-        raise OSError("not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", head)
+def safetensors_header(fd: int, path: str = "") -> tuple[int, dict[str, Any]]:
+    """``(data start, header)`` of an open safetensors file, its length, entries and byte ranges checked as
+    ``safetensors_io.read_header`` checks them (one-line ``CheckpointError`` naming ``path``)."""
+    size = os.fstat(fd).st_size
+    n = header_length(os.pread(fd, 8, 0), size, path)
     raw = os.pread(fd, n, 8)
     if len(raw) != n:
-        raise OSError("not a safetensors file (truncated header)")
-    return 8 + n, json.loads(raw)
+        raise CheckpointError(f"truncated safetensors file {path}: header cut short")
+    header = parse_header(raw, path)
+    check_header(header, size - 8 - n, path)
+    return 8 + n, header
 
 
 def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
@@ -268,7 +270,7 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
         if path not in headers:
             fd = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
             try:
-                headers[path] = safetensors_header(fd)
+                headers[path] = safetensors_header(fd, path)
             finally:
                 os.close(fd)
         start, header = headers[path]
