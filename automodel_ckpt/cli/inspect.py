@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint.disk import catalog, layout, paths
+from automodel_ckpt.checkpoint.disk import bounded, catalog, layout
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.disk.metadata import as_float
 from automodel_ckpt.distributed.mesh import MeshSizes
@@ -126,17 +126,17 @@ def _mesh(meta: dict[str, Any]) -> str | None:
 def model_family(ckpt: Path) -> str | None:
     """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
     model = layout.model_dir(ckpt)
-    candidates = [layout.hf_metadata_dir(model) / layout.HF_CONFIG]
+    candidates = [(layout.hf_metadata_dir(model) / layout.HF_CONFIG, False)]
     try:
-        adapter = json.loads(paths.read_text(model / layout.ADAPTER_CONFIG))
-        if adapter.get("base_model_name_or_path"):
-            candidates.append(Path(adapter["base_model_name_or_path"]) / layout.HF_CONFIG)
-    except (OSError, ValueError):
+        adapter = bounded.read_json(model / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+        if adapter.get("base_model_name_or_path"):  # a base folder, maybe a Hugging Face cache snapshot of links
+            candidates.append((Path(adapter["base_model_name_or_path"]) / layout.HF_CONFIG, True))
+    except (OSError, TypeError, AttributeError, UserError):
         pass
-    for path in candidates:
+    for path, follow in candidates:
         try:
-            value = json.loads(paths.read_text(path)).get("model_type")
-        except (OSError, ValueError, AttributeError):
+            value = bounded.read_json(path, "a model config", bounded.CONFIG_FILE, follow=follow).get("model_type")
+        except (OSError, AttributeError, UserError):
             continue
         if value:
             return str(value)

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from automodel_ckpt.errors import ConfigError, first_line
+from automodel_ckpt.checkpoint.disk import bounded, paths
+from automodel_ckpt.errors import CheckpointError, ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +98,12 @@ def cached_snapshot(repo_id: str, weights: bool = True) -> Path | None:
 
 def _has_all_weights(folder: Path) -> bool:
     """Safetensors weights, and every shard an index names (a snapshot cached file by file may lack some)."""
-    import json
-
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError):
+            weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE, follow=True).get("weight_map")
+            shards = {paths.check(shard, f"'{index}'") for shard in weight_map.values()}
+        except (OSError, AttributeError, CheckpointError):
             return False
         return bool(shards) and all((folder / shard).exists() for shard in shards)
     return any(folder.glob("*.safetensors"))

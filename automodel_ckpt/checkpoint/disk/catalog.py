@@ -11,15 +11,14 @@ Other hidden folders (``.deleting-*``, temporary pointer files) and symlinks (th
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk import bounded, layout
 from automodel_ckpt.checkpoint.disk.metadata import metric_value, read_metadata
-from automodel_ckpt.checkpoint.disk.paths import is_plain_name, read_text
+from automodel_ckpt.checkpoint.disk.paths import is_plain_name, walk_regular
 from automodel_ckpt.checkpoint.disk.retention import Candidate, is_better
 from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.errors import CheckpointError
@@ -103,14 +102,7 @@ def candidates(records: Iterable[CheckpointRecord], monitor: str, best_metric_ke
 
 def size_on_disk(path: Path) -> int:
     """Bytes of the files below ``path`` (symlinks not followed)."""
-    total = 0
-    for p in Path(path).rglob("*"):
-        try:
-            if p.is_file() and not p.is_symlink():
-                total += p.lstat().st_size
-        except OSError:
-            continue  # removed while we looked
-    return total
+    return sum(size for _, size in walk_regular(path))
 
 
 def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
@@ -119,15 +111,16 @@ def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
     ``{name, path, step, reason, quarantined_at}`` each, oldest first.
     """
     folder = Path(checkpoint_dir) / layout.QUARANTINE_DIR
-    if not folder.is_dir():
+    if folder.is_symlink() or not folder.is_dir():
         return []
     found = []
     for entry in sorted(folder.iterdir()):
-        if not entry.is_dir():
+        if entry.is_symlink() or not entry.is_dir():
             continue
         try:
-            note = json.loads(read_text(folder / layout.quarantine_note(entry.name)))
-        except (OSError, ValueError):
+            note = bounded.read_json(folder / layout.quarantine_note(entry.name), "a quarantine note",
+                                     bounded.SMALL_FILE)
+        except (OSError, CheckpointError):
             note = {}
         note = note if isinstance(note, dict) else {}
         found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk import bounded, layout, paths
 from automodel_ckpt.checkpoint.disk.checksum import CRC32, default_algorithm, hash_file, hasher
 from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_dir, fsync_file
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -53,18 +53,7 @@ UNREADABLE = "unreadable"
 
 def list_files(root: Path) -> dict[str, int]:
     """``{relative path: size}`` of every regular file below ``root`` except the manifest, sorted by path."""
-    root = Path(root)
-    out: dict[str, int] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            p = Path(dirpath) / name
-            if p.is_symlink() or not p.is_file():
-                continue
-            rel = p.relative_to(root).as_posix()
-            if rel != layout.MANIFEST_FILE:
-                out[rel] = p.stat().st_size
-    return dict(sorted(out.items()))
+    return dict(sorted((rel, size) for rel, size in paths.walk_regular(root) if rel != layout.MANIFEST_FILE))
 
 
 def writer_rank(rel: str) -> int | None:
@@ -241,8 +230,8 @@ def read(checkpoint: Path) -> dict[str, Any] | None:
     if not file.exists():
         return None
     try:
-        manifest = json.loads(paths.read_text(file))
-    except (OSError, ValueError) as exc:
+        manifest = bounded.read_json(file, "a manifest", bounded.INDEX_FILE)
+    except OSError as exc:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
@@ -261,8 +250,8 @@ def _is_size(value: object) -> bool:
 
 def _declared_version(file: Path) -> int | None:
     try:
-        data = json.loads(paths.read_text(file))
-    except (OSError, ValueError):
+        data = bounded.read_json(file, "checkpoint metadata", bounded.INDEX_FILE)
+    except (OSError, CheckpointError):
         return None
     v = data.get("layout_version") if isinstance(data, dict) else None
     return v if isinstance(v, int) and not isinstance(v, bool) else None
@@ -322,8 +311,8 @@ def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, chec
         path = paths.inside(Path(root), rel, "the manifest", resolved)
         st = os.lstat(path)
         not_regular, size = paths.not_regular(st.st_mode), st.st_size
-    except CheckpointError:
-        return Verdict(rel, UNREADABLE, "leads out of the checkpoint through a symlink")
+    except CheckpointError as exc:
+        return Verdict(rel, UNREADABLE, getattr(exc, "reason", first_line(exc)))
     except FileNotFoundError:
         return Verdict(rel, MISSING)
     except OSError as exc:

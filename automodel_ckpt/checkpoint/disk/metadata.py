@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk import bounded, layout
 from automodel_ckpt.checkpoint.info import WrittenBy
 from automodel_ckpt.distributed.mesh import MeshSizes
+from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.jsonsafe import json_safe
 
 # Keys of SaveInfo.extra that become top-level metadata fields; other extra keys land under "extra".
@@ -85,8 +84,8 @@ def write_metadata(checkpoint: Path, meta: dict[str, Any]) -> Path:
 def read_metadata(checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint's metadata, or None when it has none (or it is unreadable, or lacks an integer step)."""
     try:
-        meta = json.loads(paths.read_text(Path(checkpoint) / layout.METADATA_FILE))
-    except (OSError, ValueError):
+        meta = bounded.read_json(Path(checkpoint) / layout.METADATA_FILE, "checkpoint metadata", bounded.SMALL_FILE)
+    except (OSError, CheckpointError):
         return None
     if not isinstance(meta, dict) or isinstance(meta.get("step"), bool) or not isinstance(meta.get("step"), int):
         return None
@@ -140,8 +139,8 @@ def written_by(path: Path) -> WrittenBy:
     """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
     local: int | None = None
     try:
-        saved = yaml.safe_load(paths.read_text(Path(path) / layout.CONFIG_FILE))
+        saved = bounded.read_yaml(Path(path) / layout.CONFIG_FILE, "a checkpoint's recipe copy")
         local = int(saved["step_scheduler"]["local_batch_size"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+    except (OSError, KeyError, TypeError, ValueError, CheckpointError):
         pass
     return WrittenBy(world_size=saved_world_size(path), local_batch_size=local, mesh=saved_mesh(path))

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint.save import diskfull
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.export.commit import make_coordinator
 from automodel_ckpt.checkpoint.export.script import render_consolidate_script
 from automodel_ckpt.checkpoint.export.sources import ShardSource, open_source, require_format
@@ -39,8 +39,8 @@ from automodel_ckpt.checkpoint.export.writer import OutFile, OutTensor, total_by
 from automodel_ckpt.checkpoint.export.views import on_disk_tensors
 from automodel_ckpt.checkpoint.export.hf_metadata import HFMetadata, read_hf_metadata
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, is_plain_float
-from automodel_ckpt.checkpoint.disk.durable import fsync_file, write_durable
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.checkpoint.disk.durable import copy_regular, write_durable
+from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size
 
 __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate_script", "resolve_model_dir"]
@@ -72,6 +72,9 @@ def resolve_model_dir(path: Path) -> Path:
     """Accept a checkpoint folder (``epoch_0_step_4``) or its ``model/`` folder; return the one holding shards."""
     path = Path(path)
     inner = layout.model_dir(path)
+    if inner.is_symlink():
+        raise CheckpointError(f"'{inner}' is a symlink, not a folder; folders inside a checkpoint are never "
+                              "followed as links")
     if detect_model_format(path) is None and detect_model_format(inner) is not None:
         return inner
     return path
@@ -189,12 +192,12 @@ class ExportPlan:
         if self.config is not None:
             write_durable(folder / layout.HF_CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n")
         for path in self.extra_files:
-            shutil.copyfile(path, folder / path.name)
-            fsync_file(folder / path.name)
+            copy_regular(path, folder / path.name)  # never through a link: a FIFO or symlink is refused
 
 
 def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -> ExportPlan:
     """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata``."""
+    _refuse_links(model_dir)
     meta = _read_metadata(model_dir)
     source = open_source(model_dir, meta.saved if meta else None, meta.saved_world_size if meta else None)
     source.tensors = on_disk_tensors(source.tensors, meta.config if meta else None,
@@ -203,6 +206,7 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -
     dtypes = _output_dtypes(source, original, cast)
     tensors = [OutTensor(source.tensors[name], dtypes[name]) for name in sorted(source.tensors, key=_natural_key)]
     if original is not None and meta is not None and meta.original_num_files:
+        _check_num_files(meta)
         files = _files_like_base(tensors, original, meta.original_num_files)
     else:
         files = _files_by_size(tensors, max_shard_size)
@@ -212,6 +216,19 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -
     if config is not None:
         _set_config_dtype(config, files)
     return ExportPlan(source, files, config, meta.extra_files if meta else [])
+
+
+def _refuse_links(model_dir: Path) -> None:
+    """A ``CheckpointError`` naming the first symlink, FIFO, socket or device among the files of ``model_dir``
+    (the shards, DCP files and their index): an export reads only regular files, never through a link."""
+    with os.scandir(model_dir) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.is_dir(follow_symlinks=False):
+                continue
+            why = paths.not_regular(entry.stat(follow_symlinks=False).st_mode)
+            if why is not None:
+                raise CheckpointError(f"'{entry.path}' is {why}; an export reads only the regular files of a "
+                                      "checkpoint, never through a link: replace it with the file itself")
 
 
 def _read_metadata(model_dir: Path) -> HFMetadata | None:
@@ -247,6 +264,16 @@ def _output_dtypes(source: ShardSource, original: dict | None, cast: torch.dtype
         )
         warnings.warn(msg, stacklevel=3)  # one report: the CLI shows warnings as `warning: ...` lines
     return out
+
+
+def _check_num_files(meta: HFMetadata) -> None:
+    """The number of output files the base recorded is at most its number of tensors (each file of the base held
+    one at least): a small file cannot ask for a billion output files."""
+    listed = len(meta.original or {})
+    if not 1 <= int(meta.original_num_files or 0) <= max(1, listed):
+        raise CheckpointError(f"'{meta.folder / layout.ORIGINAL_TENSORS_FILE}': num_files is "
+                              f"{meta.original_num_files}, more than the {listed} tensors it lists (each file of "
+                              "the base model holds one at least)")
 
 
 def _files_like_base(tensors: list[OutTensor], original: dict, num_files: int) -> list[OutFile]:

@@ -6,7 +6,6 @@ Only headers and DCP metadata are read here; tensor bytes are read later, one pi
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import os
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk import bounded, layout, paths
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.export.hf_metadata import TensorInfo
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
@@ -136,15 +135,9 @@ def _open_safetensors(folder: Path, saved_world_size: int | None) -> ShardSource
     _check_rank_files(folder, files, saved_world_size)
     tensors: dict[str, SourceTensor] = {}
     for path in files:
-        header, data_start = read_header(path)
+        header, data_start = read_header(path)  # entries checked: known dtype, shape = bytes, disjoint, inside
         entries = tensor_entries(header)
         sharding = _sharding_info(header, path)
-        size = path.stat().st_size
-        data_end = max((e["data_offsets"][1] for e in entries.values()), default=0)
-        if data_start + data_end > size:
-            raise CheckpointError(
-                f"truncated shard file {path}: holds {size} bytes, its header needs {data_start + data_end}"
-            )
         for name, entry in entries.items():
             try:
                 dtype = ST_TO_TORCH[entry["dtype"]]
@@ -154,10 +147,11 @@ def _open_safetensors(folder: Path, saved_world_size: int | None) -> ShardSource
                 raise CheckpointError(f"damaged shard file {path}: unsupported entry for '{name}'") from None
             if end - begin != numel(shape) * dtype.itemsize:
                 raise CheckpointError(f"damaged shard file {path}: byte range of '{name}' does not match its shape")
-            offsets = tuple(int(o) for o in sharding.get(name, {}).get(_SAVED_OFFSETS_KEY, [0] * len(shape)))
-            if len(offsets) != len(shape):
+            noted = sharding.get(name)
+            offsets = noted.get(_SAVED_OFFSETS_KEY, [0] * len(shape)) if isinstance(noted, dict) else [0] * len(shape)
+            if not isinstance(offsets, list) or len(offsets) != len(shape) or not all(_is_index(o) for o in offsets):
                 raise CheckpointError(f"damaged shard file {path}: offsets of '{name}' do not match its shape")
-            piece = Piece(path, offsets, shape, data_start + begin, end - begin)
+            piece = Piece(path, tuple(offsets), shape, data_start + begin, end - begin)
             tensor = tensors.get(name)
             if tensor is None:
                 tensors[name] = tensor = SourceTensor(name, (), dtype)
@@ -176,11 +170,15 @@ def _sharding_info(header: dict[str, Any], path: Path) -> dict[str, Any]:
     raw = (header.get("__metadata__") or {}).get(_SHARDING_INFO_KEY)
     if raw is None:
         return {}
-    try:
-        info = json.loads(raw)
-    except (TypeError, json.JSONDecodeError):
-        raise CheckpointError(f"damaged shard file {path}: unreadable {_SHARDING_INFO_KEY}") from None
+    if not isinstance(raw, str):
+        raise CheckpointError(f"damaged shard file {path}: {_SHARDING_INFO_KEY} is not a string")
+    info = bounded.parse_json(raw, f"the {_SHARDING_INFO_KEY} of shard file {path}", "sharding information",
+                              bounded.SAFETENSORS_HEADER)
     return info if isinstance(info, dict) else {}
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_rank_files(folder: Path, files: list[Path], saved_world_size: int | None) -> None:
@@ -208,7 +206,8 @@ def _open_dcp(folder: Path) -> ShardSource:
 
     from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata
 
-    metadata = load_dcp_metadata(folder / layout.DCP_METADATA)
+    where = folder / layout.DCP_METADATA
+    metadata = load_dcp_metadata(where)  # entries counted, sizes and chunk boxes checked (safe_load.check_entries)
     storage = metadata.storage_data or {}
     tensors: dict[str, SourceTensor] = {}
     sizes: dict[str, int] = {}
@@ -228,23 +227,38 @@ def _open_dcp(folder: Path) -> ShardSource:
                     sizes[rel] = path.stat().st_size
                 except FileNotFoundError:
                     raise CheckpointError(f"missing shard file {path}") from None
+            if not (_is_index(info.offset) and _is_index(info.length)):
+                raise CheckpointError(f"damaged DCP metadata {where}: a piece of '{name}' has no byte range")
             if info.offset + info.length > sizes[rel]:
                 raise CheckpointError(
                     f"truncated shard file {path}: holds {sizes[rel]} bytes, needs {info.offset + info.length}"
                 )
             transforms = tuple(getattr(info, "transform_descriptors", None) or ())
-            tensor.pieces.append(
-                Piece(path, tuple(chunk.offsets), tuple(chunk.sizes), info.offset, info.length, False, transforms)
-            )
+            piece = Piece(path, tuple(chunk.offsets), tuple(chunk.sizes), info.offset, info.length, False, transforms)
+            if not transforms and info.length < piece.numel * tensor.dtype.itemsize:
+                raise CheckpointError(f"damaged DCP metadata {where}: a piece of '{name}' claims {piece.numel} "
+                                      f"elements in {info.length} bytes of {path.name}")
+            tensor.pieces.append(piece)
         tensors[name] = tensor
+    _check_disjoint_bytes(tensors.values(), where)
     files = sorted(folder / n for n in sizes)
     return ShardSource(folder, TORCH_SAVE, tensors, files)
+
+
+def _check_disjoint_bytes(tensors: Any, where: Path) -> None:
+    """No two pieces share bytes of a file (sorted by file and offset: O(n log n)): every byte an export writes is
+    backed by bytes of its own in the shards."""
+    ranges = sorted((p.file, p.start, p.start + p.length, t.name) for t in tensors for p in t.pieces if p.length)
+    for (file_a, _, end, first), (file_b, start, _, second) in zip(ranges, ranges[1:]):
+        if file_a == file_b and start < end:
+            raise CheckpointError(f"damaged DCP metadata {where}: pieces of '{first}' and '{second}' share bytes "
+                                  f"of {file_a.name}")
 
 
 def read_piece(piece: Piece) -> bytearray:
     """The stored bytes of one DCP piece, read with one positioned read."""
     buf = bytearray(piece.length)
-    fd = os.open(piece.file, os.O_RDONLY)
+    fd = paths.open_regular(Path(piece.file))
     try:
         pread_into(fd, memoryview(buf), piece.start, piece.file)
     finally:
@@ -310,38 +324,81 @@ def _drop_replicas(tensor: SourceTensor) -> None:
     tensor.pieces = kept
 
 
+_PAIRWISE_MAX = 512  # pieces whose boxes are compared pair by pair where they form no grid (about 10^5 pairs)
+
+
 def check_coverage(tensor: SourceTensor, folder: Path) -> None:
-    """The pieces of a tensor must tile it exactly: inside its bounds, no overlap, no gap."""
+    """The pieces of a tensor must tile it exactly: inside its bounds, no overlap, no gap.
+
+    Pieces form a grid (or bands split again inside each band) in every sharded layout: they are grouped by
+    their range in one dimension after another, each level sorted, so the check takes O(n log n); only pieces
+    whose ranges overlap without being equal are compared pair by pair, at most ``_PAIRWISE_MAX`` of them."""
     shape = tensor.shape
     pieces = [p for p in tensor.pieces if p.numel > 0]
     for p in pieces:
-        if any(o < 0 or o + s > d for o, s, d in zip(p.offsets, p.shape, shape)):
+        if len(p.offsets) != len(shape) or len(p.shape) != len(shape) \
+                or any(o < 0 or o + s > d for o, s, d in zip(p.offsets, p.shape, shape)):
             raise CheckpointError(f"shard file {p.file}: a piece of '{tensor.name}' lies outside the tensor")
+    pair = _first_overlap(pieces, 0, tensor.name, folder)
+    if pair is not None:
+        a, b = pair
+        where = f"(one in {a.file})" if a.file == b.file else f"in {a.file} and {b.file}"
+        raise CheckpointError(f"overlapping pieces of '{tensor.name}' {where}")
+    covered = sum(p.numel for p in pieces)
+    if covered == math.prod(shape):
+        return
     row_split = all(p.offsets[1:] == (0,) * (len(shape) - 1) and p.shape[1:] == shape[1:] for p in pieces)
     if shape and row_split:
-        pieces.sort(key=lambda p: p.offsets[0])
         end = 0
-        for p in pieces:
-            if p.offsets[0] < end:
-                raise CheckpointError(f"overlapping pieces of '{tensor.name}' (one in {p.file})")
+        for p in sorted(pieces, key=lambda p: p.offsets[0]):
             if p.offsets[0] > end:
-                raise CheckpointError(
-                    f"rows {end}..{p.offsets[0]} of '{tensor.name}' are in no shard file in {folder} "
-                    "(missing shard file?)"
-                )
+                break
             end = p.offsets[0] + p.shape[0]
-        if end != shape[0]:
-            raise CheckpointError(
-                f"rows {end}..{shape[0]} of '{tensor.name}' are in no shard file in {folder} (missing shard file?)"
-            )
-        return
-    for i, a in enumerate(pieces):
-        for b in pieces[i + 1 :]:
-            if all(x < y + t and y < x + s for x, s, y, t in zip(a.offsets, a.shape, b.offsets, b.shape)):
-                raise CheckpointError(f"overlapping pieces of '{tensor.name}' in {a.file} and {b.file}")
-    covered = sum(p.numel for p in pieces)
-    if covered != math.prod(shape):
+        stop = min([p.offsets[0] for p in pieces if p.offsets[0] > end] + [shape[0]])
         raise CheckpointError(
-            f"'{tensor.name}' is only partly covered by the shard files in {folder} "
-            f"({covered} of {math.prod(shape)} elements; missing shard file?)"
+            f"rows {end}..{stop} of '{tensor.name}' are in no shard file in {folder} (missing shard file?)"
         )
+    raise CheckpointError(
+        f"'{tensor.name}' is only partly covered by the shard files in {folder} "
+        f"({covered} of {math.prod(shape)} elements; missing shard file?)"
+    )
+
+
+def _first_overlap(pieces: list[Piece], dim: int, name: str, folder: Path) -> tuple[Piece, Piece] | None:
+    """Two pieces whose boxes overlap, or None: pieces with the same range in ``dim`` are checked in the next
+    dimension; groups whose ranges overlap without being equal are compared pair by pair."""
+    if len(pieces) < 2:
+        return None
+    if dim == len(pieces[0].shape):
+        return pieces[0], pieces[1]  # the same box twice (in different files: replicas were dropped before)
+    groups: dict[tuple[int, int], list[Piece]] = {}
+    for p in pieces:
+        groups.setdefault((p.offsets[dim], p.offsets[dim] + p.shape[dim]), []).append(p)
+    ranges = sorted(groups)
+    cluster: list[tuple[int, int]] = []
+    end = -1
+    for r in [*ranges, None]:
+        if r is not None and r[0] < end:
+            cluster.append(r)
+            end = max(end, r[1])
+            continue
+        if len(cluster) == 1:
+            found = _first_overlap(groups[cluster[0]], dim + 1, name, folder)
+        else:
+            found = _pairwise([p for c in cluster for p in groups[c]], name, folder) if cluster else None
+        if found is not None:
+            return found
+        if r is not None:
+            cluster, end = [r], r[1]
+    return None
+
+
+def _pairwise(pieces: list[Piece], name: str, folder: Path) -> tuple[Piece, Piece] | None:
+    if len(pieces) > _PAIRWISE_MAX:
+        raise CheckpointError(f"the {len(pieces)} pieces of '{name}' in {folder} form no grid; more than "
+                              f"{_PAIRWISE_MAX} such pieces are not checked for overlap, so they are not exported")
+    for i, a in enumerate(pieces):
+        for b in pieces[i + 1:]:
+            if all(x < y + t and y < x + s for x, s, y, t in zip(a.offsets, a.shape, b.offsets, b.shape)):
+                return a, b
+    return None

@@ -14,12 +14,14 @@ The reload needs memory for the whole model, in its exported dtypes; shard tenso
 from __future__ import annotations
 
 import logging
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk import bounded, layout
 from automodel_ckpt.checkpoint.export.plan import resolve_model_dir
 from automodel_ckpt.checkpoint.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
 from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata
@@ -58,12 +60,62 @@ def verify_export(checkpoint: Path) -> ExportReport:
         raise CheckpointError(f"no export in {export_dir}; run `ckpt-train consolidate {checkpoint}` first")
     meta = read_hf_metadata(model_dir) if layout.hf_metadata_dir(model_dir).is_dir() else None
     report = ExportReport(export_dir, family=(meta.config or {}).get("model_type") if meta else None)
-    model = _reload(export_dir, report)
+    model = _reload(export_dir, report) if _config_fits_files(export_dir, report) else None
     if model is not None:
         _compare_with_shards(model, model_dir, meta, report)
     if meta is not None and meta.original is not None:
         _compare_with_base(export_dir, meta.original, report)
     return report
+
+
+_COUNT_KEY = re.compile(r"^(num|n)_(hidden_)?(layers?|experts|local_experts|routed_experts)$")
+
+
+def _config_fits_files(export_dir: Path, report: ExportReport) -> bool:
+    """Before a real model is built: ``config.json``'s layer and expert counts are at most the number of tensors
+    in the export's files, and the model it describes, built on the meta device (nothing allocated), has at most
+    as many parameters as those files hold. A config asking for a 1T-parameter model never allocates it."""
+    from automodel_ckpt.checkpoint.export.family import auto_model_class
+
+    config_path = export_dir / layout.HF_CONFIG
+    tensors = held = 0
+    for path in sorted(export_dir.glob("*.safetensors")):
+        header, _ = read_header(path)  # entries checked: shapes match their byte ranges inside the file
+        for entry in tensor_entries(header).values():
+            tensors, held = tensors + 1, held + math.prod(entry["shape"])
+    config = bounded.read_json(config_path, "a model config", bounded.CONFIG_FILE)
+    for key, value in _counts(config):
+        if value > tensors:
+            report.problems.append(f"'{config_path}': {key} is {value}, more than the {tensors} tensors in the "
+                                   "export's files; not loading it")
+            return False
+    try:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(str(export_dir))
+        with torch.device("meta"):
+            meta_model = auto_model_class(hf_config).from_config(hf_config)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build is the finding
+        report.problems.append(f"transformers cannot build a model from '{config_path}': {str(e).splitlines()[0]}")
+        return False
+    wanted = sum(p.numel() for p in meta_model.parameters())
+    if wanted > held:
+        report.problems.append(f"'{config_path}' describes a model of {wanted} parameters, the export's files hold "
+                               f"{held}; not loading it")
+        return False
+    return True
+
+
+def _counts(value: object, prefix: str = "") -> list[tuple[str, int]]:
+    """``(key, value)`` of every layer or expert count in a config, sub-configs included."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, int) and not isinstance(item, bool) and _COUNT_KEY.match(str(key)):
+                found.append((prefix + str(key), item))
+            elif isinstance(item, dict):
+                found.extend(_counts(item, f"{prefix}{key}."))
+    return found
 
 
 def _reload(export_dir: Path, report: ExportReport) -> torch.nn.Module | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import pickle
 from collections import OrderedDict
 from pathlib import Path
@@ -31,38 +32,89 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk import bounded, layout, paths
 from automodel_ckpt.errors import CheckpointError, first_line
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# No constructor here allocates from a count in the pickle (``bytes(2**31)``, ``bytearray(n)``): protocol 2 and
+# later pickles store bytes, strings, lists, tuples, dicts and sets with opcodes of their own, whose size is the
+# pickle's. What remains copies its arguments, so every call is charged to a budget (``_Budget``).
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    [("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str",
-                               "bytes", "bytearray", "bool", "slice")]
+    [("builtins", n) for n in ("int", "float", "complex", "bool", "slice")]
     + [("collections", "OrderedDict")]
     + [("pathlib", n) for n in ("PosixPath", "PurePosixPath", "PureWindowsPath", "Path")]
     + [("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")]
     + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
 )
+_BUDGET_PER_BYTE = 4  # values the calls of a pickle may copy, per byte of the pickle (DCP's own use about 1)
+_BUDGET_FLOOR = 1 << 20
 
 
 _TORCH_VALUE_TYPES = (torch.dtype, torch.memory_format, torch.layout)
 
 
+class _Budget:
+    """The values that the constructor calls of one pickle have copied so far, refused past a limit: a pickle
+    that passes one large memoized list to a constructor again and again cannot make it copy gigabytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def charge(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        values = [*args, *(kwargs or {}).values()]
+        self.left -= 1 + sum(len(v) if isinstance(v, (str, bytes, tuple, list, dict, set, frozenset)) else 0
+                             for v in values)
+        if self.left < 0:
+            raise pickle.UnpicklingError("its constructor calls copy more values than its size allows")
+
+    def guard(self, real: type) -> type:
+        """A stand-in for class ``real`` that charges each call (``REDUCE``) or ``__new__`` (``NEWOBJ``) and
+        returns an instance of ``real`` itself."""
+        budget = self
+
+        class Charged(type):
+            def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+                budget.charge(args, kwargs)
+                return real(*args, **kwargs)
+
+        def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+            budget.charge(args, kwargs)
+            return real.__new__(real, *args, **kwargs)
+
+        return Charged(real.__name__, (), {"__new__": new})
+
+
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals DCP metadata needs; anything else raises ``UnpicklingError``."""
+    """An unpickler that resolves only the globals DCP metadata needs; anything else raises ``UnpicklingError``.
+    ``budget``: how many values its constructor calls may copy (``_Budget``)."""
+
+    def __init__(self, file: Any, budget: int = _BUDGET_FLOOR) -> None:
+        super().__init__(file)
+        self._budget = _Budget(budget)
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
             return getattr(torch, name)
-        if module == _DCP_METADATA_MODULE:
+        found = None
+        if (module, name) in _ALLOWED:
+            found = super().find_class(module, name)
+        elif module == _DCP_METADATA_MODULE:
             import torch.distributed.checkpoint.metadata as dcp_metadata
 
             obj = getattr(dcp_metadata, name, None)
             if isinstance(obj, type) and obj.__module__ == _DCP_METADATA_MODULE:
-                return obj
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+                found = obj
+        if found is None:
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+        if isinstance(found, type):
+            return self._budget.guard(found)
+        budget = self._budget
+
+        def charged(*args: Any, **kwargs: Any) -> Any:
+            budget.charge(args, kwargs)
+            return found(*args, **kwargs)
+
+        return charged
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
@@ -113,21 +165,76 @@ class TensorRecordUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem."""
+    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem: a file over
+    ``bounded.DCP_METADATA``, a global not allowed, constructor calls past the budget, entries of the wrong types,
+    sizes or chunk boxes (``check_entries``)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            metadata = RestrictedUnpickler(f).load()
+        with os.fdopen(paths.open_regular(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            bounded.check_size(size, f"'{path}'", "DCP metadata", bounded.DCP_METADATA)
+            metadata = RestrictedUnpickler(f, max(_BUDGET_FLOOR, _BUDGET_PER_BYTE * size)).load()
     except FileNotFoundError:
         raise CheckpointError(f"'{path}' is missing (the index of the DCP files beside it)") from None
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         raise CheckpointError(f"refusing to load '{path}': {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - truncated or garbled pickles raise many types
         raise CheckpointError(f"'{path}' is unreadable: {type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"'{path}' is not DCP metadata (holds a {type(metadata).__name__})")
+    check_entries(metadata, path)
     _check_storage_files(metadata, path)
     return metadata
+
+
+def check_entries(metadata: Metadata, path: Path) -> None:
+    """Every entry is tensor or bytes metadata under a string key; a tensor's size is at most
+    ``bounded.MAX_SHAPE_DIMS`` non-negative integers, its dtype a torch dtype, and each chunk a box of that many
+    dimensions inside it; every storage entry a byte range of a file. Linear in the number of chunks."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not (storage is None or isinstance(storage, dict)):
+        raise CheckpointError(f"'{path}' is not DCP metadata (no table of entries)")
+    for key, md in entries.items():
+        def bad(why: str) -> CheckpointError:
+            return CheckpointError(f"'{path}': entry {str(key)[:200]!r} {why}")
+
+        if not isinstance(key, str):
+            raise bad("has a key that is not a string")
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise bad(f"is a {type(md).__name__}, not tensor or bytes metadata")
+        shape = getattr(md, "size", None)
+        if not _is_box(shape, None):
+            raise bad(f"has a size that is not up to {bounded.MAX_SHAPE_DIMS} non-negative integers")
+        if not isinstance(getattr(getattr(md, "properties", None), "dtype", None), torch.dtype):
+            raise bad("has no torch dtype")
+        chunks = getattr(md, "chunks", None)
+        if not isinstance(chunks, list):
+            raise bad("has no list of chunks")
+        for chunk in chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if not (_is_box(offsets, len(shape)) and _is_box(sizes, len(shape))
+                    and all(o + n <= d for o, n, d in zip(offsets, sizes, shape))):
+                raise bad(f"has a chunk outside its size {list(shape)}")
+    for index, info in (storage or {}).items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str) \
+                or not all(_is_count(getattr(info, k, None)) for k in ("offset", "length")):
+            raise CheckpointError(f"'{path}': a storage entry is not a byte range of a file")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_box(value: object, dims: int | None) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) <= bounded.MAX_SHAPE_DIMS \
+        and (dims is None or len(value) == dims) and all(_is_count(v) for v in value)
 
 
 def _check_storage_files(metadata: Metadata, path: Path) -> None:
@@ -298,7 +405,7 @@ def load_pt(file: Path) -> Any:
     """A small ``.pt`` state file (tensors and plain data only, ``weights_only``; a regular file, never a FIFO or
     device); a one-line ``CheckpointError`` if unreadable."""
     try:
-        with open(paths.open_regular(Path(file), follow=True), "rb") as f:
+        with open(paths.open_regular(Path(file)), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from automodel_ckpt.checkpoint.disk import bounded
 from automodel_ckpt.checkpoint.disk.paths import open_regular
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 HEADER_LEN_BYTES = 8
 METADATA_KEY = "__metadata__"
-# The header cannot be larger than this in any real file; a bigger length means the file is not safetensors.
-_MAX_HEADER_BYTES = 100 * 2**20
+# safetensors' own limit on a header; a bigger length means the file is not safetensors.
+_MAX_HEADER_BYTES = bounded.SAFETENSORS_HEADER
 
 # safetensors dtype names, in the order of safetensors' own ``Dtype`` enum. safetensors lays tensors out sorted by
 # this order, largest first, then by name: following it keeps every tensor aligned to its element size and makes
@@ -27,6 +28,12 @@ _DTYPE_ORDER = (
     "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
 )  # fmt: skip
 _DTYPE_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
+# Bits per element of every safetensors dtype (F4 and F6 pack several elements into a byte).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+    "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
 
 _TORCH_NAMES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
@@ -61,18 +68,15 @@ def is_plain_float(dtype: torch.dtype) -> bool:
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """``(header, data_start)`` of a safetensors file, reading only its first bytes.
 
-    Raises CheckpointError naming the file when the header is missing, cut short or not JSON, or when the path
-    is no regular file (a FIFO or a device is never read).
+    Raises CheckpointError naming the file when the header is missing, cut short, over safetensors' own size limit
+    or not JSON, when an entry is malformed (``check_header``), or when the path is no regular file (a FIFO or a
+    device is never read).
     """
     path = Path(path)
     try:
         with os.fdopen(open_regular(path, follow=True), "rb") as f:
-            raw_len = f.read(HEADER_LEN_BYTES)
-            if len(raw_len) < HEADER_LEN_BYTES:
-                raise CheckpointError(f"truncated safetensors file {path}: {len(raw_len)} bytes, no header")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > _MAX_HEADER_BYTES:
-                raise CheckpointError(f"damaged safetensors file {path}: header length {header_len} is implausible")
+            size = os.fstat(f.fileno()).st_size
+            header_len = header_length(f.read(HEADER_LEN_BYTES), size, path)
             raw = f.read(header_len)
     except FileNotFoundError:
         raise CheckpointError(f"missing safetensors file {path}") from None
@@ -82,13 +86,83 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from None
     if len(raw) < header_len:
         raise CheckpointError(f"truncated safetensors file {path}: header cut short")
+    header = parse_header(raw, path)
+    check_header(header, size - HEADER_LEN_BYTES - header_len, path)
+    return header, HEADER_LEN_BYTES + header_len
+
+
+def header_length(raw_len: bytes, file_size: int, path: Path | str) -> int:
+    """The header length a file's first 8 bytes give, checked against safetensors' limit and the file's size."""
+    if len(raw_len) < HEADER_LEN_BYTES:
+        raise CheckpointError(f"truncated safetensors file {path}: {len(raw_len)} bytes, no header")
+    (header_len,) = struct.unpack("<Q", raw_len)
+    if header_len > _MAX_HEADER_BYTES:
+        raise CheckpointError(f"damaged safetensors file {path}: header length {header_len} is over safetensors' "
+                              f"limit of {_MAX_HEADER_BYTES} bytes")
+    if HEADER_LEN_BYTES + header_len > file_size:
+        raise CheckpointError(f"truncated safetensors file {path}: header length {header_len} is more than the "
+                              f"file's {file_size} bytes")
+    return header_len
+
+
+def parse_header(raw: bytes, path: Path | str) -> dict[str, Any]:
+    """The JSON object of a header (size and nesting bounded), else a one-line ``CheckpointError``."""
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"damaged safetensors file {path}: header is not valid JSON") from None
+        header = bounded.parse_json(raw, f"safetensors file {path}", "a safetensors header", _MAX_HEADER_BYTES)
+    except CheckpointError as exc:
+        raise CheckpointError(f"damaged {first_line(exc)}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"damaged safetensors file {path}: header is not a JSON object")
-    return header, HEADER_LEN_BYTES + header_len
+    return header
+
+
+def check_header(header: dict[str, Any], data_len: int, path: Path | str) -> None:
+    """Every entry of a header has a known dtype, a shape of non-negative integers whose bytes are its byte range,
+    and a range inside the data area (``data_len`` bytes); no two ranges overlap (sorted: O(n log n)). The number
+    of entries is bounded by the header's size. One-line ``CheckpointError`` naming the file and the tensor."""
+    meta = header.get(METADATA_KEY)
+    if meta is not None and not isinstance(meta, dict):
+        raise CheckpointError(f"damaged safetensors file {path}: {METADATA_KEY} is not a JSON object")
+    ranges = []
+    for name, entry in tensor_entries(header).items():
+        begin, end = _entry_range(name, entry, path)
+        ranges.append((begin, end, name))
+    ranges.sort()
+    needed = max((end for _, end, _ in ranges), default=0)
+    if needed > data_len:
+        raise CheckpointError(f"truncated shard file {path}: its data area holds {data_len} bytes, its header "
+                              f"needs {needed}")
+    for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise CheckpointError(f"damaged safetensors file {path}: the bytes of tensors '{first}' and '{second}' "
+                                  "overlap")
+
+
+def _entry_range(name: str, entry: Any, path: Path | str) -> tuple[int, int]:
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"damaged safetensors file {path}: tensor '{name}' {why}")
+
+    if not isinstance(entry, dict):
+        raise bad("is not a JSON object")
+    dtype = entry.get("dtype")
+    bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+    if bits is None:
+        raise bad(f"has the unknown dtype {str(entry.get('dtype'))[:40]!r}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or len(shape) > bounded.MAX_SHAPE_DIMS or not all(_is_count(d) for d in shape):
+        raise bad(f"has a shape that is not a list of at most {bounded.MAX_SHAPE_DIMS} non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad("has data_offsets that are not two non-negative integers")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"has the byte range [{begin}, {end}), which ends before it begins")
+    if math.prod(shape) * bits != (end - begin) * 8:
+        raise bad(f"has {end - begin} bytes, not the {math.prod(shape) * bits // 8} its shape {shape} needs")
+    return begin, end
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def tensor_entries(header: dict[str, Any]) -> dict[str, dict[str, Any]]:

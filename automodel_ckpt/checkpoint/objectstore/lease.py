@@ -28,7 +28,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk import bounded, layout
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError
 
@@ -126,12 +126,12 @@ class Lease:
         if text is None:
             return None
         try:
-            data = json.loads(text)
+            data = bounded.parse_json(text, f"the lease of '{self.store.url}'", "a lease", bounded.SMALL_FILE)
             if not isinstance(data, dict) or not isinstance(data.get("holder"), dict):
                 raise ValueError("not a lease")
             float(data["expires"]), float(data["renewed"]), float(data["since"])
             return data
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, CheckpointError):
             return {"token": "", "holder": {}, "since": 0.0, "renewed": 0.0, "expires": 0.0}
 
     def _write(self) -> None:

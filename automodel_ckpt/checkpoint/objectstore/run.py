@@ -27,16 +27,18 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.checkpoint.disk import bounded, layout, manifest
 from automodel_ckpt.checkpoint.objectstore.lease import Lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
 from automodel_ckpt.checkpoint.disk.durable import read_pointer, remove_pointer, remove_tree, set_pointer
 from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.sizes import human_size
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +96,7 @@ class RemoteRun:
                     and entry.name != layout.QUARANTINE_DIR and _made_here(entry):
                 remove_tree(entry)
         wanted = [self.store.key(n, f) for n in names for f in layout.CATALOG_FILES]
-        got = wrap(f"reading the catalog of '{self.url}'",
-                   lambda: self.store.fs.cat(wanted, on_error="omit") if wanted else {})
+        got = wrap(f"reading the catalog of '{self.url}'", lambda: self.store.cat_small(wanted, bounded.INDEX_FILE))
         for name in names:
             folder = self.mirror / name
             remote_manifest = got.get(self.store.key(name, layout.MANIFEST_FILE))
@@ -115,7 +116,7 @@ class RemoteRun:
             elif read_pointer(self.mirror, pointer) is not None:
                 remove_pointer(self.mirror, pointer)
         for log in LOGS:
-            data = self.store.read_text(log)
+            data = self.store.read_text(log, limit=bounded.LOG_FILE)
             if data is None:
                 (self.mirror / log).unlink(missing_ok=True)
             else:
@@ -294,8 +295,8 @@ def source_of(folder: Path) -> str | None:
     ``pulled_from``)."""
     note = Path(folder).parent / layout.OBJECT_STORE_SOURCE
     try:
-        return str(json.loads(note.read_text(encoding="utf-8"))["url"])
-    except (OSError, ValueError, KeyError):
+        return str(bounded.read_json(note, "a mirror note", bounded.SMALL_FILE)["url"])
+    except (OSError, KeyError, TypeError, CheckpointError):
         return None
 
 
@@ -322,7 +323,26 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
         if i % world_size == rank and not (path.is_file() and path.stat().st_size == int(entry["size"])):
             share.append(rel)
     sizes = {rel: int(listed[rel]["size"]) for rel in share}
+    if share:
+        remote = wrap(f"listing '{store.url_of(folder.name)}'", lambda: store.sizes(folder.name))
+        check_fetch(folder, store.url_of(folder.name), sizes, remote)
     wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder, sizes))
+
+
+def check_fetch(folder: Path, url: str, sizes: dict[str, int], remote: dict[str, int]) -> None:
+    """Before any download: each file's size in the manifest is the listing's, and together they fit in the
+    free space of the mirror's filesystem; else one line naming the file or the sizes."""
+    for rel, size in sizes.items():
+        if remote.get(rel) != size:
+            found = "not listed" if rel not in remote else f"{remote[rel]} bytes in the listing"
+            raise CheckpointError(f"'{url}/{rel}': {layout.MANIFEST_FILE} gives {size} bytes, {found}; the "
+                                  "checkpoint is damaged, nothing was downloaded")
+    need = sum(sizes.values())
+    probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise CheckpointError(f"'{url}' needs {human_size(need)} in the mirror '{folder.parent}', which has "
+                              f"{human_size(free)} free; nothing was downloaded")
 
 
 def open_run(url: str, storage_options: dict[str, Any] | None, mirror: Path) -> RemoteRun:

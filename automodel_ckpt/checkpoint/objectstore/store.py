@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk import bounded, layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import normalize, open_filesystem, split
 from automodel_ckpt.errors import CheckpointError, first_line
 
@@ -116,11 +116,44 @@ class ObjectStore:
         return max((s for s in stamps if s is not None), default=None)
 
     # --- small objects -------------------------------------------------------------------------------
-    def read_text(self, *parts: str) -> str | None:
+    def read_text(self, *parts: str, limit: int = bounded.SMALL_FILE) -> str | None:
+        """A small object's text (None when it does not exist); an object over ``limit`` bytes is refused in one
+        line after ``limit + 1`` bytes were read, never read whole."""
         try:
-            return self.fs.cat_file(self.key(*parts)).decode("utf-8")
+            data = self.fs.cat_file(self.key(*parts), start=0, end=limit + 1)
         except FileNotFoundError:
             return None
+        bounded.check_size(len(data), f"'{self.url_of(*parts)}'", "this object", limit)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"'{self.url_of(*parts)}' is not UTF-8 text") from None
+
+    def cat_small(self, keys: list[str], limit: int) -> dict[str, bytes]:
+        """``{key: bytes}`` of the objects of ``keys`` that exist, each refused in one line when over ``limit``
+        bytes (at most ``limit + 1`` bytes of each are read)."""
+        if not keys:
+            return {}
+        got = self.fs.cat_ranges(keys, [0] * len(keys), [limit + 1] * len(keys), on_error="return")
+        out = {}
+        for key, data in zip(keys, got):
+            if isinstance(data, FileNotFoundError):
+                continue
+            if isinstance(data, BaseException):
+                raise data
+            bounded.check_size(len(data), f"'{self.scheme}://{key}'", "a catalog file", limit)
+            out[key] = data
+        return out
+
+    def sizes(self, name: str) -> dict[str, int]:
+        """``{relative path: size}`` of the objects below prefix ``name``, from one listing."""
+        head = self.key(name).lstrip("/") + "/"
+        out = {}
+        for info in self.objects(name):
+            key = str(info["name"]).lstrip("/")
+            if key.startswith(head):
+                out[key[len(head):]] = int(info.get("size") or 0)
+        return out
 
     def write_text(self, text: str, *parts: str) -> None:
         self.fs.pipe_file(self.key(*parts), text.encode("utf-8"))
