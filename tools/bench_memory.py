@@ -1,24 +1,33 @@
-"""Memory per rank while a run starts from a folder base and takes its first steps, at 1, 2 and 4 processes.
+"""Memory per rank over a whole run from a folder base (setup, first steps, a checkpoint save), at 1, 2 and 4 processes.
 
-    python tools/bench_memory.py [--size 1GB] [--nprocs 1,2,4] [--steps 2] [--work DIR] [--json OUT] [--code DIR]
+    python tools/bench_memory.py [--size 1GB] [--nprocs 1,2,4] [--steps 2] [--optimizers adamw,sgd]
+        [--activation-checkpointing both|off|on] [--no-save] [--env KEY=VALUE] [--work DIR] [--json OUT] [--code DIR]
 
 Writes (once, into ``--work``) a Hugging Face folder base of about ``--size`` bytes of bf16 weights, Llama-shaped
 (hidden 1024, GQA, untied embeddings; the number of layers gives the size), then fine-tunes it in fp32 with AdamW
-for ``--steps`` steps on 1, 2 and 4 processes. Each rank records:
+(or SGD without momentum) for ``--steps`` steps on 1, 2 and 4 processes, saving a checkpoint after the last one.
+Each rank records:
 
 * ``idle``: its resident memory when the recipe starts (the process with torch and transformers imported);
 * ``setup_peak``: the peak resident memory (``VmHWM``) from there until the model holds its starting weights
-  (built on the meta device, sharded, materialised, its slices of the base read);
-* ``steps_peak``: the peak resident memory during the first steps (the high-water mark is reset in between);
-* on a GPU, the same two peaks of device memory (``torch.cuda.max_memory_allocated``);
+  (built on the meta device, sharded, materialised, its slices of the base read); ``post_setup``: what stays then;
+* ``steps_peak``: the peak resident memory during the steps (the high-water mark is reset in between);
+* ``save_peak``: the peak during the checkpoint save (its background write included);
+* ``whole_peak``: the largest of the three, and ``after_setup`` = ``whole_peak - post_setup``;
+* on a GPU, the same peaks of device memory (``torch.cuda.max_memory_allocated``);
 * ``base_bytes_read``: the bytes of the base's files it read;
+* per step: wall and CPU seconds and the pages faulted in (the allocator's cost).
 
 against its share of the training state: ``params`` (fp32 weights / world size) and ``state`` (weights, gradients
-and both AdamW moments: 16 bytes per parameter / world size). The goals: ``setup_peak - idle <= 1.25 * params +
-256 MiB`` on every rank, and at 4 ranks a setup peak per rank <= 0.35 x the one at 1 rank. Also reported: the time
+and what the optimizer keeps, measured after the first step: 16 bytes per parameter / world size with AdamW, 8 with
+SGD). The goals: ``setup_peak - idle <= 1.25 * params + 256 MiB`` and ``whole_peak - idle <= 1.25 * state + 256 MiB``
+on every rank; at 4 ranks a setup peak per rank <= 0.35 x the one at 1 rank, and a whole-run peak above idle
+<= 0.5 x the one at 1 rank. ``--env AUTOMODEL_CKPT_MALLOC=default`` runs with glibc's adaptive thresholds
+(before/after). Also reported: the time
 from launch to the end of the first step. ``--code DIR`` runs another checkout's package (a before/after
 comparison on the same base). When the recipe schema knows ``distributed.activation_checkpointing``,
-every world size runs with it off and on. ``--steps 0`` stops every run once the model holds its starting weights:
+every world size runs with it off and on (``--activation-checkpointing`` picks one). ``--steps 0`` stops every
+run once the model holds its starting weights:
 the setup alone, for bases whose training state would not fit the machine on one rank.
 
 Each process also holds memory that does not depend on the model (the interpreter, torch's and the other libraries'
@@ -35,6 +44,8 @@ import json
 import math
 import os
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -65,22 +76,38 @@ step_scheduler:
   global_batch_size: 4
   local_batch_size: 1
   max_steps: {steps}
+  ckpt_every_steps: {steps}
   val_every_steps: null
 optimizer:
-  _target_: torch.optim.AdamW
-  lr: 1.0e-5
+{optimizer}
 training:
   progress_bar: false
 checkpoint:
-  enabled: false
-  checkpoint_dir: {work}/ckpt
+  enabled: {save}
+  checkpoint_dir: {work}/ckpt_{tag}
 {distributed}"""
+OPTIMIZERS = {  # what each keeps per parameter besides the fp32 weights and gradients
+    "adamw": "  _target_: torch.optim.AdamW\n  lr: 1.0e-5",  # two moments
+    "sgd": "  _target_: torch.optim.SGD\n  lr: 1.0e-5",  # nothing (no momentum)
+}
 
 
 def _status(key: str) -> int:
     """A ``/proc/self/status`` line in bytes (``VmRSS``, ``VmHWM``)."""
     text = Path("/proc/self/status").read_text()
     return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def _minor_faults() -> int:
+    """Pages this process has faulted in so far (fresh memory touched the first time)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a sharded tensor (a DTensor's local shard), or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _reset_peak() -> None:
@@ -104,9 +131,10 @@ class MemoryRecipe(FinetuneRecipe):
         if torch.cuda.is_available():
             self._memory["setup_device_peak"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.model.parameters())
+        local = sum(_local(p).numel() for p in self.model.parameters())
         self._memory["local_params"] = local
         self._memory["total_params"] = sum(p.numel() for p in self.model.parameters())
+        self._memory["post_setup"] = _status("VmRSS")
         _reset_peak()
         return restored
 
@@ -118,13 +146,34 @@ class MemoryRecipe(FinetuneRecipe):
         self._memory["first_step_end"] = time.time()  # the setup's end: no step is taken
 
     def train_step(self, micro):
+        start, cpu, faults = time.perf_counter(), time.process_time(), _minor_faults()
         out = super().train_step(micro)
+        self._memory.setdefault("step_seconds", []).append(time.perf_counter() - start)
+        self._memory.setdefault("step_cpu_seconds", []).append(time.process_time() - cpu)  # every thread's
+        self._memory.setdefault("step_page_faults", []).append(_minor_faults() - faults)
         if "first_step_end" not in self._memory:
             self._memory["first_step_end"] = time.time()
-        self._memory["steps_peak"] = _status("VmHWM")
+            self._memory["optimizer_state_bytes"] = sum(
+                _local(t).numel() * t.element_size() for state in self.optimizer.state.values()
+                for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        self._memory["steps_peak"] = max(self._memory.get("steps_peak", 0), _status("VmHWM"))
         if torch.cuda.is_available():
-            self._memory["steps_device_peak"] = torch.cuda.max_memory_allocated()
+            self._memory["steps_device_peak"] = max(self._memory.get("steps_device_peak", 0),
+                                                    torch.cuda.max_memory_allocated())
         return out
+
+    def save_checkpoint(self, info):
+        """The save's own peak: the high-water mark is reset before it and read after it (then reset again)."""
+        _reset_peak()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        saved = super().save_checkpoint(info)
+        self.finalize_checkpoints()  # an async save's background write is part of its peak
+        self._memory["save_peak"] = max(self._memory.get("save_peak", 0), _status("VmHWM"))
+        if torch.cuda.is_available():
+            self._memory["save_device_peak"] = torch.cuda.max_memory_allocated()
+        _reset_peak()
+        return saved
 
     def run(self) -> None:
         super().run()
@@ -198,34 +247,55 @@ def knows_activation_checkpointing() -> bool:
     return any(f.name == "activation_checkpointing" for f in dataclasses.fields(schema.DistributedConfig))
 
 
-def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO) -> dict:
-    tag = f"n{nproc}" + ("" if ac is None else f"_ac{int(ac)}")
+def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO,
+            optimizer: str = "adamw", save: bool = True, env: dict[str, str] | None = None) -> dict:
+    tag = f"n{nproc}_{optimizer}" + ("" if ac is None else f"_ac{int(ac)}")
     out = work / f"memory_{tag}"
     out.mkdir(exist_ok=True)
+    for old in out.glob("rank*.json"):
+        old.unlink()
     recipe = work / f"bench_{tag}.yaml"
-    recipe.write_text(RECIPE.format(recipe=f"{Path(__file__).resolve()}:MemoryRecipe", base=base,
-                                    work=work, steps=max(1, steps), distributed="" if ac is None else
+    recipe.write_text(RECIPE.format(recipe=f"{Path(__file__).resolve()}:MemoryRecipe", base=base, tag=tag,
+                                    work=work, steps=max(1, steps), optimizer=OPTIMIZERS[optimizer],
+                                    save=str(save and steps > 0).lower(), distributed="" if ac is None else
                                     f"distributed:\n  activation_checkpointing: {str(ac).lower()}\n"))
+    shutil.rmtree(work / f"ckpt_{tag}", ignore_errors=True)  # a fresh run each time, never a resume
     env = dict(os.environ, BENCH_MEMORY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}",
-               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0")
+               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0", **(env or {}))
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe)],
                           cwd=work, env=env, capture_output=True, text=True)
+    shutil.rmtree(work / f"ckpt_{tag}", ignore_errors=True)
+    what = {"nproc": nproc, "optimizer": optimizer, "activation_checkpointing": ac}
     if proc.returncode != 0:
-        return {"nproc": nproc, "activation_checkpointing": ac, "failed": (proc.stdout + proc.stderr)[-2000:]}
+        return what | {"failed": (proc.stdout + proc.stderr)[-2000:]}
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     for r in ranks:
         r["params_share"] = r["local_params"] * 4
-        r["state_share"] = r["local_params"] * 16
+        # weights and gradients in fp32, and what the optimizer keeps (AdamW: two moments; measured after a step)
+        r["state_share"] = 2 * r["params_share"] + r.get("optimizer_state_bytes", 2 * r["params_share"])
         r["setup_over_idle"] = r["setup_peak"] - r["idle"]
         r["setup_goal"] = 1.25 * r["params_share"] + 256 * MiB
         r["steps_over_state"] = (r["steps_peak"] - r["idle"]) / r["state_share"] if "steps_peak" in r else None
-    return {"nproc": nproc, "activation_checkpointing": ac, "ranks": ranks,
-            "first_step_seconds": max(r["first_step_end"] for r in ranks) - t0,
-            "setup_peak_max": max(r["setup_peak"] for r in ranks),
-            "setup_added_max": max(r["setup_over_idle"] for r in ranks),
-            "setup_goal_met": all(r["setup_over_idle"] <= r["setup_goal"] for r in ranks)}
+        r["whole_peak"] = max(r.get(k, 0) for k in ("setup_peak", "steps_peak", "save_peak"))
+        r["whole_over_idle"] = r["whole_peak"] - r["idle"]
+        r["whole_goal"] = 1.25 * r["state_share"] + 256 * MiB
+        r["after_setup"] = r["whole_peak"] - r["post_setup"]  # what the steps and the save add to the setup's end
+    def median_after_first(key: str) -> float | None:  # the first step warms up
+        values = [t for r in ranks for t in r.get(key, [])[1:]]
+        return statistics.median(values) if values else None
+
+    return what | {"ranks": ranks, "first_step_seconds": max(r["first_step_end"] for r in ranks) - t0,
+                   "step_seconds": median_after_first("step_seconds"),
+                   "step_cpu_seconds": median_after_first("step_cpu_seconds"),
+                   "step_page_faults": median_after_first("step_page_faults"),
+                   "setup_peak_max": max(r["setup_peak"] for r in ranks),
+                   "setup_added_max": max(r["setup_over_idle"] for r in ranks),
+                   "setup_goal_met": all(r["setup_over_idle"] <= r["setup_goal"] for r in ranks),
+                   "whole_peak_max": max(r["whole_peak"] for r in ranks),
+                   "whole_added_max": max(r["whole_over_idle"] for r in ranks),
+                   "whole_goal_met": all(r["whole_over_idle"] <= r["whole_goal"] for r in ranks)}
 
 
 def _mib(value: int | None) -> str:
@@ -237,18 +307,39 @@ def _num(value: float | None) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| ranks | act. ckpt | rank | idle MiB | setup peak MiB | (peak-idle)/params | goal met | steps peak MiB "
-            "| (peak-idle)/state | base read MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| ranks | optimizer | act. ckpt | rank | idle MiB | setup peak MiB | (peak-idle)/params | goal met "
+            "| steps peak MiB | (peak-idle)/state | base read MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
+        head = f"| {res['nproc']} | {res['optimizer']} | {res['activation_checkpointing']}"
         if "failed" in res:
-            rows.append(f"| {res['nproc']} | {res['activation_checkpointing']} | failed | | | | | | | |")
+            rows.append(f"{head} | failed | | | | | | | |")
             continue
         for i, r in enumerate(res["ranks"]):
             rows.append(
-                f"| {res['nproc']} | {res['activation_checkpointing']} | {i} | {r['idle'] / MiB:.0f} | "
+                f"{head} | {i} | {r['idle'] / MiB:.0f} | "
                 f"{r['setup_peak'] / MiB:.0f} | {r['setup_over_idle'] / r['params_share']:.2f} | "
                 f"{'yes' if r['setup_over_idle'] <= r['setup_goal'] else 'no'} | {_mib(r.get('steps_peak'))} | "
                 f"{_num(r['steps_over_state'])} | {(r['base_bytes_read'] or 0) / MiB:.0f} |")
+    return "\n".join(rows)
+
+
+def whole_run_table(results: list[dict]) -> str:
+    """Per rank, above the idle process: each phase's peak, the whole run's, its share of the state, the goal."""
+    rows = ["| ranks | optimizer | act. ckpt | rank | state share MiB | setup MiB | steps MiB | save MiB "
+            "| whole run MiB | whole / state | goal met | step s | step CPU s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        if "failed" in res:
+            continue
+        for i, r in enumerate(res["ranks"]):
+            above = {k: r[k] - r["idle"] if k in r else None for k in ("setup_peak", "steps_peak", "save_peak")}
+            rows.append(
+                f"| {res['nproc']} | {res['optimizer']} | {res['activation_checkpointing']} | {i} | "
+                f"{r['state_share'] / MiB:.0f} | {_mib(above['setup_peak'])} | {_mib(above['steps_peak'])} | "
+                f"{_mib(above['save_peak'])} | {r['whole_over_idle'] / MiB:.0f} | "
+                f"{r['whole_over_idle'] / r['state_share']:.2f} | "
+                f"{'yes' if r['whole_over_idle'] <= r['whole_goal'] else 'no'} | "
+                f"{_num(res['step_seconds'])} | {_num(res['step_cpu_seconds'])} |")
     return "\n".join(rows)
 
 
@@ -257,36 +348,59 @@ def main() -> None:
     parser.add_argument("--size", default="1GB", help="bf16 bytes of the base (default 1GB)")
     parser.add_argument("--nprocs", default="1,2,4", help="process counts to run (default 1,2,4)")
     parser.add_argument("--steps", type=int, default=2, help="steps per run (0: the setup alone)")
+    parser.add_argument("--optimizers", default="adamw", help="adamw, sgd or both: adamw,sgd (default adamw)")
+    parser.add_argument("--activation-checkpointing", choices=("both", "off", "on"), default="both",
+                        help="runs with it off, on or both (default both, where the recipe knows the key)")
+    parser.add_argument("--no-save", action="store_true", help="skip the checkpoint save after the last step")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in the training processes' environment (e.g. AUTOMODEL_CKPT_MALLOC=default)")
     parser.add_argument("--work", type=Path, default=Path("bench_memory_work"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--code", type=Path, default=REPO,
                         help="the checkout whose automodel_ckpt trains (default: this one; another for comparisons)")
     args = parser.parse_args()
+    optimizers = [o.strip().lower() for o in args.optimizers.split(",") if o.strip()]
+    if not optimizers or set(optimizers) - set(OPTIMIZERS):
+        raise SystemExit(f"--optimizers: expected some of {', '.join(OPTIMIZERS)}, got '{args.optimizers}'")
+    env = dict(item.split("=", 1) for item in args.env if "=" in item)
     args.work.mkdir(parents=True, exist_ok=True)
     config = llama_config(parse_size(args.size))
     base = write_base(args.work / f"base_{config['num_hidden_layers']}l", config)
-    acs: list[bool | None] = [False, True] if knows_activation_checkpointing() else [None]
-    results = [run_one(args.work.resolve(), base.resolve(), int(n), args.steps, ac, args.code.resolve())
-               for n in args.nprocs.split(",") for ac in acs]
-    ok = {r["nproc"]: r for r in results if "failed" not in r and not r["activation_checkpointing"]}
+    acs: list[bool | None] = [None]
+    if knows_activation_checkpointing():
+        acs = {"both": [False, True], "off": [False], "on": [True]}[args.activation_checkpointing]
+    results = [run_one(args.work.resolve(), base.resolve(), int(n), args.steps, ac, args.code.resolve(),
+                       optimizer=opt, save=not args.no_save, env=env)
+               for opt in optimizers for n in args.nprocs.split(",") for ac in acs]
     report = {"size_bytes": sum(f.stat().st_size for f in base.glob("*.safetensors")), "config": config,
-              "runs": results, "activation_checkpointing": "measured" if acs != [None] else
+              "runs": results, "environment": env, "activation_checkpointing": "measured" if acs != [None] else
               "skipped: distributed.activation_checkpointing is not a key of this version"}
-    if 1 in ok and 4 in ok:
-        report["setup_peak_4_over_1"] = ok[4]["setup_peak_max"] / ok[1]["setup_peak_max"]
-        report["setup_added_4_over_1"] = ok[4]["setup_added_max"] / ok[1]["setup_added_max"]
+    for opt in optimizers:
+        ok = {r["nproc"]: r for r in results
+              if "failed" not in r and not r["activation_checkpointing"] and r["optimizer"] == opt}
+        if 1 in ok and 4 in ok:
+            suffix = "" if opt == optimizers[0] else f"_{opt}"
+            report["setup_peak_4_over_1" + suffix] = ok[4]["setup_peak_max"] / ok[1]["setup_peak_max"]
+            report["setup_added_4_over_1" + suffix] = ok[4]["setup_added_max"] / ok[1]["setup_added_max"]
+            report["whole_added_4_over_1" + suffix] = ok[4]["whole_added_max"] / ok[1]["whole_added_max"]
     print(f"base: {report['size_bytes'] / MiB:.0f} MiB bf16, {config['num_hidden_layers']} layers")
     print(table(results))
+    if args.steps:
+        print("\nthe whole run, above the idle process:")
+        print(whole_run_table(results))
     for r in results:
         if "failed" in r:
-            print(f"{r['nproc']} ranks failed:\n{r['failed']}")
+            print(f"{r['nproc']} ranks ({r['optimizer']}) failed:\n{r['failed']}")
         else:
             what = "first step" if args.steps else "setup done"
-            print(f"{r['nproc']} ranks (activation checkpointing {r['activation_checkpointing']}): {what} "
-                  f"{r['first_step_seconds']:.1f} s after launch")
+            print(f"{r['nproc']} ranks ({r['optimizer']}, activation checkpointing {r['activation_checkpointing']}): "
+                  f"{what} {r['first_step_seconds']:.1f} s after launch")
     if "setup_peak_4_over_1" in report:
         print(f"setup peak per rank, 4 ranks over 1 rank: {report['setup_peak_4_over_1']:.2f} (goal <= 0.35); "
               f"what the setup adds to an idle process, 4 ranks over 1 rank: {report['setup_added_4_over_1']:.2f}")
+        if args.steps:
+            print(f"what the whole run adds to an idle process, 4 ranks over 1 rank: "
+                  f"{report['whole_added_4_over_1']:.2f} (goal <= 0.5)")
     if acs == [None]:
         print(report["activation_checkpointing"])
     if args.json:

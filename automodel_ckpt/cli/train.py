@@ -78,8 +78,10 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.cli.common import check_recipe
+    from automodel_ckpt.distributed.allocator import return_freed_memory
     from automodel_ckpt.distributed.env import end_process, shutdown_distributed
 
+    return_freed_memory()  # freed tensors go back to the OS instead of staying on glibc's heap (unless user-set)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)
     check_recipe(cfg, world_size, inputs=False)

@@ -1,0 +1,44 @@
+"""What training adds to a rank's memory after the setup stays within a bound set by the model's size (2 processes).
+
+The run is ``tools/bench_memory.py``'s recipe on a small many-layer Llama folder base (most weights between 1 MiB
+and 32 MiB: the blocks glibc's adaptive mmap threshold moves onto its heap). Without
+``distributed/allocator.py`` (``AUTOMODEL_CKPT_MALLOC=default``) each rank's peak rises about 6 x the model's fp32
+bytes above its post-setup level; with it, below 2 x.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench_memory.py"
+CONFIG = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1408,
+          "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "tie_word_embeddings": False, "dtype": "bfloat16"}  # fmt: skip
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_steps_peak_above_the_setup_is_bounded_by_the_models_size(tmp_path):
+    bench = _bench()
+    base = bench.write_base(tmp_path / "base", CONFIG)
+    run = bench.run_one(tmp_path, base, 2, 1, False, optimizer="sgd", save=False)
+    assert "failed" not in run, run.get("failed")
+    for rank in run["ranks"]:
+        model_fp32 = 4 * rank["total_params"]
+        # A step holds the rank's gradients (and optimizer state: none for SGD without momentum) for good, and for a
+        # while a gathered copy of the parameters and their unsharded gradients: at most the whole model twice.
+        kept = rank["state_share"] - rank["params_share"]
+        bound = kept + 2 * model_fp32
+        assert rank["after_setup"] <= bound, (
+            f"the steps added {rank['after_setup'] / 2**20:.0f} MiB to the setup's {rank['post_setup'] / 2**20:.0f} "
+            f"MiB; bound {bound / 2**20:.0f} MiB (fp32 model {model_fp32 / 2**20:.0f} MiB)")
