@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.disk.catalog import pointer_target, scan
+from automodel_ckpt.checkpoint.disk.durable import write_atomic
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.training.metrics import read_jsonl
@@ -36,7 +38,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig = make_figure(run_dir)
     out = Path(out) if out else Path(run_dir) / "loss.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    write_atomic(out, png.getvalue())  # a link or FIFO at ``out`` is replaced, never written through
     plt.close(fig)
     return out
 
