@@ -22,9 +22,10 @@ from automodel_ckpt.shown import EscapingStream, one_line
 # verb -> (module in this package, arguments as shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
     "consolidate": ("consolidate", "CHECKPOINT [--out DIR] [--cast-dtype bf16|fp16|fp32|fp64] [--num-threads N]"),
-    "inspect": ("inspect", "CHECKPOINT_DIR [--json] [--cost [--mtbf-hours H]]"),
+    "inspect": ("inspect", "CHECKPOINT_DIR|FILE.tar [--json] [--cost [--mtbf-hours H]]"),
     "merge-lora": ("merge_lora", "CHECKPOINT [--out DIR] [--base DIR]"),
-    "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR [--quiet] [--sizes-only] | --export CHECKPOINT"),
+    "pack": ("pack", "CHECKPOINT|EXPORT_DIR|ADAPTER_DIR [--out FILE.tar] [--cast-dtype DTYPE] [--no-progress]"),
+    "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR|FILE.tar [--quiet] [--sizes-only] | --export CHECKPOINT"),
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),
     "gc": ("gc", "s3://BUCKET/RUN [--min-age-minutes M] [--dry-run]"),
     "preview": ("preview", "RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]"),

@@ -26,7 +26,7 @@ _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "ME
 def build_parser() -> VerbParser:
     p = VerbParser("inspect", "List the checkpoints of a run folder.")
     p.add_argument("checkpoint_dir", help="the run's checkpoint.checkpoint_dir (or one checkpoint in it); a path or "
-                                          "an object store URL (s3://BUCKET/RUN)")
+                                          "an object store URL (s3://BUCKET/RUN); or an archive (ckpt-train pack)")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.add_argument("--cost", action="store_true", help="what checkpoints cost this run, and the Young/Daly interval "
                                                         "for its failure rate (docs/tracking.md)")
@@ -39,6 +39,14 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
+    from automodel_ckpt.checkpoint.export.archive import describe, is_archive
+
+    if not is_url(args.checkpoint_dir) and is_archive(Path(args.checkpoint_dir)):
+        if args.cost:
+            raise UsageError("--cost: needs a run folder, not an archive")
+        info = describe(Path(args.checkpoint_dir))
+        print(json.dumps(info, indent=2) if args.json else render_archive(info), flush=True)
+        return 0
     local = open_for_reading(args.checkpoint_dir, key="inspect")
     report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
     if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
@@ -49,6 +57,17 @@ def main(argv: list[str]) -> int:
     except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def render_archive(info: dict[str, Any]) -> str:
+    """What an archive holds (``archive.describe``) in a few lines."""
+    came = (f" from checkpoint {info['checkpoint']} of run {info['run']} (step {info['step']}, epoch "
+            f"{info['epoch']})" if info["checkpoint"] else f" from an {info['source']} folder")
+    model = f"{info['model_type'] or 'unknown family'}" + (f" ({info['architecture']})" if info["architecture"] else "")
+    dtypes = ", ".join(f"{k} {v:,}" for k, v in info["dtypes"].items()) or "no weights"
+    return "\n".join([f"archive {info['archive']}: {info['holds']}{came}",
+                      f"  model: {model}, {info['parameters']:,} parameters ({dtypes})",
+                      f"  {info['files']} members, {human_size(info['bytes'])}"])
 
 
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:

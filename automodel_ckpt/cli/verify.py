@@ -19,7 +19,8 @@ FAILED = 1
 def build_parser() -> VerbParser:
     p = VerbParser("verify", "Check checkpoint files against their manifest.json (sizes and checksums) and the pointers.")
     p.add_argument("path", help="a checkpoint folder, or a checkpoint_dir (every checkpoint in it); a path or an "
-                                "object store URL (its files are downloaded, then checked)")
+                                "object store URL (its files are downloaded, then checked); or an archive "
+                                "(ckpt-train pack), read in place")
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems and the summary")
     p.add_argument("--sizes-only", action="store_true", help="skip checksums (fast: no file is read)")
     p.add_argument("--export", action="store_true",
@@ -38,9 +39,20 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool) -> bool:
-    report = manifest.verify(path, checksums=checksums, threads=max(1, threads))
+    return show(manifest.verify(path, checksums=checksums, threads=max(1, threads)), "checkpoint", checksums, quiet)
+
+
+def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
+    """Every member of an archive (``ckpt-train pack``) against its manifest, read in place."""
+    from automodel_ckpt.checkpoint.export.archive import verify
+
+    return show(verify(path, checksums=checksums), "archive", checksums, quiet)
+
+
+def show(report: manifest.Report, kind: str, checksums: bool, quiet: bool) -> bool:
+    """Print one verdict per file (``quiet``: problems only) and the outcome; whether every file matched."""
     n_files = len([v for v in report.verdicts if v.status != manifest.UNEXPECTED])
-    head = f"checkpoint {path}"
+    head = f"{kind} {report.checkpoint}"
     if report.problem is None:
         what = "sizes" if not checksums else report.algorithm
         head += f" ({n_files} files, {human_size(report.total_bytes)}, layout {layout.LAYOUT_VERSION}, {what})"
@@ -101,8 +113,13 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint.objectstore import open_for_reading
+    from automodel_ckpt.checkpoint.export.archive import is_archive
+    from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
 
+    if not is_url(args.path) and is_archive(Path(args.path)) and not args.export:
+        ok = verify_archive(Path(args.path), checksums=not args.sizes_only, quiet=args.quiet)
+        print(f"verify: {'OK' if ok else 'FAILED'}")
+        return 0 if ok else FAILED
     path = open_for_reading(args.path, fetch_all=True, key="verify")
     if not path.exists():
         raise UserError(f"'{path}' does not exist")

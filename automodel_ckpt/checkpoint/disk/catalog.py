@@ -194,6 +194,8 @@ def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path
         found = pointer_target(checkpoint_dir, layout.LOWEST_VAL)
     else:
         candidate = Path(restore_from).expanduser()
+        if candidate.name.endswith(layout.ARCHIVE_SUFFIX) and candidate.is_file():
+            return candidate  # an archive (`ckpt-train pack`): the weights are read from it in place
         if not candidate.is_dir():
             candidate = checkpoint_dir / restore_from
         found = candidate if candidate.is_dir() and not layout.is_staging(candidate.name) else None

@@ -1,4 +1,4 @@
-"""File checksums for manifests: the algorithms (xxHash3-64, CRC32 as a fallback), hashers and whole-file hashing.
+"""File checksums for manifests: the algorithms (xxHash3-64, CRC32 as a fallback), hashers, whole files and ranges.
 
 xxHash3-64 (``xxhash``, ~18 GB/s on one core); ``zlib.crc32`` (~2.7 GB/s) where ``xxhash`` is not installed. A
 manifest names its algorithm, so either can verify either. Checksums detect corruption (truncation, flipped bytes,
@@ -91,3 +91,19 @@ def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
             h.update(view[:n])
             size += n
     return size, h.hexdigest()
+
+
+def hash_range(fd: int, offset: int, size: int, algorithm: str) -> str:
+    """The hex checksum of bytes ``[offset, offset + size)`` of the open file ``fd`` (a member of an archive);
+    ``OSError`` when the file ends before them."""
+    h = hasher(algorithm)
+    buf = bytearray(min(_CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[:min(len(buf), size - done)]], offset + done)
+        if n == 0:
+            raise OSError(f"the file ends at byte {offset + done}, before the {size} bytes from byte {offset}")
+        h.update(view[:n])
+        done += n
+    return h.hexdigest()

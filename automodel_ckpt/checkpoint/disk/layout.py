@@ -37,6 +37,9 @@ Three more objects say what this project wrote there: ``.automodel-ckpt-run.json
 the start of every run: what makes a URL a run folder for ``gc``), ``<name>/.automodel-ckpt-upload.json`` (the
 first object of every checkpoint's prefix: a prefix without it is never deleted) and ``.automodel-ckpt-lease.json``
 (the lease of the run now writing there).
+
+An archive (``ckpt-train pack``, a ``.tar`` file) holds a Hugging Face or adapter folder's files at its top and
+``automodel/config.yaml``, ``automodel/metadata.json`` and ``automodel/manifest.json`` (the last member).
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ SAFETENSORS = "safetensors"
 TORCH_SAVE = "torch_save"
 ADAPTER_FORMAT = "adapter"
 PEFT_FULL_CONFIG = "automodel_peft_config.json"
+# --- an archive (`ckpt-train pack`): a Hugging Face or adapter folder's files, and this project's in a folder ----
+ARCHIVE_DIR = "automodel"
+ARCHIVE_RECIPE = f"{ARCHIVE_DIR}/{CONFIG_FILE}"  # the checkpoint's config.yaml (redacted)
+ARCHIVE_METADATA = f"{ARCHIVE_DIR}/{METADATA_FILE}"  # the checkpoint's metadata.json
+ARCHIVE_MANIFEST = f"{ARCHIVE_DIR}/{MANIFEST_FILE}"  # every other member's size and checksum; the last member
+ARCHIVE_SUFFIX = ".tar"
 # Tokenizer (and image-text processor) files a Hugging Face model folder may hold (copied from a base folder when
 # no tokenizer is given).
 HF_TOKENIZER_FILES = (

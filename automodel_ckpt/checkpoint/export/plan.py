@@ -121,7 +121,7 @@ def consolidate(
         plan = build_plan(model_dir, cast, max_shard_size)
         mine = plan.files_for_rank(rank, world_size)
         nbytes = total_bytes(mine)
-        with _ProgressBar(nbytes, progress and rank == 0) as advance:
+        with ProgressBar(nbytes, progress and rank == 0) as advance:
             write_files(mine, tmp, num_threads, advance)
         if rank == 0:
             plan.write_side_files(tmp)
@@ -188,11 +188,19 @@ class ExportPlan:
 
     def write_side_files(self, folder: Path) -> None:
         """Index, config and the files kept in ``.hf_metadata`` (rank 0 only)."""
-        write_durable(folder / layout.HF_INDEX, json.dumps(self.index(), indent=2, sort_keys=True) + "\n")
+        for name, content in self.side_files():
+            if isinstance(content, Path):
+                copy_regular(content, folder / name)  # never through a link: a FIFO or symlink is refused
+            else:
+                write_durable(folder / name, content)
+
+    def side_files(self) -> list[tuple[str, str | Path]]:
+        """``(name, text or the file to copy)`` of every file of the export besides the weights."""
+        out: list[tuple[str, str | Path]] = [(layout.HF_INDEX, json.dumps(self.index(), indent=2, sort_keys=True)
+                                              + "\n")]
         if self.config is not None:
-            write_durable(folder / layout.HF_CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        for path in self.extra_files:
-            copy_regular(path, folder / path.name)  # never through a link: a FIFO or symlink is refused
+            out.append((layout.HF_CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n"))
+        return out + [(path.name, path) for path in self.extra_files]
 
 
 def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -> ExportPlan:
@@ -324,15 +332,15 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-class _ProgressBar:
+class ProgressBar:
     """tqdm bar over output bytes, shown only when asked and stderr is a terminal."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, desc: str = "consolidating") -> None:
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating")
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
 
     def __enter__(self) -> Callable[[int], None]:
         if self.bar is None:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -83,14 +83,27 @@ class OutFile:
 
 def write_files(files: list[OutFile], folder: Path, num_threads: int, advance: Callable[[int], None]) -> None:
     """Write ``files`` into ``folder`` with ``num_threads`` threads; each file is fsynced once, at the end."""
-    if not files:
-        return
+    if files:
+        with _threads(num_threads), _Writer(num_threads, advance) as writer:
+            writer.run(files, folder)
+
+
+def write_into(placed: list[tuple[OutFile, int]], fd: int, num_threads: int, advance: Callable[[int], None]) -> None:
+    """Write each ``(file, start)`` into the open file ``fd`` from its byte ``start`` on (the members of an
+    archive); syncing ``fd`` is the caller's."""
+    with _threads(num_threads), _Writer(num_threads, advance) as writer:
+        for f, start in placed:
+            pwrite_all(fd, f.header, start)
+        writer.write([(fd, replace(t, offset=t.offset + start)) for f, start in placed for t in f.tensors])
+
+
+@contextmanager
+def _threads(num_threads: int) -> Iterator[None]:
     intra_op = torch.get_num_threads()
     if num_threads > 1:
         torch.set_num_threads(1)  # our threads already run conversions in parallel; nested pools only contend
     try:
-        with _Writer(num_threads, advance) as writer:
-            writer.run(files, folder)
+        yield
     finally:
         torch.set_num_threads(intra_op)
 
@@ -144,11 +157,14 @@ class _Writer:
                 pwrite_all(fd, f.header, 0)
             except OSError as e:
                 raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
-        assembled = [t.nbytes for f in files for t in f.tensors if not _streamable(t.source)]
-        self.budget.cap = max([_MIN_ASSEMBLY_BUDGET, *assembled])
-        tasks = [task for f in files for t in f.tensors for task in self._tasks(self.dst_fds[f.name], t)]
-        self._run_all(tasks)
+        self.write([(self.dst_fds[f.name], t) for f in files for t in f.tensors])
         self._run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
+
+    def write(self, tensors: list[tuple[int, OutTensor]]) -> None:
+        """Every ``(file descriptor, tensor)``'s bytes at the tensor's offset in that file."""
+        assembled = [t.nbytes for _, t in tensors if not _streamable(t.source)]
+        self.budget.cap = max([_MIN_ASSEMBLY_BUDGET, *assembled])
+        self._run_all([task for dst, t in tensors for task in self._tasks(dst, t)])
 
     def _run_all(self, tasks: list[Callable[[], None]]) -> None:
         if self.num_threads == 1 or len(tasks) == 1:

@@ -75,11 +75,12 @@ def _local(target: torch.Tensor) -> torch.Tensor:
     return target.to_local() if hasattr(target, "to_local") else target
 
 
-def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) -> int:
+def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True, reader: Any = None) -> int:
     """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not); returns this rank's bytes read.
 
     Every parameter of the transformers model must be in the folder (or tied to one that is); a buffer that is
-    not (rotary tables and the like) is left as it is. Adapters of a PEFT model are not read.
+    not (rotary tables and the like) is left as it is. Adapters of a PEFT model are not read. ``reader``: the
+    storage reader of ``folder`` when it is no folder (an archive's, ``export.archive_weights``).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -89,7 +90,8 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
     base, names = in_memory_names(model)
     state = base.state_dict(keep_vars=True)  # the tensors themselves: tied weights are one object
     buffer_keys = {k for k, _ in base.named_buffers()}
-    reader = ParallelHFReader(folder, gap=0)  # the pages of this rank's pieces, nothing between them
+    if reader is None:
+        reader = ParallelHFReader(folder, gap=0)  # the pages of this rank's pieces, nothing between them
     on_disk = reader.read_metadata().state_dict_metadata
     mem = {name: state[key] for name, key in names.items()}
     layout = disk_layout(base.config.to_dict(), {n: (tuple(t.shape), t.dtype) for n, t in mem.items()},

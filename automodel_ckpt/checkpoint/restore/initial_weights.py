@@ -4,7 +4,8 @@ Continued training on new data starts from a trained model but not from its opti
 ``checkpoint.load_only: [model]`` loads just the named states of ``restore_from`` and leaves the rest as the recipe
 built it (a fresh optimizer, step 0). ``restore_from`` may be one of this project's checkpoints (any subset of its
 discovered state), a Hugging Face model folder such as a checkpoint's ``model/consolidated`` (``model`` only;
-transformers maps its on-disk names to the model's), or a PEFT adapter folder (``model`` only, for a LoRA run).
+transformers maps its on-disk names to the model's) or an archive of one (``ckpt-train pack``, read in place), or a
+PEFT adapter folder (``model`` only, for a LoRA run).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.checkpoint.export.archive import is_archive, open_archive
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.restore.decision import ADAPTER_FOLDER, CHECKPOINT, HF_FOLDER, Decision, Source
 from automodel_ckpt.checkpoint.restore.probe import probe
@@ -65,6 +67,12 @@ def load_weights(model: Any, decision: Decision, rank: int) -> None:
 def kind_of(folder: Path) -> str:
     """``checkpoint``, ``Hugging Face model folder`` or ``adapter folder``; ``CheckpointError`` for anything else."""
     folder = Path(folder)
+    if is_archive(folder):  # ``ckpt-train pack``: read in place
+        with open_archive(folder) as archive:
+            if layout.ADAPTER_CONFIG in archive.members:
+                raise CheckpointError(f"checkpoint.restore_from: '{folder}' is an archived adapter, which is not "
+                                      "read in place; unpack it (tar xf) and name the folder")
+        return HF_FOLDER
     if read_metadata(folder) is not None or layout.parse_default_name(folder.name) is not None:
         return CHECKPOINT
     if (folder / layout.ADAPTER_CONFIG).exists():
@@ -83,6 +91,12 @@ def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
     """
     from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
 
+    if is_archive(folder):
+        from automodel_ckpt.checkpoint.export.archive_weights import ArchiveHFReader
+
+        collective.collectively(lambda: load_hf_weights(model, folder, reader=ArchiveHFReader(folder, gap=0)),
+                                f"reading '{folder}'", rank)
+        return
     if not any(Path(folder).glob("*.safetensors")):  # PyTorch .bin weights only: transformers reads them
         _load_on_rank0(model, folder, rank)
         return

@@ -268,18 +268,14 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
     for req in plan.items:
         path = str(reader.storage_data[req.storage_index].relative_path)
         if path not in headers:
-            fd = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
-            try:
-                headers[path] = safetensors_header(fd, path)
-            finally:
-                os.close(fd)
-        start, header = headers[path]
+            headers[path] = reader.header(path)
+        file, start, header = headers[path]
         entry = header.get(req.storage_index.fqn)
         if entry is None or entry.get("dtype") not in ST_CODES:
             return None
         located = Located(start + entry["data_offsets"][0], tuple(entry["shape"]), ST_CODES[entry["dtype"]])
         target = planner.resolve_tensor(req).detach()
-        jobs.append(ReadJob(path, located, tuple(req.storage_offsets), tuple(req.lengths), target))
+        jobs.append(ReadJob(file, located, tuple(req.storage_offsets), tuple(req.lengths), target))
         done.append((req, target))
     run_reads(jobs, threads, hash_files, on_hashed, gap=getattr(reader, "gap", directread.GAP))
     return finish_reads(done, planner)
@@ -374,6 +370,16 @@ class ParallelHFReader(_Checked, CachingHFReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         return self._read(read_safetensors, plan, planner)
+
+    def header(self, path: str) -> tuple[str, int, dict[str, Any]]:
+        """``(file to read, where its tensor data starts in it, header)`` of the safetensors file ``path`` names
+        (a file of the folder here; a member of an archive for ``export.archive_weights.ArchiveHFReader``)."""
+        fd = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
+        try:
+            start, header = safetensors_header(fd, path)
+        finally:
+            os.close(fd)
+        return path, start, header
 
 
 class ParallelFileSystemReader(_Checked, SafeFileSystemReader):

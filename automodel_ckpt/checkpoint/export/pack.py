@@ -1,0 +1,259 @@
+"""Writing one archive of a model: a checkpoint's export streamed into it, or an export or adapter folder's files.
+
+``pack(src, out)`` lays out every member before a byte is written (names, sizes, headers, offsets), so each member
+is written straight to its place in the archive file: a checkpoint's export by the export's own writer
+(``writer.write_into``: the shards' bytes are copied or converted into the archive, never staged on disk), files
+by ``copy_file_range``. Each weights member gets an extended header padded (a pax ``comment`` record) so that its
+data starts at a multiple of ``archive.ALIGN``. Every member is then hashed from the archive, the manifest is
+written last (its own checksum in its extended header), and the archive, written under a hidden name beside
+``out``, is fsynced and renamed into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from automodel_ckpt.checkpoint.disk import bounded, layout, manifest, paths
+from automodel_ckpt.checkpoint.disk.checksum import default_algorithm, hash_range, hasher
+from automodel_ckpt.checkpoint.disk.durable import fsync_dir
+from automodel_ckpt.checkpoint.export.archive import ALIGN, PAX_COMMENT
+from automodel_ckpt.checkpoint.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
+from automodel_ckpt.checkpoint.export.sources import require_format
+from automodel_ckpt.checkpoint.export.writer import OutFile, write_into
+from automodel_ckpt.checkpoint.formats.safetensors_io import pwrite_all
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
+from automodel_ckpt.redact import redacted
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT, EXPORT, ADAPTER = "checkpoint", "export", "adapter"
+_WEIGHTS_SUFFIX = ".safetensors"
+_COPY_CHUNK = 8 << 20
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+@dataclass
+class Entry:
+    """One member to write: its bytes come from ``data``, the regular file ``path`` or the export file ``out``."""
+
+    name: str
+    size: int
+    data: bytes | None = None
+    path: Path | None = None
+    out: OutFile | None = None
+    at: int = 0  # where its data starts in the archive, once laid out
+
+
+def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size: int = 5 * 2**30,
+         num_threads: int = 5, progress: bool = True) -> dict[str, Any]:
+    """Write the archive of ``src`` (a checkpoint, an export folder or an adapter folder) to ``out``; returns its
+    manifest. See the module docstring."""
+    src, out = Path(src), Path(out)
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}"
+                        f"{layout.ARCHIVE_SUFFIX})")
+    entries, source = _entries(src, parse_cast_dtype(cast_dtype), max_shard_size)
+    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the archive '{out}': {exc.strerror or exc}") from None
+    try:
+        table = _write(fd, entries, source, num_threads, progress)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException as exc:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write the archive '{out}': {exc.strerror or first_line(exc)}") from None
+        raise
+    return table
+
+
+def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: int,
+           progress: bool) -> dict[str, Any]:
+    mtime = int(time.time())
+    pos = 0
+    for e in entries:
+        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith(_WEIGHTS_SUFFIX))
+        pwrite_all(fd, header, pos)
+        e.at = pos + len(header)
+        pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
+    with ProgressBar(sum(e.size for e in entries), progress, "packing") as advance:
+        write_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
+        for e in entries:
+            if e.data is not None:
+                pwrite_all(fd, e.data, e.at)
+            elif e.path is not None:
+                _copy_into(e.path, e.size, fd, e.at, advance)
+    algorithm = default_algorithm()
+    sums = {e.name: hash_range(fd, e.at, e.size, algorithm) for e in entries}
+    table = manifest.build(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
+    table = {**{k: v for k, v in table.items() if k != "files"}, "source": source, "files": table["files"]}
+    data = manifest.dumps(table).encode()
+    header = _header(layout.ARCHIVE_MANIFEST, len(data), mtime, pos, align=False,
+                     pax={PAX_COMMENT: _checksum_of(data, algorithm)})
+    pwrite_all(fd, header + data, pos)
+    end = pos + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
+    os.ftruncate(fd, end + (-end % tarfile.RECORDSIZE))  # the end-of-archive blocks: zeros, as tar writes them
+    return table
+
+
+def _checksum_of(data: bytes, algorithm: str) -> str:
+    h = hasher(algorithm)
+    h.update(data)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def _header(name: str, size: int, mtime: int, at: int, *, align: bool, pax: dict[str, str] | None = None) -> bytes:
+    """The tar header of a member whose header starts at byte ``at``; with ``align``, padded so that its data
+    starts at a multiple of ``ALIGN`` (every length here is a multiple of the 512-byte block, so widening the
+    padding record by the gap closes it)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, mtime, 0o644
+    info.pax_headers = dict(pax or {})
+    if not align:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    width = 1
+    while True:
+        info.pax_headers = {PAX_COMMENT: "0" * width}
+        buf = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        gap = -(at + len(buf)) % ALIGN
+        if not gap:
+            return buf
+        width += gap
+
+
+def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None]) -> None:
+    """The regular file ``src`` (never through a link) to bytes ``[at, at + size)`` of ``fd``, in the kernel where
+    the filesystems allow it."""
+    with os.fdopen(paths.open_regular(src), "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != size:
+            raise CheckpointError(f"'{src}' changed while it was packed; pack again")
+        done, kernel = 0, hasattr(os, "copy_file_range")
+        while done < size:
+            n = min(_COPY_CHUNK, size - done)
+            if kernel:
+                try:
+                    n = os.copy_file_range(f.fileno(), fd, n, done, at + done)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    kernel = False
+                    continue
+            else:
+                chunk = os.pread(f.fileno(), n, done)
+                pwrite_all(fd, chunk, at + done)
+                n = len(chunk)
+            if n == 0:
+                raise CheckpointError(f"'{src}' changed while it was packed; pack again")
+            done += n
+            advance(n)
+
+
+# --- what goes in ----------------------------------------------------------------------------------------------
+def kind_of(src: Path) -> str:
+    """``checkpoint``, ``export`` (a Hugging Face folder) or ``adapter`` (a PEFT adapter folder)."""
+    if not src.is_dir():
+        raise UserError(f"'{src}' is not a folder; pack takes a checkpoint, an export folder or an adapter folder")
+    if (src / layout.METADATA_FILE).is_file() or (src / layout.MODEL_DIR).is_dir():
+        return CHECKPOINT
+    if (src / layout.ADAPTER_CONFIG).is_file():
+        return ADAPTER
+    if (src / layout.HF_CONFIG).is_file():
+        return EXPORT
+    raise UserError(f"'{src}' is neither a checkpoint, a Hugging Face model folder (config.json) nor a PEFT "
+                    "adapter folder (adapter_config.json)")
+
+
+def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], dict[str, Any]]:
+    """The members in archive order (the folder's files, its weights, this project's files) and the source."""
+    kind = kind_of(src)
+    source: dict[str, Any] = {"kind": kind, "name": src.resolve().name}
+    if kind != CHECKPOINT:
+        return _folder_entries(src, with_ours=True), source
+    source.update(kind=CHECKPOINT, checkpoint=src.name, run=src.resolve().parent.name)
+    model_dir = resolve_model_dir(src)
+    if (model_dir / layout.ADAPTER_CONFIG).is_file():
+        source["kind"] = ADAPTER
+        entries = _folder_entries(model_dir, with_ours=False)
+    else:
+        require_format(model_dir)
+        plan = build_plan(model_dir, cast, max_shard_size)
+        entries = [Entry(name, os.lstat(content).st_size, path=content) if isinstance(content, Path) else
+                   Entry(name, len(content.encode()), data=content.encode()) for name, content in plan.side_files()]
+        entries += [Entry(f.name, f.size, out=f) for f in plan.files]
+    return _ordered(entries + _ours(src)), source
+
+
+def _ours(checkpoint: Path) -> list[Entry]:
+    """The checkpoint's recipe (redacted again: a received checkpoint's copy may hold what ours never writes) and
+    its metadata."""
+    out = []
+    recipe, meta = checkpoint / layout.CONFIG_FILE, checkpoint / layout.METADATA_FILE
+    try:
+        if os.path.lexists(recipe):
+            text = yaml.safe_dump(redacted(bounded.read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
+            out.append(Entry(layout.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
+        if os.path.lexists(meta):
+            data = bounded.read_bytes(meta, "checkpoint metadata", bounded.SMALL_FILE)
+            bounded.parse_json(data, f"'{meta}'", "checkpoint metadata", bounded.SMALL_FILE)
+            out.append(Entry(layout.ARCHIVE_METADATA, len(data), data=data))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read '{checkpoint}': {first_line(exc)}") from None
+    return out
+
+
+def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
+    """The regular files of ``folder`` (and, ``with_ours``, of its ``automodel/``: an unpacked archive packs
+    again); a link or special file there is refused in one line. Other subfolders are not packed."""
+    entries = []
+    for sub in ("", layout.ARCHIVE_DIR) if with_ours else ("",):
+        where = folder / sub if sub else folder
+        if sub and (not os.path.isdir(where) or os.path.islink(where)):
+            continue
+        with os.scandir(where) as it:
+            for entry in sorted(it, key=lambda e: e.name):
+                name = f"{sub}/{entry.name}" if sub else entry.name
+                st = entry.stat(follow_symlinks=False)
+                if entry.is_dir(follow_symlinks=False) or name == layout.ARCHIVE_MANIFEST:
+                    continue
+                why = paths.not_regular(st.st_mode)
+                if why is not None:
+                    raise CheckpointError(f"'{entry.path}' is {why}; an archive holds only regular files, never "
+                                          "what a link points to: replace it with the file itself")
+                paths.check(name, f"'{folder}'")
+                entries.append(Entry(name, st.st_size, path=Path(entry.path)))
+    return _ordered(entries)
+
+
+def _ordered(entries: list[Entry]) -> list[Entry]:
+    """Small files first (a reader finds the config and index at the start), then the weights, then ours."""
+    def rank(e: Entry) -> tuple[int, str]:
+        ours = e.name.startswith(layout.ARCHIVE_DIR + "/")
+        return (2 if ours else 1 if e.name.endswith(_WEIGHTS_SUFFIX) else 0), e.name
+
+    return sorted(entries, key=rank)
+
+
+def summary(table: dict[str, Any]) -> str:
+    """``3 files, 1.2 GiB, xxh3_64``: what an archive's manifest lists."""
+    from automodel_ckpt.sizes import human_size
+
+    return (f"{len(table['files']) + 1} members, {human_size(table['total_bytes'])}, "
+            f"{table['checksum_algorithm']} checksums")
