@@ -325,24 +325,32 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
     sizes = {rel: int(listed[rel]["size"]) for rel in share}
     if share:
         remote = wrap(f"listing '{store.url_of(folder.name)}'", lambda: store.sizes(folder.name))
-        check_fetch(folder, store.url_of(folder.name), sizes, remote)
+        sizes = check_fetch(folder, store.url_of(folder.name), sizes, remote)
+        share = list(sizes)
     wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder, sizes))
 
 
-def check_fetch(folder: Path, url: str, sizes: dict[str, int], remote: dict[str, int]) -> None:
-    """Before any download: each file's size in the manifest is the listing's, and together they fit in the
-    free space of the mirror's filesystem; else one line naming the file or the sizes."""
+def check_fetch(folder: Path, url: str, sizes: dict[str, int], remote: dict[str, int]) -> dict[str, int]:
+    """Before any download: what to fetch, and how many bytes of each. A file the listing lacks is not fetched
+    (the checks after it report it missing); one listed shorter than its manifest size is fetched as it is (they
+    report the size mismatch); one listed longer is refused in one line, and so are files that together do not fit
+    in the free space of the mirror's filesystem: no listing or manifest makes a download larger than the other
+    says."""
+    fetched = {}
     for rel, size in sizes.items():
-        if remote.get(rel) != size:
-            found = "not listed" if rel not in remote else f"{remote[rel]} bytes in the listing"
-            raise CheckpointError(f"'{url}/{rel}': {layout.MANIFEST_FILE} gives {size} bytes, {found}; the "
-                                  "checkpoint is damaged, nothing was downloaded")
-    need = sum(sizes.values())
+        if rel not in remote:
+            continue
+        if remote[rel] > size:
+            raise CheckpointError(f"'{url}/{rel}': {layout.MANIFEST_FILE} gives {size} bytes, {remote[rel]} bytes "
+                                  "in the listing; the checkpoint is damaged, nothing was downloaded")
+        fetched[rel] = remote[rel]
+    need = sum(fetched.values())
     probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
     free = shutil.disk_usage(probe).free
     if need > free:
         raise CheckpointError(f"'{url}' needs {human_size(need)} in the mirror '{folder.parent}', which has "
                               f"{human_size(free)} free; nothing was downloaded")
+    return fetched
 
 
 def open_run(url: str, storage_options: dict[str, Any] | None, mirror: Path) -> RemoteRun:
