@@ -117,8 +117,8 @@ class BenchRecipe(FinetuneRecipe):
     def _background_busy(self) -> bool:
         if self._dcp_future is not None:
             return not self._dcp_future.done()
-        pending = getattr(self.checkpointer, "_pending", None)
-        return pending is not None and any(not f.done() for f, _ in pending.writes)
+        job = self.checkpointer.background
+        return job is not None and any(not f.done() for f in job.writes)
 
     def train_step(self, micro):
         busy = self._background_busy()
@@ -142,13 +142,13 @@ class BenchRecipe(FinetuneRecipe):
         if self._mode in ("sync", "async"):
             record |= {"phases": dict(self.checkpointer.last_save_seconds),
                        "complete": dict(self.checkpointer.last_complete_seconds)}
-        pending = getattr(self.checkpointer, "_pending", None)
+        job = self.checkpointer.background
         done = self._dcp_future if self._mode.startswith("dcp_") else (
-            pending.writes[-1][0] if pending is not None and pending.writes else None)
+            job.writes[-1] if job is not None and job.writes else None)
         if done is not None:
             done.add_done_callback(lambda _f, r=record: r.__setitem__("background", time.perf_counter() - returned))
-        if pending is not None and pending.job is not None:
-            self._jobs.append((record, pending.job))
+        if job is not None:
+            self._jobs.append((record, job))
         self._timings["saves"].append(record)
         return path
 

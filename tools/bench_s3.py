@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
         shutil.rmtree(work / f"ranged{rep}")
         fresh = make(work / f"load{rep}")  # a new machine: nothing of the checkpoint is local
         t = time.perf_counter()
-        target = fresh.find_restore_target(auto=True)
+        target = fresh.run.find(None)  # the latest
         fresh.load(states, target)
         times["load"].append(time.perf_counter() - t)
         fresh.finalize()

@@ -23,6 +23,7 @@ _EXPORTS = {
     "StatePlan": "state",
     "discover_state": "state",
     "plan_state": "state",
+    "written_by": "disk.metadata",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
     from automodel_ckpt.checkpoint.config import (CheckpointConfig, ConsolidationMode, LoadErrorPolicy, ModelSaveFormat,
                                                   MonitorMode)
+    from automodel_ckpt.checkpoint.disk.metadata import written_by
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
 
 

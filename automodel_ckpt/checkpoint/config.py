@@ -122,7 +122,7 @@ class CheckpointConfig:
 
 def _check_location(location: object, key: str) -> None:
     """A URL location must name an object store whose backend is installed (it never becomes a local path)."""
-    from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url
+    from automodel_ckpt.checkpoint.storage import check_url, is_url
 
     if is_url(location):
         check_url(str(location), key)

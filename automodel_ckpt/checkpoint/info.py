@@ -32,7 +32,7 @@ class SaveInfo:
 
 @dataclass(frozen=True)
 class WrittenBy:
-    """The shape of the job that wrote a checkpoint (``Checkpointer.written_by``)."""
+    """The shape of the job that wrote a checkpoint (``automodel_ckpt.checkpoint.written_by``)."""
 
     world_size: int
     local_batch_size: int | None  # step_scheduler.local_batch_size of its config.yaml, if readable

@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         )
         if rank == 0 and out_url:
             from automodel_ckpt.checkpoint.disk import layout
-            from automodel_ckpt.checkpoint.objectstore import upload_folder
+            from automodel_ckpt.checkpoint.storage import upload_folder
 
             upload_folder(out, out_url, last=(layout.HF_CONFIG,))
             print(f"Hugging Face model written to {out_url}", flush=True)
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
     """The local model folder to read (an object store checkpoint's model/ is downloaded first) and the output URL."""
     from automodel_ckpt.checkpoint.disk import layout
-    from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
+    from automodel_ckpt.checkpoint.storage import is_url, open_for_reading
 
     source, out = str(args.model_dir), args.out
     out_url = str(out) if out is not None and is_url(out) else None

@@ -21,26 +21,15 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint.disk import layout
-    from automodel_ckpt.checkpoint.objectstore import check_url, is_url
-    from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
-    from automodel_ckpt.checkpoint.objectstore.lease import break_lease
-    from automodel_ckpt.checkpoint.objectstore.run import open_run
+    from automodel_ckpt.checkpoint import storage
 
-    if not is_url(args.checkpoint_dir):
+    if not storage.is_url(args.checkpoint_dir):
         raise UserError(f"gc: '{args.checkpoint_dir}' is a local folder; a local run's interrupted saves "
                         "(.staging-*) are removed by its next save")
-    check_url(args.checkpoint_dir, "gc")
-    url = normalize(args.checkpoint_dir)
-    run = open_run(url, None, mirror_folder(url, None, role="read"))
-    problem = run.store.access_problem("gc", write=False)
-    if problem:
-        raise UserError(problem)
-    if not run.store.exists(layout.RUN_MARKER):
-        raise UserError(f"gc: '{url}' is not a run folder (it holds no {layout.RUN_MARKER}, which every ckpt-train "
-                        "run writes at its start); give the checkpoint.checkpoint_dir of one run")
+    run = storage.open_store_run(args.checkpoint_dir, "gc")
+    url = run.url
     if args.break_lease and not args.dry_run:
-        lease = break_lease(run.store)
+        lease = run.break_lease()
         holder = (lease or {}).get("holder") or {}
         print(f"no lease on {url}" if lease is None else
               f"removed the lease of {url} (held by host {holder.get('host', '?')}, pid {holder.get('pid', '?')})")

@@ -12,7 +12,7 @@ from automodel_ckpt.checkpoint.disk import bounded, catalog, layout
 from automodel_ckpt.checkpoint.formats.detect import detect_model_format
 from automodel_ckpt.checkpoint.disk.metadata import as_float
 from automodel_ckpt.distributed.mesh import MeshSizes
-from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading, source_of, stored_files
+from automodel_ckpt.checkpoint.storage import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe

@@ -23,7 +23,7 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
+    from automodel_ckpt.checkpoint.storage import is_url, open_for_reading
 
     run_dir = open_for_reading(args.checkpoint_dir, key="plot")
     out = plot_run(run_dir, args.out or (Path("loss.png") if is_url(args.checkpoint_dir) else None))

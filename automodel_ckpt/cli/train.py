@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         return 0
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
-        from automodel_ckpt.checkpoint.objectstore import run_folder
+        from automodel_ckpt.checkpoint.storage import run_folder
         from automodel_ckpt.checkpoint.storage.runlock import RunLock
 
         RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0

@@ -114,7 +114,7 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint.export.archive import is_archive
-    from automodel_ckpt.checkpoint.objectstore import is_url, open_for_reading
+    from automodel_ckpt.checkpoint.storage import is_url, open_for_reading
 
     if not is_url(args.path) and is_archive(Path(args.path)) and not args.export:
         ok = verify_archive(Path(args.path), checksums=not args.sizes_only, quiet=args.quiet)

@@ -20,12 +20,12 @@ class BaseRecipe:
 
     Checkpointing is by discovery: every public attribute with ``state_dict`` and ``load_state_dict`` is saved
     and restored under its name (``self.my_state = MyState()`` is checkpointed automatically); list attribute
-    names in ``checkpoint_exclude`` to keep them out. Set ``self.checkpointer`` (a ``Checkpointer`` built from
-    ``self.checkpoint_config``) to enable ``save_checkpoint``/``restore_checkpoint``.
+    names in ``checkpoint_exclude`` to keep them out. Build ``self.checkpointer`` (a ``Checkpointer`` from
+    ``self.checkpoint_config``) in setup, always: with ``checkpoint.enabled: false`` it saves nothing.
     """
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
-    checkpointer: Checkpointer | None = None
+    checkpointer: Checkpointer  # built by the subclass once the process group exists
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -39,18 +39,12 @@ class BaseRecipe:
         return discover_state(self, exclude=self.checkpoint_exclude)
 
     def save_checkpoint(self, info: SaveInfo) -> Path | None:
-        if self.checkpointer is None:
-            return None
         return self.checkpointer.save(self.checkpointed_state(), info)
 
     def finalize_checkpoints(self) -> Path | None:
         """Complete the checkpoint still being written in the background (``checkpoint.is_async``), if any."""
-        if self.checkpointer is None:
-            return None
         return self.checkpointer.finalize()
 
     def restore_checkpoint(self) -> Path | None:
         """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any."""
-        if self.checkpointer is None:
-            return None
         return self.checkpointer.restore(self.checkpointed_state())

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, written_by
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.disk.fingerprint import run_fingerprint
-from automodel_ckpt.checkpoint.objectstore import run_folder
+from automodel_ckpt.checkpoint.storage import run_folder
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
@@ -110,8 +110,7 @@ class FinetuneRecipe(BaseRecipe):
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=config_yaml,
                                          hf=self.hf_artifacts(), say=self.progress.write,
-                                         fingerprint=fingerprint, dims=self.dims) if ckpt_cfg.enabled or ckpt_cfg.restore_from else None
-        self._save_enabled = bool(ckpt_cfg.enabled)
+                                         fingerprint=fingerprint, dims=self.dims)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
         """Rank 0 builds first, so an embedded base is created once before the other ranks read it.
@@ -131,8 +130,7 @@ class FinetuneRecipe(BaseRecipe):
         """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
         when no checkpoint holds the model's weights)."""
         restored = super().restore_checkpoint()
-        loaded = self.checkpointer.loaded_states if self.checkpointer is not None else ()
-        self.starting_weights.fill(self.model, model_loaded="model" in loaded)
+        self.starting_weights.fill(self.model, model_loaded="model" in self.checkpointer.loaded_states)
         return restored
 
     def load_tokenizer(self, path: str | None) -> Any:
@@ -190,7 +188,7 @@ class FinetuneRecipe(BaseRecipe):
         except BaseException:
             if getattr(self, "_observer", None) is not None:
                 self._observer.fail()
-            if self.checkpointer is not None:
+            if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
                 self.checkpointer.abandon()  # this rank's background writes end; nothing half-written is published
             raise
         finally:
@@ -214,7 +212,7 @@ class FinetuneRecipe(BaseRecipe):
                              world_size=self.env.world_size)
         self.progress.start(sched.step)
         boundary = StepBoundary(self._preemption,
-                                TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self._save_enabled else None))
+                                TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self.checkpointer.enabled else None))
         while not sched.done:
             epoch, micro = self.dataloader.next_batch()
             t0 = time.perf_counter()
@@ -230,14 +228,14 @@ class FinetuneRecipe(BaseRecipe):
             self._observer.log_train(record | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
             agreed = boundary.check()  # every rank: preempted? a timed save due? (one all-reduce, if configured)
-            scheduled = self._save_enabled and (sched.is_ckpt_step or agreed.time_due)
+            scheduled = self.checkpointer.enabled and (sched.is_ckpt_step or agreed.time_due)
             val_loss = None
             if self.val_batches is not None and (sched.is_val_step or scheduled):
                 val_loss = self.validate()
                 self.val_log.append({"step": sched.step, "val_loss": val_loss})
                 self._observer.log_validation({"step": sched.step, "val_loss": val_loss})
             saved = None
-            if scheduled or (self._save_enabled and agreed.preempt):
+            if scheduled or (self.checkpointer.enabled and agreed.preempt):
                 info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
                                 extra={"consumed_samples": sched.consumed_samples})
                 saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
@@ -261,12 +259,11 @@ class FinetuneRecipe(BaseRecipe):
 
     def _save_in_background(self) -> Any:
         """The async save just started, if any (its fence wait and background time are part of its cost)."""
-        return self.checkpointer.background if self.checkpointer is not None else None
+        return self.checkpointer.background
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written on one mesh (W processes) resumes on another."""
-        assert self.checkpointer is not None
-        written = self.checkpointer.written_by(checkpoint)
+        written = written_by(checkpoint)
         now = self.dims.sizes
         same_mesh = written.mesh is None or written.mesh.record() == now.record()
         if (written.world_size == self.env.world_size and same_mesh) or not self.env.is_main:

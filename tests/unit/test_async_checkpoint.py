@@ -91,7 +91,7 @@ def test_latest_moves_only_when_the_async_save_is_complete(env, tmp_path, gate):
     assert read_pointer(root, layout.LATEST) is None
     assert not path.exists() and (root / layout.staging_name(path.name)).is_dir()
     gate.open()
-    assert ckpt._pending.job.completed.result(timeout=120) == path  # written, then published in the background
+    assert ckpt._writer._pending.job.completed.result(timeout=120) == path  # written, then published in the background
     assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
     assert ckpt.in_flight  # until the training thread collects the outcome
     assert ckpt.finalize() == path
@@ -183,9 +183,9 @@ def test_sync_mode_publishes_before_returning(env, tmp_path):
 
 
 def test_old_torch_falls_back_to_sync_with_one_warning(env, tmp_path, monkeypatch):
-    import automodel_ckpt.checkpoint.checkpointer as mod
+    import torch
 
-    monkeypatch.setattr(mod.torch, "__version__", "2.8.1+cpu")
+    monkeypatch.setattr(torch, "__version__", "2.8.1+cpu")
     with pytest.warns(UserWarning, match=r"is_async needs torch >= 2\.9 \(found 2\.8\.1\+cpu\); saving synchronously"):
         ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
     assert not ckpt.is_async
@@ -208,7 +208,7 @@ def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tm
     path = ckpt.save({"model": model, "optimizer": optimizer}, info(1))
     staging = root / layout.staging_name(path.name)
     assert (staging / "model" / layout.ADAPTER_WEIGHTS).is_file()  # written before save returned
-    assert gate.entered.wait(60) and [folder.name for _, folder in ckpt._pending.writes] == ["optim"]
+    assert gate.entered.wait(60) and [folder.name for _, folder in ckpt._writer._pending.writes] == ["optim"]
     assert not (staging / "optim" / ".metadata").exists()  # still held at the gate
     gate.open()
     assert ckpt.finalize() == path and manifest.verify(path).ok
@@ -223,16 +223,16 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     from automodel_ckpt.checkpoint.save import overlap
 
     ckpt = make_checkpointer(env, tmp_path, is_async=True)
-    stager = ckpt._host_stager()
+    stager = ckpt._writer._host_stager()
     never = Future()  # a write stuck in a collective with a dead rank
-    ckpt._pending = overlap.PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
+    ckpt._writer._pending = overlap.PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
     monkeypatch.setattr(checkpointer_module, "ABANDON_WAIT_SECONDS", 0.0)
     done = threading.Event()
     worker = threading.Thread(target=lambda: (ckpt.abandon(), done.set()), daemon=True)
     worker.start()
     assert done.wait(60), "abandon() waited on a write that never ends"
     assert not ckpt.in_flight
-    assert ckpt._stager is stager  # its buffers are not released under a write that may still run
+    assert ckpt._writer._stager is stager  # its buffers are not released under a write that may still run
     never.set_result(None)
 
 
@@ -269,8 +269,8 @@ def test_contended_fence_keeps_the_checkpoint_at_its_step(env, tmp_path, capture
     ckpt = make_checkpointer(env, tmp_path / "async", is_async=True, fmt=fmt)
     state.optimizer.register_step_post_hook(lambda *_: capture_gate.events.append("optimizer step"))
     reached = threading.Event()
-    fence = ckpt.fence
-    ckpt.fence = lambda: (reached.set(), fence())[1]  # the step pre-hook calls the instance's fence
+    fence = ckpt._writer.fence
+    ckpt._writer.fence = lambda: (reached.set(), fence())[1]  # the step pre-hook calls the writer's fence
     path = ckpt.save(state.states(), info(1))  # returns with the copy held at the gate
     assert capture_gate.entered.wait(60)
     stepper = threading.Thread(target=state.step, daemon=True)  # the next step: forward, backward, optimizer.step

@@ -173,6 +173,49 @@ def test_components_never_import_recipes():
     assert offenders == []
 
 
+def _imported_names(path: Path) -> list[str]:
+    """Every module a file imports, lazy imports included."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+    return names
+
+
+def test_the_object_store_is_private_to_storage():
+    """Verbs, the recipe and the rest of ``checkpoint/`` reach run folders through ``checkpoint.storage`` only."""
+    private = "automodel_ckpt.checkpoint.objectstore"
+    offenders = sorted(
+        name for name, path in _modules().items()
+        if not name.startswith(("automodel_ckpt.checkpoint.storage", private))
+        and any(n == private or n.startswith(private + ".") for n in _imported_names(path))
+    )
+    assert offenders == []
+
+
+def test_the_privacy_rule_sees_a_lazy_import(tmp_path):
+    module = tmp_path / "verb.py"
+    module.write_text("def main():\n    from automodel_ckpt.checkpoint import objectstore\n")
+    assert "automodel_ckpt.checkpoint.objectstore" in _imported_names(module)
+
+
+def test_the_checkpointer_reads_top_to_bottom():
+    """At most 300 lines, no nested functions or lambdas standing in for objects, lines within 120 characters."""
+    path = PACKAGE / "checkpoint" / "checkpointer.py"
+    source = path.read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= 300
+    assert max(len(line) for line in source.splitlines()) <= 120
+    tree = ast.parse(source)
+    nested = [n.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+              for n in ast.walk(f) if n is not f and isinstance(n, (ast.FunctionDef, ast.Lambda))
+              and hasattr(n, "name")]
+    lambdas = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Lambda)]
+    assert nested == [] and lambdas == []
+
+
 def test_public_checkpoint_api():
     from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer, HFArtifacts, SaveInfo, discover_state
 

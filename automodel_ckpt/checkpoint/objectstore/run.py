@@ -30,7 +30,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from automodel_ckpt.checkpoint.disk import bounded, layout, manifest
 from automodel_ckpt.checkpoint.objectstore.lease import Lease
@@ -180,40 +180,27 @@ class RemoteRun:
              lambda: self.store.write_text(json.dumps(marker) + "\n", name, layout.UPLOAD_MARKER))
         return leftovers
 
-    def reserve(self, name: str, reserve_local: Callable[[], Path]) -> Path:
-        """Rank 0: ``before_save``, then the local staging folder (``reserve_local``)."""
-        removed = self.before_save(name)
-        if removed:
-            logger.info("removed unfinished uploads from %s: %s", self.url, ", ".join(removed))
-        return reserve_local()
-
-    def prune(self, prune_local: Callable[..., list[str]], resumed_from: str | None) -> list[str]:
-        """Rank 0: retention on the mirror (``prune_local(protected)``; the resumed-from checkpoint is kept),
-        then the same checkpoints deleted from the store."""
-        deleted = prune_local([resumed_from] if resumed_from else [])
-        self.delete(deleted)
-        return deleted
-
     def upload_share(self, staging: Path, name: str, rank: int, world_size: int) -> None:
         """Every rank: upload its share of the staged files (the manifest excluded) under their final keys."""
         files = manifest.list_files(staging)
         share = manifest.assign(files, world_size)[rank]
         wrap(f"uploading to '{self.store.url_of(name)}'", lambda: self.store.upload(staging, share, name))
 
-    def commit(self, staging: Path, name: str, publish: Any) -> Path:
-        """Rank 0, after every rank's uploads succeeded: the logs, the commit object, publish in the mirror
-        (``publish()`` renames and sets the local pointers), then the pointer objects and the logs again.
+    def upload_commit_object(self, staging: Path, name: str) -> None:
+        """Rank 0, after every rank's uploads succeeded: the logs, then the commit object (the manifest).
 
         The logs go first: a job killed right after the commit object leaves a checkpoint a rerun resumes from,
         and the steps up to it must already be in the store's ``training.jsonl``."""
         self.push_logs()
         wrap(f"committing '{self.store.url_of(name)}'",
              lambda: self.store.upload(staging, [layout.MANIFEST_FILE], name))
-        final = publish()
+
+    def after_publish(self, final: Path) -> None:
+        """Rank 0, once the mirror published checkpoint ``final``: the pointer objects and the logs, then the
+        mirror's copy of the checkpoint's files is dropped (catalog files kept)."""
         self.push_pointers()
         self.push_logs()
         self.evict(final)
-        return final
 
     def push_pointers(self) -> None:
         for pointer in layout.POINTERS:
@@ -252,6 +239,12 @@ class RemoteRun:
              lambda: self.store.write_text(json.dumps(note) + "\n", layout.QUARANTINE_DIR,
                                            layout.quarantine_note(name)))
         self.push_pointers()
+
+    def break_lease(self) -> dict[str, Any] | None:
+        """Remove the run folder's lease whoever holds it (``ckpt-train gc --break-lease``); the lease removed."""
+        from automodel_ckpt.checkpoint.objectstore.lease import break_lease
+
+        return break_lease(self.store)
 
     def gc(self, min_age_seconds: float) -> list[str]:
         """Delete leftovers whose newest object is older than ``min_age_seconds`` (younger ones may be uploads

@@ -27,14 +27,15 @@ from automodel_ckpt.errors import CheckpointError, first_line, warn
 
 def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, model_is_peft: bool, rank: int,
            world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None],
-           touched: str | None = None) -> Decision:
+           damaged_while_loading: str | None = None) -> Decision:
     """Collective: select and check what ``checkpoint.restore_from`` (and ``load_only``) asks for.
 
     ``states``: the names of the recipe's states; ``model_is_peft``: whether its ``model`` is a PEFT model.
-    ``touched``: deciding again after the load of the last decision found its checkpoint damaged (and set it
-    aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an option.
+    ``damaged_while_loading``: deciding again after the load of the last decision found its checkpoint damaged
+    (and set it aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an
+    option. It is that damage, in one line.
     """
-    if touched is None:
+    if damaged_while_loading is None:
         if not cfg.enabled and cfg.restore_from is None:
             return Decision()
         auto = cfg.restore_from is None
@@ -50,8 +51,8 @@ def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, mode
     while True:
         path = source.find(None if auto else cfg.restore_from)
         if path is None:
-            if touched is not None:
-                raise CheckpointError(f"{touched}; it was moved aside, and no older checkpoint is left to load over "
+            if damaged_while_loading is not None:
+                raise CheckpointError(f"{damaged_while_loading}; it was moved aside, and no older checkpoint is left to load over "
                                       "what was partly loaded from it: start the run again to begin afresh")
             return Decision()
         unfetched = _fetch(source, path)  # a checkpoint on an object store: its files into the local mirror first

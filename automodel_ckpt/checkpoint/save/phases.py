@@ -1,4 +1,4 @@
-"""How long each phase of a save took: ``Checkpointer.last_save_seconds`` and ``last_complete_seconds``."""
+"""How long a save took, phase by phase (``Checkpointer.last_save_seconds``), and how long training has run."""
 
 from __future__ import annotations
 
@@ -16,3 +16,19 @@ class PhaseClock:
         now = time.perf_counter()
         self.phases[phase] = round(now - self._last, 4)
         self._last = now
+
+
+class TrainingTime:
+    """Seconds of training a checkpoint records: this run's so far plus what the restored checkpoint recorded."""
+
+    def __init__(self) -> None:
+        self.before = 0.0  # recorded in the restored checkpoint (0 for a fresh run)
+        self.started = time.monotonic()
+
+    def restart(self, before: float) -> None:
+        """A checkpoint was loaded: its ``before`` seconds carry over, this run's count from now."""
+        self.before = before
+        self.started = time.monotonic()
+
+    def seconds(self) -> float:
+        return self.before + time.monotonic() - self.started

@@ -1,31 +1,38 @@
-"""Where a run folder lives: a local folder or an object-store run folder, behind one interface chosen once.
+"""Where run folders live, and the one way in for the recipe and every verb: a local folder or an object store.
 
-``open_run_folder`` returns the ``RunFolder`` (``base``) for a ``checkpoint:`` section: ``LocalRunFolder`` (``local``)
-or ``ObjectStoreRunFolder`` (``remote``). A new kind of storage is one more class here and one more line below.
+``open_run_folder`` returns the ``RunFolder`` (``base``) a training run saves through: ``LocalRunFolder``
+(``local``) or ``ObjectStoreRunFolder`` (``remote``, which extends the local one). A new kind of storage is one
+more class here and one more line in ``open_run_folder``. The verbs read through ``open_for_reading`` (a local
+folder to read, whatever the location is) and the recipe finds its folder with ``run_folder``. ``objectstore/``
+is this package's own: nothing outside ``storage/`` imports it (``tests/unit/test_structure.py``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.checkpoint.disk.catalog import Monitor
+from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, source_of, stored_files,
+                                                    upload_folder)
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.remote import ObjectStoreRunFolder
 
 if TYPE_CHECKING:
-    from automodel_ckpt.checkpoint.config import CheckpointConfig
+    from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
     from automodel_ckpt.checkpoint.storage.base import RunFolder
 
-__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "monitor_of", "open_run_folder"]
+__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "check_url", "is_url", "monitor_of", "open_for_reading",
+           "open_run_folder", "open_store_run", "run_folder", "source_of", "stored_files", "upload_folder"]
 
 
-def monitor_of(cfg: CheckpointConfig) -> Monitor:
-    """The ``checkpoint:`` section's "best by monitor" (``monitor``, ``best_metric_key``, ``mode``)."""
+def monitor_of(cfg: Any) -> Monitor:
+    """A ``CheckpointConfig``'s "best by monitor" (``monitor``, ``best_metric_key``, ``mode``)."""
     return Monitor(cfg.monitor, cfg.best_metric_key, str(cfg.mode))
 
 
-def open_run_folder(cfg: CheckpointConfig, rank: int, world_size: int) -> RunFolder:
+def open_run_folder(cfg: Any, rank: int, world_size: int) -> RunFolder:
     """The run folder ``checkpoint.checkpoint_dir`` names (nothing is created or taken yet: ``acquire``)."""
     remote = objectstore.attach(cfg)
     if remote is not None:
@@ -33,3 +40,28 @@ def open_run_folder(cfg: CheckpointConfig, rank: int, world_size: int) -> RunFol
                                     storage_options=cfg.storage_options)
     return LocalRunFolder(objectstore.run_folder(cfg), rank, monitor=monitor_of(cfg),
                           storage_options=cfg.storage_options)
+
+
+def run_folder(cfg: Any) -> Path:
+    """The local folder a run writes its checkpoints and logs to: ``checkpoint_dir``, or its mirror for a URL."""
+    return objectstore.run_folder(cfg)
+
+
+def open_store_run(location: str, key: str) -> RemoteRun:
+    """An object-store run folder to maintain (``ckpt-train gc``): its URL checked, readable, and a run folder
+    (one line naming what is wrong otherwise)."""
+    from automodel_ckpt.checkpoint.disk import layout
+    from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
+    from automodel_ckpt.checkpoint.objectstore.run import open_run
+    from automodel_ckpt.errors import UserError
+
+    check_url(location, key)
+    url = normalize(location)
+    run = open_run(url, None, mirror_folder(url, None, role="read"))
+    problem = run.store.access_problem(key, write=False)
+    if problem:
+        raise UserError(problem)
+    if not run.store.exists(layout.RUN_MARKER):
+        raise UserError(f"{key}: '{url}' is not a run folder (it holds no {layout.RUN_MARKER}, which every "
+                        "ckpt-train run writes at its start); give the checkpoint.checkpoint_dir of one run")
+    return run

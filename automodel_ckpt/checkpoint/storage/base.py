@@ -1,29 +1,32 @@
-"""The one interface of a run folder: where checkpoints are reserved, published, listed, fetched, pruned and locked.
+"""The one interface of a run folder: where checkpoints are staged, committed, listed, fetched, pruned and locked.
 
 Checkpoints are always written and read through a local folder (``local``): the run folder itself, or the local
 mirror of an object-store run folder. What differs between kinds of storage is what happens around that folder:
 taking the folder (a ``flock``; on an object store a lease too), the step before a save writes (``reserve``), the
 steps that make a save visible (``upload`` + ``commit``), deleting by retention, fetching a checkpoint's files
 before it is loaded, and moving a damaged checkpoint aside. The ``Checkpointer`` picks one implementation when it
-is built (``storage.open_run_folder``) and never asks which one it has.
+is built (``storage.open_run_folder``) and never asks which one it has; every method is a plain call (no
+callbacks), so a kind is a class and nothing else.
 
-Invariant every implementation keeps: a checkpoint exists for readers only after ``commit`` returned; nothing that
-another program wrote is ever deleted.
+The promises every kind keeps (``tests/unit/checkpoint/storage/test_contract.py`` holds each kind to them):
+a checkpoint exists for readers only after ``commit`` returned; nothing that another program wrote is ever
+deleted; the pointers follow a quarantine; ``prune`` keeps what the policy keeps.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from automodel_ckpt.checkpoint.disk.catalog import Monitor
 from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
 
 
 class RunFolder(Protocol):
-    """A run folder (see the module docstring). ``rank`` marks what runs on rank 0 only; the rest is collective."""
+    """A run folder (see the module docstring). Methods marked "rank 0" run there only; the rest are collective."""
 
     local: Path
+    monitor: Monitor  # "best by monitor": which checkpoint LOWEST_VAL names
     reserves_in_background: bool  # the staging folder may be made by the background thread of an async save
 
     def location(self, name: str) -> str:
@@ -38,16 +41,23 @@ class RunFolder(Protocol):
     def release(self, *, keep_lock: bool = False) -> None:
         """End of the run: give up the lease, and the folder's lock unless ``keep_lock`` (a failed run)."""
 
+    def staging(self, name: str) -> Path:
+        """Where checkpoint ``name`` is written before its commit (nothing is created: ``reserve``)."""
+
     def reserve(self, name: str) -> Path:
-        """Rank 0: the staging folder of checkpoint ``name`` (never an existing checkpoint's)."""
+        """Rank 0: create the staging folder of checkpoint ``name`` (never an existing checkpoint's); returns it."""
 
     def upload(self, staging: Path, name: str) -> bool:
         """Collective: this rank's share of the staged files to where they are kept; False when that is here."""
 
-    def commit(self, staging: Path, name: str, publish: Callable[[], Path]) -> Path:
-        """Collective: make the checkpoint visible (``publish`` renames it in ``local`` and sets the pointers)."""
+    def best(self) -> Path | None:
+        """The checkpoint that is best by ``monitor`` so far (what LOWEST_VAL names), or None."""
 
-    def prune(self, policy: RetentionPolicy, monitor: Monitor, resumed_from: str | None) -> list[str]:
+    def commit(self, staging: Path, name: str, *, best: bool) -> Path:
+        """Collective: make the sealed checkpoint visible under ``name`` and point LATEST (and LOWEST_VAL when
+        ``best``) at it; returns its local folder."""
+
+    def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
         """Rank 0: delete what the retention policy gives up (an object store keeps ``resumed_from``, whose files
         its mirror no longer holds); returns the names deleted."""
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import catalog
+from automodel_ckpt.checkpoint.disk import catalog, layout
 from automodel_ckpt.checkpoint.disk.catalog import Monitor
 from automodel_ckpt.checkpoint.disk.durable import unwritable
 from automodel_ckpt.checkpoint.disk.quarantine import quarantine
@@ -26,7 +26,7 @@ class LocalRunFolder:
                  storage_options: dict[str, Any] | None = None) -> None:
         self.local = Path(folder)
         self.rank = rank
-        self.monitor = monitor  # "best by monitor": LOWEST_VAL after a quarantine
+        self.monitor = monitor  # "best by monitor": what LOWEST_VAL names, after a commit or a quarantine
         self.storage_options = storage_options  # for a ``restore_from`` URL (another run folder on a store)
         self.lock = RunLock(self.local)  # held (by rank 0) from ``acquire`` to ``release``
 
@@ -47,24 +47,38 @@ class LocalRunFolder:
         if not keep_lock:
             self.lock.release()  # the next run may take the folder (a failed run keeps it until its process ends)
 
+    def staging(self, name: str) -> Path:
+        return self.local / layout.staging_name(name)
+
     def reserve(self, name: str) -> Path:
         return lifecycle.reserve(self.local, name)
 
     def upload(self, staging: Path, name: str) -> bool:
         return False
 
-    def commit(self, staging: Path, name: str, publish: Callable[[], Path]) -> Path:
-        return collective.on_main(publish, "publishing the checkpoint", self.rank)
+    def best(self) -> Path | None:
+        return catalog.pointer_target(self.local, layout.LOWEST_VAL)
 
-    def prune(self, policy: RetentionPolicy, monitor: Monitor, resumed_from: str | None) -> list[str]:
-        return self._prune_here(policy, monitor)
+    def commit(self, staging: Path, name: str, *, best: bool) -> Path:
+        return collective.on_main(lambda: self._publish(name, best), "publishing the checkpoint", self.rank)
 
-    def _prune_here(self, policy: RetentionPolicy, monitor: Monitor, protected: Iterable[str] = ()) -> list[str]:
-        return lifecycle.prune(self.local, policy, monitor.name, monitor.key, protected=protected)
+    def _publish(self, name: str, best: bool) -> Path:
+        """Rank 0: rename the staged checkpoint into place, then set the pointers."""
+        return lifecycle.publish(self.local, name, update_lowest_val=best)
+
+    def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
+        return self._prune_here(policy)
+
+    def _prune_here(self, policy: RetentionPolicy, protected: Iterable[str] = ()) -> list[str]:
+        return lifecycle.prune(self.local, policy, self.monitor.name, self.monitor.key, protected=protected)
 
     def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:
-        local = lambda: localize(restore_from, self.storage_options)  # noqa: E731 - a URL: its mirror
-        return collective.on_main(lambda: catalog.resolve_restore_from(self.local, local()), what, self.rank)
+        return collective.on_main(lambda: catalog.resolve_restore_from(self.local, self._localize(restore_from)),
+                                  what, self.rank)
+
+    def _localize(self, restore_from: str | None) -> str | None:
+        """Rank 0: a ``restore_from`` URL as the local mirror of that checkpoint (catalog files only)."""
+        return localize(restore_from, self.storage_options)
 
     def has_checkpoints(self) -> bool:
         return collective.on_main(lambda: catalog.latest_checkpoint(self.local) is not None, "listing checkpoints",

@@ -1,20 +1,22 @@
 """An object-store run folder (``checkpoint_dir: s3://bucket/run``): the local mirror's steps plus the store's.
 
-Saves are written into the mirror exactly as into a local folder; each rank then uploads its share and rank 0
-commits (``objectstore.run``). The run holds the mirror's ``flock`` and the bucket's lease (``objectstore.lease``).
+Saves are written into the mirror exactly as into a local folder (``LocalRunFolder``, which this extends); each
+rank then uploads its share and rank 0 commits: the commit object, then the mirror's publish, then the pointer
+objects (``objectstore.run``). The run holds the mirror's ``flock`` and the bucket's lease (``objectstore.lease``).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Callable
 
 from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.catalog import Monitor
 from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
+
+logger = logging.getLogger(__name__)
 
 
 class ObjectStoreRunFolder(LocalRunFolder):
@@ -39,19 +41,27 @@ class ObjectStoreRunFolder(LocalRunFolder):
         super().release(keep_lock=keep_lock)
 
     def reserve(self, name: str) -> Path:
-        return self.remote.reserve(name, lambda: super(ObjectStoreRunFolder, self).reserve(name))
+        removed = self.remote.before_save(name)  # an existing checkpoint refused; unfinished uploads deleted
+        if removed:
+            logger.info("removed unfinished uploads from %s: %s", self.remote.url, ", ".join(removed))
+        return super().reserve(name)
 
     def upload(self, staging: Path, name: str) -> bool:
         collective.collectively(lambda: self.remote.upload_share(staging, name, self.rank, self.world_size),
                                 f"uploading '{self.remote.store.url_of(name)}'", self.rank)
         return True
 
-    def commit(self, staging: Path, name: str, publish: Callable[[], Path]) -> Path:
-        return collective.on_main(lambda: self.remote.commit(staging, name, publish), "committing the checkpoint",
-                                  self.rank)
+    def _publish(self, name: str, best: bool) -> Path:
+        """Rank 0, after every rank's uploads: the commit object, the mirror's publish, then the pointer objects."""
+        self.remote.upload_commit_object(self.staging(name), name)
+        final = super()._publish(name, best)
+        self.remote.after_publish(final)
+        return final
 
-    def prune(self, policy: RetentionPolicy, monitor: Monitor, resumed_from: str | None) -> list[str]:
-        return self.remote.prune(lambda keep=(): self._prune_here(policy, monitor, keep), resumed_from)
+    def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
+        deleted = self._prune_here(policy, [resumed_from] if resumed_from else [])  # its files left the mirror
+        self.remote.delete(deleted)
+        return deleted
 
     def quarantine(self, name: str, reason: str) -> str:
         moved = self._quarantine_here(name, reason)

@@ -1,0 +1,136 @@
+"""Loads a checkpoint into a recipe's states on every rank: fetch and check, then each state, resharded where needed.
+
+Model and optimizer states are read through DCP (any world size, any mesh: ``formats.sharded``); a PEFT adapter
+through PEFT; global state from rank 0's file; per-rank state (data position, RNG) per data-parallel rank, and
+when the data-parallel size changed through the object's own ``reshard_state``. What it carries out was decided by
+``restore.resume``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.checkpoint.disk.loadcheck import LoadCheck, deferred, finish_collectively
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata, saved_mesh
+from automodel_ckpt.checkpoint.formats import peft as peft_format
+from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.formats.detect import detect_model_format
+from automodel_ckpt.checkpoint.formats.safe_load import load_pt
+from automodel_ckpt.checkpoint.restore import initial_weights
+from automodel_ckpt.checkpoint.restore.decision import CHECKPOINT, Decision
+from automodel_ckpt.checkpoint.state import plan_state
+from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.distributed.env import DistEnv, barrier
+from automodel_ckpt.distributed.mesh import ParallelDims
+from automodel_ckpt.errors import CheckpointError, warn
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a restore loaded: the checkpoint or weights folder, the states it filled, and, for a checkpoint that
+    continues its run, the training seconds it recorded (None otherwise)."""
+
+    path: Path
+    states: tuple[str, ...]
+    continues_run: bool = False
+    training_seconds: float | None = None
+
+
+class CheckpointLoader:
+    """Loads checkpoints of ``run`` (or weights folders a ``Decision`` names) into states, on every rank."""
+
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder,
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.env, self.dims, self.run, self.say = cfg, env, dims, run, say
+
+    def carry_out(self, decision: Decision, states: dict[str, Any]) -> Loaded | None:
+        """Load what ``decision`` names into ``states``; None for a fresh run."""
+        if decision.path is None:
+            return None
+        subset = states if decision.states is None else {name: states[name] for name in decision.states}
+        loaded = Loaded(decision.path, tuple(subset))
+        if decision.kind == CHECKPOINT:
+            loaded = self.load(subset, decision.path, checked=True, fresh_run=decision.fresh_run)
+        else:
+            if self.env.is_main:
+                self.say(f"Loading model weights from {decision.kind} {decision.path}")
+            initial_weights.load_weights(subset["model"], decision, self.env.rank)
+        if decision.fresh_run and self.env.is_main:
+            self.say(f"Started from {', '.join(decision.states or ())} of {decision.path}; everything else starts "
+                     "fresh")
+        return loaded
+
+    def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> Loaded:
+        """Load ``states`` from checkpoint ``path``. ``checked``: its files were already checked against the
+        manifest (``restore.probe``); ``fresh_run``: the states start a new run (``load_only``)."""
+        path = Path(path)
+        with sharded.reading():  # the reader threads start now, beside the checks and the planning
+            if self.env.is_main:
+                self.say(f"Loading checkpoint from {self.run.where(path)}")
+            if not checked:
+                self._fetch_and_check(path)
+            self._load_states(states, path)
+        if fresh_run:
+            return Loaded(path, tuple(states), training_seconds=0.0)
+        seconds = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
+        return Loaded(path, tuple(states), continues_run=True, training_seconds=seconds)
+
+    def _fetch_and_check(self, path: Path) -> None:
+        self.run.fetch(path)
+        check = functools.partial(manifest.check_before_load, path, checksums=self.cfg.verify_on_load,
+                                  rank=self.env.rank, world_size=self.env.world_size, warn=warn, leave=deferred)
+        collective.collectively(check, "verifying the checkpoint", self.env.rank)
+
+    def _load_states(self, states: dict[str, Any], path: Path) -> None:
+        plan = plan_state(states)
+        check = LoadCheck.plan(path, self.env.rank, self.env.world_size) if self.cfg.verify_on_load else None
+        for attr, model in plan.models.items():
+            folder = _require(path / layout.state_dir(attr))
+            if peft_format.is_peft_model(model):
+                peft_format.load_adapter(model, folder)
+            else:
+                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE, check=check)
+        for attr, optim in plan.optimizers.items():
+            sharded.load_optimizer(plan.model_for(attr), optim, _require(path / layout.state_dir(attr)), check=check)
+        if self.cfg.verify_on_load:  # the deferred files no load above read
+            finish_collectively(check, self.env.rank)
+        for attr, obj in plan.global_.items():
+            self._load_file(attr, obj, path / layout.global_state_file(attr))
+        for attr, obj in plan.per_rank.items():
+            self._load_per_rank(attr, obj, path)
+        barrier()
+
+    def _load_per_rank(self, attr: str, obj: Any, path: Path) -> None:
+        """Per-rank state is per data-parallel rank; resharded by the object itself when that size changed."""
+        saved_dp = saved_mesh(path).dp
+        dp_rank, dp_size = self.dims.dp_rank, self.dims.dp_size
+        if saved_dp != dp_size and hasattr(obj, "reshard_state"):
+            saved = functools.partial(_load_rank_file, path, attr)
+            obj.load_state_dict(obj.reshard_state(saved, saved_dp, dp_rank, dp_size))
+        else:
+            self._load_file(attr, obj, path / layout.rank_state_file(attr, dp_rank))
+
+    def _load_file(self, attr: str, obj: Any, file: Path) -> None:
+        if not file.exists():
+            if self.env.is_main:
+                warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh",
+                              stacklevel=4)
+            return
+        obj.load_state_dict(load_pt(file))
+
+
+def _load_rank_file(path: Path, attr: str, rank: int) -> Any:
+    return load_pt(path / layout.rank_state_file(attr, rank))
+
+
+def _require(folder: Path) -> Path:
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint is missing '{folder}'")
+    return folder

@@ -1,0 +1,35 @@
+"""What a save adds for Hugging Face readers: a PEFT adapter folder, the model folder's helper files, the inline export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.checkpoint.formats import peft as peft_format
+from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.info import HFArtifacts
+
+
+def save_adapter(model: Any, folder: Path, hf: HFArtifacts, rank: int) -> None:
+    """A PEFT model: a Hugging Face adapter folder, whatever ``model_save_format`` says (``formats.peft``)."""
+    peft_format.save_adapter(model, folder, rank=rank, base_model_path=hf.base_model_path, tokenizer=hf.tokenizer,
+                             peft_section=hf.peft)
+
+
+def write_model_helpers(model_dir: Path, hf: HFArtifacts, model_save_format: str) -> None:
+    """Rank 0: config, generation config and tokenizer beside the model's shards; ``consolidate.sh`` for
+    safetensors checkpoints (``torch_save`` ones export with ``ckpt-train consolidate``)."""
+    from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
+    from automodel_ckpt.checkpoint.export.script import render_consolidate_script
+
+    write_hf_metadata(model_dir, hf_config=hf.hf_config, generation_config=hf.generation_config,
+                      tokenizer=hf.tokenizer, base_model_path=hf.base_model_path)
+    if model_save_format == sharded.SAFETENSORS:
+        render_consolidate_script(model_dir)
+
+
+def export_inline(model_dir: Path, rank: int, world_size: int) -> None:
+    """Collective: the checkpoint's model as a Hugging Face folder inside it (``save_consolidated``)."""
+    from automodel_ckpt.checkpoint.export.plan import consolidate
+
+    consolidate(model_dir, rank=rank, world_size=world_size, progress=False)

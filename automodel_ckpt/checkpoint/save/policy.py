@@ -1,0 +1,58 @@
+"""What a save decides from the configuration and the run folder: export now or not, and whether it is the new best."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.info import SaveInfo
+from automodel_ckpt.checkpoint.state import StatePlan
+from automodel_ckpt.checkpoint.storage.base import RunFolder
+
+logger = logging.getLogger(__name__)
+
+
+class SavePolicy:
+    """``checkpoint.save_consolidated`` and ``checkpoint.monitor`` applied to one save; each warning said once."""
+
+    def __init__(self, cfg: CheckpointConfig, *, is_main: bool) -> None:
+        self.cfg = cfg
+        self.is_main = is_main
+        self._warned: set[str] = set()
+
+    def consolidate_now(self, info: SaveInfo, plan: StatePlan) -> bool:
+        """Whether this save exports a Hugging Face folder inline (``save_consolidated``)."""
+        mode = self.cfg.save_consolidated
+        wanted = mode == "every" or (mode == "final" and info.is_final)
+        if not wanted or not plan.models:
+            return False
+        if plan.has_peft:  # the adapter folder is already Hugging Face-ready; `ckpt-train merge-lora` merges it
+            if self.is_main:
+                logger.info("save_consolidated does not apply to PEFT checkpoints; the adapter is saved HF-ready")
+            return False
+        if self.cfg.model_save_format != sharded.SAFETENSORS:
+            self.warn_once("consolidation", f"checkpoint.save_consolidated={mode} needs model_save_format="
+                           "safetensors; skipping the inline HF export (run `ckpt-train consolidate CHECKPOINT` "
+                           "later to export this checkpoint)")
+            return False
+        return True
+
+    def warn_once(self, what: str, message: str) -> None:
+        """On rank 0, the first time only."""
+        if self.is_main and what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, stacklevel=3)
+
+    def is_new_best(self, run: RunFolder, staged: Path) -> bool:
+        """Rank 0: whether the staged checkpoint beats the run's best so far by ``checkpoint.monitor``.
+
+        Both values are read from the checkpoints' metadata on disk, so a restarted run compares against the best
+        of every earlier run. LOWEST_VAL means "best by monitor": with ``mode: max`` it follows the highest value.
+        Non-finite values never win.
+        """
+        best = run.best()
+        return run.monitor.beats(read_metadata(staged), read_metadata(best) if best else None)

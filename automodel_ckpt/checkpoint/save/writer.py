@@ -1,0 +1,270 @@
+"""One save at a time on every rank: the state's files written now or in the background, then the checkpoint completed.
+
+A save runs these steps (docs/architecture.md walks them): name it and reserve its staging folder in the run
+folder; write the model and optimizer files (or, with ``checkpoint.is_async``, copy them to host buffers and write
+them on a background thread); write each rank's small files (taken at the save); then complete it: the inline
+Hugging Face export if one is due, fsync, the manifest, the upload to where it is kept, the commit (pointers
+included) and retention. Every step that can fail on one rank is collective, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_tree
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy, render_name
+from automodel_ckpt.checkpoint.formats import peft as peft_format
+from automodel_ckpt.checkpoint.formats import sharded
+from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint.save import diskfull, hf_files, local_files, overlap
+from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
+from automodel_ckpt.checkpoint.save.policy import SavePolicy
+from automodel_ckpt.checkpoint.state import StatePlan, plan_state
+from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
+from automodel_ckpt.distributed.lifeline import stop_if_orphaned
+from automodel_ckpt.distributed.mesh import ParallelDims
+from automodel_ckpt.errors import CheckpointError
+
+T = TypeVar("T")
+
+
+class SaveWriter:
+    """Writes checkpoints into ``run``; at most one save in flight (``wait`` completes it)."""
+
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder, *,
+                 config_yaml: str, hf: HFArtifacts, fingerprint: dict[str, Any] | None, time: TrainingTime,
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.env, self.dims, self.run = cfg, env, dims, run
+        self.dir = run.local  # read by ``diskfull.guarded``
+        self.config_yaml, self.hf, self.fingerprint, self.time, self.say = config_yaml, hf, fingerprint, time, say
+        self.policy = SavePolicy(cfg, is_main=env.is_main)
+        self.retention = RetentionPolicy.from_config(cfg)
+        self.resumed_from: str | None = None  # the checkpoint this run resumed from (retention on a store keeps it)
+        self.is_async = bool(cfg.is_async) and cfg.enabled and overlap.async_supported(env.is_main)
+        self.write_threads = cfg.async_write_threads or overlap.default_write_threads()
+        self.written = WrittenFiles()  # files this writer wrote: fsynced already, checksum known
+        self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
+        self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
+        self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
+        self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
+        self._stager: sharded.HostStager | None = None
+        self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
+        self._group = None  # checkpointing's own process group: background writes never meet training collectives
+        if self.is_async:  # collective: every rank creates it, in the same order
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------------------------------ a save
+    @diskfull.guarded
+    def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
+        """Save ``states`` as checkpoint ``name``; see ``Checkpointer.save``."""
+        self._saved_objects = list(states.values())
+        clock = PhaseClock()
+        self.wait()  # at most one save in flight: finish (and publish) the previous one first
+        clock.mark("complete_previous")
+        name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
+            self.cfg.name_template, info.epoch, info.step, consumed_samples=info.extra.get("consumed_samples"),
+            train_loss=info.train_loss, val_loss=info.val_loss,
+        )
+        if self.env.is_main:
+            self.say(f"Saving checkpoint to {self.run.location(name)}")
+        plan = plan_state(states)
+        pending = overlap.PendingSave(name, self.run.staging(name), self.policy.consolidate_now(info, plan))
+        reserve_in_background = self._reserves_in_background(plan, pending.consolidate)
+        if not reserve_in_background:
+            self._reserve(name)
+        clock.mark("reserve")
+        staged = self._write_or_stage(plan, pending.staging)
+        clock.mark("copy_small" if staged else "write_sharded")
+        small_files = self._small_files(pending.staging, plan, info)
+        completes_in_background = bool(staged) and not pending.consolidate  # the inline export runs here
+        if completes_in_background:
+            pending.small_files = small_files
+        else:
+            collective.collectively(small_files.write, f"writing '{pending.staging}'", self.env.rank)
+        clock.mark("write_local")
+        if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
+            pending.job = overlap.start(
+                staged, self._group, nice=self.cfg.async_nice,
+                prepare=functools.partial(self._on_group, self._reserve, name) if reserve_in_background else None,
+                then=functools.partial(self._on_group, self._complete, pending) if completes_in_background else None,
+            )
+            pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
+            clock.mark("start_background")
+            self._pending = pending
+            self.last_save_seconds = clock.phases
+            return self.dir / name
+        path = self._complete(pending)
+        clock.mark("complete")
+        self.last_save_seconds = clock.phases
+        return path
+
+    def _reserves_in_background(self, plan: StatePlan, consolidate: bool) -> bool:
+        """Whether the background thread reserves the staging folder (after the copy): only for an async save
+        that writes nothing into it now (a PEFT adapter is written at once) and completes in the background."""
+        return (self.is_async and not consolidate and not plan.has_peft and self.run.reserves_in_background
+                and bool(plan.models or plan.optimizers))
+
+    def _reserve(self, name: str) -> Path:
+        return collective.on_main(functools.partial(self.run.reserve, name), "reserving the checkpoint",
+                                  self.env.rank)
+
+    def _write_or_stage(self, plan: StatePlan, staging: Path) -> list[sharded.StagedSave]:
+        """The model and optimizer files: written now (collective; DCP raises on every rank if any rank fails),
+        or with ``is_async`` copied now and returned, to be written in the background. Adapters: always now."""
+        fmt, staged = self.cfg.model_save_format, []
+        for attr, model in plan.models.items():
+            folder = staging / layout.state_dir(attr)
+            if peft_format.is_peft_model(model):
+                if fmt != sharded.SAFETENSORS:
+                    self.policy.warn_once("peft_format", f"checkpoint.model_save_format={fmt} does not apply to "
+                                          "PEFT models; saving the adapter in Hugging Face PEFT format (safetensors)")
+                hf_files.save_adapter(model, folder, self.hf, self.env.rank)
+            elif self.is_async:
+                staged.append(sharded.stage_model(model, folder, fmt, self._host_stager(), self.written,
+                                                  threads=self.write_threads))
+            else:
+                sharded.save_model(model, folder, fmt, written=self.written)
+        for attr, optim in plan.optimizers.items():
+            folder = staging / layout.state_dir(attr)
+            if self.is_async:
+                staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, folder, self._host_stager(),
+                                                      self.written, threads=self.write_threads))
+                self._install_fence(optim)
+            else:
+                sharded.save_optimizer(plan.model_for(attr), optim, folder, written=self.written)
+        return staged
+
+    def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
+        """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
+        peft = plan.has_peft
+        helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf,
+                                     self.cfg.model_save_format) if plan.models and not peft else None)
+        return local_files.take(
+            staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
+            dp_rank=self.dims.dp_rank if self.dims.writes_rank_state else None, mesh=self.dims.sizes.record(),
+            config_yaml=self.config_yaml,
+            model_save_format=layout.ADAPTER_FORMAT if peft else self.cfg.model_save_format,
+            training_seconds=self.time.seconds(), fingerprint=self.fingerprint, then=helpers,
+        )
+
+    def _complete(self, pending: overlap.PendingSave) -> Path:
+        """The steps after the model and optimizer files are written: the small files (when not written yet),
+        the inline export, fsync, manifest, upload, commit, retention."""
+        rank, world, staging, name = self.env.rank, self.env.world_size, pending.staging, pending.name
+        if pending.writes:
+            collective.collectively(functools.partial(_wait_writes, pending.writes),
+                                    f"writing '{staging}' in the background", rank)
+        if pending.small_files is not None:
+            collective.collectively(pending.small_files.write, f"writing '{staging}'", rank)
+        clock = PhaseClock()
+        if pending.consolidate:
+            collective.collectively(functools.partial(hf_files.export_inline, staging / layout.MODEL_DIR, rank, world),
+                                    "consolidating the checkpoint", rank)
+            clock.mark("consolidate")
+        collective.collectively(functools.partial(fsync_tree, staging, rank, world, self.written),
+                                f"syncing '{staging}'", rank)
+        clock.mark("sync")
+        manifest.seal(staging, rank, world, self.written)  # manifest.json, written last and fsynced
+        clock.mark("manifest")
+        stop_if_orphaned(f"publishing '{name}'")  # a worker that outlived its launcher never publishes
+        if self.run.upload(staging, name):  # an object store: every rank's share, before the commit
+            clock.mark("upload")
+        best = collective.on_main(functools.partial(self.policy.is_new_best, self.run, staging),
+                                  "comparing with the best checkpoint", rank)
+        path = self.run.commit(staging, name, best=best)
+        if self.retention.prunes:
+            self._prune()
+        barrier()
+        clock.mark("publish")
+        self.last_complete_seconds = clock.phases
+        return path
+
+    def _prune(self) -> None:
+        """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
+        try:
+            deleted = collective.on_main(functools.partial(self.run.prune, self.retention, self.resumed_from),
+                                         "pruning old checkpoints", self.env.rank)
+        except CheckpointError as exc:
+            if self.env.is_main:
+                warnings.warn(f"checkpoint retention: {exc}", stacklevel=3)
+            return
+        if deleted and self.env.is_main:
+            self.say(f"Removed checkpoints by retention: {', '.join(deleted)}")
+
+    # ------------------------------------------------------------------------------------------ in flight
+    def fence(self) -> None:
+        """Wait until the async save in flight has copied the live state (see ``Checkpointer.fence``)."""
+        pending = self._pending
+        if pending is not None and pending.job is not None:
+            pending.job.fence()
+
+    def _install_fence(self, optimizer: Any) -> None:
+        if id(optimizer) not in self._fences and hasattr(optimizer, "register_step_pre_hook"):
+            self._fences[id(optimizer)] = optimizer.register_step_pre_hook(self._fence_hook)
+
+    def _fence_hook(self, *_: Any) -> None:
+        self.fence()
+
+    @diskfull.guarded
+    def wait(self) -> Path | None:
+        """Complete the async save in flight, if any; see ``Checkpointer.wait``."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.job is not None and pending.job.completed is not None:
+            return pending.job.completed.result()  # published in the background (or failed there, on every rank)
+        return self._complete(pending) if pending is not None else None
+
+    def abandon(self, seconds: float) -> None:
+        """Let this rank's background writes end (up to ``seconds``), without collectives and without publishing."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.let_end(seconds):
+            self.close()
+
+    @property
+    def background(self) -> overlap.Overlapped | None:
+        pending = self._pending
+        return pending.job if pending is not None else None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def _on_group(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` with its collectives on checkpointing's own group: never meeting training's."""
+        with collectives_on(self._group):
+            return fn(*args)
+
+    def _host_stager(self) -> sharded.HostStager:
+        if self._stager is None:
+            self._stager = sharded.HostStager()
+        return self._stager
+
+    def close(self) -> None:
+        """Release the host staging buffers and the optimizers' fences."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        for handle in self._fences.values():
+            handle.remove()
+        self._fences.clear()
+        self.written = WrittenFiles()
+
+
+def _wait_writes(writes: list[tuple[Any, Path]]) -> None:
+    """Every background write ends before any failure is raised: none outlives the save."""
+    errors = []
+    for future, folder in writes:
+        try:
+            sharded.wait_async_save(future, folder)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the other writes ended
+            errors.append(exc)
+    if errors:
+        raise errors[0]
