@@ -7,7 +7,7 @@
 
 Eight ``ckpt-train`` runs in all, each cached at module level and shared by the assertions that read it
 (``RUN_SLOW=1`` adds a resume of every preempted run, not only the first). The unit tests in
-tests/unit/test_async_checkpoint.py cover when LATEST moves (only once the background write is complete).
+tests/unit/checkpoint/save/test_async_checkpoint.py cover when LATEST moves (only once the background write is complete).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One small run (two torch_save checkpoints, written in-process) is uploaded once; each test tampers a server-side
 copy. SeaweedFS refuses keys with ``..`` components (S3 itself accepts them): the bucket-side ``..`` cases are in
-tests/unit/test_untrusted.py on an in-memory filesystem that keeps such keys; here the manifests name such paths
+tests/unit/checkpoint/test_untrusted.py on an in-memory filesystem that keeps such keys; here the manifests name such paths
 and the listings hold names SeaweedFS does accept (a control character).
 """
 
@@ -21,8 +21,8 @@ from automodel_ckpt.checkpoint.checkpointer import SaveInfo
 from automodel_ckpt.checkpoint.objectstore.run import open_run
 from automodel_ckpt.cli import main as cli_main
 from automodel_ckpt.distributed.env import init_distributed
-from tests.unit.ckpt_state import State
-from tests.unit.test_untrusted import checkpointer
+from tests.unit.checkpoint.ckpt_state import State
+from tests.unit.checkpoint.test_untrusted import checkpointer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from automodel_ckpt.config.loader import load_config
 from automodel_ckpt.config.schema import RecipeConfig
 from automodel_ckpt.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHAT_RECIPE = str(REPO / "recipes" / "tiny_llama_chat.yaml")
 
 

@@ -16,7 +16,7 @@ from automodel_ckpt.checkpoint.restore.probe import probe
 from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
 from automodel_ckpt.cli.inspect import inspect_dir, render_table
 from automodel_ckpt.errors import CheckpointError
-from tests.unit.test_catalog_inspect import make
+from tests.unit.checkpoint.disk.test_catalog_inspect import make
 
 
 def _loadable(root: Path, name: str, step: int, val: float | None = None) -> Path:

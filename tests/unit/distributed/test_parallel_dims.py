@@ -12,7 +12,7 @@ from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, MeshSizes, ParallelDims, resolve_sizes
 from automodel_ckpt.distributed.tensor_parallel import check_tensor_parallel, family_plan
 from automodel_ckpt.errors import ConfigError
-from tests.unit.test_cli_errors import RECIPE, _error
+from tests.unit.cli.test_cli_errors import RECIPE, _error
 
 
 def _sizes(world_size: int, **keys) -> MeshSizes:

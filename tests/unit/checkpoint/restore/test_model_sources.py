@@ -46,7 +46,7 @@ def test_attention_is_transformers_choice_unless_the_recipe_sets_it(family, aske
     assert model.config._attn_implementation == expected
 
 
-RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[4] / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
@@ -96,7 +96,7 @@ def test_a_cached_snapshot_missing_a_shard_of_its_index_is_not_cached(tmp_path, 
 def test_a_config_block_beside_a_folder_is_refused_in_one_line(capsys):
     """``--model.config.hidden_size 128`` on a recipe that reads a folder: not a fresh model with transformers'
     defaults for every other key, silently, but one line saying which of the two to keep."""
-    from tests.unit.test_cli_errors import RECIPE, _error
+    from tests.unit.cli.test_cli_errors import RECIPE, _error
 
     line = _error(capsys, ["--nproc-per-node", "1", RECIPE, "--dry-run", "--model.config.hidden_size", "128"])
     assert line.startswith("error: model: both model.config (a new model, initialised from the seed) and "
@@ -109,7 +109,7 @@ def test_a_config_block_beside_a_folder_is_refused_in_one_line(capsys):
 
 
 def test_a_config_built_model_without_a_tokenizer_is_refused_before_launch(capsys):
-    from tests.unit.test_cli_errors import RECIPE, _error
+    from tests.unit.cli.test_cli_errors import RECIPE, _error
 
     line = _error(capsys, ["--nproc-per-node", "1", RECIPE, "--dry-run", "--model.pretrained_model_name_or_path",
                            "null", "--model.embedded", "null", "--model.config", '{"hidden_size": 32}'])

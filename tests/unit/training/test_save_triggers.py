@@ -12,7 +12,7 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig, normalize_signal_
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.training.save_triggers import Boundary, PreemptionWatcher, StepBoundary, TimeTrigger
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class FakeClock:

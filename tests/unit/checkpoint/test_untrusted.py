@@ -31,10 +31,10 @@ from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, plain_names
 from automodel_ckpt.cli import main as cli_main
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
-from tests.unit.ckpt_state import State
+from tests.unit.checkpoint.ckpt_state import State
 
 FORMATS = ("safetensors", "torch_save")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class Evil:
@@ -212,8 +212,8 @@ import sys
 from pathlib import Path
 from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.env import init_distributed
-from tests.unit.ckpt_state import State
-from tests.unit.test_untrusted import checkpointer
+from tests.unit.checkpoint.ckpt_state import State
+from tests.unit.checkpoint.test_untrusted import checkpointer
 root = Path(sys.argv[1])
 print("verify", main(["verify", str(root)]), flush=True)
 print("inspect", main(["inspect", str(root)]), flush=True)

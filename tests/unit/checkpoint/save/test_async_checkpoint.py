@@ -21,7 +21,7 @@ from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
 from tests.integration.contents import comparable
-from tests.unit import ckpt_state
+from tests.unit.checkpoint import ckpt_state
 
 FORMATS = ("safetensors", "torch_save")
 State = functools.partial(ckpt_state.State, hidden=16)
@@ -57,7 +57,7 @@ def gate(monkeypatch):
             g.entered.set()
             assert g.event.wait(120), "test gate never opened"
             if g.fail:
-                raise OSError(5, "Input/output error")  # a full disk: tests/unit/test_integrity.py
+                raise OSError(5, "Input/output error")  # a full disk: tests/unit/checkpoint/disk/test_integrity.py
             return write_data(plan, planner)
 
         writer.write_data = gated

@@ -15,7 +15,7 @@ from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "tiny_llama_sft.yaml")
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from automodel_ckpt.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "tiny_llama_sft.yaml")
 
 

@@ -28,7 +28,7 @@ from automodel_ckpt.checkpoint.disk.retention import (
 from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.errors import ConfigError
-from tests.unit.ckpt_state import Counter
+from tests.unit.checkpoint.ckpt_state import Counter
 
 
 def recs(*metrics: float | None) -> list[Candidate]:

@@ -18,7 +18,7 @@ from automodel_ckpt.checkpoint.disk import checksum
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.formats.fastio import directread, readers
 from automodel_ckpt.distributed.env import init_distributed
-from tests.unit.test_parallel_io import same, saved_tensor_file, values
+from tests.unit.checkpoint.formats.test_parallel_io import same, saved_tensor_file, values
 
 FORMATS = ("safetensors", "torch_save")
 SHM = Path("/dev/shm")
@@ -241,7 +241,7 @@ def test_partial_reads_go_through_regions_too(tmp_path, monkeypatch):
 def _saved(tmp_path: Path, fmt: str):
     from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
     from automodel_ckpt.checkpoint.config import CheckpointConfig
-    from tests.unit.ckpt_state import State
+    from tests.unit.checkpoint.ckpt_state import State
 
     cfg = CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), model_save_format=fmt, save_consolidated="false",
                            verify_on_load=True)
@@ -261,7 +261,7 @@ def _data_files(path: Path) -> list[str]:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_verify_on_load_hashes_the_data_files_while_loading_them(tmp_path, monkeypatch, fmt):
     from automodel_ckpt.checkpoint.disk import loadcheck, manifest
-    from tests.unit.ckpt_state import State
+    from tests.unit.checkpoint.ckpt_state import State
 
     ckpt, state, path = _saved(tmp_path, fmt)
     data = _data_files(path)
@@ -294,7 +294,7 @@ def test_verify_on_load_hashes_the_data_files_while_loading_them(tmp_path, monke
 def test_verify_on_load_checks_data_files_no_load_read(tmp_path):
     """A state not loaded (load_only): its files are still checked, at the end of the load."""
     from automodel_ckpt.checkpoint.disk import loadcheck
-    from tests.unit.ckpt_state import State
+    from tests.unit.checkpoint.ckpt_state import State
 
     ckpt, _state, path = _saved(tmp_path, "safetensors")
     optim = next(rel for rel in _data_files(path) if rel.endswith(".distcp"))

@@ -24,7 +24,7 @@ from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.training.metrics import JsonlLog, read_jsonl
-from tests.unit.test_untrusted import cli, copy_run, env, one_error_line, templates  # noqa: F401 - fixtures
+from tests.unit.checkpoint.test_untrusted import cli, copy_run, env, one_error_line, templates  # noqa: F401 - fixtures
 
 SECRET = "secret: not ours\n"
 

@@ -15,7 +15,7 @@ import pytest
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.storage.runlock import FolderInUseError, RunLock
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 HOLD = textwrap.dedent("""
     import sys, time
     from automodel_ckpt.checkpoint.storage.runlock import RunLock

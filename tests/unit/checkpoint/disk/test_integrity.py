@@ -27,7 +27,7 @@ from automodel_ckpt.cli.common import human_size
 from automodel_ckpt.cli.verify import main as verify_main
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError, DiskFullError
-from tests.unit.ckpt_state import State
+from tests.unit.checkpoint.ckpt_state import State
 
 FORMATS = ("safetensors", "torch_save")
 SHARD0 = "model/shard-00001-model-00001-of-00001.safetensors"

@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TIMEOUT = 60  # generous: the worker goes within about a second
 WORKER = textwrap.dedent("""
     import time

@@ -17,7 +17,7 @@ from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.config.schema import RecipeConfig
 from automodel_ckpt.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "tiny_llama_sft.yaml")
 ENV_SECRET = "env-secret-Zq81xT"  # distinctive values: grep for them
 INLINE_KEY = "AKIA-inline-Kk27pW"
