@@ -44,6 +44,30 @@ _CONSOLIDATION_ALIASES = {"true": ConsolidationMode.EVERY, "every": Consolidatio
 
 
 @dataclass
+class LocalTierConfig:
+    """The ``checkpoint.local:`` sub-section: node-local steps between durable checkpoints (docs/fast-recovery.md)."""
+
+    every_steps: int = 0  # take a node-local step every this many optimizer steps (0: off)
+    dir: Optional[str] = None  # node-local folder (RAM disk or local NVMe); default `/dev/shm/automodel-ckpt-<user>/<run id>`
+    replicas: int = 1  # copies of each rank's part kept on other nodes (0: none)
+    keep: int = 1  # node-local steps kept per node
+
+    def __post_init__(self) -> None:
+        for key, least in (("every_steps", 0), ("replicas", 0), ("keep", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"checkpoint.local.{key}: expected a whole number >= {least}, got {value!r}")
+        if self.dir is not None:
+            from automodel_ckpt.checkpoint.objectstore.location import is_url
+
+            if not str(self.dir).strip():
+                raise ConfigError("checkpoint.local.dir: must not be empty (null: the default under /dev/shm)")
+            if is_url(self.dir):
+                raise ConfigError(f"checkpoint.local.dir: expected a folder on each node (a RAM disk or local "
+                                  f"NVMe), got the URL '{self.dir}'")
+
+
+@dataclass
 class CheckpointConfig:
     """Where, in which format, and whether checkpoints are written and restored."""
 
@@ -72,6 +96,7 @@ class CheckpointConfig:
     ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
     async_write_threads: Optional[int] = None  # background writer threads per rank (null: cores per local rank - 1, 1..4)
     async_nice: int = 10  # niceness added to the background threads (0-19): training gets the CPU first; 0 on big nodes
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)  # node-local steps (docs/fast-recovery.md)
 
     def __post_init__(self) -> None:
         """Validate once and canonicalise: enums for the choices, aliases resolved, empty restore_from unset.

@@ -59,6 +59,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _fmt(value: Any) -> str:
+    if dataclasses.is_dataclass(value):
+        return "(its keys below)"
     if value is None:
         return "`null`"
     if isinstance(value, bool):

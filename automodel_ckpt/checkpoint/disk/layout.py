@@ -38,6 +38,15 @@ the start of every run: what makes a URL a run folder for ``gc``), ``<name>/.aut
 first object of every checkpoint's prefix: a prefix without it is never deleted) and ``.automodel-ckpt-lease.json``
 (the lease of the run now writing there).
 
+A node-local folder (``checkpoint.local``: a RAM disk or local NVMe on each node, private to its user)::
+
+    /dev/shm/automodel-ckpt-<user>/    the per-user parent of the default folders (mode 0700)
+      <run id>/                        one run's folder (mode 0700; or checkpoint.local.dir)
+        .automodel-ckpt-local.json     the run it is bound to: run id and a digest of the run's fingerprint
+        epoch_E_step_S/                a local step: this node's parts and the copies it keeps for other nodes,
+                                       with the step's whole manifest.json (files of other parts are absent)
+        .staging-epoch_E_step_S/       a local step being written
+
 An archive (``ckpt-train pack``, a ``.tar`` file) holds a Hugging Face or adapter folder's files at its top and
 ``automodel/config.yaml``, ``automodel/metadata.json`` and ``automodel/manifest.json`` (the last member).
 """
@@ -69,6 +78,10 @@ RUN_MARKER = ".automodel-ckpt-run.json"
 UPLOAD_MARKER = ".automodel-ckpt-upload.json"
 LEASE_OBJECT = ".automodel-ckpt-lease.json"
 RUN_LOCK = ".run.lock"  # flock'ed by the run that owns the folder; host, pid, start time (storage/runlock.py)
+# --- a node-local folder (checkpoint.local) ---------------------------------------------------------------
+LOCAL_BINDING = ".automodel-ckpt-local.json"  # the run a node-local folder belongs to (nodelocal/localdir.py)
+LOCAL_DEFAULT_BASE = "/dev/shm"  # where the per-user parent of the default node-local folders is made
+LOCAL_USER_PREFIX = "automodel-ckpt-"  # the per-user parent: automodel-ckpt-<user>
 DEFAULT_NAME_TEMPLATE = "epoch_{epoch}_step_{step}"
 # Fields a checkpoint.name_template may use; a field whose value is unknown (no validation yet) renders as "none".
 NAME_TEMPLATE_FIELDS = ("epoch", "step", "consumed_samples", "train_loss", "val_loss")
@@ -181,6 +194,16 @@ def name_problem(name: str) -> str | None:
 def name_template_fields(template: str) -> list[str]:
     """The field names a name template uses, in order (``ValueError`` for malformed braces)."""
     return [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+
+
+def local_user_dir(user: str) -> str:
+    """The per-user parent of the default node-local folders: ``automodel-ckpt-<user>``."""
+    return f"{LOCAL_USER_PREFIX}{user}"
+
+
+def received_tmp_name(final_name: str, tag: str) -> str:
+    """Hidden sibling a file received from another rank is written into before it is renamed to its name."""
+    return f".{final_name}.recv-{tag}"
 
 
 def quarantine_note(name: str) -> str:

@@ -1,0 +1,199 @@
+"""The node-local folder of a run: where it is, private to its user, bound to one run, its room, its removal.
+
+By default ``/dev/shm/automodel-ckpt-<user>/<run id>``, the run id being a short digest of where the run folder is
+(``checkpoint_dir`` resolved to an absolute path, or its URL), so reruns of one run find their folder again and two
+runs never share one. The folder (and the per-user parent) is made mode 0700 and refused, in one line, when it is a
+symlink, another user's, or open to other users. A binding file records the run id and a digest of the run's
+fingerprint: another run's folder is refused; the same run's folder written before the recipe changed is emptied.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import hashlib
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.checkpoint.disk.durable import remove_tree, write_atomic
+from automodel_ckpt.checkpoint.objectstore.location import is_url, local_path
+from automodel_ckpt.errors import CheckpointError, first_line
+from automodel_ckpt.sizes import human_size
+
+KEY = "checkpoint.local.dir"
+
+
+def run_id(checkpoint_dir: str) -> str:
+    """A short digest naming the run whose run folder is ``checkpoint_dir`` (a path, made absolute, or a URL)."""
+    text = str(checkpoint_dir)
+    location = text.rstrip("/") if is_url(text) else str(local_path(text).expanduser().resolve())
+    return hashlib.sha256(location.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def default_folder(checkpoint_dir: str, base: Path = Path(layout.LOCAL_DEFAULT_BASE)) -> Path:
+    """``/dev/shm/automodel-ckpt-<user>/<run id>``: the node-local folder when ``checkpoint.local.dir`` is unset."""
+    return Path(base) / layout.local_user_dir(_user()) / run_id(checkpoint_dir)
+
+
+def _user() -> str:
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container without a passwd entry)
+        name = ""
+    return name if paths.is_plain_name(name) else str(os.geteuid())
+
+
+def claim(folder: Path, run: str, fingerprint: Any, *, private_parent: bool = False) -> list[str]:
+    """Make ``folder`` (mode 0700; with ``private_parent`` its parent too, the per-user one), check that it is
+    private, and bind it to the run ``run`` with ``fingerprint`` (the run's fingerprint, any JSON-able value).
+    Returns warnings for the caller to show; ``CheckpointError`` in one line when the folder cannot be used."""
+    folder = Path(folder)
+    if private_parent:
+        _make_private(folder.parent)
+    else:
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"{KEY}: cannot create '{folder.parent}': {first_line(exc)}") from None
+    _make_private(folder)
+    return bind(folder, run, fingerprint)
+
+
+def _make_private(folder: Path) -> None:
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CheckpointError(f"{KEY}: cannot create '{folder}': {first_line(exc)}; choose a writable folder on "
+                              "each node") from None
+    check_private(folder)
+
+
+def check_private(folder: Path) -> None:
+    """``CheckpointError`` (one line) unless ``folder`` is a real folder of this user that no one else can read or
+    write; it is opened without following a link."""
+    if os.path.islink(folder):
+        raise CheckpointError(f"{KEY}: '{folder}' is a symlink; a node-local folder is never reached through a "
+                              "link: name the folder itself")
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        what = "not a folder" if exc.errno in (errno.ENOTDIR, errno.ELOOP) else first_line(exc)
+        raise CheckpointError(f"{KEY}: cannot use '{folder}': {what}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid():
+        raise CheckpointError(f"{KEY}: '{folder}' belongs to uid {st.st_uid}, not to this user (uid "
+                              f"{os.geteuid()}); another user's folder is never used: choose your own")
+    if st.st_mode & 0o066:
+        raise CheckpointError(f"{KEY}: '{folder}' can be read or written by other users (mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}); run `chmod 700 '{folder}'` or choose a private "
+                              "folder")
+
+
+def fingerprint_digest(fingerprint: Any) -> str:
+    """A digest of a run's fingerprint (``disk.fingerprint.run_fingerprint``'s, or any JSON-able value)."""
+    text = json.dumps(fingerprint, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def bind(folder: Path, run: str, fingerprint: Any) -> list[str]:
+    """Bind ``folder`` to the run ``run``: refused when another run's binding is there, or when it holds anything
+    without one; the same run's steps written with another fingerprint are removed (a warning says so)."""
+    folder = Path(folder)
+    file = folder / layout.LOCAL_BINDING
+    digest = fingerprint_digest(fingerprint)
+    bound = read_binding(folder)
+    warnings = []
+    if bound is None:
+        with os.scandir(folder) as it:
+            found = sorted(e.name for e in it)
+        if found:
+            raise CheckpointError(f"{KEY}: '{folder}' is not empty and holds no {layout.LOCAL_BINDING} (found "
+                                  f"'{found[0]}'): it is not a node-local folder of a run; choose an empty or new "
+                                  "folder")
+    elif bound.get("run_id") != run:
+        raise CheckpointError(f"{KEY}: '{folder}' holds the node-local steps of another run (run id "
+                              f"{bound.get('run_id')}, this run's is {run}: another checkpoint_dir); a folder is "
+                              "never shared by two runs: choose another one or remove that one")
+    elif bound.get("fingerprint") != digest:
+        removed = remove_steps(folder)
+        warnings.append(f"{KEY}: the recipe changed since '{folder}' was written (another run fingerprint): its "
+                        f"{removed} node-local steps were removed")
+    if bound is None or bound.get("fingerprint") != digest:
+        write_atomic(file, (json.dumps({"run_id": run, "fingerprint": digest}) + "\n").encode("utf-8"), 0o600)
+    return warnings
+
+
+def read_binding(folder: Path) -> dict[str, Any] | None:
+    """The run ``folder`` is bound to (``run_id``, ``fingerprint``), None when it has no binding file;
+    ``CheckpointError`` when the file is not ours (a link, a special file, not our JSON)."""
+    file = Path(folder) / layout.LOCAL_BINDING
+    if not os.path.lexists(file):
+        return None
+    try:
+        data = json.loads(paths.read_text(file))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{KEY}: '{file}' is unreadable ({first_line(exc)}); remove the folder '{folder}' "
+                              "to start it afresh") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("run_id", "fingerprint")):
+        raise CheckpointError(f"{KEY}: '{file}' is malformed; remove the folder '{folder}' to start it afresh")
+    return data
+
+
+def _is_step_folder(name: str) -> bool:
+    plain = name[len(layout.STAGING_PREFIX):] if layout.is_staging(name) else name
+    return layout.parse_default_name(plain) is not None
+
+
+def remove_steps(folder: Path) -> int:
+    """Remove the local steps (complete or being written) in ``folder``, following no link; how many."""
+    with os.scandir(folder) as it:
+        names = sorted(e.name for e in it if _is_step_folder(e.name))
+    for name in names:
+        remove_tree(Path(folder) / name)
+    return len(names)
+
+
+def check_space(folder: Path, step_bytes: int, keep: int, copies: int) -> None:
+    """``CheckpointError`` in one line, with the numbers, unless ``folder`` has room for ``keep`` local steps and
+    the one being written, each of ``step_bytes`` (this node's parts) and ``copies`` copies of other nodes' parts:
+    ``(keep + 1) * step_bytes * (1 + copies)`` bytes."""
+    need = (keep + 1) * step_bytes * (1 + copies)
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise CheckpointError(
+            f"{KEY}: '{folder}' has {human_size(free)} free, but {keep + 1} node-local steps ({keep} kept and one "
+            f"being written) of {human_size(step_bytes)} with {copies} copies each need {human_size(need)}; lower "
+            "checkpoint.local.keep or checkpoint.local.replicas, or give the folder more room (a larger /dev/shm, "
+            "or checkpoint.local.dir on local NVMe)")
+
+
+def remove(folder: Path, run: str) -> bool:
+    """Remove the run ``run``'s node-local folder once the run finished: only what this product wrote there (its
+    steps, its binding), following no link, then the folder if it is empty. Nothing is removed from a folder bound
+    to no run or to another. Whether the folder is gone."""
+    folder = Path(folder)
+    if os.path.islink(folder) or not folder.is_dir():
+        return False
+    try:
+        bound = read_binding(folder)
+    except CheckpointError:
+        return False
+    if bound is None or bound.get("run_id") != run:
+        return False
+    remove_steps(folder)
+    os.unlink(folder / layout.LOCAL_BINDING)
+    try:
+        os.rmdir(folder)
+    except OSError:
+        return False
+    return True
