@@ -58,7 +58,7 @@ class LocalTierConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"checkpoint.local.{key}: expected a whole number >= {least}, got {value!r}")
         if self.dir is not None:
-            from automodel_ckpt.checkpoint.objectstore.location import is_url
+            from automodel_ckpt.checkpoint.locations import is_url
 
             if not str(self.dir).strip():
                 raise ConfigError("checkpoint.local.dir: must not be empty (null: the default under /dev/shm)")
@@ -147,7 +147,7 @@ class CheckpointConfig:
 
 def _check_location(location: object, key: str) -> None:
     """A URL location must name an object store whose backend is installed (it never becomes a local path)."""
-    from automodel_ckpt.checkpoint.storage import check_url, is_url
+    from automodel_ckpt.checkpoint.locations import check_url, is_url
 
     if is_url(location):
         check_url(str(location), key)

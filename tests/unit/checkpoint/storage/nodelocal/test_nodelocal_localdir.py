@@ -152,7 +152,7 @@ def test_the_local_section_comes_from_yaml_and_overrides():
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.config.validate import validate_config
 
-    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_llama_sft.yaml")
+    recipe = str(Path(__file__).resolve().parents[5] / "recipes" / "tiny_llama_sft.yaml")
     cfg = load_config(recipe, ["--checkpoint.local.every_steps", "2", "--checkpoint.local.dir", "/nvme/a"],
                       RecipeConfig)
     validate_config(cfg, 1)

@@ -1,0 +1,71 @@
+"""What a configured checkpoint location is: a local path or an object-store URL (syntax and installed backend, no I/O)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from automodel_ckpt.errors import ConfigError
+
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
+# fsspec schemes served by a package other than fsspec itself: what to install for each.
+BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+                    "abfss": "adlfs", "adl": "adlfs", "oci": "ocifs", "hf": "huggingface_hub",
+                    "webdav": "webdav4", "dropbox": "dropboxdrivefs", "oss": "ossfs"}
+# Schemes that are no object store a run could write to (or are local paths in disguise).
+_NOT_STORES = {"http", "https", "zip", "tar", "memory", "reference", "cached", "simplecache", "filecache",
+               "blockcache", "dir", "github", "git", "libarchive", "jlab", "jupyter", "data"}
+
+
+def is_url(location: object) -> bool:
+    """Whether a configured location is a URL (``s3://bucket/run``) rather than a local path."""
+    m = _URL.match(str(location))
+    return m is not None and m.group("scheme").lower() != "file"
+
+
+def local_path(location: str) -> Path:
+    """A local location as a path (``file://`` stripped)."""
+    text = str(location)
+    return Path(text[len("file://"):] if text.lower().startswith("file://") else text).expanduser()
+
+
+def normalize(url: str) -> str:
+    """``s3://bucket/run/`` -> ``s3://bucket/run`` (the scheme lower-cased, trailing slashes dropped)."""
+    m = _URL.match(url.strip())
+    if m is None:
+        raise ValueError(url)
+    return f"{m.group('scheme').lower()}://{m.group('rest').strip('/')}"
+
+
+def split(url: str) -> tuple[str, str]:
+    """``(scheme, bucket/prefix)`` of a normalized URL."""
+    scheme, _, rest = normalize(url).partition("://")
+    return scheme, rest
+
+
+def check_url(url: str, key: str) -> None:
+    """``ConfigError`` (one line) unless ``url`` names a store whose fsspec backend is installed."""
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    scheme, rest = split(url)
+    if not rest or rest.startswith("/"):
+        raise ConfigError(f"{key}: '{url}' names no bucket; write it as {scheme}://BUCKET/PREFIX")
+    if scheme in _NOT_STORES or (scheme not in known_implementations and scheme not in BACKEND_PACKAGES
+                                 and scheme not in fsspec.available_protocols()):
+        raise ConfigError(f"{key}: '{url}' has an unknown storage scheme '{scheme}://'; use a local path or an "
+                          "object store URL such as s3://BUCKET/PREFIX, gs://... or az://...")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError):
+        package = BACKEND_PACKAGES.get(scheme) or _package_from_fsspec(scheme) or f"the fsspec backend for {scheme}"
+        raise ConfigError(f"{key}: '{url}' needs the {scheme}:// storage backend; install it with "
+                          f"`pip install {package}`") from None
+
+
+def _package_from_fsspec(scheme: str) -> str | None:
+    from fsspec.registry import known_implementations
+
+    err = str(known_implementations.get(scheme, {}).get("err", ""))
+    m = re.search(r"[Ii]nstall\s+(?:the\s+)?['\"`]?([A-Za-z0-9_.\-]+)", err)
+    return m.group(1) if m else None
