@@ -15,7 +15,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 #: Test files whose runs take minutes: given to the workers first (longest first), so that they run side by side
 #: and the many short tests fill in at the end, instead of one long file running alone at the end.
-LONG_FILES = ("test_train.py", "test_vlm.py", "test_parallelism.py", "test_world_size_change.py",
+LONG_FILES = ("test_vlm.py", "test_parallelism.py", "test_train.py", "test_world_size_change.py",
               "test_object_store.py", "test_kill_fault.py", "test_run_guard.py", "test_checkpoint_core.py",
               "test_families.py")
 

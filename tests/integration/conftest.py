@@ -1,4 +1,4 @@
-"""Shared fixtures for integration tests (processes are launched): one embedded base model for the whole session."""
+"""Session fixtures for integration tests (processes are launched): the embedded base, straight runs, an S3 server."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("assets")
     ensure_tiny_base(root / "tiny_llama_base")
     return root
+
+
+@pytest.fixture(scope="session")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path):
+    """The default recipe's straight 8-step runs (shared_runs.py), trained once per session on each process count."""
+    from tests.integration.shared_runs import StraightRuns, session_folder
+
+    return StraightRuns(session_folder(tmp_path_factory), assets)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +47,13 @@ def ckpt_train(cwd: Path, assets: Path, *args: str, nproc: int = 1, launcher: tu
     if check and proc.returncode != 0:
         raise AssertionError(f"ckpt-train failed ({proc.returncode}): {' '.join(cmd)}\n{result.output[-4000:]}")
     return result
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on (for a launch's --master-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch_failure(done: subprocess.CompletedProcess) -> str:

@@ -21,13 +21,6 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @cache
-def _straight(work: Path, assets: Path, nproc: int) -> Path:
-    ckpt_train(work, assets, *COMMON, "--step_scheduler.max_steps", "8",
-               "--checkpoint.checkpoint_dir", f"straight_{nproc}", nproc=nproc)
-    return work / f"straight_{nproc}"
-
-
-@cache
 def _resumed(work: Path, assets: Path, nproc: int, fmt: str) -> tuple[Path, str]:
     run_dir = f"resumed_{nproc}_{fmt}"
     args = (*COMMON, "--checkpoint.model_save_format", fmt, "--checkpoint.checkpoint_dir", run_dir)
@@ -38,8 +31,8 @@ def _resumed(work: Path, assets: Path, nproc: int, fmt: str) -> tuple[Path, str]
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_resume_is_bitwise_exact(work, assets, nproc, fmt):
-    straight = _straight(work, assets, nproc)
+def test_resume_is_bitwise_exact(work, assets, straight_runs, nproc, fmt):
+    straight = straight_runs.get(nproc)
     resumed, output = _resumed(work, assets, nproc, fmt)
     assert f"Loading checkpoint from {resumed.name}/epoch_0_step_4" in output
     assert len(losses(straight)) == 8
@@ -48,7 +41,8 @@ def test_resume_is_bitwise_exact(work, assets, nproc, fmt):
            [r["val_loss"] for r in jsonl(straight / "validation.jsonl")]
 
 
-def test_resume_with_activation_checkpointing_is_bitwise_exact_and_matches_a_run_without_it(work, assets):
+def test_resume_with_activation_checkpointing_is_bitwise_exact_and_matches_a_run_without_it(
+        work, assets, straight_runs):
     """Two processes, stopped after the checkpoint of step 4 and resumed to step 8.
 
     On the CPU the recomputed blocks give the very floats of a run that kept its activations (the unit test shows
@@ -62,7 +56,7 @@ def test_resume_with_activation_checkpointing_is_bitwise_exact_and_matches_a_run
         assert "Activation checkpointing: 4 blocks recompute their activations in backward" in result.stdout
     assert "Loading checkpoint from ac/epoch_0_step_4" in second.output
     assert len(losses(work / "ac")) == 8
-    assert losses(work / "ac") == losses(_straight(work, assets, 2))  # bitwise: same floats
+    assert losses(work / "ac") == losses(straight_runs.get(2))  # bitwise: same floats
 
 
 def _expected_checkpoint_files(fmt: str, world: int) -> set[str]:
@@ -149,7 +143,7 @@ def test_user_defined_state_round_trips(work, assets):
     assert at8["tokens"] > at4["tokens"]
 
 
-def test_killed_during_save_resumes_from_previous_checkpoint(work, assets):
+def test_killed_during_save_resumes_from_previous_checkpoint(work, assets, straight_runs):
     args = (*COMMON, "--checkpoint.checkpoint_dir", "crash", "--step_scheduler.max_steps", "8")
     crashed = ckpt_train(work, assets, *args, "--recipe", "tests.integration.recipes_for_tests.CrashDuringSaveRecipe",
                          nproc=2, env={"CRASH_AT_STEP": "8", "PYTHONPATH": str(REPO)}, check=False)
@@ -162,7 +156,7 @@ def test_killed_during_save_resumes_from_previous_checkpoint(work, assets):
     assert "Loading checkpoint from crash/epoch_0_step_4" in rerun.output
     assert not list(run_dir.glob(".staging-*"))  # the leftover was cleaned up by the next save
     assert os.readlink(run_dir / "LATEST") == "epoch_0_step_8"
-    assert losses(run_dir) == losses(_straight(work, assets, 2))
+    assert losses(run_dir) == losses(straight_runs.get(2))
 
 
 def test_restore_from_missing_lists_existing(work, assets):

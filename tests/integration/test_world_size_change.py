@@ -1,4 +1,4 @@
-"""Resume at another world size: model, optimizer, data position and RNG reshard (2 → 1, 1 → 2, 2 nodes → 1)."""
+"""Resume at another world size (2 → 1, 1 → 2 processes, 2 loopback nodes → 1): model, optimizer, data, RNG reshard."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import subprocess
 
 import pytest
 
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl
-from tests.integration.test_train import _free_port
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, free_port, jsonl
+from tests.integration.shared_runs import STRAIGHT_KEYS
 
-ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "4",
-        "--training.log_sample_ids", "true")
+ARGS = STRAIGHT_KEYS  # those of the straight runs (8 steps) that the resumed runs are compared with
 
 
 def _records(run_dir):
@@ -26,21 +25,19 @@ def _assert_matches(resumed, straight):
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_resume_with_another_process_count(tmp_path, assets, before, after):
-    ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "8", "--checkpoint.checkpoint_dir", "straight",
-               nproc=after)
+def test_resume_with_another_process_count(tmp_path, assets, straight_runs, before, after):
     run = ("--checkpoint.checkpoint_dir", "resized")
     ckpt_train(tmp_path, assets, *ARGS, *run, "--step_scheduler.max_steps", "4", nproc=before)
     second = ckpt_train(tmp_path, assets, *ARGS, *run, "--step_scheduler.max_steps", "8", nproc=after)
     assert f"Resuming at world size {after} (checkpoint written by {before})" in second.stdout
     assert "global batch 64 kept" in second.stdout
-    _assert_matches(tmp_path / "resized", tmp_path / "straight")
+    _assert_matches(tmp_path / "resized", straight_runs.get(after))
     ranks = sorted(p.name for p in (tmp_path / "resized" / "epoch_0_step_8" / "rng").iterdir())
     assert ranks == [f"rng_dp_rank_{r}.pt" for r in range(after)]
 
 
-def test_two_nodes_resume_on_one_node(tmp_path, assets):
-    port = str(_free_port())
+def test_two_nodes_resume_on_one_node(tmp_path, assets, straight_runs):
+    port = str(free_port())
     run = ("--checkpoint.checkpoint_dir", "multi")
     procs = [
         subprocess.Popen([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
@@ -51,10 +48,12 @@ def test_two_nodes_resume_on_one_node(tmp_path, assets):
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:]
+    # two nodes on loopback: one data-parallel rank each
+    assert sorted(p.name for p in (tmp_path / "multi" / "epoch_0_step_4" / "rng").iterdir()) == \
+           ["rng_dp_rank_0.pt", "rng_dp_rank_1.pt"]
+    assert len(jsonl(tmp_path / "multi" / "training.jsonl")) == 4
     ckpt_train(tmp_path, assets, *ARGS, *run, "--step_scheduler.max_steps", "8", nproc=2)
-    ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "8", "--checkpoint.checkpoint_dir", "straight",
-               nproc=2)
-    _assert_matches(tmp_path / "multi", tmp_path / "straight")
+    _assert_matches(tmp_path / "multi", straight_runs.get(2))
 
 
 def test_global_batch_that_cannot_be_kept_is_a_clear_error(tmp_path, assets):
