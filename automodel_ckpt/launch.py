@@ -18,6 +18,7 @@ class LaunchOptions:
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_endpoint: str | None = None
+    max_restarts: int = 0  # torch's elastic agent restarts failed workers this many times (they resume by themselves)
     debug: bool = False
     dry_run: bool = False
     extra: list[str] = field(default_factory=list)
@@ -28,10 +29,10 @@ class LaunchOptions:
 
     @property
     def needs_agent(self) -> bool:
-        return self.nproc_per_node > 1 or self.nnodes > 1
+        return self.nproc_per_node > 1 or self.nnodes > 1 or self.max_restarts > 0
 
 
-_INT_FLAGS = {"nproc_per_node", "nnodes", "node_rank", "master_port"}
+_INT_FLAGS = {"nproc_per_node", "nnodes", "node_rank", "master_port", "max_restarts"}
 _FLAGS = _INT_FLAGS | {"master_addr", "rdzv_endpoint"}
 
 
@@ -75,6 +76,8 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
         raise ConfigError(f"--nproc-per-node: expected at least 1, got {opts.nproc_per_node}")
     if opts.nnodes < 1:
         raise ConfigError(f"--nnodes: expected at least 1, got {opts.nnodes}")
+    if opts.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: expected 0 or more, got {opts.max_restarts}")
     if not 0 <= opts.node_rank < opts.nnodes:
         raise ConfigError(f"--node-rank: expected 0..{opts.nnodes - 1}, got {opts.node_rank}")
     if opts.nnodes > 1 and not (opts.rdzv_endpoint or opts.master_addr):
@@ -109,6 +112,8 @@ def _launcher_flags_after_recipe(rest: list[str], opts: LaunchOptions) -> list[s
 def torchrun_args(opts: LaunchOptions, recipe: str, overrides: list[str]) -> list[str]:
     """Arguments for ``torch.distributed.run`` whose workers run ``python -m automodel_ckpt`` on the same recipe."""
     args = ["--nproc-per-node", str(opts.nproc_per_node), "--nnodes", str(opts.nnodes)]
+    if opts.max_restarts:
+        args += ["--max-restarts", str(opts.max_restarts)]
     if opts.rdzv_endpoint:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
                  "--rdzv-id", os.environ.get("SLURM_JOB_ID", "automodel-ckpt")]
@@ -137,6 +142,8 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // opts.nproc_per_node))
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
+    if opts.max_restarts:  # restarted workers rendezvous on a store of their own: torch's shared rendezvous store
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # keeps the failed attempt's addresses
     mark_launcher()  # the workers end when this process ends, however it ends (distributed/lifeline.py)
     args = get_args_parser().parse_args(torchrun_args(opts, recipe, overrides))
     forwarder = SignalForwarder(preemption_signal) if preemption_signal else None

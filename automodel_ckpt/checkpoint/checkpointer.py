@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint.local_tier import DURABLE, LOCAL, LocalTier
 from automodel_ckpt.checkpoint.restore import resume
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import overlap
@@ -52,12 +54,17 @@ class Checkpointer:
         self.run = storage.open_run_folder(cfg, env.rank, env.world_size)  # local folder or object store: once
         self.dir = self.run.local  # the local folder: checkpoint_dir itself, or an object store's mirror
         self.loaded_states: tuple[str, ...] = ()  # what the last restore loaded (the recipe fills the rest itself)
+        self.restored_tier: str | None = None  # "local" or "durable": where the last restore loaded from
+        self.restore_seconds = 0.0  # how long the last restore took (finding, checking and loading)
         self._time = TrainingTime()
-        self._writer = SaveWriter(cfg, env, self.dims, self.run, config_yaml=resolved_config_yaml,
-                                  hf=hf or HFArtifacts(), fingerprint=fingerprint, time=self._time, say=say)
+        hf = hf or HFArtifacts()
+        self._writer = SaveWriter(cfg, env, self.dims, self.run, config_yaml=resolved_config_yaml, hf=hf,
+                                  fingerprint=fingerprint, time=self._time, say=say)
         self._loader = CheckpointLoader(cfg, env, self.dims, self.run, say)
         if self.enabled:  # fail before training, not at the first save: writable, one run per folder, credentials
             self.run.acquire()
+        self._local = LocalTier(cfg, env, self.dims, config_yaml=resolved_config_yaml, hf=hf,
+                                fingerprint=fingerprint, time=self._time, say=say)  # node-local steps (checkpoint.local), when enabled
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +90,15 @@ class Checkpointer:
             return None
         return self._writer.save(states, info)
 
+    def local_due(self, step: int) -> bool:
+        """Whether a node-local step is due after optimizer step ``step`` (``checkpoint.local.every_steps``)."""
+        return self._local.due(step)
+
+    def save_local(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
+        """Take a node-local step of ``states``: the call returns once the state is copied; writing it, its
+        copies on other nodes and its commit run in the background (``local_tier``). None when the tier is off."""
+        return self._local.save(states, info)
+
     def fence(self) -> None:
         """Wait until the async save in flight has copied the live model and optimizer state (if it has not yet).
 
@@ -90,6 +106,7 @@ class Checkpointer:
         itself (a step pre-hook installed by ``save``). Cheap when nothing is in flight.
         """
         self._writer.fence()
+        self._local.fence()
 
     def wait(self) -> Path | None:
         """Wait for the async save in flight, if any, to be complete; returns its path once published.
@@ -103,10 +120,12 @@ class Checkpointer:
         """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease."""
         done = False
         try:
+            self._local.wait()
             path = self.wait()
             done = True
         finally:
             self._writer.close()
+            self._local.finalize(done=done)  # a finished run removes its node-local steps
             self.run.release(keep_lock=not done)  # the next run may take the folder (a failed run: at its exit)
         return path
 
@@ -118,6 +137,7 @@ class Checkpointer:
         process exit; their staging buffers are not released under them.
         """
         self._writer.abandon(ABANDON_WAIT_SECONDS)
+        self._local.abandon(ABANDON_WAIT_SECONDS)  # its node-local steps stay for the restart
         self.run.release(keep_lock=True)  # an object store's lease: the next run need not wait for it to expire
 
     @property
@@ -158,6 +178,11 @@ class Checkpointer:
         starts a new run from a checkpoint's (or an HF / adapter folder's) weights. ``restore.resume`` decides,
         ``CheckpointLoader`` carries it out.
         """
+        started = time.perf_counter()
+        if self._local.active and self.cfg.restore_from is None and not self.cfg.load_only:
+            loaded = self._local.recover(states, self.run.find(None))  # newer than the durable tier's newest?
+            if loaded is not None:
+                return self._took(loaded, LOCAL, started)
         peft = "model" in states and peft_format.is_peft_model(states["model"])
         damaged = None  # a checkpoint found damaged while loading it: some state already holds its bytes
         while True:
@@ -172,17 +197,19 @@ class Checkpointer:
                 resume.set_aside(self.run, decision.path, exc, rank=self.env.rank, say=self.say)
                 damaged = first_line(exc)
                 continue
-            return self._took(loaded)
+            return self._took(loaded, DURABLE, started)
 
     def load(self, states: dict[str, Any], path: Path) -> None:
         """Load ``states`` from checkpoint ``path`` (fetched and checked first) on every rank, as a resume would."""
-        self._took(self._loader.load(states, Path(path)))
+        self._took(self._loader.load(states, Path(path)), DURABLE, time.perf_counter())
 
-    def _took(self, loaded: Loaded | None) -> Path | None:
-        """Record what a restore loaded: its states; for a resumed run its name and training time."""
+    def _took(self, loaded: Loaded | None, tier: str, started: float) -> Path | None:
+        """Record what a restore loaded: its states, its tier and time; for a resumed run its name and training
+        time."""
         if loaded is None:
             return None
-        self.loaded_states = loaded.states
+        self.loaded_states, self.restored_tier = loaded.states, tier
+        self.restore_seconds = time.perf_counter() - started
         if loaded.continues_run:
             self._writer.resumed_from = loaded.path.name
         if loaded.training_seconds is not None:

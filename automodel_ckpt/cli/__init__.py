@@ -36,6 +36,8 @@ launcher flags:
   --nproc-per-node N       processes on this node (N > 1 starts torch's elastic agent)
   --nnodes N               number of nodes; with --node-rank R and --master-addr A --master-port P,
                            or --rdzv-endpoint HOST:PORT
+  --max-restarts N         restart failed workers up to N times; they resume from the newest checkpoint
+                           (the node-local tier's, with checkpoint.local.every_steps) by themselves
   --debug                  show tracebacks instead of one-line errors (every verb)
   --dry-run                check the recipe and overrides, print the resolved config, do not train
 

@@ -131,6 +131,11 @@ def _group() -> Any:
     return getattr(_THREAD, "group", None)
 
 
+def current_group() -> Any:
+    """The group this thread's collectives run on (None: the default group); see ``collectives_on``."""
+    return _group()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

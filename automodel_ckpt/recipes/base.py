@@ -41,6 +41,10 @@ class BaseRecipe:
     def save_checkpoint(self, info: SaveInfo) -> Path | None:
         return self.checkpointer.save(self.checkpointed_state(), info)
 
+    def save_local_checkpoint(self, info: SaveInfo) -> Path | None:
+        """Take a node-local step (``checkpoint.local``): returns once the state is copied."""
+        return self.checkpointer.save_local(self.checkpointed_state(), info)
+
     def finalize_checkpoints(self) -> Path | None:
         """Complete the checkpoint still being written in the background (``checkpoint.is_async``), if any."""
         return self.checkpointer.finalize()

@@ -209,7 +209,8 @@ class FinetuneRecipe(BaseRecipe):
             self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
             return
         self._observer.start(sched.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
-                             world_size=self.env.world_size)
+                             world_size=self.env.world_size, tier=self.checkpointer.restored_tier,
+                             load_seconds=round(self.checkpointer.restore_seconds, 3) if restored else None)
         self.progress.start(sched.step)
         boundary = StepBoundary(self._preemption,
                                 TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self.checkpointer.enabled else None))
@@ -241,6 +242,9 @@ class FinetuneRecipe(BaseRecipe):
                 saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
                                             preemption=agreed.preempt)
                 boundary.saved()
+            elif self.checkpointer.local_due(sched.step) and not sched.done:  # node-local: the snapshot only
+                self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
+                                                    extra={"consumed_samples": sched.consumed_samples}))
             if agreed.preempt and not sched.done:
                 self._observer.finalize(self.finalize_checkpoints, sched.step)
                 self.progress.close()

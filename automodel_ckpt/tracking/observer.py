@@ -40,7 +40,8 @@ class RunObserver:
                     events.append(("fallback", f"checkpoint {q['name']} could not be loaded ({q['reason']}); moved "
                                                "to quarantine/ and resumed from the newest checkpoint before it"))
             if restored is not None:
-                events.append(("resume", f"resumed from {restored.name} at step {step}"))
+                tier = f" (the {facts['tier']} tier, loaded in {facts['load_seconds']} s)" if facts.get("tier") else ""
+                events.append(("resume", f"resumed from {restored.name} at step {step}{tier}"))
         self.costs.start(step, restored.name if restored is not None else None,
                          fallbacks=[text for kind, text in events if kind == "fallback"], **facts)
         self.tracker.start(step, resumed=restored is not None, events=events)

@@ -151,10 +151,13 @@ def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: s
     return out
 
 
-def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None = None) -> None:
+def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None = None, *,
+         shared: bool = True) -> None:
     """Collective: every rank hashes its share of ``staging``'s files; rank 0 writes the manifest.
 
     Checksums ``written`` recorded while the files were written are used instead of reading the files back.
+    ``shared``: every rank sees the same ``staging`` folder; otherwise (node-local folders) each rank lists its
+    own, the manifest lists them all, and each file is hashed by a rank that holds it.
 
     A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
     """
@@ -167,7 +170,10 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
         files = list_files(staging)
         return default_algorithm(), files, assign(files, world_size)
 
-    algorithm, files, shares = collective.on_main(plan, f"listing the files of '{staging}'", rank)
+    if shared:
+        algorithm, files, shares = collective.on_main(plan, f"listing the files of '{staging}'", rank)
+    else:
+        algorithm, files, shares = _plan_apart(staging, rank, world_size)
     mine = collective.collectively(
         lambda: _hash_share(staging, shares[rank], files, algorithm, written), f"checksumming '{staging}'", rank
     )
@@ -180,6 +186,31 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
         lambda: write(staging, build(staging, files, checksums, algorithm)),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
+
+
+def _plan_apart(staging: Path, rank: int, world_size: int) -> tuple[str, dict[str, int], list[list[str]]]:
+    """Collective, folders not shared: every rank's listing gathered; each file hashed by its writer where that
+    rank holds it, else by the least-loaded rank that holds it. A file of two sizes in two folders is refused."""
+    from automodel_ckpt.checkpoint import collective
+    from automodel_ckpt.distributed.env import all_gather_object
+
+    listings = all_gather_object(collective.collectively(lambda: list_files(staging), f"listing '{staging}'", rank))
+    files: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
+    for r, listing in enumerate(listings):
+        for rel, size in listing.items():
+            if files.setdefault(rel, size) != size:
+                raise CheckpointError(f"'{staging.name}/{rel}' has {files[rel]} bytes on one node and {size} on "
+                                      "another; the save is not complete")
+            holders.setdefault(rel, []).append(r)
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for rel, size in sorted(files.items(), key=lambda t: (-t[1], t[0])):
+        writer = writer_rank(rel)
+        r = writer if writer in holders[rel] else min(holders[rel], key=lambda i: (load[i], i))
+        shares[r].append(rel)
+        load[r] += size
+    return default_algorithm(), dict(sorted(files.items())), shares
 
 
 def find_checkpoint(path: Path) -> Path | None:

@@ -114,8 +114,7 @@ class SaveWriter:
                 and bool(plan.models or plan.optimizers))
 
     def _reserve(self, name: str) -> Path:
-        return collective.on_main(functools.partial(self.run.reserve, name), "reserving the checkpoint",
-                                  self.env.rank)
+        return self.run.reserve(name)
 
     def _write_or_stage(self, plan: StatePlan, staging: Path) -> list[sharded.StagedSave]:
         """The model and optimizer files: written now (collective; DCP raises on every rank if any rank fails),
@@ -170,10 +169,11 @@ class SaveWriter:
             collective.collectively(functools.partial(hf_files.export_inline, staging / layout.MODEL_DIR, rank, world),
                                     "consolidating the checkpoint", rank)
             clock.mark("consolidate")
-        collective.collectively(functools.partial(fsync_tree, staging, rank, world, self.written),
-                                f"syncing '{staging}'", rank)
-        clock.mark("sync")
-        manifest.seal(staging, rank, world, self.written)  # manifest.json, written last and fsynced
+        if self.run.durable:
+            collective.collectively(functools.partial(fsync_tree, staging, rank, world, self.written),
+                                    f"syncing '{staging}'", rank)
+            clock.mark("sync")
+        manifest.seal(staging, rank, world, self.written, shared=self.run.shared)  # manifest.json, written last
         clock.mark("manifest")
         stop_if_orphaned(f"publishing '{name}'")  # a worker that outlived its launcher never publishes
         if self.run.upload(staging, name):  # an object store: every rank's share, before the commit
@@ -191,8 +191,7 @@ class SaveWriter:
     def _prune(self) -> None:
         """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
         try:
-            deleted = collective.on_main(functools.partial(self.run.prune, self.retention, self.resumed_from),
-                                         "pruning old checkpoints", self.env.rank)
+            deleted = self.run.prune(self.retention, self.resumed_from)
         except CheckpointError as exc:
             if self.env.is_main:
                 warnings.warn(f"checkpoint retention: {exc}", stacklevel=3)

@@ -28,6 +28,8 @@ class RunFolder(Protocol):
     local: Path
     monitor: Monitor  # "best by monitor": which checkpoint LOWEST_VAL names
     reserves_in_background: bool  # the staging folder may be made by the background thread of an async save
+    shared: bool  # every rank sees the same folder (False: each node has its own, ``nodelocal``)
+    durable: bool  # a commit is fsynced first (False: a RAM disk's tier, gone with the node anyway)
 
     def location(self, name: str) -> str:
         """Checkpoint ``name`` as the user configured it: a path, or a URL."""
@@ -45,7 +47,8 @@ class RunFolder(Protocol):
         """Where checkpoint ``name`` is written before its commit (nothing is created: ``reserve``)."""
 
     def reserve(self, name: str) -> Path:
-        """Rank 0: create the staging folder of checkpoint ``name`` (never an existing checkpoint's); returns it."""
+        """Collective: create the staging folder of checkpoint ``name`` (never an existing checkpoint's); returns
+        it. Leftovers of interrupted saves are removed first."""
 
     def upload(self, staging: Path, name: str) -> bool:
         """Collective: this rank's share of the staged files to where they are kept; False when that is here."""
@@ -58,7 +61,7 @@ class RunFolder(Protocol):
         ``best``) at it; returns its local folder."""
 
     def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
-        """Rank 0: delete what the retention policy gives up (an object store keeps ``resumed_from``, whose files
+        """Collective: delete what the retention policy gives up (an object store keeps ``resumed_from``, whose files
         its mirror no longer holds); returns the names deleted."""
 
     def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:

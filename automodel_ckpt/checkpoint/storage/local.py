@@ -21,6 +21,8 @@ class LocalRunFolder:
     """``storage.base.RunFolder`` for a folder on disk; also the local half of an object-store run folder."""
 
     reserves_in_background = True
+    shared = True
+    durable = True
 
     def __init__(self, folder: Path, rank: int, *, monitor: Monitor,
                  storage_options: dict[str, Any] | None = None) -> None:
@@ -51,6 +53,10 @@ class LocalRunFolder:
         return self.local / layout.staging_name(name)
 
     def reserve(self, name: str) -> Path:
+        return collective.on_main(lambda: self._reserve_here(name), "reserving the checkpoint", self.rank)
+
+    def _reserve_here(self, name: str) -> Path:
+        """Rank 0: the staging folder, after removing leftovers of interrupted saves."""
         return lifecycle.reserve(self.local, name)
 
     def upload(self, staging: Path, name: str) -> bool:
@@ -67,6 +73,10 @@ class LocalRunFolder:
         return lifecycle.publish(self.local, name, update_lowest_val=best)
 
     def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
+        return collective.on_main(lambda: self._prune_on_main(policy, resumed_from), "pruning old checkpoints",
+                                  self.rank)
+
+    def _prune_on_main(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
         return self._prune_here(policy)
 
     def _prune_here(self, policy: RetentionPolicy, protected: Iterable[str] = ()) -> list[str]:

@@ -40,11 +40,11 @@ class ObjectStoreRunFolder(LocalRunFolder):
         self.remote.release()  # the run folder's lease (rank 0): the next run need not wait for it to expire
         super().release(keep_lock=keep_lock)
 
-    def reserve(self, name: str) -> Path:
+    def _reserve_here(self, name: str) -> Path:
         removed = self.remote.before_save(name)  # an existing checkpoint refused; unfinished uploads deleted
         if removed:
             logger.info("removed unfinished uploads from %s: %s", self.remote.url, ", ".join(removed))
-        return super().reserve(name)
+        return super()._reserve_here(name)
 
     def upload(self, staging: Path, name: str) -> bool:
         collective.collectively(lambda: self.remote.upload_share(staging, name, self.rank, self.world_size),
@@ -58,7 +58,7 @@ class ObjectStoreRunFolder(LocalRunFolder):
         self.remote.after_publish(final)
         return final
 
-    def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
+    def _prune_on_main(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
         deleted = self._prune_here(policy, [resumed_from] if resumed_from else [])  # its files left the mirror
         self.remote.delete(deleted)
         return deleted

@@ -37,7 +37,12 @@ def run_id(checkpoint_dir: str) -> str:
 
 def default_folder(checkpoint_dir: str, base: Path = Path(layout.LOCAL_DEFAULT_BASE)) -> Path:
     """``/dev/shm/automodel-ckpt-<user>/<run id>``: the node-local folder when ``checkpoint.local.dir`` is unset."""
-    return Path(base) / layout.local_user_dir(_user()) / run_id(checkpoint_dir)
+    return folder_of(run_id(checkpoint_dir), base)
+
+
+def folder_of(run: str, base: Path = Path(layout.LOCAL_DEFAULT_BASE)) -> Path:
+    """The default node-local folder of the run whose id is ``run``."""
+    return Path(base) / layout.local_user_dir(_user()) / run
 
 
 def _user() -> str:

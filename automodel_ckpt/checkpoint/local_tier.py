@@ -1,0 +1,173 @@
+"""The node-local tier (``checkpoint.local``): a step every few steps into node-local folders, and recovery from it.
+
+A local step is a checkpoint like a durable one (same files, a manifest with checksums), written by a second
+``SaveWriter`` in the background (the step waits only for the snapshot) into a ``storage.nodelocal`` run folder:
+each node writes its own folder and sends copies of its parts to other nodes. A resume takes the newest local step
+every file of which checks out on some node, when it is newer than the durable tier's newest; the step is made
+whole on every node, then loaded like a durable checkpoint (any world size, any layout). docs/fast-recovery.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
+from automodel_ckpt.checkpoint.save.phases import TrainingTime
+from automodel_ckpt.checkpoint.save.writer import SaveWriter
+from automodel_ckpt.checkpoint.state import plan_state
+from automodel_ckpt.checkpoint.storage import monitor_of
+from automodel_ckpt.checkpoint.storage.nodelocal import localdir, recover
+from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
+from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
+from automodel_ckpt.distributed.env import DistEnv, all_gather_object, broadcast_object
+from automodel_ckpt.distributed.mesh import ParallelDims
+from automodel_ckpt.errors import CheckpointError, first_line
+
+LOCAL = "local"
+DURABLE = "durable"
+
+
+class LocalTier:
+    """The node-local tier of one run; inert when ``checkpoint.local.every_steps`` is 0."""
+
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, *, config_yaml: str, hf: HFArtifacts,
+                 fingerprint: dict[str, Any] | None, time: TrainingTime, say: Callable[[str], None]) -> None:
+        self.settings = cfg.local
+        self.env, self.say = env, say
+        self.active = bool(cfg.enabled and self.settings.every_steps)
+        self._space_checked = False
+        if not self.active:
+            return
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size) or env.world_size)
+        placement = place(env.rank, env.world_size, per_node, self.settings.replicas)
+        if placement.warning and env.is_main:
+            say(f"warning: {placement.warning}")
+        run = broadcast_object(localdir.run_id(cfg.checkpoint_dir))  # rank 0's: every node names the run alike
+        folder = Path(self.settings.dir).expanduser() if self.settings.dir else localdir.folder_of(run)
+        self.run = NodeLocalRunFolder(folder, placement, run_id=run,
+                                      fingerprint=fingerprint, monitor=monitor_of(cfg),
+                                      default_folder=not self.settings.dir, say=say)
+        tier_cfg = _tier_config(cfg, folder)
+        self.writer = SaveWriter(tier_cfg, env, dims, self.run, config_yaml=config_yaml, hf=hf,
+                                 fingerprint=fingerprint, time=time, say=_quiet)
+        self.loader = CheckpointLoader(tier_cfg, env, dims, self.run, say)
+        self.run.acquire()
+
+    def due(self, step: int) -> bool:
+        """Whether a local step is taken after optimizer step ``step``."""
+        return self.active and step % self.settings.every_steps == 0
+
+    def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
+        """Snapshot ``states`` now; write, copy to other nodes and commit them in the background."""
+        if not self.active:
+            return None
+        if not self._space_checked:
+            self._check_space(states)
+        return self.writer.save(states, info)
+
+    def _check_space(self, states: dict[str, Any]) -> None:
+        """Collective, before the first local step: each folder has room for ``keep + 1`` steps and the copies."""
+        sizes = all_gather_object(_state_bytes(states))
+        node = self.run.placement.node_of()
+        mine = sum(b for r, b in enumerate(sizes) if self.run.placement.node_of(r) == node)
+        collective.collectively(
+            lambda: localdir.check_space(self.run.local, mine, self.settings.keep, self.run.placement.copies)
+            if self.run.leads else None, "checking the node-local folder's room", self.env.rank)
+        self._space_checked = True
+
+    def fence(self) -> None:
+        if self.active:
+            self.writer.fence()
+
+    def wait(self) -> None:
+        if self.active:
+            self.writer.wait()
+
+    def finalize(self, *, done: bool) -> None:
+        """End of training: the local step in flight completed; a finished run removes its local steps."""
+        if not self.active:
+            return
+        try:
+            self.writer.wait()
+        finally:
+            self.writer.close()
+            self.run.release(keep_lock=not done)
+
+    def abandon(self, seconds: float) -> None:
+        if self.active:
+            self.writer.abandon(seconds)
+
+    def recover(self, states: dict[str, Any], durable: Path | None) -> Loaded | None:
+        """Collective: load the newest local step that is complete somewhere and newer than ``durable`` (the
+        durable tier's newest checkpoint); None to resume from the durable tier instead (said in one line)."""
+        if not self.active:
+            return None
+        started = time.perf_counter()
+        skipped: list[str] = []
+        chosen, inventories = recover.newest_step(self.run, skipped)
+        newest_durable = _step_of(durable)
+        if self.env.is_main:
+            for line in skipped:
+                self.say(f"warning: {line}; not resuming from it")
+        if chosen is None or (newest_durable is not None and chosen.step <= newest_durable):
+            return None
+        try:
+            path = recover.make_whole(self.run, chosen, inventories)
+            loaded = self.loader.load(states, path)
+        except CheckpointError as exc:
+            if durable is None:
+                raise CheckpointError(f"the node-local step {chosen.name} failed to load ({first_line(exc)}) "
+                                      "and the durable tier holds no checkpoint to resume from instead") from None
+            if self.env.is_main:
+                self.say(f"warning: the node-local step {chosen.name} failed to load ({first_line(exc)}); "
+                         f"resuming from the durable tier's {durable.name}")
+            return None
+        if self.env.is_main:
+            than = f" (newer than the durable tier's {durable.name})" if durable is not None else ""
+            self.say(f"Resumed from the node-local tier: {chosen.name}{than}, loaded in "
+                     f"{time.perf_counter() - started:.1f} s")
+        return loaded
+
+
+def _tier_config(cfg: CheckpointConfig, folder: Path) -> CheckpointConfig:
+    """The settings a local step is written with: always in the background, no export, ``keep`` most recent."""
+    return dataclasses.replace(
+        cfg, checkpoint_dir=str(folder), staging_dir=None, storage_options=None, is_async=True,
+        save_consolidated="false", max_recent_checkpoints=cfg.local.keep, save_top_k=None, keep_steps=[],
+        name_template=CheckpointConfig.name_template, restore_from=None, load_only=None, local=LocalTierConfig(),
+        ckpt_every_minutes=None,
+    )
+
+
+def _quiet(_: str) -> None:
+    """Local steps are not announced one by one (the durable saves are)."""
+
+
+def _step_of(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    step = (read_metadata(path) or {}).get("step")
+    return int(step) if isinstance(step, int) else None
+
+
+def _state_bytes(states: dict[str, Any]) -> int:
+    """The bytes this rank's part of the model and optimizer state takes (its shards only)."""
+    import torch
+
+    def local(t: Any) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    plan = plan_state(states)
+    total = sum(local(t) for m in plan.models.values() for t in m.state_dict().values())
+    for optim in plan.optimizers.values():
+        total += sum(local(v) for s in optim.state.values() for v in s.values())
+    return total

@@ -1,0 +1,112 @@
+"""The node-local tier as a kind of run folder: each node writes its own folder, copies go to other nodes' folders.
+
+It keeps ``storage.base.RunFolder``'s promises with folders that are not shared (``shared = False``): every node's
+first rank makes the staging folder in its own folder, the manifest lists the files of every node, ``upload``
+sends each node's parts to the nodes that keep copies (``replicate``), and ``commit`` renames the step into place
+on every node once every copy is written. Steps are not fsynced (``durable = False``): a RAM disk's copy is gone
+with its node anyway, and the copies on other nodes are what survives. Which step a resume takes is ``recover``'s.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.disk.catalog import Monitor
+from automodel_ckpt.checkpoint.disk.durable import remove_tree
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.checkpoint.save import lifecycle
+from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
+from automodel_ckpt.checkpoint.storage.nodelocal import localdir, replicate
+from automodel_ckpt.checkpoint.storage.nodelocal.placement import Placement
+from automodel_ckpt.distributed.env import all_gather_object
+
+
+class NodeLocalRunFolder(LocalRunFolder):
+    """``storage.base.RunFolder`` for one node's folder of the node-local tier (see the module docstring)."""
+
+    reserves_in_background = True
+    shared = False
+    durable = False
+
+    def __init__(self, folder: Path, placement: Placement, *, run_id: str, fingerprint: Any, monitor: Monitor,
+                 default_folder: bool, say: Any = print) -> None:
+        super().__init__(folder, placement.rank, monitor=monitor)
+        self.placement = placement
+        self.run_id = run_id
+        self.fingerprint = fingerprint
+        self.default_folder = default_folder  # under /dev/shm/automodel-ckpt-<user>/: that parent is made private
+        self.say = say
+        self.folder_ids: list[str] = []  # by rank: which folder each rank writes (ranks sharing one agree)
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank acts for its folder (the lowest rank writing to it)."""
+        mine = self.folder_ids[self.rank]
+        return self.folder_ids.index(mine) == self.rank
+
+    def location(self, name: str) -> str:
+        return f"{self.local / name} (node-local)"
+
+    def acquire(self) -> None:
+        """Collective: every node's folder made private and bound to this run (a stale step of another recipe is
+        removed, another run's folder refused), then which ranks share which folder."""
+        first_on_node = self.rank % self.placement.ranks_per_node == 0
+        notes = collective.collectively(self._claim if first_on_node else list, f"preparing '{self.local}'",
+                                        self.rank)
+        for note in notes:
+            self.say(f"warning: {note}")
+        self.folder_ids = all_gather_object(_folder_id(self.local))
+
+    def _claim(self) -> list[str]:
+        return localdir.claim(self.local, self.run_id, self.fingerprint, private_parent=self.default_folder)
+
+    def release(self, *, keep_lock: bool = False) -> None:
+        """A finished run (``keep_lock`` False) removes its node-local steps; a failed one keeps them for its
+        restart."""
+        if keep_lock or not self.folder_ids or not self.leads:
+            return
+        for pointer in layout.POINTERS:
+            if os.path.islink(self.local / pointer):
+                os.unlink(self.local / pointer)
+        for entry in list(self.local.iterdir()) if self.local.is_dir() else []:
+            if entry.name.startswith(layout.DELETING_PREFIX) or layout.is_staging(entry.name):
+                remove_tree(entry)
+        localdir.remove(self.local, self.run_id)
+
+    def reserve(self, name: str) -> Path:
+        collective.collectively(lambda: self._reserve_here(name) if self.leads else None,
+                                "reserving the node-local step", self.rank)
+        return self.staging(name)
+
+    def _reserve_here(self, name: str) -> Path:
+        """A step of this name left from before the last resume is stale: the run has gone back past it."""
+        if os.path.lexists(self.local / name):
+            remove_tree(self.local / name)
+        return lifecycle.reserve(self.local, name)
+
+    def upload(self, staging: Path, name: str) -> bool:
+        collective.collectively(lambda: replicate.copy_parts(staging, self.rank, self.folder_ids, self.placement),
+                                f"copying '{name}' to other nodes", self.rank)
+        return True
+
+    def commit(self, staging: Path, name: str, *, best: bool) -> Path:
+        collective.collectively(lambda: self._publish(name, False) if self.leads else None,
+                                "publishing the node-local step", self.rank)
+        return self.local / name
+
+    def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
+        deleted = collective.collectively(lambda: self._prune_here(policy) if self.leads else [],
+                                          "removing old node-local steps", self.rank)
+        return deleted if self.rank == 0 else []
+
+
+def _folder_id(folder: Path) -> str:
+    """The same string for every rank writing to the same folder (host, device, inode)."""
+    import socket
+
+    st = os.stat(folder)
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"

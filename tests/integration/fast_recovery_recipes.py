@@ -1,0 +1,67 @@
+"""Recipe subclasses the node-local tier tests use to lose nodes and workers at chosen moments."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _chosen(rank: int) -> bool:
+    ranks = os.environ.get("DIE_RANKS", "all")
+    return ranks == "all" or str(rank) in ranks.split(",")
+
+
+def _first_time(marker: str) -> bool:
+    """Whether this death has not happened yet in this run (``$DIE_MARKERS/<marker>`` records it): restarted
+    workers, however many restarts it takes, die once."""
+    folder = os.environ.get("DIE_MARKERS")
+    if folder is None:
+        return True
+    path = Path(folder) / marker
+    if path.exists():
+        return False
+    path.touch()
+    return True
+
+
+class DieAfterLocalStepRecipe(FinetuneRecipe):
+    """Every rank in ``DIE_RANKS`` (default: all) SIGKILLs itself once the node-local step of ``DIE_AFTER_LOCAL_STEP``
+    is committed on every node (once per run with ``DIE_MARKERS``, after the death during a local step if one is
+    asked for)."""
+
+    def save_local_checkpoint(self, info):
+        path = super().save_local_checkpoint(info)
+        due = info.step == int(os.environ.get("DIE_AFTER_LOCAL_STEP", "-1")) and _chosen(self.env.rank)
+        first = bool(os.environ.get("DIE_DURING_LOCAL_STEP")) and not self._died_during()  # that death comes first
+        if due and not first and _first_time("after"):
+            self.checkpointer._local.writer.wait()  # committed everywhere (the completion is collective)
+            _die()
+        return path
+
+    def _died_during(self) -> bool:
+        folder = os.environ.get("DIE_MARKERS")
+        return folder is not None and (Path(folder) / "during").exists()
+
+
+class DieDuringLocalStepRecipe(DieAfterLocalStepRecipe):
+    """Ranks in ``DIE_RANKS`` SIGKILL themselves in the middle of the node-local step of ``DIE_DURING_LOCAL_STEP``
+    (written, not yet copied to other nodes nor committed), once per run."""
+
+    def save_local_checkpoint(self, info):
+        if info.step == int(os.environ.get("DIE_DURING_LOCAL_STEP", "-1")) and _chosen(self.env.rank) \
+                and not self._died_during():
+            from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
+
+            def die_once(*args, **kwargs):
+                _first_time("during")
+                _die()
+
+            NodeLocalRunFolder.upload = die_once
+        return super().save_local_checkpoint(info)
