@@ -178,6 +178,17 @@ def test_a_launcher_flag_after_the_recipe_is_the_launcher_flag(capsys):
     assert "valid for 2 process(es)" in capsys.readouterr().err
 
 
+def test_max_restarts_reaches_torchs_agent(capsys):
+    from automodel_ckpt.launch import parse_launch_args, torchrun_args
+
+    opts, recipe, rest = parse_launch_args(["--max-restarts", "2", RECIPE, "--step_scheduler.max_steps", "3"])
+    assert opts.max_restarts == 2 and opts.needs_agent and rest == ["--step_scheduler.max_steps", "3"]
+    args = torchrun_args(opts, recipe, rest)
+    assert args[args.index("--max-restarts") + 1] == "2"
+    msg = _one_error_line(capsys, ["--max-restarts=-1", RECIPE, "--dry-run"])
+    assert msg == "error: --max-restarts: expected 0 or more, got -1"
+
+
 # ------------------------------------------------------------------------------------- sequence length
 
 def _prepare(tmp_path: Path, seq_length: int):

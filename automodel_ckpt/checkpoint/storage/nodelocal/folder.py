@@ -94,7 +94,7 @@ class NodeLocalRunFolder(LocalRunFolder):
         return True
 
     def commit(self, staging: Path, name: str, *, best: bool) -> Path:
-        collective.collectively(lambda: self._publish(name, False) if self.leads else None,
+        collective.collectively(lambda: self._publish(name, best) if self.leads else None,
                                 "publishing the node-local step", self.rank)
         return self.local / name
 

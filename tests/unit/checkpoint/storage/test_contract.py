@@ -1,6 +1,7 @@
 """The storage contract: every kind of run folder keeps the interface's promises (``storage.base.RunFolder``).
 
-Each test runs once per kind: a local folder, and an object store (a real S3 server, SeaweedFS) through its mirror.
+Each test runs once per kind: a local folder, an object store (a real S3 server, SeaweedFS) through its mirror, and
+a node's folder of the node-local tier (one node here: ``tests/integration/test_fast_recovery.py`` has two).
 A new kind of storage is added to ``KINDS`` and must pass every test here unchanged.
 """
 
@@ -15,8 +16,10 @@ from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
 from automodel_ckpt.checkpoint.disk.metadata import build_metadata, read_metadata, write_metadata
 from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
+from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
 
-KINDS = ["local", "object_store"]
+KINDS = ["local", "object_store", "nodelocal"]
 
 
 class Kind:
@@ -24,7 +27,7 @@ class Kind:
 
     def __init__(self, name: str, tmp_path: Path, seaweed=None) -> None:
         self.name, self.tmp_path, self.seaweed = name, tmp_path, seaweed
-        if name == "local":
+        if name in ("local", "nodelocal"):
             self.location = str(tmp_path / "run")
         else:
             self.location = f"s3://{seaweed.new_bucket()}/run"
@@ -33,7 +36,12 @@ class Kind:
         return CheckpointConfig(checkpoint_dir=self.location, staging_dir=str(self.tmp_path / "mirror"), **retention)
 
     def open(self, **retention):
-        run = storage.open_run_folder(self.config(**retention), 0, 1)
+        if self.name == "nodelocal":
+            run = NodeLocalRunFolder(Path(self.location), place(0, 1, 1, 0), run_id="contract", fingerprint=None,
+                                     monitor=storage.monitor_of(self.config(**retention)), default_folder=False,
+                                     say=lambda _: None)
+        else:
+            run = storage.open_run_folder(self.config(**retention), 0, 1)
         run.acquire()
         return run
 
@@ -48,7 +56,7 @@ class Kind:
 
     def plant_foreign(self) -> None:
         """Files another program keeps in the run folder."""
-        if self.name == "local":
+        if self.name != "object_store":
             (Path(self.location) / "notes").mkdir(parents=True)
             (Path(self.location) / "notes" / "todo.txt").write_text("mine\n")
             (Path(self.location) / "README.txt").write_text("mine\n")
@@ -58,7 +66,7 @@ class Kind:
             fs.pipe({f"{root}/notes/todo.txt": b"mine\n", f"{root}/README.txt": b"mine\n"})
 
     def foreign_intact(self) -> bool:
-        if self.name == "local":
+        if self.name != "object_store":
             return ((Path(self.location) / "notes" / "todo.txt").read_text() == "mine\n"
                     and (Path(self.location) / "README.txt").read_text() == "mine\n")
         fs = self.seaweed.filesystem()
@@ -142,9 +150,9 @@ def test_pointers_follow_a_quarantine(kind):
 
 
 def test_prune_keeps_what_the_policy_keeps_and_nothing_foreign_is_deleted(kind):
-    kind.plant_foreign()
     cfg = dict(max_recent_checkpoints=2, keep_steps=[1])
     run = kind.open(**cfg)
+    kind.plant_foreign()
     policy = RetentionPolicy.from_config(kind.config(**cfg))
     for step in (1, 2, 3, 4):
         save(run, step, val_loss=10.0 - step)
