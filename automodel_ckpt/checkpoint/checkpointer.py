@@ -63,8 +63,8 @@ class Checkpointer:
         self._loader = CheckpointLoader(cfg, env, self.dims, self.run, say)
         if self.enabled:  # fail before training, not at the first save: writable, one run per folder, credentials
             self.run.acquire()
-        self._local = LocalTier(cfg, env, self.dims, config_yaml=resolved_config_yaml, hf=hf,
-                                fingerprint=fingerprint, time=self._time, say=say)  # node-local steps (checkpoint.local), when enabled
+        self._local = LocalTier(cfg, env, self.dims, config_yaml=resolved_config_yaml, hf=hf,  # checkpoint.local
+                                fingerprint=fingerprint, time=self._time, say=say)
 
     @property
     def enabled(self) -> bool:
