@@ -1,7 +1,8 @@
 """The node-local tier on two nodes: save stall, whole-run overhead, recovery after a killed worker, memory used.
 
-    python tools/bench_recovery.py [--size-gb 1] [--kill-after 17] [--durable-every 10] [--json OUT] [--out DIR]
-    python tools/bench_recovery.py --small --json OUT     # a tiny model and few steps: checks the tool, not speed
+    python tools/bench_recovery.py [--size-gb 1] [--kill-after 17] [--durable-every 10] [--reps 1]
+        [--local-root /dev/shm] [--no-drop-cache] [--json OUT] [--out DIR]
+    python tools/bench_recovery.py --small --json OUT     # a tiny model, few steps, page cache kept: checks the tool
 
 Trains a Llama-style model (hidden 768, fp32 weights + AdamW moments: ``--size-gb`` of training state sets the
 number of layers) on the embedded tiny task with ``ckpt-train`` run twice, ``--nnodes 2 --nproc-per-node 1``, as two
@@ -30,7 +31,9 @@ Reported, with the goals of docs/fast-recovery.md:
   the kill to the next completed step (``detect_seconds``: the kill until both launchers exited, plus
   ``restart_seconds``: the relaunch until the first step is done), ``steps_lost`` (steps done before the kill and
   done again; goal <= every_steps) and whether its losses equal the uninterrupted ``none`` run's;
-  ``load_durable_over_local`` (goal >= 3);
+  ``load_durable_over_local`` (goal >= 3); and where the restore spent its time on rank 0 (``restore_phases``:
+  finding and checking the step, gathering its parts on every node, loading; for the durable tier, finding and
+  probing the checkpoint, loading);
 * ``local_bytes_at_kill`` and ``local_bytes_peak`` (sampled during the run): the memory both node-local folders
   use, over ``state_bytes`` (the training state: fp32 weights and two AdamW moments).
 
@@ -124,6 +127,31 @@ class BenchRecoveryRecipe(FinetuneRecipe):
         self._kill_after = int(os.environ.get("BENCH_RECOVERY_KILL_AFTER", "-1"))
         self._timings: dict = {"steps": [], "saves": [], "local": []}
         self._unfenced: list[tuple[dict, object]] = []  # saves whose fence wait the next step settles
+        self._clock_restore()
+
+    def _clock_restore(self) -> None:
+        """Time the phases of a restore (each tier's: find and check, gather, load) into ``restore_phases``."""
+        from automodel_ckpt.checkpoint.restore import resume
+        from automodel_ckpt.checkpoint.storage.nodelocal import recover
+
+        phases = self._timings["restore_phases"] = {}
+
+        def clocked(fn, name):
+            def run(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+            return run
+
+        ckpt = self.checkpointer
+        recover.newest_step = clocked(recover.newest_step, "local_find_and_verify")
+        recover.make_whole = clocked(recover.make_whole, "local_make_whole")
+        if ckpt._local.active:
+            ckpt._local.loader.load = clocked(ckpt._local.loader.load, "local_load")
+        resume.decide = clocked(resume.decide, "durable_find_and_probe")
+        ckpt._loader.carry_out = clocked(ckpt._loader.carry_out, "durable_load")
 
     def train_step(self, micro):
         if self.step_scheduler.step == self._kill_after:
@@ -369,7 +397,7 @@ def recovery(runs: Runs, killed: dict, rerun: dict, reference: dict) -> dict:
         "load_seconds": start.get("load_seconds"), "detect_seconds": max(killed["exited"]) - kill["wall"],
         "restart_seconds": first["wall"] - rerun["launched"],
         "kill_to_step_seconds": max(killed["exited"]) - kill["wall"] + first["wall"] - rerun["launched"],
-        "steps_lost": kill["step"] - start["step"],
+        "steps_lost": kill["step"] - start["step"], "restore_phases": rerun.get("restore_phases", {}),
         "losses_match": bool(reference) and all(got.get(s, {}).get("loss") == r["loss"] for s, r in reference.items()),
     }
 
@@ -399,6 +427,11 @@ def summary(reps: list[dict], args) -> dict:
                                  "steps_lost", "resumed_step")} | {
             "tier": sorted({r.get("tier") for r in done}, key=str), "losses_match": all(r.get("losses_match") for r in done),
             "page_cache_dropped": all(r.get("page_cache_dropped") for r in done)}
+        phases: dict[str, list[float]] = {}
+        for r in done:
+            for name, seconds in r.get("restore_phases", {}).items():
+                phases.setdefault(name, []).append(seconds)
+        out[f"rerun_{tier}"]["restore_phases"] = {name: median(v) for name, v in phases.items()}
     loads = out["rerun_local"]["load_seconds"], out["rerun_durable"]["load_seconds"]
     out["load_durable_over_local"] = loads[1] / loads[0] if None not in loads and loads[0] else None
     for key in ("local_bytes_at_kill", "durable_checkpoint_bytes"):
@@ -436,6 +469,11 @@ def report(ratios: dict, state: int, args) -> str:
                      f"{s(r['steps_lost'], 'g')} | {s(r['load_seconds'])} | {s(r['detect_seconds'], '.2f')} | "
                      f"{s(r['restart_seconds'], '.2f')} | {s(r['kill_to_step_seconds'], '.2f')} | "
                      f"{'yes' if r['losses_match'] else 'no'} | {'yes' if r['page_cache_dropped'] else 'no'} |")
+    lines.append("")
+    for tier in ("local", "durable"):
+        phases = ratios[f"rerun_{tier}"]["restore_phases"]
+        lines.append(f"restore phases, from the {tier} tier (rank 0, s): "
+                     + (", ".join(f"{name} {seconds:.3f}" for name, seconds in phases.items()) or "-"))
     return "\n".join(lines)
 
 

@@ -41,13 +41,13 @@ def main(argv: list[str]) -> int:
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
     from automodel_ckpt.checkpoint.export.archive import describe, is_archive
 
-    if not is_url(args.checkpoint_dir) and is_archive(Path(args.checkpoint_dir)):
+    local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
+    if is_archive(local):
         if args.cost:
             raise UsageError("--cost: needs a run folder, not an archive")
-        info = describe(Path(args.checkpoint_dir))
+        info = describe(local)
         print(json.dumps(info, indent=2) if args.json else render_archive(info), flush=True)
         return 0
-    local = open_for_reading(args.checkpoint_dir, key="inspect")
     report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
     if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
         report["checkpoint_dir"] = args.checkpoint_dir

@@ -10,7 +10,8 @@ from automodel_ckpt.cli.common import VerbParser
 def build_parser() -> VerbParser:
     parser = VerbParser("merge-lora", "Merge a PEFT checkpoint's LoRA adapter into its base model and write a "
                                       "full HF model folder.")
-    parser.add_argument("checkpoint", type=Path, help="PEFT checkpoint folder (epoch_E_step_N) or its model/ folder")
+    parser.add_argument("checkpoint", type=Path, help="PEFT checkpoint folder (epoch_E_step_N), its model/ folder, or "
+                                                      "an archived adapter (ckpt-train pack)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: CHECKPOINT/model/merged)")
     parser.add_argument("--base", type=Path, default=None,
                         help="base model folder (default: base_model_name_or_path of adapter_config.json)")

@@ -12,7 +12,8 @@ def build_parser() -> VerbParser:
     p = VerbParser("pack", "Write a checkpoint's Hugging Face export (made on the way), an export folder or a PEFT "
                            "adapter folder as one tar file that plain tar unpacks and restore_from reads in place.")
     p.add_argument("src", help="a checkpoint folder (epoch_E_step_N), an export folder or an adapter folder")
-    p.add_argument("--out", default=None, help="the archive to write (default: SRC.tar beside SRC); replaced if it "
+    p.add_argument("--out", default=None, help="the archive to write, a path or an object store URL "
+                                               "(s3://BUCKET/KEY.tar; default: SRC.tar beside SRC); replaced if it "
                                                "exists")
     p.add_argument("--cast-dtype", default=None, help="bf16, fp16, fp32 or fp64 for a checkpoint's floating tensors")
     p.add_argument("--num-threads", type=int, default=5, help="writer threads (default 5)")
@@ -24,7 +25,15 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint.export.pack import pack, summary
 
+    from automodel_ckpt.checkpoint import storage
+
     src = Path(args.src)
+    if args.out and storage.is_url(args.out):
+        with storage.upload_when_written(args.out, key="--out") as local:
+            table = pack(src, local, cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
+                         progress=not args.no_progress)
+        print(f"archive written to {args.out} ({summary(table)})", flush=True)
+        return 0
     out = Path(args.out) if args.out else src.parent / f"{src.resolve().name}{layout.ARCHIVE_SUFFIX}"
     table = pack(src, out, cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
                  progress=not args.no_progress)

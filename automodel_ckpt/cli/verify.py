@@ -114,13 +114,13 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint.export.archive import is_archive
-    from automodel_ckpt.checkpoint.storage import is_url, open_for_reading
+    from automodel_ckpt.checkpoint.storage import open_for_reading
 
-    if not is_url(args.path) and is_archive(Path(args.path)) and not args.export:
-        ok = verify_archive(Path(args.path), checksums=not args.sizes_only, quiet=args.quiet)
+    path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
+    if is_archive(path) and not args.export:
+        ok = verify_archive(path, checksums=not args.sizes_only, quiet=args.quiet)
         print(f"verify: {'OK' if ok else 'FAILED'}")
         return 0 if ok else FAILED
-    path = open_for_reading(args.path, fetch_all=True, key="verify")
     if not path.exists():
         raise UserError(f"'{path}' does not exist")
     if not path.is_dir():

@@ -78,3 +78,31 @@ def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path):
     assert "steps_peak" not in rank and rank["steps_over_state"] is None  # no step was taken
     assert rank["idle"] < rank["setup_peak"] and rank["base_bytes_read"] > 0
     assert "setup done" in printed
+
+
+def test_bench_recovery_small_kills_a_node_and_resumes_from_each_tier(tmp_path):
+    out = tmp_path / "recovery.json"
+    printed = _run("bench_recovery.py", "--small", "--json", str(out))
+    report = json.loads(out.read_text())
+    local, durable = report["rerun_local"], report["rerun_durable"]
+    assert local["tier"] == ["local"] and durable["tier"] == ["durable"]
+    assert durable["resumed_step"] < local["resumed_step"] < report["kill_after"]  # the local step is newer
+    assert 0 < local["steps_lost"] <= report["local_every"] < durable["steps_lost"]
+    assert local["losses_match"] and durable["losses_match"]  # as the run that was never killed
+    assert not local["page_cache_dropped"]  # the small mode leaves the machine's page cache alone
+    for rerun in (local, durable):
+        assert rerun["load_seconds"] > 0 and 0 < rerun["detect_seconds"] < rerun["kill_to_step_seconds"]
+        assert rerun["kill_to_step_seconds"] == pytest.approx(rerun["detect_seconds"] + rerun["restart_seconds"])
+    assert set(local["restore_phases"]) >= {"local_find_and_verify", "local_make_whole", "local_load"}
+    assert "durable_load" in durable["restore_phases"]
+    for key in ("stall_local_over_durable", "run_overhead_local", "run_overhead_durable", "load_durable_over_local"):
+        assert math.isfinite(report[key]), key
+    assert report["stall_local_over_durable"] > 0 and report["run_overhead_local"] < 1
+    [rep] = report["runs"]
+    assert [s["step"] for s in rep["local"]["local"]] == [2, 6]  # every 2 steps, not at the durable step 4
+    assert [s["step"] for s in rep["durable"]["saves"]] == [2, 4, 6, 8]
+    for save in rep["local"]["local"] + rep["durable"]["saves"]:
+        assert save["stall"] == pytest.approx(save["call"] + save["fence"]) and save["background"] is not None
+    state = report["state_bytes"]  # each node keeps its own part and a copy of the other's: twice the state
+    assert report["local_bytes_peak"] >= report["local_bytes_at_kill"] >= 2 * state
+    assert "| from the local tier | local |" in printed and "local stall / durable stall" in printed

@@ -48,16 +48,23 @@ def adapter_folder(path: Path) -> Path:
 
 def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
     """The local base model folder: ``override``, else ``base_model_name_or_path`` of ``adapter_config.json``."""
-    if override is not None:
-        base = Path(override)
-    else:
+    config = None
+    if override is None:
         try:
             config = bounded.read_json(adapter_dir / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {adapter_dir / layout.ADAPTER_CONFIG}: {first_line(exc)}") from None
+    return _base_folder(config, str(adapter_dir / layout.ADAPTER_CONFIG), override)
+
+
+def _base_folder(config: Any, where: str, override: Path | None) -> Path:
+    """``override``, else the folder an adapter config (read from ``where``) names; it must hold a config."""
+    if override is not None:
+        base = Path(override)
+    else:
         name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
         if not name:
-            raise CheckpointError(f"{adapter_dir / layout.ADAPTER_CONFIG} names no base model; pass --base DIR")
+            raise CheckpointError(f"{where} names no base model; pass --base DIR")
         base = Path(name)
     if not (base / layout.HF_CONFIG).is_file():
         raise CheckpointError(f"base model folder '{base}' not found (or it has no {layout.HF_CONFIG}); "
@@ -92,7 +99,24 @@ def merged_model(adapter_dir: Path, base: Path) -> Any:
     from peft import PeftModel
 
     model = auto_model_class(base).from_pretrained(str(base), dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return _stored_dtypes(PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload(), base)
+
+
+def _merged_from_archive(config: dict[str, Any], weights: dict[str, torch.Tensor], base: Path) -> Any:
+    """Base + an archived adapter (its config and tensors, read in place) merged, as ``merged_model``."""
+    from peft import PeftConfig, PeftModel, set_peft_model_state_dict
+
+    model = auto_model_class(base).from_pretrained(str(base), dtype=torch.float32)
+    peft_model = PeftModel(model, PeftConfig.from_peft_type(**config))
+    result = set_peft_model_state_dict(peft_model, weights)
+    if getattr(result, "unexpected_keys", None):
+        raise CheckpointError(f"the archived adapter holds tensors the model has no place for (e.g. "
+                              f"'{result.unexpected_keys[0]}'): another base model? pass --base DIR")
+    return _stored_dtypes(peft_model.merge_and_unload(), base)
+
+
+def _stored_dtypes(merged: Any, base: Path) -> Any:
+    """Every tensor of ``merged`` cast to the dtype it has in the base's own files."""
     dtypes = in_memory_dtypes(merged, original_dtypes(base))  # on-disk names -> the model's in-memory names
     with torch.no_grad():
         for name, tensor in list(merged.named_parameters()) + list(merged.named_buffers()):
@@ -106,7 +130,12 @@ def merged_model(adapter_dir: Path, base: Path) -> Any:
 
 
 def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = None) -> Path:
-    """Write the merged model of a PEFT checkpoint to ``out`` (default ``CHECKPOINT/model/merged``)."""
+    """Write the merged model of a PEFT checkpoint to ``out`` (default ``CHECKPOINT/model/merged``); an archived
+    adapter (``ckpt-train pack``) is read in place (default ``out``: ``NAME-merged`` beside ``NAME.tar``)."""
+    from automodel_ckpt.checkpoint.export.archive import is_archive
+
+    if is_archive(Path(checkpoint)):
+        return _merge_archive(Path(checkpoint), out, base)
     adapter_dir = adapter_folder(checkpoint)
     for name in (layout.ADAPTER_CONFIG, layout.ADAPTER_WEIGHTS, layout.ADAPTER_WEIGHTS_PICKLE):
         _refuse_unless_regular(adapter_dir / name, "the adapter folder")  # before they are read
@@ -115,7 +144,40 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
     own_tokenizer = os.path.lexists(adapter_dir / layout.HF_TOKENIZER_CONFIG)
     side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
                              within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
-    model = merged_model(adapter_dir, base_dir)
+    _write_merged(merged_model(adapter_dir, base_dir), out, side_files, {})
+    manifest.add_files(out)  # no-op outside a checkpoint
+    return out
+
+
+def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> Path:
+    """``merge_lora`` of an archived adapter: its config, tensors and tokenizer files read from the archive."""
+    from safetensors.torch import load as load_safetensors
+
+    from automodel_ckpt.checkpoint.export.archive import open_archive
+
+    with open_archive(archive_path) as archive:
+        if layout.ADAPTER_CONFIG not in archive.members or layout.ADAPTER_WEIGHTS not in archive.members:
+            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({layout.ADAPTER_CONFIG} and "
+                                  f"{layout.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
+        config = archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+        archive.safetensors_header(layout.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
+        size = archive.member(layout.ADAPTER_WEIGHTS).size
+        weights = load_safetensors(archive.read(layout.ADAPTER_WEIGHTS, "adapter weights", size))
+        tokenizer = {name: archive.read(name, "a tokenizer file", archive.member(name).size)
+                     for name in layout.HF_TOKENIZER_FILES if name in archive.members}
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{layout.ADAPTER_CONFIG} of the archive '{archive_path}' is not a JSON object")
+    base_dir = _base_folder(config, f"{layout.ADAPTER_CONFIG} of the archive '{archive_path}'", base)
+    side_files = [] if tokenizer else _side_files(base_dir, follow=True,
+                                                  within=None if base is not None else _cache_repo(base_dir))
+    name = archive_path.name.removesuffix(layout.ARCHIVE_SUFFIX)
+    out = Path(out) if out is not None else archive_path.parent / f"{name}-merged"
+    _write_merged(_merged_from_archive(config, weights, base_dir), out, side_files, tokenizer)
+    return out
+
+
+def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], side_bytes: dict[str, bytes]) -> None:
+    """The merged model and its tokenizer files (copied, or given as bytes) as ``out``, swapped in when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
     try:
@@ -128,12 +190,12 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
                 copy_regular(source, tmp / source.name, follow=follow)
             except OSError as exc:
                 raise CheckpointError(f"cannot copy '{source}' into the merged folder: {first_line(exc)}") from None
+        for name, data in side_bytes.items():
+            (tmp / name).write_bytes(data)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    manifest.add_files(out)  # no-op outside a checkpoint
-    return out
 
 
 def _refuse_unless_regular(path: Path, where: str) -> None:

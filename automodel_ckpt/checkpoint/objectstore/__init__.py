@@ -14,8 +14,9 @@ from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError, UserError
 
-__all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "fetch_collectively", "is_url", "localize",
-           "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder"]
+__all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "fetch_collectively", "fetch_object", "is_url",
+           "localize", "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder",
+           "upload_object"]
 
 
 def attach(cfg: Any) -> RemoteRun | None:
@@ -70,6 +71,8 @@ def open_for_reading(location: str | Path, storage_options: dict[str, Any] | Non
     location = str(location)
     check_url(location, key)
     url = normalize(location)
+    if url.endswith(layout.ARCHIVE_SUFFIX):  # one object, ``ckpt-train pack``'s: read in place once downloaded
+        return fetch_object(url, storage_options, key)
     store = ObjectStore(url, storage_options)
     problem = store.access_problem(key, write=False)
     if problem:
@@ -101,6 +104,37 @@ def open_for_reading(location: str | Path, storage_options: dict[str, Any] | Non
         for folder in targets:
             fetch(folder, run.url, storage_options, 0, 1, only=only)
     return targets[0] if one else run.mirror
+
+
+def fetch_object(url: str, storage_options: dict[str, Any] | None, key: str) -> Path:
+    """One object (an archive) downloaded whole into a fresh folder, ranges in parallel; its local path."""
+    import shutil
+
+    from automodel_ckpt.sizes import human_size
+
+    parent, _, name = url.rpartition("/")
+    store = ObjectStore(parent, storage_options)
+    try:
+        size = int(wrap(f"reading '{url}'", lambda: store.fs.info(store.key(name)))["size"])
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise UserError(f"{key}: '{url}' does not exist or cannot be read ({exc})") from None
+    folder = _fresh_folder()
+    free = shutil.disk_usage(folder).free
+    if size > free:
+        raise CheckpointError(f"{key}: '{url}' is {human_size(size)}, but only {human_size(free)} are free in "
+                              f"'{folder}' to download it; free space there or set TMPDIR")
+    wrap(f"downloading '{url}'", lambda: store.download("", [name], folder, {name: size}))
+    return folder / name
+
+
+def upload_object(url: str, local: Path, storage_options: dict[str, Any] | None = None) -> None:
+    """Upload the local file ``local`` as the object ``url`` (multipart, streamed from disk); ``local`` has the
+    object's name."""
+    parent, _, name = normalize(url).rpartition("/")
+    if Path(local).name != name:
+        raise ValueError(f"'{local}' is not named as '{url}'")
+    store = ObjectStore(parent, storage_options)
+    wrap(f"uploading to '{url}'", lambda: store.upload(Path(local).parent, [name], ""))
 
 
 def _fresh_folder() -> Path:

@@ -9,8 +9,11 @@ is this package's own: nothing outside ``storage/`` imports it (``tests/unit/tes
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.checkpoint.disk.catalog import Monitor
@@ -24,7 +27,8 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.storage.base import RunFolder
 
 __all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "check_url", "is_url", "monitor_of", "open_for_reading",
-           "open_run_folder", "open_store_run", "run_folder", "source_of", "stored_files", "upload_folder"]
+           "open_run_folder", "open_store_run", "run_folder", "source_of", "stored_files", "upload_folder",
+           "upload_when_written"]
 
 
 def monitor_of(cfg: Any) -> Monitor:
@@ -65,3 +69,17 @@ def open_store_run(location: str, key: str) -> RemoteRun:
         raise UserError(f"{key}: '{url}' is not a run folder (it holds no {layout.RUN_MARKER}, which every "
                         "ckpt-train run writes at its start); give the checkpoint.checkpoint_dir of one run")
     return run
+
+
+@contextlib.contextmanager
+def upload_when_written(url: str, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
+    """A local path to write the object ``url`` to (in a temporary folder); uploaded once the block ends without
+    an error, then removed. Nothing is uploaded when the block fails."""
+    check_url(url, key)
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    folder = Path(tempfile.mkdtemp(prefix="automodel-ckpt-upload-"))
+    try:
+        yield folder / name
+        objectstore.upload_object(url, folder / name, storage_options)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -246,3 +246,34 @@ def test_restore_from_reads_the_same_weights_from_the_archive_as_from_the_folder
     assert loaded[0].keys() == loaded[1].keys()
     assert all(torch.equal(loaded[0][k], loaded[1][k]) for k in loaded[0])
     assert sorted(p.name for p in packed.parent.iterdir()) == [packed.name]  # nothing extracted beside it
+
+
+def test_merge_lora_reads_an_archived_adapter_in_place_and_merges_as_from_the_folder(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel_ckpt.config.schema import PeftConfig
+    from automodel_ckpt.models.lora import apply_lora
+    from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA_CONFIG))
+    base.save_pretrained(tmp_path / "base")
+    apply_lora(base, PeftConfig(init_lora_weights=False)).save_pretrained(tmp_path / "adapter")
+    pack(tmp_path / "adapter", tmp_path / "adapter.tar", progress=False)
+    assert cli_main(["merge-lora", str(tmp_path / "adapter.tar"), "--base", str(tmp_path / "base")]) == 0
+    assert f"Merged model written to {tmp_path / 'adapter-merged'}" in capsys.readouterr().out
+    assert cli_main(["merge-lora", str(tmp_path / "adapter"), "--base", str(tmp_path / "base"),
+                     "--out", str(tmp_path / "from-folder")]) == 0
+    from_archive = load_file(tmp_path / "adapter-merged" / "model.safetensors")
+    from_folder = load_file(tmp_path / "from-folder" / "model.safetensors")
+    plain = load_file(tmp_path / "base" / "model.safetensors")
+    assert from_archive.keys() == from_folder.keys()
+    assert all(torch.equal(from_archive[k], from_folder[k]) for k in from_folder)
+    assert any(not torch.equal(from_archive[k], plain[k]) for k in plain)  # the adapter was merged in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "adapter-merged", "adapter.tar", "base",
+                                                          "from-folder"]  # nothing extracted
+
+
+def test_merge_lora_of_a_full_models_archive_is_one_line(packed, capsys):
+    assert cli_main(["merge-lora", str(packed)]) != 0
+    assert "holds no PEFT adapter" in capsys.readouterr().err
