@@ -28,6 +28,11 @@ HF export of the safetensors checkpoint's model shards into one ``model.safetens
 * ``ours``                 ``automodel_ckpt.checkpoint.export.plan.consolidate`` (fsyncs its output)
 * ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
 
+archive (``--only archive``; the export above and its archive made once, page cache dropped before each run)
+* ``pack``                 ``ckpt-train pack`` of the export folder into one tar (fsync): against the export itself
+* ``restore_from``         the model's weights read by ``restore_from`` (``load_hf_folder``, one rank) from the export
+                           folder, and from its archive in place: the archive against the folder
+
 Every run is a fresh process (``torch.distributed.run`` with ``--nproc 2``: gloo, FSDP2 ``fully_shard`` as in the
 trainer); repetitions are interleaved, rotating the order. ``--background-load N`` keeps N busy processes (a Python
 loop each) running during every timed run, references included: the ratios under a loaded machine. Prints a markdown table (median, min, max, GB/s,
@@ -63,6 +68,7 @@ SAVE = ("raw_write", "raw_write_mt", "raw_write_direct", "torch_save", "dcp_save
 LOAD = ("raw_read", "raw_read_mt", "raw_read_direct", "raw_read_stream", "torch_load", "dcp_load", "ours_load_safetensors",
         "ours_load_torch_save")
 EXPORT = ("ours_consolidate", "torch_consolidate")
+ARCHIVE = ("ours_pack", "restore_from_folder", "restore_from_archive")
 ASYNC = ("ours_async_save_safetensors", "ours_async_save_torch_save")
 LABELS = {
     "raw_write": "raw write + fsync",
@@ -84,6 +90,9 @@ LABELS = {
     "ours_consolidate": "**ours** (fsync)",
     "torch_consolidate": "torch's consolidate_safetensors_files",
     "torch_consolidate+fsync": "torch's + fsync",
+    "ours_pack": "**ours**: `ckpt-train pack` of the export folder (fsync)",
+    "restore_from_folder": "restore_from the export folder",
+    "restore_from_archive": "**restore_from the archive, in place**",
     "ours_async_save_safetensors": "ours async, safetensors: training blocked (save call + fence wait)",
     "ours_async_save_safetensors+total": "ours async, safetensors: until published",
     "ours_async_save_safetensors+fence": "ours async, safetensors: of which the next optimizer step waited at the fence",
@@ -541,6 +550,43 @@ def export_child(args: argparse.Namespace) -> None:
     _report({"seconds": t1 - t0, "seconds_fsync": time.perf_counter() - t0})
 
 
+def archive_child(args: argparse.Namespace) -> None:
+    """``ours_pack``: the export folder packed; ``restore_from_*``: its weights loaded into a fresh model."""
+    import torch
+    import torch.distributed as dist
+
+    src, out = args.dir / "src", args.dir / "out"
+    if args.child == "ours_pack":
+        from automodel_ckpt.checkpoint.export.pack import pack
+
+        out.mkdir(parents=True)
+        t0 = _start_timing()
+        pack(src / "export", out / "model.tar", progress=False)
+        _report({"seconds": time.perf_counter() - t0})
+        return
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.checkpoint.restore.initial_weights import load_hf_folder
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = AutoModelForCausalLM.from_config(llama_config(args.layers), dtype=torch.float32)
+    target = src / "export" if args.child == "restore_from_folder" else src / "model.tar"
+    t0 = _start_timing()
+    load_hf_folder(model, target, 0)
+    _report({"seconds": time.perf_counter() - t0})
+
+
+def make_archive_sources(src: Path, layers: int) -> None:
+    """The export of the safetensors checkpoint (``src/export``, with the model's config.json) and its archive
+    (``src/model.tar``), once."""
+    from automodel_ckpt.checkpoint.export.pack import pack
+    from automodel_ckpt.checkpoint.export.plan import consolidate
+
+    consolidate(src / "ours_save_safetensors" / "epoch_0_step_1" / "model", src / "export", progress=False)
+    llama_config(layers).to_json_file(str(src / "export" / "config.json"))
+    pack(src / "export", src / "model.tar", progress=False)
+
+
 # ---------------------------------------------------------------------------------------------- parent
 def drop_caches() -> bool:
     """Flush dirty pages and drop the page cache (root only); False when not permitted."""
@@ -603,7 +649,8 @@ def main() -> None:
                    help="save and load on dp 4, dp 2 × tp 2 and HSDP 2 × 2 beside raw I/O (4 ranks; --only mesh)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--only", choices=("save", "load", "export", "async", "resume", "mesh"), nargs="+", default=None,
+    p.add_argument("--only", choices=("save", "load", "export", "archive", "async", "resume", "mesh"), nargs="+",
+                   default=None,
                    help="groups to run (default: save load export, and async with --device cuda)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--background-load", type=int, default=0, metavar="N",
@@ -626,7 +673,7 @@ def main() -> None:
 
             bench_mesh.child(args, sys.modules[__name__])
             return
-        (export_child if args.child in EXPORT else child)(args)
+        (export_child if args.child in EXPORT else archive_child if args.child in ARCHIVE else child)(args)
         return
     if args.mesh:
         args.only, args.nproc = ["mesh"], 4
@@ -648,7 +695,8 @@ def main() -> None:
 
     mesh_group = ("raw_write", "raw_write_mt", "raw_write_direct", *bench_mesh.SAVES, "raw_read", "raw_read_mt",
                   "raw_read_direct", *bench_mesh.LOADS)
-    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "async": ASYNC, "resume": (), "mesh": mesh_group}
+    groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "archive": ("ours_consolidate", *ARCHIVE), "async": ASYNC,
+              "resume": (), "mesh": mesh_group}
     methods = [m for g in args.only for m in groups[g]]
     if not direct_io_supported(args.dir):
         print(f"{args.dir}: the filesystem refuses O_DIRECT; no device write/read reference", flush=True)
@@ -658,13 +706,15 @@ def main() -> None:
     # sources for the reads (the baseline tree's loads read the same ones)
     needed = {"raw_write" if m.startswith("raw_read") else m.replace("load", "save") for m in methods if m in LOAD}
     needed |= {bench_mesh.source_of(m) for m in methods if bench_mesh.source_of(m)}
-    if "export" in args.only:
+    if "export" in args.only or "archive" in args.only:
         needed.add("ours_save_safetensors")
     for method in sorted(needed):  # sources for the reads, written once
         fresh(out)
         run_child(method, args, layers, nbytes)
         target = "raw" if method == "raw_write" else method
         out.rename(args.dir / "src" / target)
+    if "archive" in args.only:
+        make_archive_sources(args.dir / "src", layers)
 
     dropped = True
     busy = start_busy(args.background_load)
@@ -676,7 +726,7 @@ def main() -> None:
             order = methods[turn:] + methods[:turn]
             for method in order:
                 fresh(out)
-                if method.removeprefix(BASELINE) in LOAD + EXPORT + bench_mesh.LOADS:  # reads come from storage
+                if method.removeprefix(BASELINE) in LOAD + EXPORT + ARCHIVE + bench_mesh.LOADS:  # reads from storage
                     dropped = drop_caches() and dropped
                 else:
                     os.sync()
@@ -696,7 +746,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "torch": _torch_version(), "background_load": args.background_load, "methods": {},
     }
     for method, rs in runs.items():
-        size = model_bytes if method in EXPORT else nbytes
+        size = model_bytes if method in EXPORT + ARCHIVE else nbytes
         result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
         if "bytes_on_disk" in rs[0]:  # a save on a mesh: what it put on disk
             result.setdefault("bytes_on_disk", {})[method] = rs[0]["bytes_on_disk"]
@@ -785,6 +835,9 @@ def print_table(res: dict) -> None:
          "raw_read", "raw_read_mt", "dcp_load", "raw_read_direct"),
         ("HF export", ["torch_consolidate", "torch_consolidate+fsync", "ours_consolidate"], None, None,
          "torch_consolidate+fsync", None),
+        ("pack", ["ours_consolidate", "ours_pack"], None, None, "ours_consolidate", None),
+        ("restore_from", ["restore_from_folder", "restore_from_archive"], "raw_read", "raw_read_mt",
+         "restore_from_folder", "raw_read_direct"),
         ("async save", [f"ours_async_save_{f}{x}" for f in ("safetensors", "torch_save")
                         for x in ("", "+fence", "+step", "+capture", "+total")], "raw_write", "raw_write_mt",
          "ours_save_safetensors", "raw_write_direct"),
@@ -813,7 +866,8 @@ def print_table(res: dict) -> None:
         print(f"{LABELS[name].strip('*')} put {nbytes / 1e9:.3f} GB on disk (model and optimizer files)")
     print("\nvs raw: raw's median time / this method's (1.00× = as fast as one plain sequential stream per rank; "
           "higher is faster); vs raw, same threads: the same against raw I/O with as many threads per rank as ours "
-          "uses; vs peer: dcp.save / dcp.load / torch's + fsync median time over this method's; vs device: the "
+          "uses; vs peer: dcp.save / dcp.load / torch's + fsync (pack: the export; restore_from: the folder) "
+          "median time over this method's; vs device: the "
           "O_DIRECT write / read of the same bytes (the page cache bypassed: what the device does) over this "
           "method's (save goal: >= 0.95×, load goal: >= 0.9×); on a mesh, vs peer: dp 4's time over this mesh's, and "
           "HSDP loads read each byte once per replica group; memory added: peak "
