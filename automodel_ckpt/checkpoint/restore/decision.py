@@ -13,7 +13,7 @@ ADAPTER_FOLDER = "adapter folder"
 
 @dataclass(frozen=True)
 class Decision:
-    """What a run starts from; the ``Checkpointer`` carries it out (``Checkpointer.carry_out``).
+    """What a run starts from; ``restore.loader.CheckpointLoader.carry_out`` carries it out.
 
     ``path`` None: a fresh run. Otherwise ``path`` is a checkpoint already checked on every rank (``kind``
     ``checkpoint``), or for a weights-only start a Hugging Face model folder or a PEFT adapter folder.
