@@ -3,11 +3,13 @@
     python tools/bench_recovery.py [--size-gb 1] [--kill-after 17] [--durable-every 10] [--reps 1]
         [--local-root /dev/shm] [--no-drop-cache] [--json OUT] [--out DIR]
     python tools/bench_recovery.py --small --json OUT     # a tiny model, few steps, page cache kept: checks the tool
+    python tools/bench_recovery.py --from-json OUT        # the report of an earlier run again
 
 Trains a Llama-style model (hidden 768, fp32 weights + AdamW moments: ``--size-gb`` of training state sets the
-number of layers) on the embedded tiny task with ``ckpt-train`` run twice, ``--nnodes 2 --nproc-per-node 1``, as two
-nodes on this machine, each with its own node-local folder (``--local-root``, default ``/dev/shm``). Every
-run takes a durable checkpoint (``checkpoint.is_async: true``) every ``--durable-every`` steps; the runs:
+number of layers) on the embedded tiny task with ``ckpt-train`` launched once per node, ``--nnodes 2
+--nproc-per-node 1``: two nodes on this machine, each with its own node-local folder (``--local-root``, default
+``/dev/shm``). Every run takes a durable checkpoint (``checkpoint.is_async: true``) every ``--durable-every``
+steps; the runs:
 
 * ``none``: no node-local steps (the throughput reference);
 * ``durable``: a durable async checkpoint every 2 steps instead (the stall of an async durable save);
@@ -29,15 +31,17 @@ Reported, with the goals of docs/fast-recovery.md:
   ``--kill-after`` (same tokens per step); goal <= 3%. ``run_overhead_durable`` the same for ``durable``;
 * per rerun: ``tier``, the step resumed from, ``load_seconds`` (the start event's, ``events.jsonl``), the time from
   the kill to the next completed step (``detect_seconds``: the kill until both launchers exited, plus
-  ``restart_seconds``: the relaunch until the first step is done), ``steps_lost`` (steps done before the kill and
-  done again; goal <= every_steps) and whether its losses equal the uninterrupted ``none`` run's;
+  ``restart_seconds``: the relaunch until the first step is done), the time until the step done last before the
+  kill is done again (``kill_to_caught_up_seconds``), ``steps_lost`` (steps done before the kill and done again;
+  goal <= every_steps) and whether its losses equal the uninterrupted ``none`` run's;
   ``load_durable_over_local`` (goal >= 3); and where the restore spent its time on rank 0 (``restore_phases``:
   finding and checking the step, gathering its parts on every node, loading; for the durable tier, finding and
   probing the checkpoint, loading);
 * ``local_bytes_at_kill`` and ``local_bytes_peak`` (sampled during the run): the memory both node-local folders
   use, over ``state_bytes`` (the training state: fp32 weights and two AdamW moments).
 
-``--json OUT`` writes these and the raw numbers. Not a test: the default takes about ten minutes here.
+``--json OUT`` writes these and the raw numbers (``--from-json`` reports them again). Not a test: the default
+took 16 minutes on a 2-core machine that other jobs were keeping busy.
 """
 
 from __future__ import annotations
@@ -204,8 +208,7 @@ class BenchRecoveryRecipe(FinetuneRecipe):
 
     def finalize_checkpoints(self):
         out = super().finalize_checkpoints()
-        self._timings["end"] = time.perf_counter()
-        self._dump()
+        self._dump()  # the final save's record
         return out
 
     def _dump(self) -> None:
@@ -341,9 +344,18 @@ class Runs:
 def span_rate(run: dict, last: int) -> float | None:
     """Steps per second from the end of step 1 to the end of step ``last``."""
     ends = {s["step"]: s["end"] for s in run.get("steps", [])}
-    if 1 not in ends or last not in ends:
-        return None
-    return (last - 1) / (ends[last] - ends[1])
+    return (last - 1) / (ends[last] - ends[1]) if 1 in ends and last in ends else None
+
+
+def span_cpu(run: dict, last: int) -> float | None:
+    """The CPU seconds of rank 0's process (training and background threads) over the same span."""
+    cpu = {s["step"]: s["cpu"] for s in run.get("steps", [])}
+    return cpu[last] - cpu[1] if 1 in cpu and last in cpu else None
+
+
+def saves_in_span(run: dict, last: int) -> int:
+    """The saves of both tiers taken between the end of step 1 and the end of step ``last``."""
+    return sum(1 for s in run.get("saves", []) + run.get("local", []) if s["step"] < last)
 
 
 def steady(saves: list[dict]) -> list[dict]:
@@ -380,26 +392,33 @@ def one_repetition(runs: Runs, args) -> dict:
         run["page_cache_dropped"] = dropped
         rep[f"rerun_{tier}"] = run
         if "failed" not in run:
-            run |= recovery(runs, rep["local"], run, reference)
+            run |= recovery(runs, run, reference)
     shutil.rmtree(kept, ignore_errors=True)
     runs.clear()
     return rep
 
 
-def recovery(runs: Runs, killed: dict, rerun: dict, reference: dict) -> dict:
-    """What a rerun of the killed state shows: which tier and step it resumed from, its load phase, the time
-    from the kill to its first step, the steps done again, and its losses against the uninterrupted run."""
-    start, kill = runs.last_start(), killed["kill"]
-    first = rerun["steps"][0]
-    got = runs.records()
+def recovery(runs: Runs, rerun: dict, reference: dict) -> dict:
+    """What a rerun of the killed state shows: which tier and step it resumed from, its load phase, and whether
+    its losses are those of the uninterrupted run."""
+    start, got = runs.last_start(), runs.records()
     return {
         "tier": start.get("tier"), "resumed_step": start["step"], "resumed_from": start.get("resumed_from"),
-        "load_seconds": start.get("load_seconds"), "detect_seconds": max(killed["exited"]) - kill["wall"],
-        "restart_seconds": first["wall"] - rerun["launched"],
-        "kill_to_step_seconds": max(killed["exited"]) - kill["wall"] + first["wall"] - rerun["launched"],
-        "steps_lost": kill["step"] - start["step"], "restore_phases": rerun.get("restore_phases", {}),
+        "load_seconds": start.get("load_seconds"), "restore_phases": rerun.get("restore_phases", {}),
         "losses_match": bool(reference) and all(got.get(s, {}).get("loss") == r["loss"] for s, r in reference.items()),
     }
+
+
+def timeline(killed: dict, rerun: dict) -> dict:
+    """The rerun's times from the kill: until both launchers exited, until its first step, until the step the
+    killed run had done last is done again; and the steps done again."""
+    kill = killed["kill"]
+    detect = max(killed["exited"]) - kill["wall"]
+    first = rerun["steps"][0]["wall"] - rerun["launched"]
+    back = next((s["wall"] - rerun["launched"] for s in rerun["steps"] if s["step"] == kill["step"]), None)
+    return {"detect_seconds": detect, "restart_seconds": first, "kill_to_step_seconds": detect + first,
+            "kill_to_caught_up_seconds": None if back is None else detect + back,
+            "steps_lost": kill["step"] - rerun["resumed_step"]}
 
 
 def summary(reps: list[dict], args) -> dict:
@@ -418,14 +437,22 @@ def summary(reps: list[dict], args) -> dict:
             "stall_local_over_durable": local / durable if local is not None and durable else None}
     rate = {kind: median([span_rate(r, args.kill_after) for r in ok(kind)]) for kind in ("none", "durable", "local")}
     out["steps_per_second"] = rate
+    last = args.kill_after
+    none_cpu = median([span_cpu(r, last) for r in ok("none")])
+    none_saves = median([saves_in_span(r, last) for r in ok("none")])
     for kind in ("local", "durable"):
         out[f"run_overhead_{kind}"] = 1 - rate[kind] / rate["none"] if rate[kind] and rate["none"] else None
+        added = [(span_cpu(r, last) - none_cpu) / (saves_in_span(r, last) - none_saves) for r in ok(kind)
+                 if none_cpu is not None and span_cpu(r, last) is not None and saves_in_span(r, last) > none_saves]
+        out[f"cpu_per_save_{kind}"] = median(added)  # rank 0's CPU seconds each extra save adds
     for tier in ("local", "durable"):
-        done = ok(f"rerun_{tier}")
+        done = [r[f"rerun_{tier}"] | timeline(r["local"], r[f"rerun_{tier}"]) for r in reps
+                if f"rerun_{tier}" in r and "failed" not in r[f"rerun_{tier}"]]
         out[f"rerun_{tier}"] = {key: median([r.get(key) for r in done]) for key in
                                 ("load_seconds", "detect_seconds", "restart_seconds", "kill_to_step_seconds",
-                                 "steps_lost", "resumed_step")} | {
-            "tier": sorted({r.get("tier") for r in done}, key=str), "losses_match": all(r.get("losses_match") for r in done),
+                                 "kill_to_caught_up_seconds", "steps_lost", "resumed_step")} | {
+            "tier": sorted({r.get("tier") for r in done}, key=str),
+            "losses_match": all(r.get("losses_match") for r in done),
             "page_cache_dropped": all(r.get("page_cache_dropped") for r in done)}
         phases: dict[str, list[float]] = {}
         for r in done:
@@ -441,7 +468,7 @@ def summary(reps: list[dict], args) -> dict:
     return out
 
 
-def report(ratios: dict, state: int, args) -> str:
+def report(ratios: dict, state: int) -> str:
     def s(v, fmt=".3f"):
         return "-" if v is None else format(v, fmt)
 
@@ -458,16 +485,22 @@ def report(ratios: dict, state: int, args) -> str:
         f"{s(rate['durable'])} / {s(rate['local'])} | |",
         f"| tokens/s lost, local every {LOCAL_EVERY} | {pct(ratios['run_overhead_local'])} | <= 3% |",
         f"| tokens/s lost, durable every {LOCAL_EVERY} | {pct(ratios['run_overhead_durable'])} | |",
+        f"| CPU s per save, rank 0: local / durable | {s(ratios['cpu_per_save_local'], '.2f')} / "
+        f"{s(ratios['cpu_per_save_durable'], '.2f')} | |",
         f"| load durable / load local | {s(ratios['load_durable_over_local'], '.2f')} | >= 3 |",
+        f"| before the kill, wait for the local step in flight to commit (s) | "
+        f"{s(ratios['commit_wait_before_kill'])} | |",
         f"| local folders at the kill / training state | {s(_over(ratios['local_bytes_at_kill'], state), '.2f')} | |",
         f"| local folders at the peak / training state | {s(_over(ratios['local_bytes_peak'], state), '.2f')} | |",
         "", "| rerun | tier | resumed step | steps lost | load (s) | kill -> exits (s) | relaunch -> step done (s) "
-        "| kill -> next step (s) | losses as uninterrupted | page cache dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
+        "| kill -> next step (s) | kill -> the killed step done again (s) | losses as uninterrupted "
+        "| page cache dropped |", "|---" * 11 + "|"]
     for tier in ("local", "durable"):
         r = ratios[f"rerun_{tier}"]
         lines.append(f"| from the {tier} tier | {', '.join(map(str, r['tier']))} | {s(r['resumed_step'], 'g')} | "
                      f"{s(r['steps_lost'], 'g')} | {s(r['load_seconds'])} | {s(r['detect_seconds'], '.2f')} | "
                      f"{s(r['restart_seconds'], '.2f')} | {s(r['kill_to_step_seconds'], '.2f')} | "
+                     f"{s(r['kill_to_caught_up_seconds'], '.2f')} | "
                      f"{'yes' if r['losses_match'] else 'no'} | {'yes' if r['page_cache_dropped'] else 'no'} |")
     lines.append("")
     for tier in ("local", "durable"):
@@ -497,6 +530,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(checks the tool)")
     parser.add_argument("--json", type=Path, default=None, help="write the ratios and raw numbers here")
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--from-json", type=Path, default=None, help="report the runs an earlier --json holds "
+                        "(runs nothing)")
     args = parser.parse_args(argv)
     args.hidden, args.intermediate, args.heads = HIDDEN, INTERMEDIATE, HEADS
     args.layers = layers_for(args.size_gb, args.hidden, args.intermediate)
@@ -509,6 +544,31 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--kill-after {args.kill_after}: needs an odd step whose previous step is a local step newer "
                      f"than the newest durable checkpoint (step {newest_durable} with --durable-every "
                      f"{args.durable_every})")
+    if args.from_json:  # the runs of an earlier --json, reported again
+        saved = json.loads(args.from_json.read_text())
+        args.kill_after, reps, facts = saved["kill_after"], saved["runs"], {k: saved.get(k) for k in FACTS}
+    else:
+        reps, facts = measure(args)
+    ratios = summary(reps, args)
+    print(report(ratios, facts["state_bytes"]))
+    out = ratios | facts | {"runs": reps}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"json: {args.json}")
+    failed = [run["failed"] for rep in reps for run in rep.values() if isinstance(run, dict) and "failed" in run]
+    for tail in failed:
+        print(tail, file=sys.stderr)
+    if failed:
+        raise SystemExit(1)
+    return out
+
+
+FACTS = ("state_bytes", "layers", "kill_after", "durable_every", "local_every", "reps", "cpu_count", "torch",
+         "load_average_before", "load_average")
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    """Every repetition's runs, and the facts of the setup (``FACTS``)."""
     work = args.out or Path(tempfile.mkdtemp(prefix="bench_recovery_"))
     work.mkdir(parents=True, exist_ok=True)
     local_root = Path(tempfile.mkdtemp(prefix="bench_recovery_", dir=args.local_root))
@@ -518,10 +578,12 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     state = _state_bytes(args.hidden, args.intermediate, args.layers)
+    before = os.getloadavg()
     print(f"state: {state / 1e9:.3f} GB (weights + AdamW, {args.layers} layers), 2 nodes x 1 process, "
           f"{args.kill_after + 1} steps, durable every {args.durable_every}, local every {LOCAL_EVERY}, node 1 killed "
           f"after step {args.kill_after}; node-local folders in {local_root}; torch {torch.__version__}, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {before[0]:.1f}",
+          flush=True)
     runs = Runs(work, local_root, base, args)
     reps = []
     try:
@@ -533,24 +595,13 @@ def main(argv: list[str] | None = None) -> dict:
                 for k, v in rep.items() if isinstance(v, dict) and "wall" in v), flush=True)
     finally:
         shutil.rmtree(local_root, ignore_errors=True)
-    ratios = summary(reps, args)
-    print(report(ratios, state, args))
-    out = ratios | {"state_bytes": state, "layers": args.layers, "kill_after": args.kill_after,
-                    "durable_every": args.durable_every, "local_every": LOCAL_EVERY, "reps": args.reps,
-                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average": os.getloadavg(),
-                    "runs": reps}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
-        print(f"json: {args.json}")
-    if not args.out:
-        shutil.rmtree(work, ignore_errors=True)
-    failed = [run["failed"] for rep in reps for run in rep.values() if isinstance(run, dict) and "failed" in run]
-    for tail in failed:
-        print(tail, file=sys.stderr)
-    if failed:
-        raise SystemExit(1)
-    return out
-
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)
+    facts = {"state_bytes": state, "layers": args.layers, "kill_after": args.kill_after,
+             "durable_every": args.durable_every, "local_every": LOCAL_EVERY, "reps": args.reps,
+             "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_before": before,
+             "load_average": os.getloadavg()}
+    return reps, facts
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
-"""tools/bench_async.py, bench_scale.py and bench_memory.py in their small modes: they run, and their reports hold
-what they promise (the ratios, every phase at every rank count). Correctness of the output, not speed."""
+"""tools/bench_async.py, bench_scale.py, bench_memory.py and bench_recovery.py in their small modes: they run, and
+their reports hold what they promise (the ratios, every phase at every rank count, each recovery's tier).
+Correctness of the output, not speed."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path):
     assert "setup done" in printed
 
 
+@pytest.mark.slow  # five two-node launches (1.5 to 4 min here); tests/integration/test_fast_recovery.py covers the tiers
 def test_bench_recovery_small_kills_a_node_and_resumes_from_each_tier(tmp_path):
     out = tmp_path / "recovery.json"
     printed = _run("bench_recovery.py", "--small", "--json", str(out))
