@@ -16,12 +16,12 @@ from typing import Callable, TypeVar
 from automodel_ckpt.distributed.env import all_gather_object, broadcast_object
 from automodel_ckpt.errors import CheckpointError, first_line
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
-def collectively(fn: Callable[[], T], what: str, rank: int) -> T:
+def collectively(fn: Callable[[], _T], what: str, rank: int) -> _T:
     """Run ``fn`` on every rank; if it fails anywhere, raise the first failure's message on every rank."""
-    result: T | None = None
+    result: _T | None = None
     error: str | None = None
     caught: BaseException | None = None
     try:
@@ -38,7 +38,7 @@ def collectively(fn: Callable[[], T], what: str, rank: int) -> T:
     return result  # type: ignore[return-value]
 
 
-def on_main(fn: Callable[[], T], what: str, rank: int) -> T:
+def on_main(fn: Callable[[], _T], what: str, rank: int) -> _T:
     """Run ``fn`` on rank 0 only; its result (or its failure) reaches every rank."""
     payload: tuple[bool, object] = (True, None)
     caught: BaseException | None = None
@@ -55,7 +55,7 @@ def on_main(fn: Callable[[], T], what: str, rank: int) -> T:
     return value  # type: ignore[return-value]
 
 
-def debugging() -> bool:
+def _debugging() -> bool:
     """Whether the user asked for full tracebacks (``--debug``, inherited by workers as AUTOMODEL_CKPT_DEBUG=1)."""
     return os.environ.get("AUTOMODEL_CKPT_DEBUG") == "1"
 
@@ -65,7 +65,7 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     text = first_line(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {first_line(exc)}"
-    if debugging() and not isinstance(exc, CheckpointError):
+    if _debugging() and not isinstance(exc, CheckpointError):
         text += "\n" + "".join(traceback.format_exception(exc))
     return text
 
@@ -74,7 +74,7 @@ def _failure(what: str, rank: int, description: str, cause: BaseException | None
     """The error every rank raises: one line; with --debug a remote traceback follows it (a local one is chained)."""
     head, _, rest = description.partition("\n")
     message = f"{what} failed on rank {rank}: {head}"
-    if rest and cause is None and debugging():
+    if rest and cause is None and _debugging():
         message += f"\n--- traceback on rank {rank} ---\n{rest.rstrip()}"
     error = CheckpointError(message)
     error.__cause__ = cause

@@ -18,13 +18,13 @@ from typing import Any, Iterable
 from torch import nn
 from torch.optim import Optimizer
 
-MODEL = "model"
-OPTIMIZER = "optimizer"
-RANK = "rank"
-GLOBAL = "global"
+_MODEL = "model"
+_OPTIMIZER = "optimizer"
+_RANK = "rank"
+_GLOBAL = "global"
 
 
-def has_state(value: Any) -> bool:
+def _has_state(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
@@ -34,16 +34,16 @@ def discover_state(owner: Any, exclude: Iterable[str] = ()) -> dict[str, Any]:
     return {
         name: value
         for name, value in vars(owner).items()
-        if not name.startswith("_") and name not in skip and has_state(value)
+        if not name.startswith("_") and name not in skip and _has_state(value)
     }
 
 
-def kind_of(value: Any) -> str:
+def _kind_of(value: Any) -> str:
     if isinstance(value, nn.Module):
-        return MODEL
+        return _MODEL
     if isinstance(value, Optimizer):
-        return OPTIMIZER
-    return RANK if getattr(value, "checkpoint_scope", GLOBAL) == RANK else GLOBAL
+        return _OPTIMIZER
+    return _RANK if getattr(value, "checkpoint_scope", _GLOBAL) == _RANK else _GLOBAL
 
 
 @dataclass
@@ -73,7 +73,7 @@ class StatePlan:
 
 def plan_state(states: dict[str, Any]) -> StatePlan:
     plan = StatePlan({}, {}, {}, {})
-    groups = {MODEL: plan.models, OPTIMIZER: plan.optimizers, RANK: plan.per_rank, GLOBAL: plan.global_}
+    groups = {_MODEL: plan.models, _OPTIMIZER: plan.optimizers, _RANK: plan.per_rank, _GLOBAL: plan.global_}
     for name, value in states.items():
-        groups[kind_of(value)][name] = value
+        groups[_kind_of(value)][name] = value
     return plan

@@ -55,7 +55,7 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 
-def limit_of(kind: str) -> int:
+def _limit_of(kind: str) -> int:
     """The size limit of a kind of file (``small``, ``config``, ``index``, ``log line``, ...)."""
     return _KIND_LIMIT[kind]
 
@@ -124,7 +124,7 @@ def yaml_depth_line(text: str) -> int | None:
     return None
 
 
-def parse_yaml(text: str, where: str, what: str) -> Any:
+def _parse_yaml(text: str, where: str, what: str) -> Any:
     """``yaml.safe_load`` of ``text`` read from ``where``, refused in one line when it nests too deeply or is
     not YAML."""
     try:
@@ -139,13 +139,13 @@ def parse_yaml(text: str, where: str, what: str) -> Any:
 
 
 def read_yaml(path: Path, what: str, limit: int = CONFIG_FILE, *, follow: bool = False) -> Any:
-    """``parse_yaml`` of a file of at most ``limit`` bytes; ``OSError`` propagates."""
+    """``_parse_yaml`` of a file of at most ``limit`` bytes; ``OSError`` propagates."""
     data = read_bytes(path, what, limit, follow=follow)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError(f"'{path}' is unreadable as {what}: not UTF-8 text") from None
-    return parse_yaml(text, f"'{path}'", what)
+    return _parse_yaml(text, f"'{path}'", what)
 
 
 def count(value: object, where: str, field: str, limit: int) -> int:

@@ -146,7 +146,7 @@ def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
     return path if path.is_dir() and not layout.is_staging(name) else None
 
 
-def dangling_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
+def _dangling_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
     """The name a pointer targets when that target is not a published checkpoint (else None)."""
     name = read_pointer(checkpoint_dir, pointer)
     if name is None or pointer_target(checkpoint_dir, pointer) is not None:
@@ -173,7 +173,7 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
 def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path | None:
     """The checkpoint to restore: auto (None) → latest or nothing; otherwise it must exist."""
     checkpoint_dir = Path(checkpoint_dir)
-    dangling = dangling_pointer(checkpoint_dir, layout.LATEST)
+    dangling = _dangling_pointer(checkpoint_dir, layout.LATEST)
     if restore_from is None:
         found = latest_checkpoint(checkpoint_dir)
         if dangling is not None:

@@ -133,7 +133,7 @@ def files_under(root: Path) -> list[Path]:
 
 
 @dataclass(frozen=True)
-class Written:
+class _Written:
     """What the writer of a file recorded about it (``WrittenFiles.note``)."""
 
     synced: bool
@@ -155,17 +155,17 @@ class WrittenFiles:
     """
 
     def __init__(self) -> None:
-        self._files: dict[str, tuple[tuple[int, ...], Written]] = {}
+        self._files: dict[str, tuple[tuple[int, ...], _Written]] = {}
         self._lock = threading.Lock()
 
     def note(self, path: Path, *, synced: bool, algorithm: str | None = None, digest: str | None = None) -> None:
         """Record, after closing ``path``, that it was fsynced (``synced``) and its checksum, if computed."""
         key = os.path.abspath(path)
-        entry = (_stamp(Path(key)), Written(synced, algorithm, digest))
+        entry = (_stamp(Path(key)), _Written(synced, algorithm, digest))
         with self._lock:
             self._files[key] = entry
 
-    def get(self, path: Path) -> Written | None:
+    def get(self, path: Path) -> _Written | None:
         """What ``note`` recorded for ``path``, if the file has not changed since."""
         key = os.path.abspath(path)
         with self._lock:

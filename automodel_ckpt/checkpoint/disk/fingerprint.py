@@ -21,7 +21,7 @@ from typing import Any
 
 from automodel_ckpt.redact import redacted
 
-FINGERPRINT_VERSION = 1
+_FINGERPRINT_VERSION = 1
 
 # Config keys that never change what the saved weights mean.
 _CONFIG_IGNORED = frozenset({
@@ -38,17 +38,17 @@ def run_fingerprint(model: Any, tokenizer: Any = None, peft: dict[str, Any] | No
     are the same)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {
-        "version": FINGERPRINT_VERSION,
+        "version": _FINGERPRINT_VERSION,
         "model_class": type(base).__name__,
-        "config": architecture(getattr(base, "config", None)),
+        "config": _architecture(getattr(base, "config", None)),
         "parameters": {name: list(p.shape) for name, p in model.named_parameters()},
-        "tokenizer": vocabulary(tokenizer),
+        "tokenizer": _vocabulary(tokenizer),
         "peft": _plain(peft),
         "recipe": _plain(redacted(recipe or {})),
     }
 
 
-def architecture(config: Any) -> dict[str, Any]:
+def _architecture(config: Any) -> dict[str, Any]:
     """The config keys that define the weights: ``config.to_dict()`` without private and runtime keys."""
     if config is None:
         return {}
@@ -56,7 +56,7 @@ def architecture(config: Any) -> dict[str, Any]:
     return {k: _plain(v) for k, v in sorted(raw.items()) if not k.startswith("_") and k not in _CONFIG_IGNORED}
 
 
-def vocabulary(tokenizer: Any) -> dict[str, Any] | None:
+def _vocabulary(tokenizer: Any) -> dict[str, Any] | None:
     """Size and a SHA-256 of the tokenizer's vocabulary (token → id), or None without a tokenizer."""
     if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
         return None

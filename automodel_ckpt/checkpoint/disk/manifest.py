@@ -37,7 +37,7 @@ from automodel_ckpt.checkpoint.disk.checksum import CRC32, default_algorithm, ha
 from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_dir, fsync_file
 from automodel_ckpt.errors import CheckpointError, first_line
 
-MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 1
 
 # verdicts of one file
 OK = "ok"
@@ -96,7 +96,7 @@ def assign(files: dict[str, int], world_size: int) -> list[list[str]]:
 
 def build(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str) -> dict[str, Any]:
     return {
-        "manifest_version": MANIFEST_VERSION,
+        "manifest_version": _MANIFEST_VERSION,
         "layout_version": layout.LAYOUT_VERSION,
         "checksum_algorithm": algorithm,
         "total_bytes": sum(files.values()),
@@ -213,7 +213,7 @@ def _plan_apart(staging: Path, rank: int, world_size: int) -> tuple[str, dict[st
     return default_algorithm(), dict(sorted(files.items())), shares
 
 
-def find_checkpoint(path: Path) -> Path | None:
+def _find_checkpoint(path: Path) -> Path | None:
     """The checkpoint folder (one holding a manifest) that contains ``path``, if any."""
     for folder in [Path(path), *Path(path).parents]:
         if (folder / layout.MANIFEST_FILE).is_file():
@@ -229,7 +229,7 @@ def add_files(folder: Path) -> bool:
     """
     import uuid
 
-    checkpoint = find_checkpoint(folder)
+    checkpoint = _find_checkpoint(folder)
     if checkpoint is None:
         return False
     current = read(checkpoint)
@@ -333,7 +333,7 @@ class Report:
         return [v for v in self.verdicts if not v.ok]
 
 
-def check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
+def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
                resolved: dict[str, str] | None = None) -> Verdict:
     """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read`` has checked
     that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too).
@@ -397,7 +397,7 @@ def verify(
         report.problem = str(exc)
         return report
     resolved: dict[str, str] = {}
-    check: Callable[[str], Verdict] = lambda rel: check_file(checkpoint, rel, listed[rel], algorithm, checksums,
+    check: Callable[[str], Verdict] = lambda rel: _check_file(checkpoint, rel, listed[rel], algorithm, checksums,
                                                              resolved)
     if threads > 1 and len(names) > 1:
         with ThreadPoolExecutor(threads) as pool:

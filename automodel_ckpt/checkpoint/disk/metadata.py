@@ -121,7 +121,7 @@ def metric_value(meta: dict[str, Any] | None, monitor: str, best_metric_key: str
     return as_float(metrics.get(monitor))
 
 
-def saved_world_size(path: Path) -> int:
+def _saved_world_size(path: Path) -> int:
     """The world size that wrote checkpoint ``path`` (metadata.json, else the number of per-rank files)."""
     meta = read_metadata(path) or {}
     if meta.get("world_size"):
@@ -132,7 +132,7 @@ def saved_world_size(path: Path) -> int:
 
 def saved_mesh(path: Path) -> MeshSizes:
     """The mesh that wrote checkpoint ``path`` (its metadata's ``mesh``; without one: a 1-D data-parallel mesh)."""
-    return MeshSizes.from_record((read_metadata(path) or {}).get("mesh"), saved_world_size(path))
+    return MeshSizes.from_record((read_metadata(path) or {}).get("mesh"), _saved_world_size(path))
 
 
 def written_by(path: Path) -> WrittenBy:
@@ -143,4 +143,4 @@ def written_by(path: Path) -> WrittenBy:
         local = int(saved["step_scheduler"]["local_batch_size"])
     except (OSError, KeyError, TypeError, ValueError, CheckpointError):
         pass
-    return WrittenBy(world_size=saved_world_size(path), local_batch_size=local, mesh=saved_mesh(path))
+    return WrittenBy(world_size=_saved_world_size(path), local_batch_size=local, mesh=saved_mesh(path))

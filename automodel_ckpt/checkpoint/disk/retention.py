@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.errors import ConfigError
 
-MODES = ("min", "max")
+_MODES = ("min", "max")
 
 
 @dataclass(frozen=True)
@@ -62,15 +62,15 @@ class Candidate:
     complete: bool = True  # False while it is still being written (a staging folder)
 
 
-def is_finite(value: float | None) -> bool:
+def _is_finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
 def is_better(candidate: float | None, current: float | None, mode: str) -> bool:
     """Whether ``candidate`` beats ``current``: finite, and strictly better (or ``current`` has no finite value)."""
-    if not is_finite(candidate):
+    if not _is_finite(candidate):
         return False
-    if not is_finite(current):
+    if not _is_finite(current):
         return True
     return candidate < current if mode == "min" else candidate > current  # type: ignore[operator]
 
@@ -87,7 +87,7 @@ def survivors(records: Iterable[Candidate], policy: RetentionPolicy, protected: 
         keep.update(r.name for r in complete[-policy.max_recent:])
     if policy.top_k is not None and policy.top_k > 0:
         sign = 1.0 if policy.mode == "min" else -1.0
-        ranked = sorted((r for r in complete if is_finite(r.metric)), key=lambda r: (sign * r.metric, r.step))
+        ranked = sorted((r for r in complete if _is_finite(r.metric)), key=lambda r: (sign * r.metric, r.step))
         keep.update(r.name for r in ranked[: policy.top_k])
     keep.update(r.name for r in complete if r.step in policy.keep_steps)
     return keep
@@ -112,7 +112,7 @@ def check_retention_config(cfg: Any) -> None:
     for step in cfg.keep_steps or ():
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"checkpoint.keep_steps: expected a list of non-negative steps, got {step!r}")
-    if cfg.mode not in MODES:
+    if cfg.mode not in _MODES:
         raise ConfigError(f"checkpoint.mode: expected min or max, got '{cfg.mode}'")
     if not str(cfg.monitor or "").strip():
         raise ConfigError("checkpoint.monitor: must name a validation metric, e.g. val_loss")

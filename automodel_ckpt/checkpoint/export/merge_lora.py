@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint.disk import bounded, layout, manifest, paths
-from automodel_ckpt.checkpoint.export.family import auto_model_class, in_memory_dtypes
+from automodel_ckpt.checkpoint.formats.family import auto_model_class, in_memory_dtypes
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.checkpoint.disk.durable import copy_regular, replace_folder
 from automodel_ckpt.errors import CheckpointError, first_line

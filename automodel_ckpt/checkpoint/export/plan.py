@@ -4,7 +4,7 @@
 ``model/consolidated/``: ``model-K-of-F.safetensors`` files, their index, ``config.json``, the generation config
 and tokenizer files kept in ``model/.hf_metadata``. When the base model came from an HF folder, every tensor
 returns to its original dtype and file number, so the export diffs cleanly against the base. Tensors are
-written under the names and in the layout ``save_pretrained`` gives the model family (``export/family.py``):
+written under the names and in the layout ``save_pretrained`` gives the model family (``formats/family.py``):
 tied weights once, mixture-of-experts weights per expert. Tensors are
 streamed piece by piece (see ``consolidate_writer``); the whole model is never held in memory. The export is
 written into a hidden sibling folder and renamed into place only when complete.

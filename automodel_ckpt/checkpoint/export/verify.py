@@ -75,7 +75,7 @@ def _config_fits_files(export_dir: Path, report: ExportReport) -> bool:
     """Before a real model is built: ``config.json``'s layer and expert counts are at most the number of tensors
     in the export's files, and the model it describes, built on the meta device (nothing allocated), has at most
     as many parameters as those files hold. A config asking for a 1T-parameter model never allocates it."""
-    from automodel_ckpt.checkpoint.export.family import auto_model_class
+    from automodel_ckpt.checkpoint.formats.family import auto_model_class
 
     config_path = export_dir / layout.HF_CONFIG
     tensors = held = 0
@@ -119,7 +119,7 @@ def _counts(value: object, prefix: str = "") -> list[tuple[str, int]]:
 
 
 def _reload(export_dir: Path, report: ExportReport) -> torch.nn.Module | None:
-    from automodel_ckpt.checkpoint.export.family import auto_model_class
+    from automodel_ckpt.checkpoint.formats.family import auto_model_class
 
     try:
         model, info = auto_model_class(export_dir).from_pretrained(export_dir, dtype="auto", output_loading_info=True,

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from automodel_ckpt.checkpoint.export.sources import Piece, SourceTensor
-from automodel_ckpt.checkpoint.export.family import DiskTensor, c_strides, disk_layout
+from automodel_ckpt.checkpoint.formats.family import DiskTensor, c_strides, disk_layout
 
 __all__ = ["apply_disk_layout", "flat_boxes", "on_disk_tensors"]
 

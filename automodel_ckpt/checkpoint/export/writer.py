@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.checkpoint.disk import durable, paths
-from automodel_ckpt.checkpoint.export.family import c_strides
+from automodel_ckpt.checkpoint.formats.family import c_strides
 from automodel_ckpt.checkpoint.export.sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.checkpoint.formats.safetensors_io import (
     encode_header,

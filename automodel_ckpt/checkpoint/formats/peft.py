@@ -33,8 +33,8 @@ from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-ADAPTER_NAME = "default"  # PEFT's name of the single adapter a recipe trains
+_FORMAT_VERSION = 1
+_ADAPTER_NAME = "default"  # PEFT's name of the single adapter a recipe trains
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
@@ -64,7 +64,7 @@ def peft_key_map(model: nn.Module, names: list[str]) -> dict[str, str]:
     from peft.utils import get_peft_model_state_dict
 
     placeholders = {name: torch.tensor(i) for i, name in enumerate(names)}
-    mapped = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=ADAPTER_NAME,
+    mapped = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=_ADAPTER_NAME,
                                        save_embedding_layers=False)
     out = {names[int(index)]: key for key, index in mapped.items()}
     unsaved = [n for n in names if n not in out]
@@ -78,7 +78,7 @@ def peft_key_map(model: nn.Module, names: list[str]) -> dict[str, str]:
 
 def adapter_config_dict(model: nn.Module, base_model_path: Path | None) -> dict[str, Any]:
     """``adapter_config.json`` content: the LoRA config as PEFT writes it, naming the local base folder."""
-    config = model.peft_config[ADAPTER_NAME]
+    config = model.peft_config[_ADAPTER_NAME]
     data = config.to_dict()
     for key, value in data.items():
         if isinstance(value, set):
@@ -105,7 +105,7 @@ def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: 
         tensors = {keys[name]: full[name].detach().contiguous() for name in names}
         adapter_config = adapter_config_dict(model, base_model_path)
         automodel_config = {
-            "format_version": FORMAT_VERSION,
+            "format_version": _FORMAT_VERSION,
             "peft": dict(peft_section or {}),
             "adapted_modules": sorted({k.split(".lora_")[0] for k in tensors if ".lora_" in k}),
             "trainable_parameters": int(sum(t.numel() for t in tensors.values())),
@@ -137,7 +137,7 @@ def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter
                 shutil.copyfile(Path(base_model_path) / name, folder / name)
 
 
-def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The adapter tensors of a PEFT folder, by their file keys (a one-line ``CheckpointError`` if unreadable)."""
     from safetensors.torch import load_file
 
@@ -159,7 +159,7 @@ def load_adapter(model: nn.Module, folder: Path) -> None:
     """
     names = trainable_names(model)
     keys = peft_key_map(model, names)
-    saved = read_adapter_tensors(folder)
+    saved = _read_adapter_tensors(folder)
     expected = set(keys.values())
     missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
     if missing or unexpected:

@@ -332,7 +332,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.size()) if isinstance(value, torch.Tensor) else None
 
 
-def differences(state: dict[str, Any], metadata: Metadata) -> list[str]:
+def _differences(state: dict[str, Any], metadata: Metadata) -> list[str]:
     """Human-readable differences between the state to load and a checkpoint's metadata, sorted by key."""
     want = _flat(state)
     have = metadata.state_dict_metadata
@@ -354,7 +354,7 @@ def differences(state: dict[str, Any], metadata: Metadata) -> list[str]:
 
 def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int = 5) -> None:
     """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model."""
-    diffs = differences(state, metadata)
+    diffs = _differences(state, metadata)
     if diffs:
         raise CheckpointError(_misfit(path, diffs, limit))
 
@@ -387,7 +387,7 @@ def load_failure(exc: BaseException, path: Path, state: dict[str, Any] | None = 
     if isinstance(cause, CheckpointError):
         return CheckpointError(str(cause))
     if state is not None and metadata is not None:
-        diffs = differences(state, metadata)
+        diffs = _differences(state, metadata)
         if diffs:
             return CheckpointError(_misfit(path, diffs))
     return CheckpointError(f"cannot load '{path}': {type(cause).__name__}: {first_line(cause)}")

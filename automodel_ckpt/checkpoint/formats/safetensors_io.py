@@ -15,8 +15,8 @@ from automodel_ckpt.checkpoint.disk import bounded
 from automodel_ckpt.checkpoint.disk.paths import open_regular
 from automodel_ckpt.errors import CheckpointError, first_line
 
-HEADER_LEN_BYTES = 8
-METADATA_KEY = "__metadata__"
+_HEADER_LEN_BYTES = 8
+_METADATA_KEY = "__metadata__"
 # safetensors' own limit on a header; a bigger length means the file is not safetensors.
 _MAX_HEADER_BYTES = bounded.SAFETENSORS_HEADER
 
@@ -29,7 +29,7 @@ _DTYPE_ORDER = (
 )  # fmt: skip
 _DTYPE_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
 # Bits per element of every safetensors dtype (F4 and F6 pack several elements into a byte).
-DTYPE_BITS: dict[str, int] = {
+_DTYPE_BITS: dict[str, int] = {
     "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
     "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
     "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
@@ -45,24 +45,24 @@ _TORCH_NAMES = {
 ST_TO_TORCH: dict[str, torch.dtype] = {
     st: getattr(torch, name) for st, name in _TORCH_NAMES.items() if isinstance(getattr(torch, name, None), torch.dtype)
 }
-TORCH_TO_ST: dict[torch.dtype, str] = {dt: st for st, dt in ST_TO_TORCH.items()}
+_TORCH_TO_ST: dict[torch.dtype, str] = {dt: st for st, dt in ST_TO_TORCH.items()}
 
 
 def st_dtype_name(dtype: torch.dtype) -> str:
     """safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
     try:
-        return TORCH_TO_ST[dtype]
+        return _TORCH_TO_ST[dtype]
     except KeyError:
         raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
 
 
-def is_fp8(dtype: torch.dtype) -> bool:
+def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
 def is_plain_float(dtype: torch.dtype) -> bool:
     """A floating dtype that may be cast freely: 16, 32 or 64 bit floats (not fp8, not complex)."""
-    return dtype.is_floating_point and not is_fp8(dtype)
+    return dtype.is_floating_point and not _is_fp8(dtype)
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -76,7 +76,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     try:
         with os.fdopen(open_regular(path, follow=True), "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            header_len = header_length(f.read(HEADER_LEN_BYTES), size, path)
+            header_len = header_length(f.read(_HEADER_LEN_BYTES), size, path)
             raw = f.read(header_len)
     except FileNotFoundError:
         raise CheckpointError(f"missing safetensors file {path}") from None
@@ -87,19 +87,19 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     if len(raw) < header_len:
         raise CheckpointError(f"truncated safetensors file {path}: header cut short")
     header = parse_header(raw, path)
-    check_header(header, size - HEADER_LEN_BYTES - header_len, path)
-    return header, HEADER_LEN_BYTES + header_len
+    check_header(header, size - _HEADER_LEN_BYTES - header_len, path)
+    return header, _HEADER_LEN_BYTES + header_len
 
 
 def header_length(raw_len: bytes, file_size: int, path: Path | str) -> int:
     """The header length a file's first 8 bytes give, checked against safetensors' limit and the file's size."""
-    if len(raw_len) < HEADER_LEN_BYTES:
+    if len(raw_len) < _HEADER_LEN_BYTES:
         raise CheckpointError(f"truncated safetensors file {path}: {len(raw_len)} bytes, no header")
     (header_len,) = struct.unpack("<Q", raw_len)
     if header_len > _MAX_HEADER_BYTES:
         raise CheckpointError(f"damaged safetensors file {path}: header length {header_len} is over safetensors' "
                               f"limit of {_MAX_HEADER_BYTES} bytes")
-    if HEADER_LEN_BYTES + header_len > file_size:
+    if _HEADER_LEN_BYTES + header_len > file_size:
         raise CheckpointError(f"truncated safetensors file {path}: header length {header_len} is more than the "
                               f"file's {file_size} bytes")
     return header_len
@@ -120,9 +120,9 @@ def check_header(header: dict[str, Any], data_len: int, path: Path | str) -> Non
     """Every entry of a header has a known dtype, a shape of non-negative integers whose bytes are its byte range,
     and a range inside the data area (``data_len`` bytes); no two ranges overlap (sorted: O(n log n)). The number
     of entries is bounded by the header's size. One-line ``CheckpointError`` naming the file and the tensor."""
-    meta = header.get(METADATA_KEY)
+    meta = header.get(_METADATA_KEY)
     if meta is not None and not isinstance(meta, dict):
-        raise CheckpointError(f"damaged safetensors file {path}: {METADATA_KEY} is not a JSON object")
+        raise CheckpointError(f"damaged safetensors file {path}: {_METADATA_KEY} is not a JSON object")
     ranges = []
     for name, entry in tensor_entries(header).items():
         begin, end = _entry_range(name, entry, path)
@@ -145,7 +145,7 @@ def _entry_range(name: str, entry: Any, path: Path | str) -> tuple[int, int]:
     if not isinstance(entry, dict):
         raise bad("is not a JSON object")
     dtype = entry.get("dtype")
-    bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+    bits = _DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
     if bits is None:
         raise bad(f"has the unknown dtype {str(entry.get('dtype'))[:40]!r}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
@@ -167,7 +167,7 @@ def _is_count(value: object) -> bool:
 
 def tensor_entries(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The tensor entries of a header (everything but ``__metadata__``)."""
-    return {k: v for k, v in header.items() if k != METADATA_KEY}
+    return {k: v for k, v in header.items() if k != _METADATA_KEY}
 
 
 def layout_order(items: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -183,7 +183,7 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
     """
     header: dict[str, Any] = {}
     if metadata:
-        header[METADATA_KEY] = metadata
+        header[_METADATA_KEY] = metadata
     offset = 0
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}

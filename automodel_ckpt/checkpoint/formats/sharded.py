@@ -121,7 +121,7 @@ def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
 class StagedSave:
     """A model or optimizer state for a background save.
 
-    Made on the training thread with ``state`` from ``overlap.freeze`` (small tensors and plain values copied
+    Made on the training thread with ``state`` from ``_freeze`` (small tensors and plain values copied
     already, large tensors still the live ones); ``capture`` copies the rest into the stager's host buffers (in
     the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
     """
@@ -165,7 +165,7 @@ def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, writ
     """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
     change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
     buffers = {name for name, _ in model.named_buffers()}
-    state = freeze(get_model_state_dict(model), eager=lambda key: key in buffers)
+    state = _freeze(get_model_state_dict(model), eager=lambda key: key in buffers)
     return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads)
 
 
@@ -173,26 +173,26 @@ def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: 
                     written: WrittenFiles | None = None, *, threads: int | None = None) -> StagedSave:
     """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
     (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``."""
-    state = freeze(get_optimizer_state_dict(model, optimizer))
+    state = _freeze(get_optimizer_state_dict(model, optimizer))
     return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads)
 
 
-SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later
+_SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later
 
 
 @torch.no_grad()
-def freeze(state: Any, eager=None, key: str = "") -> Any:
+def _freeze(state: Any, eager=None, key: str = "") -> Any:
     """``state`` with its plain values and small tensors copied now; larger tensors stay the live ones.
 
     ``eager(key)``: top-level keys whose tensors are copied now whatever their size.
     """
     if isinstance(state, torch.Tensor):
-        small = state.numel() * state.element_size() <= SMALL_TENSOR_BYTES
+        small = state.numel() * state.element_size() <= _SMALL_TENSOR_BYTES
         return state.detach().clone() if small or (eager is not None and eager(key)) else state
     if isinstance(state, dict):
-        return {k: freeze(v, eager, key or str(k)) for k, v in state.items()}
+        return {k: _freeze(v, eager, key or str(k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(freeze(v, eager, key) for v in state)
+        return type(state)(_freeze(v, eager, key) for v in state)
     return copy.deepcopy(state)
 
 

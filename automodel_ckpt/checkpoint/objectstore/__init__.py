@@ -1,4 +1,4 @@
-"""Checkpoints on object storage (``checkpoint_dir: s3://bucket/run``): what the checkpointer and the verbs call.
+"""Checkpoints on object storage (``checkpoint_dir: s3://bucket/run``): what ``storage/`` calls, and nothing else.
 
 A local ``checkpoint_dir`` never comes here. See ``run`` for the commit protocol and docs/object-storage.md.
 """
@@ -14,9 +14,8 @@ from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError, UserError
 
-__all__ = ["RemoteRun", "ObjectStore", "attach", "check_url", "fetch", "fetch_collectively", "fetch_object", "is_url",
-           "localize", "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder",
-           "upload_object"]
+__all__ = ["attach", "check_url", "fetch", "fetch_collectively", "fetch_object", "is_url", "localize",
+           "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder", "upload_object"]
 
 
 def attach(cfg: Any) -> RemoteRun | None:

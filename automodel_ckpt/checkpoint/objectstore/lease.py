@@ -2,16 +2,16 @@
 
 A run takes the lease (``layout.LEASE_OBJECT`` in the run folder) before it touches anything there, keeps it fresh
 from a background thread, and removes it when it ends. A second run on the same URL is refused in one line naming
-the holder, unless the lease has expired (no heartbeat for ``EXPIRY_SECONDS``) or its holder is a process of this
+the holder, unless the lease has expired (no heartbeat for ``_EXPIRY_SECONDS``) or its holder is a process of this
 machine that no longer exists (a killed run never blocks a rerun on the same machine).
 
 Limits (plain S3 has no compare-and-swap on an object that this code relies on):
 
 - taking the lease is read, write, read back: two runs that start within the same fraction of a second can both
   read "free" and both write; the later write wins, and the run whose lease was overwritten finds out at its next
-  heartbeat (within ``HEARTBEAT_SECONDS``) and refuses to save from then on;
+  heartbeat (within ``_HEARTBEAT_SECONDS``) and refuses to save from then on;
 - expiry compares the holder's clock (the time it wrote) with the reader's clock: clocks that disagree by more than
-  ``EXPIRY_SECONDS - HEARTBEAT_SECONDS`` can take a live lease for expired;
+  ``_EXPIRY_SECONDS - _HEARTBEAT_SECONDS`` can take a live lease for expired;
 - after a crash on another machine the next run waits until the lease expires, or the user removes it
   (``ckpt-train gc URL --break-lease``).
 """
@@ -34,8 +34,8 @@ from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_SECONDS = 30.0  # how often the holder rewrites the lease
-EXPIRY_SECONDS = 180.0  # a lease not rewritten for this long is free
+_HEARTBEAT_SECONDS = 30.0  # how often the holder rewrites the lease
+_EXPIRY_SECONDS = 180.0  # a lease not rewritten for this long is free
 
 
 def _boot_id() -> str:
@@ -71,7 +71,7 @@ def me() -> dict[str, Any]:
             "pid_start": _process_start(pid)}
 
 
-def holder_is_gone(holder: dict[str, Any]) -> bool:
+def _holder_is_gone(holder: dict[str, Any]) -> bool:
     """Whether ``holder`` was a process of this machine (same host, boot and pid namespace) that no longer runs."""
     here = me()
     if not holder.get("boot_id") or any(holder.get(k) != here[k] for k in ("host", "boot_id", "pid_ns")):
@@ -104,8 +104,8 @@ class Lease:
     """The lease on ``store``'s run folder. ``clock``: seconds since the epoch (injectable for tests)."""
 
     def __init__(self, store: ObjectStore, key: str = "checkpoint.checkpoint_dir", *,
-                 clock: Callable[[], float] = time.time, expiry: float = EXPIRY_SECONDS,
-                 heartbeat: float = HEARTBEAT_SECONDS) -> None:
+                 clock: Callable[[], float] = time.time, expiry: float = _EXPIRY_SECONDS,
+                 heartbeat: float = _HEARTBEAT_SECONDS) -> None:
         self.store = store
         self.key = key
         self.clock = clock
@@ -143,7 +143,7 @@ class Lease:
 
     def free(self, lease: dict[str, Any]) -> bool:
         """Whether another holder's ``lease`` may be taken over: expired, or its process is gone."""
-        return self.clock() >= float(lease["expires"]) or holder_is_gone(lease["holder"])
+        return self.clock() >= float(lease["expires"]) or _holder_is_gone(lease["holder"])
 
     def describe(self, lease: dict[str, Any]) -> str:
         h = lease["holder"]

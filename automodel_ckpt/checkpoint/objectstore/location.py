@@ -34,7 +34,7 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     return fsspec.filesystem(scheme, **options)
 
 
-def cache_root() -> Path:
+def _cache_root() -> Path:
     """``$XDG_CACHE_HOME/automodel_ckpt`` (``~/.cache/automodel_ckpt``)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "automodel_ckpt"
@@ -50,4 +50,4 @@ def mirror_folder(url: str, staging_dir: str | None, role: str = "run") -> Path:
     url = normalize(url)
     tag = re.sub(r"[^A-Za-z0-9._-]+", "_", url.split("://", 1)[1])[-60:]
     digest = hashlib.sha1(url.encode()).hexdigest()[:10]
-    return cache_root() / "object-store" / role / f"{tag}-{digest}"
+    return _cache_root() / "object-store" / role / f"{tag}-{digest}"

@@ -42,7 +42,7 @@ from automodel_ckpt.sizes import human_size
 
 logger = logging.getLogger(__name__)
 
-LOGS = (layout.TRAINING_LOG, layout.VALIDATION_LOG, layout.EVENTS_LOG)
+_LOGS = (layout.TRAINING_LOG, layout.VALIDATION_LOG, layout.EVENTS_LOG)
 
 
 class RemoteRun:
@@ -115,7 +115,7 @@ class RemoteRun:
                 set_pointer(self.mirror, pointer, target)
             elif read_pointer(self.mirror, pointer) is not None:
                 remove_pointer(self.mirror, pointer)
-        for log in LOGS:
+        for log in _LOGS:
             data = self.store.read_text(log, limit=bounded.LOG_FILE)
             if data is None:
                 (self.mirror / log).unlink(missing_ok=True)
@@ -212,7 +212,7 @@ class RemoteRun:
                 wrap(f"removing {pointer} in '{self.url}'", lambda p=pointer: self.store.remove(p))
 
     def push_logs(self) -> None:
-        rels = [log for log in LOGS if (self.mirror / log).is_file()]
+        rels = [log for log in _LOGS if (self.mirror / log).is_file()]
         wrap(f"uploading the logs to '{self.url}'", lambda: self.store.upload(self.mirror, rels, ""))
 
     def evict(self, folder: Path) -> None:

@@ -21,10 +21,10 @@ from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
-BATCH = 8  # files (uploads) or ranges (downloads) transferred at once per process
+_BATCH = 8  # files (uploads) or ranges (downloads) transferred at once per process
 RANGE = 32 * 2**20  # bytes of one ranged GET when downloading
-PARTS = 4  # parts of one large file (over 100 MiB: 50 MiB multipart parts) uploaded at once: memory is bounded by
-# BATCH * PARTS * 50 MiB per process, whatever the size of the state
+_PARTS = 4  # parts of one large file (over 100 MiB: 50 MiB multipart parts) uploaded at once: memory is bounded by
+# _BATCH * _PARTS * 50 MiB per process, whatever the size of the state
 
 
 @dataclass
@@ -171,14 +171,14 @@ class ObjectStore:
             return
         lpaths = [str(Path(local_root) / rel) for rel in rels]
         rpaths = [self.key(name, rel) for rel in rels]
-        self.fs.put(lpaths, rpaths, batch_size=BATCH, max_concurrency=PARTS)
+        self.fs.put(lpaths, rpaths, batch_size=_BATCH, max_concurrency=_PARTS)
 
     def download(self, name: str, rels: list[str], local_root: Path, sizes: dict[str, int] | None = None) -> None:
         """Fetch ``name/rel`` into ``local_root/rel`` (each through a temporary name, renamed when complete).
 
-        Every file is cut into ranges of at most ``RANGE`` bytes, and ``BATCH`` ranged GETs run at once, whatever
+        Every file is cut into ranges of at most ``RANGE`` bytes, and ``_BATCH`` ranged GETs run at once, whatever
         the files: one large shard downloads on many connections, as a multipart upload sends it. Each range is
-        written at its offset, so memory stays below ``BATCH * RANGE``. ``sizes``: the files' sizes when known
+        written at its offset, so memory stays below ``_BATCH * RANGE``. ``sizes``: the files' sizes when known
         (the manifest's). An object of another size is downloaded whole, as it is: the checks after the download
         (``verify``, the check before a load) report it against the manifest.
         """
@@ -217,7 +217,7 @@ class ObjectStore:
                 while view:
                     view = view[os.pwrite(fds[rel], view, start + len(data) - len(view)):]
 
-            with ThreadPoolExecutor(max_workers=BATCH, thread_name_prefix="download") as pool:
+            with ThreadPoolExecutor(max_workers=_BATCH, thread_name_prefix="download") as pool:
                 futures = [pool.submit(fetch_range, item) for item in ranges]
                 try:
                     for future in futures:

@@ -6,7 +6,7 @@ mesh of any shape): DCP plans the reads from each parameter's ``DTensor`` placem
 parameter's dtype as ``from_pretrained(dtype=...)`` does. A plain tensor (not sharded) is read whole.
 
 The folder's names are the family's on-disk names; the model's are transformers' in-memory names. The mapping is
-the export's (``export/family.disk_layout``: the family's conversions, reversed): a renamed tensor is read under
+the export's (``formats/family.disk_layout``: the family's conversions, reversed): a renamed tensor is read under
 its on-disk name; tied copies are not read (they share the tensor of the weight they are tied to). A tensor that
 the family builds from parts of several on-disk tensors (a fused mixture-of-experts stack: one on-disk tensor per
 expert and projection) is filled part by part: a part that is a box of the fused tensor (an expert's rows) is read
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.export.family import DiskTensor, c_strides, disk_layout
+from automodel_ckpt.checkpoint.formats.family import DiskTensor, c_strides, disk_layout
 from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ, scratch
 from automodel_ckpt.checkpoint.formats.fastio.readers import ParallelHFReader
 from automodel_ckpt.errors import CheckpointError

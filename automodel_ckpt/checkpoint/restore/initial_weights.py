@@ -113,7 +113,7 @@ def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     def read() -> dict[str, torch.Tensor]:
-        from automodel_ckpt.checkpoint.export.family import auto_model_class
+        from automodel_ckpt.checkpoint.formats.family import auto_model_class
 
         dtype = next(model.parameters()).dtype
         loaded = auto_model_class(folder).from_pretrained(folder, dtype=dtype)

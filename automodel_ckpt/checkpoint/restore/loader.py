@@ -73,7 +73,7 @@ class CheckpointLoader:
         path = Path(path)
         with sharded.reading():  # the reader threads start now, beside the checks and the planning
             if self.env.is_main:
-                self.say(f"Loading checkpoint from {self.run.where(path)}")
+                self.say(f"Loading checkpoint from {self.run.location_of(path)}")
             if not checked:
                 self._fetch_and_check(path)
             self._load_states(states, path)

@@ -21,12 +21,12 @@ from automodel_ckpt.errors import DiskFullError
 from automodel_ckpt.sizes import human_size
 
 logger = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 _REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
             errno.EROFS: "the filesystem is read-only"}
-_TEXTS = {os.strerror(code).lower(): code for code in OUT_OF_ROOM}
+_TEXTS = {os.strerror(code).lower(): code for code in _OUT_OF_ROOM}
 
 
 def out_of_room(exc: BaseException | None) -> int | None:
@@ -45,7 +45,7 @@ def out_of_room(exc: BaseException | None) -> int | None:
             continue
         if isinstance(item, DiskFullError):
             return item.errno
-        if isinstance(item, OSError) and item.errno in OUT_OF_ROOM:
+        if isinstance(item, OSError) and item.errno in _OUT_OF_ROOM:
             return item.errno
         failures = getattr(item, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):
@@ -73,7 +73,7 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def state_bytes(objects: Iterable[Any]) -> int:
+def _state_bytes(objects: Iterable[Any]) -> int:
     """The tensor bytes of models (their ``state_dict``) and optimizers (their ``state``), at their global size."""
     total = 0
     for obj in objects:
@@ -87,7 +87,7 @@ def state_bytes(objects: Iterable[Any]) -> int:
     return total
 
 
-def free_bytes(folder: Path) -> int | None:
+def _free_bytes(folder: Path) -> int | None:
     """Free bytes on the filesystem holding ``folder`` (or its nearest existing parent)."""
     folder = Path(folder).absolute()
     while not folder.exists() and folder != folder.parent:
@@ -111,7 +111,7 @@ def message(code: int, what: str, folder: Path, needed: int | None, free: int | 
     return f"{what} in '{folder}' failed: {_REASONS[code]}{detail}; {fix}; {then}"
 
 
-def raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Iterable[Any], rank: int) -> None:
+def _raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Iterable[Any], rank: int) -> None:
     """Collective, after a save failed on every rank: if it ran out of room, remove its staging folder (rank 0)
     and raise the same one-line ``DiskFullError`` on every rank; otherwise return (the caller re-raises ``exc``).
 
@@ -126,20 +126,20 @@ def raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Iter
 
     def settle() -> str:
         newest = catalog.latest_checkpoint(checkpoint_dir)
-        needed = max(tree_bytes(newest) if newest else 0, state_bytes(objects))
+        needed = max(tree_bytes(newest) if newest else 0, _state_bytes(objects))
         removed = lifecycle.discard_staging(checkpoint_dir)
         logger.info("removed the unfinished checkpoint folder(s) %s", removed)
         then = (f"'{newest.name}' and the pointers are untouched and a rerun resumes from it" if newest
                 else "no checkpoint was saved yet")
-        return message(code, "saving a checkpoint", checkpoint_dir, needed, free_bytes(checkpoint_dir), then)
+        return message(code, "saving a checkpoint", checkpoint_dir, needed, _free_bytes(checkpoint_dir), then)
 
     err = DiskFullError(collective.on_main(settle, "removing the unfinished checkpoint", rank))
     err.errno = code
     raise err from exc
 
 
-def guarded(method: F) -> F:
-    """A ``Checkpointer`` method whose failure, if it ran out of room, becomes ``raise_if_out_of_room``'s error.
+def guarded(method: _F) -> _F:
+    """A ``Checkpointer`` method whose failure, if it ran out of room, becomes ``_raise_if_out_of_room``'s error.
 
     Reads the checkpointer's ``dir``, ``env.rank`` and ``_saved_objects`` (the state of its last ``save``).
     """
@@ -148,7 +148,7 @@ def guarded(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            raise_if_out_of_room(exc, self.dir, getattr(self, "_saved_objects", []), self.env.rank)
+            _raise_if_out_of_room(exc, self.dir, getattr(self, "_saved_objects", []), self.env.rank)
             raise
 
     return wrapper  # type: ignore[return-value]
@@ -160,7 +160,7 @@ def export_error(exc: BaseException, out_dir: Path, needed: int | None) -> BaseE
     if code is None or isinstance(exc, DiskFullError):
         return exc
     err = DiskFullError(message(code, "writing the Hugging Face export", Path(out_dir).parent, needed,
-                                free_bytes(out_dir), f"its temporary folder was removed, '{out_dir}' is unchanged"))
+                                _free_bytes(out_dir), f"its temporary folder was removed, '{out_dir}' is unchanged"))
     err.errno = code
     err.__cause__ = exc
     return err

@@ -27,22 +27,22 @@ class LocalFiles:
     staging: Path
     files: dict[Path, bytes] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None  # rank 0: metadata.json, written after the other files
-    then: Callable[[], None] | None = None  # rank 0: the Hugging Face helper files of the model folder
+    write_after: Callable[[], None] | None = None  # rank 0: the Hugging Face helper files of the model folder
 
     def write(self) -> None:
         write_files(self.files)
         if self.metadata is not None:
             write_metadata(self.staging, self.metadata)
-        if self.then is not None:
-            self.then()
+        if self.write_after is not None:
+            self.write_after()
 
 
-def take(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_size: int, config_yaml: str,
+def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_size: int, config_yaml: str,
          model_save_format: str, training_seconds: float, fingerprint: dict[str, Any] | None,
-         then: Callable[[], None] | None = None, dp_rank: int | None = -1,
+         write_after: Callable[[], None] | None = None, dp_rank: int | None = -1,
          mesh: dict[str, int] | None = None) -> LocalFiles:
     """This rank's files, their contents taken now: per-rank state; on rank 0 (``rank == 0``) also global state,
-    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``then``, run after them).
+    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``write_after``, run after them).
 
     Per-rank state is per data-parallel rank: ``dp_rank`` names its files (-1: ``rank``, a 1-D mesh), None writes
     none (a tensor-parallel peer of the rank that writes them). ``mesh``: the sizes recorded in the metadata.
@@ -50,10 +50,10 @@ def take(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_siz
     if dp_rank == -1:
         dp_rank = rank
     per_rank = plan.per_rank if dp_rank is not None else {}
-    out = LocalFiles(staging, {staging / layout.rank_state_file(a, dp_rank): pt_bytes(o) for a, o in per_rank.items()})
+    out = LocalFiles(staging, {staging / layout.rank_state_file(a, dp_rank): _pt_bytes(o) for a, o in per_rank.items()})
     if rank != 0:
         return out
-    out.files |= {staging / layout.global_state_file(a): pt_bytes(o) for a, o in plan.global_.items()}
+    out.files |= {staging / layout.global_state_file(a): _pt_bytes(o) for a, o in plan.global_.items()}
     out.files[staging / layout.CONFIG_FILE] = config_yaml.encode("utf-8")
     losses = {"epoch": info.epoch, "step": info.step, "train_loss": info.train_loss, "val_loss": info.val_loss}
     out.files[staging / layout.LOSSES_FILE] = (json.dumps(losses, indent=2) + "\n").encode("utf-8")
@@ -63,11 +63,11 @@ def take(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_siz
         world_size=world_size, model_save_format=model_save_format, training_seconds=training_seconds,
         fingerprint=fingerprint, mesh=mesh,
     )
-    out.then = then
+    out.write_after = write_after
     return out
 
 
-def pt_bytes(obj: Any) -> bytes:
+def _pt_bytes(obj: Any) -> bytes:
     """``obj.state_dict()`` as ``torch.save`` writes it, taken now."""
     buffer = io.BytesIO()
     torch.save(obj.state_dict(), buffer)

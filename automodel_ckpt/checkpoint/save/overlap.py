@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 logger = logging.getLogger(__name__)
 
 WRITE_THREADS_MAX = 4  # background writer threads per rank, at most (by default)
-ASYNC_MIN_TORCH = (2, 9)
+_ASYNC_MIN_TORCH = (2, 9)
 
 
 def async_supported(warn: bool) -> bool:
@@ -26,15 +26,15 @@ def async_supported(warn: bool) -> bool:
     import torch
 
     version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
-    if version >= ASYNC_MIN_TORCH:
+    if version >= _ASYNC_MIN_TORCH:
         return True
     if warn:
-        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, ASYNC_MIN_TORCH))} (found "
+        warnings.warn(f"checkpoint.is_async needs torch >= {'.'.join(map(str, _ASYNC_MIN_TORCH))} (found "
                       f"{torch.__version__}); saving synchronously", stacklevel=4)
     return False
 
 
-class Staged(Protocol):
+class _Staged(Protocol):
     """What ``start`` runs: ``sharded.StagedSave``."""
 
     def capture(self) -> None: ...
@@ -71,7 +71,7 @@ class Overlapped:
     writes: list[Future] = field(default_factory=list)
     fence_seconds: float = 0.0  # how long the training thread waited at fences for this save
     capture_seconds: float = 0.0  # how long the background copy of the live state took
-    completed: Future | None = None  # with ``then``: its result (the published checkpoint) or its failure
+    completed: Future | None = None  # with ``after_writes``: its result (the published checkpoint) or its failure
 
     def fence(self) -> None:
         """Block until the live state is copied (the state may be changed after this returns)."""
@@ -82,16 +82,17 @@ class Overlapped:
         self.fence_seconds += time.perf_counter() - t0
 
 
-def start(items: list[Staged], process_group: Any, *, nice: int, prepare: Callable[[], Any] | None = None,
-          then: Callable[[], Any] | None = None, name: str = "ckpt-async") -> Overlapped:
-    """Capture every item, run ``prepare`` (e.g. reserve the staging folder), write each item in order, then run
-    ``then``, on one daemon thread at niceness ``nice``.
+def start(items: list[_Staged], process_group: Any, *, nice: int,
+          before_writes: Callable[[], Any] | None = None, after_writes: Callable[[], Any] | None = None,
+          name: str = "ckpt-async") -> Overlapped:
+    """Capture every item, run ``before_writes`` (e.g. reserve the staging folder), write each item in order,
+    then run ``after_writes``, on one daemon thread at niceness ``nice``.
 
-    ``prepare`` and the writes are collective on ``process_group``: every rank runs them, in the same order. A rank
-    whose capture or ``prepare`` failed still enters every write, which then fails on every rank (one error, no
-    hang).
+    ``before_writes`` and the writes are collective on ``process_group``: every rank runs them, in the same order.
+    A rank whose capture or ``before_writes`` failed still enters every write, which then fails on every rank
+    (one error, no hang).
     """
-    job = Overlapped(writes=[Future() for _ in items], completed=Future() if then is not None else None)
+    job = Overlapped(writes=[Future() for _ in items], completed=Future() if after_writes is not None else None)
     ready = _device_work_so_far()
 
     def run() -> None:
@@ -107,9 +108,9 @@ def start(items: list[Staged], process_group: Any, *, nice: int, prepare: Callab
         finally:
             job.capture_seconds = time.perf_counter() - t0
             job.captured.set_result(None)
-        if prepare is not None:
+        if before_writes is not None:
             try:
-                prepare()
+                before_writes()
             except BaseException as exc:  # noqa: BLE001 - raised through the writes below
                 error = error or exc
         for item, future in zip(items, job.writes):
@@ -119,9 +120,9 @@ def start(items: list[Staged], process_group: Any, *, nice: int, prepare: Callab
                 future.set_exception(exc)
             else:
                 future.set_result(None)
-        if then is not None and job.completed is not None:
+        if after_writes is not None and job.completed is not None:
             try:
-                job.completed.set_result(then())
+                job.completed.set_result(after_writes())
             except BaseException as exc:  # noqa: BLE001 - raised on the training thread by the next wait
                 job.completed.set_exception(exc)
 
@@ -169,7 +170,7 @@ class PendingSave:
     job: Overlapped | None = None  # the background capture, writes and (unless ``consolidate``) completion
     small_files: Any = None  # ``local_files.LocalFiles`` still to be written by the completion, if any
 
-    def let_end(self, seconds: float) -> bool:
+    def wait_for_writes(self, seconds: float) -> bool:
         """Wait up to ``seconds`` in all for the background writes, whatever their outcome; whether all ended."""
         deadline = time.monotonic() + seconds
         unfinished = 0

@@ -32,7 +32,7 @@ from automodel_ckpt.distributed.lifeline import stop_if_orphaned
 from automodel_ckpt.distributed.mesh import ParallelDims
 from automodel_ckpt.errors import CheckpointError
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 class SaveWriter:
@@ -94,8 +94,10 @@ class SaveWriter:
         if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
             pending.job = overlap.start(
                 staged, self._group, nice=self.cfg.async_nice,
-                prepare=functools.partial(self._on_group, self._reserve, name) if reserve_in_background else None,
-                then=functools.partial(self._on_group, self._complete, pending) if completes_in_background else None,
+                before_writes=(functools.partial(self._on_group, self._reserve, name)
+                               if reserve_in_background else None),
+                after_writes=(functools.partial(self._on_group, self._complete, pending)
+                              if completes_in_background else None),
             )
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
             clock.mark("start_background")
@@ -147,12 +149,12 @@ class SaveWriter:
         peft = plan.has_peft
         helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf,
                                      self.cfg.model_save_format) if plan.models and not peft else None)
-        return local_files.take(
+        return local_files.capture(
             staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
             dp_rank=self.dims.dp_rank if self.dims.writes_rank_state else None, mesh=self.dims.sizes.record(),
             config_yaml=self.config_yaml,
             model_save_format=layout.ADAPTER_FORMAT if peft else self.cfg.model_save_format,
-            training_seconds=self.time.seconds(), fingerprint=self.fingerprint, then=helpers,
+            training_seconds=self.time.seconds(), fingerprint=self.fingerprint, write_after=helpers,
         )
 
     def _complete(self, pending: overlap.PendingSave) -> Path:
@@ -224,7 +226,7 @@ class SaveWriter:
     def abandon(self, seconds: float) -> None:
         """Let this rank's background writes end (up to ``seconds``), without collectives and without publishing."""
         pending, self._pending = self._pending, None
-        if pending is None or pending.let_end(seconds):
+        if pending is None or pending.wait_for_writes(seconds):
             self.close()
 
     @property
@@ -236,7 +238,7 @@ class SaveWriter:
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def _on_group(self, fn: Callable[..., T], *args: Any) -> T:
+    def _on_group(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` with its collectives on checkpointing's own group: never meeting training's."""
         with collectives_on(self._group):
             return fn(*args)

@@ -26,9 +26,8 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
     from automodel_ckpt.checkpoint.storage.base import RunFolder
 
-__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "check_url", "is_url", "monitor_of", "open_for_reading",
-           "open_run_folder", "open_store_run", "run_folder", "source_of", "stored_files", "upload_folder",
-           "upload_when_written"]
+__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "is_url", "monitor_of", "open_for_reading", "open_run_folder",
+           "open_store_run", "run_folder", "source_of", "stored_files", "upload_folder", "upload_when_written"]
 
 
 def monitor_of(cfg: Any) -> Monitor:

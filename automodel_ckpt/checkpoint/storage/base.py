@@ -32,10 +32,12 @@ class RunFolder(Protocol):
     durable: bool  # a commit is fsynced first (False: a RAM disk's tier, gone with the node anyway)
 
     def location(self, name: str) -> str:
-        """Checkpoint ``name`` as the user configured it: a path, or a URL."""
+        """Checkpoint ``name`` of this run folder as the user configured it: a path, or a URL (what a save
+        announces). ``location_of`` says the same of a local folder."""
 
-    def where(self, path: Path) -> str:
-        """A local checkpoint folder as the user knows it: its path, or the URL its mirror copies."""
+    def location_of(self, path: Path) -> str:
+        """A local checkpoint folder as the user knows it: its path, or the URL its mirror copies (what a load
+        announces; the folder may belong to another run, a ``restore_from``). ``location`` takes a name."""
 
     def acquire(self) -> None:
         """Collective, before training: check the folder can be written and take it for this run."""

@@ -35,7 +35,7 @@ class LocalRunFolder:
     def location(self, name: str) -> str:
         return str(self.local / name)
 
-    def where(self, path: Path) -> str:
+    def location_of(self, path: Path) -> str:
         url = source_of(path)  # a checkpoint in an object store's mirror (this run's or a restore_from URL's)
         return f"{url}/{Path(path).name}" if url else str(path)
 

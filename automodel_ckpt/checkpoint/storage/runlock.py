@@ -128,7 +128,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return describe(_read_holder(fd))
+                return _describe(_read_holder(fd))
             except OSError:
                 return None
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -186,7 +186,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                who = describe(_read_holder(fd))
+                who = _describe(_read_holder(fd))
                 os.close(fd)
                 raise FolderInUseError(self._in_use(who)) from None
             except OSError as exc:
@@ -244,7 +244,7 @@ def hold(folder: Path, rank: int) -> RunLock:
     return lock
 
 
-def describe(info: dict | None) -> str:
+def _describe(info: dict | None) -> str:
     """``host H, pid P (launcher pid L), since 2026-01-31 12:00:00 UTC`` from the lock file's record."""
     if not info:
         return "holder not recorded yet: it is starting"

@@ -6,7 +6,7 @@ and ``safetensors``; what changes is how the bytes get there:
 
 * Writes. The file's layout (every record's offset) is planned first, then the bytes go from the tensors' own
   memory straight to the file with positioned writes (``pwritev``) from ``threads`` threads, in chunks of
-  ``CHUNK``; no serialized copy of the state is built (torch's safetensors writer builds one of the whole shard).
+  ``common.CHUNK``; no serialized copy of the state is built (torch's safetensors writer builds one of the whole shard).
   Writeback of each chunk is started as soon as it is written (``sync_file_range`` on Linux), so the disk works
   while later chunks are copied; one ``fsync`` at the end makes the file durable. The checksum the manifest needs
   is computed from the same memory while the file is written, so sealing the checkpoint does not read it back.
@@ -29,14 +29,12 @@ Anything unusual (stream transforms, tensors of an unknown dtype, non-CPU destin
 recognise) takes torch's own code path for that item, so this package never changes what can be saved or loaded.
 """
 
-from automodel_ckpt.checkpoint.formats.fastio.common import CHUNK, READ_THREADS, WRITE_THREADS
-from automodel_ckpt.checkpoint.formats.fastio.filewrite import write_file
+from automodel_ckpt.checkpoint.formats.fastio.common import READ_THREADS, WRITE_THREADS
 from automodel_ckpt.checkpoint.formats.fastio.optim_state import init_optimizer_state
 from automodel_ckpt.checkpoint.formats.fastio.readers import ParallelFileSystemReader, ParallelHFReader
 from automodel_ckpt.checkpoint.formats.fastio.writers import ParallelFileSystemWriter, ParallelSafetensorsWriter
 
 __all__ = [
-    "CHUNK",
     "READ_THREADS",
     "WRITE_THREADS",
     "ParallelFileSystemReader",
@@ -44,5 +42,4 @@ __all__ = [
     "ParallelHFReader",
     "ParallelSafetensorsWriter",
     "init_optimizer_state",
-    "write_file",
 ]

@@ -17,7 +17,7 @@ READ_THREADS = 4  # per rank
 SMALL = 1 << 20  # pieces below this are coalesced into one buffer before writing
 
 
-class ReadCounter:
+class _ReadCounter:
     """Bytes this process has read from tensor files (``preadv`` calls of the readers): what a load cost."""
 
     def __init__(self) -> None:
@@ -29,7 +29,7 @@ class ReadCounter:
             self.total += n
 
 
-BYTES_READ = ReadCounter()
+BYTES_READ = _ReadCounter()
 
 
 def default_threads(wanted: int) -> int:

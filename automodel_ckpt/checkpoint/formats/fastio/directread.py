@@ -35,13 +35,13 @@ from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ
 log = logging.getLogger(__name__)
 
 REGION = 8 << 20  # bytes per read (one page-aligned buffer of this size per thread, and a few spare)
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 GAP = 1 << 20  # unneeded bytes between two needed ranges of a file that are read rather than skipped
 DIRECT_READ_MIN = 16 << 20  # files from this size on are read with O_DIRECT (smaller ones: page cache)
 ENV = "AUTOMODEL_CKPT_DIRECT_READ"  # "off": always through the page cache; "force": O_DIRECT whatever the size
 
 
-def mode() -> str:
+def _mode() -> str:
     """``auto`` (O_DIRECT for large files), ``off`` or ``force``, from the environment variable ``ENV``."""
     value = os.environ.get(ENV, "auto").strip().lower()
     return value if value in ("auto", "off", "force") else "auto"
@@ -49,7 +49,7 @@ def mode() -> str:
 
 def wanted(size: int) -> bool:
     """Whether a file of ``size`` bytes is read with O_DIRECT (where the filesystem allows it)."""
-    m = mode()
+    m = _mode()
     return hasattr(os, "O_DIRECT") and (m == "force" or (m == "auto" and size >= DIRECT_READ_MIN))
 
 
@@ -133,14 +133,14 @@ def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int
     ranges: list[list[int]] = [[0, size]] if whole else []
     if not whole:
         for s in segments:
-            a, b = s.start // ALIGN * ALIGN, s.start + s.nbytes
+            a, b = s.start // _ALIGN * _ALIGN, s.start + s.nbytes
             if ranges and a <= ranges[-1][1] + gap:
                 ranges[-1][1] = max(ranges[-1][1], b)
             else:
                 ranges.append([a, b])
     regions: list[_Region] = []
     for a, b in ranges:
-        b = min(size, -(-b // ALIGN) * ALIGN)  # whole pages (O_DIRECT reads nothing less), up to the end of file
+        b = min(size, -(-b // _ALIGN) * _ALIGN)  # whole pages (O_DIRECT reads nothing less), up to the end of file
         for lo in range(a, b, REGION):
             regions.append(_Region(index, lo, min(b, lo + REGION), [], whole))
     if not regions:
@@ -260,7 +260,7 @@ def _read_region(file: _File, region: _Region, buffer: Any) -> int:
     n = region.hi - region.lo
     aligned = 0
     if direct_fd is not None and file.direct:
-        aligned = min(n, (file.size - region.lo) // ALIGN * ALIGN)  # whole pages; the file's tail: page cache
+        aligned = min(n, (file.size - region.lo) // _ALIGN * _ALIGN)  # whole pages; the file's tail: page cache
         try:
             got = _pread_into(direct_fd, view[:aligned], region.lo) if aligned else 0
         except OSError as exc:

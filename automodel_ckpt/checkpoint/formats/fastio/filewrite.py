@@ -26,7 +26,7 @@ from automodel_ckpt.checkpoint.formats.fastio.common import tensor_memory
 
 DIRECT_MIN = 64 << 20  # files from this size on are written with O_DIRECT where the filesystem allows it
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write (one page-aligned buffer of this size per writer thread)
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 
 
 class Lazy:
@@ -178,7 +178,7 @@ def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, thread
                 buffer[a - lo:b - lo] = view[a - at:b - at]
             i += 1
         n = hi - lo
-        aligned = n // ALIGN * ALIGN
+        aligned = n // _ALIGN * _ALIGN
         if aligned:
             _pwrite_all(direct_fd, [buffer[:aligned]], lo)
         if n > aligned:

@@ -40,7 +40,7 @@ def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: 
 
 
 
-def pread_into(fd: int, view: memoryview, offset: int) -> None:
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     while view.nbytes:
         n = os.preadv(fd, [view], offset)
         if n == 0:
@@ -105,7 +105,7 @@ class ReadJob:
 
     def read_direct(self, fd: int, s: int) -> None:
         n = min(common.CHUNK, self.nbytes - s)
-        pread_into(fd, tensor_memory(self.target, writable=True)[s:s + n], self.start + s)
+        _pread_into(fd, tensor_memory(self.target, writable=True)[s:s + n], self.start + s)
 
     def segment(self) -> directread.Segment | None:
         """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record.
@@ -132,11 +132,11 @@ class ReadJob:
         buffer = common.scratch(self.nbytes // itemsize(self.located.dtype), self.located.dtype)
         memory = tensor_memory(buffer, writable=True)
         if self.runs is None:
-            pread_into(fd, memory, self.start)
+            _pread_into(fd, memory, self.start)
         else:
             done = 0
             for start, n in self.runs:
-                pread_into(fd, memory[done:done + n], start)
+                _pread_into(fd, memory[done:done + n], start)
                 done += n
         self._place(buffer)
 
@@ -147,7 +147,7 @@ class ReadJob:
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         data = bytearray(self.nbytes)
-        pread_into(fd, memoryview(data), self.start)
+        _pread_into(fd, memoryview(data), self.start)
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         self._copy(narrow_tensor_by_index(tensor, self.offsets, self.lengths))
 
@@ -157,7 +157,7 @@ class ReadJob:
         self.target.copy_(piece)
 
 
-def split_even(tasks: list[tuple[str, int, int, Any]], groups: int) -> list[list[tuple[str, int, int, Any]]]:
+def _split_even(tasks: list[tuple[str, int, int, Any]], groups: int) -> list[list[tuple[str, int, int, Any]]]:
     """Consecutive runs of ``tasks`` (sorted by file and offset) of about equal bytes: one per thread."""
     total = sum(t[2] for t in tasks) or 1
     out: list[list[tuple[str, int, int, Any]]] = [[]]
@@ -170,7 +170,7 @@ def split_even(tasks: list[tuple[str, int, int, Any]], groups: int) -> list[list
     return out
 
 
-def in_threads(groups: list[list[Any]], work: Callable[[list[Any]], None]) -> None:
+def _in_threads(groups: list[list[Any]], work: Callable[[list[Any]], None]) -> None:
     if len(groups) == 1:
         work(groups[0])
         return
@@ -179,7 +179,7 @@ def in_threads(groups: list[list[Any]], work: Callable[[list[Any]], None]) -> No
             f.result()
 
 
-def open_fd(path: str, advice: int | None) -> int:
+def _open_fd(path: str, advice: int | None) -> int:
     fd = open_regular(Path(path), follow=True)  # never a FIFO or device (a base's cache links are followed)
     if advice is not None and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, advice)
@@ -227,16 +227,16 @@ def _preadv_reads(jobs: list[ReadJob], threads: int) -> None:
         try:
             for path, _start, _n, read in group:
                 if path not in fds:
-                    fds[path] = open_fd(path, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
+                    fds[path] = _open_fd(path, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
                 read(fds[path])
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    in_threads(split_even(tasks, max(1, min(threads, len(tasks)))), work)
+    _in_threads(_split_even(tasks, max(1, min(threads, len(tasks)))), work)
 
 
-def finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPlanner) -> Future:
+def _finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPlanner) -> Future:
     for req, target in reqs_targets:
         planner.commit_tensor(req, target)
     fut: Future = Future()
@@ -278,11 +278,11 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
         jobs.append(ReadJob(file, located, tuple(req.storage_offsets), tuple(req.lengths), target))
         done.append((req, target))
     run_reads(jobs, threads, hash_files, on_hashed, gap=getattr(reader, "gap", directread.GAP))
-    return finish_reads(done, planner)
+    return _finish_reads(done, planner)
 
 
 
-def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
+def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                 hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``FileSystemReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead.
 
@@ -312,14 +312,14 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
         try:
             for path, offset, length, req in group:
                 if path not in fds:
-                    fds[path] = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
+                    fds[path] = _open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
                 located[id(req)] = locate_record(fds[path], offset, length)
         finally:
             for fd in fds.values():
                 os.close(fd)
 
     if unknown:  # records of another writer: a few small reads each
-        in_threads(split_even(unknown, max(1, min(threads, len(unknown)))), locate)
+        _in_threads(_split_even(unknown, max(1, min(threads, len(unknown)))), locate)
     jobs, done = [], []
     for path, offset, length, req in tensors:
         target = planner.resolve_tensor(req).detach()
@@ -328,7 +328,7 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
         done.append((req, target))
     for path, offset, length, req in items:
         if req.type == LoadItemType.BYTE_IO:
-            fd = open_fd(path, None)
+            fd = _open_fd(path, None)
             try:
                 data = os.pread(fd, length, offset)
             finally:
@@ -337,7 +337,7 @@ def read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                 raise OSError(f"unexpected end of file in '{path}'")
             planner.load_bytes(req, io.BytesIO(data))
     run_reads(jobs, threads, hash_files, on_hashed)
-    return finish_reads(done, planner)
+    return _finish_reads(done, planner)
 
 
 
@@ -374,7 +374,7 @@ class ParallelHFReader(_Checked, CachingHFReader):
     def header(self, path: str) -> tuple[str, int, dict[str, Any]]:
         """``(file to read, where its tensor data starts in it, header)`` of the safetensors file ``path`` names
         (a file of the folder here; a member of an archive for ``export.archive_weights.ArchiveHFReader``)."""
-        fd = open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
+        fd = _open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
         try:
             start, header = safetensors_header(fd, path)
         finally:
@@ -383,7 +383,7 @@ class ParallelHFReader(_Checked, CachingHFReader):
 
 
 class ParallelFileSystemReader(_Checked, SafeFileSystemReader):
-    """``SafeFileSystemReader`` whose reads go straight into the destination tensors (``read_distcp``)."""
+    """``SafeFileSystemReader`` whose reads go straight into the destination tensors (``_read_distcp``)."""
 
     def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None) -> None:
         super().__init__(str(path))
@@ -391,4 +391,4 @@ class ParallelFileSystemReader(_Checked, SafeFileSystemReader):
         self.check = check
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        return self._read(read_distcp, plan, planner)
+        return self._read(_read_distcp, plan, planner)

@@ -1,7 +1,6 @@
 """The node-local checkpoint tier's parts: placement of copies, file transfer between ranks, inventory, folders."""
 
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import (
-    Chosen,
     Inventory,
     StepFiles,
     Transfer,
@@ -21,14 +20,11 @@ from automodel_ckpt.checkpoint.storage.nodelocal.localdir import (
     remove,
     run_id,
 )
-from automodel_ckpt.checkpoint.storage.nodelocal.placement import Placement, place
-from automodel_ckpt.checkpoint.storage.nodelocal.transfer import CHUNK_BYTES, exchange
+from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
+from automodel_ckpt.checkpoint.storage.nodelocal.transfer import exchange
 
 __all__ = [
-    "CHUNK_BYTES",
-    "Chosen",
     "Inventory",
-    "Placement",
     "StepFiles",
     "Transfer",
     "check_private",

@@ -25,7 +25,7 @@ from automodel_ckpt.checkpoint.locations import is_url, local_path
 from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.sizes import human_size
 
-KEY = "checkpoint.local.dir"
+_KEY = "checkpoint.local.dir"
 
 
 def run_id(checkpoint_dir: str) -> str:
@@ -64,9 +64,9 @@ def claim(folder: Path, run: str, fingerprint: Any, *, private_parent: bool = Fa
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(f"{KEY}: cannot create '{folder.parent}': {first_line(exc)}") from None
+            raise CheckpointError(f"{_KEY}: cannot create '{folder.parent}': {first_line(exc)}") from None
     _make_private(folder)
-    return bind(folder, run, fingerprint)
+    return _bind(folder, run, fingerprint)
 
 
 def _make_private(folder: Path) -> None:
@@ -75,7 +75,7 @@ def _make_private(folder: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise CheckpointError(f"{KEY}: cannot create '{folder}': {first_line(exc)}; choose a writable folder on "
+        raise CheckpointError(f"{_KEY}: cannot create '{folder}': {first_line(exc)}; choose a writable folder on "
                               "each node") from None
     check_private(folder)
 
@@ -84,22 +84,22 @@ def check_private(folder: Path) -> None:
     """``CheckpointError`` (one line) unless ``folder`` is a real folder of this user that no one else can read or
     write; it is opened without following a link."""
     if os.path.islink(folder):
-        raise CheckpointError(f"{KEY}: '{folder}' is a symlink; a node-local folder is never reached through a "
+        raise CheckpointError(f"{_KEY}: '{folder}' is a symlink; a node-local folder is never reached through a "
                               "link: name the folder itself")
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         what = "not a folder" if exc.errno in (errno.ENOTDIR, errno.ELOOP) else first_line(exc)
-        raise CheckpointError(f"{KEY}: cannot use '{folder}': {what}") from None
+        raise CheckpointError(f"{_KEY}: cannot use '{folder}': {what}") from None
     try:
         st = os.fstat(fd)
     finally:
         os.close(fd)
     if st.st_uid != os.geteuid():
-        raise CheckpointError(f"{KEY}: '{folder}' belongs to uid {st.st_uid}, not to this user (uid "
+        raise CheckpointError(f"{_KEY}: '{folder}' belongs to uid {st.st_uid}, not to this user (uid "
                               f"{os.geteuid()}); another user's folder is never used: choose your own")
     if st.st_mode & 0o066:
-        raise CheckpointError(f"{KEY}: '{folder}' can be read or written by other users (mode "
+        raise CheckpointError(f"{_KEY}: '{folder}' can be read or written by other users (mode "
                               f"{stat.S_IMODE(st.st_mode):04o}); run `chmod 700 '{folder}'` or choose a private "
                               "folder")
 
@@ -110,7 +110,7 @@ def fingerprint_digest(fingerprint: Any) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
-def bind(folder: Path, run: str, fingerprint: Any) -> list[str]:
+def _bind(folder: Path, run: str, fingerprint: Any) -> list[str]:
     """Bind ``folder`` to the run ``run``: refused when another run's binding is there, or when it holds anything
     without one; the same run's steps written with another fingerprint are removed (a warning says so)."""
     folder = Path(folder)
@@ -122,16 +122,16 @@ def bind(folder: Path, run: str, fingerprint: Any) -> list[str]:
         with os.scandir(folder) as it:
             found = sorted(e.name for e in it)
         if found:
-            raise CheckpointError(f"{KEY}: '{folder}' is not empty and holds no {layout.LOCAL_BINDING} (found "
+            raise CheckpointError(f"{_KEY}: '{folder}' is not empty and holds no {layout.LOCAL_BINDING} (found "
                                   f"'{found[0]}'): it is not a node-local folder of a run; choose an empty or new "
                                   "folder")
     elif bound.get("run_id") != run:
-        raise CheckpointError(f"{KEY}: '{folder}' holds the node-local steps of another run (run id "
+        raise CheckpointError(f"{_KEY}: '{folder}' holds the node-local steps of another run (run id "
                               f"{bound.get('run_id')}, this run's is {run}: another checkpoint_dir); a folder is "
                               "never shared by two runs: choose another one or remove that one")
     elif bound.get("fingerprint") != digest:
-        removed = remove_steps(folder)
-        warnings.append(f"{KEY}: the recipe changed since '{folder}' was written (another run fingerprint): its "
+        removed = _remove_steps(folder)
+        warnings.append(f"{_KEY}: the recipe changed since '{folder}' was written (another run fingerprint): its "
                         f"{removed} node-local steps were removed")
     if bound is None or bound.get("fingerprint") != digest:
         write_atomic(file, (json.dumps({"run_id": run, "fingerprint": digest}) + "\n").encode("utf-8"), 0o600)
@@ -147,10 +147,10 @@ def read_binding(folder: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(paths.read_text(file))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{KEY}: '{file}' is unreadable ({first_line(exc)}); remove the folder '{folder}' "
+        raise CheckpointError(f"{_KEY}: '{file}' is unreadable ({first_line(exc)}); remove the folder '{folder}' "
                               "to start it afresh") from None
     if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("run_id", "fingerprint")):
-        raise CheckpointError(f"{KEY}: '{file}' is malformed; remove the folder '{folder}' to start it afresh")
+        raise CheckpointError(f"{_KEY}: '{file}' is malformed; remove the folder '{folder}' to start it afresh")
     return data
 
 
@@ -159,7 +159,7 @@ def _is_step_folder(name: str) -> bool:
     return layout.parse_default_name(plain) is not None
 
 
-def remove_steps(folder: Path) -> int:
+def _remove_steps(folder: Path) -> int:
     """Remove the local steps (complete or being written) in ``folder``, following no link; how many."""
     with os.scandir(folder) as it:
         names = sorted(e.name for e in it if _is_step_folder(e.name))
@@ -176,7 +176,7 @@ def check_space(folder: Path, step_bytes: int, keep: int, copies: int) -> None:
     free = shutil.disk_usage(folder).free
     if need > free:
         raise CheckpointError(
-            f"{KEY}: '{folder}' has {human_size(free)} free, but {keep + 1} node-local steps ({keep} kept and one "
+            f"{_KEY}: '{folder}' has {human_size(free)} free, but {keep + 1} node-local steps ({keep} kept and one "
             f"being written) of {human_size(step_bytes)} with {copies} copies each need {human_size(need)}; lower "
             "checkpoint.local.keep or checkpoint.local.replicas, or give the folder more room (a larger /dev/shm, "
             "or checkpoint.local.dir on local NVMe)")
@@ -195,7 +195,7 @@ def remove(folder: Path, run: str) -> bool:
         return False
     if bound is None or bound.get("run_id") != run:
         return False
-    remove_steps(folder)
+    _remove_steps(folder)
     os.unlink(folder / layout.LOCAL_BINDING)
     try:
         os.rmdir(folder)

@@ -1,7 +1,7 @@
 """Files sent between ranks over a gloo process group: point to point, in bounded chunks, checked on arrival.
 
 Each pair (sender, receiver) is one stream of messages, in order: the header's length, the header (JSON: the files'
-relative names and sizes, or the sender's one-line error), every file's bytes in chunks of at most ``CHUNK_BYTES``,
+relative names and sizes, or the sender's one-line error), every file's bytes in chunks of at most ``_CHUNK_BYTES``,
 then the trailer's length and the trailer (JSON: what went wrong while sending, if anything). ``exchange`` moves
 every stream of a rank forward by one message per round: it posts the round's ``isend``/``irecv`` of all its
 streams, then waits for them all. Both ends of a stream post its ``i``-th message in their ``i``-th round, so
@@ -31,16 +31,16 @@ from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.disk.checksum import CRC32, hasher
 from automodel_ckpt.errors import CheckpointError, first_line
 
-CHUNK_BYTES = 64 << 20  # the most bytes of one file sent in one message
-MAX_HEADER_BYTES = 64 << 20  # a header (or trailer) longer than this is a broken stream
+_CHUNK_BYTES = 64 << 20  # the most bytes of one file sent in one message
+_MAX_HEADER_BYTES = 64 << 20  # a header (or trailer) longer than this is a broken stream
 _NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 # A stream is a generator of the tensors it sends or receives, one per round; it returns its problems.
-Stream = Generator[torch.Tensor, None, list[str]]
+_Stream = Generator[torch.Tensor, None, list[str]]
 
 
 def exchange(outgoing: Mapping[int, Sequence[str]], src_root: Path, incoming: Mapping[int, Path], group: Any = None,
-             *, expected: Mapping[str, Any] | None = None, chunk_bytes: int = CHUNK_BYTES) -> dict[int, list[str]]:
+             *, expected: Mapping[str, Any] | None = None, chunk_bytes: int = _CHUNK_BYTES) -> dict[int, list[str]]:
     """Send the files ``outgoing[dst]`` (relative names below ``src_root``) to each rank ``dst``, and receive what
     each rank ``src`` of ``incoming`` sends into the folder ``incoming[src]`` (created if missing). Ranks are global
     ranks of ``group`` (default: every rank). ``expected``: a manifest (``disk.manifest.read``) whose entries the
@@ -49,7 +49,7 @@ def exchange(outgoing: Mapping[int, Sequence[str]], src_root: Path, incoming: Ma
     me = dist.get_rank()
     if me in outgoing or me in incoming:
         raise ValueError(f"rank {me} cannot send files to itself")
-    streams: dict[tuple[str, int], Stream] = {}
+    streams: dict[tuple[str, int], _Stream] = {}
     received: dict[int, list[str]] = {}
     for dst, rels in sorted(outgoing.items()):
         streams["send", dst] = send_stream(me, dst, list(rels), Path(src_root), chunk_bytes)
@@ -63,7 +63,7 @@ def exchange(outgoing: Mapping[int, Sequence[str]], src_root: Path, incoming: Ma
     return received
 
 
-def _drive(streams: dict[tuple[str, int], Stream], group: Any) -> list[str]:
+def _drive(streams: dict[tuple[str, int], _Stream], group: Any) -> list[str]:
     """Run the streams round by round to their ends; their problems, in the order of the streams."""
     problems: dict[tuple[str, int], list[str]] = {}
     current: dict[tuple[str, int], torch.Tensor] = {}
@@ -98,7 +98,7 @@ def _text(data: dict[str, Any]) -> torch.Tensor:
 # --- sending ------------------------------------------------------------------------------------------
 
 
-def send_stream(me: int, dst: int, rels: list[str], root: Path, chunk_bytes: int = CHUNK_BYTES) -> Stream:
+def send_stream(me: int, dst: int, rels: list[str], root: Path, chunk_bytes: int = _CHUNK_BYTES) -> _Stream:
     """The messages rank ``me`` sends to ``dst``: the files ``rels`` below ``root``; returns its problems."""
     files: list[tuple[str, int, int]] = []  # (name, size, open descriptor)
     error = None
@@ -145,8 +145,8 @@ def _read_into(f: Any, piece: torch.Tensor) -> int:
 # --- receiving ----------------------------------------------------------------------------------------
 
 
-def receive_stream(src: int, folder: Path, expected: Mapping[str, Any] | None = None, chunk_bytes: int = CHUNK_BYTES,
-                   received: list[str] | None = None) -> Stream:
+def receive_stream(src: int, folder: Path, expected: Mapping[str, Any] | None = None, chunk_bytes: int = _CHUNK_BYTES,
+                   received: list[str] | None = None) -> _Stream:
     """The messages received from rank ``src``: files written below ``folder`` (their names appended to
     ``received``), checked against the manifest ``expected`` where it lists them; returns its problems."""
     where = f"the header from rank {src} (into '{folder}')"
@@ -181,9 +181,9 @@ def _receive_json(src: int) -> Generator[torch.Tensor, None, dict[str, Any]]:
     length = _length(0)
     yield length
     n = int(length.item())
-    if not 0 <= n <= MAX_HEADER_BYTES:
+    if not 0 <= n <= _MAX_HEADER_BYTES:
         raise CheckpointError(f"node-local transfer: rank {src} announced a message of {n} bytes "
-                              f"(at most {MAX_HEADER_BYTES}); the stream is broken")
+                              f"(at most {_MAX_HEADER_BYTES}); the stream is broken")
     data = torch.empty(n, dtype=torch.uint8)
     yield data
     try:

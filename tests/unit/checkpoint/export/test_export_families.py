@@ -11,7 +11,7 @@ import torch
 
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.export.plan import consolidate
-from automodel_ckpt.checkpoint.export.family import disk_layout, family_of
+from automodel_ckpt.checkpoint.formats.family import disk_layout, family_of
 from automodel_ckpt.checkpoint.export.views import flat_boxes
 from tests.family_bases import FAMILIES, checkpoint_of, in_memory_state, folder_weights
 
@@ -105,7 +105,7 @@ def test_flat_boxes_tile_any_range():
 def test_the_base_folders_own_names_decide_prefix_conversions():
     """A LLaVA base stored as on the Hub (``vision_tower.vision_model.*``) exports under those names; one stored as
     transformers 5 writes a model built from its config (``vision_tower.*``) exports under those."""
-    from automodel_ckpt.checkpoint.export.family import _meta_model
+    from automodel_ckpt.checkpoint.formats.family import _meta_model
     from automodel_ckpt.models.tiny_vlm import tiny_llava_config
 
     config = {**tiny_llava_config(), "model_type": "llava"}

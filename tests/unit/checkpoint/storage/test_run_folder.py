@@ -13,7 +13,7 @@ def test_a_local_checkpoint_dir_names_its_paths(tmp_path):
     run = storage.open_run_folder(CheckpointConfig(checkpoint_dir=str(tmp_path / "run")), 0, 1)
     assert type(run) is LocalRunFolder and run.local == tmp_path / "run" and run.reserves_in_background
     assert run.location("epoch_0_step_4") == str(tmp_path / "run" / "epoch_0_step_4")
-    assert run.where(tmp_path / "run" / "epoch_0_step_4") == str(tmp_path / "run" / "epoch_0_step_4")
+    assert run.location_of(tmp_path / "run" / "epoch_0_step_4") == str(tmp_path / "run" / "epoch_0_step_4")
 
 
 def test_an_object_store_checkpoint_names_its_url_not_the_mirror(tmp_path, monkeypatch):
@@ -27,7 +27,7 @@ def test_an_object_store_checkpoint_names_its_url_not_the_mirror(tmp_path, monke
     # from s3://bucket/run/epoch_0_step_4"), as the pull records it
     (tmp_path / "mirror" / "epoch_0_step_4").mkdir(parents=True)
     (tmp_path / "mirror" / layout.OBJECT_STORE_SOURCE).write_text(json.dumps({"url": "s3://bucket/run"}) + "\n")
-    assert run.where(tmp_path / "mirror" / "epoch_0_step_4") == "s3://bucket/run/epoch_0_step_4"
+    assert run.location_of(tmp_path / "mirror" / "epoch_0_step_4") == "s3://bucket/run/epoch_0_step_4"
     # so is a restore_from URL's checkpoint in a local run's read mirror
     local = storage.open_run_folder(CheckpointConfig(checkpoint_dir=str(tmp_path / "run")), 0, 1)
-    assert local.where(tmp_path / "mirror" / "epoch_0_step_4") == "s3://bucket/run/epoch_0_step_4"
+    assert local.location_of(tmp_path / "mirror" / "epoch_0_step_4") == "s3://bucket/run/epoch_0_step_4"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DiskTensor", "auto_model_class", "disk_layout", "family_of", "in_memory_dtypes"]
+__all__ = ["DiskTensor", "auto_model_class", "c_strides", "disk_layout", "family_of", "in_memory_dtypes"]
 
 logger = logging.getLogger(__name__)
 
