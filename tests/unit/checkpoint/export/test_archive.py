@@ -83,6 +83,18 @@ def test_a_packed_checkpoint_unpacks_into_its_export_and_our_files(checkpoint, p
     assert sorted(p.name for p in packed.parent.iterdir()) == [packed.name]  # no temporary file left
 
 
+def test_transformers_loads_the_unpacked_archive_with_the_exports_logits(checkpoint, packed, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    export = consolidate(checkpoint / layout.MODEL_DIR, tmp_path / "export", progress=False)
+    unpacked = _unpack(packed, tmp_path / "unpacked")
+    tokens = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(export)).eval()(tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(str(unpacked)).eval()(tokens).logits
+    assert torch.equal(got, want)
+
+
 def test_every_weights_member_starts_its_data_on_a_4096_byte_boundary(packed):
     with tarfile.open(packed) as tar:
         weights = [m for m in tar.getmembers() if m.name.endswith(".safetensors")]
@@ -104,6 +116,16 @@ def test_an_adapter_folder_packs_and_unpacks_to_the_same_files(adapter, tmp_path
     assert LoraConfig.from_pretrained(str(unpacked)).r == LoraConfig.from_pretrained(str(adapter)).r
     before, after = load_file(adapter / layout.ADAPTER_WEIGHTS), load_file(unpacked / layout.ADAPTER_WEIGHTS)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
+
+    torch.manual_seed(1)
+    loaded = PeftModel.from_pretrained(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA_CONFIG)), str(unpacked))
+    in_model = {k.replace(".default", ""): v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert in_model.keys() == after.keys()  # PEFT loads the unpacked archive as it is: every tensor in place
+    assert all(torch.equal(in_model[k], after[k]) for k in after)
 
 
 def test_an_unpacked_archive_packs_again_and_verifies(packed, tmp_path):
