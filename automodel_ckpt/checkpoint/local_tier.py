@@ -20,9 +20,9 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
+from automodel_ckpt.checkpoint.save.diskfull import state_bytes
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
-from automodel_ckpt.checkpoint.state import plan_state
 from automodel_ckpt.checkpoint.storage import monitor_of
 from automodel_ckpt.checkpoint.storage.nodelocal import localdir, recover
 from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
@@ -75,7 +75,7 @@ class LocalTier:
 
     def _check_space(self, states: dict[str, Any]) -> None:
         """Collective, before the first local step: each folder has room for ``keep + 1`` steps and the copies."""
-        sizes = all_gather_object(_state_bytes(states))
+        sizes = all_gather_object(state_bytes(states.values(), local=True))  # this rank's shards
         node = self.run.placement.node_of()
         mine = sum(b for r, b in enumerate(sizes) if self.run.placement.node_of(r) == node)
         collective.collectively(
@@ -156,18 +156,3 @@ def _step_of(path: Path | None) -> int | None:
         return None
     step = (read_metadata(path) or {}).get("step")
     return int(step) if isinstance(step, int) else None
-
-
-def _state_bytes(states: dict[str, Any]) -> int:
-    """The bytes this rank's part of the model and optimizer state takes (its shards only)."""
-    import torch
-
-    def local(t: Any) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-    plan = plan_state(states)
-    total = sum(local(t) for m in plan.models.values() for t in m.state_dict().values())
-    for optim in plan.optimizers.values():
-        total += sum(local(v) for s in optim.state.values() for v in s.values())
-    return total

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from tests.unit.checkpoint.storage.nodelocal.test_nodelocal_inventory import write_step
+
 WORLD, PER_NODE = 3, 1
 STEP = "epoch_0_step_6"
 
@@ -67,30 +69,15 @@ def _worker(rank: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def _write_step(folder: Path, files: dict[str, bytes], lost: list[str]) -> None:
-    from automodel_ckpt.checkpoint.disk import manifest
-    from automodel_ckpt.checkpoint.disk.checksum import default_algorithm, hash_file
-
-    step = folder / STEP
-    for rel, data in files.items():
-        (step / rel).parent.mkdir(parents=True, exist_ok=True)
-        (step / rel).write_bytes(data)
-    algorithm = default_algorithm()
-    sums = {rel: hash_file(step / rel, algorithm)[1] for rel in files}
-    manifest.write(step, manifest.build(step, {rel: len(d) for rel, d in files.items()}, sums, algorithm))
-    for rel in lost:
-        (step / rel).unlink()
-
-
 def test_exchange_moves_files_both_ways_refuses_unsafe_names_and_fills_a_lost_part(tmp_path: Path):
     for rank in range(WORLD):
         for rel, data in part(rank).items():
             (tmp_path / "parts" / str(rank) / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / "parts" / str(rank) / rel).write_bytes(data)
     every = {"metadata.json": b'{"step": 6}', **{k: v for r in range(WORLD) for k, v in part(r).items()}}
-    _write_step(tmp_path / "node0", every, lost=sorted(part(2)))
-    _write_step(tmp_path / "node1", every, lost=sorted(part(0)))
-    _write_step(tmp_path / "node2", every, lost=[])
+    write_step(tmp_path / "node0", STEP, every, present=[r for r in every if r not in part(2)])
+    write_step(tmp_path / "node1", STEP, every, present=[r for r in every if r not in part(0)])
+    write_step(tmp_path / "node2", STEP, every)
 
     mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="spawn")
 

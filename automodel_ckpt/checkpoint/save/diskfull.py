@@ -73,8 +73,9 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def _state_bytes(objects: Iterable[Any]) -> int:
-    """The tensor bytes of models (their ``state_dict``) and optimizers (their ``state``), at their global size."""
+def state_bytes(objects: Iterable[Any], *, local: bool = False) -> int:
+    """The tensor bytes of models (their ``state_dict``) and optimizers (their ``state``), at their global size;
+    with ``local``, only this rank's shards of sharded tensors."""
     total = 0
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
@@ -83,6 +84,8 @@ def _state_bytes(objects: Iterable[Any]) -> int:
             tensors = (v for s in obj.state.values() for v in s.values())
         else:
             continue
+        if local:
+            tensors = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
         total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
 
@@ -126,7 +129,7 @@ def _raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Ite
 
     def settle() -> str:
         newest = catalog.latest_checkpoint(checkpoint_dir)
-        needed = max(tree_bytes(newest) if newest else 0, _state_bytes(objects))
+        needed = max(tree_bytes(newest) if newest else 0, state_bytes(objects))
         removed = lifecycle.discard_staging(checkpoint_dir)
         logger.info("removed the unfinished checkpoint folder(s) %s", removed)
         then = (f"'{newest.name}' and the pointers are untouched and a rerun resumes from it" if newest

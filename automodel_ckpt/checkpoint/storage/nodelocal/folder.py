@@ -21,6 +21,7 @@ from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.save import lifecycle
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.nodelocal import localdir, replicate
+from automodel_ckpt.checkpoint.storage.nodelocal.inventory import folder_id
 from automodel_ckpt.checkpoint.storage.nodelocal.placement import Placement
 from automodel_ckpt.distributed.env import all_gather_object
 
@@ -59,7 +60,7 @@ class NodeLocalRunFolder(LocalRunFolder):
                                         self.rank)
         for note in notes:
             self.say(f"warning: {note}")
-        self.folder_ids = all_gather_object(_folder_id(self.local))
+        self.folder_ids = all_gather_object(folder_id(self.local))
 
     def _claim(self) -> list[str]:
         return localdir.claim(self.local, self.run_id, self.fingerprint, private_parent=self.default_folder)
@@ -102,11 +103,3 @@ class NodeLocalRunFolder(LocalRunFolder):
         deleted = collective.collectively(lambda: self._prune_here(policy) if self.leads else [],
                                           "removing old node-local steps", self.rank)
         return deleted if self.rank == 0 else []
-
-
-def _folder_id(folder: Path) -> str:
-    """The same string for every rank writing to the same folder (host, device, inode)."""
-    import socket
-
-    st = os.stat(folder)
-    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"

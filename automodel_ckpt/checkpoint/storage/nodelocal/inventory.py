@@ -98,7 +98,13 @@ def scan(folder: Path, *, checksums: bool = True, threads: int = 4) -> Inventory
             skipped.append(f"{name}: {found}")
         else:
             steps[name] = found
-    return Inventory(socket.gethostname(), f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}", steps, tuple(skipped))
+    return Inventory(socket.gethostname(), folder_id(folder, st), steps, tuple(skipped))
+
+
+def folder_id(folder: Path, st: os.stat_result | None = None) -> str:
+    """The same string for every rank writing to the same folder (host, device, inode)."""
+    st = st or os.stat(folder)
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
 
 
 def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, threads: int) -> StepFiles | str:

@@ -14,7 +14,7 @@ from automodel_ckpt.checkpoint.disk import layout, manifest
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import Transfer, receives_from, sends
 from automodel_ckpt.checkpoint.storage.nodelocal.placement import Placement
 from automodel_ckpt.checkpoint.storage.nodelocal.transfer import exchange
-from automodel_ckpt.distributed.env import all_gather_object, current_group
+from automodel_ckpt.distributed.env import all_gather_object, broadcast_object, current_group
 
 
 def plan(listings: list[dict[str, int]], folder_ids: list[str], placement: Placement) -> list[Transfer]:
@@ -61,7 +61,7 @@ def copy_parts(staging: Path, rank: int, folder_ids: list[str], placement: Place
     if (staging / layout.MANIFEST_FILE).is_file():
         listing[layout.MANIFEST_FILE] = (staging / layout.MANIFEST_FILE).stat().st_size
     listings = all_gather_object(listing)
-    sealed = all_gather_object(manifest.read(staging) if rank == 0 else None)[0]
+    sealed = broadcast_object(manifest.read(staging) if rank == 0 else None)  # written by rank 0 only
     transfers = plan(listings, folder_ids, placement)
     exchange(sends(transfers, rank), staging, {src: staging for src in receives_from(transfers, rank)},
              group=current_group(), expected=sealed)
