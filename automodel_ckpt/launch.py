@@ -19,6 +19,8 @@ class LaunchOptions:
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     max_restarts: int = 0  # torch's elastic agent restarts failed workers this many times (they resume by themselves)
+    # fork: workers start from the launcher's imports (Linux); exec: each is a new `python -m automodel_ckpt`
+    start_method: str = "fork" if sys.platform.startswith("linux") else "exec"
     debug: bool = False
     dry_run: bool = False
     extra: list[str] = field(default_factory=list)
@@ -33,7 +35,8 @@ class LaunchOptions:
 
 
 _INT_FLAGS = {"nproc_per_node", "nnodes", "node_rank", "master_port", "max_restarts"}
-_FLAGS = _INT_FLAGS | {"master_addr", "rdzv_endpoint"}
+_FLAGS = _INT_FLAGS | {"master_addr", "rdzv_endpoint", "start_method"}
+START_METHODS = ("fork", "exec")
 
 
 def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
@@ -78,6 +81,8 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
         raise ConfigError(f"--nnodes: expected at least 1, got {opts.nnodes}")
     if opts.max_restarts < 0:
         raise ConfigError(f"--max-restarts: expected 0 or more, got {opts.max_restarts}")
+    if opts.start_method not in START_METHODS:
+        raise ConfigError(f"--start-method: expected one of {', '.join(START_METHODS)}, got '{opts.start_method}'")
     if not 0 <= opts.node_rank < opts.nnodes:
         raise ConfigError(f"--node-rank: expected 0..{opts.nnodes - 1}, got {opts.node_rank}")
     if opts.nnodes > 1 and not (opts.rdzv_endpoint or opts.master_addr):
@@ -152,7 +157,10 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         args.signals_to_handle = ",".join(s for s in handled if s != forwarder.signal.name) or "SIGINT"
         forwarder.install()
     try:
-        run(args)
+        if opts.start_method == "fork":
+            _run_forking(args, recipe, overrides)
+        else:
+            run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
@@ -166,6 +174,70 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         if forwarder is not None:
             forwarder.uninstall()
     return 0
+
+
+def _run_forking(args, recipe: str, overrides: list[str]) -> None:
+    """torch's ``run(args)`` with the workers forked from this process (``--start-method fork``) instead of started
+    as new interpreters: they begin with torch, transformers, datasets and the recipe already imported
+    (``preload``), which saves each worker the seconds those imports take (each restart too)."""
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if args.standalone:  # what torch's run() does for --standalone: a rendezvous of its own on a free port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    args.start_method = "fork"
+    config, _, _ = config_from_args(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    elastic_launch(config=config, entrypoint=forked_worker)(recipe, list(overrides))
+
+
+def forked_worker(recipe: str, overrides: list[str]) -> None:
+    """A worker forked by the launcher: become what ``python -m automodel_ckpt RECIPE ...`` would be, then train.
+
+    A session of its own (as torch starts subprocess workers), the signal handlers and streams of a fresh process
+    (the launcher's forward or stop the job), and the thread count the agent set (torch read its own at import).
+    """
+    import atexit
+    import signal
+
+    import torch
+
+    from automodel_ckpt.distributed.env import return_on_success
+
+    os.setsid()
+    atexit._clear()  # the launcher's exit handlers are the launcher's
+    return_on_success()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    from automodel_ckpt.cli import main
+
+    code = main([recipe, *overrides])
+    if code:
+        sys.exit(code)
+
+
+def preload(recipe_target: str) -> None:
+    """Import, in the launcher, what every worker imports first: the recipe's module when it is one of the
+    package's (another one is the user's code: it runs in the workers only, as before, and the package's own
+    fine-tuning recipe stands in for its imports) and DCP. Forked workers start with them (``--start-method``)."""
+    import importlib
+
+    module = recipe_target.rpartition(".")[0] if ":" not in recipe_target else ""
+    if not module.startswith("automodel_ckpt."):
+        module = "automodel_ckpt.recipes.llm_finetune"
+    for name in (module, "torch.distributed.checkpoint", "automodel_ckpt.checkpoint.checkpointer"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the worker reports a recipe it cannot import, in one line
+            pass
 
 
 class SignalForwarder:
@@ -215,8 +287,14 @@ class SignalForwarder:
 
 
 def worker_pids(parent: int) -> list[int]:
-    """The worker processes the launcher ``parent`` started (its children running ``automodel_ckpt``)."""
+    """The worker processes the launcher ``parent`` started (its children running ``automodel_ckpt``, or forked
+    from it: running its command line)."""
     found = []
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            own = f.read()
+    except OSError:
+        own = None
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -233,7 +311,7 @@ def worker_pids(parent: int) -> list[int]:
                 cmdline = f.read()
         except (OSError, IndexError, ValueError):
             continue
-        if b"automodel_ckpt" in cmdline:
+        if b"automodel_ckpt" in cmdline or cmdline == own:  # started as `-m automodel_ckpt`, or forked
             found.append(int(entry))
     if not entries:  # no /proc (macOS): psutil, if installed
         try:

@@ -14,7 +14,7 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.distributed.env import inside_launcher_worker
-    from automodel_ckpt.launch import launch_agent, parse_launch_args
+    from automodel_ckpt.launch import launch_agent, parse_launch_args, preload
 
     opts, recipe_path, overrides = parse_launch_args(argv)
     if inside_launcher_worker():
@@ -44,6 +44,8 @@ def main(argv: list[str]) -> int:
         RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0
     fetch_models(cfg)  # a Hub model missing from the cache: downloaded once per node, before any worker starts
     if opts.needs_agent:
+        if opts.start_method == "fork":
+            preload(str(cfg.recipe))
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
     return run_worker(recipe_path, overrides)

@@ -100,7 +100,20 @@ def end_process(code: int) -> NoReturn:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        if code == 0 and _RETURN_ON_SUCCESS:  # a forked worker: its agent counts it done once it returns
+            raise SystemExit(0)
         os._exit(code)
+
+
+#: Set in a worker forked by the launcher (``launch.forked_worker``): torch's agent counts a worker done when its
+#: function returns, so ``end_process(0)`` unwinds to it (multiprocessing then ends the process with ``os._exit``).
+_RETURN_ON_SUCCESS = False
+
+
+def return_on_success() -> None:
+    """This process is a forked worker: a successful ``end_process`` returns to its entry function."""
+    global _RETURN_ON_SUCCESS
+    _RETURN_ON_SUCCESS = True
 
 
 def all_reduce_sum(value: float | torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,6 +189,38 @@ def test_max_restarts_reaches_torchs_agent(capsys):
     assert args[args.index("--max-restarts") + 1] == "2"
     msg = _one_error_line(capsys, ["--max-restarts=-1", RECIPE, "--dry-run"])
     assert msg == "error: --max-restarts: expected 0 or more, got -1"
+
+
+def test_start_method_is_fork_on_linux_and_exec_on_request(capsys):
+    from automodel_ckpt.launch import parse_launch_args
+
+    opts, _, rest = parse_launch_args(["--nproc-per-node", "2", RECIPE, "--start-method=exec", "--a.b", "1"])
+    assert opts.start_method == "exec" and rest == ["--a.b", "1"]
+    assert parse_launch_args([RECIPE])[0].start_method == ("fork" if sys.platform.startswith("linux") else "exec")
+    msg = _one_error_line(capsys, ["--start-method", "spawn", RECIPE, "--dry-run"])
+    assert msg == "error: --start-method: expected one of fork, exec, got 'spawn'"
+
+
+def test_the_launcher_finds_its_forked_workers_by_its_own_command_line():
+    import multiprocessing
+
+    from automodel_ckpt.launch import worker_pids
+
+    ctx = multiprocessing.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_wait_for, args=(ready, done))
+    child.start()
+    try:
+        assert ready.wait(60)
+        assert child.pid in worker_pids(os.getpid())
+    finally:
+        done.set()
+        child.join(60)
+
+
+def _wait_for(ready, done) -> None:
+    ready.set()
+    done.wait(60)
 
 
 # ------------------------------------------------------------------------------------- sequence length
