@@ -146,6 +146,8 @@ def pack_into(src: Path, open_stream: Callable[[int], ContextManager[Any]], *, c
             table, tail = _manifest_tail(entries, {n: h.hexdigest() for n, h in hashes.items()}, algorithm, source,
                                          mtime, end)
             stream.write(tail)
+    except OSError as exc:  # a member that cannot be read (the stream's own failures are one line already)
+        raise CheckpointError(f"cannot pack '{src}': {first_line(exc)}; nothing was stored") from None
     finally:
         os.close(scratch)
     return table
