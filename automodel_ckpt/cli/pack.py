@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.disk import layout
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> int:
 
     src = Path(args.src)
     if args.out and storage.is_url(args.out):
+        signal.signal(signal.SIGTERM, _interrupted)  # aborts the upload as Ctrl-C does: nothing left at the URL
         table = pack_into(src, lambda size: storage.streamed_object(args.out, size, key="--out"),
                           cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
                           progress=not args.no_progress)
@@ -39,3 +41,7 @@ def main(argv: list[str]) -> int:
                  progress=not args.no_progress)
     print(f"archive written to {out} ({summary(table)})", flush=True)
     return 0
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
