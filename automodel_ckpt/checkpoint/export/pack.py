@@ -18,9 +18,9 @@ import os
 import secrets
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ContextManager, Iterator
 
 import yaml
