@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.disk import layout
@@ -23,15 +24,16 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint.export.pack import pack, summary
+    from automodel_ckpt.checkpoint.export.pack import pack, pack_into, summary
 
     from automodel_ckpt.checkpoint import storage
 
     src = Path(args.src)
     if args.out and storage.is_url(args.out):
-        with storage.upload_when_written(args.out, key="--out") as local:
-            table = pack(src, local, cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
-                         progress=not args.no_progress)
+        signal.signal(signal.SIGTERM, _interrupted)  # aborts the upload as Ctrl-C does: nothing left at the URL
+        table = pack_into(src, lambda size: storage.streamed_object(args.out, size, key="--out"),
+                          cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
+                          progress=not args.no_progress)
         print(f"archive written to {args.out} ({summary(table)})", flush=True)
         return 0
     out = Path(args.out) if args.out else src.parent / f"{src.resolve().name}{layout.ARCHIVE_SUFFIX}"
@@ -39,3 +41,7 @@ def main(argv: list[str]) -> int:
                  progress=not args.no_progress)
     print(f"archive written to {out} ({summary(table)})", flush=True)
     return 0
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -6,7 +6,8 @@ is written straight to its place in the archive file: a checkpoint's export by t
 by ``copy_file_range``. Each weights member gets an extended header padded (a pax ``comment`` record) so that its
 data starts at a multiple of ``archive.ALIGN``. Every member is then hashed from the archive, the manifest is
 written last (its own checksum in its extended header), and the archive, written under a hidden name beside
-``out``, is fsynced and renamed into place.
+``out``, is fsynced and renamed into place. ``pack_into(src, open_stream)`` writes the same bytes strictly forward
+into a stream (an object store's multipart upload), a window of about one part at a time, hashing as it goes.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import os
 import secrets
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 import yaml
 
@@ -29,7 +31,7 @@ from automodel_ckpt.checkpoint.disk.durable import fsync_dir
 from automodel_ckpt.checkpoint.export.archive import ALIGN, PAX_COMMENT
 from automodel_ckpt.checkpoint.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
 from automodel_ckpt.checkpoint.export.sources import require_format
-from automodel_ckpt.checkpoint.export.writer import OutFile, write_into
+from automodel_ckpt.checkpoint.export.writer import OutFile, Write, write_into, writes_into
 from automodel_ckpt.checkpoint.formats.safetensors_io import pwrite_all
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
@@ -87,13 +89,9 @@ def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size:
 
 def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: int,
            progress: bool) -> dict[str, Any]:
-    mtime = int(time.time())
-    pos = 0
-    for e in entries:
-        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith(_WEIGHTS_SUFFIX))
-        pwrite_all(fd, header, pos)
-        e.at = pos + len(header)
-        pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
+    headers, mtime, end = _lay_out(entries)
+    for at, header in headers:
+        pwrite_all(fd, header, at)
     with ProgressBar(sum(e.size for e in entries), progress, "packing") as advance:
         write_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
         for e in entries:
@@ -103,15 +101,134 @@ def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: i
                 _copy_into(e.path, e.size, fd, e.at, advance)
     algorithm = default_algorithm()
     sums = {e.name: hash_range(fd, e.at, e.size, algorithm) for e in entries}
+    table, tail = _manifest_tail(entries, sums, algorithm, source, mtime, end)
+    pwrite_all(fd, tail, end)
+    return table
+
+
+def pack_into(src: Path, open_stream: Callable[[int], ContextManager[Any]], *, cast_dtype: str | None = None,
+              max_shard_size: int = 5 * 2**30, num_threads: int = 5, progress: bool = True) -> dict[str, Any]:
+    """Write the archive of ``src`` strictly forward into the stream ``open_stream(size)`` opens (``write`` and
+    ``part_size``: an object store's upload; ``size``: about the archive's size); returns its manifest.
+
+    Every member's place is known before a byte is written, so the archive is produced a window of about
+    ``part_size`` bytes at a time: the window's writes (headers, the export's tensor chunks, file chunks) run on
+    the threads into an in-memory scratch file, its bytes are hashed into their members' checksums and handed to
+    the stream (while the next window is produced), and the scratch file is emptied. The manifest, last, follows.
+    Nothing is written to disk; a failure reaches the stream's block, which then commits nothing.
+    """
+    entries, source = _entries(Path(src), parse_cast_dtype(cast_dtype), max_shard_size)
+    headers, mtime, end = _lay_out(entries)
+    algorithm = default_algorithm()
+    hashes = {e.name: hasher(algorithm) for e in entries}
+    scratch = _scratch_file()
+    try:
+        with (open_stream(end) as stream, ThreadPoolExecutor(1, thread_name_prefix="upload") as sender,
+              ProgressBar(sum(e.size for e in entries), progress, "packing") as advance,
+              writes_into([(e.out, e.at) for e in entries if e.out is not None], scratch, num_threads, advance)
+              as (tensor_writes, run)):
+            writes = sorted(tensor_writes + _member_writes(entries, headers, scratch, advance), key=lambda w: w.start)
+            sending = None
+            for lo, hi, batch in _windows(writes, stream.part_size, end):
+                run(batch)
+                window = _read_all(scratch, lo, hi)
+                os.ftruncate(scratch, 0)  # its memory is given back; later windows lie past it
+                view = memoryview(window)
+                for e in entries:
+                    first, last = max(e.at, lo), min(e.at + e.size, hi)
+                    if first < last:
+                        hashes[e.name].update(view[first - lo:last - lo])
+                if sending is not None:
+                    sending.result()
+                sending = sender.submit(stream.write, window)
+            if sending is not None:
+                sending.result()
+            table, tail = _manifest_tail(entries, {n: h.hexdigest() for n, h in hashes.items()}, algorithm, source,
+                                         mtime, end)
+            stream.write(tail)
+    except OSError as exc:  # a member that cannot be read (the stream's own failures are one line already)
+        raise CheckpointError(f"cannot pack '{src}': {first_line(exc)}; nothing was stored") from None
+    finally:
+        os.close(scratch)
+    return table
+
+
+def _lay_out(entries: list[Entry]) -> tuple[list[tuple[int, bytes]], int, int]:
+    """Every member's header and where it starts, where its data starts (``Entry.at``), the members' mtime, and
+    where the manifest's header goes."""
+    mtime = int(time.time())
+    pos, headers = 0, []
+    for e in entries:
+        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith(_WEIGHTS_SUFFIX))
+        headers.append((pos, header))
+        e.at = pos + len(header)
+        pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
+    return headers, mtime, pos
+
+
+def _manifest_tail(entries: list[Entry], sums: dict[str, str], algorithm: str, source: dict[str, Any], mtime: int,
+                   at: int) -> tuple[dict[str, Any], bytes]:
+    """The manifest and the archive's last bytes from ``at``: its header (its own checksum in it), the manifest,
+    and the end-of-archive blocks (zeros, as tar writes them, up to a whole record)."""
     table = manifest.build(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
     table = {**{k: v for k, v in table.items() if k != "files"}, "source": source, "files": table["files"]}
     data = manifest.dumps(table).encode()
-    header = _header(layout.ARCHIVE_MANIFEST, len(data), mtime, pos, align=False,
+    header = _header(layout.ARCHIVE_MANIFEST, len(data), mtime, at, align=False,
                      pax={PAX_COMMENT: _checksum_of(data, algorithm)})
-    pwrite_all(fd, header + data, pos)
-    end = pos + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
-    os.ftruncate(fd, end + (-end % tarfile.RECORDSIZE))  # the end-of-archive blocks: zeros, as tar writes them
-    return table
+    end = at + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
+    end += -end % tarfile.RECORDSIZE
+    return table, header + data + bytes(end - at - len(header) - len(data))
+
+
+def _member_writes(entries: list[Entry], headers: list[tuple[int, bytes]], fd: int,
+                   advance: Callable[[int], None]) -> list[Write]:
+    """The writes of the tar headers, the small members and the files' chunks (the export's come from its
+    writer)."""
+    writes = [Write(at, len(h), lambda at=at, h=h: pwrite_all(fd, h, at)) for at, h in headers]
+    for e in entries:
+        if e.data is not None:
+            writes.append(Write(e.at, e.size, lambda e=e: pwrite_all(fd, e.data, e.at)))
+        elif e.path is not None:
+            writes += [Write(e.at + first, min(_COPY_CHUNK, e.size - first),
+                             lambda e=e, first=first: _copy_into(e.path, e.size, fd, e.at, advance, first,
+                                                                 min(_COPY_CHUNK, e.size - first)))
+                       for first in range(0, e.size, _COPY_CHUNK)]
+    return writes
+
+
+def _windows(writes: list[Write], part_size: int, end: int) -> Iterator[tuple[int, int, list[Write]]]:
+    """``(lo, hi, writes)``: consecutive stretches ``[lo, hi)`` of the archive up to ``end``, each of at least
+    ``part_size`` bytes (but the last) and the writes that fill it (sorted, none overlapping)."""
+    lo = hi = 0
+    batch: list[Write] = []
+    for w in writes:
+        if batch and hi - lo >= part_size:
+            yield lo, hi, batch
+            lo, batch = hi, []
+        batch.append(w)
+        hi = max(hi, w.start + w.size)
+    yield lo, end, batch
+
+
+def _scratch_file() -> int:
+    """A file in memory (never on a disk: ``memfd``), or where that does not exist an unnamed temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("ckpt-pack-window", os.MFD_CLOEXEC)
+    import tempfile
+
+    return os.dup(tempfile.TemporaryFile().fileno())
+
+
+def _read_all(fd: int, lo: int, hi: int) -> bytearray:
+    """Bytes ``[lo, hi)`` of ``fd``; those never written read as zeros (the scratch file is sparse)."""
+    out = bytearray(hi - lo)
+    view, done = memoryview(out), 0
+    while done < len(out):
+        n = os.preadv(fd, [view[done:]], lo + done)
+        if n == 0:
+            break  # past the file's end: zeros
+        done += n
+    return out
 
 
 def _checksum_of(data: bytes, algorithm: str) -> str:
@@ -139,15 +256,18 @@ def _header(name: str, size: int, mtime: int, at: int, *, align: bool, pax: dict
         width += gap
 
 
-def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None]) -> None:
-    """The regular file ``src`` (never through a link) to bytes ``[at, at + size)`` of ``fd``, in the kernel where
-    the filesystems allow it."""
+def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None], first: int = 0,
+               count: int | None = None) -> None:
+    """Bytes ``[first, first + count)`` of the regular file ``src`` of ``size`` bytes (never through a link; all
+    of it by default) to the same place in bytes ``[at, at + size)`` of ``fd``, in the kernel where the
+    filesystems allow it."""
+    end = size if count is None else first + count
     with os.fdopen(paths.open_regular(src), "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != size:
             raise CheckpointError(f"'{src}' changed while it was packed; pack again")
-        done, kernel = 0, hasattr(os, "copy_file_range")
-        while done < size:
-            n = min(_COPY_CHUNK, size - done)
+        done, kernel = first, hasattr(os, "copy_file_range")
+        while done < end:
+            n = min(_COPY_CHUNK, end - done)
             if kernel:
                 try:
                     n = os.copy_file_range(f.fileno(), fd, n, done, at + done)

@@ -88,13 +88,35 @@ def write_files(files: list[OutFile], folder: Path, num_threads: int, advance: C
             writer.run(files, folder)
 
 
+@dataclass
+class Write:
+    """One positioned write: ``run()`` puts bytes ``[start, start + size)`` of the destination in place."""
+
+    start: int
+    size: int
+    run: Callable[[], None]
+
+
 def write_into(placed: list[tuple[OutFile, int]], fd: int, num_threads: int, advance: Callable[[int], None]) -> None:
     """Write each ``(file, start)`` into the open file ``fd`` from its byte ``start`` on (the members of an
     archive); syncing ``fd`` is the caller's."""
+    with writes_into(placed, fd, num_threads, advance) as (writes, run):
+        run(writes)
+
+
+@contextmanager
+def writes_into(placed: list[tuple[OutFile, int]], fd: int, num_threads: int, advance: Callable[[int], None]
+                ) -> Iterator[tuple[list[Write], Callable[[list[Write]], None]]]:
+    """The writes that put each ``(file, start)`` into ``fd`` from its byte ``start`` on, in the order of their
+    bytes, and the function that runs a batch of them on ``num_threads`` threads: a caller that streams the file
+    runs them a stretch of bytes at a time. Each is at most a copy chunk, or one tensor assembled in memory."""
     with _threads(num_threads), _Writer(num_threads, advance) as writer:
-        for f, start in placed:
-            pwrite_all(fd, f.header, start)
-        writer.write([(fd, replace(t, offset=t.offset + start)) for f, start in placed for t in f.tensors])
+        tensors = [(fd, replace(t, offset=t.offset + start)) for f, start in placed for t in f.tensors]
+        writer.size_budget(tensors)
+        writes = [Write(start, len(f.header), lambda f=f, start=start: pwrite_all(fd, f.header, start))
+                  for f, start in placed]
+        writes += [w for dst, t in tensors for w in writer.writes(dst, t)]
+        yield sorted(writes, key=lambda w: w.start), lambda batch: writer.run_all([w.run for w in batch])
 
 
 @contextmanager
@@ -158,15 +180,19 @@ class _Writer:
             except OSError as e:
                 raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
         self.write([(self.dst_fds[f.name], t) for f in files for t in f.tensors])
-        self._run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
+        self.run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
 
     def write(self, tensors: list[tuple[int, OutTensor]]) -> None:
         """Every ``(file descriptor, tensor)``'s bytes at the tensor's offset in that file."""
+        self.size_budget(tensors)
+        self.run_all([w.run for dst, t in tensors for w in self.writes(dst, t)])
+
+    def size_budget(self, tensors: list[tuple[int, OutTensor]]) -> None:
+        """Room for the largest tensor that is assembled in memory."""
         assembled = [t.nbytes for _, t in tensors if not _streamable(t.source)]
         self.budget.cap = max([_MIN_ASSEMBLY_BUDGET, *assembled])
-        self._run_all([task for dst, t in tensors for task in self._tasks(dst, t)])
 
-    def _run_all(self, tasks: list[Callable[[], None]]) -> None:
+    def run_all(self, tasks: list[Callable[[], None]]) -> None:
         if self.num_threads == 1 or len(tasks) == 1:
             for task in tasks:
                 task()
@@ -186,25 +212,28 @@ class _Writer:
         except OSError as e:
             raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
 
-    def _tasks(self, dst: int, out: OutTensor) -> Iterator[Callable[[], None]]:
+    def writes(self, dst: int, out: OutTensor) -> Iterator[Write]:
+        """The writes of one tensor's bytes into ``dst``."""
         src = out.source
         if not _streamable(src):
-            yield lambda: self._assemble(dst, out)
+            yield Write(out.offset, out.nbytes, lambda: self._assemble(dst, out))
             return
         strides = c_strides(tuple(src.shape))
+        size = out.dtype.itemsize
         for piece in src.pieces:
             if piece.numel == 0:
                 continue
             start = sum(o * s for o, s in zip(piece.offsets, strides))
             if not piece.raw:
-                yield lambda piece=piece, start=start: self._write_loaded(dst, out, piece, start)
+                yield Write(out.offset + start * size, piece.numel * size,
+                            lambda piece=piece, start=start: self._write_loaded(dst, out, piece, start))
                 continue
             step = (_COPY_CHUNK if src.dtype == out.dtype else _CONVERT_CHUNK) // src.dtype.itemsize
             for first in range(0, piece.numel, step):
                 count = min(step, piece.numel - first)
-                yield lambda piece=piece, first=first, count=count, start=start: self._copy(
-                    dst, out, piece, first, count, start + first
-                )
+                yield Write(out.offset + (start + first) * size, count * size,
+                            lambda piece=piece, first=first, count=count, start=start: self._copy(
+                                dst, out, piece, first, count, start + first))
 
     # ------------------------------------------------------------------------------------------ tasks
     def _copy(self, dst: int, out: OutTensor, piece: Piece, first: int, count: int, elem: int) -> None:

@@ -5,17 +5,25 @@ A local ``checkpoint_dir`` never comes here. See ``run`` for the commit protocol
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from automodel_ckpt.checkpoint.disk import layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, pulled_from, source_of
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
-from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
+
+logger = logging.getLogger(__name__)
+
+PART_SIZE = 32 * 2**20  # bytes of one part of a streamed upload (S3: at least 5 MiB, at most 10,000 parts)
+_MAX_PARTS = 9000
 
 __all__ = ["attach", "check_url", "fetch", "fetch_collectively", "fetch_object", "is_url", "localize",
-           "open_for_reading", "run_folder", "source_of", "stored_files", "upload_folder", "upload_object"]
+           "open_for_reading", "run_folder", "source_of", "streamed_object", "stored_files", "upload_folder"]
 
 
 def attach(cfg: Any) -> RemoteRun | None:
@@ -126,14 +134,49 @@ def fetch_object(url: str, storage_options: dict[str, Any] | None, key: str) -> 
     return folder / name
 
 
-def upload_object(url: str, local: Path, storage_options: dict[str, Any] | None = None) -> None:
-    """Upload the local file ``local`` as the object ``url`` (multipart, streamed from disk); ``local`` has the
-    object's name."""
+@contextlib.contextmanager
+def streamed_object(url: str, size: int, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A file whose bytes go to the object ``url`` as they are written: the store's own buffered writer, a
+    multipart upload in parts of ``part_size`` bytes (``PART_SIZE``, more when ``size`` bytes would need over
+    ``_MAX_PARTS`` parts). The object appears when the block ends without an error; otherwise (an error, an
+    interrupt) the upload is aborted and nothing appears."""
     parent, _, name = normalize(url).rpartition("/")
-    if Path(local).name != name:
-        raise ValueError(f"'{local}' is not named as '{url}'")
     store = ObjectStore(parent, storage_options)
-    wrap(f"uploading to '{url}'", lambda: store.upload(Path(local).parent, [name], ""))
+    what = f"uploading to '{url}'"
+    part_size = max(PART_SIZE, -(-size // _MAX_PARTS))
+    file = wrap(what, lambda: store.fs.open(store.key(name), "wb", block_size=part_size))
+    try:
+        yield _Upload(file, what, part_size)
+        wrap(what, file.close)  # the commit
+    except BaseException:
+        _abort(file)
+        raise
+
+
+@dataclass
+class _Upload:
+    """What ``streamed_object`` hands out: ``write`` only, its failures in one line."""
+
+    file: Any
+    what: str
+    part_size: int
+
+    def write(self, data: bytes | memoryview) -> None:
+        wrap(self.what, lambda: self.file.write(data))
+
+
+def _abort(file: Any) -> None:
+    """Abort an upload without committing it: never ``close`` (which commits), and mark it closed so that
+    garbage collection does not close it either."""
+    try:
+        file.discard()
+    except Exception as exc:  # noqa: BLE001 - the error that got us here is the one to report
+        logger.warning("could not abort the upload of '%s' (%s); the store removes incomplete uploads by its "
+                       "lifecycle rules", getattr(file, "path", "?"), first_line(exc))
+    from fsspec.spec import AbstractBufferedFile
+
+    if isinstance(file, AbstractBufferedFile):
+        file.closed = True
 
 
 def _fresh_folder() -> Path:

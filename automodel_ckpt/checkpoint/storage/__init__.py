@@ -10,8 +10,6 @@ is this package's own: nothing outside ``storage/`` imports it (``tests/unit/tes
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -27,7 +25,7 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.storage.base import RunFolder
 
 __all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "is_url", "monitor_of", "open_for_reading", "open_run_folder",
-           "open_store_run", "run_folder", "source_of", "stored_files", "upload_folder", "upload_when_written"]
+           "open_store_run", "run_folder", "source_of", "stored_files", "streamed_object", "upload_folder"]
 
 
 def monitor_of(cfg: Any) -> Monitor:
@@ -71,14 +69,10 @@ def open_store_run(location: str, key: str) -> RemoteRun:
 
 
 @contextlib.contextmanager
-def upload_when_written(url: str, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
-    """A local path to write the object ``url`` to (in a temporary folder); uploaded once the block ends without
-    an error, then removed. Nothing is uploaded when the block fails."""
+def streamed_object(url: str, size: int, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A file (``write``, and the ``part_size`` it is sent in) whose bytes go to the object ``url`` as they are
+    written (``size``: about how many there will be); the object appears once the block ends without an error,
+    never otherwise."""
     check_url(url, key)
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    folder = Path(tempfile.mkdtemp(prefix="automodel-ckpt-upload-"))
-    try:
-        yield folder / name
-        objectstore.upload_object(url, folder / name, storage_options)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with objectstore.streamed_object(url, size, storage_options) as file:
+        yield file

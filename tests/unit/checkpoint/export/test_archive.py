@@ -105,6 +105,40 @@ def test_every_weights_member_starts_its_data_on_a_4096_byte_boundary(packed):
         assert header and start > 8
 
 
+class _Stream:
+    """What an object store's streamed upload offers ``pack_into``: ``write`` in order, and its ``part_size``."""
+
+    def __init__(self, part_size: int) -> None:
+        self.part_size, self.writes = part_size, []
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "export folder"])
+def test_the_streamed_archive_is_the_file_archive_byte_for_byte_written_forward_in_parts(
+        source, checkpoint, tmp_path, monkeypatch):
+    import contextlib
+
+    from automodel_ckpt.checkpoint.export import pack as packing
+
+    src = checkpoint
+    if source == "export folder":
+        pack(checkpoint, tmp_path / "x.tar", progress=False)
+        src = _unpack(tmp_path / "x.tar", tmp_path / "folder")
+    monkeypatch.setattr(packing.time, "time", lambda: 1_700_000_000)  # the same mtime in both
+    monkeypatch.setattr(packing, "_COPY_CHUNK", 5000)  # files in several chunks, windows cut inside members
+    pack(src, tmp_path / "file.tar", progress=False)
+    stream = _Stream(part_size=3001)  # windows that end anywhere: inside headers, tensors, padding
+    sizes = []
+    table = packing.pack_into(src, lambda size: (sizes.append(size), contextlib.nullcontext(stream))[1],
+                              progress=False, num_threads=3)
+    assert b"".join(stream.writes) == (tmp_path / "file.tar").read_bytes()
+    assert len(stream.writes) > 10 and all(len(w) >= 3001 for w in stream.writes[:-2])  # the manifest comes last
+    assert all(len(w) < 3001 + 32 * 2**20 for w in stream.writes)
+    assert sizes[0] <= len(b"".join(stream.writes)) and table["files"]
+
+
 def test_an_adapter_folder_packs_and_unpacks_to_the_same_files(adapter, tmp_path):
     from peft import LoraConfig
 
