@@ -224,16 +224,18 @@ def forked_worker(recipe: str, overrides: list[str]) -> None:
         sys.exit(code)
 
 
-def preload(recipe_target: str) -> None:
+def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
     """Import, in the launcher, what every worker imports first: the recipe's module when it is one of the
     package's (another one is the user's code: it runs in the workers only, as before, and the package's own
-    fine-tuning recipe stands in for its imports) and DCP. Forked workers start with them (``--start-method``)."""
+    fine-tuning recipe stands in for its imports), DCP, transformers' model classes and the modules in ``extra``.
+    Forked workers start with them (``--start-method``)."""
     import importlib
 
     module = recipe_target.rpartition(".")[0] if ":" not in recipe_target else ""
     if not module.startswith("automodel_ckpt."):
         module = "automodel_ckpt.recipes.llm_finetune"
-    for name in (module, "torch.distributed.checkpoint", "automodel_ckpt.checkpoint.checkpointer"):
+    for name in (module, "torch.distributed.checkpoint", "automodel_ckpt.checkpoint.checkpointer",
+                 "transformers.modeling_utils", "transformers.models.auto.modeling_auto", *extra):
         try:
             importlib.import_module(name)
         except ImportError:  # the worker reports a recipe it cannot import, in one line

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     fetch_models(cfg)  # a Hub model missing from the cache: downloaded once per node, before any worker starts
     if opts.needs_agent:
         if opts.start_method == "fork":
-            preload(str(cfg.recipe))
+            preload(str(cfg.recipe), ("peft",) if cfg.get("peft") else ())
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
     return run_worker(recipe_path, overrides)
