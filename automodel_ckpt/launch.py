@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 from automodel_ckpt.distributed.lifeline import mark_launcher
 from automodel_ckpt.errors import ConfigError
@@ -131,13 +132,14 @@ def torchrun_args(opts: LaunchOptions, recipe: str, overrides: list[str]) -> lis
 
 
 def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
-                 preemption_signal: str | None = None) -> int:
+                 preemption_signal: str | None = None, forked: Callable[[str, list[str]], None] | None = None) -> int:
     """Run torch's elastic agent in this process; return the workers' exit code.
 
     ``preemption_signal`` (e.g. ``SIGTERM``): when this process receives it, the signal is forwarded to the
     workers, which save a checkpoint at their next step and exit 0; so does this process then. torch's agent
     would instead stop the workers (the signal, then SIGKILL after ``--shutdown-timeout``) and fail; it keeps
-    doing that for a second signal.
+    doing that for a second signal. ``forked``: what a worker forked from this process runs on the recipe and
+    overrides (``--start-method fork``; the CLI's ``forked_worker``).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -157,8 +159,8 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         args.signals_to_handle = ",".join(s for s in handled if s != forwarder.signal.name) or "SIGINT"
         forwarder.install()
     try:
-        if opts.start_method == "fork":
-            _run_forking(args, recipe, overrides)
+        if opts.start_method == "fork" and forked is not None:
+            _run_forking(args, forked, recipe, overrides)
         else:
             run(args)
     except ChildFailedError as exc:
@@ -176,7 +178,7 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
     return 0
 
 
-def _run_forking(args, recipe: str, overrides: list[str]) -> None:
+def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str, overrides: list[str]) -> None:
     """torch's ``run(args)`` with the workers forked from this process (``--start-method fork``) instead of started
     as new interpreters: they begin with torch, transformers, datasets and the recipe already imported
     (``preload``), which saves each worker the seconds those imports take (each restart too)."""
@@ -191,37 +193,7 @@ def _run_forking(args, recipe: str, overrides: list[str]) -> None:
     config, _, _ = config_from_args(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    elastic_launch(config=config, entrypoint=forked_worker)(recipe, list(overrides))
-
-
-def forked_worker(recipe: str, overrides: list[str]) -> None:
-    """A worker forked by the launcher: become what ``python -m automodel_ckpt RECIPE ...`` would be, then train.
-
-    A session of its own (as torch starts subprocess workers), the signal handlers and streams of a fresh process
-    (the launcher's forward or stop the job), and the thread count the agent set (torch read its own at import).
-    """
-    import atexit
-    import signal
-
-    import torch
-
-    from automodel_ckpt.distributed.env import return_on_success
-
-    os.setsid()
-    atexit._clear()  # the launcher's exit handlers are the launcher's
-    return_on_success()
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
-    from automodel_ckpt.cli import main
-
-    code = main([recipe, *overrides])
-    if code:
-        sys.exit(code)
+    elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
 
 
 def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:

@@ -7,6 +7,7 @@ raises the project's ``UserError`` types; ``run`` turns those into ``error: ...`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -78,10 +79,38 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from automodel_ckpt.cli.train import main as train_main
 
-            code = run(train_main, argv)
+            code = run(functools.partial(train_main, forked=forked_worker), argv)
         return exit_code(code)
     finally:
         sys.stdout, sys.stderr = streams
+
+
+def forked_worker(recipe: str, overrides: list[str]) -> None:
+    """A worker forked by the launcher: become what ``python -m automodel_ckpt RECIPE ...`` would be, then train.
+
+    A session of its own (as torch starts subprocess workers), the signal handlers and streams of a fresh process
+    (the launcher's forward or stop the job), and the thread count the agent set (torch read its own at import).
+    """
+    import atexit
+    import signal
+
+    import torch
+
+    from automodel_ckpt.distributed.env import return_on_success
+
+    os.setsid()
+    atexit._clear()  # the launcher's exit handlers are the launcher's
+    return_on_success()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    code = main([recipe, *overrides])
+    if code:
+        sys.exit(code)
 
 
 def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:

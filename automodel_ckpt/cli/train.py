@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 
-def main(argv: list[str]) -> int:
-    """Validate the recipe here, then train in-process or under the elastic agent."""
+def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None) -> int:
+    """Validate the recipe here, then train in-process or under the elastic agent (whose forked workers run
+    ``forked``: ``cli.forked_worker``)."""
     from automodel_ckpt.checkpoint import CheckpointConfig
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
         if opts.start_method == "fork":
             preload(str(cfg.recipe), ("peft",) if cfg.get("peft") else ())
         preemption = ckpt.preemption_signal if ckpt.enabled else None
-        return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption)
+        return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption, forked=forked)
     return run_worker(recipe_path, overrides)
 
 
