@@ -85,14 +85,17 @@ def test_resume_rows_split_the_launch_and_compare_with_a_fresh_start(capsys):
     spec = importlib.util.spec_from_file_location("bench_resume", TOOL.parent / "bench_resume.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.print_rows({"format": "safetensors", "ratio": 12.0 / 10.0,
+    module.print_rows({"format": "safetensors", "ratio": 12.0 / 10.0, "fork_over_exec": 10.0 / 16.0,
                        "fresh": {"data": 8.0, "first_step": 10.0}, "resume": {"data": 8.5, "loading": 9.0,
-                                                                               "first_step": 12.0}})
+                                                                               "first_step": 12.0},
+                       "exec": {"data": 14.0, "first_step": 16.0}})
     out = capsys.readouterr().out
     fresh = next(line for line in out.splitlines() if line.startswith("| fresh start"))
     resume = next(line for line in out.splitlines() if line.startswith("| **resume**"))
     assert [c.strip() for c in fresh.split("|")][2:7] == ["10.00", "8.00", "–", "2.00", "1.00×"]
     assert [c.strip() for c in resume.split("|")][2:7] == ["12.00", "8.50", "0.50", "3.00", "**1.20×**"]
+    exec_row = next(line for line in out.splitlines() if "--start-method exec" in line)
+    assert [c.strip() for c in exec_row.split("|")][2:7] == ["16.00", "14.00", "–", "2.00", "1.60×"]
 
 
 def test_mesh_rows_compare_each_mesh_with_dp(bench, capsys):
