@@ -74,10 +74,17 @@ def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = 
     ``num_samples`` is possible and the same ``(num_samples, seed, split)`` always
     yields the same rows.
     """
-    import datasets
+    from automodel_ckpt.data.generated import kept_on_disk
 
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    arguments = {"num_samples": num_samples, "seed": seed, "split": split}
+    return kept_on_disk("arithmetic", arguments, lambda: _arithmetic_rows(num_samples, seed, split))
+
+
+def _arithmetic_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
+    import datasets
+
     pool = problems(split)
     rng = random.Random(f"{split}:{seed}")
     drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
@@ -108,6 +115,13 @@ def chat_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "
     The same problems as :func:`arithmetic_dataset` with the same arguments; rendered with the embedded
     tokenizer's chat template, so the offline path covers chat data too.
     """
+    from automodel_ckpt.data.generated import kept_on_disk
+
+    arguments = {"num_samples": num_samples, "seed": seed, "split": split, "system": system}
+    return kept_on_disk("arithmetic_chats", arguments, lambda: _chat_rows(num_samples, seed, split, system))
+
+
+def _chat_rows(num_samples: int, seed: int, split: str, system: str | None) -> datasets.Dataset:
     import datasets
 
     rows = arithmetic_dataset(num_samples, seed, split)

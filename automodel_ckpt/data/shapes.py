@@ -69,10 +69,17 @@ def shapes_vqa_dataset(num_samples: int = 4000, seed: int = 1234, split: str = "
     Every image is drawn fresh from a seeded stream of its own split (``train`` or ``heldout``), so the same
     arguments always give the same records and no held-out image is ever trained on.
     """
-    import datasets
+    from automodel_ckpt.data.generated import kept_on_disk
 
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    arguments = {"num_samples": num_samples, "seed": seed, "split": split, "image_size": image_size}
+    return kept_on_disk("shapes_vqa", arguments, lambda: _shapes_rows(num_samples, seed, split, image_size))
+
+
+def _shapes_rows(num_samples: int, seed: int, split: str, image_size: int) -> datasets.Dataset:
+    import datasets
+
     rng = random.Random(f"shapes:{split}:{seed}")
     images, messages = [], []
     for _ in range(num_samples):

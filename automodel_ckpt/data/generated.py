@@ -1,0 +1,63 @@
+"""Generated (built-in) datasets kept as Arrow files in the Hugging Face datasets cache, named by what made them.
+
+A built-in dataset is made from its arguments alone, so the rows for the same arguments are the same on every start.
+Made once and written into the cache (``HF_DATASETS_CACHE``, under ``automodel_ckpt/generated/``), they are mapped
+from there afterwards, by every rank and every later start: nothing is drawn again, and their tokenization is cached
+beside them like any file-backed dataset's (``data/tokenize.py``), so rank 0 tokenizes and the other ranks read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import datasets
+
+logger = logging.getLogger(__name__)
+
+#: Part of every file's name: change it when a generator's rows change for the same arguments.
+GENERATED_VERSION = 1
+
+
+def kept_on_disk(name: str, arguments: dict[str, Any], make: Callable[[], datasets.Dataset]) -> datasets.Dataset:
+    """The dataset ``make()`` returns for ``arguments``, from its file in the cache (made and written on a miss).
+
+    The file is written under a temporary name and moved into place (``datasets.map``), so concurrent starts never
+    read half a file; all of them then map the same file, with the same fingerprint.
+    """
+    import datasets
+
+    key = hashlib.sha256(json.dumps([GENERATED_VERSION, name, arguments], sort_keys=True, default=str)
+                         .encode()).hexdigest()[:16]
+    folder = Path(datasets.config.HF_DATASETS_CACHE) / "automodel_ckpt" / "generated"
+    path = folder / f"{name}-{key}.arrow"
+    if not path.is_file():
+        made = make()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with _quiet():
+                made.flatten_indices(cache_file_name=str(path), new_fingerprint=key)
+        except OSError as exc:  # a cache that cannot be written: the rows in memory, tokenized in memory each start
+            logger.warning("cannot keep the %s dataset in %s (%s); it stays in memory", name, folder, exc)
+            return made
+    return datasets.Dataset.from_file(str(path))
+
+
+class _quiet:
+    """No progress bar for writing the file (a start prints its own data line)."""
+
+    def __enter__(self) -> None:
+        from datasets.utils.logging import disable_progress_bar, is_progress_bar_enabled
+
+        self.was = is_progress_bar_enabled()
+        disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        from datasets.utils.logging import enable_progress_bar
+
+        if self.was:
+            enable_progress_bar()
