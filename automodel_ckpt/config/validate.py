@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
-from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, resolve_sizes
+from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, resolve_pipeline, resolve_sizes
 from automodel_ckpt.errors import ConfigError
 
 #: The package's image-text builder, whose models tensor parallelism does not split yet.
@@ -54,6 +54,14 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     model = cfg.get("model")
     if sizes.tp > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
         raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
+    if sizes.pp > 1:
+        resolve_pipeline(cfg.distributed, sizes, sched.local_batch_size)
+        if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
+            raise ConfigError("distributed.pp_size: pipeline parallelism for image-text models is not supported yet; "
+                              "use pp_size 1")
+        if cfg.get("peft") is not None:
+            raise ConfigError("distributed.pp_size: LoRA (a peft: section) with pipeline parallelism is not supported "
+                              "yet; use pp_size 1")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):

@@ -168,18 +168,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     return model
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, stages: Any = None) -> torch.Tensor:
     """``clip_grad_norm_`` for gradients that live on different meshes (tensor-parallel projections on the 2-D
-    mesh, the rest on the data-parallel one): one total norm over all of them, then every gradient scaled by it.
+    mesh, the rest on the data-parallel one) or on different pipeline stages (``stages``: their process group): one
+    total norm over all of them, then every gradient scaled by it.
 
-    With one mesh (or none) this is ``torch.nn.utils.clip_grad_norm_`` itself.
+    With one mesh (or none) and one stage this is ``torch.nn.utils.clip_grad_norm_`` itself.
     """
     params = [p for p in parameters if p.grad is not None]
     limit = max_norm if max_norm else float("inf")
     groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for p in params:
         groups[getattr(p.grad, "device_mesh", None)].append(p)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and stages is None:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     squares = []
@@ -195,7 +196,10 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
         quiet.setLevel(level)
     from torch.distributed.tensor.experimental import implicit_replication
 
-    total = torch.stack([s.cpu() for s in squares]).sum().sqrt().float()
+    total = torch.stack([s.cpu() for s in squares]).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if stages is not None:  # each stage's squared norm, summed over the stages
+        torch.distributed.all_reduce(total, group=stages)
+    total = total.sqrt().float()
     with implicit_replication():  # the plain total scales DTensor gradients
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, limit, total.to(members[0].grad.device))
