@@ -303,7 +303,12 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
     created = fresh and fastio.init_optimizer_state(optimizer)
     try:
         state = get_optimizer_state_dict(model, optimizer)
+        own = [group["params"] for group in state["param_groups"]]
         _load(state, path, _reader(path, TORCH_SAVE, check), process_group, strict_keys=False)
+        # each group's parameter names are this rank's, whatever the saving ranks held (one pipeline stage's, once
+        # saved: ranks that hold different parameters write them under one key)
+        for group, params in zip(state["param_groups"], own):
+            group["params"] = params
     except BaseException:
         if created:  # never leave the uninitialised moments behind
             optimizer.state.clear()
