@@ -17,6 +17,7 @@ from automodel_ckpt.distributed.pipeline import StageModule, check_pipeline_mode
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
 from tests.unit.cli.test_cli_errors import RECIPE, _error
+from tests.unit.distributed.test_parallel_dims import _config_built
 
 
 def _plan(world: int = 4, local_batch_size: int = 8, num_layers: int | None = 4, **keys):
@@ -115,3 +116,15 @@ def test_cli_refuses_pipeline_keys_before_any_process_starts(capsys):
     assert "LoRA (a peft: section) with pipeline parallelism is not supported yet" in msg
     assert main(["--nproc-per-node", "4", RECIPE, "--dry-run", "--distributed.pp_size", "2"]) == 0
     assert "(dp 2 × pp 2)" in capsys.readouterr().err
+
+
+def test_dry_run_checks_the_stages_against_the_model(capsys, tmp_path):
+    llama = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "vocab_size": 64}
+    dry = ["--nproc-per-node", "4", RECIPE, "--dry-run"]
+    keys = [*dry, *_config_built(llama, tmp_path)]
+    assert main([*keys, "--distributed.pp_size", "2"]) == 0
+    assert "# model: 2 pipeline stages of decoder layers 0-1, 2-2 (1f1b, 2 microbatches)\n" in capsys.readouterr().err
+    assert "larger than the model's 3 decoder layers" in _error(capsys, [*keys, "--distributed.pp_size", "4"])
+    tied = _config_built(llama | {"tie_word_embeddings": True}, tmp_path)
+    assert "ties its head" in _error(capsys, [*dry, *tied, "--distributed.pp_size", "2"])
