@@ -91,9 +91,9 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
             raise ConfigError(f"distributed.{key}: {what} is not supported yet; leave it at 1 (or null)")
     tp = _size(get("tp_size", 1), "tp_size", 1)
     pp = _size(get("pp_size", 1), "pp_size", 1)
-    if pp > 1 and tp > 1:
-        raise ConfigError("distributed.pp_size: pipeline parallelism with tensor parallelism (pp × tp) is not "
-                          "supported yet; set tp_size 1 or pp_size 1")
+    if pp > 1 and get("sequence_parallel", False):
+        raise ConfigError("distributed.sequence_parallel: sequence parallelism with pipeline stages is not supported "
+                          "yet; set sequence_parallel false (tensor parallelism alone works with pp_size)")
     if world_size % pp:
         raise ConfigError(f"distributed.pp_size ({pp}) does not divide the world size ({world_size}); start a "
                           f"multiple of {pp} processes or change distributed.pp_size")

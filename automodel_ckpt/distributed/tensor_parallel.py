@@ -68,7 +68,8 @@ def _tied(model: nn.Module) -> bool:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return False
-    return out is not None and inp is not None and out.weight is inp.weight
+    weight = getattr(out, "weight", None)  # a pipeline stage holds the head or the embedding, or neither
+    return weight is not None and weight is getattr(inp, "weight", None)
 
 
 def family_name(model: nn.Module) -> str:
@@ -151,8 +152,10 @@ def parallel_styles(model: nn.Module, tp_size: int, sequence_parallel: bool = Fa
 
         experts = [k for k, v in _assembled_plan(model).items() if v == EXPERTS_STYLE]
         return sequence_parallel_plan(model, plan, experts, styles, family_name(model))
-    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
-    return {pattern: styles[style]() for pattern, style in plan.items() if _matching(model, pattern)}
+    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse, the
+    # embedding or head another pipeline stage holds: a parameterless placeholder here)
+    return {pattern: styles[style]() for pattern, style in plan.items()
+            if any(any(True for _ in m.parameters()) for m in _matching(model, pattern))}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:

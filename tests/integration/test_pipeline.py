@@ -1,6 +1,6 @@
 """Pipeline parallelism: dp 2 → pp 2 × dp 2 (1f1b) → pp 2 (gpipe) → 1 process with the straight dp 2 run's samples,
-losses and gradient norms, gpipe in DCP files, bitwise resume on an unchanged pipeline mesh in both formats, and the
-lr 0 export of a pp 2 × dp 2 run equal to the base files."""
+losses and gradient norms; pp 2 × tp 2; gpipe in DCP files; bitwise resume on an unchanged pipeline mesh in both
+formats; and the lr 0 export of a pp 2 × dp 2 run equal to the base files."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _assert_bitwise(run_dir, other, step: int) -> None:
 
 def test_pipeline_resumes_across_strategies_with_the_straight_runs_losses(tmp_path, assets, straight_runs):
     """From the straight dp 2 run's step-4 checkpoint: pp 2 × dp 2 (1f1b) to step 6, pp 2 on 2 processes (gpipe) to
-    step 8, one process from step 7; pp 2 × dp 2 (gpipe, DCP files) to step 6. Each step as the straight run's; a
+    step 8, one process from step 7; pp 2 × tp 2 and pp 2 × dp 2 (gpipe, DCP files) to step 6. Each step as the straight run's; a
     resume from step 5 on the same mesh gives step 6 bit for bit, in both formats."""
     straight = straight_runs.get(2)
     start = ("--checkpoint.restore_from", str(straight / "epoch_0_step_4"))
@@ -65,6 +65,11 @@ def test_pipeline_resumes_across_strategies_with_the_straight_runs_losses(tmp_pa
     out = _leg(tmp_path, assets, "back", 8, 1, "--checkpoint.restore_from", str(chain / "epoch_0_step_7"))
     assert "Resuming a pp 2 checkpoint on dp 1 (world size 2 -> 1)" in out.stdout
     _assert_same_steps(tmp_path / "back", straight, [8])
+
+    # pp 2 × tp 2: the stages' projections split by the family's plan
+    out = _leg(tmp_path, assets, "pptp", 6, 4, *PP2_DP2, "--distributed.tp_size", "2", *start)
+    assert "Resuming a dp 2 checkpoint on pp 2 × tp 2 (world size 2 -> 4)" in out.stdout
+    _assert_same_steps(tmp_path / "pptp", straight, range(5, 7))
 
     dcp = ("--checkpoint.model_save_format", "torch_save")
     _leg(tmp_path, assets, "dcp", 6, 4, *PP2_DP2, *GPIPE, *dcp, *start)

@@ -34,7 +34,7 @@ def test_sizes_default_to_data_parallel_over_the_world():
     (4, {"tp_size": 3}, "distributed.tp_size (3) does not divide the world size (4)"),
     (4, {"dp_replicate_size": 3}, "distributed.dp_replicate_size (3) must divide dp_size (4)"),
     (4, {"pp_size": 3}, "distributed.pp_size (3) does not divide the world size (4)"),
-    (4, {"pp_size": 2, "tp_size": 2}, "pipeline parallelism with tensor parallelism (pp × tp) is not supported yet"),
+    (4, {"pp_size": 2, "tp_size": 2, "sequence_parallel": True}, "sequence parallelism with pipeline stages is not"),
     (4, {"pp_size": 2, "dp_size": 4}, "dp_size × pp_size = 4 × 2 = 8 must equal the world size (4)"),
     (4, {"pp_layers": [2, 2]}, "distributed.pp_layers needs pipeline stages"),
     (4, {"cp_size": 2}, "distributed.cp_size: context parallelism is not supported yet"),

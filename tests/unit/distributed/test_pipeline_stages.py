@@ -33,7 +33,11 @@ def _meta_llama(**overrides) -> torch.nn.Module:
 def test_the_pipeline_is_outermost_and_keeps_data_parallel_ranks():
     sizes = resolve_sizes(OmegaConf.create({"pp_size": 2}), 4)
     assert sizes == MeshSizes(1, 2, 1, pp=2) and sizes.world_size == 4
-    assert [MeshSizes(1, 2, 1, pp=2).describe(), MeshSizes(1, 1, 1, pp=4).describe()] == ["dp 2 × pp 2", "pp 4"]
+    assert [MeshSizes(1, 2, 1, pp=2).describe(), MeshSizes(1, 1, 1, pp=4).describe(),
+            MeshSizes(1, 1, 2, pp=2).describe()] == ["dp 2 × pp 2", "pp 4", "pp 2 × tp 2"]
+    tp = [ParallelDims(MeshSizes(1, 1, 2, pp=2), r) for r in range(4)]
+    assert [(d.pp_rank, d.dp_rank, d.tp_rank, d.writes_rank_state) for d in tp] == [
+        (0, 0, 0, True), (0, 0, 1, False), (1, 0, 0, False), (1, 0, 1, False)]
     assert sizes.record() == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
     assert MeshSizes.from_record(sizes.record(), 4) == sizes
     assert MeshSizes.from_record({"dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4).pp == 1  # written before pp
