@@ -97,19 +97,20 @@ class _StageLoss:
 class Pipeline:
     """This rank's stage of the model under torch's schedule (``plan.schedule``) over the pipeline group.
 
-    ``token_loss_sum(logits, labels)``: a microbatch's summed token loss (the recipe's). ``step`` and ``evaluate``
+    ``token_loss_sum(logits, labels)``: a microbatch's summed token loss (the recipe's); ``rows``: the rows of a
+    local batch (``plan.microbatches`` microbatches of one shape). ``step`` and ``evaluate``
     return the summed token loss of the rows on the last stage, zero on the others.
     """
 
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
-                 token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         # A stage's output (hidden states cut by the head's slice, a view) goes to the next stage, never changed in
         # place: FSDP2's warning about views does not apply.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-        self.dims, self.device = dims, device
+        self.dims, self.device, self.rows = dims, device, rows
         self.first, self.last = dims.pp_rank == 0, dims.pp_rank == dims.pp_size - 1
         self.stage = PipelineStage(StageModule(model, self.first), dims.pp_rank, dims.pp_size, device,
                                    group=dims.pp_group)
@@ -136,6 +137,17 @@ class Pipeline:
         return self._run(self.schedule.step, input_ids, labels, extra, scale)
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward only (the schedule's ``eval``)."""
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
+                 ignore_index: int) -> torch.Tensor:
+        """Forward only (the schedule's ``eval``). A batch of fewer rows than the training batches (the last
+        validation batch) is filled with copies of its first row whose labels are all ``ignore_index``: the stages
+        exchange microbatches of one shape."""
+        short = self.rows - len(input_ids)
+        if short > 0:
+            def fill(t: torch.Tensor, value: int | None = None) -> torch.Tensor:
+                rows = t[:1].expand(short, *t.shape[1:]).clone()
+                return torch.cat([t, rows.fill_(value) if value is not None else rows])
+
+            input_ids, labels = fill(input_ids), fill(labels, ignore_index)
+            extra = {k: fill(v) for k, v in extra.items()}
         return self._run(self.schedule.eval, input_ids, labels, extra, 1.0)

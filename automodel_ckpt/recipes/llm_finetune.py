@@ -87,8 +87,8 @@ class FinetuneRecipe(BaseRecipe):
                       f"({plan.schedule}, {plan.microbatches} microbatches)", flush=True)
         self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
         self.starting_weights.materialize(self.model, self.env.device)
-        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss)
-                         if plan is not None else None)
+        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
+                                  rows=cfg.step_scheduler.local_batch_size) if plan is not None else None)
         with rng_untouched():
             train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
@@ -355,7 +355,7 @@ class FinetuneRecipe(BaseRecipe):
         tokens = 0
         for mb in self.val_batches or []:
             if self.pipeline is not None:
-                loss_sum += self.pipeline.evaluate(mb.input_ids, mb.labels, _row_inputs(mb))
+                loss_sum += self.pipeline.evaluate(mb.input_ids, mb.labels, _row_inputs(mb), IGNORE_INDEX)
             else:
                 loss_sum += self.token_loss_sum(mb).double().cpu()
             tokens += int((mb.labels[:, 1:] != IGNORE_INDEX).sum())
