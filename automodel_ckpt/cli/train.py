@@ -26,9 +26,9 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
         from automodel_ckpt.config.loader import to_yaml
-        from automodel_ckpt.config.validate import check_tensor_parallel_plan
+        from automodel_ckpt.config.validate import check_parallel_plans
 
-        inputs += check_tensor_parallel_plan(cfg, opts.world_size)
+        inputs += check_parallel_plans(cfg, opts.world_size)
         print(to_yaml(cfg), end="")
         for line in inputs:
             print(f"# {line}", file=sys.stderr)

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
-from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, resolve_sizes
+from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, resolve_pipeline, resolve_sizes
 from automodel_ckpt.errors import ConfigError
 
 #: The package's image-text builder, whose models tensor parallelism does not split yet.
@@ -54,6 +54,14 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     model = cfg.get("model")
     if sizes.tp > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
         raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
+    if sizes.pp > 1:
+        resolve_pipeline(cfg.distributed, sizes, sched.local_batch_size)
+        if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
+            raise ConfigError("distributed.pp_size: pipeline parallelism for image-text models is not supported yet; "
+                              "use pp_size 1")
+        if cfg.get("peft") is not None:
+            raise ConfigError("distributed.pp_size: LoRA (a peft: section) with pipeline parallelism is not supported "
+                              "yet; use pp_size 1")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):
@@ -114,17 +122,18 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
     return lines
 
 
-def check_tensor_parallel_plan(cfg: DictConfig, world_size: int) -> list[str]:
-    """``--dry-run`` with ``tp_size`` > 1: the family's tensor-parallel plan checked against the model, built on the
-    meta device (no weights read), as the workers would check it once built. One line saying it applies; the
-    workers' one-line ``ConfigError`` when it does not. Nothing for a model not on this machine yet (a Hub id to be
-    downloaded, an embedded base not yet created) or from a builder of another package.
+def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
+    """``--dry-run`` with ``tp_size`` or ``pp_size`` > 1: the family's tensor-parallel plan and the pipeline's stages
+    checked against the model, built on the meta device (no weights read), as the workers would check them once
+    built. One line saying each applies; the workers' one-line ``ConfigError`` when one does not. Nothing for a
+    model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or from a builder of
+    another package.
     """
     from automodel_ckpt.models.materialize import builds_on_meta
 
     sizes = resolve_sizes(cfg.distributed, world_size)
     model = cfg.model
-    if sizes.tp == 1 or not builds_on_meta(model):
+    if (sizes.tp == 1 and sizes.pp == 1) or not builds_on_meta(model):
         return []
     if model.get("config") is None:
         from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
@@ -139,6 +148,17 @@ def check_tensor_parallel_plan(cfg: DictConfig, world_size: int) -> list[str]:
     from automodel_ckpt.distributed.tensor_parallel import family_name, parallel_styles
 
     built = instantiate(model, "model", on_meta=True)
-    parallel_styles(built, sizes.tp, sizes.sequence_parallel)  # the sequence-parallel entries too
-    what = "tensor-parallel plan" + (" with sequence parallelism" if sizes.sequence_parallel else "")
-    return [f"model: the '{family_name(built)}' {what} applies on tp {sizes.tp}"]
+    lines = []
+    if sizes.tp > 1:
+        parallel_styles(built, sizes.tp, sizes.sequence_parallel)  # the sequence-parallel entries too
+        what = "tensor-parallel plan" + (" with sequence parallelism" if sizes.sequence_parallel else "")
+        lines.append(f"model: the '{family_name(built)}' {what} applies on tp {sizes.tp}")
+    if sizes.pp > 1:
+        from automodel_ckpt.distributed.pipeline import check_pipeline_model, decoder_layer_list
+
+        plan = check_pipeline_model(built, cfg.distributed, sizes, cfg.step_scheduler.local_batch_size)
+        stages = plan.stage_layers(len(decoder_layer_list(built)), sizes.pp)
+        lines.append(f"model: {sizes.pp} pipeline stages of decoder layers "
+                     + ", ".join(f"{r.start}-{r.stop - 1}" for r in stages)
+                     + f" ({plan.schedule}, {plan.microbatches} microbatches)")
+    return lines

@@ -60,7 +60,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
             fully_shard(layer, **kwargs)
         fully_shard(tower, **kwargs)
     for layer in decoder_layers(model, exclude=tower):
-        fully_shard(layer, **kwargs)
+        if any(True for _ in layer.parameters()):  # a pipeline stage's other layers: parameterless placeholders
+            fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     _restore_recorded_outputs(recorded)
     return model

@@ -1,10 +1,12 @@
-"""Who is who on the device mesh: the data-parallel (replicate × shard) and tensor-parallel sizes, ranks and groups.
+"""Who is who on the device mesh: the pipeline, data-parallel (replicate × shard) and tensor-parallel sizes and ranks.
 
 Computed once from the ``distributed:`` keys and the world size, then passed down: the data loader, validation,
 the per-rank checkpoint files and the loss reductions ask this object for the data-parallel rank and size, never
-the global rank. Ranks are laid out with tensor parallelism innermost (``global rank = dp rank × tp + tp rank``),
-so the tensor-parallel peers of a data-parallel rank sit next to each other (on one node, where the links are
-fastest), and a data-parallel rank is ``replicate × dp_shard + shard``.
+the global rank. Ranks are laid out with pipeline stages outermost and tensor parallelism innermost
+(``global rank = pp rank × (dp × tp) + dp rank × tp + tp rank``), so the tensor-parallel peers of a data-parallel
+rank sit next to each other (on one node, where the links are fastest), a data-parallel rank is
+``replicate × dp_shard + shard``, and the data-parallel rank (which keys the data position and per-rank state) is the
+same whatever the number of stages.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 from automodel_ckpt.errors import ConfigError
 
 #: Keys recognised in ``distributed:`` whose strategies are not implemented: refused unless 1 or null.
-UNSUPPORTED = {"pp_size": "pipeline parallelism", "cp_size": "context parallelism", "ep_size": "expert parallelism"}
+UNSUPPORTED = {"cp_size": "context parallelism", "ep_size": "expert parallelism"}
+#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's ``Schedule1F1B`` and ``ScheduleGPipe``).
+PP_SCHEDULES = ("1f1b", "gpipe")
 #: Tensor parallelism does not split an image-text model yet: refused before launch for the package's image-text
 #: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
 IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
@@ -24,12 +28,14 @@ IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text
 
 @dataclass(frozen=True)
 class MeshSizes:
-    """The sizes of the mesh: ``dp_replicate × dp_shard`` data-parallel ranks, each ``tp`` tensor-parallel ranks."""
+    """The sizes of the mesh: ``pp`` pipeline stages, each of ``dp_replicate × dp_shard`` data-parallel ranks, each
+    ``tp`` tensor-parallel ranks."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -37,35 +43,40 @@ class MeshSizes:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
     @property
     def one_dimensional(self) -> bool:
         """Plain FSDP2 over every rank (the default)."""
-        return self.tp == 1 and self.dp_replicate == 1
+        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1
 
     def describe(self) -> str:
-        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``; ``... + SP`` with sequence
-        parallelism (which a checkpoint does not record: its tensors are the same)."""
+        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``pp 4``;
+        ``... + SP`` with sequence parallelism (which a checkpoint does not record: its tensors are the same)."""
         parts = []
         if self.dp_replicate > 1:
             parts.append(f"HSDP {self.dp_replicate} × {self.dp_shard}")
-        elif self.dp_shard > 1 or self.tp == 1:
+        elif self.dp_shard > 1 or (self.tp == 1 and self.pp == 1):
             parts.append(f"dp {self.dp_shard}")
+        if self.pp > 1:
+            parts.append(f"pp {self.pp}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         return " × ".join(parts) + (" + SP" if self.sequence_parallel else "")
 
     def record(self) -> dict[str, int]:
-        """What a checkpoint's metadata records (``mesh``)."""
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        """What a checkpoint's metadata records (``mesh``; ``pp`` only with pipeline stages)."""
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp} | (
+            {"pp": self.pp} if self.pp > 1 else {})
 
     @classmethod
     def from_record(cls, record: Any, world_size: int) -> MeshSizes:
-        """The sizes a checkpoint recorded; a checkpoint without a record was written on a 1-D mesh."""
+        """The sizes a checkpoint recorded (without ``pp``: one stage); a checkpoint without a record was written on
+        a 1-D mesh."""
         if isinstance(record, dict):
             try:
-                return cls(int(record.get("dp_replicate", 1)), int(record.get("dp_shard", 1)), int(record.get("tp", 1)))
+                return cls(int(record.get("dp_replicate", 1)), int(record.get("dp_shard", 1)), int(record.get("tp", 1)),
+                           pp=int(record.get("pp", 1)))
             except (TypeError, ValueError):
                 pass
         return cls(1, max(int(world_size), 1), 1)
@@ -79,15 +90,25 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
         if value not in (None, 1):
             raise ConfigError(f"distributed.{key}: {what} is not supported yet; leave it at 1 (or null)")
     tp = _size(get("tp_size", 1), "tp_size", 1)
+    pp = _size(get("pp_size", 1), "pp_size", 1)
+    if pp > 1 and get("sequence_parallel", False):
+        raise ConfigError("distributed.sequence_parallel: sequence parallelism with pipeline stages is not supported "
+                          "yet; set sequence_parallel false (tensor parallelism alone works with pp_size)")
+    if world_size % pp:
+        raise ConfigError(f"distributed.pp_size ({pp}) does not divide the world size ({world_size}); start a "
+                          f"multiple of {pp} processes or change distributed.pp_size")
     replicate = _size(get("dp_replicate_size", 1), "dp_replicate_size", 1)
     dp = get("dp_size", None)
     if dp is None:
-        if world_size % tp:
+        if world_size % (tp * pp):
             raise ConfigError(f"distributed.tp_size ({tp}) does not divide the world size ({world_size}); start a "
                               f"multiple of {tp} processes or change distributed.tp_size")
-        dp = world_size // tp
+        dp = world_size // (tp * pp)
     dp = _size(dp, "dp_size", None)
-    if dp * tp != world_size:
+    if dp * tp * pp != world_size:
+        if pp > 1:
+            raise ConfigError(f"distributed: dp_size × pp_size = {dp} × {pp} = {dp * pp} must equal the world size "
+                              f"({world_size}); change the sizes (dp_size: null takes what pp_size leaves)")
         raise ConfigError(f"distributed: dp_size × tp_size = {dp} × {tp} = {dp * tp} must equal the world size "
                           f"({world_size}); change the sizes (dp_size: null takes what tp_size leaves)")
     if dp % replicate:
@@ -97,7 +118,65 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
     if sequence_parallel and tp == 1:
         raise ConfigError("distributed.sequence_parallel: true needs tensor parallelism (it splits the activations "
                           "over the tensor-parallel ranks); set distributed.tp_size > 1 or sequence_parallel false")
-    return MeshSizes(replicate, dp // replicate, tp, sequence_parallel)
+    if pp == 1:
+        for key in ("pp_layers", "pp_microbatches"):
+            if get(key, None) is not None:
+                raise ConfigError(f"distributed.{key} needs pipeline stages; set distributed.pp_size > 1 or remove it")
+    return MeshSizes(replicate, dp // replicate, tp, sequence_parallel, pp)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a run's pipeline runs: torch's schedule by name, the microbatches each local batch is cut into, and the
+    number of decoder layers of each stage (None: an even split, the first stages taking one more of a remainder)."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    layers: tuple[int, ...] | None = None
+
+    def stage_layers(self, num_layers: int, stages: int) -> list[range]:
+        """The decoder layers of each stage (whole-model indices)."""
+        counts = list(self.layers) if self.layers else [num_layers // stages + (i < num_layers % stages)
+                                                          for i in range(stages)]
+        starts = [sum(counts[:i]) for i in range(stages)]
+        return [range(start, start + n) for start, n in zip(starts, counts)]
+
+
+def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
+                     num_layers: int | None = None) -> PipelinePlan:
+    """The pipeline the ``distributed.pp_*`` keys ask for on ``sizes``; one-line ``ConfigError`` otherwise.
+
+    ``num_layers``: the model's decoder layers, when known (the stage split is checked against them)."""
+    get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
+    pp = sizes.pp
+    schedule = str(get("pp_schedule", None) or "1f1b").lower()
+    if schedule == "interleaved_1f1b" or get("pp_stages_per_rank", None) not in (None, 1):
+        raise ConfigError("distributed.pp_schedule: interleaved_1f1b (several stages per rank, pp_stages_per_rank) "
+                          "is not supported yet; use 1f1b or gpipe with one stage per rank")
+    if schedule not in PP_SCHEDULES:
+        raise ConfigError(f"distributed.pp_schedule: expected one of {', '.join(PP_SCHEDULES)}, got '{schedule}'")
+    microbatches = _size(get("pp_microbatches", None), "pp_microbatches", pp)
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"distributed.pp_microbatches ({microbatches}) must be at least pp_size ({pp}) with the "
+                          "1f1b schedule; raise it or use pp_schedule gpipe")
+    if local_batch_size % microbatches:
+        raise ConfigError(f"distributed.pp_microbatches ({microbatches}) must divide step_scheduler.local_batch_size "
+                          f"({local_batch_size}): each microbatch holds local_batch_size / pp_microbatches rows; "
+                          "change either")
+    layers = get("pp_layers", None)
+    if layers is not None:
+        layers = tuple(layers)
+        if len(layers) != pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+            raise ConfigError(f"distributed.pp_layers: expected {pp} positive integers (the decoder layers of each "
+                              f"stage), got {list(layers)}")
+    if num_layers is not None:
+        if pp > num_layers:
+            raise ConfigError(f"distributed.pp_size ({pp}) is larger than the model's {num_layers} decoder layers: "
+                              "every stage needs at least one; use a smaller pp_size")
+        if layers is not None and sum(layers) != num_layers:
+            raise ConfigError(f"distributed.pp_layers {list(layers)} sum to {sum(layers)}, not the model's "
+                              f"{num_layers} decoder layers; change the counts")
+    return PipelinePlan(schedule, microbatches, layers)
 
 
 def _size(value: Any, key: str, default: int | None) -> int:
@@ -124,13 +203,23 @@ class ParallelDims:
     tp_mesh: Any = None
     dp_group: Any = None
 
+    pp_group: Any = None
+
     @property
     def tp_rank(self) -> int:
         return self.rank % self.sizes.tp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.sizes.tp
+        return self.rank // self.sizes.tp % self.sizes.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.sizes.dp * self.sizes.tp)
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes.pp
 
     @property
     def dp_size(self) -> int:
@@ -151,8 +240,8 @@ class ParallelDims:
     @property
     def writes_rank_state(self) -> bool:
         """Whether this rank writes its data-parallel rank's small files (the data position, RNG): the first of
-        its tensor-parallel peers, which hold the same."""
-        return self.tp_rank == 0
+        its tensor-parallel peers and pipeline stages, which hold the same."""
+        return self.tp_rank == 0 and self.pp_rank == 0
 
     def sum_over_dp(self, value: Any) -> Any:
         """``value`` summed over the data-parallel ranks (float64 on the CPU): each tensor-parallel peer gets the
@@ -160,6 +249,14 @@ class ParallelDims:
         from automodel_ckpt.distributed.env import all_reduce_sum
 
         return all_reduce_sum(value, group=self.dp_group)
+
+    def sum_over_stages(self, value: Any) -> Any:
+        """``value`` summed over the pipeline stages of this rank's data-parallel rank (itself without stages)."""
+        if self.pp_group is None:
+            return value
+        from automodel_ckpt.distributed.env import all_reduce_sum
+
+        return all_reduce_sum(value, group=self.pp_group)
 
     @classmethod
     def single(cls, rank: int = 0, world_size: int = 1) -> ParallelDims:
@@ -171,8 +268,8 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
     """Create the device mesh of ``sizes`` (collective: every rank calls it, in the same order).
 
     The default (1-D) layout is the mesh FSDP2 has always used, ``("dp",)``; otherwise the dimensions larger than
-    one, named ``dp_replicate``, ``dp_shard`` and ``tp`` (``dp_shard`` always: ``fully_shard`` then has a mesh to
-    work on, of one rank under tensor parallelism alone).
+    one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (``dp_shard`` always: ``fully_shard`` then has a
+    mesh to work on, of one rank under tensor parallelism alone or one rank per stage).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -182,12 +279,16 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
     dims = [("dp_shard", sizes.dp_shard)] + [("tp", sizes.tp)] * (sizes.tp > 1)  # dp_shard even of size 1
     if sizes.dp_replicate > 1:
         dims.insert(0, ("dp_replicate", sizes.dp_replicate))
+    if sizes.pp > 1:
+        dims.insert(0, ("pp", sizes.pp))
     names = tuple(n for n, _ in dims)
     mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
-    dp_names = tuple(n for n in names if n != "tp")
+    dp_names = tuple(n for n in names if n not in ("tp", "pp"))
     fsdp_mesh = mesh[dp_names]
     tp_mesh = mesh["tp"] if sizes.tp > 1 else None
-    dp_group = None  # without tensor parallelism the data-parallel ranks are every rank
-    if sizes.tp > 1:  # the losses of tensor-parallel peers are the same: sum over the data-parallel ranks only
+    dp_group = None  # with one stage and without tensor parallelism the data-parallel ranks are every rank
+    if sizes.tp > 1 or sizes.pp > 1:  # sum over this stage's data-parallel ranks only
         dp_group = (mesh[dp_names]._flatten("dp") if len(dp_names) == 2 else mesh[dp_names[0]]).get_group()
-    return ParallelDims(sizes, rank, mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, dp_group=dp_group)
+    pp_group = mesh["pp"].get_group() if sizes.pp > 1 else None
+    return ParallelDims(sizes, rank, mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, dp_group=dp_group,
+                        pp_group=pp_group)

@@ -68,7 +68,8 @@ def _tied(model: nn.Module) -> bool:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return False
-    return out is not None and inp is not None and out.weight is inp.weight
+    weight = getattr(out, "weight", None)  # a pipeline stage holds the head or the embedding, or neither
+    return weight is not None and weight is getattr(inp, "weight", None)
 
 
 def family_name(model: nn.Module) -> str:
@@ -151,8 +152,10 @@ def parallel_styles(model: nn.Module, tp_size: int, sequence_parallel: bool = Fa
 
         experts = [k for k, v in _assembled_plan(model).items() if v == EXPERTS_STYLE]
         return sequence_parallel_plan(model, plan, experts, styles, family_name(model))
-    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse)
-    return {pattern: styles[style]() for pattern, style in plan.items() if _matching(model, pattern)}
+    # entries of modules this configuration has none of (a dense MLP's projections when every layer is sparse, the
+    # embedding or head another pipeline stage holds: a parameterless placeholder here)
+    return {pattern: styles[style]() for pattern, style in plan.items()
+            if any(any(True for _ in m.parameters()) for m in _matching(model, pattern))}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
@@ -168,18 +171,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     return model
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, stages: Any = None) -> torch.Tensor:
     """``clip_grad_norm_`` for gradients that live on different meshes (tensor-parallel projections on the 2-D
-    mesh, the rest on the data-parallel one): one total norm over all of them, then every gradient scaled by it.
+    mesh, the rest on the data-parallel one) or on different pipeline stages (``stages``: their process group): one
+    total norm over all of them, then every gradient scaled by it.
 
-    With one mesh (or none) this is ``torch.nn.utils.clip_grad_norm_`` itself.
+    With one mesh (or none) and one stage this is ``torch.nn.utils.clip_grad_norm_`` itself.
     """
     params = [p for p in parameters if p.grad is not None]
     limit = max_norm if max_norm else float("inf")
     groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for p in params:
         groups[getattr(p.grad, "device_mesh", None)].append(p)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and stages is None:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     squares = []
@@ -195,7 +199,10 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
         quiet.setLevel(level)
     from torch.distributed.tensor.experimental import implicit_replication
 
-    total = torch.stack([s.cpu() for s in squares]).sum().sqrt().float()
+    total = torch.stack([s.cpu() for s in squares]).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if stages is not None:  # each stage's squared norm, summed over the stages
+        torch.distributed.all_reduce(total, group=stages)
+    total = total.sqrt().float()
     with implicit_replication():  # the plain total scales DTensor gradients
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, limit, total.to(members[0].grad.device))

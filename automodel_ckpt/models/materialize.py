@@ -140,7 +140,8 @@ class StartingWeights:
         if self.rank == 0:  # the model as a one-rank run builds it: the same seed, the same values
             with rng_untouched():
                 whole = self._build_whole().state_dict()
-            full = {key: whole[name] for name, key in names.items()}
+            # every tensor of the whole model: a pipeline stage's ranks take those they hold
+            full = {names.get(name, name): tensor for name, tensor in whole.items()}
         set_model_state_dict(base, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                   strict=False))
 

@@ -24,6 +24,7 @@ from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
+from automodel_ckpt.distributed.pipeline import Pipeline, check_pipeline_model, cut_stage
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
@@ -48,6 +49,8 @@ class FinetuneRecipe(BaseRecipe):
     #: An image-text model's processor (set by ``VLMFinetuneRecipe``): it prepares the images of the data and
     #: is saved beside the weights in place of the tokenizer alone.
     processor: Any = None
+    #: This rank's pipeline stage under its schedule, with ``distributed.pp_size`` > 1 (set in ``setup``).
+    pipeline: Any = None
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -75,8 +78,17 @@ class FinetuneRecipe(BaseRecipe):
             blocks = checkpoint_blocks(model)
             if self.env.is_main:
                 print(f"Activation checkpointing: {blocks} blocks recompute their activations in backward", flush=True)
+        plan = None
+        if self.dims.pp_size > 1:  # this rank's stage, cut on the meta device: whole-model names kept
+            plan = check_pipeline_model(model, cfg.distributed, self.dims.sizes, cfg.step_scheduler.local_batch_size)
+            layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
+            if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
+                print(f"Pipeline stage {self.dims.pp_rank}: decoder layers {layers.start}-{layers.stop - 1} "
+                      f"({plan.schedule}, {plan.microbatches} microbatches)", flush=True)
         self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
         self.starting_weights.materialize(self.model, self.env.device)
+        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
+                                  rows=cfg.step_scheduler.local_batch_size) if plan is not None else None)
         with rng_untouched():
             train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
@@ -304,13 +316,16 @@ class FinetuneRecipe(BaseRecipe):
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
+                loss_sum += self.pipeline.step(mb.input_ids, mb.labels, _row_inputs(mb), scale)
+                continue
             summed = self.token_loss_sum(mb)
             (summed * scale).backward()
             loss_sum += summed.detach().double().cpu()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = (self.dims.sum_over_dp(loss_sum) / max(global_tokens, 1.0)).item()
+        loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_tokens, 1.0)).item()
         return loss, float(grad_norm), input_tokens
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
@@ -325,10 +340,13 @@ class FinetuneRecipe(BaseRecipe):
                                 use_cache=False).logits
         else:
             logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
-        return F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), mb.labels[:, 1:].flatten().to(dev),
-            ignore_index=IGNORE_INDEX, reduction="sum",
-        )
+        return self.shifted_token_loss(logits, mb.labels.to(dev))
+
+    @staticmethod
+    def shifted_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of each position's next token (labels ``IGNORE_INDEX`` left out)."""
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -336,7 +354,19 @@ class FinetuneRecipe(BaseRecipe):
         loss_sum = torch.zeros((), dtype=torch.float64)
         tokens = 0
         for mb in self.val_batches or []:
-            loss_sum += self.token_loss_sum(mb).double().cpu()
+            if self.pipeline is not None:
+                loss_sum += self.pipeline.evaluate(mb.input_ids, mb.labels, _row_inputs(mb), IGNORE_INDEX)
+            else:
+                loss_sum += self.token_loss_sum(mb).double().cpu()
             tokens += int((mb.labels[:, 1:] != IGNORE_INDEX).sum())
+        loss_sum = self.dims.sum_over_stages(loss_sum)  # the last stage's (zero on the others)
         totals = self.dims.sum_over_dp(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]))
         return (totals[0] / max(totals[1].item(), 1.0)).item()
+
+
+def _row_inputs(mb: MicroBatch) -> dict[str, torch.Tensor]:
+    """What every pipeline stage needs of a batch besides the tokens: packed rows' position ids (transformers then
+    keeps attention inside each example) or the attention mask."""
+    if mb.position_ids is not None:
+        return {"position_ids": mb.position_ids}
+    return {"attention_mask": mb.attention_mask}

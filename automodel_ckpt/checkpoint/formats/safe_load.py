@@ -332,16 +332,20 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.size()) if isinstance(value, torch.Tensor) else None
 
 
-def _differences(state: dict[str, Any], metadata: Metadata) -> list[str]:
-    """Human-readable differences between the state to load and a checkpoint's metadata, sorted by key."""
+def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | None = None) -> list[str]:
+    """Human-readable differences between the state to load and a checkpoint's metadata, sorted by key.
+
+    ``held``: the keys some rank holds (a pipeline stage holds only its own; None: this rank's)."""
     want = _flat(state)
     have = metadata.state_dict_metadata
+    held = set(want) if held is None else held | set(want)
     out = []
     for key in sorted(set(want) | set(have)):
         if key not in have:
             out.append(f"{key}: in the model, not in the checkpoint")
         elif key not in want:
-            out.append(f"{key}: in the checkpoint, not in the model")
+            if key not in held:
+                out.append(f"{key}: in the checkpoint, not in the model")
         else:
             saved = have[key]
             mine = _shape(want[key])
@@ -352,9 +356,12 @@ def _differences(state: dict[str, Any], metadata: Metadata) -> list[str]:
     return out
 
 
-def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int = 5) -> None:
-    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model."""
-    diffs = _differences(state, metadata)
+def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int = 5,
+               held: set[str] | None = None) -> None:
+    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model.
+
+    ``held``: the keys any rank holds, when ranks hold different parts of the model (pipeline stages)."""
+    diffs = _differences(state, metadata, held)
     if diffs:
         raise CheckpointError(_misfit(path, diffs, limit))
 

@@ -68,7 +68,7 @@ def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) 
     """``dcp.load`` that first checks keys and shapes (``strict_keys``: extra checkpoint keys count too)."""
     metadata = reader.read_metadata()
     if strict_keys:
-        check_fits(state, metadata, path)
+        check_fits(state, metadata, path, held=_held_by_any_rank(state, process_group))
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), process_group=process_group)
     except CheckpointException as exc:
@@ -76,6 +76,18 @@ def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) 
         if isinstance(cause, DamagedFile):  # on every rank: the checkpoint is damaged, not the state unfit
             raise DamagedFile(str(cause)) from None
         raise load_failure(exc, path, state, metadata) from None
+
+
+def _held_by_any_rank(state: dict, process_group) -> set[str]:
+    """The keys of ``state`` on every rank together (pipeline stages each hold their own part of the model)."""
+    import torch.distributed as dist
+
+    keys = set(state)
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return keys
+    every: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, sorted(keys), group=process_group)
+    return keys.union(*every)
 
 
 def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None) -> None:
@@ -291,7 +303,12 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
     created = fresh and fastio.init_optimizer_state(optimizer)
     try:
         state = get_optimizer_state_dict(model, optimizer)
+        own = [group["params"] for group in state["param_groups"]]
         _load(state, path, _reader(path, TORCH_SAVE, check), process_group, strict_keys=False)
+        # each group's parameter names are this rank's, whatever the saving ranks held (one pipeline stage's, once
+        # saved: ranks that hold different parameters write them under one key)
+        for group, params in zip(state["param_groups"], own):
+            group["params"] = params
     except BaseException:
         if created:  # never leave the uninitialised moments behind
             optimizer.state.clear()
