@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+import automodel_ckpt.recipes.llm_finetune as finetune
+from automodel_ckpt.distributed.fsdp import decoder_layers
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +112,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _memory_at_peak():
+    """``tools/memory_at_peak.py``, beside this file (the tools are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_at_peak", Path(__file__).with_name("memory_at_peak.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _reset_peak() -> None:
     """Start a new resident high-water mark (Linux: ``5`` into ``/proc/self/clear_refs``)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -120,8 +132,37 @@ class MemoryRecipe(FinetuneRecipe):
 
     def setup(self) -> None:
         self._memory = {"idle": _status("VmRSS")}
+        self._phase: tuple[str, int, dict] | None = None
         _reset_peak()
         super().setup()
+        clip = finetune.clip_grad_norm
+
+        def marked_clip(*args, **kwargs):
+            self._enter("clip grad norm")
+            return clip(*args, **kwargs)
+
+        finetune.clip_grad_norm = marked_clip  # the recipe's step calls it by this module's name
+        self.optimizer.register_step_pre_hook(lambda *_: self._enter("optimizer step"))
+        self.optimizer.register_step_post_hook(lambda *_: self._enter("zero_grad, loss"))
+
+    def _enter(self, phase: str, record: dict | None = None) -> None:
+        """Close the phase running (its level at the start and its peak, into its record) and start ``phase``."""
+        level, peak = _status("VmRSS"), _status("VmHWM")
+        if self._phase is not None:
+            name, start, into = self._phase
+            seen = into.setdefault(name, {"start": start, "peak": 0})
+            seen["peak"] = max(seen["peak"], peak)
+            record = into if record is None else record
+        _reset_peak()
+        self._phase = (phase, level, record)
+
+    def token_loss_sum(self, mb):
+        if not self.model.training:
+            return super().token_loss_sum(mb)
+        self._enter("forward")
+        summed = super().token_loss_sum(mb)
+        self._enter("backward")
+        return summed
 
     def restore_checkpoint(self):
         restored = super().restore_checkpoint()  # the starting weights are in place on return
@@ -134,8 +175,14 @@ class MemoryRecipe(FinetuneRecipe):
         local = sum(_local(p).numel() for p in self.model.parameters())
         self._memory["local_params"] = local
         self._memory["total_params"] = sum(p.numel() for p in self.model.parameters())
+        layers = decoder_layers(self.model)
+        block = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+        self._memory["block_params"] = block  # what one gathered block holds (elements), and the root's own
+        self._memory["root_params"] = self._memory["total_params"] - sum(
+            p.numel() for layer in layers for p in layer.parameters())
         self._memory["post_setup"] = _status("VmRSS")
-        _reset_peak()
+        self._memory["phases"] = [{}]  # per step, each phase's level at its start and its peak
+        self._enter("between steps (validation, data, logging)", self._memory["phases"][0])
         return restored
 
     def _train(self) -> None:
@@ -147,7 +194,18 @@ class MemoryRecipe(FinetuneRecipe):
 
     def train_step(self, micro):
         start, cpu, faults = time.perf_counter(), time.process_time(), _minor_faults()
-        out = super().train_step(micro)
+        self._enter("forward")
+        self._memory["phases"].append({})
+        self._phase = (self._phase[0], self._phase[1], self._memory["phases"][-1])
+        if len(self._memory["phases"]) - 1 == int(os.environ.get("BENCH_MEMORY_PROFILE_STEP", "0")):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+                out = super().train_step(micro)
+            self._memory["at_peak"] = _memory_at_peak().live_at_peak(prof)
+        else:
+            out = super().train_step(micro)
+        self._enter("between steps (validation, data, logging)")
         self._memory.setdefault("step_seconds", []).append(time.perf_counter() - start)
         self._memory.setdefault("step_cpu_seconds", []).append(time.process_time() - cpu)  # every thread's
         self._memory.setdefault("step_page_faults", []).append(_minor_faults() - faults)
@@ -156,7 +214,7 @@ class MemoryRecipe(FinetuneRecipe):
             self._memory["optimizer_state_bytes"] = sum(
                 _local(t).numel() * t.element_size() for state in self.optimizer.state.values()
                 for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        self._memory["steps_peak"] = max(self._memory.get("steps_peak", 0), _status("VmHWM"))
+        self._memory["steps_peak"] = max(seen["peak"] for step in self._memory["phases"] for seen in step.values())
         if torch.cuda.is_available():
             self._memory["steps_device_peak"] = max(self._memory.get("steps_device_peak", 0),
                                                     torch.cuda.max_memory_allocated())
@@ -164,15 +222,17 @@ class MemoryRecipe(FinetuneRecipe):
 
     def save_checkpoint(self, info):
         """The save's own peak: the high-water mark is reset before it and read after it (then reset again)."""
-        _reset_peak()
+        saves = self._memory.setdefault("saves", {})
+        self._enter("save")
+        self._phase = ("save", self._phase[1], saves)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         saved = super().save_checkpoint(info)
         self.finalize_checkpoints()  # an async save's background write is part of its peak
-        self._memory["save_peak"] = max(self._memory.get("save_peak", 0), _status("VmHWM"))
+        self._enter("between steps (validation, data, logging)", self._memory["phases"][-1])
+        self._memory["save_peak"] = saves["save"]["peak"]
         if torch.cuda.is_available():
             self._memory["save_device_peak"] = torch.cuda.max_memory_allocated()
-        _reset_peak()
         return saved
 
     def run(self) -> None:
@@ -248,7 +308,8 @@ def knows_activation_checkpointing() -> bool:
 
 
 def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO,
-            optimizer: str = "adamw", save: bool = True, env: dict[str, str] | None = None) -> dict:
+            optimizer: str = "adamw", save: bool = True, env: dict[str, str] | None = None,
+            profile_step: int = 0) -> dict:
     tag = f"n{nproc}_{optimizer}" + ("" if ac is None else f"_ac{int(ac)}")
     out = work / f"memory_{tag}"
     out.mkdir(exist_ok=True)
@@ -262,7 +323,8 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, cod
     shutil.rmtree(work / f"ckpt_{tag}", ignore_errors=True)  # a fresh run each time, never a resume
     env = dict(os.environ, BENCH_MEMORY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}",
-               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0", **(env or {}))
+               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0", BENCH_MEMORY_PROFILE_STEP=str(profile_step),
+               **(env or {}))
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe)],
                           cwd=work, env=env, capture_output=True, text=True)
@@ -343,6 +405,43 @@ def whole_run_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def phases_table(results: list[dict]) -> str:
+    """Rank 0's resident memory above the idle process in each phase of the first steps and the save."""
+    rows = ["| ranks | optimizer | step | phase | at its start MiB | its peak MiB | peak - start MiB |",
+            "|---|---|---|---|---|---|---|"]
+    for res in results:
+        if "failed" in res or res["activation_checkpointing"]:
+            continue
+        r = res["ranks"][0]
+        steps = [(f"{i}" if i else "before 1", step) for i, step in enumerate(r.get("phases", []))]
+        for label, step in steps + [("", r.get("saves", {}))]:
+            for phase, seen in step.items():
+                rows.append(f"| {res['nproc']} | {res['optimizer']} | {label} | {phase} | "
+                            f"{(seen['start'] - r['idle']) / MiB:.0f} | {(seen['peak'] - r['idle']) / MiB:.0f} | "
+                            f"{(seen['peak'] - seen['start']) / MiB:.0f} |")
+    return "\n".join(rows)
+
+
+def goal_lines(results: list[dict], report: dict) -> list[str]:
+    """The whole run's two goals, one line each: the worst rank against its share, and 4 ranks against 1."""
+    lines = []
+    for res in results:
+        if "failed" in res or "ranks" not in res:
+            continue
+        worst = max(res["ranks"], key=lambda r: r["whole_over_idle"] - r["whole_goal"])
+        lines.append(f"{res['nproc']} ranks, {res['optimizer']}, activation checkpointing "
+                     f"{res['activation_checkpointing']}: worst rank {worst['whole_over_idle'] / MiB:.0f} MiB above "
+                     f"idle, goal 1.25 x {worst['state_share'] / MiB:.0f} + 256 = {worst['whole_goal'] / MiB:.0f} "
+                     f"MiB ({worst['whole_over_idle'] / worst['whole_goal']:.2f} of it): "
+                     f"{'pass' if res['whole_goal_met'] else 'FAIL'}")
+    for key, value in report.items():
+        if key.startswith("whole_added_4_over_1"):
+            opt = key.removeprefix("whole_added_4_over_1").lstrip("_") or "first optimizer"
+            lines.append(f"whole run above idle, 4 ranks over 1 rank ({opt}): {value:.2f} (goal <= 0.5): "
+                         f"{'pass' if value <= 0.5 else 'FAIL'}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GB", help="bf16 bytes of the base (default 1GB)")
@@ -354,6 +453,8 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="skip the checkpoint save after the last step")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="set in the training processes' environment (e.g. AUTOMODEL_CKPT_MALLOC=default)")
+    parser.add_argument("--profile-step", type=int, default=0, metavar="N",
+                        help="run step N under torch.profiler and list what rank 0 holds at its peak (slower)")
     parser.add_argument("--work", type=Path, default=Path("bench_memory_work"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--code", type=Path, default=REPO,
@@ -370,7 +471,7 @@ def main() -> None:
     if knows_activation_checkpointing():
         acs = {"both": [False, True], "off": [False], "on": [True]}[args.activation_checkpointing]
     results = [run_one(args.work.resolve(), base.resolve(), int(n), args.steps, ac, args.code.resolve(),
-                       optimizer=opt, save=not args.no_save, env=env)
+                       optimizer=opt, save=not args.no_save, env=env, profile_step=args.profile_step)
                for opt in optimizers for n in args.nprocs.split(",") for ac in acs]
     report = {"size_bytes": sum(f.stat().st_size for f in base.glob("*.safetensors")), "config": config,
               "runs": results, "environment": env, "activation_checkpointing": "measured" if acs != [None] else
@@ -398,9 +499,18 @@ def main() -> None:
     if "setup_peak_4_over_1" in report:
         print(f"setup peak per rank, 4 ranks over 1 rank: {report['setup_peak_4_over_1']:.2f} (goal <= 0.35); "
               f"what the setup adds to an idle process, 4 ranks over 1 rank: {report['setup_added_4_over_1']:.2f}")
-        if args.steps:
-            print(f"what the whole run adds to an idle process, 4 ranks over 1 rank: "
-                  f"{report['whole_added_4_over_1']:.2f} (goal <= 0.5)")
+    if args.steps:
+        print("\nrank 0 in each phase of the steps and the save, above the idle process:")
+        print(phases_table(results))
+        for r in results:
+            at_peak = r.get("ranks", [{}])[0].get("at_peak")
+            if at_peak:
+                print(f"\n{r['nproc']} ranks, {r['optimizer']}: step {args.profile_step} on rank 0 peaks "
+                      f"{at_peak['peak_mib']:.0f} MiB above its start, {at_peak['at']:.0%} through it, in "
+                      f"{at_peak['peak_owner']}; live then (owner, MiB, blocks):")
+                print("\n".join(f"  {name}: {mib} MiB in {n}" for name, mib, n in at_peak["live"]))
+        print("\nthe whole run's goals:")
+        print("\n".join(goal_lines(results, report)))
     if acs == [None]:
         print(report["activation_checkpointing"])
     if args.json:
