@@ -1,7 +1,8 @@
 """Memory per rank over a whole run from a folder base (setup, first steps, a checkpoint save), at 1, 2 and 4 processes.
 
     python tools/bench_memory.py [--size 1GB] [--nprocs 1,2,4] [--steps 2] [--optimizers adamw,sgd]
-        [--activation-checkpointing both|off|on] [--no-save] [--env KEY=VALUE] [--work DIR] [--json OUT] [--code DIR]
+        [--activation-checkpointing both|off|on] [--no-save] [--env KEY=VALUE] [--profile-step N] [--work DIR]
+        [--json OUT] [--code DIR]
 
 Writes (once, into ``--work``) a Hugging Face folder base of about ``--size`` bytes of bf16 weights, Llama-shaped
 (hidden 1024, GQA, untied embeddings; the number of layers gives the size), then fine-tunes it in fp32 with AdamW
@@ -16,13 +17,17 @@ Each rank records:
 * ``whole_peak``: the largest of the three, and ``after_setup`` = ``whole_peak - post_setup``;
 * on a GPU, the same peaks of device memory (``torch.cuda.max_memory_allocated``);
 * ``base_bytes_read``: the bytes of the base's files it read;
-* per step: wall and CPU seconds and the pages faulted in (the allocator's cost).
+* per step: wall and CPU seconds and the pages faulted in (the allocator's cost);
+* ``phases``: per step, the level at the start and the peak of each phase (forward, backward, clip grad norm,
+  optimizer step, zero_grad and loss, between steps), and ``saves`` the same for the save (rank 0's printed);
+* with ``--profile-step N``, ``at_peak``: what step ``N`` held at its peak, by the operation that allocated it
+  (``tools/memory_phases.py``; that step's peaks then include the profiler's own memory).
 
 against its share of the training state: ``params`` (fp32 weights / world size) and ``state`` (weights, gradients
 and what the optimizer keeps, measured after the first step: 16 bytes per parameter / world size with AdamW, 8 with
 SGD). The goals: ``setup_peak - idle <= 1.25 * params + 256 MiB`` and ``whole_peak - idle <= 1.25 * state + 256 MiB``
 on every rank; at 4 ranks a setup peak per rank <= 0.35 x the one at 1 rank, and a whole-run peak above idle
-<= 0.5 x the one at 1 rank. ``--env AUTOMODEL_CKPT_MALLOC=default`` runs with glibc's adaptive thresholds
+<= 0.5 x the one at 1 rank (printed as pass/fail lines). ``--env AUTOMODEL_CKPT_MALLOC=default`` runs with glibc's adaptive thresholds
 (before/after). Also reported: the time
 from launch to the end of the first step. ``--code DIR`` runs another checkout's package (a before/after
 comparison on the same base). When the recipe schema knows ``distributed.activation_checkpointing``,
@@ -40,6 +45,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -112,11 +118,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _memory_at_peak():
-    """``tools/memory_at_peak.py``, beside this file (the tools are not a package)."""
+def _memory_phases():
+    """``tools/memory_phases.py``, beside this file (the tools are not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("memory_at_peak", Path(__file__).with_name("memory_at_peak.py"))
+    spec = importlib.util.spec_from_file_location("memory_phases", Path(__file__).with_name("memory_phases.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -202,7 +208,15 @@ class MemoryRecipe(FinetuneRecipe):
 
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
                 out = super().train_step(micro)
-            self._memory["at_peak"] = _memory_at_peak().live_at_peak(prof)
+                peak = _status("VmHWM")  # the step's last phase ends here: the profile's processing is not the step's
+            name, start, into = self._phase
+            seen = into.setdefault(name, {"start": start, "peak": 0})
+            seen["peak"] = max(seen["peak"], peak)
+            self._memory["at_peak"] = _memory_phases().live_at_peak(prof)
+            del prof
+            gc.collect()
+            self._phase = (name, _status("VmRSS"), into)
+            _reset_peak()
         else:
             out = super().train_step(micro)
         self._enter("between steps (validation, data, logging)")
@@ -405,43 +419,6 @@ def whole_run_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def phases_table(results: list[dict]) -> str:
-    """Rank 0's resident memory above the idle process in each phase of the first steps and the save."""
-    rows = ["| ranks | optimizer | step | phase | at its start MiB | its peak MiB | peak - start MiB |",
-            "|---|---|---|---|---|---|---|"]
-    for res in results:
-        if "failed" in res or res["activation_checkpointing"]:
-            continue
-        r = res["ranks"][0]
-        steps = [(f"{i}" if i else "before 1", step) for i, step in enumerate(r.get("phases", []))]
-        for label, step in steps + [("", r.get("saves", {}))]:
-            for phase, seen in step.items():
-                rows.append(f"| {res['nproc']} | {res['optimizer']} | {label} | {phase} | "
-                            f"{(seen['start'] - r['idle']) / MiB:.0f} | {(seen['peak'] - r['idle']) / MiB:.0f} | "
-                            f"{(seen['peak'] - seen['start']) / MiB:.0f} |")
-    return "\n".join(rows)
-
-
-def goal_lines(results: list[dict], report: dict) -> list[str]:
-    """The whole run's two goals, one line each: the worst rank against its share, and 4 ranks against 1."""
-    lines = []
-    for res in results:
-        if "failed" in res or "ranks" not in res:
-            continue
-        worst = max(res["ranks"], key=lambda r: r["whole_over_idle"] - r["whole_goal"])
-        lines.append(f"{res['nproc']} ranks, {res['optimizer']}, activation checkpointing "
-                     f"{res['activation_checkpointing']}: worst rank {worst['whole_over_idle'] / MiB:.0f} MiB above "
-                     f"idle, goal 1.25 x {worst['state_share'] / MiB:.0f} + 256 = {worst['whole_goal'] / MiB:.0f} "
-                     f"MiB ({worst['whole_over_idle'] / worst['whole_goal']:.2f} of it): "
-                     f"{'pass' if res['whole_goal_met'] else 'FAIL'}")
-    for key, value in report.items():
-        if key.startswith("whole_added_4_over_1"):
-            opt = key.removeprefix("whole_added_4_over_1").lstrip("_") or "first optimizer"
-            lines.append(f"whole run above idle, 4 ranks over 1 rank ({opt}): {value:.2f} (goal <= 0.5): "
-                         f"{'pass' if value <= 0.5 else 'FAIL'}")
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GB", help="bf16 bytes of the base (default 1GB)")
@@ -501,7 +478,7 @@ def main() -> None:
               f"what the setup adds to an idle process, 4 ranks over 1 rank: {report['setup_added_4_over_1']:.2f}")
     if args.steps:
         print("\nrank 0 in each phase of the steps and the save, above the idle process:")
-        print(phases_table(results))
+        print(_memory_phases().phases_table(results))
         for r in results:
             at_peak = r.get("ranks", [{}])[0].get("at_peak")
             if at_peak:
@@ -510,7 +487,7 @@ def main() -> None:
                       f"{at_peak['peak_owner']}; live then (owner, MiB, blocks):")
                 print("\n".join(f"  {name}: {mib} MiB in {n}" for name, mib, n in at_peak["live"]))
         print("\nthe whole run's goals:")
-        print("\n".join(goal_lines(results, report)))
+        print("\n".join(_memory_phases().goal_lines(results, report)))
     if acs == [None]:
         print(report["activation_checkpointing"])
     if args.json:

@@ -1,4 +1,4 @@
-"""What a profiled stretch of training holds at its peak: torch.profiler's allocation events, grouped by what made them.
+"""Inside bench_memory's steps: each phase's level and peak, the goals' lines, what a profiled step holds at its peak.
 
 Used by ``tools/bench_memory.py --profile-step N``: step ``N`` runs under ``torch.profiler`` with
 ``profile_memory=True``; every CPU block allocated during it is followed from its allocation to its free, and the
@@ -11,6 +11,8 @@ state) are not in it: the bench's phase table gives their level.
 from __future__ import annotations
 
 from collections import defaultdict
+
+MiB = 1 << 20
 
 # What a block is attributed to: the innermost ancestor whose name starts with one of these (a record_function of
 # FSDP, a backward node, an optimizer or clipping function, a module's forward), else its nearest operator.
@@ -68,3 +70,40 @@ def live_at_peak(prof, top: int = 12) -> dict:
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
     return {"peak_mib": peak / 2**20, "at": round(when, 3), "peak_owner": _owner(events[peak_at]) if peak_at >= 0
             else None, "live": [(name, round(size / 2**20, 1), n) for name, (size, n) in ranked[:top]]}
+
+
+def phases_table(results: list[dict]) -> str:
+    """Rank 0's resident memory above the idle process in each phase of the first steps and the save."""
+    rows = ["| ranks | optimizer | step | phase | at its start MiB | its peak MiB | peak - start MiB |",
+            "|---|---|---|---|---|---|---|"]
+    for res in results:
+        if "failed" in res or res["activation_checkpointing"]:
+            continue
+        r = res["ranks"][0]
+        steps = [(f"{i}" if i else "before 1", step) for i, step in enumerate(r.get("phases", []))]
+        for label, step in steps + [("", r.get("saves", {}))]:
+            for phase, seen in step.items():
+                rows.append(f"| {res['nproc']} | {res['optimizer']} | {label} | {phase} | "
+                            f"{(seen['start'] - r['idle']) / MiB:.0f} | {(seen['peak'] - r['idle']) / MiB:.0f} | "
+                            f"{(seen['peak'] - seen['start']) / MiB:.0f} |")
+    return "\n".join(rows)
+
+
+def goal_lines(results: list[dict], report: dict) -> list[str]:
+    """The whole run's two goals, one line each: the worst rank against its share, and 4 ranks against 1."""
+    lines = []
+    for res in results:
+        if "failed" in res or "ranks" not in res:
+            continue
+        worst = max(res["ranks"], key=lambda r: r["whole_over_idle"] - r["whole_goal"])
+        lines.append(f"{res['nproc']} ranks, {res['optimizer']}, activation checkpointing "
+                     f"{res['activation_checkpointing']}: worst rank {worst['whole_over_idle'] / MiB:.0f} MiB above "
+                     f"idle, goal 1.25 x {worst['state_share'] / MiB:.0f} + 256 = {worst['whole_goal'] / MiB:.0f} "
+                     f"MiB ({worst['whole_over_idle'] / worst['whole_goal']:.2f} of it): "
+                     f"{'pass' if res['whole_goal_met'] else 'FAIL'}")
+    for key, value in report.items():
+        if key.startswith("whole_added_4_over_1"):
+            opt = key.removeprefix("whole_added_4_over_1").lstrip("_") or "first optimizer"
+            lines.append(f"whole run above idle, 4 ranks over 1 rank ({opt}): {value:.2f} (goal <= 0.5): "
+                         f"{'pass' if value <= 0.5 else 'FAIL'}")
+    return lines
