@@ -1,7 +1,8 @@
 """Memory per rank over a whole run from a folder base (setup, first steps, a checkpoint save), at 1, 2 and 4 processes.
 
     python tools/bench_memory.py [--size 1GB] [--nprocs 1,2,4] [--steps 2] [--optimizers adamw,sgd]
-        [--activation-checkpointing both|off|on] [--no-save] [--env KEY=VALUE] [--work DIR] [--json OUT] [--code DIR]
+        [--activation-checkpointing both|off|on] [--no-save] [--env KEY=VALUE] [--profile-step N] [--work DIR]
+        [--json OUT] [--code DIR]
 
 Writes (once, into ``--work``) a Hugging Face folder base of about ``--size`` bytes of bf16 weights, Llama-shaped
 (hidden 1024, GQA, untied embeddings; the number of layers gives the size), then fine-tunes it in fp32 with AdamW
@@ -16,13 +17,17 @@ Each rank records:
 * ``whole_peak``: the largest of the three, and ``after_setup`` = ``whole_peak - post_setup``;
 * on a GPU, the same peaks of device memory (``torch.cuda.max_memory_allocated``);
 * ``base_bytes_read``: the bytes of the base's files it read;
-* per step: wall and CPU seconds and the pages faulted in (the allocator's cost).
+* per step: wall and CPU seconds and the pages faulted in (the allocator's cost);
+* ``phases``: per step, the level at the start and the peak of each phase (forward, backward, clip grad norm,
+  optimizer step, zero_grad and loss, between steps), and ``saves`` the same for the save (rank 0's printed);
+* with ``--profile-step N``, ``at_peak``: what step ``N`` held at its peak, by the operation that allocated it
+  (``tools/memory_phases.py``; that step's peaks then include the profiler's own memory).
 
 against its share of the training state: ``params`` (fp32 weights / world size) and ``state`` (weights, gradients
 and what the optimizer keeps, measured after the first step: 16 bytes per parameter / world size with AdamW, 8 with
 SGD). The goals: ``setup_peak - idle <= 1.25 * params + 256 MiB`` and ``whole_peak - idle <= 1.25 * state + 256 MiB``
 on every rank; at 4 ranks a setup peak per rank <= 0.35 x the one at 1 rank, and a whole-run peak above idle
-<= 0.5 x the one at 1 rank. ``--env AUTOMODEL_CKPT_MALLOC=default`` runs with glibc's adaptive thresholds
+<= 0.5 x the one at 1 rank (printed as pass/fail lines). ``--env AUTOMODEL_CKPT_MALLOC=default`` runs with glibc's adaptive thresholds
 (before/after). Also reported: the time
 from launch to the end of the first step. ``--code DIR`` runs another checkout's package (a before/after
 comparison on the same base). When the recipe schema knows ``distributed.activation_checkpointing``,
@@ -40,6 +45,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -53,6 +59,8 @@ from pathlib import Path
 
 import torch
 
+import automodel_ckpt.recipes.llm_finetune as finetune
+from automodel_ckpt.distributed.fsdp import decoder_layers
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +118,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _memory_phases():
+    """``tools/memory_phases.py``, beside this file (the tools are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_phases", Path(__file__).with_name("memory_phases.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _reset_peak() -> None:
     """Start a new resident high-water mark (Linux: ``5`` into ``/proc/self/clear_refs``)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -120,8 +138,37 @@ class MemoryRecipe(FinetuneRecipe):
 
     def setup(self) -> None:
         self._memory = {"idle": _status("VmRSS")}
+        self._phase: tuple[str, int, dict] | None = None
         _reset_peak()
         super().setup()
+        clip = finetune.clip_grad_norm
+
+        def marked_clip(*args, **kwargs):
+            self._enter("clip grad norm")
+            return clip(*args, **kwargs)
+
+        finetune.clip_grad_norm = marked_clip  # the recipe's step calls it by this module's name
+        self.optimizer.register_step_pre_hook(lambda *_: self._enter("optimizer step"))
+        self.optimizer.register_step_post_hook(lambda *_: self._enter("zero_grad, loss"))
+
+    def _enter(self, phase: str, record: dict | None = None) -> None:
+        """Close the phase running (its level at the start and its peak, into its record) and start ``phase``."""
+        level, peak = _status("VmRSS"), _status("VmHWM")
+        if self._phase is not None:
+            name, start, into = self._phase
+            seen = into.setdefault(name, {"start": start, "peak": 0})
+            seen["peak"] = max(seen["peak"], peak)
+            record = into if record is None else record
+        _reset_peak()
+        self._phase = (phase, level, record)
+
+    def token_loss_sum(self, mb):
+        if not self.model.training:
+            return super().token_loss_sum(mb)
+        self._enter("forward")
+        summed = super().token_loss_sum(mb)
+        self._enter("backward")
+        return summed
 
     def restore_checkpoint(self):
         restored = super().restore_checkpoint()  # the starting weights are in place on return
@@ -134,8 +181,14 @@ class MemoryRecipe(FinetuneRecipe):
         local = sum(_local(p).numel() for p in self.model.parameters())
         self._memory["local_params"] = local
         self._memory["total_params"] = sum(p.numel() for p in self.model.parameters())
+        layers = decoder_layers(self.model)
+        block = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+        self._memory["block_params"] = block  # what one gathered block holds (elements), and the root's own
+        self._memory["root_params"] = self._memory["total_params"] - sum(
+            p.numel() for layer in layers for p in layer.parameters())
         self._memory["post_setup"] = _status("VmRSS")
-        _reset_peak()
+        self._memory["phases"] = [{}]  # per step, each phase's level at its start and its peak
+        self._enter("between steps (validation, data, logging)", self._memory["phases"][0])
         return restored
 
     def _train(self) -> None:
@@ -147,7 +200,26 @@ class MemoryRecipe(FinetuneRecipe):
 
     def train_step(self, micro):
         start, cpu, faults = time.perf_counter(), time.process_time(), _minor_faults()
-        out = super().train_step(micro)
+        self._enter("forward")
+        self._memory["phases"].append({})
+        self._phase = (self._phase[0], self._phase[1], self._memory["phases"][-1])
+        if len(self._memory["phases"]) - 1 == int(os.environ.get("BENCH_MEMORY_PROFILE_STEP", "0")):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+                out = super().train_step(micro)
+                peak = _status("VmHWM")  # the step's last phase ends here: the profile's processing is not the step's
+            name, start, into = self._phase
+            seen = into.setdefault(name, {"start": start, "peak": 0})
+            seen["peak"] = max(seen["peak"], peak)
+            self._memory["at_peak"] = _memory_phases().live_at_peak(prof)
+            del prof
+            gc.collect()
+            self._phase = (name, _status("VmRSS"), into)
+            _reset_peak()
+        else:
+            out = super().train_step(micro)
+        self._enter("between steps (validation, data, logging)")
         self._memory.setdefault("step_seconds", []).append(time.perf_counter() - start)
         self._memory.setdefault("step_cpu_seconds", []).append(time.process_time() - cpu)  # every thread's
         self._memory.setdefault("step_page_faults", []).append(_minor_faults() - faults)
@@ -156,7 +228,7 @@ class MemoryRecipe(FinetuneRecipe):
             self._memory["optimizer_state_bytes"] = sum(
                 _local(t).numel() * t.element_size() for state in self.optimizer.state.values()
                 for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        self._memory["steps_peak"] = max(self._memory.get("steps_peak", 0), _status("VmHWM"))
+        self._memory["steps_peak"] = max(seen["peak"] for step in self._memory["phases"] for seen in step.values())
         if torch.cuda.is_available():
             self._memory["steps_device_peak"] = max(self._memory.get("steps_device_peak", 0),
                                                     torch.cuda.max_memory_allocated())
@@ -164,15 +236,17 @@ class MemoryRecipe(FinetuneRecipe):
 
     def save_checkpoint(self, info):
         """The save's own peak: the high-water mark is reset before it and read after it (then reset again)."""
-        _reset_peak()
+        saves = self._memory.setdefault("saves", {})
+        self._enter("save")
+        self._phase = ("save", self._phase[1], saves)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         saved = super().save_checkpoint(info)
         self.finalize_checkpoints()  # an async save's background write is part of its peak
-        self._memory["save_peak"] = max(self._memory.get("save_peak", 0), _status("VmHWM"))
+        self._enter("between steps (validation, data, logging)", self._memory["phases"][-1])
+        self._memory["save_peak"] = saves["save"]["peak"]
         if torch.cuda.is_available():
             self._memory["save_device_peak"] = torch.cuda.max_memory_allocated()
-        _reset_peak()
         return saved
 
     def run(self) -> None:
@@ -248,7 +322,8 @@ def knows_activation_checkpointing() -> bool:
 
 
 def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO,
-            optimizer: str = "adamw", save: bool = True, env: dict[str, str] | None = None) -> dict:
+            optimizer: str = "adamw", save: bool = True, env: dict[str, str] | None = None,
+            profile_step: int = 0) -> dict:
     tag = f"n{nproc}_{optimizer}" + ("" if ac is None else f"_ac{int(ac)}")
     out = work / f"memory_{tag}"
     out.mkdir(exist_ok=True)
@@ -262,7 +337,8 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, cod
     shutil.rmtree(work / f"ckpt_{tag}", ignore_errors=True)  # a fresh run each time, never a resume
     env = dict(os.environ, BENCH_MEMORY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}",
-               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0", **(env or {}))
+               BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0", BENCH_MEMORY_PROFILE_STEP=str(profile_step),
+               **(env or {}))
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe)],
                           cwd=work, env=env, capture_output=True, text=True)
@@ -354,6 +430,8 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="skip the checkpoint save after the last step")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="set in the training processes' environment (e.g. AUTOMODEL_CKPT_MALLOC=default)")
+    parser.add_argument("--profile-step", type=int, default=0, metavar="N",
+                        help="run step N under torch.profiler and list what rank 0 holds at its peak (slower)")
     parser.add_argument("--work", type=Path, default=Path("bench_memory_work"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--code", type=Path, default=REPO,
@@ -370,7 +448,7 @@ def main() -> None:
     if knows_activation_checkpointing():
         acs = {"both": [False, True], "off": [False], "on": [True]}[args.activation_checkpointing]
     results = [run_one(args.work.resolve(), base.resolve(), int(n), args.steps, ac, args.code.resolve(),
-                       optimizer=opt, save=not args.no_save, env=env)
+                       optimizer=opt, save=not args.no_save, env=env, profile_step=args.profile_step)
                for opt in optimizers for n in args.nprocs.split(",") for ac in acs]
     report = {"size_bytes": sum(f.stat().st_size for f in base.glob("*.safetensors")), "config": config,
               "runs": results, "environment": env, "activation_checkpointing": "measured" if acs != [None] else
@@ -398,9 +476,18 @@ def main() -> None:
     if "setup_peak_4_over_1" in report:
         print(f"setup peak per rank, 4 ranks over 1 rank: {report['setup_peak_4_over_1']:.2f} (goal <= 0.35); "
               f"what the setup adds to an idle process, 4 ranks over 1 rank: {report['setup_added_4_over_1']:.2f}")
-        if args.steps:
-            print(f"what the whole run adds to an idle process, 4 ranks over 1 rank: "
-                  f"{report['whole_added_4_over_1']:.2f} (goal <= 0.5)")
+    if args.steps:
+        print("\nrank 0 in each phase of the steps and the save, above the idle process:")
+        print(_memory_phases().phases_table(results))
+        for r in results:
+            at_peak = r.get("ranks", [{}])[0].get("at_peak")
+            if at_peak:
+                print(f"\n{r['nproc']} ranks, {r['optimizer']}: step {args.profile_step} on rank 0 peaks "
+                      f"{at_peak['peak_mib']:.0f} MiB above its start, {at_peak['at']:.0%} through it, in "
+                      f"{at_peak['peak_owner']}; live then (owner, MiB, blocks):")
+                print("\n".join(f"  {name}: {mib} MiB in {n}" for name, mib, n in at_peak["live"]))
+        print("\nthe whole run's goals:")
+        print("\n".join(_memory_phases().goal_lines(results, report)))
     if acs == [None]:
         print(report["activation_checkpointing"])
     if args.json:

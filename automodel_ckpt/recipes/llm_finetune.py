@@ -315,7 +315,9 @@ class FinetuneRecipe(BaseRecipe):
         scale = self.dims.dp_size / max(global_tokens, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
-            self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            # Each micro-batch's gradients are reduce-scattered when its backward ends, so no rank holds the whole
+            # model's unsharded gradients between micro-batches; HSDP's all-reduce across replicas waits for the last.
+            self.model.set_requires_all_reduce(i == len(micro) - 1)
             if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
                 loss_sum += self.pipeline.step(mb.input_ids, mb.labels, _row_inputs(mb), scale)
                 continue

@@ -1,9 +1,10 @@
 """What training adds to a rank's memory after the setup stays within a bound set by the model's size (2 processes).
 
 The run is ``tools/bench_memory.py``'s recipe on a small many-layer Llama folder base (most weights between 1 MiB
-and 32 MiB: the blocks glibc's adaptive mmap threshold moves onto its heap). Without
-``distributed/allocator.py`` (``AUTOMODEL_CKPT_MALLOC=default``) each rank's peak rises about 6 x the model's fp32
-bytes above its post-setup level; with it, below 2 x.
+and 32 MiB: the blocks glibc's adaptive mmap threshold moves onto its heap), two micro-batches per rank and step.
+Without ``distributed/allocator.py`` (``AUTOMODEL_CKPT_MALLOC=default``) each rank's peak rises about 6 x the model's
+fp32 bytes above its post-setup level; when the first micro-batch's gradients wait unsharded for the second, 1.7 x;
+as shipped, 1.3 x.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def test_the_steps_peak_above_the_setup_is_bounded_by_the_models_size(tmp_path):
     for rank in run["ranks"]:
         model_fp32 = 4 * rank["total_params"]
         # A step holds the rank's gradients (and optimizer state: none for SGD without momentum) for good, and for a
-        # while a gathered copy of the parameters and their unsharded gradients: at most the whole model twice.
+        # while the gathered root and a block or two with their unsharded gradients, and what the libraries allocate
+        # on a first step: less than the whole fp32 model. The whole model's unsharded gradients are not among them.
         kept = rank["state_share"] - rank["params_share"]
-        bound = kept + 2 * model_fp32
+        bound = kept + model_fp32
         assert rank["after_setup"] <= bound, (
             f"the steps added {rank['after_setup'] / 2**20:.0f} MiB to the setup's {rank['post_setup'] / 2**20:.0f} "
             f"MiB; bound {bound / 2**20:.0f} MiB (fp32 model {model_fp32 / 2**20:.0f} MiB)")
