@@ -40,7 +40,8 @@ launcher flags:
   --max-restarts N         restart failed workers up to N times; they resume from the newest checkpoint
                            (the node-local tier's, with checkpoint.local.every_steps) by themselves
   --start-method fork|exec how workers start: forked from the launcher with its imports done (fork, the
-                           default on Linux: seconds faster, restarts too) or as new interpreters (exec)
+                           default on Linux without GPUs: seconds faster, restarts too) or as new interpreters
+                           (exec, the default with GPUs)
   --debug                  show tracebacks instead of one-line errors (every verb)
   --dry-run                check the recipe and overrides, print the resolved config, do not train
 

@@ -196,7 +196,9 @@ def test_start_method_is_fork_on_linux_and_exec_on_request(capsys):
 
     opts, _, rest = parse_launch_args(["--nproc-per-node", "2", RECIPE, "--start-method=exec", "--a.b", "1"])
     assert opts.start_method == "exec" and rest == ["--a.b", "1"]
-    assert parse_launch_args([RECIPE])[0].start_method == ("fork" if sys.platform.startswith("linux") else "exec")
+    gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
+    expected = "fork" if sys.platform.startswith("linux") and not gpu else "exec"
+    assert parse_launch_args([RECIPE])[0].start_method == expected
     msg = _one_error_line(capsys, ["--start-method", "spawn", RECIPE, "--dry-run"])
     assert msg == "error: --start-method: expected one of fork, exec, got 'spawn'"
 
