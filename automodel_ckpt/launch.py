@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -198,9 +199,18 @@ def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     args.start_method = "fork"
     config, _, _ = config_from_args(args)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_traceback_for_a_failed_worker)
     sys.stdout.flush()
     sys.stderr.flush()
     elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
+
+
+def _no_traceback_for_a_failed_worker(record: logging.LogRecord) -> bool:
+    """torch's agent logs a failed forked worker with the traceback of its own wait (a failed exec'd worker gets
+    one line): keep the line. The worker has printed its own one-line error."""
+    if str(record.msg).startswith("failed (exitcode"):
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
