@@ -32,7 +32,8 @@ def report(message: str) -> None:
     """Print ``message`` to stderr, prefixed with the rank on every rank but 0."""
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-    print(prefix + message, file=sys.stderr, flush=True)
+    sys.stderr.write(f"{prefix}{message}\n")  # one write: the ranks share the stream, so lines never run together
+    sys.stderr.flush()
 
 
 def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: bool = False) -> list[str]:
