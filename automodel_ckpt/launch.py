@@ -12,6 +12,13 @@ from automodel_ckpt.distributed.lifeline import mark_launcher
 from automodel_ckpt.errors import ConfigError
 
 
+def default_start_method() -> str:
+    """``fork`` on Linux without GPUs; ``exec`` elsewhere: a GPU driver initialised by anything the launcher imports
+    would be unusable in forked workers, and other systems fork less safely."""
+    gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
+    return "fork" if sys.platform.startswith("linux") and not gpu else "exec"
+
+
 @dataclass
 class LaunchOptions:
     nproc_per_node: int = 1
@@ -22,7 +29,7 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     max_restarts: int = 0  # torch's elastic agent restarts failed workers this many times (they resume by themselves)
     # fork: workers start from the launcher's imports; exec: each is a new `python -m automodel_ckpt`
-    start_method: str = field(default_factory=lambda: default_start_method())
+    start_method: str = field(default_factory=default_start_method)
     debug: bool = False
     dry_run: bool = False
     extra: list[str] = field(default_factory=list)
@@ -34,13 +41,6 @@ class LaunchOptions:
     @property
     def needs_agent(self) -> bool:
         return self.nproc_per_node > 1 or self.nnodes > 1 or self.max_restarts > 0
-
-
-def default_start_method() -> str:
-    """``fork`` on Linux without GPUs; ``exec`` elsewhere: a GPU driver initialised by anything the launcher imports
-    would be unusable in forked workers, and other systems fork less safely."""
-    gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
-    return "fork" if sys.platform.startswith("linux") and not gpu else "exec"
 
 
 _INT_FLAGS = {"nproc_per_node", "nnodes", "node_rank", "master_port", "max_restarts"}

@@ -105,7 +105,7 @@ def end_process(code: int) -> NoReturn:
         os._exit(code)
 
 
-#: Set in a worker forked by the launcher (``launch.forked_worker``): torch's agent counts a worker done when its
+#: Set in a worker forked by the launcher (``cli.forked_worker``): torch's agent counts a worker done when its
 #: function returns, so ``end_process(0)`` unwinds to it (multiprocessing then ends the process with ``os._exit``).
 _RETURN_ON_SUCCESS = False
 
