@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import datasets
+from datasets.fingerprint import Hasher
 import numpy as np
 import torch
 from omegaconf import DictConfig
@@ -72,6 +73,15 @@ def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[i
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+def _split(encoded: datasets.Dataset, val_size: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """The training and held-out selections of ``split_indices``, fingerprinted by what decides them (hashing the
+    index lists themselves, as ``select`` would, costs longer than the selection)."""
+    train_idx, val_idx = split_indices(len(encoded), val_size, seed)
+    fingerprint = Hasher.hash((encoded._fingerprint, len(encoded), val_size, seed))
+    val = encoded.select(val_idx, new_fingerprint=f"{fingerprint}-val") if val_idx else None
+    return encoded.select(train_idx, new_fingerprint=f"{fingerprint}-train"), val
+
+
 def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> PreparedData:
     """Load, tokenize (cached), split and pad or pack the recipe's data.
 
@@ -88,9 +98,7 @@ def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Prep
         caches.append(val_info)
         train_encoded = encoded
     else:
-        train_idx, val_idx = split_indices(len(encoded), cfg.data.val_size, cfg.seed)
-        val_encoded = encoded.select(val_idx) if val_idx else None
-        train_encoded = encoded.select(train_idx)
+        train_encoded, val_encoded = _split(encoded, cfg.data.val_size, cfg.seed)
     train = build_rows(train_encoded, spec, pad)
     caches += train.caches
     val = build_rows(val_encoded, spec, pad) if val_encoded is not None and len(val_encoded) else None
