@@ -1,0 +1,108 @@
+"""Expert parallelism from a model family's own plan (transformers' ``base_model_ep_plan``), under FSDP2.
+
+transformers ships, with each mixture-of-experts family's config, which parameters hold the experts and which module
+dispatches tokens to them (``layers.*.mlp.experts.gate_up_proj: grouped_gemm``, ``layers.*.mlp.experts:
+ep_dispatch_experts``). Its own styles apply here as they are: ``grouped_gemm`` makes each fused expert weight a
+``DTensor`` sharded on the expert dimension over the ``ep`` mesh (each rank holds ``num_experts / ep`` whole
+experts, and the module's expert count becomes the local one), and ``ep_dispatch_experts`` sends each routed token
+to its expert's rank and the result back with all-to-all (``AllToAllEP``), gradients included. Every rank keeps its
+own rows. The experts module is then sharded by ``fully_shard`` over the expert copies only (``efsdp``: data-parallel
+size / ``ep``; one copy when ``ep`` is the data-parallel size), as transformers' FSDP does for these modules, and the
+rest of the model over every data-parallel rank as without experts. A parameter keeps its whole-model name and
+global shape, so the checkpoint holds each expert once and reshards to any other mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from automodel_ckpt.distributed.plan_paths import module_paths
+from automodel_ckpt.errors import ConfigError
+
+#: The styles of an expert plan applied here (transformers' ``MoEParamShard`` and ``EpDispatchExpertsParallel``).
+SUPPORTED_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+DISPATCH = "ep_dispatch_experts"
+
+
+def family_name(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__)
+
+
+def expert_plan(model: nn.Module) -> dict[str, str]:
+    """``{path pattern: style}``: the plan transformers assembles for ``model`` (``base_model_ep_plan`` under the
+    base model's prefix); empty for a family without experts."""
+    return dict(getattr(model, "ep_plan", None) or {})
+
+
+def _expanded(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with its patterns replaced by the model's parameter and module paths: the expert weights first (their
+    sharding sets the local expert count), then the modules that dispatch to them."""
+    weights, modules = {}, {}
+    for pattern, style in plan.items():
+        if style == DISPATCH:
+            modules.update(dict.fromkeys(module_paths(model, pattern), style))
+            continue
+        owner, _, name = pattern.rpartition(".")
+        for path in module_paths(model, owner):
+            if name in model.get_submodule(path)._parameters:
+                weights[f"{path}.{name}"] = style
+    return weights | modules
+
+
+def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
+    """The expanded plan for ``model`` on ``ep_size`` ranks; one-line ``ConfigError`` when there is none or it
+    cannot apply (LoRA, a style not applied here, experts that do not split evenly)."""
+    family = family_name(model)
+    if hasattr(model, "peft_config"):
+        raise ConfigError("distributed.ep_size: LoRA (a peft: section) with expert parallelism is not supported yet; "
+                          "use ep_size 1")
+    plan = expert_plan(model)
+    if not plan:
+        raise ConfigError(f"distributed.ep_size {ep_size}: the model family '{family}' has no expert-parallel plan "
+                          "(base_model_ep_plan in its transformers config: no experts to spread); use ep_size 1")
+    unknown = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
+    if unknown:
+        raise ConfigError(f"distributed.ep_size {ep_size}: the '{family}' expert plan uses {', '.join(unknown)}, not "
+                          f"supported yet (supported: {', '.join(SUPPORTED_STYLES)}); use ep_size 1")
+    expanded = _expanded(model, plan)
+    dispatchers = [path for path, style in expanded.items() if style == DISPATCH]
+    if not dispatchers:
+        raise ConfigError(f"distributed.ep_size {ep_size}: this '{family}' model has no mixture-of-experts layer "
+                          "(every layer dense); use ep_size 1")
+    for path in dispatchers:
+        experts = getattr(model.get_submodule(path), "num_experts", None)
+        if not isinstance(experts, int) or experts % ep_size:
+            raise ConfigError(f"distributed.ep_size {ep_size} does not divide the {experts} experts of the "
+                              f"'{family}' model ({path}); choose an ep_size that divides them")
+    return expanded
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh: Any) -> list[nn.Module]:
+    """Spread the experts of ``model`` (on the meta device, before ``fully_shard``) over ``expert_mesh["ep"]`` with
+    transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those)."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = check_expert_parallel(model, expert_mesh["ep"].size())
+    # every rank holds rows of its own: tokens reach their experts with all-to-all (transformers' AllToAllEP)
+    apply_expert_parallelism(model, expert_mesh["ep"], expert_mesh["batch"], plan, ep_implementation="all_to_all")
+    return [model.get_submodule(path) for path, style in plan.items() if style == DISPATCH]
+
+
+def shard_experts(experts: list[nn.Module], expert_mesh: Any, dp_size: int, **fsdp_kwargs: Any) -> None:
+    """``fully_shard`` each experts module over the copies of the experts (``efsdp``), before its decoder layer.
+
+    An expert's gradient already sums the rows of every rank of its ``ep`` group (the all-to-all's backward), and the
+    reduction over the copies adds the other groups': it covers the whole global batch, which the loss scales as
+    the data-parallel average, so it is divided by the data-parallel size, not the number of copies. FSDP2 applies
+    such a factor locally when told to sum (gloo has no pre-multiplied sum), as transformers does.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    copies = expert_mesh["efsdp"]
+    for module in experts:
+        fully_shard(module, mesh=copies, **fsdp_kwargs)
+        module.set_gradient_divide_factor(float(dp_size))
+        if copies.size() > 1:  # one copy: nothing is reduced, FSDP2 divides by the factor itself
+            module.set_force_sum_reduction_for_comms(True)
