@@ -91,7 +91,8 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: Any) -> list[nn.Module]
 
 
 def shard_experts(experts: list[nn.Module], expert_mesh: Any, dp_size: int, **fsdp_kwargs: Any) -> None:
-    """``fully_shard`` each experts module over the copies of the experts (``efsdp``), before its decoder layer.
+    """``fully_shard`` each experts module over the copies of the experts (``efsdp``; with HSDP, sharded within a
+    replica group and replicated across them), before its decoder layer.
 
     An expert's gradient already sums the rows of every rank of its ``ep`` group (the all-to-all's backward), and the
     reduction over the copies adds the other groups': it covers the whole global batch, which the loss scales as
@@ -100,9 +101,10 @@ def shard_experts(experts: list[nn.Module], expert_mesh: Any, dp_size: int, **fs
     """
     from torch.distributed.fsdp import fully_shard
 
-    copies = expert_mesh["efsdp"]
+    names = expert_mesh.mesh_dim_names
+    copies = expert_mesh[("dp_replicate", "efsdp")] if "dp_replicate" in names else expert_mesh["efsdp"]
     for module in experts:
         fully_shard(module, mesh=copies, **fsdp_kwargs)
         module.set_gradient_divide_factor(float(dp_size))
-        if copies.size() > 1:  # one copy: nothing is reduced, FSDP2 divides by the factor itself
+        if expert_mesh["efsdp"].size() > 1:  # one copy per group: no reduce-scatter, FSDP2 divides by the factor itself
             module.set_force_sum_reduction_for_comms(True)

@@ -54,12 +54,6 @@ class MeshSizes:
         """Plain FSDP2 over every rank (the default)."""
         return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1 and self.ep == 1
 
-    @property
-    def expert_copies(self) -> int:
-        """How many groups of ``ep`` data-parallel ranks hold the experts (each a whole copy, FSDP2 shards the
-        experts of a rank over the copies)."""
-        return self.dp // self.ep
-
     def describe(self) -> str:
         """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``pp 4``,
         ``dp 2 × ep 2``; ``... + SP`` with sequence parallelism (which a checkpoint does not record: its tensors are
@@ -145,15 +139,15 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
 def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int) -> None:
     """Expert parallelism spreads the experts over data-parallel ranks: the combinations not supported yet, and an
     ``ep_size`` that does not divide the data-parallel ranks, are one-line ``ConfigError``s."""
-    for size, what, key in ((tp, "tensor parallelism", "tp_size"), (pp, "pipeline stages", "pp_size"),
-                            (replicate, "HSDP", "dp_replicate_size")):
+    for size, what, key in ((tp, "tensor parallelism", "tp_size"), (pp, "pipeline stages", "pp_size")):
         if size > 1:
             raise ConfigError(f"distributed.ep_size: expert parallelism with {what} ({key} {size}) is not supported "
                               f"yet; set ep_size 1 or {key} 1")
     if dp_shard % ep:
-        raise ConfigError(f"distributed.ep_size ({ep}) must divide the data-parallel size ({dp_shard}): the experts "
-                          "are spread over groups of ep_size data-parallel ranks; change distributed.ep_size or the "
-                          "number of processes")
+        within = f"the shard groups' size (dp_size / dp_replicate_size = {dp_shard})" if replicate > 1 else \
+            f"the data-parallel size ({dp_shard})"
+        raise ConfigError(f"distributed.ep_size ({ep}) must divide {within}: the experts are spread over groups of "
+                          "ep_size data-parallel ranks; change distributed.ep_size or the number of processes")
 
 
 @dataclass(frozen=True)
@@ -224,9 +218,10 @@ class ParallelDims:
 
     ``fsdp_mesh``: what ``fully_shard`` shards (and, with HSDP, replicates) over; ``tp_mesh``: what tensor
     parallelism splits over (None without it); ``dp_group``: the group that sums losses and token counts (None: every
-    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(expert copies, ep, 1)``
-    over the data-parallel ranks, named ``efsdp`` (what ``fully_shard`` shards the experts over), ``ep`` (what the
-    experts are spread over) and ``batch`` (the ranks that hold the same rows: this rank alone).
+    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(dp_shard / ep, ep, 1)`` over
+    the data-parallel ranks (``(dp_replicate, ...)`` with HSDP), named ``efsdp`` (what ``fully_shard`` shards the
+    experts over, within a replica group), ``ep`` (what the experts are spread over) and ``batch`` (the ranks that
+    hold the same rows: this rank alone).
     """
 
     sizes: MeshSizes
@@ -310,8 +305,10 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
 
     expert_mesh = None
     if sizes.ep > 1:  # a mesh of its own over the same ranks, as transformers lays experts out
-        expert_mesh = init_device_mesh(device_type, (sizes.expert_copies, sizes.ep, 1),
-                                       mesh_dim_names=("efsdp", "ep", "batch"))
+        dims = [("efsdp", sizes.dp_shard // sizes.ep), ("ep", sizes.ep), ("batch", 1)]
+        if sizes.dp_replicate > 1:
+            dims.insert(0, ("dp_replicate", sizes.dp_replicate))
+        expert_mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(n for n, _ in dims))
     if sizes.tp == 1 and sizes.dp_replicate == 1 and sizes.pp == 1:
         mesh = init_device_mesh(device_type, (sizes.world_size,), mesh_dim_names=("dp",))
         return ParallelDims(sizes, rank, mesh, fsdp_mesh=mesh, expert_mesh=expert_mesh)
@@ -330,4 +327,4 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
         dp_group = (mesh[dp_names]._flatten("dp") if len(dp_names) == 2 else mesh[dp_names[0]]).get_group()
     pp_group = mesh["pp"].get_group() if sizes.pp > 1 else None
     return ParallelDims(sizes, rank, mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, dp_group=dp_group,
-                        pp_group=pp_group)
+                        pp_group=pp_group, expert_mesh=expert_mesh)

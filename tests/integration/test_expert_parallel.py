@@ -35,8 +35,8 @@ def _run(tmp_path, assets, bases, run: str, step: int, *keys: str):
                       "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step), nproc=2)
 
 
-def _records(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in jsonl(run_dir / "training.jsonl")}
+def _records(run_dir: Path, log: str = "training.jsonl") -> dict[int, dict]:
+    return {r["step"]: r for r in jsonl(run_dir / log)}
 
 
 def _assert_same_steps(run_dir: Path, straight: Path, steps, bitwise: bool = False) -> None:
@@ -48,6 +48,9 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps, bitwise: bool = Fal
         else:
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
             assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
+    got, want = _records(run_dir, "validation.jsonl"), _records(straight, "validation.jsonl")
+    assert [got[step]["val_loss"] for step in steps if step in got] == pytest.approx(
+        [want[step]["val_loss"] for step in steps if step in got], abs=1e-5)
 
 
 def test_ep_gives_the_loss_and_every_gradient_of_dp(assets):

@@ -26,20 +26,17 @@ def _meta_model(family: str = "qwen3_moe", **changes):
         return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.fixture
-def two_fake_ranks():
-    """Rank 0 of a two-rank fake process group: meshes and DTensors without a second process."""
+def _fake_ranks(world_size: int):
+    """Rank 0 of a fake process group: meshes and DTensors without other processes."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 def test_ep_sizes_describe_and_record():
     sizes = resolve_sizes(OmegaConf.create({"ep_size": 2}), 4)
-    assert sizes == MeshSizes(1, 4, 1, ep=2) and sizes.expert_copies == 2
+    assert sizes == MeshSizes(1, 4, 1, ep=2)
     assert sizes.describe() == "dp 4 × ep 2" and not sizes.one_dimensional
     assert sizes.record() == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 2}
     assert MeshSizes.from_record(sizes.record(), 4) == sizes
@@ -47,25 +44,33 @@ def test_ep_sizes_describe_and_record():
     assert "ep" not in resolve_sizes(OmegaConf.create({"ep_size": None}), 2).record()
 
 
-def test_the_plan_spreads_the_experts_and_fsdp_shards_the_rest(two_fake_ranks):
+@pytest.mark.parametrize("sizes, expert_dims, local, dense_dims", [
+    (MeshSizes(1, 2, 1, ep=2), ("efsdp", "ep"), 2, ("dp",)),  # each expert whole on one rank
+    # HSDP 2 × 4: two copies of each ep group's experts per replica group, FSDP2 splits them in two
+    (MeshSizes(2, 4, 1, ep=2), ("dp_replicate", "efsdp", "ep"), 1, ("dp_replicate", "dp_shard")),
+])
+def test_the_plan_spreads_the_experts_and_fsdp_shards_the_rest(sizes, expert_dims, local, dense_dims):
     from torch.distributed.tensor import DTensor, Shard
 
     from automodel_ckpt.distributed.fsdp import shard_model
 
-    model = _meta_model()
-    names = set(model.state_dict())
-    dims = build_parallel_dims(MeshSizes(1, 2, 1, ep=2), 0, "cpu")
-    shard_model(model, dims)
+    _fake_ranks(sizes.world_size)
+    try:
+        model = _meta_model()
+        names = set(model.state_dict())
+        shard_model(model, build_parallel_dims(sizes, 0, "cpu"))
+    finally:
+        dist.destroy_process_group()
     assert set(model.state_dict()) == names  # whole-model names: the checkpoint and the export need no ep knowledge
     experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
     assert sorted(experts) == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("down_proj",
                                                                                                "gate_up_proj")]
     for name, p in experts.items():
-        assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("efsdp", "ep"), name
-        assert p.placements[-1] == Shard(0) and p.shape[0] == 4 and p.to_local().shape[0] == 2, name
+        assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == expert_dims, name
+        assert p.placements[-1] == Shard(0) and p.shape[0] == 4 and p.to_local().shape[0] == local, name
     assert all(model.get_submodule(f"model.layers.{i}.mlp.experts").num_experts == 2 for i in range(2))
     others = [p for n, p in model.named_parameters() if n not in experts]
-    assert all(p.device_mesh.mesh_dim_names == ("dp",) and p.placements == (Shard(0),) for p in others)
+    assert all(p.device_mesh.mesh_dim_names == dense_dims and p.placements[-1] == Shard(0) for p in others)
 
 
 @pytest.mark.parametrize("family, ep, changes, words", [
