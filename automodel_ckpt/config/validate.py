@@ -58,9 +58,6 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     if sizes.ep > 1:
         if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
             raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
-        if cfg.get("peft") is not None:
-            raise ConfigError("distributed.ep_size: LoRA (a peft: section) with expert parallelism is not supported "
-                              "yet; use ep_size 1")
     if sizes.pp > 1:
         resolve_pipeline(cfg.distributed, sizes, sched.local_batch_size)
         if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:

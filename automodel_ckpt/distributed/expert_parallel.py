@@ -54,10 +54,8 @@ def _expanded(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
     """The expanded plan for ``model`` on ``ep_size`` ranks; one-line ``ConfigError`` when there is none or it
     cannot apply (LoRA, a style not applied here, experts that do not split evenly)."""
+    model = _base(model)
     family = family_name(model)
-    if hasattr(model, "peft_config"):
-        raise ConfigError("distributed.ep_size: LoRA (a peft: section) with expert parallelism is not supported yet; "
-                          "use ep_size 1")
     plan = expert_plan(model)
     if not plan:
         raise ConfigError(f"distributed.ep_size {ep_size}: the model family '{family}' has no expert-parallel plan "
@@ -79,11 +77,17 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
     return expanded
 
 
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model under a LoRA wrapper (whose plan names its modules), else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def apply_expert_parallel(model: nn.Module, expert_mesh: Any) -> list[nn.Module]:
     """Spread the experts of ``model`` (on the meta device, before ``fully_shard``) over ``expert_mesh["ep"]`` with
     transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those)."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
+    model = _base(model)
     plan = check_expert_parallel(model, expert_mesh["ep"].size())
     # every rank holds rows of its own: tokens reach their experts with all-to-all (transformers' AllToAllEP)
     apply_expert_parallelism(model, expert_mesh["ep"], expert_mesh["batch"], plan, ep_implementation="all_to_all")

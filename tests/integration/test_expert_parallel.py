@@ -1,4 +1,5 @@
-"""Expert parallelism on 2 processes (Qwen3-MoE, Mixtral): dp 2 × ep 2 gives dp 2's loss and every gradient; a
+"""Expert parallelism on 2 processes (Qwen3-MoE, Mixtral): dp 2 × ep 2 gives dp 2's loss and every gradient (with
+LoRA too); a
 straight ep 2 run's checkpoints resume bit for bit on ep 2 (both formats) and across ep 2 → dp 2 → ep 2 with its
 samples and losses; the lr 0 export of an ep 2 run is the base's files (Qwen3-MoE; Mixtral's goes the same way)."""
 
@@ -54,14 +55,15 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps, bitwise: bool = Fal
 
 
 def test_ep_gives_the_loss_and_every_gradient_of_dp(assets):
-    """expert_parallel_gradients.py: dp 2 × ep 2 and dp 2 against the whole model, each rank on rows of its own."""
+    """expert_parallel_gradients.py: dp 2 × ep 2 and dp 2 against the whole model, each rank on rows of its own; with
+    LoRA on the attention, the adapters' gradients reach them through the experts' all-to-all."""
     script = Path(__file__).with_name("expert_parallel_gradients.py")
     repo = str(Path(__file__).resolve().parents[2])
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), "qwen3_moe", "mixtral"], capture_output=True, text=True, timeout=600,
+                           str(script), "qwen3_moe", "mixtral", "qwen3_moe+lora"], capture_output=True, text=True, timeout=600,
                           env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
     assert done.returncode == 0, launch_failure(done)
-    for family in ("qwen3_moe", "mixtral"):
+    for family in ("qwen3_moe", "mixtral", "qwen3_moe+lora"):
         assert f"{family}: dp 2 × ep 2 loss, grad norm and" in done.stdout
 
 

@@ -103,6 +103,3 @@ def test_the_cli_checks_ep_before_launch_and_the_plan_in_dry_run(capsys, tmp_pat
     assert "distributed.ep_size 2: the model family 'llama' has no expert-parallel plan" in _error(
         capsys, ["--nproc-per-node", "2", RECIPE, "--dry-run", *keys[:1], str(dense), *keys[2:],
                  "--distributed.ep_size", "2"])
-    peft = RECIPE.replace("tiny_llama_sft.yaml", "tiny_llama_peft.yaml")
-    assert "LoRA (a peft: section) with expert parallelism is not supported yet" in _error(
-        capsys, ["--nproc-per-node", "2", peft, "--distributed.ep_size", "2"])
