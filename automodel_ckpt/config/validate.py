@@ -128,8 +128,8 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
 
 def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
     """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
-    and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers would check them once
-    built. One line saying each applies; the workers' one-line ``ConfigError`` when one does not. Nothing for a
+    and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
+    would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does not. Nothing for a
     model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or from a builder of
     another package.
     """

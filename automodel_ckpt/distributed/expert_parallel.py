@@ -82,15 +82,17 @@ def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def apply_expert_parallel(model: nn.Module, expert_mesh: Any) -> list[nn.Module]:
+def apply_expert_parallel(model: nn.Module, expert_mesh: Any, batch_mesh: Any) -> list[nn.Module]:
     """Spread the experts of ``model`` (on the meta device, before ``fully_shard``) over ``expert_mesh["ep"]`` with
-    transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those)."""
+    transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those).
+
+    ``batch_mesh``: the ranks that hold the same rows (tensor-parallel peers): each sends its own slice of them."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     model = _base(model)
     plan = check_expert_parallel(model, expert_mesh["ep"].size())
-    # every rank holds rows of its own: tokens reach their experts with all-to-all (transformers' AllToAllEP)
-    apply_expert_parallelism(model, expert_mesh["ep"], expert_mesh["batch"], plan, ep_implementation="all_to_all")
+    # tokens reach their experts with all-to-all (transformers' AllToAllEP), each token sent once
+    apply_expert_parallelism(model, expert_mesh["ep"], batch_mesh, plan, ep_implementation="all_to_all")
     return [model.get_submodule(path) for path, style in plan.items() if style == DISPATCH]
 
 

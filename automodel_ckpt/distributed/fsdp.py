@@ -57,7 +57,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
         if dims.expert_mesh is not None:
             if vision_tower(model) is not None:
                 raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
-            experts = apply_expert_parallel(model, dims.expert_mesh)
+            experts = apply_expert_parallel(model, dims.expert_mesh, dims.batch_mesh)
         mesh = dims.fsdp_mesh
     policy = mixed_precision_policy(mixed_precision)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})

@@ -6,8 +6,8 @@ the global rank. Ranks are laid out with pipeline stages outermost and tensor pa
 (``global rank = pp rank × (dp × tp) + dp rank × tp + tp rank``), so the tensor-parallel peers of a data-parallel
 rank sit next to each other (on one node, where the links are fastest), a data-parallel rank is
 ``replicate × dp_shard + shard``, and the data-parallel rank (which keys the data position and per-rank state) is the
-same whatever the number of stages. Expert parallelism spreads the experts over groups of ``ep`` consecutive
-data-parallel ranks (``dp rank = expert copy × ep + ep rank``); every rank still reads its own rows.
+same whatever the number of stages. Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks
+of a shard group (whole groups of tensor-parallel peers); every data-parallel rank still reads its own rows.
 """
 
 from __future__ import annotations
@@ -137,17 +137,19 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
 
 
 def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int) -> None:
-    """Expert parallelism spreads the experts over data-parallel ranks: the combinations not supported yet, and an
-    ``ep_size`` that does not divide the data-parallel ranks, are one-line ``ConfigError``s."""
-    for size, what, key in ((tp, "tensor parallelism", "tp_size"), (pp, "pipeline stages", "pp_size")):
-        if size > 1:
-            raise ConfigError(f"distributed.ep_size: expert parallelism with {what} ({key} {size}) is not supported "
-                              f"yet; set ep_size 1 or {key} 1")
-    if dp_shard % ep:
-        within = f"the shard groups' size (dp_size / dp_replicate_size = {dp_shard})" if replicate > 1 else \
-            f"the data-parallel size ({dp_shard})"
+    """Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks of a shard group (whole groups
+    of tensor-parallel peers): pipeline stages with it, and sizes that do not fit, are one-line ``ConfigError``s."""
+    if pp > 1:
+        raise ConfigError(f"distributed.ep_size: expert parallelism with pipeline stages (pp_size {pp}) is not "
+                          "supported yet; set ep_size 1 or pp_size 1")
+    if ep % tp:
+        raise ConfigError(f"distributed.ep_size ({ep}) must be a multiple of tp_size ({tp}): tensor-parallel peers "
+                          "share their rows, and an ep group holds whole groups of them; change distributed.ep_size")
+    if dp_shard * tp % ep:
+        within = "dp_size / dp_replicate_size" if replicate > 1 else "the data-parallel size"
+        within += f" × tp_size ({dp_shard} × {tp})" if tp > 1 else f" ({dp_shard})"
         raise ConfigError(f"distributed.ep_size ({ep}) must divide {within}: the experts are spread over groups of "
-                          "ep_size data-parallel ranks; change distributed.ep_size or the number of processes")
+                          "ep_size ranks; change distributed.ep_size or the number of processes")
 
 
 @dataclass(frozen=True)
@@ -218,10 +220,11 @@ class ParallelDims:
 
     ``fsdp_mesh``: what ``fully_shard`` shards (and, with HSDP, replicates) over; ``tp_mesh``: what tensor
     parallelism splits over (None without it); ``dp_group``: the group that sums losses and token counts (None: every
-    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(dp_shard / ep, ep, 1)`` over
-    the data-parallel ranks (``(dp_replicate, ...)`` with HSDP), named ``efsdp`` (what ``fully_shard`` shards the
-    experts over, within a replica group), ``ep`` (what the experts are spread over) and ``batch`` (the ranks that
-    hold the same rows: this rank alone).
+    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(dp_shard × tp / ep, ep)``
+    (``(dp_replicate, ...)`` with HSDP), named ``efsdp`` (what ``fully_shard`` shards the experts over, within a
+    replica group) and ``ep`` (what the experts are spread over), and ``batch_mesh``: the ranks that hold the same
+    rows (the tensor-parallel peers; without tensor parallelism, a third dimension of the expert mesh of this rank
+    alone).
     """
 
     sizes: MeshSizes
@@ -233,6 +236,7 @@ class ParallelDims:
 
     pp_group: Any = None
     expert_mesh: Any = None
+    batch_mesh: Any = None
 
     @property
     def tp_rank(self) -> int:
@@ -305,13 +309,14 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
 
     expert_mesh = None
     if sizes.ep > 1:  # a mesh of its own over the same ranks, as transformers lays experts out
-        dims = [("efsdp", sizes.dp_shard // sizes.ep), ("ep", sizes.ep), ("batch", 1)]
+        dims = [("efsdp", sizes.dp_shard * sizes.tp // sizes.ep), ("ep", sizes.ep)] + [("batch", 1)] * (sizes.tp == 1)
         if sizes.dp_replicate > 1:
             dims.insert(0, ("dp_replicate", sizes.dp_replicate))
         expert_mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(n for n, _ in dims))
     if sizes.tp == 1 and sizes.dp_replicate == 1 and sizes.pp == 1:
         mesh = init_device_mesh(device_type, (sizes.world_size,), mesh_dim_names=("dp",))
-        return ParallelDims(sizes, rank, mesh, fsdp_mesh=mesh, expert_mesh=expert_mesh)
+        return ParallelDims(sizes, rank, mesh, fsdp_mesh=mesh, expert_mesh=expert_mesh,
+                            batch_mesh=expert_mesh["batch"] if expert_mesh is not None else None)
     dims = [("dp_shard", sizes.dp_shard)] + [("tp", sizes.tp)] * (sizes.tp > 1)  # dp_shard even of size 1
     if sizes.dp_replicate > 1:
         dims.insert(0, ("dp_replicate", sizes.dp_replicate))
@@ -326,5 +331,6 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
     if sizes.tp > 1 or sizes.pp > 1:  # sum over this stage's data-parallel ranks only
         dp_group = (mesh[dp_names]._flatten("dp") if len(dp_names) == 2 else mesh[dp_names[0]]).get_group()
     pp_group = mesh["pp"].get_group() if sizes.pp > 1 else None
+    batch_mesh = None if expert_mesh is None else tp_mesh if tp_mesh is not None else expert_mesh["batch"]
     return ParallelDims(sizes, rank, mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, dp_group=dp_group,
-                        pp_group=pp_group, expert_mesh=expert_mesh)
+                        pp_group=pp_group, expert_mesh=expert_mesh, batch_mesh=batch_mesh)

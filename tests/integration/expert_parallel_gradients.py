@@ -1,8 +1,11 @@
-"""Run under ``torch.distributed.run --nproc-per-node 2``: on ``dp 2 × ep 2`` (``shard_model`` as a run does it), each
-rank on rows of its own, the loss, every gradient and the clipped norm are those of ``dp 2`` and of the whole model.
+"""Run under ``torch.distributed.run``: with expert parallelism (``shard_model`` as a run does it), each data-parallel
+rank on rows of its own, the loss, every gradient and the clipped norm are those of the same mesh without it and of
+the whole model.
 
-``python -m torch.distributed.run --nproc-per-node 2 expert_parallel_gradients.py FAMILY...`` (Mixtral, Qwen3-MoE;
-``FAMILY+lora``: with random LoRA adapters on the attention, the adapters' gradients, the experts frozen).
+``python -m torch.distributed.run --nproc-per-node 2 expert_parallel_gradients.py FAMILY...``: ``dp 2 × ep 2``
+against ``dp 2`` (Mixtral, Qwen3-MoE; ``FAMILY+lora``: with random LoRA adapters on the attention, the adapters'
+gradients, the experts frozen). On 4 processes: ``dp 2 × tp 2 × ep 2`` (the ep groups are the tensor-parallel
+groups) and ``dp 2 × tp 2 × ep 4 + SP`` (one expert per rank, sequence parallelism) against ``dp 2 × tp 2``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.distributed.env import all_reduce_sum, end_process, init_distributed, shutdown_distributed
+from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
@@ -27,26 +30,34 @@ def _summed_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) 
                                              ignore_index=-100, reduction="sum")
 
 
-def _sharded_run(model: torch.nn.Module, ids, mask, rank: int, dp: int, tokens: float):
-    """As ``train_step``: this rank's rows, summed loss scaled by dp / global tokens; loss, gradients and norm."""
+def _sharded_run(model: torch.nn.Module, ids, mask, dims, tokens: float):
+    """As ``train_step``: this data-parallel rank's rows, summed loss scaled by dp / global tokens; loss, gradients
+    and norm."""
+    dp, rank = dims.dp_size, dims.dp_rank
     rows = slice(rank * len(ids) // dp, (rank + 1) * len(ids) // dp)
     summed = _summed_loss(model, ids[rows], mask[rows])
     (summed * dp / tokens).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     norm = clip_grad_norm(model.parameters(), 1.0)
-    return all_reduce_sum(summed.detach().double()) / tokens, grads, norm
+    return dims.sum_over_dp(summed.detach().double()) / tokens, grads, norm
 
 
 def main(families: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     env = init_distributed("gloo", 10)
-    dp = build_parallel_dims(resolve_sizes(OmegaConf.create({}), env.world_size), env.rank, "cpu")
-    ep = build_parallel_dims(resolve_sizes(OmegaConf.create({"ep_size": 2}), env.world_size), env.rank, "cpu")
+    tp = {"tp_size": 2} if env.world_size == 4 else {}
+    sp = {"sequence_parallel": True}
+    meshes = {"dp": tp} | ({"ep 2": tp | {"ep_size": 2}, "ep 4": tp | sp | {"ep_size": 4}} if tp else
+                           {"ep": {"ep_size": 2}})
+    meshes = {name: build_parallel_dims(resolve_sizes(OmegaConf.create(keys), env.world_size), env.rank, "cpu")
+              for name, keys in meshes.items()}
     for name in families:
         family, lora = name.removesuffix("+lora"), name.endswith("+lora")
         torch.manual_seed(0)
-        whole = AutoModelForCausalLM.from_config(family_config(family))
+        config = family_config(family)
+        config.num_attention_heads, config.num_key_value_heads = 4, 2  # heads tp 2 splits
+        whole = AutoModelForCausalLM.from_config(config)
         if lora:
             from automodel_ckpt.config.schema import PeftConfig
             from automodel_ckpt.models.lora import apply_lora
@@ -57,8 +68,8 @@ def main(families: list[str]) -> None:
         mask[1, 11:] = 0
         mask[2, 5:] = 0
         tokens = float((mask[:, 1:] != 0).sum())
-        runs = {mesh: _sharded_run(shard_model(copy.deepcopy(whole), dims), ids, mask, env.rank, 2, tokens)
-                for mesh, dims in (("dp", dp), ("ep", ep))}
+        runs = {mesh: _sharded_run(shard_model(copy.deepcopy(whole), dims), ids, mask, dims, tokens)
+                for mesh, dims in meshes.items()}
         loss = _summed_loss(whole, ids, mask) / tokens
         loss.backward()
         want = {n: p.grad for n, p in whole.named_parameters() if p.requires_grad}
@@ -69,13 +80,13 @@ def main(families: list[str]) -> None:
             worst = max((got[n] - want[n]).abs().max().item() for n in want)
             assert worst < 1e-5, (name, mesh, worst)
             assert abs(float(got_norm) - float(norm)) < 1e-5 * float(norm), (name, mesh, got_norm, norm)
-        ep_loss, ep_grads, ep_norm = runs["ep"]
-        dp_loss, dp_grads, dp_norm = runs["dp"]
-        assert abs(ep_loss.item() - dp_loss.item()) < 1e-5 and abs(float(ep_norm) - float(dp_norm)) < 1e-5
-        assert max((ep_grads[n] - dp_grads[n]).abs().max().item() for n in want) < 1e-5
-        if env.rank == 0:
-            print(f"{name}: dp 2 × ep 2 loss, grad norm and {len(want)} gradients equal dp 2's and the whole "
-                  "model's", flush=True)
+        dp_loss, dp_grads, dp_norm = runs.pop("dp")
+        for mesh, (ep_loss, ep_grads, ep_norm) in runs.items():
+            assert abs(ep_loss.item() - dp_loss.item()) < 1e-5 and abs(float(ep_norm) - float(dp_norm)) < 1e-5
+            assert max((ep_grads[n] - dp_grads[n]).abs().max().item() for n in want) < 1e-5, (name, mesh)
+            if env.rank == 0:
+                print(f"{name}: {meshes[mesh].sizes.describe()} loss, grad norm and {len(want)} gradients equal "
+                      f"{meshes['dp'].sizes.describe()}'s and the whole model's", flush=True)
     shutdown_distributed()
 
 

@@ -1,5 +1,5 @@
 """Expert parallelism on 2 processes (Qwen3-MoE, Mixtral): dp 2 × ep 2 gives dp 2's loss and every gradient (with
-LoRA too); a
+LoRA too), and with tensor parallelism on 4 those of dp 2 × tp 2; a
 straight ep 2 run's checkpoints resume bit for bit on ep 2 (both formats) and across ep 2 → dp 2 → ep 2 with its
 samples and losses; the lr 0 export of an ep 2 run is the base's files (Qwen3-MoE; Mixtral's goes the same way)."""
 
@@ -54,17 +54,30 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps, bitwise: bool = Fal
         [want[step]["val_loss"] for step in steps if step in got], abs=1e-5)
 
 
+def _gradients(assets, nproc: int, *families: str) -> str:
+    script = Path(__file__).with_name("expert_parallel_gradients.py")
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(script), *families], capture_output=True, text=True, timeout=600,
+                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    assert done.returncode == 0, launch_failure(done)
+    return done.stdout
+
+
 def test_ep_gives_the_loss_and_every_gradient_of_dp(assets):
     """expert_parallel_gradients.py: dp 2 × ep 2 and dp 2 against the whole model, each rank on rows of its own; with
     LoRA on the attention, the adapters' gradients reach them through the experts' all-to-all."""
-    script = Path(__file__).with_name("expert_parallel_gradients.py")
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), "qwen3_moe", "mixtral", "qwen3_moe+lora"], capture_output=True, text=True, timeout=600,
-                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
-    assert done.returncode == 0, launch_failure(done)
+    out = _gradients(assets, 2, "qwen3_moe", "mixtral", "qwen3_moe+lora")
     for family in ("qwen3_moe", "mixtral", "qwen3_moe+lora"):
-        assert f"{family}: dp 2 × ep 2 loss, grad norm and" in done.stdout
+        assert f"{family}: dp 2 × ep 2 loss, grad norm and" in out
+
+
+def test_ep_with_tensor_parallelism_gives_the_gradients_of_tp(assets):
+    """On 4 processes, Qwen3-MoE: dp 2 × tp 2 × ep 2 (each token sent by one of the tensor-parallel peers that hold
+    it) and dp 2 × tp 2 × ep 4 + SP against dp 2 × tp 2 and the whole model."""
+    out = _gradients(assets, 4, "qwen3_moe")
+    for mesh in ("dp 2 × tp 2 × ep 2", "dp 2 × tp 2 × ep 4 + SP"):
+        assert f"qwen3_moe: {mesh} loss, grad norm and 25 gradients equal dp 2 × tp 2's" in out
 
 
 def test_ep_checkpoints_resume_bitwise_on_ep_and_across_ep_and_dp(tmp_path, assets, bases):

@@ -42,21 +42,25 @@ def test_ep_sizes_describe_and_record():
     assert MeshSizes.from_record(sizes.record(), 4) == sizes
     assert MeshSizes.from_record({"dp_replicate": 1, "dp_shard": 2, "tp": 1}, 2).ep == 1  # records before ep
     assert "ep" not in resolve_sizes(OmegaConf.create({"ep_size": None}), 2).record()
+    with_tp = resolve_sizes(OmegaConf.create({"ep_size": 4, "tp_size": 2}), 4)  # an ep group spans tensor-parallel peers
+    assert with_tp == MeshSizes(1, 2, 2, ep=4) and with_tp.describe() == "dp 2 × tp 2 × ep 4"
 
 
-@pytest.mark.parametrize("sizes, expert_dims, local, dense_dims", [
-    (MeshSizes(1, 2, 1, ep=2), ("efsdp", "ep"), 2, ("dp",)),  # each expert whole on one rank
+@pytest.mark.parametrize("sizes, expert_dims, local, dense_outer", [
+    (MeshSizes(1, 2, 1, ep=2), ("efsdp", "ep"), 2, "dp"),  # each expert whole on one rank
     # HSDP 2 × 4: two copies of each ep group's experts per replica group, FSDP2 splits them in two
-    (MeshSizes(2, 4, 1, ep=2), ("dp_replicate", "efsdp", "ep"), 1, ("dp_replicate", "dp_shard")),
+    (MeshSizes(2, 4, 1, ep=2), ("dp_replicate", "efsdp", "ep"), 1, "dp_replicate"),
+    # tp 2: the experts over the 4 ranks of dp 2 × tp 2, one each; the rest as under tensor parallelism
+    (MeshSizes(1, 2, 2, ep=4), ("efsdp", "ep"), 1, "dp_shard"),
 ])
-def test_the_plan_spreads_the_experts_and_fsdp_shards_the_rest(sizes, expert_dims, local, dense_dims):
+def test_the_plan_spreads_the_experts_and_fsdp_shards_the_rest(sizes, expert_dims, local, dense_outer):
     from torch.distributed.tensor import DTensor, Shard
 
     from automodel_ckpt.distributed.fsdp import shard_model
 
     _fake_ranks(sizes.world_size)
     try:
-        model = _meta_model()
+        model = _meta_model(num_attention_heads=4, num_key_value_heads=2)  # heads tp 2 splits
         names = set(model.state_dict())
         shard_model(model, build_parallel_dims(sizes, 0, "cpu"))
     finally:
@@ -68,9 +72,9 @@ def test_the_plan_spreads_the_experts_and_fsdp_shards_the_rest(sizes, expert_dim
     for name, p in experts.items():
         assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == expert_dims, name
         assert p.placements[-1] == Shard(0) and p.shape[0] == 4 and p.to_local().shape[0] == local, name
-    assert all(model.get_submodule(f"model.layers.{i}.mlp.experts").num_experts == 2 for i in range(2))
-    others = [p for n, p in model.named_parameters() if n not in experts]
-    assert all(p.device_mesh.mesh_dim_names == dense_dims and p.placements[-1] == Shard(0) for p in others)
+    assert all(model.get_submodule(f"model.layers.{i}.mlp.experts").num_experts == 4 // sizes.ep for i in range(2))
+    others = [p for n, p in model.named_parameters() if n not in experts]  # FSDP2 over dp (after tp's split, if any)
+    assert all(p.device_mesh.mesh_dim_names[0] == dense_outer and Shard(0) in p.placements for p in others)
 
 
 @pytest.mark.parametrize("family, ep, changes, words", [
