@@ -55,9 +55,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     model = cfg.get("model")
     if sizes.tp > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
         raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
-    if sizes.ep > 1:
-        if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
-            raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
+    if sizes.ep > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
+        raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
     if sizes.pp > 1:
         resolve_pipeline(cfg.distributed, sizes, sched.local_batch_size)
         if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
@@ -129,9 +128,9 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
 def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
     """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
     and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
-    would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does not. Nothing for a
-    model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or from a builder of
-    another package.
+    would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does
+    not. Nothing for a model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or
+    from a builder of another package.
     """
     from automodel_ckpt.models.materialize import builds_on_meta
 

@@ -5,10 +5,11 @@ dispatches tokens to them (``layers.*.mlp.experts.gate_up_proj: grouped_gemm``, 
 ep_dispatch_experts``). Its own styles apply here as they are: ``grouped_gemm`` makes each fused expert weight a
 ``DTensor`` sharded on the expert dimension over the ``ep`` mesh (each rank holds ``num_experts / ep`` whole
 experts, and the module's expert count becomes the local one), and ``ep_dispatch_experts`` sends each routed token
-to its expert's rank and the result back with all-to-all (``AllToAllEP``), gradients included. Every rank keeps its
-own rows. The experts module is then sharded by ``fully_shard`` over the expert copies only (``efsdp``: data-parallel
-size / ``ep``; one copy when ``ep`` is the data-parallel size), as transformers' FSDP does for these modules, and the
-rest of the model over every data-parallel rank as without experts. A parameter keeps its whole-model name and
+to its expert's rank and the result back with all-to-all (``AllToAllEP``), gradients included. Every data-parallel
+rank keeps its own rows; tensor-parallel peers, which share theirs, each send a slice of them (an ``ep`` group is made
+of whole groups of peers). The experts module is then sharded by ``fully_shard`` over the expert copies only
+(``efsdp``: data-parallel × tensor-parallel size / ``ep``), as transformers' FSDP does for these modules, and the
+rest of the model over the data-parallel ranks as without experts. A parameter keeps its whole-model name and
 global shape, so the checkpoint holds each expert once and reshards to any other mesh.
 """
 
@@ -19,15 +20,12 @@ from typing import Any
 from torch import nn
 
 from automodel_ckpt.distributed.plan_paths import module_paths
+from automodel_ckpt.distributed.tensor_parallel import family_name
 from automodel_ckpt.errors import ConfigError
 
 #: The styles of an expert plan applied here (transformers' ``MoEParamShard`` and ``EpDispatchExpertsParallel``).
 SUPPORTED_STYLES = ("grouped_gemm", "ep_dispatch_experts")
 DISPATCH = "ep_dispatch_experts"
-
-
-def family_name(model: nn.Module) -> str:
-    return str(getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__)
 
 
 def expert_plan(model: nn.Module) -> dict[str, str]:
@@ -52,8 +50,9 @@ def _expanded(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
-    """The expanded plan for ``model`` on ``ep_size`` ranks; one-line ``ConfigError`` when there is none or it
-    cannot apply (LoRA, a style not applied here, experts that do not split evenly)."""
+    """The expanded plan for ``model`` (under its LoRA wrapper, if any) on ``ep_size`` ranks; one-line
+    ``ConfigError`` when there is none or it cannot apply (a style not applied here, experts that do not split
+    evenly, no mixture-of-experts layer)."""
     model = _base(model)
     family = family_name(model)
     plan = expert_plan(model)
@@ -112,5 +111,5 @@ def shard_experts(experts: list[nn.Module], expert_mesh: Any, dp_size: int, **fs
     for module in experts:
         fully_shard(module, mesh=copies, **fsdp_kwargs)
         module.set_gradient_divide_factor(float(dp_size))
-        if expert_mesh["efsdp"].size() > 1:  # one copy per group: no reduce-scatter, FSDP2 divides by the factor itself
+        if expert_mesh["efsdp"].size() > 1:  # summed over the copies, then divided (one copy: FSDP2 divides itself)
             module.set_force_sum_reduction_for_comms(True)

@@ -32,7 +32,7 @@ IMAGE_TEXT_EP_REFUSAL = ("distributed.ep_size: expert parallelism for image-text
 @dataclass(frozen=True)
 class MeshSizes:
     """The sizes of the mesh: ``pp`` pipeline stages, each of ``dp_replicate × dp_shard`` data-parallel ranks, each
-    ``tp`` tensor-parallel ranks; the experts spread over groups of ``ep`` of the data-parallel ranks."""
+    ``tp`` tensor-parallel ranks; the experts spread over groups of ``ep`` ranks."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -301,9 +301,9 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
     """Create the device mesh of ``sizes`` (collective: every rank calls it, in the same order).
 
     The default (1-D) layout is the mesh FSDP2 has always used, ``("dp",)`` (with expert parallelism too, beside the
-    expert mesh); otherwise the dimensions larger than
-    one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (``dp_shard`` always: ``fully_shard`` then has a
-    mesh to work on, of one rank under tensor parallelism alone or one rank per stage).
+    expert mesh); otherwise the dimensions larger than one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``
+    (``dp_shard`` always: ``fully_shard`` then has a mesh to work on, of one rank under tensor parallelism alone or
+    one rank per stage).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
