@@ -81,8 +81,9 @@ def test_ep_with_tensor_parallelism_gives_the_gradients_of_tp(assets):
 
 
 def test_ep_checkpoints_resume_bitwise_on_ep_and_across_ep_and_dp(tmp_path, assets, bases):
-    """A straight ep 2 run (DCP files) to step 8; from its step 2 on ep 2 (safetensors) to 4, bit for bit; from that
-    step 4 on ep 2 again to 6, bit for bit; then dp 2 to 6 and ep 2 to 8, each step the straight run's."""
+    """A straight ep 2 run (DCP files) to step 8; from its step 2 on ep 2 (safetensors, saved in the background) to 4,
+    bit for bit; from that step 4 on ep 2 again to 6, bit for bit; then dp 2 to 6 and ep 2 to 8, each step the
+    straight run's."""
     straight = tmp_path / "straight"
     _run(tmp_path, assets, bases, "straight", 8, *EP2, *TORCH_SAVE)
     meta = json.loads((straight / "epoch_0_step_2" / "metadata.json").read_text())
@@ -90,7 +91,8 @@ def test_ep_checkpoints_resume_bitwise_on_ep_and_across_ep_and_dp(tmp_path, asse
     assert sorted(p.name for p in (straight / "epoch_0_step_2" / "rng").iterdir()) == ["rng_dp_rank_0.pt",
                                                                                       "rng_dp_rank_1.pt"]
     chain = tmp_path / "chain"
-    _run(tmp_path, assets, bases, "chain", 4, *EP2, "--checkpoint.restore_from", str(straight / "epoch_0_step_2"))
+    _run(tmp_path, assets, bases, "chain", 4, *EP2, "--checkpoint.restore_from", str(straight / "epoch_0_step_2"),
+         "--checkpoint.is_async", "true")
     _assert_same_steps(chain, straight, (3, 4), bitwise=True)  # from DCP files
     _run(tmp_path, assets, bases, "again", 6, *EP2, "--checkpoint.restore_from", str(chain / "epoch_0_step_4"))
     _assert_same_steps(tmp_path / "again", straight, (5, 6), bitwise=True)  # from safetensors shards
