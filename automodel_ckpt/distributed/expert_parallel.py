@@ -69,8 +69,14 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
         raise ConfigError(f"distributed.ep_size {ep_size}: this '{family}' model has no mixture-of-experts layer "
                           "(every layer dense); use ep_size 1")
     for path in dispatchers:
-        experts = getattr(model.get_submodule(path), "num_experts", None)
-        if not isinstance(experts, int) or experts % ep_size:
+        module = model.get_submodule(path)
+        whole = sorted(n for n, _ in module.named_parameters(recurse=False) if f"{path}.{n}" not in expanded)
+        experts = getattr(module, "num_experts", None)
+        if whole or not isinstance(experts, int):
+            what = f"leaves {', '.join(whole)} whole" if whole else "has no expert count (num_experts)"
+            raise ConfigError(f"distributed.ep_size {ep_size}: the '{family}' expert plan {what} in {path}, which "
+                              "expert parallelism cannot split; use ep_size 1")
+        if experts % ep_size:
             raise ConfigError(f"distributed.ep_size {ep_size} does not divide the {experts} experts of the "
                               f"'{family}' model ({path}); choose an ep_size that divides them")
     return expanded

@@ -89,6 +89,14 @@ def test_models_the_plan_cannot_spread_are_refused_in_one_line(family, ep, chang
     assert words in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_a_plan_that_leaves_an_expert_weight_whole_is_refused():
+    model = _meta_model()
+    model._ep_plan = {k: v for k, v in model.ep_plan.items() if not k.endswith("down_proj")}
+    with pytest.raises(ConfigError, match=r"the 'qwen3_moe' expert plan leaves down_proj whole in "
+                                          r"model\.layers\.0\.mlp\.experts, which expert parallelism cannot split"):
+        check_expert_parallel(model, 2)
+
+
 def test_the_cli_checks_ep_before_launch_and_the_plan_in_dry_run(capsys, tmp_path):
     from tests.family_bases import build_family_base
 
