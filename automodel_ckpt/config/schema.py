@@ -62,7 +62,7 @@ class DistributedConfig:
     pp_layers: Optional[List[int]] = None  # with pp_size > 1: decoder layers of each stage (null: an even split)
     pp_stages_per_rank: Optional[int] = None  # interleaved stages per rank: not supported yet (1 or null)
     cp_size: Optional[int] = None  # context parallelism: not supported yet (1 or null)
-    ep_size: Optional[int] = None  # expert parallelism: not supported yet (1 or null)
+    ep_size: Optional[int] = None  # expert parallelism (null: 1): ranks the experts are spread over (a multiple of tp_size)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward: less memory
 
 

@@ -8,7 +8,8 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
-from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, resolve_pipeline, resolve_sizes
+from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, resolve_pipeline,
+                                             resolve_sizes)
 from automodel_ckpt.errors import ConfigError
 
 #: The package's image-text builder, whose models tensor parallelism does not split yet.
@@ -54,6 +55,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     model = cfg.get("model")
     if sizes.tp > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
         raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
+    if sizes.ep > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
+        raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
     if sizes.pp > 1:
         resolve_pipeline(cfg.distributed, sizes, sched.local_batch_size)
         if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
@@ -123,17 +126,17 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
 
 
 def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
-    """``--dry-run`` with ``tp_size`` or ``pp_size`` > 1: the family's tensor-parallel plan and the pipeline's stages
-    checked against the model, built on the meta device (no weights read), as the workers would check them once
-    built. One line saying each applies; the workers' one-line ``ConfigError`` when one does not. Nothing for a
-    model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or from a builder of
-    another package.
+    """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
+    and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
+    would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does
+    not. Nothing for a model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or
+    from a builder of another package.
     """
     from automodel_ckpt.models.materialize import builds_on_meta
 
     sizes = resolve_sizes(cfg.distributed, world_size)
     model = cfg.model
-    if (sizes.tp == 1 and sizes.pp == 1) or not builds_on_meta(model):
+    if (sizes.tp == 1 and sizes.pp == 1 and sizes.ep == 1) or not builds_on_meta(model):
         return []
     if model.get("config") is None:
         from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
@@ -153,6 +156,13 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
         parallel_styles(built, sizes.tp, sizes.sequence_parallel)  # the sequence-parallel entries too
         what = "tensor-parallel plan" + (" with sequence parallelism" if sizes.sequence_parallel else "")
         lines.append(f"model: the '{family_name(built)}' {what} applies on tp {sizes.tp}")
+    if sizes.ep > 1:
+        from automodel_ckpt.distributed.expert_parallel import DISPATCH, check_expert_parallel
+
+        plan = check_expert_parallel(built, sizes.ep)
+        experts = next(built.get_submodule(p).num_experts for p, s in plan.items() if s == DISPATCH)
+        lines.append(f"model: the '{family_name(built)}' expert-parallel plan applies on ep {sizes.ep} "
+                     f"({experts // sizes.ep} of {experts} experts per rank)")
     if sizes.pp > 1:
         from automodel_ckpt.distributed.pipeline import check_pipeline_model, decoder_layer_list
 

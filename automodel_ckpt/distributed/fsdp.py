@@ -1,4 +1,4 @@
-"""FSDP2 / HSDP sharding of a causal LM (and an image-text model's vision tower), after tensor parallelism if any."""
+"""FSDP2 / HSDP sharding of a causal LM (and an image-text model's vision tower), after tensor or expert parallelism."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, ParallelDims
+from automodel_ckpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
+from automodel_ckpt.distributed.mesh import IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, ParallelDims
 from automodel_ckpt.distributed.tensor_parallel import apply_tensor_parallel
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.parts import vision_tower
@@ -42,17 +43,26 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
     An image-text model's vision tower is sharded the same way, each of its blocks, then the tower as a whole.
     ``mesh``: a data-parallel mesh, or the run's ``ParallelDims``: then its projections are first split over the
     tensor-parallel mesh by the family's plan, and ``fully_shard`` shards over the data-parallel mesh (with HSDP,
-    the 2-D replicate × shard mesh: shard within a group, replicate across groups).
+    the 2-D replicate × shard mesh: shard within a group, replicate across groups). With expert parallelism the
+    experts are first spread over the expert mesh by the family's plan, and each experts module sharded over the
+    copies of its experts (``expert_parallel.py``).
     """
-    if isinstance(mesh, ParallelDims):
-        dims = mesh
+    experts: list[nn.Module] = []
+    dims = mesh if isinstance(mesh, ParallelDims) else None
+    if dims is not None:
         if dims.tp_mesh is not None:
             if vision_tower(model) is not None:
                 raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
             apply_tensor_parallel(model, dims.tp_mesh, dims.sizes.sequence_parallel)
+        if dims.expert_mesh is not None:
+            if vision_tower(model) is not None:
+                raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
+            experts = apply_expert_parallel(model, dims.expert_mesh, dims.batch_mesh)
         mesh = dims.fsdp_mesh
     policy = mixed_precision_policy(mixed_precision)
     kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
+    if experts:
+        shard_experts(experts, dims.expert_mesh, dims.dp_size, **{k: v for k, v in kwargs.items() if k != "mesh"})
     tower = vision_tower(model)
     recorded = _recorded_outputs(model)
     if tower is not None:

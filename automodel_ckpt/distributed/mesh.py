@@ -1,4 +1,4 @@
-"""Who is who on the device mesh: the pipeline, data-parallel (replicate × shard) and tensor-parallel sizes and ranks.
+"""Who is who on the device mesh: the pipeline, data-parallel (replicate × shard), tensor- and expert-parallel sizes.
 
 Computed once from the ``distributed:`` keys and the world size, then passed down: the data loader, validation,
 the per-rank checkpoint files and the loss reductions ask this object for the data-parallel rank and size, never
@@ -6,7 +6,8 @@ the global rank. Ranks are laid out with pipeline stages outermost and tensor pa
 (``global rank = pp rank × (dp × tp) + dp rank × tp + tp rank``), so the tensor-parallel peers of a data-parallel
 rank sit next to each other (on one node, where the links are fastest), a data-parallel rank is
 ``replicate × dp_shard + shard``, and the data-parallel rank (which keys the data position and per-rank state) is the
-same whatever the number of stages.
+same whatever the number of stages. Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks
+of a shard group (whole groups of tensor-parallel peers); every data-parallel rank still reads its own rows.
 """
 
 from __future__ import annotations
@@ -17,25 +18,28 @@ from typing import Any
 from automodel_ckpt.errors import ConfigError
 
 #: Keys recognised in ``distributed:`` whose strategies are not implemented: refused unless 1 or null.
-UNSUPPORTED = {"cp_size": "context parallelism", "ep_size": "expert parallelism"}
+UNSUPPORTED = {"cp_size": "context parallelism"}
 #: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's ``Schedule1F1B`` and ``ScheduleGPipe``).
 PP_SCHEDULES = ("1f1b", "gpipe")
 #: Tensor parallelism does not split an image-text model yet: refused before launch for the package's image-text
 #: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
 IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
                          "use tp_size 1")
+IMAGE_TEXT_EP_REFUSAL = ("distributed.ep_size: expert parallelism for image-text models is not supported yet; "
+                         "use ep_size 1")
 
 
 @dataclass(frozen=True)
 class MeshSizes:
     """The sizes of the mesh: ``pp`` pipeline stages, each of ``dp_replicate × dp_shard`` data-parallel ranks, each
-    ``tp`` tensor-parallel ranks."""
+    ``tp`` tensor-parallel ranks; the experts spread over groups of ``ep`` ranks."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     sequence_parallel: bool = False
     pp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -48,11 +52,12 @@ class MeshSizes:
     @property
     def one_dimensional(self) -> bool:
         """Plain FSDP2 over every rank (the default)."""
-        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1
+        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1 and self.ep == 1
 
     def describe(self) -> str:
-        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``pp 4``;
-        ``... + SP`` with sequence parallelism (which a checkpoint does not record: its tensors are the same)."""
+        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``pp 4``,
+        ``dp 2 × ep 2``; ``... + SP`` with sequence parallelism (which a checkpoint does not record: its tensors are
+        the same)."""
         parts = []
         if self.dp_replicate > 1:
             parts.append(f"HSDP {self.dp_replicate} × {self.dp_shard}")
@@ -62,21 +67,24 @@ class MeshSizes:
             parts.append(f"pp {self.pp}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         return " × ".join(parts) + (" + SP" if self.sequence_parallel else "")
 
     def record(self) -> dict[str, int]:
-        """What a checkpoint's metadata records (``mesh``; ``pp`` only with pipeline stages)."""
+        """What a checkpoint's metadata records (``mesh``; ``pp`` only with pipeline stages, ``ep`` only with expert
+        parallelism)."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp} | (
-            {"pp": self.pp} if self.pp > 1 else {})
+            {"pp": self.pp} if self.pp > 1 else {}) | ({"ep": self.ep} if self.ep > 1 else {})
 
     @classmethod
     def from_record(cls, record: Any, world_size: int) -> MeshSizes:
-        """The sizes a checkpoint recorded (without ``pp``: one stage); a checkpoint without a record was written on
-        a 1-D mesh."""
+        """The sizes a checkpoint recorded (without ``pp``: one stage; without ``ep``: no expert parallelism); a
+        checkpoint without a record was written on a 1-D mesh."""
         if isinstance(record, dict):
             try:
                 return cls(int(record.get("dp_replicate", 1)), int(record.get("dp_shard", 1)), int(record.get("tp", 1)),
-                           pp=int(record.get("pp", 1)))
+                           pp=int(record.get("pp", 1)), ep=int(record.get("ep", 1)))
             except (TypeError, ValueError):
                 pass
         return cls(1, max(int(world_size), 1), 1)
@@ -122,7 +130,26 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
         for key in ("pp_layers", "pp_microbatches"):
             if get(key, None) is not None:
                 raise ConfigError(f"distributed.{key} needs pipeline stages; set distributed.pp_size > 1 or remove it")
-    return MeshSizes(replicate, dp // replicate, tp, sequence_parallel, pp)
+    ep = _size(get("ep_size", 1), "ep_size", 1)
+    if ep > 1:
+        _check_expert_sizes(ep, dp // replicate, tp, pp, replicate)
+    return MeshSizes(replicate, dp // replicate, tp, sequence_parallel, pp, ep)
+
+
+def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int) -> None:
+    """Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks of a shard group (whole groups
+    of tensor-parallel peers): pipeline stages with it, and sizes that do not fit, are one-line ``ConfigError``s."""
+    if pp > 1:
+        raise ConfigError(f"distributed.ep_size: expert parallelism with pipeline stages (pp_size {pp}) is not "
+                          "supported yet; set ep_size 1 or pp_size 1")
+    if ep % tp:
+        raise ConfigError(f"distributed.ep_size ({ep}) must be a multiple of tp_size ({tp}): tensor-parallel peers "
+                          "share their rows, and an ep group holds whole groups of them; change distributed.ep_size")
+    if dp_shard * tp % ep:
+        within = "dp_size / dp_replicate_size" if replicate > 1 else "the data-parallel size"
+        within += f" × tp_size ({dp_shard} × {tp})" if tp > 1 else f" ({dp_shard})"
+        raise ConfigError(f"distributed.ep_size ({ep}) must divide {within}: the experts are spread over groups of "
+                          "ep_size ranks; change distributed.ep_size or the number of processes")
 
 
 @dataclass(frozen=True)
@@ -193,7 +220,11 @@ class ParallelDims:
 
     ``fsdp_mesh``: what ``fully_shard`` shards (and, with HSDP, replicates) over; ``tp_mesh``: what tensor
     parallelism splits over (None without it); ``dp_group``: the group that sums losses and token counts (None: every
-    rank, as without tensor parallelism).
+    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(dp_shard × tp / ep, ep)``
+    (``(dp_replicate, ...)`` with HSDP), named ``efsdp`` (what ``fully_shard`` shards the experts over, within a
+    replica group) and ``ep`` (what the experts are spread over), and ``batch_mesh``: the ranks that hold the same
+    rows (the tensor-parallel peers; without tensor parallelism, a third dimension of the expert mesh of this rank
+    alone).
     """
 
     sizes: MeshSizes
@@ -204,6 +235,8 @@ class ParallelDims:
     dp_group: Any = None
 
     pp_group: Any = None
+    expert_mesh: Any = None
+    batch_mesh: Any = None
 
     @property
     def tp_rank(self) -> int:
@@ -267,15 +300,23 @@ class ParallelDims:
 def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> ParallelDims:
     """Create the device mesh of ``sizes`` (collective: every rank calls it, in the same order).
 
-    The default (1-D) layout is the mesh FSDP2 has always used, ``("dp",)``; otherwise the dimensions larger than
-    one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (``dp_shard`` always: ``fully_shard`` then has a
-    mesh to work on, of one rank under tensor parallelism alone or one rank per stage).
+    The default (1-D) layout is the mesh FSDP2 has always used, ``("dp",)`` (with expert parallelism too, beside the
+    expert mesh); otherwise the dimensions larger than one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``
+    (``dp_shard`` always: ``fully_shard`` then has a mesh to work on, of one rank under tensor parallelism alone or
+    one rank per stage).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    if sizes.one_dimensional:
+    expert_mesh = None
+    if sizes.ep > 1:  # a mesh of its own over the same ranks, as transformers lays experts out
+        dims = [("efsdp", sizes.dp_shard * sizes.tp // sizes.ep), ("ep", sizes.ep)] + [("batch", 1)] * (sizes.tp == 1)
+        if sizes.dp_replicate > 1:
+            dims.insert(0, ("dp_replicate", sizes.dp_replicate))
+        expert_mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    if sizes.tp == 1 and sizes.dp_replicate == 1 and sizes.pp == 1:
         mesh = init_device_mesh(device_type, (sizes.world_size,), mesh_dim_names=("dp",))
-        return ParallelDims(sizes, rank, mesh, fsdp_mesh=mesh)
+        return ParallelDims(sizes, rank, mesh, fsdp_mesh=mesh, expert_mesh=expert_mesh,
+                            batch_mesh=expert_mesh["batch"] if expert_mesh is not None else None)
     dims = [("dp_shard", sizes.dp_shard)] + [("tp", sizes.tp)] * (sizes.tp > 1)  # dp_shard even of size 1
     if sizes.dp_replicate > 1:
         dims.insert(0, ("dp_replicate", sizes.dp_replicate))
@@ -290,5 +331,6 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
     if sizes.tp > 1 or sizes.pp > 1:  # sum over this stage's data-parallel ranks only
         dp_group = (mesh[dp_names]._flatten("dp") if len(dp_names) == 2 else mesh[dp_names[0]]).get_group()
     pp_group = mesh["pp"].get_group() if sizes.pp > 1 else None
+    batch_mesh = None if expert_mesh is None else tp_mesh if tp_mesh is not None else expert_mesh["batch"]
     return ParallelDims(sizes, rank, mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh, dp_group=dp_group,
-                        pp_group=pp_group)
+                        pp_group=pp_group, expert_mesh=expert_mesh, batch_mesh=batch_mesh)

@@ -13,9 +13,10 @@ left out, so the experts and their router are replicated over the tensor-paralle
 data-parallel ranks by ``fully_shard``, like a norm. This stays consistent: the block's input (a norm of the
 residual) is replicated, a module with whole weights computes the whole output from it, and the colwise/rowwise
 pairs left (attention, a dense MLP, a shared expert) are each kept or left out together. The cost is memory:
-the experts, most of such a model, are split only over the data-parallel ranks. Expert parallelism is refused
-(``distributed.ep_size``). ``replicated_with_grad_allreduce`` (the per-head ``q_norm`` / ``k_norm`` of Qwen3 and
-others, between a colwise and a rowwise projection) is torch's ``SequenceParallel`` on the heads dimension: the
+the experts, most of such a model, are split only over the data-parallel ranks, unless expert parallelism
+(``expert_parallel.py``) spreads them over groups of whole tensor-parallel groups.
+``replicated_with_grad_allreduce`` (the per-head ``q_norm`` / ``k_norm`` of Qwen3 and others, between a colwise and
+a rowwise projection) is torch's ``SequenceParallel`` on the heads dimension: the
 weight is replicated, the input holds this rank's heads, and the weight's partial gradient is summed over the
 tensor-parallel ranks when FSDP2 reduces it.
 """

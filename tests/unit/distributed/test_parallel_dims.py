@@ -38,7 +38,12 @@ def test_sizes_default_to_data_parallel_over_the_world():
     (4, {"pp_size": 2, "dp_size": 4}, "dp_size × pp_size = 4 × 2 = 8 must equal the world size (4)"),
     (4, {"pp_layers": [2, 2]}, "distributed.pp_layers needs pipeline stages"),
     (4, {"cp_size": 2}, "distributed.cp_size: context parallelism is not supported yet"),
-    (4, {"ep_size": 4}, "distributed.ep_size: expert parallelism is not supported yet"),
+    (4, {"ep_size": 3}, "distributed.ep_size (3) must divide the data-parallel size (4)"),
+    (8, {"ep_size": 2, "tp_size": 4}, "distributed.ep_size (2) must be a multiple of tp_size (4)"),
+    (8, {"ep_size": 8, "tp_size": 2, "dp_replicate_size": 2}, "distributed.ep_size (8) must divide dp_size / "
+                                                              "dp_replicate_size × tp_size (2 × 2)"),
+    (4, {"ep_size": 2, "pp_size": 2}, "expert parallelism with pipeline stages (pp_size 2) is not supported yet"),
+    (8, {"ep_size": 3, "dp_replicate_size": 2}, "distributed.ep_size (3) must divide dp_size / dp_replicate_size (4)"),
     (4, {"sequence_parallel": True}, "distributed.sequence_parallel: true needs tensor parallelism"),
     (4, {"tp_size": 1, "dp_replicate_size": 2, "sequence_parallel": True}, "set distributed.tp_size > 1"),
     (4, {"tp_size": 0}, "distributed.tp_size: expected a positive integer, got 0"),

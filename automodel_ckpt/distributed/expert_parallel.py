@@ -1,0 +1,121 @@
+"""Expert parallelism from a model family's own plan (transformers' ``base_model_ep_plan``), under FSDP2.
+
+transformers ships, with each mixture-of-experts family's config, which parameters hold the experts and which module
+dispatches tokens to them (``layers.*.mlp.experts.gate_up_proj: grouped_gemm``, ``layers.*.mlp.experts:
+ep_dispatch_experts``). Its own styles apply here as they are: ``grouped_gemm`` makes each fused expert weight a
+``DTensor`` sharded on the expert dimension over the ``ep`` mesh (each rank holds ``num_experts / ep`` whole
+experts, and the module's expert count becomes the local one), and ``ep_dispatch_experts`` sends each routed token
+to its expert's rank and the result back with all-to-all (``AllToAllEP``), gradients included. Every data-parallel
+rank keeps its own rows; tensor-parallel peers, which share theirs, each send a slice of them (an ``ep`` group is made
+of whole groups of peers). The experts module is then sharded by ``fully_shard`` over the expert copies only
+(``efsdp``: data-parallel × tensor-parallel size / ``ep``), as transformers' FSDP does for these modules, and the
+rest of the model over the data-parallel ranks as without experts. A parameter keeps its whole-model name and
+global shape, so the checkpoint holds each expert once and reshards to any other mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from automodel_ckpt.distributed.plan_paths import module_paths
+from automodel_ckpt.distributed.tensor_parallel import family_name
+from automodel_ckpt.errors import ConfigError
+
+#: The styles of an expert plan applied here (transformers' ``MoEParamShard`` and ``EpDispatchExpertsParallel``).
+SUPPORTED_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+DISPATCH = "ep_dispatch_experts"
+
+
+def expert_plan(model: nn.Module) -> dict[str, str]:
+    """``{path pattern: style}``: the plan transformers assembles for ``model`` (``base_model_ep_plan`` under the
+    base model's prefix); empty for a family without experts."""
+    return dict(getattr(model, "ep_plan", None) or {})
+
+
+def _expanded(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with its patterns replaced by the model's parameter and module paths: the expert weights first (their
+    sharding sets the local expert count), then the modules that dispatch to them."""
+    weights, modules = {}, {}
+    for pattern, style in plan.items():
+        if style == DISPATCH:
+            modules.update(dict.fromkeys(module_paths(model, pattern), style))
+            continue
+        owner, _, name = pattern.rpartition(".")
+        for path in module_paths(model, owner):
+            if name in model.get_submodule(path)._parameters:
+                weights[f"{path}.{name}"] = style
+    return weights | modules
+
+
+def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
+    """The expanded plan for ``model`` (under its LoRA wrapper, if any) on ``ep_size`` ranks; one-line
+    ``ConfigError`` when there is none or it cannot apply (a style not applied here, experts that do not split
+    evenly, no mixture-of-experts layer)."""
+    model = _base(model)
+    family = family_name(model)
+    plan = expert_plan(model)
+    if not plan:
+        raise ConfigError(f"distributed.ep_size {ep_size}: the model family '{family}' has no expert-parallel plan "
+                          "(base_model_ep_plan in its transformers config: no experts to spread); use ep_size 1")
+    unknown = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
+    if unknown:
+        raise ConfigError(f"distributed.ep_size {ep_size}: the '{family}' expert plan uses {', '.join(unknown)}, not "
+                          f"supported yet (supported: {', '.join(SUPPORTED_STYLES)}); use ep_size 1")
+    expanded = _expanded(model, plan)
+    dispatchers = [path for path, style in expanded.items() if style == DISPATCH]
+    if not dispatchers:
+        raise ConfigError(f"distributed.ep_size {ep_size}: this '{family}' model has no mixture-of-experts layer "
+                          "(every layer dense); use ep_size 1")
+    for path in dispatchers:
+        module = model.get_submodule(path)
+        whole = sorted(n for n, _ in module.named_parameters(recurse=False) if f"{path}.{n}" not in expanded)
+        experts = getattr(module, "num_experts", None)
+        if whole or not isinstance(experts, int):
+            what = f"leaves {', '.join(whole)} whole" if whole else "has no expert count (num_experts)"
+            raise ConfigError(f"distributed.ep_size {ep_size}: the '{family}' expert plan {what} in {path}, which "
+                              "expert parallelism cannot split; use ep_size 1")
+        if experts % ep_size:
+            raise ConfigError(f"distributed.ep_size {ep_size} does not divide the {experts} experts of the "
+                              f"'{family}' model ({path}); choose an ep_size that divides them")
+    return expanded
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model under a LoRA wrapper (whose plan names its modules), else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh: Any, batch_mesh: Any) -> list[nn.Module]:
+    """Spread the experts of ``model`` (on the meta device, before ``fully_shard``) over ``expert_mesh["ep"]`` with
+    transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those).
+
+    ``batch_mesh``: the ranks that hold the same rows (tensor-parallel peers): each sends its own slice of them."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    model = _base(model)
+    plan = check_expert_parallel(model, expert_mesh["ep"].size())
+    # tokens reach their experts with all-to-all (transformers' AllToAllEP), each token sent once
+    apply_expert_parallelism(model, expert_mesh["ep"], batch_mesh, plan, ep_implementation="all_to_all")
+    return [model.get_submodule(path) for path, style in plan.items() if style == DISPATCH]
+
+
+def shard_experts(experts: list[nn.Module], expert_mesh: Any, dp_size: int, **fsdp_kwargs: Any) -> None:
+    """``fully_shard`` each experts module over the copies of the experts (``efsdp``; with HSDP, sharded within a
+    replica group and replicated across them), before its decoder layer.
+
+    An expert's gradient already sums the rows of every rank of its ``ep`` group (the all-to-all's backward), and the
+    reduction over the copies adds the other groups': it covers the whole global batch, which the loss scales as
+    the data-parallel average, so it is divided by the data-parallel size, not the number of copies. FSDP2 applies
+    such a factor locally when told to sum (gloo has no pre-multiplied sum), as transformers does.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = expert_mesh.mesh_dim_names
+    copies = expert_mesh[("dp_replicate", "efsdp")] if "dp_replicate" in names else expert_mesh["efsdp"]
+    for module in experts:
+        fully_shard(module, mesh=copies, **fsdp_kwargs)
+        module.set_gradient_divide_factor(float(dp_size))
+        if expert_mesh["efsdp"].size() > 1:  # summed over the copies, then divided (one copy: FSDP2 divides itself)
+            module.set_force_sum_reduction_for_comms(True)
