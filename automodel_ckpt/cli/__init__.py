@@ -109,7 +109,11 @@ def forked_worker(recipe: str, overrides: list[str]) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    code = main([recipe, *overrides])
+    try:
+        code = main([recipe, *overrides])
+    except Exception:  # a bug, not bad input: its traceback, as an exec'd worker's interpreter prints it
+        sys.excepthook(*sys.exc_info())  # torch's, once the process group is up: every line marked [rankN]
+        code = exit_code(1)
     if code:
         sys.exit(code)
 

@@ -32,3 +32,17 @@ def test_a_second_signal_stops_a_single_process(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.stdout.splitlines() == ["requested True"]
     assert proc.returncode == -signal.SIGTERM
+
+
+def test_a_bug_in_a_forked_worker_prints_its_traceback(tmp_path, assets):
+    """Bad input is one line; an exception that is not is the worker's own traceback (marked with its rank), as an
+    exec'd worker's interpreter prints it, before the launcher's line naming the rank."""
+    from tests.integration.harness import ckpt_train
+
+    (tmp_path / "user_data.py").write_text("def broken(**kwargs):\n    raise AttributeError('no such column here')\n")
+    result = ckpt_train(tmp_path, assets, "--dataset._target_", "user_data.broken", "--checkpoint.enabled", "false",
+                        nproc=2, launcher=("--start-method", "fork"), env={"PYTHONPATH": str(tmp_path)}, check=False)
+    assert result.returncode == 1, result.output[-3000:]
+    assert "[rank0]: Traceback (most recent call last):" in result.stderr
+    assert "[rank0]: AttributeError: no such column here" in result.stderr
+    assert "error: training failed on rank 0 (exit code 1); see its message above" in result.stderr
