@@ -57,6 +57,8 @@ import re
 import string
 from pathlib import Path
 
+from automodel_ckpt.errors import ConfigError
+
 # --- checkpoint_dir level -------------------------------------------------------------------------
 LATEST = "LATEST"
 LOWEST_VAL = "LOWEST_VAL"
@@ -194,6 +196,53 @@ def name_problem(name: str) -> str | None:
 def name_template_fields(template: str) -> list[str]:
     """The field names a name template uses, in order (``ValueError`` for malformed braces)."""
     return [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+
+
+# Values the template is tried with at start: the shortest and some long ones (a fill character shows at short
+# values), unknown losses, and a step that sets a nested width. Every save renders its name through
+# ``render_name`` again: a value met only at run time is refused then, before anything is created.
+_SAMPLE_FIELDS = (
+    {"epoch": 0, "step": 1, "consumed_samples": 64, "train_loss": 1.5, "val_loss": 1.25},
+    {"epoch": 0, "step": 1, "consumed_samples": 64, "train_loss": None, "val_loss": None},
+    {"epoch": 0, "step": 0, "consumed_samples": 0, "train_loss": 0.0, "val_loss": 0.0},
+    {"epoch": 12, "step": 123456, "consumed_samples": 98765432, "train_loss": -12.75, "val_loss": float("nan")},
+)
+_KEY = "checkpoint.name_template"
+
+
+def check_name_template(template: str) -> None:
+    """A template must use known fields, contain ``{step}`` and render a plain folder name."""
+    try:
+        fields = name_template_fields(template)
+    except ValueError as exc:
+        raise ConfigError(f"{_KEY}: malformed template '{template}': {exc}") from None
+    unknown = [f for f in fields if f not in NAME_TEMPLATE_FIELDS]
+    if unknown:
+        raise ConfigError(
+            f"{_KEY}: unknown field '{{{unknown[0]}}}' in '{template}'; "
+            f"available: {', '.join('{' + f + '}' for f in NAME_TEMPLATE_FIELDS)}"
+        )
+    if "step" not in fields:
+        raise ConfigError(f"{_KEY}: '{template}' must contain {{step}} so that every checkpoint gets its own folder")
+    for sample in _SAMPLE_FIELDS:
+        render_name(template, when="with sample values", **sample)  # type: ignore[arg-type]
+
+
+def render_name(template: str, epoch: int, step: int, *, when: str | None = None, **fields: object) -> str:
+    """The checkpoint folder name ``template`` gives these values; ``ConfigError`` (one line naming the template and
+    what it rendered) when that is not a usable folder name (``name_problem``). Called for every save."""
+    when = when or f"at step {step}"
+    try:
+        name = checkpoint_name(epoch, step, template, **fields)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise ConfigError(f"{_KEY}: cannot render '{template}' {when}: {exc}") from None
+    problem = name_problem(name)
+    if problem:
+        raise ConfigError(
+            f"{_KEY}: '{template}' renders {name!r} {when}, which is not a usable folder name ({problem}); "
+            "use a template without fill characters or path separators, e.g. 'epoch_{epoch}_step_{step}'"
+        )
+    return name
 
 
 def local_user_dir(user: str) -> str:

@@ -18,7 +18,8 @@ from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.disk import layout, manifest
 from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_tree
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy, render_name
+from automodel_ckpt.checkpoint.disk.layout import render_name
+from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo

@@ -16,15 +16,8 @@ from automodel_ckpt.checkpoint.save import lifecycle
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.disk.metadata import build_metadata, read_metadata, write_metadata
-from automodel_ckpt.checkpoint.disk.retention import (
-    render_name,
-    Candidate,
-    RetentionPolicy,
-    check_name_template,
-    is_better,
-    survivors,
-    to_delete,
-)
+from automodel_ckpt.checkpoint.disk.layout import check_name_template, render_name
+from automodel_ckpt.checkpoint.disk.retention import Candidate, RetentionPolicy, is_better, survivors, to_delete
 from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.errors import ConfigError
