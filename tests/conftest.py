@@ -9,10 +9,9 @@ import pytest
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker per two CPUs (an end-to-end test runs two ranks) and one more, at least three and at
-    most eight. A launch leaves cores idle while its launcher imports, its ranks wait on each other or on fsync: on
-    2 CPUs a third worker finished a set of end-to-end files in 0.77x the time of two (four: 0.82x)."""
-    return max(3, min(8, (os.cpu_count() or 2) // 2 + 1))
+    """``-n auto``: one worker per two CPUs, at least two and at most eight (an end-to-end test runs two ranks).
+    On 2 CPUs a third worker did not shorten the whole suite: the cores are already busy."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 #: Test files whose runs take minutes: given to the workers first (longest first), so that they run side by side
