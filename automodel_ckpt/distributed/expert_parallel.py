@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from automodel_ckpt.distributed.plan_paths import module_paths
+from automodel_ckpt.distributed.plan_paths import check_plan, module_paths
 from automodel_ckpt.distributed.tensor_parallel import family_name
 from automodel_ckpt.errors import ConfigError
 
@@ -56,13 +56,8 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
     model = _base(model)
     family = family_name(model)
     plan = expert_plan(model)
-    if not plan:
-        raise ConfigError(f"distributed.ep_size {ep_size}: the model family '{family}' has no expert-parallel plan "
-                          "(base_model_ep_plan in its transformers config: no experts to spread); use ep_size 1")
-    unknown = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
-    if unknown:
-        raise ConfigError(f"distributed.ep_size {ep_size}: the '{family}' expert plan uses {', '.join(unknown)}, not "
-                          f"supported yet (supported: {', '.join(SUPPORTED_STYLES)}); use ep_size 1")
+    check_plan("ep_size", ep_size, family, plan, SUPPORTED_STYLES, kind="expert-parallel", named="expert ",
+               source="base_model_ep_plan in its transformers config: no experts to spread")
     expanded = _expanded(model, plan)
     dispatchers = [path for path, style in expanded.items() if style == DISPATCH]
     if not dispatchers:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from automodel_ckpt.distributed.plan_paths import module_paths
+from automodel_ckpt.distributed.plan_paths import check_plan, module_paths
 from automodel_ckpt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -123,13 +123,8 @@ def check_tensor_parallel(model: nn.Module, tp_size: int) -> dict[str, str]:
         raise ConfigError("distributed.tp_size: LoRA with tensor parallelism is not supported yet; use tp_size 1 "
                           "(FSDP2 or HSDP shard the frozen base as well)")
     plan = family_plan(model)
-    if not plan:
-        raise ConfigError(f"distributed.tp_size {tp_size}: the model family '{family}' has no tensor-parallel plan "
-                          "(base_model_tp_plan in its transformers config); use tp_size 1")
-    unknown = sorted({s for s in plan.values() if s not in SUPPORTED_STYLES})
-    if unknown:
-        raise ConfigError(f"distributed.tp_size {tp_size}: the '{family}' plan uses {', '.join(unknown)}, not "
-                          f"supported yet (supported: {', '.join(SUPPORTED_STYLES)}); use tp_size 1")
+    check_plan("tp_size", tp_size, family, plan, SUPPORTED_STYLES, kind="tensor-parallel",
+               source="base_model_tp_plan in its transformers config")
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % tp_size:
