@@ -853,6 +853,8 @@ def print_table(res: dict) -> None:
         LABELS.update(bench_mesh.labels())
 
     for op, names, raw, raw_mt, peer, device in sections:
+        if not any(n in m for n in names if n != peer):  # only the reference ran (pack: the export, shown above)
+            continue
         names = names + [BASELINE + n for n in names if n.startswith(("ours_save", "ours_load"))]
         for name in names:
             if name in m:

@@ -47,7 +47,8 @@ def test_table_ratios_are_reference_time_over_method_time(bench, capsys):
         "size_gb": 2.0, "nproc": 1, "device": "cpu", "reps": 3, "page_cache_dropped": True, "torch": "x",
         "machine": {"cpu_count": 2, "load_average_before": [0.5], "load_average_after": [0.7]},
         "methods": {"raw_write": row(2.0), "raw_write_mt": row(1.6), "dcp_save": row(3.0),
-                    "ours_save_safetensors": row(1.0), "raw_read": row(1.0), "ours_load_safetensors": row(2.0)},
+                    "ours_save_safetensors": row(1.0), "raw_read": row(1.0), "ours_load_safetensors": row(2.0),
+                    "ours_consolidate": row(1.0)},
     }
     bench.print_table(result)
     out = capsys.readouterr().out
@@ -58,6 +59,8 @@ def test_table_ratios_are_reference_time_over_method_time(bench, capsys):
     ours_load = next(line for line in out.splitlines() if "load | **ours, safetensors**" in line)
     assert [c.strip() for c in ours_load.split("|")][7] == "0.50×"
     assert "torch.save" not in out  # methods that did not run have no row
+    assert "| HF export | **ours** (fsync) |" in out
+    assert "| pack |" not in out  # nor a section of which only the reference ran (the export is not a pack)
 
 
 def test_size_outside_the_range_is_a_usage_error(tmp_path):
