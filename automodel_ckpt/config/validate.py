@@ -53,13 +53,13 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
                           f"tp_size ({sizes.tp}), each tensor-parallel rank holding seq_length / tp_size positions; "
                           "change data.seq_length")
     model = cfg.get("model")
-    if sizes.tp > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
-        raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
-    if sizes.ep > 1 and model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
-        raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
+    image_text = model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER
+    for size, refusal in ((sizes.tp, IMAGE_TEXT_TP_REFUSAL), (sizes.ep, IMAGE_TEXT_EP_REFUSAL)):
+        if size > 1 and image_text:
+            raise ConfigError(refusal)
     if sizes.pp > 1:
         resolve_pipeline(cfg.distributed, sizes, sched.local_batch_size)
-        if model is not None and model.get(TARGET_KEY) == IMAGE_TEXT_BUILDER:
+        if image_text:
             raise ConfigError("distributed.pp_size: pipeline parallelism for image-text models is not supported yet; "
                               "use pp_size 1")
         if cfg.get("peft") is not None:
