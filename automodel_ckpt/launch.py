@@ -213,22 +213,33 @@ def _no_traceback_for_a_failed_worker(record: logging.LogRecord) -> bool:
     return True
 
 
+#: What the modeling module of every transformers family imports first (``models/llama/modeling_llama.py``, ...).
+_FAMILY_SHARED = ("transformers.generation.utils", "transformers.masking_utils", "transformers.modeling_layers",
+                  "transformers.modeling_rope_utils", "transformers.cache_utils", "transformers.integrations")
+
+
 def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
     """Import, in the launcher, what every worker imports first: the recipe's module when it is one of the
     package's (another one is the user's code: it runs in the workers only, as before, and the package's own
-    fine-tuning recipe stands in for its imports), DCP, transformers' model classes and the modules in ``extra``.
-    Forked workers start with them (``--start-method``)."""
+    fine-tuning recipe stands in for its imports), DCP, transformers' model classes with what every family's
+    modeling module imports (generation, masks, rotary embeddings, layers: a second a worker otherwise pays when it
+    builds the model), transformers' table of weight renamings (a thousand regular expressions, compiled on first use
+    by the base read and the export) and the modules in ``extra``. Forked workers start with them
+    (``--start-method``)."""
     import importlib
 
     module = recipe_target.rpartition(".")[0] if ":" not in recipe_target else ""
     if not module.startswith("automodel_ckpt."):
         module = "automodel_ckpt.recipes.llm_finetune"
     for name in (module, "torch.distributed.checkpoint", "automodel_ckpt.checkpoint.checkpointer",
-                 "transformers.modeling_utils", "transformers.models.auto.modeling_auto", *extra):
+                 "transformers.modeling_utils", "transformers.models.auto.modeling_auto", *_FAMILY_SHARED, *extra):
         try:
             importlib.import_module(name)
         except ImportError:  # the worker reports a recipe it cannot import, in one line
             pass
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("llama")  # builds (once) the table of every family's weight renamings
 
 
 class SignalForwarder:
