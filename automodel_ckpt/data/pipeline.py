@@ -122,11 +122,14 @@ def check_lengths(prepared: PreparedData, encoded: datasets.Dataset) -> str | No
     are cut short.
 
     Both name the ``data.seq_length`` that keeps 95% of the examples whole (the lengths are known from the
-    tokenization, so this costs one pass over a column).
+    tokenization, so this costs one pass over a column, made only when there is something to say).
     """
     seq_length = prepared.spec.seq_length
     totals = prepared.train.totals()
     if not totals["examples"]:
+        return None
+    share = totals["truncated"] / totals["examples"]
+    if totals["trained_tokens"] and share <= TRUNCATED_SHARE_WARNING:
         return None
     lengths = np.asarray(encoded.with_format("arrow", columns=["num_tokens"])[:]["num_tokens"].to_numpy())
     whole = int(np.ceil(np.quantile(lengths, WHOLE_SHARE))) if lengths.size else seq_length
@@ -134,8 +137,7 @@ def check_lengths(prepared: PreparedData, encoded: datasets.Dataset) -> str | No
         raise NoLossError(f"data.seq_length: {seq_length} tokens leave no token with a loss in the "
                           f"{totals['examples']} training examples ({totals['truncated']} cut short); "
                           f"--data.seq_length {whole} keeps {WHOLE_SHARE:.0%} of them whole", prepared)
-    share = totals["truncated"] / totals["examples"]
-    if share > TRUNCATED_SHARE_WARNING and whole > seq_length:
+    if whole > seq_length:
         return (f"data.seq_length {seq_length} cuts {totals['truncated']} of {totals['examples']} training examples "
                 f"({share:.0%}) short; --data.seq_length {whole} keeps {WHOLE_SHARE:.0%} of them whole")
     return None
