@@ -69,8 +69,10 @@ def _tied(model: nn.Module) -> bool:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return False
-    weight = getattr(out, "weight", None)  # a pipeline stage holds the head or the embedding, or neither
-    return weight is not None and weight is getattr(inp, "weight", None)
+    weight, embedding = getattr(out, "weight", None), getattr(inp, "weight", None)
+    if (weight is None) != (embedding is None):  # the first pipeline stage holds the embedding only: its config says
+        return bool(getattr(_text_config(model), "tie_word_embeddings", False))
+    return weight is not None and weight is embedding
 
 
 def family_name(model: nn.Module) -> str:

@@ -15,7 +15,7 @@ from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims, resolve_pipeline, resolve_sizes
 from automodel_ckpt.checkpoint.formats.peft import peft_key_map, trainable_names
 from automodel_ckpt.distributed.pipeline import StageModule, check_pipeline_model, cut_stage, tied_embeddings
-from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
+from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm, family_plan
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
 from tests.unit.cli.test_cli_errors import RECIPE, _error
@@ -111,6 +111,11 @@ def test_tied_embeddings_are_held_by_the_first_and_the_last_stage_under_the_whol
     assert stages[2].lm_head.weight is stages[2].model.embed_tokens.weight  # one parameter: one optimizer state key
     assert [n for n, _ in stages[2].named_parameters() if "layers" not in n] == ["model.embed_tokens.weight",
                                                                               "model.norm.weight"]
+    # with tensor parallelism the tied weight stays whole on both stages (the first holds the embedding only)
+    assert not {"model.embed_tokens", "lm_head"} & (set(family_plan(stages[0])) | set(family_plan(stages[2])))
+    untied = _meta_llama()
+    cut_stage(untied, _plan(pp_size=2), 0, 2)
+    assert "model.embed_tokens" in family_plan(untied)
 
 
 @pytest.mark.parametrize("tied", [False, True])
