@@ -4,12 +4,14 @@ Each stage is the whole model with the modules of the other stages replaced by t
 ``PipelineIdentityLayer`` at the same place: its decoder layers, the embedding on the first stage only, the final
 norm and the head on the last only. Every parameter a stage holds keeps its whole-model name, so its
 ``state_dict`` is a subset of the whole model's and the checkpoint, the base read and the export need no stage
-knowledge. A head tied to the input embedding (``tie_word_embeddings``) is held as Megatron holds it: the last
-stage keeps the embedding module too, unused, whose weight is its head's, so both stages hold the tied weight under
-the whole model's names; ``TiedEmbedding`` sums its gradient over the two stages, which keeps the copies equal.
-A LoRA (PEFT) model is cut the same way, inside its wrapper: each stage holds the adapters of its own modules. The model's own ``forward`` runs each stage: the first from the token ids, the others from the hidden
+knowledge. The model's own ``forward`` runs each stage: the first from the token ids, the others from the hidden
 states received (``inputs_embeds``); the position embeddings and the causal mask are computed on every stage as the
 model computes them.
+
+A head tied to the input embedding (``tie_word_embeddings``) is held as Megatron holds it: the last stage keeps the
+embedding module too, unused, whose weight is its head's, so both stages hold the tied weight under the whole
+model's names; ``TiedEmbedding`` sums its gradient over the two stages, which keeps the copies equal. A LoRA (PEFT)
+model is cut the same way, inside its wrapper: each stage holds the adapters of its own modules.
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ def test_tied_embeddings_are_held_by_the_first_and_the_last_stage_under_the_whol
     first, middle, last = (set(m.state_dict()) for m in stages)
     assert first | middle | last == set(whole.state_dict())
     assert first & last == {"model.embed_tokens.weight"} and not middle & (first | last)
-    assert {k for k in last if "layers" not in k} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert {k for k in last if "layers" not in k} == {"model.embed_tokens.weight", "model.norm.weight",
+                                                      "lm_head.weight"}
     assert stages[2].lm_head.weight is stages[2].model.embed_tokens.weight  # one parameter: one optimizer state key
     assert [n for n, _ in stages[2].named_parameters() if "layers" not in n] == ["model.embed_tokens.weight",
                                                                               "model.norm.weight"]
