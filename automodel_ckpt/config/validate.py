@@ -62,9 +62,6 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
         if image_text:
             raise ConfigError("distributed.pp_size: pipeline parallelism for image-text models is not supported yet; "
                               "use pp_size 1")
-        if cfg.get("peft") is not None:
-            raise ConfigError("distributed.pp_size: LoRA (a peft: section) with pipeline parallelism is not supported "
-                              "yet; use pp_size 1")
     CheckpointConfig.from_section(cfg.checkpoint)  # validates itself (the recipe makes its own from the section)
     check_importable(cfg.recipe, "recipe")
     for section in ("model", "dataset", "validation_dataset", "optimizer", "lr_scheduler"):

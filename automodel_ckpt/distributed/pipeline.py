@@ -7,6 +7,11 @@ norm and the head on the last only. Every parameter a stage holds keeps its whol
 knowledge. The model's own ``forward`` runs each stage: the first from the token ids, the others from the hidden
 states received (``inputs_embeds``); the position embeddings and the causal mask are computed on every stage as the
 model computes them.
+
+A head tied to the input embedding (``tie_word_embeddings``) is held as Megatron holds it: the last stage keeps the
+embedding module too, unused, whose weight is its head's, so both stages hold the tied weight under the whole
+model's names; ``TiedEmbedding`` sums its gradient over the two stages, which keeps the copies equal. A LoRA (PEFT)
+model is cut the same way, inside its wrapper: each stage holds the adapters of its own modules.
 """
 
 from __future__ import annotations
@@ -22,8 +27,25 @@ from automodel_ckpt.distributed.mesh import PipelinePlan, ParallelDims, resolve_
 from automodel_ckpt.errors import ConfigError
 
 
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model itself (the one a PEFT wrapper holds)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _base(model: nn.Module) -> nn.Module:
+    model = _causal_lm(model)
     return getattr(model, getattr(model, "base_model_prefix", "model"), model)
+
+
+def tied_embeddings(model: nn.Module) -> bool:
+    """Whether the head's weight is the input embedding's (``tie_word_embeddings``), on the model before the cut."""
+    lm = _causal_lm(model)
+    try:
+        out, inp = lm.get_output_embeddings(), lm.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    weight = getattr(out, "weight", None)
+    return weight is not None and weight is getattr(inp, "weight", None)
 
 
 def family_name(model: nn.Module) -> str:
@@ -36,7 +58,7 @@ def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
     base = _base(model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(hasattr(base, n) for n in ("embed_tokens", "norm")) \
-            or not hasattr(model, "lm_head"):
+            or not hasattr(_causal_lm(model), "lm_head"):
         raise ConfigError(f"distributed.pp_size: the '{family_name(model)}' model has no decoder-layer list beside "
                           "its embedding and final norm (model.layers, embed_tokens, norm, lm_head) to cut into "
                           "stages; use pp_size 1")
@@ -44,31 +66,70 @@ def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
 
 
 def check_pipeline_model(model: nn.Module, section: Any, dims_sizes: Any, local_batch_size: int) -> PipelinePlan:
-    """The pipeline plan checked against the model: its layers, and the head not tied to the embedding."""
+    """The pipeline plan checked against the model's decoder layers."""
     layers = decoder_layer_list(model)
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        raise ConfigError(f"distributed.pp_size: the '{family_name(model)}' model ties its head to its input "
-                          "embedding (tie_word_embeddings), which sit on the first and the last stage; pipeline "
-                          "parallelism with tied embeddings is not supported yet; use pp_size 1")
     return resolve_pipeline(section, dims_sizes, local_batch_size, num_layers=len(layers))
 
 
 def cut_stage(model: nn.Module, plan: PipelinePlan, stage: int, stages: int) -> range:
-    """Keep on ``model`` (on the meta device, before sharding) only the modules of ``stage``; returns its layers."""
+    """Keep on ``model`` (on the meta device, before sharding) only the modules of ``stage``; returns its layers.
+
+    With tied embeddings the last stage keeps the embedding module as well: its weight is the head's, so the stage
+    holds the tied weight under both whole-model names, as the whole model does (its forward never calls it)."""
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
     layers = decoder_layer_list(model)
     mine = plan.stage_layers(len(layers), stages)[stage]
+    tied = tied_embeddings(model)
     for index in range(len(layers)):
         if index not in mine:
             layers[index] = PipelineIdentityLayer()
     base = _base(model)
-    if stage > 0:
+    if stage > 0 and not (tied and stage == stages - 1):
         base.embed_tokens = PipelineIdentityLayer()
     if stage < stages - 1:
         base.norm = PipelineIdentityLayer()
-        model.lm_head = PipelineIdentityLayer()
+        _causal_lm(model).lm_head = PipelineIdentityLayer()
     return mine
+
+
+class TiedEmbedding:
+    """The input embedding's weight shared with the head across the first and the last stage.
+
+    Both copies start equal (the base read, a checkpoint or the seeded build gives both stages the same values);
+    ``sum_gradients`` sums their gradients over the two stages (an all-reduce of each rank's FSDP2 shard with its peer
+    at the same data- and tensor-parallel position, which holds the same slice), so the optimizer keeps them equal.
+    Collective on construction: every rank takes part in making the groups of the first and last stage."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
+        import torch.distributed as dist
+
+        self.model, self.held = model, dims.pp_rank in (0, dims.pp_size - 1)
+        #: the last stage leaves the tied weight out of its gradient norm: the first stage counts it
+        self.counted_here = dims.pp_rank == 0
+        if dims.pp_size == 2:
+            self.group = dims.pp_group
+        else:  # a group of the first and last rank of every pipeline (every rank makes every group)
+            lines = dims.mesh.mesh.reshape(dims.pp_size, -1).T.tolist()
+            self.group, _ = dist.new_subgroups_by_enumeration([[line[0], line[-1]] for line in lines])
+
+    @property
+    def weight(self) -> nn.Parameter | None:
+        """The tied weight on this stage (FSDP2's sharded parameter), or None on a middle stage."""
+        return _causal_lm(self.model).get_input_embeddings().weight if self.held else None
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        """Collective over the first and last stage: each copy's gradient becomes the sum of both."""
+        weight = self.weight
+        if weight is None or not weight.requires_grad or weight.grad is None:
+            return
+        grad = weight.grad
+        torch.distributed.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.group)
+
+    def uncounted(self) -> list[nn.Parameter]:
+        """The parameters whose gradient another stage counts in the gradient norm (the last stage's copy)."""
+        return [] if self.counted_here or self.weight is None else [self.weight]
 
 
 class StageModule(nn.Module):
@@ -98,12 +159,14 @@ class Pipeline:
     """This rank's stage of the model under torch's schedule (``plan.schedule``) over the pipeline group.
 
     ``token_loss_sum(logits, labels)``: a microbatch's summed token loss (the recipe's); ``rows``: the rows of a
-    local batch (``plan.microbatches`` microbatches of one shape). ``step`` and ``evaluate``
+    local batch (``plan.microbatches`` microbatches of one shape); ``tied``: the whole model's head shares the input
+    embedding's weight (``tied_embeddings`` before the cut). ``step`` and ``evaluate``
     return the summed token loss of the rows on the last stage, zero on the others.
     """
 
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
-                 token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int) -> None:
+                 token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
+                 tied: bool = False) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         # A stage's output (hidden states cut by the head's slice, a view) goes to the next stage, never changed in
@@ -111,6 +174,7 @@ class Pipeline:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
         self.dims, self.device, self.rows = dims, device, rows
+        self.tied = TiedEmbedding(model, dims) if tied else None
         self.first, self.last = dims.pp_rank == 0, dims.pp_rank == dims.pp_size - 1
         self.stage = PipelineStage(StageModule(model, self.first), dims.pp_rank, dims.pp_size, device,
                                    group=dims.pp_group)
@@ -135,6 +199,15 @@ class Pipeline:
              scale: float) -> torch.Tensor:
         """Forward and backward of one local batch through every stage (gradients accumulate)."""
         return self._run(self.schedule.step, input_ids, labels, extra, scale)
+
+    def share_tied_gradients(self) -> list[nn.Parameter]:
+        """After the last ``step`` of a batch: the tied embedding's gradient summed over its two stages; returns the
+        parameters this stage leaves out of the gradient norm (its copy of the tied weight on the last stage), which
+        is then counted once."""
+        if self.tied is None:
+            return []
+        self.tied.sum_gradients()
+        return self.tied.uncounted()
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],

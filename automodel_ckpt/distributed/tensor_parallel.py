@@ -69,8 +69,10 @@ def _tied(model: nn.Module) -> bool:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return False
-    weight = getattr(out, "weight", None)  # a pipeline stage holds the head or the embedding, or neither
-    return weight is not None and weight is getattr(inp, "weight", None)
+    weight, embedding = getattr(out, "weight", None), getattr(inp, "weight", None)
+    if (weight is None) != (embedding is None):  # the first pipeline stage holds the embedding only: its config says
+        return bool(getattr(_text_config(model), "tie_word_embeddings", False))
+    return weight is not None and weight is embedding
 
 
 def family_name(model: nn.Module) -> str:
@@ -167,19 +169,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     return model
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, stages: Any = None) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, stages: Any = None,
+                   uncounted: Iterable[nn.Parameter] = ()) -> torch.Tensor:
     """``clip_grad_norm_`` for gradients that live on different meshes (tensor-parallel projections on the 2-D
     mesh, the rest on the data-parallel one) or on different pipeline stages (``stages``: their process group): one
-    total norm over all of them, then every gradient scaled by it.
+    total norm over all of them, then every gradient scaled by it. ``uncounted``: parameters whose gradient another
+    stage holds too and counts (a tied embedding's copy); they are scaled, not counted.
 
     With one mesh (or none) and one stage this is ``torch.nn.utils.clip_grad_norm_`` itself.
     """
     params = [p for p in parameters if p.grad is not None]
     limit = max_norm if max_norm else float("inf")
+    skipped = {id(p) for p in uncounted}
     groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for p in params:
         groups[getattr(p.grad, "device_mesh", None)].append(p)
-    if len(groups) <= 1 and stages is None:
+    if len(groups) <= 1 and stages is None and not skipped:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     squares = []
@@ -188,7 +193,10 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, s
     quiet.setLevel(logging.ERROR)  # its hint to flatten the mesh for one all-reduce of a scalar norm
     try:
         for members in groups.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+            counted = [p.grad for p in members if id(p) not in skipped]
+            if not counted:
+                continue
+            norm = torch.nn.utils.get_total_norm(counted)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             squares.append(norm.double() ** 2)
     finally:

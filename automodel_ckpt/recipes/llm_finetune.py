@@ -24,7 +24,7 @@ from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
-from automodel_ckpt.distributed.pipeline import Pipeline, check_pipeline_model, cut_stage
+from automodel_ckpt.distributed.pipeline import Pipeline, check_pipeline_model, cut_stage, tied_embeddings
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
@@ -78,9 +78,10 @@ class FinetuneRecipe(BaseRecipe):
             blocks = checkpoint_blocks(model)
             if self.env.is_main:
                 print(f"Activation checkpointing: {blocks} blocks recompute their activations in backward", flush=True)
-        plan = None
+        plan, tied = None, False
         if self.dims.pp_size > 1:  # this rank's stage, cut on the meta device: whole-model names kept
             plan = check_pipeline_model(model, cfg.distributed, self.dims.sizes, cfg.step_scheduler.local_batch_size)
+            tied = tied_embeddings(model)  # the first and the last stage then hold the shared weight
             layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
             if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
                 print(f"Pipeline stage {self.dims.pp_rank}: decoder layers {layers.start}-{layers.stop - 1} "
@@ -88,7 +89,7 @@ class FinetuneRecipe(BaseRecipe):
         self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
-                                  rows=cfg.step_scheduler.local_batch_size) if plan is not None else None)
+                                  rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
         with rng_untouched():
             train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
@@ -324,7 +325,10 @@ class FinetuneRecipe(BaseRecipe):
             summed = self.token_loss_sum(mb)
             (summed * scale).backward()
             loss_sum += summed.detach().double().cpu()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group)
+        # a tied embedding's two stages: gradients summed, counted once in the norm
+        uncounted = self.pipeline.share_tied_gradients() if self.pipeline is not None else []
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group,
+                                   uncounted)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_tokens, 1.0)).item()

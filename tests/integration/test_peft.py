@@ -2,7 +2,8 @@
 
 Four short 2-process runs of recipes/tiny_llama_peft.yaml, shared by the tests: 8 steps straight; 4 then 8 steps
 with model_save_format torch_save (the adapter format is kept, with a warning); 8 steps restored from the straight
-run's step-4 checkpoint through checkpoint.restore_from.
+run's step-4 checkpoint through checkpoint.restore_from. Under pipeline stages (pp 2): 4 steps, and step 5 resumed
+from the straight run's step-4 checkpoint.
 """
 
 from __future__ import annotations
@@ -303,3 +304,34 @@ def test_load_only_model_from_an_adapter_folder_starts_a_new_run_with_its_weight
     now = load_file(_model_dir(work / "from_adapter", 2) / layout.ADAPTER_WEIGHTS)  # lr 0: unchanged
     assert saved.keys() == now.keys() and all(torch.equal(saved[k], now[k]) for k in saved)
     assert [r["step"] for r in jsonl(work / "from_adapter" / layout.TRAINING_LOG)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------------- pipeline stages
+
+
+def test_lora_under_pipeline_stages_trains_saves_and_resumes_as_without_them(work, assets):
+    """pp 2 on 2 processes: every step's loss and gradient norm those of the straight dp 2 run, and an adapter folder
+    with the same tensors that PEFT loads to the straight run's logits; resumed on pp 2 from the straight run's
+    step-4 checkpoint, step 5 as the straight run's."""
+    from peft import AutoPeftModelForCausalLM
+
+    straight = _straight(work, assets)
+    pp = ("--distributed.pp_size", "2")
+    _train(work, assets, "pp", 4, *pp)
+    out = _train(work, assets, "pp_resumed", 5, *pp, "--checkpoint.restore_from", str(straight / "epoch_0_step_4"))
+    assert "Resuming a dp 2 checkpoint on pp 2" in out.stdout
+    want = {r["step"]: r for r in jsonl(straight / "training.jsonl")}
+    got = jsonl(work / "pp" / "training.jsonl") + jsonl(work / "pp_resumed" / "training.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    for record in got:
+        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], abs=1e-5), record["step"]
+        assert record["grad_norm"] == pytest.approx(want[record["step"]]["grad_norm"], rel=1e-5), record["step"]
+    with safe_open(str(_model_dir(work / "pp", 4) / layout.ADAPTER_WEIGHTS), "pt") as f:
+        assert set(f.keys()) == _expected_adapter_keys(assets)  # every stage's adapters, once
+    input_ids, mask, _ = _validation_batches(straight)[0]
+    logits = []
+    for run in (straight, work / "pp"):
+        model = AutoPeftModelForCausalLM.from_pretrained(str(_model_dir(run, 4)), dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=input_ids[:16], attention_mask=mask[:16]).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)

@@ -10,8 +10,10 @@ Instead ``model/`` is a folder that ``peft.AutoPeftModelForCausalLM.from_pretrai
       tokenizer files
 
 Saving is collective: every rank takes part in gathering the full (unsharded) adapter tensors to rank 0's CPU,
-then rank 0 writes the folder. Loading reads the file on every rank and lets each rank keep its own shards, so the
-restored weights are bit-identical to the saved ones whatever the world size.
+then rank 0 writes the folder. Under pipeline stages each rank holds only its stage's adapters (under the whole
+model's names): the ranks that hold adapters rank 0 lacks send theirs, each tensor once, so the folder is the one a
+run without stages writes. Loading reads the file on every rank and lets each rank keep its own shards (a stage its
+own adapters), so the restored weights are bit-identical to the saved ones whatever the world size or the stages.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.distributed.env import all_gather_object
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 _FORMAT_VERSION = 1
 _ADAPTER_NAME = "default"  # PEFT's name of the single adapter a recipe trains
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+_GATHER_ON_EVERY_RANK = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
 
 
 def is_peft_model(model: Any) -> bool:
@@ -95,14 +99,24 @@ def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: 
     Every rank must call this; a failure on rank 0 is raised on every rank.
     """
     names = trainable_names(model)
-    full = get_model_state_dict(model, options=_GATHER)  # collective; only rank 0 keeps the tensors
+    keys = collective.collectively(lambda: peft_key_map(model, names), f"naming the adapter of '{folder}'", rank)
+    held = all_gather_object(sorted(keys.values()))  # each rank's adapter keys
+    elsewhere = set().union(*held) - set(held[0])  # other pipeline stages' adapters
+    if not elsewhere:
+        full = get_model_state_dict(model, options=_GATHER)  # collective; only rank 0 keeps the tensors
+        received: dict[str, torch.Tensor] = {}
+    else:  # each stage's full tensors on its ranks; the first rank holding each tensor rank 0 lacks sends it
+        full = get_model_state_dict(model, options=_GATHER_ON_EVERY_RANK)
+        first = {key: r for r in reversed(range(len(held))) for key in held[r]}
+        sent = {keys[n]: full[n].detach().cpu() for n in names if keys[n] in elsewhere and first[keys[n]] == rank}
+        received = {key: t for part in all_gather_object(sent) for key, t in part.items()}
 
     def write() -> None:
-        keys = peft_key_map(model, names)
         missing = sorted(set(names) - set(full))
         if missing:
             raise CheckpointError(f"gathered adapter state lacks '{missing[0]}'")
-        tensors = {keys[name]: full[name].detach().contiguous() for name in names}
+        tensors = {keys[name]: full[name].detach().cpu().contiguous() for name in names}
+        tensors.update({key: t.contiguous() for key, t in received.items()})
         adapter_config = adapter_config_dict(model, base_model_path)
         automodel_config = {
             "format_version": _FORMAT_VERSION,
@@ -154,13 +168,14 @@ def _read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def load_adapter(model: nn.Module, folder: Path) -> None:
     """Collective: restore the adapter weights of ``model`` (sharded or not) from a PEFT folder.
 
-    Every rank reads the file and keeps its own shards of the full tensors. The adapter must fit the model
-    exactly: the same set of LoRA tensors with the same shapes (a different rank or target list is an error).
+    Every rank reads the file and keeps its own shards of the full tensors (a pipeline stage, its own adapters).
+    The adapter must fit the model exactly: the same set of LoRA tensors as the ranks hold together, with the same
+    shapes (a different rank or target list is an error).
     """
     names = trainable_names(model)
     keys = peft_key_map(model, names)
+    expected = set().union(*all_gather_object(sorted(keys.values())))  # every stage's
     saved = _read_adapter_tensors(folder)
-    expected = set(keys.values())
     missing, unexpected = sorted(expected - set(saved)), sorted(set(saved) - expected)
     if missing or unexpected:
         parts = [f"{len(missing)} missing (e.g. '{missing[0]}')"] if missing else []

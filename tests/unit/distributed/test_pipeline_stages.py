@@ -13,7 +13,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims, resolve_pipeline, resolve_sizes
-from automodel_ckpt.distributed.pipeline import StageModule, check_pipeline_model, cut_stage
+from automodel_ckpt.checkpoint.formats.peft import peft_key_map, trainable_names
+from automodel_ckpt.distributed.pipeline import StageModule, check_pipeline_model, cut_stage, tied_embeddings
+from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm, family_plan
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
 from tests.unit.cli.test_cli_errors import RECIPE, _error
@@ -83,9 +85,46 @@ def test_each_stage_keeps_its_own_whole_model_keys():
     assert not any(k.startswith("model.layers.0.") for k in last)
 
 
-def test_stages_run_in_order_give_the_whole_models_logits():
+def test_tied_embeddings_are_held_by_the_first_and_the_last_stage_under_the_whole_models_names():
+    """A tied Qwen2 on meta: the first stage holds the embedding, the last the head and, tied to it, the embedding
+    (both names, as the whole model's state dict reports them); a middle stage neither."""
+    from tests.family_bases import family_config
+
+    def qwen2() -> torch.nn.Module:
+        config = family_config("qwen2")
+        config.num_hidden_layers, config.layer_types = 3, ["full_attention"] * 3
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+
+    whole = qwen2()
+    assert tied_embeddings(whole) and not tied_embeddings(_meta_llama())
+    plan = _plan(pp_size=3, dp_size=1, num_layers=3, world=3, local_batch_size=6)
+    stages = []
+    for stage in range(3):
+        model = qwen2()
+        cut_stage(model, plan, stage, 3)
+        stages.append(model)
+    first, middle, last = (set(m.state_dict()) for m in stages)
+    assert first | middle | last == set(whole.state_dict())
+    assert first & last == {"model.embed_tokens.weight"} and not middle & (first | last)
+    assert {k for k in last if "layers" not in k} == {"model.embed_tokens.weight", "model.norm.weight",
+                                                      "lm_head.weight"}
+    assert stages[2].lm_head.weight is stages[2].model.embed_tokens.weight  # one parameter: one optimizer state key
+    assert [n for n, _ in stages[2].named_parameters() if "layers" not in n] == ["model.embed_tokens.weight",
+                                                                              "model.norm.weight"]
+    # with tensor parallelism the tied weight stays whole on both stages (the first holds the embedding only)
+    assert not {"model.embed_tokens", "lm_head"} & (set(family_plan(stages[0])) | set(family_plan(stages[2])))
+    untied = _meta_llama()
+    cut_stage(untied, _plan(pp_size=2), 0, 2)
+    assert "model.embed_tokens" in family_plan(untied)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_stages_run_in_order_give_the_whole_models_logits_and_gradients(tied):
+    """The stages' gradients are the whole model's; a tied weight's is the sum of its two stages' copies."""
     torch.manual_seed(0)
-    whole = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA_CONFIG)).eval()
+    whole = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA_CONFIG | {"tie_word_embeddings": tied}))
+    assert tied_embeddings(whole) == tied
     plan = _plan(pp_size=2)
     first, last = copy.deepcopy(whole), copy.deepcopy(whole)
     cut_stage(first, plan, 0, 2)
@@ -93,16 +132,67 @@ def test_stages_run_in_order_give_the_whole_models_logits():
     ids = torch.randint(0, whole.config.vocab_size, (2, 7))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding: the mask is applied on every stage
-    with torch.no_grad():
-        hidden = StageModule(first, first=True)(ids, attention_mask=mask)
-        logits = StageModule(last, first=False)(hidden, attention_mask=mask)
-        torch.testing.assert_close(logits, whole(input_ids=ids, attention_mask=mask).logits)
+    hidden = StageModule(first, first=True)(ids, attention_mask=mask)
+    received = hidden.detach().requires_grad_()
+    logits = StageModule(last, first=False)(received, attention_mask=mask)
+    expected = whole(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, expected)
+    logits.square().sum().backward()
+    hidden.backward(received.grad)
+    expected.square().sum().backward()
+    embed = "model.embed_tokens.weight"
+    grads = [dict((n, p.grad) for n, p in m.named_parameters()) for m in (first, last, whole)]
+    if tied:
+        torch.testing.assert_close(grads[0][embed] + grads[1][embed], grads[2][embed])
+    else:
+        assert embed not in grads[1]
+        torch.testing.assert_close(grads[0][embed], grads[2][embed])
+        torch.testing.assert_close(grads[1]["lm_head.weight"], grads[2]["lm_head.weight"])
+    torch.testing.assert_close(grads[1]["model.layers.3.mlp.up_proj.weight"],
+                               grads[2]["model.layers.3.mlp.up_proj.weight"])
+
+
+def test_a_tied_copy_left_out_of_the_gradient_norm_is_still_clipped():
+    counted, copy_ = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    counted.grad, copy_.grad = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])
+    norm = clip_grad_norm([counted, copy_], 1.0, uncounted=[copy_])
+    assert norm.item() == pytest.approx(5.0)  # the tied weight counted once: not sqrt(50)
+    torch.testing.assert_close(copy_.grad, counted.grad)
+    assert counted.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_lora_stages_keep_whole_model_adapter_names():
+    """LoRA wraps the whole model before the cut: each stage holds the adapters of its own modules under the whole
+    PEFT model's names, and PEFT names them in the adapter file as it does without stages."""
+    from automodel_ckpt.models.lora import apply_lora
+
+    peft = OmegaConf.create({"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "bias": "none",
+                             "target_modules": ["q_proj", "down_proj", "lm_head"], "use_rslora": False,
+                             "init_lora_weights": True})
+
+    def wrapped() -> torch.nn.Module:
+        return apply_lora(_meta_llama(), peft)
+
+    whole = wrapped()
+    names = trainable_names(whole)
+    file_keys = peft_key_map(whole, names)
+    plan = _plan(pp_size=2)
+    held = []
+    for stage in range(2):
+        model = wrapped()
+        cut_stage(model, plan, stage, 2)
+        mine = trainable_names(model)
+        assert set(mine) <= set(names) and set(model.state_dict()) <= set(whole.state_dict())
+        assert peft_key_map(model, mine) == {n: file_keys[n] for n in mine}
+        held.append(set(mine))
+    assert held[0] | held[1] == set(names) and not held[0] & held[1]
+    assert "base_model.model.lm_head.lora_A.default.weight" in held[1]
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in held[0]
 
 
 def test_models_the_pipeline_cannot_cut_are_refused():
     sizes = MeshSizes(1, 2, 1, pp=2)
-    with pytest.raises(ConfigError, match="ties its head to its input embedding"):
-        check_pipeline_model(_meta_llama(tie_word_embeddings=True), OmegaConf.create({}), sizes, 8)
+    assert check_pipeline_model(_meta_llama(tie_word_embeddings=True), OmegaConf.create({}), sizes, 8).microbatches == 2
     from transformers import GPT2Config
 
     with torch.device("meta"):
@@ -115,11 +205,10 @@ def test_cli_refuses_pipeline_keys_before_any_process_starts(capsys):
     msg = _error(capsys, ["--nproc-per-node", "4", RECIPE, "--distributed.pp_size", "2",
                           "--distributed.pp_microbatches", "5"])
     assert "pp_microbatches (5) must divide step_scheduler.local_batch_size (32)" in msg
-    msg = _error(capsys, ["--nproc-per-node", "4", str(Path(RECIPE).with_name("tiny_llama_peft.yaml")),
-                          "--distributed.pp_size", "2"])
-    assert "LoRA (a peft: section) with pipeline parallelism is not supported yet" in msg
     assert main(["--nproc-per-node", "4", RECIPE, "--dry-run", "--distributed.pp_size", "2"]) == 0
     assert "(dp 2 × pp 2)" in capsys.readouterr().err
+    peft = str(Path(RECIPE).with_name("tiny_llama_peft.yaml"))  # LoRA under stages: accepted
+    assert main(["--nproc-per-node", "4", peft, "--dry-run", "--distributed.pp_size", "2"]) == 0
 
 
 def test_dry_run_checks_the_stages_against_the_model(capsys, tmp_path):
@@ -130,5 +219,6 @@ def test_dry_run_checks_the_stages_against_the_model(capsys, tmp_path):
     assert main([*keys, "--distributed.pp_size", "2"]) == 0
     assert "# model: 2 pipeline stages of decoder layers 0-1, 2-2 (1f1b, 2 microbatches)\n" in capsys.readouterr().err
     assert "larger than the model's 3 decoder layers" in _error(capsys, [*keys, "--distributed.pp_size", "4"])
-    tied = _config_built(llama | {"tie_word_embeddings": True}, tmp_path)
-    assert "ties its head" in _error(capsys, [*dry, *tied, "--distributed.pp_size", "2"])
+    tied = _config_built(llama | {"tie_word_embeddings": True}, tmp_path)  # accepted: held by two stages
+    assert main([*dry, *tied, "--distributed.pp_size", "2"]) == 0
+    assert "# model: 2 pipeline stages" in capsys.readouterr().err
