@@ -13,7 +13,6 @@ import os
 import traceback
 from typing import Callable, TypeVar
 
-from automodel_ckpt.distributed.env import all_gather_object, broadcast_object
 from automodel_ckpt.errors import CheckpointError, first_line
 
 _T = TypeVar("_T")
@@ -21,6 +20,8 @@ _T = TypeVar("_T")
 
 def collectively(fn: Callable[[], _T], what: str, rank: int) -> _T:
     """Run ``fn`` on every rank; if it fails anywhere, raise the first failure's message on every rank."""
+    from automodel_ckpt.distributed.env import all_gather_object  # torch: imported by the ranks, not by verbs
+
     result: _T | None = None
     error: str | None = None
     caught: BaseException | None = None
@@ -40,6 +41,8 @@ def collectively(fn: Callable[[], _T], what: str, rank: int) -> _T:
 
 def on_main(fn: Callable[[], _T], what: str, rank: int) -> _T:
     """Run ``fn`` on rank 0 only; its result (or its failure) reaches every rank."""
+    from automodel_ckpt.distributed.env import broadcast_object
+
     payload: tuple[bool, object] = (True, None)
     caught: BaseException | None = None
     if rank == 0:

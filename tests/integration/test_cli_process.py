@@ -67,3 +67,19 @@ def test_forked_workers_start_with_what_building_a_model_imports():
     assert lines[0] == "table True"
     new = eval(lines[1].removeprefix("new "))  # noqa: S307 - our own script's printed list
     assert all(name.startswith("transformers.models.qwen2") for name in new), new
+
+
+def test_inspect_and_verify_of_a_run_folder_never_import_torch(straight_runs):
+    """Reading a run folder (JSON, manifests, checksums, safetensors headers) needs no torch: the verbs answer in a
+    fraction of a second instead of the seconds torch's import takes."""
+    run = straight_runs.get(2)
+    script = (
+        "import sys\n"
+        "from automodel_ckpt.cli import main\n"
+        f"codes = [main(['inspect', {str(run)!r}]), main(['verify', {str(run)!r}]),\n"
+        f"         main(['verify', {str(run / 'epoch_0_step_8')!r}])]\n"
+        "print('codes', codes, 'torch', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "codes [0, 0, 0] torch False", proc.stdout[-3000:]

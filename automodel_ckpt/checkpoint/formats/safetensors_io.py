@@ -6,14 +6,16 @@ import json
 import math
 import os
 import struct
+from functools import cache
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.checkpoint.disk import bounded
 from automodel_ckpt.checkpoint.disk.paths import open_regular
 from automodel_ckpt.errors import CheckpointError, first_line
+
+if TYPE_CHECKING:
+    import torch
 
 _HEADER_LEN_BYTES = 8
 _METADATA_KEY = "__metadata__"
@@ -41,17 +43,33 @@ _TORCH_NAMES = {
     "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
-# Only the names this torch build knows (older builds lack some fp8 kinds).
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    st: getattr(torch, name) for st, name in _TORCH_NAMES.items() if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_TORCH_TO_ST: dict[torch.dtype, str] = {dt: st for st, dt in ST_TO_TORCH.items()}
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors name -> torch dtype, for the names this torch build knows (older builds lack some fp8 kinds).
+    Built on first use: reading and checking headers (``inspect``, ``verify``) needs no torch."""
+    import torch
+
+    return {st: getattr(torch, name) for st, name in _TORCH_NAMES.items()
+            if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+@cache
+def _st_names() -> dict[torch.dtype, str]:
+    return {dt: st for st, dt in _torch_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ST_TO_TORCH":  # the table as a module attribute, built on first use
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def st_dtype_name(dtype: torch.dtype) -> str:
     """safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
     try:
-        return _TORCH_TO_ST[dtype]
+        return _st_names()[dtype]
     except KeyError:
         raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
 

@@ -6,6 +6,7 @@ import pytest
 
 from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.cli import run
+from automodel_ckpt.distributed import env
 from automodel_ckpt.errors import CheckpointError
 
 
@@ -48,7 +49,7 @@ def test_without_debug_the_failure_is_one_line(monkeypatch, capsys):
 def test_debug_carries_another_ranks_traceback(monkeypatch):
     monkeypatch.setenv("AUTOMODEL_CKPT_DEBUG", "1")
     remote = "ValueError: disk said no\nTraceback (most recent call last):\n  File \"x.py\", line 1, in _deep_failure\n"
-    monkeypatch.setattr(collective, "all_gather_object", lambda error: [error, remote])
+    monkeypatch.setattr(env, "all_gather_object", lambda error: [error, remote])
     with pytest.raises(CheckpointError) as err:
         collective.collectively(lambda: None, "writing 'x'", 0)
     text = str(err.value)
@@ -57,7 +58,7 @@ def test_debug_carries_another_ranks_traceback(monkeypatch):
 
 def test_an_interrupt_on_rank_0_still_reaches_the_broadcast(monkeypatch):
     sent = []
-    monkeypatch.setattr(collective, "broadcast_object", lambda payload: sent.append(payload) or payload)
+    monkeypatch.setattr(env, "broadcast_object", lambda payload: sent.append(payload) or payload)
 
     def interrupted() -> None:
         raise KeyboardInterrupt
@@ -68,14 +69,14 @@ def test_an_interrupt_on_rank_0_still_reaches_the_broadcast(monkeypatch):
 
 
 def test_the_other_ranks_raise_when_rank_0_was_interrupted(monkeypatch):
-    monkeypatch.setattr(collective, "broadcast_object", lambda payload: (False, "interrupted"))
+    monkeypatch.setattr(env, "broadcast_object", lambda payload: (False, "interrupted"))
     with pytest.raises(CheckpointError, match="publishing the checkpoint failed on rank 0: interrupted"):
         collective.on_main(lambda: 1, "publishing the checkpoint", 1)
 
 
 def test_an_interrupt_inside_a_collective_step_still_reaches_the_gather(monkeypatch):
     gathered = []
-    monkeypatch.setattr(collective, "all_gather_object", lambda error: gathered.append(error) or [error, None])
+    monkeypatch.setattr(env, "all_gather_object", lambda error: gathered.append(error) or [error, None])
 
     def interrupted() -> None:
         raise KeyboardInterrupt
@@ -86,6 +87,6 @@ def test_an_interrupt_inside_a_collective_step_still_reaches_the_gather(monkeypa
 
 
 def test_results_reach_every_rank(monkeypatch):
-    monkeypatch.setattr(collective, "broadcast_object", lambda payload: (True, 42))
+    monkeypatch.setattr(env, "broadcast_object", lambda payload: (True, 42))
     assert collective.on_main(lambda: 1, "x", 1) == 42
     assert collective.collectively(lambda: 7, "x", 0) == 7

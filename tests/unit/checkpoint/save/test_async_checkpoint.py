@@ -353,15 +353,15 @@ def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_backgroun
     """save() returns without a collective on the training thread (no rank waits for another there); the staging
     folder is reserved by the background thread after the copy, and a reservation that fails (the checkpoint
     exists already) is raised by the next wait, on every rank, with nothing published."""
-    from automodel_ckpt.checkpoint import collective
+    from automodel_ckpt.distributed import env as collectives  # what checkpoint.collective's steps call
 
     state = State()
     state.step()
     root = tmp_path / "ck"
     ckpt = make_checkpointer(env, root, is_async=True)
     on_training_thread = []
-    broadcast = collective.broadcast_object
-    monkeypatch.setattr(collective, "broadcast_object", lambda obj, *a, **k: (
+    broadcast = collectives.broadcast_object
+    monkeypatch.setattr(collectives, "broadcast_object", lambda obj, *a, **k: (
         on_training_thread.append(threading.current_thread() is threading.main_thread()), broadcast(obj, *a, **k))[1])
     path = ckpt.save(state.states(), info(1))
     assert capture_gate.entered.wait(60)
