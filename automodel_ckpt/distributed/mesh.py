@@ -138,10 +138,7 @@ def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
 
 def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int) -> None:
     """Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks of a shard group (whole groups
-    of tensor-parallel peers): pipeline stages with it, and sizes that do not fit, are one-line ``ConfigError``s."""
-    if pp > 1:
-        raise ConfigError(f"distributed.ep_size: expert parallelism with pipeline stages (pp_size {pp}) is not "
-                          "supported yet; set ep_size 1 or pp_size 1")
+    of tensor-parallel peers), within each pipeline stage; sizes that do not fit are one-line ``ConfigError``s."""
     if ep % tp:
         raise ConfigError(f"distributed.ep_size ({ep}) must be a multiple of tp_size ({tp}): tensor-parallel peers "
                           "share their rows, and an ep group holds whole groups of them; change distributed.ep_size")
@@ -312,7 +309,11 @@ def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> Parall
         dims = [("efsdp", sizes.dp_shard * sizes.tp // sizes.ep), ("ep", sizes.ep)] + [("batch", 1)] * (sizes.tp == 1)
         if sizes.dp_replicate > 1:
             dims.insert(0, ("dp_replicate", sizes.dp_replicate))
+        within = tuple(n for n, _ in dims)  # a stage's ranks: with pipeline stages, each stage has its own experts
+        if sizes.pp > 1:
+            dims.insert(0, ("pp", sizes.pp))
         expert_mesh = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        expert_mesh = expert_mesh[within] if sizes.pp > 1 else expert_mesh
     if sizes.tp == 1 and sizes.dp_replicate == 1 and sizes.pp == 1:
         mesh = init_device_mesh(device_type, (sizes.world_size,), mesh_dim_names=("dp",))
         return ParallelDims(sizes, rank, mesh, fsdp_mesh=mesh, expert_mesh=expert_mesh,

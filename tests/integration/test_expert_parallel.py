@@ -1,7 +1,7 @@
 """Expert parallelism on 2 processes (Qwen3-MoE, Mixtral): dp 2 × ep 2 gives dp 2's loss and every gradient (with
 LoRA too), and with tensor parallelism on 4 those of dp 2 × tp 2; a
-straight ep 2 run's checkpoints resume bit for bit on ep 2 (both formats) and across ep 2 → dp 2 → ep 2 with its
-samples and losses; the lr 0 export of an ep 2 run is the base's files (Qwen3-MoE; Mixtral's goes the same way)."""
+straight ep 2 run's checkpoints resume bit for bit on ep 2 (both formats) and across ep 2 → dp 2 → dp 2 × pp 2 × ep 2
+with its samples and losses; the lr 0 export of an ep 2 run is the base's files (Qwen3-MoE; Mixtral's goes the same way)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def bases(tmp_path_factory) -> Path:
     return root
 
 
-def _run(tmp_path, assets, bases, run: str, step: int, *keys: str):
+def _run(tmp_path, assets, bases, run: str, step: int, *keys: str, nproc: int = 2):
     return ckpt_train(tmp_path, assets, "--model.pretrained_model_name_or_path", str(bases / "qwen3_moe"), *KEYS, *keys,
-                      "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step), nproc=2)
+                      "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps", str(step), nproc=nproc)
 
 
 def _records(run_dir: Path, log: str = "training.jsonl") -> dict[int, dict]:
@@ -82,8 +82,8 @@ def test_ep_with_tensor_parallelism_gives_the_gradients_of_tp(assets):
 
 def test_ep_checkpoints_resume_bitwise_on_ep_and_across_ep_and_dp(tmp_path, assets, bases):
     """A straight ep 2 run (DCP files) to step 8; from its step 2 on ep 2 (safetensors, saved in the background) to 4,
-    bit for bit; from that step 4 on ep 2 again to 6, bit for bit; then dp 2 to 6 and ep 2 to 8, each step the
-    straight run's."""
+    bit for bit; from that step 4 on ep 2 again to 6, bit for bit; then dp 2 to 6 and, on 4 processes, pipeline
+    stages with experts spread within each (dp 2 × pp 2 × ep 2) to 8, each step the straight run's."""
     straight = tmp_path / "straight"
     _run(tmp_path, assets, bases, "straight", 8, *EP2, *TORCH_SAVE)
     meta = json.loads((straight / "epoch_0_step_2" / "metadata.json").read_text())
@@ -99,8 +99,10 @@ def test_ep_checkpoints_resume_bitwise_on_ep_and_across_ep_and_dp(tmp_path, asse
     out = _run(tmp_path, assets, bases, "chain", 6)
     assert "Resuming a dp 2 × ep 2 checkpoint on dp 2: global batch 16 kept" in out.stdout
     _assert_same_steps(chain, straight, (5, 6))
-    out = _run(tmp_path, assets, bases, "chain", 8, *EP2)
-    assert "Resuming a dp 2 checkpoint on dp 2 × ep 2: global batch 16 kept" in out.stdout
+    out = _run(tmp_path, assets, bases, "chain", 8, *EP2, "--distributed.pp_size", "2", nproc=4)
+    assert "Resuming a dp 2 checkpoint on dp 2 × pp 2 × ep 2 (world size 2 -> 4): global batch 16 kept" in out.stdout
+    meta = json.loads((chain / "epoch_0_step_8" / "metadata.json").read_text())
+    assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2, "ep": 2}
     _assert_same_steps(chain, straight, (7, 8))
 
 

@@ -42,7 +42,6 @@ def test_sizes_default_to_data_parallel_over_the_world():
     (8, {"ep_size": 2, "tp_size": 4}, "distributed.ep_size (2) must be a multiple of tp_size (4)"),
     (8, {"ep_size": 8, "tp_size": 2, "dp_replicate_size": 2}, "distributed.ep_size (8) must divide dp_size / "
                                                               "dp_replicate_size × tp_size (2 × 2)"),
-    (4, {"ep_size": 2, "pp_size": 2}, "expert parallelism with pipeline stages (pp_size 2) is not supported yet"),
     (8, {"ep_size": 3, "dp_replicate_size": 2}, "distributed.ep_size (3) must divide dp_size / dp_replicate_size (4)"),
     (4, {"sequence_parallel": True}, "distributed.sequence_parallel: true needs tensor parallelism"),
     (4, {"tp_size": 1, "dp_replicate_size": 2, "sequence_parallel": True}, "set distributed.tp_size > 1"),
@@ -52,6 +51,11 @@ def test_bad_sizes_are_one_line_errors(world, keys, words):
     with pytest.raises(ConfigError) as exc:
         _sizes(world, **keys)
     assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_experts_within_pipeline_stages_are_accepted():
+    sizes = _sizes(8, pp_size=2, ep_size=2)
+    assert sizes == MeshSizes(1, 4, 1, False, 2, 2) and sizes.describe() == "dp 4 × pp 2 × ep 2"
 
 
 def test_unsupported_sizes_of_one_are_accepted():
