@@ -60,7 +60,7 @@ def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path):
 def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_path):
     out = tmp_path / "memory.json"
     printed = _run("bench_memory.py", "--size", "20MB", "--nprocs", "1", "--steps", "1", "--work", str(tmp_path),
-                   "--json", str(out))
+                   "--activation-checkpointing", "off", "--json", str(out))
     report = json.loads(out.read_text())
     [run] = [r for r in report["runs"] if not r["activation_checkpointing"]]
     [rank] = run["ranks"]
@@ -73,7 +73,7 @@ def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_p
 def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path):
     out = tmp_path / "memory.json"
     printed = _run("bench_memory.py", "--size", "20MB", "--nprocs", "1", "--steps", "0", "--work", str(tmp_path),
-                   "--json", str(out))
+                   "--activation-checkpointing", "off", "--json", str(out))
     [run] = [r for r in json.loads(out.read_text())["runs"] if not r["activation_checkpointing"]]
     [rank] = run["ranks"]
     assert "steps_peak" not in rank and rank["steps_over_state"] is None  # no step was taken
