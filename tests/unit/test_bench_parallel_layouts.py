@@ -54,10 +54,10 @@ def test_the_dense_base_splits_into_four_even_stages(bench, size):
 def _run(bench, layout: str, peak_mib: float, step: float = 1.0) -> dict:
     label, base, nproc, *_ = bench.LAYOUTS[layout]
     return {"layout": layout, "label": label, "base": base, "nproc": nproc, "step_seconds": step,
-            "whole_added_max": peak_mib * (1 << 20)}
+            "step_cpu_seconds": 0.5, "whole_added_max": peak_mib * (1 << 20)}
 
 
-@pytest.mark.parametrize("pp4_mib,verdict", [(300, "0.30 PASS"), (400, "0.40 FAIL")])
+@pytest.mark.parametrize("pp4_mib,verdict", [(300, "0.300 PASS"), (400, "0.400 FAIL")])
 def test_ratios_against_each_bases_reference_and_the_goal_line(bench, pp4_mib, verdict):
     runs = {"dp1": _run(bench, "dp1", 1000), "pp4": _run(bench, "pp4", pp4_mib, 2.0),
             "pp4-gpipe": _run(bench, "pp4-gpipe", 500, 3.0), "moe-dp4": _run(bench, "moe-dp4", 800),
@@ -69,4 +69,4 @@ def test_ratios_against_each_bases_reference_and_the_goal_line(bench, pp4_mib, v
     assert lines[0].startswith("pp 4 step time: 1f1b 2.00 s, gpipe 3.00 s (gpipe / 1f1b = 1.50)")
     assert lines[1].endswith(verdict)
     assert lines[2].startswith("dp 4 failed")
-    assert "| dp 4 × ep 2, MoE | 4 | 1.00 | 400 | 0.50 | dp 4, MoE |" in bench.table(runs)
+    assert "| dp 4 × ep 2, MoE | 4 | 1.00 | 0.50 | 400 | 0.500 | dp 4, MoE |" in bench.table(runs)
