@@ -44,7 +44,7 @@ LAYOUTS = {
     "dp4": ("dp 4", "dense", 4, 1, 1, 1, None),
     "pp4": ("pp 4 (1f1b)", "dense", 4, 4, 1, 1, "1f1b"),
     "pp4-gpipe": ("pp 4 (gpipe)", "dense", 4, 4, 1, 1, "gpipe"),
-    "pp2dp2": ("pp 2 × dp 2", "dense", 4, 2, 1, 1, "1f1b"),
+    "pp2dp2": ("dp 2 × pp 2", "dense", 4, 2, 1, 1, "1f1b"),
     "pp2tp2": ("pp 2 × tp 2", "dense", 4, 2, 2, 1, "1f1b"),
     "pp2": ("pp 2", "dense", 2, 2, 1, 1, "1f1b"),
     "moe-dp4": ("dp 4, MoE", "moe", 4, 1, 1, 1, None),

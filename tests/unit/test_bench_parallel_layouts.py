@@ -29,12 +29,13 @@ def _keys(args: tuple[str, ...]) -> dict[str, str]:
 @pytest.mark.parametrize("layout", ["dp1", "dp4", "pp4", "pp4-gpipe", "pp2dp2", "pp2tp2", "pp2", "moe-dp4",
                                     "ep2dp2"])
 def test_each_layout_resolves_to_its_sizes_on_its_processes(bench, layout):
-    _, base, nproc, pp, tp, ep, schedule = bench.LAYOUTS[layout]
+    label, base, nproc, pp, tp, ep, schedule = bench.LAYOUTS[layout]
     keys = _keys(bench.overrides(layout))
     section = {k.removeprefix("distributed."): int(v) if v.isdigit() else v
                for k, v in keys.items() if k.startswith("distributed.")}
     sizes = resolve_sizes(section, nproc)
     assert (sizes.pp, sizes.tp, sizes.ep, sizes.world_size) == (pp, tp, ep, nproc)
+    assert label.split(" (")[0].split(",")[0] == sizes.describe()  # the trainer's own name for the layout
     local = int(keys["step_scheduler.local_batch_size"])
     assert local * (nproc // (pp * tp)) == int(keys["step_scheduler.global_batch_size"]) == bench.GLOBAL_BATCH
     if pp > 1:
