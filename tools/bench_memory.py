@@ -323,8 +323,9 @@ def knows_activation_checkpointing() -> bool:
 
 def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO,
             optimizer: str = "adamw", save: bool = True, env: dict[str, str] | None = None,
-            profile_step: int = 0) -> dict:
-    tag = f"n{nproc}_{optimizer}" + ("" if ac is None else f"_ac{int(ac)}")
+            profile_step: int = 0, overrides: tuple[str, ...] = (), name: str = "") -> dict:
+    """One launch: each rank's record, peaks and step times (``overrides``: ``--key value`` pairs; ``name``: a tag)."""
+    tag = f"n{nproc}_{optimizer}" + ("" if ac is None else f"_ac{int(ac)}") + (f"_{name}" if name else "")
     out = work / f"memory_{tag}"
     out.mkdir(exist_ok=True)
     for old in out.glob("rank*.json"):
@@ -340,7 +341,7 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, cod
                BENCH_MEMORY_SETUP_ONLY="1" if steps == 0 else "0", BENCH_MEMORY_PROFILE_STEP=str(profile_step),
                **(env or {}))
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe)],
+    proc = subprocess.run([sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(nproc), str(recipe), *overrides],
                           cwd=work, env=env, capture_output=True, text=True)
     shutil.rmtree(work / f"ckpt_{tag}", ignore_errors=True)
     what = {"nproc": nproc, "optimizer": optimizer, "activation_checkpointing": ac}
