@@ -1,6 +1,6 @@
-"""Resume across parallelism strategies (dp 4 → dp 2 × pp 2 → pp 4 → tp 2 → 1 process → dp 2 × tp 2 + SP → HSDP 2 × 2,
-as a straight dp 4 run; pp 2 × tp 2 with gpipe beside it), both formats, bitwise resume on an unchanged pipeline mesh,
-async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on
+"""Resume across parallelism strategies (dp 4 → dp 2 × pp 2 → pp 4 → tp 2 → 1 process → dp 2 × tp 2 + SP →
+HSDP 2 × 2, as a straight dp 4 run; pp 2 × tp 2 with gpipe beside it), both formats, bitwise resume on an unchanged
+pipeline mesh, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on
 another mesh, sequence parallelism on several families, and the export of a dp 2 × tp 2 checkpoint."""
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     assert sorted(_records(chain)) == list(range(3, total + 1))
     _assert_same_steps(chain, straight, range(3, total + 1))
     # validation through the pipeline (dp 2 × pp 2 at step 4, pp 4 at step 6): the straight run's
-    val, straight_val = ({r["step"]: r["val_loss"] for r in jsonl(run / "validation.jsonl")} for run in (chain, straight))
+    val, straight_val = ({r["step"]: r["val_loss"] for r in jsonl(run / "validation.jsonl")}
+                         for run in (chain, straight))
     for step in (4, 6):
         assert val[step] == pytest.approx(straight_val[step], abs=1e-5), step
     # per-rank state is per data-parallel rank, written once whatever the stages: dp 2 × pp 2 and dp 2 × tp 2 wrote
@@ -130,9 +131,11 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     for step, ranks in ((4, 2), (6, 1), (8, 1), (12, 2)):
         assert sorted(p.name for p in (chain / f"epoch_0_step_{step}" / "rng").iterdir()) == [
             f"rng_dp_rank_{r}.pt" for r in range(ranks)], step
-    meta = [json.loads((chain / f"epoch_0_step_{step}" / "metadata.json").read_text())["mesh"] for step in (4, 6, 12)]
-    assert meta == [{"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}, {"dp_replicate": 1, "dp_shard": 1, "tp": 1,
-                                                                           "pp": 4}, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}]
+    meshes = {4: {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2},
+              6: {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4},
+              12: {"dp_replicate": 1, "dp_shard": 2, "tp": 2}}
+    for step, mesh in meshes.items():
+        assert json.loads((chain / f"epoch_0_step_{step}" / "metadata.json").read_text())["mesh"] == mesh, step
     assert (chain / "epoch_0_step_12" / "model" / ".metadata").is_file()  # the dp 2 × tp 2 leg's DCP files
 
     # HSDP writes each byte once: the replicas' shards are written by one rank each (DCP deduplicates them)
