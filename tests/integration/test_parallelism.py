@@ -1,5 +1,6 @@
-"""Resume across parallelism strategies (dp 4 → dp 2 × tp 2 + SP → tp 2 → HSDP 2 × 2 → 1 process, as a straight dp 4
-run), both formats, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on
+"""Resume across parallelism strategies (dp 4 → dp 2 × pp 2 → pp 4 → tp 2 → 1 process → dp 2 × tp 2 + SP →
+HSDP 2 × 2, as a straight dp 4 run; pp 2 × tp 2 with gpipe beside it), both formats, bitwise resume on an unchanged
+pipeline mesh, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a resume on
 another mesh, sequence parallelism on several families, and the export of a dp 2 × tp 2 checkpoint."""
 
 from __future__ import annotations
@@ -25,12 +26,20 @@ DP2_TP2 = ("--distributed.tp_size", "2")
 SP = ("--distributed.sequence_parallel", "true")
 TP2 = DP2_TP2  # on 2 processes
 HSDP = ("--distributed.dp_replicate_size", "2")
+PP2_DP2 = ("--distributed.pp_size", "2")  # 1f1b, 2 microbatches
+PP4 = ("--distributed.pp_size", "4")  # on 4 processes: one decoder layer per stage
+GPIPE = ("--distributed.pp_schedule", "gpipe", "--distributed.pp_microbatches", "4")
+EVERY_STEP = ("--step_scheduler.ckpt_every_steps", "1")
+DCP_ASYNC = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
 LEGS = [  # (processes, mesh keys, what the resume line calls the mesh)
     (4, DP4, "dp 4"),
-    (4, DP2_TP2 + SP, "dp 2 × tp 2 + SP"),  # sequence parallelism: the checkpoint is the same (a dp 2 × tp 2 one)
+    (4, PP2_DP2 + EVERY_STEP, "dp 2 × pp 2"),  # step 3 saved too: the bitwise resume below starts there
+    (4, PP4, "pp 4"),
     (2, TP2, "tp 2"),
-    (4, HSDP, "HSDP 2 × 2"),
     (1, DP4, "dp 1"),
+    # sequence parallelism: the checkpoint is the same (a dp 2 × tp 2 one), written in the background in DCP files
+    (4, DP2_TP2 + SP + DCP_ASYNC, "dp 2 × tp 2 + SP"),
+    (4, HSDP, "HSDP 2 × 2"),  # reads the DCP files, writes safetensors shards
 ]
 
 
@@ -89,48 +98,69 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
 
 
 def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
-    """The straight dp 4 run is also the chain's first leg: the chain starts from its step-2 checkpoint."""
+    """The straight dp 4 run is also the chain's first leg: the chain starts from its step-2 checkpoint. Beside the
+    chain, from the same checkpoint: pp 2 × tp 2 with gpipe in DCP files; and a resume on an unchanged pipeline
+    mesh, from each format, gives the next step bit for bit."""
     total = 2 * len(LEGS)
     straight, chain = tmp_path / "straight", tmp_path / "chain"
     _leg(tmp_path, assets, "straight", total, 4, DP4)
     start = ("--checkpoint.restore_from", str(straight / "epoch_0_step_2"))
     # a SIGKILL during a 2-D save first: nothing of it is selected, the rerun starts from the dp 4 checkpoint again
     _killed_inside_a_save(tmp_path, assets, "chain", 4, 4, DP2_TP2, *start)
-    before = LEGS[0][2]
-    for i, (nproc, keys, name) in enumerate(LEGS[1:], start=1):  # safetensors shards
+    before, before_nproc = LEGS[0][2], LEGS[0][0]
+    for i, (nproc, keys, name) in enumerate(LEGS[1:], start=1):
         out = _leg(tmp_path, assets, "chain", 2 * (i + 1), nproc, keys, *(start if i == 1 else ()))
-        assert f"Resuming a {before} checkpoint on {name}" in out.stdout
+        resized = f" (world size {before_nproc} -> {nproc})" if nproc != before_nproc else ""
+        assert f"Resuming a {before} checkpoint on {name}{resized}: " in out.stdout
         meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
         assert meta["world_size"] == nproc
-        before = name.removesuffix(" + SP")
+        if name == "dp 2 × pp 2":
+            assert "Pipeline stage 1: decoder layers 2-3 (1f1b, 2 microbatches)" in out.stdout
+        if name == "pp 4":
+            assert "Pipeline stage 3: decoder layers 3-3 (1f1b, 4 microbatches)" in out.stdout
+        before, before_nproc = name.removesuffix(" + SP"), nproc
     assert sorted(_records(chain)) == list(range(3, total + 1))
     _assert_same_steps(chain, straight, range(3, total + 1))
-    # per-rank state is per data-parallel rank: dp 2 × tp 2 wrote two RNG files, tp 2 one
-    assert sorted(p.name for p in (chain / "epoch_0_step_4" / "rng").iterdir()) == ["rng_dp_rank_0.pt",
-                                                                                   "rng_dp_rank_1.pt"]
-    assert sorted(p.name for p in (chain / "epoch_0_step_6" / "rng").iterdir()) == ["rng_dp_rank_0.pt"]
-    meta = json.loads((chain / "epoch_0_step_4" / "metadata.json").read_text())
-    assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    # validation through the pipeline (dp 2 × pp 2 at step 4, pp 4 at step 6): the straight run's
+    val, straight_val = ({r["step"]: r["val_loss"] for r in jsonl(run / "validation.jsonl")}
+                         for run in (chain, straight))
+    for step in (4, 6):
+        assert val[step] == pytest.approx(straight_val[step], abs=1e-5), step
+    # per-rank state is per data-parallel rank, written once whatever the stages: dp 2 × pp 2 and dp 2 × tp 2 wrote
+    # two RNG files, pp 4 and tp 2 one
+    for step, ranks in ((4, 2), (6, 1), (8, 1), (12, 2)):
+        assert sorted(p.name for p in (chain / f"epoch_0_step_{step}" / "rng").iterdir()) == [
+            f"rng_dp_rank_{r}.pt" for r in range(ranks)], step
+    meshes = {4: {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2},
+              6: {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4},
+              12: {"dp_replicate": 1, "dp_shard": 2, "tp": 2}}
+    for step, mesh in meshes.items():
+        assert json.loads((chain / f"epoch_0_step_{step}" / "metadata.json").read_text())["mesh"] == mesh, step
+    assert (chain / "epoch_0_step_12" / "model" / ".metadata").is_file()  # the dp 2 × tp 2 leg's DCP files
 
     # HSDP writes each byte once: the replicas' shards are written by one rank each (DCP deduplicates them)
     def model_bytes(ckpt: Path) -> int:
         return sum(f.stat().st_size for f in (ckpt / "model").glob("shard-*.safetensors"))
 
-    assert model_bytes(chain / "epoch_0_step_8") == pytest.approx(model_bytes(straight / "epoch_0_step_8"), rel=0.05)
+    assert model_bytes(chain / f"epoch_0_step_{total}") == pytest.approx(
+        model_bytes(straight / f"epoch_0_step_{total}"), rel=0.05)
 
-    # DCP files and async saves on a 2-D mesh: from the dp 4 checkpoint at step 2, dp 2 × tp 2 (with sequence
-    # parallelism) writes step 4 in the background, HSDP resumes from it; the same samples and losses as the
-    # straight run
-    dcp = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
-    _leg(tmp_path, assets, "dcp", 4, 4, DP2_TP2 + SP, *dcp, *start)
-    assert (tmp_path / "dcp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
-    out = _leg(tmp_path, assets, "dcp", 6, 4, HSDP, *dcp)
-    assert "Resuming a dp 2 × tp 2 checkpoint on HSDP 2 × 2" in out.stdout
-    _assert_same_steps(tmp_path / "dcp", straight, range(3, 7))
-    # the same mesh from the same checkpoint, in either format: bitwise the same steps
-    got, chained = _records(tmp_path / "dcp"), _records(chain)
-    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in (3, 4)] == [(chained[s]["loss"], chained[s]["grad_norm"])
-                                                                       for s in (3, 4)]
+    # pp 2 × tp 2 (the stages' projections split by the family's plan) with gpipe, in DCP files: the straight run's
+    # steps, so the two schedules agree
+    dcp = ("--checkpoint.model_save_format", "torch_save")
+    out = _leg(tmp_path, assets, "pptp", 4, 4, PP2_DP2 + DP2_TP2 + GPIPE + EVERY_STEP, *dcp, *start)
+    assert "Resuming a dp 4 checkpoint on pp 2 × tp 2: " in out.stdout
+    assert (tmp_path / "pptp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
+    _assert_same_steps(tmp_path / "pptp", straight, range(3, 5))
+    # an unchanged pipeline mesh from its own step-3 checkpoint: step 4 bit for bit, from DCP files and from
+    # safetensors shards (this one saving in the other format, in the background)
+    _leg(tmp_path, assets, "pptp_again", 4, 4, PP2_DP2 + DP2_TP2 + GPIPE, *dcp,
+         "--checkpoint.restore_from", str(tmp_path / "pptp" / "epoch_0_step_3"))
+    _leg(tmp_path, assets, "chain_again", 4, 4, PP2_DP2, *DCP_ASYNC,
+         "--checkpoint.restore_from", str(chain / "epoch_0_step_3"))
+    for again, run in (("pptp_again", "pptp"), ("chain_again", "chain")):
+        got, want = _records(tmp_path / again)[4], _records(tmp_path / run)[4]
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"]), again
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])

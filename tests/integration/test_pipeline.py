@@ -1,87 +1,20 @@
-"""Pipeline parallelism: dp 2 → pp 2 × dp 2 (1f1b) → pp 2 (gpipe) → 1 process with the straight dp 2 run's samples,
-losses and gradient norms; pp 2 × tp 2; gpipe in DCP files; bitwise resume on an unchanged pipeline mesh in both
-formats; and the lr 0 export of a pp 2 × dp 2 run equal to the base files. A Qwen2 with tied embeddings on pp 2:
-its lr 0 export equal to the base files, and its losses, gradient norms and checkpoint keys those of dp 2."""
+"""Pipeline parallelism's exports and tied embeddings: the lr 0 export of a pp 2 × dp 2 run equal to the base files; a
+Qwen2 with tied embeddings on pp 2: its lr 0 export equal to the base files, and its losses, gradient norms and
+checkpoint keys those of dp 2. Resume across strategies through pipeline stages is in test_parallelism.py."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from tests.family_bases import build_family_base, folder_weights
 from tests.integration.harness import ckpt_train, jsonl
-from tests.integration.shared_runs import STRAIGHT_KEYS
 
-EVERY_STEP = ("--step_scheduler.ckpt_every_steps", "1")
 PP2_DP2 = ("--distributed.pp_size", "2")
-GPIPE = ("--distributed.pp_schedule", "gpipe", "--distributed.pp_microbatches", "4")
 
 
 def _records(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in jsonl(run_dir / "training.jsonl")}
-
-
-def _leg(tmp_path, assets, run: str, step: int, nproc: int, *keys: str):
-    return ckpt_train(tmp_path, assets, *STRAIGHT_KEYS, *EVERY_STEP, *keys, "--checkpoint.checkpoint_dir", run,
-                      "--step_scheduler.max_steps", str(step), nproc=nproc)
-
-
-def _assert_same_steps(run_dir, straight, steps) -> None:
-    got, want = _records(run_dir), _records(straight)
-    assert sorted(got) == list(steps)
-    for step in steps:
-        assert got[step]["sample_ids"] == want[step]["sample_ids"], step  # the same samples, in the same order
-        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
-        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
-
-
-def _assert_bitwise(run_dir, other, step: int) -> None:
-    a, b = _records(run_dir)[step], _records(other)[step]
-    assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
-
-
-def test_pipeline_resumes_across_strategies_with_the_straight_runs_losses(tmp_path, assets, straight_runs):
-    """From the straight dp 2 run's step-4 checkpoint: pp 2 × dp 2 (1f1b) to step 6, pp 2 on 2 processes (gpipe) to
-    step 8, one process from step 7; pp 2 × tp 2 and pp 2 × dp 2 (gpipe, DCP files) to step 6. Each step as the straight run's; a
-    resume from step 5 on the same mesh gives step 6 bit for bit, in both formats."""
-    straight = straight_runs.get(2)
-    start = ("--checkpoint.restore_from", str(straight / "epoch_0_step_4"))
-    chain = tmp_path / "chain"
-    out = _leg(tmp_path, assets, "chain", 6, 4, *PP2_DP2, *start)
-    assert "Resuming a dp 2 checkpoint on dp 2 × pp 2 (world size 2 -> 4)" in out.stdout
-    assert "Pipeline stage 1: decoder layers 2-3 (1f1b, 2 microbatches)" in out.stdout
-    meta = json.loads((chain / "epoch_0_step_6" / "metadata.json").read_text())
-    assert meta["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
-    # per-rank state per data-parallel rank, written once whatever the stages
-    assert sorted(p.name for p in (chain / "epoch_0_step_6" / "rng").iterdir()) == ["rng_dp_rank_0.pt",
-                                                                                   "rng_dp_rank_1.pt"]
-    out = _leg(tmp_path, assets, "chain", 8, 2, *PP2_DP2, *GPIPE)
-    assert "Resuming a dp 2 × pp 2 checkpoint on pp 2 (world size 4 -> 2)" in out.stdout
-    _assert_same_steps(chain, straight, range(5, 9))
-    # validation through the pipeline: the straight run's at its step-8 save
-    assert jsonl(chain / "validation.jsonl")[-1]["val_loss"] == pytest.approx(
-        jsonl(straight / "validation.jsonl")[-1]["val_loss"], abs=1e-5)
-    out = _leg(tmp_path, assets, "back", 8, 1, "--checkpoint.restore_from", str(chain / "epoch_0_step_7"))
-    assert "Resuming a pp 2 checkpoint on dp 1 (world size 2 -> 1)" in out.stdout
-    _assert_same_steps(tmp_path / "back", straight, [8])
-
-    # pp 2 × tp 2: the stages' projections split by the family's plan
-    out = _leg(tmp_path, assets, "pptp", 6, 4, *PP2_DP2, "--distributed.tp_size", "2", *start)
-    assert "Resuming a dp 2 checkpoint on pp 2 × tp 2 (world size 2 -> 4)" in out.stdout
-    _assert_same_steps(tmp_path / "pptp", straight, range(5, 7))
-
-    dcp = ("--checkpoint.model_save_format", "torch_save")
-    _leg(tmp_path, assets, "dcp", 6, 4, *PP2_DP2, *GPIPE, *dcp, *start)
-    assert (tmp_path / "dcp" / "epoch_0_step_6" / "model" / ".metadata").is_file()
-    _assert_same_steps(tmp_path / "dcp", straight, range(5, 7))
-    # the same pipeline mesh from its own step-5 checkpoint: step 6 bit for bit, in either format
-    _leg(tmp_path, assets, "dcp_again", 6, 4, *PP2_DP2, *GPIPE, *dcp,
-         "--checkpoint.restore_from", str(tmp_path / "dcp" / "epoch_0_step_5"))
-    _assert_bitwise(tmp_path / "dcp_again", tmp_path / "dcp", 6)
-    _leg(tmp_path, assets, "chain_again", 6, 4, *PP2_DP2, "--checkpoint.restore_from", str(chain / "epoch_0_step_5"))
-    _assert_bitwise(tmp_path / "chain_again", chain, 6)
 
 
 def _checkpoint_keys(checkpoint) -> tuple[list[set[str]], set[str]]:
