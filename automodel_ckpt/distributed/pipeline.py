@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from automodel_ckpt.distributed.mesh import PipelinePlan, ParallelDims, resolve_pipeline
+from automodel_ckpt.distributed.tensor_parallel import ties_embeddings
 from automodel_ckpt.errors import ConfigError
 
 
@@ -38,14 +39,9 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def tied_embeddings(model: nn.Module) -> bool:
-    """Whether the head's weight is the input embedding's (``tie_word_embeddings``), on the model before the cut."""
-    lm = _causal_lm(model)
-    try:
-        out, inp = lm.get_output_embeddings(), lm.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return False
-    weight = getattr(out, "weight", None)
-    return weight is not None and weight is getattr(inp, "weight", None)
+    """Whether the head's weight is the input embedding's (``tie_word_embeddings``), on the model before the cut
+    (under its LoRA wrapper, if any)."""
+    return ties_embeddings(_causal_lm(model))
 
 
 def family_name(model: nn.Module) -> str:

@@ -64,7 +64,9 @@ def _text_config(model: nn.Module) -> Any:
     return getattr(config, "get_text_config", lambda: config)() if config is not None else None
 
 
-def _tied(model: nn.Module) -> bool:
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether ``model``'s head shares the input embedding's weight (on a pipeline stage that holds only one of
+    them, as its config says)."""
     try:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -98,7 +100,7 @@ def _assembled_plan(model: nn.Module) -> dict[str, str]:
     if not plan:
         prefix = getattr(model, "base_model_prefix", "") or ""
         plan = {(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v for k, v in base.items()}
-    if _tied(model):
+    if ties_embeddings(model):
         shared = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
         names = {name for name, module in model.named_modules() if id(module) in shared}
         plan = {k: v for k, v in plan.items() if k not in names}

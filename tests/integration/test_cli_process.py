@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -52,20 +53,20 @@ def test_forked_workers_start_with_what_building_a_model_imports():
     """What the launcher imports before forking saves every worker the same imports: after ``preload`` a family's
     modeling module adds only itself and its config, and transformers' weight-renaming table is already built."""
     script = (
-        "import sys\n"
+        "import json, sys\n"
         "from automodel_ckpt.launch import preload\n"
         "preload('automodel_ckpt.recipes.llm_finetune.FinetuneRecipe')\n"
         "import transformers.conversion_mapping as cm\n"
         "print('table', cm._checkpoint_conversion_mapping_cache is not None)\n"
         "before = set(sys.modules)\n"
         "import transformers.models.qwen2.modeling_qwen2\n"
-        "print('new', sorted(set(sys.modules) - before))\n"
+        "print('new', json.dumps(sorted(set(sys.modules) - before)))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == "table True"
-    new = eval(lines[1].removeprefix("new "))  # noqa: S307 - our own script's printed list
+    new = json.loads(lines[1].removeprefix("new "))
     assert all(name.startswith("transformers.models.qwen2") for name in new), new
 
 
