@@ -57,10 +57,10 @@ class DistributedConfig:
     dp_replicate_size: int = 1  # HSDP: replicate over this many groups, shard within each (must divide dp_size)
     sequence_parallel: bool = False  # with tp_size > 1: norms and residuals split along the sequence (docs/parallelism.md)
     pp_size: Optional[int] = None  # pipeline stages (null: 1), each a run of decoder layers (docs/parallelism.md)
-    pp_schedule: str = "1f1b"  # with pp_size > 1: torch's pipeline schedule, 1f1b or gpipe
+    pp_schedule: str = "1f1b"  # with pp_size > 1: torch's pipeline schedule, 1f1b, gpipe or interleaved_1f1b
     pp_microbatches: Optional[int] = None  # with pp_size > 1: microbatches per local batch (null: pp_size)
     pp_layers: Optional[List[int]] = None  # with pp_size > 1: decoder layers of each stage (null: an even split)
-    pp_stages_per_rank: Optional[int] = None  # interleaved stages per rank: not supported yet (1 or null)
+    pp_stages_per_rank: Optional[int] = None  # stages per rank (interleaved_1f1b; null: 2 with it, else 1)
     cp_size: Optional[int] = None  # context parallelism: not supported yet (1 or null)
     ep_size: Optional[int] = None  # expert parallelism (null: 1): ranks the experts are spread over (a multiple of tp_size)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward: less memory

@@ -161,11 +161,12 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
         lines.append(f"model: the '{family_name(built)}' expert-parallel plan applies on ep {sizes.ep} "
                      f"({experts // sizes.ep} of {experts} experts per rank)")
     if sizes.pp > 1:
-        from automodel_ckpt.distributed.pipeline import check_pipeline_model, decoder_layer_list
+        from automodel_ckpt.distributed.pipeline import check_pipeline_model, decoder_layer_list, layer_span
 
         plan = check_pipeline_model(built, cfg.distributed, sizes, cfg.step_scheduler.local_batch_size)
-        stages = plan.stage_layers(len(decoder_layer_list(built)), sizes.pp)
-        lines.append(f"model: {sizes.pp} pipeline stages of decoder layers "
-                     + ", ".join(f"{r.start}-{r.stop - 1}" for r in stages)
-                     + f" ({plan.schedule}, {plan.microbatches} microbatches)")
+        count = sizes.pp * plan.stages_per_rank
+        stages = plan.stage_layers(len(decoder_layer_list(built)), count)
+        lines.append(f"model: {count} pipeline stages of decoder layers "
+                     + ", ".join(layer_span(r) for r in stages)
+                     + f" ({plan.describe()})")
     return lines

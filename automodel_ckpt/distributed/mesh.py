@@ -19,8 +19,9 @@ from automodel_ckpt.errors import ConfigError
 
 #: Keys recognised in ``distributed:`` whose strategies are not implemented: refused unless 1 or null.
 UNSUPPORTED = {"cp_size": "context parallelism"}
-#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's ``Schedule1F1B`` and ``ScheduleGPipe``).
-PP_SCHEDULES = ("1f1b", "gpipe")
+#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's ``Schedule1F1B``, ``ScheduleGPipe`` and
+#: ``ScheduleInterleaved1F1B``, the last with several stages per rank).
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 #: Tensor parallelism does not split an image-text model yet: refused before launch for the package's image-text
 #: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
 IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
@@ -151,19 +152,30 @@ def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """How a run's pipeline runs: torch's schedule by name, the microbatches each local batch is cut into, and the
-    number of decoder layers of each stage (None: an even split, the first stages taking one more of a remainder)."""
+    """How a run's pipeline runs: torch's schedule by name, the microbatches each local batch is cut into, the stages
+    each rank holds (``interleaved_1f1b``: stage ``r + k × pp`` on rank ``r``) and the number of decoder layers of
+    each stage (None: an even split, the first stages taking one more of a remainder)."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
     layers: tuple[int, ...] | None = None
+    stages_per_rank: int = 1
 
     def stage_layers(self, num_layers: int, stages: int) -> list[range]:
-        """The decoder layers of each stage (whole-model indices)."""
+        """The decoder layers of each of ``stages`` stages (whole-model indices)."""
         counts = list(self.layers) if self.layers else [num_layers // stages + (i < num_layers % stages)
                                                           for i in range(stages)]
         starts = [sum(counts[:i]) for i in range(stages)]
         return [range(start, start + n) for start, n in zip(starts, counts)]
+
+    def rank_stages(self, pp_rank: int, pp_size: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` holds, in the order the model runs them."""
+        return [pp_rank + k * pp_size for k in range(self.stages_per_rank)]
+
+    def describe(self) -> str:
+        """``1f1b, 4 microbatches`` (with ``, 2 stages per rank`` when interleaved)."""
+        per_rank = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+        return f"{self.schedule}, {self.microbatches} microbatches{per_rank}"
 
 
 def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
@@ -174,33 +186,43 @@ def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
     pp = sizes.pp
     schedule = str(get("pp_schedule", None) or "1f1b").lower()
-    if schedule == "interleaved_1f1b" or get("pp_stages_per_rank", None) not in (None, 1):
-        raise ConfigError("distributed.pp_schedule: interleaved_1f1b (several stages per rank, pp_stages_per_rank) "
-                          "is not supported yet; use 1f1b or gpipe with one stage per rank")
     if schedule not in PP_SCHEDULES:
         raise ConfigError(f"distributed.pp_schedule: expected one of {', '.join(PP_SCHEDULES)}, got '{schedule}'")
+    interleaved = schedule == "interleaved_1f1b"
+    per_rank = _size(get("pp_stages_per_rank", None), "pp_stages_per_rank", 2 if interleaved else 1)
+    if per_rank > 1 and not interleaved:
+        raise ConfigError(f"distributed.pp_stages_per_rank ({per_rank}): several stages per rank need pp_schedule "
+                          f"interleaved_1f1b ({schedule} runs one stage per rank); set it or use 1")
+    stages = pp * per_rank
     microbatches = _size(get("pp_microbatches", None), "pp_microbatches", pp)
     if schedule == "1f1b" and microbatches < pp:
         raise ConfigError(f"distributed.pp_microbatches ({microbatches}) must be at least pp_size ({pp}) with the "
                           "1f1b schedule; raise it or use pp_schedule gpipe")
+    rounds = max(1, microbatches // pp)
+    if interleaved and microbatches % rounds:
+        raise ConfigError(f"distributed.pp_microbatches ({microbatches}) must be a multiple of the interleaved "
+                          f"schedule's rounds ({rounds} = pp_microbatches // pp_size); use {rounds * pp} or a "
+                          "multiple of pp_size")
     if local_batch_size % microbatches:
         raise ConfigError(f"distributed.pp_microbatches ({microbatches}) must divide step_scheduler.local_batch_size "
                           f"({local_batch_size}): each microbatch holds local_batch_size / pp_microbatches rows; "
                           "change either")
     layers = get("pp_layers", None)
+    what = f"{stages} positive integers (the decoder layers of each stage" + (
+        f", pp_size × pp_stages_per_rank = {pp} × {per_rank})" if per_rank > 1 else ")")
     if layers is not None:
         layers = tuple(layers)
-        if len(layers) != pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
-            raise ConfigError(f"distributed.pp_layers: expected {pp} positive integers (the decoder layers of each "
-                              f"stage), got {list(layers)}")
+        if len(layers) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+            raise ConfigError(f"distributed.pp_layers: expected {what}, got {list(layers)}")
     if num_layers is not None:
-        if pp > num_layers:
-            raise ConfigError(f"distributed.pp_size ({pp}) is larger than the model's {num_layers} decoder layers: "
-                              "every stage needs at least one; use a smaller pp_size")
+        if stages > num_layers:
+            several = f" × pp_stages_per_rank ({per_rank}) = {stages} stages" if per_rank > 1 else ""
+            raise ConfigError(f"distributed.pp_size ({pp}){several} is larger than the model's {num_layers} decoder "
+                              "layers: every stage needs at least one; use fewer stages")
         if layers is not None and sum(layers) != num_layers:
             raise ConfigError(f"distributed.pp_layers {list(layers)} sum to {sum(layers)}, not the model's "
                               f"{num_layers} decoder layers; change the counts")
-    return PipelinePlan(schedule, microbatches, layers)
+    return PipelinePlan(schedule, microbatches, layers, per_rank)
 
 
 def _size(value: Any, key: str, default: int | None) -> int:

@@ -67,26 +67,49 @@ def check_pipeline_model(model: nn.Module, section: Any, dims_sizes: Any, local_
     return resolve_pipeline(section, dims_sizes, local_batch_size, num_layers=len(layers))
 
 
-def cut_stage(model: nn.Module, plan: PipelinePlan, stage: int, stages: int) -> range:
-    """Keep on ``model`` (on the meta device, before sharding) only the modules of ``stage``; returns its layers.
+def rank_layers(plan: PipelinePlan, num_layers: int, pp_rank: int, pp_size: int) -> list[range]:
+    """The decoder layers of each stage pipeline rank ``pp_rank`` holds (one range, or one per interleaved stage)."""
+    every = plan.stage_layers(num_layers, pp_size * plan.stages_per_rank)
+    return [every[stage] for stage in plan.rank_stages(pp_rank, pp_size)]
 
-    With tied embeddings the last stage keeps the embedding module as well: its weight is the head's, so the stage
-    holds the tied weight under both whole-model names, as the whole model does (its forward never calls it)."""
+
+def layer_span(layers: range) -> str:
+    """``0-2``, or ``3`` for one layer."""
+    return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"{layers.start}"
+
+
+def describe_layers(chunks: list[range]) -> str:
+    """``decoder layers 0-2``, ``decoder layer 3``, ``decoder layers 0-1 and 4-5``."""
+    spans = [layer_span(r) for r in chunks]
+    several = len(chunks) > 1 or len(chunks[0]) > 1
+    return f"decoder layer{'s' if several else ''} " + (" and ".join(spans) if len(spans) < 3 else
+                                                       ", ".join(spans[:-1]) + " and " + spans[-1])
+
+
+def cut_stage(model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_size: int) -> list[range]:
+    """Keep on ``model`` (on the meta device, before sharding) only the modules of pipeline rank ``pp_rank``'s
+    stages; returns the decoder layers of each (one range, or one per stage with ``interleaved_1f1b``).
+
+    The first rank holds the embedding (its first stage is the model's first), the last rank the final norm and the
+    head (its last stage is the model's last). With tied embeddings the last rank keeps the embedding module as
+    well: its weight is the head's, so the rank holds the tied weight under both whole-model names, as the whole
+    model does (its forward never calls it)."""
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
     layers = decoder_layer_list(model)
-    mine = plan.stage_layers(len(layers), stages)[stage]
+    chunks = rank_layers(plan, len(layers), pp_rank, pp_size)
+    mine = {index for chunk in chunks for index in chunk}
     tied = tied_embeddings(model)
     for index in range(len(layers)):
         if index not in mine:
             layers[index] = PipelineIdentityLayer()
     base = _base(model)
-    if stage > 0 and not (tied and stage == stages - 1):
+    if pp_rank > 0 and not (tied and pp_rank == pp_size - 1):
         base.embed_tokens = PipelineIdentityLayer()
-    if stage < stages - 1:
+    if pp_rank < pp_size - 1:
         base.norm = PipelineIdentityLayer()
         _causal_lm(model).lm_head = PipelineIdentityLayer()
-    return mine
+    return chunks
 
 
 class TiedEmbedding:
@@ -128,17 +151,63 @@ class TiedEmbedding:
         return [] if self.counted_here or self.weight is None else [self.weight]
 
 
+class _OneStageAtATime:
+    """Which of a rank's stages the model's next forward runs (``interleaved_1f1b``): while it runs, the decoder
+    layers of the rank's other stages are the identity, and so are the final norm and the head unless it is the
+    model's last stage. Swapped by a forward pre-hook that runs after FSDP2's own (prepended), so FSDP2's first
+    forward has seen every module; a forward hook puts them back, on an error too."""
+
+    def __init__(self, model: nn.Module, chunks: list[range], holds_head: bool) -> None:
+        from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+        self.identity, self.chunks, self.holds_head = PipelineIdentityLayer(), chunks, holds_head
+        self.layers, self.base, self.causal_lm = decoder_layer_list(model), _base(model), _causal_lm(model)
+        self.running: int | None = None  # the index of the running stage among the rank's (None: not a stage's call)
+        self.swapped: list[tuple[nn.Module, str, nn.Module]] = []
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave, always_call=True)
+
+    def _swap(self, parent: nn.Module, name: str) -> None:
+        self.swapped.append((parent, name, getattr(parent, name)))
+        setattr(parent, name, self.identity)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self.running is None:
+            return
+        for k, chunk in enumerate(self.chunks):
+            if k != self.running:
+                for index in chunk:
+                    self._swap(self.layers, str(index))
+        if self.holds_head and self.running != len(self.chunks) - 1:
+            self._swap(self.base, "norm")
+            self._swap(self.causal_lm, "lm_head")
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        while self.swapped:
+            parent, name, original = self.swapped.pop()
+            setattr(parent, name, original)
+
+
 class StageModule(nn.Module):
     """What a pipeline stage runs: the stage's model from token ids (first stage) or hidden states (the others) to
-    hidden states, or to logits on the last stage. ``kwargs``: the attention mask or position ids of the rows."""
+    hidden states, or to logits on the last stage. ``kwargs``: the attention mask or position ids of the rows.
+    ``interleave``/``slot``: with several stages per rank, which of the rank's stages this one is."""
 
-    def __init__(self, model: nn.Module, first: bool) -> None:
+    def __init__(self, model: nn.Module, first: bool, interleave: _OneStageAtATime | None = None,
+                 slot: int = 0) -> None:
         super().__init__()
         self.model, self.first = model, first
+        self.interleave, self.slot = interleave, slot
 
     def forward(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self.first else "inputs_embeds"
-        return self.model(**{key: inputs}, **kwargs, use_cache=False).logits
+        if self.interleave is None:
+            return self.model(**{key: inputs}, **kwargs, use_cache=False).logits
+        self.interleave.running = self.slot
+        try:
+            return self.model(**{key: inputs}, **kwargs, use_cache=False).logits
+        finally:
+            self.interleave.running = None
 
 
 class _StageLoss:
@@ -163,7 +232,8 @@ class Pipeline:
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
                  token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
                  tied: bool = False) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
         # A stage's output (hidden states cut by the head's slice, a view) goes to the next stage, never changed in
         # place: FSDP2's warning about views does not apply.
@@ -172,12 +242,21 @@ class Pipeline:
         self.dims, self.device, self.rows = dims, device, rows
         self.tied = TiedEmbedding(model, dims) if tied else None
         self.first, self.last = dims.pp_rank == 0, dims.pp_rank == dims.pp_size - 1
-        self.stage = PipelineStage(StageModule(model, self.first), dims.pp_rank, dims.pp_size, device,
-                                   group=dims.pp_group)
         self.loss = _StageLoss(token_loss_sum)
-        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.schedule]
         # the loss is already weighted by the global batch's tokens: the gradients are summed, not averaged
-        self.schedule = kind(self.stage, n_microbatches=plan.microbatches, loss_fn=self.loss, scale_grads=False)
+        options = {"n_microbatches": plan.microbatches, "loss_fn": self.loss, "scale_grads": False}
+        indices = plan.rank_stages(dims.pp_rank, dims.pp_size)
+        stages = dims.pp_size * plan.stages_per_rank
+        if plan.schedule != "interleaved_1f1b":
+            self.stage = PipelineStage(StageModule(model, self.first), dims.pp_rank, dims.pp_size, device,
+                                       group=dims.pp_group)
+            self.schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.schedule](self.stage, **options)
+            return
+        chunks = rank_layers(plan, len(decoder_layer_list(model)), dims.pp_rank, dims.pp_size)
+        interleave = _OneStageAtATime(model, chunks, self.last) if len(indices) > 1 else None
+        self.stages = [PipelineStage(StageModule(model, index == 0, interleave, slot), index, stages, device,
+                                     group=dims.pp_group) for slot, index in enumerate(indices)]
+        self.schedule = ScheduleInterleaved1F1B(self.stages, **options)
 
     def _run(self, run: Callable[..., Any], input_ids: torch.Tensor, labels: torch.Tensor,
              extra: dict[str, torch.Tensor], scale: float) -> torch.Tensor:

@@ -24,7 +24,8 @@ from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
-from automodel_ckpt.distributed.pipeline import Pipeline, check_pipeline_model, cut_stage, tied_embeddings
+from automodel_ckpt.distributed.pipeline import (Pipeline, check_pipeline_model, cut_stage, describe_layers,
+                                                 tied_embeddings)
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
@@ -84,8 +85,7 @@ class FinetuneRecipe(BaseRecipe):
             tied = tied_embeddings(model)  # the first and the last stage then hold the shared weight
             layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
             if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
-                print(f"Pipeline stage {self.dims.pp_rank}: decoder layers {layers.start}-{layers.stop - 1} "
-                      f"({plan.schedule}, {plan.microbatches} microbatches)", flush=True)
+                print(f"Pipeline stage {self.dims.pp_rank}: {describe_layers(layers)} ({plan.describe()})", flush=True)
         self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,

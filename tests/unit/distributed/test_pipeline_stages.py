@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims, resolve_pipeline, resolve_sizes
 from automodel_ckpt.checkpoint.formats.peft import peft_key_map, trainable_names
-from automodel_ckpt.distributed.pipeline import StageModule, check_pipeline_model, cut_stage, tied_embeddings
+from automodel_ckpt.distributed.pipeline import (StageModule, _OneStageAtATime, check_pipeline_model, cut_stage,
+                                                 describe_layers, rank_layers, tied_embeddings)
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm, family_plan
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
@@ -58,8 +59,18 @@ def test_plan_defaults_and_even_split():
 @pytest.mark.parametrize("keys, words", [
     ({"pp_size": 2, "pp_microbatches": 3}, "pp_microbatches (3) must divide step_scheduler.local_batch_size (8)"),
     ({"pp_size": 4, "pp_microbatches": 2}, "must be at least pp_size (4) with the 1f1b schedule"),
-    ({"pp_size": 2, "pp_schedule": "interleaved_1f1b"}, "interleaved_1f1b (several stages per rank"),
-    ({"pp_size": 2, "pp_schedule": "zb"}, "distributed.pp_schedule: expected one of 1f1b, gpipe, got 'zb'"),
+    ({"pp_size": 2, "pp_stages_per_rank": 2}, "pp_stages_per_rank (2): several stages per rank need pp_schedule "
+                                              "interleaved_1f1b (1f1b runs one stage per rank)"),
+    ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 0}, "pp_stages_per_rank: expected a "
+                                                                                  "positive integer, got 0"),
+    ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 5},
+     "pp_microbatches (5) must be a multiple of the interleaved schedule's rounds (2 = pp_microbatches // pp_size)"),
+    ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_layers": [2, 2]},
+     "pp_layers: expected 4 positive integers (the decoder layers of each stage, pp_size × pp_stages_per_rank = "
+     "2 × 2), got [2, 2]"),
+    ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 3},
+     "pp_size (2) × pp_stages_per_rank (3) = 6 stages is larger than the model's 4 decoder layers"),
+    ({"pp_size": 2, "pp_schedule": "zb"}, "pp_schedule: expected one of 1f1b, gpipe, interleaved_1f1b, got 'zb'"),
     ({"pp_size": 2, "pp_layers": [4]}, "distributed.pp_layers: expected 2 positive integers"),
     ({"pp_size": 2, "pp_layers": [1, 2]}, "pp_layers [1, 2] sum to 3, not the model's 4 decoder layers"),
     ({"pp_size": 4, "dp_size": 1}, "larger than the model's 2 decoder layers"),
@@ -70,13 +81,60 @@ def test_bad_pipeline_keys_are_one_line_errors(keys, words):
     assert words in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_interleaved_stages_go_round_the_ranks():
+    """Stage ``r + k × pp`` on rank ``r``: pp 2 × 2 stages per rank of 6 layers gives rank 0 layers 0-1 and 4 (of
+    the 4 stages 0-1, 2-3, 4, 5), rank 1 layers 2-3 and 5; the lines that name them."""
+    plan = _plan(pp_size=2, pp_schedule="interleaved_1f1b", pp_microbatches=4, num_layers=6)
+    assert (plan.schedule, plan.stages_per_rank, plan.microbatches) == ("interleaved_1f1b", 2, 4)
+    assert plan.rank_stages(1, 2) == [1, 3]
+    assert rank_layers(plan, 6, 0, 2) == [range(0, 2), range(4, 5)]
+    assert rank_layers(plan, 6, 1, 2) == [range(2, 4), range(5, 6)]
+    assert plan.describe() == "interleaved_1f1b, 4 microbatches, 2 stages per rank"
+    assert describe_layers(rank_layers(plan, 6, 0, 2)) == "decoder layers 0-1 and 4"
+    assert describe_layers([range(3, 4)]) == "decoder layer 3"
+    assert describe_layers([range(0, 1), range(2, 3), range(4, 5)]) == "decoder layers 0, 2 and 4"
+    three = _plan(pp_size=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=3, pp_layers=[1, 1, 2, 1, 1, 2],
+                  num_layers=8)
+    assert rank_layers(three, 8, 1, 2) == [range(1, 2), range(4, 5), range(6, 8)]
+    assert _plan(pp_size=2, pp_schedule="gpipe").describe() == "gpipe, 2 microbatches"
+
+
+def test_interleaved_stages_run_round_the_ranks_give_the_whole_models_logits():
+    """Each rank's model holds its stages' layers; each stage runs only its own (the rank's other layers, and the
+    norm and head before the model's last stage, pass the hidden states through) and leaves the model as it was."""
+    torch.manual_seed(0)
+    whole = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA_CONFIG))
+    plan = _plan(pp_size=2, pp_schedule="interleaved_1f1b")
+    ranks = [copy.deepcopy(whole), copy.deepcopy(whole)]
+    stages = []
+    for rank, model in enumerate(ranks):
+        chunks = cut_stage(model, plan, rank, 2)
+        assert chunks == [range(rank, rank + 1), range(rank + 2, rank + 3)]
+        interleave = _OneStageAtATime(model, chunks, holds_head=rank == 1)
+        stages.append([StageModule(model, first=rank == 0 and slot == 0, interleave=interleave, slot=slot)
+                       for slot in range(2)])
+    ids = torch.randint(0, whole.config.vocab_size, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    before = [dict(m.named_modules()) for m in ranks]
+    out = ids
+    for stage in range(4):  # stage s on rank s % 2, the rank's (s // 2)-th
+        out = stages[stage % 2][stage // 2](out, attention_mask=mask)
+        assert out.shape[-1] == (whole.config.vocab_size if stage == 3 else whole.config.hidden_size), stage
+    torch.testing.assert_close(out, whole(input_ids=ids, attention_mask=mask).logits)
+    assert [dict(m.named_modules()) for m in ranks] == before  # every swapped module is back
+    with pytest.raises(Exception):
+        stages[1][0](torch.ones(2, 7, 3), attention_mask=mask)  # a failing forward puts them back too
+    assert [dict(m.named_modules()) for m in ranks] == before
+
+
 def test_each_stage_keeps_its_own_whole_model_keys():
     whole = set(_meta_llama().state_dict())
     plan = _plan(pp_size=2, pp_layers=[1, 3])
     stages = []
     for stage in range(2):
         model = _meta_llama()
-        assert cut_stage(model, plan, stage, 2) == plan.stage_layers(4, 2)[stage]
+        assert cut_stage(model, plan, stage, 2) == [plan.stage_layers(4, 2)[stage]]
         stages.append(set(model.state_dict()))
     first, last = stages
     assert first | last == whole and not first & last  # a subset each, every parameter once
@@ -217,8 +275,11 @@ def test_dry_run_checks_the_stages_against_the_model(capsys, tmp_path):
     dry = ["--nproc-per-node", "4", RECIPE, "--dry-run"]
     keys = [*dry, *_config_built(llama, tmp_path)]
     assert main([*keys, "--distributed.pp_size", "2"]) == 0
-    assert "# model: 2 pipeline stages of decoder layers 0-1, 2-2 (1f1b, 2 microbatches)\n" in capsys.readouterr().err
+    assert "# model: 2 pipeline stages of decoder layers 0-1, 2 (1f1b, 2 microbatches)\n" in capsys.readouterr().err
     assert "larger than the model's 3 decoder layers" in _error(capsys, [*keys, "--distributed.pp_size", "4"])
+    interleaved = [*keys, "--distributed.pp_size", "2", "--distributed.pp_schedule", "interleaved_1f1b"]
+    assert "pp_size (2) × pp_stages_per_rank (2) = 4 stages is larger than the model's 3 decoder layers" in _error(
+        capsys, interleaved)
     tied = _config_built(llama | {"tie_word_embeddings": True}, tmp_path)  # accepted: held by two stages
     assert main([*dry, *tied, "--distributed.pp_size", "2"]) == 0
     assert "# model: 2 pipeline stages" in capsys.readouterr().err
