@@ -11,8 +11,8 @@ every rank's resident memory when the recipe starts (``idle``), its high-water m
 and each step's wall time. Layouts (``--layouts``, comma-separated; default all but ``pp2``):
 
 * ``dp1``: 1 process, the memory reference; ``dp4``: FSDP2 over 4 processes;
-* ``pp4``, ``pp4-gpipe``: 4 pipeline stages under ``1f1b`` and under ``gpipe`` (the bubble: same stages, same
-  microbatches, two schedules); ``pp2dp2``: 2 stages, each sharded over 2 ranks; ``pp2tp2``: 2 stages, each
+* ``pp4``, ``pp4-gpipe``, ``pp4-interleaved``: 4 pipeline ranks under ``1f1b``, under ``gpipe`` (the bubble: same
+  stages, same microbatches, two schedules) and under ``interleaved_1f1b`` with 2 stages per rank (8 stages); ``pp2dp2``: 2 stages, each sharded over 2 ranks; ``pp2tp2``: 2 stages, each
   split by tensor parallelism over 2 ranks; ``pp2``: 2 stages on 2 processes (a small check);
 * ``moe-dp4``: the MoE base under FSDP2 on 4 processes, the reference of ``ep2dp2``: the experts spread over
   groups of 2 of the 4 data-parallel ranks (``dp 4 × ep 2``, two copies of each rank's experts, sharded by FSDP2).
@@ -20,7 +20,7 @@ and each step's wall time. Layouts (``--layouts``, comma-separated; default all 
 Prints one table: layout, processes, step time (median over the ranks of the steps after the first) and its CPU
 seconds per rank (every thread's; where processes outnumber the cores, the wall time is their sum), peak resident
 memory per rank above its idle process (the largest rank's), and its ratio to the reference (``dp1``; ``moe-dp4``
-for the MoE rows); then the 1f1b and gpipe step times of ``pp4`` and a pass/fail line for the goal
+for the MoE rows); then the step times of ``pp4``'s schedules and a pass/fail line for the goal
 ``pp4 <= 0.35 x dp1``. Not a test: at the default size on a small machine it takes several minutes.
 """
 
@@ -44,6 +44,7 @@ LAYOUTS = {
     "dp4": ("dp 4", "dense", 4, 1, 1, 1, None),
     "pp4": ("pp 4 (1f1b)", "dense", 4, 4, 1, 1, "1f1b"),
     "pp4-gpipe": ("pp 4 (gpipe)", "dense", 4, 4, 1, 1, "gpipe"),
+    "pp4-interleaved": ("pp 4 (interleaved_1f1b, 2 stages per rank)", "dense", 4, 4, 1, 1, "interleaved_1f1b"),
     "pp2dp2": ("dp 2 × pp 2", "dense", 4, 2, 1, 1, "1f1b"),
     "pp2tp2": ("pp 2 × tp 2", "dense", 4, 2, 2, 1, "1f1b"),
     "pp2": ("pp 2", "dense", 2, 2, 1, 1, "1f1b"),
@@ -121,14 +122,16 @@ def table(runs: dict[str, dict]) -> str:
 
 
 def summary(runs: dict[str, dict]) -> list[str]:
-    """The bubble line (pp 4 under 1f1b and gpipe) and the memory goal's pass/fail line."""
+    """The schedules' line (pp 4 under 1f1b, gpipe and interleaved_1f1b) and the memory goal's pass/fail line."""
     ok = {name: run for name, run in runs.items() if "failed" not in run}
     lines = []
-    if "pp4" in ok and "pp4-gpipe" in ok:
-        one, g = ok["pp4"]["step_seconds"], ok["pp4-gpipe"]["step_seconds"]
-        lines.append(f"pp 4 step time: 1f1b {one:.2f} s, gpipe {g:.2f} s (gpipe / 1f1b = {g / one:.2f}); peak above "
-                     f"idle: 1f1b {ok['pp4']['whole_added_max'] / MiB:.0f} MiB, gpipe "
-                     f"{ok['pp4-gpipe']['whole_added_max'] / MiB:.0f} MiB")
+    held = [(LAYOUTS[layout][6], ok[layout]) for layout in ("pp4", "pp4-gpipe", "pp4-interleaved") if layout in ok]
+    if len(held) > 1:
+        first = held[0][1]["step_seconds"]
+        times = [f"{name} {run['step_seconds']:.2f} s" + (f" ({run['step_seconds'] / first:.2f}×)" if i else "")
+                 for i, (name, run) in enumerate(held)]
+        peaks = [f"{name} {run['whole_added_max'] / MiB:.0f} MiB" for name, run in held]
+        lines.append(f"pp 4 step time: {', '.join(times)}; peak above idle: {', '.join(peaks)}")
     if "pp4" in ok and "peak_ratio" in ok["pp4"]:
         ratio = ok["pp4"]["peak_ratio"]
         lines.append(f"goal pp 4 peak per rank above idle <= 0.35 x dp 1's: {ratio:.3f} "

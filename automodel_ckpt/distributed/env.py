@@ -166,6 +166,17 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank ``dst`` of this thread's group (None on the others)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    group = _group()
+    mine = dist.get_rank(group) if group is not None else dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size(group) if mine == dst else None
+    dist.gather_object(obj, out, group=group, group_dst=dst)
+    return out
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier(group=_group())

@@ -26,8 +26,8 @@ def _keys(args: tuple[str, ...]) -> dict[str, str]:
     return {args[i].removeprefix("--"): args[i + 1] for i in range(0, len(args), 2)}
 
 
-@pytest.mark.parametrize("layout", ["dp1", "dp4", "pp4", "pp4-gpipe", "pp2dp2", "pp2tp2", "pp2", "moe-dp4",
-                                    "ep2dp2"])
+@pytest.mark.parametrize("layout", ["dp1", "dp4", "pp4", "pp4-gpipe", "pp4-interleaved", "pp2dp2", "pp2tp2", "pp2",
+                                    "moe-dp4", "ep2dp2"])
 def test_each_layout_resolves_to_its_sizes_on_its_processes(bench, layout):
     label, base, nproc, pp, tp, ep, schedule = bench.LAYOUTS[layout]
     keys = _keys(bench.overrides(layout))
@@ -61,13 +61,15 @@ def _run(bench, layout: str, peak_mib: float, step: float = 1.0) -> dict:
 @pytest.mark.parametrize("pp4_mib,verdict", [(300, "0.300 PASS"), (400, "0.400 FAIL")])
 def test_ratios_against_each_bases_reference_and_the_goal_line(bench, pp4_mib, verdict):
     runs = {"dp1": _run(bench, "dp1", 1000), "pp4": _run(bench, "pp4", pp4_mib, 2.0),
-            "pp4-gpipe": _run(bench, "pp4-gpipe", 500, 3.0), "moe-dp4": _run(bench, "moe-dp4", 800),
+            "pp4-gpipe": _run(bench, "pp4-gpipe", 500, 3.0), "pp4-interleaved": _run(bench, "pp4-interleaved", 350, 1.5),
+            "moe-dp4": _run(bench, "moe-dp4", 800),
             "ep2dp2": _run(bench, "ep2dp2", 400), "dp4": {**_run(bench, "dp4", 0), "failed": "x"}}
     bench.add_ratios(runs)
     assert runs["ep2dp2"]["peak_ratio"] == pytest.approx(0.5)  # against the MoE base's dp 4, not the dense dp 1
     assert "peak_ratio" not in runs["dp4"]
     lines = bench.summary(runs)
-    assert lines[0].startswith("pp 4 step time: 1f1b 2.00 s, gpipe 3.00 s (gpipe / 1f1b = 1.50)")
+    assert lines[0] == (f"pp 4 step time: 1f1b 2.00 s, gpipe 3.00 s (1.50×), interleaved_1f1b 1.50 s (0.75×); peak "
+                        f"above idle: 1f1b {pp4_mib} MiB, gpipe 500 MiB, interleaved_1f1b 350 MiB")
     assert lines[1].endswith(verdict)
     assert lines[2].startswith("dp 4 failed")
     assert "| dp 4 × ep 2, MoE | 4 | 1.00 | 0.50 | 400 | 0.500 | dp 4, MoE |" in bench.table(runs)

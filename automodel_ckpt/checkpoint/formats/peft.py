@@ -11,8 +11,8 @@ Instead ``model/`` is a folder that ``peft.AutoPeftModelForCausalLM.from_pretrai
 
 Saving is collective: every rank takes part in gathering the full (unsharded) adapter tensors to rank 0's CPU,
 then rank 0 writes the folder. Under pipeline stages each rank holds only its stage's adapters (under the whole
-model's names): the ranks that hold adapters rank 0 lacks send theirs, each tensor once, so the folder is the one a
-run without stages writes. Loading reads the file on every rank and lets each rank keep its own shards (a stage its
+model's names): the ranks that hold adapters rank 0 lacks send theirs to it, each tensor once, so the folder is
+the one a run without stages writes. Loading reads the file on every rank and lets each rank keep its own shards (a stage its
 own adapters), so the restored weights are bit-identical to the saved ones whatever the world size or the stages.
 """
 
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.distributed.env import all_gather_object
+from automodel_ckpt.distributed.env import all_gather_object, gather_object
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: 
     if not elsewhere:
         full = get_model_state_dict(model, options=_GATHER)  # collective; only rank 0 keeps the tensors
         received: dict[str, torch.Tensor] = {}
-    else:  # each stage's full tensors on its ranks; the first rank holding each tensor rank 0 lacks sends it
+    else:  # each stage's full tensors on its ranks; the first rank holding each tensor rank 0 lacks sends it to 0
         full = get_model_state_dict(model, options=_GATHER_ON_EVERY_RANK)
         first = {key: r for r in reversed(range(len(held))) for key in held[r]}
         sent = {keys[n]: full[n].detach().cpu() for n in names if keys[n] in elsewhere and first[keys[n]] == rank}
-        received = {key: t for part in all_gather_object(sent) for key, t in part.items()}
+        received = {key: t for part in gather_object(sent) or [] for key, t in part.items()}
 
     def write() -> None:
         missing = sorted(set(names) - set(full))
