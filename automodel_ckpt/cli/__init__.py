@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from automodel_ckpt.distributed.lifeline import bind_to_launcher
 
     bind_to_launcher()  # a worker of the launcher (any verb): first thing, it ends when the launcher ends
+    own_command = argv is None  # the console script or ``python -m automodel_ckpt``, not a caller's list
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage(), end="")
@@ -81,9 +82,16 @@ def main(argv: list[str] | None = None) -> int:
             from automodel_ckpt.cli.train import main as train_main
 
             code = run(functools.partial(train_main, forked=forked_worker), argv)
-        return exit_code(code)
+        code = exit_code(code)
     finally:
         sys.stdout, sys.stderr = streams
+    if own_command and "torch" in sys.modules:
+        # the process's own command (the launcher, a verb): its exit handlers run, then it leaves without the
+        # interpreter's teardown, a second or more of CPU once torch and transformers are loaded
+        from automodel_ckpt.distributed.env import end_process
+
+        end_process(code)
+    return code
 
 
 def forked_worker(recipe: str, overrides: list[str]) -> None:

@@ -73,7 +73,7 @@ def shutdown_distributed() -> None:
 
 
 def end_process(code: int) -> NoReturn:
-    """End a process that trained, with exit status ``code``, without the interpreter's teardown.
+    """End a process, with exit status ``code``, without the interpreter's teardown.
 
     When a run returns, its work is durable: checkpoints are fsynced and published, logs are written line by line.
     What is left are threads that torch runs in C++. gloo's worker threads, for one, can still hold the last
@@ -82,7 +82,9 @@ def end_process(code: int) -> NoReturn:
     forced unwind, C++ turns that into ``std::terminate`` ("terminate called without an active exception"), and a
     finished job exits -6 and is reported failed. The window is tiny on an idle host and common under CPU
     contention. So this runs the interpreter's exit handlers and joins this process's own threads while everything
-    is alive, flushes the standard streams, and leaves with ``os._exit``, which never finalizes.
+    is alive, flushes the standard streams, and leaves with ``os._exit``, which never finalizes. The launcher and
+    every verb that loaded torch leave this way too (``cli.main``): the teardown of torch and transformers costs a
+    second or more of CPU and gives nothing back to a process that is ending.
     """
     import atexit
     import logging
