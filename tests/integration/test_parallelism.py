@@ -1,7 +1,8 @@
 """Resume across parallelism strategies (dp 4 → dp 2 × pp 2 → pp 4 → tp 2 → 1 process → dp 2 × tp 2 + SP →
-HSDP 2 × 2, as a straight dp 4 run; pp 2 × tp 2 with interleaved stages beside it), both formats, bitwise resume
-on an unchanged pipeline mesh, async saves and a SIGKILL on a 2-D mesh, the model and optimizer tensors after a
-resume on another mesh, sequence parallelism on several families, and the export of a dp 2 × tp 2 checkpoint."""
+HSDP 2 × 2, as a straight dp 4 run; pp 2 × tp 2 beside it; the pipeline's three schedules), both formats,
+bitwise resume on an unchanged pipeline mesh, async saves and a SIGKILL on a 2-D mesh, the model and optimizer
+tensors after a resume on another mesh, sequence parallelism on several families, and the export of a dp 2 × tp 2
+checkpoint."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ EVERY_STEP = ("--step_scheduler.ckpt_every_steps", "1")
 DCP_ASYNC = ("--checkpoint.model_save_format", "torch_save", "--checkpoint.is_async", "true")
 LEGS = [  # (processes, mesh keys, what the resume line calls the mesh)
     (4, DP4, "dp 4"),
-    (4, PP2_DP2 + EVERY_STEP, "dp 2 × pp 2"),  # step 3 saved too: the bitwise resume below starts there
+    (4, PP2_DP2 + INTERLEAVED + EVERY_STEP, "dp 2 × pp 2"),  # step 3 saved too: a bitwise resume starts there
     (4, PP4 + GPIPE, "pp 4"),
     (2, TP2, "tp 2"),
     (1, DP4, "dp 1"),
@@ -101,10 +102,9 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
 
 def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     """The straight dp 4 run is also the chain's first leg: the chain starts from its step-2 checkpoint. Beside the
-    chain, from the same checkpoint: pp 2 × tp 2 with two interleaved stages per rank in DCP files; and a resume on
-    an unchanged pipeline mesh, from each format, gives the next step bit for bit. The chain's pipeline legs run
-    1f1b (dp 2 × pp 2) and gpipe (pp 4): with the interleaved one, the three schedules give the straight run's
-    steps."""
+    chain, from the same checkpoint: pp 2 × tp 2 in DCP files; and a resume on an unchanged pipeline mesh, from each
+    format, gives the next step bit for bit. The pipeline legs run the three schedules, each giving the straight
+    run's steps: interleaved_1f1b with two stages per rank (dp 2 × pp 2), gpipe (pp 4) and 1f1b (pp 2 × tp 2)."""
     total = 2 * len(LEGS)
     straight, chain = tmp_path / "straight", tmp_path / "chain"
     _leg(tmp_path, assets, "straight", total, 4, DP4)
@@ -119,7 +119,8 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
         meta = json.loads((chain / f"epoch_0_step_{2 * (i + 1)}" / "metadata.json").read_text())
         assert meta["world_size"] == nproc
         if name == "dp 2 × pp 2":
-            assert "Pipeline stage 1: decoder layers 2-3 (1f1b, 2 microbatches)" in out.stdout
+            assert ("Pipeline stage 1: decoder layers 1 and 3 (interleaved_1f1b, 4 microbatches, 2 stages per rank)"
+                    in out.stdout)
         if name == "pp 4":
             assert "Pipeline stage 3: decoder layer 3 (gpipe, 4 microbatches)" in out.stdout
         before, before_nproc = name.removesuffix(" + SP"), nproc
@@ -149,20 +150,18 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
     assert model_bytes(chain / f"epoch_0_step_{total}") == pytest.approx(
         model_bytes(straight / f"epoch_0_step_{total}"), rel=0.05)
 
-    # pp 2 × tp 2 (the stages' projections split by the family's plan) with interleaved_1f1b, in DCP files: the
-    # straight run's steps
+    # pp 2 × tp 2 (the stages' projections split by the family's plan), in DCP files: the straight run's steps
     dcp = ("--checkpoint.model_save_format", "torch_save")
-    out = _leg(tmp_path, assets, "pptp", 4, 4, PP2_DP2 + DP2_TP2 + INTERLEAVED + EVERY_STEP, *dcp, *start)
+    out = _leg(tmp_path, assets, "pptp", 4, 4, PP2_DP2 + DP2_TP2 + EVERY_STEP, *dcp, *start)
     assert "Resuming a dp 4 checkpoint on pp 2 × tp 2: " in out.stdout
-    assert ("Pipeline stage 0: decoder layers 0 and 2 (interleaved_1f1b, 4 microbatches, 2 stages per rank)"
-            in out.stdout)
+    assert "Pipeline stage 0: decoder layers 0-1 (1f1b, 2 microbatches)" in out.stdout
     assert (tmp_path / "pptp" / "epoch_0_step_4" / "model" / ".metadata").is_file()
     _assert_same_steps(tmp_path / "pptp", straight, range(3, 5))
     # an unchanged pipeline mesh from its own step-3 checkpoint: step 4 bit for bit, from DCP files and from
     # safetensors shards (this one saving in the other format, in the background)
-    _leg(tmp_path, assets, "pptp_again", 4, 4, PP2_DP2 + DP2_TP2 + INTERLEAVED, *dcp,
+    _leg(tmp_path, assets, "pptp_again", 4, 4, PP2_DP2 + DP2_TP2, *dcp,
          "--checkpoint.restore_from", str(tmp_path / "pptp" / "epoch_0_step_3"))
-    _leg(tmp_path, assets, "chain_again", 4, 4, PP2_DP2, *DCP_ASYNC,
+    _leg(tmp_path, assets, "chain_again", 4, 4, PP2_DP2 + INTERLEAVED, *DCP_ASYNC,
          "--checkpoint.restore_from", str(chain / "epoch_0_step_3"))
     for again, run in (("pptp_again", "pptp"), ("chain_again", "chain")):
         got, want = _records(tmp_path / again)[4], _records(tmp_path / run)[4]
