@@ -62,10 +62,12 @@ class Seaweed:
         return name
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s: a graceful stop can wait half a minute for clients' idle keep-alive
+        connections to close, and the test server's data is thrown away anyway."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
