@@ -12,6 +12,9 @@ A head tied to the input embedding (``tie_word_embeddings``) is held as Megatron
 embedding module too, unused, whose weight is its head's, so both stages hold the tied weight under the whole
 model's names; ``TiedEmbedding`` sums its gradient over the two stages, which keeps the copies equal. A LoRA (PEFT)
 model is cut the same way, inside its wrapper: each stage holds the adapters of its own modules.
+
+With ``interleaved_1f1b`` a rank holds several stages (``r``, ``r + pp_size``, ...) in that one model: the layers of
+all of them are kept, and each stage's forward passes the rank's other layers through (``_OneStageAtATime``).
 """
 
 from __future__ import annotations
@@ -201,13 +204,13 @@ class StageModule(nn.Module):
 
     def forward(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         key = "input_ids" if self.first else "inputs_embeds"
-        if self.interleave is None:
-            return self.model(**{key: inputs}, **kwargs, use_cache=False).logits
-        self.interleave.running = self.slot
+        if self.interleave is not None:
+            self.interleave.running = self.slot
         try:
             return self.model(**{key: inputs}, **kwargs, use_cache=False).logits
         finally:
-            self.interleave.running = None
+            if self.interleave is not None:
+                self.interleave.running = None
 
 
 class _StageLoss:
