@@ -164,7 +164,7 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
         from automodel_ckpt.distributed.pipeline import check_pipeline_model, decoder_layer_list, layer_span
 
         plan = check_pipeline_model(built, cfg.distributed, sizes, cfg.step_scheduler.local_batch_size)
-        count = sizes.pp * plan.stages_per_rank
+        count = plan.stages(sizes.pp)
         stages = plan.stage_layers(len(decoder_layer_list(built)), count)
         lines.append(f"model: {count} pipeline stages of decoder layers "
                      + ", ".join(layer_span(r) for r in stages)

@@ -173,8 +173,7 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [obj]
     group = _group()
-    mine = dist.get_rank(group) if group is not None else dist.get_rank()
-    out: list[Any] | None = [None] * dist.get_world_size(group) if mine == dst else None
+    out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
     dist.gather_object(obj, out, group=group, group_dst=dst)
     return out
 

@@ -168,6 +168,10 @@ class PipelinePlan:
         starts = [sum(counts[:i]) for i in range(stages)]
         return [range(start, start + n) for start, n in zip(starts, counts)]
 
+    def stages(self, pp_size: int) -> int:
+        """The number of stages over ``pp_size`` pipeline ranks."""
+        return pp_size * self.stages_per_rank
+
     def rank_stages(self, pp_rank: int, pp_size: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` holds, in the order the model runs them."""
         return [pp_rank + k * pp_size for k in range(self.stages_per_rank)]
@@ -193,7 +197,7 @@ def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
     if per_rank > 1 and not interleaved:
         raise ConfigError(f"distributed.pp_stages_per_rank ({per_rank}): several stages per rank need pp_schedule "
                           f"interleaved_1f1b ({schedule} runs one stage per rank); set it or use 1")
-    stages = pp * per_rank
+    stages = pp * per_rank  # what PipelinePlan.stages(pp) gives
     microbatches = _size(get("pp_microbatches", None), "pp_microbatches", pp)
     if schedule == "1f1b" and microbatches < pp:
         raise ConfigError(f"distributed.pp_microbatches ({microbatches}) must be at least pp_size ({pp}) with the "
@@ -208,12 +212,12 @@ def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
                           f"({local_batch_size}): each microbatch holds local_batch_size / pp_microbatches rows; "
                           "change either")
     layers = get("pp_layers", None)
-    what = f"{stages} positive integers (the decoder layers of each stage" + (
-        f", pp_size × pp_stages_per_rank = {pp} × {per_rank})" if per_rank > 1 else ")")
     if layers is not None:
         layers = tuple(layers)
         if len(layers) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
-            raise ConfigError(f"distributed.pp_layers: expected {what}, got {list(layers)}")
+            product = f", pp_size × pp_stages_per_rank = {pp} × {per_rank}" if per_rank > 1 else ""
+            raise ConfigError(f"distributed.pp_layers: expected {stages} positive integers (the decoder layers of "
+                              f"each stage{product}), got {list(layers)}")
     if num_layers is not None:
         if stages > num_layers:
             several = f" × pp_stages_per_rank ({per_rank}) = {stages} stages" if per_rank > 1 else ""

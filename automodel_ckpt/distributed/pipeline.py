@@ -72,7 +72,7 @@ def check_pipeline_model(model: nn.Module, section: Any, dims_sizes: Any, local_
 
 def rank_layers(plan: PipelinePlan, num_layers: int, pp_rank: int, pp_size: int) -> list[range]:
     """The decoder layers of each stage pipeline rank ``pp_rank`` holds (one range, or one per interleaved stage)."""
-    every = plan.stage_layers(num_layers, pp_size * plan.stages_per_rank)
+    every = plan.stage_layers(num_layers, plan.stages(pp_size))
     return [every[stage] for stage in plan.rank_stages(pp_rank, pp_size)]
 
 
@@ -85,8 +85,8 @@ def describe_layers(chunks: list[range]) -> str:
     """``decoder layers 0-2``, ``decoder layer 3``, ``decoder layers 0-1 and 4-5``."""
     spans = [layer_span(r) for r in chunks]
     several = len(chunks) > 1 or len(chunks[0]) > 1
-    return f"decoder layer{'s' if several else ''} " + (" and ".join(spans) if len(spans) < 3 else
-                                                       ", ".join(spans[:-1]) + " and " + spans[-1])
+    listed = ", ".join(spans[:-1]) + " and " + spans[-1] if len(spans) > 1 else spans[0]
+    return f"decoder layer{'s' if several else ''} {listed}"
 
 
 def cut_stage(model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_size: int) -> list[range]:
@@ -248,18 +248,15 @@ class Pipeline:
         self.loss = _StageLoss(token_loss_sum)
         # the loss is already weighted by the global batch's tokens: the gradients are summed, not averaged
         options = {"n_microbatches": plan.microbatches, "loss_fn": self.loss, "scale_grads": False}
-        indices = plan.rank_stages(dims.pp_rank, dims.pp_size)
-        stages = dims.pp_size * plan.stages_per_rank
-        if plan.schedule != "interleaved_1f1b":
-            self.stage = PipelineStage(StageModule(model, self.first), dims.pp_rank, dims.pp_size, device,
-                                       group=dims.pp_group)
-            self.schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.schedule](self.stage, **options)
-            return
         chunks = rank_layers(plan, len(decoder_layer_list(model)), dims.pp_rank, dims.pp_size)
-        interleave = _OneStageAtATime(model, chunks, self.last) if len(indices) > 1 else None
-        self.stages = [PipelineStage(StageModule(model, index == 0, interleave, slot), index, stages, device,
-                                     group=dims.pp_group) for slot, index in enumerate(indices)]
-        self.schedule = ScheduleInterleaved1F1B(self.stages, **options)
+        interleave = _OneStageAtATime(model, chunks, self.last) if len(chunks) > 1 else None
+        stages = [PipelineStage(StageModule(model, index == 0, interleave, slot), index, plan.stages(dims.pp_size),
+                                device, group=dims.pp_group)
+                  for slot, index in enumerate(plan.rank_stages(dims.pp_rank, dims.pp_size))]
+        if plan.schedule == "interleaved_1f1b":  # a schedule of several stages per rank takes their list
+            self.schedule = ScheduleInterleaved1F1B(stages, **options)
+        else:
+            self.schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.schedule](stages[0], **options)
 
     def _run(self, run: Callable[..., Any], input_ids: torch.Tensor, labels: torch.Tensor,
              extra: dict[str, torch.Tensor], scale: float) -> torch.Tensor:

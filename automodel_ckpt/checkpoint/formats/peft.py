@@ -12,8 +12,9 @@ Instead ``model/`` is a folder that ``peft.AutoPeftModelForCausalLM.from_pretrai
 Saving is collective: every rank takes part in gathering the full (unsharded) adapter tensors to rank 0's CPU,
 then rank 0 writes the folder. Under pipeline stages each rank holds only its stage's adapters (under the whole
 model's names): the ranks that hold adapters rank 0 lacks send theirs to it, each tensor once, so the folder is
-the one a run without stages writes. Loading reads the file on every rank and lets each rank keep its own shards (a stage its
-own adapters), so the restored weights are bit-identical to the saved ones whatever the world size or the stages.
+the one a run without stages writes. Loading reads the file on every rank and lets each rank keep its own shards
+(a stage its own adapters), so the restored weights are bit-identical to the saved ones whatever the world size or
+the stages.
 """
 
 from __future__ import annotations
