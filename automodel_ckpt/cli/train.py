@@ -10,6 +10,9 @@ from typing import Callable, NoReturn
 def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None) -> int:
     """Validate the recipe here, then train in-process or under the elastic agent (whose forked workers run
     ``forked``: ``cli.forked_worker``)."""
+    from automodel_ckpt.distributed.allocator import huge_pages_for_tensors
+
+    huge_pages_for_tensors()  # before this process's first tensor; its workers, forked or started, inherit it
     from automodel_ckpt.checkpoint import CheckpointConfig
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig

@@ -1,12 +1,16 @@
-"""distributed/allocator.py: glibc's thresholds are pinned unless the user chose the allocator's behaviour."""
+"""distributed/allocator.py: glibc's thresholds pinned and torch's huge pages on, unless the user chose otherwise."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
-from automodel_ckpt.distributed.allocator import OPT_OUT_ENV, return_freed_memory, user_allocator_setting
+from automodel_ckpt.distributed.allocator import (OPT_OUT_ENV, TORCH_THP_ENV, huge_pages_for_tensors,
+                                                  return_freed_memory, transparent_huge_pages, user_allocator_setting)
 
 
 @pytest.mark.parametrize(("environ", "chosen_by"), [
@@ -36,3 +40,60 @@ def test_nothing_is_changed_when_the_user_chose(environ, monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_thresholds_are_pinned_otherwise():
     assert return_freed_memory({}) is True
+
+
+@pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                                            ("always madvise [never]", "never"), ("", None)])
+def test_the_kernels_huge_page_mode_is_read(tmp_path, text, mode):
+    (tmp_path / "enabled").write_text(text)
+    assert transparent_huge_pages(str(tmp_path / "enabled")) == mode
+    assert transparent_huge_pages(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages")
+@pytest.mark.parametrize(("mode", "environ", "turned_on"), [
+    ("always [madvise] never", {}, True),
+    ("[always] madvise never", {"PATH": "/usr/bin"}, True),
+    ("always madvise [never]", {}, False),
+    (None, {}, False),
+    ("always [madvise] never", {TORCH_THP_ENV: "0"}, False),
+    ("always [madvise] never", {OPT_OUT_ENV: "default"}, False),
+    ("always [madvise] never", {"LD_PRELOAD": "libjemalloc.so.2"}, False),
+])  # fmt: skip
+def test_torchs_huge_pages_are_turned_on_unless_the_user_or_the_kernel_says_otherwise(tmp_path, mode, environ,
+                                                                                      turned_on):
+    mode_file = tmp_path / "enabled"
+    if mode is not None:
+        mode_file.write_text(mode)
+    before = dict(environ)
+    assert huge_pages_for_tensors(environ, str(mode_file)) is turned_on
+    assert environ == ({**before, TORCH_THP_ENV: "1"} if turned_on else before)
+
+
+_FAULTS = textwrap.dedent("""
+    import os, resource, sys
+    from automodel_ckpt.distributed.allocator import huge_pages_for_tensors, return_freed_memory
+    if sys.argv[1] == "on":
+        assert huge_pages_for_tensors(os.environ)
+    return_freed_memory()
+    import torch
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        torch.ones(16 << 20)  # 64 MiB, mapped and unmapped again with the thresholds pinned
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"), reason="the kernel gives no huge pages")
+def test_with_huge_pages_a_large_tensor_is_faulted_in_2_mib_at_a_time():
+    """Pinned thresholds unmap a freed tensor, so the next one is faulted in anew: 4 KiB at a time without torch's
+    huge pages (16,384 faults per 64 MiB), a few dozen with them."""
+    def faults(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in (TORCH_THP_ENV, OPT_OUT_ENV)
+               and user_allocator_setting({k: v}) is None}  # the thresholds pinned in both runs
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    pages = 8 * (64 << 20) // 4096
+    assert faults("off") > pages // 2
+    assert faults("on") < pages // 8
