@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
+from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, deferred
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
@@ -107,34 +108,48 @@ class LocalTier:
 
     def recover(self, states: dict[str, Any], durable: Path | None) -> Loaded | None:
         """Collective: load the newest local step that is complete somewhere and newer than ``durable`` (the
-        durable tier's newest checkpoint); None to resume from the durable tier instead (said in one line)."""
+        durable tier's newest checkpoint); None to resume from the durable tier instead (said in one line).
+
+        The model and optimizer files are checked as the load reads them; where that finds one damaged, every file
+        of every local step is checked before choosing again (another copy, an older step, or the durable tier)."""
         if not self.active:
             return None
         started = time.perf_counter()
-        skipped: list[str] = []
-        chosen, inventories = recover.newest_step(self.run, skipped)
-        newest_durable = _step_of(durable)
-        if self.env.is_main:
-            for line in skipped:
-                self.say(f"warning: {line}; not resuming from it")
-        if chosen is None or (newest_durable is not None and chosen.step <= newest_durable):
-            return None
-        try:
-            path = recover.make_whole(self.run, chosen, inventories)
-            loaded = self.loader.load(states, path)
-        except CheckpointError as exc:
-            if durable is None:
-                raise CheckpointError(f"the node-local step {chosen.name} failed to load ({first_line(exc)}) "
-                                      "and the durable tier holds no checkpoint to resume from instead") from None
+        for leave in (deferred, None):
+            skipped: list[str] = []
+            chosen, inventories = recover.newest_step(self.run, skipped, leave=leave)
             if self.env.is_main:
-                self.say(f"warning: the node-local step {chosen.name} failed to load ({first_line(exc)}); "
-                         f"resuming from the durable tier's {durable.name}")
-            return None
+                for line in skipped:
+                    self.say(f"warning: {line}; not resuming from it")
+            if chosen is None or (_step_of(durable) is not None and chosen.step <= _step_of(durable)):
+                return None
+            try:
+                loaded = self.loader.load(states, recover.make_whole(self.run, chosen, inventories))
+            except DamagedFile as exc:
+                if leave is None:
+                    return self._instead(chosen.name, exc, durable)
+                if self.env.is_main:
+                    self.say(f"warning: the node-local step {chosen.name} is damaged ({first_line(exc)}); checking "
+                             "every file of the node-local steps before choosing again")
+                continue
+            except CheckpointError as exc:
+                return self._instead(chosen.name, exc, durable)
+            if self.env.is_main:
+                than = f" (newer than the durable tier's {durable.name})" if durable is not None else ""
+                self.say(f"Resumed from the node-local tier: {chosen.name}{than}, loaded in "
+                         f"{time.perf_counter() - started:.1f} s")
+            return loaded
+        return None
+
+    def _instead(self, name: str, exc: CheckpointError, durable: Path | None) -> None:
+        """A local step failed to load: the durable tier instead, or an error when it has nothing."""
+        if durable is None:
+            raise CheckpointError(f"the node-local step {name} failed to load ({first_line(exc)}) "
+                                  "and the durable tier holds no checkpoint to resume from instead") from None
         if self.env.is_main:
-            than = f" (newer than the durable tier's {durable.name})" if durable is not None else ""
-            self.say(f"Resumed from the node-local tier: {chosen.name}{than}, loaded in "
-                     f"{time.perf_counter() - started:.1f} s")
-        return loaded
+            self.say(f"warning: the node-local step {name} failed to load ({first_line(exc)}); "
+                     f"resuming from the durable tier's {durable.name}")
+        return None
 
 
 def _tier_config(cfg: CheckpointConfig, folder: Path) -> CheckpointConfig:
@@ -143,7 +158,7 @@ def _tier_config(cfg: CheckpointConfig, folder: Path) -> CheckpointConfig:
         cfg, checkpoint_dir=str(folder), staging_dir=None, storage_options=None, is_async=True,
         save_consolidated="false", max_recent_checkpoints=cfg.local.keep, save_top_k=None, keep_steps=[],
         name_template=CheckpointConfig.name_template, restore_from=None, load_only=None, local=LocalTierConfig(),
-        ckpt_every_minutes=None,
+        ckpt_every_minutes=None, verify_on_load=True,
     )
 
 

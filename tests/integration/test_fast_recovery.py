@@ -112,18 +112,34 @@ def test_the_local_tier_reshards_onto_one_process(killed, straight, assets):
     _same_losses(work / "run", straight, 7, exact=False)
 
 
-def test_a_local_step_damaged_everywhere_is_never_loaded(killed, straight, assets):
-    work = killed
-    for node in ("node0", "node1"):
+def _damage(work, *nodes):
+    for node in nodes:
         shard = max((work / node / "epoch_0_step_6" / "model").glob("*.safetensors"), key=lambda p: p.stat().st_size)
         data = bytearray(shard.read_bytes())
         data[-100] ^= 0xFF  # same size, another checksum
         shard.write_bytes(bytes(data))
+
+
+def test_a_local_step_damaged_everywhere_is_never_loaded(killed, straight, assets):
+    work = killed
+    _damage(work, "node0", "node1")
     out = _two_nodes(work, assets)
+    assert "the node-local step epoch_0_step_6 is damaged" in out  # found by the load, which hashes what it reads
     assert "local step epoch_0_step_6" in out and "not resuming from it" in out
     start = _starts(work / "run")[-1]
     assert start["tier"] == "durable" and start["resumed_from"] == "epoch_0_step_4"
     _same_losses(work / "run", straight, 5)
+
+
+def test_a_copy_damaged_on_one_node_is_replaced_by_the_other_nodes(killed, straight, assets):
+    """The load finds node 0's copy damaged; every file is then checked, and node 1 sends its good copy over it."""
+    work = killed
+    _damage(work, "node0")
+    out = _two_nodes(work, assets)
+    assert "the node-local step epoch_0_step_6 is damaged" in out and "checking every file" in out
+    start = _starts(work / "run")[-1]
+    assert start["tier"] == "local" and start["resumed_from"] == "epoch_0_step_6"
+    _same_losses(work / "run", straight, 7)
 
 
 def test_restarted_workers_recover_by_themselves(straight, tmp_path, assets):

@@ -7,11 +7,16 @@ one as its bytes arrive (``fastio.directread``). Each rank hashes the files of i
 same split as the check before loading), reading a file whole where it needs only part of it; files of its share
 that no load on this rank reads (a state not loaded) are hashed at the end (``finish``). A mismatch raises
 ``DamagedFile`` on every rank: the checkpoint is damaged, and some state may already hold its bytes.
+
+Where every node loads its own copy of the checkpoint (the node-local tier), the ranks do not share one set of
+files: there each rank hashes every file it reads from, whole, and no other (``of_reads``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +44,13 @@ def deferred(rel: str) -> bool:
 class LoadCheck:
     """The deferred files of this rank's share, each with its expected checksum, until it has been hashed."""
 
-    def __init__(self, checkpoint: Path, pending: dict[str, tuple[str, str]], algorithm: str) -> None:
+    def __init__(self, checkpoint: Path, pending: dict[str, tuple[str, str]], algorithm: str, *,
+                 reads_only: bool = False) -> None:
         self.checkpoint = Path(checkpoint)
         self.pending = pending  # absolute path -> (manifest name, expected checksum)
         self.algorithm = algorithm
+        self._reads_only = reads_only  # only the files a load on this rank reads are checked (``of_reads``)
+        self._read: set[str] = set()  # the pending files a load on this rank read from
 
     @classmethod
     def plan(cls, checkpoint: Path, rank: int, world_size: int) -> LoadCheck | None:
@@ -56,10 +64,25 @@ class LoadCheck:
                    for rel in share if deferred(rel)}
         return cls(checkpoint, pending, str(data.get("checksum_algorithm", manifest.CRC32)))
 
-    def hashers(self, folder: Path) -> dict[str, Any]:
-        """``{path: hasher}`` of the pending files in ``folder`` (for ``directread.read_files``)."""
+    @classmethod
+    def of_reads(cls, checkpoint: Path) -> LoadCheck | None:
+        """Every deferred file of ``checkpoint`` that a load on this rank reads from; None without a manifest."""
+        data = manifest.read(checkpoint) or {}
+        listed = data.get("files")
+        if not listed:
+            return None
+        pending = {str(Path(checkpoint, rel).resolve()): (rel, str(entry["checksum"]))
+                   for rel, entry in listed.items() if deferred(rel)}
+        return cls(checkpoint, pending, str(data.get("checksum_algorithm", manifest.CRC32)), reads_only=True)
+
+    def hashers(self, folder: Path, reading: Iterable[str] = ()) -> dict[str, Any]:
+        """``{path: hasher}`` of the pending files in ``folder`` (for ``directread.read_files``); ``reading``: the
+        files the load at hand reads from (with ``of_reads``, only those are hashed)."""
         folder = Path(folder).resolve()
-        return {p: hasher(self.algorithm) for p in self.pending if Path(p).parent == folder}
+        read = {os.path.realpath(p) for p in reading}
+        self._read |= read & set(self.pending)
+        return {p: hasher(self.algorithm) for p in self.pending
+                if Path(p).parent == folder and (not self._reads_only or p in read)}
 
     def check(self, hashed: dict[str, Any]) -> None:
         """Compare the files hashed during a load; ``DamagedFile`` on a mismatch."""
@@ -74,9 +97,11 @@ class LoadCheck:
                 f"{expected}, on disk {digest}) (`ckpt-train verify {self.checkpoint}` lists every file)")
 
     def finish(self) -> None:
-        """Hash the pending files no load read (a state not loaded); ``DamagedFile`` on a mismatch."""
+        """Hash the pending files no load read (a state not loaded; with ``of_reads``, the files read but not
+        hashed on the way); ``DamagedFile`` on a mismatch."""
         for path, (rel, expected) in sorted(self.pending.items()):
-            self._compare(rel, hash_file(Path(path), self.algorithm)[1], expected)
+            if not self._reads_only or path in self._read:
+                self._compare(rel, hash_file(Path(path), self.algorithm)[1], expected)
         self.pending.clear()
 
 

@@ -90,7 +90,10 @@ class CheckpointLoader:
 
     def _load_states(self, states: dict[str, Any], path: Path) -> None:
         plan = plan_state(states)
-        check = LoadCheck.plan(path, self.env.rank, self.env.world_size) if self.cfg.verify_on_load else None
+        check = None
+        if self.cfg.verify_on_load:  # each node's own copy (the node-local tier): each rank checks what it reads
+            check = LoadCheck.plan(path, self.env.rank, self.env.world_size) if self.run.shared else \
+                LoadCheck.of_reads(path)
         for attr, model in plan.models.items():
             folder = _require(path / layout.state_dir(attr))
             if peft_format.is_peft_model(model):

@@ -347,7 +347,11 @@ class _Checked:
     check: Any = None
 
     def _read(self, read: Callable[..., Future | None], plan: LoadPlan, planner: LoadPlanner) -> Future:
-        hashers = self.check.hashers(Path(self.path)) if self.check is not None else {}
+        hashers: dict[str, Any] = {}
+        if self.check is not None:  # the files this load reads from
+            data = self.storage_data  # type: ignore[attr-defined]
+            reading = {os.path.join(self.path, data[req.storage_index].relative_path) for req in plan.items}
+            hashers = self.check.hashers(Path(self.path), reading)
         # a mismatch is raised in read_data: every rank learns of it through DCP
         done = read(self, plan, planner, self.threads, hashers, (lambda: self.check.check(hashers)) if hashers else None)
         if done is None:  # torch's reader: the files are hashed at the end of the load instead

@@ -16,7 +16,7 @@ import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from automodel_ckpt.checkpoint.disk import layout, manifest, paths
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -71,9 +71,11 @@ def manifest_digest(content: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def scan(folder: Path, *, checksums: bool = True, threads: int = 4) -> Inventory:
+def scan(folder: Path, *, checksums: bool = True, threads: int = 4, leave: Callable[[str], bool] | None = None
+         ) -> Inventory:
     """What ``folder`` holds: each complete local step's files that match its manifest (sizes; with ``checksums``
-    also checksums, in the manifest's algorithm). Staging and quarantined folders, links and folders without a
+    also checksums, in the manifest's algorithm, except for the files ``leave`` names: their checksums are left to
+    the load, which computes them as it reads them). Staging and quarantined folders, links and folders without a
     manifest are passed over (``skipped`` names the last two)."""
     folder = Path(folder)
     st = os.stat(folder)
@@ -93,7 +95,7 @@ def scan(folder: Path, *, checksums: bool = True, threads: int = 4) -> Inventory
         if not stat.S_ISDIR(mode):
             skipped.append(f"{name}: {paths.kind(mode)}, not a folder")
             continue
-        found = _scan_step(path, name, parsed, checksums, threads)
+        found = _scan_step(path, name, parsed, checksums, threads, leave)
         if isinstance(found, str):
             skipped.append(f"{name}: {found}")
         else:
@@ -107,7 +109,8 @@ def folder_id(folder: Path, st: os.stat_result | None = None) -> str:
     return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
 
 
-def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, threads: int) -> StepFiles | str:
+def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, threads: int,
+               leave: Callable[[str], bool] | None) -> StepFiles | str:
     try:
         manifest.check_layout_version(path)
         content = manifest.read(path)
@@ -116,11 +119,15 @@ def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, 
     if content is None:
         return f"no {layout.MANIFEST_FILE} (being written, or left by a failed save)"
     listed = {rel: int(entry["size"]) for rel, entry in content["files"].items()}
-    report = manifest.verify(path, checksums=checksums, unexpected=False, threads=threads)
+    report = manifest.verify(path, checksums=checksums and leave is None, unexpected=False, threads=threads)
     if report.problem:
         return report.problem
-    present = {v.path: listed[v.path] for v in report.verdicts if v.ok}
-    problems = tuple(v.describe() for v in report.verdicts if v.status != manifest.MISSING and not v.ok)
+    verdicts = {v.path: v for v in report.verdicts}
+    if checksums and leave is not None:
+        hashed = [rel for rel, v in verdicts.items() if v.ok and not leave(rel)]
+        verdicts.update((v.path, v) for v in manifest.verify(path, only=hashed, unexpected=False).verdicts)
+    present = {rel: listed[rel] for rel, v in verdicts.items() if v.ok}
+    problems = tuple(v.describe() for v in verdicts.values() if v.status != manifest.MISSING and not v.ok)
     return StepFiles(name, parsed[0], parsed[1], manifest_digest(content), listed, present, problems)
 
 

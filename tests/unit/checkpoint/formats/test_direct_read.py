@@ -306,6 +306,50 @@ def test_verify_on_load_checks_data_files_no_load_read(tmp_path):
         ckpt.load(only_model, path)
 
 
+def test_on_a_nodes_own_copy_the_load_checks_every_file_it_reads_and_no_other(tmp_path, monkeypatch):
+    """The node-local tier (a run folder that is not shared): each node loads its own copy, so each rank hashes
+    every data file its load reads from, while reading it, and leaves the files no load of it reads."""
+    from automodel_ckpt.checkpoint.disk import loadcheck
+    from tests.unit.checkpoint.ckpt_state import State
+
+    ckpt, state, path = _saved(tmp_path, "torch_save")
+    monkeypatch.setattr(ckpt.run, "shared", False)
+    model_file, optim_file = (next(rel for rel in _data_files(path) if rel.startswith(d)) for d in ("model", "optim"))
+    hashed_on_read: list[str] = []
+    real_read = directread.read_files
+    monkeypatch.setattr(directread, "read_files", lambda segments, threads, **kw: hashed_on_read.extend(
+        kw.get("hash_files") or {}) or real_read(segments, threads, **kw))
+    raw = bytearray((path / optim_file).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # the optimizer's file is damaged, but not read by a load of the model alone
+    (path / optim_file).write_bytes(bytes(raw))
+
+    fresh = State(hidden=64, layers=3, seed=5)
+    ckpt.load({"model": fresh.model}, path)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+    assert [Path(p).relative_to(path.resolve()).as_posix() for p in hashed_on_read] == [model_file]
+    with pytest.raises(loadcheck.DamagedFile, match="checksum mismatch"):  # read: checked
+        ckpt.load(State(hidden=64, layers=3).states(), path)
+
+
+def test_a_reads_only_check_hashes_at_the_end_what_was_read_but_not_hashed(tmp_path):
+    """A load that fell back to torch's reader read a file without hashing it: ``finish`` hashes it then."""
+    from automodel_ckpt.checkpoint.disk import loadcheck
+
+    _ckpt, _state, path = _saved(tmp_path, "torch_save")
+    model_file, optim_file = (next(rel for rel in _data_files(path) if rel.startswith(d)) for d in ("model", "optim"))
+    for rel in (model_file, optim_file):
+        raw = bytearray((path / rel).read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        (path / rel).write_bytes(bytes(raw))
+    check = loadcheck.LoadCheck.of_reads(path)
+    check.hashers(path / "optim")  # the optimizer folder's load read nothing: no file of it is checked
+    check.finish()
+    check = loadcheck.LoadCheck.of_reads(path)
+    assert check.hashers(path / "model", [str(path / model_file)])
+    with pytest.raises(loadcheck.DamagedFile, match=model_file):
+        check.finish()
+
+
 def _finishes(fn) -> BaseException | None:
     """Runs ``fn`` on a thread; the exception it raised. Fails the test if it has not returned within a minute."""
     import threading

@@ -55,6 +55,21 @@ def test_scan_lists_the_files_that_match_each_steps_manifest(tmp_path):
     assert "optim/__0_0.distcp" in scan(tmp_path, checksums=False).steps["epoch_0_step_6"].present
 
 
+def test_scan_can_leave_the_data_files_checksums_to_the_load(tmp_path):
+    """With ``leave``, the files it names are checked by size only (the load hashes them as it reads them); the
+    others still by checksum."""
+    from automodel_ckpt.checkpoint.disk.loadcheck import deferred
+
+    step = write_step(tmp_path, "epoch_0_step_6", PARTS)
+    (step / "optim/__0_0.distcp").write_bytes(b"X" * 20)  # a data file: same size, other bytes
+    (step / "metadata.json").write_bytes(b"[]")  # a small file: same size, other bytes
+    six = scan(tmp_path, leave=deferred).steps["epoch_0_step_6"]
+    assert sorted(six.present) == ["model/shard-0.safetensors", "model/shard-1.safetensors", "optim/__0_0.distcp",
+                                   "optim/__1_0.distcp"]
+    assert len(six.problems) == 1 and "metadata.json: checksum mismatch" in six.problems[0]
+    assert "optim/__0_0.distcp" not in scan(tmp_path).steps["epoch_0_step_6"].present
+
+
 def test_the_digest_is_of_the_manifests_content_not_its_formatting(tmp_path):
     a, b = write_step(tmp_path / "a", "epoch_0_step_1", PARTS), write_step(tmp_path / "b", "epoch_0_step_1", PARTS)
     content = manifest.read(b)
