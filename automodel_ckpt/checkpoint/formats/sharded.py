@@ -223,6 +223,8 @@ class HostStager:
     shard); later saves only copy into them, so staging costs one memory copy of the state. A state whose structure
     changed (an optimizer that gained its moments) gets new buffers. Pinned memory and non-blocking copies where
     the state lives on an accelerator. Holds a second copy of the model and optimizer state in host memory.
+    Buffers it drops (replaced, or at ``close``) are pinned blocks the accelerator's host caching allocator would
+    keep for good: they are given back (``release_pinned``) before new ones are made.
     """
 
     def __init__(self) -> None:
@@ -236,7 +238,9 @@ class HostStager:
             try:
                 return self._copied(state, buffers)
             except _Mismatch:
-                pass
+                del self._buffers[key]
+                buffers = None
+                release_pinned()
         self._buffers[key] = buffers = _host_buffers(state)
         return self._copied(state, buffers)
 
@@ -248,6 +252,14 @@ class HostStager:
 
     def close(self) -> None:
         self._buffers.clear()
+        release_pinned()
+
+
+def release_pinned() -> None:
+    """Give the pinned host blocks no tensor uses back to the OS (torch's host caching allocator keeps them); a
+    no-op where no accelerator is in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.accelerator.memory.empty_host_cache()
 
 
 class _Mismatch(Exception):

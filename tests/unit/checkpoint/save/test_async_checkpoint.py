@@ -377,3 +377,21 @@ def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_backgroun
         ckpt.finalize()
     assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
     assert not list(root.glob(".staging-*"))
+
+
+def test_staging_buffers_dropped_give_their_pinned_memory_back(monkeypatch):
+    """On an accelerator the staging buffers are pinned, and torch's host caching allocator keeps freed pinned
+    blocks: buffers replaced (a state whose structure changed) or closed are given back before new ones are made."""
+    released: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"synchronize": lambda self: None})())
+    monkeypatch.setattr(torch.accelerator.memory, "empty_host_cache", lambda: released.append(1))
+    stager = sharded.HostStager()
+    stager.stage("optim", {"lr": 0.1, "w": torch.ones(3)})
+    stager.stage("optim", {"lr": 0.1, "w": torch.ones(3)})  # same structure: the same buffers, nothing released
+    assert released == []
+    stager.stage("optim", {"lr": 0.1, "w": torch.ones(3), "exp_avg": torch.zeros(3)})  # moments appeared
+    assert released == [1]
+    stager.close()
+    assert released == [1, 1]
