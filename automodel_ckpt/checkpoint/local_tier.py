@@ -115,13 +115,14 @@ class LocalTier:
         if not self.active:
             return None
         started = time.perf_counter()
+        newest_durable = _step_of(durable)
         for leave in (deferred, None):
             skipped: list[str] = []
             chosen, inventories = recover.newest_step(self.run, skipped, leave=leave)
             if self.env.is_main:
                 for line in skipped:
                     self.say(f"warning: {line}; not resuming from it")
-            if chosen is None or (_step_of(durable) is not None and chosen.step <= _step_of(durable)):
+            if chosen is None or (newest_durable is not None and chosen.step <= newest_durable):
                 return None
             try:
                 loaded = self.loader.load(states, recover.make_whole(self.run, chosen, inventories))
