@@ -5,6 +5,9 @@
 #                GPU users: install the torch build for their CUDA into .venv first, or set TORCH_SPEC;
 #                an existing torch is never replaced.
 #   PYTHON       interpreter used to create .venv (default: python3)
+#   SETUP_INSTALLER  uv (default: installs and byte-compiles in parallel, several times faster) or pip.
+#                uv is installed into .venv by pip and given pip's own settings (find-links, indexes, constraints,
+#                certificate); whatever uv cannot install is installed by pip.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
@@ -12,18 +15,64 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+UV=()
+
+quiet_pip() {  # pip, without its warnings about configured find-links folders that this machine lacks
+  local status=0
+  "${PIP[@]}" "$@" > >(grep -v "is ignored: it is neither a file nor a directory" >&2) 2>&1 || status=$?
+  return "$status"
+}
+
+use_uv() {  # UV: uv's install command given pip's configuration; left empty where uv is not to be used
+  [ "${SETUP_INSTALLER:-uv}" = uv ] || return 0
+  "$PY" -c "import uv" >/dev/null 2>&1 || quiet_pip install uv >/dev/null || { echo "setup: uv unavailable; using pip"; return 0; }
+  local settings=() line
+  mapfile -t settings < <("$PY" - <<'PY'
+import os, shlex, subprocess, sys
+lines = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+flags = {"find-links": "--find-links", "index-url": "--index-url", "extra-index-url": "--extra-index-url",
+         "constraint": "--constraint"}
+print("--index-strategy", "unsafe-best-match", sep="\n")  # as pip: the best version from any index or folder
+for line in lines.splitlines():
+    key, _, value = line.partition("=")
+    name = key.rpartition(".")[2]
+    for item in shlex.split(value.strip().strip("'\"")):
+        remote = "://" in item and not item.startswith("file://")
+        if name in flags and (remote or os.path.exists(item.removeprefix("file://"))):  # pip skips missing ones
+            print(flags[name], item, sep="\n")
+        elif name == "cert" and os.path.isfile(item):
+            print(f"SSL_CERT_FILE={item}")
+PY
+)
+  UV=("$PY" -m uv pip install -q --python "$PY" --compile-bytecode)
+  for line in "${settings[@]}"; do
+    if [[ "$line" == SSL_CERT_FILE=* ]]; then export SSL_CERT_FILE="${line#SSL_CERT_FILE=}"; else UV+=("$line"); fi
+  done
+}
+
+install() {  # install "$@" with uv when it can, else with pip
+  if [ ${#UV[@]} -gt 0 ]; then
+    "${UV[@]}" "$@" && return 0
+    echo "setup: uv could not install $*; using pip"
+  fi
+  quiet_pip install "$@"
+}
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing ${TORCH_SPEC:-torch==2.13.0}"
+  use_uv
   # shellcheck disable=SC2086
-  "${PIP[@]}" install ${TORCH_SPEC:-torch==2.13.0}
+  install ${TORCH_SPEC:-torch==2.13.0}
 fi
 stamp="$VENV/.automodel-ckpt-setup"
 want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VENV/bin/python" -c "import automodel_ckpt" >/dev/null 2>&1; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import automodel_ckpt" >/dev/null 2>&1; then
   echo "setup: installing automodel-ckpt and its dependencies"
-  "${PIP[@]}" install -e ".[test]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-  "$VENV/bin/python" -c "import automodel_ckpt, torch, transformers, peft, datasets" || { echo "setup: install failed" >&2; exit 1; }
+  [ ${#UV[@]} -gt 0 ] || use_uv
+  install -e ".[test]"
+  "$PY" -c "import automodel_ckpt, torch, transformers, peft, datasets" || { echo "setup: install failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
-echo "setup: ready ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
+echo "setup: ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
