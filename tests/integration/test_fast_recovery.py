@@ -63,6 +63,11 @@ def killed_state(tmp_path_factory, assets):
                expect_ok=False)
     for node in ("node0", "node1"):
         assert (cwd / node / "epoch_0_step_6" / layout.MANIFEST_FILE).is_file()
+        # each node: both ranks' optimizer files, the small items (read by every rank) apart from the moments
+        assert sorted(p.name for p in (cwd / node / "epoch_0_step_6" / "optim").glob("*.distcp")) == [
+            "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
+    assert sorted(p.name for p in (cwd / "run" / "epoch_0_step_4" / "optim").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # the durable tier's layout is unchanged
     assert sorted(p.name for p in (cwd / "run").glob("epoch_*")) == ["epoch_0_step_4"]
     kept = tmp_path_factory.mktemp("killed_kept")
     for name in ("run", "node0", "node1"):

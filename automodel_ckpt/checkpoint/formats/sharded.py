@@ -34,18 +34,20 @@ from automodel_ckpt.checkpoint.formats.safe_load import (
 from automodel_ckpt.checkpoint.disk.layout import SAFETENSORS, TORCH_SAVE  # the format names, spelled once
 
 
-def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None):
+def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None,
+            small_apart: bool = False):
     """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
 
     safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
     (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
-    ``__R_0.distcp`` per rank (``FileSystemWriter``'s). Each file is fsynced once, with its checksum noted in
-    ``written``. ``threads``: writer threads (default ``fastio.WRITE_THREADS``).
+    ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart`` the small items in ``__R_1.distcp``
+    (``fastio.ParallelFileSystemWriter``). Each file is fsynced once, with its checksum noted in ``written``.
+    ``threads``: writer threads (default ``fastio.WRITE_THREADS``).
     """
     extra = {} if threads is None else {"threads": threads}
     if fmt == SAFETENSORS:
         return fastio.ParallelSafetensorsWriter(path, written=written, **extra)
-    return fastio.ParallelFileSystemWriter(path, written=written, **extra)
+    return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
 
 
 def _reader(path: Path, fmt: str, check: LoadCheck | None = None):
@@ -139,7 +141,7 @@ class StagedSave:
     """
 
     def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: str,
-                 written: WrittenFiles | None = None, threads: int | None = None) -> None:
+                 written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False) -> None:
         self.key = key
         self.state: dict | None = state
         self.stager = stager
@@ -148,6 +150,7 @@ class StagedSave:
         self.fmt = fmt
         self.written = written
         self.threads = threads
+        self.small_apart = small_apart
 
     def capture(self) -> None:
         """Copy the live tensors; afterwards the training thread may change them."""
@@ -158,11 +161,14 @@ class StagedSave:
     def write(self, process_group) -> None:
         """Write the captured copy (collective on ``process_group``; raises on every rank if any rank fails)."""
         assert self.staged is not None, "write before capture"
-        _save(self.staged, self.path, _writer(self.path, self.fmt, self.written, threads=self.threads), process_group)
+        _save(self.staged, self.path, self._writer(), process_group)
+
+    def _writer(self):
+        return _writer(self.path, self.fmt, self.written, threads=self.threads, small_apart=self.small_apart)
 
     def fail(self, error: BaseException, process_group) -> None:
         """This rank could not capture: take part in the write collectively, so that every rank raises ``error``."""
-        writer = _writer(self.path, self.fmt, self.written, threads=self.threads)
+        writer = self._writer()
 
         def refuse(plan, planner):
             raise error
@@ -182,11 +188,13 @@ def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, writ
 
 
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
-                    written: WrittenFiles | None = None, *, threads: int | None = None) -> StagedSave:
+                    written: WrittenFiles | None = None, *, threads: int | None = None,
+                    small_apart: bool = False) -> StagedSave:
     """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
-    (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``."""
+    (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
+    the small items in a file of their own (``_writer``)."""
     state = _freeze(get_optimizer_state_dict(model, optimizer))
-    return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads)
+    return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads, small_apart)
 
 
 _SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later

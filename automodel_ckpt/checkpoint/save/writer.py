@@ -138,8 +138,11 @@ class SaveWriter:
         for attr, optim in plan.optimizers.items():
             folder = staging / layout.state_dir(attr)
             if self.is_async:
+                # where each node loads its own copy, a rank checks whole every file it reads from: the small
+                # items every rank reads go to a small file of their own (``fastio.ParallelFileSystemWriter``)
                 staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, folder, self._host_stager(),
-                                                      self.written, threads=self.write_threads))
+                                                      self.written, threads=self.write_threads,
+                                                      small_apart=not self.run.shared))
                 self._install_fence(optim)
             else:
                 sharded.save_optimizer(plan.model_for(attr), optim, folder, written=self.written)

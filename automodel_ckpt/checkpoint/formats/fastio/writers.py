@@ -26,28 +26,54 @@ def _done(results: list[WriteResult]) -> Future:
     return fut
 
 
+SMALL_ITEM_BYTES = 64 << 10  # ``small_apart``: tensors below this many bytes go to the small items' file
+
+
+def _small(item: Any) -> bool:
+    """A plain value, or a tensor (piece) below ``SMALL_ITEM_BYTES``."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return True
+    count = 1
+    for n in item.tensor_data.chunk.sizes:
+        count *= n
+    return count * item.tensor_data.properties.dtype.itemsize < SMALL_ITEM_BYTES
+
+
 class ParallelFileSystemWriter(FileSystemWriter):
     """``FileSystemWriter`` (DCP ``.distcp`` files, one per rank) written by ``write_file``.
 
     ``sync_files`` stays on for the ``.metadata`` file torch writes itself; the data file is fsynced once by
-    ``write_file``.
+    ``write_file``. ``small_apart``: the small items (plain values, tensors under ``SMALL_ITEM_BYTES``: step counts,
+    hyperparameters, what DCP writes once for every rank) go to a second file, ``__R_1.distcp``. Every rank reads
+    those of every other rank, and a rank that checks each file it reads from, whole (``disk.loadcheck.of_reads``),
+    then hashes another rank's small file, not its large one.
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
-                 written: durable.WrittenFiles | None = None) -> None:
+                 written: durable.WrittenFiles | None = None, small_apart: bool = False) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.threads = default_threads(threads)
         self.written = written
+        self.small_apart = small_apart
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.transforms.extensions or not self.single_file_per_rank:
             return super().write_data(plan, planner)
-        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+        items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        small = [wi for wi in items if _small(wi)] if self.small_apart else []
+        large = [wi for wi in items if not self.small_apart or not _small(wi)]
+        if not large or not small:
+            large, small = items, []
+        results = self._write_file(f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}", large, planner)
+        if small:
+            results += self._write_file(f"{plan.storage_data.prefix}1{DEFAULT_SUFFIX}", small, planner)
+        return _done(results)
+
+    def _write_file(self, file_name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
         pieces: list[Any] = []
         results: list[WriteResult] = []
         offset = 0
-        items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-        items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
         for item in items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -62,7 +88,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             offset += length
         write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
-        return _done(results)
+        return results
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)  # runs where the .metadata file is written (and fsynced)

@@ -429,3 +429,33 @@ def test_large_files_go_past_the_page_cache_byte_for_byte_with_their_checksum(tm
     monkeypatch.setattr(filewrite, "_write_direct", refuse)
     filewrite.write_file(tmp_path / "again.bin", pieces, 3)
     assert (tmp_path / "again.bin").read_bytes() == expected
+
+
+def test_small_items_apart_go_to_a_second_file_and_load_back_exactly(tmp_path, monkeypatch):
+    """``small_apart`` (a run whose nodes each load their own copy): step counts, hyperparameters and small tensors
+    in ``__0_1.distcp``, the large ones in ``__0_0.distcp``, each file's checksum noted; the load is exact."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    monkeypatch.setattr(fastio.writers, "SMALL_ITEM_BYTES", 1024)  # the LayerNorm's and last bias's moments: small
+    model, optimizer = model_and_optimizer(0)
+    written = durable.WrittenFiles()
+    staged = sharded.stage_optimizer(model, optimizer, tmp_path / "optim", sharded.HostStager(), written,
+                                     small_apart=True)
+    staged.capture()
+    staged.write(None)
+    assert sorted(p.name for p in (tmp_path / "optim").iterdir()) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    where = {}
+    for index, info in FileSystemReader(str(tmp_path / "optim")).read_metadata().storage_data.items():
+        where.setdefault(info.relative_path, set()).add(index.fqn)
+    assert "state.0.weight.exp_avg" in where["__0_0.distcp"] and "state.2.weight.exp_avg" in where["__0_1.distcp"]
+    assert any(fqn.endswith(".step") for fqn in where["__0_1.distcp"])
+    assert not any(fqn.endswith(".step") or fqn.startswith("param_groups") for fqn in where["__0_0.distcp"])
+    for name in ("__0_0.distcp", "__0_1.distcp"):
+        known = written.get(tmp_path / "optim" / name)
+        assert known is not None and known.digest == manifest.hash_file(tmp_path / "optim" / name,
+                                                                         known.algorithm)[1]
+    fresh_model, fresh_optimizer = model_and_optimizer(1)
+    fresh_optimizer.state.clear()
+    fresh_model.load_state_dict(model.state_dict())
+    sharded.load_optimizer(fresh_model, fresh_optimizer, tmp_path / "optim")
+    assert same(values(fresh_model, fresh_optimizer), values(model, optimizer))
