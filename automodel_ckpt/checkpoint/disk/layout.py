@@ -24,7 +24,7 @@ checkpoint_dir/
                  adapter_config.json, adapter_model.safetensors, automodel_peft_config.json,
                  tokenizer files                                                   (PEFT: instead of the above)
                  merged/        full HF model of base + adapter (`ckpt-train merge-lora`)
-    optim/       __R_0.distcp + .metadata
+    optim/       __R_0.distcp + .metadata          (node-local steps: + __R_1.distcp, the small items apart)
     dataloader/dataloader_dp_rank_R.pt
     rng/rng_dp_rank_R.pt
 ```
