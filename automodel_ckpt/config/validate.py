@@ -126,28 +126,42 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
     """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
     and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
     would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does
-    not. Nothing for a model not on this machine yet (a Hub id to be downloaded, an embedded base not yet created) or
-    from a builder of another package.
+    not. An embedded base not created yet is created in a temporary folder for the check (the run creates it where
+    the recipe says). Nothing for a Hub model not on this machine yet or from a builder of another package.
     """
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from automodel_ckpt.config.instantiate import instantiate
     from automodel_ckpt.models.materialize import builds_on_meta
 
     sizes = resolve_sizes(cfg.distributed, world_size)
     model = cfg.model
     if (sizes.tp == 1 and sizes.pp == 1 and sizes.ep == 1) or not builds_on_meta(model):
         return []
-    if model.get("config") is None:
-        from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
-        from automodel_ckpt.models.hub import CACHED, LOCAL, model_source
+    with tempfile.TemporaryDirectory(prefix="automodel-ckpt-dry-run-") as scratch:
+        if model.get("config") is None:
+            from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
+            from automodel_ckpt.models.hub import CACHED, LOCAL, model_source
 
-        name = str(model.get("pretrained_model_name_or_path") or "")
-        if model.get("embedded") and not (Path(name).expanduser() / HF_CONFIG).is_file():
-            return []  # created on first use, by the workers
-        if not name or model_source(name).status not in (LOCAL, CACHED):
-            return []
-    from automodel_ckpt.config.instantiate import instantiate
+            name = str(model.get("pretrained_model_name_or_path") or "")
+            if model.get("embedded") and not (Path(name).expanduser() / HF_CONFIG).is_file():
+                model = OmegaConf.create(OmegaConf.to_container(model, resolve=True))
+                model.pretrained_model_name_or_path = str(Path(scratch) / "base")
+            elif not name or model_source(name).status not in (LOCAL, CACHED):
+                return []
+        from transformers.utils import logging as hf_logging
+
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # writing an embedded base's shards: not a dry run's output
+        try:
+            built = instantiate(model, "model", on_meta=True)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
     from automodel_ckpt.distributed.tensor_parallel import family_name, parallel_styles
 
-    built = instantiate(model, "model", on_meta=True)
     lines = []
     if sizes.tp > 1:
         parallel_styles(built, sizes.tp, sizes.sequence_parallel)  # the sequence-parallel entries too

@@ -283,3 +283,17 @@ def test_dry_run_checks_the_stages_against_the_model(capsys, tmp_path):
     tied = _config_built(llama | {"tie_word_embeddings": True}, tmp_path)  # accepted: held by two stages
     assert main([*dry, *tied, "--distributed.pp_size", "2"]) == 0
     assert "# model: 2 pipeline stages" in capsys.readouterr().err
+
+
+def test_dry_run_checks_the_stages_of_an_embedded_base_not_created_yet(capsys, tmp_path, monkeypatch):
+    """The default recipe before its first run: the base is built in a temporary folder for the check, and the
+    recipe's assets folder stays as it was."""
+    monkeypatch.setenv("AUTOMODEL_CKPT_ASSETS", str(tmp_path))
+    dry = ["--nproc-per-node", "4", RECIPE, "--dry-run"]
+    assert main([*dry, "--distributed.pp_size", "2"]) == 0
+    assert "# model: 2 pipeline stages of decoder layers 0-1, 2-3 (1f1b, 2 microbatches)\n" in capsys.readouterr().err
+    assert "larger than the model's 4 decoder layers" in _error(capsys, [*dry, "--distributed.pp_size", "2",
+                                                                           "--distributed.pp_stages_per_rank", "4",
+                                                                           "--distributed.pp_schedule",
+                                                                           "interleaved_1f1b"])
+    assert list(tmp_path.iterdir()) == []
