@@ -129,6 +129,7 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
     not. An embedded base not created yet is created in a temporary folder for the check (the run creates it where
     the recipe says). Nothing for a Hub model not on this machine yet or from a builder of another package.
     """
+    import contextlib
     import tempfile
 
     from omegaconf import OmegaConf
@@ -140,7 +141,7 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
     model = cfg.model
     if (sizes.tp == 1 and sizes.pp == 1 and sizes.ep == 1) or not builds_on_meta(model):
         return []
-    with tempfile.TemporaryDirectory(prefix="automodel-ckpt-dry-run-") as scratch:
+    with contextlib.ExitStack() as scratch:
         if model.get("config") is None:
             from automodel_ckpt.checkpoint.disk.layout import HF_CONFIG
             from automodel_ckpt.models.hub import CACHED, LOCAL, model_source
@@ -148,7 +149,8 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
             name = str(model.get("pretrained_model_name_or_path") or "")
             if model.get("embedded") and not (Path(name).expanduser() / HF_CONFIG).is_file():
                 model = OmegaConf.create(OmegaConf.to_container(model, resolve=True))
-                model.pretrained_model_name_or_path = str(Path(scratch) / "base")
+                folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="automodel-ckpt-dry-run-"))
+                model.pretrained_model_name_or_path = str(Path(folder) / "base")
             elif not name or model_source(name).status not in (LOCAL, CACHED):
                 return []
         from transformers.utils import logging as hf_logging

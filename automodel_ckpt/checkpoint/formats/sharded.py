@@ -161,14 +161,14 @@ class StagedSave:
     def write(self, process_group) -> None:
         """Write the captured copy (collective on ``process_group``; raises on every rank if any rank fails)."""
         assert self.staged is not None, "write before capture"
-        _save(self.staged, self.path, self._writer(), process_group)
+        _save(self.staged, self.path, self._storage_writer(), process_group)
 
-    def _writer(self):
+    def _storage_writer(self):
         return _writer(self.path, self.fmt, self.written, threads=self.threads, small_apart=self.small_apart)
 
     def fail(self, error: BaseException, process_group) -> None:
         """This rank could not capture: take part in the write collectively, so that every rank raises ``error``."""
-        writer = self._writer()
+        writer = self._storage_writer()
 
         def refuse(plan, planner):
             raise error

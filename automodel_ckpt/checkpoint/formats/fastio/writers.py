@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -33,10 +34,7 @@ def _small(item: Any) -> bool:
     """A plain value, or a tensor (piece) below ``SMALL_ITEM_BYTES``."""
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return True
-    count = 1
-    for n in item.tensor_data.chunk.sizes:
-        count *= n
-    return count * item.tensor_data.properties.dtype.itemsize < SMALL_ITEM_BYTES
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize < SMALL_ITEM_BYTES
 
 
 class ParallelFileSystemWriter(FileSystemWriter):
@@ -61,13 +59,14 @@ class ParallelFileSystemWriter(FileSystemWriter):
             return super().write_data(plan, planner)
         items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
         items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-        small = [wi for wi in items if _small(wi)] if self.small_apart else []
-        large = [wi for wi in items if not self.small_apart or not _small(wi)]
-        if not large or not small:
-            large, small = items, []
-        results = self._write_file(f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}", large, planner)
-        if small:
-            results += self._write_file(f"{plan.storage_data.prefix}1{DEFAULT_SUFFIX}", small, planner)
+        files = [items]  # __R_0.distcp, and with ``small_apart`` __R_1.distcp
+        if self.small_apart:
+            small = [_small(wi) for wi in items]
+            if any(small) and not all(small):
+                files = [[wi for wi, s in zip(items, small) if not s], [wi for wi, s in zip(items, small) if s]]
+        results: list[WriteResult] = []
+        for k, file_items in enumerate(files):
+            results += self._write_file(f"{plan.storage_data.prefix}{k}{DEFAULT_SUFFIX}", file_items, planner)
         return _done(results)
 
     def _write_file(self, file_name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
