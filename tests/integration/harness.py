@@ -1,4 +1,4 @@
-"""Runs `ckpt-train` as a user would (a subprocess, 1 or 2 processes), reads what it wrote, and kills whole jobs."""
+"""Runs `ckpt-train` as a user would (a process of its own, forked warm where it can: warm_launch), reads what it wrote, and kills whole jobs."""
 
 from __future__ import annotations
 
@@ -42,11 +42,28 @@ def ckpt_train(cwd: Path, assets: Path, *args: str, nproc: int = 1, launcher: tu
                recipe: Path | str = RECIPE, env: dict[str, str] | None = None, timeout: int = 600,
                check: bool = True) -> Result:
     cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), *launcher, str(recipe), *QUIET, *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env_for(assets, env), capture_output=True, text=True, timeout=timeout)
+    proc = run_command(cmd, cwd=cwd, env=env_for(assets, env), timeout=timeout)
     result = Result(proc.returncode, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"ckpt-train failed ({proc.returncode}): {' '.join(cmd)}\n{result.output[-4000:]}")
     return result
+
+
+_WARM: list = []
+
+
+def run_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,
+                timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)``; a ``ckpt-train`` command runs forked from a server
+    that has its imports done (``warm_launch``) when its environment allows."""
+    from tests.integration.warm_launch import WarmLauncher
+
+    env = dict(os.environ) if env is None else env
+    if not _WARM:
+        _WARM.append(WarmLauncher(env_for(Path("/nonexistent"))))
+    if _WARM[0].accepts(cmd, env):
+        return _WARM[0].run(cmd, cwd, env, timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.checkpoint.disk import layout
-from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses, run_command
 
 # `ckpt-train` that stops at the first file or folder it creates in TMPDIR: `pack --out s3://` stages nothing
 _NOTHING_CREATED_IN_TMPDIR = """
@@ -34,7 +34,7 @@ def _first_loss(work: Path, assets: Path, name: str, restore_from: Path | str, e
 
 
 def _verb(assets: Path, *args: str, env=None) -> subprocess.CompletedProcess:
-    done = subprocess.run([CKPT_TRAIN, *args], env=env_for(assets, env), capture_output=True, text=True, timeout=300)
+    done = run_command([CKPT_TRAIN, *args], env=env_for(assets, env), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 

@@ -21,7 +21,7 @@ import torch
 from automodel_ckpt.models.materialize import RECORD_ENV
 from tests.family_bases import folder_weights, row_shares
 
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, run_command
 
 PEFT_RECIPE = REPO / "recipes" / "tiny_llama_peft.yaml"
 SMALL = ("--dataset.num_samples", "400", "--data.val_size", "16", "--step_scheduler.val_every_steps", "null",
@@ -49,7 +49,7 @@ def _run(work: Path, assets: Path, base: Path, name: str, *args: str, recipe: Pa
 
 
 def _cli(assets: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CKPT_TRAIN, *args], capture_output=True, text=True, timeout=600, env=env_for(assets))
+    return run_command([CKPT_TRAIN, *args], timeout=600, env=env_for(assets))
 
 
 def _export(assets: Path, ckpt: Path) -> Path:

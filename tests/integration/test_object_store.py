@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, run_command
 from tests.integration.seaweed import ACCESS_KEY, SECRET_KEY
 
 STEPS = ("--step_scheduler.max_steps", "8", "--step_scheduler.ckpt_every_steps", "2",
@@ -100,8 +100,7 @@ def test_verbs_and_restore_from_on_s3_and_the_export_loads_in_transformers(seawe
                                                                              "secret": "<redacted>"}, path
 
     def verb(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([CKPT_TRAIN, *args], cwd=tmp_path, env=env_for(assets, env), capture_output=True,
-                              text=True, timeout=300)
+        return run_command([CKPT_TRAIN, *args], cwd=tmp_path, env=env_for(assets, env), timeout=300)
 
     inspected = verb("inspect", url, "--json")
     assert inspected.returncode == 0, inspected.stderr

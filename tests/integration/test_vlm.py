@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from tests.family_bases import folder_weights
 
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, run_command, tree
 
 VLM_RECIPE = REPO / "recipes" / "tiny_vlm_sft.yaml"
 VLM_PEFT_RECIPE = REPO / "recipes" / "tiny_vlm_peft.yaml"
@@ -62,7 +62,7 @@ def _resumed(work: Path, assets: Path) -> tuple[Path, str]:
 
 
 def _cli(assets: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CKPT_TRAIN, *args], capture_output=True, text=True, timeout=600, env=env_for(assets))
+    return run_command([CKPT_TRAIN, *args], timeout=600, env=env_for(assets))
 
 
 def _answers(folder: Path, n: int = 24) -> list[str]:

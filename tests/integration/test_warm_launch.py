@@ -1,0 +1,64 @@
+"""The test harness's warm launches (``warm_launch``) behave as new ``ckpt-train`` processes do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import CKPT_TRAIN, RECIPE, env_for, jsonl, process_tree
+from tests.integration.warm_launch import WarmLauncher
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    launcher = WarmLauncher(env_for(tmp_path_factory.mktemp("no_assets")))
+    yield launcher
+    launcher.close()
+
+
+def test_a_warm_launch_prints_exits_and_sees_its_folder_and_environment_as_a_new_process(tmp_path, warm, assets):
+    (tmp_path / "bad.yaml").write_text(RECIPE.read_text().replace("max_steps:", "max_stepz:"))
+    env = env_for(assets, {"AUTOMODEL_CKPT_EXAMPLE": "1"})
+    for args in (["--version"], ["bad.yaml"], ["bad.yaml", "--dry-run"], [str(RECIPE), "--dry-run", "--nope", "1"],
+                 ["inspect", "no_such_folder"], []):
+        cmd = [CKPT_TRAIN, *args]
+        assert warm.accepts(cmd, env)
+        fresh = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        forked = warm.run(cmd, tmp_path, env, timeout=300)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == 2 and "usage: ckpt-train" in fresh.stdout  # the last one: no arguments
+
+
+def test_a_warm_launch_trains_in_its_own_folder(tmp_path, warm, assets):
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), "--training.progress_bar", "false",
+           "--step_scheduler.max_steps", "2", "--checkpoint.checkpoint_dir", "run"]
+    done = warm.run(cmd, tmp_path, env_for(assets), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in jsonl(tmp_path / "run" / "training.jsonl")] == [1, 2]  # the folder is the command's
+    assert "Saving checkpoint to" in done.stdout
+
+
+def test_a_warm_launch_past_its_timeout_is_killed_with_its_workers(tmp_path, warm, assets):
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), "--training.progress_bar", "false",
+           "--step_scheduler.max_steps", "100000", "--checkpoint.enabled", "false"]
+    before = set(process_tree(os.getpid()))
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run(cmd, tmp_path, env_for(assets), timeout=5)
+    assert set(process_tree(os.getpid())) - before <= {warm._proc.pid}  # the server only: no launcher, no worker
+    assert warm.run([CKPT_TRAIN, "--version"], tmp_path, env_for(assets), timeout=60).returncode == 0
+
+
+def test_variables_read_at_import_time_start_a_new_interpreter(monkeypatch):
+    warm = WarmLauncher(env_for(Path("/nonexistent")))
+    base = env_for(Path("/elsewhere"))
+    assert warm.accepts([CKPT_TRAIN, "x.yaml"], base)
+    assert warm.accepts([CKPT_TRAIN, "x.yaml"], base | {"PYTHONPATH": "/somewhere", "CKPT_TEST_S3_SECRET": "s"})
+    for name, value in (("PYTHONWARNINGS", "ignore"), ("HF_HOME", "/h"), ("OMP_NUM_THREADS", "2"),
+                        ("AUTOMODEL_CKPT_MALLOC", "default"), ("LD_PRELOAD", "libjemalloc.so")):
+        assert not warm.accepts([CKPT_TRAIN, "x.yaml"], base | {name: value}), name
+    assert not warm.accepts(["python", "x.py"], base)
+    monkeypatch.setenv("CKPT_TEST_FRESH_PROCESSES", "1")
+    assert not warm.accepts([CKPT_TRAIN, "x.yaml"], base)
