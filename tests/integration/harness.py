@@ -52,18 +52,35 @@ def ckpt_train(cwd: Path, assets: Path, *args: str, nproc: int = 1, launcher: tu
 _WARM: list = []
 
 
+def _warm(cmd: list[str], env: dict[str, str]):
+    """This process's warm launcher when it takes ``cmd`` under ``env`` (``warm_launch``), else None."""
+    from tests.integration.warm_launch import WarmLauncher
+
+    if not _WARM:
+        _WARM.append(WarmLauncher(env_for(Path("/nonexistent"))))
+    return _WARM[0] if _WARM[0].accepts(cmd, env) else None
+
+
 def run_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,
                 timeout: float | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)``; a ``ckpt-train`` command runs forked from a server
     that has its imports done (``warm_launch``) when its environment allows."""
-    from tests.integration.warm_launch import WarmLauncher
-
     env = dict(os.environ) if env is None else env
-    if not _WARM:
-        _WARM.append(WarmLauncher(env_for(Path("/nonexistent"))))
-    if _WARM[0].accepts(cmd, env):
-        return _WARM[0].run(cmd, cwd, env, timeout)
+    warm = _warm(cmd, env)
+    if warm is not None:
+        return warm.run(cmd, cwd, env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None, stdout=None,
+                  stderr=None, text: bool = False, start_new_session: bool = False):
+    """``subprocess.Popen`` with these arguments; a ``ckpt-train`` command forked warm as for ``run_command``."""
+    env = dict(os.environ) if env is None else env
+    warm = _warm(cmd, env)
+    if warm is not None:
+        return warm.popen(cmd, cwd, env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
+                            start_new_session=start_new_session)
 
 
 def free_port() -> int:

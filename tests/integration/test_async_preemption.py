@@ -27,7 +27,7 @@ from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
 from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.launch import worker_pids
 from tests.integration.contents import comparable
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, losses
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, losses, start_command
 
 pytestmark = pytest.mark.integration
 
@@ -106,8 +106,8 @@ def _preempted(work: Path, assets: Path, delivery: str) -> tuple[int, str, Path]
     log = work / f"preempt_{delivery}.log"
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *_preempt_args(delivery)]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_command(cmd, cwd=work, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     try:
         journal = run_dir / layout.TRAINING_LOG
         _wait_for(lambda: journal.exists() and journal.read_text().count("\n") >= 1, proc, "the first step")
@@ -176,9 +176,9 @@ def test_kill_during_an_overlapped_snapshot_publishes_nothing_and_resumes_from_t
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *args,
            "--recipe", "tests.integration.recipes_for_tests.HoldSnapshotRecipe"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env_for(assets, {"HOLD_AT_STEP": "4", "HOLD_MARKERS": str(markers),
-                                                      "PYTHONPATH": str(REPO)}),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_command(cmd, cwd=work, env=env_for(assets, {"HOLD_AT_STEP": "4", "HOLD_MARKERS": str(markers),
+                                                   "PYTHONPATH": str(REPO)}),
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for(lambda: all((markers / f"{m}{r}").exists() for m in ("capture", "fence") for r in (0, 1)), proc,
                   "the held snapshot and the next step's fence")

@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from automodel_ckpt.checkpoint.disk import layout
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, free_port, jsonl
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, free_port, jsonl, \
+    start_command
 from tests.integration.shared_runs import STRAIGHT_KEYS, STRAIGHT_STEPS
 
 ARGS = (*STRAIGHT_KEYS, "--step_scheduler.max_steps", str(STRAIGHT_STEPS), "--checkpoint.local.every_steps", "2")
@@ -31,10 +32,10 @@ def _starts(run_dir):
 def _two_nodes(cwd, assets, *args, env=None, expect_ok=True):
     port = str(free_port())
     procs = [
-        subprocess.Popen([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
-                          "--master-addr", "127.0.0.1", "--master-port", port, str(RECIPE), *QUIET, *ARGS, *args,
-                          "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(cwd / f"node{r}")],
-                         cwd=cwd, env=env_for(assets, {"PYTHONPATH": str(REPO), **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        start_command([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+                       "--master-addr", "127.0.0.1", "--master-port", port, str(RECIPE), *QUIET, *ARGS, *args,
+                       "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(cwd / f"node{r}")],
+                      cwd=cwd, env=env_for(assets, {"PYTHONPATH": str(REPO), **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]

@@ -39,7 +39,7 @@ import pytest
 
 from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
 from automodel_ckpt.checkpoint.disk.durable import read_pointer
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses, start_command
 
 MAX_STEPS = 12
 ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "1",
@@ -64,8 +64,8 @@ def start_job(cwd: Path, assets: Path, ckpt_dir: str, log: Path, mode: str = "sy
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, *SAVE_MODES[mode],
            "--checkpoint.checkpoint_dir", ckpt_dir]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return start_command(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
 
 
 def saves_in_progress(ckpt_dir: Path, since: float) -> list[str]:

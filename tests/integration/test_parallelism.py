@@ -73,7 +73,7 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
     stopped (SIGSTOP), and killed only if the staging folder is still there once nothing runs. A save that
     published before the job stopped is a miss: the folder is removed and the leg started again.
     """
-    from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, kill_job, stop_job
+    from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, kill_job, start_command, stop_job
     from tests.integration.test_kill_fault import check_dir, saves_in_progress
 
     root = tmp_path / run
@@ -83,8 +83,8 @@ def _killed_inside_a_save(tmp_path, assets, run: str, step: int, nproc: int, key
     for attempt in range(3):
         log, started = tmp_path / f"killed_{run}_{step}_{attempt}.log", time.time()
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = start_command(cmd, cwd=tmp_path, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
         deadline = time.monotonic() + 300
         while not saves_in_progress(root, started) and proc.poll() is None:
             assert time.monotonic() < deadline, log.read_text()[-2000:]

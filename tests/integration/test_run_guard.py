@@ -28,7 +28,7 @@ import pytest
 from automodel_ckpt.checkpoint.disk import catalog, layout
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, Result, _alive, ckpt_train, env_for, jsonl, losses, \
-    process_tree
+    process_tree, start_command
 
 MAX_STEPS = 8
 ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "2",
@@ -45,8 +45,8 @@ hold(sys.argv[1], init_distributed("gloo").rank)
 def start(cwd: Path, assets: Path, ckpt_dir: str, log: Path) -> subprocess.Popen:
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", ckpt_dir]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return start_command(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
 
 
 def wait_for(what: str, ready, proc: subprocess.Popen, log: Path) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import CKPT_TRAIN, RECIPE, env_for, jsonl, process_tree
+from tests.integration.harness import CKPT_TRAIN, RECIPE, env_for, jsonl, kill_job, process_tree
 from tests.integration.warm_launch import WarmLauncher
 
 
@@ -62,3 +63,26 @@ def test_variables_read_at_import_time_start_a_new_interpreter(monkeypatch):
     assert not warm.accepts(["python", "x.py"], base)
     monkeypatch.setenv("CKPT_TEST_FRESH_PROCESSES", "1")
     assert not warm.accepts([CKPT_TRAIN, "x.yaml"], base)
+
+
+def test_a_warm_job_streams_its_output_and_is_killed_as_a_started_one(tmp_path, warm, assets):
+    """As ``subprocess.Popen``: its output read line by line from a pipe, a session of its own, SIGKILL to its
+    process group and its workers ends it, ``wait`` and ``poll`` give the signal as a negative status."""
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), "--training.progress_bar", "false",
+           "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "2",
+           "--checkpoint.checkpoint_dir", "run"]
+    proc = warm.popen(cmd, tmp_path, env_for(assets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True)
+    assert os.getsid(proc.pid) == proc.pid and proc.poll() is None
+    for line in proc.stdout:
+        if "Saving checkpoint to" in line:
+            break
+    assert "Saving checkpoint to" in line and "epoch_0_step_2" in line, line
+    assert len(process_tree(proc.pid)) >= 3  # the launcher and its two workers
+    assert kill_job(proc) >= 3
+    assert proc.wait(timeout=60) == -signal.SIGKILL == proc.poll()
+    assert proc.communicate(timeout=60)[1] is None
+    done = warm.popen([CKPT_TRAIN, "nope.yaml"], tmp_path, env_for(assets), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
+    out, err = done.communicate(timeout=120)
+    assert (done.returncode, out) == (2, "") and err.startswith("error: ") and "nope.yaml" in err
