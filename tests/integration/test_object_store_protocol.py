@@ -134,3 +134,27 @@ def test_a_checkpoint_is_committed_only_after_the_logs_that_reach_its_step(seawe
     run.upload_commit_object(staging, "epoch_0_step_4")  # the job is killed right after: nothing else runs
     assert fs.exists(f"{root}/epoch_0_step_4/{layout.MANIFEST_FILE}")
     assert fs.cat(f"{root}/{layout.TRAINING_LOG}").decode() == steps
+
+
+def test_the_mirror_keeps_log_lines_past_the_stores_copy_and_takes_a_copy_that_differs(seaweed, tmp_path,
+                                                                                      monkeypatch):
+    """The store's logs are pushed with durable checkpoints: the steps logged after (up to a node-local step)
+    are only in the mirror, and a resume from that step needs them. Lines that do not continue the store's copy
+    are another history: the store's copy replaces them."""
+    run, fs, root = _run(seaweed, tmp_path, monkeypatch)
+    run.pull()
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8)]
+    fs.pipe(f"{root}/{layout.TRAINING_LOG}", "".join(lines[:4]).encode())
+    log = run.mirror / layout.TRAINING_LOG
+    log.write_text("".join(lines), encoding="utf-8")  # steps 5 to 7 logged after the store's last push
+    run.pull()
+    assert log.read_text(encoding="utf-8") == "".join(lines)
+    log.write_text("".join(lines[:2]) + json.dumps({"step": 3, "loss": 9.0}) + "\n", encoding="utf-8")
+    run.pull()
+    assert log.read_text(encoding="utf-8") == "".join(lines[:4])  # diverged: the store's
+    log.write_text("".join(lines[:3]), encoding="utf-8")  # behind the store: the store's
+    run.pull()
+    assert log.read_text(encoding="utf-8") == "".join(lines[:4])
+    fs.rm(f"{root}/{layout.TRAINING_LOG}")
+    run.pull()  # nothing pushed yet (no durable checkpoint): the mirror's lines stay
+    assert log.read_text(encoding="utf-8") == "".join(lines[:4])

@@ -117,6 +117,8 @@ class RemoteRun:
                 remove_pointer(self.mirror, pointer)
         for log in _LOGS:
             data = self.store.read_text(log, limit=bounded.LOG_FILE)
+            if _extends(self.mirror / log, data or ""):
+                continue  # this mirror's run went on past the store's copy (to a node-local step): keep its lines
             if data is None:
                 (self.mirror / log).unlink(missing_ok=True)
             else:
@@ -258,6 +260,21 @@ class RemoteRun:
             wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))
             deleted.append(name)
         return deleted
+
+
+def _extends(local: Path, remote: str) -> bool:
+    """Whether the mirror's log ``local`` begins with the store's copy ``remote`` and goes further.
+
+    The store's logs are pushed with durable checkpoints; a run that also takes node-local steps logs the steps
+    after the last push only here. A resume from such a step cuts the lines after it (``truncate_after``) and
+    must find the steps before it, so the longer copy of the same history is kept; a copy that differs is the
+    store's (another machine continued the run)."""
+    expected = remote.encode("utf-8")
+    try:
+        with open(local, "rb") as f:
+            return f.read(len(expected)) == expected and bool(f.read(1))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
 
 
 def _made_here(folder: Path) -> bool:
