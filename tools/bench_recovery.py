@@ -1,7 +1,7 @@
 """The node-local tier on two nodes: save stall, whole-run overhead, recovery after a killed worker, memory used.
 
     python tools/bench_recovery.py [--size-gb 1] [--kill-after 17] [--durable-every 10] [--reps 1]
-        [--local-root /dev/shm] [--no-drop-cache] [--json OUT] [--out DIR]
+        [--local-root /dev/shm] [--no-drop-cache] [--durable-store disk|s3 [--endpoint URL]] [--json OUT] [--out DIR]
     python tools/bench_recovery.py --small --json OUT     # a tiny model, few steps, page cache kept: checks the tool
     python tools/bench_recovery.py --from-json OUT        # the report of an earlier run again
 
@@ -9,7 +9,9 @@ Trains a Llama-style model (hidden 768, fp32 weights + AdamW moments: ``--size-g
 number of layers) on the embedded tiny task with ``ckpt-train`` launched once per node, ``--nnodes 2
 --nproc-per-node 1``: two nodes on this machine, each with its own node-local folder (``--local-root``, default
 ``/dev/shm``). Every run takes a durable checkpoint (``checkpoint.is_async: true``) every ``--durable-every``
-steps; the runs:
+steps, into a folder (``--durable-store disk``, the default) or an object store (``s3``: a SeaweedFS server this
+tool starts on loopback, or ``--endpoint`` with the AWS variables; one staging folder both nodes share, as the
+object store asks of several nodes); the runs:
 
 * ``none``: no node-local steps (the throughput reference);
 * ``durable``: a durable async checkpoint every 2 steps instead (the stall of an async durable save);
@@ -18,8 +20,8 @@ steps; the runs:
   reported), the node-1 worker SIGKILLs itself, and node 0's worker fails at its next collective;
 * ``rerun_local``: the same two launches on the state the kill left, page cache dropped: they resume from the
   newest local step;
-* ``rerun_durable``: the same killed state with both node-local folders removed, page cache dropped: they resume
-  from the durable tier.
+* ``rerun_durable``: the same killed state with both node-local folders (and the object store's staging folder)
+  removed, page cache dropped: they resume from the durable tier.
 
 Rank 0 records every step's end and every save's ``stall`` (the wall time the training thread lost to it: the save
 call, plus the time the next ``optimizer.step()`` waited at the fence for the snapshot), as ``bench_async`` does.
@@ -258,19 +260,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Runs:
-    """Where the runs of one repetition live: the recipe, the run folder, the two node-local folders, timings."""
+class ObjectStore:
+    """The durable tier on an object store (``--durable-store s3``): its bucket, credentials and filesystem."""
 
-    def __init__(self, work: Path, local_root: Path, base: Path, args) -> None:
-        self.work, self.args = work, args
+    def __init__(self, work: Path, endpoint: str | None, bucket: str | None) -> None:
+        self.server = None
+        if endpoint is None:  # a SeaweedFS server on loopback, as the tests start it
+            sys.path.insert(0, str(REPO))
+            from tests.integration.seaweed import start
+
+            self.server = start(work / "seaweed")
+            self.env = self.server.env()
+            bucket = self.server.new_bucket("bench")
+        else:
+            self.env = {"AWS_ENDPOINT_URL": endpoint}
+            bucket = bucket or "bench"
+        os.environ.update(self.env)
+        from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+
+        self.prefix, self.url = f"{bucket}/run", f"s3://{bucket}/run"
+        self.fs = open_filesystem(self.url)
+
+    def files(self) -> list[str]:
+        """Every object of the run folder, relative to it."""
+        self.fs.invalidate_cache()
+        found = self.fs.find(self.prefix) if self.fs.exists(self.prefix) else []
+        return [path[len(self.prefix) + 1:] for path in found]
+
+    def clear(self) -> None:
+        objects = [f"{self.prefix}/{rel}" for rel in self.files()]
+        if objects:
+            self.fs.rm(objects)
+
+    def download(self, to: Path) -> None:
+        for rel in self.files():
+            (to / rel).parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(f"{self.prefix}/{rel}", str(to / rel))
+
+    def upload(self, source: Path) -> None:
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            self.fs.put_file(str(path), f"{self.prefix}/{path.relative_to(source).as_posix()}")
+
+    def newest_checkpoint_bytes(self) -> int | None:
+        sizes: dict[str, int] = {}
+        for path, info in self.fs.find(self.prefix, detail=True).items():
+            top = path[len(self.prefix) + 1:].split("/")[0]
+            if top.startswith("epoch_") and "/" in path[len(self.prefix) + 1:]:
+                sizes[top] = sizes.get(top, 0) + int(info["size"])
+        return sizes[max(sizes, key=lambda n: int(n.rsplit("_", 1)[1]))] if sizes else None
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class Runs:
+    """Where the runs of one repetition live: the recipe, the run folder, the two node-local folders, timings.
+
+    With ``store`` the durable tier is its run folder, worked through one staging folder both nodes share
+    (``stages``: the object store's multi-node requirement, docs/object-storage.md), where rank 0's logs are read."""
+
+    def __init__(self, work: Path, local_root: Path, base: Path, args, store: ObjectStore | None = None) -> None:
+        self.work, self.args, self.store = work, args, store
         self.nodes = [local_root / f"node{r}" for r in (0, 1)]
         self.ckpt_dir = work / "run"
+        self.stages = [work / "stage"] if store else []
+        self.logs = self.stages[0] if store else self.ckpt_dir
         self.recipe = {every: work / f"bench_local{every}.yaml" for every in (0, LOCAL_EVERY)}
         for every, path in self.recipe.items():
             path.write_text(RECIPE.format(
                 recipe=f"{Path(__file__).resolve()}:BenchRecoveryRecipe", base=base, vocab=VOCAB, hidden=args.hidden,
                 intermediate=args.intermediate, heads=args.heads, layers=args.layers, steps=args.kill_after + 1,
-                every=args.durable_every, ckpt_dir=self.ckpt_dir, local_every=every))
+                every=args.durable_every, ckpt_dir=store.url if store else self.ckpt_dir, local_every=every))
 
     def launch(self, tag: str, *, local: bool, durable_every: int | None = None, kill: bool = False) -> dict:
         """Both nodes of one run; returns when both launchers have exited, with their exit times and codes."""
@@ -278,7 +339,8 @@ class Runs:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         env = dict(os.environ, BENCH_RECOVERY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // 2)),
-                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO),
+                   **(self.store.env if self.store else {}))
         if kill:
             env["BENCH_RECOVERY_KILL_AFTER"] = str(self.args.kill_after)
         port = str(_free_port())
@@ -289,7 +351,8 @@ class Runs:
         for r in (0, 1):
             cmd = [sys.executable, "-m", "automodel_ckpt", "--nnodes", "2", "--node-rank", str(r),
                    "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-                   str(recipe), *extra, *(["--checkpoint.local.dir", str(self.nodes[r])] if local else [])]
+                   str(recipe), *extra, *(["--checkpoint.local.dir", str(self.nodes[r])] if local else []),
+                   *(["--checkpoint.staging_dir", str(self.stages[0])] if self.store else [])]
             log = (self.work / f"{tag}_node{r}.log").open("w")
             procs.append((subprocess.Popen(cmd, cwd=self.work, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True), log))
@@ -329,16 +392,42 @@ class Runs:
         return f"--- {tag}, node {rank}:\n{text[-2000:]}"
 
     def records(self) -> dict[int, dict]:
-        lines = (self.ckpt_dir / layout.TRAINING_LOG).read_text().splitlines()
+        lines = (self.logs / layout.TRAINING_LOG).read_text().splitlines()
         return {r["step"]: r for r in map(json.loads, lines)}
 
     def last_start(self) -> dict:
-        lines = (self.ckpt_dir / layout.EVENTS_LOG).read_text().splitlines()
+        lines = (self.logs / layout.EVENTS_LOG).read_text().splitlines()
         return [e for e in map(json.loads, lines) if e["event"] == "start"][-1]
 
     def clear(self) -> None:
-        for folder in (self.ckpt_dir, *self.nodes):
+        for folder in (self.ckpt_dir, *self.nodes, *self.stages):
             shutil.rmtree(folder, ignore_errors=True)
+        if self.store:
+            self.store.clear()
+
+    def durable_checkpoint_bytes(self) -> int | None:
+        if self.store:
+            return self.store.newest_checkpoint_bytes()
+        durable = sorted(self.ckpt_dir.glob("epoch_*"))
+        return tree_bytes(durable[-1]) if durable else None
+
+    def keep(self, kept: Path) -> None:
+        """Copy what the killed run left (run folder, node-local and staging folders) to ``kept``."""
+        for folder in (self.ckpt_dir, *self.nodes, *self.stages):
+            if folder.exists():
+                shutil.copytree(folder, kept / folder.name, symlinks=True)
+        if self.store:
+            self.store.download(kept / "store")
+
+    def restore(self, kept: Path, tier: str) -> None:
+        """Put back what the killed run left; for the durable tier's rerun, only the durable run folder (the nodes
+        are new machines: no node-local folder, no staging folder)."""
+        self.clear()
+        for folder in (self.ckpt_dir, *self.nodes, *self.stages):
+            if (kept / folder.name).exists() and (tier == "local" or folder == self.ckpt_dir):
+                shutil.copytree(kept / folder.name, folder, symlinks=True)
+        if self.store:
+            self.store.upload(kept / "store")
 
 
 def span_rate(run: dict, last: int) -> float | None:
@@ -377,16 +466,11 @@ def one_repetition(runs: Runs, args) -> dict:
     if "failed" in rep["local"]:
         return rep
     rep["local_bytes_at_kill"] = tree_bytes(*runs.nodes)
-    durable = sorted(runs.ckpt_dir.glob("epoch_*"))
-    rep["durable_checkpoint_bytes"] = tree_bytes(durable[-1]) if durable else None
+    rep["durable_checkpoint_bytes"] = runs.durable_checkpoint_bytes()
     kept = runs.work / "killed"
-    for folder in (runs.ckpt_dir, *runs.nodes):
-        shutil.copytree(folder, kept / folder.name, symlinks=True)
+    runs.keep(kept)
     for tier in ("local", "durable"):
-        runs.clear()
-        for folder in (runs.ckpt_dir, *runs.nodes):
-            if tier == "local" or folder == runs.ckpt_dir:  # rerun_durable: the node-local folders are gone
-                shutil.copytree(kept / folder.name, folder, symlinks=True)
+        runs.restore(kept, tier)
         dropped = drop_page_cache() if args.drop_cache else False
         run = runs.launch(f"rerun_{tier}", local=True)
         run["page_cache_dropped"] = dropped
@@ -402,10 +486,11 @@ def recovery(runs: Runs, rerun: dict, reference: dict) -> dict:
     """What a rerun of the killed state shows: which tier and step it resumed from, its load phase, and whether
     its losses are those of the uninterrupted run."""
     start, got = runs.last_start(), runs.records()
+    differ = [s for s, r in reference.items() if got.get(s, {}).get("loss") != r["loss"]]
     return {
         "tier": start.get("tier"), "resumed_step": start["step"], "resumed_from": start.get("resumed_from"),
         "load_seconds": start.get("load_seconds"), "restore_phases": rerun.get("restore_phases", {}),
-        "losses_match": bool(reference) and all(got.get(s, {}).get("loss") == r["loss"] for s, r in reference.items()),
+        "losses_match": bool(reference) and not differ, "steps_not_matching": differ,
     }
 
 
@@ -526,6 +611,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout", type=int, default=900, help="seconds a launch may take")
     parser.add_argument("--no-drop-cache", dest="drop_cache", action="store_false",
                         help="keep the page cache before the reruns (the default drops it, as root)")
+    parser.add_argument("--durable-store", choices=("disk", "s3"), default="disk", help="the durable tier: a "
+                        "folder under --out (disk) or an object store (s3: a SeaweedFS server started on loopback, "
+                        "or --endpoint)")
+    parser.add_argument("--endpoint", default=None, help="with --durable-store s3: an S3 endpoint (credentials from "
+                        "the AWS variables) instead of a local SeaweedFS")
+    parser.add_argument("--bucket", default=None, help="with --endpoint: an existing bucket (default: bench)")
     parser.add_argument("--small", action="store_true", help="a tiny model and few steps, the page cache kept "
                         "(checks the tool)")
     parser.add_argument("--json", type=Path, default=None, help="write the ratios and raw numbers here")
@@ -563,8 +654,8 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-FACTS = ("state_bytes", "layers", "kill_after", "durable_every", "local_every", "reps", "cpu_count", "torch",
-         "load_average_before", "load_average")
+FACTS = ("durable_store", "state_bytes", "layers", "kill_after", "durable_every", "local_every", "reps", "cpu_count",
+         "torch", "load_average_before", "load_average")
 
 
 def measure(args) -> tuple[list[dict], dict]:
@@ -584,7 +675,8 @@ def measure(args) -> tuple[list[dict], dict]:
           f"after step {args.kill_after}; node-local folders in {local_root}; torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {before[0]:.1f}",
           flush=True)
-    runs = Runs(work, local_root, base, args)
+    store = ObjectStore(work, args.endpoint, args.bucket) if args.durable_store == "s3" else None
+    runs = Runs(work, local_root, base, args, store)
     reps = []
     try:
         for number in range(args.reps):
@@ -595,10 +687,12 @@ def measure(args) -> tuple[list[dict], dict]:
                 for k, v in rep.items() if isinstance(v, dict) and "wall" in v), flush=True)
     finally:
         shutil.rmtree(local_root, ignore_errors=True)
+        if store is not None:
+            store.stop()
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
-    facts = {"state_bytes": state, "layers": args.layers, "kill_after": args.kill_after,
-             "durable_every": args.durable_every, "local_every": LOCAL_EVERY, "reps": args.reps,
+    facts = {"durable_store": args.durable_store, "state_bytes": state, "layers": args.layers,
+             "kill_after": args.kill_after, "durable_every": args.durable_every, "local_every": LOCAL_EVERY, "reps": args.reps,
              "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_before": before,
              "load_average": os.getloadavg()}
     return reps, facts

@@ -82,10 +82,12 @@ def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path):
 
 
 @pytest.mark.slow  # five two-node launches (1.5 to 4 min here); tests/integration/test_fast_recovery.py covers the tiers
-def test_bench_recovery_small_kills_a_node_and_resumes_from_each_tier(tmp_path):
+@pytest.mark.parametrize("store", ["disk", "s3"])  # s3: the durable tier on a SeaweedFS server the tool starts
+def test_bench_recovery_small_kills_a_node_and_resumes_from_each_tier(tmp_path, store):
     out = tmp_path / "recovery.json"
-    printed = _run("bench_recovery.py", "--small", "--json", str(out))
+    printed = _run("bench_recovery.py", "--small", "--durable-store", store, "--json", str(out))
     report = json.loads(out.read_text())
+    assert report["durable_store"] == store and report["durable_checkpoint_bytes"] > 0
     local, durable = report["rerun_local"], report["rerun_durable"]
     assert local["tier"] == ["local"] and durable["tier"] == ["durable"]
     assert durable["resumed_step"] < local["resumed_step"] < report["kill_after"]  # the local step is newer
