@@ -24,7 +24,7 @@ sys.addaudithook(watch)
 from automodel_ckpt.cli import main
 sys.exit(main())
 """
-STEPS = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "100")
+STEPS = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "100", "--data.val_size", "64")
 
 
 def _first_loss(work: Path, assets: Path, name: str, restore_from: Path | str, env=None) -> float:

@@ -12,7 +12,7 @@ import torch
 from tests.integration.harness import REPO, ckpt_train, jsonl, losses, tree
 
 FORMATS = ("safetensors", "torch_save")
-COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--checkpoint.save_consolidated", "false")
+COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--checkpoint.save_consolidated", "false", "--data.val_size", "64")
 
 
 @pytest.fixture(scope="module")

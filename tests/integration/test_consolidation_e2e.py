@@ -15,7 +15,7 @@ import torch
 
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for
 
-STEPS = ("--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2")
+STEPS = ("--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2", "--data.val_size", "64")
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ def test_a_training_run_at_a_bucket_root_keeps_foreign_objects_and_a_live_lease_
     _killed_upload(fs, bucket, "epoch_0_step_9")
     args = ("--checkpoint.checkpoint_dir", f"s3://{bucket}", "--checkpoint.staging_dir", str(tmp_path / "stage"),
             "--step_scheduler.max_steps", "2", "--step_scheduler.ckpt_every_steps", "2",
-            "--checkpoint.save_consolidated", "false")
+            "--checkpoint.save_consolidated", "false", "--data.val_size", "64")
     ckpt_train(tmp_path, assets, *args, env=env)
     assert {k: fs.cat(f"{bucket}/{k}") for k in FOREIGN} == FOREIGN
     assert fs.exists(f"{bucket}/epoch_0_step_2/{layout.MANIFEST_FILE}")

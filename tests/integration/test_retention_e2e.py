@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 RETENTION = ("--checkpoint.max_recent_checkpoints", "2", "--checkpoint.save_top_k", "1",
              "--checkpoint.keep_steps", "[4]")
-COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "2",
+COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "2", "--data.val_size", "64",
           "--checkpoint.checkpoint_dir", "ck", *RETENTION)
 
 

@@ -35,7 +35,7 @@ def test_a_warm_launch_prints_exits_and_sees_its_folder_and_environment_as_a_new
 
 def test_a_warm_launch_trains_in_its_own_folder(tmp_path, warm, assets):
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), "--training.progress_bar", "false",
-           "--step_scheduler.max_steps", "2", "--checkpoint.checkpoint_dir", "run"]
+           "--step_scheduler.max_steps", "2", "--checkpoint.checkpoint_dir", "run", "--data.val_size", "64"]
     done = warm.run(cmd, tmp_path, env_for(assets), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in jsonl(tmp_path / "run" / "training.jsonl")] == [1, 2]  # the folder is the command's
@@ -69,7 +69,7 @@ def test_a_warm_job_streams_its_output_and_is_killed_as_a_started_one(tmp_path, 
     """As ``subprocess.Popen``: its output read line by line from a pipe, a session of its own, SIGKILL to its
     process group and its workers ends it, ``wait`` and ``poll`` give the signal as a negative status."""
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), "--training.progress_bar", "false",
-           "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "2",
+           "--step_scheduler.max_steps", "100000", "--step_scheduler.ckpt_every_steps", "2", "--data.val_size", "64",
            "--checkpoint.checkpoint_dir", "run"]
     proc = warm.popen(cmd, tmp_path, env_for(assets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                       start_new_session=True)
