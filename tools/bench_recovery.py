@@ -692,9 +692,9 @@ def measure(args) -> tuple[list[dict], dict]:
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
     facts = {"durable_store": args.durable_store, "state_bytes": state, "layers": args.layers,
-             "kill_after": args.kill_after, "durable_every": args.durable_every, "local_every": LOCAL_EVERY, "reps": args.reps,
-             "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_before": before,
-             "load_average": os.getloadavg()}
+             "kill_after": args.kill_after, "durable_every": args.durable_every, "local_every": LOCAL_EVERY,
+             "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+             "load_average_before": before, "load_average": os.getloadavg()}
     return reps, facts
 
 if __name__ == "__main__":

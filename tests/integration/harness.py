@@ -1,4 +1,4 @@
-"""Runs `ckpt-train` as a user would (a process of its own, forked warm where it can: warm_launch), reads what it wrote, and kills whole jobs."""
+"""Runs `ckpt-train` as a user would (its own process, forked warm where it can), reads what it wrote, kills jobs."""
 
 from __future__ import annotations
 
