@@ -86,3 +86,18 @@ def test_a_warm_job_streams_its_output_and_is_killed_as_a_started_one(tmp_path, 
                       stderr=subprocess.PIPE, text=True)
     out, err = done.communicate(timeout=120)
     assert (done.returncode, out) == (2, "") and err.startswith("error: ") and "nope.yaml" in err
+
+
+def test_a_server_that_dies_reports_its_commands_killed_and_the_next_command_starts_another(tmp_path, warm, assets):
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "1", str(RECIPE), "--training.progress_bar", "false",
+           "--step_scheduler.max_steps", "100000", "--checkpoint.enabled", "false", "--data.val_size", "64"]
+    proc = warm.popen(cmd, tmp_path, env_for(assets), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                      start_new_session=True)
+    server = warm._proc
+    server.kill()
+    server.wait(timeout=60)
+    assert proc.wait(timeout=60) == -signal.SIGKILL  # never waits for a status that cannot come
+    for pid in process_tree(proc.pid):  # the orphaned job itself
+        os.kill(pid, signal.SIGKILL)
+    done = warm.run([CKPT_TRAIN, "--version"], tmp_path, env_for(assets), timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ckpt-train ") and warm._proc is not server

@@ -140,8 +140,8 @@ class WarmLauncher:
         while True:
             message = sock.recv(_MESSAGE)
             with self._replies:
-                if not message:  # the server ended: what it was running is reported as killed
-                    self._codes.update({i: -signal.SIGKILL for i in self._pids if i not in self._codes})
+                if not message:  # the server ended (its traceback is on stderr): its commands count as killed
+                    self._codes.update({i: -signal.SIGKILL for i in range(1, self._next + 1) if i not in self._codes})
                     self._replies.notify_all()
                     return
                 reply = json.loads(message)
