@@ -302,12 +302,11 @@ class ObjectStore:
             self.fs.put_file(str(path), f"{self.prefix}/{path.relative_to(source).as_posix()}")
 
     def newest_checkpoint_bytes(self) -> int | None:
-        sizes: dict[str, int] = {}
-        for path, info in self.fs.find(self.prefix, detail=True).items():
-            top = path[len(self.prefix) + 1:].split("/")[0]
-            if top.startswith("epoch_") and "/" in path[len(self.prefix) + 1:]:
-                sizes[top] = sizes.get(top, 0) + int(info["size"])
-        return sizes[max(sizes, key=lambda n: int(n.rsplit("_", 1)[1]))] if sizes else None
+        """The size of the checkpoint the store's ``LATEST`` names."""
+        latest = f"{self.prefix}/{layout.LATEST}"
+        if not self.fs.exists(latest):
+            return None
+        return self.fs.du(f"{self.prefix}/{self.fs.cat_file(latest).decode().strip()}")
 
     def stop(self) -> None:
         if self.server is not None:
@@ -318,14 +317,15 @@ class Runs:
     """Where the runs of one repetition live: the recipe, the run folder, the two node-local folders, timings.
 
     With ``store`` the durable tier is its run folder, worked through one staging folder both nodes share
-    (``stages``: the object store's multi-node requirement, docs/object-storage.md), where rank 0's logs are read."""
+    (``stage``: the object store's multi-node requirement, docs/object-storage.md), where rank 0's logs are read."""
 
     def __init__(self, work: Path, local_root: Path, base: Path, args, store: ObjectStore | None = None) -> None:
         self.work, self.args, self.store = work, args, store
         self.nodes = [local_root / f"node{r}" for r in (0, 1)]
         self.ckpt_dir = work / "run"
-        self.stages = [work / "stage"] if store else []
-        self.logs = self.stages[0] if store else self.ckpt_dir
+        self.stage = work / "stage" if store else None
+        self.logs = self.stage or self.ckpt_dir
+        self.folders = [self.ckpt_dir, *self.nodes, *([self.stage] if store else [])]  # what a run leaves on disk
         self.recipe = {every: work / f"bench_local{every}.yaml" for every in (0, LOCAL_EVERY)}
         for every, path in self.recipe.items():
             path.write_text(RECIPE.format(
@@ -352,7 +352,7 @@ class Runs:
             cmd = [sys.executable, "-m", "automodel_ckpt", "--nnodes", "2", "--node-rank", str(r),
                    "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
                    str(recipe), *extra, *(["--checkpoint.local.dir", str(self.nodes[r])] if local else []),
-                   *(["--checkpoint.staging_dir", str(self.stages[0])] if self.store else [])]
+                   *(["--checkpoint.staging_dir", str(self.stage)] if self.store else [])]
             log = (self.work / f"{tag}_node{r}.log").open("w")
             procs.append((subprocess.Popen(cmd, cwd=self.work, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True), log))
@@ -400,20 +400,21 @@ class Runs:
         return [e for e in map(json.loads, lines) if e["event"] == "start"][-1]
 
     def clear(self) -> None:
-        for folder in (self.ckpt_dir, *self.nodes, *self.stages):
+        for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
         if self.store:
             self.store.clear()
 
     def durable_checkpoint_bytes(self) -> int | None:
+        """The size of the durable checkpoint ``LATEST`` names."""
         if self.store:
             return self.store.newest_checkpoint_bytes()
-        durable = sorted(self.ckpt_dir.glob("epoch_*"))
-        return tree_bytes(durable[-1]) if durable else None
+        latest = self.ckpt_dir / layout.LATEST
+        return tree_bytes(latest.resolve()) if latest.exists() else None
 
     def keep(self, kept: Path) -> None:
         """Copy what the killed run left (run folder, node-local and staging folders) to ``kept``."""
-        for folder in (self.ckpt_dir, *self.nodes, *self.stages):
+        for folder in self.folders:
             if folder.exists():
                 shutil.copytree(folder, kept / folder.name, symlinks=True)
         if self.store:
@@ -423,7 +424,7 @@ class Runs:
         """Put back what the killed run left; for the durable tier's rerun, only the durable run folder (the nodes
         are new machines: no node-local folder, no staging folder)."""
         self.clear()
-        for folder in (self.ckpt_dir, *self.nodes, *self.stages):
+        for folder in self.folders:
             if (kept / folder.name).exists() and (tier == "local" or folder == self.ckpt_dir):
                 shutil.copytree(kept / folder.name, folder, symlinks=True)
         if self.store:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -49,16 +50,17 @@ def ckpt_train(cwd: Path, assets: Path, *args: str, nproc: int = 1, launcher: tu
     return result
 
 
-_WARM: list = []
+@functools.cache
+def _warm_launcher():
+    """This process's warm launcher (``warm_launch``), its server started on first use."""
+    from tests.integration.warm_launch import WarmLauncher
+
+    return WarmLauncher(env_for(Path("/nonexistent")))  # the assets folder is each command's own
 
 
 def _warm(cmd: list[str], env: dict[str, str]):
-    """This process's warm launcher when it takes ``cmd`` under ``env`` (``warm_launch``), else None."""
-    from tests.integration.warm_launch import WarmLauncher
-
-    if not _WARM:
-        _WARM.append(WarmLauncher(env_for(Path("/nonexistent"))))
-    return _WARM[0] if _WARM[0].accepts(cmd, env) else None
+    """The warm launcher when it takes ``cmd`` under ``env``, else None."""
+    return _warm_launcher() if _warm_launcher().accepts(cmd, env) else None
 
 
 def run_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,

@@ -27,7 +27,8 @@ from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
 from automodel_ckpt.checkpoint.disk.durable import read_pointer
 from automodel_ckpt.launch import worker_pids
 from tests.integration.contents import comparable
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, losses, start_command
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, losses, \
+    start_command
 
 pytestmark = pytest.mark.integration
 

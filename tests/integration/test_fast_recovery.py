@@ -35,7 +35,8 @@ def _two_nodes(cwd, assets, *args, env=None, expect_ok=True):
         start_command([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
                        "--master-addr", "127.0.0.1", "--master-port", port, str(RECIPE), *QUIET, *ARGS, *args,
                        "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(cwd / f"node{r}")],
-                      cwd=cwd, env=env_for(assets, {"PYTHONPATH": str(REPO), **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                      cwd=cwd, env=env_for(assets, {"PYTHONPATH": str(REPO), **(env or {})}), stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]

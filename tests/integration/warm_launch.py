@@ -7,7 +7,8 @@ command, forks a child that becomes what a fresh ``ckpt-train`` process would be
 environment, arguments, standard streams (the caller's own file descriptors, passed over a Unix socket), session
 and default signal handlers, then the console script's ``cli.main()``. Only the imports are shared; every command
 still runs its whole launcher, agent and workers, in processes of its own. ``WarmProcess`` is the caller's
-``subprocess.Popen`` for such a command (pid, poll, wait, communicate, signals).
+``subprocess.Popen`` for such a command (pid, poll, wait, communicate, signals). (``tests/hostile/harness.py`` forks
+verbs from a server too, one case at a time under a memory limit, and reports each one's peak memory.)
 
 A command whose environment differs from the server's in a variable read at import time (``PYTHON*`` other than
 ``PYTHONPATH``, ``HF_*``, ``TORCH*``, ``OMP_*``, ``XDG_*``, allocator settings, ...) runs as a new interpreter, as
