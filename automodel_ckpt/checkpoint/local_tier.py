@@ -125,7 +125,8 @@ class LocalTier:
             if chosen is None or (newest_durable is not None and chosen.step <= newest_durable):
                 return None
             try:
-                loaded = self.loader.load(states, recover.make_whole(self.run, chosen, inventories))
+                # checked: every small file was hashed by the scan or on arrival; the large ones are as they load
+                loaded = self.loader.load(states, recover.make_whole(self.run, chosen, inventories), checked=True)
             except DamagedFile as exc:
                 if leave is None:
                     return self._instead(chosen.name, exc, durable)

@@ -7,6 +7,9 @@ and ``safetensors``; what changes is how the bytes get there:
 * Writes. The file's layout (every record's offset) is planned first, then the bytes go from the tensors' own
   memory straight to the file with positioned writes (``pwritev``) from ``threads`` threads, in chunks of
   ``common.CHUNK``; no serialized copy of the state is built (torch's safetensors writer builds one of the whole shard).
+  Files of ``filewrite.DIRECT_MIN`` and more go past the page cache (O_DIRECT, each region gathered into an aligned
+  buffer), except on filesystems held in memory (``common.memory_backed``: tmpfs), where the plain write is the
+  only copy.
   Writeback of each chunk is started as soon as it is written (``sync_file_range`` on Linux), so the disk works
   while later chunks are copied; one ``fsync`` at the end makes the file durable. The checksum the manifest needs
   is computed from the same memory while the file is written, so sealing the checkpoint does not read it back.
@@ -21,9 +24,9 @@ and ``safetensors``; what changes is how the bytes get there:
   buffer and is copied.
 * Optimizer state is materialised for loading without running an optimizer step (``init_optimizer_state``).
 
-Modules: ``common`` (sizes, thread counts, dtype codes), ``filewrite`` (one file from tensor memory), ``directread``
-(files read past the page cache), ``records`` (the torch.save record format), ``writers`` / ``readers`` (the DCP
-storage classes), ``optim_state``.
+Modules: ``common`` (sizes, thread counts, dtype codes, which filesystems are in memory), ``filewrite`` (one file
+from tensor memory), ``directread`` (files read past the page cache), ``records`` (the torch.save record format),
+``writers`` / ``readers`` (the DCP storage classes), ``optim_state``.
 
 Anything unusual (stream transforms, tensors of an unknown dtype, non-CPU destinations, a record this package does not
 recognise) takes torch's own code path for that item, so this package never changes what can be saved or loaded.

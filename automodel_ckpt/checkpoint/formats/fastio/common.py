@@ -7,6 +7,7 @@ import dataclasses
 import math
 import mmap
 import os
+import sys
 import threading
 
 import torch
@@ -34,6 +35,24 @@ BYTES_READ = _ReadCounter()
 
 def default_threads(wanted: int) -> int:
     return max(1, min(wanted, 2 * (os.cpu_count() or 1)))
+
+
+_MEMORY_FILESYSTEMS = (0x01021994, 0x858458F6)  # statfs f_type of tmpfs and ramfs
+
+
+def memory_backed(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies on a filesystem held in memory (tmpfs, ramfs: ``/dev/shm``), where bypassing the page
+    cache (O_DIRECT) gains nothing and costs a copy through an aligned buffer. False where it cannot be told."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type (a C long) comes first
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FILESYSTEMS
 
 
 def tensor_memory(t: torch.Tensor, writable: bool = False) -> memoryview:

@@ -138,9 +138,11 @@ class _Hasher:
 
 
 def _open_direct(path: Path) -> int | None:
-    """A second descriptor of ``path`` that writes past the page cache; None where the filesystem refuses it."""
+    """A second descriptor of ``path`` that writes past the page cache; None where the filesystem refuses it, or
+    holds its files in memory (tmpfs: there the plain writes from the tensors' memory copy each byte once, where
+    O_DIRECT would gather them into an aligned buffer first)."""
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
+    if not flag or common.memory_backed(path):
         return None
     try:
         return os.open(path, os.O_WRONLY | flag)

@@ -459,3 +459,39 @@ def test_small_items_apart_go_to_a_second_file_and_load_back_exactly(tmp_path, m
     fresh_model.load_state_dict(model.state_dict())
     sharded.load_optimizer(fresh_model, fresh_optimizer, tmp_path / "optim")
     assert same(values(fresh_model, fresh_optimizer), values(model, optimizer))
+
+
+def _mount_type(path) -> str | None:
+    """The filesystem type of ``path`` by the mount table (longest mount point above it)."""
+    real, best = os.path.realpath(path), (None, -1)
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1].replace("\\040", " ")
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best[1]:
+                best = (fields[2], len(point))
+    return best[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mounts"), reason="needs Linux's mount table")
+def test_memory_filesystems_are_told_apart(tmp_path):
+    from automodel_ckpt.checkpoint.formats.fastio import common
+
+    for path in [tmp_path, *(p for p in ("/dev/shm", "/run") if os.path.isdir(p))]:
+        assert common.memory_backed(path) == (_mount_type(path) in ("tmpfs", "ramfs")), path
+    assert not common.memory_backed(tmp_path / "missing")
+
+
+def test_files_in_memory_are_written_from_the_tensors_not_through_o_direct(tmp_path, monkeypatch):
+    from automodel_ckpt.checkpoint.disk import checksum, durable
+    from automodel_ckpt.checkpoint.formats.fastio import common
+
+    monkeypatch.setattr(filewrite, "DIRECT_MIN", 0)
+    monkeypatch.setattr(common, "memory_backed", lambda path: True)  # as /dev/shm is
+    monkeypatch.setattr(filewrite, "_write_direct", lambda *a: pytest.fail("O_DIRECT on a filesystem in memory"))
+    tensors = [torch.randn(5000), torch.arange(300, dtype=torch.int64)]
+    written = durable.WrittenFiles()
+    path = tmp_path / "file.bin"
+    filewrite.write_file(path, [b"head", *map(filewrite.Lazy, tensors)], 2, written)
+    assert path.read_bytes() == b"head" + b"".join(t.numpy().tobytes() for t in tensors)
+    assert written.get(path).digest == checksum.hash_file(path, written.get(path).algorithm)[1]
