@@ -12,7 +12,7 @@ import yaml
 from tests.integration.harness import RECIPE, REPO, ckpt_train, env_for, jsonl
 
 FAST = ("--checkpoint.save_consolidated", "false")
-LEARNING_STEPS = 450  # of the default recipe's 900
+LEARNING_STEPS = 600  # of the default recipe's 900
 
 
 def test_overrides_take_effect(tmp_path, assets):
@@ -29,8 +29,10 @@ def test_overrides_take_effect(tmp_path, assets):
 
 @pytest.mark.skipif(os.environ.get("SKIP_LEARNING_TEST") == "1", reason="SKIP_LEARNING_TEST=1")
 def test_default_recipe_learns_and_generates(tmp_path, assets):
-    """The embedded default as a user runs it: 2 processes, then generation from the consolidated export. Half its
-    steps are enough to learn the task (0.94 of the answers exact at 450 steps, 0.99 at 600)."""
+    """The embedded default as a user runs it: 2 processes, then generation from the consolidated export. Two
+    thirds of its steps learn the task: at 600 steps 0.99 of the answers exact with torch's AVX2 kernels, 0.92 with
+    its unvectorised ones (ATEN_CPU_CAPABILITY=default). When the model finds carrying depends on rounding: at 450
+    steps the AVX2 kernels gave 0.94, the AVX-512 ones 0.41."""
     result = ckpt_train(tmp_path, assets, "--step_scheduler.max_steps", str(LEARNING_STEPS), nproc=2, timeout=1200)
     run = tmp_path / "checkpoints"
     val = [r["val_loss"] for r in jsonl(run / "validation.jsonl")]
