@@ -264,18 +264,11 @@ class ObjectStore:
     """The durable tier on an object store (``--durable-store s3``): its bucket, credentials and filesystem."""
 
     def __init__(self, work: Path, endpoint: str | None, bucket: str | None) -> None:
-        self.server = None
-        if endpoint is None:  # a SeaweedFS server on loopback, as the tests start it
-            sys.path.insert(0, str(REPO))
-            from tests.integration.seaweed import start
+        sys.path.insert(0, str(REPO))
+        from tests.integration.seaweed import for_benchmark
 
-            self.server = start(work / "seaweed")
-            self.env = self.server.env()
-            bucket = self.server.new_bucket("bench")
-        else:
-            self.env = {"AWS_ENDPOINT_URL": endpoint}
-            bucket = bucket or "bench"
-        os.environ.update(self.env)
+        # a SeaweedFS server on loopback, as the tests start it, or the endpoint; the launches inherit the variables
+        self.server, bucket = for_benchmark(work / "seaweed", endpoint, bucket)
         from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
 
         self.prefix, self.url = f"{bucket}/run", f"s3://{bucket}/run"
@@ -339,8 +332,7 @@ class Runs:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         env = dict(os.environ, BENCH_RECOVERY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // 2)),
-                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO),
-                   **(self.store.env if self.store else {}))
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
         if kill:
             env["BENCH_RECOVERY_KILL_AFTER"] = str(self.args.kill_after)
         port = str(_free_port())

@@ -47,16 +47,9 @@ def main() -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_s3-"))
-    server = None
-    if args.endpoint is None:
-        from tests.integration.seaweed import start
+    from tests.integration.seaweed import for_benchmark
 
-        server = start(work / "seaweed")
-        os.environ.update(server.env())
-        bucket = server.new_bucket("bench")
-    else:
-        os.environ["AWS_ENDPOINT_URL"] = args.endpoint
-        bucket = args.bucket or "bench"
+    server, bucket = for_benchmark(work / "seaweed", args.endpoint, args.bucket)
     try:
         result = run(args, work, bucket)
     finally:

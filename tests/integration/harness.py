@@ -60,7 +60,8 @@ def _warm_launcher():
 
 def _warm(cmd: list[str], env: dict[str, str]):
     """The warm launcher when it takes ``cmd`` under ``env``, else None."""
-    return _warm_launcher() if _warm_launcher().accepts(cmd, env) else None
+    launcher = _warm_launcher()
+    return launcher if launcher.accepts(cmd, env) else None
 
 
 def run_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,

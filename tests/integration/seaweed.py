@@ -73,6 +73,18 @@ class Seaweed:
                 self.process.wait(timeout=30)
 
 
+def for_benchmark(folder: Path, endpoint: str | None, bucket: str | None) -> tuple[Seaweed | None, str]:
+    """The store a benchmark in ``tools/`` writes to, this process's environment pointed at it: a server started in
+    ``folder`` with a new bucket (``endpoint`` None), or ``endpoint`` (credentials from the AWS variables) and
+    ``bucket`` (default ``bench``). Returns the server to stop (None for an endpoint) and the bucket."""
+    if endpoint is None:
+        server = start(folder)
+        os.environ.update(server.env())
+        return server, server.new_bucket("bench")
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    return None, bucket or "bench"
+
+
 def start(folder: Path, ready_timeout: float = 90.0) -> Seaweed:
     """Start `weed mini` in ``folder`` with every port free and loopback only; returns once S3 answers."""
     binary = weed_binary()

@@ -190,14 +190,9 @@ class WarmLauncher:
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                from tests.integration.harness import process_tree
+                from tests.integration.harness import kill_job
 
-                for pid in process_tree(proc.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                proc.wait()
+                kill_job(proc)
                 raise subprocess.TimeoutExpired(cmd, timeout, *(p.read_text(errors="replace") for p in paths))
             return subprocess.CompletedProcess(cmd, code, *(p.read_text(errors="replace") for p in paths))
 
