@@ -228,14 +228,15 @@ class FinetuneRecipe(BaseRecipe):
         boundary = StepBoundary(self._preemption,
                                 TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self.checkpointer.enabled else None))
         while not sched.done:
-            epoch, micro = self.dataloader.next_batch()
             t0 = time.perf_counter()
+            epoch, micro = self.dataloader.next_batch()
             loss, grad_norm, tokens = self.train_step(micro)
             lr = self.optimizer.param_groups[0]["lr"]
             self.lr_scheduler.step()
             sched.record_step(epoch, self.dataloader.global_batch_size)
+            seconds = max(time.perf_counter() - t0, 1e-9)  # the batch fetched, the optimizer step taken
             record = {"step": sched.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_sec": tokens / max(time.perf_counter() - t0, 1e-9)}
+                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)}
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
             self.train_log.append(record)

@@ -20,7 +20,7 @@ def test_overrides_take_effect(tmp_path, assets):
                "--checkpoint.checkpoint_dir", "run")
     records = jsonl(tmp_path / "run" / "training.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert set(records[0]) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec"}
+    assert set(records[0]) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec", "step_seconds"}
     warmup = yaml.safe_load(RECIPE.read_text())["lr_scheduler"]["warmup_steps"]
     assert records[0]["lr"] == pytest.approx(3e-4 / warmup)
     saved = yaml.safe_load((tmp_path / "run" / "epoch_0_step_6" / "config.yaml").read_text())
