@@ -126,14 +126,18 @@ class NodeLocalRunFolder(LocalRunFolder):
 
     def discard(self, name: str) -> list[str]:
         """Collective, never failing: every node removes what it holds of the abandoned step ``name`` and the
-        leftovers of unfinished steps (``abandon``); the lines saying what could not be removed, on every rank."""
-        mine: list[str] = []
-        if self.leads:
-            try:
-                mine = abandon.discard(self.local, name)
-            except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather below
-                mine = [f"cleaning '{self.local}' failed: {first_line(exc)}"]
-        return [line for lines in all_gather_object(mine) for line in lines]
+        leftovers of unfinished steps, in ``abandon``'s two phases (every committed copy hidden before any staging
+        folder goes); the lines saying what could not be removed, on every rank."""
+        lines: list[str] = []
+        for phase in (lambda: abandon.hide(self.local, name), lambda: abandon.clear(self.local)):
+            mine: list[str] = []
+            if self.leads:
+                try:
+                    mine = phase()
+                except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather below
+                    mine = [f"cleaning '{self.local}' failed: {first_line(exc)}"]
+            lines += [line for got in all_gather_object(mine) for line in got]
+        return lines
 
     def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
         deleted = collective.collectively(lambda: self._prune_here(policy) if self.leads else [],
