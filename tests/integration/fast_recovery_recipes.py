@@ -65,3 +65,51 @@ class DieDuringLocalStepRecipe(DieAfterLocalStepRecipe):
 
             NodeLocalRunFolder.upload = die_once
         return super().save_local_checkpoint(info)
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to ``path`` until its filesystem has no room left (another job filling the node's tmpfs)."""
+    block = bytes(1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError:
+            pass
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+class FillLocalFolderRecipe(FinetuneRecipe):
+    """Ranks in ``FILL_RANKS`` (default: all) fill the filesystem of their node-local folder (with the file
+    ``$FILLER``, outside the folder) just before the local step of ``FILL_AT_LOCAL_STEP``, and remove that file just
+    before the one of ``FREE_AT_LOCAL_STEP`` (the local step before each settled first, on every rank). After each local step, the names in the node-local folder are appended
+    to ``$LOCAL_LISTING`` as one line ``step: name name ...``, when set. With ``DIE_AFTER_LOCAL_STEP``, every rank SIGKILLs itself once the
+    background work of that local step has ended (before the run learns whether it failed)."""
+
+    def save_local_checkpoint(self, info):
+        ranks = os.environ.get("FILL_RANKS", "all")
+        mine = ranks == "all" or str(self.env.rank) in ranks.split(",")
+        filler = Path(os.environ["FILLER"])
+        fill = info.step == int(os.environ.get("FILL_AT_LOCAL_STEP", "-1"))
+        free = info.step == int(os.environ.get("FREE_AT_LOCAL_STEP", "-1"))
+        if fill or free:
+            self.checkpointer._local.wait()  # the step before settled first: the filling races no write
+        if mine and fill:
+            _fill(filler)
+        if mine and free:
+            filler.unlink()
+        path = super().save_local_checkpoint(info)
+        if info.step == int(os.environ.get("DIE_AFTER_LOCAL_STEP", "-1")):
+            background = self.checkpointer._local.writer.background
+            if background is not None and background.completed is not None:
+                background.completed.exception()  # its completion ended, failed or not, on every rank
+            _die()
+        if os.environ.get("LOCAL_LISTING") and self.env.rank == 0:
+            folder = Path(self.checkpoint_config.local.dir)
+            with open(os.environ["LOCAL_LISTING"], "a") as f:
+                f.write(f"{info.step}: {' '.join(sorted(p.name for p in folder.iterdir()))}\n")
+        return path
