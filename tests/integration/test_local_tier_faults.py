@@ -17,7 +17,7 @@ from tests.integration.test_disk_full import _mount, _umount
 from tests.integration.test_fast_recovery import ARGS, RECIPES, _records, _same_losses, _starts, _two_nodes
 
 EVERY_STEP = ("--checkpoint.local.every_steps", "1")  # local steps 1, 2, 3, 5, 6, 7; durable 4 and 8
-FILL = f"{RECIPES}.FillLocalFolderRecipe"
+FAULTS = f"{RECIPES}.LocalFolderFaultsRecipe"
 ROOM = 32 << 20  # two local steps of the tiny model with a copy each, and some room to spare
 
 
@@ -37,9 +37,10 @@ def test_a_full_local_folder_costs_one_local_step_not_the_run(tmp_path, tmpfs, a
     """Filled just before the local step 6, given room back before the local step 7."""
     listing = tmp_path / "listing"
     done = ckpt_train(tmp_path, assets, *STRAIGHT_KEYS, "--step_scheduler.max_steps", str(STRAIGHT_STEPS),
-                      *EVERY_STEP, "--recipe", FILL, "--checkpoint.checkpoint_dir", "run",
+                      *EVERY_STEP, "--recipe", FAULTS, "--checkpoint.checkpoint_dir", "run",
                       "--checkpoint.local.dir", str(tmpfs / "loc"), nproc=1,
-                      env={"PYTHONPATH": str(REPO), "FILLER": str(tmpfs / "filler"), "FILL_AT_LOCAL_STEP": "6", "FREE_AT_LOCAL_STEP": "7",
+                      env={"PYTHONPATH": str(REPO), "FILLER": str(tmpfs / "filler"), "FAULT": "fill",
+                           "FAULT_AT_LOCAL_STEP": "6", "MEND_AT_LOCAL_STEP": "7",
                            "LOCAL_LISTING": str(listing)})
     out = done.output
     abandoned = _lines(out, "abandoned")
@@ -58,13 +59,60 @@ def test_a_full_local_folder_costs_one_local_step_not_the_run(tmp_path, tmpfs, a
     assert not (tmpfs / "loc").exists()  # the finished run removed its folder
 
 
+def _one_process(tmp_path: Path, tmpfs: Path, assets: Path, **env: str) -> str:
+    """The straight run on one process with a local step after every step and ``env``'s fault; its output."""
+    return ckpt_train(tmp_path, assets, *STRAIGHT_KEYS, "--step_scheduler.max_steps", str(STRAIGHT_STEPS),
+                      *EVERY_STEP, "--recipe", FAULTS, "--checkpoint.checkpoint_dir", "run",
+                      "--checkpoint.local.dir", str(tmpfs / "loc"), nproc=1,
+                      env={"PYTHONPATH": str(REPO), "MOUNT": str(tmpfs), **env}).output
+
+
+def test_a_read_only_local_filesystem_costs_one_local_step(tmp_path, tmpfs, assets, straight_runs):
+    out = _one_process(tmp_path, tmpfs, assets, FAULT="readonly", FAULT_AT_LOCAL_STEP="6", MEND_AT_LOCAL_STEP="7")
+    abandoned = _lines(out, "abandoned")
+    assert len(abandoned) == 1 and abandoned[0].startswith(
+        "warning: node-local step epoch_0_step_6 abandoned: the filesystem is read-only ("), out[-3000:]
+    assert len(_lines(out, "node-local steps are written again: epoch_0_step_7")) == 1
+    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
+    _same_losses(tmp_path / "run", _records(straight_runs.get(1)), 1)
+
+
+def test_a_removed_local_folder_is_made_again(tmp_path, tmpfs, assets):
+    listing = tmp_path / "listing"
+    out = _one_process(tmp_path, tmpfs, assets, FAULT="remove", FAULT_AT_LOCAL_STEP="6",
+                       LOCAL_LISTING=str(listing))
+    assert _lines(out, "node-local folder") == [f"warning: the node-local folder '{tmpfs / 'loc'}' was removed; "
+                                                "made again"]
+    assert not _lines(out, "abandoned")
+    seen = dict(line.split(": ", 1) for line in listing.read_text().splitlines())
+    assert "epoch_0_step_6" in seen["7"].split()  # written into the folder made again
+    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
+
+
+def test_a_peer_that_cannot_write_its_copy_costs_one_local_step(tmp_path, tmpfs, assets, straight_runs):
+    """Node 1 keeps room for its own part of the local step 6 but not for node 0's copy: no node commits it."""
+    dirs = [tmp_path / "node0", tmpfs / "node1"]
+    listing = tmp_path / "listing"
+    out = _two_nodes(tmp_path, assets, *EVERY_STEP, "--recipe", FAULTS, dirs=dirs,
+                     env={"FILLER": str(tmpfs / "filler"), "FAULT": "fill", "FAULT_RANKS": "1",
+                          "FILL_LEAVE_BYTES": str(5 << 20), "FAULT_AT_LOCAL_STEP": "6", "MEND_AT_LOCAL_STEP": "7",
+                          "LOCAL_LISTING": str(listing)})
+    abandoned = _lines(out, "abandoned")
+    assert len(abandoned) == 1 and f"no space left on device in '{dirs[1]}'" in abandoned[0] \
+        and "while copying 'epoch_0_step_6' to other nodes" in abandoned[0], out[-3000:]
+    assert len(_lines(out, "node-local steps are written again: epoch_0_step_7")) == 1
+    seen = dict(line.split(": ", 1) for line in listing.read_text().splitlines())
+    assert not any("step_6" in name for name in seen["7"].split())  # node 0 committed nothing of it
+    _same_losses(tmp_path / "run", _records(straight_runs.get(2)), 1)
+
+
 def test_a_peer_folder_full_two_nodes_resume_from_a_complete_step(tmp_path, tmpfs, assets, straight_runs):
     """Node 1's folder is filled before the local step 6 and stays full: steps 6 and 7 are abandoned, nothing of
     them is committed anywhere; killed after step 7, the rerun resumes from the local step 5 (whole on both
     nodes) bitwise, and finishes with node 1 still full."""
     dirs = [tmp_path / "node0", tmpfs / "node1"]
-    env = {"FILLER": str(tmpfs / "filler"), "FILL_RANKS": "1", "FILL_AT_LOCAL_STEP": "6"}
-    out = _two_nodes(tmp_path, assets, *EVERY_STEP, "--recipe", FILL, env={**env, "DIE_AFTER_LOCAL_STEP": "7"},
+    env = {"FILLER": str(tmpfs / "filler"), "FAULT": "fill", "FAULT_RANKS": "1", "FAULT_AT_LOCAL_STEP": "6"}
+    out = _two_nodes(tmp_path, assets, *EVERY_STEP, "--recipe", FAULTS, env={**env, "DIE_AFTER_LOCAL_STEP": "7"},
                      expect_ok=False, dirs=dirs)
     abandoned = _lines(out, "abandoned")
     assert len(abandoned) == 1 and "node-local step epoch_0_step_6 abandoned: no space left on device in " \

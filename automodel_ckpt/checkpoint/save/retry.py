@@ -17,6 +17,7 @@ from automodel_ckpt.checkpoint.save.diskfull import out_of_room
 from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.sizes import human_size
 
+_FAILED_ON = " failed on rank "
 SKIP_CAP = 16  # the most due local steps skipped between two tries
 _REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
             errno.EROFS: "the filesystem is read-only"}
@@ -51,8 +52,9 @@ class Outcome:
 def verdict(outcomes: list[Outcome]) -> str | None:
     """The cause of the step's failure, in words, when it failed on any rank; None when it succeeded everywhere.
 
-    Out of room (on any rank): the reason, the folder with the least free space and its numbers. Otherwise the
-    first failing rank's line."""
+    Out of room (on any rank): the reason, the folder with the least free space and its numbers, and what was
+    being done (a read-only filesystem: the reason and the first failing rank's line). Otherwise the first failing
+    rank's line."""
     failed = [o for o in outcomes if o.error is not None]
     if not failed:
         return None
@@ -61,12 +63,13 @@ def verdict(outcomes: list[Outcome]) -> str | None:
         return failed[0].error
     reason = _REASONS.get(codes[0], "no room")
     measured = [o for o in outcomes if o.folder is not None and o.free is not None]
-    if not measured:
+    if codes[0] == errno.EROFS or not measured:  # no numbers to give: the failing line names the path
         return f"{reason} ({failed[0].error})"
     fullest = min(measured, key=lambda o: (o.free, o.folder))
     sizes = ([f"needs about {human_size(fullest.need)}"] if fullest.need else []) + \
         [f"{human_size(fullest.free)} free there"]
-    return f"{reason} in '{fullest.folder}' ({', '.join(sizes)})"
+    doing, said, _ = failed[0].error.partition(_FAILED_ON)  # ``collective``'s "<what> failed on rank R: ..."
+    return f"{reason} in '{fullest.folder}' ({', '.join(sizes)})" + (f" while {doing}" if said else "")
 
 
 @dataclass

@@ -49,9 +49,12 @@ def test_out_of_room_names_the_fullest_folder_and_its_numbers():
                         folder="/shm/node0", free=900 << 20, need=7 << 20),
                 Outcome(error="writing failed on rank 1: [Errno 28] No space left on device", code=errno.ENOSPC,
                         folder="/shm/node1", free=12 << 10, need=7 << 20)]
-    expected = "no space left on device in '/shm/node1' (needs about 7.0 MiB, 12.0 KiB free there)"
+    expected = "no space left on device in '/shm/node1' (needs about 7.0 MiB, 12.0 KiB free there) while writing"
     assert verdict(outcomes) == expected
     assert verdict(outcomes[::-1]) == expected  # the same whichever rank reports first
+    readonly = "writing failed on rank 0: [Errno 30] Read-only file system: '/shm/node0/.staging-epoch_0_step_6'"
+    assert verdict([Outcome(error=readonly, code=errno.EROFS, folder="/shm/node0", free=1 << 30)]) == \
+        f"the filesystem is read-only ({readonly})"
 
 
 def test_each_ranks_outcome_from_its_own_failure(tmp_path):
