@@ -171,7 +171,7 @@ class LocalTier:
             self.writer.close()
             try:
                 self.run.release(keep_lock=not done)
-            except (OSError, CheckpointError) as exc:  # the folder is unwritable: what it holds stays; the run is done all the same
+            except (OSError, CheckpointError) as exc:  # unwritable: what it holds stays; the run is done all the same
                 self.say(f"warning: cannot remove the node-local folder '{self.run.local}': {first_line(exc)}")
 
     def abandon(self, seconds: float) -> None:

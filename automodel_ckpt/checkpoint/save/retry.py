@@ -45,7 +45,8 @@ class Outcome:
                 free = None
         if error is None:
             return cls(None, None, str(folder) if folder else None, free, need)
-        text = first_line(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {first_line(error)}"
+        text = first_line(error) if isinstance(error, CheckpointError) else \
+            f"{type(error).__name__}: {first_line(error)}"
         return cls(text, out_of_room(error), str(folder) if folder else None, free, need)
 
 

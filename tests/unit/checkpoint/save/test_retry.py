@@ -39,6 +39,13 @@ def test_every_rank_succeeding_is_no_failure():
     assert verdict([Outcome(folder="/a", free=10), Outcome()]) is None
 
 
+def test_a_failure_seen_on_one_rank_only_is_every_ranks_failure():
+    """Each rank decides on the list every rank gathered: one rank's failure makes every rank abandon the step,
+    with the same cause."""
+    gathered = [Outcome(folder="/shm/node0", free=1 << 30), Outcome(error="x failed on rank 1: boom")]
+    assert {verdict(list(gathered)) for _rank in range(2)} == {"x failed on rank 1: boom"}
+
+
 def test_the_first_failing_ranks_line_is_the_cause():
     line = "copying 'epoch_0_step_6' to other nodes failed on rank 1: node-local transfer failed: ..."
     assert verdict([Outcome(), Outcome(error=line), Outcome(error="other")]) == line
