@@ -96,7 +96,9 @@ class Checkpointer:
 
     def save_local(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
         """Take a node-local step of ``states``: the call returns once the state is copied; writing it, its
-        copies on other nodes and its commit run in the background (``local_tier``). None when the tier is off."""
+        copies on other nodes and its commit run in the background (``local_tier``). None when the tier is off, and
+        when the step is skipped or abandoned: a local step that cannot be written never stops training (a warning
+        says so, ``local_faults``)."""
         return self._local.save(states, info)
 
     def local_faults(self) -> list[str]:

@@ -35,6 +35,7 @@ def hide(folder: Path, name: str, at: Hook | None = None) -> list[str]:
         if os.path.islink(committed):
             os.unlink(committed)
         elif os.path.lexists(committed):
+            remove_tree(folder / layout.deleting_name(name))  # left by an earlier cleanup a kill stopped
             os.replace(committed, folder / layout.deleting_name(name))
     except OSError as exc:
         problems.append(f"cannot hide '{committed}': {first_line(exc)}")

@@ -81,3 +81,10 @@ def test_a_kill_at_any_point_of_the_cleanup_leaves_no_step_a_resume_takes(tmp_pa
 
 def test_a_removed_folder_has_nothing_to_clean(tmp_path):
     assert abandon.hide(tmp_path / "gone", ABANDONED) == [] and abandon.clear(tmp_path / "gone") == []
+
+
+def test_a_hidden_copy_left_by_an_earlier_cleanup_does_not_keep_the_step_committed(tmp_path):
+    nodes = _nodes(tmp_path)
+    write_step(nodes[0], layout.deleting_name(ABANDONED), PARTS)  # an earlier cleanup of this name, killed
+    assert abandon.hide(nodes[0], ABANDONED) == []
+    assert not (nodes[0] / ABANDONED).exists()
