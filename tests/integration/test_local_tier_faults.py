@@ -125,6 +125,8 @@ def test_a_peer_folder_full_two_nodes_resume_from_a_complete_step(tmp_path, tmpf
     out = _two_nodes(tmp_path, assets, *EVERY_STEP, env={"FILLER": str(tmpfs / "filler")}, dirs=dirs)
     start = _starts(tmp_path / "run")[-1]
     assert (start["tier"], start["resumed_from"]) == ("local", "epoch_0_step_5")
-    assert len(_lines(out, "abandoned")) == 2  # steps 6 and 7 again: node 1 is still full
+    again = _lines(out, "abandoned")  # steps 6 and 7 again: node 1 is still full, found by the space check
+    assert len(again) == 2 and all("checking the node-local folder's room failed on rank 1" in line for line in again)
+    assert "the next due node-local step is skipped" in again[1]  # the second failure in a row: one skipped
     _same_losses(tmp_path / "run", _records(straight_runs.get(2)), 6)
     assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
