@@ -270,8 +270,10 @@ class FinetuneRecipe(BaseRecipe):
             elif self.checkpointer.local_due(sched.step) and not sched.done:  # node-local: the snapshot only
                 self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
                                                     extra={"consumed_samples": sched.consumed_samples}))
+            self._report_local_faults(sched.step)
             if agreed.preempt and not sched.done:
                 self._observer.finalize(self.finalize_checkpoints, sched.step)
+                self._report_local_faults(sched.step)
                 self.progress.close()
                 line = self._observer.end(sched.step, "preempted")
                 if self.env.is_main:
@@ -281,10 +283,16 @@ class FinetuneRecipe(BaseRecipe):
                                         "rerun the same command to resume")
                 return
         self._observer.finalize(self.finalize_checkpoints, sched.step)  # async: the last checkpoint is published
+        self._report_local_faults(sched.step)
         self.progress.close()
         line = self._observer.end(sched.step, "complete")
         if self.env.is_main and line:
             self.progress.write(line)
+
+    def _report_local_faults(self, step: int) -> None:
+        """Node-local steps abandoned (or written again) since the last call, to events.jsonl and the trackers."""
+        for line in self.checkpointer.local_faults():
+            self._observer.side_failure("local_step", line, step)
 
     def _save_in_background(self) -> Any:
         """The async save just started, if any (its fence wait and background time are part of its cost)."""

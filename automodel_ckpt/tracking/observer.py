@@ -63,6 +63,10 @@ class RunObserver:
             self.tracker.event("preemption", f"preempted at step {step}: saved {path}", step)
         return path
 
+    def side_failure(self, kind: str, text: str, step: int) -> None:
+        """Something that failed without stopping the run (``kind``: e.g. ``local_step``), to the trackers."""
+        self.tracker.event(kind, text, step)
+
     def finalize(self, finalize: Callable[[], Any], step: int) -> Any:
         return self.costs.finalize(finalize, step)
 
