@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
-from torch import nn
-
-from automodel_ckpt.distributed.mesh import ParallelDims
+from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims
 from automodel_ckpt.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads lazily: the launcher checks the setting (``check``) without it
+    import torch
+    from torch import nn
 from automodel_ckpt.sizes import human_size
 
 SETTINGS = ("auto", "full", "none")
@@ -57,6 +58,8 @@ class Choice:
         if self.sharded or dtype is None:
             yield
             return
+        import torch
+
         with torch.autocast(device.type, dtype=dtype):
             yield
 
@@ -65,18 +68,10 @@ def choose(setting: str | None, dims: ParallelDims, model: nn.Module, device: to
            mixed_precision: str | None = None, memory: int | None = None) -> Choice:
     """The strategy ``distributed.dp_shard`` (``setting``) asks for on this mesh, for ``model`` (on any device:
     only its parameters' sizes are read); ``memory``: a rank's memory (default: ``rank_memory(device)``)."""
-    setting = str(setting or "auto").lower()
-    if setting not in SETTINGS:
-        raise ConfigError(f"distributed.dp_shard: expected one of {', '.join(SETTINGS)}, got '{setting}'")
-    sizes = dims.sizes
-    meshed = [name for name, on in (("tensor", sizes.tp > 1), ("pipeline", sizes.pp > 1), ("expert", sizes.ep > 1),
-                                    ("HSDP", sizes.dp_replicate > 1)) if on]
+    setting, meshed = check(setting, dims.sizes)
     if setting == "full":
         return Choice(SHARDED, "distributed.dp_shard: full", mixed_precision)
     if meshed:
-        if setting == "none":
-            raise ConfigError(f"distributed.dp_shard: none cannot be combined with {' and '.join(meshed)} "
-                              "parallelism, which shards with FSDP2; use auto or full")
         return Choice(SHARDED, f"{' and '.join(meshed)} parallelism shards with FSDP2", mixed_precision)
     if dims.dp_size == 1:
         return Choice(UNWRAPPED, "one data-parallel rank: nothing to exchange", mixed_precision)
@@ -88,6 +83,20 @@ def choose(setting: str | None, dims: ParallelDims, model: nn.Module, device: to
     if need <= REPLICATED_SHARE * have:
         return Choice(REPLICATED, f"auto: {share}; replicated up to {REPLICATED_SHARE:.0%}", mixed_precision)
     return Choice(SHARDED, f"auto: {share}, more than {REPLICATED_SHARE:.0%}", mixed_precision)
+
+
+def check(setting: str | None, sizes: MeshSizes) -> tuple[str, list[str]]:
+    """``distributed.dp_shard`` normalised, and the other parallelisms of ``sizes`` (which shard with FSDP2); a
+    one-line ``ConfigError`` for an unknown value or ``none`` beside them."""
+    value = str(setting or "auto").lower()
+    if value not in SETTINGS:
+        raise ConfigError(f"distributed.dp_shard: expected one of {', '.join(SETTINGS)}, got '{setting}'")
+    meshed = [name for name, on in (("tensor", sizes.tp > 1), ("pipeline", sizes.pp > 1), ("expert", sizes.ep > 1),
+                                    ("HSDP", sizes.dp_replicate > 1)) if on]
+    if meshed and value == "none":
+        raise ConfigError(f"distributed.dp_shard: none cannot be combined with {' and '.join(meshed)} "
+                          "parallelism, which shards with FSDP2; use auto or full")
+    return value, meshed
 
 
 def replicated_bytes(model: nn.Module) -> int:
@@ -104,6 +113,8 @@ def rank_memory(device: torch.device) -> int:
     """The memory one rank may count on: its GPU's, or the machine's (its cgroup's limit, if lower) divided by the
     processes on this node."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.get_device_properties(device).total_memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):

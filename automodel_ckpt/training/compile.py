@@ -9,23 +9,30 @@ run's two cores per shape (docs/benchmarks.md, ``tools/bench_train.py``), more t
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from automodel_ckpt.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads lazily: the launcher checks the setting without it
+    import torch
+    from torch import nn
 
 _ON, _OFF = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 
+def check(setting: object) -> str:
+    """``training.compile`` as ``auto``, ``true`` or ``false``; a one-line ``ConfigError`` for anything else."""
+    value = str(setting).strip().lower()
+    if value in _ON + _OFF + ("auto",):
+        return "true" if value in _ON else "false" if value in _OFF else "auto"
+    raise ConfigError(f"training.compile: expected auto, true or false, got '{setting}'")
+
+
 def decide(setting: object, device: torch.device) -> tuple[bool, str]:
     """Whether blocks are compiled under ``training.compile`` (``setting``) on ``device``, and the start line."""
-    value = str(setting).strip().lower()
-    if value in _ON:
-        return True, "torch.compile: on (training.compile: true)"
-    if value in _OFF:
-        return False, "torch.compile: off (training.compile: false)"
+    value = check(setting)
     if value != "auto":
-        raise ConfigError(f"training.compile: expected auto, true or false, got '{setting}'")
+        return value == "true", f"torch.compile: {'on' if value == 'true' else 'off'} (training.compile: {value})"
     if device.type == "cuda":
         return True, "torch.compile: on (auto: compiled blocks are faster on CUDA; training.compile: false turns it off)"
     return False, ("torch.compile: off (auto: on CPU compiling costs more than a typical run gains; "
