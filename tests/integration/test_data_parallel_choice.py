@@ -23,6 +23,20 @@ def _leg(tmp_path, assets, name, steps, *keys, nproc=2, env=None):
                       "--step_scheduler.max_steps", str(steps), *keys, nproc=nproc, env=env)
 
 
+def _layout(checkpoint):
+    """Each model and optimizer file's name and size, and the tensors each safetensors shard holds."""
+    from safetensors import safe_open
+
+    files = {f"{f.parent.name}/{f.name}": f.stat().st_size for folder in ("model", "optim")
+             for f in (checkpoint / folder).iterdir() if f.suffix in (".safetensors", ".distcp")}
+    tensors = {}
+    for shard in sorted((checkpoint / "model").glob("shard-*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            tensors[shard.name] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert len(tensors) == 2 and any(name.startswith("optim/") for name in files)  # two ranks' files of each
+    return files, tensors
+
+
 def _same_samples_close_losses(run, straight):
     got, want = _records(run), _records(straight)
     assert sorted(got) == list(range(1, 9))
@@ -43,6 +57,8 @@ def test_replicated_and_sharded_checkpoints_resume_under_each_other(tmp_path, as
     assert "Data parallelism: sharded with FSDP2 (distributed.dp_shard: full)" in first.stdout
     assert "Optimizer: AdamW, fused implementation" in first.stdout
     shutil.copytree(tmp_path / "sharded", tmp_path / "to_replicated")
+    # the same files whatever the strategy: each rank writes its slice of every parameter and moment
+    assert _layout(replicated / "epoch_0_step_4") == _layout(tmp_path / "sharded" / "epoch_0_step_4")
     # sharded -> sharded: the straight sharded run's steps, bit for bit
     _leg(tmp_path, assets, "sharded", 8, *FULL)
     _leg(tmp_path, assets, "sharded_straight", 8, *FULL)

@@ -63,7 +63,9 @@ def _export(assets: Path, ckpt: Path) -> Path:
 @pytest.mark.parametrize("family, fmt, lr", FULL)
 def test_trains_resumes_exactly_and_exports_in_the_base_layout(work, assets, family_bases, family, fmt, lr):
     base = family_bases[family]
-    fmt_arg = ("--checkpoint.model_save_format", fmt, "--step_scheduler.max_steps", "3", "--optimizer.lr", lr)
+    # sharded (a model this small would be replicated): each rank reads only its slices of the base
+    fmt_arg = ("--checkpoint.model_save_format", fmt, "--step_scheduler.max_steps", "3", "--optimizer.lr", lr,
+               "--distributed.dp_shard", "full")
     straight, _ = _run(work, assets, base, f"{family}_{fmt}", *fmt_arg)
     resumed, out = _run(work, assets, base, f"{family}_{fmt}_resumed", *fmt_arg,
                         "--checkpoint.restore_from", str(straight / "epoch_0_step_1"))

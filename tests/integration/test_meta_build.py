@@ -24,6 +24,8 @@ FAST = ("--optimizer.lr", "0", "--dataset.num_samples", "400", "--data.val_size"
         "--step_scheduler.val_every_steps", "null", "--step_scheduler.global_batch_size", "8",
         "--step_scheduler.local_batch_size", "4", "--step_scheduler.ckpt_every_steps", "1",
         "--checkpoint.save_consolidated", "final")  # fmt: skip
+#: FSDP2 whatever the model's size (``auto`` would replicate this one): each rank materialises and reads its shards
+SHARDED = ("--distributed.dp_shard", "full")
 CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
           "num_key_value_heads": 1, "vocab_size": 49, "tie_word_embeddings": True}  # fmt: skip
 
@@ -52,7 +54,7 @@ def _exported(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_each_rank_reads_only_its_slices_of_the_base_and_never_holds_a_whole_sharded_parameter(work, assets):
-    run, records = _run(work, assets, "folder", 2, 2)
+    run, records = _run(work, assets, "folder", 2, 2, *SHARDED)
     data_bytes, share = row_shares(assets / "tiny_llama_base", 2)
     read = [r["base_bytes_read"] for r in records]
     assert all(0 < n <= share for n in read), (read, share, data_bytes)
@@ -68,7 +70,7 @@ def test_each_rank_reads_only_its_slices_of_the_base_and_never_holds_a_whole_sha
 
 
 def test_a_resume_never_reads_the_base_even_after_falling_back_past_a_damaged_checkpoint(work, assets):
-    first, _ = _run(work, assets, "folder", 2, 2)
+    first, _ = _run(work, assets, "folder", 2, 2, *SHARDED)
     run = work / "fallback"
     shutil.copytree(first, run, symlinks=True)
     for shard in (run / "epoch_0_step_2" / layout.MODEL_DIR).glob("*.safetensors"):
@@ -79,7 +81,7 @@ def test_a_resume_never_reads_the_base_even_after_falling_back_past_a_damaged_ch
 
 
 def test_with_every_checkpoint_damaged_the_run_starts_fresh_from_the_base(work, assets):
-    first, _ = _run(work, assets, "folder", 2, 2)
+    first, _ = _run(work, assets, "folder", 2, 2, *SHARDED)
     run = work / "fresh"
     shutil.copytree(first, run, symlinks=True)
     for step in (1, 2):

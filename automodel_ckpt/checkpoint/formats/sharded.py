@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,63 @@ def _held_by_any_rank(state: dict, process_group) -> set[str]:
 
 
 def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None) -> None:
-    _save(get_model_state_dict(model), path, _writer(path, fmt, written), process_group)
+    _save(_model_state(model), path, _writer(path, fmt, written), process_group)
+
+
+def _model_state(model: nn.Module) -> dict:
+    """The model's state as it is saved: a replicated model's parameters as FSDP2's shards (``_as_shards``)."""
+    state = get_model_state_dict(model)
+    mesh = _replicated_mesh(model)
+    if mesh is None:
+        return state
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: _as_shards(v, mesh) if k in params else v for k, v in state.items()}
+
+
+def _optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
+    """The optimizer's state as it is saved: a replicated model's moments as FSDP2's shards (``_as_shards``)."""
+    state = get_optimizer_state_dict(model, optimizer)
+    mesh = _replicated_mesh(model)
+    if mesh is None:
+        return state
+    per_param = {fqn: {k: _as_shards(v, mesh) for k, v in values.items()} for fqn, values in state["state"].items()}
+    return {**state, "state": per_param}
+
+
+def _replicated_mesh(model: nn.Module):
+    """The data-parallel mesh of a model that every rank holds whole (``distributed.data_parallel``: replicated
+    over several ranks; its parameters are plain tensors), or None (sharded, or one rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    params = list(model.parameters())
+    if not params or any(isinstance(p, DTensor) for p in params):
+        return None
+    return _world_mesh(params[0].device.type, dist.get_world_size())
+
+
+@functools.cache
+def _world_mesh(device_type: str, world_size: int):
+    """The 1-D mesh of every rank (over the default group: no new process group is made)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def _as_shards(value: Any, mesh) -> Any:
+    """A replicated tensor (of one dimension or more) as a view of this rank's FSDP2 shard of it (``Shard(0)``),
+    without a copy: every rank writes its own slice, and the files are those a sharded run writes."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
+        return value
+    placements = [Shard(0)]
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    local = value.detach().narrow(0, offset[0], shape[0])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
 
 
 def reading():
@@ -129,7 +186,7 @@ def _loaded_in_place(model: nn.Module, state: dict) -> bool:
 
 def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
                    written: WrittenFiles | None = None) -> None:
-    _save(get_optimizer_state_dict(model, optimizer), path, _writer(path, TORCH_SAVE, written), process_group)
+    _save(_optimizer_state(model, optimizer), path, _writer(path, TORCH_SAVE, written), process_group)
 
 
 class StagedSave:
@@ -183,7 +240,7 @@ def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, writ
     """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
     change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
     buffers = {name for name, _ in model.named_buffers()}
-    state = _freeze(get_model_state_dict(model), eager=lambda key: key in buffers)
+    state = _freeze(_model_state(model), eager=lambda key: key in buffers)
     return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads)
 
 
@@ -193,7 +250,7 @@ def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: 
     """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
     (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
     the small items in a file of their own (``_writer``)."""
-    state = _freeze(get_optimizer_state_dict(model, optimizer))
+    state = _freeze(_optimizer_state(model, optimizer))
     return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads, small_apart)
 
 
