@@ -200,8 +200,8 @@ def summarize(runs: list[dict], nproc: int, params: int, peak_tflops: float | No
     pooled = [t for r in ok for t in timed_steps(r["step_seconds"])]
     median = statistics.median(pooled)
     tokens = nproc * MICRO * SEQ / median
-    result = {"step_seconds_median": median, "rep_medians": [statistics.median(timed_steps(r["step_seconds"]))
-                                                             for r in ok],
+    result = {"step_seconds_median": median, "fastest_step_seconds": min(pooled),
+              "rep_medians": [statistics.median(timed_steps(r["step_seconds"])) for r in ok],
               "tokens_per_s": tokens, "timed_steps": len(pooled),
               "peak_rss_bytes_per_rank": [max(r["ranks"][k]["peak_rss_bytes"] for r in ok) for k in range(nproc)],
               "runs": runs}
@@ -252,7 +252,8 @@ def _num(value: float | None, fmt: str = ".3f", suffix: str = "") -> str:
 
 def tables(report: dict) -> str:
     cuda, mfu = report["device"] == "cuda", report["peak_tflops"] is not None
-    head = ["size", "parameters", "processes", "contender", "median step s", "rep medians s", "tokens/s",
+    head = ["size", "parameters", "processes", "contender", "median step s", "rep medians s", "fastest step s",
+            "tokens/s",
             "peak RSS per rank MiB (max)"]
     head += (["CUDA peak per rank GiB (max)"] if cuda else []) + (["MFU"] if mfu else [])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -267,7 +268,8 @@ def tables(report: dict) -> str:
                 rows.append("| " + " | ".join(cells + ["failed"] + [""] * (len(head) - 5)) + " |")
                 continue
             cells += [f"{c['step_seconds_median']:.3f}", ", ".join(f"{t:.3f}" for t in c["rep_medians"]),
-                      f"{c['tokens_per_s']:.0f}", f"{max(c['peak_rss_bytes_per_rank']) / MiB:.0f}"]
+                      f"{c['fastest_step_seconds']:.3f}", f"{c['tokens_per_s']:.0f}",
+                      f"{max(c['peak_rss_bytes_per_rank']) / MiB:.0f}"]
             if cuda:
                 cells.append(f"{max(c.get('cuda_max_allocated_bytes_per_rank', [0])) / 2**30:.2f}")
             if mfu:
@@ -314,6 +316,11 @@ def main() -> None:
         raise SystemExit("--nprocs must be >= 1, --steps >= 2 (the first step warms up), --reps >= 1")
     if args.dtype == "bf16" and args.device != "cuda":
         raise SystemExit("--dtype bf16 is for --device cuda (CPU runs are fp32)")
+    if args.device == "cuda":
+        import torch
+
+        if max(nprocs) > torch.cuda.device_count():
+            raise SystemExit(f"--nprocs {args.nprocs}: one GPU per process, and {torch.cuda.device_count()} visible")
     args.extra = shlex.split(args.extra)
     work = (args.work or Path(tempfile.mkdtemp(prefix="bench_train_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
