@@ -23,10 +23,11 @@ The peers live in ``tools/bench_train_peers.py`` and never import this package. 
 contenders alternate (ours, hf, bare, ours, hf, bare, ...; the first one rotates with each repetition), so a drift
 of the machine hits all of them alike. A step is timed from fetching its batch to the end of the optimizer step (the
 device synchronised); the reported step time is the median of steps 6..N of every repetition (the first five warm
-up; with fewer steps, every step after the first). Reported per contender: that median, tokens/s, peak memory per
-rank (``ru_maxrss``; on CUDA ``torch.cuda.max_memory_allocated`` too), with ``--peak-tflops`` the MFU
-(``6 × parameters × tokens/s`` over the peak FLOP/s of the processes' devices), and the speed ratios ours/HF and
-ours/bare-best (the other's step time over ours: above 1, ours is faster). On CPU, processes use gloo and
+up; with fewer steps, every step after the first). Reported per contender: that median, the fastest of those steps
+(what a quiet moment of a shared machine gives), tokens/s, peak memory per rank (``ru_maxrss``; on CUDA
+``torch.cuda.max_memory_allocated`` too), with ``--peak-tflops`` the MFU (``6 × parameters × tokens/s`` over the
+peak FLOP/s of the processes' devices), and the speed ratios ours/HF and ours/bare-best (the other's step time over
+ours: above 1, ours is faster). On CPU, processes use gloo and
 ``OMP_NUM_THREADS`` = CPUs / processes for every contender; on CUDA (``--device cuda``), nccl, one GPU per
 process, and ``--dtype bf16`` (HF ``bf16=True``, ours ``--distributed.mixed_precision bf16``, bare autocast or
 FSDP2's bf16 policy). Prints two markdown tables and writes everything to ``--json`` (alias ``--out``).
