@@ -1,6 +1,6 @@
-"""tools/bench_async.py, bench_scale.py, bench_memory.py and bench_recovery.py in their small modes: they run, and
-their reports hold what they promise (the ratios, every phase at every rank count, each recovery's tier).
-Correctness of the output, not speed."""
+"""tools/bench_async.py, bench_scale.py, bench_memory.py, bench_recovery.py and bench_train.py in their small modes:
+they run, and their reports hold what they promise (the ratios, every phase at every rank count, each recovery's
+tier, every contender's step times). Correctness of the output, not speed."""
 
 from __future__ import annotations
 
@@ -110,3 +110,22 @@ def test_bench_recovery_small_kills_a_node_and_resumes_from_each_tier(tmp_path, 
     state = report["state_bytes"]  # each node keeps its own part and a copy of the other's: twice the state
     assert report["local_bytes_peak"] >= report["local_bytes_at_kill"] >= 2 * state
     assert "| from the local tier | local |" in printed and "local stall / durable stall" in printed
+
+
+def test_bench_train_tiny_times_every_contender(tmp_path):
+    out = tmp_path / "train.json"
+    printed = _run("bench_train.py", "--sizes", "tiny", "--nprocs", "1", "--steps", "3", "--reps", "1",
+                   "--work", str(tmp_path / "work"), "--json", str(out))
+    report = json.loads(out.read_text())
+    [group] = report["results"]
+    assert (group["size"], group["nproc"]) == ("tiny", 1) and report["sizes"]["tiny"]["parameters"] > 0
+    assert set(group["contenders"]) == {"ours", "hf", "bare"}
+    for name, contender in group["contenders"].items():
+        assert "failed" not in contender, contender.get("failed")
+        [run] = contender["runs"]
+        assert len(run["step_seconds"]) == 3 and all(t > 0 for t in run["step_seconds"]), name
+        assert contender["step_seconds_median"] > 0 and contender["tokens_per_s"] > 0
+        assert all(peak > 0 for peak in contender["peak_rss_bytes_per_rank"])
+    assert group["contenders"]["hf"]["runs"][0]["optim"] == "adamw_torch_fused"  # the Trainer's default
+    assert group["bare_best"] == "bare" and group["ours_speed_over_hf"] > 0 and group["ours_speed_over_bare_best"] > 0
+    assert "| tiny | 1 |" in printed and "speed ours/HF" in printed
