@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
 PARAM_VALUE_MAX = 6000  # MLflow's limit for a parameter value
 TAG_VALUE_MAX = 5000
 _SQLITE = "sqlite:///"
+RUN_KEY_TAG = "automodel_ckpt.run_key"  # set on the tracked run when created: ``initial_state``'s key
 
 
 def default_store(run_dir: Path) -> str:
@@ -41,6 +43,7 @@ class MLflowBackend(Backend):
     module = "mlflow"
     extra = "mlflow"
     legacy_location_key = "tracking_uri"
+    acknowledged = True  # each call returns once the store (a server or the SQLite file) has it
 
     def location(self, run_dir: Path, run_name: str) -> str:
         return str(self.section.get("tracking_uri") or default_store(run_dir))
@@ -68,20 +71,35 @@ class MLflowBackend(Backend):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        run_id = self._reopen(ctx.saved.get("run_id"))
+        key = ctx.saved.get("run_key")
+        name = self.section.get("experiment") or ctx.run_name
+        run_id = self._reopen(ctx.saved.get("run_id") or self._find(name, key))
         if run_id is None:
-            name = self.section.get("experiment") or ctx.run_name
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment is not None else \
                 self.client.create_experiment(name, artifact_location=artifacts)
-            run_id = self.client.create_run(experiment_id, run_name=ctx.run_name).info.run_id
+            tags = {RUN_KEY_TAG: key} if key else None
+            run_id = self.client.create_run(experiment_id, run_name=ctx.run_name, tags=tags).info.run_id
             self._log_params(run_id, ctx.hparams)
         self.run_id = run_id
         if ctx.resume_step is not None:
             self.client.set_tag(run_id, f"resumed.step_{ctx.resume_step}",
                                 f"values of steps after {ctx.resume_step} logged before this resume are superseded "
                                 "by the ones logged after it (keep the last value per step)")
-        return {"run_id": run_id}
+        return {"run_id": run_id, "run_key": key} if key else {"run_id": run_id}
+
+    def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A key tagged on the run when it is created: a checkpoint saved before the run was (a slow store, a
+        server down) still lets a resume find and reopen it."""
+        return {"run_key": saved.get("run_key") or uuid.uuid4().hex}
+
+    def _find(self, experiment: str, key: str | None) -> str | None:
+        """The run created with ``key`` in ``experiment``, if any."""
+        found = self.client.get_experiment_by_name(experiment) if key else None
+        if found is None:
+            return None
+        runs = self.client.search_runs([found.experiment_id], f"tags.{RUN_KEY_TAG} = '{key}'", max_results=1)
+        return runs[0].info.run_id if runs else None
 
     def _reopen(self, run_id: str | None) -> str | None:
         """``run_id`` marked running again, if the store still has it; else None (a new run is created)."""

@@ -134,6 +134,7 @@ def test_mlflow_resume_reopens_the_run_and_replays_what_it_had_not_confirmed(tmp
     (tmp_path / layout.TRAINING_LOG).write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n"
                                                         for s in range(1, 5)))
     first = _launch(tmp_path, section, None, range(1, 3), None)
+    first.flush(timeout=300)  # the store is open (a checkpoint waits for it at most FLUSH_TIMEOUT_S)
     saved = first.state_dict()
     saved["mlflow"]["confirmed_step"] = 2  # as if steps 3-4 were still queued when the checkpoint at 4 was taken
     first.flush()
@@ -148,6 +149,25 @@ def test_mlflow_resume_reopens_the_run_and_replays_what_it_had_not_confirmed(tmp
         [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0)]  # 3-4 replayed from training.jsonl
     assert runs[0].data.params["optimizer.lr"] == "0.1" and "resumed.step_4" in runs[0].data.tags
     assert runs[0].info.status == "FINISHED"
+
+
+def test_a_checkpoint_saved_before_mlflow_opened_its_run_still_resumes_that_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    section = _section(mlflow={"tracking_uri": None, "experiment": "exp"})
+    (tmp_path / layout.TRAINING_LOG).write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n"
+                                                        for s in range(1, 4)))
+    first = _launch(tmp_path, section, None, range(1, 4), None)
+    lane = first._lanes[0]
+    saved = {"mlflow": {"run_key": lane.state["run_key"], "location": lane.location, "confirmed_step": 0}}  # no id yet
+    first.close("failed", timeout=300)
+    second = _launch(tmp_path, section, saved, range(4, 6), restored=3)
+    second.close("complete", timeout=300)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / layout.MLFLOW_DB}")
+    runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+    assert len(runs) == 1 and "resumed.step_3" in runs[0].data.tags  # found by its key, reopened
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
+    assert steps == [1, 1, 2, 2, 3, 3, 4, 5]  # nothing confirmed: 1-3 replayed (the last value per step counts)
 
 
 def test_a_missing_backend_is_one_line_naming_the_extra(monkeypatch):
