@@ -93,10 +93,14 @@ class CheckpointCosts:
         return out
 
     def end(self, step: int, status: str) -> dict[str, Any]:
-        record = {"event": END, "time": time.time(), "step": step, "status": status,
-                  "wall_s": round(time.time() - self._started, 4), "blocked_s": round(self._blocked, 4)}
+        record = self.end_record(step, status)
         self._append(record)
         return record
+
+    def end_record(self, step: int, status: str) -> dict[str, Any]:
+        """The ``end`` record of this launch, not yet appended (``note`` appends it)."""
+        return {"event": END, "time": time.time(), "step": step, "status": status,
+                "wall_s": round(time.time() - self._started, 4), "blocked_s": round(self._blocked, 4)}
 
     def _complete_in_flight(self, extra_blocked: float, at_step: int) -> None:
         flight, self._in_flight = self._in_flight, None

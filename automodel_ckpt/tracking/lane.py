@@ -33,6 +33,7 @@ class Lane:
         self.location = ""  # where the backend writes (saved beside ``state``)
         self.delivered = 0
         self.durable = 0
+        self.opened = False  # the backend's ``open`` returned
         self.failed = False
         self.dropped = 0  # metric records dropped unsent (the queue was full)
         self.skipped = 0  # metric records and events not sent because the backend had failed

@@ -78,18 +78,20 @@ class RunObserver:
         self.tracker.event(f"side_failure.{kind}", text, step)
 
     def end(self, step: int, status: str) -> str:
-        """The launch ends (``complete`` or ``preempted``): record it, close the trackers; the cost line."""
-        self.costs.end(step, status)
+        """The launch ends (``complete`` or ``preempted``): close the trackers, record it (last: after what the
+        trackers noted while closing); the cost line."""
+        end = self.costs.end_record(step, status)
         line = ""
         if self.is_main:
             try:
-                line = one_line(cost_report(summarize(read_events(self.run_dir))))
+                line = one_line(cost_report(summarize([*read_events(self.run_dir), end])))
             except Exception as exc:  # noqa: BLE001 - a report is side work: one warning, never the end of a run
                 text = f"the cost report failed ({type(exc).__name__}: {first_line(exc)})"
                 warnings.warn(text, stacklevel=2)
                 self.side_failure("cost_report", text, step)
         self.tracker.event("end", f"{status} at step {step}. {line}", step)
         self.tracker.close(status)
+        self.costs.note(end)
         return line
 
     def fail(self) -> None:

@@ -106,7 +106,8 @@ class RunTracker:
             if not done.wait(max(0.0, deadline - time.monotonic())) and lane.mark_behind(began):
                 self._record({"event": BEHIND, "time": began, "step": self._step, "backend": lane.backend.name,
                               "waited_s": timeout})
-                warnings.warn(f"logging.{lane.backend.name} is behind (nothing back within {timeout:.0f} s); "
+                opening = "" if lane.opened else ", still opening its run"
+                warnings.warn(f"logging.{lane.backend.name} is behind (nothing back within {timeout:.0f} s{opening}); "
                               "training goes on without waiting for it (a resume replays what it lacks)",
                               stacklevel=3)
 
@@ -176,6 +177,7 @@ class RunTracker:
 
     def _open(self, lane: Lane, ctx: OpenContext) -> None:
         lane.state = lane.backend.open(ctx)
+        lane.opened = True
         if ctx.resume_step is None:
             return
         first = lane.backend.first_replay_step(ctx.confirmed_step)
