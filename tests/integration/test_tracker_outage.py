@@ -4,6 +4,7 @@ delivered; with the server back, a resume fills MLflow in: one run, every step o
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -89,6 +90,11 @@ def test_training_waited_for_the_tracker_once_and_within_the_bound(outage):
     output = outage["output"]
     assert output.count("logging.mlflow is behind") + output.count("logging.mlflow failed") == 1
     assert "experiment tracking is 60 s behind" not in output
+    shown = subprocess.run([CKPT_TRAIN, "inspect", str(outage["run"]), "--cost", "--json"], capture_output=True,
+                           text=True, timeout=300, check=True)
+    end = next(e for e in reversed(events) if e["event"] == "end")
+    assert json.loads(shown.stdout)["tracking_behind_s"] >= end["time"] - behind[0]["time"] > 0  # to the end
+    assert "; tracking behind " in output  # the end-of-run line
 
 
 def test_with_the_server_back_a_resume_fills_mlflow_in_each_step_once(outage, server, assets):
