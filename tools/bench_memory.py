@@ -5,8 +5,9 @@
         [--json OUT] [--code DIR]
 
 Writes (once, into ``--work``) a Hugging Face folder base of about ``--size`` bytes of bf16 weights, Llama-shaped
-(hidden 1024, GQA, untied embeddings; the number of layers gives the size), then fine-tunes it in fp32 with AdamW
-(or SGD without momentum) for ``--steps`` steps on 1, 2 and 4 processes, saving a checkpoint after the last one.
+(hidden 1024, GQA, untied embeddings; the number of layers gives the size), then fine-tunes it in fp32, sharded with
+FSDP2 (``distributed.dp_shard: full``), with AdamW (or SGD without momentum) for ``--steps`` steps on 1, 2 and 4
+processes, saving a checkpoint after the last one.
 Each rank records:
 
 * ``idle``: its resident memory when the recipe starts (the process with torch and transformers imported);
@@ -314,11 +315,24 @@ def write_base(folder: Path, config: dict, shard_bytes: int = 512 * MiB) -> Path
 
 
 def knows_activation_checkpointing() -> bool:
+    return _knows("activation_checkpointing")
+
+
+def _knows(key: str) -> bool:
+    """Whether the recipe schema has ``distributed.<key>``."""
     import dataclasses
 
     from automodel_ckpt.config import schema
 
-    return any(f.name == "activation_checkpointing" for f in dataclasses.fields(schema.DistributedConfig))
+    return any(f.name == key for f in dataclasses.fields(schema.DistributedConfig))
+
+
+def _distributed(ac: bool | None) -> str:
+    """The recipe's ``distributed:`` section: sharded with FSDP2 (``dp_shard: full``, where the schema has it: the
+    goals are those of a sharded run), activation checkpointing as asked."""
+    keys = (["  dp_shard: full"] if _knows("dp_shard") else []) + \
+        ([] if ac is None else [f"  activation_checkpointing: {str(ac).lower()}"])
+    return "distributed:\n" + "".join(k + "\n" for k in keys) if keys else ""
 
 
 def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, code: Path = REPO,
@@ -333,8 +347,7 @@ def run_one(work: Path, base: Path, nproc: int, steps: int, ac: bool | None, cod
     recipe = work / f"bench_{tag}.yaml"
     recipe.write_text(RECIPE.format(recipe=f"{Path(__file__).resolve()}:MemoryRecipe", base=base, tag=tag,
                                     work=work, steps=max(1, steps), optimizer=OPTIMIZERS[optimizer],
-                                    save=str(save and steps > 0).lower(), distributed="" if ac is None else
-                                    f"distributed:\n  activation_checkpointing: {str(ac).lower()}\n"))
+                                    save=str(save and steps > 0).lower(), distributed=_distributed(ac)))
     shutil.rmtree(work / f"ckpt_{tag}", ignore_errors=True)  # a fresh run each time, never a resume
     env = dict(os.environ, BENCH_MEMORY_OUT=str(out), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{code}{os.pathsep}{REPO}",

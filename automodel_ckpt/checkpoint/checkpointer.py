@@ -97,8 +97,21 @@ class Checkpointer:
 
     def save_local(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
         """Take a node-local step of ``states``: the call returns once the state is copied; writing it, its
-        copies on other nodes and its commit run in the background (``local_tier``). None when the tier is off."""
+        copies on other nodes and its commit run in the background (``local_tier``). None when the tier is off, and
+        when the step is skipped or abandoned: a local step that cannot be written never stops training (a warning
+        says so, ``local_faults``)."""
         return self._local.save(states, info)
+
+    def local_faults(self) -> list[str]:
+        """The lines said since the last call about node-local steps abandoned (a step that could not be written:
+        training goes on) or written again after that; empty on ranks other than 0. For the trackers and the
+        end-of-run report."""
+        return self._local.faults()
+
+    @property
+    def local_steps_abandoned(self) -> int:
+        """How many node-local steps this launch abandoned (each said in one warning line)."""
+        return self._local.steps_abandoned
 
     def fence(self) -> None:
         """Wait until the async save in flight has copied the live model and optimizer state (if it has not yet).
@@ -121,7 +134,7 @@ class Checkpointer:
         """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease."""
         done = False
         try:
-            self._local.wait()
+            self._local.wait()  # a node-local step that failed is abandoned there (a warning), never raised
             path = self.wait()
             done = True
         finally:

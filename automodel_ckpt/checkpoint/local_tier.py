@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, deferred
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
+from automodel_ckpt.checkpoint.save import retry
 from automodel_ckpt.checkpoint.save.diskfull import state_bytes
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
@@ -45,6 +47,11 @@ class LocalTier:
         self.env, self.say = env, say
         self.active = bool(cfg.enabled and self.settings.every_steps)
         self._space_checked = False
+        self.steps_abandoned = 0  # local steps abandoned by this launch
+        self._faults: list[str] = []  # lines said since the last ``faults()``
+        self._backoff = retry.Backoff()
+        self._in_flight: str | None = None  # the local step being written in the background
+        self._need: int | None = None  # a step's bytes in this node's folder (known from the first step on)
         if not self.active:
             return
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size) or env.world_size)
@@ -58,7 +65,7 @@ class LocalTier:
                                       default_folder=not self.settings.dir, say=say)
         tier_cfg = _tier_config(cfg, folder)
         self.writer = SaveWriter(tier_cfg, env, dims, self.run, config_yaml=config_yaml, hf=hf,
-                                 fingerprint=fingerprint, time=time, say=_quiet)
+                                 fingerprint=fingerprint, time=time, say=_quiet, settle_full_disk=False)
         self.loader = CheckpointLoader(tier_cfg, env, dims, self.run, say)
         self.run.acquire()
 
@@ -67,40 +74,105 @@ class LocalTier:
         return self.active and step % self.settings.every_steps == 0
 
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
-        """Snapshot ``states`` now; write, copy to other nodes and commit them in the background."""
+        """Snapshot ``states`` now; write, copy to other nodes and commit them in the background. None when the tier
+        is off, and when this step is skipped or abandoned (``retry``): a local step never stops training."""
         if not self.active:
             return None
-        if not self._space_checked:
-            self._check_space(states)
-        return self.writer.save(states, info)
+        self._settle()  # the step before: committed everywhere, or abandoned everywhere
+        if not self._backoff.attempt():
+            return None
+        name = layout.checkpoint_name(info.epoch, info.step)
+        path, error = None, None
+        try:
+            for folder in self.run.remake():
+                self._report(f"warning: the node-local folder '{folder}' was removed; made again")
+            if not self._space_checked:
+                self._check_space(states)
+            path = self.writer.save(states, info)
+        except Exception as exc:  # noqa: BLE001 - every step above is collective: every rank is here
+            error = exc
+        if self._failed(error, name):
+            return None
+        self._in_flight = path.name if path is not None else None
+        return path
 
     def _check_space(self, states: dict[str, Any]) -> None:
         """Collective, before the first local step: each folder has room for ``keep + 1`` steps and the copies."""
         sizes = all_gather_object(state_bytes(states.values(), local=True))  # this rank's shards
         node = self.run.placement.node_of()
         mine = sum(b for r, b in enumerate(sizes) if self.run.placement.node_of(r) == node)
+        self._need = mine * (1 + self.run.placement.copies)  # a step's bytes in this node's folder
         collective.collectively(
             lambda: localdir.check_space(self.run.local, mine, self.settings.keep, self.run.placement.copies)
             if self.run.leads else None, "checking the node-local folder's room", self.env.rank)
         self._space_checked = True
+
+    def _settle(self) -> None:
+        """Collective: the local step in flight completed; committed everywhere, or abandoned everywhere."""
+        name, self._in_flight = self._in_flight, None
+        error = None
+        try:
+            self.writer.wait()
+        except Exception as exc:  # noqa: BLE001 - the completion is collective: every rank has the same outcome
+            error = exc
+        if name is None and error is None:
+            return
+        if not self._failed(error, name or "in flight"):
+            ended = self._backoff.succeeded()
+            if ended:
+                self._report(f"node-local steps are written again: {name} (after {ended} failed in a row)")
+
+    def _failed(self, error: BaseException | None, name: str) -> bool:
+        """Collective: whether the step ``name`` failed on any rank; if so it is abandoned on every rank: its files
+        removed from every node, one warning with the cause, the next tries spaced out (``retry.Backoff``)."""
+        outcomes = all_gather_object(retry.Outcome.of(error, self.run.local if self.run.leads else None,
+                                                      self._need))
+        cause = retry.verdict(outcomes)
+        if cause is None:
+            return False
+        leftovers = self.run.discard(name)
+        self.steps_abandoned += 1
+        skipped = self._backoff.failed()
+        then = ("the next due node-local step is tried" if not skipped else "the next due node-local step is "
+                "skipped" if skipped == 1 else f"the next {skipped} due node-local steps are skipped")
+        left = f"; not removed: {'; '.join(leftovers[:2])}" if leftovers else ""
+        self._report(f"warning: node-local step {name} abandoned: {cause}; training goes on, durable checkpoints "
+                     f"are unaffected; {then}{left}")
+        return True
+
+    def _report(self, line: str) -> None:
+        """A line for the console and for ``faults`` (rank 0)."""
+        if self.env.is_main:
+            self.say(line)
+            self._faults.append(line)
+
+    def faults(self) -> list[str]:
+        """The lines said about local steps abandoned or written again since the last call (rank 0)."""
+        lines, self._faults = self._faults, []
+        return lines
 
     def fence(self) -> None:
         if self.active:
             self.writer.fence()
 
     def wait(self) -> None:
+        """Collective: the local step in flight completed or, where it failed, abandoned (never raised)."""
         if self.active:
-            self.writer.wait()
+            self._settle()
 
     def finalize(self, *, done: bool) -> None:
-        """End of training: the local step in flight completed; a finished run removes its local steps."""
+        """End of training: the local step in flight settled; a finished run removes its local steps."""
         if not self.active:
             return
         try:
-            self.writer.wait()
+            if done:
+                self._settle()
         finally:
             self.writer.close()
-            self.run.release(keep_lock=not done)
+            try:
+                self.run.release(keep_lock=not done)
+            except (OSError, CheckpointError) as exc:  # unwritable: what it holds stays; the run is done all the same
+                self.say(f"warning: cannot remove the node-local folder '{self.run.local}': {first_line(exc)}")
 
     def abandon(self, seconds: float) -> None:
         if self.active:

@@ -50,7 +50,8 @@ class TokenizerConfig:
 @dataclass
 class DistributedConfig:
     backend: Optional[str] = None  # None: nccl when CUDA is available, else gloo
-    mixed_precision: Optional[str] = None  # None (fp32) | bf16: FSDP2 computes in bf16, reduces in fp32
+    mixed_precision: Optional[str] = None  # None (fp32) | bf16: compute in bf16 (FSDP2 casts, else autocast), reduce in fp32
+    dp_shard: str = "auto"  # auto | full | none: shard with FSDP2, or replicate a model that fits (docs/parallelism.md)
     timeout_minutes: int = 30  # collective timeout
     tp_size: int = 1  # tensor-parallel ranks per model replica, split by the family's own plan (docs/parallelism.md)
     dp_size: Optional[int] = None  # data-parallel ranks (None: the world size / tp_size)
@@ -69,6 +70,7 @@ class DistributedConfig:
 @dataclass
 class TrainingConfig:
     max_grad_norm: Optional[float] = 1.0  # gradient clipping (None: off)
+    compile: str = "auto"  # auto | true | false: torch.compile each decoder block (auto: where it pays; docs/parallelism.md)
     progress_bar: bool = True  # rank-0 progress bar with step, loss and rate
     log_sample_ids: bool = False  # add the ids of the step's samples to training.jsonl
 

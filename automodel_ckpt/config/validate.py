@@ -8,9 +8,11 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
+from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, resolve_pipeline,
                                              resolve_sizes)
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.training import compile
 
 #: The package's image-text builder, whose models tensor parallelism does not split yet.
 IMAGE_TEXT_BUILDER = "automodel_ckpt.models.build.build_image_text_model"
@@ -46,6 +48,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     positive(sched.ckpt_every_steps, "step_scheduler.ckpt_every_steps")
     positive(sched.val_every_steps, "step_scheduler.val_every_steps")
     sizes = resolve_sizes(cfg.distributed, world_size)  # one-line errors: sizes, unsupported strategies
+    data_parallel.check(cfg.distributed.get("dp_shard"), sizes)
+    compile.check(cfg.get("training", {}).get("compile", "auto"))
     check_batch_sizes(sched.global_batch_size, sched.local_batch_size, sizes.dp)
     seq_length = cfg.get("data", {}).get("seq_length")
     if sizes.sequence_parallel and isinstance(seq_length, int) and seq_length % sizes.tp:

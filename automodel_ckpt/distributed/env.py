@@ -91,6 +91,9 @@ def end_process(code: int) -> NoReturn:
     import threading
 
     try:
+        pools = sys.modules.get("concurrent.futures.thread")
+        if pools is not None:  # idle executor workers (torch.compile's among them) end, as at interpreter exit
+            pools._python_exit()
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()

@@ -8,21 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, written_by
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.disk.fingerprint import run_fingerprint
 from automodel_ckpt.checkpoint.storage import run_folder
-from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.pipeline import prepare_data
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
-from automodel_ckpt.distributed.fsdp import shard_model
+from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 from automodel_ckpt.distributed.pipeline import (Pipeline, check_pipeline_model, cut_stage, describe_layers,
                                                  tied_embeddings)
@@ -33,7 +32,10 @@ from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.tracking.observer import RunObserver
+from automodel_ckpt.training import compile
+from automodel_ckpt.training.loss import next_token_loss_sum
 from automodel_ckpt.training.metrics import JsonlLog
+from automodel_ckpt.training.optimizer import implementation
 from automodel_ckpt.training.progress import Progress
 from automodel_ckpt.training.rng import RNGState, rng_untouched, seed_everything
 from automodel_ckpt.training.save_triggers import PreemptionWatcher, StepBoundary, TimeTrigger
@@ -86,7 +88,12 @@ class FinetuneRecipe(BaseRecipe):
             layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
             if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
                 print(f"Pipeline stage {self.dims.pp_rank}: {describe_layers(layers)} ({plan.describe()})", flush=True)
-        self.model = shard_model(model, self.dims, cfg.distributed.mixed_precision)
+        compiled, self._compile_line = compile.decide(cfg.training.compile, self.env.device)
+        if compiled:  # each block in place, before sharding or replication (torchtitan's order)
+            compile.compile_blocks(model)
+        self.data_parallel = data_parallel.choose(cfg.distributed.dp_shard, self.dims, model, self.env.device,
+                                                  cfg.distributed.mixed_precision)
+        self.model = data_parallel.wrap(model, self.data_parallel, self.dims)
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
@@ -106,7 +113,10 @@ class FinetuneRecipe(BaseRecipe):
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
         )
-        self.optimizer = instantiate(cfg.optimizer, "optimizer", [p for p in self.model.parameters() if p.requires_grad])
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        chosen, optimizer_line = implementation(locate(cfg.optimizer.get("_target_"), "optimizer._target_"),
+                                                cfg.optimizer, trainable)
+        self.optimizer = instantiate(cfg.optimizer, "optimizer", trainable, **chosen)
         self.lr_scheduler = instantiate(cfg.lr_scheduler, "lr_scheduler", self.optimizer,
                                         total_steps=self.step_scheduler.total_steps)
         self.rng = RNGState()
@@ -116,7 +126,8 @@ class FinetuneRecipe(BaseRecipe):
         self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
         if self.env.is_main:
-            self.progress.write(self.data_report)
+            for line in (self.data_report, self.data_parallel.describe(), optimizer_line, self._compile_line):
+                self.progress.write(line)
         config_yaml = to_yaml(cfg)  # as each checkpoint's config.yaml: also the trackers' hyper-parameters
         self._observer = RunObserver(cfg.logging, run_dir, is_main=self.env.is_main, config_yaml=config_yaml)
         if self._observer.tracker.requested:
@@ -260,8 +271,10 @@ class FinetuneRecipe(BaseRecipe):
             elif self.checkpointer.local_due(sched.step) and not sched.done:  # node-local: the snapshot only
                 self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
                                                     extra={"consumed_samples": sched.consumed_samples}))
+            self._report_local_faults(sched.step)
             if agreed.preempt and not sched.done:
                 self._observer.finalize(self.finalize_checkpoints, sched.step)
+                self._report_local_faults(sched.step)
                 self.progress.close()
                 line = self._observer.end(sched.step, "preempted")
                 if self.env.is_main:
@@ -271,10 +284,16 @@ class FinetuneRecipe(BaseRecipe):
                                         "rerun the same command to resume")
                 return
         self._observer.finalize(self.finalize_checkpoints, sched.step)  # async: the last checkpoint is published
+        self._report_local_faults(sched.step)
         self.progress.close()
         line = self._observer.end(sched.step, "complete")
         if self.env.is_main and line:
             self.progress.write(line)
+
+    def _report_local_faults(self, step: int) -> None:
+        """Node-local steps abandoned (or written again) since the last call, to events.jsonl and the trackers."""
+        for line in self.checkpointer.local_faults():
+            self._observer.side_failure("local_step", line, step)
 
     def _save_in_background(self) -> Any:
         """The async save just started, if any (its fence wait and background time are part of its cost)."""
@@ -316,27 +335,35 @@ class FinetuneRecipe(BaseRecipe):
         ])
         global_tokens, input_tokens = self.dims.sum_over_dp(counts).tolist()
         scale = self.dims.dp_size / max(global_tokens, 1.0)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, mb in enumerate(micro):
-            # Each micro-batch's gradients are reduce-scattered when its backward ends, so no rank holds the whole
-            # model's unsharded gradients between micro-batches; HSDP's all-reduce across replicas waits for the last.
-            self.model.set_requires_all_reduce(i == len(micro) - 1)
+            # Sharded: each micro-batch's gradients are reduce-scattered when its backward ends, so no rank holds
+            # the whole model's unsharded gradients between micro-batches; HSDP's all-reduce across replicas, and a
+            # replicated model's all-reduce, wait for the last.
+            data_parallel.sync_gradients(self.model, i == len(micro) - 1)
             if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
-                loss_sum += self.pipeline.step(mb.input_ids, mb.labels, _row_inputs(mb), scale)
+                loss_sum += self.pipeline.step(mb.input_ids, mb.labels, _row_inputs(mb), scale).to(loss_sum.device)
                 continue
             summed = self.token_loss_sum(mb)
             (summed * scale).backward()
-            loss_sum += summed.detach().double().cpu()
+            loss_sum += summed.detach()
         # a tied embedding's two stages: gradients summed, counted once in the norm
         uncounted = self.pipeline.share_tied_gradients() if self.pipeline is not None else []
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group,
                                    uncounted)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # the step's one wait for the device: the logged numbers copied to the host together
+        loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).cpu().unbind()
         loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_tokens, 1.0)).item()
-        return loss, float(grad_norm), input_tokens
+        return loss, grad_norm.item(), input_tokens
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
+        with self.data_parallel.compute(self.env.device):  # autocast, where mixed precision is not FSDP2's
+            logits = self._logits(mb)
+        return self.shifted_token_loss(logits, mb.labels.to(self.env.device))
+
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.env.device
         if mb.pixel_values is not None:  # image-text rows: one image each, placed at its image tokens
             logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
@@ -348,13 +375,12 @@ class FinetuneRecipe(BaseRecipe):
                                 use_cache=False).logits
         else:
             logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
-        return self.shifted_token_loss(logits, mb.labels.to(dev))
+        return logits
 
     @staticmethod
     def shifted_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed loss of each position's next token (labels ``IGNORE_INDEX`` left out)."""
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        """The summed loss of each position's next token (labels ``IGNORE_INDEX`` left out; ``training.loss``)."""
+        return next_token_loss_sum(logits, labels, IGNORE_INDEX)
 
     @torch.no_grad()
     def validate(self) -> float:

@@ -163,7 +163,7 @@ class RunCosts:
     every_steps: int | None  # the run's own interval (checkpoint.ckpt_every_steps or the median spacing)
     tracking_behind_s: float = 0.0  # while at least one tracker was behind (a failed one: to its launch's end)
     side_failures: int = 0  # side work that failed while training went on
-    local_steps_abandoned: int = 0  # node-local steps given up (side failures of kind ``local_step``)
+    local_steps_abandoned: int = 0  # node-local steps given up (``local_step`` side failures that abandon one)
 
     @property
     def share(self) -> float:
@@ -209,7 +209,7 @@ def summarize(events: list[dict[str, Any]]) -> RunCosts:
     if every is None:
         gaps = [b["step"] - a["step"] for a, b in zip(saves, saves[1:]) if b["step"] > a["step"]]
         every = int(statistics.median(gaps)) if gaps else None
-    failures = [r for r in events if r.get("event") == SIDE_FAILURE]
+    failures = [r for r in events if r.get("event") == SIDE_FAILURE and (r.get("kind") != "local_step" or _abandons(r))]
     return RunCosts(
         tracking_behind_s=sum(_behind_seconds(launch) for launch in launches), side_failures=len(failures),
         local_steps_abandoned=sum(1 for r in failures if r.get("kind") == "local_step"),
@@ -243,6 +243,12 @@ def _behind_seconds(launch: list[dict[str, Any]]) -> float:
             total += b - max(a, reach)
             reach = b
     return total
+
+
+def _abandons(record: dict[str, Any]) -> bool:
+    """Whether a ``local_step`` side failure is a step abandoned (its other lines: steps written again after
+    failures, a folder made again)."""
+    return " abandoned" in str(record.get("text", ""))
 
 
 def _is_time(value: Any) -> bool:

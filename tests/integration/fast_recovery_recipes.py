@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
@@ -65,3 +67,65 @@ class DieDuringLocalStepRecipe(DieAfterLocalStepRecipe):
 
             NodeLocalRunFolder.upload = die_once
         return super().save_local_checkpoint(info)
+
+
+def _fill(path: Path, leave: int = 0) -> None:
+    """Write zeros to ``path`` until its filesystem has no room left (another job filling the node's tmpfs), then
+    give ``leave`` bytes of it back."""
+    with open(path, "wb", buffering=0) as f:
+        for block in (bytes(1 << 20), bytes(4096)):
+            try:
+                while True:
+                    f.write(block)
+            except OSError:
+                pass
+        if leave:
+            f.truncate(max(0, f.tell() - leave))
+
+
+class LocalFolderFaultsRecipe(FinetuneRecipe):
+    """The node-local folder of the ranks in ``FAULT_RANKS`` (default: all) fails just before the local step of
+    ``FAULT_AT_LOCAL_STEP`` and is mended just before the one of ``MEND_AT_LOCAL_STEP`` (the local step before
+    settled first, on every rank, so that no write races the fault). ``FAULT``: ``fill`` (the file ``$FILLER``,
+    outside the folder, fills its filesystem but for ``$FILL_LEAVE_BYTES``; mended: removed), ``remove`` (the
+    folder removed; nothing to mend) or ``readonly`` (the filesystem ``$MOUNT`` remounted read-only; mended: made
+    writable again). With ``LOCAL_LISTING``, rank 0 appends the names in its node-local folder after each local
+    step, one line ``step: name name ...``. With ``DIE_AFTER_LOCAL_STEP``, every rank SIGKILLs itself once the
+    background work of that local step has ended (before the run learns whether it failed)."""
+
+    def save_local_checkpoint(self, info):
+        ranks = os.environ.get("FAULT_RANKS", "all")
+        mine = ranks == "all" or str(self.env.rank) in ranks.split(",")
+        fault = info.step == int(os.environ.get("FAULT_AT_LOCAL_STEP", "-1"))
+        mend = info.step == int(os.environ.get("MEND_AT_LOCAL_STEP", "-1"))
+        if fault or mend:
+            self.checkpointer._local.wait()
+        if mine and (fault or mend):
+            getattr(self, f"_{'mend' if mend else 'fault'}_{os.environ['FAULT']}")()
+        path = super().save_local_checkpoint(info)
+        if info.step == int(os.environ.get("DIE_AFTER_LOCAL_STEP", "-1")):
+            background = self.checkpointer._local.writer.background
+            if background is not None and background.completed is not None:
+                background.completed.exception()  # its completion ended, failed or not, on every rank
+            _die()
+        if os.environ.get("LOCAL_LISTING") and self.env.rank == 0:
+            folder = Path(self.checkpoint_config.local.dir)
+            names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else ["(none)"]
+            with open(os.environ["LOCAL_LISTING"], "a") as f:
+                f.write(f"{info.step}: {' '.join(names)}\n")
+        return path
+
+    def _fault_fill(self):
+        _fill(Path(os.environ["FILLER"]), int(os.environ.get("FILL_LEAVE_BYTES", "0")))
+
+    def _mend_fill(self):
+        Path(os.environ["FILLER"]).unlink()
+
+    def _fault_remove(self):
+        shutil.rmtree(self.checkpoint_config.local.dir)
+
+    def _fault_readonly(self):
+        subprocess.run(["mount", "-o", "remount,ro", os.environ["MOUNT"]], check=True)
+
+    def _mend_readonly(self):
+        subprocess.run(["mount", "-o", "remount,rw", os.environ["MOUNT"]], check=True)

@@ -29,12 +29,15 @@ def _starts(run_dir):
     return [e for e in jsonl(run_dir / layout.EVENTS_LOG) if e["event"] == "start"]
 
 
-def _two_nodes(cwd, assets, *args, env=None, expect_ok=True):
+def _two_nodes(cwd, assets, *args, env=None, expect_ok=True, dirs=None):
+    """Both nodes' ``ckpt-train``, each with its node-local folder (``dirs``, default ``cwd/node0``, ``cwd/node1``);
+    node 0's output."""
+    dirs = dirs or [cwd / f"node{r}" for r in (0, 1)]
     port = str(free_port())
     procs = [
         start_command([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
                        "--master-addr", "127.0.0.1", "--master-port", port, str(RECIPE), *QUIET, *ARGS, *args,
-                       "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(cwd / f"node{r}")],
+                       "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(dirs[r])],
                       cwd=cwd, env=env_for(assets, {"PYTHONPATH": str(REPO), **(env or {})}), stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)

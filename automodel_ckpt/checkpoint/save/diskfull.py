@@ -144,14 +144,16 @@ def _raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Ite
 def guarded(method: _F) -> _F:
     """A ``Checkpointer`` method whose failure, if it ran out of room, becomes ``_raise_if_out_of_room``'s error.
 
-    Reads the checkpointer's ``dir``, ``env.rank`` and ``_saved_objects`` (the state of its last ``save``).
+    Reads the checkpointer's ``dir``, ``env.rank`` and ``_saved_objects`` (the state of its last ``save``); does
+    nothing where its ``settles_full_disk`` is False (the node-local tier abandons such a step itself).
     """
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            _raise_if_out_of_room(exc, self.dir, getattr(self, "_saved_objects", []), self.env.rank)
+            if getattr(self, "settles_full_disk", True):
+                _raise_if_out_of_room(exc, self.dir, getattr(self, "_saved_objects", []), self.env.rank)
             raise
 
     return wrapper  # type: ignore[return-value]

@@ -41,8 +41,11 @@ class SaveWriter:
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder, *,
                  config_yaml: str, hf: HFArtifacts, fingerprint: dict[str, Any] | None, time: TrainingTime,
-                 say: Callable[[str], None], side_failure: Callable[[str, str, int], None] | None = None) -> None:
+                 say: Callable[[str], None], settle_full_disk: bool = True,
+                 side_failure: Callable[[str, str, int], None] | None = None) -> None:
         self.cfg, self.env, self.dims, self.run = cfg, env, dims, run
+        # read by ``diskfull.guarded``: False where the caller settles a full disk itself (the node-local tier)
+        self.settles_full_disk = settle_full_disk
         self.side_failure = side_failure  # (kind, text, step): side work that failed while the save went on
         self.dir = run.local  # read by ``diskfull.guarded``
         self.config_yaml, self.hf, self.fingerprint, self.time, self.say = config_yaml, hf, fingerprint, time, say

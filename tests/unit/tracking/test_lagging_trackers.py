@@ -150,16 +150,18 @@ def test_side_failures_are_recorded_sent_and_counted_in_the_report(tmp_path, gat
     observer = RunObserver(_section(), tmp_path, is_main=True, config_yaml="seed: 1\n")
     observer.start(0, None)
     observer.side_failure("export", "the export of epoch_0_step_2 failed (disk full)", 2)
-    observer.side_failure("local_step", "local step 3 abandoned", 3)
-    observer.side_failure("local_step", "local step 4 abandoned", 4)
+    observer.side_failure("local_step", "warning: node-local step epoch_0_step_3 abandoned: disk full", 3)
+    observer.side_failure("local_step", "warning: node-local step epoch_0_step_4 abandoned: disk full", 4)
+    observer.side_failure("local_step", "node-local steps are written again: epoch_0_step_6 (after 2 failed)", 6)
     observer.costs.save(lambda: None, 4, lambda: None)  # one checkpoint: the end line is printed
     line = observer.end(4, "complete")
     failures = [r for r in read_events(tmp_path) if r["event"] == "side_failure"]
-    assert [(r["kind"], r["at_step"]) for r in failures] == [("export", 2), ("local_step", 3), ("local_step", 4)]
+    assert [(r["kind"], r["at_step"]) for r in failures] == [("export", 2), ("local_step", 3), ("local_step", 4),
+                                                             ("local_step", 6)]
     assert failures[0]["text"] == "the export of epoch_0_step_2 failed (disk full)"
-    assert observer.side_failures == {"export": 1, "local_step": 2}
+    assert observer.side_failures == {"export": 1, "local_step": 3}
     assert ("side_failure.export", 2) in gated.last.events and ("side_failure.local_step", 4) in gated.last.events
-    assert "; 2 local step(s) abandoned; 1 side failure(s)" in line
+    assert "; 2 local step(s) abandoned; 1 side failure(s)" in line  # steps written again: no failure
 
 
 def test_the_report_says_how_long_tracking_was_behind(tmp_path):
@@ -176,7 +178,8 @@ def test_the_report_says_how_long_tracking_was_behind(tmp_path):
         {"event": "end", "time": 20.0, "step": 20, "status": "complete"},
         {"event": "start", "time": 100.0, "step": 20},  # a second launch: behind (failed) to its end
         {"event": "tracking_behind", "time": 101.0, "step": 21, "backend": "mlflow", "failed": True},
-        {"event": "side_failure", "time": 102.0, "kind": "local_step", "text": "abandoned", "at_step": 22},
+        {"event": "side_failure", "time": 102.0, "kind": "local_step", "text": "local step 22 abandoned: full",
+         "at_step": 22},
         {"event": "end", "time": 104.0, "step": 24, "status": "complete"},
     ]
     report = cost_report(summarize(events))

@@ -20,10 +20,11 @@ from automodel_ckpt.checkpoint.disk.durable import remove_tree
 from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.save import lifecycle
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
-from automodel_ckpt.checkpoint.storage.nodelocal import localdir, replicate
+from automodel_ckpt.checkpoint.storage.nodelocal import abandon, localdir, replicate
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import folder_id
 from automodel_ckpt.checkpoint.storage.nodelocal.placement import Placement
 from automodel_ckpt.distributed.env import all_gather_object
+from automodel_ckpt.errors import CheckpointError, first_line
 
 
 class NodeLocalRunFolder(LocalRunFolder):
@@ -95,9 +96,48 @@ class NodeLocalRunFolder(LocalRunFolder):
         return True
 
     def commit(self, staging: Path, name: str, *, best: bool) -> Path:
+        """Every node renames its staging folder into place, once every node has checked it can (so a node's
+        commit seldom goes through where another's fails; where it does, the step is abandoned: ``discard``)."""
+        collective.collectively(lambda: self._can_publish(staging) if self.leads else None,
+                                "checking the node-local folders before the commit", self.rank)
         collective.collectively(lambda: self._publish(name, best) if self.leads else None,
                                 "publishing the node-local step", self.rank)
         return self.local / name
+
+    def _can_publish(self, staging: Path) -> None:
+        if not staging.is_dir():
+            raise CheckpointError(f"'{staging}' is gone")
+        if os.statvfs(self.local).f_flag & os.ST_RDONLY:
+            raise CheckpointError(f"'{self.local}' is on a read-only filesystem")
+        if not os.access(self.local, os.W_OK | os.X_OK):
+            raise CheckpointError(f"'{self.local}' is not writable")
+
+    def remake(self) -> list[str]:
+        """Collective: each node's folder made again (private, bound to this run) where it was removed; the
+        folders made again, on every rank."""
+        def here() -> str | None:
+            if not self.leads or os.path.lexists(self.local):
+                return None
+            self._claim()
+            return str(self.local)
+
+        made = collective.collectively(here, f"making '{self.local}' again", self.rank)
+        return [m for m in all_gather_object(made) if m]
+
+    def discard(self, name: str) -> list[str]:
+        """Collective, never failing: every node removes what it holds of the abandoned step ``name`` and the
+        leftovers of unfinished steps, in ``abandon``'s two phases (every committed copy hidden before any staging
+        folder goes); the lines saying what could not be removed, on every rank."""
+        lines: list[str] = []
+        for phase in (lambda: abandon.hide(self.local, name), lambda: abandon.clear(self.local)):
+            mine: list[str] = []
+            if self.leads:
+                try:
+                    mine = phase()
+                except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather below
+                    mine = [f"cleaning '{self.local}' failed: {first_line(exc)}"]
+            lines += [line for got in all_gather_object(mine) for line in got]
+        return lines
 
     def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
         deleted = collective.collectively(lambda: self._prune_here(policy) if self.leads else [],

@@ -1,7 +1,8 @@
 """What the node-local folders hold, which step a resume takes from them, and which rank sends which files.
 
 Each rank scans its node's folder (``scan``): for each complete local step (``epoch_E_step_S`` with its
-``manifest.json``) the files there that match the manifest, and a digest of the manifest. Every node's copy of a
+``manifest.json``) the files there that match the manifest, and a digest of the manifest; and the steps it holds a
+staging folder of (a step unfinished on some node is never chosen). Every node's copy of a
 step holds the step's whole manifest but only the files of the parts that node keeps. After ``gather`` (one
 ``Inventory`` per rank), ``choose`` and ``fill_plan`` are pure functions of the gathered data, so every rank
 computes the same answer without another round of messages.
@@ -43,6 +44,7 @@ class Inventory:
     folder_id: str  # the same for the ranks that share the folder
     steps: dict[str, StepFiles] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()  # step folders that are not complete local steps, and why
+    unfinished: tuple[str, ...] = ()  # steps this folder holds a staging folder of: being written, or abandoned
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ def scan(folder: Path, *, checksums: bool = True, threads: int = 4, leave: Calla
     skipped: list[str] = []
     with os.scandir(folder) as it:
         entries = sorted(e.name for e in it)
+    unfinished = tuple(n[len(layout.STAGING_PREFIX):] for n in entries
+                       if layout.is_staging(n) and layout.parse_default_name(n[len(layout.STAGING_PREFIX):]))
     for name in entries:
         parsed = layout.parse_default_name(name)
         if parsed is None:
@@ -100,7 +104,7 @@ def scan(folder: Path, *, checksums: bool = True, threads: int = 4, leave: Calla
             skipped.append(f"{name}: {found}")
         else:
             steps[name] = found
-    return Inventory(socket.gethostname(), folder_id(folder, st), steps, tuple(skipped))
+    return Inventory(socket.gethostname(), folder_id(folder, st), steps, tuple(skipped), unfinished)
 
 
 def folder_id(folder: Path, st: os.stat_result | None = None) -> str:
@@ -133,14 +137,19 @@ def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, 
 
 def choose(inventories: dict[int, Inventory], skipped: list[str] | None = None) -> Chosen | None:
     """The newest local step (by step, then epoch) whose manifest is the same wherever it is held and each of whose
-    files checks out on some rank; None when there is none. Each newer step passed over is appended to
-    ``skipped`` with the reason, in one line."""
+    files checks out on some rank; None when there is none. A step that some folder still holds a staging folder
+    of is never chosen: its commit did not go through everywhere (killed half-way, or abandoned and being removed:
+    ``abandon``). Each newer step passed over is appended to ``skipped`` with the reason, in one line."""
+    unfinished = {n for rank in sorted(inventories) for n in inventories[rank].unfinished}
     holders: dict[str, list[StepFiles]] = {}
     for rank in sorted(inventories):
         for name, held in inventories[rank].steps.items():
             holders.setdefault(name, []).append(held)
     for name in sorted(holders, key=lambda n: (holders[n][0].step, holders[n][0].epoch), reverse=True):
         copies = holders[name]
+        if name in unfinished:
+            _note(skipped, f"local step {name}: not committed on every node (a staging folder of it is left)")
+            continue
         if len({c.digest for c in copies}) > 1:
             _note(skipped, f"local step {name}: its manifest differs between nodes")
             continue

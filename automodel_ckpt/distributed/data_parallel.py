@@ -1,0 +1,160 @@
+"""How the data-parallel ranks hold the model (``distributed.dp_shard``): sharded by FSDP2, replicated, or unwrapped.
+
+FSDP2 (``fully_shard`` per decoder block) keeps 1/N of the parameters, gradients and optimizer state per rank and
+all-gathers each block's parameters before its forward and backward, and reduce-scatters its gradients after. For a
+model whose whole state fits comfortably on every rank that is communication and bookkeeping for nothing: plain
+data parallelism (torch's composable ``replicate``, DDP's bucketed all-reduce overlapped with the backward) keeps a
+whole copy per rank and exchanges each gradient once; one process wraps nothing at all. ``auto`` picks replication
+when the replicated state (parameters, gradients and AdamW's two moments) takes at most ``REPLICATED_SHARE`` of the
+memory one rank has (the GPU's, or the machine's divided by the processes on the node), FSDP2 otherwise, and always
+FSDP2 with tensor, pipeline or expert parallelism or HSDP (their meshes are FSDP2's). The parameter names, the
+checkpoints and the data order are the same whatever the choice: a checkpoint of one resumes under the other.
+
+With ``distributed.mixed_precision`` FSDP2 casts the parameters for compute; replicated and unwrapped models
+compute under ``torch.autocast`` of the same dtype instead (``Choice.compute``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims
+from automodel_ckpt.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads lazily: the launcher checks the setting (``check``) without it
+    import torch
+    from torch import nn
+from automodel_ckpt.sizes import human_size
+
+SETTINGS = ("auto", "full", "none")
+#: Under ``auto``, the largest share of a rank's memory the replicated state may take and still be replicated.
+REPLICATED_SHARE = 0.25
+SHARDED, REPLICATED, UNWRAPPED = "sharded with FSDP2", "replicated", "unwrapped"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The data-parallel strategy of a run (``kind``: ``SHARDED``, ``REPLICATED`` or ``UNWRAPPED``) and why."""
+
+    kind: str
+    reason: str
+    mixed_precision: str | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == SHARDED
+
+    def describe(self) -> str:
+        """The start line: which strategy, and why."""
+        return f"Data parallelism: {self.kind} ({self.reason})"
+
+    @contextlib.contextmanager
+    def compute(self, device: torch.device) -> Iterator[None]:
+        """The forward's context: autocast to the mixed-precision dtype where FSDP2 does not cast (else nothing)."""
+        dtype = _mp_dtype(self.mixed_precision)
+        if self.sharded or dtype is None:
+            yield
+            return
+        import torch
+
+        with torch.autocast(device.type, dtype=dtype):
+            yield
+
+
+def choose(setting: str | None, dims: ParallelDims, model: nn.Module, device: torch.device,
+           mixed_precision: str | None = None, memory: int | None = None) -> Choice:
+    """The strategy ``distributed.dp_shard`` (``setting``) asks for on this mesh, for ``model`` (on any device:
+    only its parameters' sizes are read); ``memory``: a rank's memory (default: ``rank_memory(device)``)."""
+    setting, meshed = check(setting, dims.sizes)
+    if setting == "full":
+        return Choice(SHARDED, "distributed.dp_shard: full", mixed_precision)
+    if meshed:
+        return Choice(SHARDED, f"{' and '.join(meshed)} parallelism shards with FSDP2", mixed_precision)
+    if dims.dp_size == 1:
+        return Choice(UNWRAPPED, "one data-parallel rank: nothing to exchange", mixed_precision)
+    if setting == "none":
+        return Choice(REPLICATED, "distributed.dp_shard: none", mixed_precision)
+    need, have = replicated_bytes(model), memory or rank_memory(device)
+    share = f"{human_size(need)} of parameters, gradients and AdamW state, {need / have:.0%} of this rank's " \
+            f"{human_size(have)}"
+    if need <= REPLICATED_SHARE * have:
+        return Choice(REPLICATED, f"auto: {share}; replicated up to {REPLICATED_SHARE:.0%}", mixed_precision)
+    return Choice(SHARDED, f"auto: {share}, more than {REPLICATED_SHARE:.0%}", mixed_precision)
+
+
+def check(setting: str | None, sizes: MeshSizes) -> tuple[str, list[str]]:
+    """``distributed.dp_shard`` normalised, and the other parallelisms of ``sizes`` (which shard with FSDP2); a
+    one-line ``ConfigError`` for an unknown value or ``none`` beside them."""
+    value = str(setting or "auto").lower()
+    if value not in SETTINGS:
+        raise ConfigError(f"distributed.dp_shard: expected one of {', '.join(SETTINGS)}, got '{setting}'")
+    meshed = [name for name, on in (("tensor", sizes.tp > 1), ("pipeline", sizes.pp > 1), ("expert", sizes.ep > 1),
+                                    ("HSDP", sizes.dp_replicate > 1)) if on]
+    if meshed and value == "none":
+        raise ConfigError(f"distributed.dp_shard: none cannot be combined with {' and '.join(meshed)} "
+                          "parallelism, which shards with FSDP2; use auto or full")
+    return value, meshed
+
+
+def replicated_bytes(model: nn.Module) -> int:
+    """Bytes one rank holds when the model is replicated: every parameter, and for each trainable one its gradient
+    and AdamW's two moments (each of the parameter's size)."""
+    total = 0
+    for p in model.parameters():
+        size = p.numel() * p.element_size()
+        total += size * (4 if p.requires_grad else 1)
+    return total
+
+
+def rank_memory(device: torch.device) -> int:
+    """The memory one rank may count on: its GPU's, or the machine's (its cgroup's limit, if lower) divided by the
+    processes on this node."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit_file).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+        break
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return total // max(per_node, 1)
+
+
+def wrap(model: nn.Module, choice: Choice, dims: ParallelDims) -> nn.Module:
+    """``model`` as ``choice`` holds it: sharded by ``fsdp.shard_model``, replicated by ``replicate`` (which
+    builds its reducer at the first forward, once the weights are in place), or as it is."""
+    if choice.sharded:
+        from automodel_ckpt.distributed.fsdp import shard_model
+
+        return shard_model(model, dims, choice.mixed_precision)
+    if choice.kind == REPLICATED:
+        from torch.distributed._composable.replicate import replicate
+
+        return replicate(model)
+    return model
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> None:
+    """Whether the next backward exchanges gradients (off for all but the last micro-batch of a step)."""
+    if hasattr(model, "set_requires_all_reduce"):  # FSDP2: reduce-scatter always, HSDP's all-reduce on the last
+        model.set_requires_all_reduce(sync)
+    elif hasattr(model, "set_requires_gradient_sync"):  # replicated: no all-reduce until the last
+        model.set_requires_gradient_sync(sync)
+
+
+def _mp_dtype(name: str | None) -> Any:
+    if name is None:
+        return None
+    from automodel_ckpt.distributed.fsdp import mixed_precision_policy
+
+    policy = mixed_precision_policy(name)
+    return policy.param_dtype if policy is not None else None

@@ -1,0 +1,66 @@
+"""The next-token loss: the labels are shifted, never the logits, and the vocabulary is taken in chunks of rows.
+
+``cross_entropy(logits[:, :-1].flatten(0, 1).float(), ...)`` copies the whole logits tensor to drop its last
+position, copies it again to float32 for a bf16 model, and keeps the float32 log-probabilities for the backward:
+three tensors of batch x sequence x vocabulary beside the logits. Here the labels are shifted instead (each
+position's target is the next token; the last position has none), and the loss and its gradient with respect to
+the logits (softmax minus the target's one-hot) are computed together, a chunk of rows at a time in float32: the
+backward keeps one tensor of the logits' size and dtype, and no float32 copy of the whole logits is ever made.
+The value is ``cross_entropy(..., reduction="sum")``'s, computed the same way row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Elements of logits taken at once (rows x vocabulary): a float32 chunk of 32 MiB.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The summed loss of each position's next token (``labels[:, t + 1]`` scored at ``logits[:, t]``), labels
+    ``ignore_index`` left out; a float32 scalar with the gradient of the logits when they require one."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=ignore_index).flatten()
+    flat = logits.flatten(0, 1)
+    if hasattr(logits, "device_mesh"):  # a DTensor (tensor-parallel logits): torch's own loss handles its layout
+        return F.cross_entropy(flat.float(), targets, ignore_index=ignore_index, reduction="sum")
+    rows = max(1, CHUNK_ELEMENTS // max(flat.shape[-1], 1))
+    if torch.is_grad_enabled() and flat.requires_grad:
+        return _LossAndGradient.apply(flat, targets, ignore_index, rows)
+    return sum((_chunk(flat[i:i + rows], targets[i:i + rows], ignore_index)[0] for i in range(0, len(flat), rows)),
+               torch.zeros((), dtype=torch.float32, device=flat.device))
+
+
+def _chunk(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+           grad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed loss of ``logits``' rows, and (into ``grad``, when given) its gradient: softmax - one-hot, zero on
+    ignored rows."""
+    keep = targets != ignore_index
+    safe = targets.masked_fill(~keep, 0)[:, None]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    loss = -(logp.gather(1, safe).squeeze(1) * keep).sum()
+    if grad is not None:
+        probs = logp.exp_()
+        probs.scatter_add_(1, safe, -keep[:, None].to(probs.dtype))
+        probs.mul_(keep[:, None])
+        grad.copy_(probs)
+    return loss, keep
+
+
+class _LossAndGradient(torch.autograd.Function):
+    """The summed loss, its gradient with respect to the logits computed in the same pass and kept for backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, rows: int) -> torch.Tensor:
+        grad = torch.empty_like(logits)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for i in range(0, len(logits), rows):
+            total += _chunk(logits[i:i + rows], targets[i:i + rows], ignore_index, grad[i:i + rows])[0]
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, upstream: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * upstream.to(grad.dtype), None, None, None

@@ -1,0 +1,49 @@
+"""Which implementation a torch optimizer runs: the fastest the device has, unless the recipe names one.
+
+torch's ``Adam``/``AdamW``/``SGD``/... take ``fused`` and ``foreach``; left unset, torch runs its single-tensor loop on
+CPU (a Python loop over every parameter, several kernels each), and ``foreach`` on CUDA. The fused kernels (one
+pass over all parameters of a dtype and device) are the fastest where torch has them, on CPU and CUDA alike, and are
+what the Hugging Face Trainer picks by default. The implementation changes how a step is computed, never what the
+optimizer's state holds: a checkpoint of one implementation resumes under another.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)  # torch's fused kernels
+
+def implementation(target: Any, settings: Mapping[str, Any], params: Iterable[torch.Tensor]) -> tuple[dict, str]:
+    """The keyword arguments that choose ``target``'s implementation for ``params`` (none when the recipe set
+    ``fused`` or ``foreach`` itself, or the optimizer takes neither), and the start line saying which runs."""
+    name = getattr(target, "__name__", str(target))
+    try:
+        takes = set(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        takes = set()
+    chosen = {k: settings[k] for k in ("fused", "foreach") if settings.get(k) is not None}
+    if chosen:
+        which = "fused" if chosen.get("fused") else "foreach" if chosen.get("foreach") else "single-tensor"
+        return {}, f"Optimizer: {name}, {which} implementation (set by optimizer.{'/'.join(chosen)})"
+    if "fused" in takes and _fused_supported(target, list(params)):
+        return {"fused": True}, (f"Optimizer: {name}, fused implementation (the fastest this device has; "
+                                 "optimizer.fused: false or optimizer.foreach choose another)")
+    if "foreach" in takes:
+        return {"foreach": True}, f"Optimizer: {name}, foreach implementation (no fused kernel for these parameters)"
+    return {}, f"Optimizer: {name}"
+
+
+def _fused_supported(target: Any, params: list[torch.Tensor]) -> bool:
+    """Whether torch has a fused kernel of ``target`` for every parameter (floating point, on one supported
+    device type); torch raises at construction otherwise."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    if not params or target not in _FUSED:
+        return False
+    devices = {p.device.type for p in params}
+    return (len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices())
+            and all(torch.is_floating_point(p) for p in params))
