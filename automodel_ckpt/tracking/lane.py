@@ -132,7 +132,7 @@ class Lane:
                     self.skipped += 1
                 self._running = None if skip else kind
             if not skip:
-                self._run(job)
+                self._run(job, kind)
             with self._cond:
                 self._running = None
                 idle = all(item is None for item in self._items)  # nothing left but the end of the thread
@@ -141,12 +141,13 @@ class Lane:
             if caught_up:
                 warnings.warn(f"logging.{self.backend.name} caught up after {seconds:.1f} s behind", stacklevel=2)
 
-    def _run(self, job: Callable[[], Any]) -> None:
+    def _run(self, job: Callable[[], Any], kind: str) -> None:
         try:
             job()
         except Exception as exc:  # noqa: BLE001 - a tracker never stops training
             with self._cond:
                 self.failed = True
+                self.skipped += kind != CONTROL  # the record of the call that failed was not delivered either
                 self.notes.append({"event": "tracking_failed", "time": time.time(), "backend": self.backend.name})
             warnings.warn(f"logging.{self.backend.name} failed ({type(exc).__name__}: {first_line(exc)}); it stops "
                           "logging for this launch, training goes on (a resume replays what it lacks)", stacklevel=2)

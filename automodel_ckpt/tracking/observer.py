@@ -71,8 +71,8 @@ class RunObserver:
 
     def side_failure(self, kind: str, text: str, step: int) -> None:
         """Side work failed and training goes on (``kind``: ``export``, ``local_step``, ``cost_report``...): a
-        ``side_failure`` record in events.jsonl, an event to the trackers, counted. Rank 0 records; any rank may
-        call it (the others only count)."""
+        ``side_failure`` record in events.jsonl, an event to the trackers, counted. Rank 0 records; any rank and any
+        thread may call it (the others only count)."""
         self.side_failures[kind] = self.side_failures.get(kind, 0) + 1
         self.costs.note({"event": SIDE_FAILURE, "time": time.time(), "kind": kind, "text": text, "at_step": step})
         self.tracker.event(f"side_failure.{kind}", text, step)

@@ -139,7 +139,7 @@ def test_a_failed_tracker_keeps_its_run_id_and_the_step_it_had_delivered(tmp_pat
             tracker.log({"train/loss": float(step)}, step)
         saved = tracker.state_dict()
         tracker.log({"train/loss": 6.0}, 6)
-        assert tracker.close("complete", timeout=30) == 3  # steps 4, 5 and 6 were never sent
+        assert tracker.close("complete", timeout=30) == 4  # step 3 failed; 4, 5 and 6 were never sent
     assert saved == {"tensorboard": {"run_id": "gated", "location": str(tmp_path.resolve()), "confirmed_step": 2}}
     assert len(_messages(caught, "logging.tensorboard failed (ConnectionError: server went away)")) == 1
     assert [r["event"] for r in records] == ["tracking_behind"] and records[0]["failed"]
