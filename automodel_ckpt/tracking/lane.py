@@ -44,6 +44,7 @@ class Lane:
         self._items: collections.deque[tuple[str, int | None, Callable[[], Any]] | None] = collections.deque()
         self._metrics = 0  # METRICS items in ``_items``
         self._running: str | None = None  # the kind of the call running now
+        self.calls_done = 0  # calls that ended (a sign of progress for whoever waits)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name=f"tracking-{backend.name}", daemon=True)
         self._thread.start()
@@ -85,6 +86,10 @@ class Lane:
         with self._cond:
             self._items.append(None)
             self._cond.notify()
+        return self.join(timeout)
+
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` for the thread to end (after ``stop``); whether it ended."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -135,6 +140,7 @@ class Lane:
                 self._run(job, kind)
             with self._cond:
                 self._running = None
+                self.calls_done += 1
                 idle = all(item is None for item in self._items)  # nothing left but the end of the thread
                 caught_up = self.behind_since is not None and idle and not self.failed
                 seconds = self._caught_up() if caught_up else 0.0

@@ -6,7 +6,8 @@ the same tracked runs and replays from the run's own logs (``training.jsonl``, `
 ``events.jsonl``, already cut back to the restored step) whatever a backend may lack up to that step. Only rank 0
 logs. Each backend's calls run on its own background thread, in order; a failing backend is a warning and is
 dropped, training goes on. The training thread waits for a tracker at most ``FLUSH_TIMEOUT_S`` before a checkpoint
-(and not at all while that tracker stays behind) and ``CLOSE_TIMEOUT_S`` at the end of the launch.
+(and not at all while that tracker stays behind) and, at the end of the launch, ``CLOSE_TIMEOUT_S`` without progress
+(``CLOSE_MAX_S`` in all).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbBackend)
 FLUSH_TIMEOUT_S = 2.0  # how long a checkpoint waits for a tracker to catch up (then it is behind: not waited for)
-CLOSE_TIMEOUT_S = 10.0  # how long the end of a launch waits for the trackers (what they lack is reported, replayed)
+CLOSE_TIMEOUT_S = 10.0  # how long the end of a launch waits for a tracker that makes no progress (then gives up)
+CLOSE_MAX_S = 60.0  # and at most, even for trackers still catching up (what they lack is reported)
 SKIPPED = ("step", "epoch", "sample_ids")  # record keys that are no metric
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracked run's id as the trackers make them (MLflow: 32 hex)
 
@@ -218,22 +220,41 @@ class RunTracker:
         for lane in self._lanes:
             lane.put(functools.partial(lane.backend.log_event, kind, text, step), EVENT, step)
 
+    @staticmethod
+    def _wait_for_progress(lanes: list[Lane], idle: float) -> None:
+        """Wait until every lane has ended; give up once none has finished a call for ``idle`` seconds, or after
+        ``CLOSE_MAX_S`` in all (a tracker still catching up at the end gets that long, a stuck one ``idle``)."""
+        start = time.monotonic()
+        last, progressed = -1, start
+        while True:
+            alive = [lane for lane in lanes if not lane.join(0.0)]
+            done = sum(lane.calls_done for lane in lanes)
+            now = time.monotonic()
+            if done != last:
+                last, progressed = done, now
+            left = min(progressed + idle, start + max(idle, CLOSE_MAX_S)) - now
+            if not alive or left <= 0:
+                return
+            alive[0].join(min(left, 0.1))
+
     def close(self, status: str, timeout: float = CLOSE_TIMEOUT_S) -> int:
-        """End of the launch: flush and close every backend (``status``: complete, preempted, failed), waiting at
-        most ``timeout`` in all; the number of metric records and events not delivered (one warning if any)."""
+        """End of the launch: flush and close every backend (``status``: complete, preempted, failed), waiting as
+        long as they make progress, but at most ``timeout`` without any and ``CLOSE_MAX_S`` in all; the number of
+        metric records and events not delivered (one warning if any)."""
         self._notes()
         lanes, self._lanes = self._lanes, []
         for lane in lanes:
             if not lane.failed:
                 lane.put(functools.partial(lane.backend.close, status))
-        deadline = time.monotonic() + timeout
         for lane in lanes:
-            lane.stop(max(0.0, deadline - time.monotonic()))
+            lane.stop()
+        self._wait_for_progress(lanes, timeout)
         self._notes(lanes)
         lost = {lane.backend.name: lane.undelivered() for lane in lanes}
         total = sum(lost.values())
         if total:
             which = ", ".join(f"logging.{name} {n}" for name, n in lost.items() if n)
-            warnings.warn(f"experiment tracking: {total} record(s) not delivered ({which}); a resume replays the "
-                          "metrics up to its checkpoint", stacklevel=3)
+            warnings.warn(f"experiment tracking: {total} record(s) not delivered ({which}); the run's own logs "
+                          "(training.jsonl, validation.jsonl, events.jsonl) have them, and a resume replays what the "
+                          "tracker lacks up to its checkpoint", stacklevel=3)
         return total

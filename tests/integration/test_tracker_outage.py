@@ -67,7 +67,7 @@ def outage(tmp_path_factory: pytest.TempPathFactory, assets: Path, server: Mlflo
     outage_s = time.monotonic() - t0
     print(f"\nwall time, 2 processes, {STEPS} steps: without tracking {untracked_s:.1f} s; MLflow server killed at "
           f"step {KILL_AT_STEP}: {outage_s:.1f} s (bounds: {FLUSH_TIMEOUT_S:.0f} s at a checkpoint, "
-          f"{CLOSE_TIMEOUT_S:.0f} s at the end)")
+          f"{CLOSE_TIMEOUT_S:.0f} s without progress at the end)")
     return {"plain": plain / "run", "run": work / "run", "rc": proc.returncode,
             "output": (work / "outage.log").read_text()}
 
