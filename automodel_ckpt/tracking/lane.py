@@ -23,8 +23,8 @@ class Lane:
     ``durable``: the last step it had made durable (after a ``flush``, or at once for a backend whose calls are
     ``acknowledged``); ``confirmed``: what a checkpoint may record as delivered (never past a dropped record).
     A call that raises is one warning; the backend's later calls are skipped and counted (markers still pass).
-    While the backend is behind (``mark_behind``), at most ``max_metrics`` metric records wait: the oldest are
-    dropped first and counted; events and control calls are never dropped.
+    At most ``max_metrics`` metric records wait for a backend that is behind: past that the oldest are dropped
+    first and counted (one warning at the first); events and control calls are never dropped.
     """
 
     def __init__(self, backend: Backend, *, max_metrics: int | None = None) -> None:
@@ -67,12 +67,16 @@ class Lane:
             if self.failed and kind != CONTROL:
                 self.skipped += 1
                 return
+            full = kind == METRICS and self._metrics >= self._max_metrics
+            if full:
+                self._drop_oldest()
             if kind == METRICS:
-                if self._metrics >= self._max_metrics:
-                    self._drop_oldest()
                 self._metrics += 1
             self._items.append((kind, step, job))
             self._cond.notify()
+        if full and self.dropped == 1:
+            warnings.warn(f"logging.{self.backend.name} is behind by {self._max_metrics} metric records; the oldest "
+                          "are dropped from now on (counted at the end; a resume replays them)", stacklevel=3)
 
     def marker(self) -> threading.Event:
         """An event set once everything queued before it has run (or been skipped)."""

@@ -105,9 +105,12 @@ def test_a_full_queue_drops_the_oldest_metrics_never_the_events_and_the_end_coun
     tracker.start(0, resumed=False, events=[])
     tracker.log({"train/loss": 1.0}, 1)
     assert gated.entered.wait(30)  # step 1 is in the backend's hands; the others queue
-    for step in range(2, 8):
-        tracker.log({"train/loss": float(step)}, step)
-        tracker.event("side_failure.export", f"at {step}", step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2, 8):
+            tracker.log({"train/loss": float(step)}, step)
+            tracker.event("side_failure.export", f"at {step}", step)
+    assert len(_messages(caught, "logging.tensorboard is behind by 3 metric records")) == 1  # at the first drop
     lane = tracker._lanes[0]
     assert lane.dropped == 3  # steps 2, 3, 4: the oldest metric records
     assert lane.confirmed == 0  # never past a dropped record (step 1 not delivered yet)
