@@ -75,4 +75,24 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import a
   "$PY" -c "import automodel_ckpt, torch, transformers, peft, datasets" || { echo "setup: install failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
+# The tracking tests start a real `mlflow server`, which needs the full mlflow package (the test extras have its
+# client, mlflow-skinny). It is installed apart, in $VENV/mlflow-server: it pins pyarrow below the version the
+# project resolves, so installing it into $VENV would downgrade pyarrow. Optional: without it those tests skip.
+server="$VENV/mlflow-server"
+if [ "${SETUP_MLFLOW_SERVER:-1}" = 1 ] && [ ! -x "$server/bin/mlflow" ]; then
+  mlflow_version="$("$PY" -c 'from importlib.metadata import version; print(version("mlflow-skinny"))' 2>/dev/null || true)"
+  if [ -n "$mlflow_version" ] && "$PY" -m venv "$server"; then
+    echo "setup: installing mlflow $mlflow_version (its server, for the tracking tests) in $server"
+    [ ${#UV[@]} -gt 0 ] || use_uv
+    if [ ${#UV[@]} -gt 0 ]; then
+      SERVER_UV=("${UV[@]}")  # the same settings (byte-compiled: a server then starts in seconds, not a minute)
+      SERVER_UV[7]="$server/bin/python"  # uv's --python
+      "${SERVER_UV[@]}" "mlflow==$mlflow_version" || "$server/bin/python" -m pip install -q "mlflow==$mlflow_version" \
+        || { echo "setup: could not install mlflow's server; the tests that need it skip"; rm -rf "$server"; }
+    else
+      "$server/bin/python" -m pip install -q "mlflow==$mlflow_version" \
+        || { echo "setup: could not install mlflow's server; the tests that need it skip"; rm -rf "$server"; }
+    fi
+  fi
+fi
 echo "setup: ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

@@ -44,6 +44,7 @@ class Checkpointer:
         say: Callable[[str], None] = print,
         fingerprint: dict[str, Any] | None = None,
         dims: ParallelDims | None = None,
+        side_failure: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.env = env
@@ -59,7 +60,7 @@ class Checkpointer:
         self._time = TrainingTime()
         hf = hf or HFArtifacts()
         self._writer = SaveWriter(cfg, env, self.dims, self.run, config_yaml=resolved_config_yaml, hf=hf,
-                                  fingerprint=fingerprint, time=self._time, say=say)
+                                  fingerprint=fingerprint, time=self._time, say=say, side_failure=side_failure)
         self._loader = CheckpointLoader(cfg, env, self.dims, self.run, say)
         if self.enabled:  # fail before training, not at the first save: writable, one run per folder, credentials
             self.run.acquire()

@@ -134,7 +134,8 @@ class FinetuneRecipe(BaseRecipe):
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=config_yaml,
                                          hf=self.hf_artifacts(), say=self.progress.write,
-                                         fingerprint=fingerprint, dims=self.dims)
+                                         fingerprint=fingerprint, dims=self.dims,
+                                         side_failure=self._observer.side_failure)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
         """Rank 0 builds first, so an embedded base is created once before the other ranks read it.

@@ -30,12 +30,15 @@ class Backend:
     ``open`` returns the state that lets a later launch reopen the same tracked run (saved in each checkpoint).
     ``durable``: after ``flush`` returns, what was logged survives a SIGKILL of the whole job (a resume then replays
     only what came after the checkpoint); when False, a resume replays the run's whole history into a new segment.
+    ``acknowledged``: a ``log_metrics`` that returns has made its data durable, so a checkpoint may count it
+    without waiting for a ``flush``.
     """
 
     name = ""
     module = ""  # the package that must be importable
     extra = ""  # the pip extra that installs it
     durable = True
+    acknowledged = False  # True: a log call that returns has made its data durable (the store answered)
     legacy_location_key = ""  # the state key under which earlier versions saved the location
 
     def __init__(self, section: Any) -> None:

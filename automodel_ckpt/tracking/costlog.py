@@ -3,13 +3,16 @@
 ``events.jsonl`` (rank 0, in the run folder, appended across every resume, never truncated) holds one line per
 event: ``start`` (each launch: the step it starts from, the checkpoint it resumed from), ``checkpoint`` (each save:
 the seconds the training thread was blocked, the background seconds, the bytes, the write rate) and ``end`` (a run
-that finished or was preempted). A launch with no ``end`` followed by another ``start`` was interrupted.
+that finished or was preempted). A launch with no ``end`` followed by another ``start`` was interrupted. Side work
+adds ``tracking_behind`` / ``tracking_caught_up`` (a tracker no longer waited for, and when it had caught up) and
+``side_failure`` (an export, a node-local step... that failed while training went on).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +22,8 @@ from automodel_ckpt.checkpoint.disk.catalog import size_on_disk
 from automodel_ckpt.training.metrics import JsonlLog, read_jsonl
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
+SIDE_FAILURE = "side_failure"  # side work that failed while training went on (an export, a node-local step...)
+BEHIND, CAUGHT_UP = "tracking_behind", "tracking_caught_up"  # a tracker not waited for, and when it caught up
 
 
 def checkpoint_bytes(path: Path) -> int | None:
@@ -88,10 +93,14 @@ class CheckpointCosts:
         return out
 
     def end(self, step: int, status: str) -> dict[str, Any]:
-        record = {"event": END, "time": time.time(), "step": step, "status": status,
-                  "wall_s": round(time.time() - self._started, 4), "blocked_s": round(self._blocked, 4)}
+        record = self.end_record(step, status)
         self._append(record)
         return record
+
+    def end_record(self, step: int, status: str) -> dict[str, Any]:
+        """The ``end`` record of this launch, not yet appended (``note`` appends it)."""
+        return {"event": END, "time": time.time(), "step": step, "status": status,
+                "wall_s": round(time.time() - self._started, 4), "blocked_s": round(self._blocked, 4)}
 
     def _complete_in_flight(self, extra_blocked: float, at_step: int) -> None:
         flight, self._in_flight = self._in_flight, None
@@ -122,8 +131,16 @@ class CheckpointCosts:
         self._append(record)
         self.on_record(record)
 
+    def note(self, record: dict[str, Any]) -> None:
+        """Append a record of side work (a tracker behind or caught up, a side failure) to ``events.jsonl``."""
+        self._append(record)
+
     def _append(self, record: dict[str, Any]) -> None:
-        self.log.append(record)
+        try:
+            self.log.append(record)
+        except OSError as exc:  # the run's own log is side work too: one warning per failure, training goes on
+            warnings.warn(f"'{self.log.path}': could not record a {record.get('event')} event ({exc.strerror or exc})",
+                          stacklevel=3)
 
 
 # --- reading a run's costs back ------------------------------------------------------------------
@@ -144,6 +161,9 @@ class RunCosts:
     bytes_per_checkpoint: float | None
     write_gbps: float | None  # median of the checkpoints'
     every_steps: int | None  # the run's own interval (checkpoint.ckpt_every_steps or the median spacing)
+    tracking_behind_s: float = 0.0  # while at least one tracker was behind (a failed one: to its launch's end)
+    side_failures: int = 0  # side work that failed while training went on
+    local_steps_abandoned: int = 0  # node-local steps given up (``local_step`` side failures that abandon one)
 
     @property
     def share(self) -> float:
@@ -189,10 +209,47 @@ def summarize(events: list[dict[str, Any]]) -> RunCosts:
     if every is None:
         gaps = [b["step"] - a["step"] for a, b in zip(saves, saves[1:]) if b["step"] > a["step"]]
         every = int(statistics.median(gaps)) if gaps else None
+    failures = [r for r in events if r.get("event") == SIDE_FAILURE and (r.get("kind") != "local_step" or _abandons(r))]
     return RunCosts(
+        tracking_behind_s=sum(_behind_seconds(launch) for launch in launches), side_failures=len(failures),
+        local_steps_abandoned=sum(1 for r in failures if r.get("kind") == "local_step"),
         launches=len(launches), interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=len(saves),
         blocked_s=sum(blocked), blocked_per_checkpoint_s=statistics.fmean(blocked) if blocked else None,
         background_per_checkpoint_s=statistics.fmean(background) if background else None,
         bytes_per_checkpoint=statistics.fmean(sizes) if sizes else None,
         write_gbps=statistics.median(rates) if rates else None, every_steps=every,
     )
+
+
+def _behind_seconds(launch: list[dict[str, Any]]) -> float:
+    """Seconds of one launch during which at least one tracker was behind: from each ``tracking_behind`` to its
+    backend's next ``tracking_caught_up``, or to the launch's last record."""
+    times = [float(r["time"]) for r in launch if _is_time(r.get("time"))]
+    if not times:
+        return 0.0
+    spans: list[tuple[float, float]] = []
+    since: dict[str, float] = {}
+    marks = [r for r in launch if r.get("event") in (BEHIND, CAUGHT_UP) and _is_time(r.get("time"))]
+    for r in sorted(marks, key=lambda r: float(r["time"])):
+        backend = str(r.get("backend"))
+        if r["event"] == BEHIND:
+            since.setdefault(backend, float(r["time"]))
+        elif backend in since:
+            spans.append((since.pop(backend), float(r["time"])))
+    spans += [(t, max(times)) for t in since.values()]
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):  # the union of the spans
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _abandons(record: dict[str, Any]) -> bool:
+    """Whether a ``local_step`` side failure is a step abandoned (its other lines: steps written again after
+    failures, a folder made again)."""
+    return " abandoned" in str(record.get("text", ""))
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -27,6 +27,8 @@ def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, A
         "bytes_per_checkpoint": costs.bytes_per_checkpoint, "write_gbps": costs.write_gbps,
         "share_of_wall": costs.share, "every_steps": costs.every_steps,
         "mtbf_s": mtbf_s, "mtbf_source": source, "advice": None,
+        "tracking_behind_s": round(costs.tracking_behind_s, 3), "side_failures": costs.side_failures,
+        "local_steps_abandoned": costs.local_steps_abandoned,
     }
     cost, step_s = costs.blocked_per_checkpoint_s, costs.step_s
     if cost is not None and step_s:
@@ -67,7 +69,20 @@ def one_line(report: dict[str, Any]) -> str:
     if advice is not None:
         text += (f"; Young/Daly interval for {_mtbf(report)}: every {advice['interval_steps']} steps "
                  f"({_duration(advice['interval_s'])}), expected overhead {100 * advice['overhead']:.2f}%")
-    return text
+    return text + _side_work(report)
+
+
+def _side_work(report: dict[str, Any]) -> str:
+    """The end line's note on side work: ``; tracking behind 12.3 s; 2 local step(s) abandoned`` ("" if none)."""
+    parts = []
+    if report.get("tracking_behind_s"):
+        parts.append(f"tracking behind {_duration(report['tracking_behind_s'])}")
+    if report.get("local_steps_abandoned"):
+        parts.append(f"{report['local_steps_abandoned']} local step(s) abandoned")
+    others = (report.get("side_failures") or 0) - (report.get("local_steps_abandoned") or 0)
+    if others:
+        parts.append(f"{others} side failure(s) (see events.jsonl)")
+    return "".join(f"; {p}" for p in parts)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -91,6 +106,13 @@ def render(report: dict[str, Any]) -> str:
             if size else "size per checkpoint:        -",
             f"run time lost:              {report['blocked_s']:.2f} s = {100 * report['share_of_wall']:.2f}% of wall time",
         ]
+    lines += [
+        f"tracking behind:            {_duration(report.get('tracking_behind_s') or 0.0)}"
+        " (a tracker not waited for, until it caught up)",
+        f"local steps abandoned:      {report.get('local_steps_abandoned') or 0}",
+        f"side failures:              {report.get('side_failures') or 0} (exports, local steps, reports; "
+        "training went on)",
+    ]
     advice = report["advice"]
     if advice is None:
         lines.append("interval advice:            needs at least one checkpoint and one timed step")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
 PARAM_VALUE_MAX = 6000  # MLflow's limit for a parameter value
 TAG_VALUE_MAX = 5000
 _SQLITE = "sqlite:///"
+_PRESENCE_KEYS = {"train": "train/loss", "val": "val/loss", "checkpoint": "checkpoint/blocked_s"}  # one per source
+RUN_KEY_TAG = "automodel_ckpt.run_key"  # set on the tracked run when created: ``initial_state``'s key
 
 
 def default_store(run_dir: Path) -> str:
@@ -41,6 +44,7 @@ class MLflowBackend(Backend):
     module = "mlflow"
     extra = "mlflow"
     legacy_location_key = "tracking_uri"
+    acknowledged = True  # each call returns once the store (a server or the SQLite file) has it
 
     def location(self, run_dir: Path, run_name: str) -> str:
         return str(self.section.get("tracking_uri") or default_store(run_dir))
@@ -55,6 +59,8 @@ class MLflowBackend(Backend):
             artifacts = (database.parent / layout.MLFLOW_ARTIFACTS).as_uri()
             for quiet in ("alembic", "mlflow.store.db.utils"):  # "Creating initial MLflow database tables..."
                 logging.getLogger(quiet).setLevel(logging.WARNING)
+            if not database.exists():
+                _create_store(database, artifacts)
         if uri.startswith("file:") or "://" not in uri:
             # MLflow keeps its file store in maintenance mode and asks for this opt-in; the store works as before
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -68,20 +74,44 @@ class MLflowBackend(Backend):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        run_id = self._reopen(ctx.saved.get("run_id"))
+        key = ctx.saved.get("run_key")
+        name = self.section.get("experiment") or ctx.run_name
+        run_id = self._reopen(ctx.saved.get("run_id") or self._find(name, key))
+        reopened = run_id is not None
         if run_id is None:
-            name = self.section.get("experiment") or ctx.run_name
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment is not None else \
                 self.client.create_experiment(name, artifact_location=artifacts)
-            run_id = self.client.create_run(experiment_id, run_name=ctx.run_name).info.run_id
+            tags = {RUN_KEY_TAG: key} if key else None
+            run_id = self.client.create_run(experiment_id, run_name=ctx.run_name, tags=tags).info.run_id
             self._log_params(run_id, ctx.hparams)
         self.run_id = run_id
+        self._present = self._steps_present(run_id, ctx.resume_step) if reopened and ctx.resume_step else {}
         if ctx.resume_step is not None:
             self.client.set_tag(run_id, f"resumed.step_{ctx.resume_step}",
                                 f"values of steps after {ctx.resume_step} logged before this resume are superseded "
                                 "by the ones logged after it (keep the last value per step)")
-        return {"run_id": run_id}
+        return {"run_id": run_id, "run_key": key} if key else {"run_id": run_id}
+
+    def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A key tagged on the run when it is created: a checkpoint saved before the run was (a slow store, a
+        server down) still lets a resume find and reopen it."""
+        return {"run_key": saved.get("run_key") or uuid.uuid4().hex}
+
+    def _find(self, experiment: str, key: str | None) -> str | None:
+        """The run created with ``key`` in ``experiment``, if any."""
+        found = self.client.get_experiment_by_name(experiment) if key else None
+        if found is None:
+            return None
+        runs = self.client.search_runs([found.experiment_id], f"tags.{RUN_KEY_TAG} = '{key}'", max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def _steps_present(self, run_id: str, last: int) -> dict[str, set[int]]:
+        """The steps up to ``last`` the reopened run already has, per source (``train``, ``val``, ``checkpoint``:
+        each source's values of a step arrive in one call), so a replay sends only what the store lacks, even where
+        the restored checkpoint had confirmed less."""
+        return {source: {m.step for m in self.client.get_metric_history(run_id, key) if m.step <= last}
+                for source, key in _PRESENCE_KEYS.items()}
 
     def _reopen(self, run_id: str | None) -> str | None:
         """``run_id`` marked running again, if the store still has it; else None (a new run is created)."""
@@ -107,6 +137,11 @@ class MLflowBackend(Backend):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        if getattr(self, "_present", None):  # a replay: what the run already has is not sent twice
+            metrics = {k: v for k, v in metrics.items() if step not in self._present.get(k.partition("/")[0], ())}
+            if not metrics:
+                return
+
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
@@ -115,6 +150,17 @@ class MLflowBackend(Backend):
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, {"complete": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED"))
+
+
+def _create_store(database: Path, artifacts: str) -> None:
+    """A new SQLite store, its tables created under another name and then renamed into place: a launch killed
+    while MLflow creates them (seconds) leaves no half-made database for the next launch to trip on."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    new = database.with_name(layout.MLFLOW_DB_NEW)
+    new.unlink(missing_ok=True)
+    SqlAlchemyStore(_SQLITE + str(new), artifacts).engine.dispose()
+    os.replace(new, database)
 
 
 def last_per_step(history: list[Any]) -> list[Any]:

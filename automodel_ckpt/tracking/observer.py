@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
 from automodel_ckpt.checkpoint.disk import catalog
-from automodel_ckpt.tracking.costlog import CheckpointCosts, read_events, summarize
+from automodel_ckpt.errors import first_line
+from automodel_ckpt.tracking.costlog import SIDE_FAILURE, CheckpointCosts, read_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report, one_line
 from automodel_ckpt.tracking.tracker import RunTracker, checkpoint_metrics, train_metrics, validation_metrics
 
@@ -24,9 +26,10 @@ class RunObserver:
     def __init__(self, section: Any, run_dir: Path, *, is_main: bool, config_yaml: str) -> None:
         self.run_dir = Path(run_dir)
         self.is_main = is_main
-        self.tracker = RunTracker(section, self.run_dir, enabled=is_main,
-                                  hparams=lambda: yaml.safe_load(config_yaml) or {})
         self.costs = CheckpointCosts(self.run_dir, enabled=is_main, on_record=self._checkpoint_record)
+        self.tracker = RunTracker(section, self.run_dir, enabled=is_main,
+                                  hparams=lambda: yaml.safe_load(config_yaml) or {}, record=self.costs.note)
+        self.side_failures: dict[str, int] = {}  # kind -> how many this launch (``side_failure``)
         self._launched = time.time()
         self._step = 0
 
@@ -63,19 +66,32 @@ class RunObserver:
             self.tracker.event("preemption", f"preempted at step {step}: saved {path}", step)
         return path
 
-    def side_failure(self, kind: str, text: str, step: int) -> None:
-        """Something that failed without stopping the run (``kind``: e.g. ``local_step``), to the trackers."""
-        self.tracker.event(kind, text, step)
-
     def finalize(self, finalize: Callable[[], Any], step: int) -> Any:
         return self.costs.finalize(finalize, step)
 
+    def side_failure(self, kind: str, text: str, step: int) -> None:
+        """Side work failed and training goes on (``kind``: ``export``, ``local_step``, ``cost_report``...): a
+        ``side_failure`` record in events.jsonl, an event to the trackers, counted. Rank 0 records; any rank and any
+        thread may call it (the others only count)."""
+        self.side_failures[kind] = self.side_failures.get(kind, 0) + 1
+        self.costs.note({"event": SIDE_FAILURE, "time": time.time(), "kind": kind, "text": text, "at_step": step})
+        self.tracker.event(f"side_failure.{kind}", text, step)
+
     def end(self, step: int, status: str) -> str:
-        """The launch ends (``complete`` or ``preempted``): record it, close the trackers; the cost line."""
-        self.costs.end(step, status)
-        line = one_line(cost_report(summarize(read_events(self.run_dir)))) if self.is_main else ""
+        """The launch ends (``complete`` or ``preempted``): close the trackers, record it (last: after what the
+        trackers noted while closing); the cost line."""
+        end = self.costs.end_record(step, status)
+        line = ""
+        if self.is_main:
+            try:
+                line = one_line(cost_report(summarize([*read_events(self.run_dir), end])))
+            except Exception as exc:  # noqa: BLE001 - a report is side work: one warning, never the end of a run
+                text = f"the cost report failed ({type(exc).__name__}: {first_line(exc)})"
+                warnings.warn(text, stacklevel=2)
+                self.side_failure("cost_report", text, step)
         self.tracker.event("end", f"{status} at step {step}. {line}", step)
         self.tracker.close(status)
+        self.costs.note(end)
         return line
 
     def fail(self) -> None:

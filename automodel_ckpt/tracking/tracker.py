@@ -5,11 +5,14 @@ is each backend's run id and the last step it had made durable. A resume restore
 the same tracked runs and replays from the run's own logs (``training.jsonl``, ``validation.jsonl``,
 ``events.jsonl``, already cut back to the restored step) whatever a backend may lack up to that step. Only rank 0
 logs. Each backend's calls run on its own background thread, in order; a failing backend is a warning and is
-dropped, training goes on.
+dropped, training goes on. The training thread waits for a tracker at most ``FLUSH_TIMEOUT_S`` before a checkpoint
+(and not at all while that tracker stays behind) and, at the end of the launch, ``CLOSE_TIMEOUT_S`` without progress
+(``CLOSE_MAX_S`` in all).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -21,7 +24,8 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
-from automodel_ckpt.tracking.lane import Lane
+from automodel_ckpt.tracking.costlog import BEHIND
+from automodel_ckpt.tracking.lane import EVENT, METRICS, Lane
 from automodel_ckpt.tracking.mlflow_backend import MLflowBackend
 from automodel_ckpt.tracking.tensorboard_backend import TensorBoardBackend
 from automodel_ckpt.tracking.wandb_backend import WandbBackend
@@ -30,7 +34,9 @@ from automodel_ckpt.training.metrics import read_jsonl
 logger = logging.getLogger(__name__)
 
 BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbBackend)
-FLUSH_TIMEOUT_S = 60.0  # how long a checkpoint waits for the trackers to catch up (then the resume replays)
+FLUSH_TIMEOUT_S = 2.0  # how long a checkpoint waits for a tracker to catch up (then it is behind: not waited for)
+CLOSE_TIMEOUT_S = 10.0  # how long the end of a launch waits for a tracker that makes no progress (then gives up)
+CLOSE_MAX_S = 60.0  # and at most, even for trackers still catching up (what they lack is reported)
 SKIPPED = ("step", "epoch", "sample_ids")  # record keys that are no metric
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracked run's id as the trackers make them (MLflow: 32 hex)
 
@@ -58,7 +64,8 @@ def _number(value: Any) -> bool:
 class RunTracker:
     """The trackers named under ``logging:`` (none: every call is a no-op)."""
 
-    def __init__(self, section: Any, run_dir: Path, *, enabled: bool, hparams: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, section: Any, run_dir: Path, *, enabled: bool, hparams: Callable[[], dict[str, Any]],
+                 record: Callable[[dict[str, Any]], None] | None = None) -> None:
         chosen = [b for b in BACKENDS if section is not None and section.get(b.name) is not None]
         for backend in chosen:  # every rank: the same one-line error before training
             require_installed(backend)
@@ -68,6 +75,8 @@ class RunTracker:
         self._hparams = hparams
         self._saved: dict[str, Any] = {}
         self._lanes: list[Lane] = []  # one thread per backend, from ``start``
+        self._record = record or (lambda _record: None)  # BEHIND / CAUGHT_UP records, on the training thread
+        self._step = 0  # the last step logged (the step of a BEHIND record)
 
     @property
     def active(self) -> bool:
@@ -75,19 +84,50 @@ class RunTracker:
 
     # --- recipe state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Each backend's run id and last durable step; waits (bounded) for the durable trackers to catch up."""
+        """Each backend's run id and last durable step; waits (bounded) for the durable trackers to catch up. A
+        backend that failed keeps its run id and the step it had confirmed: a resume reopens that run and replays
+        the rest."""
         self.flush()
         return {lane.backend.name: {**lane.state, "location": lane.location,
-                                    "confirmed_step": lane.logged if lane.backend.durable else 0}
-                for lane in self._lanes if not lane.failed and lane.state}
+                                    "confirmed_step": lane.confirmed if lane.backend.durable else 0}
+                for lane in self._lanes if lane.state}
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Wait (bounded) until every durable backend has written what was queued so far (the others: no wait,
-        a resume replays their history anyway)."""
-        durable = [lane for lane in self._lanes if lane.backend.durable]
-        for lane in durable:
-            lane.put(lane.backend.flush)
-        self._wait([lane.marker() for lane in durable], timeout)
+        """Wait at most ``timeout`` until every durable backend has written what was queued so far. A backend not
+        done by then is behind (one warning) and is not waited for again until it has caught up (the others: no
+        wait, a resume replays their history anyway)."""
+        self._notes()
+        began = time.time()
+        waiting = []
+        for lane in self._lanes:
+            if lane.backend.durable and not lane.failed and lane.behind_since is None:
+                lane.put(functools.partial(self._flush, lane))
+                waiting.append((lane, lane.marker()))
+        deadline = time.monotonic() + timeout
+        for lane, done in waiting:
+            if not done.wait(max(0.0, deadline - time.monotonic())) and lane.mark_behind(began):
+                self._record({"event": BEHIND, "time": began, "step": self._step, "backend": lane.backend.name,
+                              "waited_s": timeout})
+                opening = "" if lane.opened else ", still opening its run"
+                warnings.warn(f"logging.{lane.backend.name} is behind (nothing back within {timeout:.0f} s{opening}); "
+                              "training goes on without waiting for it (a resume replays what it lacks)",
+                              stacklevel=3)
+
+    @staticmethod
+    def _flush(lane: Lane) -> None:
+        step = lane.delivered
+        lane.backend.flush()
+        lane.durable = max(lane.durable, step)
+
+    def _notes(self, lanes: list[Lane] | None = None) -> None:
+        """Record what the lanes noted (caught up, failed) in the run's events, on the training thread."""
+        for lane in self._lanes if lanes is None else lanes:
+            while lane.notes:
+                note = lane.notes.popleft()
+                if note["event"] == "tracking_failed":  # behind for the rest of the launch
+                    note = {"event": BEHIND, "time": note["time"], "step": self._step, "backend": lane.backend.name,
+                            "failed": True}
+                self._record({**note, "step": self._step} if "step" not in note else note)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._saved = dict(state) if isinstance(state, dict) else {}  # checked per backend by ``_reusable``
@@ -104,6 +144,9 @@ class RunTracker:
             lane = Lane(backend)
             lane.location = location
             lane.state = backend.initial_state(saved)  # known now: e.g. the W&B run id it will open
+            if saved.get("run_id") and backend.durable:  # kept if the open fails: a later resume reopens it
+                lane.state = {"run_id": saved["run_id"], **lane.state}
+            lane.durable = lane.delivered = int(saved.get("confirmed_step") or 0)
             ctx = OpenContext(self.run_dir, self.run_dir.name, location, hparams, {**saved, **lane.state},
                               step if resumed else None, int(saved.get("confirmed_step") or 0))
             lane.put(lambda lane=lane, ctx=ctx: self._open(lane, ctx))
@@ -119,15 +162,16 @@ class RunTracker:
         if not isinstance(saved, dict) or not saved:
             return {}
         where = saved.get("location", saved.get(backend.legacy_location_key) if backend.legacy_location_key else None)
-        run_id, confirmed = saved.get("run_id"), saved.get("confirmed_step", 0)
+        run_id, confirmed, key = saved.get("run_id"), saved.get("confirmed_step", 0), saved.get("run_key")
         if not backend.same_location(where, location):
             why = "was kept elsewhere"
-        elif run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+        elif any(v is not None and not (isinstance(v, str) and RUN_ID.fullmatch(v)) for v in (run_id, key)):
             why = "has no valid run id"
         elif not (type(confirmed) is int and 0 <= confirmed <= step):
             why = "has no valid confirmed step"
         else:
-            return {k: v for k, v in (("run_id", run_id), ("confirmed_step", confirmed)) if v is not None}
+            return {k: v for k, v in (("run_id", run_id), ("run_key", key), ("confirmed_step", confirmed))
+                    if v is not None}
         warnings.warn(f"logging.{backend.name}: the restored checkpoint's tracked run {why}; starting a new "
                       f"tracked run at {location} (the run's history up to step {step} is replayed into it)",
                       stacklevel=3)
@@ -135,12 +179,13 @@ class RunTracker:
 
     def _open(self, lane: Lane, ctx: OpenContext) -> None:
         lane.state = lane.backend.open(ctx)
+        lane.opened = True
         if ctx.resume_step is None:
             return
         first = lane.backend.first_replay_step(ctx.confirmed_step)
         for step, metrics in self._history(first, ctx.resume_step):
             lane.backend.log_metrics(metrics, step)
-            lane.logged = step
+            lane.delivered_step(step)
 
     def _history(self, first: int, last: int) -> list[tuple[int, dict[str, float]]]:
         """The run's logged metrics of steps ``first..last`` from its logs, merged by step."""
@@ -159,34 +204,57 @@ class RunTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Queue ``metrics`` of ``step`` for every backend; returns at once."""
+        self._step = max(self._step, step)
+        self._notes()
         if metrics:
             for lane in self._lanes:
-                lane.put(lambda lane=lane: self._log(lane, metrics, step))
+                lane.put(functools.partial(self._log, lane, metrics, step), METRICS, step)
 
     @staticmethod
     def _log(lane: Lane, metrics: dict[str, float], step: int) -> None:
         lane.backend.log_metrics(metrics, step)
-        lane.logged = step
+        lane.delivered_step(step)
 
     def event(self, kind: str, text: str, step: int) -> None:
-        """An event (``resume``, ``fallback``, ``preemption``, ``end``...) as text at ``step``."""
+        """An event (``resume``, ``fallback``, ``preemption``, ``end``...) as text at ``step``; never dropped."""
         for lane in self._lanes:
-            lane.put(lambda lane=lane: lane.backend.log_event(kind, text, step))
-
-    def close(self, status: str, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """End of the launch: flush and close every backend (``status``: complete, preempted, failed)."""
-        lanes, self._lanes = self._lanes, []
-        for lane in lanes:
-            lane.put(lambda lane=lane: lane.backend.close(status))
-        self._wait([lane.marker() for lane in lanes], timeout)
-        for lane in lanes:
-            lane.stop()
+            lane.put(functools.partial(lane.backend.log_event, kind, text, step), EVENT, step)
 
     @staticmethod
-    def _wait(markers: list[threading.Event], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        if all(m.wait(max(0.0, deadline - time.monotonic())) for m in markers):
-            return True
-        warnings.warn(f"experiment tracking is {timeout:.0f} s behind; going on (a resume replays what it lacks)",
-                      stacklevel=3)
-        return False
+    def _wait_for_progress(lanes: list[Lane], idle: float) -> None:
+        """Wait until every lane has ended; give up once none has finished a call for ``idle`` seconds, or after
+        ``CLOSE_MAX_S`` in all (a tracker still catching up at the end gets that long, a stuck one ``idle``)."""
+        start = time.monotonic()
+        last, progressed = -1, start
+        while True:
+            alive = [lane for lane in lanes if not lane.join(0.0)]
+            done = sum(lane.calls_done for lane in lanes)
+            now = time.monotonic()
+            if done != last:
+                last, progressed = done, now
+            left = min(progressed + idle, start + max(idle, CLOSE_MAX_S)) - now
+            if not alive or left <= 0:
+                return
+            alive[0].join(min(left, 0.1))
+
+    def close(self, status: str, timeout: float = CLOSE_TIMEOUT_S) -> int:
+        """End of the launch: flush and close every backend (``status``: complete, preempted, failed), waiting as
+        long as they make progress, but at most ``timeout`` without any and ``CLOSE_MAX_S`` in all; the number of
+        metric records and events not delivered (one warning if any)."""
+        self._notes()
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            if not lane.failed:
+                lane.put(functools.partial(lane.backend.close, status))
+        for lane in lanes:
+            lane.stop()
+        self._wait_for_progress(lanes, timeout)
+        self._notes(lanes)
+        lost = {lane.backend.name: lane.undelivered() for lane in lanes}
+        total = sum(lost.values())
+        if total:
+            which = ", ".join(f"logging.{name} {n}" for name, n in lost.items() if n)
+            warnings.warn(f"experiment tracking: {total} record(s) not delivered ({which}); the run's own logs "
+                          "(training.jsonl, validation.jsonl, events.jsonl) have them, and a resume replays what the "
+                          "tracker lacks up to its checkpoint", stacklevel=3)
+        return total

@@ -10,6 +10,7 @@ runs out of room. Mounting needs root; without it the tests are skipped. The ful
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -109,3 +110,39 @@ def test_full_disk_fails_in_one_line_and_rerun_resumes(work, assets, disk, case)
     assert lines[0].startswith(f"error: writing the Hugging Face export in '{disk}' failed: no space left on device")
     assert "needs about" in lines[0] and "free there" in lines[0]
     assert sorted(p.name for p in disk.iterdir()) == ["ckpt"]  # no export, no temporary folder
+
+
+def test_an_inline_export_out_of_room_is_one_warning_and_the_checkpoint_is_saved_without_it(work, assets, disk):
+    """Room for the checkpoint but not its Hugging Face export: the export is side work, the run goes on."""
+    args = (*COMMON, "--checkpoint.model_save_format", "safetensors", "--checkpoint.checkpoint_dir", str(disk / "ckpt"))
+    ckpt_train(work, assets, *args, "--checkpoint.save_consolidated", "false", "--step_scheduler.max_steps", "2",
+               nproc=2)
+    first = disk / "ckpt" / "epoch_0_step_2"
+    # the next checkpoint fits (same size as the first), its export (bf16: half the fp32 shards) only half-way
+    _resize(disk, shutil.disk_usage(disk).used + diskfull.tree_bytes(first) + diskfull.tree_bytes(first / "model") // 4)
+    done = ckpt_train(work, assets, *args, "--checkpoint.save_consolidated", "every", "--step_scheduler.max_steps", "4",
+                      nproc=2)
+    second = disk / "ckpt" / "epoch_0_step_4"
+    warned = [line for line in done.output.splitlines() if "is saved without its Hugging Face export" in line]
+    assert len(warned) == 1 and "no space left on device" in warned[0], done.output[-3000:]
+    assert "Traceback" not in done.output
+    assert read_pointer(disk / "ckpt", layout.LATEST) == second.name
+    assert [r.name for r in catalog.list_checkpoints(disk / "ckpt")] == [first.name, second.name]
+    assert not [p for p in (second / layout.MODEL_DIR).iterdir() if "consolidated" in p.name]  # nothing half-written
+    events = [json.loads(line) for line in (disk / "ckpt" / layout.EVENTS_LOG).read_text().splitlines()]
+    failures = [e for e in events if e["event"] == "side_failure"]
+    assert [(e["kind"], e["at_step"]) for e in failures] == [("export", 4)]
+    assert "1 side failure(s)" in done.output  # the end-of-run line
+
+    verify = subprocess.run([CKPT_TRAIN, "verify", str(second)], capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    listed = subprocess.run([CKPT_TRAIN, "inspect", str(disk / "ckpt"), "--json"], capture_output=True, text=True,
+                            timeout=300, check=True)
+    shown = {c["name"]: c["consolidated"] for c in json.loads(listed.stdout)["checkpoints"]}
+    assert shown == {first.name: False, second.name: False}
+
+    _resize(disk, ROOMY)  # its own script exports it later
+    script = subprocess.run(["bash", str(second / layout.MODEL_DIR / layout.CONSOLIDATE_SCRIPT)], cwd=work,
+                            env=env_for(assets), capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0, script.stdout + script.stderr
+    assert (second / layout.MODEL_DIR / layout.CONSOLIDATED_DIR / layout.HF_CONFIG).is_file()

@@ -43,8 +43,9 @@ def test_a_full_local_folder_costs_one_local_step_not_the_run(tmp_path, tmpfs, a
                            "FAULT_AT_LOCAL_STEP": "6", "MEND_AT_LOCAL_STEP": "7",
                            "LOCAL_LISTING": str(listing)})
     out = done.output
-    abandoned = _lines(out, "abandoned")
+    abandoned = _lines(out, "abandoned:")  # the warning (the end-of-run line counts them: "1 local step(s) abandoned")
     assert len(abandoned) == 1, out[-3000:]
+    assert len(_lines(out, "; 1 local step(s) abandoned")) == 1
     assert abandoned[0].startswith(f"warning: node-local step epoch_0_step_6 abandoned: no space left on device in "
                                    f"'{tmpfs / 'loc'}' (needs about ")
     assert "free there)" in abandoned[0] and "the next due node-local step is tried" in abandoned[0]
@@ -69,7 +70,7 @@ def _one_process(tmp_path: Path, tmpfs: Path, assets: Path, **env: str) -> str:
 
 def test_a_read_only_local_filesystem_costs_one_local_step(tmp_path, tmpfs, assets, straight_runs):
     out = _one_process(tmp_path, tmpfs, assets, FAULT="readonly", FAULT_AT_LOCAL_STEP="6", MEND_AT_LOCAL_STEP="7")
-    abandoned = _lines(out, "abandoned")
+    abandoned = _lines(out, "abandoned:")
     assert len(abandoned) == 1 and abandoned[0].startswith(
         "warning: node-local step epoch_0_step_6 abandoned: the filesystem is read-only ("), out[-3000:]
     assert len(_lines(out, "node-local steps are written again: epoch_0_step_7")) == 1
@@ -83,7 +84,7 @@ def test_a_removed_local_folder_is_made_again(tmp_path, tmpfs, assets):
                        LOCAL_LISTING=str(listing))
     assert _lines(out, "node-local folder") == [f"warning: the node-local folder '{tmpfs / 'loc'}' was removed; "
                                                 "made again"]
-    assert not _lines(out, "abandoned")
+    assert not _lines(out, "abandoned:")
     seen = dict(line.split(": ", 1) for line in listing.read_text().splitlines())
     assert "epoch_0_step_6" in seen["7"].split()  # written into the folder made again
     assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
@@ -97,7 +98,7 @@ def test_a_peer_that_cannot_write_its_copy_costs_one_local_step(tmp_path, tmpfs,
                      env={"FILLER": str(tmpfs / "filler"), "FAULT": "fill", "FAULT_RANKS": "1",
                           "FILL_LEAVE_BYTES": str(5 << 20), "FAULT_AT_LOCAL_STEP": "6", "MEND_AT_LOCAL_STEP": "7",
                           "LOCAL_LISTING": str(listing)})
-    abandoned = _lines(out, "abandoned")
+    abandoned = _lines(out, "abandoned:")
     assert len(abandoned) == 1 and f"no space left on device in '{dirs[1]}'" in abandoned[0] \
         and "while copying 'epoch_0_step_6' to other nodes" in abandoned[0], out[-3000:]
     assert len(_lines(out, "node-local steps are written again: epoch_0_step_7")) == 1
@@ -114,7 +115,7 @@ def test_a_peer_folder_full_two_nodes_resume_from_a_complete_step(tmp_path, tmpf
     env = {"FILLER": str(tmpfs / "filler"), "FAULT": "fill", "FAULT_RANKS": "1", "FAULT_AT_LOCAL_STEP": "6"}
     out = _two_nodes(tmp_path, assets, *EVERY_STEP, "--recipe", FAULTS, env={**env, "DIE_AFTER_LOCAL_STEP": "7"},
                      expect_ok=False, dirs=dirs)
-    abandoned = _lines(out, "abandoned")
+    abandoned = _lines(out, "abandoned:")
     assert len(abandoned) == 1 and "node-local step epoch_0_step_6 abandoned: no space left on device in " \
         f"'{dirs[1]}'" in abandoned[0], out[-3000:]
     inventories = {r: scan(folder) for r, folder in enumerate(dirs)}
@@ -125,7 +126,7 @@ def test_a_peer_folder_full_two_nodes_resume_from_a_complete_step(tmp_path, tmpf
     out = _two_nodes(tmp_path, assets, *EVERY_STEP, env={"FILLER": str(tmpfs / "filler")}, dirs=dirs)
     start = _starts(tmp_path / "run")[-1]
     assert (start["tier"], start["resumed_from"]) == ("local", "epoch_0_step_5")
-    again = _lines(out, "abandoned")  # steps 6 and 7 again: node 1 is still full, found by the space check
+    again = _lines(out, "abandoned:")  # steps 6 and 7 again: node 1 is still full, found by the space check
     assert len(again) == 2 and all("checking the node-local folder's room failed on rank 1" in line for line in again)
     assert "the next due node-local step is skipped" in again[1]  # the second failure in a row: one skipped
     _same_losses(tmp_path / "run", _records(straight_runs.get(2)), 6)

@@ -68,6 +68,7 @@ VALIDATION_LOG = "validation.jsonl"
 EVENTS_LOG = "events.jsonl"  # each launch, each save's cost, each end: appended, never truncated (tracking/costlog.py)
 TENSORBOARD_DIR = "tensorboard"  # logging.tensorboard's event files when log_dir is not set
 MLFLOW_DB = "mlflow.db"  # logging.mlflow's SQLite store when tracking_uri is not set
+MLFLOW_DB_NEW = ".mlflow.db.new"  # that store while MLflow creates its tables; renamed to MLFLOW_DB when done
 MLFLOW_ARTIFACTS = "mlartifacts"  # that store's artifact root
 MLFLOW_DIR = "mlruns"  # the file store of earlier versions' default: continued where a run folder has one
 WANDB_DIR = "wandb"  # what Weights & Biases writes below logging.wandb.dir (default: the run folder)

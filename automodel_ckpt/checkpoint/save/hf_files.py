@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
+from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.checkpoint.formats import peft as peft_format
 from automodel_ckpt.checkpoint.formats import sharded
 from automodel_ckpt.checkpoint.info import HFArtifacts
@@ -26,6 +28,14 @@ def write_model_helpers(model_dir: Path, hf: HFArtifacts, model_save_format: str
                       tokenizer=hf.tokenizer, base_model_path=hf.base_model_path)
     if model_save_format == sharded.SAFETENSORS:
         render_consolidate_script(model_dir)
+
+
+def remove_export(model_dir: Path) -> None:
+    """Whatever a failed inline export left in ``model_dir``: its folder, its temporary folders."""
+    for path in [model_dir / layout.CONSOLIDATED_DIR, *model_dir.glob(layout.export_tmp_name(layout.CONSOLIDATED_DIR,
+                                                                                              "*"))]:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
 
 
 def export_inline(model_dir: Path, rank: int, world_size: int) -> None:

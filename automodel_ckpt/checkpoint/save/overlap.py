@@ -169,6 +169,7 @@ class PendingSave:
     writes: list[tuple[Future, Path]] = field(default_factory=list)
     job: Overlapped | None = None  # the background capture, writes and (unless ``consolidate``) completion
     small_files: Any = None  # ``local_files.LocalFiles`` still to be written by the completion, if any
+    step: int = 0  # the training step it saves
 
     def wait_for_writes(self, seconds: float) -> bool:
         """Wait up to ``seconds`` in all for the background writes, whatever their outcome; whether all ended."""

@@ -31,7 +31,7 @@ from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
 from automodel_ckpt.distributed.mesh import ParallelDims
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.errors import CheckpointError, first_line
 
 _T = TypeVar("_T")
 
@@ -41,10 +41,12 @@ class SaveWriter:
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder, *,
                  config_yaml: str, hf: HFArtifacts, fingerprint: dict[str, Any] | None, time: TrainingTime,
-                 say: Callable[[str], None], settle_full_disk: bool = True) -> None:
+                 say: Callable[[str], None], settle_full_disk: bool = True,
+                 side_failure: Callable[[str, str, int], None] | None = None) -> None:
         self.cfg, self.env, self.dims, self.run = cfg, env, dims, run
         # read by ``diskfull.guarded``: False where the caller settles a full disk itself (the node-local tier)
         self.settles_full_disk = settle_full_disk
+        self.side_failure = side_failure  # (kind, text, step): side work that failed while the save went on
         self.dir = run.local  # read by ``diskfull.guarded``
         self.config_yaml, self.hf, self.fingerprint, self.time, self.say = config_yaml, hf, fingerprint, time, say
         self.policy = SavePolicy(cfg, is_main=env.is_main)
@@ -80,7 +82,8 @@ class SaveWriter:
         if self.env.is_main:
             self.say(f"Saving checkpoint to {self.run.location(name)}")
         plan = plan_state(states)
-        pending = overlap.PendingSave(name, self.run.staging(name), self.policy.consolidate_now(info, plan))
+        pending = overlap.PendingSave(name, self.run.staging(name), self.policy.consolidate_now(info, plan),
+                                      step=info.step)
         reserve_in_background = self._reserves_in_background(plan, pending.consolidate)
         if not reserve_in_background:
             self._reserve(name)
@@ -174,8 +177,7 @@ class SaveWriter:
             collective.collectively(pending.small_files.write, f"writing '{staging}'", rank)
         clock = PhaseClock()
         if pending.consolidate:
-            collective.collectively(functools.partial(hf_files.export_inline, staging / layout.MODEL_DIR, rank, world),
-                                    "consolidating the checkpoint", rank)
+            self._export_inline(pending)
             clock.mark("consolidate")
         if self.run.durable:
             collective.collectively(functools.partial(fsync_tree, staging, rank, world, self.written),
@@ -195,6 +197,25 @@ class SaveWriter:
         clock.mark("publish")
         self.last_complete_seconds = clock.phases
         return path
+
+    def _export_inline(self, pending: overlap.PendingSave) -> None:
+        """The inline Hugging Face export (``save_consolidated``), side work: if it fails on any rank, what it left
+        is removed, rank 0 warns once and reports it (``side_failure``), and the checkpoint is completed without
+        it (its consolidate.sh exports it later)."""
+        rank, model_dir = self.env.rank, pending.staging / layout.MODEL_DIR
+        try:
+            collective.collectively(functools.partial(hf_files.export_inline, model_dir, rank, self.env.world_size),
+                                    "consolidating the checkpoint", rank)
+            return
+        except CheckpointError as exc:
+            failure = exc
+        collective.on_main(functools.partial(hf_files.remove_export, model_dir), f"cleaning '{model_dir}'", rank)
+        if self.env.is_main:
+            text = (f"checkpoint {pending.name} is saved without its Hugging Face export ({first_line(failure)}); "
+                    f"export it later with its {layout.CONSOLIDATE_SCRIPT}")
+            warnings.warn(text, stacklevel=2)
+            if self.side_failure is not None:
+                self.side_failure("export", text, pending.step)
 
     def _prune(self) -> None:
         """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""

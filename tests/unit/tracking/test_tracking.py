@@ -106,6 +106,7 @@ def _launch(run: Path, section, saved: dict | None, steps: range, restored: int 
     tracker.start(restored or 0, resumed=restored is not None, events=[("resume", "resumed")] if restored else [])
     for step in steps:
         tracker.log({"train/loss": float(step) + (100.0 if restored else 0.0)}, step)
+    tracker.flush(timeout=300)  # the trackers kept up (a checkpoint itself waits for them at most FLUSH_TIMEOUT_S)
     return tracker
 
 
@@ -148,6 +149,25 @@ def test_mlflow_resume_reopens_the_run_and_replays_what_it_had_not_confirmed(tmp
         [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0)]  # 3-4 replayed from training.jsonl
     assert runs[0].data.params["optimizer.lr"] == "0.1" and "resumed.step_4" in runs[0].data.tags
     assert runs[0].info.status == "FINISHED"
+
+
+def test_a_checkpoint_saved_before_mlflow_opened_its_run_still_resumes_that_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    section = _section(mlflow={"tracking_uri": None, "experiment": "exp"})
+    (tmp_path / layout.TRAINING_LOG).write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n"
+                                                        for s in range(1, 4)))
+    first = _launch(tmp_path, section, None, range(1, 4), None)
+    lane = first._lanes[0]
+    saved = {"mlflow": {"run_key": lane.state["run_key"], "location": lane.location, "confirmed_step": 0}}  # no id yet
+    first.close("failed", timeout=300)
+    second = _launch(tmp_path, section, saved, range(4, 6), restored=3)
+    second.close("complete", timeout=300)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / layout.MLFLOW_DB}")
+    runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+    assert len(runs) == 1 and "resumed.step_3" in runs[0].data.tags  # found by its key, reopened
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
+    assert steps == [1, 2, 3, 4, 5]  # nothing confirmed, yet the replay sent only what the run lacked: each step once
 
 
 def test_a_missing_backend_is_one_line_naming_the_extra(monkeypatch):
