@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)  # torch's fused kernels
+_FUSED_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
 
 def implementation(target: Any, settings: Mapping[str, Any], params: Iterable[torch.Tensor]) -> tuple[dict, str]:
     """The keyword arguments that choose ``target``'s implementation for ``params`` (none when the recipe set
@@ -44,6 +45,8 @@ def _fused_supported(target: Any, params: list[torch.Tensor]) -> bool:
 
     if not params or target not in _FUSED:
         return False
+    if any(hasattr(p, "device_mesh") for p in params) and target not in _FUSED_DTENSOR:
+        return False  # sharded (DTensor) parameters: only these fused kernels have a sharding rule in torch
     devices = {p.device.type for p in params}
     return (len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices())
             and all(torch.is_floating_point(p) for p in params))

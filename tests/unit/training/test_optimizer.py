@@ -36,6 +36,18 @@ def test_integer_parameters_or_other_optimizers_get_no_fused_kernel():
     assert implementation(torch.optim.LBFGS, {}, _params()) == ({}, "Optimizer: LBFGS")  # takes neither
 
 
+def test_sharded_parameters_get_fused_kernels_only_where_torch_can_shard_them(process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    sharded = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))]
+    assert implementation(torch.optim.AdamW, {}, sharded)[0] == {"fused": True}
+    assert implementation(torch.optim.SGD, {}, sharded)[0] == {"foreach": True}  # no sharding rule for fused SGD
+    torch.optim.SGD(sharded, lr=0.1, foreach=True)  # constructs
+    assert implementation(torch.optim.SGD, {}, _params())[0] == {"fused": True}
+
+
 def _train(opt_kwargs: dict, model: torch.nn.Module, steps: int, state: dict | None = None) -> torch.optim.Optimizer:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **opt_kwargs)
     if state is not None:
