@@ -1,4 +1,4 @@
-"""Host memory that training frees goes back to the OS: glibc's thresholds pinned, torch's tensors on huge pages.
+"""Host memory that training frees goes back to the OS (glibc's thresholds pinned) or, for a model that fits, is kept.
 
 glibc serves a block of at least ``M_MMAP_THRESHOLD`` bytes with its own mapping, unmapped when freed, and the
 rest from its heaps, which shrink only from the top. The threshold starts at 128 KiB but rises to the size of
@@ -11,6 +11,12 @@ about 1.25 x the CPU time of glibc's adaptive thresholds. ``huge_pages_for_tenso
 transparent-huge-page allocation (``THP_MEM_ALLOC_ENABLE``: tensors of 2 MiB and more ``madvise``d as huge pages)
 before the process allocates its first tensor, so those blocks are faulted in 2 MiB at a time: an eighth of the
 faults, and the step's time of the adaptive thresholds with the pinned thresholds' peak.
+
+That is the price of the least memory, worth it where the model is sharded because it barely fits. A model that
+fits each rank with room to spare (replicated or unwrapped, ``distributed.data_parallel``) takes
+``keep_freed_memory`` instead once the recipe knows it: the thresholds where glibc's adaptive ones settle, so a
+step's freed blocks serve the next step from the heap, as in a plain PyTorch loop (the pinned thresholds cost such a
+run about 1.2 x its step time, tools/bench_train.py).
 
 A user's own allocator settings win: with ``LD_PRELOAD`` (jemalloc, tcmalloc), any ``MALLOC_*`` variable or
 ``glibc.malloc`` tunables in ``GLIBC_TUNABLES`` set, nothing is changed (nor with ``THP_MEM_ALLOC_ENABLE`` set:
@@ -28,6 +34,7 @@ from collections.abc import Mapping, MutableMapping
 OPT_OUT_ENV = "AUTOMODEL_CKPT_MALLOC"
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest adaptive mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 THRESHOLD_BYTES = 1024 * 1024  # 128 KiB (glibc's start) returns as much but maps small models' temporaries anew each step
 TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by torch at its first CPU allocation (c10's alloc_cpu)
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -49,6 +56,20 @@ def user_allocator_setting(environ: Mapping[str, str] = os.environ) -> str | Non
 
 def return_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     """Pin glibc's mmap and trim thresholds at ``THRESHOLD_BYTES``, unless the user chose otherwise; whether it did."""
+    return _thresholds(THRESHOLD_BYTES, THRESHOLD_BYTES, environ)
+
+
+def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
+    """glibc's thresholds where its adaptive ones settle (``M_MMAP_THRESHOLD`` at its 32 MiB maximum, trimming at
+    twice that), unless the user chose otherwise; whether it did.
+
+    For a model that fits each rank with room to spare (replicated or unwrapped: ``distributed.data_parallel``) a
+    step's freed blocks then stay on the heap for the next step, as in a plain PyTorch loop, instead of being faulted
+    in again at every step (about 1.2x the step time of a 26M model, tools/bench_train.py)."""
+    return _thresholds(MMAP_THRESHOLD_MAX, 2 * MMAP_THRESHOLD_MAX, environ)
+
+
+def _thresholds(mmap_bytes: int, trim_bytes: int, environ: Mapping[str, str]) -> bool:
     if not sys.platform.startswith("linux") or user_allocator_setting(environ) is not None:
         return False
     try:
@@ -56,7 +77,7 @@ def return_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt): its own policy stays
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(M_TRIM_THRESHOLD, trim_bytes))
 
 
 def transparent_huge_pages(mode_file: str = THP_MODE_FILE) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
 from automodel_ckpt.distributed import data_parallel
+from automodel_ckpt.distributed.allocator import keep_freed_memory
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 from automodel_ckpt.distributed.pipeline import (Pipeline, check_pipeline_model, cut_stage, describe_layers,
                                                  tied_embeddings)
@@ -54,6 +56,8 @@ class FinetuneRecipe(BaseRecipe):
     processor: Any = None
     #: This rank's pipeline stage under its schedule, with ``distributed.pp_size`` > 1 (set in ``setup``).
     pipeline: Any = None
+    #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
+    data_parallel: Any = None
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -94,6 +98,8 @@ class FinetuneRecipe(BaseRecipe):
         self.data_parallel = data_parallel.choose(cfg.distributed.dp_shard, self.dims, model, self.env.device,
                                                   cfg.distributed.mixed_precision)
         self.model = data_parallel.wrap(model, self.data_parallel, self.dims)
+        if not self.data_parallel.sharded:  # a model that fits with room: freed blocks kept for the next step
+            keep_freed_memory()
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
@@ -359,8 +365,9 @@ class FinetuneRecipe(BaseRecipe):
         return loss, grad_norm.item(), input_tokens
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
-        with self.data_parallel.compute(self.env.device):  # autocast, where mixed precision is not FSDP2's
-            logits = self._logits(mb)
+        choice = self.data_parallel
+        with choice.compute(self.env.device) if choice is not None else contextlib.nullcontext():
+            logits = self._logits(mb)  # under autocast where mixed precision is not FSDP2's
         return self.shifted_token_loss(logits, mb.labels.to(self.env.device))
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:

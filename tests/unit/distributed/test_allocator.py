@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from automodel_ckpt.distributed.allocator import (OPT_OUT_ENV, TORCH_THP_ENV, huge_pages_for_tensors,
-                                                  return_freed_memory, transparent_huge_pages, user_allocator_setting)
+                                                  keep_freed_memory, return_freed_memory, transparent_huge_pages,
+                                                  user_allocator_setting)
 
 
 @pytest.mark.parametrize(("environ", "chosen_by"), [
@@ -97,3 +98,33 @@ def test_with_huge_pages_a_large_tensor_is_faulted_in_2_mib_at_a_time():
     pages = 8 * (64 << 20) // 4096
     assert faults("off") > pages // 2
     assert faults("on") < pages // 8
+
+
+_REUSE = textwrap.dedent("""
+    import resource, sys
+    from automodel_ckpt.distributed import allocator
+    getattr(allocator, sys.argv[1])()
+    import torch
+    torch.ones(2 << 20)  # 8 MiB: the heap grows once
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        torch.ones(2 << 20)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"), reason="the kernel gives no huge pages")
+def test_a_model_that_fits_keeps_freed_blocks_for_the_next_step():
+    """With torch's huge pages (as training runs), pinned thresholds map and unmap each 8 MiB block, faulted in again
+    2 MiB at a time; kept ones (glibc's settled adaptive thresholds) serve it again from the heap, no fault at all."""
+    def faults(how: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in (TORCH_THP_ENV, OPT_OUT_ENV)
+               and user_allocator_setting({k: v}) is None}
+        out = subprocess.run([sys.executable, "-c", _REUSE, how], env={**env, TORCH_THP_ENV: "1"},
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    pages = 8 * (8 << 20) // 4096
+    assert faults("return_freed_memory") > pages // 8
+    assert faults("keep_freed_memory") < pages // 64
+    assert keep_freed_memory({"LD_PRELOAD": "libtcmalloc.so"}) is False  # the user's allocator stays
