@@ -380,8 +380,11 @@ class FinetuneRecipe(BaseRecipe):
             # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
             logits = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
                                 use_cache=False).logits
+        elif bool(mb.attention_mask.all()):  # no padding: no mask, so attention takes its causal fast path (flash)
+            logits = self.model(input_ids=mb.input_ids.to(dev), use_cache=False).logits
         else:
-            logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
+            logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
+                                use_cache=False).logits
         return logits
 
     @staticmethod

@@ -6,7 +6,9 @@ three tensors of batch x sequence x vocabulary beside the logits. Here the label
 position's target is the next token; the last position has none), and the loss and its gradient with respect to
 the logits (softmax minus the target's one-hot) are computed together, a chunk of rows at a time in float32: the
 backward keeps one tensor of the logits' size and dtype, and no float32 copy of the whole logits is ever made.
-The value is ``cross_entropy(..., reduction="sum")``'s, computed the same way row by row.
+The value is ``cross_entropy(..., reduction="sum")``'s, computed the same way row by row. The softmax is written
+straight into the gradient and scaled there in the backward: four passes over the logits where torch's loss and
+its backward take about eight (on one CPU thread, a 26M Llama's 8 x 256 x 32000 logits: 0.19 s against 0.36 s).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: Elements of logits taken at once (rows x vocabulary): a float32 chunk of 32 MiB.
-CHUNK_ELEMENTS = 1 << 23
+#: Elements of logits taken at once (rows x vocabulary), by device: on CPU a float32 chunk of 4 MiB, which stays in
+#: the caches between its passes; on a GPU 128 MiB, few enough chunks that launching their kernels costs nothing.
+CHUNK_ELEMENTS = {"cpu": 1 << 20}
+CHUNK_ELEMENTS_DEFAULT = 1 << 25
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -25,7 +29,8 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     flat = logits.flatten(0, 1)
     if hasattr(logits, "device_mesh"):  # a DTensor (tensor-parallel logits): torch's own loss handles its layout
         return F.cross_entropy(flat.float(), targets, ignore_index=ignore_index, reduction="sum")
-    rows = max(1, CHUNK_ELEMENTS // max(flat.shape[-1], 1))
+    chunk = CHUNK_ELEMENTS.get(flat.device.type, CHUNK_ELEMENTS_DEFAULT)
+    rows = max(1, chunk // max(flat.shape[-1], 1))
     if torch.is_grad_enabled() and flat.requires_grad:
         return _LossAndGradient.apply(flat, targets, ignore_index, rows)
     return sum((_chunk(flat[i:i + rows], targets[i:i + rows], ignore_index)[0] for i in range(0, len(flat), rows)),
@@ -40,11 +45,13 @@ def _chunk(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
     safe = targets.masked_fill(~keep, 0)[:, None]
     logp = torch.log_softmax(logits.float(), dim=-1)
     loss = -(logp.gather(1, safe).squeeze(1) * keep).sum()
-    if grad is not None:
-        probs = logp.exp_()
+    if grad is not None:  # softmax - one-hot, in float32: straight into a float32 gradient, else copied once
+        probs = torch.exp(logp, out=grad) if grad.dtype == logp.dtype else logp.exp_()
         probs.scatter_add_(1, safe, -keep[:, None].to(probs.dtype))
-        probs.mul_(keep[:, None])
-        grad.copy_(probs)
+        if not bool(keep.all()):
+            probs[~keep] = 0  # ignored rows only
+        if probs is not grad:
+            grad.copy_(probs)
     return loss, keep
 
 
@@ -63,4 +70,6 @@ class _LossAndGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, upstream: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * upstream.to(grad.dtype), None, None, None
+        # scaled in place: no second tensor of the logits' size (a second backward through the loss, with
+        # retain_graph, is refused by autograd itself: the saved tensor changed)
+        return grad.mul_(upstream.to(grad.dtype)), None, None, None

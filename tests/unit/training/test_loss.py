@@ -33,7 +33,7 @@ def _labels(kind: str, rows: int, length: int, vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["padded", "packed", "chat"])
 @pytest.mark.parametrize("vocab,chunk", [(48, 1 << 23), (3000, 5000)])  # one chunk; several chunks of rows
 def test_the_loss_and_its_gradients_are_those_of_the_sliced_logits(kind, vocab, chunk, monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", {"cpu": chunk})
     logits = torch.randn(3, 21, vocab, generator=torch.Generator().manual_seed(1), requires_grad=True)
     labels = _labels(kind, 3, 21, vocab)
     want = _sliced(logits, labels)
@@ -77,3 +77,11 @@ def test_backward_keeps_one_tensor_of_the_logits_size_and_dtype(dtype):
     assert size <= kept < size * 1.01  # the gradient, in the logits' own dtype
     assert before >= logits.numel() * 4  # what the sliced loss kept: float32 log-probabilities
     assert kept < before
+
+
+def test_a_second_backward_through_the_loss_is_refused():
+    logits = torch.randn(1, 5, 7, requires_grad=True)
+    loss = next_token_loss_sum(logits, torch.randint(0, 7, (1, 5)), IGNORE_INDEX)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # never a wrong gradient
+        loss.backward()
