@@ -10,9 +10,6 @@ from typing import Callable, NoReturn
 def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None) -> int:
     """Validate the recipe here, then train in-process or under the elastic agent (whose forked workers run
     ``forked``: ``cli.forked_worker``)."""
-    from automodel_ckpt.distributed.allocator import huge_pages_for_tensors
-
-    huge_pages_for_tensors()  # before this process's first tensor; its workers, forked or started, inherit it
     from automodel_ckpt.checkpoint import CheckpointConfig
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
@@ -26,6 +23,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
     cfg = load_config(recipe_path, overrides, RecipeConfig)
+    huge_pages_if_sharded(cfg, opts.world_size)  # before this process's first tensor; its workers inherit it
     inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
         from automodel_ckpt.config.loader import to_yaml
@@ -53,6 +51,26 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption, forked=forked)
     return run_worker(recipe_path, overrides)
+
+
+def huge_pages_if_sharded(cfg, world_size: int) -> None:
+    """torch's huge pages for tensors (``allocator.huge_pages_for_tensors``) where the recipe shards the model for
+    sure (``distributed.dp_shard: full``, or tensor, pipeline or expert parallelism, HSDP): what a sharded model's
+    pinned thresholds fault in, 2 MiB at a time. A model that fits, replicated or unwrapped, keeps its freed
+    blocks instead (``allocator.keep_freed_memory``), and huge pages would only cost it time. Reads the config
+    alone: no tensor exists yet."""
+    from automodel_ckpt.distributed import data_parallel
+    from automodel_ckpt.distributed.allocator import huge_pages_for_tensors
+    from automodel_ckpt.distributed.mesh import resolve_sizes
+    from automodel_ckpt.errors import ConfigError
+
+    try:
+        setting, meshed = data_parallel.check(cfg.distributed.get("dp_shard"), resolve_sizes(cfg.distributed,
+                                                                                              world_size))
+    except ConfigError:  # check_recipe says it in one line
+        return
+    if setting == "full" or meshed:
+        huge_pages_for_tensors()
 
 
 def fetch_models(cfg) -> None:
@@ -90,6 +108,7 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     return_freed_memory()  # freed tensors go back to the OS instead of staying on glibc's heap (unless user-set)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)
+    huge_pages_if_sharded(cfg, world_size)  # a worker started by torchrun: before its first tensor
     check_recipe(cfg, world_size, inputs=False)
     fetch_models(cfg)  # started by ckpt-train: already there; by torchrun or srun: one process per cache downloads
     recipe_cls = locate(cfg.recipe, "recipe")

@@ -252,9 +252,8 @@ def _become(request: dict, fds: list[int]) -> None:
 
 def serve(sock: socket.socket) -> None:
     """The server: import what a launch imports, then fork one child per request and report its pid and status."""
-    from automodel_ckpt.distributed.allocator import huge_pages_for_tensors
-
-    huge_pages_for_tensors()  # as ``ckpt-train`` does before its first tensor
+    # no huge pages for tensors: ``ckpt-train`` turns them on only for a recipe that shards for sure
+    # (``cli.train.huge_pages_if_sharded``), and most tests replicate; a sharded test only steps slower here
     import automodel_ckpt.checkpoint  # noqa: F401
     import automodel_ckpt.cli.common  # noqa: F401
     import automodel_ckpt.cli.train  # noqa: F401
