@@ -10,9 +10,11 @@ runs out of room. Mounting needs root; without it the tests are skipped. The ful
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,20 +35,22 @@ CASES = [
 ]
 
 
-def _mount(folder: Path, size: int) -> None:
+@contextlib.contextmanager
+def mounted(folder: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes at ``folder`` while the block runs (the test skips where mounting needs root)."""
     folder.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
 
 
 def _resize(folder: Path, size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True, capture_output=True)
-
-
-def _umount(folder: Path) -> None:
-    subprocess.run(["umount", str(folder)], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +60,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def disk(tmp_path: Path):
-    mnt = tmp_path / "disk"
-    _mount(mnt, ROOMY)
-    yield mnt
-    _umount(mnt)
+    with mounted(tmp_path / "disk", ROOMY) as mnt:
+        yield mnt
 
 
 def _squeeze(mnt: Path, folder: Path, fraction: int = 2) -> None:

@@ -13,7 +13,7 @@ from automodel_ckpt.checkpoint.disk import catalog
 from automodel_ckpt.checkpoint.storage.nodelocal import choose, scan
 from tests.integration.harness import REPO, ckpt_train
 from tests.integration.shared_runs import STRAIGHT_KEYS, STRAIGHT_STEPS
-from tests.integration.test_disk_full import _mount, _umount
+from tests.integration.test_disk_full import mounted
 from tests.integration.test_fast_recovery import ARGS, RECIPES, _records, _same_losses, _starts, _two_nodes
 
 EVERY_STEP = ("--checkpoint.local.every_steps", "1")  # local steps 1, 2, 3, 5, 6, 7; durable 4 and 8
@@ -23,10 +23,8 @@ ROOM = 32 << 20  # two local steps of the tiny model with a copy each, and some 
 
 @pytest.fixture
 def tmpfs(tmp_path: Path):
-    mnt = tmp_path / "tmpfs"
-    _mount(mnt, ROOM)
-    yield mnt
-    _umount(mnt)
+    with mounted(tmp_path / "tmpfs", ROOM) as mnt:
+        yield mnt
 
 
 def _lines(out: str, words: str) -> list[str]:
