@@ -39,9 +39,10 @@ class DieAfterLocalStepRecipe(FinetuneRecipe):
     asked for)."""
 
     def save_local_checkpoint(self, info):
-        path = super().save_local_checkpoint(info)
         due = info.step == int(os.environ.get("DIE_AFTER_LOCAL_STEP", "-1")) and _chosen(self.env.rank)
-        first = bool(os.environ.get("DIE_DURING_LOCAL_STEP")) and not self._died_during()  # that death comes first
+        # that death comes first; asked before the step starts (its background thread records that death)
+        first = bool(os.environ.get("DIE_DURING_LOCAL_STEP")) and not self._died_during()
+        path = super().save_local_checkpoint(info)
         if due and not first and _first_time("after"):
             self.checkpointer._local.writer.wait()  # committed everywhere (the completion is collective)
             _die()
@@ -57,8 +58,9 @@ class DieDuringLocalStepRecipe(DieAfterLocalStepRecipe):
     (written, not yet copied to other nodes nor committed), once per run."""
 
     def save_local_checkpoint(self, info):
-        if info.step == int(os.environ.get("DIE_DURING_LOCAL_STEP", "-1")) and _chosen(self.env.rank) \
-                and not self._died_during():
+        dies = info.step == int(os.environ.get("DIE_DURING_LOCAL_STEP", "-1")) and _chosen(self.env.rank) \
+            and not self._died_during()
+        if dies:
             from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
 
             def die_once(*args, **kwargs):
@@ -66,7 +68,10 @@ class DieDuringLocalStepRecipe(DieAfterLocalStepRecipe):
                 _die()
 
             NodeLocalRunFolder.upload = die_once
-        return super().save_local_checkpoint(info)
+        path = super().save_local_checkpoint(info)
+        if dies:  # die before training goes on (the background thread reaches the copy): never after a later save
+            self.checkpointer._local.writer.wait()
+        return path
 
 
 def _fill(path: Path, leave: int = 0) -> None:

@@ -159,10 +159,11 @@ def test_restarted_workers_recover_by_themselves(straight, tmp_path, assets):
     (tmp_path / "markers").mkdir()
     env = {"DIE_DURING_LOCAL_STEP": "6", "DIE_AFTER_LOCAL_STEP": "6", "DIE_RANKS": "1",
            "DIE_MARKERS": str(tmp_path / "markers"), "PYTHONPATH": str(REPO)}
-    ckpt_train(tmp_path, assets, *ARGS, "--recipe", f"{RECIPES}.DieDuringLocalStepRecipe",
-               "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(tmp_path / "local"),
-               nproc=2, launcher=("--max-restarts", "4"), env=env)
+    result = ckpt_train(tmp_path, assets, *ARGS, "--recipe", f"{RECIPES}.DieDuringLocalStepRecipe",
+                        "--checkpoint.checkpoint_dir", "run", "--checkpoint.local.dir", str(tmp_path / "local"),
+                        nproc=2, launcher=("--max-restarts", "4"), env=env)
     starts = _starts(tmp_path / "run")
     assert [(s["tier"], s["resumed_from"]) for s in starts] == [
-        (None, None), ("durable", "epoch_0_step_4"), ("local", "epoch_0_step_6")]
+        (None, None), ("durable", "epoch_0_step_4"), ("local", "epoch_0_step_6")], \
+        result.output[-3000:] + "\n".join(map(str, jsonl(tmp_path / "run" / layout.EVENTS_LOG)))
     _same_losses(tmp_path / "run", straight, 1)
