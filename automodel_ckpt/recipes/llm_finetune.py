@@ -40,7 +40,7 @@ from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.optimizer import implementation
 from automodel_ckpt.training.progress import Progress
 from automodel_ckpt.training.rng import RNGState, rng_untouched, seed_everything
-from automodel_ckpt.training.save_triggers import PreemptionWatcher, StepBoundary, TimeTrigger
+from automodel_ckpt.training.save_triggers import PreemptionWatcher, SaveSchedule, StepBoundary, TimeTrigger
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
 
@@ -243,8 +243,10 @@ class FinetuneRecipe(BaseRecipe):
                              world_size=self.env.world_size, tier=self.checkpointer.restored_tier,
                              load_seconds=round(self.checkpointer.restore_seconds, 3) if restored else None)
         self.progress.start(sched.step)
-        boundary = StepBoundary(self._preemption,
-                                TimeTrigger(self.checkpoint_config.ckpt_every_minutes if self.checkpointer.enabled else None))
+        schedule = SaveSchedule(
+            sched, StepBoundary(self._preemption, TimeTrigger(
+                self.checkpoint_config.ckpt_every_minutes if self.checkpointer.enabled else None)),
+            enabled=self.checkpointer.enabled, local_due=self.checkpointer.local_due)
         while not sched.done:
             t0 = time.perf_counter()
             epoch, micro = self.dataloader.next_batch()
@@ -260,25 +262,24 @@ class FinetuneRecipe(BaseRecipe):
             self.train_log.append(record)
             self._observer.log_train(record | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
-            agreed = boundary.check()  # every rank: preempted? a timed save due? (one all-reduce, if configured)
-            scheduled = self.checkpointer.enabled and (sched.is_ckpt_step or agreed.time_due)
+            due = schedule.decide()  # every rank: what to save now (one all-reduce, if minutes or a signal apply)
             val_loss = None
-            if self.val_batches is not None and (sched.is_val_step or scheduled):
+            if self.val_batches is not None and (sched.is_val_step or due.scheduled):
                 val_loss = self.validate()
                 self.val_log.append({"step": sched.step, "val_loss": val_loss})
                 self._observer.log_validation({"step": sched.step, "val_loss": val_loss})
             saved = None
-            if scheduled or (self.checkpointer.enabled and agreed.preempt):
+            if due.durable:
                 info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
                                 extra={"consumed_samples": sched.consumed_samples})
                 saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
-                                            preemption=agreed.preempt)
-                boundary.saved()
-            elif self.checkpointer.local_due(sched.step) and not sched.done:  # node-local: the snapshot only
+                                            preemption=due.preempt)
+                schedule.saved()
+            elif due.local:  # node-local: the snapshot only
                 self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
                                                     extra={"consumed_samples": sched.consumed_samples}))
             self._report_local_faults(sched.step)
-            if agreed.preempt and not sched.done:
+            if due.preempt and not sched.done:
                 self._observer.finalize(self.finalize_checkpoints, sched.step)
                 self._report_local_faults(sched.step)
                 self.progress.close()

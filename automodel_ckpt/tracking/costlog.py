@@ -160,7 +160,7 @@ class RunCosts:
     background_per_checkpoint_s: float | None
     bytes_per_checkpoint: float | None
     write_gbps: float | None  # median of the checkpoints'
-    every_steps: int | None  # the run's own interval (checkpoint.ckpt_every_steps or the median spacing)
+    every_steps: int | None  # the run's own interval (step_scheduler.ckpt_every_steps or the median spacing)
     tracking_behind_s: float = 0.0  # while at least one tracker was behind (a failed one: to its launch's end)
     side_failures: int = 0  # side work that failed while training went on
     local_steps_abandoned: int = 0  # node-local steps given up (``local_step`` side failures that abandon one)

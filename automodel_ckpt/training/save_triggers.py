@@ -1,6 +1,8 @@
-"""Saves that are not on the step schedule: on a preemption signal, and every ``ckpt_every_minutes``.
+"""When the recipe saves: ``SaveSchedule`` asks once per step for every kind of save (a durable checkpoint every
+``step_scheduler.ckpt_every_steps`` and at the end, every ``checkpoint.ckpt_every_minutes``, on a preemption
+signal; a node-local step every ``checkpoint.local.every_steps``) and answers with one ``SaveDecision``.
 
-Both are decided at a step boundary by every rank together, with one small all-reduce (MAX) per step: a signal
+The minutes and the signal are decided at a step boundary by every rank together, with one small all-reduce (MAX) per step: a signal
 seen by any rank, or a timer due on any rank (so the slowest clock counts), makes every rank save the same step.
 
 Signals. ``PreemptionWatcher`` turns the configured signal (``checkpoint.preemption_signal``, SIGTERM by default)
@@ -19,7 +21,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -126,3 +128,43 @@ class StepBoundary:
 
     def saved(self) -> None:
         self.timer.reset()
+
+
+class _Steps(Protocol):
+    step: int
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def is_ckpt_step(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class SaveDecision:
+    """What the step just taken saves, the same on every rank."""
+
+    durable: bool = False  # a durable checkpoint now (the step schedule, the minutes or a preemption)
+    local: bool = False  # a node-local step now (never beside a durable checkpoint, never after the last step)
+    preempt: bool = False  # preempted: save, then stop
+    scheduled: bool = False  # the durable save is one of the schedule's (not only the preemption's): validated first
+
+
+class SaveSchedule:
+    """The one place the recipe asks "save now?" after each optimizer step; one collective at most per step."""
+
+    def __init__(self, steps: _Steps, boundary: StepBoundary, *, enabled: bool,
+                 local_due: Callable[[int], bool]) -> None:
+        self.steps, self.boundary, self.enabled, self.local_due = steps, boundary, enabled, local_due
+
+    def decide(self) -> SaveDecision:
+        """Collective (``StepBoundary.check``): what to save after the step just recorded."""
+        agreed = self.boundary.check()
+        scheduled = self.enabled and (self.steps.is_ckpt_step or agreed.time_due)
+        durable = scheduled or (self.enabled and agreed.preempt)
+        local = not durable and not self.steps.done and self.local_due(self.steps.step)
+        return SaveDecision(durable=durable, local=local, preempt=agreed.preempt, scheduled=scheduled)
+
+    def saved(self) -> None:
+        """A durable checkpoint was just saved: the minutes count from now."""
+        self.boundary.saved()

@@ -1,4 +1,5 @@
-"""Time-based saves with a fake clock, the preemption flag, and their config (docs/async.md)."""
+"""The save schedule: time-based saves with a fake clock, the preemption flag, node-local steps, their config
+(docs/async.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig, normalize_signal_name
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.training.save_triggers import Boundary, PreemptionWatcher, StepBoundary, TimeTrigger
+from automodel_ckpt.training.save_triggers import Boundary, PreemptionWatcher, SaveDecision, SaveSchedule, \
+    StepBoundary, TimeTrigger
+from automodel_ckpt.training.step_scheduler import StepScheduler
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -37,6 +40,31 @@ def test_timer_is_due_every_n_minutes_after_the_last_save():
             saved.append(step)
             boundary.saved()
     assert saved == [5, 10]  # 100 s >= 90 s; then 100 s after that save
+
+
+def test_one_schedule_decides_every_kind_of_save():
+    """Durable every 5 steps and at the end, every 1.5 minutes, node-local every 2 (never beside a durable save nor after
+    the last step), a preemption: one decision per step."""
+    clock = FakeClock()
+    steps = StepScheduler(max_steps=10, num_epochs=1, ckpt_every_steps=5, val_every_steps=None, steps_per_epoch=100)
+    watcher = no_signal()
+    schedule = SaveSchedule(steps, StepBoundary(watcher, TimeTrigger(1.5, clock=clock)), enabled=True,
+                            local_due=lambda step: step % 2 == 0)
+    decided = {}
+    for step in range(1, 11):
+        steps.record_step(0, 8)
+        clock.now += 1.0 if step != 6 else 200.0  # step 6 makes the minutes due
+        if step == 9:
+            watcher.received = 1  # a preemption seen before step 9's boundary
+        decided[step] = due = schedule.decide()
+        if due.durable:
+            schedule.saved()
+    assert [s for s, d in decided.items() if d.durable] == [5, 6, 9, 10]
+    assert [s for s, d in decided.items() if d.local] == [2, 4, 8]
+    assert decided[6] == SaveDecision(durable=True, scheduled=True)
+    assert decided[9].preempt and decided[9].durable
+    off = SaveSchedule(steps, StepBoundary(no_signal(), TimeTrigger(None)), enabled=False, local_due=lambda s: True)
+    assert off.decide() == SaveDecision()  # saving disabled, after the last step: nothing
 
 
 def test_timer_disabled_never_due_and_never_reduces():
