@@ -1,6 +1,8 @@
-"""When the recipe saves: ``SaveSchedule`` asks once per step for every kind of save (a durable checkpoint every
-``step_scheduler.ckpt_every_steps`` and at the end, every ``checkpoint.ckpt_every_minutes``, on a preemption
-signal; a node-local step every ``checkpoint.local.every_steps``) and answers with one ``SaveDecision``.
+"""When the recipe saves: one ``SaveSchedule`` decision per step for every kind of save.
+
+``SaveSchedule`` is asked once per step for a durable checkpoint (every ``step_scheduler.ckpt_every_steps`` and at
+the end, every ``checkpoint.ckpt_every_minutes``, on a preemption signal) or a node-local step (every
+``checkpoint.local.every_steps``) and answers with one ``SaveDecision``.
 
 The minutes and the signal are decided at a step boundary by every rank together, with one small all-reduce (MAX) per step: a signal
 seen by any rank, or a timer due on any rank (so the slowest clock counts), makes every rank save the same step.
