@@ -1,0 +1,66 @@
+"""`ckpt-train export SRC --to gguf|int8`: a quantized model for llama.cpp (one GGUF file) or vLLM (an int8 folder)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.cli.common import VerbParser, human_size
+from automodel_ckpt.errors import UsageError
+
+_TARGETS = ("gguf", "int8")
+
+
+def build_parser() -> VerbParser:
+    p = VerbParser("export", "Write a checkpoint, an export folder or an archive as a quantized model: one GGUF file "
+                             "for llama.cpp (--to gguf) or a compressed-tensors int8 folder for vLLM (--to int8).")
+    p.add_argument("src", help="a checkpoint folder (epoch_E_step_N), a Hugging Face folder or an archive (.tar)")
+    p.add_argument("--to", default="gguf", choices=_TARGETS, help="gguf (default) or int8")
+    p.add_argument("--type", default="q8_0", help="GGUF storage type: bf16, f16, q8_0 (default) or q4_0")
+    p.add_argument("--scheme", default="w8a8", help="int8 scheme: w8a8 (default: int8 weights and activations) "
+                                                    "or w4a16 (int4 weights)")
+    p.add_argument("--calibrate", type=int, default=0, metavar="N",
+                   help="int8: N examples for static activation scales (default 0: dynamic per-token scales)")
+    p.add_argument("--out", default=None, help="the GGUF file or int8 folder to write (default: beside SRC, "
+                                               "SRC-TYPE.gguf or SRC-int8-SCHEME/); replaced if it exists")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (family, tensors, bytes out), write nothing")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    src = Path(args.src)
+    if args.calibrate and args.to != "int8":
+        raise UsageError("--calibrate applies to --to int8 only")
+    from automodel_ckpt.checkpoint.export.model_source import open_model
+
+    stem = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX)
+    if args.to == "gguf":
+        from automodel_ckpt.checkpoint.export.gguf_export import plan_gguf, write_gguf
+
+        out = Path(args.out) if args.out else src.resolve().parent / f"{stem}-{args.type}{layout.GGUF_SUFFIX}"
+        with open_model(src) as source:
+            plan = plan_gguf(source, args.type)
+            print(plan.describe(source), flush=True)
+            if args.dry_run:
+                print(f"would write {out}", flush=True)
+                return 0
+            done = write_gguf(source, plan, out, progress=not args.no_progress)
+        print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
+              f"{done['seconds']:.1f} s)", flush=True)
+        return 0
+    from automodel_ckpt.checkpoint.export.int8_export import plan_int8, write_int8
+
+    out = Path(args.out) if args.out else src.resolve().parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
+    with open_model(src) as source:
+        plan = plan_int8(source, args.scheme, args.calibrate)
+        print(plan.describe(source), flush=True)
+        if args.dry_run:
+            print(f"would write {out}", flush=True)
+            return 0
+        done = write_int8(source, plan, out, progress=not args.no_progress)
+    print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.1f} s)", flush=True)
+    return 0
