@@ -16,6 +16,7 @@ in one line.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,13 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int) -> str:
     else:
         raise UserError(f"GGUF export: the {kind or 'unknown'} tokenizer of {path} is not exported yet (byte-level "
                         "BPE, sentencepiece-style BPE and single-character word-level tokenizers are)")
-    special = gguf.SpecialVocab(side_dir, load_merges=False, n_vocab=n_vocab)
+    quiet = logging.getLogger("gguf.vocab")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its notes on pair templates and the like are not the user's concern
+    try:
+        special = gguf.SpecialVocab(side_dir, load_merges=False, n_vocab=n_vocab)
+    finally:
+        quiet.setLevel(level)
     special.add_to_gguf(writer, quiet=True)
     return tokenizer_model
 
