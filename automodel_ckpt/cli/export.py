@@ -37,11 +37,12 @@ def main(argv: list[str]) -> int:
         raise UsageError("--calibrate applies to --to int8 only")
     from automodel_ckpt.checkpoint.export.model_source import open_model
 
-    stem = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX)
+    where = src.absolute()  # beside SRC as named (a link stays a link)
+    stem = where.name.removesuffix(layout.ARCHIVE_SUFFIX)
     if args.to == "gguf":
         from automodel_ckpt.checkpoint.export.gguf_export import plan_gguf, write_gguf
 
-        out = Path(args.out) if args.out else src.resolve().parent / f"{stem}-{args.type}{layout.GGUF_SUFFIX}"
+        out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{layout.GGUF_SUFFIX}"
         with open_model(src) as source:
             plan = plan_gguf(source, args.type)
             print(plan.describe(source), flush=True)
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
         return 0
     from automodel_ckpt.checkpoint.export.int8_export import plan_int8, write_int8
 
-    out = Path(args.out) if args.out else src.resolve().parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
+    out = Path(args.out) if args.out else where.parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:
         plan = plan_int8(source, args.scheme, args.calibrate)
         print(plan.describe(source), flush=True)
