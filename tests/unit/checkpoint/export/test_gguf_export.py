@@ -151,3 +151,32 @@ def test_plan_counts_tensors_and_bytes(bases):
     assert types["blk.0.attn_q.weight"] == Q.Q4_0 and types["blk.0.attn_norm.weight"] == Q.F32
     assert types["token_embd.weight"] == types["output.weight"] == Q.Q8_0  # kept at 8 bits with q4_0
     assert plan.nbytes < source.nbytes / 2
+
+
+def test_lora_checkpoint_exports_merged(bases, tmp_path, process_group):
+    """A LoRA checkpoint (its model/ holds an adapter) exports its base with the adapter merged: the GGUF equals the
+    GGUF of `merge-lora`'s folder, and differs from the base's."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.checkpoint.export.merge_lora import merge_lora
+    from automodel_ckpt.checkpoint.formats import peft as peft_format
+    from automodel_ckpt.config.schema import PeftConfig
+    from automodel_ckpt.models.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(bases["llama"], dtype=torch.float32), PeftConfig(rank=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    checkpoint = tmp_path / "epoch_0_step_4"
+    peft_format.save_adapter(model, checkpoint / "model", rank=0, base_model_path=bases["llama"])
+    from_checkpoint = export(checkpoint, tmp_path / "lora.gguf", "bf16")
+    from_merged = export(merge_lora(checkpoint, tmp_path / "merged"), tmp_path / "merged.gguf", "bf16")
+    from_base = export(bases["llama"], tmp_path / "base.gguf", "bf16")
+    tensors = [{t.name: bytes(t.data) for t in gguf.GGUFReader(f).tensors}
+               for f in (from_checkpoint, from_merged, from_base)]
+    assert tensors[0] == tensors[1]
+    assert tensors[0]["blk.0.attn_q.weight"] != tensors[2]["blk.0.attn_q.weight"]  # the adapter is in it
+    assert tensors[0]["blk.0.ffn_up.weight"] == tensors[2]["blk.0.ffn_up.weight"]  # and only where it adapts
