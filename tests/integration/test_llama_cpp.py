@@ -1,0 +1,94 @@
+"""Opt-in: llama.cpp itself runs our GGUF export of a trained checkpoint, as transformers runs its bf16 export.
+
+Skipped unless ``RUN_LLAMA_CPP=1``; then ``tools/llama_cpp.sh`` fetches llama.cpp's Debian binaries (pinned, with
+checksums) into its cache, and the test skips with that script's one line where they cannot be had. The checkpoint
+is ``LLAMA_CPP_CHECKPOINT`` (a checkpoint of the default recipe), else the default recipe is trained here (about
+900 steps: minutes on a CPU). ``llama-completion`` answers held-out addition problems from the q8_0 export: its
+exact-match is at least 0.98x that of transformers on the bf16 export; ``llama-perplexity`` runs on the problems'
+text, q8_0 within 5% of the bf16 GGUF's perplexity in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "llama_cpp.sh"
+N = 50
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(os.environ.get("RUN_LLAMA_CPP") != "1", reason="set RUN_LLAMA_CPP=1 to run llama.cpp")]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp() -> Path:
+    done = subprocess.run(["bash", str(SCRIPT), "fetch"], capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        pytest.skip((done.stderr.strip().splitlines() or ["llama.cpp unavailable"])[-1])
+    return SCRIPT
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    given = os.environ.get("LLAMA_CPP_CHECKPOINT")
+    if given:
+        return Path(given)
+    work = tmp_path_factory.mktemp("llama_cpp_run")
+    env = {**os.environ, "AUTOMODEL_CKPT_ASSETS": str(work / "assets"), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "automodel_ckpt", str(REPO / "recipes" / "tiny_llama_sft.yaml"),
+                    "--checkpoint.checkpoint_dir", str(work / "checkpoints")], cwd=work, env=env, check=True,
+                   capture_output=True, timeout=3600)
+    return sorted((work / "checkpoints").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
+
+
+def _export(checkpoint: Path, out: Path, type_name: str) -> Path:
+    subprocess.run([sys.executable, "-m", "automodel_ckpt", "export", str(checkpoint), "--type", type_name, "--out",
+                    str(out), "--no-progress"], check=True, capture_output=True, timeout=600)
+    return out
+
+
+def _complete(script: Path, gguf: Path, prompt: str) -> str:
+    done = subprocess.run(["bash", str(script), "llama-completion", "-m", str(gguf), "-p", prompt, "-n", "6",
+                           "--temp", "0", "-no-cnv", "--no-display-prompt", "-t", "1", "-c", "64"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout.strip().split(" ")[0]  # up to the end of text (llama.cpp prints nothing for </s>)
+
+
+def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
+    sys.path.insert(0, str(REPO / "examples"))
+    from evaluation import generate_answers
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.checkpoint.export.plan import consolidate, resolve_model_dir
+    from automodel_ckpt.data.builtin import heldout_examples
+    from automodel_ckpt.models.tiny import build_tokenizer
+
+    examples = heldout_examples(N)
+    export = consolidate(resolve_model_dir(checkpoint), tmp_path / "export", progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    bf16 = sum(a == w for a, (_, w) in zip(generate_answers(reference, build_tokenizer(), [p for p, _ in examples]),
+                                           examples)) / N
+    q8 = _export(checkpoint, tmp_path / "q8_0.gguf", "q8_0")
+    answers = [_complete(llama_cpp, q8, prompt) for prompt, _ in examples]
+    exact = sum(a == w for a, (_, w) in zip(answers, examples)) / N
+    assert bf16 > 0.5, f"the checkpoint has not learned the task (bf16 exact-match {bf16})"
+    assert exact >= 0.98 * bf16, (exact, bf16, answers[:10])
+
+    text = tmp_path / "heldout.txt"
+    text.write_text(" ".join(p + a for p, a in examples) * 4)
+    ppl = {}
+    for type_name in ("bf16", "q8_0"):
+        gguf = q8 if type_name == "q8_0" else _export(checkpoint, tmp_path / "bf16.gguf", "bf16")
+        done = subprocess.run(["bash", str(llama_cpp), "llama-perplexity", "-m", str(gguf), "-f", str(text), "-c", "64",
+                               "-b", "64", "-t", "1"], capture_output=True, text=True, timeout=600)
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+        assert done.returncode == 0 and m, done.stderr[-2000:]
+        ppl[type_name] = float(m.group(1))
+    assert ppl["q8_0"] <= 1.05 * ppl["bf16"], ppl
