@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
                 return 0
             done = write_gguf(source, plan, out, progress=not args.no_progress)
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
-              f"{done['seconds']:.1f} s)", flush=True)
+              f"{done['seconds']:.2f} s)", flush=True)
         return 0
     from automodel_ckpt.checkpoint.export.int8_export import plan_int8, write_int8
 
@@ -63,5 +63,5 @@ def main(argv: list[str]) -> int:
             print(f"would write {out}", flush=True)
             return 0
         done = write_int8(source, plan, out, progress=not args.no_progress)
-    print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.1f} s)", flush=True)
+    print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.2f} s)", flush=True)
     return 0

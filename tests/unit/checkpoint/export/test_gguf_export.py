@@ -180,3 +180,26 @@ def test_lora_checkpoint_exports_merged(bases, tmp_path, process_group):
     assert tensors[0] == tensors[1]
     assert tensors[0]["blk.0.attn_q.weight"] != tensors[2]["blk.0.attn_q.weight"]  # the adapter is in it
     assert tensors[0]["blk.0.ffn_up.weight"] == tensors[2]["blk.0.ffn_up.weight"]  # and only where it adapts
+
+
+@pytest.mark.parametrize("family,most", [("llama", 0), ("qwen3_moe", 3)])
+def test_tensors_are_read_one_output_tensor_at_a_time(bases, tmp_path, family, most):
+    """Streaming: when a tensor is read, no tensor read before is still alive, but those of the same GGUF tensor
+    (the experts a stacked tensor is made of: 4 in this model)."""
+    import weakref
+
+    with open_model(bases[family]) as source:
+        alive: list[weakref.ref] = []
+        seen = []
+
+        def reading(read):
+            def wrapped():
+                seen.append(sum(r() is not None for r in alive))
+                tensor = read()
+                alive.append(weakref.ref(tensor))
+                return tensor
+            return wrapped
+
+        source.readers = {name: reading(read) for name, read in source.readers.items()}
+        write_gguf(source, plan_gguf(source, "q8_0"), tmp_path / "m.gguf", progress=False)
+    assert len(seen) == len(source.shapes) and max(seen) == most
