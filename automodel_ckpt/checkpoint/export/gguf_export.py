@@ -1,7 +1,8 @@
 """`export --to gguf`: a model written as one GGUF file for llama.cpp, streamed tensor by tensor.
 
 Everything is encoded by the ``gguf`` library (llama.cpp's own Python package): ``GGUFWriter`` writes the header,
-the metadata and the tensor table, ``gguf.quants`` converts each tensor (``bf16``, ``f16``, ``q8_0``, ``q4_0``).
+the metadata and the tensor table, ``gguf.quants`` quantizes each tensor (``q8_0``, ``q4_0``; the float types
+``bf16``, ``f16`` and ``f32`` are torch's own casts, which round as ``gguf.quants`` does and use every core).
 The plan comes first (family, every tensor's GGUF name, shape and storage type: ``--dry-run`` prints it), the
 header and table are written from it, then each tensor is read from the source, converted and appended, and
 dropped before the next one: memory is bounded by the largest tensor (a stacked expert tensor of one layer for a
@@ -195,7 +196,13 @@ def _encode(t: OutputTensor, qtype: Any, source: ModelSource) -> np.ndarray:
     del parts
     if tuple(value.shape) != t.shape:
         raise CheckpointError(f"tensor {t.name} came out with shape {tuple(value.shape)}, planned {t.shape}")
+    plain = _PLAIN_TYPES.get(qtype.name)
+    if plain is not None:  # a float type: torch's cast (round to nearest even, as gguf.quants does), threaded
+        return value.to(plain).contiguous().reshape(-1).view(torch.uint8).numpy()
     array = value.to(torch.float32).contiguous().numpy()
     del value
     data = quantize(array, qtype)
     return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+
+
+_PLAIN_TYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

@@ -203,3 +203,26 @@ def test_tensors_are_read_one_output_tensor_at_a_time(bases, tmp_path, family, m
         source.readers = {name: reading(read) for name, read in source.readers.items()}
         write_gguf(source, plan_gguf(source, "q8_0"), tmp_path / "m.gguf", progress=False)
     assert len(seen) == len(source.shapes) and max(seen) == most
+
+
+@pytest.mark.parametrize("type_name", ["BF16", "F16", "F32"])
+def test_float_types_are_the_bytes_gguf_quants_writes(type_name):
+    """The float types are cast by torch (threaded); the bytes are the ``gguf`` library's own quantizer's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from automodel_ckpt.checkpoint.export.gguf_arch import OutputTensor
+    from automodel_ckpt.checkpoint.export.gguf_export import _encode
+
+    torch.manual_seed(0)
+    value = torch.randn(64, 96) * torch.logspace(-6, 4, 96)  # rounding in every exponent range, ties included
+    qtype = getattr(GGMLQuantizationType, type_name)
+
+    class Source:
+        def read(self, name: str) -> torch.Tensor:
+            return value
+
+    ours = _encode(OutputTensor("t.weight", (64, 96), ["t"]), qtype, Source())
+    theirs = np.ascontiguousarray(quantize(value.numpy(), qtype)).view(np.uint8).reshape(-1)
+    assert ours.tobytes() == theirs.tobytes()
