@@ -157,7 +157,7 @@ def llama_cpp_quality(gguf: Path, examples: list[tuple[str, str]], text: Path) -
         server.terminate()
         server.wait()
     done = subprocess.run(["bash", str(LLAMA_CPP), "llama-perplexity", "-m", str(gguf), "-f", str(text), "-c", "64",
-                           "-b", "64", "-t", "2"], capture_output=True, text=True)
+                           "-b", "64", "-t", "1"], capture_output=True, text=True)  # -t 2 ends early at times
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
     return right / len(examples), float(m.group(1)) if m else float("nan")
 
