@@ -21,7 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "llama_cpp.sh"
-N = 50
+N = 200
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.environ.get("RUN_LLAMA_CPP") != "1", reason="set RUN_LLAMA_CPP=1 to run llama.cpp")]
@@ -55,10 +55,16 @@ def _export(checkpoint: Path, out: Path, type_name: str) -> Path:
 
 
 def _complete(script: Path, gguf: Path, prompt: str) -> str:
-    done = subprocess.run(["bash", str(script), "llama-completion", "-m", str(gguf), "-p", prompt, "-n", "6",
-                           "--temp", "0", "-no-cnv", "--no-display-prompt", "-t", "1", "-c", "64"],
-                          capture_output=True, text=True, timeout=120, check=True)
-    return done.stdout.strip().split(" ")[0]  # up to the end of text (llama.cpp prints nothing for </s>)
+    """llama-completion's greedy answer. llama.cpp 0.7.0 (Debian) now and then exits 0 before it loads the prompt,
+    printing nothing (about 1 run in 5 on the development machine, in the same way with or without our loader or a
+    terminal): such a run is tried again, up to 5 times."""
+    for _ in range(5):
+        done = subprocess.run(["bash", str(script), "llama-completion", "-m", str(gguf), "-p", prompt, "-n", "6",
+                               "--temp", "0", "-no-cnv", "--no-display-prompt", "--simple-io", "-t", "1"],
+                              capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL)
+        if done.stdout.strip():
+            return done.stdout.strip().split(" ")[0]  # up to " [end of text]"
+    raise AssertionError(f"llama-completion printed nothing 5 times for {prompt!r}: {done.stderr[-2000:]}")
 
 
 def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
@@ -72,7 +78,7 @@ def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
 
     examples = heldout_examples(N)
     export = consolidate(resolve_model_dir(checkpoint), tmp_path / "export", progress=False)
-    reference = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # the bf16 weights
     bf16 = sum(a == w for a, (_, w) in zip(generate_answers(reference, build_tokenizer(), [p for p, _ in examples]),
                                            examples)) / N
     q8 = _export(checkpoint, tmp_path / "q8_0.gguf", "q8_0")
