@@ -32,10 +32,15 @@ _SHOWN_KEYS = ("general.architecture", "general.name", "general.file_type", "tok
 
 
 def is_gguf(path: Path) -> bool:
-    """Whether ``path`` is a regular file that starts with the GGUF magic."""
+    """Whether ``path`` is a file named ``*.gguf`` or starting with the GGUF magic (a ``.gguf`` file without it is
+    then refused by ``open_gguf`` for what it is, rather than read as something else)."""
+    from automodel_ckpt.checkpoint.disk import layout
+
     try:
         if not Path(path).is_file():
             return False
+        if Path(path).name.endswith(layout.GGUF_SUFFIX):
+            return True
         with open(path, "rb") as f:
             return f.read(4) == GGUF_MAGIC
     except OSError:

@@ -102,6 +102,8 @@ HOSTILE = {
     "huge key count": (lambda d: d.__setitem__(slice(16, 24), struct.pack("<Q", 2**40)), "metadata keys, more than"),
     "string past the end": (lambda d: d.__setitem__(slice(24, 32), struct.pack("<Q", 2**62)), "damaged GGUF file"),
     "bad version": (lambda d: d.__setitem__(slice(4, 8), struct.pack("<I", 99)), "GGUF version 99"),
+    "bad magic": (lambda d: d.__setitem__(slice(0, 4), b"GGML"), "is not a GGUF file"),
+    "empty": (lambda d: d.__delitem__(slice(None)), "is not a GGUF file"),
 }
 
 
