@@ -4,7 +4,7 @@ A family is listed when both llama.cpp and transformers' GGUF reader run it. Nam
 own ``TensorNameMap`` for the architecture (on-disk Hugging Face names in, ``blk.N.attn_q.weight`` out); what
 llama.cpp's converter does to values besides renaming is repeated here, per family, and nothing else:
 Llama's query and key rows are permuted into llama.cpp's rotary layout, GPT-2's Conv1D weights are transposed,
-per-expert weights are stacked into one tensor per layer (``ffn_gate_exps``), and GPT-2's tied output is written
+Gemma 2's norm weights get the 1 that transformers adds at run time, per-expert weights are stacked into one tensor per layer (``ffn_gate_exps``), and GPT-2's tied output is written
 beside the embedding. Any other family is refused in one line before any work (``family_for``).
 """
 
@@ -34,6 +34,7 @@ class GGUFFamily:
     conv1d: bool = False  # GPT-2: Conv1D weights are (in, out) on disk, (out, in) in a GGUF
     copy_tied_output: bool = False  # GPT-2: ``output.weight`` written beside ``token_embd.weight``
     moe: bool = False
+    norm_plus_one: bool = False  # Gemma 2: norms scale by (1 + w) in transformers, by w in llama.cpp
 
 
 _FAMILIES: dict[str, GGUFFamily] = {
@@ -45,6 +46,7 @@ _FAMILIES: dict[str, GGUFFamily] = {
     "qwen3_moe": GGUFFamily("QWEN3MOE", moe=True),
     "phi3": GGUFFamily("PHI3"),
     "gpt2": GGUFFamily("GPT2", conv1d=True, copy_tied_output=True),
+    "gemma2": GGUFFamily("GEMMA2", norm_plus_one=True),
 }
 
 
@@ -68,6 +70,9 @@ def family_for(config: dict[str, Any]) -> GGUFFamily:
     if model_type == "qwen3_moe" and not config.get("norm_topk_prob", False):
         raise UserError("GGUF export: this qwen3_moe model has norm_topk_prob false, but llama.cpp always "
                         "normalises the chosen experts' weights for qwen3moe; it would run a different model")
+    if model_type == "gemma2" and config.get("query_pre_attn_scalar") != config.get("head_dim"):
+        raise UserError("GGUF export: this gemma2 model scales queries by query_pre_attn_scalar "
+                        f"{config.get('query_pre_attn_scalar')}, llama.cpp by its head size {config.get('head_dim')}")
     if model_type == "phi3" and (config.get("rope_scaling") or {}).get("long_factor"):
         raise UserError("GGUF export: phi3 long-context rope scaling is not exported yet")
     return family
@@ -106,7 +111,7 @@ def add_hparams(writer: Any, family: GGUFFamily, config: dict[str, Any]) -> None
     theta = rope_parameters(c).get("rope_theta")
     if theta is not None:
         writer.add_rope_freq_base(float(theta))
-    if head_dim != hidden // heads or family.arch in ("QWEN3", "QWEN3MOE"):
+    if head_dim != hidden // heads or family.arch in ("QWEN3", "QWEN3MOE", "GEMMA2"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if family.arch == "LLAMA":
@@ -115,6 +120,10 @@ def add_hparams(writer: Any, family: GGUFFamily, config: dict[str, Any]) -> None
     if family.arch == "PHI3":
         rotary = float(c.get("partial_rotary_factor") or 1.0)
         writer.add_rope_dimension_count(int(rotary * hidden) // heads)
+        writer.add_sliding_window(int(c.get("sliding_window") or 0))
+    if family.arch == "GEMMA2":
+        writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 0.0))
+        writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 0.0))
         writer.add_sliding_window(int(c.get("sliding_window") or 0))
     if family.moe:
         writer.add_expert_count(c.get("num_experts") or c.get("num_local_experts"))
@@ -186,7 +195,9 @@ def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shap
     elif new.startswith("output."):
         kind = "output"
     make: Callable[[list[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
-    if family.llama_rope and new.endswith((".attn_q.weight", ".attn_k.weight")):
+    if family.norm_plus_one and name.endswith("norm.weight"):
+        make = lambda ts: ts[0].float() + 1  # noqa: E731 - llama.cpp's converter does the same
+    elif family.llama_rope and new.endswith((".attn_q.weight", ".attn_k.weight")):
         heads = config["num_attention_heads"]
         kv = heads if ".attn_q." in new else (config.get("num_key_value_heads") or heads)
         make = lambda ts, kv=kv: _permute(ts[0], kv)  # noqa: E731
