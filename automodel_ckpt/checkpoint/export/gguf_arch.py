@@ -47,6 +47,7 @@ _FAMILIES: dict[str, GGUFFamily] = {
     "phi3": GGUFFamily("PHI3"),
     "gpt2": GGUFFamily("GPT2", conv1d=True, copy_tied_output=True),
     "gemma2": GGUFFamily("GEMMA2", norm_plus_one=True),
+    "starcoder2": GGUFFamily("STARCODER2"),
 }
 
 
@@ -107,7 +108,10 @@ def add_hparams(writer: Any, family: GGUFFamily, config: dict[str, Any]) -> None
     writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(c.get("num_key_value_heads") or heads)
-    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if "rms_norm_eps" in c:
+        writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    else:  # LayerNorm families (starcoder2)
+        writer.add_layer_norm_eps(c.get("norm_epsilon") or c.get("layer_norm_eps") or 1e-5)
     theta = rope_parameters(c).get("rope_theta")
     if theta is not None:
         writer.add_rope_freq_base(float(theta))
