@@ -26,7 +26,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "inspect": ("inspect", "CHECKPOINT_DIR|FILE.tar [--json] [--cost [--mtbf-hours H]]"),
     "merge-lora": ("merge_lora", "CHECKPOINT [--out DIR] [--base DIR]"),
     "export": ("export", "CHECKPOINT|EXPORT_DIR|FILE.tar --to gguf|int8 [--type bf16|f16|q8_0|q4_0] "
-                         "[--scheme w8a8|w4a16] [--out PATH] [--dry-run]"),
+                         "[--scheme w8a8|w4a16] [--calibrate N] [--out PATH] [--dry-run]"),
     "pack": ("pack", "CHECKPOINT|EXPORT_DIR|ADAPTER_DIR [--out FILE.tar] [--cast-dtype DTYPE] [--no-progress]"),
     "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR|FILE.tar [--quiet] [--sizes-only] | --export CHECKPOINT"),
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
     src = Path(args.src)
     if args.calibrate and args.to != "int8":
         raise UsageError("--calibrate applies to --to int8 only")
+    if args.calibrate < 0:
+        raise UsageError(f"--calibrate: expected a number of examples >= 0, got {args.calibrate}")
     from automodel_ckpt.checkpoint.export.model_source import open_model
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
@@ -57,7 +59,8 @@ def main(argv: list[str]) -> int:
 
     out = Path(args.out) if args.out else where.parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:
-        plan = plan_int8(source, args.scheme, args.calibrate)
+        examples = _validation_examples(src, args.calibrate, source.side_dir) if args.calibrate else None
+        plan = plan_int8(source, args.scheme, examples)
         print(plan.describe(source), flush=True)
         if args.dry_run:
             print(f"would write {out}", flush=True)
@@ -65,3 +68,24 @@ def main(argv: list[str]) -> int:
         done = write_int8(source, plan, out, progress=not args.no_progress)
     print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.2f} s)", flush=True)
     return 0
+
+
+def _validation_examples(src: Path, n: int, tokenizer_dir: Path) -> list[list[int]]:
+    """The token ids of the first ``n`` rows of the validation data of the recipe that made the checkpoint ``src``
+    (its ``config.yaml``; the training data where the recipe holds none out), tokenized as for training."""
+    from transformers import AutoTokenizer
+
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.data.pipeline import prepare_data
+
+    recipe = next((p / layout.CONFIG_FILE for p in (src, src.parent) if (p / layout.CONFIG_FILE).is_file()), None)
+    if recipe is None:
+        raise UsageError(f"--calibrate needs a checkpoint (its {layout.CONFIG_FILE} names the validation data); "
+                         f"'{src}' has none")
+    cfg = load_config(recipe, [], RecipeConfig)
+    prepared = prepare_data(cfg, AutoTokenizer.from_pretrained(tokenizer_dir))
+    rows = prepared.validation if prepared.validation is not None and len(prepared.validation) else prepared.train
+    batch = rows.batch(list(range(min(n, len(rows)))))
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    return [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]

@@ -3,7 +3,8 @@
 Skipped unless ``RUN_VLLM=1`` with vLLM in its own interpreter (``VLLM_PYTHON``, as test_vllm_interop.py; vLLM's CPU
 build runs compressed-tensors W8A8 int8 on AVX2, W4A16 needs AVX-512). The checkpoint is ``VLLM_CHECKPOINT`` (one of
 the default recipe), else the default recipe is trained here. On held-out addition problems, vLLM's answers from
-the w8a8 folder equal transformers' answers from the bf16 export on at least 98% of them.
+the w8a8 folder (dynamic activation scales, and static ones from 64 validation examples) equal transformers' answers
+from the bf16 export on at least 98% of them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def checkpoint(tmp_path_factory) -> Path:
     return sorted((work / "checkpoints").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
 
 
-def test_vllm_answers_from_w8a8_as_transformers_from_bf16(checkpoint, tmp_path):
+@pytest.mark.parametrize("calibrate", [0, 64], ids=["dynamic", "static-64"])
+def test_vllm_answers_from_w8a8_as_transformers_from_bf16(checkpoint, tmp_path, calibrate):
     sys.path.insert(0, str(REPO / "examples"))
     from evaluation import generate_answers
     from transformers import AutoModelForCausalLM
@@ -54,7 +56,8 @@ def test_vllm_answers_from_w8a8_as_transformers_from_bf16(checkpoint, tmp_path):
     expected = generate_answers(reference, build_tokenizer(), prompts)
     int8 = tmp_path / "w8a8"
     subprocess.run([sys.executable, "-m", "automodel_ckpt", "export", str(checkpoint), "--to", "int8", "--out",
-                    str(int8), "--no-progress"], check=True, capture_output=True, timeout=600)
+                    str(int8), "--no-progress", "--calibrate", str(calibrate)], check=True, capture_output=True,
+                   timeout=600)
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("vllm_answers.py")), str(int8),
                            json.dumps(prompts), "8"], capture_output=True, text=True, timeout=900, env=env)

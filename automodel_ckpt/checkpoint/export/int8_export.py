@@ -2,9 +2,10 @@
 
 The scheme, the config block (``quantization_config``) and the encoding of every quantized weight are the
 ``compressed-tensors`` library's: its presets (``W8A8``: int8 weights per output channel, int8 activations with
-dynamic per-token scales; ``W4A16``: int4 weights in groups), its ``calculate_qparams`` for the scales from each
-row's range (round to nearest, no calibration), and its compressors (``int-quantized``: an int8 ``weight`` and its
-``weight_scale``; ``pack-quantized``: int4 packed into int32 ``weight_packed``, ``weight_scale``, ``weight_shape``).
+dynamic per-token scales, or static per-tensor ones from ``--calibrate N`` examples (``int8_calibrate``);
+``W4A16``: int4 weights in groups), its ``calculate_qparams`` for the scales from each row's range (round to
+nearest), and its compressors (``int-quantized``: an int8 ``weight`` and its ``weight_scale``; ``pack-quantized``:
+int4 packed into int32 ``weight_packed``, ``weight_scale``, ``weight_shape``).
 Every linear projection of the decoder layers is quantized; the embeddings, ``lm_head``, norms and biases keep the
 base's dtype. Each weight is read, quantized and written before the next one: memory is bounded by the largest
 tensor. The safetensors files are laid out from the plan (header first, then each tensor at its offset), written
@@ -52,33 +53,40 @@ class Int8Plan:
     kept: list[str]
     files: list[list[tuple[str, torch.dtype, tuple[int, ...], str]]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    calibration: list[list[int]] = field(default_factory=list)  # token ids: static activation scales from these
 
     @property
     def nbytes(self) -> int:
         return sum(_numel(shape) * dtype.itemsize for f in self.files for _, dtype, shape, _ in f)
 
     def describe(self, source: ModelSource) -> str:
+        activations = (f", static activation scales from {len(self.calibration)} examples" if self.calibration
+                       else "")
         return (f"int8 {self.scheme_name} of a {source.config.get('model_type')} model (compressed-tensors "
-                f"{SCHEMES[self.scheme_name][1]}): {len(self.quantized)} linear weights quantized, "
+                f"{SCHEMES[self.scheme_name][1]}{activations}): {len(self.quantized)} linear weights quantized, "
                 f"{len(self.kept)} tensors kept in their dtype, {human_size(self.nbytes)} in {len(self.files)} "
                 f"file(s) from {human_size(source.nbytes)} read")
 
 
-def plan_int8(source: ModelSource, scheme_name: str, calibrate: int = 0) -> Int8Plan:
-    """The plan for ``source`` in ``scheme_name``; an unknown family or scheme is refused before any work."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]] | None = None) -> Int8Plan:
+    """The plan for ``source`` in ``scheme_name``; an unknown family or scheme is refused before any work. With
+    ``calibration`` (token ids of examples), w8a8's activations get static per-tensor scales from them."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
+                                                 preset_name_to_scheme)
 
     if scheme_name not in SCHEMES:
         raise UserError(f"unknown int8 scheme '{scheme_name}'; use one of {', '.join(SCHEMES)}")
-    if calibrate:
-        raise UserError("--calibrate is not available yet: int8 exports use dynamic per-token activation scales "
-                        "(w8a8) or none (w4a16), which need no calibration data")
+    if calibration is not None and scheme_name != "w8a8":
+        raise UserError(f"--calibrate: {scheme_name} does not quantize activations; calibration applies to w8a8")
     model_type = str(source.config.get("model_type"))
     if model_type not in INT8_FAMILIES:
         raise UserError(f"int8 export does not know the model family '{model_type}'; it exports "
                         f"{', '.join(INT8_FAMILIES)} (use --to gguf, or the Hugging Face export, for this model)")
     preset, fmt = SCHEMES[scheme_name]
     scheme = preset_name_to_scheme(preset, targets=["Linear"])
+    if calibration is not None:
+        scheme.input_activations = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",
+                                                    dynamic=False)
     quantized = sorted(n for n in source.shapes if _PROJECTION.match(n) and len(source.shapes[n]) == 2)
     if scheme.weights.strategy == "group":
         scheme.weights.group_size = _group_size([source.shapes[n][1] for n in quantized], scheme.weights.group_size)
@@ -86,10 +94,12 @@ def plan_int8(source: ModelSource, scheme_name: str, calibrate: int = 0) -> Int8
     outputs: list[tuple[str, torch.dtype, tuple[int, ...], str]] = []
     for name in quantized:
         outputs += _compressed_entries(name, source.shapes[name], source.dtypes[name], scheme)
+        if calibration is not None:
+            outputs.append((name.removesuffix(".weight") + ".input_scale", source.dtypes[name], (1,), name))
     outputs += [(n, source.dtypes[n], source.shapes[n], n) for n in kept]
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
                                 quantization_status=QuantizationStatus.COMPRESSED).to_dict()
-    return Int8Plan(scheme_name, scheme, quantized, kept, _split(outputs), config)
+    return Int8Plan(scheme_name, scheme, quantized, kept, _split(outputs), config, list(calibration or []))
 
 
 def _group_size(in_features: list[int], preferred: int) -> int:
@@ -173,6 +183,11 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
     if out.exists() and not (out / layout.HF_CONFIG).is_file():
         raise UserError(f"output folder {out} exists and is not an earlier export; remove it or choose another")
     start = time.perf_counter()
+    ranges: dict[str, float] = {}
+    if plan.calibration:
+        from automodel_ckpt.checkpoint.export.int8_calibrate import input_ranges
+
+        ranges = input_ranges(source, plan.quantized, plan.calibration)
     tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
     tmp.mkdir(parents=True)
     try:
@@ -180,7 +195,7 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
             [layout.hf_weights_file(k + 1, len(plan.files)) for k in range(len(plan.files))]
         with ProgressBar(plan.nbytes, progress, "writing int8") as advance:
             for name, entries in zip(names, plan.files):
-                _write_file(tmp / name, entries, source, plan.scheme, advance)
+                _write_file(tmp / name, entries, source, plan.scheme, advance, ranges)
         if len(names) > 1:
             weight_map = {e[0]: n for n, f in zip(names, plan.files) for e in f}
             index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -195,7 +210,8 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
     return {"bytes": total, "seconds": time.perf_counter() - start}
 
 
-def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any, advance: Any) -> None:
+def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any, advance: Any,
+                ranges: dict[str, float]) -> None:
     by_key = {(e[0], st_dtype_name(e[1])): e for e in entries}
     ordered = [by_key[k] for k in layout_order(list(by_key))]
     header = encode_header([(n, st_dtype_name(d), s, _numel(s) * d.itemsize) for n, d, s, _ in ordered],
@@ -218,6 +234,10 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
                 advance(_numel(shape) * dtype.itemsize)
                 continue
             compressed = quantize_weight(source.read(src), scheme)  # every tensor made of this weight, at once
+            if src in ranges:
+                from automodel_ckpt.checkpoint.export.int8_calibrate import input_scale
+
+                compressed["input_scale"] = input_scale(ranges[src], scheme.input_activations, source.dtypes[src])
             stem = src.removesuffix(".weight")
             for key, value in compressed.items():
                 name = f"{stem}.{key}"

@@ -88,7 +88,8 @@ def test_cli_dry_run_refusals_and_pack(base, tmp_path, capsys):
     assert main(["export", str(base), "--to", "int8", "--dry-run", "--out", str(tmp_path / "x")]) == 0
     assert "28 linear weights quantized" in capsys.readouterr().out and not (tmp_path / "x").exists()
     assert main(["export", str(base), "--to", "int8", "--calibrate", "8"]) != 0
-    assert "--calibrate is not available yet" in capsys.readouterr().err
+    assert "--calibrate needs a checkpoint" in capsys.readouterr().err  # a folder has no recipe to name its data
+    assert main(["export", str(base), "--to", "int8", "--scheme", "w4a16", "--calibrate", "8"]) != 0
     assert main(["export", str(base), "--to", "int8", "--scheme", "w2"]) != 0
     assert "unknown int8 scheme 'w2'" in capsys.readouterr().err
     out = tmp_path / "int8"
@@ -103,3 +104,29 @@ def test_a_family_vllm_does_not_load_this_way_is_refused(tmp_path):
     moe = build_family_base("mixtral", tmp_path / "mixtral", two_files=False)
     with open_model(moe) as source, pytest.raises(UserError, match="does not know the model family 'mixtral'"):
         plan_int8(source, "w8a8")
+
+
+def test_calibration_gives_each_projection_the_scale_of_its_largest_input(base, tmp_path):
+    """Static activation scales: the largest |input| of each projection over the examples, divided by 127."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    examples = [[1, 5, 6, 41, 7, 8, 44], [1, 12, 13, 41, 9, 9, 44, 14]]
+    out = tmp_path / "static"
+    with open_model(base) as source:
+        write_int8(source, plan_int8(source, "w8a8", examples), out, progress=False)
+    config = QuantizationConfig.model_validate(AutoConfig.from_pretrained(out).quantization_config)
+    activations = config.config_groups["group_0"].input_activations
+    assert activations.dynamic is False and activations.strategy == "tensor"
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    seen: dict[str, float] = {}
+    module = model.model.layers[1].mlp.down_proj
+    module.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", max(seen.get("x", 0.0),
+                                                                                float(args[0].abs().max()))))
+    with torch.no_grad():
+        for ids in examples:
+            model(torch.tensor([ids]))
+    stored = _weights(out)["model.layers.1.mlp.down_proj.input_scale"]
+    assert stored.shape == (1,) and stored.dtype == torch.bfloat16
+    assert stored.item() == pytest.approx(seen["x"] / 127, rel=1e-2)  # stored in bf16
+    assert sum(n.endswith(".input_scale") for n in _weights(out)) == 28
