@@ -35,6 +35,7 @@ class GGUFFamily:
     copy_tied_output: bool = False  # GPT-2: ``output.weight`` written beside ``token_embd.weight``
     moe: bool = False
     norm_plus_one: bool = False  # Gemma 2: norms scale by (1 + w) in transformers, by w in llama.cpp
+    required_tokens: tuple[str, ...] = ()  # tokens llama.cpp looks up by text when it loads the architecture
 
 
 _FAMILIES: dict[str, GGUFFamily] = {
@@ -44,7 +45,7 @@ _FAMILIES: dict[str, GGUFFamily] = {
     "qwen3": GGUFFamily("QWEN3"),
     "qwen2_moe": GGUFFamily("QWEN2MOE", moe=True),
     "qwen3_moe": GGUFFamily("QWEN3MOE", moe=True),
-    "phi3": GGUFFamily("PHI3"),
+    "phi3": GGUFFamily("PHI3", required_tokens=("<unk>", "<s>", "</s>", "<|endoftext|>")),
     "gpt2": GGUFFamily("GPT2", conv1d=True, copy_tied_output=True),
     "gemma2": GGUFFamily("GEMMA2", norm_plus_one=True),
     "starcoder2": GGUFFamily("STARCODER2"),
@@ -199,7 +200,10 @@ def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shap
     elif new.startswith("output."):
         kind = "output"
     make: Callable[[list[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
-    if family.norm_plus_one and name.endswith("norm.weight"):
+    if new.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 2 and shape[0] == 1:
+        shape, kind = (shape[1],), "norm"  # the shared expert's gate: one row, stored as a vector (llama.cpp's shape)
+        make = lambda ts: ts[0].reshape(-1)  # noqa: E731
+    elif family.norm_plus_one and name.endswith("norm.weight"):
         make = lambda ts: ts[0].float() + 1  # noqa: E731 - llama.cpp's converter does the same
     elif family.llama_rope and new.endswith((".attn_q.weight", ".attn_k.weight")):
         heads = config["num_attention_heads"]

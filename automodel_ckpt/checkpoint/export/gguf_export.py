@@ -117,7 +117,7 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
     try:
         _metadata(writer, source, plan)
         vocab_rows = _vocab_rows(plan)
-        tokenizer_model = add_vocab(writer, source.side_dir, vocab_rows)
+        tokenizer_model = add_vocab(writer, source.side_dir, vocab_rows, plan.family.required_tokens)
         for t, qtype in plan.tensors:
             writer.add_tensor_info(t.name, _byte_shape(t.shape, qtype), np.dtype(np.uint8), _nbytes(t.shape, qtype),
                                    raw_dtype=qtype)

@@ -29,8 +29,9 @@ __all__ = ["add_vocab"]
 _TOKENIZER_JSON = "tokenizer.json"
 
 
-def add_vocab(writer: Any, side_dir: Path, n_vocab: int) -> str:
-    """Write the tokenizer of ``side_dir`` into ``writer``; returns the GGUF tokenizer model written."""
+def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ...] = ()) -> str:
+    """Write the tokenizer of ``side_dir`` into ``writer``; returns the GGUF tokenizer model written. ``required``:
+    tokens the architecture's loader in llama.cpp looks up by text (a vocabulary without them is refused)."""
     import gguf
 
     path = side_dir / _TOKENIZER_JSON
@@ -73,6 +74,11 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int) -> str:
     else:
         raise UserError(f"GGUF export: the {kind or 'unknown'} tokenizer of {path} is not exported yet (byte-level "
                         "BPE, sentencepiece-style BPE and single-character word-level tokenizers are)")
+    names = {t.decode("utf-8", "replace") if isinstance(t, bytes) else t for t in tokens}
+    missing = [t for t in required if t not in names]
+    if missing:
+        raise UserError(f"GGUF export: llama.cpp loads this architecture only with the tokens {', '.join(required)} "
+                        f"in its vocabulary; the tokenizer lacks {', '.join(missing)}")
     quiet = logging.getLogger("gguf.vocab")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its notes on pair templates and the like are not the user's concern

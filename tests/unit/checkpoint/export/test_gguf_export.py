@@ -20,7 +20,8 @@ from automodel_ckpt.errors import UserError
 from automodel_ckpt.models.tiny import CHAT_TEMPLATE, build_tokenizer, ensure_tiny_base
 
 #: Families beside the default tiny Llama, with what transformers' GGUF reader needs of a tiny config (it reads
-#: no head_dim for qwen3, no expert width for qwen3_moe and only n_ctx for gpt2: the values it assumes are used).
+#: no head_dim for qwen3, no expert widths for the MoE families and only n_ctx for gpt2: the values it assumes are
+#: used).
 FAMILIES = {
     "qwen2": {"tie_word_embeddings": True},  # tied embeddings, q/k/v biases
     "qwen3": {"head_dim": 128},  # q/k norms
@@ -29,6 +30,8 @@ FAMILIES = {
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 2, "max_position_embeddings": 1024},  # Conv1D, tied, position embeddings
     "starcoder2": {},  # LayerNorm, biases, a plain GELU MLP
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256},  # norms (1 + w), soft-capping, tied
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},  # a shared expert and its gate beside the experts
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768, "head_dim": 128,
                   "norm_topk_prob": True},  # experts stacked per layer
 }
@@ -41,6 +44,8 @@ def _family_base(family: str, folder: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = build_tokenizer()
+    if family == "phi3":  # llama.cpp's phi3 loader looks this token up by its text
+        tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>"]})
     kwargs = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 1, "vocab_size": len(tok), "max_position_embeddings": 64,
               "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
@@ -88,7 +93,7 @@ def test_default_model_reads_back_with_its_logits(bases, type_name, tmp_path):
 @pytest.mark.parametrize("family,type_name", [("qwen2", "q8_0"), ("qwen3", "f16"), ("mistral", "f16"),
                                               ("phi3", "q8_0"), ("gpt2", "f16"), ("qwen3_moe", "q8_0"),
                                               ("qwen3_moe", "bf16"), ("gemma2", "q8_0"),
-                                              ("starcoder2", "q8_0")])
+                                              ("starcoder2", "q8_0"), ("qwen2_moe", "q8_0")])
 def test_family_reads_back_with_its_logits(bases, family, type_name, tmp_path):
     error = logits_error(bases[family], export(bases[family], tmp_path / "m.gguf", type_name))
     assert error <= BOUND[type_name], error
@@ -229,3 +234,12 @@ def test_float_types_are_the_bytes_gguf_quants_writes(type_name):
     ours = _encode(OutputTensor("t.weight", (64, 96), ["t"]), qtype, Source())
     theirs = np.ascontiguousarray(quantize(value.numpy(), qtype)).view(np.uint8).reshape(-1)
     assert ours.tobytes() == theirs.tobytes()
+
+
+def test_phi3_without_the_tokens_llama_cpp_needs_is_refused(tmp_path):
+    from tests.family_bases import build_family_base
+
+    base = build_family_base("phi3", tmp_path / "phi3", two_files=False)  # the character tokenizer alone
+    with open_model(base) as source, pytest.raises(UserError, match=r"lacks <\|endoftext\|>"):
+        write_gguf(source, plan_gguf(source, "q8_0"), tmp_path / "m.gguf", progress=False)
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))
