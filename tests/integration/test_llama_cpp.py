@@ -64,6 +64,8 @@ def _complete(script: Path, gguf: Path, prompt: str) -> str:
                               capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL)
         if done.stdout.strip():
             return done.stdout.strip().split(" ")[0]  # up to " [end of text]"
+        if "error loading model" in done.stderr:
+            raise AssertionError(done.stderr[-2000:])
     raise AssertionError(f"llama-completion printed nothing 5 times for {prompt!r}: {done.stderr[-2000:]}")
 
 
@@ -98,3 +100,26 @@ def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
         assert done.returncode == 0 and m, done.stderr[-2000:]
         ppl[type_name] = float(m.group(1))
     assert ppl["q8_0"] <= 1.05 * ppl["bf16"], ppl
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma2", "starcoder2",
+                                    "qwen2_moe", "qwen3_moe"])
+def test_every_family_loads_and_generates_in_llama_cpp(llama_cpp, family, tmp_path):
+    """Each family's GGUF (q8_0) loads in llama.cpp and generates; its tokenizer gives our tokenizer's ids."""
+    from automodel_ckpt.models.tiny import build_tokenizer, ensure_tiny_base
+    from tests.unit.checkpoint.export.test_gguf_export import FAMILIES, _family_base
+
+    base = ensure_tiny_base(tmp_path / "base") if family == "llama" else _family_base(family, tmp_path / "base")
+    gguf = _export(base, tmp_path / "m.gguf", "q8_0")
+    for _ in range(5):  # see _complete: a run that ends before loading the prompt is tried again
+        done = subprocess.run(["bash", str(llama_cpp), "llama-completion", "-m", str(gguf), "-p", "12+34=", "-n", "4",
+                               "--temp", "0", "-no-cnv", "--simple-io", "-t", "1", "--ignore-eos"],
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0 and "error loading model" not in done.stderr, done.stderr[-2000:]
+        if "eval time" in done.stderr:
+            break
+    assert "eval time" in done.stderr and "12+34=" in done.stdout, done.stderr[-2000:]  # 4 tokens generated
+    done = subprocess.run(["bash", str(llama_cpp), "llama-tokenize", "-m", str(gguf), "-p", "12+34= 46", "--ids",
+                           "--log-disable"], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == str(build_tokenizer()("12+34= 46").input_ids)
+    assert family == "llama" or family in FAMILIES
