@@ -103,7 +103,7 @@ def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma2", "starcoder2",
-                                    "qwen2_moe", "qwen3_moe"])
+                                    "gemma3_text", "qwen2_moe", "qwen3_moe"])
 def test_every_family_loads_and_generates_in_llama_cpp(llama_cpp, family, tmp_path):
     """Each family's GGUF (q8_0) loads in llama.cpp and generates; its tokenizer gives our tokenizer's ids."""
     from automodel_ckpt.models.tiny import build_tokenizer, ensure_tiny_base

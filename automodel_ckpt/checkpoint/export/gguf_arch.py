@@ -49,6 +49,7 @@ _FAMILIES: dict[str, GGUFFamily] = {
     "gpt2": GGUFFamily("GPT2", conv1d=True, copy_tied_output=True),
     "gemma2": GGUFFamily("GEMMA2", norm_plus_one=True),
     "starcoder2": GGUFFamily("STARCODER2"),
+    "gemma3_text": GGUFFamily("GEMMA3", norm_plus_one=True),
 }
 
 
@@ -72,17 +73,24 @@ def family_for(config: dict[str, Any]) -> GGUFFamily:
     if model_type == "qwen3_moe" and not config.get("norm_topk_prob", False):
         raise UserError("GGUF export: this qwen3_moe model has norm_topk_prob false, but llama.cpp always "
                         "normalises the chosen experts' weights for qwen3moe; it would run a different model")
-    if model_type == "gemma2" and config.get("query_pre_attn_scalar") != config.get("head_dim"):
-        raise UserError("GGUF export: this gemma2 model scales queries by query_pre_attn_scalar "
+    if model_type in ("gemma2", "gemma3_text") and config.get("query_pre_attn_scalar") != config.get("head_dim"):
+        raise UserError(f"GGUF export: this {model_type} model scales queries by query_pre_attn_scalar "
                         f"{config.get('query_pre_attn_scalar')}, llama.cpp by its head size {config.get('head_dim')}")
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if model_type == "gemma3_text" and float(local.get("rope_theta", 10000.0)) != 10000.0:
+        raise UserError("GGUF export: llama.cpp runs gemma3's sliding-window layers with rope base 10000; this model's "
+                        f"is {local.get('rope_theta')}")
     if model_type == "phi3" and (config.get("rope_scaling") or {}).get("long_factor"):
         raise UserError("GGUF export: phi3 long-context rope scaling is not exported yet")
     return family
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """The rotary settings, where transformers 5 keeps them (``rope_parameters``) or 4.x did (top level)."""
+    """The rotary settings, where transformers 5 keeps them (``rope_parameters``, per attention kind for Gemma 3:
+    its full attention's here) or 4.x did (top level)."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     if "rope_theta" not in params and "rope_theta" in config:
         params["rope_theta"] = config["rope_theta"]
     if "rope_type" not in params and "type" in params:
@@ -116,7 +124,7 @@ def add_hparams(writer: Any, family: GGUFFamily, config: dict[str, Any]) -> None
     theta = rope_parameters(c).get("rope_theta")
     if theta is not None:
         writer.add_rope_freq_base(float(theta))
-    if head_dim != hidden // heads or family.arch in ("QWEN3", "QWEN3MOE", "GEMMA2"):
+    if head_dim != hidden // heads or family.arch in ("QWEN3", "QWEN3MOE", "GEMMA2", "GEMMA3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if family.arch == "LLAMA":
@@ -129,6 +137,7 @@ def add_hparams(writer: Any, family: GGUFFamily, config: dict[str, Any]) -> None
     if family.arch == "GEMMA2":
         writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 0.0))
         writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 0.0))
+    if family.arch in ("GEMMA2", "GEMMA3"):
         writer.add_sliding_window(int(c.get("sliding_window") or 0))
     if family.moe:
         writer.add_expert_count(c.get("num_experts") or c.get("num_local_experts"))

@@ -29,6 +29,7 @@ FAMILIES = {
     "phi3": {},  # fused qkv_proj / gate_up_proj
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 2, "max_position_embeddings": 1024},  # Conv1D, tied, position embeddings
     "starcoder2": {},  # LayerNorm, biases, a plain GELU MLP
+    "gemma3_text": {},  # norms (1 + w) on q and k too, two rotary bases
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256},  # norms (1 + w), soft-capping, tied
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 1408,
                   "shared_expert_intermediate_size": 5632},  # a shared expert and its gate beside the experts
@@ -93,7 +94,8 @@ def test_default_model_reads_back_with_its_logits(bases, type_name, tmp_path):
 @pytest.mark.parametrize("family,type_name", [("qwen2", "q8_0"), ("qwen3", "f16"), ("mistral", "f16"),
                                               ("phi3", "q8_0"), ("gpt2", "f16"), ("qwen3_moe", "q8_0"),
                                               ("qwen3_moe", "bf16"), ("gemma2", "q8_0"),
-                                              ("starcoder2", "q8_0"), ("qwen2_moe", "q8_0")])
+                                              ("starcoder2", "q8_0"), ("qwen2_moe", "q8_0"),
+                                              ("gemma3_text", "f16")])
 def test_family_reads_back_with_its_logits(bases, family, type_name, tmp_path):
     error = logits_error(bases[family], export(bases[family], tmp_path / "m.gguf", type_name))
     assert error <= BOUND[type_name], error
