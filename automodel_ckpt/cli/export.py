@@ -24,6 +24,8 @@ def build_parser() -> VerbParser:
                    help="int8: N examples for static activation scales (default 0: dynamic per-token scales)")
     p.add_argument("--out", default=None, help="the GGUF file or int8 folder to write (default: beside SRC, "
                                                "SRC-TYPE.gguf or SRC-int8-SCHEME/); replaced if it exists")
+    p.add_argument("--adapter", action="store_true", help="gguf, a LoRA checkpoint: its adapter as a GGUF LoRA "
+                                                          "adapter (llama.cpp --lora) instead of merged")
     p.add_argument("--dry-run", action="store_true", help="print the plan (family, tensors, bytes out), write nothing")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -41,6 +43,16 @@ def main(argv: list[str]) -> int:
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
     stem = where.name.removesuffix(layout.ARCHIVE_SUFFIX)
+    if args.adapter:
+        if args.to != "gguf" or args.dry_run:
+            raise UsageError("--adapter applies to --to gguf (without --dry-run)")
+        from automodel_ckpt.checkpoint.export.gguf_adapter import write_gguf_adapter
+
+        out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{layout.GGUF_SUFFIX}"
+        done = write_gguf_adapter(src, out, args.type)
+        print(f"GGUF LoRA adapter written to {out} ({human_size(done['bytes'])}, {done['factors']} factors, rank "
+              f"{done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
+        return 0
     if args.to == "gguf":
         from automodel_ckpt.checkpoint.export.gguf_export import plan_gguf, write_gguf
 

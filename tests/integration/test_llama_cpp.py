@@ -123,3 +123,50 @@ def test_every_family_loads_and_generates_in_llama_cpp(llama_cpp, family, tmp_pa
                            "--log-disable"], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip().splitlines()[-1] == str(build_tokenizer()("12+34= 46").input_ids)
     assert family == "llama" or family in FAMILIES
+
+
+def _perplexity(script: Path, text: Path, *model: str) -> float:
+    done = subprocess.run(["bash", str(script), "llama-perplexity", *model, "-f", str(text), "-c", "64", "-b", "64",
+                           "-t", "1"], capture_output=True, text=True, timeout=600)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    assert done.returncode == 0 and m, done.stderr[-2000:]
+    return float(m.group(1))
+
+
+def test_gguf_lora_adapter_applies_as_the_merged_export(llama_cpp, tmp_path):
+    """`--adapter`: llama.cpp with the base's GGUF and the adapter (``--lora``) gives the merged export's
+    perplexity (to within the merge's bf16 rounding), far from the base's own."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.checkpoint.formats import peft as peft_format
+    from automodel_ckpt.config.schema import PeftConfig
+    from automodel_ckpt.data.builtin import heldout_examples
+    from automodel_ckpt.models.lora import apply_lora
+    from automodel_ckpt.models.tiny import ensure_tiny_base
+
+    base = ensure_tiny_base(tmp_path / "base")
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), PeftConfig(rank=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        peft_format.save_adapter(model, tmp_path / "ckpt" / "model", rank=0, base_model_path=base)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    checkpoint = tmp_path / "ckpt"
+    subprocess.run([sys.executable, "-m", "automodel_ckpt", "export", str(checkpoint), "--adapter", "--type", "f16",
+                    "--out", str(tmp_path / "lora.gguf")], check=True, capture_output=True, timeout=600)
+    merged = _export(checkpoint, tmp_path / "merged.gguf", "f16")
+    plain = _export(base, tmp_path / "base.gguf", "f16")
+    text = tmp_path / "heldout.txt"
+    text.write_text(" ".join(p + a for p, a in heldout_examples(200)) * 4)
+    with_lora = _perplexity(llama_cpp, text, "-m", str(plain), "--lora", str(tmp_path / "lora.gguf"))
+    assert abs(with_lora / _perplexity(llama_cpp, text, "-m", str(merged)) - 1) < 0.01
+    assert abs(with_lora / _perplexity(llama_cpp, text, "-m", str(plain)) - 1) > 0.05

@@ -19,7 +19,7 @@ import torch
 
 from automodel_ckpt.errors import UserError
 
-__all__ = ["GGUFFamily", "OutputTensor", "family_for", "known_families", "output_tensors"]
+__all__ = ["GGUFFamily", "OutputTensor", "family_for", "known_families", "output_tensors", "permute_rotary"]
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
                      r"\.weight$")
@@ -217,7 +217,7 @@ def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shap
     elif family.llama_rope and new.endswith((".attn_q.weight", ".attn_k.weight")):
         heads = config["num_attention_heads"]
         kv = heads if ".attn_q." in new else (config.get("num_key_value_heads") or heads)
-        make = lambda ts, kv=kv: _permute(ts[0], kv)  # noqa: E731
+        make = lambda ts, kv=kv: permute_rotary(ts[0], kv)  # noqa: E731
     elif family.conv1d and len(shape) == 2 and new.endswith(
             (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")):
         shape = (shape[1], shape[0])
@@ -225,7 +225,7 @@ def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shap
     return OutputTensor(new, tuple(shape), [name], make, kind)
 
 
-def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+def permute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's converter: each head's rotary halves interleaved (``LlamaModel.permute``)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

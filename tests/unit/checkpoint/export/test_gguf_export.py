@@ -245,3 +245,49 @@ def test_phi3_without_the_tokens_llama_cpp_needs_is_refused(tmp_path):
     with open_model(base) as source, pytest.raises(UserError, match=r"lacks <\|endoftext\|>"):
         write_gguf(source, plan_gguf(source, "q8_0"), tmp_path / "m.gguf", progress=False)
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))
+
+
+def test_lora_checkpoint_as_a_gguf_adapter(bases, tmp_path, process_group, capsys):
+    """`--adapter`: llama.cpp's LoRA adapter format; scale x lora_b @ lora_a is what merging adds to the base's GGUF
+    tensor (query rows permuted as the base's are), to within bf16 rounding of the two files."""
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.checkpoint.formats import peft as peft_format
+    from automodel_ckpt.cli import main
+    from automodel_ckpt.config.schema import PeftConfig
+    from automodel_ckpt.models.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(bases["llama"], dtype=torch.float32), PeftConfig(rank=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    checkpoint = tmp_path / "epoch_0_step_4"
+    peft_format.save_adapter(model, checkpoint / "model", rank=0, base_model_path=bases["llama"])
+    adapter = tmp_path / "lora.gguf"
+    assert main(["export", str(checkpoint), "--adapter", "--type", "f16", "--out", str(adapter)]) == 0
+    assert "GGUF LoRA adapter written" in capsys.readouterr().out
+    reader = gguf.GGUFReader(adapter)
+    assert reader.fields["general.type"].contents() == "adapter"
+    assert reader.fields["adapter.type"].contents() == "lora"
+    alpha = reader.fields["adapter.lora.alpha"].contents()
+    factors = {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    assert sorted(factors) == sorted(f"blk.{i}.{m}.weight.lora_{x}" for i in range(4) for m in ("attn_q", "attn_v")
+                                     for x in "ab")
+    a, b = torch.from_numpy(factors["blk.2.attn_q.weight.lora_a"]), torch.from_numpy(factors["blk.2.attn_q.weight.lora_b"])
+    assert a.shape == (4, 128) and b.shape == (128, 4)
+    merged = export(checkpoint, tmp_path / "merged.gguf", "f16")
+    base = export(bases["llama"], tmp_path / "base.gguf", "f16")
+
+    def q(path: Path) -> torch.Tensor:
+        t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.2.attn_q.weight")
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+
+    delta = q(merged) - q(base)
+    expected = alpha / 4 * (b @ a)
+    assert delta.abs().max() > 0.01  # the adapter changes the weight
+    assert (delta - expected).abs().max() <= 0.01 * q(base).abs().max()  # both files rounded to bf16 by the merge
+    assert main(["export", str(bases["llama"]), "--adapter", "--type", "f16"]) != 0  # not a LoRA checkpoint
