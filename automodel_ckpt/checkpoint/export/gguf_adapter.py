@@ -1,7 +1,6 @@
-"""`export --to gguf --adapter`: a LoRA checkpoint's adapter as a GGUF LoRA adapter, which llama.cpp applies
-(``--lora FILE``) to the GGUF of its base.
+"""`export --to gguf --adapter`: a LoRA checkpoint's adapter as a GGUF LoRA adapter for llama.cpp's ``--lora``.
 
-The format is llama.cpp's (as its ``convert_lora_to_gguf.py`` writes it), written with the ``gguf`` library:
+llama.cpp applies it to the GGUF of the adapter's base. The format is llama.cpp's (as its ``convert_lora_to_gguf.py`` writes it), written with the ``gguf`` library:
 ``general.type`` ``adapter``, ``adapter.type`` ``lora``, ``adapter.lora.alpha``, and for each adapted weight its
 ``lora_a`` (rank x in) and ``lora_b`` (out x rank) under the GGUF name of that weight (``blk.0.attn_q.weight.lora_a``).
 llama.cpp scales the product by alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with the alpha
