@@ -7,11 +7,12 @@ from its pieces when asked for), a folder's and an archive's from their safetens
 one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
 The small files (config, tokenizer, chat template) lie in ``side_dir``: the folder itself, or a private temporary
 folder holding copies (a checkpoint's ``.hf_metadata``, an archive's members). A LoRA checkpoint is merged into its
-base first (``merge_lora``, into that temporary folder).
+base first (``merge_lora``, into that temporary folder): that step holds the model in memory, as `merge-lora` does.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint.disk import bounded, layout, paths
+from automodel_ckpt.checkpoint.disk.durable import copy_regular
 from automodel_ckpt.checkpoint.formats.safetensors_io import ST_TO_TORCH, pread_into, read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError, UserError
 
@@ -89,11 +91,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
         raise CheckpointError(f"{model_dir} has no {layout.HF_METADATA_DIR} (no config.json): its family is unknown, "
                               "so it cannot be exported to a quantized format")
     side = _tmp_dir(stack)
-    import json
-
     (side / layout.HF_CONFIG).write_text(json.dumps(plan.config))
-    from automodel_ckpt.checkpoint.disk.durable import copy_regular
-
     for path in plan.extra_files:
         copy_regular(path, side / path.name)
     source = ModelSource(plan.config, side, kind="checkpoint")
