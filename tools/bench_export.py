@@ -94,7 +94,8 @@ def synthetic_base(folder: Path, gb: float) -> Path:
 
     from automodel_ckpt.models.tiny import build_tokenizer
 
-    hidden, layers = 2048, max(1, round(gb * 1e9 / 2 / (12 * 2048 * 2048)))
+    hidden = 2048
+    layers = max(1, round(gb * 1e9 / 2 / (16 * hidden * hidden)))  # 4 h^2 attention + 3 h (4h) MLP per layer
     config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                          num_attention_heads=16, num_key_value_heads=16, vocab_size=128, max_position_embeddings=64)
     torch.manual_seed(0)
