@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.disk import layout
@@ -27,6 +28,8 @@ def build_parser() -> VerbParser:
     p.add_argument("--adapter", action="store_true", help="gguf, a LoRA checkpoint: its adapter as a GGUF LoRA "
                                                           "adapter (llama.cpp --lora) instead of merged")
     p.add_argument("--dry-run", action="store_true", help="print the plan (family, tensors, bytes out), write nothing")
+    p.add_argument("--num-threads", type=int, default=min(4, os.cpu_count() or 1),
+                   help="gguf: tensors converted at once (default: up to 4; memory: that many of the largest tensor)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -63,7 +66,7 @@ def main(argv: list[str]) -> int:
             if args.dry_run:
                 print(f"would write {out}", flush=True)
                 return 0
-            done = write_gguf(source, plan, out, progress=not args.no_progress)
+            done = write_gguf(source, plan, out, progress=not args.no_progress, num_threads=max(1, args.num_threads))
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
               f"{done['seconds']:.2f} s)", flush=True)
         return 0

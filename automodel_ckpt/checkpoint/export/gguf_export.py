@@ -6,7 +6,7 @@ the metadata and the tensor table, ``gguf.quants`` quantizes each tensor (``q8_0
 The plan comes first (family, every tensor's GGUF name, shape and storage type: ``--dry-run`` prints it), the
 header and table are written from it, then each tensor is read from the source, converted and appended, and
 dropped before the next one: memory is bounded by the largest tensor (a stacked expert tensor of one layer for a
-mixture of experts), never the model. Storage types follow llama.cpp's converter: norms, biases, routers and
+mixture of experts) times the threads that convert ahead (``num_threads``), never the model. Storage types follow llama.cpp's converter: norms, biases, routers and
 position embeddings stay F32; a row whose length is not a multiple of the block size falls back to F16; with
 ``q4_0`` the embedding and output layers get ``q8_0`` (llama.cpp's own ``q4_0`` keeps them at higher precision
 too). The file is written under a hidden name beside ``out`` and renamed into place once complete and fsynced.
@@ -18,6 +18,9 @@ import logging
 import os
 import secrets
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,8 +104,12 @@ def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
     return rows * (shape[-1] // block) * size
 
 
-def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Write ``plan`` of ``source`` to ``out``; returns what was written (bytes, seconds, tokenizer model)."""
+def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool = True,
+               num_threads: int = 1) -> dict[str, Any]:
+    """Write ``plan`` of ``source`` to ``out``; returns what was written (bytes, seconds, tokenizer model).
+
+    With ``num_threads`` > 1, that many tensors are read and quantized ahead of the one being written (NumPy and torch
+    release the interpreter's lock while they compute): memory is then bounded by that many of the largest tensor."""
     import gguf
 
     from automodel_ckpt.checkpoint.export.gguf_vocab import add_vocab
@@ -124,9 +131,17 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        with ProgressBar(plan.nbytes, progress, "writing GGUF") as advance:
-            for t, qtype in plan.tensors:
-                data = _encode(t, qtype, source)
+        with ProgressBar(plan.nbytes, progress, "writing GGUF") as advance, \
+                ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="gguf") as pool:
+            waiting = iter(plan.tensors)
+            ahead: deque[Future[np.ndarray]] = deque()
+            for t, qtype in islice(waiting, max(1, num_threads)):
+                ahead.append(pool.submit(_encode, t, qtype, source))
+            while ahead:
+                data = ahead.popleft().result()  # in the plan's order, as the tensor table lists them
+                following = next(waiting, None)
+                if following is not None:
+                    ahead.append(pool.submit(_encode, *following, source))
                 writer.write_tensor_data(data)
                 advance(data.nbytes)
                 del data
