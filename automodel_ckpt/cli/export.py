@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.disk import layout
 from automodel_ckpt.cli.common import VerbParser, human_size
-from automodel_ckpt.errors import UsageError
+from automodel_ckpt.errors import CheckpointError, UsageError
 
 _TARGETS = ("gguf", "int8")
 
@@ -36,6 +37,13 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _export(args)
+    except OSError as exc:  # a file that cannot be read or written, where no reader named it already
+        raise CheckpointError(f"export: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")) from None
+
+
+def _export(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     src = Path(args.src)
     if args.calibrate and args.to != "int8":

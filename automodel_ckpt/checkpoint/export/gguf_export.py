@@ -154,7 +154,8 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
         writer.close()
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write the GGUF file '{out}': {exc.strerror or exc}") from None
+            raise CheckpointError(f"GGUF export to '{out}' failed: {exc.strerror or exc}"
+                                  + (f" ({exc.filename})" if exc.filename else "")) from None
         raise
     seconds = time.perf_counter() - start
     logger.info("GGUF written to %s: %s in %.1f s", out, human_size(out.stat().st_size), seconds)

@@ -38,7 +38,7 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
     if not path.is_file():
         raise UserError(f"GGUF export needs the model's {_TOKENIZER_JSON} (the tokenizer travels inside a GGUF); "
                         "none is in the checkpoint or folder")
-    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE * 4)
+    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE * 4, follow=True)  # a cache folder's link
     model = data.get("model") if isinstance(data, dict) else None
     kind = model.get("type") if isinstance(model, dict) else None
     added = {int(t["id"]): t for t in data.get("added_tokens") or [] if isinstance(t, dict) and "id" in t}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.durable import fsync_dir, replace_folder
+from automodel_ckpt.checkpoint.disk.durable import copy_regular, fsync_dir, replace_folder
 from automodel_ckpt.checkpoint.export.model_source import ModelSource
 from automodel_ckpt.checkpoint.formats.safetensors_io import encode_header, layout_order, pwrite_all, st_dtype_name
 from automodel_ckpt.errors import CheckpointError, UserError
@@ -268,8 +268,8 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     config["quantization_config"] = plan.config
     (folder / layout.HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in (layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
-        if (source.side_dir / name).is_file() and not (source.side_dir / name).is_symlink():
-            shutil.copyfile(source.side_dir / name, folder / name)
+        if (source.side_dir / name).is_file():  # a cache folder's links are followed; a FIFO or device is refused
+            copy_regular(source.side_dir / name, folder / name, follow=True)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -114,12 +114,16 @@ def _assemble(tensor: Any) -> torch.Tensor:
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------
 def _from_folder(folder: Path, side: Path, stack: ExitStack) -> ModelSource:
-    config = bounded.read_json(folder / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE)
+    # the folder the user named: its links are followed (a Hugging Face cache folder is links into its blobs)
+    config = bounded.read_json(folder / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE, follow=True)
     if not isinstance(config, dict):
         raise CheckpointError(f"{folder / layout.HF_CONFIG} is not a JSON object")
     source = ModelSource(config, side)
     for path in sorted(folder.glob("*.safetensors")):
-        fd = paths.open_regular(path)
+        try:
+            fd = paths.open_regular(path, follow=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
         stack.callback(os.close, fd)
         header, data_start = read_header(path)
         _add_entries(source, header, lambda at, n, fd=fd, path=path: _pread(fd, at, n, path), data_start, str(path))

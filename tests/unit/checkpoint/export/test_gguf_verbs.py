@@ -120,3 +120,14 @@ def test_hostile_gguf_is_refused_in_one_line(q8, tmp_path, capsys, case):
         assert expected in _one_error(capsys), case
     assert main(["export", str(path)]) != 0  # not a source of an export
     _one_error(capsys)
+
+
+def test_a_folder_of_links_exports_like_a_hugging_face_cache_folder(base, tmp_path):
+    """A Hugging Face cache snapshot is links into its blobs: the folder the user names is read through them."""
+    links = tmp_path / "snapshot"
+    links.mkdir()
+    for f in base.iterdir():
+        (links / f.name).symlink_to(f)
+    assert main(["export", str(links), "--type", "f16", "--out", str(tmp_path / "m.gguf"), "--no-progress"]) == 0
+    assert main(["export", str(links), "--to", "int8", "--out", str(tmp_path / "int8"), "--no-progress"]) == 0
+    assert (tmp_path / "int8" / "tokenizer.json").is_file() and not (tmp_path / "int8" / "tokenizer.json").is_symlink()
