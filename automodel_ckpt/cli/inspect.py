@@ -42,6 +42,14 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.checkpoint.export.archive import describe, is_archive
 
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
+    from automodel_ckpt.checkpoint.export.gguf_read import describe_gguf, is_gguf
+
+    if is_gguf(local):
+        if args.cost:
+            raise UsageError("--cost: needs a run folder, not a GGUF file")
+        info = describe_gguf(local)
+        print(json.dumps(info, indent=2) if args.json else render_gguf(info), flush=True)
+        return 0
     if is_archive(local):
         if args.cost:
             raise UsageError("--cost: needs a run folder, not an archive")
@@ -63,11 +71,28 @@ def render_archive(info: dict[str, Any]) -> str:
     """What an archive holds (``archive.describe``) in a few lines."""
     came = (f" from checkpoint {info['checkpoint']} of run {info['run']} (step {info['step']}, epoch "
             f"{info['epoch']})" if info["checkpoint"] else f" from an {info['source']} folder")
+    if info["source"] == "gguf":  # one GGUF file: `inspect` it unpacked for its model
+        return "\n".join([f"archive {info['archive']}: a GGUF file (inspect it after `tar -xf` for its model)",
+                          f"  {info['files']} members, {human_size(info['bytes'])}"])
     model = f"{info['model_type'] or 'unknown family'}" + (f" ({info['architecture']})" if info["architecture"] else "")
     dtypes = ", ".join(f"{k} {v:,}" for k, v in info["dtypes"].items()) or "no weights"
     return "\n".join([f"archive {info['archive']}: {info['holds']}{came}",
                       f"  model: {model}, {info['parameters']:,} parameters ({dtypes})",
                       f"  {info['files']} members, {human_size(info['bytes'])}"])
+
+
+def render_gguf(info: dict[str, Any]) -> str:
+    """What a GGUF file holds (``gguf_read.describe_gguf``) in a few lines."""
+    types = ", ".join(f"{k} {v:,}" for k, v in info["types"].items()) or "no tensors"
+    arch = info["architecture"] or "unknown architecture"
+    shape = ", ".join(f"{k.replace('_', ' ')} {info[k]}" for k in ("block_count", "embedding_length",
+                                                                    "context_length", "expert_count") if info[k])
+    tokenizer = (f"{info['tokenizer.ggml.model']} tokenizer, {info['vocabulary']:,} tokens"
+                 + (", chat template" if info["chat_template"] else ", no chat template"))
+    return "\n".join([f"GGUF {info['gguf']}: {info['name'] or '(no name)'}, llama.cpp architecture {arch}",
+                      f"  model: {shape}; {info['parameters']:,} parameters ({types})",
+                      f"  {tokenizer}",
+                      f"  {info['tensors']} tensors, {info['metadata_keys']} metadata keys, {human_size(info['bytes'])}"])
 
 
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:

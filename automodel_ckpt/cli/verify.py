@@ -49,6 +49,20 @@ def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
     return show(verify(path, checksums=checksums), "archive", checksums, quiet)
 
 
+def verify_gguf_file(path: Path, *, decode: bool) -> bool:
+    """Every tensor of a GGUF file inside it, sized for its type (and, unless ``decode`` is off, finite)."""
+    from automodel_ckpt.checkpoint.export.gguf_read import verify_gguf
+
+    report = verify_gguf(path, decode=decode)
+    print(f"GGUF {path} ({report.tensors} tensors, {human_size(report.bytes)}, "
+          f"{'decoded' if decode else 'sizes only'})")
+    for problem in report.problems:
+        print(f"  {problem}")
+    print(f"  OK: every tensor is whole" + (" and finite" if decode else "") if report.ok
+          else f"  FAILED: {len(report.problems)} problem(s)")
+    return report.ok
+
+
 def show(report: manifest.Report, kind: str, checksums: bool, quiet: bool) -> bool:
     """Print one verdict per file (``quiet``: problems only) and the outcome; whether every file matched."""
     n_files = len([v for v in report.verdicts if v.status != manifest.UNEXPECTED])
@@ -117,6 +131,12 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.checkpoint.storage import open_for_reading
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
+    from automodel_ckpt.checkpoint.export.gguf_read import is_gguf
+
+    if is_gguf(path):
+        ok = verify_gguf_file(path, decode=not args.sizes_only)
+        print(f"verify: {'OK' if ok else 'FAILED'}")
+        return 0 if ok else FAILED
     if is_archive(path) and not args.export:
         ok = verify_archive(path, checksums=not args.sizes_only, quiet=args.quiet)
         print(f"verify: {'OK' if ok else 'FAILED'}")

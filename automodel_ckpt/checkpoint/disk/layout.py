@@ -132,6 +132,9 @@ ARCHIVE_RECIPE = f"{ARCHIVE_DIR}/{CONFIG_FILE}"  # the checkpoint's config.yaml 
 ARCHIVE_METADATA = f"{ARCHIVE_DIR}/{METADATA_FILE}"  # the checkpoint's metadata.json
 ARCHIVE_MANIFEST = f"{ARCHIVE_DIR}/{MANIFEST_FILE}"  # every other member's size and checksum; the last member
 ARCHIVE_SUFFIX = ".tar"
+# --- quantized exports (`ckpt-train export --to gguf|int8`) -----------------------------------------------------
+GGUF_SUFFIX = ".gguf"
+INT8_EXPORT_DIR = "int8"  # default folder name of an int8 export, beside the checkpoint's consolidated/
 # Tokenizer (and image-text processor) files a Hugging Face model folder may hold (copied from a base folder when
 # no tokenizer is given).
 HF_TOKENIZER_FILES = (

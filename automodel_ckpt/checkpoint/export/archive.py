@@ -278,7 +278,8 @@ def describe(path: Path) -> dict[str, Any]:
         archs = config.get("architectures")
         return {
             "archive": str(path),
-            "holds": "adapter" if layout.ADAPTER_CONFIG in archive.members else "model",
+            "holds": "adapter" if layout.ADAPTER_CONFIG in archive.members else "GGUF file" if any(
+                n.endswith(layout.GGUF_SUFFIX) for n in archive.members) else "model",
             "source": str(source.get("kind", "")),
             "model_type": str(config.get("model_type") or config.get("peft_type") or ""),
             "architecture": str(archs[0]) if isinstance(archs, list) and archs else "",

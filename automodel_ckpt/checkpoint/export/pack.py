@@ -38,7 +38,7 @@ from automodel_ckpt.redact import redacted
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT, EXPORT, ADAPTER = "checkpoint", "export", "adapter"
+CHECKPOINT, EXPORT, ADAPTER, GGUF = "checkpoint", "export", "adapter", "gguf"
 _WEIGHTS_SUFFIX = ".safetensors"
 _COPY_CHUNK = 8 << 20
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -159,7 +159,7 @@ def _lay_out(entries: list[Entry]) -> tuple[list[tuple[int, bytes]], int, int]:
     mtime = int(time.time())
     pos, headers = 0, []
     for e in entries:
-        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith(_WEIGHTS_SUFFIX))
+        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith((_WEIGHTS_SUFFIX, layout.GGUF_SUFFIX)))
         headers.append((pos, header))
         e.at = pos + len(header)
         pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
@@ -288,9 +288,16 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
 
 # --- what goes in ----------------------------------------------------------------------------------------------
 def kind_of(src: Path) -> str:
-    """``checkpoint``, ``export`` (a Hugging Face folder) or ``adapter`` (a PEFT adapter folder)."""
+    """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
+    ``gguf`` (one GGUF file of `export --to gguf`, its header checked first)."""
+    from automodel_ckpt.checkpoint.export.gguf_read import is_gguf, open_gguf
+
+    if is_gguf(src):
+        open_gguf(src)  # a damaged header is refused here, not shipped
+        return GGUF
     if not src.is_dir():
-        raise UserError(f"'{src}' is not a folder; pack takes a checkpoint, an export folder or an adapter folder")
+        raise UserError(f"'{src}' is not a folder or a GGUF file; pack takes a checkpoint, an export folder, an "
+                        "adapter folder or a GGUF file")
     if (src / layout.METADATA_FILE).is_file() or (src / layout.MODEL_DIR).is_dir():
         return CHECKPOINT
     if (src / layout.ADAPTER_CONFIG).is_file():
@@ -305,6 +312,8 @@ def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], di
     """The members in archive order (the folder's files, its weights, this project's files) and the source."""
     kind = kind_of(src)
     source: dict[str, Any] = {"kind": kind, "name": src.resolve().name}
+    if kind == GGUF:
+        return [Entry(src.name, os.stat(src).st_size, path=src)], source
     if kind != CHECKPOINT:
         return _folder_entries(src, with_ours=True), source
     source.update(kind=CHECKPOINT, checkpoint=src.name, run=src.resolve().parent.name)

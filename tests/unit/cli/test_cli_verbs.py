@@ -10,7 +10,8 @@ from automodel_ckpt.cli import VERBS, main, usage
 from automodel_ckpt.cli.common import human_size
 
 POSITIONAL = {"consolidate": "ckpt", "inspect": "dir", "merge-lora": "ckpt", "verify": "path", "plot": "dir",
-              "preview": "recipe.yaml", "gc": "s3://bucket/run", "pack": "ckpt"}
+              "preview": "recipe.yaml", "gc": "s3://bucket/run", "pack": "ckpt",
+              "export": "ckpt"}
 
 
 def test_help_lists_every_verb(capsys):
