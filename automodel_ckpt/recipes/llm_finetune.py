@@ -19,6 +19,8 @@ from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.pipeline import prepare_data
+from automodel_ckpt.data.stream.build import build_streamed
+from automodel_ckpt.data.stream.corpus import is_streamed
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
@@ -103,18 +105,23 @@ class FinetuneRecipe(BaseRecipe):
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
-        with rng_untouched():
-            train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
-        self.dataloader = GlobalBatchLoader(
-            train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
-            rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-        )
-        self.val_batches = (
-            validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.dims.dp_rank,
-                               world_size=self.dims.dp_size)
-            if val_data is not None and len(val_data) else None
-        )
+        if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
+            with rng_untouched():
+                self.dataloader, self.val_batches, self.data_report = build_streamed(
+                    cfg, self.tokenizer, self.dims, log_ids=cfg.training.log_sample_ids)
+        else:
+            with rng_untouched():
+                train_data, val_data = self.build_data()
+            self.dataloader = GlobalBatchLoader(
+                train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
+                rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
+            )
+            self.val_batches = (
+                validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.dims.dp_rank,
+                                   world_size=self.dims.dp_size)
+                if val_data is not None and len(val_data) else None
+            )
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
@@ -257,6 +264,10 @@ class FinetuneRecipe(BaseRecipe):
                       "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)}
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
+            if hasattr(self.dataloader, "source_tokens"):  # a streamed corpus: tokens each source gave so far
+                record["source_tokens"] = self.dataloader.source_tokens
+                if self.dataloader.skipped_rows:
+                    record["skipped_rows"] = self.dataloader.skipped_rows
             self.train_log.append(record)
             self._observer.log_train(record | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)

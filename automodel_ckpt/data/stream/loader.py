@@ -1,0 +1,172 @@
+"""The streamed loader: DataLoader workers compute the global stream, each rank keeps its share, the position is global.
+
+Sequences are dealt in groups of ``dp`` (the data-parallel size): global sequence ``k`` goes to data-parallel rank
+``k mod dp``. With ``num_workers`` W, worker ``w`` of a rank hands over the groups ``g`` with ``g mod W == w``, and
+the DataLoader takes them from its workers in turn, so the rank sees its sequences in order whatever W is. Each
+reader computes the whole stream (the order of sequences depends on every document's length) and keeps its own: a
+simple, provable design that costs each reader the tokenization of the whole stream (docs/data.md, "Streaming").
+
+At the end of each step's last group, every reader attaches the stream's position; the loader keeps the one of the
+step it last handed out. That position is global (the same on every rank) and is what a checkpoint stores: a resume
+on any number of ranks and workers starts every reader from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from automodel_ckpt.data.loader import MicroBatch
+from automodel_ckpt.data.stream.corpus import Corpus, Shard
+from automodel_ckpt.data.stream.order import sequence_id
+from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
+
+#: ``steps_per_epoch`` of a streamed loader: a stream has no fixed epoch length (``step_scheduler.max_steps`` ends it).
+UNBOUNDED_STEPS = 1 << 40
+
+
+@dataclass
+class _Item:
+    tokens: np.ndarray | None
+    sequence_id: int = 0
+    position: dict[str, Any] | None = None  # the global position after this group, when it ends a step
+    error: str | None = None
+
+
+class _Share(IterableDataset):
+    """One rank's sequences from ``position`` on; in a worker, that worker's groups of them."""
+
+    def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
+                 position: dict[str, Any] | None, dp_rank: int, dp_size: int, groups_per_step: int) -> None:
+        self.args = (corpus, shards, tokenizer, settings, position)
+        self.dp_rank, self.dp_size, self.groups_per_step = dp_rank, dp_size, groups_per_step
+
+    def __iter__(self) -> Iterator[_Item]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        try:
+            stream = GlobalStream(*self.args)
+            g = 0
+            while True:
+                group = [stream.next_sequence() for _ in range(self.dp_size)]
+                if g % workers == worker:
+                    mine = group[self.dp_rank]
+                    ends_step = (g + 1) % self.groups_per_step == 0
+                    yield _Item(mine, sequence_id(mine), stream.position() if ends_step else None)
+                g += 1
+        except DataError as exc:  # every reader meets it at the same place: every rank stops at the same step
+            yield _Item(None, error=str(exc))
+
+
+class StreamLoader:
+    """Yields, per optimizer step, this rank's micro-batches of the next global batch of the stream.
+
+    ``state_dict`` is the global position after the last step (the same on every rank, so it is saved once);
+    ``load_state_dict`` checks the corpus against the one the position was taken on (``check_corpus``).
+    """
+
+    def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings, *,
+                 global_batch_size: int, local_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0,
+                 allow_appended_shards: bool = False, gather: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.corpus, self.shards, self.tokenizer, self.settings = corpus, shards, tokenizer, settings
+        self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
+        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
+        self.allow_appended_shards = allow_appended_shards
+        self.gather = gather
+        self.grad_accum = global_batch_size // (local_batch_size * dp_size)
+        self.steps_per_epoch = UNBOUNDED_STEPS
+        self.position: dict[str, Any] | None = None
+        self.last_sample_ids: list[int] = []
+        self._iter: Iterator[_Item] | None = None
+
+    # ------------------------------------------------------------------------------------------ batches
+    def _items(self) -> Iterator[_Item]:
+        if self._iter is None:
+            shards = self.shards if self.position is None else [
+                [Shard(*r) for r in s["shards"]] for s in self.position["sources"]]
+            share = _Share(self.corpus, shards, self.tokenizer, self.settings, self.position, self.dp_rank,
+                           self.dp_size, self.global_batch_size // self.dp_size)
+            workers = self.num_workers
+            self._iter = iter(DataLoader(share, batch_size=None, num_workers=workers,
+                                         prefetch_factor=4 if workers else None, persistent_workers=False))
+        return self._iter
+
+    def next_batch(self) -> tuple[int, list[MicroBatch]]:
+        """``(epoch, micro_batches)`` of the next optimizer step; advances the position."""
+        items = self._items()
+        taken = []
+        for _ in range(self.global_batch_size // self.dp_size):
+            item = next(items)
+            if item.error is not None:
+                raise DataError(item.error)
+            taken.append(item)
+        assert taken[-1].position is not None
+        self.position = taken[-1].position
+        rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
+        ids = torch.tensor([i.sequence_id for i in taken], dtype=torch.long)
+        micro = [MicroBatch(r, r.clone(), torch.ones_like(r), s)
+                 for r, s in zip(rows.split(self.local_batch_size), ids.split(self.local_batch_size))]
+        if self.gather is not None:  # the global batch's sequence ids in global order (sequence k: rank k mod dp)
+            full = torch.zeros(len(taken), self.dp_size, dtype=torch.float64)
+            full[:, self.dp_rank] = ids.double()
+            self.last_sample_ids = [int(x) for x in self.gather(full).reshape(-1).tolist()]
+        return self.epoch, micro
+
+    # ---------------------------------------------------------------------------------- what is reported
+    @property
+    def epoch(self) -> int:
+        return int(self.position["sources"][0]["epoch"]) if self.position else 0
+
+    @property
+    def source_tokens(self) -> list[int]:
+        return [int(s["tokens"]) for s in self.position["sources"]] if self.position else [0] * len(self.shards)
+
+    @property
+    def skipped_rows(self) -> int:
+        return int(self.position["skipped"]) if self.position else 0
+
+    # ------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "stream", "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "stream":
+            raise DataError("the checkpoint's data position is not a streamed corpus's; resume with the dataset it "
+                            "was trained on")
+        position = state["position"]
+        if position is not None:
+            for i, (saved, now) in enumerate(zip(position["sources"], self.shards)):
+                saved["shards"] = check_corpus([Shard(*r) for r in saved["shards"]], now, self.allow_appended_shards,
+                                               i if len(self.shards) > 1 else None)
+            if len(position["sources"]) != len(self.shards):
+                raise DataError(f"dataset: the checkpoint's corpus has {len(position['sources'])} sources, this "
+                                f"recipe {len(self.shards)}")
+        self.position = position
+        self._iter = None
+
+
+def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
+                 source: int | None = None) -> list[list[Any]]:
+    """The shard records to resume with: the checkpoint's, plus (with ``allow_appended``) the shards added since,
+    read from the next epoch on. A shard changed or gone, or one added without the override: ``DataError``."""
+    where = f"dataset.sources[{source}]" if source is not None else "dataset"
+    current = {s.path: s for s in now}
+    for s in saved:
+        c = current.get(s.path)
+        if c is None:
+            raise DataError(f"{where}: shard '{s.path}' of the checkpoint's corpus is gone; the corpus is part of "
+                            "the run's identity (restore the file, or start a new run)")
+        if (c.size, c.version) != (s.size, s.version):
+            raise DataError(f"{where}: shard '{s.path}' changed since the checkpoint (size {s.size} -> {c.size}, "
+                            f"version {s.version} -> {c.version}); restore it, or start a new run")
+    known = {s.path for s in saved}
+    added = [s for s in now if s.path not in known]
+    if added and not allow_appended:
+        raise DataError(f"{where}: {len(added)} shard(s) added since the checkpoint (first: '{added[0].path}'); "
+                        "--data.allow_appended_shards true reads them from the next epoch on")
+    return [s.record() for s in [*saved, *added]]

@@ -1,0 +1,154 @@
+"""Rows of one shard from a position, and rows fetched back by reference: json lines, plain text, parquet.
+
+A row's reference (``key``) is what finds it again in constant time: the byte offset of its line (json lines, text;
+in a compressed file, the offset in the decompressed stream, reached by decompressing up to it), or its row number
+(parquet: the row group is found from the footer). Bad input never raises here: it comes back as a row whose
+``error`` says what is wrong, so the stream decides whether to skip it (``data.skip_bad_rows``) or stop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+from automodel_ckpt.data.stream.corpus import filesystem
+from automodel_ckpt.errors import UserError
+
+
+class DataError(UserError):
+    """A streamed file or row that cannot be read: one line naming the file and the row."""
+
+
+@dataclass
+class Row:
+    key: int  # where the row is found again (byte offset or row number)
+    row: int  # its number in the file (0-based; for messages)
+    text: str | None = None
+    error: str | None = None  # why the row (or the whole file, from here on) cannot be read
+    next_key: int = 0  # the key of the row after it
+
+
+def _open(path: str, storage_options: dict[str, Any] | None, compression: str | None = "infer") -> Any:
+    fs, inner = filesystem(path, storage_options)
+    return fs.open(inner, "rb", compression=compression)
+
+
+def _text_of(line: bytes, fmt: str, text_field: str) -> tuple[str | None, str | None]:
+    """``(text, error)`` of one line of a json-lines or text file."""
+    if fmt == "text":
+        return line.decode("utf-8", errors="replace").rstrip("\r\n"), None
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        return None, f"bad JSON ({str(exc).splitlines()[0]})"
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        return None, f"no string field '{text_field}'"
+    return record[text_field], None
+
+
+def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
+           row: int) -> Iterator[Row]:
+    try:
+        f = _open(path, storage_options)
+    except (OSError, ValueError) as exc:
+        yield Row(key, row, error=f"cannot open ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        return
+    with f:
+        try:
+            if key:
+                f.seek(key)
+            for line in f:
+                offset, key = key, key + len(line)
+                if not line.strip():
+                    continue
+                text, error = _text_of(line, fmt, text_field)
+                yield Row(offset, row, text, error, key)
+                row += 1
+        except (OSError, EOFError, ValueError) as exc:  # truncated compressed stream, a file gone mid-read
+            yield Row(key, row, error=f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+
+
+def _parquet_file(path: str, storage_options: dict[str, Any] | None) -> Any:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(_open(path, storage_options, compression=None))
+
+
+def _group_starts(pf: Any) -> list[int]:
+    starts = [0]
+    for g in range(pf.metadata.num_row_groups):
+        starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
+    return starts
+
+
+def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None, key: int) -> Iterator[Row]:
+    import bisect
+
+    try:
+        pf = _parquet_file(path, storage_options)
+        starts = _group_starts(pf)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: all one line here
+        yield Row(key, key, error=f"not a readable parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        return
+    first = max(bisect.bisect_right(starts, key) - 1, 0)
+    for g in range(first, len(starts) - 1):
+        try:
+            column = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+        except KeyError:
+            yield Row(starts[g], starts[g], error=f"no column '{text_field}'")
+            return
+        except Exception as exc:  # noqa: BLE001
+            yield Row(starts[g], starts[g], error=f"row group {g} unreadable ({type(exc).__name__}: "
+                                                   f"{str(exc).splitlines()[0]})")
+            return
+        for i in range(max(key - starts[g], 0), len(column)):
+            r = starts[g] + i
+            text = column[i]
+            yield Row(r, r, text if isinstance(text, str) else None,
+                      None if isinstance(text, str) else f"'{text_field}' is not a string", r + 1)
+
+
+def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
+              row: int = 0) -> Iterator[Row]:
+    """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order."""
+    if fmt == "parquet":
+        return _parquet(path, text_field, storage_options, key)
+    return _lines(path, fmt, text_field, storage_options, key, row)
+
+
+def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None,
+               keys: Iterable[int]) -> dict[int, str]:
+    """The texts of the rows at ``keys`` (a resume's shuffle buffer and packing carry-over): one read each, or one
+    per row group; ``DataError`` if one cannot be read back (the file changed)."""
+    wanted = sorted(set(keys))
+    out: dict[int, str] = {}
+    if not wanted:
+        return out
+    try:
+        if fmt == "parquet":
+            import bisect
+
+            pf = _parquet_file(path, storage_options)
+            starts = _group_starts(pf)
+            groups: dict[int, list[int]] = {}
+            for k in wanted:
+                groups.setdefault(bisect.bisect_right(starts, k) - 1, []).append(k)
+            for g, ks in groups.items():
+                column = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+                out.update({k: column[k - starts[g]] for k in ks})
+        else:
+            with _open(path, storage_options) as f:
+                for k in wanted:
+                    f.seek(k)
+                    text, error = _text_of(f.readline(), fmt, text_field)
+                    if error:
+                        raise DataError(f"{path}: the row at byte {k} no longer reads ({error}); the file changed "
+                                        "since the checkpoint")
+                    out[k] = text  # type: ignore[assignment]
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(f"{path}: cannot read back rows of the checkpointed position "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return out
