@@ -281,13 +281,13 @@ class FinetuneRecipe(BaseRecipe):
             saved = None
             if scheduled or (self.checkpointer.enabled and agreed.preempt):
                 info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
-                                extra={"consumed_samples": sched.consumed_samples})
+                                extra=self._save_extra())
                 saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
                                             preemption=agreed.preempt)
                 boundary.saved()
             elif self.checkpointer.local_due(sched.step) and not sched.done:  # node-local: the snapshot only
                 self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
-                                                    extra={"consumed_samples": sched.consumed_samples}))
+                                                    extra=self._save_extra()))
             self._report_local_faults(sched.step)
             if agreed.preempt and not sched.done:
                 self._observer.finalize(self.finalize_checkpoints, sched.step)
@@ -306,6 +306,13 @@ class FinetuneRecipe(BaseRecipe):
         line = self._observer.end(sched.step, "complete")
         if self.env.is_main and line:
             self.progress.write(line)
+
+    def _save_extra(self) -> dict[str, Any]:
+        """What a checkpoint's metadata records besides the step: samples consumed, a stream's data position."""
+        extra: dict[str, Any] = {"consumed_samples": self.step_scheduler.consumed_samples}
+        if hasattr(self.dataloader, "summary"):
+            extra["data_position"] = self.dataloader.summary()
+        return extra
 
     def _report_local_faults(self, step: int) -> None:
         """Node-local steps abandoned (or written again) since the last call, to events.jsonl and the trackers."""

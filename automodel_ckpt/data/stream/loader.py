@@ -130,6 +130,23 @@ class StreamLoader:
     def skipped_rows(self) -> int:
         return int(self.position["skipped"]) if self.position else 0
 
+    def summary(self) -> dict[str, Any] | None:
+        """Where the stream is, for a checkpoint's metadata and ``inspect``: per source the epoch, the shard being
+        read (its place in the epoch's order and its path), the next row, the tokens consumed."""
+        p = self.position
+        if p is None:
+            return None
+        from automodel_ckpt.data.stream.order import shard_order
+
+        sources = []
+        for i, src in enumerate(p["sources"]):
+            n, pos = int(src["n"]), min(int(src["pos"]), int(src["n"]) - 1)
+            shard = shard_order(n, self.settings.seed, i, int(src["epoch"]), self.settings.shuffle)[pos]
+            sources.append({"epoch": int(src["epoch"]), "shard": pos + 1, "shards": n, "path": src["shards"][shard][0],
+                            "row": int(src["row"]), "tokens": int(src["tokens"]),
+                            "buffered_rows": len(src["buffer_keys"])})
+        return {"sequences": int(p["sequences"]), "skipped_rows": int(p["skipped"]), "sources": sources}
+
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "stream", "position": self.position}
