@@ -50,6 +50,10 @@ class _End(Exception):
     """A one-pass stream reached the end of its corpus."""
 
 
+class _EpochEnd(Exception):
+    """A source's epoch has no row left to read (its shuffle buffer may still hold some)."""
+
+
 @dataclass
 class _Doc:
     source: int
@@ -194,14 +198,18 @@ class GlobalStream:
             d.tokens = t
 
     def _take(self, src: _Source) -> _Doc:
-        """The next document of ``src`` out of its shuffle buffer (filled first)."""
+        """The next document of ``src`` out of its shuffle buffer (filled first). The buffer does not span epochs:
+        at the end of an epoch it is emptied before the next epoch's first row enters it, so every epoch hands out
+        each good row exactly once."""
         while len(src.buffer) < self.buffer_size:
+            if src.pos >= src.n:  # this epoch's rows are all read
+                if src.buffer:
+                    break
+                self._next_epoch(src)
             try:
                 src.buffer.append(self._read(src))
-            except _End:
-                if not src.buffer:
-                    raise
-                break
+            except _EpochEnd:  # the epoch's last rows were bad: the loop ends it
+                continue
         j = order.buffer_pick(self.settings.seed, src.index, src.taken, len(src.buffer))
         src.taken += 1
         doc = src.buffer[j]
@@ -216,8 +224,9 @@ class GlobalStream:
         return src.order_cache[2]
 
     def _read(self, src: _Source) -> _Doc:
-        """The next good row of ``src`` in reading order (bad ones skipped and counted, or ``DataError``)."""
-        while True:
+        """The next good row of ``src`` in this epoch's reading order (bad ones skipped and counted, or
+        ``DataError``); ``_EpochEnd`` when the epoch has no more."""
+        while src.pos < src.n:
             shard = self._order(src)[src.pos]
             if src.rows is None:
                 src.rows = read_rows(src.shards[shard].path, src.fmt[shard], self.text_field,
@@ -240,17 +249,18 @@ class GlobalStream:
             src.key, src.row = row.next_key, row.row + 1
             src.epoch_rows += 1
             return _Doc(src.index, shard, row.key, row.text or "")
+        raise _EpochEnd()
 
     def _next_shard(self, src: _Source) -> None:
         src.rows = None
         src.pos, src.key, src.row, src.seen = src.pos + 1, 0, 0, 0
-        if src.pos < src.n:
-            return
+
+    def _next_epoch(self, src: _Source) -> None:
+        """The next epoch of ``src`` (its shards, appended ones included, in the next seeded order)."""
         if src.epoch_rows == 0:
             raise DataError(f"dataset: no readable row in any of the {src.n} shards of source {src.index} "
                             f"(first: {src.shards[0].path})")
         if self.settings.one_pass:
-            src.pos -= 1
             raise _End()
         src.epoch, src.pos, src.n, src.epoch_rows = src.epoch + 1, 0, len(src.shards), 0
 

@@ -48,7 +48,7 @@ def test_every_position_resumes_the_same_sequences(tmp_path, kind):
     elif kind == "text":
         corpus = streamed_corpus(path=str(text_files(tmp_path) / "*.txt"))
     else:
-        corpus = streamed_corpus(path=str(jsonl_files(tmp_path, gz=kind.endswith("gz")) / "part-*"))
+        corpus = streamed_corpus(path=str(jsonl_files(tmp_path, files=3, rows=12, gz=kind.endswith("gz")) / "part-*"))
     settings = StreamSettings(seq_length=24, seed=5, shuffle_buffer=9)
     seqs, positions, stream = _run(corpus, settings, 90)
     assert stream.epoch >= 1  # the run crossed an epoch boundary (a new shard order)
@@ -149,3 +149,13 @@ def test_the_loader_keeps_the_global_position_of_its_last_step(tmp_path):
     got = [sequence_id(r.numpy()) for mb in micro for r in mb.input_ids]
     want = [sequence_id(s) for s in _run(corpus, settings, 32)[0][24:32]]
     assert got == want
+
+
+def test_each_epoch_hands_out_every_row_once_even_with_a_buffer_larger_than_the_corpus(tmp_path):
+    corpus = streamed_corpus(path=str(jsonl_files(tmp_path, files=3, rows=10) / "*.jsonl"))
+    stream = GlobalStream(corpus, corpus.list_shards(), TOK, StreamSettings(seq_length=8, seed=1, shuffle_buffer=1000))
+    src = stream.sources[0]
+    rows = 3 * 10 + 3  # files of 10, 11 and 12 rows
+    for epoch in range(3):
+        taken = [stream._take(src) for _ in range(rows)]
+        assert len({(d.shard, d.key) for d in taken}) == rows and src.epoch == epoch
