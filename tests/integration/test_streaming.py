@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from automodel_ckpt.checkpoint.disk.metadata import read_metadata
 from tests.integration.harness import REPO, ckpt_train, jsonl
 
 KEYS = ("--step_scheduler.global_batch_size", "12", "--step_scheduler.local_batch_size", "2",
@@ -122,3 +123,21 @@ def test_a_corrupt_row_and_a_changed_corpus_are_one_line_each(corpus, assets, tm
     first = next(x for x in lines if x.startswith("error:"))
     assert "train-03.jsonl row 40: bad JSON" in first and "Traceback" not in fresh.stderr, fresh.stderr[-2000:]
     assert any(x.startswith("[rank 1] error:") and "row 40: bad JSON" in x for x in lines)  # every rank stops there
+
+
+def test_a_corpus_on_s3_is_read_and_resumed_with_the_local_runs_sequences(corpus, assets, straight, seaweed, tmp_path):
+    root, _, _ = corpus
+    fs, bucket = seaweed.filesystem(), seaweed.new_bucket()
+    for f in sorted((root / "train").iterdir()):
+        fs.put(str(f), f"{bucket}/corpus/{f.name}")
+    target = "automodel_ckpt.data.stream.corpus.streamed_corpus"
+    recipe = _recipe(tmp_path / "s3.yaml", {"_target_": target, "path": f"s3://{bucket}/corpus/*.jsonl"}, None)
+    env = seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    run = ("--checkpoint.checkpoint_dir", "s3run")
+    ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", "3", "--data.num_workers", "2",
+               nproc=2, recipe=recipe, env=env)
+    ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", "6", nproc=1, recipe=recipe, env=env)
+    got = _records(tmp_path / "s3run")
+    assert [got[s]["sample_ids"] for s in range(1, 7)] == [straight[s]["sample_ids"] for s in range(1, 7)]
+    meta = read_metadata(tmp_path / "s3run" / "epoch_0_step_6")
+    assert meta["extra"]["data_position"]["sources"][0]["path"].startswith(f"s3://{bucket}/corpus/train-")
