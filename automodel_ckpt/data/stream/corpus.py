@@ -133,7 +133,7 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
     scheme, inner = path.split("://", 1)
     key = (os.getpid(), scheme.lower(), repr(sorted((storage_options or {}).items())))
     if key not in _FILESYSTEMS:
-        from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+        from automodel_ckpt.checkpoint.storage import open_filesystem
 
         _FILESYSTEMS[key] = open_filesystem(f"{scheme.lower()}://{inner}", storage_options)
     return _FILESYSTEMS[key], inner
