@@ -157,6 +157,7 @@ class StreamLoader:
                             "was trained on")
         position = state["position"]
         if position is not None:
+            check_position(position, self.settings.shuffle_buffer)
             for i, (saved, now) in enumerate(zip(position["sources"], self.shards)):
                 saved["shards"] = check_corpus([Shard(*r) for r in saved["shards"]], now, self.allow_appended_shards,
                                                i if len(self.shards) > 1 else None)
@@ -187,3 +188,42 @@ def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
         raise DataError(f"{where}: {len(added)} shard(s) added since the checkpoint (first: '{added[0].path}'); "
                         "--data.allow_appended_shards true reads them from the next epoch on")
     return [s.record() for s in [*saved, *added]]
+
+
+def check_position(p: Any, shuffle_buffer: int) -> None:
+    """A position read from a checkpoint (untrusted) has the expected shape and bounds: every count and index that
+    drives a read is in range, so a damaged or foreign file cannot make a resume read more than a position may.
+    Its file paths are checked against the recipe's own listing (``check_corpus``)."""
+    from automodel_ckpt.data.stream.stream import DRAW_BATCH
+
+    def bad(what: str) -> DataError:
+        return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
+
+    def ints(values: Any, low: int, high: int, what: str) -> None:
+        if not isinstance(values, list) or not all(isinstance(v, int) and low <= v < high for v in values):
+            raise bad(what)
+
+    if not isinstance(p, dict) or not isinstance(p.get("sources"), list) or not isinstance(p.get("pending"), list):
+        raise bad("not a position")
+    ints([p.get(k) for k in ("docs", "offset", "sequences", "skipped")], 0, 1 << 62, "counters")
+    for src in p["sources"]:
+        if not isinstance(src, dict) or not isinstance(src.get("shards"), list) or not src["shards"]:
+            raise bad("a source without shards")
+        n = len(src["shards"])
+        if not all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], int)
+                   for r in src["shards"]):
+            raise bad("a shard record")
+        ints([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")], 0, 1 << 62,
+             "a source's counters")
+        ints([src.get("n")], 1, n + 1, "the shards of an epoch")
+        ints([src.get("pos")], 0, src["n"] + 1, "the place in the shard order")
+        ints(src.get("buffer_shards"), 0, n, "the shuffle buffer")
+        ints(src.get("buffer_keys"), 0, 1 << 62, "the shuffle buffer")
+        if len(src["buffer_shards"]) != len(src["buffer_keys"]) or len(src["buffer_keys"]) > shuffle_buffer:
+            raise bad(f"a shuffle buffer of {len(src['buffer_keys'])} rows, data.shuffle_buffer is {shuffle_buffer}")
+    if len(p["pending"]) > DRAW_BATCH + 1:
+        raise bad("too many pending documents")
+    for d in p["pending"]:
+        if not (isinstance(d, list) and len(d) == 3 and all(isinstance(v, int) for v in d)
+                and 0 <= d[0] < len(p["sources"]) and 0 <= d[1] < len(p["sources"][d[0]]["shards"]) and d[2] >= 0):
+            raise bad("a pending document")

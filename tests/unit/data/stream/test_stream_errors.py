@@ -128,3 +128,27 @@ def test_appended_shards_are_refused_or_read_from_the_next_epoch(tmp_path):
         decoded.append((epoch, "".join(chr(t - 3) if t > 2 else "|" for t in micro[0].input_ids.flatten().tolist())))
     assert not any("new" in text for epoch, text in decoded if epoch == 0)  # the epoch under way keeps its shards
     assert any("new" in text for epoch, text in decoded if epoch >= 1)
+
+
+def test_a_malformed_position_from_a_checkpoint_is_refused_before_any_read(tmp_path):
+    folder = jsonl_files(tmp_path, files=2, rows=30)
+    corpus = streamed_corpus(path=str(folder / "*.jsonl"))
+    settings = StreamSettings(seq_length=16, seed=1, shuffle_buffer=8)
+
+    def loader():
+        return StreamLoader(corpus, corpus.list_shards(), TOK, settings, global_batch_size=2, local_batch_size=2,
+                            dp_rank=0, dp_size=1)
+
+    first = loader()
+    first.next_batch()
+    good = json.loads(json.dumps(first.state_dict()))
+    for damage, what in [(lambda p: p["sources"][0]["buffer_keys"].extend(range(10**6)), "shuffle buffer"),
+                         (lambda p: p["sources"][0]["buffer_shards"].__setitem__(0, 7), "shuffle buffer"),
+                         (lambda p: p["pending"].append([0, 5, 0]), "pending"),
+                         (lambda p: p["sources"][0].__setitem__("pos", 99), "shard order"),
+                         (lambda p: p["sources"][0]["shards"][0].__setitem__(0, "/etc/passwd"), "gone")]:
+        state = json.loads(json.dumps(good))
+        damage(state["position"])
+        with pytest.raises(DataError, match=what):
+            loader().load_state_dict(state)
+    loader().load_state_dict(good)
