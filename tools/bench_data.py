@@ -53,11 +53,11 @@ def write_corpus(folder: Path, megabytes: int, files: int) -> Path:
             written = 0
             while written < per_file:
                 chunk = block[: per_file - written]
-                cut = chunk.rfind(b"\n") + 1 or len(chunk)
-                out.write(chunk[:cut])
-                written += cut
+                cut = chunk.rfind(b"\n") + 1  # whole lines only
                 if cut == 0:
                     break
+                out.write(chunk[:cut])
+                written += cut
     return folder
 
 
@@ -144,21 +144,38 @@ def _child(kind: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def trainer(corpus: str, assets: Path, work: Path, steps: int) -> dict:
+def trainer(corpus: str, assets: Path, work: Path, steps: int, streamed: bool = True) -> dict:
+    """The tiny pretraining recipe on 2 processes over ``corpus``: streamed (2 workers per rank), or the same
+    files tokenized up front and packed (``load_local_dataset``): median step time and tokens per second per rank."""
     env = {**os.environ, "AUTOMODEL_CKPT_ASSETS": str(assets), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1"}
-    run = work / "trainer"
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "hf_datasets")}
+    run = work / ("trainer" if streamed else "trainer_pretokenized")
+    data = (["--dataset._target_", TARGET, "--dataset.path", corpus, "--data.num_workers", "2"] if streamed else
+            ["--dataset._target_", "automodel_ckpt.data.files.load_local_dataset", "--dataset.path", corpus,
+             "--data.packing", "true", "--data.val_size", "0"])
     cmd = [str(Path(sys.executable).parent / "ckpt-train"), "--nproc-per-node", "2", str(RECIPE),
-           "--training.progress_bar", "false", "--dataset._target_", TARGET, "--dataset.path", corpus,
-           "--validation_dataset", "null", "--step_scheduler.max_steps", str(steps), "--checkpoint.enabled", "false",
-           "--checkpoint.checkpoint_dir", str(run), "--data.num_workers", "2"]
+           "--training.progress_bar", "false", *data, "--validation_dataset", "null", "--step_scheduler.max_steps",
+           str(steps), "--checkpoint.enabled", "false", "--checkpoint.checkpoint_dir", str(run)]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"trainer failed:\n{done.stderr[-3000:]}")
     records = [json.loads(x) for x in (run / "training.jsonl").read_text().splitlines()][5:]  # warm steps only
     global_rate = statistics.median(r["tokens_per_sec"] for r in records)
-    return {"trainer_tokens_per_sec_per_rank": global_rate / 2, "trainer_step_seconds": statistics.median(
-        r["step_seconds"] for r in records)}
+    suffix = "" if streamed else "_pretokenized"
+    return {f"trainer_tokens_per_sec_per_rank{suffix}": global_rate / 2, f"trainer_step_seconds{suffix}":
+            statistics.median(r["step_seconds"] for r in records)}
+
+
+def step_time_only(work: Path, steps: int) -> None:
+    """``--step-time``: the tiny recipe's step, streamed vs tokenized up front, over the same 8 MB of files."""
+    assets = work / "assets"
+    _tokenizer(assets)
+    folder = write_corpus(work / "pre", 8, 8)
+    results = trainer(str(folder / "*.jsonl"), assets, work, steps) | trainer(str(folder), assets, work, steps, False)
+    (work / "bench_data_step.json").write_text(json.dumps(results, indent=2))
+    print(f"| step time, streamed / tokenized up front | {results['trainer_step_seconds']:.3f} s / "
+          f"{results['trainer_step_seconds_pretokenized']:.3f} s "
+          f"({results['trainer_step_seconds'] / results['trainer_step_seconds_pretokenized']:.2f}x) |")
 
 
 def main() -> None:
@@ -171,6 +188,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--step-time", action="store_true", help="only the step time, streamed vs tokenized up front")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -182,6 +200,9 @@ def main() -> None:
         return
     work = args.out or Path(tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.step_time:
+        step_time_only(work, args.steps)
+        return
     assets = work / "assets"
     _tokenizer(assets)
     small = write_corpus(work / "small", args.small_mb, args.files)
