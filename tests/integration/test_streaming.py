@@ -1,5 +1,6 @@
-"""Streamed corpora end to end: a straight 2-rank run equals the chain 2 -> 1 -> tp 2 -> 3 processes, workers 0 and 2,
-shuffle buffer on; a blend of three sources resumed; a corrupt row and a changed corpus are one line each."""
+"""Streamed corpora end to end: a straight 2-rank run equals the chain 2 (killed) -> 1 -> tp 2 -> 3 processes, workers 0
+and 2, shuffle buffer on; a blend of three sources resumed; a corpus on S3; a corrupt row and a changed corpus are one
+line each."""
 
 from __future__ import annotations
 
@@ -65,12 +66,16 @@ def straight(corpus, assets):
 def test_resume_on_1_then_tp2_then_3_processes_sees_the_same_sequences(corpus, assets, straight, tmp_path):
     _, recipe, _ = corpus
     run = ("--checkpoint.checkpoint_dir", "chain")
-    legs = [(2, "3", "0", ()), (1, "6", "2", ()), (2, "9", "2", ("--distributed.tp_size", "2")), (3, "12", "0", ())]
+    # 2 ranks SIGKILLed while saving step 6 (steps 4-5 done, their log lines written): the resume starts at step 3
+    killed = ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", "12", "--data.num_workers", "0",
+                        "--recipe", "tests.integration.recipes_for_tests.CrashDuringSaveRecipe", nproc=2, recipe=recipe,
+                        env={"CRASH_AT_STEP": "6", "PYTHONPATH": str(REPO)}, check=False)
+    assert killed.returncode != 0 and max(_records(tmp_path / "chain")) >= 5
+    legs = [(1, "6", "2", ()), (2, "9", "2", ("--distributed.tp_size", "2")), (3, "12", "0", ())]
     for nproc, steps, workers, extra in legs:
         out = ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", steps, "--data.num_workers",
                          workers, *extra, nproc=nproc, recipe=recipe)
-        if steps != "3":
-            assert "data position kept" in out.stdout
+        assert "data position kept" in out.stdout
     got = _records(tmp_path / "chain")
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
