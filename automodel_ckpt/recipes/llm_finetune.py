@@ -269,7 +269,8 @@ class FinetuneRecipe(BaseRecipe):
                 if self.dataloader.skipped_rows:
                     record["skipped_rows"] = self.dataloader.skipped_rows
             self.train_log.append(record)
-            self._observer.log_train(record | {"consumed_samples": sched.consumed_samples})
+            per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
+            self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
             agreed = boundary.check()  # every rank: preempted? a timed save due? (one all-reduce, if configured)
             scheduled = self.checkpointer.enabled and (sched.is_ckpt_step or agreed.time_due)
