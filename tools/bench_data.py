@@ -99,7 +99,7 @@ def _position_at(c, shards, tok, fraction: float) -> dict:
     start = {"version": POSITION_VERSION, "sources": [{
         "shards": [s.record() for s in shards[0]], "epoch": 0, "n": n, "pos": min(int(fraction * n), n - 1),
         "key": 0, "row": 0, "seen": 0, "epoch_rows": 1, "taken": 0, "tokens": 0, "buffer_shards": [],
-        "buffer_keys": []}], "docs": 0, "pending": [], "offset": 0, "sequences": 0, "skipped": 0}
+        "buffer_keys": []}], "docs": 0, "pending": [], "offset": 0, "sequences": 0, "skipped": 0, "epoch": 0}
     stream = GlobalStream(c, shards, tok, _settings(), start)
     for _ in range(200):
         stream.next_sequence()

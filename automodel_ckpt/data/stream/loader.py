@@ -120,7 +120,7 @@ class StreamLoader:
     # ---------------------------------------------------------------------------------- what is reported
     @property
     def epoch(self) -> int:
-        return int(self.position["sources"][0]["epoch"]) if self.position else 0
+        return int(self.position["epoch"]) if self.position else 0
 
     @property
     def source_tokens(self) -> list[int]:
@@ -205,7 +205,7 @@ def check_position(p: Any, shuffle_buffer: int) -> None:
 
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list) or not isinstance(p.get("pending"), list):
         raise bad("not a position")
-    ints([p.get(k) for k in ("docs", "offset", "sequences", "skipped")], 0, 1 << 62, "counters")
+    ints([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], 0, 1 << 62, "counters")
     for src in p["sources"]:
         if not isinstance(src, dict) or not isinstance(src.get("shards"), list) or not src["shards"]:
             raise bad("a source without shards")
@@ -224,6 +224,7 @@ def check_position(p: Any, shuffle_buffer: int) -> None:
     if len(p["pending"]) > DRAW_BATCH + 1:
         raise bad("too many pending documents")
     for d in p["pending"]:
-        if not (isinstance(d, list) and len(d) == 3 and all(isinstance(v, int) for v in d)
-                and 0 <= d[0] < len(p["sources"]) and 0 <= d[1] < len(p["sources"][d[0]]["shards"]) and d[2] >= 0):
+        if not (isinstance(d, list) and len(d) == 4 and all(isinstance(v, int) for v in d)
+                and 0 <= d[0] < len(p["sources"]) and 0 <= d[1] < len(p["sources"][d[0]]["shards"]) and d[2] >= 0
+                and d[3] >= 0):
             raise bad("a pending document")

@@ -30,7 +30,7 @@ from automodel_ckpt.data.stream.readers import DataError, Row, fetch_rows, read_
 #: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
 DRAW_BATCH = 64
 #: Version of the position's layout: a checkpoint with another one is refused (not misread).
-POSITION_VERSION = 1
+POSITION_VERSION = 2
 
 
 @dataclass
@@ -61,6 +61,7 @@ class _Doc:
     key: int
     text: str
     tokens: list[int] | None = None
+    epoch: int = 0  # the epoch of its source it was read in
 
 
 @dataclass
@@ -107,6 +108,7 @@ class GlobalStream:
         self.offset = 0
         self.sequences = 0
         self.skipped = 0
+        self.trained_epoch = 0  # the epoch of the document that ended the last sequence
         self.last_skip: str | None = None
         if position is not None:
             self._restore(position)
@@ -115,8 +117,8 @@ class GlobalStream:
     def position(self) -> dict[str, Any]:
         """The position after the last sequence made: plain ints, strings and lists (checkpointed as is)."""
         return {"version": POSITION_VERSION, "sources": [s.record() for s in self.sources], "docs": self.docs,
-                "pending": [[d.source, d.shard, d.key] for d in self.pending], "offset": self.offset,
-                "sequences": self.sequences, "skipped": self.skipped}
+                "pending": [[d.source, d.shard, d.key, d.epoch] for d in self.pending], "offset": self.offset,
+                "sequences": self.sequences, "skipped": self.skipped, "epoch": self.trained_epoch}
 
     def _restore(self, p: dict[str, Any]) -> None:
         if p.get("version") != POSITION_VERSION:
@@ -129,11 +131,12 @@ class GlobalStream:
             src.buffer = [_Doc(src.index, int(sh), int(k), "") for sh, k in zip(rec["buffer_shards"], rec["buffer_keys"])]
             for d in src.buffer:
                 wanted.setdefault((src.index, d.shard), set()).add(d.key)
-        self.pending = deque(_Doc(int(s), int(sh), int(k), "") for s, sh, k in p["pending"])
+        self.pending = deque(_Doc(int(s), int(sh), int(k), "", epoch=int(e)) for s, sh, k, e in p["pending"])
         for d in self.pending:
             wanted.setdefault((d.source, d.shard), set()).add(d.key)
         self.docs, self.offset = int(p["docs"]), int(p["offset"])
         self.sequences, self.skipped = int(p["sequences"]), int(p["skipped"])
+        self.trained_epoch = int(p["epoch"])
         texts = {}
         for (s, sh), keys in sorted(wanted.items()):
             src = self.sources[s]
@@ -157,6 +160,7 @@ class GlobalStream:
             take = min(len(doc.tokens) - self.offset, n - filled)
             out[filled:filled + take] = doc.tokens[self.offset:self.offset + take]
             self.sources[doc.source].tokens += take
+            self.trained_epoch = doc.epoch
             filled += take
             self.offset += take
             if self.offset == len(doc.tokens):
@@ -215,6 +219,7 @@ class GlobalStream:
         doc = src.buffer[j]
         src.buffer[j] = src.buffer[-1]
         src.buffer.pop()
+        doc.epoch = src.epoch  # the buffer never spans epochs
         return doc
 
     def _order(self, src: _Source) -> list[int]:
@@ -276,7 +281,8 @@ class GlobalStream:
     # -------------------------------------------------------------------------------------------- misc
     @property
     def epoch(self) -> int:
-        return self.sources[0].epoch
+        """The epoch of the data trained on: that of the document that ended the last sequence."""
+        return self.trained_epoch
 
     def source_tokens(self) -> list[int]:
         return [s.tokens for s in self.sources]

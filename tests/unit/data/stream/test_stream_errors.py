@@ -144,7 +144,7 @@ def test_a_malformed_position_from_a_checkpoint_is_refused_before_any_read(tmp_p
     good = json.loads(json.dumps(first.state_dict()))
     for damage, what in [(lambda p: p["sources"][0]["buffer_keys"].extend(range(10**6)), "shuffle buffer"),
                          (lambda p: p["sources"][0]["buffer_shards"].__setitem__(0, 7), "shuffle buffer"),
-                         (lambda p: p["pending"].append([0, 5, 0]), "pending"),
+                         (lambda p: p["pending"].append([0, 5, 0, 0]), "pending"),
                          (lambda p: p["sources"][0].__setitem__("pos", 99), "shard order"),
                          (lambda p: p["sources"][0]["shards"][0].__setitem__(0, "/etc/passwd"), "gone")]:
         state = json.loads(json.dumps(good))
