@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint.disk.metadata import read_metadata
-from tests.integration.harness import REPO, ckpt_train, jsonl
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, jsonl, run_command
 
 KEYS = ("--step_scheduler.global_batch_size", "12", "--step_scheduler.local_batch_size", "2",
         "--data.seq_length", "32", "--data.shuffle_buffer", "50", "--step_scheduler.ckpt_every_steps", "3",
@@ -88,6 +88,9 @@ def test_resume_on_1_then_tp2_then_3_processes_sees_the_same_sequences(corpus, a
             assert got[step]["loss"] == pytest.approx(straight[step]["loss"], abs=1e-5)
     position = (tmp_path / "chain" / "epoch_0_step_12" / "dataloader.pt")
     assert position.stat().st_size < 64 * 1024  # row references, not rows
+    shown = run_command([CKPT_TRAIN, "inspect", str(tmp_path / "chain")])
+    assert "data position at epoch_0_step_12: 144 sequences; source 0: epoch 0, shard " in shown.stdout
+    assert f"{12 * 12 * 32} tokens consumed" in shown.stdout
 
 
 def test_a_blend_of_three_sources_resumes_with_its_per_source_counts(corpus, assets, tmp_path):
