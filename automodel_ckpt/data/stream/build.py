@@ -15,10 +15,13 @@ from automodel_ckpt.errors import ConfigError
 
 
 def stream_settings(cfg: DictConfig) -> StreamSettings:
+    """The stream's settings from the ``data:`` keys (the records rendered as the up-front path renders them)."""
+    from automodel_ckpt.data.pipeline import data_spec
+
     d = cfg.data
     return StreamSettings(seq_length=int(d.seq_length), seed=int(cfg.seed), shuffle=bool(d.shuffle),
                           shuffle_buffer=int(d.shuffle_buffer), skip_bad_rows=int(d.skip_bad_rows),
-                          text_field=str(d.text_field))
+                          text_field=str(d.text_field), spec=data_spec(cfg))
 
 
 def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:
@@ -44,9 +47,9 @@ def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) ->
         if not is_streamed(cfg.validation_dataset):
             raise ConfigError("validation_dataset: with a streamed dataset, the validation corpus is streamed too "
                               "(_target_: automodel_ckpt.data.stream.corpus.streamed_corpus)")
-        rows = validation_rows(streamed_corpus_of(cfg, "validation_dataset"), tokenizer, settings)
+        rows, labels = validation_rows(streamed_corpus_of(cfg, "validation_dataset"), tokenizer, settings)
         if len(rows):
-            val = validation_batches(rows, local_batch_size=sched.local_batch_size, rank=dims.dp_rank,
+            val = validation_batches(rows, labels, local_batch_size=sched.local_batch_size, rank=dims.dp_rank,
                                      world_size=dims.dp_size)
             held_out = f"; validation {len(rows)} sequences"
     files = sum(len(s) for s in shards)

@@ -33,6 +33,7 @@ UNBOUNDED_STEPS = 1 << 40
 @dataclass
 class _Item:
     tokens: np.ndarray | None
+    labels: np.ndarray | None = None
     sequence_id: int = 0
     position: dict[str, Any] | None = None  # the global position after this group, when it ends a step
     error: str | None = None
@@ -53,11 +54,11 @@ class _Share(IterableDataset):
             stream = GlobalStream(*self.args)
             g = 0
             while True:
-                group = [stream.next_sequence() for _ in range(self.dp_size)]
+                group = [(stream.next_sequence(), stream.last_labels) for _ in range(self.dp_size)]
                 if g % workers == worker:
-                    mine = group[self.dp_rank]
+                    mine, labels = group[self.dp_rank]
                     ends_step = (g + 1) % self.groups_per_step == 0
-                    yield _Item(mine, sequence_id(mine), stream.position() if ends_step else None)
+                    yield _Item(mine, labels, sequence_id(mine), stream.position() if ends_step else None)
                 g += 1
         except DataError as exc:  # every reader meets it at the same place: every rank stops at the same step
             yield _Item(None, error=str(exc))
@@ -108,9 +109,10 @@ class StreamLoader:
         assert taken[-1].position is not None
         self.position = taken[-1].position
         rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
+        labels = torch.from_numpy(np.stack([i.labels for i in taken]))
         ids = torch.tensor([i.sequence_id for i in taken], dtype=torch.long)
-        micro = [MicroBatch(r, r.clone(), torch.ones_like(r), s)
-                 for r, s in zip(rows.split(self.local_batch_size), ids.split(self.local_batch_size))]
+        micro = [MicroBatch(r, y, torch.ones_like(r), s) for r, y, s in zip(
+            rows.split(self.local_batch_size), labels.split(self.local_batch_size), ids.split(self.local_batch_size))]
         if self.gather is not None:  # the global batch's sequence ids in global order (sequence k: rank k mod dp)
             full = torch.zeros(len(taken), self.dp_size, dtype=torch.float64)
             full[:, self.dp_rank] = ids.double()

@@ -24,7 +24,7 @@ class DataError(UserError):
 class Row:
     key: int  # where the row is found again (byte offset or row number)
     row: int  # its number in the file (0-based; for messages)
-    text: str | None = None
+    record: dict[str, Any] | None = None
     error: str | None = None  # why the row (or the whole file, from here on) cannot be read
     next_key: int = 0  # the key of the row after it
 
@@ -34,17 +34,17 @@ def _open(path: str, storage_options: dict[str, Any] | None, compression: str | 
     return fs.open(inner, "rb", compression=compression)
 
 
-def _text_of(line: bytes, fmt: str, text_field: str) -> tuple[str | None, str | None]:
-    """``(text, error)`` of one line of a json-lines or text file."""
+def _record_of(line: bytes, fmt: str, text_field: str) -> tuple[dict[str, Any] | None, str | None]:
+    """``(record, error)`` of one line of a json-lines file (an object) or a text file (``{text_field: line}``)."""
     if fmt == "text":
-        return line.decode("utf-8", errors="replace").rstrip("\r\n"), None
+        return {text_field: line.decode("utf-8", errors="replace").rstrip("\r\n")}, None
     try:
         record = json.loads(line)
     except ValueError as exc:
         return None, f"bad JSON ({str(exc).splitlines()[0]})"
-    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-        return None, f"no string field '{text_field}'"
-    return record[text_field], None
+    if not isinstance(record, dict):
+        return None, f"not a JSON object ({type(record).__name__})"
+    return record, None
 
 
 def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
@@ -62,8 +62,8 @@ def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any]
                 offset, key = key, key + len(line)
                 if not line.strip():
                     continue
-                text, error = _text_of(line, fmt, text_field)
-                yield Row(offset, row, text, error, key)
+                record, error = _record_of(line, fmt, text_field)
+                yield Row(offset, row, record, error, key)
                 row += 1
         except (OSError, EOFError, ValueError) as exc:  # truncated compressed stream, a file gone mid-read
             yield Row(key, row, error=f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
@@ -94,19 +94,14 @@ def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None,
     first = max(bisect.bisect_right(starts, key) - 1, 0)
     for g in range(first, len(starts) - 1):
         try:
-            column = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
-        except KeyError:
-            yield Row(starts[g], starts[g], error=f"no column '{text_field}'")
-            return
+            rows = pf.read_row_group(g).to_pylist()
         except Exception as exc:  # noqa: BLE001
             yield Row(starts[g], starts[g], error=f"row group {g} unreadable ({type(exc).__name__}: "
                                                    f"{str(exc).splitlines()[0]})")
             return
-        for i in range(max(key - starts[g], 0), len(column)):
+        for i in range(max(key - starts[g], 0), len(rows)):
             r = starts[g] + i
-            text = column[i]
-            yield Row(r, r, text if isinstance(text, str) else None,
-                      None if isinstance(text, str) else f"'{text_field}' is not a string", r + 1)
+            yield Row(r, r, rows[i], None, r + 1)
 
 
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
@@ -118,11 +113,11 @@ def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, A
 
 
 def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None,
-               keys: Iterable[int]) -> dict[int, str]:
+               keys: Iterable[int]) -> dict[int, dict[str, Any]]:
     """The texts of the rows at ``keys`` (a resume's shuffle buffer and packing carry-over): one read each, or one
     per row group; ``DataError`` if one cannot be read back (the file changed)."""
     wanted = sorted(set(keys))
-    out: dict[int, str] = {}
+    out: dict[int, dict[str, Any]] = {}
     if not wanted:
         return out
     try:
@@ -135,17 +130,17 @@ def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, 
             for k in wanted:
                 groups.setdefault(bisect.bisect_right(starts, k) - 1, []).append(k)
             for g, ks in groups.items():
-                column = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
-                out.update({k: column[k - starts[g]] for k in ks})
+                rows = pf.read_row_group(g).to_pylist()
+                out.update({k: rows[k - starts[g]] for k in ks})
         else:
             with _open(path, storage_options) as f:
                 for k in wanted:
                     f.seek(k)
-                    text, error = _text_of(f.readline(), fmt, text_field)
-                    if error:
+                    record, error = _record_of(f.readline(), fmt, text_field)
+                    if error or record is None:
                         raise DataError(f"{path}: the row at byte {k} no longer reads ({error}); the file changed "
                                         "since the checkpoint")
-                    out[k] = text  # type: ignore[assignment]
+                    out[k] = record
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -18,13 +18,15 @@ documents): the time to resume does not depend on how far into the corpus the ru
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
 
+from automodel_ckpt.data.encode import DataSpec
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
+from automodel_ckpt.data.stream.encoding import BadRecord, RecordEncoder
 from automodel_ckpt.data.stream.readers import DataError, Row, fetch_rows, read_rows
 
 #: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
@@ -44,6 +46,7 @@ class StreamSettings:
     skip_bad_rows: int = 0
     text_field: str = "text"
     one_pass: bool = False  # validation: stop at the end of the first epoch instead of starting the next
+    spec: DataSpec | None = None  # how records render (templates, chat, fields); None: plain text in text_field
 
 
 class _End(Exception):
@@ -59,8 +62,9 @@ class _Doc:
     source: int
     shard: int
     key: int
-    text: str
+    record: dict[str, Any]
     tokens: list[int] | None = None
+    labels: list[int] | None = None
     epoch: int = 0  # the epoch of its source it was read in
 
 
@@ -98,9 +102,11 @@ class GlobalStream:
                  position: dict[str, Any] | None = None) -> None:
         self.corpus, self.tokenizer, self.settings = corpus, tokenizer, settings
         self.text_field = corpus.text_field or settings.text_field
+        spec = settings.spec or DataSpec(seq_length=settings.seq_length, text_field=self.text_field)
+        self.encoder = RecordEncoder(tokenizer, replace(spec, text_field=self.text_field))
+        self.last_labels: np.ndarray | None = None  # the loss labels of the last sequence
         self.weights = [s.weight for s in corpus.sources]
         self.buffer_size = max(int(settings.shuffle_buffer), 1) if settings.shuffle else 1
-        self.eos = getattr(tokenizer, "eos_token_id", None)
         self.sources = [_Source(i, list(s), [file_format(x.path, corpus.sources[i].format) for x in s], n=len(s))
                         for i, s in enumerate(shards)]
         self.docs = 0
@@ -128,10 +134,10 @@ class GlobalStream:
         for src, rec in zip(self.sources, p["sources"]):
             for name in ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens"):
                 setattr(src, name, int(rec[name]))
-            src.buffer = [_Doc(src.index, int(sh), int(k), "") for sh, k in zip(rec["buffer_shards"], rec["buffer_keys"])]
+            src.buffer = [_Doc(src.index, int(sh), int(k), {}) for sh, k in zip(rec["buffer_shards"], rec["buffer_keys"])]
             for d in src.buffer:
                 wanted.setdefault((src.index, d.shard), set()).add(d.key)
-        self.pending = deque(_Doc(int(s), int(sh), int(k), "", epoch=int(e)) for s, sh, k, e in p["pending"])
+        self.pending = deque(_Doc(int(s), int(sh), int(k), {}, epoch=int(e)) for s, sh, k, e in p["pending"])
         for d in self.pending:
             wanted.setdefault((d.source, d.shard), set()).add(d.key)
         self.docs, self.offset = int(p["docs"]), int(p["offset"])
@@ -143,22 +149,26 @@ class GlobalStream:
             got = fetch_rows(src.shards[sh].path, src.fmt[sh], self.text_field, self.corpus.storage_options, keys)
             texts.update({(s, sh, k): t for k, t in got.items()})
         for d in [*self.pending, *(d for src in self.sources for d in src.buffer)]:
-            d.text = texts[(d.source, d.shard, d.key)]
-        self._tokenize([d for d in self.pending])
+            d.record = texts[(d.source, d.shard, d.key)]
+        self._tokenize(list(self.pending))
 
     # --------------------------------------------------------------------------------------- sequences
     def next_sequence(self) -> np.ndarray:
-        """The next sequence: documents joined (each ends with EOS), the tail of a long one carried over."""
+        """The next sequence: documents joined (each ends with EOS), the tail of a long one carried over; its loss
+        labels (the records' own: every token for text, the completion or the assistant turns otherwise) are in
+        ``last_labels``."""
         n = self.settings.seq_length
         out = np.empty(n, dtype=np.int64)
+        labels = np.empty(n, dtype=np.int64)
         filled = 0
         while filled < n:
             if not self.pending:
                 self._draw()
             doc = self.pending[0]
-            assert doc.tokens is not None
+            assert doc.tokens is not None and doc.labels is not None
             take = min(len(doc.tokens) - self.offset, n - filled)
             out[filled:filled + take] = doc.tokens[self.offset:self.offset + take]
+            labels[filled:filled + take] = doc.labels[self.offset:self.offset + take]
             self.sources[doc.source].tokens += take
             self.trained_epoch = doc.epoch
             filled += take
@@ -167,6 +177,7 @@ class GlobalStream:
                 self.pending.popleft()
                 self.offset = 0
         self.sequences += 1
+        self.last_labels = labels
         return out
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -191,15 +202,23 @@ class GlobalStream:
         self.pending.extend(drawn)
 
     def _tokenize(self, docs: list[_Doc]) -> None:
+        """Encode ``docs`` in one batch (in place); a record that fails is skipped and counted, or ``DataError``."""
         todo = [d for d in docs if d.tokens is None]
-        if not todo:
+        while todo:
+            try:
+                encoded = self.encoder.encode([d.record for d in todo])
+            except BadRecord as bad:
+                self._bad(f"{self._where(todo[bad.index])}: {bad.reason}")
+                docs.remove(todo.pop(bad.index))
+                continue
+            for d, (ids, labels) in zip(todo, encoded):
+                d.tokens, d.labels = ids, labels
             return
-        ids = self.tokenizer([d.text for d in todo], add_special_tokens=True)["input_ids"]
-        for d, t in zip(todo, ids):
-            t = list(t)
-            if self.eos is not None and (not t or t[-1] != self.eos):
-                t.append(self.eos)
-            d.tokens = t
+
+    def _where(self, doc: _Doc) -> str:
+        src = self.sources[doc.source]
+        path = src.shards[doc.shard].path
+        return f"{path} row {doc.key}" if src.fmt[doc.shard] == "parquet" else f"{path} row at byte {doc.key}"
 
     def _take(self, src: _Source) -> _Doc:
         """The next document of ``src`` out of its shuffle buffer (filled first). The buffer does not span epochs:
@@ -243,6 +262,8 @@ class GlobalStream:
                 self._next_shard(src)
                 continue
             src.seen += 1
+            if row.error is None and row.record is not None:
+                row.error = self.encoder.check(row.record)
             if row.error is not None:
                 whole = row.next_key <= row.key
                 self._bad(f"{src.shards[shard].path}{'' if whole else f' row {row.row}'}: {row.error}")
@@ -253,7 +274,7 @@ class GlobalStream:
                 continue
             src.key, src.row = row.next_key, row.row + 1
             src.epoch_rows += 1
-            return _Doc(src.index, shard, row.key, row.text or "")
+            return _Doc(src.index, shard, row.key, row.record or {})
         raise _EpochEnd()
 
     def _next_shard(self, src: _Source) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -17,18 +18,27 @@ from automodel_ckpt.data.tokenize import IGNORE_INDEX
 DEFAULT_SEQUENCES = 64
 
 
-def validation_rows(corpus: Corpus, tokenizer: Any, settings: StreamSettings) -> torch.Tensor:
-    """The first ``corpus.max_sequences`` sequences (fewer if one pass over the corpus holds fewer): no shuffle."""
-    one_pass = StreamSettings(settings.seq_length, settings.seed, shuffle=False, shuffle_buffer=1,
-                              skip_bad_rows=settings.skip_bad_rows, text_field=settings.text_field, one_pass=True)
-    stream = GlobalStream(corpus, corpus.list_shards("validation_dataset"), tokenizer, one_pass)
-    rows = list(itertools.islice(stream, corpus.max_sequences or DEFAULT_SEQUENCES))
+def one_pass(settings: StreamSettings) -> StreamSettings:
+    """``settings`` for reading a corpus once, in file order (validation, previews of it)."""
+    return replace(settings, shuffle=False, shuffle_buffer=1, one_pass=True)
+
+
+def validation_rows(corpus: Corpus, tokenizer: Any, settings: StreamSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, labels)`` of the first ``corpus.max_sequences`` sequences (fewer if one pass over the corpus holds
+    fewer): no shuffle."""
+    stream = GlobalStream(corpus, corpus.list_shards("validation_dataset"), tokenizer, one_pass(settings))
+    rows, labels = [], []
+    for tokens in itertools.islice(stream, corpus.max_sequences or DEFAULT_SEQUENCES):
+        rows.append(tokens)
+        labels.append(stream.last_labels)
     if not rows:
-        return torch.zeros(0, settings.seq_length, dtype=torch.long)
-    return torch.from_numpy(np.stack(rows))
+        empty = torch.zeros(0, settings.seq_length, dtype=torch.long)
+        return empty, empty
+    return torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(labels))
 
 
-def validation_batches(rows: torch.Tensor, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
+def validation_batches(rows: torch.Tensor, row_labels: torch.Tensor, *, local_batch_size: int, rank: int,
+                       world_size: int) -> list[MicroBatch]:
     """Every row once over all ranks (rank ``r``: rows ``r, r+W, ...``); a rank short of rows gets copies of row 0
     whose labels are all ignored, so every rank runs the same number of forwards."""
     per_rank = -(-len(rows) // world_size)
@@ -39,7 +49,7 @@ def validation_batches(rows: torch.Tensor, *, local_batch_size: int, rank: int, 
     batches = []
     for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
         r = rows[b]
-        labels = r.clone()
+        labels = row_labels[b].clone()
         labels[~keep] = IGNORE_INDEX
         batches.append(MicroBatch(r, labels, torch.ones_like(r), b))
     return batches

@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 class CharTokenizer:
     """Each character is a token (its code point + 3); BOS 1 first, EOS 2 last."""
 
+    bos_token_id = 1
     eos_token_id = 2
 
-    def __call__(self, texts, add_special_tokens=True):
-        return {"input_ids": [[1] + [ord(c) + 3 for c in t] for t in texts]}
+    def __call__(self, texts, add_special_tokens=True, **kwargs):
+        head = [1] if add_special_tokens else []
+        return {"input_ids": [head + [ord(c) + 3 for c in t] for t in texts]}
 
 
 def document(f: int, r: int) -> str:

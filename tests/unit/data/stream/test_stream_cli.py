@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import pytest
-from omegaconf import OmegaConf
 
 from automodel_ckpt.cli.inspect import data_position_line
 from automodel_ckpt.config.loader import load_config
@@ -27,10 +26,7 @@ def _cfg(folder, *overrides):
 
 def test_preview_prints_the_first_sequences_of_the_run_order(tmp_path):
     folder = jsonl_files(tmp_path, files=2, rows=5)
-    cfg = OmegaConf.create({"seed": 3, "data": {"seq_length": 16, "shuffle": False, "shuffle_buffer": 1,
-                                                "skip_bad_rows": 0, "text_field": "text"},
-                            "dataset": {"_target_": "automodel_ckpt.data.stream.corpus.streamed_corpus",
-                                        "path": str(folder / "*.jsonl")}})
+    cfg = _cfg(folder, "--data.seq_length", "16", "--data.shuffle", "false")
     tok = CharTokenizer()
     tok.decode = lambda ids, skip_special_tokens=False: "".join(chr(t - 3) if t > 2 else "|" for t in ids)
     out = io.StringIO()

@@ -49,7 +49,7 @@ def test_skip_bad_rows_skips_and_counts_up_to_its_limit(tmp_path):
     stream = _stream(folder, skip_bad_rows=2)
     _drain(stream, 3)
     assert stream.position()["skipped"] == 2
-    assert "part-01.jsonl row 2: no string field 'text'" in stream.last_skip
+    assert "part-01.jsonl row 2: no 'text', 'messages' or 'prompt'+'completion' field (has: other)" in stream.last_skip
     with pytest.raises(DataError, match=r"data.skip_bad_rows \(1\) reached"):
         _drain(_stream(folder, skip_bad_rows=1))
 

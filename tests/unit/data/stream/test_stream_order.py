@@ -159,3 +159,27 @@ def test_each_epoch_hands_out_every_row_once_even_with_a_buffer_larger_than_the_
     for epoch in range(3):
         taken = [stream._take(src) for _ in range(rows)]
         assert len({(d.shard, d.key) for d in taken}) == rows and src.epoch == epoch
+
+
+def test_templates_render_records_and_only_the_completion_takes_the_loss(tmp_path):
+    from automodel_ckpt.data.encode import IGNORE_INDEX, DataSpec
+    from automodel_ckpt.data.stream.readers import DataError
+
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps({"q": f"{i}+{i}", "a": str(2 * i)}) + "\n"
+                                               for i in range(10, 40)))
+    corpus = streamed_corpus(path=str(tmp_path / "qa.jsonl"))
+    spec = DataSpec(seq_length=12, prompt_template="{q}=", completion_template="{a}")
+    stream = GlobalStream(corpus, corpus.list_shards(), TOK, StreamSettings(seq_length=12, seed=0, shuffle=False,
+                                                                          spec=spec))
+    tokens = stream.next_sequence().tolist()
+    labels = stream.last_labels.tolist()
+    text = "".join(chr(t - 3) if t > 2 else "|" for t in tokens)
+    assert text == "|10+10=20||1"  # BOS prompt completion EOS, the next record's start carried over
+    trained = "".join(chr(t - 3) if t > 2 else "|" for t, y in zip(tokens, labels) if y != IGNORE_INDEX)
+    assert trained == "20|"  # the completion and its EOS
+    bad = streamed_corpus(path=str(tmp_path / "qa.jsonl"))
+    broken = GlobalStream(bad, bad.list_shards(), TOK, StreamSettings(
+        seq_length=12, seed=0, shuffle=False, spec=DataSpec(seq_length=12, prompt_template="{question}=",
+                                                            completion_template="{a}")))
+    with pytest.raises(DataError, match=r"qa\.jsonl row at byte 0: .*question"):
+        broken.next_sequence()
