@@ -149,3 +149,20 @@ def test_a_corpus_on_s3_is_read_and_resumed_with_the_local_runs_sequences(corpus
     assert [got[s]["sample_ids"] for s in range(1, 7)] == [straight[s]["sample_ids"] for s in range(1, 7)]
     meta = read_metadata(tmp_path / "s3run" / "epoch_0_step_6")
     assert meta["extra"]["data_position"]["sources"][0]["path"].startswith(f"s3://{bucket}/corpus/train-")
+
+
+def test_streamed_chats_take_the_loss_on_the_assistant_turns_only(assets, tmp_path, capsys, monkeypatch):
+    from automodel_ckpt import cli
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{a}="},
+                                                      {"role": "assistant", "content": str(2 * a)}]}) + "\n"
+                             for a in range(10, 60)))
+    monkeypatch.setenv("AUTOMODEL_CKPT_ASSETS", str(assets))
+    assert cli.main(["preview", str(REPO / "recipes" / "tiny_llama_chat.yaml"), "--num", "3", "--dataset._target_",
+                     "automodel_ckpt.data.stream.corpus.streamed_corpus", "--dataset.path", str(chats)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("    ", "  + "))]
+    marked = [piece.split("»")[0] for line in rows for piece in line.split("«")[1:]]
+    assert marked and all(m.removesuffix("</s>").isdigit() for m in marked if m.removesuffix("</s>"))
+    assert "user:" in out and "«user" not in out
