@@ -8,6 +8,9 @@ from typing import Any
 
 from automodel_ckpt.errors import ConfigError
 
+#: A parquet file larger than this is read as one shard per row group (a finer shard order; the footer is read once
+#: when the corpus is listed).
+SPLIT_PARQUET_BYTES = 256 * 2**20
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
@@ -15,14 +18,22 @@ _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 
 @dataclass(frozen=True)
 class Shard:
-    """One file of a source: where it is and what it was when listed (local: mtime in ns; object store: ETag)."""
+    """One file of a source, or one row group of a large parquet file (rows ``first`` to ``stop``): where it is and
+    what the file was when listed (local: mtime in ns; object store: ETag)."""
 
     path: str
     size: int
     version: str
+    first: int = 0
+    stop: int = -1  # the row after the shard's last (-1: the end of the file)
+
+    @property
+    def name(self) -> str:
+        return self.path if self.stop < 0 else f"{self.path} rows {self.first}-{self.stop - 1}"
 
     def record(self) -> list[Any]:
-        return [self.path, self.size, self.version]
+        whole = [self.path, self.size, self.version]
+        return whole if self.stop < 0 else [*whole, self.first, self.stop]
 
 
 @dataclass
@@ -42,19 +53,21 @@ class Corpus:
     text_field: str | None = None
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     max_sequences: int | None = None  # validation: the first N sequences of the stream
+    split_parquet_bytes: int = SPLIT_PARQUET_BYTES
 
     def list_shards(self, section: str = "dataset") -> list[list[Shard]]:
         return [list_source(s, self.storage_options, f"{section}.sources[{i}]" if len(self.sources) > 1
-                            else f"{section}.path") for i, s in enumerate(self.sources)]
+                            else f"{section}.path", self.split_parquet_bytes) for i, s in enumerate(self.sources)]
 
 
 def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str, Any]] | None = None,
                     format: str | None = None, text_field: str | None = None,
-                    storage_options: dict[str, Any] | None = None, max_sequences: int | None = None) -> Corpus:
+                    storage_options: dict[str, Any] | None = None, max_sequences: int | None = None,
+                    split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20) -> Corpus:
     """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` (a glob or a list of globs, local or
     ``s3://``), or ``sources: [{path, weight, format}]`` for a blend; ``format`` json | text | parquet (None: from
     the suffix); ``text_field`` the documents' column (None: ``data.text_field``); ``max_sequences`` the number of
-    sequences a validation stream holds."""
+    sequences a validation stream holds; a parquet file larger than ``split_parquet_mb`` is one shard per row group."""
     if (path is None) == (sources is None):
         raise ConfigError("dataset: a streamed corpus takes either dataset.path or dataset.sources")
     if path is not None:
@@ -75,7 +88,8 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
             raise ConfigError("dataset.sources: empty")
     if max_sequences is not None and max_sequences < 1:
         raise ConfigError(f"dataset.max_sequences: expected a positive integer, got {max_sequences}")
-    return Corpus(listed, text_field, dict(storage_options) if storage_options else None, max_sequences)
+    return Corpus(listed, text_field, dict(storage_options) if storage_options else None, max_sequences,
+                  int(split_parquet_mb * 2**20))
 
 
 streamed_corpus.streamed = True  # type: ignore[attr-defined]  # what ``is_streamed`` looks for
@@ -139,8 +153,11 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
     return _FILESYSTEMS[key], inner
 
 
-def list_source(source: Source, storage_options: dict[str, Any] | None, key: str) -> list[Shard]:
-    """The source's shards, sorted by path: ``ConfigError`` for a glob that matches nothing."""
+def list_source(source: Source, storage_options: dict[str, Any] | None, key: str,
+                split_parquet_bytes: int | None = None) -> list[Shard]:
+    """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
+    glob that matches nothing."""
+    split_parquet_bytes = SPLIT_PARQUET_BYTES if split_parquet_bytes is None else split_parquet_bytes
     from automodel_ckpt.checkpoint.locations import is_url
 
     shards: dict[str, Shard] = {}
@@ -171,4 +188,30 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
             shards[scheme + p] = Shard(scheme + p, int(info.get("size") or 0), str(version).strip('"'))
         if not found:
             raise ConfigError(f"{key}: no files match '{pattern}'")
-    return [shards[p] for p in sorted(shards)]
+    out: list[Shard] = []
+    for p in sorted(shards):
+        whole = shards[p]
+        large = whole.size > split_parquet_bytes and file_format(p, source.format) == "parquet"
+        out.extend(_row_group_shards(whole, storage_options) if large else [whole])
+    return out
+
+
+def _row_group_shards(whole: Shard, storage_options: dict[str, Any] | None) -> list[Shard]:
+    """A large parquet file as one shard per row group (the whole file if its footer cannot be read: the reader
+    then names the problem when it gets there)."""
+    import pyarrow.parquet as pq
+
+    fs, inner = filesystem(whole.path, storage_options)
+    try:
+        with fs.open(inner, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+    except Exception:  # noqa: BLE001
+        return [whole]
+    if meta.num_row_groups < 2:
+        return [whole]
+    parts, first = [], 0
+    for g in range(meta.num_row_groups):
+        stop = first + meta.row_group(g).num_rows
+        parts.append(Shard(whole.path, whole.size, whole.version, first, stop))
+        first = stop
+    return parts

@@ -175,19 +175,19 @@ def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
     """The shard records to resume with: the checkpoint's, plus (with ``allow_appended``) the shards added since,
     read from the next epoch on. A shard changed or gone, or one added without the override: ``DataError``."""
     where = f"dataset.sources[{source}]" if source is not None else "dataset"
-    current = {s.path: s for s in now}
+    current = {(s.path, s.first): s for s in now}
     for s in saved:
-        c = current.get(s.path)
+        c = current.get((s.path, s.first))
         if c is None:
-            raise DataError(f"{where}: shard '{s.path}' of the checkpoint's corpus is gone; the corpus is part of "
+            raise DataError(f"{where}: shard '{s.name}' of the checkpoint's corpus is gone; the corpus is part of "
                             "the run's identity (restore the file, or start a new run)")
-        if (c.size, c.version) != (s.size, s.version):
-            raise DataError(f"{where}: shard '{s.path}' changed since the checkpoint (size {s.size} -> {c.size}, "
+        if (c.size, c.version, c.stop) != (s.size, s.version, s.stop):
+            raise DataError(f"{where}: shard '{s.name}' changed since the checkpoint (size {s.size} -> {c.size}, "
                             f"version {s.version} -> {c.version}); restore it, or start a new run")
-    known = {s.path for s in saved}
-    added = [s for s in now if s.path not in known]
+    known = {(s.path, s.first) for s in saved}
+    added = [s for s in now if (s.path, s.first) not in known]
     if added and not allow_appended:
-        raise DataError(f"{where}: {len(added)} shard(s) added since the checkpoint (first: '{added[0].path}'); "
+        raise DataError(f"{where}: {len(added)} shard(s) added since the checkpoint (first: '{added[0].name}'); "
                         "--data.allow_appended_shards true reads them from the next epoch on")
     return [s.record() for s in [*saved, *added]]
 
@@ -212,8 +212,8 @@ def check_position(p: Any, shuffle_buffer: int) -> None:
         if not isinstance(src, dict) or not isinstance(src.get("shards"), list) or not src["shards"]:
             raise bad("a source without shards")
         n = len(src["shards"])
-        if not all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], int)
-                   for r in src["shards"]):
+        if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
+                   and all(isinstance(v, int) for v in r[3:]) for r in src["shards"]):
             raise bad("a shard record")
         ints([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")], 0, 1 << 62,
              "a source's counters")

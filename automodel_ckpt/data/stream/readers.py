@@ -82,7 +82,8 @@ def _group_starts(pf: Any) -> list[int]:
     return starts
 
 
-def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None, key: int) -> Iterator[Row]:
+def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
+             stop: int) -> Iterator[Row]:
     import bisect
 
     try:
@@ -92,23 +93,27 @@ def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None,
         yield Row(key, key, error=f"not a readable parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         return
     first = max(bisect.bisect_right(starts, key) - 1, 0)
+    end = starts[-1] if stop < 0 else min(stop, starts[-1])
     for g in range(first, len(starts) - 1):
+        if starts[g] >= end:
+            return
         try:
             rows = pf.read_row_group(g).to_pylist()
         except Exception as exc:  # noqa: BLE001
             yield Row(starts[g], starts[g], error=f"row group {g} unreadable ({type(exc).__name__}: "
                                                    f"{str(exc).splitlines()[0]})")
             return
-        for i in range(max(key - starts[g], 0), len(rows)):
+        for i in range(max(key - starts[g], 0), min(len(rows), end - starts[g])):
             r = starts[g] + i
             yield Row(r, r, rows[i], None, r + 1)
 
 
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
-              row: int = 0) -> Iterator[Row]:
-    """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order."""
+              row: int = 0, stop: int = -1) -> Iterator[Row]:
+    """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order; parquet: up to row
+    ``stop`` (a row-group shard's end; -1: the file's)."""
     if fmt == "parquet":
-        return _parquet(path, text_field, storage_options, key)
+        return _parquet(path, text_field, storage_options, key, stop)
     return _lines(path, fmt, text_field, storage_options, key, row)
 
 

@@ -253,12 +253,15 @@ class GlobalStream:
         while src.pos < src.n:
             shard = self._order(src)[src.pos]
             if src.rows is None:
-                src.rows = read_rows(src.shards[shard].path, src.fmt[shard], self.text_field,
-                                     self.corpus.storage_options, src.key, src.row)
+                sh = src.shards[shard]
+                if src.seen == 0 and src.key < sh.first:  # a row-group shard starts inside its file
+                    src.key = src.row = sh.first
+                src.rows = read_rows(sh.path, src.fmt[shard], self.text_field, self.corpus.storage_options, src.key,
+                                     src.row, sh.stop)
             row = next(src.rows, None)
             if row is None:
                 if src.seen == 0:
-                    self._bad(f"{src.shards[shard].path}: empty shard (no rows)")
+                    self._bad(f"{src.shards[shard].name}: empty shard (no rows)")
                 self._next_shard(src)
                 continue
             src.seen += 1

@@ -41,10 +41,12 @@ def test_blend_picks_follow_the_weights():
     assert shares == pytest.approx([0.1, 0.2, 0.7], abs=0.02)
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "text", "parquet"])
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "text", "parquet", "parquet row groups"])
 def test_every_position_resumes_the_same_sequences(tmp_path, kind):
-    if kind == "parquet":
-        corpus = streamed_corpus(path=str(parquet_files(tmp_path) / "*.parquet"))
+    if kind.startswith("parquet"):
+        corpus = streamed_corpus(path=str(parquet_files(tmp_path) / "*.parquet"),
+                                 split_parquet_mb=0 if kind.endswith("groups") else 256)
+        assert len(corpus.list_shards()[0]) == (12 if kind.endswith("groups") else 3)
     elif kind == "text":
         corpus = streamed_corpus(path=str(text_files(tmp_path) / "*.txt"))
     else:
@@ -183,3 +185,14 @@ def test_templates_render_records_and_only_the_completion_takes_the_loss(tmp_pat
                                                             completion_template="{a}")))
     with pytest.raises(DataError, match=r"qa\.jsonl row at byte 0: .*question"):
         broken.next_sequence()
+
+
+def test_row_group_shards_read_every_row_once_per_epoch(tmp_path):
+    corpus = streamed_corpus(path=str(parquet_files(tmp_path, files=2, rows=25, row_group=7) / "*.parquet"),
+                             split_parquet_mb=0)
+    stream = GlobalStream(corpus, corpus.list_shards(), TOK, StreamSettings(seq_length=8, seed=3, shuffle_buffer=4))
+    src = stream.sources[0]
+    taken = [stream._take(src) for _ in range(50)]
+    assert sorted((src.shards[d.shard].path, d.key) for d in taken) == sorted(
+        (str(tmp_path / f"part-{f}.parquet"), r) for f in range(2) for r in range(25))
+    assert src.epoch == 0 and [s.first for s in src.shards[:4]] == [0, 7, 14, 21]
