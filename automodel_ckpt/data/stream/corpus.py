@@ -12,7 +12,8 @@ from automodel_ckpt.errors import ConfigError
 #: when the corpus is listed).
 SPLIT_PARQUET_BYTES = 256 * 2**20
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
-FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
+FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
+           ".arrow": "arrow"}
 _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 
 
@@ -65,8 +66,8 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
                     storage_options: dict[str, Any] | None = None, max_sequences: int | None = None,
                     split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20) -> Corpus:
     """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` (a glob or a list of globs, local or
-    ``s3://``), or ``sources: [{path, weight, format}]`` for a blend; ``format`` json | text | parquet (None: from
-    the suffix); ``text_field`` the documents' column (None: ``data.text_field``); ``max_sequences`` the number of
+    ``s3://``), or ``sources: [{path, weight, format}]`` for a blend; ``format`` json | text | parquet | arrow (None:
+    from the suffix); ``text_field`` the documents' column (None: ``data.text_field``); ``max_sequences`` the number of
     sequences a validation stream holds; a parquet file larger than ``split_parquet_mb`` is one shard per row group."""
     if (path is None) == (sources is None):
         raise ConfigError("dataset: a streamed corpus takes either dataset.path or dataset.sources")
@@ -119,7 +120,7 @@ def file_format(path: str, format: str | None) -> str:
     """``json``, ``text`` or ``parquet``: ``format`` if set, else from the suffix under any compression suffix."""
     if format is not None:
         if format not in set(FORMATS.values()):
-            raise ConfigError(f"dataset.format: expected one of json, text, parquet, got '{format}'")
+            raise ConfigError(f"dataset.format: expected one of json, text, parquet, arrow, got '{format}'")
         return format
     name = path.lower()
     for c in _COMPRESSED:

@@ -1,8 +1,8 @@
 """Rows of one shard from a position, and rows fetched back by reference: json lines, plain text, parquet.
 
-A row's reference (``key``) is what finds it again in constant time: the byte offset of its line (json lines, text;
-in a compressed file, the offset in the decompressed stream, reached by decompressing up to it), or its row number
-(parquet: the row group is found from the footer). Bad input never raises here: it comes back as a row whose
+A row's reference (``key``) is what finds it again: the byte offset of its line (json lines, text; in a compressed
+file, the offset in the decompressed stream, reached by decompressing up to it), or its row number (parquet: the row
+group is found from the footer; Arrow IPC files: the record batches before it are read). Bad input never raises here: it comes back as a row whose
 ``error`` says what is wrong, so the stream decides whether to skip it (``data.skip_bad_rows``) or stop.
 """
 
@@ -108,12 +108,42 @@ def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None,
             yield Row(r, r, rows[i], None, r + 1)
 
 
+def _arrow_batches(path: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """``(first row, rows)`` of each record batch of an Arrow IPC file (file or stream format, as the Hugging Face
+    datasets cache writes them), in order."""
+    import pyarrow as pa
+
+    f = _open(path, storage_options, compression=None)
+    with f:
+        try:
+            reader = pa.ipc.open_file(f)
+            batches: Iterator[Any] = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            f.seek(0)
+            batches = iter(pa.ipc.open_stream(f))
+        first = 0
+        for batch in batches:
+            yield first, batch.to_pylist()
+            first += batch.num_rows
+
+
+def _arrow(path: str, storage_options: dict[str, Any] | None, key: int) -> Iterator[Row]:
+    try:
+        for first, rows in _arrow_batches(path, storage_options):
+            for i in range(max(key - first, 0), len(rows)):
+                yield Row(first + i, first + i, rows[i], None, first + i + 1)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: all one line here
+        yield Row(key, key, error=f"not a readable arrow file ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+
+
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
               row: int = 0, stop: int = -1) -> Iterator[Row]:
     """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order; parquet: up to row
     ``stop`` (a row-group shard's end; -1: the file's)."""
     if fmt == "parquet":
         return _parquet(path, text_field, storage_options, key, stop)
+    if fmt == "arrow":
+        return _arrow(path, storage_options, key)
     return _lines(path, fmt, text_field, storage_options, key, row)
 
 
@@ -137,6 +167,17 @@ def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, 
             for g, ks in groups.items():
                 rows = pf.read_row_group(g).to_pylist()
                 out.update({k: rows[k - starts[g]] for k in ks})
+        elif fmt == "arrow":
+            keys_left = set(wanted)
+            for first, rows in _arrow_batches(path, storage_options):
+                for k in [k for k in keys_left if first <= k < first + len(rows)]:
+                    out[k] = rows[k - first]
+                    keys_left.discard(k)
+                if not keys_left:
+                    break
+            if keys_left:
+                raise DataError(f"{path}: row {min(keys_left)} of the checkpointed position is past the file's end; "
+                                "the file changed since the checkpoint")
         else:
             with _open(path, storage_options) as f:
                 for k in wanted:

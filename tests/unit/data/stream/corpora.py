@@ -50,3 +50,14 @@ def parquet_files(root: Path, files: int = 3, rows: int = 25, row_group: int = 7
         table = pa.table({"text": [document(200 + f, r) for r in range(rows)]})
         pq.write_table(table, root / f"part-{f}.parquet", row_group_size=row_group)
     return root
+
+
+def arrow_files(root: Path, files: int = 2, rows: int = 20, batch: int = 6) -> Path:
+    """Arrow IPC stream files (as the Hugging Face datasets cache writes them), record batches of ``batch`` rows."""
+    root.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        table = pa.table({"text": [document(300 + f, r) for r in range(rows)]})
+        with pa.OSFile(str(root / f"data-{f}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            for b in table.to_batches(max_chunksize=batch):
+                w.write_batch(b)
+    return root

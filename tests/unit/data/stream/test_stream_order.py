@@ -14,7 +14,7 @@ from automodel_ckpt.data.stream.corpus import streamed_corpus
 from automodel_ckpt.data.stream.loader import StreamLoader, _Share
 from automodel_ckpt.data.stream.order import sequence_id
 from automodel_ckpt.data.stream.stream import DRAW_BATCH, GlobalStream, StreamSettings
-from tests.unit.data.stream.corpora import CharTokenizer, jsonl_files, parquet_files, text_files
+from tests.unit.data.stream.corpora import CharTokenizer, arrow_files, jsonl_files, parquet_files, text_files
 
 TOK = CharTokenizer()
 
@@ -41,9 +41,11 @@ def test_blend_picks_follow_the_weights():
     assert shares == pytest.approx([0.1, 0.2, 0.7], abs=0.02)
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "text", "parquet", "parquet row groups"])
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "text", "parquet", "parquet row groups", "arrow"])
 def test_every_position_resumes_the_same_sequences(tmp_path, kind):
-    if kind.startswith("parquet"):
+    if kind == "arrow":
+        corpus = streamed_corpus(path=str(arrow_files(tmp_path) / "*.arrow"))
+    elif kind.startswith("parquet"):
         corpus = streamed_corpus(path=str(parquet_files(tmp_path) / "*.parquet"),
                                  split_parquet_mb=0 if kind.endswith("groups") else 256)
         assert len(corpus.list_shards()[0]) == (12 if kind.endswith("groups") else 3)
