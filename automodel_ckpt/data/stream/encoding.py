@@ -1,5 +1,8 @@
-"""Records of a streamed corpus to token ids and loss labels, with the recipe's own rendering (text, prompt and
-completion, templates, chat): each record as the tokenize-up-front path encodes it, but whole (never cut)."""
+"""Records of a streamed corpus to token ids and loss labels, rendered as the tokenize-up-front path renders them.
+
+Text, prompt and completion, templates and chat go through that path's ``Encoder``; a record is kept whole (never
+cut to ``seq_length``: the packer carries its tail over).
+"""
 
 from __future__ import annotations
 
