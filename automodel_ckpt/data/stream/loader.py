@@ -64,6 +64,15 @@ class _Share(IterableDataset):
             yield _Item(None, error=str(exc))
 
 
+def _ignore_stop_signals(_worker: int) -> None:
+    """A DataLoader worker ignores the signals that stop or preempt a run (a scheduler may send them to every
+    process): its rank handles them, saves, and ends its workers; a worker that died of one would fail that save."""
+    import signal
+
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
 class StreamLoader:
     """Yields, per optimizer step, this rank's micro-batches of the next global batch of the stream.
 
@@ -94,7 +103,8 @@ class StreamLoader:
                            self.dp_size, self.global_batch_size // self.dp_size)
             workers = self.num_workers
             self._iter = iter(DataLoader(share, batch_size=None, num_workers=workers,
-                                         prefetch_factor=4 if workers else None, persistent_workers=False))
+                                         prefetch_factor=4 if workers else None, persistent_workers=False,
+                                         worker_init_fn=_ignore_stop_signals if workers else None))
         return self._iter
 
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
