@@ -64,13 +64,16 @@ class _Share(IterableDataset):
             yield _Item(None, error=str(exc))
 
 
-def _ignore_stop_signals(_worker: int) -> None:
-    """A DataLoader worker ignores the signals that stop or preempt a run (a scheduler may send them to every
-    process): its rank handles them, saves, and ends its workers; a worker that died of one would fail that save."""
+def _quiet_stop_signals(_worker: int) -> None:
+    """A DataLoader worker leaves the signals that stop or preempt a run to its rank (a scheduler may send them to
+    every process): SIGINT and SIGUSR1/2 are ignored, and SIGTERM (also how the DataLoader ends its workers) ends the
+    worker with exit code 0, which the DataLoader does not report as a failure, so the rank's save goes on."""
+    import os
     import signal
 
-    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
 
 class StreamLoader:
@@ -104,7 +107,7 @@ class StreamLoader:
             workers = self.num_workers
             self._iter = iter(DataLoader(share, batch_size=None, num_workers=workers,
                                          prefetch_factor=4 if workers else None, persistent_workers=False,
-                                         worker_init_fn=_ignore_stop_signals if workers else None))
+                                         worker_init_fn=_quiet_stop_signals if workers else None))
         return self._iter
 
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
