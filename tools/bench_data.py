@@ -162,8 +162,12 @@ def trainer(corpus: str, assets: Path, work: Path, steps: int, streamed: bool = 
     records = [json.loads(x) for x in (run / "training.jsonl").read_text().splitlines()][5:]  # warm steps only
     global_rate = statistics.median(r["tokens_per_sec"] for r in records)
     suffix = "" if streamed else "_pretokenized"
-    return {f"trainer_tokens_per_sec_per_rank{suffix}": global_rate / 2, f"trainer_step_seconds{suffix}":
-            statistics.median(r["step_seconds"] for r in records)}
+    out = {f"trainer_tokens_per_sec_per_rank{suffix}": global_rate / 2, f"trainer_step_seconds{suffix}":
+           statistics.median(r["step_seconds"] for r in records)}
+    if streamed:  # how long rank 0's steps waited for their batch (steady state: the workers are ahead)
+        out["data_wait_seconds_median"] = statistics.median(r["data_wait_seconds"] for r in records)
+        out["data_wait_seconds_max"] = max(r["data_wait_seconds"] for r in records)
+    return out
 
 
 def step_time_only(work: Path, steps: int) -> None:
@@ -175,7 +179,9 @@ def step_time_only(work: Path, steps: int) -> None:
     (work / "bench_data_step.json").write_text(json.dumps(results, indent=2))
     print(f"| step time, streamed / tokenized up front | {results['trainer_step_seconds']:.3f} s / "
           f"{results['trainer_step_seconds_pretokenized']:.3f} s "
-          f"({results['trainer_step_seconds'] / results['trainer_step_seconds_pretokenized']:.2f}x) |")
+          f"({results['trainer_step_seconds'] / results['trainer_step_seconds_pretokenized']:.2f}x) |\n"
+          f"| a streamed step's wait for its batch, median / max | {results['data_wait_seconds_median'] * 1e3:.2f} ms"
+          f" / {results['data_wait_seconds_max'] * 1e3:.2f} ms |")
 
 
 def main() -> None:

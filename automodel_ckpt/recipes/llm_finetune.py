@@ -255,6 +255,7 @@ class FinetuneRecipe(BaseRecipe):
         while not sched.done:
             t0 = time.perf_counter()
             epoch, micro = self.dataloader.next_batch()
+            fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
             lr = self.optimizer.param_groups[0]["lr"]
             self.lr_scheduler.step()
@@ -266,6 +267,7 @@ class FinetuneRecipe(BaseRecipe):
                 record["sample_ids"] = self.dataloader.last_sample_ids
             if hasattr(self.dataloader, "source_tokens"):  # a streamed corpus: tokens each source gave so far
                 record["source_tokens"] = self.dataloader.source_tokens
+                record["data_wait_seconds"] = round(fetched, 6)  # the step waited this long for its batch
                 if self.dataloader.skipped_rows:
                     record["skipped_rows"] = self.dataloader.skipped_rows
             self.train_log.append(record)

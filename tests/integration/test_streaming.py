@@ -82,6 +82,7 @@ def test_resume_on_1_then_tp2_then_3_processes_sees_the_same_sequences(corpus, a
         assert got[step]["sample_ids"] == straight[step]["sample_ids"], step  # the same sequences, in order
         assert len(set(got[step]["sample_ids"])) == 12
         assert got[step]["source_tokens"] == straight[step]["source_tokens"] == [step * 12 * 32]
+        assert got[step]["data_wait_seconds"] >= 0
         if step <= 3:  # the same mesh: bitwise
             assert got[step]["loss"] == straight[step]["loss"]
         else:
