@@ -153,6 +153,7 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         any(rel.startswith(f"{layout.MODEL_DIR}/{layout.CONSOLIDATED_DIR}/") for rel in stored),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
+        "data_position": (meta.get("extra") or {}).get("data_position"),
         "metadata": record.metadata,
     }
 
@@ -214,6 +215,9 @@ def render_table(report: dict[str, Any]) -> str:
         f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "
         f"({totals['complete']} complete), {human_size(totals['size_bytes'])} in total"
     )
+    positioned = [r for r in report["checkpoints"] if r.get("data_position")]
+    if positioned:
+        out.append(data_position_line(positioned[-1]["name"], positioned[-1]["data_position"]))
     quarantined = report.get("quarantined") or []
     if quarantined:
         out.append(f"quarantined (failed to load on resume; kept in {layout.QUARANTINE_DIR}/, never resumed from):")
@@ -225,6 +229,17 @@ def render_table(report: dict[str, Any]) -> str:
         elif not pointer["exists"]:
             out.append(f"{name} -> {pointer['target']} (missing)")
     return "\n".join(out)
+
+
+def data_position_line(name: str, position: dict[str, Any]) -> str:
+    """A streamed corpus's position at checkpoint ``name``: sequences, then per source where it reads and the
+    tokens it gave."""
+    parts = []
+    for i, s in enumerate(position.get("sources") or []):
+        parts.append(f"source {i}: epoch {s.get('epoch')}, shard {s.get('shard')} of {s.get('shards')} "
+                     f"({s.get('path')}) row {s.get('row')}, {s.get('tokens')} tokens consumed")
+    skipped = f", {position['skipped_rows']} bad rows skipped" if position.get("skipped_rows") else ""
+    return f"data position at {name}: {position.get('sequences')} sequences{skipped}; " + "; ".join(parts)
 
 
 def _text(value: Any) -> str:

@@ -62,5 +62,12 @@ def main(argv: list[str]) -> int:
     if cfg.model.get("embedded") and model_path and local_model_path(model_path) is None:
         ensure_embedded_base(cfg.model.embedded, model_path)
     tokenizer = build_tokenizer(cfg.tokenizer.pretrained_model_name_or_path or model_path)
+    from automodel_ckpt.data.stream.corpus import is_streamed
+
+    if is_streamed(cfg.dataset):  # the first packed sequences of the stream, in the run's order
+        from automodel_ckpt.data.stream.preview import preview_stream
+
+        preview_stream(cfg, tokenizer, num=args.num, split=args.split)
+        return 0
     preview(prepare_to_show(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
     return 0

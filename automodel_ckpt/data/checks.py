@@ -22,6 +22,14 @@ def check_data_section(cfg: DictConfig) -> None:
         raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
     positive(cfg.data.num_proc, "data.num_proc")
     positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
+    positive(cfg.data.shuffle_buffer, "data.shuffle_buffer", allow_none=False)
+    for key in ("num_workers", "skip_bad_rows"):
+        if cfg.data[key] < 0:
+            raise ConfigError(f"data.{key}: expected >= 0, got {cfg.data[key]}")
+    from automodel_ckpt.data.stream.corpus import is_streamed
+
+    if is_streamed(cfg.get("dataset")) and cfg.step_scheduler.max_steps is None:
+        raise ConfigError("step_scheduler.max_steps: a streamed dataset has no fixed length; set max_steps")
     if cfg.data.val_size < 0:
         raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
 
@@ -38,6 +46,19 @@ def check_dataset_paths(cfg: DictConfig, *, fetchable: bool = False) -> list[str
     for section in ("dataset", "validation_dataset"):
         node = cfg.get(section)
         if node is None:
+            continue
+        from automodel_ckpt.checkpoint.locations import is_url
+        from automodel_ckpt.data.stream.corpus import is_streamed
+
+        if is_streamed(node):  # globs and URLs are listed when the run starts (the listing is the corpus's identity)
+            paths = [node.get("path")] if node.get("path") is not None else [s.get("path") for s in node.get("sources") or []]
+            for value in paths:
+                flat = [value] if isinstance(value, str) else list(value or [])
+                for v in flat:
+                    if isinstance(v, str) and is_url(v):
+                        lines.append(f"{section}: streamed from '{v}' (listed when the run starts)")
+                    elif isinstance(v, str) and not any(ch in v for ch in "*?[") and not Path(v).expanduser().exists():
+                        raise ConfigError(f"{section}.path: '{v}' not found")
             continue
         for key in ("path", "data_files", "data_dir"):
             value = node.get(key)

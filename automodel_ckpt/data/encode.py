@@ -76,14 +76,17 @@ class Encoder:
             if mode == "template" else None
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        if self.mode == "chat":
-            ids, labels = self._chat(batch, indices)
-        elif self.mode == "text":
-            ids, labels = self._text(batch[self.spec.text_field])
-        else:
-            prompts, completions = self._prompts(batch, indices)
-            ids, labels = self._prompt_completion(prompts, completions)
+        ids, labels = self.encode(batch, indices)
         return token_columns(ids, labels, batch, indices, self.spec.seq_length)
+
+    def encode(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """``(input_ids, labels)`` of each record of ``batch``, whole (not cut to ``seq_length``)."""
+        if self.mode == "chat":
+            return self._chat(batch, indices)
+        if self.mode == "text":
+            return self._text(batch[self.spec.text_field])
+        prompts, completions = self._prompts(batch, indices)
+        return self._prompt_completion(prompts, completions)
 
     def _prompts(self, batch: dict[str, list], indices: list[int]) -> tuple[list[str], list[str]]:
         if self.templates is None:

@@ -19,6 +19,8 @@ from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.pipeline import prepare_data
+from automodel_ckpt.data.stream.build import build_streamed
+from automodel_ckpt.data.stream.corpus import is_streamed
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
@@ -103,18 +105,23 @@ class FinetuneRecipe(BaseRecipe):
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
-        with rng_untouched():
-            train_data, val_data = self.build_data()
         sched = cfg.step_scheduler
-        self.dataloader = GlobalBatchLoader(
-            train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
-            rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-        )
-        self.val_batches = (
-            validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.dims.dp_rank,
-                               world_size=self.dims.dp_size)
-            if val_data is not None and len(val_data) else None
-        )
+        if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
+            with rng_untouched():
+                self.dataloader, self.val_batches, self.data_report = build_streamed(
+                    cfg, self.tokenizer, self.dims, log_ids=cfg.training.log_sample_ids)
+        else:
+            with rng_untouched():
+                train_data, val_data = self.build_data()
+            self.dataloader = GlobalBatchLoader(
+                train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
+                rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
+            )
+            self.val_batches = (
+                validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.dims.dp_rank,
+                                   world_size=self.dims.dp_size)
+                if val_data is not None and len(val_data) else None
+            )
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
@@ -250,6 +257,7 @@ class FinetuneRecipe(BaseRecipe):
         while not sched.done:
             t0 = time.perf_counter()
             epoch, micro = self.dataloader.next_batch()
+            fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
             lr = self.optimizer.param_groups[0]["lr"]
             self.lr_scheduler.step()
@@ -259,8 +267,14 @@ class FinetuneRecipe(BaseRecipe):
                       "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)}
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
+            if hasattr(self.dataloader, "source_tokens"):  # a streamed corpus: tokens each source gave so far
+                record["source_tokens"] = self.dataloader.source_tokens
+                record["data_wait_seconds"] = round(fetched, 6)  # the step waited this long for its batch
+                if self.dataloader.skipped_rows:
+                    record["skipped_rows"] = self.dataloader.skipped_rows
             self.train_log.append(record)
-            self._observer.log_train(record | {"consumed_samples": sched.consumed_samples})
+            per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
+            self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
             due = schedule.decide()  # every rank: what to save now (one all-reduce, if minutes or a signal apply)
             val_loss = None
@@ -271,13 +285,13 @@ class FinetuneRecipe(BaseRecipe):
             saved = None
             if due.durable:
                 info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
-                                extra={"consumed_samples": sched.consumed_samples})
+                                extra=self._save_extra())
                 saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
                                             preemption=due.preempt)
                 schedule.saved()
             elif due.local:  # node-local: the snapshot only
                 self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
-                                                    extra={"consumed_samples": sched.consumed_samples}))
+                                                    extra=self._save_extra()))
             self._report_local_faults(sched.step)
             if due.preempt and not sched.done:
                 self._observer.finalize(self.finalize_checkpoints, sched.step)
@@ -296,6 +310,13 @@ class FinetuneRecipe(BaseRecipe):
         line = self._observer.end(sched.step, "complete")
         if self.env.is_main and line:
             self.progress.write(line)
+
+    def _save_extra(self) -> dict[str, Any]:
+        """What a checkpoint's metadata records besides the step: samples consumed, a stream's data position."""
+        extra: dict[str, Any] = {"consumed_samples": self.step_scheduler.consumed_samples}
+        if hasattr(self.dataloader, "summary"):
+            extra["data_position"] = self.dataloader.summary()
+        return extra
 
     def _report_local_faults(self, step: int) -> None:
         """Node-local steps abandoned (or written again) since the last call, to events.jsonl and the trackers."""

@@ -108,6 +108,12 @@ def word_chats(n: int, seed: int = 0) -> list[dict]:
             for _ in range(n)]
 
 
+def texts(n: int, seed: int = 0) -> list[dict]:
+    """Plain-text documents (a continued-pretraining corpus): a few sentences each."""
+    rng = random.Random(seed)
+    return [{"text": ". ".join(_sentence(rng) for _ in range(rng.randint(2, 6))) + "."} for _ in range(n)]
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -3,6 +3,7 @@ templates from YAML, the real-model recipes on tiny same-family models, `preview
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 
@@ -17,7 +18,8 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 # Real-model recipes: (tiny stand-in family, data shape); only paths (and the run's length) are overridden.
 REAL = {"llama3_2_1b_squad.yaml": ("llama", families.squad),
         "llama3_2_1b_hellaswag_peft.yaml": ("llama", families.hellaswag),
-        "qwen2_5_0_5b_instruct_chat.yaml": ("qwen2", families.word_chats)}
+        "qwen2_5_0_5b_instruct_chat.yaml": ("qwen2", families.word_chats),
+        "llama3_2_1b_continued_pretraining.yaml": ("llama", families.texts)}
 SHORT = ("--step_scheduler.max_steps", "2", "--step_scheduler.ckpt_every_steps", "2",
          "--step_scheduler.global_batch_size", "8", "--step_scheduler.local_batch_size", "4",
          "--checkpoint.save_consolidated", "false")
@@ -146,10 +148,11 @@ def test_real_model_recipes_and_templates_train_a_few_steps(work, assets, recipe
     run = f"run_{recipe.split('.')[0]}"
     result = ckpt_train(work, assets, *extra, *SHORT, "--checkpoint.checkpoint_dir", run, recipe=path,
                         env=_env(work))
-    assert f"Saving checkpoint to {run}/epoch_0_step_2" in result.stdout
+    assert re.search(rf"Saving checkpoint to {run}/epoch_\d+_step_2", result.stdout)  # a small corpus streams epochs
     values = losses(work / run)
     assert len(values) == 2 and all(v > 0 for v in values)
-    assert "0 truncated examples" in result.stdout
+    if "streamed corpus" not in result.stdout:  # a stream cuts documents into sequences by design
+        assert "0 truncated examples" in result.stdout
 
 
 @pytest.mark.parametrize("recipe", [p.name for p in RECIPES])

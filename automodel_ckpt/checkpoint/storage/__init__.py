@@ -17,6 +17,7 @@ from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.checkpoint.disk.catalog import Monitor
 from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, source_of, stored_files,
                                                     upload_folder)
+from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.remote import ObjectStoreRunFolder
 
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
     from automodel_ckpt.checkpoint.storage.base import RunFolder
 
-__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "is_url", "monitor_of", "open_for_reading", "open_run_folder",
+__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "is_url", "monitor_of", "open_filesystem", "open_for_reading",
+           "open_run_folder",
            "open_store_run", "run_folder", "source_of", "stored_files", "streamed_object", "upload_folder"]
 
 

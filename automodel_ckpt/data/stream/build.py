@@ -1,0 +1,63 @@
+"""From a recipe with a streamed ``dataset:`` to its loader, its held-out batches and its one-line data report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.data.stream.corpus import Corpus, is_streamed
+from automodel_ckpt.data.stream.loader import StreamLoader
+from automodel_ckpt.data.stream.stream import StreamSettings
+from automodel_ckpt.data.stream.validation import validation_batches, validation_rows
+from automodel_ckpt.errors import ConfigError
+
+
+def stream_settings(cfg: DictConfig) -> StreamSettings:
+    """The stream's settings from the ``data:`` keys (the records rendered as the up-front path renders them)."""
+    from automodel_ckpt.data.pipeline import data_spec
+
+    d = cfg.data
+    return StreamSettings(seq_length=int(d.seq_length), seed=int(cfg.seed), shuffle=bool(d.shuffle),
+                          shuffle_buffer=int(d.shuffle_buffer), skip_bad_rows=int(d.skip_bad_rows),
+                          text_field=str(d.text_field), spec=data_spec(cfg))
+
+
+def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:
+    corpus = instantiate(cfg[section], section)
+    if not isinstance(corpus, Corpus):
+        raise ConfigError(f"{section}: a streamed target must return a corpus, got {type(corpus).__name__}")
+    return corpus
+
+
+def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) -> tuple[StreamLoader, list | None, str]:
+    """``(loader, validation micro-batches or None, report line)``: the shards listed (the corpus's identity)."""
+    corpus = streamed_corpus_of(cfg, "dataset")
+    shards = corpus.list_shards()
+    settings = stream_settings(cfg)
+    sched = cfg.step_scheduler
+    loader = StreamLoader(corpus, shards, tokenizer, settings, global_batch_size=sched.global_batch_size,
+                          local_batch_size=sched.local_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
+                          num_workers=int(cfg.data.num_workers), allow_appended_shards=bool(cfg.data.allow_appended_shards),
+                          gather=dims.sum_over_dp if log_ids else None)
+    val = None
+    held_out = ""
+    if cfg.validation_dataset is not None:
+        if not is_streamed(cfg.validation_dataset):
+            raise ConfigError("validation_dataset: with a streamed dataset, the validation corpus is streamed too "
+                              "(_target_: automodel_ckpt.data.stream.corpus.streamed_corpus)")
+        rows, labels = validation_rows(streamed_corpus_of(cfg, "validation_dataset"), tokenizer, settings)
+        if len(rows):
+            val = validation_batches(rows, labels, local_batch_size=sched.local_batch_size, rank=dims.dp_rank,
+                                     world_size=dims.dp_size)
+            held_out = f"; validation {len(rows)} sequences"
+    files = sum(len(s) for s in shards)
+    size = sum(x.size for s in shards for x in s)
+    blend = f" in {len(shards)} sources (weights {', '.join(f'{s.weight:g}' for s in corpus.sources)})" \
+        if len(shards) > 1 else ""
+    report = (f"data: streamed corpus of {files} files ({size / 2**20:.1f} MiB){blend} -> sequences of "
+              f"{settings.seq_length} tokens (documents joined by EOS), shuffle buffer "
+              f"{settings.shuffle_buffer if settings.shuffle else 'off'}, {cfg.data.num_workers} workers per rank"
+              f"{held_out}")
+    return loader, val, report

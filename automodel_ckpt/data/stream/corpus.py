@@ -1,0 +1,218 @@
+"""The streamed ``dataset:`` target and the shard listing (path, size, version) that is a streamed corpus's identity."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from automodel_ckpt.errors import ConfigError
+
+#: A parquet file larger than this is read as one shard per row group (a finer shard order; the footer is read once
+#: when the corpus is listed).
+SPLIT_PARQUET_BYTES = 256 * 2**20
+#: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
+FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
+           ".arrow": "arrow"}
+_COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a source, or one row group of a large parquet file (rows ``first`` to ``stop``): where it is and
+    what the file was when listed (local: mtime in ns; object store: ETag)."""
+
+    path: str
+    size: int
+    version: str
+    first: int = 0
+    stop: int = -1  # the row after the shard's last (-1: the end of the file)
+
+    @property
+    def name(self) -> str:
+        return self.path if self.stop < 0 else f"{self.path} rows {self.first}-{self.stop - 1}"
+
+    def record(self) -> list[Any]:
+        whole = [self.path, self.size, self.version]
+        return whole if self.stop < 0 else [*whole, self.first, self.stop]
+
+
+@dataclass
+class Source:
+    """One source of a corpus: file globs read with one format; ``weight`` is its share of a blend's documents."""
+
+    paths: list[str]
+    weight: float = 1.0
+    format: str | None = None
+
+
+@dataclass
+class Corpus:
+    """What a streamed ``dataset:`` section names (nothing is read until ``list_shards``)."""
+
+    sources: list[Source]
+    text_field: str | None = None
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
+    max_sequences: int | None = None  # validation: the first N sequences of the stream
+    split_parquet_bytes: int = SPLIT_PARQUET_BYTES
+
+    def list_shards(self, section: str = "dataset") -> list[list[Shard]]:
+        return [list_source(s, self.storage_options, f"{section}.sources[{i}]" if len(self.sources) > 1
+                            else f"{section}.path", self.split_parquet_bytes) for i, s in enumerate(self.sources)]
+
+
+def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str, Any]] | None = None,
+                    format: str | None = None, text_field: str | None = None,
+                    storage_options: dict[str, Any] | None = None, max_sequences: int | None = None,
+                    split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20) -> Corpus:
+    """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` (a glob or a list of globs, local or
+    ``s3://``), or ``sources: [{path, weight, format}]`` for a blend; ``format`` json | text | parquet | arrow (None:
+    from the suffix); ``text_field`` the documents' column (None: ``data.text_field``); ``max_sequences`` the number of
+    sequences a validation stream holds; a parquet file larger than ``split_parquet_mb`` is one shard per row group."""
+    if (path is None) == (sources is None):
+        raise ConfigError("dataset: a streamed corpus takes either dataset.path or dataset.sources")
+    if path is not None:
+        listed = [Source(_globs(path, "dataset.path"), 1.0, format)]
+    else:
+        listed = []
+        for i, s in enumerate(sources or []):
+            s = dict(s)
+            if "path" not in s:
+                raise ConfigError(f"dataset.sources[{i}]: needs a path")
+            weight = float(s.pop("weight", 1.0))
+            if weight <= 0:
+                raise ConfigError(f"dataset.sources[{i}].weight: expected > 0, got {weight:g}")
+            listed.append(Source(_globs(s.pop("path"), f"dataset.sources[{i}].path"), weight, s.pop("format", format)))
+            if s:
+                raise ConfigError(f"dataset.sources[{i}]: unknown key '{next(iter(s))}' (keys: path, weight, format)")
+        if not listed:
+            raise ConfigError("dataset.sources: empty")
+    if max_sequences is not None and max_sequences < 1:
+        raise ConfigError(f"dataset.max_sequences: expected a positive integer, got {max_sequences}")
+    return Corpus(listed, text_field, dict(storage_options) if storage_options else None, max_sequences,
+                  int(split_parquet_mb * 2**20))
+
+
+streamed_corpus.streamed = True  # type: ignore[attr-defined]  # what ``is_streamed`` looks for
+
+
+def is_streamed(section: Any) -> bool:
+    """Whether a ``dataset:`` section names a streamed corpus (its target is marked ``streamed``)."""
+    if section is None or not isinstance(section.get("_target_"), str) or ":" in section.get("_target_"):
+        return False
+    from automodel_ckpt.config.instantiate import locate
+
+    try:
+        return bool(getattr(locate(section.get("_target_")), "streamed", False))
+    except ConfigError:
+        return False
+
+
+def _globs(value: Any, key: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(f"{key}: expected a path, a glob or a list of them, got {value!r}")
+
+
+def file_format(path: str, format: str | None) -> str:
+    """``json``, ``text`` or ``parquet``: ``format`` if set, else from the suffix under any compression suffix."""
+    if format is not None:
+        if format not in set(FORMATS.values()):
+            raise ConfigError(f"dataset.format: expected one of json, text, parquet, arrow, got '{format}'")
+        return format
+    name = path.lower()
+    for c in _COMPRESSED:
+        if name.endswith(c):
+            name = name[: -len(c)]
+    suffix = os.path.splitext(name)[1]
+    if suffix not in FORMATS:
+        raise ConfigError(f"dataset.format: cannot tell the format of '{path}' (suffixes: "
+                          f"{', '.join(FORMATS)}, optionally {', '.join(_COMPRESSED)}); set dataset.format")
+    return FORMATS[suffix]
+
+
+_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
+
+
+def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path within it)`` for a local path or an object-store URL: endpoint and credentials
+    as for ``checkpoint_dir`` (``storage_options``, then the standard environment); one per process."""
+    import fsspec
+
+    from automodel_ckpt.checkpoint.locations import is_url
+
+    if not is_url(path):
+        return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    scheme, inner = path.split("://", 1)
+    key = (os.getpid(), scheme.lower(), repr(sorted((storage_options or {}).items())))
+    if key not in _FILESYSTEMS:
+        from automodel_ckpt.checkpoint.storage import open_filesystem
+
+        _FILESYSTEMS[key] = open_filesystem(f"{scheme.lower()}://{inner}", storage_options)
+    return _FILESYSTEMS[key], inner
+
+
+def list_source(source: Source, storage_options: dict[str, Any] | None, key: str,
+                split_parquet_bytes: int | None = None) -> list[Shard]:
+    """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
+    glob that matches nothing."""
+    split_parquet_bytes = SPLIT_PARQUET_BYTES if split_parquet_bytes is None else split_parquet_bytes
+    from automodel_ckpt.checkpoint.locations import is_url
+
+    shards: dict[str, Shard] = {}
+    for pattern in source.paths:
+        if is_url(pattern):
+            from automodel_ckpt.checkpoint.locations import check_url
+
+            check_url(pattern, key)
+        fs, inner = filesystem(pattern, storage_options)
+        scheme = pattern.split("://", 1)[0] + "://" if is_url(pattern) else ""
+        try:
+            if any(ch in inner for ch in "*?["):
+                found = fs.glob(inner, detail=True)
+            elif fs.isdir(inner):
+                found = {p: i for p, i in fs.find(inner, detail=True).items()}
+            else:
+                found = {inner: fs.info(inner)}
+        except FileNotFoundError:
+            found = {}
+        except (OSError, PermissionError) as exc:
+            raise ConfigError(f"{key}: cannot list '{pattern}': {exc}") from None
+        for p, info in found.items():
+            if info.get("type") == "directory":
+                continue
+            file_format(p, source.format)  # a file of unknown format: one line now, not in a worker later
+            version = info.get("ETag") or info.get("etag") or str(int(float(info.get("mtime", 0)) * 1e9)
+                                                                   if "mtime" in info else info.get("LastModified", ""))
+            shards[scheme + p] = Shard(scheme + p, int(info.get("size") or 0), str(version).strip('"'))
+        if not found:
+            raise ConfigError(f"{key}: no files match '{pattern}'")
+    out: list[Shard] = []
+    for p in sorted(shards):
+        whole = shards[p]
+        large = whole.size > split_parquet_bytes and file_format(p, source.format) == "parquet"
+        out.extend(_row_group_shards(whole, storage_options) if large else [whole])
+    return out
+
+
+def _row_group_shards(whole: Shard, storage_options: dict[str, Any] | None) -> list[Shard]:
+    """A large parquet file as one shard per row group (the whole file if its footer cannot be read: the reader
+    then names the problem when it gets there)."""
+    import pyarrow.parquet as pq
+
+    fs, inner = filesystem(whole.path, storage_options)
+    try:
+        with fs.open(inner, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+    except Exception:  # noqa: BLE001
+        return [whole]
+    if meta.num_row_groups < 2:
+        return [whole]
+    parts, first = [], 0
+    for g in range(meta.num_row_groups):
+        stop = first + meta.row_group(g).num_rows
+        parts.append(Shard(whole.path, whole.size, whole.version, first, stop))
+        first = stop
+    return parts

@@ -1,0 +1,312 @@
+"""The global stream of packed sequences of a streamed corpus, and its position: small, global, exact.
+
+Every reader (each data-parallel rank, each DataLoader worker) computes this same stream from the same position;
+the loader keeps each reader's share. The position after any sequence (``GlobalStream.position``) is:
+
+* per source: the shard list (its identity, append-only), the epoch, how many shards this epoch reads, where in
+  the epoch's shard order and in the shard the next row is, the shuffle buffer as row references, and how many rows
+  left the buffer (the seeded picks are a function of that count: ``order.buffer_pick``);
+* the blend's document count (its picks likewise: ``order.blend_pick``);
+* the documents drawn but not packed yet, as row references, and how many tokens of the first are packed already
+  (the carry-over);
+* the sequences made, the tokens each source gave them, the bad rows skipped.
+
+Restoring reads back only the rows it references (at most ``shuffle_buffer`` per source plus a batch of pending
+documents): the time to resume does not depend on how far into the corpus the run is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import numpy as np
+
+from automodel_ckpt.data.encode import DataSpec
+from automodel_ckpt.data.stream import order
+from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
+from automodel_ckpt.data.stream.encoding import BadRecord, RecordEncoder
+from automodel_ckpt.data.stream.readers import DataError, Row, fetch_rows, read_rows
+
+#: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
+DRAW_BATCH = 64
+#: Version of the position's layout: a checkpoint with another one is refused (not misread).
+POSITION_VERSION = 2
+
+
+@dataclass
+class StreamSettings:
+    """The ``data:`` keys a stream reads (with the corpus and the tokenizer, all it depends on)."""
+
+    seq_length: int
+    seed: int
+    shuffle: bool = True
+    shuffle_buffer: int = 1000
+    skip_bad_rows: int = 0
+    text_field: str = "text"
+    one_pass: bool = False  # validation: stop at the end of the first epoch instead of starting the next
+    spec: DataSpec | None = None  # how records render (templates, chat, fields); None: plain text in text_field
+
+
+class _End(Exception):
+    """A one-pass stream reached the end of its corpus."""
+
+
+class _EpochEnd(Exception):
+    """A source's epoch has no row left to read (its shuffle buffer may still hold some)."""
+
+
+@dataclass
+class _Doc:
+    source: int
+    shard: int
+    key: int
+    record: dict[str, Any]
+    tokens: list[int] | None = None
+    labels: list[int] | None = None
+    epoch: int = 0  # the epoch of its source it was read in
+
+
+@dataclass
+class _Source:
+    """One source's reading position and shuffle buffer (the in-memory side of its part of the position)."""
+
+    index: int
+    shards: list[Shard]
+    fmt: list[str]
+    epoch: int = 0
+    n: int = 0  # shards read in this epoch (the list's length when the epoch began)
+    pos: int = 0  # index into this epoch's shard order
+    key: int = 0  # the next row of the current shard
+    row: int = 0
+    seen: int = 0  # rows (good or bad) met in the current shard
+    epoch_rows: int = 0  # good rows met in this epoch
+    taken: int = 0
+    tokens: int = 0
+    buffer: list[_Doc] = field(default_factory=list)
+    rows: Iterator[Row] | None = None
+    order_cache: tuple[int, int, list[int]] | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"shards": [s.record() for s in self.shards], "epoch": self.epoch, "n": self.n, "pos": self.pos,
+                "key": self.key, "row": self.row, "seen": self.seen, "epoch_rows": self.epoch_rows,
+                "taken": self.taken, "tokens": self.tokens,
+                "buffer_shards": [d.shard for d in self.buffer], "buffer_keys": [d.key for d in self.buffer]}
+
+
+class GlobalStream:
+    """``next_sequence()`` -> the next ``seq_length`` tokens of the corpus's one global order; ``position()``."""
+
+    def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
+                 position: dict[str, Any] | None = None) -> None:
+        self.corpus, self.tokenizer, self.settings = corpus, tokenizer, settings
+        self.text_field = corpus.text_field or settings.text_field
+        spec = settings.spec or DataSpec(seq_length=settings.seq_length, text_field=self.text_field)
+        self.encoder = RecordEncoder(tokenizer, replace(spec, text_field=self.text_field))
+        self.last_labels: np.ndarray | None = None  # the loss labels of the last sequence
+        self.weights = [s.weight for s in corpus.sources]
+        self.buffer_size = max(int(settings.shuffle_buffer), 1) if settings.shuffle else 1
+        self.sources = [_Source(i, list(s), [file_format(x.path, corpus.sources[i].format) for x in s], n=len(s))
+                        for i, s in enumerate(shards)]
+        self.docs = 0
+        self.pending: deque[_Doc] = deque()
+        self.offset = 0
+        self.sequences = 0
+        self.skipped = 0
+        self.trained_epoch = 0  # the epoch of the document that ended the last sequence
+        self.last_skip: str | None = None
+        if position is not None:
+            self._restore(position)
+
+    # ------------------------------------------------------------------------------------------ position
+    def position(self) -> dict[str, Any]:
+        """The position after the last sequence made: plain ints, strings and lists (checkpointed as is)."""
+        return {"version": POSITION_VERSION, "sources": [s.record() for s in self.sources], "docs": self.docs,
+                "pending": [[d.source, d.shard, d.key, d.epoch] for d in self.pending], "offset": self.offset,
+                "sequences": self.sequences, "skipped": self.skipped, "epoch": self.trained_epoch}
+
+    def _restore(self, p: dict[str, Any]) -> None:
+        if p.get("version") != POSITION_VERSION:
+            raise DataError(f"the checkpoint's data position has version {p.get('version')}, this version reads "
+                            f"{POSITION_VERSION}")
+        wanted: dict[tuple[int, int], set[int]] = {}
+        for src, rec in zip(self.sources, p["sources"]):
+            for name in ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens"):
+                setattr(src, name, int(rec[name]))
+            src.buffer = [_Doc(src.index, int(sh), int(k), {}) for sh, k in zip(rec["buffer_shards"], rec["buffer_keys"])]
+            for d in src.buffer:
+                wanted.setdefault((src.index, d.shard), set()).add(d.key)
+        self.pending = deque(_Doc(int(s), int(sh), int(k), {}, epoch=int(e)) for s, sh, k, e in p["pending"])
+        for d in self.pending:
+            wanted.setdefault((d.source, d.shard), set()).add(d.key)
+        self.docs, self.offset = int(p["docs"]), int(p["offset"])
+        self.sequences, self.skipped = int(p["sequences"]), int(p["skipped"])
+        self.trained_epoch = int(p["epoch"])
+        texts = {}
+        for (s, sh), keys in sorted(wanted.items()):
+            src = self.sources[s]
+            got = fetch_rows(src.shards[sh].path, src.fmt[sh], self.text_field, self.corpus.storage_options, keys)
+            texts.update({(s, sh, k): t for k, t in got.items()})
+        for d in [*self.pending, *(d for src in self.sources for d in src.buffer)]:
+            d.record = texts[(d.source, d.shard, d.key)]
+        self._tokenize(list(self.pending))
+
+    # --------------------------------------------------------------------------------------- sequences
+    def next_sequence(self) -> np.ndarray:
+        """The next sequence: documents joined (each ends with EOS), the tail of a long one carried over; its loss
+        labels (the records' own: every token for text, the completion or the assistant turns otherwise) are in
+        ``last_labels``."""
+        n = self.settings.seq_length
+        out = np.empty(n, dtype=np.int64)
+        labels = np.empty(n, dtype=np.int64)
+        filled = 0
+        while filled < n:
+            if not self.pending:
+                self._draw()
+            doc = self.pending[0]
+            assert doc.tokens is not None and doc.labels is not None
+            take = min(len(doc.tokens) - self.offset, n - filled)
+            out[filled:filled + take] = doc.tokens[self.offset:self.offset + take]
+            labels[filled:filled + take] = doc.labels[self.offset:self.offset + take]
+            self.sources[doc.source].tokens += take
+            self.trained_epoch = doc.epoch
+            filled += take
+            self.offset += take
+            if self.offset == len(doc.tokens):
+                self.pending.popleft()
+                self.offset = 0
+        self.sequences += 1
+        self.last_labels = labels
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while True:
+            try:
+                yield self.next_sequence()
+            except _End:
+                return
+
+    def _draw(self) -> None:
+        drawn = []
+        for _ in range(DRAW_BATCH):
+            s = order.blend_pick(self.settings.seed, self.docs, self.weights) if len(self.sources) > 1 else 0
+            try:
+                drawn.append(self._take(self.sources[s]))
+            except _End:
+                if not drawn:
+                    raise
+                break
+            self.docs += 1
+        self._tokenize(drawn)
+        self.pending.extend(drawn)
+
+    def _tokenize(self, docs: list[_Doc]) -> None:
+        """Encode ``docs`` in one batch (in place); a record that fails is skipped and counted, or ``DataError``."""
+        todo = [d for d in docs if d.tokens is None]
+        while todo:
+            try:
+                encoded = self.encoder.encode([d.record for d in todo])
+            except BadRecord as bad:
+                self._bad(f"{self._where(todo[bad.index])}: {bad.reason}")
+                docs.remove(todo.pop(bad.index))
+                continue
+            for d, (ids, labels) in zip(todo, encoded):
+                d.tokens, d.labels = ids, labels
+            return
+
+    def _where(self, doc: _Doc) -> str:
+        src = self.sources[doc.source]
+        path = src.shards[doc.shard].path
+        return f"{path} row {doc.key}" if src.fmt[doc.shard] == "parquet" else f"{path} row at byte {doc.key}"
+
+    def _take(self, src: _Source) -> _Doc:
+        """The next document of ``src`` out of its shuffle buffer (filled first). The buffer does not span epochs:
+        at the end of an epoch it is emptied before the next epoch's first row enters it, so every epoch hands out
+        each good row exactly once."""
+        while len(src.buffer) < self.buffer_size:
+            if src.pos >= src.n:  # this epoch's rows are all read
+                if src.buffer:
+                    break
+                self._next_epoch(src)
+            try:
+                src.buffer.append(self._read(src))
+            except _EpochEnd:  # the epoch's last rows were bad: the loop ends it
+                continue
+        j = order.buffer_pick(self.settings.seed, src.index, src.taken, len(src.buffer))
+        src.taken += 1
+        doc = src.buffer[j]
+        src.buffer[j] = src.buffer[-1]
+        src.buffer.pop()
+        doc.epoch = src.epoch  # the buffer never spans epochs
+        return doc
+
+    def _order(self, src: _Source) -> list[int]:
+        if src.order_cache is None or src.order_cache[:2] != (src.epoch, src.n):
+            src.order_cache = (src.epoch, src.n, order.shard_order(src.n, self.settings.seed, src.index, src.epoch,
+                                                                  self.settings.shuffle))
+        return src.order_cache[2]
+
+    def _read(self, src: _Source) -> _Doc:
+        """The next good row of ``src`` in this epoch's reading order (bad ones skipped and counted, or
+        ``DataError``); ``_EpochEnd`` when the epoch has no more."""
+        while src.pos < src.n:
+            shard = self._order(src)[src.pos]
+            if src.rows is None:
+                sh = src.shards[shard]
+                if src.seen == 0 and src.key < sh.first:  # a row-group shard starts inside its file
+                    src.key = src.row = sh.first
+                src.rows = read_rows(sh.path, src.fmt[shard], self.text_field, self.corpus.storage_options, src.key,
+                                     src.row, sh.stop)
+            row = next(src.rows, None)
+            if row is None:
+                if src.seen == 0:
+                    self._bad(f"{src.shards[shard].name}: empty shard (no rows)")
+                self._next_shard(src)
+                continue
+            src.seen += 1
+            if row.error is None and row.record is not None:
+                row.error = self.encoder.check(row.record)
+            if row.error is not None:
+                whole = row.next_key <= row.key
+                self._bad(f"{src.shards[shard].path}{'' if whole else f' row {row.row}'}: {row.error}")
+                if whole:
+                    self._next_shard(src)
+                else:
+                    src.key, src.row = row.next_key, row.row + 1
+                continue
+            src.key, src.row = row.next_key, row.row + 1
+            src.epoch_rows += 1
+            return _Doc(src.index, shard, row.key, row.record or {})
+        raise _EpochEnd()
+
+    def _next_shard(self, src: _Source) -> None:
+        src.rows = None
+        src.pos, src.key, src.row, src.seen = src.pos + 1, 0, 0, 0
+
+    def _next_epoch(self, src: _Source) -> None:
+        """The next epoch of ``src`` (its shards, appended ones included, in the next seeded order)."""
+        if src.epoch_rows == 0:
+            raise DataError(f"dataset: no readable row in any of the {src.n} shards of source {src.index} "
+                            f"(first: {src.shards[0].path})")
+        if self.settings.one_pass:
+            raise _End()
+        src.epoch, src.pos, src.n, src.epoch_rows = src.epoch + 1, 0, len(src.shards), 0
+
+    def _bad(self, what: str) -> None:
+        limit = self.settings.skip_bad_rows
+        if self.skipped >= limit:
+            hint = (f"data.skip_bad_rows ({limit}) reached" if limit else
+                    "--data.skip_bad_rows N skips up to N such rows")
+            raise DataError(f"{what} ({hint})")
+        self.skipped += 1
+        self.last_skip = what
+
+    # -------------------------------------------------------------------------------------------- misc
+    @property
+    def epoch(self) -> int:
+        """The epoch of the data trained on: that of the document that ended the last sequence."""
+        return self.trained_epoch
+
+    def source_tokens(self) -> list[int]:
+        return [s.tokens for s in self.sources]

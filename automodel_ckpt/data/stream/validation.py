@@ -1,0 +1,55 @@
+"""Held-out sequences of a streamed validation corpus: its first ``max_sequences``, read in file order."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from automodel_ckpt.data.loader import MicroBatch
+from automodel_ckpt.data.stream.corpus import Corpus
+from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
+from automodel_ckpt.data.tokenize import IGNORE_INDEX
+
+#: Sequences a streamed validation corpus gives when its section does not say (``max_sequences``).
+DEFAULT_SEQUENCES = 64
+
+
+def one_pass(settings: StreamSettings) -> StreamSettings:
+    """``settings`` for reading a corpus once, in file order (validation, previews of it)."""
+    return replace(settings, shuffle=False, shuffle_buffer=1, one_pass=True)
+
+
+def validation_rows(corpus: Corpus, tokenizer: Any, settings: StreamSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, labels)`` of the first ``corpus.max_sequences`` sequences (fewer if one pass over the corpus holds
+    fewer): no shuffle."""
+    stream = GlobalStream(corpus, corpus.list_shards("validation_dataset"), tokenizer, one_pass(settings))
+    rows, labels = [], []
+    for tokens in itertools.islice(stream, corpus.max_sequences or DEFAULT_SEQUENCES):
+        rows.append(tokens)
+        labels.append(stream.last_labels)
+    if not rows:
+        empty = torch.zeros(0, settings.seq_length, dtype=torch.long)
+        return empty, empty
+    return torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(labels))
+
+
+def validation_batches(rows: torch.Tensor, row_labels: torch.Tensor, *, local_batch_size: int, rank: int,
+                       world_size: int) -> list[MicroBatch]:
+    """Every row once over all ranks (rank ``r``: rows ``r, r+W, ...``); a rank short of rows gets copies of row 0
+    whose labels are all ignored, so every rank runs the same number of forwards."""
+    per_rank = -(-len(rows) // world_size)
+    idx = torch.arange(rank, len(rows), world_size)
+    real = torch.ones(per_rank, dtype=torch.bool)
+    real[len(idx):] = False
+    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
+    batches = []
+    for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
+        r = rows[b]
+        labels = row_labels[b].clone()
+        labels[~keep] = IGNORE_INDEX
+        batches.append(MicroBatch(r, labels, torch.ones_like(r), b))
+    return batches
