@@ -7,7 +7,10 @@ The rule is deliberately small so it can be stated in one sentence in the docs:
 * names listed in the recipe's ``checkpoint_exclude`` are skipped (the explicit opt-out);
 * how it is stored depends on what it is, not on its name: an ``nn.Module`` or an ``Optimizer`` is sharded state
   written through torch.distributed.checkpoint; an object whose class sets ``checkpoint_scope = "rank"`` gets one
-  file per rank (dataloader position, RNG); anything else is global and written once by rank 0.
+  file per rank (dataloader position, RNG); anything else is global and written once by rank 0;
+* an ``nn.Module`` with ``checkpoint_optional = True`` (a preference run's reference model, saved only once it
+  differs from its starting weights) is skipped on restore when the checkpoint does not hold it, and is then not
+  among the states the restore reports as loaded.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class StatePlan:
         return any(is_peft_model(m) for m in self.models.values())
 
     def model_for(self, optimizer_name: str) -> nn.Module:
+        """The one model, or with several (a policy and its reference) the one named ``model``."""
+        if len(self.models) > 1 and _MODEL in self.models:
+            return self.models[_MODEL]
         if len(self.models) != 1:
             raise ValueError(
                 f"optimizer '{optimizer_name}' needs exactly one checkpointed nn.Module to pair with, "

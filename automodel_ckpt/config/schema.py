@@ -95,6 +95,23 @@ class PeftConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Preference tuning (docs/preference.md): the loss, its reference model and the preference columns."""
+
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo (reference-free, length-normalised)
+    beta: float = 0.1  # strength of the KL penalty (simpo: the reward scale; 2.0 in the SimPO paper)
+    label_smoothing: float = 0.0  # conservative DPO / robust SimPO: the share of labels assumed flipped, in [0, 0.5)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin, as gamma / beta on the log-prob difference
+    sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps steps
+    ref_model_sync_steps: int = 64  # steps between reference syncs
+    ref_model_mixup_alpha: float = 0.6  # reference <- alpha * policy + (1 - alpha) * reference at each sync
+    precompute_ref_log_probs: bool = False  # reference log-probs computed once, kept with the run; no reference in memory
+    prompt_field: str = "prompt"  # the prompt column (a string, or chat messages)
+    chosen_field: str = "chosen"  # the preferred response (a string, or chat messages ending with it)
+    rejected_field: str = "rejected"  # the dispreferred response, like chosen
+
+
+@dataclass
 class TensorBoardConfig:
     """TensorBoard event files (pip install 'automodel-ckpt[tensorboard]')."""
 
@@ -162,4 +179,5 @@ class RecipeConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # process group and FSDP2 settings
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint format, location, export, resume and retention
     peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
+    dpo: Optional[DPOConfig] = None  # preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, MLflow, Weights & Biases (none by default)

@@ -72,6 +72,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
         node = cfg.get(section)
         if node is not None and TARGET_KEY in node:
             check_arguments(node, section)  # unknown keys and wrong value types, before any process starts
+    if cfg.get("dpo") is not None:
+        from automodel_ckpt.training.preference import check_dpo_section
+
+        check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None, pp_size=sizes.pp)
     if cfg.get("peft") is not None:
         from automodel_ckpt.models.lora import check_peft_section
 

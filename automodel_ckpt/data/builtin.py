@@ -1,4 +1,8 @@
-"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction."""
+"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction.
+
+Its preference form (``preference_task_dataset``) pairs each problem's right sum (chosen) with a near miss
+(rejected): off by one in the last digit or by ten in the first.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ __all__ = [
     "chat_task_dataset",
     "heldout_examples",
     "is_heldout",
+    "near_miss",
+    "preference_task_dataset",
     "problems",
 ]
 
@@ -131,6 +137,33 @@ def _chat_rows(num_samples: int, seed: int, split: str, system: str | None) -> d
         "messages": [head + [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
                      for p, c in zip(rows["prompt"], rows["completion"])],
     })
+
+
+def near_miss(a: int, b: int, rng: random.Random) -> int:
+    """A wrong sum that looks right: the right one off by one or by ten (never negative)."""
+    return a + b + rng.choice((-10, -1, 1, 10))
+
+
+def preference_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
+    """The built-in task as preference pairs: ``prompt`` ``"37+45="``, ``chosen`` ``"82"``, ``rejected`` a near
+    miss (``"81"``, ``"72"``, ...). The same problems as :func:`arithmetic_dataset` with the same arguments."""
+    from automodel_ckpt.data.generated import kept_on_disk
+
+    arguments = {"num_samples": num_samples, "seed": seed, "split": split}
+    return kept_on_disk("arithmetic_pairs", arguments, lambda: _pair_rows(num_samples, seed, split))
+
+
+def _pair_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
+    import datasets
+
+    rows = arithmetic_dataset(num_samples, seed, split)
+    rng = random.Random(f"near-miss:{split}:{seed}")
+    rejected = []
+    for prompt in rows["prompt"]:
+        a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+        rejected.append(str(near_miss(a, b, rng)))
+    return datasets.Dataset.from_dict({"id": rows["id"], "prompt": rows["prompt"], "chosen": rows["completion"],
+                                       "rejected": rejected})
 
 
 def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:

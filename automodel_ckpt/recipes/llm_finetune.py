@@ -117,11 +117,7 @@ class FinetuneRecipe(BaseRecipe):
                 train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
                 rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
             )
-            self.val_batches = (
-                validation_batches(val_data, local_batch_size=sched.local_batch_size, rank=self.dims.dp_rank,
-                                   world_size=self.dims.dp_size)
-                if val_data is not None and len(val_data) else None
-            )
+            self.val_batches = self.build_val_batches(val_data) if val_data is not None and len(val_data) else None
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
@@ -163,6 +159,11 @@ class FinetuneRecipe(BaseRecipe):
             barrier()
         tok_path = self.cfg.tokenizer.pretrained_model_name_or_path or self.cfg.model.get("pretrained_model_name_or_path")
         return self.load_tokenizer(tok_path), model if meta else model.to(self.env.device)
+
+    def build_val_batches(self, val_data: Any) -> list[MicroBatch]:
+        """This rank's validation batches: every held-out row once over the data-parallel ranks."""
+        return validation_batches(val_data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
+                                  rank=self.dims.dp_rank, world_size=self.dims.dp_size)
 
     def restore_checkpoint(self) -> Path | None:
         """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
@@ -264,7 +265,7 @@ class FinetuneRecipe(BaseRecipe):
             sched.record_step(epoch, self.dataloader.global_batch_size)
             seconds = max(time.perf_counter() - t0, 1e-9)  # the batch fetched, the optimizer step taken
             record = {"step": sched.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)}
+                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)} | self.train_metrics()
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
             if hasattr(self.dataloader, "source_tokens"):  # a streamed corpus: tokens each source gave so far
@@ -280,8 +281,9 @@ class FinetuneRecipe(BaseRecipe):
             val_loss = None
             if self.val_batches is not None and (sched.is_val_step or due.scheduled):
                 val_loss = self.validate()
-                self.val_log.append({"step": sched.step, "val_loss": val_loss})
-                self._observer.log_validation({"step": sched.step, "val_loss": val_loss})
+                val_record = {"step": sched.step, "val_loss": val_loss} | self.validation_metrics()
+                self.val_log.append(val_record)
+                self._observer.log_validation(val_record)
             saved = None
             if due.durable:
                 info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
@@ -316,7 +318,19 @@ class FinetuneRecipe(BaseRecipe):
         extra: dict[str, Any] = {"consumed_samples": self.step_scheduler.consumed_samples}
         if hasattr(self.dataloader, "summary"):
             extra["data_position"] = self.dataloader.summary()
-        return extra
+        return extra | self.save_extra()
+
+    def train_metrics(self) -> dict[str, Any]:
+        """Numbers of the step just taken beside the loss (training.jsonl, trackers); a subclass adds its own."""
+        return {}
+
+    def validation_metrics(self) -> dict[str, Any]:
+        """Numbers of the validation just made beside ``val_loss`` (validation.jsonl, trackers)."""
+        return {}
+
+    def save_extra(self) -> dict[str, Any]:
+        """What a checkpoint's metadata records beside ``consumed_samples`` (a subclass's counters)."""
+        return {}
 
     def _report_local_faults(self, step: int) -> None:
         """Node-local steps abandoned (or written again) since the last call, to events.jsonl and the trackers."""

@@ -12,8 +12,10 @@ checkpoint_dir/
     epoch_E_step_N/  epoch_E_step_N.json     the checkpoint as it was, and why it was moved (step, reason, time)
   .object-store.json                the URL this folder mirrors (checkpoint_dir on an object store, see below)
   .run.lock                         the running run's lock (flock) and who holds it; removed when the run ends
+  ref_log_probs/<key>.pt            a preference run's precomputed reference log-probs, named by its data and
+                                    reference (dpo.precompute_ref_log_probs); read by every resume
   epoch_E_step_N/
-    metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt
+    metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt  (dpo.pt: a preference run's counters)
     manifest.json                    every other file's size and checksum; written last, before publish
     model/       shard-0000R-model-0000K-of-0000F.safetensors + consolidate.sh   (safetensors)
                  __R_0.distcp + .metadata                                         (torch_save)
@@ -25,6 +27,7 @@ checkpoint_dir/
                  tokenizer files                                                   (PEFT: instead of the above)
                  merged/        full HF model of base + adapter (`ckpt-train merge-lora`)
     optim/       __R_0.distcp + .metadata          (node-local steps: + __R_1.distcp, the small items apart)
+    ref_model/   a preference run's reference once synced from the policy (dpo.sync_ref_model): as model/
     dataloader/dataloader_dp_rank_R.pt
     rng/rng_dp_rank_R.pt
 ```
@@ -80,6 +83,7 @@ OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-sto
 RUN_MARKER = ".automodel-ckpt-run.json"
 UPLOAD_MARKER = ".automodel-ckpt-upload.json"
 LEASE_OBJECT = ".automodel-ckpt-lease.json"
+REF_LOG_PROBS_DIR = "ref_log_probs"  # precomputed reference log-probs of a preference run (dpo.precompute_ref_log_probs)
 RUN_LOCK = ".run.lock"  # flock'ed by the run that owns the folder; host, pid, start time (storage/runlock.py)
 # --- a node-local folder (checkpoint.local) ---------------------------------------------------------------
 LOCAL_BINDING = ".automodel-ckpt-local.json"  # the run a node-local folder belongs to (nodelocal/localdir.py)
@@ -157,6 +161,11 @@ HF_TOKENIZER_FILES = (
 _STATE_DIR_NAMES = {"optimizer": OPTIM_DIR}
 
 
+def ref_log_probs_file(run_dir: Path, key: str) -> Path:
+    """The precomputed reference log-probs of the data and reference ``key`` names, in a run folder."""
+    return Path(run_dir) / REF_LOG_PROBS_DIR / f"{key}.pt"
+
+
 def pointer_text_file(pointer: str) -> str:
     """Fallback file holding a pointer's target name on filesystems without symlinks."""
     return f"{pointer}.txt"
@@ -176,7 +185,7 @@ def checkpoint_name(epoch: int, step: int, template: str = DEFAULT_NAME_TEMPLATE
 
 # Names at the checkpoint_dir level that a rendered checkpoint name must never take.
 RESERVED_NAMES = frozenset({*POINTERS, *(pointer_text_file(p) for p in POINTERS), TRAINING_LOG, VALIDATION_LOG,
-                            QUARANTINE_DIR})
+                            QUARANTINE_DIR, REF_LOG_PROBS_DIR})
 # The longest file name most filesystems accept is 255 bytes; a checkpoint name also goes behind a prefix.
 MAX_NAME_BYTES = 255 - max(len(STAGING_PREFIX), len(DELETING_PREFIX))
 

@@ -76,11 +76,12 @@ class CheckpointLoader:
                 self.say(f"Loading checkpoint from {self.run.location_of(path)}")
             if not checked:
                 self._fetch_and_check(path)
-            self._load_states(states, path)
+            absent = self._load_states(states, path)
+        names = tuple(name for name in states if name not in absent)
         if fresh_run:
-            return Loaded(path, tuple(states), training_seconds=0.0)
+            return Loaded(path, names, training_seconds=0.0)
         seconds = float((read_metadata(path) or {}).get("training_seconds") or 0.0)
-        return Loaded(path, tuple(states), continues_run=True, training_seconds=seconds)
+        return Loaded(path, names, continues_run=True, training_seconds=seconds)
 
     def _fetch_and_check(self, path: Path) -> None:
         self.run.fetch(path)
@@ -88,13 +89,18 @@ class CheckpointLoader:
                                   rank=self.env.rank, world_size=self.env.world_size, warn=warn, leave=deferred)
         collective.collectively(check, "verifying the checkpoint", self.env.rank)
 
-    def _load_states(self, states: dict[str, Any], path: Path) -> None:
+    def _load_states(self, states: dict[str, Any], path: Path) -> set[str]:
+        """Load every state; returns the optional models (``checkpoint_optional``) the checkpoint does not hold."""
         plan = plan_state(states)
         check = None
         if self.cfg.verify_on_load:  # each node's own copy (the node-local tier): each rank checks what it reads
             check = LoadCheck.plan(path, self.env.rank, self.env.world_size) if self.run.shared else \
                 LoadCheck.of_reads(path)
+        absent = {attr for attr, model in plan.models.items()
+                  if getattr(model, "checkpoint_optional", False) and not (path / layout.state_dir(attr)).is_dir()}
         for attr, model in plan.models.items():
+            if attr in absent:
+                continue
             folder = _require(path / layout.state_dir(attr))
             if peft_format.is_peft_model(model):
                 peft_format.load_adapter(model, folder)
@@ -109,6 +115,7 @@ class CheckpointLoader:
         for attr, obj in plan.per_rank.items():
             self._load_per_rank(attr, obj, path)
         barrier()
+        return absent
 
     def _load_per_rank(self, attr: str, obj: Any, path: Path) -> None:
         """Per-rank state is per data-parallel rank; resharded by the object itself when that size changed."""

@@ -1,0 +1,220 @@
+"""Preference pairs: each record's prompt with its chosen and its rejected response, as two aligned sets of rows.
+
+A record is ``prompt``/``chosen``/``rejected`` strings (scored: the response and end-of-sequence, as an SFT
+completion), or chat: ``chosen`` and ``rejected`` are message lists (whole conversations, or the reply turns after a
+``prompt`` message list), rendered with the chat template and scored on the last assistant turn only. Each side is
+tokenized by the SFT encoder (``encode.Encoder``, cached by ``tokenize``) into padded rows of ``data.seq_length``
+tokens; row ``i`` of the chosen set and row ``i`` of the rejected set are one pair, and a batch of pairs is the
+chosen rows followed by the rejected rows (one forward for both, as TRL's concatenated forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.data.encode import DataSpec
+from automodel_ckpt.data.loader import MicroBatch, micro_batch
+from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
+from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, encode_dataset
+from automodel_ckpt.errors import ConfigError
+
+SIDES = ("chosen", "rejected")
+#: Bump when the views below change for the same records.
+PAIRS_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class PairFields:
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+    @classmethod
+    def from_section(cls, dpo: Any) -> "PairFields":
+        return cls(dpo.prompt_field, dpo.chosen_field, dpo.rejected_field)
+
+
+def pair_mode(ds: datasets.Dataset, fields: PairFields) -> str:
+    """``"chat"`` (message lists) or ``"text"``; a one-line refusal naming the missing column."""
+    columns = ds.column_names
+    missing = [f"'{name}' (dpo.{key}_field)" for key, name in (("chosen", fields.chosen), ("rejected", fields.rejected))
+               if name not in columns]
+    chat = not missing and len(ds) > 0 and isinstance(ds[0][fields.chosen], list)
+    if not chat and fields.prompt not in columns:
+        missing.insert(0, f"'{fields.prompt}' (dpo.prompt_field)")
+    if missing:
+        raise ConfigError(f"dataset: preference records need prompt, chosen and rejected columns; missing "
+                          f"{', '.join(missing)}; the records have {', '.join(sorted(columns))}")
+    return "chat" if chat else "text"
+
+
+class _SideView:
+    """``datasets.map`` function: one side of each pair as an SFT record (prompt/completion, or messages)."""
+
+    def __init__(self, fields: PairFields, side: str, chat: bool) -> None:
+        self.fields, self.side, self.chat = fields, side, chat
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        responses = batch[getattr(self.fields, self.side)]
+        out: dict[str, list] = {}
+        if "id" in batch:
+            out["id"] = batch["id"]
+        if self.chat:
+            prompts = batch.get(self.fields.prompt) or [None] * len(responses)
+            out["messages"] = [(p if isinstance(p, list) else []) + list(r) for p, r in zip(prompts, responses)]
+        else:
+            out["prompt"] = [str(p) for p in batch[self.fields.prompt]]
+            out["completion"] = [str(r) for r in responses]
+        return out
+
+
+def side_view(ds: datasets.Dataset, fields: PairFields, side: str, mode: str) -> datasets.Dataset:
+    fingerprint = _hash(PAIRS_VERSION, ds._fingerprint, dataclasses.asdict(fields), side, mode)
+    return ds.map(_SideView(fields, side, mode == "chat"), batched=True, remove_columns=ds.column_names,
+                  new_fingerprint=fingerprint, keep_in_memory=not ds.cache_files, load_from_cache_file=True,
+                  desc=f"{side} responses")
+
+
+def _hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+class PairData:
+    """Aligned chosen and rejected rows (``TokenizedData`` each); ``batch(idx)`` gives the chosen rows of ``idx``
+    then their rejected rows, so a ``GlobalBatchLoader`` over pairs yields micro-batches of 2 x pairs rows (and
+    ``sample_ids`` of the pairs: their row numbers)."""
+
+    def __init__(self, chosen: TokenizedData, rejected: TokenizedData) -> None:
+        if len(chosen) != len(rejected):
+            raise ValueError(f"{len(chosen)} chosen rows but {len(rejected)} rejected rows")
+        self.chosen, self.rejected = chosen, rejected
+        # a pair is named by its row (the loader's sample ids): unique, and the key of precomputed reference
+        # log-probs; the record's own id is ``record_ids``
+        self.sample_ids = torch.arange(len(chosen))
+        self.record_ids = chosen.sample_ids
+        self.caches = chosen.caches + rejected.caches
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    @property
+    def fingerprint(self) -> str:
+        """What the rows are: both sides' row fingerprints (``datasets`` fingerprints, from what made them)."""
+        return _hash(self.chosen.rows._fingerprint, self.rejected.rows._fingerprint, len(self))
+
+    def batch(self, idx: torch.Tensor | list[int]) -> dict[str, torch.Tensor | None]:
+        c, r = self.chosen.batch(idx), self.rejected.batch(idx)
+        return {"input_ids": torch.cat([c["input_ids"], r["input_ids"]]), "labels": torch.cat([c["labels"], r["labels"]]),
+                "attention_mask": torch.cat([c["attention_mask"], r["attention_mask"]]), "position_ids": None,
+                "pixel_values": None}
+
+    def totals(self) -> dict[str, int]:
+        c, r = self.chosen.totals(), self.rejected.totals()
+        return {"pairs": len(self), "tokens": c["tokens"] + r["tokens"],
+                "scored_tokens": c["trained_tokens"] + r["trained_tokens"], "truncated": c["truncated"] + r["truncated"]}
+
+    def check_scored(self, seq_length: int) -> None:
+        """Refuse a pair with a side that has no token to score (its prompt fills ``data.seq_length``)."""
+        for side in SIDES:
+            rows: TokenizedData = getattr(self, side)
+            trained = rows.rows.with_format("arrow", columns=["num_trained"])[:]["num_trained"].to_numpy()
+            empty = np.flatnonzero(trained == 0)
+            if empty.size:
+                sample = int(rows.sample_ids[int(empty[0])])
+                raise ConfigError(f"dataset: pair {sample} leaves no {side} token to score in data.seq_length "
+                                  f"{seq_length} ({empty.size} such pair(s)); raise data.seq_length or shorten "
+                                  "the prompt")
+
+
+@dataclass
+class PreparedPairs:
+    train: PairData
+    validation: PairData | None
+    spec: DataSpec
+    mode: str
+    caches: list[CacheInfo]
+
+    def report(self) -> str:
+        t = self.train.totals()
+        parts = [f"data: {t['pairs']} training pairs ({self.mode}) -> 2 x {t['pairs']} sequences of "
+                 f"{self.spec.seq_length} tokens, {t['tokens']} tokens, {t['scored_tokens']} scored, "
+                 f"{t['truncated']} truncated responses"]
+        if self.validation is not None:
+            parts.append(f"validation {len(self.validation)} pairs")
+        files = [c for c in self.caches if c.path is not None]
+        if files and all(c.hit for c in files):
+            parts.append(f"tokenization cached (loaded {files[0].path.parent})")
+        else:
+            parts.append(f"tokenized in {sum(c.seconds for c in self.caches):.1f}s")
+        return "; ".join(parts)
+
+
+def pair_spec(cfg: DictConfig) -> DataSpec:
+    """The SFT data spec for one side: padded, one example a row; chat scored on the last assistant turn."""
+    return dataclasses.replace(data_spec(cfg), packing=False, prompt_field="prompt", completion_field="completion",
+                               messages_field="messages", prompt_template=None, completion_template=None,
+                               chat_loss="last")
+
+
+def encode_pairs(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec, fields: PairFields,
+                 mode: str | None = None) -> PairData:
+    mode = mode or pair_mode(ds, fields)
+    pad = pad_token_id(tokenizer)
+    sides = []
+    for side in SIDES:
+        encoded, info = encode_dataset(side_view(ds, fields, side, mode), tokenizer, spec)
+        rows = build_rows(encoded, spec, pad)
+        rows.caches.insert(0, info)
+        sides.append(rows)
+    return PairData(*sides)
+
+
+def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
+    """Load, split (``data.val_size`` unless ``validation_dataset``), tokenize (cached) and check the recipe's
+    preference pairs."""
+    fields = PairFields.from_section(cfg.dpo)
+    spec = pair_spec(cfg)
+    source: datasets.Dataset = instantiate(cfg.dataset, "dataset")
+    mode = pair_mode(source, fields)
+    if cfg.validation_dataset is not None:
+        train_source, val_source = source, instantiate(cfg.validation_dataset, "validation_dataset")
+        pair_mode(val_source, fields)
+    else:
+        train_idx, val_idx = split_indices(len(source), cfg.data.val_size, cfg.seed)
+        key = _hash(source._fingerprint, len(source), cfg.data.val_size, cfg.seed)
+        train_source = source.select(train_idx, new_fingerprint=f"{key}-train")
+        val_source = source.select(val_idx, new_fingerprint=f"{key}-val") if val_idx else None
+    train = encode_pairs(train_source, tokenizer, spec, fields, mode)
+    train.check_scored(spec.seq_length)
+    val = encode_pairs(val_source, tokenizer, spec, fields, mode) if val_source is not None and len(val_source) \
+        else None
+    if val is not None:
+        val.check_scored(spec.seq_length)
+    return PreparedPairs(train, val, spec, mode, train.caches + (val.caches if val is not None else []))
+
+
+def pair_batches(data: PairData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
+    """Every pair exactly once over all ranks (rank ``r``: pairs ``r, r+W, ...``), the same number of batches on
+    every rank (forwards are collective): a rank short of pairs fills its last batch with copies of pair 0 whose
+    sample id is -1, which every sum leaves out."""
+    per_rank = -(-len(data) // world_size)
+    idx = torch.arange(rank, len(data), world_size)
+    real = torch.ones(per_rank, dtype=torch.bool)
+    real[len(idx):] = False
+    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
+    batches = []
+    for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
+        mb = micro_batch(data, b)
+        mb.sample_ids = mb.sample_ids.masked_fill(~keep, -1)
+        batches.append(mb)
+    return batches

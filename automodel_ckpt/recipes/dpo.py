@@ -1,0 +1,344 @@
+"""Preference tuning (DPO, IPO, hinge, SimPO) of a causal LM: the fine-tune recipe with pairs, a reference and counters.
+
+Everything but the data, the step and the reference is ``FinetuneRecipe``'s: the CLI, launcher, meshes, formats,
+async saves, node-local tier, object storage, trackers, ``restore_from`` and the export of the policy.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import OmegaConf
+
+from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.checkpoint.storage import run_folder
+from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.config.schema import DPOConfig
+from automodel_ckpt.data.loader import MicroBatch
+from automodel_ckpt.data.pairs import PairData, pair_batches, prepare_pairs
+from automodel_ckpt.data.tokenize import IGNORE_INDEX
+from automodel_ckpt.distributed import data_parallel
+from automodel_ckpt.distributed.env import all_gather_object, barrier
+from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
+from automodel_ckpt.errors import CheckpointError, ConfigError
+from automodel_ckpt.models.build import local_model_path
+from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
+from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+from automodel_ckpt.training.preference import METRICS, PreferenceLoss, response_log_probs
+from automodel_ckpt.training.reference import StoredLogProbs, mix_into, reference_identity, weights_fingerprint
+from automodel_ckpt.training.rng import rng_untouched
+
+TRAIN, VALIDATION = "train", "validation"
+
+
+class PreferenceCounters:
+    """The algorithm's counters and the reference's record (checkpointed as ``dpo``): optimizer steps and pairs
+    consumed, reference syncs, and what the reference is (the base's weights fingerprint, the key of the stored
+    log-probs), checked on resume."""
+
+    def __init__(self) -> None:
+        self.dpo_step = 0
+        self.consumed_pairs = 0
+        self.ref_syncs = 0
+        self.last_sync_step: int | None = None
+        self.reference_fingerprint: str | None = None  # the live full-model reference's starting weights
+        self.ref_log_probs_key: str | None = None  # the stored log-probs' data and reference
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in vars(PreferenceCounters()):
+            setattr(self, key, state.get(key))
+
+    def shown(self) -> dict[str, Any]:
+        """What ``ckpt-train inspect`` lists (the checkpoint's metadata holds it)."""
+        return {"dpo_step": self.dpo_step, "consumed_pairs": self.consumed_pairs, "ref_syncs": self.ref_syncs,
+                "last_sync_step": self.last_sync_step}
+
+
+class DPORecipe(FinetuneRecipe):
+    """:class:`FinetuneRecipe` trained on preference pairs (``dpo:`` keys, docs/preference.md).
+
+    The reference: for a full fine-tune a frozen copy of the model, built on the meta device and sharded like the
+    policy, filled from the starting weights and checked against the base's fingerprint recorded in the counters
+    (it is saved only from its first ``sync_ref_model`` mix on, as ``ref_model``, resharded on resume like the
+    policy); for LoRA the policy with its adapters disabled; with ``precompute_ref_log_probs`` none in memory, its
+    log-probs read from the run folder (computed once). Checkpointed beside the fine-tune's state: ``dpo``
+    (``PreferenceCounters``) and, once synced, ``ref_model``.
+    """
+
+    checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
+    ref_model: Any = None
+    _restoring = False
+    _stored: StoredLogProbs | None = None
+
+    def setup(self) -> None:
+        section = self.cfg.dpo if self.cfg.get("dpo") is not None else OmegaConf.structured(DPOConfig)
+        self.dpo_cfg = section
+        self.objective = PreferenceLoss.from_section(section)
+        self.dpo = PreferenceCounters()
+        self._step_metrics: dict[str, Any] = {}
+        self._val_metrics: dict[str, Any] = {}
+        super().setup()
+        if self.pipeline is not None:  # checked with the config; a custom recipe could still get here
+            raise ConfigError("distributed.pp_size: preference tuning under pipeline stages is not supported yet")
+        self._peft = self.cfg.peft is not None
+        if self.objective.needs_reference and not self._peft and not section.precompute_ref_log_probs:
+            self.ref_model = self._build_reference()
+
+    # ------------------------------------------------------------------------------------------ data
+    def build_data(self) -> tuple[PairData, PairData | None]:
+        """Rank 0 tokenizes first (into the cache); the other ranks then read its result."""
+        main = self.env.is_main
+        if not main:
+            barrier()
+        prepared = prepare_pairs(self.cfg, self.tokenizer)
+        if main:
+            barrier()
+        self.data_report = prepared.report()
+        self._pairs = prepared
+        if len(prepared.train) < self.cfg.step_scheduler.global_batch_size:
+            raise ConfigError(f"step_scheduler.global_batch_size: {self.cfg.step_scheduler.global_batch_size} is "
+                              f"larger than the training set ({len(prepared.train)} pairs)")
+        return prepared.train, prepared.validation
+
+    def build_val_batches(self, val_data: Any) -> list[MicroBatch]:
+        return pair_batches(val_data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
+                            rank=self.dims.dp_rank, world_size=self.dims.dp_size)
+
+    # ------------------------------------------------------------------------------------- reference
+    def _build_reference(self) -> torch.nn.Module:
+        """A frozen copy of the model on the meta device, sharded like the policy; its weights come in restore."""
+        cfg = self.cfg
+        self._ref_weights = StartingWeights(cfg.model, self.env.rank, build_whole=lambda: instantiate(cfg.model, "model"))
+        meta = builds_on_meta(cfg.model)
+        with rng_untouched():
+            ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
+        if not meta:
+            ref = ref.to(self.env.device)
+        ref.requires_grad_(False)
+        if self.data_parallel.sharded:  # a replicated policy: the reference is a whole copy, nothing to wrap
+            ref = data_parallel.wrap(ref, self.data_parallel, self.dims)
+        self._ref_weights.materialize(ref, self.env.device)
+        ref.eval()
+        ref.checkpoint_optional = True  # saved from its first sync on: absent from earlier checkpoints
+        return ref
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        """The fine-tune's state and ``dpo``; ``ref_model`` once a sync made it differ from the starting weights
+        (and on restore, where a checkpoint without it leaves it to the starting weights)."""
+        states = super().checkpointed_state()
+        if "ref_model" in states and not (self.dpo.ref_syncs or self._restoring):
+            del states["ref_model"]
+        return states
+
+    def restore_checkpoint(self) -> Path | None:
+        self._restoring = True
+        try:
+            restored = super().restore_checkpoint()
+        finally:
+            self._restoring = False
+        if self.ref_model is not None:
+            self._settle_reference("ref_model" in self.checkpointer.loaded_states)
+        if self.dpo_cfg.precompute_ref_log_probs:
+            self._stored = self._stored_log_probs()
+        return restored
+
+    def _settle_reference(self, loaded: bool) -> None:
+        """A reference the checkpoint did not hold: filled from the starting weights and checked against the
+        fingerprint the run recorded (a synced reference must come from the checkpoint)."""
+        if loaded:
+            if self.env.is_main:
+                self.progress.write(f"Reference model: restored from the checkpoint (synced {self.dpo.ref_syncs} "
+                                    f"time(s), last at step {self.dpo.last_sync_step})")
+            return
+        if self.dpo.ref_syncs:
+            raise CheckpointError(f"the checkpoint's counters say the reference was synced {self.dpo.ref_syncs} "
+                                  "time(s), but it holds no ref_model; it cannot be resumed as a preference run")
+        self._ref_weights.fill(self.ref_model, model_loaded=False)
+        fingerprint = weights_fingerprint(self.ref_model)
+        recorded = self.dpo.reference_fingerprint
+        if recorded is not None and recorded != fingerprint:
+            raise CheckpointError(f"the reference model does not match this run's: its starting weights "
+                                  f"({self.cfg.model.get('pretrained_model_name_or_path')}) have fingerprint "
+                                  f"{fingerprint}, the run recorded {recorded}; resume with the same base")
+        self.dpo.reference_fingerprint = fingerprint
+        if self.env.is_main:
+            self.progress.write(f"Reference model: a frozen copy of the starting weights (fingerprint {fingerprint}; "
+                                "not saved until it is synced)")
+
+    def _stored_log_probs(self) -> StoredLogProbs:
+        """The reference log-probs of every pair, from the run folder, or computed once and stored there."""
+        data = self._pairs
+        base = local_model_path(self.cfg.model.get("pretrained_model_name_or_path"))
+        identity = reference_identity(OmegaConf.to_container(self.cfg.model, resolve=True), base,
+                                      adapters_disabled=self._peft)
+        parts = [data.train.fingerprint, data.validation.fingerprint if data.validation is not None else None,
+                 identity, str(self.cfg.distributed.mixed_precision)]
+        import hashlib
+
+        key = hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()[:24]
+        if self.dpo.ref_log_probs_key is not None and self.dpo.ref_log_probs_key != key:
+            raise CheckpointError("the reference log-probs do not match this run's: the data or the reference "
+                                  f"(model: {self.cfg.model.get('pretrained_model_name_or_path')}) changed since "
+                                  f"they were computed (key {self.dpo.ref_log_probs_key}, now {key}); resume with "
+                                  "the same data and base")
+        self.dpo.ref_log_probs_key = key
+        file = layout.ref_log_probs_file(run_folder(self.checkpoint_config), key)
+        stored = StoredLogProbs.load(file, key)
+        if stored is not None:
+            if self.env.is_main:
+                self.progress.write(f"Reference log-probs: read from {file}")
+            return stored
+        if self._peft:
+            compute = self._adapters_disabled_log_probs
+        else:
+            self.ref_model = self._build_reference()
+            self._ref_weights.fill(self.ref_model, model_loaded=False)
+            compute = self._reference_model_log_probs
+        tables = {TRAIN: self._log_prob_table(data.train, compute)}
+        if data.validation is not None:
+            tables[VALIDATION] = self._log_prob_table(data.validation, compute)
+        stored = StoredLogProbs(key, tables)
+        if self.env.is_main:
+            stored.save(file)
+            self.progress.write(f"Reference log-probs: computed for {sum(t.shape[1] for t in tables.values())} "
+                                f"pairs, stored in {file}")
+        barrier()
+        self.ref_model = None  # not kept in memory
+        gc.collect()
+        return stored
+
+    def _log_prob_table(self, data: PairData, compute: Any) -> torch.Tensor:
+        """``[2, pairs]`` float64: every pair's reference log-probs, each rank computing its share."""
+        table = torch.zeros(2, len(data), dtype=torch.float64)
+        mine = []
+        for mb in pair_batches(data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
+                               rank=self.dims.dp_rank, world_size=self.dims.dp_size):
+            sums, _ = compute(mb)
+            keep = mb.sample_ids >= 0
+            half = len(mb.sample_ids)
+            mine.append(torch.stack([mb.sample_ids[keep].double(), sums[:half][keep].double().cpu(),
+                                     sums[half:][keep].double().cpu()]))
+        local = torch.cat(mine, dim=1) if mine else torch.zeros(3, 0, dtype=torch.float64)
+        parts = all_gather_object(local) if self.dims.dp_size > 1 else [local]
+        for part in parts:
+            table[:, part[0].long()] = part[1:]
+        return table
+
+    # ------------------------------------------------------------------------------------- log-probs
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: summed log-probs of the scored tokens, and their count."""
+        dev = self.env.device
+        choice = self.data_parallel
+        with choice.compute(dev):
+            if bool(mb.attention_mask.all()):
+                logits = model(input_ids=mb.input_ids.to(dev), use_cache=False).logits
+            else:
+                logits = model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
+                               use_cache=False).logits
+        labels = mb.labels.to(dev)
+        return response_log_probs(logits, labels, IGNORE_INDEX), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+
+    @torch.no_grad()
+    def _reference_model_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward(self.ref_model, mb)
+
+    @torch.no_grad()
+    def _adapters_disabled_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.model.disable_adapter():
+            return self._forward(self.model, mb)
+
+    def _reference(self, mb: MicroBatch, split: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pairs' reference log-probs (chosen, rejected), summed; None without a reference (SimPO)."""
+        if not self.objective.needs_reference:
+            return None, None
+        if self._stored is not None:
+            chosen, rejected = self._stored.lookup(split, mb.sample_ids)
+            return chosen.to(self.env.device), rejected.to(self.env.device)
+        sums, _ = (self._adapters_disabled_log_probs if self._peft else self._reference_model_log_probs)(mb)
+        half = len(mb.sample_ids)
+        return sums[:half].double(), sums[half:].double()
+
+    def _pair_losses(self, mb: MicroBatch, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per pair: the loss and the chosen and rejected rewards (the policy forward under the caller's grad mode)."""
+        ref_chosen, ref_rejected = self._reference(mb, split)
+        sums, counts = self._forward(self.model, mb)
+        half = len(mb.sample_ids)
+        logps = sums.double()
+        if self.objective.length_normalised:  # IPO, SimPO: the mean log-prob of each response
+            denom = counts.clamp(min=1).double()
+            logps = logps / denom
+            if ref_chosen is not None:
+                ref_chosen, ref_rejected = ref_chosen / denom[:half], ref_rejected / denom[half:]
+        return self.objective(logps[:half], logps[half:], ref_chosen, ref_rejected)
+
+    # ------------------------------------------------------------------------------------------ step
+    def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
+        """One optimizer step over the global batch of pairs; the loss is the mean over its pairs, whatever the
+        mesh (each rank scales its summed pair losses by ``dp_size / global_pairs``, as the fine-tune does tokens)."""
+        self.model.train()
+        counts = torch.stack([sum((mb.sample_ids >= 0).sum() for mb in micro), sum(mb.attention_mask.sum() for mb in micro)])
+        global_pairs, input_tokens = self.dims.sum_over_dp(counts).tolist()
+        scale = self.dims.dp_size / max(global_pairs, 1.0)
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)
+        for i, mb in enumerate(micro):
+            data_parallel.sync_gradients(self.model, i == len(micro) - 1)
+            losses, chosen, rejected = self._pair_losses(mb, TRAIN)
+            (losses.sum() * scale).backward()
+            sums += self.objective.sums(losses, chosen, rejected)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group, [])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.dpo.dpo_step += 1
+        self.dpo.consumed_pairs += int(global_pairs)
+        self._maybe_sync_reference()
+        totals = self.dims.sum_over_dp(sums.cpu()) / max(global_pairs, 1.0)
+        values = dict(zip(METRICS, totals.tolist()))
+        self._step_metrics = {k: values[k] for k in METRICS[1:]} | {"dpo_step": self.dpo.dpo_step,
+                                                                     "consumed_pairs": self.dpo.consumed_pairs}
+        return values["loss"], float(grad_norm), input_tokens
+
+    def _maybe_sync_reference(self) -> None:
+        """TR-DPO: every ``ref_model_sync_steps`` steps the policy is mixed into the reference (which from then on
+        is checkpointed state)."""
+        cfg = self.dpo_cfg
+        if not cfg.sync_ref_model or self.ref_model is None or self.dpo.dpo_step % cfg.ref_model_sync_steps:
+            return
+        self.checkpointer.fence()  # an async save may still be copying the reference
+        mix_into(self.ref_model, self.model, float(cfg.ref_model_mixup_alpha))
+        self.dpo.ref_syncs += 1
+        self.dpo.last_sync_step = self.dpo.dpo_step
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        self.model.eval()
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)
+        pairs = 0
+        for mb in self.val_batches or []:
+            keep = mb.sample_ids >= 0
+            losses, chosen, rejected = self._pair_losses(mb, VALIDATION)
+            sums += self.objective.sums(losses, chosen, rejected, weight=keep.to(losses.device))
+            pairs += int(keep.sum())
+        totals = self.dims.sum_over_dp(torch.cat([sums.cpu(), torch.tensor([float(pairs)], dtype=torch.float64)]))
+        values = dict(zip(METRICS, (totals[:-1] / max(totals[-1].item(), 1.0)).tolist()))
+        self._val_metrics = {f"val_{k}": values[k] for k in METRICS[1:]}
+        return values["loss"]
+
+    def train_metrics(self) -> dict[str, Any]:
+        return self._step_metrics
+
+    def validation_metrics(self) -> dict[str, Any]:
+        return self._val_metrics
+
+    def save_extra(self) -> dict[str, Any]:
+        return {"counters": self.dpo.shown()}
+
+    def state_meaning(self) -> dict[str, Any]:
+        """The fine-tune's, and the preference columns (what a pair is)."""
+        dpo = self.dpo_cfg
+        return super().state_meaning() | {"dpo.fields": [dpo.prompt_field, dpo.chosen_field, dpo.rejected_field]}

@@ -1,0 +1,110 @@
+"""Preference losses (DPO sigmoid, IPO, hinge, reference-free SimPO), their rewards, and the per-row log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from automodel_ckpt.errors import ConfigError
+
+LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
+#: Losses computed on log-probs averaged over each response's scored tokens (TRL's IPO and SimPO), not summed.
+LENGTH_NORMALISED = frozenset({"ipo", "simpo"})
+#: Losses with no reference model (SimPO compares the policy's own chosen and rejected log-probs).
+REFERENCE_FREE = frozenset({"simpo"})
+#: The metrics summed over pairs (divided by the pair count when logged), in this order.
+METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """``dpo.loss``, ``dpo.beta``, ``dpo.label_smoothing`` and ``dpo.simpo_gamma`` (docs/preference.md)."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+
+    @classmethod
+    def from_section(cls, dpo: Any) -> "PreferenceLoss":
+        return cls(str(dpo.loss), float(dpo.beta), float(dpo.label_smoothing), float(dpo.simpo_gamma))
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss not in REFERENCE_FREE
+
+    @property
+    def length_normalised(self) -> bool:
+        return self.loss in LENGTH_NORMALISED
+
+    def __call__(self, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+                 ref_rejected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(losses, chosen_rewards, rejected_rewards)`` per pair, as TRL's ``DPOTrainer.dpo_loss`` (sigmoid, ipo,
+        hinge) and ``CPOTrainer`` (simpo) define them; rewards are detached. Log-probs are per pair: summed over
+        the response's tokens, or averaged where ``length_normalised``."""
+        beta, ls = self.beta, self.label_smoothing
+        if self.loss == "simpo":
+            logits = (chosen - rejected) - self.simpo_gamma / beta
+            losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+            return losses, beta * chosen.detach(), beta * rejected.detach()
+        assert ref_chosen is not None and ref_rejected is not None
+        logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+        if self.loss == "sigmoid":
+            losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+        elif self.loss == "ipo":
+            losses = (logits - 1 / (2 * beta)) ** 2
+        elif self.loss == "hinge":
+            losses = torch.relu(1 - beta * logits)
+        else:  # checked with the config
+            raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{self.loss}'")
+        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+
+    def sums(self, losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+             weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``METRICS`` summed over the pairs (``weight`` 0 leaves a pair out), float64, detached."""
+        w = torch.ones_like(losses) if weight is None else weight.to(losses)
+        rows = torch.stack([losses.detach(), chosen_rewards, rejected_rewards,
+                            (chosen_rewards > rejected_rewards).to(losses), chosen_rewards - rejected_rewards])
+        return (rows.double() * w.double()).sum(dim=1)
+
+
+def response_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                       average: bool = False) -> torch.Tensor:
+    """Per row, the summed (``average``: mean) log-probability of its labelled tokens, each ``labels[:, t + 1]``
+    scored at ``logits[:, t]``; float32, with the gradient of the logits when they have one."""
+    if hasattr(logits, "full_tensor"):  # tensor-parallel logits: the rows whole
+        logits = logits.full_tensor()
+    targets = labels[:, 1:]
+    keep = targets != ignore_index
+    flat = logits[:, :-1].flatten(0, 1).float()
+    token = -F.cross_entropy(flat, targets.masked_fill(~keep, 0).flatten(), reduction="none").view(targets.shape)
+    summed = (token * keep).sum(dim=1)
+    return summed / keep.sum(dim=1).clamp(min=1) if average else summed
+
+
+def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
+    """Raise ConfigError (one line) for a ``dpo:`` value that would fail later."""
+    if dpo.loss not in LOSSES:
+        raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{dpo.loss}'")
+    if not dpo.beta > 0:
+        raise ConfigError(f"dpo.beta: expected a positive number, got {dpo.beta}")
+    if not 0 <= dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing: expected a value in [0, 0.5), got {dpo.label_smoothing}")
+    if dpo.ref_model_sync_steps < 1:
+        raise ConfigError(f"dpo.ref_model_sync_steps: expected a positive integer, got {dpo.ref_model_sync_steps}")
+    if not 0 < dpo.ref_model_mixup_alpha <= 1:
+        raise ConfigError(f"dpo.ref_model_mixup_alpha: expected a value in (0, 1], got {dpo.ref_model_mixup_alpha}")
+    if pp_size > 1:
+        raise ConfigError("distributed.pp_size: preference tuning under pipeline stages is not supported yet; "
+                          "use pp_size 1 (FSDP2, HSDP or tensor parallelism)")
+    reference_free = dpo.loss in REFERENCE_FREE
+    if dpo.sync_ref_model and (peft or dpo.precompute_ref_log_probs or reference_free):
+        why = ("a LoRA reference is the base with its adapters disabled, not a copy to mix into" if peft else
+               "precomputed reference log-probs come from a reference that never changes"
+               if dpo.precompute_ref_log_probs else f"dpo.loss {dpo.loss} uses no reference")
+        raise ConfigError(f"dpo.sync_ref_model: cannot be used here: {why}; set dpo.sync_ref_model: false")
+    if dpo.precompute_ref_log_probs and reference_free:
+        raise ConfigError(f"dpo.precompute_ref_log_probs: dpo.loss {dpo.loss} uses no reference; set it to false")
