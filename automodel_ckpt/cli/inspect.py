@@ -143,6 +143,7 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "step": record.step,
         "epoch": record.epoch,
         "consumed_samples": meta.get("consumed_samples"),
+        "counters": (meta.get("extra") or {}).get("counters"),  # an algorithm's own (a preference run's dpo_step)
         "train_loss": json_safe(as_float(meta.get("train_loss"))),
         "val_loss": json_safe(as_float(meta.get("val_loss"))),
         "size_bytes": sum(stored.values()) if stored is not None else catalog.size_on_disk(record.path),
@@ -210,6 +211,10 @@ def render_table(report: dict[str, Any]) -> str:
         "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
         for row in lines
     ]
+    counted = [r for r in report["checkpoints"] if r.get("counters")]
+    if counted:
+        out.append("counters:")
+        out += [f"  {r['name']}: " + ", ".join(f"{k} {_text(v)}" for k, v in r["counters"].items()) for r in counted]
     totals = report["totals"]
     out.append(
         f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "

@@ -69,5 +69,11 @@ def main(argv: list[str]) -> int:
 
         preview_stream(cfg, tokenizer, num=args.num, split=args.split)
         return 0
+    if cfg.get("dpo") is not None:  # preference pairs: each pair's two responses
+        from automodel_ckpt.data.pairs import prepare_pairs
+        from automodel_ckpt.data.preview import preview_pairs
+
+        preview_pairs(prepare_pairs(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
+        return 0
     preview(prepare_to_show(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
     return 0

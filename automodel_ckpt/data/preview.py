@@ -81,6 +81,23 @@ def render_counts(prepared: PreparedData) -> str:
     return "\n".join(lines)
 
 
+def preview_pairs(prepared: Any, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
+                  out: TextIO | None = None) -> None:
+    """Preference pairs (``data.pairs.PreparedPairs``): each pair's chosen and rejected rows, scored text marked."""
+    out = out or sys.stdout
+    data = prepared.train if split == "train" else prepared.validation
+    if data is None:
+        raise ConfigError("preview: this recipe has no validation pairs (data.val_size is 0 and no validation_dataset)")
+    marks = "green" if color else f"{OPEN}marked{CLOSE}"
+    print(f"First {min(num, len(data))} of {len(data)} {split} pairs; the scored text (the response whose "
+          f"log-probs the loss compares) is {marks}, the prompt is context only:", file=out)
+    for row in range(min(num, len(data))):
+        print(f"══ pair {row} · record {int(data.record_ids[row])}", file=out)
+        for side in ("chosen", "rejected"):
+            print(f"{side}: " + render_row(tokenizer, getattr(data, side), row, color), file=out)
+    print(prepared.report(), file=out)
+
+
 def preview(prepared: PreparedData, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
             out: TextIO | None = None) -> None:
     out = out or sys.stdout  # the stream of the moment (not the one at import time: it may be replaced since)

@@ -269,13 +269,8 @@ class DPORecipe(FinetuneRecipe):
         ref_chosen, ref_rejected = self._reference(mb, split)
         sums, counts = self._forward(self.model, mb)
         half = len(mb.sample_ids)
-        logps = sums.double()
-        if self.objective.length_normalised:  # IPO, SimPO: the mean log-prob of each response
-            denom = counts.clamp(min=1).double()
-            logps = logps / denom
-            if ref_chosen is not None:
-                ref_chosen, ref_rejected = ref_chosen / denom[:half], ref_rejected / denom[half:]
-        return self.objective(logps[:half], logps[half:], ref_chosen, ref_rejected)
+        logps, counts = sums.double(), counts.double()
+        return self.objective(logps[:half], logps[half:], ref_chosen, ref_rejected, counts[:half], counts[half:])
 
     # ------------------------------------------------------------------------------------------ step
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:

@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from automodel_ckpt.errors import ConfigError
 
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
-#: Losses computed on log-probs averaged over each response's scored tokens (TRL's IPO and SimPO), not summed.
-LENGTH_NORMALISED = frozenset({"ipo", "simpo"})
 #: Losses with no reference model (SimPO compares the policy's own chosen and rejected log-probs).
 REFERENCE_FREE = frozenset({"simpo"})
 #: The metrics summed over pairs (divided by the pair count when logged), in this order.
@@ -36,31 +34,36 @@ class PreferenceLoss:
     def needs_reference(self) -> bool:
         return self.loss not in REFERENCE_FREE
 
-    @property
-    def length_normalised(self) -> bool:
-        return self.loss in LENGTH_NORMALISED
-
     def __call__(self, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
-                 ref_rejected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(losses, chosen_rewards, rejected_rewards)`` per pair, as TRL's ``DPOTrainer.dpo_loss`` (sigmoid, ipo,
-        hinge) and ``CPOTrainer`` (simpo) define them; rewards are detached. Log-probs are per pair: summed over
-        the response's tokens, or averaged where ``length_normalised``."""
+                 ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor,
+                 rejected_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(losses, chosen_rewards, rejected_rewards)`` per pair, as TRL's ``DPOTrainer`` (sigmoid, ipo, hinge)
+        and ``CPOTrainer`` (simpo) define them; rewards are detached.
+
+        ``chosen``/``rejected`` (and the reference's): each response's summed log-prob; ``*_tokens``: how many
+        tokens each sums. IPO's loss takes the log-ratios per token (its rewards, as TRL's, the summed ones);
+        SimPO's loss and rewards take the mean log-probs, and no reference. Sigmoid with ``label_smoothing`` is
+        conservative DPO (the label assumed flipped with that probability).
+        """
         beta, ls = self.beta, self.label_smoothing
         if self.loss == "simpo":
+            chosen, rejected = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
             logits = (chosen - rejected) - self.simpo_gamma / beta
             losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
             return losses, beta * chosen.detach(), beta * rejected.detach()
         assert ref_chosen is not None and ref_rejected is not None
-        logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        logits = chosen_ratio - rejected_ratio
         if self.loss == "sigmoid":
             losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
         elif self.loss == "ipo":
-            losses = (logits - 1 / (2 * beta)) ** 2
+            per_token = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+            losses = (per_token - 1 / (2 * beta)) ** 2
         elif self.loss == "hinge":
             losses = torch.relu(1 - beta * logits)
         else:  # checked with the config
             raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{self.loss}'")
-        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+        return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
     def sums(self, losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
              weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,18 +74,16 @@ class PreferenceLoss:
         return (rows.double() * w.double()).sum(dim=1)
 
 
-def response_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                       average: bool = False) -> torch.Tensor:
-    """Per row, the summed (``average``: mean) log-probability of its labelled tokens, each ``labels[:, t + 1]``
-    scored at ``logits[:, t]``; float32, with the gradient of the logits when they have one."""
+def response_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Per row, the summed log-probability of its labelled tokens, each ``labels[:, t + 1]`` scored at
+    ``logits[:, t]``; float32, with the gradient of the logits when they have one."""
     if hasattr(logits, "full_tensor"):  # tensor-parallel logits: the rows whole
         logits = logits.full_tensor()
     targets = labels[:, 1:]
     keep = targets != ignore_index
     flat = logits[:, :-1].flatten(0, 1).float()
     token = -F.cross_entropy(flat, targets.masked_fill(~keep, 0).flatten(), reduction="none").view(targets.shape)
-    summed = (token * keep).sum(dim=1)
-    return summed / keep.sum(dim=1).clamp(min=1) if average else summed
+    return (token * keep).sum(dim=1)
 
 
 def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
