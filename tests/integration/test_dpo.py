@@ -1,0 +1,165 @@
+"""Preference tuning end to end (recipes/tiny_llama_dpo.yaml, real `ckpt-train` launches, gloo).
+
+Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
+
+* ``synced``: 2 processes, the reference mixed toward the policy every 2 steps (``dpo.sync_ref_model``): straight,
+  and killed (SIGKILL of the whole job) once it starts its step-6 save, then rerun;
+* ``world``: 1 process restored from the straight run's step-3 checkpoint (policy, optimizer and synced reference
+  resharded from 2 ranks to 1);
+* ``lora``: 1 process, LoRA (the reference is the base with the adapters disabled) with precomputed reference
+  log-probs: straight, and stopped at step 3 then rerun;
+* ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
+
+DPO_RECIPE = REPO / "recipes" / "tiny_llama_dpo.yaml"
+SHORT = ("--dataset.num_samples", "600", "--validation_dataset.num_samples", "32", "--step_scheduler.global_batch_size",
+         "16", "--step_scheduler.local_batch_size", "8", "--step_scheduler.ckpt_every_steps", "3",
+         "--step_scheduler.val_every_steps", "3", "--checkpoint.save_consolidated", "false",
+         "--training.log_sample_ids", "true")  # warmup (10 steps) spans every run: a stop at 3 keeps the rate
+SYNC = ("--dpo.sync_ref_model", "true", "--dpo.ref_model_sync_steps", "2")
+COMPARED = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dpo")
+
+
+def _env(work: Path) -> dict[str, str]:
+    return {"HF_DATASETS_CACHE": str(work / "hf_datasets")}
+
+
+def _train(work: Path, assets: Path, run: str, steps: int, *extra: str, nproc: int = 1, recipe: Path = DPO_RECIPE):
+    return ckpt_train(work, assets, *SHORT, "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps",
+                      str(steps), *extra, nproc=nproc, recipe=recipe, env=_env(work))
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return jsonl(run_dir / "training.jsonl")
+
+
+def _numbers(run_dir: Path) -> list[tuple]:
+    return [tuple(r[k] for k in COMPARED) for r in _rows(run_dir)]
+
+
+@cache
+def _synced_straight(work: Path, assets: Path) -> Path:
+    _train(work, assets, "synced", 8, *SYNC, nproc=2)
+    return work / "synced"
+
+
+@cache
+def _synced_killed(work: Path, assets: Path) -> tuple[Path, str]:
+    """Killed once rank 0 says it saves step 6 (inside or just after that save), then rerun to the end."""
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(DPO_RECIPE), *QUIET, *SHORT, *SYNC, "--checkpoint.checkpoint_dir",
+           "killed", "--step_scheduler.max_steps", "8"]
+    job = start_command(cmd, cwd=work, env=env_for(assets, _env(work)), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "Saving checkpoint to killed/epoch_0_step_6" in line:
+            break
+    kill_job(job)
+    assert any("epoch_0_step_6" in line for line in seen), "".join(seen)[-3000:]
+    rerun = _train(work, assets, "killed", 8, *SYNC, nproc=2)
+    return work / "killed", rerun.stdout
+
+
+@cache
+def _resharded(work: Path, assets: Path) -> tuple[Path, str]:
+    source = _synced_straight(work, assets) / "epoch_0_step_3"
+    result = _train(work, assets, "world", 8, *SYNC, "--checkpoint.restore_from", str(source), nproc=1)
+    return work / "world", result.stdout
+
+
+def _lora_recipe(work: Path) -> Path:
+    path = work / "lora_dpo.yaml"
+    if not path.exists():
+        cfg = yaml.safe_load(DPO_RECIPE.read_text())
+        cfg["peft"] = yaml.safe_load((REPO / "recipes" / "tiny_llama_peft.yaml").read_text())["peft"]
+        path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@cache
+def _lora_runs(work: Path, assets: Path) -> dict[str, object]:
+    recipe, extra = _lora_recipe(work), ("--dpo.precompute_ref_log_probs", "true")
+    straight = _train(work, assets, "lora", 6, *extra, recipe=recipe)
+    first = _train(work, assets, "lora_resumed", 3, *extra, recipe=recipe)
+    second = _train(work, assets, "lora_resumed", 6, *extra, recipe=recipe)
+    return {"straight": straight.stdout, "first": first.stdout, "second": second.stdout}
+
+
+@cache
+def _frozen_runs(work: Path, assets: Path) -> tuple[str, str]:
+    _train(work, assets, "frozen", 6)
+    first = _train(work, assets, "frozen_resumed", 3).stdout
+    return first, _train(work, assets, "frozen_resumed", 6).stdout
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+def test_a_killed_run_with_a_synced_reference_resumes_bitwise(work, assets):
+    straight = _synced_straight(work, assets)
+    killed, rerun = _synced_killed(work, assets)
+    assert "Loading checkpoint from killed/epoch_0_step_" in rerun
+    assert "Reference model: restored from the checkpoint" in rerun  # synced at step 2: state from then on
+    assert len(_rows(straight)) == 8
+    assert _numbers(killed) == _numbers(straight)  # bitwise: the same floats
+    assert jsonl(killed / "validation.jsonl") == jsonl(straight / "validation.jsonl")
+    for step in (3, 6):  # the reference is state once synced: saved sharded beside the policy
+        assert (straight / f"epoch_0_step_{step}" / "ref_model").is_dir()
+
+
+def test_counters_are_in_the_checkpoint_and_inspect_shows_them(work, assets):
+    straight = _synced_straight(work, assets)
+    meta = yaml.safe_load((straight / "epoch_0_step_6" / "metadata.json").read_text())
+    assert meta["extra"]["counters"] == {"dpo_step": 6, "consumed_pairs": 96, "ref_syncs": 3, "last_sync_step": 6}
+    shown = subprocess.run([CKPT_TRAIN, "inspect", str(straight)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "epoch_0_step_3: dpo_step 3, consumed_pairs 48, ref_syncs 1, last_sync_step 2" in shown.stdout
+
+
+def test_two_ranks_to_one_resumes_on_the_same_pairs_within_1e_5(work, assets):
+    straight = _rows(_synced_straight(work, assets))
+    world, out = _resharded(work, assets)
+    resumed = _rows(world)
+    assert "Reference model: restored from the checkpoint (synced 1 time(s), last at step 2)" in out
+    assert [r["step"] for r in resumed] == [4, 5, 6, 7, 8]
+    for a, b in zip(straight[3:], resumed):
+        assert a["sample_ids"] == b["sample_ids"]  # the same pairs in the same steps
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) < 1e-5, (a["step"], key, a[key], b[key])
+
+
+def test_lora_with_precomputed_reference_log_probs_resumes_bitwise_and_reads_them_back(work, assets):
+    runs = _lora_runs(work, assets)
+    assert "Reference log-probs: computed for" in runs["first"]
+    assert "Reference log-probs: read from lora_resumed/ref_log_probs/" in runs["second"]
+    assert _numbers(work / "lora_resumed") == _numbers(work / "lora")
+    stored = list((work / "lora_resumed" / "ref_log_probs").glob("*.pt"))
+    assert len(stored) == 1 and stored[0].name == next((work / "lora" / "ref_log_probs").glob("*.pt")).name
+    assert not (work / "lora" / "epoch_0_step_6" / "ref_model").exists()  # LoRA: no second copy
+
+
+def test_a_frozen_reference_is_never_saved_and_is_rebuilt_and_checked_on_resume(work, assets):
+    first, second = _frozen_runs(work, assets)
+    line = "Reference model: a frozen copy of the starting weights (fingerprint "
+    fingerprint = first.split(line, 1)[1].split(";", 1)[0]
+    assert "Loading checkpoint from frozen_resumed/epoch_0_step_3" in second
+    assert f"{line}{fingerprint};" in second  # rebuilt from the base, and the same as the run recorded
+    assert _numbers(work / "frozen_resumed") == _numbers(work / "frozen")
+    assert not any((work / "frozen").glob("epoch_*/ref_model"))
