@@ -114,6 +114,18 @@ def texts(n: int, seed: int = 0) -> list[dict]:
     return [{"text": ". ".join(_sentence(rng) for _ in range(rng.randint(2, 6))) + "."} for _ in range(n)]
 
 
+def word_chat_pairs(n: int, seed: int = 0) -> list[dict]:
+    """Preference pairs as UltraFeedback has them: a prompt string, and chosen and rejected whole conversations."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        user = {"role": "user", "content": _sentence(rng)}
+        pairs.append({"prompt": user["content"],
+                      "chosen": [user, {"role": "assistant", "content": _sentence(rng)}],
+                      "rejected": [user, {"role": "assistant", "content": _sentence(rng)}]})
+    return pairs
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

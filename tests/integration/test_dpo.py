@@ -36,13 +36,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dpo")
 
 
-def _env(work: Path) -> dict[str, str]:
-    return {"HF_DATASETS_CACHE": str(work / "hf_datasets")}
-
-
 def _train(work: Path, assets: Path, run: str, steps: int, *extra: str, nproc: int = 1, recipe: Path = DPO_RECIPE):
     return ckpt_train(work, assets, *SHORT, "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps",
-                      str(steps), *extra, nproc=nproc, recipe=recipe, env=_env(work))
+                      str(steps), *extra, nproc=nproc, recipe=recipe)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -64,7 +60,7 @@ def _synced_killed(work: Path, assets: Path) -> tuple[Path, str]:
     """Killed once rank 0 says it saves step 6 (inside or just after that save), then rerun to the end."""
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(DPO_RECIPE), *QUIET, *SHORT, *SYNC, "--checkpoint.checkpoint_dir",
            "killed", "--step_scheduler.max_steps", "8"]
-    job = start_command(cmd, cwd=work, env=env_for(assets, _env(work)), stdout=subprocess.PIPE,
+    job = start_command(cmd, cwd=work, env=env_for(assets), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
     for line in job.stdout:
