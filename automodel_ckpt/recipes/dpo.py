@@ -146,6 +146,8 @@ class DPORecipe(FinetuneRecipe):
             self._settle_reference("ref_model" in self.checkpointer.loaded_states)
         if self.dpo_cfg.precompute_ref_log_probs:
             self._stored = self._stored_log_probs()
+        elif self._peft and self.objective.needs_reference and self.env.is_main:
+            self.progress.write("Reference model: the policy with its LoRA adapters disabled (no second copy)")
         return restored
 
     def _settle_reference(self, loaded: bool) -> None:

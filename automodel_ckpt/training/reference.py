@@ -11,6 +11,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from automodel_ckpt.checkpoint.disk import layout
+
 
 def weights_fingerprint(model: nn.Module) -> str:
     """A SHA-256 of every parameter's whole value (name, dtype, shape, bytes), the same at any world size and
@@ -35,7 +37,7 @@ def reference_identity(model_section: Mapping[str, Any], base_folder: str | None
     files: list[Any] = []
     if base_folder is not None and Path(base_folder).is_dir():
         folder = Path(base_folder)
-        config = folder / "config.json"
+        config = folder / layout.HF_CONFIG
         files.append(config.read_text() if config.is_file() else None)
         files += sorted((f.name, f.stat().st_size) for f in folder.glob("*.safetensors"))
     payload = json.dumps([dict(model_section), files, adapters_disabled], sort_keys=True, default=str)
