@@ -221,11 +221,10 @@ class DPORecipe(FinetuneRecipe):
         mine = []
         for mb in pair_batches(data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
                                rank=self.dims.dp_rank, world_size=self.dims.dp_size):
-            sums, _ = compute(mb)
+            sums = compute(mb)[0].double().cpu()
             keep = mb.sample_ids >= 0
             half = len(mb.sample_ids)
-            mine.append(torch.stack([mb.sample_ids[keep].double(), sums[:half][keep].double().cpu(),
-                                     sums[half:][keep].double().cpu()]))
+            mine.append(torch.stack([mb.sample_ids[keep].double(), sums[:half][keep], sums[half:][keep]]))
         local = torch.cat(mine, dim=1) if mine else torch.zeros(3, 0, dtype=torch.float64)
         parts = all_gather_object(local) if self.dims.dp_size > 1 else [local]
         for part in parts:
