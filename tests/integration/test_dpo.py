@@ -13,6 +13,7 @@ Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -36,9 +37,10 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dpo")
 
 
-def _train(work: Path, assets: Path, run: str, steps: int, *extra: str, nproc: int = 1, recipe: Path = DPO_RECIPE):
+def _train(work: Path, assets: Path, run: str, steps: int, *extra: str, nproc: int = 1, recipe: Path = DPO_RECIPE,
+           check: bool = True):
     return ckpt_train(work, assets, *SHORT, "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps",
-                      str(steps), *extra, nproc=nproc, recipe=recipe)
+                      str(steps), *extra, nproc=nproc, recipe=recipe, check=check)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -159,3 +161,22 @@ def test_a_frozen_reference_is_never_saved_and_is_rebuilt_and_checked_on_resume(
     assert f"{line}{fingerprint};" in second  # rebuilt from the base, and the same as the run recorded
     assert _numbers(work / "frozen_resumed") == _numbers(work / "frozen")
     assert not any((work / "frozen").glob("epoch_*/ref_model"))
+
+
+def test_a_reference_whose_base_changed_is_refused_in_one_line(work, assets):
+    """Same architecture, other weights: the run's fingerprint (shapes) agrees, the reference's does not."""
+    from safetensors.torch import load_file, save_file
+
+    _frozen_runs(work, assets)
+    other = work / "other_base"
+    shutil.copytree(assets / "tiny_llama_base", other)
+    weights = next(other.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 0.5
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    shutil.copytree(work / "frozen_resumed", work / "mismatch", symlinks=True)
+    result = _train(work, assets, "mismatch", 8, "--model.pretrained_model_name_or_path", str(other), check=False)
+    assert result.returncode != 0
+    assert "the reference model does not match this run's" in result.output
+    assert "Traceback" not in result.stderr
