@@ -1,7 +1,7 @@
 """Preference tuning's step time and peak memory: full fine-tune, LoRA and precomputed reference, beside LoRA SFT.
 
     python tools/bench_dpo.py [--size 120m] [--nprocs 1,2] [--steps 8] [--pairs 2] [--device cpu|cuda]
-        [--variants full,lora,precomputed,lora_sft] [--work DIR] [--json docs/bench/dpo.json]
+        [--variants full,lora,precomputed,lora_sft] [--threads N] [--work DIR] [--json docs/bench/dpo.json]
 
 Every variant trains the same Llama (``tools/bench_train_peers.llama_config``: ``tiny``, ``26m``, ``120m``, ``1b``;
 random init from one seed, fp32) through ``ckpt-train`` as a user runs it (``tools/bench_dpo_recipe.py`` only adds
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, work: Path, variant: str, nproc: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe(work, out, args.size, variant, nproc, args.pairs,
                                                            args.steps)))
-    threads = str(max(1, (os.cpu_count() or 1) // nproc)) if args.device == "cpu" else "1"
+    threads = str(args.threads or max(1, (os.cpu_count() or 1) // nproc)) if args.device == "cpu" else "1"
     env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(work / "datasets"),
                TOKENIZERS_PARALLELISM="false", BENCH_TRAIN_OUT=str(out),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -147,6 +147,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=2, help="pairs per process and step")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, help="OMP threads per process on CPU (default: CPUs / processes; on a "
+                   "shared machine 1, since oversubscribed OpenMP threads spin: 4x slower steps measured here)")
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
