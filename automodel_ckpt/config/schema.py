@@ -102,6 +102,7 @@ class DPOConfig:
     beta: float = 0.1  # strength of the KL penalty (simpo: the reward scale; 2.0 in the SimPO paper)
     label_smoothing: float = 0.0  # conservative DPO / robust SimPO: the share of labels assumed flipped, in [0, 0.5)
     simpo_gamma: float = 0.5  # simpo: the target reward margin, as gamma / beta on the log-prob difference
+    rpo_alpha: Optional[float] = None  # RPO: add alpha x the chosen response's NLL per token (keeps chosen likely)
     sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps steps
     ref_model_sync_steps: int = 64  # steps between reference syncs
     ref_model_mixup_alpha: float = 0.6  # reference <- alpha * policy + (1 - alpha) * reference at each sync

@@ -25,10 +25,13 @@ class PreferenceLoss:
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    rpo_alpha: float | None = None
 
     @classmethod
     def from_section(cls, dpo: Any) -> "PreferenceLoss":
-        return cls(str(dpo.loss), float(dpo.beta), float(dpo.label_smoothing), float(dpo.simpo_gamma))
+        rpo = dpo.get("rpo_alpha")
+        return cls(str(dpo.loss), float(dpo.beta), float(dpo.label_smoothing), float(dpo.simpo_gamma),
+                   None if rpo is None else float(rpo))
 
     @property
     def needs_reference(self) -> bool:
@@ -43,7 +46,8 @@ class PreferenceLoss:
         ``chosen``/``rejected`` (and the reference's): each response's summed log-prob; ``*_tokens``: how many
         tokens each sums. IPO's loss takes the log-ratios per token (its rewards, as TRL's, the summed ones);
         SimPO's loss and rewards take the mean log-probs, and no reference. Sigmoid with ``label_smoothing`` is
-        conservative DPO (the label assumed flipped with that probability).
+        conservative DPO (the label assumed flipped with that probability). ``rpo_alpha`` adds RPO's term: alpha
+        times the chosen response's negative log-likelihood per token (TRL's ``rpo_alpha``, taken per pair).
         """
         beta, ls = self.beta, self.label_smoothing
         if self.loss == "simpo":
@@ -63,6 +67,8 @@ class PreferenceLoss:
             losses = torch.relu(1 - beta * logits)
         else:  # checked with the config
             raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{self.loss}'")
+        if self.rpo_alpha is not None:  # RPO: the chosen response's negative log-likelihood per token, added
+            losses = losses - self.rpo_alpha * chosen / chosen_tokens.clamp(min=1)
         return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
     def sums(self, losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
@@ -94,6 +100,8 @@ def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
         raise ConfigError(f"dpo.beta: expected a positive number, got {dpo.beta}")
     if not 0 <= dpo.label_smoothing < 0.5:
         raise ConfigError(f"dpo.label_smoothing: expected a value in [0, 0.5), got {dpo.label_smoothing}")
+    if dpo.get("rpo_alpha") is not None and dpo.rpo_alpha < 0:
+        raise ConfigError(f"dpo.rpo_alpha: expected a number >= 0 or null, got {dpo.rpo_alpha}")
     if dpo.ref_model_sync_steps < 1:
         raise ConfigError(f"dpo.ref_model_sync_steps: expected a positive integer, got {dpo.ref_model_sync_steps}")
     if not 0 < dpo.ref_model_mixup_alpha <= 1:

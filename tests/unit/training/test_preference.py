@@ -132,3 +132,9 @@ def test_losses_and_rewards_equal_trl_dpo_trainer_on_the_same_log_probs(loss):
     assert abs(chosen.mean().item() - metrics["rewards/chosen"][0]) < 1e-6
     assert abs(rejected.mean().item() - metrics["rewards/rejected"][0]) < 1e-6
     assert abs((chosen > rejected).double().mean().item() - metrics["rewards/accuracies"][0]) < 1e-9
+
+
+def test_rpo_adds_the_chosen_responses_negative_log_likelihood_per_token():
+    plain, _, _ = _one("sigmoid", beta=0.1)
+    with_rpo, chosen, _ = _one("sigmoid", beta=0.1, rpo_alpha=0.5)
+    assert with_rpo == pytest.approx(plain + 0.5 * 3.0 / 2.0, abs=1e-12) and chosen == pytest.approx(0.1)
