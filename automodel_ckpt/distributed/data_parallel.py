@@ -143,6 +143,18 @@ def wrap(model: nn.Module, choice: Choice, dims: ParallelDims) -> nn.Module:
     return model
 
 
+def build_reducer(model: nn.Module, choice: Choice) -> None:
+    """A replicated model's reducer built now, with its weights in place, rather than at its first forward (which
+    may run with no trainable parameter: a LoRA model with its adapters disabled, as a reference)."""
+    if choice.kind != REPLICATED:
+        return
+    from torch.distributed._composable.replicate import replicate
+
+    state = replicate.state(model)
+    if state is not None and state._init_args is not None and (state._init_args or state._init_kwargs):
+        state.lazy_init()
+
+
 def sync_gradients(model: nn.Module, sync: bool) -> None:
     """Whether the next backward exchanges gradients (off for all but the last micro-batch of a step)."""
     if hasattr(model, "set_requires_all_reduce"):  # FSDP2: reduce-scatter always, HSDP's all-reduce on the last

@@ -142,6 +142,8 @@ class DPORecipe(FinetuneRecipe):
             restored = super().restore_checkpoint()
         finally:
             self._restoring = False
+        if self._peft:  # its first forward may be the reference's, adapters disabled: nothing trainable then
+            data_parallel.build_reducer(self.model, self.data_parallel)
         if self.ref_model is not None:
             self._settle_reference("ref_model" in self.checkpointer.loaded_states)
         if self.dpo_cfg.precompute_ref_log_probs:

@@ -6,8 +6,8 @@ Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
   and killed (SIGKILL of the whole job) once it starts its step-6 save, then rerun;
 * ``world``: 1 process restored from the straight run's step-3 checkpoint (policy, optimizer and synced reference
   resharded from 2 ranks to 1);
-* ``lora``: 1 process, LoRA (the reference is the base with the adapters disabled) with precomputed reference
-  log-probs: straight, and stopped at step 3 then rerun;
+* ``lora``: 2 processes (a replicated model, whose first forward is the reference's, adapters disabled), LoRA
+  with precomputed reference log-probs: straight, and stopped at step 3 then rerun;
 * ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun.
 """
 
@@ -94,9 +94,9 @@ def _lora_recipe(work: Path) -> Path:
 @cache
 def _lora_runs(work: Path, assets: Path) -> dict[str, object]:
     recipe, extra = _lora_recipe(work), ("--dpo.precompute_ref_log_probs", "true")
-    straight = _train(work, assets, "lora", 6, *extra, recipe=recipe)
-    first = _train(work, assets, "lora_resumed", 3, *extra, recipe=recipe)
-    second = _train(work, assets, "lora_resumed", 6, *extra, recipe=recipe)
+    straight = _train(work, assets, "lora", 6, *extra, recipe=recipe, nproc=2)
+    first = _train(work, assets, "lora_resumed", 3, *extra, recipe=recipe, nproc=2)
+    second = _train(work, assets, "lora_resumed", 6, *extra, recipe=recipe, nproc=2)
     return {"straight": straight.stdout, "first": first.stdout, "second": second.stdout}
 
 
