@@ -1,11 +1,13 @@
 """Does the tiny DPO recipe learn? SFT, then DPO from the SFT export, then greedy answers on held-out problems.
 
-    python tools/dpo_learns.py [--sft-steps 900] [--dpo-steps 250] [--nproc 1] [--work DIR] [--json FILE]
+    python tools/dpo_learns.py [--sft-steps 300] [--dpo-steps 300] [--rpo-alpha 1.0] [--lr 1e-3] [--nproc 1]
+        [--work DIR] [--json FILE]
 
 1. ``recipes/tiny_llama_sft.yaml`` for ``--sft-steps`` steps (its consolidated export is the DPO start);
 2. ``recipes/tiny_llama_dpo.yaml`` from that export (``model.pretrained_model_name_or_path``: the policy and its
-   frozen reference both start there) for ``--dpo-steps`` steps, validated on held-out problems only (the
-   recipe's ``validation_dataset``: a split disjoint from training by construction);
+   frozen reference both start there) for ``--dpo-steps`` steps at ``--lr``, with ``dpo.rpo_alpha`` (``--rpo-alpha
+   0``: none, plain DPO), validated on held-out problems only (the recipe's ``validation_dataset``: a split disjoint
+   from training by construction);
 3. greedy answers of the SFT export and of the DPO export on 400 held-out problems (``heldout_examples``): how
    often each gives the chosen answer (the right sum) and how often a near miss.
 
@@ -62,8 +64,10 @@ def greedy_accuracy(model_dir: Path, n: int = 400) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sft-steps", type=int, default=900)
-    p.add_argument("--dpo-steps", type=int, default=250)
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--dpo-steps", type=int, default=300)
+    p.add_argument("--rpo-alpha", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)
@@ -77,10 +81,11 @@ def main() -> None:
     train(work, "tiny_llama_dpo.yaml", args.nproc, "--model.pretrained_model_name_or_path", str(sft),
           "--model.embedded", "null", "--step_scheduler.max_steps", str(args.dpo_steps),
           "--step_scheduler.ckpt_every_steps", str(args.dpo_steps), "--step_scheduler.val_every_steps", "50",
-          "--checkpoint.checkpoint_dir", "dpo")
+          "--checkpoint.checkpoint_dir", "dpo", "--optimizer.lr", str(args.lr),
+          *(["--dpo.rpo_alpha", str(args.rpo_alpha)] if args.rpo_alpha else []))
     dpo = next((work / "dpo").glob(f"epoch_*_step_{args.dpo_steps}")) / "model" / "consolidated"
     validation = [json.loads(line) for line in (work / "dpo" / "validation.jsonl").read_text().splitlines()]
-    report = {"sft_steps": args.sft_steps, "dpo_steps": args.dpo_steps,
+    report = {"sft_steps": args.sft_steps, "dpo_steps": args.dpo_steps, "rpo_alpha": args.rpo_alpha, "lr": args.lr,
               "heldout_reward_accuracy": {r["step"]: r["val_reward_accuracy"] for r in validation},
               "greedy_sft": greedy_accuracy(sft), "greedy_dpo": greedy_accuracy(dpo)}
     print(json.dumps(report, indent=1))
