@@ -135,7 +135,8 @@ def ratios(runs: dict, nprocs: list[int]) -> dict:
         if lora.get(mem) and sft.get(mem):
             out[f"LoRA DPO peak / LoRA SFT peak, {n} process(es)"] = lora[mem] / sft[mem]
         if pre.get("median_step_s") and full.get("median_step_s"):
-            out[f"precomputed / live reference step time, {n} process(es)"] = pre["median_step_s"] / full["median_step_s"]
+            out[f"precomputed / live reference step time, {n} process(es)"] = \
+                pre["median_step_s"] / full["median_step_s"]
     return out
 
 

@@ -114,14 +114,16 @@ class PairData:
 
     def batch(self, idx: torch.Tensor | list[int]) -> dict[str, torch.Tensor | None]:
         c, r = self.chosen.batch(idx), self.rejected.batch(idx)
-        return {"input_ids": torch.cat([c["input_ids"], r["input_ids"]]), "labels": torch.cat([c["labels"], r["labels"]]),
+        return {"input_ids": torch.cat([c["input_ids"], r["input_ids"]]),
+                "labels": torch.cat([c["labels"], r["labels"]]),
                 "attention_mask": torch.cat([c["attention_mask"], r["attention_mask"]]), "position_ids": None,
                 "pixel_values": None}
 
     def totals(self) -> dict[str, int]:
         c, r = self.chosen.totals(), self.rejected.totals()
         return {"pairs": len(self), "tokens": c["tokens"] + r["tokens"],
-                "scored_tokens": c["trained_tokens"] + r["trained_tokens"], "truncated": c["truncated"] + r["truncated"]}
+                "scored_tokens": c["trained_tokens"] + r["trained_tokens"],
+                "truncated": c["truncated"] + r["truncated"]}
 
     def check_scored(self, seq_length: int) -> None:
         """Refuse a pair with a side that has no token to score (its prompt fills ``data.seq_length``)."""

@@ -7,6 +7,7 @@ async saves, node-local tier, object storage, trackers, ``restore_from`` and the
 from __future__ import annotations
 
 import gc
+import hashlib
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -114,7 +115,8 @@ class DPORecipe(FinetuneRecipe):
     def _build_reference(self) -> torch.nn.Module:
         """A frozen copy of the model on the meta device, sharded like the policy; its weights come in restore."""
         cfg = self.cfg
-        self._ref_weights = StartingWeights(cfg.model, self.env.rank, build_whole=lambda: instantiate(cfg.model, "model"))
+        self._ref_weights = StartingWeights(cfg.model, self.env.rank,
+                                            build_whole=lambda: instantiate(cfg.model, "model"))
         meta = builds_on_meta(cfg.model)
         with rng_untouched():
             ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
@@ -183,8 +185,6 @@ class DPORecipe(FinetuneRecipe):
                                       adapters_disabled=self._peft)
         parts = [data.train.fingerprint, data.validation.fingerprint if data.validation is not None else None,
                  identity, str(self.cfg.distributed.mixed_precision)]
-        import hashlib
-
         key = hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()[:24]
         if self.dpo.ref_log_probs_key is not None and self.dpo.ref_log_probs_key != key:
             raise CheckpointError("the reference log-probs do not match this run's: the data or the reference "
@@ -280,7 +280,8 @@ class DPORecipe(FinetuneRecipe):
         """One optimizer step over the global batch of pairs; the loss is the mean over its pairs, whatever the
         mesh (each rank scales its summed pair losses by ``dp_size / global_pairs``, as the fine-tune does tokens)."""
         self.model.train()
-        counts = torch.stack([sum((mb.sample_ids >= 0).sum() for mb in micro), sum(mb.attention_mask.sum() for mb in micro)])
+        counts = torch.stack([sum((mb.sample_ids >= 0).sum() for mb in micro),
+                              sum(mb.attention_mask.sum() for mb in micro)])
         global_pairs, input_tokens = self.dims.sum_over_dp(counts).tolist()
         scale = self.dims.dp_size / max(global_pairs, 1.0)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)

@@ -62,7 +62,8 @@ def test_simpo_uses_mean_log_probs_and_no_reference():
 
 def test_the_metric_sums_count_accuracy_and_margin_and_leave_out_weighted_pairs():
     objective = PreferenceLoss("sigmoid")
-    losses, chosen, rejected = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0.0, 1.0, 0.0])
+    losses, chosen = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([1.0, 0.0, 3.0])
+    rejected = torch.tensor([0.0, 1.0, 0.0])
     sums = objective.sums(losses, chosen, rejected, weight=torch.tensor([1.0, 1.0, 0.0]))
     assert sums.tolist() == [1.5, 1.0, 1.0, 1.0, 0.0]  # loss, chosen, rejected, accuracy (1 of 2), margin (1 - 1)
 
@@ -114,15 +115,16 @@ def test_losses_and_rewards_equal_trl_dpo_trainer_on_the_same_log_probs(loss):
     per_token = -torch.rand(2 * pairs, length - 1, generator=g, dtype=torch.float64) * shifted
     ref = -torch.rand(2, pairs, generator=g, dtype=torch.float64) * 4
     outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
-                              mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(shifted, dtype=torch.bool))
+                              mean_logits=torch.zeros_like(per_token),
+                              is_top1=torch.zeros_like(shifted, dtype=torch.bool))
     fake = SimpleNamespace(
         model=SimpleNamespace(training=True), accelerator=SimpleNamespace(device="cpu", gather=lambda x: x,
                                                                           gather_for_metrics=lambda x: x),
         aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
         loss_types=[loss], loss_weights=[1.0], beta=0.3, label_smoothing=0.0, use_weighting=False,
         _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1, args=SimpleNamespace())
-    inputs = {"input_ids": torch.ones(2 * pairs, length, dtype=torch.long), "attention_mask": torch.ones_like(completion),
-              "completion_mask": completion, "ref_chosen_logps": ref[0], "ref_rejected_logps": ref[1]}
+    inputs = {"input_ids": torch.ones(2 * pairs, length, dtype=torch.long),
+              "attention_mask": torch.ones_like(completion), "completion_mask": completion, "ref_chosen_logps": ref[0], "ref_rejected_logps": ref[1]}
     trl_loss = trl.DPOTrainer._compute_loss(fake, lambda **_: outputs, inputs, return_outputs=False)
     sums, tokens = per_token.sum(dim=1), shifted.sum(dim=1).double()
     losses, chosen, rejected = PreferenceLoss(loss, beta=0.3)(sums[:pairs], sums[pairs:], ref[0], ref[1],
