@@ -97,3 +97,22 @@ def test_preview_of_a_tensor_parallel_recipe_checks_it_as_for_its_smallest_run(c
     assert smallest_world_size({"tp_size": 2, "dp_replicate_size": 2}) == 4
     assert smallest_world_size({"tp_size": 2, "dp_size": 3, "dp_replicate_size": 3}) == 6
     assert smallest_world_size({"tp_size": "x", "dp_size": None}) == 1  # the check names the bad value itself
+
+
+def test_a_preference_recipe_shows_each_pair_with_both_responses_scored(overrides, capsys):
+    recipe = str(REPO / "recipes" / "tiny_llama_dpo.yaml")
+    capsys.readouterr()
+    assert main(["preview", recipe, "-n", "1", "--dataset.num_samples", "40", "--validation_dataset.num_samples", "4",
+                 *overrides[4:]]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert not _said(captured.err)
+    lines = out.splitlines()
+    assert lines[0].startswith("First 1 of 40 train pairs; the scored text")
+    pair = lines[lines.index(next(x for x in lines if x.startswith("══ pair 0"))):][:5]
+    chosen, rejected = pair[2].strip(), pair[4].strip()
+    prompt = chosen.split("«")[0]
+    assert prompt.endswith("=") and rejected.startswith(prompt)  # one prompt, context only
+    a, b = (int(x) for x in prompt.removeprefix("<s>").rstrip("=").split("+"))
+    assert chosen == f"{prompt}«{a + b}</s>»" and rejected != chosen
+    assert "data: 40 training pairs (text)" in out
