@@ -47,13 +47,28 @@ def reference_identity(model_section: Mapping[str, Any], base_folder: str | None
 @torch.no_grad()
 def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     """TR-DPO's soft update, in place on each rank's shards: ``reference <- alpha * policy + (1 - alpha) *
-    reference`` (the two modules built and sharded alike)."""
+    reference``. Parameters laid out alike are mixed shard by shard; where the layouts differ (a frozen reference
+    that FSDP2 left on the tensor-parallel mesh alone) the policy's parameter is gathered whole, one at a time,
+    and each rank mixes in its own part."""
+    from automodel_ckpt.checkpoint.restore.hf_weights import local_part
+
     ref_params = {_plain_name(n): p for n, p in reference.named_parameters()}
     for name, param in policy.named_parameters():
         ref = ref_params.get(_plain_name(name))
         if ref is None or ref.shape != param.shape:
             raise ValueError(f"the reference has no parameter '{name}' shaped like the policy's")
-        ref.mul_(1 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
+        if _layout(ref) == _layout(param):
+            ref.mul_(1 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
+            continue
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        local = ref.to_local() if hasattr(ref, "to_local") else ref
+        local.mul_(1 - alpha).add_(local_part(whole.detach().to(local.dtype), ref), alpha=alpha)
+
+
+def _layout(tensor: torch.Tensor) -> Any:
+    """A parameter's mesh and placements (None for a plain tensor)."""
+    mesh = getattr(tensor, "device_mesh", None)
+    return None if mesh is None else (mesh, tuple(tensor.placements))
 
 
 class StoredLogProbs:
