@@ -79,6 +79,11 @@ class DPORecipe(FinetuneRecipe):
 
     def setup(self) -> None:
         section = self.cfg.dpo if self.cfg.get("dpo") is not None else OmegaConf.structured(DPOConfig)
+        if self.checkpoint_config.load_only and self.cfg.peft is None and section.loss != "simpo":
+            # the reference comes from model.pretrained_model_name_or_path: it would not be the weights loaded
+            raise ConfigError("checkpoint.load_only: a preference run's reference starts from the model's weights "
+                              "folder, not from a checkpoint; start from the SFT run's export instead: "
+                              "--model.pretrained_model_name_or_path CHECKPOINT/model/consolidated")
         self.dpo_cfg = section
         self.objective = PreferenceLoss.from_section(section)
         self.dpo = PreferenceCounters()
