@@ -52,8 +52,8 @@ class PreferenceCounters:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in vars(PreferenceCounters()):
-            setattr(self, key, state.get(key))
+        for key, default in vars(PreferenceCounters()).items():
+            setattr(self, key, state.get(key, default))
 
     def shown(self) -> dict[str, Any]:
         """What ``ckpt-train inspect`` lists (the checkpoint's metadata holds it)."""
@@ -203,6 +203,7 @@ class DPORecipe(FinetuneRecipe):
             if self.env.is_main:
                 self.progress.write(f"Reference log-probs: read from {file}")
             return stored
+        self.model.eval()  # the reference's log-probs without dropout (training sets train mode again)
         if self._peft:
             compute = self._adapters_disabled_log_probs
         else:
