@@ -123,14 +123,21 @@ def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int,
     Every rank gets the same number of batches (FSDP forwards are collective): a rank short of rows fills its
     last batch with copies of row 0 whose labels are all ignored, so they add nothing to the loss.
     """
-    per_rank = -(-len(data) // world_size)
-    idx = torch.arange(rank, len(data), world_size)
-    real = torch.ones(per_rank, dtype=torch.bool)
-    real[len(idx):] = False
-    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
     batches = []
-    for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
+    for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)
         mb.labels[~keep] = IGNORE_INDEX
         batches.append(mb)
     return batches
+
+
+def strided_rows(n: int, *, local_batch_size: int, rank: int, world_size: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s share of ``n`` rows in batches: rows ``rank, rank+W, ...``, as many on every rank (a rank
+    short of rows gets row 0 again), each batch's row indices with a mask of the rows that are its own."""
+    per_rank = -(-n // world_size)
+    idx = torch.arange(rank, n, world_size)
+    real = torch.ones(per_rank, dtype=torch.bool)
+    real[len(idx):] = False
+    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
+    return list(zip(idx.split(local_batch_size), real.split(local_batch_size)))

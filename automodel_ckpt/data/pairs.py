@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.data.encode import DataSpec
-from automodel_ckpt.data.loader import MicroBatch, micro_batch
+from automodel_ckpt.data.loader import MicroBatch, micro_batch, strided_rows
 from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
 from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, encode_dataset
 from automodel_ckpt.errors import ConfigError
@@ -209,13 +209,8 @@ def pair_batches(data: PairData, *, local_batch_size: int, rank: int, world_size
     """Every pair exactly once over all ranks (rank ``r``: pairs ``r, r+W, ...``), the same number of batches on
     every rank (forwards are collective): a rank short of pairs fills its last batch with copies of pair 0 whose
     sample id is -1, which every sum leaves out."""
-    per_rank = -(-len(data) // world_size)
-    idx = torch.arange(rank, len(data), world_size)
-    real = torch.ones(per_rank, dtype=torch.bool)
-    real[len(idx):] = False
-    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
     batches = []
-    for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
+    for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)
         mb.sample_ids = mb.sample_ids.masked_fill(~keep, -1)
         batches.append(mb)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel_ckpt.data.loader import MicroBatch
+from automodel_ckpt.data.loader import MicroBatch, strided_rows
 from automodel_ckpt.data.stream.corpus import Corpus
 from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
 from automodel_ckpt.data.tokenize import IGNORE_INDEX
@@ -41,13 +41,8 @@ def validation_batches(rows: torch.Tensor, row_labels: torch.Tensor, *, local_ba
                        world_size: int) -> list[MicroBatch]:
     """Every row once over all ranks (rank ``r``: rows ``r, r+W, ...``); a rank short of rows gets copies of row 0
     whose labels are all ignored, so every rank runs the same number of forwards."""
-    per_rank = -(-len(rows) // world_size)
-    idx = torch.arange(rank, len(rows), world_size)
-    real = torch.ones(per_rank, dtype=torch.bool)
-    real[len(idx):] = False
-    idx = torch.cat([idx, torch.zeros(per_rank - len(idx), dtype=torch.long)])
     batches = []
-    for b, keep in zip(idx.split(local_batch_size), real.split(local_batch_size)):
+    for b, keep in strided_rows(len(rows), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         r = rows[b]
         labels = row_labels[b].clone()
         labels[~keep] = IGNORE_INDEX
