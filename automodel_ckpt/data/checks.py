@@ -51,6 +51,10 @@ def check_dataset_paths(cfg: DictConfig, *, fetchable: bool = False) -> list[str
         from automodel_ckpt.data.stream.corpus import is_streamed
 
         if is_streamed(node):  # globs and URLs are listed when the run starts (the listing is the corpus's identity)
+            if node.get("hub") is not None:
+                lines.append(f"{section}: streamed from the Hub dataset '{node.get('hub')}' (listed when the run "
+                             "starts)")
+                continue
             paths = [node.get("path")] if node.get("path") is not None else [s.get("path") for s in node.get("sources") or []]
             for value in paths:
                 flat = [value] if isinstance(value, str) else list(value or [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,8 @@ from automodel_ckpt.errors import ConfigError
 #: A parquet file larger than this is read as one shard per row group (a finer shard order; the footer is read once
 #: when the corpus is listed).
 SPLIT_PARQUET_BYTES = 256 * 2**20
+HUB_FILES = "**/*.parquet"  # a Hub dataset's files read by default (the Hub stores most datasets as parquet)
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w.%-]+)?")  # OWNER/NAME[@REVISION] (a branch as refs%2Fconvert%2Fparquet)
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
            ".arrow": "arrow"}
@@ -64,13 +67,19 @@ class Corpus:
 def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str, Any]] | None = None,
                     format: str | None = None, text_field: str | None = None,
                     storage_options: dict[str, Any] | None = None, max_sequences: int | None = None,
-                    split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20) -> Corpus:
+                    split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20, hub: str | None = None,
+                    files: str | list[str] = HUB_FILES) -> Corpus:
     """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` (a glob or a list of globs, local or
-    ``s3://``), or ``sources: [{path, weight, format}]`` for a blend; ``format`` json | text | parquet | arrow (None:
+    ``s3://``), ``sources: [{path, weight, format}]`` for a blend, or ``hub: OWNER/NAME[@REVISION]``, a Hub dataset's
+    ``files`` (globs inside its repository; default its parquet files); ``format`` json | text | parquet | arrow (None:
     from the suffix); ``text_field`` the documents' column (None: ``data.text_field``); ``max_sequences`` the number of
     sequences a validation stream holds; a parquet file larger than ``split_parquet_mb`` is one shard per row group."""
+    if hub is not None:
+        if path is not None or sources is not None:
+            raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
+        path = hub_globs(hub, _globs(files, "dataset.files"))
     if (path is None) == (sources is None):
-        raise ConfigError("dataset: a streamed corpus takes either dataset.path or dataset.sources")
+        raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
     if path is not None:
         listed = [Source(_globs(path, "dataset.path"), 1.0, format)]
     else:
@@ -106,6 +115,17 @@ def is_streamed(section: Any) -> bool:
         return bool(getattr(locate(section.get("_target_")), "streamed", False))
     except ConfigError:
         return False
+
+
+def hub_globs(hub: str, files: list[str]) -> list[str]:
+    """The fsspec URLs (``hf://datasets/...``, read through huggingface_hub) of a Hub dataset's files."""
+    if not isinstance(hub, str) or not _HUB_ID.fullmatch(hub) or \
+            any(part in (".", "..") for part in hub.partition("@")[0].split("/")):
+        raise ConfigError(f"dataset.hub: expected a Hub dataset id OWNER/NAME (optionally @REVISION), got {hub!r}")
+    for pattern in files:
+        if pattern.startswith("/") or ".." in pattern.split("/"):
+            raise ConfigError(f"dataset.files: expected globs inside the dataset's repository, got {pattern!r}")
+    return [f"hf://datasets/{hub}/{pattern}" for pattern in files]
 
 
 def _globs(value: Any, key: str) -> list[str]:

@@ -87,8 +87,24 @@ def test_a_glob_that_matches_nothing_and_a_bad_source_are_config_errors(tmp_path
         streamed_corpus(path=str(tmp_path / "*.jsonl")).list_shards()
     with pytest.raises(ConfigError, match=r"dataset.sources\[0\]: unknown key 'wieght'"):
         streamed_corpus(sources=[{"path": "x", "wieght": 2}])
-    with pytest.raises(ConfigError, match="either dataset.path or dataset.sources"):
+    with pytest.raises(ConfigError, match="one of dataset.path, dataset.sources, dataset.hub"):
         streamed_corpus()
+
+
+def test_a_hub_dataset_id_is_read_as_its_files_urls():
+    corpus = streamed_corpus(hub="HuggingFaceFW/fineweb-edu", files="sample/10BT/*.parquet")
+    assert corpus.sources[0].paths == ["hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"]
+    pinned = streamed_corpus(hub="owner/name@refs%2Fconvert%2Fparquet", files=["a/*.jsonl", "b/*.parquet"])
+    assert pinned.sources[0].paths == ["hf://datasets/owner/name@refs%2Fconvert%2Fparquet/a/*.jsonl",
+                                       "hf://datasets/owner/name@refs%2Fconvert%2Fparquet/b/*.parquet"]
+    assert streamed_corpus(hub="o/n").sources[0].paths == ["hf://datasets/o/n/**/*.parquet"]
+    for bad in ("fineweb-edu", "o/n/extra", "../x", "o/..", "o/n@"):
+        with pytest.raises(ConfigError, match="dataset.hub: expected a Hub dataset id"):
+            streamed_corpus(hub=bad)
+    with pytest.raises(ConfigError, match="dataset.files: expected globs inside"):
+        streamed_corpus(hub="o/n", files="../../etc/*")
+    with pytest.raises(ConfigError, match="one of dataset.path, dataset.sources, dataset.hub"):
+        streamed_corpus(hub="o/n", path="x")
 
 
 def test_a_changed_corpus_is_refused_naming_what_changed(tmp_path):
