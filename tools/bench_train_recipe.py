@@ -18,8 +18,8 @@ import torch
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 
-class PeakMemoryRecipe(FinetuneRecipe):
-    """``FinetuneRecipe``, recording the process's peak memory after its run."""
+class PeakMemory:
+    """A recipe mixin: after the recipe's run, this rank's peak memory in ``$BENCH_TRAIN_OUT/rank<R>.json``."""
 
     def run(self) -> None:
         super().run()
@@ -29,3 +29,7 @@ class PeakMemoryRecipe(FinetuneRecipe):
             record["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
         out = Path(os.environ["BENCH_TRAIN_OUT"])
         (out / f"rank{self.env.rank}.json").write_text(json.dumps(record))
+
+
+class PeakMemoryRecipe(PeakMemory, FinetuneRecipe):
+    """``FinetuneRecipe``, recording the process's peak memory after its run."""

@@ -40,22 +40,17 @@ def main(argv: list[str]) -> int:
     if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
     from automodel_ckpt.checkpoint.export.archive import describe, is_archive
-
-    local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
     from automodel_ckpt.checkpoint.export.gguf_read import describe_gguf, is_gguf
 
-    if is_gguf(local):
-        if args.cost:
-            raise UsageError("--cost: needs a run folder, not a GGUF file")
-        info = describe_gguf(local)
-        print(json.dumps(info, indent=2) if args.json else render_gguf(info), flush=True)
-        return 0
-    if is_archive(local):
-        if args.cost:
-            raise UsageError("--cost: needs a run folder, not an archive")
-        info = describe(local)
-        print(json.dumps(info, indent=2) if args.json else render_archive(info), flush=True)
-        return 0
+    local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
+    for matches, what, read, render in ((is_gguf, "a GGUF file", describe_gguf, render_gguf),
+                                        (is_archive, "an archive", describe, render_archive)):
+        if matches(local):  # one file: its header, nothing of a run
+            if args.cost:
+                raise UsageError(f"--cost: needs a run folder, not {what}")
+            info = read(local)
+            print(json.dumps(info, indent=2) if args.json else render(info), flush=True)
+            return 0
     report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
     if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
         report["checkpoint_dir"] = args.checkpoint_dir

@@ -39,6 +39,19 @@ def env_for(assets: Path, extra: dict[str, str] | None = None) -> dict[str, str]
     return env
 
 
+def default_recipe_checkpoint(given: str | None, work: Path) -> Path:
+    """The checkpoint ``given`` (a path), else the newest checkpoint of the default recipe trained in ``work`` (its
+    own assets folder, one thread: minutes on a CPU)."""
+    if given:
+        return Path(given)
+    from automodel_ckpt.checkpoint.disk import catalog
+
+    env = {**os.environ, "AUTOMODEL_CKPT_ASSETS": str(work / "assets"), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "automodel_ckpt", str(RECIPE), "--checkpoint.checkpoint_dir",
+                    str(work / "checkpoints")], cwd=work, env=env, check=True, capture_output=True, timeout=3600)
+    return catalog.latest_checkpoint(work / "checkpoints")
+
+
 def ckpt_train(cwd: Path, assets: Path, *args: str, nproc: int = 1, launcher: tuple[str, ...] = (),
                recipe: Path | str = RECIPE, env: dict[str, str] | None = None, timeout: int = 600,
                check: bool = True) -> Result:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.harness import default_recipe_checkpoint
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "llama_cpp.sh"
 N = 200
@@ -37,15 +39,7 @@ def llama_cpp() -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    given = os.environ.get("LLAMA_CPP_CHECKPOINT")
-    if given:
-        return Path(given)
-    work = tmp_path_factory.mktemp("llama_cpp_run")
-    env = {**os.environ, "AUTOMODEL_CKPT_ASSETS": str(work / "assets"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "automodel_ckpt", str(REPO / "recipes" / "tiny_llama_sft.yaml"),
-                    "--checkpoint.checkpoint_dir", str(work / "checkpoints")], cwd=work, env=env, check=True,
-                   capture_output=True, timeout=3600)
-    return sorted((work / "checkpoints").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
+    return default_recipe_checkpoint(os.environ.get("LLAMA_CPP_CHECKPOINT"), tmp_path_factory.mktemp("llama_cpp_run"))
 
 
 def _export(checkpoint: Path, out: Path, type_name: str) -> Path:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.harness import default_recipe_checkpoint
 from tests.integration.test_vllm_interop import VLLM_PYTHON, _vllm_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,15 +30,7 @@ pytestmark = [pytest.mark.integration,
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    given = os.environ.get("VLLM_CHECKPOINT")
-    if given:
-        return Path(given)
-    work = tmp_path_factory.mktemp("vllm_int8_run")
-    env = {**os.environ, "AUTOMODEL_CKPT_ASSETS": str(work / "assets"), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "automodel_ckpt", str(REPO / "recipes" / "tiny_llama_sft.yaml"),
-                    "--checkpoint.checkpoint_dir", str(work / "checkpoints")], cwd=work, env=env, check=True,
-                   capture_output=True, timeout=3600)
-    return sorted((work / "checkpoints").glob("epoch_*_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))[-1]
+    return default_recipe_checkpoint(os.environ.get("VLLM_CHECKPOINT"), tmp_path_factory.mktemp("vllm_int8_run"))
 
 
 @pytest.mark.parametrize("calibrate", [0, 64], ids=["dynamic", "static-64"])

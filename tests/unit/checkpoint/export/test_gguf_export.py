@@ -163,25 +163,33 @@ def test_plan_counts_tensors_and_bytes(bases):
     assert plan.nbytes < source.nbytes / 2
 
 
-def test_lora_checkpoint_exports_merged(bases, tmp_path, process_group):
-    """A LoRA checkpoint (its model/ holds an adapter) exports its base with the adapter merged: the GGUF equals the
-    GGUF of `merge-lora`'s folder, and differs from the base's."""
-    import gguf
+def _lora_checkpoint(base, tmp_path):
+    """A LoRA checkpoint of ``base`` (rank 4, lora_B nonzero so that merging changes the weights)."""
     from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.checkpoint.export.merge_lora import merge_lora
     from automodel_ckpt.checkpoint.formats import peft as peft_format
     from automodel_ckpt.config.schema import PeftConfig
     from automodel_ckpt.models.lora import apply_lora
 
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(bases["llama"], dtype=torch.float32), PeftConfig(rank=4))
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), PeftConfig(rank=4))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     checkpoint = tmp_path / "epoch_0_step_4"
-    peft_format.save_adapter(model, checkpoint / "model", rank=0, base_model_path=bases["llama"])
+    peft_format.save_adapter(model, checkpoint / "model", rank=0, base_model_path=base)
+    return checkpoint
+
+
+def test_lora_checkpoint_exports_merged(bases, tmp_path, process_group):
+    """A LoRA checkpoint (its model/ holds an adapter) exports its base with the adapter merged: the GGUF equals the
+    GGUF of `merge-lora`'s folder, and differs from the base's."""
+    import gguf
+
+    from automodel_ckpt.checkpoint.export.merge_lora import merge_lora
+
+    checkpoint = _lora_checkpoint(bases["llama"], tmp_path)
     from_checkpoint = export(checkpoint, tmp_path / "lora.gguf", "bf16")
     from_merged = export(merge_lora(checkpoint, tmp_path / "merged"), tmp_path / "merged.gguf", "bf16")
     from_base = export(bases["llama"], tmp_path / "base.gguf", "bf16")
@@ -254,21 +262,10 @@ def test_lora_checkpoint_as_a_gguf_adapter(bases, tmp_path, process_group, capsy
     tensor (query rows permuted as the base's are), to within bf16 rounding of the two files."""
     import gguf
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.checkpoint.formats import peft as peft_format
     from automodel_ckpt.cli import main
-    from automodel_ckpt.config.schema import PeftConfig
-    from automodel_ckpt.models.lora import apply_lora
 
-    torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(bases["llama"], dtype=torch.float32), PeftConfig(rank=4))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    checkpoint = tmp_path / "epoch_0_step_4"
-    peft_format.save_adapter(model, checkpoint / "model", rank=0, base_model_path=bases["llama"])
+    checkpoint = _lora_checkpoint(bases["llama"], tmp_path)
     adapter = tmp_path / "lora.gguf"
     assert main(["export", str(checkpoint), "--adapter", "--type", "f16", "--out", str(adapter)]) == 0
     assert "GGUF LoRA adapter written" in capsys.readouterr().out
