@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.export.hf_metadata import write_hf_metadata
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.export.hf_metadata import write_hf_metadata
 from automodel_ckpt.models.tiny import build_tokenizer
 
 #: Families the export, resume and LoRA tests cover, with what makes each one interesting.
@@ -108,7 +108,7 @@ def folder_weights(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
 def row_shares(folder: Path, ranks: int) -> tuple[int, int]:
     """``(bytes of tensor data in the folder's safetensors files, the most one of ``ranks`` FSDP ranks may read)``:
     per tensor, the first rank's rows of dim 0 (it holds the most when they do not divide evenly)."""
-    from automodel_ckpt.checkpoint.formats.safetensors_io import read_header, tensor_entries
+    from automodel_ckpt.ondisk.formats.safetensors_io import read_header, tensor_entries
 
     data, share = 0, 0
     for file in sorted(folder.glob("*.safetensors")):

@@ -25,7 +25,7 @@ load (the page cache is dropped before every run when permitted: reads come from
 * ``ours (...)``           ``Checkpointer.load`` (resume: model, optimizer, scheduler, RNG; manifest size check)
 
 HF export of the safetensors checkpoint's model shards into one ``model.safetensors`` (page cache dropped first, too)
-* ``ours``                 ``automodel_ckpt.checkpoint.export.plan.consolidate`` (fsyncs its output)
+* ``ours``                 ``automodel_ckpt.ondisk.export.plan.consolidate`` (fsyncs its output)
 * ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
 
 archive (``--only archive``; the export above and its archive made once, page cache dropped before each run)
@@ -46,6 +46,7 @@ ratio to raw, memory the operation adds on rank 0) and writes JSON (``--json``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -192,8 +194,7 @@ def build_state(layers: int, env, *, sharded: bool = True, with_moments: bool = 
 
 
 def checkpointer(env, root: Path, fmt: str, is_async: bool = False, dims=None):
-    from automodel_ckpt.checkpoint.checkpointer import Checkpointer
-    from automodel_ckpt.checkpoint.config import CheckpointConfig
+    from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer
 
     cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated="false",
                            is_async=is_async)
@@ -203,12 +204,19 @@ def checkpointer(env, root: Path, fmt: str, is_async: bool = False, dims=None):
 
 # ---------------------------------------------------------------------------------------------- raw I/O
 def _fsync_file(path: Path) -> None:
-    try:  # imported late: --tree may pick another checkout
-        from automodel_ckpt.checkpoint.disk.durable import fsync_file
-    except ImportError:  # a --tree from before checkpoint/disk/
-        from automodel_ckpt.checkpoint.storage import fsync_file  # type: ignore[no-redef]
+    # imported late: --tree may pick another checkout, whose modules may sit elsewhere (no public face before 0.6)
+    _from_tree("fsync_file", "automodel_ckpt.ondisk", "automodel_ckpt.checkpoint.disk.durable",
+               "automodel_ckpt.checkpoint.storage")(path)
 
-    fsync_file(path)
+
+def _from_tree(name: str, *modules: str) -> Any:
+    """``name`` from the first of ``modules`` that the checkout being measured has (its public face first)."""
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {modules} has {name}")
 
 
 def _parallel(fn, n: int) -> None:
@@ -399,14 +407,14 @@ def child(args: argparse.Namespace) -> None:
     result: dict = {}
 
     if method in ("raw_write", "raw_write_mt", "raw_write_direct"):
-        from automodel_ckpt.checkpoint.formats.fastio import WRITE_THREADS
+        from automodel_ckpt.ondisk import WRITE_THREADS
 
         t0 = _start_timing()
         raw_write(out, args.nbytes, args.nproc, 1 if method == "raw_write" else WRITE_THREADS,
                   direct=method == "raw_write_direct")
         result["seconds"] = time.perf_counter() - t0
     elif method in ("raw_read", "raw_read_mt", "raw_read_direct", "raw_read_stream"):
-        from automodel_ckpt.checkpoint.formats.fastio import READ_THREADS
+        from automodel_ckpt.ondisk import READ_THREADS
 
         t0 = _start_timing()
         result["bytes_read"] = raw_read(src / "raw", args.nproc, 1 if method in ("raw_read", "raw_read_stream")
@@ -468,7 +476,7 @@ def child(args: argparse.Namespace) -> None:
             dist.barrier()
             result["seconds"] = time.perf_counter() - t0
         elif method.startswith("ours_save_"):
-            from automodel_ckpt.checkpoint.checkpointer import SaveInfo
+            from automodel_ckpt.checkpoint import SaveInfo
 
             fmt = method[len("ours_save_"):]
             ckpt = checkpointer(env, out, fmt)
@@ -478,7 +486,7 @@ def child(args: argparse.Namespace) -> None:
             ckpt.save(states, info)
             result["seconds"] = time.perf_counter() - t0
         elif method.startswith("ours_async_save_"):
-            from automodel_ckpt.checkpoint.checkpointer import SaveInfo
+            from automodel_ckpt.checkpoint import SaveInfo
 
             fmt = method[len("ours_async_save_"):]
             ckpt = checkpointer(env, out, fmt, is_async=True)
@@ -525,10 +533,8 @@ def export_child(args: argparse.Namespace) -> None:
     src = args.dir / "src" / "ours_save_safetensors" / "epoch_0_step_1" / "model"
     out = args.dir / "out"
     if args.child == "ours_consolidate":
-        try:
-            from automodel_ckpt.checkpoint.export.plan import consolidate
-        except ImportError:  # a --tree from before checkpoint/export/
-            from automodel_ckpt.checkpoint.consolidate import consolidate  # type: ignore[no-redef]
+        consolidate = _from_tree("consolidate", "automodel_ckpt.ondisk", "automodel_ckpt.checkpoint.export.plan",
+                                 "automodel_ckpt.checkpoint.consolidate")
 
         t0 = _start_timing()
         consolidate(src, out, progress=False)
@@ -557,7 +563,7 @@ def archive_child(args: argparse.Namespace) -> None:
 
     src, out = args.dir / "src", args.dir / "out"
     if args.child == "ours_pack":
-        from automodel_ckpt.checkpoint.export.pack import pack
+        from automodel_ckpt.ondisk import pack
 
         out.mkdir(parents=True)
         t0 = _start_timing()
@@ -566,7 +572,7 @@ def archive_child(args: argparse.Namespace) -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.checkpoint.restore.initial_weights import load_hf_folder
+    from automodel_ckpt.checkpoint import load_hf_folder
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = AutoModelForCausalLM.from_config(llama_config(args.layers), dtype=torch.float32)
@@ -579,8 +585,7 @@ def archive_child(args: argparse.Namespace) -> None:
 def make_archive_sources(src: Path, layers: int) -> None:
     """The export of the safetensors checkpoint (``src/export``, with the model's config.json) and its archive
     (``src/model.tar``), once."""
-    from automodel_ckpt.checkpoint.export.pack import pack
-    from automodel_ckpt.checkpoint.export.plan import consolidate
+    from automodel_ckpt.ondisk import consolidate, pack
 
     consolidate(src / "ours_save_safetensors" / "epoch_0_step_1" / "model", src / "export", progress=False)
     llama_config(layers).to_json_file(str(src / "export" / "config.json"))

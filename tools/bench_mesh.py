@@ -33,7 +33,7 @@ def child(args: argparse.Namespace, bench) -> None:
     """One timed save or load on the mesh the method names (rank 0 reports ``seconds`` and ``bytes_on_disk``)."""
     import torch.distributed as dist
 
-    from automodel_ckpt.checkpoint.checkpointer import SaveInfo
+    from automodel_ckpt.checkpoint import SaveInfo
     from automodel_ckpt.distributed.env import end_process, shutdown_distributed
     from automodel_ckpt.distributed.mesh import MeshSizes, build_parallel_dims
 

@@ -63,7 +63,7 @@ import threading
 import time
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ class ObjectStore:
 
         # a SeaweedFS server on loopback, as the tests start it, or the endpoint; the launches inherit the variables
         self.server, bucket = for_benchmark(work / "seaweed", endpoint, bucket)
-        from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+        from automodel_ckpt.checkpoint import open_filesystem
 
         self.prefix, self.url = f"{bucket}/run", f"s3://{bucket}/run"
         self.fs = open_filesystem(self.url)

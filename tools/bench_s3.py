@@ -65,11 +65,8 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
     import torch
 
     from bench_checkpoint import build_state, dist_env, layers_for
-    from automodel_ckpt.checkpoint.disk import manifest
-    from automodel_ckpt.checkpoint.checkpointer import Checkpointer
-    from automodel_ckpt.checkpoint.config import CheckpointConfig
-    from automodel_ckpt.checkpoint.info import SaveInfo
-    from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+    from automodel_ckpt.ondisk import manifest, SaveInfo
+    from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer, open_filesystem
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     env = dist_env("cpu")

@@ -49,9 +49,8 @@ def worker(out: Path, reps: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from automodel_ckpt.checkpoint.checkpointer import Checkpointer
-    from automodel_ckpt.checkpoint.config import CheckpointConfig
-    from automodel_ckpt.checkpoint.info import SaveInfo
+    from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer
+    from automodel_ckpt.ondisk import SaveInfo
     from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 
     env = init_distributed("gloo")

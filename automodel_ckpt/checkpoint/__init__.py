@@ -1,8 +1,13 @@
-"""Checkpointing: what to save (discovered state), how (format backends) and when (lifecycle); the public surface.
+"""The checkpoint engine: what to save (discovered state), saving, restoring, where run folders live; its public face.
 
 ``Checkpointer`` saves and restores a recipe's discovered state on every rank together; ``CheckpointConfig`` is the
-``checkpoint:`` section (validated when made); ``discover_state`` finds what a recipe checkpoints. The names load
-on first use, so light modules of this package (``layout``, ``config``) import without torch.
+``checkpoint:`` section (validated when made); ``discover_state`` finds what a recipe checkpoints. Below it the
+engine's rooms: ``save/``, ``restore/``, ``storage/`` (a local folder, an object store, the node-local tier) and
+``objectstore/`` (private to ``storage/``). What a checkpoint folder holds, byte for byte, is
+``automodel_ckpt.ondisk``'s: the engine imports it, never the other way round.
+
+Code outside this package and ``ondisk`` imports only the names below (``tests/unit/test_structure.py``). The
+names load on first use, so light modules (``config``, ``locations``) import without torch.
 """
 
 from __future__ import annotations
@@ -10,36 +15,64 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# name -> (module, its name there); a module starting with "." is below this package
 _EXPORTS = {
-    "Checkpointer": "checkpointer",
-    "HFArtifacts": "info",
-    "SaveInfo": "info",
-    "WrittenBy": "info",
-    "CheckpointConfig": "config",
-    "ConsolidationMode": "config",
-    "LoadErrorPolicy": "config",
-    "ModelSaveFormat": "config",
-    "MonitorMode": "config",
-    "StatePlan": "state",
-    "discover_state": "state",
-    "plan_state": "state",
-    "written_by": "disk.metadata",
+    "Checkpointer": (".checkpointer", "Checkpointer"),
+    "CheckpointConfig": (".config", "CheckpointConfig"),
+    "ConsolidationMode": (".config", "ConsolidationMode"),
+    "LoadErrorPolicy": (".config", "LoadErrorPolicy"),
+    "ModelSaveFormat": (".config", "ModelSaveFormat"),
+    "MonitorMode": (".config", "MonitorMode"),
+    "StatePlan": (".state", "StatePlan"),
+    "discover_state": (".state", "discover_state"),
+    "plan_state": (".state", "plan_state"),
+    # what a save wrote: the checkpoint folder's, named here too for recipes
+    "HFArtifacts": ("automodel_ckpt.ondisk.info", "HFArtifacts"),
+    "SaveInfo": ("automodel_ckpt.ondisk.info", "SaveInfo"),
+    "WrittenBy": ("automodel_ckpt.ondisk.info", "WrittenBy"),
+    "written_by": ("automodel_ckpt.ondisk.metadata", "written_by"),
+    # where run folders live: URLs, the folder a run writes, reading any location, uploads
+    "is_url": (".locations", "is_url"),
+    "check_url": (".locations", "check_url"),
+    "open_filesystem": (".storage", "open_filesystem"),
+    "open_for_reading": (".storage", "open_for_reading"),
+    "open_store_run": (".storage", "open_store_run"),
+    "run_folder": (".storage", "run_folder"),
+    "source_of": (".storage", "source_of"),
+    "stored_files": (".storage", "stored_files"),
+    "streamed_object": (".storage", "streamed_object"),
+    "upload_folder": (".storage", "upload_folder"),
+    "RunLock": (".storage.runlock", "RunLock"),
+    "release_all_locks": (".storage.runlock", "release_all"),
+    # weights into a model built elsewhere (a Hugging Face folder, sharded or not)
+    "load_hf_weights": (".restore.hf_weights", "load_hf_weights"),
+    "load_hf_folder": (".restore.initial_weights", "load_hf_folder"),
+    "in_memory_names": (".restore.hf_weights", "in_memory_names"),
+    "local_part": (".restore.hf_weights", "local_part"),
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.checkpointer import Checkpointer
-    from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo, WrittenBy
     from automodel_ckpt.checkpoint.config import (CheckpointConfig, ConsolidationMode, LoadErrorPolicy, ModelSaveFormat,
                                                   MonitorMode)
-    from automodel_ckpt.checkpoint.disk.metadata import written_by
+    from automodel_ckpt.checkpoint.locations import check_url, is_url
+    from automodel_ckpt.checkpoint.restore.hf_weights import in_memory_names, load_hf_weights, local_part
+    from automodel_ckpt.checkpoint.restore.initial_weights import load_hf_folder
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
+    from automodel_ckpt.checkpoint.storage import (open_filesystem, open_for_reading, open_store_run, run_folder,
+                                                   source_of, stored_files, streamed_object, upload_folder)
+    from automodel_ckpt.checkpoint.storage.runlock import RunLock
+    from automodel_ckpt.checkpoint.storage.runlock import release_all as release_all_locks
+    from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo, WrittenBy
+    from automodel_ckpt.ondisk.metadata import written_by
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    module, attr = _EXPORTS[name]
+    value = getattr(importlib.import_module(module, __name__), attr)
     globals()[name] = value
     return value

@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import storage
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile
-from automodel_ckpt.checkpoint.formats import peft as peft_format
-from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.ondisk.loadcheck import DamagedFile
+from automodel_ckpt.ondisk.formats import peft as peft_format
+from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.local_tier import DURABLE, LOCAL, LocalTier
 from automodel_ckpt.checkpoint.restore import resume
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
@@ -50,7 +50,7 @@ class Checkpointer:
         self.env = env
         # Per-rank files (data position, RNG) are per data-parallel rank, written by its first tensor-parallel rank.
         self.dims = dims or ParallelDims.single(env.rank, env.world_size)
-        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (checkpoint/disk/fingerprint.py)
+        self.fingerprint = fingerprint  # recorded in every checkpoint; resume compares (ondisk/fingerprint.py)
         self.say = say
         self.run = storage.open_run_folder(cfg, env.rank, env.world_size)  # local folder or object store: once
         self.dir = self.run.local  # the local folder: checkpoint_dir itself, or an object store's mirror

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.retention import check_retention_config
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
 class _Choice(str, Enum):

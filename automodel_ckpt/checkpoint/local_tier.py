@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.loadcheck import DamagedFile, deferred
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata
-from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.loadcheck import DamagedFile, deferred
+from automodel_ckpt.ondisk.metadata import read_metadata
+from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import retry
 from automodel_ckpt.checkpoint.save.diskfull import state_bytes

@@ -61,7 +61,7 @@ class StatePlan:
     @property
     def has_peft(self) -> bool:
         """Whether a model of the plan is a PEFT model (its checkpoint is an adapter folder)."""
-        from automodel_ckpt.checkpoint.formats.peft import is_peft_model
+        from automodel_ckpt.ondisk.formats.peft import is_peft_model
 
         return any(is_peft_model(m) for m in self.models.values())
 

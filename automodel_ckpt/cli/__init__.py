@@ -156,7 +156,7 @@ def exit_code(code: int) -> int:
         from automodel_ckpt.distributed.env import end_process
 
         end_process(0)
-    from automodel_ckpt.checkpoint.storage.runlock import release_all
+    from automodel_ckpt.checkpoint import release_all_locks as release_all
 
     release_all()  # the lock file too: a failed run leaves nothing behind in the folder
     sys.stdout.flush()

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="consolidated-")
         out_dir = Path(tmp.name) / "consolidated"
     try:
-        from automodel_ckpt.checkpoint.export.plan import consolidate
+        from automodel_ckpt.ondisk import consolidate
 
         if world_size > 1:
             import torch.distributed as dist
@@ -78,15 +78,15 @@ def main(argv: list[str]) -> int:
             progress=not args.no_progress,
         )
         if rank == 0 and out_url:
-            from automodel_ckpt.checkpoint.disk import layout
-            from automodel_ckpt.checkpoint.storage import upload_folder
+            from automodel_ckpt.ondisk import layout
+            from automodel_ckpt.checkpoint import upload_folder
 
             upload_folder(out, out_url, last=(layout.HF_CONFIG,))
             print(f"Hugging Face model written to {out_url}", flush=True)
         elif rank == 0:
-            from automodel_ckpt.checkpoint.disk.manifest import add_files
+            from automodel_ckpt.ondisk import manifest
 
-            add_files(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
+            manifest.add_files(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
             print(f"Hugging Face model written to {out}", flush=True)
     finally:
         if tmp is not None:
@@ -100,8 +100,8 @@ def main(argv: list[str]) -> int:
 
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
     """The local model folder to read (an object store checkpoint's model/ is downloaded first) and the output URL."""
-    from automodel_ckpt.checkpoint.disk import layout
-    from automodel_ckpt.checkpoint.storage import is_url, open_for_reading
+    from automodel_ckpt.ondisk import layout
+    from automodel_ckpt.checkpoint import is_url, open_for_reading
 
     source, out = str(args.model_dir), args.out
     out_url = str(out) if out is not None and is_url(out) else None

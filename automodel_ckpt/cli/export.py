@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import CheckpointError, UsageError
 
@@ -50,14 +50,14 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError("--calibrate applies to --to int8 only")
     if args.calibrate < 0:
         raise UsageError(f"--calibrate: expected a number of examples >= 0, got {args.calibrate}")
-    from automodel_ckpt.checkpoint.export.model_source import open_model
+    from automodel_ckpt.ondisk import open_model
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
     stem = where.name.removesuffix(layout.ARCHIVE_SUFFIX)
     if args.adapter:
         if args.to != "gguf" or args.dry_run:
             raise UsageError("--adapter applies to --to gguf (without --dry-run)")
-        from automodel_ckpt.checkpoint.export.gguf_adapter import write_gguf_adapter
+        from automodel_ckpt.ondisk import write_gguf_adapter
 
         out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{layout.GGUF_SUFFIX}"
         done = write_gguf_adapter(src, out, args.type)
@@ -65,7 +65,7 @@ def _export(args: argparse.Namespace) -> int:
               f"{done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
         return 0
     if args.to == "gguf":
-        from automodel_ckpt.checkpoint.export.gguf_export import plan_gguf, write_gguf
+        from automodel_ckpt.ondisk import plan_gguf, write_gguf
 
         out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{layout.GGUF_SUFFIX}"
         with open_model(src) as source:
@@ -78,7 +78,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
               f"{done['seconds']:.2f} s)", flush=True)
         return 0
-    from automodel_ckpt.checkpoint.export.int8_export import plan_int8, write_int8
+    from automodel_ckpt.ondisk import plan_int8, write_int8
 
     out = Path(args.out) if args.out else where.parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:

@@ -21,12 +21,12 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint import storage
+    from automodel_ckpt.checkpoint import is_url, open_store_run
 
-    if not storage.is_url(args.checkpoint_dir):
+    if not is_url(args.checkpoint_dir):
         raise UserError(f"gc: '{args.checkpoint_dir}' is a local folder; a local run's interrupted saves "
                         "(.staging-*) are removed by its next save")
-    run = storage.open_store_run(args.checkpoint_dir, "gc")
+    run = open_store_run(args.checkpoint_dir, "gc")
     url = run.url
     if args.break_lease and not args.dry_run:
         lease = run.break_lease()

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint.disk import bounded, catalog, layout
-from automodel_ckpt.checkpoint.formats.detect import detect_model_format
-from automodel_ckpt.checkpoint.disk.metadata import as_float
+from automodel_ckpt.ondisk import as_float, bounded, catalog, detect_model_format, layout
 from automodel_ckpt.distributed.mesh import MeshSizes
-from automodel_ckpt.checkpoint.storage import is_url, open_for_reading, source_of, stored_files
+from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
@@ -39,8 +37,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
-    from automodel_ckpt.checkpoint.export.archive import describe, is_archive
-    from automodel_ckpt.checkpoint.export.gguf_read import describe_gguf, is_gguf
+    from automodel_ckpt.ondisk import describe_archive as describe, describe_gguf, is_archive, is_gguf
 
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
     for matches, what, read, render in ((is_gguf, "a GGUF file", describe_gguf, render_gguf),

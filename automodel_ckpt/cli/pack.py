@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.cli.common import VerbParser
 
 
@@ -24,14 +24,13 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint.export.pack import pack, pack_into, summary
-
-    from automodel_ckpt.checkpoint import storage
+    from automodel_ckpt.checkpoint import is_url, streamed_object
+    from automodel_ckpt.ondisk import pack, pack_into, pack_summary as summary
 
     src = Path(args.src)
-    if args.out and storage.is_url(args.out):
+    if args.out and is_url(args.out):
         signal.signal(signal.SIGTERM, _interrupted)  # aborts the upload as Ctrl-C does: nothing left at the URL
-        table = pack_into(src, lambda size: storage.streamed_object(args.out, size, key="--out"),
+        table = pack_into(src, lambda size: streamed_object(args.out, size, key="--out"),
                           cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
                           progress=not args.no_progress)
         print(f"archive written to {args.out} ({summary(table)})", flush=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.catalog import pointer_target, scan
-from automodel_ckpt.checkpoint.disk.durable import write_atomic
+from automodel_ckpt.ondisk import catalog, layout, write_atomic
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.training.metrics import read_jsonl
@@ -23,7 +21,7 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.checkpoint.storage import is_url, open_for_reading
+    from automodel_ckpt.checkpoint import is_url, open_for_reading
 
     run_dir = open_for_reading(args.checkpoint_dir, key="plot")
     out = plot_run(run_dir, args.out or (Path("loss.png") if is_url(args.checkpoint_dir) else None))
@@ -65,8 +63,8 @@ def make_figure(run_dir: Path):
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss",
                 color="tab:orange", markersize=4)
-    best = pointer_target(run_dir, layout.LOWEST_VAL)
-    for i, ckpt in enumerate(scan(run_dir)):
+    best = catalog.pointer_target(run_dir, layout.LOWEST_VAL)
+    for i, ckpt in enumerate(catalog.scan(run_dir)):
         ax.axvline(ckpt.step, color="gray", linestyle=":", linewidth=1,
                    label="checkpoint" if i == 0 else None)
         if best is not None and ckpt.name == best.name:

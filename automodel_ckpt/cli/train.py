@@ -40,8 +40,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
         return 0
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
-        from automodel_ckpt.checkpoint.storage import run_folder
-        from automodel_ckpt.checkpoint.storage.runlock import RunLock
+        from automodel_ckpt.checkpoint import run_folder, RunLock
 
         RunLock(run_folder(ckpt)).refuse_if_held()  # the run takes the lock itself (Checkpointer), on rank 0
     fetch_models(cfg)  # a Hub model missing from the cache: downloaded once per node, before any worker starts

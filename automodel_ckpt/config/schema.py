@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint import CheckpointConfig
 
 
 @dataclass

@@ -47,7 +47,7 @@ def check_dataset_paths(cfg: DictConfig, *, fetchable: bool = False) -> list[str
         node = cfg.get(section)
         if node is None:
             continue
-        from automodel_ckpt.checkpoint.locations import is_url
+        from automodel_ckpt.checkpoint import is_url
         from automodel_ckpt.data.stream.corpus import is_streamed
 
         if is_streamed(node):  # globs and URLs are listed when the run starts (the listing is the corpus's identity)

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import bounded, paths
+from automodel_ckpt.ondisk import bounded, paths
 from automodel_ckpt.errors import CheckpointError, ConfigError, first_line
 
 logger = logging.getLogger(__name__)

@@ -113,7 +113,7 @@ class StartingWeights:
         self._write_record()
 
     def _fill_created(self) -> None:
-        from automodel_ckpt.checkpoint.restore.hf_weights import local_part
+        from automodel_ckpt.checkpoint import local_part
 
         with torch.no_grad():
             for module, name, full in self._created:
@@ -122,7 +122,7 @@ class StartingWeights:
                 local.copy_(local_part(full.to(local.dtype), target))
 
     def _read_folder(self, model: nn.Module) -> None:
-        from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
+        from automodel_ckpt.checkpoint import load_hf_weights
         from automodel_ckpt.models.hub import model_folder
 
         folder = model_folder(str(self.node.get("pretrained_model_name_or_path")))  # built from it: it is there
@@ -132,7 +132,7 @@ class StartingWeights:
     def _broadcast_seeded(self, model: nn.Module) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from automodel_ckpt.checkpoint.restore.hf_weights import in_memory_names
+        from automodel_ckpt.checkpoint import in_memory_names
         from automodel_ckpt.training.rng import rng_untouched
 
         base, names = in_memory_names(model)

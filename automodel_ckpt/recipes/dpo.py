@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.storage import run_folder
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.checkpoint import run_folder
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.schema import DPOConfig
 from automodel_ckpt.data.loader import MicroBatch

@@ -11,10 +11,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, SaveInfo, written_by
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.fingerprint import run_fingerprint
-from automodel_ckpt.checkpoint.storage import run_folder
+from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, run_folder, SaveInfo, written_by
+from automodel_ckpt.ondisk import layout, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import layout, manifest
-from automodel_ckpt.checkpoint.disk.catalog import size_on_disk
+from automodel_ckpt.ondisk import catalog, layout, manifest
 from automodel_ckpt.training.metrics import JsonlLog, read_jsonl
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
@@ -30,7 +29,7 @@ def checkpoint_bytes(path: Path) -> int | None:
     """The size of a published checkpoint: its manifest's total (every rank's files), else what is on disk."""
     try:
         total = (manifest.read(path) or {}).get("total_bytes")
-        return int(total) if total is not None else size_on_disk(path)
+        return int(total) if total is not None else catalog.size_on_disk(path)
     except (OSError, ValueError, TypeError):
         return None
 

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext, flatten
 
 PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch

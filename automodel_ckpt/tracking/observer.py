@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import yaml
 
-from automodel_ckpt.checkpoint.disk import catalog
+from automodel_ckpt.ondisk import catalog
 from automodel_ckpt.errors import first_line
 from automodel_ckpt.tracking.costlog import SIDE_FAILURE, CheckpointCosts, read_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report, one_line

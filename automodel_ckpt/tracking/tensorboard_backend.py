@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext
 
 

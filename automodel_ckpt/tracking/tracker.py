@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
 from automodel_ckpt.tracking.costlog import BEHIND
 from automodel_ckpt.tracking.lane import EVENT, METRICS, Lane

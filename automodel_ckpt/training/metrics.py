@@ -10,8 +10,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterator
 
-from automodel_ckpt.checkpoint.disk import bounded, paths
-from automodel_ckpt.checkpoint.disk.durable import write_atomic
+from automodel_ckpt.ondisk import bounded, paths, write_atomic
 from automodel_ckpt.errors import UserError, first_line
 from automodel_ckpt.jsonsafe import json_safe
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 
 
 def weights_fingerprint(model: nn.Module) -> str:
@@ -50,7 +50,7 @@ def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     reference``. Parameters laid out alike are mixed shard by shard; where the layouts differ (a frozen reference
     that FSDP2 left on the tensor-parallel mesh alone) the policy's parameter is gathered whole, one at a time,
     and each rank mixes in its own part."""
-    from automodel_ckpt.checkpoint.restore.hf_weights import local_part
+    from automodel_ckpt.checkpoint import local_part
 
     ref_params = {_plain_name(n): p for n, p in reference.named_parameters()}
     for name, param in policy.named_parameters():

@@ -71,7 +71,7 @@ def genuine(server: ForkServer, assets: Path, tmp_path_factory: pytest.TempPathF
 
 def reseal(checkpoint: Path) -> None:
     """Rewrite a checkpoint's manifest for its current files, as anyone who alters a checkpoint can."""
-    from automodel_ckpt.checkpoint.disk import manifest
+    from automodel_ckpt.ondisk import manifest
 
     manifest.seal(checkpoint, 0, 1)
 

@@ -44,7 +44,7 @@ def default_recipe_checkpoint(given: str | None, work: Path) -> Path:
     own assets folder, one thread: minutes on a CPU)."""
     if given:
         return Path(given)
-    from automodel_ckpt.checkpoint.disk import catalog
+    from automodel_ckpt.ondisk import catalog
 
     env = {**os.environ, "AUTOMODEL_CKPT_ASSETS": str(work / "assets"), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "automodel_ckpt", str(RECIPE), "--checkpoint.checkpoint_dir",

@@ -16,7 +16,7 @@ class CrashDuringSaveRecipe(FinetuneRecipe):
 
     def save_checkpoint(self, info):
         if info.step == int(os.environ.get("CRASH_AT_STEP", "-1")):
-            from automodel_ckpt.checkpoint.formats import sharded
+            from automodel_ckpt.ondisk.formats import sharded
 
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -38,7 +38,7 @@ class HoldSnapshotRecipe(FinetuneRecipe):
             from pathlib import Path
 
             from automodel_ckpt.checkpoint.save import overlap
-            from automodel_ckpt.checkpoint.formats import sharded
+            from automodel_ckpt.ondisk.formats import sharded
 
             markers, rank = Path(os.environ["HOLD_MARKERS"]), self.env.rank
             fence = overlap.Overlapped.fence

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.info import SaveInfo
+from automodel_ckpt.ondisk.info import SaveInfo
 from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 from automodel_ckpt.distributed.fsdp import shard_model
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses, run_command
 
 # `ckpt-train` that stops at the first file or folder it creates in TMPDIR: `pack --out s3://` stages nothing
@@ -82,8 +82,8 @@ def test_an_archive_round_trips_through_an_object_store(trained, assets: Path, s
 def test_a_pack_that_fails_half_way_leaves_nothing_at_the_url(seaweed, tmp_path, monkeypatch) -> None:
     """Parts are already uploaded when a member fails to read: the multipart upload is aborted, no object shows."""
     from automodel_ckpt.checkpoint import objectstore, storage
-    from automodel_ckpt.checkpoint.disk import paths
-    from automodel_ckpt.checkpoint.export.pack import pack_into
+    from automodel_ckpt.ondisk import paths
+    from automodel_ckpt.ondisk.export.pack import pack_into
     from automodel_ckpt.errors import CheckpointError
 
     folder = tmp_path / "export"

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
-from automodel_ckpt.checkpoint.disk.durable import read_pointer
+from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.ondisk.durable import read_pointer
 from automodel_ckpt.launch import worker_pids
 from tests.integration.contents import comparable
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, losses, \

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.export.plan import consolidate, render_consolidate_script
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.export.plan import consolidate, render_consolidate_script
 from automodel_ckpt.cli import main as ckpt_train_main
 from automodel_ckpt.cli.consolidate import parse_size
-from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata, write_hf_metadata
+from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata, write_hf_metadata
 from automodel_ckpt.errors import CheckpointError, UserError
 from tests.integration.harness import launch_failure
 

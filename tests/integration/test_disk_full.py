@@ -5,7 +5,7 @@ trains 2 more steps (the save at step 4 hits ENOSPC), gives room back and reruns
 steps 3 and 4 bitwise equal to the losses of the run that hit the full disk. Then ``ckpt-train consolidate``
 runs out of room. Mounting needs root; without it the tests are skipped. The full-disk paths of every save
 (both formats, async, metadata, manifest, EDQUOT, EROFS) are also covered in-process by
-``tests/unit/checkpoint/disk/test_integrity.py``; the second case here (torch_save, async) is slow-marked for CI time.
+``tests/unit/ondisk/test_integrity.py``; the second case here (torch_save, async) is slow-marked for CI time.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.checkpoint.save import diskfull
-from automodel_ckpt.checkpoint.disk.durable import read_pointer
+from automodel_ckpt.ondisk.durable import read_pointer
 from automodel_ckpt.errors import DiskFullError
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses
 

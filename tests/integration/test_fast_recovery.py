@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, free_port, jsonl, \
     start_command
 from tests.integration.shared_runs import STRAIGHT_KEYS, STRAIGHT_STEPS

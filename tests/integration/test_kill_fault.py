@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
-from automodel_ckpt.checkpoint.disk.durable import read_pointer
+from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.ondisk.durable import read_pointer
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, env_for, kill_job, losses, start_command
 
 MAX_STEPS = 12

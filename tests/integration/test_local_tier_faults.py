@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import catalog
+from automodel_ckpt.ondisk import catalog
 from automodel_ckpt.checkpoint.storage.nodelocal import choose, scan
 from tests.integration.harness import REPO, ckpt_train
 from tests.integration.shared_runs import STRAIGHT_KEYS, STRAIGHT_STEPS

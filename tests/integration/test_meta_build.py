@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.models.materialize import RECORD_ENV
 from tests.family_bases import row_shares
 from tests.integration.harness import ckpt_train, losses

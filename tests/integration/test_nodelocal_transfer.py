@@ -24,7 +24,7 @@ def part(rank: int) -> dict[str, bytes]:
 def _worker(rank: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    from automodel_ckpt.checkpoint.disk import manifest
+    from automodel_ckpt.ondisk import manifest
     from automodel_ckpt.checkpoint.storage.nodelocal import (choose, exchange, fill_plan, gather, place,
                                                              receives_from, scan, sends)
     from automodel_ckpt.errors import CheckpointError

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.checkpoint.objectstore.lease import Lease, me
 from automodel_ckpt.checkpoint.objectstore.run import open_run
 from automodel_ckpt.errors import CheckpointError, UserError

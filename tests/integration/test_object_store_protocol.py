@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.checkpoint.objectstore.run import open_run
 
 

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
 
 PEFT_RECIPE = REPO / "recipes" / "tiny_llama_peft.yaml"

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from tests.integration.harness import CKPT_TRAIN, RECIPE, ckpt_train, losses, tree
 
 COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "2", "--data.val_size", "64")

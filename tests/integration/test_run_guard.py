@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, Result, _alive, ckpt_train, env_for, jsonl, losses, \
     process_tree, start_command

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata
+from automodel_ckpt.ondisk.metadata import read_metadata
 from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, jsonl, run_command
 
 KEYS = ("--step_scheduler.global_batch_size", "12", "--step_scheduler.local_batch_size", "2",

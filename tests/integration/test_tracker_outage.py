@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking.tracker import CLOSE_TIMEOUT_S, FLUSH_TIMEOUT_S
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, losses
 from tests.integration.mlflow_server import MISSING, MlflowServer, server_executable

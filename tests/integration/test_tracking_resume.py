@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job
 from tests.integration.trackers import tensorboard_scalars, tensorboard_texts, wandb_history, wandb_run_ids
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
+from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.checkpoint.checkpointer import SaveInfo
 from automodel_ckpt.checkpoint.objectstore.run import open_run
 from automodel_ckpt.cli import main as cli_main

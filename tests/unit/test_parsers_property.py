@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from automodel_ckpt.checkpoint.disk import bounded, layout, manifest
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata
-from automodel_ckpt.checkpoint.export.hf_metadata import read_hf_metadata
-from automodel_ckpt.checkpoint.export.merge_lora import original_dtypes
-from automodel_ckpt.checkpoint.formats.fastio.readers import safetensors_header
-from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata
-from automodel_ckpt.checkpoint.formats.safetensors_io import read_header
+from automodel_ckpt.ondisk import bounded, layout, manifest
+from automodel_ckpt.ondisk.metadata import read_metadata
+from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata
+from automodel_ckpt.ondisk.export.merge_lora import original_dtypes
+from automodel_ckpt.ondisk.formats.fastio.readers import safetensors_header
+from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
+from automodel_ckpt.ondisk.formats.safetensors_io import read_header
 from automodel_ckpt.checkpoint.objectstore import run
 from automodel_ckpt.checkpoint.objectstore.store import plain_names
 from automodel_ckpt.errors import UserError

@@ -1,5 +1,5 @@
 """The package's shape: no import cycle (lazy imports included), no module over 500 lines, components never import
-recipes, a public API, and every pickle read from a checkpoint goes through ``checkpoint/formats/safe_load.py``."""
+recipes, a public API, and every pickle read from a checkpoint goes through ``ondisk/formats/safe_load.py``."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_every_module_docstring_opens_with_one_line():
     assert wrapped == [], f"make the first docstring line one line: {wrapped}"
 
 
-LAYOUT = PACKAGE / "checkpoint" / "disk" / "layout.py"
+LAYOUT = PACKAGE / "ondisk" / "layout.py"
 
 
 def checkpoint_file_names() -> set[str]:
@@ -154,7 +154,7 @@ def test_layout_alone_spells_checkpoint_file_names():
         found = spelled_names(path.read_text(encoding="utf-8"), names)
         if found:
             offenders[str(path.relative_to(PACKAGE.parent))] = found
-    assert offenders == {}, f"name these files through checkpoint/disk/layout.py: {offenders}"
+    assert offenders == {}, f"name these files through ondisk/layout.py: {offenders}"
     assert spelled_names('"""manifest.json is named here."""\nNAME = "manifest.json"\n', names) == [
         "line 2: 'manifest.json'"]
 
@@ -202,6 +202,89 @@ def test_the_privacy_rule_sees_a_lazy_import(tmp_path):
     assert "automodel_ckpt.checkpoint.objectstore" in _imported_names(module)
 
 
+# --- the checkpoint folder's bytes (ondisk) under the engine (checkpoint): one public face each ------------------
+
+FACES = ("automodel_ckpt.ondisk", "automodel_ckpt.checkpoint")
+REPO = PACKAGE.parent
+# where code outside the two packages may reach inside: tools/bench_recovery.py times a restore's phases by wrapping
+# the engine's own functions (what it measures), nothing else
+REACHES_INSIDE = {"tools/bench_recovery.py": {"automodel_ckpt.checkpoint.restore",
+                                              "automodel_ckpt.checkpoint.storage.nodelocal"}}
+
+
+def _face_names() -> dict[str, set[str]]:
+    return {face: set(importlib.import_module(face).__all__) for face in FACES}
+
+
+def imports_past_the_faces(source: str, faces: dict[str, set[str]]) -> list[str]:
+    """Imports in ``source`` (lazy ones included) of a module inside ``FACES``' packages, or of a name that a face
+    does not export."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [f"line {node.lineno}: import {a.name}" for a in node.names
+                    if any(a.name.startswith(face + ".") for face in faces)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in faces:
+                out += [f"line {node.lineno}: {a.name} is not in {node.module}.__all__" for a in node.names
+                        if a.name not in faces[node.module]]
+            elif any(node.module.startswith(face + ".") for face in faces):
+                out.append(f"line {node.lineno}: from {node.module} import ...")
+    return out
+
+
+def _outside_files() -> list[Path]:
+    inside = [PACKAGE / "checkpoint", PACKAGE / "ondisk"]
+    files = [p for p in PACKAGE.rglob("*.py") if not any(p.is_relative_to(d) for d in inside)]
+    return files + sorted((REPO / "tools").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py"))
+
+
+def test_code_outside_the_two_packages_imports_only_their_faces():
+    faces = _face_names()
+    offenders = {}
+    for path in _outside_files():
+        rel = str(path.relative_to(REPO))
+        found = [o for o in imports_past_the_faces(path.read_text(encoding="utf-8"), faces)
+                 if not any(f"from {m} import" in o for m in REACHES_INSIDE.get(rel, ()))]
+        if found:
+            offenders[rel] = found
+    assert offenders == {}, f"import these through automodel_ckpt.checkpoint or automodel_ckpt.ondisk: {offenders}"
+
+
+def test_the_face_rule_sees_each_way_past_a_face():
+    faces = {"automodel_ckpt.ondisk": {"layout"}, "automodel_ckpt.checkpoint": {"Checkpointer"}}
+    for source in ("from automodel_ckpt.ondisk.catalog import scan\n",
+                   "def f():\n    import automodel_ckpt.checkpoint.save.writer\n",
+                   "from automodel_ckpt.checkpoint import storage\n"):
+        assert imports_past_the_faces(source, faces), source
+    assert imports_past_the_faces("from automodel_ckpt.ondisk import layout\nfrom automodel_ckpt.checkpoint import "
+                                  "Checkpointer\nimport automodel_ckpt.checkpoint\n", faces) == []
+
+
+def test_the_checkpoint_folders_bytes_never_import_the_engine():
+    """``ondisk`` (layout, manifest, formats, exports: the contract with checkpoints on disk) is below
+    ``checkpoint`` (the engine that writes and reads them): no import of the engine from it, lazy ones included."""
+    engine = "automodel_ckpt.checkpoint"
+    offenders = {str(p.relative_to(REPO)): names for p in (PACKAGE / "ondisk").rglob("*.py")
+                 if (names := [n for n in _imported_names(p) if n == engine or n.startswith(engine + ".")])}
+    assert offenders == {}
+
+
+def test_each_face_exports_what_it_lists_and_the_public_names_stay_few():
+    """A face's ``__all__`` is its table of names, each resolves; the two packages' public names (everything else
+    is private to them by the face rule above) stay at most 200."""
+    public = set()
+    for face in FACES:
+        module = importlib.import_module(face)
+        assert sorted(module.__all__) == sorted(module._EXPORTS)
+        for name in module.__all__:
+            assert getattr(module, name) is not None, f"{face}.{name}"
+        with pytest.raises(AttributeError):
+            getattr(module, "no_such_name")
+        public |= {f"{face}.{name}" for name in module.__all__}
+    assert len(public) <= 200, len(public)
+
+
 def test_the_checkpointer_reads_top_to_bottom():
     """At most 300 lines, no nested functions or lambdas standing in for objects, lines within 120 characters."""
     path = PACKAGE / "checkpoint" / "checkpointer.py"
@@ -240,14 +323,14 @@ def test_public_recipe_base():
 
 
 def test_the_export_and_cli_packages_exist_and_the_old_module_path_still_resolves():
-    for name in ("automodel_ckpt.cli", "automodel_ckpt.checkpoint.export", "automodel_ckpt.checkpoint.export.plan",
+    for name in ("automodel_ckpt.cli", "automodel_ckpt.ondisk.export", "automodel_ckpt.ondisk.export.plan",
                  "automodel_ckpt.checkpoint.consolidate_cli"):
         assert importlib.util.find_spec(name) is not None, name
 
 
-# --- every pickle from a checkpoint goes through checkpoint/formats/safe_load.py -------------------------------
+# --- every pickle from a checkpoint goes through ondisk/formats/safe_load.py -------------------------------
 
-SAFE_LOAD = PACKAGE / "checkpoint" / "formats" / "safe_load.py"
+SAFE_LOAD = PACKAGE / "ondisk" / "formats" / "safe_load.py"
 _DCP = "torch.distributed.checkpoint"
 # torch names that read a checkpoint's pickles with torch's own (unrestricted) reader or planner
 _PLAIN_DCP_READERS = {"FileSystemReader", "FsspecReader", "dcp_to_torch_save", "torch_save_to_dcp",
@@ -325,7 +408,7 @@ def test_every_pickle_is_read_by_safe_load():
         found = unsafe_loads(path.read_text(encoding="utf-8"))
         if found:
             offenders[str(path.relative_to(PACKAGE.parent))] = found
-    assert offenders == {}, f"read pickles from checkpoints only through checkpoint/formats/safe_load.py: {offenders}"
+    assert offenders == {}, f"read pickles from checkpoints only through ondisk/formats/safe_load.py: {offenders}"
 
 
 @pytest.mark.parametrize("source", [

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.ondisk import layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, pulled_from, source_of
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
@@ -43,7 +43,7 @@ def run_folder(cfg: Any) -> Path:
 
 def stored_files(folder: Path) -> dict[str, int]:
     """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
-    from automodel_ckpt.checkpoint.disk import manifest
+    from automodel_ckpt.ondisk import manifest
 
     try:
         listed = (manifest.read(folder) or {}).get("files", {})
@@ -61,7 +61,7 @@ def localize(target: str | None, storage_options: dict[str, Any] | None) -> str 
 
 def fetch_collectively(path: Path, storage_options: dict[str, Any] | None, rank: int) -> None:
     """Every rank: download mirrored checkpoint ``path`` (each rank of a node a share); a local one is left alone."""
-    from automodel_ckpt.checkpoint import collective
+    from automodel_ckpt.distributed import collective
 
     url = collective.on_main(lambda: pulled_from(path), "finding the checkpoint's store", rank)
     if url is not None:
@@ -194,7 +194,7 @@ def upload_folder(folder: Path, url: str, storage_options: dict[str, Any] | None
                   last: tuple[str, ...] = ()) -> None:
     """Upload every file below ``folder`` to ``url`` (same relative keys); the ``last`` names after all others
     (for a Hugging Face folder, ``config.json``: a reader never sees a config without its weights)."""
-    from automodel_ckpt.checkpoint.disk.manifest import list_files
+    from automodel_ckpt.ondisk.manifest import list_files
 
     check_url(url, "--out")
     store = ObjectStore(normalize(url), storage_options)

@@ -28,7 +28,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import bounded, layout
+from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError
 

@@ -32,11 +32,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint.disk import bounded, layout, manifest
+from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.checkpoint.objectstore.lease import Lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
-from automodel_ckpt.checkpoint.disk.durable import read_pointer, remove_pointer, remove_tree, set_pointer
+from automodel_ckpt.ondisk.durable import read_pointer, remove_pointer, remove_tree, set_pointer
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.sizes import human_size
 

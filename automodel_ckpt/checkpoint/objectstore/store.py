@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint.disk import bounded, layout, paths
+from automodel_ckpt.ondisk import bounded, layout, paths
 from automodel_ckpt.checkpoint.objectstore.location import normalize, open_filesystem, split
 from automodel_ckpt.errors import CheckpointError, first_line
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.formats.family import DiskTensor, c_strides, disk_layout
-from automodel_ckpt.checkpoint.formats.fastio.common import BYTES_READ, scratch
-from automodel_ckpt.checkpoint.formats.fastio.readers import ParallelHFReader
+from automodel_ckpt.ondisk.formats.family import DiskTensor, c_strides, disk_layout
+from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, scratch
+from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
 from automodel_ckpt.errors import CheckpointError
 
 __all__ = ["load_hf_weights", "local_part", "in_memory_names"]

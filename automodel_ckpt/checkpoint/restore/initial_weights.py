@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata
-from automodel_ckpt.checkpoint.export.archive import is_archive, open_archive
-from automodel_ckpt.checkpoint.formats import peft as peft_format
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.metadata import read_metadata
+from automodel_ckpt.ondisk.export.archive import is_archive, open_archive
+from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.checkpoint.restore.decision import ADAPTER_FOLDER, CHECKPOINT, HF_FOLDER, Decision, Source
 from automodel_ckpt.checkpoint.restore.probe import probe
 from automodel_ckpt.errors import CheckpointError, ConfigError
@@ -92,7 +92,7 @@ def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
     from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
 
     if is_archive(folder):
-        from automodel_ckpt.checkpoint.export.archive_weights import ArchiveHFReader
+        from automodel_ckpt.ondisk.export.archive_weights import ArchiveHFReader
 
         collective.collectively(lambda: load_hf_weights(model, folder, reader=ArchiveHFReader(folder, gap=0)),
                                 f"reading '{folder}'", rank)
@@ -113,7 +113,7 @@ def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     def read() -> dict[str, torch.Tensor]:
-        from automodel_ckpt.checkpoint.formats.family import auto_model_class
+        from automodel_ckpt.ondisk.formats.family import auto_model_class
 
         dtype = next(model.parameters()).dtype
         loaded = auto_model_class(folder).from_pretrained(folder, dtype=dtype)

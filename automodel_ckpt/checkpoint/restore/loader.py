@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.disk import layout, manifest
-from automodel_ckpt.checkpoint.disk.loadcheck import LoadCheck, deferred, finish_collectively
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata, saved_mesh
-from automodel_ckpt.checkpoint.formats import peft as peft_format
-from automodel_ckpt.checkpoint.formats import sharded
-from automodel_ckpt.checkpoint.formats.detect import detect_model_format
-from automodel_ckpt.checkpoint.formats.safe_load import load_pt
+from automodel_ckpt.ondisk import layout, manifest
+from automodel_ckpt.ondisk.loadcheck import LoadCheck, deferred, finish_collectively
+from automodel_ckpt.ondisk.metadata import read_metadata, saved_mesh
+from automodel_ckpt.ondisk.formats import peft as peft_format
+from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.formats.detect import detect_model_format
+from automodel_ckpt.ondisk.formats.safe_load import load_pt
 from automodel_ckpt.checkpoint.restore import initial_weights
 from automodel_ckpt.checkpoint.restore.decision import CHECKPOINT, Decision
 from automodel_ckpt.checkpoint.state import plan_state

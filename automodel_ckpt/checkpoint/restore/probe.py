@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import layout, manifest
-from automodel_ckpt.checkpoint.disk.fingerprint import first_difference
-from automodel_ckpt.checkpoint.disk.loadcheck import deferred
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata
-from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata, load_pt
-from automodel_ckpt.checkpoint.formats.safetensors_io import read_header
+from automodel_ckpt.ondisk import layout, manifest
+from automodel_ckpt.ondisk.fingerprint import first_difference
+from automodel_ckpt.ondisk.loadcheck import deferred
+from automodel_ckpt.ondisk.metadata import read_metadata
+from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata, load_pt
+from automodel_ckpt.ondisk.formats.safetensors_io import read_header
 from automodel_ckpt.errors import CheckpointError
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
 from automodel_ckpt.checkpoint.restore.decision import Decision, Source
 from automodel_ckpt.checkpoint.restore.initial_weights import start_from

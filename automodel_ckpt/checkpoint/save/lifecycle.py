@@ -13,9 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Iterable
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy, to_delete
-from automodel_ckpt.checkpoint.disk.durable import fsync_dir, remove_tree, set_pointer
+from automodel_ckpt.ondisk import catalog, layout
+from automodel_ckpt.ondisk.retention import RetentionPolicy, to_delete
+from automodel_ckpt.ondisk.durable import fsync_dir, remove_tree, set_pointer
 from automodel_ckpt.errors import CheckpointError
 
 # --- the steps -------------------------------------------------------------------------------------

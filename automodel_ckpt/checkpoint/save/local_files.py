@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.info import SaveInfo
-from automodel_ckpt.checkpoint.disk.metadata import build_metadata, write_metadata
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.info import SaveInfo
+from automodel_ckpt.ondisk.metadata import build_metadata, write_metadata
 from automodel_ckpt.checkpoint.state import StatePlan
 
 

@@ -7,9 +7,9 @@ import warnings
 from pathlib import Path
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.disk.metadata import read_metadata
-from automodel_ckpt.checkpoint.formats import sharded
-from automodel_ckpt.checkpoint.info import SaveInfo
+from automodel_ckpt.ondisk.metadata import read_metadata
+from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.info import SaveInfo
 from automodel_ckpt.checkpoint.state import StatePlan
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 

@@ -14,15 +14,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.disk import layout, manifest
-from automodel_ckpt.checkpoint.disk.durable import WrittenFiles, fsync_tree
-from automodel_ckpt.checkpoint.disk.layout import render_name
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
-from automodel_ckpt.checkpoint.formats import peft as peft_format
-from automodel_ckpt.checkpoint.formats import sharded
-from automodel_ckpt.checkpoint.info import HFArtifacts, SaveInfo
+from automodel_ckpt.ondisk import layout, manifest
+from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_tree
+from automodel_ckpt.ondisk.layout import render_name
+from automodel_ckpt.ondisk.retention import RetentionPolicy
+from automodel_ckpt.ondisk.formats import peft as peft_format
+from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.save import diskfull, hf_files, local_files, overlap
 from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
 from automodel_ckpt.checkpoint.save.policy import SavePolicy

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from automodel_ckpt.checkpoint import objectstore
-from automodel_ckpt.checkpoint.disk.catalog import Monitor
+from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, source_of, stored_files,
                                                     upload_folder)
 from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
@@ -53,7 +53,7 @@ def run_folder(cfg: Any) -> Path:
 def open_store_run(location: str, key: str) -> RemoteRun:
     """An object-store run folder to maintain (``ckpt-train gc``): its URL checked, readable, and a run folder
     (one line naming what is wrong otherwise)."""
-    from automodel_ckpt.checkpoint.disk import layout
+    from automodel_ckpt.ondisk import layout
     from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
     from automodel_ckpt.checkpoint.objectstore.run import open_run
     from automodel_ckpt.errors import UserError

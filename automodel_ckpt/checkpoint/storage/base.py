@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from automodel_ckpt.checkpoint.disk.catalog import Monitor
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.ondisk.catalog import Monitor
+from automodel_ckpt.ondisk.retention import RetentionPolicy
 
 
 class RunFolder(Protocol):

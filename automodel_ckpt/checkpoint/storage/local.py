@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import catalog, layout
-from automodel_ckpt.checkpoint.disk.catalog import Monitor
-from automodel_ckpt.checkpoint.disk.durable import unwritable
-from automodel_ckpt.checkpoint.disk.quarantine import quarantine
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.distributed import collective
+from automodel_ckpt.ondisk import catalog, layout
+from automodel_ckpt.ondisk.catalog import Monitor
+from automodel_ckpt.ondisk.durable import unwritable
+from automodel_ckpt.ondisk.quarantine import quarantine
+from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.objectstore import fetch_collectively, localize, source_of
 from automodel_ckpt.checkpoint.save import lifecycle
 from automodel_ckpt.checkpoint.storage.runlock import RunLock, hold

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.distributed import collective
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 

@@ -42,8 +42,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import layout, paths
+from automodel_ckpt.distributed import collective
+from automodel_ckpt.ondisk import layout, paths
 from automodel_ckpt.distributed.lifeline import LAUNCHER_PID_ENV
 from automodel_ckpt.errors import CheckpointError
 

@@ -161,14 +161,14 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
     as for ``checkpoint_dir`` (``storage_options``, then the standard environment); one per process."""
     import fsspec
 
-    from automodel_ckpt.checkpoint.locations import is_url
+    from automodel_ckpt.checkpoint import is_url
 
     if not is_url(path):
         return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
     scheme, inner = path.split("://", 1)
     key = (os.getpid(), scheme.lower(), repr(sorted((storage_options or {}).items())))
     if key not in _FILESYSTEMS:
-        from automodel_ckpt.checkpoint.storage import open_filesystem
+        from automodel_ckpt.checkpoint import open_filesystem
 
         _FILESYSTEMS[key] = open_filesystem(f"{scheme.lower()}://{inner}", storage_options)
     return _FILESYSTEMS[key], inner
@@ -179,12 +179,12 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
     """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
     glob that matches nothing."""
     split_parquet_bytes = SPLIT_PARQUET_BYTES if split_parquet_bytes is None else split_parquet_bytes
-    from automodel_ckpt.checkpoint.locations import is_url
+    from automodel_ckpt.checkpoint import is_url
 
     shards: dict[str, Shard] = {}
     for pattern in source.paths:
         if is_url(pattern):
-            from automodel_ckpt.checkpoint.locations import check_url
+            from automodel_ckpt.checkpoint import check_url
 
             check_url(pattern, key)
         fs, inner = filesystem(pattern, storage_options)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from automodel_ckpt.checkpoint import collective
+from automodel_ckpt.distributed import collective
 from automodel_ckpt.cli import run
 from automodel_ckpt.distributed import env
 from automodel_ckpt.errors import CheckpointError

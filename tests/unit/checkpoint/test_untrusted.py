@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from automodel_ckpt.checkpoint.disk import catalog, layout, manifest, paths
+from automodel_ckpt.ondisk import catalog, layout, manifest, paths
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch
@@ -97,7 +97,7 @@ def _plant_distcp_entry(folder: Path, marker: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from automodel_ckpt.checkpoint.formats.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_dcp_metadata
+    from automodel_ckpt.ondisk.formats.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_dcp_metadata
 
     md = load_dcp_metadata(folder / layout.DCP_METADATA)
     flat: dict[str, object] = {k: torch.empty(v.size, dtype=v.properties.dtype)
@@ -267,7 +267,7 @@ def test_a_pointer_naming_a_path_designates_no_checkpoint(templates, tmp_path):
 def test_dcp_metadata_naming_files_outside_its_folder_is_refused(templates, tmp_path, capsys):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from automodel_ckpt.checkpoint.formats.safe_load import load_dcp_metadata
+    from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
 
     root, _, second = copy_run(templates, "torch_save", tmp_path)
     original = load_dcp_metadata(second / "model" / layout.DCP_METADATA)
@@ -282,7 +282,7 @@ def test_dcp_metadata_naming_files_outside_its_folder_is_refused(templates, tmp_
 
 
 def test_an_index_naming_files_outside_the_base_folder_is_refused(tmp_path):
-    from automodel_ckpt.checkpoint.export.hf_metadata import _original_tensors
+    from automodel_ckpt.ondisk.export.hf_metadata import _original_tensors
 
     base = tmp_path / "base"
     base.mkdir()

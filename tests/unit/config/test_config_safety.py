@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint import CheckpointConfig
-from automodel_ckpt.checkpoint.disk.fingerprint import first_difference, run_fingerprint
+from automodel_ckpt.ondisk.fingerprint import first_difference, run_fingerprint
 from automodel_ckpt.cli import main
 from automodel_ckpt.config.loader import load_config, load_yaml, to_yaml
 from automodel_ckpt.redact import REDACTED, is_secret_key, redacted

@@ -7,7 +7,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint.disk.metadata import build_metadata, saved_mesh, write_metadata
+from automodel_ckpt.ondisk.metadata import build_metadata, saved_mesh, write_metadata
 from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.mesh import IMAGE_TEXT_TP_REFUSAL, MeshSizes, ParallelDims, resolve_sizes
 from automodel_ckpt.distributed.tensor_parallel import check_tensor_parallel, family_plan

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel_ckpt.cli import main
 from automodel_ckpt.distributed.mesh import MeshSizes, ParallelDims, resolve_pipeline, resolve_sizes
-from automodel_ckpt.checkpoint.formats.peft import peft_key_map, trainable_names
+from automodel_ckpt.ondisk.formats.peft import peft_key_map, trainable_names
 from automodel_ckpt.distributed.pipeline import (StageModule, _OneStageAtATime, check_pipeline_model, cut_stage,
                                                  describe_layers, rank_layers, tied_embeddings)
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm, family_plan

@@ -42,7 +42,7 @@ def test_fused_expert_parts_fill_any_slice_from_the_parts_it_meets(family):
     over ranks, or columns) fill exactly that slice of the whole tensor, and the others are not needed."""
     from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.checkpoint.formats.family import disk_layout
+    from automodel_ckpt.ondisk.formats.family import disk_layout
     from automodel_ckpt.checkpoint.restore.hf_weights import _box
     from tests.family_bases import family_config
 

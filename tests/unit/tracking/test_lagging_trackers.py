@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking import lane as lane_module
 from automodel_ckpt.tracking import tracker as tracker_module
 from automodel_ckpt.tracking.base import Backend

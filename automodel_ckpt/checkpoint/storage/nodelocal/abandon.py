@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.durable import read_pointer, remove_pointer, remove_tree
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.durable import read_pointer, remove_pointer, remove_tree
 from automodel_ckpt.errors import first_line
 
 Hook = Callable[[str], None]

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.catalog import Monitor
-from automodel_ckpt.checkpoint.disk.durable import remove_tree
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.distributed import collective
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.catalog import Monitor
+from automodel_ckpt.ondisk.durable import remove_tree
+from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.save import lifecycle
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.nodelocal import abandon, localdir, replicate

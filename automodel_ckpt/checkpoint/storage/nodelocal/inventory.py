@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.checkpoint.disk import layout, manifest, paths
+from automodel_ckpt.ondisk import layout, manifest, paths
 from automodel_ckpt.errors import CheckpointError, first_line
 
 

@@ -19,8 +19,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint.disk import layout, paths
-from automodel_ckpt.checkpoint.disk.durable import remove_tree, write_atomic
+from automodel_ckpt.ondisk import layout, paths
+from automodel_ckpt.ondisk.durable import remove_tree, write_atomic
 from automodel_ckpt.checkpoint.locations import is_url, local_path
 from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.sizes import human_size

@@ -14,8 +14,8 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from automodel_ckpt.checkpoint import collective
-from automodel_ckpt.checkpoint.disk import manifest
+from automodel_ckpt.distributed import collective
+from automodel_ckpt.ondisk import manifest
 from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import (Chosen, Inventory, choose, fill_plan, gather,
                                                                   receives_from, scan, sends)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import Transfer, receives_from, sends
 from automodel_ckpt.checkpoint.storage.nodelocal.placement import Placement
 from automodel_ckpt.checkpoint.storage.nodelocal.transfer import exchange

@@ -27,8 +27,8 @@ from typing import Any, Generator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from automodel_ckpt.checkpoint.disk import layout, paths
-from automodel_ckpt.checkpoint.disk.checksum import CRC32, hasher
+from automodel_ckpt.ondisk import layout, paths
+from automodel_ckpt.ondisk.checksum import CRC32, hasher
 from automodel_ckpt.errors import CheckpointError, first_line
 
 _CHUNK_BYTES = 64 << 20  # the most bytes of one file sent in one message

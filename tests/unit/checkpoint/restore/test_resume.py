@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from automodel_ckpt.checkpoint.disk import catalog, layout
-from automodel_ckpt.checkpoint.disk.quarantine import quarantine
+from automodel_ckpt.ondisk import catalog, layout
+from automodel_ckpt.ondisk.quarantine import quarantine
 from automodel_ckpt.checkpoint.restore.probe import probe
-from automodel_ckpt.checkpoint.disk.durable import read_pointer, set_pointer
+from automodel_ckpt.ondisk.durable import read_pointer, set_pointer
 from automodel_ckpt.cli.inspect import inspect_dir, render_table
 from automodel_ckpt.errors import CheckpointError
-from tests.unit.checkpoint.disk.test_catalog_inspect import make
+from tests.unit.ondisk.test_catalog_inspect import make
 
 
 def _loadable(root: Path, name: str, step: int, val: float | None = None) -> Path:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.checkpoint.disk import layout, manifest
+from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.checkpoint.formats import sharded
-from automodel_ckpt.checkpoint.disk.durable import read_pointer
+from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.durable import read_pointer
 from automodel_ckpt.distributed.env import init_distributed
 from automodel_ckpt.errors import CheckpointError
 from tests.integration.contents import comparable
@@ -57,7 +57,7 @@ def gate(monkeypatch):
             g.entered.set()
             assert g.event.wait(120), "test gate never opened"
             if g.fail:
-                raise OSError(5, "Input/output error")  # a full disk: tests/unit/checkpoint/disk/test_integrity.py
+                raise OSError(5, "Input/output error")  # a full disk: tests/unit/ondisk/test_integrity.py
             return write_data(plan, planner)
 
         writer.write_data = gated

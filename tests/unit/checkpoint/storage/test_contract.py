@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.checkpoint import CheckpointConfig, storage
-from automodel_ckpt.checkpoint.disk import catalog, layout, manifest
-from automodel_ckpt.checkpoint.disk.metadata import build_metadata, read_metadata, write_metadata
-from automodel_ckpt.checkpoint.disk.durable import read_pointer
-from automodel_ckpt.checkpoint.disk.retention import RetentionPolicy
+from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.ondisk.metadata import build_metadata, read_metadata, write_metadata
+from automodel_ckpt.ondisk.durable import read_pointer
+from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
 from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
 

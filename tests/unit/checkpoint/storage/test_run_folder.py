@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from automodel_ckpt.checkpoint import CheckpointConfig, storage
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.checkpoint.storage import LocalRunFolder, ObjectStoreRunFolder
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
+from automodel_ckpt.ondisk import layout
 from automodel_ckpt.checkpoint.storage.runlock import FolderInUseError, RunLock
 
 REPO = Path(__file__).resolve().parents[4]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from automodel_ckpt.checkpoint.disk import layout
-from automodel_ckpt.checkpoint.disk.durable import set_pointer
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.durable import set_pointer
 from automodel_ckpt.checkpoint.storage.nodelocal import abandon, choose, scan
 from tests.unit.checkpoint.storage.nodelocal.test_nodelocal_inventory import PARTS, write_step
 

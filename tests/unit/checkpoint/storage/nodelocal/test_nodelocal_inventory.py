@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.disk import manifest
-from automodel_ckpt.checkpoint.disk.checksum import default_algorithm, hash_file
+from automodel_ckpt.ondisk import manifest
+from automodel_ckpt.ondisk.checksum import default_algorithm, hash_file
 from automodel_ckpt.checkpoint.storage.nodelocal import (Inventory, StepFiles, Transfer, choose, fill_plan,
                                                          receives_from, scan, sends)
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import manifest_digest
@@ -58,7 +58,7 @@ def test_scan_lists_the_files_that_match_each_steps_manifest(tmp_path):
 def test_scan_can_leave_the_data_files_checksums_to_the_load(tmp_path):
     """With ``leave``, the files it names are checked by size only (the load hashes them as it reads them); the
     others still by checksum."""
-    from automodel_ckpt.checkpoint.disk.loadcheck import deferred
+    from automodel_ckpt.ondisk.loadcheck import deferred
 
     step = write_step(tmp_path, "epoch_0_step_6", PARTS)
     (step / "optim/__0_0.distcp").write_bytes(b"X" * 20)  # a data file: same size, other bytes

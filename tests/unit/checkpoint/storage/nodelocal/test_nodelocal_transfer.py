@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.checkpoint.disk.checksum import default_algorithm, hash_file
+from automodel_ckpt.ondisk.checksum import default_algorithm, hash_file
 from automodel_ckpt.checkpoint.storage.nodelocal.transfer import receive_stream, send_stream
 
 FILES = {"metadata.json": b"{}", "model/shard.safetensors": bytes(range(256)) * 3, "optim/empty": b"",

@@ -1,0 +1,294 @@
+"""A model archive read in place: its members' places checked as untrusted input, their bytes, and the manifest check.
+
+An archive (``ckpt-train pack``, ``export/pack.py``) is an uncompressed POSIX tar holding a Hugging Face or adapter
+folder's files and, in ``automodel/``, the recipe, the metadata and a manifest of every other member's size and
+checksum. Nothing is ever extracted: a member is a byte range ``[offset, offset + size)`` of the archive file, read
+with ``pread`` or mapped. An archive from elsewhere is untrusted, so ``open_archive`` refuses in one line
+(``CheckpointError`` naming the archive and the member) a member whose name is not a plain relative path
+(``disk/paths.py``), a link (symbolic or hard), a device, FIFO or sparse file, a name listed twice, a header or data
+running past the end of the file, extended headers over 1 MiB, more than ``MAX_MEMBERS`` members, or a header
+that is not a tar header.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.ondisk import bounded, layout, manifest, paths
+from automodel_ckpt.ondisk.checksum import hash_range
+from automodel_ckpt.ondisk.formats.safetensors_io import (
+    check_header,
+    header_length,
+    numel,
+    parse_header,
+    tensor_entries,
+)
+from automodel_ckpt.errors import CheckpointError, first_line
+
+ALIGN = 4096  # a weights member's data starts at a multiple of this in the archive: mapped in place, page-aligned
+_BLOCK = tarfile.BLOCKSIZE
+_MAX_EXTENDED_HEADER = bounded.SMALL_FILE  # a pax or GNU long-name record's size, checked before tarfile reads it
+PAX_COMMENT = "comment"  # the pax keyword readers ignore: a weights member's padding; the manifest's own checksum
+MAX_MEMBERS = 1 << 16  # a model folder holds tens of files; each member costs memory while the archive is open
+_EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+             tarfile.GNUTYPE_LONGLINK)
+
+
+def is_archive(path: Path) -> bool:
+    """Whether ``path`` names an archive (a file, or a name ending in ``.tar``) rather than a folder."""
+    path = Path(path)
+    return not path.is_dir() and (path.name.endswith(layout.ARCHIVE_SUFFIX) or path.exists())
+
+
+@dataclass(frozen=True)
+class Member:
+    """One regular file of an archive: its name and where its bytes lie in the archive file."""
+
+    name: str
+    offset: int
+    size: int
+    checksum: str | None = None  # the manifest's own (``algorithm:hex``), from its extended header
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """``TarInfo`` that refuses an extended header record (pax, GNU long name) over the limit before reading it:
+    tarfile itself reads such a record whole into memory, whatever size its header claims."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED and self.size > _MAX_EXTENDED_HEADER:
+            raise CheckpointError(f"an extended header of {self.size} bytes at byte {self.offset}, over the "
+                                  f"{_MAX_EXTENDED_HEADER} byte limit")
+        return super()._proc_member(tarfile_)
+
+
+class Archive:
+    """An archive opened for reading: ``members`` by name, each checked to lie inside the file."""
+
+    def __init__(self, path: Path, fd: int, members: dict[str, Member]) -> None:
+        self.path, self.fd, self.members = Path(path), fd, members
+
+    def __enter__(self) -> Archive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def where(self, name: str) -> str:
+        return f"'{name}' of the archive '{self.path}'"
+
+    def member(self, name: str) -> Member:
+        found = self.members.get(name)
+        if found is None:
+            raise CheckpointError(f"the archive '{self.path}' has no member '{name}'")
+        return found
+
+    def read(self, name: str, what: str, limit: int) -> bytes:
+        """The bytes of member ``name`` (at most ``limit``: checked from its header before reading)."""
+        m = self.member(name)
+        bounded.check_size(m.size, self.where(name), what, limit)
+        data = os.pread(self.fd, m.size, m.offset)
+        if len(data) != m.size:
+            raise CheckpointError(f"{self.where(name)} is cut short: the archive ends inside it")
+        return data
+
+    def json(self, name: str, what: str, limit: int = bounded.CONFIG_FILE) -> Any:
+        return bounded.parse_json(self.read(name, what, limit), self.where(name), what, limit)
+
+    def safetensors_header(self, name: str) -> tuple[dict[str, Any], int]:
+        """``(header, data start in the member)`` of a safetensors member, checked as a file's would be."""
+        m = self.member(name)
+        where = self.where(name)
+        n = header_length(os.pread(self.fd, 8, m.offset), m.size, where)
+        header = parse_header(os.pread(self.fd, n, m.offset + 8), where)
+        check_header(header, m.size - 8 - n, where)
+        return header, 8 + n
+
+    def manifest(self) -> dict[str, Any]:
+        """The archive's manifest, its table checked (sizes, checksums, plain paths); ``CheckpointError`` else."""
+        data = self.json(layout.ARCHIVE_MANIFEST, "an archive manifest", bounded.INDEX_FILE)
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, dict) or not isinstance(data.get("checksum_algorithm"), str) or not all(
+                isinstance(v, dict) and isinstance(v.get("size"), int) and not isinstance(v.get("size"), bool)
+                and v["size"] >= 0 and isinstance(v.get("checksum"), str) for v in files.values()):
+            raise CheckpointError(f"{self.where(layout.ARCHIVE_MANIFEST)} is malformed (no 'files' table of sizes "
+                                  "and checksums, or no 'checksum_algorithm')")
+        for rel in files:
+            paths.check(rel, self.where(layout.ARCHIVE_MANIFEST))
+        return data
+
+
+def open_archive(path: Path) -> Archive:
+    """The archive at ``path``, every member checked (see the module docstring); ``CheckpointError`` in one line
+    naming the archive and the member otherwise. Only a regular file is opened (never a FIFO or device)."""
+    path = Path(path)
+    try:
+        fd = paths.open_regular(path, follow=True)  # the file the user named (a cache's link to its blob)
+    except FileNotFoundError:
+        raise CheckpointError(f"the archive '{path}' does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"the archive '{path}' cannot be read: {first_line(exc)}") from None
+    try:
+        return Archive(path, fd, _members(path, fd))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _members(path: Path, fd: int) -> dict[str, Member]:
+    size = os.fstat(fd).st_size
+    members: dict[str, Member] = {}
+
+    def refuse(name: str, why: str) -> CheckpointError:
+        return CheckpointError(f"the archive '{path}' is refused: its member {name!r} {why}; an archive is read in "
+                               "place, never extracted, and holds only regular files with plain relative names")
+
+    with os.fdopen(os.dup(fd), "rb") as f:
+        try:
+            tar = tarfile.open(fileobj=f, mode="r:", tarinfo=_BoundedTarInfo)
+            end = 0
+            while (info := tar.next()) is not None:
+                tar.members.clear()  # tarfile keeps every member it has read; ours are in ``members``
+                if len(members) >= MAX_MEMBERS:
+                    raise CheckpointError(f"the archive '{path}' is refused: it holds more than {MAX_MEMBERS} "
+                                          "members, the limit for a model archive")
+                name = _plain_name(info.name)
+                if info.isdir():
+                    if name and paths.problem(name):
+                        raise refuse(info.name, f"is a folder with an unsafe name ({paths.problem(name)})")
+                    end = info.offset_data
+                    continue
+                if info.issym() or info.islnk():
+                    raise refuse(info.name, f"is a {'symbolic' if info.issym() else 'hard'} link to {info.linkname!r}")
+                if not info.isreg() or info.issparse():
+                    raise refuse(info.name, "is a device, FIFO, sparse file or other special member, not a regular "
+                                            "file")
+                why = paths.problem(name)
+                if why is not None:
+                    raise refuse(info.name, f"has an unsafe name ({why})")
+                if name in members:
+                    raise refuse(info.name, "is listed twice")
+                if info.offset_data + info.size > size:
+                    raise refuse(info.name, f"runs to byte {info.offset_data + info.size}, past the end of the "
+                                            f"{size}-byte file")
+                own = info.pax_headers.get(PAX_COMMENT) if name == layout.ARCHIVE_MANIFEST else None
+                members[name] = Member(name, info.offset_data, info.size, own)
+                end = info.offset_data + info.size
+        except CheckpointError as exc:
+            if str(exc).startswith(f"the archive '{path}'"):
+                raise
+            raise CheckpointError(f"the archive '{path}' is refused: {first_line(exc)}") from None
+        except (tarfile.TarError, EOFError, ValueError, UnicodeError, OverflowError) as exc:
+            raise CheckpointError(f"the archive '{path}' is not a readable tar file: {first_line(exc)}") from None
+    _check_end(path, fd, end, size)
+    return members
+
+
+def _check_end(path: Path, fd: int, end: int, size: int) -> None:
+    """tarfile stops quietly at a damaged header after the first; what follows the last member must be a header
+    of zeros (the end of the archive) or nothing."""
+    at = end + (-end % _BLOCK)
+    block = os.pread(fd, _BLOCK, at)
+    if block.strip(b"\0"):
+        raise CheckpointError(f"the archive '{path}' is refused: byte {at} holds neither a member's header nor the "
+                              "end of the archive")
+
+
+def _plain_name(name: str) -> str:
+    """A member name as ``tar cf x.tar -C folder .`` writes it (``./config.json``) is the same file."""
+    while name.startswith("./"):
+        name = name[2:]
+    return "" if name == "." else name
+
+
+# --- checks ----------------------------------------------------------------------------------------------------
+def verify(path: Path, *, checksums: bool = True) -> manifest.Report:
+    """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); members the
+    manifest does not list are ``unexpected``; an unreadable manifest is the report's ``problem``. An archive
+    ``open_archive`` refuses is a ``CheckpointError``."""
+    report = manifest.Report(Path(path))
+    with open_archive(path) as archive:
+        try:
+            own = archive.member(layout.ARCHIVE_MANIFEST)
+            algorithm, _, digest = (own.checksum or "").partition(":")
+            if checksums and not digest:  # a plain tar drops the extended header that holds it
+                report.verdicts.append(manifest.Verdict(own.name, manifest.UNREADABLE, "its header holds no "
+                                                        "checksum of it; pack the unpacked folder again"))
+            else:
+                report.verdicts.append(_check_member(archive, own.name, {"size": own.size, "checksum": digest},
+                                                     algorithm, checksums))
+            table = archive.manifest()
+            report.algorithm = table["checksum_algorithm"]
+            for rel, entry in table["files"].items():
+                report.verdicts.append(_check_member(archive, rel, entry, report.algorithm, checksums))
+                report.total_bytes += entry["size"]
+            for rel in archive.members:
+                if rel not in table["files"] and rel != layout.ARCHIVE_MANIFEST:
+                    report.verdicts.append(manifest.Verdict(rel, manifest.UNEXPECTED))
+        except CheckpointError as exc:
+            report.problem = first_line(exc)
+    return report
+
+
+def _check_member(archive: Archive, rel: str, entry: dict[str, Any], algorithm: str,
+                  checksums: bool) -> manifest.Verdict:
+    m = archive.members.get(rel)
+    if m is None:
+        return manifest.Verdict(rel, manifest.MISSING)
+    if m.size != entry["size"]:
+        return manifest.Verdict(rel, manifest.SIZE_MISMATCH, f"manifest {entry['size']} bytes, in the archive "
+                                                             f"{m.size}")
+    if checksums:
+        try:
+            digest = hash_range(archive.fd, m.offset, m.size, algorithm)
+        except OSError as exc:
+            return manifest.Verdict(rel, manifest.UNREADABLE, first_line(exc))
+        if digest != entry["checksum"]:
+            return manifest.Verdict(rel, manifest.CHECKSUM_MISMATCH,
+                                    f"manifest {entry['checksum']}, in the archive {digest}")
+    return manifest.Verdict(rel, manifest.OK)
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """What ``inspect`` shows of an archive: what it holds (model family, parameters by dtype, files and bytes)
+    and where it came from (the run and step of its checkpoint), from its JSON members and safetensors headers."""
+    with open_archive(path) as archive:
+        table = archive.manifest()
+        config = (archive.json(layout.HF_CONFIG, "a model config") if layout.HF_CONFIG in archive.members else
+                  archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+                  if layout.ADAPTER_CONFIG in archive.members else {})
+        meta = (archive.json(layout.ARCHIVE_METADATA, "checkpoint metadata", bounded.SMALL_FILE)
+                if layout.ARCHIVE_METADATA in archive.members else {})
+        dtypes: dict[str, int] = {}
+        for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
+            header, _ = archive.safetensors_header(name)
+            for entry in tensor_entries(header).values():
+                dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + numel(entry["shape"])
+        config = config if isinstance(config, dict) else {}
+        meta = meta if isinstance(meta, dict) else {}
+        source = table.get("source") if isinstance(table.get("source"), dict) else {}
+        archs = config.get("architectures")
+        return {
+            "archive": str(path),
+            "holds": "adapter" if layout.ADAPTER_CONFIG in archive.members else "GGUF file" if any(
+                n.endswith(layout.GGUF_SUFFIX) for n in archive.members) else "model",
+            "source": str(source.get("kind", "")),
+            "model_type": str(config.get("model_type") or config.get("peft_type") or ""),
+            "architecture": str(archs[0]) if isinstance(archs, list) and archs else "",
+            "parameters": sum(dtypes.values()),
+            "dtypes": dict(sorted(dtypes.items())),
+            "run": str(source.get("run", "")),
+            "checkpoint": str(meta.get("name") or source.get("checkpoint", "")),
+            "step": meta.get("step") if isinstance(meta.get("step"), int) else None,
+            "epoch": meta.get("epoch") if isinstance(meta.get("epoch"), int) else None,
+            "files": len(archive.members),
+            "bytes": sum(m.size for m in archive.members.values()),
+        }

@@ -1,0 +1,113 @@
+"""`export --to gguf --adapter`: a LoRA checkpoint's adapter as a GGUF LoRA adapter for llama.cpp's ``--lora``.
+
+llama.cpp applies it to the GGUF of the adapter's base. The format is llama.cpp's (as its ``convert_lora_to_gguf.py`` writes it), written with the ``gguf`` library:
+``general.type`` ``adapter``, ``adapter.type`` ``lora``, ``adapter.lora.alpha``, and for each adapted weight its
+``lora_a`` (rank x in) and ``lora_b`` (out x rank) under the GGUF name of that weight (``blk.0.attn_q.weight.lora_a``).
+llama.cpp scales the product by alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with the alpha
+that gives its scale. What the base's export does to a weight is done to the factor it reaches: Llama's query and
+key rows are permuted, so ``lora_b``'s rows are. Families whose weights are transposed or stacked in a GGUF (GPT-2,
+the mixtures of experts) are refused, as is an adapter that trains whole modules beside its LoRA factors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk import bounded, layout
+from automodel_ckpt.ondisk.durable import fsync_dir
+from automodel_ckpt.ondisk.export.gguf_arch import family_for, permute_rotary
+from automodel_ckpt.errors import CheckpointError, UserError
+
+__all__ = ["write_gguf_adapter"]
+
+_FACTOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
+_TYPES = {"bf16": (torch.bfloat16, "BF16"), "f16": (torch.float16, "F16")}
+
+
+def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
+    """Write the adapter of the LoRA checkpoint (or adapter folder) ``src`` to ``out``; returns what was written."""
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape
+    from safetensors import safe_open
+
+    from automodel_ckpt.ondisk.export.merge_lora import adapter_folder, base_model_folder
+
+    if type_name not in _TYPES:
+        raise UserError(f"--adapter: the LoRA factors are written in bf16 or f16, not {type_name}; add --type f16")
+    adapter = adapter_folder(Path(src))
+    settings = bounded.read_json(adapter / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+    if not isinstance(settings, dict) or settings.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"--adapter: {adapter / layout.ADAPTER_CONFIG} is not a LoRA adapter")
+    if settings.get("modules_to_save"):
+        raise UserError("--adapter: this adapter trains whole modules beside its LoRA factors "
+                        f"({', '.join(settings['modules_to_save'])}); export it merged (without --adapter)")
+    base = base_model_folder(adapter)
+    config = bounded.read_json(base / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE, follow=True)
+    family = family_for(config)
+    if family.conv1d or family.moe:
+        raise UserError(f"--adapter: {config.get('model_type')} adapters are not written as GGUF adapters yet; "
+                        "export the checkpoint merged (without --adapter)")
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    rank = int(settings.get("r") or 0)
+    alpha = float(settings.get("lora_alpha") or rank)
+    if settings.get("use_rslora"):
+        alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
+    weights = adapter / layout.ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{adapter} has no {layout.ADAPTER_WEIGHTS}")
+    dtype, qname = _TYPES[type_name]
+    out = Path(out)
+    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            factors = _factors(list(f.keys()), names, weights)
+            writer.add_type(gguf.GGUFType.ADAPTER)
+            writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+            for gguf_name, key, which, module in factors:
+                value = f.get_tensor(key)
+                if which == "B" and family.llama_rope and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+                    heads = config["num_attention_heads"]
+                    value = permute_rotary(value, heads if ".attn_q." in gguf_name
+                                     else config.get("num_key_value_heads") or heads)
+                qtype = getattr(gguf.GGMLQuantizationType, qname)
+                data = value.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+                writer.add_tensor(f"{gguf_name}.lora_{which.lower()}", data, raw_dtype=qtype,
+                                  raw_shape=quant_shape_to_byte_shape(tuple(value.shape), qtype))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.flush()
+        os.fsync(writer.fout[0].fileno())
+        writer.close()
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"bytes": out.stat().st_size, "factors": len(factors), "rank": rank, "alpha": alpha,
+            "base": str(base)}
+
+
+def _factors(keys: list[str], names: Any, where: Path) -> list[tuple[str, str, str, str]]:
+    """``(GGUF weight name, key, A or B, module)`` for every LoRA factor, A before B, in the file's order."""
+    out = []
+    for key in sorted(keys):
+        m = _FACTOR.match(key)
+        if m is None:
+            raise UserError(f"--adapter: {where} holds '{key}', which is not a LoRA factor; export it merged")
+        new = names.get_name(m["module"] + ".weight", try_suffixes=(".weight",))
+        if new is None:
+            raise UserError(f"--adapter: the adapted module '{m['module']}' has no GGUF name; export it merged")
+        out.append((new, key, m["which"], m["module"]))
+    return sorted(out, key=lambda t: (t[0], t[2]))

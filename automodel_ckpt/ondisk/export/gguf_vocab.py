@@ -1,0 +1,168 @@
+"""A Hugging Face tokenizer as GGUF metadata: tokens, their types and scores, merges, special tokens, chat template.
+
+``tokenizer.json`` decides the GGUF tokenizer model, as llama.cpp's converter does:
+
+- byte-level BPE (GPT-2, Llama 3, Qwen) is ``gpt2``: the vocabulary in id order, the merges, and the
+  pre-tokenizer named by its split expression (``qwen2``, ``llama-bpe``, ...);
+- sentencepiece-style BPE (byte fallback, ``▁`` for spaces: Llama 2, Mistral) is ``llama``, read by the ``gguf``
+  library's own ``LlamaHfVocab`` (tokens, scores, types);
+- a word-level vocabulary of single characters (the embedded tiny tokenizer) is exactly a byte-level BPE with no
+  merges: ``gpt2`` with its characters in the byte alphabet and an empty merge list.
+
+Special token ids, whether BOS/EOS are added, and the chat template come from the ``gguf`` library's
+``SpecialVocab``, so llama.cpp's chat uses the template the model was trained with. Any other tokenizer is refused
+in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.ondisk import bounded
+from automodel_ckpt.errors import UserError
+
+__all__ = ["add_vocab"]
+
+_TOKENIZER_JSON = "tokenizer.json"
+
+
+def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ...] = ()) -> str:
+    """Write the tokenizer of ``side_dir`` into ``writer``; returns the GGUF tokenizer model written. ``required``:
+    tokens the architecture's loader in llama.cpp looks up by text (a vocabulary without them is refused)."""
+    import gguf
+
+    path = side_dir / _TOKENIZER_JSON
+    if not path.is_file():
+        raise UserError(f"GGUF export needs the model's {_TOKENIZER_JSON} (the tokenizer travels inside a GGUF); "
+                        "none is in the checkpoint or folder")
+    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE * 4, follow=True)  # a cache folder's link
+    model = data.get("model") if isinstance(data, dict) else None
+    kind = model.get("type") if isinstance(model, dict) else None
+    added = {int(t["id"]): t for t in data.get("added_tokens") or [] if isinstance(t, dict) and "id" in t}
+    if kind == "BPE" and (model.get("byte_fallback") or _uses_metaspace(data)):
+        vocab = gguf.LlamaHfVocab(side_dir)
+        tokens, scores, types = [], [], []
+        for text, score, token_type in vocab.all_tokens():
+            tokens.append(text)
+            scores.append(score)
+            types.append(token_type)
+        _pad(tokens, types, n_vocab, scores)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(_prepends_space(data))
+        tokenizer_model = "llama"
+    elif kind in ("BPE", "WordLevel"):
+        tokens, types = _byte_level_tokens(model["vocab"], added, model.get("unk_token"), kind, path)
+        _pad(tokens, types, n_vocab)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []] if kind == "BPE" else []
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_pre_tokenizer_name(data) if kind == "BPE" else "default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        if merges:
+            writer.add_token_merges(merges)
+        else:  # llama.cpp requires the key; the gguf library skips empty lists
+            writer.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY,
+                                 sub_type=gguf.GGUFValueType.STRING)
+        tokenizer_model = "gpt2"
+    else:
+        raise UserError(f"GGUF export: the {kind or 'unknown'} tokenizer of {path} is not exported yet (byte-level "
+                        "BPE, sentencepiece-style BPE and single-character word-level tokenizers are)")
+    names = {t.decode("utf-8", "replace") if isinstance(t, bytes) else t for t in tokens}
+    missing = [t for t in required if t not in names]
+    if missing:
+        raise UserError(f"GGUF export: llama.cpp loads this architecture only with the tokens {', '.join(required)} "
+                        f"in its vocabulary; the tokenizer lacks {', '.join(missing)}")
+    quiet = logging.getLogger("gguf.vocab")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its notes on pair templates and the like are not the user's concern
+    try:
+        special = gguf.SpecialVocab(side_dir, load_merges=False, n_vocab=n_vocab)
+    finally:
+        quiet.setLevel(level)
+    special.add_to_gguf(writer, quiet=True)
+    return tokenizer_model
+
+
+def _byte_level_tokens(vocab: dict[str, int], added: dict[int, dict[str, Any]], unk: str | None, kind: str,
+                       path: Path) -> tuple[list[str], list[int]]:
+    """Tokens in id order spelled in GPT-2's byte alphabet, and their GGUF types."""
+    from gguf import TokenType
+    from gguf.vocab import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    by_id = {int(i): t for t, i in vocab.items()}
+    by_id.update({i: t["content"] for i, t in added.items()})
+    size = max(by_id) + 1 if by_id else 0
+    tokens, types = [], []
+    for i in range(size):
+        text = by_id.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+            continue
+        if i in added:
+            tokens.append(text)
+            types.append(TokenType.CONTROL if added[i].get("special") else TokenType.USER_DEFINED)
+            continue
+        if kind == "WordLevel":
+            if len(text) != 1 and text != unk:
+                raise UserError(f"GGUF export: the word-level tokenizer of {path} has the multi-character token "
+                                f"{text!r}; only single-character word-level vocabularies are exported")
+            text = text if text == unk else "".join(spelling[b] for b in text.encode("utf-8"))
+        elif not set(text) <= alphabet:
+            raise UserError(f"GGUF export: the BPE tokenizer of {path} is not byte-level (token {text!r})")
+        tokens.append(text)
+        types.append(TokenType.UNKNOWN if text == unk else TokenType.NORMAL)
+    return tokens, types
+
+
+def _pad(tokens: list[Any], types: list[int], n_vocab: int, scores: list[float] | None = None) -> None:
+    """Rows of the embedding past the tokenizer's last token get placeholder tokens, as llama.cpp's converter does."""
+    from gguf import TokenType
+
+    if len(tokens) > n_vocab:
+        raise UserError(f"GGUF export: the tokenizer has {len(tokens)} tokens but the model's embedding only "
+                        f"{n_vocab} rows")
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"[PAD{i}]")
+        types.append(TokenType.UNUSED)
+        if scores is not None:
+            scores.append(-1000.0)
+
+
+def _uses_metaspace(data: dict[str, Any]) -> bool:
+    return "Metaspace" in repr(data.get("pre_tokenizer")) or "Metaspace" in repr(data.get("decoder"))
+
+
+def _prepends_space(data: dict[str, Any]) -> bool:
+    text = repr(data.get("normalizer")) + repr(data.get("pre_tokenizer"))
+    return "Prepend" in text or "'prepend_scheme': 'first'" in text or "'prepend_scheme': 'always'" in text
+
+
+def _pre_tokenizer_name(data: dict[str, Any]) -> str:
+    """llama.cpp's name of the pre-tokenizer of a byte-level BPE, found from its split expression."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    found = re.findall(r"'Regex': '((?:[^'\\]|\\.)*)'", repr(data.get("pre_tokenizer")))
+    pattern = None
+    pre = data.get("pre_tokenizer") or {}
+    for item in [pre, *(pre.get("pretokenizers") or [])]:
+        if isinstance(item, dict) and isinstance(item.get("pattern"), dict) and "Regex" in item["pattern"]:
+            pattern = item["pattern"]["Regex"]
+            break
+    if pattern is None:
+        return "gpt-2" if "ByteLevel" in repr(pre) and not found else "default"
+    preferred = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
+    for name in preferred + tuple(GGUF_PRE_TOKENIZER_SPLITS):
+        if GGUF_PRE_TOKENIZER_SPLITS.get(name) == pattern:
+            return name
+    raise UserError("GGUF export: the byte-level tokenizer splits text with an expression llama.cpp does not "
+                    "name; it would tokenize differently there")

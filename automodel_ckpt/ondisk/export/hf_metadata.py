@@ -1,0 +1,232 @@
+"""The hidden ``model/.hf_metadata/`` folder: what a Hugging Face export needs besides the weights.
+
+A training checkpoint stores weights as DCP shards in the dtype they were trained in. Turning them back into a
+Hugging Face folder later (possibly on another machine, without the base model) needs the model config, the
+generation config, the tokenizer, and, to be faithful to the base model, each tensor's original dtype and the
+file it lived in. All of that is captured here at save time. Only safetensors *headers* of the base model are
+read, never its tensors, so this is cheap even for very large models.
+
+```
+model/.hf_metadata/
+  config.json  generation_config.json  tokenizer files ...
+  original_tensors.json   {"format_version": 1, "num_files": F, "files": [...],
+                           "tensors": {fqn: {"dtype": "BF16", "shape": [...], "file": K}}}   (base from an HF folder)
+  saved_state.json        {"format_version": 1, "world_size": N,           number of ranks that wrote the shards
+                           "tensors": {fqn: {"dtype": "F32", "shape": [...]}} or null}
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk import bounded, layout, paths
+from automodel_ckpt.ondisk.formats.safetensors_io import read_header, st_dtype_name, tensor_entries
+from automodel_ckpt.ondisk.durable import copy_regular, remove_tree
+from automodel_ckpt.errors import CheckpointError, first_line
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# Files of .hf_metadata that describe tensors; everything else is copied verbatim into an export.
+_TENSOR_INFO_FILES = (layout.ORIGINAL_TENSORS_FILE, layout.SAVED_STATE_FILE)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's dtype (safetensors name, e.g. ``"BF16"``), full shape and, for base tensors, its file (1-based)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    file: int | None = None
+
+
+@dataclass
+class HFMetadata:
+    """Contents of ``.hf_metadata``; ``original`` is None when the base model was built from a config."""
+
+    folder: Path
+    config: dict[str, Any] | None
+    original: dict[str, TensorInfo] | None = None
+    original_num_files: int | None = None
+    saved: dict[str, TensorInfo] | None = None
+    """Full shape and dtype of every saved tensor, when the state dict was given at save time."""
+    saved_world_size: int | None = None
+    """Number of ranks that wrote the shards: each must have left its shard file."""
+    extra_files: list[Path] = field(default_factory=list)
+    """Files copied verbatim into an export: generation config, tokenizer files, chat template, ..."""
+
+
+def write_hf_metadata(
+    model_dir: Path,
+    *,
+    hf_config: Any,
+    generation_config: Any = None,
+    tokenizer: Any = None,
+    base_model_path: Path | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Write ``model_dir/.hf_metadata/`` (replacing an existing one).
+
+    ``hf_config``/``generation_config`` are transformers config objects (or plain dicts); ``tokenizer`` is
+    anything with ``save_pretrained``. Without a tokenizer or generation config, the base folder's own files are
+    copied.
+
+    A missing *last* shard file is invisible in the other shards (they only say where their own pieces go), so
+    the number of saving ranks is recorded: ``world_size``, by default that of the initialised process group.
+    ``state_dict`` (the model state as given to DCP, DTensors allowed), if given, also records every tensor's
+    full shape and dtype, which makes the coverage check exact.
+    """
+    model_dir = Path(model_dir)
+    folder = layout.hf_metadata_dir(model_dir)
+    remove_tree(folder)
+    folder.mkdir(parents=True)
+    if hf_config is not None:
+        _save_config(hf_config, folder, layout.HF_CONFIG)
+    else:
+        logger.warning("no model config given; an export of %s will lack %s", model_dir, layout.HF_CONFIG)
+    base = Path(base_model_path) if base_model_path is not None else None
+    if base is not None and not base.is_dir():
+        logger.info("base model path %s is not a local folder; no original tensor information recorded", base)
+        base = None
+    if generation_config is not None:
+        _save_config(generation_config, folder, layout.HF_GENERATION_CONFIG)
+    elif base is not None and (base / layout.HF_GENERATION_CONFIG).is_file():
+        _copy_from_base(base / layout.HF_GENERATION_CONFIG, folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    elif base is not None:
+        for name in layout.HF_TOKENIZER_FILES:
+            if (base / name).is_file():
+                _copy_from_base(base / name, folder)
+    if base is not None:
+        original = _original_tensors(base)
+        if original is not None:
+            _write_json(folder / layout.ORIGINAL_TENSORS_FILE, original)
+    if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size = torch.distributed.get_world_size()
+    saved = None
+    if state_dict is not None:
+        saved = {
+            name: {"dtype": st_dtype_name(t.dtype), "shape": list(t.shape)}
+            for name, t in state_dict.items()
+            if isinstance(t, torch.Tensor)
+        }
+    state = {"format_version": FORMAT_VERSION, "world_size": world_size, "tensors": saved}
+    _write_json(folder / layout.SAVED_STATE_FILE, state)
+
+
+def read_hf_metadata(model_dir: Path) -> HFMetadata:
+    """Read ``model_dir/.hf_metadata``; a missing folder is a CheckpointError."""
+    folder = layout.hf_metadata_dir(Path(model_dir))
+    if folder.is_symlink():
+        raise CheckpointError(f"'{folder}' is a symlink, not a folder; folders inside a checkpoint are never "
+                              "followed as links")
+    if not folder.is_dir():
+        raise CheckpointError(f"no {layout.HF_METADATA_DIR} folder in {model_dir}")
+    config_path = folder / layout.HF_CONFIG
+    config = _read_json(config_path) if os.path.lexists(config_path) else None
+    meta = HFMetadata(folder=folder, config=config)
+    if config is not None and not isinstance(config, dict):
+        raise CheckpointError(f"damaged {config_path}: not a JSON object")
+    original_path = folder / layout.ORIGINAL_TENSORS_FILE
+    saved_path = folder / layout.SAVED_STATE_FILE
+    try:
+        if os.path.lexists(original_path):
+            data = _read_json(original_path)
+            meta.original = {name: _tensor_info(name, v, original_path) for name, v in data["tensors"].items()}
+            meta.original_num_files = bounded.count(data["num_files"], str(original_path), "num_files",
+                                                    max(1, len(meta.original)))
+        if os.path.lexists(saved_path):
+            data = _read_json(saved_path)
+            if data.get("tensors") is not None:
+                meta.saved = {name: _tensor_info(name, v, saved_path) for name, v in data["tensors"].items()}
+            if data.get("world_size"):
+                meta.saved_world_size = bounded.count(data["world_size"], str(saved_path), "world_size",
+                                                      bounded.MAX_WORLD_SIZE)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"damaged {folder}: {layout.ORIGINAL_TENSORS_FILE} or {layout.SAVED_STATE_FILE} "
+                              "lacks its 'tensors' table") from None
+    meta.extra_files = _side_files(folder)
+    return meta
+
+
+def _side_files(folder: Path) -> list[Path]:
+    """The files of ``.hf_metadata`` an export copies: regular files only (subfolders are not copied); a symlink,
+    FIFO, socket or device there is refused in one line, never followed or read."""
+    skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
+    passed: list[tuple[str, str]] = []
+    files = [folder / rel for rel, _ in paths.walk_regular(folder, passed) if "/" not in rel and rel not in skip]
+    passed = [(rel, why) for rel, why in passed if "/" not in rel]
+    if passed:
+        rel, why = passed[0]
+        raise CheckpointError(f"'{folder / rel}' is {why}; an export copies only regular files from "
+                              f"{layout.HF_METADATA_DIR}: replace it with the file itself or remove it")
+    return files
+
+
+def _copy_from_base(source: Path, folder: Path) -> None:
+    """Copy a side file of the base model folder the recipe names (a Hugging Face cache folder is made of links
+    into its blobs: followed) into ``folder``; a FIFO or device there is refused (``CheckpointError``)."""
+    try:
+        copy_regular(source, folder / source.name, follow=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot copy '{source}' from the base model folder: {first_line(exc)}") from None
+
+
+def _original_tensors(base: Path) -> dict[str, Any] | None:
+    """Per-tensor dtype, shape and file number of a base HF folder, from its index and safetensors headers."""
+    index_path = base / layout.HF_INDEX
+    if index_path.is_file():
+        weight_map: dict[str, str] = _read_json(index_path, follow=True)["weight_map"]
+        files = sorted({paths.check(f, f"'{index_path}'") for f in weight_map.values()})
+    elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
+        files = [layout.HF_SINGLE_WEIGHTS]
+    else:
+        logger.info("base model %s has no safetensors weights; no original tensor information recorded", base)
+        return None
+    tensors: dict[str, dict[str, Any]] = {}
+    for number, name in enumerate(files, start=1):
+        header, _ = read_header(base / name)
+        for fqn, entry in tensor_entries(header).items():
+            tensors[fqn] = {"dtype": entry["dtype"], "shape": list(entry["shape"]), "file": number}
+    return {"format_version": FORMAT_VERSION, "num_files": len(files), "files": files, "tensors": tensors}
+
+
+def _tensor_info(name: str, value: Mapping[str, Any], source: Path) -> TensorInfo:
+    try:
+        file = value.get("file")
+        return TensorInfo(str(value["dtype"]), tuple(int(d) for d in value["shape"]), int(file) if file else None)
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"damaged {source}: bad entry for '{name}'") from None
+
+
+def _save_config(config: Any, folder: Path, filename: str) -> None:
+    if isinstance(config, Mapping):
+        _write_json(folder / filename, dict(config))
+    elif hasattr(config, "to_json_file"):
+        config.to_json_file(str(folder / filename))
+    else:
+        raise TypeError(f"expected a transformers config or a dict for {filename}, got {type(config).__name__}")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _read_json(path: Path, *, follow: bool = False) -> Any:
+    """JSON of a file of a checkpoint (never through a link), or with ``follow`` of the base folder the recipe
+    names."""
+    try:
+        return bounded.read_json(path, "export metadata", bounded.INDEX_FILE, follow=follow)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None

@@ -1,0 +1,65 @@
+"""Static activation scales for an int8 export: the largest input each quantized projection sees on given examples.
+
+``--calibrate N`` runs the model on N examples of the recipe's validation data (the CLI turns them into token ids;
+nothing here reads data) and records, for every linear projection the export quantizes, the largest absolute value
+of its input. The ``compressed-tensors`` library turns that range into the projection's ``input_scale``
+(``calculate_qparams``, symmetric int8, one scale per tensor), which vLLM then uses instead of computing a scale for
+every token. Unlike the export itself this holds the whole model in memory (built from its config, then given the
+source's tensors), once, for the forward passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk.export.model_source import ModelSource
+from automodel_ckpt.errors import UserError
+
+__all__ = ["input_ranges"]
+
+
+def input_ranges(source: ModelSource, weights: list[str], examples: list[list[int]]) -> dict[str, float]:
+    """``{weight name: largest |input| of its projection}`` over ``examples`` (token ids, one list per example)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not examples:
+        raise UserError("--calibrate: no examples to calibrate with (the recipe's validation data is empty)")
+    config = AutoConfig.from_pretrained(source.side_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # its buffers (rotary) computed here
+    state = {name: source.read(name).to(torch.float32) for name in source.shapes}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    if unexpected or any(not name.endswith("lm_head.weight") for name in missing):
+        raise UserError(f"--calibrate: the model does not take the export's tensors ({(unexpected or missing)[0]})")
+    ranges: dict[str, float] = {name: 0.0 for name in weights}
+    hooks = []
+    for name, module in model.named_modules():
+        key = f"{name}.weight"
+        if key in ranges:
+            hooks.append(module.register_forward_pre_hook(_recorder(ranges, key)))
+    model.eval()
+    try:
+        with torch.no_grad():
+            for ids in examples:
+                model(torch.tensor([ids], dtype=torch.long))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ranges
+
+
+def _recorder(ranges: dict[str, float], key: str) -> Any:
+    def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        ranges[key] = max(ranges[key], float(args[0].detach().abs().max()))
+    return record
+
+
+def input_scale(largest: float, args: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The library's scale for inputs in ``[-largest, largest]`` (``args``: the scheme's input activations)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    bound = torch.tensor([max(largest, 1e-8)])
+    scale, _ = calculate_qparams(-bound, bound, args)
+    return scale.reshape(1).to(dtype)

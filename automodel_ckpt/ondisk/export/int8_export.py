@@ -1,0 +1,279 @@
+"""`export --to int8`: a compressed-tensors folder that vLLM serves (W8A8 int8, or W4A16), streamed tensor by tensor.
+
+The scheme, the config block (``quantization_config``) and the encoding of every quantized weight are the
+``compressed-tensors`` library's: its presets (``W8A8``: int8 weights per output channel, int8 activations with
+dynamic per-token scales, or static per-tensor ones from ``--calibrate N`` examples (``int8_calibrate``);
+``W4A16``: int4 weights in groups), its ``calculate_qparams`` for the scales from each row's range (round to
+nearest), and its compressors (``int-quantized``: an int8 ``weight`` and its ``weight_scale``; ``pack-quantized``:
+int4 packed into int32 ``weight_packed``, ``weight_scale``, ``weight_shape``).
+Every linear projection of the decoder layers is quantized; the embeddings, ``lm_head``, norms and biases keep the
+base's dtype. Each weight is read, quantized and written before the next one: memory is bounded by the largest
+tensor. The safetensors files are laid out from the plan (header first, then each tensor at its offset), written
+under a hidden name beside ``out`` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.durable import copy_regular, fsync_dir, replace_folder
+from automodel_ckpt.ondisk.export.model_source import ModelSource
+from automodel_ckpt.ondisk.formats.safetensors_io import encode_header, layout_order, pwrite_all, st_dtype_name
+from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.sizes import human_size
+
+__all__ = ["INT8_FAMILIES", "SCHEMES", "Int8Plan", "plan_int8", "write_int8"]
+
+#: ``--scheme`` -> (compressed-tensors preset, its format).
+SCHEMES = {"w8a8": ("W8A8", "int-quantized"), "w4a16": ("W4A16", "pack-quantized")}
+#: Families whose linear projections are plain ``nn.Linear`` modules named as vLLM loads them.
+INT8_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight$")
+_MAX_FILE = 5 * 2**30
+
+
+@dataclass
+class Int8Plan:
+    """Every output tensor (name, dtype, shape) with the source it comes from, file by file."""
+
+    scheme_name: str
+    scheme: Any  # compressed_tensors.quantization.QuantizationScheme
+    quantized: list[str]
+    kept: list[str]
+    files: list[list[tuple[str, torch.dtype, tuple[int, ...], str]]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    calibration: list[list[int]] = field(default_factory=list)  # token ids: static activation scales from these
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(shape) * dtype.itemsize for f in self.files for _, dtype, shape, _ in f)
+
+    def describe(self, source: ModelSource) -> str:
+        activations = (f", static activation scales from {len(self.calibration)} examples" if self.calibration
+                       else "")
+        return (f"int8 {self.scheme_name} of a {source.config.get('model_type')} model (compressed-tensors "
+                f"{SCHEMES[self.scheme_name][1]}{activations}): {len(self.quantized)} linear weights quantized, "
+                f"{len(self.kept)} tensors kept in their dtype, {human_size(self.nbytes)} in {len(self.files)} "
+                f"file(s) from {human_size(source.nbytes)} read")
+
+
+def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]] | None = None) -> Int8Plan:
+    """The plan for ``source`` in ``scheme_name``; an unknown family or scheme is refused before any work. With
+    ``calibration`` (token ids of examples), w8a8's activations get static per-tensor scales from them."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
+                                                 preset_name_to_scheme)
+
+    if scheme_name not in SCHEMES:
+        raise UserError(f"unknown int8 scheme '{scheme_name}'; use one of {', '.join(SCHEMES)}")
+    if calibration is not None and scheme_name != "w8a8":
+        raise UserError(f"--calibrate: {scheme_name} does not quantize activations; calibration applies to w8a8")
+    model_type = str(source.config.get("model_type"))
+    if model_type not in INT8_FAMILIES:
+        raise UserError(f"int8 export does not know the model family '{model_type}'; it exports "
+                        f"{', '.join(INT8_FAMILIES)} (use --to gguf, or the Hugging Face export, for this model)")
+    preset, fmt = SCHEMES[scheme_name]
+    scheme = preset_name_to_scheme(preset, targets=["Linear"])
+    if calibration is not None:
+        scheme.input_activations = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",
+                                                    dynamic=False)
+    quantized = sorted(n for n in source.shapes if _PROJECTION.match(n) and len(source.shapes[n]) == 2)
+    if scheme.weights.strategy == "group":
+        scheme.weights.group_size = _group_size([source.shapes[n][1] for n in quantized], scheme.weights.group_size)
+    kept = sorted(set(source.shapes) - set(quantized))
+    outputs: list[tuple[str, torch.dtype, tuple[int, ...], str]] = []
+    for name in quantized:
+        outputs += _compressed_entries(name, source.shapes[name], source.dtypes[name], scheme)
+        if calibration is not None:
+            outputs.append((name.removesuffix(".weight") + ".input_scale", source.dtypes[name], (1,), name))
+    outputs += [(n, source.dtypes[n], source.shapes[n], n) for n in kept]
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+                                quantization_status=QuantizationStatus.COMPRESSED).to_dict()
+    return Int8Plan(scheme_name, scheme, quantized, kept, _split(outputs), config, list(calibration or []))
+
+
+def _group_size(in_features: list[int], preferred: int) -> int:
+    """The preset's group size, or the largest power of two below it that divides every projection's input width."""
+    size = preferred
+    while size >= 16:
+        if all(n % size == 0 for n in in_features):
+            return size
+        size //= 2
+    raise UserError("int8 w4a16: the model's projection widths share no group size of 16 or more; use w8a8")
+
+
+def _compressed_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                        scheme: Any) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
+    """The tensors the library's compressor makes of one weight (shapes from a meta run of it)."""
+    stem = name.removesuffix(".weight")
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    scale = torch.empty(_scale_shape(shape, scheme), dtype=dtype, device="meta")
+    compressed = _compressor(scheme).compress({"weight": meta, "weight_scale": scale}, scheme)
+    out = []
+    for key, value in compressed.items():
+        if key == "weight_shape":
+            out.append((f"{stem}.{key}", torch.int64, (len(shape),), name))
+        else:
+            out.append((f"{stem}.{key}", value.dtype, tuple(value.shape), name))
+    return out
+
+
+def _scale_shape(shape: tuple[int, ...], scheme: Any) -> tuple[int, ...]:
+    if scheme.weights.strategy == "group":
+        return (shape[0], shape[1] // scheme.weights.group_size)
+    return (shape[0], 1)
+
+
+def _compressor(scheme: Any) -> Any:
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    return PackedQuantizationCompressor if scheme.weights.num_bits == 4 else IntQuantizationCompressor
+
+
+def quantize_weight(weight: torch.Tensor, scheme: Any) -> dict[str, torch.Tensor]:
+    """One weight compressed by the library: scales from each row's (or group's) range, stored in the weight's
+    dtype and used as stored, so dequantizing the file gives what was quantized."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = weight.to(torch.float32)
+    rows = w.reshape(w.shape[0], -1, scheme.weights.group_size) if scheme.weights.strategy == "group" else \
+        w.reshape(w.shape[0], 1, -1)
+    scale, _ = calculate_qparams(rows.amin(dim=-1), rows.amax(dim=-1), scheme.weights)
+    scale = scale.to(weight.dtype)
+    state = {"weight": w, "weight_scale": scale.to(torch.float32)}
+    compressed = _compressor(scheme).compress(state, scheme)
+    compressed["weight_scale"] = scale
+    return compressed
+
+
+def _split(entries: list[tuple[str, torch.dtype, tuple[int, ...], str]]) -> list[list[Any]]:
+    """Files of at most ``_MAX_FILE`` bytes (one tensor more where one alone is larger); the tensors made of one
+    weight always share a file."""
+    groups: dict[str, list[Any]] = {}
+    for entry in entries:
+        groups.setdefault(entry[3], []).append(entry)
+    files: list[list[Any]] = [[]]
+    size = 0
+    for group in groups.values():
+        n = sum(_numel(e[2]) * e[1].itemsize for e in group)
+        if files[-1] and size + n > _MAX_FILE:
+            files.append([])
+            size = 0
+        files[-1].extend(group)
+        size += n
+    return files
+
+
+def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Write ``plan`` of ``source`` as a folder at ``out`` (replacing an earlier one); returns bytes and seconds."""
+    from automodel_ckpt.ondisk.export.plan import ProgressBar
+
+    out = Path(out)
+    if out.exists() and not (out / layout.HF_CONFIG).is_file():
+        raise UserError(f"output folder {out} exists and is not an earlier export; remove it or choose another")
+    start = time.perf_counter()
+    ranges: dict[str, float] = {}
+    if plan.calibration:
+        from automodel_ckpt.ondisk.export.int8_calibrate import input_ranges
+
+        ranges = input_ranges(source, plan.quantized, plan.calibration)
+    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp.mkdir(parents=True)
+    try:
+        names = [layout.HF_SINGLE_WEIGHTS] if len(plan.files) == 1 else \
+            [layout.hf_weights_file(k + 1, len(plan.files)) for k in range(len(plan.files))]
+        with ProgressBar(plan.nbytes, progress, "writing int8") as advance:
+            for name, entries in zip(names, plan.files):
+                _write_file(tmp / name, entries, source, plan.scheme, advance, ranges)
+        if len(names) > 1:
+            weight_map = {e[0]: n for n, f in zip(names, plan.files) for e in f}
+            index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / layout.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        _side_files(source, plan, tmp)
+        replace_folder(tmp, out, layout.export_old_name(out.name, secrets.token_hex(4)))
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return {"bytes": total, "seconds": time.perf_counter() - start}
+
+
+def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any, advance: Any,
+                ranges: dict[str, float]) -> None:
+    by_key = {(e[0], st_dtype_name(e[1])): e for e in entries}
+    ordered = [by_key[k] for k in layout_order(list(by_key))]
+    header = encode_header([(n, st_dtype_name(d), s, _numel(s) * d.itemsize) for n, d, s, _ in ordered],
+                           {"format": "pt"})
+    offsets, at = {}, len(header)
+    for n, d, s, _ in ordered:
+        offsets[n] = at
+        at += _numel(s) * d.itemsize
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, at)
+        pwrite_all(fd, header, 0)
+        done: set[str] = set()
+        for n, dtype, shape, src in ordered:
+            if src in done or n in done:
+                continue
+            if n == src:  # kept as it is
+                _put(fd, offsets[n], source.read(src), dtype, shape, n)
+                done.add(n)
+                advance(_numel(shape) * dtype.itemsize)
+                continue
+            compressed = quantize_weight(source.read(src), scheme)  # every tensor made of this weight, at once
+            if src in ranges:
+                from automodel_ckpt.ondisk.export.int8_calibrate import input_scale
+
+                compressed["input_scale"] = input_scale(ranges[src], scheme.input_activations, source.dtypes[src])
+            stem = src.removesuffix(".weight")
+            for key, value in compressed.items():
+                name = f"{stem}.{key}"
+                entry = next(e for e in ordered if e[0] == name)
+                _put(fd, offsets[name], value, entry[1], entry[2], name)
+                advance(_numel(entry[2]) * entry[1].itemsize)
+                done.add(name)
+            done.add(src)
+        os.fsync(fd)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _put(fd: int, offset: int, value: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> None:
+    value = value.to(dtype).contiguous()
+    if tuple(value.shape) != tuple(shape):
+        raise CheckpointError(f"int8 export: '{name}' came out with shape {tuple(value.shape)}, planned {shape}")
+    flat = value.reshape(-1)
+    if flat.numel():
+        pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), offset)
+
+
+def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
+    """config.json with its ``quantization_config``; the generation config and tokenizer files as they are."""
+    config = dict(source.config)
+    config["quantization_config"] = plan.config
+    (folder / layout.HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in (layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
+        if (source.side_dir / name).is_file():  # a cache folder's links are followed; a FIFO or device is refused
+            copy_regular(source.side_dir / name, folder / name, follow=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,249 @@
+"""Fold a PEFT checkpoint's LoRA adapter into its base, as a full Hugging Face model.
+
+The base named in ``adapter_config.json`` is loaded in float32, the adapter applied with PEFT and merged
+(``merge_and_unload``: W + scale * B @ A), and every tensor is cast back to the dtype it has in the base's own
+safetensors files (bf16 for the embedded base), so the merged folder is as large and as loadable as the base.
+``save_pretrained`` writes it in the family's on-disk layout (experts per expert, tied weights once).
+The folder is written under a hidden temporary name and renamed into place when complete; inside a checkpoint,
+the checkpoint's manifest is updated to list the new files.
+
+The adapter folder is untrusted: its files are read, and its tokenizer files copied, only as regular files reached
+without following a link (a symlink, FIFO or device there is refused in one line: the merged folder needs them).
+The base folder may be a Hugging Face cache snapshot, made of links into its repository's ``blobs/``: named with
+``--base``, its links are followed; named by ``adapter_config.json``, only links that stay inside that repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk import bounded, layout, manifest, paths
+from automodel_ckpt.ondisk.formats.family import auto_model_class, in_memory_dtypes
+from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
+from automodel_ckpt.ondisk.durable import copy_regular, replace_folder
+from automodel_ckpt.errors import CheckpointError, first_line
+
+
+def adapter_folder(path: Path) -> Path:
+    """The PEFT adapter folder of a checkpoint (``CHECKPOINT/model``) or the folder itself."""
+    path = Path(path)
+    for candidate in (path / layout.MODEL_DIR, path):
+        if candidate is not path and candidate.is_symlink():
+            raise CheckpointError(f"'{candidate}' is a symlink, not a folder; folders inside a checkpoint are never "
+                                  "followed as links")
+        if os.path.lexists(candidate / layout.ADAPTER_CONFIG):
+            return candidate
+    if not path.exists():
+        raise CheckpointError(f"'{path}' not found")
+    raise CheckpointError(f"'{path}' holds no {layout.ADAPTER_CONFIG}: not a PEFT checkpoint "
+                          "(full fine-tuning checkpoints are exported with `ckpt-train consolidate`)")
+
+
+def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
+    """The local base model folder: ``override``, else ``base_model_name_or_path`` of ``adapter_config.json``."""
+    config = None
+    if override is None:
+        try:
+            config = bounded.read_json(adapter_dir / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {adapter_dir / layout.ADAPTER_CONFIG}: {first_line(exc)}") from None
+    return _base_folder(config, str(adapter_dir / layout.ADAPTER_CONFIG), override)
+
+
+def _base_folder(config: Any, where: str, override: Path | None) -> Path:
+    """``override``, else the folder an adapter config (read from ``where``) names; it must hold a config."""
+    if override is not None:
+        base = Path(override)
+    else:
+        name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        if not name:
+            raise CheckpointError(f"{where} names no base model; pass --base DIR")
+        base = Path(name)
+    if not (base / layout.HF_CONFIG).is_file():
+        raise CheckpointError(f"base model folder '{base}' not found (or it has no {layout.HF_CONFIG}); "
+                              "pass --base DIR with the base model the adapter was trained on")
+    return base
+
+
+def original_dtypes(base: Path) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
+    index = base / layout.HF_INDEX
+    if index.is_file():
+        weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE, follow=True)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"'{index}' has no 'weight_map' table")
+        files = sorted({paths.check(f, f"'{index}'") for f in weight_map.values()})
+    elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
+        files = [layout.HF_SINGLE_WEIGHTS]
+    else:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for name in files:
+        header, _ = read_header(base / name)
+        for fqn, entry in tensor_entries(header).items():
+            if entry["dtype"] in ST_TO_TORCH:
+                out[fqn] = ST_TO_TORCH[entry["dtype"]]
+    return out
+
+
+def merged_model(adapter_dir: Path, base: Path) -> Any:
+    """Base + adapter merged in float32, then cast tensor by tensor to the base's stored dtypes."""
+    from peft import PeftModel
+
+    model = auto_model_class(base).from_pretrained(str(base), dtype=torch.float32)
+    return _stored_dtypes(PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload(), base)
+
+
+def _merged_from_archive(config: dict[str, Any], weights: dict[str, torch.Tensor], base: Path) -> Any:
+    """Base + an archived adapter (its config and tensors, read in place) merged, as ``merged_model``."""
+    from peft import PeftConfig, PeftModel, set_peft_model_state_dict
+
+    model = auto_model_class(base).from_pretrained(str(base), dtype=torch.float32)
+    peft_model = PeftModel(model, PeftConfig.from_peft_type(**config))
+    result = set_peft_model_state_dict(peft_model, weights)
+    if getattr(result, "unexpected_keys", None):
+        raise CheckpointError(f"the archived adapter holds tensors the model has no place for (e.g. "
+                              f"'{result.unexpected_keys[0]}'): another base model? pass --base DIR")
+    return _stored_dtypes(peft_model.merge_and_unload(), base)
+
+
+def _stored_dtypes(merged: Any, base: Path) -> Any:
+    """Every tensor of ``merged`` cast to the dtype it has in the base's own files."""
+    dtypes = in_memory_dtypes(merged, original_dtypes(base))  # on-disk names -> the model's in-memory names
+    with torch.no_grad():
+        for name, tensor in list(merged.named_parameters()) + list(merged.named_buffers()):
+            want = dtypes.get(name)
+            if want is not None and tensor.is_floating_point() and tensor.dtype != want:
+                tensor.data = tensor.data.to(want)
+    stored = {d for d in dtypes.values() if d.is_floating_point}
+    if len(stored) == 1:
+        merged.config.dtype = next(iter(stored))
+    return merged
+
+
+def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = None) -> Path:
+    """Write the merged model of a PEFT checkpoint to ``out`` (default ``CHECKPOINT/model/merged``); an archived
+    adapter (``ckpt-train pack``) is read in place (default ``out``: ``NAME-merged`` beside ``NAME.tar``)."""
+    from automodel_ckpt.ondisk.export.archive import is_archive
+
+    if is_archive(Path(checkpoint)):
+        return _merge_archive(Path(checkpoint), out, base)
+    adapter_dir = adapter_folder(checkpoint)
+    for name in (layout.ADAPTER_CONFIG, layout.ADAPTER_WEIGHTS, layout.ADAPTER_WEIGHTS_PICKLE):
+        _refuse_unless_regular(adapter_dir / name, "the adapter folder")  # before they are read
+    base_dir = base_model_folder(adapter_dir, base)
+    out = Path(out) if out is not None else adapter_dir / layout.MERGED_DIR
+    own_tokenizer = os.path.lexists(adapter_dir / layout.HF_TOKENIZER_CONFIG)
+    side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
+                             within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
+    _write_merged(merged_model(adapter_dir, base_dir), out, side_files, {})
+    manifest.add_files(out)  # no-op outside a checkpoint
+    return out
+
+
+def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> Path:
+    """``merge_lora`` of an archived adapter: its config, tensors and tokenizer files read from the archive."""
+    from safetensors.torch import load as load_safetensors
+
+    from automodel_ckpt.ondisk.export.archive import open_archive
+
+    with open_archive(archive_path) as archive:
+        if layout.ADAPTER_CONFIG not in archive.members or layout.ADAPTER_WEIGHTS not in archive.members:
+            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({layout.ADAPTER_CONFIG} and "
+                                  f"{layout.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
+        config = archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+        archive.safetensors_header(layout.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
+        size = archive.member(layout.ADAPTER_WEIGHTS).size
+        weights = load_safetensors(archive.read(layout.ADAPTER_WEIGHTS, "adapter weights", size))
+        tokenizer = {name: archive.read(name, "a tokenizer file", archive.member(name).size)
+                     for name in layout.HF_TOKENIZER_FILES if name in archive.members}
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{layout.ADAPTER_CONFIG} of the archive '{archive_path}' is not a JSON object")
+    base_dir = _base_folder(config, f"{layout.ADAPTER_CONFIG} of the archive '{archive_path}'", base)
+    side_files = [] if tokenizer else _side_files(base_dir, follow=True,
+                                                  within=None if base is not None else _cache_repo(base_dir))
+    name = archive_path.name.removesuffix(layout.ARCHIVE_SUFFIX)
+    out = Path(out) if out is not None else archive_path.parent / f"{name}-merged"
+    _write_merged(_merged_from_archive(config, weights, base_dir), out, side_files, tokenizer)
+    return out
+
+
+def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], side_bytes: dict[str, bytes]) -> None:
+    """The merged model and its tokenizer files (copied, or given as bytes) as ``out``, swapped in when complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    try:
+        model.save_pretrained(str(tmp))
+        _fix_config_dtype(tmp / layout.HF_CONFIG, model.config.dtype)
+        for weights in tmp.glob("*.safetensors"):  # written owner-only; as readable as the other files
+            shutil.copymode(tmp / layout.HF_CONFIG, weights)
+        for source, follow in side_files:
+            try:
+                copy_regular(source, tmp / source.name, follow=follow)
+            except OSError as exc:
+                raise CheckpointError(f"cannot copy '{source}' into the merged folder: {first_line(exc)}") from None
+        for name, data in side_bytes.items():
+            (tmp / name).write_bytes(data)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _refuse_unless_regular(path: Path, where: str) -> None:
+    """A ``CheckpointError`` (one line) when ``path`` exists and is a symlink, FIFO, device or folder."""
+    try:
+        why = paths.regular_file_problem(path)
+    except FileNotFoundError:
+        return
+    if why is not None:
+        raise CheckpointError(f"'{path}' is {why}; files of {where} are read only as regular files, never through "
+                              "a link: replace it with the file itself")
+
+
+def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tuple[Path, bool]]:
+    """The tokenizer files of ``source`` to copy into the merged folder, checked before the merge starts: an
+    adapter's must be regular files (``follow`` False); a base folder's may be links (``follow``), which with
+    ``within`` must resolve to a regular file below it."""
+    found = []
+    for name in layout.HF_TOKENIZER_FILES:
+        path = source / name
+        if not os.path.lexists(path):
+            continue
+        if not follow:
+            _refuse_unless_regular(path, "the adapter folder")
+        elif within is not None and path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(within):
+            raise CheckpointError(f"'{path}' is a symlink leading out of the base model folder '{within}' named by "
+                                  f"{layout.ADAPTER_CONFIG}; pass --base DIR to use a base folder you trust")
+        found.append((path, follow))
+    return found
+
+
+def _cache_repo(base: Path) -> Path:
+    """The folder a base's links may lead into: a Hugging Face cache snapshot's repository (``models--org--name``,
+    whose ``blobs/`` its links name), else the base folder itself."""
+    real = Path(os.path.realpath(base))
+    return real.parent.parent if real.parent.name == "snapshots" else real
+
+
+def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
+    """``config.json``'s ``dtype`` is the stored one (save_pretrained may record another)."""
+    if not isinstance(dtype, torch.dtype):
+        return
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    name = str(dtype).removeprefix("torch.")
+    if data.get("dtype") != name:
+        data["dtype"] = name
+        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    replace_folder(tmp, out, layout.export_old_name(out.name, secrets.token_hex(4)))

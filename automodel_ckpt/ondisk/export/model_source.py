@@ -1,0 +1,194 @@
+"""The model behind an export SRC (a checkpoint, a Hugging Face folder or an archive), read one tensor at a time.
+
+Quantized exports (GGUF, int8) start from the tensors ``save_pretrained`` would write, under their on-disk names.
+``open_model(src)`` gives them without writing a Hugging Face folder first: a checkpoint's tensors are read from
+its shards through the export's own plan (``plan.build_plan``: the family's on-disk layout, each tensor assembled
+from its pieces when asked for), a folder's and an archive's from their safetensors files by positioned reads. Only
+one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
+The small files (config, tokenizer, chat template) lie in ``side_dir``: the folder itself, or a private temporary
+folder holding copies (a checkpoint's ``.hf_metadata``, an archive's members). A LoRA checkpoint is merged into its
+base first (``merge_lora``, into that temporary folder): that step holds the model in memory, as `merge-lora` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk import bounded, layout, paths
+from automodel_ckpt.ondisk.durable import copy_regular
+from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, pread_into, read_header, tensor_entries
+from automodel_ckpt.errors import CheckpointError, UserError
+
+__all__ = ["ModelSource", "open_model"]
+
+
+@dataclass
+class ModelSource:
+    """A model's tensors by on-disk name (shape, dtype, and how to read it) and the folder of its small files."""
+
+    config: dict[str, Any]
+    side_dir: Path
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    kind: str = "export"
+    name: str = ""  # what the model is called (the SRC's name): a GGUF's general.name
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> None:
+        self.shapes[name], self.dtypes[name], self.readers[name] = tuple(shape), dtype, read
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name``, read now (the caller holds the only reference)."""
+        return self.readers[name]()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
+
+
+@contextmanager
+def open_model(src: Path) -> Iterator[ModelSource]:
+    """The model of ``src``: a checkpoint folder (``epoch_E_step_N`` or its ``model/``), a Hugging Face folder
+    (``config.json`` and safetensors files) or an archive written by ``ckpt-train pack``."""
+    src = Path(src)
+    with ExitStack() as stack:
+        if src.is_file():
+            source = _from_archive(src, stack)
+        elif not src.is_dir():
+            raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder or an archive")
+        elif (src / layout.HF_CONFIG).is_file() and any(src.glob("*.safetensors")):
+            source = _from_folder(src, src, stack)
+        else:
+            source = _from_checkpoint(src, stack)
+        source.name = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX)
+        yield source
+
+
+# --- a checkpoint ------------------------------------------------------------------------------------------------
+def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
+    from automodel_ckpt.ondisk.export.plan import build_plan, resolve_model_dir
+
+    model_dir = resolve_model_dir(src)
+    if (model_dir / layout.ADAPTER_CONFIG).is_file() or (src / layout.ADAPTER_CONFIG).is_file():
+        from automodel_ckpt.ondisk.export.merge_lora import merge_lora
+
+        tmp = _tmp_dir(stack)
+        merged = merge_lora(src, tmp / "merged")  # a LoRA checkpoint: its adapter merged into its base
+        source = _from_folder(merged, merged, stack)
+        source.kind = "LoRA checkpoint (merged)"
+        return source
+    plan = build_plan(model_dir, None, 1 << 62)
+    if plan.config is None:
+        raise CheckpointError(f"{model_dir} has no {layout.HF_METADATA_DIR} (no config.json): its family is unknown, "
+                              "so it cannot be exported to a quantized format")
+    side = _tmp_dir(stack)
+    (side / layout.HF_CONFIG).write_text(json.dumps(plan.config))
+    for path in plan.extra_files:
+        copy_regular(path, side / path.name)
+    source = ModelSource(plan.config, side, kind="checkpoint")
+    for f in plan.files:
+        for t in f.tensors:
+            # in the dtype the Hugging Face export gives it (the base's), so both make the same file
+            source.add(t.name, t.source.shape, t.dtype, lambda s=t.source, d=t.dtype: _assemble(s).to(d))
+    return source
+
+
+def _assemble(tensor: Any) -> torch.Tensor:
+    """A tensor of a checkpoint built from its shard pieces (a strided view of a saved tensor taken after)."""
+    from automodel_ckpt.ondisk.export.verify import read_full
+
+    if tensor.view is None:
+        return read_full(tensor)
+    full = read_full(replace(tensor, shape=tensor.base_shape, view=None, base_shape=None))
+    return full.as_strided(tensor.shape, tensor.view[1], tensor.view[0]).contiguous()
+
+
+# --- a Hugging Face folder ---------------------------------------------------------------------------------------
+def _from_folder(folder: Path, side: Path, stack: ExitStack) -> ModelSource:
+    # the folder the user named: its links are followed (a Hugging Face cache folder is links into its blobs)
+    config = bounded.read_json(folder / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE, follow=True)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{folder / layout.HF_CONFIG} is not a JSON object")
+    source = ModelSource(config, side)
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            fd = paths.open_regular(path, follow=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
+        stack.callback(os.close, fd)
+        header, data_start = read_header(path)
+        _add_entries(source, header, lambda at, n, fd=fd, path=path: _pread(fd, at, n, path), data_start, str(path))
+    return source
+
+
+def _add_entries(source: ModelSource, header: dict[str, Any], read: Callable[[int, int], bytearray], data_start: int,
+                 where: str) -> None:
+    for name, entry in tensor_entries(header).items():
+        dtype = ST_TO_TORCH.get(entry.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{where}: tensor '{name}' has dtype {entry.get('dtype')}, which is not exported")
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        if name in source.shapes:
+            raise CheckpointError(f"{where}: tensor '{name}' is in two weight files")
+
+        def load(begin: int = begin, end: int = end, shape: tuple[int, ...] = shape,
+                 dtype: torch.dtype = dtype) -> torch.Tensor:
+            buf = read(data_start + begin, end - begin)
+            return torch.frombuffer(buf, dtype=dtype).view(shape) if buf else torch.empty(shape, dtype=dtype)
+
+        source.add(name, shape, dtype, load)
+
+
+def _pread(fd: int, at: int, n: int, path: Path) -> bytearray:
+    buf = bytearray(n)
+    if n:
+        pread_into(fd, memoryview(buf), at, path)
+    return buf
+
+
+# --- an archive --------------------------------------------------------------------------------------------------
+def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
+    from automodel_ckpt.ondisk.export.archive import is_archive, open_archive
+
+    if not is_archive(path):
+        raise UserError(f"'{path}' is a file but not an archive of `ckpt-train pack`; give a checkpoint, an export "
+                        "folder or an archive")
+    archive = stack.enter_context(open_archive(path))
+    if layout.ADAPTER_CONFIG in archive.members:
+        raise UserError(f"the archive '{path}' holds a LoRA adapter; export its checkpoint, or `ckpt-train "
+                        "merge-lora` it first")
+    side = _tmp_dir(stack)
+    for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
+        if name in archive.members:
+            (side / name).write_bytes(archive.read(name, "a model folder's small file", bounded.INDEX_FILE))
+    if not (side / layout.HF_CONFIG).is_file():
+        raise CheckpointError(f"the archive '{path}' has no {layout.HF_CONFIG}")
+    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE)
+    source = ModelSource(config if isinstance(config, dict) else {}, side, kind="archive")
+    for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
+        header, data_start = archive.safetensors_header(name)
+        member = archive.member(name)
+        _add_entries(source, header, lambda at, n, m=member: _pread(archive.fd, m.offset + at, n, path),
+                     data_start, archive.where(name))
+    return source
+
+
+def _tmp_dir(stack: ExitStack) -> Path:
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-export-")))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

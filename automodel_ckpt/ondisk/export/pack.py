@@ -1,0 +1,388 @@
+"""Writing one archive of a model: a checkpoint's export streamed into it, or an export or adapter folder's files.
+
+``pack(src, out)`` lays out every member before a byte is written (names, sizes, headers, offsets), so each member
+is written straight to its place in the archive file: a checkpoint's export by the export's own writer
+(``writer.write_into``: the shards' bytes are copied or converted into the archive, never staged on disk), files
+by ``copy_file_range``. Each weights member gets an extended header padded (a pax ``comment`` record) so that its
+data starts at a multiple of ``archive.ALIGN``. Every member is then hashed from the archive, the manifest is
+written last (its own checksum in its extended header), and the archive, written under a hidden name beside
+``out``, is fsynced and renamed into place. ``pack_into(src, open_stream)`` writes the same bytes strictly forward
+into a stream (an object store's multipart upload), a window of about one part at a time, hashing as it goes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator
+
+import yaml
+
+from automodel_ckpt.ondisk import bounded, layout, manifest, paths
+from automodel_ckpt.ondisk.checksum import default_algorithm, hash_range, hasher
+from automodel_ckpt.ondisk.durable import fsync_dir
+from automodel_ckpt.ondisk.export.archive import ALIGN, PAX_COMMENT
+from automodel_ckpt.ondisk.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
+from automodel_ckpt.ondisk.export.sources import require_format
+from automodel_ckpt.ondisk.export.writer import OutFile, Write, write_into, writes_into
+from automodel_ckpt.ondisk.formats.safetensors_io import pwrite_all
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
+from automodel_ckpt.redact import redacted
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT, EXPORT, ADAPTER, GGUF = "checkpoint", "export", "adapter", "gguf"
+_WEIGHTS_SUFFIX = ".safetensors"
+_COPY_CHUNK = 8 << 20
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+@dataclass
+class Entry:
+    """One member to write: its bytes come from ``data``, the regular file ``path`` or the export file ``out``."""
+
+    name: str
+    size: int
+    data: bytes | None = None
+    path: Path | None = None
+    out: OutFile | None = None
+    at: int = 0  # where its data starts in the archive, once laid out
+
+
+def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size: int = 5 * 2**30,
+         num_threads: int = 5, progress: bool = True) -> dict[str, Any]:
+    """Write the archive of ``src`` (a checkpoint, an export folder or an adapter folder) to ``out``; returns its
+    manifest. See the module docstring."""
+    src, out = Path(src), Path(out)
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}"
+                        f"{layout.ARCHIVE_SUFFIX})")
+    entries, source = _entries(src, parse_cast_dtype(cast_dtype), max_shard_size)
+    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the archive '{out}': {exc.strerror or exc}") from None
+    try:
+        table = _write(fd, entries, source, num_threads, progress)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException as exc:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write the archive '{out}': {exc.strerror or first_line(exc)}") from None
+        raise
+    return table
+
+
+def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: int,
+           progress: bool) -> dict[str, Any]:
+    headers, mtime, end = _lay_out(entries)
+    for at, header in headers:
+        pwrite_all(fd, header, at)
+    with ProgressBar(sum(e.size for e in entries), progress, "packing") as advance:
+        write_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
+        for e in entries:
+            if e.data is not None:
+                pwrite_all(fd, e.data, e.at)
+            elif e.path is not None:
+                _copy_into(e.path, e.size, fd, e.at, advance)
+    algorithm = default_algorithm()
+    sums = {e.name: hash_range(fd, e.at, e.size, algorithm) for e in entries}
+    table, tail = _manifest_tail(entries, sums, algorithm, source, mtime, end)
+    pwrite_all(fd, tail, end)
+    return table
+
+
+def pack_into(src: Path, open_stream: Callable[[int], ContextManager[Any]], *, cast_dtype: str | None = None,
+              max_shard_size: int = 5 * 2**30, num_threads: int = 5, progress: bool = True) -> dict[str, Any]:
+    """Write the archive of ``src`` strictly forward into the stream ``open_stream(size)`` opens (``write`` and
+    ``part_size``: an object store's upload; ``size``: about the archive's size); returns its manifest.
+
+    Every member's place is known before a byte is written, so the archive is produced a window of about
+    ``part_size`` bytes at a time: the window's writes (headers, the export's tensor chunks, file chunks) run on
+    the threads into an in-memory scratch file, its bytes are hashed into their members' checksums and handed to
+    the stream (while the next window is produced), and the scratch file is emptied. The manifest, last, follows.
+    Nothing is written to disk; a failure reaches the stream's block, which then commits nothing.
+    """
+    entries, source = _entries(Path(src), parse_cast_dtype(cast_dtype), max_shard_size)
+    headers, mtime, end = _lay_out(entries)
+    algorithm = default_algorithm()
+    hashes = {e.name: hasher(algorithm) for e in entries}
+    scratch = _scratch_file()
+    try:
+        with (open_stream(end) as stream, ThreadPoolExecutor(1, thread_name_prefix="upload") as sender,
+              ProgressBar(sum(e.size for e in entries), progress, "packing") as advance,
+              writes_into([(e.out, e.at) for e in entries if e.out is not None], scratch, num_threads, advance)
+              as (tensor_writes, run)):
+            writes = sorted(tensor_writes + _member_writes(entries, headers, scratch, advance), key=lambda w: w.start)
+            sending = None
+            for lo, hi, batch in _windows(writes, stream.part_size, end):
+                run(batch)
+                window = _read_all(scratch, lo, hi)
+                os.ftruncate(scratch, 0)  # its memory is given back; later windows lie past it
+                view = memoryview(window)
+                for e in entries:
+                    first, last = max(e.at, lo), min(e.at + e.size, hi)
+                    if first < last:
+                        hashes[e.name].update(view[first - lo:last - lo])
+                if sending is not None:
+                    sending.result()
+                sending = sender.submit(stream.write, window)
+            if sending is not None:
+                sending.result()
+            table, tail = _manifest_tail(entries, {n: h.hexdigest() for n, h in hashes.items()}, algorithm, source,
+                                         mtime, end)
+            stream.write(tail)
+    except OSError as exc:  # a member that cannot be read (the stream's own failures are one line already)
+        raise CheckpointError(f"cannot pack '{src}': {first_line(exc)}; nothing was stored") from None
+    finally:
+        os.close(scratch)
+    return table
+
+
+def _lay_out(entries: list[Entry]) -> tuple[list[tuple[int, bytes]], int, int]:
+    """Every member's header and where it starts, where its data starts (``Entry.at``), the members' mtime, and
+    where the manifest's header goes."""
+    mtime = int(time.time())
+    pos, headers = 0, []
+    for e in entries:
+        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith((_WEIGHTS_SUFFIX, layout.GGUF_SUFFIX)))
+        headers.append((pos, header))
+        e.at = pos + len(header)
+        pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
+    return headers, mtime, pos
+
+
+def _manifest_tail(entries: list[Entry], sums: dict[str, str], algorithm: str, source: dict[str, Any], mtime: int,
+                   at: int) -> tuple[dict[str, Any], bytes]:
+    """The manifest and the archive's last bytes from ``at``: its header (its own checksum in it), the manifest,
+    and the end-of-archive blocks (zeros, as tar writes them, up to a whole record)."""
+    table = manifest.build(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
+    table = {**{k: v for k, v in table.items() if k != "files"}, "source": source, "files": table["files"]}
+    data = manifest.dumps(table).encode()
+    header = _header(layout.ARCHIVE_MANIFEST, len(data), mtime, at, align=False,
+                     pax={PAX_COMMENT: _checksum_of(data, algorithm)})
+    end = at + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
+    end += -end % tarfile.RECORDSIZE
+    return table, header + data + bytes(end - at - len(header) - len(data))
+
+
+def _member_writes(entries: list[Entry], headers: list[tuple[int, bytes]], fd: int,
+                   advance: Callable[[int], None]) -> list[Write]:
+    """The writes of the tar headers, the small members and the files' chunks (the export's come from its
+    writer)."""
+    writes = [Write(at, len(h), lambda at=at, h=h: pwrite_all(fd, h, at)) for at, h in headers]
+    for e in entries:
+        if e.data is not None:
+            writes.append(Write(e.at, e.size, lambda e=e: pwrite_all(fd, e.data, e.at)))
+        elif e.path is not None:
+            writes += [Write(e.at + first, min(_COPY_CHUNK, e.size - first),
+                             lambda e=e, first=first: _copy_into(e.path, e.size, fd, e.at, advance, first,
+                                                                 min(_COPY_CHUNK, e.size - first)))
+                       for first in range(0, e.size, _COPY_CHUNK)]
+    return writes
+
+
+def _windows(writes: list[Write], part_size: int, end: int) -> Iterator[tuple[int, int, list[Write]]]:
+    """``(lo, hi, writes)``: consecutive stretches ``[lo, hi)`` of the archive up to ``end``, each of at least
+    ``part_size`` bytes (but the last) and the writes that fill it (sorted, none overlapping)."""
+    lo = hi = 0
+    batch: list[Write] = []
+    for w in writes:
+        if batch and hi - lo >= part_size:
+            yield lo, hi, batch
+            lo, batch = hi, []
+        batch.append(w)
+        hi = max(hi, w.start + w.size)
+    yield lo, end, batch
+
+
+def _scratch_file() -> int:
+    """A file in memory (never on a disk: ``memfd``), or where that does not exist an unnamed temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("ckpt-pack-window", os.MFD_CLOEXEC)
+    import tempfile
+
+    return os.dup(tempfile.TemporaryFile().fileno())
+
+
+def _read_all(fd: int, lo: int, hi: int) -> bytearray:
+    """Bytes ``[lo, hi)`` of ``fd``; those never written read as zeros (the scratch file is sparse)."""
+    out = bytearray(hi - lo)
+    view, done = memoryview(out), 0
+    while done < len(out):
+        n = os.preadv(fd, [view[done:]], lo + done)
+        if n == 0:
+            break  # past the file's end: zeros
+        done += n
+    return out
+
+
+def _checksum_of(data: bytes, algorithm: str) -> str:
+    h = hasher(algorithm)
+    h.update(data)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def _header(name: str, size: int, mtime: int, at: int, *, align: bool, pax: dict[str, str] | None = None) -> bytes:
+    """The tar header of a member whose header starts at byte ``at``; with ``align``, padded so that its data
+    starts at a multiple of ``ALIGN`` (every length here is a multiple of the 512-byte block, so widening the
+    padding record by the gap closes it)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, mtime, 0o644
+    info.pax_headers = dict(pax or {})
+    if not align:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    width = 1
+    while True:
+        info.pax_headers = {PAX_COMMENT: "0" * width}
+        buf = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        gap = -(at + len(buf)) % ALIGN
+        if not gap:
+            return buf
+        width += gap
+
+
+def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None], first: int = 0,
+               count: int | None = None) -> None:
+    """Bytes ``[first, first + count)`` of the regular file ``src`` of ``size`` bytes (never through a link; all
+    of it by default) to the same place in bytes ``[at, at + size)`` of ``fd``, in the kernel where the
+    filesystems allow it."""
+    end = size if count is None else first + count
+    with os.fdopen(paths.open_regular(src), "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != size:
+            raise CheckpointError(f"'{src}' changed while it was packed; pack again")
+        done, kernel = first, hasattr(os, "copy_file_range")
+        while done < end:
+            n = min(_COPY_CHUNK, end - done)
+            if kernel:
+                try:
+                    n = os.copy_file_range(f.fileno(), fd, n, done, at + done)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    kernel = False
+                    continue
+            else:
+                chunk = os.pread(f.fileno(), n, done)
+                pwrite_all(fd, chunk, at + done)
+                n = len(chunk)
+            if n == 0:
+                raise CheckpointError(f"'{src}' changed while it was packed; pack again")
+            done += n
+            advance(n)
+
+
+# --- what goes in ----------------------------------------------------------------------------------------------
+def kind_of(src: Path) -> str:
+    """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
+    ``gguf`` (one GGUF file of `export --to gguf`, its header checked first)."""
+    from automodel_ckpt.ondisk.export.gguf_read import is_gguf, open_gguf
+
+    if is_gguf(src):
+        open_gguf(src)  # a damaged header is refused here, not shipped
+        return GGUF
+    if not src.is_dir():
+        raise UserError(f"'{src}' is not a folder or a GGUF file; pack takes a checkpoint, an export folder, an "
+                        "adapter folder or a GGUF file")
+    if (src / layout.METADATA_FILE).is_file() or (src / layout.MODEL_DIR).is_dir():
+        return CHECKPOINT
+    if (src / layout.ADAPTER_CONFIG).is_file():
+        return ADAPTER
+    if (src / layout.HF_CONFIG).is_file():
+        return EXPORT
+    raise UserError(f"'{src}' is neither a checkpoint, a Hugging Face model folder (config.json) nor a PEFT "
+                    "adapter folder (adapter_config.json)")
+
+
+def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], dict[str, Any]]:
+    """The members in archive order (the folder's files, its weights, this project's files) and the source."""
+    kind = kind_of(src)
+    source: dict[str, Any] = {"kind": kind, "name": src.resolve().name}
+    if kind == GGUF:
+        return [Entry(src.name, os.stat(src).st_size, path=src)], source
+    if kind != CHECKPOINT:
+        return _folder_entries(src, with_ours=True), source
+    source.update(kind=CHECKPOINT, checkpoint=src.name, run=src.resolve().parent.name)
+    model_dir = resolve_model_dir(src)
+    if (model_dir / layout.ADAPTER_CONFIG).is_file():
+        source["kind"] = ADAPTER
+        entries = _folder_entries(model_dir, with_ours=False)
+    else:
+        require_format(model_dir)
+        plan = build_plan(model_dir, cast, max_shard_size)
+        entries = [Entry(name, os.lstat(content).st_size, path=content) if isinstance(content, Path) else
+                   Entry(name, len(content.encode()), data=content.encode()) for name, content in plan.side_files()]
+        entries += [Entry(f.name, f.size, out=f) for f in plan.files]
+    return _ordered(entries + _ours(src)), source
+
+
+def _ours(checkpoint: Path) -> list[Entry]:
+    """The checkpoint's recipe (redacted again: a received checkpoint's copy may hold what ours never writes) and
+    its metadata."""
+    out = []
+    recipe, meta = checkpoint / layout.CONFIG_FILE, checkpoint / layout.METADATA_FILE
+    try:
+        if os.path.lexists(recipe):
+            text = yaml.safe_dump(redacted(bounded.read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
+            out.append(Entry(layout.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
+        if os.path.lexists(meta):
+            data = bounded.read_bytes(meta, "checkpoint metadata", bounded.SMALL_FILE)
+            bounded.parse_json(data, f"'{meta}'", "checkpoint metadata", bounded.SMALL_FILE)
+            out.append(Entry(layout.ARCHIVE_METADATA, len(data), data=data))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read '{checkpoint}': {first_line(exc)}") from None
+    return out
+
+
+def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
+    """The regular files of ``folder`` (and, ``with_ours``, of its ``automodel/``: an unpacked archive packs
+    again); a link or special file there is refused in one line. Other subfolders are not packed."""
+    entries = []
+    for sub in ("", layout.ARCHIVE_DIR) if with_ours else ("",):
+        where = folder / sub if sub else folder
+        if sub and (not os.path.isdir(where) or os.path.islink(where)):
+            continue
+        with os.scandir(where) as it:
+            for entry in sorted(it, key=lambda e: e.name):
+                name = f"{sub}/{entry.name}" if sub else entry.name
+                st = entry.stat(follow_symlinks=False)
+                if entry.is_dir(follow_symlinks=False) or name == layout.ARCHIVE_MANIFEST:
+                    continue
+                why = paths.not_regular(st.st_mode)
+                if why is not None:
+                    raise CheckpointError(f"'{entry.path}' is {why}; an archive holds only regular files, never "
+                                          "what a link points to: replace it with the file itself")
+                paths.check(name, f"'{folder}'")
+                entries.append(Entry(name, st.st_size, path=Path(entry.path)))
+    return _ordered(entries)
+
+
+def _ordered(entries: list[Entry]) -> list[Entry]:
+    """Small files first (a reader finds the config and index at the start), then the weights, then ours."""
+    def rank(e: Entry) -> tuple[int, str]:
+        ours = e.name.startswith(layout.ARCHIVE_DIR + "/")
+        return (2 if ours else 1 if e.name.endswith(_WEIGHTS_SUFFIX) else 0), e.name
+
+    return sorted(entries, key=rank)
+
+
+def summary(table: dict[str, Any]) -> str:
+    """``3 files, 1.2 GiB, xxh3_64``: what an archive's manifest lists."""
+    from automodel_ckpt.sizes import human_size
+
+    return (f"{len(table['files']) + 1} members, {human_size(table['total_bytes'])}, "
+            f"{table['checksum_algorithm']} checksums")

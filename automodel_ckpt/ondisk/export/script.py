@@ -1,0 +1,40 @@
+"""Writes ``consolidate.sh`` into a model folder: a one-command HF export that needs no knowledge of this package."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from importlib import resources
+from pathlib import Path
+
+from automodel_ckpt.ondisk import layout
+
+_TEMPLATE = "templates/consolidate.sh"
+
+
+def render_consolidate_script(model_dir: Path) -> None:
+    """Write ``model_dir/consolidate.sh`` (mode 755) bound to this interpreter and this copy of the package.
+
+    The interpreter that wrote the checkpoint is the one most likely to have compatible torch/transformers;
+    the package location lets the script work when the package is used from a source tree rather than
+    installed. Both are only defaults: the script falls back to ``python3`` when the path is gone, and honours
+    ``PYTHON``.
+    """
+    model_dir = Path(model_dir)
+    text = resources.files("automodel_ckpt.ondisk").joinpath(_TEMPLATE).read_text(encoding="utf-8")
+    text = text.replace("@PYTHON@", shlex.quote(sys.executable or "python3"))
+    text = text.replace("@PACKAGE_ROOT@", shlex.quote(_source_root()))
+    target = model_dir / layout.CONSOLIDATE_SCRIPT
+    tmp = model_dir / f".{layout.CONSOLIDATE_SCRIPT}.tmp-{os.getpid()}"
+    tmp.write_text(text, encoding="utf-8")
+    tmp.chmod(0o755)
+    os.replace(tmp, target)
+
+
+def _source_root() -> str:
+    """Folder holding ``automodel_ckpt`` when it runs from a source tree; empty when installed in site-packages."""
+    root = Path(__file__).resolve().parents[2]
+    if any(part in ("site-packages", "dist-packages") for part in root.parts):
+        return ""
+    return str(root)

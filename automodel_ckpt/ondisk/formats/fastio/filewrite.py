@@ -1,0 +1,260 @@
+"""Writing one checkpoint file from tensor memory, its checksum computed on the way.
+
+Planned layout, positioned writes from several threads (straight to the device for large files), early writeback,
+one fsync.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import errno
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from automodel_ckpt.ondisk import durable
+from automodel_ckpt.ondisk.formats.fastio import common
+from automodel_ckpt.ondisk.formats.fastio.common import tensor_memory
+
+# --- writing one file --------------------------------------------------------------------------------
+
+DIRECT_MIN = 64 << 20  # files from this size on are written with O_DIRECT where the filesystem allows it
+DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write (one page-aligned buffer of this size per writer thread)
+_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+
+
+class Lazy:
+    """A tensor's bytes in a file plan: materialised (made contiguous, moved to the CPU) only when written."""
+
+    __slots__ = ("tensor", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes can be used in place (CPU, contiguous)."""
+        return self.tensor.device.type == "cpu" and self.tensor.is_contiguous()
+
+    def materialise(self) -> tuple[torch.Tensor, memoryview]:
+        t = self.tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        return t, tensor_memory(t)
+
+
+def piece_length(piece: Any) -> int:
+    return piece.nbytes if isinstance(piece, (Lazy, memoryview)) else len(piece)
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One positioned write: consecutive pieces (or part of one large piece) at ``offset``."""
+
+    offset: int
+    parts: list[tuple[Any, int, int]]  # (piece, start, stop) within the piece
+
+
+def _units(pieces: list[Any]) -> Iterator[_Unit]:
+    """Split the file into writes of about ``common.CHUNK`` bytes: small pieces together, large ones in slices."""
+    offset = 0
+    pending: list[tuple[Any, int, int]] = []
+    pending_at, pending_len = 0, 0
+    for piece in pieces:
+        n = piece_length(piece)
+        if n == 0:
+            continue
+        if n < common.SMALL and pending_len + n <= common.CHUNK:
+            if not pending:
+                pending_at = offset
+            pending.append((piece, 0, n))
+            pending_len += n
+            offset += n
+            continue
+        if pending:
+            yield _Unit(pending_at, pending)
+            pending, pending_len = [], 0
+        if isinstance(piece, Lazy) and not piece.direct:  # materialised once, by the one write of it
+            yield _Unit(offset, [(piece, 0, n)])
+            offset += n
+            continue
+        for start in range(0, n, common.CHUNK):
+            stop = min(n, start + common.CHUNK)
+            yield _Unit(offset + start, [(piece, start, stop)])
+        offset += n
+    if pending:
+        yield _Unit(pending_at, pending)
+
+
+def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    while buffers:
+        written = os.pwritev(fd, buffers, offset) if len(buffers) > 1 else os.pwrite(fd, buffers[0], offset)
+        if written <= 0:
+            raise OSError(f"no progress writing at byte {offset}")
+        offset += written
+        while buffers and written >= buffers[0].nbytes:
+            written -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and written:
+            buffers[0] = buffers[0][written:]
+
+
+class _Hasher:
+    """The file's checksum (the manifest's algorithm), fed with its bytes in file order from a thread of its own."""
+
+    def __init__(self) -> None:
+        from automodel_ckpt.ondisk import checksum
+
+        self.algorithm = checksum.default_algorithm()
+        self._h = checksum.hasher(self.algorithm)
+        self.ok = False
+
+    def feed(self, pieces: list[Any]) -> None:
+        try:
+            self._feed(pieces)
+            self.ok = True
+        except Exception:  # noqa: BLE001 - no checksum then: the manifest reads the file instead
+            self.ok = False
+
+    def _feed(self, pieces: list[Any]) -> None:
+        for piece in pieces:
+            if isinstance(piece, Lazy):
+                _, view = piece.materialise()  # direct pieces only: a view, no copy
+            else:
+                view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+            for start in range(0, view.nbytes, 8 << 20):
+                self._h.update(view[start:start + (8 << 20)])
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of ``path`` that writes past the page cache; None where the filesystem refuses it, or
+    holds its files in memory (tmpfs: there the plain writes from the tensors' memory copy each byte once, where
+    O_DIRECT would gather them into an aligned buffer first)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag or common.memory_backed(path):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
+
+
+def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, threads: int) -> None:
+    """Write the file in page-aligned ``DIRECT_CHUNK`` regions, each gathered from the pieces into a page-aligned
+    buffer of its thread and written through ``direct_fd``; the last region's unaligned tail goes through ``fd``.
+
+    The bytes then reach the device without being copied into the page cache first, and a save of many GB does not
+    fill the page cache (nor wait for its writeback at the fsync). Every piece must be CPU bytes (``Lazy.direct``).
+    """
+    starts, offset = [], 0
+    for piece in pieces:
+        starts.append(offset)
+        offset += piece_length(piece)
+    local = threading.local()
+
+    def region(lo: int) -> None:
+        if not hasattr(local, "buffer"):
+            local.buffer = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
+            local.tensor = torch.frombuffer(local.buffer, dtype=torch.uint8)
+        buffer, into = memoryview(local.buffer), local.tensor
+        hi = min(total, lo + DIRECT_CHUNK)
+        i = bisect.bisect_right(starts, lo) - 1
+        while i < len(pieces) and starts[i] < hi:
+            piece, at = pieces[i], starts[i]
+            a, b = max(lo, at), min(hi, at + piece_length(piece))
+            if b > a and isinstance(piece, Lazy):  # a tensor copy: without the GIL, so threads copy at once
+                into[a - lo:b - lo].copy_(piece.tensor.detach().reshape(-1).view(torch.uint8)[a - at:b - at])
+            elif b > a:
+                view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+                buffer[a - lo:b - lo] = view[a - at:b - at]
+            i += 1
+        n = hi - lo
+        aligned = n // _ALIGN * _ALIGN
+        if aligned:
+            _pwrite_all(direct_fd, [buffer[:aligned]], lo)
+        if n > aligned:
+            _pwrite_all(fd, [buffer[aligned:n]], lo + aligned)
+
+    _run_all(region, list(range(0, total, DIRECT_CHUNK)), threads)
+
+
+def _run_all(work: Any, items: list[Any], threads: int) -> None:
+    """``work(item)`` for every item, on up to ``threads`` threads; the first failure stops the rest."""
+    if threads <= 1 or len(items) <= 1:
+        for item in items:
+            work(item)
+        return
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="ckpt-write") as pool:
+        futures = [pool.submit(work, item) for item in items]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:  # a failed write (disk full ...): the rest is not attempted
+                f.cancel()
+            raise
+
+
+def write_file(path: Path, pieces: list[Any], threads: int, written: durable.WrittenFiles | None = None) -> int:
+    """Write ``pieces`` back to back into ``path`` (created or truncated) and fsync it; returns its size.
+
+    Records the file in ``written`` as synced, with its checksum, for ``fsync_tree`` and the manifest.
+    """
+    path = Path(path)
+    total = sum(piece_length(p) for p in pieces)
+    hash_now = all(not isinstance(p, Lazy) or p.direct for p in pieces)  # else the manifest reads it back
+    hasher = _Hasher() if hash_now else None
+    hash_thread = threading.Thread(target=hasher.feed, args=(pieces,), daemon=True) if hasher else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if hash_thread is not None:
+            hash_thread.start()
+
+        def write(unit: _Unit) -> None:
+            keep = []
+            views = []
+            for piece, start, stop in unit.parts:
+                if isinstance(piece, Lazy):
+                    t, view = piece.materialise()
+                    keep.append(t)
+                else:
+                    view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+                views.append(view[start:stop])
+            _pwrite_all(fd, views, unit.offset)
+            durable.start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
+
+        direct_fd = _open_direct(path) if hash_now and total >= DIRECT_MIN else None
+        done = False
+        if direct_fd is not None:
+            try:
+                _write_direct(fd, direct_fd, pieces, total, threads)
+                done = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # disk full and the like are the caller's; EINVAL: O_DIRECT refused
+                    raise
+            finally:
+                os.close(direct_fd)
+        if not done:
+            _run_all(write, list(_units(pieces)), threads)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        if hash_thread is not None:
+            hash_thread.join()
+    if written is not None and hasher is not None and hasher.ok:
+        written.note(path, synced=True, algorithm=hasher.algorithm, digest=hasher.hexdigest())
+    elif written is not None:
+        written.note(path, synced=True)
+    return total
+

@@ -1,0 +1,231 @@
+"""The torch.save record format of DCP ``.distcp`` files: what surrounds a tensor's bytes, and where they are."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import threading
+import zipfile
+from typing import Any
+
+import torch
+
+from automodel_ckpt.ondisk.formats.fastio.common import Located, itemsize
+from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy
+from automodel_ckpt.ondisk.formats.safe_load import StorageRef, TensorRecordUnpickler
+
+# --- writing: what torch.save puts around a tensor's bytes -------------------------------------------
+
+
+class _Recorder:
+    """A write-only file object that keeps what ``torch.save`` writes: small writes copied, the storage by address."""
+
+    def __init__(self, keep_at: int) -> None:
+        self.keep_at = keep_at  # the storage's address: that write is kept by reference, not copied
+        self.parts: list[tuple[int, bytes | None, int]] = []  # (address, bytes or None, length)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        address = _address(view) if n else 0
+        self.parts.append((address, None if address == self.keep_at else view.tobytes(), n))
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+_TEMPLATES: dict[tuple, list[bytes | None]] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _record_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
+    """What ``torch.save`` writes for a contiguous CPU tensor of ``shape`` and ``dtype``, with ``None`` where its
+    data goes; None when it cannot be found. The same for every tensor of that shape and dtype (no CRC), so cached.
+    """
+    key = (tuple(shape), dtype)
+    with _TEMPLATES_LOCK:
+        if key in _TEMPLATES:
+            return _TEMPLATES[key]
+    stand_in = torch.empty(shape, dtype=dtype)  # pages never touched: costs no memory
+    nbytes = stand_in.numel() * stand_in.element_size()
+    recorder = _Recorder(stand_in.data_ptr() if nbytes else -1)
+    try:
+        writer = torch._C.PyTorchFileWriter(recorder, False, torch.serialization._get_storage_alignment())
+        torch.serialization._save(stand_in, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        writer.write_end_of_file()
+    except (AttributeError, TypeError, RuntimeError):  # torch's internals moved: no template, torch's path
+        return None
+    template: list[bytes | None] = []
+    found = nbytes == 0
+    small = bytearray()
+    for _address_, data, n in recorder.parts:
+        if data is None:
+            if found or n != nbytes:
+                return None  # the storage written twice, or in parts: unexpected
+            if small:
+                template.append(bytes(small))
+                small = bytearray()
+            template.append(None)
+            found = True
+        else:
+            small += data
+    if small:
+        template.append(bytes(small))
+    if not found:
+        return None
+    with _TEMPLATES_LOCK:
+        _TEMPLATES[key] = template
+    return template
+
+
+def torch_save_pieces(tensor: torch.Tensor) -> list[Any] | None:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_sparse or type(tensor) is not torch.Tensor:
+        return None
+    template = _record_template(tensor.shape, tensor.dtype)
+    if template is None:
+        return None
+    return [Lazy(tensor) if part is None else part for part in template]
+
+
+#: The attribute of a ``.distcp`` record's ``_StorageInfo`` (pickled with it in ``.metadata``) where the writer notes
+#: where the tensor's bytes lie: ``(offset in the record, shape, dtype)``. Readers without it look the record up.
+NOTE = "tensor_bytes"
+
+
+def note_location(info: Any, pieces: list[Any]) -> Any:
+    """``info`` with ``NOTE`` set when ``pieces`` (from ``torch_save_pieces``) hold a non-empty tensor's bytes."""
+    at = 0
+    for piece in pieces:
+        if isinstance(piece, Lazy):
+            t = piece.tensor
+            if t.numel():
+                setattr(info, NOTE, (at, tuple(int(n) for n in t.shape), t.dtype))
+            return info
+        at += len(piece)
+    return info
+
+
+def noted_location(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Located | None:
+    """Where ``info``'s record keeps its tensor, as its writer noted it (``NOTE``), if that note is well formed,
+    lies inside the record and holds the requested piece (``offsets``, ``lengths``); None: look the record up."""
+    note = getattr(info, NOTE, None)
+    if not (isinstance(note, tuple) and len(note) == 3):
+        return None
+    at, shape, dtype = note
+    if not (isinstance(at, int) and isinstance(dtype, torch.dtype) and isinstance(shape, tuple)
+            and all(isinstance(n, int) and n >= 0 for n in shape) and len(shape) == len(offsets) == len(lengths)):
+        return None
+    if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        return None
+    numel = 1
+    for n in shape:
+        numel *= n
+    try:
+        nbytes = numel * itemsize(dtype)
+    except (KeyError, TypeError, RuntimeError):
+        return None
+    if at < 0 or at + nbytes > info.length:
+        return None
+    return Located(info.offset + at, shape, dtype)
+
+
+def torch_save_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+# --- reading: locating a tensor's bytes in a record ---------------------------------------------------------
+
+class _FileView(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``offset`` of an open file (positioned reads)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        data = os.pread(self.fd, n, self.offset + self.pos) if n else b""
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_MAGIC = 0x04034B50
+
+
+def _zip_entries(fd: int, offset: int, length: int) -> dict[str, tuple[int, int]] | None:
+    """``{name without the archive folder: (absolute data offset, size)}`` of a torch.save zip archive stored
+    uncompressed at ``offset``; None if it is not one."""
+    try:
+        with zipfile.ZipFile(_FileView(fd, offset, length)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None
+    entries: dict[str, tuple[int, int]] = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.header_offset + 30 > length:
+            return None
+        head = os.pread(fd, 30, offset + info.header_offset)
+        magic, *_rest, nlen, xlen = _LOCAL_HEADER.unpack(head) if len(head) == 30 else (0, 0, 0)
+        if magic != _LOCAL_MAGIC:
+            return None
+        data_at = info.header_offset + 30 + nlen + xlen
+        if data_at + info.file_size > length:
+            return None
+        short = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+        entries[short] = (offset + data_at, info.file_size)
+    return entries
+
+
+def locate_record(fd: int, offset: int, length: int) -> Located | None:
+    """Where the tensor of a torch.save record (``FileSystemWriter``'s format) keeps its data, if recognised."""
+    entries = _zip_entries(fd, offset, length)
+    if not entries or "data.pkl" not in entries:
+        return None
+    pkl_at, pkl_len = entries["data.pkl"]
+    try:
+        meta = TensorRecordUnpickler(io.BytesIO(os.pread(fd, pkl_len, pkl_at))).load()
+    except Exception:  # noqa: BLE001 - not a plain tensor: torch.load decides
+        return None
+    if not (isinstance(meta, tuple) and len(meta) == 4 and isinstance(meta[0], StorageRef)):
+        return None
+    storage_ref, storage_offset, size, stride = meta
+    data = entries.get(f"data/{storage_ref.key}")
+    if data is None:
+        return None
+    expected, s = [], 1
+    for n in reversed(size):
+        expected.append(s)
+        s *= n
+    if tuple(reversed(expected)) != tuple(stride) and s > 1:
+        return None  # not C-contiguous
+    size_of = itemsize(storage_ref.dtype)
+    if (storage_offset + s) * size_of > data[1]:
+        return None
+    return Located(data[0] + storage_offset * size_of, tuple(size), storage_ref.dtype)
+

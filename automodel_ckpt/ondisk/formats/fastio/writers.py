@@ -1,0 +1,153 @@
+"""DCP storage writers (``.distcp`` and safetensors shards, one file per rank) that write with ``write_file``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from automodel_ckpt.ondisk import durable
+from automodel_ckpt.ondisk.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
+from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy, piece_length, write_file
+from automodel_ckpt.ondisk.formats.fastio.records import note_location, torch_save_bytes, torch_save_pieces
+
+def _done(results: list[WriteResult]) -> Future:
+    fut: Future = Future()
+    fut.set_result(results)
+    return fut
+
+
+SMALL_ITEM_BYTES = 64 << 10  # ``small_apart``: tensors below this many bytes go to the small items' file
+
+
+def _small(item: Any) -> bool:
+    """A plain value, or a tensor (piece) below ``SMALL_ITEM_BYTES``."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return True
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize < SMALL_ITEM_BYTES
+
+
+class ParallelFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` (DCP ``.distcp`` files, one per rank) written by ``write_file``.
+
+    ``sync_files`` stays on for the ``.metadata`` file torch writes itself; the data file is fsynced once by
+    ``write_file``. ``small_apart``: the small items (plain values, tensors under ``SMALL_ITEM_BYTES``: step counts,
+    hyperparameters, what DCP writes once for every rank) go to a second file, ``__R_1.distcp``. Every rank reads
+    those of every other rank, and a rank that checks each file it reads from, whole (``disk.loadcheck.of_reads``),
+    then hashes another rank's small file, not its large one.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
+                 written: durable.WrittenFiles | None = None, small_apart: bool = False) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.threads = default_threads(threads)
+        self.written = written
+        self.small_apart = small_apart
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        if self.transforms.extensions or not self.single_file_per_rank:
+            return super().write_data(plan, planner)
+        items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+        items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        files = [items]  # __R_0.distcp, and with ``small_apart`` __R_1.distcp
+        if self.small_apart:
+            small = [_small(wi) for wi in items]
+            if any(small) and not all(small):
+                files = [[wi for wi, s in zip(items, small) if not s], [wi for wi, s in zip(items, small) if s]]
+        results: list[WriteResult] = []
+        for k, file_items in enumerate(files):
+            results += self._write_file(f"{plan.storage_data.prefix}{k}{DEFAULT_SUFFIX}", file_items, planner)
+        return _done(results)
+
+    def _write_file(self, file_name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
+        pieces: list[Any] = []
+        results: list[WriteResult] = []
+        offset = 0
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                record = [bytes(data.getbuffer())]
+            else:
+                tensor = data.detach()
+                record = torch_save_pieces(tensor) or [torch_save_bytes(compact(tensor))]
+            length = sum(piece_length(p) for p in record)
+            pieces += record
+            # where the tensor's bytes lie in the record, so that a load need not look inside it
+            info = note_location(_StorageInfo(file_name, offset, length), record)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+            offset += length
+        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
+        return results
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)  # runs where the .metadata file is written (and fsynced)
+        path = Path(self._get_metadata_path(None if self.use_collectives else self.rank))
+        if path.is_file() and self.written is not None:
+            self.written.note(path, synced=self.sync_files)
+
+
+class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
+    """``HuggingFaceStorageWriter(save_distributed=True)``: one safetensors shard per rank, written by ``write_file``.
+
+    The shard holds the same header (tensor names, shapes, dtypes, ``DCP_SHARDING_INFO`` offsets) as torch's
+    writer produces, tensors ordered by alignment then name as ``safetensors`` orders them.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
+                 written: durable.WrittenFiles | None = None) -> None:
+        super().__init__(str(path), save_distributed=True)
+        self.threads = default_threads(threads)
+        self.written = written
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        from torch.distributed.checkpoint._hf_utils import (
+            CUSTOM_METADATA_KEY,
+            DCP_VERSION_KEY,
+            FORMAT_KEY,
+            FORMAT_VALUE,
+            HF_DCP_VERSION,
+            _gen_file_name,
+        )
+
+        storage_data = plan.storage_data or {}
+        if (not plan.items or "fqn_to_index_mapping" in storage_data or self.enable_consolidation
+                or any(wi.type == WriteItemType.BYTE_IO for wi in plan.items)):
+            return super().write_data(plan, planner)
+        tensors = [(wi, planner.resolve_data(wi).detach()) for wi in plan.items]
+        if any(t.dtype not in ST_DTYPES or t.layout != torch.strided for _, t in tensors):
+            return super().write_data(plan, planner)
+        file_name = _gen_file_name(1, 1, storage_data.get("shard_index"))
+        tensors.sort(key=lambda e: (-e[1].element_size(), e[0].index.fqn))
+        header: dict[str, Any] = {"__metadata__": {
+            CUSTOM_METADATA_KEY: json.dumps({wi.index.fqn: {"saved_offsets": list(wi.tensor_data.chunk.offsets)}
+                                             for wi, _ in tensors}),
+            DCP_VERSION_KEY: str(HF_DCP_VERSION),
+            FORMAT_KEY: FORMAT_VALUE,
+        }}
+        offset = 0
+        for wi, t in tensors:
+            n = t.numel() * t.element_size()
+            header[wi.index.fqn] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        head += b" " * (-len(head) % 8)
+        pieces: list[Any] = [struct.pack("<Q", len(head)) + head]
+        results = []
+        for wi, t in tensors:
+            begin = header[wi.index.fqn]["data_offsets"][0]
+            pieces.append(Lazy(t))
+            results.append(WriteResult(index=wi.index, size_in_bytes=piece_length(pieces[-1]),
+                                       storage_data=_StorageInfo(file_name, 8 + len(head) + begin, piece_length(pieces[-1]))))
+        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
+        return _done(results)
+

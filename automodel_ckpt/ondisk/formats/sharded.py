@@ -1,0 +1,393 @@
+"""Sharded model and optimizer state through torch.distributed.checkpoint, in DCP or HF safetensors files."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from automodel_ckpt.ondisk.formats import fastio
+from automodel_ckpt.ondisk.formats.fastio import session
+from automodel_ckpt.ondisk.durable import WrittenFiles
+from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck
+from automodel_ckpt.ondisk.formats.safe_load import (
+    SafeLoadPlanner,
+    check_fits,
+    load_failure,
+    root_cause,
+    save_failure,
+)
+
+from automodel_ckpt.ondisk.layout import SAFETENSORS, TORCH_SAVE  # the format names, spelled once
+
+
+def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None,
+            small_apart: bool = False):
+    """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
+
+    safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
+    (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
+    ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart`` the small items in ``__R_1.distcp``
+    (``fastio.ParallelFileSystemWriter``). Each file is fsynced once, with its checksum noted in ``written``.
+    ``threads``: writer threads (default ``fastio.WRITE_THREADS``).
+    """
+    extra = {} if threads is None else {"threads": threads}
+    if fmt == SAFETENSORS:
+        return fastio.ParallelSafetensorsWriter(path, written=written, **extra)
+    return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
+
+
+def _reader(path: Path, fmt: str, check: LoadCheck | None = None):
+    """Readers that never unpickle code (see ``safe_load``), read the checkpoint's metadata once, and read the
+    tensors into the state being loaded (``fastio``: past the page cache for large files). ``check``: the files'
+    checksums are computed as they are read (``loadcheck``)."""
+    if fmt == SAFETENSORS:
+        return fastio.ParallelHFReader(path, check=check)
+    return fastio.ParallelFileSystemReader(path, check=check)
+
+
+def _save(state: dict, path: Path, writer, process_group) -> None:
+    try:
+        dcp.save(state, storage_writer=writer, process_group=process_group)
+    except CheckpointException as exc:  # raised on every rank; one line naming the folder (disk full, ...)
+        raise save_failure(exc, path) from None
+
+
+def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) -> None:
+    """``dcp.load`` that first checks keys and shapes (``strict_keys``: extra checkpoint keys count too)."""
+    metadata = reader.read_metadata()
+    if strict_keys:
+        check_fits(state, metadata, path, held=_held_by_any_rank(state, process_group))
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), process_group=process_group)
+    except CheckpointException as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, DamagedFile):  # on every rank: the checkpoint is damaged, not the state unfit
+            raise DamagedFile(str(cause)) from None
+        raise load_failure(exc, path, state, metadata) from None
+
+
+def _held_by_any_rank(state: dict, process_group) -> set[str]:
+    """The keys of ``state`` on every rank together (pipeline stages each hold their own part of the model)."""
+    import torch.distributed as dist
+
+    keys = set(state)
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return keys
+    every: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, sorted(keys), group=process_group)
+    return keys.union(*every)
+
+
+def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None) -> None:
+    _save(_model_state(model), path, _writer(path, fmt, written), process_group)
+
+
+def _model_state(model: nn.Module) -> dict:
+    """The model's state as it is saved: a replicated model's parameters as FSDP2's shards (``_as_shards``)."""
+    state = get_model_state_dict(model)
+    mesh = _replicated_mesh(model)
+    if mesh is None:
+        return state
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: _as_shards(v, mesh) if k in params else v for k, v in state.items()}
+
+
+def _optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
+    """The optimizer's state as it is saved: a replicated model's moments as FSDP2's shards (``_as_shards``)."""
+    state = get_optimizer_state_dict(model, optimizer)
+    mesh = _replicated_mesh(model)
+    if mesh is None:
+        return state
+    per_param = {fqn: {k: _as_shards(v, mesh) for k, v in values.items()} for fqn, values in state["state"].items()}
+    return {**state, "state": per_param}
+
+
+def _replicated_mesh(model: nn.Module):
+    """The data-parallel mesh of a model that every rank holds whole (``distributed.data_parallel``: replicated
+    over several ranks; its parameters are plain tensors), or None (sharded, or one rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    params = list(model.parameters())
+    if not params or any(isinstance(p, DTensor) for p in params):
+        return None
+    return _world_mesh(params[0].device.type, dist.get_world_size())
+
+
+@functools.cache
+def _world_mesh(device_type: str, world_size: int):
+    """The 1-D mesh of every rank (over the default group: no new process group is made)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def _as_shards(value: Any, mesh) -> Any:
+    """A replicated tensor (of one dimension or more) as a view of this rank's FSDP2 shard of it (``Shard(0)``),
+    without a copy: every rank writes its own slice, and the files are those a sharded run writes."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
+        return value
+    placements = [Shard(0)]
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    local = value.detach().narrow(0, offset[0], shape[0])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
+def reading():
+    """A context in which loads share reader threads and read buffers (``fastio.session``): one checkpoint's
+    folders read one after the other without starting threads or mapping buffers again for each."""
+    return session.kept()
+
+
+def load_model(model: nn.Module, path: Path, fmt: str, process_group=None, check: LoadCheck | None = None) -> None:
+    """Load into the model's current sharding (which may differ from the one that saved it)."""
+    state = get_model_state_dict(model)
+    _load(state, path, _reader(path, fmt, check), process_group, strict_keys=True)
+    if not _loaded_in_place(model, state):
+        set_model_state_dict(model, state)
+
+
+def _loaded_in_place(model: nn.Module, state: dict) -> bool:
+    """Whether the load wrote every value into the model's own memory (the state dict's tensors are views of the
+    parameters and buffers, and DCP loads into them), so that ``set_model_state_dict`` would copy each onto itself."""
+    current = get_model_state_dict(model)
+    if current.keys() != state.keys():
+        return False
+    for key, value in state.items():
+        own = current[key]
+        if not (isinstance(value, torch.Tensor) and isinstance(own, torch.Tensor)) or type(value) is not type(own):
+            return False
+        a, b = (value.to_local(), own.to_local()) if hasattr(value, "to_local") else (value, own)
+        if (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) != (b.data_ptr(), b.shape, b.stride(), b.dtype,
+                                                                      b.device):
+            return False
+    return True
+
+
+def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
+                   written: WrittenFiles | None = None) -> None:
+    _save(_optimizer_state(model, optimizer), path, _writer(path, TORCH_SAVE, written), process_group)
+
+
+class StagedSave:
+    """A model or optimizer state for a background save.
+
+    Made on the training thread with ``state`` from ``_freeze`` (small tensors and plain values copied
+    already, large tensors still the live ones); ``capture`` copies the rest into the stager's host buffers (in
+    the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
+    """
+
+    def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: str,
+                 written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False) -> None:
+        self.key = key
+        self.state: dict | None = state
+        self.stager = stager
+        self.staged: dict | None = None
+        self.path = path
+        self.fmt = fmt
+        self.written = written
+        self.threads = threads
+        self.small_apart = small_apart
+
+    def capture(self) -> None:
+        """Copy the live tensors; afterwards the training thread may change them."""
+        assert self.state is not None, "captured twice"
+        self.staged = self.stager.stage(self.key, self.state)
+        self.state = None  # no reference to the live tensors outlives the capture
+
+    def write(self, process_group) -> None:
+        """Write the captured copy (collective on ``process_group``; raises on every rank if any rank fails)."""
+        assert self.staged is not None, "write before capture"
+        _save(self.staged, self.path, self._storage_writer(), process_group)
+
+    def _storage_writer(self):
+        return _writer(self.path, self.fmt, self.written, threads=self.threads, small_apart=self.small_apart)
+
+    def fail(self, error: BaseException, process_group) -> None:
+        """This rank could not capture: take part in the write collectively, so that every rank raises ``error``."""
+        writer = self._storage_writer()
+
+        def refuse(plan, planner):
+            raise error
+
+        writer.prepare_local_plan = lambda plan: plan  # creates no folder: the staging one may not be reserved
+        writer.write_data = refuse
+        _save(self.staged or self.state or {}, self.path, writer, process_group)
+
+
+def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, written: WrittenFiles | None = None,
+                *, threads: int | None = None) -> StagedSave:
+    """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
+    change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
+    buffers = {name for name, _ in model.named_buffers()}
+    state = _freeze(_model_state(model), eager=lambda key: key in buffers)
+    return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads)
+
+
+def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
+                    written: WrittenFiles | None = None, *, threads: int | None = None,
+                    small_apart: bool = False) -> StagedSave:
+    """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
+    (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
+    the small items in a file of their own (``_writer``)."""
+    state = _freeze(_optimizer_state(model, optimizer))
+    return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads, small_apart)
+
+
+_SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later
+
+
+@torch.no_grad()
+def _freeze(state: Any, eager=None, key: str = "") -> Any:
+    """``state`` with its plain values and small tensors copied now; larger tensors stay the live ones.
+
+    ``eager(key)``: top-level keys whose tensors are copied now whatever their size.
+    """
+    if isinstance(state, torch.Tensor):
+        small = state.numel() * state.element_size() <= _SMALL_TENSOR_BYTES
+        return state.detach().clone() if small or (eager is not None and eager(key)) else state
+    if isinstance(state, dict):
+        return {k: _freeze(v, eager, key or str(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_freeze(v, eager, key) for v in state)
+    return copy.deepcopy(state)
+
+
+def wait_async_save(future: Future, path: Path) -> None:
+    """Wait for a background write; a DCP failure becomes the same one-line error as a synchronous save's."""
+    try:
+        future.result()
+    except CheckpointException as exc:
+        raise save_failure(exc, path) from None
+
+
+class HostStager:
+    """Copies state dicts into host-memory buffers that are kept for the next save (the "staging" of a save).
+
+    The first save of a state allocates its buffers (DTensors keep their sharding, on a host copy of their local
+    shard); later saves only copy into them, so staging costs one memory copy of the state. A state whose structure
+    changed (an optimizer that gained its moments) gets new buffers. Pinned memory and non-blocking copies where
+    the state lives on an accelerator. Holds a second copy of the model and optimizer state in host memory.
+    Buffers it drops (replaced, or at ``close``) are pinned blocks the accelerator's host caching allocator would
+    keep for good: they are given back (``release_pinned``) before new ones are made.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Any] = {}
+
+    @torch.no_grad()
+    def stage(self, key: str, state: dict) -> dict:
+        """A copy of ``state`` that later changes to the live tensors do not affect."""
+        buffers = self._buffers.get(key)
+        if buffers is not None:
+            try:
+                return self._copied(state, buffers)
+            except _Mismatch:
+                del self._buffers[key]
+                buffers = None
+                release_pinned()
+        self._buffers[key] = buffers = _host_buffers(state)
+        return self._copied(state, buffers)
+
+    def _copied(self, state: dict, buffers: dict) -> dict:
+        staged = _copy_into(state, buffers)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies have landed
+        return staged
+
+    def close(self) -> None:
+        self._buffers.clear()
+        release_pinned()
+
+
+def release_pinned() -> None:
+    """Give the pinned host blocks no tensor uses back to the OS (torch's host caching allocator keeps them); a
+    no-op where no accelerator is in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.accelerator.memory.empty_host_cache()
+
+
+class _Mismatch(Exception):
+    """The state no longer has the structure its buffers were made for."""
+
+
+def _host_buffers(obj: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        if obj.device.type == "cpu":  # an empty local shard with the same sharding
+            return DTensor.from_local(torch.empty_like(obj.to_local()), obj.device_mesh, obj.placements,
+                                      shape=obj.shape, stride=obj.stride(), run_check=False)
+        host = obj.to("cpu")  # keeps the mesh and placements; the local shard moves to host memory
+        host._local_tensor = host._local_tensor.pin_memory()
+        return host
+    if isinstance(obj, torch.Tensor):
+        host = torch.empty_like(obj, device="cpu")
+        return host.pin_memory() if obj.is_cuda else host
+    if isinstance(obj, dict):
+        return {k: _host_buffers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_buffers(v) for v in obj)
+    return None  # plain values are copied at every save
+
+
+def _copy_into(src: Any, buf: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(src, torch.Tensor):
+        if isinstance(src, DTensor) != isinstance(buf, DTensor) or not isinstance(buf, torch.Tensor):
+            raise _Mismatch
+        local_src, local_buf = (src.to_local(), buf.to_local()) if isinstance(src, DTensor) else (src, buf)
+        if local_src.shape != local_buf.shape or local_src.dtype != local_buf.dtype or src.shape != buf.shape:
+            raise _Mismatch
+        local_buf.copy_(local_src, non_blocking=local_src.is_cuda)
+        return buf
+    if isinstance(src, dict):
+        if not isinstance(buf, dict) or buf.keys() != src.keys():
+            raise _Mismatch
+        return {k: _copy_into(v, buf[k]) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        if not isinstance(buf, (list, tuple)) or len(buf) != len(src):
+            raise _Mismatch
+        return type(src)(_copy_into(v, b) for v, b in zip(src, buf))
+    return copy.deepcopy(src)
+
+
+def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
+                   check: LoadCheck | None = None) -> None:
+    fresh = not optimizer.state
+    # Moments to load into, allocated without an optimizer step (torch steps on zero gradients where it cannot).
+    created = fresh and fastio.init_optimizer_state(optimizer)
+    try:
+        state = get_optimizer_state_dict(model, optimizer)
+        own = [group["params"] for group in state["param_groups"]]
+        _load(state, path, _reader(path, TORCH_SAVE, check), process_group, strict_keys=False)
+        # each group's parameter names are this rank's, whatever the saving ranks held (one pipeline stage's, once
+        # saved: ranks that hold different parameters write them under one key)
+        for group, params in zip(state["param_groups"], own):
+            group["params"] = params
+    except BaseException:
+        if created:  # never leave the uninitialised moments behind
+            optimizer.state.clear()
+        raise
+    set_optimizer_state_dict(model, optimizer, state)

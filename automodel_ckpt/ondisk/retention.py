@@ -1,0 +1,121 @@
+"""Which checkpoints pruning deletes: a pure policy over checkpoint records, pointer targets and the config's rules.
+
+Nothing here touches the filesystem, so the rule can be stated, tested and property-checked on plain values:
+
+* pruning is active only when ``max_recent_checkpoints`` or ``save_top_k`` is set; otherwise every checkpoint
+  is kept (``keep_steps`` alone only protects, it never causes a deletion);
+* when active, a complete checkpoint survives if ANY of these keeps it:
+  - it is one of the ``max_recent_checkpoints`` newest complete checkpoints (by step);
+  - it is one of the ``save_top_k`` best by the monitored metric (finite values only; ties go to the earlier step);
+  - its step is one of ``keep_steps``;
+  - a pointer (LATEST, LOWEST_VAL) targets it;
+  - it is the newest complete checkpoint;
+* a checkpoint still being written (incomplete) is never counted, ranked or deleted.
+
+The same "better" relation decides when LOWEST_VAL moves (``is_better``), so the best checkpoint by the monitor is
+always the one LOWEST_VAL designates and ``save_top_k: 1`` keeps exactly that one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from automodel_ckpt.ondisk import layout
+from automodel_ckpt.errors import ConfigError
+
+_MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """The retention rules of the `checkpoint:` section (None: that rule is not set)."""
+
+    max_recent: int | None = None
+    top_k: int | None = None
+    mode: str = "min"
+    keep_steps: frozenset[int] = frozenset()
+
+    @property
+    def prunes(self) -> bool:
+        """Whether any rule can delete a checkpoint (without one, everything is kept)."""
+        return self.max_recent is not None or self.top_k is not None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RetentionPolicy:
+        return cls(
+            max_recent=cfg.max_recent_checkpoints,
+            top_k=cfg.save_top_k,
+            mode=cfg.mode,
+            keep_steps=frozenset(int(s) for s in (cfg.keep_steps or ())),
+        )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the policy needs to know about one checkpoint."""
+
+    name: str
+    step: int
+    metric: float | None = None  # the monitored value; None or non-finite: never ranked
+    complete: bool = True  # False while it is still being written (a staging folder)
+
+
+def _is_finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def is_better(candidate: float | None, current: float | None, mode: str) -> bool:
+    """Whether ``candidate`` beats ``current``: finite, and strictly better (or ``current`` has no finite value)."""
+    if not _is_finite(candidate):
+        return False
+    if not _is_finite(current):
+        return True
+    return candidate < current if mode == "min" else candidate > current  # type: ignore[operator]
+
+
+def survivors(records: Iterable[Candidate], policy: RetentionPolicy, protected: Iterable[str] = ()) -> set[str]:
+    """Names of the complete checkpoints that pruning keeps; ``protected`` holds the pointer targets."""
+    complete = sorted((r for r in records if r.complete), key=lambda r: r.step)
+    names = {r.name for r in complete}
+    if not policy.prunes or not complete:
+        return names
+    keep = names & set(protected)
+    keep.add(complete[-1].name)
+    if policy.max_recent is not None and policy.max_recent > 0:
+        keep.update(r.name for r in complete[-policy.max_recent:])
+    if policy.top_k is not None and policy.top_k > 0:
+        sign = 1.0 if policy.mode == "min" else -1.0
+        ranked = sorted((r for r in complete if _is_finite(r.metric)), key=lambda r: (sign * r.metric, r.step))
+        keep.update(r.name for r in ranked[: policy.top_k])
+    keep.update(r.name for r in complete if r.step in policy.keep_steps)
+    return keep
+
+
+def to_delete(records: Iterable[Candidate], policy: RetentionPolicy, protected: Iterable[str] = ()) -> list[str]:
+    """Names of the complete checkpoints pruning deletes, oldest first."""
+    records = list(records)
+    keep = survivors(records, policy, protected)
+    return [r.name for r in sorted(records, key=lambda r: r.step) if r.complete and r.name not in keep]
+
+
+# --- config validation -------------------------------------------------------------------------------------
+
+
+def check_retention_config(cfg: Any) -> None:
+    """ConfigError (one line, naming the key) for retention, best-checkpoint and name-template values."""
+    for key in ("max_recent_checkpoints", "save_top_k"):
+        value = getattr(cfg, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"checkpoint.{key}: expected a non-negative integer or null, got {value!r}")
+    for step in cfg.keep_steps or ():
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"checkpoint.keep_steps: expected a list of non-negative steps, got {step!r}")
+    if cfg.mode not in _MODES:
+        raise ConfigError(f"checkpoint.mode: expected min or max, got '{cfg.mode}'")
+    if not str(cfg.monitor or "").strip():
+        raise ConfigError("checkpoint.monitor: must name a validation metric, e.g. val_loss")
+    if cfg.best_metric_key is not None and not str(cfg.best_metric_key).strip():
+        raise ConfigError("checkpoint.best_metric_key: must name a validation set, or be null")
+    layout.check_name_template(cfg.name_template)
