@@ -50,7 +50,7 @@ def _raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Ite
         return
     from automodel_ckpt.ondisk import catalog
     from automodel_ckpt.distributed import collective
-    from automodel_ckpt.checkpoint.save import lifecycle
+    from automodel_ckpt.checkpoint.storage import lifecycle
 
     def settle() -> str:
         newest = catalog.latest_checkpoint(checkpoint_dir)

@@ -12,7 +12,7 @@ from automodel_ckpt.ondisk.durable import unwritable
 from automodel_ckpt.ondisk.quarantine import quarantine
 from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.objectstore import fetch_collectively, localize, source_of
-from automodel_ckpt.checkpoint.save import lifecycle
+from automodel_ckpt.checkpoint.storage import lifecycle
 from automodel_ckpt.checkpoint.storage.runlock import RunLock, hold
 from automodel_ckpt.errors import CheckpointError
 

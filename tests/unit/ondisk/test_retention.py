@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from automodel_ckpt.ondisk import catalog, layout
-from automodel_ckpt.checkpoint.save import lifecycle
+from automodel_ckpt.checkpoint.storage import lifecycle
 from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk.metadata import build_metadata, read_metadata, write_metadata

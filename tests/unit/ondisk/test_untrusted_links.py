@@ -19,7 +19,7 @@ import pytest
 from automodel_ckpt.ondisk import catalog, durable, layout, manifest, paths
 from automodel_ckpt.ondisk.quarantine import quarantine
 from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata
-from automodel_ckpt.checkpoint.save.lifecycle import discard_staging, prune, reserve
+from automodel_ckpt.checkpoint.storage.lifecycle import discard_staging, prune, reserve
 from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.errors import CheckpointError, UserError

@@ -18,7 +18,7 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.ondisk.durable import remove_tree
 from automodel_ckpt.ondisk.retention import RetentionPolicy
-from automodel_ckpt.checkpoint.save import lifecycle
+from automodel_ckpt.checkpoint.storage import lifecycle
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.nodelocal import abandon, localdir, replicate
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import folder_id
