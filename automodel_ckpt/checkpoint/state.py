@@ -15,11 +15,13 @@ The rule is deliberately small so it can be stated in one sentence in the docs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from torch import nn
 from torch.optim import Optimizer
+
+from automodel_ckpt.ondisk.formats.peft import is_peft_model
 
 _MODEL = "model"
 _OPTIMIZER = "optimizer"
@@ -51,19 +53,19 @@ def _kind_of(value: Any) -> str:
 
 @dataclass
 class StatePlan:
-    """Discovered state grouped by how it is stored; ``model_for`` pairs each optimizer with its model."""
+    """Discovered state grouped by how it is stored, decided once per save (``plan_state``); ``model_for`` pairs
+    each optimizer with its model."""
 
     models: dict[str, nn.Module]
     optimizers: dict[str, Optimizer]
     per_rank: dict[str, Any]
     global_: dict[str, Any]
+    adapters: frozenset[str] = field(default_factory=frozenset)  # models saved as PEFT adapter folders
 
     @property
     def has_peft(self) -> bool:
         """Whether a model of the plan is a PEFT model (its checkpoint is an adapter folder)."""
-        from automodel_ckpt.ondisk.formats.peft import is_peft_model
-
-        return any(is_peft_model(m) for m in self.models.values())
+        return bool(self.adapters)
 
     def model_for(self, optimizer_name: str) -> nn.Module:
         """The one model, or with several (a policy and its reference) the one named ``model``."""
@@ -82,4 +84,5 @@ def plan_state(states: dict[str, Any]) -> StatePlan:
     groups = {_MODEL: plan.models, _OPTIMIZER: plan.optimizers, _RANK: plan.per_rank, _GLOBAL: plan.global_}
     for name, value in states.items():
         groups[_kind_of(value)][name] = value
+    plan.adapters = frozenset(name for name, model in plan.models.items() if is_peft_model(model))
     return plan

@@ -20,7 +20,6 @@ from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_tree
 from automodel_ckpt.ondisk.layout import render_name
 from automodel_ckpt.ondisk.retention import RetentionPolicy
-from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.formats import sharded
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.save import diskfull, hf_files, local_files, overlap
@@ -130,7 +129,7 @@ class SaveWriter:
         fmt, staged = self.cfg.model_save_format, []
         for attr, model in plan.models.items():
             folder = staging / layout.state_dir(attr)
-            if peft_format.is_peft_model(model):
+            if attr in plan.adapters:
                 if fmt != sharded.SAFETENSORS:
                     self.policy.warn_once("peft_format", f"checkpoint.model_save_format={fmt} does not apply to "
                                           "PEFT models; saving the adapter in Hugging Face PEFT format (safetensors)")
