@@ -322,9 +322,10 @@ class HostStager:
 
 def release_pinned() -> None:
     """Give the pinned host blocks no tensor uses back to the OS (torch's host caching allocator keeps them); a
-    no-op where no accelerator is in use."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.accelerator.memory.empty_host_cache()
+    no-op where no accelerator is in use, and where torch has no such call (before 2.13: the blocks stay cached)."""
+    empty = getattr(getattr(torch.accelerator, "memory", None), "empty_host_cache", None)
+    if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty()
 
 
 class _Mismatch(Exception):
