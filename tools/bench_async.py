@@ -271,6 +271,7 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # also after a failure: the next repetition must not resume from it
     if proc.returncode != 0:
         return {"mode": mode, "failed": (proc.stdout + proc.stderr)[-2000:]}
     timings = json.loads((out / "rank0.json").read_text())
@@ -279,7 +280,6 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
     timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
     timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
     return timings
 
 
