@@ -44,6 +44,7 @@ class TorchStagedSaves:
         from torch.distributed.checkpoint.staging import DefaultStager
 
         self.stager = DefaultStager(staging_options(torch.cuda.is_available() and torch.cuda.is_initialized()))
+        _copy_types_as_is(self.stager)
         self.group = process_group
         self.staged: Future | None = None
         self.durable: Future | None = None
@@ -79,6 +80,14 @@ class TorchStagedSaves:
         self.wait()
         self._hook.remove()
         self.stager.close()
+
+
+def _copy_types_as_is(stager: Any) -> None:
+    """torch before 2.13: the stager's copy has no case for a class object met inside the state (``KeyError:
+    <class 'type'>``); a class is kept as it is, as torch 2.13 does."""
+    dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    if isinstance(dispatch, dict):
+        dispatch.setdefault(type, lambda x, _memo: x)
 
 
 def _steady(saves: list[dict]) -> list[dict]:
