@@ -16,6 +16,7 @@ complete (``AsyncSaveResponse.staging_completion``), so forward and backward ove
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from concurrent.futures import Future
@@ -43,8 +44,9 @@ class TorchStagedSaves:
     def __init__(self, optimizer: torch.optim.Optimizer, process_group: Any) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager
 
+        if _version() < (2, 13):
+            _copy_types_as_is()
         self.stager = DefaultStager(staging_options(torch.cuda.is_available() and torch.cuda.is_initialized()))
-        _copy_types_as_is(self.stager)
         self.group = process_group
         self.staged: Future | None = None
         self.durable: Future | None = None
@@ -82,12 +84,25 @@ class TorchStagedSaves:
         self.stager.close()
 
 
-def _copy_types_as_is(stager: Any) -> None:
+def _copy_types_as_is() -> None:
     """torch before 2.13: the stager's copy has no case for a class object met inside the state (``KeyError:
     <class 'type'>``); a class is kept as it is, as torch 2.13 does."""
-    dispatch = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-    if isinstance(dispatch, dict):
-        dispatch.setdefault(type, lambda x, _memo: x)
+    from torch.distributed.checkpoint import _state_dict_stager
+
+    cls = _state_dict_stager.StateDictStager
+    copy = cls.deepcopy_with_tensor_offload
+    if getattr(copy, "types_as_is", False):
+        return
+
+    def copy_types_as_is(self, x, *args, **kwargs):
+        return x if isinstance(x, type) else copy(self, x, *args, **kwargs)
+
+    copy_types_as_is.types_as_is = True
+    cls.deepcopy_with_tensor_offload = copy_types_as_is
+
+
+def _version() -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
 
 
 def _steady(saves: list[dict]) -> list[dict]:
