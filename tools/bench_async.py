@@ -65,7 +65,7 @@ STAGERS = {"ours": ("none", "sync", "async"), "torch": ("none", "sync", "torch_s
            "both": ("none", "sync", "async", "torch_stager")}
 HIDDEN, INTERMEDIATE, VOCAB = 768, 3456, 64
 SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "layers": 2, "steps": 5, "every": 2,
-         "modes": ("none", "sync", "async", "dcp_thread")}
+         "modes": ("none", "sync", "async", "dcp_thread", "torch_stager")}
 
 RECIPE = """\
 recipe: {recipe}
@@ -172,8 +172,10 @@ class BenchRecipe(FinetuneRecipe):
             durable.add_done_callback(lambda _f, r=record: r.__setitem__("durable", time.perf_counter() - returned))
         if job is not None:
             self._jobs.append((record, job))
-        if self._mode == bench_async_torch.MODE:
+        if self._mode == bench_async_torch.MODE:  # its background copy: until the staged state is complete
             self._torch_record = record
+            self._torch.staged.add_done_callback(lambda _f, r=record: r.__setitem__("capture",
+                                                                                     time.perf_counter() - returned))
         self._timings["saves"].append(record)
         return path
 
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.small:
         args.hidden, args.intermediate, args.heads = SMALL["hidden"], SMALL["intermediate"], SMALL["heads"]
         args.layers, args.steps, args.every, args.reps = SMALL["layers"], SMALL["steps"], SMALL["every"], 1
-        modes = [m for m in modes if m in SMALL["modes"] or args.stager]
+        modes = [m for m in modes if m in SMALL["modes"]]
     bad = sorted({t.strip() for t in args.tracking.split(",") if t.strip()} - set(TRACKING))
     if bad:
         parser.error(f"--tracking: unknown {', '.join(bad)} (choose from {', '.join(TRACKING)})")

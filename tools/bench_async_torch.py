@@ -16,7 +16,6 @@ complete (``AsyncSaveResponse.staging_completion``), so forward and backward ove
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from concurrent.futures import Future
@@ -44,8 +43,6 @@ class TorchStagedSaves:
     def __init__(self, optimizer: torch.optim.Optimizer, process_group: Any) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager
 
-        if _version() < (2, 13):
-            _copy_types_as_is()
         self.stager = DefaultStager(staging_options(torch.cuda.is_available() and torch.cuda.is_initialized()))
         self.group = process_group
         self.staged: Future | None = None
@@ -84,27 +81,6 @@ class TorchStagedSaves:
         self.stager.close()
 
 
-def _copy_types_as_is() -> None:
-    """torch before 2.13: the stager's copy has no case for a class object met inside the state (``KeyError:
-    <class 'type'>``); a class is kept as it is, as torch 2.13 does."""
-    from torch.distributed.checkpoint import _state_dict_stager
-
-    cls = _state_dict_stager.StateDictStager
-    copy = cls.deepcopy_with_tensor_offload
-    if getattr(copy, "types_as_is", False):
-        return
-
-    def copy_types_as_is(self, x, *args, **kwargs):
-        return x if isinstance(x, type) else copy(self, x, *args, **kwargs)
-
-    copy_types_as_is.types_as_is = True
-    cls.deepcopy_with_tensor_offload = copy_types_as_is
-
-
-def _version() -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
-
-
 def _steady(saves: list[dict]) -> list[dict]:
     body = [s for s in saves if not s["final"]]
     return body[1:] or body
@@ -121,10 +97,12 @@ def compare(results: dict[str, list[dict]]) -> dict:
     for mode in (OURS, MODE):
         saves = [s for r in ok[mode] for s in _steady(r["saves"])]
         durable = [s["durable"] for s in saves if s.get("durable") is not None]
+        copy = [s["capture"] for s in saves if s.get("capture") is not None]
         out[mode] = {
             "blocked": statistics.median(s["stall"] for s in saves),
             "call": statistics.median(s["call"] for s in saves),
             "fence": statistics.median(s["fence"] for s in saves),
+            "copy": statistics.median(copy) if copy else None,
             "durable": statistics.median(durable) if durable else None,
             "peak_rss": statistics.median(r["peak_rss_bytes"] for r in ok[mode]),
             "peak_rss_over_none": (statistics.median(r["peak_rss_bytes"] for r in ok[mode])
@@ -150,12 +128,13 @@ def compare_table(cmp: dict, ratios: dict) -> str:
     def sec(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    rows = ["| staging | training blocked (s) | of which: save call | fence wait | until durable (s) | "
-            "peak RSS vs none (MiB) | tokens/s lost |", "|---|---|---|---|---|---|---|"]
+    rows = ["| staging | training blocked (s) | of which: save call | fence wait | background copy (s) | "
+            "until durable (s) | peak RSS vs none (MiB) | tokens/s lost |", "|---|---|---|---|---|---|---|---|"]
     for mode, name in ((OURS, "ours (`async`)"), (MODE, "torch `DefaultStager` (`torch_stager`)")):
         c, lost = cmp[mode], ratios.get(f"run_overhead_{mode}")
-        rows.append(f"| {name} | {sec(c['blocked'])} | {sec(c['call'])} | {sec(c['fence'])} | {sec(c['durable'])} "
-                    f"| {mb(c['peak_rss_over_none'])} | {'-' if lost is None else f'{100 * lost:+.1f}%'} |")
+        rows.append(f"| {name} | {sec(c['blocked'])} | {sec(c['call'])} | {sec(c['fence'])} | {sec(c['copy'])} "
+                    f"| {sec(c['durable'])} | {mb(c['peak_rss_over_none'])} | "
+                    f"{'-' if lost is None else f'{100 * lost:+.1f}%'} |")
     ratio = cmp["torch_over_ours"]
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     rows += ["", f"torch / ours (median, steady state): training blocked {fmt(ratio['blocked'])}, "

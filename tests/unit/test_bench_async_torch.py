@@ -22,7 +22,8 @@ def bench():
 def _run(blocked: float, durable: float, rss: int) -> dict:
     """Three saves: the first (allocates its copy: slow, left out) and the final one are not steady state."""
     saves = [{"stall": 9.0, "call": 9.0, "fence": 0.0, "durable": 9.0, "final": False},
-             {"stall": blocked, "call": blocked / 2, "fence": blocked / 2, "durable": durable, "final": False},
+             {"stall": blocked, "call": blocked / 2, "fence": blocked / 2, "durable": durable, "capture": blocked,
+              "final": False},
              {"stall": 9.0, "call": 9.0, "fence": 0.0, "durable": None, "final": True}]
     return {"saves": saves, "peak_rss_bytes": rss}
 
@@ -37,7 +38,7 @@ def test_compare_takes_steady_saves_and_reports_torch_over_ours(bench):
     assert cmp["async"]["peak_rss_over_none"] == 200 << 20 and cmp["torch_stager"]["peak_rss_over_none"] == 300 << 20
     assert cmp["torch_over_ours"] == {"blocked": pytest.approx(1 / 3), "durable": pytest.approx(2.0)}
     table = bench.compare_table(cmp, {"run_overhead_async": 0.1, "run_overhead_torch_stager": 0.2})
-    assert "| ours (`async`) | 0.300 | 0.150 | 0.150 | 3.000 | +200 | +10.0% |" in table
+    assert "| ours (`async`) | 0.300 | 0.150 | 0.150 | 0.300 | 3.000 | +200 | +10.0% |" in table
     assert "training blocked 0.33, until durable 2.00" in table
 
 
