@@ -30,8 +30,10 @@ Reported as ratios:
 * ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
   whose cores training keeps busy, this is what the checkpoints take from training;
 * ``staging``: ours (``async``) against torch's (``torch_stager``), medians of the steady-state saves: training
-  blocked (save call + fence wait), until durable (from the call's return to the checkpoint written and synced:
-  ours also publishes it), peak RSS of rank 0 over the ``none`` runs, and the ratios torch / ours.
+  blocked (save call + fence wait), the background copy, until durable (from the call's return to the checkpoint
+  written and synced: ours also publishes it), the step after a save and the steps while the background works
+  (what the background costs training beyond the fence), peak RSS of rank 0 over the ``none`` runs, and the
+  ratios torch / ours.
 
 ``--device cpu`` hides the GPUs (``CUDA_VISIBLE_DEVICES=``); ``--device cuda`` trains on one GPU per process.
 

@@ -86,34 +86,49 @@ def _steady(saves: list[dict]) -> list[dict]:
     return body[1:] or body
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _next_steps(run: dict, saves: list[dict]) -> list[float]:
+    """How long the step after each of ``saves`` took (forward, backward, the fence wait and the optimizer step):
+    what a background copy and write cost training beyond the save call, fence or slower step alike."""
+    steps = run.get("steps", [])
+    return [steps[s["step"]]["seconds"] for s in saves if s["step"] < len(steps)]
+
+
+def _contender(runs: list[dict], none: list[dict]) -> dict:
+    saves = [s for r in runs for s in _steady(r["saves"])]
+    firsts = [(r, [s for s in r["saves"] if not s["final"]][:1]) for r in runs]
+    rss, rss_none = _median([r["peak_rss_bytes"] for r in runs]), _median([r["peak_rss_bytes"] for r in none])
+    return {
+        "blocked": _median([s["stall"] for s in saves]),
+        "call": _median([s["call"] for s in saves]),
+        "fence": _median([s["fence"] for s in saves]),
+        "copy": _median([s["capture"] for s in saves if s.get("capture") is not None]),
+        "durable": _median([s["durable"] for s in saves if s.get("durable") is not None]),
+        "next_step": _median([t for r in runs for t in _next_steps(r, _steady(r["saves"]))]),
+        "first_next_step": _median([t for r, first in firsts for t in _next_steps(r, first)]),
+        "busy_step": _median([x["seconds"] for r in runs for x in r.get("steps", [])[1:] if x["background"]]),
+        "peak_rss": rss,
+        "peak_rss_over_none": rss - rss_none if rss_none is not None else None,
+    }
+
+
 def compare(results: dict[str, list[dict]]) -> dict:
-    """Ours (``async``) against torch's staging (``torch_stager``), each the median over the steady-state saves
-    of every repetition: training blocked, until durable, peak RSS over the ``none`` runs. Empty when either
-    contender did not run."""
+    """Ours (``async``) against torch's staging (``torch_stager``), medians over the steady-state saves of every
+    repetition: training blocked (save call + fence), background copy, until durable, the step after a save, the
+    steps while the background works, peak RSS over the ``none`` runs; and the ratios torch / ours. Empty when
+    either contender did not run."""
     ok = {m: [r for r in runs if "failed" not in r] for m, runs in results.items()}
     if not ok.get(OURS) or not ok.get(MODE):
         return {}
-    out: dict = {}
-    for mode in (OURS, MODE):
-        saves = [s for r in ok[mode] for s in _steady(r["saves"])]
-        durable = [s["durable"] for s in saves if s.get("durable") is not None]
-        copy = [s["capture"] for s in saves if s.get("capture") is not None]
-        out[mode] = {
-            "blocked": statistics.median(s["stall"] for s in saves),
-            "call": statistics.median(s["call"] for s in saves),
-            "fence": statistics.median(s["fence"] for s in saves),
-            "copy": statistics.median(copy) if copy else None,
-            "durable": statistics.median(durable) if durable else None,
-            "peak_rss": statistics.median(r["peak_rss_bytes"] for r in ok[mode]),
-            "peak_rss_over_none": (statistics.median(r["peak_rss_bytes"] for r in ok[mode])
-                                   - statistics.median(r["peak_rss_bytes"] for r in ok["none"])
-                                   if ok.get("none") else None),
-        }
+    none = ok.get("none", [])
+    out: dict = {mode: _contender(ok[mode], none) for mode in (OURS, MODE)}
+    out["none_step"] = _median([x["seconds"] for r in none for x in r.get("steps", [])[1:]])
     ours, theirs = out[OURS], out[MODE]
-    out["torch_over_ours"] = {
-        "blocked": theirs["blocked"] / ours["blocked"] if ours["blocked"] else None,
-        "durable": theirs["durable"] / ours["durable"] if ours["durable"] and theirs["durable"] else None,
-    }
+    out["torch_over_ours"] = {key: theirs[key] / ours[key] if ours[key] and theirs[key] is not None else None
+                              for key in ("blocked", "durable", "next_step", "peak_rss_over_none")}
     return out
 
 
@@ -128,15 +143,19 @@ def compare_table(cmp: dict, ratios: dict) -> str:
     def sec(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    rows = ["| staging | training blocked (s) | of which: save call | fence wait | background copy (s) | "
-            "until durable (s) | peak RSS vs none (MiB) | tokens/s lost |", "|---|---|---|---|---|---|---|---|"]
+    def times(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = ["| staging | training blocked (s) | of which: fence wait | background copy (s) | until durable (s) | "
+            "step after a save (s) | after the first save | steps while writing (s) | peak RSS vs none (MiB) | "
+            "tokens/s lost |", "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, name in ((OURS, "ours (`async`)"), (MODE, "torch `DefaultStager` (`torch_stager`)")):
         c, lost = cmp[mode], ratios.get(f"run_overhead_{mode}")
-        rows.append(f"| {name} | {sec(c['blocked'])} | {sec(c['call'])} | {sec(c['fence'])} | {sec(c['copy'])} "
-                    f"| {sec(c['durable'])} | {mb(c['peak_rss_over_none'])} | "
-                    f"{'-' if lost is None else f'{100 * lost:+.1f}%'} |")
+        rows.append(f"| {name} | {sec(c['blocked'])} | {sec(c['fence'])} | {sec(c['copy'])} | {sec(c['durable'])} "
+                    f"| {sec(c['next_step'])} | {sec(c['first_next_step'])} | {sec(c['busy_step'])} "
+                    f"| {mb(c['peak_rss_over_none'])} | {'-' if lost is None else f'{100 * lost:+.1f}%'} |")
     ratio = cmp["torch_over_ours"]
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    rows += ["", f"torch / ours (median, steady state): training blocked {fmt(ratio['blocked'])}, "
-                 f"until durable {fmt(ratio['durable'])}"]
+    rows += ["", f"a step without checkpoints (median): {sec(cmp['none_step'])} s; torch / ours (median, steady "
+                 f"state): training blocked {times(ratio['blocked'])}, until durable {times(ratio['durable'])}, "
+                 f"step after a save {times(ratio['next_step'])}, peak RSS added {times(ratio['peak_rss_over_none'])}"]
     return "\n".join(rows)
