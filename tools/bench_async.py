@@ -329,7 +329,7 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
             where = f"step {s['step']}" + (f" (run {rep + 1})" if len(results["sync"]) > 1 else "")
             rows.append(f"| {where} | {s['stall']:.3f} | {a['stall']:.3f} | {a['fence']:.3f} | "
                         f"{100 * a['stall'] / s['stall']:.1f}% | {cap} | {bg} |")
-    lines = ["\n".join(rows), ""]
+    lines = ["\n".join(rows), ""] if len(rows) > 2 else []  # per checkpoint: only with both sync and async
     if ratios.get("stall_over_sync") is not None:
         lines.append(f"stall_over_sync (median, steady state): {100 * ratios['stall_over_sync']:.1f}%")
     lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints | CPU s per checkpoint | "
