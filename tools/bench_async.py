@@ -11,7 +11,10 @@ tiny task once per mode, checkpointing every ``--every`` steps:
 * ``sync``: ``checkpoint.is_async: false``;
 * ``async``: ``checkpoint.is_async: true`` (this project's overlapped snapshot);
 * ``dcp_thread`` / ``dcp_process``: ``torch.distributed.checkpoint.async_save`` of the same model and optimizer
-  state, in its thread and process modes (each waits for the previous one before starting the next).
+  state, in its thread and process modes (each waits for the previous one before starting the next);
+* ``torch_stager``: the same through ``async_save`` with torch's own staging, a kept ``DefaultStager`` copying in
+  the background behind the same optimizer-step fence as ``async`` (pinned memory on CUDA; bench_async_torch.py).
+  ``--stager torch|ours|both`` runs it, ``async`` or both against ``none`` and ``sync``, for the table below.
 
 Rank 0 records, per checkpoint, the ``stall``: the wall time the training thread lost to it (the save call, plus
 for ``async`` the time the next ``optimizer.step()`` waited at the fence for the background copy), and per run the
@@ -25,7 +28,14 @@ Reported as ratios:
 * ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` runs (median steps/s over the
   repetitions; ``run_overhead_async``, ...);
 * ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
-  whose cores training keeps busy, this is what the checkpoints take from training.
+  whose cores training keeps busy, this is what the checkpoints take from training;
+* ``staging``: ours (``async``) against torch's (``torch_stager``), medians of the steady-state saves: training
+  blocked (save call + fence wait), the background copy, until durable (from the call's return to the checkpoint
+  written and synced: ours also publishes it), the step after a save and the steps while the background works
+  (what the background costs training beyond the fence), peak RSS of rank 0 over the ``none`` runs, and the
+  ratios torch / ours.
+
+``--device cpu`` hides the GPUs (``CUDA_VISIBLE_DEVICES=``); ``--device cuda`` trains on one GPU per process.
 
 ``--json OUT`` writes these (and the raw numbers) to OUT. Not a test: the default takes about ten minutes here.
 """
@@ -36,6 +46,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -44,13 +55,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_async_torch beside this file
+
+import bench_async_torch  # noqa: E402
+
+from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "sync", "async", "dcp_thread", "dcp_process")
+MODES = ("none", "sync", "async", "dcp_thread", "dcp_process", "torch_stager")
+STAGERS = {"ours": ("none", "sync", "async"), "torch": ("none", "sync", "torch_stager"),
+           "both": ("none", "sync", "async", "torch_stager")}
 HIDDEN, INTERMEDIATE, VOCAB = 768, 3456, 64
 SMALL = {"hidden": 64, "intermediate": 128, "heads": 4, "layers": 2, "steps": 5, "every": 2,
-         "modes": ("none", "sync", "async", "dcp_thread")}
+         "modes": ("none", "sync", "async", "dcp_thread", "torch_stager")}
 
 RECIPE = """\
 recipe: {recipe}
@@ -87,6 +104,7 @@ optimizer:
   lr: 1.0e-4
 training:
   progress_bar: false
+  compile: false
 checkpoint:
   checkpoint_dir: {ckpt_dir}
   model_save_format: safetensors
@@ -98,8 +116,8 @@ checkpoint:
 class BenchRecipe(FinetuneRecipe):
     """The fine-tuning recipe, timing its steps and checkpoints into ``$BENCH_ASYNC_OUT`` (one JSON per rank).
 
-    ``$BENCH_ASYNC_MODE`` (see ``MODES``) picks how it checkpoints: ``none`` skips saves, ``dcp_*`` saves through
-    ``dcp.async_save`` instead of the checkpointer.
+    ``$BENCH_ASYNC_MODE`` (see ``MODES``) picks how it checkpoints: ``none`` skips saves, ``dcp_*`` and
+    ``torch_stager`` save through ``dcp.async_save`` instead of the checkpointer.
     """
 
     def setup(self) -> None:
@@ -109,7 +127,9 @@ class BenchRecipe(FinetuneRecipe):
         self._jobs: list = []  # (save record, async job) to read the fence time from
         self._dcp_future = None
         self._dcp_group = None
-        if self._mode == "dcp_thread":
+        self._torch: bench_async_torch.TorchStagedSaves | None = None
+        self._torch_record: dict | None = None  # the torch_stager save whose fence wait is still being counted
+        if self._mode in ("dcp_thread", bench_async_torch.MODE):
             import torch.distributed as dist
 
             self._dcp_group = dist.new_group(backend="gloo")
@@ -134,6 +154,8 @@ class BenchRecipe(FinetuneRecipe):
         path = None
         if self._mode.startswith("dcp_"):
             self._dcp_save(info)
+        elif self._mode == bench_async_torch.MODE:
+            self._torch_save(info)
         elif self._mode != "none":
             path = super().save_checkpoint(info)
         returned = time.perf_counter()
@@ -143,12 +165,19 @@ class BenchRecipe(FinetuneRecipe):
             record |= {"phases": dict(self.checkpointer.last_save_seconds),
                        "complete": dict(self.checkpointer.last_complete_seconds)}
         job = self.checkpointer.background
-        done = self._dcp_future if self._mode.startswith("dcp_") else (
+        done = self._dcp_future if self._mode.startswith("dcp_") or self._mode == bench_async_torch.MODE else (
             job.writes[-1] if job is not None and job.writes else None)
+        durable = job.completed if job is not None and job.completed is not None else done
         if done is not None:
             done.add_done_callback(lambda _f, r=record: r.__setitem__("background", time.perf_counter() - returned))
+        if durable is not None:
+            durable.add_done_callback(lambda _f, r=record: r.__setitem__("durable", time.perf_counter() - returned))
         if job is not None:
             self._jobs.append((record, job))
+        if self._mode == bench_async_torch.MODE:  # its background copy: until the staged state is complete
+            self._torch_record = record
+            self._torch.staged.add_done_callback(lambda _f, r=record: r.__setitem__("capture",
+                                                                                     time.perf_counter() - returned))
         self._timings["saves"].append(record)
         return path
 
@@ -166,11 +195,34 @@ class BenchRecipe(FinetuneRecipe):
                                   process_group=self._dcp_group, async_checkpointer_type=kind)
         self._dcp_future = getattr(response, "upload_completion", response)
 
+    def _torch_save(self, info) -> None:
+        """``torch_stager``: the model and optimizer state through ``async_save`` with a kept ``DefaultStager``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self._torch is None:
+            self._torch = bench_async_torch.TorchStagedSaves(self.optimizer, self._dcp_group)
+        self._torch.wait()  # one save in flight, as with the checkpointer
+        self._end_torch_fence()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        folder = Path(self.checkpoint_config.checkpoint_dir) / f"torch_step_{info.step}"
+        self._dcp_future = self._torch.save({"model": model_sd, "optim": optim_sd}, folder)
+
+    def _end_torch_fence(self) -> None:
+        """The torch_stager save in flight: its fence wait is final (the next save or the end of the run)."""
+        if self._torch is not None and self._torch_record is not None:
+            self._torch_record["fence"] = self._torch.fence_seconds
+            self._torch_record["stall"] = self._torch_record["call"] + self._torch.fence_seconds
+            self._torch_record = None
+
     def finalize_checkpoints(self):
         t0 = time.perf_counter()
         if self._dcp_future is not None:
             self._dcp_future.result()
             self._dcp_future = None
+        if self._torch is not None:
+            self._end_torch_fence()
+            self._torch.close()
+            self._torch = None
         out = super().finalize_checkpoints()
         if self._timings["saves"]:
             self._timings["saves"][-1]["finalize"] = time.perf_counter() - t0
@@ -184,6 +236,7 @@ class BenchRecipe(FinetuneRecipe):
             record["fence"] = job.fence_seconds
             record["capture"] = job.capture_seconds
             record["stall"] = record["call"] + job.fence_seconds
+        self._timings["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         out = os.environ.get("BENCH_ASYNC_OUT")
         if out:
             Path(out, f"rank{self.env.rank}.json").write_text(json.dumps(self._timings, indent=1))
@@ -214,11 +267,15 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     out.mkdir(exist_ok=True)
     env = dict(os.environ, BENCH_ASYNC_OUT=str(out), BENCH_ASYNC_MODE=mode,
                OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(args.nproc), str(recipe_file)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # also after a failure: the next repetition must not resume from it
     if proc.returncode != 0:
         return {"mode": mode, "failed": (proc.stdout + proc.stderr)[-2000:]}
     timings = json.loads((out / "rank0.json").read_text())
@@ -227,7 +284,6 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
     timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
     timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
     return timings
 
 
@@ -273,7 +329,7 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
             where = f"step {s['step']}" + (f" (run {rep + 1})" if len(results["sync"]) > 1 else "")
             rows.append(f"| {where} | {s['stall']:.3f} | {a['stall']:.3f} | {a['fence']:.3f} | "
                         f"{100 * a['stall'] / s['stall']:.1f}% | {cap} | {bg} |")
-    lines = ["\n".join(rows), ""]
+    lines = ["\n".join(rows), ""] if len(rows) > 2 else []  # per checkpoint: only with both sync and async
     if ratios.get("stall_over_sync") is not None:
         lines.append(f"stall_over_sync (median, steady state): {100 * ratios['stall_over_sync']:.1f}%")
     lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints | CPU s per checkpoint | "
@@ -299,6 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=2, help="runs per mode, interleaved")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--stager", choices=sorted(STAGERS), default=None,
+                        help="instead of --modes: ours (async), torch (torch_stager) or both, with none and sync")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="cpu hides the GPUs; cuda trains on one per process (default: a GPU if there is one)")
     parser.add_argument("--tracking", default="", help=f"experiment trackers to log to, comma-separated, from "
                                                        f"{', '.join(TRACKING)} (default: none)")
     parser.add_argument("--small", action="store_true", help="a tiny model and few steps (checks the tool)")
@@ -306,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
     args = parser.parse_args(argv)
     args.hidden, args.intermediate, args.heads = HIDDEN, INTERMEDIATE, 12
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(STAGERS[args.stager]) if args.stager else [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.small:
         args.hidden, args.intermediate, args.heads = SMALL["hidden"], SMALL["intermediate"], SMALL["heads"]
         args.layers, args.steps, args.every, args.reps = SMALL["layers"], SMALL["steps"], SMALL["every"], 1
@@ -324,11 +384,15 @@ def main(argv: list[str] | None = None) -> dict:
     base = ensure_tiny_base(work / "tiny_llama_base")  # its tokenizer; the model is built from the config above
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU visible")
     state = _state_bytes(args.hidden, args.intermediate, args.layers)
     print(f"state: {state / 1e9:.3f} GB (weights + AdamW), {args.nproc} process(es), {args.steps} steps, a "
           f"checkpoint every {args.every}; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{os.cpu_count()} CPUs, device {args.device or ('cuda' if torch.cuda.is_available() else 'cpu')}; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    load_start = os.getloadavg()
     for rep in range(args.reps):
         for mode in modes:
             run = run_mode(work, base, args, mode)
@@ -336,9 +400,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{mode} run {rep + 1} {'failed' if 'failed' in run else 'done'} ({run.get('wall', 0):.0f} s)",
                   flush=True)
     ratios = summary(results)
+    staging = bench_async_torch.compare(results)
     print(table(results, ratios))
-    report = ratios | {"state_bytes": state, "nproc": args.nproc, "steps": args.steps, "every": args.every,
-                       "reps": args.reps, "tracking": args.tracking, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    if staging:
+        print("\n" + bench_async_torch.compare_table(staging, ratios))
+    report = ratios | {"staging": staging, "device": args.device, "state_bytes": state, "nproc": args.nproc,
+                       "steps": args.steps, "every": args.every, "reps": args.reps, "tracking": args.tracking,
+                       "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_start": load_start,
                        "load_average": os.getloadavg(), "runs": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
