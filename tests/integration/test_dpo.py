@@ -8,7 +8,9 @@ Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
   resharded from 2 ranks to 1);
 * ``lora``: 2 processes (a replicated model, whose first forward is the reference's, adapters disabled), LoRA
   with precomputed reference log-probs: straight, and stopped at step 3 then rerun;
-* ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun.
+* ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun;
+* ``local_tier``: as ``synced`` with node-local steps every 2 steps, every rank killed once the local step 4 is
+  committed (the durable tier holds step 3), then rerun: it resumes from the node-local tier.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SHORT = ("--dataset.num_samples", "600", "--validation_dataset.num_samples", "32
          "--step_scheduler.val_every_steps", "3", "--checkpoint.save_consolidated", "false",
          "--training.log_sample_ids", "true")  # warmup (10 steps) spans every run: a stop at 3 keeps the rate
 SYNC = ("--dpo.sync_ref_model", "true", "--dpo.ref_model_sync_steps", "2")
+DIE_AFTER_LOCAL_STEP = "tests.integration.fast_recovery_recipes.DieAfterLocalStepDPORecipe"
 COMPARED = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
 
 
@@ -38,9 +41,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(work: Path, assets: Path, run: str, steps: int, *extra: str, nproc: int = 1, recipe: Path = DPO_RECIPE,
-           check: bool = True):
+           check: bool = True, env: dict[str, str] | None = None):
     return ckpt_train(work, assets, *SHORT, "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps",
-                      str(steps), *extra, nproc=nproc, recipe=recipe, check=check)
+                      str(steps), *extra, nproc=nproc, recipe=recipe, check=check, env=env)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -82,6 +85,16 @@ def _resharded(work: Path, assets: Path) -> tuple[Path, str]:
     return work / "world", result.stdout
 
 
+@cache
+def _local_tier(work: Path, assets: Path) -> tuple[Path, str]:
+    local = ("--checkpoint.local.every_steps", "2", "--checkpoint.local.dir", str(work / "node_local"))
+    killed = _train(work, assets, "local_tier", 8, *SYNC, *local, "--recipe", DIE_AFTER_LOCAL_STEP, nproc=2,
+                    check=False, env={"DIE_AFTER_LOCAL_STEP": "4", "PYTHONPATH": str(REPO)})
+    assert killed.returncode != 0 and (work / "node_local" / "epoch_0_step_4").is_dir(), killed.output[-3000:]
+    assert sorted(p.name for p in (work / "local_tier").glob("epoch_*")) == ["epoch_0_step_3"]
+    return work / "local_tier", _train(work, assets, "local_tier", 8, *SYNC, *local, nproc=2).stdout
+
+
 def _lora_recipe(work: Path) -> Path:
     path = work / "lora_dpo.yaml"
     if not path.exists():
@@ -120,6 +133,15 @@ def test_a_killed_run_with_a_synced_reference_resumes_bitwise(work, assets):
     assert jsonl(killed / "validation.jsonl") == jsonl(straight / "validation.jsonl")
     for step in (3, 6):  # the reference is state once synced: saved sharded beside the policy
         assert (straight / f"epoch_0_step_{step}" / "ref_model").is_dir()
+
+
+def test_a_synced_reference_resumes_bitwise_from_the_node_local_tier(work, assets):
+    straight = _synced_straight(work, assets)
+    run, rerun = _local_tier(work, assets)
+    assert "Resumed from the node-local tier: epoch_0_step_4 (newer than the durable tier's epoch_0_step_3)" in rerun
+    assert "Reference model: restored from the checkpoint (synced 2 time(s), last at step 4)" in rerun
+    assert _numbers(run) == _numbers(straight)  # bitwise
+    assert jsonl(run / "validation.jsonl") == jsonl(straight / "validation.jsonl")
 
 
 def test_counters_are_in_the_checkpoint_and_inspect_shows_them(work, assets):
