@@ -4,10 +4,11 @@
         [--variants full,lora,precomputed,lora_sft] [--threads N] [--work DIR] [--json docs/bench/dpo.json]
 
 Every variant trains the same Llama (``tools/bench_train_peers.llama_config``: ``tiny``, ``26m``, ``120m``, ``1b``;
-and ``200m``, the issue's base size: 120m's vocabulary, 15 layers of width 1024; random init from one seed, fp32) through ``ckpt-train`` as a user runs it (``tools/bench_dpo_recipe.py`` only adds
-each rank's peak memory), on the same pairs: a 128-character prompt and two 126-character responses, so each side
-is exactly 256 tokens with the embedded character-level tokenizer; ``--pairs`` pairs per process and step (2 x that
-many sequences a forward), no accumulation, no validation, no checkpoints:
+and ``200m``, the issue's base size: 120m's vocabulary, 15 layers of width 1024; random init from one seed, fp32)
+through ``ckpt-train`` as a user runs it (``tools/bench_dpo_recipe.py`` only adds each rank's peak memory), on the
+same pairs: a 128-character prompt and two 126-character responses, so each side is exactly 256 tokens with the
+embedded character-level tokenizer; ``--pairs`` pairs per process and step (2 x that many sequences a forward), no
+accumulation, no validation, no checkpoints:
 
 * ``full``: full fine-tune, the live reference a frozen copy sharded like the policy;
 * ``lora``: LoRA (rank 16 on every projection), the reference the policy with its adapters disabled;
