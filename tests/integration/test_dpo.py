@@ -9,12 +9,14 @@ Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
 * ``lora``: 2 processes (a replicated model, whose first forward is the reference's, adapters disabled), LoRA
   with precomputed reference log-probs: straight, and stopped at step 3 then rerun;
 * ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun;
+* ``s3``: as ``frozen``, its checkpoints on S3 (SeaweedFS), rerun from an empty staging folder;
 * ``local_tier``: as ``synced`` with node-local steps every 2 steps, every rank killed once the local step 4 is
   committed (the durable tier holds step 3), then rerun: it resumes from the node-local tier.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from functools import cache
@@ -183,6 +185,23 @@ def test_a_frozen_reference_is_never_saved_and_is_rebuilt_and_checked_on_resume(
     assert f"{line}{fingerprint};" in second  # rebuilt from the base, and the same as the run recorded
     assert _numbers(work / "frozen_resumed") == _numbers(work / "frozen")
     assert not any((work / "frozen").glob("epoch_*/ref_model"))
+
+
+def test_a_run_on_object_storage_resumes_bitwise_from_a_fresh_staging_folder(work, assets, seaweed):
+    """Checkpoints on S3, stopped at step 3 and rerun to step 6 from an empty staging folder (another machine):
+    resumed from the bucket, the reference rebuilt and checked, the same numbers as the local run."""
+    first, _ = _frozen_runs(work, assets)
+    bucket = seaweed.new_bucket()
+    url, env = f"s3://{bucket}/run", seaweed.env(XDG_CACHE_HOME=str(work / "s3_cache"))
+    for steps, staging in ((3, "stage1"), (6, "stage2")):
+        out = _train(work, assets, url, steps, "--checkpoint.staging_dir", str(work / staging), env=env).stdout
+    assert f"Loading checkpoint from {url}/epoch_0_step_3" in out
+    fingerprint = first.split("(fingerprint ", 1)[1].split(";", 1)[0]
+    assert f"Reference model: a frozen copy of the starting weights (fingerprint {fingerprint};" in out
+    rows = [json.loads(line) for line in seaweed.filesystem().cat(f"{bucket}/run/training.jsonl").decode().splitlines()
+            if line]
+    assert [tuple(r[k] for k in COMPARED) for r in rows] == _numbers(work / "frozen")
+    assert seaweed.filesystem().exists(f"{bucket}/run/epoch_0_step_6/dpo.pt")
 
 
 def test_a_reference_whose_base_changed_is_refused_in_one_line(work, assets):
