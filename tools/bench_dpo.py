@@ -4,20 +4,23 @@
         [--variants full,lora,precomputed,lora_sft] [--threads N] [--work DIR] [--json docs/bench/dpo.json]
 
 Every variant trains the same Llama (``tools/bench_train_peers.llama_config``: ``tiny``, ``26m``, ``120m``, ``1b``;
-random init from one seed, fp32) through ``ckpt-train`` as a user runs it (``tools/bench_dpo_recipe.py`` only adds
-each rank's peak memory), on the same pairs: a 128-character prompt and two 126-character responses, so each side
-is exactly 256 tokens with the embedded character-level tokenizer; ``--pairs`` pairs per process and step (2 x that
-many sequences a forward), no accumulation, no validation, no checkpoints:
+and ``200m``, the issue's base size: 120m's vocabulary, 15 layers of width 1024; random init from one seed, fp32)
+through ``ckpt-train`` as a user runs it (``tools/bench_dpo_recipe.py`` only adds each rank's peak memory), on the
+same pairs: a 128-character prompt and two 126-character responses, so each side is exactly 256 tokens with the
+embedded character-level tokenizer; ``--pairs`` pairs per process and step (2 x that many sequences a forward), no
+accumulation, no validation, no checkpoints:
 
 * ``full``: full fine-tune, the live reference a frozen copy sharded like the policy;
 * ``lora``: LoRA (rank 16 on every projection), the reference the policy with its adapters disabled;
 * ``precomputed``: full fine-tune with ``dpo.precompute_ref_log_probs`` (computed once before step 1, not timed;
   no reference in memory);
+* ``lora_precomputed``: LoRA with ``dpo.precompute_ref_log_probs`` (the adapters-disabled forward done once);
 * ``lora_sft``: LoRA SFT (the fine-tune recipe) on 2 x ``--pairs`` sequences a step: the same rows a forward.
 
 Reported per variant and process count: the median step time of steps 3..N (``step_seconds`` in training.jsonl),
 the fastest step, and each rank's peak memory (``ru_maxrss``; on CUDA ``max_memory_allocated`` too), with the
-ratios the issue asks for: LoRA DPO's peak over LoRA SFT's, precomputed over live-reference step time.
+ratios the issue asks for: LoRA DPO's peak over LoRA SFT's, precomputed over live-reference step time (full
+fine-tune and LoRA).
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ import bench_train_peers as peers  # noqa: E402
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 PROMPT, RESPONSE, SEED = 128, 126, 42
-VARIANTS = ("full", "lora", "precomputed", "lora_sft")
+VARIANTS = ("full", "lora", "precomputed", "lora_precomputed", "lora_sft")
 MiB = 1 << 20
+SIZES = peers.SIZES | {"200m": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
+                                "num_hidden_layers": 15, "num_attention_heads": 16, "num_key_value_heads": 4}}
 LORA = {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                      "down_proj"]}
+
+
+def llama_config(size: str) -> dict:
+    return peers.COMMON | SIZES[size]
 
 
 def write_pairs(work: Path, count: int) -> None:
@@ -68,7 +77,7 @@ def recipe(work: Path, out: Path, size: str, variant: str, nproc: int, pairs: in
     cfg = {
         "recipe": f"{TOOLS}/bench_{'train' if sft else 'dpo'}_recipe.py:PeakMemory{'' if sft else 'DPO'}Recipe",
         "seed": SEED,
-        "model": {"_target_": "automodel_ckpt.models.build.build_causal_lm", "config": peers.llama_config(size),
+        "model": {"_target_": "automodel_ckpt.models.build.build_causal_lm", "config": llama_config(size),
                   "dtype": "float32"},
         "tokenizer": {"pretrained_model_name_or_path": str(work / "tokenizer")},
         "dataset": {"_target_": "automodel_ckpt.data.files.load_local_dataset",
@@ -79,10 +88,10 @@ def recipe(work: Path, out: Path, size: str, variant: str, nproc: int, pairs: in
         "training": {"progress_bar": False},
         "checkpoint": {"enabled": False, "checkpoint_dir": str(out / "run")},
     }
-    if variant in ("lora", "lora_sft"):
+    if variant.startswith("lora"):
         cfg["peft"] = dict(LORA)
     if not sft:
-        cfg["dpo"] = {"precompute_ref_log_probs": variant == "precomputed"}
+        cfg["dpo"] = {"precompute_ref_log_probs": variant.endswith("precomputed")}
     return cfg
 
 
@@ -130,19 +139,22 @@ def table(report: dict) -> str:
 def ratios(runs: dict, nprocs: list[int]) -> dict:
     out = {}
     for n in nprocs:
-        full, lora, pre, sft = (runs.get(f"{v}_{n}", {}) for v in VARIANTS)
+        full, lora, pre, lora_pre, sft = (runs.get(f"{v}_{n}", {}) for v in VARIANTS)
         mem = "cuda_max_allocated_mib" if sft.get("cuda_max_allocated_mib") else "peak_rss_mib"
         if lora.get(mem) and sft.get(mem):
             out[f"LoRA DPO peak / LoRA SFT peak, {n} process(es)"] = lora[mem] / sft[mem]
         if pre.get("median_step_s") and full.get("median_step_s"):
             out[f"precomputed / live reference step time, {n} process(es)"] = \
                 pre["median_step_s"] / full["median_step_s"]
+        if lora_pre.get("median_step_s") and lora.get("median_step_s"):
+            out[f"LoRA precomputed / LoRA live reference step time, {n} process(es)"] = \
+                lora_pre["median_step_s"] / lora["median_step_s"]
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="120m", choices=sorted(peers.SIZES))
+    p.add_argument("--size", default="120m", choices=sorted(SIZES))
     p.add_argument("--nprocs", default="1,2")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--pairs", type=int, default=2, help="pairs per process and step")
@@ -162,7 +174,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     write_pairs(work, max(64, 2 * args.pairs * max(nprocs) * (args.steps + 1)))
     runs = {f"{v}_{n}": run(args, work, v, n) for n in nprocs for v in variants}
-    report = {"size": args.size, "parameters": peers.parameter_count(peers.llama_config(args.size)),
+    report = {"size": args.size, "parameters": peers.parameter_count(llama_config(args.size)),
               "pairs_per_process": args.pairs, "tokens_per_sequence": 1 + PROMPT + RESPONSE + 1,
               "device": args.device, "runs": runs, "ratios": ratios(runs, nprocs)}
     print(table(report))

@@ -8,6 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from automodel_ckpt.recipes.dpo import DPORecipe
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 
@@ -134,3 +135,7 @@ class LocalFolderFaultsRecipe(FinetuneRecipe):
 
     def _mend_readonly(self):
         subprocess.run(["mount", "-o", "remount,rw", os.environ["MOUNT"]], check=True)
+
+
+class DieAfterLocalStepDPORecipe(DieAfterLocalStepRecipe, DPORecipe):
+    """``DieAfterLocalStepRecipe`` for a preference run."""

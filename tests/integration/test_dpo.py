@@ -8,11 +8,15 @@ Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
   resharded from 2 ranks to 1);
 * ``lora``: 2 processes (a replicated model, whose first forward is the reference's, adapters disabled), LoRA
   with precomputed reference log-probs: straight, and stopped at step 3 then rerun;
-* ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun.
+* ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun;
+* ``s3``: as ``frozen``, its checkpoints on S3 (SeaweedFS), rerun from an empty staging folder;
+* ``local_tier``: as ``synced`` with node-local steps every 2 steps, every rank killed once the local step 4 is
+  committed (the durable tier holds step 3), then rerun: it resumes from the node-local tier.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from functools import cache
@@ -29,6 +33,7 @@ SHORT = ("--dataset.num_samples", "600", "--validation_dataset.num_samples", "32
          "--step_scheduler.val_every_steps", "3", "--checkpoint.save_consolidated", "false",
          "--training.log_sample_ids", "true")  # warmup (10 steps) spans every run: a stop at 3 keeps the rate
 SYNC = ("--dpo.sync_ref_model", "true", "--dpo.ref_model_sync_steps", "2")
+DIE_AFTER_LOCAL_STEP = "tests.integration.fast_recovery_recipes.DieAfterLocalStepDPORecipe"
 COMPARED = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
 
 
@@ -38,9 +43,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(work: Path, assets: Path, run: str, steps: int, *extra: str, nproc: int = 1, recipe: Path = DPO_RECIPE,
-           check: bool = True):
+           check: bool = True, env: dict[str, str] | None = None):
     return ckpt_train(work, assets, *SHORT, "--checkpoint.checkpoint_dir", run, "--step_scheduler.max_steps",
-                      str(steps), *extra, nproc=nproc, recipe=recipe, check=check)
+                      str(steps), *extra, nproc=nproc, recipe=recipe, check=check, env=env)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -80,6 +85,16 @@ def _resharded(work: Path, assets: Path) -> tuple[Path, str]:
     source = _synced_straight(work, assets) / "epoch_0_step_3"
     result = _train(work, assets, "world", 8, *SYNC, "--checkpoint.restore_from", str(source), nproc=1)
     return work / "world", result.stdout
+
+
+@cache
+def _local_tier(work: Path, assets: Path) -> tuple[Path, str]:
+    local = ("--checkpoint.local.every_steps", "2", "--checkpoint.local.dir", str(work / "node_local"))
+    killed = _train(work, assets, "local_tier", 8, *SYNC, *local, "--recipe", DIE_AFTER_LOCAL_STEP, nproc=2,
+                    check=False, env={"DIE_AFTER_LOCAL_STEP": "4", "PYTHONPATH": str(REPO)})
+    assert killed.returncode != 0 and (work / "node_local" / "epoch_0_step_4").is_dir(), killed.output[-3000:]
+    assert sorted(p.name for p in (work / "local_tier").glob("epoch_*")) == ["epoch_0_step_3"]
+    return work / "local_tier", _train(work, assets, "local_tier", 8, *SYNC, *local, nproc=2).stdout
 
 
 def _lora_recipe(work: Path) -> Path:
@@ -122,6 +137,15 @@ def test_a_killed_run_with_a_synced_reference_resumes_bitwise(work, assets):
         assert (straight / f"epoch_0_step_{step}" / "ref_model").is_dir()
 
 
+def test_a_synced_reference_resumes_bitwise_from_the_node_local_tier(work, assets):
+    straight = _synced_straight(work, assets)
+    run, rerun = _local_tier(work, assets)
+    assert "Resumed from the node-local tier: epoch_0_step_4 (newer than the durable tier's epoch_0_step_3)" in rerun
+    assert "Reference model: restored from the checkpoint (synced 2 time(s), last at step 4)" in rerun
+    assert _numbers(run) == _numbers(straight)  # bitwise
+    assert jsonl(run / "validation.jsonl") == jsonl(straight / "validation.jsonl")
+
+
 def test_counters_are_in_the_checkpoint_and_inspect_shows_them(work, assets):
     straight = _synced_straight(work, assets)
     meta = yaml.safe_load((straight / "epoch_0_step_6" / "metadata.json").read_text())
@@ -161,6 +185,23 @@ def test_a_frozen_reference_is_never_saved_and_is_rebuilt_and_checked_on_resume(
     assert f"{line}{fingerprint};" in second  # rebuilt from the base, and the same as the run recorded
     assert _numbers(work / "frozen_resumed") == _numbers(work / "frozen")
     assert not any((work / "frozen").glob("epoch_*/ref_model"))
+
+
+def test_a_run_on_object_storage_resumes_bitwise_from_a_fresh_staging_folder(work, assets, seaweed):
+    """Checkpoints on S3, stopped at step 3 and rerun to step 6 from an empty staging folder (another machine):
+    resumed from the bucket, the reference rebuilt and checked, the same numbers as the local run."""
+    first, _ = _frozen_runs(work, assets)
+    bucket = seaweed.new_bucket()
+    url, env = f"s3://{bucket}/run", seaweed.env(XDG_CACHE_HOME=str(work / "s3_cache"))
+    for steps, staging in ((3, "stage1"), (6, "stage2")):
+        out = _train(work, assets, url, steps, "--checkpoint.staging_dir", str(work / staging), env=env).stdout
+    assert f"Loading checkpoint from {url}/epoch_0_step_3" in out
+    fingerprint = first.split("(fingerprint ", 1)[1].split(";", 1)[0]
+    assert f"Reference model: a frozen copy of the starting weights (fingerprint {fingerprint};" in out
+    rows = [json.loads(line) for line in seaweed.filesystem().cat(f"{bucket}/run/training.jsonl").decode().splitlines()
+            if line]
+    assert [tuple(r[k] for k in COMPARED) for r in rows] == _numbers(work / "frozen")
+    assert seaweed.filesystem().exists(f"{bucket}/run/epoch_0_step_6/dpo.pt")
 
 
 def test_a_reference_whose_base_changed_is_refused_in_one_line(work, assets):
