@@ -38,6 +38,8 @@ _EXPORTS = {
     "open_for_reading": (".storage", "open_for_reading"),
     "open_store_run": (".storage", "open_store_run"),
     "run_folder": (".storage", "run_folder"),
+    "share_run_file": (".storage", "share_run_file"),
+    "fetch_run_file": (".storage", "fetch_run_file"),
     "source_of": (".storage", "source_of"),
     "stored_files": (".storage", "stored_files"),
     "streamed_object": (".storage", "streamed_object"),
@@ -61,8 +63,9 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.restore.hf_weights import in_memory_names, load_hf_weights, local_part
     from automodel_ckpt.checkpoint.restore.initial_weights import load_hf_folder
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
-    from automodel_ckpt.checkpoint.storage import (open_filesystem, open_for_reading, open_store_run, run_folder,
-                                                   source_of, stored_files, streamed_object, upload_folder)
+    from automodel_ckpt.checkpoint.storage import (fetch_run_file, open_filesystem, open_for_reading, open_store_run,
+                                                   run_folder, share_run_file, source_of, stored_files,
+                                                   streamed_object, upload_folder)
     from automodel_ckpt.checkpoint.storage.runlock import RunLock
     from automodel_ckpt.checkpoint.storage.runlock import release_all as release_all_locks
     from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo, WrittenBy

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.checkpoint import run_folder
+from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.schema import DPOConfig
 from automodel_ckpt.data.loader import MicroBatch
@@ -198,8 +198,9 @@ class DPORecipe(FinetuneRecipe):
                                   "the same data and base")
         self.dpo.ref_log_probs_key = key
         file = layout.ref_log_probs_file(run_folder(self.checkpoint_config), key)
-        stored = StoredLogProbs.load(file, key)
-        if stored is not None:
+        # an object store's copy into this node's mirror; every rank reads it, or every rank computes
+        stored = StoredLogProbs.load(file, key) if fetch_run_file(self.checkpoint_config, file) else None
+        if all(all_gather_object(stored is not None)):
             if self.env.is_main:
                 self.progress.write(f"Reference log-probs: read from {file}")
             return stored
@@ -218,6 +219,10 @@ class DPORecipe(FinetuneRecipe):
             stored.save(file)
             self.progress.write(f"Reference log-probs: computed for {sum(t.shape[1] for t in tables.values())} "
                                 f"pairs, stored in {file}")
+            try:  # where the run folder lives (an object store): a resume on another machine reads them back
+                share_run_file(self.checkpoint_config, file)
+            except CheckpointError as exc:  # a later run computes them again
+                self.progress.write(f"warning: the reference log-probs stay in {file} only: {exc}")
         barrier()
         self.ref_model = None  # not kept in memory
         gc.collect()

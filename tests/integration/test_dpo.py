@@ -9,7 +9,8 @@ Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
 * ``lora``: 2 processes (a replicated model, whose first forward is the reference's, adapters disabled), LoRA
   with precomputed reference log-probs: straight, and stopped at step 3 then rerun;
 * ``frozen``: 1 process, full fine-tune with the live frozen reference (never saved): stopped at step 3 then rerun;
-* ``s3``: as ``frozen``, its checkpoints on S3 (SeaweedFS), rerun from an empty staging folder;
+* ``s3``: as ``frozen``, its checkpoints on S3 (SeaweedFS), rerun from an empty staging folder; and with precomputed
+  reference log-probs, which the rerun reads back from the bucket;
 * ``local_tier``: as ``synced`` with node-local steps every 2 steps, every rank killed once the local step 4 is
   committed (the durable tier holds step 3), then rerun: it resumes from the node-local tier.
 """
@@ -202,6 +203,19 @@ def test_a_run_on_object_storage_resumes_bitwise_from_a_fresh_staging_folder(wor
             if line]
     assert [tuple(r[k] for k in COMPARED) for r in rows] == _numbers(work / "frozen")
     assert seaweed.filesystem().exists(f"{bucket}/run/epoch_0_step_6/dpo.pt")
+
+
+def test_precomputed_log_probs_on_object_storage_are_read_back_on_another_machine(work, assets, seaweed):
+    """Precomputed reference log-probs of a run on S3 are stored in the bucket with its checkpoints: a rerun from an
+    empty staging folder (another machine) reads them back instead of computing them again."""
+    bucket = seaweed.new_bucket()
+    url, env = f"s3://{bucket}/run", seaweed.env(XDG_CACHE_HOME=str(work / "s3_cache"))
+    runs = [_train(work, assets, url, steps, "--dpo.precompute_ref_log_probs", "true", "--checkpoint.staging_dir",
+                   str(work / staging), env=env).stdout for steps, staging in ((3, "lp_stage1"), (6, "lp_stage2"))]
+    assert "Reference log-probs: computed for" in runs[0]
+    assert "Reference log-probs: read from" in runs[1] and "computed for" not in runs[1]
+    assert len(seaweed.filesystem().glob(f"{bucket}/run/ref_log_probs/*.pt")) == 1
+    assert f"Loading checkpoint from {url}/epoch_0_step_3" in runs[1]
 
 
 def test_a_reference_whose_base_changed_is_refused_in_one_line(work, assets):

@@ -18,6 +18,7 @@ from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, source_of, stored_files,
                                                     upload_folder)
 from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+from automodel_ckpt.checkpoint.objectstore.store import wrap
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.remote import ObjectStoreRunFolder
 
@@ -25,9 +26,9 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
     from automodel_ckpt.checkpoint.storage.base import RunFolder
 
-__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "is_url", "monitor_of", "open_filesystem", "open_for_reading",
-           "open_run_folder",
-           "open_store_run", "run_folder", "source_of", "stored_files", "streamed_object", "upload_folder"]
+__all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "fetch_run_file", "is_url", "monitor_of", "open_filesystem",
+           "open_for_reading", "open_run_folder", "open_store_run", "run_folder", "share_run_file", "source_of",
+           "stored_files", "streamed_object", "upload_folder"]
 
 
 def monitor_of(cfg: Any) -> Monitor:
@@ -48,6 +49,30 @@ def open_run_folder(cfg: Any, rank: int, world_size: int) -> RunFolder:
 def run_folder(cfg: Any) -> Path:
     """The local folder a run writes its checkpoints and logs to: ``checkpoint_dir``, or its mirror for a URL."""
     return objectstore.run_folder(cfg)
+
+
+def share_run_file(cfg: Any, path: Path) -> None:
+    """After writing ``path``, a file of the run folder outside any checkpoint (a preference run's precomputed
+    log-probs): stored where the run folder lives. A local folder holds it already; an object store gets it from the
+    mirror, under the same name in the run folder."""
+    remote = objectstore.attach(cfg)
+    if remote is not None:
+        rel = Path(path).relative_to(run_folder(cfg))
+        wrap(f"uploading '{rel}' to '{remote.store.url_of(rel.parent.as_posix())}'",
+             lambda: remote.store.upload(Path(path).parent, [rel.name], rel.parent.as_posix()))
+
+
+def fetch_run_file(cfg: Any, path: Path) -> bool:
+    """Whether ``path``, a file of the run folder outside any checkpoint, is here: fetched into the mirror from an
+    object store that holds it (another machine's run wrote it), else as the local folder has it."""
+    remote = objectstore.attach(cfg)
+    if remote is not None and not Path(path).is_file():
+        rel = Path(path).relative_to(run_folder(cfg))
+        name = rel.parent.as_posix()
+        if wrap(f"checking '{remote.store.url_of(name)}'", lambda: remote.store.exists(name, rel.name)):
+            wrap(f"fetching '{remote.store.url_of(name, rel.name)}'",
+                 lambda: remote.store.download(name, [rel.name], Path(path).parent))
+    return Path(path).is_file()
 
 
 def open_store_run(location: str, key: str) -> RemoteRun:
