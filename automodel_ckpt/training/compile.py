@@ -8,8 +8,8 @@ once (26M and 120M Llamas on two cores, cold cache), and the compiled blocks the
 time is matrix work (docs/benchmarks.md, ``tools/bench_train.py``): ``auto`` compiles there when a process's
 step is large enough (``6 x parameters x tokens per step``, at least ``CPU_STEP_FLOP``: about a second of two
 cores, a 26M Llama at 2,048 tokens per step is 3.2e11) and the run long enough to repay it (with
-``step_scheduler.max_steps`` set, at least ``CPU_RUN_FLOP`` of such work over the run: a 26M Llama's 300 steps, a
-120M one's 70). The test suite's tiny models (a few 1e8 per step) stay uncompiled. The estimate depends on the
+``step_scheduler.max_steps`` set, at least ``CPU_RUN_FLOP`` of such work over the run: a 26M Llama's 470 steps, a
+120M one's 100). The test suite's tiny models (1e8 to 1e10 per step) stay uncompiled. The estimate depends on the
 configuration alone, never on the step a run resumes from: a resume decides as its run did.
 """
 
@@ -27,7 +27,7 @@ _ON, _OFF = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 #: On CPU, ``auto`` compiles a process's step of at least this many FLOP (``6 x parameters x tokens``) ...
 CPU_STEP_FLOP = 1e11
 #: ... in a run of at least this many FLOP of such steps, where ``step_scheduler.max_steps`` says its length.
-CPU_RUN_FLOP = 1e14
+CPU_RUN_FLOP = 1.5e14
 
 
 def check(setting: object) -> str:
@@ -57,9 +57,9 @@ def decide(setting: object, device: torch.device, step_work: float = 0.0,
     if device.type != "cpu":
         return False, f"torch.compile: off (auto: not measured on {device.type}; training.compile: true turns it on)"
     if step_work < CPU_STEP_FLOP:
-        why = f"{step_work:.1e} FLOP a step, below {CPU_STEP_FLOP:.0e}: compiling costs more than it gains"
+        why = f"{step_work:.1e} FLOP a step, below {CPU_STEP_FLOP:.2g}: compiling costs more than it gains"
     elif steps is not None and step_work * steps < CPU_RUN_FLOP:
-        why = (f"{step_work * steps:.1e} FLOP over {steps} steps, below {CPU_RUN_FLOP:.0e}: too short a run to repay "
+        why = (f"{step_work * steps:.1e} FLOP over {steps} steps, below {CPU_RUN_FLOP:.2g}: too short a run to repay "
                "compiling")
     else:
         run = f", {step_work * steps:.1e} over {steps} steps" if steps is not None else ""
