@@ -4,12 +4,12 @@ Blocks are compiled in place (``nn.Module.compile``: the parameter names, hence 
 the model is sharded or replicated. Compiling is deterministic for a given model, shapes and machine: a run and its
 resume compile the same kernels, so the resume stays exact. ``auto`` compiles on CUDA, where the compiled blocks
 run faster from the first steps on. On CPU, compiling costs each process half a minute to a minute of its cores
-once (26M and 120M Llamas on two cores, cold cache), and the compiled blocks then take about 5% off a step whose
-time is matrix work (docs/benchmarks.md, ``tools/bench_train.py``): ``auto`` compiles there when a process's
+once (26M and 120M Llamas on two cores, cold cache), and the compiled blocks then take 3% (120M) to 5% (26M)
+off a step (docs/benchmarks.md, ``tools/bench_train.py``): ``auto`` compiles there when a process's
 step is large enough (``6 x parameters x tokens per step``, at least ``CPU_STEP_FLOP``: about a second of two
 cores, a 26M Llama at 2,048 tokens per step is 3.2e11) and the run long enough to repay it (with
-``step_scheduler.max_steps`` set, at least ``CPU_RUN_FLOP`` of such work over the run: a 26M Llama's 470 steps, a
-120M one's 100). The test suite's tiny models (1e8 to 1e10 per step) stay uncompiled. The estimate depends on the
+``step_scheduler.max_steps`` set, at least ``CPU_RUN_FLOP`` of such work over the run: a 26M Llama's 940 steps, a
+120M one's 200). The test suite's tiny models (1e8 to 1e10 per step) stay uncompiled. The estimate depends on the
 configuration alone, never on the step a run resumes from: a resume decides as its run did.
 """
 
@@ -27,7 +27,7 @@ _ON, _OFF = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 #: On CPU, ``auto`` compiles a process's step of at least this many FLOP (``6 x parameters x tokens``) ...
 CPU_STEP_FLOP = 1e11
 #: ... in a run of at least this many FLOP of such steps, where ``step_scheduler.max_steps`` says its length.
-CPU_RUN_FLOP = 1.5e14
+CPU_RUN_FLOP = 3e14
 
 
 def check(setting: object) -> str:
@@ -63,7 +63,7 @@ def decide(setting: object, device: torch.device, step_work: float = 0.0,
                "compiling")
     else:
         run = f", {step_work * steps:.1e} over {steps} steps" if steps is not None else ""
-        return True, (f"torch.compile: on (auto on CPU: {step_work:.1e} FLOP a step{run}: about 5% off each step "
+        return True, (f"torch.compile: on (auto on CPU: {step_work:.1e} FLOP a step{run}: 3 to 5% off each step "
                       "repays a minute of compiling; training.compile: false turns it off)")
     return False, f"torch.compile: off (auto on CPU: {why}; training.compile: true turns it on)"
 
