@@ -92,7 +92,10 @@ class FinetuneRecipe(BaseRecipe):
             layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
             if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
                 print(f"Pipeline stage {self.dims.pp_rank}: {describe_layers(layers)} ({plan.describe()})", flush=True)
-        compiled, self._compile_line = compile.decide(cfg.training.compile, self.env.device)
+        sched = cfg.step_scheduler
+        tokens = sched.global_batch_size * cfg.data.seq_length // self.dims.dp_size  # a process's, each step
+        work = compile.step_flop(sum(p.numel() for p in model.parameters()), tokens)
+        compiled, self._compile_line = compile.decide(cfg.training.compile, self.env.device, work, sched.max_steps)
         if compiled:  # each block in place, before sharding or replication (torchtitan's order)
             compile.compile_blocks(model)
         self.data_parallel = data_parallel.choose(cfg.distributed.dp_shard, self.dims, model, self.env.device,
@@ -103,7 +106,6 @@ class FinetuneRecipe(BaseRecipe):
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
-        sched = cfg.step_scheduler
         if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
             with rng_untouched():
                 self.dataloader, self.val_batches, self.data_report = build_streamed(

@@ -3,8 +3,14 @@
 Blocks are compiled in place (``nn.Module.compile``: the parameter names, hence checkpoints, are unchanged), before
 the model is sharded or replicated. Compiling is deterministic for a given model, shapes and machine: a run and its
 resume compile the same kernels, so the resume stays exact. ``auto`` compiles on CUDA, where the compiled blocks
-run faster from the first steps on; on CPU it does not: there compiling a block costs tens of seconds of the
-run's two cores per shape (docs/benchmarks.md, ``tools/bench_train.py``), more than typical runs gain back.
+run faster from the first steps on. On CPU, compiling costs each process half a minute to a minute of its cores
+once (26M and 120M Llamas on two cores, cold cache), and the compiled blocks then take 3% (120M) to 5% (26M)
+off a step (docs/benchmarks.md, ``tools/bench_train.py``): ``auto`` compiles there when a process's
+step is large enough (``6 x parameters x tokens per step``, at least ``CPU_STEP_FLOP``: about a second of two
+cores, a 26M Llama at 2,048 tokens per step is 3.2e11) and the run long enough to repay it (with
+``step_scheduler.max_steps`` set, at least ``CPU_RUN_FLOP`` of such work over the run: a 26M Llama's 940 steps, a
+120M one's 200). The test suite's tiny models (1e8 to 1e10 per step) stay uncompiled. The estimate depends on the
+configuration alone, never on the step a run resumes from: a resume decides as its run did.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ if TYPE_CHECKING:  # torch loads lazily: the launcher checks the setting without
     from torch import nn
 
 _ON, _OFF = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+#: On CPU, ``auto`` compiles a process's step of at least this many FLOP (``6 x parameters x tokens``) ...
+CPU_STEP_FLOP = 1e11
+#: ... in a run of at least this many FLOP of such steps, where ``step_scheduler.max_steps`` says its length.
+CPU_RUN_FLOP = 3e14
 
 
 def check(setting: object) -> str:
@@ -28,15 +38,34 @@ def check(setting: object) -> str:
     raise ConfigError(f"training.compile: expected auto, true or false, got '{setting}'")
 
 
-def decide(setting: object, device: torch.device) -> tuple[bool, str]:
-    """Whether blocks are compiled under ``training.compile`` (``setting``) on ``device``, and the start line."""
+def step_flop(parameters: int, tokens: int) -> float:
+    """A step's matrix work on one process: forward and backward of ``parameters`` over ``tokens`` tokens."""
+    return 6.0 * parameters * tokens
+
+
+def decide(setting: object, device: torch.device, step_work: float = 0.0,
+           steps: int | None = None) -> tuple[bool, str]:
+    """Whether blocks are compiled under ``training.compile`` (``setting``) on ``device``, and the start line.
+
+    ``step_work``: a process's FLOP per optimizer step (``step_flop``); ``steps``: the run's ``max_steps``, if set.
+    """
     value = check(setting)
     if value != "auto":
         return value == "true", f"torch.compile: {'on' if value == 'true' else 'off'} (training.compile: {value})"
     if device.type == "cuda":
         return True, "torch.compile: on (auto: compiled blocks are faster on CUDA; training.compile: false turns it off)"
-    return False, ("torch.compile: off (auto: on CPU compiling costs more than a typical run gains; "
-                   "training.compile: true turns it on)")
+    if device.type != "cpu":
+        return False, f"torch.compile: off (auto: not measured on {device.type}; training.compile: true turns it on)"
+    if step_work < CPU_STEP_FLOP:
+        why = f"{step_work:.1e} FLOP a step, below {CPU_STEP_FLOP:.2g}: compiling costs more than it gains"
+    elif steps is not None and step_work * steps < CPU_RUN_FLOP:
+        why = (f"{step_work * steps:.1e} FLOP over {steps} steps, below {CPU_RUN_FLOP:.2g}: too short a run to repay "
+               "compiling")
+    else:
+        run = f", {step_work * steps:.1e} over {steps} steps" if steps is not None else ""
+        return True, (f"torch.compile: on (auto on CPU: {step_work:.1e} FLOP a step{run}: 3 to 5% off each step "
+                      "repays a minute of compiling; training.compile: false turns it off)")
+    return False, f"torch.compile: off (auto on CPU: {why}; training.compile: true turns it on)"
 
 
 def compile_blocks(model: nn.Module) -> int:

@@ -20,6 +20,9 @@ import torch.nn.functional as F
 #: the caches between its passes; on a GPU 128 MiB, few enough chunks that launching their kernels costs nothing.
 CHUNK_ELEMENTS = {"cpu": 1 << 20}
 CHUNK_ELEMENTS_DEFAULT = 1 << 25
+#: Devices where the gradient's ignored rows are found by asking the host whether there are any (free on CPU, and it
+#: spares a pass over a chunk); elsewhere every chunk is masked on the device: asking would wait for it each chunk.
+ASK_HOST = {"cpu"}
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -48,7 +51,9 @@ def _chunk(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
     if grad is not None:  # softmax - one-hot, in float32: straight into a float32 gradient, else copied once
         probs = torch.exp(logp, out=grad) if grad.dtype == logp.dtype else logp.exp_()
         probs.scatter_add_(1, safe, -keep[:, None].to(probs.dtype))
-        if not bool(keep.all()):
+        if probs.device.type not in ASK_HOST:  # every row masked: no host synchronisation per chunk
+            probs.masked_fill_(~keep[:, None], 0)
+        elif not bool(keep.all()):
             probs[~keep] = 0  # ignored rows only
         if probs is not grad:
             grad.copy_(probs)

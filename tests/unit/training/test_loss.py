@@ -32,8 +32,10 @@ def _labels(kind: str, rows: int, length: int, vocab: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["padded", "packed", "chat"])
 @pytest.mark.parametrize("vocab,chunk", [(48, 1 << 23), (3000, 5000)])  # one chunk; several chunks of rows
-def test_the_loss_and_its_gradients_are_those_of_the_sliced_logits(kind, vocab, chunk, monkeypatch):
+@pytest.mark.parametrize("ask_host", [{"cpu"}, set()])  # ignored rows found by the host, or masked as on a GPU
+def test_the_loss_and_its_gradients_are_those_of_the_sliced_logits(kind, vocab, chunk, ask_host, monkeypatch):
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", {"cpu": chunk})
+    monkeypatch.setattr(loss_module, "ASK_HOST", ask_host)
     logits = torch.randn(3, 21, vocab, generator=torch.Generator().manual_seed(1), requires_grad=True)
     labels = _labels(kind, 3, 21, vocab)
     want = _sliced(logits, labels)
