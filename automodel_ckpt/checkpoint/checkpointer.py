@@ -8,11 +8,11 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import storage
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.ondisk.loadcheck import DamagedFile
 from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
-from automodel_ckpt.checkpoint.local_tier import DURABLE, LOCAL, LocalTier
-from automodel_ckpt.checkpoint.restore import resume
+from automodel_ckpt.checkpoint.local_tier import LocalTier
+from automodel_ckpt.checkpoint.restore import fallback, resume
+from automodel_ckpt.checkpoint.restore.fallback import DURABLE
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import overlap
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
@@ -20,7 +20,6 @@ from automodel_ckpt.checkpoint.save.writer import SaveWriter
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.distributed.mesh import ParallelDims
-from automodel_ckpt.errors import first_line
 
 ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
 
@@ -189,29 +188,19 @@ class Checkpointer:
         """Restore what ``checkpoint.restore_from`` selects into ``states``; returns the checkpoint, or None (fresh).
 
         Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
-        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. ``restore.resume`` decides,
-        ``CheckpointLoader`` carries it out.
+        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. One loop
+        (``restore.fallback``) asks each tier in turn (node-local, durable) to choose, loads, and falls back.
         """
         started = time.perf_counter()
+        tiers: list[fallback.Tier] = []
         if self._local.active and self.cfg.restore_from is None and not self.cfg.load_only:
-            loaded = self._local.recover(states, self.run.find(None))  # newer than the durable tier's newest?
-            if loaded is not None:
-                return self._took(loaded, LOCAL, started)
+            tiers.append(self._local.recovery(self.run.find(None)))  # first, when newer than the durable newest
         peft = "model" in states and peft_format.is_peft_model(states["model"])
-        damaged = None  # a checkpoint found damaged while loading it: some state already holds its bytes
-        while True:
-            decision = resume.decide(self.cfg, self.run, states, model_is_peft=peft, rank=self.env.rank,
-                                     world_size=self.env.world_size, fingerprint=self.fingerprint, say=self.say,
-                                     damaged_while_loading=damaged)
-            try:
-                loaded = self._loader.carry_out(decision, states)
-            except DamagedFile as exc:  # a checksum computed while loading (verify_on_load): as if found by probe
-                if not decision.fallback or decision.path is None:
-                    raise
-                resume.set_aside(self.run, decision.path, exc, rank=self.env.rank, say=self.say)
-                damaged = first_line(exc)
-                continue
-            return self._took(loaded, DURABLE, started)
+        tiers.append(resume.DurableTier(self.cfg, self.run, self._loader, states, model_is_peft=peft,
+                                        rank=self.env.rank, world_size=self.env.world_size,
+                                        fingerprint=self.fingerprint, say=self.say))
+        tier, loaded = fallback.first_loaded(tiers, states) or (DURABLE, None)
+        return self._took(loaded, tier, started)
 
     def load(self, states: dict[str, Any], path: Path) -> None:
         """Load ``states`` from checkpoint ``path`` (fetched and checked first) on every rank, as a resume would."""

@@ -21,6 +21,7 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, deferred
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
+from automodel_ckpt.checkpoint.restore.fallback import AGAIN, LOCAL, NEXT
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import retry
 from automodel_ckpt.checkpoint.save.diskfull import state_bytes
@@ -34,8 +35,6 @@ from automodel_ckpt.distributed.env import DistEnv, all_gather_object, broadcast
 from automodel_ckpt.distributed.mesh import ParallelDims
 from automodel_ckpt.errors import CheckpointError, first_line
 
-LOCAL = "local"
-DURABLE = "durable"
 
 
 class LocalTier:
@@ -178,52 +177,60 @@ class LocalTier:
         if self.active:
             self.writer.abandon(seconds)
 
-    def recover(self, states: dict[str, Any], durable: Path | None) -> Loaded | None:
-        """Collective: load the newest local step that is complete somewhere and newer than ``durable`` (the
-        durable tier's newest checkpoint); None to resume from the durable tier instead (said in one line).
+    def recovery(self, durable: Path | None) -> LocalRecovery:
+        """This tier in a restore's fall-back loop (``restore.fallback``), where it goes first: its newest local
+        step complete somewhere and newer than ``durable`` (the durable tier's newest)."""
+        return LocalRecovery(self, durable)
 
-        The model and optimizer files are checked as the load reads them; where that finds one damaged, every file
-        of every local step is checked before choosing again (another copy, an older step, or the durable tier)."""
-        if not self.active:
+
+class LocalRecovery:
+    """The node-local tier in a restore's fall-back loop. The model and optimizer files are checked as the load
+    reads them; where that finds one damaged, every file of every local step is checked before choosing again
+    (another copy, an older step); a second failure, or any other, hands over to the durable tier."""
+
+    name = LOCAL
+
+    def __init__(self, tier: LocalTier, durable: Path | None) -> None:
+        self.tier, self.durable, self.started = tier, durable, time.perf_counter()
+        self._newest_durable = _step_of(durable)
+        self._checked_whole = False  # after a damaged load: every file of every local step checked by the scan
+
+    def choose(self, damage: str | None) -> tuple[Any, dict[int, Any]] | None:
+        tier = self.tier
+        skipped: list[str] = []
+        chosen, inventories = recover.newest_step(tier.run, skipped, leave=None if self._checked_whole else deferred)
+        if tier.env.is_main:
+            for line in skipped:
+                tier.say(f"warning: {line}; not resuming from it")
+        if chosen is None or (self._newest_durable is not None and chosen.step <= self._newest_durable):
             return None
-        started = time.perf_counter()
-        newest_durable = _step_of(durable)
-        for leave in (deferred, None):
-            skipped: list[str] = []
-            chosen, inventories = recover.newest_step(self.run, skipped, leave=leave)
-            if self.env.is_main:
-                for line in skipped:
-                    self.say(f"warning: {line}; not resuming from it")
-            if chosen is None or (newest_durable is not None and chosen.step <= newest_durable):
-                return None
-            try:
-                # checked: every small file was hashed by the scan or on arrival; the large ones are as they load
-                loaded = self.loader.load(states, recover.make_whole(self.run, chosen, inventories), checked=True)
-            except DamagedFile as exc:
-                if leave is None:
-                    return self._instead(chosen.name, exc, durable)
-                if self.env.is_main:
-                    self.say(f"warning: the node-local step {chosen.name} is damaged ({first_line(exc)}); checking "
-                             "every file of the node-local steps before choosing again")
-                continue
-            except CheckpointError as exc:
-                return self._instead(chosen.name, exc, durable)
-            if self.env.is_main:
-                than = f" (newer than the durable tier's {durable.name})" if durable is not None else ""
-                self.say(f"Resumed from the node-local tier: {chosen.name}{than}, loaded in "
-                         f"{time.perf_counter() - started:.1f} s")
-            return loaded
-        return None
+        return chosen, inventories
 
-    def _instead(self, name: str, exc: CheckpointError, durable: Path | None) -> None:
-        """A local step failed to load: the durable tier instead, or an error when it has nothing."""
-        if durable is None:
+    def load(self, choice: tuple[Any, dict[int, Any]], states: dict[str, Any]) -> Loaded:
+        tier, (chosen, inventories) = self.tier, choice
+        # checked: every small file was hashed by the scan or on arrival; the large ones are as they load
+        loaded = tier.loader.load(states, recover.make_whole(tier.run, chosen, inventories), checked=True)
+        if tier.env.is_main:
+            than = f" (newer than the durable tier's {self.durable.name})" if self.durable is not None else ""
+            tier.say(f"Resumed from the node-local tier: {chosen.name}{than}, loaded in "
+                     f"{time.perf_counter() - self.started:.1f} s")
+        return loaded
+
+    def failed(self, choice: tuple[Any, dict[int, Any]], exc: CheckpointError) -> str:
+        name = choice[0].name
+        if isinstance(exc, DamagedFile) and not self._checked_whole:
+            if self.tier.env.is_main:
+                self.tier.say(f"warning: the node-local step {name} is damaged ({first_line(exc)}); checking "
+                              "every file of the node-local steps before choosing again")
+            self._checked_whole = True
+            return AGAIN
+        if self.durable is None:
             raise CheckpointError(f"the node-local step {name} failed to load ({first_line(exc)}) "
                                   "and the durable tier holds no checkpoint to resume from instead") from None
-        if self.env.is_main:
-            self.say(f"warning: the node-local step {name} failed to load ({first_line(exc)}); "
-                     f"resuming from the durable tier's {durable.name}")
-        return None
+        if self.tier.env.is_main:
+            self.tier.say(f"warning: the node-local step {name} failed to load ({first_line(exc)}); "
+                          f"resuming from the durable tier's {self.durable.name}")
+        return NEXT
 
 
 def _tier_config(cfg: CheckpointConfig, folder: Path) -> CheckpointConfig:

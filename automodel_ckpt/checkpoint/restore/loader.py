@@ -102,7 +102,7 @@ class CheckpointLoader:
             if attr in absent:
                 continue
             folder = _require(path / layout.state_dir(attr))
-            if peft_format.is_peft_model(model):
+            if attr in plan.adapters:
                 peft_format.load_adapter(model, folder)
             else:
                 sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE, check=check)

@@ -9,20 +9,55 @@ checkpoint, named by no pointer), repoints ``LATEST``/``LOWEST_VAL``, and the ne
 check comes first, a resume after a fallback is bitwise the resume from that older checkpoint.
 
 An explicitly named ``restore_from`` that fails is an error, never a silent fallback; so is any failure with
-``checkpoint.on_load_error: error``. ``decide`` returns the ``Decision``; the ``Checkpointer`` loads it.
+``checkpoint.on_load_error: error``. ``decide`` returns the ``Decision``; ``DurableTier`` is this in the restore's one
+fall-back loop (``fallback.first_loaded``), the loader carrying the decision out.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
 from automodel_ckpt.checkpoint.restore.decision import Decision, Source
+from automodel_ckpt.checkpoint.restore.fallback import AGAIN, DURABLE
 from automodel_ckpt.checkpoint.restore.initial_weights import start_from
 from automodel_ckpt.checkpoint.restore.probe import check_same_run, probe
 from automodel_ckpt.errors import CheckpointError, first_line, warn
+from automodel_ckpt.ondisk.loadcheck import DamagedFile
+
+if TYPE_CHECKING:
+    from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
+
+
+class DurableTier:
+    """The durable tier (``checkpoint_dir``, any kind of storage) in the restore's fall-back loop: ``decide``
+    chooses (a fresh start too), the loader carries the decision out, and a checkpoint found damaged while loading
+    (a checksum computed as it is read) is set aside and the choice made again."""
+
+    name = DURABLE
+
+    def __init__(self, cfg: CheckpointConfig, source: Source, loader: CheckpointLoader, states: Iterable[str], *,
+                 model_is_peft: bool, rank: int, world_size: int, fingerprint: dict[str, Any] | None,
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.source, self.loader, self.states = cfg, source, loader, list(states)
+        self.model_is_peft, self.rank, self.world_size = model_is_peft, rank, world_size
+        self.fingerprint, self.say = fingerprint, say
+
+    def choose(self, damage: str | None) -> Decision:
+        return decide(self.cfg, self.source, self.states, model_is_peft=self.model_is_peft, rank=self.rank,
+                      world_size=self.world_size, fingerprint=self.fingerprint, say=self.say,
+                      damaged_while_loading=damage)
+
+    def load(self, decision: Decision, states: dict[str, Any]) -> Loaded | None:
+        return self.loader.carry_out(decision, states)
+
+    def failed(self, decision: Decision, exc: CheckpointError) -> str | None:
+        if not isinstance(exc, DamagedFile) or not decision.fallback or decision.path is None:
+            return None
+        set_aside(self.source, decision.path, exc, rank=self.rank, say=self.say)
+        return AGAIN
 
 
 def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, model_is_peft: bool, rank: int,

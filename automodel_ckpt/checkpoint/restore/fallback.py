@@ -1,0 +1,50 @@
+"""The one choose-verify-fall-back loop of a restore, for every tier (node-local, durable) and every kind of storage.
+
+A tier chooses what to load (its newest checkpoint that passes the checks before a load, the damaged ones set aside
+on the way, or a fresh start), the loop loads it, and a failure while loading goes back to the tier that chose it:
+it sets the checkpoint aside and is asked again (``AGAIN``), hands over to the next tier (``NEXT``), or lets the
+failure stand (None: raised).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol
+
+from automodel_ckpt.errors import CheckpointError, first_line
+
+LOCAL, DURABLE = "local", "durable"  # the tiers' names
+AGAIN = "again"  # choose again in the same tier (the failed choice set aside)
+NEXT = "next"  # leave this tier for the next one
+
+
+class Tier(Protocol):
+    """A tier's part in a restore. Every method is collective: each rank calls it, and each rank gets the same."""
+
+    name: str  # "local" or "durable": where the restore loaded from
+
+    def choose(self, damage: str | None) -> Any | None:
+        """What to load next (None: nothing here, try the next tier). ``damage``: why the last choice failed while
+        loading, in one line (None on the first call)."""
+
+    def load(self, choice: Any, states: dict[str, Any]) -> Any:
+        """Load ``choice`` into ``states``; what was loaded (None: nothing, a fresh start)."""
+
+    def failed(self, choice: Any, exc: CheckpointError) -> str | None:
+        """``choice`` failed while loading: ``AGAIN`` or ``NEXT`` (after setting it aside), or None (raised)."""
+
+
+def first_loaded(tiers: Iterable[Tier], states: dict[str, Any]) -> tuple[str, Any] | None:
+    """Collective: ``(tier name, what it loaded)`` of the first tier whose choice loads; None when no tier chose."""
+    for tier in tiers:
+        damage = None
+        while (choice := tier.choose(damage)) is not None:
+            try:
+                return tier.name, tier.load(choice, states)
+            except CheckpointError as exc:
+                verdict = tier.failed(choice, exc)
+                if verdict is None:
+                    raise
+                if verdict == NEXT:
+                    break
+                damage = first_line(exc)
+    return None
