@@ -17,7 +17,10 @@ def check_data_section(cfg: DictConfig) -> None:
         raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
     if cfg.data.chat_loss not in CHAT_LOSS_MODES:
         raise ConfigError(f"data.chat_loss: expected one of {', '.join(CHAT_LOSS_MODES)}, got '{cfg.data.chat_loss}'")
-    if (cfg.data.prompt_template is None) != (cfg.data.completion_template is None):
+    if cfg.get("dpo") is not None and cfg.data.completion_template is not None:
+        raise ConfigError("data.completion_template: a preference pair's responses are its dpo.chosen_field and "
+                          "dpo.rejected_field columns; set data.prompt_template alone")
+    if cfg.get("dpo") is None and (cfg.data.prompt_template is None) != (cfg.data.completion_template is None):
         missing = "prompt_template" if cfg.data.prompt_template is None else "completion_template"
         raise ConfigError(f"data.{missing}: set both data.prompt_template and data.completion_template")
     positive(cfg.data.num_proc, "data.num_proc")

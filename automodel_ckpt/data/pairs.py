@@ -1,7 +1,7 @@
 """Preference pairs: each record's prompt with its chosen and its rejected response, as two aligned sets of rows.
 
 A record is ``prompt``/``chosen``/``rejected`` strings (scored: the response and end-of-sequence, as an SFT
-completion), or chat: ``chosen`` and ``rejected`` are message lists (whole conversations, or the reply turns after a
+completion; ``data.prompt_template`` may render the prompt from the record's fields, as for SFT), or chat: ``chosen`` and ``rejected`` are message lists (whole conversations, or the reply turns after a
 ``prompt`` message list), rendered with the chat template and scored on the last assistant turn only. Each side is
 tokenized by the SFT encoder (``encode.Encoder``, cached by ``tokenize``) into padded rows of ``data.seq_length``
 tokens; row ``i`` of the chosen set and row ``i`` of the rejected set are one pair, and a batch of pairs is the
@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.data.encode import DataSpec
+from automodel_ckpt.data.fields import RecordTemplate
 from automodel_ckpt.data.loader import MicroBatch, micro_batch, strided_rows
 from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
 from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, encode_dataset
@@ -38,10 +39,11 @@ class PairFields:
     prompt: str = "prompt"
     chosen: str = "chosen"
     rejected: str = "rejected"
+    prompt_template: str | None = None  # data.prompt_template: a text pair's prompt rendered from its record's fields
 
     @classmethod
-    def from_section(cls, dpo: Any) -> "PairFields":
-        return cls(dpo.prompt_field, dpo.chosen_field, dpo.rejected_field)
+    def from_section(cls, dpo: Any, prompt_template: str | None = None) -> "PairFields":
+        return cls(dpo.prompt_field, dpo.chosen_field, dpo.rejected_field, prompt_template)
 
 
 def pair_mode(ds: datasets.Dataset, fields: PairFields) -> str:
@@ -50,7 +52,10 @@ def pair_mode(ds: datasets.Dataset, fields: PairFields) -> str:
     missing = [f"'{name}' (dpo.{key}_field)" for key, name in (("chosen", fields.chosen), ("rejected", fields.rejected))
                if name not in columns]
     chat = not missing and len(ds) > 0 and isinstance(ds[0][fields.chosen], list)
-    if not chat and fields.prompt not in columns:
+    if chat and fields.prompt_template is not None:
+        raise ConfigError("data.prompt_template: it renders the prompt of text pairs; these pairs are chat messages, "
+                          "rendered with the chat template (data.chat_template)")
+    if not chat and fields.prompt not in columns and fields.prompt_template is None:
         missing.insert(0, f"'{fields.prompt}' (dpo.prompt_field)")
     if missing:
         raise ConfigError(f"dataset: preference records need prompt, chosen and rejected columns; missing "
@@ -63,8 +68,10 @@ class _SideView:
 
     def __init__(self, fields: PairFields, side: str, chat: bool) -> None:
         self.fields, self.side, self.chat = fields, side, chat
+        self.template = RecordTemplate(fields.prompt_template, "data.prompt_template") \
+            if fields.prompt_template is not None else None
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         responses = batch[getattr(self.fields, self.side)]
         out: dict[str, list] = {}
         if "id" in batch:
@@ -73,14 +80,22 @@ class _SideView:
             prompts = batch.get(self.fields.prompt) or [None] * len(responses)
             out["messages"] = [(p if isinstance(p, list) else []) + list(r) for p, r in zip(prompts, responses)]
         else:
-            out["prompt"] = [str(p) for p in batch[self.fields.prompt]]
+            out["prompt"] = self._prompts(batch, indices)
             out["completion"] = [str(r) for r in responses]
         return out
 
+    def _prompts(self, batch: dict[str, list], indices: list[int]) -> list[str]:
+        if self.template is None:
+            return [str(p) for p in batch[self.fields.prompt]]
+        keys = list(batch)
+        return [self.template.render({key: batch[key][k] for key in keys}, i) for k, i in enumerate(indices)]
+
 
 def side_view(ds: datasets.Dataset, fields: PairFields, side: str, mode: str) -> datasets.Dataset:
-    fingerprint = _hash(PAIRS_VERSION, ds._fingerprint, dataclasses.asdict(fields), side, mode)
-    return ds.map(_SideView(fields, side, mode == "chat"), batched=True, remove_columns=ds.column_names,
+    named = {k: v for k, v in dataclasses.asdict(fields).items() if k != "prompt_template" or v is not None}
+    fingerprint = _hash(PAIRS_VERSION, ds._fingerprint, named, side, mode)  # without a template: as before it existed
+    return ds.map(_SideView(fields, side, mode == "chat"), batched=True, with_indices=True,
+                  remove_columns=ds.column_names,
                   new_fingerprint=fingerprint, keep_in_memory=not ds.cache_files, load_from_cache_file=True,
                   desc=f"{side} responses")
 
@@ -184,7 +199,7 @@ def encode_pairs(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec, fields: P
 def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
     """Load, split (``data.val_size`` unless ``validation_dataset``), tokenize (cached) and check the recipe's
     preference pairs."""
-    fields = PairFields.from_section(cfg.dpo)
+    fields = PairFields.from_section(cfg.dpo, cfg.data.prompt_template)
     spec = pair_spec(cfg)
     source: datasets.Dataset = instantiate(cfg.dataset, "dataset")
     mode = pair_mode(source, fields)

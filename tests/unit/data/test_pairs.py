@@ -73,3 +73,41 @@ def test_the_builtin_pairs_reject_a_near_miss_and_validation_batches_fill_with_m
     assert [len(b) for b in ranks] == [2, 2]  # 3 pairs each, the second rank's last batch filled
     ids = [mb.sample_ids.tolist() for batches in ranks for mb in batches]
     assert ids == [[0, 2], [4], [1, 3], [-1]]  # the filler: a copy of pair 0 named -1, left out of every sum
+
+
+def test_a_prompt_template_renders_text_pairs_prompts_from_the_records_fields(tok):
+    ds = datasets.Dataset.from_dict({"a": ["12", "7"], "b": ["30", "8"], "chosen": ["42", "15"],
+                                     "rejected": ["43", "25"]})
+    fields = PairFields(prompt_template="{a}+{b}=")
+    assert pair_mode(ds, fields) == "text"  # no prompt column needed
+    data = encode_pairs(ds, tok, DataSpec(seq_length=12), fields)
+    plain = encode_pairs(datasets.Dataset.from_dict({"prompt": ["12+30=", "7+8="], "chosen": ["42", "15"],
+                                                     "rejected": ["43", "25"]}), tok, DataSpec(seq_length=12), FIELDS)
+    for key in ("input_ids", "labels"):
+        assert torch.equal(data.batch([0, 1])[key], plain.batch([0, 1])[key])
+    with pytest.raises(ConfigError, match=r"record 0 has no field 'c' \(used by data.prompt_template\); its fields are: "
+                                          r"a, b, chosen, rejected$"):
+        encode_pairs(ds, tok, DataSpec(seq_length=12), PairFields(prompt_template="{c}"))
+
+
+def test_a_prompt_template_on_chat_pairs_is_refused_in_one_line(tok):
+    user = {"role": "user", "content": "1+2?"}
+    ds = datasets.Dataset.from_list([{"chosen": [user, {"role": "assistant", "content": "3"}],
+                                      "rejected": [user, {"role": "assistant", "content": "4"}]}])
+    with pytest.raises(ConfigError, match="data.prompt_template: it renders the prompt of text pairs"):
+        pair_mode(ds, PairFields(prompt_template="{x}"))
+
+
+def test_the_recipe_check_takes_a_prompt_template_alone_for_pairs_and_refuses_a_completion_template():
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.data.checks import check_data_section
+    from tests.integration.harness import REPO
+
+    dpo, sft = str(REPO / "recipes" / "tiny_llama_dpo.yaml"), str(REPO / "recipes" / "tiny_llama_sft.yaml")
+    check_data_section(load_config(dpo, ["--data.prompt_template", "Q"], RecipeConfig))
+    with pytest.raises(ConfigError, match="data.completion_template: a preference pair's responses are its "
+                                          "dpo.chosen_field and dpo.rejected_field columns"):
+        check_data_section(load_config(dpo, ["--data.completion_template", "answer"], RecipeConfig))
+    with pytest.raises(ConfigError, match="set both data.prompt_template and data.completion_template"):
+        check_data_section(load_config(sft, ["--data.prompt_template", "Q"], RecipeConfig))
