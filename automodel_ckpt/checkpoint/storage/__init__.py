@@ -57,9 +57,8 @@ def share_run_file(cfg: Any, path: Path) -> None:
     mirror, under the same name in the run folder."""
     remote = objectstore.attach(cfg)
     if remote is not None:
-        rel = Path(path).relative_to(run_folder(cfg))
-        wrap(f"uploading '{rel}' to '{remote.store.url_of(rel.parent.as_posix())}'",
-             lambda: remote.store.upload(Path(path).parent, [rel.name], rel.parent.as_posix()))
+        rel = Path(path).relative_to(run_folder(cfg)).as_posix()
+        wrap(f"uploading '{remote.store.url_of(rel)}'", lambda: remote.store.upload(run_folder(cfg), [rel], ""))
 
 
 def fetch_run_file(cfg: Any, path: Path) -> bool:
@@ -67,11 +66,9 @@ def fetch_run_file(cfg: Any, path: Path) -> bool:
     object store that holds it (another machine's run wrote it), else as the local folder has it."""
     remote = objectstore.attach(cfg)
     if remote is not None and not Path(path).is_file():
-        rel = Path(path).relative_to(run_folder(cfg))
-        name = rel.parent.as_posix()
-        if wrap(f"checking '{remote.store.url_of(name)}'", lambda: remote.store.exists(name, rel.name)):
-            wrap(f"fetching '{remote.store.url_of(name, rel.name)}'",
-                 lambda: remote.store.download(name, [rel.name], Path(path).parent))
+        rel = Path(path).relative_to(run_folder(cfg)).as_posix()
+        if wrap(f"checking '{remote.store.url_of(rel)}'", lambda: remote.store.exists(rel)):
+            wrap(f"fetching '{remote.store.url_of(rel)}'", lambda: remote.store.download("", [rel], run_folder(cfg)))
     return Path(path).is_file()
 
 
