@@ -36,7 +36,6 @@ from automodel_ckpt.distributed.mesh import ParallelDims
 from automodel_ckpt.errors import CheckpointError, first_line
 
 
-
 class LocalTier:
     """The node-local tier of one run; inert when ``checkpoint.local.every_steps`` is 0."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.ondisk import catalog, layout
-from automodel_ckpt.checkpoint.save import diskfull
+from automodel_ckpt.ondisk import outofroom as diskfull
 from automodel_ckpt.ondisk.durable import read_pointer
 from automodel_ckpt.errors import DiskFullError
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses

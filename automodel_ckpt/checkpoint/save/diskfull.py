@@ -19,8 +19,6 @@ from automodel_ckpt.ondisk.outofroom import free_bytes, message, out_of_room, tr
 logger = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-__all__ = ["guarded", "message", "out_of_room", "state_bytes", "tree_bytes"]
-
 
 def state_bytes(objects: Iterable[Any], *, local: bool = False) -> int:
     """The tensor bytes of models (their ``state_dict``) and optimizers (their ``state``), at their global size;

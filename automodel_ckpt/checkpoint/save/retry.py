@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.save.diskfull import out_of_room
+from automodel_ckpt.ondisk.outofroom import out_of_room
 from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.sizes import human_size
 
@@ -29,7 +29,7 @@ class Outcome:
     folder, that folder, its free bytes and the bytes a step takes there."""
 
     error: str | None = None
-    code: int | None = None  # ENOSPC, EDQUOT or EROFS behind the failure (``diskfull.out_of_room``), else None
+    code: int | None = None  # ENOSPC, EDQUOT or EROFS behind the failure (``ondisk.outofroom.out_of_room``), else None
     folder: str | None = None
     free: int | None = None
     need: int | None = None
