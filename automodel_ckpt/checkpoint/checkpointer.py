@@ -16,6 +16,7 @@ from automodel_ckpt.checkpoint.restore.fallback import DURABLE
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import overlap
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
+from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from automodel_ckpt.distributed.env import DistEnv
@@ -58,8 +59,9 @@ class Checkpointer:
         self.restore_seconds = 0.0  # how long the last restore took (finding, checking and loading)
         self._time = TrainingTime()
         hf = hf or HFArtifacts()
-        self._writer = SaveWriter(cfg, env, self.dims, self.run, config_yaml=resolved_config_yaml, hf=hf,
-                                  fingerprint=fingerprint, time=self._time, say=say, side_failure=side_failure)
+        self._writer = SaveWriter(WriteSettings.durable(cfg), env, self.dims, self.run,
+                                  config_yaml=resolved_config_yaml, hf=hf, fingerprint=fingerprint, time=self._time,
+                                  say=say, side_failure=side_failure)
         self._loader = CheckpointLoader(cfg, env, self.dims, self.run, say)
         if self.enabled:  # fail before training, not at the first save: writable, one run per folder, credentials
             self.run.acquire()
@@ -88,7 +90,7 @@ class Checkpointer:
         """
         if not self.enabled:
             return None
-        return self._writer.save(states, info)
+        return self._writer.write_checkpoint(states, info)
 
     def local_due(self, step: int) -> bool:
         """Whether a node-local step is due after optimizer step ``step`` (``checkpoint.local.every_steps``)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.distributed import collective
-from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
+from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, deferred
 from automodel_ckpt.ondisk.metadata import read_metadata
@@ -26,6 +26,7 @@ from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import retry
 from automodel_ckpt.checkpoint.save.diskfull import state_bytes
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
+from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
 from automodel_ckpt.checkpoint.storage import monitor_of
 from automodel_ckpt.checkpoint.storage.nodelocal import localdir, recover
@@ -61,10 +62,10 @@ class LocalTier:
         self.run = NodeLocalRunFolder(folder, placement, run_id=run,
                                       fingerprint=fingerprint, monitor=monitor_of(cfg),
                                       default_folder=not self.settings.dir, say=say)
-        tier_cfg = _tier_config(cfg, folder)
-        self.writer = SaveWriter(tier_cfg, env, dims, self.run, config_yaml=config_yaml, hf=hf,
+        self.writer = SaveWriter(WriteSettings.for_node_local(cfg), env, dims, self.run, config_yaml=config_yaml, hf=hf,
                                  fingerprint=fingerprint, time=time, say=_quiet, settle_full_disk=False)
-        self.loader = CheckpointLoader(tier_cfg, env, dims, self.run, say)
+        # every file a local step loads is checked as it is read: a node's own disk is not a durable store
+        self.loader = CheckpointLoader(dataclasses.replace(cfg, verify_on_load=True), env, dims, self.run, say)
         self.run.acquire()
 
     def due(self, step: int) -> bool:
@@ -86,7 +87,7 @@ class LocalTier:
                 self._report(f"warning: the node-local folder '{folder}' was removed; made again")
             if not self._space_checked:
                 self._check_space(states)
-            path = self.writer.save(states, info)
+            path = self.writer.write_checkpoint(states, info)
         except Exception as exc:  # noqa: BLE001 - every step above is collective: every rank is here
             error = exc
         if self._failed(error, name):
@@ -230,16 +231,6 @@ class LocalRecovery:
             self.tier.say(f"warning: the node-local step {name} failed to load ({first_line(exc)}); "
                           f"resuming from the durable tier's {self.durable.name}")
         return NEXT
-
-
-def _tier_config(cfg: CheckpointConfig, folder: Path) -> CheckpointConfig:
-    """The settings a local step is written with: always in the background, no export, ``keep`` most recent."""
-    return dataclasses.replace(
-        cfg, checkpoint_dir=str(folder), staging_dir=None, storage_options=None, is_async=True,
-        save_consolidated="false", max_recent_checkpoints=cfg.local.keep, save_top_k=None, keep_steps=[],
-        name_template=CheckpointConfig.name_template, restore_from=None, load_only=None, local=LocalTierConfig(),
-        ckpt_every_minutes=None, verify_on_load=True,
-    )
 
 
 def _quiet(_: str) -> None:

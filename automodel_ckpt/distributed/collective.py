@@ -20,6 +20,17 @@ _T = TypeVar("_T")
 
 def collectively(fn: Callable[[], _T], what: str, rank: int) -> _T:
     """Run ``fn`` on every rank; if it fails anywhere, raise the first failure's message on every rank."""
+    return _together(fn, what, rank, share=False)[0]
+
+
+def gathered(fn: Callable[[], _T], what: str, rank: int) -> list[_T]:
+    """``collectively``, and every rank's result in rank order on every rank: one round for both."""
+    return _together(fn, what, rank, share=True)[1]
+
+
+def _together(fn: Callable[[], _T], what: str, rank: int, *, share: bool) -> tuple[_T, list[_T]]:
+    """Run ``fn`` on every rank and gather each rank's failure (and with ``share`` its result) in one round:
+    this rank's result, and every rank's (None without ``share``)."""
     from automodel_ckpt.distributed.env import all_gather_object  # torch: imported by the ranks, not by verbs
 
     result: _T | None = None
@@ -29,14 +40,14 @@ def collectively(fn: Callable[[], _T], what: str, rank: int) -> _T:
         result = fn()
     except BaseException as exc:  # noqa: BLE001 - every failure, interrupts included, must reach every rank
         caught, error = exc, _describe(exc)
-    errors = all_gather_object(error)
+    outcomes = all_gather_object((error, result)) if share else [(e, None) for e in all_gather_object(error)]
     if isinstance(caught, (KeyboardInterrupt, SystemExit)):
         raise caught
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
     if failed:
         r, e = failed[0]
         raise _failure(what, r, e, caught if r == rank else None)
-    return result  # type: ignore[return-value]
+    return result, [value for _, value in outcomes]  # type: ignore[return-value]
 
 
 def on_main(fn: Callable[[], _T], what: str, rank: int) -> _T:

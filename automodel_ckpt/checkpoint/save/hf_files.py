@@ -1,21 +1,13 @@
-"""What a save adds for Hugging Face readers: a PEFT adapter folder, the model folder's helper files, the inline export."""
+"""What a save adds for Hugging Face readers: the model folder's helper files and the inline export."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.formats import sharded
 from automodel_ckpt.ondisk.info import HFArtifacts
-
-
-def save_adapter(model: Any, folder: Path, hf: HFArtifacts, rank: int) -> None:
-    """A PEFT model: a Hugging Face adapter folder, whatever ``model_save_format`` says (``formats.peft``)."""
-    peft_format.save_adapter(model, folder, rank=rank, base_model_path=hf.base_model_path, tokenizer=hf.tokenizer,
-                             peft_section=hf.peft)
 
 
 def write_model_helpers(model_dir: Path, hf: HFArtifacts, model_save_format: str) -> None:

@@ -2,39 +2,32 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from pathlib import Path
 
-from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.ondisk.formats import sharded
 from automodel_ckpt.ondisk.info import SaveInfo
-from automodel_ckpt.checkpoint.state import StatePlan
+from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.storage.base import RunFolder
-
-logger = logging.getLogger(__name__)
 
 
 class SavePolicy:
     """``checkpoint.save_consolidated`` and ``checkpoint.monitor`` applied to one save; each warning said once."""
 
-    def __init__(self, cfg: CheckpointConfig, *, is_main: bool) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: WriteSettings, *, is_main: bool) -> None:
+        self.settings = settings
         self.is_main = is_main
         self._warned: set[str] = set()
 
-    def consolidate_now(self, info: SaveInfo, plan: StatePlan) -> bool:
-        """Whether this save exports a Hugging Face folder inline (``save_consolidated``)."""
-        mode = self.cfg.save_consolidated
+    def consolidate_now(self, info: SaveInfo) -> bool:
+        """Whether this save of a full model exports a Hugging Face folder inline (``save_consolidated``). An
+        adapter is never exported: its folder is Hugging Face-ready already (``ckpt-train merge-lora`` merges it)."""
+        mode = self.settings.save_consolidated
         wanted = mode == "every" or (mode == "final" and info.is_final)
-        if not wanted or not plan.models:
+        if not wanted:
             return False
-        if plan.has_peft:  # the adapter folder is already Hugging Face-ready; `ckpt-train merge-lora` merges it
-            if self.is_main:
-                logger.info("save_consolidated does not apply to PEFT checkpoints; the adapter is saved HF-ready")
-            return False
-        if self.cfg.model_save_format != sharded.SAFETENSORS:
+        if self.settings.model_save_format != sharded.SAFETENSORS:
             self.warn_once("consolidation", f"checkpoint.save_consolidated={mode} needs model_save_format="
                            "safetensors; skipping the inline HF export (run `ckpt-train consolidate CHECKPOINT` "
                            "later to export this checkpoint)")

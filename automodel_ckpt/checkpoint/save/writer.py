@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from automodel_ckpt.distributed import collective
-from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_tree
 from automodel_ckpt.ondisk.layout import render_name
-from automodel_ckpt.ondisk.retention import RetentionPolicy
+from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.formats import sharded
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.save import diskfull, hf_files, local_files, overlap
 from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
 from automodel_ckpt.checkpoint.save.policy import SavePolicy
+from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.state import StatePlan, plan_state
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
@@ -38,27 +38,30 @@ _T = TypeVar("_T")
 class SaveWriter:
     """Writes checkpoints into ``run``; at most one save in flight (``wait`` completes it)."""
 
-    def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder, *,
+    def __init__(self, settings: WriteSettings, env: DistEnv, dims: ParallelDims, run: RunFolder, *,
                  config_yaml: str, hf: HFArtifacts, fingerprint: dict[str, Any] | None, time: TrainingTime,
                  say: Callable[[str], None], settle_full_disk: bool = True,
                  side_failure: Callable[[str, str, int], None] | None = None) -> None:
-        self.cfg, self.env, self.dims, self.run = cfg, env, dims, run
+        self.settings, self.env, self.dims, self.run = settings, env, dims, run
         # read by ``diskfull.guarded``: False where the caller settles a full disk itself (the node-local tier)
         self.settles_full_disk = settle_full_disk
         self.side_failure = side_failure  # (kind, text, step): side work that failed while the save went on
         self.dir = run.local  # read by ``diskfull.guarded``
         self.config_yaml, self.hf, self.fingerprint, self.time, self.say = config_yaml, hf, fingerprint, time, say
-        self.policy = SavePolicy(cfg, is_main=env.is_main)
-        self.retention = RetentionPolicy.from_config(cfg)
+        self.policy = SavePolicy(settings, is_main=env.is_main)
+        self.retention = settings.retention
         self.resumed_from: str | None = None  # the checkpoint this run resumed from (retention on a store keeps it)
-        self.is_async = bool(cfg.is_async) and cfg.enabled and overlap.async_supported(env.is_main)
-        self.write_threads = cfg.async_write_threads or overlap.default_write_threads()
+        self.is_async = settings.is_async and overlap.async_supported(env.is_main)
+        self.write_threads = settings.write_threads or overlap.default_write_threads()
         self.written = WrittenFiles()  # files this writer wrote: fsynced already, checksum known
         self.last_save_seconds: dict[str, float] = {}  # where the last save call spent its time, by phase
         self.last_complete_seconds: dict[str, float] = {}  # the same for the steps after the shards were written
         self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager: sharded.HostStager | None = None
+        self._model_shards = sharded.ModelShards(settings.model_save_format)  # how a model is written; a PEFT model:
+        self._adapter_folder = peft_format.AdapterFolder(env.rank, base_model_path=hf.base_model_path,
+                                                         tokenizer=hf.tokenizer, peft_section=hf.peft)
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         if self.is_async:  # collective: every rank creates it, in the same order
@@ -68,27 +71,28 @@ class SaveWriter:
 
     # ------------------------------------------------------------------------------------------ a save
     @diskfull.guarded
-    def save(self, states: dict[str, Any], info: SaveInfo) -> Path:
+    def write_checkpoint(self, states: dict[str, Any], info: SaveInfo) -> Path:
         """Save ``states`` as checkpoint ``name``; see ``Checkpointer.save``."""
         self._saved_objects = list(states.values())
         clock = PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
         name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
-            self.cfg.name_template, info.epoch, info.step, consumed_samples=info.extra.get("consumed_samples"),
+            self.settings.name_template, info.epoch, info.step, consumed_samples=info.extra.get("consumed_samples"),
             train_loss=info.train_loss, val_loss=info.val_loss,
         )
         if self.env.is_main:
             self.say(f"Saving checkpoint to {self.run.location(name)}")
         plan = plan_state(states)
-        pending = overlap.PendingSave(name, self.run.staging(name), self.policy.consolidate_now(info, plan),
+        exports = bool(plan.models) and not plan.has_peft  # an adapter folder is Hugging Face-ready already
+        pending = overlap.PendingSave(name, self.run.staging(name), exports and self.policy.consolidate_now(info),
                                       step=info.step)
         reserve_in_background = self._reserves_in_background(plan, pending.consolidate)
         if not reserve_in_background:
             self._reserve(name)
         clock.mark("reserve")
         staged = self._write_or_stage(plan, pending.staging)
-        clock.mark("copy_small" if staged else "write_sharded")
+        clock.mark("copy_small" if self.is_async else "write_sharded")
         small_files = self._small_files(pending.staging, plan, info)
         completes_in_background = bool(staged) and not pending.consolidate  # the inline export runs here
         if completes_in_background:
@@ -98,7 +102,7 @@ class SaveWriter:
         clock.mark("write_local")
         if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
             pending.job = overlap.start(
-                staged, self._group, nice=self.cfg.async_nice,
+                staged, self._group, nice=self.settings.nice,
                 before_writes=(functools.partial(self._on_group, self._reserve, name)
                                if reserve_in_background else None),
                 after_writes=(functools.partial(self._on_group, self._complete, pending)
@@ -126,42 +130,37 @@ class SaveWriter:
     def _write_or_stage(self, plan: StatePlan, staging: Path) -> list[sharded.StagedSave]:
         """The model and optimizer files: written now (collective; DCP raises on every rank if any rank fails),
         or with ``is_async`` copied now and returned, to be written in the background. Adapters: always now."""
-        fmt, staged = self.cfg.model_save_format, []
+        stager, staged = self._host_stager() if self.is_async else None, []
+        if plan.has_peft and self.settings.model_save_format != sharded.SAFETENSORS:
+            self.policy.warn_once("peft_format", f"checkpoint.model_save_format={self.settings.model_save_format} does "
+                                  "not apply to PEFT models; saving the adapter in Hugging Face PEFT format "
+                                  "(safetensors)")
         for attr, model in plan.models.items():
-            folder = staging / layout.state_dir(attr)
-            if attr in plan.adapters:
-                if fmt != sharded.SAFETENSORS:
-                    self.policy.warn_once("peft_format", f"checkpoint.model_save_format={fmt} does not apply to "
-                                          "PEFT models; saving the adapter in Hugging Face PEFT format (safetensors)")
-                hf_files.save_adapter(model, folder, self.hf, self.env.rank)
-            elif self.is_async:
-                staged.append(sharded.stage_model(model, folder, fmt, self._host_stager(), self.written,
-                                                  threads=self.write_threads))
-            else:
-                sharded.save_model(model, folder, fmt, written=self.written)
+            model_files = self._adapter_folder if attr in plan.adapters else self._model_shards
+            staged.append(model_files.write_model(model, staging / layout.state_dir(attr), stager, self.written,
+                                                  self.write_threads))
         for attr, optim in plan.optimizers.items():
             folder = staging / layout.state_dir(attr)
-            if self.is_async:
-                # where each node loads its own copy, a rank checks whole every file it reads from: the small
-                # items every rank reads go to a small file of their own (``fastio.ParallelFileSystemWriter``)
-                staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, folder, self._host_stager(),
-                                                      self.written, threads=self.write_threads,
-                                                      small_apart=not self.run.shared))
-                self._install_fence(optim)
-            else:
+            if stager is None:
                 sharded.save_optimizer(plan.model_for(attr), optim, folder, written=self.written)
-        return staged
+                continue
+            # where each node loads its own copy, a rank checks whole every file it reads from: the small items
+            # every rank reads go to a small file of their own (``fastio.ParallelFileSystemWriter``)
+            staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, folder, stager, self.written,
+                                                  threads=self.write_threads, small_apart=not self.run.shared))
+            self._install_fence(optim)
+        return [item for item in staged if item is not None]
 
     def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> local_files.LocalFiles:
         """This rank's small files (``local_files``), their contents taken now; on rank 0 with the HF helpers."""
         peft = plan.has_peft
         helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf,
-                                     self.cfg.model_save_format) if plan.models and not peft else None)
+                                     self.settings.model_save_format) if plan.models and not peft else None)
         return local_files.capture(
             staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
             dp_rank=self.dims.dp_rank if self.dims.writes_rank_state else None, mesh=self.dims.sizes.record(),
             config_yaml=self.config_yaml,
-            model_save_format=layout.ADAPTER_FORMAT if peft else self.cfg.model_save_format,
+            model_save_format=layout.ADAPTER_FORMAT if peft else self.settings.model_save_format,
             training_seconds=self.time.seconds(), fingerprint=self.fingerprint, write_after=helpers,
         )
 

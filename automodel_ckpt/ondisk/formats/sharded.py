@@ -254,6 +254,22 @@ def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: 
     return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads, small_apart)
 
 
+class ModelShards:
+    """A model's files in ``fmt`` (``safetensors`` or ``torch_save``): written now, or staged for the background
+    (``stager``); the counterpart of ``peft.AdapterFolder`` for a model that is not a PEFT adapter."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def write_model(self, model: nn.Module, path: Path, stager: HostStager | None, written: WrittenFiles | None = None,
+              threads: int | None = None) -> StagedSave | None:
+        """With a ``stager``: the model staged for a background write (``stage_model``); else written now."""
+        if stager is not None:
+            return stage_model(model, path, self.fmt, stager, written, threads=threads)
+        save_model(model, path, self.fmt, written=written)
+        return None
+
+
 _SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later
 
 

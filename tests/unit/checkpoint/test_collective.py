@@ -90,3 +90,12 @@ def test_results_reach_every_rank(monkeypatch):
     monkeypatch.setattr(env, "broadcast_object", lambda payload: (True, 42))
     assert collective.on_main(lambda: 1, "x", 1) == 42
     assert collective.collectively(lambda: 7, "x", 0) == 7
+
+
+def test_gathered_hands_every_rank_each_result_and_raises_a_failure_everywhere(monkeypatch):
+    monkeypatch.delenv("AUTOMODEL_CKPT_DEBUG", raising=False)
+    monkeypatch.setattr(env, "all_gather_object", lambda outcome: [outcome, (None, {"b": 2})])
+    assert collective.gathered(lambda: {"a": 1}, "naming", 0) == [{"a": 1}, {"b": 2}]
+    monkeypatch.setattr(env, "all_gather_object", lambda outcome: [outcome, ("ValueError: no key", None)])
+    with pytest.raises(CheckpointError, match="naming failed on rank 1: ValueError: no key"):
+        collective.gathered(lambda: {"a": 1}, "naming", 0)

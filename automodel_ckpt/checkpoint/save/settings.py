@@ -1,0 +1,59 @@
+"""How a writer writes (format, names, background, export, retention): the durable tier's settings or a local step's."""
+
+from __future__ import annotations
+
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.ondisk.retention import RetentionPolicy
+
+
+class WriteSettings:
+    """What a ``SaveWriter`` reads of the ``checkpoint:`` section, and nothing else of it: the section itself for
+    the durable tier (``durable``), a local step's fixed choices for the node-local tier (``node_local``)."""
+
+    def __init__(self, cfg: CheckpointConfig, *, node_local: bool = False) -> None:
+        self._cfg, self.node_local = cfg, node_local
+
+    @classmethod
+    def durable(cls, cfg: CheckpointConfig) -> WriteSettings:
+        """The checkpoints in ``checkpoint_dir``: as the section says."""
+        return cls(cfg)
+
+    @classmethod
+    def for_node_local(cls, cfg: CheckpointConfig) -> WriteSettings:
+        """A node-local step (``checkpoint.local``): always in the background, never exported, named by the default
+        template, the ``local.keep`` most recent kept; its format and writer threads as the section says."""
+        return cls(cfg, node_local=True)
+
+    @property
+    def model_save_format(self) -> str:
+        return self._cfg.model_save_format
+
+    @property
+    def name_template(self) -> str:
+        return CheckpointConfig.name_template if self.node_local else self._cfg.name_template
+
+    @property
+    def is_async(self) -> bool:
+        """Copy now, write in the background (where torch allows it: ``overlap.async_supported``)."""
+        return self.node_local or (bool(self._cfg.is_async) and bool(self._cfg.enabled))
+
+    @property
+    def write_threads(self) -> int | None:
+        """Background writer threads per rank (None: ``overlap.default_write_threads``)."""
+        return self._cfg.async_write_threads
+
+    @property
+    def nice(self) -> int:
+        """Niceness added to the background threads."""
+        return self._cfg.async_nice
+
+    @property
+    def save_consolidated(self) -> str:
+        """final | every | false: when the model is exported inline."""
+        return "false" if self.node_local else self._cfg.save_consolidated
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        if self.node_local:
+            return RetentionPolicy(max_recent=self._cfg.local.keep)
+        return RetentionPolicy.from_config(self._cfg)
