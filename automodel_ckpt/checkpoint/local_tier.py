@@ -212,7 +212,7 @@ class LocalRecovery:
             self._hand_over(chosen.name, exc)
             return None
 
-    def load(self, step: Path, states: dict[str, Any]) -> Loaded:
+    def load(self, states: dict[str, Any], step: Path) -> Loaded:
         tier = self.tier
         # checked: every small file was hashed by the scan or on arrival; the large ones are as they load
         loaded = tier.loader.load(states, step, checked=True)

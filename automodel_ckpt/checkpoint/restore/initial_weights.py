@@ -62,7 +62,7 @@ class StartTier:
         return start_from(self.cfg, self.source, sorted(self.states), model_is_peft=model_is_peft, rank=self.rank,
                           world_size=self.world_size)
 
-    def load(self, start: Start, states: dict[str, Any]) -> Loaded:
+    def load(self, states: dict[str, Any], start: Start) -> Loaded:
         subset = {name: states[name] for name in start.states}
         if start.kind == CHECKPOINT:
             loaded = self.loader.load(subset, start.path, checked=True, fresh_run=True)

@@ -48,7 +48,7 @@ class DurableTier:
         return decide(self.cfg, self.source, rank=self.rank, world_size=self.world_size,
                       fingerprint=self.fingerprint, say=self.say, damaged_while_loading=damage)
 
-    def load(self, decision: Decision, states: dict[str, Any]) -> Loaded | None:
+    def load(self, states: dict[str, Any], decision: Decision) -> Loaded | None:
         if decision.path is None:  # a fresh run
             return None
         return self.loader.load(states, decision.path, checked=True)
