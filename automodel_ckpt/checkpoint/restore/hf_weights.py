@@ -1,4 +1,4 @@
-"""Reading a Hugging Face model folder into a sharded model: each rank reads the bytes of its own slices only.
+"""Reading a Hugging Face model folder (or an archive of one) into a sharded model: each rank reads its own slices.
 
 The model may be sharded in any way (FSDP's ``Shard(0)``, tensor parallelism's ``Shard(1)``, ``Replicate``, on a
 mesh of any shape): DCP plans the reads from each parameter's ``DTensor`` placements, and the safetensors reader
