@@ -63,7 +63,7 @@ class DurableTier:
 def decide(cfg: CheckpointConfig, source: Source, *, rank: int, world_size: int,
            fingerprint: dict[str, Any] | None, say: Callable[[str], None],
            damaged_while_loading: str | None = None) -> Decision | None:
-    """Collective: select and check the checkpoint of the run's own that ``checkpoint.restore_from`` asks for.
+    """Collective: select and check the checkpoint this run resumes (``checkpoint.restore_from``, else the newest).
 
     None: with ``load_only``, the run has no checkpoint of its own: a weights-only start (the next tier's).
     ``damaged_while_loading``: deciding again after the load of the last decision found its checkpoint damaged
@@ -77,7 +77,7 @@ def decide(cfg: CheckpointConfig, source: Source, *, rank: int, world_size: int,
         if cfg.load_only:
             # The run's own checkpoints come first: a rerun of a run that started from other weights resumes itself.
             if not (cfg.enabled and source.has_checkpoints()):
-                return None
+                return None  # nothing of its own: the weights-only start starts it
             auto = True
     else:
         auto = True  # only an automatic resume decides again
