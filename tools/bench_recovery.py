@@ -157,7 +157,7 @@ class BenchRecoveryRecipe(FinetuneRecipe):
         if ckpt._local.active:
             ckpt._local.loader.load = clocked(ckpt._local.loader.load, "local_load")
         resume.decide = clocked(resume.decide, "durable_find_and_probe")
-        ckpt._loader.carry_out = clocked(ckpt._loader.carry_out, "durable_load")
+        ckpt._loader.load = clocked(ckpt._loader.load, "durable_load")
 
     def train_step(self, micro):
         if self.step_scheduler.step == self._kill_after:

@@ -48,7 +48,7 @@ _EXPORTS = {
     "release_all_locks": (".storage.runlock", "release_all"),
     # weights into a model built elsewhere (a Hugging Face folder, sharded or not)
     "load_hf_weights": (".restore.hf_weights", "load_hf_weights"),
-    "load_hf_folder": (".restore.initial_weights", "load_hf_folder"),
+    "load_hf_folder": (".restore.hf_weights", "load_hf_folder"),
     "in_memory_names": (".restore.hf_weights", "in_memory_names"),
     "local_part": (".restore.hf_weights", "local_part"),
 }
@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.config import (CheckpointConfig, ConsolidationMode, LoadErrorPolicy, ModelSaveFormat,
                                                   MonitorMode)
     from automodel_ckpt.checkpoint.locations import check_url, is_url
-    from automodel_ckpt.checkpoint.restore.hf_weights import in_memory_names, load_hf_weights, local_part
-    from automodel_ckpt.checkpoint.restore.initial_weights import load_hf_folder
+    from automodel_ckpt.checkpoint.restore.hf_weights import (in_memory_names, load_hf_folder, load_hf_weights,
+                                                              local_part)
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
     from automodel_ckpt.checkpoint.storage import (fetch_run_file, open_filesystem, open_for_reading, open_store_run,
                                                    run_folder, share_run_file, source_of, stored_files,

@@ -8,10 +8,9 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import storage
 from automodel_ckpt.checkpoint.config import CheckpointConfig
-from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.local_tier import LocalTier
-from automodel_ckpt.checkpoint.restore import fallback, resume
+from automodel_ckpt.checkpoint.restore import fallback, initial_weights, resume
 from automodel_ckpt.checkpoint.restore.fallback import DURABLE
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.save import overlap
@@ -30,7 +29,7 @@ class Checkpointer:
 
     Always present in a recipe: with ``checkpoint.enabled: false`` a save is a no-op (returns None) and a restore
     still carries out an explicit ``restore_from``. The run folder (``storage``) is opened once; the save steps
-    live in ``save/`` (``SaveWriter``), the load steps in ``restore/`` (``resume`` decides, ``CheckpointLoader``
+    live in ``save/`` (``SaveWriter``), the load steps in ``restore/`` (each tier chooses, ``CheckpointLoader``
     loads).
     """
 
@@ -191,16 +190,19 @@ class Checkpointer:
 
         Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
         starts a new run from a checkpoint's (or an HF / adapter folder's) weights. One loop
-        (``restore.fallback``) asks each tier in turn (node-local, durable) to choose, loads, and falls back.
+        (``restore.fallback``) asks each tier in turn (node-local, durable, the weights-only start) to choose, loads,
+        and falls back.
         """
         started = time.perf_counter()
+        rank, world_size = self.env.rank, self.env.world_size
         tiers: list[fallback.Tier] = []
         if self._local.active and self.cfg.restore_from is None and not self.cfg.load_only:
             tiers.append(self._local.recovery(self.run.find(None)))  # first, when newer than the durable newest
-        peft = "model" in states and peft_format.is_peft_model(states["model"])
-        tiers.append(resume.DurableTier(self.cfg, self.run, self._loader, states, model_is_peft=peft,
-                                        rank=self.env.rank, world_size=self.env.world_size,
+        tiers.append(resume.DurableTier(self.cfg, self.run, self._loader, rank=rank, world_size=world_size,
                                         fingerprint=self.fingerprint, say=self.say))
+        if self.cfg.load_only:  # when the run has no checkpoint of its own
+            tiers.append(initial_weights.StartTier(self.cfg, self.run, self._loader, states, rank=rank,
+                                                   world_size=world_size, say=self.say))
         tier, loaded = fallback.first_loaded(tiers, states) or (DURABLE, None)
         return self._took(loaded, tier, started)
 

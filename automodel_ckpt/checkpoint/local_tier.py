@@ -184,9 +184,10 @@ class LocalTier:
 
 
 class LocalRecovery:
-    """The node-local tier in a restore's fall-back loop. The model and optimizer files are checked as the load
-    reads them; where that finds one damaged, every file of every local step is checked before choosing again
-    (another copy, an older step); a second failure, or any other, hands over to the durable tier."""
+    """The node-local tier in a restore's fall-back loop. Choosing takes the newest local step complete on some node
+    and makes it whole on every node; the model and optimizer files are checked as the load reads them. Where that
+    finds one damaged, every file of every local step is checked before choosing again (another copy, an older
+    step); a second failure, or any other (making the step whole included), hands over to the durable tier."""
 
     name = LOCAL
 
@@ -195,7 +196,9 @@ class LocalRecovery:
         self._newest_durable = _step_of(durable)
         self._checked_whole = False  # after a damaged load: every file of every local step checked by the scan
 
-    def choose(self, damage: str | None) -> tuple[Any, dict[int, Any]] | None:
+    def choose(self, damage: str | None) -> Path | None:
+        """This node's whole copy of the step chosen, or None (none newer than the durable tier's newest, or it
+        could not be made whole)."""
         tier = self.tier
         skipped: list[str] = []
         chosen, inventories = recover.newest_step(tier.run, skipped, leave=None if self._checked_whole else deferred)
@@ -204,33 +207,41 @@ class LocalRecovery:
                 tier.say(f"warning: {line}; not resuming from it")
         if chosen is None or (self._newest_durable is not None and chosen.step <= self._newest_durable):
             return None
-        return chosen, inventories
+        try:
+            return recover.make_whole(tier.run, chosen, inventories)
+        except CheckpointError as exc:
+            self._hand_over(chosen.name, exc)
+            return None
 
-    def load(self, choice: tuple[Any, dict[int, Any]], states: dict[str, Any]) -> Loaded:
-        tier, (chosen, inventories) = self.tier, choice
+    def load(self, states: dict[str, Any], step: Path) -> Loaded:
+        tier = self.tier
         # checked: every small file was hashed by the scan or on arrival; the large ones are as they load
-        loaded = tier.loader.load(states, recover.make_whole(tier.run, chosen, inventories), checked=True)
+        loaded = tier.loader.load(states, step, checked=True)
         if tier.env.is_main:
             than = f" (newer than the durable tier's {self.durable.name})" if self.durable is not None else ""
-            tier.say(f"Resumed from the node-local tier: {chosen.name}{than}, loaded in "
+            tier.say(f"Resumed from the node-local tier: {step.name}{than}, loaded in "
                      f"{time.perf_counter() - self.started:.1f} s")
         return loaded
 
-    def failed(self, choice: tuple[Any, dict[int, Any]], exc: CheckpointError) -> str:
-        name = choice[0].name
+    def failed(self, step: Path, exc: CheckpointError) -> str:
         if isinstance(exc, DamagedFile) and not self._checked_whole:
             if self.tier.env.is_main:
-                self.tier.say(f"warning: the node-local step {name} is damaged ({first_line(exc)}); checking "
+                self.tier.say(f"warning: the node-local step {step.name} is damaged ({first_line(exc)}); checking "
                               "every file of the node-local steps before choosing again")
             self._checked_whole = True
             return AGAIN
+        self._hand_over(step.name, exc)
+        return NEXT
+
+    def _hand_over(self, name: str, exc: CheckpointError) -> None:
+        """The step ``name`` cannot be loaded (every rank learns so alike): say so, and leave it to the durable tier;
+        an error when that holds no checkpoint."""
         if self.durable is None:
             raise CheckpointError(f"the node-local step {name} failed to load ({first_line(exc)}) "
                                   "and the durable tier holds no checkpoint to resume from instead") from None
         if self.tier.env.is_main:
             self.tier.say(f"warning: the node-local step {name} failed to load ({first_line(exc)}); "
                           f"resuming from the durable tier's {self.durable.name}")
-        return NEXT
 
 
 def _quiet(_: str) -> None:

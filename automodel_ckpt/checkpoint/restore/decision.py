@@ -1,4 +1,4 @@
-"""What restore decides (``Decision``) and what it needs of the run folder to decide it (``Source``)."""
+"""What the durable tier decides (``Decision``) and what it needs of the run folder to decide it (``Source``)."""
 
 from __future__ import annotations
 
@@ -6,23 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-CHECKPOINT = "checkpoint"
-HF_FOLDER = "Hugging Face model folder"
-ADAPTER_FOLDER = "adapter folder"
-
 
 @dataclass(frozen=True)
 class Decision:
-    """What a run starts from; ``restore.loader.CheckpointLoader.carry_out`` carries it out.
-
-    ``path`` None: a fresh run. Otherwise ``path`` is a checkpoint already checked on every rank (``kind``
-    ``checkpoint``), or for a weights-only start a Hugging Face model folder or a PEFT adapter folder.
-    """
+    """What a run resumes from: ``path`` None, a fresh run; otherwise a checkpoint of the run's own, already checked
+    on every rank, that the loader loads (``restore.loader.CheckpointLoader.load``)."""
 
     path: Path | None = None
-    kind: str = CHECKPOINT
-    states: tuple[str, ...] | None = None  # the states to load; None: every state of the recipe
-    fresh_run: bool = False  # a new run from other weights (``load_only``): nothing but those states carries over
     fallback: bool = False  # found damaged while loading: set it aside and decide again (an automatic resume)
 
     @property

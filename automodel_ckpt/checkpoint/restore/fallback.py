@@ -1,4 +1,4 @@
-"""The one choose-verify-fall-back loop of a restore, for every tier (node-local, durable) and every kind of storage.
+"""The one choose-verify-fall-back loop of a restore, for every tier (node-local, durable, start) and every storage.
 
 A tier chooses what to load (its newest checkpoint that passes the checks before a load, the damaged ones set aside
 on the way, or a fresh start), the loop loads it, and a failure while loading goes back to the tier that chose it:
@@ -20,14 +20,15 @@ NEXT = "next"  # leave this tier for the next one
 class Tier(Protocol):
     """A tier's part in a restore. Every method is collective: each rank calls it, and each rank gets the same."""
 
-    name: str  # "local" or "durable": where the restore loaded from
+    name: str  # "local" or "durable" (a weights-only start too): where the restore loaded from
 
     def choose(self, damage: str | None) -> Any | None:
         """What to load next (None: nothing here, try the next tier). ``damage``: why the last choice failed while
         loading, in one line (None on the first call)."""
 
-    def load(self, choice: Any, states: dict[str, Any]) -> Any:
-        """Load ``choice`` into ``states``; what was loaded (None: nothing, a fresh start)."""
+    def load(self, states: dict[str, Any], choice: Any) -> Any:
+        """Load ``choice`` into ``states`` (in the order of every ``load`` of the engine: the states first); what was
+        loaded (None: nothing, a fresh start)."""
 
     def failed(self, choice: Any, exc: CheckpointError) -> str | None:
         """``choice`` failed while loading: ``AGAIN`` or ``NEXT`` (after setting it aside), or None (raised)."""
@@ -39,7 +40,7 @@ def first_loaded(tiers: Iterable[Tier], states: dict[str, Any]) -> tuple[str, An
         damage = None
         while (choice := tier.choose(damage)) is not None:
             try:
-                return tier.name, tier.load(choice, states)
+                return tier.name, tier.load(states, choice)
             except CheckpointError as exc:
                 verdict = tier.failed(choice, exc)
                 if verdict is None:

@@ -1,4 +1,4 @@
-"""Reading a Hugging Face model folder into a sharded model: each rank reads the bytes of its own slices only.
+"""Reading a Hugging Face model folder (or an archive of one) into a sharded model: each rank reads its own slices.
 
 The model may be sharded in any way (FSDP's ``Shard(0)``, tensor parallelism's ``Shard(1)``, ``Replicate``, on a
 mesh of any shape): DCP plans the reads from each parameter's ``DTensor`` placements, and the safetensors reader
@@ -13,6 +13,10 @@ expert and projection) is filled part by part: a part that is a box of the fused
 only by the ranks whose slice it meets, and only that overlap is copied, so a stack sharded over its experts costs
 each rank its own experts' bytes. A part that is not a box (none of the supported families has one) makes its
 tensor read whole on every rank, put together and sliced.
+
+``load_hf_folder`` reads any HF weights a run may start from: a folder's safetensors files as above, an archive of
+one (``ckpt-train pack``) in place, or a folder of PyTorch ``.bin`` files only, which transformers reads on rank 0
+and torch broadcasts into every rank's shards.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk.formats.family import DiskTensor, c_strides, disk_layout
+from automodel_ckpt.distributed import collective
+from automodel_ckpt.ondisk.export.archive import is_archive
+from automodel_ckpt.ondisk.formats.family import DiskTensor, auto_model_class, c_strides, disk_layout
 from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, scratch
 from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
 from automodel_ckpt.errors import CheckpointError
 
-__all__ = ["load_hf_weights", "local_part", "in_memory_names"]
+__all__ = ["load_hf_folder", "load_hf_weights", "local_part", "in_memory_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +81,12 @@ def _local(target: torch.Tensor) -> torch.Tensor:
     return target.to_local() if hasattr(target, "to_local") else target
 
 
-def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True, reader: Any = None) -> int:
+def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) -> int:
     """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not); returns this rank's bytes read.
 
     Every parameter of the transformers model must be in the folder (or tied to one that is); a buffer that is
-    not (rotary tables and the like) is left as it is. Adapters of a PEFT model are not read. ``reader``: the
-    storage reader of ``folder`` when it is no folder (an archive's, ``export.archive_weights``).
+    not (rotary tables and the like) is left as it is. Adapters of a PEFT model are not read. ``folder`` may be an
+    archive of one (``ckpt-train pack``), read in place (``export.archive_weights``).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -90,8 +96,7 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True, 
     base, names = in_memory_names(model)
     state = base.state_dict(keep_vars=True)  # the tensors themselves: tied weights are one object
     buffer_keys = {k for k, _ in base.named_buffers()}
-    if reader is None:
-        reader = ParallelHFReader(folder, gap=0)  # the pages of this rank's pieces, nothing between them
+    reader = _reader(folder)
     on_disk = reader.read_metadata().state_dict_metadata
     mem = {name: state[key] for name, key in names.items()}
     layout = disk_layout(base.config.to_dict(), {n: (tuple(t.shape), t.dtype) for n, t in mem.items()},
@@ -141,6 +146,51 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True, 
             _local(target).copy_(local_part(full, target))
             del full
     return BYTES_READ.total - before
+
+
+def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
+    """Collective: the weights of HF folder ``folder`` (or an archive of one) into ``model`` (sharded or not).
+
+    Each rank reads only its own slices of the folder's safetensors files (``load_hf_weights``: the family's on-disk
+    names, tied weights and fused layouts mapped to the model's own, as transformers maps them).
+    """
+    if not is_archive(folder) and not any(Path(folder).glob("*.safetensors")):  # PyTorch .bin weights only
+        _load_on_rank0(model, folder, rank)
+    else:
+        collective.collectively(lambda: load_hf_weights(model, folder), f"reading '{folder}'", rank)
+
+
+def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
+    """Collective: the weights of HF folder ``folder`` without safetensors files, read once on rank 0.
+
+    transformers reads the folder (its on-disk names, tied weights and fused layouts mapped to the model's own),
+    and torch broadcasts each tensor from rank 0 into every rank's shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def read() -> dict[str, torch.Tensor]:
+        dtype = next(model.parameters()).dtype
+        loaded = auto_model_class(folder).from_pretrained(folder, dtype=dtype)
+        wanted = set(model.state_dict())
+        state = {k: v for k, v in loaded.state_dict().items() if k in wanted}
+        missing = sorted(wanted - set(state))
+        if missing:
+            raise CheckpointError(f"'{folder}' does not fit the model: {len(missing)} tensor(s) missing "
+                                  f"(e.g. '{missing[0]}')")
+        return state
+
+    full: dict[str, torch.Tensor] = {}
+    collective.on_main(lambda: full.update(read()), f"reading '{folder}'", rank)  # a failure reaches every rank
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _reader(folder: Path) -> ParallelHFReader:
+    """The storage reader of ``folder``: the pages of this rank's pieces, nothing between them."""
+    if is_archive(folder):
+        from automodel_ckpt.ondisk.export.archive_weights import ArchiveHFReader
+
+        return ArchiveHFReader(folder, gap=0)
+    return ParallelHFReader(folder, gap=0)
 
 
 def _region(target: torch.Tensor) -> tuple[list[int], list[int]]:

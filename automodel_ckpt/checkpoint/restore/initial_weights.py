@@ -1,4 +1,4 @@
-"""Starting a new run from other weights: ``restore_from`` + ``load_only`` from a checkpoint, an HF or adapter folder.
+"""The weights-only start (``load_only``): a new run from a checkpoint's states, an HF or an adapter folder's weights.
 
 Continued training on new data starts from a trained model but not from its optimizer, schedule or data position:
 ``checkpoint.load_only: [model]`` loads just the named states of ``restore_from`` and leaves the rest as the recipe
@@ -6,12 +6,17 @@ built it (a fresh optimizer, step 0). ``restore_from`` may be one of this projec
 discovered state), a Hugging Face model folder such as a checkpoint's ``model/consolidated`` (``model`` only;
 transformers maps its on-disk names to the model's) or an archive of one (``ckpt-train pack``, read in place), or a
 PEFT adapter folder (``model`` only, for a LoRA run).
+
+``StartTier`` is this start in the restore's fall-back loop (``fallback.first_loaded``), after the durable tier:
+the run's own checkpoints come first (a rerun of a run that started from other weights resumes itself), and only
+when it has none does this tier choose (``start_from``) and load.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
@@ -19,13 +24,67 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.ondisk.export.archive import is_archive, open_archive
 from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.checkpoint.restore.decision import ADAPTER_FOLDER, CHECKPOINT, HF_FOLDER, Decision, Source
+from automodel_ckpt.checkpoint.restore.decision import Source
+from automodel_ckpt.checkpoint.restore.fallback import DURABLE
+from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_folder
+from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
 from automodel_ckpt.checkpoint.restore.probe import probe
 from automodel_ckpt.errors import CheckpointError, ConfigError
 
+CHECKPOINT = "checkpoint"
+HF_FOLDER = "Hugging Face model folder"
+ADAPTER_FOLDER = "adapter folder"
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a weights-only start loads: ``states`` of ``path``, a checkpoint already checked on every rank (``kind``
+    ``checkpoint``), a Hugging Face model folder or a PEFT adapter folder (``model`` only)."""
+
+    path: Path
+    kind: str
+    states: tuple[str, ...]
+
+
+class StartTier:
+    """The weights-only start in the restore's fall-back loop, asked when the durable tier holds nothing of the run's
+    own. Nothing is set aside: a failure while loading stands."""
+
+    name = DURABLE  # where the restore loaded from, as the run reports it (``restored_tier``)
+
+    def __init__(self, cfg: CheckpointConfig, source: Source, loader: CheckpointLoader, states: dict[str, Any], *,
+                 rank: int, world_size: int, say: Callable[[str], None]) -> None:
+        self.cfg, self.source, self.loader, self.states = cfg, source, loader, states
+        self.rank, self.world_size, self.say = rank, world_size, say
+
+    def choose(self, damage: str | None) -> Start:
+        model_is_peft = "model" in self.states and peft_format.is_peft_model(self.states["model"])
+        return start_from(self.cfg, self.source, sorted(self.states), model_is_peft=model_is_peft, rank=self.rank,
+                          world_size=self.world_size)
+
+    def load(self, states: dict[str, Any], start: Start) -> Loaded:
+        subset = {name: states[name] for name in start.states}
+        if start.kind == CHECKPOINT:
+            loaded = self.loader.load(subset, start.path, checked=True, fresh_run=True)
+        else:
+            if self.rank == 0:
+                self.say(f"Loading model weights from {start.kind} {start.path}")
+            if start.kind == ADAPTER_FOLDER:
+                collective.collectively(lambda: peft_format.load_adapter(subset["model"], start.path),
+                                        f"loading '{start.path}'", self.rank)
+            else:
+                load_hf_folder(subset["model"], start.path, self.rank)
+            loaded = Loaded(start.path, start.states)
+        if self.rank == 0:
+            self.say(f"Started from {', '.join(start.states)} of {start.path}; everything else starts fresh")
+        return loaded
+
+    def failed(self, start: Start, exc: CheckpointError) -> None:
+        return None
+
 
 def start_from(cfg: CheckpointConfig, source: Source, states: list[str], *, model_is_peft: bool, rank: int,
-               world_size: int) -> Decision:
+               world_size: int) -> Start:
     """Collective: check that the ``load_only`` states of ``restore_from`` can be loaded into ``states``.
 
     A checkpoint is fetched and probed; a Hugging Face or adapter folder is checked against the recipe's model.
@@ -52,16 +111,7 @@ def start_from(cfg: CheckpointConfig, source: Source, states: list[str], *, mode
     elif kind == HF_FOLDER and model_is_peft:
         raise ConfigError(f"checkpoint.restore_from: '{path}' is a full model; for LoRA on top of it, set "
                           "model.pretrained_model_name_or_path to it instead")
-    return Decision(path, kind, tuple(only), fresh_run=True)
-
-
-def load_weights(model: Any, decision: Decision, rank: int) -> None:
-    """Collective: the weights of a Hugging Face model folder or a PEFT adapter folder into ``model``."""
-    folder = Path(decision.path or "")
-    if decision.kind == ADAPTER_FOLDER:
-        collective.collectively(lambda: peft_format.load_adapter(model, folder), f"loading '{folder}'", rank)
-    else:
-        load_hf_folder(model, folder, rank)
+    return Start(path, kind, tuple(only))
 
 
 def kind_of(folder: Path) -> str:
@@ -81,50 +131,3 @@ def kind_of(folder: Path) -> str:
         return HF_FOLDER
     raise CheckpointError(f"checkpoint.restore_from: '{folder}' is neither a checkpoint, a Hugging Face model folder "
                           "(config.json + weights) nor a PEFT adapter folder")
-
-
-def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
-    """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not).
-
-    Each rank reads only its own slices of the folder's safetensors files (``hf_weights``: the family's on-disk
-    names, tied weights and fused layouts mapped to the model's own, as transformers maps them).
-    """
-    from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_weights
-
-    if is_archive(folder):
-        from automodel_ckpt.ondisk.export.archive_weights import ArchiveHFReader
-
-        collective.collectively(lambda: load_hf_weights(model, folder, reader=ArchiveHFReader(folder, gap=0)),
-                                f"reading '{folder}'", rank)
-        return
-    if not any(Path(folder).glob("*.safetensors")):  # PyTorch .bin weights only: transformers reads them
-        _load_on_rank0(model, folder, rank)
-        return
-    collective.collectively(lambda: load_hf_weights(model, folder), f"reading '{folder}'", rank)
-
-
-def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
-    """Collective: the weights of HF folder ``folder`` without safetensors files, read once on rank 0.
-
-    transformers reads the folder (its on-disk names, tied weights and fused layouts mapped to the model's own),
-    and torch broadcasts each tensor from rank 0 into every rank's shards.
-    """
-    import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    def read() -> dict[str, torch.Tensor]:
-        from automodel_ckpt.ondisk.formats.family import auto_model_class
-
-        dtype = next(model.parameters()).dtype
-        loaded = auto_model_class(folder).from_pretrained(folder, dtype=dtype)
-        wanted = set(model.state_dict())
-        state = {k: v for k, v in loaded.state_dict().items() if k in wanted}
-        missing = sorted(wanted - set(state))
-        if missing:
-            raise CheckpointError(f"'{folder}' does not fit the model: {len(missing)} tensor(s) missing "
-                                  f"(e.g. '{missing[0]}')")
-        return state
-
-    full: dict[str, torch.Tensor] = {}
-    collective.on_main(lambda: full.update(read()), f"reading '{folder}'", rank)  # a failure reaches every rank
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -2,8 +2,8 @@
 
 Model and optimizer states are read through DCP (any world size, any mesh: ``formats.sharded``); a PEFT adapter
 through PEFT; global state from rank 0's file; per-rank state (data position, RNG) per data-parallel rank, and
-when the data-parallel size changed through the object's own ``reshard_state``. What it carries out was decided by
-``restore.resume``.
+when the data-parallel size changed through the object's own ``reshard_state``. What it loads was chosen by a tier
+of the restore (``restore.resume``, ``restore.initial_weights``, ``local_tier``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.formats import sharded
 from automodel_ckpt.ondisk.formats.detect import detect_model_format
 from automodel_ckpt.ondisk.formats.safe_load import load_pt
-from automodel_ckpt.checkpoint.restore import initial_weights
-from automodel_ckpt.checkpoint.restore.decision import CHECKPOINT, Decision
 from automodel_ckpt.checkpoint.state import plan_state
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.distributed.env import DistEnv, barrier
@@ -44,28 +42,11 @@ class Loaded:
 
 
 class CheckpointLoader:
-    """Loads checkpoints of ``run`` (or weights folders a ``Decision`` names) into states, on every rank."""
+    """Loads checkpoints of ``run`` into states, on every rank."""
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder,
                  say: Callable[[str], None]) -> None:
         self.cfg, self.env, self.dims, self.run, self.say = cfg, env, dims, run, say
-
-    def carry_out(self, decision: Decision, states: dict[str, Any]) -> Loaded | None:
-        """Load what ``decision`` names into ``states``; None for a fresh run."""
-        if decision.path is None:
-            return None
-        subset = states if decision.states is None else {name: states[name] for name in decision.states}
-        loaded = Loaded(decision.path, tuple(subset))
-        if decision.kind == CHECKPOINT:
-            loaded = self.load(subset, decision.path, checked=True, fresh_run=decision.fresh_run)
-        else:
-            if self.env.is_main:
-                self.say(f"Loading model weights from {decision.kind} {decision.path}")
-            initial_weights.load_weights(subset["model"], decision, self.env.rank)
-        if decision.fresh_run and self.env.is_main:
-            self.say(f"Started from {', '.join(decision.states or ())} of {decision.path}; everything else starts "
-                     "fresh")
-        return loaded
 
     def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> Loaded:
         """Load ``states`` from checkpoint ``path``. ``checked``: its files were already checked against the

@@ -10,19 +10,20 @@ check comes first, a resume after a fallback is bitwise the resume from that old
 
 An explicitly named ``restore_from`` that fails is an error, never a silent fallback; so is any failure with
 ``checkpoint.on_load_error: error``. ``decide`` returns the ``Decision``; ``DurableTier`` is this in the restore's one
-fall-back loop (``fallback.first_loaded``), the loader carrying the decision out.
+fall-back loop (``fallback.first_loaded``), the loader loading the checkpoint decided. With ``load_only`` the run's
+own checkpoints come first; when it has none, this tier chooses nothing and the weights-only start
+(``initial_weights.StartTier``, the next tier) starts it from ``restore_from``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
 from automodel_ckpt.checkpoint.restore.decision import Decision, Source
 from automodel_ckpt.checkpoint.restore.fallback import AGAIN, DURABLE
-from automodel_ckpt.checkpoint.restore.initial_weights import start_from
 from automodel_ckpt.checkpoint.restore.probe import check_same_run, probe
 from automodel_ckpt.errors import CheckpointError, first_line, warn
 from automodel_ckpt.ondisk.loadcheck import DamagedFile
@@ -33,25 +34,24 @@ if TYPE_CHECKING:
 
 class DurableTier:
     """The durable tier (``checkpoint_dir``, any kind of storage) in the restore's fall-back loop: ``decide``
-    chooses (a fresh start too), the loader carries the decision out, and a checkpoint found damaged while loading
-    (a checksum computed as it is read) is set aside and the choice made again."""
+    chooses (a fresh start too), the loader loads the checkpoint chosen, and a checkpoint found damaged while
+    loading (a checksum computed as it is read) is set aside and the choice made again."""
 
     name = DURABLE
 
-    def __init__(self, cfg: CheckpointConfig, source: Source, loader: CheckpointLoader, states: Iterable[str], *,
-                 model_is_peft: bool, rank: int, world_size: int, fingerprint: dict[str, Any] | None,
-                 say: Callable[[str], None]) -> None:
-        self.cfg, self.source, self.loader, self.states = cfg, source, loader, list(states)
-        self.model_is_peft, self.rank, self.world_size = model_is_peft, rank, world_size
-        self.fingerprint, self.say = fingerprint, say
+    def __init__(self, cfg: CheckpointConfig, source: Source, loader: CheckpointLoader, *, rank: int,
+                 world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None]) -> None:
+        self.cfg, self.source, self.loader = cfg, source, loader
+        self.rank, self.world_size, self.fingerprint, self.say = rank, world_size, fingerprint, say
 
-    def choose(self, damage: str | None) -> Decision:
-        return decide(self.cfg, self.source, self.states, model_is_peft=self.model_is_peft, rank=self.rank,
-                      world_size=self.world_size, fingerprint=self.fingerprint, say=self.say,
-                      damaged_while_loading=damage)
+    def choose(self, damage: str | None) -> Decision | None:
+        return decide(self.cfg, self.source, rank=self.rank, world_size=self.world_size,
+                      fingerprint=self.fingerprint, say=self.say, damaged_while_loading=damage)
 
-    def load(self, decision: Decision, states: dict[str, Any]) -> Loaded | None:
-        return self.loader.carry_out(decision, states)
+    def load(self, states: dict[str, Any], decision: Decision) -> Loaded | None:
+        if decision.path is None:  # a fresh run
+            return None
+        return self.loader.load(states, decision.path, checked=True)
 
     def failed(self, decision: Decision, exc: CheckpointError) -> str | None:
         if not isinstance(exc, DamagedFile) or not decision.fallback or decision.path is None:
@@ -60,12 +60,12 @@ class DurableTier:
         return AGAIN
 
 
-def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, model_is_peft: bool, rank: int,
-           world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None],
-           damaged_while_loading: str | None = None) -> Decision:
-    """Collective: select and check what ``checkpoint.restore_from`` (and ``load_only``) asks for.
+def decide(cfg: CheckpointConfig, source: Source, *, rank: int, world_size: int,
+           fingerprint: dict[str, Any] | None, say: Callable[[str], None],
+           damaged_while_loading: str | None = None) -> Decision | None:
+    """Collective: select and check the checkpoint this run resumes (``checkpoint.restore_from``, else the newest).
 
-    ``states``: the names of the recipe's states; ``model_is_peft``: whether its ``model`` is a PEFT model.
+    None: with ``load_only``, the run has no checkpoint of its own: a weights-only start (the next tier's).
     ``damaged_while_loading``: deciding again after the load of the last decision found its checkpoint damaged
     (and set it aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an
     option. It is that damage, in one line.
@@ -77,8 +77,7 @@ def decide(cfg: CheckpointConfig, source: Source, states: Iterable[str], *, mode
         if cfg.load_only:
             # The run's own checkpoints come first: a rerun of a run that started from other weights resumes itself.
             if not (cfg.enabled and source.has_checkpoints()):
-                return start_from(cfg, source, sorted(states), model_is_peft=model_is_peft, rank=rank,
-                                  world_size=world_size)
+                return None  # nothing of its own: the weights-only start starts it
             auto = True
     else:
         auto = True  # only an automatic resume decides again

@@ -288,7 +288,7 @@ def test_a_hand_made_archive_of_the_same_files_reads_and_verifies(packed, tmp_pa
 def test_restore_from_reads_the_same_weights_from_the_archive_as_from_the_folder(packed, tmp_path, process_group):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from automodel_ckpt.checkpoint.restore.initial_weights import load_hf_folder
+    from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_folder
 
     folder = _unpack(packed, tmp_path / "unpacked")
     assert kind_of(packed) == kind_of(folder)
