@@ -14,9 +14,12 @@ faults, and the step's time of the adaptive thresholds with the pinned threshold
 
 That is the price of the least memory, worth it where the model is sharded because it barely fits. A model that
 fits each rank with room to spare (replicated or unwrapped, ``distributed.data_parallel``) takes
-``keep_freed_memory`` instead once the recipe knows it: the thresholds where glibc's adaptive ones settle, so a
-step's freed blocks serve the next step from the heap, as in a plain PyTorch loop (the pinned thresholds cost such a
-run about 1.2 x its step time, tools/bench_train.py).
+``keep_freed_memory`` instead once the recipe knows it: no block gets a mapping of its own (``M_MMAP_MAX`` 0, not
+even those above the 32 MiB that glibc's adaptive threshold stops at: the logits of a step and their gradient, a
+large vocabulary's embedding gradient) and the heap is trimmed only past 2 GiB free at its top, so a step's freed
+blocks serve the next step from the heap instead of being faulted in again 4 KiB at a time (the pinned thresholds
+cost such a run about 1.2 x its step time; glibc's adaptive ones 1.05 x (120M Llama) to 1.1 x (26M), at 1.02 x to
+1.07 x the peak resident memory; tools/bench_train.py, docs/benchmarks.md).
 
 A user's own allocator settings win: with ``LD_PRELOAD`` (jemalloc, tcmalloc), any ``MALLOC_*`` variable or
 ``glibc.malloc`` tunables in ``GLIBC_TUNABLES`` set, nothing is changed (nor with ``THP_MEM_ALLOC_ENABLE`` set:
@@ -34,8 +37,10 @@ from collections.abc import Mapping, MutableMapping
 OPT_OUT_ENV = "AUTOMODEL_CKPT_MALLOC"
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest adaptive mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 THRESHOLD_BYTES = 1024 * 1024  # 128 KiB (glibc's start) returns as much but maps small models' temporaries anew each step
+KEEP_TRIM_BYTES = 2**31 - 1  # mallopt takes an int: the most free memory at the heap's top it can be told to keep
 TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by torch at its first CPU allocation (c10's alloc_cpu)
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -60,16 +65,21 @@ def return_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
-    """glibc's thresholds where its adaptive ones settle (``M_MMAP_THRESHOLD`` at its 32 MiB maximum, trimming at
-    twice that), unless the user chose otherwise; whether it did.
+    """Every block from the heap (``M_MMAP_MAX`` 0), the heap trimmed only past ``KEEP_TRIM_BYTES`` free at its top,
+    unless the user chose otherwise; whether it did.
 
     For a model that fits each rank with room to spare (replicated or unwrapped: ``distributed.data_parallel``) a
-    step's freed blocks then stay on the heap for the next step, as in a plain PyTorch loop, instead of being faulted
-    in again at every step (about 1.2x the step time of a 26M model, tools/bench_train.py)."""
-    return _thresholds(MMAP_THRESHOLD_MAX, 2 * MMAP_THRESHOLD_MAX, environ)
+    step's freed blocks, the largest included, then stay on the heap for the next step instead of being faulted in
+    again at every step (the module's docstring has the numbers)."""
+    return _mallopt({M_MMAP_MAX: 0, M_TRIM_THRESHOLD: KEEP_TRIM_BYTES}, environ)
 
 
 def _thresholds(mmap_bytes: int, trim_bytes: int, environ: Mapping[str, str]) -> bool:
+    return _mallopt({M_MMAP_THRESHOLD: mmap_bytes, M_TRIM_THRESHOLD: trim_bytes}, environ)
+
+
+def _mallopt(settings: Mapping[int, int], environ: Mapping[str, str]) -> bool:
+    """glibc's ``mallopt`` for each of ``settings`` (parameter: value); whether every one took."""
     if not sys.platform.startswith("linux") or user_allocator_setting(environ) is not None:
         return False
     try:
@@ -77,7 +87,7 @@ def _thresholds(mmap_bytes: int, trim_bytes: int, environ: Mapping[str, str]) ->
     except (OSError, AttributeError):  # not glibc (musl has no mallopt): its own policy stays
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(M_TRIM_THRESHOLD, trim_bytes))
+    return all([bool(mallopt(param, value)) for param, value in settings.items()])
 
 
 def transparent_huge_pages(mode_file: str = THP_MODE_FILE) -> str | None:

@@ -113,7 +113,7 @@ _MAPPED = textwrap.dedent("""
     libc.malloc.restype, libc.mallinfo2.restype = ctypes.c_void_p, MallInfo2
     assert getattr(allocator, sys.argv[1])()
     before = libc.mallinfo2().hblks  # blocks glibc mapped on their own (unmapped, and faulted in again, once freed)
-    block = libc.malloc(8 << 20)  # 8 MiB: a block of a small model's step
+    block = libc.malloc(int(sys.argv[2]) << 20)  # MiB: 8, a block of a small model's step; 256, a step's logits
     print(libc.mallinfo2().hblks - before)
 """)
 
@@ -123,11 +123,14 @@ _MAPPED = textwrap.dedent("""
 def test_a_model_that_fits_keeps_freed_blocks_for_the_next_step():
     """Pinned thresholds give an 8 MiB block a mapping of its own (unmapped when freed, faulted in again by the next
     step); kept ones (glibc's settled adaptive thresholds) serve it from the heap, where a freed block stays."""
-    def mapped(how: str) -> int:
+    def mapped(how: str, mib: int = 8) -> int:
         env = {k: v for k, v in os.environ.items() if user_allocator_setting({k: v}) is None}
-        out = subprocess.run([sys.executable, "-c", _MAPPED, how], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", _MAPPED, how, str(mib)], env=env, capture_output=True, text=True,
+                             check=True)
         return int(out.stdout.split()[-1])
 
     assert mapped("return_freed_memory") == 1
     assert mapped("keep_freed_memory") == 0
+    assert mapped("return_freed_memory", 256) == 1
+    assert mapped("keep_freed_memory", 256) == 0  # the largest blocks too (above glibc's 32 MiB mmap threshold)
     assert keep_freed_memory({"LD_PRELOAD": "libtcmalloc.so"}) is False  # the user's allocator stays
