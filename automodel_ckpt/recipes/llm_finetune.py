@@ -246,6 +246,7 @@ class FinetuneRecipe(BaseRecipe):
             self.report_world_size_change(restored)
         if sched.done:
             self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
+            self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go, as after training
             return
         self._observer.start(sched.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
                              world_size=self.env.world_size, tier=self.checkpointer.restored_tier,

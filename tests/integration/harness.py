@@ -169,21 +169,30 @@ def _alive(pid: int) -> bool:
 
 def stop_job(proc: subprocess.Popen) -> None:
     """SIGSTOP the launcher and every descendant (the workers run in sessions of their own): nothing of the job
-    runs on until ``kill_job``. A process started meanwhile is found by a second pass."""
-    stopped: set[int] = set()
-    for _ in range(2):
-        for pid in process_tree(proc.pid):
-            if pid not in stopped:
-                try:
-                    os.kill(pid, signal.SIGSTOP)
-                except ProcessLookupError:
-                    pass
-                stopped.add(pid)
+    runs on until ``kill_job``."""
+    _freeze(proc.pid)
+
+
+def _freeze(pid: int) -> list[int]:
+    """SIGSTOP ``pid`` and its descendants, again until no new one appears (one forked before its parent stopped);
+    all of them, parents first."""
+    stopped: list[int] = []
+    while new := [p for p in process_tree(pid) if p not in stopped]:
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        stopped += new
+    return stopped
 
 
 def kill_job(proc: subprocess.Popen) -> int:
-    """SIGKILL the launcher's process group and every descendant; wait until all are gone. Returns #processes."""
-    pids = process_tree(proc.pid)
+    """SIGKILL the launcher's process group and every descendant; wait until all are gone. Returns #processes.
+
+    The job is stopped first (``_freeze``): a worker forked while the launcher was being killed would otherwise
+    outlive it in a session of its own, holding the run folder's lock."""
+    pids = _freeze(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -191,7 +191,7 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, assets, at_least):
                 plan = {"mode": "anytime", "delay_s": round(rng.uniform(0.2, run_s), 3)}
         else:
             plan = None
-        mode = modes[(rnd - 1) % len(modes)]
+        mode = modes[results["kills"] % len(modes)]  # the next way of saving once a kill has landed in this one
         out = run_round(tmp_path, assets, ckpt_dir, logs / f"round_{rnd:03d}.log", plan, mode)
         record = {"round": rnd, "trial": trial, "mode": mode, "plan": plan, "expected_resume": expect_from,
                   **{k: v for k, v in out.items() if k != "tail"}}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -156,3 +157,12 @@ def test_workers_die_with_their_launcher_and_a_kill_storm_then_a_rerun_gives_the
     assert "Loading checkpoint from" in rerun.output  # resumed, the killed runs' lock notwithstanding
     assert losses(root) == losses(first_run.root)
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_rerun_of_a_finished_run_does_nothing_and_leaves_no_lock(first_run, tmp_path, assets):
+    """A run whose checkpoint is already the last step ends at once, as a finished run ends: its lock removed (the
+    workers' exit handlers are not the launcher's, so the recipe releases it, not an exit handler)."""
+    shutil.copytree(first_run.root, tmp_path / "done")
+    rerun = ckpt_train(tmp_path, assets, *ARGS, "--checkpoint.checkpoint_dir", "done", nproc=2, timeout=TIMEOUT)
+    assert f"Training already complete at step {MAX_STEPS}" in rerun.output
+    assert [p.name for p in (tmp_path / "done").iterdir() if p.name.startswith(".")] == []
