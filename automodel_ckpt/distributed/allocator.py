@@ -38,7 +38,6 @@ OPT_OUT_ENV = "AUTOMODEL_CKPT_MALLOC"
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest adaptive mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 THRESHOLD_BYTES = 1024 * 1024  # 128 KiB (glibc's start) returns as much but maps small models' temporaries anew each step
 KEEP_TRIM_BYTES = 2**31 - 1  # mallopt takes an int: the most free memory at the heap's top it can be told to keep
 TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by torch at its first CPU allocation (c10's alloc_cpu)
@@ -61,7 +60,7 @@ def user_allocator_setting(environ: Mapping[str, str] = os.environ) -> str | Non
 
 def return_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     """Pin glibc's mmap and trim thresholds at ``THRESHOLD_BYTES``, unless the user chose otherwise; whether it did."""
-    return _thresholds(THRESHOLD_BYTES, THRESHOLD_BYTES, environ)
+    return _mallopt({M_MMAP_THRESHOLD: THRESHOLD_BYTES, M_TRIM_THRESHOLD: THRESHOLD_BYTES}, environ)
 
 
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
@@ -74,10 +73,6 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     return _mallopt({M_MMAP_MAX: 0, M_TRIM_THRESHOLD: KEEP_TRIM_BYTES}, environ)
 
 
-def _thresholds(mmap_bytes: int, trim_bytes: int, environ: Mapping[str, str]) -> bool:
-    return _mallopt({M_MMAP_THRESHOLD: mmap_bytes, M_TRIM_THRESHOLD: trim_bytes}, environ)
-
-
 def _mallopt(settings: Mapping[int, int], environ: Mapping[str, str]) -> bool:
     """glibc's ``mallopt`` for each of ``settings`` (parameter: value); whether every one took."""
     if not sys.platform.startswith("linux") or user_allocator_setting(environ) is not None:
@@ -87,7 +82,7 @@ def _mallopt(settings: Mapping[int, int], environ: Mapping[str, str]) -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt): its own policy stays
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all([bool(mallopt(param, value)) for param, value in settings.items()])
+    return all([bool(mallopt(param, value)) for param, value in settings.items()])  # each one set, whatever took
 
 
 def transparent_huge_pages(mode_file: str = THP_MODE_FILE) -> str | None:

@@ -59,7 +59,8 @@ class SaveWriter:
         self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager: sharded.HostStager | None = None
-        self._model_shards = sharded.ModelShards(settings.model_save_format)  # how a model is written; a PEFT model:
+        # how a model's files are written: its shards, or a PEFT model's adapter folder (``plan.adapters``)
+        self._model_shards = sharded.ModelShards(settings.model_save_format)
         self._adapter_folder = peft_format.AdapterFolder(env.rank, base_model_path=hf.base_model_path,
                                                          tokenizer=hf.tokenizer, peft_section=hf.peft)
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)

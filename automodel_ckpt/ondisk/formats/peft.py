@@ -143,7 +143,7 @@ class AdapterFolder:
         self.tokenizer, self.peft_section = tokenizer, peft_section
 
     def write_model(self, model: nn.Module, path: Path, stager: Any = None, written: Any = None,
-              threads: int | None = None) -> None:
+                    threads: int | None = None) -> None:
         """Collective: the adapter folder written now (nothing is staged for the background)."""
         save_adapter(model, path, rank=self.rank, base_model_path=self.base_model_path, tokenizer=self.tokenizer,
                      peft_section=self.peft_section)

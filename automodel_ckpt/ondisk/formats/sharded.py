@@ -261,8 +261,8 @@ class ModelShards:
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
 
-    def write_model(self, model: nn.Module, path: Path, stager: HostStager | None, written: WrittenFiles | None = None,
-              threads: int | None = None) -> StagedSave | None:
+    def write_model(self, model: nn.Module, path: Path, stager: HostStager | None,
+                    written: WrittenFiles | None = None, threads: int | None = None) -> StagedSave | None:
         """With a ``stager``: the model staged for a background write (``stage_model``); else written now."""
         if stager is not None:
             return stage_model(model, path, self.fmt, stager, written, threads=threads)
