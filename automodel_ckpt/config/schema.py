@@ -43,6 +43,7 @@ class DataConfig:
     num_workers: int = 0  # streamed corpus: DataLoader worker processes per rank that read and tokenize
     skip_bad_rows: int = 0  # streamed corpus: bad rows, unreadable or empty files skipped (and counted) before an error
     allow_appended_shards: bool = False  # streamed corpus: a resume accepts files added since, read from the next epoch
+    max_record_bytes: int = 32 * 2**20  # streamed corpus: a longer line or row is a bad row (counted by skip_bad_rows)
 
 
 @dataclass

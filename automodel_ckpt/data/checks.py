@@ -26,6 +26,7 @@ def check_data_section(cfg: DictConfig) -> None:
     positive(cfg.data.num_proc, "data.num_proc")
     positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
     positive(cfg.data.shuffle_buffer, "data.shuffle_buffer", allow_none=False)
+    positive(cfg.data.max_record_bytes, "data.max_record_bytes", allow_none=False)
     for key in ("num_workers", "skip_bad_rows"):
         if cfg.data[key] < 0:
             raise ConfigError(f"data.{key}: expected >= 0, got {cfg.data[key]}")

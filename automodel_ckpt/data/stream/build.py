@@ -21,7 +21,7 @@ def stream_settings(cfg: DictConfig) -> StreamSettings:
     d = cfg.data
     return StreamSettings(seq_length=int(d.seq_length), seed=int(cfg.seed), shuffle=bool(d.shuffle),
                           shuffle_buffer=int(d.shuffle_buffer), skip_bad_rows=int(d.skip_bad_rows),
-                          text_field=str(d.text_field), spec=data_spec(cfg))
+                          text_field=str(d.text_field), spec=data_spec(cfg), max_record_bytes=int(d.max_record_bytes))
 
 
 def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:

@@ -4,11 +4,18 @@ A row's reference (``key``) is what finds it again: the byte offset of its line 
 file, the offset in the decompressed stream, reached by decompressing up to it), or its row number (parquet: the row
 group is found from the footer; Arrow IPC files: the record batches before it are read). Bad input never raises here: it comes back as a row whose
 ``error`` says what is wrong, so the stream decides whether to skip it (``data.skip_bad_rows``) or stop.
+
+Only regular files are opened (a local path is stat'ed, links resolved, before it is opened, and the opened file is
+checked to be that same file): a FIFO, a device or a socket is a bad file, never read. Lines are read through a
+bounded reader: a line longer than ``max_bytes`` (``data.max_record_bytes``) is read through in chunks, never held,
+and comes back as a bad row naming its byte offset; a parquet or arrow row larger than that likewise.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -16,8 +23,26 @@ from automodel_ckpt.data.stream.corpus import filesystem
 from automodel_ckpt.errors import UserError
 
 
+#: The longest line or row a streamed corpus reads, in bytes, when ``data.max_record_bytes`` does not say.
+MAX_RECORD_BYTES = 32 * 2**20
+_CHUNK = 2**20  # bytes read at a time by the bounded line reader
+_BATCH_ROWS = 1024  # parquet rows turned into records at a time
+
+
 class DataError(UserError):
     """A streamed file or row that cannot be read: one line naming the file and the row."""
+
+
+class NotRegularFile(OSError):
+    """A corpus path that is not a regular file once its links are resolved (a FIFO, a device, a socket)."""
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 @dataclass
@@ -29,9 +54,88 @@ class Row:
     next_key: int = 0  # the key of the row after it
 
 
+def open_regular(path: str) -> Any:
+    """A local file opened for reading in binary, if it is a regular file once its links are resolved:
+    ``NotRegularFile`` otherwise, before anything opens it (opening a FIFO blocks, opening a device may act). The
+    open itself never blocks, and the file opened must be the one checked (a swap in between is refused too)."""
+    before = os.stat(path)  # follows links
+    if not stat.S_ISREG(before.st_mode):
+        raise NotRegularFile(f"{_kind(before.st_mode)}, not a regular file; only regular files are read")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        after = os.fstat(fd)
+        if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+            raise NotRegularFile("replaced while being opened, not the regular file listed; only regular files "
+                                 "are read")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _open(path: str, storage_options: dict[str, Any] | None, compression: str | None = "infer") -> Any:
     fs, inner = filesystem(path, storage_options)
-    return fs.open(inner, "rb", compression=compression)
+    if "file" not in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+        return fs.open(inner, "rb", compression=compression)  # an object store: its objects are regular files
+    from fsspec.compression import compr
+    from fsspec.core import get_compression
+
+    f = open_regular(inner)
+    kind = get_compression(inner, compression) if compression is not None else None
+    return f if kind is None else compr[kind](f, mode="rb")
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as a few words of a bad row's message."""
+    if isinstance(exc, NotRegularFile):
+        return str(exc)
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def bounded_lines(f: Any, max_bytes: int) -> Iterator[tuple[bytes | None, int]]:
+    """``(line, length)`` of each line of the binary file ``f`` from where it is, newline included; ``line`` is
+    ``None`` for one longer than ``max_bytes`` (its newline not counted): it is read through in chunks, never held
+    whole. Never more than ``max_bytes`` plus one chunk in memory, whatever the file holds."""
+    pieces: list[bytes] = []
+    held, over = 0, False
+    while True:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            if held:
+                yield (None if over else b"".join(pieces)), held
+            return
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            end = len(chunk) if nl < 0 else nl + 1
+            if not over and held + (end - start) - (nl >= 0) > max_bytes:
+                over, pieces = True, []
+            if not over:
+                pieces.append(chunk[start:end])
+            held += end - start
+            if nl < 0:
+                break
+            yield (None if over else b"".join(pieces)), held
+            pieces, held, over = [], 0, False
+            start = end
+
+
+def too_long(length: int, offset: int, max_bytes: int) -> str:
+    """A bad row's reason for a line or row over ``data.max_record_bytes``."""
+    return (f"a record of {length} bytes at byte {offset}, over data.max_record_bytes ({max_bytes}); raise it "
+            "to read such records")
+
+
+def record_size(value: Any) -> int:
+    """About how many bytes a parquet or arrow record holds: the lengths of its strings and bytes, 8 a scalar."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(record_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(record_size(v) for v in value)
+    return 8
 
 
 def _record_of(line: bytes, fmt: str, text_field: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -48,25 +152,32 @@ def _record_of(line: bytes, fmt: str, text_field: str) -> tuple[dict[str, Any] |
 
 
 def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
-           row: int) -> Iterator[Row]:
+           row: int, max_bytes: int) -> Iterator[Row]:
     try:
         f = _open(path, storage_options)
+    except NotRegularFile as exc:
+        yield Row(key, row, error=str(exc))
+        return
     except (OSError, ValueError) as exc:
-        yield Row(key, row, error=f"cannot open ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        yield Row(key, row, error=f"cannot open ({_why(exc)})")
         return
     with f:
         try:
             if key:
                 f.seek(key)
-            for line in f:
-                offset, key = key, key + len(line)
+            for line, length in bounded_lines(f, max_bytes):
+                offset, key = key, key + length
+                if line is None:
+                    yield Row(offset, row, None, too_long(length, offset, max_bytes), key)
+                    row += 1
+                    continue
                 if not line.strip():
                     continue
                 record, error = _record_of(line, fmt, text_field)
                 yield Row(offset, row, record, error, key)
                 row += 1
         except (OSError, EOFError, ValueError) as exc:  # truncated compressed stream, a file gone mid-read
-            yield Row(key, row, error=f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            yield Row(key, row, error=f"unreadable ({_why(exc)})")
 
 
 def _parquet_file(path: str, storage_options: dict[str, Any] | None) -> Any:
@@ -83,29 +194,38 @@ def _group_starts(pf: Any) -> list[int]:
 
 
 def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
-             stop: int) -> Iterator[Row]:
+             stop: int, max_bytes: int) -> Iterator[Row]:
     import bisect
 
     try:
         pf = _parquet_file(path, storage_options)
         starts = _group_starts(pf)
+    except NotRegularFile as exc:
+        yield Row(key, key, error=str(exc))
+        return
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: all one line here
-        yield Row(key, key, error=f"not a readable parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        yield Row(key, key, error=f"not a readable parquet file ({_why(exc)})")
         return
     first = max(bisect.bisect_right(starts, key) - 1, 0)
     end = starts[-1] if stop < 0 else min(stop, starts[-1])
     for g in range(first, len(starts) - 1):
         if starts[g] >= end:
             return
+        r = starts[g]
         try:
-            rows = pf.read_row_group(g).to_pylist()
+            for batch in pf.iter_batches(batch_size=_BATCH_ROWS, row_groups=[g], use_threads=False):
+                if r + batch.num_rows <= key:  # before the position: not turned into records
+                    r += batch.num_rows
+                    continue
+                for record in batch.to_pylist():
+                    if r >= end:
+                        return
+                    if r >= key:
+                        yield _sized(Row(r, r, record, None, r + 1), max_bytes)
+                    r += 1
         except Exception as exc:  # noqa: BLE001
-            yield Row(starts[g], starts[g], error=f"row group {g} unreadable ({type(exc).__name__}: "
-                                                   f"{str(exc).splitlines()[0]})")
+            yield Row(r, r, error=f"row group {g} unreadable ({_why(exc)})")
             return
-        for i in range(max(key - starts[g], 0), min(len(rows), end - starts[g])):
-            r = starts[g] + i
-            yield Row(r, r, rows[i], None, r + 1)
 
 
 def _arrow_batches(path: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
@@ -127,28 +247,39 @@ def _arrow_batches(path: str, storage_options: dict[str, Any] | None) -> Iterato
             first += batch.num_rows
 
 
-def _arrow(path: str, storage_options: dict[str, Any] | None, key: int) -> Iterator[Row]:
+def _sized(row: Row, max_bytes: int) -> Row:
+    """``row``, or a bad row in its place if its record is larger than ``max_bytes``."""
+    size = record_size(row.record)
+    if size > max_bytes:
+        return Row(row.key, row.row, None, f"a row of {size} bytes, over data.max_record_bytes ({max_bytes}); "
+                                           "raise it to read such rows", row.next_key)
+    return row
+
+
+def _arrow(path: str, storage_options: dict[str, Any] | None, key: int, max_bytes: int) -> Iterator[Row]:
     try:
         for first, rows in _arrow_batches(path, storage_options):
             for i in range(max(key - first, 0), len(rows)):
-                yield Row(first + i, first + i, rows[i], None, first + i + 1)
+                yield _sized(Row(first + i, first + i, rows[i], None, first + i + 1), max_bytes)
+    except NotRegularFile as exc:
+        yield Row(key, key, error=str(exc))
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: all one line here
-        yield Row(key, key, error=f"not a readable arrow file ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        yield Row(key, key, error=f"not a readable arrow file ({_why(exc)})")
 
 
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
-              row: int = 0, stop: int = -1) -> Iterator[Row]:
+              row: int = 0, stop: int = -1, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
     """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order; parquet: up to row
-    ``stop`` (a row-group shard's end; -1: the file's)."""
+    ``stop`` (a row-group shard's end; -1: the file's); a row over ``max_bytes`` is a bad row."""
     if fmt == "parquet":
-        return _parquet(path, text_field, storage_options, key, stop)
+        return _parquet(path, text_field, storage_options, key, stop, max_bytes)
     if fmt == "arrow":
-        return _arrow(path, storage_options, key)
-    return _lines(path, fmt, text_field, storage_options, key, row)
+        return _arrow(path, storage_options, key, max_bytes)
+    return _lines(path, fmt, text_field, storage_options, key, row, max_bytes)
 
 
 def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None,
-               keys: Iterable[int]) -> dict[int, dict[str, Any]]:
+               keys: Iterable[int], max_bytes: int = MAX_RECORD_BYTES) -> dict[int, dict[str, Any]]:
     """The texts of the rows at ``keys`` (a resume's shuffle buffer and packing carry-over): one read each, or one
     per row group; ``DataError`` if one cannot be read back (the file changed)."""
     wanted = sorted(set(keys))
@@ -182,14 +313,19 @@ def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, 
             with _open(path, storage_options) as f:
                 for k in wanted:
                     f.seek(k)
-                    record, error = _record_of(f.readline(), fmt, text_field)
+                    line, length = next(bounded_lines(f, max_bytes), (b"", 0))
+                    record, error = (None, too_long(length, k, max_bytes)) if line is None else \
+                        _record_of(line, fmt, text_field)
                     if error or record is None:
                         raise DataError(f"{path}: the row at byte {k} no longer reads ({error}); the file changed "
                                         "since the checkpoint")
                     out[k] = record
+        for k, record in out.items():
+            if record_size(record) > max_bytes:
+                raise DataError(f"{path}: the row at {k} of the checkpointed position is larger than "
+                                f"data.max_record_bytes ({max_bytes})")
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise DataError(f"{path}: cannot read back rows of the checkpointed position "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise DataError(f"{path}: cannot read back rows of the checkpointed position ({_why(exc)})") from None
     return out

@@ -27,7 +27,7 @@ from automodel_ckpt.data.encode import DataSpec
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
 from automodel_ckpt.data.stream.encoding import BadRecord, RecordEncoder
-from automodel_ckpt.data.stream.readers import DataError, Row, fetch_rows, read_rows
+from automodel_ckpt.data.stream.readers import MAX_RECORD_BYTES, DataError, Row, fetch_rows, read_rows
 
 #: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
 DRAW_BATCH = 64
@@ -47,6 +47,7 @@ class StreamSettings:
     text_field: str = "text"
     one_pass: bool = False  # validation: stop at the end of the first epoch instead of starting the next
     spec: DataSpec | None = None  # how records render (templates, chat, fields); None: plain text in text_field
+    max_record_bytes: int = MAX_RECORD_BYTES  # a longer line or row is a bad row
 
 
 class _End(Exception):
@@ -146,7 +147,8 @@ class GlobalStream:
         texts = {}
         for (s, sh), keys in sorted(wanted.items()):
             src = self.sources[s]
-            got = fetch_rows(src.shards[sh].path, src.fmt[sh], self.text_field, self.corpus.storage_options, keys)
+            got = fetch_rows(src.shards[sh].path, src.fmt[sh], self.text_field, self.corpus.storage_options, keys,
+                             self.settings.max_record_bytes)
             texts.update({(s, sh, k): t for k, t in got.items()})
         for d in [*self.pending, *(d for src in self.sources for d in src.buffer)]:
             d.record = texts[(d.source, d.shard, d.key)]
@@ -257,7 +259,7 @@ class GlobalStream:
                 if src.seen == 0 and src.key < sh.first:  # a row-group shard starts inside its file
                     src.key = src.row = sh.first
                 src.rows = read_rows(sh.path, src.fmt[shard], self.text_field, self.corpus.storage_options, src.key,
-                                     src.row, sh.stop)
+                                     src.row, sh.stop, self.settings.max_record_bytes)
             row = next(src.rows, None)
             if row is None:
                 if src.seen == 0:
