@@ -9,7 +9,7 @@ from pathlib import Path
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.cli.common import VerbParser, human_size
-from automodel_ckpt.errors import CheckpointError, UsageError
+from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 
 _TARGETS = ("gguf", "int8")
 
@@ -23,7 +23,13 @@ def build_parser() -> VerbParser:
     p.add_argument("--scheme", default="w8a8", help="int8 scheme: w8a8 (default: int8 weights and activations) "
                                                     "or w4a16 (int4 weights)")
     p.add_argument("--calibrate", type=int, default=0, metavar="N",
-                   help="int8: N examples for static activation scales (default 0: dynamic per-token scales)")
+                   help="int8: N examples for static activation scales (default 0: dynamic per-token scales); "
+                        "their text comes from --calibration-data, else --recipe, else the tokenizer's vocabulary")
+    p.add_argument("--calibration-data", default=None, metavar="PATH",
+                   help="--calibrate: a text file (one example a line) or a .jsonl file (each record's \"text\")")
+    p.add_argument("--recipe", default=None, metavar="RECIPE.yaml",
+                   help="--calibrate: a recipe of yours whose validation data (else training data) are the examples; "
+                        "never the recipe copy a checkpoint holds")
     p.add_argument("--out", default=None, help="the GGUF file or int8 folder to write (default: beside SRC, "
                                                "SRC-TYPE.gguf or SRC-int8-SCHEME/); replaced if it exists")
     p.add_argument("--adapter", action="store_true", help="gguf, a LoRA checkpoint: its adapter as a GGUF LoRA "
@@ -50,6 +56,10 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError("--calibrate applies to --to int8 only")
     if args.calibrate < 0:
         raise UsageError(f"--calibrate: expected a number of examples >= 0, got {args.calibrate}")
+    if (args.calibration_data or args.recipe) and not args.calibrate:
+        raise UsageError("--calibration-data and --recipe name the examples of --calibrate N; give --calibrate too")
+    if args.calibration_data and args.recipe:
+        raise UsageError("--calibration-data and --recipe both name calibration examples; give one of them")
     from automodel_ckpt.ondisk import open_model
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
@@ -82,8 +92,8 @@ def _export(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else where.parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:
-        examples = _validation_examples(src, args.calibrate, source.side_dir) if args.calibrate else None
-        plan = plan_int8(source, args.scheme, examples)
+        examples, origin = _calibration_examples(args, source.side_dir) if args.calibrate else (None, "")
+        plan = plan_int8(source, args.scheme, examples, origin)
         print(plan.describe(source), flush=True)
         if args.dry_run:
             print(f"would write {out}", flush=True)
@@ -93,22 +103,83 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validation_examples(src: Path, n: int, tokenizer_dir: Path) -> list[list[int]]:
-    """The token ids of the first ``n`` rows of the validation data of the recipe that made the checkpoint ``src``
-    (its ``config.yaml``; the training data where the recipe holds none out), tokenized as for training."""
+def _calibration_examples(args: argparse.Namespace, tokenizer_dir: Path) -> tuple[list[list[int]], str]:
+    """The token ids of ``--calibrate N`` examples, and where they come from, in words. Only what the user names is
+    read as data or run as a recipe: ``--calibration-data`` (a file of text), ``--recipe`` (the user's own recipe: its
+    validation data, else its training data, tokenized as for training), else the tokenizer's own vocabulary. A
+    checkpoint's, export's or archive's ``config.yaml`` is never read as a recipe: a ``_target_`` in it would run."""
     from transformers import AutoTokenizer
 
-    from automodel_ckpt.config.loader import load_config
-    from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.data.pipeline import prepare_data
+    try:  # the source's files, checked and copied privately; trust_remote_code stays off
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"--calibrate: the model's tokenizer cannot be loaded: {first_line(exc)}") from None
+    n = args.calibrate
+    if args.calibration_data:
+        return calibration_file_examples(Path(args.calibration_data), n, tokenizer), f"'{args.calibration_data}'"
+    if args.recipe:
+        from automodel_ckpt.config.loader import load_config
+        from automodel_ckpt.config.schema import RecipeConfig
+        from automodel_ckpt.data.pipeline import prepare_data
 
-    recipe = next((p / layout.CONFIG_FILE for p in (src, src.parent) if (p / layout.CONFIG_FILE).is_file()), None)
-    if recipe is None:
-        raise UsageError(f"--calibrate needs a checkpoint (its {layout.CONFIG_FILE} names the validation data); "
-                         f"'{src}' has none")
-    cfg = load_config(recipe, [], RecipeConfig)
-    prepared = prepare_data(cfg, AutoTokenizer.from_pretrained(tokenizer_dir))
-    rows = prepared.validation if prepared.validation is not None and len(prepared.validation) else prepared.train
-    batch = rows.batch(list(range(min(n, len(rows)))))
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    return [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]
+        prepared = prepare_data(load_config(args.recipe, [], RecipeConfig), tokenizer)
+        rows = prepared.validation if prepared.validation is not None and len(prepared.validation) else prepared.train
+        batch = rows.batch(list(range(min(n, len(rows)))))
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        return [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)], \
+            f"the data of the recipe '{args.recipe}'"
+    return vocabulary_examples(tokenizer, n), "the tokenizer's own vocabulary (--calibration-data FILE: your text)"
+
+
+def calibration_file_examples(path: Path, n: int, tokenizer: object) -> list[list[int]]:
+    """The first ``n`` non-empty examples of a text file (one a line) or a ``.jsonl`` file (each record's
+    ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; read a line at a time, each at most
+    ``bounded.LOG_LINE`` bytes (a longer one is refused in one line naming it)."""
+    import json
+
+    from automodel_ckpt.ondisk import bounded, paths
+
+    try:
+        f = os.fdopen(paths.open_regular(path, follow=True), "rb")
+    except OSError as exc:
+        raise UsageError(f"--calibration-data '{path}' cannot be read: {exc.strerror or exc}") from None
+    examples: list[list[int]] = []
+    with f:
+        for number in range(1, 1 << 62):
+            if len(examples) >= n:
+                break
+            line = f.readline(bounded.LOG_LINE + 1)
+            if not line:
+                break
+            if len(line) > bounded.LOG_LINE:
+                raise UsageError(f"--calibration-data '{path}': line {number} is longer than "
+                                 f"{human_size(bounded.LOG_LINE)}")
+            text = line.decode("utf-8", "replace").strip()
+            if text and path.suffix == ".jsonl":
+                try:
+                    record = json.loads(text)
+                except (ValueError, RecursionError):
+                    raise UsageError(f"--calibration-data '{path}': line {number} is not JSON") from None
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise UsageError(f"--calibration-data '{path}': line {number} has no \"text\" string")
+            if text:
+                ids = tokenizer(text, add_special_tokens=True)["input_ids"][:_MAX_EXAMPLE_TOKENS]  # type: ignore
+                if ids:
+                    examples.append(list(ids))
+    if not examples:
+        raise UsageError(f"--calibration-data '{path}' holds no text to calibrate with")
+    return examples
+
+
+def vocabulary_examples(tokenizer: object, n: int, length: int = 64) -> list[list[int]]:
+    """``n`` examples of ``length`` token ids each: the tokenizer's ordinary tokens (its special ones left out) in
+    id order, one after another, from the start again when they run out."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = sorted(i for i in tokenizer.get_vocab().values() if i not in special)  # type: ignore[attr-defined]
+    if not ids:
+        raise UsageError("--calibrate: the tokenizer has no ordinary tokens; give --calibration-data FILE")
+    return [[ids[(k * length + j) % len(ids)] for j in range(length)] for k in range(n)]
+
+
+_MAX_EXAMPLE_TOKENS = 2048

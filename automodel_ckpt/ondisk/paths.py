@@ -16,7 +16,10 @@ A bucket prefix taken for a checkpoint name is one such component. Only regular 
 FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it, without
 following a link unless told to (a Hugging Face cache folder the user named is made of links into its blobs).
 ``walk_regular`` lists the regular files below a folder without entering a linked folder, and names the links and
-special files it passed over. Anything else is a ``CheckpointError`` naming the path and where it came from: the
+special files it passed over. ``model_file`` is the one rule for a model folder the user names (an export's or
+`pack`'s source): a regular file is read, and a link only where the folder is a Hugging Face cache snapshot
+(``<repo>/snapshots/<revision>``) and the link leads to a regular file directly in that repository's real
+``blobs/`` folder; every other link, FIFO or device is refused in one line. Anything else is a ``CheckpointError`` naming the path and where it came from: the
 checkpoint is damaged (resume's fallback and quarantine apply) or the verb fails in one line.
 """
 
@@ -212,3 +215,38 @@ def kind(mode: int) -> str:
         if test(mode):
             return name
     return "of an unknown kind"
+
+
+def cache_blob(folder: Path, link: Path) -> Path | None:
+    """The blob the symlink ``link`` (an entry of ``folder``) leads to, when ``folder`` is a Hugging Face cache
+    snapshot (``<repo>/snapshots/<revision>``, wherever it lies) and the link, followed all the way, ends at a regular
+    file directly in ``<repo>/blobs/``, itself a real folder; None for any other link."""
+    snapshot = Path(os.path.realpath(folder))
+    if snapshot.parent.name != "snapshots":
+        return None
+    blobs = snapshot.parent.parent / "blobs"
+    target = Path(os.path.realpath(link))
+    try:
+        if not stat.S_ISDIR(os.lstat(blobs).st_mode) or target.parent != blobs:
+            return None
+        return target if stat.S_ISREG(os.lstat(target).st_mode) else None
+    except OSError:
+        return None
+
+
+def model_file(folder: Path, name: str, refusal: str) -> Path:
+    """The path to read for the file ``name`` of the model folder ``folder``: itself when it is a regular file, the
+    blob it leads to when it is a Hugging Face cache snapshot's link (``cache_blob``). Anything else (a link leading
+    anywhere else, a FIFO, a device, a folder) is a one-line ``CheckpointError``: "'PATH' is a symlink, not a regular
+    file or a link into its Hugging Face cache repository's blobs/; ``refusal``". ``FileNotFoundError`` when it
+    does not exist."""
+    path = Path(folder) / name
+    mode = os.lstat(path).st_mode
+    if stat.S_ISREG(mode):
+        return path
+    if stat.S_ISLNK(mode):
+        blob = cache_blob(folder, path)
+        if blob is not None:
+            return blob
+    raise CheckpointError(f"'{path}' is {kind(mode)}, not a regular file or a link into its Hugging Face cache "
+                          f"repository's blobs/; {refusal}")

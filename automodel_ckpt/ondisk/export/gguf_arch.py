@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.errors import CheckpointError, UserError
 
 __all__ = ["GGUFFamily", "OutputTensor", "family_for", "known_families", "output_tensors", "permute_rotary"]
 
@@ -163,8 +163,8 @@ def output_tensors(family: GGUFFamily, config: dict[str, Any], shapes: dict[str,
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    blocks = config.get("num_hidden_layers") or config.get("n_layer")
-    names = gguf.get_tensor_name_map(arch, blocks)
+    blocks = block_count(config, shapes)
+    names = gguf.get_tensor_name_map(arch, blocks)  # a map per block: its count was checked against the tensors
     experts: dict[tuple[str, str], dict[int, str]] = {}
     out: list[OutputTensor] = []
     unmapped = []
@@ -196,6 +196,34 @@ def output_tensors(family: GGUFFamily, config: dict[str, Any], shapes: dict[str,
     return sorted(out, key=_order)
 
 
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.language_model\.layers)\.(\d+)\.")
+
+
+def block_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> int:
+    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers whose
+    tensors are present before anything loops over it: a count that is no whole number, or that differs from the
+    layers the weight files hold, is one line (a crafted ``config.json`` never sizes a loop or a table)."""
+    key = "n_layer" if "n_layer" in config and "num_hidden_layers" not in config else "num_hidden_layers"
+    value = config.get(key)
+    present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"GGUF export: config.json's {key} is {str(value)[:40]}, not a number of layers")
+    if present != set(range(value)):
+        raise CheckpointError(f"GGUF export: config.json's {key} is {value}, but the weight files hold "
+                              f"{len(present)} layer(s)" + (f" (numbered up to {max(present)})" if present else ""))
+    return value
+
+
+def _checked_heads(config: dict[str, Any], key: str, rows: int, fallback: int | None = None) -> int:
+    """A head count of ``config`` that divides a projection's ``rows`` into heads of an even size (the rotary
+    permutation's reshape), else one line."""
+    value = config.get(key) if config.get(key) is not None else fallback
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or rows % (2 * value):
+        raise CheckpointError(f"GGUF export: config.json's {key} is {str(value)[:40]}, which does not divide the "
+                              f"projection's {rows} rows into heads")
+    return value
+
+
 def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shape: tuple[int, ...]) -> OutputTensor:
     kind = ""
     if len(shape) <= 1 or new.endswith("_norm.weight"):
@@ -215,8 +243,9 @@ def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shap
     elif family.norm_plus_one and name.endswith("norm.weight"):
         make = lambda ts: ts[0].float() + 1  # noqa: E731 - llama.cpp's converter does the same
     elif family.llama_rope and new.endswith((".attn_q.weight", ".attn_k.weight")):
-        heads = config["num_attention_heads"]
-        kv = heads if ".attn_q." in new else (config.get("num_key_value_heads") or heads)
+        heads = _checked_heads(config, "num_attention_heads", shape[0]) if ".attn_q." in new else None
+        kv = heads if heads is not None else _checked_heads(config, "num_key_value_heads", shape[0],
+                                                            config.get("num_attention_heads"))
         make = lambda ts, kv=kv: permute_rotary(ts[0], kv)  # noqa: E731
     elif family.conv1d and len(shape) == 2 and new.endswith(
             (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")):

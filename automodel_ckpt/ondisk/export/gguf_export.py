@@ -17,8 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import struct
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from dataclasses import dataclass
@@ -33,7 +36,7 @@ from automodel_ckpt.ondisk.durable import fsync_dir
 from automodel_ckpt.ondisk.export.gguf_arch import (GGUFFamily, OutputTensor, add_hparams, family_for,
                                                        output_tensors)
 from automodel_ckpt.ondisk.export.model_source import ModelSource
-from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.sizes import human_size
 
 __all__ = ["GGUF_TYPES", "GGUFPlan", "plan_gguf", "write_gguf"]
@@ -74,7 +77,8 @@ def plan_gguf(source: ModelSource, type_name: str) -> GGUFPlan:
 
     if type_name not in GGUF_TYPES:
         raise UserError(f"unknown GGUF type '{type_name}'; use one of {', '.join(GGUF_TYPES)}")
-    family = family_for(source.config)
+    with _config_values():
+        family = family_for(source.config)
     wanted = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[type_name][0])
     tensors = output_tensors(family, source.config, source.shapes)
     return GGUFPlan(family, str(source.config.get("model_type")),
@@ -185,9 +189,22 @@ def _metadata(writer: Any, source: ModelSource, plan: GGUFPlan) -> None:
     config = source.config
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(f"{plan.model_type} {source.name}".strip())  # never the bare "mistral" transformers misreads
-    add_hparams(writer, plan.family, config)
+    with _config_values():
+        add_hparams(writer, plan.family, config)
     writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[plan.type_name][1]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+@contextmanager
+def _config_values() -> Iterator[None]:
+    """A value of the source's ``config.json`` that is missing or of the wrong type, met while the GGUF's
+    hyperparameters are read from it: one line instead of a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, struct.error) as exc:
+        what = f"the key {exc}" if isinstance(exc, KeyError) else first_line(exc) or type(exc).__name__
+        raise CheckpointError(f"GGUF export: config.json is not what this family's config holds ({what[:200]})") \
+            from None
 
 
 def _vocab_rows(plan: GGUFPlan) -> int:

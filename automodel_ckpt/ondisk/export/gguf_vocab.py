@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.ondisk import bounded
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.errors import CheckpointError, UserError
 
 __all__ = ["add_vocab"]
 
 _TOKENIZER_JSON = "tokenizer.json"
+#: The most rows an embedding may have to be written as a vocabulary (one token each): 4 times the largest
+#: vocabulary published (262,144), so that a crafted tensor shape cannot make millions of placeholder tokens.
+MAX_VOCAB = 1 << 20
 
 
 def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ...] = ()) -> str:
@@ -38,10 +41,16 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
     if not path.is_file():
         raise UserError(f"GGUF export needs the model's {_TOKENIZER_JSON} (the tokenizer travels inside a GGUF); "
                         "none is in the checkpoint or folder")
-    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE * 4, follow=True)  # a cache folder's link
+    if n_vocab > MAX_VOCAB:
+        raise CheckpointError(f"GGUF export: the model's embedding has {n_vocab} rows, more than the {MAX_VOCAB} "
+                              "tokens a vocabulary is written with")
+    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE)  # side_dir: private copies, checked
     model = data.get("model") if isinstance(data, dict) else None
     kind = model.get("type") if isinstance(model, dict) else None
-    added = {int(t["id"]): t for t in data.get("added_tokens") or [] if isinstance(t, dict) and "id" in t}
+    added = {_token_id(t.get("id"), n_vocab, path): t for t in data.get("added_tokens") or []
+             if isinstance(t, dict) and "id" in t}
+    if kind in ("BPE", "WordLevel") and not isinstance(model.get("vocab"), dict):
+        raise CheckpointError(f"'{path}': the {kind} tokenizer's vocab is not a mapping of tokens to ids")
     if kind == "BPE" and (model.get("byte_fallback") or _uses_metaspace(data)):
         vocab = gguf.LlamaHfVocab(side_dir)
         tokens, scores, types = [], [], []
@@ -58,9 +67,9 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
         writer.add_add_space_prefix(_prepends_space(data))
         tokenizer_model = "llama"
     elif kind in ("BPE", "WordLevel"):
-        tokens, types = _byte_level_tokens(model["vocab"], added, model.get("unk_token"), kind, path)
+        tokens, types = _byte_level_tokens(model["vocab"], added, model.get("unk_token"), kind, path, n_vocab)
         _pad(tokens, types, n_vocab)
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []] if kind == "BPE" else []
+        merges = [_merge(m, path) for m in model.get("merges") or []] if kind == "BPE" else []
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_pre_tokenizer_name(data) if kind == "BPE" else "default")
         writer.add_token_list(tokens)
@@ -90,16 +99,33 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
     return tokenizer_model
 
 
+def _merge(value: object, path: Path) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        return " ".join(value)
+    raise CheckpointError(f"'{path}': the merge {str(value)[:40]} is neither a string nor a pair of strings")
+
+
+def _token_id(value: object, n_vocab: int, path: Path) -> int:
+    """A token id read from ``tokenizer.json``: a whole number below the embedding's ``n_vocab`` rows, else one
+    line naming the file."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_vocab:
+        raise CheckpointError(f"'{path}': token id {str(value)[:40]} is not a row of the model's embedding (0 to "
+                              f"{n_vocab - 1})")
+    return value
+
+
 def _byte_level_tokens(vocab: dict[str, int], added: dict[int, dict[str, Any]], unk: str | None, kind: str,
-                       path: Path) -> tuple[list[str], list[int]]:
+                       path: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     """Tokens in id order spelled in GPT-2's byte alphabet, and their GGUF types."""
     from gguf import TokenType
     from gguf.vocab import bytes_to_unicode
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
-    by_id = {int(i): t for t, i in vocab.items()}
-    by_id.update({i: t["content"] for i, t in added.items()})
+    by_id = {_token_id(i, n_vocab, path): t for t, i in vocab.items()}  # each below the embedding's rows: the loop
+    by_id.update({i: str(t.get("content")) for i, t in added.items()})  # below is bounded by the real model
     size = max(by_id) + 1 if by_id else 0
     tokens, types = [], []
     for i in range(size):

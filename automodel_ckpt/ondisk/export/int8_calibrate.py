@@ -1,7 +1,8 @@
 """Static activation scales for an int8 export: the largest input each quantized projection sees on given examples.
 
-``--calibrate N`` runs the model on N examples of the recipe's validation data (the CLI turns them into token ids;
-nothing here reads data) and records, for every linear projection the export quantizes, the largest absolute value
+``--calibrate N`` runs the model on N examples the user names (a text file, the validation data of a recipe given
+on the command line, else the tokenizer's own vocabulary: the CLI turns them into token ids; nothing here reads
+data, and never a checkpoint's recipe copy) and records, for every linear projection the export quantizes, the largest absolute value
 of its input. The ``compressed-tensors`` library turns that range into the projection's ``input_scale``
 (``calculate_qparams``, symmetric int8, one scale per tensor), which vLLM then uses instead of computing a scale for
 every token. Unlike the export itself this holds the whole model in memory (built from its config, then given the
@@ -25,7 +26,7 @@ def input_ranges(source: ModelSource, weights: list[str], examples: list[list[in
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not examples:
-        raise UserError("--calibrate: no examples to calibrate with (the recipe's validation data is empty)")
+        raise UserError("--calibrate: no examples to calibrate with (the calibration data is empty)")
     config = AutoConfig.from_pretrained(source.side_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # its buffers (rotary) computed here
     state = {name: source.read(name).to(torch.float32) for name in source.shapes}

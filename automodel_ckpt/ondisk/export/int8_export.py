@@ -54,23 +54,27 @@ class Int8Plan:
     files: list[list[tuple[str, torch.dtype, tuple[int, ...], str]]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     calibration: list[list[int]] = field(default_factory=list)  # token ids: static activation scales from these
+    calibration_origin: str = ""  # where they come from, in words
 
     @property
     def nbytes(self) -> int:
         return sum(_numel(shape) * dtype.itemsize for f in self.files for _, dtype, shape, _ in f)
 
     def describe(self, source: ModelSource) -> str:
-        activations = (f", static activation scales from {len(self.calibration)} examples" if self.calibration
-                       else "")
+        activations = (f", static activation scales from {len(self.calibration)} examples"
+                       + (f" of {self.calibration_origin}" if self.calibration_origin else "")
+                       if self.calibration else "")
         return (f"int8 {self.scheme_name} of a {source.config.get('model_type')} model (compressed-tensors "
                 f"{SCHEMES[self.scheme_name][1]}{activations}): {len(self.quantized)} linear weights quantized, "
                 f"{len(self.kept)} tensors kept in their dtype, {human_size(self.nbytes)} in {len(self.files)} "
                 f"file(s) from {human_size(source.nbytes)} read")
 
 
-def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]] | None = None) -> Int8Plan:
+def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]] | None = None,
+              calibration_origin: str = "") -> Int8Plan:
     """The plan for ``source`` in ``scheme_name``; an unknown family or scheme is refused before any work. With
-    ``calibration`` (token ids of examples), w8a8's activations get static per-tensor scales from them."""
+    ``calibration`` (token ids of examples; ``calibration_origin`` says whence), w8a8's activations get static
+    per-tensor scales from them."""
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
                                                  preset_name_to_scheme)
 
@@ -99,7 +103,8 @@ def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]
     outputs += [(n, source.dtypes[n], source.shapes[n], n) for n in kept]
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
                                 quantization_status=QuantizationStatus.COMPRESSED).to_dict()
-    return Int8Plan(scheme_name, scheme, quantized, kept, _split(outputs), config, list(calibration or []))
+    return Int8Plan(scheme_name, scheme, quantized, kept, _split(outputs), config, list(calibration or []),
+                    calibration_origin)
 
 
 def _group_size(in_features: list[int], preferred: int) -> int:
@@ -268,8 +273,8 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     config["quantization_config"] = plan.config
     (folder / layout.HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in (layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
-        if (source.side_dir / name).is_file():  # a cache folder's links are followed; a FIFO or device is refused
-            copy_regular(source.side_dir / name, folder / name, follow=True)
+        if (source.side_dir / name).is_file():  # side_dir: the source's files, checked and copied privately
+            copy_regular(source.side_dir / name, folder / name)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

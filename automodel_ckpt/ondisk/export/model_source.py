@@ -5,8 +5,10 @@ Quantized exports (GGUF, int8) start from the tensors ``save_pretrained`` would 
 its shards through the export's own plan (``plan.build_plan``: the family's on-disk layout, each tensor assembled
 from its pieces when asked for), a folder's and an archive's from their safetensors files by positioned reads. Only
 one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
-The small files (config, tokenizer, chat template) lie in ``side_dir``: the folder itself, or a private temporary
-folder holding copies (a checkpoint's ``.hf_metadata``, an archive's members). A LoRA checkpoint is merged into its
+The small files (config, tokenizer, chat template) lie in ``side_dir``, a private temporary folder holding copies
+(a checkpoint's ``.hf_metadata``, an archive's members, a folder's files once checked), so no library reading them
+meets a link. A folder's files are read only as ``paths.model_file`` allows: regular files, and a Hugging Face
+cache snapshot's links into its repository's ``blobs/``; any other link is refused in one line. A LoRA checkpoint is merged into its
 base first (``merge_lora``, into that temporary folder): that step holds the model in memory, as `merge-lora` does.
 """
 
@@ -66,7 +68,7 @@ def open_model(src: Path) -> Iterator[ModelSource]:
         elif not src.is_dir():
             raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder or an archive")
         elif (src / layout.HF_CONFIG).is_file() and any(src.glob("*.safetensors")):
-            source = _from_folder(src, src, stack)
+            source = _from_folder(src, stack)
         else:
             source = _from_checkpoint(src, stack)
         source.name = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX)
@@ -83,7 +85,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
 
         tmp = _tmp_dir(stack)
         merged = merge_lora(src, tmp / "merged")  # a LoRA checkpoint: its adapter merged into its base
-        source = _from_folder(merged, merged, stack)
+        source = _from_folder(merged, stack, side=merged)
         source.kind = "LoRA checkpoint (merged)"
         return source
     plan = build_plan(model_dir, None, 1 << 62)
@@ -113,19 +115,44 @@ def _assemble(tensor: Any) -> torch.Tensor:
 
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------
-def _from_folder(folder: Path, side: Path, stack: ExitStack) -> ModelSource:
-    # the folder the user named: its links are followed (a Hugging Face cache folder is links into its blobs)
-    config = bounded.read_json(folder / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE, follow=True)
+#: What a folder's file that is neither regular nor a cache snapshot's link gets (``paths.model_file``).
+_REFUSAL = ("an export reads only a model folder's regular files (and a cache snapshot's links into its own "
+            "blobs/), never what another link points to: replace it with the file itself")
+#: The most bytes one small file of a folder (config, tokenizer, chat template) may hold to be copied.
+_SIDE_FILE_LIMIT = 4 * bounded.INDEX_FILE
+
+
+def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> ModelSource:
+    """The model of a Hugging Face folder the user named. Its files are read only as ``paths.model_file`` allows
+    (regular files; a Hugging Face cache snapshot's links into its repository's ``blobs/``), and its small files are
+    copied into a private ``side_dir`` first, so that the libraries that read them (the tokenizer's, the GGUF
+    vocabulary's) never meet a link or a file the check did not pass. ``side``: a folder this process wrote itself
+    (a merged LoRA), used as it is."""
+    if side is None:
+        side = _tmp_dir(stack)
+        for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
+            try:
+                path = paths.model_file(folder, name, _REFUSAL)
+                bounded.check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
+                                   _SIDE_FILE_LIMIT)
+                copy_regular(path, side / name)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise CheckpointError(f"cannot read '{folder / name}': {exc.strerror or exc}") from None
+    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE)
     if not isinstance(config, dict):
         raise CheckpointError(f"{folder / layout.HF_CONFIG} is not a JSON object")
     source = ModelSource(config, side)
-    for path in sorted(folder.glob("*.safetensors")):
+    for name in sorted(p.name for p in folder.glob("*.safetensors")):
+        path = folder / name
         try:
-            fd = paths.open_regular(path, follow=True)
+            real = paths.model_file(folder, name, _REFUSAL)  # itself, or the cache blob it leads to
+            fd = paths.open_regular(real)
         except OSError as exc:
             raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
         stack.callback(os.close, fd)
-        header, data_start = read_header(path)
+        header, data_start = read_header(real)
         _add_entries(source, header, lambda at, n, fd=fd, path=path: _pread(fd, at, n, path), data_start, str(path))
     return source
 

@@ -350,7 +350,8 @@ def _ours(checkpoint: Path) -> list[Entry]:
 
 def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
     """The regular files of ``folder`` (and, ``with_ours``, of its ``automodel/``: an unpacked archive packs
-    again); a link or special file there is refused in one line. Other subfolders are not packed."""
+    again); a Hugging Face cache snapshot's links are packed as the blobs they lead to, any other link or special
+    file is refused in one line (``paths.model_file``). Other subfolders are not packed."""
     entries = []
     for sub in ("", layout.ARCHIVE_DIR) if with_ours else ("",):
         where = folder / sub if sub else folder
@@ -359,15 +360,13 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
         with os.scandir(where) as it:
             for entry in sorted(it, key=lambda e: e.name):
                 name = f"{sub}/{entry.name}" if sub else entry.name
-                st = entry.stat(follow_symlinks=False)
                 if entry.is_dir(follow_symlinks=False) or name == layout.ARCHIVE_MANIFEST:
                     continue
-                why = paths.not_regular(st.st_mode)
-                if why is not None:
-                    raise CheckpointError(f"'{entry.path}' is {why}; an archive holds only regular files, never "
-                                          "what a link points to: replace it with the file itself")
+                real = paths.model_file(where, entry.name, "an archive holds only regular files (and a cache "
+                                        "snapshot's blobs), never what another link points to: replace it with the "
+                                        "file itself")
                 paths.check(name, f"'{folder}'")
-                entries.append(Entry(name, st.st_size, path=Path(entry.path)))
+                entries.append(Entry(name, os.lstat(real).st_size, path=real))
     return _ordered(entries)
 
 

@@ -123,11 +123,21 @@ def test_hostile_gguf_is_refused_in_one_line(q8, tmp_path, capsys, case):
 
 
 def test_a_folder_of_links_exports_like_a_hugging_face_cache_folder(base, tmp_path):
-    """A Hugging Face cache snapshot is links into its blobs: the folder the user names is read through them."""
-    links = tmp_path / "snapshot"
-    links.mkdir()
-    for f in base.iterdir():
-        (links / f.name).symlink_to(f)
+    """A Hugging Face cache snapshot is links into its repository's blobs/: they are followed, no other link is."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    links = repo / "snapshots" / "0123abc"
+    links.mkdir(parents=True)
+    for k, f in enumerate(sorted(base.iterdir())):
+        (repo / "blobs" / f"blob{k}").write_bytes(f.read_bytes())
+        (links / f.name).symlink_to(f"../../blobs/blob{k}")
     assert main(["export", str(links), "--type", "f16", "--out", str(tmp_path / "m.gguf"), "--no-progress"]) == 0
     assert main(["export", str(links), "--to", "int8", "--out", str(tmp_path / "int8"), "--no-progress"]) == 0
     assert (tmp_path / "int8" / "tokenizer.json").is_file() and not (tmp_path / "int8" / "tokenizer.json").is_symlink()
+    plain = tmp_path / "plain"  # the same links outside a cache's layout: refused
+    plain.mkdir()
+    for f in base.iterdir():
+        (plain / f.name).symlink_to(f)
+    for to in ("gguf", "int8"):
+        assert main(["export", str(plain), "--to", to, "--out", str(tmp_path / f"x-{to}"), "--no-progress"]) == 3
+    assert not (tmp_path / "x-gguf").exists() and not (tmp_path / "x-int8").exists()

@@ -87,8 +87,15 @@ def test_weights_round_to_nearest_and_the_rest_is_kept_bit_for_bit(base, tmp_pat
 def test_cli_dry_run_refusals_and_pack(base, tmp_path, capsys):
     assert main(["export", str(base), "--to", "int8", "--dry-run", "--out", str(tmp_path / "x")]) == 0
     assert "28 linear weights quantized" in capsys.readouterr().out and not (tmp_path / "x").exists()
-    assert main(["export", str(base), "--to", "int8", "--calibrate", "8"]) != 0
-    assert "--calibrate needs a checkpoint" in capsys.readouterr().err  # a folder has no recipe to name its data
+    assert main(["export", str(base), "--to", "int8", "--calibrate", "8", "--dry-run"]) == 0
+    assert "from 8 examples of the tokenizer's own vocabulary" in capsys.readouterr().out
+    text = tmp_path / "calib.jsonl"
+    text.write_text('{"text": "12+30=42"}\n\n{"text": "7+8=15"}\n')
+    assert main(["export", str(base), "--to", "int8", "--calibrate", "8", "--calibration-data", str(text),
+                 "--dry-run"]) == 0
+    assert f"from 2 examples of '{text}'" in capsys.readouterr().out
+    assert main(["export", str(base), "--to", "int8", "--calibration-data", str(text)]) == 2
+    assert "give --calibrate too" in capsys.readouterr().err
     assert main(["export", str(base), "--to", "int8", "--scheme", "w4a16", "--calibrate", "8"]) != 0
     assert main(["export", str(base), "--to", "int8", "--scheme", "w2"]) != 0
     assert "unknown int8 scheme 'w2'" in capsys.readouterr().err
