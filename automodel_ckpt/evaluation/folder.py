@@ -1,0 +1,129 @@
+"""A Hugging Face model or adapter folder written tensor by tensor: one tensor in memory at a time, atomic by rename.
+
+Every tensor's name, shape and dtype is known before the first byte is written, so each safetensors file's header
+is written first and the tensors follow in order, each produced (``produce(name)``), written and dropped. The
+files are those the consolidate export writes: ``model-K-of-F.safetensors`` with ``model.safetensors.index.json``
+(cut at ``max_shard_size``), ``config.json`` with its ``dtype`` set to the written one, and the small files given
+(generation config, tokenizer); an adapter is ``adapter_model.safetensors`` beside its config. The folder is
+written into a hidden sibling and renamed into place only when complete, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.errors import UserError
+from automodel_ckpt.ondisk import fsync_file, layout
+
+__all__ = ["ST_NAMES", "Entry", "write_folder"]
+
+ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+            torch.bool: "BOOL"}
+Entry = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype of one tensor to write
+_DEFAULT_SHARD = 5 * 2**30
+
+
+def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch.Tensor], side: dict[str, bytes], *,
+                 adapter: bool = False, max_shard_size: int = _DEFAULT_SHARD) -> Path:
+    """Write ``entries`` (each tensor from ``produce``) and the small files ``side`` into the new folder ``out``."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"'{out}' exists and is not empty; choose another --out or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp.mkdir()
+    try:
+        files = _files(entries, adapter, max_shard_size)
+        for name, content in side.items():
+            if name == layout.HF_CONFIG and not adapter:
+                content = _config_with_dtype(content, entries)
+            _write_bytes(tmp / name, content)
+        for file_name, group in files:
+            _write_safetensors(tmp / file_name, group, produce)
+        if not adapter:
+            weight_map = {name: file_name for file_name, group in files for name, _, _ in group}
+            total = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            _write_bytes(tmp / layout.HF_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tuple[str, list[Entry]]]:
+    if adapter:
+        return [(layout.ADAPTER_WEIGHTS, list(entries))]
+    groups: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = _nbytes(entry[1], entry[2])
+        if groups[-1] and size + nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
+    return [(layout.hf_weights_file(k + 1, len(groups)), group) for k, group in enumerate(groups)]
+
+
+def _write_safetensors(path: Path, group: list[Entry], produce: Callable[[str], torch.Tensor]) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in group:
+        nbytes = _nbytes(shape, dtype)
+        header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "xb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, shape, dtype in group:
+            tensor = produce(name)
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise RuntimeError(f"tensor {name}: produced {tuple(tensor.shape)} {tensor.dtype}, planned "
+                                   f"{tuple(shape)} {dtype}")
+            if tensor.numel():
+                f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_bytes(path: Path, content: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(content)
+    fsync_file(path)
+
+
+def _config_with_dtype(content: bytes, entries: list[Entry]) -> bytes:
+    """``config.json`` with ``dtype`` saying the floating dtype most bytes are written in (as the export's)."""
+    config = json.loads(content)
+    sizes: dict[torch.dtype, int] = {}
+    for _, shape, dtype in entries:
+        if dtype.is_floating_point:
+            sizes[dtype] = sizes.get(dtype, 0) + _nbytes(shape, dtype)
+    if isinstance(config, dict) and sizes:
+        name = str(max(sizes, key=sizes.__getitem__)).removeprefix("torch.")
+        config["dtype"] = name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = name
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,124 @@
+"""One model's tensors read one at a time: a checkpoint (any world size, any format), an export folder, an archive or a LoRA adapter.
+
+A full model comes from ``ondisk.open_model`` (the quantized exports' reader): its tensors under their on-disk
+names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them
+(the base's); a LoRA checkpoint there is merged into its base. A LoRA adapter folder (``adapter_config.json`` and
+``adapter_model.safetensors``, a PEFT checkpoint's ``model/``) is read as its adapter tensors, so that averaging
+adapters gives an adapter. Nothing read here runs a pickle or instantiates a config: sizes are checked by
+``ondisk.bounded``, only regular files are read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.ondisk import bounded, layout, open_model, paths
+
+__all__ = ["MODEL", "ADAPTER", "Tensors", "is_adapter", "open_tensors"]
+
+MODEL, ADAPTER = "model", "adapter"
+# the small files a model folder may carry beside its weights (config, generation config, tokenizer)
+_MODEL_SIDE = (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES)
+_ADAPTER_SIDE = (layout.ADAPTER_CONFIG, layout.PEFT_FULL_CONFIG, *layout.HF_TOKENIZER_FILES)
+
+
+@dataclass
+class Tensors:
+    """A model's tensors by name (shape, dtype, a reader giving a fresh tensor) and its small files by name."""
+
+    where: str  # the SRC as the user gave it (for messages)
+    kind: str  # MODEL or ADAPTER
+    config: dict[str, Any]  # config.json (a model) or adapter_config.json (an adapter)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    side: dict[str, bytes] = field(default_factory=dict)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.readers[name]()
+
+
+def is_adapter(src: Path) -> bool:
+    """A LoRA adapter: a PEFT checkpoint (its ``model/`` holds ``adapter_config.json``) or an adapter folder."""
+    src = Path(src)
+    return src.is_dir() and any(os.path.lexists(d / layout.ADAPTER_CONFIG) for d in (src, src / layout.MODEL_DIR))
+
+
+@contextmanager
+def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Tensors]:
+    """The tensors of ``src``; a LoRA adapter as its adapter tensors (``adapters_as_adapters``) or merged into its
+    base (a full model: what evaluation needs)."""
+    src = Path(src)
+    if not src.exists():
+        raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder, an archive or a run folder")
+    if adapters_as_adapters and is_adapter(src):
+        with ExitStack() as stack:
+            yield _adapter(src, stack)
+        return
+    with open_model(src) as model:
+        tensors = Tensors(str(src), MODEL, dict(model.config), side=_side_files(model.side_dir, _MODEL_SIDE))
+        for name in model.shapes:
+            tensors.shapes[name], tensors.dtypes[name] = model.shapes[name], model.dtypes[name]
+            tensors.readers[name] = lambda name=name: model.read(name)
+        yield tensors
+
+
+def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
+    """The small files of ``folder`` among ``names`` (links followed: a folder the user named, or a private copy)."""
+    out = {}
+    for name in names:
+        path = folder / name
+        if os.path.lexists(path):
+            try:
+                out[name] = bounded.read_bytes(path, "a model folder's small file", bounded.INDEX_FILE, follow=True)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
+    return out
+
+
+def _adapter(src: Path, stack: ExitStack) -> Tensors:
+    from safetensors import safe_open
+
+    folder = src / layout.MODEL_DIR if os.path.lexists(src / layout.MODEL_DIR / layout.ADAPTER_CONFIG) else src
+    if folder is not src and folder.is_symlink():
+        raise CheckpointError(f"'{folder}' is a symlink; folders inside a checkpoint are never followed as links")
+    config = bounded.read_json(folder / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"'{folder / layout.ADAPTER_CONFIG}' is not a JSON object")
+    weights = folder / layout.ADAPTER_WEIGHTS
+    if not os.path.lexists(weights):
+        raise CheckpointError(f"'{folder}' has no {layout.ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
+                              "read)")
+    problem = paths.regular_file_problem(weights)
+    if problem:
+        raise CheckpointError(f"'{weights}' is {problem}; only regular files are read")
+    try:
+        handle = stack.enter_context(safe_open(str(weights), framework="pt"))
+    except Exception as exc:  # safetensors' own checks of the header: sizes, offsets, dtypes
+        raise CheckpointError(f"'{weights}' is not a readable safetensors file: {exc}") from None
+    tensors = Tensors(str(src), ADAPTER, config, side=_side_files(folder, _ADAPTER_SIDE))
+    for name in handle.keys():
+        sliced = handle.get_slice(name)
+        tensors.shapes[name] = tuple(int(d) for d in sliced.get_shape())
+        tensors.dtypes[name] = _dtype(sliced.get_dtype(), weights)
+        tensors.readers[name] = lambda name=name: handle.get_tensor(name)
+    return tensors
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _dtype(name: str, where: Path) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CheckpointError(f"'{where}' holds a tensor of dtype {name}, which is not read here")
+    return _DTYPES[name]
