@@ -32,6 +32,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),
     "gc": ("gc", "s3://BUCKET/RUN [--min-age-minutes M] [--dry-run]"),
     "preview": ("preview", "RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]"),
+    "import": ("import_run", "SRC RECIPE.yaml --out RUN_DIR [--section.key value ...]"),
     "average": ("average", "CK1 CK2 ... | --last K RUN_DIR [--weights W1 W2 ...] --out DIR [--dtype DTYPE]"),
 }
 

@@ -29,3 +29,75 @@ def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 10
 
 def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, partial(_warmup_cosine_factor, warmup_steps=0, total_steps=total_steps, min_lr_ratio=1.0))
+
+
+# Schedules of other trainers, as their own formulas (an imported run continues on the same learning rates,
+# docs/import.md): the Hugging Face Trainer's warmup starts at lr 0 (step 0's factor is 0), unlike warmup_cosine's.
+def _warmup_from_zero(step: int, warmup_steps: int) -> float:
+    return float(step) / float(max(1, warmup_steps))
+
+
+def _linear_decay_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    if step < warmup_steps:
+        return _warmup_from_zero(step, warmup_steps)
+    return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+
+
+def _cosine_decay_factor(step: int, *, warmup_steps: int, total_steps: int, num_cycles: float,
+                         min_lr_rate: float) -> float:
+    if step < warmup_steps:
+        return _warmup_from_zero(step, warmup_steps)
+    progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    return max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _constant_after_warmup_factor(step: int, *, warmup_steps: int) -> float:
+    return _warmup_from_zero(step, warmup_steps) if step < warmup_steps else 1.0
+
+
+def _cosine_annealing_factor(step: int, *, t_max: int, eta_min_ratio: float) -> float:
+    return eta_min_ratio + (1.0 - eta_min_ratio) * (1.0 + math.cos(math.pi * step / t_max)) / 2.0
+
+
+def _linear_ramp_factor(step: int, *, start_factor: float, end_factor: float, total_iters: int) -> float:
+    return start_factor + (end_factor - start_factor) * min(step, total_iters) / max(1, total_iters)
+
+
+def _step_decay_factor(step: int, *, step_size: int, gamma: float) -> float:
+    return gamma ** (step // step_size)
+
+
+def linear_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
+    """The HF Trainer's ``linear``: warmup from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
+    return LambdaLR(optimizer, partial(_linear_decay_factor, warmup_steps=warmup_steps, total_steps=total_steps))
+
+
+def cosine_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, num_cycles: float = 0.5,
+                 min_lr_rate: float = 0.0) -> LambdaLR:
+    """The HF Trainer's ``cosine`` (``min_lr_rate`` 0) and ``cosine_with_min_lr``: warmup from 0, then cosine to
+    ``min_lr_rate`` × lr."""
+    return LambdaLR(optimizer, partial(_cosine_decay_factor, warmup_steps=warmup_steps, total_steps=total_steps,
+                                       num_cycles=num_cycles, min_lr_rate=min_lr_rate))
+
+
+def constant_after_warmup(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
+    """The HF Trainer's ``constant`` (no warmup) and ``constant_with_warmup``: warmup from 0, then the lr."""
+    return LambdaLR(optimizer, partial(_constant_after_warmup_factor, warmup_steps=warmup_steps))
+
+
+def cosine_annealing(optimizer: Optimizer, total_steps: int, t_max: int, eta_min_ratio: float = 0.0) -> LambdaLR:
+    """torch's ``CosineAnnealingLR`` in closed form (``eta_min`` as a ratio of the lr)."""
+    return LambdaLR(optimizer, partial(_cosine_annealing_factor, t_max=t_max, eta_min_ratio=eta_min_ratio))
+
+
+def linear_ramp(optimizer: Optimizer, total_steps: int, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
+                total_iters: int = 5) -> LambdaLR:
+    """torch's ``LinearLR``: the factor goes from ``start_factor`` to ``end_factor`` over ``total_iters`` steps."""
+    return LambdaLR(optimizer, partial(_linear_ramp_factor, start_factor=start_factor, end_factor=end_factor,
+                                       total_iters=total_iters))
+
+
+def step_decay(optimizer: Optimizer, total_steps: int, step_size: int, gamma: float = 0.1) -> LambdaLR:
+    """torch's ``StepLR``: the lr times ``gamma`` every ``step_size`` steps."""
+    return LambdaLR(optimizer, partial(_step_decay_factor, step_size=step_size, gamma=gamma))

@@ -1,0 +1,85 @@
+"""`ckpt-train import SRC RECIPE.yaml --out RUN_DIR`: another trainer's checkpoint as our checkpoint of its step.
+
+The source is read and checked first (``interop.read_source``); then the recipe is built in this process as a
+1-process run builds it (world size 1, its own model, optimizer, scheduler, data and step scheduler), the source's
+state is put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``.
+The same recipe with ``checkpoint_dir: RUN_DIR`` then resumes from it at any world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from automodel_ckpt.cli.common import VerbParser
+from automodel_ckpt.errors import ConfigError, UsageError
+
+
+def build_parser() -> VerbParser:
+    p = VerbParser("import", "Write an HF Trainer checkpoint-N/ folder or a Lightning checkpoint as a checkpoint of "
+                             "RECIPE's run in RUN_DIR, which the recipe resumes from at any world size.")
+    p.add_argument("src", help="an HF Trainer checkpoint-N/ folder, a Lightning .ckpt file or a Lightning "
+                               "distributed checkpoint folder")
+    p.add_argument("recipe", help="the recipe YAML that continues the run; --section.key value overrides may follow")
+    p.add_argument("--out", required=True, help="the run folder to write (the recipe's checkpoint_dir from now on); "
+                                                "it must hold no checkpoint yet")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    strays = [a for a in rest if a.startswith("-") and "." not in a.split("=", 1)[0]]
+    if strays:
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    args.overrides = rest
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise UsageError("import runs as one process: start it without --nproc-per-node or torchrun")
+    from automodel_ckpt.interop import read_source
+
+    src = Path(args.src)
+    run = read_source(src)  # every file of the source read and checked before anything is built
+    out = Path(args.out)
+    from automodel_ckpt.ondisk import catalog
+
+    if out.is_dir() and catalog.list_checkpoints(out):
+        raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
+    from automodel_ckpt.cli.common import check_recipe
+    from automodel_ckpt.config.instantiate import locate
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+
+    overrides = [*args.overrides, "--checkpoint.checkpoint_dir", str(out), "--checkpoint.enabled", "true",
+                 "--checkpoint.restore_from", "null", "--training.progress_bar", "false"]
+    cfg = load_config(args.recipe, overrides, RecipeConfig)
+    if cfg.distributed.get("pp_size") not in (None, 1):
+        raise ConfigError("distributed.pp_size: import builds the whole model in one process; import with "
+                          "--distributed.pp_size 1, then resume with pipeline parallelism")
+    check_recipe(cfg, 1, inputs=False)
+    recipe = locate(cfg.recipe, "recipe")(cfg)
+    from automodel_ckpt.checkpoint import SaveInfo
+    from automodel_ckpt.interop.apply import apply
+
+    recipe.setup()
+    try:
+        say = recipe.progress.write
+        counters = apply(run, recipe, str(src), say)
+        info = SaveInfo(counters["epoch"], counters["step"], counters["loss"], None, is_final=False,
+                        extra={"consumed_samples": counters["consumed_samples"]})
+        saved = recipe.checkpointer.save(recipe.checkpointed_state(), info)
+        recipe.checkpointer.finalize()
+    except BaseException:
+        recipe.checkpointer.abandon()
+        raise
+    print(f"Imported {run.kind} as {saved} (step {counters['step']}, epoch {counters['epoch']}, "
+          f"{counters['consumed_samples']} samples consumed); continue with: ckpt-train {args.recipe} "
+          f"--checkpoint.checkpoint_dir {out}" + "".join(f" {a}" for a in args.overrides), flush=True)
+    sys.stdout.flush()
+    return 0

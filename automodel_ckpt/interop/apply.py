@@ -1,0 +1,145 @@
+"""A ``ForeignRun`` put into a recipe built as for training: weights, AdamW state, schedule, counters, data, RNG.
+
+The recipe is duck-typed (``model``, ``optimizer``, ``lr_scheduler``, ``step_scheduler``, ``dataloader``, ``rng``,
+``train_log``, ``starting_weights``): the one a 1-process run of ``ckpt-train`` builds. Everything is checked
+before anything is set: a tensor unaccounted for or of another shape is refused by name. What differs from the
+source and changes the run (its global batch, its epoch length) is a line for ``say``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.interop import names, schedules
+from automodel_ckpt.interop.source import MAX_STEPS, ForeignRun, refuse
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+
+def apply(run: ForeignRun, recipe: Any, where: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """Load ``run`` into ``recipe``; returns the counters of the checkpoint to write (step, epoch, loss,
+    consumed_samples)."""
+    model, optimizer = recipe.model, recipe.optimizer
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise ConfigError(f"optimizer._target_: the source's state is AdamW's; the recipe builds "
+                          f"{type(optimizer).__name__} (use torch.optim.AdamW)")
+    params = dict(model.named_parameters())
+    weights = _weights(run, model, params, where)
+    state, hyper = _optimizer_state(run, model, params, where)
+    schedules.check_recipe_schedule(run.schedule, recipe.lr_scheduler, recipe.step_scheduler.total_steps)
+    lr = hyper["initial_lr"] * schedules.factor(run.schedule, run.step)
+    if not math.isclose(lr, hyper["lr"], rel_tol=1e-6, abs_tol=1e-12):
+        raise refuse(where, f"its optimizer's lr {hyper['lr']:.6g} at step {run.step} is not its schedule's "
+                            f"({run.schedule.described}: {lr:.6g})")
+    counters = _data_position(run, recipe, say)
+
+    # checked: now set
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    recipe.starting_weights.fill(model, model_loaded=False)  # the base, under an adapter
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    group.update({k: hyper[k] for k in _HYPER})
+    order = [n for n, p in model.named_parameters() if p.requires_grad]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": [group | {"params": order}]},
+                             options=options)
+    sched = recipe.lr_scheduler.state_dict()
+    sched.update(base_lrs=[hyper["initial_lr"]], last_epoch=run.step, _step_count=run.step + 1, _last_lr=[lr])
+    recipe.lr_scheduler.load_state_dict(sched)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    recipe.step_scheduler.load_state_dict({"step": run.step, "epoch": counters["epoch"],
+                                           "consumed_samples": counters["consumed_samples"]})
+    recipe.dataloader.load_state_dict({"epoch": counters["epoch"], "position": counters["position"]})
+    if run.rng is not None:
+        recipe.rng.load_state_dict(run.rng)
+    for record in run.log:
+        recipe.train_log.append({"step": record["step"], "epoch": None, "loss": record["loss"], "lr": record["lr"],
+                                 "grad_norm": record["grad_norm"]})
+    last = [r["loss"] for r in run.log if r["step"] == run.step]
+    return counters | {"step": run.step, "loss": last[-1] if last else None}
+
+
+def _weights(run: ForeignRun, model: Any, params: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    mapping = names.match_weights(model, list(run.weights), where, adapter=run.adapter)
+    out = {}
+    for ours, theirs in mapping.items():
+        tensor, param = run.weights[theirs], params[ours]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise refuse(where, f"its weight '{theirs}' is {list(tensor.shape)}, the model's '{ours}' "
+                                f"{list(param.shape)}: another model")
+        out[ours] = tensor.to(param.dtype)
+    return out
+
+
+def _optimizer_state(run: ForeignRun, model: Any, params: dict[str, Any],
+                     where: str) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """AdamW's state under our names, and the one set of hyperparameters every non-empty group shares."""
+    order = run.order(model)
+    if len(order) != len(run.moments):
+        raise refuse(where, f"its optimizer holds {len(run.moments)} parameters, the recipe's model trains "
+                            f"{len(order)}: another model or another set of trainable parameters")
+    used = [g for g in run.groups if g["count"]]
+    first = {k: used[0][k] for k in _HYPER} if used else {}
+    for g in used[1:]:
+        for k in _HYPER:
+            if not math.isclose(float(g[k][0] if k == "betas" else g[k]), float(first[k][0] if k == "betas" else
+                                                                                 first[k]), rel_tol=1e-9) \
+                    or (k == "betas" and not math.isclose(g[k][1], first[k][1], rel_tol=1e-9)):
+                raise refuse(where, f"its parameter groups differ in {k} ({first[k]} and {g[k]}); the recipe's "
+                                    "AdamW has one group: train the source with one value for all parameters")
+    state = {}
+    for slot, (name, moments) in enumerate(zip(order, run.moments)):
+        param = params[name]
+        if moments is None:
+            raise refuse(where, f"its optimizer has no state for '{name}' (slot {slot})")
+        missing = [k for k in ("step", *MOMENTS) if k not in moments]
+        if missing:
+            raise refuse(where, f"its optimizer's state for '{name}' (slot {slot}) has no {missing[0]}")
+        extra = sorted(set(moments) - {"step", *MOMENTS})
+        if extra:
+            raise refuse(where, f"its optimizer's state for '{name}' holds '{extra[0]}', which AdamW here has not")
+        for k in MOMENTS:
+            if tuple(moments[k].shape) != tuple(param.shape):
+                raise refuse(where, f"its {k} for '{name}' (slot {slot}) is {list(moments[k].shape)}, the parameter "
+                                    f"{list(param.shape)}")
+            if not moments[k].is_floating_point():
+                raise refuse(where, f"its {k} for '{name}' is {moments[k].dtype}, not floating point")
+        step = moments["step"]
+        if step.numel() != 1 or not math.isfinite(float(step)) or not 0 <= float(step) <= MAX_STEPS:
+            raise refuse(where, f"its step for '{name}' is not a count")
+        state[name] = {"step": step.reshape(()).to(torch.float32),
+                       **{k: moments[k].to(param.dtype) for k in MOMENTS}}
+    return state, first
+
+
+def _data_position(run: ForeignRun, recipe: Any, say: Callable[[str], None]) -> dict[str, int]:
+    """The epoch, row position and samples consumed where the source stopped, for the recipe's map-style data."""
+    loader = recipe.dataloader
+    data = getattr(loader, "data", None)
+    if data is None or not hasattr(loader, "position"):
+        raise ConfigError("dataset: a streamed corpus has no sampler position to continue; import into a recipe "
+                          "with map-style data")
+    rows, ours = len(data), loader.global_batch_size
+    epoch, taken, per_epoch = run.position(rows)
+    position = taken * run.global_batch
+    if run.epoch_float is not None and per_epoch and \
+            not math.isclose(run.epoch_float, epoch + taken / per_epoch, rel_tol=1e-6, abs_tol=1e-6):
+        say(f"warning: data: the source was at epoch {run.epoch_float:g}, which the recipe's {rows} rows put at "
+            f"{epoch + taken / per_epoch:g}: the recipe's data is not the source's, batches from step "
+            f"{run.step + 1} differ from the source's")
+    if run.global_batch != ours:
+        say(f"Another global batch: the source took {run.global_batch} rows a step, the recipe takes {ours}: the "
+            f"step count and schedule continue from step {run.step}, the data from row {position} of epoch {epoch}, "
+            f"{ours} rows a step")
+    elif per_epoch != rows // ours:
+        say(f"Epoch length: the source's epochs take {per_epoch} steps (a partial last batch), the recipe's "
+            f"{rows // ours} (it skips a partial batch): batches differ from epoch {epoch + 1} on")
+    return {"epoch": epoch, "position": position, "consumed_samples": run.step * run.global_batch}

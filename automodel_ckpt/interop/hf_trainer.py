@@ -1,0 +1,182 @@
+"""The Hugging Face Trainer's ``checkpoint-N/`` folder, read into a ``ForeignRun`` (and its names for writing one).
+
+Read: ``model.safetensors`` (or its shards and index; ``adapter_model.safetensors`` for a PEFT run),
+``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json``, ``training_args.bin`` (as inert records) and
+``rng_state.pth`` / ``rng_state_R.pth``. Every file is size-bounded and every value checked before use.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.interop import names, schedules
+from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, count, load_pickle, load_record, number, plain,
+                                           read_state_json, refuse, regular_files)
+from automodel_ckpt.ondisk import bounded, layout, paths
+
+TRAINER_STATE = "trainer_state.json"
+TRAINING_ARGS = "training_args.bin"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+RNG = "rng_state.pth"
+MODEL = layout.HF_SINGLE_WEIGHTS
+MODEL_INDEX = layout.HF_INDEX
+ADAPTER = layout.ADAPTER_WEIGHTS
+ADAPTER_CONFIG = layout.ADAPTER_CONFIG
+FSDP_MODEL = "pytorch_model_fsdp_0"
+MAX_LOG = 1_000_000
+
+
+def is_hf_trainer(src: Path) -> bool:
+    return src.is_dir() and (src / TRAINER_STATE).is_file()
+
+
+def read(src: Path) -> ForeignRun:
+    """Everything of ``src`` (a ``checkpoint-N/`` folder) that an import carries; one-line refusals."""
+    files = set(regular_files(src))
+    if FSDP_MODEL in {p.name for p in src.iterdir()} and MODEL not in files and ADAPTER not in files:
+        raise refuse(src, f"its model is in the Trainer's FSDP layout ({FSDP_MODEL}/); save with "
+                          "fsdp_state_dict_type FULL_STATE_DICT to import it")
+    for need in (OPTIMIZER, SCHEDULER):
+        if need not in files:
+            raise refuse(src, f"it has no {need}: a checkpoint saved with save_only_model carries no training state")
+    state = read_state_json(src / TRAINER_STATE, "the Trainer's state")
+    step = count(state.get("global_step"), src / TRAINER_STATE, "global_step")
+    max_steps = count(state.get("max_steps"), src / TRAINER_STATE, "max_steps")
+    per_device = count(state.get("train_batch_size"), src / TRAINER_STATE, "train_batch_size", 1 << 24)
+    epoch_float = number(state.get("epoch") or 0, src / TRAINER_STATE, "epoch")
+    if epoch_float > step + 1:
+        raise refuse(src / TRAINER_STATE, f"epoch {epoch_float:g} is past its global_step {step}")
+    if step > max_steps:
+        raise refuse(src / TRAINER_STATE, f"global_step {step} is past its max_steps {max_steps}")
+    if TRAINING_ARGS not in files:
+        raise refuse(src, f"it has no {TRAINING_ARGS}: the schedule's kind and warmup are recorded only there")
+    args = {k: plain(v) for k, v in load_record(src / TRAINING_ARGS, "the Trainer's arguments").fields().items()}
+    accum = count(args.get("gradient_accumulation_steps") or 1, src / TRAINING_ARGS, "gradient_accumulation_steps",
+                  1 << 24)
+    ranks = [f for f in files if f.startswith("rng_state_") and f.endswith(".pth")]
+    world = max(1, len(ranks))
+
+    adapter = ADAPTER in files
+    weights = _weights(src, files, adapter)
+    weight_bytes = sum(t.numel() * 4 for t in weights.values())
+    opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * bounded.MiB)
+    moments, groups = optimizer_slots(opt, src / OPTIMIZER)
+    sched = load_pickle(src / SCHEDULER, "the scheduler's state", SMALL_PICKLE)
+    if not isinstance(sched, dict) or count(sched.get("last_epoch"), src / SCHEDULER, "last_epoch") != step:
+        raise refuse(src / SCHEDULER, f"its position is not the checkpoint's step {step}")
+    schedule = schedules.from_hf_trainer(args, max_steps)
+    rng_file = RNG if RNG in files else (f"rng_state_0.pth" if "rng_state_0.pth" in files else None)
+    rng = rng_state(load_pickle(src / rng_file, "the random generators' state", SMALL_PICKLE, numpy=True),
+                    src / rng_file) if rng_file else None
+    log = _log(state.get("log_history"), src / TRAINER_STATE)
+    global_batch = per_device * accum * world
+    drop_last = bool(args.get("dataloader_drop_last"))
+    return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
+                      groups=groups, order=names.hf_trainer_order, schedule=schedule, step=step,
+                      position=lambda rows: _position(step, rows, per_device * world, accum, drop_last),
+                      global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float)
+
+
+def _position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) -> tuple[int, int, int]:
+    """(epoch, steps taken in it, steps per epoch) as the Trainer counts them for ``rows`` training rows."""
+    batches = rows // per_step if drop_last else math.ceil(rows / per_step)
+    per_epoch = max(batches // accum, 1)
+    return step // per_epoch, step % per_epoch, per_epoch
+
+
+def _weights(src: Path, files: set[str], adapter: bool) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if adapter:
+        chosen = [ADAPTER]
+    elif MODEL in files:
+        chosen = [MODEL]
+    elif MODEL_INDEX in files:
+        index = bounded.read_json(src / MODEL_INDEX, "the model's index", bounded.INDEX_FILE)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise refuse(src / MODEL_INDEX, "it has no weight_map")
+        chosen = sorted({paths.check(v, f"'{src / MODEL_INDEX}'") for v in weight_map.values()})
+    else:
+        raise refuse(src, f"it holds no {MODEL}, {MODEL_INDEX} or {ADAPTER}")
+    weights: dict[str, torch.Tensor] = {}
+    for name in chosen:
+        path = paths.inside(src, name, f"'{src}'")
+        if paths.regular_file_problem(path) is not None:
+            raise refuse(path, "not a regular file")
+        try:
+            weights.update(load_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own errors for a bad header
+            raise refuse(path, f"unreadable safetensors ({str(exc).splitlines()[0][:200]})") from None
+    return weights
+
+
+def optimizer_slots(opt: Any, where: Path) -> tuple[list[dict[str, torch.Tensor] | None], list[dict[str, Any]]]:
+    """A torch optimizer ``state_dict``'s AdamW state per slot (its groups' order) and its groups' hyperparameters."""
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or \
+            not isinstance(opt.get("param_groups"), list):
+        raise refuse(where, "not an optimizer's state (state and param_groups)")
+    groups, moments = [], []
+    for g in opt["param_groups"]:
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise refuse(where, "a param group without its list of params")
+        betas = g.get("betas")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise refuse(where, "a param group without AdamW's betas: only AdamW's state is imported")
+        hyper = {"lr": number(g.get("lr"), where, "lr"), "betas": (number(betas[0], where, "beta1"),
+                                                                    number(betas[1], where, "beta2")),
+                 "eps": number(g.get("eps"), where, "eps"),
+                 "weight_decay": number(g.get("weight_decay", 0.0), where, "weight_decay"),
+                 "initial_lr": number(g.get("initial_lr", g.get("lr")), where, "initial_lr"),
+                 "amsgrad": bool(g.get("amsgrad", False)), "count": len(g["params"])}
+        if hyper["amsgrad"]:
+            raise refuse(where, "AdamW with amsgrad: its max_exp_avg_sq has no counterpart here")
+        groups.append(hyper)
+        for idx in g["params"]:
+            slot = opt["state"].get(idx)
+            if slot is not None and not (isinstance(slot, dict) and all(isinstance(v, torch.Tensor) for v in
+                                                                         slot.values())):
+                raise refuse(where, f"the state of parameter {str(idx)[:20]} is not tensors")
+            moments.append(slot)
+    return moments, groups
+
+
+def rng_state(state: Any, where: Path) -> dict[str, Any] | None:
+    """Python's, NumPy's and torch's CPU generators, in our ``RNGState``'s shape."""
+    import numpy as np
+
+    try:
+        py, npy, cpu = state["python"], state["numpy"], state["cpu"]
+        version, internal, gauss = py
+        if len(internal) != 625 or not all(isinstance(v, int) for v in internal):
+            raise ValueError("python")
+        name, keys, pos, has_gauss, cached = npy
+        if not (isinstance(keys, np.ndarray) and keys.shape == (624,) and keys.dtype == np.uint32):
+            raise ValueError("numpy")
+        if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.dim() == 1):
+            raise ValueError("torch")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise refuse(where, f"not the Trainer's random generators' state ({exc})") from None
+    return {"python": (int(version), tuple(internal), gauss),
+            "numpy": {"name": str(name), "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "torch": cpu.clone()}
+
+
+def _log(history: Any, where: Path) -> list[dict[str, Any]]:
+    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history."""
+    if not isinstance(history, list):
+        return []
+    if len(history) > MAX_LOG:
+        raise refuse(where, f"its log history holds {len(history)} entries, over {MAX_LOG}")
+    out = []
+    for entry in history:
+        if isinstance(entry, dict) and isinstance(entry.get("loss"), (int, float)) and "step" in entry:
+            out.append({"step": count(entry["step"], where, "a logged step"), "loss": float(entry["loss"]),
+                        "lr": entry.get("learning_rate"), "grad_norm": entry.get("grad_norm")})
+    return out

@@ -1,0 +1,111 @@
+"""Another trainer's learning-rate schedule as one of ours (``training/lr.py``), and the check that a recipe has it.
+
+A source's scheduler file holds its position (``last_epoch``), not its formula; the formula comes from the HF
+Trainer's arguments or from a torch scheduler's own state (which holds its arguments). The recipe's
+``lr_scheduler`` section decides the schedule on every resume, so an import checks it: the recipe's factors at
+every step up to the end equal the source's, or the import stops with the section to write.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.interop.source import Schedule
+
+_LR = "automodel_ckpt.training.lr"
+
+
+def from_hf_trainer(args: dict[str, Any], total_steps: int) -> Schedule:
+    """The HF Trainer's ``lr_scheduler_type`` with its warmup (from lr 0, as the Trainer does) over ``total_steps``."""
+    kind = str(args.get("lr_scheduler_type"))
+    warmup = args.get("warmup_steps") or 0
+    if isinstance(warmup, float) and warmup < 1:  # a ratio, as the Trainer reads it (get_warmup_steps)
+        warmup = math.ceil(total_steps * warmup)
+    elif not warmup and args.get("warmup_ratio"):
+        warmup = math.ceil(total_steps * float(args["warmup_ratio"]))
+    warmup = int(warmup)
+    extra = args.get("lr_scheduler_kwargs") or {}
+    extra = extra if isinstance(extra, dict) else {}
+    lr = float(args.get("learning_rate") or 0.0)
+    described = f"HF Trainer '{kind}' (warmup {warmup} steps, {total_steps} steps)"
+    if kind == "linear":
+        return Schedule(described, f"{_LR}.linear_decay", {"warmup_steps": warmup}, total_steps)
+    if kind in ("constant", "constant_with_warmup"):
+        return Schedule(described, f"{_LR}.constant_after_warmup",
+                        {"warmup_steps": warmup if kind == "constant_with_warmup" else 0}, total_steps)
+    if kind in ("cosine", "cosine_with_min_lr"):
+        cycles = float(extra.get("num_cycles", 0.5))
+        rate = 0.0
+        if kind == "cosine_with_min_lr":
+            if extra.get("min_lr") is not None:
+                rate = float(extra["min_lr"]) / lr if lr else 0.0
+            else:
+                rate = float(extra.get("min_lr_rate", 0.0))
+        return Schedule(described, f"{_LR}.cosine_decay",
+                        {"warmup_steps": warmup, "num_cycles": cycles, "min_lr_rate": rate}, total_steps)
+    return Schedule(described, None, why_not=f"the HF Trainer's '{kind}' schedule has no counterpart here "
+                                             "(linear, cosine, cosine_with_min_lr, constant and "
+                                             "constant_with_warmup do)")
+
+
+def from_torch_state(state: dict[str, Any], total_steps: int) -> Schedule:
+    """A torch scheduler from its ``state_dict`` (which holds its arguments): CosineAnnealingLR, LinearLR, StepLR."""
+    base = state.get("base_lrs") or [0.0]
+    base_lr = float(base[0]) if base and isinstance(base[0], (int, float)) else 0.0
+    if {"T_max", "eta_min"} <= state.keys():
+        t_max = int(state["T_max"])
+        ratio = float(state["eta_min"]) / base_lr if base_lr else 0.0
+        return Schedule(f"CosineAnnealingLR (T_max {t_max}, eta_min {state['eta_min']})", f"{_LR}.cosine_annealing",
+                        {"t_max": t_max, "eta_min_ratio": ratio}, total_steps)
+    if {"start_factor", "end_factor", "total_iters"} <= state.keys():
+        kw = {"start_factor": float(state["start_factor"]), "end_factor": float(state["end_factor"]),
+              "total_iters": int(state["total_iters"])}
+        return Schedule(f"LinearLR ({kw['start_factor']:g} to {kw['end_factor']:g} over {kw['total_iters']} steps)",
+                        f"{_LR}.linear_ramp", kw, total_steps)
+    if {"step_size", "gamma"} <= state.keys():
+        kw = {"step_size": int(state["step_size"]), "gamma": float(state["gamma"])}
+        return Schedule(f"StepLR (every {kw['step_size']} steps x {kw['gamma']:g})", f"{_LR}.step_decay", kw,
+                        total_steps)
+    if "cycle_momentum" in state or "_anneal_func_type" in state:
+        return Schedule("OneCycleLR", None, why_not="OneCycleLR also cycles Adam's beta1, which no schedule here does")
+    if "lr_lambdas" in state:
+        return Schedule("LambdaLR", None, why_not="a LambdaLR's function is not in its checkpoint")
+    keys = ", ".join(sorted(str(k) for k in state)[:8])
+    return Schedule("a scheduler", None, why_not=f"its state ({keys}) is no scheduler with a counterpart here "
+                                                  "(CosineAnnealingLR, LinearLR, StepLR)")
+
+
+def factor(schedule: Schedule, step: int) -> float:
+    """The factor of ``schedule`` at ``step`` (the lr is the base lr times it)."""
+    from automodel_ckpt.training import lr as ours
+
+    fn = getattr(ours, "_" + schedule.target.rsplit(".", 1)[1] + "_factor")
+    kwargs = dict(schedule.kwargs)
+    if "total_steps" in fn.__code__.co_varnames:
+        kwargs["total_steps"] = schedule.total_steps
+    return fn(step, **kwargs)
+
+
+def section_line(schedule: Schedule) -> str:
+    """The recipe's ``lr_scheduler`` section that selects ``schedule``, as YAML."""
+    pairs = [f"_target_: {schedule.target}"] + [f"{k}: {v!r}" for k, v in schedule.kwargs.items()]
+    return "lr_scheduler: {" + ", ".join(pairs) + "}"
+
+
+def check_recipe_schedule(schedule: Schedule, scheduler: Any, total_steps: int) -> None:
+    """``ConfigError`` unless the recipe's scheduler (a ``LambdaLR``) has ``schedule``'s factor at every step."""
+    if schedule.target is None:
+        raise ConfigError(f"lr_scheduler: {schedule.why_not}")
+    if schedule.total_steps is not None and schedule.total_steps != total_steps:
+        raise ConfigError(f"lr_scheduler: the source's {schedule.described} ends at step {schedule.total_steps}, "
+                          f"the recipe's at step {total_steps}: set --step_scheduler.max_steps {schedule.total_steps}")
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    for step in range(total_steps + 1):
+        want = factor(schedule, step)
+        got = lambdas[0](step) if lambdas else None
+        if got is None or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
+            shown = "none" if got is None else f"{got:.6g}"
+            raise ConfigError(f"lr_scheduler: the source's schedule is {schedule.described}; the recipe's factor "
+                              f"at step {step} is {shown}, the source's {want:.6g}: write {section_line(schedule)} in the recipe")
