@@ -14,7 +14,7 @@ from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, store
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
-from automodel_ckpt.tracking.costlog import read_events, summarize
+from automodel_ckpt.tracking.costlog import iter_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report
 from automodel_ckpt.tracking.costreport import render as render_cost
 
@@ -92,11 +92,11 @@ def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
     path = Path(path).expanduser()
     if (path / layout.METADATA_FILE).is_file():
         path = path.resolve().parent
-    events = read_events(path)
-    if not events:
+    costs = summarize(iter_events(path))  # streamed: a log of any size is read in bounded memory
+    if not costs.launches:
         raise UserError(f"'{path}' has no {layout.EVENTS_LOG}: the cost report needs a run folder trained with "
                         "checkpoint costs recorded (this version or later)")
-    return {"checkpoint_dir": str(path), **cost_report(summarize(events), mtbf_hours)}
+    return {"checkpoint_dir": str(path), **cost_report(costs, mtbf_hours)}
 
 
 def inspect_dir(path: Path) -> dict[str, Any]:

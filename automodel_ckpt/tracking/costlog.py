@@ -10,15 +10,21 @@ adds ``tracking_behind`` / ``tracking_caught_up`` (a tracker no longer waited fo
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import random
 import statistics
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.ondisk import catalog, layout, manifest
-from automodel_ckpt.training.metrics import JsonlLog, read_jsonl
+from automodel_ckpt.ondisk import bounded, catalog, layout, manifest, paths
+from automodel_ckpt.errors import UserError, first_line
+from automodel_ckpt.training.metrics import JsonlLog
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
 SIDE_FAILURE = "side_failure"  # side work that failed while training went on (an export, a node-local step...)
@@ -175,73 +181,190 @@ class RunCosts:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    return read_jsonl(Path(run_dir) / layout.EVENTS_LOG)
+    """Every record of a run's ``events.jsonl`` (this run's own, at its end); ``iter_events`` streams them."""
+    return list(iter_events(run_dir))
 
 
-def summarize(events: list[dict[str, Any]]) -> RunCosts:
-    """The costs of the launches in ``events`` (``read_events``)."""
-    launches: list[list[dict[str, Any]]] = []
+def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The records of a run's ``events.jsonl`` one at a time, never the file whole (a run folder received from
+    elsewhere may hold a log of any size): a line longer than ``bounded.LOG_LINE`` is skipped without being held,
+    as is a line that is no JSON object (a line cut by a kill mid-write). A link, FIFO or device in the log's place
+    is refused (``UserError``), never followed or waited on."""
+    path = Path(run_dir) / layout.EVENTS_LOG
+    try:
+        f = os.fdopen(paths.open_regular(path), "rb")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"cannot read the log '{path}': {first_line(exc)}; logs are read only as regular files: "
+                        "remove it") from None
+    with f:
+        while line := f.readline(bounded.LOG_LINE + 1):
+            if len(line) > bounded.LOG_LINE:
+                while line and not line.endswith(b"\n"):  # the rest of an over-long line, a piece at a time
+                    line = f.readline(bounded.LOG_LINE + 1)
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
+    """The costs of the launches in ``events`` (``iter_events``), aggregated on the way: memory stays bounded
+    whatever their number (medians from at most ``_Sample.KEEP`` values), and a field of the wrong type is left
+    out, never a traceback."""
+    launches = interruptions = steps = checkpoints = failures = abandoned = 0
+    wall = behind = blocked_sum = 0.0
+    launch: _Launch | None = None
+    blocked, background, sizes = _Mean(), _Mean(), _Mean()
+    rates, gaps = _Sample(), _Sample()
+    every: int | None = None
+    last_save_step: int | None = None
     for record in events:
-        if record.get("event") == START or not launches:
-            launches.append([])
-        launches[-1].append(record)
-    wall = 0.0
-    steps = 0
-    interruptions = 0
-    for i, launch in enumerate(launches):
-        times = [float(r["time"]) for r in launch if isinstance(r.get("time"), (int, float))]
-        if times:
-            wall += max(times) - min(times)
-        step_values = [int(r["step"]) for r in launch if isinstance(r.get("step"), int)]
-        if step_values:
-            steps += max(step_values) - step_values[0]
-        ended = any(r.get("event") == END for r in launch)
-        if not ended and i < len(launches) - 1:
-            interruptions += 1
-    saves = [r for r in events if r.get("event") == CHECKPOINT]
-    blocked = [float(r["blocked_s"]) for r in saves if r.get("blocked_s") is not None]
-    background = [float(r["background_s"]) for r in saves if r.get("background_s") is not None]
-    sizes = [int(r["bytes"]) for r in saves if r.get("bytes")]
-    rates = [float(r["write_gbps"]) for r in saves if r.get("write_gbps")]
-    every = next((r.get("every_steps") for r in reversed(events) if r.get("event") == START and r.get("every_steps")),
-                 None)
-    if every is None:
-        gaps = [b["step"] - a["step"] for a, b in zip(saves, saves[1:]) if b["step"] > a["step"]]
-        every = int(statistics.median(gaps)) if gaps else None
-    failures = [r for r in events if r.get("event") == SIDE_FAILURE and (r.get("kind") != "local_step" or _abandons(r))]
+        if not isinstance(record, dict):
+            continue
+        event = record.get("event")
+        if event == START or launch is None:
+            if launch is not None:
+                wall, steps, behind = wall + launch.wall, steps + launch.steps, behind + launch.close()
+                interruptions += not launch.ended
+            launch, launches = _Launch(), launches + 1
+        launch.add(record)
+        if event == START and _whole(record.get("every_steps")) and record["every_steps"] > 0:
+            every = record["every_steps"]
+        elif event == CHECKPOINT:
+            checkpoints += 1
+            value = _number(record.get("blocked_s"))
+            if value is not None:
+                blocked.add(value)
+                blocked_sum += value
+            for mean, key in ((background, "background_s"), (sizes, "bytes")):
+                value = _number(record.get(key))
+                if value is not None and (key != "bytes" or value):
+                    mean.add(value)
+            rate = _number(record.get("write_gbps"))
+            if rate:
+                rates.add(rate)
+            step = record.get("step")
+            if _whole(step):
+                if last_save_step is not None and step > last_save_step:
+                    gaps.add(step - last_save_step)
+                last_save_step = step
+        elif event == SIDE_FAILURE and (record.get("kind") != "local_step" or _abandons(record)):
+            failures += 1
+            abandoned += record.get("kind") == "local_step"
+    if launch is not None:
+        wall, steps, behind = wall + launch.wall, steps + launch.steps, behind + launch.close()
+    if every is None and gaps.count:
+        every = int(gaps.median())
     return RunCosts(
-        tracking_behind_s=sum(_behind_seconds(launch) for launch in launches), side_failures=len(failures),
-        local_steps_abandoned=sum(1 for r in failures if r.get("kind") == "local_step"),
-        launches=len(launches), interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=len(saves),
-        blocked_s=sum(blocked), blocked_per_checkpoint_s=statistics.fmean(blocked) if blocked else None,
-        background_per_checkpoint_s=statistics.fmean(background) if background else None,
-        bytes_per_checkpoint=statistics.fmean(sizes) if sizes else None,
-        write_gbps=statistics.median(rates) if rates else None, every_steps=every,
+        tracking_behind_s=behind, side_failures=failures, local_steps_abandoned=abandoned,
+        launches=launches, interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=checkpoints,
+        blocked_s=blocked_sum, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
+        bytes_per_checkpoint=sizes.mean(), write_gbps=rates.median() if rates.count else None, every_steps=every,
     )
 
 
-def _behind_seconds(launch: list[dict[str, Any]]) -> float:
-    """Seconds of one launch during which at least one tracker was behind: from each ``tracking_behind`` to its
-    backend's next ``tracking_caught_up``, or to the launch's last record."""
-    times = [float(r["time"]) for r in launch if _is_time(r.get("time"))]
-    if not times:
-        return 0.0
-    spans: list[tuple[float, float]] = []
-    since: dict[str, float] = {}
-    marks = [r for r in launch if r.get("event") in (BEHIND, CAUGHT_UP) and _is_time(r.get("time"))]
-    for r in sorted(marks, key=lambda r: float(r["time"])):
-        backend = str(r.get("backend"))
-        if r["event"] == BEHIND:
-            since.setdefault(backend, float(r["time"]))
-        elif backend in since:
-            spans.append((since.pop(backend), float(r["time"])))
-    spans += [(t, max(times)) for t in since.values()]
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(spans):  # the union of the spans
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
+class _Launch:
+    """One launch's aggregates: its first and last times, its first and largest steps, whether it ended, and the
+    seconds during which at least one tracker was behind (``tracking_behind`` to its backend's next
+    ``tracking_caught_up``, or to the launch's last record), swept in the order the records were written."""
+
+    def __init__(self) -> None:
+        self.first_time = self.last_time = None  # type: float | None
+        self.first_step = self.max_step = None  # type: int | None
+        self.ended = False
+        self.behind: dict[str, float] = {}  # backend -> since
+        self.since: float | None = None  # since when at least one is behind
+        self.behind_s = 0.0
+
+    def add(self, record: dict[str, Any]) -> None:
+        event, t = record.get("event"), record.get("time")
+        self.ended = self.ended or event == END
+        if _whole(record.get("step")):
+            step = record["step"]
+            self.first_step = step if self.first_step is None else self.first_step
+            self.max_step = step if self.max_step is None else max(self.max_step, step)
+        if not _is_time(t) or not math.isfinite(t):
+            return
+        t = float(t)
+        self.first_time = t if self.first_time is None else min(self.first_time, t)
+        self.last_time = t if self.last_time is None else max(self.last_time, t)
+        backend = str(record.get("backend"))[:64]
+        if event == BEHIND and backend not in self.behind and len(self.behind) < _MAX_BACKENDS:
+            if not self.behind:
+                self.since = t
+            self.behind[backend] = t
+        elif event == CAUGHT_UP and self.behind.pop(backend, None) is not None and not self.behind:
+            self.behind_s += max(0.0, t - (self.since if self.since is not None else t))
+            self.since = None
+
+    @property
+    def wall(self) -> float:
+        return self.last_time - self.first_time if self.first_time is not None and self.last_time is not None else 0.0
+
+    @property
+    def steps(self) -> int:
+        return self.max_step - self.first_step if self.first_step is not None and self.max_step is not None else 0
+
+    def close(self) -> float:
+        """The launch's seconds behind, a tracker still behind at its end counted to its last record."""
+        if self.behind and self.since is not None and self.last_time is not None:
+            self.behind_s += max(0.0, self.last_time - self.since)
+        return self.behind_s
+
+
+class _Mean:
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    def add(self, value: float) -> None:
+        self.total, self.count = self.total + value, self.count + 1
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+class _Sample:
+    """Values for a median: all of them up to ``KEEP`` (every real run), then a uniform sample of ``KEEP``
+    (reservoir sampling, seeded: the same file gives the same report)."""
+
+    KEEP = 1 << 16
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.count = 0
+        self._random = random.Random(0)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        if len(self.values) < self.KEEP:
+            self.values.append(value)
+        else:
+            k = self._random.randrange(self.count)
+            if k < self.KEEP:
+                self.values[k] = value
+
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+
+_MAX_BACKENDS = 64
+
+
+def _number(value: Any) -> float | None:
+    """A finite number of a record, else None (a string, a list, NaN or infinity is left out)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _abandons(record: dict[str, Any]) -> bool:
