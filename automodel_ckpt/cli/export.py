@@ -11,14 +11,16 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 
-_TARGETS = ("gguf", "int8")
+_TARGETS = ("gguf", "int8", "hf-trainer")
 
 
 def build_parser() -> VerbParser:
     p = VerbParser("export", "Write a checkpoint, an export folder or an archive as a quantized model: one GGUF file "
                              "for llama.cpp (--to gguf) or a compressed-tensors int8 folder for vLLM (--to int8).")
     p.add_argument("src", help="a checkpoint folder (epoch_E_step_N), a Hugging Face folder or an archive (.tar)")
-    p.add_argument("--to", default="gguf", choices=_TARGETS, help="gguf (default) or int8")
+    p.add_argument("--to", default="gguf", choices=_TARGETS, help="gguf (default), int8, or hf-trainer (a checkpoint "
+                                                                  "as an HF Trainer checkpoint-N/ folder that "
+                                                                  "Trainer.train resumes)")
     p.add_argument("--type", default="q8_0", help="GGUF storage type: bf16, f16, q8_0 (default) or q4_0")
     p.add_argument("--scheme", default="w8a8", help="int8 scheme: w8a8 (default: int8 weights and activations) "
                                                     "or w4a16 (int4 weights)")
@@ -52,6 +54,10 @@ def main(argv: list[str]) -> int:
 def _export(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     src = Path(args.src)
+    if args.to == "hf-trainer":
+        from automodel_ckpt.cli.export_hf_trainer import export
+
+        return export(src, Path(args.out) if args.out else None)
     if args.calibrate and args.to != "int8":
         raise UsageError("--calibrate applies to --to int8 only")
     if args.calibrate < 0:

@@ -24,13 +24,20 @@ def trainable(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def hf_trainer_order(model: nn.Module) -> list[str]:
-    """The HF Trainer's optimizer order: trainable parameters with weight decay, then those without."""
+def hf_trainer_groups(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The HF Trainer's two param groups: trainable parameters with weight decay, and those without (biases,
+    norms)."""
     in_layernorm = {f"{m}.{n}" if m else n for m, mod in model.named_modules() if isinstance(mod, nn.LayerNorm)
                     for n, _ in mod.named_parameters(recurse=False)}
     names = trainable(model)
     no_decay = {n for n in names if n in in_layernorm or any(p.search(n.lower()) for p in _NO_DECAY)}
-    return [n for n in names if n not in no_decay] + [n for n in names if n in no_decay]
+    return [n for n in names if n not in no_decay], [n for n in names if n in no_decay]
+
+
+def hf_trainer_order(model: nn.Module) -> list[str]:
+    """The HF Trainer's optimizer order: trainable parameters with weight decay, then those without."""
+    decay, no_decay = hf_trainer_groups(model)
+    return decay + no_decay
 
 
 def module_order(model: nn.Module) -> list[str]:

@@ -1,0 +1,79 @@
+"""`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder.
+
+The run's recipe (the checkpoint's ``config.yaml``) is built in this process as a 1-process run, the checkpoint
+restored into it (resharded from any world size), and its state written by ``interop.hf_export``. The checkpoint's
+run folder is only read: the build's own run folder is a temporary one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from automodel_ckpt.errors import CheckpointError, UsageError
+from automodel_ckpt.ondisk import layout
+
+
+def export(src: Path, out: Path | None) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise UsageError("export --to hf-trainer runs as one process")
+    src = src.absolute()
+    recipe_file = src / layout.CONFIG_FILE
+    if not recipe_file.is_file():
+        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {layout.CONFIG_FILE}): --to hf-trainer "
+                              "exports a checkpoint folder (epoch_E_step_N)")
+    from automodel_ckpt.config.instantiate import locate
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.interop import hf_export
+    from automodel_ckpt.ondisk import bounded
+
+    with tempfile.TemporaryDirectory(prefix="hf-trainer-export-") as scratch:
+        overrides = ["--checkpoint.checkpoint_dir", scratch, "--checkpoint.restore_from", str(src),
+                     "--checkpoint.enabled", "true", "--checkpoint.save_consolidated", "false",
+                     "--training.progress_bar", "false", "--distributed.pp_size", "1", "--distributed.tp_size", "1"]
+        cfg = load_config(str(recipe_file), overrides, RecipeConfig)
+        recipe = locate(cfg.recipe, "recipe")(cfg)
+        recipe.setup()
+        try:
+            if recipe.restore_checkpoint() is None:
+                raise CheckpointError(f"'{src}' did not load")
+            step = recipe.step_scheduler.step
+            target = Path(out) if out is not None else src.parent / f"{src.name}-hf-trainer" / f"checkpoint-{step}"
+            log = _log(src.parent / layout.TRAINING_LOG)
+            staging = target.with_name(f".{target.name}.partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            args = hf_export.write(recipe, staging, log)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            recipe.checkpointer.finalize()
+    shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    print(f"HF Trainer checkpoint written to {target} (step {step}); resume it with "
+          f"Trainer.train(resume_from_checkpoint=...) and TrainingArguments({shown}) (per_device_train_batch_size x "
+          "gradient_accumulation_steps x processes must stay this global batch)", flush=True)
+    return 0
+
+
+def _log(path: Path) -> list[dict]:
+    """The run's ``training.jsonl`` records (the Trainer's log history), if the run folder has one."""
+    try:
+        from automodel_ckpt.ondisk import bounded
+
+        text = bounded.read_bytes(path, "the training log", bounded.LOG_FILE).decode("utf-8", "replace")
+    except (OSError, CheckpointError):
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and \
+                isinstance(record.get("loss"), (int, float)):
+            out.append(record)
+    return out

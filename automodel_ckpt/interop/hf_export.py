@@ -1,0 +1,105 @@
+"""A recipe's restored state written as an HF Trainer ``checkpoint-N/`` that ``Trainer.train(resume_from_checkpoint)``
+continues: weights (or a PEFT adapter), ``optimizer.pt`` in the Trainer's order and groups, ``scheduler.pt``,
+``rng_state.pth`` and ``trainer_state.json``.
+
+The Trainer rebuilds its schedule from its own arguments and keeps only the position from ``scheduler.pt``, so the
+export says which arguments continue ours (``trainer_arguments``), or refuses a schedule the Trainer has not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.interop import hf_trainer, names
+
+_LR = "automodel_ckpt.training.lr."
+
+
+def trainer_arguments(lr_section: dict[str, Any], total_steps: int) -> dict[str, Any]:
+    """The HF Trainer arguments whose schedule is the recipe's ``lr_scheduler`` section; ``ConfigError`` if none."""
+    target = str(lr_section.get("_target_", ""))
+    kind = target.removeprefix(_LR)
+    warmup = int(lr_section.get("warmup_steps", 0) or 0)
+    out: dict[str, Any] = {"max_steps": total_steps, "warmup_steps": warmup}
+    if kind == "linear_decay":
+        return out | {"lr_scheduler_type": "linear"}
+    if kind == "constant_after_warmup" or kind == "constant":
+        return out | {"lr_scheduler_type": "constant_with_warmup" if warmup else "constant"}
+    if kind == "cosine_decay":
+        rate = float(lr_section.get("min_lr_rate", 0.0) or 0.0)
+        cycles = float(lr_section.get("num_cycles", 0.5))
+        if rate:
+            return out | {"lr_scheduler_type": "cosine_with_min_lr",
+                          "lr_scheduler_kwargs": {"min_lr_rate": rate, "num_cycles": cycles}}
+        return out | {"lr_scheduler_type": "cosine"} | ({"lr_scheduler_kwargs": {"num_cycles": cycles}}
+                                                         if cycles != 0.5 else {})
+    raise ConfigError(f"lr_scheduler: {target} has no HF Trainer counterpart (linear_decay, cosine_decay, "
+                      f"constant_after_warmup and constant have)")
+
+
+def write(recipe: Any, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``recipe``'s state (restored, 1 process) into the folder ``out``; returns the Trainer's arguments."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    import numpy as np
+
+    model, optimizer, sched = recipe.model, recipe.optimizer, recipe.step_scheduler
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise ConfigError(f"optimizer._target_: the HF Trainer resumes AdamW's state; this run's is "
+                          f"{type(optimizer).__name__}'s")
+    from omegaconf import OmegaConf
+
+    args = trainer_arguments(OmegaConf.to_container(recipe.cfg.lr_scheduler, resolve=True), sched.total_steps)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    out.mkdir(parents=True, exist_ok=True)
+    peft = hasattr(model, "peft_config")
+    full = get_model_state_dict(model, options=options)
+    if peft:
+        trained = set(names.trainable(model))
+        adapter = {k.replace(f".{names.ADAPTER}.", "."): v.contiguous() for k, v in full.items() if k in trained}
+        save_file(adapter, str(out / hf_trainer.ADAPTER), metadata={"format": "pt"})
+        model.peft_config[names.ADAPTER].save_pretrained(str(out))
+    else:
+        model.save_pretrained(str(out), state_dict=full, safe_serialization=True)
+    osd = get_optimizer_state_dict(model, optimizer, options=options)
+    decay, no_decay = names.hf_trainer_groups(model)
+    order, decayed = decay + no_decay, len(decay)
+    group = {k: v for k, v in osd["param_groups"][0].items() if k != "params"}
+    state = {}
+    for i, name in enumerate(order):
+        if name in osd["state"]:
+            state[i] = osd["state"][name]
+    # the Trainer's two groups, both with this run's weight decay: ours applies it to every parameter
+    groups = [group | {"params": list(range(decayed))}, group | {"params": list(range(decayed, len(order)))}]
+    torch.save({"state": state, "param_groups": groups}, out / hf_trainer.OPTIMIZER)
+    lr_state = recipe.lr_scheduler.state_dict()
+    torch.save({"base_lrs": lr_state["base_lrs"] * 2, "last_epoch": lr_state["last_epoch"],
+                "_step_count": lr_state["_step_count"], "_is_initial": False, "_get_lr_called_within_step": False,
+                "_last_lr": lr_state["_last_lr"] * 2, "lr_lambdas": [{}, {}]}, out / hf_trainer.SCHEDULER)
+    torch.save(rng, out / hf_trainer.RNG)
+    loader = recipe.dataloader
+    per_epoch = max(loader.steps_per_epoch, 1)
+    epoch = sched.epoch + (loader.position // loader.global_batch_size) / per_epoch
+    state_json = {"global_step": sched.step, "max_steps": sched.total_steps, "epoch": epoch,
+                  "train_batch_size": loader.global_batch_size, "num_train_epochs": recipe.cfg.step_scheduler.num_epochs,
+                  "logging_steps": 1, "eval_steps": 500, "save_steps": sched.step, "total_flos": 0.0,
+                  "log_history": [{"step": r["step"], "loss": r["loss"], "learning_rate": r.get("lr"),
+                                   "grad_norm": r.get("grad_norm")} for r in log if r.get("step", 0) <= sched.step],
+                  "best_metric": None, "best_model_checkpoint": None, "is_local_process_zero": True,
+                  "is_world_process_zero": True, "is_hyper_param_search": False, "trial_name": None,
+                  "trial_params": None, "stateful_callbacks": {}}
+    (out / hf_trainer.TRAINER_STATE).write_text(json.dumps(state_json, indent=2) + "\n")
+    return args | {"learning_rate": group.get("initial_lr", group["lr"]), "weight_decay": group["weight_decay"],
+                   "adam_beta1": group["betas"][0], "adam_beta2": group["betas"][1], "adam_epsilon": group["eps"],
+                   "max_grad_norm": float(recipe.cfg.training.max_grad_norm),
+                   "per_device_train_batch_size": loader.global_batch_size,
+                   "train_sampling_strategy": "sequential" if not loader.shuffle else "random"}
