@@ -142,6 +142,8 @@ class MemoryRecipe(FinetuneRecipe):
         self._phase: tuple[str, int, dict] | None = None
         _reset_peak()
         super().setup()
+        self._save = self.checkpointer.save  # the checkpointer's step-end call saves through save_checkpoint
+        self.checkpointer.save = lambda states, info: self.save_checkpoint(info)
         clip = finetune.clip_grad_norm
 
         def marked_clip(*args, **kwargs):
@@ -242,7 +244,7 @@ class MemoryRecipe(FinetuneRecipe):
         self._phase = ("save", self._phase[1], saves)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        saved = super().save_checkpoint(info)
+        saved = self._save(self.checkpointed_state(), info)
         self.finalize_checkpoints()  # an async save's background write is part of its peak
         self._enter("between steps (validation, data, logging)", self._memory["phases"][-1])
         self._memory["save_peak"] = saves["save"]["peak"]

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from automodel_ckpt.checkpoint import storage
 from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.cycle import Restored, SaveCycle, SaveObserver, States, StepEnded
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.local_tier import LocalTier
 from automodel_ckpt.checkpoint.restore import fallback, initial_weights, resume
@@ -18,6 +19,7 @@ from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
+from automodel_ckpt.checkpoint.triggers import PreemptionWatcher, Steps
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.distributed.mesh import ParallelDims
 
@@ -31,6 +33,11 @@ class Checkpointer:
     still carries out an explicit ``restore_from``. The run folder (``storage``) is opened once; the save steps
     live in ``save/`` (``SaveWriter``), the load steps in ``restore/`` (each tier chooses, ``CheckpointLoader``
     loads).
+
+    A recipe makes four calls: ``resume`` (before training), ``step_end`` (after each optimizer step: it decides
+    what to save, by steps, minutes, the preemption signal or the node-local tier, and saves it; ``cycle``),
+    ``fence`` (before changing saved tensors in place) and ``finalize`` (at the end, or ``failed=True`` when an
+    error ends the run).
     """
 
     def __init__(
@@ -44,6 +51,8 @@ class Checkpointer:
         fingerprint: dict[str, Any] | None = None,
         dims: ParallelDims | None = None,
         side_failure: Callable[[str, str, int], None] | None = None,
+        preemption: PreemptionWatcher | None = None,
+        observer: SaveObserver | None = None,
     ) -> None:
         self.cfg = cfg
         self.env = env
@@ -58,6 +67,8 @@ class Checkpointer:
         self.restore_seconds = 0.0  # how long the last restore took (finding, checking and loading)
         self._time = TrainingTime()
         hf = hf or HFArtifacts()
+        if side_failure is None and observer is not None:
+            side_failure = observer.side_failure
         self._writer = SaveWriter(WriteSettings.durable(cfg), env, self.dims, self.run,
                                   config_yaml=resolved_config_yaml, hf=hf, fingerprint=fingerprint, time=self._time,
                                   say=say, side_failure=side_failure)
@@ -66,6 +77,7 @@ class Checkpointer:
             self.run.acquire()
         self._local = LocalTier(cfg, env, self.dims, config_yaml=resolved_config_yaml, hf=hf,  # checkpoint.local
                                 fingerprint=fingerprint, time=self._time, say=say)
+        self._cycle = SaveCycle(self, cfg.ckpt_every_minutes, preemption, observer)
 
     @property
     def enabled(self) -> bool:
@@ -78,6 +90,19 @@ class Checkpointer:
         return self.run.lock
 
     # ------------------------------------------------------------------------------------------ save
+    def step_end(self, states: States, steps: Steps, *, epoch: int, loss: float,
+                 extra: Callable[[], dict[str, Any]] | None = None, validate: Callable[[], float] | None = None,
+                 validate_now: bool = False) -> StepEnded:
+        """After optimizer step ``steps.step``, on every rank: decide what to save and save it (``cycle``).
+
+        A durable checkpoint on the step schedule (``steps.is_ckpt_step``), every ``ckpt_every_minutes`` or on the
+        preemption signal; else a node-local step when one is due. ``states()`` is the discovered state and
+        ``extra()`` what the checkpoint's metadata records, both asked only for a save; ``validate()`` runs when
+        ``validate_now`` or before a scheduled save (whose metadata then holds the validation loss). Collective.
+        """
+        return self._cycle.step_end(states, steps, epoch=epoch, loss=loss, extra=extra, validate=validate,
+                                    validate_now=validate_now)
+
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
         """Save ``states`` as ``epoch_E_step_N/``; returns its path (None when checkpointing is disabled).
 
@@ -130,8 +155,17 @@ class Checkpointer:
         """
         return self._writer.wait()
 
-    def finalize(self) -> Path | None:
-        """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease."""
+    def finalize(self, *, failed: bool = False) -> Path | None:
+        """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease.
+
+        ``failed=True`` (an error ends the run): ``abandon`` instead, without collectives and without publishing.
+        """
+        if failed:
+            self.abandon()
+            return None
+        return self._cycle.finalize(self._finalize)
+
+    def _finalize(self) -> Path | None:
         done = False
         try:
             self._local.wait()  # a node-local step that failed is abandoned there (a warning), never raised
@@ -185,6 +219,14 @@ class Checkpointer:
         return self._writer.resumed_from
 
     # ------------------------------------------------------------------------------------------ restore
+    def resume(self, states: dict[str, Any]) -> Restored:
+        """``restore``, then training begins (``ckpt_every_minutes`` count from now): what was loaded, from where."""
+        path = self.restore(states)
+        self._cycle.start()
+        if path is None:
+            return Restored(None)
+        return Restored(path, self.loaded_states, self.restored_tier, self.restore_seconds)
+
     def restore(self, states: dict[str, Any]) -> Path | None:
         """Restore what ``checkpoint.restore_from`` selects into ``states``; returns the checkpoint, or None (fresh).
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from automodel_ckpt.checkpoint import Checkpointer, CheckpointConfig, SaveInfo, discover_state
+from automodel_ckpt.checkpoint import Checkpointer, CheckpointConfig, discover_state
 
 
 class BaseRecipe:
@@ -21,11 +21,14 @@ class BaseRecipe:
     Checkpointing is by discovery: every public attribute with ``state_dict`` and ``load_state_dict`` is saved
     and restored under its name (``self.my_state = MyState()`` is checkpointed automatically); list attribute
     names in ``checkpoint_exclude`` to keep them out. Build ``self.checkpointer`` (a ``Checkpointer`` from
-    ``self.checkpoint_config``) in setup, always: with ``checkpoint.enabled: false`` it saves nothing.
+    ``self.checkpoint_config``) in setup, always: with ``checkpoint.enabled: false`` it saves nothing. The loop
+    then makes four calls of it: ``resume`` (``restore_checkpoint``), ``step_end`` after each optimizer step (it
+    decides what to save and saves it), ``fence`` before changing saved tensors in place, and ``finalize``.
     """
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
     checkpointer: Checkpointer  # built by the subclass once the process group exists
+    restored: Any = None  # what the last restore_checkpoint loaded (``checkpoint.Restored``)
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -38,17 +41,12 @@ class BaseRecipe:
     def checkpointed_state(self) -> dict[str, Any]:
         return discover_state(self, exclude=self.checkpoint_exclude)
 
-    def save_checkpoint(self, info: SaveInfo) -> Path | None:
-        return self.checkpointer.save(self.checkpointed_state(), info)
-
-    def save_local_checkpoint(self, info: SaveInfo) -> Path | None:
-        """Take a node-local step (``checkpoint.local``): returns once the state is copied."""
-        return self.checkpointer.save_local(self.checkpointed_state(), info)
-
     def finalize_checkpoints(self) -> Path | None:
         """Complete the checkpoint still being written in the background (``checkpoint.is_async``), if any."""
         return self.checkpointer.finalize()
 
     def restore_checkpoint(self) -> Path | None:
-        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any."""
-        return self.checkpointer.restore(self.checkpointed_state())
+        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any;
+        ``self.restored`` says what it loaded (its states, tier and time)."""
+        self.restored = self.checkpointer.resume(self.checkpointed_state())
+        return self.restored.path

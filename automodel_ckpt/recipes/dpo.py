@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -35,6 +37,20 @@ from automodel_ckpt.training.rng import rng_untouched
 TRAIN, VALIDATION = "train", "validation"
 
 
+_COUNTS = ("dpo_step", "consumed_pairs", "ref_syncs")
+_KEYS = ("reference_fingerprint", "ref_log_probs_key")
+_HEX = re.compile(r"[0-9a-f]{1,64}")
+
+
+def _kind(value: Any) -> str:
+    """A value read from a state file, in a few words (never its content)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"the integer {value}" if abs(value) < 10**12 else "an integer out of range"
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    return "nothing" if value is None else f"a {type(value).__name__}"
+
+
 class PreferenceCounters:
     """The algorithm's counters and the reference's record (checkpointed as ``dpo``): optimizer steps and pairs
     consumed, reference syncs, and what the reference is (the base's weights fingerprint, the key of the stored
@@ -51,9 +67,21 @@ class PreferenceCounters:
     def state_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Any) -> None:
+        """The counters of a checkpoint (untrusted): each of the type it has here, else one line naming the file
+        (``CheckpointError``: a resume sets that checkpoint aside)."""
+        where = f"the checkpoint's {layout.global_state_file('dpo')}"
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{where} holds {_kind(state)}, not the preference counters")
         for key, default in vars(PreferenceCounters()).items():
-            setattr(self, key, state.get(key, default))
+            value = state.get(key, default)
+            if key in _COUNTS and not (type(value) is int and 0 <= value < 1 << 62):
+                raise CheckpointError(f"{where}: '{key}' is {_kind(value)}, not a count")
+            if key == "last_sync_step" and not (value is None or type(value) is int and 0 <= value < 1 << 62):
+                raise CheckpointError(f"{where}: '{key}' is {_kind(value)}, not a step")
+            if key in _KEYS and not (value is None or isinstance(value, str) and _HEX.fullmatch(value)):
+                raise CheckpointError(f"{where}: '{key}' is {_kind(value)}, not a fingerprint")
+            setattr(self, key, value)
 
     def shown(self) -> dict[str, Any]:
         """What ``ckpt-train inspect`` lists (the checkpoint's metadata holds it)."""
@@ -152,7 +180,7 @@ class DPORecipe(FinetuneRecipe):
         if self._peft:  # its first forward may be the reference's, adapters disabled: nothing trainable then
             data_parallel.build_reducer(self.model, self.data_parallel)
         if self.ref_model is not None:
-            self._settle_reference("ref_model" in self.checkpointer.loaded_states)
+            self._settle_reference("ref_model" in self.restored.states)
         if self.dpo_cfg.precompute_ref_log_probs:
             self._stored = self._stored_log_probs()
         elif self._peft and self.objective.needs_reference and self.env.is_main:
@@ -197,9 +225,12 @@ class DPORecipe(FinetuneRecipe):
                                   f"they were computed (key {self.dpo.ref_log_probs_key}, now {key}); resume with "
                                   "the same data and base")
         self.dpo.ref_log_probs_key = key
-        file = layout.ref_log_probs_file(run_folder(self.checkpoint_config), key)
+        root = run_folder(self.checkpoint_config)
+        file = layout.ref_log_probs_file(root, key)
+        pairs = {TRAIN: len(data.train), **({VALIDATION: len(data.validation)} if data.validation is not None else {})}
         # an object store's copy into this node's mirror; every rank reads it, or every rank computes
-        stored = StoredLogProbs.load(file, key) if fetch_run_file(self.checkpoint_config, file) else None
+        stored = StoredLogProbs.load(file, key, root=root, pairs=pairs) \
+            if fetch_run_file(self.checkpoint_config, file) or os.path.lexists(file) else None
         if all(all_gather_object(stored is not None)):
             if self.env.is_main:
                 self.progress.write(f"Reference log-probs: read from {file}")
@@ -216,7 +247,7 @@ class DPORecipe(FinetuneRecipe):
             tables[VALIDATION] = self._log_prob_table(data.validation, compute)
         stored = StoredLogProbs(key, tables)
         if self.env.is_main:
-            stored.save(file)
+            stored.save(file, root)
             self.progress.write(f"Reference log-probs: computed for {sum(t.shape[1] for t in tables.values())} "
                                 f"pairs, stored in {file}")
             try:  # where the run folder lives (an object store): a resume on another machine reads them back

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, run_folder, SaveInfo, written_by
+from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, PreemptionWatcher, run_folder, written_by
 from automodel_ckpt.ondisk import layout, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
@@ -21,7 +21,7 @@ from automodel_ckpt.data.stream.build import build_streamed
 from automodel_ckpt.data.stream.corpus import is_streamed
 from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
-from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed, inside_launcher_worker
+from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.allocator import keep_freed_memory
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
@@ -33,14 +33,13 @@ from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.base import BaseRecipe
-from automodel_ckpt.tracking.observer import RunObserver
+from automodel_ckpt.tracking import RunObserver
 from automodel_ckpt.training import compile
 from automodel_ckpt.training.loss import next_token_loss_sum
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.optimizer import implementation
 from automodel_ckpt.training.progress import Progress
 from automodel_ckpt.training.rng import RNGState, rng_untouched, seed_everything
-from automodel_ckpt.training.save_triggers import PreemptionWatcher, SaveSchedule, StepBoundary, TimeTrigger
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
 
@@ -58,6 +57,7 @@ class FinetuneRecipe(BaseRecipe):
     pipeline: Any = None
     #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
     data_parallel: Any = None
+    _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -144,7 +144,7 @@ class FinetuneRecipe(BaseRecipe):
         self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=config_yaml,
                                          hf=self.hf_artifacts(), say=self.progress.write,
                                          fingerprint=fingerprint, dims=self.dims,
-                                         side_failure=self._observer.side_failure)
+                                         preemption=self._preemption, observer=self._observer)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
         """Rank 0 builds first, so an embedded base is created once before the other ranks read it.
@@ -169,7 +169,7 @@ class FinetuneRecipe(BaseRecipe):
         """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
         when no checkpoint holds the model's weights)."""
         restored = super().restore_checkpoint()
-        self.starting_weights.fill(self.model, model_loaded="model" in self.checkpointer.loaded_states)
+        self.starting_weights.fill(self.model, model_loaded="model" in self.restored.states)
         return restored
 
     def load_tokenizer(self, path: str | None) -> Any:
@@ -216,23 +216,17 @@ class FinetuneRecipe(BaseRecipe):
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> None:
-        """Train to the end, or until preempted (see ``save_triggers``); the last save is complete on return."""
-        ckpt = self.checkpoint_config
-        signal_name = ckpt.preemption_signal if ckpt.enabled else None
-        worker = inside_launcher_worker()
-        self._preemption = PreemptionWatcher(signal_name, repeat_stops=not worker)
-        self._preemption.install()  # before setup: a signal during setup is seen at the first step boundary
-        try:
-            self._train()
-        except BaseException:
-            if getattr(self, "_observer", None) is not None:
-                self._observer.fail()
-            if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
-                self.checkpointer.abandon()  # this rank's background writes end; nothing half-written is published
-            raise
-        finally:
-            if not worker:  # a worker keeps ignoring the signal while it exits: its exit code stays 0
-                self._preemption.uninstall()
+        """Train to the end, or until preempted (``checkpoint.preemption_signal``); the last save is complete on
+        return."""
+        with PreemptionWatcher.for_run(self.checkpoint_config) as self._preemption:  # a signal during setup counts
+            try:
+                self._train()
+            except BaseException:
+                if getattr(self, "_observer", None) is not None:
+                    self._observer.fail()
+                if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
+                    self.checkpointer.finalize(failed=True)  # background writes end; nothing half-written published
+                raise
 
     def _train(self) -> None:
         self.setup()
@@ -249,13 +243,10 @@ class FinetuneRecipe(BaseRecipe):
             self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go, as after training
             return
         self._observer.start(sched.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
-                             world_size=self.env.world_size, tier=self.checkpointer.restored_tier,
-                             load_seconds=round(self.checkpointer.restore_seconds, 3) if restored else None)
+                             world_size=self.env.world_size, tier=self.restored.tier,
+                             load_seconds=round(self.restored.seconds, 3) if restored else None)
         self.progress.start(sched.step)
-        schedule = SaveSchedule(
-            sched, StepBoundary(self._preemption, TimeTrigger(
-                self.checkpoint_config.ckpt_every_minutes if self.checkpointer.enabled else None)),
-            enabled=self.checkpointer.enabled, local_due=self.checkpointer.local_due)
+        ended = None
         while not sched.done:
             t0 = time.perf_counter()
             epoch, micro = self.dataloader.next_batch()
@@ -278,41 +269,31 @@ class FinetuneRecipe(BaseRecipe):
             per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
             self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
-            due = schedule.decide()  # every rank: what to save now (one all-reduce, if minutes or a signal apply)
-            val_loss = None
-            if self.val_batches is not None and (sched.is_val_step or due.scheduled):
-                val_loss = self.validate()
-                val_record = {"step": sched.step, "val_loss": val_loss} | self.validation_metrics()
-                self.val_log.append(val_record)
-                self._observer.log_validation(val_record)
-            saved = None
-            if due.durable:
-                info = SaveInfo(epoch, sched.step, loss, val_loss, is_final=sched.done,
-                                extra=self._save_extra())
-                saved = self._observer.save(lambda: self.save_checkpoint(info), sched.step, self._save_in_background,
-                                            preemption=due.preempt)
-                schedule.saved()
-            elif due.local:  # node-local: the snapshot only
-                self.save_local_checkpoint(SaveInfo(epoch, sched.step, loss, val_loss, is_final=False,
-                                                    extra=self._save_extra()))
-            self._report_local_faults(sched.step)
-            if due.preempt and not sched.done:
-                self._observer.finalize(self.finalize_checkpoints, sched.step)
-                self._report_local_faults(sched.step)
-                self.progress.close()
-                line = self._observer.end(sched.step, "preempted")
-                if self.env.is_main:
-                    if line:
-                        self.progress.write(line)
-                    self.progress.write(f"Preempted by {self._preemption.name} at step {sched.step}: saved {saved}; "
-                                        "rerun the same command to resume")
-                return
-        self._observer.finalize(self.finalize_checkpoints, sched.step)  # async: the last checkpoint is published
-        self._report_local_faults(sched.step)
+            # what to save now, saved (a durable checkpoint, validated first when scheduled, or a node-local step)
+            ended = self.checkpointer.step_end(self.checkpointed_state, sched, epoch=epoch, loss=loss,
+                                               extra=self._save_extra, validate=self._validate_and_log,
+                                               validate_now=sched.is_val_step)
+            if ended.stop:
+                break
+        self.finalize_checkpoints()  # async: the last checkpoint is published
         self.progress.close()
-        line = self._observer.end(sched.step, "complete")
-        if self.env.is_main and line:
-            self.progress.write(line)
+        line = self._observer.end(sched.step, "preempted" if ended is not None and ended.stop else "complete")
+        if self.env.is_main:
+            if line:
+                self.progress.write(line)
+            if ended is not None and ended.stop:
+                self.progress.write(f"Preempted by {self._preemption.name} at step {sched.step}: saved "
+                                    f"{ended.saved}; rerun the same command to resume")
+
+    def _validate_and_log(self) -> float | None:
+        """Validate (when there is held-out data) and log it: validation.jsonl and the trackers."""
+        if self.val_batches is None:
+            return None
+        val_loss = self.validate()
+        val_record = {"step": self.step_scheduler.step, "val_loss": val_loss} | self.validation_metrics()
+        self.val_log.append(val_record)
+        self._observer.log_validation(val_record)
+        return val_loss
 
     def _save_extra(self) -> dict[str, Any]:
         """What a checkpoint's metadata records besides the step: samples consumed, a stream's data position."""
@@ -332,15 +313,6 @@ class FinetuneRecipe(BaseRecipe):
     def save_extra(self) -> dict[str, Any]:
         """What a checkpoint's metadata records beside ``consumed_samples`` (a subclass's counters)."""
         return {}
-
-    def _report_local_faults(self, step: int) -> None:
-        """Node-local steps abandoned (or written again) since the last call, to events.jsonl and the trackers."""
-        for line in self.checkpointer.local_faults():
-            self._observer.side_failure("local_step", line, step)
-
-    def _save_in_background(self) -> Any:
-        """The async save just started, if any (its fence wait and background time are part of its cost)."""
-        return self.checkpointer.background
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written on one mesh (W processes) resumes on another."""

@@ -17,9 +17,9 @@ class StepScheduler:
         *,
         max_steps: int | None,
         num_epochs: int,
-        ckpt_every_steps: int | None,
-        val_every_steps: int | None,
         steps_per_epoch: int,
+        ckpt_every_steps: int | None = None,
+        val_every_steps: int | None = None,
     ) -> None:
         self.max_steps = max_steps
         self.num_epochs = num_epochs

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from automodel_ckpt.recipes.dpo import DPORecipe
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+from tests.integration.recipes_for_tests import SaveHooks
 
 
 def _die() -> None:
@@ -34,7 +35,7 @@ def _first_time(marker: str) -> bool:
     return True
 
 
-class DieAfterLocalStepRecipe(FinetuneRecipe):
+class DieAfterLocalStepRecipe(SaveHooks, FinetuneRecipe):
     """Every rank in ``DIE_RANKS`` (default: all) SIGKILLs itself once the node-local step of ``DIE_AFTER_LOCAL_STEP``
     is committed on every node (once per run with ``DIE_MARKERS``, after the death during a local step if one is
     asked for)."""
@@ -89,7 +90,7 @@ def _fill(path: Path, leave: int = 0) -> None:
             f.truncate(max(0, f.tell() - leave))
 
 
-class LocalFolderFaultsRecipe(FinetuneRecipe):
+class LocalFolderFaultsRecipe(SaveHooks, FinetuneRecipe):
     """The node-local folder of the ranks in ``FAULT_RANKS`` (default: all) fails just before the local step of
     ``FAULT_AT_LOCAL_STEP`` and is mended just before the one of ``MEND_AT_LOCAL_STEP`` (the local step before
     settled first, on every rank, so that no write races the fault). ``FAULT``: ``fill`` (the file ``$FILLER``,

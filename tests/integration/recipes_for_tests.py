@@ -8,7 +8,25 @@ import signal
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 
-class CrashDuringSaveRecipe(FinetuneRecipe):
+class SaveHooks:
+    """The checkpointer's two saves as recipe methods a test overrides (``save_checkpoint(info)``,
+    ``save_local_checkpoint(info)``): its step-end call reaches them through the checkpointer's ``save`` and
+    ``save_local``, wrapped once the checkpointer is built."""
+
+    def setup(self):
+        super().setup()
+        self._saves = self.checkpointer.save, self.checkpointer.save_local
+        self.checkpointer.save = lambda states, info: self.save_checkpoint(info)
+        self.checkpointer.save_local = lambda states, info: self.save_local_checkpoint(info)
+
+    def save_checkpoint(self, info):
+        return self._saves[0](self.checkpointed_state(), info)
+
+    def save_local_checkpoint(self, info):
+        return self._saves[1](self.checkpointed_state(), info)
+
+
+class CrashDuringSaveRecipe(SaveHooks, FinetuneRecipe):
     """SIGKILLs every rank in the middle of writing the checkpoint of step ``CRASH_AT_STEP``.
 
     The model shards are written, the optimizer state is not: the staged folder is left half-written.
@@ -25,7 +43,7 @@ class CrashDuringSaveRecipe(FinetuneRecipe):
         return super().save_checkpoint(info)
 
 
-class HoldSnapshotRecipe(FinetuneRecipe):
+class HoldSnapshotRecipe(SaveHooks, FinetuneRecipe):
     """Holds the background copy of the state saved at step ``HOLD_AT_STEP`` (``checkpoint.is_async``) forever.
 
     Each rank touches ``$HOLD_MARKERS/capture<rank>`` when its copy is held, and ``fence<rank>`` when the next

@@ -46,7 +46,7 @@ def test_a_second_signal_stops_a_single_process(tmp_path):
     """Without the launcher, the first signal asks for a save; a second one is the signal's default action."""
     script = (
         "import os, signal\n"
-        "from automodel_ckpt.training.save_triggers import PreemptionWatcher\n"
+        "from automodel_ckpt.checkpoint import PreemptionWatcher\n"
         "w = PreemptionWatcher('SIGTERM', repeat_stops=True); w.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM); print('requested', w.requested, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGTERM); print('still alive', flush=True)\n"

@@ -11,7 +11,7 @@ import pytest
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig, normalize_signal_name
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.training.save_triggers import Boundary, PreemptionWatcher, SaveDecision, SaveSchedule, \
+from automodel_ckpt.checkpoint.triggers import Boundary, PreemptionWatcher, SaveDecision, SaveSchedule, \
     StepBoundary, TimeTrigger
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
@@ -138,12 +138,13 @@ def test_recipe_saves_by_the_clock(tmp_path, monkeypatch):
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.config.validate import validate_config
     from automodel_ckpt.models.tiny import ensure_tiny_base
+    from automodel_ckpt.checkpoint import cycle
     from automodel_ckpt.recipes import llm_finetune
 
     ensure_tiny_base(tmp_path / "assets" / "tiny_llama_base")
     monkeypatch.setenv("AUTOMODEL_CKPT_ASSETS", str(tmp_path / "assets"))
     clock = FakeClock()
-    monkeypatch.setattr(llm_finetune, "TimeTrigger", lambda minutes: TimeTrigger(minutes, clock=clock))
+    monkeypatch.setattr(cycle, "TimeTrigger", lambda minutes: TimeTrigger(minutes, clock=clock))
     run_dir = tmp_path / "run"
     cfg = load_config(str(REPO / "recipes" / "tiny_llama_sft.yaml"), [
         "--training.progress_bar", "false", "--step_scheduler.max_steps", "7", "--step_scheduler.ckpt_every_steps",

@@ -1,4 +1,4 @@
-"""When the recipe saves: one ``SaveSchedule`` decision per step for every kind of save.
+"""When a run saves: one ``SaveSchedule`` decision per step for every kind of save, and the preemption signal.
 
 ``SaveSchedule`` is asked once per step for a durable checkpoint (every ``step_scheduler.ckpt_every_steps`` and at
 the end, every ``checkpoint.ckpt_every_minutes``, on a preemption signal) or a node-local step (every
@@ -14,7 +14,8 @@ into a flag that the next step boundary reads. What a repeated signal does depen
   and schedulers such as Slurm also signal every process, so one preemption may arrive twice;
 * a process running alone (``--nproc-per-node 1``) treats a second signal as "stop now": the default action.
 
-The launcher side (forwarding the signal to the workers) is in ``automodel_ckpt.launch``.
+The launcher side (forwarding the signal to the workers) is in ``automodel_ckpt.launch``; the one step-end call
+that asks the schedule and acts on its answer is ``cycle.SaveCycle`` (``Checkpointer.step_end``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
+
+from automodel_ckpt.distributed.env import inside_launcher_worker
 
 
 class PreemptionWatcher:
@@ -37,6 +40,21 @@ class PreemptionWatcher:
         self.received = 0
         self._previous = None
         self._installed = False
+
+    @classmethod
+    def for_run(cls, cfg: Any) -> PreemptionWatcher:
+        """The watcher of a run's ``checkpoint:`` section (``preemption_signal``, none when saving is off); a
+        launcher's worker ignores repeats. Use it as ``with PreemptionWatcher.for_run(cfg) as preemption:`` around
+        the whole run, setup included (a signal during setup is seen at the first step boundary)."""
+        return cls(cfg.preemption_signal if cfg.enabled else None, repeat_stops=not inside_launcher_worker())
+
+    def __enter__(self) -> PreemptionWatcher:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.repeat_stops:  # a worker keeps ignoring the signal while it exits: its exit code stays 0
+            self.uninstall()
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +150,9 @@ class StepBoundary:
         self.timer.reset()
 
 
-class _Steps(Protocol):
+class Steps(Protocol):
+    """The step counter a schedule reads (``training.step_scheduler.StepScheduler`` is one)."""
+
     step: int
 
     @property
@@ -155,7 +175,7 @@ class SaveDecision:
 class SaveSchedule:
     """The one place the recipe asks "save now?" after each optimizer step; one collective at most per step."""
 
-    def __init__(self, steps: _Steps, boundary: StepBoundary, *, enabled: bool,
+    def __init__(self, steps: Steps, boundary: StepBoundary, *, enabled: bool,
                  local_due: Callable[[int], bool]) -> None:
         self.steps, self.boundary, self.enabled, self.local_due = steps, boundary, enabled, local_due
 
