@@ -96,7 +96,10 @@ def write(recipe: Any, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
                                    "grad_norm": r.get("grad_norm")} for r in log if r.get("step", 0) <= sched.step],
                   "best_metric": None, "best_model_checkpoint": None, "is_local_process_zero": True,
                   "is_world_process_zero": True, "is_hyper_param_search": False, "trial_name": None,
-                  "trial_params": None, "stateful_callbacks": {}}
+                  "trial_params": None,
+                  "stateful_callbacks": {"TrainerControl": {"args": {
+                      "should_epoch_stop": False, "should_evaluate": False, "should_log": False,
+                      "should_save": False, "should_training_stop": False}, "attributes": {}}}}
     (out / hf_trainer.TRAINER_STATE).write_text(json.dumps(state_json, indent=2) + "\n")
     return args | {"learning_rate": group.get("initial_lr", group["lr"]), "weight_decay": group["weight_decay"],
                    "adam_beta1": group["betas"][0], "adam_beta2": group["betas"][1], "adam_epsilon": group["eps"],
