@@ -35,6 +35,7 @@ _EXPORTS = {
     "write_atomic": ("durable", "write_atomic"),
     "fsync_file": ("durable", "fsync_file"),
     "detect_model_format": ("formats.detect", "detect_model_format"),
+    "load_pt": ("formats.safe_load", "load_pt"),
     "READ_THREADS": ("formats.fastio", "READ_THREADS"),
     "WRITE_THREADS": ("formats.fastio", "WRITE_THREADS"),
     # exports: Hugging Face folders, archives, GGUF, int8, LoRA merged

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.ondisk import layout
 
 
@@ -73,7 +74,13 @@ def _layout(tensor: torch.Tensor) -> Any:
 
 class StoredLogProbs:
     """Precomputed reference log-probs of a run's pairs: ``{split: float64 tensor [2, pairs]}`` (summed log-probs
-    of the chosen and the rejected response of each pair row), in one file named by ``key`` (data and reference)."""
+    of the chosen and the rejected response of each pair row), in one file named by ``key`` (data and reference).
+
+    The file is untrusted (a run folder travels): it is read only as a regular file whose folder resolves inside
+    the run folder (never through a link), at most the size its tables can take, through the safe loader
+    (tensors and plain data, no code), and each table must be ``[2, pairs]`` of finite numbers for exactly the
+    run's pairs; anything else is one line naming the file (``CheckpointError``).
+    """
 
     def __init__(self, key: str, tables: dict[str, torch.Tensor]) -> None:
         self.key, self.tables = key, tables
@@ -85,19 +92,79 @@ class StoredLogProbs:
         got[:, pair_rows < 0] = 0
         return got[0], got[1]
 
-    def save(self, file: Path) -> None:
-        """Written under a temporary name and moved into place: a reader never sees half a file."""
+    def save(self, file: Path, root: Path) -> None:
+        """Written under a temporary name and moved into place: a reader never sees half a file; never written
+        through a folder that leads out of the run folder ``root``."""
+        _inside(Path(root), Path(file))
         file.parent.mkdir(parents=True, exist_ok=True)
+        _inside(Path(root), Path(file))  # the folder just made (or found) is still the run folder's own
         tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
         torch.save({"key": self.key, "tables": self.tables}, tmp)
         os.replace(tmp, file)
 
     @classmethod
-    def load(cls, file: Path, key: str) -> "StoredLogProbs | None":
-        """The stored log-probs of ``key``, or None when the file is absent (or holds another key)."""
-        if not file.is_file():
+    def load(cls, file: Path, key: str, *, root: Path, pairs: Mapping[str, int]) -> "StoredLogProbs | None":
+        """The stored log-probs of ``key`` for ``pairs`` (``{split: number of pairs}``), or None when the file is
+        absent (or holds another key, a table for other data): ``CheckpointError`` naming the file when it is a
+        link, leads out of the run folder ``root``, is not a regular file, is larger than its tables can be, is not
+        a table file (a pickle of anything else included), or a table is short, long or not finite."""
+        file = Path(file)
+        _inside(Path(root), file)
+        if not os.path.lexists(file):
             return None
-        saved = torch.load(file, map_location="cpu", weights_only=True)
-        if saved.get("key") != key:
+        if os.path.islink(file):
+            raise _bad(file, "is a link; they are read only as a regular file of the run folder")
+        limit = sum(16 * max(int(n), 0) for n in pairs.values()) + _SLACK_BYTES
+        size = os.stat(file).st_size
+        if size > limit:
+            raise _bad(file, f"are {size} bytes, more than {limit} for {sum(pairs.values())} pairs")
+        from automodel_ckpt.ondisk import load_pt
+
+        try:
+            saved = load_pt(file)  # regular files only (never through a link, never a FIFO); no code runs
+        except CheckpointError as exc:
+            raise _bad(file, f"cannot be read ({first_line(exc).split(': ', 1)[-1]})") from None
+        if not isinstance(saved, dict) or not isinstance(saved.get("key"), str) or \
+                not isinstance(saved.get("tables"), dict):
+            raise _bad(file, f"are not a table file (it holds a {type(saved).__name__})")
+        if saved["key"] != key:
             return None
-        return cls(key, {k: v.to(torch.float64) for k, v in saved["tables"].items()})
+        tables = {}
+        for split, n in pairs.items():
+            table = saved["tables"].get(split)
+            if not isinstance(table, torch.Tensor) or not table.is_floating_point():
+                raise _bad(file, f"hold no '{split}' table of numbers (found {_what(table)})")
+            if tuple(table.shape) != (2, n):
+                raise _bad(file, f"hold a '{split}' table of shape {list(table.shape)}, this run has {n} pairs "
+                                 f"(expected [2, {n}])")
+            table = table.to(torch.float64)
+            bad = (~torch.isfinite(table)).nonzero()
+            if len(bad):
+                raise _bad(file, f"hold a value that is not finite ({table[tuple(bad[0])].item()}) for '{split}' "
+                                 f"pair {int(bad[0][1])}")
+            tables[split] = table
+        return cls(key, tables)
+
+
+#: What a stored log-probs file may hold beyond its tables' 16 bytes a pair (the archive's records and names).
+_SLACK_BYTES = 2**20
+
+
+def _bad(file: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"'{file}': the stored reference log-probs {what}; delete the file to compute them again")
+
+
+def _what(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return "nothing" if value is None else f"a {type(value).__name__}"
+
+
+def _inside(root: Path, file: Path) -> None:
+    """``file``'s folder, links resolved, is inside the run folder ``root`` (resolved too): ``CheckpointError``
+    otherwise (a linked ``ref_log_probs`` folder would read or write elsewhere)."""
+    top = os.path.realpath(root)
+    where = os.path.realpath(file.parent)
+    if where != top and not where.startswith(top.rstrip(os.sep) + os.sep):
+        raise _bad(file, f"lie outside the run folder '{root}' (a link leads to '{where}'); they are read and "
+                         "written only inside it")
