@@ -94,8 +94,8 @@ def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
         path = path.resolve().parent
     costs = summarize(iter_events(path))  # streamed: a log of any size is read in bounded memory
     if not costs.launches:
-        raise UserError(f"'{path}' has no {layout.EVENTS_LOG}: the cost report needs a run folder trained with "
-                        "checkpoint costs recorded (this version or later)")
+        raise UserError(f"'{path}' has no {layout.EVENTS_LOG} (or no record in it): the cost report needs a run "
+                        "folder trained with checkpoint costs recorded (this version or later)")
     return {"checkpoint_dir": str(path), **cost_report(costs, mtbf_hours)}
 
 
@@ -236,7 +236,9 @@ def data_position_line(name: str, position: dict[str, Any]) -> str:
         parts.append(f"source {i}: epoch {s.get('epoch')}, shard {s.get('shard')} of {s.get('shards')} "
                      f"({s.get('path')}) row {s.get('row')}, {s.get('tokens')} tokens consumed")
     skipped = f", {position['skipped_rows']} bad rows skipped" if position.get("skipped_rows") else ""
-    return f"data position at {name}: {position.get('sequences')} sequences{skipped}; " + "; ".join(parts)
+    lanes = (f"; {position['lanes']} lanes (this rank {position.get('lanes_read')}), position "
+             f"{position.get('position_bytes', 0) / 1024:.1f} KiB") if position.get("lanes") else ""
+    return f"data position at {name}: {position.get('sequences')} sequences{skipped}{lanes}; " + "; ".join(parts)
 
 
 def _text(value: Any) -> str:

@@ -208,7 +208,7 @@ def block_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> i
     present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CheckpointError(f"GGUF export: config.json's {key} is {str(value)[:40]}, not a number of layers")
-    if present != set(range(value)):
+    if value != len(present) or (present and max(present) != value - 1):  # layers 0 .. value-1, none missing
         raise CheckpointError(f"GGUF export: config.json's {key} is {value}, but the weight files hold "
                               f"{len(present)} layer(s)" + (f" (numbered up to {max(present)})" if present else ""))
     return value
