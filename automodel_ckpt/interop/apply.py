@@ -128,18 +128,21 @@ def _data_position(run: ForeignRun, recipe: Any, say: Callable[[str], None]) -> 
         raise ConfigError("dataset: a streamed corpus has no sampler position to continue; import into a recipe "
                           "with map-style data")
     rows, ours = len(data), loader.global_batch_size
-    epoch, taken, per_epoch = run.position(rows)
-    position = taken * run.global_batch
+    batch = run.global_batch or ours
+    epoch, taken, per_epoch = run.position(rows, batch)
+    position = taken * batch
+    for note in run.notes:
+        say(note)
     if run.epoch_float is not None and per_epoch and \
             not math.isclose(run.epoch_float, epoch + taken / per_epoch, rel_tol=1e-6, abs_tol=1e-6):
         say(f"warning: data: the source was at epoch {run.epoch_float:g}, which the recipe's {rows} rows put at "
             f"{epoch + taken / per_epoch:g}: the recipe's data is not the source's, batches from step "
             f"{run.step + 1} differ from the source's")
-    if run.global_batch != ours:
-        say(f"Another global batch: the source took {run.global_batch} rows a step, the recipe takes {ours}: the "
+    if batch != ours:
+        say(f"Another global batch: the source took {batch} rows a step, the recipe takes {ours}: the "
             f"step count and schedule continue from step {run.step}, the data from row {position} of epoch {epoch}, "
             f"{ours} rows a step")
     elif per_epoch != rows // ours:
         say(f"Epoch length: the source's epochs take {per_epoch} steps (a partial last batch), the recipe's "
             f"{rows // ours} (it skips a partial batch): batches differ from epoch {epoch + 1} on")
-    return {"epoch": epoch, "position": position, "consumed_samples": run.step * run.global_batch}
+    return {"epoch": epoch, "position": position, "consumed_samples": run.step * batch}

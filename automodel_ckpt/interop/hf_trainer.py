@@ -78,7 +78,7 @@ def read(src: Path) -> ForeignRun:
     drop_last = bool(args.get("dataloader_drop_last"))
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
                       groups=groups, order=names.hf_trainer_order, schedule=schedule, step=step,
-                      position=lambda rows: _position(step, rows, per_device * world, accum, drop_last),
+                      position=lambda rows, _batch: _position(step, rows, per_device * world, accum, drop_last),
                       global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float)
 
 

@@ -1,13 +1,89 @@
-"""Lightning checkpoints (a ``.ckpt`` file, a distributed checkpoint folder) read into a ``ForeignRun``."""
+"""Lightning's ``.ckpt`` file read into a ``ForeignRun``: ``state_dict``, ``optimizer_states``, ``lr_schedulers``,
+``global_step`` and ``loops``.
+
+Lightning records neither its batch size nor its random generators: the recipe's global batch is taken as the
+source's, and the generators start from the recipe's seed. The optimizer's slots follow the module's
+``parameters()`` order (what ``configure_optimizers`` passes in the common case; a slot of another shape is
+refused by name).
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.interop import names, schedules
+from automodel_ckpt.interop.hf_trainer import optimizer_slots
+from automodel_ckpt.interop.source import ForeignRun, Schedule, count, load_pickle, refuse
+
+SUFFIX = ".ckpt"
+DCP_METADATA = ".metadata"
+MAX_FILE = 1 << 40  # a .ckpt holds weights and moments: bounded by the disk, each tensor by its own header
 
 
 def is_lightning_file(src: Path) -> bool:
-    return src.is_file() and src.suffix == ".ckpt"
+    return src.is_file() and src.suffix == SUFFIX
 
 
 def is_lightning_folder(src: Path) -> bool:
-    return src.is_dir() and (src / ".metadata").is_file()
+    return src.is_dir() and (src / DCP_METADATA).is_file()
+
+
+def read_folder(src: Path) -> ForeignRun:
+    raise refuse(src, "a Lightning distributed checkpoint folder is not read here yet: consolidate it to one .ckpt "
+                      "with `python -m lightning.pytorch.utilities.consolidate_checkpoint` first")
+
+
+def read_file(src: Path) -> ForeignRun:
+    """A Lightning ``.ckpt``; one-line refusals."""
+    ckpt = load_pickle(src, "a Lightning checkpoint", MAX_FILE)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise refuse(src, "not a Lightning checkpoint (no state_dict)")
+    step = count(ckpt.get("global_step"), src, "global_step")
+    weights = ckpt["state_dict"]
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise refuse(src, "its state_dict holds entries that are not named tensors")
+    opts = ckpt.get("optimizer_states")
+    if not isinstance(opts, list) or len(opts) != 1:
+        raise refuse(src, f"it holds {len(opts) if isinstance(opts, list) else 'no'} optimizer states; one AdamW's "
+                          "is imported")
+    moments, groups = optimizer_slots(opts[0], src)
+    scheds = ckpt.get("lr_schedulers") or []
+    if not isinstance(scheds, list) or len(scheds) > 1 or (scheds and not isinstance(scheds[0], dict)):
+        raise refuse(src, "it holds more than one learning-rate scheduler")
+    if scheds:
+        state = scheds[0]
+        if count(state.get("last_epoch"), src, "the scheduler's last_epoch") != step:
+            raise refuse(src, f"its scheduler stepped {state.get('last_epoch')} times in {step} optimizer steps: a "
+                              "schedule per epoch has no counterpart here (interval 'step' has)")
+        schedule = schedules.from_torch_state(state, None)
+    else:
+        schedule = Schedule("no scheduler (constant lr)", "automodel_ckpt.training.lr.constant_after_warmup",
+                            {"warmup_steps": 0})
+    loops = ckpt.get("loops") if isinstance(ckpt.get("loops"), dict) else {}
+    fit = loops.get("fit_loop") if isinstance(loops.get("fit_loop"), dict) else {}
+    batches = _completed(fit.get("epoch_loop.batch_progress"), "total")
+    accum = max(1, round(batches / step)) if step and batches else 1
+    return ForeignRun(kind=f"Lightning checkpoint (step {step})", weights=dict(weights), adapter=False,
+                      moments=moments, groups=groups, order=names.module_order, schedule=schedule, step=step,
+                      position=lambda rows, batch: _position(step, rows, batch), global_batch=None, world_size=1,
+                      rng=None, notes=[f"Lightning records no random generators' state: the recipe's seed "
+                                       "starts them" + (f"; it accumulated {accum} batches a step" if accum > 1
+                                                        else "")])
+
+
+def _completed(progress: Any, which: str) -> int:
+    try:
+        return int(progress[which]["completed"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def _position(step: int, rows: int, batch: int) -> tuple[int, int, int]:
+    """(epoch, steps taken in it, steps per epoch) of a plain DataLoader of ``batch`` rows a step over ``rows``
+    (its last batch partial, as ``drop_last=False`` leaves it)."""
+    per_epoch = max(1, math.ceil(rows / max(batch, 1)))
+    return step // per_epoch, step % per_epoch, per_epoch

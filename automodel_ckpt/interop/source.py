@@ -55,13 +55,14 @@ class ForeignRun:
     order: Callable[[Any], list[str]]
     schedule: Schedule
     step: int
-    #: given the recipe's number of training rows: (epoch, steps taken in it, steps per epoch) as the source
-    #: counts them (the same rows assumed)
-    position: Callable[[int], tuple[int, int, int]]
-    global_batch: int
+    #: given the recipe's number of training rows and global batch: (epoch, steps taken in it, steps per epoch)
+    #: as the source counts them (the same rows assumed)
+    position: Callable[[int, int], tuple[int, int, int]]
+    global_batch: int | None  # rows a step; None: not recorded (the recipe's is taken)
     world_size: int
     rng: dict[str, Any] | None
     log: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the import cannot carry, said once
     epoch_float: float | None = None  # the source's fractional epoch, where it records one
 
 
@@ -85,12 +86,19 @@ def number(value: object, where: Path | str, name: str) -> float:
 
 
 def read_bytes(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (a link the user named is followed), its size checked against
+    ``limit`` before a byte is read."""
     try:
-        return bounded.read_bytes(path, what, limit, follow=True)
+        with os.fdopen(paths.open_regular(Path(path), follow=True), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            bounded.check_size(size, f"'{path}'", what, limit)
+            data = f.read(size + 1)  # a file that grows while read is still cut
     except FileNotFoundError:
         raise CheckpointError(f"'{path}' is missing ({what})") from None
     except OSError as exc:
         raise CheckpointError(f"'{path}' is unreadable ({what}): {exc.strerror or exc}") from None
+    bounded.check_size(len(data), f"'{path}'", what, min(limit, size))
+    return data
 
 
 def _numpy_types() -> list[Any]:
