@@ -19,6 +19,10 @@ def build_parser() -> VerbParser:
     p.add_argument("--num", "-n", type=int, default=3, help="rows to show (default 3)")
     p.add_argument("--split", choices=("train", "validation"), default="train", help="which split (default train)")
     p.add_argument("--color", action="store_true", help="mark trained text in green instead of with « »")
+    p.add_argument("--ids", action="store_true", help="streamed corpus: print only the sequence ids a rank trains on, "
+                   "one per line (--rank R of --world-size N data-parallel ranks; reads only what that rank reads)")
+    p.add_argument("--rank", type=int, default=0, help="with --ids: the data-parallel rank (default 0)")
+    p.add_argument("--world-size", type=int, default=1, help="with --ids: the data-parallel size (default 1)")
     return p
 
 
@@ -64,6 +68,16 @@ def main(argv: list[str]) -> int:
     tokenizer = build_tokenizer(cfg.tokenizer.pretrained_model_name_or_path or model_path)
     from automodel_ckpt.data.stream.corpus import is_streamed
 
+    if args.ids:
+        if not is_streamed(cfg.dataset):
+            from automodel_ckpt.errors import ConfigError
+
+            raise ConfigError("preview --ids: the recipe's dataset is not streamed")
+        from automodel_ckpt.data.stream.preview import first_ids
+
+        for i in first_ids(cfg, tokenizer, rank=args.rank, world_size=args.world_size, num=args.num):
+            print(i)
+        return 0
     if is_streamed(cfg.dataset):  # the first packed sequences of the stream, in the run's order
         from automodel_ckpt.data.stream.preview import preview_stream
 

@@ -40,6 +40,7 @@ class DataConfig:
     map_batch_size: int = 1000  # records per tokenization batch (and per packing window)
     cache_dir: Optional[str] = None  # tokenized-data cache folder (None: beside the dataset's Hugging Face cache)
     shuffle_buffer: int = 1000  # streamed corpus: rows in the seeded shuffle buffer (1: file order; docs/data.md)
+    lanes: int = 64  # streamed corpus: the lanes its order is made over, fixed for a run (docs/data.md, "Lanes")
     num_workers: int = 0  # streamed corpus: DataLoader worker processes per rank that read and tokenize
     skip_bad_rows: int = 0  # streamed corpus: bad rows, unreadable or empty files skipped (and counted) before an error
     allow_appended_shards: bool = False  # streamed corpus: a resume accepts files added since, read from the next epoch

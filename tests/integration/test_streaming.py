@@ -1,6 +1,6 @@
-"""Streamed corpora end to end: a straight 2-rank run equals the chain 2 (killed) -> 1 -> tp 2 -> 3 processes, workers 0
-and 2, shuffle buffer on; a blend of three sources resumed; a corpus on S3; a corrupt row and a changed corpus are one
-line each."""
+"""Streamed corpora end to end: a straight 2-rank run equals the chain 2 -> 3 with 2 workers (killed while saving) -> 1
+-> tp 2, over 6 lanes, shuffle buffer on; a blend of three sources resumed at another world size; a corpus on S3, each
+object read by one rank; a corrupt row and a changed corpus are one line each."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, jsonl, run_c
 
 KEYS = ("--step_scheduler.global_batch_size", "12", "--step_scheduler.local_batch_size", "2",
         "--data.seq_length", "32", "--data.shuffle_buffer", "50", "--step_scheduler.ckpt_every_steps", "3",
-        "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false")
+        "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false", "--data.lanes", "6")
 
 
 def _write_corpus(folder: Path, files: int, rows: int, tag: str) -> Path:
@@ -63,18 +63,20 @@ def straight(corpus, assets):
     return _records(root / "straight")
 
 
-def test_resume_on_1_then_tp2_then_3_processes_sees_the_same_sequences(corpus, assets, straight, tmp_path):
+def test_resume_on_3_with_workers_then_1_then_tp2_sees_the_same_sequences(corpus, assets, straight, tmp_path):
     _, recipe, _ = corpus
     run = ("--checkpoint.checkpoint_dir", "chain")
-    # 2 ranks SIGKILLed while saving step 6 (steps 4-5 done, their log lines written): the resume starts at step 3
-    killed = ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", "12", "--data.num_workers", "0",
-                        "--recipe", "tests.integration.recipes_for_tests.CrashDuringSaveRecipe", nproc=2, recipe=recipe,
-                        env={"CRASH_AT_STEP": "6", "PYTHONPATH": str(REPO)}, check=False)
-    assert killed.returncode != 0 and max(_records(tmp_path / "chain")) >= 5
-    legs = [(1, "6", "2", ()), (2, "9", "2", ("--distributed.tp_size", "2")), (3, "12", "0", ())]
-    for nproc, steps, workers, extra in legs:
-        out = ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", steps, "--data.num_workers",
-                         workers, *extra, nproc=nproc, recipe=recipe)
+    ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", "3", nproc=2, recipe=recipe)
+    # 3 ranks of 2 workers each (one lane per worker) SIGKILLed while saving step 9: the resume starts at step 6
+    killed = ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", "12", "--data.num_workers", "2",
+                        "--recipe", "tests.integration.recipes_for_tests.CrashDuringSaveRecipe", nproc=3, recipe=recipe,
+                        env={"CRASH_AT_STEP": "9", "PYTHONPATH": str(REPO)}, check=False)
+    assert killed.returncode != 0 and max(_records(tmp_path / "chain")) >= 8
+    assert "6 lanes over 8 units, this rank reads 2 (each lane read once), 2 workers per rank, 1 lanes per worker" \
+        in killed.stdout
+    for nproc, steps, extra in [(1, "9", ()), (2, "12", ("--distributed.tp_size", "2"))]:
+        out = ckpt_train(tmp_path, assets, *KEYS, *run, "--step_scheduler.max_steps", steps, *extra, nproc=nproc,
+                         recipe=recipe)
         assert "data position kept" in out.stdout
     got = _records(tmp_path / "chain")
     assert sorted(got) == list(range(1, 13))
@@ -87,27 +89,28 @@ def test_resume_on_1_then_tp2_then_3_processes_sees_the_same_sequences(corpus, a
             assert got[step]["loss"] == straight[step]["loss"]
         else:
             assert got[step]["loss"] == pytest.approx(straight[step]["loss"], abs=1e-5)
-    position = (tmp_path / "chain" / "epoch_0_step_12" / "dataloader.pt")
+    position = tmp_path / "chain" / "epoch_0_step_12" / "dataloader" / "dataloader_dp_rank_0.pt"
     assert position.stat().st_size < 64 * 1024  # row references, not rows
     shown = run_command([CKPT_TRAIN, "inspect", str(tmp_path / "chain")])
-    assert "data position at epoch_0_step_12: 144 sequences; source 0: epoch 0, shard " in shown.stdout
+    assert "data position at epoch_0_step_12: 144 sequences; 6 lanes (this rank 6), position " in shown.stdout
     assert f"{12 * 12 * 32} tokens consumed" in shown.stdout
 
 
-def _pure_stream(recipe: Path, assets: Path, sequences: int) -> tuple[list[int], list[int]]:
-    """The recipe's global stream computed in this process (no trainer): sequence ids, tokens per source."""
+def _loader_ids(recipe: Path, assets: Path, steps: int, rank: int = 0, dp: int = 1) -> tuple[list[int], list[int]]:
+    """The ids rank ``rank`` of ``dp`` trains on in ``steps`` steps, computed in this process as the training loader
+    makes them (``build_streamed``), and the tokens per source it reports."""
+    from types import SimpleNamespace
+
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.data.stream.build import stream_settings, streamed_corpus_of
-    from automodel_ckpt.data.stream.order import sequence_id
-    from automodel_ckpt.data.stream.stream import GlobalStream
+    from automodel_ckpt.data.stream.build import build_streamed
     from automodel_ckpt.models.build import build_tokenizer
 
     cfg = load_config(str(recipe), list(KEYS), RecipeConfig)
-    corpus = streamed_corpus_of(cfg, "dataset")
-    stream = GlobalStream(corpus, corpus.list_shards(), build_tokenizer(str(assets / "tiny_llama_base")),
-                          stream_settings(cfg))
-    return [sequence_id(stream.next_sequence()) for _ in range(sequences)], stream.source_tokens()
+    dims = SimpleNamespace(dp_rank=rank, dp_size=dp, sum_over_dp=lambda t: t)
+    loader, _, _ = build_streamed(cfg, build_tokenizer(str(assets / "tiny_llama_base")), dims, log_ids=False)
+    ids = [int(x) for _ in range(steps) for mb in loader.next_batch()[1] for x in mb.sample_ids.tolist()]
+    return ids, loader.source_tokens
 
 
 def test_a_blend_of_three_sources_resumes_with_its_per_source_counts(corpus, assets, tmp_path):
@@ -116,7 +119,7 @@ def test_a_blend_of_three_sources_resumes_with_its_per_source_counts(corpus, ass
                nproc=2, recipe=blend)
     ckpt_train(tmp_path, assets, *KEYS, "--step_scheduler.max_steps", "6", "--checkpoint.checkpoint_dir", "two",
                "--data.num_workers", "2", nproc=1, recipe=blend)
-    ids, counts = _pure_stream(blend, assets, 6 * 12)  # what one reader computes straight through
+    ids, counts = _loader_ids(blend, assets, 6)  # what one rank computes straight through
     got = _records(tmp_path / "two")
     for step in range(1, 7):
         assert got[step]["sample_ids"] == ids[(step - 1) * 12:step * 12]

@@ -99,7 +99,11 @@ class CheckpointLoader:
         return absent
 
     def _load_per_rank(self, attr: str, obj: Any, path: Path) -> None:
-        """Per-rank state is per data-parallel rank; resharded by the object itself when that size changed."""
+        """Per-rank state is per data-parallel rank; resharded by the object itself when that size changed. A state
+        an earlier release saved once for every rank (``attr.pt``, no per-rank files) is loaded on every rank."""
+        if not (path / layout.rank_state_file(attr, 0)).exists() and (path / layout.global_state_file(attr)).exists():
+            self._load_file(attr, obj, path / layout.global_state_file(attr))
+            return
         saved_dp = saved_mesh(path).dp
         dp_rank, dp_size = self.dims.dp_rank, self.dims.dp_size
         if saved_dp != dp_size and hasattr(obj, "reshard_state"):

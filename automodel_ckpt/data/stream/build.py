@@ -33,14 +33,17 @@ def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:
 
 def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) -> tuple[StreamLoader, list | None, str]:
     """``(loader, validation micro-batches or None, report line)``: the shards listed (the corpus's identity)."""
+    lanes = cfg.data.lanes
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+        raise ConfigError(f"data.lanes: expected a positive integer, got {lanes!r}")
     corpus = streamed_corpus_of(cfg, "dataset")
-    shards = corpus.list_shards()
+    shards = corpus.list_shards(lanes=lanes)
     settings = stream_settings(cfg)
     sched = cfg.step_scheduler
     loader = StreamLoader(corpus, shards, tokenizer, settings, global_batch_size=sched.global_batch_size,
                           local_batch_size=sched.local_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
                           num_workers=int(cfg.data.num_workers), allow_appended_shards=bool(cfg.data.allow_appended_shards),
-                          gather=dims.sum_over_dp if log_ids else None)
+                          lanes=lanes, gather=dims.sum_over_dp, log_ids=log_ids)
     val = None
     held_out = ""
     if cfg.validation_dataset is not None:
@@ -52,12 +55,30 @@ def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) ->
             val = validation_batches(rows, labels, local_batch_size=sched.local_batch_size, rank=dims.dp_rank,
                                      world_size=dims.dp_size)
             held_out = f"; validation {len(rows)} sequences"
-    files = sum(len(s) for s in shards)
-    size = sum(x.size for s in shards for x in s)
+    files = len({x.path for s in shards for x in s})
+    units = sum(len(s) for s in shards)
+    size = sum(x.size for s in shards for x in s if x.first == 0 or x.stop < 0)
     blend = f" in {len(shards)} sources (weights {', '.join(f'{s.weight:g}' for s in corpus.sources)})" \
         if len(shards) > 1 else ""
     report = (f"data: streamed corpus of {files} files ({size / 2**20:.1f} MiB){blend} -> sequences of "
               f"{settings.seq_length} tokens (documents joined by EOS), shuffle buffer "
-              f"{settings.shuffle_buffer if settings.shuffle else 'off'}, {cfg.data.num_workers} workers per rank"
-              f"{held_out}")
+              f"{settings.shuffle_buffer if settings.shuffle else 'off'}; {lanes_line(loader, units)}{held_out}")
     return loader, val, report
+
+
+def lanes_line(loader: StreamLoader, units: int) -> str:
+    """How the lanes are read: units, lanes per rank, the redundancy, lanes per worker."""
+    from automodel_ckpt.data.stream.loader import worker_lanes
+
+    per_rank = len(loader.my_lanes)
+    again = loader.redundancy
+    shared = f"each lane read by {again} ranks" if again > 1 else "each lane read once"
+    workers = loader.num_workers
+    per_worker = ""
+    if workers > 1:
+        most = max(len(worker_lanes(loader.dp_rank, loader.dp_size, w, workers, loader.lanes)) for w in range(workers))
+        per_worker = f", {most} lanes per worker" + (" (workers share lanes: dp x num_workers does not divide "
+                                                    "data.lanes)" if most * workers > per_rank else "")
+    few = f"; only {units} units for {loader.lanes} lanes: lanes share units" if units < loader.lanes else ""
+    return (f"{loader.lanes} lanes over {units} units, this rank reads {per_rank} ({shared}), "
+            f"{workers} workers per rank{per_worker}{few}")

@@ -14,6 +14,9 @@ from automodel_ckpt.errors import ConfigError
 SPLIT_PARQUET_BYTES = 256 * 2**20
 HUB_FILES = "**/*.parquet"  # a Hub dataset's files read by default (the Hub stores most datasets as parquet)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w.%-]+)?")  # OWNER/NAME[@REVISION] (a branch as refs%2Fconvert%2Fparquet)
+#: A byte range of an uncompressed json-lines or text file cut to fill the lanes is at least this long (a range
+#: holds whole lines: those that start inside it).
+MIN_RANGE_BYTES = 64 * 2**10
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
            ".arrow": "arrow"}
@@ -22,7 +25,8 @@ _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 
 @dataclass(frozen=True)
 class Shard:
-    """One file of a source, or one row group of a large parquet file (rows ``first`` to ``stop``): where it is and
+    """One unit of a source: a file, a row group of a parquet file (rows ``first`` to ``stop``), or a byte range of an
+    uncompressed json-lines or text file (the lines that start at bytes ``first`` to ``stop - 1``): where it is and
     what the file was when listed (local: mtime in ns; object store: ETag)."""
 
     path: str
@@ -33,7 +37,10 @@ class Shard:
 
     @property
     def name(self) -> str:
-        return self.path if self.stop < 0 else f"{self.path} rows {self.first}-{self.stop - 1}"
+        if self.stop < 0:
+            return self.path
+        unit = "rows" if file_format(self.path, None, strict=False) in ("parquet", "arrow") else "bytes"
+        return f"{self.path} {unit} {self.first}-{self.stop - 1}"
 
     def record(self) -> list[Any]:
         whole = [self.path, self.size, self.version]
@@ -58,10 +65,14 @@ class Corpus:
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     max_sequences: int | None = None  # validation: the first N sequences of the stream
     split_parquet_bytes: int = SPLIT_PARQUET_BYTES
+    min_range_bytes: int = MIN_RANGE_BYTES
 
-    def list_shards(self, section: str = "dataset") -> list[list[Shard]]:
-        return [list_source(s, self.storage_options, f"{section}.sources[{i}]" if len(self.sources) > 1
-                            else f"{section}.path", self.split_parquet_bytes) for i, s in enumerate(self.sources)]
+    def list_shards(self, section: str = "dataset", lanes: int = 1) -> list[list[Shard]]:
+        """Per source its units (``fill_lanes``: a source of fewer units than ``lanes`` has its files cut)."""
+        listed = [list_source(s, self.storage_options, f"{section}.sources[{i}]" if len(self.sources) > 1
+                              else f"{section}.path", self.split_parquet_bytes) for i, s in enumerate(self.sources)]
+        return [fill_lanes(units, lanes, self.storage_options, s.format, self.min_range_bytes)
+                for units, s in zip(listed, self.sources)]
 
 
 def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str, Any]] | None = None,
@@ -136,8 +147,9 @@ def _globs(value: Any, key: str) -> list[str]:
     raise ConfigError(f"{key}: expected a path, a glob or a list of them, got {value!r}")
 
 
-def file_format(path: str, format: str | None) -> str:
-    """``json``, ``text`` or ``parquet``: ``format`` if set, else from the suffix under any compression suffix."""
+def file_format(path: str, format: str | None, strict: bool = True) -> str:
+    """``json``, ``text`` or ``parquet``: ``format`` if set, else from the suffix under any compression suffix
+    (``strict`` False: an unknown suffix is ``""`` instead of a ``ConfigError``)."""
     if format is not None:
         if format not in set(FORMATS.values()):
             raise ConfigError(f"dataset.format: expected one of json, text, parquet, arrow, got '{format}'")
@@ -147,6 +159,8 @@ def file_format(path: str, format: str | None) -> str:
         if name.endswith(c):
             name = name[: -len(c)]
     suffix = os.path.splitext(name)[1]
+    if suffix not in FORMATS and not strict:
+        return ""
     if suffix not in FORMATS:
         raise ConfigError(f"dataset.format: cannot tell the format of '{path}' (suffixes: "
                           f"{', '.join(FORMATS)}, optionally {', '.join(_COMPRESSED)}); set dataset.format")
@@ -214,6 +228,33 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
         whole = shards[p]
         large = whole.size > split_parquet_bytes and file_format(p, source.format) == "parquet"
         out.extend(_row_group_shards(whole, storage_options) if large else [whole])
+    return out
+
+
+def is_compressed(path: str) -> bool:
+    return path.lower().endswith(_COMPRESSED)
+
+
+def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] | None, format: str | None,
+               min_range_bytes: int = MIN_RANGE_BYTES) -> list[Shard]:
+    """``units`` cut finer when there are fewer of them than ``lanes``, so that a small corpus still fills every
+    lane: a parquet file into its row groups, an uncompressed json-lines or text file into about
+    ``lanes * size / total`` byte ranges of at least ``min_range_bytes`` (the order of units is kept: by path, then
+    by place in the file). With as many units as lanes (or one lane) they are returned as they are."""
+    if len(units) >= lanes:
+        return units
+    out: list[Shard] = []
+    total = sum(u.size for u in units if u.stop < 0) or 1
+    for u in units:
+        fmt = file_format(u.path, format)
+        if u.stop >= 0 or fmt == "arrow" or (fmt != "parquet" and is_compressed(u.path)):
+            out.append(u)
+        elif fmt == "parquet":
+            out.extend(_row_group_shards(u, storage_options))
+        else:
+            pieces = max(1, min(-(-lanes * u.size // total), u.size // max(min_range_bytes, 1)))
+            cuts = [u.size * i // pieces for i in range(pieces + 1)]
+            out.extend(Shard(u.path, u.size, u.version, a, b) if pieces > 1 else u for a, b in zip(cuts, cuts[1:]))
     return out
 
 

@@ -1,19 +1,23 @@
-"""The streamed loader: DataLoader workers compute the global stream, each rank keeps its share, the position is global.
+"""The streamed loader: each reader computes only the lanes its sequences come from; the position is per lane.
 
-Sequences are dealt in groups of ``dp`` (the data-parallel size): global sequence ``k`` goes to data-parallel rank
-``k mod dp``. With ``num_workers`` W, worker ``w`` of a rank hands over the groups ``g`` with ``g mod W == w``, and
-the DataLoader takes them from its workers in turn, so the rank sees its sequences in order whatever W is. Each
-reader computes the whole stream (the order of sequences depends on every document's length) and keeps its own: a
-simple, provable design that costs each reader the tokenization of the whole stream (docs/data.md, "Streaming").
+The corpus's order is made over ``lanes`` lanes (``data.lanes``, fixed for a run; ``stream.GlobalStream`` is one
+lane). Global sequence ``k`` is the ``k // lanes``-th sequence of lane ``k mod lanes`` and goes to data-parallel
+rank ``k mod dp``. Rank ``r`` thus needs the lanes ``l`` with ``l mod g == r mod g`` (``g = gcd(dp, lanes)``): when
+``dp`` divides ``lanes``, ``lanes / dp`` lanes of its own; otherwise ``dp / g`` ranks compute each lane (the stated
+redundancy). A rank's ``j``-th sequence comes from DataLoader worker ``j mod W``, which computes only the lanes of
+its own sequences (disjoint among workers when ``dp * W`` divides ``lanes``).
 
-At the end of each step's last group, every reader attaches the stream's position; the loader keeps the one of the
-step it last handed out. That position is global (the same on every rank) and is what a checkpoint stores: a resume
-on any number of ranks and workers starts every reader from it.
+At the end of each step every worker brings its lanes to the step's boundary and attaches their positions to its
+last sequence of the step, so after a step the loader holds the position of each lane it reads. That is what a
+checkpoint stores, per data-parallel rank, keyed by lane (``checkpoint_scope = "rank"``); a resume on another
+number of ranks (``reshard_state``) takes each lane from a file of a rank that read it. The counts reported per step
+(tokens per source, bad rows, the epoch) are summed over the ranks, each lane counted by one rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -23,11 +27,28 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from automodel_ckpt.data.loader import MicroBatch
 from automodel_ckpt.data.stream.corpus import Corpus, Shard
 from automodel_ckpt.data.stream.order import sequence_id
+from automodel_ckpt.data.stream.position import (LANES_VERSION, check_corpus, check_lane, check_position,
+                                                 lane_counts, lanes_mismatch, old_position_to_lanes)
 from automodel_ckpt.data.stream.readers import DataError
 from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
 
+__all__ = ["StreamLoader", "check_corpus", "check_position", "lanes_of", "worker_lanes", "UNBOUNDED_STEPS"]
+
 #: ``steps_per_epoch`` of a streamed loader: a stream has no fixed epoch length (``step_scheduler.max_steps`` ends it).
 UNBOUNDED_STEPS = 1 << 40
+
+
+def lanes_of(rank: int, dp: int, lanes: int) -> list[int]:
+    """The lanes data-parallel rank ``rank`` of ``dp`` computes: those its sequences ``k = rank (mod dp)`` come from."""
+    g = math.gcd(dp, lanes)
+    return [lane for lane in range(lanes) if lane % g == rank % g]
+
+
+def worker_lanes(rank: int, dp: int, worker: int, workers: int, lanes: int) -> list[int]:
+    """The lanes worker ``worker`` of ``workers`` of rank ``rank`` computes (its sequences: the rank's ``j``-th with
+    ``j mod workers == worker``, global ``k = rank + j * dp``)."""
+    g = math.gcd(dp * workers, lanes)
+    return [lane for lane in range(lanes) if lane % g == (rank + worker * dp) % g]
 
 
 @dataclass
@@ -35,33 +56,68 @@ class _Item:
     tokens: np.ndarray | None
     labels: np.ndarray | None = None
     sequence_id: int = 0
-    position: dict[str, Any] | None = None  # the global position after this group, when it ends a step
+    lanes: dict[int, Any] = field(default_factory=dict)  # lane -> (position, counts) at the step's end
     error: str | None = None
 
 
 class _Share(IterableDataset):
-    """One rank's sequences from ``position`` on; in a worker, that worker's groups of them."""
+    """One rank's sequences from the global sequence ``start`` on; in a worker, that worker's (``_Item`` each)."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
-                 position: dict[str, Any] | None, dp_rank: int, dp_size: int, groups_per_step: int) -> None:
-        self.args = (corpus, shards, tokenizer, settings, position)
-        self.dp_rank, self.dp_size, self.groups_per_step = dp_rank, dp_size, groups_per_step
+                 positions: dict[int, dict[str, Any]], start: int, dp_rank: int, dp_size: int, per_step: int,
+                 lanes: int, workers: int) -> None:
+        self.args = (corpus, shards, tokenizer, settings)
+        self.positions, self.start = positions, start
+        self.dp_rank, self.dp_size, self.per_step, self.lanes, self.workers = dp_rank, dp_size, per_step, lanes, workers
 
     def __iter__(self) -> Iterator[_Item]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker = info.id if info is not None else 0
+        r, dp, L, W = self.dp_rank, self.dp_size, self.lanes, self.workers
+        gbs = self.per_step * dp
         try:
-            stream = GlobalStream(*self.args)
-            g = 0
+            mine = worker_lanes(r, dp, worker, W, L)
+            streams = {lane: GlobalStream(*self.args, self.positions.get(lane), lane, L) for lane in mine}
+            # the global index of each lane's next sequence (a lane's j-th sequence is k = lane + j * L)
+            made = {lane: -(-(self.start - lane) // L) for lane in mine}
+            for lane, p in self.positions.items():
+                if lane in made and int(p["sequences"]) != made[lane]:
+                    raise DataError("the checkpoint's data position is malformed (a lane's count); resume from "
+                                    "another checkpoint")
+
+            def advance(lane: int, until: int) -> tuple[np.ndarray, np.ndarray] | None:
+                """Lane ``lane`` up to its sequence ``until`` (exclusive), returning its last one."""
+                last = None
+                while lane + made[lane] * L < until:
+                    last = (streams[lane].next_sequence(), streams[lane].last_labels)
+                    made[lane] += 1
+                return last
+
+            j = worker
             while True:
-                group = [(stream.next_sequence(), stream.last_labels) for _ in range(self.dp_size)]
-                if g % workers == worker:
-                    mine, labels = group[self.dp_rank]
-                    ends_step = (g + 1) % self.groups_per_step == 0
-                    yield _Item(mine, labels, sequence_id(mine), stream.position() if ends_step else None)
-                g += 1
-        except DataError as exc:  # every reader meets it at the same place: every rank stops at the same step
+                k = self.start + r + j * dp
+                lane = k % L
+                tokens, labels = advance(lane, k + 1)  # type: ignore[misc]
+                item = _Item(tokens, labels, sequence_id(tokens))
+                end = self.start + ((k - self.start) // gbs + 1) * gbs  # the step's boundary
+                if k + W * dp >= end:  # this worker's last sequence of the step: its lanes to the boundary
+                    for other in mine:
+                        advance(other, end)
+                    item.lanes = {x: (streams[x].position(shards=False), lane_counts(streams[x])) for x in mine}
+                yield item
+                j += W
+        except DataError as exc:  # every reader of the lane meets it at the same place
             yield _Item(None, error=str(exc))
+
+
+def _by_lane(value: Any) -> dict[int, Any]:
+    """``{lane: value}`` of a checkpoint's mapping (its keys as written: ints, or their digits after JSON)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit())
+                                              for k in value):
+        raise DataError("the checkpoint's data position is malformed (its lanes); resume from another checkpoint")
+    return {int(k): v for k, v in value.items()}
 
 
 def _quiet_stop_signals(_worker: int) -> None:
@@ -77,33 +133,45 @@ def _quiet_stop_signals(_worker: int) -> None:
 
 
 class StreamLoader:
-    """Yields, per optimizer step, this rank's micro-batches of the next global batch of the stream.
+    """Yields, per optimizer step, this rank's micro-batches of the next global batch of the lanes' interleaving.
 
-    ``state_dict`` is the global position after the last step (the same on every rank, so it is saved once);
-    ``load_state_dict`` checks the corpus against the one the position was taken on (``check_corpus``).
+    ``state_dict`` is the position of every lane this rank reads after the last step (one file per data-parallel
+    rank); ``load_state_dict`` and ``reshard_state`` check the corpus and the lane count against the checkpoint's.
     """
+
+    checkpoint_scope = "rank"
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings, *,
                  global_batch_size: int, local_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0,
-                 allow_appended_shards: bool = False, gather: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 allow_appended_shards: bool = False, lanes: int = 1,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None, log_ids: bool = True):
         self.corpus, self.shards, self.tokenizer, self.settings = corpus, shards, tokenizer, settings
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
-        self.dp_rank, self.dp_size, self.num_workers = dp_rank, dp_size, num_workers
+        self.dp_rank, self.dp_size, self.lanes = dp_rank, dp_size, lanes
+        self.per_step = global_batch_size // dp_size
+        self.num_workers = min(num_workers, self.per_step)  # a worker beyond the rank's sequences per step: idle
         self.allow_appended_shards = allow_appended_shards
-        self.gather = gather
+        self.gather, self.log_ids = gather, log_ids
         self.grad_accum = global_batch_size // (local_batch_size * dp_size)
         self.steps_per_epoch = UNBOUNDED_STEPS
-        self.position: dict[str, Any] | None = None
+        self.my_lanes = lanes_of(dp_rank, dp_size, lanes)
+        self.sequences = 0  # global sequences handed out (all ranks) after the last step
+        self.positions: dict[int, dict[str, Any]] = {}  # lane -> its position after the last step
+        self.counts: dict[int, list[int]] = {}  # lane -> [epoch, skipped, tokens per source ...]
+        self.totals: list[int] | None = None  # [epoch, skipped, tokens per source ...] over every lane
         self.last_sample_ids: list[int] = []
         self._iter: Iterator[_Item] | None = None
+
+    @property
+    def redundancy(self) -> int:
+        """How many data-parallel ranks compute each lane (1: each lane is read once)."""
+        return self.dp_size // math.gcd(self.dp_size, self.lanes)
 
     # ------------------------------------------------------------------------------------------ batches
     def _items(self) -> Iterator[_Item]:
         if self._iter is None:
-            shards = self.shards if self.position is None else [
-                [Shard(*r) for r in s["shards"]] for s in self.position["sources"]]
-            share = _Share(self.corpus, shards, self.tokenizer, self.settings, self.position, self.dp_rank,
-                           self.dp_size, self.global_batch_size // self.dp_size)
+            share = _Share(self.corpus, self.shards, self.tokenizer, self.settings, self.positions, self.sequences,
+                           self.dp_rank, self.dp_size, self.per_step, self.lanes, max(self.num_workers, 1))
             workers = self.num_workers
             self._iter = iter(DataLoader(share, batch_size=None, num_workers=workers,
                                          prefetch_factor=4 if workers else None, persistent_workers=False,
@@ -113,133 +181,171 @@ class StreamLoader:
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
         """``(epoch, micro_batches)`` of the next optimizer step; advances the position."""
         items = self._items()
-        taken = []
-        for _ in range(self.global_batch_size // self.dp_size):
+        taken: list[_Item] = []
+        error = None
+        for _ in range(self.per_step):
             item = next(items)
             if item.error is not None:
-                raise DataError(item.error)
+                error = item.error
+                break
             taken.append(item)
-        assert taken[-1].position is not None
-        self.position = taken[-1].position
+            for lane, (position, counts) in item.lanes.items():
+                self.positions[lane], self.counts[lane] = position, counts
+        error = self._reduce(error)
+        if error is not None:
+            self._iter = None
+            raise DataError(error)
+        self.sequences += self.global_batch_size
         rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
         labels = torch.from_numpy(np.stack([i.labels for i in taken]))
         ids = torch.tensor([i.sequence_id for i in taken], dtype=torch.long)
         micro = [MicroBatch(r, y, torch.ones_like(r), s) for r, y, s in zip(
             rows.split(self.local_batch_size), labels.split(self.local_batch_size), ids.split(self.local_batch_size))]
-        if self.gather is not None:  # the global batch's sequence ids in global order (sequence k: rank k mod dp)
+        if self.log_ids:  # the global batch's sequence ids in global order (sequence k: rank k mod dp)
             full = torch.zeros(len(taken), self.dp_size, dtype=torch.float64)
             full[:, self.dp_rank] = ids.double()
-            self.last_sample_ids = [int(x) for x in self.gather(full).reshape(-1).tolist()]
+            full = self.gather(full) if self.gather is not None else full
+            self.last_sample_ids = [int(x) for x in full.reshape(-1).tolist()]
         return self.epoch, micro
+
+    def _reduce(self, error: str | None) -> str | None:
+        """Sum the lanes' counts over the ranks (each lane counted by the lowest rank that reads it) and whether a
+        rank met bad data; every rank then stops at the same step, with the first rank's message."""
+        sources = len(self.shards)
+        g = math.gcd(self.dp_size, self.lanes)
+        vec = torch.zeros(self.lanes * (2 + sources) + 1, dtype=torch.float64)
+        owned = [lane for lane in self.my_lanes if self.dp_rank == lane % g]
+        for lane in owned:
+            if lane in self.counts:
+                vec[lane * (2 + sources):(lane + 1) * (2 + sources)] = torch.tensor(self.counts[lane], dtype=torch.float64)
+        vec[-1] = 1.0 if error is not None else 0.0
+        if self.gather is not None:
+            vec = self.gather(vec)
+        per_lane = vec[:-1].reshape(self.lanes, 2 + sources).long()
+        self.totals = [int(per_lane[:, 0].min()), int(per_lane[:, 1].sum()),
+                       *[int(x) for x in per_lane[:, 2:].sum(0).tolist()]]
+        if vec[-1] > 0 and self.gather is not None:  # the message of the first rank that met it, on every rank
+            text = torch.zeros(self.dp_size, 512, dtype=torch.float64)
+            if error is not None:
+                raw = error.encode("utf-8")[:512]
+                text[self.dp_rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64)
+            text = self.gather(text)
+            first = next(row for row in text.long().tolist() if any(row))
+            error = bytes(b for b in first if b).decode("utf-8", errors="replace")
+        if error is None and self.totals[1] > self.settings.skip_bad_rows:
+            error = (f"dataset: {self.totals[1]} bad rows skipped, data.skip_bad_rows ({self.settings.skip_bad_rows}) "
+                     "reached")
+        return error
 
     # ---------------------------------------------------------------------------------- what is reported
     @property
     def epoch(self) -> int:
-        return int(self.position["epoch"]) if self.position else 0
+        """The epoch every lane has reached (the least of the lanes' epochs of the data trained on)."""
+        return self.totals[0] if self.totals else 0
 
     @property
     def source_tokens(self) -> list[int]:
-        return [int(s["tokens"]) for s in self.position["sources"]] if self.position else [0] * len(self.shards)
+        return list(self.totals[2:]) if self.totals else [0] * len(self.shards)
 
     @property
     def skipped_rows(self) -> int:
-        return int(self.position["skipped"]) if self.position else 0
+        return self.totals[1] if self.totals else 0
 
     def summary(self) -> dict[str, Any] | None:
-        """Where the stream is, for a checkpoint's metadata and ``inspect``: per source the epoch, the shard being
-        read (its place in the epoch's order and its path), the next row, the tokens consumed."""
-        p = self.position
-        if p is None:
+        """Where the stream is, for a checkpoint's metadata and ``inspect``: the sequences made, the lanes and how
+        many this rank reads, the size of its position, and per source the epoch, the tokens consumed and where
+        this rank's first lane reads (its shard's place in the lane's order, its path, the next row)."""
+        if not self.positions:
             return None
+        import pickle
+
         from automodel_ckpt.data.stream.order import shard_order
 
+        first = self.positions[min(self.positions)]
+        lane = min(self.positions)
         sources = []
-        for i, src in enumerate(p["sources"]):
-            n, pos = int(src["n"]), min(int(src["pos"]), int(src["n"]) - 1)
-            shard = shard_order(n, self.settings.seed, i, int(src["epoch"]), self.settings.shuffle)[pos]
-            sources.append({"epoch": int(src["epoch"]), "shard": pos + 1, "shards": n, "path": src["shards"][shard][0],
-                            "row": int(src["row"]), "tokens": int(src["tokens"]),
-                            "buffered_rows": len(src["buffer_keys"])})
-        return {"sequences": int(p["sequences"]), "skipped_rows": int(p["skipped"]), "sources": sources}
+        for i, src in enumerate(first["sources"]):
+            n, epoch = int(src["n"]), int(src["epoch"])
+            whole = shard_order(n, self.settings.seed, i, epoch, self.settings.shuffle)
+            order = whole[lane::self.lanes] if n >= self.lanes else [whole[lane % n]]
+            pos = min(int(src["pos"]), len(order) - 1)
+            sources.append({"epoch": self.epoch, "shard": pos + 1, "shards": len(order),
+                            "path": self.shards[i][order[pos]].path if order[pos] < len(self.shards[i]) else "",
+                            "row": int(src["row"]), "tokens": self.source_tokens[i],
+                            "buffered_rows": sum(len(p["sources"][i]["buffer_keys"]) for p in self.positions.values())})
+        return {"sequences": self.sequences, "skipped_rows": self.skipped_rows, "lanes": self.lanes,
+                "lanes_read": len(self.my_lanes), "position_bytes": len(pickle.dumps(self.state_dict())),
+                "sources": sources}
 
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "stream", "position": self.position}
+        return {"kind": "stream", "version": LANES_VERSION, "lanes": self.lanes, "sequences": self.sequences,
+                "shards": [[s.record() for s in src] for src in self.shards],
+                "positions": {lane: self.positions[lane] for lane in sorted(self.positions)},
+                "counts": {lane: self.counts[lane] for lane in sorted(self.counts)}}
+
+    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_dp: int, rank: int,
+                      dp: int) -> dict[str, Any]:
+        """This rank's state from the files of a checkpoint written by ``saved_dp`` ranks: each of its lanes from
+        the file of the lowest rank that read it."""
+        first = saved(0)
+        if first.get("version") != LANES_VERSION:
+            return first  # one global position, the same in every file (load_state_dict decides)
+        if not first.get("sequences"):
+            return first  # saved before the first step: no lane has moved
+        lanes = int(first.get("lanes", 0))
+        if lanes != self.lanes:
+            raise DataError(lanes_mismatch(lanes, self.lanes))
+        g = math.gcd(saved_dp, lanes)
+        files: dict[int, dict[str, Any]] = {0: first}
+        out = dict(first, positions={}, counts={})
+        for lane in lanes_of(rank, dp, lanes):
+            owner = lane % g
+            if owner not in files:
+                files[owner] = saved(owner)
+            got = files[owner]
+            positions, counts = _by_lane(got.get("positions")), _by_lane(got.get("counts"))
+            if got.get("sequences") != first.get("sequences") or lane not in positions or lane not in counts:
+                raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
+                                "checkpoint")
+            out["positions"][lane], out["counts"][lane] = positions[lane], counts[lane]
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "stream":
             raise DataError("the checkpoint's data position is not a streamed corpus's; resume with the dataset it "
                             "was trained on")
-        position = state["position"]
-        if position is not None:
-            check_position(position, self.settings.shuffle_buffer)
-            for i, (saved, now) in enumerate(zip(position["sources"], self.shards)):
-                saved["shards"] = check_corpus([Shard(*r) for r in saved["shards"]], now, self.allow_appended_shards,
-                                               i if len(self.shards) > 1 else None)
-            if len(position["sources"]) != len(self.shards):
-                raise DataError(f"dataset: the checkpoint's corpus has {len(position['sources'])} sources, this "
-                                f"recipe {len(self.shards)}")
-        self.position = position
+        if "position" in state:  # one global stream, as written before lanes
+            state = old_position_to_lanes(state["position"], self.lanes, self.settings.shuffle_buffer)
+            if state is None:
+                return
+        if state.get("version") != LANES_VERSION:
+            raise DataError(f"the checkpoint's data position has version {state.get('version')}, this version reads "
+                            f"{LANES_VERSION}")
+        if state.get("lanes") != self.lanes:
+            raise DataError(lanes_mismatch(state.get("lanes"), self.lanes))
+        saved_shards = state.get("shards")
+        if not isinstance(saved_shards, list) or len(saved_shards) != len(self.shards):
+            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards or [])} sources, this recipe "
+                            f"{len(self.shards)}")
+        shards = [[Shard(*r) for r in check_corpus([Shard(*r) for r in saved], now, self.allow_appended_shards,
+                                                   i if len(self.shards) > 1 else None)]
+                  for i, (saved, now) in enumerate(zip(saved_shards, self.shards))]
+        sequences = state.get("sequences")
+        if not isinstance(sequences, int) or sequences < 0:
+            raise DataError("the checkpoint's data position is malformed (its sequence count); resume from another "
+                            "checkpoint")
+        positions, counts = _by_lane(state.get("positions")), _by_lane(state.get("counts"))
+        if sequences and any(lane not in positions or lane not in counts for lane in self.my_lanes):
+            raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
+                            "checkpoint")
+        for lane in self.my_lanes:
+            if lane in positions:
+                check_lane(positions[lane], counts[lane], shards, self.settings.shuffle_buffer // self.lanes or 1,
+                           -(-(sequences - lane) // self.lanes))
+        self.shards = shards
+        self.sequences = sequences
+        self.positions = {lane: positions[lane] for lane in self.my_lanes if lane in positions}
+        self.counts = {lane: list(counts[lane]) for lane in self.my_lanes if lane in counts}
+        self.totals = None
         self._iter = None
-
-
-def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
-                 source: int | None = None) -> list[list[Any]]:
-    """The shard records to resume with: the checkpoint's, plus (with ``allow_appended``) the shards added since,
-    read from the next epoch on. A shard changed or gone, or one added without the override: ``DataError``."""
-    where = f"dataset.sources[{source}]" if source is not None else "dataset"
-    current = {(s.path, s.first): s for s in now}
-    for s in saved:
-        c = current.get((s.path, s.first))
-        if c is None:
-            raise DataError(f"{where}: shard '{s.name}' of the checkpoint's corpus is gone; the corpus is part of "
-                            "the run's identity (restore the file, or start a new run)")
-        if (c.size, c.version, c.stop) != (s.size, s.version, s.stop):
-            raise DataError(f"{where}: shard '{s.name}' changed since the checkpoint (size {s.size} -> {c.size}, "
-                            f"version {s.version} -> {c.version}); restore it, or start a new run")
-    known = {(s.path, s.first) for s in saved}
-    added = [s for s in now if (s.path, s.first) not in known]
-    if added and not allow_appended:
-        raise DataError(f"{where}: {len(added)} shard(s) added since the checkpoint (first: '{added[0].name}'); "
-                        "--data.allow_appended_shards true reads them from the next epoch on")
-    return [s.record() for s in [*saved, *added]]
-
-
-def check_position(p: Any, shuffle_buffer: int) -> None:
-    """A position read from a checkpoint (untrusted) has the expected shape and bounds: every count and index that
-    drives a read is in range, so a damaged or foreign file cannot make a resume read more than a position may.
-    Its file paths are checked against the recipe's own listing (``check_corpus``)."""
-    from automodel_ckpt.data.stream.stream import DRAW_BATCH
-
-    def bad(what: str) -> DataError:
-        return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
-
-    def ints(values: Any, low: int, high: int, what: str) -> None:
-        if not isinstance(values, list) or not all(isinstance(v, int) and low <= v < high for v in values):
-            raise bad(what)
-
-    if not isinstance(p, dict) or not isinstance(p.get("sources"), list) or not isinstance(p.get("pending"), list):
-        raise bad("not a position")
-    ints([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], 0, 1 << 62, "counters")
-    for src in p["sources"]:
-        if not isinstance(src, dict) or not isinstance(src.get("shards"), list) or not src["shards"]:
-            raise bad("a source without shards")
-        n = len(src["shards"])
-        if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
-                   and all(isinstance(v, int) for v in r[3:]) for r in src["shards"]):
-            raise bad("a shard record")
-        ints([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")], 0, 1 << 62,
-             "a source's counters")
-        ints([src.get("n")], 1, n + 1, "the shards of an epoch")
-        ints([src.get("pos")], 0, src["n"] + 1, "the place in the shard order")
-        ints(src.get("buffer_shards"), 0, n, "the shuffle buffer")
-        ints(src.get("buffer_keys"), 0, 1 << 62, "the shuffle buffer")
-        if len(src["buffer_shards"]) != len(src["buffer_keys"]) or len(src["buffer_keys"]) > shuffle_buffer:
-            raise bad(f"a shuffle buffer of {len(src['buffer_keys'])} rows, data.shuffle_buffer is {shuffle_buffer}")
-    if len(p["pending"]) > DRAW_BATCH + 1:
-        raise bad("too many pending documents")
-    for d in p["pending"]:
-        if not (isinstance(d, list) and len(d) == 4 and all(isinstance(v, int) for v in d)
-                and 0 <= d[0] < len(p["sources"]) and 0 <= d[1] < len(p["sources"][d[0]]["shards"]) and d[2] >= 0
-                and d[3] >= 0):
-            raise bad("a pending document")

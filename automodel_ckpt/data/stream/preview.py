@@ -63,3 +63,31 @@ def preview_stream(cfg: DictConfig, tokenizer: Any, *, num: int = 3, split: str 
     files = sum(len(s) for s in shards)
     print(f"{split}: streamed from {files} files ({sum(x.size for s in shards for x in s) / 2**20:.1f} MiB), "
           f"{len(corpus.sources)} source(s); tokens per source so far {stream.source_tokens()}", file=out)
+
+
+def first_ids(cfg: DictConfig, tokenizer: Any, *, rank: int, world_size: int, num: int) -> list[int]:
+    """Data-parallel rank ``rank`` of ``world_size``'s first ``num`` sequence ids, as its training loader makes
+    them (``build_streamed``, this recipe's lanes, batch and workers): it reads only what that rank reads."""
+    from types import SimpleNamespace
+
+    from automodel_ckpt.data.stream.build import build_streamed
+
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"preview: --rank must be in 0..{world_size - 1}, got {rank}")
+    if cfg.step_scheduler.global_batch_size % world_size:
+        raise ConfigError(f"preview: step_scheduler.global_batch_size ({cfg.step_scheduler.global_batch_size}) is not "
+                          f"a multiple of --world-size {world_size}")
+    dims = SimpleNamespace(dp_rank=rank, dp_size=world_size, sum_over_dp=lambda t: t)
+    loader, _, _ = build_streamed(_no_validation(cfg), tokenizer, dims, log_ids=False)
+    loader.local_batch_size = loader.per_step  # one micro-batch per step: the grad-accum split does not matter here
+    ids: list[int] = []
+    while len(ids) < num:
+        _, micro = loader.next_batch()
+        ids.extend(int(x) for mb in micro for x in mb.sample_ids.tolist())
+    return ids[:num]
+
+
+def _no_validation(cfg: DictConfig) -> DictConfig:
+    out = cfg.copy()
+    out.validation_dataset = None
+    return out

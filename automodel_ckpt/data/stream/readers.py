@@ -329,3 +329,65 @@ def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, 
     except Exception as exc:  # noqa: BLE001
         raise DataError(f"{path}: cannot read back rows of the checkpointed position ({_why(exc)})") from None
     return out
+
+
+class _UpTo:
+    """A binary file read in pieces that end at ``stop`` and past it in small ones (a byte range's last line ends
+    after its range: what is read past the range stays small)."""
+
+    def __init__(self, f: Any, pos: int, stop: int) -> None:
+        self.f, self.pos, self.stop = f, pos, stop
+
+    def read(self, n: int = -1) -> bytes:
+        left = self.stop - self.pos
+        data = self.f.read(min(n, left) if left > 0 else min(n, 2**16))
+        self.pos += len(data)
+        return data
+
+
+def line_start(path: str, storage_options: dict[str, Any] | None, offset: int,
+               max_bytes: int = MAX_RECORD_BYTES) -> int:
+    """The offset of the first line starting at or after ``offset`` in an uncompressed line file (the line before it
+    belongs to the byte range before); ``offset`` itself when the file cannot be read (its reader says why)."""
+    if offset <= 0:
+        return 0
+    try:
+        with _open(path, storage_options) as f:
+            f.seek(offset - 1)
+            for _, length in bounded_lines(_UpTo(f, offset - 1, offset), max_bytes):
+                return offset - 1 + length
+    except (OSError, ValueError):
+        pass
+    return offset
+
+
+def read_line_range(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
+                    row: int, stop: int, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
+    """The rows of a byte range of an uncompressed json-lines or text file from the line at ``key``: those starting
+    before ``stop`` (a line that starts in the range is read to its end)."""
+    try:
+        f = _open(path, storage_options)
+    except NotRegularFile as exc:
+        yield Row(key, row, error=str(exc))
+        return
+    except (OSError, ValueError) as exc:
+        yield Row(key, row, error=f"cannot open ({_why(exc)})")
+        return
+    with f:
+        try:
+            f.seek(key)
+            if key >= stop:
+                return
+            for line, length in bounded_lines(_UpTo(f, key, stop), max_bytes):
+                offset, key = key, key + length
+                if line is None:
+                    yield Row(offset, row, None, too_long(length, offset, max_bytes), key)
+                    row += 1
+                elif line.strip():
+                    record, error = _record_of(line, fmt, text_field)
+                    yield Row(offset, row, record, error, key)
+                    row += 1
+                if key >= stop:
+                    return
+        except (OSError, EOFError, ValueError) as exc:
+            yield Row(key, row, error=f"unreadable ({_why(exc)})")

@@ -1,7 +1,11 @@
-"""The global stream of packed sequences of a streamed corpus, and its position: small, global, exact.
+"""One lane of a streamed corpus: its packed sequences and its position (small, exact).
 
-Every reader (each data-parallel rank, each DataLoader worker) computes this same stream from the same position;
-the loader keeps each reader's share. The position after any sequence (``GlobalStream.position``) is:
+The corpus's order is made over a fixed number of lanes (``data.lanes``; docs/data.md, "Lanes"): lane ``l`` reads
+the units ``i`` of each epoch's seeded unit order with ``i mod lanes == l`` (a source of fewer units than lanes:
+the unit ``l mod n``), through its own shuffle buffer (``data.shuffle_buffer // lanes`` rows), blend draws and
+packing, its choices seeded by ``(seed, lane)``. With one lane this is the corpus's one global stream, as before
+lanes. The loader interleaves the lanes (global sequence ``k`` is lane ``k mod lanes``'s). The position of a lane
+after any of its sequences (``GlobalStream.position``) is:
 
 * per source: the shard list (its identity, append-only), the epoch, how many shards this epoch reads, where in
   the epoch's shard order and in the shard the next row is, the shuffle buffer as row references, and how many rows
@@ -26,11 +30,15 @@ import numpy as np
 from automodel_ckpt.data.encode import DataSpec
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
+from automodel_ckpt.data.stream.bounds import check_carry, check_restored
 from automodel_ckpt.data.stream.encoding import BadRecord, RecordEncoder
-from automodel_ckpt.data.stream.readers import MAX_RECORD_BYTES, DataError, Row, fetch_rows, read_rows
+from automodel_ckpt.data.stream.readers import (MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start,
+                                                read_line_range, read_rows)
 
 #: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
 DRAW_BATCH = 64
+#: Documents a lane of several draws together: its pending references stay few whatever the lane count.
+LANE_DRAW_BATCH = 16
 #: Version of the position's layout: a checkpoint with another one is refused (not misread).
 POSITION_VERSION = 2
 
@@ -97,17 +105,22 @@ class _Source:
 
 
 class GlobalStream:
-    """``next_sequence()`` -> the next ``seq_length`` tokens of the corpus's one global order; ``position()``."""
+    """``next_sequence()`` -> the next ``seq_length`` tokens of lane ``lane`` of ``lanes`` (one lane: the corpus's
+    one global order); ``position()``."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
-                 position: dict[str, Any] | None = None) -> None:
+                 position: dict[str, Any] | None = None, lane: int = 0, lanes: int = 1) -> None:
         self.corpus, self.tokenizer, self.settings = corpus, tokenizer, settings
+        self.lane, self.lanes = lane, lanes
+        self.seed = settings.seed if lanes == 1 else order.mix64(settings.seed, 0x1A7E, lanes, lane)
+        self.draw_batch = DRAW_BATCH if lanes == 1 else LANE_DRAW_BATCH
+        self.empty_units = 0  # units in a row that gave this lane no row (a corpus with none at all: an error)
         self.text_field = corpus.text_field or settings.text_field
         spec = settings.spec or DataSpec(seq_length=settings.seq_length, text_field=self.text_field)
         self.encoder = RecordEncoder(tokenizer, replace(spec, text_field=self.text_field))
         self.last_labels: np.ndarray | None = None  # the loss labels of the last sequence
         self.weights = [s.weight for s in corpus.sources]
-        self.buffer_size = max(int(settings.shuffle_buffer), 1) if settings.shuffle else 1
+        self.buffer_size = max(int(settings.shuffle_buffer) // lanes, 1) if settings.shuffle else 1
         self.sources = [_Source(i, list(s), [file_format(x.path, corpus.sources[i].format) for x in s], n=len(s))
                         for i, s in enumerate(shards)]
         self.docs = 0
@@ -121,9 +134,12 @@ class GlobalStream:
             self._restore(position)
 
     # ------------------------------------------------------------------------------------------ position
-    def position(self) -> dict[str, Any]:
-        """The position after the last sequence made: plain ints, strings and lists (checkpointed as is)."""
-        return {"version": POSITION_VERSION, "sources": [s.record() for s in self.sources], "docs": self.docs,
+    def position(self, shards: bool = True) -> dict[str, Any]:
+        """The position after the last sequence made: plain ints, strings and lists (checkpointed as is; the
+        loader keeps a lane's without the ``shards``, which are the corpus's, kept once)."""
+        sources = [s.record() if shards else {k: v for k, v in s.record().items() if k != "shards"}
+                   for s in self.sources]
+        return {"version": POSITION_VERSION, "sources": sources, "docs": self.docs,
                 "pending": [[d.source, d.shard, d.key, d.epoch] for d in self.pending], "offset": self.offset,
                 "sequences": self.sequences, "skipped": self.skipped, "epoch": self.trained_epoch}
 
@@ -133,6 +149,9 @@ class GlobalStream:
                             f"{POSITION_VERSION}")
         wanted: dict[tuple[int, int], set[int]] = {}
         for src, rec in zip(self.sources, p["sources"]):
+            if "shards" in rec:
+                src.shards = [Shard(*r) for r in rec["shards"]]
+                src.fmt = [file_format(x.path, self.corpus.sources[src.index].format) for x in src.shards]
             for name in ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens"):
                 setattr(src, name, int(rec[name]))
             src.buffer = [_Doc(src.index, int(sh), int(k), {}) for sh, k in zip(rec["buffer_shards"], rec["buffer_keys"])]
@@ -144,6 +163,7 @@ class GlobalStream:
         self.docs, self.offset = int(p["docs"]), int(p["offset"])
         self.sequences, self.skipped = int(p["sequences"]), int(p["skipped"])
         self.trained_epoch = int(p["epoch"])
+        check_restored(self)  # every field against the corpus's files and the stream's counts, before a read
         texts = {}
         for (s, sh), keys in sorted(wanted.items()):
             src = self.sources[s]
@@ -153,6 +173,7 @@ class GlobalStream:
         for d in [*self.pending, *(d for src in self.sources for d in src.buffer)]:
             d.record = texts[(d.source, d.shard, d.key)]
         self._tokenize(list(self.pending))
+        check_carry(self)
 
     # --------------------------------------------------------------------------------------- sequences
     def next_sequence(self) -> np.ndarray:
@@ -191,8 +212,8 @@ class GlobalStream:
 
     def _draw(self) -> None:
         drawn = []
-        for _ in range(DRAW_BATCH):
-            s = order.blend_pick(self.settings.seed, self.docs, self.weights) if len(self.sources) > 1 else 0
+        for _ in range(self.draw_batch):
+            s = order.blend_pick(self.seed, self.docs, self.weights) if len(self.sources) > 1 else 0
             try:
                 drawn.append(self._take(self.sources[s]))
             except _End:
@@ -220,14 +241,14 @@ class GlobalStream:
     def _where(self, doc: _Doc) -> str:
         src = self.sources[doc.source]
         path = src.shards[doc.shard].path
-        return f"{path} row {doc.key}" if src.fmt[doc.shard] == "parquet" else f"{path} row at byte {doc.key}"
+        return f"{path} row {doc.key}" if src.fmt[doc.shard] in ("parquet", "arrow") else f"{path} row at byte {doc.key}"
 
     def _take(self, src: _Source) -> _Doc:
         """The next document of ``src`` out of its shuffle buffer (filled first). The buffer does not span epochs:
         at the end of an epoch it is emptied before the next epoch's first row enters it, so every epoch hands out
         each good row exactly once."""
         while len(src.buffer) < self.buffer_size:
-            if src.pos >= src.n:  # this epoch's rows are all read
+            if src.pos >= len(self._order(src)):  # this epoch's rows are all read
                 if src.buffer:
                     break
                 self._next_epoch(src)
@@ -235,7 +256,7 @@ class GlobalStream:
                 src.buffer.append(self._read(src))
             except _EpochEnd:  # the epoch's last rows were bad: the loop ends it
                 continue
-        j = order.buffer_pick(self.settings.seed, src.index, src.taken, len(src.buffer))
+        j = order.buffer_pick(self.seed, src.index, src.taken, len(src.buffer))
         src.taken += 1
         doc = src.buffer[j]
         src.buffer[j] = src.buffer[-1]
@@ -244,26 +265,34 @@ class GlobalStream:
         return doc
 
     def _order(self, src: _Source) -> list[int]:
+        """This lane's units of the epoch, in order: its share of the epoch's seeded order of all units."""
         if src.order_cache is None or src.order_cache[:2] != (src.epoch, src.n):
-            src.order_cache = (src.epoch, src.n, order.shard_order(src.n, self.settings.seed, src.index, src.epoch,
-                                                                  self.settings.shuffle))
+            whole = order.shard_order(src.n, self.settings.seed, src.index, src.epoch, self.settings.shuffle)
+            mine = whole[self.lane::self.lanes] if src.n >= self.lanes else [whole[self.lane % src.n]]
+            src.order_cache = (src.epoch, src.n, mine)
         return src.order_cache[2]
 
     def _read(self, src: _Source) -> _Doc:
         """The next good row of ``src`` in this epoch's reading order (bad ones skipped and counted, or
         ``DataError``); ``_EpochEnd`` when the epoch has no more."""
-        while src.pos < src.n:
-            shard = self._order(src)[src.pos]
+        mine = self._order(src)
+        while src.pos < len(mine):
+            shard = mine[src.pos]
+            sh = src.shards[shard]
+            ranged = sh.stop >= 0 and src.fmt[shard] in ("json", "text")  # a byte range of a line file
             if src.rows is None:
-                sh = src.shards[shard]
-                if src.seen == 0 and src.key < sh.first:  # a row-group shard starts inside its file
-                    src.key = src.row = sh.first
-                src.rows = read_rows(sh.path, src.fmt[shard], self.text_field, self.corpus.storage_options, src.key,
-                                     src.row, sh.stop, self.settings.max_record_bytes)
+                limit, opts = self.settings.max_record_bytes, self.corpus.storage_options
+                if src.seen == 0 and src.key < sh.first:  # a row-group or byte-range unit starts inside its file
+                    src.key = line_start(sh.path, opts, sh.first, limit) if ranged else sh.first
+                    src.row = 0 if ranged else sh.first
+                src.rows = (read_line_range(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop,
+                                            limit) if ranged else
+                            read_rows(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop, limit))
             row = next(src.rows, None)
             if row is None:
-                if src.seen == 0:
+                if src.seen == 0 and not ranged:
                     self._bad(f"{src.shards[shard].name}: empty shard (no rows)")
+                self.empty_units = self.empty_units + 1 if src.epoch_rows == 0 else 0
                 self._next_shard(src)
                 continue
             src.seen += 1
@@ -271,7 +300,8 @@ class GlobalStream:
                 row.error = self.encoder.check(row.record)
             if row.error is not None:
                 whole = row.next_key <= row.key
-                self._bad(f"{src.shards[shard].path}{'' if whole else f' row {row.row}'}: {row.error}")
+                where = "" if whole else f" row at byte {row.key}" if ranged else f" row {row.row}"
+                self._bad(f"{src.shards[shard].path}{where}: {row.error}")
                 if whole:
                     self._next_shard(src)
                 else:
@@ -288,7 +318,7 @@ class GlobalStream:
 
     def _next_epoch(self, src: _Source) -> None:
         """The next epoch of ``src`` (its shards, appended ones included, in the next seeded order)."""
-        if src.epoch_rows == 0:
+        if src.epoch_rows == 0 and (self.lanes == 1 or self.empty_units > 2 * src.n + 8):
             raise DataError(f"dataset: no readable row in any of the {src.n} shards of source {src.index} "
                             f"(first: {src.shards[0].path})")
         if self.settings.one_pass:

@@ -47,7 +47,8 @@ def test_inspect_line_says_where_each_source_reads(tmp_path):
                           global_batch_size=4, local_batch_size=4, dp_rank=0, dp_size=1)
     loader.next_batch()
     line = data_position_line("epoch_0_step_1", loader.summary())
-    assert line.startswith("data position at epoch_0_step_1: 4 sequences; source 0: epoch 0, shard ")
+    assert line.startswith("data position at epoch_0_step_1: 4 sequences; 1 lanes (this rank 1), position ")
+    assert " KiB; source 0: epoch 0, shard " in line
     assert "of 3 (" in line and "64 tokens consumed" in line
 
 

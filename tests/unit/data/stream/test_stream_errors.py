@@ -158,13 +158,18 @@ def test_a_malformed_position_from_a_checkpoint_is_refused_before_any_read(tmp_p
     first = loader()
     first.next_batch()
     good = json.loads(json.dumps(first.state_dict()))
-    for damage, what in [(lambda p: p["sources"][0]["buffer_keys"].extend(range(10**6)), "shuffle buffer"),
-                         (lambda p: p["sources"][0]["buffer_shards"].__setitem__(0, 7), "shuffle buffer"),
-                         (lambda p: p["pending"].append([0, 5, 0, 0]), "pending"),
-                         (lambda p: p["sources"][0].__setitem__("pos", 99), "shard order"),
-                         (lambda p: p["sources"][0]["shards"][0].__setitem__(0, "/etc/passwd"), "gone")]:
+    lane = ("positions", "0")
+    for damage, what in [(lambda p: p[lane[0]][lane[1]]["sources"][0]["buffer_keys"].extend(range(10**6)),
+                          "shuffle buffer"),
+                         (lambda p: p[lane[0]][lane[1]]["sources"][0]["buffer_shards"].__setitem__(0, 7),
+                          "shuffle buffer"),
+                         (lambda p: p[lane[0]][lane[1]]["pending"].append([0, 5, 0, 0]), "pending"),
+                         (lambda p: p[lane[0]][lane[1]]["sources"][0].__setitem__("pos", 99), "shard order"),
+                         (lambda p: p[lane[0]][lane[1]].__setitem__("sequences", 5), "sequence count"),
+                         (lambda p: p.__setitem__("positions", {}), "a lane missing"),
+                         (lambda p: p["shards"][0][0].__setitem__(0, "/etc/passwd"), "gone")]:
         state = json.loads(json.dumps(good))
-        damage(state["position"])
+        damage(state)
         with pytest.raises(DataError, match=what):
             loader().load_state_dict(state)
     loader().load_state_dict(good)
