@@ -1,5 +1,6 @@
-"""Lightning's ``.ckpt`` file read into a ``ForeignRun``: ``state_dict``, ``optimizer_states``, ``lr_schedulers``,
-``global_step`` and ``loops``.
+"""Lightning's ``.ckpt`` file read into a ``ForeignRun``.
+
+It carries ``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``global_step`` and ``loops``.
 
 Lightning records neither its batch size nor its random generators: the recipe's global batch is taken as the
 source's, and the generators start from the recipe's seed. The optimizer's slots follow the module's
