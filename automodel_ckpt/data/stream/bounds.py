@@ -1,0 +1,109 @@
+"""A restored stream position's fields against their real bounds: rows in their files, counts that add up.
+
+A position read from a checkpoint is untrusted. Its shape, its indices into the shard list and its buffer size are
+checked when the loader reads it (``position``); what only the corpus and the stream know is checked here, when a
+stream restores it (``GlobalStream._restore``), before any row is read back or any token packed:
+
+* every row reference (the shuffle buffer's, the pending documents', the next row of the shard being read) lies
+  inside its file: a byte offset below the size of an uncompressed json-lines or text file, a row number inside a
+  row-group shard (a compressed file's offsets and a whole parquet file's rows are bounded by the read itself:
+  ``fetch_rows`` names a row past the end);
+* the counts add up as the stream makes them: the tokens the sources gave are the sequences made times
+  ``seq_length``, the documents taken from the sources' buffers are the documents drawn, the pending ones are
+  among them, each drawn in an epoch its source has reached;
+* after the pending documents are tokenized (``check_carry``): the carry-over is inside the first of them (none
+  without a pending document), so packing never slices past a document.
+
+Each failure is one line (``DataError``) saying which field, and the value against its bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel_ckpt.data.stream.readers import DataError
+
+
+def malformed(what: str) -> DataError:
+    return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
+
+
+def _uncompressed(path: str) -> bool:
+    from fsspec.utils import infer_compression
+
+    return infer_compression(path) is None
+
+
+def _row_bound(shard: Any, fmt: str, key: int) -> str | None:
+    """Why row reference ``key`` cannot be a row of ``shard`` (None: it may be)."""
+    if fmt in ("parquet", "arrow"):
+        if shard.stop >= 0 and not shard.first <= key < shard.stop:
+            return f"row {key} of '{shard.path}', outside its shard's rows {shard.first}-{shard.stop - 1}"
+        return None
+    if _uncompressed(shard.path) and key >= shard.size:
+        return f"a row at byte {key} of '{shard.path}', a file of {shard.size} bytes"
+    return None
+
+
+def _doc_bound(stream: Any, doc: Any, what: str) -> None:
+    if not 0 <= doc.source < len(stream.sources) or not 0 <= doc.shard < len(stream.sources[doc.source].shards):
+        raise malformed(f"{what}: shard {doc.shard} of source {doc.source}, which the corpus does not have")
+    src = stream.sources[doc.source]
+    why = _row_bound(src.shards[doc.shard], src.fmt[doc.shard], doc.key)
+    if why is not None:
+        raise malformed(f"{what}: {why}")
+
+
+def check_restored(stream: Any) -> None:
+    """The fields of a position just restored into ``stream`` (a ``GlobalStream``) against the corpus's files and the
+    stream's own counts; ``DataError`` (one line) for the first that is out of bounds."""
+    seq_length = int(stream.settings.seq_length)
+    for src in stream.sources:
+        where = f"source {src.index}"
+        for d in src.buffer:
+            _doc_bound(stream, d, f"{where}'s shuffle buffer")
+        lines = [s for s, f in zip(src.shards, src.fmt) if f not in ("parquet", "arrow") and _uncompressed(s.path)]
+        if lines and len(lines) == len(src.shards):  # every shard a plain line file: the next row is in one of them
+            largest = max(s.size for s in lines)
+            if src.key > largest:
+                raise malformed(f"{where}'s next row is at byte {src.key}, past the end of its largest file "
+                                f"({largest} bytes)")
+            if src.row > src.key:
+                raise malformed(f"{where}'s next row is row {src.row} at byte {src.key}: more rows than bytes")
+    for d in stream.pending:
+        _doc_bound(stream, d, "a pending document")
+        if d.epoch > stream.sources[d.source].epoch:
+            raise malformed(f"a pending document of epoch {d.epoch}, its source is at epoch "
+                            f"{stream.sources[d.source].epoch}")
+    tokens = sum(src.tokens for src in stream.sources)
+    if tokens != stream.sequences * seq_length:
+        raise malformed(f"the sources gave {tokens} tokens to {stream.sequences} sequences of {seq_length}")
+    taken = sum(src.taken for src in stream.sources)
+    if taken != stream.docs:
+        raise malformed(f"{taken} documents taken from the sources' buffers, {stream.docs} drawn")
+    if len(stream.pending) > stream.docs:
+        raise malformed(f"{len(stream.pending)} pending documents of {stream.docs} drawn")
+    if stream.trained_epoch > max((src.epoch for src in stream.sources), default=0):
+        raise malformed(f"the data trained on is of epoch {stream.trained_epoch}, past every source's")
+
+
+def check_carry(stream: Any) -> None:
+    """After the pending documents are tokenized: the carry-over (``offset``: tokens of the first already packed)
+    is inside the first of them, and 0 when none is pending."""
+    if not stream.pending:
+        if stream.offset:
+            raise malformed(f"a carry-over of {stream.offset} tokens and no pending document")
+        return
+    first = stream.pending[0]
+    n = len(first.tokens or [])
+    if not 0 <= stream.offset < n:
+        src = stream.sources[first.source]
+        raise malformed(f"a carry-over of {stream.offset} tokens into {_ref(src, first)}, a document of {n} tokens")
+
+
+def _ref(src: Any, doc: Any) -> str:
+    """A row reference in words: the file and the row (parquet, arrow) or its byte offset."""
+    if not 0 <= doc.shard < len(src.shards):
+        return f"shard {doc.shard}"
+    kind = "row" if src.fmt[doc.shard] in ("parquet", "arrow") else "row at byte"
+    return f"'{src.shards[doc.shard].path}' {kind} {doc.key}"
