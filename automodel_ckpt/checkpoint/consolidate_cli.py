@@ -1,13 +1,14 @@
 """Compatibility entry point: ``consolidate.sh`` files of checkpoints written by 0.1.0 run this module.
 
-It runs ``ckpt-train consolidate`` (``automodel_ckpt.cli.consolidate``) with the same arguments.
+It runs the ``ckpt-train consolidate`` verb's module (``automodel_ckpt.cli.consolidate``) as the program, with the
+same arguments, as ``python -m`` would: the engine imports nothing of the verbs above it.
 """
 
 from __future__ import annotations
 
-import sys
+import runpy
+
+VERB_MODULE = "automodel_ckpt.cli.consolidate"
 
 if __name__ == "__main__":
-    from automodel_ckpt.cli.consolidate import script_main
-
-    sys.exit(script_main())
+    runpy.run_module(VERB_MODULE, run_name="__main__", alter_sys=True)

@@ -11,7 +11,7 @@ from automodel_ckpt.distributed.expert_parallel import apply_expert_parallel, sh
 from automodel_ckpt.distributed.mesh import IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, ParallelDims
 from automodel_ckpt.distributed.tensor_parallel import apply_tensor_parallel
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.models.parts import vision_tower
+from automodel_ckpt.model_parts import vision_tower
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 

@@ -40,7 +40,7 @@ def default_targets(model: nn.Module) -> list[str]:
 def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
     """A PEFT ``exclude_modules`` regex keeping LoRA out of an image-text model's projector and, unless
     ``vision_tower``, its vision tower; None for a text model."""
-    from automodel_ckpt.models.parts import vision_module_paths
+    from automodel_ckpt.model_parts import vision_module_paths
 
     paths = vision_module_paths(model, towers=not vision_tower)
     if not paths:

@@ -11,7 +11,7 @@ from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.fsdp import decoder_layers
 from automodel_ckpt.models.build import build_causal_lm, build_image_text_model
 from automodel_ckpt.models.lora import apply_lora
-from automodel_ckpt.models.parts import vision_tower
+from automodel_ckpt.model_parts import vision_tower
 from automodel_ckpt.models.tiny_vlm import IMAGE_SIZE, NUM_IMAGE_TOKENS, tiny_llava_config
 
 LLAMA = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "num_hidden_layers": 2,
