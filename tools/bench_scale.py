@@ -1,7 +1,16 @@
-"""How checkpoint coordination grows with the rank count: save, load and publish with 2 to 32 gloo ranks.
+"""How checkpoint coordination grows with the rank count: save, load and publish with 2 to 32 gloo ranks, or the
+coordinator's work at 256 to 4,096 ranks simulated in one process.
 
     python tools/bench_scale.py [--ranks 2,4,8,16,32] [--reps 3] [--json OUT]
     python tools/bench_scale.py --small --json OUT     # 2 and 3 ranks, one repetition: checks the tool
+    python tools/bench_scale.py --simulate-ranks 256,1024,4096 --layout llama3-70b [--strategy fsdp] --json OUT
+
+``--simulate-ranks`` (``scale_sim.py``): every rank's local save plan as DCP makes it for the layout's DTensors
+(``--layout llama3-70b|llama3-8b|moe|tiny``, ``--strategy fsdp|hsdp|tp-fsdp``), sent to the coordinator through
+the product's planner (``LinearSavePlanner``); the coordinator's CPU seconds of a first save (planned), the next
+one (cached), a load at the same rank count and one at three quarters of it (resharded), and the bytes each rank
+sends the coordinator in a save (plan, write results, checksums). ``--dump-plans DIR``: rank 0 of a real run (and
+a simulation) pickles the model save's final plans and metadata there (compared by the tests).
 
 For each rank count, ``torchrun --standalone`` starts that many CPU processes on this machine; each holds a tiny
 FSDP2-sharded model (a few KiB per rank, so coordination dominates) with AdamW state and saves it ``--reps``
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import subprocess
 import sys
@@ -40,17 +50,16 @@ PHASES = ("reserve", "plan_local", "plan_global", "write_sharded", "write_local"
           "save", "load")
 
 
-def worker(out: Path, reps: int) -> None:
+def worker(out: Path, reps: int, dump: Path | None = None) -> None:
     """One rank: build, step, save ``reps`` times, load; rank 0 writes its timings to ``out``."""
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer
-    from automodel_ckpt.ondisk import SaveInfo
+    from automodel_ckpt.ondisk import SaveInfo, planning
     from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 
     env = init_distributed("gloo")
@@ -69,8 +78,20 @@ def worker(out: Path, reps: int) -> None:
 
         setattr(owner, name, wrapper)
 
-    timed(DefaultSavePlanner, "create_local_plan", "plan_local")
-    timed(DefaultSavePlanner, "create_global_plan", "plan_global")
+    timed(planning.LinearSavePlanner, "create_local_plan", "plan_local")
+    timed(planning.LinearSavePlanner, "create_global_plan", "plan_global")
+    if dump is not None:
+        finish_plan = planning.LinearSavePlanner.finish_plan
+
+        def dumping(self, new_plan):  # every rank's final plan of the model save, and the metadata
+            final = finish_plan(self, new_plan)
+            if self.key.startswith("model:"):
+                (dump / f"final_{env.world_size}_{env.rank}.pkl").write_bytes(pickle.dumps(final))
+                if env.is_main:
+                    (dump / f"metadata_{env.world_size}.pkl").write_bytes(pickle.dumps(self.metadata))
+            return final
+
+        planning.LinearSavePlanner.finish_plan = dumping
     c10d = dist.distributed_c10d
     to_tensor = c10d._object_to_tensor
 
@@ -114,10 +135,11 @@ def worker(out: Path, reps: int) -> None:
     end_process(0)  # a rank never meets interpreter teardown (see end_process)
 
 
-def run(ranks: int, reps: int, work: Path) -> dict:
+def run(ranks: int, reps: int, work: Path, dump: Path | None = None) -> dict:
     out = work / f"scale_{ranks}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(Path(__file__).resolve()), "--worker", str(out), "--reps", str(reps)]
+           str(Path(__file__).resolve()), "--worker", str(out), "--reps", str(reps),
+           *(["--dump-plans", str(dump)] if dump is not None else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
@@ -161,21 +183,60 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--small", action="store_true", help="2 and 3 ranks, one repetition")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--simulate-ranks", default=None, help="rank counts to simulate in one process")
+    parser.add_argument("--layout", default="llama3-70b", choices=("llama3-70b", "llama3-8b", "moe", "tiny"))
+    parser.add_argument("--strategy", default="fsdp", choices=("fsdp", "hsdp", "tp-fsdp"))
+    parser.add_argument("--dump-plans", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.worker, args.reps)
+        worker(args.worker, args.reps, args.dump_plans)
         return {}
+    if args.simulate_ranks:
+        return simulate([int(n) for n in args.simulate_ranks.split(",") if n.strip()], args.layout, args.strategy,
+                        args.json, args.dump_plans)
     ranks = [2, 3] if args.small else [int(n) for n in args.ranks.split(",") if n.strip()]
     reps = 1 if args.small else args.reps
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
         for n in ranks:
-            results[n] = run(n, reps, Path(tmp))
+            results[n] = run(n, reps, Path(tmp), args.dump_plans)
             print(f"{n} ranks: {results[n]['wall']:.0f} s", flush=True)
     report = summary(results) | {"reps": reps, "cpu_count": os.cpu_count()}
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dump: Path | None = None) -> dict:
+    """The coordinator's CPU seconds at each rank count (see the module docstring), printed and written to ``out``."""
+    import scale_sim
+
+    report: dict = {"layout": layout, "strategy": strategy, "tensors": len(scale_sim.params(layout)), "ranks": [],
+                    "first_save_s": [], "next_save_s": [], "load_s": [], "reshard_load_s": [],
+                    "object_bytes_per_rank": [], "next_object_bytes_per_rank": []}
+    for n in ranks:
+        first = scale_sim.save(layout, strategy, n)
+        assert not first["reused"], "a first save planned afresh"
+        if dump is not None:
+            for rank, final in enumerate(first["final_plans"]):
+                (dump / f"sim_final_{n}_{rank}.pkl").write_bytes(pickle.dumps(final))
+            (dump / f"sim_metadata_{n}.pkl").write_bytes(pickle.dumps(first["metadata"]))
+        second = scale_sim.save(layout, strategy, n)
+        assert second["reused"], "the next save of the same layout reused the cached plan"
+        target = max(1, (3 * n) // 4 // scale_sim.TP * scale_sim.TP) if strategy != "fsdp" else max(1, (3 * n) // 4)
+        row = {"ranks": n, "first_save_s": first["seconds"], "next_save_s": second["seconds"],
+               "load_s": scale_sim.load(layout, strategy, first["metadata"], n),
+               "reshard_load_s": scale_sim.load(layout, strategy, first["metadata"], target),
+               "object_bytes_per_rank": first["object_bytes_per_rank"],
+               "next_object_bytes_per_rank": second["object_bytes_per_rank"]}
+        del first, second
+        for k, v in row.items():
+            report[k].append(v)
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    report["cpu_count"] = os.cpu_count()
+    if out:
+        out.write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -37,6 +37,9 @@ _EXPORTS = {
     "detect_model_format": ("formats.detect", "detect_model_format"),
     "load_pt": ("formats.safe_load", "load_pt"),
     "READ_THREADS": ("formats.fastio", "READ_THREADS"),
+    # save coordination: the planner and the write results' cache (what tools/bench_scale.py simulates)
+    "planning": ("formats.planning", None),
+    "plan_results": ("formats.plan_results", None),
     "WRITE_THREADS": ("formats.fastio", "WRITE_THREADS"),
     # exports: Hugging Face folders, archives, GGUF, int8, LoRA merged
     "consolidate": ("export.plan", "consolidate"),

@@ -162,7 +162,7 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
     """
     from automodel_ckpt.distributed import collective
-    from automodel_ckpt.distributed.env import all_gather_object
+    from automodel_ckpt.distributed.env import gather_object
 
     staging = Path(staging)
 
@@ -177,15 +177,21 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     mine = collective.collectively(
         lambda: _hash_share(staging, shares[rank], files, algorithm, written), f"checksumming '{staging}'", rank
     )
-    checksums: dict[str, str] = {}
-    for part in all_gather_object(mine):
-        checksums.update(part)
+    parts = gather_object(mine)  # rank 0 receives one share per rank; every other rank sends its own only
     if written is not None:
         written.forget(staging)
     collective.on_main(
-        lambda: write(staging, build(staging, files, checksums, algorithm)),
+        lambda: write(staging, build(staging, files, merge_checksums(parts or []), algorithm)),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
+
+
+def merge_checksums(parts: Iterable[dict[str, str]]) -> dict[str, str]:
+    """Every rank's ``{relative path: checksum}`` as one mapping (rank 0, once per save: linear in the ranks)."""
+    checksums: dict[str, str] = {}
+    for part in parts:
+        checksums.update(part)
+    return checksums
 
 
 def _plan_apart(staging: Path, rank: int, world_size: int) -> tuple[str, dict[str, int], list[list[str]]]:

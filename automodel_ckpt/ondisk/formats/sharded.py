@@ -20,12 +20,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from automodel_ckpt.ondisk.formats import fastio
+from automodel_ckpt.ondisk.formats import fastio, plan_results, planning
 from automodel_ckpt.ondisk.formats.fastio import session
 from automodel_ckpt.ondisk.durable import WrittenFiles
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck
 from automodel_ckpt.ondisk.formats.safe_load import (
-    SafeLoadPlanner,
     check_fits,
     load_failure,
     root_cause,
@@ -61,10 +60,19 @@ def _reader(path: Path, fmt: str, check: LoadCheck | None = None):
 
 
 def _save(state: dict, path: Path, writer, process_group) -> None:
+    """``dcp.save`` planned by ``planning.LinearSavePlanner`` and its write results sent by ``plan_results``:
+    both cached per state folder (``path``'s name) and writer, so a save of an unchanged layout sends digests."""
+    import torch.distributed as dist
+
+    world, rank = (dist.get_world_size(process_group), dist.get_rank(process_group)) if dist.is_initialized() else (1, 0)
+    key = f"{path.name}:{type(writer).__name__}"
+    succeeded = plan_results.keep_results(writer, key, world, rank)
     try:
-        dcp.save(state, storage_writer=writer, process_group=process_group)
+        dcp.save(state, storage_writer=writer, planner=planning.LinearSavePlanner(key, world_size=world, rank=rank),
+                 process_group=process_group)
     except CheckpointException as exc:  # raised on every rank; one line naming the folder (disk full, ...)
         raise save_failure(exc, path) from None
+    succeeded()
 
 
 def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) -> None:
@@ -73,7 +81,7 @@ def _load(state: dict, path: Path, reader, process_group, *, strict_keys: bool) 
     if strict_keys:
         check_fits(state, metadata, path, held=_held_by_any_rank(state, process_group))
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), process_group=process_group)
+        dcp.load(state, storage_reader=reader, planner=planning.LocalLoadPlanner(path), process_group=process_group)
     except CheckpointException as exc:
         cause = root_cause(exc)
         if isinstance(cause, DamagedFile):  # on every rank: the checkpoint is damaged, not the state unfit

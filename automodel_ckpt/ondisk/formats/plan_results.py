@@ -1,0 +1,128 @@
+"""The write results every rank sends the coordinator after a DCP save: compact, and cached across saves.
+
+After writing, each rank's storage writer returns one ``WriteResult`` per item it wrote (where its bytes lie),
+and DCP gathers them all on the coordinator for the storage writer's ``finish`` (which writes the ``.metadata``
+file of ``.distcp`` folders; the per-rank safetensors shards need none). Unpickling ``WriteResult`` objects costs
+the coordinator as much as the plans did, at every save. ``keep_results`` makes a rank send them as plain tuples,
+or only their digest when they are those of its last save under the same key (same layout: same files, offsets
+and lengths), and makes the coordinator rebuild them, from its cache where unchanged, only when its ``finish``
+reads them. A digest the coordinator does not hold fails the save on every rank; an entry is taken out of the
+cache when a save starts and put back when it succeeded, as the plans are (``planning``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from automodel_ckpt.ondisk.formats.fastio.records import NOTE
+
+
+@dataclass(frozen=True)
+class ResultsNote:
+    """One rank's write results: their digest, and unless unchanged, their tuples (``encode``) or the objects
+    themselves (storage data of another kind than ``_StorageInfo``)."""
+
+    digest: str
+    tuples: list[tuple] | None = None
+    objects: list[WriteResult] | None = None
+
+
+_RANK: dict[tuple[str, int, int], str] = {}  # (key, world size, rank) -> the digest of its last results
+_COORDINATOR: dict[tuple[str, int], list[ResultsNote]] = {}
+
+
+def clear_cache() -> None:
+    _RANK.clear()
+    _COORDINATOR.clear()
+
+
+def encode(results: list[WriteResult]) -> list[tuple] | None:
+    """``(fqn, offset, index, size_in_bytes, file, offset in file, length, note)`` per result, or None when a
+    result's storage data is not a plain ``_StorageInfo``."""
+    out = []
+    for r in results:
+        info = r.storage_data
+        if (type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None) is not None
+                or set(vars(info)) - {"relative_path", "offset", "length", "transform_descriptors", NOTE}):
+            return None
+        i = r.index
+        out.append((i.fqn, None if i.offset is None else tuple(i.offset), i.index, r.size_in_bytes,
+                    info.relative_path, info.offset, info.length, getattr(info, NOTE, None)))
+    return out
+
+
+def decode(tuples: list[tuple]) -> list[WriteResult]:
+    out = []
+    for fqn, offset, index, size, file, at, length, note in tuples:
+        info = _StorageInfo(file, at, length)
+        if note is not None:
+            setattr(info, NOTE, note)
+        out.append(WriteResult(index=MetadataIndex(fqn, offset, index), size_in_bytes=size, storage_data=info))
+    return out
+
+
+def outgoing(results: list[WriteResult], key: str | None, world_size: int, rank: int) -> ResultsNote:
+    """What a rank sends the coordinator for its ``results``; ``succeeded(key, ..., note)`` once the save did."""
+    tuples = encode(results)
+    if tuples is None:
+        return ResultsNote("", objects=results)
+    digest = hashlib.blake2b(pickle.dumps(tuples, protocol=4), digest_size=16).hexdigest()
+    last = _RANK.pop((key, world_size, rank), None) if key is not None else None  # back once the save succeeded
+    return ResultsNote(digest) if last == digest else ResultsNote(digest, tuples)
+
+
+def succeeded(key: str | None, world_size: int, rank: int, note: ResultsNote | None) -> None:
+    """The save that sent ``note`` succeeded on every rank: its results are the ones to compare the next with."""
+    if key is not None and note is not None and note.digest:
+        _RANK[(key, world_size, rank)] = note.digest
+
+
+def incoming(notes: list[Any], key: str | None, *, needed: bool) -> list[list[WriteResult]]:
+    """The coordinator's view of every rank's results (``needed``: rebuilt as ``WriteResult`` objects, else
+    empty lists)."""
+    cache_key = (key, len(notes)) if key is not None else None
+    cached = _COORDINATOR.pop(cache_key, None) if cache_key is not None else None
+    full: list[ResultsNote] = []
+    for rank, note in enumerate(notes):
+        if not isinstance(note, ResultsNote):
+            return notes  # not ours: as DCP gathered them
+        if note.tuples is None and note.objects is None:
+            if cached is None or cached[rank].digest != note.digest:
+                raise ValueError(f"rank {rank} sent unchanged write results that the coordinator does not hold")
+            note = cached[rank]
+        full.append(note)
+    if cache_key is not None and all(n.objects is None for n in full):
+        _COORDINATOR[cache_key] = full
+    if not needed:
+        return [[] for _ in full]
+    return [n.objects if n.objects is not None else decode(n.tuples or []) for n in full]
+
+
+def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> Any:
+    """Make ``writer`` send its write results as ``outgoing`` makes them, and its ``finish`` read them through
+    ``incoming``. Returns what to call once the save succeeded on every rank."""
+    write_data, finish = writer.write_data, writer.finish
+    needed = not (isinstance(writer, HuggingFaceStorageWriter) and writer.save_distributed
+                  and not writer.enable_consolidation)
+    sent: list[ResultsNote] = []
+
+    def compact(fut: Any) -> ResultsNote:
+        sent.append(outgoing(fut.value(), key, world_size, rank))
+        return sent[-1]
+
+    def compact_write_data(plan: Any, planner: Any) -> Any:
+        return write_data(plan, planner).then(compact)
+
+    def expanding_finish(metadata: Any, results: list[Any]) -> None:
+        finish(metadata, incoming(results, key, needed=needed))
+
+    writer.write_data, writer.finish = compact_write_data, expanding_finish
+    return lambda: succeeded(key, world_size, rank, sent[-1] if sent else None)

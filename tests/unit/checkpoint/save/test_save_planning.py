@@ -1,0 +1,145 @@
+"""LinearSavePlanner: DCP's plans and metadata, a linear validation that still catches overlaps, gaps and chunks
+out of bounds, and a cache that serves an unchanged layout and nothing else."""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorProperties
+
+from automodel_ckpt.ondisk import plan_results, planning
+
+_SPEC = importlib.util.spec_from_file_location("scale_sim", Path(__file__).parents[4] / "tools" / "scale_sim.py")
+sim = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(sim)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    planning.clear_cache()
+    plan_results.clear_cache()
+    yield
+    planning.clear_cache()
+    plan_results.clear_cache()
+
+
+def _dcp(layout: str, strategy: str, n: int):
+    """DCP's own global plan and metadata for the same local plans (``DefaultSavePlanner``)."""
+    planner = DefaultSavePlanner()
+    plans = [pickle.loads(pickle.dumps(sim.local_plan(layout, strategy, n, r))) for r in range(n)]
+    plans = [type(p)(p.items, planner_data=sim.mappings(layout)) for p in plans]
+    return planner.create_global_plan(plans)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "tp-fsdp"])
+def test_plans_and_metadata_are_dcps(strategy):
+    n = 16
+    ours = sim.save("tiny", strategy, n)
+    global_plan, metadata = _dcp("tiny", strategy, n)
+    assert [p.items for p in ours["final_plans"]] == [p.items for p in global_plan]
+    assert repr([p.items for p in ours["final_plans"]]) == repr([p.items for p in global_plan])  # Size, not tuple
+    assert ours["metadata"] == metadata and repr(ours["metadata"]) == repr(metadata)
+
+
+def test_the_next_save_of_the_same_layout_reuses_the_cache_and_gives_the_same_plans():
+    first = sim.save("tiny", "fsdp", 8)
+    second = sim.save("tiny", "fsdp", 8)
+    assert not first["reused"] and second["reused"]
+    assert repr(second["final_plans"]) == repr(first["final_plans"]) and second["metadata"] == first["metadata"]
+    assert second["object_bytes_per_rank"] < first["object_bytes_per_rank"] / 2  # digests, not plans
+
+
+@pytest.mark.parametrize("change", ["world_size", "strategy", "parameters"])
+def test_a_changed_layout_is_planned_afresh(change):
+    sim.save("tiny", "fsdp", 16)  # (at 8 ranks HSDP's mesh is 1 x 8: the same chunks as FSDP's, rightly reused)
+    layout, strategy, n = {"world_size": ("tiny", "fsdp", 8), "strategy": ("tiny", "hsdp", 16),
+                           "parameters": ("llama3-8b", "fsdp", 16)}[change]
+    again = sim.save(layout, strategy, n)
+    assert not again["reused"]
+    global_plan, metadata = _dcp(layout, strategy, n)
+    assert again["metadata"] == metadata and [p.items for p in again["final_plans"]] == [p.items for p in global_plan]
+    assert sim.save(layout, strategy, n)["reused"]
+
+
+def test_one_rank_that_changed_replans_every_rank():
+    sim.save("tiny", "fsdp", 4)
+    planners, sent = [], []
+    for rank in range(4):
+        planner = planning.LinearSavePlanner("model", world_size=4, rank=rank)
+        planner.mappings, planner.is_coordinator = sim.mappings("tiny"), rank == 0
+        plan = sim.local_plan("tiny", "fsdp", 4, rank, dtype=torch.bfloat16 if rank == 3 else torch.float32)
+        sent.append(planner.outgoing(plan))
+        planners.append(planner)
+    assert [p.planner_data.entries is None for p in sent] == [True, True, True, False]
+    replies, metadata = planners[0].create_global_plan(sent)
+    assert not planners[0].reused and all(r.usable for r in replies)
+    finals = [pl.finish_plan(r) for pl, r in zip(planners, replies)]
+    assert finals[3].items[0].tensor_data.properties.dtype == torch.bfloat16 and len(finals[0].items) == 8
+
+
+def test_a_fingerprint_the_coordinator_does_not_hold_fails_the_save():
+    sim.save("tiny", "fsdp", 2)
+    planning._COORDINATOR_CACHE.clear()  # as if the coordinator had lost its entry
+    planners = [planning.LinearSavePlanner("model", world_size=2, rank=r) for r in range(2)]
+    sent = []
+    for rank, planner in enumerate(planners):
+        planner.mappings, planner.is_coordinator = sim.mappings("tiny"), rank == 0
+        sent.append(planner.outgoing(sim.local_plan("tiny", "fsdp", 2, rank)))
+    with pytest.raises(ValueError, match="does not hold"):
+        planners[0].create_global_plan(sent)
+    assert planning._RANK_CACHE == {}  # taken out when the save started: the next one sends full plans
+    assert not sim.save("tiny", "fsdp", 2)["reused"]
+
+
+def _md(size, chunks):
+    props = TensorProperties(dtype=torch.float32)
+    return Metadata({"w": TensorStorageMetadata(props, torch.Size(size), [
+        ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])})
+
+
+@pytest.mark.parametrize("chunks,error", [
+    ([((0, 0), (4, 8)), ((4, 0), (4, 8))], None),
+    ([((0, 0), (4, 4)), ((0, 4), (4, 4)), ((4, 0), (4, 4)), ((4, 4), (4, 4))], None),  # a 2 x 2 grid
+    ([((0, 0), (4, 8)), ((4, 0), (4, 8)), ((8, 0), (0, 8)), ((8, 0), (0, 8))], None),  # empty shards past the end
+    ([((0, 0), (5, 8)), ((3, 0), (5, 8))], "overlapping"),
+    ([((0, 0), (4, 8)), ((0, 0), (4, 8))], "overlapping"),
+    ([((0, 0), (8, 4)), ((0, 2), (4, 6)), ((4, 4), (4, 4))], "overlapping"),
+    ([((0, 0), (4, 8)), ((5, 0), (3, 8))], "invalid fill"),
+    ([((0, 0), (4, 8)), ((4, 0), (5, 8))], "out of bounds"),
+])
+def test_validation_finds_what_dcps_finds(chunks, error):
+    errors = planning.validate(2, _md((8, 8), chunks))
+    if error is None:
+        assert errors == []
+    else:
+        assert any(error in e for e in errors), errors
+
+
+def test_validation_is_linear_where_dcps_sweep_is_quadratic():
+    """Chunks cut along dim 0 of a tensor longer along dim 1 (Llama's down_proj): DCP's sweep keeps all of them
+    active at once and compares every pair; counted in box comparisons, ours makes none."""
+    from torch.distributed.checkpoint import default_planner
+
+    n = 512
+    md = _md((n, 4 * n), [((i, 0), (1, 4 * n)) for i in range(n)])
+    calls = {"n": 0}
+    original = default_planner._check_box_overlap
+
+    def counting(a, b):
+        calls["n"] += 1
+        return original(a, b)
+
+    default_planner._check_box_overlap = counting
+    try:
+        assert planning.validate(n, md) == []
+        assert calls["n"] == 0
+        default_planner._validate_global_plan([None] * n, md)
+        assert calls["n"] == n * (n - 1) // 2
+    finally:
+        default_planner._check_box_overlap = original

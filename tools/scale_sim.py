@@ -1,0 +1,205 @@
+"""Checkpoint coordination at N ranks in one process: the coordinator's work of a save and a load, timed.
+
+Used by ``bench_scale.py --simulate-ranks``. Every rank's local save plan is what DCP's
+``create_default_local_save_plan`` makes for a DTensor of that rank (``_create_write_items_for_dtensor``: offsets
+and sizes from DTensor's own ``_compute_local_shape_and_global_offset`` for the rank's mesh coordinate), plus the
+state's key mapping, sent through ``LinearSavePlanner.create_local_plan`` as a rank would. What the coordinator
+receives is pickled as ``gather_object`` pickles it; the coordinator's CPU time covers unpickling every rank's
+plan, the global plan and metadata (``LinearSavePlanner``), the storage writer's global step, pickling the plans
+it scatters back, unpickling every rank's write results, the manifest's checksum gather and merge. A load times
+the coordinator's own local load plan (DCP's read items for its chunks against every saved chunk), unpickling
+every rank's load plan and scattering them back (DCP's global load plan returns them unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import pickle
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.default_planner import create_default_global_load_plan
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+from automodel_ckpt.ondisk import layout, manifest, plan_results, planning
+
+TP = 8  # ranks per node: the shard group of HSDP, the tensor-parallel group of tp-fsdp
+
+# (vocab, hidden, intermediate, layers, kv width, experts)
+_MODELS = {"llama3-70b": (128256, 8192, 28672, 80, 1024, 0), "llama3-8b": (128256, 4096, 14336, 32, 1024, 0),
+           "moe": (32000, 4096, 14336, 32, 1024, 8)}
+
+
+def params(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters of a layout, in a model's state-dict order: Llama-3 70B (722 tensors) and 8B (291), a
+    Mixtral-8x7B-shaped MoE (8 experts a layer, 995), or ``tiny`` (the real-process benchmark's model)."""
+    if name == "tiny":
+        return [p for i in range(4) for p in ((f"{i}.weight", (16, 16)), (f"{i}.bias", (16,)))]
+    vocab, h, inter, layers, kv, experts = _MODELS[name]
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        out += [(pre + "self_attn.q_proj.weight", (h, h)), (pre + "self_attn.k_proj.weight", (kv, h)),
+                (pre + "self_attn.v_proj.weight", (kv, h)), (pre + "self_attn.o_proj.weight", (h, h))]
+        if experts:
+            out.append((pre + "block_sparse_moe.gate.weight", (experts, h)))
+            for e in range(experts):
+                ex = f"{pre}block_sparse_moe.experts.{e}."
+                out += [(ex + "w1.weight", (inter, h)), (ex + "w2.weight", (h, inter)), (ex + "w3.weight", (inter, h))]
+        else:
+            out += [(pre + "mlp.gate_proj.weight", (inter, h)), (pre + "mlp.up_proj.weight", (inter, h)),
+                    (pre + "mlp.down_proj.weight", (h, inter))]
+        out += [(pre + "input_layernorm.weight", (h,)), (pre + "post_attention_layernorm.weight", (h,))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def _mesh(strategy: str, n: int) -> tuple[int, ...]:
+    if strategy == "fsdp":
+        return (n,)
+    if n % TP:
+        raise SystemExit(f"--strategy {strategy} needs a multiple of {TP} ranks, not {n}")
+    return (n // TP, TP)
+
+
+def _placements(strategy: str, fqn: str, ndim: int) -> tuple[Any, ...]:
+    """FSDP2's placements: Shard(0) over every rank; HSDP: replicated across nodes, Shard(0) within one; TP then
+    FSDP: column-parallel weights Shard(0) over TP (FSDP's dim-0 shard strided inside it), row-parallel Shard(1)."""
+    if strategy == "fsdp":
+        return (Shard(0),)
+    if strategy == "hsdp":
+        return (Replicate(), Shard(0))
+    if ndim == 1 or fqn.endswith("gate.weight"):
+        return (Shard(0), Replicate())
+    if any(k in fqn for k in ("o_proj", "down_proj", "w2.")):
+        return (Shard(0), Shard(1))
+    return (_StridedShard(0, split_factor=TP), Shard(0))
+
+
+@functools.cache
+def _chunks(strategy: str, fqn_kind: str, shape: tuple[int, ...], n: int) -> list[tuple[tuple[int, ...], ...]]:
+    """(sizes, offsets) of every rank's piece of a tensor (the same arithmetic as DTensor's)."""
+    mesh = _mesh(strategy, n)
+    placements = _placements(strategy, fqn_kind, len(shape))
+    out = []
+    for rank in range(n):
+        coord = [rank] if len(mesh) == 1 else [rank // mesh[1], rank % mesh[1]]
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, coord, placements)
+        out.append((tuple(sizes), tuple(offsets)))
+    return out
+
+
+def _kind(fqn: str) -> str:
+    """The part of a name that decides its placements (so that the chunks of every layer are computed once)."""
+    return fqn.rsplit(".", 2)[-2] + "." + fqn.rsplit(".", 1)[-1] if "." in fqn else fqn
+
+
+def local_plan(name: str, strategy: str, n: int, rank: int, dtype: torch.dtype = torch.float32) -> SavePlan:
+    """What ``create_default_local_save_plan`` makes on ``rank`` for the layout's DTensors, with the key mapping."""
+    items = []
+    for fqn, shape in params(name):
+        sizes, offsets = _chunks(strategy, _kind(fqn), shape, n)[rank]
+        offsets, sizes = torch.Size(offsets), torch.Size(sizes)
+        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                           properties=props, size=torch.Size(shape))))
+    return SavePlan(items)
+
+
+def mappings(name: str) -> dict[str, tuple[str, ...]]:
+    return {fqn: (fqn,) for fqn, _ in params(name)}
+
+
+def rank_local_plan(name: str, strategy: str, n: int, rank: int, key: str = "model"
+                    ) -> tuple[bytes, planning.LinearSavePlanner]:
+    """The pickled plan rank ``rank`` sends the coordinator (its planner's cache consulted, as in a real save),
+    and its planner."""
+    planner = planning.LinearSavePlanner(key, world_size=n, rank=rank)
+    planner.mappings, planner.is_coordinator = mappings(name), rank == 0
+    return pickle.dumps(planner.outgoing(local_plan(name, strategy, n, rank))), planner
+
+
+def _write_results(plan: SavePlan, rank: int, n: int) -> list[WriteResult]:
+    """What a rank's storage writer returns for its final plan (one safetensors shard per rank)."""
+    file = layout.model_shard_file(rank, rank + 1, n)
+    out, at = [], 0
+    for wi in plan.items:
+        length = 4 * int(torch.Size(wi.tensor_data.chunk.sizes).numel()) if wi.tensor_data else 8
+        out.append(WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(file, at, length)))
+        at += length
+    return out
+
+
+def save(name: str, strategy: str, n: int, key: str = "model") -> dict[str, Any]:
+    """One save's coordination at ``n`` ranks: returns the coordinator's seconds, the global plan and metadata,
+    and the bytes each rank sent the coordinator (the largest)."""
+    sent, planners = [], []
+    for rank in range(n):  # every rank's own work, in parallel in a real job: not the coordinator's
+        data, planner = rank_local_plan(name, strategy, n, rank, key)
+        sent.append(data)
+        planners.append(planner)
+    t0 = time.process_time()
+    coordinator = planners[0]
+    received = [pickle.loads(b) for b in sent]
+    replies, metadata = coordinator.create_global_plan(received)
+    replies = [dataclasses.replace(p, storage_data={"shard_index": i})  # the safetensors writer's global step
+               for i, p in enumerate(replies, start=1)]
+    scattered = [pickle.dumps(p) for p in replies]
+    seconds = time.process_time() - t0
+    finals, results_sent, notes = [], [], []
+    for rank, planner in enumerate(planners):  # every rank: its final plan, its write results
+        finals.append(planner.finish_plan(pickle.loads(scattered[rank])))
+        notes.append(plan_results.outgoing(_write_results(finals[-1], rank, n), key, n, rank))
+        results_sent.append(pickle.dumps(notes[-1]))
+    t0 = time.process_time()  # the safetensors shards' finish reads no results: not rebuilt
+    results = plan_results.incoming([pickle.loads(b) for b in results_sent], key, needed=False)
+    seconds += time.process_time() - t0
+    for rank, note in enumerate(notes):
+        plan_results.succeeded(key, n, rank, note)
+    checksum_bytes, merge_seconds = _manifest(n)
+    per_rank = max(len(a) + len(b) for a, b in zip(sent, results_sent)) + checksum_bytes
+    return {"seconds": seconds + merge_seconds, "final_plans": finals, "metadata": metadata,
+            "reused": coordinator.reused, "object_bytes_per_rank": per_rank, "results": results}
+
+
+def _manifest(n: int) -> tuple[int, float]:
+    """The manifest's checksum gather and merge: each rank's share (its shard and its rank state), pickled as a
+    gather sends it; rank 0 merges them and writes the manifest's text."""
+    shares = []
+    for rank in range(n):
+        files = {f"{layout.MODEL_DIR}/{layout.model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
+                 f"rng/rng_dp_rank_{rank}.pt": hashlib.sha256(b"r%d" % rank).hexdigest()}
+        shares.append(pickle.dumps(files))
+    t0 = time.process_time()
+    checksums = manifest.merge_checksums(pickle.loads(b) for b in shares)
+    sizes = dict.fromkeys(checksums, 1 << 30)
+    manifest.dumps(manifest.build(None, sizes, checksums, "sha256"))
+    return max(len(b) for b in shares), time.process_time() - t0
+
+
+def load(name: str, strategy: str, saved: Any, n: int) -> float:
+    """A load's coordination at ``n`` ranks from ``saved`` metadata: the coordinator's own local load plan (DCP's
+    read items for its chunks, each against every saved chunk of its tensor), and every rank's empty plan
+    (``LocalLoadPlanner``: each keeps its own) gathered and scattered back."""
+    md = saved.state_dict_metadata
+    t0 = time.process_time()
+    requests = []
+    for fqn, shape in params(name):
+        sizes, offsets = _chunks(strategy, _kind(fqn), shape, n)[0]
+        requests += create_read_items_for_chunk_list(
+            fqn, md[fqn], [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
+    sent = pickle.dumps(LoadPlan([], planner_data=planning.LocalLoadPlanner._LOCAL))
+    for plan in create_default_global_load_plan([pickle.loads(sent) for _ in range(n)]):
+        pickle.dumps(plan)  # scattered back
+    return time.process_time() - t0
