@@ -14,9 +14,7 @@ from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, store
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
-from automodel_ckpt.tracking.costlog import iter_events, summarize
-from automodel_ckpt.tracking.costreport import cost_report
-from automodel_ckpt.tracking.costreport import render as render_cost
+from automodel_ckpt.tracking import cost_report, iter_events, render_cost, summarize
 
 _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "MESH", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
