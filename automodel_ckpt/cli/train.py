@@ -103,7 +103,9 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.distributed.allocator import return_freed_memory
     from automodel_ckpt.distributed.env import end_process, shutdown_distributed
+    from automodel_ckpt.distributed.lifeline import children_die_with_this_process
 
+    children_die_with_this_process()  # its DataLoader workers end the moment this rank ends, however it ends
     return_freed_memory()  # freed tensors go back to the OS instead of staying on glibc's heap (unless user-set)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(recipe_path, overrides, RecipeConfig)

@@ -18,6 +18,11 @@ run already uses. So every worker, first thing (``bind_to_launcher``, from ``pyt
 A worker that finds its launcher gone prints one line and ends with SIGKILL, as the signal would have ended it.
 The launcher names itself to its workers in ``LAUNCHER_PID_ENV``; a worker started by plain ``torchrun`` binds to
 its parent, torchrun's agent.
+
+A rank's own children die with it the same way (``children_die_with_this_process``, at the start of every rank): a
+process it forks from its main thread (its DataLoader workers) is SIGKILLed when the rank dies, instead of noticing
+it seconds later (torch's DataLoader workers check their parent every 5 s); one forked after the rank died already
+ends at once. (They never hold the checkpoint folder's lock either: ``checkpoint/storage/runlock.py``.)
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ _PR_SET_PDEATHSIG = 1
 
 _bound: tuple[int, int] | None = None  # (launcher pid, parent pid when bound)
 _HAS_PROC = os.path.isdir("/proc/self")
+_children_bound = False
+_forking: tuple[int, bool] = (0, False)  # (pid, from its main thread) of the process forking, set before each fork
 
 
 def mark_launcher(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -76,13 +83,37 @@ def launcher_gone() -> bool:
     if _bound is None:
         return False
     launcher, parent = _bound
-    return os.getppid() != parent or not _alive(launcher)
+    return os.getppid() != parent or not alive(launcher)
 
 
 def stop_if_orphaned(doing: str) -> None:
     """End this process now if its launcher is gone, instead of ``doing`` (e.g. "publishing 'epoch_0_step_8'")."""
     if launcher_gone():
         _stop(f"not {doing}")
+
+
+def children_die_with_this_process() -> None:
+    """Every process forked from now on by this one's main thread (its DataLoader workers...) ends when this
+    process ends, however it ends: an at-fork hook arms the parent-death signal in each child. (The signal follows
+    the thread that forked: a child forked by another thread, which may end first, is left as it is.)"""
+    global _children_bound
+    if _children_bound or not hasattr(os, "register_at_fork") or _prctl() is None:
+        return
+    _children_bound = True
+    os.register_at_fork(before=_before_fork, after_in_child=_die_with_parent)
+
+
+def _before_fork() -> None:
+    global _forking
+    _forking = (os.getpid(), threading.current_thread() is threading.main_thread())
+
+
+def _die_with_parent() -> None:
+    parent, from_main_thread = _forking
+    if not from_main_thread or _prctl_set_pdeathsig() != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the signal was armed: as if it had been
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _watch() -> None:
@@ -103,17 +134,32 @@ def _stop(why: str) -> None:
 
 
 def _arm_parent_death_signal() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            logger.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    except (OSError, AttributeError):  # no prctl: the watchdog alone guards
-        pass
+    if _prctl() is not None and _prctl_set_pdeathsig() != 0:
+        logger.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
-def _alive(pid: int) -> bool:
+_PRCTL: list = []  # [libc's prctl, or None]: looked up once, before any fork needs it
+
+
+def _prctl():
+    if not _PRCTL:
+        prctl = None
+        if sys.platform.startswith("linux"):
+            try:
+                prctl = ctypes.CDLL(None, use_errno=True).prctl
+            except (OSError, AttributeError):  # no prctl: the watchdog alone guards
+                prctl = None
+        _PRCTL.append(prctl)
+    return _PRCTL[0]
+
+
+def _prctl_set_pdeathsig() -> int:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)`` for this process: 0 when armed."""
+    prctl = _prctl()
+    return -1 if prctl is None else prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     if _HAS_PROC:
         try:

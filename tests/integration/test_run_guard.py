@@ -10,6 +10,10 @@ The storm SIGKILLs the launcher's process group only, as ``kill -9 -PGID``, a wr
 would: torch's elastic agent starts the workers in sessions of their own, so the signal does not reach them. The
 workers must be gone a few seconds later without having trained or published past the moment of the kill, the
 killed run's lock must not block the next run, and the run that finishes must log the straight run's losses.
+
+On 3-process jobs of a streamed corpus with 2 DataLoader workers per rank: a job killed the same way (its data
+workers stopped first) is resumed by a rerun started at once, and a job with ``--max-restarts`` whose rank 0, then
+a data worker, is killed is restarted twice and finishes; no data worker outlives its rank.
 """
 
 from __future__ import annotations
@@ -166,3 +170,145 @@ def test_a_rerun_of_a_finished_run_does_nothing_and_leaves_no_lock(first_run, tm
     rerun = ckpt_train(tmp_path, assets, *ARGS, "--checkpoint.checkpoint_dir", "done", nproc=2, timeout=TIMEOUT)
     assert f"Training already complete at step {MAX_STEPS}" in rerun.output
     assert [p.name for p in (tmp_path / "done").iterdir() if p.name.startswith(".")] == []
+
+
+# --- a killed run's data workers --------------------------------------------------------------------------------
+# A rank's DataLoader workers are forked from it. They must die with it at once, and never hold the folder's lock:
+# the run started right after a kill (by hand, or by the agent's restart) takes the folder. The data workers of a
+# rank about to die are SIGSTOPped first, so that they cannot notice its death by themselves (torch's own check of
+# their parent runs every 5 s): one that kept the lock, or outlived its rank, would do so for good.
+
+STREAM_STEPS = 8
+STREAM_ARGS = ("--step_scheduler.max_steps", str(STREAM_STEPS), "--step_scheduler.ckpt_every_steps", "2",
+               "--step_scheduler.global_batch_size", "6", "--step_scheduler.local_batch_size", "2",
+               "--data.seq_length", "32", "--data.shuffle_buffer", "20", "--data.num_workers", "2",
+               "--checkpoint.save_consolidated", "false")
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory) -> Path:
+    """The streamed pretraining recipe on a corpus of a few small json-lines files, without validation."""
+    from omegaconf import OmegaConf
+
+    from tests.integration.harness import REPO
+
+    root = tmp_path_factory.mktemp("streamed_guard")
+    (root / "corpus").mkdir()
+    for f in range(4):
+        rows = (json.dumps({"text": f"file {f} row {r}: {r * 7 % 90} plus {r % 13} is {r * 7 % 90 + r % 13}."})
+                for r in range(30))
+        (root / "corpus" / f"part-{f}.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = OmegaConf.load(REPO / "recipes" / "tiny_llama_pretrain.yaml")
+    cfg.dataset = {"_target_": "automodel_ckpt.data.stream.corpus.streamed_corpus",
+                   "path": str(root / "corpus" / "*.jsonl")}
+    cfg.validation_dataset = None
+    OmegaConf.save(cfg, root / "stream.yaml")
+    return root / "stream.yaml"
+
+
+def start_streamed(cwd: Path, assets: Path, recipe: Path, log: Path, *launcher: str) -> subprocess.Popen:
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "3", *launcher, str(recipe), *QUIET, *STREAM_ARGS,
+           "--checkpoint.checkpoint_dir", "run"]
+    with open(log, "w") as out:
+        return start_command(cmd, cwd=cwd, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in process_tree(pid) if p != pid and _parent(p) == pid]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _holder_pid(root: Path) -> int | None:
+    try:
+        return json.loads((root / layout.RUN_LOCK).read_text())["pid"]
+    except (OSError, ValueError, KeyError):  # not there, or being written
+        return None
+
+
+def running_with_data_workers(proc: subprocess.Popen, root: Path, log: Path, *, past: int,
+                              not_rank0: int | None = None) -> tuple[int, list[int]]:
+    """Once the job has published checkpoint ``past`` (or a later one) and every rank runs its 2 data workers:
+    rank 0's pid (the lock's holder, another than ``not_rank0``) and its data workers' pids."""
+    def ready() -> bool:
+        ranks, holder = children(proc.pid), _holder_pid(root)
+        newest = max((r.step for r in catalog.list_checkpoints(root)), default=0) if root.exists() else 0
+        return (newest >= past and holder in ranks and holder != not_rank0 and len(ranks) == 3
+                and all(len(children(r)) == 2 for r in ranks))
+
+    wait_for(f"checkpoint {past} and every rank's data workers", ready, proc, log)
+    rank0 = _holder_pid(root)
+    return rank0, children(rank0)
+
+
+def gone(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` still alive once the others have ended (bounded wait), SIGKILLed then."""
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in pids if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def test_a_run_killed_with_its_data_workers_running_is_resumed_by_a_rerun_started_at_once(
+        streamed, tmp_path, assets):
+    root, log = tmp_path / "run", tmp_path / "killed.log"
+    proc = start_streamed(tmp_path, assets, streamed, log)
+    try:
+        rank0, _ = running_with_data_workers(proc, root, log, past=2)
+        workers = [w for rank in children(proc.pid) for w in children(rank)]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group only, as `kill -9 -PGID` does
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    rerun = ckpt_train(tmp_path, assets, *STREAM_ARGS, "--checkpoint.checkpoint_dir", "run", nproc=3,
+                       recipe=streamed, check=False, timeout=TIMEOUT)
+    left = gone(workers)
+    assert rerun.returncode == 0, rerun.output[-3000:]
+    assert "Loading checkpoint from run/epoch_0_step_" in rerun.output and "in use by" not in rerun.output
+    assert sorted({r["step"] for r in jsonl(root / layout.TRAINING_LOG)}) == list(range(1, STREAM_STEPS + 1))
+    assert not left, f"data workers {left} outlived their ranks (rank 0: {rank0})"
+    assert not (root / layout.RUN_LOCK).exists()
+
+
+def test_with_max_restarts_a_killed_rank_then_a_killed_data_worker_are_restarted_and_the_run_finishes(
+        streamed, tmp_path, assets):
+    """Rank 0 SIGKILLed (its data workers stopped), then, once the restarted job has saved again, a data worker of
+    the new rank 0 SIGKILLed (its sibling stopped): each time the agent restarts the job, which resumes."""
+    root, log = tmp_path / "run", tmp_path / "restarted.log"
+    proc = start_streamed(tmp_path, assets, streamed, log, "--max-restarts", "2")
+    stopped: list[int] = []
+    try:
+        first, workers = running_with_data_workers(proc, root, log, past=2)
+        stopped += workers
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(first, signal.SIGKILL)
+        second, (killed, still) = running_with_data_workers(proc, root, log, past=4, not_rank0=first)
+        stopped.append(still)
+        os.kill(still, signal.SIGSTOP)
+        os.kill(killed, signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    left = gone(stopped)
+    assert proc.returncode == 0, output[-3000:]
+    resumed = [line.split()[-1] for line in output.splitlines() if "Loading checkpoint from" in line]
+    assert len(resumed) == 2 and "in use by" not in output, output[-3000:]
+    assert sorted({r["step"] for r in jsonl(root / layout.TRAINING_LOG)}) == list(range(1, STREAM_STEPS + 1))
+    assert not left, f"data workers {left} outlived their rank ({first}, then {second})"

@@ -9,9 +9,14 @@ So the run that owns the folder holds a lock on it from before its first write u
   (host, pid, since when), which the lock file records;
 * the lock is ``flock(LOCK_EX)`` on an open file: the kernel drops it when the holder's last descriptor closes, so
   a run that dies in any way (SIGKILL and the OOM killer included) never blocks the next one. A run that ends
-  normally removes the file (``release``: at the end of training, else at exit); a killed one leaves it with stale contents, which the next run
-  overwrites. A process forked by the holder (not ``exec``ed: the descriptor is close-on-exec) keeps the lock
-  while it lives;
+  normally removes the file (``release``: at the end of training, else at exit); a killed one leaves it with stale
+  contents, which the next run overwrites;
+* no other process ever holds the lock: the descriptor is close-on-exec, and a process forked by the holder (a
+  DataLoader worker, any ``os.fork``) closes its copy first thing (``_forget_in_child``, an at-fork hook),
+  so a rank's forked children, which may outlive it for a few seconds, never keep the folder taken;
+* a run that finds the folder held by a killed run (the recorded holder, or its launcher, is dead on this host: what
+  still holds the lock is a process it left behind, e.g. one ending after it) waits up to ``KILLED_RUN_WAIT_SECONDS``
+  for the lock, saying so in one line, then takes it or is refused as below; a live holder is refused at once;
 * within one process the lock is shared: a second ``RunLock`` on the same folder is the same run and counts up;
 * the lock file is opened without following a link and without waiting on a FIFO: a symlink, FIFO or anything
   but a regular file in its place is refused in one line (remove it), never written through, truncated or
@@ -36,6 +41,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -44,7 +50,7 @@ from pathlib import Path
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.ondisk import layout, paths
-from automodel_ckpt.distributed.lifeline import LAUNCHER_PID_ENV
+from automodel_ckpt.distributed.lifeline import LAUNCHER_PID_ENV, alive as _alive
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -65,6 +71,9 @@ class _Held:
 
 _HELD: dict[str, _Held] = {}  # this process's locks, by the lock file's real path
 _MUTEX = threading.Lock()
+_OPEN: set[int] = set()  # every descriptor of a lock file open in this process (a forked child closes them)
+KILLED_RUN_WAIT_SECONDS = 15.0  # how long a run waits for what a killed run left holding the lock
+_POLL_SECONDS = 0.05
 
 
 class RunLock:
@@ -116,32 +125,41 @@ class RunLock:
     def holder(self) -> str | None:
         """Who holds the lock (host, pid, since when), or None when nobody does. Never takes it; a lock file that
         is a symlink, FIFO or other non-regular file is refused (``CheckpointError``)."""
+        held, info = self._record()
+        return _describe(info) if held else None
+
+    def refuse_if_held(self) -> None:
+        """``FolderInUseError`` if another run holds the folder now (a check before starting workers, which then
+        take the lock themselves); what a killed run left holding it is waited for first (``_Wait``)."""
+        waiting = _Wait(self.folder)
+        while True:
+            held, info = self._record()
+            if not held:
+                return
+            if not waiting.on(info):
+                raise FolderInUseError(self._in_use(_describe(info), waiting))
+
+    def _record(self) -> tuple[bool, dict | None]:
+        """Whether another open file holds the lock, and the holder's record. Never takes it."""
         try:
             fd = self._open(os.O_RDONLY)
         except FileNotFoundError:
-            return None
+            return False, None
         except OSError as exc:
             if exc.errno in _NOT_REGULAR:
                 raise self._not_regular() from None
-            return None
+            return False, None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return _describe(_read_holder(fd))
+                return True, _read_holder(fd)
             except OSError:
-                return None
+                return False, None
             fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
+            return False, None
         finally:
-            os.close(fd)
-
-    def refuse_if_held(self) -> None:
-        """``FolderInUseError`` if another run holds the folder now (a check before starting workers, which then
-        take the lock themselves)."""
-        who = self.holder()
-        if who is not None:
-            raise FolderInUseError(self._in_use(who))
+            _close(fd)
 
     def _key(self) -> str:
         """This process's key for the lock: the lock file's path in the resolved folder (the folder is the user's
@@ -152,12 +170,13 @@ class RunLock:
         """The lock file opened with ``flags``, never through a symlink nor waiting on a FIFO; ``OSError`` with
         errno ``ELOOP`` or ``EFTYPE``-like ``EINVAL`` when it is no regular file."""
         fd = os.open(self._key(), flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        _OPEN.add(fd)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", self._key())
             os.set_blocking(fd, True)
         except BaseException:
-            os.close(fd)
+            _close(fd)
             raise
         return fd
 
@@ -169,13 +188,15 @@ class RunLock:
         return CheckpointError(f"checkpoint.checkpoint_dir '{self.folder}': the run lock '{self.path}' is {kind}; "
                                "a run only locks a regular file of its own there: remove it and start again")
 
-    def _in_use(self, who: str) -> str:
-        return (f"checkpoint.checkpoint_dir '{self.folder}' is in use by another run ({who}); wait for it to end "
-                f"or stop it, or choose another checkpoint.checkpoint_dir (lock: {self.path})")
+    def _in_use(self, who: str, waiting: _Wait | None = None) -> str:
+        held = f" and still holds it after {waiting.seconds:.0f} s" if waiting is not None and waiting.started else ""
+        return (f"checkpoint.checkpoint_dir '{self.folder}' is in use by another run ({who}){held}; wait for it to "
+                f"end or stop it, or choose another checkpoint.checkpoint_dir (lock: {self.path})")
 
     def _lock_file(self) -> int | None:
         """An open descriptor of the lock file, locked; None where the filesystem has no locks (with a warning)."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        waiting = _Wait(self.folder)
         while True:
             try:
                 fd = self._open(os.O_RDWR | os.O_CREAT)
@@ -186,11 +207,13 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                who = _describe(_read_holder(fd))
-                os.close(fd)
-                raise FolderInUseError(self._in_use(who)) from None
+                info = _read_holder(fd)
+                _close(fd)
+                if waiting.on(info):
+                    continue
+                raise FolderInUseError(self._in_use(_describe(info), waiting)) from None
             except OSError as exc:
-                os.close(fd)
+                _close(fd)
                 if exc.errno not in _UNSUPPORTED:
                     raise
                 warnings.warn(f"checkpoint.checkpoint_dir '{self.folder}': the filesystem refuses file locks "
@@ -202,7 +225,7 @@ class RunLock:
                 same = False
             if same:
                 return fd
-            os.close(fd)
+            _close(fd)
 
 
 def _drop(path: str, fd: int) -> None:
@@ -213,7 +236,66 @@ def _drop(path: str, fd: int) -> None:
             os.unlink(path)  # while still locked: a run that opened this file meanwhile retries on a new one
     except OSError:
         pass
+    _close(fd)
+
+
+def _close(fd: int) -> None:
+    _OPEN.discard(fd)
     os.close(fd)
+
+
+def _forget_in_child() -> None:
+    """In a process just forked (a DataLoader worker...): close its copies of the lock descriptors, so that only the
+    run's own process ever holds the lock (closing a copy leaves the parent's lock as it is), and hold nothing."""
+    global _MUTEX
+    _MUTEX = threading.Lock()  # another thread of the parent may have held it at the fork
+    for fd in set(_OPEN) | {held.fd for held in _HELD.values()}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OPEN.clear()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+class _Wait:
+    """Waiting for what a killed run left holding the lock: ``on(record)`` says whether to try again (after a short
+    pause, once the line saying so is printed) or to refuse: the holder is alive, or the wait is over."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.seconds = folder, KILLED_RUN_WAIT_SECONDS
+        self.started: float | None = None
+
+    def on(self, info: dict | None) -> bool:
+        killed = _killed(info)
+        if killed is None:
+            return False
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+            print(f"checkpoint.checkpoint_dir '{self.folder}': waiting for the workers of a killed run ({killed}) "
+                  f"to exit (up to {self.seconds:.0f} s)", file=sys.stderr, flush=True)
+        elif now - self.started >= self.seconds:
+            return False
+        time.sleep(_POLL_SECONDS)  # polling the lock: it is free once the last of those processes has ended
+        return True
+
+
+def _killed(info: dict | None) -> str | None:
+    """``pid P, launcher pid L`` when the record names a run of this host that was killed: its process, or its
+    launcher, is gone (what holds the lock then is a process it left behind, ending too); None otherwise."""
+    if not info or info.get("host") != socket.gethostname():
+        return None
+    pid, launcher = info.get("pid"), info.get("launcher_pid")
+    if not isinstance(pid, int) or pid <= 0 or not (launcher is None or isinstance(launcher, int) and launcher > 0):
+        return None
+    if _alive(pid) and (launcher is None or _alive(launcher)):
+        return None
+    return f"pid {pid}" + (f", launcher pid {launcher}" if launcher else "")
 
 
 @atexit.register

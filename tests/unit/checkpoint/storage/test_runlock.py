@@ -1,13 +1,17 @@
-"""One run per checkpoint folder: a second process is refused naming the holder; a killed holder never blocks."""
+"""One run per checkpoint folder: a second process is refused naming the holder; a killed holder never blocks, nor
+do the processes it forked (they hold nothing, die with it, and are waited for a bounded time if still there)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +29,11 @@ HOLD = textwrap.dedent("""
 """)
 
 
-def _holder(folder: Path) -> subprocess.Popen:
-    """Another process that takes ``folder`` and keeps it until killed."""
+def _holder(folder: Path, launcher: int | None = None) -> subprocess.Popen:
+    """Another process that takes ``folder`` and keeps it until killed; its launcher is this process (alive)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), AUTOMODEL_CKPT_LAUNCHER_PID=str(launcher or os.getpid()))
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO), AUTOMODEL_CKPT_LAUNCHER_PID="4242"))
+                            env=env)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -41,7 +46,7 @@ def test_a_second_process_is_refused_naming_the_holder_and_a_killed_holder_never
             lock.acquire()
         message = str(err.value)
         assert len(message.splitlines()) == 1 and str(tmp_path) in message
-        assert f"host {socket.gethostname()}, pid {other.pid} (launcher pid 4242), since " in message
+        assert f"host {socket.gethostname()}, pid {other.pid} (launcher pid {os.getpid()}), since " in message
         assert lock.holder() is not None and f"pid {other.pid}" in lock.holder()
         with pytest.raises(FolderInUseError):
             lock.refuse_if_held()
@@ -116,3 +121,129 @@ def test_a_checkpointer_takes_its_folder_before_writing_and_gives_it_up_at_final
     ck.finalize()
     assert not (tmp_path / "run" / layout.RUN_LOCK).exists()
     assert RunLock(tmp_path / "run").holder() is None
+
+
+# --- what a killed run leaves behind ----------------------------------------------------------------------------
+FORKS = textwrap.dedent("""
+    import os, signal, sys
+    from automodel_ckpt.checkpoint.storage.runlock import RunLock
+    from automodel_ckpt.distributed.lifeline import children_die_with_this_process
+    if sys.argv[2] == "bound":
+        children_die_with_this_process()
+    RunLock(sys.argv[1]).acquire()
+    child = os.fork()
+    if child == 0:  # a DataLoader worker's way: forked, and left to run until something ends it
+        while True:
+            signal.pause()
+    print(child, flush=True)
+    sys.stdin.readline()
+    os.kill(os.getpid(), 9)  # the holder is killed: only what it forked may still hold the lock
+""")
+
+
+def _forking_holder(folder: Path, bound: bool) -> tuple[subprocess.Popen, int]:
+    """A process that takes ``folder``, forks a child that lives on, and is SIGKILLed when told (a line on stdin)."""
+    proc = subprocess.Popen([sys.executable, "-c", FORKS, str(folder), "bound" if bound else "free"], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return proc, int(proc.stdout.readline())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_a_process_forked_by_the_holder_never_holds_the_lock(tmp_path):
+    holder, child = _forking_holder(tmp_path, bound=False)
+    try:
+        assert RunLock(tmp_path).holder() is not None  # the holder has it
+        holder.stdin.write("kill\n")
+        holder.stdin.flush()
+        holder.wait()
+        assert _alive(child)  # its child lives on (nothing ends it here), yet holds nothing
+        assert RunLock(tmp_path).holder() is None
+        RunLock(tmp_path).acquire()  # at once: a third process takes the folder
+    finally:
+        os.kill(child, signal.SIGKILL)
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_process_forked_by_a_rank_dies_with_it(tmp_path):
+    holder, child = _forking_holder(tmp_path, bound=True)
+    os.kill(child, signal.SIGSTOP)  # stopped: it cannot end by itself; only a SIGKILL ends it
+    holder.stdin.write("kill\n")
+    holder.stdin.flush()
+    holder.wait()
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if _alive(child):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the forked child outlived the process that forked it")
+
+
+def test_a_killed_runs_leftover_holder_is_waited_for_in_one_line_then_the_folder_is_taken(tmp_path, capfd):
+    import fcntl
+
+    fd = os.open(tmp_path / layout.RUN_LOCK, os.O_RDWR | os.O_CREAT)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()  # a pid that no longer runs: the killed run's rank 0
+    record = {"host": socket.gethostname(), "pid": dead.pid, "since": 1.0, "launcher_pid": None}
+    os.write(fd, json.dumps(record).encode() + b"\n")
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held by what the killed run left behind (here: another open file)
+    # it ends while the next run waits: a thread stands for it, closing its descriptor once the wait is announced
+    released = threading.Event()
+
+    def leftover_ends() -> None:
+        deadline = time.monotonic() + 60
+        while "waiting for the workers of a killed run" not in capfd.readouterr().err and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.close(fd)
+        released.set()
+
+    thread = threading.Thread(target=leftover_ends)
+    thread.start()
+    lock = RunLock(tmp_path)
+    try:
+        lock.acquire()  # waits, then takes it
+    finally:
+        thread.join()
+    assert released.is_set() and lock.held
+    lock.release()
+
+
+def test_a_killed_runs_leftover_holder_is_waited_for_a_bounded_time_and_a_live_one_not_at_all(tmp_path, monkeypatch,
+                                                                                             capfd):
+    from automodel_ckpt.checkpoint.storage import runlock
+
+    monkeypatch.setattr(runlock, "KILLED_RUN_WAIT_SECONDS", 0.2)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    # the launcher is dead, the recorded pid too: waited for, then refused (it never ended)
+    other = _holder(tmp_path, launcher=dead.pid)
+    try:
+        for attempt in (RunLock(tmp_path).acquire, RunLock(tmp_path).refuse_if_held):
+            with pytest.raises(FolderInUseError, match=r"in use by another run .* and still holds it after 0 s"):
+                attempt()
+            err = capfd.readouterr().err.strip().splitlines()
+            assert err == [f"checkpoint.checkpoint_dir '{tmp_path}': waiting for the workers of a killed run "
+                           f"(pid {other.pid}, launcher pid {dead.pid}) to exit (up to 0 s)"]
+    finally:
+        other.kill()
+        other.wait()
+    # a live holder with a live launcher: refused at once, nothing said
+    monkeypatch.setattr(runlock, "KILLED_RUN_WAIT_SECONDS", 600)
+    other = _holder(tmp_path)
+    try:
+        with pytest.raises(FolderInUseError) as refused:
+            RunLock(tmp_path).acquire()
+        assert "still holds it" not in str(refused.value)
+        assert capfd.readouterr().err == ""
+    finally:
+        other.kill()
+        other.wait()
