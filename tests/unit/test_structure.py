@@ -449,3 +449,90 @@ def test_the_launcher_checks_a_recipe_without_the_training_stack():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+# --- the recipe side: four calls of the checkpointer, faces only, imports only downwards --------------------------
+
+RECIPE_CHECKPOINTER_CALLS = {"resume", "step_end", "fence", "finalize"}
+
+
+def checkpointer_members(source: str) -> set[str]:
+    """The members of the checkpointer that ``source`` uses: ``self.checkpointer.X`` and ``checkpointer.X``."""
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "checkpointer") or \
+                    (isinstance(owner, ast.Name) and owner.id == "checkpointer"):
+                used.add(node.attr)
+    return used
+
+
+def test_a_recipe_makes_four_calls_of_the_checkpointer():
+    """restore (``resume``), the step-end call, ``fence`` and ``finalize``: deciding when to save, saving, the cost
+    report and the node-local tier's faults are the checkpointer's (``checkpoint/cycle.py``)."""
+    used = set()
+    for path in [*sorted((PACKAGE / "recipes").glob("*.py")), REPO / "examples" / "custom_recipe.py"]:
+        used |= checkpointer_members(path.read_text(encoding="utf-8"))
+    assert used <= RECIPE_CHECKPOINTER_CALLS, sorted(used - RECIPE_CHECKPOINTER_CALLS)
+    assert len(used) <= 4
+    assert checkpointer_members("self.checkpointer.save(s, i)\nc = checkpointer.local_due(3)\n") == {"save",
+                                                                                                  "local_due"}
+
+
+def test_the_example_recipe_is_whole_in_sixty_lines():
+    """docs/custom-recipes.md's recipe from ``BaseRecipe``: every guarantee in at most 60 lines."""
+    source = (REPO / "examples" / "custom_recipe.py").read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= 60
+    assert "BaseRecipe" in source and "FinetuneRecipe" not in source
+
+
+def test_code_outside_tracking_imports_only_its_face():
+    face = "automodel_ckpt.tracking"
+    faces = {face: set(importlib.import_module(face).__all__)}
+    offenders = {}
+    for path in [p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(PACKAGE / "tracking")] + \
+            sorted((REPO / "tools").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py")):
+        found = imports_past_the_faces(path.read_text(encoding="utf-8"), faces)
+        if found:
+            offenders[str(path.relative_to(REPO))] = found
+    assert offenders == {}, f"import these through automodel_ckpt.tracking: {offenders}"
+
+
+# the floors of the house, top down: a module imports only its own room and the rooms on floors below it
+FLOORS = [
+    {"__main__"},
+    {"cli", "recipes"},
+    {"data"},
+    {"config"},
+    {"models", "tracking", "interop"},
+    {"training"},
+    {"checkpoint"},
+    {"ondisk", "launch"},
+    {"distributed"},
+    {"errors", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
+]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def arrows_back_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports (lazy ones included) from a room to another room on its floor or a higher one (rooms not in
+    ``FLOORS`` are not judged)."""
+    floor = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+    out = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = _room(name), _room(target)
+            if a != b and floor.get(a, -1) >= floor.get(b, len(FLOORS)):
+                out.append(f"{name} -> {target}")
+    return out
+
+
+def test_no_import_runs_back_up():
+    assert arrows_back_up(_import_graph(PACKAGE)) == []
+    planted = {"automodel_ckpt.distributed.fsdp": {"automodel_ckpt.models.lora"}}
+    assert arrows_back_up(planted) == ["automodel_ckpt.distributed.fsdp -> automodel_ckpt.models.lora"]
