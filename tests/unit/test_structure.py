@@ -485,6 +485,7 @@ def test_the_example_recipe_is_whole_in_sixty_lines():
     source = (REPO / "examples" / "custom_recipe.py").read_text(encoding="utf-8")
     assert len(source.splitlines()) <= 60
     assert "BaseRecipe" in source and "FinetuneRecipe" not in source
+    assert f"```python\n{source}```" in (REPO / "docs" / "custom-recipes.md").read_text(encoding="utf-8")
 
 
 def test_code_outside_tracking_imports_only_its_face():
