@@ -96,7 +96,8 @@ def test_resume_on_3_with_workers_then_1_then_tp2_sees_the_same_sequences(corpus
     assert f"{12 * 12 * 32} tokens consumed" in shown.stdout
 
 
-def _loader_ids(recipe: Path, assets: Path, steps: int, rank: int = 0, dp: int = 1) -> tuple[list[int], list[int]]:
+def _loader_ids(recipe: Path, assets: Path, steps: int, rank: int = 0, dp: int = 1,
+                workers: int = 0) -> tuple[list[int], list[int]]:
     """The ids rank ``rank`` of ``dp`` trains on in ``steps`` steps, computed in this process as the training loader
     makes them (``build_streamed``), and the tokens per source it reports."""
     from types import SimpleNamespace
@@ -106,7 +107,7 @@ def _loader_ids(recipe: Path, assets: Path, steps: int, rank: int = 0, dp: int =
     from automodel_ckpt.data.stream.build import build_streamed
     from automodel_ckpt.models.build import build_tokenizer
 
-    cfg = load_config(str(recipe), list(KEYS), RecipeConfig)
+    cfg = load_config(str(recipe), [*KEYS, "--data.num_workers", str(workers)], RecipeConfig)
     dims = SimpleNamespace(dp_rank=rank, dp_size=dp, sum_over_dp=lambda t: t)
     loader, _, _ = build_streamed(cfg, build_tokenizer(str(assets / "tiny_llama_base")), dims, log_ids=False)
     ids = [int(x) for _ in range(steps) for mb in loader.next_batch()[1] for x in mb.sample_ids.tolist()]
@@ -151,7 +152,8 @@ def test_a_corrupt_row_and_a_changed_corpus_are_one_line_each(corpus, assets, tm
     assert any(x.startswith("[rank 1] error:") and "row 40: bad JSON" in x for x in lines)  # every rank stops there
 
 
-def test_a_corpus_on_s3_is_read_and_resumed_with_the_local_runs_sequences(corpus, assets, straight, seaweed, tmp_path):
+def test_a_corpus_on_s3_is_read_and_resumed_with_the_local_runs_sequences(corpus, assets, straight, seaweed, tmp_path,
+                                                                           monkeypatch):
     root, _, _ = corpus
     fs, bucket = seaweed.filesystem(), seaweed.new_bucket()
     for f in sorted((root / "train").iterdir()):
@@ -167,6 +169,26 @@ def test_a_corpus_on_s3_is_read_and_resumed_with_the_local_runs_sequences(corpus
     assert [got[s]["sample_ids"] for s in range(1, 7)] == [straight[s]["sample_ids"] for s in range(1, 7)]
     meta = read_metadata(tmp_path / "s3run" / "epoch_0_step_6")
     assert meta["extra"]["data_position"]["sources"][0]["path"].startswith(f"s3://{bucket}/corpus/train-")
+    # each object read by one rank (2 ranks, 6 lanes: no redundancy), counted where the readers open it
+    from automodel_ckpt.data.stream import stream as stream_module
+    from automodel_ckpt.data.stream.loader import lanes_of
+    from automodel_ckpt.data.stream.order import shard_order
+
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    opened: list[str] = []
+    real = stream_module.read_rows
+    monkeypatch.setattr(stream_module, "read_rows", lambda path, *a, **k: (opened.append(path), real(path, *a, **k))[1])
+    units = sorted(f"s3://{bucket}/corpus/{f.name}" for f in (root / "train").iterdir())
+    first = shard_order(len(units), 42, 0, 0)  # the recipe's seed
+    by_rank = []
+    for rank in range(2):
+        opened.clear()
+        ids, _ = _loader_ids(recipe, assets, 3, rank=rank, dp=2)
+        assert ids == [i for s in range(1, 4) for i in straight[s]["sample_ids"][rank::2]]
+        assert sorted(opened) == sorted(units[first[lane]] for lane in lanes_of(rank, 2, 6)), rank  # once each
+        by_rank.append(set(opened))
+    assert not by_rank[0] & by_rank[1]
 
 
 def test_streamed_chats_take_the_loss_on_the_assistant_turns_only(assets, tmp_path, capsys, monkeypatch):
@@ -184,3 +206,13 @@ def test_streamed_chats_take_the_loss_on_the_assistant_turns_only(assets, tmp_pa
     marked = [piece.split("»")[0] for line in rows for piece in line.split("«")[1:]]
     assert marked and all(m.removesuffix("</s>").isdigit() for m in marked if m.removesuffix("</s>"))
     assert "user:" in out and "«user" not in out
+
+
+def test_preview_ids_prints_a_ranks_training_ids_and_nothing_else(corpus, assets, straight, capsys, monkeypatch):
+    from automodel_ckpt import cli
+
+    _, recipe, _ = corpus
+    monkeypatch.setenv("AUTOMODEL_CKPT_ASSETS", str(assets))
+    assert cli.main(["preview", str(recipe), "--ids", "--num", "12", "--rank", "1", "--world-size", "2", *KEYS]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [str(i) for s in (1, 2) for i in straight[s]["sample_ids"][1::2]]
