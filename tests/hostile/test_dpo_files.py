@@ -6,7 +6,7 @@ that is a pickle of anything else (one that would run code included), shorter or
 NaN or an infinity, a FIFO, a link out of the run folder, or a ``ref_log_probs`` folder that is such a link is
 refused in one line naming the file, with a non-zero exit; nothing runs, and nothing outside the case is opened or
 written (inotify, snapshot). A ``dpo.pt`` of the wrong type, or with counters of the wrong type, is one line naming
-the file (after the line naming the checkpoint being loaded), with a non-zero exit.
+the file (its path in the checkpoint), with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def _counters(value):
     return tamper
 
 
-DPO_PT = {"a list": (_counters([3, 24]), "dpo.pt holds a list, not the preference counters"),
-          "a tensor": (_counters(torch.zeros(4)), "dpo.pt holds a Tensor"),
+DPO_PT = {"a list": (_counters([3, 24]), "the preference counters are a list, not a mapping"),
+          "a tensor": (_counters(torch.zeros(4)), "the preference counters are a Tensor"),
           "a string count": (_counters({"dpo_step": "2", "consumed_pairs": 16}), "'dpo_step' is a string"),
           "a negative count": (_counters({"dpo_step": 2, "consumed_pairs": -16}), "'consumed_pairs' is the integer -16"),
           "a fingerprint that is a path": (_counters({"dpo_step": 2, "ref_log_probs_key": "../../x"}),
@@ -151,7 +151,7 @@ DPO_PT = {"a list": (_counters([3, 24]), "dpo.pt holds a list, not the preferenc
 @pytest.mark.parametrize("label", list(DPO_PT))
 def test_a_dpo_pt_of_the_wrong_type_is_one_line_naming_it(dpo_case, label):
     """The newest checkpoint (a copy of step 2 as step 3, resealed: only its ``dpo.pt`` differs) is refused in one
-    line naming its ``dpo.pt``, after the line that names the checkpoint being loaded; nothing is trained on it."""
+    line naming its ``dpo.pt`` by its path; nothing is trained on it."""
     case, _ = dpo_case
     run = case.work / "run"
     tamper, expected = DPO_PT[label]
@@ -161,6 +161,6 @@ def test_a_dpo_pt_of_the_wrong_type_is_one_line_naming_it(dpo_case, label):
     tamper(checkpoint)
     reseal(checkpoint)
     outcome = case.verb(*_dpo(4), timeout=FIFO_TIMEOUT)
-    refused(outcome, "the checkpoint's dpo.pt", expected)
+    refused(outcome, "'run/epoch_0_step_3/dpo.pt': the preference counters", expected)
     assert "Loading checkpoint from run/epoch_0_step_3\n" in outcome.output, outcome
     assert "Saving checkpoint" not in outcome.output, outcome

@@ -27,7 +27,7 @@ from automodel_ckpt.checkpoint.state import plan_state
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.distributed.env import DistEnv, barrier
 from automodel_ckpt.distributed.mesh import ParallelDims
-from automodel_ckpt.errors import CheckpointError, warn
+from automodel_ckpt.errors import CheckpointError, UserError, first_line, warn
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class CheckpointLoader:
         dp_rank, dp_size = self.dims.dp_rank, self.dims.dp_size
         if saved_dp != dp_size and hasattr(obj, "reshard_state"):
             saved = functools.partial(_load_rank_file, path, attr)
-            obj.load_state_dict(obj.reshard_state(saved, saved_dp, dp_rank, dp_size))
+            _named(path / attr, lambda: obj.load_state_dict(obj.reshard_state(saved, saved_dp, dp_rank, dp_size)))
         else:
             self._load_file(attr, obj, path / layout.rank_state_file(attr, dp_rank))
 
@@ -118,7 +118,19 @@ class CheckpointLoader:
                 warnings.warn(f"checkpoint has no state for '{attr}' ({file} missing); '{attr}' starts fresh",
                               stacklevel=4)
             return
-        obj.load_state_dict(load_pt(file))
+        state = load_pt(file)
+        _named(file, lambda: obj.load_state_dict(state))
+
+
+def _named(where: Path, load: Callable[[], None]) -> None:
+    """``load()``, a state's ``load_state_dict`` of what was read from ``where`` (untrusted): a one-line refusal of
+    it names that file (or folder), its type kept (a damaged file still sets its checkpoint aside)."""
+    try:
+        load()
+    except UserError as exc:
+        if str(where) not in str(exc):
+            exc.args = (f"'{where}': {first_line(exc)}",)
+        raise
 
 
 def _load_rank_file(path: Path, attr: str, rank: int) -> Any:

@@ -1,8 +1,9 @@
 """A restored stream position's fields against their real bounds: rows in their files, counts that add up.
 
 A position read from a checkpoint is untrusted. Its shape, its indices into the shard list and its buffer size are
-checked when the loader reads it (``position``); what only the corpus and the stream know is checked here, when a
-stream restores it (``GlobalStream._restore``), before any row is read back or any token packed:
+checked when the loader reads it (``position``); what only the corpus knows is checked here, when the loader reads
+it too (``check_fields``: the refusal then names the checkpoint's file) and again when a stream restores it
+(``GlobalStream._restore``), before any row is read back or any token packed:
 
 * every row reference (the shuffle buffer's, the pending documents', the next row of the shard being read) lies
   inside its file: a byte offset below the size of an uncompressed json-lines or text file, a row number inside a
@@ -19,9 +20,12 @@ Each failure is one line (``DataError``) saying which field, and the value again
 
 from __future__ import annotations
 
+from types import SimpleNamespace as _View
 from typing import Any
 
 from automodel_ckpt.data.stream.readers import DataError
+
+_COUNTERS = ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens")
 
 
 def malformed(what: str) -> DataError:
@@ -85,6 +89,24 @@ def check_restored(stream: Any) -> None:
         raise malformed(f"{len(stream.pending)} pending documents of {stream.docs} drawn")
     if stream.trained_epoch > max((src.epoch for src in stream.sources), default=0):
         raise malformed(f"the data trained on is of epoch {stream.trained_epoch}, past every source's")
+
+
+def check_fields(p: dict[str, Any], shards: list[list[Any]], corpus: Any, seq_length: int) -> None:
+    """``check_restored`` of a position as read from a checkpoint (one stream's: a lane's, or the one global stream's;
+    its shape already checked), against the corpus's ``shards`` (``Shard`` lists, one per source) of ``corpus``:
+    when the checkpoint is loaded, so that the refusal names its file."""
+    from automodel_ckpt.data.stream.corpus import file_format
+
+    sources = []
+    for i, (rec, listed) in enumerate(zip(p["sources"], shards)):
+        src = _View(index=i, shards=listed, fmt=[file_format(s.path, corpus.sources[i].format) for s in listed],
+                    **{k: rec[k] for k in _COUNTERS})
+        src.buffer = [_View(source=i, shard=sh, key=k, epoch=0) for sh, k in zip(rec["buffer_shards"],
+                                                                                  rec["buffer_keys"])]
+        sources.append(src)
+    check_restored(_View(settings=_View(seq_length=seq_length), sources=sources, docs=p["docs"],
+                         sequences=p["sequences"], trained_epoch=p["epoch"],
+                         pending=[_View(source=s, shard=sh, key=k, epoch=e) for s, sh, k, e in p["pending"]]))
 
 
 def check_carry(stream: Any) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from automodel_ckpt.data.loader import MicroBatch
+from automodel_ckpt.data.stream.bounds import check_fields
 from automodel_ckpt.data.stream.corpus import Corpus, Shard
 from automodel_ckpt.data.stream.order import sequence_id
 from automodel_ckpt.data.stream.position import (LANES_VERSION, check_corpus, check_lane, check_position,
@@ -343,6 +344,7 @@ class StreamLoader:
             if lane in positions:
                 check_lane(positions[lane], counts[lane], shards, self.settings.shuffle_buffer // self.lanes or 1,
                            -(-(sequences - lane) // self.lanes))
+                check_fields(positions[lane], shards, self.corpus, self.settings.seq_length)
         self.shards = shards
         self.sequences = sequences
         self.positions = {lane: positions[lane] for lane in self.my_lanes if lane in positions}

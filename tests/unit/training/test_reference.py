@@ -106,8 +106,8 @@ def test_the_counters_of_a_checkpoint_are_checked_before_use():
     counters.load_state_dict({"dpo_step": 3, "consumed_pairs": 12, "last_sync_step": None,
                               "ref_log_probs_key": "0123abcd"})
     assert (counters.dpo_step, counters.consumed_pairs, counters.ref_syncs) == (3, 12, 0)
-    for state, match in [([1, 2], "dpo.pt holds a list, not the preference counters"),
-                         (torch.zeros(3), "dpo.pt holds a Tensor"),
+    for state, match in [([1, 2], "the preference counters are a list, not a mapping"),
+                         (torch.zeros(3), "the preference counters are a Tensor"),
                          ({"dpo_step": "3"}, "'dpo_step' is a string of 1 characters, not a count"),
                          ({"consumed_pairs": -1}, "'consumed_pairs' is the integer -1, not a count"),
                          ({"ref_syncs": 10**30}, "'ref_syncs' is an integer out of range"),
