@@ -68,11 +68,11 @@ class PreferenceCounters:
         return dict(vars(self))
 
     def load_state_dict(self, state: Any) -> None:
-        """The counters of a checkpoint (untrusted): each of the type it has here, else one line naming the file
-        (``CheckpointError``: a resume sets that checkpoint aside)."""
-        where = f"the checkpoint's {layout.global_state_file('dpo')}"
+        """The counters of a checkpoint (untrusted): each of the type it has here, else one line (``CheckpointError``;
+        the checkpoint's loader adds the file's name)."""
+        where = "the preference counters"
         if not isinstance(state, dict):
-            raise CheckpointError(f"{where} holds {_kind(state)}, not the preference counters")
+            raise CheckpointError(f"{where} are {_kind(state)}, not a mapping")
         for key, default in vars(PreferenceCounters()).items():
             value = state.get(key, default)
             if key in _COUNTS and not (type(value) is int and 0 <= value < 1 << 62):
