@@ -30,6 +30,7 @@ checkpoint_dir/
     ref_model/   a preference run's reference once synced from the policy (dpo.sync_ref_model): as model/
     dataloader/dataloader_dp_rank_R.pt
     rng/rng_dp_rank_R.pt
+    eval/<task>.json                 `ckpt-train eval`'s results: the harness's own results JSON of one task
 ```
 
 On an object store (``checkpoint_dir: s3://bucket/run``) the same names are object keys below the URL, with no
@@ -139,6 +140,9 @@ ARCHIVE_SUFFIX = ".tar"
 # --- quantized exports (`ckpt-train export --to gguf|int8`) -----------------------------------------------------
 GGUF_SUFFIX = ".gguf"
 INT8_EXPORT_DIR = "int8"  # default folder name of an int8 export, beside the checkpoint's consolidated/
+# --- `ckpt-train eval` -----------------------------------------------------------------------------------------
+EVAL_DIR = "eval"  # the harness's results JSON of each task, in the checkpoint or folder evaluated
+EVAL_SUFFIX = ".json"
 # Tokenizer (and image-text processor) files a Hugging Face model folder may hold (copied from a base folder when
 # no tokenizer is given).
 HF_TOKENIZER_FILES = (
@@ -359,6 +363,17 @@ def dcp_rank_file(rank: int) -> str:
 def is_dcp_data_file(filename: str) -> bool:
     """A DCP data file (``__R_K.distcp``, as torch's ``FileSystemWriter`` names them)."""
     return filename.startswith("__") and filename.endswith(".distcp")
+
+
+def eval_results_file(folder: Path, task: str) -> Path:
+    """``ckpt-train eval``'s results of ``task`` for the checkpoint or export folder ``folder``."""
+    return Path(folder) / EVAL_DIR / f"{task}{EVAL_SUFFIX}"
+
+
+def archive_eval_dir(archive: Path) -> Path:
+    """Where ``ckpt-train eval`` puts an archive's results: beside it, ``model.tar`` -> ``model.eval/``."""
+    archive = Path(archive)
+    return archive.parent / f"{archive.name.removesuffix(ARCHIVE_SUFFIX)}.{EVAL_DIR}"
 
 
 def model_dir(ckpt: Path) -> Path:

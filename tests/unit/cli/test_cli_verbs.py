@@ -11,7 +11,7 @@ from automodel_ckpt.cli.common import human_size
 
 POSITIONAL = {"consolidate": "ckpt", "inspect": "dir", "merge-lora": "ckpt", "verify": "path", "plot": "dir",
               "preview": "recipe.yaml", "gc": "s3://bucket/run", "pack": "ckpt",
-              "export": "ckpt", "average": "ckpt"}
+              "export": "ckpt", "average": "ckpt", "eval": "ckpt"}
 
 
 def test_help_lists_every_verb(capsys):
