@@ -164,3 +164,19 @@ def test_a_dpo_pt_of_the_wrong_type_is_one_line_naming_it(dpo_case, label):
     refused(outcome, "'run/epoch_0_step_3/dpo.pt': the preference counters", expected)
     assert "Loading checkpoint from run/epoch_0_step_3\n" in outcome.output, outcome
     assert "Saving checkpoint" not in outcome.output, outcome
+
+
+def test_a_table_of_hundreds_of_megabytes_is_refused_before_it_is_read(dpo_case, tmp_path):
+    """A stored table far larger than its pairs can take (a sparse file of 512 MiB) is refused from its size: the
+    resume's peak memory is that of a refusal of a small bad table, not the file's."""
+    case, table = dpo_case
+    _short(table, case.outside)
+    small = case.verb(*_dpo(3), timeout=FIFO_TIMEOUT)
+    refused(small, "this run has 64 pairs")
+    table.unlink()
+    with open(table, "wb") as f:
+        f.truncate(512 * 2**20)
+    outcome = case.verb(*_dpo(3), timeout=FIFO_TIMEOUT)
+    refused(outcome, f"run/ref_log_probs/{table.name}", f"are {512 * 2**20} bytes, more than")
+    grown = outcome.maxrss - small.maxrss
+    assert grown < 64 * 2**20, f"resident memory grew by {grown / 2**20:.0f} MiB:\n{outcome}"
