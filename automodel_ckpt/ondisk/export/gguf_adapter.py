@@ -55,14 +55,20 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
         raise UserError(f"--adapter: {config.get('model_type')} adapters are not written as GGUF adapters yet; "
                         "export the checkpoint merged (without --adapter)")
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    rank = int(settings.get("r") or 0)
-    alpha = float(settings.get("lora_alpha") or rank)
-    if settings.get("use_rslora"):
-        alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
     weights = adapter / layout.ADAPTER_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{adapter} has no {layout.ADAPTER_WEIGHTS}")
+    with safe_open(str(weights), framework="pt") as f:
+        keys = list(f.keys())
+    names = gguf.get_tensor_name_map(arch, _blocks(config, keys, base))  # the adapter's layers only: bounded
+    rank, alpha = settings.get("r") or 0, settings.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or \
+            not isinstance(alpha if alpha is not None else 0, (int, float)) or isinstance(alpha, bool):
+        raise CheckpointError(f"--adapter: {adapter / layout.ADAPTER_CONFIG} gives the rank {str(rank)[:40]} and "
+                              f"alpha {str(alpha)[:40]}; expected numbers")
+    alpha = float(alpha if alpha is not None else rank)
+    if settings.get("use_rslora"):
+        alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
     dtype, qname = _TYPES[type_name]
     out = Path(out)
     tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
@@ -76,9 +82,9 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
             for gguf_name, key, which, module in factors:
                 value = f.get_tensor(key)
                 if which == "B" and family.llama_rope and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
-                    heads = config["num_attention_heads"]
-                    value = permute_rotary(value, heads if ".attn_q." in gguf_name
-                                     else config.get("num_key_value_heads") or heads)
+                    heads = _heads(config, "num_attention_heads", value.shape[0]) if ".attn_q." in gguf_name \
+                        else _heads(config, "num_key_value_heads", value.shape[0], config.get("num_attention_heads"))
+                    value = permute_rotary(value, heads)
                 qtype = getattr(gguf.GGMLQuantizationType, qname)
                 data = value.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
                 writer.add_tensor(f"{gguf_name}.lora_{which.lower()}", data, raw_dtype=qtype,
@@ -97,6 +103,29 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
         raise
     return {"bytes": out.stat().st_size, "factors": len(factors), "rank": rank, "alpha": alpha,
             "base": str(base)}
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _blocks(config: dict[str, Any], keys: list[str], base: Path) -> int:
+    """The layers the adapter's factors name (the largest index, plus one), checked against the base's layer count
+    before the GGUF name map is built for them: a crafted count never sizes it."""
+    layers = config.get("num_hidden_layers")
+    found = [int(m.group(1)) for m in map(_LAYER.search, keys) if m]
+    need = max(found) + 1 if found else 1
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < need:
+        raise CheckpointError(f"--adapter: the base's config.json ({base}) gives num_hidden_layers "
+                              f"{str(layers)[:40]}, but the adapter adapts layer {need - 1}")
+    return need
+
+
+def _heads(config: dict[str, Any], key: str, rows: int, fallback: Any = None) -> int:
+    value = config.get(key) if config.get(key) is not None else fallback
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or rows % (2 * value):
+        raise CheckpointError(f"--adapter: the base's {key} is {str(value)[:40]}, which does not divide the "
+                              f"factor's {rows} rows into heads")
+    return value
 
 
 def _factors(keys: list[str], names: Any, where: Path) -> list[tuple[str, str, str, str]]:
