@@ -212,6 +212,8 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
     """The coordinator's CPU seconds at each rank count (see the module docstring), printed and written to ``out``."""
     import scale_sim
 
+    from automodel_ckpt.ondisk import plan_results, planning
+
     report: dict = {"layout": layout, "strategy": strategy, "tensors": len(scale_sim.params(layout)), "ranks": [],
                     "first_save_s": [], "next_save_s": [], "load_s": [], "reshard_load_s": [],
                     "object_bytes_per_rank": [], "next_object_bytes_per_rank": []}
@@ -231,6 +233,8 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
                "object_bytes_per_rank": first["object_bytes_per_rank"],
                "next_object_bytes_per_rank": second["object_bytes_per_rank"]}
         del first, second
+        planning.clear_cache()  # the next rank count's plans only
+        plan_results.clear_cache()
         for k, v in row.items():
             report[k].append(v)
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
