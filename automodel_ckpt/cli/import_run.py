@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> int:
 
     src = Path(args.src)
     run = read_source(src)  # every file of the source read and checked before anything is built
+    if run.schedule.target is None:
+        raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
     out = Path(args.out)
     from automodel_ckpt.ondisk import catalog
 
@@ -67,8 +70,9 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.checkpoint import SaveInfo
     from automodel_ckpt.interop.apply import apply
 
-    recipe.setup()
+    fresh = not out.exists()
     try:
+        recipe.setup()
         say = recipe.progress.write
         counters = apply(run, recipe, str(src), say)
         info = SaveInfo(counters["epoch"], counters["step"], counters["loss"], None, is_final=False,
@@ -76,7 +80,10 @@ def main(argv: list[str]) -> int:
         saved = recipe.checkpointer.save(recipe.checkpointed_state(), info)
         recipe.checkpointer.finalize()
     except BaseException:
-        recipe.checkpointer.abandon()
+        if getattr(recipe, "checkpointer", None) is not None:
+            recipe.checkpointer.abandon()
+        if fresh and out.is_dir() and not catalog.list_checkpoints(out):
+            shutil.rmtree(out, ignore_errors=True)  # the folder this import made, with nothing in it
         raise
     print(f"Imported {run.kind} as {saved} (step {counters['step']}, epoch {counters['epoch']}, "
           f"{counters['consumed_samples']} samples consumed); continue with: ckpt-train {args.recipe} "

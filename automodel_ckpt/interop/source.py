@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -114,7 +115,8 @@ def load_pickle(path: Path, what: str, limit: int, *, numpy: bool = False) -> An
     with ``torch.load(weights_only=True)`` after its size is checked; one-line refusals."""
     data = read_bytes(path, what, limit)
     try:
-        with torch.serialization.safe_globals(_numpy_types() if numpy else []):
+        with torch.serialization.safe_globals(_numpy_types() if numpy else []), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on the pickle protocol: the refusal below says enough
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - the weights-only unpickler and garbled files raise many types
         raise refuse(path, f"{what} holds what a checkpoint of tensors and numbers does not "
@@ -159,7 +161,8 @@ def load_record(path: Path, what: str, limit: int = SMALL_PICKLE) -> Record:
     if alien:
         raise refuse(path, f"{what} names {alien[0]!r}, which no training arguments hold")
     try:
-        with torch.serialization.safe_globals([(Record, n) for n in names]):
+        with torch.serialization.safe_globals([(Record, n) for n in names]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise refuse(path, f"{what} is unreadable ({type(exc).__name__}: {_first(exc)})") from None
@@ -181,5 +184,9 @@ def regular_files(folder: Path) -> list[str]:
 
 
 def _first(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
+    """The line of an unpickling error that says what was refused (torch's names the global), else its first."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    named = [line for line in text if line.startswith(("Unsupported", "Trying to", "Can only"))
+             or "GLOBAL" in line]
+    line = (named or text or [type(exc).__name__])[0]
+    return line.split(" was not an allowed global")[0][:200]

@@ -1,0 +1,129 @@
+"""The HF Trainer and Lightning on a tiny recipe's own rows, for the import and export tests (in this process, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RECIPE = """\
+seed: 42
+model:
+  _target_: automodel_ckpt.models.build.build_causal_lm
+  pretrained_model_name_or_path: {model}
+  embedded: tiny_llama
+  dtype: float32
+dataset:
+  _target_: automodel_ckpt.data.builtin.builtin_task_dataset
+  num_samples: 200
+  seed: 1234
+data:
+  seq_length: 16
+  val_size: 0
+  shuffle: false
+step_scheduler:
+  global_batch_size: 8
+  local_batch_size: 8
+  num_epochs: 3
+  max_steps: 10
+  ckpt_every_steps: 100
+optimizer:
+  _target_: torch.optim.AdamW
+  lr: 3.0e-3
+  weight_decay: 0.0
+  betas: [0.9, 0.95]
+lr_scheduler: {schedule}
+training:
+  max_grad_norm: 1.0
+  log_sample_ids: true
+  progress_bar: false
+checkpoint:
+  enabled: true
+  checkpoint_dir: checkpoints/
+  save_consolidated: false
+"""
+HF_LINEAR = "{_target_: automodel_ckpt.training.lr.linear_decay, warmup_steps: 2}"
+COSINE_ANNEALING = "{_target_: automodel_ckpt.training.lr.cosine_annealing, t_max: 10}"
+LORA = "peft: {method: lora, rank: 4, alpha: 8, dropout: 0.0, target_modules: [q_proj, v_proj]}\n"
+BATCH, STEPS, SAVED_AT = 8, 10, 6
+
+
+def write_recipe(folder: Path, assets: Path, schedule: str, *, lora: bool = False) -> Path:
+    path = folder / "recipe.yaml"
+    path.write_text(RECIPE.format(model=assets / "tiny_llama_base", schedule=schedule) + (LORA if lora else ""))
+    return path
+
+
+def recipe_rows(recipe: Path) -> list[dict]:
+    """The recipe's training rows as the model sees them (input ids, labels, attention mask), in order."""
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.data.pipeline import prepare_data
+    from automodel_ckpt.models.build import build_tokenizer
+
+    cfg = load_config(str(recipe), [], RecipeConfig)
+    data = prepare_data(cfg, build_tokenizer(cfg.model.pretrained_model_name_or_path)).train
+    keys = ("input_ids", "labels", "attention_mask")
+    return [{k: v[0] for k, v in data.batch([i]).items() if k in keys} for i in range(len(data))]
+
+
+def _model(assets: Path, lora: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    return model
+
+
+class LossTrainer:
+    """An HF ``Trainer`` (sequential sampler, the recipe's hyperparameters) recording each step's loss."""
+
+    def __init__(self, out: Path, rows: list[dict], assets: Path, *, lora: bool = False, schedule: str = "linear"):
+        from transformers import Trainer, TrainingArguments, default_data_collator
+
+        args = TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, save_steps=SAVED_AT,
+            save_strategy="steps", learning_rate=3e-3, lr_scheduler_type=schedule, warmup_steps=2, weight_decay=0.0,
+            adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, train_sampling_strategy="sequential", report_to=[],
+            use_cpu=True, seed=42, disable_tqdm=True, save_only_model=False)
+        self.trainer = Trainer(model=_model(assets, lora), args=args, train_dataset=rows,
+                               data_collator=default_data_collator)
+
+    def train(self, resume: Path | None = None) -> dict[int, float]:
+        self.trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        return {h["step"]: h["loss"] for h in self.trainer.state.log_history if "loss" in h}
+
+
+def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path | None = None) -> dict[int, float]:
+    """Lightning on a plain ``DataLoader(shuffle=False)``, CosineAnnealingLR per step; each step's loss."""
+    import lightning as L
+    import torch
+    from transformers import default_data_collator
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _model(assets, False)
+            self.losses: dict[int, float] = {}
+
+        def training_step(self, batch, index):
+            loss = self.model(**batch).loss
+            self.losses[self.global_step + 1] = loss.item()
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
+                opt, T_max=STEPS), "interval": "step"}}
+
+    module = Module()
+    loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False, collate_fn=default_data_collator)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
+    trainer.fit(module, loader)
+    if save is not None:
+        trainer.save_checkpoint(str(save))
+    return module.losses

@@ -1,0 +1,153 @@
+"""Runs cross trainers: an HF Trainer or Lightning checkpoint imported and continued here (1 and 2 processes), ours
+exported and continued by the HF Trainer, a LoRA run, and hostile sources refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.integration import foreign_trainers as ft
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl, run_command
+
+
+def _import(tmp: Path, assets: Path, src: Path, recipe: Path, out: str = "run", *extra: str):
+    return run_command([CKPT_TRAIN, "import", str(src), str(recipe), "--out", out, *extra], cwd=tmp,
+                       env=env_for(assets), timeout=600)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in jsonl(run_dir / "training.jsonl")}
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], steps=range(ft.SAVED_AT + 1, ft.STEPS + 1)):
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory, assets):
+    """The HF Trainer's checkpoint-6 of the linear-warmup recipe and its own continuation's losses (steps 7-10)."""
+    folder = tmp_path_factory.mktemp("hf_trainer")
+    recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR)
+    rows = ft.recipe_rows(recipe)
+    ft.LossTrainer(folder / "out", rows, assets).train()
+    continued = ft.LossTrainer(folder / "again", rows, assets).train(resume=folder / "out" / "checkpoint-6")
+    return folder / "out" / "checkpoint-6", recipe, continued, rows
+
+
+def test_an_hf_trainer_run_continues_here_on_one_and_two_processes(tmp_path, assets, hf_run):
+    checkpoint, recipe, continued, _ = hf_run
+    done = _import(tmp_path, assets, checkpoint, recipe)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Imported HF Trainer checkpoint (step 6) as run/epoch_0_step_6" in done.stdout
+    shutil.copytree(tmp_path / "run", tmp_path / "run2")
+    for nproc, run in ((1, "run"), (2, "run2")):
+        ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", run, "--step_scheduler.local_batch_size",
+                   str(ft.BATCH // nproc), recipe=recipe, nproc=nproc)
+        records = {r["step"]: r for r in jsonl(tmp_path / run / "training.jsonl")}
+        assert sorted(records) == list(range(1, 11))  # the Trainer's logged steps, then ours
+        assert records[7]["sample_ids"] == list(range(48, 56))  # the rows the Trainer would take next
+        _assert_close({s: r["loss"] for s, r in records.items()}, continued)
+
+
+def test_a_lightning_run_continues_here(tmp_path, assets):
+    recipe = ft.write_recipe(tmp_path, assets, ft.COSINE_ANNEALING)
+    rows = ft.recipe_rows(recipe)
+    ft.lightning_fit(rows, assets, ft.SAVED_AT, save=tmp_path / "six.ckpt")
+    # Lightning's own resume restarts the epoch of a plain DataLoader; its uninterrupted run is the reference
+    straight = ft.lightning_fit(rows, assets, ft.STEPS)
+    done = _import(tmp_path, assets, tmp_path / "six.ckpt", recipe)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Lightning records no random generators' state" in done.stdout
+    ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "run", recipe=recipe)
+    _assert_close(_losses(tmp_path / "run"), straight)
+
+
+def test_our_run_continues_in_the_hf_trainer(tmp_path, assets):
+    recipe = ft.write_recipe(tmp_path, assets, ft.HF_LINEAR)
+    ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "ours", "--step_scheduler.ckpt_every_steps", "6",
+               recipe=recipe)
+    out = tmp_path / "hf" / "checkpoint-6"
+    done = run_command([CKPT_TRAIN, "export", str(tmp_path / "ours" / "epoch_0_step_6"), "--to", "hf-trainer",
+                        "--out", str(out)], cwd=tmp_path, env=env_for(assets), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lr_scheduler_type='linear'" in done.stdout and "warmup_steps=2" in done.stdout
+    losses = ft.LossTrainer(tmp_path / "hf", ft.recipe_rows(recipe), assets).train(resume=out)
+    _assert_close(losses, _losses(tmp_path / "ours"))
+
+
+def test_an_hf_trainer_lora_run_continues_here(tmp_path, assets):
+    recipe = ft.write_recipe(tmp_path, assets, ft.HF_LINEAR, lora=True)
+    rows = ft.recipe_rows(recipe)
+    ft.LossTrainer(tmp_path / "out", rows, assets, lora=True).train()
+    checkpoint = tmp_path / "out" / "checkpoint-6"
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    continued = ft.LossTrainer(tmp_path / "again", rows, assets, lora=True).train(resume=checkpoint)
+    done = _import(tmp_path, assets, checkpoint, recipe)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "run", recipe=recipe)
+    _assert_close(_losses(tmp_path / "run"), continued)
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _payload(folder: Path, marker: Path) -> None:
+    import torch
+
+    torch.save({"last_epoch": 6, "base_lrs": _Payload(marker)}, folder / "scheduler.pt")
+
+
+def _spoil_optimizer(folder: Path, change) -> None:
+    import torch
+
+    opt = torch.load(folder / "optimizer.pt", weights_only=True)
+    change(opt["state"])
+    torch.save(opt, folder / "optimizer.pt")
+
+
+def _spoil_args(folder: Path) -> None:
+    import torch
+
+    args = torch.load(folder / "training_args.bin", weights_only=False)  # the test's own file
+    args.lr_scheduler_type = "polynomial"
+    torch.save(args, folder / "training_args.bin")
+
+
+def _absurd_state(folder: Path) -> None:
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state["global_step"] = 10**30
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+HOSTILE = {
+    "pickle payload": (_payload, "scheduler.pt"),
+    "moment of the wrong shape": (lambda f, marker: _spoil_optimizer(f, lambda s: s[0].update(
+        exp_avg=s[0]["exp_avg"][:1])), "exp_avg for 'model.embed_tokens.weight' (slot 0) is"),
+    "missing moment": (lambda f, marker: _spoil_optimizer(f, lambda s: s[3].pop("exp_avg_sq")), "has no exp_avg_sq"),
+    "schedule we do not have": (lambda f, marker: _spoil_args(f), "'polynomial' schedule has no counterpart"),
+    "absurd counts": (lambda f, marker: _absurd_state(f), "global_step is"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_source_is_refused_in_one_line(tmp_path, assets, hf_run, case):
+    checkpoint, recipe, _, _ = hf_run
+    spoiled, marker = tmp_path / "checkpoint-6", tmp_path / "marker"
+    shutil.copytree(checkpoint, spoiled)
+    spoil, expected = HOSTILE[case]
+    spoil(spoiled, marker)
+    done = _import(tmp_path, assets, spoiled, recipe)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr[-2000:]
+    assert not marker.exists()
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("epoch_*"))

@@ -1,0 +1,112 @@
+"""Other trainers' schedules, names and pickles: our schedules equal theirs step by step, the Trainer's optimizer order,
+and the readers refuse what a checkpoint of numbers does not hold."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel_ckpt.errors import CheckpointError, ConfigError
+from automodel_ckpt.interop import names, schedules
+from automodel_ckpt.interop.source import load_pickle, load_record, read_bytes
+
+TOTAL = 23
+
+
+def _torch_factors(scheduler, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(scheduler.optimizer.param_groups[0]["lr"] / scheduler.base_lrs[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.25)
+
+
+@pytest.mark.parametrize("kind,kwargs", [("linear", {}), ("cosine", {}), ("constant", {}),
+                                         ("constant_with_warmup", {}), ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+                                         ("cosine_with_min_lr", {"min_lr": 0.05})])
+def test_the_hf_trainer_schedules_are_ours_step_by_step(kind, kwargs):
+    from transformers import get_scheduler
+
+    theirs = get_scheduler(kind, _optimizer(), num_warmup_steps=5, num_training_steps=TOTAL,
+                           scheduler_specific_kwargs=kwargs or None)
+    ours = schedules.from_hf_trainer({"lr_scheduler_type": kind, "warmup_steps": 5, "learning_rate": 0.25,
+                                      "lr_scheduler_kwargs": kwargs}, TOTAL)
+    want = _torch_factors(theirs, TOTAL)
+    assert want[0] == 0.0 or kind == "constant"  # the Trainer's warmup starts at lr 0
+    assert [schedules.factor(ours, s) for s in range(TOTAL)] == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=9, eta_min=0.01),
+    lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.2, end_factor=0.9, total_iters=7),
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5),
+])
+def test_torch_schedulers_from_their_state_are_ours(make):
+    theirs = make(_optimizer())
+    ours = schedules.from_torch_state(theirs.state_dict(), None)
+    want = _torch_factors(theirs, TOTAL)
+    assert [schedules.factor(ours, s) for s in range(TOTAL)] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_schedule_without_a_counterpart_and_a_recipe_with_another_are_one_line():
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(_optimizer(), max_lr=1.0, total_steps=10)
+    assert schedules.from_torch_state(one_cycle.state_dict(), None).target is None
+    assert schedules.from_hf_trainer({"lr_scheduler_type": "polynomial"}, 10).target is None
+    linear = schedules.from_hf_trainer({"lr_scheduler_type": "linear", "warmup_steps": 2}, 10)
+    from automodel_ckpt.training.lr import warmup_cosine
+
+    with pytest.raises(ConfigError, match=r"write lr_scheduler: \{_target_: automodel_ckpt.training.lr.linear_decay"):
+        schedules.check_recipe_schedule(linear, warmup_cosine(_optimizer(), 10, warmup_steps=2), 10)
+    with pytest.raises(ConfigError, match="set --step_scheduler.max_steps 10"):
+        schedules.check_recipe_schedule(linear, warmup_cosine(_optimizer(), 12), 12)
+
+
+def test_the_hf_trainer_order_is_its_decay_groups():
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True))
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names.hf_trainer_order(model) == [n for n in named if n in decay] + [n for n in named if n not in decay]
+    assert any("bias" in n for n in named) and any("norm" in n for n in named)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_the_pickle_readers_refuse_code_and_bound_sizes(tmp_path):
+    bad = tmp_path / "scheduler.pt"
+    torch.save({"last_epoch": 1, "x": _Payload()}, bad)
+    with pytest.raises(CheckpointError, match="Unsupported global"):
+        load_pickle(bad, "the scheduler's state", 1 << 20)
+    with pytest.raises(CheckpointError, match="over the"):
+        load_pickle(bad, "the scheduler's state", 10)
+    with pytest.raises(CheckpointError, match="names 'builtins.print'"):
+        load_record(bad, "the Trainer's arguments")
+    plain = tmp_path / "plain.pt"
+    plain.write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(CheckpointError, match="Unsupported operand"):
+        load_pickle(plain, "x", 1 << 20)
+    assert read_bytes(plain, "x", 1 << 20) == plain.read_bytes()
+
+
+def test_an_rng_file_may_hold_numpy_state_and_nothing_else_of_numpy(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "rng_state.pth"
+    torch.save({"numpy": np.random.get_state(), "cpu": torch.get_rng_state()}, path)
+    assert load_pickle(path, "rng", 1 << 20, numpy=True)["numpy"][0] == "MT19937"
+    torch.save({"numpy": np.array([Path("/")], dtype=object)}, path)
+    with pytest.raises(CheckpointError):
+        load_pickle(path, "rng", 1 << 20, numpy=True)
