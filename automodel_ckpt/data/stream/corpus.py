@@ -263,9 +263,10 @@ def _row_group_shards(whole: Shard, storage_options: dict[str, Any] | None) -> l
     then names the problem when it gets there)."""
     import pyarrow.parquet as pq
 
-    fs, inner = filesystem(whole.path, storage_options)
+    from automodel_ckpt.data.stream.readers import open_file  # a regular file only: a FIFO is never waited on
+
     try:
-        with fs.open(inner, "rb") as f:
+        with open_file(whole.path, storage_options, compression=None) as f:
             meta = pq.ParquetFile(f).metadata
     except Exception:  # noqa: BLE001
         return [whole]

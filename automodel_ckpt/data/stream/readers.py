@@ -86,6 +86,13 @@ def _open(path: str, storage_options: dict[str, Any] | None, compression: str | 
     return f if kind is None else compr[kind](f, mode="rb")
 
 
+def open_file(path: str, storage_options: dict[str, Any] | None, compression: str | None = "infer") -> Any:
+    """``path`` of a corpus opened for reading in binary (decompressed by its suffix unless ``compression`` is
+    None): a local path only if it is a regular file (``NotRegularFile`` otherwise, never waited on), an object
+    store's object as it is. Whatever opens a corpus's file goes through here."""
+    return _open(path, storage_options, compression)
+
+
 def _why(exc: BaseException) -> str:
     """An exception as a few words of a bad row's message."""
     if isinstance(exc, NotRegularFile):

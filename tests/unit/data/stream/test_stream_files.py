@@ -83,6 +83,18 @@ def test_only_regular_files_are_read_a_fifo_device_or_socket_is_a_bad_file(tmp_p
         assert not ok and f"{kind}, not a regular file" in message, (name, message)
 
 
+def test_listing_a_corpus_cut_for_its_lanes_opens_no_fifo(tmp_path):
+    """A small corpus is cut into row groups to fill the lanes, which reads parquet footers as it is listed: a FIFO
+    named like a parquet file is not opened there either, and the read names it."""
+    pq.write_table(pa.table({"text": [f"doc {i} " * 4 for i in range(40)]}), tmp_path / "z.parquet", row_group_size=8)
+    os.mkfifo(tmp_path / "b.parquet")
+    corpus = streamed_corpus(path=str(tmp_path / "*.parquet"))
+    ok, message = _guarded(lambda: [[u.stop for u in s] for s in corpus.list_shards(lanes=64)])
+    assert ok and message == "[[-1, 8, 16, 24, 32, 40]]", message  # the FIFO whole, the good file by row group
+    ok, message = _guarded(lambda: [r.error for r in read_rows(str(tmp_path / "b.parquet"), "parquet", "text", None)])
+    assert ok and "a FIFO, not a regular file" in message, message
+
+
 def test_a_file_swapped_for_a_fifo_after_its_check_is_not_opened_blocking(tmp_path):
     path, regular = tmp_path / "a.jsonl", tmp_path / "x"
     os.mkfifo(path)
