@@ -23,6 +23,8 @@ from automodel_ckpt.errors import ConfigError
 __all__ = ["check_arguments", "instantiate", "locate"]
 
 TARGET_KEY = "_target_"
+#: Keys of a ``_target_`` section that the recipe reads itself and never passes to the target.
+RECIPE_KEYS: dict[str, tuple[str, ...]] = {"model": ("freeze",)}
 
 
 def locate(path: str, key: str | None = None) -> Any:
@@ -145,7 +147,7 @@ def instantiate(node: Mapping[str, Any] | DictConfig, section: str, /, *args: An
         raise ConfigError(f"missing required key '{section}.{TARGET_KEY}'")
     target_name = config[TARGET_KEY]
     target = locate(target_name, f"{section}.{TARGET_KEY}")
-    kwargs = {k: v for k, v in config.items() if k != TARGET_KEY}
+    kwargs = {k: v for k, v in config.items() if k != TARGET_KEY and k not in RECIPE_KEYS.get(section, ())}
     if recursive:
         kwargs = {k: _build_nested(v, f"{section}.{k}") for k, v in kwargs.items()}
     kwargs.update(extra)
@@ -169,7 +171,7 @@ def check_arguments(node: Mapping[str, Any] | DictConfig, section: str) -> None:
         return
     target = locate(config[TARGET_KEY], f"{section}.{TARGET_KEY}")
     if callable(target):
-        kwargs = {k: v for k, v in config.items() if k != TARGET_KEY}
+        kwargs = {k: v for k, v in config.items() if k != TARGET_KEY and k not in RECIPE_KEYS.get(section, ())}
         _check_signature(target, config[TARGET_KEY], section, (), kwargs, missing=False)
 
 

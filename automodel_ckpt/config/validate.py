@@ -72,6 +72,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
         node = cfg.get(section)
         if node is not None and TARGET_KEY in node:
             check_arguments(node, section)  # unknown keys and wrong value types, before any process starts
+    if model is not None and model.get("freeze") is not None:
+        from automodel_ckpt.models.freeze import check_freeze_section
+
+        check_freeze_section(model.get("freeze"))
     if cfg.get("dpo") is not None:
         from automodel_ckpt.training.preference import check_dpo_section
 

@@ -30,6 +30,7 @@ from automodel_ckpt.distributed.pipeline import (Pipeline, check_pipeline_model,
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
+from automodel_ckpt.models.freeze import apply_freeze, parameter_line
 from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.base import BaseRecipe
@@ -80,6 +81,10 @@ class FinetuneRecipe(BaseRecipe):
                 model = apply_lora(model, cfg.peft)
             if self.env.is_main:
                 print(lora_summary(model), flush=True)
+        frozen = cfg.model.get("freeze")  # model.freeze: no gradients, no optimizer state (after LoRA: it composes)
+        apply_freeze(model, frozen)
+        if self.env.is_main:
+            print(parameter_line(model, frozen), flush=True)
         fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
         if cfg.distributed.activation_checkpointing:  # per block, before sharding; parameter names unchanged
             blocks = checkpoint_blocks(model)
@@ -179,8 +184,11 @@ class FinetuneRecipe(BaseRecipe):
     def state_meaning(self) -> dict[str, Any]:
         """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint)."""
         cfg = self.cfg
-        return {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "data.seq_length": cfg.data.seq_length,
-                "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
+        meaning = {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "data.seq_length": cfg.data.seq_length,
+                   "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
+        if cfg.model.get("freeze"):  # what trains is what the optimizer's state covers
+            meaning["model.freeze"] = OmegaConf.to_container(cfg.model, resolve=True)["freeze"]
+        return meaning
 
     def _peft_section(self) -> dict[str, Any] | None:
         return OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None

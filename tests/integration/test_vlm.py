@@ -157,6 +157,28 @@ def test_lr0_export_is_the_base_bit_for_bit(work, assets, vlm_base):
         assert (export / name).read_bytes() == (vlm_base / name).read_bytes(), name
 
 
+def test_the_frozen_vision_tower_trains_not_and_has_no_optimizer_state(work, assets, vlm_base, tmp_path):
+    """The recipe's ``model.freeze: [vision_tower]``: after 6 steps on 2 processes the tower's float32 weights are the
+    base's bit for bit, the projector's are not, and the optimizer's state covers no tower parameter."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _straight(work, assets)
+    run, output = _run(work, assets, "straight", "--step_scheduler.max_steps", "6", "--step_scheduler.ckpt_every_steps",
+                       "3")
+    assert "trainable / " in output and " frozen (model.freeze: vision_tower)" in output
+    ckpt = run / "epoch_0_step_6"
+    done = _cli(assets, "consolidate", str(ckpt), "--out", str(tmp_path / "fp32"), "--cast", "fp32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    base, trained = folder_weights(vlm_base), folder_weights(tmp_path / "fp32")
+    tower = [n for n in base if n.startswith("vision_tower.")]
+    assert tower and all(torch.equal(trained[n][1], base[n][1].float()) for n in tower)
+    projector = [n for n in base if n.startswith("multi_modal_projector.")]
+    assert projector and not any(torch.equal(trained[n][1], base[n][1].float()) for n in projector)
+    state = list(FileSystemReader(str(ckpt / "optim")).read_metadata().state_dict_metadata)
+    assert any("multi_modal_projector" in k and "exp_avg" in k for k in state)
+    assert not any("vision_tower" in k for k in state), [k for k in state if "vision_tower" in k][:3]
+
+
 def test_lora_adapter_loads_in_peft_and_merges(work, assets, vlm_base, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
