@@ -154,12 +154,13 @@ def test_a_run_skips_and_counts_every_hostile_file_and_line(bare_case, server):
     good = json.dumps({"text": "a good row " * 4}).encode() + b"\n"
     _one_line(data / "f.jsonl.gz", gzip.open, head=good, tail=b"\n" + good)
     recipe = _recipe(case.work)
-    outcome = case.verb(recipe, *SMALL_RUN, "--data.skip_bad_rows", "4", "--checkpoint.checkpoint_dir", "run",
-                        timeout=120)
+    one_lane = ("--data.lanes", "1")  # the bad-row budget of one stream (each lane of several keeps its own)
+    outcome = case.verb(recipe, *SMALL_RUN, *one_lane, "--data.skip_bad_rows", "4", "--checkpoint.checkpoint_dir",
+                        "run", timeout=120)
     succeeded(outcome)
     logs = [json.loads(line) for line in (case.work / "run" / "training.jsonl").read_text().splitlines()]
     assert max(r.get("skipped_rows", 0) for r in logs) == 4, outcome
     # the same run with one fewer allowed: one line naming the last bad one met
-    again = case.verb(recipe, *SMALL_RUN, "--data.skip_bad_rows", "3", "--checkpoint.checkpoint_dir", "run2",
-                      timeout=120)
+    again = case.verb(recipe, *SMALL_RUN, *one_lane, "--data.skip_bad_rows", "3", "--checkpoint.checkpoint_dir",
+                      "run2", timeout=120)
     refused(again, "f.jsonl.gz row 1", "at byte", "data.skip_bad_rows (3) reached")
