@@ -285,6 +285,18 @@ class Pipeline:
         return self.tied.uncounted()
 
     @torch.no_grad()
+    def forward_rows(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                     extra: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Forward only (the schedule's ``eval``), when the loss function gives one value per row (a reference's
+        log-probs): every row's value in row order on the last stage, None on the others."""
+        args = (input_ids.to(self.device),) if self.first else ()
+        kwargs = {k: v.to(self.device) for k, v in extra.items()}
+        rows: list[torch.Tensor] = []
+        self.schedule.eval(*args, target=labels.to(self.device) if self.last else None,
+                           losses=rows if self.last else None, return_outputs=False, **kwargs)
+        return torch.cat([r.detach() for r in rows]) if rows else None
+
+    @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
                  ignore_index: int) -> torch.Tensor:
         """Forward only (the schedule's ``eval``). A batch of fewer rows than the training batches (the last

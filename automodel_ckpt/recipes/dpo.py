@@ -25,7 +25,7 @@ from automodel_ckpt.data.pairs import PairData, pair_batches, prepare_pairs
 from automodel_ckpt.data.tokenize import IGNORE_INDEX
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, barrier
-from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
+from automodel_ckpt.distributed.pipeline import Pipeline, cut_stage
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.build import local_model_path
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
@@ -102,6 +102,8 @@ class DPORecipe(FinetuneRecipe):
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
     ref_model: Any = None
+    _split = TRAIN  # which stored reference log-probs a batch reads
+    _calls: list[torch.Tensor] = []  # each loss call's metric sums (``_metric_sums``)
     _restoring = False
     _stored: StoredLogProbs | None = None
 
@@ -118,9 +120,10 @@ class DPORecipe(FinetuneRecipe):
         self._step_metrics: dict[str, Any] = {}
         self._val_metrics: dict[str, Any] = {}
         super().setup()
-        if self.pipeline is not None:  # checked with the config; a custom recipe could still get here
-            raise ConfigError("distributed.pp_size: preference tuning under pipeline stages is not supported yet")
         self._peft = self.cfg.peft is not None
+        self._ref_pipeline = None  # under pipeline stages: the reference's forward, staged like the policy's
+        if self.pipeline is not None and self._peft and self.objective.needs_reference:
+            self._ref_pipeline = self._stage_reference(self.model)  # the policy with its adapters disabled
         if self.objective.needs_reference and not self._peft and not section.precompute_ref_log_probs:
             self.ref_model = self._build_reference()
 
@@ -156,12 +159,32 @@ class DPORecipe(FinetuneRecipe):
         if not meta:
             ref = ref.to(self.env.device)
         ref.requires_grad_(False)
+        if self.pipeline_plan is not None:  # this rank's stage of it, cut as the policy's: whole-model names kept
+            cut_stage(ref, self.pipeline_plan, self.dims.pp_rank, self.dims.pp_size)
         if self.data_parallel.sharded:  # a replicated policy: the reference is a whole copy, nothing to wrap
             ref = data_parallel.wrap(ref, self.data_parallel, self.dims)
         self._ref_weights.materialize(ref, self.env.device)
         ref.eval()
         ref.checkpoint_optional = True  # saved from its first sync on: absent from earlier checkpoints
+        if self.pipeline_plan is not None:
+            self._ref_pipeline = self._stage_reference(ref)
         return ref
+
+    def _stage_reference(self, model: torch.nn.Module) -> Pipeline:
+        """The reference's forward under the policy's pipeline plan: each row's summed log-prob, on the last
+        stage (a forward only: no tied gradients to sum)."""
+        return Pipeline(model, self.dims, self.pipeline_plan, self.env.device, _row_log_probs,
+                        rows=self.cfg.step_scheduler.local_batch_size)
+
+    def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
+        """Under pipeline stages, each microbatch of the schedule holds whole pairs: its chosen rows, then their
+        rejected rows (a batch is every chosen row, then every rejected row)."""
+        if self.pipeline is None:
+            return None
+        half = len(mb.sample_ids)
+        k = half // self.pipeline_plan.microbatches
+        blocks = [torch.arange(j, j + k) for j in range(0, half, k)]
+        return torch.cat([torch.cat([b, b + half]) for b in blocks])
 
     def checkpointed_state(self) -> dict[str, Any]:
         """The fine-tune's state and ``dpo``; ``ref_model`` once a sync made it differ from the starting weights
@@ -199,7 +222,7 @@ class DPORecipe(FinetuneRecipe):
             raise CheckpointError(f"the checkpoint's counters say the reference was synced {self.dpo.ref_syncs} "
                                   "time(s), but it holds no ref_model; it cannot be resumed as a preference run")
         self._ref_weights.fill(self.ref_model, model_loaded=False)
-        fingerprint = weights_fingerprint(self.ref_model)
+        fingerprint = self._reference_fingerprint()
         recorded = self.dpo.reference_fingerprint
         if recorded is not None and recorded != fingerprint:
             raise CheckpointError(f"the reference model does not match this run's: its starting weights "
@@ -209,6 +232,14 @@ class DPORecipe(FinetuneRecipe):
         if self.env.is_main:
             self.progress.write(f"Reference model: a frozen copy of the starting weights (fingerprint {fingerprint}; "
                                 "not saved until it is synced)")
+
+    def _reference_fingerprint(self) -> str:
+        """The reference's weights fingerprint; under pipeline stages, of every stage's (one per pipeline size)."""
+        fingerprint = weights_fingerprint(self.ref_model)
+        if self.pipeline is None:
+            return fingerprint
+        stages = sorted(set(all_gather_object(fingerprint)))
+        return hashlib.sha256(f"stages/{'/'.join(stages)}".encode()).hexdigest()[:24]
 
     def _stored_log_probs(self) -> StoredLogProbs:
         """The reference log-probs of every pair, from the run folder, or computed once and stored there."""
@@ -256,6 +287,8 @@ class DPORecipe(FinetuneRecipe):
                 self.progress.write(f"warning: the reference log-probs stay in {file} only: {exc}")
         barrier()
         self.ref_model = None  # not kept in memory
+        if not self._peft:
+            self._ref_pipeline = None
         gc.collect()
         return stored
 
@@ -265,12 +298,15 @@ class DPORecipe(FinetuneRecipe):
         mine = []
         for mb in pair_batches(data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
                                rank=self.dims.dp_rank, world_size=self.dims.dp_size):
-            sums = compute(mb)[0].double().cpu()
+            sums = compute(mb)[0]
+            if sums is None:  # a pipeline stage before the last: the last one computes them
+                continue
+            sums = sums.double().cpu()
             keep = mb.sample_ids >= 0
             half = len(mb.sample_ids)
             mine.append(torch.stack([mb.sample_ids[keep].double(), sums[:half][keep], sums[half:][keep]]))
         local = torch.cat(mine, dim=1) if mine else torch.zeros(3, 0, dtype=torch.float64)
-        parts = all_gather_object(local) if self.dims.dp_size > 1 else [local]
+        parts = all_gather_object(local) if self.dims.dp_size > 1 or self.pipeline is not None else [local]
         for part in parts:
             table[:, part[0].long()] = part[1:]
         return table
@@ -289,13 +325,23 @@ class DPORecipe(FinetuneRecipe):
         labels = mb.labels.to(dev)
         return response_log_probs(logits, labels, IGNORE_INDEX), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
+    def _staged_forward(self, mb: MicroBatch) -> tuple[torch.Tensor | None, None]:
+        """The reference's per-row log-probs through its pipeline: on the last stage, None on the others."""
+        extra = {"position_ids": mb.position_ids} if mb.position_ids is not None else \
+            {"attention_mask": mb.attention_mask}
+        return self._ref_pipeline.forward_rows(mb.input_ids, mb.labels, extra), None
+
     @torch.no_grad()
-    def _reference_model_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_model_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self._ref_pipeline is not None:
+            return self._staged_forward(mb)
         return self._forward(self.ref_model, mb)
 
     @torch.no_grad()
-    def _adapters_disabled_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _adapters_disabled_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         with self.model.disable_adapter():
+            if self._ref_pipeline is not None:
+                return self._staged_forward(mb)
             return self._forward(self.model, mb)
 
     def _reference(self, mb: MicroBatch, split: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -306,43 +352,70 @@ class DPORecipe(FinetuneRecipe):
             chosen, rejected = self._stored.lookup(split, mb.sample_ids)
             return chosen.to(self.env.device), rejected.to(self.env.device)
         sums, _ = (self._adapters_disabled_log_probs if self._peft else self._reference_model_log_probs)(mb)
+        if sums is None:  # a pipeline stage before the last: no loss is computed here
+            return None, None
         half = len(mb.sample_ids)
         return sums[:half].double(), sums[half:].double()
 
-    def _pair_losses(self, mb: MicroBatch, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per pair: the loss and the chosen and rejected rewards (the policy forward under the caller's grad mode)."""
-        ref_chosen, ref_rejected = self._reference(mb, split)
-        sums, counts = self._forward(self.model, mb)
+    # ----------------------------------------------------------------------------- the loss (the step is shared)
+    def loss_count(self, mb: MicroBatch) -> torch.Tensor:
+        """The loss is the mean over the batch's pairs (a filled pair, sample id -1, is not one)."""
+        return (mb.sample_ids >= 0).sum()
+
+    def loss_target(self, mb: MicroBatch) -> torch.Tensor:
+        """Per row (chosen rows, then rejected rows): its labels, then two columns, the reference's summed log-prob
+        of the row's response (0 without a reference) and whether its pair counts (float64: token ids are exact)."""
+        ref_chosen, ref_rejected = self._reference(mb, self._split)
         half = len(mb.sample_ids)
-        logps, counts = sums.double(), counts.double()
-        return self.objective(logps[:half], logps[half:], ref_chosen, ref_rejected, counts[:half], counts[half:])
+        ref = (torch.cat([ref_chosen, ref_rejected]).to(self.env.device) if ref_chosen is not None
+               else torch.zeros(2 * half, dtype=torch.float64, device=self.env.device))
+        keep = (mb.sample_ids >= 0).repeat(2).to(device=self.env.device, dtype=torch.float64)
+        labels = mb.labels.to(self.env.device, torch.float64)
+        return torch.cat([labels, ref[:, None], keep[:, None]], dim=1)
+
+    def compute_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The summed pair losses of the batch's pairs from the policy's logits (``objective``); the metrics of the
+        pairs are added up for the step or the validation (``_metric_sums``: training counts every pair, validation
+        only those that count)."""
+        target = target.to(logits.device)
+        labels, ref, keep = target[:, :-2].long(), target[:, -2], target[:, -1]
+        half = len(labels) // 2
+        sums = response_log_probs(logits, labels, IGNORE_INDEX).double()
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).double()
+        refs = (ref[:half], ref[half:]) if self.objective.needs_reference else (None, None)
+        losses, chosen, rejected = self.objective(sums[:half], sums[half:], *refs, counts[:half], counts[half:])
+        weight = keep[:half] if self._split == VALIDATION else None
+        self._calls.append(self.objective.sums(losses, chosen, rejected, weight=weight))
+        return losses.sum()
+
+    def _metric_sums(self, batches: int) -> torch.Tensor:
+        """The metrics summed over the last ``batches`` batches' loss calls (each pipeline microbatch's on the last
+        stage; none on the others). Torch's pipeline schedule also calls the loss once before a step's
+        microbatches when it infers the backward's shapes (the first step, and the first after a validation):
+        those calls come first and are left out."""
+        calls = len(self._calls) and batches * (self.pipeline_plan.microbatches if self.pipeline is not None else 1)
+        kept, self._calls = self._calls[len(self._calls) - calls:], []
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)
+        for call in kept:
+            sums += call
+        return sums.cpu()
 
     # ------------------------------------------------------------------------------------------ step
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
-        """One optimizer step over the global batch of pairs; the loss is the mean over its pairs, whatever the
-        mesh (each rank scales its summed pair losses by ``dp_size / global_pairs``, as the fine-tune does tokens)."""
-        self.model.train()
-        counts = torch.stack([sum((mb.sample_ids >= 0).sum() for mb in micro),
-                              sum(mb.attention_mask.sum() for mb in micro)])
-        global_pairs, input_tokens = self.dims.sum_over_dp(counts).tolist()
-        scale = self.dims.dp_size / max(global_pairs, 1.0)
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)
-        for i, mb in enumerate(micro):
-            data_parallel.sync_gradients(self.model, i == len(micro) - 1)
-            losses, chosen, rejected = self._pair_losses(mb, TRAIN)
-            (losses.sum() * scale).backward()
-            sums += self.objective.sums(losses, chosen, rejected)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group, [])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """The fine-tune's step with the pair loss (the mean over the global batch's pairs); then the counters, the
+        TR-DPO sync and the step's metrics."""
+        self._calls = []
+        _, grad_norm, input_tokens = super().train_step(micro)
+        global_pairs = self._global_count
         self.dpo.dpo_step += 1
         self.dpo.consumed_pairs += int(global_pairs)
         self._maybe_sync_reference()
-        totals = self.dims.sum_over_dp(sums.cpu()) / max(global_pairs, 1.0)
+        sums = self.dims.sum_over_stages(self._metric_sums(len(micro)))
+        totals = self.dims.sum_over_dp(sums) / max(global_pairs, 1.0)
         values = dict(zip(METRICS, totals.tolist()))
         self._step_metrics = {k: values[k] for k in METRICS[1:]} | {"dpo_step": self.dpo.dpo_step,
                                                                      "consumed_pairs": self.dpo.consumed_pairs}
-        return values["loss"], float(grad_norm), input_tokens
+        return values["loss"], grad_norm, input_tokens
 
     def _maybe_sync_reference(self) -> None:
         """TR-DPO: every ``ref_model_sync_steps`` steps the policy is mixed into the reference (which from then on
@@ -358,14 +431,19 @@ class DPORecipe(FinetuneRecipe):
     @torch.no_grad()
     def validate(self) -> float:
         self.model.eval()
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)
-        pairs = 0
-        for mb in self.val_batches or []:
-            keep = mb.sample_ids >= 0
-            losses, chosen, rejected = self._pair_losses(mb, VALIDATION)
-            sums += self.objective.sums(losses, chosen, rejected, weight=keep.to(losses.device))
-            pairs += int(keep.sum())
-        totals = self.dims.sum_over_dp(torch.cat([sums.cpu(), torch.tensor([float(pairs)], dtype=torch.float64)]))
+        self._calls, batches = [], len(self.val_batches or [])
+        self._split, pairs = VALIDATION, 0
+        try:
+            for mb in self.val_batches or []:
+                if self.pipeline is not None:
+                    self.pipeline.evaluate(*self.staged_rows(mb, self.loss_target(mb)), IGNORE_INDEX)
+                else:
+                    self.token_loss_sum(mb)
+                pairs += int((mb.sample_ids >= 0).sum())
+        finally:
+            self._split = TRAIN
+        sums = self.dims.sum_over_stages(self._metric_sums(batches))
+        totals = self.dims.sum_over_dp(torch.cat([sums, torch.tensor([float(pairs)], dtype=torch.float64)]))
         values = dict(zip(METRICS, (totals[:-1] / max(totals[-1].item(), 1.0)).tolist()))
         self._val_metrics = {f"val_{k}": values[k] for k in METRICS[1:]}
         return values["loss"]
@@ -383,3 +461,8 @@ class DPORecipe(FinetuneRecipe):
         """The fine-tune's, and the preference columns (what a pair is)."""
         dpo = self.dpo_cfg
         return super().state_meaning() | {"dpo.fields": [dpo.prompt_field, dpo.chosen_field, dpo.rejected_field]}
+
+
+def _row_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-prob of its response (the reference pipeline's per-row output)."""
+    return response_log_probs(logits, labels, IGNORE_INDEX)

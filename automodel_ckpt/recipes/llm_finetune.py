@@ -58,6 +58,8 @@ class FinetuneRecipe(BaseRecipe):
     pipeline: Any = None
     #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
     data_parallel: Any = None
+    #: The pipeline's stages and microbatches (``distributed.mesh.PipelinePlan``), with ``distributed.pp_size`` > 1.
+    pipeline_plan: Any = None
     _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
 
     # ---------------------------------------------------------------------------------------- setup
@@ -109,7 +111,8 @@ class FinetuneRecipe(BaseRecipe):
         if not self.data_parallel.sharded:  # a model that fits with room: freed blocks kept for the next step
             keep_freed_memory()
         self.starting_weights.materialize(self.model, self.env.device)
-        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.shifted_token_loss,
+        self.pipeline_plan = plan
+        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.compute_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
         if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
             with rng_untouched():
@@ -346,18 +349,17 @@ class FinetuneRecipe(BaseRecipe):
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).
 
-        The loss is the mean over every label token of the global batch, whatever the mesh: each rank scales its
-        summed token losses by ``dp_size / global_tokens`` because FSDP averages gradients over the data-parallel
-        ranks (tensor-parallel peers compute the same loss on the same rows; token counts and losses are summed
-        over the data-parallel ranks only).
+        The loss is the mean over what ``loss_count`` counts (every label token) of the global batch, whatever the
+        mesh: each rank scales its summed losses by ``dp_size / global_count`` because FSDP averages gradients over
+        the data-parallel ranks (tensor-parallel peers compute the same loss on the same rows; counts and losses are
+        summed over the data-parallel ranks only). A variant changes the loss (``loss_count``, ``loss_target``,
+        ``compute_loss``), never the step: gradient sync, pipeline stages, clipping and the optimizer are this.
         """
         self.model.train()
-        counts = torch.stack([
-            sum((mb.labels[:, 1:] != IGNORE_INDEX).sum() for mb in micro),
-            sum(mb.attention_mask.sum() for mb in micro),
-        ])
-        global_tokens, input_tokens = self.dims.sum_over_dp(counts).tolist()
-        scale = self.dims.dp_size / max(global_tokens, 1.0)
+        counts = torch.stack([sum(self.loss_count(mb) for mb in micro), sum(mb.attention_mask.sum() for mb in micro)])
+        global_count, input_tokens = self.dims.sum_over_dp(counts).tolist()
+        self._global_count = global_count
+        scale = self.dims.dp_size / max(global_count, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, mb in enumerate(micro):
             # Sharded: each micro-batch's gradients are reduce-scattered when its backward ends, so no rank holds
@@ -365,7 +367,8 @@ class FinetuneRecipe(BaseRecipe):
             # replicated model's all-reduce, wait for the last.
             data_parallel.sync_gradients(self.model, i == len(micro) - 1)
             if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
-                loss_sum += self.pipeline.step(mb.input_ids, mb.labels, _row_inputs(mb), scale).to(loss_sum.device)
+                input_ids, target, extra = self.staged_rows(mb, self.loss_target(mb))
+                loss_sum += self.pipeline.step(input_ids, target, extra, scale).to(loss_sum.device)
                 continue
             summed = self.token_loss_sum(mb)
             (summed * scale).backward()
@@ -378,14 +381,44 @@ class FinetuneRecipe(BaseRecipe):
         self.optimizer.zero_grad(set_to_none=True)
         # the step's one wait for the device: the logged numbers copied to the host together
         loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).cpu().unbind()
-        loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_tokens, 1.0)).item()
+        loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_count, 1.0)).item()
         return loss, grad_norm.item(), input_tokens
 
+    # ----------------------------------------------------------------------------------- the loss hook
+    def loss_count(self, mb: MicroBatch) -> torch.Tensor:
+        """What the global batch's loss is the mean over, in this micro-batch: its label tokens."""
+        return (mb.labels[:, 1:] != IGNORE_INDEX).sum()
+
+    def loss_target(self, mb: MicroBatch) -> torch.Tensor:
+        """What ``compute_loss`` scores the logits against, one row per row of the batch (split with the rows
+        into pipeline microbatches): the labels."""
+        return mb.labels
+
+    def compute_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The summed loss of a batch's rows from the model's logits (on the last pipeline stage under stages):
+        each position's next token (``training.loss``)."""
+        return self.shifted_token_loss(logits, target.to(logits.device))
+
+    def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The order the pipeline takes a batch's rows in (its microbatches are consecutive rows), or None: as they
+        are. A loss over several rows (a pair's two) keeps them in one microbatch."""
+        return None
+
+    def staged_rows(self, mb: MicroBatch, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         dict[str, torch.Tensor]]:
+        """A batch's token ids, its target and its other row inputs, in ``pipeline_rows`` order."""
+        order, extra = self.pipeline_rows(mb), _row_inputs(mb)
+        if order is None:
+            return mb.input_ids, target, extra
+        return mb.input_ids[order], target[order.to(target.device)], {k: v[order] for k, v in extra.items()}
+
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
+        """A micro-batch's summed loss: its target first (a reference's forward, for a variant), then the model."""
+        target = self.loss_target(mb)
         choice = self.data_parallel
         with choice.compute(self.env.device) if choice is not None else contextlib.nullcontext():
             logits = self._logits(mb)  # under autocast where mixed precision is not FSDP2's
-        return self.shifted_token_loss(logits, mb.labels.to(self.env.device))
+        return self.compute_loss(logits, target)
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.env.device

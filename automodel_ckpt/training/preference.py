@@ -106,9 +106,6 @@ def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
         raise ConfigError(f"dpo.ref_model_sync_steps: expected a positive integer, got {dpo.ref_model_sync_steps}")
     if not 0 < dpo.ref_model_mixup_alpha <= 1:
         raise ConfigError(f"dpo.ref_model_mixup_alpha: expected a value in (0, 1], got {dpo.ref_model_mixup_alpha}")
-    if pp_size > 1:
-        raise ConfigError("distributed.pp_size: preference tuning under pipeline stages is not supported yet; "
-                          "use pp_size 1 (FSDP2, HSDP or tensor parallelism)")
     reference_free = dpo.loss in REFERENCE_FREE
     if dpo.sync_ref_model and (peft or dpo.precompute_ref_log_probs or reference_free):
         why = ("a LoRA reference is the base with its adapters disabled, not a copy to mix into" if peft else
