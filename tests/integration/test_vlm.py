@@ -179,6 +179,14 @@ def test_the_frozen_vision_tower_trains_not_and_has_no_optimizer_state(work, ass
     assert not any("vision_tower" in k for k in state), [k for k in state if "vision_tower" in k][:3]
 
 
+def test_a_freeze_pattern_that_matches_nothing_is_one_line(work, assets, vlm_base):
+    result = ckpt_train(work, assets, *SMALL, "--checkpoint.checkpoint_dir", "nothing", "--model.freeze",
+                        "[vision_tower, model.layerz]", nproc=1, recipe=VLM_RECIPE, check=False)
+    assert result.returncode != 0
+    assert "error: model.freeze: 'model.layerz' matches nothing: no parameter of the model has that name" in result.output
+    assert "Traceback" not in result.output and not (work / "nothing").exists()
+
+
 def test_lora_adapter_loads_in_peft_and_merges(work, assets, vlm_base, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
