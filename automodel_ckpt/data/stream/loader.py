@@ -174,9 +174,9 @@ class StreamLoader:
             share = _Share(self.corpus, self.shards, self.tokenizer, self.settings, self.positions, self.sequences,
                            self.dp_rank, self.dp_size, self.per_step, self.lanes, max(self.num_workers, 1))
             workers = self.num_workers
-            self._iter = iter(DataLoader(share, batch_size=None, num_workers=workers,
-                                         prefetch_factor=4 if workers else None, persistent_workers=False,
-                                         worker_init_fn=_quiet_stop_signals if workers else None))
+            self._iter = iter(share) if not workers else iter(DataLoader(
+                share, batch_size=None, num_workers=workers, prefetch_factor=4, persistent_workers=False,
+                worker_init_fn=_quiet_stop_signals))
         return self._iter
 
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
@@ -199,9 +199,13 @@ class StreamLoader:
         self.sequences += self.global_batch_size
         rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
         labels = torch.from_numpy(np.stack([i.labels for i in taken]))
-        ids = torch.tensor([i.sequence_id for i in taken], dtype=torch.long)
-        micro = [MicroBatch(r, y, torch.ones_like(r), s) for r, y, s in zip(
-            rows.split(self.local_batch_size), labels.split(self.local_batch_size), ids.split(self.local_batch_size))]
+        ids = torch.from_numpy(np.fromiter((i.sequence_id for i in taken), dtype=np.int64, count=len(taken)))
+        if len(taken) == self.local_batch_size:  # one micro-batch
+            micro = [MicroBatch(rows, labels, torch.ones_like(rows), ids)]
+        else:
+            micro = [MicroBatch(r, y, torch.ones_like(r), s) for r, y, s in zip(
+                rows.split(self.local_batch_size), labels.split(self.local_batch_size),
+                ids.split(self.local_batch_size))]
         if self.log_ids:  # the global batch's sequence ids in global order (sequence k: rank k mod dp)
             full = torch.zeros(len(taken), self.dp_size, dtype=torch.float64)
             full[:, self.dp_rank] = ids.double()
@@ -214,18 +218,16 @@ class StreamLoader:
         rank met bad data; every rank then stops at the same step, with the first rank's message."""
         sources = len(self.shards)
         g = math.gcd(self.dp_size, self.lanes)
-        vec = torch.zeros(self.lanes * (2 + sources) + 1, dtype=torch.float64)
-        owned = [lane for lane in self.my_lanes if self.dp_rank == lane % g]
-        for lane in owned:
-            if lane in self.counts:
-                vec[lane * (2 + sources):(lane + 1) * (2 + sources)] = torch.tensor(self.counts[lane], dtype=torch.float64)
-        vec[-1] = 1.0 if error is not None else 0.0
-        if self.gather is not None:
-            vec = self.gather(vec)
-        per_lane = vec[:-1].reshape(self.lanes, 2 + sources).long()
-        self.totals = [int(per_lane[:, 0].min()), int(per_lane[:, 1].sum()),
-                       *[int(x) for x in per_lane[:, 2:].sum(0).tolist()]]
-        if vec[-1] > 0 and self.gather is not None:  # the message of the first rank that met it, on every rank
+        flat = [0] * (self.lanes * (2 + sources) + 1)
+        for lane, counts in self.counts.items():
+            if self.dp_rank == lane % g:
+                flat[lane * (2 + sources):(lane + 1) * (2 + sources)] = counts
+        flat[-1] = 1 if error is not None else 0
+        together = self.gather is not None and self.dp_size > 1
+        vec = [int(x) for x in self.gather(torch.tensor(flat, dtype=torch.float64)).tolist()] if together else flat
+        width, end = 2 + sources, self.lanes * (2 + sources)
+        self.totals = [min(vec[0:end:width]), *[sum(vec[i:end:width]) for i in range(1, width)]]
+        if vec[-1] > 0 and together:  # the message of the first rank that met it, on every rank
             text = torch.zeros(self.dp_size, 512, dtype=torch.float64)
             if error is not None:
                 raw = error.encode("utf-8")[:512]
@@ -251,6 +253,13 @@ class StreamLoader:
     @property
     def skipped_rows(self) -> int:
         return self.totals[1] if self.totals else 0
+
+    def report(self, waited: float) -> dict[str, Any]:
+        """A step's record (``data.contract.BatchLoader``): the tokens each source gave so far, how long the step
+        waited for its batch, the bad rows skipped so far (when any)."""
+        skipped = self.skipped_rows
+        return {"source_tokens": self.source_tokens, "data_wait_seconds": round(waited, 6)} | (
+            {"skipped_rows": skipped} if skipped else {})
 
     def summary(self) -> dict[str, Any] | None:
         """Where the stream is, for a checkpoint's metadata and ``inspect``: the sequences made, the lanes and how

@@ -97,8 +97,9 @@ class _Source:
     rows: Iterator[Row] | None = None
     order_cache: tuple[int, int, list[int]] | None = None
 
-    def record(self) -> dict[str, Any]:
-        return {"shards": [s.record() for s in self.shards], "epoch": self.epoch, "n": self.n, "pos": self.pos,
+    def record(self, shards: bool = True) -> dict[str, Any]:
+        listed = {"shards": [s.record() for s in self.shards]} if shards else {}
+        return {**listed, "epoch": self.epoch, "n": self.n, "pos": self.pos,
                 "key": self.key, "row": self.row, "seen": self.seen, "epoch_rows": self.epoch_rows,
                 "taken": self.taken, "tokens": self.tokens,
                 "buffer_shards": [d.shard for d in self.buffer], "buffer_keys": [d.key for d in self.buffer]}
@@ -137,8 +138,7 @@ class GlobalStream:
     def position(self, shards: bool = True) -> dict[str, Any]:
         """The position after the last sequence made: plain ints, strings and lists (checkpointed as is; the
         loader keeps a lane's without the ``shards``, which are the corpus's, kept once)."""
-        sources = [s.record() if shards else {k: v for k, v in s.record().items() if k != "shards"}
-                   for s in self.sources]
+        sources = [s.record(shards) for s in self.sources]
         return {"version": POSITION_VERSION, "sources": sources, "docs": self.docs,
                 "pending": [[d.source, d.shard, d.key, d.epoch] for d in self.pending], "offset": self.offset,
                 "sequences": self.sequences, "skipped": self.skipped, "epoch": self.trained_epoch}
