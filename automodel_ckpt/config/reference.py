@@ -88,7 +88,14 @@ def _target_rows(section: str, defaults: dict[str, Any]) -> list[str]:
     for key, value in defaults.items():
         if key != "_target_" and key not in seen:
             rows.append(f"| `{section}.{key}` | | {_fmt(value)} | argument of the target |")
-    return rows
+    return rows + _RECIPE_ROWS.get(section, [])
+
+
+#: Keys of a ``_target_`` section the recipe reads itself (``instantiate.RECIPE_KEYS``), never the target's.
+_RECIPE_ROWS = {"model": [
+    "| `model.freeze` | list[str] \\| None | `null` | parameters that do not train (no gradients, no optimizer state): "
+    "names, globs, module names, or the groups `vision_tower`, `embeddings`, `lm_head`, `language_model` "
+    "([vlm](vlm.md#freezing-parts-of-the-model)) |"]}
 
 
 def _annotation(p: inspect.Parameter) -> str:

@@ -103,6 +103,15 @@ class GlobalBatchLoader:
         self.position += self.global_batch_size
         return epoch, micro
 
+    def report(self, waited: float) -> dict[str, Any]:
+        """Nothing beside the step's own numbers (``data.contract.BatchLoader``): the rows were tokenized before
+        training."""
+        return {}
+
+    def summary(self) -> dict[str, Any] | None:
+        """None: the position is the state itself, ``(epoch, position)``."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "global_batch_size": self.global_batch_size,
                 "world_size": self.world_size, "rank": self.rank, "num_rows": len(self.data), "seed": self.seed}

@@ -15,6 +15,7 @@ from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, PreemptionWatch
 from automodel_ckpt.ondisk import layout, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
+from automodel_ckpt.data.contract import BatchLoader
 from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
 from automodel_ckpt.data.pipeline import prepare_data
 from automodel_ckpt.data.stream.build import build_streamed
@@ -58,6 +59,8 @@ class FinetuneRecipe(BaseRecipe):
     pipeline: Any = None
     #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
     data_parallel: Any = None
+    #: The training batches, map-style or streamed: one contract (``data.contract.BatchLoader``).
+    dataloader: BatchLoader
     #: The pipeline's stages and microbatches (``distributed.mesh.PipelinePlan``), with ``distributed.pp_size`` > 1.
     pipeline_plan: Any = None
     _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
@@ -271,11 +274,7 @@ class FinetuneRecipe(BaseRecipe):
                       "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)} | self.train_metrics()
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
-            if hasattr(self.dataloader, "source_tokens"):  # a streamed corpus: tokens each source gave so far
-                record["source_tokens"] = self.dataloader.source_tokens
-                record["data_wait_seconds"] = round(fetched, 6)  # the step waited this long for its batch
-                if self.dataloader.skipped_rows:
-                    record["skipped_rows"] = self.dataloader.skipped_rows
+            record |= self.dataloader.report(fetched)  # a streamed corpus: tokens per source, the wait, bad rows
             self.train_log.append(record)
             per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
             self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
@@ -309,8 +308,9 @@ class FinetuneRecipe(BaseRecipe):
     def _save_extra(self) -> dict[str, Any]:
         """What a checkpoint's metadata records besides the step: samples consumed, a stream's data position."""
         extra: dict[str, Any] = {"consumed_samples": self.step_scheduler.consumed_samples}
-        if hasattr(self.dataloader, "summary"):
-            extra["data_position"] = self.dataloader.summary()
+        position = self.dataloader.summary()  # a stream's: where each source is
+        if position is not None:
+            extra["data_position"] = position
         return extra | self.save_extra()
 
     def train_metrics(self) -> dict[str, Any]:
