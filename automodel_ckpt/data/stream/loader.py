@@ -261,13 +261,6 @@ class StreamLoader:
         return {"source_tokens": self.source_tokens, "data_wait_seconds": round(waited, 6)} | (
             {"skipped_rows": skipped} if skipped else {})
 
-    def report(self, waited: float) -> dict[str, Any]:
-        """A step's record (``data.contract.BatchLoader``): the tokens each source gave so far, how long the step
-        waited for its batch, the bad rows skipped so far (when any)."""
-        skipped = self.skipped_rows
-        return {"source_tokens": self.source_tokens, "data_wait_seconds": round(waited, 6)} | (
-            {"skipped_rows": skipped} if skipped else {})
-
     def summary(self) -> dict[str, Any] | None:
         """Where the stream is, for a checkpoint's metadata and ``inspect``: the sequences made, the lanes and how
         many this rank reads, the size of its position, and per source the epoch, the tokens consumed and where
