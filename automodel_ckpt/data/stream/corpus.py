@@ -263,10 +263,12 @@ def _row_group_shards(whole: Shard, storage_options: dict[str, Any] | None) -> l
     then names the problem when it gets there)."""
     import pyarrow.parquet as pq
 
-    from automodel_ckpt.data.stream.readers import open_file  # a regular file only: a FIFO is never waited on
+    from automodel_ckpt.data.stream.regular import open_regular  # a local file: a FIFO is never waited on
 
+    fs, inner = filesystem(whole.path, storage_options)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
     try:
-        with open_file(whole.path, storage_options, compression=None) as f:
+        with (open_regular(inner) if local else fs.open(inner, "rb")) as f:
             meta = pq.ParquetFile(f).metadata
     except Exception:  # noqa: BLE001
         return [whole]

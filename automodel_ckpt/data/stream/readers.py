@@ -14,12 +14,11 @@ and comes back as a bad row naming its byte offset; a parquet or arrow row large
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from automodel_ckpt.data.stream.corpus import filesystem
+from automodel_ckpt.data.stream.regular import NotRegularFile, open_regular
 from automodel_ckpt.errors import UserError
 
 
@@ -33,18 +32,6 @@ class DataError(UserError):
     """A streamed file or row that cannot be read: one line naming the file and the row."""
 
 
-class NotRegularFile(OSError):
-    """A corpus path that is not a regular file once its links are resolved (a FIFO, a device, a socket)."""
-
-
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 @dataclass
 class Row:
     key: int  # where the row is found again (byte offset or row number)
@@ -52,26 +39,6 @@ class Row:
     record: dict[str, Any] | None = None
     error: str | None = None  # why the row (or the whole file, from here on) cannot be read
     next_key: int = 0  # the key of the row after it
-
-
-def open_regular(path: str) -> Any:
-    """A local file opened for reading in binary, if it is a regular file once its links are resolved:
-    ``NotRegularFile`` otherwise, before anything opens it (opening a FIFO blocks, opening a device may act). The
-    open itself never blocks, and the file opened must be the one checked (a swap in between is refused too)."""
-    before = os.stat(path)  # follows links
-    if not stat.S_ISREG(before.st_mode):
-        raise NotRegularFile(f"{_kind(before.st_mode)}, not a regular file; only regular files are read")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        after = os.fstat(fd)
-        if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-            raise NotRegularFile("replaced while being opened, not the regular file listed; only regular files "
-                                 "are read")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _open(path: str, storage_options: dict[str, Any] | None, compression: str | None = "infer") -> Any:
@@ -84,13 +51,6 @@ def _open(path: str, storage_options: dict[str, Any] | None, compression: str | 
     f = open_regular(inner)
     kind = get_compression(inner, compression) if compression is not None else None
     return f if kind is None else compr[kind](f, mode="rb")
-
-
-def open_file(path: str, storage_options: dict[str, Any] | None, compression: str | None = "infer") -> Any:
-    """``path`` of a corpus opened for reading in binary (decompressed by its suffix unless ``compression`` is
-    None): a local path only if it is a regular file (``NotRegularFile`` otherwise, never waited on), an object
-    store's object as it is. Whatever opens a corpus's file goes through here."""
-    return _open(path, storage_options, compression)
 
 
 def _why(exc: BaseException) -> str:

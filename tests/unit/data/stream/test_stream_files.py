@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from automodel_ckpt.data.stream import readers
+from automodel_ckpt.data.stream import readers, regular
 from automodel_ckpt.data.stream.corpus import streamed_corpus
 from automodel_ckpt.data.stream.readers import DataError, bounded_lines, fetch_rows, read_rows
 from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
@@ -96,13 +96,13 @@ def test_listing_a_corpus_cut_for_its_lanes_opens_no_fifo(tmp_path):
 
 
 def test_a_file_swapped_for_a_fifo_after_its_check_is_not_opened_blocking(tmp_path):
-    path, regular = tmp_path / "a.jsonl", tmp_path / "x"
+    path, plain = tmp_path / "a.jsonl", tmp_path / "x"
     os.mkfifo(path)
-    regular.write_text("{}\n")
+    plain.write_text("{}\n")
 
     def swapped():  # in the child: the check sees a regular file, the open meets the FIFO
         real = os.stat
-        readers.os.stat = lambda p, *a, **k: real(regular) if p == str(path) else real(p, *a, **k)
+        regular.os.stat = lambda p, *a, **k: real(plain) if p == str(path) else real(p, *a, **k)
         return [r.error for r in read_rows(str(path), "json", "text", None)]
 
     ok, message = _guarded(swapped)
