@@ -31,7 +31,7 @@ def build_parser() -> VerbParser:
                    help="--calibrate: a text file (one example a line) or a .jsonl file (each record's \"text\")")
     p.add_argument("--recipe", default=None, metavar="RECIPE.yaml",
                    help="--calibrate: a recipe of yours whose validation data (else training data) are the examples; "
-                        "never the recipe copy a checkpoint holds")
+                        "--to hf-trainer: the recipe that trained the checkpoint (never the copy a checkpoint holds)")
     p.add_argument("--out", default=None, help="the GGUF file or int8 folder to write (default: beside SRC, "
                                                "SRC-TYPE.gguf or SRC-int8-SCHEME/); replaced if it exists")
     p.add_argument("--adapter", action="store_true", help="gguf, a LoRA checkpoint: its adapter as a GGUF LoRA "
@@ -57,7 +57,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.to == "hf-trainer":
         from automodel_ckpt.cli.export_hf_trainer import export
 
-        return export(src, Path(args.out) if args.out else None)
+        return export(src, Path(args.out) if args.out else None, Path(args.recipe) if args.recipe else None)
     if args.calibrate and args.to != "int8":
         raise UsageError("--calibrate applies to --to int8 only")
     if args.calibrate < 0:

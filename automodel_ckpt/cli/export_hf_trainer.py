@@ -1,6 +1,7 @@
 """`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder.
 
-The run's recipe (the checkpoint's ``config.yaml``) is built in this process as a 1-process run, the checkpoint
+The run's recipe, given on the command line (``--recipe RECIPE.yaml``: the checkpoint's own ``config.yaml`` is a
+copy that may name any code, and is never built), is built in this process as a 1-process run, the checkpoint
 restored into it (resharded from any world size), and its state written by ``interop.hf_export``. The checkpoint's
 run folder is only read: the build's own run folder is a temporary one.
 """
@@ -17,13 +18,16 @@ from automodel_ckpt.errors import CheckpointError, UsageError
 from automodel_ckpt.ondisk import layout
 
 
-def export(src: Path, out: Path | None) -> int:
+def export(src: Path, out: Path | None, recipe: Path | None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise UsageError("export --to hf-trainer runs as one process")
+    if recipe is None:
+        raise UsageError("export --to hf-trainer: give --recipe RECIPE.yaml, the recipe that trained the checkpoint "
+                         f"(its {layout.CONFIG_FILE} is a copy, never run as a recipe)")
     src = src.absolute()
-    recipe_file = src / layout.CONFIG_FILE
-    if not recipe_file.is_file():
-        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {layout.CONFIG_FILE}): --to hf-trainer "
+    recipe_file = Path(recipe)
+    if not (src / layout.METADATA_FILE).is_file():
+        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {layout.METADATA_FILE}): --to hf-trainer "
                               "exports a checkpoint folder (epoch_E_step_N)")
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.hostile.conftest import reseal
+from tests.hostile.conftest import SFT, reseal
 from tests.hostile.harness import clean, lean
 
 EVIL = '''import pathlib
@@ -116,6 +116,8 @@ def test_no_verb_runs_what_a_checkpoint_an_export_or_an_archive_names(make_case,
         ["inspect", "a.tar"], ["verify", "a.tar"], ["verify", "e.tar"],
         ["export", "a.tar", "--to", "gguf", "--out", "ga.gguf", "--no-progress"],
         ["export", "e.tar", "--to", "int8", "--calibrate", "2", "--out", "i8a", "--no-progress"],
+        ["export", step2, "--to", "hf-trainer", "--out", "hft"],
+        ["export", step2, "--to", "hf-trainer", "--recipe", SFT, "--out", "hft"],
         ["average", step1, step2, "--out", "avg"], ["plot", "run", "--out", "loss.png"], ["gc", "run"],
     ])
     planter.check(case.resume(steps=2))
