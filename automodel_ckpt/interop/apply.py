@@ -28,6 +28,7 @@ def apply(run: ForeignRun, recipe: Any, where: str, say: Callable[[str], None]) 
     if not isinstance(optimizer, torch.optim.AdamW):
         raise ConfigError(f"optimizer._target_: the source's state is AdamW's; the recipe builds "
                           f"{type(optimizer).__name__} (use torch.optim.AdamW)")
+    _check_adapter(run, model)
     params = dict(model.named_parameters())
     weights = _weights(run, model, params, where)
     state, hyper = _optimizer_state(run, model, params, where)
@@ -65,6 +66,27 @@ def apply(run: ForeignRun, recipe: Any, where: str, say: Callable[[str], None]) 
                                  "grad_norm": record["grad_norm"]})
     last = [r["loss"] for r in run.log if r["step"] == run.step]
     return counters | {"step": run.step, "loss": last[-1] if last else None}
+
+
+def _check_adapter(run: ForeignRun, model: Any) -> None:
+    """A PEFT source into a recipe with the same ``peft:`` adapter (rank, alpha, scaling, targets), and only so."""
+    ours = getattr(model, "peft_config", {}).get(names.ADAPTER) if hasattr(model, "peft_config") else None
+    if run.adapter and ours is None:
+        raise ConfigError("peft: the source is a LoRA adapter run; give the recipe a peft: section with its adapter "
+                          "(rank, alpha, target_modules of its adapter_config.json)")
+    if not run.adapter and ours is not None:
+        raise ConfigError("peft: the source is a full fine-tune; the recipe's peft: section would train adapters "
+                          "it has no state for")
+    if ours is None or run.adapter_config is None:
+        return
+    theirs = run.adapter_config
+    pairs = {"rank": (ours.r, theirs.get("r")), "alpha": (ours.lora_alpha, theirs.get("lora_alpha")),
+             "use_rslora": (bool(ours.use_rslora), bool(theirs.get("use_rslora", False))),
+             "target_modules": (sorted(ours.target_modules or []), sorted(theirs.get("target_modules") or []))}
+    for key, (mine, source) in pairs.items():
+        if mine != source and not (isinstance(mine, (int, float)) and isinstance(source, (int, float))
+                                   and math.isclose(mine, source)):
+            raise ConfigError(f"peft.{key}: the source's adapter has {source}, the recipe's {mine}")
 
 
 def _weights(run: ForeignRun, model: Any, params: dict[str, Any], where: str) -> dict[str, torch.Tensor]:

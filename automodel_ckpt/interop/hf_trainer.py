@@ -62,6 +62,12 @@ def read(src: Path) -> ForeignRun:
     world = max(1, len(ranks))
 
     adapter = ADAPTER in files
+    adapter_config = None
+    if adapter:
+        adapter_config = bounded.read_json(src / ADAPTER_CONFIG, "the adapter's config", bounded.SMALL_FILE,
+                                           follow=True) if ADAPTER_CONFIG in files else None
+        if not isinstance(adapter_config, dict):
+            raise refuse(src, f"its adapter has no {ADAPTER_CONFIG}")
     weights = _weights(src, files, adapter)
     weight_bytes = sum(t.numel() * 4 for t in weights.values())
     opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * bounded.MiB)
@@ -79,7 +85,8 @@ def read(src: Path) -> ForeignRun:
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
                       groups=groups, order=names.hf_trainer_order, schedule=schedule, step=step,
                       position=lambda rows, _batch: _position(step, rows, per_device * world, accum, drop_last),
-                      global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float)
+                      global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float,
+                      adapter_config=adapter_config)
 
 
 def _position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) -> tuple[int, int, int]:
@@ -138,6 +145,8 @@ def optimizer_slots(opt: Any, where: Path) -> tuple[list[dict[str, torch.Tensor]
             raise refuse(where, "AdamW with amsgrad: its max_exp_avg_sq has no counterpart here")
         groups.append(hyper)
         for idx in g["params"]:
+            if not isinstance(idx, (int, str)):
+                raise refuse(where, "a param group names a parameter by neither index nor name")
             slot = opt["state"].get(idx)
             if slot is not None and not (isinstance(slot, dict) and all(isinstance(v, torch.Tensor) for v in
                                                                          slot.values())):

@@ -52,6 +52,9 @@ def read_file(src: Path) -> ForeignRun:
         raise refuse(src, f"it holds {len(opts) if isinstance(opts, list) else 'no'} optimizer states; one AdamW's "
                           "is imported")
     moments, groups = optimizer_slots(opts[0], src)
+    slots = [p for g in opts[0]["param_groups"] for p in g["params"]]
+    named = all(isinstance(p, str) for p in slots)  # an FSDP optimizer state (consolidated): slots by name
+    order = names.slot_order(slots, src) if named else names.module_order
     scheds = ckpt.get("lr_schedulers") or []
     if not isinstance(scheds, list) or len(scheds) > 1 or (scheds and not isinstance(scheds[0], dict)):
         raise refuse(src, "it holds more than one learning-rate scheduler")
@@ -69,7 +72,7 @@ def read_file(src: Path) -> ForeignRun:
     batches = _completed(fit.get("epoch_loop.batch_progress"), "total")
     accum = max(1, round(batches / step)) if step and batches else 1
     return ForeignRun(kind=f"Lightning checkpoint (step {step})", weights=dict(weights), adapter=False,
-                      moments=moments, groups=groups, order=names.module_order, schedule=schedule, step=step,
+                      moments=moments, groups=groups, order=order, schedule=schedule, step=step,
                       position=lambda rows, batch: _position(step, rows, batch), global_batch=None, world_size=1,
                       rng=None, notes=[f"Lightning records no random generators' state: the recipe's seed "
                                        "starts them" + (f"; it accumulated {accum} batches a step" if accum > 1

@@ -77,6 +77,25 @@ def match_weights(model: nn.Module, theirs: list[str], where: Any, *, adapter: b
     return mapping
 
 
+def slot_order(slot_names: list[str], where: Any):
+    """The ``order`` of an optimizer whose slots are named (an FSDP optimizer state, consolidated): each slot's
+    name mapped to the model's like the weights' names."""
+    def order(model: nn.Module) -> list[str]:
+        ours = trainable(model)
+        by_plain = {_plain(n): n for n in ours}
+        prefix = _prefix(list(by_plain), slot_names)
+        out = []
+        for key in slot_names:
+            name = by_plain.get(key[len(prefix):]) if key.startswith(prefix) else None
+            if name is None:
+                raise refuse(where, f"its optimizer holds state for '{key}', which the recipe's model does not "
+                                    "train")
+            out.append(name)
+        return out
+
+    return order
+
+
 def _prefix(ours: list[str], theirs: list[str]) -> str:
     """The one leading part of their names (``model.``, ``module.``) under which they match ours best."""
     ours_set = set(ours)

@@ -89,9 +89,9 @@ def factor(schedule: Schedule, step: int) -> float:
 
 
 def section_line(schedule: Schedule) -> str:
-    """The recipe's ``lr_scheduler`` section that selects ``schedule``, as YAML."""
+    """The ``lr_scheduler`` section that selects ``schedule``, as a YAML flow mapping."""
     pairs = [f"_target_: {schedule.target}"] + [f"{k}: {v!r}" for k, v in schedule.kwargs.items()]
-    return "lr_scheduler: {" + ", ".join(pairs) + "}"
+    return "{" + ", ".join(pairs) + "}"
 
 
 def check_recipe_schedule(schedule: Schedule, scheduler: Any, total_steps: int) -> None:
@@ -107,5 +107,7 @@ def check_recipe_schedule(schedule: Schedule, scheduler: Any, total_steps: int) 
         got = lambdas[0](step) if lambdas else None
         if got is None or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
             shown = "none" if got is None else f"{got:.6g}"
+            section = section_line(schedule)
             raise ConfigError(f"lr_scheduler: the source's schedule is {schedule.described}; the recipe's factor "
-                              f"at step {step} is {shown}, the source's {want:.6g}: write {section_line(schedule)} in the recipe")
+                              f"at step {step} is {shown}, the source's {want:.6g}: write lr_scheduler: {section} in "
+                              f"the recipe, or pass --lr_scheduler '{section}' to import and to training")

@@ -65,6 +65,7 @@ class ForeignRun:
     log: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the import cannot carry, said once
     epoch_float: float | None = None  # the source's fractional epoch, where it records one
+    adapter_config: dict[str, Any] | None = None  # a PEFT run's adapter_config.json
 
 
 def refuse(where: Path | str, why: str) -> CheckpointError:

@@ -23,6 +23,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float], steps=range(ft.SAVED_AT + 1, ft.STEPS + 1)):
+    print("largest difference:", max(abs(got[step] - want[step]) for step in steps))  # shown with -s
     for step in steps:
         assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
 

@@ -110,3 +110,23 @@ def test_an_rng_file_may_hold_numpy_state_and_nothing_else_of_numpy(tmp_path):
     torch.save({"numpy": np.array([Path("/")], dtype=object)}, path)
     with pytest.raises(CheckpointError):
         load_pickle(path, "rng", 1 << 20, numpy=True)
+
+
+def test_a_consolidated_lightning_optimizer_state_maps_its_slots_by_name(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel_ckpt.interop.lightning import read_file
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    named = [n for n, _ in model.named_parameters()][::-1]  # an order of its own: names decide
+    params = dict(model.named_parameters())
+    state = {f"model.{n}": {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(params[n]),
+                            "exp_avg_sq": torch.zeros_like(params[n])} for n in named}
+    group = {"lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, "params": [f"model.{n}" for n in named]}
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 1,
+                "optimizer_states": [{"state": state, "param_groups": [group]}], "lr_schedulers": []},
+               tmp_path / "last.ckpt")
+    run = read_file(tmp_path / "last.ckpt")
+    assert run.order(model) == named
+    assert names.match_weights(model, list(run.weights), "x", adapter=False)["lm_head.weight"] == "model.lm_head.weight"
