@@ -145,8 +145,28 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "data_position": (meta.get("extra") or {}).get("data_position"),
+        "eval": eval_scores(record.path),
         "metadata": record.metadata,
     }
+
+
+def eval_scores(ckpt: Path) -> dict[str, float] | None:
+    """``ckpt-train eval``'s scores kept in the checkpoint: ``{"task/metric": value}``, the first metric of each
+    task (None when it was never evaluated; a results file that cannot be read is left out)."""
+    folder = Path(ckpt) / layout.EVAL_DIR
+    if folder.is_symlink() or not folder.is_dir():
+        return None
+    scores: dict[str, float] = {}
+    for path in sorted(folder.glob(f"*{layout.EVAL_SUFFIX}")):
+        try:
+            results = bounded.read_json(path, "eval results", bounded.INDEX_FILE).get("results") or {}
+            for task, values in results.items():
+                metric = next(k for k, v in values.items() if "," in k and "_stderr" not in k
+                              and isinstance(v, (int, float)) and not isinstance(v, bool))
+                scores[f"{task}/{metric.split(',')[0]}"] = float(values[metric])
+        except (OSError, AttributeError, StopIteration, TypeError, UserError):
+            continue
+    return scores or None
 
 
 def _mesh(meta: dict[str, Any]) -> str | None:
@@ -195,7 +215,11 @@ def render_table(report: dict[str, Any]) -> str:
             "yes" if r["complete"] else "no",
             ", ".join(r["pointers"]) or "-",
         ])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(_COLUMNS))]
+    if any(r.get("eval") for r in report["checkpoints"]):  # a column once some checkpoint was evaluated
+        lines[0].append("EVAL")
+        for line, r in zip(lines[1:], report["checkpoints"]):
+            line.append(", ".join(f"{k} {v:.4f}" for k, v in (r.get("eval") or {}).items()) or "-")
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     numeric = {1, 2, 3, 4}
     out = [
         "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()

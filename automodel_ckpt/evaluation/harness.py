@@ -14,6 +14,7 @@ Results: the harness's table, and its results JSON of each task in ``eval/<task>
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -80,9 +81,11 @@ def results_dir(src: Path) -> Path:
     return src
 
 
+@functools.lru_cache(maxsize=4)
 def task_manager(tasks: tuple[str, ...]) -> Any:
     """The harness's task index: the shipped tasks alone when they are all asked for (no scan of the registry),
-    else the registry with them. An unknown task is one line naming the ones shipped."""
+    else the registry with them (seconds: thousands of task files). An unknown task is one line naming the ones
+    shipped. Built once per set of tasks."""
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)

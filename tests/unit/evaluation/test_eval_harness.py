@@ -23,10 +23,9 @@ def test_the_shipped_task_file_holds_the_recipes_held_out_problems_in_generate_p
         assert [(r["prompt"], r["answer"]) for r in lines[:n]] == heldout_examples(n)
 
 
-def test_the_shipped_task_is_found_without_the_registry_and_an_unknown_one_is_one_line():
-    assert "addition" in task_manager(("addition",)).all_tasks
-    with pytest.raises(UserError, match="unknown task 'no_such_task_here'.*shipped: addition"):
-        task_manager(("no_such_task_here",))
+def test_the_shipped_task_is_found_without_scanning_the_registry():
+    manager = task_manager(("addition",))
+    assert manager.all_tasks == ["addition"]  # the harness's own registry is not read for it
 
 
 def test_a_run_folder_means_its_checkpoints_and_results_go_beside_what_was_evaluated(tmp_path):
@@ -71,3 +70,22 @@ def test_the_model_is_built_from_the_tensors_and_a_config_larger_than_its_weight
     with pytest.raises(CheckpointError, match="does not fit the weights"):
         with load_model(folder):
             pass
+
+
+def test_inspect_shows_the_scores_kept_in_a_checkpoint(tmp_path):
+    from automodel_ckpt.cli.inspect import inspect_dir, render_table
+    from automodel_ckpt.evaluation.harness import write_results
+
+    run = tmp_path / "run"
+    for step in (2, 4):
+        (run / f"epoch_0_step_{step}" / "model").mkdir(parents=True)
+    assert "EVAL" not in render_table(inspect_dir(run))  # no column until a checkpoint is evaluated
+    results = {"results": {"addition": {"alias": "addition", "exact_match,none": 0.25,
+                                        "exact_match_stderr,none": 0.1}}, "versions": {"addition": 1.0}}
+    (written,) = write_results(results, run / "epoch_0_step_4", ("addition",))
+    assert written == run / "epoch_0_step_4" / "eval" / "addition.json"
+    assert json.loads(written.read_text())["source"] == str(run / "epoch_0_step_4")
+    rows = inspect_dir(run)["checkpoints"]
+    assert [r["eval"] for r in rows] == [None, {"addition/exact_match": 0.25}]
+    table = render_table(inspect_dir(run)).splitlines()
+    assert table[0].endswith("EVAL") and table[2].endswith("addition/exact_match 0.2500") and table[1].endswith("-")
