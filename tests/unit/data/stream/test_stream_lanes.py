@@ -6,7 +6,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader
 from automodel_ckpt.data.stream import loader as loader_module
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream import stream as stream_module
@@ -136,8 +138,13 @@ def test_lanes_1_reads_a_position_written_before_lanes_and_another_count_is_refu
     for _ in range(GBS * 2):
         stream.next_sequence()
     old = {"kind": "stream", "position": json.loads(json.dumps(stream.position()))}
+    checkpoint = tmp_path / "epoch_0_step_2"
+    checkpoint.mkdir()
+    torch.save(old, checkpoint / "dataloader.pt")  # as earlier releases wrote it: once, for every rank
     one = _loader(corpus, 0, 1, lanes=1)
-    one.load_state_dict(old)
+    restore = object.__new__(CheckpointLoader)
+    restore.dims, restore.env = SimpleNamespace(dp_rank=0, dp_size=1), SimpleNamespace(is_main=True)
+    restore._load_per_rank("dataloader", one, checkpoint)
     _, micro = one.next_batch()
     assert _ids(micro) == [sequence_id(stream.next_sequence()) for _ in range(GBS)]  # the same order, exactly
     with pytest.raises(DataError, match=r"one global stream .* resume it with --data.lanes 1"):
