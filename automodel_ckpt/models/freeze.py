@@ -112,6 +112,11 @@ def apply_freeze(model: nn.Module, patterns: Any) -> list[str]:
         return []
     names = resolve_freeze(model, patterns)
     chosen = set(names)
+    adapters = [n for n, p in model.named_parameters() if n in chosen and p.requires_grad and n.startswith(_PEFT_PREFIX)]
+    if adapters:  # a LoRA checkpoint holds the trained adapter weights only: a frozen adapter would not be saved
+        raise ConfigError(f"model.freeze: {', '.join(patterns)} would freeze {len(adapters)} LoRA adapter weight(s) "
+                          f"(e.g. '{adapters[0]}'); LoRA trains only its adapters, so leave those modules out of "
+                          "peft.target_modules (or peft.vision_tower: false) instead")
     for name, param in model.named_parameters():
         if name in chosen:
             param.requires_grad_(False)

@@ -88,13 +88,14 @@ def test_freeze_composes_with_lora(llava):
     from automodel_ckpt.config.schema import PeftConfig
     from automodel_ckpt.models.lora import apply_lora
 
-    model = apply_lora(llava, PeftConfig(rank=4, vision_tower=True))
+    model = apply_lora(llava, PeftConfig(rank=4, vision_tower=False))
     adapters = _trainable(model)
-    assert any("vision_tower" in n for n in adapters)
-    names = apply_freeze(model, ["vision_tower", "model.language_model.layers.0.self_attn.q_proj"])
-    assert not any("vision_tower" in n for n in _trainable(model))  # the tower's adapters too
-    assert any("layers.0.self_attn.q_proj" in n for n in names)  # matched without PEFT's prefix
-    assert _trainable(model) and _trainable(model) < adapters
+    names = apply_freeze(model, ["vision_tower", "model.language_model.layers.0.self_attn.q_proj.base_layer"])
+    assert _trainable(model) == adapters  # the base was frozen already: the adapters still train
+    assert any("layers.0.self_attn.q_proj.base_layer" in n for n in names)  # matched without PEFT's prefix
+    with pytest.raises(ConfigError, match=r"would freeze 2 LoRA adapter weight\(s\)"):  # never saved if frozen
+        apply_freeze(model, ["model.language_model.layers.0.self_attn.q_proj"])
+    assert _trainable(model) == adapters
 
 
 def test_parameter_line_counts_a_tied_weight_once():
