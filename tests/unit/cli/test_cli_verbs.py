@@ -11,7 +11,8 @@ from automodel_ckpt.cli.common import human_size
 
 POSITIONAL = {"consolidate": "ckpt", "inspect": "dir", "merge-lora": "ckpt", "verify": "path", "plot": "dir",
               "preview": "recipe.yaml", "gc": "s3://bucket/run", "pack": "ckpt",
-              "export": "ckpt", "average": "ckpt", "eval": "ckpt"}
+              "export": "ckpt", "average": "ckpt", "eval": "ckpt",
+              "import": ("checkpoint-6", "recipe.yaml", "--out", "run")}
 
 
 def test_help_lists_every_verb(capsys):
@@ -26,7 +27,8 @@ def test_help_lists_every_verb(capsys):
 @pytest.mark.parametrize("verb", sorted(POSITIONAL))
 def test_every_verb_takes_debug(verb):
     module = importlib.import_module(f"automodel_ckpt.cli.{VERBS[verb][0]}")
-    args = module.build_parser().parse_args([POSITIONAL[verb], "--debug"])
+    given = POSITIONAL[verb]
+    args = module.build_parser().parse_args([*(given if isinstance(given, tuple) else [given]), "--debug"])
     assert args.debug is True
 
 
