@@ -14,7 +14,7 @@ from pathlib import Path
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoTokenizer
 
-from automodel_ckpt.data.builtin import heldout_examples
+from automodel_ckpt.data import heldout_examples
 from evaluation import print_accuracy_report  # examples/evaluation.py, beside this script
 
 

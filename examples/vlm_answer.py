@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from automodel_ckpt.data.shapes import heldout_vqa_examples
+from automodel_ckpt.data import heldout_vqa_examples
 
 
 @torch.no_grad()

@@ -20,9 +20,7 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.schema import DPOConfig
-from automodel_ckpt.data.loader import MicroBatch
-from automodel_ckpt.data.pairs import PairData, pair_batches, prepare_pairs
-from automodel_ckpt.data.tokenize import IGNORE_INDEX
+from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, PairData, pair_batches, prepare_pairs
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, barrier
 from automodel_ckpt.distributed.pipeline import Pipeline, cut_stage

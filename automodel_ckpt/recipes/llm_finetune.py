@@ -15,12 +15,8 @@ from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, PreemptionWatch
 from automodel_ckpt.ondisk import layout, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
-from automodel_ckpt.data.contract import BatchLoader
-from automodel_ckpt.data.loader import GlobalBatchLoader, MicroBatch, validation_batches
-from automodel_ckpt.data.pipeline import prepare_data
-from automodel_ckpt.data.stream.build import build_streamed
-from automodel_ckpt.data.stream.corpus import is_streamed
-from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
+from automodel_ckpt.data import (IGNORE_INDEX, BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData,
+                                  build_streamed, is_streamed, prepare_data, validation_batches)
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed
 from automodel_ckpt.distributed import data_parallel

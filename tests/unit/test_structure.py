@@ -537,3 +537,17 @@ def test_no_import_runs_back_up():
     assert arrows_back_up(_import_graph(PACKAGE)) == []
     planted = {"automodel_ckpt.distributed.fsdp": {"automodel_ckpt.models.lora"}}
     assert arrows_back_up(planted) == ["automodel_ckpt.distributed.fsdp -> automodel_ckpt.models.lora"]
+
+
+def test_the_recipes_and_examples_enter_data_through_its_face():
+    """``data/`` has one face (``__all__``, names loaded on first use): the recipes and the examples import only it."""
+    face = "automodel_ckpt.data"
+    module = importlib.import_module(face)
+    assert all(getattr(module, name) is not None for name in module.__all__)
+    faces = {face: set(module.__all__)}
+    offenders = {}
+    for path in sorted((PACKAGE / "recipes").glob("*.py")) + sorted((REPO / "examples").glob("*.py")):
+        found = imports_past_the_faces(path.read_text(encoding="utf-8"), faces)
+        if found:
+            offenders[str(path.relative_to(REPO))] = found
+    assert offenders == {}, f"import these through automodel_ckpt.data: {offenders}"
