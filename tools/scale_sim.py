@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import pickle
 import time
@@ -149,6 +150,7 @@ def save(name: str, strategy: str, n: int, key: str = "model") -> dict[str, Any]
         data, planner = rank_local_plan(name, strategy, n, rank, key)
         sent.append(data)
         planners.append(planner)
+    gc.freeze()  # the other simulated ranks' objects: a real coordinator holds none, its collector walks none
     t0 = time.process_time()
     coordinator = planners[0]
     received = [pickle.loads(b) for b in sent]
@@ -162,11 +164,13 @@ def save(name: str, strategy: str, n: int, key: str = "model") -> dict[str, Any]
         finals.append(planner.finish_plan(pickle.loads(scattered[rank])))
         notes.append(plan_results.outgoing(_write_results(finals[-1], rank, n), key, n, rank))
         results_sent.append(pickle.dumps(notes[-1]))
+    gc.freeze()
     t0 = time.process_time()  # the safetensors shards' finish reads no results: not rebuilt
     results = plan_results.incoming([pickle.loads(b) for b in results_sent], key, needed=False)
     seconds += time.process_time() - t0
     for rank, note in enumerate(notes):
         plan_results.succeeded(key, n, rank, note)
+    gc.unfreeze()
     checksum_bytes, merge_seconds = _manifest(n)
     per_rank = max(len(a) + len(b) for a, b in zip(sent, results_sent)) + checksum_bytes
     return {"seconds": seconds + merge_seconds, "final_plans": finals, "metadata": metadata,

@@ -27,13 +27,18 @@ an optimizer save evict each other's entries at every checkpoint; its validation
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import math
 import pickle
-from collections import ChainMap
+from collections import ChainMap, Counter
+from contextlib import contextmanager
+from itertools import chain
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
@@ -194,13 +199,27 @@ class LinearSavePlanner(DefaultSavePlanner):
                         raise ValueError(f"rank {rank} sent an unchanged save plan that the coordinator does not hold")
                     note = entry.notes[rank]
                 full.append(note)
-            hints, metadata = plan_globally(full, self.flatten_state_dict)
+            with gc_paused():
+                hints, metadata = plan_globally(full, self.flatten_state_dict)
             entry = _CoordinatorEntry(full, metadata)
             replies = [SavePlan([], planner_data=PlanReply(h)) for h in hints]
         if cache_key is not None:
             _COORDINATOR_CACHE[cache_key] = entry
         self.metadata = dataclasses.replace(metadata)  # the storage writer sets storage_data on its own copy
         return replies, self.metadata
+
+
+@contextmanager
+def gc_paused():
+    """No cyclic garbage collection while millions of objects that form no cycles are made (chunks, indices): each
+    full collection walks every object made so far, which makes planning superlinear (2x at 512 ranks)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _apply(items: list[WriteItem], hints: list[int | None]) -> list[WriteItem]:
@@ -219,6 +238,7 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
     the ranks' encoded plans; validated linearly. Raises ``ValueError`` as DCP does for an invalid plan."""
     owners = _dedup(notes)
     md: dict[str, Any] = {}
+    bounds: dict[str, tuple[list, list]] = {}  # fqn -> its chunks' offsets and sizes, as plain tuples
     hints_of = []
     for rank, note in enumerate(notes):
         hints: list[int | None] = []
@@ -242,11 +262,16 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
                 raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
             hints.append(len(tensor_md.chunks))
             tensor_md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(c_off), sizes=torch.Size(c_size)))
+            found = bounds.get(fqn)
+            if found is None:
+                found = bounds[fqn] = ([], [])
+            found[0].append(c_off)
+            found[1].append(c_size)
         hints_of.append(hints)
     metadata = Metadata(md)
     if flatten:
         metadata = dataclasses.replace(metadata, planner_data=dict(ChainMap(*[n.mappings for n in notes])))
-    errors = validate(len(notes), metadata)
+    errors = validate(len(notes), metadata, bounds)
     if errors:
         summary = "; ".join(errors)
         raise ValueError(f"Failed to validate global plan: {summary[:500]}{'... (truncated)' if len(summary) > 500 else ''}")
@@ -257,48 +282,60 @@ _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
 
 
 def _dedup(notes: list[PlanNote]) -> list[list[bool]]:
-    """Which rank writes each item (``dedup_save_plans``, the same choices): ``[rank][item]`` True where it does."""
-    first: dict[tuple, int] = {}  # item -> the one rank holding it, or -1 once several do (then in ``several``)
-    several: dict[tuple, set[int]] = {}
-    storage: dict[tuple, int] = {}
-    for rank, note in enumerate(notes):
-        for fqn, _kind, offset, _co, _cs, size, prop, _ in note.entries:
-            key = (fqn, offset)
-            holder = first.setdefault(key, rank)
-            if holder != rank and holder != -1:
-                several[key] = {holder}
-                first[key] = -1
-            if holder != rank:
-                several[key].add(rank)
-            if key not in storage:
-                storage[key] = (math.prod(size) * note.properties[prop].dtype.itemsize) if size is not None else 0
+    """Which rank writes each item (``dedup_save_plans``, the same choices): ``[rank][item]`` True where it does.
+
+    An item several ranks hold goes to the one with the least planned so far (DCP counts a tensor item as its
+    whole tensor's bytes, anything else as 1), walking the items in the order they first appear."""
+    keys_of = [list(map(_KEY, note.entries)) for note in notes]
+    counts = Counter(chain.from_iterable(keys_of))
+    dups = {key for key, count in counts.items() if count > 1}
+    if not dups:
+        return [[True] * len(keys) for keys in keys_of]
+    holders: dict[tuple, set[int]] = {key: set() for key in dups}
+    for rank, keys in enumerate(keys_of):
+        for key in keys:
+            if key in dups:
+                holders[key].add(rank)
     load = [0] * len(notes)
     writer: dict[tuple, int] = {}
-    for key, holder in first.items():  # in the order items first appear, as DCP walks them
-        chosen = holder if holder != -1 else min(several[key], key=lambda r: load[r])
-        writer[key] = chosen
-        load[chosen] += storage[key] or 1
-    return [[writer[(e[0], e[2])] == rank for e in note.entries] for rank, note in enumerate(notes)]
+    for rank, (note, keys) in enumerate(zip(notes, keys_of)):
+        for entry, key in zip(note.entries, keys):
+            size = entry[5]
+            storage = (math.prod(size) * note.properties[entry[6]].dtype.itemsize if size is not None else 0) or 1
+            if key not in dups:
+                load[rank] += storage
+            elif key not in writer:
+                writer[key] = chosen = min(holders[key], key=load.__getitem__)
+                load[chosen] += storage
+    return [[key not in dups or writer[key] == rank for key in keys] for rank, keys in enumerate(keys_of)]
 
 
-def validate(ranks: int, metadata: Metadata) -> list[str]:
+_KEY = itemgetter(0, 2)  # an encoded item's (fqn, offset): DCP's MetadataIndex as a dedup key
+
+
+def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]] | None = None) -> list[str]:
     """DCP's checks of a global plan (every chunk within bounds, no two overlapping, all of them covering the
-    tensor when more than one rank saves), in time linear in the number of chunks for grid layouts."""
+    tensor when more than one rank saves), without comparing chunks pairwise where they form a grid. ``bounds``:
+    each tensor's chunk offsets and sizes as tuples (else read from the metadata's chunks)."""
     errors: list[str] = []
     irregular: dict[str, Any] = {}
     for key, value in metadata.state_dict_metadata.items():
-        if isinstance(value, BytesStorageMetadata) or len(value.size) == 0:
+        if isinstance(value, BytesStorageMetadata) or len(value.size) == 0 or not value.chunks:
             continue
-        size, chunks = tuple(value.size), value.chunks
-        volume = 0
-        for chunk in chunks:
-            if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size)):
-                errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} chunk: {chunk}")
-            volume += math.prod(chunk.sizes)
-        if len(chunks) > 1 and not _is_grid(size, chunks):
+        size = np.asarray(value.size, dtype=np.int64)
+        known = bounds.get(key) if bounds is not None else None
+        offs, sizes = known or ([tuple(c.offsets) for c in value.chunks], [tuple(c.sizes) for c in value.chunks])
+        shape = (len(value.chunks), len(size))
+        offs = np.fromiter(chain.from_iterable(offs), dtype=np.int64, count=shape[0] * shape[1]).reshape(shape)
+        sizes = np.fromiter(chain.from_iterable(sizes), dtype=np.int64, count=shape[0] * shape[1]).reshape(shape)
+        ends = offs + sizes
+        for i in np.flatnonzero((offs < 0).any(1) | (sizes < 0).any(1) | (ends > size).any(1)):
+            errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} chunk: {value.chunks[i]}")
+        if len(value.chunks) > 1 and not _is_grid(size, offs, ends, sizes):
             irregular[key] = value
-        if ranks > 1 and volume != math.prod(size):
-            errors.append(f"key:{key} invalid fill tensor-volume: {math.prod(size)} chunks-volume: {volume}")
+        volume = sum(int(v) for v in np.prod(sizes, axis=1))
+        if ranks > 1 and volume != math.prod(value.size):
+            errors.append(f"key:{key} invalid fill tensor-volume: {math.prod(value.size)} chunks-volume: {volume}")
     if irregular:  # DCP's sweep, on the dimension with the most distinct offsets; its coverage check is above
         for message in _validate_global_plan([SavePlan([])] * ranks, Metadata(_swept(irregular))):
             if "invalid fill" not in message:
@@ -306,22 +343,19 @@ def validate(ranks: int, metadata: Metadata) -> list[str]:
     return errors
 
 
-def _is_grid(size: tuple[int, ...], chunks: list[Any]) -> bool:
-    """Whether the non-empty chunks are distinct cells of one grid: along each dimension their intervals tile it
-    exactly (a partition), and no two start at the same offsets. Then no two overlap."""
-    full = [c for c in chunks if all(n > 0 for n in c.sizes)]
-    if len({tuple(c.offsets) for c in full}) != len(full):
+def _is_grid(size: Any, offs: Any, ends: Any, sizes: Any) -> bool:
+    """Whether the non-empty chunks are distinct cells of one grid: along each dimension their distinct
+    intervals, sorted, follow one another from 0 to the end (a partition), and no two chunks start at the same
+    offsets. Then no two overlap. Sorting in numpy; no pair of chunks compared."""
+    full = (sizes > 0).all(axis=1)
+    offs, ends = offs[full], ends[full]
+    if len(offs) < 2:
+        return True
+    if len(np.unique(offs, axis=0)) != len(offs):
         return False
-    for d, extent in enumerate(size):
-        ends: dict[int, int] = {}
-        for c in full:
-            start, end = c.offsets[d], c.offsets[d] + c.sizes[d]
-            if ends.setdefault(start, end) != end:
-                return False
-        at, steps = 0, 0
-        while at in ends and steps <= len(ends):
-            at, steps = ends[at], steps + 1
-        if full and (at != extent or steps != len(ends)):
+    for d in range(offs.shape[1]):
+        pairs = np.unique(np.stack([offs[:, d], ends[:, d]], axis=1), axis=0)  # sorted by start, then end
+        if pairs[0, 0] != 0 or pairs[-1, 1] != size[d] or not np.array_equal(pairs[1:, 0], pairs[:-1, 1]):
             return False
     return True
 
