@@ -185,6 +185,9 @@ def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) ->
                      else value) for key, value in results.items()}
         one["source"] = str(src)
         path = layout.eval_results_file(owner, task)
+        if path.parent.is_symlink() or (path.parent.exists() and not path.parent.is_dir()):
+            raise CheckpointError(f"'{path.parent}' is a symlink or a file, not a folder; results are never written "
+                                  "through a link: remove it and evaluate again")
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(one, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
         write_atomic(path, text.encode("utf-8"))

@@ -89,3 +89,15 @@ def test_inspect_shows_the_scores_kept_in_a_checkpoint(tmp_path):
     assert [r["eval"] for r in rows] == [None, {"addition/exact_match": 0.25}]
     table = render_table(inspect_dir(run)).splitlines()
     assert table[0].endswith("EVAL") and table[2].endswith("addition/exact_match 0.2500") and table[1].endswith("-")
+
+
+def test_results_are_never_written_through_a_link(tmp_path):
+    from automodel_ckpt.evaluation.harness import write_results
+
+    checkpoint, elsewhere = tmp_path / "epoch_0_step_2", tmp_path / "elsewhere"
+    checkpoint.mkdir()
+    elsewhere.mkdir()
+    (checkpoint / "eval").symlink_to(elsewhere)  # planted in a received checkpoint
+    with pytest.raises(CheckpointError, match="never written through a link"):
+        write_results({"results": {"addition": {}}}, checkpoint, ("addition",))
+    assert list(elsewhere.iterdir()) == []
