@@ -181,6 +181,15 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     return out
 
 
+def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
+    """``objs[r]`` (given on rank ``src`` of this thread's group) on each rank ``r``: each receives its own only."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return objs[0] if objs else None
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, objs, group=_group(), group_src=src)
+    return box[0]
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier(group=_group())

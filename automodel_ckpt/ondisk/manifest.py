@@ -162,20 +162,26 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
     """
     from automodel_ckpt.distributed import collective
-    from automodel_ckpt.distributed.env import gather_object
+    from automodel_ckpt.distributed.env import gather_object, scatter_object
 
     staging = Path(staging)
 
-    def plan() -> tuple[str, dict[str, int], list[list[str]]]:
-        files = list_files(staging)
-        return default_algorithm(), files, assign(files, world_size)
+    listed: dict[str, Any] = {}
+
+    def plan() -> str:  # rank 0 lists the folder; each rank receives its own share of it only (scattered)
+        listed["files"] = list_files(staging)
+        listed["shares"] = assign(listed["files"], world_size)
+        return default_algorithm()
 
     if shared:
-        algorithm, files, shares = collective.on_main(plan, f"listing the files of '{staging}'", rank)
+        algorithm = collective.on_main(plan, f"listing the files of '{staging}'", rank)
+        files = listed.get("files", {})
+        share = scatter_object([{rel: files[rel] for rel in rels} for rels in listed["shares"]] if rank == 0 else None)
     else:
         algorithm, files, shares = _plan_apart(staging, rank, world_size)
+        share = {rel: files[rel] for rel in shares[rank]}
     mine = collective.collectively(
-        lambda: _hash_share(staging, shares[rank], files, algorithm, written), f"checksumming '{staging}'", rank
+        lambda: _hash_share(staging, list(share), share, algorithm, written), f"checksumming '{staging}'", rank
     )
     parts = gather_object(mine)  # rank 0 receives one share per rank; every other rank sends its own only
     if written is not None:
