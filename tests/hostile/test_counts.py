@@ -157,3 +157,16 @@ def test_inspect_cost_streams_the_events_log(make_case, server, label):
     assert report["launches"] >= 1
     if label == "200,000 records":
         assert report["checkpoints"] >= 200_000 and report["write_gbps"] == pytest.approx(4.0)
+
+
+def test_int8_calibration_builds_no_model_larger_than_its_files(make_case, server):
+    """``--calibrate`` runs the model: a ``config.json`` describing a far larger one is refused before it is built."""
+    case = make_case()
+    _edit(case.work / EXPORT / "config.json", lambda c: c.update(hidden_size=2**16, intermediate_size=2**18))
+    argv = ["export", EXPORT, "--to", "int8", "--calibrate", "2", "--out", "out-int8", "--no-progress"]
+    succeeded(planned := case.verb(*argv, "--dry-run"))  # the plan runs nothing
+    outcome = case.verb(*argv)
+    refused(outcome, "config.json", "parameters")
+    for done in (planned, outcome):
+        lean(done, server.rss)
+    assert not (case.work / "out-int8").exists()

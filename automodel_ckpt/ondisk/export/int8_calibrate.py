@@ -11,12 +11,13 @@ source's tensors), once, for the forward passes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from automodel_ckpt.ondisk.export.model_source import ModelSource
-from automodel_ckpt.errors import UserError
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 __all__ = ["input_ranges"]
 
@@ -27,7 +28,20 @@ def input_ranges(source: ModelSource, weights: list[str], examples: list[list[in
 
     if not examples:
         raise UserError("--calibrate: no examples to calibrate with (the calibration data is empty)")
-    config = AutoConfig.from_pretrained(source.side_dir)
+    from automodel_ckpt.ondisk.export.gguf_arch import block_count
+
+    block_count(source.config, source.shapes)  # the layer count is the layers present, before anything is built
+    try:
+        config = AutoConfig.from_pretrained(source.side_dir)  # the source's files, copied privately
+        with torch.device("meta"):
+            wanted = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"--calibrate: transformers cannot build the model of its config.json: "
+                              f"{first_line(exc)}") from None
+    held = sum(math.prod(shape) for shape in source.shapes.values())
+    if wanted > held:  # built on the meta device first: a config asking for a larger model never allocates it
+        raise CheckpointError(f"--calibrate: config.json describes a model of {wanted} parameters, the weight files "
+                              f"hold {held}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # its buffers (rotary) computed here
     state = {name: source.read(name).to(torch.float32) for name in source.shapes}
     missing, unexpected = model.load_state_dict(state, strict=False)
