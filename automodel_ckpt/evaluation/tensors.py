@@ -72,13 +72,15 @@ def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Te
 
 
 def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
-    """The small files of ``folder`` among ``names`` (links followed: a folder the user named, or a private copy)."""
+    """The small files of ``folder`` among ``names``: regular files, or a Hugging Face cache snapshot's links into
+    its blobs (``paths.model_file``); any other link is refused in one line."""
     out = {}
     for name in names:
         path = folder / name
         if os.path.lexists(path):
             try:
-                out[name] = bounded.read_bytes(path, "a model folder's small file", bounded.INDEX_FILE, follow=True)
+                real = paths.model_file(folder, name, "it is not read")
+                out[name] = bounded.read_bytes(real, "a model folder's small file", bounded.INDEX_FILE, follow=True)
             except OSError as exc:
                 raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
     return out
@@ -90,16 +92,14 @@ def _adapter(src: Path, stack: ExitStack) -> Tensors:
     folder = src / layout.MODEL_DIR if os.path.lexists(src / layout.MODEL_DIR / layout.ADAPTER_CONFIG) else src
     if folder is not src and folder.is_symlink():
         raise CheckpointError(f"'{folder}' is a symlink; folders inside a checkpoint are never followed as links")
-    config = bounded.read_json(folder / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+    config = bounded.read_json(paths.model_file(folder, layout.ADAPTER_CONFIG, "it is not read"), "an adapter config",
+                               bounded.SMALL_FILE, follow=True)
     if not isinstance(config, dict):
         raise CheckpointError(f"'{folder / layout.ADAPTER_CONFIG}' is not a JSON object")
-    weights = folder / layout.ADAPTER_WEIGHTS
-    if not os.path.lexists(weights):
+    if not os.path.lexists(folder / layout.ADAPTER_WEIGHTS):
         raise CheckpointError(f"'{folder}' has no {layout.ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
                               "read)")
-    problem = paths.regular_file_problem(weights)
-    if problem:
-        raise CheckpointError(f"'{weights}' is {problem}; only regular files are read")
+    weights = paths.model_file(folder, layout.ADAPTER_WEIGHTS, "it is not read")
     try:
         handle = stack.enter_context(safe_open(str(weights), framework="pt"))
     except Exception as exc:  # safetensors' own checks of the header: sizes, offsets, dtypes

@@ -117,3 +117,15 @@ def test_adapters_average_into_an_adapter(three, tmp_path):
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(three[0]), out)  # PEFT loads it
     with pytest.raises(UserError, match="LoRA adapter"):
         average([adapters[0], three[0]], [1.0, 1.0], tmp_path / "mixed")
+
+
+def test_a_small_file_linked_out_of_its_folder_is_refused(three, tmp_path):
+    import shutil
+
+    planted = tmp_path / "planted"
+    shutil.copytree(three[1], planted)
+    (tmp_path / "secret").write_text("not a tokenizer")
+    (planted / "tokenizer.json").symlink_to(tmp_path / "secret")
+    with pytest.raises(UserError, match="is a symlink, not a regular file"):
+        average([three[0], planted], [1.0, 1.0], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
