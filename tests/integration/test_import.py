@@ -73,7 +73,7 @@ def test_our_run_continues_in_the_hf_trainer(tmp_path, assets):
                recipe=recipe)
     out = tmp_path / "hf" / "checkpoint-6"
     done = run_command([CKPT_TRAIN, "export", str(tmp_path / "ours" / "epoch_0_step_6"), "--to", "hf-trainer",
-                        "--out", str(out)], cwd=tmp_path, env=env_for(assets), timeout=600)
+                        "--recipe", str(recipe), "--out", str(out)], cwd=tmp_path, env=env_for(assets), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lr_scheduler_type='linear'" in done.stdout and "warmup_steps=2" in done.stdout
     losses = ft.LossTrainer(tmp_path / "hf", ft.recipe_rows(recipe), assets).train(resume=out)
