@@ -59,12 +59,16 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
 
-    overrides = [*args.overrides, "--checkpoint.checkpoint_dir", str(out), "--checkpoint.enabled", "true",
-                 "--checkpoint.restore_from", "null", "--training.progress_bar", "false"]
+    # one process holding the whole model: the resume reshards it onto the recipe's own mesh and world size
+    one_process = ["--distributed.tp_size", "1", "--distributed.pp_size", "1", "--distributed.dp_size", "1",
+                   "--distributed.dp_replicate_size", "1", "--distributed.ep_size", "1",
+                   "--distributed.sequence_parallel", "false", "--training.compile", "false"]
+    overrides = [*args.overrides, *one_process, "--checkpoint.checkpoint_dir", str(out), "--checkpoint.enabled",
+                 "true", "--checkpoint.restore_from", "null", "--training.progress_bar", "false"]
     cfg = load_config(args.recipe, overrides, RecipeConfig)
-    if cfg.distributed.get("pp_size") not in (None, 1):
-        raise ConfigError("distributed.pp_size: import builds the whole model in one process; import with "
-                          "--distributed.pp_size 1, then resume with pipeline parallelism")
+    if cfg.training.get("ema_decay") is not None:
+        raise ConfigError("training.ema_decay: the source holds no moving average of its weights to import; "
+                          "import into a recipe without one (--training.ema_decay null)")
     check_recipe(cfg, 1, inputs=False)
     recipe = locate(cfg.recipe, "recipe")(cfg)
     from automodel_ckpt.checkpoint import SaveInfo
