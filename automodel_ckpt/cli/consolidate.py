@@ -39,6 +39,8 @@ def build_parser() -> VerbParser:
     p.add_argument("--num-threads", type=int, default=5, help="writer threads per process (default 5)")
     p.add_argument("--max-shard-size", default="5GiB", help="file size limit without base layout (default 5GiB)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights (training.ema_decay) "
+                                                      "instead (default --out: MODEL_DIR/consolidated_ema)")
     return p
 
 
@@ -51,6 +53,7 @@ def main(argv: list[str]) -> int:
     started_group = False
     model_dir, out_url = _localize(args, world_size)
     out_dir = Path(args.out) if args.out and not out_url else None
+    model_dir, out_dir, metadata_dir = _ema_source(model_dir, out_dir) if args.ema else (model_dir, out_dir, None)
     tmp = None
     if out_url:
         import tempfile
@@ -76,6 +79,7 @@ def main(argv: list[str]) -> int:
             rank=rank,
             world_size=world_size,
             progress=not args.no_progress,
+            metadata_dir=metadata_dir,
         )
         if rank == 0 and out_url:
             from automodel_ckpt.ondisk import layout
@@ -96,6 +100,19 @@ def main(argv: list[str]) -> int:
 
         shutdown_distributed()
     return 0
+
+
+def _ema_source(model_dir: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
+    """``--ema``: the checkpoint's ``ema/`` shards, described by its ``model/``'s metadata, exported to
+    ``model/consolidated_ema`` unless ``--out`` says where."""
+    from automodel_ckpt.ondisk import layout
+
+    ckpt = model_dir.parent if model_dir.name == layout.MODEL_DIR else model_dir
+    ema = layout.ema_dir(ckpt)
+    if not ema.is_dir() or ema.is_symlink():
+        raise UsageError(f"consolidate --ema: '{ckpt}' holds no EMA weights ({layout.EMA_DIR}/ is written by a run "
+                         "with training.ema_decay)")
+    return ema, out_dir or layout.consolidated_ema_dir(ckpt), layout.model_dir(ckpt)
 
 
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:

@@ -79,6 +79,7 @@ class TrainingConfig:
     compile: str = "auto"  # auto | true | false: torch.compile each decoder block (auto: where it pays; docs/parallelism.md)
     progress_bar: bool = True  # rank-0 progress bar with step, loss and rate
     log_sample_ids: bool = False  # add the ids of the step's samples to training.jsonl
+    ema_decay: Optional[float] = None  # keep an EMA of the trainable weights (e.g. 0.999), checkpointed as ema/ (None: off)
 
 
 @dataclass

@@ -28,6 +28,8 @@ checkpoint_dir/
                  merged/        full HF model of base + adapter (`ckpt-train merge-lora`)
     optim/       __R_0.distcp + .metadata          (node-local steps: + __R_1.distcp, the small items apart)
     ref_model/   a preference run's reference once synced from the policy (dpo.sync_ref_model): as model/
+    ema/         the moving average of the trainable weights (training.ema_decay), float32: as model/'s shards;
+                 `ckpt-train consolidate CK --ema` exports it to model/consolidated_ema/
     dataloader/dataloader_dp_rank_R.pt
     rng/rng_dp_rank_R.pt
     eval/<task>.json                 `ckpt-train eval`'s results: the harness's own results JSON of one task
@@ -106,6 +108,8 @@ LOSSES_FILE = "losses.json"
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
 CONSOLIDATED_DIR = "consolidated"
+EMA_DIR = "ema"  # the recipe's ``ema`` state (training.ema_decay): its attribute name is its folder name
+CONSOLIDATED_EMA_DIR = "consolidated_ema"  # the EMA weights as a Hugging Face folder, beside consolidated/
 MERGED_DIR = "merged"  # base + LoRA adapter merged into a full HF model (PEFT checkpoints)
 CONSOLIDATE_SCRIPT = "consolidate.sh"
 HF_METADATA_DIR = ".hf_metadata"
@@ -382,6 +386,14 @@ def model_dir(ckpt: Path) -> Path:
 
 def consolidated_dir(ckpt: Path) -> Path:
     return ckpt / MODEL_DIR / CONSOLIDATED_DIR
+
+
+def ema_dir(ckpt: Path) -> Path:
+    return ckpt / EMA_DIR
+
+
+def consolidated_ema_dir(ckpt: Path) -> Path:
+    return ckpt / MODEL_DIR / CONSOLIDATED_EMA_DIR
 
 
 def hf_metadata_dir(model_folder: Path) -> Path:

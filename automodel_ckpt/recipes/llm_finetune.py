@@ -33,6 +33,7 @@ from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.tracking import RunObserver
 from automodel_ckpt.training import compile
+from automodel_ckpt.training.ema import EMA
 from automodel_ckpt.training.loss import next_token_loss_sum
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.optimizer import implementation
@@ -59,6 +60,8 @@ class FinetuneRecipe(BaseRecipe):
     dataloader: BatchLoader
     #: The pipeline's stages and microbatches (``distributed.mesh.PipelinePlan``), with ``distributed.pp_size`` > 1.
     pipeline_plan: Any = None
+    #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
+    ema: EMA | None = None
     _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
 
     # ---------------------------------------------------------------------------------------- setup
@@ -136,6 +139,8 @@ class FinetuneRecipe(BaseRecipe):
         self.lr_scheduler = instantiate(cfg.lr_scheduler, "lr_scheduler", self.optimizer,
                                         total_steps=self.step_scheduler.total_steps)
         self.rng = RNGState()
+        if cfg.training.get("ema_decay") is not None:  # float32, sharded like the parameters; filled at the restore
+            self.ema = EMA(self.model, cfg.training.ema_decay)
         ckpt_cfg = self.checkpoint_config
         run_dir = run_folder(ckpt_cfg)  # checkpoint_dir, or the local mirror of an object-store URL
         self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
@@ -177,6 +182,8 @@ class FinetuneRecipe(BaseRecipe):
         when no checkpoint holds the model's weights)."""
         restored = super().restore_checkpoint()
         self.starting_weights.fill(self.model, model_loaded="model" in self.restored.states)
+        if self.ema is not None and "ema" not in self.restored.states:  # a fresh run, or a checkpoint without it
+            self.ema.start(self.model)
         return restored
 
     def load_tokenizer(self, path: str | None) -> Any:
@@ -262,6 +269,9 @@ class FinetuneRecipe(BaseRecipe):
             epoch, micro = self.dataloader.next_batch()
             fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
+            if self.ema is not None:
+                self.checkpointer.fence()  # an async save's copy of the average taken first
+                self.ema.update(self.model)
             lr = self.optimizer.param_groups[0]["lr"]
             self.lr_scheduler.step()
             sched.record_step(epoch, self.dataloader.global_batch_size)

@@ -23,7 +23,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ def consolidate(
     rank: int = 0,
     world_size: int = 1,
     progress: bool = True,
+    metadata_dir: Path | None = None,
 ) -> Path:
     """Export the model in ``model_dir`` to ``out_dir`` (default ``model_dir/consolidated``); returns ``out_dir``.
 
@@ -101,8 +102,11 @@ def consolidate(
     byte-identical to a single-process run. Ranks coordinate through torch.distributed when it is initialised
     with that world size, else through marker files: then ranks other than 0 return as soon as their own files
     are written, and rank 0 waits for theirs before it renames the folder.
+
+    ``metadata_dir``: the ``model/`` folder whose ``.hf_metadata`` describes the model, for shards saved apart from
+    it (a checkpoint's ``ema/``): every tensor of the model must be among them.
     """
-    model_dir = resolve_model_dir(Path(model_dir))
+    model_dir = resolve_model_dir(Path(model_dir)) if metadata_dir is None else Path(model_dir)
     out_dir = Path(out_dir) if out_dir is not None else model_dir / layout.CONSOLIDATED_DIR
     cast = parse_cast_dtype(cast_dtype)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -117,7 +121,7 @@ def consolidate(
     error: BaseException | None = None
     try:
         start = time.perf_counter()
-        plan = build_plan(model_dir, cast, max_shard_size)
+        plan = build_plan(model_dir, cast, max_shard_size, metadata_dir)
         mine = plan.files_for_rank(rank, world_size)
         nbytes = total_bytes(mine)
         with ProgressBar(nbytes, progress and rank == 0) as advance:
@@ -202,14 +206,20 @@ class ExportPlan:
         return out + [(path.name, path) for path in self.extra_files]
 
 
-def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -> ExportPlan:
-    """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata``."""
+def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int,
+               metadata_dir: Path | None = None) -> ExportPlan:
+    """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata`` (of
+    ``metadata_dir`` when given: the model's, for shards saved apart from it; see ``consolidate``)."""
     _refuse_links(model_dir)
-    meta = _read_metadata(model_dir)
+    meta = _read_metadata(model_dir if metadata_dir is None else Path(metadata_dir))
+    if meta is not None and metadata_dir is not None:
+        meta = replace(meta, saved=None)  # the model's saved shapes, not these shards'
     source = open_source(model_dir, meta.saved if meta else None, meta.saved_world_size if meta else None)
     source.tensors = on_disk_tensors(source.tensors, meta.config if meta else None,
                                      list(meta.original) if meta and meta.original else None)
     original = meta.original if meta else None
+    if metadata_dir is not None and original:
+        _require_every_tensor(model_dir, source, original)
     dtypes = _output_dtypes(source, original, cast)
     tensors = [OutTensor(source.tensors[name], dtypes[name]) for name in sorted(source.tensors, key=_natural_key)]
     if original is not None and meta is not None and meta.original_num_files:
@@ -223,6 +233,16 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int) -
     if config is not None:
         _set_config_dtype(config, files)
     return ExportPlan(source, files, config, meta.extra_files if meta else [])
+
+
+def _require_every_tensor(model_dir: Path, source: ShardSource, original: dict) -> None:
+    """A ``CheckpointError`` unless the shards hold every tensor of the model (an EMA of a run with frozen
+    weights or a LoRA adapter holds only what trained)."""
+    missing = sorted(set(original) - set(source.tensors), key=_natural_key)
+    if missing:
+        raise CheckpointError(f"'{model_dir}' holds {len(original) - len(missing)} of the model's {len(original)} "
+                              f"tensors ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} missing: "
+                              "only trainable weights are averaged); a Hugging Face folder needs all of them")
 
 
 def _refuse_links(model_dir: Path) -> None:

@@ -1,0 +1,104 @@
+"""training.ema_decay end to end: killed and rerun, bitwise; resumed on 1 process from 2, bitwise; exported as HF."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from automodel_ckpt.ondisk import consolidate, layout
+from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
+                                       start_command)
+
+DECAY = "0.75"  # large enough a step's weight that a wrong average shows in every tensor
+ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "4", "--data.val_size", "64",
+        "--training.ema_decay", DECAY)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _ema(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's EMA weights, whole, in float32: its ema/ shards exported as a Hugging Face folder."""
+    return _tensors(consolidate(layout.ema_dir(ckpt), out, cast_dtype="fp32", progress=False,
+                                metadata_dir=layout.model_dir(ckpt)))
+
+
+def _model(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    return _tensors(consolidate(layout.model_dir(ckpt), out, cast_dtype="fp32", progress=False))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, assets) -> Path:
+    """An EMA run of 8 steps on 2 processes (checkpoints at steps 4 and 8)."""
+    work = tmp_path_factory.mktemp("ema_straight")
+    ckpt_train(work, assets, *ARGS, "--step_scheduler.max_steps", "8", "--checkpoint.checkpoint_dir", "run", nproc=2)
+    return work / "run"
+
+
+def test_killed_and_rerun_is_bitwise(tmp_path, assets, straight):
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--step_scheduler.max_steps", "8",
+           "--checkpoint.checkpoint_dir", "run"]
+    with open(tmp_path / "killed.log", "w") as log:
+        job = start_command(cmd, cwd=tmp_path, env=env_for(assets), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    latest = tmp_path / "run" / layout.LATEST
+    try:  # killed once the step-4 checkpoint is published, while steps 5.. train
+        while not latest.exists() and job.poll() is None:
+            try:
+                job.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        kill_job(job)
+    assert not (tmp_path / "run" / "epoch_0_step_8").exists(), "the run ended before the kill"
+    rerun = ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "8", "--checkpoint.checkpoint_dir",
+                       "run", nproc=2)
+    assert "Loading checkpoint from" in rerun.output
+    assert losses(tmp_path / "run") == losses(straight)
+    got = _ema(tmp_path / "run" / "epoch_0_step_8", tmp_path / "got")
+    want = _ema(straight / "epoch_0_step_8", tmp_path / "want")
+    assert got.keys() == want.keys() and len(got) > 0
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    weights = _model(straight / "epoch_0_step_8", tmp_path / "weights")
+    assert got.keys() == weights.keys()  # every weight trains: the average is the whole model
+    assert all(not torch.equal(got[k], weights[k]) for k in weights if weights[k].dim() > 1)  # an average
+
+
+def test_resumed_on_one_process_from_two_is_bitwise(tmp_path, assets, straight):
+    """The 2-process run's step-4 average, resumed on 1 process, takes step 5's update exactly: ema5 == lerp(ema4,
+    weights5, 1 - decay), bitwise, tensor by tensor."""
+    start = straight / "epoch_0_step_4"
+    second = ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "5", "--checkpoint.checkpoint_dir",
+                        "run", "--checkpoint.restore_from", str(start), nproc=1)
+    assert "Resuming at world size 1 (checkpoint written by 2)" in second.stdout
+    ema4 = _ema(start, tmp_path / "ema4")
+    step5 = tmp_path / "run" / "epoch_0_step_5"
+    ema5, weights5 = _ema(step5, tmp_path / "ema5"), _model(step5, tmp_path / "weights5")
+    assert ema5.keys() == ema4.keys()
+    for name, average in ema4.items():
+        assert torch.equal(ema5[name], torch.lerp(average, weights5[name], 1 - float(DECAY))), name
+
+
+def test_consolidate_ema_writes_a_hugging_face_folder_that_loads(tmp_path, straight):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ck"
+    shutil.copytree(straight / "epoch_0_step_8", ckpt)
+    done = subprocess.run([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--no-progress"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    folder = layout.consolidated_ema_dir(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ema = _ema(ckpt, tmp_path / "fp32")
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach().float(), ema[name].to(param.dtype).float()), name
+    plain = subprocess.run([CKPT_TRAIN, "consolidate", str(tmp_path / "nothing"), "--ema"], capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode != 0 and "holds no EMA weights" in plain.stderr
