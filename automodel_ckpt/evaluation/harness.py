@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tasks import TASKS_DIR
 from automodel_ckpt.evaluation.tensors import open_tensors
@@ -145,9 +145,13 @@ def evaluate(model: Any, tokenizer: Any, settings: EvalSettings, *, quiet: bool 
     manager = task_manager(settings.tasks)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
-    with _stderr_closed() if quiet else nullcontext():
-        results = simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
-                                  limit=settings.limit, task_manager=manager, log_samples=log_samples)
+    try:
+        with _stderr_closed() if quiet else nullcontext():
+            results = simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
+                                      limit=settings.limit, task_manager=manager, log_samples=log_samples)
+    except Exception as exc:  # the harness's own failure (a registry task's dataset offline, ...): one line
+        raise UserError(f"lm-evaluation-harness failed on {', '.join(settings.tasks)}: {type(exc).__name__}: "
+                        f"{first_line(exc)} (--debug shows where)") from exc
     if results is None:
         raise UserError("lm-evaluation-harness returned no results")
     return results
