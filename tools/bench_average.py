@@ -7,8 +7,8 @@ Hugging Face base folder with the embedded tokenizer) for 3 steps on ``--nproc``
 step (per-rank safetensors shards), then runs ``ckpt-train average --last 3`` as its own process and reads its peak
 resident memory (the kernel's ``VmHWM`` for the child, polled until it exits). The same verb on the same kind of
 run of a Llama of a few KiB gives the peak of the interpreter and of everything the verb imports: the difference is
-what the averaging itself holds. It is set against the largest checkpoint shard file plus the largest output tensor (what
-the bound allows) and against the whole model (what averaging state dicts in memory holds, three times over).
+what the averaging itself holds. It is set against the largest checkpoint shard file plus the largest output tensor
+(what the bound allows) and against the whole model (what averaging state dicts in memory holds, three times over).
 """
 
 from __future__ import annotations

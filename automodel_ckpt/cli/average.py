@@ -1,4 +1,4 @@
-"""`ckpt-train average CK1 CK2 ... | --last K RUN_DIR`: the mean of checkpoints' weights, streamed, as a Hugging Face folder."""
+"""`ckpt-train average CK1 CK2 ... | --last K RUN_DIR`: the streamed mean of checkpoints' weights, as an HF folder."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`ckpt-train eval SRC --tasks T1,T2`: lm-evaluation-harness on a checkpoint, an export folder, an archive or a run's checkpoints."""
+"""`ckpt-train eval SRC --tasks T1,T2`: lm-evaluation-harness on a checkpoint, export folder, archive or run folder."""
 
 from __future__ import annotations
 

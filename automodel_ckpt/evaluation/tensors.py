@@ -1,4 +1,4 @@
-"""One model's tensors read one at a time: a checkpoint (any world size, any format), an export folder, an archive or a LoRA adapter.
+"""One model's tensors, read one at a time: a checkpoint (any world size and format), an export folder, an archive, an adapter.
 
 A full model comes from ``ondisk.open_model`` (the quantized exports' reader): its tensors under their on-disk
 names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them

@@ -53,7 +53,8 @@ def test_uniform_mean_equals_the_hand_computed_one_and_loads_in_transformers(thr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert torch.equal(model.state_dict()["model.layers.0.mlp.up_proj.weight"], got["model.layers.0.mlp.up_proj.weight"])
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(model.state_dict()[name], got[name])
 
 
 def test_weights_are_normalized_and_a_zero_weight_drops_a_source(three, tmp_path):
