@@ -69,12 +69,18 @@ def test_killed_and_rerun_is_bitwise(tmp_path, assets, straight):
     assert all(not torch.equal(got[k], weights[k]) for k in weights if weights[k].dim() > 1)  # an average
 
 
-def test_resumed_on_one_process_from_two_is_bitwise(tmp_path, assets, straight):
+@pytest.mark.parametrize("dp_shard", ["auto", "full"])  # replicated (the tiny model fits), FSDP2's DTensors
+def test_resumed_on_one_process_from_two_is_bitwise(tmp_path, assets, straight, dp_shard):
     """The 2-process run's step-4 average, resumed on 1 process, takes step 5's update exactly: ema5 == lerp(ema4,
     weights5, 1 - decay), bitwise, tensor by tensor."""
-    start = straight / "epoch_0_step_4"
-    second = ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "5", "--checkpoint.checkpoint_dir",
-                        "run", "--checkpoint.restore_from", str(start), nproc=1)
+    start, shard = straight / "epoch_0_step_4", ("--distributed.dp_shard", dp_shard)
+    if dp_shard != "auto":
+        first = ckpt_train(tmp_path, assets, *ARGS, *shard, "--step_scheduler.max_steps", "4",
+                           "--checkpoint.checkpoint_dir", "sharded", nproc=2)
+        assert "sharded with FSDP2" in first.output
+        start = tmp_path / "sharded" / "epoch_0_step_4"
+    second = ckpt_train(tmp_path, assets, *ARGS, *shard, "--step_scheduler.max_steps", "5",
+                        "--checkpoint.checkpoint_dir", "run", "--checkpoint.restore_from", str(start), nproc=1)
     assert "Resuming at world size 1 (checkpoint written by 2)" in second.stdout
     ema4 = _ema(start, tmp_path / "ema4")
     step5 = tmp_path / "run" / "epoch_0_step_5"
