@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from pathlib import Path
@@ -11,7 +12,7 @@ import yaml
 
 from automodel_ckpt.ondisk import catalog
 from automodel_ckpt.errors import first_line
-from automodel_ckpt.tracking.costlog import SIDE_FAILURE, CheckpointCosts, read_events, summarize
+from automodel_ckpt.tracking.costlog import SIDE_FAILURE, CheckpointCosts, iter_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report, one_line
 from automodel_ckpt.tracking.tracker import RunTracker, checkpoint_metrics, train_metrics, validation_metrics
 
@@ -84,7 +85,7 @@ class RunObserver:
         line = ""
         if self.is_main:
             try:
-                line = one_line(cost_report(summarize([*read_events(self.run_dir), end])))
+                line = one_line(cost_report(summarize(itertools.chain(iter_events(self.run_dir), [end]))))
             except Exception as exc:  # noqa: BLE001 - a report is side work: one warning, never the end of a run
                 text = f"the cost report failed ({type(exc).__name__}: {first_line(exc)})"
                 warnings.warn(text, stacklevel=2)

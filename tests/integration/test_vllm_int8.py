@@ -49,7 +49,8 @@ def test_vllm_answers_from_w8a8_as_transformers_from_bf16(checkpoint, tmp_path, 
     expected = generate_answers(reference, build_tokenizer(), prompts)
     int8 = tmp_path / "w8a8"
     subprocess.run([sys.executable, "-m", "automodel_ckpt", "export", str(checkpoint), "--to", "int8", "--out",
-                    str(int8), "--no-progress", "--calibrate", str(calibrate)], check=True, capture_output=True,
+                    str(int8), "--no-progress", "--calibrate", str(calibrate),
+                    *(["--recipe", str(REPO / "recipes" / "tiny_llama_sft.yaml")] if calibrate else [])], check=True, capture_output=True,
                    timeout=600)
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("vllm_answers.py")), str(int8),
