@@ -62,7 +62,8 @@ class _Item:
 
 
 class _Share(IterableDataset):
-    """One rank's sequences from the global sequence ``start`` on; in a worker, that worker's (``_Item`` each)."""
+    """One rank's sequences from the global sequence ``start`` on; in a worker, that worker's: one list of
+    ``_Item`` per step (one message a step from each worker), the last carrying the worker's lanes' positions."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
                  positions: dict[int, dict[str, Any]], start: int, dp_rank: int, dp_size: int, per_step: int,
@@ -71,7 +72,7 @@ class _Share(IterableDataset):
         self.positions, self.start = positions, start
         self.dp_rank, self.dp_size, self.per_step, self.lanes, self.workers = dp_rank, dp_size, per_step, lanes, workers
 
-    def __iter__(self) -> Iterator[_Item]:
+    def __iter__(self) -> Iterator[list[_Item]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         r, dp, L, W = self.dp_rank, self.dp_size, self.lanes, self.workers
@@ -95,20 +96,23 @@ class _Share(IterableDataset):
                 return last
 
             j = worker
+            chunk: list[_Item] = []
             while True:
                 k = self.start + r + j * dp
                 lane = k % L
                 tokens, labels = advance(lane, k + 1)  # type: ignore[misc]
-                item = _Item(tokens, labels, sequence_id(tokens))
+                chunk.append(_Item(tokens, labels, sequence_id(tokens)))
                 end = self.start + ((k - self.start) // gbs + 1) * gbs  # the step's boundary
                 if k + W * dp >= end:  # this worker's last sequence of the step: its lanes to the boundary
                     for other in mine:
                         advance(other, end)
-                    item.lanes = {x: (streams[x].position(shards=False), lane_counts(streams[x])) for x in mine}
-                yield item
+                    chunk[-1].lanes = {x: (streams[x].position(shards=False), lane_counts(streams[x]))
+                                       for x in mine}
+                    yield chunk
+                    chunk = []
                 j += W
         except DataError as exc:  # every reader of the lane meets it at the same place
-            yield _Item(None, error=str(exc))
+            yield [_Item(None, error=str(exc))]
 
 
 def _by_lane(value: Any) -> dict[int, Any]:
@@ -161,7 +165,8 @@ class StreamLoader:
         self.counts: dict[int, list[int]] = {}  # lane -> [epoch, skipped, tokens per source ...]
         self.totals: list[int] | None = None  # [epoch, skipped, tokens per source ...] over every lane
         self.last_sample_ids: list[int] = []
-        self._iter: Iterator[_Item] | None = None
+        self._iter: Iterator[list[_Item]] | None = None
+        self._taken = 0  # this rank's sequences handed out since the workers started (the next one's worker)
 
     @property
     def redundancy(self) -> int:
@@ -169,8 +174,9 @@ class StreamLoader:
         return self.dp_size // math.gcd(self.dp_size, self.lanes)
 
     # ------------------------------------------------------------------------------------------ batches
-    def _items(self) -> Iterator[_Item]:
+    def _items(self) -> Iterator[list[_Item]]:
         if self._iter is None:
+            self._taken = 0
             share = _Share(self.corpus, self.shards, self.tokenizer, self.settings, self.positions, self.sequences,
                            self.dp_rank, self.dp_size, self.per_step, self.lanes, max(self.num_workers, 1))
             workers = self.num_workers
@@ -182,16 +188,17 @@ class StreamLoader:
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
         """``(epoch, micro_batches)`` of the next optimizer step; advances the position."""
         items = self._items()
+        workers = max(self.num_workers, 1)
+        chunks = [next(items) for _ in range(workers)]  # one a worker, in the DataLoader's order (worker 0 first)
+        error = next((c[0].error for c in chunks if c and c[0].error is not None), None)
         taken: list[_Item] = []
-        error = None
-        for _ in range(self.per_step):
-            item = next(items)
-            if item.error is not None:
-                error = item.error
-                break
-            taken.append(item)
-            for lane, (position, counts) in item.lanes.items():
-                self.positions[lane], self.counts[lane] = position, counts
+        if error is None:
+            dealt = [iter(c) for c in chunks]
+            taken = [next(dealt[(self._taken + t) % workers]) for t in range(self.per_step)]  # the j-th: worker j mod W
+            self._taken += self.per_step
+            for item in taken:
+                for lane, (position, counts) in item.lanes.items():
+                    self.positions[lane], self.counts[lane] = position, counts
         error = self._reduce(error)
         if error is not None:
             self._iter = None

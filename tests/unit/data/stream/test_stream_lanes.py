@@ -74,6 +74,8 @@ def test_ids_at_dp_1_equal_the_ranks_ids_at_dp_2_3_4_interleaved_and_resumed_acr
     assert len({i for step in want for i in step}) > 6 * GBS  # (the short documents repeat a few sequences)
     for dp in (2, 3, 4):
         assert _global_steps([_loader(corpus, r, dp) for r in range(dp)], 8) == want, dp
+    # DataLoader workers: 2 a rank, a rank's 3 sequences a step dealt unevenly between them
+    assert _global_steps([_loader(corpus, r, 4, num_workers=2) for r in range(4)], 3) == want[:3]
     # 2 ranks for 3 steps, then 3 ranks for 3 (each lane from the file of a rank that read it), then 1 rank
     two = [_loader(corpus, r, 2) for r in range(2)]
     got = _global_steps(two, 3)
@@ -100,9 +102,9 @@ def test_workers_of_a_rank_deal_its_sequences_each_from_its_own_lanes(tmp_path, 
         streams = []
         for w in range(workers):
             monkeypatch.setattr(loader_module, "get_worker_info", lambda w=w: SimpleNamespace(id=w))
-            it = iter(share)
-            first = next(it)  # started under its own worker id
-            streams.append(iter([first, *[x for _, x in zip(range(4 * GBS), it)]]))
+            steps = iter(share)
+            first = next(steps)  # started under its own worker id: one list of its items per step
+            streams.append(iter([*first, *[x for _, chunk in zip(range(3), steps) for x in chunk]]))
         items = [next(streams[j % workers]) for j in range(4 * GBS // dp)]
         ends = [sorted(i.lanes) for i in items if i.lanes]
         assert ends and all(e in ([0, 6], [3, 9]) if rank == 0 else True for e in ends)  # 2 lanes per worker
