@@ -97,8 +97,9 @@ class LossTrainer:
         return {h["step"]: h["loss"] for h in self.trainer.state.log_history if "loss" in h}
 
 
-def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path | None = None) -> dict[int, float]:
-    """Lightning on a plain ``DataLoader(shuffle=False)``, CosineAnnealingLR per step; each step's loss."""
+def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path) -> dict[int, float]:
+    """Lightning on a plain ``DataLoader(shuffle=False)``, CosineAnnealingLR per step, its checkpoint callback
+    writing ``save/six.ckpt`` after step 6; each step's loss."""
     import lightning as L
     import torch
     from transformers import default_data_collator
@@ -121,9 +122,10 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path | None 
 
     module = Module()
     loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False, collate_fn=default_data_collator)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False, logger=False,
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = ModelCheckpoint(dirpath=str(save), filename="six", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[every], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
     trainer.fit(module, loader)
-    if save is not None:
-        trainer.save_checkpoint(str(save))
     return module.losses

@@ -57,9 +57,10 @@ def test_an_hf_trainer_run_continues_here_on_one_and_two_processes(tmp_path, ass
 def test_a_lightning_run_continues_here(tmp_path, assets):
     recipe = ft.write_recipe(tmp_path, assets, ft.COSINE_ANNEALING)
     rows = ft.recipe_rows(recipe)
-    ft.lightning_fit(rows, assets, ft.SAVED_AT, save=tmp_path / "six.ckpt")
-    # Lightning's own resume restarts the epoch of a plain DataLoader; its uninterrupted run is the reference
-    straight = ft.lightning_fit(rows, assets, ft.STEPS)
+    # the checkpoint of step 6 of an uninterrupted run, which is the reference: Lightning's own resume from it
+    # restarts the epoch of a plain DataLoader
+    straight = ft.lightning_fit(rows, assets, ft.STEPS, save=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["six.ckpt"]
     done = _import(tmp_path, assets, tmp_path / "six.ckpt", recipe)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Lightning records no random generators' state" in done.stdout
