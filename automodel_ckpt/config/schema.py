@@ -83,6 +83,14 @@ class TrainingConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    every_steps: Optional[int] = None  # run lm-evaluation-harness tasks every N steps on rank 0 (None: never; docs/evaluation.md)
+    tasks: List[str] = field(default_factory=list)  # the harness's task names, e.g. [addition]
+    limit: Optional[int] = None  # documents per task (None: all)
+    batch_size: int = 32  # the harness's batch size
+
+
+@dataclass
 class PeftConfig:
     """LoRA fine-tuning (docs/peft.md): only the adapter weights train, the base model stays frozen."""
 
@@ -182,6 +190,7 @@ class RecipeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)  # gradient clipping and logging
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # process group and FSDP2 settings
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint format, location, export, resume and retention
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # benchmark tasks during training, logged as eval/<task>/<metric>
     peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
     dpo: Optional[DPOConfig] = None  # preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, MLflow, Weights & Biases (none by default)

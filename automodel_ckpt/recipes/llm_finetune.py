@@ -34,6 +34,7 @@ from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.tracking import RunObserver
 from automodel_ckpt.training import compile
 from automodel_ckpt.training.ema import EMA
+from automodel_ckpt.training.evaluation import InTrainingEval
 from automodel_ckpt.training.loss import next_token_loss_sum
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.optimizer import implementation
@@ -63,6 +64,8 @@ class FinetuneRecipe(BaseRecipe):
     #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
     ema: EMA | None = None
     _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
+    _evaluation: InTrainingEval | None = None  # the ``evaluation:`` section's tasks (set in ``setup``)
+    _eval_scores: dict[str, float] | None = None  # the scores of the step just taken, when it evaluated
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -141,6 +144,9 @@ class FinetuneRecipe(BaseRecipe):
         self.rng = RNGState()
         if cfg.training.get("ema_decay") is not None:  # float32, sharded like the parameters; filled at the restore
             self.ema = EMA(self.model, cfg.training.ema_decay)
+        if cfg.get("evaluation") is not None and cfg.evaluation.every_steps is not None:
+            self._evaluation = InTrainingEval(cfg.evaluation, is_main=self.env.is_main, pp_size=self.dims.pp_size,
+                                              peft=cfg.peft is not None)
         ckpt_cfg = self.checkpoint_config
         run_dir = run_folder(ckpt_cfg)  # checkpoint_dir, or the local mirror of an object-store URL
         self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
@@ -285,6 +291,8 @@ class FinetuneRecipe(BaseRecipe):
             per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
             self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
             self.progress.update(sched.step, loss, lr)
+            self._eval_scores = self._evaluate_and_log() if self._evaluation and self._evaluation.due(sched.step) \
+                else None  # before the step's save: its checkpoint records the scores (checkpoint.monitor)
             # what to save now, saved (a durable checkpoint, validated first when scheduled, or a node-local step)
             ended = self.checkpointer.step_end(self.checkpointed_state, sched, epoch=epoch, loss=loss,
                                                extra=self._save_extra, validate=self._validate_and_log,
@@ -311,12 +319,24 @@ class FinetuneRecipe(BaseRecipe):
         self._observer.log_validation(val_record)
         return val_loss
 
+    def _evaluate_and_log(self) -> dict[str, float]:
+        """The ``evaluation:`` tasks on the current weights (rank 0; collective), logged like validation."""
+        scores = self._evaluation.run(self.model, self.tokenizer)
+        step = self.step_scheduler.step
+        self.val_log.append({"step": step} | scores)
+        self._observer.tracker.log(scores, step)
+        if self.env.is_main:
+            self.progress.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+        return scores
+
     def _save_extra(self) -> dict[str, Any]:
         """What a checkpoint's metadata records besides the step: samples consumed, a stream's data position."""
         extra: dict[str, Any] = {"consumed_samples": self.step_scheduler.consumed_samples}
         position = self.dataloader.summary()  # a stream's: where each source is
         if position is not None:
             extra["data_position"] = position
+        if self._eval_scores:  # the step's evaluation: rankable by checkpoint.monitor (eval/<task>/<metric>)
+            extra["val_metrics"] = dict(self._eval_scores)
         return extra | self.save_extra()
 
     def train_metrics(self) -> dict[str, Any]:
