@@ -90,6 +90,13 @@ def test_an_hf_trainer_lora_run_continues_here(tmp_path, assets):
     continued = ft.LossTrainer(tmp_path / "again", rows, assets, lora=True).train(resume=checkpoint)
     done = _import(tmp_path, assets, checkpoint, recipe)
     assert done.returncode == 0, done.stderr[-3000:]
+    # and back: the imported checkpoint exported as an adapter checkpoint-6 that the Trainer continues
+    back = tmp_path / "back" / "checkpoint-6"
+    done = run_command([CKPT_TRAIN, "export", str(tmp_path / "run" / "epoch_0_step_6"), "--to", "hf-trainer",
+                        "--recipe", str(recipe), "--out", str(back)], cwd=tmp_path, env=env_for(assets), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (back / "adapter_model.safetensors").is_file() and not (back / "model.safetensors").exists()
+    _assert_close(ft.LossTrainer(tmp_path / "back", rows, assets, lora=True).train(resume=back), continued)
     ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "run", recipe=recipe)
     _assert_close(_losses(tmp_path / "run"), continued)
 
