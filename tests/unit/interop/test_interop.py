@@ -130,3 +130,13 @@ def test_a_consolidated_lightning_optimizer_state_maps_its_slots_by_name(tmp_pat
     run = read_file(tmp_path / "last.ckpt")
     assert run.order(model) == named
     assert names.match_weights(model, list(run.weights), "x", adapter=False)["lm_head.weight"] == "model.lm_head.weight"
+
+
+def test_import_passes_every_other_argument_to_the_recipe_a_whole_section_too():
+    from automodel_ckpt.cli.import_run import parse_args
+
+    section = "{_target_: automodel_ckpt.training.lr.linear_decay, warmup_steps: 2}"
+    args = parse_args(["ckpt/checkpoint-6", "r.yaml", "--lr_scheduler", section, "--out", "run", "--data.shuffle",
+                       "false"])
+    assert (args.src, args.recipe, args.out) == ("ckpt/checkpoint-6", "r.yaml", "run")
+    assert args.overrides == ["--lr_scheduler", section, "--data.shuffle", "false"]
