@@ -160,3 +160,14 @@ def test_a_hostile_source_is_refused_in_one_line(tmp_path, assets, hf_run, case)
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr[-2000:]
     assert not marker.exists()
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("epoch_*"))
+
+
+def test_a_lightning_file_with_a_payload_is_refused_in_one_line(tmp_path, assets, hf_run):
+    import torch
+
+    _, recipe, _, _ = hf_run
+    marker = tmp_path / "marker"
+    torch.save({"state_dict": {}, "global_step": 1, "hyper_parameters": _Payload(marker)}, tmp_path / "last.ckpt")
+    done = _import(tmp_path, assets, tmp_path / "last.ckpt", recipe)
+    assert done.returncode != 0 and done.stderr.startswith("error: refusing") and "last.ckpt" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not marker.exists() and not (tmp_path / "run").exists()
