@@ -190,8 +190,8 @@ def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path
                 "from the newest"
             )
         found = latest_checkpoint(checkpoint_dir)
-    elif restore_from == layout.LOWEST_VAL:
-        found = pointer_target(checkpoint_dir, layout.LOWEST_VAL)
+    elif restore_from in (layout.LOWEST_VAL, layout.BEST_EVAL):
+        found = pointer_target(checkpoint_dir, restore_from)
     else:
         candidate = Path(restore_from).expanduser()
         if candidate.name.endswith(layout.ARCHIVE_SUFFIX) and candidate.is_file():

@@ -68,7 +68,8 @@ from automodel_ckpt.errors import ConfigError
 # --- checkpoint_dir level -------------------------------------------------------------------------
 LATEST = "LATEST"
 LOWEST_VAL = "LOWEST_VAL"
-POINTERS = (LATEST, LOWEST_VAL)
+BEST_EVAL = "BEST_EVAL"  # LOWEST_VAL's place when checkpoint.monitor is an eval score (evaluation during training)
+POINTERS = (LATEST, LOWEST_VAL, BEST_EVAL)
 TRAINING_LOG = "training.jsonl"
 VALIDATION_LOG = "validation.jsonl"
 EVENTS_LOG = "events.jsonl"  # each launch, each save's cost, each end: appended, never truncated (tracking/costlog.py)
@@ -172,6 +173,12 @@ _STATE_DIR_NAMES = {"optimizer": OPTIM_DIR}
 def ref_log_probs_file(run_dir: Path, key: str) -> Path:
     """The precomputed reference log-probs of the data and reference ``key`` names, in a run folder."""
     return Path(run_dir) / REF_LOG_PROBS_DIR / f"{key}.pt"
+
+
+def best_pointer(monitor: str) -> str:
+    """The pointer naming the best checkpoint by ``checkpoint.monitor``: ``BEST_EVAL`` for an eval score
+    (``eval/<task>/<metric>``), else ``LOWEST_VAL``."""
+    return BEST_EVAL if str(monitor).startswith("eval/") else LOWEST_VAL
 
 
 def pointer_text_file(pointer: str) -> str:

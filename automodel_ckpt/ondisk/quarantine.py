@@ -60,9 +60,10 @@ def _repoint(checkpoint_dir: Path, gone: str, monitor: Monitor) -> None:
             set_pointer(checkpoint_dir, layout.LATEST, remaining[-1].name)
         else:
             remove_pointer(checkpoint_dir, layout.LATEST)
-    if pointers.get(layout.LOWEST_VAL) == gone:
+    named = layout.best_pointer(monitor.name)  # LOWEST_VAL, or BEST_EVAL for an eval score
+    if pointers.get(named) == gone:
         best = monitor.best(remaining)
         if best is not None:
-            set_pointer(checkpoint_dir, layout.LOWEST_VAL, best.name)
+            set_pointer(checkpoint_dir, named, best.name)
         else:
-            remove_pointer(checkpoint_dir, layout.LOWEST_VAL)
+            remove_pointer(checkpoint_dir, named)

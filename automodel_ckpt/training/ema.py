@@ -1,4 +1,4 @@
-"""An exponential moving average of a model's trainable weights (``training.ema_decay``), in float32, sharded like them."""
+"""A moving average of a model's trainable weights (``training.ema_decay``), in float32, sharded like them."""
 
 from __future__ import annotations
 

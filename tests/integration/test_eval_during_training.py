@@ -38,7 +38,9 @@ def test_scores_are_logged_recorded_and_rank_the_checkpoints(straight):
     # save_top_k 1 by the score (ties go to the earlier step): step 4 and the newest are kept, step 8 is not
     assert sorted(kept) == ["epoch_0_step_12", "epoch_0_step_4"]
     assert all(METRIC in meta["val_metrics"] for meta in kept.values())
-    assert read_pointer(run, layout.LOWEST_VAL) == "epoch_0_step_4"  # by val_loss it would be the newest
+    # the best by an eval score has its own pointer (by val_loss, LOWEST_VAL would name the newest)
+    assert read_pointer(run, layout.BEST_EVAL) == "epoch_0_step_4"
+    assert read_pointer(run, layout.LOWEST_VAL) is None
 
 
 def test_a_kill_during_an_evaluation_loses_nothing_and_redoes_no_finished_one(tmp_path, assets, straight):
@@ -55,4 +57,4 @@ def test_a_kill_during_an_evaluation_loses_nothing_and_redoes_no_finished_one(tm
     got, want = _checkpoints(tmp_path / "run"), _checkpoints(run)
     assert sorted(got) == sorted(want)
     assert {n: m["val_metrics"] for n, m in got.items()} == {n: m["val_metrics"] for n, m in want.items()}
-    assert read_pointer(tmp_path / "run", layout.LOWEST_VAL) == read_pointer(run, layout.LOWEST_VAL)
+    assert read_pointer(tmp_path / "run", layout.BEST_EVAL) == read_pointer(run, layout.BEST_EVAL)

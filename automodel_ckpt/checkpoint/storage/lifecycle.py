@@ -48,15 +48,16 @@ def discard_staging(checkpoint_dir: Path) -> list[str]:
     return removed
 
 
-def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool) -> Path:
-    """Rank 0: rename the staged checkpoint into place, then point LATEST (and LOWEST_VAL) at it."""
+def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool, best: str = layout.LOWEST_VAL) -> Path:
+    """Rank 0: rename the staged checkpoint into place, then point LATEST (and the best-by-monitor pointer
+    ``best``: LOWEST_VAL, or BEST_EVAL for an eval score) at it."""
     staging = checkpoint_dir / layout.staging_name(name)
     final = checkpoint_dir / name
     staging.rename(final)
     fsync_dir(checkpoint_dir)
     set_pointer(checkpoint_dir, layout.LATEST, name)
     if update_lowest_val:
-        set_pointer(checkpoint_dir, layout.LOWEST_VAL, name)
+        set_pointer(checkpoint_dir, best, name)
     return final
 
 

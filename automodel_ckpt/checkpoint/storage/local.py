@@ -63,14 +63,14 @@ class LocalRunFolder:
         return False
 
     def best(self) -> Path | None:
-        return catalog.pointer_target(self.local, layout.LOWEST_VAL)
+        return catalog.pointer_target(self.local, layout.best_pointer(self.monitor.name))
 
     def commit(self, staging: Path, name: str, *, best: bool) -> Path:
         return collective.on_main(lambda: self._publish(name, best), "publishing the checkpoint", self.rank)
 
     def _publish(self, name: str, best: bool) -> Path:
         """Rank 0: rename the staged checkpoint into place, then set the pointers."""
-        return lifecycle.publish(self.local, name, update_lowest_val=best)
+        return lifecycle.publish(self.local, name, update_lowest_val=best, best=layout.best_pointer(self.monitor.name))
 
     def prune(self, policy: RetentionPolicy, resumed_from: str | None) -> list[str]:
         return collective.on_main(lambda: self._prune_on_main(policy, resumed_from), "pruning old checkpoints",

@@ -34,3 +34,24 @@ def test_due_every_n_steps():
 def test_refusals_in_one_line(keys, pp, peft, match):
     with pytest.raises(ConfigError, match=match):
         InTrainingEval(_section(**keys), is_main=False, pp_size=pp, peft=peft)
+
+
+def test_an_eval_score_has_its_own_best_pointer_that_restore_from_and_a_quarantine_follow(tmp_path):
+    from automodel_ckpt.ondisk import catalog, layout
+    from automodel_ckpt.ondisk.durable import read_pointer, set_pointer
+    from automodel_ckpt.ondisk.metadata import write_metadata
+    from automodel_ckpt.ondisk.quarantine import quarantine
+
+    assert layout.best_pointer("val_loss") == layout.LOWEST_VAL
+    assert layout.best_pointer(metric_name("addition", "exact_match")) == layout.BEST_EVAL
+    assert layout.BEST_EVAL in layout.POINTERS and layout.BEST_EVAL in layout.RESERVED_NAMES
+    for step, score in ((4, 0.5), (8, 0.25)):
+        ckpt = tmp_path / f"epoch_0_step_{step}"
+        ckpt.mkdir()
+        write_metadata(ckpt, {"step": step, "epoch": 0, "val_metrics": {"eval/addition/exact_match": score}})
+    set_pointer(tmp_path, layout.LATEST, "epoch_0_step_8")
+    set_pointer(tmp_path, layout.BEST_EVAL, "epoch_0_step_4")
+    assert catalog.resolve_restore_from(tmp_path, layout.BEST_EVAL) == tmp_path / "epoch_0_step_4"
+    quarantine(tmp_path, "epoch_0_step_4", "damaged", monitor="eval/addition/exact_match", mode="max")
+    assert read_pointer(tmp_path, layout.BEST_EVAL) == "epoch_0_step_8"  # the best one left
+    assert read_pointer(tmp_path, layout.LOWEST_VAL) is None
