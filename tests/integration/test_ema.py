@@ -108,3 +108,7 @@ def test_consolidate_ema_writes_a_hugging_face_folder_that_loads(tmp_path, strai
     plain = subprocess.run([CKPT_TRAIN, "consolidate", str(tmp_path / "nothing"), "--ema"], capture_output=True,
                            text=True, timeout=300)
     assert plain.returncode != 0 and "holds no EMA weights" in plain.stderr
+    shutil.rmtree(layout.hf_metadata_dir(layout.model_dir(ckpt)))  # as a LoRA checkpoint's adapter folder
+    adapter = subprocess.run([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--out", str(tmp_path / "out")],
+                             capture_output=True, text=True, timeout=300)
+    assert adapter.returncode != 0 and "has no .hf_metadata" in adapter.stderr

@@ -211,6 +211,9 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int,
     """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata`` (of
     ``metadata_dir`` when given: the model's, for shards saved apart from it; see ``consolidate``)."""
     _refuse_links(model_dir)
+    if metadata_dir is not None and not layout.hf_metadata_dir(Path(metadata_dir)).is_dir():
+        raise CheckpointError(f"'{metadata_dir}' has no {layout.HF_METADATA_DIR} to describe '{model_dir}' (a LoRA "
+                              "checkpoint's EMA holds adapter weights, which are not exported)")
     meta = _read_metadata(model_dir if metadata_dir is None else Path(metadata_dir))
     if meta is not None and metadata_dir is not None:
         meta = replace(meta, saved=None)  # the model's saved shapes, not these shards'
