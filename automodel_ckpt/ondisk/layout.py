@@ -4,6 +4,7 @@
 checkpoint_dir/
   LATEST -> epoch_E_step_N          relative symlink (LATEST.txt holds the name where links fail)
   LOWEST_VAL -> epoch_E_step_M
+  BEST_EVAL -> epoch_E_step_K       the best by an eval score (checkpoint.monitor: eval/<task>/<metric>) instead
   training.jsonl  validation.jsonl  events.jsonl
   tensorboard/  mlflow.db  wandb/   experiment trackers' files, when `logging:` enables them with default places
   .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
