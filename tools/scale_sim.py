@@ -142,12 +142,13 @@ def _write_results(plan: SavePlan, rank: int, n: int) -> list[WriteResult]:
     return out
 
 
-def save(name: str, strategy: str, n: int, key: str = "model") -> dict[str, Any]:
+def save(name: str, strategy: str, n: int, key: str = "model", results_needed: bool = False) -> dict[str, Any]:
     """One save's coordination at ``n`` ranks: returns the coordinator's seconds, the global plan and metadata,
     and the bytes each rank sent the coordinator (the largest)."""
     sent, planners = [], []
     for rank in range(n):  # every rank's own work, in parallel in a real job: not the coordinator's
         data, planner = rank_local_plan(name, strategy, n, rank, key)
+        planner.plan = None  # sent: only what the rank keeps stays
         sent.append(data)
         planners.append(planner)
     gc.freeze()  # the other simulated ranks' objects: a real coordinator holds none, its collector walks none
@@ -162,18 +163,20 @@ def save(name: str, strategy: str, n: int, key: str = "model") -> dict[str, Any]
     finals, results_sent, notes = [], [], []
     for rank, planner in enumerate(planners):  # every rank: its final plan, its write results
         finals.append(planner.finish_plan(pickle.loads(scattered[rank])))
-        notes.append(plan_results.outgoing(_write_results(finals[-1], rank, n), key, n, rank))
+        results = _write_results(finals[-1], rank, n)  # the safetensors shards' finish reads none: none is sent
+        notes.append(plan_results.ResultsNote("") if not results_needed else
+                     plan_results.outgoing(results, key, n, rank))
         results_sent.append(pickle.dumps(notes[-1]))
     gc.freeze()
     t0 = time.process_time()  # the safetensors shards' finish reads no results: not rebuilt
-    results = plan_results.incoming([pickle.loads(b) for b in results_sent], key, needed=False)
+    results = plan_results.incoming([pickle.loads(b) for b in results_sent], key, needed=results_needed)
     seconds += time.process_time() - t0
     for rank, note in enumerate(notes):
         plan_results.succeeded(key, n, rank, note)
     gc.unfreeze()
     checksum_bytes, merge_seconds = _manifest(n)
     per_rank = max(len(a) + len(b) for a, b in zip(sent, results_sent)) + checksum_bytes
-    return {"seconds": seconds + merge_seconds, "final_plans": finals, "metadata": metadata,
+    return {"seconds": seconds + merge_seconds, "final_plans": finals if n <= 64 else None, "metadata": metadata,
             "reused": coordinator.reused, "object_bytes_per_rank": per_rank, "results": results}
 
 

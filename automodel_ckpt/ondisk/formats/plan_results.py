@@ -6,7 +6,7 @@ file of ``.distcp`` folders; the per-rank safetensors shards need none). Unpickl
 the coordinator as much as the plans did, at every save. ``keep_results`` makes a rank send them as plain tuples,
 or only their digest when they are those of its last save under the same key (same layout: same files, offsets
 and lengths), and makes the coordinator rebuild them, from its cache where unchanged, only when its ``finish``
-reads them. A digest the coordinator does not hold fails the save on every rank; an entry is taken out of the
+reads them; where it reads none (per-rank safetensors shards), nothing is sent. A digest the coordinator does not hold fails the save on every rank; an entry is taken out of the
 cache when a save starts and put back when it succeeded, as the plans are (``planning``).
 """
 
@@ -94,12 +94,15 @@ def incoming(notes: list[Any], key: str | None, *, needed: bool) -> list[list[Wr
     for rank, note in enumerate(notes):
         if not isinstance(note, ResultsNote):
             return notes  # not ours: as DCP gathered them
+        if not note.digest and note.objects is None:  # nothing sent: the writer's finish reads no results
+            full.append(ResultsNote("", objects=[]))
+            continue
         if note.tuples is None and note.objects is None:
             if cached is None or cached[rank].digest != note.digest:
                 raise ValueError(f"rank {rank} sent unchanged write results that the coordinator does not hold")
             note = cached[rank]
         full.append(note)
-    if cache_key is not None and all(n.objects is None for n in full):
+    if cache_key is not None and all(n.tuples is not None for n in full):
         _COORDINATOR[cache_key] = full
     if not needed:
         return [[] for _ in full]
@@ -115,7 +118,10 @@ def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> An
     sent: list[ResultsNote] = []
 
     def compact(fut: Any) -> ResultsNote:
-        sent.append(outgoing(fut.value(), key, world_size, rank))
+        results = fut.value()
+        if not needed:  # per-rank safetensors shards: the coordinator's finish reads none, so none is sent
+            return ResultsNote("")
+        sent.append(outgoing(results, key, world_size, rank))
         return sent[-1]
 
     def compact_write_data(plan: Any, planner: Any) -> Any:

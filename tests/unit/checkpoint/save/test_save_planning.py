@@ -48,11 +48,24 @@ def test_plans_and_metadata_are_dcps(strategy):
 
 
 def test_the_next_save_of_the_same_layout_reuses_the_cache_and_gives_the_same_plans():
-    first = sim.save("tiny", "fsdp", 8)
-    second = sim.save("tiny", "fsdp", 8)
+    first = sim.save("llama3-8b", "fsdp", 8)
+    second = sim.save("llama3-8b", "fsdp", 8)
     assert not first["reused"] and second["reused"]
     assert repr(second["final_plans"]) == repr(first["final_plans"]) and second["metadata"] == first["metadata"]
     assert second["object_bytes_per_rank"] < first["object_bytes_per_rank"] / 2  # digests, not plans
+
+
+def test_write_results_go_as_tuples_then_as_digests_and_come_back_whole():
+    """A ``.distcp`` folder's finish reads every rank's write results: the first save sends them as tuples, the
+    next (same layout) their digests only, and the coordinator rebuilds the same ``WriteResult`` objects."""
+    first = sim.save("tiny", "fsdp", 4, results_needed=True)
+    second = sim.save("tiny", "fsdp", 4, results_needed=True)
+    assert second["results"] == first["results"] and repr(second["results"]) == repr(first["results"])
+    assert len(first["results"]) == 4 and all(len(r) == 8 for r in first["results"])
+    assert second["object_bytes_per_rank"] < first["object_bytes_per_rank"]
+    plan_results._COORDINATOR.clear()  # a digest the coordinator does not hold fails the save
+    with pytest.raises(ValueError, match="does not hold"):
+        sim.save("tiny", "fsdp", 4, results_needed=True)
 
 
 @pytest.mark.parametrize("change", ["world_size", "strategy", "parameters"])
