@@ -1,6 +1,13 @@
 """Streamed corpora: pipeline throughput vs the trainer's consumption, resume time by position, peak memory by size.
 
     python tools/bench_data.py [--small-mb 200] [--big-mb 2000] [--files 64] [--seconds 20] [--out DIR]
+    python tools/bench_data.py --lanes [--lanes-mb 16] [--steps 400] [--sizes 1,4,16,64] [--workers 0,1,2]
+
+``--lanes``: rank 0 of N data-parallel ranks (``data.lanes`` 64, global batch 64, ``seq_length`` 64) at each N and
+``num_workers``, each in a fresh process: CPU seconds (the process and its workers) per sequence it delivers after
+its first step, bytes it reads (counted where its readers open files, first step included), its sequences per
+second and N times that (all readers together, each rank on its own cores), and, with no workers, the time from a
+checkpointed position at 1% and at 90% of the corpus to the first batch.
 
 Writes a generated json-lines corpus of ``--big-mb`` (and one of ``--small-mb``) in ``--files`` files under
 ``--out`` (deleted at the end unless ``--keep``), tokenized by the embedded tiny base's tokenizer, and measures,
@@ -125,6 +132,150 @@ def child_resume(corpus: str, assets: str) -> dict:
     return out
 
 
+class _Counted:
+    """A file whose reads are counted into a shared counter (the readers' workers are forked: the counter is theirs
+    too)."""
+
+    def __init__(self, f, counter) -> None:
+        self.f, self.counter = f, counter
+
+    def read(self, n=-1):
+        data = self.f.read(n)
+        with self.counter.get_lock():
+            self.counter.value += len(data)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def __iter__(self):
+        return iter(self.f)
+
+
+def _lanes_loader(c, tok, dp: int, workers: int, lanes: int = 64, gbs: int = 64):
+    from automodel_ckpt.data.stream.loader import StreamLoader
+
+    return StreamLoader(c, c.list_shards(lanes=lanes), tok, _settings(), global_batch_size=gbs,
+                        local_batch_size=gbs // dp, dp_rank=0, dp_size=dp, num_workers=workers, lanes=lanes,
+                        log_ids=False)
+
+
+def child_lanes(corpus: str, assets: str, dp: int, workers: int, steps: int) -> dict:
+    """Rank 0 of ``dp`` with ``workers`` workers for ``steps`` steps: CPU, bytes read, sequences per second."""
+    import gc
+    import multiprocessing
+
+    from automodel_ckpt.data.stream import readers
+    from automodel_ckpt.data.stream.corpus import streamed_corpus
+
+    counter = multiprocessing.Value("q", 0)
+    real_open = readers._open
+    readers._open = lambda *a, **k: _Counted(real_open(*a, **k), counter)
+    c = streamed_corpus(path=corpus)
+    tok = _tokenizer(Path(assets))
+    loader = _lanes_loader(c, tok, dp, workers)
+    loader.next_batch()  # started: workers forked, lanes opened, buffers filled (not counted)
+    pids = [w.pid for w in getattr(loader._iter, "_workers", [])]
+    cpu0, wall0 = time.process_time() + sum(_proc_cpu(p) for p in pids), time.perf_counter()
+    delivered = 0
+    for _ in range(steps):
+        _, micro = loader.next_batch()
+        delivered += sum(len(mb.input_ids) for mb in micro)
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() + sum(_proc_cpu(p) for p in pids) - cpu0
+    loader._iter = None
+    gc.collect()
+    return {"dp": dp, "workers": workers, "sequences": delivered, "cpu_seconds": cpu, "wall_seconds": wall,
+            "bytes_read": counter.value, "lanes_read": len(loader.my_lanes), "workers_started": loader.num_workers}
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user and system) of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _lanes_state(c, tok, fraction: float, lanes: int = 64, per_lane: int = 4) -> dict:
+    """A real loader state with every lane about ``fraction`` into its share of the corpus: each lane started at
+    that place of its unit order and run ``per_lane`` sequences (``per_lane * lanes`` sequences in all)."""
+    from automodel_ckpt.data.stream.position import LANES_VERSION, lane_counts
+    from automodel_ckpt.data.stream.stream import POSITION_VERSION, GlobalStream
+
+    shards = c.list_shards(lanes=lanes)
+    n = len(shards[0])
+    positions, counts = {}, {}
+    for lane in range(lanes):
+        mine = len(range(lane, n, lanes)) if n >= lanes else 1
+        start = {"version": POSITION_VERSION, "sources": [{
+            "epoch": 0, "n": n, "pos": min(int(fraction * mine), mine - 1), "key": 0, "row": 0, "seen": 0,
+            "epoch_rows": 1, "taken": 0, "tokens": 0, "buffer_shards": [], "buffer_keys": []}], "docs": 0,
+            "pending": [], "offset": 0, "sequences": 0, "skipped": 0, "epoch": 0}
+        stream = GlobalStream(c, shards, tok, _settings(), start, lane, lanes)
+        for _ in range(per_lane):
+            stream.next_sequence()
+        positions[lane], counts[lane] = stream.position(shards=False), lane_counts(stream)
+    return {"kind": "stream", "version": LANES_VERSION, "lanes": lanes, "sequences": per_lane * lanes,
+            "shards": [[s.record() for s in src] for src in shards], "positions": positions, "counts": counts}
+
+
+def child_lanes_resume(corpus: str, assets: str, dp: int) -> dict:
+    from automodel_ckpt.data.stream.corpus import streamed_corpus
+
+    c = streamed_corpus(path=corpus)
+    tok = _tokenizer(Path(assets))
+    out = {}
+    for fraction in (0.01, 0.9):
+        state = _lanes_state(c, tok, fraction)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            loader = _lanes_loader(c, tok, dp, 0)  # a resume lists the corpus (its identity) ...
+            loader.load_state_dict(state)
+            loader.next_batch()  # ... reads back its lanes' references and makes the first batch
+            times.append(time.perf_counter() - t0)
+        out[f"resume_seconds_{int(fraction * 100)}pct"] = statistics.median(times)
+    return out
+
+
+def lanes_bench(work: Path, megabytes: int, files: int, steps: int, sizes: list[int], workers: list[int],
+                repeat: int = 1) -> None:
+    """``--lanes``: the table of docs/benchmarks.md's "Lanes" section."""
+    assets = work / "assets"
+    _tokenizer(assets)
+    folder = write_corpus(work / "lanes", megabytes, files)
+    pattern = str(folder / "*.jsonl")
+    corpus_bytes = sum(f.stat().st_size for f in folder.iterdir())
+    rows = []
+    for dp in sizes:
+        for w in workers:
+            runs = [_child("lanes", pattern, str(assets), str(dp), str(w), str(steps)) for _ in range(repeat)]
+            r = min(runs, key=lambda x: x["cpu_seconds"])  # the least disturbed of the runs (a shared machine)
+            r["wall_seconds"] = min(x["wall_seconds"] for x in runs)
+            if w == 0:
+                r |= _child("lanes_resume", pattern, str(assets), str(dp))
+            rows.append(r)
+    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+               "corpus_bytes": corpus_bytes, "files": files, "steps": steps, "rows": rows}
+    (work / "bench_lanes.json").write_text(json.dumps(results, indent=2))
+    print(f"corpus {corpus_bytes / 2**20:.1f} MiB in {files} files, {steps} steps of 64 sequences of 64 tokens, "
+          "64 lanes; rank 0 of N")
+    print("| N | workers (started) | lanes read | sequences | CPU s / 1k sequences | bytes read | sequences/s | all N readers, "
+          "sequences/s | resume at 1% / 90% |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        resume = (f"{r['resume_seconds_1pct']:.3f} s / {r['resume_seconds_90pct']:.3f} s"
+                  if "resume_seconds_1pct" in r else "")
+        rate = r["sequences"] / r["wall_seconds"]
+        print(f"| {r['dp']} | {r['workers']} ({r['workers_started']}) | {r['lanes_read']} | {r['sequences']} | "
+              f"{1000 * r['cpu_seconds'] / r['sequences']:.3f} | {r['bytes_read'] / 2**20:.2f} MiB | {rate:,.0f} | "
+              f"{rate * r['dp']:,.0f} | {resume} |")
+
+
 def child_memory(corpus: str, assets: str, sequences: int) -> dict:
     from automodel_ckpt.data.stream.corpus import streamed_corpus
     from automodel_ckpt.data.stream.stream import GlobalStream
@@ -195,11 +346,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--step-time", action="store_true", help="only the step time, streamed vs tokenized up front")
+    ap.add_argument("--lanes", action="store_true", help="only rank 0 of N over lanes (CPU, bytes, rate, resume)")
+    ap.add_argument("--lanes-mb", type=int, default=16)
+    ap.add_argument("--sizes", default="1,4,16,64")
+    ap.add_argument("--workers", default="0,1,2")
+    ap.add_argument("--repeat", type=int, default=1, help="--lanes: runs of each, the least CPU kept")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         kind, *rest = args.child
-        result = {"pipeline": lambda: child_pipeline(rest[0], rest[1], float(rest[2])),
+        result = {"lanes": lambda: child_lanes(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4])),
+                  "lanes_resume": lambda: child_lanes_resume(rest[0], rest[1], int(rest[2])),
+                  "pipeline": lambda: child_pipeline(rest[0], rest[1], float(rest[2])),
                   "resume": lambda: child_resume(rest[0], rest[1]),
                   "memory": lambda: child_memory(rest[0], rest[1], int(rest[2]))}[kind]()
         print(json.dumps(result))
@@ -208,6 +366,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if args.step_time:
         step_time_only(work, args.steps)
+        return
+    if args.lanes:
+        lanes_bench(work, args.lanes_mb, args.files, args.steps, [int(x) for x in args.sizes.split(",")],
+                    [int(x) for x in args.workers.split(",")], args.repeat)
         return
     assets = work / "assets"
     _tokenizer(assets)

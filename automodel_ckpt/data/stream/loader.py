@@ -204,8 +204,11 @@ class StreamLoader:
             self._iter = None
             raise DataError(error)
         self.sequences += self.global_batch_size
-        rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
-        labels = torch.from_numpy(np.stack([i.labels for i in taken]))
+        if len(taken) == 1:  # (np.stack of one array costs as much as the rest of a step)
+            rows, labels = torch.from_numpy(taken[0].tokens[None]), torch.from_numpy(taken[0].labels[None])
+        else:
+            rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
+            labels = torch.from_numpy(np.stack([i.labels for i in taken]))
         ids = torch.from_numpy(np.fromiter((i.sequence_id for i in taken), dtype=np.int64, count=len(taken)))
         if len(taken) == self.local_batch_size:  # one micro-batch
             micro = [MicroBatch(rows, labels, torch.ones_like(rows), ids)]
@@ -223,29 +226,35 @@ class StreamLoader:
     def _reduce(self, error: str | None) -> str | None:
         """Sum the lanes' counts over the ranks (each lane counted by the lowest rank that reads it) and whether a
         rank met bad data; every rank then stops at the same step, with the first rank's message."""
-        sources = len(self.shards)
-        g = math.gcd(self.dp_size, self.lanes)
-        flat = [0] * (self.lanes * (2 + sources) + 1)
-        for lane, counts in self.counts.items():
-            if self.dp_rank == lane % g:
-                flat[lane * (2 + sources):(lane + 1) * (2 + sources)] = counts
-        flat[-1] = 1 if error is not None else 0
-        together = self.gather is not None and self.dp_size > 1
-        vec = [int(x) for x in self.gather(torch.tensor(flat, dtype=torch.float64)).tolist()] if together else flat
-        width, end = 2 + sources, self.lanes * (2 + sources)
-        self.totals = [min(vec[0:end:width]), *[sum(vec[i:end:width]) for i in range(1, width)]]
-        if vec[-1] > 0 and together:  # the message of the first rank that met it, on every rank
-            text = torch.zeros(self.dp_size, 512, dtype=torch.float64)
-            if error is not None:
-                raw = error.encode("utf-8")[:512]
-                text[self.dp_rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64)
-            text = self.gather(text)
-            first = next(row for row in text.long().tolist() if any(row))
-            error = bytes(b for b in first if b).decode("utf-8", errors="replace")
+        width = 2 + len(self.shards)
+        if self.gather is None or self.dp_size == 1:  # this rank's lanes (all of them at dp 1)
+            own = list(self.counts.values())
+            self.totals = [min((c[0] for c in own), default=0), *[sum(c[i] for c in own) for i in range(1, width)]]
+        else:
+            g, end = math.gcd(self.dp_size, self.lanes), self.lanes * width
+            flat = [0] * (end + 1)
+            for lane, counts in self.counts.items():
+                if self.dp_rank == lane % g:
+                    flat[lane * width:(lane + 1) * width] = counts
+            flat[-1] = 1 if error is not None else 0
+            vec = [int(x) for x in self.gather(torch.tensor(flat, dtype=torch.float64)).tolist()]
+            self.totals = [min(vec[0:end:width]), *[sum(vec[i:end:width]) for i in range(1, width)]]
+            if vec[-1]:  # a rank met bad data: every rank stops, with the first such rank's message
+                error = self._first_error(error)
         if error is None and self.totals[1] > self.settings.skip_bad_rows:
             error = (f"dataset: {self.totals[1]} bad rows skipped, data.skip_bad_rows ({self.settings.skip_bad_rows}) "
                      "reached")
         return error
+
+    def _first_error(self, error: str | None) -> str:
+        """The message of the lowest rank that met bad data, on every rank (a collective: every rank calls it)."""
+        assert self.gather is not None
+        text = torch.zeros(self.dp_size, 512, dtype=torch.float64)
+        if error is not None:
+            raw = error.encode("utf-8")[:512]
+            text[self.dp_rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.float64)
+        first = next(row for row in self.gather(text).long().tolist() if any(row))
+        return bytes(b for b in first if b).decode("utf-8", errors="replace")
 
     # ---------------------------------------------------------------------------------- what is reported
     @property
