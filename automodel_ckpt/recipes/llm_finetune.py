@@ -34,7 +34,7 @@ from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.tracking import RunObserver
 from automodel_ckpt.training import compile
 from automodel_ckpt.training.ema import EMA
-from automodel_ckpt.training.evaluation import InTrainingEval
+from automodel_ckpt.evaluation.during_training import InTrainingEval
 from automodel_ckpt.training.loss import next_token_loss_sum
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.optimizer import implementation

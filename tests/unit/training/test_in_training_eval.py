@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.config.schema import EvaluationConfig
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.training.evaluation import InTrainingEval, metric_name
+from automodel_ckpt.evaluation.during_training import InTrainingEval, metric_name
 
 
 def _section(**keys):
