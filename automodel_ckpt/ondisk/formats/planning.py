@@ -118,7 +118,8 @@ def _encode(plan: SavePlan) -> tuple[list[tuple], list[Any]]:
             table[key] = len(props)
             props.append(p)
         chunk = td.chunk
-        entries.append((wi.index.fqn, wi.type.value, offset, None if chunk is None else tuple(chunk.offsets),
+        c_off = None if chunk is None else tuple(chunk.offsets)
+        entries.append((wi.index.fqn, wi.type.value, offset, offset if c_off == offset else c_off,  # one object
                         None if chunk is None else tuple(chunk.sizes), tuple(td.size), table[key], wi.bytes_io_data))
     return entries, props
 
@@ -239,6 +240,7 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
     owners = _dedup(notes)
     md: dict[str, Any] = {}
     bounds: dict[str, tuple[list, list]] = {}  # fqn -> its chunks' offsets and sizes, as plain tuples
+    shared: dict[tuple, torch.Size] = {}
     hints_of = []
     for rank, note in enumerate(notes):
         hints: list[int | None] = []
@@ -261,7 +263,10 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
             if c_off is None:
                 raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
             hints.append(len(tensor_md.chunks))
-            tensor_md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(c_off), sizes=torch.Size(c_size)))
+            sizes = shared.get(c_size)  # most chunks share their sizes: one torch.Size each
+            if sizes is None:
+                sizes = shared[c_size] = torch.Size(c_size)
+            tensor_md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(c_off), sizes=sizes))
             found = bounds.get(fqn)
             if found is None:
                 found = bounds[fqn] = ([], [])
