@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import statistics
 import time
@@ -22,9 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.ondisk import bounded, catalog, layout, manifest, paths
-from automodel_ckpt.errors import UserError, first_line
-from automodel_ckpt.training.metrics import JsonlLog
+from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.training.metrics import JsonlLog, log_lines
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
 SIDE_FAILURE = "side_failure"  # side work that failed while training went on (an export, a node-local step...)
@@ -190,26 +188,13 @@ def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
     elsewhere may hold a log of any size): a line longer than ``bounded.LOG_LINE`` is skipped without being held,
     as is a line that is no JSON object (a line cut by a kill mid-write). A link, FIFO or device in the log's place
     is refused (``UserError``), never followed or waited on."""
-    path = Path(run_dir) / layout.EVENTS_LOG
-    try:
-        f = os.fdopen(paths.open_regular(path), "rb")
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise UserError(f"cannot read the log '{path}': {first_line(exc)}; logs are read only as regular files: "
-                        "remove it") from None
-    with f:
-        while line := f.readline(bounded.LOG_LINE + 1):
-            if len(line) > bounded.LOG_LINE:
-                while line and not line.endswith(b"\n"):  # the rest of an over-long line, a piece at a time
-                    line = f.readline(bounded.LOG_LINE + 1)
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(record, dict):
-                yield record
+    for line in log_lines(Path(run_dir) / layout.EVENTS_LOG):
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            yield record
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:

@@ -54,7 +54,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not os.path.lexists(path):
         return []
     out = []
-    for line in _log_lines(path):
+    for line in log_lines(path):
         line = line.strip()
         if line:
             try:
@@ -83,7 +83,7 @@ def _open_append(path: Path) -> int:
                     "appended only to regular files of the run: remove it")
 
 
-def _log_lines(path: Path) -> Iterator[str]:
+def log_lines(path: Path) -> Iterator[str]:
     """A log's lines, read one at a time (a run folder received from elsewhere may hold a log of any size); a line
     longer than ``bounded.LOG_LINE`` is skipped, never held whole. Opened as ``_read_log`` opens it."""
     try:
