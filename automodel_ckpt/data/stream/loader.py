@@ -189,7 +189,16 @@ class StreamLoader:
         """``(epoch, micro_batches)`` of the next optimizer step; advances the position."""
         items = self._items()
         workers = max(self.num_workers, 1)
-        chunks = [next(items) for _ in range(workers)]  # one a worker, in the DataLoader's order (worker 0 first)
+        if workers == 1:  # (one chunk: the step's sequences in order, its last one carrying the lanes' positions)
+            chunk = next(items)
+            if len(chunk) == self.per_step and chunk[0].error is None:
+                self._taken += self.per_step
+                for lane, (position, counts) in chunk[-1].lanes.items():
+                    self.positions[lane], self.counts[lane] = position, counts
+                return self._deliver(chunk, self._reduce(None))
+            chunks = [chunk]
+        else:
+            chunks = [next(items) for _ in range(workers)]  # one a worker, in the DataLoader's order (worker 0 first)
         error = next((c[0].error for c in chunks if c and c[0].error is not None), None)
         taken: list[_Item] = []
         if error is None:
@@ -199,17 +208,22 @@ class StreamLoader:
             for item in taken:
                 for lane, (position, counts) in item.lanes.items():
                     self.positions[lane], self.counts[lane] = position, counts
-        error = self._reduce(error)
+        return self._deliver(taken, self._reduce(error))
+
+    def _deliver(self, taken: list[_Item], error: str | None) -> tuple[int, list[MicroBatch]]:
+        """The step's micro-batches of this rank's sequences ``taken`` (or ``error``, met by some rank, raised)."""
         if error is not None:
             self._iter = None
             raise DataError(error)
         self.sequences += self.global_batch_size
         if len(taken) == 1:  # (np.stack of one array costs as much as the rest of a step)
-            rows, labels = torch.from_numpy(taken[0].tokens[None]), torch.from_numpy(taken[0].labels[None])
+            one = taken[0]
+            rows, labels = torch.from_numpy(one.tokens[None]), torch.from_numpy(one.labels[None])
+            ids = torch.from_numpy(np.array([one.sequence_id], dtype=np.int64))
         else:
             rows = torch.from_numpy(np.stack([i.tokens for i in taken]))
             labels = torch.from_numpy(np.stack([i.labels for i in taken]))
-        ids = torch.from_numpy(np.fromiter((i.sequence_id for i in taken), dtype=np.int64, count=len(taken)))
+            ids = torch.from_numpy(np.fromiter((i.sequence_id for i in taken), dtype=np.int64, count=len(taken)))
         if len(taken) == self.local_batch_size:  # one micro-batch
             micro = [MicroBatch(rows, labels, torch.ones_like(rows), ids)]
         else:
@@ -229,6 +243,9 @@ class StreamLoader:
         width = 2 + len(self.shards)
         if self.gather is None or self.dp_size == 1:  # this rank's lanes (all of them at dp 1)
             own = list(self.counts.values())
+            if len(own) == 1 and len(own[0]) == width:  # (one lane: its counts are the totals)
+                self.totals = list(own[0])
+                return self._too_many_bad_rows(error)
             self.totals = [min((c[0] for c in own), default=0), *[sum(c[i] for c in own) for i in range(1, width)]]
         else:
             g, end = math.gcd(self.dp_size, self.lanes), self.lanes * width
@@ -241,7 +258,11 @@ class StreamLoader:
             self.totals = [min(vec[0:end:width]), *[sum(vec[i:end:width]) for i in range(1, width)]]
             if vec[-1]:  # a rank met bad data: every rank stops, with the first such rank's message
                 error = self._first_error(error)
-        if error is None and self.totals[1] > self.settings.skip_bad_rows:
+        return self._too_many_bad_rows(error)
+
+    def _too_many_bad_rows(self, error: str | None) -> str | None:
+        """``error``, or the message of ``data.skip_bad_rows`` reached by the totals."""
+        if error is None and self.totals is not None and self.totals[1] > self.settings.skip_bad_rows:
             error = (f"dataset: {self.totals[1]} bad rows skipped, data.skip_bad_rows ({self.settings.skip_bad_rows}) "
                      "reached")
         return error
