@@ -7,7 +7,7 @@ state's key mapping, sent through ``LinearSavePlanner.create_local_plan`` as a r
 receives is pickled as ``gather_object`` pickles it; the coordinator's CPU time covers unpickling every rank's
 plan, the global plan and metadata (``LinearSavePlanner``), the storage writer's global step, pickling the plans
 it scatters back, unpickling every rank's write results, the manifest's checksum gather and merge. A load times
-the coordinator's own local load plan (DCP's read items for its chunks against every saved chunk), unpickling
+the coordinator's own local load plan (``LocalLoadPlanner``'s read items for its chunks, DCP's own), unpickling
 every rank's load plan and scattering them back (DCP's global load plan returns them unchanged).
 """
 
@@ -25,7 +25,6 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.default_planner import create_default_global_load_plan
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.storage import WriteResult
@@ -196,9 +195,9 @@ def _manifest(n: int) -> tuple[int, float]:
 
 
 def load(name: str, strategy: str, saved: Any, n: int) -> float:
-    """A load's coordination at ``n`` ranks from ``saved`` metadata: the coordinator's own local load plan (DCP's
-    read items for its chunks, each against every saved chunk of its tensor), and every rank's empty plan
-    (``LocalLoadPlanner``: each keeps its own) gathered and scattered back."""
+    """A load's coordination at ``n`` ranks from ``saved`` metadata: the coordinator's own local load plan
+    (``planning.read_items_for_chunks``: DCP's read items, found in one pass over its tensor's saved chunks),
+    and every rank's empty plan (``LocalLoadPlanner``: each keeps its own) gathered and scattered back."""
     md = saved.state_dict_metadata
     mesh, coord = _mesh(strategy, n), [0] * len(_mesh(strategy, n))
     mine = [(fqn, _compute_local_shape_and_global_offset(shape, mesh, coord, _placements(strategy, fqn, len(shape))))
@@ -206,7 +205,7 @@ def load(name: str, strategy: str, saved: Any, n: int) -> float:
     t0 = time.process_time()
     requests = []
     for fqn, (sizes, offsets) in mine:
-        requests += create_read_items_for_chunk_list(
+        requests += planning.read_items_for_chunks(
             fqn, md[fqn], [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
     sent = pickle.dumps(LoadPlan([], planner_data=planning.LocalLoadPlanner._LOCAL))
     for plan in create_default_global_load_plan([pickle.loads(sent) for _ in range(n)]):

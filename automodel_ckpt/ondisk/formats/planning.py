@@ -1,4 +1,4 @@
-"""Save planning whose coordinator work is linear in the rank count, and cached across saves of one layout.
+"""Save and load planning linear in the rank count, save plans cached across saves of one layout.
 
 ``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` with two changes, both on the coordinator's side:
 
@@ -20,6 +20,9 @@
   is taken out of the cache when a save starts and put back only when its plan is final, so a save that fails
   leaves nothing stale; the coordinator refuses (on every rank) a fingerprint it does not hold.
 
+Loads: ``LocalLoadPlanner`` keeps each rank's load plan to itself and finds its read items with
+``read_items_for_chunks`` (DCP's own, found in one pass over a tensor's saved chunks, not DCP's quadratic sweep).
+
 Torch's own ``enable_plan_caching`` keys its class-level cache by the planner's class name, so a model save and
 an optimizer save evict each other's entries at every checkpoint; its validation is the sweep above.
 """
@@ -40,6 +43,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _validate_global_plan,
@@ -49,9 +54,18 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_chunk_list,
+    _create_read_item_for_tensor,
+    _create_read_items,
+    create_read_items_for_chunk_list,
+)
+from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_wrt_saved_tensor
+from torch.distributed.tensor import DTensor
 
 from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 
@@ -376,15 +390,92 @@ def _swept(irregular: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: list[ChunkStorageMetadata]) -> list:
+    """DCP's ``create_read_items_for_chunk_list``, the same ``ReadItem`` objects in the same order, with the
+    saved chunks overlapping each local chunk found in numpy. DCP sweeps along the tensor's longest dimension;
+    when the chunks are cut along another one (FSDP's dim 0 of ``k_proj``, ``down_proj``) every saved chunk stays
+    active and is inserted into a sorted list: quadratic in the rank count. Here each local chunk is compared with
+    every saved chunk at once (linear), and its overlaps ordered as DCP's active list holds them: by their end
+    along the sweep dimension, then by index. Chunks of differing ranks go to DCP's own search."""
+    saved = md.chunks
+    if not local_chunks or not saved:
+        return []
+    dims = len(local_chunks[0].offsets)
+    if any(len(c.offsets) != dims or len(c.sizes) != dims for c in chain(local_chunks, saved)):
+        return create_read_items_for_chunk_list(fqn, md, local_chunks)
+    n = len(saved)
+    offs = np.fromiter(chain.from_iterable(c.offsets for c in saved), dtype=np.int64, count=n * dims).reshape(n, dims)
+    ends = offs + np.fromiter(chain.from_iterable(c.sizes for c in saved), dtype=np.int64,
+                              count=n * dims).reshape(n, dims)
+    l_offs = np.asarray([tuple(c.offsets) for c in local_chunks], dtype=np.int64).reshape(len(local_chunks), dims)
+    l_ends = l_offs + np.asarray([tuple(c.sizes) for c in local_chunks], dtype=np.int64).reshape(l_offs.shape)
+    sweep = int(np.argmax(np.maximum(ends.max(axis=0), l_ends.max(axis=0)))) if dims > 1 else 0
+    items = []
+    for local_idx in (np.argsort(l_offs[:, sweep], kind="stable") if dims else range(len(local_chunks))):
+        local_idx = int(local_idx)
+        local = local_chunks[local_idx]
+        if dims:
+            found = np.flatnonzero((offs < l_ends[local_idx]).all(axis=1) & (ends > l_offs[local_idx]).all(axis=1))
+            found = found[np.argsort(ends[found, sweep], kind="stable")]
+        else:
+            found = range(n)
+        dest = MetadataIndex(fqn, local.offsets, local_idx)
+        for storage_idx in found:
+            storage_idx = int(storage_idx)
+            chunk = saved[storage_idx]
+            narrows = _shards_get_overlap_region_wrt_saved_tensor(saved_shard=chunk, current_shard=local)
+            items.append(_create_read_item_for_tensor(
+                dest_index=dest, dest_offsets=[r[2] for r in narrows],
+                storage_index=MetadataIndex(fqn, chunk.offsets, storage_idx),
+                storage_offsets=[r[1] for r in narrows], lengths=[r[3] for r in narrows]))
+    return items
+
+
+def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool = True) -> LoadPlan:
+    """DCP's ``create_default_local_load_plan`` with its tensors' read items from ``read_items_for_chunks``."""
+    requests = []
+    for fqn, obj in state_dict.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if md is None:
+            if strict:
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            continue
+        if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
+            raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            continue
+        if isinstance(md, BytesStorageMetadata):
+            requests += _create_read_items(fqn, md, obj)
+        else:
+            try:
+                chunks = _create_chunk_list(obj)
+            except ValueError as ex:
+                raise ValueError(f"Invalid checkpoint metadata for {fqn}, "
+                                 f"expected BytesStorageMetadata but found {type(md)}") from ex
+            requests += read_items_for_chunks(fqn, md, chunks)
+    return LoadPlan(requests)
+
+
 class LocalLoadPlanner(SafeLoadPlanner):
     """``SafeLoadPlanner`` that keeps its local load plan to itself. DCP's global load plan returns every rank's
     plan unchanged, and our storage readers prepare none: gathering them only cost the coordinator unpickling
-    every rank's read items. Each rank sends an empty plan and reads with its own."""
+    every rank's read items. Each rank sends an empty plan and reads with its own, made by ``local_load_plan``
+    (linear in the number of saved chunks)."""
 
     _LOCAL = "local"
 
     def create_local_plan(self) -> LoadPlan:
-        self._local = super().create_local_plan()
+        if self.metadata is None:
+            raise AssertionError("self.metadata is not None")
+        if self.flatten_state_dict:  # as DefaultLoadPlanner: keys of a checkpoint saved before torch 2.4
+            missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
+            if missing:
+                _version._derived_version = "2_3"
+                old_state, old_mappings = flatten_state_dict(self.original_state_dict)
+                if set(old_state) & missing:
+                    self.state_dict, self.mappings = old_state, old_mappings
+                _version._derived_version = None
+        self._local = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         return LoadPlan([], planner_data=self._LOCAL)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
