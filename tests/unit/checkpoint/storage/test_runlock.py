@@ -131,10 +131,13 @@ FORKS = textwrap.dedent("""
     if sys.argv[2] == "bound":
         children_die_with_this_process()
     RunLock(sys.argv[1]).acquire()
+    ready, started = os.pipe()
     child = os.fork()
     if child == 0:  # a DataLoader worker's way: forked, and left to run until something ends it
+        os.write(started, b"1")  # the fork's hooks have run: only now may the test stop it
         while True:
             signal.pause()
+    os.read(ready, 1)
     print(child, flush=True)
     sys.stdin.readline()
     os.kill(os.getpid(), 9)  # the holder is killed: only what it forked may still hold the lock
