@@ -244,7 +244,8 @@ def render_table(report: dict[str, Any]) -> str:
             out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
     for name, pointer in report["pointers"].items():
         if pointer["target"] is None:
-            out.append(f"{name}: not set")
+            if name != layout.BEST_EVAL:  # set only where a score is monitored: unset says nothing
+                out.append(f"{name}: not set")
         elif not pointer["exists"]:
             out.append(f"{name} -> {pointer['target']} (missing)")
     return "\n".join(out)

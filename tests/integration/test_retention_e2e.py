@@ -95,7 +95,8 @@ def test_inspect_matches_the_disk(run):
     assert all(r["complete"] and r["format"] == "safetensors" for r in report["checkpoints"])
     assert [r["consolidated"] for r in report["checkpoints"]] == [p.name == "epoch_0_step_8" for p in on_disk]
     pointers = {name: str((ck / name).readlink()) for name in ("LATEST", "LOWEST_VAL")}
-    assert {k: v["target"] for k, v in report["pointers"].items()} == pointers
+    # no score is monitored: BEST_EVAL is listed, unset
+    assert {k: v["target"] for k, v in report["pointers"].items()} == pointers | {"BEST_EVAL": None}
     for row in report["checkpoints"]:
         assert row["pointers"] == [k for k, v in pointers.items() if v == row["name"]]
         assert row["size_bytes"] == sum(f.stat().st_size for f in (ck / row["name"]).rglob("*") if f.is_file())
