@@ -55,8 +55,12 @@ class MlflowServer:
                 raise AssertionError(f"mlflow server exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
+                    healthy = answer.status == 200
+                if healthy:  # up; then one call that opens its store (the first one pays for that, not a run's)
+                    search = f"{self.uri}/api/2.0/mlflow/experiments/search?max_results=1"
+                    with urllib.request.urlopen(search, timeout=max(2.0, deadline - time.monotonic())) as answer:
+                        if answer.status == 200:
+                            return
             except OSError:
                 time.sleep(0.2)
         self.kill()
