@@ -118,15 +118,21 @@ def _record_of(line: bytes, fmt: str, text_field: str) -> tuple[dict[str, Any] |
     return record, None
 
 
+def _opened(path: str, storage_options: dict[str, Any] | None, key: int, row: int) -> tuple[Any, Row | None]:
+    """``path`` opened, or the bad row that says why it cannot be (not a regular file, or the open failed)."""
+    try:
+        return _open(path, storage_options), None
+    except NotRegularFile as exc:
+        return None, Row(key, row, error=str(exc))
+    except (OSError, ValueError) as exc:
+        return None, Row(key, row, error=f"cannot open ({_why(exc)})")
+
+
 def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
            row: int, max_bytes: int) -> Iterator[Row]:
-    try:
-        f = _open(path, storage_options)
-    except NotRegularFile as exc:
-        yield Row(key, row, error=str(exc))
-        return
-    except (OSError, ValueError) as exc:
-        yield Row(key, row, error=f"cannot open ({_why(exc)})")
+    f, failed = _opened(path, storage_options, key, row)
+    if failed is not None:
+        yield failed
         return
     with f:
         try:
@@ -332,13 +338,9 @@ def read_line_range(path: str, fmt: str, text_field: str, storage_options: dict[
                     row: int, stop: int, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
     """The rows of a byte range of an uncompressed json-lines or text file from the line at ``key``: those starting
     before ``stop`` (a line that starts in the range is read to its end)."""
-    try:
-        f = _open(path, storage_options)
-    except NotRegularFile as exc:
-        yield Row(key, row, error=str(exc))
-        return
-    except (OSError, ValueError) as exc:
-        yield Row(key, row, error=f"cannot open ({_why(exc)})")
+    f, failed = _opened(path, storage_options, key, row)
+    if failed is not None:
+        yield failed
         return
     with f:
         try:
