@@ -155,6 +155,7 @@ class LoggingConfig:
     tensorboard: Optional[TensorBoardConfig] = None  # `tensorboard: {}` enables it
     mlflow: Optional[MLflowConfig] = None  # `mlflow: {}` enables it
     wandb: Optional[WandbConfig] = None  # `wandb: {mode: offline}` enables it
+    close_timeout_s: float = 10.0  # the end of a launch waits this long for a tracker making no progress (then gives up)
 
 
 def _default_model() -> Dict[str, Any]:

@@ -97,7 +97,7 @@ class RunObserver:
 
     def fail(self) -> None:
         """The launch fails: close the trackers (no ``end`` record: a later resume counts it as an interruption)."""
-        self.tracker.close("failed", timeout=10.0)
+        self.tracker.close("failed")
 
     def _checkpoint_record(self, record: dict[str, Any]) -> None:
         self.tracker.log(checkpoint_metrics(record), int(record.get("at_step", record["step"])))

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
 from automodel_ckpt.tracking.costlog import BEHIND
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbBackend)
 FLUSH_TIMEOUT_S = 2.0  # how long a checkpoint waits for a tracker to catch up (then it is behind: not waited for)
-CLOSE_TIMEOUT_S = 10.0  # how long the end of a launch waits for a tracker that makes no progress (then gives up)
+CLOSE_TIMEOUT_S = 10.0  # how long the end of a launch waits for a tracker that makes no progress (then gives up);
+# ``logging.close_timeout_s`` sets it
 CLOSE_MAX_S = 60.0  # and at most, even for trackers still catching up (what they lack is reported)
 SKIPPED = ("step", "epoch", "sample_ids")  # record keys that are no metric
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracked run's id as the trackers make them (MLflow: 32 hex)
@@ -77,6 +79,10 @@ class RunTracker:
         self._lanes: list[Lane] = []  # one thread per backend, from ``start``
         self._record = record or (lambda _record: None)  # BEHIND / CAUGHT_UP records, on the training thread
         self._step = 0  # the last step logged (the step of a BEHIND record)
+        timeout = section.get("close_timeout_s") if section is not None else None
+        self.close_timeout = float(timeout) if timeout is not None else CLOSE_TIMEOUT_S
+        if not 0 < self.close_timeout <= CLOSE_MAX_S:
+            raise ConfigError(f"logging.close_timeout_s must be in (0, {CLOSE_MAX_S:.0f}] seconds, not {timeout}")
 
     @property
     def active(self) -> bool:
@@ -237,10 +243,11 @@ class RunTracker:
                 return
             alive[0].join(min(left, 0.1))
 
-    def close(self, status: str, timeout: float = CLOSE_TIMEOUT_S) -> int:
+    def close(self, status: str, timeout: float | None = None) -> int:
         """End of the launch: flush and close every backend (``status``: complete, preempted, failed), waiting as
-        long as they make progress, but at most ``timeout`` without any and ``CLOSE_MAX_S`` in all; the number of
-        metric records and events not delivered (one warning if any)."""
+        long as they make progress, but at most ``timeout`` (default ``logging.close_timeout_s``) without any and
+        ``CLOSE_MAX_S`` in all; the number of metric records and events not delivered (one warning if any)."""
+        timeout = self.close_timeout if timeout is None else timeout
         self._notes()
         lanes, self._lanes = self._lanes, []
         for lane in lanes:

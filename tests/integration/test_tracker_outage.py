@@ -105,8 +105,9 @@ def test_with_the_server_back_a_resume_fills_mlflow_in_each_step_once(outage, se
 
     server.start()  # the same store: the tracked run is still there
     work = outage["run"].parent
+    # a restarted server may take long to answer its first calls on a loaded machine: the end waits for it (60 s most)
     resumed = ckpt_train(work, assets, "--step_scheduler.max_steps", str(MORE_STEPS), *ARGS, *_tracked(server.uri),
-                         nproc=2)
+                         "--logging.close_timeout_s", "60", nproc=2)
     assert "not delivered" not in resumed.output, resumed.output[-3000:]  # the replay caught up by the end
     client = MlflowClient(tracking_uri=server.uri)
     runs = client.search_runs([client.get_experiment_by_name("outage").experiment_id])

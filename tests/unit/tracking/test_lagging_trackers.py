@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking import lane as lane_module
 from automodel_ckpt.tracking import tracker as tracker_module
@@ -193,3 +194,12 @@ def test_the_report_says_how_long_tracking_was_behind(tmp_path):
     assert "tracking behind:            9.00 s" in text and "local steps abandoned:      1" in text
     (tmp_path / layout.EVENTS_LOG).write_text("".join(json.dumps(e) + "\n" for e in events))
     assert cost_report(summarize(read_events(tmp_path)))["tracking_behind_s"] == 9.0
+
+
+def test_the_end_waits_as_long_as_logging_close_timeout_s_and_refuses_a_bound_out_of_range(tmp_path):
+    section = OmegaConf.create({"tensorboard": {}, "close_timeout_s": 25})
+    assert RunTracker(section, tmp_path, enabled=False, hparams=dict).close_timeout == 25.0
+    assert RunTracker(_section(), tmp_path, enabled=False, hparams=dict).close_timeout == tracker_module.CLOSE_TIMEOUT_S
+    for bad in (0, -1, 61):
+        with pytest.raises(ConfigError, match="logging.close_timeout_s must be in"):
+            RunTracker(OmegaConf.create({"close_timeout_s": bad}), tmp_path, enabled=False, hparams=dict)
