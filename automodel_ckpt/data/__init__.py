@@ -19,6 +19,7 @@ _EXPORTS = {
     "MicroBatch": ("loader", "MicroBatch"),
     "validation_batches": ("loader", "validation_batches"),
     "build_streamed": ("stream.build", "build_streamed"),
+    "streamed_validation": ("stream.build", "streamed_validation"),
     "is_streamed": ("stream.corpus", "is_streamed"),
     # rows: tokenized supervised data and preference pairs
     "IGNORE_INDEX": ("tokenize", "IGNORE_INDEX"),

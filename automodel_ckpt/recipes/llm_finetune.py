@@ -16,7 +16,8 @@ from automodel_ckpt.ondisk import layout, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data import (IGNORE_INDEX, BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData,
-                                  build_streamed, is_streamed, prepare_data, validation_batches)
+                                  build_streamed, is_streamed, prepare_data, streamed_validation,
+                                  validation_batches)
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed
 from automodel_ckpt.distributed import data_parallel
@@ -121,8 +122,10 @@ class FinetuneRecipe(BaseRecipe):
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
         if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
             with rng_untouched():
-                self.dataloader, self.val_batches, self.data_report = build_streamed(
-                    cfg, self.tokenizer, self.dims, log_ids=cfg.training.log_sample_ids)
+                self.dataloader, self.data_report = build_streamed(cfg, self.tokenizer, self.dims,
+                                                                   log_ids=cfg.training.log_sample_ids)
+                self.val_batches, held_out = streamed_validation(cfg, self.tokenizer, self.dims)
+            self.data_report += held_out
         else:
             with rng_untouched():
                 train_data, val_data = self.build_data()

@@ -109,7 +109,7 @@ def _loader_ids(recipe: Path, assets: Path, steps: int, rank: int = 0, dp: int =
 
     cfg = load_config(str(recipe), [*KEYS, "--data.num_workers", str(workers)], RecipeConfig)
     dims = SimpleNamespace(dp_rank=rank, dp_size=dp, sum_over_dp=lambda t: t)
-    loader, _, _ = build_streamed(cfg, build_tokenizer(str(assets / "tiny_llama_base")), dims, log_ids=False)
+    loader, _ = build_streamed(cfg, build_tokenizer(str(assets / "tiny_llama_base")), dims, log_ids=False)
     ids = [int(x) for _ in range(steps) for mb in loader.next_batch()[1] for x in mb.sample_ids.tolist()]
     return ids, loader.source_tokens
 

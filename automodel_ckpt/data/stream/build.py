@@ -31,8 +31,9 @@ def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:
     return corpus
 
 
-def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) -> tuple[StreamLoader, list | None, str]:
-    """``(loader, validation micro-batches or None, report line)``: the shards listed (the corpus's identity)."""
+def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) -> tuple[StreamLoader, str]:
+    """``(loader, report line)`` of the streamed ``dataset:``: the shards listed (the corpus's identity), read in
+    lanes over the data-parallel ranks (the held-out batches: ``streamed_validation``)."""
     lanes = cfg.data.lanes
     if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
         raise ConfigError(f"data.lanes: expected a positive integer, got {lanes!r}")
@@ -44,17 +45,6 @@ def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) ->
                           local_batch_size=sched.local_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size,
                           num_workers=int(cfg.data.num_workers), allow_appended_shards=bool(cfg.data.allow_appended_shards),
                           lanes=lanes, gather=dims.sum_over_dp, log_ids=log_ids)
-    val = None
-    held_out = ""
-    if cfg.validation_dataset is not None:
-        if not is_streamed(cfg.validation_dataset):
-            raise ConfigError("validation_dataset: with a streamed dataset, the validation corpus is streamed too "
-                              "(_target_: automodel_ckpt.data.stream.corpus.streamed_corpus)")
-        rows, labels = validation_rows(streamed_corpus_of(cfg, "validation_dataset"), tokenizer, settings)
-        if len(rows):
-            val = validation_batches(rows, labels, local_batch_size=sched.local_batch_size, rank=dims.dp_rank,
-                                     world_size=dims.dp_size)
-            held_out = f"; validation {len(rows)} sequences"
     files = len({x.path for s in shards for x in s})
     units = sum(len(s) for s in shards)
     size = sum(x.size for s in shards for x in s if x.first == 0 or x.stop < 0)
@@ -62,8 +52,24 @@ def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) ->
         if len(shards) > 1 else ""
     report = (f"data: streamed corpus of {files} files ({size / 2**20:.1f} MiB){blend} -> sequences of "
               f"{settings.seq_length} tokens (documents joined by EOS), shuffle buffer "
-              f"{settings.shuffle_buffer if settings.shuffle else 'off'}; {lanes_line(loader, units)}{held_out}")
-    return loader, val, report
+              f"{settings.shuffle_buffer if settings.shuffle else 'off'}; {lanes_line(loader, units)}")
+    return loader, report
+
+
+def streamed_validation(cfg: DictConfig, tokenizer: Any, dims: Any) -> tuple[list | None, str]:
+    """``(this rank's held-out micro-batches or None, report suffix)`` of a streamed run's ``validation_dataset:``
+    (streamed too: read whole, once, in the training stream's rendering)."""
+    if cfg.validation_dataset is None:
+        return None, ""
+    if not is_streamed(cfg.validation_dataset):
+        raise ConfigError("validation_dataset: with a streamed dataset, the validation corpus is streamed too "
+                          "(_target_: automodel_ckpt.data.stream.corpus.streamed_corpus)")
+    rows, labels = validation_rows(streamed_corpus_of(cfg, "validation_dataset"), tokenizer, stream_settings(cfg))
+    if not len(rows):
+        return None, ""
+    val = validation_batches(rows, labels, local_batch_size=cfg.step_scheduler.local_batch_size, rank=dims.dp_rank,
+                             world_size=dims.dp_size)
+    return val, f"; validation {len(rows)} sequences"
 
 
 def lanes_line(loader: StreamLoader, units: int) -> str:

@@ -78,16 +78,10 @@ def first_ids(cfg: DictConfig, tokenizer: Any, *, rank: int, world_size: int, nu
         raise ConfigError(f"preview: step_scheduler.global_batch_size ({cfg.step_scheduler.global_batch_size}) is not "
                           f"a multiple of --world-size {world_size}")
     dims = SimpleNamespace(dp_rank=rank, dp_size=world_size, sum_over_dp=lambda t: t)
-    loader, _, _ = build_streamed(_no_validation(cfg), tokenizer, dims, log_ids=False)
+    loader, _ = build_streamed(cfg, tokenizer, dims, log_ids=False)
     loader.local_batch_size = loader.per_step  # one micro-batch per step: the grad-accum split does not matter here
     ids: list[int] = []
     while len(ids) < num:
         _, micro = loader.next_batch()
         ids.extend(int(x) for mb in micro for x in mb.sample_ids.tolist())
     return ids[:num]
-
-
-def _no_validation(cfg: DictConfig) -> DictConfig:
-    out = cfg.copy()
-    out.validation_dataset = None
-    return out
