@@ -77,6 +77,7 @@ class CheckpointConfig:
     staging_dir: Optional[str] = None  # object store checkpoint_dir: local folder for writes and loads (default: ~/.cache)
     model_save_format: str = layout.SAFETENSORS  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
+    incremental: bool = False  # tensors that do not train (frozen, a synced DPO reference) stored once: unchanged files hard-linked from the last checkpoint
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
     verify_on_load: bool = False  # resume also checks every file's checksum against manifest.json (sizes: always)
     on_load_error: str = "fallback"  # fallback | error: what auto-resume does when the newest checkpoint is damaged

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import as_float, bounded, catalog, detect_model_format, layout
+from automodel_ckpt.ondisk import as_float, bounded, catalog, detect_model_format, layout, shared_bytes, stored_once
 from automodel_ckpt.distributed.mesh import MeshSizes
 from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
@@ -111,17 +111,17 @@ def inspect_dir(path: Path) -> dict[str, Any]:
         for r in catalog.scan(path, include_incomplete=True)
         if only is None or r.name == only
     ]
+    totals = {"count": len(rows), "complete": sum(r["complete"] for r in rows),
+              "size_bytes": sum(r["size_bytes"] for r in rows)}
+    if any(r.get("shared_bytes") for r in rows):  # checkpoint.incremental: files shared by hard link counted once
+        totals["stored_bytes"] = stored_once([path / r["name"] for r in rows if r.get("shared_bytes") is not None])
     return {
         "checkpoint_dir": str(path),
         "pointers": {p: {"target": t, "exists": catalog.pointer_target(path, p) is not None}
                      for p, t in pointers.items()},
         "checkpoints": rows,
         "quarantined": catalog.quarantined(path) if only is None else [],
-        "totals": {
-            "count": len(rows),
-            "complete": sum(r["complete"] for r in rows),
-            "size_bytes": sum(r["size_bytes"] for r in rows),
-        },
+        "totals": totals,
     }
 
 
@@ -137,6 +137,8 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "train_loss": json_safe(as_float(meta.get("train_loss"))),
         "val_loss": json_safe(as_float(meta.get("val_loss"))),
         "size_bytes": sum(stored.values()) if stored is not None else catalog.size_on_disk(record.path),
+        # own: bytes only this checkpoint holds; shared: files it shares with another checkpoint by hard link
+        **dict(zip(("own_bytes", "shared_bytes"), shared_bytes(record.path) if stored is None else (None, None))),
         "family": model_family(record.path),
         "format": meta.get("model_save_format") or detect_model_format(layout.model_dir(record.path)),
         "mesh": _mesh(meta),
@@ -215,6 +217,11 @@ def render_table(report: dict[str, Any]) -> str:
             "yes" if r["complete"] else "no",
             ", ".join(r["pointers"]) or "-",
         ])
+    if any(r.get("shared_bytes") for r in report["checkpoints"]):  # checkpoint.incremental: own / shared bytes
+        lines[0].append("OWN / SHARED")
+        for line, r in zip(lines[1:], report["checkpoints"]):
+            line.append(f"{human_size(r['own_bytes'])} / {human_size(r['shared_bytes'])}"
+                        if r.get("shared_bytes") is not None else "-")
     if any(r.get("eval") for r in report["checkpoints"]):  # a column once some checkpoint was evaluated
         lines[0].append("EVAL")
         for line, r in zip(lines[1:], report["checkpoints"]):
@@ -233,6 +240,8 @@ def render_table(report: dict[str, Any]) -> str:
     out.append(
         f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "
         f"({totals['complete']} complete), {human_size(totals['size_bytes'])} in total"
+        + (f", {human_size(totals['stored_bytes'])} on disk (files shared by hard link stored once)"
+           if totals.get("stored_bytes") is not None and totals["stored_bytes"] < totals["size_bytes"] else "")
     )
     positioned = [r for r in report["checkpoints"] if r.get("data_position")]
     if positioned:

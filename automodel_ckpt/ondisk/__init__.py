@@ -32,10 +32,13 @@ _EXPORTS = {
     "written_by": ("metadata", "written_by"),
     "as_float": ("metadata", "as_float"),
     "run_fingerprint": ("fingerprint", "run_fingerprint"),
+    "shared_bytes": ("incremental", "shared_bytes"),  # checkpoint.incremental: own / shared bytes of a checkpoint
+    "stored_once": ("incremental", "stored_once"),
     "write_atomic": ("durable", "write_atomic"),
     "fsync_file": ("durable", "fsync_file"),
     "detect_model_format": ("formats.detect", "detect_model_format"),
     "load_pt": ("formats.safe_load", "load_pt"),
+    "read_dcp_folder": ("formats.dcp_folder", "read_dcp_folder"),
     "READ_THREADS": ("formats.fastio", "READ_THREADS"),
     # save coordination: the planner and the write results' cache (what tools/bench_scale.py simulates)
     "planning": ("formats.planning", None),
@@ -85,8 +88,10 @@ if TYPE_CHECKING:
     from automodel_ckpt.ondisk.export.plan import build_plan, consolidate, parse_cast_dtype, resolve_model_dir
     from automodel_ckpt.ondisk.export.verify import print_report, verify_export
     from automodel_ckpt.ondisk.fingerprint import run_fingerprint
+    from automodel_ckpt.ondisk.formats.dcp_folder import read_dcp_folder
     from automodel_ckpt.ondisk.formats.detect import detect_model_format
     from automodel_ckpt.ondisk.formats.fastio import READ_THREADS, WRITE_THREADS
+    from automodel_ckpt.ondisk.incremental import shared_bytes, stored_once
     from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo, WrittenBy
     from automodel_ckpt.ondisk.metadata import as_float, written_by
 

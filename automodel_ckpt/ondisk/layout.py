@@ -20,6 +20,7 @@ checkpoint_dir/
     manifest.json                    every other file's size and checksum; written last, before publish
     model/       shard-0000R-model-0000K-of-0000F.safetensors + consolidate.sh   (safetensors)
                  __R_0.distcp + .metadata                                         (torch_save)
+                 checkpoint.incremental: two files per rank, trained / stable tensors (INCREMENTAL_SHARDS)
                  .hf_metadata/  config.json, generation_config.json, tokenizer files,
                                 original_tensors.json, saved_state.json                  (HF export inputs)
                  consolidated/  model-0000K-of-0000F.safetensors, config.json, ... (HF export)
@@ -366,6 +367,14 @@ def export_rank_marker(rank: int) -> str:
 def export_rank_failure(rank: int) -> str:
     """File a consolidation rank leaves in the temporary export folder when it failed (holds the message)."""
     return f".rank-{rank:05d}.failed"
+
+
+#: ``checkpoint.incremental``: each rank's model files, the tensors that train apart from those that do not (frozen
+#: parameters, buffers), which a save hard-links from the previous checkpoint when unchanged (``ondisk.incremental``).
+#: safetensors: shard-0000R-model-00001-of-00002 (trained) and -00002-of-00002 (stable); torch_save: __R_0.distcp
+#: (trained) and __R_2.distcp (stable).
+INCREMENTAL_SHARDS = 2
+STABLE_DCP_INDEX = 2
 
 
 def dcp_rank_file(rank: int) -> str:

@@ -7,6 +7,7 @@ Format (docs/integrity.md)::
       "layout_version": 1,
       "checksum_algorithm": "xxh3_64",
       "total_bytes": 7812345,
+      "linked_bytes": 345678,      (checkpoint.incremental, when any: files hard-linked from an earlier checkpoint)
       "files": {"config.yaml": {"size": 1234, "checksum": "9f3c51e0a1b2c3d4"}, ...}
     }
 
@@ -94,14 +95,33 @@ def assign(files: dict[str, int], world_size: int) -> list[list[str]]:
 # --- writing -----------------------------------------------------------------------------------------
 
 
-def build(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str) -> dict[str, Any]:
-    return {
+def build(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str, *,
+          linked: int = 0) -> dict[str, Any]:
+    """The manifest of ``files``; ``linked``: bytes of them the save hard-linked from an earlier checkpoint instead
+    of writing (``checkpoint.incremental``), recorded as ``linked_bytes`` when there are any."""
+    table: dict[str, Any] = {
         "manifest_version": _MANIFEST_VERSION,
         "layout_version": layout.LAYOUT_VERSION,
         "checksum_algorithm": algorithm,
         "total_bytes": sum(files.values()),
-        "files": {rel: {"size": files[rel], "checksum": checksums[rel]} for rel in sorted(files)},
     }
+    if linked:
+        table["linked_bytes"] = linked
+    table["files"] = {rel: {"size": files[rel], "checksum": checksums[rel]} for rel in sorted(files)}
+    return table
+
+
+def linked_bytes(root: Path, files: dict[str, int]) -> int:
+    """Bytes of ``files`` (below ``root``) with more than one link: in a folder being sealed, the files a save took
+    from an earlier checkpoint by hard link (``incremental``) rather than wrote."""
+    total = 0
+    for rel, size in files.items():
+        try:
+            if os.stat(Path(root) / rel, follow_symlinks=False).st_nlink > 1:
+                total += size
+        except OSError:
+            continue
+    return total
 
 
 def dumps(manifest: dict[str, Any]) -> str:
@@ -170,6 +190,7 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
 
     def plan() -> str:  # rank 0 lists the folder; each rank receives its own share of it only (scattered)
         listed["files"] = list_files(staging)
+        listed["linked"] = linked_bytes(staging, listed["files"])
         listed["shares"] = assign(listed["files"], world_size)
         return default_algorithm()
 
@@ -187,7 +208,8 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     if written is not None:
         written.forget(staging)
     collective.on_main(
-        lambda: write(staging, build(staging, files, merge_checksums(parts or []), algorithm)),
+        lambda: write(staging, build(staging, files, merge_checksums(parts or []), algorithm,
+                                     linked=listed.get("linked", 0))),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
 

@@ -29,6 +29,17 @@ SIDE_FAILURE = "side_failure"  # side work that failed while training went on (a
 BEHIND, CAUGHT_UP = "tracking_behind", "tracking_caught_up"  # a tracker not waited for, and when it caught up
 
 
+def written_bytes(path: Path) -> int | None:
+    """The bytes a published checkpoint's save wrote: its manifest's total less what it hard-linked from an earlier
+    checkpoint (``checkpoint.incremental``: ``linked_bytes``); None where it linked nothing."""
+    try:
+        table = manifest.read(path) or {}
+        linked = table.get("linked_bytes")
+        return int(table["total_bytes"]) - int(linked) if linked else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def checkpoint_bytes(path: Path) -> int | None:
     """The size of a published checkpoint: its manifest's total (every rank's files), else what is on disk."""
     try:
@@ -121,6 +132,7 @@ class CheckpointCosts:
         blocked = flight.call_s + fence + extra_blocked
         self._blocked += blocked
         size = checkpoint_bytes(flight.path) if flight.path is not None and self.log.enabled else None
+        written = written_bytes(flight.path) if size else None
         writing = background_s if background_s is not None else blocked
         now = time.time()
         record = {
@@ -128,7 +140,8 @@ class CheckpointCosts:
             "name": flight.path.name if flight.path is not None else None,
             "blocked_s": round(blocked, 4), "fence_s": round(fence, 4),
             "background_s": None if background_s is None else round(background_s, 4),
-            "bytes": size, "write_gbps": round(size / writing / 1e9, 4) if size and writing > 0 else None,
+            "bytes": size, "written_bytes": size if written is None else written,
+            "write_gbps": round(size / writing / 1e9, 4) if size and writing > 0 else None,
             "wall_share": round(self._blocked / max(now - self._started, 1e-9), 6), "preemption": flight.preemption,
         }
         self._append(record)
@@ -167,6 +180,7 @@ class RunCosts:
     tracking_behind_s: float = 0.0  # while at least one tracker was behind (a failed one: to its launch's end)
     side_failures: int = 0  # side work that failed while training went on
     local_steps_abandoned: int = 0  # node-local steps given up (``local_step`` side failures that abandon one)
+    written_per_checkpoint: float | None = None  # bytes a save wrote (less than its size where it linked files)
 
     @property
     def share(self) -> float:
@@ -204,7 +218,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
     launches = interruptions = steps = checkpoints = failures = abandoned = 0
     wall = behind = blocked_sum = 0.0
     launch: _Launch | None = None
-    blocked, background, sizes = _Mean(), _Mean(), _Mean()
+    blocked, background, sizes, writes = _Mean(), _Mean(), _Mean(), _Mean()
     rates, gaps = _Sample(), _Sample()
     every: int | None = None
     last_save_step: int | None = None
@@ -230,6 +244,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
                 value = _number(record.get(key))
                 if value is not None and (key != "bytes" or value):
                     mean.add(value)
+            value = _number(record.get("written_bytes", record.get("bytes")))  # before: every byte was written
+            if value:
+                writes.add(value)
             rate = _number(record.get("write_gbps"))
             if rate:
                 rates.add(rate)
@@ -247,6 +264,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         every = int(gaps.median())
     return RunCosts(
         tracking_behind_s=behind, side_failures=failures, local_steps_abandoned=abandoned,
+        written_per_checkpoint=writes.mean(),
         launches=launches, interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=checkpoints,
         blocked_s=blocked_sum, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
         bytes_per_checkpoint=sizes.mean(), write_gbps=rates.median() if rates.count else None, every_steps=every,

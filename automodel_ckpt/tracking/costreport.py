@@ -24,7 +24,8 @@ def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, A
         "steps": costs.steps, "step_s": costs.step_s, "checkpoints": costs.checkpoints,
         "blocked_s": round(costs.blocked_s, 4), "blocked_per_checkpoint_s": costs.blocked_per_checkpoint_s,
         "background_per_checkpoint_s": costs.background_per_checkpoint_s,
-        "bytes_per_checkpoint": costs.bytes_per_checkpoint, "write_gbps": costs.write_gbps,
+        "bytes_per_checkpoint": costs.bytes_per_checkpoint, "written_per_checkpoint": costs.written_per_checkpoint,
+        "write_gbps": costs.write_gbps,
         "share_of_wall": costs.share, "every_steps": costs.every_steps,
         "mtbf_s": mtbf_s, "mtbf_source": source, "advice": None,
         "tracking_behind_s": round(costs.tracking_behind_s, 3), "side_failures": costs.side_failures,
@@ -65,11 +66,20 @@ def one_line(report: dict[str, Any]) -> str:
     if report["background_per_checkpoint_s"] is not None:
         text += f" + {report['background_per_checkpoint_s']:.2f} s in the background"
     text += f", {100 * report['share_of_wall']:.2f}% of run time"
+    text += _written(report, "; ")
     advice = report["advice"]
     if advice is not None:
         text += (f"; Young/Daly interval for {_mtbf(report)}: every {advice['interval_steps']} steps "
                  f"({_duration(advice['interval_s'])}), expected overhead {100 * advice['overhead']:.2f}%")
     return text + _side_work(report)
+
+
+def _written(report: dict[str, Any], lead: str) -> str:
+    """``; wrote 1.2 MiB per checkpoint, 14.3% of a full save`` where saves linked unchanged files, else ""."""
+    size, written = report.get("bytes_per_checkpoint"), report.get("written_per_checkpoint")
+    if not size or written is None or written >= size:
+        return ""
+    return f"{lead}wrote {human_size(int(written))} per checkpoint, {100 * written / size:.1f}% of a full save"
 
 
 def _side_work(report: dict[str, Any]) -> str:
@@ -104,6 +114,8 @@ def render(report: dict[str, Any]) -> str:
             f"size per checkpoint:        {human_size(size)}"
             + (f", written at {human_size(int(rate * 1e9))}/s" if rate else "")
             if size else "size per checkpoint:        -",
+            *([f"written per checkpoint:     {_written(report, '')[len('wrote '):]} (the rest hard-linked: "
+               "checkpoint.incremental)"] if _written(report, "") else []),
             f"run time lost:              {report['blocked_s']:.2f} s = {100 * report['share_of_wall']:.2f}% of wall time",
         ]
     lines += [

@@ -38,6 +38,11 @@ class WriteSettings:
         return self.node_local or (bool(self._cfg.is_async) and bool(self._cfg.enabled))
 
     @property
+    def incremental(self) -> bool:
+        """The model's stable tensors apart, hard-linked from the last checkpoint when unchanged (durable tier)."""
+        return not self.node_local and bool(self._cfg.incremental)
+
+    @property
     def write_threads(self) -> int | None:
         """Background writer threads per rank (None: ``overlap.default_write_threads``)."""
         return self._cfg.async_write_threads

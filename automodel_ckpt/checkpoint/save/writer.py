@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_tree
+from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.layout import render_name
 from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.ondisk.formats import sharded
@@ -60,7 +61,9 @@ class SaveWriter:
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager: sharded.HostStager | None = None
         # how a model's files are written: its shards, or a PEFT model's adapter folder (``plan.adapters``)
-        self._model_shards = sharded.ModelShards(settings.model_save_format)
+        # ``checkpoint.incremental``: stable tensors apart, hard-linked from the last checkpoint when unchanged
+        self.reuse = Reuse() if settings.incremental else None
+        self._model_shards = sharded.ModelShards(settings.model_save_format, self.reuse)
         self._adapter_folder = peft_format.AdapterFolder(env.rank, base_model_path=hf.base_model_path,
                                                          tokenizer=hf.tokenizer, peft_section=hf.peft)
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
@@ -78,6 +81,8 @@ class SaveWriter:
         clock = PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
+        if self.reuse is not None:
+            self.reuse.begin()
         name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
             self.settings.name_template, info.epoch, info.step, consumed_samples=info.extra.get("consumed_samples"),
             train_loss=info.train_loss, val_loss=info.val_loss,
@@ -190,6 +195,8 @@ class SaveWriter:
         best = collective.on_main(functools.partial(self.policy.is_new_best, self.run, staging),
                                   "comparing with the best checkpoint", rank)
         path = self.run.commit(staging, name, best=best)
+        if self.reuse is not None:  # the next save links to this one's unchanged files
+            self.reuse.published(staging, self.dir / name)
         if self.retention.prunes:
             self._prune()
         barrier()

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from automodel_ckpt.ondisk.formats import fastio, plan_results, planning
 from automodel_ckpt.ondisk.formats.fastio import session
 from automodel_ckpt.ondisk.durable import WrittenFiles
+from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck
 from automodel_ckpt.ondisk.formats.safe_load import (
     check_fits,
@@ -35,16 +36,19 @@ from automodel_ckpt.ondisk.layout import SAFETENSORS, TORCH_SAVE  # the format n
 
 
 def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None,
-            small_apart: bool = False):
+            small_apart: bool = False, incremental: Incremental | None = None):
     """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
 
     safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
     (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
     ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart`` the small items in ``__R_1.distcp``
     (``fastio.ParallelFileSystemWriter``). Each file is fsynced once, with its checksum noted in ``written``.
-    ``threads``: writer threads (default ``fastio.WRITE_THREADS``).
+    ``threads``: writer threads (default ``fastio.WRITE_THREADS``). ``incremental``: a model's stable tensors in
+    files of their own, hard-linked from the previous checkpoint when unchanged (``ondisk.incremental``).
     """
-    extra = {} if threads is None else {"threads": threads}
+    extra: dict[str, Any] = {} if threads is None else {"threads": threads}
+    if incremental is not None:
+        extra |= {"stable": incremental.stable, "reuse": incremental.reuse}
     if fmt == SAFETENSORS:
         return fastio.ParallelSafetensorsWriter(path, written=written, **extra)
     return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
@@ -101,8 +105,35 @@ def _held_by_any_rank(state: dict, process_group) -> set[str]:
     return keys.union(*every)
 
 
-def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None) -> None:
-    _save(_model_state(model), path, _writer(path, fmt, written), process_group)
+class Incremental:
+    """A model's stable tensors (those that do not train: ``stable(fqn)``) and the ``Reuse`` that writes them."""
+
+    def __init__(self, model: nn.Module, reuse: Reuse) -> None:
+        self.trained = _trained_names(model)
+        self.reuse = reuse
+
+    def stable(self, fqn: str) -> bool:
+        return fqn not in self.trained
+
+
+def _trained_names(model: nn.Module) -> frozenset[str]:
+    """The state-dict names of the parameters that train (``requires_grad``), as ``get_model_state_dict`` names
+    them (wrapper prefixes removed). A name missed here only costs a write: a file is linked only when unchanged."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # torch's helper moved: the names as they are
+        return frozenset(n for n, p in model.named_parameters() if p.requires_grad)
+    names: set[str] = set()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            names |= set(_get_fqns(model, name))
+    return frozenset(names)
+
+
+def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None,
+               reuse: Reuse | None = None) -> None:
+    incremental = Incremental(model, reuse) if reuse is not None else None
+    _save(_model_state(model), path, _writer(path, fmt, written, incremental=incremental), process_group)
 
 
 def _model_state(model: nn.Module) -> dict:
@@ -206,7 +237,8 @@ class StagedSave:
     """
 
     def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: str,
-                 written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False) -> None:
+                 written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False,
+                 incremental: Incremental | None = None) -> None:
         self.key = key
         self.state: dict | None = state
         self.stager = stager
@@ -216,6 +248,7 @@ class StagedSave:
         self.written = written
         self.threads = threads
         self.small_apart = small_apart
+        self.incremental = incremental
 
     def capture(self) -> None:
         """Copy the live tensors; afterwards the training thread may change them."""
@@ -229,7 +262,8 @@ class StagedSave:
         _save(self.staged, self.path, self._storage_writer(), process_group)
 
     def _storage_writer(self):
-        return _writer(self.path, self.fmt, self.written, threads=self.threads, small_apart=self.small_apart)
+        return _writer(self.path, self.fmt, self.written, threads=self.threads, small_apart=self.small_apart,
+                       incremental=self.incremental)
 
     def fail(self, error: BaseException, process_group) -> None:
         """This rank could not capture: take part in the write collectively, so that every rank raises ``error``."""
@@ -244,12 +278,13 @@ class StagedSave:
 
 
 def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, written: WrittenFiles | None = None,
-                *, threads: int | None = None) -> StagedSave:
+                *, threads: int | None = None, reuse: Reuse | None = None) -> StagedSave:
     """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
     change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
     buffers = {name for name, _ in model.named_buffers()}
     state = _freeze(_model_state(model), eager=lambda key: key in buffers)
-    return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads)
+    incremental = Incremental(model, reuse) if reuse is not None else None
+    return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads, incremental=incremental)
 
 
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
@@ -266,15 +301,16 @@ class ModelShards:
     """A model's files in ``fmt`` (``safetensors`` or ``torch_save``): written now, or staged for the background
     (``stager``); the counterpart of ``peft.AdapterFolder`` for a model that is not a PEFT adapter."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, reuse: Reuse | None = None) -> None:
         self.fmt = fmt
+        self.reuse = reuse  # ``checkpoint.incremental``: stable tensors apart, linked when unchanged
 
     def write_model(self, model: nn.Module, path: Path, stager: HostStager | None,
                     written: WrittenFiles | None = None, threads: int | None = None) -> StagedSave | None:
         """With a ``stager``: the model staged for a background write (``stage_model``); else written now."""
         if stager is not None:
-            return stage_model(model, path, self.fmt, stager, written, threads=threads)
-        save_model(model, path, self.fmt, written=written)
+            return stage_model(model, path, self.fmt, stager, written, threads=threads, reuse=self.reuse)
+        save_model(model, path, self.fmt, written=written, reuse=self.reuse)
         return None
 
 

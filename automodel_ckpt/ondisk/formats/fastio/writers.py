@@ -7,7 +7,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from automodel_ckpt.ondisk import durable
+from automodel_ckpt.ondisk import durable, layout
+from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
 from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy, piece_length, write_file
 from automodel_ckpt.ondisk.formats.fastio.records import note_location, torch_save_bytes, torch_save_pieces
@@ -48,11 +49,13 @@ class ParallelFileSystemWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
-                 written: durable.WrittenFiles | None = None, small_apart: bool = False) -> None:
+                 written: durable.WrittenFiles | None = None, small_apart: bool = False,
+                 stable: Callable[[str], bool] | None = None, reuse: Reuse | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.threads = default_threads(threads)
         self.written = written
         self.small_apart = small_apart
+        self.stable, self.reuse = stable, reuse  # ``checkpoint.incremental``: the stable items apart, maybe linked
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.transforms.extensions or not self.single_file_per_rank:
@@ -64,12 +67,22 @@ class ParallelFileSystemWriter(FileSystemWriter):
             small = [_small(wi) for wi in items]
             if any(small) and not all(small):
                 files = [[wi for wi, s in zip(items, small) if not s], [wi for wi, s in zip(items, small) if s]]
+        numbered = list(enumerate(files))
+        if self.stable is not None:  # the tensors that did not train: a file of their own (``ondisk.incremental``)
+            stable = [self.stable(wi.index.fqn) for wi in items]
+            if any(stable) and not all(stable):
+                numbered = [(0, [wi for wi, s in zip(items, stable) if not s]),
+                            (layout.STABLE_DCP_INDEX, [wi for wi, s in zip(items, stable) if s])]
+            elif all(stable):
+                numbered = [(layout.STABLE_DCP_INDEX, items)]
         results: list[WriteResult] = []
-        for k, file_items in enumerate(files):
-            results += self._write_file(f"{plan.storage_data.prefix}{k}{DEFAULT_SUFFIX}", file_items, planner)
+        for k, file_items in numbered:
+            reuse = self.reuse if k == layout.STABLE_DCP_INDEX and self.stable is not None else None
+            results += self._write_file(f"{plan.storage_data.prefix}{k}{DEFAULT_SUFFIX}", file_items, planner, reuse)
         return _done(results)
 
-    def _write_file(self, file_name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, file_name: str, items: list[Any], planner: SavePlanner,
+                    reuse: Reuse | None = None) -> list[WriteResult]:
         pieces: list[Any] = []
         results: list[WriteResult] = []
         offset = 0
@@ -86,7 +99,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
             info = note_location(_StorageInfo(file_name, offset, length), record)
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             offset += length
-        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
+        _write_or_link(reuse, Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
         return results
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
@@ -104,20 +117,17 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
-                 written: durable.WrittenFiles | None = None) -> None:
+                 written: durable.WrittenFiles | None = None, stable: Callable[[str], bool] | None = None,
+                 reuse: Reuse | None = None) -> None:
         super().__init__(str(path), save_distributed=True)
         self.threads = default_threads(threads)
         self.written = written
+        # ``checkpoint.incremental``: every rank writes two shards, the trained tensors' (00001-of-00002) and the
+        # stable ones' (00002-of-00002, maybe linked from the previous checkpoint); either may hold no tensor
+        self.stable, self.reuse = stable, reuse
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        from torch.distributed.checkpoint._hf_utils import (
-            CUSTOM_METADATA_KEY,
-            DCP_VERSION_KEY,
-            FORMAT_KEY,
-            FORMAT_VALUE,
-            HF_DCP_VERSION,
-            _gen_file_name,
-        )
+        from torch.distributed.checkpoint._hf_utils import _gen_file_name
 
         storage_data = plan.storage_data or {}
         if (not plan.items or "fqn_to_index_mapping" in storage_data or self.enable_consolidation
@@ -126,8 +136,27 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
         tensors = [(wi, planner.resolve_data(wi).detach()) for wi in plan.items]
         if any(t.dtype not in ST_DTYPES or t.layout != torch.strided for _, t in tensors):
             return super().write_data(plan, planner)
-        file_name = _gen_file_name(1, 1, storage_data.get("shard_index"))
-        tensors.sort(key=lambda e: (-e[1].element_size(), e[0].index.fqn))
+        shard = storage_data.get("shard_index")
+        if self.stable is None:
+            return _done(self._write_shard(_gen_file_name(1, 1, shard), tensors))
+        parts = layout.INCREMENTAL_SHARDS
+        trained = [e for e in tensors if not self.stable(e[0].index.fqn)]
+        stable = [e for e in tensors if self.stable(e[0].index.fqn)]
+        results = self._write_shard(_gen_file_name(1, parts, shard), trained)
+        return _done(results + self._write_shard(_gen_file_name(2, parts, shard), stable, self.reuse))
+
+    def _write_shard(self, file_name: str, tensors: list[tuple[Any, torch.Tensor]],
+                     reuse: Reuse | None = None) -> list[WriteResult]:
+        """One safetensors shard of ``tensors`` (write items and their data), in torch's writer's format."""
+        from torch.distributed.checkpoint._hf_utils import (
+            CUSTOM_METADATA_KEY,
+            DCP_VERSION_KEY,
+            FORMAT_KEY,
+            FORMAT_VALUE,
+            HF_DCP_VERSION,
+        )
+
+        tensors = sorted(tensors, key=lambda e: (-e[1].element_size(), e[0].index.fqn))
         header: dict[str, Any] = {"__metadata__": {
             CUSTOM_METADATA_KEY: json.dumps({wi.index.fqn: {"saved_offsets": list(wi.tensor_data.chunk.offsets)}
                                              for wi, _ in tensors}),
@@ -148,6 +177,15 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
             pieces.append(Lazy(t))
             results.append(WriteResult(index=wi.index, size_in_bytes=piece_length(pieces[-1]),
                                        storage_data=_StorageInfo(file_name, 8 + len(head) + begin, piece_length(pieces[-1]))))
-        write_file(Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
-        return _done(results)
+        _write_or_link(reuse, Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
+        return results
+
+
+def _write_or_link(reuse: Reuse | None, path: Path, pieces: list[Any], threads: int,
+                   written: durable.WrittenFiles | None) -> None:
+    """``write_file``; with ``reuse``, a hard link to the previous checkpoint's identical file instead, if any."""
+    if reuse is None:
+        write_file(path, pieces, threads, written)
+    else:
+        reuse.write(path, pieces, threads, written)
 

@@ -1,0 +1,193 @@
+"""Incremental saves: a file whose bytes equal the previous published checkpoint's is hard-linked there, not written.
+
+With ``checkpoint.incremental`` the model writers put each rank's tensors that did not train (frozen parameters,
+buffers, a preference run's reference) in a file of their own (``layout.stable_part``). Before writing that file,
+its bytes are hashed from memory (``content_key``: xxh3-128, or BLAKE2b where ``xxhash`` is missing); when the key
+and size equal those of the same file in the checkpoint this writer published last, and that file is still the very
+one it wrote (same inode, size and modification time), the new checkpoint's staging folder gets a hard link to it.
+
+Every checkpoint folder therefore still holds every file: retention and prune (a deleted checkpoint only drops a
+link), crash safety (a published folder never loses a file; a staging folder is discarded as before), ``verify``,
+consolidate, export, ``pack``, ``restore_from`` and resuming at another world size are unchanged. Where links do not
+exist or the previous file is gone (another filesystem, an object store's local mirror that was emptied) the file
+is written, so nothing depends on the link succeeding. A file stored once is damaged once: ``verify`` then names it
+in every checkpoint that holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.ondisk import paths
+
+__all__ = ["Reuse", "SaveBytes", "content_key", "shared_bytes", "stored_once"]
+
+_CHUNK = 8 << 20
+
+
+def _hasher() -> Any:
+    try:
+        import xxhash
+    except ImportError:
+        return hashlib.blake2b(digest_size=16)
+    return xxhash.xxh3_128()
+
+
+def content_key(pieces: list[Any]) -> str:
+    """A 128-bit hash of the bytes ``pieces`` make back to back (``filewrite`` pieces: bytes, memoryviews, Lazy)."""
+    h = _hasher()
+    for piece in pieces:
+        if hasattr(piece, "materialise"):
+            _, view = piece.materialise()
+        else:
+            view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+        for start in range(0, view.nbytes, _CHUNK):
+            h.update(view[start:start + _CHUNK])
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """One file of a save: where it is, its size, reuse key, manifest checksum, and the inode and mtime it had."""
+
+    path: Path
+    size: int
+    key: str
+    algorithm: str | None
+    digest: str | None
+    ino: int
+    mtime_ns: int
+
+
+@dataclass
+class SaveBytes:
+    """What the stable files of one save cost: bytes written, and bytes taken from the previous checkpoint."""
+
+    written: int = 0
+    linked: int = 0
+
+
+class Reuse:
+    """The stable files of the checkpoint this writer published last, and those of the save being made.
+
+    ``write`` writes or links one file; ``published`` makes the save's files the ones the next save compares with;
+    ``abandoned`` forgets a save that was not published. Thread-safe (background writes call ``write``).
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[str, _Kept] = {}
+        self._current: dict[str, _Kept] = {}
+        self._lock = threading.Lock()
+        self.last = SaveBytes()  # the save being made (or the last one)
+        self.total = SaveBytes()  # every save of this writer
+
+    def write(self, path: Path, pieces: list[Any], threads: int, written: Any = None) -> int:
+        """``filewrite.write_file(path, pieces, ...)``, or a hard link to the previous checkpoint's identical file."""
+        from automodel_ckpt.ondisk.formats.fastio.filewrite import piece_length, write_file
+
+        path = Path(path)
+        rel = f"{path.parent.name}/{path.name}"  # the state folder and file: the same place in every checkpoint
+        total = sum(piece_length(p) for p in pieces)
+        try:
+            key = content_key(pieces)
+        except Exception:  # noqa: BLE001 - an unusual piece: written, never linked
+            key = ""
+        with self._lock:
+            before = self._previous.get(rel)
+        if key and before is not None and before.key == key and before.size == total and _link(before, path):
+            if written is not None:
+                written.note(path, synced=True, algorithm=before.algorithm, digest=before.digest)
+            self._record(rel, replace(before, path=path), linked=total)
+            return total
+        size = write_file(path, pieces, threads, written)
+        known = written.get(path) if written is not None else None
+        st = os.stat(path)
+        self._record(rel, _Kept(path, size, key, known.algorithm if known else None, known.digest if known else None,
+                                st.st_ino, st.st_mtime_ns), written=size)
+        return size
+
+    def _record(self, rel: str, kept: _Kept, *, written: int = 0, linked: int = 0) -> None:
+        with self._lock:
+            self._current[rel] = kept
+            self.last.written += written
+            self.last.linked += linked
+            self.total.written += written
+            self.total.linked += linked
+
+    def begin(self) -> None:
+        """A new save starts: its byte counts from zero."""
+        with self._lock:
+            self._current, self.last = {}, SaveBytes()
+
+    def published(self, staging: Path, final: Path) -> None:
+        """The save written in ``staging`` is now the checkpoint ``final``: the next save compares with its files."""
+        staging, final = Path(staging), Path(final)
+        with self._lock:
+            moved = {}
+            for rel, kept in self._current.items():
+                try:
+                    inside = kept.path.relative_to(staging)
+                except ValueError:
+                    continue
+                moved[rel] = replace(kept, path=final / inside)
+            self._previous, self._current = moved, {}
+
+    def abandoned(self) -> None:
+        """The save was not published: the previous checkpoint stays the one to compare with."""
+        with self._lock:
+            self._current = {}
+
+
+def _link(before: _Kept, path: Path) -> bool:
+    """Hard-link ``before.path`` (when it is still the file recorded) at ``path``; False where that cannot be done."""
+    try:
+        st = os.stat(before.path, follow_symlinks=False)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != (before.ino, before.size, before.mtime_ns):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.link(before.path, path, follow_symlinks=False)
+        if os.stat(path, follow_symlinks=False).st_ino == before.ino:
+            return True
+        os.unlink(path)  # replaced between the check and the link: write it instead
+    except OSError:  # no hard links here (another filesystem, EPERM, EMLINK), or the file is gone
+        with contextlib.suppress(OSError):
+            if os.path.lexists(path) and os.stat(path, follow_symlinks=False).st_ino == before.ino:
+                os.unlink(path)
+    return False
+
+
+def shared_bytes(folder: Path) -> tuple[int, int]:
+    """``(own bytes, shared bytes)`` of the regular files below ``folder``: a file with more than one link is
+    shared (the same bytes another checkpoint holds, stored once)."""
+    own = shared = 0
+    folder = Path(folder)
+    for rel, size in paths.walk_regular(folder):
+        try:
+            links = os.stat(folder / rel, follow_symlinks=False).st_nlink
+        except OSError:
+            continue
+        if links > 1:
+            shared += size
+        else:
+            own += size
+    return own, shared
+
+
+def stored_once(folders: list[Path]) -> int:
+    """Bytes the regular files below ``folders`` take, each file (inode) counted once however many links it has."""
+    seen: dict[tuple[int, int], int] = {}
+    for folder in folders:
+        for rel, size in paths.walk_regular(Path(folder)):
+            try:
+                st = os.stat(Path(folder) / rel, follow_symlinks=False)
+            except OSError:
+                continue
+            seen[(st.st_dev, st.st_ino)] = size
+    return sum(seen.values())

@@ -1,0 +1,148 @@
+"""``checkpoint.incremental`` in-process: stable tensors in files of their own, hard-linked from the last checkpoint
+when unchanged; every checkpoint folder still complete, verifying and loading bit for bit.
+
+A one-rank process group and a small model whose first layer is frozen (no gradients, no optimizer state).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel_ckpt.checkpoint.checkpointer import Checkpointer, SaveInfo
+from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.distributed.env import init_distributed
+from automodel_ckpt.ondisk import layout, manifest
+from automodel_ckpt.ondisk.incremental import shared_bytes, stored_once
+from tests.unit.checkpoint import ckpt_state
+
+FORMATS = ("safetensors", "torch_save")
+
+
+@pytest.fixture(scope="module")
+def env():
+    return init_distributed()
+
+
+class Frozen(ckpt_state.State):
+    """``ckpt_state.State`` with its first layer frozen, the optimizer over the rest only."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(hidden=64, layers=3, seed=seed)
+        for p in self.model[0].parameters():
+            p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def make(env, root: Path, fmt: str, *, incremental: bool = True, keep: int | None = None,
+         is_async: bool = False) -> Checkpointer:
+    cfg = CheckpointConfig(checkpoint_dir=str(root), model_save_format=fmt, save_consolidated="false",
+                           incremental=incremental, max_recent_checkpoints=keep, is_async=is_async)
+    return Checkpointer(cfg, env, resolved_config_yaml="checkpoint: {incremental: true}\n", say=lambda _m: None)
+
+
+def info(step: int) -> SaveInfo:
+    return SaveInfo(epoch=0, step=step, train_loss=1.0, val_loss=None, is_final=False)
+
+
+def stable_files(ckpt: Path) -> list[Path]:
+    model = ckpt / layout.MODEL_DIR
+    return sorted(p for p in model.iterdir() if p.name.endswith(f"-00002-of-{layout.INCREMENTAL_SHARDS:05d}.safetensors")
+                  or p.name.endswith(f"_{layout.STABLE_DCP_INDEX}.distcp"))
+
+
+def saves(env, root: Path, fmt: str, steps: int, **kw) -> tuple[Frozen, list[Path]]:
+    state, ck, paths = Frozen(), make(env, root, fmt, **kw), []
+    for step in range(1, steps + 1):
+        state.step()
+        paths.append(ck.save(state.states(), info(step)))
+        ck.wait()
+    ck.finalize()
+    return state, paths
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unchanged_frozen_tensors_are_linked_and_every_checkpoint_loads_bit_for_bit(env, tmp_path, fmt):
+    state, paths = saves(env, tmp_path, fmt, 3)
+    first, *later = paths
+    stable = stable_files(first)
+    assert stable, sorted(p.name for p in (first / layout.MODEL_DIR).iterdir())
+    for ckpt in later:  # the same inode: stored once, every folder complete
+        assert [os.stat(p).st_ino for p in stable_files(ckpt)] == [os.stat(p).st_ino for p in stable]
+        table = manifest.read(ckpt)
+        assert table["linked_bytes"] == sum(p.stat().st_size for p in stable)
+        assert manifest.verify(ckpt).ok
+        own, shared = shared_bytes(ckpt)
+        assert shared == table["linked_bytes"]
+        assert own + shared == table["total_bytes"] + (ckpt / layout.MANIFEST_FILE).stat().st_size
+    assert "linked_bytes" not in manifest.read(first)  # the first save wrote every byte
+    assert stored_once(paths) == sum(p.stat().st_size for c in paths for p in c.rglob("*") if p.is_file()) - 2 * sum(
+        p.stat().st_size for p in stable)
+    fresh = Frozen(seed=1)
+    fresh.step()
+    make(env, tmp_path, fmt).load(fresh.states(), paths[-1])
+    for k, v in state.snapshot().items():
+        assert torch.equal(fresh.snapshot()[k], v), k
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_frozen_tensor_that_changed_is_written_again(env, tmp_path, fmt):
+    """A reference synced from the policy (or any change to a stable tensor): the file differs, so it is written."""
+    state, ck = Frozen(), make(env, tmp_path, fmt)
+    one = ck.save(state.states(), info(1))
+    with torch.no_grad():
+        state.model[0].weight.add_(1.0)
+    two = ck.save(state.states(), info(2))
+    ck.finalize()
+    assert [os.stat(p).st_ino for p in stable_files(one)] != [os.stat(p).st_ino for p in stable_files(two)]
+    assert "linked_bytes" not in manifest.read(two) and manifest.verify(two).ok
+    fresh = Frozen(seed=3)
+    make(env, tmp_path, fmt).load(fresh.states(), two)
+    assert torch.equal(fresh.model[0].weight, state.model[0].weight)
+
+
+def test_keep_last_one_leaves_only_what_the_last_checkpoint_holds(env, tmp_path):
+    _, paths = saves(env, tmp_path, "safetensors", 5, keep=1, is_async=True)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+    assert left == [paths[-1].name]
+    last = paths[-1]
+    assert all(p.stat().st_nlink == 1 for p in last.rglob("*") if p.is_file())  # nothing else holds its files
+    assert stored_once([last]) == sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
+    assert manifest.verify(last).ok and manifest.read(last)["linked_bytes"] > 0
+
+
+def test_off_by_default_one_file_per_rank(env, tmp_path):
+    _, paths = saves(env, tmp_path, "safetensors", 2, incremental=False)
+    names = sorted(p.name for p in (paths[-1] / layout.MODEL_DIR).glob("*.safetensors"))
+    assert names == [layout.model_shard_file(0, 1, 1)]
+    assert "linked_bytes" not in manifest.read(paths[-1])
+
+
+def test_a_failed_save_after_the_link_leaves_the_published_checkpoint_whole(env, tmp_path, monkeypatch):
+    """The stable file is linked, then the save fails before it is sealed: the staging folder is dropped, the
+    published checkpoint keeps every file and verifies, and the next save links from it again."""
+    from automodel_ckpt.checkpoint.save import writer
+    from automodel_ckpt.errors import CheckpointError
+
+    state, ck = Frozen(), make(env, tmp_path, "safetensors")
+    one = ck.save(state.states(), info(1))
+    linked = []
+
+    def fail(staging, *args, **kwargs):
+        linked.extend(p for p in stable_files(staging) if p.stat().st_nlink > 1)
+        raise CheckpointError("sealing failed")
+
+    monkeypatch.setattr(writer.manifest, "seal", fail)
+    with pytest.raises(CheckpointError):
+        ck.save(state.states(), info(2))
+    monkeypatch.undo()
+    assert linked  # the link was made before the failure
+    assert manifest.verify(one).ok
+    two = ck.save(state.states(), info(3))
+    ck.finalize()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(layout.STAGING_PREFIX)]  # the failed one removed
+    assert [os.stat(p).st_ino for p in stable_files(two)] == [os.stat(p).st_ino for p in stable_files(one)]
+    assert manifest.verify(two).ok
