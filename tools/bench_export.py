@@ -167,7 +167,7 @@ def quality(checkpoint: Path, work: Path, n: int) -> list[dict[str, object]]:
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     from automodel_ckpt.ondisk import consolidate, resolve_model_dir
-    from automodel_ckpt.data.builtin import heldout_examples
+    from automodel_ckpt.data import heldout_examples
 
     examples = heldout_examples(n)
     text = work / "heldout.txt"

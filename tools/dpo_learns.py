@@ -49,7 +49,7 @@ def greedy_accuracy(model_dir: Path, n: int = 400) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from automodel_ckpt.data.builtin import heldout_examples
+    from automodel_ckpt.data import heldout_examples
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

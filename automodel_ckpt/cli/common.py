@@ -44,7 +44,7 @@ def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: b
     the Hugging Face cache are said, not errors.
     """
     from automodel_ckpt.config.validate import check_inputs_exist, validate_config
-    from automodel_ckpt.data.checks import check_data_section, check_dataset_paths
+    from automodel_ckpt.data import check_data_section, check_dataset_paths
 
     validate_config(cfg, world_size)
     check_data_section(cfg)

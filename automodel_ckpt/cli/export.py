@@ -126,7 +126,7 @@ def _calibration_examples(args: argparse.Namespace, tokenizer_dir: Path) -> tupl
     if args.recipe:
         from automodel_ckpt.config.loader import load_config
         from automodel_ckpt.config.schema import RecipeConfig
-        from automodel_ckpt.data.pipeline import prepare_data
+        from automodel_ckpt.data import prepare_data
 
         prepared = prepare_data(load_config(args.recipe, [], RecipeConfig), tokenizer)
         rows = prepared.validation if prepared.validation is not None and len(prepared.validation) else prepared.train

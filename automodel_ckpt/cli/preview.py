@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.cli.common import check_recipe
-    from automodel_ckpt.data.preview import prepare_to_show, preview
+    from automodel_ckpt.data import is_streamed, prepare_to_show, preview_rows
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
 
     args = parse_args(argv)
@@ -66,28 +66,25 @@ def main(argv: list[str]) -> int:
     if cfg.model.get("embedded") and model_path and local_model_path(model_path) is None:
         ensure_embedded_base(cfg.model.embedded, model_path)
     tokenizer = build_tokenizer(cfg.tokenizer.pretrained_model_name_or_path or model_path)
-    from automodel_ckpt.data.stream.corpus import is_streamed
-
     if args.ids:
         if not is_streamed(cfg.dataset):
             from automodel_ckpt.errors import ConfigError
 
             raise ConfigError("preview --ids: the recipe's dataset is not streamed")
-        from automodel_ckpt.data.stream.preview import first_ids
+        from automodel_ckpt.data import first_ids
 
         for i in first_ids(cfg, tokenizer, rank=args.rank, world_size=args.world_size, num=args.num):
             print(i)
         return 0
     if is_streamed(cfg.dataset):  # the first packed sequences of the stream, in the run's order
-        from automodel_ckpt.data.stream.preview import preview_stream
+        from automodel_ckpt.data import preview_stream
 
         preview_stream(cfg, tokenizer, num=args.num, split=args.split)
         return 0
     if cfg.get("dpo") is not None:  # preference pairs: each pair's two responses
-        from automodel_ckpt.data.pairs import prepare_pairs
-        from automodel_ckpt.data.preview import preview_pairs
+        from automodel_ckpt.data import prepare_pairs, preview_pairs
 
         preview_pairs(prepare_pairs(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
         return 0
-    preview(prepare_to_show(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
+    preview_rows(prepare_to_show(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
     return 0

@@ -33,6 +33,13 @@ _EXPORTS = {
     "check_dataset_paths": ("checks", "check_dataset_paths"),
     "heldout_examples": ("builtin", "heldout_examples"),
     "heldout_vqa_examples": ("shapes", "heldout_vqa_examples"),
+    "addition_problems": ("builtin", "problems"),
+    # what `ckpt-train preview` shows: rows, pairs, a stream's first sequences, a rank's first ids
+    "prepare_to_show": ("preview", "prepare_to_show"),
+    "preview_rows": ("preview", "preview"),
+    "preview_pairs": ("preview", "preview_pairs"),
+    "preview_stream": ("stream.preview", "preview_stream"),
+    "first_ids": ("stream.preview", "first_ids"),
 }
 
 __all__ = sorted(_EXPORTS)

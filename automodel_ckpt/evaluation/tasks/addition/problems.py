@@ -18,9 +18,9 @@ PROBLEMS_FILE = Path(__file__).resolve().parent / "addition.jsonl"
 
 def rows() -> list[dict[str, str]]:
     """Every held-out problem as the file holds it (generated like the recipe's data)."""
-    from automodel_ckpt.data.builtin import heldout_examples, problems
+    from automodel_ckpt.data import addition_problems, heldout_examples
 
-    return [{"prompt": p, "answer": a} for p, a in heldout_examples(len(problems("heldout")))]
+    return [{"prompt": p, "answer": a} for p, a in heldout_examples(len(addition_problems("heldout")))]
 
 
 def docs(**_: Any) -> dict[str, Any]:
