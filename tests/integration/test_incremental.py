@@ -1,0 +1,135 @@
+"""``checkpoint.incremental`` end to end: the tiny VLM (recipes/tiny_vlm_sft.yaml, its vision tower frozen) on 2 processes.
+
+Four short runs, shared by the tests: 6 steps straight, a checkpoint at every step and only the last one kept; a run
+stopped and SIGKILLed while a save has linked its frozen shards but not yet published; its rerun to step 4 on 2
+processes; and that run continued to step 6 on 1 process.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.ondisk.incremental import stored_once
+from tests.integration.harness import (
+    CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, losses, start_command, stop_job,
+)
+
+VLM_RECIPE = REPO / "recipes" / "tiny_vlm_sft.yaml"
+ARGS = ("--dataset.num_samples", "160", "--data.val_size", "16", "--step_scheduler.val_every_steps", "null",
+        "--step_scheduler.global_batch_size", "8", "--step_scheduler.local_batch_size", "4",
+        "--step_scheduler.ckpt_every_steps", "1", "--checkpoint.incremental", "true",
+        "--checkpoint.max_recent_checkpoints", "1", "--checkpoint.save_consolidated", "false")  # fmt: skip
+_PARAMS = re.compile(r"Parameters: \S+ \(([\d,]+)\) trainable / \S+ \(([\d,]+)\) frozen")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("incremental")
+
+
+@pytest.fixture(scope="module")
+def vlm_base(assets: Path) -> Path:
+    from automodel_ckpt.models.tiny_vlm import ensure_tiny_vlm_base
+
+    return ensure_tiny_vlm_base(assets / "tiny_llava_base")
+
+
+@cache
+def _straight(work: Path, assets: Path) -> tuple[Path, str]:
+    result = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "straight", "--step_scheduler.max_steps",
+                        "6", nproc=2, recipe=VLM_RECIPE)
+    return work / "straight", result.output
+
+
+def _linked_in_staging(run: Path) -> bool:
+    """A save in progress has hard-linked a frozen shard from the previous checkpoint."""
+    for staging in run.glob(f"{layout.STAGING_PREFIX}*"):
+        for shard in (staging / layout.MODEL_DIR).glob("*.safetensors"):
+            try:
+                if shard.stat().st_nlink > 1:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+@cache
+def _killed(work: Path, assets: Path) -> Path:
+    """A run stopped (SIGSTOP) as soon as a save has linked its frozen shards, then SIGKILLed."""
+    run = work / "killed"
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(VLM_RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "killed",
+           "--step_scheduler.max_steps", "6"]
+    with open(work / "killed.log", "w") as out:
+        proc = start_command(cmd, cwd=work, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        while proc.poll() is None and not _linked_in_staging(run):
+            time.sleep(0.002)  # polling for the moment, not waiting for time: the job is stopped the moment it shows
+        if proc.poll() is None:
+            stop_job(proc)
+    finally:
+        kill_job(proc)
+    assert proc.returncode != 0, (work / "killed.log").read_text()[-3000:]  # killed mid-run, not finished
+    return run
+
+
+def test_saves_after_the_first_write_no_frozen_byte_and_keep_last_one_keeps_only_the_last(work, assets, vlm_base):
+    run, output = _straight(work, assets)
+    trainable, frozen = (int(n.replace(",", "")) for n in _PARAMS.search(output).groups())
+    trainable_state = trainable * 4 * 3  # float32 weights and AdamW's two moments
+    saves = [r for r in jsonl(run / layout.EVENTS_LOG) if r["event"] == "checkpoint"]
+    assert len(saves) == 6 and saves[0]["written_bytes"] == saves[0]["bytes"]
+    for save in saves[1:]:
+        # the frozen tower (and the buffers) are linked, not written: what is written is the trained state, with
+        # its files' framing (a torch.save record per optimizer tensor) and the small per-rank files
+        assert save["written_bytes"] <= save["bytes"] - frozen * 4, save
+        assert save["written_bytes"] <= 1.07 * trainable_state, (save["written_bytes"] / trainable_state, save)
+    assert f"% of a full save" in output  # the end-of-run cost line
+    left = [c.name for c in catalog.scan(run)]
+    assert left == ["epoch_0_step_6"]
+    last = run / "epoch_0_step_6"
+    assert manifest.verify(last).ok and manifest.read(last)["linked_bytes"] > frozen * 4
+    on_disk = [p for p in run.rglob("*") if p.is_file() and not p.is_symlink() and p.parent != run]
+    assert stored_once([last]) == sum(p.stat().st_size for p in on_disk)  # nothing else stored in the run folder
+    assert all(p.stat().st_nlink == 1 for p in on_disk)  # the older checkpoints' links are gone with them
+
+
+def test_a_kill_during_a_save_leaves_every_published_checkpoint_verifying_and_the_rerun_bitwise(work, assets, vlm_base):
+    straight, _ = _straight(work, assets)
+    run = _killed(work, assets)
+    published = catalog.scan(run)
+    assert published and all(manifest.verify(c.path).ok for c in published)
+    assert list(run.glob(f"{layout.STAGING_PREFIX}*"))  # the kill landed inside a save
+    result = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", "--step_scheduler.max_steps",
+                        "4", nproc=2, recipe=VLM_RECIPE)
+    assert f"Loading checkpoint from killed/{published[-1].name}" in result.output
+    got = {r["step"]: r["loss"] for r in jsonl(run / "training.jsonl")}
+    want = {r["step"]: r["loss"] for r in jsonl(straight / "training.jsonl")}
+    assert sorted(got) == [1, 2, 3, 4] and all(got[s] == want[s] for s in got)  # bit for bit
+    assert manifest.verify(run / "epoch_0_step_4").ok
+
+
+def test_resume_on_one_process_from_two(work, assets, vlm_base):
+    straight, _ = _straight(work, assets)
+    run = _killed(work, assets)
+    if not (run / "epoch_0_step_4").is_dir():
+        test_a_kill_during_a_save_leaves_every_published_checkpoint_verifying_and_the_rerun_bitwise(work, assets,
+                                                                                                    vlm_base)
+    result = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", "--step_scheduler.max_steps",
+                        "6", nproc=1, recipe=VLM_RECIPE)
+    assert "Resuming at world size 1 (checkpoint written by 2)" in result.output
+    got = {r["step"]: r["loss"] for r in jsonl(run / "training.jsonl")}
+    want = {r["step"]: r["loss"] for r in jsonl(straight / "training.jsonl")}
+    assert sorted(got) == list(range(1, 7))
+    for step in (5, 6):  # another world size sums the batch in another order: equal to rounding
+        assert got[step] == pytest.approx(want[step], abs=1e-5)
+    last = run / "epoch_0_step_6"
+    assert manifest.verify(last).ok and manifest.read(last).get("linked_bytes")  # step 6 linked step 5's shard
+    assert losses(run)
