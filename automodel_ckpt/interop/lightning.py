@@ -1,6 +1,9 @@
-"""Lightning's ``.ckpt`` file read into a ``ForeignRun``.
+"""Lightning's ``.ckpt`` file, and its distributed checkpoint folder, read into a ``ForeignRun``.
 
-It carries ``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``global_step`` and ``loops``.
+A ``.ckpt`` carries ``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``global_step`` and ``loops``. The
+folder that ``FSDPStrategy(state_dict_type="sharded")`` and ``ModelParallelStrategy`` write holds the weights
+(``model`` or ``state_dict``) and each optimizer's state (``optimizer_0``) as DCP entries (``.metadata`` +
+``*.distcp``, read by ``interop.distcp``) and everything else of the ``.ckpt`` in ``meta.pt``.
 
 Lightning records neither its batch size nor its random generators: the recipe's global batch is taken as the
 source's, and the generators start from the recipe's seed. The optimizer's slots follow the module's
@@ -16,12 +19,15 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.interop import names, schedules
+from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
 from automodel_ckpt.interop.source import ForeignRun, Schedule, count, load_pickle, refuse
 
 SUFFIX = ".ckpt"
 DCP_METADATA = ".metadata"
+META = "meta.pt"  # a distributed checkpoint's counters, loops and schedulers (lightning.fabric.utilities.load)
+MAX_META = 64 * 2**20
+MODEL_KEYS = ("model", "state_dict")  # FSDPStrategy's, ModelParallelStrategy's
 MAX_FILE = 1 << 40  # a .ckpt holds weights and moments: bounded by the disk, each tensor by its own header
 
 
@@ -34,13 +40,33 @@ def is_lightning_folder(src: Path) -> bool:
 
 
 def read_folder(src: Path) -> ForeignRun:
-    raise refuse(src, "a Lightning distributed checkpoint folder is not read here yet: consolidate it to one .ckpt "
-                      "with `python -m lightning.pytorch.utilities.consolidate_checkpoint` first")
+    """A Lightning distributed checkpoint folder, as the ``.ckpt`` it would consolidate to; one-line refusals."""
+    if not (src / META).is_file():
+        raise refuse(src, f"it has no {META}: not a Lightning distributed checkpoint")
+    ckpt = load_pickle(src / META, "Lightning's checkpoint metadata", MAX_META)
+    if not isinstance(ckpt, dict):
+        raise refuse(src / META, "not Lightning's checkpoint metadata")
+    flat = distcp.read(src)
+    tops = distcp.top_keys(flat)
+    model = [k for k in MODEL_KEYS if k in tops]
+    if len(model) != 1:
+        raise refuse(src, "it holds " + ("no" if not model else "two") + " model entries ('model' of FSDPStrategy, "
+                          "'state_dict' of ModelParallelStrategy)")
+    optimizers = sorted(k for k in tops if k.startswith("optimizer_"))
+    stray = sorted(tops - set(model) - set(optimizers))
+    if stray:
+        raise refuse(src, f"it holds '{stray[0]}', which a Lightning checkpoint does not")
+    ckpt = dict(ckpt, state_dict=distcp.weights(flat, model[0], src),
+                optimizer_states=[distcp.optimizer(flat, k, src) for k in optimizers])
+    return _read(ckpt, src, "Lightning distributed checkpoint")
 
 
 def read_file(src: Path) -> ForeignRun:
     """A Lightning ``.ckpt``; one-line refusals."""
-    ckpt = load_pickle(src, "a Lightning checkpoint", MAX_FILE)
+    return _read(load_pickle(src, "a Lightning checkpoint", MAX_FILE), src, "Lightning checkpoint")
+
+
+def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise refuse(src, "not a Lightning checkpoint (no state_dict)")
     step = count(ckpt.get("global_step"), src, "global_step")
@@ -71,7 +97,7 @@ def read_file(src: Path) -> ForeignRun:
     fit = loops.get("fit_loop") if isinstance(loops.get("fit_loop"), dict) else {}
     batches = _completed(fit.get("epoch_loop.batch_progress"), "total")
     accum = max(1, round(batches / step)) if step and batches else 1
-    return ForeignRun(kind=f"Lightning checkpoint (step {step})", weights=dict(weights), adapter=False,
+    return ForeignRun(kind=f"{kind} (step {step})", weights=dict(weights), adapter=False,
                       moments=moments, groups=groups, order=order, schedule=schedule, step=step,
                       position=lambda rows, batch: _position(step, rows, batch), global_batch=None, world_size=1,
                       rng=None, notes=[f"Lightning records no random generators' state: the recipe's seed "

@@ -97,9 +97,12 @@ class LossTrainer:
         return {h["step"]: h["loss"] for h in self.trainer.state.log_history if "loss" in h}
 
 
-def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path) -> dict[int, float]:
+def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sharded: bool = False
+                  ) -> dict[int, float]:
     """Lightning on a plain ``DataLoader(shuffle=False)``, CosineAnnealingLR per step, its checkpoint callback
-    writing ``save/six.ckpt`` after step 6; each step's loss."""
+    writing ``save/six.ckpt`` after step 6; each step's loss. ``sharded``: under ``ModelParallelStrategy`` (FSDP2 on
+    each decoder layer, on CPU with gloo), whose ``six.ckpt`` is a distributed checkpoint folder (``.metadata``,
+    ``*.distcp``, ``meta.pt``); it starts a process group, so it runs in a process of its own (``main`` below)."""
     import lightning as L
     import torch
     from transformers import default_data_collator
@@ -109,6 +112,15 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path) -> dic
             super().__init__()
             self.model = _model(assets, False)
             self.losses: dict[int, float] = {}
+
+        def configure_model(self) -> None:
+            if sharded:
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
 
         def training_step(self, batch, index):
             loss = self.model(**batch).loss
@@ -125,7 +137,31 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path) -> dic
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     every = ModelCheckpoint(dirpath=str(save), filename="six", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    strategy: object = "auto"
+    if sharded:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    # a distributed strategy's own sampler shuffles the training rows: keep the loader's order
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[every], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+                        strategy=strategy, use_distributed_sampler=False)
     trainer.fit(module, loader)
     return module.losses
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.integration.foreign_trainers lightning-sharded RECIPE ASSETS SAVE``: ``lightning_fit``
+    sharded, its losses written to ``SAVE/losses.json``."""
+    import json
+
+    kind, recipe, assets, save = argv
+    assert kind == "lightning-sharded", kind
+    losses = lightning_fit(recipe_rows(Path(recipe)), Path(assets), STEPS, Path(save), sharded=True)
+    (Path(save) / "losses.json").write_text(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

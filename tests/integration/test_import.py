@@ -68,6 +68,27 @@ def test_a_lightning_run_continues_here(tmp_path, assets):
     _assert_close(_losses(tmp_path / "run"), straight)
 
 
+def test_a_lightning_distributed_checkpoint_continues_here(tmp_path, assets):
+    """Lightning's ModelParallelStrategy (FSDP2, gloo, one CPU process) writes six.ckpt/ as a distributed
+    checkpoint folder; imported, ours continues as Lightning's uninterrupted run does."""
+    import sys
+
+    recipe = ft.write_recipe(tmp_path, assets, ft.COSINE_ANNEALING)
+    fit = run_command([sys.executable, "-m", "tests.integration.foreign_trainers", "lightning-sharded", str(recipe),
+                       str(assets), str(tmp_path)], cwd=Path(__file__).resolve().parents[2], env=env_for(assets),
+                      timeout=600)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    folder = tmp_path / "six.ckpt"
+    assert folder.is_dir() and (folder / ".metadata").is_file() and (folder / "meta.pt").is_file()
+    assert list(folder.glob("*.distcp"))
+    straight = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
+    done = _import(tmp_path, assets, folder, recipe)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Imported Lightning distributed checkpoint (step 6) as run/epoch_0_step_6" in done.stdout
+    ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "run", recipe=recipe)
+    _assert_close(_losses(tmp_path / "run"), straight)
+
+
 def test_our_run_continues_in_the_hf_trainer(tmp_path, assets):
     recipe = ft.write_recipe(tmp_path, assets, ft.HF_LINEAR)
     ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "ours", "--step_scheduler.ckpt_every_steps", "6",

@@ -1,0 +1,64 @@
+"""A DCP folder another program wrote (``.metadata`` + ``*.distcp``), read whole into this process's memory.
+
+``read_dcp_folder`` reads every entry of the folder, as saved, without a process group: tensors whole (their
+chunks, from any number of writer ranks, assembled by DCP's own load planner), other entries (an optimizer's
+``param_groups`` values) as the objects they were. The metadata is read by ``safe_load``'s restricted unpickler,
+the other entries with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), and the tensors' total size is
+bounded by the bytes the folder's data files hold before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.errors import CheckpointError, first_line
+from automodel_ckpt.ondisk import paths
+from automodel_ckpt.ondisk.formats.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+SLACK = 1 << 20  # bytes a folder's tensors may claim past its data files' size (empty tensors, headers)
+
+
+def read_dcp_folder(folder: Path) -> dict[str, Any]:
+    """``{key: tensor or object}`` of every entry of the DCP folder ``folder`` (keys as DCP flattened them:
+    ``model.layer.weight``, ``optimizer.param_groups.0.lr``); one-line ``CheckpointError`` otherwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    folder = Path(folder)
+    reader = SafeFileSystemReader(str(folder))
+    metadata = reader.read_metadata()  # restricted unpickler; entries, chunk boxes and file names checked
+    stored = 0
+    for rel in sorted({str(info.relative_path) for info in (metadata.storage_data or {}).values()}):
+        file = paths.inside(folder, rel, f"'{folder}'")
+        try:
+            stored += file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"'{file}' is missing (named by '{folder}/.metadata')") from None
+    state: dict[str, Any] = {}
+    claimed = 0
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            claimed += math.prod(md.size) * md.properties.dtype.itemsize
+        elif not isinstance(md, BytesStorageMetadata):
+            raise CheckpointError(f"'{folder}': entry {key[:200]!r} is neither a tensor nor an object")
+    if claimed > stored + SLACK:
+        raise CheckpointError(f"refusing '{folder}': its metadata claims {claimed} bytes of tensors, its data files "
+                              f"hold {stored}")
+    for key, md in metadata.state_dict_metadata.items():
+        state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype) \
+            if isinstance(md, TensorStorageMetadata) else None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's note that it loads in one process: it is meant to
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - DCP wraps a reader's failure in its own exception types
+        raise CheckpointError(f"cannot read the DCP folder '{folder}': {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+    return state
