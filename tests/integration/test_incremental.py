@@ -133,3 +133,24 @@ def test_resume_on_one_process_from_two(work, assets, vlm_base):
     last = run / "epoch_0_step_6"
     assert manifest.verify(last).ok and manifest.read(last).get("linked_bytes")  # step 6 linked step 5's shard
     assert losses(run)
+
+
+def test_a_synced_dpo_reference_is_written_once_per_sync(work, assets):
+    """recipes/tiny_llama_dpo.yaml, the reference mixed toward the policy every 3 steps, a checkpoint at every step:
+    ``ref_model``'s shard is written by the saves of steps 3 and 6 (its syncs), linked by those of steps 4 and 5."""
+    ckpt_train(work, assets, "--dataset.num_samples", "200", "--validation_dataset.num_samples", "16",
+               "--step_scheduler.global_batch_size", "8", "--step_scheduler.local_batch_size", "8",
+               "--step_scheduler.ckpt_every_steps", "1", "--step_scheduler.val_every_steps", "null",
+               "--checkpoint.save_consolidated", "false", "--dpo.sync_ref_model", "true", "--dpo.ref_model_sync_steps",
+               "3", "--step_scheduler.max_steps", "6", "--checkpoint.incremental", "true",
+               "--checkpoint.checkpoint_dir", "dpo", nproc=1, recipe=REPO / "recipes" / "tiny_llama_dpo.yaml")
+    run = work / "dpo"
+
+    def reference(step: int) -> int:
+        shard = run / f"epoch_0_step_{step}" / "ref_model" / layout.model_shard_file(0, 2, layout.INCREMENTAL_SHARDS)
+        return shard.stat().st_ino
+
+    assert reference(3) == reference(4) == reference(5) != reference(6)
+    assert not (run / "epoch_0_step_2" / "ref_model").exists()  # saved from its first sync on
+    for step in range(1, 7):
+        assert manifest.verify(run / f"epoch_0_step_{step}").ok
