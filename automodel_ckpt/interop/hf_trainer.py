@@ -1,7 +1,8 @@
 """The Hugging Face Trainer's ``checkpoint-N/`` folder, read into a ``ForeignRun`` (and its names for writing one).
 
 Read: ``model.safetensors`` (or its shards and index; ``adapter_model.safetensors`` for a PEFT run),
-``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json``, ``training_args.bin`` (as inert records) and
+``optimizer.pt`` (or, saved by FSDP with a sharded state dict, the DCP folders ``pytorch_model_fsdp_0/`` and
+``optimizer_0/``, as accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write them), ``scheduler.pt``, ``trainer_state.json``, ``training_args.bin`` (as inert records) and
 ``rng_state.pth`` / ``rng_state_R.pth``. Every file is size-bounded and every value checked before use.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.interop import names, schedules
+from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, count, load_pickle, load_record, number, plain,
                                            read_state_json, refuse, regular_files)
 from automodel_ckpt.ondisk import bounded, layout, paths
@@ -27,7 +28,8 @@ MODEL = layout.HF_SINGLE_WEIGHTS
 MODEL_INDEX = layout.HF_INDEX
 ADAPTER = layout.ADAPTER_WEIGHTS
 ADAPTER_CONFIG = layout.ADAPTER_CONFIG
-FSDP_MODEL = "pytorch_model_fsdp_0"
+FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME, model 0: {"model": state} by DCP
+FSDP_OPTIMIZER = "optimizer_0"  # accelerate's OPTIMIZER_NAME, optimizer 0: {"optimizer": state} by DCP
 MAX_LOG = 1_000_000
 
 
@@ -38,10 +40,12 @@ def is_hf_trainer(src: Path) -> bool:
 def read(src: Path) -> ForeignRun:
     """Everything of ``src`` (a ``checkpoint-N/`` folder) that an import carries; one-line refusals."""
     files = set(regular_files(src))
-    if FSDP_MODEL in {p.name for p in src.iterdir()} and MODEL not in files and ADAPTER not in files:
-        raise refuse(src, f"its model is in the Trainer's FSDP layout ({FSDP_MODEL}/); save with "
-                          "fsdp_state_dict_type FULL_STATE_DICT to import it")
-    for need in (OPTIMIZER, SCHEDULER):
+    folders = {p.name for p in src.iterdir() if p.is_dir() and not p.is_symlink()}
+    sharded = FSDP_MODEL in folders and MODEL not in files and ADAPTER not in files
+    if sharded and FSDP_OPTIMIZER not in folders:
+        raise refuse(src, f"its model is in the Trainer's FSDP layout ({FSDP_MODEL}/) but it has no "
+                          f"{FSDP_OPTIMIZER}/: a checkpoint saved with save_only_model carries no training state")
+    for need in (SCHEDULER,) if sharded else (OPTIMIZER, SCHEDULER):
         if need not in files:
             raise refuse(src, f"it has no {need}: a checkpoint saved with save_only_model carries no training state")
     state = read_state_json(src / TRAINER_STATE, "the Trainer's state")
@@ -68,10 +72,17 @@ def read(src: Path) -> ForeignRun:
                                            follow=True) if ADAPTER_CONFIG in files else None
         if not isinstance(adapter_config, dict):
             raise refuse(src, f"its adapter has no {ADAPTER_CONFIG}")
-    weights = _weights(src, files, adapter)
-    weight_bytes = sum(t.numel() * 4 for t in weights.values())
-    opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * bounded.MiB)
-    moments, groups = optimizer_slots(opt, src / OPTIMIZER)
+    if sharded:  # FSDP's state dicts name every parameter: slots are matched by name
+        weights = distcp.weights(distcp.read(src / FSDP_MODEL), "model", src / FSDP_MODEL)
+        opt = distcp.optimizer(distcp.read(src / FSDP_OPTIMIZER), "optimizer", src / FSDP_OPTIMIZER)
+        moments, groups = optimizer_slots(opt, src / FSDP_OPTIMIZER)
+        order = names.slot_order([p for g in opt["param_groups"] for p in g["params"]], src / FSDP_OPTIMIZER)
+    else:
+        weights = _weights(src, files, adapter)
+        weight_bytes = sum(t.numel() * 4 for t in weights.values())
+        opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * bounded.MiB)
+        moments, groups = optimizer_slots(opt, src / OPTIMIZER)
+        order = names.hf_trainer_order
     sched = load_pickle(src / SCHEDULER, "the scheduler's state", SMALL_PICKLE)
     if not isinstance(sched, dict) or count(sched.get("last_epoch"), src / SCHEDULER, "last_epoch") != step:
         raise refuse(src / SCHEDULER, f"its position is not the checkpoint's step {step}")
@@ -83,7 +94,7 @@ def read(src: Path) -> ForeignRun:
     global_batch = per_device * accum * world
     drop_last = bool(args.get("dataloader_drop_last"))
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
-                      groups=groups, order=names.hf_trainer_order, schedule=schedule, step=step,
+                      groups=groups, order=order, schedule=schedule, step=step,
                       position=lambda rows, _batch: _position(step, rows, per_device * world, accum, drop_last),
                       global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float,
                       adapter_config=adapter_config)

@@ -54,6 +54,38 @@ def test_an_hf_trainer_run_continues_here_on_one_and_two_processes(tmp_path, ass
         _assert_close({s: r["loss"] for s, r in records.items()}, continued)
 
 
+def _as_fsdp_layout(checkpoint: Path, out: Path) -> None:
+    """``checkpoint`` (the Trainer's checkpoint-6) as the Trainer saves it under FSDP with a sharded state dict:
+    ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` written by DCP as accelerate's ``save_fsdp_model`` and
+    ``save_fsdp_optimizer`` write them (``{"model": ...}``, ``{"optimizer": ...}``, parameters named)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from transformers import AutoModelForCausalLM, Trainer
+
+    shutil.copytree(checkpoint, out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n in decay]},
+                                   {"params": [p for n, p in named if n not in decay]}])
+    optimizer.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=out / "pytorch_model_fsdp_0", no_dist=True)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=out / "optimizer_0",
+             no_dist=True)
+    for name in ("model.safetensors", "optimizer.pt"):
+        (out / name).unlink()
+
+
+def test_an_hf_trainer_fsdp_checkpoint_continues_here(tmp_path, assets, hf_run):
+    checkpoint, recipe, continued, _ = hf_run
+    _as_fsdp_layout(checkpoint, tmp_path / "checkpoint-6")
+    done = _import(tmp_path, assets, tmp_path / "checkpoint-6", recipe)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "run", recipe=recipe)
+    _assert_close(_losses(tmp_path / "run"), continued)
+
+
 def test_a_lightning_run_continues_here(tmp_path, assets):
     recipe = ft.write_recipe(tmp_path, assets, ft.COSINE_ANNEALING)
     rows = ft.recipe_rows(recipe)
