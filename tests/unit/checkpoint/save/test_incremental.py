@@ -146,3 +146,20 @@ def test_a_failed_save_after_the_link_leaves_the_published_checkpoint_whole(env,
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(layout.STAGING_PREFIX)]  # the failed one removed
     assert [os.stat(p).st_ino for p in stable_files(two)] == [os.stat(p).st_ino for p in stable_files(one)]
     assert manifest.verify(two).ok
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_model_with_nothing_frozen_loads_from_its_empty_stable_part(env, tmp_path, fmt):
+    """Every rank writes both parts (the files every rank holds must match): a part may hold no tensor at all."""
+    state = ckpt_state.State(hidden=16)
+    state.step()
+    ck = make(env, tmp_path, fmt)
+    path = ck.save(state.states(), info(1))
+    ck.finalize()
+    if fmt == "safetensors":
+        assert (path / layout.MODEL_DIR / layout.model_shard_file(0, 2, layout.INCREMENTAL_SHARDS)).is_file()
+    fresh = ckpt_state.State(hidden=16, seed=5)
+    fresh.step()
+    make(env, tmp_path, fmt).load(fresh.states(), path)
+    for k, v in state.snapshot().items():
+        assert torch.equal(fresh.snapshot()[k], v), k
