@@ -89,7 +89,7 @@ def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
         if count(state.get("last_epoch"), src, "the scheduler's last_epoch") != step:
             raise refuse(src, f"its scheduler stepped {state.get('last_epoch')} times in {step} optimizer steps: a "
                               "schedule per epoch has no counterpart here (interval 'step' has)")
-        schedule = schedules.from_torch_state(state, None)
+        schedule = schedules.from_torch_state(state, None, opts[0]["param_groups"][0])
     else:
         schedule = Schedule("no scheduler (constant lr)", "automodel_ckpt.training.lr.constant_after_warmup",
                             {"warmup_steps": 0})

@@ -50,10 +50,13 @@ def from_hf_trainer(args: dict[str, Any], total_steps: int) -> Schedule:
                                              "constant_with_warmup do)")
 
 
-def from_torch_state(state: dict[str, Any], total_steps: int) -> Schedule:
-    """A torch scheduler from its ``state_dict`` (which holds its arguments): CosineAnnealingLR, LinearLR, StepLR."""
+def from_torch_state(state: dict[str, Any], total_steps: int, group: dict[str, Any] | None = None) -> Schedule:
+    """A torch scheduler from its ``state_dict`` (which holds its arguments): CosineAnnealingLR, LinearLR, StepLR;
+    OneCycleLR, whose lr and momentum bounds are in the optimizer's param ``group``."""
     base = state.get("base_lrs") or [0.0]
     base_lr = float(base[0]) if base and isinstance(base[0], (int, float)) else 0.0
+    if "_schedule_phases" in state and "_anneal_func_type" in state:
+        return _one_cycle(state, group or {}, base_lr)
     if {"T_max", "eta_min"} <= state.keys():
         t_max = int(state["T_max"])
         ratio = float(state["eta_min"]) / base_lr if base_lr else 0.0
@@ -68,13 +71,36 @@ def from_torch_state(state: dict[str, Any], total_steps: int) -> Schedule:
         kw = {"step_size": int(state["step_size"]), "gamma": float(state["gamma"])}
         return Schedule(f"StepLR (every {kw['step_size']} steps x {kw['gamma']:g})", f"{_LR}.step_decay", kw,
                         total_steps)
-    if "cycle_momentum" in state or "_anneal_func_type" in state:
-        return Schedule("OneCycleLR", None, why_not="OneCycleLR also cycles Adam's beta1, which no schedule here does")
     if "lr_lambdas" in state:
         return Schedule("LambdaLR", None, why_not="a LambdaLR's function is not in its checkpoint")
     keys = ", ".join(sorted(str(k) for k in state)[:8])
     return Schedule("a scheduler", None, why_not=f"its state ({keys}) is no scheduler with a counterpart here "
-                                                  "(CosineAnnealingLR, LinearLR, StepLR)")
+                                                  "(CosineAnnealingLR, LinearLR, StepLR, OneCycleLR)")
+
+
+def _one_cycle(state: dict[str, Any], group: dict[str, Any], base_lr: float) -> Schedule:
+    """OneCycleLR: its phases' ends and the lr (as factors of ``initial_lr``) and beta1 at their bounds."""
+    phases, anneal = state["_schedule_phases"], state["_anneal_func_type"]
+    try:
+        ends = [float(p["end_step"]) for p in phases]
+        lrs = [float(group[phases[0]["start_lr"]])] + [float(group[p["end_lr"]]) for p in phases]
+        momenta = [float(group[phases[0]["start_momentum"]])] + [float(group[p["end_momentum"]]) for p in phases] \
+            if state.get("cycle_momentum") else None
+    except (KeyError, TypeError, ValueError, IndexError):
+        return Schedule("OneCycleLR", None, why_not="its OneCycleLR's phases name bounds its optimizer's param "
+                                                    "group does not hold")
+    total = int(state.get("total_steps") or 0)
+    if not phases or anneal not in ("cos", "linear") or not base_lr or len(phases) > 3 or \
+            any(not math.isfinite(v) for v in ends + lrs + (momenta or [])):
+        return Schedule("OneCycleLR", None, why_not="its OneCycleLR's state is not one torch writes")
+    if momenta is not None and not state.get("use_beta1"):
+        return Schedule("OneCycleLR", None, why_not="its OneCycleLR cycles an SGD momentum, which AdamW has not")
+    kwargs: dict[str, Any] = {"ends": ends, "factors": [v / base_lr for v in lrs], "anneal": anneal}
+    if momenta is not None:
+        kwargs["momenta"] = momenta
+    cycled = f", beta1 {momenta[0]:g} to {min(momenta):g}" if momenta else ""
+    return Schedule(f"OneCycleLR ({total} steps, lr {lrs[0]:g} to {max(lrs):g}{cycled})", f"{_LR}.one_cycle", kwargs,
+                    total)
 
 
 def factor(schedule: Schedule, step: int) -> float:
@@ -82,10 +108,21 @@ def factor(schedule: Schedule, step: int) -> float:
     from automodel_ckpt.training import lr as ours
 
     fn = getattr(ours, "_" + schedule.target.rsplit(".", 1)[1] + "_factor")
-    kwargs = dict(schedule.kwargs)
-    if "total_steps" in fn.__code__.co_varnames:
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    kwargs = {k: v for k, v in schedule.kwargs.items() if k in names}
+    if "total_steps" in names:
         kwargs["total_steps"] = schedule.total_steps
     return fn(step, **kwargs)
+
+
+def beta1(schedule: Schedule, step: int) -> float | None:
+    """Adam's beta1 of ``schedule`` at ``step`` where it cycles it (OneCycleLR), else None."""
+    from automodel_ckpt.training import lr as ours
+
+    momenta = schedule.kwargs.get("momenta")
+    if momenta is None:
+        return None
+    return ours._one_cycle_value(step, ends=schedule.kwargs["ends"], values=momenta, anneal=schedule.kwargs["anneal"])
 
 
 def section_line(schedule: Schedule) -> str:
@@ -102,9 +139,14 @@ def check_recipe_schedule(schedule: Schedule, scheduler: Any, total_steps: int) 
         raise ConfigError(f"lr_scheduler: the source's {schedule.described} ends at step {schedule.total_steps}, "
                           f"the recipe's at step {total_steps}: set --step_scheduler.max_steps {schedule.total_steps}")
     lambdas = getattr(scheduler, "lr_lambdas", None)
+    cycling = getattr(scheduler, "beta1", None)
     for step in range(total_steps + 1):
-        want = factor(schedule, step)
-        got = lambdas[0](step) if lambdas else None
+        want, got = factor(schedule, step), lambdas[0](step) if lambdas else None
+        want_beta1 = beta1(schedule, step)
+        if want_beta1 is not None or cycling is not None:
+            mine = cycling(step) if cycling is not None else None
+            if mine is None or want_beta1 is None or not math.isclose(mine, want_beta1, rel_tol=1e-9):
+                got = None  # the lr may agree; beta1 does not
         if got is None or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
             shown = "none" if got is None else f"{got:.6g}"
             section = section_line(schedule)

@@ -101,3 +101,55 @@ def linear_ramp(optimizer: Optimizer, total_steps: int, start_factor: float = 1.
 def step_decay(optimizer: Optimizer, total_steps: int, step_size: int, gamma: float = 0.1) -> LambdaLR:
     """torch's ``StepLR``: the lr times ``gamma`` every ``step_size`` steps."""
     return LambdaLR(optimizer, partial(_step_decay_factor, step_size=step_size, gamma=gamma))
+
+
+def _one_cycle_value(step: int, *, ends: list[float], values: list[float], anneal: str) -> float:
+    """torch's ``OneCycleLR`` interpolation: phase ``i`` goes from ``values[i]`` to ``values[i + 1]`` until step
+    ``ends[i]``, by half a cosine (``anneal`` "cos") or a line ("linear"); the last phase goes on past its end."""
+    start = 0.0
+    for i, end in enumerate(ends):
+        if step <= end or i == len(ends) - 1:
+            pct = (step - start) / (end - start)
+            a, b = values[i], values[i + 1]
+            if anneal == "cos":
+                return b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1)
+            return (b - a) * pct + a
+        start = end
+    raise ValueError("no phases")
+
+
+def _one_cycle_factor(step: int, *, ends: list[float], factors: list[float], anneal: str) -> float:
+    return _one_cycle_value(step, ends=ends, values=factors, anneal=anneal)
+
+
+class CyclingBeta1(LambdaLR):
+    """A ``LambdaLR`` that also sets Adam's beta1 to ``beta1(step)`` at every step, as ``OneCycleLR`` with
+    ``cycle_momentum`` does; the function is not part of its state (the optimizer's groups hold beta1)."""
+
+    def __init__(self, optimizer: Optimizer, lr_lambda, beta1) -> None:
+        self.beta1 = beta1
+        super().__init__(optimizer, lr_lambda)
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        for group in self.optimizer.param_groups:
+            group["betas"] = (self.beta1(self.last_epoch), *group["betas"][1:])
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("beta1", None)
+        return state
+
+
+def one_cycle(optimizer: Optimizer, total_steps: int, ends: list[float], factors: list[float], anneal: str = "cos",
+              momenta: list[float] | None = None) -> LambdaLR:
+    """torch's ``OneCycleLR``: phases ending at steps ``ends``, the lr going through ``factors`` × the optimizer's
+    lr (its ``initial_lr``: ``max_lr / div_factor``) and, given ``momenta``, Adam's beta1 through them."""
+    if anneal not in ("cos", "linear") or len(factors) != len(ends) + 1 or \
+            (momenta is not None and len(momenta) != len(ends) + 1):
+        raise ValueError("one_cycle: anneal is cos or linear, and factors (and momenta) hold one value more than ends")
+    factor = partial(_one_cycle_factor, ends=list(ends), factors=list(factors), anneal=anneal)
+    if momenta is None:
+        return LambdaLR(optimizer, factor)
+    return CyclingBeta1(optimizer, factor, partial(_one_cycle_value, ends=list(ends), values=list(momenta),
+                                                   anneal=anneal))

@@ -42,6 +42,10 @@ checkpoint:
 """
 HF_LINEAR = "{_target_: automodel_ckpt.training.lr.linear_decay, warmup_steps: 2}"
 COSINE_ANNEALING = "{_target_: automodel_ckpt.training.lr.cosine_annealing, t_max: 10}"
+# torch's OneCycleLR(max_lr, total_steps=10): lr from max_lr / 25 up to max_lr by step 2, then down to / 1e4 by
+# step 9; beta1 from 0.95 down to 0.85 and back
+ONE_CYCLE = ("{_target_: automodel_ckpt.training.lr.one_cycle, ends: [2.0, 9.0], factors: [1.0, 25.0, 0.0001], "
+             "anneal: cos, momenta: [0.95, 0.85, 0.95]}")
 LORA = "peft: {method: lora, rank: 4, alpha: 8, dropout: 0.0, target_modules: [q_proj, v_proj]}\n"
 BATCH, STEPS, SAVED_AT = 8, 10, 6
 
@@ -100,7 +104,8 @@ class LossTrainer:
 def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sharded: bool = False
                   ) -> dict[int, float]:
     """Lightning on a plain ``DataLoader(shuffle=False)``, CosineAnnealingLR per step, its checkpoint callback
-    writing ``save/six.ckpt`` after step 6; each step's loss. ``sharded``: under ``ModelParallelStrategy`` (FSDP2 on
+    writing ``save/six.ckpt`` after step 6; each step's loss. ``sharded``: OneCycleLR (its beta1 cycled) per step,
+    under ``ModelParallelStrategy`` (FSDP2 on
     each decoder layer, on CPU with gloo), whose ``six.ckpt`` is a distributed checkpoint folder (``.metadata``,
     ``*.distcp``, ``meta.pt``); it starts a process group, so it runs in a process of its own (``main`` below)."""
     import lightning as L
@@ -129,8 +134,9 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sha
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
-                opt, T_max=STEPS), "interval": "step"}}
+            schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=STEPS) if sharded else \
+                torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     module = Module()
     loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False, collate_fn=default_data_collator)

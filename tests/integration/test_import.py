@@ -102,10 +102,11 @@ def test_a_lightning_run_continues_here(tmp_path, assets):
 
 def test_a_lightning_distributed_checkpoint_continues_here(tmp_path, assets):
     """Lightning's ModelParallelStrategy (FSDP2, gloo, one CPU process) writes six.ckpt/ as a distributed
-    checkpoint folder; imported, ours continues as Lightning's uninterrupted run does."""
+    checkpoint folder; imported, ours continues as Lightning's uninterrupted run does, OneCycleLR's lr and beta1
+    included."""
     import sys
 
-    recipe = ft.write_recipe(tmp_path, assets, ft.COSINE_ANNEALING)
+    recipe = ft.write_recipe(tmp_path, assets, ft.ONE_CYCLE)
     fit = run_command([sys.executable, "-m", "tests.integration.foreign_trainers", "lightning-sharded", str(recipe),
                        str(assets), str(tmp_path)], cwd=Path(__file__).resolve().parents[2], env=env_for(assets),
                       timeout=600)

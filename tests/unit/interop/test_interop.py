@@ -56,9 +56,48 @@ def test_torch_schedulers_from_their_state_are_ours(make):
     assert [schedules.factor(ours, s) for s in range(TOTAL)] == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"anneal_strategy": "linear", "three_phase": True, "pct_start": 0.2},
+                                    {"cycle_momentum": False, "div_factor": 10.0, "final_div_factor": 100.0}])
+def test_one_cycle_lr_continues_as_ours_lr_and_beta1(kwargs):
+    """torch's OneCycleLR and ours step side by side: the same lr and beta1 after every step, and ours read from a
+    checkpoint of torch's at step 9 goes on as torch's does."""
+    from automodel_ckpt.training.lr import one_cycle
+
+    theirs_opt = _optimizer()
+    theirs = torch.optim.lr_scheduler.OneCycleLR(theirs_opt, max_lr=1.0, total_steps=TOTAL, **kwargs)
+    schedule = schedules.from_torch_state(theirs.state_dict(), None, theirs_opt.param_groups[0])
+    assert schedule.target.endswith(".one_cycle") and schedule.total_steps == TOTAL
+    assert ("momenta" in schedule.kwargs) == kwargs.get("cycle_momentum", True)
+    ours_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=theirs.base_lrs[0])
+    ours = one_cycle(ours_opt, TOTAL, **schedule.kwargs)
+    for step in range(TOTAL + 1):
+        group, mine = theirs_opt.param_groups[0], ours_opt.param_groups[0]
+        assert mine["lr"] == pytest.approx(group["lr"], rel=1e-12), step
+        assert mine["betas"] == pytest.approx(group["betas"], rel=1e-12), step
+        assert schedules.factor(schedule, step) * theirs.base_lrs[0] == pytest.approx(group["lr"], rel=1e-12)
+        if step < TOTAL:
+            for opt, sched in ((theirs_opt, theirs), (ours_opt, ours)):
+                opt.step()
+                sched.step()
+    schedules.check_recipe_schedule(schedule, ours, TOTAL)  # the recipe's section is the source's
+    state = ours.state_dict()
+    assert "beta1" not in state and set(state) >= {"last_epoch", "base_lrs"}
+
+
+def test_a_recipe_without_one_cycle_beta1_is_refused():
+    theirs_opt = _optimizer()
+    theirs = torch.optim.lr_scheduler.OneCycleLR(theirs_opt, max_lr=1.0, total_steps=TOTAL)
+    schedule = schedules.from_torch_state(theirs.state_dict(), None, theirs_opt.param_groups[0])
+    from automodel_ckpt.training.lr import one_cycle
+
+    lr_only = one_cycle(_optimizer(), TOTAL, **{k: v for k, v in schedule.kwargs.items() if k != "momenta"})
+    with pytest.raises(ConfigError, match="write lr_scheduler: {_target_: automodel_ckpt.training.lr.one_cycle"):
+        schedules.check_recipe_schedule(schedule, lr_only, TOTAL)
+
+
 def test_a_schedule_without_a_counterpart_and_a_recipe_with_another_are_one_line():
-    one_cycle = torch.optim.lr_scheduler.OneCycleLR(_optimizer(), max_lr=1.0, total_steps=10)
-    assert schedules.from_torch_state(one_cycle.state_dict(), None).target is None
+    cyclic = torch.optim.lr_scheduler.CyclicLR(_optimizer(), base_lr=0.1, max_lr=1.0, cycle_momentum=False)
+    assert schedules.from_torch_state(cyclic.state_dict(), None).target is None
     assert schedules.from_hf_trainer({"lr_scheduler_type": "polynomial"}, 10).target is None
     linear = schedules.from_hf_trainer({"lr_scheduler_type": "linear", "warmup_steps": 2}, 10)
     from automodel_ckpt.training.lr import warmup_cosine
