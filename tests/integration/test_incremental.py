@@ -1,12 +1,14 @@
 """``checkpoint.incremental`` end to end: the tiny VLM (recipes/tiny_vlm_sft.yaml, its vision tower frozen) on 2 processes.
 
-Four short runs, shared by the tests: 6 steps straight, a checkpoint at every step and only the last one kept; a run
+Short runs, shared by the tests: 6 steps straight, a checkpoint at every step and only the last one kept; a run
 stopped and SIGKILLed while a save has linked its frozen shards but not yet published; its rerun to step 4 on 2
-processes; and that run continued to step 6 on 1 process.
+processes; and that run continued to step 6 on 1 process. Then 3 steps on S3 (SeaweedFS) in two runs, and a DPO
+run whose reference is synced every 3 steps.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -18,7 +20,7 @@ import pytest
 from automodel_ckpt.ondisk import catalog, layout, manifest
 from automodel_ckpt.ondisk.incremental import stored_once
 from tests.integration.harness import (
-    CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, losses, start_command, stop_job,
+    CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, losses, run_command, start_command, stop_job,
 )
 
 VLM_RECIPE = REPO / "recipes" / "tiny_vlm_sft.yaml"
@@ -154,3 +156,26 @@ def test_a_synced_dpo_reference_is_written_once_per_sync(work, assets):
     assert not (run / "epoch_0_step_2" / "ref_model").exists()  # saved from its first sync on
     for step in range(1, 7):
         assert manifest.verify(run / f"epoch_0_step_{step}").ok
+
+
+@pytest.mark.slow  # two launches against SeaweedFS (about a minute here): an object store takes no links at all
+def test_on_an_object_store_every_checkpoint_is_uploaded_whole_and_resumes_bitwise(work, assets, vlm_base, seaweed,
+                                                                                   tmp_path):
+    """On S3 (SeaweedFS) there are no links: each committed checkpoint holds all of its objects and verifies there;
+    a rerun from an empty staging folder resumes from the bucket and its losses are the straight run's."""
+    straight, _ = _straight(work, assets)
+    bucket = seaweed.new_bucket()
+    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for steps, stage in (("2", "stage1"), ("3", "stage2")):
+        ckpt_train(tmp_path, assets, *ARGS, "--checkpoint.checkpoint_dir", url, "--checkpoint.staging_dir",
+                   str(tmp_path / stage), "--step_scheduler.max_steps", steps, nproc=2, recipe=VLM_RECIPE, env=env)
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run", detail=False) if fs.exists(f"{p}/manifest.json")}
+    assert names == {"epoch_0_step_2", "epoch_0_step_3"}  # keep-last 1, and the checkpoint resumed from
+    for name in names:
+        table = json.loads(fs.cat(f"{bucket}/run/{name}/manifest.json"))
+        for rel, entry in table["files"].items():  # every object there, whole
+            assert fs.info(f"{bucket}/run/{name}/{rel}")["size"] == entry["size"], rel
+        done = run_command([CKPT_TRAIN, "verify", f"{url}/{name}"], env=env_for(assets, env), timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+    got = [json.loads(line)["loss"] for line in fs.cat(f"{bucket}/run/training.jsonl").decode().splitlines() if line]
+    assert got == losses(straight)[:3]  # bit for bit
