@@ -163,3 +163,30 @@ def test_a_model_with_nothing_frozen_loads_from_its_empty_stable_part(env, tmp_p
     make(env, tmp_path, fmt).load(fresh.states(), path)
     for k, v in state.snapshot().items():
         assert torch.equal(fresh.snapshot()[k], v), k
+
+
+def test_a_prune_cut_short_never_takes_a_file_a_kept_checkpoint_links(env, tmp_path):
+    """What a kill in the middle of a prune leaves: the pruned checkpoint hidden as ``.deleting-*`` with part of its
+    files removed, among them the shard it shares with the kept one. The kept checkpoint still verifies and loads
+    bit for bit, the next save links from it, and its prune removes the leftover."""
+    state, ck = Frozen(), make(env, tmp_path, "safetensors")
+    one = ck.save(state.states(), info(1))
+    state.step()
+    two = ck.save(state.states(), info(2))
+    ck.finalize()
+    hidden = tmp_path / layout.deleting_name(one.name)
+    one.rename(hidden)  # the prune's first step, then a kill part-way through removing the files
+    for shard in stable_files(hidden):
+        shard.unlink()
+    (hidden / layout.MANIFEST_FILE).unlink()
+    assert manifest.verify(two).ok and all(p.stat().st_nlink == 1 for p in stable_files(two))
+    fresh = Frozen(seed=2)
+    fresh.step()
+    make(env, tmp_path, "safetensors").load(fresh.states(), two)
+    assert all(torch.equal(fresh.snapshot()[k], v) for k, v in state.snapshot().items())
+    ck = make(env, tmp_path, "safetensors", keep=1)  # a new launch: its first save writes, its second links
+    three = ck.save(state.states(), info(3))
+    four = ck.save(state.states(), info(4))
+    ck.finalize()
+    assert not hidden.exists() and not two.exists() and not three.exists()
+    assert manifest.verify(four).ok and manifest.read(four)["linked_bytes"] > 0
