@@ -83,13 +83,16 @@ def _model(assets: Path, lora: bool):
 
 
 class LossTrainer:
-    """An HF ``Trainer`` (sequential sampler, the recipe's hyperparameters) recording each step's loss."""
+    """An HF ``Trainer`` (sequential sampler, the recipe's hyperparameters; ``accumulation`` micro-batches of
+    ``BATCH // accumulation`` rows a step) recording each step's loss."""
 
-    def __init__(self, out: Path, rows: list[dict], assets: Path, *, lora: bool = False, schedule: str = "linear"):
+    def __init__(self, out: Path, rows: list[dict], assets: Path, *, lora: bool = False, schedule: str = "linear",
+                 accumulation: int = 1):
         from transformers import Trainer, TrainingArguments, default_data_collator
 
         args = TrainingArguments(
-            output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, save_steps=SAVED_AT,
+            output_dir=str(out), per_device_train_batch_size=BATCH // accumulation,
+            gradient_accumulation_steps=accumulation, max_steps=STEPS, save_steps=SAVED_AT,
             save_strategy="steps", learning_rate=3e-3, lr_scheduler_type=schedule, warmup_steps=2, weight_decay=0.0,
             adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, train_sampling_strategy="sequential", report_to=[],
             use_cpu=True, seed=42, disable_tqdm=True, save_only_model=False)
