@@ -115,8 +115,10 @@ def _optimizer_state(run: ForeignRun, model: Any, params: dict[str, Any],
             if not math.isclose(float(g[k][0] if k == "betas" else g[k]), float(first[k][0] if k == "betas" else
                                                                                  first[k]), rel_tol=1e-9) \
                     or (k == "betas" and not math.isclose(g[k][1], first[k][1], rel_tol=1e-9)):
-                raise refuse(where, f"its parameter groups differ in {k} ({first[k]} and {g[k]}); the recipe's "
-                                    "AdamW has one group: train the source with one value for all parameters")
+                raise refuse(where, f"its parameter groups differ in {k} ({first[k]} and {g[k]}"
+                                    + (", the HF Trainer's groups with and without decay" if k == "weight_decay"
+                                       else "") + "); the recipe's AdamW has one group, one value for every "
+                                    "parameter, so it cannot continue this run as it was")
     state = {}
     for slot, (name, moments) in enumerate(zip(order, run.moments)):
         param = params[name]

@@ -179,3 +179,25 @@ def test_import_passes_every_other_argument_to_the_recipe_a_whole_section_too():
                        "false"])
     assert (args.src, args.recipe, args.out) == ("ckpt/checkpoint-6", "r.yaml", "run")
     assert args.overrides == ["--lr_scheduler", section, "--data.shuffle", "false"]
+
+
+def test_groups_that_differ_in_weight_decay_are_refused_by_name():
+    """The HF Trainer's two groups with weight_decay > 0 on the first: ours has one group, so one line says why."""
+    from automodel_ckpt.interop.apply import _optimizer_state
+    from automodel_ckpt.interop.hf_trainer import optimizer_slots
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    weight, bias = model[0].weight, model[0].bias
+    opt = torch.optim.AdamW([{"params": [weight], "weight_decay": 0.01}, {"params": [bias], "weight_decay": 0.0}])
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    moments, groups = optimizer_slots(opt.state_dict(), Path("optimizer.pt"))
+    run = type("Run", (), {"order": staticmethod(names.hf_trainer_order), "moments": moments, "groups": groups})
+    with pytest.raises(CheckpointError, match=r"differ in weight_decay \(0.01 and 0.0, the HF Trainer's groups"):
+        _optimizer_state(run, model, dict(model.named_parameters()), "checkpoint-6")
+    for g in opt.param_groups:
+        g["weight_decay"] = 0.0  # the Trainer's default: both groups alike, one group here
+    moments, groups = optimizer_slots(opt.state_dict(), Path("optimizer.pt"))
+    run.groups = groups
+    state, hyper = _optimizer_state(run, model, dict(model.named_parameters()), "checkpoint-6")
+    assert set(state) == {"0.weight", "0.bias"} and hyper["weight_decay"] == 0.0
