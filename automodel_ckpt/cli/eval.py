@@ -17,9 +17,15 @@ def build_parser() -> VerbParser:
     p.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task")
     p.add_argument("--batch-size", type=int, default=32, help="documents per batch (default 32)")
     p.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    p.add_argument("--include-path", type=Path, default=None, help="a folder of your own harness task definitions "
+                                                                   "(YAML), beside the shipped ones")
     p.add_argument("--only", default=None, help="comma-separated checkpoint names of the run folder SRC")
     p.add_argument("--log-samples", action="store_true", help="keep each document's prompt, answer and score in the "
                                                               "results file")
+    p.add_argument("--no-track", action="store_true", help="do not log the scores to the run's trackers (logging: "
+                                                           "in the checkpoint's config.yaml)")
+    p.add_argument("--track-servers", action="store_true", help="also log them to a tracking server the checkpoint's "
+                                                                "config.yaml names (an MLflow tracking_uri)")
     p.add_argument("--progress", action="store_true", help="show the harness's progress bars and messages")
     return p
 
@@ -39,13 +45,15 @@ def main(argv: list[str]) -> int:
     except ImportError:
         raise UserError("ckpt-train eval runs lm-evaluation-harness, which is not installed: pip install "
                         "'lm-eval==0.4.13' (or the package's [eval] extra)") from None
-    from automodel_ckpt.evaluation.harness import (EvalSettings, evaluate, load_model, scores, targets, task_manager,
-                                                   write_results)
+    from automodel_ckpt.evaluation.harness import (EvalSettings, evaluate, load_model, results_dir, scores, targets,
+                                                   task_manager, write_results)
+    from automodel_ckpt.evaluation.tracked import log_scores
 
-    settings = EvalSettings(tasks, args.limit, args.batch_size, args.num_fewshot)
+    include = str(args.include_path.resolve()) if args.include_path is not None else None
+    settings = EvalSettings(tasks, args.limit, args.batch_size, args.num_fewshot, include)
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     chosen = targets(args.src, only)
-    task_manager(tasks)  # an unknown task is refused before any model is read
+    task_manager(tasks, include)  # an unknown task is refused before any model is read
     summary: list[tuple[str, dict[str, dict[str, float]]]] = []
     for src in chosen:
         from lm_eval.utils import make_table
@@ -57,7 +65,11 @@ def main(argv: list[str]) -> int:
         print(f"{src}:\n{make_table(results)}", flush=True)
         for path in written:
             print(f"results: {path}", flush=True)
-        summary.append((src.name, scores(results)))
+        found = scores(results)
+        if not args.no_track:  # the points at the checkpoint's step on its run's trackers
+            for line in log_scores(results_dir(src), found, servers=args.track_servers):
+                print(line, flush=True)
+        summary.append((src.name, found))
     if len(summary) > 1:
         print(_summary_table(summary), flush=True)
     return 0

@@ -88,6 +88,7 @@ class EvaluationConfig:
     tasks: List[str] = field(default_factory=list)  # the harness's task names, e.g. [addition]
     limit: Optional[int] = None  # documents per task (None: all)
     batch_size: int = 32  # the harness's batch size
+    include_path: Optional[str] = None  # a folder of your own harness task definitions (YAML), beside the shipped ones
 
 
 @dataclass

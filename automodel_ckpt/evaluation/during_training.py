@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ class InTrainingEval:
         self.every = section.every_steps
         self.tasks = tuple(str(t) for t in section.tasks or ())
         self.limit, self.batch_size, self.is_main = section.limit, int(section.batch_size), is_main
+        include = section.get("include_path")
+        self.include_path = os.path.abspath(str(include)) if include is not None else None
         if self.every is None:
             return
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -40,7 +43,7 @@ class InTrainingEval:
         if is_main:
             from automodel_ckpt.evaluation.harness import task_manager
 
-            task_manager(self.tasks)  # an unknown task: one line now, not at the first evaluation
+            task_manager(self.tasks, self.include_path)  # an unknown task: one line now, not at the first evaluation
 
     def due(self, step: int) -> bool:
         return self.every is not None and step % self.every == 0
@@ -70,7 +73,8 @@ class InTrainingEval:
             copy = AutoModelForCausalLM.from_config(model.config)
             copy.load_state_dict(state, strict=True)
             copy.to(next(model.parameters()).device).eval()
-            settings = EvalSettings(self.tasks, limit=self.limit, batch_size=self.batch_size)
+            settings = EvalSettings(self.tasks, limit=self.limit, batch_size=self.batch_size,
+                                    include_path=self.include_path)
             results = evaluate(copy, tokenizer, settings)
         return {metric_name(task, metric): value for task, values in scores(results).items()
                 for metric, value in values.items()}

@@ -43,6 +43,7 @@ class EvalSettings:
     limit: int | None = None
     batch_size: int = 32
     num_fewshot: int | None = None
+    include_path: str | None = None  # a folder of the user's own task definitions, beside the shipped ones
 
 
 def targets(src: Path, only: list[str] | None = None) -> list[Path]:
@@ -82,16 +83,19 @@ def results_dir(src: Path) -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def task_manager(tasks: tuple[str, ...]) -> Any:
-    """The harness's task index: the shipped tasks alone when they are all asked for (no scan of the registry),
-    else the registry with them (seconds: thousands of task files). An unknown task is one line naming the ones
-    shipped. Built once per set of tasks."""
+def task_manager(tasks: tuple[str, ...], include_path: str | None = None) -> Any:
+    """The harness's task index: the shipped tasks (and those of ``include_path``, a folder of task YAML files)
+    alone when they are all asked for (no scan of the registry), else the registry with them (seconds: thousands of
+    task files). An unknown task is one line naming the ones shipped. Built once per set of tasks."""
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"include path '{include_path}' is not a folder of task definitions")
+    local = [str(TASKS_DIR), *([str(include_path)] if include_path is not None else [])]
+    manager = TaskManager(include_path=local, include_defaults=False)
     if all(t in manager.all_tasks for t in tasks):
         return manager
-    manager = TaskManager(include_path=str(TASKS_DIR))
+    manager = TaskManager(include_path=local)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         shipped = ", ".join(TaskManager(include_path=str(TASKS_DIR), include_defaults=False).all_tasks)
@@ -142,11 +146,11 @@ def evaluate(model: Any, tokenizer: Any, settings: EvalSettings, *, quiet: bool 
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    manager = task_manager(settings.tasks)
+    manager = task_manager(settings.tasks, settings.include_path)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
     try:
-        with _stderr_closed() if quiet else nullcontext():
+        with _stderr_closed() if quiet else nullcontext(), _env_report_once():
             results = simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
                                       limit=settings.limit, task_manager=manager, log_samples=log_samples)
     except Exception as exc:  # the harness's own failure (a registry task's dataset offline, ...): one line
@@ -155,6 +159,29 @@ def evaluate(model: Any, tokenizer: Any, settings: EvalSettings, *, quiet: bool 
     if results is None:
         raise UserError("lm-evaluation-harness returned no results")
     return results
+
+
+_ENV_REPORT: dict[str, Any] = {}  # the harness's environment report, gathered once per process
+
+
+@contextmanager
+def _env_report_once() -> Iterator[None]:
+    """The harness's own environment report (torch's ``collect_env``: seconds of subprocesses) gathered at the
+    first evaluation of the process and reused by the next ones (an evaluation during training, a run folder)."""
+    import lm_eval.evaluator as evaluator
+
+    gather = evaluator.add_env_info
+
+    def once(storage: dict[str, Any]) -> None:
+        if not _ENV_REPORT:
+            gather(_ENV_REPORT)
+        storage.update(_ENV_REPORT)
+
+    evaluator.add_env_info = once
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = gather
 
 
 @contextmanager

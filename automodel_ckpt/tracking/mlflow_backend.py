@@ -45,11 +45,17 @@ class MLflowBackend(Backend):
     extra = "mlflow"
     legacy_location_key = "tracking_uri"
     acknowledged = True  # each call returns once the store (a server or the SQLite file) has it
+    appends = True  # metric histories are append-only: a point at an earlier step joins the series
+
+    def remote(self, location: str) -> bool:
+        return "://" in location and not location.startswith(("file:", _SQLITE))
 
     def location(self, run_dir: Path, run_name: str) -> str:
         return str(self.section.get("tracking_uri") or default_store(run_dir))
 
     def open(self, ctx: OpenContext) -> dict[str, Any]:
+        if ctx.append:
+            return self._open_to_append(ctx)
         uri = ctx.location
         artifacts = None
         if uri.startswith(_SQLITE) and not self.section.get("tracking_uri"):
@@ -92,6 +98,25 @@ class MLflowBackend(Backend):
                                 f"values of steps after {ctx.resume_step} logged before this resume are superseded "
                                 "by the ones logged after it (keep the last value per step)")
         return {"run_id": run_id, "run_key": key} if key else {"run_id": run_id}
+
+    def _open_to_append(self, ctx: OpenContext) -> dict[str, Any]:
+        """The tracked run the checkpoint names, as it is: never created, its status and parameters untouched."""
+        uri = ctx.location
+        if uri.startswith(_SQLITE):
+            database = Path(uri[len(_SQLITE):])
+            if not database.is_file() or database.is_symlink():
+                raise OSError(f"'{database}' is not the run's MLflow store (no such regular file)")
+        elif uri.startswith("file:") or "://" not in uri:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client, self._append = MlflowClient(tracking_uri=uri), True
+        run_id = ctx.saved.get("run_id") or self._find(self.section.get("experiment") or ctx.run_name,
+                                                        ctx.saved.get("run_key"))
+        if run_id is None:
+            raise OSError(f"the store {uri} has no tracked run of this run")
+        self.run_id = self.client.get_run(run_id).info.run_id  # an MlflowException when the store lost it
+        return {"run_id": run_id}
 
     def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
         """A key tagged on the run when it is created: a checkpoint saved before the run was (a slow store, a
@@ -149,6 +174,8 @@ class MLflowBackend(Backend):
         self.client.set_tag(self.run_id, f"event.{kind}.step_{step}", text[:TAG_VALUE_MAX])
 
     def close(self, status: str) -> None:
+        if getattr(self, "_append", False):
+            return  # the run's status is its training's
         self.client.set_terminated(self.run_id, {"complete": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED"))
 
 

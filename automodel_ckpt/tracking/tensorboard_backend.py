@@ -25,6 +25,7 @@ class TensorBoardBackend(Backend):
     extra = "tensorboard"
 
     legacy_location_key = "log_dir"
+    appends = True  # a new event file without ``purge_step``: the points join the run's, nothing is dropped
 
     def location(self, run_dir: Path, run_name: str) -> str:
         return os.path.abspath(self.section.get("log_dir") or Path(run_dir) / layout.TENSORBOARD_DIR)
@@ -38,6 +39,11 @@ class TensorBoardBackend(Backend):
         log_dir = Path(ctx.location)
         if log_dir.is_symlink():
             raise OSError(f"'{log_dir}' is a symlink: event files are not written through it")
+        if ctx.append:
+            if not log_dir.is_dir():
+                raise OSError(f"'{log_dir}' holds no event files of the run")
+            self.writer = SummaryWriter(str(log_dir))
+            return {"log_dir": str(log_dir)}
         first = self.first_replay_step(ctx.confirmed_step)
         self.writer = SummaryWriter(str(log_dir), purge_step=first)
         text = yaml.safe_dump(ctx.hparams, sort_keys=False, default_flow_style=False)

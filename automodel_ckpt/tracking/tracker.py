@@ -49,8 +49,10 @@ def train_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 
 def validation_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """``validation.jsonl`` record -> ``val/<key>`` scalars (``val_loss`` -> ``val/loss``)."""
-    return {f"val/{k.removeprefix('val_')}": float(v) for k, v in record.items() if k not in SKIPPED and _number(v)}
+    """``validation.jsonl`` record -> ``val/<key>`` scalars (``val_loss`` -> ``val/loss``); an evaluation's
+    ``eval/<task>/<metric>`` keeps its name, as logged live."""
+    return {(k if k.startswith("eval/") else f"val/{k.removeprefix('val_')}"): float(v) for k, v in record.items()
+            if k not in SKIPPED and _number(v)}
 
 
 def checkpoint_metrics(record: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,40 @@
+"""A checkpoint's scores as points on its run's trackers, at the checkpoint's step: what `ckpt-train eval` logs there.
+
+The trackers are those of the checkpoint's recipe copy (``config.yaml``'s ``logging:``), the tracked runs those its
+``tracking`` state names (the run ids training saved in every checkpoint); ``automodel_ckpt.tracking.annotate``
+reopens them as they are and adds ``eval/<task>/<metric>`` at the checkpoint's step, the names an evaluation during
+training logs. Anything else (an export folder, an archive, a run without ``logging:``) logs nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.evaluation.during_training import metric_name
+from automodel_ckpt.ondisk import bounded, catalog, layout, load_pt
+
+TRACKING_STATE = "tracking"  # the recipe attribute whose state holds the tracked runs' ids (RunTracker)
+
+
+def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, servers: bool = False) -> list[str]:
+    """Log ``scores`` (``{task: {metric: value}}``) to the trackers of ``checkpoint``'s run at its step; one line
+    per tracker (where the points went, or why not); [] when ``checkpoint`` is not a checkpoint of a tracked run."""
+    checkpoint = Path(checkpoint)
+    record = next((r for r in catalog.scan(checkpoint.parent) if r.path.name == checkpoint.name), None)
+    recipe = checkpoint / layout.CONFIG_FILE
+    if record is None or record.step is None or not recipe.is_file():
+        return []
+    try:
+        config = bounded.read_yaml(recipe, "a checkpoint's recipe copy")
+    except (OSError, CheckpointError) as exc:
+        return [f"trackers: not logged (cannot read {recipe}: {exc})"]
+    section = config.get("logging") if isinstance(config, dict) else None
+    if not isinstance(section, dict):
+        return []
+    state_file = checkpoint / layout.global_state_file(TRACKING_STATE)
+    saved = load_pt(state_file) if state_file.is_file() else {}
+    from automodel_ckpt.tracking import annotate
+
+    metrics = {metric_name(task, metric): value for task, values in scores.items() for metric, value in values.items()}
+    return annotate(section, checkpoint.parent, saved, metrics, record.step, servers=servers)
