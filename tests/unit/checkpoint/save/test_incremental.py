@@ -190,3 +190,27 @@ def test_a_prune_cut_short_never_takes_a_file_a_kept_checkpoint_links(env, tmp_p
     ck.finalize()
     assert not hidden.exists() and not two.exists() and not three.exists()
     assert manifest.verify(four).ok and manifest.read(four)["linked_bytes"] > 0
+
+
+def test_inspect_shows_own_and_shared_bytes_and_the_cost_report_the_bytes_written(env, tmp_path):
+    from automodel_ckpt.cli.inspect import inspect_dir, render_table
+    from automodel_ckpt.tracking import cost_report, one_line, summarize
+
+    _, paths = saves(env, tmp_path, "safetensors", 3)
+    report = inspect_dir(tmp_path)
+    rows = {r["name"]: r for r in report["checkpoints"]}
+    for path in paths:
+        own, shared = shared_bytes(path)
+        assert (rows[path.name]["own_bytes"], rows[path.name]["shared_bytes"]) == (own, shared) and shared > 0
+    assert report["totals"]["stored_bytes"] == stored_once(paths) < report["totals"]["size_bytes"]
+    table = render_table(report)
+    assert "OWN / SHARED" in table and "on disk (files shared by hard link stored once)" in table
+    full = manifest.read(paths[0])["total_bytes"]
+    written = full - manifest.read(paths[1])["linked_bytes"]
+    records = [{"event": "start", "time": 0.0, "step": 0},
+               *({"event": "checkpoint", "time": float(i), "step": i, "blocked_s": 0.1, "bytes": full,
+                  "written_bytes": w} for i, w in ((1, full), (2, written), (3, written))),
+               {"event": "end", "time": 4.0, "step": 3, "status": "complete", "wall_s": 4.0, "blocked_s": 0.3}]
+    line = one_line(cost_report(summarize(records)))
+    share = 100 * (full + 2 * written) / 3 / full
+    assert f"per checkpoint, {share:.1f}% of a full save" in line, line
