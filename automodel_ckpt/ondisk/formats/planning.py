@@ -36,8 +36,8 @@ import math
 import pickle
 from collections import ChainMap, Counter
 from contextlib import contextmanager
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress
+from operator import attrgetter, itemgetter
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,23 +216,37 @@ class LinearSavePlanner(DefaultSavePlanner):
                 full.append(note)
             with gc_paused():
                 hints, metadata = plan_globally(full, self.flatten_state_dict)
-            entry = _CoordinatorEntry(full, metadata)
-            replies = [SavePlan([], planner_data=PlanReply(h)) for h in hints]
+                entry = _CoordinatorEntry(full, metadata)
+                replies = [SavePlan([], planner_data=PlanReply(h)) for h in hints]
         if cache_key is not None:
             _COORDINATOR_CACHE[cache_key] = entry
         self.metadata = dataclasses.replace(metadata)  # the storage writer sets storage_data on its own copy
         return replies, self.metadata
 
 
+#: new tracked objects past which ``gc_paused`` moves them to the oldest generation without a collection
+MANY_OBJECTS = 100_000
+
+
 @contextmanager
 def gc_paused():
     """No cyclic garbage collection while millions of objects that form no cycles are made (chunks, indices): each
-    full collection walks every object made so far, which makes planning superlinear (2x at 512 ranks)."""
+    collection walks every object made since the last one, and a full one every object held, which made planning
+    superlinear (at 1,024 ranks, 3.3 of the coordinator's 6.2 s were collections right after the plan).
+
+    On the way out, when more than ``MANY_OBJECTS`` were made, they are moved as they are into the oldest
+    generation (``gc.freeze`` then ``gc.unfreeze``, two list splices): no young collection walks them, nor are
+    they counted towards a full one; the global plan and metadata are long-lived anyway (cached until the layout
+    changes). Objects the process froze before are moved there with them (``gc.get_freeze_count`` would walk
+    every frozen object to tell)."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if gc.get_count()[0] > MANY_OBJECTS:
+            gc.freeze()
+            gc.unfreeze()
         if was:
             gc.enable()
 
@@ -254,7 +268,6 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
     owners = _dedup(notes)
     md: dict[str, Any] = {}
     bounds: dict[str, tuple[list, list]] = {}  # fqn -> its chunks' offsets and sizes, as plain tuples
-    shared: dict[tuple, torch.Size] = {}
     hints_of = []
     for rank, note in enumerate(notes):
         hints: list[int | None] = []
@@ -270,23 +283,23 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
                 continue
             if size is None:
                 raise AssertionError("item.tensor_data is not None")
-            tensor_md = md.get(fqn)
-            if tensor_md is None:
-                tensor_md = md[fqn] = TensorStorageMetadata(properties=note.properties[prop], size=torch.Size(size),
-                                                            chunks=[])
-            if c_off is None:
-                raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
-            hints.append(len(tensor_md.chunks))
-            sizes = shared.get(c_size)  # most chunks share their sizes: one torch.Size each
-            if sizes is None:
-                sizes = shared[c_size] = torch.Size(c_size)
-            tensor_md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(c_off), sizes=sizes))
             found = bounds.get(fqn)
             if found is None:
+                if fqn in md:  # as DCP: a tensor chunk of a name saved as bytes
+                    raise AttributeError("'BytesStorageMetadata' object has no attribute 'chunks'")
+                md[fqn] = TensorStorageMetadata(properties=note.properties[prop], size=torch.Size(size), chunks=[])
                 found = bounds[fqn] = ([], [])
+            if c_off is None:
+                raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
+            hints.append(len(found[0]))
             found[0].append(c_off)
             found[1].append(c_size)
         hints_of.append(hints)
+    shared: dict[tuple, torch.Size] = {}  # most chunks share their sizes: one torch.Size each
+    for fqn, (offs, sizes) in bounds.items():  # a tensor's chunks made together: near one another in memory
+        for c_size in set(sizes) - shared.keys():
+            shared[c_size] = torch.Size(c_size)
+        md[fqn].chunks = [ChunkStorageMetadata(torch.Size(c_off), shared[c_size]) for c_off, c_size in zip(offs, sizes)]
     metadata = Metadata(md)
     if flatten:
         metadata = dataclasses.replace(metadata, planner_data=dict(ChainMap(*[n.mappings for n in notes])))
@@ -304,29 +317,53 @@ def _dedup(notes: list[PlanNote]) -> list[list[bool]]:
     """Which rank writes each item (``dedup_save_plans``, the same choices): ``[rank][item]`` True where it does.
 
     An item several ranks hold goes to the one with the least planned so far (DCP counts a tensor item as its
-    whole tensor's bytes, anything else as 1), walking the items in the order they first appear."""
+    whole tensor's bytes, anything else as 1), walking the items in the order they first appear: rank by rank.
+    A rank's load is read only when an item it holds first appears, at that rank: then it holds what was given
+    to it before and its own items before that one, and no rank before it holds the item. So a rank's own sizes
+    are summed only up to the last item that first appears at it, and the rest is done in C (``map``,
+    ``compress``) but for the duplicates."""
     keys_of = [list(map(_KEY, note.entries)) for note in notes]
     counts = Counter(chain.from_iterable(keys_of))
-    dups = {key for key, count in counts.items() if count > 1}
-    if not dups:
+    if len(counts) == sum(map(len, keys_of)):
         return [[True] * len(keys) for keys in keys_of]
-    holders: dict[tuple, set[int]] = {key: set() for key in dups}
+    dups = set(compress(counts, map((1).__lt__, counts.values())))
+    del counts
+    places = []  # per rank: the positions of its duplicated items
+    holders: dict[tuple, set[int]] = {}
     for rank, keys in enumerate(keys_of):
-        for key in keys:
-            if key in dups:
-                holders[key].add(rank)
+        at = list(compress(range(len(keys)), map(dups.__contains__, keys)))
+        places.append(at)
+        for j in at:
+            found = holders.get(keys[j])
+            if found is None:
+                found = holders[keys[j]] = set()
+            found.add(rank)
     load = [0] * len(notes)
     writer: dict[tuple, int] = {}
-    for rank, (note, keys) in enumerate(zip(notes, keys_of)):
-        for entry, key in zip(note.entries, keys):
-            size = entry[5]
-            storage = (math.prod(size) * note.properties[entry[6]].dtype.itemsize if size is not None else 0) or 1
-            if key not in dups:
-                load[rank] += storage
-            elif key not in writer:
-                writer[key] = chosen = min(holders[key], key=load.__getitem__)
-                load[chosen] += storage
-    return [[key not in dups or writer[key] == rank for key in keys] for rank, keys in enumerate(keys_of)]
+    out = []
+    for rank, (note, keys, at) in enumerate(zip(notes, keys_of, places)):
+        counted, dup_at = 0, set(at)
+        for j in at:
+            key = keys[j]
+            if key in writer:
+                continue
+            for i in range(counted, j):  # this rank's own items up to this one
+                if i not in dup_at:
+                    load[rank] += _storage(note, note.entries[i])
+            counted = j
+            writer[key] = chosen = min(holders[key], key=load.__getitem__)
+            load[chosen] += _storage(note, note.entries[j])
+        mine = [True] * len(keys)
+        for j in at:
+            mine[j] = writer[keys[j]] == rank
+        out.append(mine)
+    return out
+
+
+def _storage(note: PlanNote, entry: tuple) -> int:
+    """What DCP's dedup counts for an item: its whole tensor's bytes, or 1."""
+    size = entry[5]
+    return (math.prod(size) * note.properties[entry[6]].dtype.itemsize if size is not None else 0) or 1
 
 
 _KEY = itemgetter(0, 2)  # an encoded item's (fqn, offset): DCP's MetadataIndex as a dedup key
@@ -352,7 +389,9 @@ def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]
             errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} chunk: {value.chunks[i]}")
         if len(value.chunks) > 1 and not _is_grid(size, offs, ends, sizes):
             irregular[key] = value
-        volume = sum(int(v) for v in np.prod(sizes, axis=1))
+        volumes = np.prod(sizes, axis=1)
+        volume = int(volumes.sum()) if float(np.abs(volumes.astype(np.float64)).sum()) < 2.0 ** 62 else \
+            sum(int(v) for v in volumes)
         if ranks > 1 and volume != math.prod(value.size):
             errors.append(f"key:{key} invalid fill tensor-volume: {math.prod(value.size)} chunks-volume: {volume}")
     if irregular:  # DCP's sweep, on the dimension with the most distinct offsets; its coverage check is above
@@ -365,18 +404,36 @@ def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]
 def _is_grid(size: Any, offs: Any, ends: Any, sizes: Any) -> bool:
     """Whether the non-empty chunks are distinct cells of one grid: along each dimension their distinct
     intervals, sorted, follow one another from 0 to the end (a partition), and no two chunks start at the same
-    offsets. Then no two overlap. Sorting in numpy; no pair of chunks compared."""
+    offsets. Then no two overlap. Sorting in numpy (1-D keys); no pair of chunks compared."""
     full = (sizes > 0).all(axis=1)
     offs, ends = offs[full], ends[full]
     if len(offs) < 2:
         return True
-    if len(np.unique(offs, axis=0)) != len(offs):
-        return False
+    starts = None  # each chunk's offsets as one number (mixed radix), where they fit
     for d in range(offs.shape[1]):
-        pairs = np.unique(np.stack([offs[:, d], ends[:, d]], axis=1), axis=0)  # sorted by start, then end
-        if pairs[0, 0] != 0 or pairs[-1, 1] != size[d] or not np.array_equal(pairs[1:, 0], pairs[:-1, 1]):
+        o, e = offs[:, d], ends[:, d]
+        if o.min() == o.max() and e.min() == e.max():  # one interval (a dimension not cut)
+            if o[0] != 0 or e[0] != size[d]:
+                return False
+            continue
+        if o.min() < 0 or e.max() > size[d]:
             return False
-    return True
+        order = np.lexsort((e, o))  # by start, then end
+        o, e = o[order], e[order]
+        distinct = np.concatenate(([True], (o[1:] != o[:-1]) | (e[1:] != e[:-1])))
+        o, e = o[distinct], e[distinct]
+        if o[0] != 0 or e[-1] != size[d] or not np.array_equal(o[1:], e[:-1]):
+            return False
+        if starts is None:
+            starts = offs[:, d].copy()
+        elif float(starts.max()) * (float(size[d]) + 1) < 2.0 ** 62:
+            starts = starts * (int(size[d]) + 1) + offs[:, d]
+        else:
+            return len(np.unique(offs, axis=0)) == len(offs)
+    if starts is None:  # every chunk the whole tensor
+        return False
+    starts.sort()
+    return not (starts[1:] == starts[:-1]).any()
 
 
 def _swept(irregular: dict[str, Any]) -> dict[str, Any]:
@@ -390,6 +447,9 @@ def _swept(irregular: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
+
+
 def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: list[ChunkStorageMetadata]) -> list:
     """DCP's ``create_read_items_for_chunk_list``, the same ``ReadItem`` objects in the same order, with the
     saved chunks overlapping each local chunk found in numpy. DCP sweeps along the tensor's longest dimension;
@@ -401,12 +461,13 @@ def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: lis
     if not local_chunks or not saved:
         return []
     dims = len(local_chunks[0].offsets)
-    if any(len(c.offsets) != dims or len(c.sizes) != dims for c in chain(local_chunks, saved)):
+    saved_offs, saved_sizes = list(map(_OFFSETS, saved)), list(map(_SIZES, saved))  # one pass each, in C
+    if {*map(len, saved_offs), *map(len, saved_sizes)} != {dims} or \
+            any(len(c.offsets) != dims or len(c.sizes) != dims for c in local_chunks):
         return create_read_items_for_chunk_list(fqn, md, local_chunks)
     n = len(saved)
-    offs = np.fromiter(chain.from_iterable(c.offsets for c in saved), dtype=np.int64, count=n * dims).reshape(n, dims)
-    ends = offs + np.fromiter(chain.from_iterable(c.sizes for c in saved), dtype=np.int64,
-                              count=n * dims).reshape(n, dims)
+    offs = np.fromiter(chain.from_iterable(saved_offs), dtype=np.int64, count=n * dims).reshape(n, dims)
+    ends = offs + np.fromiter(chain.from_iterable(saved_sizes), dtype=np.int64, count=n * dims).reshape(n, dims)
     l_offs = np.asarray([tuple(c.offsets) for c in local_chunks], dtype=np.int64).reshape(len(local_chunks), dims)
     l_ends = l_offs + np.asarray([tuple(c.sizes) for c in local_chunks], dtype=np.int64).reshape(l_offs.shape)
     sweep = int(np.argmax(np.maximum(ends.max(axis=0), l_ends.max(axis=0)))) if dims > 1 else 0
