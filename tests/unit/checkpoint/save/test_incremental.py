@@ -64,9 +64,9 @@ def saves(env, root: Path, fmt: str, steps: int, **kw) -> tuple[Frozen, list[Pat
     return state, paths
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_unchanged_frozen_tensors_are_linked_and_every_checkpoint_loads_bit_for_bit(env, tmp_path, fmt):
-    state, paths = saves(env, tmp_path, fmt, 3)
+@pytest.mark.parametrize("fmt,is_async", [("safetensors", False), ("torch_save", False), ("torch_save", True)])
+def test_unchanged_frozen_tensors_are_linked_and_every_checkpoint_loads_bit_for_bit(env, tmp_path, fmt, is_async):
+    state, paths = saves(env, tmp_path, fmt, 3, is_async=is_async)
     first, *later = paths
     stable = stable_files(first)
     assert stable, sorted(p.name for p in (first / layout.MODEL_DIR).iterdir())
@@ -214,3 +214,18 @@ def test_inspect_shows_own_and_shared_bytes_and_the_cost_report_the_bytes_writte
     line = one_line(cost_report(summarize(records)))
     share = 100 * (full + 2 * written) / 3 / full
     assert f"per checkpoint, {share:.1f}% of a full save" in line, line
+
+
+def test_a_checkpoint_written_without_the_option_resumes_with_it(env, tmp_path):
+    state, paths = saves(env, tmp_path, "safetensors", 1, incremental=False)
+    fresh = Frozen(seed=4)
+    ck = make(env, tmp_path, "safetensors")
+    ck.load(fresh.states(), paths[0])
+    assert all(torch.equal(fresh.snapshot()[k], v) for k, v in state.snapshot().items())
+    fresh.step()
+    two = ck.save(fresh.states(), info(2))
+    ck.finalize()
+    assert stable_files(two) and manifest.verify(two).ok
+    again = Frozen(seed=6)
+    make(env, tmp_path, "safetensors").load(again.states(), two)
+    assert all(torch.equal(again.snapshot()[k], v) for k, v in fresh.snapshot().items())
