@@ -20,12 +20,15 @@ def metric_name(task: str, metric: str) -> str:
 
 class InTrainingEval:
     """Every ``every_steps`` steps, the model's weights gathered whole on rank 0 (collective: every rank calls
-    ``run``), loaded into a fresh copy of the model built from its config, and scored there by the harness
-    (``automodel_ckpt.evaluation``'s ``evaluate``); the scores reach every rank. The training model, its RNG streams
-    and its data are untouched, so a run with evaluation trains exactly as one without.
+    ``run``), loaded into a fresh copy of the model built from its config (a LoRA model's adapter merged into the
+    copy's base), and scored there by the harness (``automodel_ckpt.evaluation``'s ``evaluate``); the scores reach
+    every rank. The training model, its RNG streams and its data are untouched, so a run with evaluation trains
+    exactly as one without. Pipeline stages are refused: no rank holds the whole model, and gathering it would
+    cross the stages.
     """
 
-    def __init__(self, section: Any, *, is_main: bool, pp_size: int, peft: bool) -> None:
+    def __init__(self, section: Any, *, is_main: bool, pp_size: int, peft: bool = False) -> None:
+        # ``peft``: a LoRA run, scored with its adapter merged into the copy (``scoring_copy``)
         self.every = section.every_steps
         self.tasks = tuple(str(t) for t in section.tasks or ())
         self.limit, self.batch_size, self.is_main = section.limit, int(section.batch_size), is_main
@@ -37,9 +40,10 @@ class InTrainingEval:
             raise ConfigError(f"evaluation.every_steps: expected a positive integer, got {self.every!r}")
         if not self.tasks:
             raise ConfigError("evaluation.tasks: name at least one task (e.g. [addition]) with evaluation.every_steps")
-        if pp_size > 1 or peft:
-            raise ConfigError("evaluation.every_steps: evaluation during training needs a whole model without LoRA "
-                              "(distributed.pp_size 1, no peft:); evaluate the checkpoints with ckpt-train eval")
+        if pp_size > 1:
+            raise ConfigError("evaluation.every_steps: evaluation during training needs the whole model on one rank, "
+                              "and each pipeline stage holds only its layers (distributed.pp_size > 1); evaluate the "
+                              "checkpoints with ckpt-train eval")
         if is_main:
             from automodel_ckpt.evaluation.harness import task_manager
 
@@ -65,16 +69,33 @@ class InTrainingEval:
         return found[0]
 
     def _score(self, model: nn.Module, state: dict[str, torch.Tensor], tokenizer: Any) -> dict[str, float]:
-        from transformers import AutoModelForCausalLM
-
         from automodel_ckpt.evaluation.harness import EvalSettings, evaluate, scores
 
-        with rng_untouched():  # the harness seeds the generators: the training stream is left as it was
-            copy = AutoModelForCausalLM.from_config(model.config)
-            copy.load_state_dict(state, strict=True)
+        with rng_untouched():  # the harness seeds the generators (and a LoRA copy draws its init): left as they were
+            copy = scoring_copy(model, state)
             copy.to(next(model.parameters()).device).eval()
             settings = EvalSettings(self.tasks, limit=self.limit, batch_size=self.batch_size,
                                     include_path=self.include_path)
             results = evaluate(copy, tokenizer, settings)
         return {metric_name(task, metric): value for task, values in scores(results).items()
                 for metric, value in values.items()}
+
+
+def scoring_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain transformers model holding ``state`` (``model``'s whole state dict): built from ``model``'s config;
+    for a PEFT model, the same adapters on a fresh base, loaded, then merged into it (``merge_and_unload``)."""
+    import copy as copying
+
+    from transformers import AutoModelForCausalLM
+
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        built = AutoModelForCausalLM.from_config(model.config)
+        built.load_state_dict(state, strict=True)
+        return built
+    from peft import get_peft_model
+
+    built = AutoModelForCausalLM.from_config(model.get_base_model().config)
+    built = get_peft_model(built, copying.deepcopy(peft_config["default"]))
+    built.load_state_dict(state, strict=True)
+    return built.merge_and_unload()
