@@ -114,7 +114,8 @@ def render(report: dict[str, Any]) -> str:
             f"size per checkpoint:        {human_size(size)}"
             + (f", written at {human_size(int(rate * 1e9))}/s" if rate else "")
             if size else "size per checkpoint:        -",
-            *([f"written per checkpoint:     {_written(report, '')[len('wrote '):]} (the rest hard-linked: "
+            *([f"written per checkpoint:     {human_size(int(report['written_per_checkpoint']))} = "
+               f"{100 * report['written_per_checkpoint'] / size:.1f}% of a full save (the rest hard-linked: "
                "checkpoint.incremental)"] if _written(report, "") else []),
             f"run time lost:              {report['blocked_s']:.2f} s = {100 * report['share_of_wall']:.2f}% of wall time",
         ]

@@ -194,7 +194,7 @@ def test_a_prune_cut_short_never_takes_a_file_a_kept_checkpoint_links(env, tmp_p
 
 def test_inspect_shows_own_and_shared_bytes_and_the_cost_report_the_bytes_written(env, tmp_path):
     from automodel_ckpt.cli.inspect import inspect_dir, render_table
-    from automodel_ckpt.tracking import cost_report, one_line, summarize
+    from automodel_ckpt.tracking import cost_report, one_line, render_cost, summarize
 
     _, paths = saves(env, tmp_path, "safetensors", 3)
     report = inspect_dir(tmp_path)
@@ -211,9 +211,10 @@ def test_inspect_shows_own_and_shared_bytes_and_the_cost_report_the_bytes_writte
                *({"event": "checkpoint", "time": float(i), "step": i, "blocked_s": 0.1, "bytes": full,
                   "written_bytes": w} for i, w in ((1, full), (2, written), (3, written))),
                {"event": "end", "time": 4.0, "step": 3, "status": "complete", "wall_s": 4.0, "blocked_s": 0.3}]
-    line = one_line(cost_report(summarize(records)))
+    report = cost_report(summarize(records))
     share = 100 * (full + 2 * written) / 3 / full
-    assert f"per checkpoint, {share:.1f}% of a full save" in line, line
+    assert f"per checkpoint, {share:.1f}% of a full save" in one_line(report), one_line(report)
+    assert f"= {share:.1f}% of a full save (the rest hard-linked" in render_cost(report)
 
 
 def test_a_checkpoint_written_without_the_option_resumes_with_it(env, tmp_path):
