@@ -24,8 +24,8 @@ def build_parser() -> VerbParser:
                                                               "results file")
     p.add_argument("--no-track", action="store_true", help="do not log the scores to the run's trackers (logging: "
                                                            "in the checkpoint's config.yaml)")
-    p.add_argument("--track-servers", action="store_true", help="also log them to a tracking server the checkpoint's "
-                                                                "config.yaml names (an MLflow tracking_uri)")
+    p.add_argument("--track-outside-run", action="store_true", help="also log them to trackers the checkpoint's "
+                   "config.yaml places outside the run folder (a log_dir elsewhere, an MLflow tracking_uri)")
     p.add_argument("--progress", action="store_true", help="show the harness's progress bars and messages")
     return p
 
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
             print(f"results: {path}", flush=True)
         found = scores(results)
         if not args.no_track:  # the points at the checkpoint's step on its run's trackers
-            for line in log_scores(results_dir(src), found, servers=args.track_servers):
+            for line in log_scores(results_dir(src), found, outside=args.track_outside_run):
                 print(line, flush=True)
         summary.append((src.name, found))
     if len(summary) > 1:

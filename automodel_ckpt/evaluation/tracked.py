@@ -17,7 +17,7 @@ from automodel_ckpt.ondisk import bounded, catalog, layout, load_pt
 TRACKING_STATE = "tracking"  # the recipe attribute whose state holds the tracked runs' ids (RunTracker)
 
 
-def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, servers: bool = False) -> list[str]:
+def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, outside: bool = False) -> list[str]:
     """Log ``scores`` (``{task: {metric: value}}``) to the trackers of ``checkpoint``'s run at its step; one line
     per tracker (where the points went, or why not); [] when ``checkpoint`` is not a checkpoint of a tracked run."""
     checkpoint = Path(checkpoint)
@@ -37,4 +37,4 @@ def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, servers
     from automodel_ckpt.tracking import annotate
 
     metrics = {metric_name(task, metric): value for task, values in scores.items() for metric, value in values.items()}
-    return annotate(section, checkpoint.parent, saved, metrics, record.step, servers=servers)
+    return annotate(section, checkpoint.parent, saved, metrics, record.step, outside=outside)

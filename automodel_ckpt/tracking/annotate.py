@@ -4,14 +4,17 @@ A checkpoint names its run's trackers (its ``config.yaml``'s ``logging:``) and t
 ``tracking`` state: each backend's run id and where it wrote). ``annotate`` reopens those same runs as they are and
 adds the given metrics at the given step: no run is created, nothing is replayed, replaced or purged, a run's status
 and parameters stay its training's. Where a backend writes is worked out from the recipe as training does
-(``Backend.location``), and must be where the checkpoint says its run was kept; a server (an MLflow
-``tracking_uri``) is written to only when the caller allows it, since the recipe copy came with the checkpoint.
+(``Backend.location``), and must be where the checkpoint says its run was kept. Since the recipe copy came with
+the checkpoint, a tracker outside the run folder (a ``log_dir`` elsewhere, a store or server an MLflow
+``tracking_uri`` names, which the environment's credentials would be sent to) is written to only when the caller
+allows it.
 W&B is not annotated: its history takes only increasing steps.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from automodel_ckpt.tracking.tracker import BACKENDS, RUN_ID
 
 
 def annotate(section: Any, run_dir: Path, saved: Any, metrics: dict[str, float], step: int, *,
-             servers: bool = False) -> list[str]:
+             outside: bool = False) -> list[str]:
     """Add ``metrics`` at ``step`` to the tracked runs of ``section`` (a recipe's ``logging:``) that ``saved`` (a
     checkpoint's tracking state) names; one line per tracker saying where the points went, or why not."""
     if not isinstance(section, dict) or not metrics:
@@ -49,9 +52,9 @@ def annotate(section: Any, run_dir: Path, saved: Any, metrics: dict[str, float],
             lines.append(f"{name}: not logged (the run was tracked at {where}, the recipe names {location} from "
                          "here: run eval from the folder training was launched from)")
             continue
-        if backend.remote(location) and not servers:
-            lines.append(f"{name}: not logged (the recipe copy names the server {location}; --track-servers "
-                         "sends the scores there)")
+        if not outside and not _inside(backend.local_path(location), run_dir):
+            lines.append(f"{name}: not logged ({location} is outside the run folder; --track-outside-run sends the "
+                         "scores there)")
             continue
         ctx = OpenContext(run_dir, run_dir.name, location, {}, ids, None, 0, append=True)
         try:
@@ -64,3 +67,11 @@ def annotate(section: Any, run_dir: Path, saved: Any, metrics: dict[str, float],
             continue
         lines.append(f"{name}: {len(metrics)} score(s) at step {step} ({location})")
     return lines
+
+
+def _inside(path: Path | None, run_dir: Path) -> bool:
+    """``path`` (None: a server) lies in the run folder, links resolved."""
+    if path is None:
+        return False
+    real, root = os.path.realpath(path), os.path.realpath(run_dir)
+    return os.path.commonpath([real, root]) == root

@@ -22,7 +22,7 @@ class OpenContext:
     saved: dict[str, Any] = field(default_factory=dict)  # the restored run id, only when saved for ``location``
     resume_step: int | None = None  # the restored step (None: a fresh start)
     confirmed_step: int = 0  # the last step the backend had made durable when the restored checkpoint was saved
-    append: bool = False  # only add points to the existing tracked run (``annotate``): nothing created, replaced, purged
+    append: bool = False  # only add points to the existing tracked run (``annotate``): nothing made or purged
 
 
 class Backend:
@@ -43,9 +43,10 @@ class Backend:
     legacy_location_key = ""  # the state key under which earlier versions saved the location
     appends = False  # ``open`` with ``ctx.append``: points added later to a tracked run at steps it already has
 
-    def remote(self, location: str) -> bool:
-        """Whether ``location`` is a server (credentials from the environment are sent there), not a local store."""
-        return False
+    def local_path(self, location: str) -> Path | None:
+        """The file or folder ``location`` writes to; None for a server (credentials from the environment are sent
+        there)."""
+        return Path(location)
 
     def __init__(self, section: Any) -> None:
         self.section = section  # the backend's `logging.<name>` config node

@@ -47,8 +47,14 @@ class MLflowBackend(Backend):
     acknowledged = True  # each call returns once the store (a server or the SQLite file) has it
     appends = True  # metric histories are append-only: a point at an earlier step joins the series
 
-    def remote(self, location: str) -> bool:
-        return "://" in location and not location.startswith(("file:", _SQLITE))
+    def local_path(self, location: str) -> Path | None:
+        if location.startswith(_SQLITE):
+            return Path(location[len(_SQLITE):])
+        if location.startswith("file:"):
+            from urllib.parse import unquote, urlparse
+
+            return Path(unquote(urlparse(location).path))
+        return Path(location) if "://" not in location else None
 
     def location(self, run_dir: Path, run_name: str) -> str:
         return str(self.section.get("tracking_uri") or default_store(run_dir))

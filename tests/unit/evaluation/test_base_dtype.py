@@ -1,4 +1,4 @@
-"""`eval` and `average` read a checkpoint's tensors as the export gives them: the base's dtype, from the saved values."""
+"""`eval` and `average` read a checkpoint's tensors as the export gives them: the saved values in the base's dtype."""
 
 from __future__ import annotations
 

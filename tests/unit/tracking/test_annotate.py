@@ -1,4 +1,4 @@
-"""Points added afterwards to a run's tracked runs (`ckpt-train eval`): only where the checkpoint says they were kept."""
+"""Points added afterwards to a run's tracked runs (`ckpt-train eval`): where the checkpoint kept them, in its run."""
 
 from __future__ import annotations
 
@@ -34,7 +34,14 @@ def test_a_run_kept_elsewhere_and_a_server_are_not_written_to(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
     section = {"mlflow": {"tracking_uri": "http://127.0.0.1:9/"}}
     [line] = annotate(section, tmp_path, {"mlflow": {"run_id": "a" * 32}}, {"eval/t/acc": 0.5}, 2)
-    assert "not logged (the recipe copy names the server http://127.0.0.1:9/; --track-servers" in line
+    assert "not logged (http://127.0.0.1:9/ is outside the run folder; --track-outside-run" in line
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-tb"
+    elsewhere.mkdir()
+    [line] = annotate({"tensorboard": {"log_dir": str(elsewhere)}}, tmp_path, {}, {"eval/t/acc": 0.5}, 2)
+    assert "is outside the run folder" in line and not any(elsewhere.iterdir())
+    [line] = annotate({"tensorboard": {"log_dir": str(elsewhere)}}, tmp_path, {}, {"eval/t/acc": 0.5}, 2,
+                      outside=True)
+    assert line.startswith("logging.tensorboard: 1 score(s) at step 2") and any(elsewhere.iterdir())
     assert annotate({"wandb": {"mode": "offline"}}, tmp_path, {}, {"eval/t/acc": 0.5}, 2) == \
         ["logging.wandb: not logged (its history takes only increasing steps)"]
     assert annotate(None, tmp_path, {}, {"eval/t/acc": 0.5}, 2) == []
