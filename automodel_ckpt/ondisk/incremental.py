@@ -83,6 +83,7 @@ class Reuse:
     def __init__(self) -> None:
         self._previous: dict[str, _Kept] = {}
         self._current: dict[str, _Kept] = {}
+        self._adopted: Path | None = None  # a resumed run: the checkpoint it resumed from (``adopt``)
         self._lock = threading.Lock()
         self.last = SaveBytes()  # the save being made (or the last one)
         self.total = SaveBytes()  # every save of this writer
@@ -105,6 +106,13 @@ class Reuse:
                 written.note(path, synced=True, algorithm=before.algorithm, digest=before.digest)
             self._record(rel, replace(before, path=path), linked=total)
             return total
+        adopted = self._adopted
+        if key and before is None and adopted is not None and _link_same_bytes(adopted / rel, path, total, key):
+            if written is not None:
+                written.note(path, synced=True)  # its checksum: hashed by the manifest, from the page cache
+            st = os.stat(path)
+            self._record(rel, _Kept(path, total, key, None, None, st.st_ino, st.st_mtime_ns), linked=total)
+            return total
         size = write_file(path, pieces, threads, written)
         known = written.get(path) if written is not None else None
         st = os.stat(path)
@@ -125,6 +133,15 @@ class Reuse:
         with self._lock:
             self._current, self.last = {}, SaveBytes()
 
+    def adopt(self, folder: Path) -> None:
+        """A resumed run, before its first save: compare with ``folder``, the checkpoint it resumed from. Another
+        process wrote its files, so none is trusted by inode: a file is linked only once its bytes, read back,
+        hash to the new file's key (one read of the stable part per launch; at another world size the files differ
+        and are written)."""
+        with self._lock:
+            if not self._previous:
+                self._adopted = Path(folder)
+
     def published(self, staging: Path, final: Path) -> None:
         """The save written in ``staging`` is now the checkpoint ``final``: the next save compares with its files."""
         staging, final = Path(staging), Path(final)
@@ -136,7 +153,7 @@ class Reuse:
                 except ValueError:
                     continue
                 moved[rel] = replace(kept, path=final / inside)
-            self._previous, self._current = moved, {}
+            self._previous, self._current, self._adopted = moved, {}, None
 
     def abandoned(self) -> None:
         """The save was not published: the previous checkpoint stays the one to compare with."""
@@ -161,6 +178,29 @@ def _link(before: _Kept, path: Path) -> bool:
             if os.path.lexists(path) and os.stat(path, follow_symlinks=False).st_ino == before.ino:
                 os.unlink(path)
     return False
+
+
+def _link_same_bytes(source: Path, path: Path, size: int, key: str) -> bool:
+    """Hard-link ``source`` at ``path`` when it is a regular file of ``size`` bytes whose content hashes to ``key``
+    (read back here), and is still that file once linked; False otherwise (nothing is left at ``path``)."""
+    try:
+        fd = paths.open_regular(source)
+    except (OSError, ValueError):
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_size != size:
+            return False
+        h = _hasher()
+        while chunk := os.read(fd, _CHUNK):
+            h.update(chunk)
+        if h.hexdigest() != key:
+            return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return _link(_Kept(source, size, key, None, None, st.st_ino, st.st_mtime_ns), path)
 
 
 def shared_bytes(folder: Path) -> tuple[int, int]:

@@ -116,6 +116,10 @@ def test_a_kill_during_a_save_leaves_every_published_checkpoint_verifying_and_th
     want = {r["step"]: r["loss"] for r in jsonl(straight / "training.jsonl")}
     assert sorted(got) == [1, 2, 3, 4] and all(got[s] == want[s] for s in got)  # bit for bit
     assert manifest.verify(run / "epoch_0_step_4").ok
+    events = jsonl(run / layout.EVENTS_LOG)
+    starts = [i for i, r in enumerate(events) if r["event"] == "start"]
+    first = next(r for r in events[starts[-1]:] if r["event"] == "checkpoint")
+    assert first["written_bytes"] < first["bytes"]  # the rerun's first save linked the resumed checkpoint's shards
 
 
 def test_resume_on_one_process_from_two(work, assets, vlm_base):

@@ -83,6 +83,8 @@ class SaveWriter:
         clock.mark("complete_previous")
         if self.reuse is not None:
             self.reuse.begin()
+            if self.resumed_from is not None:  # until its first save is published: the checkpoint resumed from
+                self.reuse.adopt(self.dir / self.resumed_from)
         name = render_name(  # every name is checked, before anything is created: ConfigError on every rank
             self.settings.name_template, info.epoch, info.step, consumed_samples=info.extra.get("consumed_samples"),
             train_loss=info.train_loss, val_loss=info.val_loss,

@@ -230,3 +230,30 @@ def test_a_checkpoint_written_without_the_option_resumes_with_it(env, tmp_path):
     again = Frozen(seed=6)
     make(env, tmp_path, "safetensors").load(again.states(), two)
     assert all(torch.equal(again.snapshot()[k], v) for k, v in fresh.snapshot().items())
+
+
+def test_the_first_save_after_a_resume_links_the_files_whose_bytes_read_back_the_same(env, tmp_path):
+    """A new launch trusts no inode of the previous one: it reads the resumed checkpoint's stable file back and links
+    it only when those bytes hash the same as its own; a file damaged since is written afresh, never linked."""
+    state, paths = saves(env, tmp_path, "safetensors", 1)
+    resumed = Frozen(seed=7)
+    ck = make(env, tmp_path, "safetensors")
+    assert ck.restore(resumed.states()) == paths[0] and ck.resumed_from == paths[0].name
+    two = ck.save(resumed.states(), info(2))
+    ck.finalize()
+    assert [os.stat(p).st_ino for p in stable_files(two)] == [os.stat(p).st_ino for p in stable_files(paths[0])]
+    assert manifest.verify(two).ok and manifest.read(two)["linked_bytes"] > 0
+    shard = stable_files(two)[0]
+    data = bytearray(shard.read_bytes())  # damage the stored copy (every name of it) after the fact
+    data[-1] ^= 0xFF
+    os.unlink(stable_files(paths[0])[0])
+    shard.unlink()
+    shard.write_bytes(bytes(data))
+    again = Frozen(seed=8)
+    ck = make(env, tmp_path, "safetensors", incremental=True)
+    ck._writer.resumed_from = two.name  # as a resume of ``two`` would set it (its load would refuse the damage)
+    again.model.load_state_dict(resumed.model.state_dict())
+    three = ck.save(again.states(), info(3))
+    ck.finalize()
+    assert os.stat(stable_files(three)[0]).st_ino != os.stat(shard).st_ino  # written, not linked
+    assert manifest.verify(three).ok and "linked_bytes" not in manifest.read(three)
