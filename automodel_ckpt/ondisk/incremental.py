@@ -5,6 +5,8 @@ buffers, a preference run's reference) in a file of their own (``layout.stable_p
 its bytes are hashed from memory (``content_key``: xxh3-128, or BLAKE2b where ``xxhash`` is missing); when the key
 and size equal those of the same file in the checkpoint this writer published last, and that file is still the very
 one it wrote (same inode, size and modification time), the new checkpoint's staging folder gets a hard link to it.
+The first save after a resume compares with the checkpoint resumed from, whose files it reads back and hashes
+(``adopt``): another process wrote them.
 
 Every checkpoint folder therefore still holds every file: retention and prune (a deleted checkpoint only drops a
 link), crash safety (a published folder never loses a file; a staging folder is discarded as before), ``verify``,
