@@ -1,8 +1,9 @@
 """The uniform or weighted mean of several models' weights, streamed tensor by tensor: what `ckpt-train average` runs.
 
 Each output tensor is accumulated in float32 (float64 when a source holds float64) across the sources, one source
-tensor read at a time, then written and dropped: memory holds one source tensor, the accumulator and the tensor
-being written, never a whole model (``tools/bench_average.py`` measures it). Sources are read as ``tensors``
+tensor read at a time in the dtype it was saved in (a checkpoint's training weights, not cast to the base's first),
+then written and dropped: memory holds one source tensor, the accumulator and the tensor being written, never a
+whole model (``tools/bench_average.py`` measures it). Sources are read as ``tensors``
 reads them: checkpoints of any world size and format straight from their shards, export folders, archives; LoRA
 adapters average into an adapter. Sources of different models (other tensor names, shapes or families) are refused
 in one line before anything is written. The result is a Hugging Face folder (``folder``), which transformers loads
@@ -115,7 +116,7 @@ def _mean(name: str, models: list[Tensors], weights: list[float], total: float) 
     acc = torch.zeros(models[0].shapes[name], dtype=torch.float64 if wide else torch.float32)
     for model, weight in zip(models, weights):
         if weight:
-            tensor = model.read(name)
+            tensor = model.read_saved(name)  # a checkpoint's float32 weights as trained, not cast to the base's
             acc.add_(tensor, alpha=weight)
             del tensor
     return acc.div_(total)

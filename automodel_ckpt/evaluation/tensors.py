@@ -2,7 +2,7 @@
 
 A full model comes from ``ondisk.open_model`` (the quantized exports' reader): its tensors under their on-disk
 names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them
-(the base's); a LoRA checkpoint there is merged into its base. A LoRA adapter folder (``adapter_config.json`` and
+(the base's), or as saved (``read_saved``: what averaging accumulates); a LoRA checkpoint there is merged into its base. A LoRA adapter folder (``adapter_config.json`` and
 ``adapter_model.safetensors``, a PEFT checkpoint's ``model/``) is read as its adapter tensors, so that averaging
 adapters gives an adapter. Nothing read here runs a pickle or instantiates a config: sizes are checked by
 ``ondisk.bounded``, only regular files are read.
@@ -41,9 +41,15 @@ class Tensors:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     side: dict[str, bytes] = field(default_factory=dict)
+    saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
 
     def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in ``dtypes[name]`` (a checkpoint's: the export's dtype, the base's)."""
         return self.readers[name]()
+
+    def read_saved(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in the dtype it was saved in (a checkpoint's float32 training weights)."""
+        return self.saved.get(name, self.readers[name])()
 
 
 def is_adapter(src: Path) -> bool:
@@ -68,6 +74,7 @@ def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Te
         for name in model.shapes:
             tensors.shapes[name], tensors.dtypes[name] = model.shapes[name], model.dtypes[name]
             tensors.readers[name] = lambda name=name: model.read(name)
+            tensors.saved[name] = lambda name=name: model.read_saved(name)
         yield tensors
 
 

@@ -95,8 +95,9 @@ def test_average_last_3_is_the_mean_of_the_shards_and_loads_in_transformers(run,
     shards = [_shard_tensors(c) for c in checkpoints]
     assert set(got) == set(shards[0]) and len(got) > 10
     for name, tensor in got.items():
-        # the export's dtype (the base's, bf16) of each checkpoint's tensor, then the mean in float32
-        parts = [s[name].to(torch.bfloat16).float() for s in shards]
+        # each checkpoint's tensor as saved (float32, not cast to the base's bf16 first), the mean in float32
+        parts = [s[name].float() for s in shards]
+        assert all(s[name].dtype == torch.float32 for s in shards)
         torch.testing.assert_close(tensor, (parts[0] + parts[1] + parts[2]) / 3, rtol=1.2e-7, atol=0)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(model.state_dict()["lm_head.weight"], got["lm_head.weight"])

@@ -42,6 +42,7 @@ class ModelSource:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
     kind: str = "export"
     name: str = ""  # what the model is called (the SRC's name): a GGUF's general.name
 
@@ -51,6 +52,11 @@ class ModelSource:
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name``, read now (the caller holds the only reference)."""
         return self.readers[name]()
+
+    def read_saved(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in the dtype it was saved in (a checkpoint's float32 training weights, where ``read``
+        gives the export's dtype, the base's); a folder's or an archive's as ``read`` gives it."""
+        return self.saved.get(name, self.readers[name])()
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +107,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
         for t in f.tensors:
             # in the dtype the Hugging Face export gives it (the base's), so both make the same file
             source.add(t.name, t.source.shape, t.dtype, lambda s=t.source, d=t.dtype: _assemble(s).to(d))
+            source.saved[t.name] = lambda s=t.source: _assemble(s)
     return source
 
 

@@ -46,13 +46,18 @@ def test_eval_scores_the_model_in_the_bases_dtype(saved):
         assert torch.equal(model.state_dict()[name], states[0][name].to(torch.bfloat16))
 
 
-def test_average_means_the_saved_float32_values_and_writes_the_bases_dtype(saved, tmp_path):
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_average_means_the_saved_float32_values_and_writes_the_bases_dtype(saved, tmp_path, dtype):
     checkpoints, states = saved
-    report = average(checkpoints, [1.0, 3.0], tmp_path / "avg")
+    report = average(checkpoints, [1.0, 3.0], tmp_path / "avg", dtype=dtype)
     assert report.tensors == len(states[0])
     with safe_open(str(next((tmp_path / "avg").glob("*.safetensors"))), framework="pt") as f:
-        name = "model.layers.0.mlp.down_proj.weight"
-        got = f.get_tensor(name)
-    # each source's tensor as read (bf16), accumulated in float32, written in bf16
-    want = (states[0][name].to(torch.bfloat16).float() * 0.25 + states[1][name].to(torch.bfloat16).float() * 0.75)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    for name, tensor in got.items():
+        # each source's tensor as saved (float32, not cast to the base's bf16 first), the mean in float32
+        want = states[0][name] * 0.25 + states[1][name] * 0.75
+        if dtype is None:  # written in the base's dtype
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want.to(torch.bfloat16)), name
+        else:
+            assert tensor.dtype == torch.float32, name
+            torch.testing.assert_close(tensor, want, rtol=1.2e-7, atol=0)
