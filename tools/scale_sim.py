@@ -145,12 +145,14 @@ def save(name: str, strategy: str, n: int, key: str = "model", results_needed: b
     """One save's coordination at ``n`` ranks: returns the coordinator's seconds, the global plan and metadata,
     and the bytes each rank sent the coordinator (the largest)."""
     sent, planners = [], []
+    gc.disable()  # the simulation's own millions of objects (untimed): no collection walks them
     for rank in range(n):  # every rank's own work, in parallel in a real job: not the coordinator's
         data, planner = rank_local_plan(name, strategy, n, rank, key)
         planner.plan = None  # sent: only what the rank keeps stays
         sent.append(data)
         planners.append(planner)
-    gc.freeze()  # the other simulated ranks' objects: a real coordinator holds none, its collector walks none
+    gc.freeze()
+    gc.enable()  # the other simulated ranks' objects: a real coordinator holds none, its collector walks none
     t0 = time.process_time()
     coordinator = planners[0]
     received = [pickle.loads(b) for b in sent]
@@ -160,6 +162,7 @@ def save(name: str, strategy: str, n: int, key: str = "model", results_needed: b
     scattered = [pickle.dumps(p) for p in replies]
     seconds = time.process_time() - t0
     finals, results_sent, notes = [], [], []
+    gc.disable()
     for rank, planner in enumerate(planners):  # every rank: its final plan, its write results
         finals.append(planner.finish_plan(pickle.loads(scattered[rank])))
         results = _write_results(finals[-1], rank, n)  # the safetensors shards' finish reads none: none is sent
@@ -167,6 +170,7 @@ def save(name: str, strategy: str, n: int, key: str = "model", results_needed: b
                      plan_results.outgoing(results, key, n, rank))
         results_sent.append(pickle.dumps(notes[-1]))
     gc.freeze()
+    gc.enable()
     t0 = time.process_time()  # the safetensors shards' finish reads no results: not rebuilt
     results = plan_results.incoming([pickle.loads(b) for b in results_sent], key, needed=results_needed)
     seconds += time.process_time() - t0
