@@ -28,7 +28,7 @@ from typing import Any
 
 from automodel_ckpt.ondisk import paths
 
-__all__ = ["Reuse", "SaveBytes", "content_key", "shared_bytes", "stored_once"]
+__all__ = ["Reuse", "content_key", "shared_bytes", "stored_once"]
 
 _CHUNK = 8 << 20
 
@@ -67,19 +67,11 @@ class _Kept:
     mtime_ns: int
 
 
-@dataclass
-class SaveBytes:
-    """What the stable files of one save cost: bytes written, and bytes taken from the previous checkpoint."""
-
-    written: int = 0
-    linked: int = 0
-
-
 class Reuse:
     """The stable files of the checkpoint this writer published last, and those of the save being made.
 
-    ``write`` writes or links one file; ``published`` makes the save's files the ones the next save compares with;
-    ``abandoned`` forgets a save that was not published. Thread-safe (background writes call ``write``).
+    ``begin`` starts a save, ``write`` writes or links one of its files, ``published`` makes its files the ones the
+    next save compares with. Thread-safe (background writes call ``write``).
     """
 
     def __init__(self) -> None:
@@ -87,8 +79,6 @@ class Reuse:
         self._current: dict[str, _Kept] = {}
         self._adopted: Path | None = None  # a resumed run: the checkpoint it resumed from (``adopt``)
         self._lock = threading.Lock()
-        self.last = SaveBytes()  # the save being made (or the last one)
-        self.total = SaveBytes()  # every save of this writer
 
     def write(self, path: Path, pieces: list[Any], threads: int, written: Any = None) -> int:
         """``filewrite.write_file(path, pieces, ...)``, or a hard link to the previous checkpoint's identical file."""
@@ -106,34 +96,30 @@ class Reuse:
         if key and before is not None and before.key == key and before.size == total and _link(before, path):
             if written is not None:
                 written.note(path, synced=True, algorithm=before.algorithm, digest=before.digest)
-            self._record(rel, replace(before, path=path), linked=total)
+            self._record(rel, replace(before, path=path))
             return total
         adopted = self._adopted
         if key and before is None and adopted is not None and _link_same_bytes(adopted / rel, path, total, key):
             if written is not None:
                 written.note(path, synced=True)  # its checksum: hashed by the manifest, from the page cache
             st = os.stat(path)
-            self._record(rel, _Kept(path, total, key, None, None, st.st_ino, st.st_mtime_ns), linked=total)
+            self._record(rel, _Kept(path, total, key, None, None, st.st_ino, st.st_mtime_ns))
             return total
         size = write_file(path, pieces, threads, written)
         known = written.get(path) if written is not None else None
         st = os.stat(path)
         self._record(rel, _Kept(path, size, key, known.algorithm if known else None, known.digest if known else None,
-                                st.st_ino, st.st_mtime_ns), written=size)
+                                st.st_ino, st.st_mtime_ns))
         return size
 
-    def _record(self, rel: str, kept: _Kept, *, written: int = 0, linked: int = 0) -> None:
+    def _record(self, rel: str, kept: _Kept) -> None:
         with self._lock:
             self._current[rel] = kept
-            self.last.written += written
-            self.last.linked += linked
-            self.total.written += written
-            self.total.linked += linked
 
     def begin(self) -> None:
-        """A new save starts: its byte counts from zero."""
+        """A new save starts (a save that was not published is forgotten: the previous one stays the reference)."""
         with self._lock:
-            self._current, self.last = {}, SaveBytes()
+            self._current = {}
 
     def adopt(self, folder: Path) -> None:
         """A resumed run, before its first save: compare with ``folder``, the checkpoint it resumed from. Another
@@ -156,11 +142,6 @@ class Reuse:
                     continue
                 moved[rel] = replace(kept, path=final / inside)
             self._previous, self._current, self._adopted = moved, {}, None
-
-    def abandoned(self) -> None:
-        """The save was not published: the previous checkpoint stays the one to compare with."""
-        with self._lock:
-            self._current = {}
 
 
 def _link(before: _Kept, path: Path) -> bool:
