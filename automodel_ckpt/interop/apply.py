@@ -31,12 +31,14 @@ def apply(run: ForeignRun, recipe: Any, where: str, say: Callable[[str], None]) 
     _check_adapter(run, model)
     params = dict(model.named_parameters())
     weights = _weights(run, model, params, where)
-    state, hyper = _optimizer_state(run, model, params, where)
+    state, group_of = _optimizer_state(run, model, params, where)
+    members, hypers = _group_hypers(run, optimizer, model, group_of, where)
     schedules.check_recipe_schedule(run.schedule, recipe.lr_scheduler, recipe.step_scheduler.total_steps)
-    lr = hyper["initial_lr"] * schedules.factor(run.schedule, run.step)
-    if not math.isclose(lr, hyper["lr"], rel_tol=1e-6, abs_tol=1e-12):
-        raise refuse(where, f"its optimizer's lr {hyper['lr']:.6g} at step {run.step} is not its schedule's "
-                            f"({run.schedule.described}: {lr:.6g})")
+    lrs = [hyper["initial_lr"] * schedules.factor(run.schedule, run.step) for hyper in hypers]
+    for lr, hyper in zip(lrs, hypers):
+        if not math.isclose(lr, hyper["lr"], rel_tol=1e-6, abs_tol=1e-12):
+            raise refuse(where, f"its optimizer's lr {hyper['lr']:.6g} at step {run.step} is not its schedule's "
+                                f"({run.schedule.described}: {lr:.6g})")
     counters = _data_position(run, recipe, say)
 
     # checked: now set
@@ -46,15 +48,14 @@ def apply(run: ForeignRun, recipe: Any, where: str, say: Callable[[str], None]) 
     recipe.starting_weights.fill(model, model_loaded=False)  # the base, under an adapter
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=options)
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    group.update({k: hyper[k] for k in _HYPER})
-    order = [n for n, p in model.named_parameters() if p.requires_grad]
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": [group | {"params": order}]},
-                             options=options)
+    groups = [{k: v for k, v in g.items() if k != "params"} | {k: hyper[k] for k in _HYPER} | {"params": names_in}
+              for g, hyper, names_in in zip(optimizer.param_groups, hypers, members)]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)
     sched = recipe.lr_scheduler.state_dict()
-    sched.update(base_lrs=[hyper["initial_lr"]], last_epoch=run.step, _step_count=run.step + 1, _last_lr=[lr])
+    sched.update(base_lrs=[hyper["initial_lr"] for hyper in hypers], last_epoch=run.step, _step_count=run.step + 1,
+                 _last_lr=lrs)
     recipe.lr_scheduler.load_state_dict(sched)
-    for g in optimizer.param_groups:
+    for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
     recipe.step_scheduler.load_state_dict({"step": run.step, "epoch": counters["epoch"],
                                            "consumed_samples": counters["consumed_samples"]})
@@ -102,23 +103,18 @@ def _weights(run: ForeignRun, model: Any, params: dict[str, Any], where: str) ->
 
 
 def _optimizer_state(run: ForeignRun, model: Any, params: dict[str, Any],
-                     where: str) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """AdamW's state under our names, and the one set of hyperparameters every non-empty group shares."""
+                     where: str) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+    """AdamW's state under our names, and the source's param group of each name."""
     order = run.order(model)
     if len(order) != len(run.moments):
         raise refuse(where, f"its optimizer holds {len(run.moments)} parameters, the recipe's model trains "
                             f"{len(order)}: another model or another set of trainable parameters")
-    used = [g for g in run.groups if g["count"]]
-    first = {k: used[0][k] for k in _HYPER} if used else {}
-    for g in used[1:]:
-        for k in _HYPER:
-            if not math.isclose(float(g[k][0] if k == "betas" else g[k]), float(first[k][0] if k == "betas" else
-                                                                                 first[k]), rel_tol=1e-9) \
-                    or (k == "betas" and not math.isclose(g[k][1], first[k][1], rel_tol=1e-9)):
-                raise refuse(where, f"its parameter groups differ in {k} ({first[k]} and {g[k]}"
-                                    + (", the HF Trainer's groups with and without decay" if k == "weight_decay"
-                                       else "") + "); the recipe's AdamW has one group, one value for every "
-                                    "parameter, so it cannot continue this run as it was")
+    group_of = {}
+    slot = 0
+    for index, g in enumerate(run.groups):
+        for name in order[slot:slot + g["count"]]:
+            group_of[name] = index
+        slot += g["count"]
     state = {}
     for slot, (name, moments) in enumerate(zip(order, run.moments)):
         param = params[name]
@@ -141,7 +137,42 @@ def _optimizer_state(run: ForeignRun, model: Any, params: dict[str, Any],
             raise refuse(where, f"its step for '{name}' is not a count")
         state[name] = {"step": step.reshape(()).to(torch.float32),
                        **{k: moments[k].to(param.dtype) for k in MOMENTS}}
-    return state, first
+    return state, group_of
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return math.isclose(float(a), float(b), rel_tol=1e-9)
+
+
+def _group_hypers(run: ForeignRun, optimizer: Any, model: Any, group_of: dict[str, int],
+                  where: str) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """The names in each of the recipe's param groups, and the source's hyperparameters for each: those of the
+    source group its parameters come from, which must agree in every one (a one-line refusal names two that do not)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    members, hypers = [], []
+    for index, group in enumerate(optimizer.param_groups):
+        names_in = [name_of[id(p)] for p in group["params"]]
+        missing = [n for n in names_in if n not in group_of]
+        if missing:
+            raise refuse(where, f"its optimizer has no state for '{missing[0]}'")
+        members.append(names_in)
+        if not names_in:
+            hypers.append({k: run.groups[0][k] for k in _HYPER})
+            continue
+        first = names_in[0]
+        hyper = {k: run.groups[group_of[first]][k] for k in _HYPER}
+        for name in names_in[1:]:
+            theirs = run.groups[group_of[name]]
+            for k in _HYPER:
+                if not _same(theirs[k], hyper[k]):
+                    hint = (": optimizer._target_: automodel_ckpt.training.decay.AdamWNoDecay gives biases and norms a "
+                            "group without weight decay, as the HF Trainer does") if k == "weight_decay" else ""
+                    raise refuse(where, f"its parameter groups differ in {k}: '{first}' has {hyper[k]}, '{name}' "
+                                        f"{theirs[k]}, and the recipe's optimizer puts both in its group {index}{hint}")
+        hypers.append(hyper)
+    return members, hypers
 
 
 def _data_position(run: ForeignRun, recipe: Any, say: Callable[[str], None]) -> dict[str, int]:

@@ -74,13 +74,22 @@ def write(recipe: Any, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
     osd = get_optimizer_state_dict(model, optimizer, options=options)
     decay, no_decay = names.hf_trainer_groups(model)
     order, decayed = decay + no_decay, len(decay)
-    group = {k: v for k, v in osd["param_groups"][0].items() if k != "params"}
+    ours = {name: {k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"] for name in g["params"]}
     state = {}
     for i, name in enumerate(order):
         if name in osd["state"]:
             state[i] = osd["state"][name]
-    # the Trainer's two groups, both with this run's weight decay: ours applies it to every parameter
-    groups = [group | {"params": list(range(decayed))}, group | {"params": list(range(decayed, len(order)))}]
+    # the Trainer's two groups, each with the hyperparameters of our group that holds its parameters (one group of
+    # ours: both with its weight decay, which the Trainer's load_state_dict keeps)
+    groups = []
+    for members, first in ((decay, 0), (no_decay, decayed)):
+        hyper = ours[members[0]] if members else ours[order[0]]
+        odd = [n for n in members if ours[n] != hyper]
+        if odd:
+            raise ConfigError(f"optimizer: '{members[0]}' and '{odd[0]}' are in one of the HF Trainer's groups "
+                              "(with and without weight decay) but in two of ours with other hyperparameters")
+        groups.append(hyper | {"params": list(range(first, first + len(members)))})
+    group = groups[0]
     torch.save({"state": state, "param_groups": groups}, out / hf_trainer.OPTIMIZER)
     lr_state = recipe.lr_scheduler.state_dict()
     torch.save({"base_lrs": lr_state["base_lrs"] * 2, "last_epoch": lr_state["last_epoch"],

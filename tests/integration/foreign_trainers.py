@@ -50,9 +50,19 @@ LORA = "peft: {method: lora, rank: 4, alpha: 8, dropout: 0.0, target_modules: [q
 BATCH, STEPS, SAVED_AT = 8, 10, 6
 
 
-def write_recipe(folder: Path, assets: Path, schedule: str, *, lora: bool = False) -> Path:
+DECAY = 0.1  # the weight decay of the runs with the HF Trainer's groups (biases and norms without)
+
+
+def write_recipe(folder: Path, assets: Path, schedule: str, *, lora: bool = False, decay: bool = False) -> Path:
+    """The recipe; ``decay``: its optimizer is ``AdamWNoDecay`` with weight decay ``DECAY``."""
     path = folder / "recipe.yaml"
-    path.write_text(RECIPE.format(model=assets / "tiny_llama_base", schedule=schedule) + (LORA if lora else ""))
+    text = RECIPE.format(model=assets / "tiny_llama_base", schedule=schedule)
+    if decay:
+        text = text.replace("  _target_: torch.optim.AdamW\n  lr: 3.0e-3\n  weight_decay: 0.0\n",
+                            f"  _target_: automodel_ckpt.training.decay.AdamWNoDecay\n  lr: 3.0e-3\n"
+                            f"  weight_decay: {DECAY}\n")
+        assert "AdamWNoDecay" in text
+    path.write_text(text + (LORA if lora else ""))
     return path
 
 
@@ -84,16 +94,17 @@ def _model(assets: Path, lora: bool):
 
 class LossTrainer:
     """An HF ``Trainer`` (sequential sampler, the recipe's hyperparameters; ``accumulation`` micro-batches of
-    ``BATCH // accumulation`` rows a step) recording each step's loss."""
+    ``BATCH // accumulation`` rows a step; its two groups, biases and norms without ``weight_decay``) recording
+    each step's loss."""
 
     def __init__(self, out: Path, rows: list[dict], assets: Path, *, lora: bool = False, schedule: str = "linear",
-                 accumulation: int = 1):
+                 accumulation: int = 1, weight_decay: float = 0.0):
         from transformers import Trainer, TrainingArguments, default_data_collator
 
         args = TrainingArguments(
             output_dir=str(out), per_device_train_batch_size=BATCH // accumulation,
             gradient_accumulation_steps=accumulation, max_steps=STEPS, save_steps=SAVED_AT,
-            save_strategy="steps", learning_rate=3e-3, lr_scheduler_type=schedule, warmup_steps=2, weight_decay=0.0,
+            save_strategy="steps", learning_rate=3e-3, lr_scheduler_type=schedule, warmup_steps=2, weight_decay=weight_decay,
             adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, train_sampling_strategy="sequential", report_to=[],
             use_cpu=True, seed=42, disable_tqdm=True, save_only_model=False)
         self.trainer = Trainer(model=_model(assets, lora), args=args, train_dataset=rows,

@@ -30,14 +30,14 @@ def _assert_close(got: dict[int, float], want: dict[int, float], steps=range(ft.
 
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory, assets):
-    """The HF Trainer's checkpoint-6 of the linear-warmup recipe (2 micro-batches of 4 rows a step) and its own
-    continuation's losses (steps 7-10)."""
+    """The HF Trainer's checkpoint-6 of the linear-warmup recipe (2 micro-batches of 4 rows a step, weight decay
+    but for biases and norms) and its own continuation's losses (steps 7-10)."""
     folder = tmp_path_factory.mktemp("hf_trainer")
-    recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR)
+    recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR, decay=True)
     rows = ft.recipe_rows(recipe)
-    ft.LossTrainer(folder / "out", rows, assets, accumulation=2).train()
-    continued = ft.LossTrainer(folder / "again", rows, assets, accumulation=2).train(
-        resume=folder / "out" / "checkpoint-6")
+    trainer = {"accumulation": 2, "weight_decay": ft.DECAY}
+    ft.LossTrainer(folder / "out", rows, assets, **trainer).train()
+    continued = ft.LossTrainer(folder / "again", rows, assets, **trainer).train(resume=folder / "out" / "checkpoint-6")
     return folder / "out" / "checkpoint-6", recipe, continued, rows
 
 

@@ -181,10 +181,12 @@ def test_import_passes_every_other_argument_to_the_recipe_a_whole_section_too():
     assert args.overrides == ["--lr_scheduler", section, "--data.shuffle", "false"]
 
 
-def test_groups_that_differ_in_weight_decay_are_refused_by_name():
-    """The HF Trainer's two groups with weight_decay > 0 on the first: ours has one group, so one line says why."""
-    from automodel_ckpt.interop.apply import _optimizer_state
+def test_groups_that_differ_in_weight_decay_need_a_recipe_with_those_groups():
+    """The HF Trainer's two groups with weight_decay > 0 on the first: a one-group recipe is refused in one line
+    naming two parameters and the optimizer that has the groups; AdamWNoDecay takes them, each with its own."""
+    from automodel_ckpt.interop.apply import _group_hypers, _optimizer_state
     from automodel_ckpt.interop.hf_trainer import optimizer_slots
+    from automodel_ckpt.training.decay import AdamWNoDecay
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     weight, bias = model[0].weight, model[0].bias
@@ -193,11 +195,27 @@ def test_groups_that_differ_in_weight_decay_are_refused_by_name():
     opt.step()
     moments, groups = optimizer_slots(opt.state_dict(), Path("optimizer.pt"))
     run = type("Run", (), {"order": staticmethod(names.hf_trainer_order), "moments": moments, "groups": groups})
-    with pytest.raises(CheckpointError, match=r"differ in weight_decay \(0.01 and 0.0, the HF Trainer's groups"):
-        _optimizer_state(run, model, dict(model.named_parameters()), "checkpoint-6")
-    for g in opt.param_groups:
-        g["weight_decay"] = 0.0  # the Trainer's default: both groups alike, one group here
-    moments, groups = optimizer_slots(opt.state_dict(), Path("optimizer.pt"))
-    run.groups = groups
-    state, hyper = _optimizer_state(run, model, dict(model.named_parameters()), "checkpoint-6")
-    assert set(state) == {"0.weight", "0.bias"} and hyper["weight_decay"] == 0.0
+    params = dict(model.named_parameters())
+    state, group_of = _optimizer_state(run, model, params, "checkpoint-6")
+    assert set(state) == {"0.weight", "0.bias"} and group_of == {"0.weight": 0, "0.bias": 1}
+    one = torch.optim.AdamW(model.parameters(), weight_decay=0.01)
+    with pytest.raises(CheckpointError, match=r"differ in weight_decay: '0.weight' has 0.01, '0.bias' 0.0, .* "
+                                              r"group 0: optimizer._target_: automodel_ckpt.training.decay.AdamWNoDecay"):
+        _group_hypers(run, one, model, group_of, "checkpoint-6")
+    members, hypers = _group_hypers(run, AdamWNoDecay(model.parameters(), weight_decay=0.5), model, group_of, "x")
+    assert members == [["0.weight"], ["0.bias"]] and [h["weight_decay"] for h in hypers] == [0.01, 0.0]
+
+
+def test_adamw_no_decay_has_the_hf_trainers_groups():
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    from automodel_ckpt.training.decay import AdamWNoDecay
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, attention_bias=True))
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    opt = AdamWNoDecay(model.parameters(), weight_decay=0.1, lr=1e-3)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert {name_of[id(p)] for p in opt.param_groups[0]["params"]} == decay
+    assert {name_of[id(p)] for p in opt.param_groups[1]["params"]} == set(name_of.values()) - decay
