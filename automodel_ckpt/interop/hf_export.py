@@ -92,9 +92,9 @@ def write(recipe: Any, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
     group = groups[0]
     torch.save({"state": state, "param_groups": groups}, out / hf_trainer.OPTIMIZER)
     lr_state = recipe.lr_scheduler.state_dict()
-    torch.save({"base_lrs": lr_state["base_lrs"] * 2, "last_epoch": lr_state["last_epoch"],
+    torch.save({"base_lrs": [g.get("initial_lr", g["lr"]) for g in groups], "last_epoch": lr_state["last_epoch"],
                 "_step_count": lr_state["_step_count"], "_is_initial": False, "_get_lr_called_within_step": False,
-                "_last_lr": lr_state["_last_lr"] * 2, "lr_lambdas": [{}, {}]}, out / hf_trainer.SCHEDULER)
+                "_last_lr": [g["lr"] for g in groups], "lr_lambdas": [{}, {}]}, out / hf_trainer.SCHEDULER)
     torch.save(rng, out / hf_trainer.RNG)
     loader = recipe.dataloader
     per_epoch = max(loader.steps_per_epoch, 1)

@@ -125,7 +125,9 @@ def test_a_lightning_distributed_checkpoint_continues_here(tmp_path, assets):
 
 
 def test_our_run_continues_in_the_hf_trainer(tmp_path, assets):
-    recipe = ft.write_recipe(tmp_path, assets, ft.HF_LINEAR)
+    """Ours with AdamWNoDecay's two groups, exported, continues in the Trainer (weight decay but for biases and
+    norms, as ours)."""
+    recipe = ft.write_recipe(tmp_path, assets, ft.HF_LINEAR, decay=True)
     ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "ours", "--step_scheduler.ckpt_every_steps", "6",
                recipe=recipe)
     out = tmp_path / "hf" / "checkpoint-6"
@@ -133,7 +135,8 @@ def test_our_run_continues_in_the_hf_trainer(tmp_path, assets):
                         "--recipe", str(recipe), "--out", str(out)], cwd=tmp_path, env=env_for(assets), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lr_scheduler_type='linear'" in done.stdout and "warmup_steps=2" in done.stdout
-    losses = ft.LossTrainer(tmp_path / "hf", ft.recipe_rows(recipe), assets).train(resume=out)
+    assert f"weight_decay={ft.DECAY}" in done.stdout
+    losses = ft.LossTrainer(tmp_path / "hf", ft.recipe_rows(recipe), assets, weight_decay=ft.DECAY).train(resume=out)
     _assert_close(losses, _losses(tmp_path / "ours"))
 
 
