@@ -3,14 +3,13 @@ and `ckpt-train eval`'s scores as points on the run's trackers at the checkpoint
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.ondisk.durable import read_pointer
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses
+from tests.integration.harness import REPO, ckpt_train, jsonl, losses
 from tests.integration.trackers import tensorboard_scalars
 
 pytest.importorskip("tensorboard")
@@ -76,16 +75,17 @@ def test_a_kill_during_an_evaluation_loses_nothing_and_redoes_no_finished_one(tm
     assert read_pointer(tmp_path / "run", layout.BEST_EVAL) == "epoch_0_step_6"
 
 
-def test_eval_puts_its_scores_on_the_runs_trackers_at_the_checkpoints_step(straight, assets):
+def test_eval_puts_its_scores_on_the_runs_trackers_at_the_checkpoints_step(straight, capsys, monkeypatch):
     """Last in the file: it adds to the straight run (an eval/ folder, points on its trackers)."""
     from mlflow.tracking import MlflowClient
 
+    from automodel_ckpt.cli import main
+
     run, _ = straight
-    done = subprocess.run([CKPT_TRAIN, "eval", str(run / "epoch_0_step_6"), "--tasks", "addition", "--limit", "4"],
-                          cwd=run.parent, env=env_for(assets), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "logging.tensorboard: 1 score(s) at step 6" in done.stdout
-    assert "logging.mlflow: 1 score(s) at step 6" in done.stdout
+    monkeypatch.chdir(run.parent)  # where training was launched
+    assert main(["eval", "run/epoch_0_step_6", "--tasks", "addition", "--limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "logging.tensorboard: 1 score(s) at step 6" in out and "logging.mlflow: 1 score(s) at step 6" in out
     tag = "eval/addition/exact_match"
     assert tensorboard_scalars(run / layout.TENSORBOARD_DIR, tag) == [(6, 0.0)]
     # the training's points are all still shown: nothing purged by the later event file
