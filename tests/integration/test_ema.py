@@ -55,10 +55,12 @@ def test_killed_and_rerun_is_bitwise(tmp_path, assets, straight):
                 pass
     finally:
         kill_job(job)
+    first = (tmp_path / "killed.log").read_text()
+    assert latest.exists(), f"the first launch ended before its step-4 checkpoint: {first[-3000:]}"
     assert not (tmp_path / "run" / "epoch_0_step_8").exists(), "the run ended before the kill"
     rerun = ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "8", "--checkpoint.checkpoint_dir",
                        "run", nproc=2)
-    assert "Loading checkpoint from" in rerun.output
+    assert "Loading checkpoint from" in rerun.output, rerun.output[-3000:]
     assert losses(tmp_path / "run") == losses(straight)
     got = _ema(tmp_path / "run" / "epoch_0_step_8", tmp_path / "got")
     want = _ema(straight / "epoch_0_step_8", tmp_path / "want")
