@@ -2,8 +2,9 @@
 
 Read: ``model.safetensors`` (or its shards and index; ``adapter_model.safetensors`` for a PEFT run),
 ``optimizer.pt`` (or, saved by FSDP with a sharded state dict, the DCP folders ``pytorch_model_fsdp_0/`` and
-``optimizer_0/``, as accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write them), ``scheduler.pt``, ``trainer_state.json``, ``training_args.bin`` (as inert records) and
-``rng_state.pth`` / ``rng_state_R.pth``. Every file is size-bounded and every value checked before use.
+``optimizer_0/``, as accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write them), ``scheduler.pt``,
+``trainer_state.json``, ``training_args.bin`` (as inert records) and ``rng_state.pth`` / ``rng_state_R.pth``.
+Every file is size-bounded and every value checked before use.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class LossTrainer:
         args = TrainingArguments(
             output_dir=str(out), per_device_train_batch_size=BATCH // accumulation,
             gradient_accumulation_steps=accumulation, max_steps=STEPS, save_steps=SAVED_AT,
-            save_strategy="steps", learning_rate=3e-3, lr_scheduler_type=schedule, warmup_steps=2, weight_decay=weight_decay,
+            save_strategy="steps", learning_rate=3e-3, lr_scheduler_type=schedule, warmup_steps=2,
+            weight_decay=weight_decay,
             adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, train_sampling_strategy="sequential", report_to=[],
             use_cpu=True, seed=42, disable_tqdm=True, save_only_model=False)
         self.trainer = Trainer(model=_model(assets, lora), args=args, train_dataset=rows,
@@ -119,9 +120,11 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sha
                   ) -> dict[int, float]:
     """Lightning on a plain ``DataLoader(shuffle=False)``, CosineAnnealingLR per step, its checkpoint callback
     writing ``save/six.ckpt`` after step 6; each step's loss. ``sharded``: OneCycleLR (its beta1 cycled) per step,
-    under ``ModelParallelStrategy`` (FSDP2 on
-    each decoder layer, on CPU with gloo), whose ``six.ckpt`` is a distributed checkpoint folder (``.metadata``,
-    ``*.distcp``, ``meta.pt``); it starts a process group, so it runs in a process of its own (``main`` below)."""
+    under ``ModelParallelStrategy`` on 2 processes (FSDP2 on each decoder layer, CPU, gloo), whose ``six.ckpt`` is a
+    distributed checkpoint folder (``.metadata``, one ``*.distcp`` per rank, ``meta.pt``). Both processes read the
+    same plain loader (``use_distributed_sampler=False``): the gradient averaged over them is each one's, so the
+    run is the 1-process run of 8 rows a step, written by two ranks. Lightning relaunches the script for rank 1,
+    so it runs as a command of its own (``main`` below)."""
     import lightning as L
     import torch
     from transformers import default_data_collator
@@ -161,10 +164,11 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sha
     if sharded:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-    # a distributed strategy's own sampler shuffles the training rows: keep the loader's order
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[every], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    # a distributed strategy's own sampler shuffles the training rows and splits them: each process keeps the
+    # loader's order
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=2 if sharded else 1, callbacks=[every],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
                         strategy=strategy, use_distributed_sampler=False)
     trainer.fit(module, loader)
     return module.losses
@@ -178,7 +182,10 @@ def main(argv: list[str]) -> None:
     kind, recipe, assets, save = argv
     assert kind == "lightning-sharded", kind
     losses = lightning_fit(recipe_rows(Path(recipe)), Path(assets), STEPS, Path(save), sharded=True)
-    (Path(save) / "losses.json").write_text(json.dumps(losses))
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        (Path(save) / "losses.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":

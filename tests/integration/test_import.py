@@ -103,7 +103,7 @@ def test_a_lightning_run_continues_here(tmp_path, assets):
 
 
 def test_a_lightning_distributed_checkpoint_continues_here(tmp_path, assets):
-    """Lightning's ModelParallelStrategy (FSDP2, gloo, one CPU process) writes six.ckpt/ as a distributed
+    """Lightning's ModelParallelStrategy (FSDP2, gloo, two CPU processes) writes six.ckpt/ as a distributed
     checkpoint folder; imported, ours continues as Lightning's uninterrupted run does, OneCycleLR's lr and beta1
     included."""
     import sys
@@ -115,7 +115,7 @@ def test_a_lightning_distributed_checkpoint_continues_here(tmp_path, assets):
     assert fit.returncode == 0, fit.stderr[-3000:]
     folder = tmp_path / "six.ckpt"
     assert folder.is_dir() and (folder / ".metadata").is_file() and (folder / "meta.pt").is_file()
-    assert list(folder.glob("*.distcp"))
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # a file per rank
     straight = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
     done = _import(tmp_path, assets, folder, recipe)
     assert done.returncode == 0, done.stderr[-3000:]
