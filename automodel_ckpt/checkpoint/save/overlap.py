@@ -168,7 +168,7 @@ class PendingSave:
     consolidate: bool
     writes: list[tuple[Future, Path]] = field(default_factory=list)
     job: Overlapped | None = None  # the background capture, writes and (unless ``consolidate``) completion
-    small_files: Any = None  # ``local_files.LocalFiles`` still to be written by the completion, if any
+    small_files: Any = None  # ``writer.LocalFiles`` still to be written by the completion, if any
     step: int = 0  # the training step it saves
 
     def wait_for_writes(self, seconds: float) -> bool:

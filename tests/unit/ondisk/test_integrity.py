@@ -309,13 +309,13 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
         if where == "async":
             ckpt = make_checkpointer(ckpt.env, ckpt.dir, ckpt.cfg.model_save_format, is_async=True)
     elif where == "rank_file":
-        from automodel_ckpt.checkpoint.save import local_files
+        from automodel_ckpt.checkpoint.save import writer as local_files
 
         real_write = local_files.write_files  # the per-rank and global state files
         monkeypatch.setattr(local_files, "write_files",
                             lambda files: _enospc() if any("cursor" in str(f) for f in files) else real_write(files))
     elif where == "metadata":
-        from automodel_ckpt.checkpoint.save import local_files
+        from automodel_ckpt.checkpoint.save import writer as local_files
 
         monkeypatch.setattr(local_files, "write_metadata", _enospc)
     else:
