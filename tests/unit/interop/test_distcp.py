@@ -106,3 +106,19 @@ def test_a_folder_with_entries_of_no_optimizer_or_no_meta_is_refused(tmp_path):
     torch.save({"global_step": 0}, other / lightning.META)
     with pytest.raises(CheckpointError, match="holds 'extra', which a Lightning checkpoint does not"):
         read_source(other)
+
+
+def test_an_hf_trainer_fsdp_layout_without_its_optimizer_or_with_a_payload_is_refused(tmp_path):
+    checkpoint = tmp_path / "checkpoint-6"
+    (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"FSDP layout \(pytorch_model_fsdp_0/\) but it has no optimizer_0/"):
+        read_source(checkpoint)
+    _lightning_folder(tmp_path / "model")  # any DCP folder: its .metadata replaced by a payload
+    marker = tmp_path / "marker"
+    (tmp_path / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    from automodel_ckpt.interop import distcp
+
+    with pytest.raises(CheckpointError, match="is not allowed in checkpoint metadata"):
+        distcp.read(tmp_path / "model")
+    assert not marker.exists()
