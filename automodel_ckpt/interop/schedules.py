@@ -142,14 +142,19 @@ def check_recipe_schedule(schedule: Schedule, scheduler: Any, total_steps: int) 
     cycling = getattr(scheduler, "beta1", None)
     for step in range(total_steps + 1):
         want, got = factor(schedule, step), lambdas[0](step) if lambdas else None
-        want_beta1 = beta1(schedule, step)
-        if want_beta1 is not None or cycling is not None:
-            mine = cycling(step) if cycling is not None else None
-            if mine is None or want_beta1 is None or not math.isclose(mine, want_beta1, rel_tol=1e-9):
-                got = None  # the lr may agree; beta1 does not
+        differs = None
         if got is None or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
-            shown = "none" if got is None else f"{got:.6g}"
+            differs = f"factor at step {step} is {'none' if got is None else f'{got:.6g}'}, the source's {want:.6g}"
+        want_beta1, mine = beta1(schedule, step), cycling(step) if cycling is not None else None
+        if differs is None and (want_beta1, mine) != (None, None) and \
+                (mine is None or want_beta1 is None or not math.isclose(mine, want_beta1, rel_tol=1e-9)):
+            differs = f"beta1 at step {step} is {_shown(mine)}, the source's {_shown(want_beta1)}"
+        if differs:
             section = section_line(schedule)
-            raise ConfigError(f"lr_scheduler: the source's schedule is {schedule.described}; the recipe's factor "
-                              f"at step {step} is {shown}, the source's {want:.6g}: write lr_scheduler: {section} in "
-                              f"the recipe, or pass --lr_scheduler '{section}' to import and to training")
+            raise ConfigError(f"lr_scheduler: the source's schedule is {schedule.described}; the recipe's {differs}: "
+                              f"write lr_scheduler: {section} in the recipe, or pass --lr_scheduler '{section}' to "
+                              "import and to training")
+
+
+def _shown(beta1_value: float | None) -> str:
+    return "fixed" if beta1_value is None else f"{beta1_value:.6g}"

@@ -91,7 +91,8 @@ def test_a_recipe_without_one_cycle_beta1_is_refused():
     from automodel_ckpt.training.lr import one_cycle
 
     lr_only = one_cycle(_optimizer(), TOTAL, **{k: v for k, v in schedule.kwargs.items() if k != "momenta"})
-    with pytest.raises(ConfigError, match="write lr_scheduler: {_target_: automodel_ckpt.training.lr.one_cycle"):
+    with pytest.raises(ConfigError, match="recipe's beta1 at step 0 is fixed, the source's 0.95: write "
+                                          "lr_scheduler: {_target_: automodel_ckpt.training.lr.one_cycle"):
         schedules.check_recipe_schedule(schedule, lr_only, TOTAL)
 
 
