@@ -63,7 +63,7 @@ import threading
 import time
 from pathlib import Path
 
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import EVENTS_LOG, LATEST, TRAINING_LOG
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,7 +300,7 @@ class ObjectStore:
 
     def newest_checkpoint_bytes(self) -> int | None:
         """The size of the checkpoint the store's ``LATEST`` names."""
-        latest = f"{self.prefix}/{layout.LATEST}"
+        latest = f"{self.prefix}/{LATEST}"
         if not self.fs.exists(latest):
             return None
         return self.fs.du(f"{self.prefix}/{self.fs.cat_file(latest).decode().strip()}")
@@ -388,11 +388,11 @@ class Runs:
         return f"--- {tag}, node {rank}:\n{text[-2000:]}"
 
     def records(self) -> dict[int, dict]:
-        lines = (self.logs / layout.TRAINING_LOG).read_text().splitlines()
+        lines = (self.logs / TRAINING_LOG).read_text().splitlines()
         return {r["step"]: r for r in map(json.loads, lines)}
 
     def last_start(self) -> dict:
-        lines = (self.logs / layout.EVENTS_LOG).read_text().splitlines()
+        lines = (self.logs / EVENTS_LOG).read_text().splitlines()
         return [e for e in map(json.loads, lines) if e["event"] == "start"][-1]
 
     def clear(self) -> None:
@@ -405,7 +405,7 @@ class Runs:
         """The size of the durable checkpoint ``LATEST`` names."""
         if self.store:
             return self.store.newest_checkpoint_bytes()
-        latest = self.ckpt_dir / layout.LATEST
+        latest = self.ckpt_dir / LATEST
         return tree_bytes(latest.resolve()) if latest.exists() else None
 
     def keep(self, kept: Path) -> None:

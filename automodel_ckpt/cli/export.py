@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import ARCHIVE_SUFFIX, GGUF_SUFFIX, INT8_EXPORT_DIR
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 
@@ -69,13 +69,13 @@ def _export(args: argparse.Namespace) -> int:
     from automodel_ckpt.ondisk import open_model
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
-    stem = where.name.removesuffix(layout.ARCHIVE_SUFFIX)
+    stem = where.name.removesuffix(ARCHIVE_SUFFIX)
     if args.adapter:
         if args.to != "gguf" or args.dry_run:
             raise UsageError("--adapter applies to --to gguf (without --dry-run)")
         from automodel_ckpt.ondisk import write_gguf_adapter
 
-        out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{layout.GGUF_SUFFIX}"
+        out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{GGUF_SUFFIX}"
         done = write_gguf_adapter(src, out, args.type)
         print(f"GGUF LoRA adapter written to {out} ({human_size(done['bytes'])}, {done['factors']} factors, rank "
               f"{done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
@@ -83,7 +83,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.to == "gguf":
         from automodel_ckpt.ondisk import plan_gguf, write_gguf
 
-        out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{layout.GGUF_SUFFIX}"
+        out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{GGUF_SUFFIX}"
         with open_model(src) as source:
             plan = plan_gguf(source, args.type)
             print(plan.describe(source), flush=True)
@@ -96,7 +96,7 @@ def _export(args: argparse.Namespace) -> int:
         return 0
     from automodel_ckpt.ondisk import plan_int8, write_int8
 
-    out = Path(args.out) if args.out else where.parent / f"{stem}-{layout.INT8_EXPORT_DIR}-{args.scheme}"
+    out = Path(args.out) if args.out else where.parent / f"{stem}-{INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:
         examples, origin = _calibration_examples(args, source.side_dir) if args.calibrate else (None, "")
         plan = plan_int8(source, args.scheme, examples, origin)
@@ -143,10 +143,10 @@ def calibration_file_examples(path: Path, n: int, tokenizer: object) -> list[lis
     ``bounded.LOG_LINE`` bytes (a longer one is refused in one line naming it)."""
     import json
 
-    from automodel_ckpt.ondisk import bounded, paths
+    from automodel_ckpt.ondisk import LOG_LINE_LIMIT, open_regular
 
     try:
-        f = os.fdopen(paths.open_regular(path, follow=True), "rb")
+        f = os.fdopen(open_regular(path, follow=True), "rb")
     except OSError as exc:
         raise UsageError(f"--calibration-data '{path}' cannot be read: {exc.strerror or exc}") from None
     examples: list[list[int]] = []
@@ -154,12 +154,12 @@ def calibration_file_examples(path: Path, n: int, tokenizer: object) -> list[lis
         for number in range(1, 1 << 62):
             if len(examples) >= n:
                 break
-            line = f.readline(bounded.LOG_LINE + 1)
+            line = f.readline(LOG_LINE_LIMIT + 1)
             if not line:
                 break
-            if len(line) > bounded.LOG_LINE:
+            if len(line) > LOG_LINE_LIMIT:
                 raise UsageError(f"--calibration-data '{path}': line {number} is longer than "
-                                 f"{human_size(bounded.LOG_LINE)}")
+                                 f"{human_size(LOG_LINE_LIMIT)}")
             text = line.decode("utf-8", "replace").strip()
             if text and path.suffix == ".jsonl":
                 try:

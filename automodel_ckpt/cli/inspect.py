@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import as_float, bounded, catalog, detect_model_format, layout, shared_bytes, stored_once
+from automodel_ckpt.ondisk import (ADAPTER_CONFIG, BEST_EVAL, CONFIG_FILE_LIMIT, CONSOLIDATED_DIR, EVAL_DIR,
+                                   EVAL_SUFFIX, EVENTS_LOG, HF_CONFIG, INDEX_FILE_LIMIT, METADATA_FILE, MODEL_DIR,
+                                   QUARANTINE_DIR, SMALL_FILE_LIMIT, CheckpointRecord, as_float, consolidated_dir,
+                                   detect_model_format, hf_metadata_dir, model_dir, pointer_target, pointer_targets,
+                                   quarantined_checkpoints, read_json, scan_checkpoints, shared_bytes, size_on_disk,
+                                   stored_once)
 from automodel_ckpt.distributed.mesh import MeshSizes
 from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, stored_files
 from automodel_ckpt.cli.common import VerbParser, human_size
@@ -88,11 +93,11 @@ def render_gguf(info: dict[str, Any]) -> str:
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
     """``--cost``: the cost report of the run folder ``path`` (or of the run of the checkpoint it names)."""
     path = Path(path).expanduser()
-    if (path / layout.METADATA_FILE).is_file():
+    if (path / METADATA_FILE).is_file():
         path = path.resolve().parent
     costs = summarize(iter_events(path))  # streamed: a log of any size is read in bounded memory
     if not costs.launches:
-        raise UserError(f"'{path}' has no {layout.EVENTS_LOG} (or no record in it): the cost report needs a run "
+        raise UserError(f"'{path}' has no {EVENTS_LOG} (or no record in it): the cost report needs a run "
                         "folder trained with checkpoint costs recorded (this version or later)")
     return {"checkpoint_dir": str(path), **cost_report(costs, mtbf_hours)}
 
@@ -103,12 +108,12 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise UserError(f"checkpoint folder '{path}' not found")
     only = None
-    if (path / layout.METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
+    if (path / METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
         path, only = path.resolve().parent, path.resolve().name
-    pointers = catalog.pointer_targets(path)
+    pointers = pointer_targets(path)
     rows = [
         _row(r, pointers)
-        for r in catalog.scan(path, include_incomplete=True)
+        for r in scan_checkpoints(path, include_incomplete=True)
         if only is None or r.name == only
     ]
     totals = {"count": len(rows), "complete": sum(r["complete"] for r in rows),
@@ -117,15 +122,15 @@ def inspect_dir(path: Path) -> dict[str, Any]:
         totals["stored_bytes"] = stored_once([path / r["name"] for r in rows if r.get("shared_bytes") is not None])
     return {
         "checkpoint_dir": str(path),
-        "pointers": {p: {"target": t, "exists": catalog.pointer_target(path, p) is not None}
+        "pointers": {p: {"target": t, "exists": pointer_target(path, p) is not None}
                      for p, t in pointers.items()},
         "checkpoints": rows,
-        "quarantined": catalog.quarantined(path) if only is None else [],
+        "quarantined": quarantined_checkpoints(path) if only is None else [],
         "totals": totals,
     }
 
 
-def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> dict[str, Any]:
+def _row(record: CheckpointRecord, pointers: dict[str, str | None]) -> dict[str, Any]:
     meta = record.metadata or {}
     stored = stored_files(record.path) if source_of(record.path) else None  # a mirror: the store's files
     return {
@@ -136,14 +141,14 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
         "counters": (meta.get("extra") or {}).get("counters"),  # an algorithm's own (a preference run's dpo_step)
         "train_loss": json_safe(as_float(meta.get("train_loss"))),
         "val_loss": json_safe(as_float(meta.get("val_loss"))),
-        "size_bytes": sum(stored.values()) if stored is not None else catalog.size_on_disk(record.path),
+        "size_bytes": sum(stored.values()) if stored is not None else size_on_disk(record.path),
         # own: bytes only this checkpoint holds; shared: files it shares with another checkpoint by hard link
         **dict(zip(("own_bytes", "shared_bytes"), shared_bytes(record.path) if stored is None else (None, None))),
         "family": model_family(record.path),
-        "format": meta.get("model_save_format") or detect_model_format(layout.model_dir(record.path)),
+        "format": meta.get("model_save_format") or detect_model_format(model_dir(record.path)),
         "mesh": _mesh(meta),
-        "consolidated": layout.consolidated_dir(record.path).is_dir() if stored is None else
-        any(rel.startswith(f"{layout.MODEL_DIR}/{layout.CONSOLIDATED_DIR}/") for rel in stored),
+        "consolidated": consolidated_dir(record.path).is_dir() if stored is None else
+        any(rel.startswith(f"{MODEL_DIR}/{CONSOLIDATED_DIR}/") for rel in stored),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "data_position": (meta.get("extra") or {}).get("data_position"),
@@ -155,13 +160,13 @@ def _row(record: catalog.CheckpointRecord, pointers: dict[str, str | None]) -> d
 def eval_scores(ckpt: Path) -> dict[str, float] | None:
     """``ckpt-train eval``'s scores kept in the checkpoint: ``{"task/metric": value}``, the first metric of each
     task (None when it was never evaluated; a results file that cannot be read is left out)."""
-    folder = Path(ckpt) / layout.EVAL_DIR
+    folder = Path(ckpt) / EVAL_DIR
     if folder.is_symlink() or not folder.is_dir():
         return None
     scores: dict[str, float] = {}
-    for path in sorted(folder.glob(f"*{layout.EVAL_SUFFIX}")):
+    for path in sorted(folder.glob(f"*{EVAL_SUFFIX}")):
         try:
-            results = bounded.read_json(path, "eval results", bounded.INDEX_FILE).get("results") or {}
+            results = read_json(path, "eval results", INDEX_FILE_LIMIT).get("results") or {}
             for task, values in results.items():
                 metric = next(k for k, v in values.items() if "," in k and "_stderr" not in k
                               and isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -183,17 +188,17 @@ def _mesh(meta: dict[str, Any]) -> str | None:
 
 def model_family(ckpt: Path) -> str | None:
     """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
-    model = layout.model_dir(ckpt)
-    candidates = [(layout.hf_metadata_dir(model) / layout.HF_CONFIG, False)]
+    model = model_dir(ckpt)
+    candidates = [(hf_metadata_dir(model) / HF_CONFIG, False)]
     try:
-        adapter = bounded.read_json(model / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+        adapter = read_json(model / ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
         if adapter.get("base_model_name_or_path"):  # a base folder, maybe a Hugging Face cache snapshot of links
-            candidates.append((Path(adapter["base_model_name_or_path"]) / layout.HF_CONFIG, True))
+            candidates.append((Path(adapter["base_model_name_or_path"]) / HF_CONFIG, True))
     except (OSError, TypeError, AttributeError, UserError):
         pass
     for path, follow in candidates:
         try:
-            value = bounded.read_json(path, "a model config", bounded.CONFIG_FILE, follow=follow).get("model_type")
+            value = read_json(path, "a model config", CONFIG_FILE_LIMIT, follow=follow).get("model_type")
         except (OSError, AttributeError, UserError):
             continue
         if value:
@@ -248,12 +253,12 @@ def render_table(report: dict[str, Any]) -> str:
         out.append(data_position_line(positioned[-1]["name"], positioned[-1]["data_position"]))
     quarantined = report.get("quarantined") or []
     if quarantined:
-        out.append(f"quarantined (failed to load on resume; kept in {layout.QUARANTINE_DIR}/, never resumed from):")
+        out.append(f"quarantined (failed to load on resume; kept in {QUARANTINE_DIR}/, never resumed from):")
         for q in quarantined:
             out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
     for name, pointer in report["pointers"].items():
         if pointer["target"] is None:
-            if name != layout.BEST_EVAL:  # set only where a score is monitored: unset says nothing
+            if name != BEST_EVAL:  # set only where a score is monitored: unset says nothing
                 out.append(f"{name}: not set")
         elif not pointer["exists"]:
             out.append(f"{name} -> {pointer['target']} (missing)")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.ondisk import (CHECKSUM_MISMATCH, LATEST, LAYOUT_VERSION, MANIFEST_FILE, METADATA_FILE, MODEL_DIR,
+                                   UNEXPECTED_FILE, ManifestReport, is_staging, parse_default_name, pointer_targets,
+                                   scan_checkpoints, verify_manifest)
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 
@@ -33,13 +35,13 @@ def build_parser() -> VerbParser:
 
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` looks like one checkpoint folder (rather than a checkpoint_dir)."""
-    if (path / layout.MANIFEST_FILE).exists() or (path / layout.METADATA_FILE).exists():
+    if (path / MANIFEST_FILE).exists() or (path / METADATA_FILE).exists():
         return True
-    return layout.parse_default_name(path.name) is not None or (path / layout.MODEL_DIR).is_dir()
+    return parse_default_name(path.name) is not None or (path / MODEL_DIR).is_dir()
 
 
 def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool) -> bool:
-    return show(manifest.verify(path, checksums=checksums, threads=max(1, threads)), "checkpoint", checksums, quiet)
+    return show(verify_manifest(path, checksums=checksums, threads=max(1, threads)), "checkpoint", checksums, quiet)
 
 
 def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
@@ -63,15 +65,15 @@ def verify_gguf_file(path: Path, *, decode: bool) -> bool:
     return report.ok
 
 
-def show(report: manifest.Report, kind: str, checksums: bool, quiet: bool) -> bool:
+def show(report: ManifestReport, kind: str, checksums: bool, quiet: bool) -> bool:
     """Print one verdict per file (``quiet``: problems only) and the outcome; whether every file matched."""
-    n_files = len([v for v in report.verdicts if v.status != manifest.UNEXPECTED])
+    n_files = len([v for v in report.verdicts if v.status != UNEXPECTED_FILE])
     head = f"{kind} {report.checkpoint}"
     if report.problem is None:
         what = "sizes" if not checksums else report.algorithm
-        head += f" ({n_files} files, {human_size(report.total_bytes)}, layout {layout.LAYOUT_VERSION}, {what})"
+        head += f" ({n_files} files, {human_size(report.total_bytes)}, layout {LAYOUT_VERSION}, {what})"
     print(head)
-    width = max(len(manifest.CHECKSUM_MISMATCH), len(manifest.UNEXPECTED))
+    width = max(len(CHECKSUM_MISMATCH), len(UNEXPECTED_FILE))
     for v in report.verdicts:
         if quiet and v.ok:
             continue
@@ -87,8 +89,8 @@ def show(report: manifest.Report, kind: str, checksums: bool, quiet: bool) -> bo
 
 
 def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> bool:
-    refs = catalog.scan(root)
-    pointers = catalog.pointer_targets(root)
+    refs = scan_checkpoints(root)
+    pointers = pointer_targets(root)
     names = {r.name for r in refs}
     if not refs and all(t is None for t in pointers.values()):
         raise UserError(f"'{root}' is neither a checkpoint nor a checkpoint_dir (no checkpoints or pointers in it)")
@@ -106,14 +108,14 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
             pointer_problems += 1
         else:
             print(f"pointer {pointer} -> {target}: ok")
-    latest = pointers[layout.LATEST]
+    latest = pointers[LATEST]
     if refs and latest in names and refs[-1].name != latest:
         print(f"note: LATEST is behind the newest checkpoint {refs[-1].name} (a run stopped between publishing it "
               "and moving LATEST); resume picks the newest")
     if refs and latest is None:
         print(f"note: no LATEST pointer; resume picks the newest checkpoint {refs[-1].name}")
     for leftover in sorted(root.iterdir()):
-        if leftover.is_dir() and layout.is_staging(leftover.name):
+        if leftover.is_dir() and is_staging(leftover.name):
             print(f"note: {leftover.name} is an interrupted save: never loaded, removed by the next save")
     ok = not bad and not pointer_problems
     if ok:

@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationValidationError, OmegaConfBaseException, ValidationError
 
-from automodel_ckpt.ondisk import bounded
+from automodel_ckpt.ondisk import MAX_DEPTH, yaml_depth_line
 from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
@@ -110,9 +110,9 @@ def _load_yaml_marked(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
         raise ConfigError(f"cannot read recipe {path}: {getattr(exc, 'strerror', None) or exc}") from None
     loader = _Loader(text)
     try:
-        line = bounded.yaml_depth_line(text)
+        line = yaml_depth_line(text)
         if line is not None:
-            raise ConfigError(f"{path}:{line}: the recipe nests deeper than {bounded.MAX_DEPTH} levels")
+            raise ConfigError(f"{path}:{line}: the recipe nests deeper than {MAX_DEPTH} levels")
         node = loader.get_single_node()
         if node is not None:
             _check_aliases(node, path)

@@ -31,7 +31,9 @@ from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tasks import TASKS_DIR
 from automodel_ckpt.evaluation.tensors import open_tensors
-from automodel_ckpt.ondisk import catalog, layout, manifest, paths, write_atomic
+from automodel_ckpt.ondisk import (ADAPTER_CONFIG, HF_CONFIG, HF_TOKENIZER_FILES, METADATA_FILE, MODEL_DIR,
+                                   add_files_to_manifest, archive_eval_dir, eval_results_file, is_plain_name,
+                                   list_checkpoints, write_atomic)
 
 __all__ = ["EvalSettings", "evaluate", "load_model", "results_dir", "scores", "targets", "task_manager",
            "write_results"]
@@ -51,7 +53,7 @@ def targets(src: Path, only: list[str] | None = None) -> list[Path]:
     src = Path(src)
     if not src.exists():
         raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder, an archive or a run folder")
-    records = catalog.list_checkpoints(src) if src.is_dir() and not _is_model_folder(src) else []
+    records = list_checkpoints(src) if src.is_dir() and not _is_model_folder(src) else []
     if not records:
         if only:
             raise UserError(f"--only names checkpoints of a run folder; '{src}' is not one")
@@ -67,8 +69,8 @@ def targets(src: Path, only: list[str] | None = None) -> list[Path]:
 
 def _is_model_folder(path: Path) -> bool:
     """A checkpoint or a model folder of one (not a run folder holding checkpoints)."""
-    return any((path / name).exists() for name in (layout.METADATA_FILE, layout.HF_CONFIG, layout.ADAPTER_CONFIG,
-                                                   layout.MODEL_DIR))
+    return any((path / name).exists() for name in (METADATA_FILE, HF_CONFIG, ADAPTER_CONFIG,
+                                                   MODEL_DIR))
 
 
 def results_dir(src: Path) -> Path:
@@ -76,8 +78,8 @@ def results_dir(src: Path) -> Path:
     export folder, or beside an archive."""
     src = Path(src)
     if src.is_file():
-        return layout.archive_eval_dir(src)
-    if src.name == layout.MODEL_DIR and (src.parent / layout.METADATA_FILE).is_file():
+        return archive_eval_dir(src)
+    if src.name == MODEL_DIR and (src.parent / METADATA_FILE).is_file():
         return src.parent
     return src
 
@@ -111,7 +113,7 @@ def load_model(src: Path) -> Iterator[tuple[Any, Any]]:
 
     with open_tensors(src, adapters_as_adapters=False) as tensors, \
             tempfile.TemporaryDirectory(prefix="ckpt-eval-") as tmp:
-        if not any(name in tensors.side for name in layout.HF_TOKENIZER_FILES):
+        if not any(name in tensors.side for name in HF_TOKENIZER_FILES):
             raise CheckpointError(f"'{src}' carries no tokenizer files; evaluate an export folder that has them")
         folder = Path(tmp) / "model"
         entries = [(name, tensors.shapes[name], tensors.dtypes[name]) for name in tensors.shapes]
@@ -210,12 +212,12 @@ def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) ->
     owner = results_dir(src)
     written = []
     for task in tasks:
-        if not paths.is_plain_name(task):
+        if not is_plain_name(task):
             raise UserError(f"--tasks: '{task}' cannot name a results file")
         one = {key: ({k: v for k, v in value.items() if k == task} if isinstance(value, dict) and task in value
                      else value) for key, value in results.items()}
         one["source"] = str(src)
-        path = layout.eval_results_file(owner, task)
+        path = eval_results_file(owner, task)
         if path.parent.is_symlink() or (path.parent.exists() and not path.parent.is_dir()):
             raise CheckpointError(f"'{path.parent}' is a symlink or a file, not a folder; results are never written "
                                   "through a link: remove it and evaluate again")
@@ -224,7 +226,7 @@ def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) ->
         write_atomic(path, text.encode("utf-8"))
         written.append(path)
     if written and Path(src).is_dir():
-        manifest.add_files(written[0].parent)  # a checkpoint's (or its export's) manifest lists them
+        add_files_to_manifest(written[0].parent)  # a checkpoint's (or its export's) manifest lists them
     return written
 
 

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
-from automodel_ckpt.ondisk import bounded, layout, open_model, paths
+from automodel_ckpt.ondisk import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_CONFIG, HF_GENERATION_CONFIG, HF_TOKENIZER_FILES,
+                                   INDEX_FILE_LIMIT, MODEL_DIR, PEFT_FULL_CONFIG, SMALL_FILE_LIMIT, model_file_in,
+                                   open_model, read_bytes, read_json)
 
 __all__ = ["MODEL", "ADAPTER", "Tensors", "is_adapter", "open_tensors"]
 
 MODEL, ADAPTER = "model", "adapter"
 # the small files a model folder may carry beside its weights (config, generation config, tokenizer)
-_MODEL_SIDE = (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES)
-_ADAPTER_SIDE = (layout.ADAPTER_CONFIG, layout.PEFT_FULL_CONFIG, *layout.HF_TOKENIZER_FILES)
+_MODEL_SIDE = (HF_CONFIG, HF_GENERATION_CONFIG, *HF_TOKENIZER_FILES)
+_ADAPTER_SIDE = (ADAPTER_CONFIG, PEFT_FULL_CONFIG, *HF_TOKENIZER_FILES)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Tensors:
 def is_adapter(src: Path) -> bool:
     """A LoRA adapter: a PEFT checkpoint (its ``model/`` holds ``adapter_config.json``) or an adapter folder."""
     src = Path(src)
-    return src.is_dir() and any(os.path.lexists(d / layout.ADAPTER_CONFIG) for d in (src, src / layout.MODEL_DIR))
+    return src.is_dir() and any(os.path.lexists(d / ADAPTER_CONFIG) for d in (src, src / MODEL_DIR))
 
 
 @contextmanager
@@ -86,8 +88,8 @@ def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
         path = folder / name
         if os.path.lexists(path):
             try:
-                real = paths.model_file(folder, name, "it is not read")
-                out[name] = bounded.read_bytes(real, "a model folder's small file", bounded.INDEX_FILE, follow=True)
+                real = model_file_in(folder, name, "it is not read")
+                out[name] = read_bytes(real, "a model folder's small file", INDEX_FILE_LIMIT, follow=True)
             except OSError as exc:
                 raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
     return out
@@ -96,17 +98,17 @@ def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
 def _adapter(src: Path, stack: ExitStack) -> Tensors:
     from safetensors import safe_open
 
-    folder = src / layout.MODEL_DIR if os.path.lexists(src / layout.MODEL_DIR / layout.ADAPTER_CONFIG) else src
+    folder = src / MODEL_DIR if os.path.lexists(src / MODEL_DIR / ADAPTER_CONFIG) else src
     if folder is not src and folder.is_symlink():
         raise CheckpointError(f"'{folder}' is a symlink; folders inside a checkpoint are never followed as links")
-    config = bounded.read_json(paths.model_file(folder, layout.ADAPTER_CONFIG, "it is not read"), "an adapter config",
-                               bounded.SMALL_FILE, follow=True)
+    config = read_json(model_file_in(folder, ADAPTER_CONFIG, "it is not read"), "an adapter config",
+                               SMALL_FILE_LIMIT, follow=True)
     if not isinstance(config, dict):
-        raise CheckpointError(f"'{folder / layout.ADAPTER_CONFIG}' is not a JSON object")
-    if not os.path.lexists(folder / layout.ADAPTER_WEIGHTS):
-        raise CheckpointError(f"'{folder}' has no {layout.ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
+        raise CheckpointError(f"'{folder / ADAPTER_CONFIG}' is not a JSON object")
+    if not os.path.lexists(folder / ADAPTER_WEIGHTS):
+        raise CheckpointError(f"'{folder}' has no {ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
                               "read)")
-    weights = paths.model_file(folder, layout.ADAPTER_WEIGHTS, "it is not read")
+    weights = model_file_in(folder, ADAPTER_WEIGHTS, "it is not read")
     try:
         handle = stack.enter_context(safe_open(str(weights), framework="pt"))
     except Exception as exc:  # safetensors' own checks of the header: sizes, offsets, dtypes

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from automodel_ckpt.ondisk import bounded, paths
+from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, check_path, read_json
 from automodel_ckpt.errors import CheckpointError, ConfigError, first_line
 
 logger = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ def _has_all_weights(folder: Path) -> bool:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE, follow=True).get("weight_map")
-            shards = {paths.check(shard, f"'{index}'") for shard in weight_map.values()}
+            weight_map = read_json(index, "a weights index", INDEX_FILE_LIMIT, follow=True).get("weight_map")
+            shards = {check_path(shard, f"'{index}'") for shard in weight_map.values()}
         except (OSError, AttributeError, CheckpointError):
             return False
         return bool(shards) and all((folder / shard).exists() for shard in shards)

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, PreemptionWatcher, run_folder, written_by
-from automodel_ckpt.ondisk import layout, run_fingerprint
+from automodel_ckpt.ondisk import TRAINING_LOG, VALIDATION_LOG, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.data import (IGNORE_INDEX, BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData,
@@ -152,8 +152,8 @@ class FinetuneRecipe(BaseRecipe):
                                               peft=cfg.peft is not None)
         ckpt_cfg = self.checkpoint_config
         run_dir = run_folder(ckpt_cfg)  # checkpoint_dir, or the local mirror of an object-store URL
-        self.train_log = JsonlLog(run_dir / layout.TRAINING_LOG, enabled=self.env.is_main)
-        self.val_log = JsonlLog(run_dir / layout.VALIDATION_LOG, enabled=self.env.is_main)
+        self.train_log = JsonlLog(run_dir / TRAINING_LOG, enabled=self.env.is_main)
+        self.val_log = JsonlLog(run_dir / VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
         if self.env.is_main:
             for line in (self.data_report, self.data_parallel.describe(), optimizer_line, self._compile_line):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.ondisk import catalog, layout, manifest
+from automodel_ckpt.ondisk import EVENTS_LOG, read_manifest, size_on_disk
 from automodel_ckpt.training.metrics import JsonlLog, log_lines
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
@@ -33,7 +33,7 @@ def written_bytes(path: Path) -> int | None:
     """The bytes a published checkpoint's save wrote: its manifest's total less what it hard-linked from an earlier
     checkpoint (``checkpoint.incremental``: ``linked_bytes``); None where it linked nothing."""
     try:
-        table = manifest.read(path) or {}
+        table = read_manifest(path) or {}
         linked = table.get("linked_bytes")
         return int(table["total_bytes"]) - int(linked) if linked else None
     except (OSError, ValueError, TypeError, KeyError):
@@ -43,8 +43,8 @@ def written_bytes(path: Path) -> int | None:
 def checkpoint_bytes(path: Path) -> int | None:
     """The size of a published checkpoint: its manifest's total (every rank's files), else what is on disk."""
     try:
-        total = (manifest.read(path) or {}).get("total_bytes")
-        return int(total) if total is not None else catalog.size_on_disk(path)
+        total = (read_manifest(path) or {}).get("total_bytes")
+        return int(total) if total is not None else size_on_disk(path)
     except (OSError, ValueError, TypeError):
         return None
 
@@ -71,7 +71,7 @@ class CheckpointCosts:
     """
 
     def __init__(self, run_dir: Path, *, enabled: bool, on_record: Callable[[dict[str, Any]], None]) -> None:
-        self.log = JsonlLog(Path(run_dir) / layout.EVENTS_LOG, enabled=enabled)
+        self.log = JsonlLog(Path(run_dir) / EVENTS_LOG, enabled=enabled)
         self.on_record = on_record
         self._started = time.time()
         self._blocked = 0.0
@@ -202,7 +202,7 @@ def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
     elsewhere may hold a log of any size): a line longer than ``bounded.LOG_LINE`` is skipped without being held,
     as is a line that is no JSON object (a line cut by a kill mid-write). A link, FIFO or device in the log's place
     is refused (``UserError``), never followed or waited on."""
-    for line in log_lines(Path(run_dir) / layout.EVENTS_LOG):
+    for line in log_lines(Path(run_dir) / EVENTS_LOG):
         try:
             record = json.loads(line)
         except (ValueError, RecursionError):

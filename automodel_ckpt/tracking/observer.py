@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import yaml
 
-from automodel_ckpt.ondisk import catalog
+from automodel_ckpt.ondisk import quarantined_checkpoints
 from automodel_ckpt.errors import first_line
 from automodel_ckpt.tracking.costlog import SIDE_FAILURE, CheckpointCosts, iter_events, summarize
 from automodel_ckpt.tracking.costreport import cost_report, one_line
@@ -39,7 +39,7 @@ class RunObserver:
         self._step = step
         events: list[tuple[str, str]] = []
         if self.is_main:
-            for q in catalog.quarantined(self.run_dir):  # moved aside by this launch's restore
+            for q in quarantined_checkpoints(self.run_dir):  # moved aside by this launch's restore
                 if (q.get("quarantined_at") or 0) >= self._launched:
                     events.append(("fallback", f"checkpoint {q['name']} could not be loaded ({q['reason']}); moved "
                                                "to quarantine/ and resumed from the newest checkpoint before it"))

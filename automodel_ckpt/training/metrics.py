@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterator
 
-from automodel_ckpt.ondisk import bounded, paths, write_atomic
+from automodel_ckpt.ondisk import LOG_LINE_LIMIT, file_kind, open_regular, write_atomic
 from automodel_ckpt.errors import UserError, first_line
 from automodel_ckpt.jsonsafe import json_safe
 
@@ -79,7 +79,7 @@ def _open_append(path: Path) -> int:
         return fd
     if fd is not None:
         os.close(fd)
-    raise UserError(f"the log '{path}' is {paths.kind(os.lstat(path).st_mode)}, not a regular file; logs are "
+    raise UserError(f"the log '{path}' is {file_kind(os.lstat(path).st_mode)}, not a regular file; logs are "
                     "appended only to regular files of the run: remove it")
 
 
@@ -87,17 +87,17 @@ def log_lines(path: Path) -> Iterator[str]:
     """A log's lines, read one at a time (a run folder received from elsewhere may hold a log of any size); a line
     longer than ``bounded.LOG_LINE`` is skipped, never held whole. Opened as ``_read_log`` opens it."""
     try:
-        f = os.fdopen(paths.open_regular(path), "rb")
+        f = os.fdopen(open_regular(path), "rb")
     except FileNotFoundError:
         return
     except OSError as exc:
         raise UserError(f"cannot read the log '{path}': {first_line(exc)}; logs are read only as regular files: "
                         "remove it") from None
     with f:
-        while line := f.readline(bounded.LOG_LINE + 1):
-            if len(line) > bounded.LOG_LINE:
+        while line := f.readline(LOG_LINE_LIMIT + 1):
+            if len(line) > LOG_LINE_LIMIT:
                 while line and not line.endswith(b"\n"):  # the rest of an over-long line
-                    line = f.readline(bounded.LOG_LINE + 1)
+                    line = f.readline(LOG_LINE_LIMIT + 1)
                 continue
             yield line.decode("utf-8", "replace")
 
@@ -106,7 +106,7 @@ def _read_log(path: Path) -> str:
     """A log's text; a symlink, FIFO or device in its place is refused (``UserError``), never followed or waited
     on."""
     try:
-        with os.fdopen(paths.open_regular(path), "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return f.read().decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
