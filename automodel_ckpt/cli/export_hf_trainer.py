@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UsageError
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import CONFIG_FILE, METADATA_FILE, TRAINING_LOG
 
 
 def export(src: Path, out: Path | None, recipe: Path | None) -> int:
@@ -23,17 +23,16 @@ def export(src: Path, out: Path | None, recipe: Path | None) -> int:
         raise UsageError("export --to hf-trainer runs as one process")
     if recipe is None:
         raise UsageError("export --to hf-trainer: give --recipe RECIPE.yaml, the recipe that trained the checkpoint "
-                         f"(its {layout.CONFIG_FILE} is a copy, never run as a recipe)")
+                         f"(its {CONFIG_FILE} is a copy, never run as a recipe)")
     src = src.absolute()
     recipe_file = Path(recipe)
-    if not (src / layout.METADATA_FILE).is_file():
-        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {layout.METADATA_FILE}): --to hf-trainer "
+    if not (src / METADATA_FILE).is_file():
+        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {METADATA_FILE}): --to hf-trainer "
                               "exports a checkpoint folder (epoch_E_step_N)")
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.interop import hf_export
-    from automodel_ckpt.ondisk import bounded
 
     with tempfile.TemporaryDirectory(prefix="hf-trainer-export-") as scratch:
         overrides = ["--checkpoint.checkpoint_dir", scratch, "--checkpoint.restore_from", str(src),
@@ -47,7 +46,7 @@ def export(src: Path, out: Path | None, recipe: Path | None) -> int:
                 raise CheckpointError(f"'{src}' did not load")
             step = recipe.step_scheduler.step
             target = Path(out) if out is not None else src.parent / f"{src.name}-hf-trainer" / f"checkpoint-{step}"
-            log = _log(src.parent / layout.TRAINING_LOG)
+            log = _log(src.parent / TRAINING_LOG)
             staging = target.with_name(f".{target.name}.partial")
             shutil.rmtree(staging, ignore_errors=True)
             args = hf_export.write(recipe, staging, log)
@@ -66,9 +65,9 @@ def export(src: Path, out: Path | None, recipe: Path | None) -> int:
 def _log(path: Path) -> list[dict]:
     """The run's ``training.jsonl`` records (the Trainer's log history), if the run folder has one."""
     try:
-        from automodel_ckpt.ondisk import bounded
+        from automodel_ckpt.ondisk import LOG_FILE_LIMIT, read_bytes
 
-        text = bounded.read_bytes(path, "the training log", bounded.LOG_FILE).decode("utf-8", "replace")
+        text = read_bytes(path, "the training log", LOG_FILE_LIMIT).decode("utf-8", "replace")
     except (OSError, CheckpointError):
         return []
     out = []

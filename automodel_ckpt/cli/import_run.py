@@ -47,9 +47,9 @@ def main(argv: list[str]) -> int:
     if run.schedule.target is None:
         raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
     out = Path(args.out)
-    from automodel_ckpt.ondisk import catalog
+    from automodel_ckpt.ondisk import list_checkpoints
 
-    if out.is_dir() and catalog.list_checkpoints(out):
+    if out.is_dir() and list_checkpoints(out):
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
     from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.config.instantiate import locate
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     except BaseException:
         if getattr(recipe, "checkpointer", None) is not None:
             recipe.checkpointer.abandon()
-        if fresh and out.is_dir() and not catalog.list_checkpoints(out):
+        if fresh and out.is_dir() and not list_checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)  # the folder this import made, with nothing in it
         raise
     print(f"Imported {run.kind} as {saved} (step {counters['step']}, epoch {counters['epoch']}, "

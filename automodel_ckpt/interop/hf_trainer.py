@@ -18,17 +18,17 @@ import torch
 from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, count, load_pickle, load_record, number, plain,
                                            read_state_json, refuse, regular_files)
-from automodel_ckpt.ondisk import bounded, layout, paths
+from automodel_ckpt.ondisk import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_INDEX, HF_SINGLE_WEIGHTS, INDEX_FILE_LIMIT,
+                                   SMALL_FILE_LIMIT, MiB, check_path, path_inside, read_json, regular_file_problem)
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG = "rng_state.pth"
-MODEL = layout.HF_SINGLE_WEIGHTS
-MODEL_INDEX = layout.HF_INDEX
-ADAPTER = layout.ADAPTER_WEIGHTS
-ADAPTER_CONFIG = layout.ADAPTER_CONFIG
+MODEL = HF_SINGLE_WEIGHTS
+MODEL_INDEX = HF_INDEX
+ADAPTER = ADAPTER_WEIGHTS
 FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME, model 0: {"model": state} by DCP
 FSDP_OPTIMIZER = "optimizer_0"  # accelerate's OPTIMIZER_NAME, optimizer 0: {"optimizer": state} by DCP
 MAX_LOG = 1_000_000
@@ -69,7 +69,7 @@ def read(src: Path) -> ForeignRun:
     adapter = ADAPTER in files
     adapter_config = None
     if adapter:
-        adapter_config = bounded.read_json(src / ADAPTER_CONFIG, "the adapter's config", bounded.SMALL_FILE,
+        adapter_config = read_json(src / ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT,
                                            follow=True) if ADAPTER_CONFIG in files else None
         if not isinstance(adapter_config, dict):
             raise refuse(src, f"its adapter has no {ADAPTER_CONFIG}")
@@ -81,7 +81,7 @@ def read(src: Path) -> ForeignRun:
     else:
         weights = _weights(src, files, adapter)
         weight_bytes = sum(t.numel() * 4 for t in weights.values())
-        opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * bounded.MiB)
+        opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * MiB)
         moments, groups = optimizer_slots(opt, src / OPTIMIZER)
         order = names.hf_trainer_order
     sched = load_pickle(src / SCHEDULER, "the scheduler's state", SMALL_PICKLE)
@@ -116,17 +116,17 @@ def _weights(src: Path, files: set[str], adapter: bool) -> dict[str, torch.Tenso
     elif MODEL in files:
         chosen = [MODEL]
     elif MODEL_INDEX in files:
-        index = bounded.read_json(src / MODEL_INDEX, "the model's index", bounded.INDEX_FILE)
+        index = read_json(src / MODEL_INDEX, "the model's index", INDEX_FILE_LIMIT)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise refuse(src / MODEL_INDEX, "it has no weight_map")
-        chosen = sorted({paths.check(v, f"'{src / MODEL_INDEX}'") for v in weight_map.values()})
+        chosen = sorted({check_path(v, f"'{src / MODEL_INDEX}'") for v in weight_map.values()})
     else:
         raise refuse(src, f"it holds no {MODEL}, {MODEL_INDEX} or {ADAPTER}")
     weights: dict[str, torch.Tensor] = {}
     for name in chosen:
-        path = paths.inside(src, name, f"'{src}'")
-        if paths.regular_file_problem(path) is not None:
+        path = path_inside(src, name, f"'{src}'")
+        if regular_file_problem(path) is not None:
             raise refuse(path, "not a regular file")
         try:
             weights.update(load_file(str(path)))

@@ -19,11 +19,11 @@ from typing import Any, Callable
 import torch
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import bounded, paths
+from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, check_size, open_regular, parse_json, regular_file_problem
 
 MiB = 2**20
 SMALL_PICKLE = 1 * MiB  # scheduler.pt, rng_state.pth, training_args.bin: a few KiB
-STATE_JSON = bounded.INDEX_FILE  # trainer_state.json: its log history grows some 150 bytes a logged step
+STATE_JSON = INDEX_FILE_LIMIT  # trainer_state.json: its log history grows some 150 bytes a logged step
 MAX_STEPS = 1 << 40  # a step, epoch or sample count past this is not a run's
 RECORD_MODULES = ("transformers.", "accelerate.", "peft.")  # the objects training_args.bin may name
 
@@ -91,15 +91,15 @@ def read_bytes(path: Path, what: str, limit: int) -> bytes:
     """The bytes of the regular file ``path`` (a link the user named is followed), its size checked against
     ``limit`` before a byte is read."""
     try:
-        with os.fdopen(paths.open_regular(Path(path), follow=True), "rb") as f:
+        with os.fdopen(open_regular(Path(path), follow=True), "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            bounded.check_size(size, f"'{path}'", what, limit)
+            check_size(size, f"'{path}'", what, limit)
             data = f.read(size + 1)  # a file that grows while read is still cut
     except FileNotFoundError:
         raise CheckpointError(f"'{path}' is missing ({what})") from None
     except OSError as exc:
         raise CheckpointError(f"'{path}' is unreadable ({what}): {exc.strerror or exc}") from None
-    bounded.check_size(len(data), f"'{path}'", what, min(limit, size))
+    check_size(len(data), f"'{path}'", what, min(limit, size))
     return data
 
 
@@ -173,7 +173,7 @@ def load_record(path: Path, what: str, limit: int = SMALL_PICKLE) -> Record:
 
 
 def read_state_json(path: Path, what: str) -> dict[str, Any]:
-    data = bounded.parse_json(read_bytes(path, what, STATE_JSON), f"'{path}'", what, STATE_JSON)
+    data = parse_json(read_bytes(path, what, STATE_JSON), f"'{path}'", what, STATE_JSON)
     if not isinstance(data, dict):
         raise refuse(path, f"{what} is not a JSON object")
     return data
@@ -181,7 +181,7 @@ def read_state_json(path: Path, what: str) -> dict[str, Any]:
 
 def regular_files(folder: Path) -> list[str]:
     """The names of the regular files directly in ``folder`` (links and others left out)."""
-    return sorted(name for name in os.listdir(folder) if paths.regular_file_problem(folder / name) is None)
+    return sorted(name for name in os.listdir(folder) if regular_file_problem(folder / name) is None)
 
 
 def _first(exc: BaseException) -> str:

@@ -36,6 +36,7 @@ _EXPORTS = {
     "HF_CONFIG": ("layout", "HF_CONFIG"),
     "HF_GENERATION_CONFIG": ("layout", "HF_GENERATION_CONFIG"),
     "HF_INDEX": ("layout", "HF_INDEX"),
+    "HF_SINGLE_WEIGHTS": ("layout", "HF_SINGLE_WEIGHTS"),
     "HF_TOKENIZER_FILES": ("layout", "HF_TOKENIZER_FILES"),
     "INT8_EXPORT_DIR": ("layout", "INT8_EXPORT_DIR"),
     "LATEST": ("layout", "LATEST"),
@@ -70,9 +71,13 @@ _EXPORTS = {
     "bounded": ("bounded", None),
     "CONFIG_FILE_LIMIT": ("bounded", "CONFIG_FILE"),
     "INDEX_FILE_LIMIT": ("bounded", "INDEX_FILE"),
+    "LOG_FILE_LIMIT": ("bounded", "LOG_FILE"),
     "LOG_LINE_LIMIT": ("bounded", "LOG_LINE"),
     "MAX_DEPTH": ("bounded", "MAX_DEPTH"),
     "SMALL_FILE_LIMIT": ("bounded", "SMALL_FILE"),
+    "MiB": ("bounded", "MiB"),
+    "check_size": ("bounded", "check_size"),
+    "parse_json": ("bounded", "parse_json"),
     "read_bytes": ("bounded", "read_bytes"),
     "read_json": ("bounded", "read_json"),
     "read_yaml": ("bounded", "read_yaml"),
@@ -84,6 +89,8 @@ _EXPORTS = {
     "is_plain_name": ("paths", "is_plain_name"),
     "model_file_in": ("paths", "model_file"),
     "open_regular": ("paths", "open_regular"),
+    "path_inside": ("paths", "inside"),
+    "regular_file_problem": ("paths", "regular_file_problem"),
     # the catalog of a run folder: its checkpoints and pointers (catalog)
     "catalog": ("catalog", None),
     "CheckpointRecord": ("catalog", "CheckpointRecord"),
@@ -151,9 +158,11 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from automodel_ckpt.ondisk import bounded, catalog, layout, manifest, paths, plan_results, planning
-    from automodel_ckpt.ondisk.bounded import MAX_DEPTH, read_bytes, read_json, read_yaml, yaml_depth_line
+    from automodel_ckpt.ondisk.bounded import (MAX_DEPTH, MiB, check_size, parse_json, read_bytes, read_json, read_yaml,
+                                               yaml_depth_line)
     from automodel_ckpt.ondisk.bounded import CONFIG_FILE as CONFIG_FILE_LIMIT
     from automodel_ckpt.ondisk.bounded import INDEX_FILE as INDEX_FILE_LIMIT
+    from automodel_ckpt.ondisk.bounded import LOG_FILE as LOG_FILE_LIMIT
     from automodel_ckpt.ondisk.bounded import LOG_LINE as LOG_LINE_LIMIT
     from automodel_ckpt.ondisk.bounded import SMALL_FILE as SMALL_FILE_LIMIT
     from automodel_ckpt.ondisk.catalog import (CheckpointRecord, list_checkpoints, pointer_target, pointer_targets,
@@ -184,13 +193,14 @@ if TYPE_CHECKING:
     from automodel_ckpt.ondisk.layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ARCHIVE_SUFFIX, BEST_EVAL, CONFIG_FILE,
                                               CONSOLIDATE_SCRIPT, CONSOLIDATED_DIR, EMA_DIR, EVAL_DIR, EVAL_SUFFIX,
                                               EVENTS_LOG, GGUF_SUFFIX, HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX,
-                                              HF_TOKENIZER_FILES, INT8_EXPORT_DIR, LATEST, LAYOUT_VERSION, LOWEST_VAL,
-                                              MANIFEST_FILE, METADATA_FILE, MLFLOW_ARTIFACTS, MLFLOW_DB, MLFLOW_DB_NEW,
-                                              MLFLOW_DIR, MODEL_DIR, PEFT_FULL_CONFIG, QUARANTINE_DIR, TENSORBOARD_DIR,
-                                              TRAINING_LOG, VALIDATION_LOG, archive_eval_dir, consolidated_dir,
-                                              consolidated_ema_dir, ema_dir, eval_results_file, export_tmp_name,
-                                              global_state_file, hf_metadata_dir, hf_weights_file, is_staging,
-                                              model_dir, parse_default_name, ref_log_probs_file)
+                                              HF_SINGLE_WEIGHTS, HF_TOKENIZER_FILES, INT8_EXPORT_DIR, LATEST,
+                                              LAYOUT_VERSION, LOWEST_VAL, MANIFEST_FILE, METADATA_FILE,
+                                              MLFLOW_ARTIFACTS, MLFLOW_DB, MLFLOW_DB_NEW, MLFLOW_DIR, MODEL_DIR,
+                                              PEFT_FULL_CONFIG, QUARANTINE_DIR, TENSORBOARD_DIR, TRAINING_LOG,
+                                              VALIDATION_LOG, archive_eval_dir, consolidated_dir, consolidated_ema_dir,
+                                              ema_dir, eval_results_file, export_tmp_name, global_state_file,
+                                              hf_metadata_dir, hf_weights_file, is_staging, model_dir,
+                                              parse_default_name, ref_log_probs_file)
     from automodel_ckpt.ondisk.manifest import CHECKSUM_MISMATCH
     from automodel_ckpt.ondisk.manifest import Report as ManifestReport
     from automodel_ckpt.ondisk.manifest import UNEXPECTED as UNEXPECTED_FILE
@@ -199,8 +209,9 @@ if TYPE_CHECKING:
     from automodel_ckpt.ondisk.manifest import read as read_manifest
     from automodel_ckpt.ondisk.manifest import verify as verify_manifest
     from automodel_ckpt.ondisk.metadata import as_float, written_by
-    from automodel_ckpt.ondisk.paths import is_plain_name, open_regular
+    from automodel_ckpt.ondisk.paths import is_plain_name, open_regular, regular_file_problem
     from automodel_ckpt.ondisk.paths import check as check_path
+    from automodel_ckpt.ondisk.paths import inside as path_inside
     from automodel_ckpt.ondisk.paths import kind as file_kind
     from automodel_ckpt.ondisk.paths import model_file as model_file_in
 
