@@ -156,3 +156,49 @@ def test_validation_is_linear_where_dcps_sweep_is_quadratic():
         assert calls["n"] == n * (n - 1) // 2
     finally:
         default_planner._check_box_overlap = original
+
+
+def test_dedup_assigns_as_dcp_where_duplicates_follow_a_ranks_own_items():
+    """Random plans mixing items only one rank holds with items several hold, first appearing at any rank, of
+    differing sizes: the writer of each is DCP's (``dedup_save_plans``)."""
+    import random
+
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from automodel_ckpt.ondisk.formats import plan_checks
+
+    rng = random.Random(0)
+    props = TensorProperties(dtype=torch.float32)
+    for _ in range(200):
+        plans = []
+        for _rank in range(rng.randint(2, 6)):
+            items = []
+            for name in rng.sample(range(8), rng.randint(1, 6)):
+                rows, row = rng.choice([(4, 0), (4, 1), (2, rng.randint(0, 3))])
+                size = torch.Size((16, 3 + name))  # one shape per name
+                offsets = torch.Size((row * rows, 0))
+                items.append(WriteItem(MetadataIndex(f"w{name}", offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(offsets, torch.Size((rows, 3 + name))), props, size)))
+            plans.append(SavePlan(items))
+        kept = [{item.index for item in p.items} for p in dedup_save_plans(plans)]
+        notes = [planning.PlanNote("", *planning._encode(p), {}) for p in plans]
+        ours = plan_checks.dedup(notes)
+        assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_pauses_the_collector_and_leaves_what_it_made_to_the_oldest_generation(enabled):
+    import gc
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with planning.gc_paused():
+            assert not gc.isenabled()
+            made = [[i] for i in range(planning.MANY_OBJECTS + 1)]  # tracked objects, no collection
+        assert gc.isenabled() == enabled
+        assert gc.get_count()[0] < planning.MANY_OBJECTS  # moved on without a walk, not left young
+        assert any(obj is made for obj in gc.get_objects(generation=2))
+    finally:
+        gc.enable()
