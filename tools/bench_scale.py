@@ -226,7 +226,7 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
             (dump / f"sim_metadata_{n}.pkl").write_bytes(pickle.dumps(first["metadata"]))
         second = scale_sim.save(layout, strategy, n)
         assert second["reused"], "the next save of the same layout reused the cached plan"
-        target = max(1, (3 * n) // 4 // scale_sim.TP * scale_sim.TP) if strategy != "fsdp" else max(1, (3 * n) // 4)
+        target = max(scale_sim.TP, (3 * n) // 4 // scale_sim.TP * scale_sim.TP) if strategy != "fsdp" else max(1, (3 * n) // 4)
         row = {"ranks": n, "first_save_s": first["seconds"], "next_save_s": second["seconds"],
                "load_s": scale_sim.load(layout, strategy, first["metadata"], n),
                "reshard_load_s": scale_sim.load(layout, strategy, first["metadata"], target),
