@@ -236,8 +236,8 @@ def gc_paused():
     On the way out, when more than ``MANY_OBJECTS`` were made, they are moved as they are into the oldest
     generation (``gc.freeze`` then ``gc.unfreeze``, two list splices): no young collection walks them, nor are
     they counted towards a full one; the global plan and metadata are long-lived anyway (cached until the layout
-    changes). Objects the process froze before are moved there with them (``gc.get_freeze_count`` would walk
-    every frozen object to tell)."""
+    changes). Objects the process froze before are unfrozen with them, into the same generation (telling them
+    apart would take ``gc.get_freeze_count``, which walks every frozen object)."""
     was = gc.isenabled()
     gc.disable()
     try:
