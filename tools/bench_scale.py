@@ -59,7 +59,7 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer
-    from automodel_ckpt.ondisk import SaveInfo, planning
+    from automodel_ckpt.ondisk import LinearSavePlanner, SaveInfo
     from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 
     env = init_distributed("gloo")
@@ -78,10 +78,10 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
 
         setattr(owner, name, wrapper)
 
-    timed(planning.LinearSavePlanner, "create_local_plan", "plan_local")
-    timed(planning.LinearSavePlanner, "create_global_plan", "plan_global")
+    timed(LinearSavePlanner, "create_local_plan", "plan_local")
+    timed(LinearSavePlanner, "create_global_plan", "plan_global")
     if dump is not None:
-        finish_plan = planning.LinearSavePlanner.finish_plan
+        finish_plan = LinearSavePlanner.finish_plan
 
         def dumping(self, new_plan):  # every rank's final plan of the model save, and the metadata
             final = finish_plan(self, new_plan)
@@ -91,7 +91,7 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
                     (dump / f"metadata_{env.world_size}.pkl").write_bytes(pickle.dumps(self.metadata))
             return final
 
-        planning.LinearSavePlanner.finish_plan = dumping
+        LinearSavePlanner.finish_plan = dumping
     c10d = dist.distributed_c10d
     to_tensor = c10d._object_to_tensor
 
@@ -212,7 +212,7 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
     """The coordinator's CPU seconds at each rank count (see the module docstring), printed and written to ``out``."""
     import scale_sim
 
-    from automodel_ckpt.ondisk import plan_results, planning
+    from automodel_ckpt.ondisk import clear_plan_cache, clear_results_cache
 
     report: dict = {"layout": layout, "strategy": strategy, "tensors": len(scale_sim.params(layout)), "ranks": [],
                     "first_save_s": [], "next_save_s": [], "load_s": [], "reshard_load_s": [],
@@ -233,8 +233,8 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
                "object_bytes_per_rank": first["object_bytes_per_rank"],
                "next_object_bytes_per_rank": second["object_bytes_per_rank"]}
         del first, second
-        planning.clear_cache()  # the next rank count's plans only
-        plan_results.clear_cache()
+        clear_plan_cache()  # the next rank count's plans only
+        clear_results_cache()
         for k, v in row.items():
             report[k].append(v)
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

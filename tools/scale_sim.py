@@ -31,7 +31,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from automodel_ckpt.ondisk import layout, manifest, plan_results, planning
+from automodel_ckpt.ondisk import (MODEL_DIR, LinearSavePlanner, LocalLoadPlanner, ResultsNote, build_manifest,
+                                   dump_manifest, incoming_results, merge_checksums, model_shard_file, outgoing_results,
+                                   read_items_for_chunks, results_succeeded)
 
 TP = 8  # ranks per node: the shard group of HSDP, the tensor-parallel group of tp-fsdp
 
@@ -122,17 +124,17 @@ def mappings(name: str) -> dict[str, tuple[str, ...]]:
 
 
 def rank_local_plan(name: str, strategy: str, n: int, rank: int, key: str = "model"
-                    ) -> tuple[bytes, planning.LinearSavePlanner]:
+                    ) -> tuple[bytes, LinearSavePlanner]:
     """The pickled plan rank ``rank`` sends the coordinator (its planner's cache consulted, as in a real save),
     and its planner."""
-    planner = planning.LinearSavePlanner(key, world_size=n, rank=rank)
+    planner = LinearSavePlanner(key, world_size=n, rank=rank)
     planner.mappings, planner.is_coordinator = mappings(name), rank == 0
     return pickle.dumps(planner.outgoing(local_plan(name, strategy, n, rank))), planner
 
 
 def _write_results(plan: SavePlan, rank: int, n: int) -> list[WriteResult]:
     """What a rank's storage writer returns for its final plan (one safetensors shard per rank)."""
-    file = layout.model_shard_file(rank, rank + 1, n)
+    file = model_shard_file(rank, rank + 1, n)
     out, at = [], 0
     for wi in plan.items:
         length = 4 * int(torch.Size(wi.tensor_data.chunk.sizes).numel()) if wi.tensor_data else 8
@@ -166,16 +168,16 @@ def save(name: str, strategy: str, n: int, key: str = "model", results_needed: b
     for rank, planner in enumerate(planners):  # every rank: its final plan, its write results
         finals.append(planner.finish_plan(pickle.loads(scattered[rank])))
         results = _write_results(finals[-1], rank, n)  # the safetensors shards' finish reads none: none is sent
-        notes.append(plan_results.ResultsNote("") if not results_needed else
-                     plan_results.outgoing(results, key, n, rank))
+        notes.append(ResultsNote("") if not results_needed else
+                     outgoing_results(results, key, n, rank))
         results_sent.append(pickle.dumps(notes[-1]))
     gc.freeze()
     gc.enable()
     t0 = time.process_time()  # the safetensors shards' finish reads no results: not rebuilt
-    results = plan_results.incoming([pickle.loads(b) for b in results_sent], key, needed=results_needed)
+    results = incoming_results([pickle.loads(b) for b in results_sent], key, needed=results_needed)
     seconds += time.process_time() - t0
     for rank, note in enumerate(notes):
-        plan_results.succeeded(key, n, rank, note)
+        results_succeeded(key, n, rank, note)
     gc.unfreeze()
     checksum_bytes, merge_seconds = _manifest(n)
     per_rank = max(len(a) + len(b) for a, b in zip(sent, results_sent)) + checksum_bytes
@@ -188,13 +190,13 @@ def _manifest(n: int) -> tuple[int, float]:
     gather sends it; rank 0 merges them and writes the manifest's text."""
     shares = []
     for rank in range(n):
-        files = {f"{layout.MODEL_DIR}/{layout.model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
+        files = {f"{MODEL_DIR}/{model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
                  f"rng/rng_dp_rank_{rank}.pt": hashlib.sha256(b"r%d" % rank).hexdigest()}
         shares.append(pickle.dumps(files))
     t0 = time.process_time()
-    checksums = manifest.merge_checksums(pickle.loads(b) for b in shares)
+    checksums = merge_checksums(pickle.loads(b) for b in shares)
     sizes = dict.fromkeys(checksums, 1 << 30)
-    manifest.dumps(manifest.build(None, sizes, checksums, "sha256"))
+    dump_manifest(build_manifest(None, sizes, checksums, "sha256"))
     return max(len(b) for b in shares), time.process_time() - t0
 
 
@@ -209,9 +211,9 @@ def load(name: str, strategy: str, saved: Any, n: int) -> float:
     t0 = time.process_time()
     requests = []
     for fqn, (sizes, offsets) in mine:
-        requests += planning.read_items_for_chunks(
+        requests += read_items_for_chunks(
             fqn, md[fqn], [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
-    sent = pickle.dumps(LoadPlan([], planner_data=planning.LocalLoadPlanner._LOCAL))
+    sent = pickle.dumps(LoadPlan([], planner_data=LocalLoadPlanner._LOCAL))
     for plan in create_default_global_load_plan([pickle.loads(sent) for _ in range(n)]):
         pickle.dumps(plan)  # scattered back
     return time.process_time() - t0

@@ -7,8 +7,10 @@ optimizer state, PEFT adapters, safetensors, the only reader of pickles, paralle
 (``export/``: Hugging Face folders, archives, GGUF, int8). It never imports the engine that writes checkpoints
 (``automodel_ckpt.checkpoint``).
 
-Code outside this package and ``checkpoint`` imports only the names below (``tests/unit/test_structure.py``);
-the modules inside are private to the two packages. The names load on first use, so reading a run folder
+Code outside this package and ``checkpoint`` imports only the names below, each a member of a module here, never a
+whole module (``tests/unit/test_structure.py``); the modules inside are private to the two packages. A few members
+are renamed where their own name is too general out of context (``read_manifest``, ``scan_checkpoints``,
+``CONFIG_FILE_LIMIT``). The names load on first use, so reading a run folder
 (``inspect``, ``verify``) imports no torch.
 """
 
@@ -20,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 # name -> (module below this package, its name there)
 _EXPORTS = {
     # file and folder names of a checkpoint and a run folder (layout)
-    "layout": ("layout", None),
     "ADAPTER_CONFIG": ("layout", "ADAPTER_CONFIG"),
     "ADAPTER_WEIGHTS": ("layout", "ADAPTER_WEIGHTS"),
     "ARCHIVE_SUFFIX": ("layout", "ARCHIVE_SUFFIX"),
@@ -65,10 +66,10 @@ _EXPORTS = {
     "hf_weights_file": ("layout", "hf_weights_file"),
     "is_staging": ("layout", "is_staging"),
     "model_dir": ("layout", "model_dir"),
+    "model_shard_file": ("layout", "model_shard_file"),
     "parse_default_name": ("layout", "parse_default_name"),
     "ref_log_probs_file": ("layout", "ref_log_probs_file"),
     # limits on untrusted files and the bounded readers (bounded)
-    "bounded": ("bounded", None),
     "CONFIG_FILE_LIMIT": ("bounded", "CONFIG_FILE"),
     "INDEX_FILE_LIMIT": ("bounded", "INDEX_FILE"),
     "LOG_FILE_LIMIT": ("bounded", "LOG_FILE"),
@@ -83,7 +84,6 @@ _EXPORTS = {
     "read_yaml": ("bounded", "read_yaml"),
     "yaml_depth_line": ("bounded", "yaml_depth_line"),
     # path checks on names read from files (paths)
-    "paths": ("paths", None),
     "check_path": ("paths", "check"),
     "file_kind": ("paths", "kind"),
     "is_plain_name": ("paths", "is_plain_name"),
@@ -92,7 +92,6 @@ _EXPORTS = {
     "path_inside": ("paths", "inside"),
     "regular_file_problem": ("paths", "regular_file_problem"),
     # the catalog of a run folder: its checkpoints and pointers (catalog)
-    "catalog": ("catalog", None),
     "CheckpointRecord": ("catalog", "CheckpointRecord"),
     "list_checkpoints": ("catalog", "list_checkpoints"),
     "pointer_target": ("catalog", "pointer_target"),
@@ -101,18 +100,27 @@ _EXPORTS = {
     "scan_checkpoints": ("catalog", "scan"),
     "size_on_disk": ("catalog", "size_on_disk"),
     # the manifest: files, checksums, verification (manifest)
-    "manifest": ("manifest", None),
     "CHECKSUM_MISMATCH": ("manifest", "CHECKSUM_MISMATCH"),
     "UNEXPECTED_FILE": ("manifest", "UNEXPECTED"),
     "ManifestReport": ("manifest", "Report"),
     "add_files_to_manifest": ("manifest", "add_files"),
+    "build_manifest": ("manifest", "build"),
+    "dump_manifest": ("manifest", "dumps"),
     "list_checkpoint_files": ("manifest", "list_files"),
+    "merge_checksums": ("manifest", "merge_checksums"),
     "read_manifest": ("manifest", "read"),
     "verify_manifest": ("manifest", "verify"),
     # save and load planning (formats.planning: what tools/bench_scale.py simulates)
-    "planning": ("formats.planning", None),
+    "LinearSavePlanner": ("formats.planning", "LinearSavePlanner"),
+    "LocalLoadPlanner": ("formats.planning", "LocalLoadPlanner"),
+    "clear_plan_cache": ("formats.planning", "clear_cache"),
+    "read_items_for_chunks": ("formats.planning", "read_items_for_chunks"),
     # the write results' cache across saves (formats.plan_results)
-    "plan_results": ("formats.plan_results", None),
+    "ResultsNote": ("formats.plan_results", "ResultsNote"),
+    "clear_results_cache": ("formats.plan_results", "clear_cache"),
+    "incoming_results": ("formats.plan_results", "incoming"),
+    "outgoing_results": ("formats.plan_results", "outgoing"),
+    "results_succeeded": ("formats.plan_results", "succeeded"),
     # what a save wrote
     "HFArtifacts": ("info", "HFArtifacts"),
     "SaveInfo": ("info", "SaveInfo"),
@@ -157,7 +165,6 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from automodel_ckpt.ondisk import bounded, catalog, layout, manifest, paths, plan_results, planning
     from automodel_ckpt.ondisk.bounded import (MAX_DEPTH, MiB, check_size, parse_json, read_bytes, read_json, read_yaml,
                                                yaml_depth_line)
     from automodel_ckpt.ondisk.bounded import CONFIG_FILE as CONFIG_FILE_LIMIT
@@ -187,6 +194,13 @@ if TYPE_CHECKING:
     from automodel_ckpt.ondisk.formats.dcp_folder import read_dcp_folder
     from automodel_ckpt.ondisk.formats.detect import detect_model_format
     from automodel_ckpt.ondisk.formats.fastio import READ_THREADS, WRITE_THREADS
+    from automodel_ckpt.ondisk.formats.plan_results import ResultsNote
+    from automodel_ckpt.ondisk.formats.plan_results import clear_cache as clear_results_cache
+    from automodel_ckpt.ondisk.formats.plan_results import incoming as incoming_results
+    from automodel_ckpt.ondisk.formats.plan_results import outgoing as outgoing_results
+    from automodel_ckpt.ondisk.formats.plan_results import succeeded as results_succeeded
+    from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner, LocalLoadPlanner, read_items_for_chunks
+    from automodel_ckpt.ondisk.formats.planning import clear_cache as clear_plan_cache
     from automodel_ckpt.ondisk.formats.safe_load import load_pt
     from automodel_ckpt.ondisk.incremental import shared_bytes, stored_once
     from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo, WrittenBy
@@ -199,12 +213,14 @@ if TYPE_CHECKING:
                                               PEFT_FULL_CONFIG, QUARANTINE_DIR, TENSORBOARD_DIR, TRAINING_LOG,
                                               VALIDATION_LOG, archive_eval_dir, consolidated_dir, consolidated_ema_dir,
                                               ema_dir, eval_results_file, export_tmp_name, global_state_file,
-                                              hf_metadata_dir, hf_weights_file, is_staging, model_dir,
+                                              hf_metadata_dir, hf_weights_file, is_staging, model_dir, model_shard_file,
                                               parse_default_name, ref_log_probs_file)
-    from automodel_ckpt.ondisk.manifest import CHECKSUM_MISMATCH
+    from automodel_ckpt.ondisk.manifest import CHECKSUM_MISMATCH, merge_checksums
     from automodel_ckpt.ondisk.manifest import Report as ManifestReport
     from automodel_ckpt.ondisk.manifest import UNEXPECTED as UNEXPECTED_FILE
     from automodel_ckpt.ondisk.manifest import add_files as add_files_to_manifest
+    from automodel_ckpt.ondisk.manifest import build as build_manifest
+    from automodel_ckpt.ondisk.manifest import dumps as dump_manifest
     from automodel_ckpt.ondisk.manifest import list_files as list_checkpoint_files
     from automodel_ckpt.ondisk.manifest import read as read_manifest
     from automodel_ckpt.ondisk.manifest import verify as verify_manifest

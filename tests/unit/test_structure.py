@@ -270,6 +270,15 @@ def test_the_checkpoint_folders_bytes_never_import_the_engine():
     assert offenders == {}
 
 
+def test_the_ondisk_face_names_members_never_whole_modules():
+    """Outside code names the ``ondisk`` members it uses: each entry of the face is a member of a module below it."""
+    import types
+
+    ondisk = importlib.import_module("automodel_ckpt.ondisk")
+    assert [n for n, (_, attr) in ondisk._EXPORTS.items() if attr is None] == []
+    assert [n for n in ondisk.__all__ if isinstance(getattr(ondisk, n), types.ModuleType)] == []
+
+
 def test_each_face_exports_what_it_lists_and_the_public_names_stay_few():
     """A face's ``__all__`` is its table of names, each resolves; the two packages' public names (everything else
     is private to them by the face rule above) stay at most 200."""

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.metadata import TensorProperties
 
-from automodel_ckpt.ondisk import plan_results, planning
+from automodel_ckpt.ondisk.formats import plan_results, planning
 
 _SPEC = importlib.util.spec_from_file_location("scale_sim", Path(__file__).parents[4] / "tools" / "scale_sim.py")
 sim = importlib.util.module_from_spec(_SPEC)
