@@ -85,7 +85,7 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
 
         def dumping(self, new_plan):  # every rank's final plan of the model save, and the metadata
             final = finish_plan(self, new_plan)
-            if self.key.startswith("model:"):
+            if self.key.rsplit("/", 1)[-1].startswith("model:"):  # the key: <root>/<state folder>:<writer>
                 (dump / f"final_{env.world_size}_{env.rank}.pkl").write_bytes(pickle.dumps(final))
                 if env.is_main:
                     (dump / f"metadata_{env.world_size}.pkl").write_bytes(pickle.dumps(self.metadata))

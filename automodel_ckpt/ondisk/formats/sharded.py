@@ -63,13 +63,20 @@ def _reader(path: Path, fmt: str, check: LoadCheck | None = None):
     return fastio.ParallelFileSystemReader(path, check=check)
 
 
+def cache_key(path: Path, writer: Any) -> str:
+    """The plan and results caches' key of a save into ``path`` (``<root>/<staging folder>/<state folder>``): the
+    root and the state folder, not the step's folder. Each root has its own: the node-local tier's steps, written in
+    the background, may overlap a durable save of the same state, and a cache entry is out while a save is on."""
+    return f"{path.parent.parent}/{path.name}:{type(writer).__name__}"
+
+
 def _save(state: dict, path: Path, writer, process_group) -> None:
     """``dcp.save`` planned by ``planning.LinearSavePlanner`` and its write results sent by ``plan_results``:
     both cached per state folder (``path``'s name) and writer, so a save of an unchanged layout sends digests."""
     import torch.distributed as dist
 
     world, rank = (dist.get_world_size(process_group), dist.get_rank(process_group)) if dist.is_initialized() else (1, 0)
-    key = f"{path.name}:{type(writer).__name__}"
+    key = cache_key(path, writer)
     succeeded = plan_results.keep_results(writer, key, world, rank)
     try:
         dcp.save(state, storage_writer=writer, planner=planning.LinearSavePlanner(key, world_size=world, rank=rank),

@@ -68,6 +68,32 @@ def test_write_results_go_as_tuples_then_as_digests_and_come_back_whole():
         sim.save("tiny", "fsdp", 4, results_needed=True)
 
 
+def test_saves_of_two_roots_that_overlap_each_find_their_own_cache_entries(tmp_path):
+    """The node-local tier's step, written in the background, may overlap a durable save of the same state folder:
+    each root has its own cache key, so neither save takes the entry the other's digest needs."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from automodel_ckpt.ondisk.formats.sharded import cache_key
+
+    results = [WriteResult(index=MetadataIndex("w", (0,), 0), size_in_bytes=8,
+                           storage_data=_StorageInfo("__0_0.distcp", 0, 8))]
+    writer = object()
+    durable = cache_key(tmp_path / "run" / ".staging-epoch_0_step_8" / "optim", writer)
+    local = cache_key(tmp_path / "loc" / ".staging-epoch_0_step_7" / "optim", writer)
+    assert durable != local and durable == cache_key(tmp_path / "run" / ".staging-epoch_0_step_4" / "optim", writer)
+    for key in (durable, local):  # each tier's first save: sent whole, then cached on both sides
+        note = plan_results.outgoing(results, key, 1, 0)
+        plan_results.incoming([note], key, needed=True)
+        plan_results.succeeded(key, 1, 0, note)
+    local_note = plan_results.outgoing(results, local, 1, 0)  # the two tiers' next saves overlap
+    durable_note = plan_results.outgoing(results, durable, 1, 0)
+    assert local_note.tuples is None and durable_note.tuples is None  # both unchanged: digests only
+    assert plan_results.incoming([durable_note], durable, needed=True) == [results]
+    assert plan_results.incoming([local_note], local, needed=True) == [results]
+
+
 @pytest.mark.parametrize("change", ["world_size", "strategy", "parameters"])
 def test_a_changed_layout_is_planned_afresh(change):
     sim.save("tiny", "fsdp", 16)  # (at 8 ranks HSDP's mesh is 1 x 8: the same chunks as FSDP's, rightly reused)
