@@ -1,4 +1,4 @@
-"""Session fixtures for integration tests (processes are launched): the embedded base, straight runs, an S3 server."""
+"""Session fixtures for integration tests (processes are launched): the embedded bases, straight runs, an S3 server."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("assets")
     ensure_tiny_base(root / "tiny_llama_base")
     return root
+
+
+@pytest.fixture(scope="session")
+def vlm_base(assets: Path) -> Path:
+    """The embedded tiny image-text base (a LLaVA layout), created once beside the text base."""
+    from automodel_ckpt.models.tiny_vlm import ensure_tiny_vlm_base
+
+    return ensure_tiny_vlm_base(assets / "tiny_llava_base")
 
 
 @pytest.fixture(scope="session")

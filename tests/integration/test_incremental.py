@@ -36,13 +36,6 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("incremental")
 
 
-@pytest.fixture(scope="module")
-def vlm_base(assets: Path) -> Path:
-    from automodel_ckpt.models.tiny_vlm import ensure_tiny_vlm_base
-
-    return ensure_tiny_vlm_base(assets / "tiny_llava_base")
-
-
 @cache
 def _straight(work: Path, assets: Path) -> tuple[Path, str]:
     result = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "straight", "--step_scheduler.max_steps",
@@ -93,7 +86,7 @@ def test_saves_after_the_first_write_no_frozen_byte_and_keep_last_one_keeps_only
         # its files' framing (a torch.save record per optimizer tensor) and the small per-rank files
         assert save["written_bytes"] <= save["bytes"] - frozen * 4, save
         assert save["written_bytes"] <= 1.07 * trainable_state, (save["written_bytes"] / trainable_state, save)
-    assert f"% of a full save" in output  # the end-of-run cost line
+    assert "% of a full save" in output  # the end-of-run cost line
     left = [c.name for c in catalog.scan(run)]
     assert left == ["epoch_0_step_6"]
     last = run / "epoch_0_step_6"

@@ -37,13 +37,6 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vlm")
 
 
-@pytest.fixture(scope="module")
-def vlm_base(assets: Path) -> Path:
-    from automodel_ckpt.models.tiny_vlm import ensure_tiny_vlm_base
-
-    return ensure_tiny_vlm_base(assets / "tiny_llava_base")
-
-
 @cache
 def _run(work: Path, assets: Path, name: str, *args: str, recipe: Path = VLM_RECIPE) -> tuple[Path, str]:
     result = ckpt_train(work, assets, *SMALL, "--checkpoint.checkpoint_dir", name, *args, nproc=2, recipe=recipe)
