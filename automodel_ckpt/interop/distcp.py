@@ -15,14 +15,8 @@ from typing import Any
 import torch
 
 from automodel_ckpt.interop.source import refuse
-from automodel_ckpt.ondisk import read_dcp_folder
 
 STATE, GROUPS = "state", "param_groups"
-
-
-def read(folder: Path) -> dict[str, Any]:
-    """Every entry of the DCP folder ``folder`` under its flattened key."""
-    return read_dcp_folder(folder)
 
 
 def top_keys(flat: dict[str, Any]) -> set[str]:

@@ -19,7 +19,8 @@ from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, count, load_pickle, load_record, number, plain,
                                            read_state_json, refuse, regular_files)
 from automodel_ckpt.ondisk import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_INDEX, HF_SINGLE_WEIGHTS, INDEX_FILE_LIMIT,
-                                   SMALL_FILE_LIMIT, MiB, check_path, path_inside, read_json, regular_file_problem)
+                                   SMALL_FILE_LIMIT, MiB, check_path, path_inside, read_dcp_folder, read_json,
+                                   regular_file_problem)
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -74,8 +75,8 @@ def read(src: Path) -> ForeignRun:
         if not isinstance(adapter_config, dict):
             raise refuse(src, f"its adapter has no {ADAPTER_CONFIG}")
     if sharded:  # FSDP's state dicts name every parameter: slots are matched by name
-        weights = distcp.weights(distcp.read(src / FSDP_MODEL), "model", src / FSDP_MODEL)
-        opt = distcp.optimizer(distcp.read(src / FSDP_OPTIMIZER), "optimizer", src / FSDP_OPTIMIZER)
+        weights = distcp.weights(read_dcp_folder(src / FSDP_MODEL), "model", src / FSDP_MODEL)
+        opt = distcp.optimizer(read_dcp_folder(src / FSDP_OPTIMIZER), "optimizer", src / FSDP_OPTIMIZER)
         moments, groups = optimizer_slots(opt, src / FSDP_OPTIMIZER)
         order = names.slot_order([p for g in opt["param_groups"] for p in g["params"]], src / FSDP_OPTIMIZER)
     else:
@@ -88,7 +89,7 @@ def read(src: Path) -> ForeignRun:
     if not isinstance(sched, dict) or count(sched.get("last_epoch"), src / SCHEDULER, "last_epoch") != step:
         raise refuse(src / SCHEDULER, f"its position is not the checkpoint's step {step}")
     schedule = schedules.from_hf_trainer(args, max_steps)
-    rng_file = RNG if RNG in files else (f"rng_state_0.pth" if "rng_state_0.pth" in files else None)
+    rng_file = RNG if RNG in files else ("rng_state_0.pth" if "rng_state_0.pth" in files else None)
     rng = rng_state(load_pickle(src / rng_file, "the random generators' state", SMALL_PICKLE, numpy=True),
                     src / rng_file) if rng_file else None
     log = _log(state.get("log_history"), src / TRAINER_STATE)

@@ -22,6 +22,7 @@ import torch
 from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
 from automodel_ckpt.interop.source import ForeignRun, Schedule, count, load_pickle, refuse
+from automodel_ckpt.ondisk import read_dcp_folder
 
 SUFFIX = ".ckpt"
 DCP_METADATA = ".metadata"
@@ -46,7 +47,7 @@ def read_folder(src: Path) -> ForeignRun:
     ckpt = load_pickle(src / META, "Lightning's checkpoint metadata", MAX_META)
     if not isinstance(ckpt, dict):
         raise refuse(src / META, "not Lightning's checkpoint metadata")
-    flat = distcp.read(src)
+    flat = read_dcp_folder(src)
     tops = distcp.top_keys(flat)
     model = [k for k in MODEL_KEYS if k in tops]
     if len(model) != 1:
@@ -100,7 +101,7 @@ def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
     return ForeignRun(kind=f"{kind} (step {step})", weights=dict(weights), adapter=False,
                       moments=moments, groups=groups, order=order, schedule=schedule, step=step,
                       position=lambda rows, batch: _position(step, rows, batch), global_batch=None, world_size=1,
-                      rng=None, notes=[f"Lightning records no random generators' state: the recipe's seed "
+                      rng=None, notes=["Lightning records no random generators' state: the recipe's seed "
                                        "starts them" + (f"; it accumulated {accum} batches a step" if accum > 1
                                                         else "")])
 

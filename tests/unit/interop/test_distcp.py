@@ -117,8 +117,8 @@ def test_an_hf_trainer_fsdp_layout_without_its_optimizer_or_with_a_payload_is_re
     _lightning_folder(tmp_path / "model")  # any DCP folder: its .metadata replaced by a payload
     marker = tmp_path / "marker"
     (tmp_path / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    from automodel_ckpt.interop import distcp
+    from automodel_ckpt.ondisk import read_dcp_folder
 
     with pytest.raises(CheckpointError, match="is not allowed in checkpoint metadata"):
-        distcp.read(tmp_path / "model")
+        read_dcp_folder(tmp_path / "model")
     assert not marker.exists()
