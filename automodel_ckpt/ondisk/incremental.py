@@ -190,27 +190,15 @@ def shared_bytes(folder: Path) -> tuple[int, int]:
     """``(own bytes, shared bytes)`` of the regular files below ``folder``: a file with more than one link is
     shared (the same bytes another checkpoint holds, stored once)."""
     own = shared = 0
-    folder = Path(folder)
-    for rel, size in paths.walk_regular(folder):
-        try:
-            links = os.stat(folder / rel, follow_symlinks=False).st_nlink
-        except OSError:
-            continue
-        if links > 1:
-            shared += size
+    for _, st in paths.regular_stats(Path(folder)):
+        if st.st_nlink > 1:
+            shared += st.st_size
         else:
-            own += size
+            own += st.st_size
     return own, shared
 
 
 def stored_once(folders: list[Path]) -> int:
     """Bytes the regular files below ``folders`` take, each file (inode) counted once however many links it has."""
-    seen: dict[tuple[int, int], int] = {}
-    for folder in folders:
-        for rel, size in paths.walk_regular(Path(folder)):
-            try:
-                st = os.stat(Path(folder) / rel, follow_symlinks=False)
-            except OSError:
-                continue
-            seen[(st.st_dev, st.st_ino)] = size
+    seen = {(st.st_dev, st.st_ino): st.st_size for folder in folders for _, st in paths.regular_stats(Path(folder))}
     return sum(seen.values())

@@ -111,17 +111,11 @@ def build(root: Path, files: dict[str, int], checksums: dict[str, str], algorith
     return table
 
 
-def linked_bytes(root: Path, files: dict[str, int]) -> int:
-    """Bytes of ``files`` (below ``root``) with more than one link: in a folder being sealed, the files a save took
-    from an earlier checkpoint by hard link (``incremental``) rather than wrote."""
-    total = 0
-    for rel, size in files.items():
-        try:
-            if os.stat(Path(root) / rel, follow_symlinks=False).st_nlink > 1:
-                total += size
-        except OSError:
-            continue
-    return total
+def list_files_and_linked(root: Path) -> tuple[dict[str, int], int]:
+    """``list_files(root)`` and the bytes of those files with more than one link, from one walk: in a folder being
+    sealed, the files a save took from an earlier checkpoint by hard link (``incremental``) rather than wrote."""
+    stats = [(rel, st) for rel, st in paths.regular_stats(root) if rel != layout.MANIFEST_FILE]
+    return dict(sorted((rel, st.st_size) for rel, st in stats)), sum(st.st_size for _, st in stats if st.st_nlink > 1)
 
 
 def dumps(manifest: dict[str, Any]) -> str:
@@ -189,8 +183,7 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     listed: dict[str, Any] = {}
 
     def plan() -> str:  # rank 0 lists the folder; each rank receives its own share of it only (scattered)
-        listed["files"] = list_files(staging)
-        listed["linked"] = linked_bytes(staging, listed["files"])
+        listed["files"], listed["linked"] = list_files_and_linked(staging)
         listed["shares"] = assign(listed["files"], world_size)
         return default_algorithm()
 

@@ -129,10 +129,16 @@ def walk_regular(root: Path, passed: list[tuple[str, str]] | None = None) -> Ite
     """``(relative path, size)`` of every regular file below ``root``, sorted by path, reached without following
     a link: a symlinked folder is not entered. Each symlink, FIFO, socket or device found is appended to ``passed``
     as ``(relative path, why)``. A folder removed while it is walked is skipped."""
+    for rel, st in regular_stats(root, passed):
+        yield rel, st.st_size
+
+
+def regular_stats(root: Path, passed: list[tuple[str, str]] | None = None) -> Iterator[tuple[str, os.stat_result]]:
+    """``walk_regular``'s files with their whole ``lstat`` (links, inode) taken once on the way."""
     for rel, st in _walk(Path(root), ""):
         why = not_regular(st.st_mode)
         if why is None:
-            yield rel, st.st_size
+            yield rel, st
         elif passed is not None and not stat.S_ISDIR(st.st_mode):
             passed.append((rel, why))
 
