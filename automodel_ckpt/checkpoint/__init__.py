@@ -43,6 +43,7 @@ _EXPORTS = {
     "fetch_run_file": (".storage", "fetch_run_file"),
     "source_of": (".storage", "source_of"),
     "stored_files": (".storage", "stored_files"),
+    "stored_sharing": (".storage", "stored_sharing"),
     "streamed_object": (".storage", "streamed_object"),
     "upload_folder": (".storage", "upload_folder"),
     "RunLock": (".storage.runlock", "RunLock"),
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.triggers import PreemptionWatcher
     from automodel_ckpt.checkpoint.storage import (fetch_run_file, open_filesystem, open_for_reading, open_store_run,
                                                    run_folder, share_run_file, source_of, stored_files,
-                                                   streamed_object, upload_folder)
+                                                   stored_sharing, streamed_object, upload_folder)
     from automodel_ckpt.checkpoint.storage.runlock import RunLock
     from automodel_ckpt.checkpoint.storage.runlock import release_all as release_all_locks
     from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo, WrittenBy

@@ -1,17 +1,20 @@
-"""``ckpt-train gc URL``: delete what killed saves left in an object-store run folder (marked, never committed)."""
+"""``ckpt-train gc URL``: delete what killed saves left in an object-store run folder, and pieces no checkpoint names."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UserError
 
 
 def build_parser() -> VerbParser:
-    p = VerbParser("gc", "Delete the uploads of saves that never committed from an object-store checkpoint_dir.")
+    p = VerbParser("gc", "Delete the uploads of saves that never committed, and the pieces (checkpoint.incremental) "
+                         "that no checkpoint references, from an object-store checkpoint_dir.")
     p.add_argument("checkpoint_dir", help="the run's checkpoint.checkpoint_dir on an object store (s3://BUCKET/RUN)")
     p.add_argument("--min-age-minutes", type=float, default=60.0,
-                   help="keep leftovers written more recently than this: a save of a live run may still be "
-                        "uploading them (default 60; 0 deletes every leftover)")
+                   help="keep leftovers and unreferenced pieces written more recently than this: a save of a live "
+                        "run may still be uploading them (default 60; 0 deletes every one)")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     p.add_argument("--break-lease", action="store_true",
                    help="also remove the run folder's lease (only when the run holding it is dead: the next run "
@@ -36,9 +39,25 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         for name in run.leftovers():
             print(f"would delete {run.store.url_of(name)}/ (an upload that never committed)")
+        _pieces(run, args.min_age_minutes * 60, dry_run=True)
         return 0
     deleted = run.gc(args.min_age_minutes * 60)
     for name in deleted:
         print(f"deleted {run.store.url_of(name)}/ (an upload that never committed)")
     print(f"gc: {len(deleted)} leftover(s) deleted from {url}")
+    _pieces(run, args.min_age_minutes * 60, dry_run=False)
     return 0
+
+
+def _pieces(run: Any, min_age_seconds: float, *, dry_run: bool) -> None:
+    """The pieces no checkpoint references (after the leftovers, whose references are gone with them)."""
+    keys = run.gc_pieces(min_age_seconds, dry_run=dry_run)
+    if keys is None:
+        print(f"gc: kept the unreferenced pieces of {run.url}: a live run holds its lease (its next save collects "
+              "them)")
+        return
+    for key in keys:
+        print(f"{'would delete' if dry_run else 'deleted'} {run.piece_url(key)} (a piece no "
+              "checkpoint references)")
+    if not dry_run:
+        print(f"gc: {len(keys)} unreferenced piece(s) deleted from {run.url}")

@@ -15,7 +15,7 @@ from automodel_ckpt.ondisk import (ADAPTER_CONFIG, BEST_EVAL, CONFIG_FILE_LIMIT,
                                    quarantined_checkpoints, read_json, scan_checkpoints, shared_bytes, size_on_disk,
                                    stored_once)
 from automodel_ckpt.distributed.mesh import MeshSizes
-from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, stored_files
+from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, stored_files, stored_sharing
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
@@ -111,14 +111,15 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     if (path / METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
         path, only = path.resolve().parent, path.resolve().name
     pointers = pointer_targets(path)
-    rows = [
-        _row(r, pointers)
-        for r in scan_checkpoints(path, include_incomplete=True)
-        if only is None or r.name == only
-    ]
+    records = scan_checkpoints(path, include_incomplete=True)
+    # an object store's mirror: files shared as the run's pieces (checkpoint.incremental), over all its checkpoints
+    pieces = stored_sharing(path, [r.name for r in records]) if records and source_of(records[0].path) else None
+    rows = [_row(r, pointers, pieces[0] if pieces else None) for r in records if only is None or r.name == only]
     totals = {"count": len(rows), "complete": sum(r["complete"] for r in rows),
               "size_bytes": sum(r["size_bytes"] for r in rows)}
-    if any(r.get("shared_bytes") for r in rows):  # checkpoint.incremental: files shared by hard link counted once
+    if pieces is not None and only is None:  # each piece stored once
+        totals["stored_bytes"] = pieces[1]
+    elif any(r.get("shared_bytes") for r in rows) and pieces is None:  # files shared by hard link counted once
         totals["stored_bytes"] = stored_once([path / r["name"] for r in rows if r.get("shared_bytes") is not None])
     return {
         "checkpoint_dir": str(path),
@@ -130,9 +131,12 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     }
 
 
-def _row(record: CheckpointRecord, pointers: dict[str, str | None]) -> dict[str, Any]:
+def _row(record: CheckpointRecord, pointers: dict[str, str | None],
+         pieces: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     meta = record.metadata or {}
     stored = stored_files(record.path) if source_of(record.path) else None  # a mirror: the store's files
+    own_shared = (shared_bytes(record.path) if stored is None
+                  else pieces.get(record.name, (None, None)) if pieces is not None else (None, None))
     return {
         "name": record.name,
         "step": record.step,
@@ -142,8 +146,9 @@ def _row(record: CheckpointRecord, pointers: dict[str, str | None]) -> dict[str,
         "train_loss": json_safe(as_float(meta.get("train_loss"))),
         "val_loss": json_safe(as_float(meta.get("val_loss"))),
         "size_bytes": sum(stored.values()) if stored is not None else size_on_disk(record.path),
-        # own: bytes only this checkpoint holds; shared: files it shares with another checkpoint by hard link
-        **dict(zip(("own_bytes", "shared_bytes"), shared_bytes(record.path) if stored is None else (None, None))),
+        # own: bytes only this checkpoint holds; shared: files it shares with another checkpoint by hard link (on
+        # an object store: as a piece another checkpoint references too)
+        **dict(zip(("own_bytes", "shared_bytes"), own_shared)),
         "family": model_family(record.path),
         "format": meta.get("model_save_format") or detect_model_format(model_dir(record.path)),
         "mesh": _mesh(meta),
@@ -245,7 +250,9 @@ def render_table(report: dict[str, Any]) -> str:
     out.append(
         f"{totals['count']} checkpoint{'s' if totals['count'] != 1 else ''} "
         f"({totals['complete']} complete), {human_size(totals['size_bytes'])} in total"
-        + (f", {human_size(totals['stored_bytes'])} on disk (files shared by hard link stored once)"
+        + ((f", {human_size(totals['stored_bytes'])} stored (shared pieces stored once)"
+            if is_url(report["checkpoint_dir"]) else
+            f", {human_size(totals['stored_bytes'])} on disk (files shared by hard link stored once)")
            if totals.get("stored_bytes") is not None and totals["stored_bytes"] < totals["size_bytes"] else "")
     )
     positioned = [r for r in report["checkpoints"] if r.get("data_position")]

@@ -14,6 +14,10 @@ consolidate, export, ``pack``, ``restore_from`` and resuming at another world si
 exist or the previous file is gone (another filesystem, an object store's local mirror that was emptied) the file
 is written, so nothing depends on the link succeeding. A file stored once is damaged once: ``verify`` then names it
 in every checkpoint that holds it.
+
+An object store has no links: there the same sharing is done by content key. ``key_of`` gives the uploader the key
+computed here for each stable file this process wrote or linked, and the file is uploaded once, as a piece of the
+run folder named by that key (``checkpoint/objectstore/pieces.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from typing import Any
 
 from automodel_ckpt.ondisk import paths
 
-__all__ = ["Reuse", "content_key", "shared_bytes", "stored_once"]
+__all__ = ["Reuse", "content_key", "key_of", "shared_bytes", "stored_once"]
 
 _CHUNK = 8 << 20
+_KEYS: dict[str, tuple[int, int, int, str]] = {}  # stable file (absolute path) -> (inode, size, mtime_ns, content key)
+_KEYS_LOCK = threading.Lock()
 
 
 def _hasher() -> Any:
@@ -39,6 +45,21 @@ def _hasher() -> Any:
     except ImportError:
         return hashlib.blake2b(digest_size=16)
     return xxhash.xxh3_128()
+
+
+def key_of(path: Path) -> str | None:
+    """The content key of the stable file at ``path`` when a ``Reuse`` of this process wrote or linked it there and
+    it is still that file (same inode, size and modification time); None otherwise."""
+    where = os.path.abspath(os.fspath(path))
+    with _KEYS_LOCK:
+        known = _KEYS.get(where)
+    if known is None:
+        return None
+    try:
+        st = os.stat(where, follow_symlinks=False)
+    except OSError:
+        return None
+    return known[3] if (st.st_ino, st.st_size, st.st_mtime_ns) == known[:3] else None
 
 
 def content_key(pieces: list[Any]) -> str:
@@ -78,6 +99,7 @@ class Reuse:
         self._previous: dict[str, _Kept] = {}
         self._current: dict[str, _Kept] = {}
         self._adopted: Path | None = None  # a resumed run: the checkpoint it resumed from (``adopt``)
+        self._keyed: list[str] = []  # the files of the save being made that ``key_of`` knows
         self._lock = threading.Lock()
 
     def write(self, path: Path, pieces: list[Any], threads: int, written: Any = None) -> int:
@@ -115,11 +137,20 @@ class Reuse:
     def _record(self, rel: str, kept: _Kept) -> None:
         with self._lock:
             self._current[rel] = kept
+            if kept.key:
+                where = os.path.abspath(kept.path)
+                self._keyed.append(where)
+                with _KEYS_LOCK:
+                    _KEYS[where] = (kept.ino, kept.size, kept.mtime_ns, kept.key)
 
     def begin(self) -> None:
         """A new save starts (a save that was not published is forgotten: the previous one stays the reference)."""
         with self._lock:
             self._current = {}
+            with _KEYS_LOCK:  # the last save's files were uploaded (or not) by now
+                for where in self._keyed:
+                    _KEYS.pop(where, None)
+            self._keyed = []
 
     def adopt(self, folder: Path) -> None:
         """A resumed run, before its first save: compare with ``folder``, the checkpoint it resumed from. Another

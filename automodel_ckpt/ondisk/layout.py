@@ -44,7 +44,9 @@ failed to load. The run works in a local mirror folder (``checkpoint.staging_dir
 Three more objects say what this project wrote there: ``.automodel-ckpt-run.json`` in the run folder (written at
 the start of every run: what makes a URL a run folder for ``gc``), ``<name>/.automodel-ckpt-upload.json`` (the
 first object of every checkpoint's prefix: a prefix without it is never deleted) and ``.automodel-ckpt-lease.json``
-(the lease of the run now writing there).
+(the lease of the run now writing there). With ``checkpoint.incremental`` a stable file (the tensors that do not
+train) is stored once, as ``.automodel-ckpt-pieces/<key>`` (its content key: 32 hex digits), and a checkpoint that
+uses it holds ``<name>/pieces.json`` (its files stored as pieces: file -> key) instead of the file.
 
 A node-local folder (``checkpoint.local``: a RAM disk or local NVMe on each node, private to its user)::
 
@@ -89,6 +91,8 @@ OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-sto
 RUN_MARKER = ".automodel-ckpt-run.json"
 UPLOAD_MARKER = ".automodel-ckpt-upload.json"
 LEASE_OBJECT = ".automodel-ckpt-lease.json"
+PIECES_DIR = ".automodel-ckpt-pieces"  # object store: the run's stable files stored once, by content key
+PIECE_REFS = "pieces.json"  # object store: in a checkpoint's prefix, its files stored as pieces (file -> key)
 REF_LOG_PROBS_DIR = "ref_log_probs"  # precomputed reference log-probs of a preference run (dpo.precompute_ref_log_probs)
 RUN_LOCK = ".run.lock"  # flock'ed by the run that owns the folder; host, pid, start time (storage/runlock.py)
 # --- a node-local folder (checkpoint.local) ---------------------------------------------------------------

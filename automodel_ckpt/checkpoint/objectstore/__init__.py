@@ -23,7 +23,8 @@ PART_SIZE = 32 * 2**20  # bytes of one part of a streamed upload (S3: at least 5
 _MAX_PARTS = 9000
 
 __all__ = ["attach", "check_url", "fetch", "fetch_collectively", "fetch_object", "is_url", "localize",
-           "open_for_reading", "run_folder", "source_of", "streamed_object", "stored_files", "upload_folder"]
+           "open_for_reading", "run_folder", "source_of", "streamed_object", "stored_files", "stored_sharing",
+           "upload_folder"]
 
 
 def attach(cfg: Any) -> RemoteRun | None:
@@ -50,6 +51,27 @@ def stored_files(folder: Path) -> dict[str, int]:
     except CheckpointError:  # malformed or naming unsafe paths: nothing is known of it (`verify` says what)
         return {}
     return {rel: int(e["size"]) for rel, e in listed.items()}
+
+
+def stored_sharing(run_mirror: Path, names: list[str]) -> tuple[dict[str, tuple[int, int]], int] | None:
+    """``({checkpoint: (own bytes, shared bytes)}, bytes stored)`` of the checkpoints ``names`` of a run folder's
+    mirror that this process pulled, when any of them stores files as the run's pieces (``checkpoint.incremental``):
+    a piece another of them references too is shared, and stored once. None otherwise (a local folder, no pieces, a
+    record that cannot be read: ``verify`` names it)."""
+    from automodel_ckpt.checkpoint.objectstore import pieces
+
+    url = pulled_from(Path(run_mirror) / names[0]) if names else None
+    if url is None:
+        return None
+    store = ObjectStore(url)
+    try:
+        records = wrap(f"reading '{url}'", lambda: pieces.records(store, names))
+    except CheckpointError as exc:
+        logger.warning("%s", exc)
+        return None
+    if not records:
+        return None
+    return pieces.sharing({n: stored_files(Path(run_mirror) / n) for n in names}, records)
 
 
 def localize(target: str | None, storage_options: dict[str, Any] | None) -> str | None:

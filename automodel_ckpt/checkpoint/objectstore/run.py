@@ -19,6 +19,11 @@ killed; a later save of the run deletes it, ``ckpt-train gc`` deletes the ones o
 in progress is younger). A prefix without the marker is never deleted, whatever it holds. In the mirror, only
 folders that hold a checkpoint's catalog files or a staging name are removed, and a ``staging_dir`` that already
 holds other files is refused. A run holds the run folder's lease (``lease``) from ``prepare`` to its end.
+
+With ``checkpoint.incremental`` the stable files are stored once, as the run folder's pieces (``pieces``): step 2
+uploads only the new ones, step 3 writes the checkpoint's reference record before the commit object, a fetch
+downloads each referenced file from its piece, and the pieces no record names any more are deleted after the
+deletes that freed them (retention, the next save's removal of leftovers) and by ``gc``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.ondisk import bounded, layout, manifest
+from automodel_ckpt.checkpoint.objectstore import pieces
 from automodel_ckpt.checkpoint.objectstore.lease import Lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
@@ -52,6 +58,7 @@ class RemoteRun:
         self.store = store
         self.mirror = Path(mirror)
         self.lease: Lease | None = None  # rank 0 of a training run: held from ``prepare`` to the end
+        self._collected = False  # whether this process has collected unreferenced pieces yet (``collect_pieces``)
 
     @property
     def url(self) -> str:
@@ -171,6 +178,8 @@ class RemoteRun:
         names, leftovers = wrap(f"listing '{self.url}'", self._scan)
         for leftover in leftovers:
             wrap(f"deleting '{self.store.url_of(leftover)}'", lambda n=leftover: self.store.delete_prefix(n))
+        if leftovers or not self._collected:  # what they named, or what a run killed while collecting left
+            self.collect_pieces()
         if name in names and name not in leftovers and wrap(f"listing '{self.store.url_of(name)}'",
                                                              lambda: self.store.objects(name)):
             raise CheckpointError(
@@ -182,17 +191,34 @@ class RemoteRun:
              lambda: self.store.write_text(json.dumps(marker) + "\n", name, layout.UPLOAD_MARKER))
         return leftovers
 
-    def upload_share(self, staging: Path, name: str, rank: int, world_size: int) -> None:
-        """Every rank: upload its share of the staged files (the manifest excluded) under their final keys."""
+    def upload_share(self, staging: Path, name: str, rank: int, world_size: int) -> dict[str, tuple[str, bool]]:
+        """Every rank: upload its share of the staged files (the manifest excluded) under their final keys, the
+        stable files it wrote as pieces (only the new ones uploaded); returns ``{file: (piece key, reused)}``."""
         files = manifest.list_files(staging)
         share = manifest.assign(files, world_size)[rank]
-        wrap(f"uploading to '{self.store.url_of(name)}'", lambda: self.store.upload(staging, share, name))
+        refs = wrap(f"uploading to '{self.store.url}/{layout.PIECES_DIR}'",
+                    lambda: pieces.put(self.store, staging, share, files))
+        rest = [rel for rel in share if rel not in refs]
+        wrap(f"uploading to '{self.store.url_of(name)}'", lambda: self.store.upload(staging, rest, name))
+        return refs
 
-    def upload_commit_object(self, staging: Path, name: str) -> None:
-        """Rank 0, after every rank's uploads succeeded: the logs, then the commit object (the manifest).
+    def upload_commit_object(self, staging: Path, name: str, refs: dict[str, tuple[str, bool]] | None = None) -> None:
+        """Rank 0, after every rank's uploads succeeded: the reference record of the files stored as pieces
+        (``refs``, every rank's ``upload_share``), the logs, then the commit object (the manifest).
 
         The logs go first: a job killed right after the commit object leaves a checkpoint a rerun resumes from,
-        and the steps up to it must already be in the store's ``training.jsonl``."""
+        and the steps up to it must already be in the store's ``training.jsonl``. With pieces, the manifest's
+        ``linked_bytes`` becomes the bytes this save took from pieces already stored instead of uploading them (what
+        the cost report counts as not written)."""
+        if refs:
+            wrap(f"uploading '{self.store.url_of(name, layout.PIECE_REFS)}'",
+                 lambda: pieces.write_record(self.store, name, {rel: key for rel, (key, _) in refs.items()}))
+            table = manifest.read(staging) or {}
+            reused = sum(int(table["files"][rel]["size"]) for rel, (_, kept) in refs.items() if kept)
+            table.pop("linked_bytes", None)
+            if reused:
+                table["linked_bytes"] = reused
+            manifest.write(staging, table)
         self.push_logs()
         wrap(f"committing '{self.store.url_of(name)}'",
              lambda: self.store.upload(staging, [layout.MANIFEST_FILE], name))
@@ -230,9 +256,26 @@ class RemoteRun:
 
     # --- retention, quarantine, gc ---------------------------------------------------------------------
     def delete(self, names: list[str]) -> None:
-        """Rank 0: delete committed checkpoints (each commit object first), then re-point what named them."""
+        """Rank 0: delete committed checkpoints (each commit object first, its record with the rest of its prefix),
+        then the pieces no checkpoint names any more."""
         for name in names:
             wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_checkpoint(n))
+        if names:
+            self.collect_pieces()
+
+    def collect_pieces(self) -> list[str]:
+        """Rank 0 of the run holding the lease (no save in flight): delete the pieces that no record of the run
+        folder names. A failure is a warning: it leaves orphans, which the next collection takes."""
+        try:
+            deleted = wrap(f"collecting the unreferenced pieces of '{self.url}'",
+                           lambda: pieces.collect(self.store, self.store.prefixes()))
+        except CheckpointError as exc:
+            logger.warning("%s; they stay until the next save or `ckpt-train gc`", exc)
+            return []
+        self._collected = True
+        if deleted:
+            logger.info("deleted %d unreferenced piece(s) from %s/%s", len(deleted), self.url, layout.PIECES_DIR)
+        return deleted
 
     def quarantine(self, name: str, reason: str) -> None:
         """Rank 0: mark checkpoint ``name`` as unloadable (a note object): never listed or selected again."""
@@ -260,6 +303,19 @@ class RemoteRun:
             wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))
             deleted.append(name)
         return deleted
+
+    def piece_url(self, key: str) -> str:
+        return self.store.url_of(layout.PIECES_DIR, key)
+
+    def gc_pieces(self, min_age_seconds: float, *, dry_run: bool = False) -> list[str] | None:
+        """The pieces no record names and written longer than ``min_age_seconds`` ago, deleted (``dry_run``: only
+        listed); None, deleting nothing, while a live run holds the lease (its saves collect them)."""
+        lease = Lease(self.store, "gc")
+        current = lease.read()
+        if current is not None and current.get("token") and not lease.free(current):
+            return None
+        return wrap(f"collecting the unreferenced pieces of '{self.url}'",
+                    lambda: pieces.collect(self.store, self.store.prefixes(), min_age_seconds, dry_run=dry_run))
 
 
 def _extends(local: Path, remote: str) -> bool:
@@ -325,6 +381,7 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
         wrap(f"fetching '{store.url_of(folder.name)}'",
              lambda: store.download(folder.name, [layout.MANIFEST_FILE], folder))
     listed = (manifest.read(folder) or {}).get("files", {})
+    refs = wrap(f"fetching '{store.url_of(folder.name)}'", lambda: pieces.read_record(store, folder.name, listed))
     share = []
     for i, (rel, entry) in enumerate(sorted(listed.items())):
         path = folder / rel
@@ -333,11 +390,15 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
         if i % world_size == rank and not (path.is_file() and path.stat().st_size == int(entry["size"])):
             share.append(rel)
     sizes = {rel: int(listed[rel]["size"]) for rel in share}
+    keys: dict[str, str] = {}  # the files of the share stored as pieces: where each is
     if share:
         remote = wrap(f"listing '{store.url_of(folder.name)}'", lambda: store.sizes(folder.name))
-        sizes = check_fetch(folder, store.url_of(folder.name), sizes, remote)
+        keys, piece_sizes = wrap(f"listing '{store.url}/{layout.PIECES_DIR}'",
+                                 lambda: pieces.sources(store, folder.name, refs, share))
+        sizes = check_fetch(folder, store.url_of(folder.name), sizes, {**remote, **piece_sizes})
         share = list(sizes)
-    wrap(f"fetching '{store.url_of(folder.name)}'", lambda: store.download(folder.name, share, folder, sizes))
+    wrap(f"fetching '{store.url_of(folder.name)}'",
+         lambda: store.download(folder.name, share, folder, sizes, sources=keys))
 
 
 def check_fetch(folder: Path, url: str, sizes: dict[str, int], remote: dict[str, int]) -> dict[str, int]:

@@ -83,13 +83,15 @@ class ObjectStore:
 
         A listing is untrusted: a prefix whose name is not one plain path component (``..``, ``.``, an empty
         name, a backslash or control character) is never taken for a checkpoint, fetched into or removed from a
-        local folder, or deleted; it is logged and left alone.
+        local folder, or deleted; it is logged and left alone. The run's pieces (``layout.PIECES_DIR``) are no
+        checkpoint and are not listed.
         """
         try:
             entries = self.fs.ls(self.root, detail=True, refresh=True)
         except FileNotFoundError:
             return []
-        return plain_names(self.root, [e["name"] for e in entries if e.get("type") == "directory"])
+        names = plain_names(self.root, [e["name"] for e in entries if e.get("type") == "directory"])
+        return [n for n in names if n != layout.PIECES_DIR]
 
     def committed(self, names: Iterable[str] | None = None) -> list[str]:
         """The checkpoints whose commit object exists (a prefix without one does not exist for any reader)."""
@@ -112,7 +114,7 @@ class ObjectStore:
 
     def newest_write(self, name: str) -> float | None:
         """Seconds since the epoch of the newest object below prefix ``name`` (None when it holds none)."""
-        stamps = [_mtime(info) for info in self.objects(name)]
+        stamps = [mtime_of(info) for info in self.objects(name)]
         return max((s for s in stamps if s is not None), default=None)
 
     # --- small objects -------------------------------------------------------------------------------
@@ -165,16 +167,20 @@ class ObjectStore:
             pass
 
     # --- bulk transfers ------------------------------------------------------------------------------
-    def upload(self, local_root: Path, rels: list[str], name: str) -> None:
-        """Upload ``local_root/rel`` to ``name/rel`` for every rel: many files at once, each streamed from disk."""
+    def upload(self, local_root: Path, rels: list[str], name: str, keys: dict[str, str] | None = None) -> None:
+        """Upload ``local_root/rel`` to ``name/rel`` for every rel (to ``keys[rel]`` where given: an object key of
+        the store): many files at once, each streamed from disk."""
         if not rels:
             return
+        keys = keys or {}
         lpaths = [str(Path(local_root) / rel) for rel in rels]
-        rpaths = [self.key(name, rel) for rel in rels]
+        rpaths = [keys.get(rel) or self.key(name, rel) for rel in rels]
         self.fs.put(lpaths, rpaths, batch_size=_BATCH, max_concurrency=_PARTS)
 
-    def download(self, name: str, rels: list[str], local_root: Path, sizes: dict[str, int] | None = None) -> None:
-        """Fetch ``name/rel`` into ``local_root/rel`` (each through a temporary name, renamed when complete).
+    def download(self, name: str, rels: list[str], local_root: Path, sizes: dict[str, int] | None = None,
+                 sources: dict[str, str] | None = None) -> None:
+        """Fetch ``name/rel`` (``sources[rel]`` where given: an object key of the store) into ``local_root/rel``
+        (each through a temporary name, renamed when complete).
 
         Every file is cut into ranges of at most ``RANGE`` bytes, and ``_BATCH`` ranged GETs run at once, whatever
         the files: one large shard downloads on many connections, as a multipart upload sends it. Each range is
@@ -184,10 +190,11 @@ class ObjectStore:
         """
         if not rels:
             return
-        sizes = dict(sizes or {})
+        sizes, sources = dict(sizes or {}), sources or {}
+        source = {rel: sources.get(rel) or self.key(name, rel) for rel in rels}
         for rel in rels:
             if rel not in sizes:
-                sizes[rel] = int(self.fs.info(self.key(name, rel))["size"])
+                sizes[rel] = int(self.fs.info(source[rel])["size"])
         tag = f".part-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         where, resolved = f"the listing of '{self.url_of(name)}'", {}
         targets = {rel: paths.inside(Path(local_root), rel, where, resolved) for rel in rels}  # untrusted names
@@ -205,9 +212,9 @@ class ObjectStore:
                 rel, start, end = item
                 last = end == sizes[rel]  # asks for one byte more: an object longer than listed shows too
                 try:
-                    data = self.fs.cat_file(self.key(name, rel), start=start, end=end + 1 if last else end)
+                    data = self.fs.cat_file(source[rel], start=start, end=end + 1 if last else end)
                 except Exception:  # noqa: BLE001 - a range past the end of a shorter object is refused
-                    if int(self.fs.info(self.key(name, rel))["size"]) == sizes[rel]:
+                    if int(self.fs.info(source[rel])["size"]) == sizes[rel]:
                         raise
                     data = b""
                 if len(data) != end - start:
@@ -229,7 +236,7 @@ class ObjectStore:
             for rel, target in targets.items():
                 os.close(fds.pop(rel))
                 if rel in resized:
-                    self.fs.get_file(self.key(name, rel), str(target) + tag)
+                    self.fs.get_file(source[rel], str(target) + tag)
                 os.replace(str(target) + tag, target)
         finally:
             for rel, fd in fds.items():
@@ -272,7 +279,8 @@ def plain_names(parent: str, keys: Iterable[str]) -> list[str]:
     return sorted(names)
 
 
-def _mtime(info: dict[str, Any]) -> float | None:
+def mtime_of(info: dict[str, Any]) -> float | None:
+    """When a listed object was last written (seconds since the epoch), or None where the listing does not say."""
     stamp = info.get("LastModified") or info.get("mtime") or info.get("last_modified") or info.get("updated")
     if stamp is None:
         return None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, source_of, stored_files,
-                                                    upload_folder)
+                                                    stored_sharing, upload_folder)
 from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
 from automodel_ckpt.checkpoint.objectstore.store import wrap
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "fetch_run_file", "is_url", "monitor_of", "open_filesystem",
            "open_for_reading", "open_run_folder", "open_store_run", "run_folder", "share_run_file", "source_of",
-           "stored_files", "streamed_object", "upload_folder"]
+           "stored_files", "stored_sharing", "streamed_object", "upload_folder"]
 
 
 def monitor_of(cfg: Any) -> Monitor:

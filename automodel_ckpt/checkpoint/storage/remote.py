@@ -1,7 +1,8 @@
 """An object-store run folder (``checkpoint_dir: s3://bucket/run``): the local mirror's steps plus the store's.
 
 Saves are written into the mirror exactly as into a local folder (``LocalRunFolder``, which this extends); each
-rank then uploads its share and rank 0 commits: the commit object, then the mirror's publish, then the pointer
+rank then uploads its share (its stable files as the run's pieces, only the new ones: ``objectstore.pieces``) and
+rank 0 commits: the reference record of the pieces, the commit object, then the mirror's publish, then the pointer
 objects (``objectstore.run``). The run holds the mirror's ``flock`` and the bucket's lease (``objectstore.lease``).
 """
 
@@ -28,6 +29,7 @@ class ObjectStoreRunFolder(LocalRunFolder):
         super().__init__(remote.mirror, rank, **kwargs)  # type: ignore[arg-type]
         self.remote = remote
         self.world_size = world_size
+        self._refs: dict[str, dict[str, tuple[str, bool]]] = {}  # rank 0: each save's files stored as pieces
 
     def location(self, name: str) -> str:
         return self.remote.store.url_of(name)
@@ -47,13 +49,15 @@ class ObjectStoreRunFolder(LocalRunFolder):
         return super()._reserve_here(name)
 
     def upload(self, staging: Path, name: str) -> bool:
-        collective.collectively(lambda: self.remote.upload_share(staging, name, self.rank, self.world_size),
-                                f"uploading '{self.remote.store.url_of(name)}'", self.rank)
+        shares = collective.gathered(lambda: self.remote.upload_share(staging, name, self.rank, self.world_size),
+                                     f"uploading '{self.remote.store.url_of(name)}'", self.rank)
+        if self.rank == 0:  # a few files per rank: what the reference record lists
+            self._refs = {name: {rel: ref for share in shares for rel, ref in share.items()}}
         return True
 
     def _publish(self, name: str, best: bool) -> Path:
         """Rank 0, after every rank's uploads: the commit object, the mirror's publish, then the pointer objects."""
-        self.remote.upload_commit_object(self.staging(name), name)
+        self.remote.upload_commit_object(self.staging(name), name, self._refs.pop(name, None))
         final = super()._publish(name, best)
         self.remote.after_publish(final)
         return final
