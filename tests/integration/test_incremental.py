@@ -2,7 +2,7 @@
 
 Short runs, shared by the tests: 6 steps straight, a checkpoint at every step and only the last one kept; a run
 stopped and SIGKILLed while a save has linked its frozen shards but not yet published; its rerun to step 4 on 2
-processes; and that run continued to step 6 on 1 process. Then 3 steps on S3 (SeaweedFS) in two runs, and a DPO
+processes; and that run continued to step 6 on 1 process. Then 5 steps on S3 (SeaweedFS) in two runs, and a DPO
 run whose reference is synced every 3 steps.
 """
 
@@ -155,24 +155,64 @@ def test_a_synced_dpo_reference_is_written_once_per_sync(work, assets):
         assert manifest.verify(run / f"epoch_0_step_{step}").ok
 
 
-@pytest.mark.slow  # two launches against SeaweedFS (about a minute here): an object store takes no links at all
-def test_on_an_object_store_every_checkpoint_is_uploaded_whole_and_resumes_bitwise(work, assets, vlm_base, seaweed,
-                                                                                   tmp_path):
-    """On S3 (SeaweedFS) there are no links: each committed checkpoint holds all of its objects and verifies there;
-    a rerun from an empty staging folder resumes from the bucket and its losses are the straight run's."""
-    straight, _ = _straight(work, assets)
+@pytest.mark.slow  # two launches against SeaweedFS (about a minute here)
+def test_on_an_object_store_frozen_shards_are_pieces_uploaded_once_and_keep_last_one_keeps_the_last_ones(
+        work, assets, vlm_base, seaweed, tmp_path):
+    """On S3 (SeaweedFS), keep-last 1 across 5 saves in two launches (3 steps, then 5 from an empty staging folder):
+    each rank's frozen shard is uploaded once, as a piece of the run folder, and every later save references it
+    instead of uploading it; the bucket keeps only the pieces the kept checkpoints reference; the resume is bitwise;
+    ``inspect`` shows the pieces as shared; ``verify`` passes, and names a deleted piece in one line; ``gc`` deletes
+    an orphaned piece and keeps the referenced ones."""
+    straight, output = _straight(work, assets)
+    frozen = int(_PARAMS.search(output).group(2).replace(",", ""))
     bucket = seaweed.new_bucket()
-    url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
-    for steps, stage in (("2", "stage1"), ("3", "stage2")):
+    url, root, fs = f"s3://{bucket}/run", f"{bucket}/run", seaweed.filesystem()
+    env = seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for steps, stage in (("3", "stage1"), ("5", "stage2")):
         ckpt_train(tmp_path, assets, *ARGS, "--checkpoint.checkpoint_dir", url, "--checkpoint.staging_dir",
                    str(tmp_path / stage), "--step_scheduler.max_steps", steps, nproc=2, recipe=VLM_RECIPE, env=env)
-    names = {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run", detail=False) if fs.exists(f"{p}/manifest.json")}
-    assert names == {"epoch_0_step_2", "epoch_0_step_3"}  # keep-last 1, and the checkpoint resumed from
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.exists(f"{p}/{layout.MANIFEST_FILE}")}
+    assert names == {"epoch_0_step_3", "epoch_0_step_5"}  # keep-last 1, and the checkpoint resumed from
+
+    def refs(name: str) -> dict[str, str]:
+        return json.loads(fs.cat(f"{root}/{name}/{layout.PIECE_REFS}"))["files"]
+
+    def stored() -> set[str]:
+        return {p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{layout.PIECES_DIR}")}
+
+    last = refs("epoch_0_step_5")
+    assert len(last) == 2 and refs("epoch_0_step_3") == last  # each rank's frozen shard, the same bytes throughout
+    assert stored() == set(last.values())  # the pieces of the 3 checkpoints pruned were the same ones: none left over
     for name in names:
-        table = json.loads(fs.cat(f"{bucket}/run/{name}/manifest.json"))
-        for rel, entry in table["files"].items():  # every object there, whole
-            assert fs.info(f"{bucket}/run/{name}/{rel}")["size"] == entry["size"], rel
-        done = run_command([CKPT_TRAIN, "verify", f"{url}/{name}"], env=env_for(assets, env), timeout=600)
-        assert done.returncode == 0, done.stdout + done.stderr
-    got = [json.loads(line)["loss"] for line in fs.cat(f"{bucket}/run/training.jsonl").decode().splitlines() if line]
-    assert got == losses(straight)[:3]  # bit for bit
+        table = json.loads(fs.cat(f"{root}/{name}/{layout.MANIFEST_FILE}"))
+        for rel, entry in table["files"].items():  # every other file whole under the prefix; no copy of a piece
+            assert fs.exists(f"{root}/{name}/{rel}") == (rel not in last), rel
+    saves = {r["step"]: r for stage in ("stage1", "stage2") for r in jsonl(tmp_path / stage / layout.EVENTS_LOG)
+             if r["event"] == "checkpoint"}  # each launch's mirror: the store's copy lags its last save's record
+    assert sorted(saves) == [1, 2, 3, 4, 5] and saves[1]["written_bytes"] == saves[1]["bytes"]
+    for step in (2, 3, 4, 5):  # the first save after the resume too: the pieces were found in the bucket
+        assert saves[step]["written_bytes"] <= saves[step]["bytes"] - frozen * 4, saves[step]
+    got = [json.loads(line)["loss"] for line in fs.cat(f"{root}/training.jsonl").decode().splitlines() if line]
+    assert got == losses(straight)[:5]  # bit for bit
+
+    def verb(*args: str) -> subprocess.CompletedProcess:
+        return run_command([CKPT_TRAIN, *args], env=env_for(assets, env), timeout=600)
+
+    listing = json.loads(verb("inspect", url, "--json").stdout)
+    assert all(r["shared_bytes"] >= frozen * 4 for r in listing["checkpoints"]), listing["checkpoints"]
+    assert listing["totals"]["stored_bytes"] == listing["totals"]["size_bytes"] - listing["checkpoints"][0]["shared_bytes"]
+    done = verb("verify", f"{url}/epoch_0_step_5")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    orphan = f"{root}/{layout.PIECES_DIR}/{'0' * 32}"  # a piece no checkpoint references
+    fs.pipe(orphan, b"left by a save that never committed")
+    done = verb("gc", url, "--min-age-minutes", "0")
+    assert "gc: 1 unreferenced piece(s) deleted" in done.stdout, done.stdout + done.stderr
+    assert stored() == set(last.values())
+
+    key = sorted(last.values())[0]
+    fs.rm(f"{root}/{layout.PIECES_DIR}/{key}")
+    done = verb("verify", f"{url}/epoch_0_step_5")
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1, lines
+    assert f"{url}/{layout.PIECES_DIR}/{key}" in lines[0] and "missing" in lines[0], lines
