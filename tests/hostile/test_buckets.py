@@ -58,3 +58,32 @@ def test_gc_deletes_only_marked_leftovers(seaweed, make_case):
         if "/epoch_0_step_2/" not in key:
             assert key in after, key
     clean(outcome)
+
+
+def test_a_piece_record_naming_a_path_is_refused_and_stops_the_collection_of_pieces(seaweed, make_case):
+    """A committed checkpoint whose ``pieces.json`` gives a path (``../``) as a piece key: ``verify`` refuses it in
+    one line and fetches nothing through it; ``gc`` refuses to count references it cannot read, so it deletes no
+    piece (not even an orphan) and nothing else."""
+    import json
+    import zlib
+
+    case = make_case(None)
+    fs = seaweed.filesystem()
+    bucket = seaweed.new_bucket("hostile")
+    run = f"{bucket}/run"
+    rel = "model/shard-00000-model-00002-of-00002.safetensors"
+    table = {"manifest_version": 1, "layout_version": 1, "checksum_algorithm": "crc32", "total_bytes": 6,
+             "files": {rel: {"size": 6, "checksum": f"{zlib.crc32(b'secret'):08x}"}}}
+    record = {"pieces_version": 1, "files": {rel: "../epoch_0_step_2/secret"}}
+    fs.pipe({f"{run}/.automodel-ckpt-run.json": b"{}", f"{run}/epoch_0_step_1/{UPLOAD_MARKER}": b"{}",
+             f"{run}/epoch_0_step_1/metadata.json": json.dumps({"step": 1, "epoch": 0}).encode(),
+             f"{run}/epoch_0_step_1/manifest.json": json.dumps(table).encode(),
+             f"{run}/epoch_0_step_1/pieces.json": json.dumps(record).encode(),
+             f"{run}/epoch_0_step_2/secret": b"secret",  # what the path reaches on a store that keeps `..`
+             f"{run}/.automodel-ckpt-pieces/{'0' * 32}": b"an orphan",
+             f"{run}/.automodel-ckpt-pieces/notes.txt": b"not a piece"})
+    env = {**seaweed.env(), "XDG_CACHE_HOME": str(case.work / "cache")}
+    before = set(fs.find(bucket))
+    refused(case.verb("verify", f"s3://{run}/epoch_0_step_1", env=env), "pieces.json", "not a piece key")
+    refused(case.verb("gc", f"s3://{run}", "--min-age-minutes", "0", env=env), "pieces.json", "not a piece key")
+    assert set(fs.find(bucket)) == before
