@@ -1,4 +1,4 @@
-"""``ckpt-train gc URL``: delete what killed saves left in an object-store run folder, and pieces no checkpoint names."""
+"""``ckpt-train gc URL``: delete what killed saves left in an object-store run folder, and pieces none references."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def main(argv: list[str]) -> int:
         print(f"no lease on {url}" if lease is None else
               f"removed the lease of {url} (held by host {holder.get('host', '?')}, pid {holder.get('pid', '?')})")
     if args.dry_run:
-        for name in run.leftovers():
+        stale = run.gc(args.min_age_minutes * 60, dry_run=True)
+        for name in stale:
             print(f"would delete {run.store.url_of(name)}/ (an upload that never committed)")
-        _pieces(run, args.min_age_minutes * 60, dry_run=True)
+        _pieces(run, args.min_age_minutes * 60, dry_run=True, gone=stale)
         return 0
     deleted = run.gc(args.min_age_minutes * 60)
     for name in deleted:
@@ -49,9 +50,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _pieces(run: Any, min_age_seconds: float, *, dry_run: bool) -> None:
-    """The pieces no checkpoint references (after the leftovers, whose references are gone with them)."""
-    keys = run.gc_pieces(min_age_seconds, dry_run=dry_run)
+def _pieces(run: Any, min_age_seconds: float, *, dry_run: bool, gone: list[str] | None = None) -> None:
+    """The pieces no checkpoint references (after the leftovers, whose references are gone with them; ``gone``:
+    those a dry run only lists)."""
+    keys = run.gc_pieces(min_age_seconds, dry_run=dry_run, gone=gone or ())
     if keys is None:
         print(f"gc: kept the unreferenced pieces of {run.url}: a live run holds its lease (its next save collects "
               "them)")

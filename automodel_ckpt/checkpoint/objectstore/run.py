@@ -35,7 +35,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.checkpoint.objectstore import pieces
@@ -291,31 +291,35 @@ class RemoteRun:
 
         return break_lease(self.store)
 
-    def gc(self, min_age_seconds: float) -> list[str]:
+    def gc(self, min_age_seconds: float, *, dry_run: bool = False) -> list[str]:
         """Delete leftovers whose newest object is older than ``min_age_seconds`` (younger ones may be uploads
-        in progress). Returns the names deleted."""
+        in progress). Returns the names deleted (with ``dry_run``, that would be: nothing is deleted)."""
         deleted = []
         for name in wrap(f"listing '{self.url}'", self.leftovers):
             newest = self.store.newest_write(name)
             if newest is not None and now() - newest < min_age_seconds:
                 logger.info("keeping '%s': written %.0f s ago, may still be uploading", name, now() - newest)
                 continue
-            wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))
+            if not dry_run:
+                wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))
             deleted.append(name)
         return deleted
 
     def piece_url(self, key: str) -> str:
         return self.store.url_of(layout.PIECES_DIR, key)
 
-    def gc_pieces(self, min_age_seconds: float, *, dry_run: bool = False) -> list[str] | None:
+    def gc_pieces(self, min_age_seconds: float, *, dry_run: bool = False, gone: Iterable[str] = ()) -> list[str] | None:
         """The pieces no record names and written longer than ``min_age_seconds`` ago, deleted (``dry_run``: only
-        listed); None, deleting nothing, while a live run holds the lease (its saves collect them)."""
+        listed, the records of the prefixes ``gone`` left out as if deleted); None, deleting nothing, while a live run
+        holds the lease (its saves collect them)."""
         lease = Lease(self.store, "gc")
         current = lease.read()
         if current is not None and current.get("token") and not lease.free(current):
             return None
+        skip = set(gone)
         return wrap(f"collecting the unreferenced pieces of '{self.url}'",
-                    lambda: pieces.collect(self.store, self.store.prefixes(), min_age_seconds, dry_run=dry_run))
+                    lambda: pieces.collect(self.store, [n for n in self.store.prefixes() if n not in skip],
+                                           min_age_seconds, dry_run=dry_run))
 
 
 def _extends(local: Path, remote: str) -> bool:
