@@ -8,6 +8,7 @@ import pickle
 import struct
 import threading
 import zipfile
+import zlib
 from typing import Any
 
 import torch
@@ -17,6 +18,13 @@ from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy
 from automodel_ckpt.ondisk.formats.safe_load import StorageRef, TensorRecordUnpickler
 
 # --- writing: what torch.save puts around a tensor's bytes -------------------------------------------
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_MAGIC = 0x04034B50
+_CENTRAL_HEADER = struct.Struct("<IHHHHHHIIIHHHHHII")
+_CENTRAL_MAGIC = 0x02014B50
+_END = struct.Struct("<IHHHHIIH")
+_END_MAGIC = 0x06054B50
 
 
 class _Recorder:
@@ -48,13 +56,23 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def _record_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
-    """What ``torch.save`` writes for a contiguous CPU tensor of ``shape`` and ``dtype``, with ``None`` where its
-    data goes; None when it cannot be found. The same for every tensor of that shape and dtype (no CRC), so cached.
-    """
+    """What surrounds the bytes of a contiguous CPU tensor of ``shape`` and ``dtype`` in its record, ``None`` where its
+    data goes (``compact_template``, else torch's own ``torch_template``); None when neither can be made. The same for
+    every tensor of that shape and dtype, so cached."""
     key = (tuple(shape), dtype)
     with _TEMPLATES_LOCK:
         if key in _TEMPLATES:
             return _TEMPLATES[key]
+    template = compact_template(shape, dtype) or torch_template(shape, dtype)
+    if template is not None:
+        with _TEMPLATES_LOCK:
+            _TEMPLATES[key] = template
+    return template
+
+
+def torch_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
+    """What ``torch.save`` writes for a tensor of ``shape`` and ``dtype`` (seven entries, each aligned to 64 bytes,
+    zip64 trailer: about 1.5 KiB), ``None`` where its data goes; None when it cannot be found."""
     stand_in = torch.empty(shape, dtype=dtype)  # pages never touched: costs no memory
     nbytes = stand_in.numel() * stand_in.element_size()
     recorder = _Recorder(stand_in.data_ptr() if nbytes else -1)
@@ -82,8 +100,81 @@ def _record_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None
         template.append(bytes(small))
     if not found:
         return None
-    with _TEMPLATES_LOCK:
-        _TEMPLATES[key] = template
+    return template
+
+
+class _Entries:
+    """Stands in for torch's zip writer in ``torch.serialization._save``: keeps each entry's name and bytes (the
+    tensor's storage as ``None``)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, bytes | None, int]] = []
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        self.entries.append((name, bytes(data) if isinstance(data, (bytes, bytearray)) else None, int(nbytes)))
+
+
+_ARCHIVE = "archive/"
+_DOS_DATE = (1 << 5) | 1  # 1980-01-01, the earliest date a zip entry holds
+_COMPACT_MAX = (1 << 32) - (1 << 20)  # zip32 sizes and offsets: larger records take torch's template (zip64)
+_VERSION: list[bytes] = []
+
+
+def _file_format_version() -> bytes:
+    """The ``version`` entry torch writes (the archive format version its readers check), read once."""
+    if not _VERSION:
+        buffer = io.BytesIO()
+        torch.save(torch.zeros(()), buffer)
+        with zipfile.ZipFile(buffer) as archive:
+            name = next(n for n in archive.namelist() if n.split("/", 1)[-1] == "version")
+            _VERSION.append(archive.read(name))
+    return _VERSION[0]
+
+
+def compact_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
+    """A torch.save record of a tensor of ``shape`` and ``dtype`` holding only what ``torch.load`` reads:
+    ``data.pkl`` (torch's own pickle of the tensor), ``byteorder``, ``data/0`` and ``version``, stored, unpadded,
+    with a zip32 trailer (about 0.6 KiB instead of torch's 1.5 KiB: torch omits nothing that a record needs;
+    ``.format_version``, ``.storage_alignment`` and ``.data/serialization_id`` only serve ``mmap`` loads and
+    tracing, and ``torch.load`` reads archives without them, as torch wrote them before those existed). ``None``
+    where the data goes; None where the record would need zip64 or torch's internals moved (``torch_template``)."""
+    stand_in = torch.empty(shape, dtype=dtype)  # pages never touched: costs no memory
+    nbytes = stand_in.numel() * stand_in.element_size()
+    if nbytes >= _COMPACT_MAX:
+        return None
+    entries = _Entries()
+    try:
+        torch.serialization._save(stand_in, entries, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        version = _file_format_version()
+    except Exception:  # noqa: BLE001 - torch's internals moved: torch's template
+        return None
+    kept = {name: (data, n) for name, data, n in entries.entries}
+    if set(kept) != {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "data/0"} \
+            or kept["data/0"] != (None, nbytes) or kept["data.pkl"][0] is None or kept["byteorder"][0] is None:
+        return None
+    order = [("data.pkl", kept["data.pkl"][0]), ("byteorder", kept["byteorder"][0]), ("data/0", None),
+             ("version", version)]
+    template: list[bytes | None] = []
+    head, central, at = bytearray(), bytearray(), 0
+    for name, data in order:
+        encoded = (_ARCHIVE + name).encode()
+        size = nbytes if data is None else len(data)
+        crc = 0 if data is None else zlib.crc32(data)  # the tensor's bytes unsummed, as torch's own writer leaves them
+        local = _LOCAL_HEADER.pack(_LOCAL_MAGIC, 20, 0, 0, 0, _DOS_DATE, crc, size, size, len(encoded), 0)
+        central += _CENTRAL_HEADER.pack(_CENTRAL_MAGIC, 20, 20, 0, 0, 0, _DOS_DATE, crc, size, size, len(encoded),
+                                        0, 0, 0, 0, 0, at) + encoded
+        head += local + encoded
+        at += len(local) + len(encoded) + size
+        if data is None:
+            template += [bytes(head), None]
+            head = bytearray()
+        else:
+            head += data
+    count = len(order)
+    head += central + _END.pack(_END_MAGIC, 0, 0, count, count, len(central), at, 0)
+    template.append(bytes(head))
     return template
 
 
@@ -174,8 +265,6 @@ class _FileView(io.RawIOBase):
         return len(data)
 
 
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_MAGIC = 0x04034B50
 
 
 def _zip_entries(fd: int, offset: int, length: int) -> dict[str, tuple[int, int]] | None:

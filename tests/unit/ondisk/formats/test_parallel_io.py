@@ -371,6 +371,30 @@ def test_torch_save_records_load_with_torch_load(tmp_path, make):
     finally:
         os.close(fd)
     assert located is not None and located.shape == tuple(tensor.shape) and located.dtype == tensor.dtype
+    framing = sum(filewrite.piece_length(p) for p in pieces) - tensor.numel() * tensor.element_size()
+    assert framing < 700  # the compact record: torch.save's own is about 1,540 bytes
+
+
+def test_records_too_large_for_zip32_take_torchs_own_template():
+    assert records.compact_template(torch.Size([1 << 30]), torch.float32) is None  # 4 GiB: zip64, torch's
+    assert records.compact_template(torch.Size([4]), torch.float32) is not None
+
+
+def test_an_optimizer_folder_of_compact_records_is_read_by_torchs_own_tools(tmp_path):
+    """``dcp_to_torch_save`` and ``FileSystemReader`` (``torch.load`` per record) read what the writer wrote."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, optimizer = model_and_optimizer(0)
+    staged = sharded.stage_optimizer(model, optimizer, tmp_path / "optim", sharded.HostStager(),
+                                     durable.WrittenFiles())
+    staged.capture()
+    staged.write(None)
+    dcp_to_torch_save(tmp_path / "optim", tmp_path / "optim.pt")
+    flat = torch.load(tmp_path / "optim.pt", weights_only=True)
+    moments = [st["exp_avg_sq"] for st in flat["state"].values()]
+    expected = [st["exp_avg_sq"] for st in optimizer.state.values()]
+    assert len(moments) == len(expected) == 6
+    assert all(any(torch.equal(m, e) for m in moments) for e in expected)
 
 
 def test_optimizer_state_is_created_without_a_step():
