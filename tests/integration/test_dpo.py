@@ -3,7 +3,8 @@
 Shared runs (module scope), 8 steps of 16 pairs, a checkpoint every 3 steps:
 
 * ``synced``: 2 processes, the reference mixed toward the policy every 2 steps (``dpo.sync_ref_model``): straight,
-  and killed (SIGKILL of the whole job) once it starts its step-6 save, then rerun;
+  and with ``checkpoint.incremental`` and a checkpoint at every step, killed (SIGKILL of the whole job) once it
+  starts its step-5 save, then rerun;
 * ``world``: 1 process restored from the straight run's step-3 checkpoint (policy, optimizer and synced reference
   resharded from 2 ranks to 1);
 * ``lora``: 2 processes (a replicated model, whose first forward is the reference's, adapters disabled), LoRA
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from automodel_ckpt.ondisk import catalog, layout, manifest
 from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
 
 DPO_RECIPE = REPO / "recipes" / "tiny_llama_dpo.yaml"
@@ -34,6 +36,7 @@ SHORT = ("--dataset.num_samples", "600", "--validation_dataset.num_samples", "32
          "--step_scheduler.val_every_steps", "3", "--checkpoint.save_consolidated", "false",
          "--training.log_sample_ids", "true")  # warmup (10 steps) spans every run: a stop at 3 keeps the rate
 SYNC = ("--dpo.sync_ref_model", "true", "--dpo.ref_model_sync_steps", "2")
+INCREMENTAL = ("--checkpoint.incremental", "true", "--step_scheduler.ckpt_every_steps", "1")  # 2 saves per sync
 DIE_AFTER_LOCAL_STEP = "tests.integration.fast_recovery_recipes.DieAfterLocalStepDPORecipe"
 COMPARED = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
 
@@ -65,19 +68,19 @@ def _synced_straight(work: Path, assets: Path) -> Path:
 
 @cache
 def _synced_killed(work: Path, assets: Path) -> tuple[Path, str]:
-    """Killed once rank 0 says it saves step 6 (inside or just after that save), then rerun to the end."""
-    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(DPO_RECIPE), *QUIET, *SHORT, *SYNC, "--checkpoint.checkpoint_dir",
-           "killed", "--step_scheduler.max_steps", "8"]
+    """Killed once rank 0 says it saves step 5 (inside or just after that save), then rerun to the end."""
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(DPO_RECIPE), *QUIET, *SHORT, *SYNC, *INCREMENTAL,
+           "--checkpoint.checkpoint_dir", "killed", "--step_scheduler.max_steps", "8"]
     job = start_command(cmd, cwd=work, env=env_for(assets), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
     for line in job.stdout:
         seen.append(line)
-        if "Saving checkpoint to killed/epoch_0_step_6" in line:
+        if "Saving checkpoint to killed/epoch_0_step_5" in line:
             break
     kill_job(job)
-    assert any("epoch_0_step_6" in line for line in seen), "".join(seen)[-3000:]
-    rerun = _train(work, assets, "killed", 8, *SYNC, nproc=2)
+    assert any("epoch_0_step_5" in line for line in seen), "".join(seen)[-3000:]
+    rerun = _train(work, assets, "killed", 8, *SYNC, *INCREMENTAL, nproc=2)
     return work / "killed", rerun.stdout
 
 
@@ -133,9 +136,25 @@ def test_a_killed_run_with_a_synced_reference_resumes_bitwise(work, assets):
     assert "Reference model: restored from the checkpoint" in rerun  # synced at step 2: state from then on
     assert len(_rows(straight)) == 8
     assert _numbers(killed) == _numbers(straight)  # bitwise: the same floats
-    assert jsonl(killed / "validation.jsonl") == jsonl(straight / "validation.jsonl")
+    validated = jsonl(straight / "validation.jsonl")  # at its saves (every 3 steps); the killed run's: every step
+    steps = {r["step"] for r in validated}
+    assert [r for r in jsonl(killed / "validation.jsonl") if r["step"] in steps] == validated
     for step in (3, 6):  # the reference is state once synced: saved sharded beside the policy
         assert (straight / f"epoch_0_step_{step}" / "ref_model").is_dir()
+
+    def reference(step: int) -> set[int]:  # the inodes of its shards (each rank's, all in the stable part)
+        folder = killed / f"epoch_0_step_{step}" / "ref_model"
+        return {(folder / layout.model_shard_file(r, 2, layout.INCREMENTAL_SHARDS)).stat().st_ino for r in (0, 1)}
+
+    # written once per sync (steps 2, 4, 6, 8), linked by the save after it: step 5's by the rerun's first save from
+    # the checkpoint it resumed from (read back and hashed), when the kill left step 4 the newest
+    assert [c.name for c in catalog.scan(killed)] == [f"epoch_0_step_{s}" for s in range(1, 9)]
+    assert not (killed / "epoch_0_step_1" / "ref_model").exists()  # saved from its first sync on
+    for step in (3, 5, 7):
+        assert reference(step) == reference(step - 1), step
+    for step in (4, 6, 8):
+        assert not reference(step) & reference(step - 1), step
+    assert all(manifest.verify(c.path).ok for c in catalog.scan(killed))
 
 
 def test_a_synced_reference_resumes_bitwise_from_the_node_local_tier(work, assets):
