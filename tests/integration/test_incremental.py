@@ -186,7 +186,13 @@ def test_resume_on_one_process_from_two(work, assets, vlm_base):
         assert got[step] == pytest.approx(want[step], abs=1e-5)
     last = run / "epoch_0_step_6"
     assert manifest.verify(last).ok and manifest.read(last).get("linked_bytes")  # step 6 linked step 5's shard
-    assert losses(run)
+    # incremental storage loses nothing: the same run saved whole (2 processes to step 4, one full save) and resumed
+    # on 1 process computes the same losses bit for bit
+    whole = (*ARGS, "--checkpoint.incremental", "false", "--step_scheduler.ckpt_every_steps", "4",
+             "--checkpoint.checkpoint_dir", "whole")
+    ckpt_train(work, assets, *whole, "--step_scheduler.max_steps", "4", nproc=2, recipe=VLM_RECIPE)
+    ckpt_train(work, assets, *whole, "--step_scheduler.max_steps", "6", nproc=1, recipe=VLM_RECIPE)
+    assert {r["step"]: r["loss"] for r in jsonl(work / "whole" / "training.jsonl")} == got
 
 
 @pytest.mark.slow  # two launches against SeaweedFS (about a minute here)
