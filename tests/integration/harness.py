@@ -32,9 +32,13 @@ class Result:
 
 
 def env_for(assets: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a command on ``assets``, with ``extra``. ``HF_HOME`` is spelled out (the
+    folder Hugging Face's libraries default to here): a command that sets its own ``XDG_CACHE_HOME`` (an
+    object-store mirror of its own) keeps the Hugging Face caches every other command uses."""
     env = dict(os.environ)
+    hf_home = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "huggingface")
     env.update({"AUTOMODEL_CKPT_ASSETS": str(assets), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HOME": env.get("HF_HOME", hf_home)})
     env.update(extra or {})
     return env
 

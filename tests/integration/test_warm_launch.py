@@ -22,7 +22,7 @@ def warm(tmp_path_factory):
 
 def test_a_warm_launch_prints_exits_and_sees_its_folder_and_environment_as_a_new_process(tmp_path, warm, assets):
     (tmp_path / "bad.yaml").write_text(RECIPE.read_text().replace("max_steps:", "max_stepz:"))
-    env = env_for(assets, {"AUTOMODEL_CKPT_EXAMPLE": "1"})
+    env = env_for(assets, {"AUTOMODEL_CKPT_EXAMPLE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")})
     for args in (["--version"], ["bad.yaml"], ["bad.yaml", "--dry-run"], [str(RECIPE), "--dry-run", "--nope", "1"],
                  ["inspect", "no_such_folder"], []):
         cmd = [CKPT_TRAIN, *args]
@@ -61,6 +61,10 @@ def test_variables_read_at_import_time_start_a_new_interpreter(monkeypatch):
                         ("AUTOMODEL_CKPT_MALLOC", "default"), ("LD_PRELOAD", "libjemalloc.so")):
         assert not warm.accepts([CKPT_TRAIN, "x.yaml"], base | {name: value}), name
     assert not warm.accepts(["python", "x.py"], base)
+    # a cache folder of its own: Hugging Face's libraries read it at import only where HF_HOME is not set
+    assert warm.accepts([CKPT_TRAIN, "x.yaml"], base | {"XDG_CACHE_HOME": "/c"})
+    unset = {k: v for k, v in base.items() if k != "HF_HOME"}
+    assert not WarmLauncher(unset).accepts([CKPT_TRAIN, "x.yaml"], unset | {"XDG_CACHE_HOME": "/c"})
     monkeypatch.setenv("CKPT_TEST_FRESH_PROCESSES", "1")
     assert not warm.accepts([CKPT_TRAIN, "x.yaml"], base)
 

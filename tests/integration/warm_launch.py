@@ -12,7 +12,8 @@ verbs from a server too, one case at a time under a memory limit, and reports ea
 
 A command whose environment differs from the server's in a variable read at import time (``PYTHON*`` other than
 ``PYTHONPATH``, ``HF_*``, ``TORCH*``, ``OMP_*``, ``XDG_*``, allocator settings, ...) runs as a new interpreter, as
-does every command when ``CKPT_TEST_FRESH_PROCESSES=1``.
+does every command when ``CKPT_TEST_FRESH_PROCESSES=1``; ``XDG_CACHE_HOME`` alone, where ``HF_HOME`` is set alike
+(``harness.env_for`` sets it), runs forked.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ IMPORT_TIME = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORC
 _MESSAGE = 1 << 20
 
 
-def _import_time(name: str) -> bool:
+def _import_time(name: str, env: dict[str, str], base: dict[str, str]) -> bool:
+    """Whether ``name`` is read at import time. ``XDG_CACHE_HOME`` is read then only for the default of ``HF_HOME``
+    (huggingface_hub, datasets, transformers, accelerate): where both set ``HF_HOME`` alike, only the package's own
+    caches (object-store mirrors) read it, when they are used."""
+    if name == "XDG_CACHE_HOME" and env.get("HF_HOME") and env.get("HF_HOME") == base.get("HF_HOME"):
+        return False
     return name != "PYTHONPATH" and name.startswith(IMPORT_TIME)
 
 
@@ -125,7 +131,7 @@ class WarmLauncher:
         if os.environ.get(FRESH_ENV) == "1" or not cmd or Path(cmd[0]).name != "ckpt-train":
             return False
         names = set(env) | set(self.base_env)
-        return not any(_import_time(n) and env.get(n) != self.base_env.get(n) for n in names)
+        return not any(_import_time(n, env, self.base_env) and env.get(n) != self.base_env.get(n) for n in names)
 
     def _server(self) -> socket.socket:
         if self._proc is None or self._proc.poll() is not None:
