@@ -15,7 +15,7 @@ from automodel_ckpt.checkpoint.objectstore.store import ObjectStore
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.ondisk.checksum import default_algorithm, hash_file
-from automodel_ckpt.ondisk.incremental import Reuse
+from automodel_ckpt.ondisk.incremental import Reuse, key_of
 
 STABLE = f"{layout.MODEL_DIR}/{layout.model_shard_file(0, 2, 2)}"
 TRAINED = f"{layout.MODEL_DIR}/{layout.model_shard_file(0, 1, 2)}"
@@ -84,7 +84,8 @@ def store():
     bucket = f"b-{uuid.uuid4().hex[:10]}"
     store = ObjectStore(f"memory://{bucket}/run")
     yield store
-    store.fs.rm(bucket, recursive=True)
+    if store.fs.exists(bucket):
+        store.fs.rm(bucket, recursive=True)
 
 
 def _stage(staging: Path, reuse: Reuse, stable: bytes, trained: bytes) -> Path:
@@ -153,6 +154,18 @@ def test_deleting_a_checkpoint_keeps_the_pieces_another_references_and_collects_
     assert sorted(pieces.present(store)) == [key_b]
     assert store.fs.cat(f"{store.root}/{layout.PIECES_DIR}/README.txt") == b"not a piece\n"
     assert manifest.verify(_fetched(store, tmp_path, "s3")).ok
+
+
+def test_only_a_stable_file_this_process_wrote_and_left_unchanged_is_a_piece(store, tmp_path):
+    reuse = Reuse()
+    staging = _stage(tmp_path / "a", reuse, b"frozen" * 50, b"t")
+    assert pieces.KEY.fullmatch(key_of(staging / STABLE)) and key_of(staging / TRAINED) is None
+    (staging / STABLE).write_bytes(b"changed since")  # not the bytes its key was computed from
+    assert key_of(staging / STABLE) is None
+    assert pieces.put(store, staging, [STABLE, TRAINED], manifest.list_files(staging)) == {}  # uploaded whole
+    staging = _stage(tmp_path / "b", reuse, b"frozen" * 50, b"t")
+    reuse.begin()  # the next save: the last one's keys are forgotten
+    assert key_of(staging / STABLE) is None
 
 
 def test_a_missing_piece_is_one_line_naming_it(store, tmp_path):
