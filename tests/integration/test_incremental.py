@@ -195,7 +195,6 @@ def test_resume_on_one_process_from_two(work, assets, vlm_base):
     assert {r["step"]: r["loss"] for r in jsonl(work / "whole" / "training.jsonl")} == got
 
 
-@pytest.mark.slow  # two launches against SeaweedFS (about a minute here)
 def test_on_an_object_store_frozen_shards_are_pieces_uploaded_once_and_keep_last_one_keeps_the_last_ones(
         work, assets, vlm_base, seaweed, tmp_path):
     """On S3 (SeaweedFS), keep-last 1 across 5 saves in two launches (3 steps, then 5 from an empty staging folder):
