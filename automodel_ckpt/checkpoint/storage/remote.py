@@ -39,6 +39,11 @@ class ObjectStoreRunFolder(LocalRunFolder):
         collective.on_main(self.remote.prepare, f"opening {self.remote.url}", self.rank)
 
     def release(self, *, keep_lock: bool = False) -> None:
+        if not keep_lock and self.rank == 0:  # a finished run: the logs' records since the last commit (its save's)
+            try:
+                self.remote.push_logs()
+            except Exception as e:  # noqa: BLE001 - the checkpoints are committed; only the logs' tail is missing
+                logger.warning("the logs' last records were not uploaded to %s: %s", self.remote.url, e)
         self.remote.release()  # the run folder's lease (rank 0): the next run need not wait for it to expire
         super().release(keep_lock=keep_lock)
 
