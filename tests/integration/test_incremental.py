@@ -19,6 +19,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import catalog, layout, manifest
 from automodel_ckpt.ondisk.incremental import stored_once
@@ -33,6 +35,10 @@ ARGS = ("--dataset.num_samples", "160", "--data.val_size", "16", "--step_schedul
         "--checkpoint.max_recent_checkpoints", "1", "--checkpoint.save_consolidated", "false")  # fmt: skip
 _PARAMS = re.compile(r"Parameters: \S+ \(([\d,]+)\) trainable / \S+ \(([\d,]+)\) frozen")
 STOP_IN_PRUNE = "tests.integration.prune_faults.StopInPruneVLMRecipe"  # rank 0 stops itself in its first prune
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +249,13 @@ def test_on_an_object_store_frozen_shards_are_pieces_uploaded_once_and_keep_last
     assert totals["stored_bytes"] == totals["size_bytes"] - listing["checkpoints"][0]["shared_bytes"]
     done = verb("verify", f"{url}/epoch_0_step_5")
     assert done.returncode == 0, done.stdout + done.stderr
+    # consolidate reads the pieces back: the frozen tower it exports is the straight run's, bit for bit
+    for src, out in ((f"{url}/epoch_0_step_5", tmp_path / "hf_s3"), (str(straight / "epoch_0_step_6"), tmp_path / "hf")):
+        done = verb("consolidate", src, "--out", str(out), "--no-progress")
+        assert done.returncode == 0, done.stdout + done.stderr
+    exported, reference = _tensors(tmp_path / "hf_s3"), _tensors(tmp_path / "hf")
+    tower = [k for k in reference if "vision" in k]
+    assert tower and all(torch.equal(exported[k], reference[k]) for k in tower)
 
     orphan = f"{root}/{layout.PIECES_DIR}/{'0' * 32}"  # a piece no checkpoint references
     fs.pipe(orphan, b"left by a save that never committed")
