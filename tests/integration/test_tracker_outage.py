@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.tracking.tracker import CLOSE_TIMEOUT_S, FLUSH_TIMEOUT_S
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, losses
+from automodel_ckpt.tracking.tracker import FLUSH_TIMEOUT_S
+from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, losses,
+                                       run_command, start_command)
 from tests.integration.mlflow_server import MISSING, MlflowServer, server_executable
 
 pytest.importorskip("mlflow")
@@ -23,6 +24,7 @@ ARGS = ("--step_scheduler.ckpt_every_steps", "10", "--step_scheduler.val_every_s
         "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size", "8", "--data.val_size", "32",
         "--checkpoint.save_consolidated", "false", "--checkpoint.checkpoint_dir", "run")
 SAVED = [f"epoch_0_step_{s}" for s in range(10, STEPS + 1, 10)]
+CLOSE_S = "2"  # the outage run's end waits this long for the dead server (logging.close_timeout_s; 10 s by default)
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,11 @@ def outage(tmp_path_factory: pytest.TempPathFactory, assets: Path, server: Mlflo
     untracked_s = time.monotonic() - t0
     work = tmp_path_factory.mktemp("outage")
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, "--step_scheduler.max_steps", str(STEPS),
-           *ARGS, *_tracked(server.uri)]
+           *ARGS, *_tracked(server.uri), "--logging.close_timeout_s", CLOSE_S]
     t0 = time.monotonic()
     with open(work / "outage.log", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_command(cmd, cwd=work, env=env_for(assets), stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     steps = work / "run" / layout.TRAINING_LOG
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline and server.proc is not None:
@@ -67,7 +69,7 @@ def outage(tmp_path_factory: pytest.TempPathFactory, assets: Path, server: Mlflo
     outage_s = time.monotonic() - t0
     print(f"\nwall time, 2 processes, {STEPS} steps: without tracking {untracked_s:.1f} s; MLflow server killed at "
           f"step {KILL_AT_STEP}: {outage_s:.1f} s (bounds: {FLUSH_TIMEOUT_S:.0f} s at a checkpoint, "
-          f"{CLOSE_TIMEOUT_S:.0f} s without progress at the end)")
+          f"{CLOSE_S} s without progress at the end)")
     return {"plain": plain / "run", "run": work / "run", "rc": proc.returncode,
             "output": (work / "outage.log").read_text()}
 
@@ -81,7 +83,7 @@ def test_a_killed_server_ends_the_run_normally_with_every_checkpoint_and_the_sam
     assert "not delivered (logging.mlflow " in output  # the end says what MLflow lacks
 
 
-def test_training_waited_for_the_tracker_once_and_within_the_bound(outage):
+def test_training_waited_for_the_tracker_once_and_within_the_bound(outage, assets):
     events = jsonl(outage["run"] / layout.EVENTS_LOG)
     behind = [e for e in events if e["event"] == "tracking_behind"]
     assert len(behind) == 1 and behind[0]["backend"] == "mlflow"  # fell behind once, never waited for again
@@ -90,8 +92,8 @@ def test_training_waited_for_the_tracker_once_and_within_the_bound(outage):
     output = outage["output"]
     assert output.count("logging.mlflow is behind") + output.count("logging.mlflow failed") == 1
     assert "experiment tracking is 60 s behind" not in output
-    shown = subprocess.run([CKPT_TRAIN, "inspect", str(outage["run"]), "--cost", "--json"], capture_output=True,
-                           text=True, timeout=300, check=True)
+    shown = run_command([CKPT_TRAIN, "inspect", str(outage["run"]), "--cost", "--json"], env=env_for(assets), timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
     end = next(e for e in reversed(events) if e["event"] == "end")
     behind_s = end["time"] - behind[0]["time"]
     assert behind_s > 0 and json.loads(shown.stdout)["tracking_behind_s"] >= round(behind_s, 3) - 0.001  # to the end
