@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.ondisk import layout
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job
+from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, run_command,
+                                       start_command)
 from tests.integration.trackers import tensorboard_scalars, tensorboard_texts, wandb_history, wandb_run_ids
 
 pytest.importorskip("tensorboard")
@@ -35,8 +36,8 @@ def _train_and_kill(work: Path, assets: Path) -> int:
     log = work / "killed.log"
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env_for(assets, {"WANDB_SILENT": "true"}), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_command(cmd, cwd=work, env=env_for(assets, {"WANDB_SILENT": "true"}), stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
     steps = work / "run" / layout.TRAINING_LOG
     deadline = time.monotonic() + 600
     last = 0
@@ -61,7 +62,7 @@ def tracked_run(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict:
     shard = max((run / "epoch_0_step_6" / layout.MODEL_DIR).glob("*.safetensors"), key=lambda f: f.stat().st_size)
     shard.unlink()  # damaged: the resume quarantines it and falls back to step 3
     resumed = ckpt_train(work, assets, *ARGS, nproc=2, env={"WANDB_SILENT": "true"})
-    return {"run": run, "killed_at": killed_at, "output": resumed.output}
+    return {"run": run, "killed_at": killed_at, "output": resumed.output, "assets": assets}
 
 
 def _jsonl_series(run: Path, name: str, key: str) -> list[tuple[int, float]]:
@@ -130,8 +131,9 @@ def test_inspect_cost_reports_what_the_run_recorded(tracked_run):
     events = jsonl(run / layout.EVENTS_LOG)
     saves = [e for e in events if e["event"] == "checkpoint"]
     assert [e["event"] for e in events].count("start") == 2 and events[-1]["event"] == "end"
-    out = subprocess.run([CKPT_TRAIN, "inspect", str(run), "--cost", "--json"], capture_output=True, text=True,
-                         check=True)
+    env = env_for(tracked_run["assets"])
+    out = run_command([CKPT_TRAIN, "inspect", str(run), "--cost", "--json"], env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["interruptions"] == 1 and report["mtbf_source"] == "observed"
     assert report["checkpoints"] == len(saves)
@@ -141,6 +143,7 @@ def test_inspect_cost_reports_what_the_run_recorded(tracked_run):
     assert math.isclose(report["advice"]["interval_s"], math.sqrt(2 * cost * report["mtbf_s"]), rel_tol=1e-9)
     assert report["advice"]["interval_steps"] == max(1, round(report["advice"]["interval_s"] / report["step_s"]))
     assert "Checkpoint cost:" in tracked_run["output"] and "Young/Daly interval" in tracked_run["output"]
-    text = subprocess.run([CKPT_TRAIN, "inspect", str(run), "--cost", "--mtbf-hours", "2"], capture_output=True,
-                          text=True, check=True).stdout
+    shown = run_command([CKPT_TRAIN, "inspect", str(run), "--cost", "--mtbf-hours", "2"], env=env, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    text = shown.stdout
     assert "MTBF 2.0 h (given)" in text and "Young/Daly interval" in text

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, free_port, jsonl
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, free_port, jsonl, start_command
 from tests.integration.shared_runs import STRAIGHT_KEYS
 
 ARGS = STRAIGHT_KEYS  # those of the straight runs (8 steps) that the resumed runs are compared with
@@ -40,10 +40,10 @@ def test_two_nodes_resume_on_one_node(tmp_path, assets, straight_runs):
     port = str(free_port())
     run = ("--checkpoint.checkpoint_dir", "multi")
     procs = [
-        subprocess.Popen([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
-                          "--master-addr", "127.0.0.1", "--master-port", port, str(RECIPE), *QUIET, *ARGS, *run,
-                          "--step_scheduler.max_steps", "4"],
-                         cwd=tmp_path, env=env_for(assets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        start_command([CKPT_TRAIN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+                       "--master-addr", "127.0.0.1", "--master-port", port, str(RECIPE), *QUIET, *ARGS, *run,
+                       "--step_scheduler.max_steps", "4"],
+                      cwd=tmp_path, env=env_for(assets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
