@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, run_command
+from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, run_command,
+                                       start_command)
 from tests.integration.seaweed import ACCESS_KEY, SECRET_KEY
 
 STEPS = ("--step_scheduler.max_steps", "8", "--step_scheduler.ckpt_every_steps", "2",
@@ -138,8 +139,8 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
     url, fs, env = f"s3://{bucket}/run", seaweed.filesystem(), seaweed.env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET,
            *s3_args(url, tmp_path / "stage1", "--checkpoint.model_save_format", "torch_save")]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(assets, env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_command(cmd, cwd=tmp_path, env=env_for(assets, env), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         for line in proc.stdout:  # rank 0 prints this line as the save starts, then writes, uploads and commits
             if "Saving checkpoint to" in line and "epoch_0_step_4" in line:
@@ -156,15 +157,13 @@ def test_sigkill_during_upload_never_selects_the_partial_checkpoint(moment, seaw
     assert "epoch_0_step_2" in seen  # committed before the kill
     latest = fs.cat(f"{root}/LATEST").decode().strip()
     assert latest in seen  # LATEST never names a checkpoint without its commit object
-    listed = subprocess.run([CKPT_TRAIN, "inspect", url, "--json"], env=env_for(assets, env), capture_output=True,
-                            text=True, timeout=300)
+    listed = run_command([CKPT_TRAIN, "inspect", url, "--json"], env=env_for(assets, env), timeout=300)
     assert {r["name"] for r in json.loads(listed.stdout)["checkpoints"]} == seen
     leftovers = prefixes_with_objects(fs, root) - seen
     if moment == "upload_started":
         assert leftovers or "epoch_0_step_4" in seen
     if leftovers and moment == "upload_started":  # gc removes what the killed save left (nothing else runs)
-        gc = subprocess.run([CKPT_TRAIN, "gc", url, "--min-age-minutes", "0"], env=env_for(assets, env),
-                            capture_output=True, text=True, timeout=300)
+        gc = run_command([CKPT_TRAIN, "gc", url, "--min-age-minutes", "0"], env=env_for(assets, env), timeout=300)
         assert gc.returncode == 0 and f"gc: {len(leftovers)} leftover(s) deleted" in gc.stdout, gc.stdout + gc.stderr
         assert not any(has_objects(fs, f"{root}/{name}") for name in leftovers)
     rerun = ckpt_train(tmp_path, assets, *s3_args(url, tmp_path / "stage2", "--checkpoint.model_save_format",
