@@ -1,6 +1,7 @@
 """The data-parallel strategy and the step's implementations: one process wraps nothing, two replicate the tiny model
 (``distributed.dp_shard: auto``) or shard it (``full``); a checkpoint of either resumes under the other with the same
-samples and losses; a resume under each, and with compiled blocks, repeats the straight run's steps bit for bit."""
+samples and losses (in its own run folder, and restored into another: ``checkpoint.restore_from``); a resume under
+each, and with compiled blocks, repeats the straight run's steps bit for bit."""
 
 from __future__ import annotations
 
@@ -37,9 +38,14 @@ def _layout(checkpoint):
     return files, tensors
 
 
+def _restored(source):
+    """The keys of a run restored from ``source``'s step-4 checkpoint: it logs steps 5 to 8 in a folder of its own."""
+    return "--checkpoint.restore_from", str(source / "epoch_0_step_4")
+
+
 def _same_samples_close_losses(run, straight):
     got, want = _records(run), _records(straight)
-    assert sorted(got) == list(range(1, 9))
+    assert sorted(got) in (list(range(1, 9)), list(range(5, 9)))  # the whole run, or restored at step 4
     for step in range(5, 9):
         assert got[step]["sample_ids"] == want[step]["sample_ids"]
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
@@ -67,8 +73,8 @@ def test_replicated_and_sharded_checkpoints_resume_under_each_other(tmp_path, as
     again = _leg(tmp_path, assets, "to_replicated", 8)
     assert "Data parallelism: replicated (auto: " in again.stdout
     _same_samples_close_losses(tmp_path / "to_replicated", replicated)
-    _leg(tmp_path, assets, "to_sharded", 4)
-    _leg(tmp_path, assets, "to_sharded", 8, *FULL)
+    restored = _leg(tmp_path, assets, "to_sharded", 8, *FULL, *_restored(replicated))
+    assert f"Loading checkpoint from {replicated / 'epoch_0_step_4'}" in restored.stdout
     _same_samples_close_losses(tmp_path / "to_sharded", replicated)
     _same_samples_close_losses(tmp_path / "sharded_straight", replicated)  # the two strategies train alike
 
@@ -76,10 +82,11 @@ def test_replicated_and_sharded_checkpoints_resume_under_each_other(tmp_path, as
 def test_one_process_wraps_nothing_and_resumes_compiled_blocks_bit_for_bit(tmp_path, assets, straight_runs):
     compiled = ("--training.compile", "true")
     one_thread = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    first = _leg(tmp_path, assets, "compiled", 4, *compiled, nproc=1, env=one_thread)
+    first = _leg(tmp_path, assets, "compiled_straight", 8, *compiled, nproc=1, env=one_thread)
     assert "Data parallelism: unwrapped (one data-parallel rank: nothing to exchange)" in first.stdout
     assert "torch.compile: on (training.compile: true)" in first.stdout
-    _leg(tmp_path, assets, "compiled", 8, *compiled, nproc=1, env=one_thread)
-    _leg(tmp_path, assets, "compiled_straight", 8, *compiled, nproc=1, env=one_thread)
+    _leg(tmp_path, assets, "compiled", 8, *compiled, *_restored(tmp_path / "compiled_straight"), nproc=1,
+         env=one_thread)
+    assert sorted(_records(tmp_path / "compiled")) == [5, 6, 7, 8]
     _bitwise(tmp_path / "compiled", tmp_path / "compiled_straight", range(5, 9))
     _same_samples_close_losses(tmp_path / "compiled", straight_runs.get(1))  # compiled blocks train alike
