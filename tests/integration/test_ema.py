@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import consolidate, layout
 from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
-                                       start_command)
+                                       run_command, start_command)
 
 DECAY = "0.75"  # large enough a step's weight that a wrong average shows in every tensor
 ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "4", "--data.val_size", "64",
@@ -92,25 +92,25 @@ def test_resumed_on_one_process_from_two_is_bitwise(tmp_path, assets, straight, 
         assert torch.equal(ema5[name], torch.lerp(average, weights5[name], 1 - float(DECAY))), name
 
 
-def test_consolidate_ema_writes_a_hugging_face_folder_that_loads(tmp_path, straight):
+def test_consolidate_ema_writes_a_hugging_face_folder_that_loads(tmp_path, straight, assets):
     import shutil
 
     from transformers import AutoModelForCausalLM
 
     ckpt = tmp_path / "ck"
     shutil.copytree(straight / "epoch_0_step_8", ckpt)
-    done = subprocess.run([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--no-progress"], capture_output=True,
-                          text=True, timeout=300)
+    done = run_command([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--no-progress"], env=env_for(assets),
+                       timeout=300)
     assert done.returncode == 0, done.stderr
     folder = layout.consolidated_ema_dir(ckpt)
     model = AutoModelForCausalLM.from_pretrained(folder)
     ema = _ema(ckpt, tmp_path / "fp32")
     for name, param in model.named_parameters():
         assert torch.equal(param.detach().float(), ema[name].to(param.dtype).float()), name
-    plain = subprocess.run([CKPT_TRAIN, "consolidate", str(tmp_path / "nothing"), "--ema"], capture_output=True,
-                           text=True, timeout=300)
+    plain = run_command([CKPT_TRAIN, "consolidate", str(tmp_path / "nothing"), "--ema"], env=env_for(assets),
+                        timeout=300)
     assert plain.returncode != 0 and "holds no EMA weights" in plain.stderr
     shutil.rmtree(layout.hf_metadata_dir(layout.model_dir(ckpt)))  # as a LoRA checkpoint's adapter folder
-    adapter = subprocess.run([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--out", str(tmp_path / "out")],
-                             capture_output=True, text=True, timeout=300)
+    adapter = run_command([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--out", str(tmp_path / "out")],
+                          env=env_for(assets), timeout=300)
     assert adapter.returncode != 0 and "has no .hf_metadata" in adapter.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import layout
-from tests.integration.harness import CKPT_TRAIN, RECIPE, ckpt_train, losses, tree
+from tests.integration.harness import CKPT_TRAIN, RECIPE, ckpt_train, env_for, losses, run_command, tree
 
 COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "2", "--data.val_size", "64")
 STEP6 = "epoch_0_step_6"
@@ -96,7 +95,8 @@ def test_damaged_newest_checkpoint_is_quarantined_and_the_run_resumes_from_the_p
     assert (run / layout.QUARANTINE_DIR / STEP6).is_dir()
     assert json.loads((run / layout.QUARANTINE_DIR / layout.quarantine_note(STEP6)).read_text())["step"] == 6
     assert Path(os.readlink(run / layout.LATEST)).name == "epoch_0_step_8"
-    listing = subprocess.run([CKPT_TRAIN, "inspect", str(run), "--json"], capture_output=True, text=True, check=True)
+    listing = run_command([CKPT_TRAIN, "inspect", str(run), "--json"], env=env_for(assets), timeout=300)
+    assert listing.returncode == 0, listing.stderr[-2000:]
     report = json.loads(listing.stdout)
     assert [q["name"] for q in report["quarantined"]] == [STEP6]
     assert STEP6 in [r["name"] for r in report["checkpoints"]]  # step 6 written again by the resumed run

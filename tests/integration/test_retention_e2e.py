@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -79,8 +78,7 @@ def test_retention_keeps_exactly_the_union_and_lowest_val_survives_the_restart(r
 
 
 def _inspect(run: dict, *args: str) -> str:
-    proc = subprocess.run([CKPT_TRAIN, "inspect", "ck", *args], cwd=run["work"], env=env_for(run["assets"]),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_command([CKPT_TRAIN, "inspect", "ck", *args], cwd=run["work"], env=env_for(run["assets"]), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
