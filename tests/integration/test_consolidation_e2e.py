@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, run_command
 
 STEPS = ("--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2", "--data.val_size", "64")
 
@@ -62,8 +62,7 @@ def test_false_exports_nothing_until_consolidate_sh_runs_from_anywhere(work, ass
     assert not list(elsewhere.iterdir())  # nothing written where it was run from
     again = _consolidate_sh(model_dir, elsewhere, assets)  # running twice is safe
     assert again.returncode == 0, again.stderr[-3000:]
-    verified = subprocess.run([CKPT_TRAIN, "verify", str(run / "epoch_0_step_2")], capture_output=True, text=True,
-                              timeout=300, env=env_for(assets))
+    verified = run_command([CKPT_TRAIN, "verify", str(run / "epoch_0_step_2")], env=env_for(assets), timeout=300)
     assert verified.returncode == 0, verified.stdout[-3000:]  # the export joined the checkpoint's manifest
 
 
@@ -146,8 +145,7 @@ def test_torch_save_checkpoint_exports_to_the_same_folder(work, assets):
     assert "needs model_save_format=safetensors" in output  # warned, inline export skipped
     ckpt = run / "epoch_0_step_4"
     assert not (ckpt / "model" / "consolidated").exists()
-    done = subprocess.run([CKPT_TRAIN, "consolidate", str(ckpt)], capture_output=True, text=True, timeout=600,
-                          env=env_for(assets))
+    done = run_command([CKPT_TRAIN, "consolidate", str(ckpt)], env=env_for(assets), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = _run(work, assets, "final")[0] / "epoch_0_step_4" / "model" / "consolidated"
     exported = ckpt / "model" / "consolidated"

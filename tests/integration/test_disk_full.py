@@ -23,7 +23,7 @@ from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.ondisk import outofroom as diskfull
 from automodel_ckpt.ondisk.durable import read_pointer
 from automodel_ckpt.errors import DiskFullError
-from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, losses, run_command
 
 ROOMY = 64 * 2**20
 COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--data.val_size", "64")
@@ -103,8 +103,8 @@ def test_full_disk_fails_in_one_line_and_rerun_resumes(work, assets, disk, case)
     # `ckpt-train consolidate` out of room: one line, its temporary folder removed, nothing published
     export = disk / "export"
     _squeeze(disk, disk / "ckpt" / "epoch_0_step_4" / layout.MODEL_DIR, 8)  # bf16 export: half the fp32 shards
-    done = subprocess.run([CKPT_TRAIN, "consolidate", str(disk / "ckpt" / "epoch_0_step_4"), "--out", str(export)],
-                          cwd=work, env=env_for(assets), capture_output=True, text=True, timeout=300)
+    done = run_command([CKPT_TRAIN, "consolidate", str(disk / "ckpt" / "epoch_0_step_4"), "--out", str(export)],
+                       cwd=work, env=env_for(assets), timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == DiskFullError.exit_code, output
     lines = [line for line in output.splitlines() if line.startswith("error:")]
@@ -136,10 +136,10 @@ def test_an_inline_export_out_of_room_is_one_warning_and_the_checkpoint_is_saved
     assert [(e["kind"], e["at_step"]) for e in failures] == [("export", 4)]
     assert "1 side failure(s)" in done.output  # the end-of-run line
 
-    verify = subprocess.run([CKPT_TRAIN, "verify", str(second)], capture_output=True, text=True, timeout=300)
+    verify = run_command([CKPT_TRAIN, "verify", str(second)], env=env_for(assets), timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    listed = subprocess.run([CKPT_TRAIN, "inspect", str(disk / "ckpt"), "--json"], capture_output=True, text=True,
-                            timeout=300, check=True)
+    listed = run_command([CKPT_TRAIN, "inspect", str(disk / "ckpt"), "--json"], env=env_for(assets), timeout=300)
+    assert listed.returncode == 0, listed.stderr[-2000:]
     shown = {c["name"]: c["consolidated"] for c in json.loads(listed.stdout)["checkpoints"]}
     assert shown == {first.name: False, second.name: False}
 

@@ -21,7 +21,7 @@ import yaml
 from safetensors import safe_open
 
 from automodel_ckpt.ondisk import layout
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, tree
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, losses, run_command, tree
 
 PEFT_RECIPE = REPO / "recipes" / "tiny_llama_peft.yaml"
 COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--data.val_size", "64")
@@ -110,12 +110,10 @@ def test_checkpoint_model_folder_is_a_peft_adapter(work, assets):
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     full = json.loads((_model_dir(run) / layout.PEFT_FULL_CONFIG).read_text())
     assert full["peft"] == yaml.safe_load((run / "epoch_0_step_8" / "config.yaml").read_text())["peft"]
-    verify = subprocess.run([CKPT_TRAIN, "verify", str(run / "epoch_0_step_8")], capture_output=True, text=True,
-                            env=env_for(assets), timeout=300)
+    verify = run_command([CKPT_TRAIN, "verify", str(run / "epoch_0_step_8")], env=env_for(assets), timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert json.loads((run / "epoch_0_step_8" / "metadata.json").read_text())["model_save_format"] == "adapter"
-    listing = subprocess.run([CKPT_TRAIN, "inspect", str(run), "--json"], capture_output=True, text=True,
-                             env=env_for(assets), timeout=300)
+    listing = run_command([CKPT_TRAIN, "inspect", str(run), "--json"], env=env_for(assets), timeout=300)
     assert [r["format"] for r in json.loads(listing.stdout)["checkpoints"]] == ["adapter", "adapter"]
 
 
@@ -232,8 +230,7 @@ def test_merge_lora_writes_a_full_model_that_generates_like_the_adapter(work, as
     from automodel_ckpt.data.builtin import heldout_examples
 
     checkpoint = _straight(work, assets) / "epoch_0_step_8"
-    result = subprocess.run([CKPT_TRAIN, "merge-lora", str(checkpoint)], capture_output=True, text=True,
-                            env=env_for(assets), timeout=300)
+    result = run_command([CKPT_TRAIN, "merge-lora", str(checkpoint)], env=env_for(assets), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     merged_dir = checkpoint / layout.MODEL_DIR / layout.MERGED_DIR
     assert f"Merged model written to {merged_dir}" in result.stdout
@@ -261,8 +258,7 @@ def test_merge_lora_writes_a_full_model_that_generates_like_the_adapter(work, as
     assert len(decided) >= len(prompts) // 4, (margins, rounding)
     assert [merged_tokens[i] for i in decided] == [adapter_tokens[i] for i in decided]
     assert merged_tokens != _greedy(base, tokenizer, prompts)[0]  # the merge changed the model
-    verify = subprocess.run([CKPT_TRAIN, "verify", str(checkpoint)], capture_output=True, text=True,
-                            env=env_for(assets), timeout=300)
+    verify = run_command([CKPT_TRAIN, "verify", str(checkpoint)], env=env_for(assets), timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr  # the manifest lists the merged files
 
 
