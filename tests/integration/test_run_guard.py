@@ -33,7 +33,7 @@ import pytest
 from automodel_ckpt.ondisk import catalog, layout
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
 from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, Result, _alive, ckpt_train, env_for, jsonl, losses, \
-    process_tree, start_command
+    process_tree, run_command, start_command
 
 MAX_STEPS = 8
 ARGS = ("--step_scheduler.max_steps", str(MAX_STEPS), "--step_scheduler.ckpt_every_steps", "2",
@@ -127,8 +127,7 @@ def test_a_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_holder(fi
     assert first_run.returncode == 0, first_run.log[-3000:]
     assert len(losses(first_run.root)) == MAX_STEPS
     assert not (first_run.root / layout.RUN_LOCK).exists()
-    out = subprocess.run([CKPT_TRAIN, "verify", str(first_run.root)], env=env_for(assets), capture_output=True,
-                         text=True, timeout=TIMEOUT)
+    out = run_command([CKPT_TRAIN, "verify", str(first_run.root)], env=env_for(assets), timeout=TIMEOUT)
     assert out.returncode == 0 and f"verify: OK ({MAX_STEPS // 2} checkpoint(s))" in out.stdout, out.stdout + out.stderr
 
 
