@@ -31,8 +31,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data_formats")
 
 
-def _env(work: Path) -> dict[str, str]:
-    return {"HF_DATASETS_CACHE": str(work / "hf_datasets")}
+def _cache(work: Path) -> tuple[str, str]:
+    """The module's own tokenized-data cache (``data.cache_dir``): the first start here tokenizes."""
+    return "--data.cache_dir", str(work / "tokenized")
 
 
 @cache
@@ -72,12 +73,11 @@ def _chat_recipe(work: Path) -> Path:
 
 @cache
 def _chat_runs(work: Path, assets: Path) -> dict[str, object]:
-    recipe, env = _chat_recipe(work), _env(work)
-    straight = ckpt_train(work, assets, "--checkpoint.checkpoint_dir", "chat_straight", recipe=recipe, nproc=2,
-                          env=env)
-    first = ckpt_train(work, assets, "--checkpoint.checkpoint_dir", "chat_resumed", "--step_scheduler.max_steps", "2",
-                       recipe=recipe, nproc=2, env=env)
-    second = ckpt_train(work, assets, "--checkpoint.checkpoint_dir", "chat_resumed", recipe=recipe, nproc=2, env=env)
+    recipe, cache = _chat_recipe(work), _cache(work)
+    straight = ckpt_train(work, assets, *cache, "--checkpoint.checkpoint_dir", "chat_straight", recipe=recipe, nproc=2)
+    first = ckpt_train(work, assets, *cache, "--checkpoint.checkpoint_dir", "chat_resumed",
+                       "--step_scheduler.max_steps", "2", recipe=recipe, nproc=2)
+    second = ckpt_train(work, assets, *cache, "--checkpoint.checkpoint_dir", "chat_resumed", recipe=recipe, nproc=2)
     return {"straight": straight, "first": first, "second": second}
 
 
@@ -147,8 +147,7 @@ def test_real_model_recipes_and_templates_train_a_few_steps(work, assets, recipe
     else:
         path, extra = REPO / "recipes" / recipe, _path_overrides(work, recipe)
     run = f"run_{recipe.split('.')[0]}"
-    result = ckpt_train(work, assets, *extra, *SHORT, "--checkpoint.checkpoint_dir", run, recipe=path,
-                        env=_env(work))
+    result = ckpt_train(work, assets, *extra, *SHORT, *_cache(work), "--checkpoint.checkpoint_dir", run, recipe=path)
     assert re.search(rf"Saving checkpoint to {run}/epoch_\d+_step_2", result.stdout)  # a small corpus streams epochs
     values = losses(work / run)
     assert len(values) == 2 and all(v > 0 for v in values)
