@@ -6,8 +6,8 @@ the same tracked runs and replays from the run's own logs (``training.jsonl``, `
 ``events.jsonl``, already cut back to the restored step) whatever a backend may lack up to that step. Only rank 0
 logs. Each backend's calls run on its own background thread, in order; a failing backend is a warning and is
 dropped, training goes on. The training thread waits for a tracker at most ``FLUSH_TIMEOUT_S`` before a checkpoint
-(and not at all while that tracker stays behind) and, at the end of the launch, ``CLOSE_TIMEOUT_S`` without progress
-(``CLOSE_MAX_S`` in all).
+(and not at all while that tracker stays behind) and, at the end of the launch, as long as it makes progress and at
+most ``CLOSE_TIMEOUT_S`` without any.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbB
 FLUSH_TIMEOUT_S = 2.0  # how long a checkpoint waits for a tracker to catch up (then it is behind: not waited for)
 CLOSE_TIMEOUT_S = 10.0  # how long the end of a launch waits for a tracker that makes no progress (then gives up);
 # ``logging.close_timeout_s`` sets it
-CLOSE_MAX_S = 60.0  # and at most, even for trackers still catching up (what they lack is reported)
+CLOSE_MAX_S = 60.0  # the largest ``logging.close_timeout_s``
 SKIPPED = ("step", "epoch", "sample_ids")  # record keys that are no metric
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracked run's id as the trackers make them (MLflow: 32 hex)
 
@@ -230,25 +230,25 @@ class RunTracker:
 
     @staticmethod
     def _wait_for_progress(lanes: list[Lane], idle: float) -> None:
-        """Wait until every lane has ended; give up once none has finished a call for ``idle`` seconds, or after
-        ``CLOSE_MAX_S`` in all (a tracker still catching up at the end gets that long, a stuck one ``idle``)."""
-        start = time.monotonic()
-        last, progressed = -1, start
+        """Wait until every lane has ended; give up once none has finished a call for ``idle`` seconds. A tracker
+        still catching up at the end (a replay to a slow server) finishes: what ends the wait is a call that makes
+        no progress, never the time the calls take in all."""
+        last, progressed = -1, time.monotonic()
         while True:
             alive = [lane for lane in lanes if not lane.join(0.0)]
             done = sum(lane.calls_done for lane in lanes)
             now = time.monotonic()
             if done != last:
                 last, progressed = done, now
-            left = min(progressed + idle, start + max(idle, CLOSE_MAX_S)) - now
+            left = progressed + idle - now
             if not alive or left <= 0:
                 return
             alive[0].join(min(left, 0.1))
 
     def close(self, status: str, timeout: float | None = None) -> int:
         """End of the launch: flush and close every backend (``status``: complete, preempted, failed), waiting as
-        long as they make progress, but at most ``timeout`` (default ``logging.close_timeout_s``) without any and
-        ``CLOSE_MAX_S`` in all; the number of metric records and events not delivered (one warning if any)."""
+        long as they make progress, but at most ``timeout`` (default ``logging.close_timeout_s``) without any; the
+        number of metric records and events not delivered (one warning if any)."""
         timeout = self.close_timeout if timeout is None else timeout
         self._notes()
         lanes, self._lanes = self._lanes, []

@@ -203,3 +203,27 @@ def test_the_end_waits_as_long_as_logging_close_timeout_s_and_refuses_a_bound_ou
     for bad in (0, -1, 61):
         with pytest.raises(ConfigError, match="logging.close_timeout_s must be in"):
             RunTracker(OmegaConf.create({"close_timeout_s": bad}), tmp_path, enabled=False, hparams=dict)
+
+
+class _SteadyLane:
+    """A lane that finishes one call at every look and ends after ``calls``: a replay that keeps making progress."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls, self.calls_done = calls, 0
+
+    def join(self, timeout: float) -> bool:
+        if timeout > 0 and self.calls_done < self.calls:
+            self.calls_done += 1
+        return self.calls_done >= self.calls
+
+
+def test_the_end_waits_for_a_tracker_that_keeps_making_progress_however_long_it_takes(monkeypatch):
+    clock = iter(range(0, 10**6, 10))  # every look at the clock is 10 s later: 40 calls take 400 s
+    monkeypatch.setattr(tracker_module.time, "monotonic", lambda: next(clock))
+    lane = _SteadyLane(40)
+    RunTracker._wait_for_progress([lane], idle=30.0)
+    assert lane.calls_done == 40  # delivered to the end, far past CLOSE_MAX_S; no call took longer than 30 s
+    stuck = _SteadyLane(40)
+    stuck.join = lambda timeout: False  # no call ever finishes: the end gives up after ``idle``
+    RunTracker._wait_for_progress([stuck], idle=30.0)
+    assert stuck.calls_done == 0
