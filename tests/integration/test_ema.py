@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import consolidate, layout
+from tests.integration import step_faults
 from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
                                        run_command, start_command)
 
@@ -42,22 +43,18 @@ def straight(tmp_path_factory, assets) -> Path:
 
 def test_killed_and_rerun_is_bitwise(tmp_path, assets, straight):
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--step_scheduler.max_steps", "8",
-           "--checkpoint.checkpoint_dir", "run"]
+           "--checkpoint.checkpoint_dir", "run", "--recipe", step_faults.RECIPE]
+    pid_file = tmp_path / "stopped.pid"  # rank 0 holds the job after step 5: the step-4 checkpoint is published
     with open(tmp_path / "killed.log", "w") as log:
-        job = start_command(cmd, cwd=tmp_path, env=env_for(assets), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    latest = tmp_path / "run" / layout.LATEST
-    try:  # killed once the step-4 checkpoint is published, while steps 5.. train
-        while not latest.exists() and job.poll() is None:
-            try:
-                job.wait(timeout=0.05)
-            except subprocess.TimeoutExpired:
-                pass
+        job = start_command(cmd, cwd=tmp_path, env=env_for(assets, step_faults.env(5, pid_file)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        held = step_faults.stopped(pid_file, job)
     finally:
         kill_job(job)
     first = (tmp_path / "killed.log").read_text()
-    assert latest.exists(), f"the first launch ended before its step-4 checkpoint: {first[-3000:]}"
-    assert not (tmp_path / "run" / "epoch_0_step_8").exists(), "the run ended before the kill"
+    assert held is not None, f"the first launch ended before step 5: {first[-3000:]}"
+    assert (tmp_path / "run" / layout.LATEST).exists() and not (tmp_path / "run" / "epoch_0_step_8").exists()
     rerun = ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "8", "--checkpoint.checkpoint_dir",
                        "run", nproc=2)
     assert "Loading checkpoint from" in rerun.output, rerun.output[-3000:]

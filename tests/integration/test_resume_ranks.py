@@ -1,0 +1,107 @@
+"""Bitwise resume at 3 and 4 ranks, both loaders, every data-parallel strategy: a clean stop and a kill -9.
+
+With two ranks a floating-point sum is the same in either order; from three on it is not, so only a run on 3 or
+more ranks shows a resume that sums the ranks' gradients in another order than the straight run (DDP's first-step
+bucket layout did, until each gradient got a bucket of its own: ``distributed.data_parallel.ONE_PARAMETER_BUCKETS``).
+
+Each case trains a straight run, then the same command as a chain of three launches in one folder:
+1. stopped cleanly by SIGTERM after step 2 (a preemption: it saves step 3 and exits 0);
+2. rerun, which resumes from that checkpoint, and is killed with SIGKILL (the whole job) after step 6;
+3. rerun, which resumes from the newest complete checkpoint and trains to the end.
+Each launch's rank 0 holds itself at its step (``step_faults``), so the signals land mid-run whatever the load.
+Every step's loss, ``grad_norm`` and sample ids (the last record of each step) equal the straight run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from automodel_ckpt.ondisk import layout
+from tests.integration import step_faults
+from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, kill_job, start_command
+
+PRETRAIN, SFT = REPO / "recipes" / "tiny_llama_pretrain.yaml", REPO / "recipes" / "tiny_llama_sft.yaml"
+MAX_STEPS = 10
+COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--step_scheduler.max_steps", str(MAX_STEPS),
+          "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false")
+STREAMED = ("--data.shuffle_buffer", "256")  # the pretraining recipe's streamed corpus
+MAP = ("--data.val_size", "16")  # the fine-tuning recipe's map-style data
+BATCH3 = ("--step_scheduler.global_batch_size", "48", "--step_scheduler.local_batch_size", "8")
+BATCH4 = ("--step_scheduler.global_batch_size", "64", "--step_scheduler.local_batch_size", "8")
+WORKERS = {0: ("--data.num_workers", "0"), 2: ("--data.num_workers", "2")}
+CASES = {  # name: (processes, recipe, keys)
+    "replicate-3-streamed": (3, PRETRAIN, STREAMED + BATCH3 + WORKERS[2]),
+    "replicate-3-map": (3, SFT, MAP + BATCH3 + WORKERS[0]),
+    "replicate-4-streamed": (4, PRETRAIN, STREAMED + BATCH4 + WORKERS[0]),
+    "replicate-4-map": (4, SFT, MAP + BATCH4 + WORKERS[2]),
+    "fsdp2-3-streamed": (3, PRETRAIN, STREAMED + BATCH3 + WORKERS[0] + ("--distributed.dp_shard", "full")),
+    "fsdp2-3-map": (3, SFT, MAP + BATCH3 + WORKERS[0] + ("--distributed.dp_shard", "full")),
+    "hsdp-4-map": (4, SFT, MAP + BATCH4 + WORKERS[0] + ("--distributed.dp_replicate_size", "2")),
+    "hsdp-4-streamed": (4, PRETRAIN, STREAMED + BATCH4 + WORKERS[0] + ("--distributed.dp_replicate_size", "2")),
+    "tp-4-streamed": (4, PRETRAIN, STREAMED + BATCH4 + WORKERS[0] + ("--distributed.tp_size", "2")),
+    "tp-4-map": (4, SFT, MAP + BATCH4 + WORKERS[0] + ("--distributed.tp_size", "2")),
+}
+DEADLINE_S = 300
+
+
+def _steps(run_dir: Path) -> dict[int, tuple]:
+    """Each step's last record in ``training.jsonl``: (loss, grad_norm, sample ids)."""
+    out = {}
+    for line in (run_dir / layout.TRAINING_LOG).read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = (record["loss"], record["grad_norm"], record["sample_ids"])
+    return out
+
+
+def _launch_until(work: Path, assets: Path, nproc: int, recipe: Path, args: tuple[str, ...], step: int,
+                  stop: str) -> tuple[int, str]:
+    """Start the job, its rank 0 stopping itself once step ``step`` is logged (``step_faults``); then SIGTERM the
+    launcher and let rank 0 go on (``stop="term"``: a preemption at the next step boundary; wait for the exit), or
+    SIGKILL the whole job (``"kill"``). Returns (exit code, output)."""
+    name = args[args.index("--checkpoint.checkpoint_dir") + 1]
+    log, pid_file = work / f"{name}.{stop}.log", work / f"{name}.{stop}.pid"
+    cmd = [CKPT_TRAIN, "--nproc-per-node", str(nproc), str(recipe), *QUIET, *args, "--recipe", step_faults.RECIPE]
+    with open(log, "w") as out:
+        proc = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(step, pid_file)), stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        pid = step_faults.stopped(pid_file, proc)
+        assert pid is not None, f"the job ended ({proc.returncode}) before step {step}:\n" \
+                                f"{log.read_text(errors='replace')[-3000:]}"
+        if stop == "kill":
+            kill_job(proc)
+            return -signal.SIGKILL, log.read_text(errors="replace")
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
+        return proc.wait(timeout=DEADLINE_S), log.read_text(errors="replace")
+    except BaseException:
+        kill_job(proc)
+        raise
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_clean_stop_and_a_kill_resume_bitwise(tmp_path, assets, case):
+    nproc, recipe, keys = CASES[case]
+    straight = ckpt_train(tmp_path, assets, *COMMON, *keys, "--checkpoint.checkpoint_dir", "straight",
+                          nproc=nproc, recipe=recipe)
+    assert "Data parallelism: " in straight.output
+    args = (*COMMON, *keys, "--checkpoint.checkpoint_dir", "chain")
+
+    code, output = _launch_until(tmp_path, assets, nproc, recipe, args, 2, "term")
+    assert code == 0, output[-3000:]
+    assert "Preempted by SIGTERM at step " in output, output[-3000:]
+    _launch_until(tmp_path, assets, nproc, recipe, args, 6, "kill")
+    rerun = ckpt_train(tmp_path, assets, *args, "--recipe", step_faults.RECIPE, nproc=nproc, recipe=recipe,
+                       env={"PYTHONPATH": str(REPO)})
+    assert "Loading checkpoint from chain/epoch_0_step_" in rerun.output
+
+    want, got = _steps(tmp_path / "straight"), _steps(tmp_path / "chain")
+    assert sorted(got) == sorted(want) == list(range(1, MAX_STEPS + 1))
+    for step in want:
+        assert got[step] == want[step], f"{case}: step {step} differs: {got[step][:2]} != {want[step][:2]}"
