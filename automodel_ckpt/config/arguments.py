@@ -42,14 +42,17 @@ def check_value(target: Any, param: inspect.Parameter, value: Any, key: str, tar
 
 
 def _annotation(target: Any, param: inspect.Parameter) -> Any:
-    """The parameter's annotation, evaluated in the target's module (``from __future__ import annotations``)."""
+    """The parameter's annotation, resolved in the target's module (``from __future__ import annotations``) by
+    ``typing.get_type_hints``, one parameter at a time: a name imported only for type checkers leaves that one
+    unknown, not the others."""
     ann = param.annotation
     if not isinstance(ann, str):
         return ann
     fn = target.__init__ if isinstance(target, type) else target
-    namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+    one = types.SimpleNamespace(__annotations__={param.name: ann},
+                                __globals__=getattr(inspect.unwrap(fn), "__globals__", {}))
     try:
-        return eval(ann, dict(namespace))  # noqa: S307 - the installed target's own annotation, in its module
+        return typing.get_type_hints(one)[param.name]
     except Exception:  # noqa: BLE001 - a name imported only for type checkers: unknown
         return inspect.Parameter.empty
 

@@ -9,7 +9,7 @@ every step up to the end equal the source's, or the import stops with the sectio
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.interop.source import Schedule
@@ -105,14 +105,18 @@ def _one_cycle(state: dict[str, Any], group: dict[str, Any], base_lr: float) -> 
 
 def factor(schedule: Schedule, step: int) -> float:
     """The factor of ``schedule`` at ``step`` (the lr is the base lr times it)."""
+    return factor_function(schedule)(step)
+
+
+def factor_function(schedule: Schedule) -> Callable[[int], float]:
+    """``schedule``'s factor by step: the scheduler it names, built on a stand-in optimizer, asked for its lambda."""
+    import torch
+
     from automodel_ckpt.training import lr as ours
 
-    fn = getattr(ours, "_" + schedule.target.rsplit(".", 1)[1] + "_factor")
-    names = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
-    kwargs = {k: v for k, v in schedule.kwargs.items() if k in names}
-    if "total_steps" in names:
-        kwargs["total_steps"] = schedule.total_steps
-    return fn(step, **kwargs)
+    build = getattr(ours, schedule.target.rsplit(".", 1)[1])
+    stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return build(stand_in, schedule.total_steps, **schedule.kwargs).lr_lambdas[0]
 
 
 def beta1(schedule: Schedule, step: int) -> float | None:
@@ -140,8 +144,9 @@ def check_recipe_schedule(schedule: Schedule, scheduler: Any, total_steps: int) 
                           f"the recipe's at step {total_steps}: set --step_scheduler.max_steps {schedule.total_steps}")
     lambdas = getattr(scheduler, "lr_lambdas", None)
     cycling = getattr(scheduler, "beta1", None)
+    wanted = factor_function(schedule)
     for step in range(total_steps + 1):
-        want, got = factor(schedule, step), lambdas[0](step) if lambdas else None
+        want, got = wanted(step), lambdas[0](step) if lambdas else None
         differs = None
         if got is None or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
             differs = f"factor at step {step} is {'none' if got is None else f'{got:.6g}'}, the source's {want:.6g}"

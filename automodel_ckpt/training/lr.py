@@ -7,6 +7,8 @@ from functools import partial
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
+                                       get_linear_schedule_with_warmup)
 
 
 def _warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -31,31 +33,10 @@ def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, partial(_warmup_cosine_factor, warmup_steps=0, total_steps=total_steps, min_lr_ratio=1.0))
 
 
-# Schedules of other trainers, as their own formulas (an imported run continues on the same learning rates,
-# docs/import.md): the Hugging Face Trainer's warmup starts at lr 0 (step 0's factor is 0), unlike warmup_cosine's.
-def _warmup_from_zero(step: int, warmup_steps: int) -> float:
-    return float(step) / float(max(1, warmup_steps))
-
-
-def _linear_decay_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
-    if step < warmup_steps:
-        return _warmup_from_zero(step, warmup_steps)
-    return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
-
-
-def _cosine_decay_factor(step: int, *, warmup_steps: int, total_steps: int, num_cycles: float,
-                         min_lr_rate: float) -> float:
-    if step < warmup_steps:
-        return _warmup_from_zero(step, warmup_steps)
-    progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
-    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
-    return max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
-
-
-def _constant_after_warmup_factor(step: int, *, warmup_steps: int) -> float:
-    return _warmup_from_zero(step, warmup_steps) if step < warmup_steps else 1.0
-
-
+# The Hugging Face Trainer's schedules are transformers' own functions (an imported run continues on the same learning
+# rates, docs/import.md): its warmup starts at lr 0 (step 0's factor is 0), unlike warmup_cosine's. torch's
+# schedulers below are written in closed form: torch's own step from their last value, so a resume would not
+# restore them from the step alone.
 def _cosine_annealing_factor(step: int, *, t_max: int, eta_min_ratio: float) -> float:
     return eta_min_ratio + (1.0 - eta_min_ratio) * (1.0 + math.cos(math.pi * step / t_max)) / 2.0
 
@@ -70,20 +51,20 @@ def _step_decay_factor(step: int, *, step_size: int, gamma: float) -> float:
 
 def linear_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
     """The HF Trainer's ``linear``: warmup from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
-    return LambdaLR(optimizer, partial(_linear_decay_factor, warmup_steps=warmup_steps, total_steps=total_steps))
+    return get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
 
 
 def cosine_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, num_cycles: float = 0.5,
                  min_lr_rate: float = 0.0) -> LambdaLR:
     """The HF Trainer's ``cosine`` (``min_lr_rate`` 0) and ``cosine_with_min_lr``: warmup from 0, then cosine to
     ``min_lr_rate`` × lr."""
-    return LambdaLR(optimizer, partial(_cosine_decay_factor, warmup_steps=warmup_steps, total_steps=total_steps,
-                                       num_cycles=num_cycles, min_lr_rate=min_lr_rate))
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup_steps, total_steps, num_cycles=num_cycles,
+                                                       min_lr_rate=min_lr_rate)
 
 
 def constant_after_warmup(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
     """The HF Trainer's ``constant`` (no warmup) and ``constant_with_warmup``: warmup from 0, then the lr."""
-    return LambdaLR(optimizer, partial(_constant_after_warmup_factor, warmup_steps=warmup_steps))
+    return get_constant_schedule_with_warmup(optimizer, warmup_steps)
 
 
 def cosine_annealing(optimizer: Optimizer, total_steps: int, t_max: int, eta_min_ratio: float = 0.0) -> LambdaLR:
