@@ -20,7 +20,7 @@ LONG_FILES = ("test_vlm.py", "test_object_store.py", "test_resume_heals.py", "te
               "test_pipeline.py", "test_checkpoint_core.py", "test_families.py", "test_async_preemption.py",
               "test_train.py", "test_bench_tools.py", "test_expert_parallel.py", "test_world_size_change.py",
               "test_meta_build.py", "test_same_seed.py", "test_consolidation_e2e.py", "test_fast_recovery.py",
-              "test_kill_fault.py", "test_run_guard.py")
+              "test_kill_fault.py", "test_run_guard.py", "test_resume_ranks.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
