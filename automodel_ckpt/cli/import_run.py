@@ -1,9 +1,10 @@
 """`ckpt-train import SRC RECIPE.yaml --out RUN_DIR`: another trainer's checkpoint as our checkpoint of its step.
 
-The source is read and checked first (``interop.read_source``); then the recipe is built in this process as a
-1-process run builds it (world size 1, its own model, optimizer, scheduler, data and step scheduler), the source's
-state is put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``.
-The same recipe with ``checkpoint_dir: RUN_DIR`` then resumes from it at any world size.
+The recipe is loaded and checked, its model built on the meta device to bound the source's files (``source_limits``);
+the source is read and checked (``interop.read_source``); then the recipe is built in this process as a 1-process
+run builds it (world size 1, its own model, optimizer, scheduler, data and step scheduler), the source's state is
+put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``. The same
+recipe with ``checkpoint_dir: RUN_DIR`` then resumes from it at any world size.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import ConfigError, UsageError
@@ -40,22 +42,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise UsageError("import runs as one process: start it without --nproc-per-node or torchrun")
-    from automodel_ckpt.interop import read_source
-
-    src = Path(args.src)
-    run = read_source(src)  # every file of the source read and checked before anything is built
-    if run.schedule.target is None:
-        raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
-    out = Path(args.out)
-    from automodel_ckpt.ondisk import list_checkpoints
-
-    if out.is_dir() and list_checkpoints(out):
-        raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
     from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.ondisk import list_checkpoints
 
+    src, out = Path(args.src), Path(args.out)
     # one process holding the whole model: the resume reshards it onto the recipe's own mesh and world size
     one_process = ["--distributed.tp_size", "1", "--distributed.pp_size", "1", "--distributed.dp_size", "1",
                    "--distributed.dp_replicate_size", "1", "--distributed.ep_size", "1",
@@ -67,6 +60,13 @@ def main(argv: list[str]) -> int:
         raise ConfigError("training.ema_decay: the source holds no moving average of its weights to import; "
                           "import into a recipe without one (--training.ema_decay null)")
     check_recipe(cfg, 1, inputs=False)
+    from automodel_ckpt.interop import read_source
+
+    run = read_source(src, source_limits(cfg))  # every file of the source checked before the recipe is built
+    if run.schedule.target is None:
+        raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
+    if out.is_dir() and list_checkpoints(out):
+        raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
     recipe = locate(cfg.recipe, "recipe")(cfg)
     from automodel_ckpt.checkpoint import SaveInfo
     from automodel_ckpt.interop.apply import apply
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         recipe.checkpointer.finalize()
     except BaseException:
         if getattr(recipe, "checkpointer", None) is not None:
-            recipe.checkpointer.abandon()
+            recipe.checkpointer.finalize(failed=True)
         if fresh and out.is_dir() and not list_checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)  # the folder this import made, with nothing in it
         raise
@@ -91,3 +91,14 @@ def main(argv: list[str]) -> int:
           f"--checkpoint.checkpoint_dir {out}" + "".join(f" {a}" for a in args.overrides), flush=True)
     sys.stdout.flush()
     return 0
+
+
+def source_limits(cfg: Any) -> Any:
+    """How large the source's files may be (``interop.source.Limits``): from the recipe's model, built on the meta
+    device (no weights; a model of another package's builder is built whole), its parameters and buffers counted."""
+    from automodel_ckpt.config.instantiate import instantiate
+    from automodel_ckpt.interop.source import Limits
+    from automodel_ckpt.models.materialize import builds_on_meta
+
+    model = instantiate(cfg.model, "model", **({"on_meta": True} if builds_on_meta(cfg.model) else {}))
+    return Limits(sum(t.numel() for t in model.state_dict().values()))

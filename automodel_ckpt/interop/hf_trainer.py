@@ -4,22 +4,24 @@ Read: ``model.safetensors`` (or its shards and index; ``adapter_model.safetensor
 ``optimizer.pt`` (or, saved by FSDP with a sharded state dict, the DCP folders ``pytorch_model_fsdp_0/`` and
 ``optimizer_0/``, as accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write them), ``scheduler.pt``,
 ``trainer_state.json``, ``training_args.bin`` (as inert records) and ``rng_state.pth`` / ``rng_state_R.pth``.
-Every file is size-bounded and every value checked before use.
+Every file is a regular file of the folder, reached without following a link, size-bounded (the weights and the
+optimizer's state by the recipe's model: ``source.Limits``), and every value checked before use.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from automodel_ckpt.interop import distcp, names, schedules
-from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, count, load_pickle, load_record, number, plain,
-                                           read_state_json, refuse, regular_files)
+from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, Limits, count, finite, load_pickle, load_record,
+                                           number, plain, read_json, refuse)
 from automodel_ckpt.ondisk import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_INDEX, HF_SINGLE_WEIGHTS, INDEX_FILE_LIMIT,
-                                   SMALL_FILE_LIMIT, MiB, check_path, path_inside, read_dcp_folder, read_json,
+                                   SMALL_FILE_LIMIT, MiB, check_path, check_size, path_inside, read_dcp_folder,
                                    regular_file_problem)
 
 TRAINER_STATE = "trainer_state.json"
@@ -33,15 +35,20 @@ ADAPTER = ADAPTER_WEIGHTS
 FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME, model 0: {"model": state} by DCP
 FSDP_OPTIMIZER = "optimizer_0"  # accelerate's OPTIMIZER_NAME, optimizer 0: {"optimizer": state} by DCP
 MAX_LOG = 1_000_000
+_FOR_WEIGHTS = "the weights of the recipe's model"
+_FOR_OPTIMIZER = "the optimizer state of the recipe's model"
 
 
 def is_hf_trainer(src: Path) -> bool:
-    return src.is_dir() and (src / TRAINER_STATE).is_file()
+    return src.is_dir() and os.path.lexists(src / TRAINER_STATE)  # a link there is refused when read
 
 
-def read(src: Path) -> ForeignRun:
+def read(src: Path, limits: Limits) -> ForeignRun:
     """Everything of ``src`` (a ``checkpoint-N/`` folder) that an import carries; one-line refusals."""
-    files = set(regular_files(src))
+    files = set(os.listdir(src))  # whatever is not a regular file among those read is refused by name
+    for name in (FSDP_MODEL, FSDP_OPTIMIZER):
+        if (src / name).is_symlink():
+            raise refuse(src / name, "a symlink; folders inside a checkpoint are never followed as links")
     folders = {p.name for p in src.iterdir() if p.is_dir() and not p.is_symlink()}
     sharded = FSDP_MODEL in folders and MODEL not in files and ADAPTER not in files
     if sharded and FSDP_OPTIMIZER not in folders:
@@ -50,7 +57,7 @@ def read(src: Path) -> ForeignRun:
     for need in (SCHEDULER,) if sharded else (OPTIMIZER, SCHEDULER):
         if need not in files:
             raise refuse(src, f"it has no {need}: a checkpoint saved with save_only_model carries no training state")
-    state = read_state_json(src / TRAINER_STATE, "the Trainer's state")
+    state = read_json(src / TRAINER_STATE, "the Trainer's state")
     step = count(state.get("global_step"), src / TRAINER_STATE, "global_step")
     max_steps = count(state.get("max_steps"), src / TRAINER_STATE, "max_steps")
     per_device = count(state.get("train_batch_size"), src / TRAINER_STATE, "train_batch_size", 1 << 24)
@@ -70,18 +77,19 @@ def read(src: Path) -> ForeignRun:
     adapter = ADAPTER in files
     adapter_config = None
     if adapter:
-        adapter_config = read_json(src / ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT,
-                                           follow=True) if ADAPTER_CONFIG in files else None
-        if not isinstance(adapter_config, dict):
+        if ADAPTER_CONFIG not in files:
             raise refuse(src, f"its adapter has no {ADAPTER_CONFIG}")
+        adapter_config = read_json(src / ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
     if sharded:  # FSDP's state dicts name every parameter: slots are matched by name
-        weights = distcp.weights(read_dcp_folder(src / FSDP_MODEL), "model", src / FSDP_MODEL)
-        opt = distcp.optimizer(read_dcp_folder(src / FSDP_OPTIMIZER), "optimizer", src / FSDP_OPTIMIZER)
+        weights = distcp.weights(read_dcp_folder(src / FSDP_MODEL, limits.weights, _FOR_WEIGHTS), "model",
+                                 src / FSDP_MODEL)
+        opt = distcp.optimizer(read_dcp_folder(src / FSDP_OPTIMIZER, limits.optimizer, _FOR_OPTIMIZER), "optimizer",
+                               src / FSDP_OPTIMIZER)
         moments, groups = optimizer_slots(opt, src / FSDP_OPTIMIZER)
         order = names.slot_order([p for g in opt["param_groups"] for p in g["params"]], src / FSDP_OPTIMIZER)
     else:
-        weights = _weights(src, files, adapter)
-        weight_bytes = sum(t.numel() * 4 for t in weights.values())
+        weights = _weights(src, files, adapter, limits)
+        weight_bytes = sum(t.numel() * 4 for t in weights.values())  # the optimizer's bound: from the weights read
         opt = load_pickle(src / OPTIMIZER, "the optimizer's state", 8 * weight_bytes + 16 * MiB)
         moments, groups = optimizer_slots(opt, src / OPTIMIZER)
         order = names.hf_trainer_order
@@ -109,7 +117,9 @@ def _position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) 
     return step // per_epoch, step % per_epoch, per_epoch
 
 
-def _weights(src: Path, files: set[str], adapter: bool) -> dict[str, torch.Tensor]:
+def _weights(src: Path, files: set[str], adapter: bool, limits: Limits) -> dict[str, torch.Tensor]:
+    """The weight files' tensors: each file a regular file of ``src`` (no folder on the way a link), their sizes
+    together within ``limits.weights`` before one is read."""
     from safetensors.torch import load_file
 
     if adapter:
@@ -118,17 +128,26 @@ def _weights(src: Path, files: set[str], adapter: bool) -> dict[str, torch.Tenso
         chosen = [MODEL]
     elif MODEL_INDEX in files:
         index = read_json(src / MODEL_INDEX, "the model's index", INDEX_FILE_LIMIT)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise refuse(src / MODEL_INDEX, "it has no weight_map")
         chosen = sorted({check_path(v, f"'{src / MODEL_INDEX}'") for v in weight_map.values()})
     else:
         raise refuse(src, f"it holds no {MODEL}, {MODEL_INDEX} or {ADAPTER}")
-    weights: dict[str, torch.Tensor] = {}
+    chosen_paths, total = [], 0
     for name in chosen:
         path = path_inside(src, name, f"'{src}'")
-        if regular_file_problem(path) is not None:
-            raise refuse(path, "not a regular file")
+        try:
+            why = regular_file_problem(path)
+        except FileNotFoundError:
+            raise refuse(path, "it is missing") from None
+        if why is not None:
+            raise refuse(path, why)
+        total += path.stat().st_size
+        chosen_paths.append(path)
+    check_size(total, f"'{src}' (its weight files)", _FOR_WEIGHTS, limits.weights)
+    weights: dict[str, torch.Tensor] = {}
+    for path in chosen_paths:
         try:
             weights.update(load_file(str(path)))
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own errors for a bad header
@@ -191,14 +210,18 @@ def rng_state(state: Any, where: Path) -> dict[str, Any] | None:
 
 
 def _log(history: Any, where: Path) -> list[dict[str, Any]]:
-    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history."""
+    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history, each value a finite
+    number (lr and grad_norm may be absent)."""
     if not isinstance(history, list):
         return []
     if len(history) > MAX_LOG:
         raise refuse(where, f"its log history holds {len(history)} entries, over {MAX_LOG}")
     out = []
-    for entry in history:
-        if isinstance(entry, dict) and isinstance(entry.get("loss"), (int, float)) and "step" in entry:
-            out.append({"step": count(entry["step"], where, "a logged step"), "loss": float(entry["loss"]),
-                        "lr": entry.get("learning_rate"), "grad_norm": entry.get("grad_norm")})
+    for i, entry in enumerate(history):
+        if isinstance(entry, dict) and "loss" in entry and "step" in entry:  # a training step's (not an evaluation's)
+            field = f"log_history[{i}]."
+            out.append({"step": count(entry["step"], where, field + "step"),
+                        "loss": finite(entry["loss"], where, field + "loss"),
+                        **{ours: None if entry.get(key) is None else finite(entry[key], where, field + key)
+                           for ours, key in (("lr", "learning_rate"), ("grad_norm", "grad_norm"))}})
     return out

@@ -14,6 +14,7 @@ refused by name).
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
-from automodel_ckpt.interop.source import ForeignRun, Schedule, count, load_pickle, refuse
+from automodel_ckpt.interop.source import ForeignRun, Limits, Schedule, count, load_pickle, refuse
 from automodel_ckpt.ondisk import read_dcp_folder
 
 SUFFIX = ".ckpt"
@@ -29,7 +30,7 @@ DCP_METADATA = ".metadata"
 META = "meta.pt"  # a distributed checkpoint's counters, loops and schedulers (lightning.fabric.utilities.load)
 MAX_META = 64 * 2**20
 MODEL_KEYS = ("model", "state_dict")  # FSDPStrategy's, ModelParallelStrategy's
-MAX_FILE = 1 << 40  # a .ckpt holds weights and moments: bounded by the disk, each tensor by its own header
+WHAT = "a Lightning checkpoint of the recipe's model"  # its bound: ``Limits.checkpoint``
 
 
 def is_lightning_file(src: Path) -> bool:
@@ -37,17 +38,19 @@ def is_lightning_file(src: Path) -> bool:
 
 
 def is_lightning_folder(src: Path) -> bool:
-    return src.is_dir() and (src / DCP_METADATA).is_file()
+    return src.is_dir() and os.path.lexists(src / DCP_METADATA)  # a link there is refused when read
 
 
-def read_folder(src: Path) -> ForeignRun:
-    """A Lightning distributed checkpoint folder, as the ``.ckpt`` it would consolidate to; one-line refusals."""
-    if not (src / META).is_file():
+def read_folder(src: Path, limits: Limits) -> ForeignRun:
+    """A Lightning distributed checkpoint folder, as the ``.ckpt`` it would consolidate to: its files regular files
+    of the folder, reached without following a link, its data files within ``limits.checkpoint``; one-line
+    refusals."""
+    if not os.path.lexists(src / META):
         raise refuse(src, f"it has no {META}: not a Lightning distributed checkpoint")
     ckpt = load_pickle(src / META, "Lightning's checkpoint metadata", MAX_META)
     if not isinstance(ckpt, dict):
         raise refuse(src / META, "not Lightning's checkpoint metadata")
-    flat = read_dcp_folder(src)
+    flat = read_dcp_folder(src, limits.checkpoint, WHAT)
     tops = distcp.top_keys(flat)
     model = [k for k in MODEL_KEYS if k in tops]
     if len(model) != 1:
@@ -62,9 +65,10 @@ def read_folder(src: Path) -> ForeignRun:
     return _read(ckpt, src, "Lightning distributed checkpoint")
 
 
-def read_file(src: Path) -> ForeignRun:
-    """A Lightning ``.ckpt``; one-line refusals."""
-    return _read(load_pickle(src, "a Lightning checkpoint", MAX_FILE), src, "Lightning checkpoint")
+def read_file(src: Path, limits: Limits) -> ForeignRun:
+    """A Lightning ``.ckpt`` (the file the user named: a link to it is followed) of at most ``limits.checkpoint``
+    bytes; one-line refusals."""
+    return _read(load_pickle(src, WHAT, limits.checkpoint, follow=True), src, "Lightning checkpoint")
 
 
 def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:

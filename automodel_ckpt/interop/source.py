@@ -1,16 +1,17 @@
-"""What another trainer's checkpoint holds, in one shape (``ForeignRun``), and the bounded, allowlisted pickle reads.
+"""What another trainer's checkpoint holds, in one shape (``ForeignRun``), and the bounded, allowlisted reads.
 
-Every pickle of a foreign checkpoint is read by ``load_pickle``: the file's size is checked before a byte is read,
-then ``torch.load(weights_only=True)`` unpickles it, which builds tensors, numbers, strings and containers only;
-``allow`` names the few other types a file needs (an RNG file's NumPy array), and ``load_record`` reads a file of
-objects (the HF Trainer's ``training_args.bin``) into inert records that run no code of theirs.
+Every file of a foreign checkpoint is read by ``read_bytes``: a regular file, reached without following a link (the
+``.ckpt`` file the user names aside), its size checked before a byte is read against a limit of its kind; the
+weights and optimizer state against ``Limits``, from the model the recipe builds. A pickle is then unpickled by
+``load_pickle`` with ``torch.load(weights_only=True)``, which builds tensors, numbers, strings and containers only;
+``numpy`` allows the few other types an RNG file needs, and ``load_record`` reads a file of objects (the HF
+Trainer's ``training_args.bin``) into inert records that run no code of theirs.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +20,37 @@ from typing import Any, Callable
 import torch
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, check_size, open_regular, parse_json, regular_file_problem
+from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, parse_json
+from automodel_ckpt.ondisk import read_bytes as read_bounded
 
 MiB = 2**20
 SMALL_PICKLE = 1 * MiB  # scheduler.pt, rng_state.pth, training_args.bin: a few KiB
 STATE_JSON = INDEX_FILE_LIMIT  # trainer_state.json: its log history grows some 150 bytes a logged step
 MAX_STEPS = 1 << 40  # a step, epoch or sample count past this is not a run's
 RECORD_MODULES = ("transformers.", "accelerate.", "peft.")  # the objects training_args.bin may name
+SLACK = 16 * MiB  # headers, counters, schedulers and small buffers beside a checkpoint's tensors
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most bytes a source's tensors may take, from ``params``, the size (parameters and buffers) of the model
+    the recipe builds: its weights 8 bytes each (fp64 at most), AdamW's state 32 (8 times the fp32 weights: two
+    moments and a step, generously), each with ``SLACK`` beside."""
+
+    params: int
+
+    @property
+    def weights(self) -> int:
+        return 8 * self.params + SLACK
+
+    @property
+    def optimizer(self) -> int:
+        return 32 * self.params + SLACK
+
+    @property
+    def checkpoint(self) -> int:
+        """A Lightning checkpoint: the weights and the optimizer's state in one file or folder."""
+        return self.weights + self.optimizer
 
 
 @dataclass
@@ -82,25 +107,28 @@ def count(value: object, where: Path | str, name: str, limit: int = MAX_STEPS) -
 
 
 def number(value: object, where: Path | str, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise refuse(where, f"{name} is {str(value)[:40]!r}, not a finite number >= 0")
+    value = finite(value, where, name)
+    if value < 0:
+        raise refuse(where, f"{name} is {value!r}, not a finite number >= 0")
+    return value
+
+
+def finite(value: object, where: Path | str, name: str) -> float:
+    """``value`` as a float if it is a finite int or float (one-line refusal naming it otherwise)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise refuse(where, f"{name} is {str(value)[:40]!r}, not a finite number")
     return float(value)
 
 
-def read_bytes(path: Path, what: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path`` (a link the user named is followed), its size checked against
-    ``limit`` before a byte is read."""
+def read_bytes(path: Path, what: str, limit: int, *, follow: bool = False) -> bytes:
+    """The bytes of the regular file ``path``, opened without following a link (``follow``: the file the user
+    named), its size checked against ``limit`` before a byte is read; one-line refusals."""
     try:
-        with os.fdopen(open_regular(Path(path), follow=True), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            check_size(size, f"'{path}'", what, limit)
-            data = f.read(size + 1)  # a file that grows while read is still cut
+        return read_bounded(Path(path), what, limit, follow=follow)
     except FileNotFoundError:
         raise CheckpointError(f"'{path}' is missing ({what})") from None
     except OSError as exc:
         raise CheckpointError(f"'{path}' is unreadable ({what}): {exc.strerror or exc}") from None
-    check_size(len(data), f"'{path}'", what, min(limit, size))
-    return data
 
 
 def _numpy_types() -> list[Any]:
@@ -111,10 +139,10 @@ def _numpy_types() -> list[Any]:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def load_pickle(path: Path, what: str, limit: int, *, numpy: bool = False) -> Any:
+def load_pickle(path: Path, what: str, limit: int, *, numpy: bool = False, follow: bool = False) -> Any:
     """A torch-saved file of tensors, numbers and containers (with ``numpy``: a NumPy RNG state's array too), read
-    with ``torch.load(weights_only=True)`` after its size is checked; one-line refusals."""
-    data = read_bytes(path, what, limit)
+    (``read_bytes``) and unpickled with ``torch.load(weights_only=True)``; one-line refusals."""
+    data = read_bytes(path, what, limit, follow=follow)
     try:
         with torch.serialization.safe_globals(_numpy_types() if numpy else []), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's note on the pickle protocol: the refusal below says enough
@@ -172,16 +200,12 @@ def load_record(path: Path, what: str, limit: int = SMALL_PICKLE) -> Record:
     return loaded
 
 
-def read_state_json(path: Path, what: str) -> dict[str, Any]:
-    data = parse_json(read_bytes(path, what, STATE_JSON), f"'{path}'", what, STATE_JSON)
+def read_json(path: Path, what: str, limit: int = STATE_JSON) -> dict[str, Any]:
+    """A JSON object of a file (``read_bytes``; its nesting bounded); one-line refusals."""
+    data = parse_json(read_bytes(path, what, limit), f"'{path}'", what, limit)
     if not isinstance(data, dict):
         raise refuse(path, f"{what} is not a JSON object")
     return data
-
-
-def regular_files(folder: Path) -> list[str]:
-    """The names of the regular files directly in ``folder`` (links and others left out)."""
-    return sorted(name for name in os.listdir(folder) if regular_file_problem(folder / name) is None)
 
 
 def _first(exc: BaseException) -> str:

@@ -4,7 +4,7 @@
 chunks, from any number of writer ranks, assembled by DCP's own load planner), other entries (an optimizer's
 ``param_groups`` values) as the objects they were. The metadata is read by ``safe_load``'s restricted unpickler,
 the other entries with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), and the tensors' total size is
-bounded by the bytes the folder's data files hold before anything is allocated.
+bounded by the bytes the folder's data files hold, and those by the caller's limit, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, first_line
-from automodel_ckpt.ondisk import paths
+from automodel_ckpt.ondisk import bounded, paths
 from automodel_ckpt.ondisk.formats.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 SLACK = 1 << 20  # bytes a folder's tensors may claim past its data files' size (empty tensors, headers)
 
 
-def read_dcp_folder(folder: Path) -> dict[str, Any]:
+def read_dcp_folder(folder: Path, limit: int | None = None, what: str = "a DCP folder") -> dict[str, Any]:
     """``{key: tensor or object}`` of every entry of the DCP folder ``folder`` (keys as DCP flattened them:
-    ``model.layer.weight``, ``optimizer.param_groups.0.lr``); one-line ``CheckpointError`` otherwise."""
+    ``model.layer.weight``, ``optimizer.param_groups.0.lr``), its data files of at most ``limit`` bytes together
+    (``what`` it holds names the limit); one-line ``CheckpointError`` otherwise."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -39,6 +40,8 @@ def read_dcp_folder(folder: Path) -> dict[str, Any]:
             stored += file.stat().st_size
         except FileNotFoundError:
             raise CheckpointError(f"'{file}' is missing (named by '{folder}/.metadata')") from None
+    if limit is not None:
+        bounded.check_size(stored, f"'{folder}' (its data files)", what, limit)
     state: dict[str, Any] = {}
     claimed = 0
     for key, md in metadata.state_dict_metadata.items():

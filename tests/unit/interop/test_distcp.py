@@ -14,6 +14,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.interop import lightning, read_source
+from automodel_ckpt.interop.source import Limits
+
+LIMITS = Limits(10**6)  # the recipe's model: far more than these modules hold
 
 
 class _Module(nn.Module):
@@ -46,7 +49,7 @@ def _lightning_folder(folder: Path, key: str = "model") -> tuple[_Module, torch.
 @pytest.mark.parametrize("key", ["model", "state_dict"])
 def test_a_lightning_folder_reads_as_its_ckpt(tmp_path, key):
     module, opt = _lightning_folder(tmp_path / "last.ckpt", key)
-    run = read_source(tmp_path / "last.ckpt")
+    run = read_source(tmp_path / "last.ckpt", LIMITS)
     assert run.step == 3 and run.kind == "Lightning distributed checkpoint (step 3)"
     assert set(run.weights) == {f"model.{n}" for n, _ in module.model.named_parameters()}
     for name, param in module.named_parameters():
@@ -74,7 +77,7 @@ def test_a_folder_whose_metadata_runs_code_is_refused(tmp_path):
     marker = tmp_path / "marker"
     (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(CheckpointError, match="is not allowed in checkpoint metadata") as err:
-        read_source(folder)
+        read_source(folder, LIMITS)
     assert "\n" not in str(err.value) and not marker.exists()
 
 
@@ -89,7 +92,7 @@ def test_a_folder_claiming_more_tensor_bytes_than_it_holds_is_refused(tmp_path):
     entry.chunks[0].sizes = entry.size
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"claims \d+ bytes of tensors, its data files hold \d+"):
-        read_source(folder)
+        read_source(folder, LIMITS)
 
 
 def test_a_folder_with_entries_of_no_optimizer_or_no_meta_is_refused(tmp_path):
@@ -97,7 +100,7 @@ def test_a_folder_with_entries_of_no_optimizer_or_no_meta_is_refused(tmp_path):
     _lightning_folder(folder)
     (folder / lightning.META).unlink()
     with pytest.raises(CheckpointError, match="it has no meta.pt"):
-        read_source(folder)
+        read_source(folder, LIMITS)
     other = tmp_path / "other.ckpt"
     module = _Module()
     dcp.save({"model": get_model_state_dict(module), "optimizer_0": {"state": {}, "param_groups": [
@@ -105,7 +108,7 @@ def test_a_folder_with_entries_of_no_optimizer_or_no_meta_is_refused(tmp_path):
         no_dist=True)
     torch.save({"global_step": 0}, other / lightning.META)
     with pytest.raises(CheckpointError, match="holds 'extra', which a Lightning checkpoint does not"):
-        read_source(other)
+        read_source(other, LIMITS)
 
 
 def test_an_hf_trainer_fsdp_layout_without_its_optimizer_or_with_a_payload_is_refused(tmp_path):
@@ -113,7 +116,7 @@ def test_an_hf_trainer_fsdp_layout_without_its_optimizer_or_with_a_payload_is_re
     (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"FSDP layout \(pytorch_model_fsdp_0/\) but it has no optimizer_0/"):
-        read_source(checkpoint)
+        read_source(checkpoint, LIMITS)
     _lightning_folder(tmp_path / "model")  # any DCP folder: its .metadata replaced by a payload
     marker = tmp_path / "marker"
     (tmp_path / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))

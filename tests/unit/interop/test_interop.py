@@ -11,7 +11,7 @@ import torch
 
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.interop import names, schedules
-from automodel_ckpt.interop.source import load_pickle, load_record, read_bytes
+from automodel_ckpt.interop.source import Limits, load_pickle, load_record, read_bytes
 
 TOTAL = 23
 
@@ -167,7 +167,7 @@ def test_a_consolidated_lightning_optimizer_state_maps_its_slots_by_name(tmp_pat
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "global_step": 1,
                 "optimizer_states": [{"state": state, "param_groups": [group]}], "lr_schedulers": []},
                tmp_path / "last.ckpt")
-    run = read_file(tmp_path / "last.ckpt")
+    run = read_file(tmp_path / "last.ckpt", Limits(10**6))
     assert run.order(model) == named
     assert names.match_weights(model, list(run.weights), "x", adapter=False)["lm_head.weight"] == "model.lm_head.weight"
 
