@@ -4,7 +4,8 @@ Each case is a 200 MB sparse file (no disk space, but a reader that trusted it w
 starts as a GGUF would: a header whose counts claim more entries than the file can hold, a first key whose length runs
 past the end, a wrong magic or version, or a genuine tiny GGUF cut in half. Run in the corpus's limited child
 processes: one ``error:`` line (verify may report instead), no traceback, and peak memory within 150 MiB of an idle
-child's.
+child's. A small GGUF whose header is whole but whose tensors are not (data past its end, a tensor cut short, two
+tensors on the same bytes) or whose header is cut is refused by `pack` as `verify` reports it: no archive is written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile.harness import lean, refused, refused_or_reported
+from tests.hostile.harness import lean, refused, refused_or_reported, succeeded
 
 BIG = 200 * 2**20
 
@@ -49,3 +50,38 @@ def test_hostile_gguf_is_refused_in_one_line(server, tmp_path, case):
             refused(outcome, expected)
         lean(outcome, server.rss)
     assert not (tmp_path / "out.tar").exists()
+
+
+def _gguf(path: Path, tensors: list[tuple[str, int, int]], data: int, cut: int | None = None) -> Path:
+    """A GGUF file of F32 ``tensors`` (name, elements, offset in the data area) and ``data`` bytes of data after its
+    header, itself cut to ``cut`` bytes."""
+    head = struct.pack("<4sIQQ", b"GGUF", 3, len(tensors), 0)
+    for name, n, offset in tensors:
+        head += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<IQIQ", 1, n, 0, offset)
+    head += b"\0" * (-len(head) % 32)  # general.alignment's default
+    raw = head + b"\0" * data
+    path.write_bytes(raw[:cut])
+    return path
+
+
+DAMAGED = {
+    "data offset past the end": ([("w", 8, 2**40)], 32, None, "the file ends first"),
+    "a tensor running past the end": ([("w", 8, 0), ("v", 1024, 32)], 64, None, "v: 4096 bytes"),
+    "two tensors on the same bytes": ([("w", 8, 0), ("v", 8, 0)], 32, None, "overlap"),
+    "a header cut short": ([("w" * 100, 8, 0)], 32, 150, "damaged GGUF file"),  # in the tensor's offset
+}
+
+
+def test_a_genuine_small_gguf_is_packed(server, tmp_path):
+    path = _gguf(tmp_path / "ok.gguf", [("w", 8, 0), ("v", 8, 32)], 64)
+    succeeded(server.run(["pack", path, "--out", tmp_path / "ok.tar"], cwd=tmp_path))
+    succeeded(server.run(["verify", tmp_path / "ok.tar"], cwd=tmp_path))
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_pack_refuses_a_gguf_that_verify_refuses(server, tmp_path, case):
+    tensors, data, cut, expected = DAMAGED[case]
+    path = _gguf(tmp_path / "model.gguf", tensors, data, cut)
+    refused_or_reported(server.run(["verify", path], cwd=tmp_path), expected)
+    refused(server.run(["pack", path, "--out", tmp_path / "out.tar"], cwd=tmp_path), expected, "model.gguf")
+    assert not any(tmp_path.glob("*.tar*")) and not any(tmp_path.glob(".*tar*"))
