@@ -1,4 +1,4 @@
-"""The recipe contract (``__init__(cfg)``, ``run()``) and the state discovery and save/restore hooks it shares."""
+"""The recipe contract (``__init__(cfg)``, ``run()``) and the run's wiring: preemption, observer, checkpointer, resume."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from automodel_ckpt.checkpoint import Checkpointer, CheckpointConfig, discover_state
+from automodel_ckpt.checkpoint import Checkpointer, CheckpointConfig, PreemptionWatcher, discover_state, run_folder
+from automodel_ckpt.config.loader import to_yaml
+from automodel_ckpt.distributed.env import DistEnv, init_distributed
+from automodel_ckpt.tracking import RunObserver
+from automodel_ckpt.training.rng import seed_everything
 
 
 class BaseRecipe:
@@ -15,28 +19,108 @@ class BaseRecipe:
 
     The contract: every rank constructs the class with the validated config (``MyRecipe(cfg)``: an OmegaConf
     node of the recipe schema, cheap to build, no process group yet) and calls ``run()`` once; ``run`` trains to
-    the end (or until preempted) and returns with the last checkpoint complete. Everything else is the
-    subclass's choice.
+    the end (or until preempted) and returns with the last checkpoint complete.
+
+    ``run`` is the run's wiring, one copy for every recipe: the preemption watcher first (a signal during setup
+    counts), then the subclass's ``setup``, the restore, the observer's start, ``train`` and the end (the last save
+    complete, the trackers closed), or on an exception the failure (the trackers told, background writes ended
+    without publishing). A subclass writes ``setup`` (``setup_distributed()`` first, its model, data, optimizer and
+    ``step_scheduler``, ``build_checkpointer()`` last) and ``step`` (one optimizer step: its record); a recipe
+    with its own loop overrides ``train``.
 
     Checkpointing is by discovery: every public attribute with ``state_dict`` and ``load_state_dict`` is saved
     and restored under its name (``self.my_state = MyState()`` is checkpointed automatically); list attribute
-    names in ``checkpoint_exclude`` to keep them out. Build ``self.checkpointer`` (a ``Checkpointer`` from
-    ``self.checkpoint_config``) in setup, always: with ``checkpoint.enabled: false`` it saves nothing. The loop
-    then makes four calls of it: ``resume`` (``restore_checkpoint``), ``step_end`` after each optimizer step (it
-    decides what to save and saves it), ``fence`` before changing saved tensors in place, and ``finalize``.
+    names in ``checkpoint_exclude`` to keep them out. The loop makes four calls of the checkpointer: ``resume``
+    (``restore_checkpoint``), ``step_end`` after each optimizer step (it decides what to save and saves it),
+    ``fence`` before changing saved tensors in place, and ``finalize``.
     """
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
-    checkpointer: Checkpointer  # built by the subclass once the process group exists
+    checkpointer: Checkpointer  # built by ``build_checkpointer`` at the end of setup
+    env: DistEnv  # the process group (``setup_distributed``)
+    step_scheduler: Any  # the steps to train (``training.step_scheduler.StepScheduler``), built in setup
     restored: Any = None  # what the last restore_checkpoint loaded (``checkpoint.Restored``)
+    _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
+    _observer: RunObserver | None = None  # the trackers and the cost log (``build_checkpointer``)
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.checkpoint_config: CheckpointConfig = CheckpointConfig.from_section(cfg.checkpoint)
 
     def run(self) -> None:
-        """Train; called once on every rank."""
-        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+        """Train to the end, or until preempted (``checkpoint.preemption_signal``); called once on every rank. On
+        return the last save is complete."""
+        if type(self).setup is BaseRecipe.setup:  # neither this template's steps nor a run of its own
+            raise NotImplementedError(f"{type(self).__name__} must implement setup() and step(), or run()")
+        with PreemptionWatcher.for_run(self.checkpoint_config) as self._preemption:  # a signal during setup counts
+            try:
+                self.setup()
+                restored = self.restore_checkpoint()
+                steps = self.step_scheduler
+                if steps.done:
+                    print(f"Training already complete at step {steps.step} (max {steps.total_steps}); nothing to do",
+                          flush=True)
+                    self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go
+                    return
+                self._observer.start(steps.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
+                                     world_size=self.env.world_size, tier=self.restored.tier,
+                                     load_seconds=round(self.restored.seconds, 3) if restored else None)
+                ended = self.train()
+                self.finalize_checkpoints()  # async: the last checkpoint is published
+                stopped = ended is not None and ended.stop
+                line = self._observer.end(steps.step, "preempted" if stopped else "complete")
+                if self.env.is_main and line:
+                    print(line, flush=True)
+                if self.env.is_main and stopped:
+                    print(f"Preempted by {self._preemption.name} at step {steps.step}: saved {ended.saved}; rerun the "
+                          "same command to resume", flush=True)
+            except BaseException:
+                if self._observer is not None:
+                    self._observer.fail()
+                if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
+                    self.checkpointer.finalize(failed=True)  # background writes end; nothing half-written published
+                raise
+
+    def setup(self) -> None:
+        """Build the run: ``setup_distributed()``, the state (model, optimizer, ``step_scheduler``, ...), then
+        ``build_checkpointer()``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement setup()")
+
+    def setup_distributed(self) -> DistEnv:
+        """The process group (``distributed:``), then every random stream seeded (``seed``)."""
+        self.env = init_distributed(self.cfg.distributed.backend, self.cfg.distributed.timeout_minutes)
+        seed_everything(self.cfg.seed)
+        return self.env
+
+    def build_checkpointer(self, **options: Any) -> Checkpointer:
+        """The run's observer (the trackers of ``logging:``, the cost log) and ``self.checkpointer``, given the
+        preemption watcher and the observer; ``options`` are the Checkpointer's others (``hf``, ``say``, ...)."""
+        config_yaml = to_yaml(self.cfg)  # as each checkpoint's config.yaml: also the trackers' hyper-parameters
+        self._observer = RunObserver(self.cfg.logging, run_folder(self.checkpoint_config), is_main=self.env.is_main,
+                                     config_yaml=config_yaml)
+        if self._observer.tracker.requested:
+            self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
+        self.checkpointer = Checkpointer(self.checkpoint_config, self.env, resolved_config_yaml=config_yaml,
+                                         preemption=self._preemption, observer=self._observer, **options)
+        return self.checkpointer
+
+    def train(self) -> Any:
+        """Step to the end, or until preempted: ``step()``, its record logged (trackers; printed by rank 0), then the
+        checkpointer's step end (it saves what is due). Returns the last ``StepEnded`` (None: no step)."""
+        steps, ended = self.step_scheduler, None
+        while not steps.done:
+            record = self.step()
+            self._observer.log_train(record)
+            if self.env.is_main:
+                print(record, flush=True)
+            ended = self.checkpointer.step_end(self.checkpointed_state, steps, epoch=steps.epoch, loss=record["loss"])
+            if ended.stop:
+                break  # preempted: saved, and the run stops
+        return ended
+
+    def step(self) -> dict[str, Any]:
+        """One optimizer step, ``step_scheduler.record_step`` included; its record (``step``, ``loss``, ...)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     def checkpointed_state(self) -> dict[str, Any]:
         return discover_state(self, exclude=self.checkpoint_exclude)

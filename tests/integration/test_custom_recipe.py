@@ -1,4 +1,4 @@
-"""examples/custom_recipe.py, a recipe written from BaseRecipe in 60 lines, gets every guarantee: killed in the middle
+"""examples/custom_recipe.py, a recipe written from BaseRecipe in 40 lines, gets every guarantee: killed in the middle
 of a save and rerun, or preempted and rerun, its losses and its own state are bitwise those of a straight run."""
 
 from __future__ import annotations

@@ -489,10 +489,11 @@ def test_a_recipe_makes_four_calls_of_the_checkpointer():
                                                                                                   "local_due"}
 
 
-def test_the_example_recipe_is_whole_in_sixty_lines():
-    """docs/custom-recipes.md's recipe from ``BaseRecipe``: every guarantee in at most 60 lines."""
+def test_the_example_recipe_is_whole_in_forty_lines():
+    """docs/custom-recipes.md's recipe from ``BaseRecipe``: every guarantee in at most 40 lines (the run's wiring,
+    preemption, observer, checkpointer, resume and the end, is ``BaseRecipe.run``'s)."""
     source = (REPO / "examples" / "custom_recipe.py").read_text(encoding="utf-8")
-    assert len(source.splitlines()) <= 60
+    assert len(source.splitlines()) <= 40
     assert "BaseRecipe" in source and "FinetuneRecipe" not in source
     assert f"```python\n{source}```" in (REPO / "docs" / "custom-recipes.md").read_text(encoding="utf-8")
 
