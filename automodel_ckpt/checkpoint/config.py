@@ -147,11 +147,11 @@ class CheckpointConfig:
 
 
 def _check_location(location: object, key: str) -> None:
-    """A URL location must name an object store whose backend is installed (it never becomes a local path)."""
-    from automodel_ckpt.checkpoint.locations import check_url, is_url
+    """A URL location must name an object store whose backend is installed, and a bucket and prefix of the right
+    shape (it never becomes a local path); a local path must not read as a mistyped URL."""
+    from automodel_ckpt.checkpoint.locations import check_location
 
-    if is_url(location):
-        check_url(str(location), key)
+    check_location(location, key)
 
 
 def _choice(kind: type[_Choice], value: object, key: str) -> Any:

@@ -1,4 +1,11 @@
-"""What a configured checkpoint location is: a local path or an object-store URL (syntax and installed backend, no I/O)."""
+"""What a configured checkpoint location is: a local path or an object-store URL (syntax and installed backend, no I/O).
+
+``check_url`` is the one check of a URL's shape, made wherever a URL is configured or given (the launcher checks the
+recipe's before anything is built): a known store scheme whose backend is installed, a bucket of a name the store
+accepts, and a key prefix of plain path components (``ondisk.paths``: no ``..``, ``.`` or empty component, no glob
+character or control character). ``check_location`` adds, for a location that is no URL, the refusal of one that
+reads as a store URL with a slash missing (``s3:/bucket/run``), which would otherwise become a local folder.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,12 @@ import re
 from pathlib import Path
 
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.ondisk import paths
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
+_ALMOST_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/?(?!/)")
+# An S3 bucket name as S3 clients accept one (botocore's check, which admits the older us-east-1 names too).
+_S3_BUCKET = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 # fsspec schemes served by a package other than fsspec itself: what to install for each.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                     "abfss": "adlfs", "adl": "adlfs", "oci": "ocifs", "hf": "huggingface_hub",
@@ -43,18 +54,44 @@ def split(url: str) -> tuple[str, str]:
     return scheme, rest
 
 
-def check_url(url: str, key: str) -> None:
-    """``ConfigError`` (one line) unless ``url`` names a store whose fsspec backend is installed."""
+def check_location(location: object, key: str) -> None:
+    """``ConfigError`` (one line) for a URL that ``check_url`` refuses, or a local path that reads as a store URL
+    with a slash missing (``s3:/bucket/run``, ``gs:bucket``)."""
+    text = str(location).strip()
+    if is_url(text):
+        check_url(text, key)
+        return
+    almost = _ALMOST_URL.match(text)
+    if almost and almost.group("scheme").lower() in BACKEND_PACKAGES:
+        scheme = almost.group("scheme").lower()
+        raise ConfigError(f"{key}: '{text}' reads as a {scheme}:// URL with a slash missing; write it as "
+                          f"{scheme}://BUCKET/PREFIX (or ./{text} for a local folder)")
+
+
+def check_url(url: str, key: str, *, pattern: bool = False) -> None:
+    """``ConfigError`` (one line) unless ``url`` names a store whose fsspec backend is installed, a bucket of a name
+    it accepts and (unless ``pattern``: a glob of data files) a key prefix of plain path components. No I/O."""
     import fsspec
     from fsspec.registry import known_implementations
 
     scheme, rest = split(url)
-    if not rest or rest.startswith("/"):
+    raw = _URL.match(url.strip())
+    if not rest or (raw is not None and raw.group("rest").startswith("/")):
         raise ConfigError(f"{key}: '{url}' names no bucket; write it as {scheme}://BUCKET/PREFIX")
     if scheme in _NOT_STORES or (scheme not in known_implementations and scheme not in BACKEND_PACKAGES
                                  and scheme not in fsspec.available_protocols()):
         raise ConfigError(f"{key}: '{url}' has an unknown storage scheme '{scheme}://'; use a local path or an "
                           "object store URL such as s3://BUCKET/PREFIX, gs://... or az://...")
+    bucket, _, prefix = rest.partition("/")
+    why = paths.problem(bucket)
+    if why is None and scheme in ("s3", "s3a") and not _S3_BUCKET.match(bucket):
+        why = "only letters, digits, '.', '-' and '_'"
+    if why is not None:
+        raise ConfigError(f"{key}: '{url}' names the bucket {bucket!r}, which is no bucket name ({why})")
+    why = None if pattern or not prefix else "an empty component" if prefix.startswith("/") else paths.problem(prefix)
+    if why is not None:
+        raise ConfigError(f"{key}: '{url}' names the key prefix {prefix!r} ({why}); write it as "
+                          f"{scheme}://BUCKET/PREFIX, each part of PREFIX a plain name")
     try:
         fsspec.get_filesystem_class(scheme)
     except (ImportError, ValueError):

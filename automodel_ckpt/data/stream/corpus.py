@@ -200,7 +200,7 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
         if is_url(pattern):
             from automodel_ckpt.checkpoint import check_url
 
-            check_url(pattern, key)
+            check_url(pattern, key, pattern=True)
         fs, inner = filesystem(pattern, storage_options)
         scheme = pattern.split("://", 1)[0] + "://" if is_url(pattern) else ""
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from automodel_ckpt.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -88,3 +90,26 @@ def test_consolidate_refuses_an_adapter_checkpoint(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "PEFT adapter" in err and "merge-lora" in err
     assert not (model / "consolidated").exists()
+
+
+BAD_URLS = {"checkpoint_dir": ["s3://bucket/../run", "s3://my bucket/run", "s3:///run", "s3://bucket//run",
+                               "s3://bucket/run/*", "s3:/bucket/run", "s3n://bucket/run"],
+            "restore_from": ["s3://bucket/run/../epoch_0_step_2"]}
+
+
+@pytest.mark.parametrize("key,url", [(k, u) for k, urls in BAD_URLS.items() for u in urls])
+def test_a_bad_object_store_url_is_refused_before_anything_is_built(capsys, monkeypatch, key, url):
+    """Checked in the launcher, on one process and under the elastic agent: no model, data or worker is made."""
+    import automodel_ckpt.cli.train as train
+    import automodel_ckpt.launch as launch
+
+    def built(*args, **kwargs):
+        raise AssertionError("the launcher went on past the recipe's checks")
+
+    for module, name in ((train, "run_worker"), (train, "fetch_models"), (launch, "launch_agent")):
+        monkeypatch.setattr(module, name, built)
+    for launcher in ([], ["--nproc-per-node", "2"]):
+        assert main([*launcher, RECIPE, f"--checkpoint.{key}", url]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: checkpoint.{key}: '{url}'"), err
+

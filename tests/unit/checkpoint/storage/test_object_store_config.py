@@ -1,4 +1,4 @@
-"""Object-store locations: a URL never becomes a local path; unknown schemes and missing backends are one line."""
+"""Object-store locations: a URL never becomes a local path; a bad scheme, backend, bucket or prefix is one line."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def test_s3_checkpoint_dir_never_becomes_a_local_folder(tmp_path, monkeypatch):
     ("foo://bucket/run", "unknown storage scheme 'foo://'"),
     ("http://host/run", "unknown storage scheme 'http://'"),
     ("s3://", "names no bucket"),
+    ("s3:///run", "names no bucket"),
+    ("s3://bucket!/run", "names the bucket 'bucket!', which is no bucket name"),
+    ("s3://../run", "names the bucket '..'"),
+    ("s3://bucket/run/../other", "names the key prefix 'run/../other' (a '..' component)"),
+    ("s3://bucket//run", "(an empty component)"),
+    ("gs://bucket/run?", "(a glob character or '::')"),
+    ("s3:/bucket/run", "reads as a s3:// URL with a slash missing"),
 ])
 def test_bad_urls_are_one_line_config_errors(url, words):
     with pytest.raises(ConfigError) as err:
@@ -55,6 +62,14 @@ def test_missing_backend_names_the_package(scheme, package):
         pytest.skip(f"{package} is installed here")
     with pytest.raises(ConfigError, match=f"pip install {package}"):
         CheckpointConfig(checkpoint_dir=f"{scheme}://bucket/run")
+
+
+def test_a_glob_of_data_files_keeps_its_glob_characters():
+    from automodel_ckpt.checkpoint.locations import check_url
+
+    check_url("s3://bucket/data/*.jsonl", "dataset.paths", pattern=True)
+    with pytest.raises(ConfigError, match="no bucket name"):
+        check_url("s3://bu cket/data/*.jsonl", "dataset.paths", pattern=True)
 
 
 def test_restore_from_url_is_checked_too():
