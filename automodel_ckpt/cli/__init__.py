@@ -133,7 +133,8 @@ def forked_worker(recipe: str, overrides: list[str]) -> None:
 
 
 def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
-    """Run one verb: a ``UserError`` becomes ``error: <one line>`` (the traceback too with --debug)."""
+    """Run one verb: a ``UserError`` becomes ``error: <one line>`` (the traceback too with --debug), and so does a
+    ``MemoryError`` (exit code 1)."""
     debug = debug_requested(argv)
     quiet_third_party(debug)
     try:
@@ -143,6 +144,13 @@ def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
             traceback.print_exc()
         report(f"error: {one_line(str(exc))}")
         return exc.exit_code
+    except MemoryError as exc:
+        if debug:
+            traceback.print_exc()
+        detail = f" ({one_line(str(exc))})" if str(exc) else ""
+        report(f"error: this process could not allocate the memory it needed{detail}; free memory, or run it "
+               "where there is more (--debug shows where)")
+        return 1
     except KeyboardInterrupt:
         report("error: interrupted")
         return 130

@@ -113,3 +113,15 @@ def test_a_bad_object_store_url_is_refused_before_anything_is_built(capsys, monk
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"error: checkpoint.{key}: '{url}'"), err
 
+
+def test_a_memory_error_is_one_line(capsys, monkeypatch):
+    import automodel_ckpt.cli as cli
+
+    def verb(argv: list[str]) -> int:
+        raise MemoryError
+
+    monkeypatch.setattr(cli, "verb_main", lambda name: verb)
+    assert main(["inspect", "run"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "memory" in err
