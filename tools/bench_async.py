@@ -139,7 +139,7 @@ class BenchRecipe(FinetuneRecipe):
     def _background_busy(self) -> bool:
         if self._dcp_future is not None:
             return not self._dcp_future.done()
-        job = self.checkpointer.background
+        job = self.checkpointer.stats.background
         return job is not None and any(not f.done() for f in job.writes)
 
     def train_step(self, micro):
@@ -164,9 +164,9 @@ class BenchRecipe(FinetuneRecipe):
         record = {"step": info.step, "stall": returned - t0, "call": returned - t0, "fence": 0.0,
                   "background": None, "final": info.is_final}
         if self._mode in ("sync", "async"):
-            record |= {"phases": dict(self.checkpointer.last_save_seconds),
-                       "complete": dict(self.checkpointer.last_complete_seconds)}
-        job = self.checkpointer.background
+            record |= {"phases": dict(self.checkpointer.stats.last_save_seconds),
+                       "complete": dict(self.checkpointer.stats.last_complete_seconds)}
+        job = self.checkpointer.stats.background
         done = self._dcp_future if self._mode.startswith("dcp_") or self._mode == bench_async_torch.MODE else (
             job.writes[-1] if job is not None and job.writes else None)
         durable = job.completed if job is not None and job.completed is not None else done

@@ -497,7 +497,7 @@ def child(args: argparse.Namespace) -> None:
             t0 = _start_timing()
             ckpt.save(states, SaveInfo(epoch=0, step=2, train_loss=1.0, val_loss=1.0, is_final=False))
             call = time.perf_counter() - t0
-            job = ckpt.background  # the next training step, while the state is copied in the background:
+            job = ckpt.stats.background  # the next training step, while the state is copied in the background:
             model(input_ids=batch, labels=batch).loss.backward()
             optimizer.step()  # waits at the fence for what is not copied yet
             optimizer.zero_grad(set_to_none=True)

@@ -130,9 +130,9 @@ class BenchRecoveryRecipe(FinetuneRecipe):
     def setup(self) -> None:
         super().setup()
         # the checkpointer's step-end call saves through the two methods below
-        self._saves = self.checkpointer.save, self.checkpointer.save_local
+        self._saves = self.checkpointer.save, self.checkpointer._save_local
         self.checkpointer.save = lambda states, info: self.save_checkpoint(info)
-        self.checkpointer.save_local = lambda states, info: self.save_local_checkpoint(info)
+        self.checkpointer._save_local = lambda states, info: self.save_local_checkpoint(info)
         self._out = Path(os.environ["BENCH_RECOVERY_OUT"])
         self._kill_after = int(os.environ.get("BENCH_RECOVERY_KILL_AFTER", "-1"))
         self._timings: dict = {"steps": [], "saves": [], "local": []}
@@ -180,7 +180,7 @@ class BenchRecoveryRecipe(FinetuneRecipe):
 
     def save_checkpoint(self, info):
         return self._timed(lambda: self._saves[0](self.checkpointed_state(), info), info,
-                           lambda: self.checkpointer.background, self._timings["saves"])
+                           lambda: self.checkpointer.stats.background, self._timings["saves"])
 
     def save_local_checkpoint(self, info):
         return self._timed(lambda: self._saves[1](self.checkpointed_state(), info), info,

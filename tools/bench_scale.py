@@ -123,7 +123,7 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
         path = ckpt.save(states, SaveInfo(epoch=0, step=step, train_loss=1.0, val_loss=None, is_final=False))
         timers.setdefault("save", []).append(time.perf_counter() - t0)
         timers.setdefault("object_bytes", []).append(counted["object_bytes"] - before)
-        for phase, seconds in (ckpt.last_save_seconds | ckpt.last_complete_seconds).items():
+        for phase, seconds in (ckpt.stats.last_save_seconds | ckpt.stats.last_complete_seconds).items():
             timers.setdefault(phase, []).append(seconds)
     dist.barrier()
     t0 = time.perf_counter()

@@ -1,10 +1,10 @@
-"""The save cycle: at each step's end, what to save (steps, minutes, preemption, node-local tier), and saving it.
+"""The save cycle: at each step's end, what to save (steps, minutes, preemption, node-local tier).
 
-``Checkpointer.step_end`` is the one call a recipe makes after each optimizer step. It asks the ``SaveSchedule``
-(``triggers``: one all-reduce at most), validates first when a scheduled save records a validation loss, saves a
-durable checkpoint or takes a node-local step, times the save for the cost report (the run's ``SaveObserver``), and
-reports the node-local steps abandoned since the last call. The recipe learns what happened from ``StepEnded``:
-what was saved, and whether to stop (preempted).
+``Checkpointer.step_end`` is the one call a recipe makes after each optimizer step. It asks the ``SaveCycle`` what
+is due (``SaveSchedule``, ``triggers``: one all-reduce at most), then acts: it validates first when a scheduled save
+records a validation loss, saves a durable checkpoint or takes a node-local step, times the save for the cost
+report (the run's ``SaveObserver``), and reports the node-local steps abandoned since the last call. The recipe
+learns what happened from ``StepEnded``: what was saved, and whether to stop (preempted).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from automodel_ckpt.checkpoint.triggers import PreemptionWatcher, SaveSchedule, StepBoundary, Steps, TimeTrigger
-from automodel_ckpt.ondisk.info import SaveInfo
+from automodel_ckpt.checkpoint.triggers import (PreemptionWatcher, SaveDecision, SaveSchedule, StepBoundary, Steps,
+                                               TimeTrigger)
 
 States = Callable[[], dict[str, Any]]
 
@@ -29,21 +29,6 @@ class SaveObserver(Protocol):
     def finalize(self, finalize: Callable[[], Any], step: int) -> Any: ...
 
     def side_failure(self, kind: str, text: str, step: int) -> None: ...
-
-
-class _Saves(Protocol):
-    """The checkpointer's saves, as the cycle uses them (looked up at each call: a wrapped ``save`` is seen)."""
-
-    enabled: bool
-    background: Any
-
-    def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None: ...
-
-    def save_local(self, states: dict[str, Any], info: SaveInfo) -> Path | None: ...
-
-    def local_due(self, step: int) -> bool: ...
-
-    def local_faults(self) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -68,66 +53,30 @@ class StepEnded:
 
 
 class SaveCycle:
-    """The step-end decision and its act, for one run; the minutes count from ``start`` (training begins)."""
+    """The step-end decision for one run: what is due now (``SaveSchedule``); the minutes count from ``start``
+    (training begins). It decides only: the checkpointer acts on the answer, and tells it what it saved."""
 
-    def __init__(self, saves: _Saves, every_minutes: float | None, preemption: PreemptionWatcher | None,
-                 observer: SaveObserver | None) -> None:
-        self.saves = saves
-        self.every_minutes = every_minutes
+    def __init__(self, every_minutes: float | None, preemption: PreemptionWatcher | None, *, enabled: bool,
+                 local_due: Callable[[int], bool]) -> None:
+        self.every_minutes = every_minutes if enabled else None
         self.preemption = preemption or PreemptionWatcher(None, repeat_stops=True)
-        self.observer = observer
-        self.step = 0  # the last step ended (the final wait's cost is recorded at it)
+        self.enabled, self.local_due = enabled, local_due
         self._boundary: StepBoundary | None = None
         self._schedule: SaveSchedule | None = None
 
     def start(self) -> None:
         """Training begins now: the minutes (``checkpoint.ckpt_every_minutes``) count from here."""
-        minutes = self.every_minutes if self.saves.enabled else None
-        self._boundary = StepBoundary(self.preemption, TimeTrigger(minutes))
+        self._boundary = StepBoundary(self.preemption, TimeTrigger(self.every_minutes))
 
-    def step_end(self, states: States, steps: Steps, *, epoch: int, loss: float,
-                 extra: Callable[[], dict[str, Any]] | None = None, validate: Callable[[], float] | None = None,
-                 validate_now: bool = False) -> StepEnded:
+    def decide(self, steps: Steps) -> SaveDecision:
+        """What to save after optimizer step ``steps.step``, on every rank (one all-reduce, if minutes or a signal
+        apply)."""
         if self._boundary is None:
             self.start()
         if self._schedule is None:
-            self._schedule = SaveSchedule(steps, self._boundary, enabled=self.saves.enabled,
-                                          local_due=self.saves.local_due)
-        self.step = step = steps.step
-        due = self._schedule.decide()  # every rank: what to save now (one all-reduce, if minutes or a signal apply)
-        val_loss = validate() if validate is not None and (validate_now or due.scheduled) else None
-        saved = None
-        if due.durable:
-            info = SaveInfo(epoch, step, loss, val_loss, is_final=steps.done, extra=extra() if extra else {})
-            saved = self._timed(lambda: self.saves.save(states(), info), step, due.preempt)
-            self._schedule.saved()
-        elif due.local:  # node-local: the snapshot only
-            self.saves.save_local(states(), SaveInfo(epoch, step, loss, val_loss, is_final=False,
-                                                     extra=extra() if extra else {}))
-        self.report_faults()
-        return StepEnded(saved=saved, val_loss=val_loss, preempted=due.preempt, stop=due.preempt and not steps.done)
+            self._schedule = SaveSchedule(steps, self._boundary, enabled=self.enabled, local_due=self.local_due)
+        return self._schedule.decide()
 
-    def finalize(self, finalize: Callable[[], Path | None]) -> Path | None:
-        """The run's last wait (``Checkpointer.finalize``), timed for the cost report; then the faults it left."""
-        if self.observer is None:
-            return finalize()
-        path = self.observer.finalize(finalize, self.step)
-        self.report_faults()
-        return path
-
-    def report_faults(self) -> None:
-        """Node-local steps abandoned (or written again) since the last call, to the observer (events.jsonl and the
-        trackers); without an observer they wait for ``Checkpointer.local_faults``."""
-        if self.observer is None:
-            return
-        for line in self.saves.local_faults():
-            self.observer.side_failure("local_step", line, self.step)
-
-    def _timed(self, save: Callable[[], Path | None], step: int, preemption: bool) -> Path | None:
-        if self.observer is None:
-            return save()
-        return self.observer.save(save, step, self._background, preemption=preemption)
-
-    def _background(self) -> Any:
-        """The async save just started, if any (its fence wait and background time are part of its cost)."""
-        return self.saves.background
+    def saved(self) -> None:
+        """The durable checkpoint that ``decide`` asked for is saved (the minutes count again from now)."""
+        self._schedule.saved()

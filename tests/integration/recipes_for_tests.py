@@ -15,9 +15,9 @@ class SaveHooks:
 
     def setup(self):
         super().setup()
-        self._saves = self.checkpointer.save, self.checkpointer.save_local
+        self._saves = self.checkpointer.save, self.checkpointer._save_local
         self.checkpointer.save = lambda states, info: self.save_checkpoint(info)
-        self.checkpointer.save_local = lambda states, info: self.save_local_checkpoint(info)
+        self.checkpointer._save_local = lambda states, info: self.save_local_checkpoint(info)
 
     def save_checkpoint(self, info):
         return self._saves[0](self.checkpointed_state(), info)

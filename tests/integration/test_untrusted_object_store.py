@@ -84,7 +84,7 @@ def test_a_remote_manifest_naming_paths_outside_writes_nothing_outside_the_mirro
 
     mirror = tmp_path / "mirror"  # a resume: the damaged newest checkpoint is set aside, the one before loads
     ckpt = checkpointer(init_distributed(), url, "torch_save", staging_dir=str(mirror))
-    assert ckpt.restore(State(seed=5).states()) == mirror / "epoch_0_step_1"
+    assert ckpt.resume(State(seed=5).states()).path == mirror / "epoch_0_step_1"
     ckpt.finalize()
     assert fs.exists(f"{root}/{layout.QUARANTINE_DIR}/{layout.quarantine_note('epoch_0_step_2')}")
 

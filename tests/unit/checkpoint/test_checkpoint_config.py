@@ -39,7 +39,7 @@ def test_an_empty_restore_from_means_not_set(tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()  # a current folder that looks like a checkpoint's parts must not be picked
     monkeypatch.chdir(tmp_path)
     checkpointer = Checkpointer(recipe.checkpoint_config, ENV, resolved_config_yaml="{}\n", say=lambda _: None)
-    assert checkpointer.run.find(None) is None  # nothing saved yet: a fresh start
+    assert checkpointer._run.find(None) is None  # nothing saved yet: a fresh start
 
 
 def test_the_recipe_config_keeps_what_the_user_wrote(tmp_path):

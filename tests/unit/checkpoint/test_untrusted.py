@@ -141,10 +141,10 @@ def test_a_crafted_pickle_never_runs_in_any_verb(env, templates, tmp_path, capsy
     ckpt, state = checkpointer(env, root, fmt), State(seed=7)
     if place.endswith(".distcp"):  # only the load itself reads entries: one line, the run stops
         with pytest.raises(CheckpointError) as exc:
-            ckpt.restore(state.states())
+            ckpt.resume(state.states()).path
         assert "refusing to load entry 'param_groups.0.lr'" in str(exc.value) and "\n" not in str(exc.value)
     else:  # the check before the load refuses it: quarantined, the run resumes from the checkpoint before
-        assert ckpt.restore(state.states()) == first
+        assert ckpt.resume(state.states()).path == first
         assert (root / layout.QUARANTINE_DIR / second.name).is_dir()
     assert not marker.exists()
 
@@ -217,7 +217,7 @@ from tests.unit.checkpoint.test_untrusted import checkpointer
 root = Path(sys.argv[1])
 print("verify", main(["verify", str(root)]), flush=True)
 print("inspect", main(["inspect", str(root)]), flush=True)
-print("resumed", checkpointer(init_distributed(), root, "torch_save").restore(State(seed=3).states()), flush=True)
+print("resumed", checkpointer(init_distributed(), root, "torch_save").resume(State(seed=3).states()).path, flush=True)
 """
 
 
@@ -250,7 +250,7 @@ def test_resume_with_verify_on_load_quarantines_a_manifest_naming_outside_paths(
     rel = str(outside) if entry == "ABSOLUTE" else entry
     _list(second, {rel: outside})
     ckpt, state = checkpointer(env, root, "torch_save", verify_on_load=True), State(seed=7)
-    assert ckpt.restore(state.states()) == first
+    assert ckpt.resume(state.states()).path == first
     note = json.loads((root / layout.QUARANTINE_DIR / layout.quarantine_note(second.name)).read_text())
     assert f"names the unsafe path {rel!r}" in note["reason"]
 

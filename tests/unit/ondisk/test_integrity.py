@@ -119,7 +119,7 @@ def test_manifest_lists_every_file_with_size_and_checksum(saved):
 
 def test_fresh_checkpoint_resumes_and_verifies(saved, capsys):
     ckpt, state, first, second = saved
-    ckpt.cfg.verify_on_load = True
+    ckpt._cfg.verify_on_load = True
     loaded = load_fresh(ckpt, second)
     for a, b in zip(loaded.model.parameters(), state.model.parameters()):
         assert torch.equal(a, b)
@@ -128,7 +128,7 @@ def test_fresh_checkpoint_resumes_and_verifies(saved, capsys):
     assert code == 0 and "verify: OK" in out and f"ok                 {layout.CONFIG_FILE}" in out
     size = human_size(manifest.read(second)["total_bytes"])
     assert f"files, {size}, layout" in out and size.endswith("KiB")  # sizes read as `inspect` prints them
-    code, out = verify_cli(capsys, ckpt.dir)
+    code, out = verify_cli(capsys, ckpt.stats.dir)
     assert code == 0, out
     assert "pointer LATEST -> epoch_0_step_2: ok" in out and "verify: OK (2 checkpoint(s))" in out
 
@@ -167,7 +167,7 @@ def test_size_check_needs_no_checksum_module(tmp_path, monkeypatch):
 
 def test_truncated_shard(saved, capsys):
     ckpt, _, _, second = saved
-    rel = SHARD0 if ckpt.cfg.model_save_format == "safetensors" else "model/__0_0.distcp"
+    rel = SHARD0 if ckpt._cfg.model_save_format == "safetensors" else "model/__0_0.distcp"
     with open(second / rel, "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointError) as err:
@@ -193,7 +193,7 @@ def test_flipped_byte_caught_by_verify_and_verify_on_load(saved, capsys):
     assert code == 1 and f"checksum mismatch  {rel}" in out
     code, out = verify_cli(capsys, "--sizes-only", second)
     assert code == 0  # sizes alone cannot see a flipped byte
-    ckpt.cfg.verify_on_load = True
+    ckpt._cfg.verify_on_load = True
     with pytest.raises(CheckpointError) as err:
         load_fresh(ckpt, second)
     assert "\n" not in str(err.value) and rel in str(err.value) and "checksum mismatch" in str(err.value)
@@ -202,7 +202,7 @@ def test_flipped_byte_caught_by_verify_and_verify_on_load(saved, capsys):
 @pytest.mark.parametrize("folder", ["optim", "model"])
 def test_missing_dcp_metadata(saved, capsys, folder):
     ckpt, _, _, second = saved
-    if folder == "model" and ckpt.cfg.model_save_format == "safetensors":
+    if folder == "model" and ckpt._cfg.model_save_format == "safetensors":
         pytest.skip("safetensors model folders have no .metadata")
     rel = f"{folder}/{layout.DCP_METADATA}"
     (second / rel).unlink()
@@ -225,7 +225,7 @@ def test_missing_rank_file(saved, capsys):
     with pytest.raises(CheckpointError) as err:
         load_fresh(ckpt, second)
     assert f"{rel}: missing" in str(err.value)
-    code, out = verify_cli(capsys, ckpt.dir)
+    code, out = verify_cli(capsys, ckpt.stats.dir)
     assert code == 1 and f"missing            {rel}" in out
     assert "pointer LATEST -> epoch_0_step_2: FAILED (that checkpoint is damaged)" in out
 
@@ -307,7 +307,7 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
         monkeypatch.setattr(fs, "_write_item", _raiser(code))  # torch's writers
         monkeypatch.setattr(filewrite, "_pwrite_all", _raiser(code))  # ours (the model and optimizer files)
         if where == "async":
-            ckpt = make_checkpointer(ckpt.env, ckpt.dir, ckpt.cfg.model_save_format, is_async=True)
+            ckpt = make_checkpointer(ckpt._env, ckpt.stats.dir, ckpt._cfg.model_save_format, is_async=True)
     elif where == "rank_file":
         from automodel_ckpt.checkpoint.save import writer as local_files
 
@@ -325,19 +325,19 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
         ckpt.finalize()  # async: the background write's failure is raised when the save is completed
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith(f"saving a checkpoint in '{ckpt.dir}' failed: {reason} (needs about ")
+    assert message.startswith(f"saving a checkpoint in '{ckpt.stats.dir}' failed: {reason} (needs about ")
     assert "free there" in message and "'epoch_0_step_2' and the pointers are untouched" in message
     monkeypatch.undo()
-    assert not list(ckpt.dir.glob(layout.STAGING_PREFIX + "*"))  # removed at once
-    assert [r.name for r in catalog.list_checkpoints(ckpt.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
-    assert os.readlink(ckpt.dir / layout.LATEST) == "epoch_0_step_2"
-    assert catalog.resolve_restore_from(ckpt.dir, None) == second
-    code, out = verify_cli(capsys, ckpt.dir)
+    assert not list(ckpt.stats.dir.glob(layout.STAGING_PREFIX + "*"))  # removed at once
+    assert [r.name for r in catalog.list_checkpoints(ckpt.stats.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert os.readlink(ckpt.stats.dir / layout.LATEST) == "epoch_0_step_2"
+    assert catalog.resolve_restore_from(ckpt.stats.dir, None) == second
+    code, out = verify_cli(capsys, ckpt.stats.dir)
     assert code == 0
     assert manifest.verify(second).ok and manifest.verify(first).ok
     third = save(ckpt, state, 3)  # space is back: the same step saves
     ckpt.finalize()
-    assert manifest.verify(third).ok and not list(ckpt.dir.glob(layout.STAGING_PREFIX + "*"))
+    assert manifest.verify(third).ok and not list(ckpt.stats.dir.glob(layout.STAGING_PREFIX + "*"))
 
 
 def test_out_of_room_is_recognised_from_errno_dcp_failures_and_remote_text():
@@ -365,12 +365,12 @@ def test_dangling_latest(saved, capsys):
     shutil.rmtree(second)
     with pytest.warns(UserWarning, match="LATEST points to 'epoch_0_step_2'.*resuming from the newest complete "
                                          "checkpoint 'epoch_0_step_1'"):
-        assert catalog.resolve_restore_from(ckpt.dir, None) == first
+        assert catalog.resolve_restore_from(ckpt.stats.dir, None) == first
     with pytest.raises(CheckpointError) as err:
-        catalog.resolve_restore_from(ckpt.dir, "LATEST")
+        catalog.resolve_restore_from(ckpt.stats.dir, "LATEST")
     assert "LATEST points to 'epoch_0_step_2', which is not a checkpoint" in str(err.value)
     assert "checkpoints there: epoch_0_step_1" in str(err.value)
-    code, out = verify_cli(capsys, ckpt.dir)
+    code, out = verify_cli(capsys, ckpt.stats.dir)
     assert code == 1 and "pointer LATEST -> epoch_0_step_2: FAILED (not a checkpoint in" in out
 
 
@@ -415,7 +415,7 @@ class _Evil:
 @pytest.mark.parametrize("folder", ["optim", "model"])
 def test_malicious_dcp_metadata_is_refused(saved, tmp_path, folder):
     ckpt, _, _, second = saved
-    if folder == "model" and ckpt.cfg.model_save_format == "safetensors":
+    if folder == "model" and ckpt._cfg.model_save_format == "safetensors":
         pytest.skip("safetensors model folders have no pickle")
     marker = tmp_path / "pwned"
     target = second / folder / layout.DCP_METADATA

@@ -260,7 +260,7 @@ def test_usable_checkpoint_names(name, problem):
 
 def test_a_save_whose_name_renders_a_slash_creates_nothing(tmp_path):
     ck = checkpointer(tmp_path)
-    ck.cfg.name_template = "s{step}_{consumed_samples:/>2}"  # as if the check at start had let it through
+    ck._cfg.name_template = "s{step}_{consumed_samples:/>2}"  # as if the check at start had let it through
     with pytest.raises(ConfigError, match=r"renders 's1_/8' at step 1"):
         save_all(ck, [(1, 1.0)])
     ck.finalize()

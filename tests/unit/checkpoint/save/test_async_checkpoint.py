@@ -81,23 +81,23 @@ def info(step: int) -> SaveInfo:
 def test_latest_moves_only_when_the_async_save_is_complete(env, tmp_path, gate):
     root = tmp_path / "ck"
     ckpt = make_checkpointer(env, root, is_async=True)
-    assert ckpt.is_async
+    assert ckpt.stats.is_async
     state = State()
     state.step()
     path = ckpt.save(state.states(), info(1))
     assert path == root / "epoch_0_step_1"
     assert gate.entered.wait(60)  # the background write has started and is held at the gate
-    assert ckpt.in_flight
+    assert ckpt.stats.in_flight
     assert read_pointer(root, layout.LATEST) is None
     assert not path.exists() and (root / layout.staging_name(path.name)).is_dir()
     gate.open()
     assert ckpt._writer._pending.job.completed.result(timeout=120) == path  # written, then published in the background
     assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
-    assert ckpt.in_flight  # until the training thread collects the outcome
+    assert ckpt.stats.in_flight  # until the training thread collects the outcome
     assert ckpt.finalize() == path
     assert read_pointer(root, layout.LATEST) == path.name
     assert manifest.verify(path).ok
-    assert not ckpt.in_flight
+    assert not ckpt.stats.in_flight
 
 
 def test_next_save_publishes_the_previous_one_first(env, tmp_path, gate):
@@ -148,7 +148,7 @@ def test_background_failure_raises_once_and_publishes_nothing(env, tmp_path, gat
         ckpt.finalize()
     assert read_pointer(root, layout.LATEST) is None
     assert not (root / "epoch_0_step_1").exists()
-    assert not ckpt.in_flight
+    assert not ckpt.stats.in_flight
     gate.fail = False  # the next save starts clean and removes the failed staging folder
     state.step()
     ckpt.save(state.states(), info(2))
@@ -178,7 +178,7 @@ def test_sync_mode_publishes_before_returning(env, tmp_path):
     state = State()
     state.step()
     path = ckpt.save(state.states(), info(1))
-    assert read_pointer(root, layout.LATEST) == path.name and not ckpt.in_flight
+    assert read_pointer(root, layout.LATEST) == path.name and not ckpt.stats.in_flight
     assert ckpt.finalize() is None
 
 
@@ -188,7 +188,7 @@ def test_old_torch_falls_back_to_sync_with_one_warning(env, tmp_path, monkeypatc
     monkeypatch.setattr(torch, "__version__", "2.8.1+cpu")
     with pytest.warns(UserWarning, match=r"is_async needs torch >= 2\.9 \(found 2\.8\.1\+cpu\); saving synchronously"):
         ckpt = make_checkpointer(env, tmp_path / "ck", is_async=True)
-    assert not ckpt.is_async
+    assert not ckpt.stats.is_async
 
 
 def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tmp_path, gate):
@@ -228,10 +228,10 @@ def test_abandon_does_not_wait_unbounded_for_a_write_that_never_ends(env, tmp_pa
     ckpt._writer._pending = overlap.PendingSave("epoch_0_step_1", tmp_path / "staging", False, [(never, tmp_path)])
     monkeypatch.setattr(checkpointer_module, "ABANDON_WAIT_SECONDS", 0.0)
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (ckpt.abandon(), done.set()), daemon=True)
+    worker = threading.Thread(target=lambda: (ckpt.finalize(failed=True), done.set()), daemon=True)
     worker.start()
     assert done.wait(60), "abandon() waited on a write that never ends"
-    assert not ckpt.in_flight
+    assert not ckpt.stats.in_flight
     assert ckpt._writer._stager is stager  # its buffers are not released under a write that may still run
     never.set_result(None)
 

@@ -238,7 +238,7 @@ def test_the_first_save_after_a_resume_links_the_files_whose_bytes_read_back_the
     state, paths = saves(env, tmp_path, "safetensors", 1)
     resumed = Frozen(seed=7)
     ck = make(env, tmp_path, "safetensors")
-    assert ck.restore(resumed.states()) == paths[0] and ck.resumed_from == paths[0].name
+    assert ck.resume(resumed.states()).path == paths[0] and ck.stats.resumed_from == paths[0].name
     two = ck.save(resumed.states(), info(2))
     ck.finalize()
     assert [os.stat(p).st_ino for p in stable_files(two)] == [os.stat(p).st_ino for p in stable_files(paths[0])]

@@ -117,7 +117,7 @@ def test_a_checkpointer_takes_its_folder_before_writing_and_gives_it_up_at_final
         other.send_signal(signal.SIGKILL)
         other.wait()
     ck = Checkpointer(config, env, resolved_config_yaml="{}\n", say=lambda _: None)
-    assert ck.lock.held and f'"pid": {os.getpid()}' in (tmp_path / "run" / layout.RUN_LOCK).read_text()
+    assert ck._run.lock.held and f'"pid": {os.getpid()}' in (tmp_path / "run" / layout.RUN_LOCK).read_text()
     ck.finalize()
     assert not (tmp_path / "run" / layout.RUN_LOCK).exists()
     assert RunLock(tmp_path / "run").holder() is None

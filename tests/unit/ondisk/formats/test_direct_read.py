@@ -313,7 +313,7 @@ def test_on_a_nodes_own_copy_the_load_checks_every_file_it_reads_and_no_other(tm
     from tests.unit.checkpoint.ckpt_state import State
 
     ckpt, state, path = _saved(tmp_path, "torch_save")
-    monkeypatch.setattr(ckpt.run, "shared", False)
+    monkeypatch.setattr(ckpt._run, "shared", False)
     model_file, optim_file = (next(rel for rel in _data_files(path) if rel.startswith(d)) for d in ("model", "optim"))
     hashed_on_read: list[str] = []
     real_read = directread.read_files
