@@ -1,4 +1,4 @@
-"""The recipe contract (``__init__(cfg)``, ``run()``) and the run's wiring: preemption, observer, checkpointer, resume."""
+"""The recipe contract (``__init__(cfg)``, ``run()``) and the one copy of the run's wiring around training."""
 
 from __future__ import annotations
 
@@ -80,6 +80,11 @@ class BaseRecipe:
                 if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
                     self.checkpointer.finalize(failed=True)  # background writes end; nothing half-written published
                 raise
+
+    @property
+    def observer(self) -> RunObserver | None:
+        """The run's trackers and cost log (``build_checkpointer``): a loop of its own logs its records here."""
+        return self._observer
 
     def setup(self) -> None:
         """Build the run: ``setup_distributed()``, the state (model, optimizer, ``step_scheduler``, ...), then

@@ -1,7 +1,8 @@
-"""Preference tuning (DPO, IPO, hinge, SimPO) of a causal LM: the fine-tune recipe with pairs, a reference and counters.
+"""Preference tuning (DPO, IPO, hinge, SimPO) of a causal LM: the fine-tune recipe with the preference algorithm.
 
-Everything but the data, the step and the reference is ``FinetuneRecipe``'s: the CLI, launcher, meshes, formats,
-async saves, node-local tier, object storage, trackers, ``restore_from`` and the export of the policy.
+``Preference`` is an ``Algorithm`` (``recipes/algorithm.py``): pairs, a pair loss, a reference and counters.
+Everything else is ``FinetuneRecipe``'s: the CLI, launcher, meshes, formats, async saves, node-local tier, object
+storage, trackers, ``restore_from`` and the export of the policy.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import gc
 import hashlib
 import os
 import re
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -27,6 +27,7 @@ from automodel_ckpt.distributed.pipeline import Pipeline, cut_stage
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.build import local_model_path
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
+from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 from automodel_ckpt.training.preference import METRICS, PreferenceLoss, response_log_probs
 from automodel_ckpt.training.reference import StoredLogProbs, mix_into, reference_identity, weights_fingerprint
@@ -87,8 +88,9 @@ class PreferenceCounters:
                 "last_sync_step": self.last_sync_step}
 
 
-class DPORecipe(FinetuneRecipe):
-    """:class:`FinetuneRecipe` trained on preference pairs (``dpo:`` keys, docs/preference.md).
+class Preference(Algorithm):
+    """Preference tuning (``dpo:`` keys, docs/preference.md): the batches are pairs (every chosen row, then every
+    rejected row), the loss a pair loss (``objective``) against a reference, and ``dpo`` its counters.
 
     The reference: for a full fine-tune a frozen copy of the model, built on the meta device and sharded like the
     policy, filled from the starting weights and checked against the base's fingerprint recorded in the counters
@@ -98,16 +100,15 @@ class DPORecipe(FinetuneRecipe):
     (``PreferenceCounters``) and, once synced, ``ref_model``.
     """
 
-    checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
     ref_model: Any = None
     _split = TRAIN  # which stored reference log-probs a batch reads
-    _calls: list[torch.Tensor] = []  # each loss call's metric sums (``_metric_sums``)
-    _restoring = False
     _stored: StoredLogProbs | None = None
+    _ref_pipeline: Pipeline | None = None  # under pipeline stages: the reference's forward, staged like the policy's
 
-    def setup(self) -> None:
-        section = self.cfg.dpo if self.cfg.get("dpo") is not None else OmegaConf.structured(DPOConfig)
-        if self.checkpoint_config.load_only and self.cfg.peft is None and section.loss != "simpo":
+    def __init__(self, recipe: FinetuneRecipe) -> None:
+        super().__init__(recipe)
+        section = recipe.cfg.dpo if recipe.cfg.get("dpo") is not None else OmegaConf.structured(DPOConfig)
+        if recipe.checkpoint_config.load_only and recipe.cfg.peft is None and section.loss != "simpo":
             # the reference comes from model.pretrained_model_name_or_path: it would not be the weights loaded
             raise ConfigError("checkpoint.load_only: a preference run's reference starts from the model's weights "
                               "folder, not from a checkpoint; start from the SFT run's export instead: "
@@ -115,106 +116,112 @@ class DPORecipe(FinetuneRecipe):
         self.dpo_cfg = section
         self.objective = PreferenceLoss.from_section(section)
         self.dpo = PreferenceCounters()
+        self._peft = recipe.cfg.peft is not None
+        self._calls: list[torch.Tensor] = []  # each loss call's metric sums (``_metric_sums``)
         self._step_metrics: dict[str, Any] = {}
         self._val_metrics: dict[str, Any] = {}
-        super().setup()
-        self._peft = self.cfg.peft is not None
-        self._ref_pipeline = None  # under pipeline stages: the reference's forward, staged like the policy's
-        if self.pipeline is not None and self._peft and self.objective.needs_reference:
-            self._ref_pipeline = self._stage_reference(self.model)  # the policy with its adapters disabled
-        if self.objective.needs_reference and not self._peft and not section.precompute_ref_log_probs:
+
+    def build(self) -> None:
+        """The reference: the policy's pipeline stages with adapters disabled (LoRA), or a frozen copy (a full
+        fine-tune whose reference log-probs are not stored)."""
+        recipe = self.recipe
+        if recipe.pipeline is not None and self._peft and self.objective.needs_reference:
+            self._ref_pipeline = self._stage_reference(recipe.model)  # the policy with its adapters disabled
+        if self.objective.needs_reference and not self._peft and not self.dpo_cfg.precompute_ref_log_probs:
             self.ref_model = self._build_reference()
 
     # ------------------------------------------------------------------------------------------ data
     def build_data(self) -> tuple[PairData, PairData | None]:
         """Rank 0 tokenizes first (into the cache); the other ranks then read its result."""
-        main = self.env.is_main
+        recipe = self.recipe
+        main = recipe.env.is_main
         if not main:
             barrier()
-        prepared = prepare_pairs(self.cfg, self.tokenizer)
+        prepared = prepare_pairs(recipe.cfg, recipe.tokenizer)
         if main:
             barrier()
-        self.data_report = prepared.report()
+        recipe.data_report = prepared.report()
         self._pairs = prepared
-        if len(prepared.train) < self.cfg.step_scheduler.global_batch_size:
-            raise ConfigError(f"step_scheduler.global_batch_size: {self.cfg.step_scheduler.global_batch_size} is "
+        if len(prepared.train) < recipe.cfg.step_scheduler.global_batch_size:
+            raise ConfigError(f"step_scheduler.global_batch_size: {recipe.cfg.step_scheduler.global_batch_size} is "
                               f"larger than the training set ({len(prepared.train)} pairs)")
         return prepared.train, prepared.validation
 
     def build_val_batches(self, val_data: Any) -> list[MicroBatch]:
-        return pair_batches(val_data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
-                            rank=self.dims.dp_rank, world_size=self.dims.dp_size)
+        recipe = self.recipe
+        return pair_batches(val_data, local_batch_size=recipe.cfg.step_scheduler.local_batch_size,
+                            rank=recipe.dims.dp_rank, world_size=recipe.dims.dp_size)
 
     # ------------------------------------------------------------------------------------- reference
     def _build_reference(self) -> torch.nn.Module:
         """A frozen copy of the model on the meta device, sharded like the policy; its weights come in restore."""
-        cfg = self.cfg
-        self._ref_weights = StartingWeights(cfg.model, self.env.rank,
+        recipe = self.recipe
+        cfg = recipe.cfg
+        self._ref_weights = StartingWeights(cfg.model, recipe.env.rank,
                                             build_whole=lambda: instantiate(cfg.model, "model"))
         meta = builds_on_meta(cfg.model)
         with rng_untouched():
             ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
         if not meta:
-            ref = ref.to(self.env.device)
+            ref = ref.to(recipe.env.device)
         ref.requires_grad_(False)
-        if self.pipeline_plan is not None:  # this rank's stage of it, cut as the policy's: whole-model names kept
-            cut_stage(ref, self.pipeline_plan, self.dims.pp_rank, self.dims.pp_size)
-        if self.data_parallel.sharded:  # a replicated policy: the reference is a whole copy, nothing to wrap
-            ref = data_parallel.wrap(ref, self.data_parallel, self.dims)
-        self._ref_weights.materialize(ref, self.env.device)
+        if recipe.pipeline_plan is not None:  # this rank's stage of it, cut as the policy's: whole-model names kept
+            cut_stage(ref, recipe.pipeline_plan, recipe.dims.pp_rank, recipe.dims.pp_size)
+        if recipe.data_parallel.sharded:  # a replicated policy: the reference is a whole copy, nothing to wrap
+            ref = data_parallel.wrap(ref, recipe.data_parallel, recipe.dims)
+        self._ref_weights.materialize(ref, recipe.env.device)
         ref.eval()
         ref.checkpoint_optional = True  # saved from its first sync on: absent from earlier checkpoints
-        if self.pipeline_plan is not None:
+        if recipe.pipeline_plan is not None:
             self._ref_pipeline = self._stage_reference(ref)
         return ref
 
     def _stage_reference(self, model: torch.nn.Module) -> Pipeline:
         """The reference's forward under the policy's pipeline plan: each row's summed log-prob, on the last
         stage (a forward only: no tied gradients to sum)."""
-        return Pipeline(model, self.dims, self.pipeline_plan, self.env.device, _row_log_probs,
-                        rows=self.cfg.step_scheduler.local_batch_size)
+        recipe = self.recipe
+        return Pipeline(model, recipe.dims, recipe.pipeline_plan, recipe.env.device, _row_log_probs,
+                        rows=recipe.cfg.step_scheduler.local_batch_size)
 
     def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
         """Under pipeline stages, each microbatch of the schedule holds whole pairs: its chosen rows, then their
         rejected rows (a batch is every chosen row, then every rejected row)."""
-        if self.pipeline is None:
+        recipe = self.recipe
+        if recipe.pipeline is None:
             return None
         half = len(mb.sample_ids)
-        k = half // self.pipeline_plan.microbatches
+        k = half // recipe.pipeline_plan.microbatches
         blocks = [torch.arange(j, j + k) for j in range(0, half, k)]
         return torch.cat([torch.cat([b, b + half]) for b in blocks])
 
-    def checkpointed_state(self) -> dict[str, Any]:
-        """The fine-tune's state and ``dpo``; ``ref_model`` once a sync made it differ from the starting weights
-        (and on restore, where a checkpoint without it leaves it to the starting weights)."""
-        states = super().checkpointed_state()
-        if "ref_model" in states and not (self.dpo.ref_syncs or self._restoring):
+    def states(self) -> dict[str, Any]:
+        """``dpo``; ``ref_model`` once a sync made it differ from the starting weights (and on restore, where a
+        checkpoint without it leaves it to the starting weights)."""
+        states = super().states()
+        if "ref_model" in states and not (self.dpo.ref_syncs or self.restoring):
             del states["ref_model"]
         return states
 
-    def restore_checkpoint(self) -> Path | None:
-        self._restoring = True
-        try:
-            restored = super().restore_checkpoint()
-        finally:
-            self._restoring = False
+    def restored(self) -> None:
+        """The reference settled (the checkpoint's, else the starting weights, checked), the stored log-probs read."""
+        recipe = self.recipe
         if self._peft:  # its first forward may be the reference's, adapters disabled: nothing trainable then
-            data_parallel.build_reducer(self.model, self.data_parallel)
+            data_parallel.build_reducer(recipe.model, recipe.data_parallel)
         if self.ref_model is not None:
-            self._settle_reference("ref_model" in self.restored.states)
+            self._settle_reference("ref_model" in recipe.restored.states)
         if self.dpo_cfg.precompute_ref_log_probs:
             self._stored = self._stored_log_probs()
-        elif self._peft and self.objective.needs_reference and self.env.is_main:
-            self.progress.write("Reference model: the policy with its LoRA adapters disabled (no second copy)")
-        return restored
+        elif self._peft and self.objective.needs_reference and recipe.env.is_main:
+            recipe.progress.write("Reference model: the policy with its LoRA adapters disabled (no second copy)")
 
     def _settle_reference(self, loaded: bool) -> None:
         """A reference the checkpoint did not hold: filled from the starting weights and checked against the
         fingerprint the run recorded (a synced reference must come from the checkpoint)."""
+        recipe = self.recipe
         if loaded:
-            if self.env.is_main:
-                self.progress.write(f"Reference model: restored from the checkpoint (synced {self.dpo.ref_syncs} "
-                                    f"time(s), last at step {self.dpo.last_sync_step})")
+            if recipe.env.is_main:
+                recipe.progress.write(f"Reference model: restored from the checkpoint (synced {self.dpo.ref_syncs} "
+                                      f"time(s), last at step {self.dpo.last_sync_step})")
             return
         if self.dpo.ref_syncs:
             raise CheckpointError(f"the checkpoint's counters say the reference was synced {self.dpo.ref_syncs} "
@@ -224,47 +231,48 @@ class DPORecipe(FinetuneRecipe):
         recorded = self.dpo.reference_fingerprint
         if recorded is not None and recorded != fingerprint:
             raise CheckpointError(f"the reference model does not match this run's: its starting weights "
-                                  f"({self.cfg.model.get('pretrained_model_name_or_path')}) have fingerprint "
+                                  f"({recipe.cfg.model.get('pretrained_model_name_or_path')}) have fingerprint "
                                   f"{fingerprint}, the run recorded {recorded}; resume with the same base")
         self.dpo.reference_fingerprint = fingerprint
-        if self.env.is_main:
-            self.progress.write(f"Reference model: a frozen copy of the starting weights (fingerprint {fingerprint}; "
-                                "not saved until it is synced)")
+        if recipe.env.is_main:
+            recipe.progress.write(f"Reference model: a frozen copy of the starting weights (fingerprint {fingerprint}; "
+                                  "not saved until it is synced)")
 
     def _reference_fingerprint(self) -> str:
         """The reference's weights fingerprint; under pipeline stages, of every stage's (one per pipeline size)."""
         fingerprint = weights_fingerprint(self.ref_model)
-        if self.pipeline is None:
+        if self.recipe.pipeline is None:
             return fingerprint
         stages = sorted(set(all_gather_object(fingerprint)))
         return hashlib.sha256(f"stages/{'/'.join(stages)}".encode()).hexdigest()[:24]
 
     def _stored_log_probs(self) -> StoredLogProbs:
         """The reference log-probs of every pair, from the run folder, or computed once and stored there."""
+        recipe = self.recipe
         data = self._pairs
-        base = local_model_path(self.cfg.model.get("pretrained_model_name_or_path"))
-        identity = reference_identity(OmegaConf.to_container(self.cfg.model, resolve=True), base,
+        base = local_model_path(recipe.cfg.model.get("pretrained_model_name_or_path"))
+        identity = reference_identity(OmegaConf.to_container(recipe.cfg.model, resolve=True), base,
                                       adapters_disabled=self._peft)
         parts = [data.train.fingerprint, data.validation.fingerprint if data.validation is not None else None,
-                 identity, str(self.cfg.distributed.mixed_precision)]
+                 identity, str(recipe.cfg.distributed.mixed_precision)]
         key = hashlib.sha256("/".join(str(p) for p in parts).encode()).hexdigest()[:24]
         if self.dpo.ref_log_probs_key is not None and self.dpo.ref_log_probs_key != key:
             raise CheckpointError("the reference log-probs do not match this run's: the data or the reference "
-                                  f"(model: {self.cfg.model.get('pretrained_model_name_or_path')}) changed since "
+                                  f"(model: {recipe.cfg.model.get('pretrained_model_name_or_path')}) changed since "
                                   f"they were computed (key {self.dpo.ref_log_probs_key}, now {key}); resume with "
                                   "the same data and base")
         self.dpo.ref_log_probs_key = key
-        root = run_folder(self.checkpoint_config)
+        root = run_folder(recipe.checkpoint_config)
         file = ref_log_probs_file(root, key)
         pairs = {TRAIN: len(data.train), **({VALIDATION: len(data.validation)} if data.validation is not None else {})}
         # an object store's copy into this node's mirror; every rank reads it, or every rank computes
         stored = StoredLogProbs.load(file, key, root=root, pairs=pairs) \
-            if fetch_run_file(self.checkpoint_config, file) or os.path.lexists(file) else None
+            if fetch_run_file(recipe.checkpoint_config, file) or os.path.lexists(file) else None
         if all(all_gather_object(stored is not None)):
-            if self.env.is_main:
-                self.progress.write(f"Reference log-probs: read from {file}")
+            if recipe.env.is_main:
+                recipe.progress.write(f"Reference log-probs: read from {file}")
             return stored
-        self.model.eval()  # the reference's log-probs without dropout (training sets train mode again)
+        recipe.model.eval()  # the reference's log-probs without dropout (training sets train mode again)
         if self._peft:
             compute = self._adapters_disabled_log_probs
         else:
@@ -275,14 +283,14 @@ class DPORecipe(FinetuneRecipe):
         if data.validation is not None:
             tables[VALIDATION] = self._log_prob_table(data.validation, compute)
         stored = StoredLogProbs(key, tables)
-        if self.env.is_main:
+        if recipe.env.is_main:
             stored.save(file, root)
-            self.progress.write(f"Reference log-probs: computed for {sum(t.shape[1] for t in tables.values())} "
-                                f"pairs, stored in {file}")
+            recipe.progress.write(f"Reference log-probs: computed for {sum(t.shape[1] for t in tables.values())} "
+                                  f"pairs, stored in {file}")
             try:  # where the run folder lives (an object store): a resume on another machine reads them back
-                share_run_file(self.checkpoint_config, file)
+                share_run_file(recipe.checkpoint_config, file)
             except CheckpointError as exc:  # a later run computes them again
-                self.progress.write(f"warning: the reference log-probs stay in {file} only: {exc}")
+                recipe.progress.write(f"warning: the reference log-probs stay in {file} only: {exc}")
         barrier()
         self.ref_model = None  # not kept in memory
         if not self._peft:
@@ -292,10 +300,11 @@ class DPORecipe(FinetuneRecipe):
 
     def _log_prob_table(self, data: PairData, compute: Any) -> torch.Tensor:
         """``[2, pairs]`` float64: every pair's reference log-probs, each rank computing its share."""
+        recipe = self.recipe
         table = torch.zeros(2, len(data), dtype=torch.float64)
         mine = []
-        for mb in pair_batches(data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
-                               rank=self.dims.dp_rank, world_size=self.dims.dp_size):
+        for mb in pair_batches(data, local_batch_size=recipe.cfg.step_scheduler.local_batch_size,
+                               rank=recipe.dims.dp_rank, world_size=recipe.dims.dp_size):
             sums = compute(mb)[0]
             if sums is None:  # a pipeline stage before the last: the last one computes them
                 continue
@@ -304,7 +313,7 @@ class DPORecipe(FinetuneRecipe):
             half = len(mb.sample_ids)
             mine.append(torch.stack([mb.sample_ids[keep].double(), sums[:half][keep], sums[half:][keep]]))
         local = torch.cat(mine, dim=1) if mine else torch.zeros(3, 0, dtype=torch.float64)
-        parts = all_gather_object(local) if self.dims.dp_size > 1 or self.pipeline is not None else [local]
+        parts = all_gather_object(local) if recipe.dims.dp_size > 1 or recipe.pipeline is not None else [local]
         for part in parts:
             table[:, part[0].long()] = part[1:]
         return table
@@ -312,8 +321,9 @@ class DPORecipe(FinetuneRecipe):
     # ------------------------------------------------------------------------------------- log-probs
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: summed log-probs of the scored tokens, and their count."""
-        dev = self.env.device
-        choice = self.data_parallel
+        recipe = self.recipe
+        dev = recipe.env.device
+        choice = recipe.data_parallel
         with choice.compute(dev):
             if bool(mb.attention_mask.all()):
                 logits = model(input_ids=mb.input_ids.to(dev), use_cache=False).logits
@@ -337,18 +347,20 @@ class DPORecipe(FinetuneRecipe):
 
     @torch.no_grad()
     def _adapters_disabled_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        with self.model.disable_adapter():
+        recipe = self.recipe
+        with recipe.model.disable_adapter():
             if self._ref_pipeline is not None:
                 return self._staged_forward(mb)
-            return self._forward(self.model, mb)
+            return self._forward(recipe.model, mb)
 
     def _reference(self, mb: MicroBatch, split: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The pairs' reference log-probs (chosen, rejected), summed; None without a reference (SimPO)."""
+        recipe = self.recipe
         if not self.objective.needs_reference:
             return None, None
         if self._stored is not None:
             chosen, rejected = self._stored.lookup(split, mb.sample_ids)
-            return chosen.to(self.env.device), rejected.to(self.env.device)
+            return chosen.to(recipe.env.device), rejected.to(recipe.env.device)
         sums, _ = (self._adapters_disabled_log_probs if self._peft else self._reference_model_log_probs)(mb)
         if sums is None:  # a pipeline stage before the last: no loss is computed here
             return None, None
@@ -363,12 +375,13 @@ class DPORecipe(FinetuneRecipe):
     def loss_target(self, mb: MicroBatch) -> torch.Tensor:
         """Per row (chosen rows, then rejected rows): its labels, then two columns, the reference's summed log-prob
         of the row's response (0 without a reference) and whether its pair counts (float64: token ids are exact)."""
+        recipe = self.recipe
         ref_chosen, ref_rejected = self._reference(mb, self._split)
         half = len(mb.sample_ids)
-        ref = (torch.cat([ref_chosen, ref_rejected]).to(self.env.device) if ref_chosen is not None
-               else torch.zeros(2 * half, dtype=torch.float64, device=self.env.device))
-        keep = (mb.sample_ids >= 0).repeat(2).to(device=self.env.device, dtype=torch.float64)
-        labels = mb.labels.to(self.env.device, torch.float64)
+        ref = (torch.cat([ref_chosen, ref_rejected]).to(recipe.env.device) if ref_chosen is not None
+               else torch.zeros(2 * half, dtype=torch.float64, device=recipe.env.device))
+        keep = (mb.sample_ids >= 0).repeat(2).to(device=recipe.env.device, dtype=torch.float64)
+        labels = mb.labels.to(recipe.env.device, torch.float64)
         return torch.cat([labels, ref[:, None], keep[:, None]], dim=1)
 
     def compute_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -391,62 +404,63 @@ class DPORecipe(FinetuneRecipe):
         stage; none on the others). Torch's pipeline schedule also calls the loss once before a step's
         microbatches when it infers the backward's shapes (the first step, and the first after a validation):
         those calls come first and are left out."""
-        calls = len(self._calls) and batches * (self.pipeline_plan.microbatches if self.pipeline is not None else 1)
+        recipe = self.recipe
+        calls = len(self._calls) and batches * (recipe.pipeline_plan.microbatches if recipe.pipeline is not None else 1)
         kept, self._calls = self._calls[len(self._calls) - calls:], []
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.env.device)
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=recipe.env.device)
         for call in kept:
             sums += call
         return sums.cpu()
 
     # ------------------------------------------------------------------------------------------ step
-    def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
-        """The fine-tune's step with the pair loss (the mean over the global batch's pairs); then the counters, the
-        TR-DPO sync and the step's metrics."""
-        self._calls = []
-        _, grad_norm, input_tokens = super().train_step(micro)
-        global_pairs = self._global_count
+    def step_done(self, loss: float, global_count: float, batches: int) -> float:
+        """After the fine-tune's step with the pair loss: the counters, the TR-DPO sync and the step's metrics; the
+        step's loss is the mean over the global batch's pairs."""
+        recipe = self.recipe
         self.dpo.dpo_step += 1
-        self.dpo.consumed_pairs += int(global_pairs)
+        self.dpo.consumed_pairs += int(global_count)
         self._maybe_sync_reference()
-        sums = self.dims.sum_over_stages(self._metric_sums(len(micro)))
-        totals = self.dims.sum_over_dp(sums) / max(global_pairs, 1.0)
+        sums = recipe.dims.sum_over_stages(self._metric_sums(batches))
+        totals = recipe.dims.sum_over_dp(sums) / max(global_count, 1.0)
         values = dict(zip(METRICS, totals.tolist()))
         self._step_metrics = {k: values[k] for k in METRICS[1:]} | {"dpo_step": self.dpo.dpo_step,
-                                                                     "consumed_pairs": self.dpo.consumed_pairs}
-        return values["loss"], grad_norm, input_tokens
+                                                                    "consumed_pairs": self.dpo.consumed_pairs}
+        return values["loss"]
 
     def _maybe_sync_reference(self) -> None:
         """TR-DPO: every ``ref_model_sync_steps`` steps the policy is mixed into the reference (which from then on
         is checkpointed state)."""
+        recipe = self.recipe
         cfg = self.dpo_cfg
         if not cfg.sync_ref_model or self.ref_model is None or self.dpo.dpo_step % cfg.ref_model_sync_steps:
             return
-        self.checkpointer.fence()  # an async save may still be copying the reference
-        mix_into(self.ref_model, self.model, float(cfg.ref_model_mixup_alpha))
+        recipe.checkpointer.fence()  # an async save may still be copying the reference
+        mix_into(self.ref_model, recipe.model, float(cfg.ref_model_mixup_alpha))
         self.dpo.ref_syncs += 1
         self.dpo.last_sync_step = self.dpo.dpo_step
 
     @torch.no_grad()
     def validate(self) -> float:
-        self.model.eval()
-        self._calls, batches = [], len(self.val_batches or [])
+        recipe = self.recipe
+        recipe.model.eval()
+        self._calls, batches = [], len(recipe.val_batches or [])
         self._split, pairs = VALIDATION, 0
         try:
-            for mb in self.val_batches or []:
-                if self.pipeline is not None:
-                    self.pipeline.evaluate(*self.staged_rows(mb, self.loss_target(mb)), IGNORE_INDEX)
+            for mb in recipe.val_batches or []:
+                if recipe.pipeline is not None:
+                    recipe.pipeline.evaluate(*recipe.staged_rows(mb, self.loss_target(mb)), IGNORE_INDEX)
                 else:
-                    self.token_loss_sum(mb)
+                    recipe.token_loss_sum(mb)
                 pairs += int((mb.sample_ids >= 0).sum())
         finally:
             self._split = TRAIN
-        sums = self.dims.sum_over_stages(self._metric_sums(batches))
-        totals = self.dims.sum_over_dp(torch.cat([sums, torch.tensor([float(pairs)], dtype=torch.float64)]))
+        sums = recipe.dims.sum_over_stages(self._metric_sums(batches))
+        totals = recipe.dims.sum_over_dp(torch.cat([sums, torch.tensor([float(pairs)], dtype=torch.float64)]))
         values = dict(zip(METRICS, (totals[:-1] / max(totals[-1].item(), 1.0)).tolist()))
         self._val_metrics = {f"val_{k}": values[k] for k in METRICS[1:]}
         return values["loss"]
 
-    def train_metrics(self) -> dict[str, Any]:
+    def metrics(self) -> dict[str, Any]:
         return self._step_metrics
 
     def validation_metrics(self) -> dict[str, Any]:
@@ -456,9 +470,16 @@ class DPORecipe(FinetuneRecipe):
         return {"counters": self.dpo.shown()}
 
     def state_meaning(self) -> dict[str, Any]:
-        """The fine-tune's, and the preference columns (what a pair is)."""
+        """The preference columns (what a pair is)."""
         dpo = self.dpo_cfg
-        return super().state_meaning() | {"dpo.fields": [dpo.prompt_field, dpo.chosen_field, dpo.rejected_field]}
+        return {"dpo.fields": [dpo.prompt_field, dpo.chosen_field, dpo.rejected_field]}
+
+
+class DPORecipe(FinetuneRecipe):
+    """:class:`FinetuneRecipe` trained on preference pairs (``dpo:`` keys, docs/preference.md): its algorithm is
+    :class:`Preference`, whose state (``dpo``, ``ref_model``) is checkpointed beside the fine-tune's."""
+
+    algorithm_class = Preference
 
 
 def _row_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -3,54 +3,54 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import Checkpointer, HFArtifacts, PreemptionWatcher, run_folder, written_by
+from automodel_ckpt.checkpoint import HFArtifacts, run_folder, written_by
 from automodel_ckpt.ondisk import TRAINING_LOG, VALIDATION_LOG, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
-from automodel_ckpt.config.loader import to_yaml
-from automodel_ckpt.data import (IGNORE_INDEX, BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData,
-                                  build_streamed, is_streamed, prepare_data, streamed_validation,
-                                  validation_batches)
+from automodel_ckpt.data import (BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData, build_streamed,
+                                  is_streamed, streamed_validation)
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
-from automodel_ckpt.distributed.env import DistEnv, barrier, init_distributed
+from automodel_ckpt.distributed.env import barrier
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.allocator import keep_freed_memory
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 from automodel_ckpt.distributed.pipeline import (Pipeline, check_pipeline_model, cut_stage, describe_layers,
                                                  tied_embeddings)
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
-from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.freeze import apply_freeze, parameter_line
 from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
+from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.base import BaseRecipe
-from automodel_ckpt.tracking import RunObserver
 from automodel_ckpt.training import compile
 from automodel_ckpt.training.ema import EMA
 from automodel_ckpt.evaluation.during_training import InTrainingEval
-from automodel_ckpt.training.loss import next_token_loss_sum
 from automodel_ckpt.training.metrics import JsonlLog
 from automodel_ckpt.training.optimizer import implementation
 from automodel_ckpt.training.progress import Progress
-from automodel_ckpt.training.rng import RNGState, rng_untouched, seed_everything
+from automodel_ckpt.training.rng import RNGState, rng_untouched
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
 
 class FinetuneRecipe(BaseRecipe):
-    """Builds everything from the config in ``setup``; ``run`` restores, trains, validates and checkpoints.
+    """Builds everything from the config in ``setup``; ``train`` trains, validates and checkpoints (``run``, the
+    wiring around them, is ``BaseRecipe``'s).
 
     Checkpointed state (discovered from the attributes): ``model``, ``optimizer``, ``lr_scheduler``,
-    ``dataloader``, ``rng``, ``step_scheduler`` and anything a subclass adds.
+    ``dataloader``, ``rng``, ``step_scheduler``, the algorithm's (``Algorithm.states``) and anything a subclass adds.
     """
 
+    #: What is trained, and how (``recipes/algorithm.py``): the loss, the batches, extra state and counters; a
+    #: subclass names another (``DPORecipe``: preference pairs). Supervised fine-tuning by default.
+    algorithm_class: ClassVar[type[Algorithm]] = Algorithm
     #: An image-text model's processor (set by ``VLMFinetuneRecipe``): it prepares the images of the data and
     #: is saved beside the weights in place of the tokenizer alone.
     processor: Any = None
@@ -64,18 +64,37 @@ class FinetuneRecipe(BaseRecipe):
     pipeline_plan: Any = None
     #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
     ema: EMA | None = None
-    _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
     _evaluation: InTrainingEval | None = None  # the ``evaluation:`` section's tasks (set in ``setup``)
     _eval_scores: dict[str, float] | None = None  # the scores of the step just taken, when it evaluated
 
+    @functools.cached_property
+    def algorithm(self) -> Algorithm:
+        """The recipe's algorithm (``algorithm_class``), made on first use."""
+        return self.algorithm_class(self)
+
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        cfg = self.cfg
-        self.env: DistEnv = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes)
+        """The run, built in order: the mesh, the model (on the meta device: its weights come at the restore), its
+        pipeline stage, compilation and sharding, the batches, the optimizer, the logs, the checkpointer, and
+        what the algorithm adds."""
+        cfg, algorithm = self.cfg, self.algorithm  # the algorithm first: its config is checked before any build
+        self.setup_distributed()
         # who is who: data-parallel and tensor-parallel ranks (everything per rank below is per data-parallel rank)
         self.dims = build_parallel_dims(resolve_sizes(cfg.distributed, self.env.world_size), self.env.rank,
                                         self.env.device.type)
-        seed_everything(cfg.seed)
+        model, fingerprint = self._build_model()
+        plan, tied = self._cut_stage(model)
+        self._shard(self._compiled(model), plan, tied)
+        self._build_batches()
+        optimizer_line = self._build_optimizer()
+        self._build_logs(optimizer_line)
+        self.build_checkpointer(hf=self.hf_artifacts(), say=self.progress.write, fingerprint=fingerprint,
+                                dims=self.dims)
+        algorithm.build()
+
+    def _build_model(self) -> tuple[torch.nn.Module, str]:
+        """The model and tokenizer, LoRA, frozen parameters, activation checkpointing; the run's fingerprint."""
+        cfg = self.cfg
         # One-time work (creating the embedded base on rank 0 alone, loading, tokenizing) draws no number from the
         # training stream: the same seed gives the same run on every rank, first run in a fresh clone included.
         # The model is built on the meta device and each rank materialises its own shards (models/materialize.py);
@@ -98,19 +117,36 @@ class FinetuneRecipe(BaseRecipe):
             blocks = checkpoint_blocks(model)
             if self.env.is_main:
                 print(f"Activation checkpointing: {blocks} blocks recompute their activations in backward", flush=True)
-        plan, tied = None, False
-        if self.dims.pp_size > 1:  # this rank's stage, cut on the meta device: whole-model names kept
-            plan = check_pipeline_model(model, cfg.distributed, self.dims.sizes, cfg.step_scheduler.local_batch_size)
-            tied = tied_embeddings(model)  # the first and the last stage then hold the shared weight
-            layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
-            if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
-                print(f"Pipeline stage {self.dims.pp_rank}: {describe_layers(layers)} ({plan.describe()})", flush=True)
-        sched = cfg.step_scheduler
-        tokens = sched.global_batch_size * cfg.data.seq_length // self.dims.dp_size  # a process's, each step
+        return model, fingerprint
+
+    def _cut_stage(self, model: torch.nn.Module) -> tuple[Any, bool]:
+        """With pipeline stages, this rank's stage, cut on the meta device (whole-model names kept): the plan, and
+        whether the first and the last stage then hold a shared (tied) weight."""
+        if self.dims.pp_size <= 1:
+            return None, False
+        cfg = self.cfg
+        plan = check_pipeline_model(model, cfg.distributed, self.dims.sizes, cfg.step_scheduler.local_batch_size)
+        tied = tied_embeddings(model)
+        layers = cut_stage(model, plan, self.dims.pp_rank, self.dims.pp_size)
+        if self.dims.dp_rank == 0 and self.dims.tp_rank == 0:
+            print(f"Pipeline stage {self.dims.pp_rank}: {describe_layers(layers)} ({plan.describe()})", flush=True)
+        return plan, tied
+
+    def _compiled(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``training.compile``: each block compiled in place when it pays, before sharding or replication
+        (torchtitan's order)."""
+        sched = self.cfg.step_scheduler
+        tokens = sched.global_batch_size * self.cfg.data.seq_length // self.dims.dp_size  # a process's, each step
         work = compile.step_flop(sum(p.numel() for p in model.parameters()), tokens)
-        compiled, self._compile_line = compile.decide(cfg.training.compile, self.env.device, work, sched.max_steps)
-        if compiled:  # each block in place, before sharding or replication (torchtitan's order)
+        compiled, self._compile_line = compile.decide(self.cfg.training.compile, self.env.device, work,
+                                                      sched.max_steps)
+        if compiled:
             compile.compile_blocks(model)
+        return model
+
+    def _shard(self, model: torch.nn.Module, plan: Any, tied: bool) -> None:
+        """The model held by the data-parallel ranks (sharded or replicated), materialised; its pipeline."""
+        cfg = self.cfg
         self.data_parallel = data_parallel.choose(cfg.distributed.dp_shard, self.dims, model, self.env.device,
                                                   cfg.distributed.mixed_precision)
         self.model = data_parallel.wrap(model, self.data_parallel, self.dims)
@@ -118,22 +154,32 @@ class FinetuneRecipe(BaseRecipe):
             keep_freed_memory()
         self.starting_weights.materialize(self.model, self.env.device)
         self.pipeline_plan = plan
-        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.compute_loss,
+        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.algorithm.compute_loss,
                                   rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
+
+    def _build_batches(self) -> None:
+        """The training batches (streamed, or the algorithm's map-style data) and this rank's validation batches."""
+        cfg, sched = self.cfg, self.cfg.step_scheduler
         if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
             with rng_untouched():
                 self.dataloader, self.data_report = build_streamed(cfg, self.tokenizer, self.dims,
                                                                    log_ids=cfg.training.log_sample_ids)
                 self.val_batches, held_out = streamed_validation(cfg, self.tokenizer, self.dims)
             self.data_report += held_out
-        else:
-            with rng_untouched():
-                train_data, val_data = self.build_data()
-            self.dataloader = GlobalBatchLoader(
-                train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
-                rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-            )
-            self.val_batches = self.build_val_batches(val_data) if val_data is not None and len(val_data) else None
+            return
+        with rng_untouched():
+            train_data, val_data = self.build_data()
+        self.dataloader = GlobalBatchLoader(
+            train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
+            rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
+        )
+        self.val_batches = (self.algorithm.build_val_batches(val_data) if val_data is not None and len(val_data)
+                            else None)
+
+    def _build_optimizer(self) -> str:
+        """The step scheduler, optimizer, learning-rate schedule, RNG state, EMA and evaluation; the optimizer's
+        line."""
+        cfg, sched = self.cfg, self.cfg.step_scheduler
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
@@ -150,22 +196,18 @@ class FinetuneRecipe(BaseRecipe):
         if cfg.get("evaluation") is not None and cfg.evaluation.every_steps is not None:
             self._evaluation = InTrainingEval(cfg.evaluation, is_main=self.env.is_main, pp_size=self.dims.pp_size,
                                               peft=cfg.peft is not None)
-        ckpt_cfg = self.checkpoint_config
-        run_dir = run_folder(ckpt_cfg)  # checkpoint_dir, or the local mirror of an object-store URL
+        return optimizer_line
+
+    def _build_logs(self, optimizer_line: str) -> None:
+        """training.jsonl, validation.jsonl and the progress bar; the setup's report lines."""
+        run_dir = run_folder(self.checkpoint_config)  # checkpoint_dir, or the local mirror of an object-store URL
         self.train_log = JsonlLog(run_dir / TRAINING_LOG, enabled=self.env.is_main)
         self.val_log = JsonlLog(run_dir / VALIDATION_LOG, enabled=self.env.is_main)
-        self.progress = Progress(self.step_scheduler.total_steps, enabled=self.env.is_main and cfg.training.progress_bar)
+        self.progress = Progress(self.step_scheduler.total_steps,
+                                 enabled=self.env.is_main and self.cfg.training.progress_bar)
         if self.env.is_main:
             for line in (self.data_report, self.data_parallel.describe(), optimizer_line, self._compile_line):
                 self.progress.write(line)
-        config_yaml = to_yaml(cfg)  # as each checkpoint's config.yaml: also the trackers' hyper-parameters
-        self._observer = RunObserver(cfg.logging, run_dir, is_main=self.env.is_main, config_yaml=config_yaml)
-        if self._observer.tracker.requested:
-            self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
-        self.checkpointer = Checkpointer(ckpt_cfg, self.env, resolved_config_yaml=config_yaml,
-                                         hf=self.hf_artifacts(), say=self.progress.write,
-                                         fingerprint=fingerprint, dims=self.dims,
-                                         preemption=self._preemption, observer=self._observer)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
         """Rank 0 builds first, so an embedded base is created once before the other ranks read it.
@@ -181,19 +223,23 @@ class FinetuneRecipe(BaseRecipe):
         tok_path = self.cfg.tokenizer.pretrained_model_name_or_path or self.cfg.model.get("pretrained_model_name_or_path")
         return self.load_tokenizer(tok_path), model if meta else model.to(self.env.device)
 
-    def build_val_batches(self, val_data: Any) -> list[MicroBatch]:
-        """This rank's validation batches: every held-out row once over the data-parallel ranks."""
-        return validation_batches(val_data, local_batch_size=self.cfg.step_scheduler.local_batch_size,
-                                  rank=self.dims.dp_rank, world_size=self.dims.dp_size)
-
     def restore_checkpoint(self) -> Path | None:
         """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
-        when no checkpoint holds the model's weights)."""
-        restored = super().restore_checkpoint()
+        when no checkpoint holds the model's weights), then the algorithm's state settled."""
+        self.algorithm.restoring = True
+        try:
+            restored = super().restore_checkpoint()
+        finally:
+            self.algorithm.restoring = False
         self.starting_weights.fill(self.model, model_loaded="model" in self.restored.states)
         if self.ema is not None and "ema" not in self.restored.states:  # a fresh run, or a checkpoint without it
             self.ema.start(self.model)
+        self.algorithm.restored()
         return restored
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        """The recipe's discovered state and the algorithm's."""
+        return super().checkpointed_state() | self.algorithm.states()
 
     def load_tokenizer(self, path: str | None) -> Any:
         """The tokenizer of the folder ``path`` (``tokenizer.pretrained_model_name_or_path``, else the model's)."""
@@ -206,7 +252,7 @@ class FinetuneRecipe(BaseRecipe):
                    "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
         if cfg.model.get("freeze"):  # what trains is what the optimizer's state covers
             meaning["model.freeze"] = OmegaConf.to_container(cfg.model, resolve=True)["freeze"]
-        return meaning
+        return meaning | self.algorithm.state_meaning()
 
     def _peft_section(self) -> dict[str, Any] | None:
         return OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None
@@ -222,60 +268,25 @@ class FinetuneRecipe(BaseRecipe):
         )
 
     def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
-        """Rank 0 tokenizes first (into the cache); the other ranks then read its result."""
-        main = getattr(self, "env", None) is None or self.env.is_main
-        if not main:
-            barrier()
-        prepared = prepare_data(self.cfg, self.tokenizer, self.processor)
-        if main:
-            barrier()
-        self.data_report = prepared.report()
-        if prepared.warning and main:
-            warnings.warn(prepared.warning, stacklevel=2)
-        train_data = prepared.train
-        if len(train_data) < self.cfg.step_scheduler.global_batch_size:
-            raise ConfigError(
-                f"step_scheduler.global_batch_size: {self.cfg.step_scheduler.global_batch_size} is larger than the "
-                f"training set ({len(train_data)} sequences)"
-            )
-        return train_data, prepared.validation
+        """The training and validation data (the algorithm's)."""
+        return self.algorithm.build_data()
 
-    # ------------------------------------------------------------------------------------------ run
-    def run(self) -> None:
-        """Train to the end, or until preempted (``checkpoint.preemption_signal``); the last save is complete on
-        return."""
-        with PreemptionWatcher.for_run(self.checkpoint_config) as self._preemption:  # a signal during setup counts
-            try:
-                self._train()
-            except BaseException:
-                if getattr(self, "_observer", None) is not None:
-                    self._observer.fail()
-                if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
-                    self.checkpointer.finalize(failed=True)  # background writes end; nothing half-written published
-                raise
-
-    def _train(self) -> None:
-        self.setup()
-        restored = self.restore_checkpoint()
+    # ------------------------------------------------------------------------------------------ train
+    def train(self) -> Any:
+        """From the restored step to the end, or until preempted: each step taken, logged, evaluated when due and
+        handed to the checkpointer (which validates before a scheduled save). Returns the last ``StepEnded``."""
         sched = self.step_scheduler
         # Lines past the restored step (or all of them on a fresh start) are from a run that died before its
         # next checkpoint; this run logs those steps again.
         self.train_log.truncate_after(sched.step)
         self.val_log.truncate_after(sched.step)
-        if restored is not None:
-            self.report_world_size_change(restored)
-        if sched.done:
-            self.progress.write(f"Training already complete at step {sched.step} (max {sched.total_steps}); nothing to do")
-            self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go, as after training
-            return
-        self._observer.start(sched.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
-                             world_size=self.env.world_size, tier=self.restored.tier,
-                             load_seconds=round(self.restored.seconds, 3) if restored else None)
+        if self.restored.path is not None:
+            self.report_world_size_change(self.restored.path)
         self.progress.start(sched.step)
         ended = None
         while not sched.done:
             t0 = time.perf_counter()
-            epoch, micro = self.dataloader.next_batch()
+            epoch, micro = self.algorithm.next_batch()
             fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
             if self.ema is not None:
@@ -302,21 +313,14 @@ class FinetuneRecipe(BaseRecipe):
                                                validate_now=sched.is_val_step)
             if ended.stop:
                 break
-        self.finalize_checkpoints()  # async: the last checkpoint is published
         self.progress.close()
-        line = self._observer.end(sched.step, "preempted" if ended is not None and ended.stop else "complete")
-        if self.env.is_main:
-            if line:
-                self.progress.write(line)
-            if ended is not None and ended.stop:
-                self.progress.write(f"Preempted by {self._preemption.name} at step {sched.step}: saved "
-                                    f"{ended.saved}; rerun the same command to resume")
+        return ended
 
     def _validate_and_log(self) -> float | None:
         """Validate (when there is held-out data) and log it: validation.jsonl and the trackers."""
         if self.val_batches is None:
             return None
-        val_loss = self.validate()
+        val_loss = self.algorithm.validate()
         val_record = {"step": self.step_scheduler.step, "val_loss": val_loss} | self.validation_metrics()
         self.val_log.append(val_record)
         self._observer.log_validation(val_record)
@@ -343,16 +347,16 @@ class FinetuneRecipe(BaseRecipe):
         return extra | self.save_extra()
 
     def train_metrics(self) -> dict[str, Any]:
-        """Numbers of the step just taken beside the loss (training.jsonl, trackers); a subclass adds its own."""
-        return {}
+        """Numbers of the step just taken beside the loss (training.jsonl, trackers): the algorithm's."""
+        return self.algorithm.metrics()
 
     def validation_metrics(self) -> dict[str, Any]:
-        """Numbers of the validation just made beside ``val_loss`` (validation.jsonl, trackers)."""
-        return {}
+        """Numbers of the validation just made beside ``val_loss`` (validation.jsonl, trackers): the algorithm's."""
+        return self.algorithm.validation_metrics()
 
     def save_extra(self) -> dict[str, Any]:
-        """What a checkpoint's metadata records beside ``consumed_samples`` (a subclass's counters)."""
-        return {}
+        """What a checkpoint's metadata records beside ``consumed_samples``: the algorithm's counters."""
+        return self.algorithm.save_extra()
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written on one mesh (W processes) resumes on another."""
@@ -378,16 +382,18 @@ class FinetuneRecipe(BaseRecipe):
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).
 
-        The loss is the mean over what ``loss_count`` counts (every label token) of the global batch, whatever the
-        mesh: each rank scales its summed losses by ``dp_size / global_count`` because FSDP averages gradients over
-        the data-parallel ranks (tensor-parallel peers compute the same loss on the same rows; counts and losses are
-        summed over the data-parallel ranks only). A variant changes the loss (``loss_count``, ``loss_target``,
-        ``compute_loss``), never the step: gradient sync, pipeline stages, clipping and the optimizer are this.
+        The loss is the mean over what the algorithm's ``loss_count`` counts (every label token) of the global
+        batch, whatever the mesh: each rank scales its summed losses by ``dp_size / global_count`` because FSDP
+        averages gradients over the data-parallel ranks (tensor-parallel peers compute the same loss on the same
+        rows; counts and losses are summed over the data-parallel ranks only). An algorithm changes the loss
+        (``loss_count``, ``loss_target``, ``compute_loss``), never the step: gradient sync, pipeline stages, clipping
+        and the optimizer are this; ``Algorithm.step_done`` then moves its counters and says the step's loss.
         """
+        algorithm = self.algorithm
         self.model.train()
-        counts = torch.stack([sum(self.loss_count(mb) for mb in micro), sum(mb.attention_mask.sum() for mb in micro)])
+        counts = torch.stack([sum(algorithm.loss_count(mb) for mb in micro),
+                              sum(mb.attention_mask.sum() for mb in micro)])
         global_count, input_tokens = self.dims.sum_over_dp(counts).tolist()
-        self._global_count = global_count
         scale = self.dims.dp_size / max(global_count, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, mb in enumerate(micro):
@@ -396,7 +402,7 @@ class FinetuneRecipe(BaseRecipe):
             # replicated model's all-reduce, wait for the last.
             data_parallel.sync_gradients(self.model, i == len(micro) - 1)
             if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
-                input_ids, target, extra = self.staged_rows(mb, self.loss_target(mb))
+                input_ids, target, extra = self.staged_rows(mb, algorithm.loss_target(mb))
                 loss_sum += self.pipeline.step(input_ids, target, extra, scale).to(loss_sum.device)
                 continue
             summed = self.token_loss_sum(mb)
@@ -411,43 +417,23 @@ class FinetuneRecipe(BaseRecipe):
         # the step's one wait for the device: the logged numbers copied to the host together
         loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).cpu().unbind()
         loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_count, 1.0)).item()
-        return loss, grad_norm.item(), input_tokens
-
-    # ----------------------------------------------------------------------------------- the loss hook
-    def loss_count(self, mb: MicroBatch) -> torch.Tensor:
-        """What the global batch's loss is the mean over, in this micro-batch: its label tokens."""
-        return (mb.labels[:, 1:] != IGNORE_INDEX).sum()
-
-    def loss_target(self, mb: MicroBatch) -> torch.Tensor:
-        """What ``compute_loss`` scores the logits against, one row per row of the batch (split with the rows
-        into pipeline microbatches): the labels."""
-        return mb.labels
-
-    def compute_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The summed loss of a batch's rows from the model's logits (on the last pipeline stage under stages):
-        each position's next token (``training.loss``)."""
-        return self.shifted_token_loss(logits, target.to(logits.device))
-
-    def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
-        """The order the pipeline takes a batch's rows in (its microbatches are consecutive rows), or None: as they
-        are. A loss over several rows (a pair's two) keeps them in one microbatch."""
-        return None
+        return algorithm.step_done(loss, global_count, len(micro)), grad_norm.item(), input_tokens
 
     def staged_rows(self, mb: MicroBatch, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                          dict[str, torch.Tensor]]:
         """A batch's token ids, its target and its other row inputs, in ``pipeline_rows`` order."""
-        order, extra = self.pipeline_rows(mb), _row_inputs(mb)
+        order, extra = self.algorithm.pipeline_rows(mb), _row_inputs(mb)
         if order is None:
             return mb.input_ids, target, extra
         return mb.input_ids[order], target[order.to(target.device)], {k: v[order] for k, v in extra.items()}
 
     def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
         """A micro-batch's summed loss: its target first (a reference's forward, for a variant), then the model."""
-        target = self.loss_target(mb)
+        target = self.algorithm.loss_target(mb)
         choice = self.data_parallel
         with choice.compute(self.env.device) if choice is not None else contextlib.nullcontext():
             logits = self._logits(mb)  # under autocast where mixed precision is not FSDP2's
-        return self.compute_loss(logits, target)
+        return self.algorithm.compute_loss(logits, target)
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.env.device
@@ -466,25 +452,6 @@ class FinetuneRecipe(BaseRecipe):
                                 use_cache=False).logits
         return logits
 
-    @staticmethod
-    def shifted_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed loss of each position's next token (labels ``IGNORE_INDEX`` left out; ``training.loss``)."""
-        return next_token_loss_sum(logits, labels, IGNORE_INDEX)
-
-    @torch.no_grad()
-    def validate(self) -> float:
-        self.model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        tokens = 0
-        for mb in self.val_batches or []:
-            if self.pipeline is not None:
-                loss_sum += self.pipeline.evaluate(mb.input_ids, mb.labels, _row_inputs(mb), IGNORE_INDEX)
-            else:
-                loss_sum += self.token_loss_sum(mb).double().cpu()
-            tokens += int((mb.labels[:, 1:] != IGNORE_INDEX).sum())
-        loss_sum = self.dims.sum_over_stages(loss_sum)  # the last stage's (zero on the others)
-        totals = self.dims.sum_over_dp(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)]))
-        return (totals[0] / max(totals[1].item(), 1.0)).item()
 
 
 def _row_inputs(mb: MicroBatch) -> dict[str, torch.Tensor]:

@@ -498,6 +498,34 @@ def test_the_example_recipe_is_whole_in_forty_lines():
     assert f"```python\n{source}```" in (REPO / "docs" / "custom-recipes.md").read_text(encoding="utf-8")
 
 
+def _recipe_class(path: Path, name: str) -> ast.ClassDef:
+    return next(n for n in ast.parse(path.read_text(encoding="utf-8")).body
+                if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_the_preference_recipe_is_an_algorithm_not_a_rewrite_of_the_fine_tune():
+    """DPO is an ``Algorithm`` the fine-tune recipe holds (its loss, batches, state and counters): ``DPORecipe``
+    overrides at most 6 of ``FinetuneRecipe``'s methods."""
+    from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+
+    body = _recipe_class(PACKAGE / "recipes" / "dpo.py", "DPORecipe").body
+    overrides = [n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and hasattr(FinetuneRecipe, n.name)]
+    assert len(overrides) <= 6, overrides
+
+
+def test_the_fine_tune_setup_is_named_steps():
+    """``FinetuneRecipe.setup`` reads as its steps: at most 50 lines; no function of a recipe over 99 lines."""
+    setup = next(n for n in _recipe_class(PACKAGE / "recipes" / "llm_finetune.py", "FinetuneRecipe").body
+                 if isinstance(n, ast.FunctionDef) and n.name == "setup")
+    assert setup.end_lineno - setup.lineno + 1 <= 50
+    long = {f"{path.name}:{n.name}": n.end_lineno - n.lineno + 1
+            for path in [*sorted((PACKAGE / "recipes").glob("*.py")), REPO / "examples" / "custom_recipe.py"]
+            for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 99}
+    assert long == {}
+
+
 def test_code_outside_tracking_imports_only_its_face():
     face = "automodel_ckpt.tracking"
     faces = {face: set(importlib.import_module(face).__all__)}
