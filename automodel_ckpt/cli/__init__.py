@@ -34,6 +34,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "preview": ("preview", "RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]"),
     "import": ("import_run", "SRC RECIPE.yaml --out RUN_DIR [--section.key value ...]"),
     "average": ("average", "CK1 CK2 ... | --last K RUN_DIR [--weights W1 W2 ...] --out DIR [--dtype DTYPE]"),
+    "diff": ("diff", "A B [--tolerance T] [--json] [--all]"),
     "eval": ("eval", "CHECKPOINT|EXPORT_DIR|FILE.tar|RUN_DIR --tasks T1,T2 [--limit N] [--batch-size B] "
                      "[--num-fewshot K] [--only NAME,...]"),
 }

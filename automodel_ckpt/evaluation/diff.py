@@ -1,0 +1,182 @@
+"""What differs between two models' tensors, one tensor at a time, and between two checkpoints' recipes and counters.
+
+Each side is read as ``open_tensors`` reads it (a checkpoint at any world size or format, an export folder, an
+archive, an adapter): a tensor is assembled from its shards when asked for, compared with the other side's, and
+dropped, so memory is bounded by the largest tensor. A checkpoint's tensors are compared as saved (its float32
+training weights), so a checkpoint against its own bf16 export is ``close``: equal once rounded to the coarser
+dtype. Names, values and paths read here are data: printed through the escaping stream, never followed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from automodel_ckpt.evaluation.tensors import Tensors, open_tensors
+from automodel_ckpt.ondisk import CONFIG_FILE, CONFIG_FILE_LIMIT, METADATA_FILE, SMALL_FILE_LIMIT, read_json, \
+    read_yaml
+
+__all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"]
+
+EQUAL, CLOSE, CHANGED, ONLY_A, ONLY_B = "equal", "close", "changed", "only_a", "only_b"
+_BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|blk)\.(\d+)\.")
+_TOWER = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "mm_projector", "image_newline")
+_EMBED = ("embed_tokens", "wte", "wpe", "tok_embeddings", "word_embeddings", "embed_in")
+_HEAD = ("lm_head", "embed_out", "output.weight")
+_COUNTERS = ("step", "epoch", "consumed_samples", "dpo_step", "consumed_pairs", "grpo_step", "ppo_optimization_step")
+
+
+@dataclass
+class TensorDiff:
+    status: str
+    max_abs: float | None = None
+    rel_l2: float | None = None
+    changed_fraction: float | None = None
+    note: str = ""  # a shape or dtype change
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": self.status, "max_abs": self.max_abs, "rel_l2": self.rel_l2}
+        if self.changed_fraction is not None:
+            out["changed_fraction"] = self.changed_fraction
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    tensors: dict[str, TensorDiff] = field(default_factory=dict)
+    recipe: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # dotted key -> (a's value, b's value)
+    counters: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def equal(self) -> bool:
+        """No tensor changed or on one side only (``close`` counts as equal: within the tolerance or rounding)."""
+        return all(d.status in (EQUAL, CLOSE) for d in self.tensors.values())
+
+    def groups(self) -> dict[str, dict[str, int]]:
+        """Per module group (embeddings, each block, the head, adapters, towers, other): tensors by status."""
+        out: dict[str, dict[str, int]] = {}
+        for name, d in self.tensors.items():
+            counts = out.setdefault(group(name), {})
+            counts[d.status] = counts.get(d.status, 0) + 1
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        totals: dict[str, int] = {}
+        for d in self.tensors.values():
+            totals[d.status] = totals.get(d.status, 0) + 1
+        summary: dict[str, Any] = {"equal": self.equal, "tensors": totals, "groups": self.groups()}
+        if self.recipe or self.counters:
+            summary["recipe"] = {k: list(v) for k, v in self.recipe.items()}
+            summary["counters"] = {k: list(v) for k, v in self.counters.items()}
+        return {"a": self.a, "b": self.b, "tensors": {n: d.as_json() for n, d in self.tensors.items()},
+                "summary": summary}
+
+
+def group(name: str) -> str:
+    """The module group a tensor belongs to, for the summary."""
+    if "lora_" in name:
+        return "adapters"
+    if any(part in name for part in _TOWER):
+        return "tower"
+    block = _BLOCK.search(name)
+    if block:
+        return f"block {int(block.group(1))}"
+    if any(part in name for part in _EMBED):
+        return "embeddings"
+    if any(name.endswith(part) or f"{part}." in name for part in _HEAD):
+        return "head"
+    return "other"
+
+
+def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
+    """Every tensor of ``a`` and ``b`` compared (``tolerance``: the largest |Δ| still ``close``); for two
+    checkpoints of ours, their recipes' and counters' differences too."""
+    report = DiffReport(str(a), str(b))
+    with open_tensors(Path(a)) as left, open_tensors(Path(b)) as right:
+        for name in sorted(set(left.shapes) | set(right.shapes)):
+            report.tensors[name] = _tensor(left, right, name, tolerance)
+    for ckpt_a, ckpt_b in [(_checkpoint(Path(a)), _checkpoint(Path(b)))]:
+        if ckpt_a is not None and ckpt_b is not None:
+            report.recipe = _differences(_read(ckpt_a, CONFIG_FILE, "yaml"), _read(ckpt_b, CONFIG_FILE, "yaml"))
+            meta_a, meta_b = _read(ckpt_a, METADATA_FILE, "json"), _read(ckpt_b, METADATA_FILE, "json")
+            report.counters = {k: (_flat(meta_a).get(k), _flat(meta_b).get(k)) for k in _counter_keys(meta_a, meta_b)
+                               if _flat(meta_a).get(k) != _flat(meta_b).get(k)}
+    return report
+
+
+def _tensor(left: Tensors, right: Tensors, name: str, tolerance: float) -> TensorDiff:
+    if name not in right.shapes:
+        return TensorDiff(ONLY_A)
+    if name not in left.shapes:
+        return TensorDiff(ONLY_B)
+    if left.shapes[name] != right.shapes[name]:
+        return TensorDiff(CHANGED, note=f"shape {list(left.shapes[name])} -> {list(right.shapes[name])}")
+    x, y = left.read_saved(name), right.read_saved(name)
+    note = "" if x.dtype == y.dtype else f"dtype {str(x.dtype).removeprefix('torch.')} -> " \
+                                         f"{str(y.dtype).removeprefix('torch.')}"
+    if x.dtype == y.dtype and torch.equal(x, y):
+        return TensorDiff(EQUAL, 0.0, 0.0, 0.0)
+    if not (x.is_floating_point() and y.is_floating_point()):
+        changed = (x.to(torch.int64) != y.to(torch.int64)).double().mean().item() if x.dtype != torch.bool else None
+        return TensorDiff(CHANGED, changed_fraction=changed, note=note)
+    xd, yd = x.double(), y.double()
+    delta = yd - xd
+    max_abs = float(delta.abs().max()) if delta.numel() else 0.0
+    norm = float(xd.norm())
+    rel = float(delta.norm()) / norm if norm else (0.0 if max_abs == 0 else math.inf)
+    fraction = float((delta != 0).double().mean()) if delta.numel() else 0.0
+    status = CLOSE if max_abs <= tolerance or _rounds_to(x, y) else CHANGED
+    return TensorDiff(status, max_abs, rel, fraction, note)
+
+
+def _rounds_to(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether one side is the other rounded to its coarser dtype (a checkpoint and its bf16 export)."""
+    if x.dtype == y.dtype:
+        return False
+    fine, coarse = (x, y) if torch.finfo(x.dtype).eps < torch.finfo(y.dtype).eps else (y, x)
+    return torch.equal(fine.to(coarse.dtype), coarse)
+
+
+def _checkpoint(src: Path) -> Path | None:
+    """``src`` as a checkpoint of ours (its folder), or None (an export, an archive, an adapter folder)."""
+    for folder in (src, src.parent if src.name == "model" else None):
+        if folder is not None and (folder / METADATA_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+            return folder
+    return None
+
+
+def _read(folder: Path, name: str, kind: str) -> dict[str, Any]:
+    if kind == "yaml":
+        value = read_yaml(folder / name, "a checkpoint's recipe", CONFIG_FILE_LIMIT)
+    else:
+        value = read_json(folder / name, "a checkpoint's metadata", SMALL_FILE_LIMIT)
+    return value if isinstance(value, dict) else {}
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out |= _flat(value, f"{prefix}.{key}" if prefix else str(key))
+    return out
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    fa, fb = _flat(a), _flat(b)
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
+def _counter_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The metadata's counters and data position: the known counters wherever they sit, and ``data`` entries."""
+    keys = set(_flat(a)) | set(_flat(b))
+    return sorted(k for k in keys if k.rsplit(".", 1)[-1] in _COUNTERS or k.startswith(("data.", "counters.")))
