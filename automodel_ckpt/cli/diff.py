@@ -66,4 +66,4 @@ def main(argv: list[str]) -> int:
 def _group_order(name: str) -> tuple[int, int, str]:
     if name.startswith("block "):
         return 1, int(name.split()[1]), name
-    return {"embeddings": 0, "head": 2, "adapters": 3, "tower": 4}.get(name, 5), 0, name
+    return {"embeddings": 0, "head": 2, "adapters": 3, "tower": 4, "projector": 5}.get(name, 6), 0, name

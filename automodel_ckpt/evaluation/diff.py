@@ -25,7 +25,8 @@ __all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"
 
 EQUAL, CLOSE, CHANGED, ONLY_A, ONLY_B = "equal", "close", "changed", "only_a", "only_b"
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|blk)\.(\d+)\.")
-_TOWER = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "mm_projector", "image_newline")
+_TOWER = ("vision_tower", "vision_model", "visual.")
+_PROJECTOR = ("multi_modal_projector", "mm_projector", "image_newline")
 _EMBED = ("embed_tokens", "wte", "wpe", "tok_embeddings", "word_embeddings", "embed_in")
 _HEAD = ("lm_head", "embed_out", "output.weight")
 _COUNTERS = ("step", "epoch", "consumed_samples", "dpo_step", "consumed_pairs", "grpo_step", "ppo_optimization_step")
@@ -62,7 +63,8 @@ class DiffReport:
         return all(d.status in (EQUAL, CLOSE) for d in self.tensors.values())
 
     def groups(self) -> dict[str, dict[str, int]]:
-        """Per module group (embeddings, each block, the head, adapters, towers, other): tensors by status."""
+        """Per module group (embeddings, each block, the head, adapters, a tower, its projector, other): tensors by
+        status."""
         out: dict[str, dict[str, int]] = {}
         for name, d in self.tensors.items():
             counts = out.setdefault(group(name), {})
@@ -87,6 +89,8 @@ def group(name: str) -> str:
         return "adapters"
     if any(part in name for part in _TOWER):
         return "tower"
+    if any(part in name for part in _PROJECTOR):
+        return "projector"
     block = _BLOCK.search(name)
     if block:
         return f"block {int(block.group(1))}"

@@ -260,6 +260,16 @@ def test_merge_lora_writes_a_full_model_that_generates_like_the_adapter(work, as
     assert merged_tokens != _greedy(base, tokenizer, prompts)[0]  # the merge changed the model
     verify = run_command([CKPT_TRAIN, "verify", str(checkpoint)], env=env_for(assets), timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr  # the manifest lists the merged files
+    # ckpt-train diff of the merged model against its base: only LoRA's target modules differ
+    from automodel_ckpt.evaluation.diff import diff
+
+    report = diff(assets / "tiny_llama_base", merged_dir)
+    changed = {n for n, d in report.tensors.items() if d.status != "equal"}
+    targets = json.loads((checkpoint / layout.MODEL_DIR / layout.ADAPTER_CONFIG).read_text())["target_modules"]
+    targeted = {n for n in report.tensors if n.split(".")[-2] in targets}  # the module a weight belongs to
+    assert changed and changed <= targeted, sorted(changed - targeted)[:5]
+    assert any(n.startswith("model.embed_tokens") for n in report.tensors) and report.groups()["embeddings"] == \
+        {"equal": 1}  # what LoRA does not target is the base's bit for bit
 
 
 # ------------------------------------------------------------------------------------------ resume

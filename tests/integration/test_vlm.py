@@ -170,6 +170,18 @@ def test_the_frozen_vision_tower_trains_not_and_has_no_optimizer_state(work, ass
     state = list(FileSystemReader(str(ckpt / "optim")).read_metadata().state_dict_metadata)
     assert any("multi_modal_projector" in k and "exp_avg" in k for k in state)
     assert not any("vision_tower" in k for k in state), [k for k in state if "vision_tower" in k][:3]
+    # ckpt-train diff of two checkpoints of the run: every tower tensor equal, the trained ones changed
+    from automodel_ckpt.evaluation.diff import diff
+
+    report = diff(run / "epoch_0_step_3", ckpt)
+    groups = report.groups()
+    assert groups["tower"] == {"equal": sum(1 for n in report.tensors if "vision_tower" in n)} and groups["tower"]
+    assert all(d.status == "changed" for n, d in report.tensors.items() if "multi_modal_projector" in n)
+    assert report.counters["step"] == (3, 6) and not report.equal
+    # and a checkpoint against its own export: equal within the export dtype's rounding
+    exported = diff(_straight(work, assets) / "epoch_0_step_6", _straight(work, assets) / "epoch_0_step_6" / "model"
+                    / "consolidated")
+    assert exported.equal and {d.status for d in exported.tensors.values()} <= {"equal", "close"}
 
 
 def test_a_freeze_pattern_that_matches_nothing_is_one_line(work, assets, vlm_base):

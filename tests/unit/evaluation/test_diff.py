@@ -108,6 +108,7 @@ def test_groups():
     assert group("lm_head.weight") == "head"
     assert group("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") == "adapters"
     assert group("model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") == "tower"
+    assert group("multi_modal_projector.linear_1.weight") == "projector"
     assert group("model.norm.weight") == "other"
 
 
