@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.export.hf_metadata import write_hf_metadata
+from automodel_ckpt.export.hf_metadata import write_hf_metadata
 from automodel_ckpt.models.tiny import build_tokenizer
 
 #: Families the export, resume and LoRA tests cover, with what makes each one interesting.

@@ -25,7 +25,7 @@ load (the page cache is dropped before every run when permitted: reads come from
 * ``ours (...)``           ``Checkpointer.load`` (resume: model, optimizer, scheduler, RNG; manifest size check)
 
 HF export of the safetensors checkpoint's model shards into one ``model.safetensors`` (page cache dropped first, too)
-* ``ours``                 ``automodel_ckpt.ondisk.export.plan.consolidate`` (fsyncs its output)
+* ``ours``                 ``automodel_ckpt.export.plan.consolidate`` (fsyncs its output)
 * ``torch's``              ``consolidate_safetensors_files`` as shipped (no fsync), and ``torch's + fsync``
 
 archive (``--only archive``; the export above and its archive made once, page cache dropped before each run)
@@ -563,7 +563,7 @@ def archive_child(args: argparse.Namespace) -> None:
 
     src, out = args.dir / "src", args.dir / "out"
     if args.child == "ours_pack":
-        from automodel_ckpt.ondisk import pack
+        from automodel_ckpt.export import pack
 
         out.mkdir(parents=True)
         t0 = _start_timing()
@@ -585,7 +585,7 @@ def archive_child(args: argparse.Namespace) -> None:
 def make_archive_sources(src: Path, layers: int) -> None:
     """The export of the safetensors checkpoint (``src/export``, with the model's config.json) and its archive
     (``src/model.tar``), once."""
-    from automodel_ckpt.ondisk import consolidate, pack
+    from automodel_ckpt.export import consolidate, pack
 
     consolidate(src / "ours_save_safetensors" / "epoch_0_step_1" / "model", src / "export", progress=False)
     llama_config(layers).to_json_file(str(src / "export" / "config.json"))

@@ -4,7 +4,7 @@
 Builds (once) per-rank safetensors shards of an fp32 Llama of about ``--size-mb`` with a 2-process FSDP2 run,
 then times, on the same shards and interleaving repetitions:
 
-* ``ours``        automodel_ckpt.ondisk.export.plan.consolidate (fsyncs every file, atomic rename)
+* ``ours``        automodel_ckpt.export.plan.consolidate (fsyncs every file, atomic rename)
 * ``torch``       torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files
                   (as shipped: no fsync)
 * ``torch+fsync`` the same followed by an fsync of each output file (same durability as ours)
@@ -95,7 +95,7 @@ def child(
 ) -> None:
     """One timed run in this (fresh) process; prints ``{"seconds": ...}``."""
     if method == "plan":
-        from automodel_ckpt.ondisk import build_plan, parse_cast_dtype
+        from automodel_ckpt.export import build_plan, parse_cast_dtype
 
         plan = build_plan(src, parse_cast_dtype(cast_dtype), max_shard_size)
         fqn_to_index = {t.name: k for k, f in enumerate(plan.files, start=1) for t in f.tensors}
@@ -104,11 +104,11 @@ def child(
         return
     mapping = json.loads(mapping_file.read_text())
     if method == "imports":
-        from automodel_ckpt.ondisk import consolidate  # noqa: F401 - loads the export modules
+        from automodel_ckpt.export import consolidate  # noqa: F401 - loads the export modules
 
         seconds = 0.0
     elif method == "ours":
-        from automodel_ckpt.ondisk import consolidate
+        from automodel_ckpt.export import consolidate
 
         t0 = time.perf_counter()
         consolidate(src, dst, cast_dtype=cast_dtype, num_threads=num_threads, max_shard_size=max_shard_size,

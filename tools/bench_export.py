@@ -67,7 +67,7 @@ def run_export(src: Path, out: Path, args: list[str]) -> dict[str, float]:
 
 
 def source_bytes(src: Path) -> int:
-    from automodel_ckpt.ondisk import open_model
+    from automodel_ckpt.export import open_model
 
     with open_model(src) as source:
         return sum(math.prod(s) * source.dtypes[n].itemsize for n, s in source.shapes.items())
@@ -166,7 +166,7 @@ def llama_cpp_quality(gguf: Path, examples: list[tuple[str, str]], text: Path) -
 def quality(checkpoint: Path, work: Path, n: int) -> list[dict[str, object]]:
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from automodel_ckpt.ondisk import consolidate, resolve_model_dir
+    from automodel_ckpt.export import consolidate, resolve_model_dir
     from automodel_ckpt.data import heldout_examples
 
     examples = heldout_examples(n)

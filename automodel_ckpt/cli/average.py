@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     if args.out is None:
         parser.error("the following arguments are required: --out")
     from automodel_ckpt.evaluation.average import average, last_checkpoints, parse_weights
-    from automodel_ckpt.ondisk import parse_cast_dtype
+    from automodel_ckpt.export import parse_cast_dtype
 
     if args.last is not None:
         if len(args.sources) != 1:

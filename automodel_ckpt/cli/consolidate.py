@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="consolidated-")
         out_dir = Path(tmp.name) / "consolidated"
     try:
-        from automodel_ckpt.ondisk import consolidate
+        from automodel_ckpt.export import consolidate
 
         if world_size > 1:
             import torch.distributed as dist

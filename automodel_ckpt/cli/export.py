@@ -66,14 +66,14 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError("--calibration-data and --recipe name the examples of --calibrate N; give --calibrate too")
     if args.calibration_data and args.recipe:
         raise UsageError("--calibration-data and --recipe both name calibration examples; give one of them")
-    from automodel_ckpt.ondisk import open_model
+    from automodel_ckpt.export import open_model
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
     stem = where.name.removesuffix(ARCHIVE_SUFFIX)
     if args.adapter:
         if args.to != "gguf" or args.dry_run:
             raise UsageError("--adapter applies to --to gguf (without --dry-run)")
-        from automodel_ckpt.ondisk import write_gguf_adapter
+        from automodel_ckpt.export import write_gguf_adapter
 
         out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{GGUF_SUFFIX}"
         done = write_gguf_adapter(src, out, args.type)
@@ -81,7 +81,7 @@ def _export(args: argparse.Namespace) -> int:
               f"{done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
         return 0
     if args.to == "gguf":
-        from automodel_ckpt.ondisk import plan_gguf, write_gguf
+        from automodel_ckpt.export import plan_gguf, write_gguf
 
         out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{GGUF_SUFFIX}"
         with open_model(src) as source:
@@ -94,7 +94,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
               f"{done['seconds']:.2f} s)", flush=True)
         return 0
-    from automodel_ckpt.ondisk import plan_int8, write_int8
+    from automodel_ckpt.export import plan_int8, write_int8
 
     out = Path(args.out) if args.out else where.parent / f"{stem}-{INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:

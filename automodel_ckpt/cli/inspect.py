@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
-    from automodel_ckpt.ondisk import describe_archive as describe, describe_gguf, is_archive, is_gguf
+    from automodel_ckpt.export import describe_archive as describe, describe_gguf, is_archive, is_gguf
 
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
     for matches, what, read, render in ((is_gguf, "a GGUF file", describe_gguf, render_gguf),
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
 
 
 def render_archive(info: dict[str, Any]) -> str:
-    """What an archive holds (``archive.describe``) in a few lines."""
+    """What an archive holds (``archive.describe_archive``) in a few lines."""
     came = (f" from checkpoint {info['checkpoint']} of run {info['run']} (step {info['step']}, epoch "
             f"{info['epoch']})" if info["checkpoint"] else f" from an {info['source']} folder")
     if info["source"] == "gguf":  # one GGUF file: `inspect` it unpacked for its model

@@ -19,7 +19,7 @@ def build_parser() -> VerbParser:
 
 
 def main(argv: list[str]) -> int:
-    from automodel_ckpt.ondisk import merge_lora
+    from automodel_ckpt.export import merge_lora
 
     args = build_parser().parse_args(argv)
     out = merge_lora(args.checkpoint, args.out, args.base)

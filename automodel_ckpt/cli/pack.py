@@ -25,7 +25,7 @@ def build_parser() -> VerbParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint import is_url, streamed_object
-    from automodel_ckpt.ondisk import pack, pack_into, pack_summary as summary
+    from automodel_ckpt.export import pack, pack_into, pack_summary as summary
 
     src = Path(args.src)
     if args.out and is_url(args.out):

@@ -46,14 +46,14 @@ def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool)
 
 def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
     """Every member of an archive (``ckpt-train pack``) against its manifest, read in place."""
-    from automodel_ckpt.ondisk import verify_archive as verify
+    from automodel_ckpt.export import verify_archive as verify
 
     return show(verify(path, checksums=checksums), "archive", checksums, quiet)
 
 
 def verify_gguf_file(path: Path, *, decode: bool) -> bool:
     """Every tensor of a GGUF file inside it, sized for its type (and, unless ``decode`` is off, finite)."""
-    from automodel_ckpt.ondisk import verify_gguf
+    from automodel_ckpt.export import verify_gguf
 
     report = verify_gguf(path, decode=decode)
     print(f"GGUF {path} ({report.tensors} tensors, {human_size(report.bytes)}, "
@@ -129,11 +129,11 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.ondisk import is_archive
+    from automodel_ckpt.export import is_archive
     from automodel_ckpt.checkpoint import open_for_reading
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
-    from automodel_ckpt.ondisk import is_gguf
+    from automodel_ckpt.export import is_gguf
 
     if is_gguf(path):
         ok = verify_gguf_file(path, decode=not args.sizes_only)
@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
     if not path.is_dir():
         raise UserError(f"'{path}' is not a folder; give a checkpoint folder or a checkpoint_dir")
     if args.export:
-        from automodel_ckpt.ondisk import print_report, verify_export
+        from automodel_ckpt.export import print_report, verify_export
 
         report = verify_export(path)
         print_report(report)

@@ -1,6 +1,6 @@
 """One model's tensors, read one at a time: a checkpoint (any world size and format), an export folder, an archive, an adapter.
 
-A full model comes from ``ondisk.open_model`` (the quantized exports' reader): its tensors under their on-disk
+A full model comes from ``export.open_model`` (the quantized exports' reader): its tensors under their on-disk
 names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them
 (the base's), or as saved (``read_saved``: what averaging accumulates); a LoRA checkpoint there is merged into its base. A LoRA adapter folder (``adapter_config.json`` and
 ``adapter_model.safetensors``, a PEFT checkpoint's ``model/``) is read as its adapter tensors, so that averaging
@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.export import open_model
 from automodel_ckpt.ondisk import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_CONFIG, HF_GENERATION_CONFIG, HF_TOKENIZER_FILES,
                                    INDEX_FILE_LIMIT, MODEL_DIR, PEFT_FULL_CONFIG, SMALL_FILE_LIMIT, model_file_in,
-                                   open_model, read_bytes, read_json)
+                                   read_bytes, read_json)
 
 __all__ = ["MODEL", "ADAPTER", "Tensors", "is_adapter", "open_tensors"]
 

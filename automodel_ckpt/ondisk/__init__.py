@@ -3,12 +3,11 @@
 Everything a checkpoint folder holds is spelled and read here, versioned by ``layout.LAYOUT_VERSION``: file names
 (``layout``), limits on untrusted files (``bounded``), the path validator (``paths``), metadata, the manifest and
 its checksums, durable writes, the catalog of a run folder, the byte formats (``formats/``: sharded model and
-optimizer state, PEFT adapters, safetensors, the only reader of pickles, parallel file I/O) and the exports
-(``export/``: Hugging Face folders, archives, GGUF, int8). It never imports the engine that writes checkpoints
-(``automodel_ckpt.checkpoint``).
+optimizer state, PEFT adapters, safetensors, the only reader of pickles, parallel file I/O). It never imports the
+exports (``automodel_ckpt.export``) nor the engine that writes checkpoints (``automodel_ckpt.checkpoint``).
 
-Code outside this package and ``checkpoint`` imports only the names below, each a member of a module here, never a
-whole module (``tests/unit/test_structure.py``); the modules inside are private to the two packages. A few members
+Code outside this package, ``export`` and ``checkpoint`` imports only the names below, each a member of a module here,
+never a whole module (``tests/unit/test_structure.py``); the modules inside are private to the three. A few members
 are renamed where their own name is too general out of context (``read_manifest``, ``scan_checkpoints``,
 ``CONFIG_FILE_LIMIT``). The names load on first use, so reading a run folder
 (``inspect``, ``verify``) imports no torch.
@@ -137,29 +136,6 @@ _EXPORTS = {
     "read_dcp_folder": ("formats.dcp_folder", "read_dcp_folder"),
     "READ_THREADS": ("formats.fastio", "READ_THREADS"),
     "WRITE_THREADS": ("formats.fastio", "WRITE_THREADS"),
-    # exports: Hugging Face folders, archives, GGUF, int8, LoRA merged
-    "consolidate": ("export.plan", "consolidate"),
-    "build_plan": ("export.plan", "build_plan"),
-    "parse_cast_dtype": ("export.plan", "parse_cast_dtype"),
-    "resolve_model_dir": ("export.plan", "resolve_model_dir"),
-    "verify_export": ("export.verify", "verify_export"),
-    "print_report": ("export.verify", "print_report"),
-    "open_model": ("export.model_source", "open_model"),
-    "merge_lora": ("export.merge_lora", "merge_lora"),
-    "is_archive": ("export.archive", "is_archive"),
-    "describe_archive": ("export.archive", "describe"),
-    "verify_archive": ("export.archive", "verify"),
-    "pack": ("export.pack", "pack"),
-    "pack_into": ("export.pack", "pack_into"),
-    "pack_summary": ("export.pack", "summary"),
-    "is_gguf": ("export.gguf_read", "is_gguf"),
-    "describe_gguf": ("export.gguf_read", "describe_gguf"),
-    "verify_gguf": ("export.gguf_read", "verify_gguf"),
-    "plan_gguf": ("export.gguf_export", "plan_gguf"),
-    "write_gguf": ("export.gguf_export", "write_gguf"),
-    "write_gguf_adapter": ("export.gguf_adapter", "write_gguf_adapter"),
-    "plan_int8": ("export.int8_export", "plan_int8"),
-    "write_int8": ("export.int8_export", "write_int8"),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -177,19 +153,6 @@ if TYPE_CHECKING:
     from automodel_ckpt.ondisk.catalog import quarantined as quarantined_checkpoints
     from automodel_ckpt.ondisk.catalog import scan as scan_checkpoints
     from automodel_ckpt.ondisk.durable import fsync_file, write_atomic
-    from automodel_ckpt.ondisk.export.archive import is_archive
-    from automodel_ckpt.ondisk.export.archive import describe as describe_archive
-    from automodel_ckpt.ondisk.export.archive import verify as verify_archive
-    from automodel_ckpt.ondisk.export.gguf_adapter import write_gguf_adapter
-    from automodel_ckpt.ondisk.export.gguf_export import plan_gguf, write_gguf
-    from automodel_ckpt.ondisk.export.gguf_read import describe_gguf, is_gguf, verify_gguf
-    from automodel_ckpt.ondisk.export.int8_export import plan_int8, write_int8
-    from automodel_ckpt.ondisk.export.merge_lora import merge_lora
-    from automodel_ckpt.ondisk.export.model_source import open_model
-    from automodel_ckpt.ondisk.export.pack import pack, pack_into
-    from automodel_ckpt.ondisk.export.pack import summary as pack_summary
-    from automodel_ckpt.ondisk.export.plan import build_plan, consolidate, parse_cast_dtype, resolve_model_dir
-    from automodel_ckpt.ondisk.export.verify import print_report, verify_export
     from automodel_ckpt.ondisk.fingerprint import run_fingerprint
     from automodel_ckpt.ondisk.formats.dcp_folder import read_dcp_folder
     from automodel_ckpt.ondisk.formats.detect import detect_model_format

@@ -45,8 +45,8 @@ TIMEOUT_S = 60.0
 PRELOAD = ("torch", "transformers", "safetensors.torch", "automodel_ckpt.cli", "automodel_ckpt.cli.train",
            "automodel_ckpt.cli.verify", "automodel_ckpt.cli.inspect", "automodel_ckpt.cli.consolidate",
            "automodel_ckpt.cli.merge_lora", "automodel_ckpt.cli.preview", "automodel_ckpt.cli.plot",
-           "automodel_ckpt.cli.gc", "automodel_ckpt.ondisk.export.plan", "automodel_ckpt.ondisk.export.verify",
-           "automodel_ckpt.ondisk.export.merge_lora", "automodel_ckpt.recipes.llm_finetune",
+           "automodel_ckpt.cli.gc", "automodel_ckpt.export.plan", "automodel_ckpt.export.verify",
+           "automodel_ckpt.export.lora_merge", "automodel_ckpt.recipes.llm_finetune",
            "transformers.models.llama.modeling_llama", "datasets", "peft", "matplotlib.pyplot")
 #: Environment of every case: offline, one thread, no colour or progress bars.
 CASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",

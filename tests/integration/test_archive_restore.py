@@ -83,7 +83,7 @@ def test_a_pack_that_fails_half_way_leaves_nothing_at_the_url(seaweed, tmp_path,
     """Parts are already uploaded when a member fails to read: the multipart upload is aborted, no object shows."""
     from automodel_ckpt.checkpoint import objectstore, storage
     from automodel_ckpt.ondisk import paths
-    from automodel_ckpt.ondisk.export.pack import pack_into
+    from automodel_ckpt.export.archive_pack import pack_into
     from automodel_ckpt.errors import CheckpointError
 
     folder = tmp_path / "export"

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.export.plan import consolidate, render_consolidate_script
+from automodel_ckpt.export.plan import consolidate, render_consolidate_script
 from automodel_ckpt.cli import main as ckpt_train_main
 from automodel_ckpt.cli.consolidate import parse_size
-from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata, write_hf_metadata
+from automodel_ckpt.export.hf_metadata import read_hf_metadata, write_hf_metadata
 from automodel_ckpt.errors import CheckpointError, UserError
 from tests.integration.harness import launch_failure
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from automodel_ckpt.ondisk import consolidate, layout
+from automodel_ckpt.export import consolidate
+from automodel_ckpt.ondisk import layout
 from tests.integration import step_faults
 from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
                                        run_command, start_command)

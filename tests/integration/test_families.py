@@ -1,6 +1,6 @@
 """Real model families end to end, 2 processes: export in the base's layout, exact resume, default LoRA.
 
-The unit matrix (tests/unit/ondisk/export/test_export_families.py, test_lora_families.py) covers all seven families in both
+The unit matrix (tests/unit/export/test_export_families.py, test_lora_families.py) covers all seven families in both
 source formats without processes; these runs cover a representative subset through `ckpt-train` itself, within
 the CI budget: Conv1D with tied embeddings (gpt2) and both mixture-of-experts layouts (mixtral, qwen3_moe), in
 both model save formats, the mixtral run with ``lr: 0`` (its export must be the base's files, bit for bit), plus

@@ -68,7 +68,7 @@ def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
     from evaluation import generate_answers
     from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.ondisk.export.plan import consolidate, resolve_model_dir
+    from automodel_ckpt.export.plan import consolidate, resolve_model_dir
     from automodel_ckpt.data.builtin import heldout_examples
     from automodel_ckpt.models.tiny import build_tokenizer
 
@@ -101,7 +101,7 @@ def test_llama_completion_and_perplexity(llama_cpp, checkpoint, tmp_path):
 def test_every_family_loads_and_generates_in_llama_cpp(llama_cpp, family, tmp_path):
     """Each family's GGUF (q8_0) loads in llama.cpp and generates; its tokenizer gives our tokenizer's ids."""
     from automodel_ckpt.models.tiny import build_tokenizer, ensure_tiny_base
-    from tests.unit.ondisk.export.test_gguf_export import FAMILIES, _family_base
+    from tests.unit.export.test_gguf_export import FAMILIES, _family_base
 
     base = ensure_tiny_base(tmp_path / "base") if family == "llama" else _family_base(family, tmp_path / "base")
     gguf = _export(base, tmp_path / "m.gguf", "q8_0")

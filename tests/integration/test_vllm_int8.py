@@ -39,7 +39,7 @@ def test_vllm_answers_from_w8a8_as_transformers_from_bf16(checkpoint, tmp_path, 
     from evaluation import generate_answers
     from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.ondisk.export.plan import consolidate, resolve_model_dir
+    from automodel_ckpt.export.plan import consolidate, resolve_model_dir
     from automodel_ckpt.data.builtin import heldout_examples
     from automodel_ckpt.models.tiny import build_tokenizer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.ondisk.export.plan import consolidate
+from automodel_ckpt.export.plan import consolidate
 from tests.family_bases import checkpoint_of
 
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")

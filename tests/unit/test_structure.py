@@ -202,11 +202,14 @@ def test_the_privacy_rule_sees_a_lazy_import(tmp_path):
     assert "automodel_ckpt.checkpoint.objectstore" in _imported_names(module)
 
 
-# --- the checkpoint folder's bytes (ondisk) under the engine (checkpoint): one public face each ------------------
+# --- the checkpoint folder's bytes (ondisk) under the exports (export) under the engine (checkpoint): a face each ---
 
-FACES = ("automodel_ckpt.ondisk", "automodel_ckpt.checkpoint")
+FACES = ("automodel_ckpt.ondisk", "automodel_ckpt.export", "automodel_ckpt.checkpoint")
 REPO = PACKAGE.parent
-# where code outside the two packages may reach inside: tools/bench_recovery.py times a restore's phases by wrapping
+# the packages whose code may import a face's modules past it: its own, and for ondisk the two above it
+ADMITS = {"automodel_ckpt.ondisk": ("ondisk", "export", "checkpoint"), "automodel_ckpt.export": ("export",),
+          "automodel_ckpt.checkpoint": ("checkpoint",)}
+# where other code may reach inside: tools/bench_recovery.py times a restore's phases by wrapping
 # the engine's own functions (what it measures), nothing else
 REACHES_INSIDE = {"tools/bench_recovery.py": {"automodel_ckpt.checkpoint.restore",
                                               "automodel_ckpt.checkpoint.storage.nodelocal"}}
@@ -233,22 +236,24 @@ def imports_past_the_faces(source: str, faces: dict[str, set[str]]) -> list[str]
     return out
 
 
-def _outside_files() -> list[Path]:
-    inside = [PACKAGE / "checkpoint", PACKAGE / "ondisk"]
-    files = [p for p in PACKAGE.rglob("*.py") if not any(p.is_relative_to(d) for d in inside)]
-    return files + sorted((REPO / "tools").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py"))
+def _faces_held_to(path: Path, faces: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The faces that the code of ``path`` enters by: those whose modules its package may not import."""
+    room = path.relative_to(PACKAGE).parts[0] if path.is_relative_to(PACKAGE) else None
+    return {face: names for face, names in faces.items() if room not in ADMITS[face]}
 
 
-def test_code_outside_the_two_packages_imports_only_their_faces():
+def test_code_imports_the_three_packages_through_their_faces():
     faces = _face_names()
     offenders = {}
-    for path in _outside_files():
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "tools").rglob("*.py")) + \
+            sorted((REPO / "examples").rglob("*.py")):
         rel = str(path.relative_to(REPO))
-        found = [o for o in imports_past_the_faces(path.read_text(encoding="utf-8"), faces)
+        found = [o for o in imports_past_the_faces(path.read_text(encoding="utf-8"), _faces_held_to(path, faces))
                  if not any(f"from {m} import" in o for m in REACHES_INSIDE.get(rel, ()))]
         if found:
             offenders[rel] = found
-    assert offenders == {}, f"import these through automodel_ckpt.checkpoint or automodel_ckpt.ondisk: {offenders}"
+    assert offenders == {}, f"import these through the faces {FACES}: {offenders}"
+    assert _faces_held_to(PACKAGE / "checkpoint" / "save" / "hf_files.py", faces).keys() == {"automodel_ckpt.export"}
 
 
 def test_the_face_rule_sees_each_way_past_a_face():
@@ -261,26 +266,49 @@ def test_the_face_rule_sees_each_way_past_a_face():
                                   "Checkpointer\nimport automodel_ckpt.checkpoint\n", faces) == []
 
 
-def test_the_checkpoint_folders_bytes_never_import_the_engine():
-    """``ondisk`` (layout, manifest, formats, exports: the contract with checkpoints on disk) is below
-    ``checkpoint`` (the engine that writes and reads them): no import of the engine from it, lazy ones included."""
-    engine = "automodel_ckpt.checkpoint"
-    offenders = {str(p.relative_to(REPO)): names for p in (PACKAGE / "ondisk").rglob("*.py")
-                 if (names := [n for n in _imported_names(p) if n == engine or n.startswith(engine + ".")])}
+def test_the_checkpoint_folders_bytes_never_import_the_exports_or_the_engine():
+    """``ondisk`` (layout, manifest, formats: the contract with checkpoints on disk) is below ``export`` (Hugging
+    Face folders, archives, GGUF, int8), both below ``checkpoint`` (the engine that writes and reads them): no import
+    upwards from either, lazy ones included."""
+    above = {"ondisk": ("automodel_ckpt.export", "automodel_ckpt.checkpoint"), "export": ("automodel_ckpt.checkpoint",)}
+    offenders = {str(p.relative_to(REPO)): names for room, higher in above.items()
+                 for p in (PACKAGE / room).rglob("*.py")
+                 if (names := [n for n in _imported_names(p) if any(n == h or n.startswith(h + ".") for h in higher)])}
     assert offenders == {}
 
 
-def test_the_ondisk_face_names_members_never_whole_modules():
-    """Outside code names the ``ondisk`` members it uses: each entry of the face is a member of a module below it."""
+@pytest.mark.parametrize("face", ["automodel_ckpt.ondisk", "automodel_ckpt.export"])
+def test_a_face_names_members_never_whole_modules(face):
+    """Outside code names the members it uses: each entry of the face is a member of a module below it, and no name
+    of the face is a module's (importing that module would put the module in the member's place)."""
     import types
 
-    ondisk = importlib.import_module("automodel_ckpt.ondisk")
-    assert [n for n, (_, attr) in ondisk._EXPORTS.items() if attr is None] == []
-    assert [n for n in ondisk.__all__ if isinstance(getattr(ondisk, n), types.ModuleType)] == []
+    module = importlib.import_module(face)
+    assert [n for n, (_, attr) in module._EXPORTS.items() if attr is None] == []
+    assert [n for n in module.__all__ if isinstance(getattr(module, n), types.ModuleType)] == []
+    folder = PACKAGE / face.rpartition(".")[2]
+    assert [n for n in module.__all__ if (folder / f"{n}.py").exists() or (folder / n).is_dir()] == []
+
+
+# what the engine's face names again for recipes: what a save wrote, the checkpoint folder's (ondisk)
+NAMED_BY_TWO_FACES = {"HFArtifacts", "SaveInfo", "WrittenBy", "written_by"}
+
+
+def test_no_name_is_exported_by_two_faces_and_the_export_face_renames_nothing():
+    """A name has one face (the engine's re-export of what a save wrote aside); the export face hands each member on
+    under its own name."""
+    owners: dict[str, list[str]] = {}
+    for face, names in _face_names().items():
+        for name in names:
+            owners.setdefault(name, []).append(face)
+    assert {n for n, faces in owners.items() if len(faces) > 1} == NAMED_BY_TWO_FACES
+    export = importlib.import_module("automodel_ckpt.export")
+    assert [n for n, (_, attr) in export._EXPORTS.items() if attr != n] == []
+    assert [n for n in export.__all__ if getattr(export, n).__name__ != n] == []
 
 
 def test_each_face_exports_what_it_lists_and_the_public_names_stay_few():
-    """A face's ``__all__`` is its table of names, each resolves; the two packages' public names (everything else
+    """A face's ``__all__`` is its table of names, each resolves; the three packages' public names (everything else
     is private to them by the face rule above) stay at most 200."""
     public = set()
     for face in FACES:
@@ -332,9 +360,10 @@ def test_public_recipe_base():
 
 
 def test_the_export_and_cli_packages_exist_and_the_old_module_path_still_resolves():
-    for name in ("automodel_ckpt.cli", "automodel_ckpt.ondisk.export", "automodel_ckpt.ondisk.export.plan",
+    for name in ("automodel_ckpt.cli", "automodel_ckpt.export", "automodel_ckpt.export.plan",
                  "automodel_ckpt.checkpoint.consolidate_cli"):
         assert importlib.util.find_spec(name) is not None, name
+    assert importlib.util.find_spec("automodel_ckpt.ondisk.export") is None  # exports are a package of their own
 
 
 # --- every pickle from a checkpoint goes through ondisk/formats/safe_load.py -------------------------------
@@ -548,6 +577,7 @@ FLOORS = [
     {"models", "tracking", "interop"},
     {"training"},
     {"checkpoint"},
+    {"export"},
     {"ondisk", "launch"},
     {"distributed"},
     {"errors", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},

@@ -22,7 +22,7 @@ from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.metadata import read_metadata
-from automodel_ckpt.ondisk.export.archive import is_archive, open_archive
+from automodel_ckpt.export import is_archive, open_archive
 from automodel_ckpt.ondisk.formats import peft as peft_format
 from automodel_ckpt.checkpoint.restore.decision import Source
 from automodel_ckpt.checkpoint.restore.fallback import DURABLE

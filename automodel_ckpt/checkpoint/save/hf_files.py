@@ -13,8 +13,7 @@ from automodel_ckpt.ondisk.info import HFArtifacts
 def write_model_helpers(model_dir: Path, hf: HFArtifacts, model_save_format: str) -> None:
     """Rank 0: config, generation config and tokenizer beside the model's shards; ``consolidate.sh`` for
     safetensors checkpoints (``torch_save`` ones export with ``ckpt-train consolidate``)."""
-    from automodel_ckpt.ondisk.export.hf_metadata import write_hf_metadata
-    from automodel_ckpt.ondisk.export.script import render_consolidate_script
+    from automodel_ckpt.export import render_consolidate_script, write_hf_metadata
 
     write_hf_metadata(model_dir, hf_config=hf.hf_config, generation_config=hf.generation_config,
                       tokenizer=hf.tokenizer, base_model_path=hf.base_model_path)
@@ -32,6 +31,6 @@ def remove_export(model_dir: Path) -> None:
 
 def export_inline(model_dir: Path, rank: int, world_size: int) -> None:
     """Collective: the checkpoint's model as a Hugging Face folder inside it (``save_consolidated``)."""
-    from automodel_ckpt.ondisk.export.plan import consolidate
+    from automodel_ckpt.export import consolidate
 
     consolidate(model_dir, rank=rank, world_size=world_size, progress=False)

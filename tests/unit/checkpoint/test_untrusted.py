@@ -282,7 +282,7 @@ def test_dcp_metadata_naming_files_outside_its_folder_is_refused(templates, tmp_
 
 
 def test_an_index_naming_files_outside_the_base_folder_is_refused(tmp_path):
-    from automodel_ckpt.ondisk.export.hf_metadata import _original_tensors
+    from automodel_ckpt.export.hf_metadata import _original_tensors
 
     base = tmp_path / "base"
     base.mkdir()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.ondisk import paths
-from automodel_ckpt.ondisk.export import gguf_read
+from automodel_ckpt.export import gguf_read
 from automodel_ckpt.errors import CheckpointError
 
 

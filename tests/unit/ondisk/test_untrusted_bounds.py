@@ -14,8 +14,8 @@ import torch
 
 from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.ondisk.metadata import read_metadata
-from automodel_ckpt.ondisk.export import sources
-from automodel_ckpt.ondisk.export.sources import Piece, SourceTensor, check_coverage
+from automodel_ckpt.export import sources
+from automodel_ckpt.export.sources import Piece, SourceTensor, check_coverage
 from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
 from automodel_ckpt.ondisk.formats.safetensors_io import read_header
 from automodel_ckpt.config.loader import load_yaml
@@ -212,7 +212,7 @@ def test_a_gap_is_reported_after_the_pieces_are_found_disjoint():
 
 
 def test_a_small_file_cannot_ask_for_a_billion_output_files(tmp_path):
-    from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata
+    from automodel_ckpt.export.hf_metadata import read_hf_metadata
 
     folder = layout.hf_metadata_dir(tmp_path)
     folder.mkdir()
@@ -267,7 +267,7 @@ def test_an_oversized_remote_object_is_not_read_whole():
 
 def test_verify_export_checks_the_config_against_the_files_before_building_a_model(tmp_path):
     pytest.importorskip("transformers")
-    from automodel_ckpt.ondisk.export.verify import ExportReport, _config_fits_files
+    from automodel_ckpt.export.verify import ExportReport, _config_fits_files
 
     config = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
               "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 10}

@@ -18,7 +18,7 @@ import pytest
 
 from automodel_ckpt.ondisk import catalog, durable, layout, manifest, paths
 from automodel_ckpt.ondisk.quarantine import quarantine
-from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata
+from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.checkpoint.storage.lifecycle import discard_staging, prune, reserve
 from automodel_ckpt.ondisk.retention import RetentionPolicy
 from automodel_ckpt.checkpoint.storage.runlock import RunLock
@@ -252,7 +252,7 @@ def test_a_linked_hf_metadata_or_model_folder_is_refused(templates, tmp_path, ou
     os.symlink(outside / "meta", meta)
     with pytest.raises(CheckpointError, match="is a symlink, not a folder"):
         read_hf_metadata(first / "model")
-    from automodel_ckpt.ondisk.export.plan import resolve_model_dir
+    from automodel_ckpt.export.plan import resolve_model_dir
 
     shutil.move(first / "model", outside / "model")
     os.symlink(outside / "model", first / "model")
@@ -293,7 +293,7 @@ def test_merge_lora_refuses_an_adapter_file_that_is_a_link_or_fifo(tmp_path, out
 
 
 def test_merge_lora_follows_base_links_only_into_the_base_repository(tmp_path, outside, capsys):
-    from automodel_ckpt.ondisk.export.merge_lora import _cache_repo, _side_files
+    from automodel_ckpt.export.lora_merge import _cache_repo, _side_files
 
     repo = tmp_path / "models--org--tiny"
     (repo / "blobs").mkdir(parents=True)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.ondisk.export.merge_lora import base_model_folder, merge_lora
+from automodel_ckpt.export.lora_merge import base_model_folder, merge_lora
 from automodel_ckpt.config.schema import PeftConfig
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.lora import apply_lora

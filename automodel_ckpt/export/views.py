@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
-from automodel_ckpt.ondisk.export.sources import Piece, SourceTensor
+from automodel_ckpt.export.sources import Piece, SourceTensor
 from automodel_ckpt.ondisk.formats.family import DiskTensor, c_strides, disk_layout
 
 __all__ = ["apply_disk_layout", "flat_boxes", "on_disk_tensors"]

@@ -83,11 +83,11 @@ def open_model(src: Path) -> Iterator[ModelSource]:
 
 # --- a checkpoint ------------------------------------------------------------------------------------------------
 def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
-    from automodel_ckpt.ondisk.export.plan import build_plan, resolve_model_dir
+    from automodel_ckpt.export.plan import build_plan, resolve_model_dir
 
     model_dir = resolve_model_dir(src)
     if (model_dir / layout.ADAPTER_CONFIG).is_file() or (src / layout.ADAPTER_CONFIG).is_file():
-        from automodel_ckpt.ondisk.export.merge_lora import merge_lora
+        from automodel_ckpt.export.lora_merge import merge_lora
 
         tmp = _tmp_dir(stack)
         merged = merge_lora(src, tmp / "merged")  # a LoRA checkpoint: its adapter merged into its base
@@ -113,7 +113,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
 
 def _assemble(tensor: Any) -> torch.Tensor:
     """A tensor of a checkpoint built from its shard pieces (a strided view of a saved tensor taken after)."""
-    from automodel_ckpt.ondisk.export.verify import read_full
+    from automodel_ckpt.export.verify import read_full
 
     if tensor.view is None:
         return read_full(tensor)
@@ -192,7 +192,7 @@ def _pread(fd: int, at: int, n: int, path: Path) -> bytearray:
 
 # --- an archive --------------------------------------------------------------------------------------------------
 def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
-    from automodel_ckpt.ondisk.export.archive import is_archive, open_archive
+    from automodel_ckpt.export.archive import is_archive, open_archive
 
     if not is_archive(path):
         raise UserError(f"'{path}' is a file but not an archive of `ckpt-train pack`; give a checkpoint, an export "

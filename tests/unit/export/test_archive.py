@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import layout, manifest
-from automodel_ckpt.ondisk.export import archive
-from automodel_ckpt.ondisk.export.pack import pack
-from automodel_ckpt.ondisk.export.plan import consolidate
+from automodel_ckpt.export import archive
+from automodel_ckpt.export.archive_pack import pack
+from automodel_ckpt.export.plan import consolidate
 from automodel_ckpt.checkpoint.restore.initial_weights import kind_of
 from automodel_ckpt.cli import main as cli_main
 from automodel_ckpt.errors import CheckpointError
@@ -120,7 +120,7 @@ def test_the_streamed_archive_is_the_file_archive_byte_for_byte_written_forward_
         source, checkpoint, tmp_path, monkeypatch):
     import contextlib
 
-    from automodel_ckpt.ondisk.export import pack as packing
+    from automodel_ckpt.export import archive_pack as packing
 
     src = checkpoint
     if source == "export folder":
@@ -169,7 +169,7 @@ def test_an_unpacked_archive_packs_again_and_verifies(packed, tmp_path):
     first = _files(unpacked)
     assert again.pop(layout.ARCHIVE_MANIFEST) and first.pop(layout.ARCHIVE_MANIFEST)
     assert again == first
-    assert archive.verify(tmp_path / "again.tar").ok
+    assert archive.verify_archive(tmp_path / "again.tar").ok
 
 
 def test_verify_and_inspect_read_the_archive_in_place(packed, capsys):
@@ -195,7 +195,7 @@ def test_verify_catches_one_flipped_byte_in_any_member(packed, tmp_path):
             byte = f.read(1)
             f.seek(-1, io.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x01]))
-        report = archive.verify(damaged)
+        report = archive.verify_archive(damaged)
         assert not report.ok, member.name
         assert [v.path for v in report.bad][:1] == [member.name], member.name
         assert manifest.CHECKSUM_MISMATCH in {v.status for v in report.bad} or report.problem, member.name
@@ -280,7 +280,7 @@ def test_a_hand_made_archive_of_the_same_files_reads_and_verifies(packed, tmp_pa
     unpacked = _unpack(packed, tmp_path / "unpacked")
     with tarfile.open(tmp_path / "hand.tar", "w", format=tarfile.GNU_FORMAT) as tar:
         tar.add(unpacked, arcname=".")
-    report = archive.verify(tmp_path / "hand.tar")
+    report = archive.verify_archive(tmp_path / "hand.tar")
     assert [(v.path, v.status) for v in report.bad] == [(layout.ARCHIVE_MANIFEST, manifest.UNREADABLE)]
     assert report.problem is None and len(report.verdicts) == 11
 

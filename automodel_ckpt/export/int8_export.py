@@ -28,7 +28,7 @@ import torch
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.durable import copy_regular, fsync_dir, replace_folder
-from automodel_ckpt.ondisk.export.model_source import ModelSource
+from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.ondisk.formats.safetensors_io import encode_header, layout_order, pwrite_all, st_dtype_name
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size
@@ -182,7 +182,7 @@ def _split(entries: list[tuple[str, torch.dtype, tuple[int, ...], str]]) -> list
 
 def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Write ``plan`` of ``source`` as a folder at ``out`` (replacing an earlier one); returns bytes and seconds."""
-    from automodel_ckpt.ondisk.export.plan import ProgressBar
+    from automodel_ckpt.export.plan import ProgressBar
 
     out = Path(out)
     if out.exists() and not (out / layout.HF_CONFIG).is_file():
@@ -190,7 +190,7 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
     start = time.perf_counter()
     ranges: dict[str, float] = {}
     if plan.calibration:
-        from automodel_ckpt.ondisk.export.int8_calibrate import input_ranges
+        from automodel_ckpt.export.int8_calibrate import input_ranges
 
         ranges = input_ranges(source, plan.quantized, plan.calibration)
     tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
@@ -240,7 +240,7 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
                 continue
             compressed = quantize_weight(source.read(src), scheme)  # every tensor made of this weight, at once
             if src in ranges:
-                from automodel_ckpt.ondisk.export.int8_calibrate import input_scale
+                from automodel_ckpt.export.int8_calibrate import input_scale
 
                 compressed["input_scale"] = input_scale(ranges[src], scheme.input_activations, source.dtypes[src])
             stem = src.removesuffix(".weight")

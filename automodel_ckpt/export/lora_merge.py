@@ -132,7 +132,7 @@ def _stored_dtypes(merged: Any, base: Path) -> Any:
 def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = None) -> Path:
     """Write the merged model of a PEFT checkpoint to ``out`` (default ``CHECKPOINT/model/merged``); an archived
     adapter (``ckpt-train pack``) is read in place (default ``out``: ``NAME-merged`` beside ``NAME.tar``)."""
-    from automodel_ckpt.ondisk.export.archive import is_archive
+    from automodel_ckpt.export.archive import is_archive
 
     if is_archive(Path(checkpoint)):
         return _merge_archive(Path(checkpoint), out, base)
@@ -153,7 +153,7 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
     """``merge_lora`` of an archived adapter: its config, tensors and tokenizer files read from the archive."""
     from safetensors.torch import load as load_safetensors
 
-    from automodel_ckpt.ondisk.export.archive import open_archive
+    from automodel_ckpt.export.archive import open_archive
 
     with open_archive(archive_path) as archive:
         if layout.ADAPTER_CONFIG not in archive.members or layout.ADAPTER_WEIGHTS not in archive.members:

@@ -33,9 +33,8 @@ import torch
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.durable import fsync_dir
-from automodel_ckpt.ondisk.export.gguf_arch import (GGUFFamily, OutputTensor, add_hparams, family_for,
-                                                       output_tensors)
-from automodel_ckpt.ondisk.export.model_source import ModelSource
+from automodel_ckpt.export.gguf_arch import GGUFFamily, OutputTensor, add_hparams, family_for, output_tensors
+from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.sizes import human_size
 
@@ -116,8 +115,8 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
     release the interpreter's lock while they compute): memory is then bounded by that many of the largest tensor."""
     import gguf
 
-    from automodel_ckpt.ondisk.export.gguf_vocab import add_vocab
-    from automodel_ckpt.ondisk.export.plan import ProgressBar
+    from automodel_ckpt.export.gguf_vocab import add_vocab
+    from automodel_ckpt.export.plan import ProgressBar
 
     out = Path(out)
     if out.is_dir():

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from automodel_ckpt.ondisk.export.int8_export import plan_int8, write_int8
-from automodel_ckpt.ondisk.export.model_source import open_model
+from automodel_ckpt.export.int8_export import plan_int8, write_int8
+from automodel_ckpt.export.model_source import open_model
 from automodel_ckpt.cli import main
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.models.tiny import ensure_tiny_base

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.ondisk import bounded, layout
-from automodel_ckpt.ondisk.export.plan import resolve_model_dir
-from automodel_ckpt.ondisk.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
-from automodel_ckpt.ondisk.export.hf_metadata import read_hf_metadata
+from automodel_ckpt.export.plan import resolve_model_dir
+from automodel_ckpt.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
+from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.ondisk.formats.safetensors_io import read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 

@@ -24,7 +24,7 @@ import torch
 
 from automodel_ckpt.ondisk import durable, paths
 from automodel_ckpt.ondisk.formats.family import c_strides
-from automodel_ckpt.ondisk.export.sources import Piece, SourceTensor, load_dcp_piece
+from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.ondisk.formats.safetensors_io import (
     encode_header,
     layout_order,

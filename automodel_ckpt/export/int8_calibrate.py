@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk.export.model_source import ModelSource
+from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 __all__ = ["input_ranges"]
@@ -28,7 +28,7 @@ def input_ranges(source: ModelSource, weights: list[str], examples: list[list[in
 
     if not examples:
         raise UserError("--calibrate: no examples to calibrate with (the calibration data is empty)")
-    from automodel_ckpt.ondisk.export.gguf_arch import block_count
+    from automodel_ckpt.export.gguf_arch import block_count
 
     block_count(source.config, source.shapes)  # the layer count is the layers present, before anything is built
     try:

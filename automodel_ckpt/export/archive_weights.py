@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from automodel_ckpt.ondisk.export.archive import open_archive
+from automodel_ckpt.export.archive import open_archive
 from automodel_ckpt.ondisk.formats.fastio.common import ST_CODES
 from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
 from automodel_ckpt.ondisk.formats.safetensors_io import tensor_entries

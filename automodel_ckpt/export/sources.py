@@ -17,7 +17,7 @@ import torch
 
 from automodel_ckpt.ondisk import bounded, layout, paths
 from automodel_ckpt.ondisk.formats.detect import detect_model_format
-from automodel_ckpt.ondisk.export.hf_metadata import TensorInfo
+from automodel_ckpt.export.hf_metadata import TensorInfo
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, numel, pread_into, read_header, tensor_entries
 from automodel_ckpt.ondisk.layout import SAFETENSORS, TORCH_SAVE
 from automodel_ckpt.errors import CheckpointError

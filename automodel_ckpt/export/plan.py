@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from automodel_ckpt.ondisk import layout, outofroom, paths
-from automodel_ckpt.ondisk.export.commit import make_coordinator
-from automodel_ckpt.ondisk.export.script import render_consolidate_script
-from automodel_ckpt.ondisk.export.sources import ShardSource, open_source, require_format
+from automodel_ckpt.export.commit import make_coordinator
+from automodel_ckpt.export.script import render_consolidate_script
+from automodel_ckpt.export.sources import ShardSource, open_source, require_format
 from automodel_ckpt.ondisk.formats.detect import detect_model_format
-from automodel_ckpt.ondisk.export.writer import OutFile, OutTensor, total_bytes, write_files
-from automodel_ckpt.ondisk.export.views import on_disk_tensors
-from automodel_ckpt.ondisk.export.hf_metadata import HFMetadata, read_hf_metadata
+from automodel_ckpt.export.writer import OutFile, OutTensor, total_bytes, write_files
+from automodel_ckpt.export.views import on_disk_tensors
+from automodel_ckpt.export.hf_metadata import HFMetadata, read_hf_metadata
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, is_plain_float
 from automodel_ckpt.ondisk.durable import copy_regular, write_durable
 from automodel_ckpt.errors import CheckpointError, UserError

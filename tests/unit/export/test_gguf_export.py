@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.ondisk.export.gguf_export import plan_gguf, write_gguf
-from automodel_ckpt.ondisk.export.model_source import open_model
+from automodel_ckpt.export.gguf_export import plan_gguf, write_gguf
+from automodel_ckpt.export.model_source import open_model
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.models.tiny import CHAT_TEMPLATE, build_tokenizer, ensure_tiny_base
 
@@ -121,8 +121,8 @@ def test_checkpoint_export_folder_and_archive_give_the_same_file(bases, tmp_path
     """A checkpoint's shards (2 ranks), its Hugging Face export and its archive: the same tensors and metadata."""
     import gguf
 
-    from automodel_ckpt.ondisk.export.pack import pack
-    from automodel_ckpt.ondisk.export.plan import consolidate
+    from automodel_ckpt.export.archive_pack import pack
+    from automodel_ckpt.export.plan import consolidate
     from tests.family_bases import checkpoint_of
 
     _, model_dir = checkpoint_of(bases["qwen3_moe"], tmp_path, "safetensors", noise=1e-2)
@@ -187,7 +187,7 @@ def test_lora_checkpoint_exports_merged(bases, tmp_path, process_group):
     GGUF of `merge-lora`'s folder, and differs from the base's."""
     import gguf
 
-    from automodel_ckpt.ondisk.export.merge_lora import merge_lora
+    from automodel_ckpt.export.lora_merge import merge_lora
 
     checkpoint = _lora_checkpoint(bases["llama"], tmp_path)
     from_checkpoint = export(checkpoint, tmp_path / "lora.gguf", "bf16")
@@ -232,8 +232,8 @@ def test_float_types_are_the_bytes_gguf_quants_writes(type_name):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from automodel_ckpt.ondisk.export.gguf_arch import OutputTensor
-    from automodel_ckpt.ondisk.export.gguf_export import _encode
+    from automodel_ckpt.export.gguf_arch import OutputTensor
+    from automodel_ckpt.export.gguf_export import _encode
 
     torch.manual_seed(0)
     value = torch.randn(64, 96) * torch.logspace(-6, 4, 96)  # rounding in every exponent range, ties included

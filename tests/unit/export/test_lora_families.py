@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.ondisk.export.merge_lora import merge_lora
+from automodel_ckpt.export.lora_merge import merge_lora
 from automodel_ckpt.config.schema import PeftConfig
 from automodel_ckpt.models.lora import adapted_modules, apply_lora, lora_summary
 from tests.family_bases import FAMILIES

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.export.plan import consolidate
+from automodel_ckpt.export.plan import consolidate
 from automodel_ckpt.ondisk.formats.family import disk_layout, family_of
-from automodel_ckpt.ondisk.export.views import flat_boxes
+from automodel_ckpt.export.views import flat_boxes
 from tests.family_bases import FAMILIES, checkpoint_of, in_memory_state, folder_weights
 
 

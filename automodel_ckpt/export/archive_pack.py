@@ -28,10 +28,10 @@ import yaml
 from automodel_ckpt.ondisk import bounded, layout, manifest, paths
 from automodel_ckpt.ondisk.checksum import default_algorithm, hash_range, hasher
 from automodel_ckpt.ondisk.durable import fsync_dir
-from automodel_ckpt.ondisk.export.archive import ALIGN, PAX_COMMENT
-from automodel_ckpt.ondisk.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
-from automodel_ckpt.ondisk.export.sources import require_format
-from automodel_ckpt.ondisk.export.writer import OutFile, Write, write_into, writes_into
+from automodel_ckpt.export.archive import ALIGN, PAX_COMMENT
+from automodel_ckpt.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
+from automodel_ckpt.export.sources import require_format
+from automodel_ckpt.export.writer import OutFile, Write, write_into, writes_into
 from automodel_ckpt.ondisk.formats.safetensors_io import pwrite_all
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
@@ -290,7 +290,7 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
 def kind_of(src: Path) -> str:
     """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
     ``gguf`` (one GGUF file of `export --to gguf`, checked first as `verify --sizes-only` checks it)."""
-    from automodel_ckpt.ondisk.export.gguf_read import is_gguf, verify_gguf
+    from automodel_ckpt.export.gguf_read import is_gguf, verify_gguf
 
     if is_gguf(src):
         report = verify_gguf(src, decode=False)  # a damaged header raises; a damaged tensor is refused, not shipped
@@ -383,7 +383,7 @@ def _ordered(entries: list[Entry]) -> list[Entry]:
     return sorted(entries, key=rank)
 
 
-def summary(table: dict[str, Any]) -> str:
+def pack_summary(table: dict[str, Any]) -> str:
     """``3 files, 1.2 GiB, xxh3_64``: what an archive's manifest lists."""
     from automodel_ckpt.sizes import human_size
 

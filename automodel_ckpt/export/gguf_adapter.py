@@ -22,7 +22,7 @@ import torch
 
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.durable import fsync_dir
-from automodel_ckpt.ondisk.export.gguf_arch import family_for, permute_rotary
+from automodel_ckpt.export.gguf_arch import family_for, permute_rotary
 from automodel_ckpt.errors import CheckpointError, UserError
 
 __all__ = ["write_gguf_adapter"]
@@ -37,7 +37,7 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
     from gguf.quants import quant_shape_to_byte_shape
     from safetensors import safe_open
 
-    from automodel_ckpt.ondisk.export.merge_lora import adapter_folder, base_model_folder
+    from automodel_ckpt.export.lora_merge import adapter_folder, base_model_folder
 
     if type_name not in _TYPES:
         raise UserError(f"--adapter: the LoRA factors are written in bf16 or f16, not {type_name}; add --type f16")

@@ -1,6 +1,6 @@
 """A model archive read in place: its members' places checked as untrusted input, their bytes, and the manifest check.
 
-An archive (``ckpt-train pack``, ``export/pack.py``) is an uncompressed POSIX tar holding a Hugging Face or adapter
+An archive (``ckpt-train pack``, ``export/archive_pack.py``) is an uncompressed POSIX tar holding a Hugging Face or adapter
 folder's files and, in ``automodel/``, the recipe, the metadata and a manifest of every other member's size and
 checksum. Nothing is ever extracted: a member is a byte range ``[offset, offset + size)`` of the archive file, read
 with ``pread`` or mapped. An archive from elsewhere is untrusted, so ``open_archive`` refuses in one line
@@ -210,7 +210,7 @@ def _plain_name(name: str) -> str:
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
-def verify(path: Path, *, checksums: bool = True) -> manifest.Report:
+def verify_archive(path: Path, *, checksums: bool = True) -> manifest.Report:
     """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); members the
     manifest does not list are ``unexpected``; an unreadable manifest is the report's ``problem``. An archive
     ``open_archive`` refuses is a ``CheckpointError``."""
@@ -257,7 +257,7 @@ def _check_member(archive: Archive, rel: str, entry: dict[str, Any], algorithm: 
     return manifest.Verdict(rel, manifest.OK)
 
 
-def describe(path: Path) -> dict[str, Any]:
+def describe_archive(path: Path) -> dict[str, Any]:
     """What ``inspect`` shows of an archive: what it holds (model family, parameters by dtype, files and bytes)
     and where it came from (the run and step of its checkpoint), from its JSON members and safetensors headers."""
     with open_archive(path) as archive:
