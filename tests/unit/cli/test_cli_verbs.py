@@ -12,7 +12,7 @@ from automodel_ckpt.cli.common import human_size
 POSITIONAL = {"consolidate": "ckpt", "inspect": "dir", "merge-lora": "ckpt", "verify": "path", "plot": "dir",
               "preview": "recipe.yaml", "gc": "s3://bucket/run", "pack": "ckpt",
               "export": "ckpt", "average": "ckpt", "eval": "ckpt",
-              "import": ("checkpoint-6", "recipe.yaml", "--out", "run")}
+              "import": ("checkpoint-6", "recipe.yaml", "--out", "run"), "diff": ("a", "b")}
 
 
 def test_help_lists_every_verb(capsys):
