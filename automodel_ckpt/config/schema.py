@@ -124,6 +124,27 @@ class DPOConfig:
     rejected_field: str = "rejected"  # the dispreferred response, like chosen
 
 
+def _default_rewards() -> List[Any]:
+    return ["automodel_ckpt.training.rewards.exact_answer", "automodel_ckpt.training.rewards.digits_then_eos"]
+
+
+@dataclass
+class GRPOConfig:
+    """Online RL with group-relative advantages (docs/rl.md): sampling, rewards and the clipped loss."""
+
+    num_generations: int = 4  # completions per prompt (a group); global_batch_size counts completions
+    max_new_tokens: int = 8  # a completion's longest length (it ends earlier at end of sequence)
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    num_iterations: int = 1  # optimizer steps (passes) over each rollout batch (mu)
+    epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # the upper clip (null: epsilon)
+    beta: float = 0.0  # per-token k3 KL penalty to the reference (0: no reference is kept)
+    reward_funcs: List[Any] = field(default_factory=_default_rewards)  # dotted names, or {_target_: ..., keyword: value}
+    reward_weights: Optional[List[float]] = None  # one per reward function (null: each 1.0)
+    prompt_field: str = "prompt"  # the prompt column (a string)
+    answer_field: str = "completion"  # the reference answer column, handed to the reward functions
+
+
 @dataclass
 class TensorBoardConfig:
     """TensorBoard event files (pip install 'automodel-ckpt[tensorboard]')."""
@@ -195,4 +216,5 @@ class RecipeConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # benchmark tasks during training, logged as eval/<task>/<metric>
     peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
     dpo: Optional[DPOConfig] = None  # preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)
+    grpo: Optional[GRPOConfig] = None  # online RL keys (recipe: automodel_ckpt.recipes.grpo.GRPORecipe)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, MLflow, Weights & Biases (none by default)

@@ -1,0 +1,135 @@
+"""Online RL's pure parts: seeded per-completion sampling with a KV cache, group advantages, the clipped loss."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+
+#: A label left out of the loss (the data package's ``IGNORE_INDEX``).
+IGNORE = -100
+
+
+def sample_seed(seed: int, rollout: int, prompt_id: int, index: int) -> int:
+    """The seed of one completion's random stream: a function of (run seed, rollout step, prompt id, sample index)
+    only, so no batching, padding, rank or world size changes it."""
+    digest = hashlib.sha256(f"grpo/{seed}/{rollout}/{prompt_id}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def _cache_key(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by (transformers 5 renamed ``past_key_values`` ``cache``)."""
+    try:
+        names = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _pick(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each row's token by inverse CDF with that row's own uniform (greedy at temperature 0)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_max(logits.shape[-1] - 1)
+
+
+@torch.no_grad()
+def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
+             temperature: float, eos_id: int | None, pad_id: int, device: Any = "cpu",
+             keep_going: Callable[[bool], bool] | None = None) -> list[list[int]]:
+    """Completions of ``prompts`` (token ids), one per seed: a left-padded batch with an attention mask and position
+    ids, the model's own KV cache, each row drawing one uniform per new token from its own generator. A row ends at
+    ``eos_id`` (kept) or after ``max_new_tokens``. ``keep_going(this_batch_done)`` says whether to take another step
+    (a sharded model's forward is collective: every rank steps together); by default the batch stops when done."""
+    rows = len(prompts)
+    if rows == 0 and keep_going is None:
+        return []
+    width = max((len(p) for p in prompts), default=1)
+    ids = torch.full((max(rows, 1), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((max(rows, 1), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    if rows == 0:
+        mask[0, -1] = 1  # a rank with nothing to sample still steps with the others
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    key = _cache_key(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    past, logits = _cache_of(out), out.logits[:, -1]
+    last = positions[:, -1]
+    done = torch.zeros(len(ids), dtype=torch.bool)
+    done[rows:] = True
+    completions: list[list[int]] = [[] for _ in range(rows)]
+    for step in range(max_new_tokens):
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens] +
+                      [torch.zeros(len(ids) - rows, dtype=torch.float64)])
+        tokens = _pick(logits.float().cpu(), u, temperature)
+        for i in range(rows):
+            if not done[i]:
+                completions[i].append(int(tokens[i]))
+                done[i] = eos_id is not None and int(tokens[i]) == eos_id
+        if step == max_new_tokens - 1:
+            break
+        finished = bool(done.all())
+        if not (keep_going(finished) if keep_going is not None else not finished):
+            break
+        mask = torch.cat([mask, torch.ones((len(ids), 1), dtype=mask.dtype, device=mask.device)], dim=1)
+        last = last + 1
+        out = model(input_ids=tokens.masked_fill(done, pad_id).unsqueeze(1).to(device), attention_mask=mask,
+                    position_ids=last.unsqueeze(1), use_cache=True, **{key: past})
+        past, logits = _cache_of(out), out.logits[:, -1]
+    return completions
+
+
+def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
+    """Each completion's reward less its group's mean, over the group's standard deviation (+ ``eps``): rows are
+    consecutive groups of ``group`` completions of one prompt."""
+    grouped = rewards.double().view(-1, group)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(mean)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[rows, L]``: at position j the log-prob of label j given the tokens before it (0 where left out, and at 0)."""
+    labels = labels.long()
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+def clipped_loss(logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
+                 keep: torch.Tensor, *, epsilon: float, epsilon_high: float | None = None,
+                 beta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's per-token loss summed over the kept tokens, and its sums ``[tokens, clipped, kl]``.
+
+    Per token: ``-min(r A, clip(r, 1-eps, 1+eps_high) A) + beta * k3``, ``r = exp(logp - old)``,
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's unbiased, always non-negative KL estimate)."""
+    keep = keep.to(logp.dtype)
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logp - old)
+    adv = advantages.unsqueeze(1).to(logp.dtype)
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = torch.zeros_like(logp)
+    if ref is not None and beta:
+        delta = ref - logp
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+    was_clipped = (clipped < unclipped).to(logp.dtype)
+    sums = torch.stack([keep.sum(), (was_clipped * keep).sum(), (kl * keep).sum()]).detach().double()
+    return (per_token * keep).sum(), sums

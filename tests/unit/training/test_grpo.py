@@ -1,0 +1,123 @@
+"""GRPO's pure parts: seeded sampling with a KV cache, group advantages, the clipped loss with k3 KL, reward checks,
+prompts too long for the context."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from automodel_ckpt.recipes.grpo import take_prompts
+from automodel_ckpt.training.rewards import RewardError, digits_then_eos, exact_answer, score
+from automodel_ckpt.training.rollout import IGNORE, clipped_loss, generate, group_advantages, sample_seed, \
+    token_log_probs
+
+EOS, PAD = 1, 0
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         eos_token_id=EOS, pad_token_id=PAD, bos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+PROMPTS = [[2, 5, 6, 7], [2, 9], [2, 10, 11, 12, 13, 14], [2, 3, 4], [2, 20, 21], [2, 8, 8, 8, 8]]
+
+
+def _seeds(rows: list[int]) -> list[int]:
+    return [sample_seed(42, 3, pid, 0) for pid in rows]
+
+
+def _generate(model, rows: list[int], **kw) -> list[list[int]]:
+    return generate(model, [PROMPTS[r] for r in rows], _seeds(rows), max_new_tokens=6, temperature=1.0, eos_id=EOS,
+                    pad_id=PAD, **kw)
+
+
+def test_batched_generation_equals_one_at_a_time(model):
+    everything = list(range(len(PROMPTS)))
+    batched = _generate(model, everything)
+    alone = [_generate(model, [r])[0] for r in everything]
+    assert batched == alone
+    assert any(len(c) > 1 for c in batched)  # prompts of different lengths: left padding was exercised
+
+
+def test_sampling_does_not_depend_on_how_prompts_are_split_across_ranks(model):
+    everything = list(range(len(PROMPTS)))
+    whole = _generate(model, everything)
+    for ranks in (2, 3):
+        per = len(everything) // ranks
+        split = [c for r in range(ranks) for c in _generate(model, everything[r * per:(r + 1) * per])]
+        assert split == whole
+    # the stream is the completion's own: another rollout step or sample index draws another one
+    assert sample_seed(42, 3, 0, 0) != sample_seed(42, 4, 0, 0) != sample_seed(42, 3, 0, 1)
+
+
+def test_greedy_and_eos_stop(model):
+    out = generate(model, [PROMPTS[0]], [1], max_new_tokens=5, temperature=0.0, eos_id=None, pad_id=PAD)
+    logits = model(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert len(out[0]) == 5 and out[0][0] == int(logits.argmax())
+    first = out[0][0]
+    stopped = generate(model, [PROMPTS[0]], [1], max_new_tokens=5, temperature=0.0, eos_id=first, pad_id=PAD)
+    assert stopped == [[first]]  # the end of sequence is kept, nothing after it
+
+
+def test_group_advantages_are_normalised_per_prompt():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(rewards, 4)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()
+    assert adv[:4].tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4),
+                                             0.5 / (std + 1e-4)])
+    assert adv[4:].tolist() == [0.0] * 4  # every completion alike: no signal, no division by zero
+
+
+def test_clipped_loss_and_k3_kl_on_a_hand_example():
+    logp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64)
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]], dtype=torch.float64)  # ratios 2 and 1
+    ref = torch.tensor([[math.log(0.25), math.log(0.25)]], dtype=torch.float64)
+    keep = torch.tensor([[True, True]])
+    loss, sums = clipped_loss(logp, old, ref, torch.tensor([1.0], dtype=torch.float64), keep, epsilon=0.2, beta=0.1)
+    k3 = 0.5 - math.log(0.5) - 1  # exp(d) - d - 1 with d = log(0.25 / 0.5)
+    # positive advantage: ratio 2 clipped to 1.2; ratio 1 as is
+    assert loss.item() == pytest.approx(-(1.2 + 1.0) + 2 * 0.1 * k3)
+    assert sums.tolist() == pytest.approx([2.0, 1.0, 2 * k3])
+    # negative advantage: min(r A, clip(r) A) takes the unclipped -2 (pessimistic), nothing counted as clipped
+    loss, sums = clipped_loss(logp, old, None, torch.tensor([-1.0], dtype=torch.float64), keep, epsilon=0.2)
+    assert loss.item() == pytest.approx(2.0 + 1.0) and sums.tolist() == [2.0, 0.0, 0.0]
+
+
+def test_token_log_probs_aligns_each_label_with_the_logits_before_it():
+    logits = torch.randn(1, 4, 5)
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 1]])
+    out = token_log_probs(logits, labels)
+    lsm = torch.log_softmax(logits, -1)
+    assert out[0].tolist() == pytest.approx([0.0, 0.0, lsm[0, 1, 3].item(), lsm[0, 2, 1].item()])
+
+
+def test_shipped_rewards():
+    assert exact_answer(["1+2="] * 3, ["3", " 3", "4"], ["3"] * 3) == [1.0, 1.0, 0.0]
+    assert digits_then_eos([""] * 3, ["12", "12", "1a"], [""] * 3, ended=[True, False, True]) == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda p, c, a, **_: 1 / 0, "reward function bad failed: ZeroDivisionError"),
+    (lambda p, c, a, **_: [1.0], "reward function bad returned 1 rewards for 2 completions"),
+    (lambda p, c, a, **_: [1.0, float("nan")], "reward function bad returned nan for completion 1"),
+    (lambda p, c, a, **_: ["x", 1.0], "reward function bad returned list, not one number per completion"),
+])
+def test_bad_reward_functions_are_one_line_naming_the_function(fn, words):
+    with pytest.raises(RewardError) as info:
+        score("bad", fn, ["p", "p"], ["1", "2"], ["1", "2"], [True, True])
+    assert str(info.value).startswith(words) and "\n" not in str(info.value)
+
+
+def test_prompts_longer_than_the_context_are_counted_and_skipped():
+    order = torch.tensor([3, 0, 2, 1, 4])
+    lengths = [5, 9, 5, 12, 5]
+    ids, position, skipped = take_prompts(order, 0, lengths, 3, limit=8)
+    assert (ids, position, skipped) == ([0, 2, 4], 5, 2)
+    assert take_prompts(order, 5, lengths, 1, limit=8) == ([], 5, 0)  # the order's end: the caller rolls over
