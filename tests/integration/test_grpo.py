@@ -1,0 +1,108 @@
+"""GRPO end to end (recipes/tiny_llama_grpo.yaml from the random tiny base, real `ckpt-train` launches, gloo).
+
+Shared runs (module scope), 6 optimizer steps of 16 completions (4 prompts x 4), two passes over each rollout batch
+(``grpo.num_iterations`` 2) with the k3 KL to a frozen reference, a checkpoint every 3 steps, so the step-3
+checkpoint falls between the two passes over rollout batch 2:
+
+* ``straight``: 2 processes, 6 steps;
+* ``killed``: the same, its rank 0 held after step 4 and the whole job killed (SIGKILL), then rerun: it resumes
+  from step 3, the rollout batch still in use restored with its pass index;
+* ``one``: 1 process restored from the straight run's step-3 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel_ckpt.ondisk import layout
+from tests.integration import grpo_faults, step_faults
+from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
+
+RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
+ARGS = ("--dataset.num_samples", "200", "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size",
+        "8", "--step_scheduler.ckpt_every_steps", "3", "--step_scheduler.max_steps", "6", "--grpo.num_iterations", "2",
+        "--grpo.beta", "0.04", "--checkpoint.save_consolidated", "false")
+EXACT = ("loss", "reward", "reward_std", "reward_exact_answer", "reward_digits_then_eos", "kl", "clip_fraction",
+         "completion_length", "completion_hash", "grpo_step", "ppo_optimization_step", "rollout_pass", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("grpo")
+
+
+@pytest.fixture(scope="module")
+def straight(work: Path, assets: Path) -> Path:
+    ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "straight", nproc=2, recipe=RECIPE)
+    return work / "straight"
+
+
+@pytest.fixture(scope="module")
+def killed(work: Path, assets: Path) -> tuple[Path, str]:
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "killed",
+           "--recipe", grpo_faults.RECIPE]
+    pid_file = work / "stopped.pid"  # rank 0 holds the job after step 4: step 3's checkpoint is the latest
+    with open(work / "killed.log", "w") as log:
+        job = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(4, pid_file)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        held = step_faults.stopped(pid_file, job)
+    finally:
+        kill_job(job)
+    assert held is not None, (work / "killed.log").read_text()[-3000:]
+    assert not (work / "killed" / "epoch_0_step_6").exists()
+    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=2, recipe=RECIPE)
+    return work / "killed", rerun.output
+
+
+def _rows(run: Path) -> list[tuple]:
+    return [tuple(r[k] for k in EXACT) for r in jsonl(run / "training.jsonl")]
+
+
+def test_straight_run_logs_the_rl_numbers_and_passes(straight):
+    rows = jsonl(straight / "training.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [(r["grpo_step"], r["rollout_pass"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
+    assert [r["ppo_optimization_step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward", "reward_std", "reward_exact_answer", "reward_digits_then_eos", "kl", "clip_fraction",
+                "completion_length", "generation_seconds", "train_seconds"):
+        assert all(isinstance(r[key], float) for r in rows), key
+    assert rows[0]["kl"] == 0.0 and rows[0]["clip_fraction"] == 0.0  # the first pass: policy = reference = sampler
+    assert rows[1]["completion_hash"] == rows[0]["completion_hash"] != rows[2]["completion_hash"]
+    assert rows[1]["generation_seconds"] == 0.0 < rows[2]["generation_seconds"]
+
+
+def test_checkpoints_hold_the_counters_and_the_rollout_between_passes(straight):
+    meta = json.loads((straight / "epoch_0_step_3" / layout.METADATA_FILE).read_text())
+    assert meta["extra"]["grpo_step"] == 2 and meta["extra"]["ppo_optimization_step"] == 3
+    counters = meta["extra"]["counters"]
+    assert counters["consumed_prompts"] == 8 and counters["generated_completions"] == 32
+    rollout = torch.load(straight / "epoch_0_step_3" / layout.global_state_file("rollout"), weights_only=True)
+    assert (rollout["step"], rollout["passes"]) == (2, 1)  # rollout batch 2, one of its two passes taken
+    assert rollout["input_ids"].shape[0] == 16 and rollout["old_log_probs"].dtype == torch.float64
+    grpo = torch.load(straight / "epoch_0_step_3" / layout.global_state_file("grpo"), weights_only=True)
+    assert grpo["grpo_step"] == 2 and grpo["prompt_position"] == 8
+
+
+def test_killed_between_two_passes_and_rerun_is_bitwise(straight, killed):
+    run, output = killed
+    assert "Loading checkpoint from" in output and "epoch_0_step_3" in output, output[-3000:]
+    assert _rows(run) == _rows(straight)
+    want = json.loads((straight / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
+    got = json.loads((run / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
+    assert got == want
+
+
+def test_resumed_on_one_process_samples_the_same_completions(work, assets, straight):
+    ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "one", "--checkpoint.restore_from",
+               str(straight / "epoch_0_step_3"), nproc=1, recipe=RECIPE)
+    got, want = jsonl(work / "one" / "training.jsonl"), jsonl(straight / "training.jsonl")[3:]
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for key in ("completion_hash", "reward", "grpo_step", "ppo_optimization_step", "rollout_pass"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5, abs=1e-7)
