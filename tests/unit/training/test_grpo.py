@@ -121,3 +121,47 @@ def test_prompts_longer_than_the_context_are_counted_and_skipped():
     ids, position, skipped = take_prompts(order, 0, lengths, 3, limit=8)
     assert (ids, position, skipped) == ([0, 2, 4], 5, 2)
     assert take_prompts(order, 5, lengths, 1, limit=8) == ([], 5, 0)  # the order's end: the caller rolls over
+
+
+def _algorithm_with_prompts(prompt_ids: list[list[int]], seq_length: int, max_new_tokens: int):
+    """A GRPO algorithm with only what taking prompts reads (no model, no process group)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from automodel_ckpt.recipes.grpo import GRPO
+    from automodel_ckpt.recipes.grpo_state import GRPOCounters
+
+    algorithm = GRPO.__new__(GRPO)
+    algorithm.recipe = SimpleNamespace(cfg=OmegaConf.create({"seed": 1, "data": {"seq_length": seq_length,
+                                                                                  "shuffle": False}}),
+                                       env=SimpleNamespace(is_main=True))
+    algorithm.grpo_cfg = OmegaConf.create({"max_new_tokens": max_new_tokens})
+    algorithm.grpo, algorithm._orders, algorithm._warned = GRPOCounters(), {}, False
+    algorithm._prompts, algorithm._prompt_ids = ["p"] * len(prompt_ids), prompt_ids
+    return algorithm
+
+
+def test_too_long_prompts_warn_once_and_are_counted():
+    algorithm = _algorithm_with_prompts([[1] * 3, [1] * 9, [1] * 3, [1] * 9, [1] * 3], seq_length=8,
+                                        max_new_tokens=4)
+    with pytest.warns(UserWarning, match=r"prompts longer than .* \(4 tokens\) are skipped") as seen:
+        assert algorithm._next_prompts(2) == [0, 2]
+        assert algorithm._next_prompts(2) == [4, 0]  # the next epoch begins
+    assert len(seen) == 1
+    counters = algorithm.grpo
+    assert counters.skipped_prompts == 2 and (counters.prompt_epoch, counters.prompt_position) == (1, 1)
+
+
+def test_pipeline_stages_are_refused_in_one_line():
+    from omegaconf import OmegaConf
+
+    from automodel_ckpt.config.schema import GRPOConfig
+    from automodel_ckpt.errors import ConfigError
+    from automodel_ckpt.recipes.grpo import check_section
+
+    section = OmegaConf.structured(GRPOConfig)
+    with pytest.raises(ConfigError, match="^distributed.pp_size: GRPO samples completions with the whole model"):
+        check_section(section, 16, pp_size=2)
+    with pytest.raises(ConfigError, match="grpo.num_generations: 4 must be >= 1 and divide"):
+        check_section(section, 18, pp_size=1)
