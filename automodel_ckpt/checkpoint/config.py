@@ -18,8 +18,11 @@ class _Choice(str, Enum):
 
 
 class ModelSaveFormat(_Choice):
-    SAFETENSORS = layout.SAFETENSORS  # per-rank Hugging Face safetensors shards
-    TORCH_SAVE = layout.TORCH_SAVE  # DCP .distcp files
+    """The built-in values of ``checkpoint.model_save_format``; a format registered as a plug-in
+    (``ondisk.formats.registry``) is accepted too, as its name."""
+
+    SAFETENSORS = "safetensors"  # per-rank Hugging Face safetensors shards
+    TORCH_SAVE = "torch_save"  # DCP .distcp files
 
 
 class ConsolidationMode(_Choice):
@@ -75,7 +78,7 @@ class CheckpointConfig:
     checkpoint_dir: str = "checkpoints/"  # run folder: checkpoints, pointers, training/validation logs; or s3://BUCKET/PREFIX
     storage_options: Optional[Dict[str, Any]] = field(default=None, repr=False)  # object store checkpoint_dir: fsspec options (endpoint_url, key, ...)
     staging_dir: Optional[str] = None  # object store checkpoint_dir: local folder for writes and loads (default: ~/.cache)
-    model_save_format: str = layout.SAFETENSORS  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
+    model_save_format: str = ModelSaveFormat.SAFETENSORS.value  # safetensors (per-rank HF shards) | torch_save (DCP .distcp)
     save_consolidated: str = "final"  # final | every (alias true) | false: when to export an HF folder
     incremental: bool = False  # tensors that do not train (frozen, a synced DPO reference) stored once: unchanged files hard-linked from the last checkpoint
     restore_from: Optional[str] = None  # unset = auto (LATEST); LATEST | LOWEST_VAL | a checkpoint name | a path
@@ -105,7 +108,7 @@ class CheckpointConfig:
         Runs whenever a ``CheckpointConfig`` is made, including by ``OmegaConf.to_object`` (``from_section``), so
         every holder of one sees checked, canonical values and nothing normalises again.
         """
-        self.model_save_format = _choice(ModelSaveFormat, self.model_save_format, "checkpoint.model_save_format")
+        self.model_save_format = _model_save_format(self.model_save_format)
         mode = _CONSOLIDATION_ALIASES.get(str(self.save_consolidated).strip().lower())
         if mode is None:
             raise ConfigError("checkpoint.save_consolidated: expected one of final, every, true, false, "
@@ -159,6 +162,18 @@ def _choice(kind: type[_Choice], value: object, key: str) -> Any:
         return kind(str(value).strip().lower())
     except ValueError:
         raise ConfigError(f"{key}: expected one of {', '.join(m.value for m in kind)}, got '{value}'") from None
+
+
+def _model_save_format(value: object) -> Any:
+    """A registered model format's name (``ondisk.formats.registry.names``): a built-in one as its
+    ``ModelSaveFormat``, a plug-in's as the string."""
+    from automodel_ckpt.ondisk.formats import registry
+
+    name = str(value).strip().lower()
+    if name not in registry.names():
+        raise ConfigError(f"checkpoint.model_save_format: expected one of {', '.join(registry.names())}, "
+                          f"got '{value}'")
+    return ModelSaveFormat(name) if name in ModelSaveFormat._value2member_map_ else name
 
 
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")

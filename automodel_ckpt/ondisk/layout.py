@@ -136,11 +136,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_PICKLE = "adapter_model.bin"  # older PEFT adapters: read by PEFT when no safetensors file exists
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
-#: The model formats (``checkpoint.model_save_format``, recorded in metadata.json): per-rank safetensors shards,
-#: DCP ``.distcp`` files, and for a checkpoint whose model is a PEFT adapter, ``adapter``.
-SAFETENSORS = "safetensors"
-TORCH_SAVE = "torch_save"
-ADAPTER_FORMAT = "adapter"
 PEFT_FULL_CONFIG = "automodel_peft_config.json"
 # --- an archive (`ckpt-train pack`): a Hugging Face or adapter folder's files, and this project's in a folder ----
 ARCHIVE_DIR = "automodel"

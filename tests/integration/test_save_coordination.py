@@ -73,7 +73,7 @@ def test_a_cached_plan_checkpoint_loads_on_one_rank_bit_for_bit(straight_runs):
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from automodel_ckpt.ondisk.formats import sharded  # the load path under test
+    from automodel_ckpt.ondisk.formats import registry, sharded  # the load path under test
 
     from tests.integration.contents import dcp_metadata
 
@@ -82,7 +82,7 @@ def test_a_cached_plan_checkpoint_loads_on_one_rank_bit_for_bit(straight_runs):
     assert dcp_metadata(four / "optim" / ".metadata") == dcp_metadata(eight / "optim" / ".metadata")
 
     model_dir = eight / "model"
-    reader = sharded._reader(model_dir, sharded.SAFETENSORS)
+    reader = sharded._reader(model_dir, registry.get("safetensors"))
     meta = reader.read_metadata()
     model = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()}
     sharded._load(model, model_dir, reader, None, strict_keys=True)
@@ -96,7 +96,7 @@ def test_a_cached_plan_checkpoint_loads_on_one_rank_bit_for_bit(straight_runs):
     tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     ours = {k: torch.full(v.size, float("nan"), dtype=v.properties.dtype) for k, v in tensors.items()}
     theirs = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in tensors.items()}
-    sharded._load(ours, optim_dir, sharded._reader(optim_dir, sharded.TORCH_SAVE), None, strict_keys=False)
+    sharded._load(ours, optim_dir, sharded._reader(optim_dir, sharded.DCP_FILES), None, strict_keys=False)
     load(theirs, storage_reader=FileSystemReader(optim_dir))
     assert any(v.numel() > 1 for v in ours.values())
     for fqn in tensors:

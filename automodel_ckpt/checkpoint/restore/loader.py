@@ -1,9 +1,10 @@
 """Loads a checkpoint into a recipe's states on every rank: fetch and check, then each state, resharded where needed.
 
-Model and optimizer states are read through DCP (any world size, any mesh: ``formats.sharded``); a PEFT adapter
-through PEFT; global state from rank 0's file; per-rank state (data position, RNG) per data-parallel rank, and
-when the data-parallel size changed through the object's own ``reshard_state``. What it loads was chosen by a tier
-of the restore (``restore.resume``, ``restore.initial_weights``, ``local_tier``).
+Model states are read by their format (``formats.registry``: the one detected, or a PEFT adapter's), optimizer
+states through DCP (any world size, any mesh: ``formats.sharded``); global state from rank 0's file; per-rank state
+(data position, RNG) per data-parallel rank, and when the data-parallel size changed through the object's own
+``reshard_state``. What it loads was chosen by a tier of the restore (``restore.resume``, ``restore.initial_weights``,
+``local_tier``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.ondisk.loadcheck import LoadCheck, deferred, finish_collectively
 from automodel_ckpt.ondisk.metadata import read_metadata, saved_mesh
-from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.ondisk.formats import sharded
-from automodel_ckpt.ondisk.formats.detect import detect_model_format
+from automodel_ckpt.ondisk.formats import registry, sharded
 from automodel_ckpt.ondisk.formats.safe_load import load_pt
 from automodel_ckpt.checkpoint.state import plan_state
 from automodel_ckpt.checkpoint.storage.base import RunFolder
@@ -83,10 +82,7 @@ class CheckpointLoader:
             if attr in absent:
                 continue
             folder = _require(path / layout.state_dir(attr))
-            if attr in plan.adapters:
-                peft_format.load_adapter(model, folder)
-            else:
-                sharded.load_model(model, folder, detect_model_format(folder) or sharded.TORCH_SAVE, check=check)
+            registry.for_loading(model, folder).load(model, folder, check=check)
         for attr, optim in plan.optimizers.items():
             sharded.load_optimizer(plan.model_for(attr), optim, _require(path / layout.state_dir(attr)), check=check)
         if self.cfg.verify_on_load:  # the deferred files no load above read

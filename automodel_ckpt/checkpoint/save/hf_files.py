@@ -6,18 +6,18 @@ import shutil
 from pathlib import Path
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.formats.base import ModelFormat
 from automodel_ckpt.ondisk.info import HFArtifacts
 
 
-def write_model_helpers(model_dir: Path, hf: HFArtifacts, model_save_format: str) -> None:
-    """Rank 0: config, generation config and tokenizer beside the model's shards; ``consolidate.sh`` for
-    safetensors checkpoints (``torch_save`` ones export with ``ckpt-train consolidate``)."""
+def write_model_helpers(model_dir: Path, hf: HFArtifacts, fmt: ModelFormat) -> None:
+    """Rank 0: config, generation config and tokenizer beside the model's files; ``consolidate.sh`` where the
+    model format exports inline (``exports_inline``; the others export with ``ckpt-train consolidate``)."""
     from automodel_ckpt.export import render_consolidate_script, write_hf_metadata
 
     write_hf_metadata(model_dir, hf_config=hf.hf_config, generation_config=hf.generation_config,
                       tokenizer=hf.tokenizer, base_model_path=hf.base_model_path)
-    if model_save_format == sharded.SAFETENSORS:
+    if fmt.exports_inline:
         render_consolidate_script(model_dir)
 
 

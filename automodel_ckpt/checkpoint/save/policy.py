@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 
 from automodel_ckpt.ondisk.metadata import read_metadata
-from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.formats import registry
 from automodel_ckpt.ondisk.info import SaveInfo
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.storage.base import RunFolder
@@ -27,9 +27,10 @@ class SavePolicy:
         wanted = mode == "every" or (mode == "final" and info.is_final)
         if not wanted:
             return False
-        if self.settings.model_save_format != sharded.SAFETENSORS:
+        if not registry.get(self.settings.model_save_format).exports_inline:
+            exporting = " or ".join(fmt.name for fmt in registry.formats() if fmt.exports_inline)
             self.warn_once("consolidation", f"checkpoint.save_consolidated={mode} needs model_save_format="
-                           "safetensors; skipping the inline HF export (run `ckpt-train consolidate CHECKPOINT` "
+                           f"{exporting}; skipping the inline HF export (run `ckpt-train consolidate CHECKPOINT` "
                            "later to export this checkpoint)")
             return False
         return True

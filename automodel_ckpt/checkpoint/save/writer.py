@@ -24,8 +24,8 @@ from automodel_ckpt.ondisk import layout, manifest
 from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_tree
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.layout import render_name
-from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.formats import registry, sharded
+from automodel_ckpt.ondisk.formats.base import ModelFormat, ModelWriter
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.ondisk.metadata import build_metadata, write_metadata
 from automodel_ckpt.checkpoint.save import diskfull, hf_files, overlap
@@ -66,12 +66,10 @@ class SaveWriter:
         self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager: sharded.HostStager | None = None
-        # how a model's files are written: its shards, or a PEFT model's adapter folder (``plan.adapters``)
         # ``checkpoint.incremental``: stable tensors apart, hard-linked from the last checkpoint when unchanged
         self.reuse = Reuse() if settings.incremental else None
-        self._model_shards = sharded.ModelShards(settings.model_save_format, self.reuse)
-        self._adapter_folder = peft_format.AdapterFolder(env.rank, base_model_path=hf.base_model_path,
-                                                         tokenizer=hf.tokenizer, peft_section=hf.peft)
+        self.format = registry.get(settings.model_save_format)  # a model's own format may claim it (a PEFT adapter)
+        self._model_writers: dict[str, ModelWriter] = {}  # each format's, made on first use
         self._fences: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook handle (see ``fence``)
         self._group = None  # checkpointing's own process group: background writes never meet training collectives
         if self.is_async:  # collective: every rank creates it, in the same order
@@ -98,16 +96,18 @@ class SaveWriter:
         if self.env.is_main:
             self.say(f"Saving checkpoint to {self.run.location(name)}")
         plan = plan_state(states)
-        exports = bool(plan.models) and not plan.has_peft  # an adapter folder is Hugging Face-ready already
+        formats = {attr: registry.for_model(model, self.format.name) for attr, model in plan.models.items()}
+        claimed = [fmt for fmt in formats.values() if fmt is not self.format]  # a PEFT model's adapter folder
+        exports = bool(plan.models) and not claimed  # an adapter folder is Hugging Face-ready already
         pending = overlap.PendingSave(name, self.run.staging(name), exports and self.policy.consolidate_now(info),
                                       step=info.step)
-        reserve_in_background = self._reserves_in_background(plan, pending.consolidate)
+        reserve_in_background = self._reserves_in_background(plan, pending.consolidate, bool(claimed))
         if not reserve_in_background:
             self._reserve(name)
         clock.mark("reserve")
-        staged = self._write_or_stage(plan, pending.staging)
+        staged = self._write_or_stage(plan, formats, pending.staging)
         clock.mark("copy_small" if self.is_async else "write_sharded")
-        small_files = self._small_files(pending.staging, plan, info)
+        small_files = self._small_files(pending.staging, plan, info, claimed[0] if claimed else self.format)
         completes_in_background = bool(staged) and not pending.consolidate  # the inline export runs here
         if completes_in_background:
             pending.small_files = small_files
@@ -132,27 +132,28 @@ class SaveWriter:
         self.last_save_seconds = clock.phases
         return path
 
-    def _reserves_in_background(self, plan: StatePlan, consolidate: bool) -> bool:
+    def _reserves_in_background(self, plan: StatePlan, consolidate: bool, claimed: bool) -> bool:
         """Whether the background thread reserves the staging folder (after the copy): only for an async save
-        that writes nothing into it now (a PEFT adapter is written at once) and completes in the background."""
-        return (self.is_async and not consolidate and not plan.has_peft and self.run.reserves_in_background
+        that writes nothing into it now (a model in a format that claims it, a PEFT adapter, is written at once)
+        and completes in the background."""
+        return (self.is_async and not consolidate and not claimed and self.run.reserves_in_background
                 and bool(plan.models or plan.optimizers))
 
     def _reserve(self, name: str) -> Path:
         return self.run.reserve(name)
 
-    def _write_or_stage(self, plan: StatePlan, staging: Path) -> list[sharded.StagedSave]:
+    def _write_or_stage(self, plan: StatePlan, formats: dict[str, ModelFormat],
+                        staging: Path) -> list[sharded.StagedSave]:
         """The model and optimizer files: written now (collective; DCP raises on every rank if any rank fails),
-        or with ``is_async`` copied now and returned, to be written in the background. Adapters: always now."""
+        or with ``is_async`` copied now and returned, to be written in the background, each model in its format
+        (``formats``; a format that stages nothing, as a PEFT adapter's, writes now)."""
         stager, staged = self._host_stager() if self.is_async else None, []
-        if plan.has_peft and self.settings.model_save_format != sharded.SAFETENSORS:
-            self.policy.warn_once("peft_format", f"checkpoint.model_save_format={self.settings.model_save_format} does "
-                                  "not apply to PEFT models; saving the adapter in Hugging Face PEFT format "
-                                  "(safetensors)")
         for attr, model in plan.models.items():
-            model_files = self._adapter_folder if attr in plan.adapters else self._model_shards
-            staged.append(model_files.write_model(model, staging / layout.state_dir(attr), stager, self.written,
-                                                  self.write_threads))
+            fmt = formats[attr]
+            if fmt is not self.format and not self.format.holds_adapters:
+                self.policy.warn_once(f"{fmt.name}_format", fmt.substitute_warning(self.format))
+            staged.append(self._model_writer(fmt).write_model(model, staging / layout.state_dir(attr), stager,
+                                                              self.written, self.write_threads))
         for attr, optim in plan.optimizers.items():
             folder = staging / layout.state_dir(attr)
             if stager is None:
@@ -165,16 +166,21 @@ class SaveWriter:
             self._install_fence(optim)
         return [item for item in staged if item is not None]
 
-    def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo) -> LocalFiles:
-        """This rank's small files (``LocalFiles``), their contents taken now; on rank 0 with the HF helpers."""
-        peft = plan.has_peft
-        helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf,
-                                     self.settings.model_save_format) if plan.models and not peft else None)
+    def _model_writer(self, fmt: ModelFormat) -> ModelWriter:
+        if fmt.name not in self._model_writers:
+            self._model_writers[fmt.name] = fmt.writer(rank=self.env.rank, reuse=self.reuse, hf=self.hf)
+        return self._model_writers[fmt.name]
+
+    def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo, fmt: ModelFormat) -> LocalFiles:
+        """This rank's small files (``LocalFiles``), their contents taken now; on rank 0 with the HF helpers.
+        ``fmt``: the format the model folder holds (recorded in metadata.json)."""
+        helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf, fmt)
+                   if plan.models and fmt is self.format else None)
         return capture(
             staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
             dp_rank=self.dims.dp_rank if self.dims.writes_rank_state else None, mesh=self.dims.sizes.record(),
             config_yaml=self.config_yaml,
-            model_save_format=layout.ADAPTER_FORMAT if peft else self.settings.model_save_format,
+            model_save_format=fmt.name,
             training_seconds=self.time.seconds(), fingerprint=self.fingerprint, write_after=helpers,
         )
 

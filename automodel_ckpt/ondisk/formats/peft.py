@@ -133,22 +133,6 @@ def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: 
     collective.on_main(write, f"writing the adapter to '{folder}'", rank)
 
 
-class AdapterFolder:
-    """A PEFT model's files: its Hugging Face adapter folder (``save_adapter``), always written at once, whatever
-    ``model_save_format`` says; the counterpart of ``sharded.ModelShards``."""
-
-    def __init__(self, rank: int, *, base_model_path: Path | None = None, tokenizer: Any = None,
-                 peft_section: dict[str, Any] | None = None) -> None:
-        self.rank, self.base_model_path = rank, base_model_path
-        self.tokenizer, self.peft_section = tokenizer, peft_section
-
-    def write_model(self, model: nn.Module, path: Path, stager: Any = None, written: Any = None,
-                    threads: int | None = None) -> None:
-        """Collective: the adapter folder written now (nothing is staged for the background)."""
-        save_adapter(model, path, rank=self.rank, base_model_path=self.base_model_path, tokenizer=self.tokenizer,
-                     peft_section=self.peft_section)
-
-
 def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any], *,
                          automodel_config: dict[str, Any], tokenizer: Any = None,
                          base_model_path: Path | None = None) -> None:

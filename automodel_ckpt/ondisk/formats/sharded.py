@@ -1,4 +1,8 @@
-"""Sharded model and optimizer state through torch.distributed.checkpoint, in DCP or HF safetensors files."""
+"""Sharded model and optimizer state through torch.distributed.checkpoint, in the files of a format's storage.
+
+The model formats that write through DCP (``safetensors_shards``, ``dcp_shards``) are ``ShardsFormat``s: each names
+its storage writer and reader; optimizer state is always DCP ``.distcp`` files (``DCP_FILES``).
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from automodel_ckpt.ondisk.formats.fastio import session
 from automodel_ckpt.ondisk.durable import WrittenFiles
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck
+from automodel_ckpt.ondisk.formats.base import ModelFormat
 from automodel_ckpt.ondisk.formats.safe_load import (
     check_fits,
     load_failure,
@@ -32,35 +37,51 @@ from automodel_ckpt.ondisk.formats.safe_load import (
     save_failure,
 )
 
-from automodel_ckpt.ondisk.layout import SAFETENSORS, TORCH_SAVE  # the format names, spelled once
 
-
-def _writer(path: Path, fmt: str, written: WrittenFiles | None = None, *, threads: int | None = None,
+def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, threads: int | None = None,
             small_apart: bool = False, incremental: Incremental | None = None):
-    """torch's writers' file formats, written in parallel from the tensors' memory (see ``fastio``).
-
-    safetensors: every rank writes its own shard-0000R-... file holding its local pieces and their offsets
-    (``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. torch_save: one
-    ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart`` the small items in ``__R_1.distcp``
-    (``fastio.ParallelFileSystemWriter``). Each file is fsynced once, with its checksum noted in ``written``.
-    ``threads``: writer threads (default ``fastio.WRITE_THREADS``). ``incremental``: a model's stable tensors in
-    files of their own, hard-linked from the previous checkpoint when unchanged (``ondisk.incremental``).
+    """The storage writer of ``fmt`` (a ``ShardsFormat``, or ``DCP_FILES``), writing in parallel from the tensors'
+    memory (see ``fastio``); each file fsynced once, with its checksum noted in ``written``. ``threads``: writer
+    threads (default ``fastio.WRITE_THREADS``); ``small_apart``: DCP's small items in a file of their own;
+    ``incremental``: a model's stable tensors in files of their own, hard-linked from the previous checkpoint when
+    unchanged (``ondisk.incremental``).
     """
     extra: dict[str, Any] = {} if threads is None else {"threads": threads}
     if incremental is not None:
         extra |= {"stable": incremental.stable, "reuse": incremental.reuse}
-    if fmt == SAFETENSORS:
-        return fastio.ParallelSafetensorsWriter(path, written=written, **extra)
-    return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
+    return fmt.storage_writer(path, written, small_apart=small_apart, **extra)
 
 
-def _reader(path: Path, fmt: str, check: LoadCheck | None = None):
-    """Readers that never unpickle code (see ``safe_load``), read the checkpoint's metadata once, and read the
-    tensors into the state being loaded (``fastio``: past the page cache for large files). ``check``: the files'
-    checksums are computed as they are read (``loadcheck``)."""
-    if fmt == SAFETENSORS:
-        return fastio.ParallelHFReader(path, check=check)
-    return fastio.ParallelFileSystemReader(path, check=check)
+def _reader(path: Path, fmt: Any, check: LoadCheck | None = None):
+    """The storage reader of ``fmt``: it never unpickles code (see ``safe_load``), reads the checkpoint's metadata
+    once, and reads the tensors into the state being loaded (``fastio``: past the page cache for large files).
+    ``check``: the files' checksums are computed as they are read (``loadcheck``)."""
+    return fmt.storage_reader(path, check)
+
+
+class DcpFiles:
+    """DCP's ``.distcp`` files: one ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart``
+    the small items in ``__R_1.distcp`` (``fastio.ParallelFileSystemWriter``). Optimizer state is always saved so."""
+
+    def storage_writer(self, path: Path, written: WrittenFiles | None, *, small_apart: bool = False, **extra: Any):
+        return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
+
+    def storage_reader(self, path: Path, check: LoadCheck | None = None):
+        return fastio.ParallelFileSystemReader(path, check=check)
+
+
+DCP_FILES = DcpFiles()
+
+
+class ShardsFormat(ModelFormat):
+    """A model format written and read through DCP by every rank (its own pieces, any world size on load):
+    subclasses give ``storage_writer(path, written, *, small_apart, **extra)`` and ``storage_reader(path, check)``."""
+
+    def writer(self, *, rank: int, reuse: Reuse | None = None, hf: Any = None) -> ModelShards:
+        return ModelShards(self, reuse)
+
+    def load(self, model: nn.Module, folder: Path, check: LoadCheck | None = None) -> None:
+        load_model(model, folder, self, check=check)
 
 
 def cache_key(path: Path, writer: Any) -> str:
@@ -137,7 +158,7 @@ def _trained_names(model: nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
-def save_model(model: nn.Module, path: Path, fmt: str, process_group=None, written: WrittenFiles | None = None,
+def save_model(model: nn.Module, path: Path, fmt: ShardsFormat, process_group=None, written: WrittenFiles | None = None,
                reuse: Reuse | None = None) -> None:
     incremental = Incremental(model, reuse) if reuse is not None else None
     _save(_model_state(model), path, _writer(path, fmt, written, incremental=incremental), process_group)
@@ -205,7 +226,7 @@ def reading():
     return session.kept()
 
 
-def load_model(model: nn.Module, path: Path, fmt: str, process_group=None, check: LoadCheck | None = None) -> None:
+def load_model(model: nn.Module, path: Path, fmt: ShardsFormat, process_group=None, check: LoadCheck | None = None) -> None:
     """Load into the model's current sharding (which may differ from the one that saved it)."""
     state = get_model_state_dict(model)
     _load(state, path, _reader(path, fmt, check), process_group, strict_keys=True)
@@ -232,7 +253,7 @@ def _loaded_in_place(model: nn.Module, state: dict) -> bool:
 
 def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,
                    written: WrittenFiles | None = None) -> None:
-    _save(_optimizer_state(model, optimizer), path, _writer(path, TORCH_SAVE, written), process_group)
+    _save(_optimizer_state(model, optimizer), path, _writer(path, DCP_FILES, written), process_group)
 
 
 class StagedSave:
@@ -243,7 +264,7 @@ class StagedSave:
     the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
     """
 
-    def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: str,
+    def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: Any,
                  written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False,
                  incremental: Incremental | None = None) -> None:
         self.key = key
@@ -284,7 +305,7 @@ class StagedSave:
         _save(self.staged or self.state or {}, self.path, writer, process_group)
 
 
-def stage_model(model: nn.Module, path: Path, fmt: str, stager: HostStager, written: WrittenFiles | None = None,
+def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostStager, written: WrittenFiles | None = None,
                 *, threads: int | None = None, reuse: Reuse | None = None) -> StagedSave:
     """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
     change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
@@ -301,14 +322,13 @@ def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: 
     (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
     the small items in a file of their own (``_writer``)."""
     state = _freeze(_optimizer_state(model, optimizer))
-    return StagedSave(f"optim:{path.name}", state, stager, path, TORCH_SAVE, written, threads, small_apart)
+    return StagedSave(f"optim:{path.name}", state, stager, path, DCP_FILES, written, threads, small_apart)
 
 
 class ModelShards:
-    """A model's files in ``fmt`` (``safetensors`` or ``torch_save``): written now, or staged for the background
-    (``stager``); the counterpart of ``peft.AdapterFolder`` for a model that is not a PEFT adapter."""
+    """A model's files in the ``ShardsFormat`` ``fmt``: written now, or staged for the background (``stager``)."""
 
-    def __init__(self, fmt: str, reuse: Reuse | None = None) -> None:
+    def __init__(self, fmt: ShardsFormat, reuse: Reuse | None = None) -> None:
         self.fmt = fmt
         self.reuse = reuse  # ``checkpoint.incremental``: stable tensors apart, linked when unchanged
 
@@ -449,7 +469,7 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
     try:
         state = get_optimizer_state_dict(model, optimizer)
         own = [group["params"] for group in state["param_groups"]]
-        _load(state, path, _reader(path, TORCH_SAVE, check), process_group, strict_keys=False)
+        _load(state, path, _reader(path, DCP_FILES, check), process_group, strict_keys=False)
         # each group's parameter names are this rank's, whatever the saving ranks held (one pipeline stage's, once
         # saved: ranks that hold different parameters write them under one key)
         for group, params in zip(state["param_groups"], own):

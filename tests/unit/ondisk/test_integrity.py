@@ -431,13 +431,13 @@ def test_malicious_pickled_entry_in_distcp_is_refused(env, tmp_path):
     """Non-tensor DCP entries are unpickled with weights_only=True (torch's default planner would run them)."""
     import torch.distributed.checkpoint as dcp
 
-    from automodel_ckpt.ondisk.formats.sharded import _load, _reader
+    from automodel_ckpt.ondisk.formats.sharded import DCP_FILES, _load, _reader
 
     marker = tmp_path / "pwned"
     dcp.save({"w": torch.ones(2), "extra": _Evil(marker)}, checkpoint_id=str(tmp_path / "d"))
     assert not marker.exists()
     with pytest.raises(CheckpointError) as err:
-        _load({"w": torch.zeros(2), "extra": None}, tmp_path / "d", _reader(tmp_path / "d", "torch_save"), None,
+        _load({"w": torch.zeros(2), "extra": None}, tmp_path / "d", _reader(tmp_path / "d", DCP_FILES), None,
               strict_keys=False)
     assert "refusing to load entry 'extra'" in str(err.value) and "\n" not in str(err.value)
     assert not marker.exists()

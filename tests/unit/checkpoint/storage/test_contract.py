@@ -93,7 +93,7 @@ def stage(run, name: str, step: int, val_loss: float | None = None) -> Path:
     (staging / "model").mkdir()
     (staging / "model" / "weights.bin").write_bytes(bytes([step]) * 64)
     write_metadata(staging, build_metadata(name=name, epoch=0, step=step, train_loss=1.0, val_loss=val_loss,
-                                           is_final=False, world_size=1, model_save_format=layout.SAFETENSORS))
+                                           is_final=False, world_size=1, model_save_format="safetensors"))
     manifest.seal(staging, 0, 1)
     run.upload(staging, name)
     return staging

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from automodel_ckpt.ondisk import checksum
-from automodel_ckpt.ondisk.formats import sharded
+from automodel_ckpt.ondisk.formats import registry, sharded
 from automodel_ckpt.ondisk.formats.fastio import directread, readers
 from automodel_ckpt.distributed.env import init_distributed
 from tests.unit.ondisk.formats.test_parallel_io import same, saved_tensor_file, values
@@ -82,14 +82,14 @@ def _count_direct_reads(monkeypatch) -> list[bool]:
 def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, mode):
     model = Odd(0)
     opt = _optimizer(model)
-    sharded.save_model(model, tmp_path / "model", fmt)
+    sharded.save_model(model, tmp_path / "model", registry.get(fmt))
     sharded.save_optimizer(model, opt, tmp_path / "optim")
     monkeypatch.setenv(directread.ENV, mode)
     seen = _count_direct_reads(monkeypatch)
 
     fresh = Odd(1)
     fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.numel()], lr=1e-2)
-    sharded.load_model(fresh, tmp_path / "model", fmt)
+    sharded.load_model(fresh, tmp_path / "model", registry.get(fmt))
     sharded.load_optimizer(fresh, fresh_opt, tmp_path / "optim")
     assert same(values(fresh, fresh_opt), values(model, opt))
     if mode == "force":
@@ -104,7 +104,7 @@ def test_a_filesystem_that_refuses_o_direct_reads_through_the_page_cache(monkeyp
     folder = Path(os.path.realpath(SHM)) / f"direct-read-{os.getpid()}"
     try:
         model = Odd(0)
-        sharded.save_model(model, folder / "model", "torch_save")
+        sharded.save_model(model, folder / "model", registry.get("torch_save"))
         try:
             os.close(os.open(folder / "model" / "__0_0.distcp", os.O_RDONLY | os.O_DIRECT))
             pytest.skip("this tmpfs takes O_DIRECT")
@@ -113,7 +113,7 @@ def test_a_filesystem_that_refuses_o_direct_reads_through_the_page_cache(monkeyp
         monkeypatch.setenv(directread.ENV, "force")
         seen = _count_direct_reads(monkeypatch)
         fresh = Odd(1)
-        sharded.load_model(fresh, folder / "model", "torch_save")
+        sharded.load_model(fresh, folder / "model", registry.get("torch_save"))
         assert same(values(fresh, _optimizer_empty(fresh)), values(model, _optimizer_empty(model)))
         assert seen and not any(seen)  # regions read, none through O_DIRECT
     finally:

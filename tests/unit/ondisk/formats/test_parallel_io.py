@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import (
 )
 
 from automodel_ckpt.ondisk import manifest, durable
-from automodel_ckpt.ondisk.formats import fastio, sharded
+from automodel_ckpt.ondisk.formats import fastio, registry, sharded
 from automodel_ckpt.ondisk.formats.fastio import common, filewrite, readers, records
 from automodel_ckpt.distributed.env import init_distributed
 
@@ -85,7 +85,7 @@ def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, dtype, direct):
         monkeypatch.setattr(filewrite, "DIRECT_CHUNK", 8192)
     model, optimizer = model_and_optimizer(0, dtype)
     _torch_io_unused(monkeypatch)
-    sharded.save_model(model, tmp_path / "model", fmt)
+    sharded.save_model(model, tmp_path / "model", registry.get(fmt))
     sharded.save_optimizer(model, optimizer, tmp_path / "optim")
     files = sorted(p.name for p in (tmp_path / "model").iterdir())
     if fmt == "safetensors":
@@ -98,7 +98,7 @@ def test_round_trip_is_exact(tmp_path, monkeypatch, fmt, dtype, direct):
     fresh_optimizer.state.clear()  # a resume: the optimizer has no state yet
     # the reads land in the parameters themselves: nothing is copied afterwards
     monkeypatch.setattr(sharded, "set_model_state_dict", lambda *a, **k: pytest.fail("copied after the load"))
-    sharded.load_model(fresh_model, tmp_path / "model", fmt)
+    sharded.load_model(fresh_model, tmp_path / "model", registry.get(fmt))
     sharded.load_optimizer(fresh_model, fresh_optimizer, tmp_path / "optim")
     assert same(values(fresh_model, fresh_optimizer), values(model, optimizer))
 
@@ -118,7 +118,7 @@ def test_torch_reads_our_files_and_we_read_torchs(tmp_path, fmt):
     model, _ = model_and_optimizer(0)
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    sharded.save_model(model, tmp_path / "ours", fmt)  # ours -> torch's reader
+    sharded.save_model(model, tmp_path / "ours", registry.get(fmt))  # ours -> torch's reader
     state = {k: torch.zeros_like(v) for k, v in expected.items()}
     reader = HuggingFaceStorageReader(str(tmp_path / "ours")) if fmt == "safetensors" else \
         FileSystemReader(str(tmp_path / "ours"))
@@ -129,7 +129,7 @@ def test_torch_reads_our_files_and_we_read_torchs(tmp_path, fmt):
         else FileSystemWriter(str(tmp_path / "torch"))
     dcp.save(expected, storage_writer=writer)  # torch's writer -> ours
     fresh, _ = model_and_optimizer(1)
-    sharded.load_model(fresh, tmp_path / "torch", fmt)
+    sharded.load_model(fresh, tmp_path / "torch", registry.get(fmt))
     assert same({k: v.detach() for k, v in fresh.state_dict().items()}, expected)
 
 
@@ -137,7 +137,7 @@ def test_safetensors_shard_is_a_valid_safetensors_file(tmp_path):
     from safetensors import safe_open
 
     model, _ = model_and_optimizer(0, torch.bfloat16)
-    sharded.save_model(model, tmp_path / "m", "safetensors")
+    sharded.save_model(model, tmp_path / "m", registry.get("safetensors"))
     with safe_open(str(tmp_path / "m" / "shard-00001-model-00001-of-00001.safetensors"), "pt") as f:
         assert set(f.keys()) == set(model.state_dict())
         assert f.metadata()["format"] == "pt" and "DCP_SHARDING_INFO" in f.metadata()
@@ -148,7 +148,7 @@ def test_safetensors_shard_is_a_valid_safetensors_file(tmp_path):
 def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
     model, optimizer = model_and_optimizer(0)
     written = durable.WrittenFiles()  # owned by the checkpointer in a run
-    sharded.save_model(model, tmp_path / "model", "safetensors", written=written)
+    sharded.save_model(model, tmp_path / "model", registry.get("safetensors"), written=written)
     sharded.save_optimizer(model, optimizer, tmp_path / "optim", written=written)
     algorithm = manifest.default_algorithm()
     for f in ["model/shard-00001-model-00001-of-00001.safetensors", "optim/__0_0.distcp"]:
@@ -180,7 +180,7 @@ def test_a_changed_file_is_never_trusted(tmp_path):
 def test_fsync_tree_skips_files_synced_by_their_writer(tmp_path, monkeypatch):
     model, _ = model_and_optimizer(0)
     written = durable.WrittenFiles()
-    sharded.save_model(model, tmp_path / "model", "torch_save", written=written)
+    sharded.save_model(model, tmp_path / "model", registry.get("torch_save"), written=written)
     (tmp_path / "config.yaml").write_text("x: 1\n")
     synced = []
     monkeypatch.setattr(durable, "fsync_file", lambda p: synced.append(Path(p).name))
@@ -266,9 +266,9 @@ def test_unrecognised_records_are_loaded_by_torch_load(tmp_path, monkeypatch):
 def test_records_note_where_their_tensor_lies_and_loads_need_not_look(tmp_path, monkeypatch):
     model, optimizer = model_and_optimizer(0)
     sharded.save_optimizer(model, optimizer, tmp_path / "optim")
-    sharded.save_model(model, tmp_path / "model", "torch_save")
+    sharded.save_model(model, tmp_path / "model", registry.get("torch_save"))
     for folder in ("optim", "model"):
-        metadata = sharded._reader(tmp_path / folder, "torch_save").read_metadata()
+        metadata = sharded._reader(tmp_path / folder, sharded.DCP_FILES).read_metadata()
         noted = 0
         for index, info in metadata.storage_data.items():
             chunk = metadata.state_dict_metadata[index.fqn]
@@ -291,7 +291,7 @@ def test_records_note_where_their_tensor_lies_and_loads_need_not_look(tmp_path, 
     monkeypatch.setattr(readers, "locate_record", lambda *a: pytest.fail("a noted record was looked up"))
     fresh, fresh_optimizer = model_and_optimizer(1)
     fresh_optimizer.state.clear()
-    sharded.load_model(fresh, tmp_path / "model", "torch_save")
+    sharded.load_model(fresh, tmp_path / "model", registry.get("torch_save"))
     sharded.load_optimizer(fresh, fresh_optimizer, tmp_path / "optim")
     assert same(values(fresh, fresh_optimizer), values(model, optimizer))
 
@@ -324,7 +324,7 @@ def test_a_load_session_shares_threads_and_buffers_and_leaves_none_behind(tmp_pa
 
     monkeypatch.setenv(directread.ENV, "force")  # every file through the page-aligned buffers
     model, optimizer = model_and_optimizer(0)
-    sharded.save_model(model, tmp_path / "model", "torch_save")
+    sharded.save_model(model, tmp_path / "model", registry.get("torch_save"))
     sharded.save_optimizer(model, optimizer, tmp_path / "optim")
     mapped, readers_seen = [], set()
     real_mmap, real_read = session.mmap.mmap, directread._read_region
@@ -334,7 +334,7 @@ def test_a_load_session_shares_threads_and_buffers_and_leaves_none_behind(tmp_pa
     fresh, fresh_optimizer = model_and_optimizer(1)
     fresh_optimizer.state.clear()
     with sharded.reading():
-        sharded.load_model(fresh, tmp_path / "model", "torch_save")
+        sharded.load_model(fresh, tmp_path / "model", registry.get("torch_save"))
         first = len(mapped)
         sharded.load_optimizer(fresh, fresh_optimizer, tmp_path / "optim")
     assert same(values(fresh, fresh_optimizer), values(model, optimizer))

@@ -1,0 +1,76 @@
+"""A model folder's tensors as pieces of files: what a format's export source (``ModelFormat.open_source``) returns.
+
+Each piece is one rank's box of a tensor at a byte range of a file, raw C-order bytes or a ``torch.save`` payload;
+the Hugging Face export (``export.sources``) checks their coverage and reads them one piece at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from automodel_ckpt.ondisk.formats.safetensors_io import numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's part of a tensor: a box at ``offsets`` of size ``shape`` inside the full tensor.
+
+    safetensors pieces are raw C-order bytes at ``[start, start + length)`` of ``file``; DCP pieces are a
+    ``torch.save`` payload there (``raw`` False), possibly with stream transforms (``transforms``); ``select``
+    then takes elements ``[a, b)`` of the stored payload (a piece cut to part of an exported tensor).
+    """
+
+    file: Path
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    start: int
+    length: int
+    raw: bool = True
+    transforms: tuple[str, ...] = ()
+    select: tuple[int, int] | None = None
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+
+@dataclass
+class SourceTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece] = field(default_factory=list)
+    base_shape: tuple[int, ...] | None = None
+    """Set for a strided view of a saved tensor: ``pieces`` tile a tensor of this shape, ..."""
+    view: tuple[int, tuple[int, ...]] | None = None
+    """... and this tensor is its ``as_strided(shape, stride, offset)`` view, given as ``(offset, stride)``."""
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+
+@dataclass
+class ShardSource:
+    """All tensors of one model folder, by name, with the pieces that make them up."""
+
+    folder: Path
+    format: str
+    tensors: dict[str, SourceTensor]
+    files: list[Path]
+
+    def fingerprint(self) -> list[tuple[str, int, int]]:
+        """Name, size and mtime of every shard file: identifies this exact set of shards."""
+        out = []
+        for f in self.files:
+            st = f.stat()
+            out.append((f.name, st.st_size, st.st_mtime_ns))
+        return out
+
+
+def is_index(value: object) -> bool:
+    """A whole number >= 0 (not a bool): an offset or a byte position read from a file."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

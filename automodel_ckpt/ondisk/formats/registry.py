@@ -1,0 +1,78 @@
+"""The model formats, by name: each is one module of this package, registered here by one line.
+
+``get(name)`` is ``checkpoint.model_save_format``'s format, ``detect(folder)`` the one whose files a folder holds
+(asked in registration order: an adapter first, its weights are a ``.safetensors`` file too), ``names()`` the
+values ``model_save_format`` accepts. A format from outside the package is added with ``register(fmt)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.ondisk.formats import adapter, dcp_shards, safetensors_shards
+from automodel_ckpt.ondisk.formats.base import ModelFormat
+
+_FORMATS: dict[str, ModelFormat] = {}
+
+
+def register(fmt: ModelFormat) -> ModelFormat:
+    """Add ``fmt`` (a ``base.ModelFormat`` with its ``name``); registering a name again replaces its format."""
+    if not fmt.name or not isinstance(fmt.name, str):
+        raise ValueError(f"a model format needs a name, got {fmt!r}")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister(name: str) -> None:
+    """Remove the format ``name`` (a plug-in's, when it is done)."""
+    _FORMATS.pop(str(name), None)
+
+
+register(adapter.FORMAT)
+register(safetensors_shards.FORMAT)
+register(dcp_shards.FORMAT)
+
+#: the format a model folder whose files no format recognises is read as: its reader names the missing file
+FALLBACK = dcp_shards.NAME
+
+
+def names(configurable: bool = True) -> list[str]:
+    """The registered formats' names, in order; with ``configurable`` only ``model_save_format``'s values."""
+    return [name for name, fmt in _FORMATS.items() if fmt.configurable or not configurable]
+
+
+def formats() -> list[ModelFormat]:
+    return list(_FORMATS.values())
+
+
+def get(name: Any) -> ModelFormat:
+    """The format named ``name`` (a string, or a config choice whose ``str`` is one); ``ConfigError`` otherwise."""
+    fmt = _FORMATS.get(str(name))
+    if fmt is None:
+        raise ConfigError(f"checkpoint.model_save_format: expected one of {', '.join(names())}, got '{name}'")
+    return fmt
+
+
+def detect(folder: Path) -> ModelFormat | None:
+    """The format whose files ``folder`` holds; None when it does not exist or holds no model files."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    return next((fmt for fmt in _FORMATS.values() if fmt.detect(folder)), None)
+
+
+def for_model(model: Any, configured: Any) -> ModelFormat:
+    """The format a save writes ``model`` in: one that claims it (a PEFT model's adapter), else ``configured``."""
+    return next((fmt for fmt in _FORMATS.values() if fmt.claims(model)), None) or get(configured)
+
+
+def for_loading(model: Any, folder: Path) -> ModelFormat:
+    """The format ``folder`` is loaded into ``model`` with: one that claims the model, else the one detected (when
+    it takes such a model), else ``FALLBACK``."""
+    claimed = next((fmt for fmt in _FORMATS.values() if fmt.claims(model)), None)
+    if claimed is not None:
+        return claimed
+    found = detect(folder)
+    return found if found is not None and found.accepts(model) else get(FALLBACK)
