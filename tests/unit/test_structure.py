@@ -633,3 +633,52 @@ def test_code_outside_data_enters_it_through_its_face():
         if found:
             offenders[str(path.relative_to(REPO))] = found
     assert offenders == {}, f"import these through automodel_ckpt.data: {offenders}"
+
+
+# --- model formats are plug-ins: one module each in ondisk/formats/, looked up by name through its registry ---------
+
+FORMATS_DIR = PACKAGE / "ondisk" / "formats"
+FORMAT_CONSTANTS = {"SAFETENSORS", "TORCH_SAVE", "ADAPTER_FORMAT"}  # the names' constants, as layout.py once held
+
+
+def format_name_spellings(source: str, names: set[str]) -> list[str]:
+    """Where ``source`` names a model format: a string literal that is exactly a format's name (``"safetensors"``,
+    ``"torch_save"``; docstrings aside: a ``.safetensors`` suffix, the ``safetensors`` library or prose are not), or
+    one of ``FORMAT_CONSTANTS`` (as a name, an attribute or an imported name)."""
+    out = spelled_names(source, names)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in FORMAT_CONSTANTS:
+            out.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in FORMAT_CONSTANTS:
+            out.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom):
+            out += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name in FORMAT_CONSTANTS]
+    return out
+
+
+def test_only_the_formats_and_the_config_schema_spell_a_model_format():
+    """A model format is one module of ``ondisk/formats/`` and one line of its registry: outside that package only
+    the config schema (``checkpoint.model_save_format``'s built-in values) spells a format's name. Measured: at most
+    one such file."""
+    from automodel_ckpt.ondisk.formats import registry
+
+    names = set(registry.names(configurable=True))
+    assert {"safetensors", "torch_save"} <= names
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(FORMATS_DIR):
+            continue
+        found = format_name_spellings(path.read_text(encoding="utf-8"), names)
+        if found:
+            offenders[str(path.relative_to(REPO))] = found
+    assert len(offenders) <= 1 and set(offenders) <= {"automodel_ckpt/checkpoint/config.py"}, offenders
+
+
+def test_the_format_name_rule_sees_names_and_constants_not_suffixes_or_the_library():
+    names = {"safetensors", "torch_save"}
+    assert format_name_spellings('fmt = "torch_save"\nif x == layout.SAFETENSORS: pass\n', names) == [
+        "line 1: 'torch_save'", "line 2: .SAFETENSORS"]
+    assert format_name_spellings("from automodel_ckpt.ondisk.layout import TORCH_SAVE\n", names) == [
+        "line 1: import TORCH_SAVE"]
+    assert format_name_spellings('"""Reads safetensors."""\nimport safetensors\nF = "model.safetensors"\n'
+                                 'LIMIT = bounded.SAFETENSORS_HEADER\n', names) == []
