@@ -2,11 +2,11 @@
 
     python tools/bench_train.py [--sizes 26m,120m] [--nprocs 1,2] [--steps 13] [--reps 2]
         [--contenders ours,hf,bare] [--extra="--optimizer.fused false ..."] [--device cpu|cuda] [--dtype fp32|bf16]
-        [--peak-tflops 989] [--work DIR] [--json docs/bench/NAME.json]
+        [--peak-tflops 989] [--seq-len 256] [--rows 8] [--work DIR] [--json docs/bench/NAME.json]
 
 Three contenders fine-tune the same Llama (``transformers.LlamaConfig``, random init from one seed, fp32 weights;
 ``--sizes``: ``tiny`` (a smoke test), ``26m``, ``120m``, ``1b`` (Llama 3.2 1B's shape, for a GPU)) on the same
-rows: sequences of 256 tokens, every one a label, 8 per process and step, no gradient accumulation, AdamW with the
+rows: sequences of 256 tokens (``--seq-len``), every one a label, 8 per process and step (``--rows``), no gradient accumulation, AdamW with the
 same hyper-parameters, gradient clipping at 1.0, no validation, no checkpoints:
 
 * ``ours``: ``ckpt-train`` through its CLI, as a user runs it (``tools/bench_train_recipe.py`` only adds each
@@ -145,7 +145,7 @@ def run_ours(args: argparse.Namespace, work: Path, size: str, nproc: int, out: P
     run_dir = out / "run"
     recipe = out / "recipe.yaml"
     recipe.write_text(RECIPE.format(
-        tools=TOOLS, seed=SEED, config=json.dumps(peers.llama_config(size)), work=work, seq=SEQ, micro=MICRO,
+        tools=TOOLS, seed=SEED, config=json.dumps(_config(size)), work=work, seq=SEQ, micro=MICRO,
         global_batch=MICRO * nproc, steps=args.steps, max_grad_norm=MAX_GRAD_NORM, run_dir=run_dir,
         **{k: json.dumps(v) for k, v in HYPER.items()}))
     overrides = ["--distributed.mixed_precision", "bf16"] if args.dtype == "bf16" else []
@@ -163,7 +163,7 @@ def run_ours(args: argparse.Namespace, work: Path, size: str, nproc: int, out: P
 
 def run_peer(args: argparse.Namespace, work: Path, size: str, nproc: int, peer: str, out: Path) -> dict:
     """One launch of a peer (``torch.distributed.run`` for several processes); step times are rank 0's."""
-    spec = {"config": peers.llama_config(size), "seed": SEED, "rows": str(work / "rows.npy"), "steps": args.steps,
+    spec = {"config": _config(size), "seed": SEED, "rows": str(work / "rows.npy"), "steps": args.steps,
             "micro_batch": MICRO, "hyper": HYPER, "max_grad_norm": MAX_GRAD_NORM, "device": args.device,
             "dtype": args.dtype}
     (out / "spec.json").write_text(json.dumps(spec))
@@ -177,6 +177,12 @@ def run_peer(args: argparse.Namespace, work: Path, size: str, nproc: int, peer: 
     extra = {k: v for k, v in ranks[0].items() if k not in ("rank", "step_seconds", "peak_rss_bytes",
                                                              "cuda_max_allocated_bytes")}
     return {"step_seconds": ranks[0]["step_seconds"], "ranks": ranks, "command": shlex.join(cmd)} | extra
+
+
+def _config(size: str) -> dict:
+    """``size``'s ``LlamaConfig`` arguments, with positions for ``SEQ`` tokens."""
+    config = peers.llama_config(size)
+    return config | {"max_position_embeddings": max(config["max_position_embeddings"], SEQ)}
 
 
 def contenders_at(chosen: list[str], nproc: int) -> list[str]:
@@ -293,6 +299,7 @@ def _names(text: str, known: tuple[str, ...] | list[str], flag: str) -> list[str
 
 
 def main() -> None:
+    global SEQ, MICRO
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="26m,120m", help=f"some of {', '.join(peers.SIZES)} (default 26m,120m)")
     p.add_argument("--nprocs", default="1,2", help="process counts (default 1,2)")
@@ -304,9 +311,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: mixed precision (CUDA)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak FLOP/s of one device in TFLOP/s for the MFU column (e.g. 989: H100 bf16 dense)")
+    p.add_argument("--seq-len", type=int, default=SEQ, help=f"tokens per row (default {SEQ})")
+    p.add_argument("--rows", type=int, default=MICRO, help=f"rows per process and step (default {MICRO})")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one, removed)")
     p.add_argument("--json", "--out", dest="json", type=Path, default=None, help="write the report here")
     args = p.parse_args()
+    SEQ, MICRO = args.seq_len, args.rows
     sizes = _names(args.sizes, list(peers.SIZES), "--sizes")
     chosen = _names(args.contenders, CONTENDERS, "--contenders")
     try:
