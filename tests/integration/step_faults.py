@@ -41,7 +41,8 @@ def env(step: int, pid_file: Path) -> dict[str, str]:
 
 
 def stopped(pid_file: Path, proc: subprocess.Popen) -> int | None:
-    """The pid rank 0 wrote once that process is stopped; None if the job ended first."""
+    """The pid written to ``pid_file`` (by this recipe, or by another fault hook) once that process is stopped; None
+    if the job ended first."""
     while proc.poll() is None:
         try:
             pid = int(pid_file.read_text())

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from automodel_ckpt.ondisk import catalog, layout, manifest
 from automodel_ckpt.ondisk.incremental import stored_once
+from tests.integration import step_faults
 from tests.integration.harness import (
     CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, losses, run_command, start_command, stop_job,
 )
@@ -85,19 +86,6 @@ def _killed(work: Path, assets: Path) -> Path:
     return run
 
 
-def _stopped(pid_file: Path, proc: subprocess.Popen) -> int | None:
-    """The pid ``prune_faults`` wrote once that process is stopped; None if the job ended first."""
-    while proc.poll() is None:
-        try:
-            pid = int(pid_file.read_text())
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-                return pid
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.01)  # polling for the moment, not waiting for time: the process stops itself
-    return None
-
-
 @cache
 def _rerun_killed_in_a_prune(work: Path, assets: Path) -> tuple[str, list[str]]:
     """The killed run rerun to step 4 with ``--max-restarts 1``: rank 0 stops itself in the middle of its first prune
@@ -111,7 +99,7 @@ def _rerun_killed_in_a_prune(work: Path, assets: Path) -> tuple[str, list[str]]:
     with open(log, "w") as out:
         proc = start_command(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        pid = _stopped(pid_file, proc)
+        pid = step_faults.stopped(pid_file, proc)  # the pid prune_faults wrote, once stopped
         assert pid is not None, log.read_text()[-3000:]
         published = catalog.scan(run)
         assert published and all(manifest.verify(c.path).ok for c in published)  # while the prune is cut short
