@@ -346,7 +346,8 @@ class GRPO(Algorithm):
         width = (target.shape[1] - 1) // 3
         labels = target[:, :width].long()
         logp = token_log_probs(logits, labels).double()
-        keep = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, 1:]], dim=1) != IGNORE
+        keep = labels != IGNORE  # the completion's tokens; the first column has no logits before it
+        keep[:, 0] = False
         ref = target[:, 2 * width:3 * width] if section.beta > 0 else None
         loss, sums = clipped_loss(logp, target[:, width:2 * width], ref, target[:, -1], keep,
                                   epsilon=section.epsilon, epsilon_high=section.epsilon_high, beta=section.beta)
