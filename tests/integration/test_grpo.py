@@ -106,3 +106,22 @@ def test_resumed_on_one_process_samples_the_same_completions(work, assets, strai
     for key in ("completion_hash", "reward", "grpo_step", "ppo_optimization_step", "rollout_pass"):
         assert [r[key] for r in got] == [r[key] for r in want], key
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5, abs=1e-7)
+
+
+def test_started_from_an_sft_checkpoint_its_reference_is_those_weights(work, assets):
+    """The recipe's intended start: an SFT run's weights (``restore_from`` + ``load_only: [model]``), this run's own
+    counters; the frozen reference is the policy as loaded (no KL at the first pass), not the random base."""
+    ckpt_train(work, assets, "--dataset.num_samples", "200", "--data.val_size", "0", "--step_scheduler.max_steps",
+               "2", "--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.global_batch_size", "16",
+               "--step_scheduler.local_batch_size", "8", "--checkpoint.save_consolidated", "false",
+               "--checkpoint.checkpoint_dir", "sft", nproc=2, recipe=REPO / "recipes" / "tiny_llama_sft.yaml")
+    sft = work / "sft" / "epoch_0_step_2"
+    ckpt_train(work, assets, *ARGS, "--step_scheduler.max_steps", "2", "--step_scheduler.ckpt_every_steps", "2",
+               "--checkpoint.checkpoint_dir", "from_sft", "--checkpoint.restore_from", str(sft),
+               "--checkpoint.load_only", "[model]", nproc=2, recipe=RECIPE)
+    rows = jsonl(work / "from_sft" / "training.jsonl")
+    assert [(r["step"], r["grpo_step"], r["rollout_pass"]) for r in rows] == [(1, 1, 1), (2, 1, 2)]
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0
+    meta = json.loads((work / "from_sft" / "epoch_0_step_2" / layout.METADATA_FILE).read_text())
+    assert (meta["extra"]["grpo_step"], meta["extra"]["ppo_optimization_step"]) == (1, 2)
+    assert (work / "from_sft" / "epoch_0_step_2" / "ref_model").exists()
