@@ -31,7 +31,8 @@ def build_parser() -> VerbParser:
                    help="--calibrate: a text file (one example a line) or a .jsonl file (each record's \"text\")")
     p.add_argument("--recipe", default=None, metavar="RECIPE.yaml",
                    help="--calibrate: a recipe of yours whose validation data (else training data) are the examples; "
-                        "--to hf-trainer: the recipe that trained the checkpoint (never the copy a checkpoint holds)")
+                        "--to hf-trainer: the recipe that trained the checkpoint (never the copy a checkpoint holds), "
+                        "--section.key value overrides of it may follow")
     p.add_argument("--out", default=None, help="the GGUF file or int8 folder to write (default: beside SRC, "
                                                "SRC-TYPE.gguf or SRC-int8-SCHEME/); replaced if it exists")
     p.add_argument("--adapter", action="store_true", help="gguf, a LoRA checkpoint: its adapter as a GGUF LoRA "
@@ -44,7 +45,11 @@ def build_parser() -> VerbParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and (args.to != "hf-trainer" or not rest[0].startswith("--") or rest[0] == "--"):
+        parser.parse_args(argv)  # argparse's own error for what is no argument of export
+    args.overrides = rest  # --to hf-trainer: --section.key value overrides of --recipe, checked by the loader
     try:
         return _export(args)
     except OSError as exc:  # a file that cannot be read or written, where no reader named it already
@@ -57,7 +62,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.to == "hf-trainer":
         from automodel_ckpt.cli.export_hf_trainer import export
 
-        return export(src, Path(args.out) if args.out else None, Path(args.recipe) if args.recipe else None)
+        return export(src, Path(args.out) if args.out else None, Path(args.recipe) if args.recipe else None,
+                      args.overrides)
     if args.calibrate and args.to != "int8":
         raise UsageError("--calibrate applies to --to int8 only")
     if args.calibrate < 0:

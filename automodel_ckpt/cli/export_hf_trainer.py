@@ -1,7 +1,8 @@
 """`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder.
 
-The run's recipe, given on the command line (``--recipe RECIPE.yaml``: the checkpoint's own ``config.yaml`` is a
-copy that may name any code, and is never built), is built in this process as a 1-process run, the checkpoint
+The run's recipe, given on the command line (``--recipe RECIPE.yaml``, with the ``--section.key value`` overrides
+the run had, as every verb takes them: the checkpoint's own ``config.yaml`` is a copy that may name any code, and is
+never built), is built in this process as a 1-process run, the checkpoint
 restored into it (resharded from any world size), and its state written by ``interop.hf_export``. The checkpoint's
 run folder is only read: the build's own run folder is a temporary one.
 """
@@ -18,7 +19,8 @@ from automodel_ckpt.errors import CheckpointError, UsageError
 from automodel_ckpt.ondisk import CONFIG_FILE, METADATA_FILE, TRAINING_LOG
 
 
-def export(src: Path, out: Path | None, recipe: Path | None) -> int:
+def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | None = None) -> int:
+    """``typed``: the recipe's ``--section.key value`` overrides, as the run that trained the checkpoint had them."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise UsageError("export --to hf-trainer runs as one process")
     if recipe is None:
@@ -38,7 +40,7 @@ def export(src: Path, out: Path | None, recipe: Path | None) -> int:
         overrides = ["--checkpoint.checkpoint_dir", scratch, "--checkpoint.restore_from", str(src),
                      "--checkpoint.enabled", "true", "--checkpoint.save_consolidated", "false",
                      "--training.progress_bar", "false", "--distributed.pp_size", "1", "--distributed.tp_size", "1"]
-        cfg = load_config(str(recipe_file), overrides, RecipeConfig)
+        cfg = load_config(str(recipe_file), [*(typed or []), *overrides], RecipeConfig)
         recipe = locate(cfg.recipe, "recipe")(cfg)
         recipe.setup()
         try:

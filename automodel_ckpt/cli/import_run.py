@@ -3,8 +3,10 @@
 The recipe is loaded and checked, its model built on the meta device to bound the source's files (``source_limits``);
 the source is read and checked (``interop.read_source``); then the recipe is built in this process as a 1-process
 run builds it (world size 1, its own model, optimizer, scheduler, data and step scheduler), the source's state is
-put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``. The same
-recipe with ``checkpoint_dir: RUN_DIR`` then resumes from it at any world size.
+put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``. The
+recipe built is ``RUN_DIR/recipe.yaml`` (``interop.recipe``): the given one with the overrides typed, what the source
+needs (its schedule, length, optimizer settings and groups) and ``checkpoint_dir: RUN_DIR``; ``ckpt-train
+RUN_DIR/recipe.yaml``, the command printed, continues the run at any world size.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import ConfigError, UsageError
+from automodel_ckpt.ondisk import IMPORT_RECIPE
 
 
 def build_parser() -> VerbParser:
@@ -53,9 +56,9 @@ def main(argv: list[str]) -> int:
     one_process = ["--distributed.tp_size", "1", "--distributed.pp_size", "1", "--distributed.dp_size", "1",
                    "--distributed.dp_replicate_size", "1", "--distributed.ep_size", "1",
                    "--distributed.sequence_parallel", "false", "--training.compile", "false"]
-    overrides = [*args.overrides, *one_process, "--checkpoint.checkpoint_dir", str(out), "--checkpoint.enabled",
-                 "true", "--checkpoint.restore_from", "null", "--training.progress_bar", "false"]
-    cfg = load_config(args.recipe, overrides, RecipeConfig)
+    for_import = [*one_process, "--checkpoint.checkpoint_dir", str(out), "--checkpoint.enabled", "true",
+                  "--checkpoint.restore_from", "null", "--training.progress_bar", "false"]
+    cfg = load_config(args.recipe, [*args.overrides, *for_import], RecipeConfig)
     if cfg.training.get("ema_decay") is not None:
         raise ConfigError("training.ema_decay: the source holds no moving average of its weights to import; "
                           "import into a recipe without one (--training.ema_decay null)")
@@ -67,11 +70,29 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
     if out.is_dir() and list_checkpoints(out):
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
+    if out.is_symlink() or (out / IMPORT_RECIPE).is_symlink():
+        raise UsageError(f"--out '{out}': a link; import into a new run folder")
+    from automodel_ckpt.config.loader import load_yaml, parse_value, split_overrides, to_yaml_data
+    from automodel_ckpt.interop import recipe as continuing
+
+    typed = [(key, parse_value(text)) for key, text in split_overrides(args.overrides)]
+    data, added = continuing.written(load_yaml(args.recipe), typed, run, str(out))
+    written = out / IMPORT_RECIPE
+    fresh = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    written.write_text(continuing.header(run, str(src), str(args.recipe), args.overrides, added) + to_yaml_data(data),
+                       encoding="utf-8")
+    try:
+        cfg = load_config(written, for_import, RecipeConfig)  # the file's run is the one imported
+        check_recipe(cfg, 1, inputs=False)
+    except BaseException:
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     recipe = locate(cfg.recipe, "recipe")(cfg)
     from automodel_ckpt.checkpoint import SaveInfo
     from automodel_ckpt.interop.apply import apply
 
-    fresh = not out.exists()
     try:
         recipe.setup()
         say = recipe.progress.write
@@ -85,10 +106,13 @@ def main(argv: list[str]) -> int:
             recipe.checkpointer.finalize(failed=True)
         if fresh and out.is_dir() and not list_checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)  # the folder this import made, with nothing in it
+        elif not list_checkpoints(out):
+            written.unlink(missing_ok=True)
         raise
+    for key, value in added.items():
+        print(f"{written}: {key} = {value} (the source's)", flush=True)
     print(f"Imported {run.kind} as {saved} (step {counters['step']}, epoch {counters['epoch']}, "
-          f"{counters['consumed_samples']} samples consumed); continue with: ckpt-train {args.recipe} "
-          f"--checkpoint.checkpoint_dir {out}" + "".join(f" {a}" for a in args.overrides), flush=True)
+          f"{counters['consumed_samples']} samples consumed); continue with: ckpt-train {written}", flush=True)
     sys.stdout.flush()
     return 0
 

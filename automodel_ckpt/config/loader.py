@@ -21,7 +21,7 @@ from automodel_ckpt.ondisk import MAX_DEPTH, yaml_depth_line
 from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
-__all__ = ["load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml"]
+__all__ = ["load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml", "to_yaml_data"]
 
 # YAML 1.1 (PyYAML) reads `1e-4` and `1.0e5` as strings; YAML 1.2 and Python read them as floats.
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
@@ -410,4 +410,9 @@ def to_yaml(cfg: DictConfig) -> str:
     """The resolved config as YAML, secrets redacted (``redact.py``): what a checkpoint's ``config.yaml``
     and ``--dry-run`` show. ``load_config`` reads it back to an equal config when it holds no secret."""
     data = redacted(OmegaConf.to_container(resolve(cfg), resolve=False, enum_to_str=True))
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def to_yaml_data(data: Any) -> str:
+    """Plain recipe data (a ``load_yaml`` mapping, edited) as YAML that ``load_yaml`` reads back equal."""
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)

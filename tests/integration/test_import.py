@@ -41,15 +41,43 @@ def hf_run(tmp_path_factory, assets):
     return folder / "out" / "checkpoint-6", recipe, continued, rows
 
 
-def test_an_hf_trainer_run_continues_here_on_one_and_two_processes(tmp_path, assets, hf_run):
-    checkpoint, recipe, continued, _ = hf_run
-    done = _import(tmp_path, assets, checkpoint, recipe)
+PLAIN = "{_target_: automodel_ckpt.training.lr.constant_after_warmup, warmup_steps: 0}"
+
+
+def _plain_recipe(folder: Path, assets: Path, max_steps: int = 40) -> Path:
+    """A recipe that knows nothing of the source: another schedule, one AdamW group without decay, and (where the
+    source's schedule has an end: the HF Trainer's) another length."""
+    folder.mkdir(exist_ok=True)
+    recipe = ft.write_recipe(folder, assets, PLAIN)
+    recipe.write_text(recipe.read_text().replace("max_steps: 10", f"max_steps: {max_steps}"))
+    return recipe
+
+
+def _continued_with_the_printed_command(done, run: str = "run") -> Path:
+    """The command the import printed: ``ckpt-train RUN/recipe.yaml``, nothing else."""
     assert done.returncode == 0, done.stderr[-3000:]
+    command = done.stdout.strip().splitlines()[-1].split("continue with: ")[1]
+    assert command == f"ckpt-train {run}/recipe.yaml", done.stdout
+    return Path(command.split()[1])
+
+
+def test_an_hf_trainer_run_continues_here_on_one_and_two_processes(tmp_path, assets, hf_run):
+    """Imported into a recipe without the Trainer's schedule, length or weight decay: the run folder's recipe.yaml
+    has them, and the printed command continues the run."""
+    checkpoint, _, continued, _ = hf_run
+    done = _import(tmp_path, assets, checkpoint, _plain_recipe(tmp_path / "plain", assets))
+    written = _continued_with_the_printed_command(done)
     assert "Imported HF Trainer checkpoint (step 6) as run/epoch_0_step_6" in done.stdout
+    text = (tmp_path / written).read_text()
+    assert text.startswith("# Written by ckpt-train import: HF Trainer checkpoint (step 6) from ")
+    assert "optimizer._target_ = automodel_ckpt.training.decay.AdamWNoDecay" in done.stdout
+    assert f"optimizer.weight_decay = {ft.DECAY}" in done.stdout and "step_scheduler.max_steps = 10" in done.stdout
+    assert "lr_scheduler = {'_target_': 'automodel_ckpt.training.lr.linear_decay'" in done.stdout
     shutil.copytree(tmp_path / "run", tmp_path / "run2")
+    (tmp_path / "run2" / "recipe.yaml").write_text(text.replace("checkpoint_dir: run\n", "checkpoint_dir: run2\n"))
     for nproc, run in ((1, "run"), (2, "run2")):
-        ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", run, "--step_scheduler.local_batch_size",
-                   str(ft.BATCH // nproc), recipe=recipe, nproc=nproc)
+        args = () if nproc == 1 else ("--step_scheduler.local_batch_size", str(ft.BATCH // nproc))
+        ckpt_train(tmp_path, assets, *args, recipe=tmp_path / run / "recipe.yaml", nproc=nproc)
         records = {r["step"]: r for r in jsonl(tmp_path / run / "training.jsonl")}
         assert sorted(records) == list(range(1, 11))  # the Trainer's logged steps, then ours
         assert records[7]["sample_ids"] == list(range(48, 56))  # the rows the Trainer would take next
@@ -89,16 +117,18 @@ def test_an_hf_trainer_fsdp_checkpoint_continues_here(tmp_path, assets, hf_run):
 
 
 def test_a_lightning_run_continues_here(tmp_path, assets):
-    recipe = ft.write_recipe(tmp_path, assets, ft.COSINE_ANNEALING)
+    """Into a recipe without its cosine schedule: the printed command continues it, no override typed."""
+    recipe = _plain_recipe(tmp_path / "plain", assets, max_steps=ft.STEPS)
     rows = ft.recipe_rows(recipe)
     # the checkpoint of step 6 of an uninterrupted run, which is the reference: Lightning's own resume from it
     # restarts the epoch of a plain DataLoader
     straight = ft.lightning_fit(rows, assets, ft.STEPS, save=tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["six.ckpt"]
     done = _import(tmp_path, assets, tmp_path / "six.ckpt", recipe)
-    assert done.returncode == 0, done.stderr[-3000:]
+    written = _continued_with_the_printed_command(done)
     assert "Lightning records no random generators' state" in done.stdout
-    ckpt_train(tmp_path, assets, "--checkpoint.checkpoint_dir", "run", recipe=recipe)
+    assert "lr_scheduler = {'_target_': 'automodel_ckpt.training.lr.cosine_annealing', 't_max': 10" in done.stdout
+    ckpt_train(tmp_path, assets, recipe=tmp_path / written)
     _assert_close(_losses(tmp_path / "run"), straight)
 
 
