@@ -110,9 +110,9 @@ class Checkpointer:
         dims: ParallelDims | None = None,
         side_failure: Callable[[str, str, int], None] | None = None,
         preemption: PreemptionWatcher | None = None,
-        observer: SaveObserver | None = None,
+        observer: SaveObserver | None = None, lineage: Callable[[Path | None], dict[str, Any]] | None = None,
     ) -> None:
-        self._cfg, self._env, self._say = cfg, env, say
+        self._cfg, self._env, self._say, self._lineage = cfg, env, say, lineage  # lineage: of what resume loaded
         # Per-rank files (data position, RNG) are per data-parallel rank, written by its first tensor-parallel rank.
         self._dims = dims or ParallelDims.single(env.rank, env.world_size)
         self._fingerprint = fingerprint  # recorded in every checkpoint; resume compares (ondisk/fingerprint.py)
@@ -137,6 +137,10 @@ class Checkpointer:
         self.stats = CheckpointerStats(self)
 
     # ------------------------------------------------------------------------------------------ save
+    def set_lineage(self, record: dict[str, Any] | None) -> None:
+        """What every checkpoint saved from now records as its parents (``export/lineage.py``; rank 0's is written)."""
+        self._writer.lineage = record
+
     def step_end(self, states: States, steps: Steps, *, epoch: int, loss: float,
                  extra: Callable[[], dict[str, Any]] | None = None, validate: Callable[[], float] | None = None,
                  validate_now: bool = False) -> StepEnded:
@@ -275,6 +279,8 @@ class Checkpointer:
                                                    world_size=world_size, say=self._say))
         tier, loaded = fallback.first_loaded(tiers, states) or (DURABLE, None)
         self._took(loaded, tier, started)
+        if self._lineage is not None and rank == 0 and cfg.enabled:  # the parents every checkpoint records
+            self._writer.lineage = self._lineage(self._restored.path)
         self._cycle.start()
         return self._restored
 

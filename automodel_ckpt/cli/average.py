@@ -44,6 +44,9 @@ def main(argv: list[str]) -> int:
     except UserError:
         raise UsageError(f"--dtype: unknown dtype '{args.dtype}'; use bf16, fp16, fp32 or fp64") from None
     report = average(sources, weights, args.out, dtype=dtype)
+    from automodel_ckpt.export import export_lineage, write_lineage_file
+
+    write_lineage_file(report.out, export_lineage(list(report.sources)))  # every source, by path and fingerprint
     for source, weight in zip(report.sources, report.weights):
         print(f"  {weight:.4f}  {source}")
     what = "adapter" if report.kind == "adapter" else "Hugging Face model"

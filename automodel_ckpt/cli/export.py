@@ -96,7 +96,10 @@ def _export(args: argparse.Namespace) -> int:
             if args.dry_run:
                 print(f"would write {out}", flush=True)
                 return 0
-            done = write_gguf(source, plan, out, progress=not args.no_progress, num_threads=max(1, args.num_threads))
+            from automodel_ckpt.export import export_lineage, lineage_json
+
+            done = write_gguf(source, plan, out, progress=not args.no_progress, num_threads=max(1, args.num_threads),
+                              lineage=lineage_json(export_lineage([src])))
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
               f"{done['seconds']:.2f} s)", flush=True)
         return 0
@@ -111,6 +114,9 @@ def _export(args: argparse.Namespace) -> int:
             print(f"would write {out}", flush=True)
             return 0
         done = write_int8(source, plan, out, progress=not args.no_progress)
+    from automodel_ckpt.export import export_lineage, write_lineage_file
+
+    write_lineage_file(out, export_lineage([src]))
     print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.2f} s)", flush=True)
     return 0
 

@@ -52,6 +52,9 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
             staging = target.with_name(f".{target.name}.partial")
             shutil.rmtree(staging, ignore_errors=True)
             args = hf_export.write(recipe, staging, log)
+            from automodel_ckpt.export import export_lineage, write_lineage_file
+
+            write_lineage_file(staging, export_lineage([src]))  # the checkpoint it came from
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)

@@ -1,4 +1,4 @@
-"""``ckpt-train inspect CHECKPOINT_DIR [--json] [--cost [--mtbf-hours H]]``: a run folder's checkpoints, or their cost."""
+"""``ckpt-train inspect CHECKPOINT_DIR [--json] [--cost [--mtbf-hours H]] [--lineage]``: checkpoints, cost, lineage."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def build_parser() -> VerbParser:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.add_argument("--cost", action="store_true", help="what checkpoints cost this run, and the Young/Daly interval "
                                                         "for its failure rate (docs/tracking.md)")
+    p.add_argument("--lineage", action="store_true", help="where CHECKPOINT_DIR (a checkpoint, an export folder or a "
+                                                           "GGUF file) came from: its parents back to the base model, "
+                                                           "with their fingerprints (docs/inspect-and-diff.md)")
     p.add_argument("--mtbf-hours", type=float, default=None,
                    help="mean time between failures for --cost (default: observed in the run, else 24)")
     return p
@@ -40,6 +43,13 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
+    if args.lineage:
+        if args.cost or args.json:
+            raise UsageError("--lineage: give it alone (not with --cost or --json)")
+        from automodel_ckpt.export import lineage_chain
+
+        print("\n".join(lineage_chain(Path(args.checkpoint_dir))), flush=True)
+        return 0
     from automodel_ckpt.export import describe_archive as describe, describe_gguf, is_archive, is_gguf
 
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once

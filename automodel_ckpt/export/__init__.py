@@ -41,6 +41,15 @@ _EXPORTS = {
     "pack_summary": ("archive_pack", "pack_summary"),
     # GGUF files for llama.cpp
     "is_gguf": ("gguf_read", "is_gguf"),
+    "lineage_chain": ("lineage", "lineage_chain"),
+    "lineage_fingerprint": ("lineage", "lineage_fingerprint"),
+    "lineage_parent": ("lineage", "lineage_parent"),
+    "lineage_json": ("lineage", "lineage_json"),
+    "training_lineage": ("lineage", "training_lineage"),
+    "export_lineage": ("lineage", "export_lineage"),
+    "data_identity": ("lineage", "data_identity"),
+    "read_lineage": ("lineage", "read_lineage"),
+    "write_lineage_file": ("lineage", "write_lineage_file"),
     "describe_gguf": ("gguf_read", "describe_gguf"),
     "verify_gguf": ("gguf_read", "verify_gguf"),
     "plan_gguf": ("gguf_export", "plan_gguf"),
@@ -60,6 +69,9 @@ if TYPE_CHECKING:
     from automodel_ckpt.export.gguf_adapter import write_gguf_adapter
     from automodel_ckpt.export.gguf_export import plan_gguf, write_gguf
     from automodel_ckpt.export.gguf_read import describe_gguf, is_gguf, verify_gguf
+    from automodel_ckpt.export.lineage import (data_identity, export_lineage, lineage_chain, lineage_fingerprint,
+                                               lineage_json, lineage_parent, read_lineage, training_lineage,
+                                               write_lineage_file)
     from automodel_ckpt.export.hf_metadata import write_hf_metadata
     from automodel_ckpt.export.int8_export import plan_int8, write_int8
     from automodel_ckpt.export.lora_merge import merge_lora

@@ -108,11 +108,12 @@ def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
 
 
 def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool = True,
-               num_threads: int = 1) -> dict[str, Any]:
+               num_threads: int = 1, lineage: str | None = None) -> dict[str, Any]:
     """Write ``plan`` of ``source`` to ``out``; returns what was written (bytes, seconds, tokenizer model).
 
     With ``num_threads`` > 1, that many tensors are read and quantized ahead of the one being written (NumPy and torch
-    release the interpreter's lock while they compute): memory is then bounded by that many of the largest tensor."""
+    release the interpreter's lock while they compute): memory is then bounded by that many of the largest tensor.
+    ``lineage``: the export's lineage record (JSON text), written as the ``automodel_ckpt.lineage`` key."""
     import gguf
 
     from automodel_ckpt.export.gguf_vocab import add_vocab
@@ -126,6 +127,8 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
     writer = _writer_class()(tmp, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, plan.family.arch)])
     try:
         _metadata(writer, source, plan)
+        if lineage is not None:
+            writer.add_string("automodel_ckpt.lineage", lineage)
         vocab_rows = _vocab_rows(plan)
         tokenizer_model = add_vocab(writer, source.side_dir, vocab_rows, plan.family.required_tokens)
         for t, qtype in plan.tensors:

@@ -98,9 +98,10 @@ class GGUFHeader:
     data_offset: int = 0
 
 
-def open_gguf(path: Path) -> GGUFHeader:
+def open_gguf(path: Path, keep: dict[str, int] | None = None) -> GGUFHeader:
     """The header of the GGUF file ``path``, walked and bounded (module docstring); one-line ``CheckpointError``
-    otherwise. The file is the one the user named: a link to it is followed, a FIFO or device is refused."""
+    otherwise. The file is the one the user named: a link to it is followed, a FIFO or device is refused.
+    ``keep``: keys whose string value is read up to that many bytes (a longer one is refused in one line)."""
     path = Path(path)
     try:
         fd = paths.open_regular(path, follow=True)
@@ -121,7 +122,15 @@ def open_gguf(path: Path) -> GGUFHeader:
         _count(path, n_kv, "metadata keys", room // _MIN_KV_BYTES, MAX_KEYS, size)
         _count(path, n_tensors, "tensors", room // _MIN_TENSOR_INFO_BYTES, MAX_TENSORS, size)
         walker = _Walker(f, path, size)
+        walker.keep = dict(keep or {})
         return walker.header(version, n_kv, n_tensors)
+
+
+def gguf_lineage_text(path: Path, limit: int, key: str = "automodel_ckpt.lineage") -> str | None:
+    """The lineage record (JSON text) an export wrote into the GGUF file ``path`` (None: none), read up to ``limit``
+    bytes: a longer one is refused in one line."""
+    value = open_gguf(path, keep={key: limit}).values.get(key)
+    return value if isinstance(value, str) else None
 
 
 def _count(path: Path, n: int, what: str, fits: int, cap: int, size: int) -> None:
@@ -136,6 +145,8 @@ class _Walker:
 
     def __init__(self, f: BinaryIO, path: Path, size: int) -> None:
         self.f, self.path, self.size, self.at, self.items = f, path, size, 24, 0
+        self.keep: dict[str, int] = {}  # keys whose strings are read up to a larger bound
+        self.key = ""  # the key whose value is being read
 
     def damaged(self, why: str) -> CheckpointError:
         return CheckpointError(f"damaged GGUF file '{self.path}': {why} at byte {self.at} (truncated, or a length "
@@ -174,6 +185,11 @@ class _Walker:
             return self.unpack(_FIXED[kind], "a value")
         if kind == _STRING:
             n = self.unpack("<Q", "a string's length")
+            if depth == 0 and self.key in self.keep:
+                if n > self.keep[self.key]:
+                    raise CheckpointError(f"'{self.path}': its {self.key[:80]} is {n} bytes, over the limit of "
+                                          f"{self.keep[self.key]} for a lineage record")
+                return self.read(n, "a string").decode("utf-8", "replace")
             if n > _SHOWN_STRING:
                 self.skip(n, "a string")
                 return None
@@ -206,7 +222,7 @@ class _Walker:
 
         out = GGUFHeader(self.path, self.size, version)
         for _ in range(n_kv):
-            key = self.name("a key")
+            key = self.key = self.name("a key")
             if key in out.values:
                 raise self.damaged(f"the key '{key[:80]}' twice")
             out.values[key] = self.value(self.unpack("<I", "a value type"))

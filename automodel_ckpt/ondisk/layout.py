@@ -89,6 +89,7 @@ QUARANTINE_DIR = "quarantine"  # damaged checkpoints moved aside by resume (neve
 OBJECT_STORE_SOURCE = ".object-store.json"  # in a local mirror of an object-store checkpoint_dir: its URL
 # On an object store: the run folder's marker, a checkpoint upload's first object, the lease of the writing run.
 RUN_MARKER = ".automodel-ckpt-run.json"
+LINEAGE_FILE = "automodel_lineage.json"  # in an export folder: the checkpoint(s) it came from (lineage.py)
 IMPORT_RECIPE = "recipe.yaml"  # in a run folder written by ``ckpt-train import``: the recipe that continues it
 UPLOAD_MARKER = ".automodel-ckpt-upload.json"
 LEASE_OBJECT = ".automodel-ckpt-lease.json"

@@ -105,6 +105,7 @@ class BaseRecipe:
                                      config_yaml=config_yaml)
         if self._observer.tracker.requested:
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
+        options.setdefault("lineage", self.lineage_record)
         self.checkpointer = Checkpointer(self.checkpoint_config, self.env, resolved_config_yaml=config_yaml,
                                          preemption=self._preemption, observer=self._observer, **options)
         return self.checkpointer
@@ -133,6 +134,17 @@ class BaseRecipe:
     def finalize_checkpoints(self) -> Path | None:
         """Complete the checkpoint still being written in the background (``checkpoint.is_async``), if any."""
         return self.checkpointer.finalize()
+
+    def lineage_record(self, restored: Path | None) -> dict[str, Any]:
+        """This run's parents (``export/lineage.py``): its base model, the checkpoint it restored or resumed from, its
+        training data; what each of its checkpoints records."""
+        from automodel_ckpt.export import data_identity, training_lineage
+
+        model = self.cfg.get("model")
+        data = getattr(getattr(self, "dataloader", None), "data", None)
+        return training_lineage(model.get("pretrained_model_name_or_path") if model is not None else None,
+                                restored, self.cfg.checkpoint.get("restore_from"), run_folder(self.checkpoint_config),
+                                data_identity(self.cfg, data))
 
     def restore_checkpoint(self) -> Path | None:
         """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any;

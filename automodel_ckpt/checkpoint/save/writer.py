@@ -55,6 +55,7 @@ class SaveWriter:
         self.side_failure = side_failure  # (kind, text, step): side work that failed while the save went on
         self.dir = run.local  # read by ``diskfull.guarded``
         self.config_yaml, self.hf, self.fingerprint, self.time, self.say = config_yaml, hf, fingerprint, time, say
+        self.lineage: dict[str, Any] | None = None  # each checkpoint's parents (lineage.py), set by the run
         self.policy = SavePolicy(settings, is_main=env.is_main)
         self.retention = settings.retention
         self.resumed_from: str | None = None  # the checkpoint this run resumed from (retention on a store keeps it)
@@ -182,6 +183,7 @@ class SaveWriter:
             config_yaml=self.config_yaml,
             model_save_format=fmt.name,
             training_seconds=self.time.seconds(), fingerprint=self.fingerprint, write_after=helpers,
+            lineage=self.lineage,
         )
 
     def _complete(self, pending: overlap.PendingSave) -> Path:
@@ -342,7 +344,7 @@ class LocalFiles:
 def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_size: int, config_yaml: str,
          model_save_format: str, training_seconds: float, fingerprint: dict[str, Any] | None,
          write_after: Callable[[], None] | None = None, dp_rank: int | None = -1,
-         mesh: dict[str, int] | None = None) -> LocalFiles:
+         mesh: dict[str, int] | None = None, lineage: dict[str, Any] | None = None) -> LocalFiles:
     """This rank's files, their contents taken now: per-rank state; on rank 0 (``rank == 0``) also global state,
     ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``write_after``, run after them).
 
@@ -365,6 +367,8 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
         world_size=world_size, model_save_format=model_save_format, training_seconds=training_seconds,
         fingerprint=fingerprint, mesh=mesh,
     )
+    if lineage is not None:
+        out.metadata["lineage"] = lineage  # where it came from: its parents by path and fingerprint (export/lineage)
     out.write_after = write_after
     return out
 
