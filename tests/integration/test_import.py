@@ -73,6 +73,10 @@ def test_an_hf_trainer_run_continues_here_on_one_and_two_processes(tmp_path, ass
     assert "optimizer._target_ = automodel_ckpt.training.decay.AdamWNoDecay" in done.stdout
     assert f"optimizer.weight_decay = {ft.DECAY}" in done.stdout and "step_scheduler.max_steps = 10" in done.stdout
     assert "lr_scheduler = {'_target_': 'automodel_ckpt.training.lr.linear_decay'" in done.stdout
+    meta = json.loads((tmp_path / "run" / "epoch_0_step_6" / "metadata.json").read_text())
+    imported = meta["lineage"]["parents"][-1]  # the import's lineage: the Trainer's checkpoint, by fingerprint
+    assert imported["role"] == "imported from" and imported["path"] == str(checkpoint.absolute())
+    assert imported["trainer"] == "HF Trainer checkpoint (step 6)" and imported["fingerprint"].startswith("sha256:")
     shutil.copytree(tmp_path / "run", tmp_path / "run2")
     (tmp_path / "run2" / "recipe.yaml").write_text(text.replace("checkpoint_dir: run\n", "checkpoint_dir: run2\n"))
     for nproc, run in ((1, "run"), (2, "run2")):
