@@ -23,6 +23,8 @@ each in a fresh process so that its peak memory is its own:
 
 Prints a Markdown table (docs/benchmarks.md has the one measured on the machine it names) and writes
 ``DIR/bench_data.json``. Not a test: it takes minutes.
+
+Times internals: imports ``data.stream`` (the stream's readers and loader) directly.
 """
 
 from __future__ import annotations

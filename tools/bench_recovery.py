@@ -44,6 +44,8 @@ Reported, with the goals of docs/fast-recovery.md:
 
 ``--json OUT`` writes these and the raw numbers (``--from-json`` reports them again). Not a test: the default
 took 16 minutes on a 2-core machine that other jobs were keeping busy.
+
+Times internals: imports ``checkpoint.restore`` and ``checkpoint.storage`` (it wraps their functions) directly.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import threading
 import time
 from pathlib import Path
 
-from automodel_ckpt.ondisk import EVENTS_LOG, LATEST, TRAINING_LOG
+from automodel_ckpt.ondisk import LAYOUT
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,7 +302,7 @@ class ObjectStore:
 
     def newest_checkpoint_bytes(self) -> int | None:
         """The size of the checkpoint the store's ``LATEST`` names."""
-        latest = f"{self.prefix}/{LATEST}"
+        latest = f"{self.prefix}/{LAYOUT.LATEST}"
         if not self.fs.exists(latest):
             return None
         return self.fs.du(f"{self.prefix}/{self.fs.cat_file(latest).decode().strip()}")
@@ -388,11 +390,11 @@ class Runs:
         return f"--- {tag}, node {rank}:\n{text[-2000:]}"
 
     def records(self) -> dict[int, dict]:
-        lines = (self.logs / TRAINING_LOG).read_text().splitlines()
+        lines = (self.logs / LAYOUT.TRAINING_LOG).read_text().splitlines()
         return {r["step"]: r for r in map(json.loads, lines)}
 
     def last_start(self) -> dict:
-        lines = (self.logs / EVENTS_LOG).read_text().splitlines()
+        lines = (self.logs / LAYOUT.EVENTS_LOG).read_text().splitlines()
         return [e for e in map(json.loads, lines) if e["event"] == "start"][-1]
 
     def clear(self) -> None:
@@ -405,7 +407,7 @@ class Runs:
         """The size of the durable checkpoint ``LATEST`` names."""
         if self.store:
             return self.store.newest_checkpoint_bytes()
-        latest = self.ckpt_dir / LATEST
+        latest = self.ckpt_dir / LAYOUT.LATEST
         return tree_bytes(latest.resolve()) if latest.exists() else None
 
     def keep(self, kept: Path) -> None:

@@ -65,8 +65,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
     import torch
 
     from bench_checkpoint import build_state, dist_env, layers_for
-    from automodel_ckpt.ondisk import SaveInfo, list_checkpoint_files
-    from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer, open_filesystem
+    from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer, SaveInfo, open_filesystem
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     env = dist_env("cpu")
@@ -94,7 +93,7 @@ def run(args: argparse.Namespace, work: Path, bucket: str) -> dict:
         # raw: the same files, uploaded by s3fs in one call from a local copy (no checkpoint logic around it)
         src = work / f"raw{rep}"
         fs.get(f"{bucket}/run{rep}/{name}/", str(src), recursive=True)
-        rels = sorted(list_checkpoint_files(src))
+        rels = sorted(listed)  # every file of the checkpoint but the manifest
         t = time.perf_counter()
         fs.put([str(src / r) for r in rels], [f"{bucket}/raw{rep}/{r}" for r in rels])  # s3fs's own defaults
         times["raw upload"].append(time.perf_counter() - t)

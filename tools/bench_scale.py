@@ -29,6 +29,8 @@ per rank and per save (``object_bytes``): checksums and plans, never tensors. Al
 so every phase also carries the cost of running N processes on them: read the growth between rows, not the
 absolute times. ``growth`` is each phase's time at the largest rank count over the smallest, divided by the rank
 ratio: at most 1 means at most linear.
+
+Times internals: imports ``ondisk.formats`` (the planner it times, the caches it clears) directly.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer
-    from automodel_ckpt.ondisk import LinearSavePlanner, SaveInfo
+    from automodel_ckpt.checkpoint import SaveInfo
+    from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner
     from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 
     env = init_distributed("gloo")
@@ -212,7 +215,8 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
     """The coordinator's CPU seconds at each rank count (see the module docstring), printed and written to ``out``."""
     import scale_sim
 
-    from automodel_ckpt.ondisk import clear_plan_cache, clear_results_cache
+    from automodel_ckpt.ondisk.formats.plan_results import clear_cache as clear_results_cache
+    from automodel_ckpt.ondisk.formats.planning import clear_cache as clear_plan_cache
 
     report: dict = {"layout": layout, "strategy": strategy, "tensors": len(scale_sim.params(layout)), "ranks": [],
                     "first_save_s": [], "next_save_s": [], "load_s": [], "reshard_load_s": [],

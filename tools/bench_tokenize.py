@@ -16,6 +16,8 @@ Then, each in a fresh process so that its peak memory is its own:
 Each measures wall time and peak resident memory (the process and its tokenization workers), and checks that all
 three produce the same rows. Prints a Markdown table (docs/data.md has the one measured on the machine it names)
 and writes ``DIR/bench_tokenize.json``. Not a test: it takes minutes.
+
+Times internals: imports ``data.encode`` and ``data.tokenize`` (the row builder it times) directly.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ plan, the global plan and metadata (``LinearSavePlanner``), the storage writer's
 it scatters back, unpickling every rank's write results, the manifest's checksum gather and merge. A load times
 the coordinator's own local load plan (``LocalLoadPlanner``'s read items for its chunks, DCP's own), unpickling
 every rank's load plan and scattering them back (DCP's global load plan returns them unchanged).
+
+Times internals: imports ``ondisk.formats``, ``ondisk.manifest`` and ``ondisk.layout`` directly.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from automodel_ckpt.ondisk import (MODEL_DIR, LinearSavePlanner, LocalLoadPlanner, ResultsNote, build_manifest,
-                                   dump_manifest, incoming_results, merge_checksums, model_shard_file, outgoing_results,
-                                   read_items_for_chunks, results_succeeded)
+from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk.formats.plan_results import ResultsNote
+from automodel_ckpt.ondisk.formats.plan_results import incoming as incoming_results
+from automodel_ckpt.ondisk.formats.plan_results import outgoing as outgoing_results
+from automodel_ckpt.ondisk.formats.plan_results import succeeded as results_succeeded
+from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner, LocalLoadPlanner, read_items_for_chunks
+from automodel_ckpt.ondisk.layout import model_shard_file
+from automodel_ckpt.ondisk.manifest import build as build_manifest
+from automodel_ckpt.ondisk.manifest import dumps as dump_manifest
+from automodel_ckpt.ondisk.manifest import merge_checksums
 
 TP = 8  # ranks per node: the shard group of HSDP, the tensor-parallel group of tp-fsdp
 
@@ -190,7 +199,7 @@ def _manifest(n: int) -> tuple[int, float]:
     gather sends it; rank 0 merges them and writes the manifest's text."""
     shares = []
     for rank in range(n):
-        files = {f"{MODEL_DIR}/{model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
+        files = {f"{LAYOUT.MODEL_DIR}/{model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
                  f"rng/rng_dp_rank_{rank}.pt": hashlib.sha256(b"r%d" % rank).hexdigest()}
         shares.append(pickle.dumps(files))
     t0 = time.process_time()

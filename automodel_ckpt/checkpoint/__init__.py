@@ -27,7 +27,7 @@ _EXPORTS = {
     "StatePlan": (".state", "StatePlan"),
     "discover_state": (".state", "discover_state"),
     "plan_state": (".state", "plan_state"),
-    # what a save wrote: the checkpoint folder's, named here too for recipes
+    # what a save wrote (its types are the checkpoint folder's, in ondisk; named by this face alone)
     "HFArtifacts": ("automodel_ckpt.ondisk.info", "HFArtifacts"),
     "SaveInfo": ("automodel_ckpt.ondisk.info", "SaveInfo"),
     "WrittenBy": ("automodel_ckpt.ondisk.info", "WrittenBy"),
@@ -47,7 +47,7 @@ _EXPORTS = {
     "streamed_object": (".storage", "streamed_object"),
     "upload_folder": (".storage", "upload_folder"),
     "RunLock": (".storage.runlock", "RunLock"),
-    "release_all_locks": (".storage.runlock", "release_all"),
+    "release_all_locks": (".storage.runlock", "release_all_locks"),
     # weights into a model built elsewhere (a Hugging Face folder, sharded or not)
     "load_hf_weights": (".restore.hf_weights", "load_hf_weights"),
     "load_hf_folder": (".restore.hf_weights", "load_hf_folder"),
@@ -69,8 +69,7 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.storage import (fetch_run_file, open_filesystem, open_for_reading, open_store_run,
                                                    run_folder, share_run_file, source_of, stored_files,
                                                    stored_sharing, streamed_object, upload_folder)
-    from automodel_ckpt.checkpoint.storage.runlock import RunLock
-    from automodel_ckpt.checkpoint.storage.runlock import release_all as release_all_locks
+    from automodel_ckpt.checkpoint.storage.runlock import RunLock, release_all_locks
     from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo, WrittenBy
     from automodel_ckpt.ondisk.metadata import written_by
 

@@ -169,9 +169,9 @@ def exit_code(code: int) -> int:
         from automodel_ckpt.distributed.env import end_process
 
         end_process(0)
-    from automodel_ckpt.checkpoint import release_all_locks as release_all
+    from automodel_ckpt.checkpoint import release_all_locks
 
-    release_all()  # the lock file too: a failed run leaves nothing behind in the folder
+    release_all_locks()  # the lock file too: a failed run leaves nothing behind in the folder
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

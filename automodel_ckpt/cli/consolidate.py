@@ -82,10 +82,10 @@ def main(argv: list[str]) -> int:
             metadata_dir=metadata_dir,
         )
         if rank == 0 and out_url:
-            from automodel_ckpt.ondisk import HF_CONFIG
+            from automodel_ckpt.ondisk import LAYOUT
             from automodel_ckpt.checkpoint import upload_folder
 
-            upload_folder(out, out_url, last=(HF_CONFIG,))
+            upload_folder(out, out_url, last=(LAYOUT.HF_CONFIG,))
             print(f"Hugging Face model written to {out_url}", flush=True)
         elif rank == 0:
             from automodel_ckpt.ondisk import add_files_to_manifest
@@ -105,19 +105,19 @@ def main(argv: list[str]) -> int:
 def _ema_source(model_dir: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
     """``--ema``: the checkpoint's ``ema/`` shards, described by its ``model/``'s metadata, exported to
     ``model/consolidated_ema`` unless ``--out`` says where."""
-    from automodel_ckpt.ondisk import EMA_DIR, MODEL_DIR, consolidated_ema_dir, ema_dir, model_dir as model_folder_of
+    from automodel_ckpt.ondisk import LAYOUT
 
-    ckpt = model_dir.parent if model_dir.name == MODEL_DIR else model_dir
-    ema = ema_dir(ckpt)
+    ckpt = model_dir.parent if model_dir.name == LAYOUT.MODEL_DIR else model_dir
+    ema = LAYOUT.ema_dir(ckpt)
     if not ema.is_dir() or ema.is_symlink():
-        raise UsageError(f"consolidate --ema: '{ckpt}' holds no EMA weights ({EMA_DIR}/ is written by a run "
+        raise UsageError(f"consolidate --ema: '{ckpt}' holds no EMA weights ({LAYOUT.EMA_DIR}/ is written by a run "
                          "with training.ema_decay)")
-    return ema, out_dir or consolidated_ema_dir(ckpt), model_folder_of(ckpt)
+    return ema, out_dir or LAYOUT.consolidated_ema_dir(ckpt), LAYOUT.model_dir(ckpt)
 
 
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
     """The local model folder to read (an object store checkpoint's model/ is downloaded first) and the output URL."""
-    from automodel_ckpt.ondisk import MODEL_DIR
+    from automodel_ckpt.ondisk import LAYOUT
     from automodel_ckpt.checkpoint import is_url, open_for_reading
 
     source, out = str(args.model_dir), args.out
@@ -129,9 +129,9 @@ def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
                          "torchrun")
     if out is None:
         raise UsageError(f"consolidate: give --out (a local folder or an object store URL) for '{source}'")
-    checkpoint = source.rstrip("/").removesuffix("/" + MODEL_DIR)
-    local = open_for_reading(checkpoint, fetch_all=True, only=MODEL_DIR, key="consolidate")
-    return local / MODEL_DIR, out_url
+    checkpoint = source.rstrip("/").removesuffix("/" + LAYOUT.MODEL_DIR)
+    local = open_for_reading(checkpoint, fetch_all=True, only=LAYOUT.MODEL_DIR, key="consolidate")
+    return local / LAYOUT.MODEL_DIR, out_url
 
 
 def script_main() -> int:

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from automodel_ckpt.ondisk import ARCHIVE_SUFFIX, GGUF_SUFFIX, INT8_EXPORT_DIR
+from automodel_ckpt.ondisk import LAYOUT
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 
@@ -75,13 +75,13 @@ def _export(args: argparse.Namespace) -> int:
     from automodel_ckpt.export import open_model
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
-    stem = where.name.removesuffix(ARCHIVE_SUFFIX)
+    stem = where.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)
     if args.adapter:
         if args.to != "gguf" or args.dry_run:
             raise UsageError("--adapter applies to --to gguf (without --dry-run)")
         from automodel_ckpt.export import write_gguf_adapter
 
-        out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{GGUF_SUFFIX}"
+        out = Path(args.out) if args.out else where.parent / f"{stem}-lora-{args.type}{LAYOUT.GGUF_SUFFIX}"
         done = write_gguf_adapter(src, out, args.type)
         print(f"GGUF LoRA adapter written to {out} ({human_size(done['bytes'])}, {done['factors']} factors, rank "
               f"{done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
@@ -89,7 +89,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.to == "gguf":
         from automodel_ckpt.export import plan_gguf, write_gguf
 
-        out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{GGUF_SUFFIX}"
+        out = Path(args.out) if args.out else where.parent / f"{stem}-{args.type}{LAYOUT.GGUF_SUFFIX}"
         with open_model(src) as source:
             plan = plan_gguf(source, args.type)
             print(plan.describe(source), flush=True)
@@ -105,7 +105,7 @@ def _export(args: argparse.Namespace) -> int:
         return 0
     from automodel_ckpt.export import plan_int8, write_int8
 
-    out = Path(args.out) if args.out else where.parent / f"{stem}-{INT8_EXPORT_DIR}-{args.scheme}"
+    out = Path(args.out) if args.out else where.parent / f"{stem}-{LAYOUT.INT8_EXPORT_DIR}-{args.scheme}"
     with open_model(src) as source:
         examples, origin = _calibration_examples(args, source.side_dir) if args.calibrate else (None, "")
         plan = plan_int8(source, args.scheme, examples, origin)
@@ -152,7 +152,7 @@ def _calibration_examples(args: argparse.Namespace, tokenizer_dir: Path) -> tupl
 def calibration_file_examples(path: Path, n: int, tokenizer: object) -> list[list[int]]:
     """The first ``n`` non-empty examples of a text file (one a line) or a ``.jsonl`` file (each record's
     ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; read a line at a time, each at most
-    ``bounded.LOG_LINE`` bytes (a longer one is refused in one line naming it)."""
+    ``bounded.LOG_LINE_LIMIT`` bytes (a longer one is refused in one line naming it)."""
     import json
 
     from automodel_ckpt.ondisk import LOG_LINE_LIMIT, open_regular

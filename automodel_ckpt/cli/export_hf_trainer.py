@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UsageError
-from automodel_ckpt.ondisk import CONFIG_FILE, METADATA_FILE, TRAINING_LOG
+from automodel_ckpt.ondisk import LAYOUT
 
 
 def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | None = None) -> int:
@@ -25,11 +25,11 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
         raise UsageError("export --to hf-trainer runs as one process")
     if recipe is None:
         raise UsageError("export --to hf-trainer: give --recipe RECIPE.yaml, the recipe that trained the checkpoint "
-                         f"(its {CONFIG_FILE} is a copy, never run as a recipe)")
+                         f"(its {LAYOUT.CONFIG_FILE} is a copy, never run as a recipe)")
     src = src.absolute()
     recipe_file = Path(recipe)
-    if not (src / METADATA_FILE).is_file():
-        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {METADATA_FILE}): --to hf-trainer "
+    if not (src / LAYOUT.METADATA_FILE).is_file():
+        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {LAYOUT.METADATA_FILE}): --to hf-trainer "
                               "exports a checkpoint folder (epoch_E_step_N)")
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config
@@ -48,7 +48,7 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
                 raise CheckpointError(f"'{src}' did not load")
             step = recipe.step_scheduler.step
             target = Path(out) if out is not None else src.parent / f"{src.name}-hf-trainer" / f"checkpoint-{step}"
-            log = _log(src.parent / TRAINING_LOG)
+            log = _log(src.parent / LAYOUT.TRAINING_LOG)
             staging = target.with_name(f".{target.name}.partial")
             shutil.rmtree(staging, ignore_errors=True)
             args = hf_export.write(recipe, staging, log)

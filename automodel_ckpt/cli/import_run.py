@@ -20,7 +20,7 @@ from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import ConfigError, UsageError
-from automodel_ckpt.ondisk import IMPORT_RECIPE
+from automodel_ckpt.ondisk import LAYOUT
 
 
 def build_parser() -> VerbParser:
@@ -70,14 +70,14 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
     if out.is_dir() and list_checkpoints(out):
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
-    if out.is_symlink() or (out / IMPORT_RECIPE).is_symlink():
+    if out.is_symlink() or (out / LAYOUT.IMPORT_RECIPE).is_symlink():
         raise UsageError(f"--out '{out}': a link; import into a new run folder")
     from automodel_ckpt.config.loader import load_yaml, parse_value, split_overrides, to_yaml_data
     from automodel_ckpt.interop import recipe as continuing
 
     typed = [(key, parse_value(text)) for key, text in split_overrides(args.overrides)]
     data, added = continuing.written(load_yaml(args.recipe), typed, run, str(out))
-    written = out / IMPORT_RECIPE
+    written = out / LAYOUT.IMPORT_RECIPE
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written.write_text(continuing.header(run, str(src), str(args.recipe), args.overrides, added) + to_yaml_data(data),

@@ -8,10 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import (ADAPTER_CONFIG, BEST_EVAL, CONFIG_FILE_LIMIT, CONSOLIDATED_DIR, EVAL_DIR,
-                                   EVAL_SUFFIX, EVENTS_LOG, HF_CONFIG, INDEX_FILE_LIMIT, METADATA_FILE, MODEL_DIR,
-                                   QUARANTINE_DIR, SMALL_FILE_LIMIT, CheckpointRecord, as_float, consolidated_dir,
-                                   detect_model_format, hf_metadata_dir, model_dir, pointer_target, pointer_targets,
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, CheckpointRecord,
+                                   as_float, detect_model_format, pointer_target, pointer_targets,
                                    quarantined_checkpoints, read_json, scan_checkpoints, shared_bytes, size_on_disk,
                                    stored_once)
 from automodel_ckpt.distributed.mesh import MeshSizes
@@ -103,11 +101,11 @@ def render_gguf(info: dict[str, Any]) -> str:
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
     """``--cost``: the cost report of the run folder ``path`` (or of the run of the checkpoint it names)."""
     path = Path(path).expanduser()
-    if (path / METADATA_FILE).is_file():
+    if (path / LAYOUT.METADATA_FILE).is_file():
         path = path.resolve().parent
     costs = summarize(iter_events(path))  # streamed: a log of any size is read in bounded memory
     if not costs.launches:
-        raise UserError(f"'{path}' has no {EVENTS_LOG} (or no record in it): the cost report needs a run "
+        raise UserError(f"'{path}' has no {LAYOUT.EVENTS_LOG} (or no record in it): the cost report needs a run "
                         "folder trained with checkpoint costs recorded (this version or later)")
     return {"checkpoint_dir": str(path), **cost_report(costs, mtbf_hours)}
 
@@ -118,7 +116,7 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise UserError(f"checkpoint folder '{path}' not found")
     only = None
-    if (path / METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
+    if (path / LAYOUT.METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
         path, only = path.resolve().parent, path.resolve().name
     pointers = pointer_targets(path)
     records = scan_checkpoints(path, include_incomplete=True)
@@ -160,10 +158,10 @@ def _row(record: CheckpointRecord, pointers: dict[str, str | None],
         # an object store: as a piece another checkpoint references too)
         **dict(zip(("own_bytes", "shared_bytes"), own_shared)),
         "family": model_family(record.path),
-        "format": meta.get("model_save_format") or detect_model_format(model_dir(record.path)),
+        "format": meta.get("model_save_format") or detect_model_format(LAYOUT.model_dir(record.path)),
         "mesh": _mesh(meta),
-        "consolidated": consolidated_dir(record.path).is_dir() if stored is None else
-        any(rel.startswith(f"{MODEL_DIR}/{CONSOLIDATED_DIR}/") for rel in stored),
+        "consolidated": LAYOUT.consolidated_dir(record.path).is_dir() if stored is None else
+        any(rel.startswith(f"{LAYOUT.MODEL_DIR}/{LAYOUT.CONSOLIDATED_DIR}/") for rel in stored),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "data_position": (meta.get("extra") or {}).get("data_position"),
@@ -175,11 +173,11 @@ def _row(record: CheckpointRecord, pointers: dict[str, str | None],
 def eval_scores(ckpt: Path) -> dict[str, float] | None:
     """``ckpt-train eval``'s scores kept in the checkpoint: ``{"task/metric": value}``, the first metric of each
     task (None when it was never evaluated; a results file that cannot be read is left out)."""
-    folder = Path(ckpt) / EVAL_DIR
+    folder = Path(ckpt) / LAYOUT.EVAL_DIR
     if folder.is_symlink() or not folder.is_dir():
         return None
     scores: dict[str, float] = {}
-    for path in sorted(folder.glob(f"*{EVAL_SUFFIX}")):
+    for path in sorted(folder.glob(f"*{LAYOUT.EVAL_SUFFIX}")):
         try:
             results = read_json(path, "eval results", INDEX_FILE_LIMIT).get("results") or {}
             for task, values in results.items():
@@ -203,12 +201,12 @@ def _mesh(meta: dict[str, Any]) -> str | None:
 
 def model_family(ckpt: Path) -> str | None:
     """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
-    model = model_dir(ckpt)
-    candidates = [(hf_metadata_dir(model) / HF_CONFIG, False)]
+    model = LAYOUT.model_dir(ckpt)
+    candidates = [(LAYOUT.hf_metadata_dir(model) / LAYOUT.HF_CONFIG, False)]
     try:
-        adapter = read_json(model / ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
+        adapter = read_json(model / LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
         if adapter.get("base_model_name_or_path"):  # a base folder, maybe a Hugging Face cache snapshot of links
-            candidates.append((Path(adapter["base_model_name_or_path"]) / HF_CONFIG, True))
+            candidates.append((Path(adapter["base_model_name_or_path"]) / LAYOUT.HF_CONFIG, True))
     except (OSError, TypeError, AttributeError, UserError):
         pass
     for path, follow in candidates:
@@ -270,12 +268,12 @@ def render_table(report: dict[str, Any]) -> str:
         out.append(data_position_line(positioned[-1]["name"], positioned[-1]["data_position"]))
     quarantined = report.get("quarantined") or []
     if quarantined:
-        out.append(f"quarantined (failed to load on resume; kept in {QUARANTINE_DIR}/, never resumed from):")
+        out.append(f"quarantined (failed to load on resume; kept in {LAYOUT.QUARANTINE_DIR}/, never resumed from):")
         for q in quarantined:
             out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
     for name, pointer in report["pointers"].items():
         if pointer["target"] is None:
-            if name != BEST_EVAL:  # set only where a score is monitored: unset says nothing
+            if name != LAYOUT.BEST_EVAL:  # set only where a score is monitored: unset says nothing
                 out.append(f"{name}: not set")
         elif not pointer["exists"]:
             out.append(f"{name} -> {pointer['target']} (missing)")

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.evaluation.tensors import Tensors, open_tensors
-from automodel_ckpt.ondisk import CONFIG_FILE, CONFIG_FILE_LIMIT, METADATA_FILE, SMALL_FILE_LIMIT, read_json, \
-    read_yaml
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml
 
 __all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"]
 
@@ -110,8 +109,9 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
             report.tensors[name] = _tensor(left, right, name, tolerance)
     for ckpt_a, ckpt_b in [(_checkpoint(Path(a)), _checkpoint(Path(b)))]:
         if ckpt_a is not None and ckpt_b is not None:
-            report.recipe = _differences(_read(ckpt_a, CONFIG_FILE, "yaml"), _read(ckpt_b, CONFIG_FILE, "yaml"))
-            meta_a, meta_b = _read(ckpt_a, METADATA_FILE, "json"), _read(ckpt_b, METADATA_FILE, "json")
+            report.recipe = _differences(_read(ckpt_a, LAYOUT.CONFIG_FILE, "yaml"),
+                                         _read(ckpt_b, LAYOUT.CONFIG_FILE, "yaml"))
+            meta_a, meta_b = _read(ckpt_a, LAYOUT.METADATA_FILE, "json"), _read(ckpt_b, LAYOUT.METADATA_FILE, "json")
             report.counters = {k: (_flat(meta_a).get(k), _flat(meta_b).get(k)) for k in _counter_keys(meta_a, meta_b)
                                if _flat(meta_a).get(k) != _flat(meta_b).get(k)}
     return report
@@ -153,7 +153,7 @@ def _rounds_to(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _checkpoint(src: Path) -> Path | None:
     """``src`` as a checkpoint of ours (its folder), or None (an export, an archive, an adapter folder)."""
     for folder in (src, src.parent if src.name == "model" else None):
-        if folder is not None and (folder / METADATA_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+        if folder is not None and (folder / LAYOUT.METADATA_FILE).is_file() and (folder / LAYOUT.CONFIG_FILE).is_file():
             return folder
     return None
 

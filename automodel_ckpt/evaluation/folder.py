@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.ondisk import ADAPTER_WEIGHTS, HF_CONFIG, HF_INDEX, export_tmp_name, fsync_file, hf_weights_file
+from automodel_ckpt.ondisk import LAYOUT, fsync_file
 
 __all__ = ["ST_NAMES", "Entry", "write_folder"]
 
@@ -39,12 +39,12 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"'{out}' exists and is not empty; choose another --out or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
     tmp.mkdir()
     try:
         files = _files(entries, adapter, max_shard_size)
         for name, content in side.items():
-            if name == HF_CONFIG and not adapter:
+            if name == LAYOUT.HF_CONFIG and not adapter:
                 content = _config_with_dtype(content, entries)
             _write_bytes(tmp / name, content)
         for file_name, group in files:
@@ -53,7 +53,7 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
             weight_map = {name: file_name for file_name, group in files for name, _, _ in group}
             total = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            _write_bytes(tmp / HF_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            _write_bytes(tmp / LAYOUT.HF_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -65,7 +65,7 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
 
 def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tuple[str, list[Entry]]]:
     if adapter:
-        return [(ADAPTER_WEIGHTS, list(entries))]
+        return [(LAYOUT.ADAPTER_WEIGHTS, list(entries))]
     groups: list[list[Entry]] = [[]]
     size = 0
     for entry in entries:
@@ -75,7 +75,7 @@ def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tup
             size = 0
         groups[-1].append(entry)
         size += nbytes
-    return [(hf_weights_file(k + 1, len(groups)), group) for k, group in enumerate(groups)]
+    return [(LAYOUT.hf_weights_file(k + 1, len(groups)), group) for k, group in enumerate(groups)]
 
 
 def _write_safetensors(path: Path, group: list[Entry], produce: Callable[[str], torch.Tensor]) -> None:

@@ -21,16 +21,14 @@ import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.export import open_model
-from automodel_ckpt.ondisk import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_CONFIG, HF_GENERATION_CONFIG, HF_TOKENIZER_FILES,
-                                   INDEX_FILE_LIMIT, MODEL_DIR, PEFT_FULL_CONFIG, SMALL_FILE_LIMIT, model_file_in,
-                                   read_bytes, read_json)
+from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, model_file_in, read_bytes, read_json
 
 __all__ = ["MODEL", "ADAPTER", "Tensors", "is_adapter", "open_tensors"]
 
 MODEL, ADAPTER = "model", "adapter"
 # the small files a model folder may carry beside its weights (config, generation config, tokenizer)
-_MODEL_SIDE = (HF_CONFIG, HF_GENERATION_CONFIG, *HF_TOKENIZER_FILES)
-_ADAPTER_SIDE = (ADAPTER_CONFIG, PEFT_FULL_CONFIG, *HF_TOKENIZER_FILES)
+_MODEL_SIDE = (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES)
+_ADAPTER_SIDE = (LAYOUT.ADAPTER_CONFIG, LAYOUT.PEFT_FULL_CONFIG, *LAYOUT.HF_TOKENIZER_FILES)
 
 
 @dataclass
@@ -58,7 +56,7 @@ class Tensors:
 def is_adapter(src: Path) -> bool:
     """A LoRA adapter: a PEFT checkpoint (its ``model/`` holds ``adapter_config.json``) or an adapter folder."""
     src = Path(src)
-    return src.is_dir() and any(os.path.lexists(d / ADAPTER_CONFIG) for d in (src, src / MODEL_DIR))
+    return src.is_dir() and any(os.path.lexists(d / LAYOUT.ADAPTER_CONFIG) for d in (src, src / LAYOUT.MODEL_DIR))
 
 
 @contextmanager
@@ -83,7 +81,7 @@ def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Te
 
 def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
     """The small files of ``folder`` among ``names``: regular files, or a Hugging Face cache snapshot's links into
-    its blobs (``paths.model_file``); any other link is refused in one line."""
+    its blobs (``paths.model_file_in``); any other link is refused in one line."""
     out = {}
     for name in names:
         path = folder / name
@@ -99,17 +97,17 @@ def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
 def _adapter(src: Path, stack: ExitStack) -> Tensors:
     from safetensors import safe_open
 
-    folder = src / MODEL_DIR if os.path.lexists(src / MODEL_DIR / ADAPTER_CONFIG) else src
+    folder = src / LAYOUT.MODEL_DIR if os.path.lexists(src / LAYOUT.MODEL_DIR / LAYOUT.ADAPTER_CONFIG) else src
     if folder is not src and folder.is_symlink():
         raise CheckpointError(f"'{folder}' is a symlink; folders inside a checkpoint are never followed as links")
-    config = read_json(model_file_in(folder, ADAPTER_CONFIG, "it is not read"), "an adapter config",
+    config = read_json(model_file_in(folder, LAYOUT.ADAPTER_CONFIG, "it is not read"), "an adapter config",
                                SMALL_FILE_LIMIT, follow=True)
     if not isinstance(config, dict):
-        raise CheckpointError(f"'{folder / ADAPTER_CONFIG}' is not a JSON object")
-    if not os.path.lexists(folder / ADAPTER_WEIGHTS):
-        raise CheckpointError(f"'{folder}' has no {ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
+        raise CheckpointError(f"'{folder / LAYOUT.ADAPTER_CONFIG}' is not a JSON object")
+    if not os.path.lexists(folder / LAYOUT.ADAPTER_WEIGHTS):
+        raise CheckpointError(f"'{folder}' has no {LAYOUT.ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
                               "read)")
-    weights = model_file_in(folder, ADAPTER_WEIGHTS, "it is not read")
+    weights = model_file_in(folder, LAYOUT.ADAPTER_WEIGHTS, "it is not read")
     try:
         handle = stack.enter_context(safe_open(str(weights), framework="pt"))
     except Exception as exc:  # safetensors' own checks of the header: sizes, offsets, dtypes

@@ -31,7 +31,7 @@ from automodel_ckpt.errors import CheckpointError, first_line
 
 ALIGN = 4096  # a weights member's data starts at a multiple of this in the archive: mapped in place, page-aligned
 _BLOCK = tarfile.BLOCKSIZE
-_MAX_EXTENDED_HEADER = bounded.SMALL_FILE  # a pax or GNU long-name record's size, checked before tarfile reads it
+_MAX_EXTENDED_HEADER = bounded.SMALL_FILE_LIMIT  # a pax or GNU long-name record's size, checked before tarfile reads it
 PAX_COMMENT = "comment"  # the pax keyword readers ignore: a weights member's padding; the manifest's own checksum
 MAX_MEMBERS = 1 << 16  # a model folder holds tens of files; each member costs memory while the archive is open
 _EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
@@ -100,7 +100,7 @@ class Archive:
             raise CheckpointError(f"{self.where(name)} is cut short: the archive ends inside it")
         return data
 
-    def json(self, name: str, what: str, limit: int = bounded.CONFIG_FILE) -> Any:
+    def json(self, name: str, what: str, limit: int = bounded.CONFIG_FILE_LIMIT) -> Any:
         return bounded.parse_json(self.read(name, what, limit), self.where(name), what, limit)
 
     def safetensors_header(self, name: str) -> tuple[dict[str, Any], int]:
@@ -114,7 +114,7 @@ class Archive:
 
     def manifest(self) -> dict[str, Any]:
         """The archive's manifest, its table checked (sizes, checksums, plain paths); ``CheckpointError`` else."""
-        data = self.json(layout.ARCHIVE_MANIFEST, "an archive manifest", bounded.INDEX_FILE)
+        data = self.json(layout.ARCHIVE_MANIFEST, "an archive manifest", bounded.INDEX_FILE_LIMIT)
         files = data.get("files") if isinstance(data, dict) else None
         if not isinstance(files, dict) or not isinstance(data.get("checksum_algorithm"), str) or not all(
                 isinstance(v, dict) and isinstance(v.get("size"), int) and not isinstance(v.get("size"), bool)
@@ -122,7 +122,7 @@ class Archive:
             raise CheckpointError(f"{self.where(layout.ARCHIVE_MANIFEST)} is malformed (no 'files' table of sizes "
                                   "and checksums, or no 'checksum_algorithm')")
         for rel in files:
-            paths.check(rel, self.where(layout.ARCHIVE_MANIFEST))
+            paths.check_path(rel, self.where(layout.ARCHIVE_MANIFEST))
         return data
 
 
@@ -210,11 +210,11 @@ def _plain_name(name: str) -> str:
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
-def verify_archive(path: Path, *, checksums: bool = True) -> manifest.Report:
+def verify_archive(path: Path, *, checksums: bool = True) -> manifest.ManifestReport:
     """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); members the
     manifest does not list are ``unexpected``; an unreadable manifest is the report's ``problem``. An archive
     ``open_archive`` refuses is a ``CheckpointError``."""
-    report = manifest.Report(Path(path))
+    report = manifest.ManifestReport(Path(path))
     with open_archive(path) as archive:
         try:
             own = archive.member(layout.ARCHIVE_MANIFEST)
@@ -232,7 +232,7 @@ def verify_archive(path: Path, *, checksums: bool = True) -> manifest.Report:
                 report.total_bytes += entry["size"]
             for rel in archive.members:
                 if rel not in table["files"] and rel != layout.ARCHIVE_MANIFEST:
-                    report.verdicts.append(manifest.Verdict(rel, manifest.UNEXPECTED))
+                    report.verdicts.append(manifest.Verdict(rel, manifest.UNEXPECTED_FILE))
         except CheckpointError as exc:
             report.problem = first_line(exc)
     return report
@@ -263,9 +263,9 @@ def describe_archive(path: Path) -> dict[str, Any]:
     with open_archive(path) as archive:
         table = archive.manifest()
         config = (archive.json(layout.HF_CONFIG, "a model config") if layout.HF_CONFIG in archive.members else
-                  archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+                  archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE_LIMIT)
                   if layout.ADAPTER_CONFIG in archive.members else {})
-        meta = (archive.json(layout.ARCHIVE_METADATA, "checkpoint metadata", bounded.SMALL_FILE)
+        meta = (archive.json(layout.ARCHIVE_METADATA, "checkpoint metadata", bounded.SMALL_FILE_LIMIT)
                 if layout.ARCHIVE_METADATA in archive.members else {})
         dtypes: dict[str, int] = {}
         for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):

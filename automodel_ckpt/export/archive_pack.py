@@ -344,8 +344,8 @@ def _ours(checkpoint: Path) -> list[Entry]:
             text = yaml.safe_dump(redacted(bounded.read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
             out.append(Entry(layout.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
         if os.path.lexists(meta):
-            data = bounded.read_bytes(meta, "checkpoint metadata", bounded.SMALL_FILE)
-            bounded.parse_json(data, f"'{meta}'", "checkpoint metadata", bounded.SMALL_FILE)
+            data = bounded.read_bytes(meta, "checkpoint metadata", bounded.SMALL_FILE_LIMIT)
+            bounded.parse_json(data, f"'{meta}'", "checkpoint metadata", bounded.SMALL_FILE_LIMIT)
             out.append(Entry(layout.ARCHIVE_METADATA, len(data), data=data))
     except OSError as exc:
         raise CheckpointError(f"cannot read '{checkpoint}': {first_line(exc)}") from None
@@ -355,7 +355,7 @@ def _ours(checkpoint: Path) -> list[Entry]:
 def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
     """The regular files of ``folder`` (and, ``with_ours``, of its ``automodel/``: an unpacked archive packs
     again); a Hugging Face cache snapshot's links are packed as the blobs they lead to, any other link or special
-    file is refused in one line (``paths.model_file``). Other subfolders are not packed."""
+    file is refused in one line (``paths.model_file_in``). Other subfolders are not packed."""
     entries = []
     for sub in ("", layout.ARCHIVE_DIR) if with_ours else ("",):
         where = folder / sub if sub else folder
@@ -366,10 +366,10 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
                 name = f"{sub}/{entry.name}" if sub else entry.name
                 if entry.is_dir(follow_symlinks=False) or name == layout.ARCHIVE_MANIFEST:
                     continue
-                real = paths.model_file(where, entry.name, "an archive holds only regular files (and a cache "
+                real = paths.model_file_in(where, entry.name, "an archive holds only regular files (and a cache "
                                         "snapshot's blobs), never what another link points to: replace it with the "
                                         "file itself")
-                paths.check(name, f"'{folder}'")
+                paths.check_path(name, f"'{folder}'")
                 entries.append(Entry(name, os.lstat(real).st_size, path=real))
     return _ordered(entries)
 

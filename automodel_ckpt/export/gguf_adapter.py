@@ -42,14 +42,14 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
     if type_name not in _TYPES:
         raise UserError(f"--adapter: the LoRA factors are written in bf16 or f16, not {type_name}; add --type f16")
     adapter = adapter_folder(Path(src))
-    settings = bounded.read_json(adapter / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+    settings = bounded.read_json(adapter / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE_LIMIT)
     if not isinstance(settings, dict) or settings.get("peft_type", "LORA") != "LORA":
         raise UserError(f"--adapter: {adapter / layout.ADAPTER_CONFIG} is not a LoRA adapter")
     if settings.get("modules_to_save"):
         raise UserError("--adapter: this adapter trains whole modules beside its LoRA factors "
                         f"({', '.join(settings['modules_to_save'])}); export it merged (without --adapter)")
     base = base_model_folder(adapter)
-    config = bounded.read_json(base / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE, follow=True)
+    config = bounded.read_json(base / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE_LIMIT, follow=True)
     family = family_for(config)
     if family.conv1d or family.moe:
         raise UserError(f"--adapter: {config.get('model_type')} adapters are not written as GGUF adapters yet; "

@@ -44,7 +44,7 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
     if n_vocab > MAX_VOCAB:
         raise CheckpointError(f"GGUF export: the model's embedding has {n_vocab} rows, more than the {MAX_VOCAB} "
                               "tokens a vocabulary is written with")
-    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE)  # side_dir: private copies, checked
+    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE_LIMIT)  # side_dir: private copies, checked
     model = data.get("model") if isinstance(data, dict) else None
     kind = model.get("type") if isinstance(model, dict) else None
     added = {_token_id(t.get("id"), n_vocab, path): t for t in data.get("added_tokens") or []

@@ -188,7 +188,7 @@ def _original_tensors(base: Path) -> dict[str, Any] | None:
     index_path = base / layout.HF_INDEX
     if index_path.is_file():
         weight_map: dict[str, str] = _read_json(index_path, follow=True)["weight_map"]
-        files = sorted({paths.check(f, f"'{index_path}'") for f in weight_map.values()})
+        files = sorted({paths.check_path(f, f"'{index_path}'") for f in weight_map.values()})
     elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
         files = [layout.HF_SINGLE_WEIGHTS]
     else:
@@ -227,6 +227,6 @@ def _read_json(path: Path, *, follow: bool = False) -> Any:
     """JSON of a file of a checkpoint (never through a link), or with ``follow`` of the base folder the recipe
     names."""
     try:
-        return bounded.read_json(path, "export metadata", bounded.INDEX_FILE, follow=follow)
+        return bounded.read_json(path, "export metadata", bounded.INDEX_FILE_LIMIT, follow=follow)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None

@@ -51,7 +51,8 @@ def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
     config = None
     if override is None:
         try:
-            config = bounded.read_json(adapter_dir / layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+            config = bounded.read_json(adapter_dir / layout.ADAPTER_CONFIG, "an adapter config",
+                                        bounded.SMALL_FILE_LIMIT)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {adapter_dir / layout.ADAPTER_CONFIG}: {first_line(exc)}") from None
     return _base_folder(config, str(adapter_dir / layout.ADAPTER_CONFIG), override)
@@ -76,11 +77,11 @@ def original_dtypes(base: Path) -> dict[str, torch.dtype]:
     """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
     index = base / layout.HF_INDEX
     if index.is_file():
-        weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE, follow=True)
+        weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE_LIMIT, follow=True)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"'{index}' has no 'weight_map' table")
-        files = sorted({paths.check(f, f"'{index}'") for f in weight_map.values()})
+        files = sorted({paths.check_path(f, f"'{index}'") for f in weight_map.values()})
     elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
         files = [layout.HF_SINGLE_WEIGHTS]
     else:
@@ -145,7 +146,7 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
     side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
                              within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
     _write_merged(merged_model(adapter_dir, base_dir), out, side_files, {})
-    manifest.add_files(out)  # no-op outside a checkpoint
+    manifest.add_files_to_manifest(out)  # no-op outside a checkpoint
     return out
 
 
@@ -159,7 +160,7 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
         if layout.ADAPTER_CONFIG not in archive.members or layout.ADAPTER_WEIGHTS not in archive.members:
             raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({layout.ADAPTER_CONFIG} and "
                                   f"{layout.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
-        config = archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE)
+        config = archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE_LIMIT)
         archive.safetensors_header(layout.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
         size = archive.member(layout.ADAPTER_WEIGHTS).size
         weights = load_safetensors(archive.read(layout.ADAPTER_WEIGHTS, "adapter weights", size))

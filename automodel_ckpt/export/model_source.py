@@ -7,7 +7,7 @@ from its pieces when asked for), a folder's and an archive's from their safetens
 one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
 The small files (config, tokenizer, chat template) lie in ``side_dir``, a private temporary folder holding copies
 (a checkpoint's ``.hf_metadata``, an archive's members, a folder's files once checked), so no library reading them
-meets a link. A folder's files are read only as ``paths.model_file`` allows: regular files, and a Hugging Face
+meets a link. A folder's files are read only as ``paths.model_file_in`` allows: regular files, and a Hugging Face
 cache snapshot's links into its repository's ``blobs/``; any other link is refused in one line. A LoRA checkpoint is merged into its
 base first (``merge_lora``, into that temporary folder): that step holds the model in memory, as `merge-lora` does.
 """
@@ -122,15 +122,15 @@ def _assemble(tensor: Any) -> torch.Tensor:
 
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------
-#: What a folder's file that is neither regular nor a cache snapshot's link gets (``paths.model_file``).
+#: What a folder's file that is neither regular nor a cache snapshot's link gets (``paths.model_file_in``).
 _REFUSAL = ("an export reads only a model folder's regular files (and a cache snapshot's links into its own "
             "blobs/), never what another link points to: replace it with the file itself")
 #: The most bytes one small file of a folder (config, tokenizer, chat template) may hold to be copied.
-_SIDE_FILE_LIMIT = 4 * bounded.INDEX_FILE
+_SIDE_FILE_LIMIT = 4 * bounded.INDEX_FILE_LIMIT
 
 
 def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> ModelSource:
-    """The model of a Hugging Face folder the user named. Its files are read only as ``paths.model_file`` allows
+    """The model of a Hugging Face folder the user named. Its files are read only as ``paths.model_file_in`` allows
     (regular files; a Hugging Face cache snapshot's links into its repository's ``blobs/``), and its small files are
     copied into a private ``side_dir`` first, so that the libraries that read them (the tokenizer's, the GGUF
     vocabulary's) never meet a link or a file the check did not pass. ``side``: a folder this process wrote itself
@@ -139,7 +139,7 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
         side = _tmp_dir(stack)
         for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
             try:
-                path = paths.model_file(folder, name, _REFUSAL)
+                path = paths.model_file_in(folder, name, _REFUSAL)
                 bounded.check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
                                    _SIDE_FILE_LIMIT)
                 copy_regular(path, side / name)
@@ -147,14 +147,14 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
                 continue
             except OSError as exc:
                 raise CheckpointError(f"cannot read '{folder / name}': {exc.strerror or exc}") from None
-    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE)
+    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE_LIMIT)
     if not isinstance(config, dict):
         raise CheckpointError(f"{folder / layout.HF_CONFIG} is not a JSON object")
     source = ModelSource(config, side)
     for name in sorted(p.name for p in folder.glob("*.safetensors")):
         path = folder / name
         try:
-            real = paths.model_file(folder, name, _REFUSAL)  # itself, or the cache blob it leads to
+            real = paths.model_file_in(folder, name, _REFUSAL)  # itself, or the cache blob it leads to
             fd = paths.open_regular(real)
         except OSError as exc:
             raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
@@ -204,10 +204,10 @@ def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
     side = _tmp_dir(stack)
     for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
         if name in archive.members:
-            (side / name).write_bytes(archive.read(name, "a model folder's small file", bounded.INDEX_FILE))
+            (side / name).write_bytes(archive.read(name, "a model folder's small file", bounded.INDEX_FILE_LIMIT))
     if not (side / layout.HF_CONFIG).is_file():
         raise CheckpointError(f"the archive '{path}' has no {layout.HF_CONFIG}")
-    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE)
+    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE_LIMIT)
     source = ModelSource(config if isinstance(config, dict) else {}, side, kind="archive")
     for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
         header, data_start = archive.safetensors_header(name)

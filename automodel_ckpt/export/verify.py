@@ -83,7 +83,7 @@ def _config_fits_files(export_dir: Path, report: ExportReport) -> bool:
         header, _ = read_header(path)  # entries checked: shapes match their byte ranges inside the file
         for entry in tensor_entries(header).values():
             tensors, held = tensors + 1, held + math.prod(entry["shape"])
-    config = bounded.read_json(config_path, "a model config", bounded.CONFIG_FILE)
+    config = bounded.read_json(config_path, "a model config", bounded.CONFIG_FILE_LIMIT)
     for key, value in _counts(config):
         if value > tensors:
             report.problems.append(f"'{config_path}': {key} is {value}, more than the {tensors} tensors in the "

@@ -24,18 +24,18 @@ from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.sizes import human_size
 
 MiB = 2**20
-SMALL_FILE = 1 * MiB
+SMALL_FILE_LIMIT = 1 * MiB
 """``metadata.json``, pointers, quarantine notes, leases, upload and run markers, ``adapter_config.json``,
 ``.object-store.json``: a few KiB each."""
-CONFIG_FILE = 16 * MiB
+CONFIG_FILE_LIMIT = 16 * MiB
 """``config.json``, ``generation_config.json``, a checkpoint's ``config.yaml``: under 1 MiB for the largest
 published models."""
-INDEX_FILE = 64 * MiB
+INDEX_FILE_LIMIT = 64 * MiB
 """``manifest.json``, ``model.safetensors.index.json``, ``.hf_metadata`` tensor lists: about 100 bytes per tensor
 or file; a 1T-parameter mixture of experts has some 10^5 tensors (10 to 20 MiB)."""
-LOG_LINE = 1 * MiB
+LOG_LINE_LIMIT = 1 * MiB
 """One line of ``training.jsonl`` / ``validation.jsonl`` / ``events.jsonl``."""
-LOG_FILE = 256 * MiB
+LOG_FILE_LIMIT = 256 * MiB
 """A whole training log pulled from a bucket: some 200 bytes a step, a million steps."""
 SAFETENSORS_HEADER = 100_000_000
 """safetensors' own limit on a header (``safetensors`` refuses larger ones)."""
@@ -49,8 +49,8 @@ MAX_SHAPE_DIMS = 64
 MAX_WORLD_SIZE = 1 << 20
 """Ranks recorded as having written a checkpoint (``world_size`` in ``saved_state.json``, ``metadata.json``)."""
 
-_KIND_LIMIT = {"small": SMALL_FILE, "config": CONFIG_FILE, "index": INDEX_FILE, "log line": LOG_LINE,
-               "safetensors header": SAFETENSORS_HEADER, "DCP metadata": DCP_METADATA}
+_KIND_LIMIT = {"small": SMALL_FILE_LIMIT, "config": CONFIG_FILE_LIMIT, "index": INDEX_FILE_LIMIT,
+               "log line": LOG_LINE_LIMIT, "safetensors header": SAFETENSORS_HEADER, "DCP metadata": DCP_METADATA}
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
@@ -94,7 +94,7 @@ def parse_json(data: bytes | str, where: str, what: str, limit: int | None = Non
     """JSON ``data`` read from ``where`` (a file or an object), checked for size and nesting first; every problem
     is a one-line ``CheckpointError`` naming ``where``."""
     size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
-    check_size(size, where, what, limit if limit is not None else INDEX_FILE)
+    check_size(size, where, what, limit if limit is not None else INDEX_FILE_LIMIT)
     why = depth_problem(data)
     if why is not None:
         raise CheckpointError(f"{where} is unreadable as {what}: {why}")
@@ -138,7 +138,7 @@ def _parse_yaml(text: str, where: str, what: str) -> Any:
             from None
 
 
-def read_yaml(path: Path, what: str, limit: int = CONFIG_FILE, *, follow: bool = False) -> Any:
+def read_yaml(path: Path, what: str, limit: int = CONFIG_FILE_LIMIT, *, follow: bool = False) -> Any:
     """``_parse_yaml`` of a file of at most ``limit`` bytes; ``OSError`` propagates."""
     data = read_bytes(path, what, limit, follow=follow)
     try:

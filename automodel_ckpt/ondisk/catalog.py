@@ -1,7 +1,7 @@
 """A checkpoint_dir read as records, and the choice of the checkpoint to resume: what every reader looks at.
 
 Restore selection, retention, ``ckpt-train inspect``, ``verify`` and ``plot`` all list checkpoints through
-``scan`` and resolve pointers through ``pointer_target``.
+``scan_checkpoints`` and resolve pointers through ``pointer_target``.
 
 A folder is a checkpoint when it holds ``metadata.json`` (whatever name template made its name) or, for folders
 written without one, when its name has the default ``epoch_E_step_N`` form. Counters come from the metadata, not
@@ -34,7 +34,7 @@ class CheckpointRecord:
     metadata: dict[str, Any] | None  # metadata.json, or None for a folder written without one
 
 
-def scan(checkpoint_dir: Path, *, include_incomplete: bool = False) -> list[CheckpointRecord]:
+def scan_checkpoints(checkpoint_dir: Path, *, include_incomplete: bool = False) -> list[CheckpointRecord]:
     """The checkpoints in ``checkpoint_dir``, oldest (lowest step) first; [] when the folder does not exist."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -105,8 +105,8 @@ def size_on_disk(path: Path) -> int:
     return sum(size for _, size in walk_regular(path))
 
 
-def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    """Checkpoints that resume moved aside as damaged (``disk.quarantine``): never records of ``scan``.
+def quarantined_checkpoints(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    """Checkpoints that resume moved aside as damaged (``disk.quarantine``): never records of ``scan_checkpoints``.
 
     ``{name, path, step, reason, quarantined_at}`` each, oldest first.
     """
@@ -119,7 +119,7 @@ def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
             continue
         try:
             note = bounded.read_json(folder / layout.quarantine_note(entry.name), "a quarantine note",
-                                     bounded.SMALL_FILE)
+                                     bounded.SMALL_FILE_LIMIT)
         except (OSError, CheckpointError):
             note = {}
         note = note if isinstance(note, dict) else {}
@@ -133,8 +133,8 @@ def quarantined(checkpoint_dir: Path) -> list[dict[str, Any]]:
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointRecord]:
-    """Published checkpoints, oldest first (``scan`` without the incomplete ones)."""
-    return scan(checkpoint_dir)
+    """Published checkpoints, oldest first (``scan_checkpoints`` without the incomplete ones)."""
+    return scan_checkpoints(checkpoint_dir)
 
 
 def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:

@@ -55,7 +55,7 @@ class LoadCheck:
     @classmethod
     def plan(cls, checkpoint: Path, rank: int, world_size: int) -> LoadCheck | None:
         """This rank's deferred files of ``checkpoint``; None when it has no manifest (nothing to check)."""
-        data = manifest.read(checkpoint) or {}
+        data = manifest.read_manifest(checkpoint) or {}
         listed = data.get("files")
         if not listed:
             return None
@@ -67,7 +67,7 @@ class LoadCheck:
     @classmethod
     def of_reads(cls, checkpoint: Path) -> LoadCheck | None:
         """Every deferred file of ``checkpoint`` that a load on this rank reads from; None without a manifest."""
-        data = manifest.read(checkpoint) or {}
+        data = manifest.read_manifest(checkpoint) or {}
         listed = data.get("files")
         if not listed:
             return None

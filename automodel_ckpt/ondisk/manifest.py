@@ -45,7 +45,7 @@ OK = "ok"
 SIZE_MISMATCH = "size mismatch"
 CHECKSUM_MISMATCH = "checksum mismatch"
 MISSING = "missing"
-UNEXPECTED = "unexpected file"
+UNEXPECTED_FILE = "unexpected file"
 UNREADABLE = "unreadable"
 
 
@@ -248,7 +248,7 @@ def _find_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def add_files(folder: Path) -> bool:
+def add_files_to_manifest(folder: Path) -> bool:
     """Record in its checkpoint's manifest the files of ``folder``, written after the save (an offline export).
 
     Entries below ``folder`` are replaced by its current files; the manifest is swapped in by rename. Returns
@@ -259,7 +259,7 @@ def add_files(folder: Path) -> bool:
     checkpoint = _find_checkpoint(folder)
     if checkpoint is None:
         return False
-    current = read(checkpoint)
+    current = read_manifest(checkpoint)
     if current is None:
         return False
     algorithm = str(current.get("checksum_algorithm", CRC32))
@@ -282,13 +282,13 @@ def add_files(folder: Path) -> bool:
 # --- reading and checking ----------------------------------------------------------------------------
 
 
-def read(checkpoint: Path) -> dict[str, Any] | None:
+def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint's manifest, None when it has none; ``CheckpointError`` when it is unreadable or malformed."""
     file = Path(checkpoint) / layout.MANIFEST_FILE
     if not file.exists():
         return None
     try:
-        manifest = bounded.read_json(file, "a manifest", bounded.INDEX_FILE)
+        manifest = bounded.read_json(file, "a manifest", bounded.INDEX_FILE_LIMIT)
     except OSError as exc:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -298,7 +298,7 @@ def read(checkpoint: Path) -> dict[str, Any] | None:
     ):
         raise CheckpointError(f"'{file}' is malformed (no 'files' table of sizes and checksums)")
     for rel in files:  # untrusted: every listed path must stay inside the checkpoint
-        paths.check(rel, f"'{file}'")
+        paths.check_path(rel, f"'{file}'")
     return manifest
 
 
@@ -308,7 +308,7 @@ def _is_size(value: object) -> bool:
 
 def _declared_version(file: Path) -> int | None:
     try:
-        data = bounded.read_json(file, "checkpoint metadata", bounded.INDEX_FILE)
+        data = bounded.read_json(file, "checkpoint metadata", bounded.INDEX_FILE_LIMIT)
     except (OSError, CheckpointError):
         return None
     v = data.get("layout_version") if isinstance(data, dict) else None
@@ -342,7 +342,7 @@ class Verdict:
 
 
 @dataclass
-class Report:
+class ManifestReport:
     """The outcome of checking one checkpoint against its manifest."""
 
     checkpoint: Path
@@ -362,11 +362,11 @@ class Report:
 
 def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
                resolved: dict[str, str] | None = None) -> Verdict:
-    """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read`` has checked
+    """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read_manifest`` has checked
     that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too).
-    ``resolved``: the folders resolved so far (``paths.inside``)."""
+    ``resolved``: the folders resolved so far (``paths.path_inside``)."""
     try:
-        path = paths.inside(Path(root), rel, "the manifest", resolved)
+        path = paths.path_inside(Path(root), rel, "the manifest", resolved)
         st = os.lstat(path)
         not_regular, size = paths.not_regular(st.st_mode), st.st_size
     except CheckpointError as exc:
@@ -389,23 +389,23 @@ def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, che
     return Verdict(rel, OK)
 
 
-def verify(
+def verify_manifest(
     checkpoint: Path,
     *,
     checksums: bool = True,
     only: Iterable[str] | None = None,
     unexpected: bool = True,
     threads: int = 1,
-) -> Report:
+) -> ManifestReport:
     """Check ``checkpoint``'s files against its manifest (``only``: just these listed files).
 
     Never raises for a damaged checkpoint: problems are in the report.
     """
     checkpoint = Path(checkpoint)
-    report = Report(checkpoint)
+    report = ManifestReport(checkpoint)
     try:
         check_layout_version(checkpoint)
-        manifest = read(checkpoint)
+        manifest = read_manifest(checkpoint)
     except CheckpointError as exc:
         report.problem = str(exc)
         return report
@@ -434,12 +434,12 @@ def verify(
     if unexpected and only is None:
         for rel in list_files(checkpoint):
             if rel not in listed:
-                report.verdicts.append(Verdict(rel, UNEXPECTED, "not in the manifest"))
+                report.verdicts.append(Verdict(rel, UNEXPECTED_FILE, "not in the manifest"))
     report.verdicts.sort(key=lambda v: v.path)
     return report
 
 
-def summarize(report: Report, limit: int = 3) -> str:
+def summarize(report: ManifestReport, limit: int = 3) -> str:
     """One line naming the first problems of a failed report."""
     if report.problem:
         return report.problem
@@ -461,7 +461,7 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
     """
     checkpoint = Path(checkpoint)
     check_layout_version(checkpoint)
-    manifest = read(checkpoint)
+    manifest = read_manifest(checkpoint)
     if manifest is None:
         if rank == 0 and warn is not None:
             warn(f"checkpoint '{checkpoint}' has no {layout.MANIFEST_FILE}; its files cannot be checked before loading")
@@ -469,18 +469,18 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
     listed = manifest["files"]
     reports = []
     if rank == 0:
-        reports.append(verify(checkpoint, checksums=False, unexpected=False))
+        reports.append(verify_manifest(checkpoint, checksums=False, unexpected=False))
     if checksums:
         share = assign({rel: int(e["size"]) for rel, e in listed.items()}, world_size)[rank]
         share = [rel for rel in share if leave is None or not leave(rel)]
-        reports.append(verify(checkpoint, checksums=True, only=share, unexpected=False))
+        reports.append(verify_manifest(checkpoint, checksums=True, only=share, unexpected=False))
     bad = [v for r in reports for v in r.bad]
     problem = next((r.problem for r in reports if r.problem), None)
     if problem or bad:
         seen: dict[str, Verdict] = {}
         for v in bad:
             seen.setdefault(v.path, v)
-        merged = Report(checkpoint, sorted(seen.values(), key=lambda v: v.path), problem)
+        merged = ManifestReport(checkpoint, sorted(seen.values(), key=lambda v: v.path), problem)
         raise CheckpointError(
             f"checkpoint '{checkpoint}' is damaged: {summarize(merged)} "
             f"(`ckpt-train verify {checkpoint}` lists every file)"

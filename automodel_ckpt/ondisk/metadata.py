@@ -84,7 +84,8 @@ def write_metadata(checkpoint: Path, meta: dict[str, Any]) -> Path:
 def read_metadata(checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint's metadata, or None when it has none (or it is unreadable, or lacks an integer step)."""
     try:
-        meta = bounded.read_json(Path(checkpoint) / layout.METADATA_FILE, "checkpoint metadata", bounded.SMALL_FILE)
+        meta = bounded.read_json(Path(checkpoint) / layout.METADATA_FILE, "checkpoint metadata",
+                                 bounded.SMALL_FILE_LIMIT)
     except (OSError, CheckpointError):
         return None
     if not isinstance(meta, dict) or isinstance(meta.get("step"), bool) or not isinstance(meta.get("step"), int):

@@ -16,7 +16,7 @@ A bucket prefix taken for a checkpoint name is one such component. Only regular 
 FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it, without
 following a link unless told to (a Hugging Face cache folder the user named is made of links into its blobs).
 ``walk_regular`` lists the regular files below a folder without entering a linked folder, and names the links and
-special files it passed over. ``model_file`` is the one rule for a model folder the user names (an export's or
+special files it passed over. ``model_file_in`` is the one rule for a model folder the user names (an export's or
 `pack`'s source): a regular file is read, and a link only where the folder is a Hugging Face cache snapshot
 (``<repo>/snapshots/<revision>``) and the link leads to a regular file directly in that repository's real
 ``blobs/`` folder; every other link, FIFO or device is refused in one line. Anything else is a ``CheckpointError`` naming the path and where it came from: the
@@ -71,7 +71,7 @@ def is_plain_name(name: object) -> bool:
     return isinstance(name, str) and "/" not in name and problem(name) is None
 
 
-def check(rel: object, where: str) -> str:
+def check_path(rel: object, where: str) -> str:
     """``rel`` itself if plain; else a ``CheckpointError`` saying that ``where`` names an unsafe path."""
     why = problem(rel)
     if why is not None:
@@ -88,12 +88,12 @@ class UnsafePathError(CheckpointError):
         self.reason = reason
 
 
-def inside(root: Path, rel: object, where: str, cache: dict[str, str] | None = None) -> Path:
-    """``root / rel`` after ``check``, refused (``UnsafePathError``) when a folder on the way is a symlink (inside
+def path_inside(root: Path, rel: object, where: str, cache: dict[str, str] | None = None) -> Path:
+    """``root / rel`` after ``check_path``, refused (``UnsafePathError``) when a folder on the way is a symlink (inside
     ``root`` or not) or the path itself is a symlink leading out of ``root``. Nothing is created; the path need not
     exist. ``cache``: folders checked already, kept by a caller that checks many paths below one root."""
     root = Path(root)
-    path = root / check(rel, where)
+    path = root / check_path(rel, where)
     folder = root
     for part in rel.split("/")[:-1]:  # type: ignore[union-attr]
         folder = folder / part
@@ -186,7 +186,7 @@ def open_regular(path: Path, *, follow: bool = False) -> int:
         if not stat.S_ISREG(mode):
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(f"'{path}' is a folder, not a regular file")
-            raise OSError(f"'{path}' is {kind(mode)}, not a regular file")
+            raise OSError(f"'{path}' is {file_kind(mode)}, not a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -210,10 +210,10 @@ def regular_file_problem(path: Path) -> str | None:
 
 def not_regular(mode: int) -> str | None:
     """Why a file of ``mode`` (an ``lstat``'s) is no regular file; None when it is one."""
-    return None if stat.S_ISREG(mode) else f"{kind(mode)}, not a regular file"
+    return None if stat.S_ISREG(mode) else f"{file_kind(mode)}, not a regular file"
 
 
-def kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     """What a file of ``mode`` (an ``lstat``'s) is, in words: "a symlink", "a FIFO", "a folder", ..."""
     for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -240,7 +240,7 @@ def cache_blob(folder: Path, link: Path) -> Path | None:
         return None
 
 
-def model_file(folder: Path, name: str, refusal: str) -> Path:
+def model_file_in(folder: Path, name: str, refusal: str) -> Path:
     """The path to read for the file ``name`` of the model folder ``folder``: itself when it is a regular file, the
     blob it leads to when it is a Hugging Face cache snapshot's link (``cache_blob``). Anything else (a link leading
     anywhere else, a FIFO, a device, a folder) is a one-line ``CheckpointError``: "'PATH' is a symlink, not a regular
@@ -254,5 +254,5 @@ def model_file(folder: Path, name: str, refusal: str) -> Path:
         blob = cache_blob(folder, path)
         if blob is not None:
             return blob
-    raise CheckpointError(f"'{path}' is {kind(mode)}, not a regular file or a link into its Hugging Face cache "
+    raise CheckpointError(f"'{path}' is {file_kind(mode)}, not a regular file or a link into its Hugging Face cache "
                           f"repository's blobs/; {refusal}")

@@ -47,7 +47,7 @@ def _own_folder(folder: Path) -> Path:
     except FileExistsError:
         mode = os.lstat(folder).st_mode
         if not stat.S_ISDIR(mode):
-            raise CheckpointError(f"'{folder}' is {paths.kind(mode)}, not a folder; damaged checkpoints are moved "
+            raise CheckpointError(f"'{folder}' is {paths.file_kind(mode)}, not a folder; damaged checkpoints are moved "
                                   "only into a real folder there: remove it") from None
     return folder
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.ondisk import ref_log_probs_file
+from automodel_ckpt.ondisk import LAYOUT
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.schema import DPOConfig
@@ -263,7 +263,7 @@ class Preference(Algorithm):
                                   "the same data and base")
         self.dpo.ref_log_probs_key = key
         root = run_folder(recipe.checkpoint_config)
-        file = ref_log_probs_file(root, key)
+        file = LAYOUT.ref_log_probs_file(root, key)
         pairs = {TRAIN: len(data.train), **({VALIDATION: len(data.validation)} if data.validation is not None else {})}
         # an object store's copy into this node's mirror; every rank reads it, or every rank computes
         stored = StoredLogProbs.load(file, key, root=root, pairs=pairs) \

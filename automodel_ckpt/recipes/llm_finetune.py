@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.checkpoint import HFArtifacts, run_folder, written_by
-from automodel_ckpt.ondisk import TRAINING_LOG, VALIDATION_LOG, run_fingerprint
+from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.data import (BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData, build_streamed,
                                   is_streamed, streamed_validation)
@@ -201,8 +201,8 @@ class FinetuneRecipe(BaseRecipe):
     def _build_logs(self, optimizer_line: str) -> None:
         """training.jsonl, validation.jsonl and the progress bar; the setup's report lines."""
         run_dir = run_folder(self.checkpoint_config)  # checkpoint_dir, or the local mirror of an object-store URL
-        self.train_log = JsonlLog(run_dir / TRAINING_LOG, enabled=self.env.is_main)
-        self.val_log = JsonlLog(run_dir / VALIDATION_LOG, enabled=self.env.is_main)
+        self.train_log = JsonlLog(run_dir / LAYOUT.TRAINING_LOG, enabled=self.env.is_main)
+        self.val_log = JsonlLog(run_dir / LAYOUT.VALIDATION_LOG, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps,
                                  enabled=self.env.is_main and self.cfg.training.progress_bar)
         if self.env.is_main:

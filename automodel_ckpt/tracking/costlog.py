@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.ondisk import EVENTS_LOG, read_manifest, size_on_disk
+from automodel_ckpt.ondisk import LAYOUT, read_manifest, size_on_disk
 from automodel_ckpt.training.metrics import JsonlLog, log_lines
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
@@ -71,7 +71,7 @@ class CheckpointCosts:
     """
 
     def __init__(self, run_dir: Path, *, enabled: bool, on_record: Callable[[dict[str, Any]], None]) -> None:
-        self.log = JsonlLog(Path(run_dir) / EVENTS_LOG, enabled=enabled)
+        self.log = JsonlLog(Path(run_dir) / LAYOUT.EVENTS_LOG, enabled=enabled)
         self.on_record = on_record
         self._started = time.time()
         self._blocked = 0.0
@@ -199,10 +199,10 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 
 def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
     """The records of a run's ``events.jsonl`` one at a time, never the file whole (a run folder received from
-    elsewhere may hold a log of any size): a line longer than ``bounded.LOG_LINE`` is skipped without being held,
+    elsewhere may hold a log of any size): a line longer than ``bounded.LOG_LINE_LIMIT`` is skipped without being held,
     as is a line that is no JSON object (a line cut by a kill mid-write). A link, FIFO or device in the log's place
     is refused (``UserError``), never followed or waited on."""
-    for line in log_lines(Path(run_dir) / EVENTS_LOG):
+    for line in log_lines(Path(run_dir) / LAYOUT.EVENTS_LOG):
         try:
             record = json.loads(line)
         except (ValueError, RecursionError):

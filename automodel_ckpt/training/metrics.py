@@ -85,7 +85,7 @@ def _open_append(path: Path) -> int:
 
 def log_lines(path: Path) -> Iterator[str]:
     """A log's lines, read one at a time (a run folder received from elsewhere may hold a log of any size); a line
-    longer than ``bounded.LOG_LINE`` is skipped, never held whole. Opened as ``_read_log`` opens it."""
+    longer than ``bounded.LOG_LINE_LIMIT`` is skipped, never held whole. Opened as ``_read_log`` opens it."""
     try:
         f = os.fdopen(open_regular(path), "rb")
     except FileNotFoundError:

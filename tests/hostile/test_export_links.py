@@ -1,6 +1,6 @@
 """An export source folder's links: `export --to int8|gguf` and `pack` follow none out of the model's own files.
 
-A Hugging Face folder given to `export` or `pack` is read only as ``paths.model_file`` allows: its regular files,
+A Hugging Face folder given to `export` or `pack` is read only as ``paths.model_file_in`` allows: its regular files,
 and, where it is a Hugging Face cache snapshot (``<repo>/snapshots/<revision>``), its links that lead to a regular
 file directly in that repository's real ``blobs/`` folder. Each case puts another link (to a process's environment,
 to a file of the case's ``Outside``, to a FIFO there, through a blob that is itself a link, through a ``blobs/``

@@ -65,8 +65,8 @@ def test_async_run_writes_the_same_checkpoints_as_sync(work, assets, fmt):
     sync_dir, async_dir = _run(work, assets, fmt, False), _run(work, assets, fmt, True)
     for name in ("epoch_0_step_4", "epoch_0_step_8"):
         s, a = sync_dir / name, async_dir / name
-        assert manifest.verify(a, checksums=True).ok
-        assert sorted(manifest.read(s)["files"]) == sorted(manifest.read(a)["files"])  # same files...
+        assert manifest.verify_manifest(a, checksums=True).ok
+        assert sorted(manifest.read_manifest(s)["files"]) == sorted(manifest.read_manifest(a)["files"])  # same files...
         assert comparable(s) == comparable(a)  # ...same tensors, rank files, global state and DCP metadata
         s_cfg, a_cfg = (yaml.safe_load((d / layout.CONFIG_FILE).read_text()) for d in (s, a))
         assert (s_cfg["checkpoint"].pop("is_async"), a_cfg["checkpoint"].pop("is_async")) == (False, True)
@@ -152,7 +152,7 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_0(work, assets, delivery
     assert found[0] == (f"Preempted by SIGTERM at step {step}: saved preempt_{delivery}/{name}; "
                         "rerun the same command to resume")
     assert read_pointer(run_dir, layout.LATEST) == name  # complete and published before the job exited
-    assert manifest.verify(run_dir / name, checksums=True).ok
+    assert manifest.verify_manifest(run_dir / name, checksums=True).ok
     assert not list(run_dir.glob(".staging-*"))
     assert [c.step for c in catalog.list_checkpoints(run_dir)][-1] == step
     reference = _reference(work, assets)

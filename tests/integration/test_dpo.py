@@ -148,13 +148,13 @@ def test_a_killed_run_with_a_synced_reference_resumes_bitwise(work, assets):
 
     # written once per sync (steps 2, 4, 6, 8), linked by the save after it: step 5's by the rerun's first save from
     # the checkpoint it resumed from (read back and hashed), when the kill left step 4 the newest
-    assert [c.name for c in catalog.scan(killed)] == [f"epoch_0_step_{s}" for s in range(1, 9)]
+    assert [c.name for c in catalog.scan_checkpoints(killed)] == [f"epoch_0_step_{s}" for s in range(1, 9)]
     assert not (killed / "epoch_0_step_1" / "ref_model").exists()  # saved from its first sync on
     for step in (3, 5, 7):
         assert reference(step) == reference(step - 1), step
     for step in (4, 6, 8):
         assert not reference(step) & reference(step - 1), step
-    assert all(manifest.verify(c.path).ok for c in catalog.scan(killed))
+    assert all(manifest.verify_manifest(c.path).ok for c in catalog.scan_checkpoints(killed))
 
 
 def test_a_synced_reference_resumes_bitwise_from_the_node_local_tier(work, assets):

@@ -101,8 +101,8 @@ def _rerun_killed_in_a_prune(work: Path, assets: Path) -> tuple[str, list[str]]:
     try:
         pid = step_faults.stopped(pid_file, proc)  # the pid prune_faults wrote, once stopped
         assert pid is not None, log.read_text()[-3000:]
-        published = catalog.scan(run)
-        assert published and all(manifest.verify(c.path).ok for c in published)  # while the prune is cut short
+        published = catalog.scan_checkpoints(run)
+        assert published and all(manifest.verify_manifest(c.path).ok for c in published)  # while the prune is cut short
         hidden = [p.name for p in run.glob(f"{layout.DELETING_PREFIX}*") if any(f.is_file() for f in p.rglob("*"))]
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=600)
@@ -127,10 +127,10 @@ def test_saves_after_the_first_write_no_frozen_byte_and_keep_last_one_keeps_only
         assert save["written_bytes"] <= save["bytes"] - frozen * 4, save
         assert save["written_bytes"] <= 1.05 * trainable_state, (save["written_bytes"] / trainable_state, save)
     assert "% of a full save" in output  # the end-of-run cost line
-    left = [c.name for c in catalog.scan(run)]
+    left = [c.name for c in catalog.scan_checkpoints(run)]
     assert left == ["epoch_0_step_6"]
     last = run / "epoch_0_step_6"
-    assert manifest.verify(last).ok and manifest.read(last)["linked_bytes"] > frozen * 4
+    assert manifest.verify_manifest(last).ok and manifest.read_manifest(last)["linked_bytes"] > frozen * 4
     on_disk = [p for p in run.rglob("*") if p.is_file() and not p.is_symlink() and p.parent != run]
     assert stored_once([last]) == sum(p.stat().st_size for p in on_disk)  # nothing else stored in the run folder
     assert all(p.stat().st_nlink == 1 for p in on_disk)  # the older checkpoints' links are gone with them
@@ -140,8 +140,8 @@ def test_a_kill_during_a_save_or_a_prune_leaves_every_published_checkpoint_verif
         work, assets, vlm_base):
     straight, _ = _straight(work, assets)
     run = _killed(work, assets)
-    published = catalog.scan(run)
-    assert published and all(manifest.verify(c.path).ok for c in published)
+    published = catalog.scan_checkpoints(run)
+    assert published and all(manifest.verify_manifest(c.path).ok for c in published)
     assert list(run.glob(f"{layout.STAGING_PREFIX}*"))  # the kill landed inside a save
     output, at_prune_kill = _rerun_killed_in_a_prune(work, assets)
     assert f"Loading checkpoint from killed/{published[-1].name}" in output
@@ -155,8 +155,8 @@ def test_a_kill_during_a_save_or_a_prune_leaves_every_published_checkpoint_verif
     got = {r["step"]: r["loss"] for r in jsonl(run / "training.jsonl")}
     want = {r["step"]: r["loss"] for r in jsonl(straight / "training.jsonl")}
     assert sorted(got) == [1, 2, 3, 4] and all(got[s] == want[s] for s in got)  # bit for bit
-    assert manifest.verify(run / "epoch_0_step_4").ok
-    assert [c.name for c in catalog.scan(run)] == ["epoch_0_step_4"]
+    assert manifest.verify_manifest(run / "epoch_0_step_4").ok
+    assert [c.name for c in catalog.scan_checkpoints(run)] == ["epoch_0_step_4"]
     assert not list(run.glob(f"{layout.DELETING_PREFIX}*"))
     events = jsonl(run / layout.EVENTS_LOG)
     starts = [i for i, r in enumerate(events) if r["event"] == "start"]
@@ -179,7 +179,8 @@ def test_resume_on_one_process_from_two(work, assets, vlm_base):
     for step in (5, 6):  # another world size sums the batch in another order: equal to rounding
         assert got[step] == pytest.approx(want[step], abs=1e-5)
     last = run / "epoch_0_step_6"
-    assert manifest.verify(last).ok and manifest.read(last).get("linked_bytes")  # step 6 linked step 5's shard
+    # step 6 linked step 5's shard
+    assert manifest.verify_manifest(last).ok and manifest.read_manifest(last).get("linked_bytes")
     # incremental storage loses nothing: the same run saved whole (2 processes to step 4, one full save) and resumed
     # on 1 process computes the same losses bit for bit
     whole = (*ARGS, "--checkpoint.incremental", "false", "--step_scheduler.ckpt_every_steps", "4",

@@ -128,7 +128,7 @@ def check_dir(root: Path, before: set[str]) -> tuple[set[str], list[str], dict]:
     if lost:
         failures.append(f"complete checkpoints lost: {lost}")
     for name in sorted(complete):
-        report = manifest.verify(root / name)
+        report = manifest.verify_manifest(root / name)
         if not report.ok:
             failures.append(f"{name} does not match its manifest: {manifest.summarize(report)}")
     latest = read_pointer(root, layout.LATEST)

@@ -59,7 +59,7 @@ def _worker(rank: int, tmp: str) -> None:
         plan = fill_plan(inventories, chosen)
         step = folder / chosen.name
         exchange(sends(plan, rank), step, {src: step for src in receives_from(plan, rank)},
-                 expected=manifest.read(step), chunk_bytes=2048)
+                 expected=manifest.read_manifest(step), chunk_bytes=2048)
         dist.barrier()
         after = scan(folder).steps[STEP]
         assert after.present == after.listed and after.digest == chosen.digest

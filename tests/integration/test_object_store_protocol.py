@@ -30,7 +30,7 @@ def test_readers_list_only_committed_checkpoints_and_pointers_to_them(seaweed, t
     _checkpoint(fs, root, "epoch_0_step_4", 4, commit=False)  # uploaded, never committed
     fs.pipe(f"{root}/LATEST", b"epoch_0_step_4\n")  # cannot happen (pointers follow commits); still ignored
     assert run.pull() == ["epoch_0_step_2"]
-    assert [r.name for r in catalog.scan(run.mirror)] == ["epoch_0_step_2"]
+    assert [r.name for r in catalog.scan_checkpoints(run.mirror)] == ["epoch_0_step_2"]
     assert catalog.latest_checkpoint(run.mirror).name == "epoch_0_step_2"
     assert run.leftovers() == ["epoch_0_step_4"]
     # the mirror keeps only what lists a checkpoint; loading fetches the rest

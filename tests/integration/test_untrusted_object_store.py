@@ -101,7 +101,7 @@ def test_odd_prefix_names_and_pointers_from_the_bucket_are_never_checkpoints(run
     assert remote.pull() == ["epoch_0_step_1", "epoch_0_step_2"]
     folders = sorted(p.name for p in remote.mirror.iterdir() if p.is_dir() and not p.is_symlink())
     assert folders == ["epoch_0_step_1", "epoch_0_step_2"]
-    assert [r.name for r in catalog.scan(remote.mirror)] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert [r.name for r in catalog.scan_checkpoints(remote.mirror)] == ["epoch_0_step_1", "epoch_0_step_2"]
 
     fs.pipe(f"{root}/{layout.LATEST}", b"../../elsewhere\n")
     code, _, err = cli(capsys, "verify", f"{url}/{layout.LATEST}")

@@ -65,9 +65,9 @@ def test_any_json_is_parsed_or_refused_in_one_line(data):
 def test_manifest(value):
     ckpt = folder()
     (ckpt / layout.MANIFEST_FILE).write_text(json.dumps(value))
-    got = refused_or(manifest.read, ckpt)
+    got = refused_or(manifest.read_manifest, ckpt)
     assert got is None or isinstance(got["files"], dict)
-    assert isinstance(manifest.verify(ckpt, checksums=False), manifest.Report)
+    assert isinstance(manifest.verify_manifest(ckpt, checksums=False), manifest.ManifestReport)
 
 
 @SETTINGS

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -209,10 +210,29 @@ REPO = PACKAGE.parent
 # the packages whose code may import a face's modules past it: its own, and for ondisk the two above it
 ADMITS = {"automodel_ckpt.ondisk": ("ondisk", "export", "checkpoint"), "automodel_ckpt.export": ("export",),
           "automodel_ckpt.checkpoint": ("checkpoint",)}
-# where other code may reach inside: tools/bench_recovery.py times a restore's phases by wrapping
-# the engine's own functions (what it measures), nothing else
-REACHES_INSIDE = {"tools/bench_recovery.py": {"automodel_ckpt.checkpoint.restore",
-                                              "automodel_ckpt.checkpoint.storage.nodelocal"}}
+ONDISK_FACE_MAX = 45  # the names outside code needs from the checkpoint folder's face (issue #78: 108 before)
+TIMES_INTERNALS = "Times internals:"
+
+
+def declared_internals(source: str) -> tuple[str, ...]:
+    """The packages or modules (``ondisk.formats``) that a benchmark's docstring names on its one line starting
+    ``Times internals:``, as full module names: a benchmark that times the insides of a face imports them directly."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    lines = [line for line in doc.splitlines() if line.startswith(TIMES_INTERNALS)]
+    assert len(lines) <= 1, "say it in one line"
+    return tuple(f"automodel_ckpt.{name}" for name in re.findall(r"``([a-z_.]+)``", lines[0])) if lines else ()
+
+
+def past_the_faces(source: str, faces: dict[str, set[str]], *, tool: bool) -> list[str]:
+    """``imports_past_the_faces``, less the imports of what a benchmark (``tool``: a file of ``tools/``) declares it
+    times."""
+    found = imports_past_the_faces(source, faces)
+    inside = declared_internals(source) if tool else ()
+    return [o for o in found if not any(re.search(rf"(from|import) {re.escape(m)}(\.| |$)", o) for m in inside)]
+
+
+def _past_the_faces(path: Path, faces: dict[str, set[str]]) -> list[str]:
+    return past_the_faces(path.read_text(encoding="utf-8"), faces, tool=path.is_relative_to(REPO / "tools"))
 
 
 def _face_names() -> dict[str, set[str]]:
@@ -247,11 +267,9 @@ def test_code_imports_the_three_packages_through_their_faces():
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "tools").rglob("*.py")) + \
             sorted((REPO / "examples").rglob("*.py")):
-        rel = str(path.relative_to(REPO))
-        found = [o for o in imports_past_the_faces(path.read_text(encoding="utf-8"), _faces_held_to(path, faces))
-                 if not any(f"from {m} import" in o for m in REACHES_INSIDE.get(rel, ()))]
+        found = _past_the_faces(path, _faces_held_to(path, faces))
         if found:
-            offenders[rel] = found
+            offenders[str(path.relative_to(REPO))] = found
     assert offenders == {}, f"import these through the faces {FACES}: {offenders}"
     assert _faces_held_to(PACKAGE / "checkpoint" / "save" / "hf_files.py", faces).keys() == {"automodel_ckpt.export"}
 
@@ -290,21 +308,59 @@ def test_a_face_names_members_never_whole_modules(face):
     assert [n for n in module.__all__ if (folder / f"{n}.py").exists() or (folder / n).is_dir()] == []
 
 
-# what the engine's face names again for recipes: what a save wrote, the checkpoint folder's (ondisk)
-NAMED_BY_TWO_FACES = {"HFArtifacts", "SaveInfo", "WrittenBy", "written_by"}
-
-
-def test_no_name_is_exported_by_two_faces_and_the_export_face_renames_nothing():
-    """A name has one face (the engine's re-export of what a save wrote aside); the export face hands each member on
-    under its own name."""
+def test_no_name_is_exported_by_two_faces_and_no_face_renames_a_name():
+    """A name has one face, and each face hands its members on under their own names."""
     owners: dict[str, list[str]] = {}
     for face, names in _face_names().items():
         for name in names:
             owners.setdefault(name, []).append(face)
-    assert {n for n, faces in owners.items() if len(faces) > 1} == NAMED_BY_TWO_FACES
-    export = importlib.import_module("automodel_ckpt.export")
-    assert [n for n, (_, attr) in export._EXPORTS.items() if attr != n] == []
-    assert [n for n in export.__all__ if getattr(export, n).__name__ != n] == []
+    assert {n: faces for n, faces in owners.items() if len(faces) > 1} == {}
+    for face in FACES:
+        module = importlib.import_module(face)
+        assert [n for n, (_, attr) in module._EXPORTS.items() if attr != n] == [], face
+        assert [n for n in module.__all__ if getattr(getattr(module, n), "__name__", n) != n] == [], face
+
+
+def _outside_code() -> list[Path]:
+    """The files that enter ``ondisk`` by its face: the package outside the three, the tools, the examples."""
+    inside = [PACKAGE / room for room in ADMITS["automodel_ckpt.ondisk"]]
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if not any(p.is_relative_to(r) for r in inside)] + \
+        sorted((REPO / "tools").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py"))
+
+
+def test_the_ondisk_face_is_what_outside_code_needs():
+    """At most ``ONDISK_FACE_MAX`` names, each imported by code outside the three packages. The layout's file names
+    and path builders are one of them, the table ``LAYOUT``: each of its members is ``layout``'s own under its own
+    name, and read outside (``LAYOUT.NAME``); no other name of the face is ``layout``'s."""
+    from automodel_ckpt.ondisk import layout
+    from automodel_ckpt.ondisk.layout_table import LAYOUT
+
+    ondisk = importlib.import_module("automodel_ckpt.ondisk")
+    assert len(ondisk.__all__) <= ONDISK_FACE_MAX, len(ondisk.__all__)
+    assert [n for n, (module, _) in ondisk._EXPORTS.items() if module == "layout"] == []
+    members = {n for n in vars(LAYOUT) if not n.startswith("_")}
+    assert [n for n in members if getattr(LAYOUT, n) is not getattr(layout, n)] == []
+    imported, read = set(), set()
+    for path in _outside_code():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "automodel_ckpt.ondisk":
+                imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "LAYOUT":
+                read.add(node.attr)
+    assert set(ondisk.__all__) - imported == set(), "no outside code needs these: leave them to the modules"
+    assert members - read == set(), "no outside code reads these from LAYOUT"
+
+
+def test_a_benchmark_that_times_internals_says_so_in_one_line():
+    faces = {"automodel_ckpt.ondisk": {"LAYOUT"}}
+    source = '"""Times the planner.\n\nTimes internals: imports ``ondisk.formats`` directly.\n"""\n' \
+             "from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner\n"
+    assert declared_internals(source) == ("automodel_ckpt.ondisk.formats",)
+    assert imports_past_the_faces(source, faces)  # past the face, admitted only by the line
+    assert past_the_faces(source, faces, tool=True) == []
+    assert past_the_faces(source.replace("``ondisk.formats``", "``ondisk.manifest``"), faces, tool=True) != []
+    assert past_the_faces(source.replace("ondisk.formats``", "ondisk.formatsx``"), faces, tool=True) != []
+    assert past_the_faces(source, faces, tool=False) != []  # outside tools/ the line admits nothing
 
 
 def test_each_face_exports_what_it_lists_and_the_public_names_stay_few():
@@ -561,7 +617,7 @@ def test_code_outside_tracking_imports_only_its_face():
     offenders = {}
     for path in [p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(PACKAGE / "tracking")] + \
             sorted((REPO / "tools").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py")):
-        found = imports_past_the_faces(path.read_text(encoding="utf-8"), faces)
+        found = _past_the_faces(path, faces)
         if found:
             offenders[str(path.relative_to(REPO))] = found
     assert offenders == {}, f"import these through automodel_ckpt.tracking: {offenders}"
@@ -611,13 +667,9 @@ def test_no_import_runs_back_up():
     assert arrows_back_up(planted) == ["automodel_ckpt.distributed.fsdp -> automodel_ckpt.models.lora"]
 
 
-# benchmarks that measure the data package's insides (the stream's readers, the tokenizer's row builder) reach in
-DATA_BENCHMARKS = {"tools/bench_data.py", "tools/bench_tokenize.py"}
-
-
 def test_code_outside_data_enters_it_through_its_face():
     """``data/`` has one face (``__all__``, names loaded on first use): the rest of the package, the tools and the
-    examples import only it (the data benchmarks aside)."""
+    examples import only it (benchmarks that time its insides aside, each saying so)."""
     face = "automodel_ckpt.data"
     module = importlib.import_module(face)
     assert all(getattr(module, name) is not None for name in module.__all__)
@@ -627,9 +679,7 @@ def test_code_outside_data_enters_it_through_its_face():
     offenders = {}
     for path in [p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(PACKAGE / "data")] + \
             sorted((REPO / "tools").rglob("*.py")) + sorted((REPO / "examples").rglob("*.py")):
-        if str(path.relative_to(REPO)) in DATA_BENCHMARKS:
-            continue
-        found = imports_past_the_faces(path.read_text(encoding="utf-8"), faces)
+        found = _past_the_faces(path, faces)
         if found:
             offenders[str(path.relative_to(REPO))] = found
     assert offenders == {}, f"import these through automodel_ckpt.data: {offenders}"

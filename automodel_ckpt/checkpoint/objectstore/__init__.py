@@ -47,7 +47,7 @@ def stored_files(folder: Path) -> dict[str, int]:
     from automodel_ckpt.ondisk import manifest
 
     try:
-        listed = (manifest.read(folder) or {}).get("files", {})
+        listed = (manifest.read_manifest(folder) or {}).get("files", {})
     except CheckpointError:  # malformed or naming unsafe paths: nothing is known of it (`verify` says what)
         return {}
     return {rel: int(e["size"]) for rel, e in listed.items()}

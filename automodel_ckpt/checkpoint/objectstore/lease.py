@@ -126,7 +126,7 @@ class Lease:
         if text is None:
             return None
         try:
-            data = bounded.parse_json(text, f"the lease of '{self.store.url}'", "a lease", bounded.SMALL_FILE)
+            data = bounded.parse_json(text, f"the lease of '{self.store.url}'", "a lease", bounded.SMALL_FILE_LIMIT)
             if not isinstance(data, dict) or not isinstance(data.get("holder"), dict):
                 raise ValueError("not a lease")
             float(data["expires"]), float(data["renewed"]), float(data["since"])

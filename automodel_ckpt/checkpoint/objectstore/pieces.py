@@ -17,7 +17,7 @@ names the bytes (an inode) and counts the names; here the key names the bytes an
   is gone: a kill at any point leaves at most unreferenced pieces (orphans), which the next save or ``ckpt-train
   gc`` collects. The pieces are listed before the records are read: a piece uploaded meanwhile is not taken.
 
-A record is untrusted: its size is bounded (``bounded.INDEX_FILE``, as a manifest), every key must be 32 lowercase
+A record is untrusted: its size is bounded (``bounded.INDEX_FILE_LIMIT``, as a manifest), every key must be 32 lowercase
 hex digits (never a path: ``..`` or ``/`` in a key is refused here, since some stores accept them), and every file
 it names must be one the checkpoint's manifest lists. Only objects below ``PIECES_DIR`` whose name is a key are
 ever deleted.
@@ -48,10 +48,10 @@ def record_text(refs: dict[str, str]) -> str:
 
 
 def parse_record(data: str | bytes, where: str, listed: Iterable[str] | None = None) -> dict[str, str]:
-    """``{file: key}`` of the record read from ``where``. Each problem is one line: over ``bounded.INDEX_FILE`` or
+    """``{file: key}`` of the record read from ``where``. Each problem is one line: over ``bounded.INDEX_FILE_LIMIT`` or
     nested too deep, not JSON, not a record of this version, a key that is not 32 hex digits, a file that
     ``listed`` (the checkpoint manifest's files, when given) lacks."""
-    table = bounded.parse_json(data, where, _WHAT, bounded.INDEX_FILE)
+    table = bounded.parse_json(data, where, _WHAT, bounded.INDEX_FILE_LIMIT)
     if not isinstance(table, dict) or table.get("pieces_version") != _VERSION or not isinstance(table.get("files"),
                                                                                               dict):
         raise CheckpointError(f"{where} is not {_WHAT} this version reads (pieces_version {_VERSION} and a 'files' "
@@ -136,7 +136,7 @@ def write_record(store: ObjectStore, name: str, refs: dict[str, str]) -> None:
 def read_record(store: ObjectStore, name: str, listed: Iterable[str]) -> dict[str, str]:
     """Checkpoint ``name``'s ``{file: key}`` (empty when it has no record: written whole, or before pieces
     existed); ``listed``: its manifest's files."""
-    text = store.read_text(name, layout.PIECE_REFS, limit=bounded.INDEX_FILE)
+    text = store.read_text(name, layout.PIECE_REFS, limit=bounded.INDEX_FILE_LIMIT)
     return {} if text is None else parse_record(text, f"'{store.url_of(name, layout.PIECE_REFS)}'", listed)
 
 
@@ -174,7 +174,7 @@ def records(store: ObjectStore, names: Iterable[str]) -> dict[str, dict[str, str
     """``{prefix: {file: key}}`` of the prefixes ``names`` that hold a record (small reads, in one batch); a
     record that cannot be read as one is a ``CheckpointError`` naming it."""
     keys = {store.key(n, layout.PIECE_REFS): n for n in names}
-    got = store.cat_small(list(keys), bounded.INDEX_FILE)
+    got = store.cat_small(list(keys), bounded.INDEX_FILE_LIMIT)
     return {keys[k]: parse_record(data, f"'{store.scheme}://{k}'") for k, data in got.items()}
 
 

@@ -103,7 +103,8 @@ class RemoteRun:
                     and entry.name != layout.QUARANTINE_DIR and _made_here(entry):
                 remove_tree(entry)
         wanted = [self.store.key(n, f) for n in names for f in layout.CATALOG_FILES]
-        got = wrap(f"reading the catalog of '{self.url}'", lambda: self.store.cat_small(wanted, bounded.INDEX_FILE))
+        got = wrap(f"reading the catalog of '{self.url}'",
+                   lambda: self.store.cat_small(wanted, bounded.INDEX_FILE_LIMIT))
         for name in names:
             folder = self.mirror / name
             remote_manifest = got.get(self.store.key(name, layout.MANIFEST_FILE))
@@ -123,7 +124,7 @@ class RemoteRun:
             elif read_pointer(self.mirror, pointer) is not None:
                 remove_pointer(self.mirror, pointer)
         for log in _LOGS:
-            data = self.store.read_text(log, limit=bounded.LOG_FILE)
+            data = self.store.read_text(log, limit=bounded.LOG_FILE_LIMIT)
             if _extends(self.mirror / log, data or ""):
                 continue  # this mirror's run went on past the store's copy (to a node-local step): keep its lines
             if data is None:
@@ -213,7 +214,7 @@ class RemoteRun:
         if refs:
             wrap(f"uploading '{self.store.url_of(name, layout.PIECE_REFS)}'",
                  lambda: pieces.write_record(self.store, name, {rel: key for rel, (key, _) in refs.items()}))
-            table = manifest.read(staging) or {}
+            table = manifest.read_manifest(staging) or {}
             reused = sum(int(table["files"][rel]["size"]) for rel, (_, kept) in refs.items() if kept)
             table.pop("linked_bytes", None)
             if reused:
@@ -365,7 +366,7 @@ def source_of(folder: Path) -> str | None:
     ``pulled_from``)."""
     note = Path(folder).parent / layout.OBJECT_STORE_SOURCE
     try:
-        return str(bounded.read_json(note, "a mirror note", bounded.SMALL_FILE)["url"])
+        return str(bounded.read_json(note, "a mirror note", bounded.SMALL_FILE_LIMIT)["url"])
     except (OSError, KeyError, TypeError, CheckpointError):
         return None
 
@@ -384,7 +385,7 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
     if not (folder / layout.MANIFEST_FILE).is_file():
         wrap(f"fetching '{store.url_of(folder.name)}'",
              lambda: store.download(folder.name, [layout.MANIFEST_FILE], folder))
-    listed = (manifest.read(folder) or {}).get("files", {})
+    listed = (manifest.read_manifest(folder) or {}).get("files", {})
     refs = wrap(f"fetching '{store.url_of(folder.name)}'", lambda: pieces.read_record(store, folder.name, listed))
     share = []
     for i, (rel, entry) in enumerate(sorted(listed.items())):

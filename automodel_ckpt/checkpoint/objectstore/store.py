@@ -118,7 +118,7 @@ class ObjectStore:
         return max((s for s in stamps if s is not None), default=None)
 
     # --- small objects -------------------------------------------------------------------------------
-    def read_text(self, *parts: str, limit: int = bounded.SMALL_FILE) -> str | None:
+    def read_text(self, *parts: str, limit: int = bounded.SMALL_FILE_LIMIT) -> str | None:
         """A small object's text (None when it does not exist); an object over ``limit`` bytes is refused in one
         line after ``limit + 1`` bytes were read, never read whole."""
         try:
@@ -197,7 +197,7 @@ class ObjectStore:
                 sizes[rel] = int(self.fs.info(source[rel])["size"])
         tag = f".part-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         where, resolved = f"the listing of '{self.url_of(name)}'", {}
-        targets = {rel: paths.inside(Path(local_root), rel, where, resolved) for rel in rels}  # untrusted names
+        targets = {rel: paths.path_inside(Path(local_root), rel, where, resolved) for rel in rels}  # untrusted names
         fds: dict[str, int] = {}
         try:
             for rel, target in targets.items():

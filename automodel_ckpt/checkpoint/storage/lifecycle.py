@@ -77,7 +77,7 @@ def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metr
     if not policy.prunes:
         return []
     protected = {t for t in catalog.pointer_targets(checkpoint_dir).values() if t} | set(protected)
-    records = catalog.candidates(catalog.scan(checkpoint_dir), monitor, best_metric_key)
+    records = catalog.candidates(catalog.scan_checkpoints(checkpoint_dir), monitor, best_metric_key)
     deleted = []
     for name in to_delete(records, policy, protected):
         hidden = checkpoint_dir / layout.deleting_name(name)

@@ -299,7 +299,7 @@ def _killed(info: dict | None) -> str | None:
 
 
 @atexit.register
-def release_all() -> None:
+def release_all_locks() -> None:
     """At exit, whatever path the run ends by (short of being killed, when the kernel drops the lock anyway); a
     failed rank that leaves without exit handlers calls it itself."""
     with _MUTEX:

@@ -35,7 +35,7 @@ def read_dcp_folder(folder: Path, limit: int | None = None, what: str = "a DCP f
     metadata = reader.read_metadata()  # restricted unpickler; entries, chunk boxes and file names checked
     stored = 0
     for rel in sorted({str(info.relative_path) for info in (metadata.storage_data or {}).values()}):
-        file = paths.inside(folder, rel, f"'{folder}'")
+        file = paths.path_inside(folder, rel, f"'{folder}'")
         try:
             stored += file.stat().st_size
         except FileNotFoundError:

@@ -250,7 +250,7 @@ def _check_storage_files(metadata: Metadata, path: Path) -> None:
         if isinstance(rel, str) and rel in seen:
             continue
         seen.add(rel)
-        file = paths.inside(path.parent, rel, f"'{path}'", resolved)
+        file = paths.path_inside(path.parent, rel, f"'{path}'", resolved)
         try:
             why = paths.regular_file_problem(file)
         except FileNotFoundError:

@@ -307,7 +307,7 @@ def test_a_plain_path_never_leaves_its_root(rel):
         assert not rel.startswith("/") and ".." not in rel.split("/")
     else:
         with pytest.raises(CheckpointError, match="names the unsafe path"):
-            paths.check(rel, "x")
+            paths.check_path(rel, "x")
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +336,7 @@ def test_no_manifest_entry_is_read_outside_its_checkpoint(sandbox, parts, absolu
     size, digest = manifest.hash_file(secret, manifest.default_algorithm())
     data = {"checksum_algorithm": manifest.default_algorithm(), "files": {rel: {"size": size, "checksum": digest}}}
     (checkpoint / layout.MANIFEST_FILE).write_text(json.dumps(data))
-    report = manifest.verify(checkpoint)
+    report = manifest.verify_manifest(checkpoint)
     shutil.rmtree(checkpoint)
     assert not report.ok  # nothing inside the checkpoint is the secret
     target = Path(os.path.normpath(checkpoint / rel))
@@ -433,7 +433,7 @@ def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path):
     with pytest.raises(CheckpointError, match="leads out of"):
         (tmp_path / "ck").mkdir()
         os.symlink(tempfile.gettempdir(), tmp_path / "ck" / "model")
-        paths.inside(tmp_path / "ck", "model/x", "the manifest")
+        paths.path_inside(tmp_path / "ck", "model/x", "the manifest")
 
 
 def test_a_mirror_note_in_a_received_folder_never_chooses_the_bucket_to_fetch_from(tmp_path, monkeypatch):

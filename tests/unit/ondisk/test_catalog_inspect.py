@@ -76,12 +76,13 @@ def test_scan_identifies_checkpoints_by_metadata_then_default_names(tmp_path):
     make(tmp_path, layout.deleting_name("ck_1"), 1)
     (tmp_path / "epoch_0_step_3").write_text("a file, not a folder")
     set_pointer(tmp_path, layout.LATEST, "ck_10")
-    assert [(r.name, r.step) for r in catalog.scan(tmp_path)] == [
+    assert [(r.name, r.step) for r in catalog.scan_checkpoints(tmp_path)] == [
         ("epoch_0_step_2", 2), ("epoch_0_step_99", 5), ("ck_9", 9), ("ck_10", 10)]
-    incomplete = [(r.name, r.step) for r in catalog.scan(tmp_path, include_incomplete=True) if not r.complete]
+    incomplete = [(r.name, r.step) for r in catalog.scan_checkpoints(tmp_path, include_incomplete=True)
+                  if not r.complete]
     assert incomplete == [(".staging-ck_11", 11), (".staging-epoch_0_step_12", 12), (".staging-whatever", None)]
     assert [r.step for r in catalog.list_checkpoints(tmp_path)] == [2, 5, 9, 10]
-    assert catalog.scan(tmp_path / "missing") == []
+    assert catalog.scan_checkpoints(tmp_path / "missing") == []
 
 
 def test_latest_falls_back_to_the_newest_by_metadata_step_with_any_template(tmp_path):

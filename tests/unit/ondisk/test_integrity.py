@@ -126,7 +126,7 @@ def test_fresh_checkpoint_resumes_and_verifies(saved, capsys):
     assert loaded.counter.n == 2 and loaded.cursor.n == 20
     code, out = verify_cli(capsys, second)
     assert code == 0 and "verify: OK" in out and f"ok                 {layout.CONFIG_FILE}" in out
-    size = human_size(manifest.read(second)["total_bytes"])
+    size = human_size(manifest.read_manifest(second)["total_bytes"])
     assert f"files, {size}, layout" in out and size.endswith("KiB")  # sizes read as `inspect` prints them
     code, out = verify_cli(capsys, ckpt.stats.dir)
     assert code == 0, out
@@ -146,9 +146,9 @@ def test_crc32_manifest_verifies(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"x" * 1000)
     size, digest = manifest.hash_file(tmp_path / "a.bin", manifest.CRC32)
     manifest.write(tmp_path, manifest.build(tmp_path, {"a.bin": size}, {"a.bin": digest}, manifest.CRC32))
-    assert manifest.verify(tmp_path).ok
+    assert manifest.verify_manifest(tmp_path).ok
     flip_byte(tmp_path / "a.bin")
-    assert [v.status for v in manifest.verify(tmp_path).verdicts] == [manifest.CHECKSUM_MISMATCH]
+    assert [v.status for v in manifest.verify_manifest(tmp_path).verdicts] == [manifest.CHECKSUM_MISMATCH]
 
 
 def test_size_check_needs_no_checksum_module(tmp_path, monkeypatch):
@@ -156,10 +156,10 @@ def test_size_check_needs_no_checksum_module(tmp_path, monkeypatch):
     (tmp_path / "a.bin").write_bytes(b"x" * 1000)
     manifest.write(tmp_path, manifest.build(tmp_path, {"a.bin": 1000}, {"a.bin": "0" * 16}, checksum.XXH3_64))
     monkeypatch.setitem(sys.modules, "xxhash", None)  # ``import xxhash`` raises ImportError
-    assert manifest.verify(tmp_path, checksums=False).ok
+    assert manifest.verify_manifest(tmp_path, checksums=False).ok
     (tmp_path / "a.bin").write_bytes(b"x" * 999)
-    assert [v.status for v in manifest.verify(tmp_path, checksums=False).verdicts] != [manifest.OK]
-    assert "install the 'xxhash' package" in manifest.verify(tmp_path).problem
+    assert [v.status for v in manifest.verify_manifest(tmp_path, checksums=False).verdicts] != [manifest.OK]
+    assert "install the 'xxhash' package" in manifest.verify_manifest(tmp_path).problem
 
 
 # --- bad inputs ------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ _enospc = _raiser(errno.ENOSPC)
 @pytest.mark.parametrize("where", ["dcp_write", "rank_file", "metadata", "manifest", "edquot", "erofs", "async"])
 def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, capsys, where):
     ckpt, state, first, second = saved
-    before = manifest.verify(second)
+    before = manifest.verify_manifest(second)
     assert before.ok
     reason = "no space left on device"
     if where in ("dcp_write", "edquot", "erofs", "async"):
@@ -334,10 +334,10 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     assert catalog.resolve_restore_from(ckpt.stats.dir, None) == second
     code, out = verify_cli(capsys, ckpt.stats.dir)
     assert code == 0
-    assert manifest.verify(second).ok and manifest.verify(first).ok
+    assert manifest.verify_manifest(second).ok and manifest.verify_manifest(first).ok
     third = save(ckpt, state, 3)  # space is back: the same step saves
     ckpt.finalize()
-    assert manifest.verify(third).ok and not list(ckpt.stats.dir.glob(layout.STAGING_PREFIX + "*"))
+    assert manifest.verify_manifest(third).ok and not list(ckpt.stats.dir.glob(layout.STAGING_PREFIX + "*"))
 
 
 def test_out_of_room_is_recognised_from_errno_dcp_failures_and_remote_text():
@@ -458,8 +458,8 @@ def test_files_added_after_the_save_can_be_recorded(saved, capsys):
     (export / "model.safetensors").write_bytes(b"weights")
     code, out = verify_cli(capsys, second)
     assert code == 1 and "unexpected file    model/consolidated/model.safetensors" in out
-    assert manifest.add_files(export)
-    assert manifest.verify(second).ok
+    assert manifest.add_files_to_manifest(export)
+    assert manifest.verify_manifest(second).ok
     (export / "model.safetensors").write_bytes(b"other!!")
-    assert [v.status for v in manifest.verify(second).bad] == [manifest.CHECKSUM_MISMATCH]
-    assert not manifest.add_files(second.parent)  # not inside a checkpoint
+    assert [v.status for v in manifest.verify_manifest(second).bad] == [manifest.CHECKSUM_MISMATCH]
+    assert not manifest.add_files_to_manifest(second.parent)  # not inside a checkpoint

@@ -1,4 +1,4 @@
-"""The rules for a model folder the user names (``paths.model_file``) and for a GGUF header (``gguf_read``)."""
+"""The rules for a model folder the user names (``paths.model_file_in``) and for a GGUF header (``gguf_read``)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def test_a_cache_snapshot_link_is_read_as_its_blob(tmp_path):
     repo, snapshot = _snapshot(tmp_path)
     os.symlink("../../blobs/abc", snapshot / "config.json")
     (snapshot / "plain.json").write_text("{}")
-    assert paths.model_file(snapshot, "config.json", "x") == repo / "blobs" / "abc"
-    assert paths.model_file(snapshot, "plain.json", "x") == snapshot / "plain.json"
+    assert paths.model_file_in(snapshot, "config.json", "x") == repo / "blobs" / "abc"
+    assert paths.model_file_in(snapshot, "plain.json", "x") == snapshot / "plain.json"
     linked = tmp_path / "named"  # the folder the user names may itself be a link
     os.symlink(snapshot, linked)
-    assert paths.model_file(linked, "config.json", "x") == repo / "blobs" / "abc"
+    assert paths.model_file_in(linked, "config.json", "x") == repo / "blobs" / "abc"
     with pytest.raises(FileNotFoundError):
-        paths.model_file(snapshot, "missing.json", "x")
+        paths.model_file_in(snapshot, "missing.json", "x")
 
 
 @pytest.mark.parametrize("case", ["outside", "blob is a link", "blobs is a link", "not a snapshot", "into a subfolder",
@@ -67,7 +67,7 @@ def test_every_other_link_or_special_file_is_one_line(tmp_path, case):
         other, _ = _snapshot(tmp_path / "other")
         os.symlink(other / "blobs" / "abc", name)
     with pytest.raises(CheckpointError, match="not a regular file or a link into its Hugging Face cache") as err:
-        paths.model_file(name.parent, name.name, "replace it")
+        paths.model_file_in(name.parent, name.name, "replace it")
     assert "\n" not in str(err.value) and str(err.value).endswith("replace it")
 
 

@@ -40,14 +40,14 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(tmp_path):
     file.touch()
     os.truncate(file, 80 * 2**20)  # sparse: 80 MiB to stat, nothing to read
     with pytest.raises(CheckpointError) as err:
-        manifest.read(tmp_path)
+        manifest.read_manifest(tmp_path)
     assert one_line(err) == f"'{file}' is 80.0 MiB, over the 64.0 MiB limit for a manifest"
 
 
 def test_deeply_nested_json_is_one_line_not_a_recursion_error(tmp_path):
     (tmp_path / layout.MANIFEST_FILE).write_text(deep_json(200_000))
     with pytest.raises(CheckpointError) as err:
-        manifest.read(tmp_path)
+        manifest.read_manifest(tmp_path)
     assert "nests 200000 levels deep, over the limit of 64" in one_line(err)
     (tmp_path / layout.METADATA_FILE).write_text('{"step": 1, "x": ' + deep_json(200_000) + "}")
     assert read_metadata(tmp_path) is None

@@ -157,7 +157,7 @@ def test_a_quarantine_note_in_the_way_is_replaced(tmp_path, outside, no_hang):
     os.mkfifo(run / layout.QUARANTINE_DIR / layout.quarantine_note("epoch_0_step_2"))
     for name in ("epoch_0_step_1", "epoch_0_step_2"):
         quarantine(run, name, "damaged")
-    assert [q["reason"] for q in catalog.quarantined(run)] == ["damaged", "damaged"] and untouched(outside)
+    assert [q["reason"] for q in catalog.quarantined_checkpoints(run)] == ["damaged", "damaged"] and untouched(outside)
 
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
@@ -191,8 +191,8 @@ def test_a_symlinked_folder_inside_the_root_is_refused_too(tmp_path):
     (root / "real" / "x").write_text("x")
     os.symlink("real", root / "model")
     with pytest.raises(paths.UnsafePathError, match="reached through the symlinked folder 'model'"):
-        paths.inside(root, "model/x", "the manifest")
-    assert paths.inside(root, "real/x", "the manifest") == root / "real" / "x"
+        paths.path_inside(root, "model/x", "the manifest")
+    assert paths.path_inside(root, "real/x", "the manifest") == root / "real" / "x"
 
 
 def test_walks_list_regular_files_and_never_enter_a_linked_folder(tmp_path, outside):

@@ -97,7 +97,7 @@ def scan(folder: Path, *, checksums: bool = True, threads: int = 4, leave: Calla
         except FileNotFoundError:
             continue
         if not stat.S_ISDIR(mode):
-            skipped.append(f"{name}: {paths.kind(mode)}, not a folder")
+            skipped.append(f"{name}: {paths.file_kind(mode)}, not a folder")
             continue
         found = _scan_step(path, name, parsed, checksums, threads, leave)
         if isinstance(found, str):
@@ -117,19 +117,19 @@ def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, 
                leave: Callable[[str], bool] | None) -> StepFiles | str:
     try:
         manifest.check_layout_version(path)
-        content = manifest.read(path)
+        content = manifest.read_manifest(path)
     except CheckpointError as exc:
         return first_line(exc)
     if content is None:
         return f"no {layout.MANIFEST_FILE} (being written, or left by a failed save)"
     listed = {rel: int(entry["size"]) for rel, entry in content["files"].items()}
-    report = manifest.verify(path, checksums=checksums and leave is None, unexpected=False, threads=threads)
+    report = manifest.verify_manifest(path, checksums=checksums and leave is None, unexpected=False, threads=threads)
     if report.problem:
         return report.problem
     verdicts = {v.path: v for v in report.verdicts}
     if checksums and leave is not None:
         hashed = [rel for rel, v in verdicts.items() if v.ok and not leave(rel)]
-        verdicts.update((v.path, v) for v in manifest.verify(path, only=hashed, unexpected=False).verdicts)
+        verdicts.update((v.path, v) for v in manifest.verify_manifest(path, only=hashed, unexpected=False).verdicts)
     present = {rel: listed[rel] for rel, v in verdicts.items() if v.ok}
     problems = tuple(v.describe() for v in verdicts.values() if v.status != manifest.MISSING and not v.ok)
     return StepFiles(name, parsed[0], parsed[1], manifest_digest(content), listed, present, problems)

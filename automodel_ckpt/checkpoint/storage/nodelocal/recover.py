@@ -44,7 +44,7 @@ def make_whole(run: NodeLocalRunFolder, chosen: Chosen, inventories: dict[int, I
     """Collective: send every node's folder the files of ``chosen`` it lacks; returns this node's copy of it."""
     step = run.local / chosen.name
     held = step if chosen.name in inventories[run.rank].steps else None
-    sealed = next(m for m in all_gather_object(manifest.read(held) if held else None) if m is not None)
+    sealed = next(m for m in all_gather_object(manifest.read_manifest(held) if held else None) if m is not None)
     transfers = fill_plan(inventories, chosen)
     collective.collectively(
         lambda: exchange(sends(transfers, run.rank), step, {src: step for src in receives_from(transfers, run.rank)},

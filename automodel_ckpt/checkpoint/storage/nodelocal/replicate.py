@@ -61,7 +61,7 @@ def copy_parts(staging: Path, rank: int, folder_ids: list[str], placement: Place
     if (staging / layout.MANIFEST_FILE).is_file():
         listing[layout.MANIFEST_FILE] = (staging / layout.MANIFEST_FILE).stat().st_size
     listings = all_gather_object(listing)
-    sealed = broadcast_object(manifest.read(staging) if rank == 0 else None)  # written by rank 0 only
+    sealed = broadcast_object(manifest.read_manifest(staging) if rank == 0 else None)  # written by rank 0 only
     transfers = plan(listings, folder_ids, placement)
     exchange(sends(transfers, rank), staging, {src: staging for src in receives_from(transfers, rank)},
              group=current_group(), expected=sealed)

@@ -43,7 +43,7 @@ def exchange(outgoing: Mapping[int, Sequence[str]], src_root: Path, incoming: Ma
              *, expected: Mapping[str, Any] | None = None, chunk_bytes: int = _CHUNK_BYTES) -> dict[int, list[str]]:
     """Send the files ``outgoing[dst]`` (relative names below ``src_root``) to each rank ``dst``, and receive what
     each rank ``src`` of ``incoming`` sends into the folder ``incoming[src]`` (created if missing). Ranks are global
-    ranks of ``group`` (default: every rank). ``expected``: a manifest (``disk.manifest.read``) whose entries the
+    ranks of ``group`` (default: every rank). ``expected``: a manifest (``manifest.read_manifest``) whose entries the
     received files it lists must match (size and checksum). Returns the names received from each sender;
     ``CheckpointError`` (after every stream has ended) for anything refused or failed, on both ends."""
     me = dist.get_rank()
@@ -104,7 +104,7 @@ def send_stream(me: int, dst: int, rels: list[str], root: Path, chunk_bytes: int
     error = None
     try:
         for rel in rels:
-            path = paths.inside(root, rel, f"the list of files for rank {dst}")
+            path = paths.path_inside(root, rel, f"the list of files for rank {dst}")
             fd = paths.open_regular(path)
             files.append((rel, os.fstat(fd).st_size, fd))
     except (OSError, CheckpointError) as exc:
@@ -215,7 +215,7 @@ class _Sink:
             self.problem = f"{where}: '{rel}' is {size} bytes, its manifest says {entry.get('size')}"
             return
         try:
-            self.path = paths.inside(folder, rel, where)
+            self.path = paths.path_inside(folder, rel, where)
             _make_folders(folder, rel, where)
             self.tmp = self.path.parent / layout.received_tmp_name(self.path.name, secrets.token_hex(6))
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600)
@@ -282,5 +282,5 @@ def _make_folders(root: Path, rel: str, where: str) -> None:
         except FileExistsError:
             mode = os.lstat(folder).st_mode
             if not stat.S_ISDIR(mode):
-                raise CheckpointError(f"{where}: '{folder}' is {paths.kind(mode)}, not a folder; nothing is "
+                raise CheckpointError(f"{where}: '{folder}' is {paths.file_kind(mode)}, not a folder; nothing is "
                                       "written through it") from None

@@ -59,10 +59,10 @@ def test_quarantine_moves_aside_and_repoints(tmp_path):
     set_pointer(tmp_path, layout.LOWEST_VAL, "epoch_0_step_6")
     moved = quarantine(tmp_path, "epoch_0_step_6", "checkpoint is damaged: 1 missing file")
     assert moved == tmp_path / layout.QUARANTINE_DIR / "epoch_0_step_6" and moved.is_dir()
-    assert [r.name for r in catalog.scan(tmp_path)] == ["epoch_0_step_2", "epoch_0_step_4"]
+    assert [r.name for r in catalog.scan_checkpoints(tmp_path)] == ["epoch_0_step_2", "epoch_0_step_4"]
     assert read_pointer(tmp_path, layout.LATEST) == "epoch_0_step_4"
     assert read_pointer(tmp_path, layout.LOWEST_VAL) == "epoch_0_step_2"  # the best left by val_loss
-    [q] = catalog.quarantined(tmp_path)
+    [q] = catalog.quarantined_checkpoints(tmp_path)
     assert q["name"] == "epoch_0_step_6" and q["step"] == 6 and "1 missing file" in q["reason"]
     report = inspect_dir(tmp_path)
     assert [r["name"] for r in report["checkpoints"]] == ["epoch_0_step_2", "epoch_0_step_4"]
@@ -83,4 +83,5 @@ def test_the_same_name_quarantined_twice_keeps_both(tmp_path):
     for _ in range(2):
         _loadable(tmp_path, "epoch_0_step_2", 2)
         quarantine(tmp_path, "epoch_0_step_2", "damaged")
-    assert sorted(q["name"] for q in catalog.quarantined(tmp_path)) == ["epoch_0_step_2", "epoch_0_step_2.2"]
+    assert sorted(q["name"] for q in catalog.quarantined_checkpoints(tmp_path)) == ["epoch_0_step_2",
+                                                                           "epoch_0_step_2.2"]

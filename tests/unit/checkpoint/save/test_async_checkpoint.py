@@ -92,11 +92,11 @@ def test_latest_moves_only_when_the_async_save_is_complete(env, tmp_path, gate):
     assert not path.exists() and (root / layout.staging_name(path.name)).is_dir()
     gate.open()
     assert ckpt._writer._pending.job.completed.result(timeout=120) == path  # written, then published in the background
-    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
+    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify_manifest(path).ok
     assert ckpt.stats.in_flight  # until the training thread collects the outcome
     assert ckpt.finalize() == path
     assert read_pointer(root, layout.LATEST) == path.name
-    assert manifest.verify(path).ok
+    assert manifest.verify_manifest(path).ok
     assert not ckpt.stats.in_flight
 
 
@@ -109,10 +109,10 @@ def test_next_save_publishes_the_previous_one_first(env, tmp_path, gate):
     first = ckpt.save(state.states(), info(1))
     state.step()
     second = ckpt.save(state.states(), info(2))
-    assert read_pointer(root, layout.LATEST) == first.name and manifest.verify(first).ok  # one save in flight
+    assert read_pointer(root, layout.LATEST) == first.name and manifest.verify_manifest(first).ok  # one save in flight
     assert not second.exists()
     ckpt.finalize()
-    assert read_pointer(root, layout.LATEST) == second.name and manifest.verify(second).ok
+    assert read_pointer(root, layout.LATEST) == second.name and manifest.verify_manifest(second).ok
 
 
 def test_async_copy_is_taken_before_save_returns(env, tmp_path, gate):
@@ -168,7 +168,7 @@ def test_async_checkpoint_equals_sync_checkpoint(env, tmp_path, fmt):
         ckpt.finalize()
         out[mode] = [tmp_path / f"ck_{mode}" / f"epoch_0_step_{s}" for s in (1, 2)]
     for sync_ckpt, async_ckpt in zip(out[False], out[True]):
-        assert sorted(manifest.read(sync_ckpt)["files"]) == sorted(manifest.read(async_ckpt)["files"])
+        assert sorted(manifest.read_manifest(sync_ckpt)["files"]) == sorted(manifest.read_manifest(async_ckpt)["files"])
         assert comparable(sync_ckpt) == comparable(async_ckpt)
 
 
@@ -211,7 +211,7 @@ def test_peft_adapter_is_written_now_and_its_optimizer_in_the_background(env, tm
     assert gate.entered.wait(60) and [folder.name for _, folder in ckpt._writer._pending.writes] == ["optim"]
     assert not (staging / "optim" / ".metadata").exists()  # still held at the gate
     gate.open()
-    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert ckpt.finalize() == path and manifest.verify_manifest(path).ok
     assert (path / "optim" / ".metadata").is_file()
 
 
@@ -283,7 +283,7 @@ def test_contended_fence_keeps_the_checkpoint_at_its_step(env, tmp_path, capture
     assert not stepper.is_alive()
     assert capture_gate.events == ["captured model", "captured optim", "optimizer step"]
     assert any(not torch.equal(at_save[k], v) for k, v in state.snapshot().items())
-    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert ckpt.finalize() == path and manifest.verify_manifest(path).ok
     assert comparable(path) == comparable(sync_path)
     restored = State(seed=7)
     ckpt.load(restored.states(), path)
@@ -367,7 +367,7 @@ def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_backgroun
     assert capture_gate.entered.wait(60)
     assert not any(on_training_thread) and not list(root.glob(".staging-*"))  # nothing reserved yet
     capture_gate.open()
-    assert ckpt.finalize() == path and manifest.verify(path).ok
+    assert ckpt.finalize() == path and manifest.verify_manifest(path).ok
     assert on_training_thread and not any(on_training_thread)  # reserve, seal and publish: in the background
 
     ckpt = make_checkpointer(env, root, is_async=True)  # the same step again: its folder exists
@@ -375,7 +375,7 @@ def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_backgroun
     ckpt.save(state.states(), info(1))
     with pytest.raises(CheckpointError, match="already exists and is never overwritten"):
         ckpt.finalize()
-    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify(path).ok
+    assert read_pointer(root, layout.LATEST) == path.name and manifest.verify_manifest(path).ok
     assert not list(root.glob(".staging-*"))
 
 

@@ -72,13 +72,13 @@ def test_unchanged_frozen_tensors_are_linked_and_every_checkpoint_loads_bit_for_
     assert stable, sorted(p.name for p in (first / layout.MODEL_DIR).iterdir())
     for ckpt in later:  # the same inode: stored once, every folder complete
         assert [os.stat(p).st_ino for p in stable_files(ckpt)] == [os.stat(p).st_ino for p in stable]
-        table = manifest.read(ckpt)
+        table = manifest.read_manifest(ckpt)
         assert table["linked_bytes"] == sum(p.stat().st_size for p in stable)
-        assert manifest.verify(ckpt).ok
+        assert manifest.verify_manifest(ckpt).ok
         own, shared = shared_bytes(ckpt)
         assert shared == table["linked_bytes"]
         assert own + shared == table["total_bytes"] + (ckpt / layout.MANIFEST_FILE).stat().st_size
-    assert "linked_bytes" not in manifest.read(first)  # the first save wrote every byte
+    assert "linked_bytes" not in manifest.read_manifest(first)  # the first save wrote every byte
     assert stored_once(paths) == sum(p.stat().st_size for c in paths for p in c.rglob("*") if p.is_file()) - 2 * sum(
         p.stat().st_size for p in stable)
     fresh = Frozen(seed=1)
@@ -98,7 +98,7 @@ def test_a_frozen_tensor_that_changed_is_written_again(env, tmp_path, fmt):
     two = ck.save(state.states(), info(2))
     ck.finalize()
     assert [os.stat(p).st_ino for p in stable_files(one)] != [os.stat(p).st_ino for p in stable_files(two)]
-    assert "linked_bytes" not in manifest.read(two) and manifest.verify(two).ok
+    assert "linked_bytes" not in manifest.read_manifest(two) and manifest.verify_manifest(two).ok
     fresh = Frozen(seed=3)
     make(env, tmp_path, fmt).load(fresh.states(), two)
     assert torch.equal(fresh.model[0].weight, state.model[0].weight)
@@ -111,14 +111,14 @@ def test_keep_last_one_leaves_only_what_the_last_checkpoint_holds(env, tmp_path)
     last = paths[-1]
     assert all(p.stat().st_nlink == 1 for p in last.rglob("*") if p.is_file())  # nothing else holds its files
     assert stored_once([last]) == sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
-    assert manifest.verify(last).ok and manifest.read(last)["linked_bytes"] > 0
+    assert manifest.verify_manifest(last).ok and manifest.read_manifest(last)["linked_bytes"] > 0
 
 
 def test_off_by_default_one_file_per_rank(env, tmp_path):
     _, paths = saves(env, tmp_path, "safetensors", 2, incremental=False)
     names = sorted(p.name for p in (paths[-1] / layout.MODEL_DIR).glob("*.safetensors"))
     assert names == [layout.model_shard_file(0, 1, 1)]
-    assert "linked_bytes" not in manifest.read(paths[-1])
+    assert "linked_bytes" not in manifest.read_manifest(paths[-1])
 
 
 def test_a_failed_save_after_the_link_leaves_the_published_checkpoint_whole(env, tmp_path, monkeypatch):
@@ -140,12 +140,12 @@ def test_a_failed_save_after_the_link_leaves_the_published_checkpoint_whole(env,
         ck.save(state.states(), info(2))
     monkeypatch.undo()
     assert linked  # the link was made before the failure
-    assert manifest.verify(one).ok
+    assert manifest.verify_manifest(one).ok
     two = ck.save(state.states(), info(3))
     ck.finalize()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(layout.STAGING_PREFIX)]  # the failed one removed
     assert [os.stat(p).st_ino for p in stable_files(two)] == [os.stat(p).st_ino for p in stable_files(one)]
-    assert manifest.verify(two).ok
+    assert manifest.verify_manifest(two).ok
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -179,7 +179,7 @@ def test_a_prune_cut_short_never_takes_a_file_a_kept_checkpoint_links(env, tmp_p
     for shard in stable_files(hidden):
         shard.unlink()
     (hidden / layout.MANIFEST_FILE).unlink()
-    assert manifest.verify(two).ok and all(p.stat().st_nlink == 1 for p in stable_files(two))
+    assert manifest.verify_manifest(two).ok and all(p.stat().st_nlink == 1 for p in stable_files(two))
     fresh = Frozen(seed=2)
     fresh.step()
     make(env, tmp_path, "safetensors").load(fresh.states(), two)
@@ -189,7 +189,7 @@ def test_a_prune_cut_short_never_takes_a_file_a_kept_checkpoint_links(env, tmp_p
     four = ck.save(state.states(), info(4))
     ck.finalize()
     assert not hidden.exists() and not two.exists() and not three.exists()
-    assert manifest.verify(four).ok and manifest.read(four)["linked_bytes"] > 0
+    assert manifest.verify_manifest(four).ok and manifest.read_manifest(four)["linked_bytes"] > 0
 
 
 def test_inspect_shows_own_and_shared_bytes_and_the_cost_report_the_bytes_written(env, tmp_path):
@@ -205,8 +205,8 @@ def test_inspect_shows_own_and_shared_bytes_and_the_cost_report_the_bytes_writte
     assert report["totals"]["stored_bytes"] == stored_once(paths) < report["totals"]["size_bytes"]
     table = render_table(report)
     assert "OWN / SHARED" in table and "on disk (files shared by hard link stored once)" in table
-    full = manifest.read(paths[0])["total_bytes"]
-    written = full - manifest.read(paths[1])["linked_bytes"]
+    full = manifest.read_manifest(paths[0])["total_bytes"]
+    written = full - manifest.read_manifest(paths[1])["linked_bytes"]
     records = [{"event": "start", "time": 0.0, "step": 0},
                *({"event": "checkpoint", "time": float(i), "step": i, "blocked_s": 0.1, "bytes": full,
                   "written_bytes": w} for i, w in ((1, full), (2, written), (3, written))),
@@ -226,7 +226,7 @@ def test_a_checkpoint_written_without_the_option_resumes_with_it(env, tmp_path):
     fresh.step()
     two = ck.save(fresh.states(), info(2))
     ck.finalize()
-    assert stable_files(two) and manifest.verify(two).ok
+    assert stable_files(two) and manifest.verify_manifest(two).ok
     again = Frozen(seed=6)
     make(env, tmp_path, "safetensors").load(again.states(), two)
     assert all(torch.equal(again.snapshot()[k], v) for k, v in fresh.snapshot().items())
@@ -242,7 +242,7 @@ def test_the_first_save_after_a_resume_links_the_files_whose_bytes_read_back_the
     two = ck.save(resumed.states(), info(2))
     ck.finalize()
     assert [os.stat(p).st_ino for p in stable_files(two)] == [os.stat(p).st_ino for p in stable_files(paths[0])]
-    assert manifest.verify(two).ok and manifest.read(two)["linked_bytes"] > 0
+    assert manifest.verify_manifest(two).ok and manifest.read_manifest(two)["linked_bytes"] > 0
     shard = stable_files(two)[0]
     data = bytearray(shard.read_bytes())  # damage the stored copy (every name of it) after the fact
     data[-1] ^= 0xFF
@@ -256,4 +256,4 @@ def test_the_first_save_after_a_resume_links_the_files_whose_bytes_read_back_the
     three = ck.save(again.states(), info(3))
     ck.finalize()
     assert os.stat(stable_files(three)[0]).st_ino != os.stat(shard).st_ino  # written, not linked
-    assert manifest.verify(three).ok and "linked_bytes" not in manifest.read(three)
+    assert manifest.verify_manifest(three).ok and "linked_bytes" not in manifest.read_manifest(three)

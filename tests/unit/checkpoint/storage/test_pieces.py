@@ -57,7 +57,7 @@ def test_a_damaged_or_hostile_record_is_one_line(text, match):
 
 def test_a_record_over_the_manifest_limit_is_refused_before_it_is_parsed():
     with pytest.raises(CheckpointError, match="over the"):
-        pieces.parse_record(b" " * (bounded.INDEX_FILE + 1), "'r'")
+        pieces.parse_record(b" " * (bounded.INDEX_FILE_LIMIT + 1), "'r'")
 
 
 def test_a_piece_is_unreferenced_only_when_no_record_names_it():
@@ -125,16 +125,16 @@ def test_a_stable_file_is_uploaded_once_shared_by_reference_and_fetched_whole(st
     assert refs_a == {STABLE: (key, False)} and pieces.KEY.fullmatch(key)
     assert store.fs.cat(pieces.piece_key(store, key)) == stable
     assert STABLE not in store.sizes("s1") and TRAINED in store.sizes("s1")  # the prefix holds no copy
-    assert "linked_bytes" not in manifest.read(a)
+    assert "linked_bytes" not in manifest.read_manifest(a)
 
     b = _stage(tmp_path / "b", reuse, stable, b"trained 2")
     assert _save(run, b, "s2") == {STABLE: (key, True)}  # found in the store: not uploaded again
-    assert manifest.read(b)["linked_bytes"] == len(stable)  # what the cost report counts as not written
+    assert manifest.read_manifest(b)["linked_bytes"] == len(stable)  # what the cost report counts as not written
     assert list(pieces.present(store)) == [key]
 
     for name in ("s1", "s2"):  # every reader sees the folder as written
         folder = _fetched(store, tmp_path, name)
-        assert (folder / STABLE).read_bytes() == stable and manifest.verify(folder).ok
+        assert (folder / STABLE).read_bytes() == stable and manifest.verify_manifest(folder).ok
 
 
 def test_deleting_a_checkpoint_keeps_the_pieces_another_references_and_collects_orphans(store, tmp_path):
@@ -153,7 +153,7 @@ def test_deleting_a_checkpoint_keeps_the_pieces_another_references_and_collects_
     assert pieces.collect(store, store.prefixes()) == [key_a]
     assert sorted(pieces.present(store)) == [key_b]
     assert store.fs.cat(f"{store.root}/{layout.PIECES_DIR}/README.txt") == b"not a piece\n"
-    assert manifest.verify(_fetched(store, tmp_path, "s3")).ok
+    assert manifest.verify_manifest(_fetched(store, tmp_path, "s3")).ok
 
 
 def test_only_a_stable_file_this_process_wrote_and_left_unchanged_is_a_piece(store, tmp_path):

@@ -255,7 +255,7 @@ def _saved(tmp_path: Path, fmt: str):
 def _data_files(path: Path) -> list[str]:
     from automodel_ckpt.ondisk import loadcheck, manifest
 
-    return sorted(rel for rel in manifest.read(path)["files"] if loadcheck.deferred(rel))
+    return sorted(rel for rel in manifest.read_manifest(path)["files"] if loadcheck.deferred(rel))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -163,7 +163,7 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(manifest, "hash_file", lambda p, a: hashed.append(Path(p).name) or real(p, a))
     manifest.seal(tmp_path, 0, 1, written)
     assert sorted(hashed) == [".metadata"]  # the two data files were not read back
-    assert manifest.verify(tmp_path).ok
+    assert manifest.verify_manifest(tmp_path).ok
     assert written.get(tmp_path / "optim" / "__0_0.distcp") is None  # forgotten once sealed
 
 

@@ -72,11 +72,11 @@ def test_scan_can_leave_the_data_files_checksums_to_the_load(tmp_path):
 
 def test_the_digest_is_of_the_manifests_content_not_its_formatting(tmp_path):
     a, b = write_step(tmp_path / "a", "epoch_0_step_1", PARTS), write_step(tmp_path / "b", "epoch_0_step_1", PARTS)
-    content = manifest.read(b)
+    content = manifest.read_manifest(b)
     (b / "manifest.json").write_text(json.dumps(content, indent=7), encoding="utf-8")
     assert scan(tmp_path / "a").steps["epoch_0_step_1"].digest == scan(tmp_path / "b").steps["epoch_0_step_1"].digest
     content["files"]["metadata.json"]["checksum"] = "0"
-    assert manifest_digest(content) != manifest_digest(manifest.read(a))
+    assert manifest_digest(content) != manifest_digest(manifest.read_manifest(a))
 
 
 # --- choose and fill_plan: pure functions of gathered inventories ----------------------------------------------
