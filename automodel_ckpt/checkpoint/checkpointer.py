@@ -137,10 +137,6 @@ class Checkpointer:
         self.stats = CheckpointerStats(self)
 
     # ------------------------------------------------------------------------------------------ save
-    def set_lineage(self, record: dict[str, Any] | None) -> None:
-        """What every checkpoint saved from now records as its parents (``export/lineage.py``; rank 0's is written)."""
-        self._writer.lineage = record
-
     def step_end(self, states: States, steps: Steps, *, epoch: int, loss: float,
                  extra: Callable[[], dict[str, Any]] | None = None, validate: Callable[[], float] | None = None,
                  validate_now: bool = False) -> StepEnded:

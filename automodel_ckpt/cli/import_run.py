@@ -97,13 +97,12 @@ def main(argv: list[str]) -> int:
         recipe.setup()
         say = recipe.progress.write
         counters = apply(run, recipe, str(src), say)
-        info = SaveInfo(counters["epoch"], counters["step"], counters["loss"], None, is_final=False,
-                        extra={"consumed_samples": counters["consumed_samples"]})
         from automodel_ckpt.export import lineage_parent
 
         record = recipe.lineage_record(None)
         record["parents"].append(lineage_parent("imported from", src, follow=True, trainer=run.kind, step=run.step))
-        recipe.checkpointer.set_lineage(record)
+        info = SaveInfo(counters["epoch"], counters["step"], counters["loss"], None, is_final=False,
+                        extra={"consumed_samples": counters["consumed_samples"], "lineage": record})
         saved = recipe.checkpointer.save(recipe.checkpointed_state(), info)
         recipe.checkpointer.finalize()
     except BaseException:

@@ -367,6 +367,9 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
         world_size=world_size, model_save_format=model_save_format, training_seconds=training_seconds,
         fingerprint=fingerprint, mesh=mesh,
     )
+    lineage = out.metadata.get("extra", {}).pop("lineage", lineage)  # a tool's own (an import's) wins
+    if not out.metadata.get("extra", True):
+        del out.metadata["extra"]
     if lineage is not None:
         out.metadata["lineage"] = lineage  # where it came from: its parents by path and fingerprint (export/lineage)
     out.write_after = write_after
