@@ -8,10 +8,15 @@ from typing import Any, ClassVar
 import torch
 
 from automodel_ckpt.checkpoint import discover_state
+from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, TokenizedData, prepare_data, validation_batches
+from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import barrier
+from automodel_ckpt.distributed.pipeline import cut_stage
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.training.loss import next_token_loss_sum
+from automodel_ckpt.training.rng import rng_untouched
 
 
 class Algorithm:
@@ -50,6 +55,27 @@ class Algorithm:
     def states(self) -> dict[str, Any]:
         """The algorithm's checkpointed state, by name (discovered from its public attributes)."""
         return discover_state(self, exclude=self.checkpoint_exclude)
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """A frozen copy of the recipe's model built as the policy is (on the meta device where it can be, this
+        rank's pipeline stage, sharded like it; a replicated policy's is a whole copy), its storage in place and in
+        eval mode: a reference. ``self._ref_weights`` (``StartingWeights``) fills its weights (``fill``)."""
+        recipe = self.recipe
+        cfg = recipe.cfg
+        self._ref_weights = StartingWeights(cfg.model, recipe.env.rank,
+                                            build_whole=lambda: instantiate(cfg.model, "model"))
+        meta = builds_on_meta(cfg.model)
+        with rng_untouched():
+            ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
+        if not meta:
+            ref = ref.to(recipe.env.device)
+        ref.requires_grad_(False)
+        if recipe.pipeline_plan is not None:  # this rank's stage of it, cut as the policy's: whole-model names kept
+            cut_stage(ref, recipe.pipeline_plan, recipe.dims.pp_rank, recipe.dims.pp_size)
+        if recipe.data_parallel.sharded:
+            ref = data_parallel.wrap(ref, recipe.data_parallel, recipe.dims)
+        self._ref_weights.materialize(ref, recipe.env.device)
+        return ref.eval()
 
     def state_meaning(self) -> dict[str, Any]:
         """The config keys that change what the algorithm's saved state means (beside the recipe's)."""

@@ -18,20 +18,17 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.ondisk import LAYOUT
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
-from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.schema import DPOConfig
 from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, PairData, pair_batches, prepare_pairs
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, barrier
-from automodel_ckpt.distributed.pipeline import Pipeline, cut_stage
+from automodel_ckpt.distributed.pipeline import Pipeline
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.build import local_model_path
-from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 from automodel_ckpt.training.preference import METRICS, PreferenceLoss, response_log_probs
 from automodel_ckpt.training.reference import StoredLogProbs, mix_into, reference_identity, weights_fingerprint
-from automodel_ckpt.training.rng import rng_untouched
 
 TRAIN, VALIDATION = "train", "validation"
 
@@ -154,25 +151,10 @@ class Preference(Algorithm):
 
     # ------------------------------------------------------------------------------------- reference
     def _build_reference(self) -> torch.nn.Module:
-        """A frozen copy of the model on the meta device, sharded like the policy; its weights come in restore."""
-        recipe = self.recipe
-        cfg = recipe.cfg
-        self._ref_weights = StartingWeights(cfg.model, recipe.env.rank,
-                                            build_whole=lambda: instantiate(cfg.model, "model"))
-        meta = builds_on_meta(cfg.model)
-        with rng_untouched():
-            ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
-        if not meta:
-            ref = ref.to(recipe.env.device)
-        ref.requires_grad_(False)
-        if recipe.pipeline_plan is not None:  # this rank's stage of it, cut as the policy's: whole-model names kept
-            cut_stage(ref, recipe.pipeline_plan, recipe.dims.pp_rank, recipe.dims.pp_size)
-        if recipe.data_parallel.sharded:  # a replicated policy: the reference is a whole copy, nothing to wrap
-            ref = data_parallel.wrap(ref, recipe.data_parallel, recipe.dims)
-        self._ref_weights.materialize(ref, recipe.env.device)
-        ref.eval()
+        """A frozen copy of the model sharded like the policy (``frozen_copy``); its weights come in restore."""
+        ref = self.frozen_copy()
         ref.checkpoint_optional = True  # saved from its first sync on: absent from earlier checkpoints
-        if recipe.pipeline_plan is not None:
+        if self.recipe.pipeline_plan is not None:
             self._ref_pipeline = self._stage_reference(ref)
         return ref
 

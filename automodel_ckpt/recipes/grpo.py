@@ -24,7 +24,6 @@ from automodel_ckpt.data import MicroBatch
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, all_reduce_sum
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.grpo_state import GRPOCounters, RolloutBatch
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
@@ -113,24 +112,7 @@ class GRPO(Algorithm):
     # ------------------------------------------------------------------------------------- reference
     def build(self) -> None:
         if self.grpo_cfg.beta > 0 and not self._peft:
-            self.ref_model = self._build_reference()
-
-    def _build_reference(self) -> torch.nn.Module:
-        """A frozen copy of the model on the meta device, sharded like the policy (filled in ``restored``)."""
-        recipe = self.recipe
-        cfg = recipe.cfg
-        self._ref_weights = StartingWeights(cfg.model, recipe.env.rank,
-                                            build_whole=lambda: instantiate(cfg.model, "model"))
-        meta = builds_on_meta(cfg.model)
-        with rng_untouched():
-            ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
-        if not meta:
-            ref = ref.to(recipe.env.device)
-        ref.requires_grad_(False)
-        if recipe.data_parallel.sharded:
-            ref = data_parallel.wrap(ref, recipe.data_parallel, recipe.dims)
-        self._ref_weights.materialize(ref, recipe.env.device)
-        return ref.eval()
+            self.ref_model = self.frozen_copy()  # filled in ``restored``
 
     def restored(self) -> None:
         """The reference: the checkpoint's, else the policy as this run starts (a ``restore_from`` SFT model)."""
