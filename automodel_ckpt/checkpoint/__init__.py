@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Checkpointer": (".checkpointer", "Checkpointer"),
     "PreemptionWatcher": (".triggers", "PreemptionWatcher"),
+    "AutoInterval": (".triggers", "AutoInterval"),
     "CheckpointConfig": (".config", "CheckpointConfig"),
     "ConsolidationMode": (".config", "ConsolidationMode"),
     "LoadErrorPolicy": (".config", "LoadErrorPolicy"),
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.restore.hf_weights import (in_memory_names, load_hf_folder, load_hf_weights,
                                                               local_part)
     from automodel_ckpt.checkpoint.state import StatePlan, discover_state, plan_state
-    from automodel_ckpt.checkpoint.triggers import PreemptionWatcher
+    from automodel_ckpt.checkpoint.triggers import AutoInterval, PreemptionWatcher
     from automodel_ckpt.checkpoint.storage import (fetch_run_file, open_filesystem, open_for_reading, open_store_run,
                                                    run_folder, share_run_file, source_of, stored_files,
                                                    stored_sharing, streamed_object, upload_folder)

@@ -19,7 +19,7 @@ from automodel_ckpt.checkpoint.save import overlap
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
-from automodel_ckpt.checkpoint.triggers import PreemptionWatcher, Steps
+from automodel_ckpt.checkpoint.triggers import AutoInterval, PreemptionWatcher, Steps
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.distributed.mesh import ParallelDims
 
@@ -108,7 +108,7 @@ class Checkpointer:
         say: Callable[[str], None] = print,
         fingerprint: dict[str, Any] | None = None,
         dims: ParallelDims | None = None,
-        side_failure: Callable[[str, str, int], None] | None = None,
+        side_failure: Callable[[str, str, int], None] | None = None, interval: AutoInterval | None = None,
         preemption: PreemptionWatcher | None = None,
         observer: SaveObserver | None = None, lineage: Callable[[Path | None], dict[str, Any]] | None = None,
     ) -> None:
@@ -133,7 +133,7 @@ class Checkpointer:
         self._local = LocalTier(cfg, env, self._dims, config_yaml=resolved_config_yaml, hf=hf,  # checkpoint.local
                                 fingerprint=fingerprint, time=self._time, say=say)
         self._cycle = SaveCycle(cfg.ckpt_every_minutes, preemption, enabled=bool(cfg.enabled),
-                                local_due=self._local.due)
+                                local_due=self._local.due, interval=interval)  # interval: ckpt_every_steps auto
         self.stats = CheckpointerStats(self)
 
     # ------------------------------------------------------------------------------------------ save
@@ -185,10 +185,11 @@ class Checkpointer:
         return self.save(states(), info)  # looked up at the call: a tool that wraps ``save`` is heard
 
     def _observed_save(self, save: Callable[[], Path | None], step: int, preemption: bool) -> Path | None:
-        """``save()``, timed for the cost report by the run's observer (with the async save's background work)."""
-        if self._observer is None:
-            return save()
-        return self._observer.save(save, step, self._background, preemption=preemption)
+        """``save()``, timed for the cost report (the observer) and for the save cycle (an ``auto`` interval)."""
+        started, observer = time.perf_counter(), self._observer
+        path = save() if observer is None else observer.save(save, step, self._background, preemption=preemption)
+        self._cycle.blocked_s = time.perf_counter() - started
+        return path
 
     def _background(self) -> overlap.Overlapped | None:
         return self._writer.background
@@ -213,8 +214,7 @@ class Checkpointer:
         """Wait for the async save in flight, if any, to be complete; returns its path once published.
 
         Collective. A failure of the background work on any rank raises one ``CheckpointError`` on every rank;
-        the unfinished checkpoint is then never published (its staging folder is removed by the next save).
-        """
+        the unfinished checkpoint is then never published (its staging folder is removed by the next save)."""
         return self._writer.wait()
 
     def finalize(self, *, failed: bool = False) -> Path | None:

@@ -98,6 +98,7 @@ class CheckpointConfig:
     is_async: bool = False  # copy and write the state in the background (torch >= 2.9); the next optimizer step waits only for the copy
     preemption_signal: Optional[str] = "SIGTERM"  # on this signal: save at the next step, exit 0 (null: off)
     ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
+    mtbf_hours: Optional[float] = None  # mean time between failures for step_scheduler.ckpt_every_steps: auto (null: observed in the run's events.jsonl, else 24)
     async_write_threads: Optional[int] = None  # background writer threads per rank (null: cores per local rank - 1, 1..4)
     async_nice: int = 10  # niceness added to the background threads (0-19): training gets the CPU first; 0 on big nodes
     local: LocalTierConfig = field(default_factory=LocalTierConfig)  # node-local steps (docs/fast-recovery.md)
@@ -137,6 +138,8 @@ class CheckpointConfig:
                               f"got {self.async_write_threads}")
         if not 0 <= self.async_nice <= 19:
             raise ConfigError(f"checkpoint.async_nice: expected a niceness between 0 and 19, got {self.async_nice}")
+        if self.mtbf_hours is not None and not self.mtbf_hours > 0:
+            raise ConfigError(f"checkpoint.mtbf_hours: expected a positive number of hours, got {self.mtbf_hours}")
         if self.ckpt_every_minutes is not None and not self.ckpt_every_minutes > 0:
             raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
                               f"got {self.ckpt_every_minutes}")

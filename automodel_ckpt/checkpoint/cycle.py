@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from automodel_ckpt.checkpoint.triggers import (PreemptionWatcher, SaveDecision, SaveSchedule, StepBoundary, Steps,
-                                               TimeTrigger)
+from automodel_ckpt.checkpoint.triggers import (AutoInterval, PreemptionWatcher, SaveDecision, SaveSchedule,
+                                               StepBoundary, Steps, TimeTrigger)
 
 States = Callable[[], dict[str, Any]]
 
@@ -57,8 +57,10 @@ class SaveCycle:
     (training begins). It decides only: the checkpointer acts on the answer, and tells it what it saved."""
 
     def __init__(self, every_minutes: float | None, preemption: PreemptionWatcher | None, *, enabled: bool,
-                 local_due: Callable[[int], bool]) -> None:
+                 local_due: Callable[[int], bool], interval: AutoInterval | None = None) -> None:
         self.every_minutes = every_minutes if enabled else None
+        self.interval = interval  # step_scheduler.ckpt_every_steps: auto (None: a fixed interval)
+        self.blocked_s = 0.0  # what the last durable save blocked the training thread (the Checkpointer times it)
         self.preemption = preemption or PreemptionWatcher(None, repeat_stops=True)
         self.enabled, self.local_due = enabled, local_due
         self._boundary: StepBoundary | None = None
@@ -75,8 +77,16 @@ class SaveCycle:
             self.start()
         if self._schedule is None:
             self._schedule = SaveSchedule(steps, self._boundary, enabled=self.enabled, local_due=self.local_due)
-        return self._schedule.decide()
+        if self.interval is not None:
+            self.interval.tick()  # a step ended: the interval's step time
+        decision = self._schedule.decide()
+        if decision.durable and getattr(steps, "save_interval", None) is not None:
+            steps.save_interval.scheduled(steps.step)  # before the save: the checkpoint holds the next save's step
+        return decision
 
     def saved(self) -> None:
-        """The durable checkpoint that ``decide`` asked for is saved (the minutes count again from now)."""
+        """The durable checkpoint that ``decide`` asked for is saved (the minutes count again from now; an ``auto``
+        interval moves on and is decided again from this save's cost: collective)."""
         self._schedule.saved()
+        if self.interval is not None:  # the next save after this one is set; a resume from this one sets it again
+            self.interval.measured(self._schedule.steps, self.blocked_s)

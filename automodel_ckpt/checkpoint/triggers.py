@@ -23,6 +23,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -170,6 +171,85 @@ class SaveDecision:
     local: bool = False  # a node-local step now (never beside a durable checkpoint, never after the last step)
     preempt: bool = False  # preempted: save, then stop
     scheduled: bool = False  # the durable save is one of the schedule's (not only the preemption's): validated first
+
+
+def _all_reduce_max_float(values: Sequence[float]) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
+
+
+DEFAULT_MTBF_HOURS = 24.0  # with no checkpoint.mtbf_hours and no interruption in the run's cost log
+
+
+class AutoInterval:
+    """``step_scheduler.ckpt_every_steps: auto``: after each durable save, Young/Daly's interval from what the save
+    blocked the training thread, the step time and the MTBF, set on the run's ``SaveInterval`` (clamped there).
+
+    ``interval_steps(cost_s, mtbf_s, step_s)``: the interval in steps (``tracking.advise``'s). Every rank measures
+    its own save and steps (the median of the last steps' times); one MAX all-reduce of (blocked seconds, seconds a step, MTBF) per save makes every rank
+    decide the same interval from the same numbers. The MTBF is ``checkpoint.mtbf_hours``, else the interruptions
+    in the run's cost log (rank 0 reads ``observed_mtbf_s``), else 24 h. Each change is one line (``say``, rank 0)
+    and an ``interval`` record (``note``: events.jsonl and the trackers).
+    """
+
+    def __init__(self, interval_steps: Callable[[float, float, float], int], *, mtbf_hours: float | None,
+                 observed_mtbf_s: Callable[[], float | None], is_main: bool, say: Callable[[str], None],
+                 note: Callable[[dict[str, Any]], None],
+                 reduce_max: Callable[[Sequence[float]], list[float]] = _all_reduce_max_float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_steps, self.mtbf_hours, self.observed_mtbf_s = interval_steps, mtbf_hours, observed_mtbf_s
+        self.is_main, self.say, self.note, self.reduce_max, self.clock = is_main, say, note, reduce_max, clock
+        self._gaps: deque[float] = deque(maxlen=64)  # the last steps' times
+        self._last: float | None = None  # when the last step ended (or the last save, which is no step's time)
+        self._mtbf: tuple[float, str] | None = None
+
+    def tick(self) -> None:
+        """A step ended now: its time is from the end of the step before (or of the save after it); the step time
+        is the median of the last 64, so that a step that validated does not count."""
+        now = self.clock()
+        if self._last is not None:
+            self._gaps.append(now - self._last)
+        self._last = now
+
+    def _mtbf_local(self) -> float:
+        if self.mtbf_hours is not None:
+            return float(self.mtbf_hours) * 3600.0
+        return (self.observed_mtbf_s() or 0.0) if self.is_main else 0.0
+
+    def measured(self, steps: Any, blocked_s: float) -> None:
+        """A durable save after step ``steps.step`` blocked training ``blocked_s`` seconds (collective)."""
+        interval = getattr(steps, "save_interval", None)
+        if interval is None:
+            return
+        step, gaps = steps.step, sorted(self._gaps)
+        self._last = self.clock()  # the save's time is no step's
+        step_s = gaps[len(gaps) // 2] if gaps else 0.0
+        cost, step_s, mtbf = self.reduce_max([blocked_s, step_s, self._mtbf_local() if self._mtbf is None else 0.0])
+        if self._mtbf is None:  # decided once a launch, the same on every rank
+            source = "given" if self.mtbf_hours is not None else "observed" if mtbf > 0 else "assumed"
+            self._mtbf = (mtbf if mtbf > 0 else DEFAULT_MTBF_HOURS * 3600.0, source)
+        mtbf, source = self._mtbf
+        if step_s <= 0:
+            return
+        wanted = self.interval_steps(cost, mtbf, step_s)
+        before = interval.every
+        if not interval.change(wanted, step):
+            return
+        clamped = "" if interval.every == wanted else f", clamped to [{interval.min_every}, " \
+                                                       f"{interval.max_every or 'no limit'}]"
+        line = (f"Checkpoint interval: every {interval.every} steps (was {before}): Young/Daly's interval for "
+                f"{cost:.3f} s blocked a save, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
+                f"is {wanted} steps{clamped}; next save at step {interval.next_step}")
+        if self.is_main:
+            self.say(line)
+        self.note({"event": "interval", "time": time.time(), "step": step, "every_steps": interval.every,
+                   "was_every_steps": before, "next_step": interval.next_step, "blocked_s": round(cost, 4),
+                   "step_s": round(step_s, 6), "mtbf_s": mtbf, "mtbf_source": source, "young_daly_steps": wanted,
+                   "text": line})
 
 
 class SaveSchedule:

@@ -16,7 +16,9 @@ class StepSchedulerConfig:
     local_batch_size: int = 8  # samples per forward pass on one rank; grad accumulation makes up the rest
     max_steps: Optional[int] = None  # stop after this many optimizer steps (None: run num_epochs)
     num_epochs: int = 1  # stop after this many passes over the training data
-    ckpt_every_steps: Optional[int] = None  # checkpoint every N optimizer steps (None: only at the end)
+    ckpt_every_steps: Optional[Any] = None  # checkpoint every N optimizer steps (None: only at the end; auto: Young/Daly's interval from the measured save cost and checkpoint.mtbf_hours, docs/tracking.md)
+    min_every_steps: int = 1  # ckpt_every_steps auto: the shortest interval (also when the first save comes)
+    max_every_steps: Optional[int] = None  # ckpt_every_steps auto: the longest interval (None: no limit but the run's end)
     val_every_steps: Optional[int] = None  # validate every N optimizer steps (None: only at checkpoints)
 
 

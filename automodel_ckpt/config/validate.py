@@ -45,7 +45,15 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
     positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
     positive(sched.max_steps, "step_scheduler.max_steps")
     positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
-    positive(sched.ckpt_every_steps, "step_scheduler.ckpt_every_steps")
+    every = sched.ckpt_every_steps
+    if isinstance(every, str) and every != "auto" or isinstance(every, (bool, float)):
+        raise ConfigError(f"step_scheduler.ckpt_every_steps: expected a positive integer or auto, got {every!r}")
+    positive(None if every == "auto" else every, "step_scheduler.ckpt_every_steps")
+    positive(sched.get("min_every_steps", 1), "step_scheduler.min_every_steps", allow_none=False)
+    positive(sched.get("max_every_steps"), "step_scheduler.max_every_steps")
+    if sched.get("max_every_steps") is not None and sched.max_every_steps < sched.get("min_every_steps", 1):
+        raise ConfigError(f"step_scheduler.max_every_steps: {sched.max_every_steps} is below min_every_steps "
+                          f"({sched.min_every_steps})")
     positive(sched.val_every_steps, "step_scheduler.val_every_steps")
     sizes = resolve_sizes(cfg.distributed, world_size)  # one-line errors: sizes, unsupported strategies
     data_parallel.check(cfg.distributed.get("dp_shard"), sizes)

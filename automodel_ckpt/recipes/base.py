@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from automodel_ckpt.checkpoint import Checkpointer, CheckpointConfig, PreemptionWatcher, discover_state, run_folder
+from automodel_ckpt.checkpoint import (AutoInterval, Checkpointer, CheckpointConfig, PreemptionWatcher, discover_state,
+                                       run_folder)
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.distributed.env import DistEnv, init_distributed
-from automodel_ckpt.tracking import RunObserver
+from automodel_ckpt.tracking import RunObserver, advise
 from automodel_ckpt.training.rng import seed_everything
 
 
@@ -106,6 +107,12 @@ class BaseRecipe:
         if self._observer.tracker.requested:
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
         options.setdefault("lineage", self.lineage_record)
+        if self.cfg.step_scheduler.get("ckpt_every_steps") == "auto":  # Young/Daly's interval, decided as saves run
+            observer = self._observer
+            options.setdefault("interval", AutoInterval(
+                lambda cost_s, mtbf_s, step_s: advise(cost_s, mtbf_s, step_s).interval_steps,
+                mtbf_hours=self.checkpoint_config.mtbf_hours, observed_mtbf_s=observer.observed_mtbf_s,
+                is_main=self.env.is_main, say=options.get("say", print), note=observer.interval))
         self.checkpointer = Checkpointer(self.checkpoint_config, self.env, resolved_config_yaml=config_yaml,
                                          preemption=self._preemption, observer=self._observer, **options)
         return self.checkpointer

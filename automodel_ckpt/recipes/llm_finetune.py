@@ -183,6 +183,7 @@ class FinetuneRecipe(BaseRecipe):
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
+            min_every_steps=sched.min_every_steps, max_every_steps=sched.max_every_steps,
         )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         chosen, optimizer_line = implementation(locate(cfg.optimizer.get("_target_"), "optimizer._target_"),

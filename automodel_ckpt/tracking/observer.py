@@ -70,6 +70,18 @@ class RunObserver:
     def finalize(self, finalize: Callable[[], Any], step: int) -> Any:
         return self.costs.finalize(finalize, step)
 
+    def observed_mtbf_s(self) -> float | None:
+        """The mean time between failures the run's cost log shows (its wall time over its interruptions), or None
+        when it shows no interruption (rank 0)."""
+        costs = summarize(iter_events(self.run_dir)) if self.is_main else None
+        return costs.wall_s / costs.interruptions if costs is not None and costs.interruptions else None
+
+    def interval(self, record: dict[str, Any]) -> None:
+        """The save interval changed (``step_scheduler.ckpt_every_steps: auto``): an ``interval`` record in
+        events.jsonl and an event to the trackers."""
+        self.costs.note(record)
+        self.tracker.event("interval", record["text"], int(record["step"]))
+
     def side_failure(self, kind: str, text: str, step: int) -> None:
         """Side work failed and training goes on (``kind``: ``export``, ``local_step``, ``cost_report``...): a
         ``side_failure`` record in events.jsonl, an event to the trackers, counted. Rank 0 records; any rank and any

@@ -4,6 +4,52 @@ from __future__ import annotations
 
 from typing import Any
 
+AUTO = "auto"
+
+
+class SaveInterval:
+    """``step_scheduler.ckpt_every_steps: auto``: the interval in steps and the next step that saves, part of the
+    run's state (checkpointed with the step counters), so that a resume saves at the steps a straight run would.
+
+    The first save comes ``min_every_steps`` steps in (a save's cost is measured there); then the save cycle
+    (``checkpoint.triggers.AutoInterval``) sets Young/Daly's interval as costs are measured, clamped to
+    ``[min_every_steps, max_every_steps]``. The schedule counts from the last scheduled save: saves of the minutes,
+    of a preemption or of the run's end do not move it.
+    """
+
+    def __init__(self, min_every: int = 1, max_every: int | None = None) -> None:
+        self.min_every, self.max_every = max(1, int(min_every)), max_every
+        self.every = self.clamp(self.min_every)
+        self.next_step = self.every
+
+    def clamp(self, every: int) -> int:
+        every = max(self.min_every, int(every))
+        return min(every, self.max_every) if self.max_every else every
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def scheduled(self, step: int) -> None:
+        """Step ``step`` saved: the next scheduled save is ``every`` steps on (when it was a scheduled one)."""
+        if step >= self.next_step:
+            self.next_step = step + self.every
+
+    def change(self, every: int, step: int) -> bool:
+        """Save every ``every`` steps (clamped) from the last scheduled save on, at a step after ``step``; whether
+        the interval changed."""
+        every = self.clamp(every)
+        if every == self.every:
+            return False
+        self.next_step = max(step + 1, self.next_step - self.every + every)
+        self.every = every
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"every": self.every, "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.every, self.next_step = self.clamp(int(state["every"])), int(state["next_step"])
+
 
 class StepScheduler:
     """Training progress as three counters, plus the rules that read them.
@@ -18,12 +64,16 @@ class StepScheduler:
         max_steps: int | None,
         num_epochs: int,
         steps_per_epoch: int,
-        ckpt_every_steps: int | None = None,
+        ckpt_every_steps: int | str | None = None,
         val_every_steps: int | None = None,
+        min_every_steps: int = 1,
+        max_every_steps: int | None = None,
     ) -> None:
         self.max_steps = max_steps
         self.num_epochs = num_epochs
-        self.ckpt_every_steps = ckpt_every_steps
+        #: ``ckpt_every_steps: auto``: the interval that the save cycle sets (None: a fixed interval, or none)
+        self.save_interval = SaveInterval(min_every_steps, max_every_steps) if ckpt_every_steps == AUTO else None
+        self.ckpt_every_steps = None if ckpt_every_steps == AUTO else ckpt_every_steps
         self.val_every_steps = val_every_steps
         self.steps_per_epoch = steps_per_epoch
         self.step = 0
@@ -46,7 +96,9 @@ class StepScheduler:
 
     @property
     def is_ckpt_step(self) -> bool:
-        """Checkpoint every ``ckpt_every_steps`` and always after the last step."""
+        """Checkpoint every ``ckpt_every_steps`` (or where the ``auto`` interval is due) and after the last step."""
+        if self.save_interval is not None:
+            return self.done or self.save_interval.due(self.step)
         every = self.ckpt_every_steps
         return self.done or (every is not None and every > 0 and self.step % every == 0)
 
@@ -56,9 +108,14 @@ class StepScheduler:
         return every is not None and every > 0 and self.step % every == 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch, "consumed_samples": self.consumed_samples}
+        state = {"step": self.step, "epoch": self.epoch, "consumed_samples": self.consumed_samples}
+        if self.save_interval is not None:
+            state["save_interval"] = self.save_interval.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.epoch = int(state["epoch"])
         self.consumed_samples = int(state["consumed_samples"])
+        if self.save_interval is not None and isinstance(state.get("save_interval"), dict):
+            self.save_interval.load_state_dict(state["save_interval"])  # else (a fixed interval's): the first

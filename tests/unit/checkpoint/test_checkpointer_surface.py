@@ -41,4 +41,4 @@ def test_the_save_cycle_decides_without_the_checkpointer():
     assert not {"Checkpointer", "checkpointer", "saves", "save", "save_local"} & names
     assert "SaveCycle(self" not in inspect.getsource(checkpointer_module)
     assert set(inspect.signature(cycle.SaveCycle).parameters) == {"every_minutes", "preemption", "enabled",
-                                                                   "local_due"}
+                                                                   "local_due", "interval"}

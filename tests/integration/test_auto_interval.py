@@ -1,0 +1,80 @@
+"""``step_scheduler.ckpt_every_steps: auto`` end to end (1 process, tiny model): killed and rerun with the interval
+clamped to one value (min == max), the resume saves at the steps a straight run saves and its losses are bitwise the
+straight run's; with a tiny MTBF, Young/Daly's interval is set from the measured save cost, said in one line and in
+events.jsonl, and the run saves at it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from automodel_ckpt.ondisk import layout
+from tests.integration import step_faults
+from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
+                                       start_command)
+
+ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "auto",
+        "--step_scheduler.max_steps", "8", "--data.val_size", "64", "--step_scheduler.val_every_steps", "100",
+        )
+FIXED = ("--step_scheduler.min_every_steps", "3", "--step_scheduler.max_every_steps", "3")
+
+
+def _saved(run) -> list[int]:
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in run.glob("epoch_*_step_*"))
+
+
+def _events(run, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / layout.EVENTS_LOG).read_text().splitlines()) if r["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, assets):
+    work = tmp_path_factory.mktemp("auto_straight")
+    ckpt_train(work, assets, *ARGS, *FIXED, "--checkpoint.checkpoint_dir", "run")
+    return work / "run"
+
+
+def test_killed_and_rerun_saves_at_the_straight_run_s_steps_bitwise(tmp_path, assets, straight):
+    assert _saved(straight) == [3, 6, 8]
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "1", str(RECIPE), *QUIET, *ARGS, *FIXED, "--checkpoint.checkpoint_dir",
+           "run", "--recipe", step_faults.RECIPE]
+    pid_file = tmp_path / "stopped.pid"  # held after step 4: the step-3 checkpoint is published, step 4 taken
+    with open(tmp_path / "killed.log", "w") as log:
+        job = start_command(cmd, cwd=tmp_path, env=env_for(assets, step_faults.env(4, pid_file)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        held = step_faults.stopped(pid_file, job)
+    finally:
+        kill_job(job)
+    assert held is not None, (tmp_path / "killed.log").read_text()[-3000:]
+    assert _saved(tmp_path / "run") == [3]
+    ckpt_train(tmp_path, assets, *ARGS, *FIXED, "--checkpoint.checkpoint_dir", "run")
+    assert _saved(tmp_path / "run") == _saved(straight)
+    assert losses(tmp_path / "run") == losses(straight)
+    meta = json.loads((tmp_path / "run" / "epoch_0_step_6" / layout.METADATA_FILE).read_text())
+    assert meta["step"] == 6
+
+
+def test_a_tiny_mtbf_makes_young_daly_save_every_few_steps(tmp_path, assets):
+    done = ckpt_train(tmp_path, assets, *ARGS, "--step_scheduler.max_steps", "14", "--step_scheduler.min_every_steps",
+                      "1", "--step_scheduler.max_every_steps", "50", "--checkpoint.mtbf_hours", "1e-4",
+                      "--checkpoint.checkpoint_dir", "run")
+    run = tmp_path / "run"
+    changes = _events(run, "interval")
+    lines = [line for line in done.output.splitlines() if line.startswith("Checkpoint interval: ")]
+    print(lines, _saved(run))
+    saved = _saved(run)
+    assert saved[0] == 1  # the first save measures the cost
+    if not changes:  # Young/Daly asked for 1 step, the interval it started with: every step saves
+        assert saved == list(range(1, 15))
+        return
+    assert len(lines) == len(changes) and lines[0] == changes[0]["text"]
+    assert changes[0]["mtbf_source"] == "given" and changes[0]["mtbf_s"] == pytest.approx(0.36)
+    assert "Young/Daly's interval for" in lines[0] and "MTBF" in lines[0]
+    for change, following in zip(changes, changes[1:] + [None]):  # between changes, saves come at the interval
+        every, start = change["every_steps"], change["next_step"]
+        end = following["step"] if following else 14
+        expected = [s for s in range(start, end + 1, every)]
+        assert [s for s in saved if start <= s <= end and s != 14] == [s for s in expected if s != 14], (change, saved)
