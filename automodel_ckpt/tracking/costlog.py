@@ -181,6 +181,11 @@ class RunCosts:
     side_failures: int = 0  # side work that failed while training went on
     local_steps_abandoned: int = 0  # node-local steps given up (``local_step`` side failures that abandon one)
     written_per_checkpoint: float | None = None  # bytes a save wrote (less than its size where it linked files)
+    #: ``ckpt_every_steps: auto``: how often the interval changed, the last one, and the fixed interval it replaced
+    #: (an earlier launch's ``ckpt_every_steps``; else the interval the first launch with ``auto`` started at)
+    auto_changes: int | None = None
+    auto_every_steps: int | None = None
+    replaced_every_steps: int | None = None
 
     @property
     def share(self) -> float:
@@ -222,6 +227,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
     rates, gaps = _Sample(), _Sample()
     every: int | None = None
     last_save_step: int | None = None
+    auto_changes: int | None = None
+    auto_every = replaced = None
     for record in events:
         if not isinstance(record, dict):
             continue
@@ -232,8 +239,15 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
                 interruptions += not launch.ended
             launch, launches = _Launch(), launches + 1
         launch.add(record)
-        if event == START and _whole(record.get("every_steps")) and record["every_steps"] > 0:
+        if event == START and record.get("every_steps") == "auto":
+            if auto_changes is None:
+                auto_changes, replaced, every = 0, every, None  # the spacing of its saves is the run's interval
+        elif event == START and _whole(record.get("every_steps")) and record["every_steps"] > 0:
             every = record["every_steps"]
+        elif event == "interval" and auto_changes is not None and _whole(record.get("every_steps")):
+            auto_changes, auto_every = auto_changes + 1, record["every_steps"]
+            if replaced is None and _whole(record.get("was_every_steps")):
+                replaced = record["was_every_steps"]
         elif event == CHECKPOINT:
             checkpoints += 1
             value = _number(record.get("blocked_s"))
@@ -268,6 +282,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         launches=launches, interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=checkpoints,
         blocked_s=blocked_sum, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
         bytes_per_checkpoint=sizes.mean(), write_gbps=rates.median() if rates.count else None, every_steps=every,
+        auto_changes=auto_changes, auto_every_steps=auto_every, replaced_every_steps=replaced,
     )
 
 

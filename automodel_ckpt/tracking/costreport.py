@@ -6,7 +6,7 @@ from typing import Any
 
 from automodel_ckpt.sizes import human_size
 from automodel_ckpt.tracking.costlog import RunCosts
-from automodel_ckpt.tracking.interval import advise
+from automodel_ckpt.tracking.interval import advise, expected_overhead
 
 DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none is given (--mtbf-hours)
 
@@ -39,6 +39,12 @@ def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, A
             "interval_s": advice.interval_s, "interval_steps": advice.interval_steps, "overhead": advice.overhead,
             "current_interval_s": advice.current_interval_s, "current_overhead": advice.current_overhead,
         }
+    if costs.auto_changes is not None:  # ckpt_every_steps: auto, beside the fixed interval it replaced
+        fixed = costs.replaced_every_steps
+        report["auto"] = {"changes": costs.auto_changes, "every_steps": costs.auto_every_steps,
+                          "replaced_every_steps": fixed, "replaced_overhead": expected_overhead(
+                              fixed * step_s, cost, mtbf_s, costs.background_per_checkpoint_s or 0.0)
+                          if fixed and cost is not None and step_s else None}
     return report
 
 
@@ -140,4 +146,11 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"at the run's own interval:  every {report['every_steps']} steps "
                      f"({_duration(advice['current_interval_s'])}), expected overhead "
                      f"{100 * advice['current_overhead']:.2f}%")
+    auto = report.get("auto")
+    if auto is not None:
+        lines.append(f"ckpt_every_steps auto:      {auto['changes']} change(s), last every "
+                     f"{auto['every_steps'] or '-'} steps; the run's saves came every {report['every_steps']} steps")
+        if auto["replaced_overhead"] is not None:
+            lines.append(f"at the interval it replaced: every {auto['replaced_every_steps']} steps, expected "
+                         f"overhead {100 * auto['replaced_overhead']:.2f}%")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import pytest
 from automodel_ckpt.ondisk import layout
 from tests.integration import step_faults
 from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
-                                       start_command)
+                                       run_command, start_command)
 
 ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "auto",
         "--step_scheduler.max_steps", "8", "--data.val_size", "64", "--step_scheduler.val_every_steps", "100",
@@ -67,10 +67,13 @@ def test_a_tiny_mtbf_makes_young_daly_save_every_few_steps(tmp_path, assets):
     print(lines, _saved(run))
     saved = _saved(run)
     assert saved[0] == 1  # the first save measures the cost
+    cost = run_command([CKPT_TRAIN, "inspect", str(run), "--cost"], cwd=tmp_path, env=env_for(assets), timeout=300)
+    assert cost.returncode == 0 and f"ckpt_every_steps auto:      {len(changes)} change(s)" in cost.stdout, cost
     if not changes:  # Young/Daly asked for 1 step, the interval it started with: every step saves
         assert saved == list(range(1, 15))
         return
     assert len(lines) == len(changes) and lines[0] == changes[0]["text"]
+    assert f"at the interval it replaced: every {changes[0]['was_every_steps']} steps, expected overhead" in cost.stdout
     assert changes[0]["mtbf_source"] == "given" and changes[0]["mtbf_s"] == pytest.approx(0.36)
     assert "Young/Daly's interval for" in lines[0] and "MTBF" in lines[0]
     for change, following in zip(changes, changes[1:] + [None]):  # between changes, saves come at the interval

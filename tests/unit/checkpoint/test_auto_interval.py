@@ -81,3 +81,22 @@ def test_the_keys_are_checked_in_one_line(capsys):
         assert len(err.splitlines()) == 1 and expected in err, err
     assert main([recipe, "--dry-run", "--step_scheduler.ckpt_every_steps", "auto"]) == 0
     assert "ckpt_every_steps: auto" in capsys.readouterr().out
+
+
+def test_the_cost_report_sets_the_auto_interval_beside_the_fixed_one_it_replaced():
+    from automodel_ckpt.tracking import cost_report, render_cost, summarize
+
+    events = [{"event": "start", "time": 0.0, "step": 0, "every_steps": 10},
+              {"event": "checkpoint", "time": 5.0, "step": 10, "blocked_s": 0.5},
+              {"event": "end", "time": 6.0, "step": 10, "status": "complete", "wall_s": 6.0, "blocked_s": 0.5},
+              {"event": "start", "time": 7.0, "step": 10, "every_steps": "auto"},
+              {"event": "checkpoint", "time": 8.0, "step": 11, "blocked_s": 0.5},
+              {"event": "interval", "time": 8.0, "step": 11, "every_steps": 4, "was_every_steps": 1},
+              {"event": "checkpoint", "time": 9.0, "step": 15, "blocked_s": 0.5},
+              {"event": "checkpoint", "time": 10.0, "step": 19, "blocked_s": 0.5},
+              {"event": "end", "time": 11.0, "step": 19, "status": "complete", "wall_s": 4.0, "blocked_s": 1.5}]
+    report = cost_report(summarize(events), mtbf_hours=1.0)
+    assert report["every_steps"] == 4  # the spacing of the auto launch's saves
+    assert report["auto"]["changes"] == 1 and report["auto"]["every_steps"] == 4
+    assert report["auto"]["replaced_every_steps"] == 10 and report["auto"]["replaced_overhead"] > 0
+    assert "at the interval it replaced: every 10 steps, expected overhead" in render_cost(report)
