@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -149,9 +150,14 @@ class BaseRecipe:
 
         model = self.cfg.get("model")
         data = getattr(getattr(self, "dataloader", None), "data", None)
-        return training_lineage(model.get("pretrained_model_name_or_path") if model is not None else None,
-                                restored, self.cfg.checkpoint.get("restore_from"), run_folder(self.checkpoint_config),
-                                data_identity(self.cfg, data))
+        try:
+            return training_lineage(model.get("pretrained_model_name_or_path") if model is not None else None,
+                                    restored, self.cfg.checkpoint.get("restore_from"),
+                                    run_folder(self.checkpoint_config), data_identity(self.cfg, data))
+        except Exception as exc:  # noqa: BLE001 - lineage is a record beside the run: one warning, never its end
+            text = f"lineage: not recorded ({type(exc).__name__}: {exc})"
+            warnings.warn(text, stacklevel=2)
+            return {"parents": [], "not_recorded": text[:1000]}
 
     def restore_checkpoint(self) -> Path | None:
         """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any;
