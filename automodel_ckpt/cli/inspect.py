@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, CheckpointRecord,
-                                   as_float, detect_model_format, pointer_target, pointer_targets,
+                                   as_float, pointer_target, pointer_targets,
                                    quarantined_checkpoints, read_json, scan_checkpoints, shared_bytes, size_on_disk,
                                    stored_once)
 from automodel_ckpt.distributed.mesh import MeshSizes
@@ -158,7 +158,7 @@ def _row(record: CheckpointRecord, pointers: dict[str, str | None],
         # an object store: as a piece another checkpoint references too)
         **dict(zip(("own_bytes", "shared_bytes"), own_shared)),
         "family": model_family(record.path),
-        "format": meta.get("model_save_format") or detect_model_format(LAYOUT.model_dir(record.path)),
+        "format": meta.get("model_save_format") or _detected_format(record.path),
         "mesh": _mesh(meta),
         "consolidated": LAYOUT.consolidated_dir(record.path).is_dir() if stored is None else
         any(rel.startswith(f"{LAYOUT.MODEL_DIR}/{LAYOUT.CONSOLIDATED_DIR}/") for rel in stored),
@@ -187,6 +187,14 @@ def eval_scores(ckpt: Path) -> dict[str, float] | None:
         except (OSError, AttributeError, StopIteration, TypeError, UserError):
             continue
     return scores or None
+
+
+def _detected_format(checkpoint: Path) -> str | None:
+    """The model format of a checkpoint whose metadata does not name it (an early release's), from its files. Only
+    then are the format modules (and torch with them) imported: reading a run folder needs neither."""
+    from automodel_ckpt.ondisk import detect_model_format
+
+    return detect_model_format(LAYOUT.model_dir(checkpoint))
 
 
 def _mesh(meta: dict[str, Any]) -> str | None:
