@@ -12,8 +12,9 @@ names load on first use, so light modules (``config``, ``locations``) import wit
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from automodel_ckpt.faces import lazy_members
 
 # name -> (module, its name there); a module starting with "." is below this package
 _EXPORTS = {
@@ -75,10 +76,4 @@ if TYPE_CHECKING:
     from automodel_ckpt.ondisk.metadata import written_by
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _EXPORTS[name]
-    value = getattr(importlib.import_module(module, __name__), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_members(__name__, _EXPORTS, globals())

@@ -8,8 +8,7 @@ streamed loader that ``build_streamed`` makes for a corpus read as the steps nee
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from automodel_ckpt.faces import lazy_members
 
 # name -> (module below this package, its name there)
 _EXPORTS = {
@@ -45,10 +44,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _EXPORTS[name]
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_members(__name__, _EXPORTS, globals())

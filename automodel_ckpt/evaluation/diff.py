@@ -107,13 +107,13 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
     with open_tensors(Path(a)) as left, open_tensors(Path(b)) as right:
         for name in sorted(set(left.shapes) | set(right.shapes)):
             report.tensors[name] = _tensor(left, right, name, tolerance)
-    for ckpt_a, ckpt_b in [(_checkpoint(Path(a)), _checkpoint(Path(b)))]:
-        if ckpt_a is not None and ckpt_b is not None:
-            report.recipe = _differences(_read(ckpt_a, LAYOUT.CONFIG_FILE, "yaml"),
-                                         _read(ckpt_b, LAYOUT.CONFIG_FILE, "yaml"))
-            meta_a, meta_b = _read(ckpt_a, LAYOUT.METADATA_FILE, "json"), _read(ckpt_b, LAYOUT.METADATA_FILE, "json")
-            report.counters = {k: (_flat(meta_a).get(k), _flat(meta_b).get(k)) for k in _counter_keys(meta_a, meta_b)
-                               if _flat(meta_a).get(k) != _flat(meta_b).get(k)}
+    ckpt_a, ckpt_b = _checkpoint(Path(a)), _checkpoint(Path(b))
+    if ckpt_a is not None and ckpt_b is not None:
+        recipe_a, recipe_b = (_read(c, LAYOUT.CONFIG_FILE, "yaml") for c in (ckpt_a, ckpt_b))
+        report.recipe = _differences(recipe_a, recipe_b)
+        meta_a, meta_b = (_flat(_read(c, LAYOUT.METADATA_FILE, "json")) for c in (ckpt_a, ckpt_b))
+        report.counters = {k: (meta_a.get(k), meta_b.get(k)) for k in _counter_keys(meta_a, meta_b)
+                           if meta_a.get(k) != meta_b.get(k)}
     return report
 
 
@@ -181,6 +181,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, A
 
 
 def _counter_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """The metadata's counters and data position: the known counters wherever they sit, and ``data`` entries."""
-    keys = set(_flat(a)) | set(_flat(b))
+    """Of two flattened metadata records, the counters and data position: the known counters wherever they sit,
+    and ``data`` entries."""
+    keys = set(a) | set(b)
     return sorted(k for k in keys if k.rsplit(".", 1)[-1] in _COUNTERS or k.startswith(("data.", "counters.")))

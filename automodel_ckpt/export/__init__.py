@@ -13,8 +13,9 @@ Code outside this package imports only the names below, each a member of a modul
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from automodel_ckpt.faces import lazy_members
 
 # name -> (module below this package, its name there: the same, a member keeps its own name)
 _EXPORTS = {
@@ -81,10 +82,4 @@ if TYPE_CHECKING:
     from automodel_ckpt.export.verify import print_report, verify_export
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _EXPORTS[name]
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_members(__name__, _EXPORTS, globals())

@@ -15,8 +15,9 @@ use, so reading a run folder (``inspect``, ``verify``) imports no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from automodel_ckpt.faces import lazy_members
 
 # name -> (module below this package, its name there)
 _EXPORTS = {
@@ -93,11 +94,4 @@ if TYPE_CHECKING:
                                              path_inside, regular_file_problem)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _EXPORTS[name]
-    loaded = importlib.import_module(f"{__name__}.{module}")
-    value = loaded if attr is None else getattr(loaded, attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_members(__name__, _EXPORTS, globals())

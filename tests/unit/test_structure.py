@@ -636,7 +636,7 @@ FLOORS = [
     {"export"},
     {"ondisk", "launch"},
     {"distributed"},
-    {"errors", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
+    {"errors", "faces", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
 ]
 
 

@@ -1,0 +1,25 @@
+"""A package's face: the members its ``_EXPORTS`` names, each imported from its submodule on first use."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+def lazy_members(package: str, exports: dict[str, tuple[str, str]], namespace: dict[str, Any]
+                 ) -> Callable[[str], Any]:
+    """The ``__getattr__`` of the face ``package``: ``exports`` maps a name to (module, its name there), the module
+    a submodule's bare name, a relative one (``.storage``) or an absolute one. A member is imported when first
+    asked for and kept in the face's ``namespace``, so a verb that reads a run folder imports only what it uses
+    (no torch)."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module, attr = exports[name]
+        absolute = module.startswith(".") or module.startswith(f"{package.split('.')[0]}.")
+        value = getattr(importlib.import_module(module if absolute else f".{module}", package), attr)
+        namespace[name] = value
+        return value
+
+    return __getattr__
