@@ -19,6 +19,7 @@ from automodel_ckpt.checkpoint.save import overlap
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
+from automodel_ckpt.checkpoint.state import plan_state
 from automodel_ckpt.checkpoint.triggers import AutoInterval, PreemptionWatcher, Steps
 from automodel_ckpt.distributed.env import DistEnv
 from automodel_ckpt.distributed.mesh import ParallelDims
@@ -172,7 +173,7 @@ class Checkpointer:
         """
         if not self._cfg.enabled:
             return None
-        return self._writer.write_checkpoint(states, info)
+        return self._writer.write_checkpoint(plan_state(states), info)
 
     def _save_local(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
         """Take a node-local step of ``states``: the call returns once the state is copied; writing it, its

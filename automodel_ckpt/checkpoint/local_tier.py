@@ -28,6 +28,7 @@ from automodel_ckpt.checkpoint.save.diskfull import state_bytes
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
+from automodel_ckpt.checkpoint.state import plan_state
 from automodel_ckpt.checkpoint.storage import monitor_of
 from automodel_ckpt.checkpoint.storage.nodelocal import localdir, recover
 from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
@@ -87,7 +88,7 @@ class LocalTier:
                 self._report(f"warning: the node-local folder '{folder}' was removed; made again")
             if not self._space_checked:
                 self._check_space(states)
-            path = self.writer.write_checkpoint(states, info)
+            path = self.writer.write_checkpoint(plan_state(states), info)
         except Exception as exc:  # noqa: BLE001 - every step above is collective: every rank is here
             error = exc
         if self._failed(error, name):

@@ -15,13 +15,11 @@ The rule is deliberately small so it can be stated in one sentence in the docs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from torch import nn
 from torch.optim import Optimizer
-
-from automodel_ckpt.ondisk.formats.peft import is_peft_model
 
 _MODEL = "model"
 _OPTIMIZER = "optimizer"
@@ -60,12 +58,10 @@ class StatePlan:
     optimizers: dict[str, Optimizer]
     per_rank: dict[str, Any]
     global_: dict[str, Any]
-    adapters: frozenset[str] = field(default_factory=frozenset)  # models saved as PEFT adapter folders
 
-    @property
-    def has_peft(self) -> bool:
-        """Whether a model of the plan is a PEFT model (its checkpoint is an adapter folder)."""
-        return bool(self.adapters)
+    def objects(self) -> list[Any]:
+        """Every object of the plan (a save that runs out of room reports their size)."""
+        return [*self.models.values(), *self.optimizers.values(), *self.per_rank.values(), *self.global_.values()]
 
     def model_for(self, optimizer_name: str) -> nn.Module:
         """The one model, or with several (a policy and its reference) the one named ``model``."""
@@ -84,5 +80,4 @@ def plan_state(states: dict[str, Any]) -> StatePlan:
     groups = {_MODEL: plan.models, _OPTIMIZER: plan.optimizers, _RANK: plan.per_rank, _GLOBAL: plan.global_}
     for name, value in states.items():
         groups[_kind_of(value)][name] = value
-    plan.adapters = frozenset(name for name, model in plan.models.items() if is_peft_model(model))
     return plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from automodel_ckpt.errors import UsageError
 from automodel_ckpt.sizes import human_size  # noqa: F401 - every verb prints sizes this one way
@@ -36,18 +36,25 @@ def report(message: str) -> None:
     sys.stderr.flush()
 
 
-def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: bool = False) -> list[str]:
+def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: bool = False) -> Checked:
     """Every check of a loaded recipe made before training: its values (``config.validate``, ``data.checks``) and,
     with ``inputs``, that its model, tokenizer and dataset paths exist. One-line ``ConfigError``s.
 
-    Returns one line per input saying where it lies. ``fetchable`` (``--dry-run``): inputs that are only missing from
-    the Hugging Face cache are said, not errors.
+    Returns the mesh the run will have and one line per input saying where it lies. ``fetchable``
+    (``--dry-run``): inputs that are only missing from the Hugging Face cache are said, not errors.
     """
     from automodel_ckpt.config.validate import check_inputs_exist, validate_config
     from automodel_ckpt.data import check_data_section, check_dataset_paths
 
-    validate_config(cfg, world_size)
+    mesh = validate_config(cfg, world_size)
     check_data_section(cfg)
     if not inputs:
-        return []
-    return check_inputs_exist(cfg, fetchable=fetchable) + check_dataset_paths(cfg, fetchable=fetchable)
+        return Checked(mesh, [])
+    return Checked(mesh, check_inputs_exist(cfg, fetchable=fetchable) + check_dataset_paths(cfg, fetchable=fetchable))
+
+
+class Checked(NamedTuple):
+    """What ``check_recipe`` found: the mesh (``distributed.mesh.MeshSizes``) and where each input lies."""
+
+    mesh: Any
+    inputs: list[str]

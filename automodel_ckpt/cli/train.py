@@ -24,19 +24,17 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
     cfg = load_config(recipe_path, overrides, RecipeConfig)
     huge_pages_if_sharded(cfg, opts.world_size)  # before this process's first tensor; its workers inherit it
-    inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
+    mesh, inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
         from automodel_ckpt.config.loader import to_yaml
         from automodel_ckpt.config.validate import check_parallel_plans
 
-        inputs += check_parallel_plans(cfg, opts.world_size)
+        inputs += check_parallel_plans(cfg, mesh)
         print(to_yaml(cfg), end="")
         for line in inputs:
             print(f"# {line}", file=sys.stderr)
-        from automodel_ckpt.distributed.mesh import resolve_sizes
-
-        mesh = resolve_sizes(cfg.distributed, opts.world_size).describe()
-        print(f"# valid for {opts.world_size} process(es) ({mesh}); --dry-run: not training", file=sys.stderr)
+        print(f"# valid for {opts.world_size} process(es) ({mesh.describe()}); --dry-run: not training",
+              file=sys.stderr)
         return 0
     ckpt = CheckpointConfig.from_section(cfg.checkpoint)
     if ckpt.enabled and opts.nnodes == 1:  # another run has the folder: one line now, before a model is loaded
@@ -57,7 +55,8 @@ def huge_pages_if_sharded(cfg, world_size: int) -> None:
     sure (``distributed.dp_shard: full``, or tensor, pipeline or expert parallelism, HSDP): what a sharded model's
     pinned thresholds fault in, 2 MiB at a time. A model that fits, replicated or unwrapped, keeps its freed
     blocks instead (``allocator.keep_freed_memory``), and huge pages would only cost it time. Reads the config
-    alone: no tensor exists yet."""
+    alone, before the checks: they import model code, which makes tensors. The mesh is worked out here, once
+    (``resolve_sizes`` keeps it for the checks and the recipe)."""
     from automodel_ckpt.distributed import data_parallel
     from automodel_ckpt.distributed.allocator import huge_pages_for_tensors
     from automodel_ckpt.distributed.mesh import resolve_sizes

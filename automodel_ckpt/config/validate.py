@@ -9,8 +9,8 @@ from omegaconf import DictConfig
 from automodel_ckpt.checkpoint import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
 from automodel_ckpt.distributed import data_parallel
-from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, resolve_pipeline,
-                                             resolve_sizes)
+from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, MeshSizes,
+                                             resolve_pipeline, resolve_sizes)
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.training import compile
 
@@ -38,8 +38,9 @@ def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: in
     return global_batch_size // per_micro_step
 
 
-def validate_config(cfg: DictConfig, world_size: int) -> None:
-    """Raise ConfigError (one line) for values that would fail later (the ``data:`` keys: ``data.checks``)."""
+def validate_config(cfg: DictConfig, world_size: int) -> MeshSizes:
+    """Raise ConfigError (one line) for values that would fail later (the ``data:`` keys: ``data.checks``); returns
+    the mesh the run will have."""
     sched = cfg.step_scheduler
     positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
     positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
@@ -96,6 +97,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> None:
                               "yet; use tp_size 1 (FSDP2 or HSDP shard the frozen base as well)")
 
         check_peft_section(cfg.peft)
+    return sizes
 
 
 def check_importable(path: str, key: str) -> None:
@@ -142,7 +144,7 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
     return lines
 
 
-def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
+def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
     """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
     and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
     would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does
@@ -157,7 +159,6 @@ def check_parallel_plans(cfg: DictConfig, world_size: int) -> list[str]:
     from automodel_ckpt.config.instantiate import instantiate
     from automodel_ckpt.models.materialize import builds_on_meta
 
-    sizes = resolve_sizes(cfg.distributed, world_size)
     model = cfg.model
     if (sizes.tp == 1 and sizes.pp == 1 and sizes.ep == 1) or not builds_on_meta(model):
         return []

@@ -12,8 +12,11 @@ of a shard group (whole groups of tensor-parallel peers); every data-parallel ra
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+from omegaconf import ListConfig
 
 from automodel_ckpt.errors import ConfigError
 
@@ -26,6 +29,9 @@ PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 #: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
 IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
                          "use tp_size 1")
+#: The ``distributed:`` keys the mesh sizes depend on.
+_KEYS = (*UNSUPPORTED, "tp_size", "pp_size", "sequence_parallel", "dp_replicate_size", "dp_size", "pp_layers",
+         "pp_microbatches", "ep_size")
 IMAGE_TEXT_EP_REFUSAL = ("distributed.ep_size: expert parallelism for image-text models is not supported yet; "
                          "use ep_size 1")
 
@@ -92,8 +98,17 @@ class MeshSizes:
 
 
 def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
-    """The mesh the ``distributed:`` section asks for on ``world_size`` ranks; one-line ``ConfigError`` otherwise."""
+    """The mesh the ``distributed:`` section asks for on ``world_size`` ranks; one-line ``ConfigError`` otherwise.
+    Worked out once per process: the config check and the recipe get the same object."""
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
+    values = tuple((key, type(v), tuple(v) if isinstance(v, (list, ListConfig)) else v)
+                   for key, v in ((key, get(key, None)) for key in _KEYS))  # the type too: True == 1, and is no size
+    return _resolve(values, world_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(values: tuple[tuple[str, type, Any], ...], world_size: int) -> MeshSizes:
+    get = {key: value for key, _, value in values}.get
     for key, what in UNSUPPORTED.items():
         value = get(key, None)
         if value not in (None, 1):

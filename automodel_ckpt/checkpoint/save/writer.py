@@ -32,7 +32,7 @@ from automodel_ckpt.checkpoint.save import diskfull, hf_files, overlap
 from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
 from automodel_ckpt.checkpoint.save.policy import SavePolicy
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
-from automodel_ckpt.checkpoint.state import StatePlan, plan_state
+from automodel_ckpt.checkpoint.state import StatePlan
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
@@ -80,9 +80,9 @@ class SaveWriter:
 
     # ------------------------------------------------------------------------------------------ a save
     @diskfull.guarded
-    def write_checkpoint(self, states: dict[str, Any], info: SaveInfo) -> Path:
-        """Save ``states`` as checkpoint ``name``; see ``Checkpointer.save``."""
-        self._saved_objects = list(states.values())
+    def write_checkpoint(self, plan: StatePlan, info: SaveInfo) -> Path:
+        """Save the state of ``plan`` (``plan_state``) as checkpoint ``name``; see ``Checkpointer.save``."""
+        self._saved_objects = plan.objects()
         clock = PhaseClock()
         self.wait()  # at most one save in flight: finish (and publish) the previous one first
         clock.mark("complete_previous")
@@ -96,7 +96,6 @@ class SaveWriter:
         )
         if self.env.is_main:
             self.say(f"Saving checkpoint to {self.run.location(name)}")
-        plan = plan_state(states)
         formats = {attr: registry.for_model(model, self.format.name) for attr, model in plan.models.items()}
         claimed = [fmt for fmt in formats.values() if fmt is not self.format]  # a PEFT model's adapter folder
         exports = bool(plan.models) and not claimed  # an adapter folder is Hugging Face-ready already

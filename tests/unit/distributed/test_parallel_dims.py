@@ -235,3 +235,25 @@ def test_sequence_parallel_refusals_are_one_line():
         parallel_styles(_model("llama", num_key_value_heads=2, base_model_tp_plan=plan), 2, sequence_parallel=True)
     assert "distributed.sequence_parallel: the 'llama' model splits model.layers.0.self_attn in a way" in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+def test_the_launch_works_the_mesh_out_once():
+    """The launcher's huge-page choice, the config check, the dry run's plan check and the recipe's mesh: one
+    resolution per process; a size of another type (``True == 1``) is not taken for a cached one."""
+    from automodel_ckpt.cli.common import check_recipe
+    from automodel_ckpt.cli.train import huge_pages_if_sharded
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.validate import check_parallel_plans
+    from automodel_ckpt.distributed import mesh as mesh_module
+
+    cfg = load_config(RECIPE, ["--distributed.dp_size", "3", "--step_scheduler.global_batch_size", "96"], RecipeConfig)
+    mesh_module._resolve.cache_clear()
+    huge_pages_if_sharded(cfg, 3)  # replicated: sets nothing
+    checked = check_recipe(cfg, 3, inputs=False)
+    assert check_parallel_plans(cfg, checked.mesh) == []
+    assert resolve_sizes(cfg.distributed, 3) is checked.mesh  # what the recipe's setup asks
+    assert mesh_module._resolve.cache_info().misses == 1
+    assert checked.mesh == MeshSizes(1, 3, 1)
+    with pytest.raises(ConfigError, match="tp_size: expected a positive integer, got True"):
+        _sizes(3, tp_size=True, dp_size=3)
