@@ -1,23 +1,29 @@
 """What differs between two models' tensors, one tensor at a time, and between two checkpoints' recipes and counters.
 
-Each side is read as ``open_tensors`` reads it (a checkpoint at any world size or format, an export folder, an
-archive, an adapter): a tensor is assembled from its shards when asked for, compared with the other side's, and
-dropped, so memory is bounded by the largest tensor. A checkpoint's tensors are compared as saved (its float32
-training weights), so a checkpoint against its own bf16 export is ``close``: equal once rounded to the coarser
-dtype. Names, values and paths read here are data: printed through the escaping stream, never followed.
+Each side is read as ``open_tensors`` reads it (a checkpoint at any world size or format, an export folder, an int8
+folder, an archive, an adapter) or as ``gguf_side`` pairs a GGUF file with the other side: a tensor is assembled
+from its shards when asked for, compared with the other side's, and dropped, so memory is bounded by the largest
+tensor. A checkpoint's tensors are compared as saved (its float32 training weights), so a checkpoint against its
+own bf16 export is ``close``: equal once rounded to the coarser dtype. Against a quantized side (a GGUF file, an int8
+folder's weights) a tensor is ``close`` when every element is within the sum of both sides' rounding: the quantized
+format's step (``Tensors.rounding``) and half a unit in the last place of the dtype the export read. Names, values
+and paths read here are data: printed through the escaping stream, never followed.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from automodel_ckpt.evaluation.gguf_side import gguf_alone, gguf_beside
 from automodel_ckpt.evaluation.tensors import Tensors, open_tensors
+from automodel_ckpt.export import is_gguf
 from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml
 
 __all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"]
@@ -104,7 +110,8 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
     """Every tensor of ``a`` and ``b`` compared (``tolerance``: the largest |Δ| still ``close``); for two
     checkpoints of ours, their recipes' and counters' differences too."""
     report = DiffReport(str(a), str(b))
-    with open_tensors(Path(a)) as left, open_tensors(Path(b)) as right:
+    with ExitStack() as stack:
+        left, right = _sides(Path(a), Path(b), stack)
         for name in sorted(set(left.shapes) | set(right.shapes)):
             report.tensors[name] = _tensor(left, right, name, tolerance)
     ckpt_a, ckpt_b = _checkpoint(Path(a)), _checkpoint(Path(b))
@@ -117,6 +124,20 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
     return report
 
 
+def _sides(a: Path, b: Path, stack: ExitStack) -> tuple[Tensors, Tensors]:
+    """The two sides' tensors: each as ``open_tensors`` reads it, a GGUF file by the other side's names (two GGUF
+    files by their own)."""
+    gguf_a, gguf_b = is_gguf(a), is_gguf(b)
+    if gguf_a and gguf_b:
+        return gguf_alone(a, stack), gguf_alone(b, stack)
+    if gguf_a:
+        laid, read = gguf_beside(stack.enter_context(open_tensors(b)), a, stack)
+        return read, laid
+    if gguf_b:
+        return gguf_beside(stack.enter_context(open_tensors(a)), b, stack)
+    return stack.enter_context(open_tensors(a)), stack.enter_context(open_tensors(b))
+
+
 def _tensor(left: Tensors, right: Tensors, name: str, tolerance: float) -> TensorDiff:
     if name not in right.shapes:
         return TensorDiff(ONLY_A)
@@ -125,8 +146,9 @@ def _tensor(left: Tensors, right: Tensors, name: str, tolerance: float) -> Tenso
     if left.shapes[name] != right.shapes[name]:
         return TensorDiff(CHANGED, note=f"shape {list(left.shapes[name])} -> {list(right.shapes[name])}")
     x, y = left.read_saved(name), right.read_saved(name)
-    note = "" if x.dtype == y.dtype else f"dtype {str(x.dtype).removeprefix('torch.')} -> " \
-                                         f"{str(y.dtype).removeprefix('torch.')}"
+    stored = left.formats.get(name) or right.formats.get(name)  # one side quantized: how it is stored
+    note = stored or ("" if x.dtype == y.dtype else f"dtype {str(x.dtype).removeprefix('torch.')} -> "
+                                                     f"{str(y.dtype).removeprefix('torch.')}")
     if x.dtype == y.dtype and torch.equal(x, y):
         return TensorDiff(EQUAL, 0.0, 0.0, 0.0)
     if not (x.is_floating_point() and y.is_floating_point()):
@@ -138,7 +160,10 @@ def _tensor(left: Tensors, right: Tensors, name: str, tolerance: float) -> Tenso
     norm = float(xd.norm())
     rel = float(delta.norm()) / norm if norm else (0.0 if max_abs == 0 else math.inf)
     fraction = float((delta != 0).double().mean()) if delta.numel() else 0.0
-    status = CLOSE if max_abs <= tolerance or _rounds_to(x, y) else CHANGED
+    close = max_abs <= tolerance or _rounds_to(x, y)
+    if not close and stored:  # within both sides' rounding (module docstring)
+        close = bool((delta.abs() <= left.rounding(name, x) + right.rounding(name, y) + tolerance).all())
+    status = CLOSE if close else CHANGED
     return TensorDiff(status, max_abs, rel, fraction, note)
 
 

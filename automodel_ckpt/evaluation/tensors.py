@@ -1,8 +1,10 @@
-"""One model's tensors, read one at a time: a checkpoint (any world size and format), an export folder, an archive, an adapter.
+"""One model's tensors, read one at a time: a checkpoint (any world size and format), an export or int8 folder, an archive, an adapter.
 
 A full model comes from ``export.open_model`` (the quantized exports' reader): its tensors under their on-disk
 names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them
-(the base's), or as saved (``read_saved``: what averaging accumulates); a LoRA checkpoint there is merged into its base. A LoRA adapter folder (``adapter_config.json`` and
+(the base's), or as saved (``read_saved``: what averaging accumulates); a LoRA checkpoint there is merged into its base.
+An int8 folder (compressed-tensors, ``export --to int8``) gives its weights dequantized with their scales, each with
+its rounding step (``steps``, for ``diff``). A LoRA adapter folder (``adapter_config.json`` and
 ``adapter_model.safetensors``, a PEFT checkpoint's ``model/``) is read as its adapter tensors, so that averaging
 adapters gives an adapter. Nothing read here runs a pickle or instantiates a config: sizes are checked by
 ``ondisk.bounded``, only regular files are read.
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
-from automodel_ckpt.export import open_model
+from automodel_ckpt.export import dequantize_int8, is_int8, open_model
 from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, model_file_in, read_bytes, read_json
 
 __all__ = ["MODEL", "ADAPTER", "Tensors", "is_adapter", "open_tensors"]
@@ -43,6 +45,9 @@ class Tensors:
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     side: dict[str, bytes] = field(default_factory=dict)
     saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
+    #: a quantized tensor's rounding: each element's step, given the tensor as read (an int8 folder's, a GGUF's)
+    steps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)  # how a quantized tensor is stored ("int8", "GGUF Q8_0")
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in ``dtypes[name]`` (a checkpoint's: the export's dtype, the base's)."""
@@ -51,6 +56,16 @@ class Tensors:
     def read_saved(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in the dtype it was saved in (a checkpoint's float32 training weights)."""
         return self.saved.get(name, self.readers[name])()
+
+    def rounding(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Each element's rounding in this side's format: a quantized tensor's step, else half a unit in the last
+        place of ``dtypes[name]`` (the dtype an export reads: a checkpoint's is the base's)."""
+        if name in self.steps:
+            return self.steps[name](value)
+        dtype = self.dtypes[name]
+        if not dtype.is_floating_point:
+            return torch.zeros((), dtype=torch.float64)
+        return value.double().abs() * (torch.finfo(dtype).eps / 2)
 
 
 def is_adapter(src: Path) -> bool:
@@ -71,11 +86,16 @@ def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Te
             yield _adapter(src, stack)
         return
     with open_model(src) as model:
+        if is_int8(model.config):
+            model = dequantize_int8(model)
         tensors = Tensors(str(src), MODEL, dict(model.config), side=_side_files(model.side_dir, _MODEL_SIDE))
         for name in model.shapes:
             tensors.shapes[name], tensors.dtypes[name] = model.shapes[name], model.dtypes[name]
             tensors.readers[name] = lambda name=name: model.read(name)
             tensors.saved[name] = lambda name=name: model.read_saved(name)
+            if name in model.steps:
+                tensors.steps[name] = lambda value, name=name: model.steps[name]()
+                tensors.formats[name] = "int8"
         yield tensors
 
 

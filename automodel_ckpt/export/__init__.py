@@ -56,9 +56,13 @@ _EXPORTS = {
     "plan_gguf": ("gguf_export", "plan_gguf"),
     "write_gguf": ("gguf_export", "write_gguf"),
     "write_gguf_adapter": ("gguf_adapter", "write_gguf_adapter"),
+    "open_gguf_tensors": ("gguf_tensors", "open_gguf_tensors"),
+    "gguf_mapping": ("gguf_tensors", "gguf_mapping"),
     # int8 folders for vLLM
     "plan_int8": ("int8_export", "plan_int8"),
     "write_int8": ("int8_export", "write_int8"),
+    "is_int8": ("int8_read", "is_int8"),
+    "dequantize_int8": ("int8_read", "dequantize_int8"),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -70,11 +74,13 @@ if TYPE_CHECKING:
     from automodel_ckpt.export.gguf_adapter import write_gguf_adapter
     from automodel_ckpt.export.gguf_export import plan_gguf, write_gguf
     from automodel_ckpt.export.gguf_read import describe_gguf, is_gguf, verify_gguf
+    from automodel_ckpt.export.gguf_tensors import gguf_mapping, open_gguf_tensors
     from automodel_ckpt.export.lineage import (data_identity, export_lineage, lineage_chain, lineage_fingerprint,
                                                lineage_json, lineage_parent, read_lineage, training_lineage,
                                                write_lineage_file)
     from automodel_ckpt.export.hf_metadata import write_hf_metadata
     from automodel_ckpt.export.int8_export import plan_int8, write_int8
+    from automodel_ckpt.export.int8_read import dequantize_int8, is_int8
     from automodel_ckpt.export.lora_merge import merge_lora
     from automodel_ckpt.export.model_source import open_model
     from automodel_ckpt.export.plan import build_plan, consolidate, parse_cast_dtype, resolve_model_dir

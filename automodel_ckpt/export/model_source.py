@@ -43,6 +43,8 @@ class ModelSource:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
+    #: a quantized tensor's rounding: each element's step (an int8 folder dequantized: ``int8_read``)
+    steps: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     kind: str = "export"
     name: str = ""  # what the model is called (the SRC's name): a GGUF's general.name
 
