@@ -183,7 +183,7 @@ def child_lanes(corpus: str, assets: str, dp: int, workers: int, steps: int) -> 
     tok = _tokenizer(Path(assets))
     loader = _lanes_loader(c, tok, dp, workers)
     loader.next_batch()  # started: workers forked, lanes opened, buffers filled (not counted)
-    pids = [w.pid for w in getattr(loader._iter, "_workers", [])]
+    pids = _children()  # the loader's DataLoader workers
     cpu0, wall0 = time.process_time() + sum(_proc_cpu(p) for p in pids), time.perf_counter()
     delivered = 0
     for _ in range(steps):
@@ -195,6 +195,12 @@ def child_lanes(corpus: str, assets: str, dp: int, workers: int, steps: int) -> 
     gc.collect()
     return {"dp": dp, "workers": workers, "sequences": delivered, "cpu_seconds": cpu, "wall_seconds": wall,
             "bytes_read": counter.value, "lanes_read": len(loader.my_lanes), "workers_started": loader.num_workers}
+
+
+def _children() -> list[int]:
+    """The pids of this process's children (Linux /proc)."""
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    return [int(p) for t in tasks.iterdir() for p in (t / "children").read_text().split()]
 
 
 def _proc_cpu(pid: int) -> float:

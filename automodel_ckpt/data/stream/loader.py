@@ -35,6 +35,8 @@ from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
 
 __all__ = ["StreamLoader", "check_corpus", "check_position", "lanes_of", "worker_lanes", "UNBOUNDED_STEPS"]
 
+#: The fewest sequences a DataLoader worker sends its rank in one message: the hand-over's cost is per message.
+MESSAGE_SEQUENCES = 64
 #: ``steps_per_epoch`` of a streamed loader: a stream has no fixed epoch length (``step_scheduler.max_steps`` ends it).
 UNBOUNDED_STEPS = 1 << 40
 
@@ -63,14 +65,26 @@ class _Item:
 
 class _Share(IterableDataset):
     """One rank's sequences from the global sequence ``start`` on; in a worker, that worker's: one list of
-    ``_Item`` per step (one message a step from each worker), the last carrying the worker's lanes' positions."""
+    ``_Item`` per step, the last carrying the worker's lanes' positions. ``steps_per_message`` > 1 (``messages``):
+    a worker sends that many steps' lists in one message, so that a rank with few sequences a step (many ranks)
+    does not pay the hand-over to its main process once for every one or two sequences."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
                  positions: dict[int, dict[str, Any]], start: int, dp_rank: int, dp_size: int, per_step: int,
-                 lanes: int, workers: int) -> None:
+                 lanes: int, workers: int, steps_per_message: int = 1) -> None:
         self.args = (corpus, shards, tokenizer, settings)
         self.positions, self.start = positions, start
         self.dp_rank, self.dp_size, self.per_step, self.lanes, self.workers = dp_rank, dp_size, per_step, lanes, workers
+        self.steps_per_message = steps_per_message
+
+    def messages(self) -> Iterator[list[list[_Item]]]:
+        """``steps_per_message`` steps' lists at a time (an error ends a message: the steps before it, then it)."""
+        message: list[list[_Item]] = []
+        for chunk in self:
+            message.append(chunk)
+            if len(message) == self.steps_per_message or chunk[0].error is not None:
+                yield message
+                message = []
 
     def __iter__(self) -> Iterator[list[_Item]]:
         info = get_worker_info()
@@ -113,6 +127,29 @@ class _Share(IterableDataset):
                 j += W
         except DataError as exc:  # every reader of the lane meets it at the same place
             yield [_Item(None, error=str(exc))]
+
+
+class _Messages(IterableDataset):
+    """A share's steps, ``steps_per_message`` at a time: what a DataLoader worker sends."""
+
+    def __init__(self, share: _Share) -> None:
+        self.share = share
+
+    def __iter__(self) -> Iterator[list[list[_Item]]]:
+        return self.share.messages()
+
+
+def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[list[_Item]]:
+    """One list per worker and step again, in the order the loader takes them (worker 0 first each step): the
+    DataLoader hands out one message of each worker in turn, each message holding the same number of steps."""
+    while True:
+        batch = [message for _, message in zip(range(workers), messages)]  # (range first: no message lost)
+        if not batch:
+            return
+        for step in range(max(len(m) for m in batch)):
+            for message in batch:
+                if step < len(message):
+                    yield message[step]
 
 
 def _by_lane(value: Any) -> dict[int, Any]:
@@ -177,12 +214,14 @@ class StreamLoader:
     def _items(self) -> Iterator[list[_Item]]:
         if self._iter is None:
             self._taken = 0
-            share = _Share(self.corpus, self.shards, self.tokenizer, self.settings, self.positions, self.sequences,
-                           self.dp_rank, self.dp_size, self.per_step, self.lanes, max(self.num_workers, 1))
             workers = self.num_workers
-            self._iter = iter(share) if not workers else iter(DataLoader(
-                share, batch_size=None, num_workers=workers, prefetch_factor=4, persistent_workers=False,
-                worker_init_fn=_quiet_stop_signals))
+            # a worker's message carries at least MESSAGE_SEQUENCES sequences (its steps in one message)
+            steps = -(-MESSAGE_SEQUENCES // -(-self.per_step // workers)) if workers else 1
+            share = _Share(self.corpus, self.shards, self.tokenizer, self.settings, self.positions, self.sequences,
+                           self.dp_rank, self.dp_size, self.per_step, self.lanes, max(workers, 1), steps)
+            self._iter = iter(share) if not workers else _by_step(iter(DataLoader(
+                _Messages(share), batch_size=None, num_workers=workers, prefetch_factor=4,
+                persistent_workers=False, worker_init_fn=_quiet_stop_signals)), workers)
         return self._iter
 
     def next_batch(self) -> tuple[int, list[MicroBatch]]:

@@ -91,6 +91,23 @@ def test_ids_at_dp_1_equal_the_ranks_ids_at_dp_2_3_4_interleaved_and_resumed_acr
     assert one.source_tokens == [8 * GBS * 16] and one.epoch == 0
 
 
+@pytest.mark.parametrize("message_sequences", [4, 64])
+def test_workers_send_several_steps_a_message_and_the_position_is_still_the_steps(tmp_path, monkeypatch,
+                                                                                   message_sequences):
+    """With few sequences a step, a worker sends several steps in one message (4: two steps of two sequences; 64:
+    every step a message holds); the ids and the saved position are those of the steps taken, not of the read-ahead."""
+    monkeypatch.setattr(loader_module, "MESSAGE_SEQUENCES", message_sequences)
+    corpus = _corpus(tmp_path)
+    want = _global_steps([_loader(corpus, 0, 1)], 6)
+    ranks = [_loader(corpus, r, 3, num_workers=2) for r in range(3)]  # 4 sequences a step, 2 a worker
+    got = _global_steps(ranks, 3)
+    states = [json.loads(json.dumps(r.state_dict())) for r in ranks]
+    again = [_loader(corpus, r, 3, num_workers=1) for r in range(3)]
+    for r, loader in enumerate(again):
+        loader.load_state_dict(states[r])
+    assert got + _global_steps(again, 3) == want
+
+
 def test_workers_of_a_rank_deal_its_sequences_each_from_its_own_lanes(tmp_path, monkeypatch):
     corpus = _corpus(tmp_path)
     want = [k for step in _global_steps([_loader(corpus, 0, 1)], 4) for k in step]
