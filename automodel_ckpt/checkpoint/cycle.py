@@ -80,13 +80,17 @@ class SaveCycle:
         if self.interval is not None:
             self.interval.tick()  # a step ended: the interval's step time
         decision = self._schedule.decide()
-        if decision.durable and getattr(steps, "save_interval", None) is not None:
-            steps.save_interval.scheduled(steps.step)  # before the save: the checkpoint holds the next save's step
+        interval = getattr(steps, "save_interval", None)
+        if decision.durable and interval is not None:  # before the save: the checkpoint holds the next save's step
+            due = interval.due(steps.step)
+            interval.scheduled(steps.step)
+            if due and self.interval is not None:
+                self.interval.decide(steps)  # and the interval decided from the costs measured before this save
         return decision
 
     def saved(self) -> None:
         """The durable checkpoint that ``decide`` asked for is saved (the minutes count again from now; an ``auto``
-        interval moves on and is decided again from this save's cost: collective)."""
+        interval measures this save's cost for its next decision: collective)."""
         self._schedule.saved()
-        if self.interval is not None:  # the next save after this one is set; a resume from this one sets it again
+        if self.interval is not None:
             self.interval.measured(self._schedule.steps, self.blocked_s)

@@ -186,14 +186,18 @@ DEFAULT_MTBF_HOURS = 24.0  # with no checkpoint.mtbf_hours and no interruption i
 
 
 class AutoInterval:
-    """``step_scheduler.ckpt_every_steps: auto``: after each durable save, Young/Daly's interval from what the save
-    blocked the training thread, the step time and the MTBF, set on the run's ``SaveInterval`` (clamped there).
+    """``step_scheduler.ckpt_every_steps: auto``: Young/Daly's interval from what the run's saves blocked the
+    training thread, the step time and the MTBF, set on the run's ``SaveInterval`` (clamped there).
 
-    ``interval_steps(cost_s, mtbf_s, step_s)``: the interval in steps (``tracking.advise``'s). Every rank measures
-    its own save and steps (the median of the last steps' times); one MAX all-reduce of (blocked seconds, seconds a step, MTBF) per save makes every rank
-    decide the same interval from the same numbers. The MTBF is ``checkpoint.mtbf_hours``, else the interruptions
-    in the run's cost log (rank 0 reads ``observed_mtbf_s``), else 24 h. Each change is one line (``say``, rank 0)
-    and an ``interval`` record (``note``: events.jsonl and the trackers).
+    ``interval_steps(cost_s, mtbf_s, step_s)``: the interval in steps (``tracking.advise``'s). After each durable
+    save (``measured``, collective) one MAX all-reduce of (blocked seconds, seconds a step, MTBF) makes every rank
+    hold the same sample, kept in the ``SaveInterval`` (its last 8). At each scheduled save, before the save's state
+    is taken (``decide``), the interval is decided from the samples' medians: so the checkpoint holds the interval,
+    the next due step and the samples the decision read, and a resume from it goes on where a straight run goes on.
+    The save's own cost enters the next decision. Every rank measures its own save and steps (the median of the last
+    steps' times). The MTBF is ``checkpoint.mtbf_hours``; else the interruptions in the run's cost log at the first
+    save (rank 0 reads ``observed_mtbf_s``), else 24 h, decided once and kept in the ``SaveInterval``. Each change
+    is one line (``say``, rank 0) and an ``interval`` record (``note``: events.jsonl and the trackers).
     """
 
     def __init__(self, interval_steps: Callable[[float, float, float], int], *, mtbf_hours: float | None,
@@ -205,7 +209,6 @@ class AutoInterval:
         self.is_main, self.say, self.note, self.reduce_max, self.clock = is_main, say, note, reduce_max, clock
         self._gaps: deque[float] = deque(maxlen=64)  # the last steps' times
         self._last: float | None = None  # when the last step ended (or the last save, which is no step's time)
-        self._mtbf: tuple[float, str] | None = None
 
     def tick(self) -> None:
         """A step ended now: its time is from the end of the step before (or of the save after it); the step time
@@ -221,20 +224,33 @@ class AutoInterval:
         return (self.observed_mtbf_s() or 0.0) if self.is_main else 0.0
 
     def measured(self, steps: Any, blocked_s: float) -> None:
-        """A durable save after step ``steps.step`` blocked training ``blocked_s`` seconds (collective)."""
+        """A durable save after step ``steps.step`` blocked training ``blocked_s`` seconds (collective): one sample
+        more, the same on every rank."""
         interval = getattr(steps, "save_interval", None)
         if interval is None:
             return
-        step, gaps = steps.step, sorted(self._gaps)
+        gaps = sorted(self._gaps)
         self._last = self.clock()  # the save's time is no step's
         step_s = gaps[len(gaps) // 2] if gaps else 0.0
-        cost, step_s, mtbf = self.reduce_max([blocked_s, step_s, self._mtbf_local() if self._mtbf is None else 0.0])
-        if self._mtbf is None:  # decided once a launch, the same on every rank
+        cost, step_s, mtbf = self.reduce_max([blocked_s, step_s, self._mtbf_local() if interval.mtbf is None
+                                              else 0.0])
+        if interval.mtbf is None:  # decided once a run, the same on every rank
             source = "given" if self.mtbf_hours is not None else "observed" if mtbf > 0 else "assumed"
-            self._mtbf = (mtbf if mtbf > 0 else DEFAULT_MTBF_HOURS * 3600.0, source)
-        mtbf, source = self._mtbf
-        if step_s <= 0:
+            interval.mtbf = [mtbf if mtbf > 0 else DEFAULT_MTBF_HOURS * 3600.0, source]
+        if step_s > 0:
+            interval.sample(cost, step_s)
+
+    def decide(self, steps: Any) -> None:
+        """A scheduled save at step ``steps.step`` is about to take the run's state: the interval from the samples
+        so far (no collective: every rank holds the same samples)."""
+        interval = getattr(steps, "save_interval", None)
+        if interval is None or not interval.samples or interval.mtbf is None:
             return
+        step = steps.step
+        cost, step_s = (sorted(s[k] for s in interval.samples)[len(interval.samples) // 2] for k in (0, 1))
+        mtbf, source = interval.mtbf
+        if self.mtbf_hours is not None:  # the config's, even where a resume's checkpoint holds another
+            mtbf, source = float(self.mtbf_hours) * 3600.0, "given"
         wanted = self.interval_steps(cost, mtbf, step_s)
         before = interval.every
         if not interval.change(wanted, step):
@@ -249,7 +265,7 @@ class AutoInterval:
         self.note({"event": "interval", "time": time.time(), "step": step, "every_steps": interval.every,
                    "was_every_steps": before, "next_step": interval.next_step, "blocked_s": round(cost, 4),
                    "step_s": round(step_s, 6), "mtbf_s": mtbf, "mtbf_source": source, "young_daly_steps": wanted,
-                   "text": line})
+                   "samples": len(interval.samples), "text": line})
 
 
 class SaveSchedule:

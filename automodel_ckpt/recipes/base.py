@@ -65,6 +65,7 @@ class BaseRecipe:
                     self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go
                     return
                 self._observer.start(steps.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
+                                     mtbf_hours=self.checkpoint_config.mtbf_hours,
                                      world_size=self.env.world_size, tier=self.restored.tier,
                                      load_seconds=round(self.restored.seconds, 3) if restored else None)
                 ended = self.train()

@@ -186,6 +186,7 @@ class RunCosts:
     auto_changes: int | None = None
     auto_every_steps: int | None = None
     replaced_every_steps: int | None = None
+    mtbf_hours: float | None = None  # the run's checkpoint.mtbf_hours (its last launch's), when it set one
 
     @property
     def share(self) -> float:
@@ -228,7 +229,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
     every: int | None = None
     last_save_step: int | None = None
     auto_changes: int | None = None
-    auto_every = replaced = None
+    auto_every = replaced = mtbf_hours = None
     for record in events:
         if not isinstance(record, dict):
             continue
@@ -239,6 +240,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
                 interruptions += not launch.ended
             launch, launches = _Launch(), launches + 1
         launch.add(record)
+        if event == START:  # each launch says its checkpoint.mtbf_hours: the last one's is the run's
+            value = _number(record.get("mtbf_hours"))
+            mtbf_hours = value if value is not None and value > 0 else None
         if event == START and record.get("every_steps") == "auto":
             if auto_changes is None:
                 auto_changes, replaced, every = 0, every, None  # the spacing of its saves is the run's interval
@@ -282,7 +286,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         launches=launches, interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=checkpoints,
         blocked_s=blocked_sum, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
         bytes_per_checkpoint=sizes.mean(), write_gbps=rates.median() if rates.count else None, every_steps=every,
-        auto_changes=auto_changes, auto_every_steps=auto_every, replaced_every_steps=replaced,
+        auto_changes=auto_changes, auto_every_steps=auto_every, replaced_every_steps=replaced, mtbf_hours=mtbf_hours,
     )
 
 

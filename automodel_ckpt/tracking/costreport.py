@@ -12,9 +12,13 @@ DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none i
 
 
 def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, Any]:
-    """Plain JSON-ready numbers: measured costs, the MTBF used (and where it comes from), the advice if computable."""
+    """Plain JSON-ready numbers: measured costs, the MTBF used (and where it comes from: ``mtbf_hours`` given here,
+    else the run's ``checkpoint.mtbf_hours``, else its interruptions, else 24 h), the advice if computable; for
+    ``ckpt_every_steps: auto``, the overhead it paid beside the fixed interval it replaced."""
     if mtbf_hours is not None:
         mtbf_s, source = mtbf_hours * 3600.0, "given"
+    elif costs.mtbf_hours is not None:
+        mtbf_s, source = costs.mtbf_hours * 3600.0, "configured"
     elif costs.interruptions:
         mtbf_s, source = costs.wall_s / costs.interruptions, "observed"
     else:
@@ -40,11 +44,14 @@ def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, A
             "current_interval_s": advice.current_interval_s, "current_overhead": advice.current_overhead,
         }
     if costs.auto_changes is not None:  # ckpt_every_steps: auto, beside the fixed interval it replaced
-        fixed = costs.replaced_every_steps
+        fixed, paid = costs.replaced_every_steps, costs.every_steps
+        timed = cost is not None and bool(step_s)
+        latency = costs.background_per_checkpoint_s or 0.0
         report["auto"] = {"changes": costs.auto_changes, "every_steps": costs.auto_every_steps,
+                          "overhead": expected_overhead(paid * step_s, cost, mtbf_s, latency)
+                          if paid and timed else None,  # at the spacing its saves came at
                           "replaced_every_steps": fixed, "replaced_overhead": expected_overhead(
-                              fixed * step_s, cost, mtbf_s, costs.background_per_checkpoint_s or 0.0)
-                          if fixed and cost is not None and step_s else None}
+                              fixed * step_s, cost, mtbf_s, latency) if fixed and timed else None}
     return report
 
 
@@ -58,7 +65,7 @@ def _duration(seconds: float) -> str:
 
 def _mtbf(report: dict[str, Any]) -> str:
     source = report["mtbf_source"]
-    why = {"given": "given", "observed": f"observed: {report['interruptions']} interruption(s)",
+    why = {"given": "given", "configured": "the run's checkpoint.mtbf_hours", "observed": f"observed: {report['interruptions']} interruption(s)",
            "assumed": "assumed, no interruption seen; set it with --mtbf-hours"}[source]
     return f"MTBF {_duration(report['mtbf_s'])} ({why})"
 
@@ -77,7 +84,19 @@ def one_line(report: dict[str, Any]) -> str:
     if advice is not None:
         text += (f"; Young/Daly interval for {_mtbf(report)}: every {advice['interval_steps']} steps "
                  f"({_duration(advice['interval_s'])}), expected overhead {100 * advice['overhead']:.2f}%")
+    text += _auto(report)
     return text + _side_work(report)
+
+
+def _auto(report: dict[str, Any]) -> str:
+    """The end line's note on ``ckpt_every_steps: auto``: the expected overhead at the spacing its saves came at,
+    beside the fixed interval it replaced ("" without both)."""
+    auto = report.get("auto")
+    if not auto or auto["overhead"] is None or auto["replaced_overhead"] is None:
+        return ""
+    return (f"; ckpt_every_steps auto: saves every {report['every_steps']} steps, expected overhead "
+            f"{100 * auto['overhead']:.2f}% against {100 * auto['replaced_overhead']:.2f}% at the fixed every "
+            f"{auto['replaced_every_steps']} steps it replaced")
 
 
 def _written(report: dict[str, Any], lead: str) -> str:
@@ -149,7 +168,8 @@ def render(report: dict[str, Any]) -> str:
     auto = report.get("auto")
     if auto is not None:
         lines.append(f"ckpt_every_steps auto:      {auto['changes']} change(s), last every "
-                     f"{auto['every_steps'] or '-'} steps; the run's saves came every {report['every_steps']} steps")
+                     f"{auto['every_steps'] or '-'} steps; the run's saves came every {report['every_steps']} steps"
+                     + (f", expected overhead {100 * auto['overhead']:.2f}%" if auto["overhead"] is not None else ""))
         if auto["replaced_overhead"] is not None:
             lines.append(f"at the interval it replaced: every {auto['replaced_every_steps']} steps, expected "
                          f"overhead {100 * auto['replaced_overhead']:.2f}%")

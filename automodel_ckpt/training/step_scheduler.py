@@ -8,19 +8,25 @@ AUTO = "auto"
 
 
 class SaveInterval:
-    """``step_scheduler.ckpt_every_steps: auto``: the interval in steps and the next step that saves, part of the
-    run's state (checkpointed with the step counters), so that a resume saves at the steps a straight run would.
+    """``step_scheduler.ckpt_every_steps: auto``: the interval in steps, the next step that saves, and what the
+    interval is decided from (the last saves' measured costs, the MTBF), all part of the run's state (checkpointed
+    with the step counters), so that a resume goes on with the schedule a straight run has.
 
     The first save comes ``min_every_steps`` steps in (a save's cost is measured there); then the save cycle
-    (``checkpoint.triggers.AutoInterval``) sets Young/Daly's interval as costs are measured, clamped to
-    ``[min_every_steps, max_every_steps]``. The schedule counts from the last scheduled save: saves of the minutes,
-    of a preemption or of the run's end do not move it.
+    (``checkpoint.triggers.AutoInterval``) decides Young/Daly's interval at each scheduled save, before its state is
+    taken, from the costs measured before it (``samples``), clamped to ``[min_every_steps, max_every_steps]``. The
+    schedule counts from the last scheduled save: saves of the minutes, of a preemption or of the run's end do not
+    move it.
     """
+
+    SAMPLES = 8  # the last saves' costs a decision reads (their medians)
 
     def __init__(self, min_every: int = 1, max_every: int | None = None) -> None:
         self.min_every, self.max_every = max(1, int(min_every)), max_every
         self.every = self.clamp(self.min_every)
         self.next_step = self.every
+        self.samples: list[list[float]] = []  # [blocked seconds, seconds a step] of the last saves, every rank's MAX
+        self.mtbf: list[Any] | None = None  # [seconds, "given" | "observed" | "assumed"], decided once a run
 
     def clamp(self, every: int) -> int:
         every = max(self.min_every, int(every))
@@ -44,11 +50,19 @@ class SaveInterval:
         self.every = every
         return True
 
+    def sample(self, blocked_s: float, step_s: float) -> None:
+        """A save's measured cost and the step time then (the same numbers on every rank)."""
+        self.samples = [*self.samples, [float(blocked_s), float(step_s)]][-self.SAMPLES:]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"every": self.every, "next_step": self.next_step}
+        return {"every": self.every, "next_step": self.next_step, "samples": [list(s) for s in self.samples],
+                "mtbf": list(self.mtbf) if self.mtbf else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.every, self.next_step = self.clamp(int(state["every"])), int(state["next_step"])
+        self.samples = [[float(c), float(t)] for c, t in state.get("samples") or []][-self.SAMPLES:]
+        mtbf = state.get("mtbf")
+        self.mtbf = [float(mtbf[0]), str(mtbf[1])] if mtbf else None
 
 
 class StepScheduler:

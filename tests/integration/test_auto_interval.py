@@ -1,7 +1,8 @@
-"""``step_scheduler.ckpt_every_steps: auto`` end to end (1 process, tiny model): killed and rerun with the interval
-clamped to one value (min == max), the resume saves at the steps a straight run saves and its losses are bitwise the
-straight run's; with a tiny MTBF, Young/Daly's interval is set from the measured save cost, said in one line and in
-events.jsonl, and the run saves at it."""
+"""``step_scheduler.ckpt_every_steps: auto`` end to end (1 process, tiny model): killed and rerun after the interval
+changed (from ``min_every_steps`` to the ``max_every_steps`` a huge MTBF clamps Young/Daly's interval to, whatever
+the saves cost), the resume saves at the steps a straight run saves and its losses are bitwise the straight run's;
+with a tiny MTBF, Young/Daly's interval is set from the measured save cost, said in one line and in events.jsonl,
+and the run saves at it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, en
 ARGS = ("--checkpoint.save_consolidated", "false", "--step_scheduler.ckpt_every_steps", "auto",
         "--step_scheduler.max_steps", "8", "--data.val_size", "64", "--step_scheduler.val_every_steps", "100",
         )
-FIXED = ("--step_scheduler.min_every_steps", "3", "--step_scheduler.max_every_steps", "3")
+# at an MTBF of 10^6 hours Young/Daly asks for thousands of steps: clamped to 3, decided at the second save (step 4)
+CLAMPED = ("--step_scheduler.min_every_steps", "2", "--step_scheduler.max_every_steps", "3",
+           "--checkpoint.mtbf_hours", "1e6")
 
 
 def _saved(run) -> list[int]:
@@ -32,29 +35,32 @@ def _events(run, kind: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, assets):
     work = tmp_path_factory.mktemp("auto_straight")
-    ckpt_train(work, assets, *ARGS, *FIXED, "--checkpoint.checkpoint_dir", "run")
+    ckpt_train(work, assets, *ARGS, *CLAMPED, "--checkpoint.checkpoint_dir", "run")
     return work / "run"
 
 
 def test_killed_and_rerun_saves_at_the_straight_run_s_steps_bitwise(tmp_path, assets, straight):
-    assert _saved(straight) == [3, 6, 8]
-    cmd = [CKPT_TRAIN, "--nproc-per-node", "1", str(RECIPE), *QUIET, *ARGS, *FIXED, "--checkpoint.checkpoint_dir",
+    assert _saved(straight) == [2, 4, 7, 8]
+    (change,) = _events(straight, "interval")
+    assert (change["step"], change["every_steps"], change["next_step"]) == (4, 3, 7)
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "1", str(RECIPE), *QUIET, *ARGS, *CLAMPED, "--checkpoint.checkpoint_dir",
            "run", "--recipe", step_faults.RECIPE]
-    pid_file = tmp_path / "stopped.pid"  # held after step 4: the step-3 checkpoint is published, step 4 taken
+    pid_file = tmp_path / "stopped.pid"  # held after step 5: the step-4 checkpoint (every 3 from here) is published
     with open(tmp_path / "killed.log", "w") as log:
-        job = start_command(cmd, cwd=tmp_path, env=env_for(assets, step_faults.env(4, pid_file)), stdout=log,
+        job = start_command(cmd, cwd=tmp_path, env=env_for(assets, step_faults.env(5, pid_file)), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         held = step_faults.stopped(pid_file, job)
     finally:
         kill_job(job)
     assert held is not None, (tmp_path / "killed.log").read_text()[-3000:]
-    assert _saved(tmp_path / "run") == [3]
-    ckpt_train(tmp_path, assets, *ARGS, *FIXED, "--checkpoint.checkpoint_dir", "run")
+    assert _saved(tmp_path / "run") == [2, 4]
+    ckpt_train(tmp_path, assets, *ARGS, *CLAMPED, "--checkpoint.checkpoint_dir", "run")
     assert _saved(tmp_path / "run") == _saved(straight)
     assert losses(tmp_path / "run") == losses(straight)
-    meta = json.loads((tmp_path / "run" / "epoch_0_step_6" / layout.METADATA_FILE).read_text())
-    assert meta["step"] == 6
+    meta = json.loads((tmp_path / "run" / "epoch_0_step_7" / layout.METADATA_FILE).read_text())
+    assert meta["step"] == 7
+    assert len(_events(tmp_path / "run", "interval")) == 1  # the rerun went on with the interval decided at step 4
 
 
 def test_a_tiny_mtbf_makes_young_daly_save_every_few_steps(tmp_path, assets):

@@ -3,6 +3,8 @@ cycle's Young/Daly decision from measured costs, the same on every rank, each ch
 
 from __future__ import annotations
 
+import pytest
+
 from automodel_ckpt.checkpoint import AutoInterval
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
@@ -11,16 +13,29 @@ def _steps(**kw) -> StepScheduler:
     return StepScheduler(max_steps=100, num_epochs=1, steps_per_epoch=100, ckpt_every_steps="auto", **kw)
 
 
-def _saves(steps: StepScheduler, until: int, on_save=lambda s: None, tick=lambda: None) -> list[int]:
+def _saves(steps: StepScheduler, until: int, on_save=lambda s: None, tick=lambda: None,
+           before_save=lambda s: None) -> list[int]:
+    """The steps that save, in the save cycle's order: the schedule moves on, the interval is decided
+    (``before_save``: the checkpoint holds the decision), the save is taken and measured (``on_save``)."""
     out = []
     while steps.step < until:
         steps.record_step(0, 1)
         tick()
         if steps.is_ckpt_step:
             out.append(steps.step)
+            due = steps.save_interval.due(steps.step)
             steps.save_interval.scheduled(steps.step)
+            if due:
+                before_save(steps)
             on_save(steps)
     return out
+
+
+def _auto(steps_of, cost=0.1, **kw) -> AutoInterval:
+    """Young/Daly in steps, an MTBF of 8 s, half a second a step (the clock reads the step counter)."""
+    return AutoInterval(lambda cost, mtbf, step: round((2 * cost * mtbf) ** 0.5 / step), mtbf_hours=8 / 3600,
+                        observed_mtbf_s=lambda: None, is_main=True, say=lambda line: None, note=lambda r: None,
+                        reduce_max=lambda v: list(v), clock=lambda: steps_of().step * 0.5, **kw)
 
 
 def test_min_equal_to_max_saves_every_n_and_a_resume_saves_where_a_straight_run_does():
@@ -33,7 +48,7 @@ def test_min_equal_to_max_saves_every_n_and_a_resume_saves_where_a_straight_run_
     state = first.state_dict()
     again = _steps(min_every_steps=3, max_every_steps=3)
     again.load_state_dict(state)
-    assert state["save_interval"] == {"every": 3, "next_step": 9}
+    assert state["save_interval"] == {"every": 3, "next_step": 9, "samples": [], "mtbf": None}
     assert _saves(again, 20) == [9, 12, 15, 18]
 
 
@@ -48,9 +63,10 @@ def test_young_daly_from_the_measured_cost_and_every_rank_decides_the_same():
                         observed_mtbf_s=lambda: None, is_main=True, say=said.append, note=notes.append,
                         reduce_max=reduce_max, clock=lambda: steps.step * 0.5)  # half a second a step
     steps = _steps(min_every_steps=2, max_every_steps=50)
-    saves = _saves(steps, 30, lambda s: auto.measured(s, 0.1), auto.tick)
-    # cost 0.5 s (MAX), mtbf 8 s: sqrt(2 * 0.5 * 8) = 2.83 s, at 0.5 s a step: 6 steps
-    assert saves == [2, 8, 14, 20, 26] and len(notes) == 1
+    saves = _saves(steps, 30, lambda s: auto.measured(s, 0.1), auto.tick, auto.decide)
+    # cost 0.5 s (MAX), mtbf 8 s: sqrt(2 * 0.5 * 8) = 2.83 s, at 0.5 s a step: 6 steps, decided at the second save
+    # from the first one's cost
+    assert saves == [2, 4, 10, 16, 22, 28] and len(notes) == 1 and notes[0]["step"] == 4
     assert notes[0]["event"] == "interval" and notes[0]["blocked_s"] == 0.5 and notes[0]["mtbf_source"] == "given"
     assert said[0].startswith(f"Checkpoint interval: every {notes[0]['every_steps']} steps (was 2): Young/Daly's")
     assert reduced[0][2] == 8.0  # the MTBF travels in the same all-reduce
@@ -62,8 +78,38 @@ def test_the_mtbf_is_the_run_s_observed_one_else_24_hours():
                         observed_mtbf_s=lambda: None, is_main=True, say=lambda line: None, note=notes.append,
                         reduce_max=lambda v: list(v), clock=iter(range(100)).__next__)
     steps = _steps(min_every_steps=1)
-    _saves(steps, 3, lambda s: auto.measured(s, 0.01), auto.tick)
+    _saves(steps, 3, lambda s: auto.measured(s, 0.01), auto.tick, auto.decide)
     assert notes[0]["every_steps"] == 7 and notes[0]["mtbf_source"] == "assumed"
+    assert steps.save_interval.state_dict()["mtbf"] == [24 * 3600.0, "assumed"]  # kept with the schedule
+
+
+def test_a_resume_goes_on_with_the_schedule_a_straight_run_has():
+    """The checkpoint of a save holds the interval decided before it, the next due step and the samples decided
+    from: a resume saves where the straight run does; its first save after the resume whatever it measures."""
+    def run(steps, until, cost, take=None):
+        auto = _auto(lambda: steps)
+
+        def decide(s):
+            auto.decide(s)
+            if take is not None:  # the checkpoint: the state after the decision, before the save is measured
+                take[s.step] = s.state_dict()
+
+        return _saves(steps, until, lambda s: auto.measured(s, cost), auto.tick, decide)
+
+    expected = run(_steps(min_every_steps=2, max_every_steps=50), 40, 0.1)
+    # sqrt(2 x 0.1 s x 8 s) = 1.26 s at 0.5 s a step: every 3 steps, decided at the second save from the first's cost
+    assert expected == [2, 4] + list(range(7, 41, 3))
+    checkpoints = {}
+    assert run(_steps(min_every_steps=2, max_every_steps=50), 8, 0.1, checkpoints) == [2, 4, 7]
+    assert checkpoints[7]["save_interval"] == {"every": 3, "next_step": 10, "samples": [[0.1, 0.5], [0.1, 0.5]],
+                                                "mtbf": [8.0, "given"]}
+    for cost, saves in ((0.1, [s for s in expected if s > 7]), (5.0, None)):
+        resumed = _steps(min_every_steps=2, max_every_steps=50)
+        resumed.load_state_dict(checkpoints[7])
+        got = run(resumed, 40, cost)
+        assert got[0] == 10  # decided before the checkpoint: whatever this launch measures
+        if saves is not None:
+            assert got == saves  # the same costs: the same schedule throughout
 
 
 def test_the_keys_are_checked_in_one_line(capsys):
@@ -100,3 +146,30 @@ def test_the_cost_report_sets_the_auto_interval_beside_the_fixed_one_it_replaced
     assert report["auto"]["changes"] == 1 and report["auto"]["every_steps"] == 4
     assert report["auto"]["replaced_every_steps"] == 10 and report["auto"]["replaced_overhead"] > 0
     assert "at the interval it replaced: every 10 steps, expected overhead" in render_cost(report)
+
+
+def test_the_cost_report_and_the_end_line_use_the_run_s_mtbf_hours():
+    from automodel_ckpt.tracking import cost_report, render_cost, summarize
+    from automodel_ckpt.tracking.costreport import one_line
+
+    events = [{"event": "start", "time": 0.0, "step": 0, "every_steps": 10},
+              {"event": "checkpoint", "time": 5.0, "step": 10, "blocked_s": 0.5},
+              {"event": "end", "time": 6.0, "step": 10, "status": "complete", "wall_s": 6.0, "blocked_s": 0.5},
+              {"event": "start", "time": 7.0, "step": 10, "every_steps": "auto", "mtbf_hours": 0.001},
+              {"event": "checkpoint", "time": 8.0, "step": 11, "blocked_s": 0.5},
+              {"event": "interval", "time": 8.0, "step": 11, "every_steps": 4, "was_every_steps": 1},
+              {"event": "checkpoint", "time": 9.0, "step": 15, "blocked_s": 0.5},
+              {"event": "checkpoint", "time": 10.0, "step": 19, "blocked_s": 0.5},
+              {"event": "end", "time": 11.0, "step": 19, "status": "complete", "wall_s": 4.0, "blocked_s": 1.5}]
+    report = cost_report(summarize(events))
+    assert report["mtbf_source"] == "configured" and report["mtbf_s"] == pytest.approx(3.6)  # the run's, not 24 h
+    assumed = cost_report(summarize([{k: v for k, v in r.items() if k != "mtbf_hours"} for r in events]))
+    assert assumed["mtbf_source"] == "assumed" and assumed["auto"]["overhead"] < report["auto"]["overhead"]
+    auto = report["auto"]
+    assert auto["overhead"] < auto["replaced_overhead"]  # every 4 steps beats every 10 at a 3.6 s MTBF
+    line = one_line(report)
+    assert "MTBF 3.60 s (the run's checkpoint.mtbf_hours)" in line
+    assert (f"ckpt_every_steps auto: saves every 4 steps, expected overhead {100 * auto['overhead']:.2f}% against "
+            f"{100 * auto['replaced_overhead']:.2f}% at the fixed every 10 steps it replaced") in line
+    assert f"expected overhead {100 * auto['overhead']:.2f}%" in render_cost(report)
+    assert cost_report(summarize(events), mtbf_hours=2.0)["mtbf_source"] == "given"  # --mtbf-hours wins
