@@ -109,7 +109,8 @@ class Checkpointer:
         say: Callable[[str], None] = print,
         fingerprint: dict[str, Any] | None = None,
         dims: ParallelDims | None = None,
-        side_failure: Callable[[str, str, int], None] | None = None, interval: AutoInterval | None = None,
+        side_failure: Callable[[str, str, int], None] | None = None,
+        interval: AutoInterval | None = None, local_interval: AutoInterval | None = None,  # ``auto`` intervals
         preemption: PreemptionWatcher | None = None,
         observer: SaveObserver | None = None, lineage: Callable[[Path | None], dict[str, Any]] | None = None,
     ) -> None:
@@ -132,7 +133,7 @@ class Checkpointer:
         if cfg.enabled:  # fail before training, not at the first save: writable, one run per folder, credentials
             self._run.acquire()
         self._local = LocalTier(cfg, env, self._dims, config_yaml=resolved_config_yaml, hf=hf,  # checkpoint.local
-                                fingerprint=fingerprint, time=self._time, say=say)
+                                fingerprint=fingerprint, time=self._time, say=say, interval=local_interval)
         self._cycle = SaveCycle(cfg.ckpt_every_minutes, preemption, enabled=bool(cfg.enabled),
                                 local_due=self._local.due, interval=interval)  # interval: ckpt_every_steps auto
         self.stats = CheckpointerStats(self)
@@ -149,6 +150,7 @@ class Checkpointer:
         ``validate_now`` or before a scheduled save (whose metadata then holds the validation loss). Collective.
         """
         due = self._cycle.decide(steps)
+        self._local.tick()
         self._step = step = steps.step
         val_loss = validate() if validate is not None and (validate_now or due.scheduled) else None
         saved = None
@@ -156,9 +158,9 @@ class Checkpointer:
             info = SaveInfo(epoch, step, loss, val_loss, is_final=steps.done, extra=extra() if extra else {})
             saved = self._observed_save(functools.partial(self._save_now, states, info), step, due.preempt)
             self._cycle.saved()
-        elif due.local:  # node-local: the snapshot only
-            self._save_local(states(), SaveInfo(epoch, step, loss, val_loss, is_final=False,
-                                                extra=extra() if extra else {}))
+        elif due.local:  # node-local: the snapshot only (every_steps auto: decided before it, then timed)
+            self._local.timed(steps, self._save_local, states, SaveInfo(
+                epoch, step, loss, val_loss, is_final=False, extra=extra() if extra else {}))
         self._report_local_faults()
         return StepEnded(saved=saved, val_loss=val_loss, preempted=due.preempt, stop=due.preempt and not steps.done)
 

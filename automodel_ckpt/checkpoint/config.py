@@ -10,6 +10,8 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
 
+AUTO = "auto"  # checkpoint.local.every_steps: auto
+
 class _Choice(str, Enum):
     """A config value from a fixed set: a ``str`` (YAML, OmegaConf and comparisons see the plain value)."""
 
@@ -50,16 +52,28 @@ _CONSOLIDATION_ALIASES = {"true": ConsolidationMode.EVERY, "every": Consolidatio
 class LocalTierConfig:
     """The ``checkpoint.local:`` sub-section: node-local steps between durable checkpoints (docs/fast-recovery.md)."""
 
-    every_steps: int = 0  # take a node-local step every this many optimizer steps (0: off)
+    every_steps: Any = 0  # take a node-local step every this many optimizer steps (0: off; auto: Young/Daly's interval from the measured cost of a local step, docs/fast-recovery.md)
+    min_every_steps: int = 1  # every_steps auto: the shortest interval (also when the first local step comes)
+    max_every_steps: Optional[int] = None  # every_steps auto: the longest interval (None: no limit)
     dir: Optional[str] = None  # node-local folder (RAM disk or local NVMe); default `/dev/shm/automodel-ckpt-<user>/<run id>`
     replicas: int = 1  # copies of each rank's part kept on other nodes (0: none)
     keep: int = 1  # node-local steps kept per node
 
     def __post_init__(self) -> None:
-        for key, least in (("every_steps", 0), ("replicas", 0), ("keep", 1)):
+        if isinstance(self.every_steps, str) and self.every_steps.strip().lower() == AUTO:
+            self.every_steps = AUTO
+        elif isinstance(self.every_steps, str) or isinstance(self.every_steps, (bool, float)):
+            raise ConfigError(f"checkpoint.local.every_steps: expected a whole number >= 0 or auto, "
+                              f"got {self.every_steps!r}")
+        checked = [("replicas", 0), ("keep", 1), ("min_every_steps", 1)]
+        for key, least in [("every_steps", 0)] * (self.every_steps != AUTO) + checked:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"checkpoint.local.{key}: expected a whole number >= {least}, got {value!r}")
+        most = self.max_every_steps
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.min_every_steps):
+            raise ConfigError(f"checkpoint.local.max_every_steps: expected a whole number >= min_every_steps "
+                              f"({self.min_every_steps}) or null, got {most!r}")
         if self.dir is not None:
             from automodel_ckpt.checkpoint.locations import is_url
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.distributed import collective
-from automodel_ckpt.checkpoint.config import CheckpointConfig
+from automodel_ckpt.checkpoint.config import AUTO, CheckpointConfig
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, deferred
 from automodel_ckpt.ondisk.metadata import read_metadata
@@ -33,19 +33,27 @@ from automodel_ckpt.checkpoint.storage import monitor_of
 from automodel_ckpt.checkpoint.storage.nodelocal import localdir, recover
 from automodel_ckpt.checkpoint.storage.nodelocal.folder import NodeLocalRunFolder
 from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
+from automodel_ckpt.checkpoint.triggers import AutoInterval
 from automodel_ckpt.distributed.env import DistEnv, all_gather_object, broadcast_object
 from automodel_ckpt.distributed.mesh import ParallelDims
 from automodel_ckpt.errors import CheckpointError, first_line
 
 
 class LocalTier:
-    """The node-local tier of one run; inert when ``checkpoint.local.every_steps`` is 0."""
+    """The node-local tier of one run; inert when ``checkpoint.local.every_steps`` is 0; with ``auto``, its interval
+    set by an ``AutoInterval`` from what its steps cost (``scheduled``, ``measured``)."""
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, *, config_yaml: str, hf: HFArtifacts,
-                 fingerprint: dict[str, Any] | None, time: TrainingTime, say: Callable[[str], None]) -> None:
+                 fingerprint: dict[str, Any] | None, time: TrainingTime, say: Callable[[str], None],
+                 interval: AutoInterval | None = None) -> None:
         self.settings = cfg.local
         self.env, self.say = env, say
         self.active = bool(cfg.enabled and self.settings.every_steps)
+        # every_steps auto: Young/Daly's interval from the measured cost of a local step (its ``schedule``)
+        self.interval = interval if self.settings.every_steps == AUTO else None
+        if self.settings.every_steps == AUTO and (interval is None or interval.schedule is None):
+            raise CheckpointError("checkpoint.local.every_steps: auto needs the run's node-local schedule (a recipe "
+                                  "built by BaseRecipe.build_checkpointer gives it)")
         self._space_checked = False
         self.steps_abandoned = 0  # local steps abandoned by this launch
         self._faults: list[str] = []  # lines said since the last ``faults()``
@@ -71,7 +79,28 @@ class LocalTier:
 
     def due(self, step: int) -> bool:
         """Whether a local step is taken after optimizer step ``step``."""
+        if self.interval is not None:
+            return self.active and self.interval.schedule.due(step)
         return self.active and step % self.settings.every_steps == 0
+
+    def tick(self) -> None:
+        """An optimizer step ended (``every_steps: auto``: the step time)."""
+        if self.interval is not None:
+            self.interval.tick()
+
+    def timed(self, steps: Any, take: Callable[[dict[str, Any], SaveInfo], Any], states: Callable[[], dict[str, Any]],
+              info: SaveInfo) -> None:
+        """``take(states(), info)``: the local step after ``steps.step``; with ``every_steps: auto`` the schedule moves
+        on and the interval is decided first (from the local steps' costs measured before it), then the step is
+        timed: what it blocked training is the next sample (collective)."""
+        if self.interval is None:
+            take(states(), info)
+            return
+        self.interval.schedule.scheduled(steps.step)
+        self.interval.decide(steps)
+        started = time.perf_counter()
+        take(states(), info)
+        self.interval.measured(steps, time.perf_counter() - started)
 
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
         """Snapshot ``states`` now; write, copy to other nodes and commit them in the background. None when the tier

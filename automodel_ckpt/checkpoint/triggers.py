@@ -198,17 +198,27 @@ class AutoInterval:
     steps' times). The MTBF is ``checkpoint.mtbf_hours``; else the interruptions in the run's cost log at the first
     save (rank 0 reads ``observed_mtbf_s``), else 24 h, decided once and kept in the ``SaveInterval``. Each change
     is one line (``say``, rank 0) and an ``interval`` record (``note``: events.jsonl and the trackers).
+
+    ``checkpoint.local.every_steps: auto`` is the same rule for the node-local tier: ``schedule`` is its own
+    ``SaveInterval`` (checkpointed with the step counters as ``local_interval``), the costs measured are a local
+    step's, and its changes are ``Node-local interval`` lines and ``local_interval`` records.
     """
 
     def __init__(self, interval_steps: Callable[[float, float, float], int], *, mtbf_hours: float | None,
                  observed_mtbf_s: Callable[[], float | None], is_main: bool, say: Callable[[str], None],
                  note: Callable[[dict[str, Any]], None],
                  reduce_max: Callable[[Sequence[float]], list[float]] = _all_reduce_max_float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, schedule: Any = None) -> None:
         self.interval_steps, self.mtbf_hours, self.observed_mtbf_s = interval_steps, mtbf_hours, observed_mtbf_s
         self.is_main, self.say, self.note, self.reduce_max, self.clock = is_main, say, note, reduce_max, clock
+        self.schedule = schedule  # the node-local tier's SaveInterval (None: the durable one, ``steps.save_interval``)
+        self.label, self.event, self.what = ("Checkpoint interval", "interval", "a save") if schedule is None else \
+            ("Node-local interval", "local_interval", "a local step")
         self._gaps: deque[float] = deque(maxlen=64)  # the last steps' times
         self._last: float | None = None  # when the last step ended (or the last save, which is no step's time)
+
+    def _interval(self, steps: Any) -> Any:
+        return self.schedule if self.schedule is not None else getattr(steps, "save_interval", None)
 
     def tick(self) -> None:
         """A step ended now: its time is from the end of the step before (or of the save after it); the step time
@@ -226,7 +236,7 @@ class AutoInterval:
     def measured(self, steps: Any, blocked_s: float) -> None:
         """A durable save after step ``steps.step`` blocked training ``blocked_s`` seconds (collective): one sample
         more, the same on every rank."""
-        interval = getattr(steps, "save_interval", None)
+        interval = self._interval(steps)
         if interval is None:
             return
         gaps = sorted(self._gaps)
@@ -243,7 +253,7 @@ class AutoInterval:
     def decide(self, steps: Any) -> None:
         """A scheduled save at step ``steps.step`` is about to take the run's state: the interval from the samples
         so far (no collective: every rank holds the same samples)."""
-        interval = getattr(steps, "save_interval", None)
+        interval = self._interval(steps)
         if interval is None or not interval.samples or interval.mtbf is None:
             return
         step = steps.step
@@ -257,12 +267,12 @@ class AutoInterval:
             return
         clamped = "" if interval.every == wanted else f", clamped to [{interval.min_every}, " \
                                                        f"{interval.max_every or 'no limit'}]"
-        line = (f"Checkpoint interval: every {interval.every} steps (was {before}): Young/Daly's interval for "
-                f"{cost:.3f} s blocked a save, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
-                f"is {wanted} steps{clamped}; next save at step {interval.next_step}")
+        line = (f"{self.label}: every {interval.every} steps (was {before}): Young/Daly's interval for "
+                f"{cost:.3f} s blocked {self.what}, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
+                f"is {wanted} steps{clamped}; next {self.what[2:]} at step {interval.next_step}")
         if self.is_main:
             self.say(line)
-        self.note({"event": "interval", "time": time.time(), "step": step, "every_steps": interval.every,
+        self.note({"event": self.event, "time": time.time(), "step": step, "every_steps": interval.every,
                    "was_every_steps": before, "next_step": interval.next_step, "blocked_s": round(cost, 4),
                    "step_s": round(step_s, 6), "mtbf_s": mtbf, "mtbf_source": source, "young_daly_steps": wanted,
                    "samples": len(interval.samples), "text": line})

@@ -14,6 +14,7 @@ from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.distributed.env import DistEnv, init_distributed
 from automodel_ckpt.tracking import RunObserver, advise
 from automodel_ckpt.training.rng import seed_everything
+from automodel_ckpt.training.step_scheduler import SaveInterval
 
 
 class BaseRecipe:
@@ -115,6 +116,14 @@ class BaseRecipe:
                 lambda cost_s, mtbf_s, step_s: advise(cost_s, mtbf_s, step_s).interval_steps,
                 mtbf_hours=self.checkpoint_config.mtbf_hours, observed_mtbf_s=observer.observed_mtbf_s,
                 is_main=self.env.is_main, say=options.get("say", print), note=observer.interval))
+        local = self.checkpoint_config.local
+        if local.every_steps == "auto" and self.checkpoint_config.enabled:  # the node-local tier's, the same way
+            observer, schedule = self._observer, SaveInterval(local.min_every_steps, local.max_every_steps)
+            self.step_scheduler.local_interval = schedule  # checkpointed with the step counters
+            options.setdefault("local_interval", AutoInterval(
+                lambda cost_s, mtbf_s, step_s: advise(cost_s, mtbf_s, step_s).interval_steps,
+                mtbf_hours=self.checkpoint_config.mtbf_hours, observed_mtbf_s=observer.observed_mtbf_s,
+                is_main=self.env.is_main, say=options.get("say", print), note=observer.interval, schedule=schedule))
         self.checkpointer = Checkpointer(self.checkpoint_config, self.env, resolved_config_yaml=config_yaml,
                                          preemption=self._preemption, observer=self._observer, **options)
         return self.checkpointer

@@ -88,6 +88,8 @@ class StepScheduler:
         #: ``ckpt_every_steps: auto``: the interval that the save cycle sets (None: a fixed interval, or none)
         self.save_interval = SaveInterval(min_every_steps, max_every_steps) if ckpt_every_steps == AUTO else None
         self.ckpt_every_steps = None if ckpt_every_steps == AUTO else ckpt_every_steps
+        #: ``checkpoint.local.every_steps: auto``: the node-local tier's interval (set by the recipe's checkpointer)
+        self.local_interval: SaveInterval | None = None
         self.val_every_steps = val_every_steps
         self.steps_per_epoch = steps_per_epoch
         self.step = 0
@@ -125,6 +127,8 @@ class StepScheduler:
         state = {"step": self.step, "epoch": self.epoch, "consumed_samples": self.consumed_samples}
         if self.save_interval is not None:
             state["save_interval"] = self.save_interval.state_dict()
+        if self.local_interval is not None:
+            state["local_interval"] = self.local_interval.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -133,3 +137,5 @@ class StepScheduler:
         self.consumed_samples = int(state["consumed_samples"])
         if self.save_interval is not None and isinstance(state.get("save_interval"), dict):
             self.save_interval.load_state_dict(state["save_interval"])  # else (a fixed interval's): the first
+        if self.local_interval is not None and isinstance(state.get("local_interval"), dict):
+            self.local_interval.load_state_dict(state["local_interval"])

@@ -173,3 +173,53 @@ def test_the_cost_report_and_the_end_line_use_the_run_s_mtbf_hours():
             f"{100 * auto['replaced_overhead']:.2f}% at the fixed every 10 steps it replaced") in line
     assert f"expected overhead {100 * auto['overhead']:.2f}%" in render_cost(report)
     assert cost_report(summarize(events), mtbf_hours=2.0)["mtbf_source"] == "given"  # --mtbf-hours wins
+
+
+def test_the_node_local_tier_s_auto_interval_is_its_own_schedule_decided_from_its_steps_costs():
+    from automodel_ckpt.training.step_scheduler import SaveInterval
+
+    notes, said = [], []
+    steps = _steps(min_every_steps=2)  # the durable schedule: untouched by the local tier's
+    schedule = steps.local_interval = SaveInterval(1, 5)
+    auto = AutoInterval(lambda cost, mtbf, step: round((2 * cost * mtbf) ** 0.5 / step), mtbf_hours=8 / 3600,
+                        observed_mtbf_s=lambda: None, is_main=True, say=said.append, note=notes.append,
+                        reduce_max=lambda v: list(v), clock=lambda: steps.step * 0.5, schedule=schedule)
+    taken = []
+    while steps.step < 20:  # what LocalTier.due / scheduled / measured do
+        steps.record_step(0, 1)
+        auto.tick()
+        if schedule.due(steps.step):
+            taken.append(steps.step)
+            schedule.scheduled(steps.step)
+            auto.decide(steps)
+            auto.measured(steps, 0.1)
+    # sqrt(2 x 0.1 s x 8 s) = 1.26 s at 0.5 s a step: every 3, decided at the third local step (the first came
+    # before any step time was measured, so the second had no sample to decide from)
+    assert taken == [1, 2, 3, 6, 9, 12, 15, 18]
+    assert notes[0]["event"] == "local_interval" and said[0].startswith("Node-local interval: every 3 steps (was 1)")
+    assert "blocked a local step" in said[0]
+    assert steps.save_interval.state_dict()["samples"] == []  # the durable interval's own state is its own
+    again = _steps(min_every_steps=2)
+    again.local_interval = SaveInterval(1, 5)
+    again.load_state_dict(steps.state_dict())
+    assert again.local_interval.state_dict() == schedule.state_dict()  # checkpointed with the step counters
+
+
+def test_the_node_local_keys_are_checked_in_one_line():
+    from automodel_ckpt.checkpoint import CheckpointConfig
+    from automodel_ckpt.checkpoint.config import LocalTierConfig
+    from automodel_ckpt.errors import ConfigError
+
+    assert LocalTierConfig(every_steps="Auto").every_steps == "auto"
+    assert LocalTierConfig(every_steps=4).every_steps == 4
+    for kwargs, expected in (({"every_steps": "often"}, "checkpoint.local.every_steps: expected a whole number >= 0 "
+                                                        "or auto, got 'often'"),
+                             ({"every_steps": 2.5}, "checkpoint.local.every_steps: expected"),
+                             ({"every_steps": -1}, "checkpoint.local.every_steps: expected a whole number >= 0"),
+                             ({"every_steps": "auto", "min_every_steps": 0}, "checkpoint.local.min_every_steps: "),
+                             ({"every_steps": "auto", "min_every_steps": 4, "max_every_steps": 2},
+                              "checkpoint.local.max_every_steps: expected a whole number >= min_every_steps (4)")):
+        with pytest.raises(ConfigError) as caught:
+            LocalTierConfig(**kwargs)
+        assert expected in str(caught.value) and "\n" not in str(caught.value)
+    assert CheckpointConfig(local=LocalTierConfig(every_steps="auto")).local.every_steps == "auto"
