@@ -59,11 +59,16 @@ def gguf_beside(model: Tensors, path: Path, stack: ExitStack) -> tuple[Tensors, 
             source = t.sources[0]
             laid.shapes[name], laid.dtypes[name] = t.shape, model.dtypes[source]
             laid.readers[name] = lambda t=t, s=source: t.make([model.read_saved(s)])
+            if source in model.steps:  # an int8 folder's weight: its step laid out as the value is
+                laid.steps[name] = lambda value, t=t, s=source: t.make([model.steps[s](value)])
+                laid.formats[name] = model.formats[source]
             _add(read, file, name, t.name, file.shapes[t.name], lambda g=t.name: file.read(g))
             continue
         for e, source in enumerate(t.sources):  # experts stacked along the first dimension
             laid.shapes[source], laid.dtypes[source] = model.shapes[source], model.dtypes[source]
             laid.readers[source] = lambda s=source: model.read_saved(s)
+            if source in model.steps:
+                laid.steps[source], laid.formats[source] = model.steps[source], model.formats[source]
             _add(read, file, source, t.name, file.shapes[t.name][1:], lambda g=t.name, e=e: whole(g)[e])
     for name, shape in file.shapes.items():
         if name not in made:

@@ -69,6 +69,8 @@ def test_a_changed_weight_is_changed_beside_a_gguf_and_two_ggufs_compare_by_thei
     assert "blk.0.attn_q.weight" in data["tensors"] and data["summary"]["equal"] is True
     two = diff(exports["q8_0"], exports["q4_0"])  # within the sum of both files' rounding
     assert two.equal and two.tensors["blk.0.attn_q.weight"].status == "close"
+    both = diff(exports["w8a8"], exports["q8_0"])  # an int8 folder beside a GGUF: both steps, by the model's names
+    assert both.equal and both.tensors[Q_PROJ].status == "close"
 
 
 def test_an_archive_is_either_side(exports, tmp_path):
