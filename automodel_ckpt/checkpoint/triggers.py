@@ -212,8 +212,8 @@ class AutoInterval:
         self.interval_steps, self.mtbf_hours, self.observed_mtbf_s = interval_steps, mtbf_hours, observed_mtbf_s
         self.is_main, self.say, self.note, self.reduce_max, self.clock = is_main, say, note, reduce_max, clock
         self.schedule = schedule  # the node-local tier's SaveInterval (None: the durable one, ``steps.save_interval``)
-        self.label, self.event, self.what = ("Checkpoint interval", "interval", "a save") if schedule is None else \
-            ("Node-local interval", "local_interval", "a local step")
+        self.label, self.event, self.noun = ("Checkpoint interval", "interval", "save") if schedule is None else \
+            ("Node-local interval", "local_interval", "local step")
         self._gaps: deque[float] = deque(maxlen=64)  # the last steps' times
         self._last: float | None = None  # when the last step ended (or the last save, which is no step's time)
 
@@ -268,8 +268,8 @@ class AutoInterval:
         clamped = "" if interval.every == wanted else f", clamped to [{interval.min_every}, " \
                                                        f"{interval.max_every or 'no limit'}]"
         line = (f"{self.label}: every {interval.every} steps (was {before}): Young/Daly's interval for "
-                f"{cost:.3f} s blocked {self.what}, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
-                f"is {wanted} steps{clamped}; next {self.what[2:]} at step {interval.next_step}")
+                f"{cost:.3f} s blocked a {self.noun}, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
+                f"is {wanted} steps{clamped}; next {self.noun} at step {interval.next_step}")
         if self.is_main:
             self.say(line)
         self.note({"event": self.event, "time": time.time(), "step": step, "every_steps": interval.every,
