@@ -59,7 +59,7 @@ def verify_gguf_file(path: Path, *, decode: bool) -> bool:
           f"{'decoded' if decode else 'sizes only'})")
     for problem in report.problems:
         print(f"  {problem}")
-    print(f"  OK: every tensor is whole" + (" and finite" if decode else "") if report.ok
+    print("  OK: every tensor is whole" + (" and finite" if decode else "") if report.ok
           else f"  FAILED: {len(report.problems)} problem(s)")
     return report.ok
 
@@ -136,27 +136,21 @@ def main(argv: list[str]) -> int:
 
     if is_gguf(path):
         ok = verify_gguf_file(path, decode=not args.sizes_only)
-        print(f"verify: {'OK' if ok else 'FAILED'}")
-        return 0 if ok else FAILED
-    if is_archive(path) and not args.export:
+    elif is_archive(path) and not args.export:
         ok = verify_archive(path, checksums=not args.sizes_only, quiet=args.quiet)
-        print(f"verify: {'OK' if ok else 'FAILED'}")
-        return 0 if ok else FAILED
-    if not path.exists():
+    elif not path.exists():
         raise UserError(f"'{path}' does not exist")
-    if not path.is_dir():
+    elif not path.is_dir():
         raise UserError(f"'{path}' is not a folder; give a checkpoint folder or a checkpoint_dir")
-    if args.export:
+    elif args.export:
         from automodel_ckpt.export import print_report, verify_export
 
         report = verify_export(path)
         print_report(report)
-        print(f"verify: {'OK' if report.ok else 'FAILED'}")
-        return 0 if report.ok else FAILED
-    opts = {"checksums": not args.sizes_only, "threads": args.threads, "quiet": args.quiet}
-    if is_checkpoint(path):
-        ok = verify_checkpoint(path, **opts)
-        print(f"verify: {'OK' if ok else 'FAILED'}")
-    else:
-        ok = verify_dir(path, **opts)
+        ok = report.ok
+    elif is_checkpoint(path):
+        ok = verify_checkpoint(path, checksums=not args.sizes_only, threads=args.threads, quiet=args.quiet)
+    else:  # a checkpoint_dir prints its own verdict line
+        return 0 if verify_dir(path, checksums=not args.sizes_only, threads=args.threads, quiet=args.quiet) else FAILED
+    print(f"verify: {'OK' if ok else 'FAILED'}")
     return 0 if ok else FAILED

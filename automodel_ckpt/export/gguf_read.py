@@ -13,6 +13,7 @@ type and shape, and (read a block at a time) decode to finite values.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections import Counter
@@ -79,10 +80,7 @@ class GGUFTensor:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.dims:
-            n *= d
-        return n
+        return math.prod(self.dims)
 
 
 @dataclass

@@ -15,6 +15,7 @@ under a hidden name beside ``out`` and renamed into place when complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -58,7 +59,7 @@ class Int8Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(shape) * dtype.itemsize for f in self.files for _, dtype, shape, _ in f)
+        return sum(math.prod(shape) * dtype.itemsize for f in self.files for _, dtype, shape, _ in f)
 
     def describe(self, source: ModelSource) -> str:
         activations = (f", static activation scales from {len(self.calibration)} examples"
@@ -171,7 +172,7 @@ def _split(entries: list[tuple[str, torch.dtype, tuple[int, ...], str]]) -> list
     files: list[list[Any]] = [[]]
     size = 0
     for group in groups.values():
-        n = sum(_numel(e[2]) * e[1].itemsize for e in group)
+        n = sum(math.prod(e[2]) * e[1].itemsize for e in group)
         if files[-1] and size + n > _MAX_FILE:
             files.append([])
             size = 0
@@ -219,12 +220,12 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
                 ranges: dict[str, float]) -> None:
     by_key = {(e[0], st_dtype_name(e[1])): e for e in entries}
     ordered = [by_key[k] for k in layout_order(list(by_key))]
-    header = encode_header([(n, st_dtype_name(d), s, _numel(s) * d.itemsize) for n, d, s, _ in ordered],
+    header = encode_header([(n, st_dtype_name(d), s, math.prod(s) * d.itemsize) for n, d, s, _ in ordered],
                            {"format": "pt"})
     offsets, at = {}, len(header)
     for n, d, s, _ in ordered:
         offsets[n] = at
-        at += _numel(s) * d.itemsize
+        at += math.prod(s) * d.itemsize
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, at)
@@ -236,7 +237,7 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
             if n == src:  # kept as it is
                 _put(fd, offsets[n], source.read(src), dtype, shape, n)
                 done.add(n)
-                advance(_numel(shape) * dtype.itemsize)
+                advance(math.prod(shape) * dtype.itemsize)
                 continue
             compressed = quantize_weight(source.read(src), scheme)  # every tensor made of this weight, at once
             if src in ranges:
@@ -248,7 +249,7 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
                 name = f"{stem}.{key}"
                 entry = next(e for e in ordered if e[0] == name)
                 _put(fd, offsets[name], value, entry[1], entry[2], name)
-                advance(_numel(entry[2]) * entry[1].itemsize)
+                advance(math.prod(entry[2]) * entry[1].itemsize)
                 done.add(name)
             done.add(src)
         os.fsync(fd)
@@ -275,10 +276,3 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     for name in (layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
         if (source.side_dir / name).is_file():  # side_dir: the source's files, checked and copied privately
             copy_regular(source.side_dir / name, folder / name)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

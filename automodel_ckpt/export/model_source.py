@@ -15,6 +15,7 @@ base first (``merge_lora``, into that temporary folder): that step holds the mod
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -62,7 +63,7 @@ class ModelSource:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
+        return sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
 
 
 @contextmanager
@@ -221,10 +222,3 @@ def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
 
 def _tmp_dir(stack: ExitStack) -> Path:
     return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-export-")))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
