@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -47,17 +49,15 @@ def kept_on_disk(name: str, arguments: dict[str, Any], make: Callable[[], datase
     return datasets.Dataset.from_file(str(path))
 
 
-class _quiet:
+@contextmanager
+def _quiet() -> Iterator[None]:
     """No progress bar for writing the file (a start prints its own data line)."""
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
-    def __enter__(self) -> None:
-        from datasets.utils.logging import disable_progress_bar, is_progress_bar_enabled
-
-        self.was = is_progress_bar_enabled()
-        disable_progress_bar()
-
-    def __exit__(self, *exc: object) -> None:
-        from datasets.utils.logging import enable_progress_bar
-
-        if self.was:
+    was = is_progress_bar_enabled()
+    disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
             enable_progress_bar()

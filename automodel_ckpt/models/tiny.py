@@ -161,14 +161,16 @@ def _write_base(folder: Path) -> None:
     if len(shards) != 2 or not (folder / "model.safetensors.index.json").is_file():
         raise RuntimeError(f"expected two weight shards and an index in {folder}, found {[p.name for p in shards]}")
 
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(folder)
-    # Name the generic fast-tokenizer class so that older transformers releases load
-    # the folder too (newer ones map it to their tokenizers backend).
-    tokenizer_config_path = folder / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    build_tokenizer().save_pretrained(folder)
+    name_generic_tokenizer(folder)
+
+
+def name_generic_tokenizer(folder: Path) -> None:
+    """Name the generic fast-tokenizer class in ``folder``'s tokenizer config, so that older transformers releases
+    load the folder too (newer ones map it to their tokenizers backend)."""
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"},
+                               indent=2, sort_keys=True) + "\n")
 
 
 def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
@@ -180,11 +182,9 @@ def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
     platform-independent, so every run on every machine with the same library
     versions writes identical bytes (``config.json`` records the transformers version).
 
-    The folder is assembled in a temporary sibling and renamed into place in one step,
-    so a crashed or concurrent creation never leaves a partial model at ``path``. If
-    another process wins the race, its (identical) folder is used. An existing model
-    folder (one with ``config.json``) is returned untouched; an existing empty
-    directory is filled; any other existing path is refused rather than overwritten.
+    The folder is assembled in a temporary sibling and renamed into place in one step
+    (:func:`ensure_model_folder`), so a crashed or concurrent creation never leaves a
+    partial model at ``path``.
     """
     return ensure_model_folder(path, _write_base)
 

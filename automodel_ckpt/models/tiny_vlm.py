@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from automodel_ckpt.models.tiny import BASE_SEED, TINY_LLAMA_CONFIG, _deterministic_init, _shard_limit, ensure_model_folder
+from automodel_ckpt.models.tiny import BASE_SEED, TINY_LLAMA_CONFIG, _deterministic_init, _shard_limit
 from automodel_ckpt.models.tiny import build_tokenizer as build_text_tokenizer
+from automodel_ckpt.models.tiny import ensure_model_folder, name_generic_tokenizer
 
 __all__ = ["IMAGE_SIZE", "IMAGE_TOKEN", "NUM_IMAGE_TOKENS", "VLM_CHAT_TEMPLATE", "build_processor",
            "ensure_tiny_vlm_base", "tiny_llava_config"]
@@ -104,10 +104,7 @@ def _write_base(folder: Path) -> None:
     if len(list(folder.glob("*.safetensors"))) != 2:
         raise RuntimeError(f"expected two weight shards in {folder}")
     build_processor().save_pretrained(folder)
-    tokenizer_config_path = folder / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    name_generic_tokenizer(folder)
 
 
 def ensure_tiny_vlm_base(path: str | os.PathLike[str]) -> Path:

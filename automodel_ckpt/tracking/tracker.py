@@ -16,7 +16,6 @@ import functools
 import logging
 import math
 import re
-import threading
 import time
 import warnings
 from pathlib import Path

@@ -129,7 +129,9 @@ def _opened(path: str, storage_options: dict[str, Any] | None, key: int, row: in
 
 
 def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
-           row: int, max_bytes: int) -> Iterator[Row]:
+           row: int, max_bytes: int, stop: int | None = None) -> Iterator[Row]:
+    """The rows of a json-lines or text file from the line at ``key``; with ``stop``, only those starting before it
+    (``read_line_range``)."""
     f, failed = _opened(path, storage_options, key, row)
     if failed is not None:
         yield failed
@@ -138,17 +140,19 @@ def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any]
         try:
             if key:
                 f.seek(key)
-            for line, length in bounded_lines(f, max_bytes):
+            if stop is not None and key >= stop:
+                return
+            for line, length in bounded_lines(f if stop is None else _UpTo(f, key, stop), max_bytes):
                 offset, key = key, key + length
                 if line is None:
                     yield Row(offset, row, None, too_long(length, offset, max_bytes), key)
                     row += 1
-                    continue
-                if not line.strip():
-                    continue
-                record, error = _record_of(line, fmt, text_field)
-                yield Row(offset, row, record, error, key)
-                row += 1
+                elif line.strip():
+                    record, error = _record_of(line, fmt, text_field)
+                    yield Row(offset, row, record, error, key)
+                    row += 1
+                if stop is not None and key >= stop:
+                    return
         except (OSError, EOFError, ValueError) as exc:  # truncated compressed stream, a file gone mid-read
             yield Row(key, row, error=f"unreadable ({_why(exc)})")
 
@@ -338,25 +342,4 @@ def read_line_range(path: str, fmt: str, text_field: str, storage_options: dict[
                     row: int, stop: int, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
     """The rows of a byte range of an uncompressed json-lines or text file from the line at ``key``: those starting
     before ``stop`` (a line that starts in the range is read to its end)."""
-    f, failed = _opened(path, storage_options, key, row)
-    if failed is not None:
-        yield failed
-        return
-    with f:
-        try:
-            f.seek(key)
-            if key >= stop:
-                return
-            for line, length in bounded_lines(_UpTo(f, key, stop), max_bytes):
-                offset, key = key, key + length
-                if line is None:
-                    yield Row(offset, row, None, too_long(length, offset, max_bytes), key)
-                    row += 1
-                elif line.strip():
-                    record, error = _record_of(line, fmt, text_field)
-                    yield Row(offset, row, record, error, key)
-                    row += 1
-                if key >= stop:
-                    return
-        except (OSError, EOFError, ValueError) as exc:
-            yield Row(key, row, error=f"unreadable ({_why(exc)})")
+    return _lines(path, fmt, text_field, storage_options, key, row, max_bytes, stop)
