@@ -86,12 +86,14 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
     if dump is not None:
         finish_plan = LinearSavePlanner.finish_plan
 
-        def dumping(self, new_plan):  # every rank's final plan of the model save, and the metadata
+        def dumping(self, new_plan):  # every rank's final plan of each save, and the metadata
             final = finish_plan(self, new_plan)
-            if self.key.rsplit("/", 1)[-1].startswith("model:"):  # the key: <root>/<state folder>:<writer>
-                (dump / f"final_{env.world_size}_{env.rank}.pkl").write_bytes(pickle.dumps(final))
+            folder = self.key.rsplit("/", 1)[-1].split(":")[0]  # the key: <root>/<state folder>:<writer>
+            prefix = {"model": "", "optim": "optim_"}.get(folder)
+            if prefix is not None:
+                (dump / f"{prefix}final_{env.world_size}_{env.rank}.pkl").write_bytes(pickle.dumps(final))
                 if env.is_main:
-                    (dump / f"metadata_{env.world_size}.pkl").write_bytes(pickle.dumps(self.metadata))
+                    (dump / f"{prefix}metadata_{env.world_size}.pkl").write_bytes(pickle.dumps(self.metadata))
             return final
 
         LinearSavePlanner.finish_plan = dumping
@@ -132,6 +134,8 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
     t0 = time.perf_counter()
     ckpt.load(states, path)
     timers["load"] = [time.perf_counter() - t0]
+    if dump is not None and env.is_main:  # the last save's optimizer index, as written
+        (dump / f"optim_file_{env.world_size}.bin").write_bytes((Path(path) / "optim" / ".metadata").read_bytes())
     if env.is_main:
         out.write_text(json.dumps({"world_size": env.world_size, "timers": timers}))
     shutdown_distributed()
@@ -189,11 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--simulate-ranks", default=None, help="rank counts to simulate in one process")
     parser.add_argument("--layout", default="llama3-70b", choices=("llama3-70b", "llama3-8b", "moe", "tiny"))
     parser.add_argument("--strategy", default="fsdp", choices=("fsdp", "hsdp", "tp-fsdp"))
+    parser.add_argument("--end-to-end", action="store_true", help="with --simulate-ranks: the whole save")
     parser.add_argument("--dump-plans", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         worker(args.worker, args.reps, args.dump_plans)
         return {}
+    if args.simulate_ranks and args.end_to_end:
+        return simulate_whole([int(n) for n in args.simulate_ranks.split(",") if n.strip()], args.layout,
+                              args.strategy, args.json, args.dump_plans)
     if args.simulate_ranks:
         return simulate([int(n) for n in args.simulate_ranks.split(",") if n.strip()], args.layout, args.strategy,
                         args.json, args.dump_plans)
@@ -242,6 +250,55 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
         for k, v in row.items():
             report[k].append(v)
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    report["cpu_count"] = os.cpu_count()
+    if out:
+        out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+E2E_FIELDS = ("plan_s", "metadata_s", "flags_s", "manifest_s", "commit_s", "total_s", "object_store_requests",
+              "bytes_to_rank0")
+
+
+def simulate_whole(ranks: list[int], layout: str, strategy: str, out: Path | None, dump: Path | None = None) -> dict:
+    """The whole save at each rank count (``scale_e2e``): a first save and the next one, rank 0's seconds of each
+    step, printed and written to ``out``; ``growth``: the total's at the largest rank count over the smallest."""
+    import shutil
+
+    import scale_e2e
+
+    from automodel_ckpt.ondisk.formats import plan_results, planning
+    from automodel_ckpt.ondisk.formats.fastio import metafile
+
+    report: dict = {"layout": layout, "strategy": strategy, "rows": []}
+    for n in ranks:
+        root = Path(tempfile.mkdtemp(prefix="bench_scale_e2e_"))
+        try:
+            first = scale_e2e.save(layout, strategy, n, root, 1)
+            assert not first["reused"], "a first save planned afresh"
+            if dump is not None:
+                for prefix, saved in (("", first["model"]), ("optim_", first["optim"])):
+                    for rank, final in enumerate(saved.finals or []):
+                        (dump / f"sim_{prefix}final_{n}_{rank}.pkl").write_bytes(pickle.dumps(final))
+                    (dump / f"sim_{prefix}metadata_{n}.pkl").write_bytes(pickle.dumps(saved.metadata))
+                (dump / f"sim_optim_file_{n}.bin").write_bytes((first["folder"] / "optim" / ".metadata").read_bytes())
+            del first["model"], first["optim"]
+            shutil.rmtree(first["folder"])
+            following = scale_e2e.save(layout, strategy, n, root, 2)
+            assert following["reused"], "the next save of the same layout reused the cached plans"
+            del following["model"], following["optim"]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            for module in (planning, plan_results, metafile):
+                module.clear_cache()
+        row = {"ranks": n, "first": {k: first[k] for k in E2E_FIELDS}, "next": {k: following[k] for k in E2E_FIELDS}}
+        report["rows"].append(row)
+        for which in ("first", "next"):
+            print(f"{n} ranks, {which}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                                       for k, v in row[which].items()), flush=True)
+    if len(report["rows"]) > 1:
+        lo, hi = report["rows"][0], report["rows"][-1]
+        report["growth"] = {w: hi[w]["total_s"] / lo[w]["total_s"] for w in ("first", "next") if lo[w]["total_s"]}
     report["cpu_count"] = os.cpu_count()
     if out:
         out.write_text(json.dumps(report, indent=1))

@@ -88,12 +88,31 @@ def succeeded(key: str | None, world_size: int, rank: int, note: ResultsNote | N
 def incoming(notes: list[Any], key: str | None, *, needed: bool) -> list[list[WriteResult]]:
     """The coordinator's view of every rank's results (``needed``: rebuilt as ``WriteResult`` objects, else
     empty lists)."""
+    full = _full_notes(notes, key)
+    return notes if full is None else _expanded(full, needed)
+
+
+def stamp(notes: list[ResultsNote]) -> tuple[str, ...] | None:
+    """Every rank's results digest (what decides the storage data of the metadata), None where one has none."""
+    digests = tuple(n.digest for n in notes)
+    return digests if all(digests) else None
+
+
+def _expanded(full: list[ResultsNote], needed: bool) -> list[list[WriteResult]]:
+    if not needed:
+        return [[] for _ in full]
+    return [n.objects if n.objects is not None else decode(n.tuples or []) for n in full]
+
+
+def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
+    """Every rank's note with its tuples (from the coordinator's cache where a rank sent its digest only), or
+    None when the notes are not ``ResultsNote``s (as DCP gathered them)."""
     cache_key = (key, len(notes)) if key is not None else None
     cached = _COORDINATOR.pop(cache_key, None) if cache_key is not None else None
     full: list[ResultsNote] = []
     for rank, note in enumerate(notes):
         if not isinstance(note, ResultsNote):
-            return notes  # not ours: as DCP gathered them
+            return None
         if not note.digest and note.objects is None:  # nothing sent: the writer's finish reads no results
             full.append(ResultsNote("", objects=[]))
             continue
@@ -104,9 +123,7 @@ def incoming(notes: list[Any], key: str | None, *, needed: bool) -> list[list[Wr
         full.append(note)
     if cache_key is not None and all(n.tuples is not None for n in full):
         _COORDINATOR[cache_key] = full
-    if not needed:
-        return [[] for _ in full]
-    return [n.objects if n.objects is not None else decode(n.tuples or []) for n in full]
+    return full
 
 
 def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> Any:
@@ -128,7 +145,16 @@ def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> An
         return write_data(plan, planner).then(compact)
 
     def expanding_finish(metadata: Any, results: list[Any]) -> None:
-        finish(metadata, incoming(results, key, needed=needed))
+        from automodel_ckpt.ondisk.formats.planning import gc_paused
+
+        with gc_paused():  # millions of results and chunks at thousands of ranks, no cycles (see gc_paused)
+            full = _full_notes(results, key)
+            if full is None:
+                finish(metadata, results)
+            elif needed and hasattr(writer, "finish_kept"):  # a .distcp folder: its .metadata's pickle kept
+                writer.finish_kept(metadata, lambda: _expanded(full, True), key, stamp(full))
+            else:
+                finish(metadata, _expanded(full, needed))
 
     writer.write_data, writer.finish = compact_write_data, expanding_finish
     return lambda: succeeded(key, world_size, rank, sent[-1] if sent else None)

@@ -19,6 +19,7 @@ from torch.futures import Future
 from automodel_ckpt.ondisk import durable, layout
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
+from automodel_ckpt.ondisk.formats.fastio import metafile
 from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy, piece_length, write_file
 from automodel_ckpt.ondisk.formats.fastio.records import note_location, torch_save_bytes, torch_save_pieces
 
@@ -103,9 +104,21 @@ class ParallelFileSystemWriter(FileSystemWriter):
         return results
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)  # runs where the .metadata file is written (and fsynced)
+        self.finish_kept(metadata, lambda: results, None, None)
+
+    def finish_kept(self, metadata: Any, results: Callable[[], list[list[WriteResult]]], key: str | None,
+                    stamp: tuple[str, ...] | None) -> None:
+        """``FileSystemWriter.finish``: the ``.metadata`` file (fsynced), its pickle's body kept across saves of
+        an unchanged layout under ``key`` (``metafile``; ``stamp``: every rank's write-results digest, and
+        ``results`` called only when the body is pickled afresh)."""
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+        metadata.version = CURRENT_DCP_VERSION
+        data, kept = metafile.body(metadata, results, key, stamp)
         path = Path(self._get_metadata_path(None if self.use_collectives else self.rank))
-        if path.is_file() and self.written is not None:
+        metafile.write(path, data, metafile.tail(self.storage_meta()), sync=self.sync_files)
+        kept()
+        if self.written is not None:
             self.written.note(path, synced=self.sync_files)
 
 
