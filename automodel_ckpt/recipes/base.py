@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -110,20 +111,18 @@ class BaseRecipe:
         if self._observer.tracker.requested:
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
         options.setdefault("lineage", self.lineage_record)
-        if self.cfg.step_scheduler.get("ckpt_every_steps") == "auto":  # Young/Daly's interval, decided as saves run
-            observer = self._observer
-            options.setdefault("interval", AutoInterval(
-                lambda cost_s, mtbf_s, step_s: advise(cost_s, mtbf_s, step_s).interval_steps,
-                mtbf_hours=self.checkpoint_config.mtbf_hours, observed_mtbf_s=observer.observed_mtbf_s,
-                is_main=self.env.is_main, say=options.get("say", print), note=observer.interval))
+        observer = self._observer
+        auto = functools.partial(  # Young/Daly's interval from the costs measured as saves run
+            AutoInterval, lambda cost_s, mtbf_s, step_s: advise(cost_s, mtbf_s, step_s).interval_steps,
+            mtbf_hours=self.checkpoint_config.mtbf_hours, observed_mtbf_s=observer.observed_mtbf_s,
+            is_main=self.env.is_main, say=options.get("say", print), note=observer.interval)
+        if self.cfg.step_scheduler.get("ckpt_every_steps") == "auto":
+            options.setdefault("interval", auto())
         local = self.checkpoint_config.local
         if local.every_steps == "auto" and self.checkpoint_config.enabled:  # the node-local tier's, the same way
-            observer, schedule = self._observer, SaveInterval(local.min_every_steps, local.max_every_steps)
+            schedule = SaveInterval(local.min_every_steps, local.max_every_steps)
             self.step_scheduler.local_interval = schedule  # checkpointed with the step counters
-            options.setdefault("local_interval", AutoInterval(
-                lambda cost_s, mtbf_s, step_s: advise(cost_s, mtbf_s, step_s).interval_steps,
-                mtbf_hours=self.checkpoint_config.mtbf_hours, observed_mtbf_s=observer.observed_mtbf_s,
-                is_main=self.env.is_main, say=options.get("say", print), note=observer.interval, schedule=schedule))
+            options.setdefault("local_interval", auto(schedule=schedule))
         self.checkpointer = Checkpointer(self.checkpoint_config, self.env, resolved_config_yaml=config_yaml,
                                          preemption=self._preemption, observer=self._observer, **options)
         return self.checkpointer

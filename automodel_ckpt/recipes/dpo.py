@@ -26,7 +26,7 @@ from automodel_ckpt.distributed.pipeline import Pipeline
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.build import local_model_path
 from automodel_ckpt.recipes.algorithm import Algorithm
-from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe, model_logits, row_inputs
 from automodel_ckpt.training.preference import METRICS, PreferenceLoss, response_log_probs
 from automodel_ckpt.training.reference import StoredLogProbs, mix_into, reference_identity, weights_fingerprint
 
@@ -307,19 +307,13 @@ class Preference(Algorithm):
         dev = recipe.env.device
         choice = recipe.data_parallel
         with choice.compute(dev):
-            if bool(mb.attention_mask.all()):
-                logits = model(input_ids=mb.input_ids.to(dev), use_cache=False).logits
-            else:
-                logits = model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
-                               use_cache=False).logits
+            logits = model_logits(model, mb, dev)
         labels = mb.labels.to(dev)
         return response_log_probs(logits, labels, IGNORE_INDEX), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
     def _staged_forward(self, mb: MicroBatch) -> tuple[torch.Tensor | None, None]:
         """The reference's per-row log-probs through its pipeline: on the last stage, None on the others."""
-        extra = {"position_ids": mb.position_ids} if mb.position_ids is not None else \
-            {"attention_mask": mb.attention_mask}
-        return self._ref_pipeline.forward_rows(mb.input_ids, mb.labels, extra), None
+        return self._ref_pipeline.forward_rows(mb.input_ids, mb.labels, row_inputs(mb)), None
 
     @torch.no_grad()
     def _reference_model_log_probs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -298,7 +298,7 @@ class FinetuneRecipe(BaseRecipe):
             sched.record_step(epoch, self.dataloader.global_batch_size)
             seconds = max(time.perf_counter() - t0, 1e-9)  # the batch fetched, the optimizer step taken
             record = {"step": sched.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)} | self.train_metrics()
+                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)} | self.algorithm.metrics()
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
             record |= self.dataloader.report(fetched)  # a streamed corpus: tokens per source, the wait, bad rows
@@ -322,7 +322,7 @@ class FinetuneRecipe(BaseRecipe):
         if self.val_batches is None:
             return None
         val_loss = self.algorithm.validate()
-        val_record = {"step": self.step_scheduler.step, "val_loss": val_loss} | self.validation_metrics()
+        val_record = {"step": self.step_scheduler.step, "val_loss": val_loss} | self.algorithm.validation_metrics()
         self.val_log.append(val_record)
         self._observer.log_validation(val_record)
         return val_loss
@@ -345,19 +345,7 @@ class FinetuneRecipe(BaseRecipe):
             extra["data_position"] = position
         if self._eval_scores:  # the step's evaluation: rankable by checkpoint.monitor (eval/<task>/<metric>)
             extra["val_metrics"] = dict(self._eval_scores)
-        return extra | self.save_extra()
-
-    def train_metrics(self) -> dict[str, Any]:
-        """Numbers of the step just taken beside the loss (training.jsonl, trackers): the algorithm's."""
-        return self.algorithm.metrics()
-
-    def validation_metrics(self) -> dict[str, Any]:
-        """Numbers of the validation just made beside ``val_loss`` (validation.jsonl, trackers): the algorithm's."""
-        return self.algorithm.validation_metrics()
-
-    def save_extra(self) -> dict[str, Any]:
-        """What a checkpoint's metadata records beside ``consumed_samples``: the algorithm's counters."""
-        return self.algorithm.save_extra()
+        return extra | self.algorithm.save_extra()  # and the algorithm's counters
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written on one mesh (W processes) resumes on another."""
@@ -423,7 +411,7 @@ class FinetuneRecipe(BaseRecipe):
     def staged_rows(self, mb: MicroBatch, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                          dict[str, torch.Tensor]]:
         """A batch's token ids, its target and its other row inputs, in ``pipeline_rows`` order."""
-        order, extra = self.algorithm.pipeline_rows(mb), _row_inputs(mb)
+        order, extra = self.algorithm.pipeline_rows(mb), row_inputs(mb)
         if order is None:
             return mb.input_ids, target, extra
         return mb.input_ids[order], target[order.to(target.device)], {k: v[order] for k, v in extra.items()}
@@ -437,25 +425,24 @@ class FinetuneRecipe(BaseRecipe):
         return self.algorithm.compute_loss(logits, target)
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        dev = self.env.device
-        if mb.pixel_values is not None:  # image-text rows: one image each, placed at its image tokens
-            logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
-                                pixel_values=mb.pixel_values.to(dev), use_cache=False).logits
-        elif mb.position_ids is not None:
-            # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
-            # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
-            logits = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                                use_cache=False).logits
-        elif bool(mb.attention_mask.all()):  # no padding: no mask, so attention takes its causal fast path (flash)
-            logits = self.model(input_ids=mb.input_ids.to(dev), use_cache=False).logits
-        else:
-            logits = self.model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
-                                use_cache=False).logits
-        return logits
+        return model_logits(self.model, mb, self.env.device)
 
 
+def model_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    """``model``'s logits for a micro-batch's rows, given what its rows need besides the tokens."""
+    inputs = {"input_ids": mb.input_ids}
+    if mb.pixel_values is not None:  # image-text rows: one image each, placed at its image tokens
+        inputs |= {"attention_mask": mb.attention_mask, "pixel_values": mb.pixel_values}
+    elif mb.position_ids is not None:
+        # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
+        # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
+        inputs["position_ids"] = mb.position_ids
+    elif not bool(mb.attention_mask.all()):  # without padding no mask: attention takes its causal fast path (flash)
+        inputs["attention_mask"] = mb.attention_mask
+    return model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False).logits
 
-def _row_inputs(mb: MicroBatch) -> dict[str, torch.Tensor]:
+
+def row_inputs(mb: MicroBatch) -> dict[str, torch.Tensor]:
     """What every pipeline stage needs of a batch besides the tokens: packed rows' position ids (transformers then
     keeps attention inside each example) or the attention mask."""
     if mb.position_ids is not None:
