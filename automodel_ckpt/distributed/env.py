@@ -145,13 +145,9 @@ def collectives_on(group: Any):
         _THREAD.group = before
 
 
-def _group() -> Any:
-    return getattr(_THREAD, "group", None)
-
-
 def current_group() -> Any:
     """The group this thread's collectives run on (None: the default group); see ``collectives_on``."""
-    return _group()
+    return getattr(_THREAD, "group", None)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -159,7 +155,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_group())
+    dist.broadcast_object_list(box, src=src, group=current_group())
     return box[0]
 
 
@@ -167,7 +163,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=_group())
+    dist.all_gather_object(out, obj, group=current_group())
     return out
 
 
@@ -175,7 +171,7 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on rank ``dst`` of this thread's group (None on the others)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [obj]
-    group = _group()
+    group = current_group()
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
     dist.gather_object(obj, out, group=group, group_dst=dst)
     return out
@@ -186,10 +182,10 @@ def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return objs[0] if objs else None
     box: list[Any] = [None]
-    dist.scatter_object_list(box, objs, group=_group(), group_src=src)
+    dist.scatter_object_list(box, objs, group=current_group(), group_src=src)
     return box[0]
 
 
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=_group())
+        dist.barrier(group=current_group())

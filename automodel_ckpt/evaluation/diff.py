@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,16 +71,13 @@ class DiffReport:
     def groups(self) -> dict[str, dict[str, int]]:
         """Per module group (embeddings, each block, the head, adapters, a tower, its projector, other): tensors by
         status."""
-        out: dict[str, dict[str, int]] = {}
+        out: dict[str, Counter[str]] = {}
         for name, d in self.tensors.items():
-            counts = out.setdefault(group(name), {})
-            counts[d.status] = counts.get(d.status, 0) + 1
+            out.setdefault(group(name), Counter())[d.status] += 1
         return out
 
     def as_json(self) -> dict[str, Any]:
-        totals: dict[str, int] = {}
-        for d in self.tensors.values():
-            totals[d.status] = totals.get(d.status, 0) + 1
+        totals = Counter(d.status for d in self.tensors.values())
         summary: dict[str, Any] = {"equal": self.equal, "tensors": totals, "groups": self.groups()}
         if self.recipe or self.counters:
             summary["recipe"] = {k: list(v) for k, v in self.recipe.items()}

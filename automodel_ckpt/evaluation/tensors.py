@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.evaluation.folder import ST_NAMES
 from automodel_ckpt.export import dequantize_int8, is_int8, open_model
 from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, model_file_in, read_bytes, read_json
 
@@ -88,15 +89,11 @@ def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Te
     with open_model(src) as model:
         if is_int8(model.config):
             model = dequantize_int8(model)
-        tensors = Tensors(str(src), MODEL, dict(model.config), side=_side_files(model.side_dir, _MODEL_SIDE))
-        for name in model.shapes:
-            tensors.shapes[name], tensors.dtypes[name] = model.shapes[name], model.dtypes[name]
-            tensors.readers[name] = lambda name=name: model.read(name)
-            tensors.saved[name] = lambda name=name: model.read_saved(name)
-            if name in model.steps:
-                tensors.steps[name] = lambda value, name=name: model.steps[name]()
-                tensors.formats[name] = "int8"
-        yield tensors
+        yield Tensors(str(src), MODEL, dict(model.config), dict(model.shapes), dict(model.dtypes), dict(model.readers),
+                      side=_side_files(model.side_dir, _MODEL_SIDE),
+                      saved={name: model.saved.get(name, read) for name, read in model.readers.items()},
+                      steps={name: lambda value, step=step: step() for name, step in model.steps.items()},
+                      formats=dict.fromkeys(model.steps, "int8"))
 
 
 def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
@@ -141,9 +138,7 @@ def _adapter(src: Path, stack: ExitStack) -> Tensors:
     return tensors
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {name: dtype for dtype, name in ST_NAMES.items()}
 
 
 def _dtype(name: str, where: Path) -> torch.dtype:

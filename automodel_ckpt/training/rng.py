@@ -70,8 +70,5 @@ class RNGState:
             return saved(rank)
         reference = saved(0)["torch"]
         digest = hashlib.sha256(reference.numpy().tobytes() + rank.to_bytes(4, "little")).digest()
-        seed = int.from_bytes(digest[:8], "little")
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+        seed_everything(int.from_bytes(digest[:8], "little"))
         return self.state_dict()
