@@ -291,10 +291,9 @@ def render_table(report: dict[str, Any]) -> str:
 def data_position_line(name: str, position: dict[str, Any]) -> str:
     """A streamed corpus's position at checkpoint ``name``: sequences, then per source where it reads and the
     tokens it gave."""
-    parts = []
-    for i, s in enumerate(position.get("sources") or []):
-        parts.append(f"source {i}: epoch {s.get('epoch')}, shard {s.get('shard')} of {s.get('shards')} "
-                     f"({s.get('path')}) row {s.get('row')}, {s.get('tokens')} tokens consumed")
+    parts = [f"source {i}: epoch {s.get('epoch')}, shard {s.get('shard')} of {s.get('shards')} ({s.get('path')}) "
+             f"row {s.get('row')}, {s.get('tokens')} tokens consumed"
+             for i, s in enumerate(position.get("sources") or [])]
     skipped = f", {position['skipped_rows']} bad rows skipped" if position.get("skipped_rows") else ""
     lanes = (f"; {position['lanes']} lanes (this rank {position.get('lanes_read')}), position "
              f"{position.get('position_bytes', 0) / 1024:.1f} KiB") if position.get("lanes") else ""

@@ -34,9 +34,8 @@ def build_parser() -> VerbParser:
 
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` looks like one checkpoint folder (rather than a checkpoint_dir)."""
-    if (path / LAYOUT.MANIFEST_FILE).exists() or (path / LAYOUT.METADATA_FILE).exists():
-        return True
-    return LAYOUT.parse_default_name(path.name) is not None or (path / LAYOUT.MODEL_DIR).is_dir()
+    return (path / LAYOUT.MANIFEST_FILE).exists() or (path / LAYOUT.METADATA_FILE).exists() or \
+        LAYOUT.parse_default_name(path.name) is not None or (path / LAYOUT.MODEL_DIR).is_dir()
 
 
 def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool) -> bool:

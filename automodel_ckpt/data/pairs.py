@@ -11,8 +11,6 @@ chosen rows followed by the rejected rows (one forward for both, as TRL's concat
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,7 @@ from automodel_ckpt.data.encode import DataSpec
 from automodel_ckpt.data.fields import RecordTemplate
 from automodel_ckpt.data.loader import MicroBatch, micro_batch, strided_rows
 from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
-from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, encode_dataset
+from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, content_hash, encode_dataset
 from automodel_ckpt.errors import ConfigError
 
 SIDES = ("chosen", "rejected")
@@ -93,15 +91,12 @@ class _SideView:
 
 def side_view(ds: datasets.Dataset, fields: PairFields, side: str, mode: str) -> datasets.Dataset:
     named = {k: v for k, v in dataclasses.asdict(fields).items() if k != "prompt_template" or v is not None}
-    fingerprint = _hash(PAIRS_VERSION, ds._fingerprint, named, side, mode)  # without a template: as before it existed
+    # without a template: as before it existed
+    fingerprint = content_hash(PAIRS_VERSION, ds._fingerprint, named, side, mode)
     return ds.map(_SideView(fields, side, mode == "chat"), batched=True, with_indices=True,
                   remove_columns=ds.column_names,
                   new_fingerprint=fingerprint, keep_in_memory=not ds.cache_files, load_from_cache_file=True,
                   desc=f"{side} responses")
-
-
-def _hash(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 class PairData:
@@ -125,7 +120,7 @@ class PairData:
     @property
     def fingerprint(self) -> str:
         """What the rows are: both sides' row fingerprints (``datasets`` fingerprints, from what made them)."""
-        return _hash(self.chosen.rows._fingerprint, self.rejected.rows._fingerprint, len(self))
+        return content_hash(self.chosen.rows._fingerprint, self.rejected.rows._fingerprint, len(self))
 
     def batch(self, idx: torch.Tensor | list[int]) -> dict[str, torch.Tensor | None]:
         c, r = self.chosen.batch(idx), self.rejected.batch(idx)
@@ -208,7 +203,7 @@ def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
         pair_mode(val_source, fields)
     else:
         train_idx, val_idx = split_indices(len(source), cfg.data.val_size, cfg.seed)
-        key = _hash(source._fingerprint, len(source), cfg.data.val_size, cfg.seed)
+        key = content_hash(source._fingerprint, len(source), cfg.data.val_size, cfg.seed)
         train_source = source.select(train_idx, new_fingerprint=f"{key}-train")
         val_source = source.select(val_idx, new_fingerprint=f"{key}-val") if val_idx else None
     train = encode_pairs(train_source, tokenizer, spec, fields, mode)

@@ -114,7 +114,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _hash(*parts: Any) -> str:
+def content_hash(*parts: Any) -> str:
+    """A short SHA-256 of ``parts`` as JSON: a cache file's fingerprint, from what decides its content."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -171,7 +172,7 @@ def encode_dataset(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec,
             "input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32")),
             "sample_id": datasets.Value("int64"), "num_tokens": datasets.Value("int32"),
         })
-    fp = _hash(CACHE_VERSION, "encode", ds._fingerprint, tokenizer_fingerprint(tokenizer), mode, spec.seq_length,
+    fp = content_hash(CACHE_VERSION, "encode", ds._fingerprint, tokenizer_fingerprint(tokenizer), mode, spec.seq_length,
                spec.prompt_field, spec.completion_field, spec.text_field, spec.messages_field, spec.prompt_template,
                spec.completion_template, spec.chat_loss, spec.chat_template,
                *([spec.image_field, images.fingerprint] if images is not None else []))
@@ -190,7 +191,7 @@ def build_rows(encoded: datasets.Dataset, spec: DataSpec, pad_id: int) -> Tokeni
     if "pixel_values" in encoded.column_names:  # image records: one per row, the pixels carried along
         cols["pixel_values"] = encoded.features["pixel_values"]
     # Packing fills rows within each map batch (and process), so those settings shape the rows too.
-    fp = _hash(CACHE_VERSION, "rows", encoded._fingerprint, n, spec.packing, pad_id,
+    fp = content_hash(CACHE_VERSION, "rows", encoded._fingerprint, n, spec.packing, pad_id,
                (spec.map_batch_size, spec.num_proc) if spec.packing else None)
     rows, info = _cached_map(encoded, RowBuilder(n, spec.packing, pad_id), name="rows", fingerprint=fp, spec=spec,
                              features=datasets.Features(cols))

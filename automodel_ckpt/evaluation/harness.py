@@ -230,8 +230,6 @@ def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) ->
 
 def scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     """``{task: {metric: value}}`` of the harness's results (its ``metric,filter`` keys, stderr left out)."""
-    out: dict[str, dict[str, float]] = {}
-    for task, values in results.get("results", {}).items():
-        out[task] = {k.split(",")[0]: float(v) for k, v in values.items()
-                     if "," in k and "_stderr" not in k and isinstance(v, (int, float))}
-    return out
+    return {task: {k.split(",")[0]: float(v) for k, v in values.items()
+                   if "," in k and "_stderr" not in k and isinstance(v, (int, float))}
+            for task, values in results.get("results", {}).items()}

@@ -346,9 +346,8 @@ def _mapped(fd: int, offset: int, count: int, dtype: torch.dtype) -> Iterator[to
 
 def _streamable(tensor: SourceTensor) -> bool:
     """Whether every piece is one contiguous run of the full tensor (true for row-split FSDP shards)."""
-    if tensor.view is not None:
-        return False
-    return all(_contiguous_box(p.offsets, p.shape, tensor.shape) for p in tensor.pieces if p.numel)
+    return tensor.view is None and all(_contiguous_box(p.offsets, p.shape, tensor.shape)
+                                       for p in tensor.pieces if p.numel)
 
 
 def _contiguous_box(offsets: tuple[int, ...], shape: tuple[int, ...], full: tuple[int, ...]) -> bool:

@@ -75,10 +75,7 @@ def write(recipe: Any, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
     decay, no_decay = names.hf_trainer_groups(model)
     order, decayed = decay + no_decay, len(decay)
     ours = {name: {k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"] for name in g["params"]}
-    state = {}
-    for i, name in enumerate(order):
-        if name in osd["state"]:
-            state[i] = osd["state"][name]
+    state = {i: osd["state"][name] for i, name in enumerate(order) if name in osd["state"]}
     # the Trainer's two groups, each with the hyperparameters of our group that holds its parameters (one group of
     # ours: both with its weight decay, which the Trainer's load_state_dict keeps)
     groups = []

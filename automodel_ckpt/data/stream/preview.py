@@ -53,9 +53,7 @@ def preview_stream(cfg: DictConfig, tokenizer: Any, *, num: int = 3, split: str 
     if split != "train":
         settings = one_pass(settings)
     stream = GlobalStream(corpus, shards, tokenizer, settings)
-    rows = []
-    for tokens in itertools.islice(stream, num):
-        rows.append((tokens.tolist(), stream.last_labels.tolist()))
+    rows = [(tokens.tolist(), stream.last_labels.tolist()) for tokens in itertools.islice(stream, num)]
     print(f"First {len(rows)} {split} sequences of the stream (the run's global order; text with loss is "
           f"{OPEN}marked{CLOSE}; documents end with EOS):", file=out)
     for k, (tokens, labels) in enumerate(rows):
