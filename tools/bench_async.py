@@ -25,6 +25,10 @@ Reported as ratios:
 
 * ``stall_over_sync``: median async stall of the steady-state checkpoints (not the first, not the final one)
   over the median sync save of the same checkpoints, over every repetition;
+* ``stall_parts``: what that stall is made of (medians, seconds): ``snapshot`` (the state dicts collected, small
+  tensors and buffers copied), ``small_files`` (per-rank and global states serialized, metadata built),
+  ``hand_off`` (to the background thread), ``complete_previous``, ``reserve``, ``other`` (the rest of the call)
+  and ``fence`` (the next optimizer step's wait for the background copy);
 * ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` runs (median steps/s over the
   repetitions; ``run_overhead_async``, ...);
 * ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
@@ -295,6 +299,26 @@ def steady(saves: list[dict]) -> list[dict]:
     return body[1:] or body
 
 
+#: the async save call's phases (``Checkpointer.stats.last_save_seconds``) as the stall's parts
+STALL_PARTS = {"complete_previous": "complete_previous", "reserve": "reserve", "snapshot": "copy_small",
+               "small_files": "write_local", "hand_off": "start_background"}
+
+
+def stall_parts(saves: list[dict]) -> dict:
+    """What an async save's stall is made of, medians over ``saves`` (seconds): the previous save completed, the
+    staging folder reserved, the ``snapshot`` (state dicts collected, small tensors and buffers copied), the
+    ``small_files`` (per-rank and global states serialized, metadata built), the ``hand_off`` to the background
+    thread, ``other`` (the rest of the call: the recipe's state discovered, the save named and announced) and the
+    ``fence`` wait of the next optimizer step."""
+    if not saves:
+        return {}
+    parts = {part: statistics.median(s.get("phases", {}).get(phase, 0.0) for s in saves)
+             for part, phase in STALL_PARTS.items()}
+    parts["other"] = statistics.median(max(0.0, s["call"] - sum(s.get("phases", {}).values())) for s in saves)
+    parts["fence"] = statistics.median(s["fence"] for s in saves)
+    return parts
+
+
 def summary(results: dict[str, list[dict]]) -> dict:
     """The ratios (see the module docstring) over every repetition; a mode that failed or did not run has None."""
     ok = {m: [r for r in runs if "failed" not in r] for m, runs in results.items()}
@@ -303,7 +327,8 @@ def summary(results: dict[str, list[dict]]) -> dict:
     if "sync" in ok and "async" in ok:
         sync = statistics.median(s["stall"] for r in ok["sync"] for s in steady(r["saves"]))
         asyn = statistics.median(s["stall"] for r in ok["async"] for s in steady(r["saves"]))
-        out |= {"stall_over_sync": asyn / sync, "sync_save_seconds": sync, "async_stall_seconds": asyn}
+        out |= {"stall_over_sync": asyn / sync, "sync_save_seconds": sync, "async_stall_seconds": asyn,
+                "stall_parts": stall_parts([s for r in ok["async"] for s in steady(r["saves"])])}
     rate = {m: statistics.median(r["steps_per_second"] for r in runs) for m, runs in ok.items()}
     for mode in MODES[1:]:
         if mode in results:
@@ -334,6 +359,9 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
     lines = ["\n".join(rows), ""] if len(rows) > 2 else []  # per checkpoint: only with both sync and async
     if ratios.get("stall_over_sync") is not None:
         lines.append(f"stall_over_sync (median, steady state): {100 * ratios['stall_over_sync']:.1f}%")
+        parts = ratios.get("stall_parts") or {}
+        if parts:
+            lines.append("stall parts (median ms): " + ", ".join(f"{k} {1000 * v:.2f}" for k, v in parts.items()))
     lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints | CPU s per checkpoint | "
               "step time median (s) |", "|---|---|---|---|---|"]
     for mode, runs in results.items():

@@ -40,6 +40,9 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path):
         assert save["capture"] is not None and save["background"] is not None  # the copy and write were timed
     assert all(s["background"] is None and s["call"] < 0.01 for s in report["runs"]["none"][0]["saves"])
     assert "stall_over_sync (median, steady state)" in printed and "| async |" in printed
+    parts = report["stall_parts"]  # what the stall is made of, each a median of the steady-state saves
+    assert {"snapshot", "small_files", "hand_off", "fence", "other"} <= set(parts)
+    assert all(math.isfinite(v) and v >= 0 for v in parts.values()) and "stall parts" in printed
 
 
 def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import re
 import threading
 import time
@@ -82,11 +83,39 @@ class Overlapped:
         self.fence_seconds += time.perf_counter() - t0
 
 
+class BackgroundThread:
+    """One daemon thread at niceness ``nice`` that runs the background work of async saves one after the other,
+    kept from save to save: handing a save over is a queue put, not a thread start (which waits until the new
+    thread runs: milliseconds on a busy host). Started at the first save; ``close`` lets it end after its work."""
+
+    def __init__(self, nice: int, name: str = "ckpt-async") -> None:
+        self.nice, self.name = nice, name
+        self._queue: queue.SimpleQueue | None = None
+
+    def submit(self, work: Callable[[], None]) -> None:
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._queue,), name=self.name, daemon=True).start()
+        self._queue.put(work)
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        lower_priority(self.nice)
+        while (work := jobs.get()) is not None:
+            work()
+
+    def close(self) -> None:
+        """The thread ends once the work handed to it is done; a later ``submit`` starts another."""
+        if self._queue is not None:
+            self._queue.put(None)
+            self._queue = None
+
+
 def start(items: list[_Staged], process_group: Any, *, nice: int,
           before_writes: Callable[[], Any] | None = None, after_writes: Callable[[], Any] | None = None,
-          name: str = "ckpt-async") -> Overlapped:
+          name: str = "ckpt-async", thread: BackgroundThread | None = None) -> Overlapped:
     """Capture every item, run ``before_writes`` (e.g. reserve the staging folder), write each item in order,
-    then run ``after_writes``, on one daemon thread at niceness ``nice``.
+    then run ``after_writes``, on one daemon thread at niceness ``nice`` (``thread``'s, kept for the next save;
+    without it, a thread of its own).
 
     ``before_writes`` and the writes are collective on ``process_group``: every rank runs them, in the same order.
     A rank whose capture or ``before_writes`` failed still enters every write, which then fails on every rank
@@ -96,7 +125,8 @@ def start(items: list[_Staged], process_group: Any, *, nice: int,
     ready = _device_work_so_far()
 
     def run() -> None:
-        lower_priority(nice)
+        if thread is None:
+            lower_priority(nice)
         error: BaseException | None = None
         t0 = time.perf_counter()
         try:
@@ -126,7 +156,10 @@ def start(items: list[_Staged], process_group: Any, *, nice: int,
             except BaseException as exc:  # noqa: BLE001 - raised on the training thread by the next wait
                 job.completed.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    if thread is not None:
+        thread.submit(run)
+    else:
+        threading.Thread(target=run, name=name, daemon=True).start()
     return job
 
 

@@ -32,6 +32,7 @@ from automodel_ckpt.checkpoint.save import diskfull, hf_files, overlap
 from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
 from automodel_ckpt.checkpoint.save.policy import SavePolicy
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
+from automodel_ckpt.checkpoint.save.taken import Taken
 from automodel_ckpt.checkpoint.state import StatePlan
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
@@ -67,6 +68,7 @@ class SaveWriter:
         self._pending: overlap.PendingSave | None = None  # the async save still being written (at most one)
         self._saved_objects: list[Any] = []  # the state of the last save (its size is reported on a full disk)
         self._stager: sharded.HostStager | None = None
+        self._thread = overlap.BackgroundThread(settings.nice)  # runs every async save's background work
         # ``checkpoint.incremental``: stable tensors apart, hard-linked from the last checkpoint when unchanged
         self.reuse = Reuse() if settings.incremental else None
         self.format = registry.get(settings.model_save_format)  # a model's own format may claim it (a PEFT adapter)
@@ -107,8 +109,9 @@ class SaveWriter:
         clock.mark("reserve")
         staged = self._write_or_stage(plan, formats, pending.staging)
         clock.mark("copy_small" if self.is_async else "write_sharded")
-        small_files = self._small_files(pending.staging, plan, info, claimed[0] if claimed else self.format)
         completes_in_background = bool(staged) and not pending.consolidate  # the inline export runs here
+        small_files = self._small_files(pending.staging, plan, info, claimed[0] if claimed else self.format,
+                                        serialize_later=completes_in_background)
         if completes_in_background:
             pending.small_files = small_files
         else:
@@ -121,6 +124,7 @@ class SaveWriter:
                                if reserve_in_background else None),
                 after_writes=(functools.partial(self._on_group, self._complete, pending)
                               if completes_in_background else None),
+                thread=self._thread,
             )
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
             clock.mark("start_background")
@@ -171,9 +175,11 @@ class SaveWriter:
             self._model_writers[fmt.name] = fmt.writer(rank=self.env.rank, reuse=self.reuse, hf=self.hf)
         return self._model_writers[fmt.name]
 
-    def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo, fmt: ModelFormat) -> LocalFiles:
+    def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo, fmt: ModelFormat, *,
+                     serialize_later: bool = False) -> LocalFiles:
         """This rank's small files (``LocalFiles``), their contents taken now; on rank 0 with the HF helpers.
-        ``fmt``: the format the model folder holds (recorded in metadata.json)."""
+        ``fmt``: the format the model folder holds (recorded in metadata.json); ``serialize_later``: the states
+        are taken now and serialized when written (``taken``: by the background thread)."""
         helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf, fmt)
                    if plan.models and fmt is self.format else None)
         return capture(
@@ -182,7 +188,7 @@ class SaveWriter:
             config_yaml=self.config_yaml,
             model_save_format=fmt.name,
             training_seconds=self.time.seconds(), fingerprint=self.fingerprint, write_after=helpers,
-            lineage=self.lineage,
+            lineage=self.lineage, serialize_later=serialize_later,
         )
 
     def _complete(self, pending: overlap.PendingSave) -> Path:
@@ -297,7 +303,9 @@ class SaveWriter:
         return self._stager
 
     def close(self) -> None:
-        """Release the host staging buffers and the optimizers' fences."""
+        """Release the host staging buffers, the background thread (once its work is done) and the optimizers'
+        fences."""
+        self._thread.close()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
@@ -328,7 +336,7 @@ class LocalFiles:
     """
 
     staging: Path
-    files: dict[Path, bytes] = field(default_factory=dict)
+    files: dict[Path, bytes | Taken] = field(default_factory=dict)  # a ``Taken`` state is serialized when written
     metadata: dict[str, Any] | None = None  # rank 0: metadata.json, written after the other files
     write_after: Callable[[], None] | None = None  # rank 0: the Hugging Face helper files of the model folder
 
@@ -343,9 +351,11 @@ class LocalFiles:
 def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_size: int, config_yaml: str,
          model_save_format: str, training_seconds: float, fingerprint: dict[str, Any] | None,
          write_after: Callable[[], None] | None = None, dp_rank: int | None = -1,
-         mesh: dict[str, int] | None = None, lineage: dict[str, Any] | None = None) -> LocalFiles:
+         mesh: dict[str, int] | None = None, lineage: dict[str, Any] | None = None,
+         serialize_later: bool = False) -> LocalFiles:
     """This rank's files, their contents taken now: per-rank state; on rank 0 (``rank == 0``) also global state,
-    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``write_after``, run after them).
+    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``write_after``, run after them). With
+    ``serialize_later`` the states are taken now (``Taken``) and serialized when the files are written.
 
     Per-rank state is per data-parallel rank: ``dp_rank`` names its files (-1: ``rank``, a 1-D mesh), None writes
     none (a tensor-parallel peer of the rank that writes them). ``mesh``: the sizes recorded in the metadata.
@@ -353,10 +363,11 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
     if dp_rank == -1:
         dp_rank = rank
     per_rank = plan.per_rank if dp_rank is not None else {}
-    out = LocalFiles(staging, {staging / layout.rank_state_file(a, dp_rank): _pt_bytes(o) for a, o in per_rank.items()})
+    take = _taken if serialize_later else _pt_bytes
+    out = LocalFiles(staging, {staging / layout.rank_state_file(a, dp_rank): take(o) for a, o in per_rank.items()})
     if rank != 0:
         return out
-    out.files |= {staging / layout.global_state_file(a): _pt_bytes(o) for a, o in plan.global_.items()}
+    out.files |= {staging / layout.global_state_file(a): take(o) for a, o in plan.global_.items()}
     out.files[staging / layout.CONFIG_FILE] = config_yaml.encode("utf-8")
     losses = {"epoch": info.epoch, "step": info.step, "train_loss": info.train_loss, "val_loss": info.val_loss}
     out.files[staging / layout.LOSSES_FILE] = (json.dumps(losses, indent=2) + "\n").encode("utf-8")
@@ -382,7 +393,12 @@ def _pt_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def write_files(files: dict[Path, bytes]) -> None:
+def _taken(obj: Any) -> Taken:
+    """``obj.state_dict()`` taken now, serialized as ``torch.save`` writes it when written (``Taken.bytes``)."""
+    return Taken(obj.state_dict())
+
+
+def write_files(files: dict[Path, bytes | Taken]) -> None:
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        path.write_bytes(data.bytes() if isinstance(data, Taken) else data)

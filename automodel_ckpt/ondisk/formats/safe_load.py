@@ -12,6 +12,8 @@ This module is the only place of the package that unpickles (tests/unit/test_str
 * Tensors are read by DCP with ``weights_only=True`` (``formats/fastio`` locates a tensor record's data with
   ``TensorRecordUnpickler``, which resolves nothing but inert stand-ins); HF safetensors shards hold no code by
   design; the ``.pt`` state files are read by ``load_pt`` with ``weights_only=True``.
+* ``unpickle_own`` rebuilds a value this process pickled itself a moment before (an async save's small states,
+  ``checkpoint/save/taken.py``), never bytes read from a file.
 * ``check_fits`` compares a checkpoint's keys and shapes with the state about to be loaded, and
   ``load_failure`` / ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
 """
@@ -162,6 +164,21 @@ class TensorRecordUnpickler(pickle.Unpickler):
         if not isinstance(dtype, torch.dtype):
             raise pickle.UnpicklingError("unexpected storage type")
         return StorageRef(str(key), dtype, int(numel))
+
+
+class _OwnUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, aside: tuple[str, str], resolve: Any) -> None:
+        super().__init__(io.BytesIO(data))
+        self._aside, self._resolve = aside, resolve
+
+    def find_class(self, module: str, name: str) -> Any:
+        return self._resolve if (module, name) == self._aside else super().find_class(module, name)
+
+
+def unpickle_own(data: bytes, aside: tuple[str, str], resolve: Any) -> Any:
+    """A value this process pickled itself (``checkpoint.save.taken``: in memory, never read from a file); the
+    global ``aside`` (module, name) it refers to is ``resolve``."""
+    return _OwnUnpickler(data, aside, resolve).load()
 
 
 def load_dcp_metadata(path: Path) -> Metadata:

@@ -7,10 +7,9 @@ its storage writer and reader; optimizer state is always DCP ``.distcp`` files (
 from __future__ import annotations
 
 import copy
-import functools
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from automodel_ckpt.ondisk.formats import fastio, plan_results, planning
+from automodel_ckpt.ondisk.formats import fastio, plan_results, planning, replicated, state_dicts
 from automodel_ckpt.ondisk.formats.fastio import session
 from automodel_ckpt.ondisk.durable import WrittenFiles
 from automodel_ckpt.ondisk.incremental import Reuse
@@ -165,59 +164,13 @@ def save_model(model: nn.Module, path: Path, fmt: ShardsFormat, process_group=No
 
 
 def _model_state(model: nn.Module) -> dict:
-    """The model's state as it is saved: a replicated model's parameters as FSDP2's shards (``_as_shards``)."""
-    state = get_model_state_dict(model)
-    mesh = _replicated_mesh(model)
-    if mesh is None:
-        return state
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return {k: _as_shards(v, mesh) if k in params else v for k, v in state.items()}
+    """The model's state as it is saved: a replicated model's parameters as FSDP2's shards (``replicated``)."""
+    return replicated.model_shards(model)(get_model_state_dict(model))
 
 
 def _optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
-    """The optimizer's state as it is saved: a replicated model's moments as FSDP2's shards (``_as_shards``)."""
-    state = get_optimizer_state_dict(model, optimizer)
-    mesh = _replicated_mesh(model)
-    if mesh is None:
-        return state
-    per_param = {fqn: {k: _as_shards(v, mesh) for k, v in values.items()} for fqn, values in state["state"].items()}
-    return {**state, "state": per_param}
-
-
-def _replicated_mesh(model: nn.Module):
-    """The data-parallel mesh of a model that every rank holds whole (``distributed.data_parallel``: replicated
-    over several ranks; its parameters are plain tensors), or None (sharded, or one rank)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    params = list(model.parameters())
-    if not params or any(isinstance(p, DTensor) for p in params):
-        return None
-    return _world_mesh(params[0].device.type, dist.get_world_size())
-
-
-@functools.cache
-def _world_mesh(device_type: str, world_size: int):
-    """The 1-D mesh of every rank (over the default group: no new process group is made)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (world_size,))
-
-
-def _as_shards(value: Any, mesh) -> Any:
-    """A replicated tensor (of one dimension or more) as a view of this rank's FSDP2 shard of it (``Shard(0)``),
-    without a copy: every rank writes its own slice, and the files are those a sharded run writes."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
-        return value
-    placements = [Shard(0)]
-    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.detach().narrow(0, offset[0], shape[0])
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+    """The optimizer's state as it is saved: a replicated model's moments as FSDP2's shards (``replicated``)."""
+    return replicated.optimizer_shards(model)(get_optimizer_state_dict(model, optimizer))
 
 
 def reading():
@@ -260,15 +213,17 @@ class StagedSave:
     """A model or optimizer state for a background save.
 
     Made on the training thread with ``state`` from ``_freeze`` (small tensors and plain values copied
-    already, large tensors still the live ones); ``capture`` copies the rest into the stager's host buffers (in
-    the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
+    already, large tensors still the live ones); ``capture`` makes the saved layout's views of it (``shards``: a
+    replicated model's shards, decided on the training thread) and copies the rest into the stager's host buffers
+    (in the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
     """
 
     def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: Any,
                  written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False,
-                 incremental: Incremental | None = None) -> None:
+                 incremental: Incremental | None = None, shards: Callable[[dict], dict] = replicated.unchanged) -> None:
         self.key = key
         self.state: dict | None = state
+        self.shards: Callable[[dict], dict] | None = shards
         self.stager = stager
         self.staged: dict | None = None
         self.path = path
@@ -281,8 +236,14 @@ class StagedSave:
     def capture(self) -> None:
         """Copy the live tensors; afterwards the training thread may change them."""
         assert self.state is not None, "captured twice"
-        self.staged = self.stager.stage(self.key, self.state)
+        self.staged = self.stager.stage(self.key, self._laid_out())
         self.state = None  # no reference to the live tensors outlives the capture
+
+    def _laid_out(self) -> dict:
+        """``state`` in the layout it is saved in (``shards`` applied once)."""
+        if self.shards is not None and self.state is not None:
+            self.state, self.shards = self.shards(self.state), None
+        return self.state
 
     def write(self, process_group) -> None:
         """Write the captured copy (collective on ``process_group``; raises on every rank if any rank fails)."""
@@ -302,7 +263,13 @@ class StagedSave:
 
         writer.prepare_local_plan = lambda plan: plan  # creates no folder: the staging one may not be reserved
         writer.write_data = refuse
-        _save(self.staged or self.state or {}, self.path, writer, process_group)
+        state = self.staged
+        if state is None and self.state is not None:
+            try:  # the plan every rank makes: the saved layout's (a failure here plans the state as it is)
+                state = self._laid_out()
+            except Exception:  # noqa: BLE001 - ``error`` is the one raised
+                state = self.state
+        _save(state or {}, self.path, writer, process_group)
 
 
 def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostStager, written: WrittenFiles | None = None,
@@ -310,9 +277,10 @@ def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostSta
     """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
     change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
     buffers = {name for name, _ in model.named_buffers()}
-    state = _freeze(_model_state(model), eager=lambda key: key in buffers)
+    state = _freeze(state_dicts.model_state_dict(model), eager=lambda key: key in buffers)
     incremental = Incremental(model, reuse) if reuse is not None else None
-    return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads, incremental=incremental)
+    return StagedSave(f"model:{path.name}", state, stager, path, fmt, written, threads, incremental=incremental,
+                      shards=replicated.model_shards(model))
 
 
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
@@ -321,8 +289,9 @@ def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: 
     """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
     (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
     the small items in a file of their own (``_writer``)."""
-    state = _freeze(_optimizer_state(model, optimizer))
-    return StagedSave(f"optim:{path.name}", state, stager, path, DCP_FILES, written, threads, small_apart)
+    state = _freeze(state_dicts.optimizer_state_dict(model, optimizer))
+    return StagedSave(f"optim:{path.name}", state, stager, path, DCP_FILES, written, threads, small_apart,
+                      shards=replicated.optimizer_shards(model))
 
 
 class ModelShards:
@@ -344,19 +313,23 @@ class ModelShards:
 _SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a background save is made, not later
 
 
-@torch.no_grad()
-def _freeze(state: Any, eager=None, key: str = "") -> Any:
+def _freeze(state: Any, eager=None) -> Any:
     """``state`` with its plain values and small tensors copied now; larger tensors stay the live ones.
 
     ``eager(key)``: top-level keys whose tensors are copied now whatever their size.
     """
+    with torch.no_grad():
+        return _frozen(state, eager, "")
+
+
+def _frozen(state: Any, eager, key: str) -> Any:
     if isinstance(state, torch.Tensor):
         small = state.numel() * state.element_size() <= _SMALL_TENSOR_BYTES
         return state.detach().clone() if small or (eager is not None and eager(key)) else state
     if isinstance(state, dict):
-        return {k: _freeze(v, eager, key or str(k)) for k, v in state.items()}
+        return {k: _frozen(v, eager, key or str(k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_freeze(v, eager, key) for v in state)
+        return type(state)(_frozen(v, eager, key) for v in state)
     return copy.deepcopy(state)
 
 
