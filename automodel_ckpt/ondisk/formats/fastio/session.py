@@ -22,13 +22,20 @@ _lock = threading.Lock()
 _active: "_Session | None" = None
 
 
+_STARTED_WITHIN = 10.0  # seconds a session's threads wait for each other when they start (then go on alone)
+
+
 class _Session:
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
         self.spare: dict[int, list[mmap.mmap]] = {}
-        for _ in range(threads):  # the threads start now, beside the planning of the first read
-            self.executor.submit(int)
+        # Every thread starts now, beside the planning of the first read. The executor starts a thread for a task
+        # only while none is idle: tasks that return at once are taken by the first threads, and the others would
+        # start on the first read's critical path. Each of these tasks waits until all of them run.
+        started = threading.Barrier(threads)
+        for _ in range(threads):
+            self.executor.submit(_wait_for_the_others, started)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -36,6 +43,13 @@ class _Session:
             for buffer in buffers:
                 buffer.close()
         self.spare.clear()
+
+
+def _wait_for_the_others(started: threading.Barrier) -> None:
+    try:
+        started.wait(_STARTED_WITHIN)
+    except threading.BrokenBarrierError:  # a thread that did not start in time: the others read without it
+        pass
 
 
 @contextlib.contextmanager

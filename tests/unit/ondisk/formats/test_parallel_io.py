@@ -519,3 +519,15 @@ def test_files_in_memory_are_written_from_the_tensors_not_through_o_direct(tmp_p
     filewrite.write_file(path, [b"head", *map(filewrite.Lazy, tensors)], 2, written)
     assert path.read_bytes() == b"head" + b"".join(t.numpy().tobytes() for t in tensors)
     assert written.get(path).digest == checksum.hash_file(path, written.get(path).algorithm)[1]
+
+
+def test_a_reading_session_starts_every_reader_thread_when_it_opens():
+    """Not one on the first read's critical path: tasks that returned at once let the executor start only the
+    first threads (the others started at the first read)."""
+    import threading
+
+    from automodel_ckpt.ondisk.formats.fastio import session
+
+    with session.kept(4):
+        assert len(session._active.executor._threads) == session._active.threads == 4
+    assert not [t for t in threading.enumerate() if t.name.startswith(session.THREAD_PREFIX)]
