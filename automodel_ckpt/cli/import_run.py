@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +116,6 @@ def main(argv: list[str]) -> int:
         print(f"{written}: {key} = {value} (the source's)", flush=True)
     print(f"Imported {run.kind} as {saved} (step {counters['step']}, epoch {counters['epoch']}, "
           f"{counters['consumed_samples']} samples consumed); continue with: ckpt-train {written}", flush=True)
-    sys.stdout.flush()
     return 0
 
 
