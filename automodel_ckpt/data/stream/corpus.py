@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
@@ -189,10 +190,9 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
 
 
 def list_source(source: Source, storage_options: dict[str, Any] | None, key: str,
-                split_parquet_bytes: int | None = None) -> list[Shard]:
+                split_parquet_bytes: int = SPLIT_PARQUET_BYTES) -> list[Shard]:
     """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
     glob that matches nothing."""
-    split_parquet_bytes = SPLIT_PARQUET_BYTES if split_parquet_bytes is None else split_parquet_bytes
     from automodel_ckpt.checkpoint import is_url
 
     shards: dict[str, Shard] = {}
@@ -207,7 +207,7 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
             if any(ch in inner for ch in "*?["):
                 found = fs.glob(inner, detail=True)
             elif fs.isdir(inner):
-                found = {p: i for p, i in fs.find(inner, detail=True).items()}
+                found = dict(fs.find(inner, detail=True))
             else:
                 found = {inner: fs.info(inner)}
         except FileNotFoundError:
@@ -274,9 +274,5 @@ def _row_group_shards(whole: Shard, storage_options: dict[str, Any] | None) -> l
         return [whole]
     if meta.num_row_groups < 2:
         return [whole]
-    parts, first = [], 0
-    for g in range(meta.num_row_groups):
-        stop = first + meta.row_group(g).num_rows
-        parts.append(Shard(whole.path, whole.size, whole.version, first, stop))
-        first = stop
-    return parts
+    bounds = [0, *itertools.accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups))]
+    return [Shard(whole.path, whole.size, whole.version, first, stop) for first, stop in zip(bounds, bounds[1:])]
