@@ -89,12 +89,9 @@ def _accepts(tp: Any, value: Any) -> bool | None:
         if not isinstance(value, (list, tuple)):
             return False
         return _items_fit(origin or tp, args, list(value))
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return True
-        if tp.__module__.startswith("torch") and tp.__name__ == "Tensor":
-            return False  # a tensor never comes from YAML
-    return None
+    if isinstance(tp, type) and isinstance(value, tp):
+        return True
+    return False if _is_tensor(tp) else None  # a tensor never comes from YAML
 
 
 def _items_fit(origin: Any, args: tuple[Any, ...], items: list[Any]) -> bool | None:

@@ -99,10 +99,6 @@ def _one_cycle_value(step: int, *, ends: list[float], values: list[float], annea
     raise ValueError("no phases")
 
 
-def _one_cycle_factor(step: int, *, ends: list[float], factors: list[float], anneal: str) -> float:
-    return _one_cycle_value(step, ends=ends, values=factors, anneal=anneal)
-
-
 class CyclingBeta1(LambdaLR):
     """A ``LambdaLR`` that also sets Adam's beta1 to ``beta1(step)`` at every step, as ``OneCycleLR`` with
     ``cycle_momentum`` does; the function is not part of its state (the optimizer's groups hold beta1)."""
@@ -129,7 +125,7 @@ def one_cycle(optimizer: Optimizer, total_steps: int, ends: list[float], factors
     if anneal not in ("cos", "linear") or len(factors) != len(ends) + 1 or \
             (momenta is not None and len(momenta) != len(ends) + 1):
         raise ValueError("one_cycle: anneal is cos or linear, and factors (and momenta) hold one value more than ends")
-    factor = partial(_one_cycle_factor, ends=list(ends), factors=list(factors), anneal=anneal)
+    factor = partial(_one_cycle_value, ends=list(ends), values=list(factors), anneal=anneal)
     if momenta is None:
         return LambdaLR(optimizer, factor)
     return CyclingBeta1(optimizer, factor, partial(_one_cycle_value, ends=list(ends), values=list(momenta),
