@@ -39,9 +39,9 @@ LOG_FILE_LIMIT = 256 * MiB
 """A whole training log pulled from a bucket: some 200 bytes a step, a million steps."""
 SAFETENSORS_HEADER = 100_000_000
 """safetensors' own limit on a header (``safetensors`` refuses larger ones)."""
-DCP_METADATA = 1024 * MiB
-"""A DCP ``.metadata`` pickle: some 100 bytes per saved chunk; 10^6 chunks (a 400B-parameter model with its
-optimizer state on 2,000 ranks) is about 100 MiB."""
+DCP_METADATA = 4096 * MiB
+"""A DCP ``.metadata`` pickle: some 250 bytes per saved chunk (the chunk and where its bytes lie); Llama-3-70B's
+AdamW state on 4,096 FSDP ranks has 5.9 million chunks (each moment cut in 4,096): about 1.4 GiB."""
 MAX_DEPTH = 64
 """Nesting of JSON arrays and objects, YAML sequences and mappings: our own files nest 4 levels deep."""
 MAX_SHAPE_DIMS = 64

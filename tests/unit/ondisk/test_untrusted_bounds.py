@@ -143,8 +143,8 @@ def test_constructor_calls_on_one_memoized_list_are_budgeted(tmp_path):
 def test_an_oversized_dcp_metadata_is_refused_before_unpickling(tmp_path, monkeypatch):
     path = tmp_path / ".metadata"
     path.touch()
-    os.truncate(path, 2 * 2**30)
-    with pytest.raises(CheckpointError, match=r"is 2.0 GiB, over the 1.0 GiB limit for DCP metadata"):
+    os.truncate(path, 5 * 2**30)
+    with pytest.raises(CheckpointError, match=r"is 5.0 GiB, over the 4.0 GiB limit for DCP metadata"):
         load_dcp_metadata(path)
 
 
