@@ -17,6 +17,17 @@ def exact_answer(prompts: Sequence[str], completions: Sequence[str], answers: Se
     return [1.0 if c.strip() == str(a).strip() else 0.0 for c, a in zip(completions, answers)]
 
 
+def answer_digits(prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], **_: Any
+                  ) -> list[float]:
+    """Partial credit: the share of the answer's characters the completion has at the same place (left-aligned,
+    over the longer of the two); 1.0 only for the exact answer."""
+    out = []
+    for c, a in zip(completions, answers):
+        c, a = c.strip(), str(a).strip()
+        out.append(sum(x == y for x, y in zip(c, a)) / max(len(c), len(a), 1))
+    return out
+
+
 def digits_then_eos(prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], *,
                     ended: Sequence[bool], **_: Any) -> list[float]:
     """1.0 where the completion is one or more digits and then the end of sequence, else 0.0."""

@@ -26,7 +26,7 @@ from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_f
 RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
 ARGS = ("--dataset.num_samples", "200", "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size",
         "8", "--step_scheduler.ckpt_every_steps", "3", "--step_scheduler.max_steps", "6", "--grpo.num_iterations", "2",
-        "--grpo.beta", "0.04", "--checkpoint.save_consolidated", "false")
+        "--grpo.beta", "0.04", "--grpo.num_generations", "4", "--checkpoint.save_consolidated", "false")
 EXACT = ("loss", "reward", "reward_std", "reward_exact_answer", "reward_digits_then_eos", "kl", "clip_fraction",
          "completion_length", "completion_hash", "grpo_step", "ppo_optimization_step", "rollout_pass", "grad_norm")
 
@@ -77,7 +77,7 @@ def test_straight_run_logs_the_rl_numbers_and_passes(straight):
     assert rows[1]["generation_seconds"] == 0.0 < rows[2]["generation_seconds"]
 
 
-def test_checkpoints_hold_the_counters_and_the_rollout_between_passes(straight):
+def test_checkpoints_hold_the_counters_and_the_rollout_between_passes_and_inspect_shows_them(straight):
     meta = json.loads((straight / "epoch_0_step_3" / layout.METADATA_FILE).read_text())
     assert meta["extra"]["grpo_step"] == 2 and meta["extra"]["ppo_optimization_step"] == 3
     counters = meta["extra"]["counters"]
@@ -87,6 +87,9 @@ def test_checkpoints_hold_the_counters_and_the_rollout_between_passes(straight):
     assert rollout["input_ids"].shape[0] == 16 and rollout["old_log_probs"].dtype == torch.float64
     grpo = torch.load(straight / "epoch_0_step_3" / layout.global_state_file("grpo"), weights_only=True)
     assert grpo["grpo_step"] == 2 and grpo["prompt_position"] == 8
+    shown = subprocess.run([CKPT_TRAIN, "inspect", str(straight)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "epoch_0_step_3: grpo_step 2, ppo_optimization_step 3, consumed_prompts 8" in shown.stdout, shown.stdout
 
 
 def test_killed_between_two_passes_and_rerun_is_bitwise(straight, killed):

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel_ckpt.recipes.grpo import take_prompts
-from automodel_ckpt.training.rewards import RewardError, digits_then_eos, exact_answer, score
+from automodel_ckpt.training.rewards import RewardError, answer_digits, digits_then_eos, exact_answer, score
 from automodel_ckpt.training.rollout import IGNORE, clipped_loss, generate, group_advantages, sample_seed, \
     token_log_probs
 
@@ -101,6 +101,7 @@ def test_token_log_probs_aligns_each_label_with_the_logits_before_it():
 def test_shipped_rewards():
     assert exact_answer(["1+2="] * 3, ["3", " 3", "4"], ["3"] * 3) == [1.0, 1.0, 0.0]
     assert digits_then_eos([""] * 3, ["12", "12", "1a"], [""] * 3, ended=[True, False, True]) == [1.0, 0.0, 0.0]
+    assert answer_digits([""] * 4, ["82", "85", "182", ""], ["82"] * 4) == [1.0, 0.5, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("fn, words", [
