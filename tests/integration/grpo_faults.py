@@ -1,6 +1,10 @@
-"""A GRPO recipe whose rank 0 stops itself (SIGSTOP) once a given step is logged (``step_faults``' hook)."""
+"""A GRPO recipe whose rank 0 stops itself (SIGSTOP) after a given step (``step_faults``' hook) or mid-generation."""
 
 from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
 
 from automodel_ckpt.recipes.grpo import GRPO
 from tests.integration.step_faults import StopAfterStepRecipe
@@ -8,7 +12,39 @@ from tests.integration.step_faults import StopAfterStepRecipe
 RECIPE = "tests.integration.grpo_faults.StopAfterStepGRPORecipe"
 
 
-class StopAfterStepGRPORecipe(StopAfterStepRecipe):
-    """``GRPORecipe`` whose rank 0 stops after step ``STOP_AFTER_STEP`` (``tests/integration/step_faults.py``)."""
+class StopInRolloutGRPO(GRPO):
+    """``GRPO`` whose rank 0 stops while sampling rollout batch ``STOP_IN_ROLLOUT``: as the second forward of its
+    generation begins (the first new token of every completion drawn, the rest not), after writing its pid to
+    ``STOP_PID_FILE`` (``step_faults``' protocol: once the file exists no process stops again)."""
 
-    algorithm_class = GRPO
+    def _sample(self, step, rows):
+        stop, pid_file = os.environ.get("STOP_IN_ROLLOUT"), os.environ.get("STOP_PID_FILE")
+        if not (stop and pid_file and self.recipe.env.is_main and step == int(stop) and not os.path.exists(pid_file)):
+            return super()._sample(step, rows)
+        forwards = []
+
+        def hold(module, args, kwargs):
+            forwards.append(1)
+            if len(forwards) == 2:
+                Path(pid_file + ".tmp").write_text(str(os.getpid()))
+                os.rename(pid_file + ".tmp", pid_file)
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        handle = self.recipe.model.register_forward_pre_hook(hold, with_kwargs=True)
+        try:
+            return super()._sample(step, rows)
+        finally:
+            handle.remove()
+
+
+class StopAfterStepGRPORecipe(StopAfterStepRecipe):
+    """``GRPORecipe`` whose rank 0 stops after step ``STOP_AFTER_STEP`` (``tests/integration/step_faults.py``) or
+    mid-generation of rollout batch ``STOP_IN_ROLLOUT``."""
+
+    algorithm_class = StopInRolloutGRPO
+
+
+def env(rollout: int, pid_file: Path) -> dict[str, str]:
+    """The environment that makes a launch of ``RECIPE`` stop mid-generation of rollout batch ``rollout``."""
+    return {"STOP_IN_ROLLOUT": str(rollout), "STOP_PID_FILE": str(pid_file),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

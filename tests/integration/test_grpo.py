@@ -5,8 +5,9 @@ Shared runs (module scope), 6 optimizer steps of 16 completions (4 prompts x 4),
 checkpoint falls between the two passes over rollout batch 2:
 
 * ``straight``: 2 processes, 6 steps;
-* ``killed``: the same, its rank 0 held after step 4 and the whole job killed (SIGKILL), then rerun: it resumes
-  from step 3, the rollout batch still in use restored with its pass index;
+* ``killed``: the same, its rank 0 held mid-generation of rollout batch 3 (step 5: the first new token of each
+  completion drawn) and the whole job killed (SIGKILL), then rerun: it resumes from step 3, between the two passes
+  over rollout batch 2 (that batch restored with its pass index), and samples rollout batch 3 again;
 * ``one``: 1 process restored from the straight run's step-3 checkpoint.
 """
 
@@ -46,9 +47,9 @@ def straight(work: Path, assets: Path) -> Path:
 def killed(work: Path, assets: Path) -> tuple[Path, str]:
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "killed",
            "--recipe", grpo_faults.RECIPE]
-    pid_file = work / "stopped.pid"  # rank 0 holds the job after step 4: step 3's checkpoint is the latest
+    pid_file = work / "stopped.pid"  # rank 0 holds the job mid-generation at step 5: step 3's checkpoint is the latest
     with open(work / "killed.log", "w") as log:
-        job = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(4, pid_file)), stdout=log,
+        job = start_command(cmd, cwd=work, env=env_for(assets, grpo_faults.env(3, pid_file)), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         held = step_faults.stopped(pid_file, job)
@@ -56,6 +57,7 @@ def killed(work: Path, assets: Path) -> tuple[Path, str]:
         kill_job(job)
     assert held is not None, (work / "killed.log").read_text()[-3000:]
     assert not (work / "killed" / "epoch_0_step_6").exists()
+    assert [r["step"] for r in jsonl(work / "killed" / "training.jsonl")] == [1, 2, 3, 4]  # step 5 never trained
     rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=2, recipe=RECIPE)
     return work / "killed", rerun.output
 
@@ -92,7 +94,7 @@ def test_checkpoints_hold_the_counters_and_the_rollout_between_passes_and_inspec
     assert "epoch_0_step_3: grpo_step 2, ppo_optimization_step 3, consumed_prompts 8" in shown.stdout, shown.stdout
 
 
-def test_killed_between_two_passes_and_rerun_is_bitwise(straight, killed):
+def test_killed_mid_generation_resumed_between_two_passes_is_bitwise(straight, killed):
     run, output = killed
     assert "Loading checkpoint from" in output and "epoch_0_step_3" in output, output[-3000:]
     assert _rows(run) == _rows(straight)
