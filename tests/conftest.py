@@ -15,12 +15,15 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 #: Test files whose runs take minutes: given to the workers first (longest first), so that they run side by side
-#: and the many short tests fill in at the end, instead of one long file running alone at the end.
-LONG_FILES = ("test_vlm.py", "test_object_store.py", "test_resume_heals.py", "test_parallelism.py", "test_peft.py",
-              "test_pipeline.py", "test_checkpoint_core.py", "test_families.py", "test_async_preemption.py",
-              "test_train.py", "test_bench_tools.py", "test_expert_parallel.py", "test_world_size_change.py",
+#: and the many short tests fill in at the end, instead of one long file running alone at the end. The 3- and 4-rank
+#: resume chains are the longest file (ten cases of four launches each); the strategy, MLflow-outage and streaming
+#: chains of a minute each follow the default recipe's learning test.
+LONG_FILES = ("test_resume_ranks.py", "test_vlm.py", "test_object_store.py", "test_resume_heals.py",
+              "test_parallelism.py", "test_peft.py", "test_pipeline.py", "test_checkpoint_core.py", "test_families.py",
+              "test_async_preemption.py", "test_train.py", "test_data_parallel_choice.py", "test_tracker_outage.py",
+              "test_streaming.py", "test_bench_tools.py", "test_expert_parallel.py", "test_world_size_change.py",
               "test_meta_build.py", "test_same_seed.py", "test_consolidation_e2e.py", "test_fast_recovery.py",
-              "test_kill_fault.py", "test_run_guard.py", "test_resume_ranks.py")
+              "test_kill_fault.py", "test_run_guard.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -5,11 +5,16 @@ more ranks shows a resume that sums the ranks' gradients in another order than t
 bucket layout did, until each gradient got a bucket of its own: ``distributed.data_parallel.ONE_PARAMETER_BUCKETS``).
 
 Each case trains a straight run, then the same command as a chain of three launches in one folder:
-1. stopped cleanly by SIGTERM after step 2 (a preemption: it saves step 3 and exits 0);
-2. rerun, which resumes from that checkpoint, and is killed with SIGKILL (the whole job) after step 6;
-3. rerun, which resumes from the newest complete checkpoint and trains to the end.
+1. stopped cleanly by SIGTERM after step 1 (a preemption: it saves step 2 and exits 0);
+2. rerun, which resumes from that checkpoint, saves step 3 (``ckpt_every_steps``) and is killed with SIGKILL (the
+   whole job) after step 4, whose work is lost;
+3. rerun, which resumes from the newest complete checkpoint (the second launch's step 3), redoes step 4 and trains
+   to the end.
 Each launch's rank 0 holds itself at its step (``step_faults``), so the signals land mid-run whatever the load.
 Every step's loss, ``grad_norm`` and sample ids (the last record of each step) equal the straight run's bit for bit.
+Each step is two micro-batches of 4 per data-parallel rank (gradients accumulated, then exchanged once) on short
+sequences: the fewest steps, rows and tokens that still take every path (a drift shows from a resumed launch's
+first step on).
 """
 
 from __future__ import annotations
@@ -27,13 +32,20 @@ from tests.integration import step_faults
 from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, kill_job, start_command
 
 PRETRAIN, SFT = REPO / "recipes" / "tiny_llama_pretrain.yaml", REPO / "recipes" / "tiny_llama_sft.yaml"
-MAX_STEPS = 10
-COMMON = ("--step_scheduler.ckpt_every_steps", "4", "--step_scheduler.max_steps", str(MAX_STEPS),
+MAX_STEPS, STOP_AFTER, KILL_AFTER = 5, 1, 4
+COMMON = ("--step_scheduler.ckpt_every_steps", "3", "--step_scheduler.max_steps", str(MAX_STEPS),
           "--training.log_sample_ids", "true", "--checkpoint.save_consolidated", "false")
-STREAMED = ("--data.shuffle_buffer", "256")  # the pretraining recipe's streamed corpus
-MAP = ("--data.val_size", "16")  # the fine-tuning recipe's map-style data
-BATCH3 = ("--step_scheduler.global_batch_size", "48", "--step_scheduler.local_batch_size", "8")
-BATCH4 = ("--step_scheduler.global_batch_size", "64", "--step_scheduler.local_batch_size", "8")
+#: the pretraining recipe's streamed corpus, in sequences of 32 tokens, 8 held out
+STREAMED = ("--data.shuffle_buffer", "64", "--data.seq_length", "32", "--validation_dataset.max_sequences", "8")
+MAP = ("--data.val_size", "8")  # the fine-tuning recipe's map-style data
+
+
+def _batch(data_parallel: int) -> tuple[str, ...]:
+    """Two micro-batches of 4 rows on each of ``data_parallel`` ranks a step."""
+    return ("--step_scheduler.global_batch_size", str(8 * data_parallel), "--step_scheduler.local_batch_size", "4")
+
+
+BATCH3, BATCH4, BATCH_TP = _batch(3), _batch(4), _batch(2)  # tensor parallelism of 2 on 4 ranks: 2 replicas
 WORKERS = {0: ("--data.num_workers", "0"), 2: ("--data.num_workers", "2")}
 CASES = {  # name: (processes, recipe, keys)
     "replicate-3-streamed": (3, PRETRAIN, STREAMED + BATCH3 + WORKERS[2]),
@@ -44,8 +56,8 @@ CASES = {  # name: (processes, recipe, keys)
     "fsdp2-3-map": (3, SFT, MAP + BATCH3 + WORKERS[0] + ("--distributed.dp_shard", "full")),
     "hsdp-4-map": (4, SFT, MAP + BATCH4 + WORKERS[0] + ("--distributed.dp_replicate_size", "2")),
     "hsdp-4-streamed": (4, PRETRAIN, STREAMED + BATCH4 + WORKERS[0] + ("--distributed.dp_replicate_size", "2")),
-    "tp-4-streamed": (4, PRETRAIN, STREAMED + BATCH4 + WORKERS[0] + ("--distributed.tp_size", "2")),
-    "tp-4-map": (4, SFT, MAP + BATCH4 + WORKERS[0] + ("--distributed.tp_size", "2")),
+    "tp-4-streamed": (4, PRETRAIN, STREAMED + BATCH_TP + WORKERS[0] + ("--distributed.tp_size", "2")),
+    "tp-4-map": (4, SFT, MAP + BATCH_TP + WORKERS[0] + ("--distributed.tp_size", "2")),
 }
 DEADLINE_S = 300
 
@@ -93,13 +105,18 @@ def test_a_clean_stop_and_a_kill_resume_bitwise(tmp_path, assets, case):
     assert "Data parallelism: " in straight.output
     args = (*COMMON, *keys, "--checkpoint.checkpoint_dir", "chain")
 
-    code, output = _launch_until(tmp_path, assets, nproc, recipe, args, 2, "term")
+    code, output = _launch_until(tmp_path, assets, nproc, recipe, args, STOP_AFTER, "term")
     assert code == 0, output[-3000:]
-    assert "Preempted by SIGTERM at step " in output, output[-3000:]
-    _launch_until(tmp_path, assets, nproc, recipe, args, 6, "kill")
-    rerun = ckpt_train(tmp_path, assets, *args, "--recipe", step_faults.RECIPE, nproc=nproc, recipe=recipe,
-                       env={"PYTHONPATH": str(REPO)})
-    assert "Loading checkpoint from chain/epoch_0_step_" in rerun.output
+    assert f"Preempted by SIGTERM at step {STOP_AFTER + 1}: " in output, output[-3000:]
+    _launch_until(tmp_path, assets, nproc, recipe, args, KILL_AFTER, "kill")
+    try:
+        rerun = ckpt_train(tmp_path, assets, *args, "--recipe", step_faults.RECIPE, nproc=nproc, recipe=recipe,
+                           env={"PYTHONPATH": str(REPO)}, timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired as exc:  # what the job printed, and how far it got, say where it stood
+        raise AssertionError(f"{case}: the last launch did not end in {DEADLINE_S} s; logged steps "
+                             f"{sorted(_steps(tmp_path / 'chain'))}\n{str(exc.output)[-3000:]}\n"
+                             f"{str(exc.stderr)[-3000:]}") from None
+    assert "Loading checkpoint from chain/epoch_0_step_3" in rerun.output, rerun.output[-3000:]
 
     want, got = _steps(tmp_path / "straight"), _steps(tmp_path / "chain")
     assert sorted(got) == sorted(want) == list(range(1, MAX_STEPS + 1))
