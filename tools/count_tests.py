@@ -3,9 +3,12 @@
     python tools/count_tests.py                    # this tree: one row per test file, and the totals
     python tools/count_tests.py --base REV         # REV beside this tree, with what each file gained or lost
     python tools/count_tests.py --base REV --json  # the same as one JSON object
+    python tools/count_tests.py --base REV --areas # one row per area (a test file's folder) instead of per file
 
 An assertion is an ``assert`` statement or a ``pytest.raises`` / ``pytest.warns`` block: what can fail in a test.
-Merging tests keeps the assertions; the ``--base`` comparison shows a file that lost some.
+Merging tests keeps the assertions; the ``--base`` comparison shows a file (or, with ``--areas``, a folder of the
+suite: ``tests/unit/checkpoint``, ``tests/integration``, ...) that lost some. A test merged into another file of
+the same area keeps its area's count.
 """
 
 from __future__ import annotations
@@ -48,13 +51,27 @@ def revision_counts(rev: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def by_area(counts: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The counts summed by area: each file's folder (``tests/unit/checkpoint/storage/x.py`` is in
+    ``tests/unit/checkpoint/storage``)."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, (tests, asserts) in counts.items():
+        area = name.rsplit("/", 1)[0]
+        had = out.get(area, (0, 0))
+        out[area] = (had[0] + tests, had[1] + asserts)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="a git revision to compare with")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument("--areas", action="store_true", help="one row per area (a test file's folder)")
     args = parser.parse_args(argv)
     now = tree_counts()
     base = revision_counts(args.base) if args.base else {}
+    if args.areas:
+        now, base = by_area(now), by_area(base)
     files = sorted(set(now) | set(base))
     rows = {f: {"tests": now.get(f, (0, 0))[0], "asserts": now.get(f, (0, 0))[1],
                 "base_tests": base.get(f, (0, 0))[0], "base_asserts": base.get(f, (0, 0))[1]} for f in files}
@@ -71,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         f" (base {args.base}: {total['base_tests']} tests, {total['base_asserts']} asserts)" if args.base else ""))
     lost = [f for f, r in rows.items() if r["asserts"] < r["base_asserts"]]
     if args.base and lost:
-        print("files with fewer assertions than the base: " + ", ".join(lost), file=sys.stderr)
+        print(f"{'areas' if args.areas else 'files'} with fewer assertions than the base: " + ", ".join(lost),
+              file=sys.stderr)
     return 0
 
 
