@@ -4,6 +4,7 @@ coordinator's work at 256 to 4,096 ranks simulated in one process.
     python tools/bench_scale.py [--ranks 2,4,8,16,32] [--reps 3] [--json OUT]
     python tools/bench_scale.py --small --json OUT     # 2 and 3 ranks, one repetition: checks the tool
     python tools/bench_scale.py --simulate-ranks 256,1024,4096 --layout llama3-70b [--strategy fsdp] --json OUT
+    python tools/bench_scale.py --simulate-ranks 256,1024,4096 --layout llama3-70b --end-to-end --json OUT
 
 ``--simulate-ranks`` (``scale_sim.py``): every rank's local save plan as DCP makes it for the layout's DTensors
 (``--layout llama3-70b|llama3-8b|moe|tiny``, ``--strategy fsdp|hsdp|tp-fsdp``), sent to the coordinator through
@@ -11,6 +12,10 @@ the product's planner (``LinearSavePlanner``); the coordinator's CPU seconds of 
 one (cached), a load at the same rank count and one at three quarters of it (resharded), and the bytes each rank
 sends the coordinator in a save (plan, write results, checksums). ``--dump-plans DIR``: rank 0 of a real run (and
 a simulation) pickles the model save's final plans and metadata there (compared by the tests).
+``--end-to-end`` (``scale_e2e.py``): the whole save at each rank count, a first and a next one: both states'
+planning, the optimizer's ``.metadata``, the failure flags, the manifest, the commit (rank 0's CPU seconds of
+each), the object-store requests and the bytes rank 0 receives; with ``--dump-plans`` the optimizer's final plans,
+metadata and ``.metadata`` file too.
 
 For each rank count, ``torchrun --standalone`` starts that many CPU processes on this machine; each holds a tiny
 FSDP2-sharded model (a few KiB per rank, so coordination dominates) with AdamW state and saves it ``--reps``
