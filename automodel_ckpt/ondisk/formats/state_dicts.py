@@ -7,7 +7,8 @@ them; the optimizer's parameters, their names and its groups' keys. Later calls 
 optimizer's live ``state`` and ``param_groups`` (what torch reads too) and lay them out the same way; whenever they
 no longer match that layout (a parameter added or replaced, a state not yet made, a group's keys changed) torch
 is asked again. A layout is kept only where it gives exactly torch's answer (checked when it is made), so a wrapper
-torch handles itself (FSDP1, state-dict hooks) is always asked of torch.
+torch handles itself (FSDP1, state-dict hooks) is always asked of torch. The names of the optimizer's parameters
+are those of the first call: a parameter moved to another module path, the same tensor kept, is not seen.
 """
 
 from __future__ import annotations
