@@ -50,8 +50,7 @@ def gguf_beside(model: Tensors, path: Path, stack: ExitStack) -> tuple[Tensors, 
     for t in mapping:
         if t.name not in file.shapes:  # the model's tensors the file lacks
             for source in t.sources:
-                laid.shapes[source], laid.dtypes[source] = model.shapes[source], model.dtypes[source]
-                laid.readers[source] = lambda s=source: model.read_saved(s)
+                _as_saved(laid, model, source)
             continue
         made.add(t.name)
         if len(t.sources) == 1:
@@ -65,15 +64,20 @@ def gguf_beside(model: Tensors, path: Path, stack: ExitStack) -> tuple[Tensors, 
             _add(read, file, name, t.name, file.shapes[t.name], lambda g=t.name: file.read(g))
             continue
         for e, source in enumerate(t.sources):  # experts stacked along the first dimension
-            laid.shapes[source], laid.dtypes[source] = model.shapes[source], model.dtypes[source]
-            laid.readers[source] = lambda s=source: model.read_saved(s)
-            if source in model.steps:
-                laid.steps[source], laid.formats[source] = model.steps[source], model.formats[source]
+            _as_saved(laid, model, source)
             _add(read, file, source, t.name, file.shapes[t.name][1:], lambda g=t.name, e=e: whole(g)[e])
     for name, shape in file.shapes.items():
         if name not in made:
             _add(read, file, name, name, shape, lambda name=name: file.read(name))
     return laid, read
+
+
+def _as_saved(out: Tensors, model: Tensors, source: str) -> None:
+    """``model``'s tensor ``source`` in ``out`` as it is saved (with its rounding step where it has one)."""
+    out.shapes[source], out.dtypes[source] = model.shapes[source], model.dtypes[source]
+    out.readers[source] = lambda: model.read_saved(source)
+    if source in model.steps:
+        out.steps[source], out.formats[source] = model.steps[source], model.formats[source]
 
 
 def _add(out: Tensors, file: Any, name: str, gguf_name: str, shape: tuple[int, ...], read: Any) -> None:
