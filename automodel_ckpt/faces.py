@@ -1,9 +1,20 @@
-"""A package's face: the members its ``_EXPORTS`` names, each imported from its submodule on first use."""
+"""A package's face: the members its table names, each imported from its submodule on first use."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any, Callable
+
+
+def exports_of(table: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """A face's ``_EXPORTS``, name -> (module, its name there), from its table: module -> the names of its members
+    the face hands on, separated by spaces (``face_name=name`` hands a member on under another name)."""
+    out = {}
+    for module, names in table.items():
+        for name in names.split():
+            face_name, _, attr = name.partition("=")
+            out[face_name] = (module, attr or face_name)
+    return out
 
 
 def lazy_members(package: str, exports: dict[str, tuple[str, str]], namespace: dict[str, Any]

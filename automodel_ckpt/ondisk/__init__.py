@@ -15,83 +15,26 @@ use, so reading a run folder (``inspect``, ``verify``) imports no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from automodel_ckpt.faces import exports_of, lazy_members
 
-from automodel_ckpt.faces import lazy_members
-
-# name -> (module below this package, its name there)
-_EXPORTS = {
-    # the file and folder names of a run folder and a checkpoint, and their path builders, as one table (layout)
-    "LAYOUT": ("layout_table", "LAYOUT"),
-    # limits on untrusted files and the bounded readers (bounded)
-    "CONFIG_FILE_LIMIT": ("bounded", "CONFIG_FILE_LIMIT"),
-    "INDEX_FILE_LIMIT": ("bounded", "INDEX_FILE_LIMIT"),
-    "LOG_FILE_LIMIT": ("bounded", "LOG_FILE_LIMIT"),
-    "LOG_LINE_LIMIT": ("bounded", "LOG_LINE_LIMIT"),
-    "MAX_DEPTH": ("bounded", "MAX_DEPTH"),
-    "SMALL_FILE_LIMIT": ("bounded", "SMALL_FILE_LIMIT"),
-    "MiB": ("bounded", "MiB"),
-    "check_size": ("bounded", "check_size"),
-    "parse_json": ("bounded", "parse_json"),
-    "read_bytes": ("bounded", "read_bytes"),
-    "read_json": ("bounded", "read_json"),
-    "read_yaml": ("bounded", "read_yaml"),
-    "yaml_depth_line": ("bounded", "yaml_depth_line"),
-    # path checks on names read from files (paths)
-    "check_path": ("paths", "check_path"),
-    "file_kind": ("paths", "file_kind"),
-    "is_plain_name": ("paths", "is_plain_name"),
-    "model_file_in": ("paths", "model_file_in"),
-    "open_regular": ("paths", "open_regular"),
-    "path_inside": ("paths", "path_inside"),
-    "regular_file_problem": ("paths", "regular_file_problem"),
-    # the catalog of a run folder: its checkpoints and pointers (catalog)
-    "CheckpointRecord": ("catalog", "CheckpointRecord"),
-    "list_checkpoints": ("catalog", "list_checkpoints"),
-    "pointer_target": ("catalog", "pointer_target"),
-    "pointer_targets": ("catalog", "pointer_targets"),
-    "quarantined_checkpoints": ("catalog", "quarantined_checkpoints"),
-    "scan_checkpoints": ("catalog", "scan_checkpoints"),
-    "size_on_disk": ("catalog", "size_on_disk"),
-    # the manifest: reading, verifying, extending it (manifest)
-    "CHECKSUM_MISMATCH": ("manifest", "CHECKSUM_MISMATCH"),
-    "UNEXPECTED_FILE": ("manifest", "UNEXPECTED_FILE"),
-    "ManifestReport": ("manifest", "ManifestReport"),
-    "add_files_to_manifest": ("manifest", "add_files_to_manifest"),
-    "read_manifest": ("manifest", "read_manifest"),
-    "verify_manifest": ("manifest", "verify_manifest"),
-    # a checkpoint's metadata, its bytes shared with others, durable writes, reading model files
-    "as_float": ("metadata", "as_float"),
-    "run_fingerprint": ("fingerprint", "run_fingerprint"),
-    "shared_bytes": ("incremental", "shared_bytes"),  # checkpoint.incremental: own / shared bytes of a checkpoint
-    "stored_once": ("incremental", "stored_once"),
-    "write_atomic": ("durable", "write_atomic"),
-    "fsync_file": ("durable", "fsync_file"),
-    "detect_model_format": ("formats.detect", "detect_model_format"),
-    "load_pt": ("formats.safe_load", "load_pt"),
-    "read_dcp_folder": ("formats.dcp_folder", "read_dcp_folder"),
-}
+# module below this package -> the names of its members that the face hands on
+_EXPORTS = exports_of({
+    "layout_table": "LAYOUT",  # the file and folder names of a run folder and a checkpoint, and their path builders
+    "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "
+               "check_size parse_json read_bytes read_json read_yaml yaml_depth_line",
+    "paths": "check_path file_kind is_plain_name model_file_in open_regular path_inside regular_file_problem",
+    "catalog": "CheckpointRecord list_checkpoints pointer_target pointer_targets quarantined_checkpoints "
+               "scan_checkpoints size_on_disk",
+    "manifest": "CHECKSUM_MISMATCH UNEXPECTED_FILE ManifestReport add_files_to_manifest read_manifest verify_manifest",
+    "metadata": "as_float",
+    "fingerprint": "run_fingerprint",
+    "incremental": "shared_bytes stored_once",  # checkpoint.incremental: own / shared bytes of a checkpoint
+    "durable": "write_atomic fsync_file",
+    "formats.detect": "detect_model_format",
+    "formats.safe_load": "load_pt",
+    "formats.dcp_folder": "read_dcp_folder",
+})
 
 __all__ = sorted(_EXPORTS)
-
-if TYPE_CHECKING:
-    from automodel_ckpt.ondisk.bounded import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LOG_FILE_LIMIT, LOG_LINE_LIMIT,
-                                               MAX_DEPTH, SMALL_FILE_LIMIT, MiB, check_size, parse_json, read_bytes,
-                                               read_json, read_yaml, yaml_depth_line)
-    from automodel_ckpt.ondisk.catalog import (CheckpointRecord, list_checkpoints, pointer_target, pointer_targets,
-                                               quarantined_checkpoints, scan_checkpoints, size_on_disk)
-    from automodel_ckpt.ondisk.durable import fsync_file, write_atomic
-    from automodel_ckpt.ondisk.fingerprint import run_fingerprint
-    from automodel_ckpt.ondisk.formats.dcp_folder import read_dcp_folder
-    from automodel_ckpt.ondisk.formats.detect import detect_model_format
-    from automodel_ckpt.ondisk.formats.safe_load import load_pt
-    from automodel_ckpt.ondisk.incremental import shared_bytes, stored_once
-    from automodel_ckpt.ondisk.layout_table import LAYOUT
-    from automodel_ckpt.ondisk.manifest import (CHECKSUM_MISMATCH, UNEXPECTED_FILE, ManifestReport,
-                                                add_files_to_manifest, read_manifest, verify_manifest)
-    from automodel_ckpt.ondisk.metadata import as_float
-    from automodel_ckpt.ondisk.paths import (check_path, file_kind, is_plain_name, model_file_in, open_regular,
-                                             path_inside, regular_file_problem)
-
 
 __getattr__ = lazy_members(__name__, _EXPORTS, globals())
