@@ -116,13 +116,14 @@ class Boundary:
     time_due: bool = False
 
 
-def _all_reduce_max(values: Sequence[int]) -> list[int]:
+def _all_reduce_max(values: Sequence[float]) -> list[float]:
+    """The elementwise maximum of ``values`` over every rank (flags as 0 or 1, seconds, hours)."""
     import torch.distributed as dist
 
-    t = torch.tensor(list(values), dtype=torch.int32)
+    t = torch.tensor(list(values), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [int(v) for v in t.tolist()]
+    return t.tolist()
 
 
 class StepBoundary:
@@ -132,7 +133,7 @@ class StepBoundary:
     """
 
     def __init__(self, watcher: PreemptionWatcher, timer: TimeTrigger,
-                 reduce_max: Callable[[Sequence[int]], list[int]] = _all_reduce_max) -> None:
+                 reduce_max: Callable[[Sequence[float]], list[float]] = _all_reduce_max) -> None:
         self.watcher = watcher
         self.timer = timer
         self.reduce_max = reduce_max
@@ -173,15 +174,6 @@ class SaveDecision:
     scheduled: bool = False  # the durable save is one of the schedule's (not only the preemption's): validated first
 
 
-def _all_reduce_max_float(values: Sequence[float]) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(list(values), dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.tolist()]
-
-
 DEFAULT_MTBF_HOURS = 24.0  # with no checkpoint.mtbf_hours and no interruption in the run's cost log
 
 
@@ -207,7 +199,7 @@ class AutoInterval:
     def __init__(self, interval_steps: Callable[[float, float, float], int], *, mtbf_hours: float | None,
                  observed_mtbf_s: Callable[[], float | None], is_main: bool, say: Callable[[str], None],
                  note: Callable[[dict[str, Any]], None],
-                 reduce_max: Callable[[Sequence[float]], list[float]] = _all_reduce_max_float,
+                 reduce_max: Callable[[Sequence[float]], list[float]] = _all_reduce_max,
                  clock: Callable[[], float] = time.monotonic, schedule: Any = None) -> None:
         self.interval_steps, self.mtbf_hours, self.observed_mtbf_s = interval_steps, mtbf_hours, observed_mtbf_s
         self.is_main, self.say, self.note, self.reduce_max, self.clock = is_main, say, note, reduce_max, clock
