@@ -8,6 +8,9 @@ checkpoint falls between the two passes over rollout batch 2:
 * ``killed``: the same, its rank 0 held mid-generation of rollout batch 3 (step 5: the first new token of each
   completion drawn) and the whole job killed (SIGKILL), then rerun: it resumes from step 3, between the two passes
   over rollout batch 2 (that batch restored with its pass index), and samples rollout batch 3 again;
+* ``between``: the same, its rank 0 held after step 5 (the first of the two passes over rollout batch 3 trained and
+  logged, the second not begun) and the whole job killed (SIGKILL), then rerun: it resumes from step 3 and samples
+  rollout batch 3 again;
 * ``one``: 1 process restored from the straight run's step-3 checkpoint.
 """
 
@@ -62,6 +65,26 @@ def killed(work: Path, assets: Path) -> tuple[Path, str]:
     return work / "killed", rerun.output
 
 
+@pytest.fixture(scope="module")
+def between(work: Path, assets: Path) -> tuple[Path, str]:
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "between",
+           "--recipe", grpo_faults.RECIPE]
+    pid_file = work / "between.pid"  # rank 0 holds the job after step 5, between the two passes of rollout batch 3
+    with open(work / "between.log", "w") as log:
+        job = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(5, pid_file)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        held = step_faults.stopped(pid_file, job)
+    finally:
+        kill_job(job)
+    assert held is not None, (work / "between.log").read_text()[-3000:]
+    rows = jsonl(work / "between" / "training.jsonl")
+    assert [(r["step"], r["grpo_step"], r["rollout_pass"]) for r in rows][-1] == (5, 3, 1)  # one pass of two taken
+    assert not (work / "between" / "epoch_0_step_6").exists()
+    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "between", nproc=2, recipe=RECIPE)
+    return work / "between", rerun.output
+
+
 def _rows(run: Path) -> list[tuple]:
     return [tuple(r[k] for k in EXACT) for r in jsonl(run / "training.jsonl")]
 
@@ -101,6 +124,14 @@ def test_killed_mid_generation_resumed_between_two_passes_is_bitwise(straight, k
     want = json.loads((straight / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
     got = json.loads((run / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
     assert got == want
+
+
+def test_killed_between_two_passes_of_one_rollout_batch_is_bitwise(straight, between):
+    run, output = between
+    assert "Loading checkpoint from" in output and "epoch_0_step_3" in output, output[-3000:]
+    assert _rows(run) == _rows(straight)  # steps 4 to 6 again, each once: rollout batch 3 sampled the same
+    want = json.loads((straight / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
+    assert json.loads((run / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"] == want
 
 
 def test_resumed_on_one_process_samples_the_same_completions(work, assets, straight):
