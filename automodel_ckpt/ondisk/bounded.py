@@ -49,15 +49,8 @@ MAX_SHAPE_DIMS = 64
 MAX_WORLD_SIZE = 1 << 20
 """Ranks recorded as having written a checkpoint (``world_size`` in ``saved_state.json``, ``metadata.json``)."""
 
-_KIND_LIMIT = {"small": SMALL_FILE_LIMIT, "config": CONFIG_FILE_LIMIT, "index": INDEX_FILE_LIMIT,
-               "log line": LOG_LINE_LIMIT, "safetensors header": SAFETENSORS_HEADER, "DCP metadata": DCP_METADATA}
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
-
-
-def _limit_of(kind: str) -> int:
-    """The size limit of a kind of file (``small``, ``config``, ``index``, ``log line``, ...)."""
-    return _KIND_LIMIT[kind]
 
 
 def check_size(size: int, where: str, what: str, limit: int) -> None:
