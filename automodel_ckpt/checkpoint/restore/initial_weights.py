@@ -24,7 +24,7 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.export import is_archive, open_archive
 from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.checkpoint.restore.decision import Source
+from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.checkpoint.restore.fallback import DURABLE
 from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_folder
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
@@ -52,7 +52,7 @@ class StartTier:
 
     name = DURABLE  # where the restore loaded from, as the run reports it (``restored_tier``)
 
-    def __init__(self, cfg: CheckpointConfig, source: Source, loader: CheckpointLoader, states: dict[str, Any], *,
+    def __init__(self, cfg: CheckpointConfig, source: RunFolder, loader: CheckpointLoader, states: dict[str, Any], *,
                  rank: int, world_size: int, say: Callable[[str], None]) -> None:
         self.cfg, self.source, self.loader, self.states = cfg, source, loader, states
         self.rank, self.world_size, self.say = rank, world_size, say
@@ -83,7 +83,7 @@ class StartTier:
         return None
 
 
-def start_from(cfg: CheckpointConfig, source: Source, states: list[str], *, model_is_peft: bool, rank: int,
+def start_from(cfg: CheckpointConfig, source: RunFolder, states: list[str], *, model_is_peft: bool, rank: int,
                world_size: int) -> Start:
     """Collective: check that the ``load_only`` states of ``restore_from`` can be loaded into ``states``.
 

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
-from automodel_ckpt.checkpoint.restore.decision import Decision, Source
+from automodel_ckpt.checkpoint.restore.decision import Decision
+from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.checkpoint.restore.fallback import AGAIN, DURABLE
 from automodel_ckpt.checkpoint.restore.probe import check_same_run, probe
 from automodel_ckpt.errors import CheckpointError, first_line, warn
@@ -39,7 +40,7 @@ class DurableTier:
 
     name = DURABLE
 
-    def __init__(self, cfg: CheckpointConfig, source: Source, loader: CheckpointLoader, *, rank: int,
+    def __init__(self, cfg: CheckpointConfig, source: RunFolder, loader: CheckpointLoader, *, rank: int,
                  world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None]) -> None:
         self.cfg, self.source, self.loader = cfg, source, loader
         self.rank, self.world_size, self.fingerprint, self.say = rank, world_size, fingerprint, say
@@ -60,7 +61,7 @@ class DurableTier:
         return AGAIN
 
 
-def decide(cfg: CheckpointConfig, source: Source, *, rank: int, world_size: int,
+def decide(cfg: CheckpointConfig, source: RunFolder, *, rank: int, world_size: int,
            fingerprint: dict[str, Any] | None, say: Callable[[str], None],
            damaged_while_loading: str | None = None) -> Decision | None:
     """Collective: select and check the checkpoint this run resumes (``checkpoint.restore_from``, else the newest).
@@ -106,7 +107,7 @@ def decide(cfg: CheckpointConfig, source: Source, *, rank: int, world_size: int,
         return Decision(path, fallback=fallback)
 
 
-def set_aside(source: Source, path: Path, exc: CheckpointError, *, rank: int, say: Callable[[str], None]) -> None:
+def set_aside(source: RunFolder, path: Path, exc: CheckpointError, *, rank: int, say: Callable[[str], None]) -> None:
     """Collective: quarantine damaged checkpoint ``path`` and say so."""
     reason = first_line(exc)
     if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
@@ -118,7 +119,7 @@ def set_aside(source: Source, path: Path, exc: CheckpointError, *, rank: int, sa
             "and resuming from the newest checkpoint before it")
 
 
-def _fetch(source: Source, path: Path) -> CheckpointError | None:
+def _fetch(source: RunFolder, path: Path) -> CheckpointError | None:
     try:
         source.fetch(path)
     except CheckpointError as exc:
