@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.ondisk.catalog import Monitor
-from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, source_of, stored_files,
-                                                    stored_sharing, upload_folder)
+from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, run_folder, source_of,
+                                                    stored_files, stored_sharing, upload_folder)
 from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
 from automodel_ckpt.checkpoint.objectstore.store import wrap
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
@@ -44,11 +44,6 @@ def open_run_folder(cfg: Any, rank: int, world_size: int) -> RunFolder:
                                     storage_options=cfg.storage_options)
     return LocalRunFolder(objectstore.run_folder(cfg), rank, monitor=monitor_of(cfg),
                           storage_options=cfg.storage_options)
-
-
-def run_folder(cfg: Any) -> Path:
-    """The local folder a run writes its checkpoints and logs to: ``checkpoint_dir``, or its mirror for a URL."""
-    return objectstore.run_folder(cfg)
 
 
 def share_run_file(cfg: Any, path: Path) -> None:
