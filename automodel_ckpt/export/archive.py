@@ -12,6 +12,7 @@ that is not a tar header.
 
 from __future__ import annotations
 
+import math
 import os
 import tarfile
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ from automodel_ckpt.ondisk.checksum import hash_range
 from automodel_ckpt.ondisk.formats.safetensors_io import (
     check_header,
     header_length,
-    numel,
     parse_header,
     tensor_entries,
 )
@@ -271,7 +271,7 @@ def describe_archive(path: Path) -> dict[str, Any]:
         for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
             header, _ = archive.safetensors_header(name)
             for entry in tensor_entries(header).values():
-                dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + numel(entry["shape"])
+                dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + math.prod(entry["shape"])
         config = config if isinstance(config, dict) else {}
         meta = meta if isinstance(meta, dict) else {}
         source = table.get("source") if isinstance(table.get("source"), dict) else {}

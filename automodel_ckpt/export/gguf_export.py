@@ -15,6 +15,7 @@ too). The file is written under a hidden name beside ``out`` and renamed into pl
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import struct
@@ -101,10 +102,7 @@ def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
     from gguf import GGML_QUANT_SIZES
 
     block, size = GGML_QUANT_SIZES[qtype]
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows * (shape[-1] // block) * size
+    return math.prod(shape[:-1]) * (shape[-1] // block) * size
 
 
 def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool = True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import threading
@@ -28,7 +29,6 @@ from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece
 from automodel_ckpt.ondisk.formats.safetensors_io import (
     encode_header,
     layout_order,
-    numel,
     pwrite_all,
     st_dtype_name,
 )
@@ -280,7 +280,7 @@ class _Writer:
         """Build the whole tensor in memory from pieces that are not contiguous in it, then write it."""
         src = out.source
         shape = src.base_shape or src.shape
-        nbytes = max(out.nbytes, numel(shape) * src.dtype.itemsize)
+        nbytes = max(out.nbytes, math.prod(shape) * src.dtype.itemsize)
         self.budget.acquire(nbytes)
         try:
             full = torch.empty(shape, dtype=src.dtype)
@@ -368,4 +368,4 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def total_bytes(files: list[OutFile]) -> int:
-    return sum(numel(t.source.shape) * t.dtype.itemsize for f in files for t in f.tensors)
+    return sum(math.prod(t.source.shape) * t.dtype.itemsize for f in files for t in f.tensors)

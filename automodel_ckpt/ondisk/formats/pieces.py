@@ -6,12 +6,11 @@ the Hugging Face export (``export.sources``) checks their coverage and reads the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from automodel_ckpt.ondisk.formats.safetensors_io import numel
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        return numel(self.shape)
+        return math.prod(self.shape)
 
 
 @dataclass
@@ -50,7 +49,7 @@ class SourceTensor:
 
     @property
     def numel(self) -> int:
-        return numel(self.shape)
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -211,10 +211,6 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
     return struct.pack("<Q", len(raw)) + raw
 
 
-def numel(shape: tuple[int, ...] | list[int]) -> int:
-    return math.prod(shape)
-
-
 def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
     """Fill ``buf`` from ``fd`` at ``offset``; a short file is a truncated checkpoint."""
     done = 0

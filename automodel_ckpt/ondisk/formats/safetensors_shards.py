@@ -9,6 +9,7 @@ a Hugging Face folder inline (``save_consolidated``); a PEFT model's adapter fol
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.formats import fastio
 from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor, is_index as _is_index
-from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, numel, read_header, tensor_entries
+from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.ondisk.formats.sharded import ShardsFormat
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def _open_safetensors(folder: Path, saved_world_size: int | None) -> ShardSource
                 begin, end = (int(x) for x in entry["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"damaged shard file {path}: unsupported entry for '{name}'") from None
-            if end - begin != numel(shape) * dtype.itemsize:
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 raise CheckpointError(f"damaged shard file {path}: byte range of '{name}' does not match its shape")
             noted = sharding.get(name)
             offsets = noted.get(_SAVED_OFFSETS_KEY, [0] * len(shape)) if isinstance(noted, dict) else [0] * len(shape)

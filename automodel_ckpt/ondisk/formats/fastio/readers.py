@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -33,10 +34,7 @@ def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: 
     for i in range(len(shape) - 1, -1, -1):
         strides[i] = stride
         stride *= shape[i]
-    count = 1
-    for n in lengths:
-        count *= n
-    return sum(o * s for o, s in zip(offsets, strides)), count
+    return sum(o * s for o, s in zip(offsets, strides)), math.prod(lengths)
 
 
 

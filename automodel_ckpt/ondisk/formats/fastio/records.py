@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -217,11 +218,8 @@ def noted_location(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...]
         return None
     if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
         return None
-    numel = 1
-    for n in shape:
-        numel *= n
     try:
-        nbytes = numel * itemsize(dtype)
+        nbytes = math.prod(shape) * itemsize(dtype)
     except (KeyError, TypeError, RuntimeError):
         return None
     if at < 0 or at + nbytes > info.length:
