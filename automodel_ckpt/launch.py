@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -233,10 +234,8 @@ def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
         module = "automodel_ckpt.recipes.llm_finetune"
     for name in (module, "torch.distributed.checkpoint", "automodel_ckpt.checkpoint.checkpointer",
                  "transformers.modeling_utils", "transformers.models.auto.modeling_auto", *_FAMILY_SHARED, *extra):
-        try:
+        with contextlib.suppress(ImportError):  # the worker reports a recipe it cannot import, in one line
             importlib.import_module(name)
-        except ImportError:  # the worker reports a recipe it cannot import, in one line
-            pass
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     get_checkpoint_conversion_mapping("llama")  # builds (once) the table of every family's weight renamings
@@ -282,10 +281,8 @@ class SignalForwarder:
         print(f"Received {self.signal.name}: the workers save a checkpoint at their next step and stop",
               file=sys.stderr, flush=True)
         for pid in workers:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
 
 
 def worker_pids(parent: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -211,12 +212,10 @@ def model_family(ckpt: Path) -> str | None:
     """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
     model = LAYOUT.model_dir(ckpt)
     candidates = [(LAYOUT.hf_metadata_dir(model) / LAYOUT.HF_CONFIG, False)]
-    try:
+    with contextlib.suppress(OSError, TypeError, AttributeError, UserError):
         adapter = read_json(model / LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
         if adapter.get("base_model_name_or_path"):  # a base folder, maybe a Hugging Face cache snapshot of links
             candidates.append((Path(adapter["base_model_name_or_path"]) / LAYOUT.HF_CONFIG, True))
-    except (OSError, TypeError, AttributeError, UserError):
-        pass
     for path, follow in candidates:
         try:
             value = read_json(path, "a model config", CONFIG_FILE_LIMIT, follow=follow).get("model_type")

@@ -101,10 +101,8 @@ def end_process(code: int) -> NoReturn:
         logging.shutdown()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         if code == 0 and _RETURN_ON_SUCCESS:  # a forked worker: its agent counts it done once it returns
             raise SystemExit(0)
         os._exit(code)

@@ -27,6 +27,7 @@ ends at once. (They never hold the checkpoint folder's lock either: ``checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -125,11 +126,9 @@ def _watch() -> None:
 
 def _stop(why: str) -> None:
     launcher = _bound[0] if _bound else "?"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         print(f"[pid {os.getpid()}] error: the launcher (pid {launcher}) is gone; {why}: this worker ends now",
               file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 

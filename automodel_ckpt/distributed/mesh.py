@@ -12,6 +12,7 @@ of a shard group (whole groups of tensor-parallel peers); every data-parallel ra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -89,11 +90,9 @@ class MeshSizes:
         """The sizes a checkpoint recorded (without ``pp``: one stage; without ``ep``: no expert parallelism); a
         checkpoint without a record was written on a 1-D mesh."""
         if isinstance(record, dict):
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 return cls(int(record.get("dp_replicate", 1)), int(record.get("dp_shard", 1)), int(record.get("tp", 1)),
                            pp=int(record.get("pp", 1)), ep=int(record.get("ep", 1)))
-            except (TypeError, ValueError):
-                pass
         return cls(1, max(int(world_size), 1), 1)
 
 

@@ -172,11 +172,9 @@ class WrittenFiles:
             entry = self._files.get(key)
         if entry is None:
             return None
-        try:
+        with contextlib.suppress(OSError):
             if _stamp(Path(key)) == entry[0]:
                 return entry[1]
-        except OSError:
-            pass
         with self._lock:
             self._files.pop(key, None)
         return None

@@ -7,6 +7,7 @@ Non-finite floats are written the way the JSON-lines logs write them: NaN as nul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -139,9 +140,7 @@ def saved_mesh(path: Path) -> MeshSizes:
 def written_by(path: Path) -> WrittenBy:
     """How the job that wrote checkpoint ``path`` was shaped (to report what changes on resume)."""
     local: int | None = None
-    try:
+    with contextlib.suppress(OSError, KeyError, TypeError, ValueError, CheckpointError):
         saved = bounded.read_yaml(Path(path) / layout.CONFIG_FILE, "a checkpoint's recipe copy")
         local = int(saved["step_scheduler"]["local_batch_size"])
-    except (OSError, KeyError, TypeError, ValueError, CheckpointError):
-        pass
     return WrittenBy(world_size=_saved_world_size(path), local_batch_size=local, mesh=saved_mesh(path))

@@ -29,6 +29,7 @@ deletes that freed them (retention, the next save's removal of leftovers) and by
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -250,10 +251,8 @@ class RemoteRun:
             if rel not in layout.CATALOG_FILES:
                 (folder / rel).unlink(missing_ok=True)
         for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-            try:
+            with contextlib.suppress(OSError):
                 sub.rmdir()
-            except OSError:
-                pass
 
     # --- retention, quarantine, gc ---------------------------------------------------------------------
     def delete(self, names: list[str]) -> None:

@@ -6,6 +6,7 @@ a checkpoint is deleted commit object first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -161,10 +162,8 @@ class ObjectStore:
         self.fs.pipe_file(self.key(*parts), text.encode("utf-8"))
 
     def remove(self, *parts: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.key(*parts))
-        except FileNotFoundError:
-            pass
 
     # --- bulk transfers ------------------------------------------------------------------------------
     def upload(self, local_root: Path, rels: list[str], name: str, keys: dict[str, str] | None = None) -> None:

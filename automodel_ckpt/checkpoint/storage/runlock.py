@@ -34,6 +34,7 @@ the bucket itself needs a lease (``objectstore``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -231,11 +232,9 @@ class RunLock:
 def _drop(path: str, fd: int) -> None:
     """Remove the lock file, only if the name still is the very file ``fd`` holds (never a link or a file put in
     its place), then let the lock go."""
-    try:
+    with contextlib.suppress(OSError):
         if os.path.samestat(os.lstat(path), os.fstat(fd)):
             os.unlink(path)  # while still locked: a run that opened this file meanwhile retries on a new one
-    except OSError:
-        pass
     _close(fd)
 
 
@@ -250,10 +249,8 @@ def _forget_in_child() -> None:
     global _MUTEX
     _MUTEX = threading.Lock()  # another thread of the parent may have held it at the fork
     for fd in set(_OPEN) | {held.fd for held in _HELD.values()}:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _OPEN.clear()
     _HELD.clear()
 

@@ -13,6 +13,7 @@ and comes back as a bad row naming its byte offset; a parquet or arrow row large
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -328,13 +329,11 @@ def line_start(path: str, storage_options: dict[str, Any] | None, offset: int,
     belongs to the byte range before); ``offset`` itself when the file cannot be read (its reader says why)."""
     if offset <= 0:
         return 0
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with _open(path, storage_options) as f:
             f.seek(offset - 1)
             for _, length in bounded_lines(_UpTo(f, offset - 1, offset), max_bytes):
                 return offset - 1 + length
-    except (OSError, ValueError):
-        pass
     return offset
 
 

@@ -18,6 +18,7 @@ reused, so verifying a checkpoint on load costs no second read.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -232,10 +233,8 @@ class _Pool:
         if not self.failed and session.give_back(self.all, REGION):
             return
         for buffer in self.all:
-            try:
+            with contextlib.suppress(BufferError):  # a view still exported (a failed read): freed with the object
                 buffer.close()
-            except BufferError:  # a view still exported (a failed read): the mapping goes with the object
-                pass
 
 
 class _Aborted(Exception):

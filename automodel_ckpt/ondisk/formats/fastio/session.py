@@ -46,10 +46,8 @@ class _Session:
 
 
 def _wait_for_the_others(started: threading.Barrier) -> None:
-    try:
+    with contextlib.suppress(threading.BrokenBarrierError):  # a thread that did not start in time: read without it
         started.wait(_STARTED_WITHIN)
-    except threading.BrokenBarrierError:  # a thread that did not start in time: the others read without it
-        pass
 
 
 @contextlib.contextmanager
