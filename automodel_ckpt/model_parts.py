@@ -17,10 +17,8 @@ PROJECTOR_NAMES: tuple[str, ...] = ("multi_modal_projector",)
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
     """The vision encoder of an image-text model, or None for a text model."""
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in VISION_TOWER_NAMES:
-            return module
-    return None
+    return next((module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_TOWER_NAMES),
+                None)
 
 
 def is_image_text(model: nn.Module) -> bool:

@@ -242,10 +242,8 @@ def _plan_apart(staging: Path, rank: int, world_size: int) -> tuple[str, dict[st
 
 def _find_checkpoint(path: Path) -> Path | None:
     """The checkpoint folder (one holding a manifest) that contains ``path``, if any."""
-    for folder in [Path(path), *Path(path).parents]:
-        if (folder / layout.MANIFEST_FILE).is_file():
-            return folder
-    return None
+    return next((folder for folder in [Path(path), *Path(path).parents] if (folder / layout.MANIFEST_FILE).is_file()),
+                None)
 
 
 def add_files_to_manifest(folder: Path) -> bool:

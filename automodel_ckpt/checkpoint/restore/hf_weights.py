@@ -47,11 +47,7 @@ def in_memory_names(model: Any) -> tuple[Any, dict[str, str]]:
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     adapters = _adapter_keys(base)
-    names = {}
-    for key in base.state_dict():
-        if key not in adapters:
-            names[key.replace(".base_layer.", ".")] = key
-    return base, names
+    return base, {key.replace(".base_layer.", "."): key for key in base.state_dict() if key not in adapters}
 
 
 def _adapter_keys(base: Any) -> set[str]:
