@@ -125,13 +125,8 @@ def _compressed_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     meta = torch.empty(shape, dtype=dtype, device="meta")
     scale = torch.empty(_scale_shape(shape, scheme), dtype=dtype, device="meta")
     compressed = _compressor(scheme).compress({"weight": meta, "weight_scale": scale}, scheme)
-    out = []
-    for key, value in compressed.items():
-        if key == "weight_shape":
-            out.append((f"{stem}.{key}", torch.int64, (len(shape),), name))
-        else:
-            out.append((f"{stem}.{key}", value.dtype, tuple(value.shape), name))
-    return out
+    return [(f"{stem}.{key}", torch.int64, (len(shape),), name) if key == "weight_shape"
+            else (f"{stem}.{key}", value.dtype, tuple(value.shape), name) for key, value in compressed.items()]
 
 
 def _scale_shape(shape: tuple[int, ...], scheme: Any) -> tuple[int, ...]:

@@ -63,11 +63,7 @@ class ShardSource:
 
     def fingerprint(self) -> list[tuple[str, int, int]]:
         """Name, size and mtime of every shard file: identifies this exact set of shards."""
-        out = []
-        for f in self.files:
-            st = f.stat()
-            out.append((f.name, st.st_size, st.st_mtime_ns))
-        return out
+        return [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in self.files]
 
 
 def is_index(value: object) -> bool:

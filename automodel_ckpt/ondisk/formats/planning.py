@@ -252,12 +252,8 @@ def gc_paused():
 
 def _apply(items: list[WriteItem], hints: list[int | None]) -> list[WriteItem]:
     """A rank's global plan from its local items and the coordinator's hints (as DCP's global plan has them)."""
-    out = []
-    for item, hint in zip(items, hints, strict=True):
-        if hint is None:
-            continue
-        out.append(item if hint < 0 else dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint)))
-    return out
+    return [item if hint < 0 else dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
+            for item, hint in zip(items, hints, strict=True) if hint is not None]
 
 
 def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[list[int | None]], Metadata]:

@@ -141,11 +141,7 @@ def check_header(header: dict[str, Any], data_len: int, path: Path | str) -> Non
     meta = header.get(_METADATA_KEY)
     if meta is not None and not isinstance(meta, dict):
         raise CheckpointError(f"damaged safetensors file {path}: {_METADATA_KEY} is not a JSON object")
-    ranges = []
-    for name, entry in tensor_entries(header).items():
-        begin, end = _entry_range(name, entry, path)
-        ranges.append((begin, end, name))
-    ranges.sort()
+    ranges = sorted((*_entry_range(name, entry, path), name) for name, entry in tensor_entries(header).items())
     needed = max((end for _, end, _ in ranges), default=0)
     if needed > data_len:
         raise CheckpointError(f"truncated shard file {path}: its data area holds {data_len} bytes, its header "
