@@ -174,17 +174,11 @@ def name_generic_tokenizer(folder: Path) -> None:
 
 
 def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` holding the embedded base model, creating it first if absent.
+    """Return ``path`` holding the embedded base model, creating it first (:func:`ensure_model_folder`) if absent.
 
-    The folder is a complete Hugging Face model: ``config.json`` (``dtype`` bfloat16),
-    bf16 weights in two safetensors shards plus ``model.safetensors.index.json``,
-    ``generation_config.json`` and the tokenizer files. Creation is seeded and
-    platform-independent, so every run on every machine with the same library
-    versions writes identical bytes (``config.json`` records the transformers version).
-
-    The folder is assembled in a temporary sibling and renamed into place in one step
-    (:func:`ensure_model_folder`), so a crashed or concurrent creation never leaves a
-    partial model at ``path``.
+    A complete Hugging Face folder: ``config.json`` (``dtype`` bfloat16), bf16 weights in two safetensors shards and
+    their index, ``generation_config.json`` and the tokenizer files. Creation is seeded and platform-independent:
+    the same library versions write identical bytes on every machine.
     """
     return ensure_model_folder(path, _write_base)
 
