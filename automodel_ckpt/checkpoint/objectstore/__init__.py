@@ -157,11 +157,13 @@ def fetch_object(url: str, storage_options: dict[str, Any] | None, key: str) -> 
 
 
 @contextlib.contextmanager
-def streamed_object(url: str, size: int, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A file whose bytes go to the object ``url`` as they are written: the store's own buffered writer, a
-    multipart upload in parts of ``part_size`` bytes (``PART_SIZE``, more when ``size`` bytes would need over
-    ``_MAX_PARTS`` parts). The object appears when the block ends without an error; otherwise (an error, an
+def streamed_object(url: str, size: int, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A file (``write``, and the ``part_size`` it is sent in) whose bytes go to the object ``url`` (checked, an
+    error naming ``key``) as they are written (``size``: about how many there will be): the store's own buffered
+    writer, a multipart upload in parts of ``PART_SIZE`` bytes, more when ``size`` bytes would need over
+    ``_MAX_PARTS`` parts. The object appears when the block ends without an error; otherwise (an error, an
     interrupt) the upload is aborted and nothing appears."""
+    check_url(url, key)
     parent, _, name = normalize(url).rpartition("/")
     store = ObjectStore(parent, storage_options)
     what = f"uploading to '{url}'"

@@ -9,14 +9,13 @@ is this package's own: nothing outside ``storage/`` imports it (``tests/unit/tes
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, run_folder, source_of,
-                                                    stored_files, stored_sharing, upload_folder)
+                                                    stored_files, stored_sharing, streamed_object, upload_folder)
 from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
 from automodel_ckpt.checkpoint.objectstore.store import wrap
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
@@ -85,13 +84,3 @@ def open_store_run(location: str, key: str) -> RemoteRun:
         raise UserError(f"{key}: '{url}' is not a run folder (it holds no {layout.RUN_MARKER}, which every "
                         "ckpt-train run writes at its start); give the checkpoint.checkpoint_dir of one run")
     return run
-
-
-@contextlib.contextmanager
-def streamed_object(url: str, size: int, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A file (``write``, and the ``part_size`` it is sent in) whose bytes go to the object ``url`` as they are
-    written (``size``: about how many there will be); the object appears once the block ends without an error,
-    never otherwise."""
-    check_url(url, key)
-    with objectstore.streamed_object(url, size, storage_options) as file:
-        yield file
