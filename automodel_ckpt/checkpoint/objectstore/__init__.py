@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.ondisk import layout, paths
-from automodel_ckpt.checkpoint.objectstore.location import check_url, is_url, local_path, mirror_folder, normalize
+from automodel_ckpt.checkpoint.locations import check_url, is_url, local_path, normalize
+from automodel_ckpt.checkpoint.objectstore.location import mirror_folder
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, pulled_from, source_of
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError, UserError, first_line

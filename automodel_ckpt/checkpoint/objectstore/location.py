@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.checkpoint.locations import (BACKEND_PACKAGES, check_url, is_url, local_path, normalize,  # noqa: F401
-                                                 split)
+from automodel_ckpt.checkpoint.locations import local_path, normalize, split
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> Any:
     """The fsspec filesystem for ``url``: endpoint and credentials from the standard environment (for S3:
