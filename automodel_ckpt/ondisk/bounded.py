@@ -53,6 +53,11 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 
+def is_count(value: object) -> bool:
+    """A whole number >= 0 (not a bool) read from a file: a size, an offset, a dimension."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_size(size: int, where: str, what: str, limit: int) -> None:
     """``CheckpointError`` when ``size`` bytes exceed ``limit``: "'x' is 80.0 MiB, over the 64.0 MiB limit for
     a manifest"."""

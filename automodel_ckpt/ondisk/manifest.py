@@ -291,17 +291,13 @@ def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-        isinstance(v, dict) and _is_size(v.get("size")) and isinstance(v.get("checksum"), str)
+        isinstance(v, dict) and bounded.is_count(v.get("size")) and isinstance(v.get("checksum"), str)
         for v in files.values()
     ):
         raise CheckpointError(f"'{file}' is malformed (no 'files' table of sizes and checksums)")
     for rel in files:  # untrusted: every listed path must stay inside the checkpoint
         paths.check_path(rel, f"'{file}'")
     return manifest
-
-
-def _is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _declared_version(file: Path) -> int | None:

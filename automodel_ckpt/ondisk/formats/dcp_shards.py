@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor, is_index as _is_index
+from automodel_ckpt.ondisk import bounded, layout
+from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor
 from automodel_ckpt.ondisk.formats.sharded import DCP_FILES, ShardsFormat
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _open_dcp(folder: Path) -> ShardSource:
                     sizes[rel] = path.stat().st_size
                 except FileNotFoundError:
                     raise CheckpointError(f"missing shard file {path}") from None
-            if not (_is_index(info.offset) and _is_index(info.length)):
+            if not (bounded.is_count(info.offset) and bounded.is_count(info.length)):
                 raise CheckpointError(f"damaged DCP metadata {where}: a piece of '{name}' has no byte range")
             if info.offset + info.length > sizes[rel]:
                 raise CheckpointError(

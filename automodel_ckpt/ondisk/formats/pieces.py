@@ -64,8 +64,3 @@ class ShardSource:
     def fingerprint(self) -> list[tuple[str, int, int]]:
         """Name, size and mtime of every shard file: identifies this exact set of shards."""
         return [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in self.files]
-
-
-def is_index(value: object) -> bool:
-    """A whole number >= 0 (not a bool): an offset or a byte position read from a file."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

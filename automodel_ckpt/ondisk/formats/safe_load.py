@@ -241,17 +241,13 @@ def check_entries(metadata: Metadata, path: Path) -> None:
                 raise bad(f"has a chunk outside its size {list(shape)}")
     for index, info in (storage or {}).items():
         if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str) \
-                or not all(_is_count(getattr(info, k, None)) for k in ("offset", "length")):
+                or not all(bounded.is_count(getattr(info, k, None)) for k in ("offset", "length")):
             raise CheckpointError(f"'{path}': a storage entry is not a byte range of a file")
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_box(value: object, dims: int | None) -> bool:
     return isinstance(value, (tuple, list)) and len(value) <= bounded.MAX_SHAPE_DIMS \
-        and (dims is None or len(value) == dims) and all(_is_count(v) for v in value)
+        and (dims is None or len(value) == dims) and all(bounded.is_count(v) for v in value)
 
 
 def _check_storage_files(metadata: Metadata, path: Path) -> None:

@@ -163,9 +163,10 @@ def _entry_range(name: str, entry: Any, path: Path | str) -> tuple[int, int]:
     if bits is None:
         raise bad(f"has the unknown dtype {str(entry.get('dtype'))[:40]!r}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(shape, list) or len(shape) > bounded.MAX_SHAPE_DIMS or not all(_is_count(d) for d in shape):
+    if not isinstance(shape, list) or len(shape) > bounded.MAX_SHAPE_DIMS or \
+            not all(bounded.is_count(d) for d in shape):
         raise bad(f"has a shape that is not a list of at most {bounded.MAX_SHAPE_DIMS} non-negative integers")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(bounded.is_count(o) for o in offsets):
         raise bad("has data_offsets that are not two non-negative integers")
     begin, end = offsets
     if begin > end:
@@ -173,10 +174,6 @@ def _entry_range(name: str, entry: Any, path: Path | str) -> tuple[int, int]:
     if math.prod(shape) * bits != (end - begin) * 8:
         raise bad(f"has {end - begin} bytes, not the {math.prod(shape) * bits // 8} its shape {shape} needs")
     return begin, end
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def tensor_entries(header: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.formats import fastio
-from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor, is_index as _is_index
+from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.ondisk.formats.sharded import ShardsFormat
 
@@ -75,7 +75,8 @@ def _open_safetensors(folder: Path, saved_world_size: int | None) -> ShardSource
                 raise CheckpointError(f"damaged shard file {path}: byte range of '{name}' does not match its shape")
             noted = sharding.get(name)
             offsets = noted.get(_SAVED_OFFSETS_KEY, [0] * len(shape)) if isinstance(noted, dict) else [0] * len(shape)
-            if not isinstance(offsets, list) or len(offsets) != len(shape) or not all(_is_index(o) for o in offsets):
+            if not isinstance(offsets, list) or len(offsets) != len(shape) or \
+                    not all(bounded.is_count(o) for o in offsets):
                 raise CheckpointError(f"damaged shard file {path}: offsets of '{name}' do not match its shape")
             piece = Piece(path, tuple(offsets), shape, data_start + begin, end - begin)
             tensor = tensors.get(name)
