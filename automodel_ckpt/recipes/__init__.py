@@ -6,16 +6,12 @@ docs/custom-recipes.md.
 
 from __future__ import annotations
 
-from typing import Any
+from automodel_ckpt.faces import exports_of, lazy_members
 
-__all__ = ["BaseRecipe"]
+# imported on first use: the launcher checks that a recipe module exists (importing this package) without the
+# training stack that BaseRecipe brings
+_EXPORTS = exports_of({"base": "BaseRecipe"})
 
+__all__ = sorted(_EXPORTS)
 
-def __getattr__(name: str) -> Any:
-    # imported on first use: the launcher checks that a recipe module exists (importing this package) without the
-    # training stack that BaseRecipe brings
-    if name == "BaseRecipe":
-        from automodel_ckpt.recipes.base import BaseRecipe
-
-        return BaseRecipe
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_members(__name__, _EXPORTS, globals())
