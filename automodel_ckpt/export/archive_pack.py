@@ -32,7 +32,7 @@ from automodel_ckpt.export.archive import ALIGN, PAX_COMMENT
 from automodel_ckpt.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
 from automodel_ckpt.export.sources import require_format
 from automodel_ckpt.export.writer import OutFile, Write, write_into, writes_into
-from automodel_ckpt.ondisk.formats.safetensors_io import pwrite_all
+from automodel_ckpt.ondisk.formats.safetensors_io import pread_full, pwrite_all
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
 
@@ -222,12 +222,7 @@ def _scratch_file() -> int:
 def _read_all(fd: int, lo: int, hi: int) -> bytearray:
     """Bytes ``[lo, hi)`` of ``fd``; those never written read as zeros (the scratch file is sparse)."""
     out = bytearray(hi - lo)
-    view, done = memoryview(out), 0
-    while done < len(out):
-        n = os.preadv(fd, [view[done:]], lo + done)
-        if n == 0:
-            break  # past the file's end: zeros
-        done += n
+    pread_full(fd, memoryview(out), lo)  # past the file's end: zeros
     return out
 
 

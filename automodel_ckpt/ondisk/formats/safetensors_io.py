@@ -204,15 +204,21 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
     return struct.pack("<Q", len(raw)) + raw
 
 
+def pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read ``fd`` from ``offset`` into the bytes of ``view`` until it is full or the file ends; the bytes read."""
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
 def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
     """Fill ``buf`` from ``fd`` at ``offset``; a short file is a truncated checkpoint."""
-    done = 0
-    total = len(buf)
-    while done < total:
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n == 0:
-            raise CheckpointError(f"truncated file {path}: ends before byte {offset + total}")
-        done += n
+    if pread_full(fd, buf, offset) < buf.nbytes:
+        raise CheckpointError(f"truncated file {path}: ends before byte {offset + buf.nbytes}")
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:

@@ -32,6 +32,7 @@ import torch
 from automodel_ckpt.ondisk.paths import open_regular
 from automodel_ckpt.ondisk.formats.fastio import session
 from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ
+from automodel_ckpt.ondisk.formats.safetensors_io import pread_full
 
 log = logging.getLogger(__name__)
 
@@ -243,12 +244,7 @@ class _Aborted(Exception):
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     """Read up to ``view.nbytes`` at ``offset``; stops at the end of the file. Returns the bytes read."""
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
+    done = pread_full(fd, view, offset)
     BYTES_READ.add(done)
     return done
 

@@ -19,7 +19,7 @@ from automodel_ckpt.ondisk.formats.fastio import common, directread, session
 from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.ondisk.formats.fastio.records import locate_record, noted_location
 from automodel_ckpt.ondisk.formats.safe_load import CachingHFReader, SafeFileSystemReader
-from automodel_ckpt.ondisk.formats.safetensors_io import check_header, header_length, parse_header
+from automodel_ckpt.ondisk.formats.safetensors_io import check_header, header_length, parse_header, pread_full
 from automodel_ckpt.errors import CheckpointError
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
@@ -39,13 +39,10 @@ def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: 
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise OSError(f"unexpected end of file at byte {offset}")
-        BYTES_READ.add(n)
-        view = view[n:]
-        offset += n
+    n = pread_full(fd, view, offset)
+    BYTES_READ.add(n)
+    if n < view.nbytes:
+        raise OSError(f"unexpected end of file at byte {offset + n}")
 
 
 def runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[list[int], int]:
