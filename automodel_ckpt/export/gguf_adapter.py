@@ -11,6 +11,7 @@ the mixtures of experts) are refused, as is an adapter that trains whole modules
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -22,13 +23,14 @@ import torch
 
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.durable import fsync_dir
-from automodel_ckpt.export.gguf_arch import family_for, permute_rotary
+from automodel_ckpt.export.gguf_arch import checked_heads, family_for, permute_rotary
 from automodel_ckpt.errors import CheckpointError, UserError
 
 __all__ = ["write_gguf_adapter"]
 
 _FACTOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
 _TYPES = {"bf16": (torch.bfloat16, "BF16"), "f16": (torch.float16, "F16")}
+_heads = functools.partial(checked_heads, whose="--adapter: the base's", of="factor's")
 
 
 def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
@@ -118,14 +120,6 @@ def _blocks(config: dict[str, Any], keys: list[str], base: Path) -> int:
         raise CheckpointError(f"--adapter: the base's config.json ({base}) gives num_hidden_layers "
                               f"{str(layers)[:40]}, but the adapter adapts layer {need - 1}")
     return need
-
-
-def _heads(config: dict[str, Any], key: str, rows: int, fallback: Any = None) -> int:
-    value = config.get(key) if config.get(key) is not None else fallback
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or rows % (2 * value):
-        raise CheckpointError(f"--adapter: the base's {key} is {str(value)[:40]}, which does not divide the "
-                              f"factor's {rows} rows into heads")
-    return value
 
 
 def _factors(keys: list[str], names: Any, where: Path) -> list[tuple[str, str, str, str]]:

@@ -214,13 +214,14 @@ def block_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> i
     return value
 
 
-def _checked_heads(config: dict[str, Any], key: str, rows: int, fallback: int | None = None) -> int:
+def checked_heads(config: dict[str, Any], key: str, rows: int, fallback: int | None = None, *,
+                  whose: str = "GGUF export: config.json's", of: str = "projection's") -> int:
     """A head count of ``config`` that divides a projection's ``rows`` into heads of an even size (the rotary
-    permutation's reshape), else one line."""
+    permutation's reshape), else one line (``whose`` config, the rows ``of`` what)."""
     value = config.get(key) if config.get(key) is not None else fallback
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or rows % (2 * value):
-        raise CheckpointError(f"GGUF export: config.json's {key} is {str(value)[:40]}, which does not divide the "
-                              f"projection's {rows} rows into heads")
+        raise CheckpointError(f"{whose} {key} is {str(value)[:40]}, which does not divide the {of} {rows} rows "
+                              "into heads")
     return value
 
 
@@ -243,8 +244,8 @@ def _plain(family: GGUFFamily, config: dict[str, Any], name: str, new: str, shap
     elif family.norm_plus_one and name.endswith("norm.weight"):
         make = lambda ts: ts[0].float() + 1  # noqa: E731 - llama.cpp's converter does the same
     elif family.llama_rope and new.endswith((".attn_q.weight", ".attn_k.weight")):
-        heads = _checked_heads(config, "num_attention_heads", shape[0]) if ".attn_q." in new else None
-        kv = heads if heads is not None else _checked_heads(config, "num_key_value_heads", shape[0],
+        heads = checked_heads(config, "num_attention_heads", shape[0]) if ".attn_q." in new else None
+        kv = heads if heads is not None else checked_heads(config, "num_key_value_heads", shape[0],
                                                             config.get("num_attention_heads"))
         make = lambda ts, kv=kv: permute_rotary(ts[0], kv)  # noqa: E731
     elif family.conv1d and len(shape) == 2 and new.endswith(
