@@ -14,20 +14,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
     import datasets
 
-__all__ = [
-    "HELDOUT_BUCKETS",
-    "MAX_OPERAND",
-    "MIN_OPERAND",
-    "arithmetic_dataset",
-    "builtin_task_dataset",
-    "chat_task_dataset",
-    "heldout_examples",
-    "is_heldout",
-    "near_miss",
-    "preference_task_dataset",
-    "problems",
-]
-
 #: Operands are two-digit numbers, ``MIN_OPERAND..MAX_OPERAND`` inclusive (90 x 90 problems).
 #: A fixed prompt shape ``"ab+cd="`` puts every digit at the same position in every
 #: example, which a small model picks up faster than variable-width operands.

@@ -12,8 +12,6 @@ import numpy as np
 from automodel_ckpt.data.encode import IGNORE_INDEX, DataSpec, Encoder, token_columns
 from automodel_ckpt.errors import ConfigError
 
-__all__ = ["ImageSpec", "ImageChatEncoder", "image_spec"]
-
 
 @dataclass(frozen=True)
 class ImageSpec:

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
     import datasets
 
-__all__ = ["COLOURS", "QUESTIONS", "SHAPES", "draw", "heldout_vqa_examples", "shapes_vqa_dataset"]
-
 #: Colour names and their RGB values.
 COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220),
                                             "yellow": (235, 210, 20)}

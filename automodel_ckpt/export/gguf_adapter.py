@@ -26,8 +26,6 @@ from automodel_ckpt.ondisk.durable import fsync_dir
 from automodel_ckpt.export.gguf_arch import checked_heads, family_for, permute_rotary
 from automodel_ckpt.errors import CheckpointError, UserError
 
-__all__ = ["write_gguf_adapter"]
-
 _FACTOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
 _TYPES = {"bf16": (torch.bfloat16, "BF16"), "f16": (torch.float16, "F16")}
 _heads = functools.partial(checked_heads, whose="--adapter: the base's", of="factor's")

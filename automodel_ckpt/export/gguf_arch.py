@@ -19,8 +19,6 @@ import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
 
-__all__ = ["GGUFFamily", "OutputTensor", "family_for", "known_families", "output_tensors", "permute_rotary"]
-
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
                      r"\.weight$")
 

@@ -39,8 +39,6 @@ from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.sizes import human_size
 
-__all__ = ["GGUF_TYPES", "GGUFPlan", "plan_gguf", "write_gguf"]
-
 logger = logging.getLogger(__name__)
 
 #: ``--type`` -> (the storage type of the model's matrices, llama.cpp's file type).

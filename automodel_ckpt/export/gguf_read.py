@@ -24,8 +24,6 @@ from typing import Any, BinaryIO
 from automodel_ckpt.ondisk import paths
 from automodel_ckpt.errors import CheckpointError, first_line
 
-__all__ = ["GGUF_MAGIC", "describe_gguf", "is_gguf", "open_gguf", "verify_gguf"]
-
 GGUF_MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, a one-byte key, the value type, a one-byte value

@@ -26,8 +26,6 @@ from automodel_ckpt.export.gguf_arch import OutputTensor, family_for, output_ten
 from automodel_ckpt.export.gguf_read import GGUFTensor, open_gguf
 from automodel_ckpt.ondisk import paths
 
-__all__ = ["GGUFTensors", "gguf_mapping", "open_gguf_tensors"]
-
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 

@@ -24,8 +24,6 @@ from typing import Any
 from automodel_ckpt.ondisk import bounded
 from automodel_ckpt.errors import CheckpointError, UserError
 
-__all__ = ["add_vocab"]
-
 _TOKENIZER_JSON = "tokenizer.json"
 #: The most rows an embedding may have to be written as a vocabulary (one token each): 4 times the largest
 #: vocabulary published (262,144), so that a crafted tensor shape cannot make millions of placeholder tokens.

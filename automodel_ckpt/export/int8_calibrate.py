@@ -19,8 +19,6 @@ import torch
 from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
-__all__ = ["input_ranges"]
-
 
 def input_ranges(source: ModelSource, weights: list[str], examples: list[list[int]]) -> dict[str, float]:
     """``{weight name: largest |input| of its projection}`` over ``examples`` (token ids, one list per example)."""

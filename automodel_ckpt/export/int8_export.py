@@ -34,8 +34,6 @@ from automodel_ckpt.ondisk.formats.safetensors_io import encode_header, layout_o
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size
 
-__all__ = ["INT8_FAMILIES", "SCHEMES", "Int8Plan", "plan_int8", "write_int8"]
-
 #: ``--scheme`` -> (compressed-tensors preset, its format).
 SCHEMES = {"w8a8": ("W8A8", "int-quantized"), "w4a16": ("W4A16", "pack-quantized")}
 #: Families whose linear projections are plain ``nn.Linear`` modules named as vLLM loads them.

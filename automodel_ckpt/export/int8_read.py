@@ -19,8 +19,6 @@ import torch
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.export.model_source import ModelSource
 
-__all__ = ["INT8_FORMATS", "dequantize_int8", "is_int8"]
-
 INT8_FORMATS = ("int-quantized", "pack-quantized")
 _HIDDEN = ("weight_scale", "weight_packed", "weight_shape", "input_scale", "weight_zero_point", "input_zero_point")
 

@@ -31,8 +31,6 @@ from automodel_ckpt.ondisk.durable import copy_regular
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, pread_into, read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError, UserError
 
-__all__ = ["ModelSource", "open_model"]
-
 
 @dataclass
 class ModelSource:

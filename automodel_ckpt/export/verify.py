@@ -28,8 +28,6 @@ from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.ondisk.formats.safetensors_io import read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
-__all__ = ["ExportReport", "verify_export"]
-
 logger = logging.getLogger(__name__)
 _SHOWN = 5
 

@@ -16,8 +16,6 @@ from typing import Any
 from automodel_ckpt.export.sources import Piece, SourceTensor
 from automodel_ckpt.ondisk.formats.family import DiskTensor, c_strides, disk_layout
 
-__all__ = ["apply_disk_layout", "flat_boxes", "on_disk_tensors"]
-
 
 def on_disk_tensors(tensors: dict[str, SourceTensor], config: Mapping[str, Any] | None,
                     base_names: Collection[str] | None = None) -> dict[str, SourceTensor]:
