@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from automodel_ckpt.data.encode import IGNORE_INDEX
+from automodel_ckpt.sizes import in_groups
 
 
 class RowBuilder:
@@ -56,12 +57,4 @@ class RowBuilder:
     def _groups(self, lengths: list[int]) -> list[list[int]]:
         if not self.packing:
             return [[k] for k in range(len(lengths))]
-        groups: list[list[int]] = []
-        used = self.n
-        for k, length in enumerate(lengths):
-            if used + length > self.n:
-                groups.append([])
-                used = 0
-            groups[-1].append(k)
-            used += length
-        return groups
+        return in_groups(range(len(lengths)), lambda k: lengths[k], self.n)

@@ -22,6 +22,7 @@ import torch
 
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.ondisk import LAYOUT, fsync_file
+from automodel_ckpt.sizes import in_groups
 
 __all__ = ["ST_NAMES", "Entry", "write_folder"]
 
@@ -66,15 +67,7 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
 def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tuple[str, list[Entry]]]:
     if adapter:
         return [(LAYOUT.ADAPTER_WEIGHTS, list(entries))]
-    groups: list[list[Entry]] = [[]]
-    size = 0
-    for entry in entries:
-        nbytes = _nbytes(entry[1], entry[2])
-        if groups[-1] and size + nbytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += nbytes
+    groups = in_groups(entries, lambda entry: _nbytes(entry[1], entry[2]), max_shard_size) or [[]]
     return [(LAYOUT.hf_weights_file(k + 1, len(groups)), group) for k, group in enumerate(groups)]
 
 

@@ -32,7 +32,7 @@ from automodel_ckpt.ondisk.durable import copy_regular, fsync_dir, replace_folde
 from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.ondisk.formats.safetensors_io import encode_header, layout_order, pwrite_all, st_dtype_name
 from automodel_ckpt.errors import CheckpointError, UserError
-from automodel_ckpt.sizes import human_size
+from automodel_ckpt.sizes import human_size, in_groups
 
 #: ``--scheme`` -> (compressed-tensors preset, its format).
 SCHEMES = {"w8a8": ("W8A8", "int-quantized"), "w4a16": ("W4A16", "pack-quantized")}
@@ -162,16 +162,8 @@ def _split(entries: list[tuple[str, torch.dtype, tuple[int, ...], str]]) -> list
     groups: dict[str, list[Any]] = {}
     for entry in entries:
         groups.setdefault(entry[3], []).append(entry)
-    files: list[list[Any]] = [[]]
-    size = 0
-    for group in groups.values():
-        n = sum(math.prod(e[2]) * e[1].itemsize for e in group)
-        if files[-1] and size + n > _MAX_FILE:
-            files.append([])
-            size = 0
-        files[-1].extend(group)
-        size += n
-    return files
+    files = in_groups(groups.values(), lambda group: sum(math.prod(e[2]) * e[1].itemsize for e in group), _MAX_FILE)
+    return [[entry for group in file for entry in group] for file in files] or [[]]
 
 
 def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool = True) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from automodel_ckpt.export.hf_metadata import HFMetadata, read_hf_metadata
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, is_plain_float
 from automodel_ckpt.ondisk.durable import copy_regular, write_durable
 from automodel_ckpt.errors import CheckpointError, UserError
-from automodel_ckpt.sizes import human_size
+from automodel_ckpt.sizes import human_size, in_groups
 
 __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate_script", "resolve_model_dir"]
 
@@ -323,14 +323,7 @@ def _files_like_base(tensors: list[OutTensor], original: dict, num_files: int) -
 
 def _files_by_size(tensors: list[OutTensor], max_shard_size: int) -> list[OutFile]:
     """Greedy split in name order (natural sort): a new file starts when the next tensor would not fit."""
-    groups: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
+    groups = in_groups(tensors, lambda t: t.nbytes, max_shard_size) or [[]]
     return [OutFile(layout.hf_weights_file(k, len(groups)), g) for k, g in enumerate(groups, start=1)]
 
 
