@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
     import datasets
 
-#: Operands are two-digit numbers, ``MIN_OPERAND..MAX_OPERAND`` inclusive (90 x 90 problems).
-#: A fixed prompt shape ``"ab+cd="`` puts every digit at the same position in every
-#: example, which a small model picks up faster than variable-width operands.
+#: Operands are two-digit numbers, ``MIN_OPERAND..MAX_OPERAND`` inclusive (90 x 90 problems): the fixed prompt shape
+#: ``"ab+cd="`` puts every digit at the same position in every example, which a small model picks up faster.
 MIN_OPERAND: int = 10
 MAX_OPERAND: int = 99
 
@@ -28,13 +27,9 @@ _SPLITS = ("train", "heldout")
 
 
 def is_heldout(a: int, b: int) -> bool:
-    """Whether ``a + b`` belongs to the held-out partition.
-
-    The partition is a fixed function of the problem itself (a stable hash, not
-    Python's salted ``hash``), so it is the same on every run and machine, and no
-    seed or sample count can ever move a held-out problem into training: accuracy
-    on held-out prompts measures generalisation, not memorisation.
-    """
+    """Whether ``a + b`` is held out: a stable hash of the problem (not Python's salted ``hash``), the same on every
+    run and machine, so no seed or sample count moves a held-out problem into training (accuracy on them measures
+    generalisation, not memorisation)."""
     digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % 100 < HELDOUT_BUCKETS
 
@@ -58,14 +53,9 @@ def _prompt(a: int, b: int) -> str:
 
 
 def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
-    """Addition problems ``"37+45="`` -> ``"82"`` drawn uniformly from one split.
-
-    Columns: ``id`` (0..n-1), ``prompt`` and ``completion`` (strings; the model is
-    trained on ``prompt + completion`` followed by end-of-sequence). Problems are
-    drawn with replacement from the split's fixed problem set, so any
-    ``num_samples`` is possible and the same ``(num_samples, seed, split)`` always
-    yields the same rows.
-    """
+    """Addition problems ``"37+45="`` -> ``"82"`` drawn uniformly, with replacement, from one split's fixed problems:
+    columns ``id`` (0..n-1), ``prompt`` and ``completion`` (trained on as ``prompt + completion`` + end of sequence).
+    The same ``(num_samples, seed, split)`` always yields the same rows."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     if num_samples < 0:
@@ -153,11 +143,8 @@ def _pair_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
 
 
 def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:
-    """``n`` distinct ``(prompt, answer)`` pairs from the held-out partition.
-
-    Sampled without replacement so that an accuracy over ``n`` examples counts ``n``
-    different problems; ``n`` is capped at the size of the partition.
-    """
+    """``n`` distinct ``(prompt, answer)`` pairs of the held-out partition (an accuracy over them counts ``n``
+    different problems; ``n`` capped at the partition's size)."""
     pool = problems("heldout")
     rng = random.Random(f"heldout-examples:{seed}")
     chosen = rng.sample(pool, k=min(n, len(pool)))

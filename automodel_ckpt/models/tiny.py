@@ -138,12 +138,8 @@ def _deterministic_init(model: torch.nn.Module, seed: int, std: float) -> None:
 
 
 def _shard_limit(model: torch.nn.Module) -> int:
-    """Largest shard size (bytes) that splits ``model``'s bf16 weights into two files.
-
-    A limit just above half of the total makes the greedy sharder close the first
-    file once it passes the halfway mark; the rest fits the second file because no
-    single tensor is anywhere near half of the model.
-    """
+    """A shard size (bytes) that splits ``model``'s bf16 weights into two files: just above half of the total, the
+    greedy sharder closes the first file past the halfway mark (no tensor is anywhere near half of the model)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return int(math.ceil(total * 0.55))
 

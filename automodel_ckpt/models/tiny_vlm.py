@@ -108,11 +108,7 @@ def _write_base(folder: Path) -> None:
 
 
 def ensure_tiny_vlm_base(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` holding the embedded VLM base, creating it first (atomically, reproducibly) if absent.
-
-    A complete Hugging Face folder: ``config.json`` (``llava``, dtype bfloat16), bf16 weights in two safetensors
-    shards and their index, ``generation_config.json``, the processor (``processor_config.json``,
-    ``preprocessor_config.json``), the tokenizer files and the chat template. Same rules as the text base
-    (:func:`automodel_ckpt.models.tiny.ensure_tiny_base`): an existing model folder is returned untouched.
-    """
+    """Return ``path`` holding the embedded VLM base, created as the text base is (``tiny.ensure_tiny_base``) if
+    absent: its folder as the text base's, with a ``llava`` config and the processor's files
+    (``processor_config.json``, ``preprocessor_config.json``) and chat template."""
     return ensure_model_folder(path, _write_base)
