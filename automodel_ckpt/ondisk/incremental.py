@@ -32,8 +32,6 @@ from typing import Any
 
 from automodel_ckpt.ondisk import paths
 
-__all__ = ["Reuse", "content_key", "key_of", "shared_bytes", "stored_once"]
-
 _CHUNK = 8 << 20
 _KEYS: dict[str, tuple[int, int, int, str]] = {}  # stable file (absolute path) -> (inode, size, mtime_ns, content key)
 _KEYS_LOCK = threading.Lock()

@@ -34,8 +34,6 @@ from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, scratch
 from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
 from automodel_ckpt.errors import CheckpointError
 
-__all__ = ["load_hf_folder", "load_hf_weights", "local_part", "in_memory_names"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -28,8 +28,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DiskTensor", "auto_model_class", "c_strides", "disk_layout", "family_of", "in_memory_dtypes"]
-
 logger = logging.getLogger(__name__)
 
 
