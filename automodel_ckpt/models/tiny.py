@@ -53,18 +53,11 @@ def _vocab() -> dict[str, int]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the character-level tokenizer without touching the network.
-
-    Each character of :data:`CHARACTERS` is one token, so any text over that alphabet
-    encodes to exactly ``len(text)`` ids after the prefix and decodes back unchanged
-    (the ``Fuse`` decoder joins tokens without inserting spaces).
-
-    Encoding **prepends** ``<s>`` (Llama convention) and never appends ``</s>``:
-    ``tokenizer("12+34=").input_ids == [bos, '1', '2', '+', '3', '4', '=']``. Training
-    therefore sees ``<s> prompt completion </s>`` and generation starts from
-    ``<s> prompt``, the same prefix. Use ``add_special_tokens=False`` to get the bare
-    character ids. :data:`CHAT_TEMPLATE` renders ``messages`` conversations.
-    """
+    """The character-level tokenizer, built offline: each character of :data:`CHARACTERS` is one token, so text over
+    that alphabet encodes to ``len(text)`` ids after the prefix and decodes back unchanged (``Fuse`` joins tokens
+    without spaces). Encoding prepends ``<s>`` (Llama's convention) and never appends ``</s>``: training sees
+    ``<s> prompt completion </s>``, generation starts from ``<s> prompt``; ``add_special_tokens=False`` gives the
+    bare ids. :data:`CHAT_TEMPLATE` renders ``messages`` conversations."""
     vocab = _vocab()
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Splitting on "any single character" makes every character its own word, so the
@@ -120,13 +113,9 @@ TINY_LLAMA_CONFIG: dict[str, Any] = _tiny_llama_config()
 
 
 def _deterministic_init(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Overwrite every parameter with values that are identical on every machine.
-
-    Torch's CPU random kernels are vectorised per instruction set, so the same seed
-    can yield different floats on different CPUs. NumPy's PCG64 normal stream is
-    plain IEEE arithmetic, so drawing from it (in a fixed parameter order) gives the
-    same bytes everywhere. Norm weights start at one, as in the reference Llama init.
-    """
+    """Overwrite every parameter with values identical on every machine: NumPy's PCG64 normal stream (plain IEEE
+    arithmetic, drawn in a fixed parameter order), where torch's CPU kernels, vectorised per instruction set, give
+    different floats on different CPUs for one seed. Norm weights start at one, as in the reference Llama init."""
     rng = np.random.Generator(np.random.PCG64(seed))
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
