@@ -28,6 +28,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from automodel_ckpt.distributed.lifeline import alive
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError
@@ -85,15 +86,8 @@ def _holder_is_gone(holder: dict[str, Any]) -> bool:
     started = _process_start(pid)
     if started:
         return bool(holder.get("pid_start")) and started != holder.get("pid_start")  # the pid was reused
-    if os.path.isdir("/proc/self"):
-        return True  # no such process, or one that has ended (a zombie)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    # no start read from /proc: no such process, or one that has ended (a zombie); without /proc, the kernel says
+    return os.path.isdir("/proc/self") or not alive(pid)
 
 
 def _when(stamp: float) -> str:
