@@ -6,17 +6,11 @@ import os
 import stat
 from typing import Any
 
+from automodel_ckpt.ondisk import file_kind
+
 
 class NotRegularFile(OSError):
     """A corpus path that is not a regular file once its links are resolved (a FIFO, a device, a socket)."""
-
-
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def open_regular(path: str) -> Any:
@@ -25,7 +19,7 @@ def open_regular(path: str) -> Any:
     open itself never blocks, and the file opened must be the one checked (a swap in between is refused too)."""
     before = os.stat(path)  # follows links
     if not stat.S_ISREG(before.st_mode):
-        raise NotRegularFile(f"{_kind(before.st_mode)}, not a regular file; only regular files are read")
+        raise NotRegularFile(f"{file_kind(before.st_mode)}, not a regular file; only regular files are read")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         after = os.fstat(fd)
