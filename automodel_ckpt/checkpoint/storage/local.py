@@ -83,12 +83,9 @@ class LocalRunFolder:
         return lifecycle.prune(self.local, policy, self.monitor.name, self.monitor.key, protected=protected)
 
     def find(self, restore_from: str | None, what: str = "finding the checkpoint") -> Path | None:
-        return collective.on_main(lambda: catalog.resolve_restore_from(self.local, self._localize(restore_from)),
-                                  what, self.rank)
-
-    def _localize(self, restore_from: str | None) -> str | None:
-        """Rank 0: a ``restore_from`` URL as the local mirror of that checkpoint (catalog files only)."""
-        return localize(restore_from, self.storage_options)
+        return collective.on_main(  # a restore_from URL: read from its mirror (``objectstore.localize``)
+            lambda: catalog.resolve_restore_from(self.local, localize(restore_from, self.storage_options)), what,
+            self.rank)
 
     def has_checkpoints(self) -> bool:
         return collective.on_main(lambda: catalog.latest_checkpoint(self.local) is not None, "listing checkpoints",
