@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from automodel_ckpt.distributed.plan_paths import check_plan, module_paths
-from automodel_ckpt.distributed.tensor_parallel import family_name
+from automodel_ckpt.distributed.tensor_parallel import causal_lm, family_name
 from automodel_ckpt.errors import ConfigError
 
 #: The styles of an expert plan applied here (transformers' ``MoEParamShard`` and ``EpDispatchExpertsParallel``).
@@ -53,7 +53,7 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
     """The expanded plan for ``model`` (under its LoRA wrapper, if any) on ``ep_size`` ranks; one-line
     ``ConfigError`` when there is none or it cannot apply (a style not applied here, experts that do not split
     evenly, no mixture-of-experts layer)."""
-    model = _base(model)
+    model = causal_lm(model)
     family = family_name(model)
     plan = expert_plan(model)
     check_plan("ep_size", ep_size, family, plan, SUPPORTED_STYLES, kind="expert-parallel", named="expert ",
@@ -77,11 +77,6 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
     return expanded
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The transformers model under a LoRA wrapper (whose plan names its modules), else ``model``."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def apply_expert_parallel(model: nn.Module, expert_mesh: Any, batch_mesh: Any) -> list[nn.Module]:
     """Spread the experts of ``model`` (on the meta device, before ``fully_shard``) over ``expert_mesh["ep"]`` with
     transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those).
@@ -89,7 +84,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: Any, batch_mesh: Any) -
     ``batch_mesh``: the ranks that hold the same rows (tensor-parallel peers): each sends its own slice of them."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    model = _base(model)
+    model = causal_lm(model)
     plan = check_expert_parallel(model, expert_mesh["ep"].size())
     # tokens reach their experts with all-to-all (transformers' AllToAllEP), each token sent once
     apply_expert_parallelism(model, expert_mesh["ep"], batch_mesh, plan, ep_implementation="all_to_all")

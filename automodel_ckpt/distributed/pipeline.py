@@ -27,24 +27,19 @@ import torch
 from torch import nn
 
 from automodel_ckpt.distributed.mesh import PipelinePlan, ParallelDims, resolve_pipeline
-from automodel_ckpt.distributed.tensor_parallel import ties_embeddings
+from automodel_ckpt.distributed.tensor_parallel import causal_lm, ties_embeddings
 from automodel_ckpt.errors import ConfigError
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model itself (the one a PEFT wrapper holds)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _base(model: nn.Module) -> nn.Module:
-    model = _causal_lm(model)
+    model = causal_lm(model)
     return getattr(model, getattr(model, "base_model_prefix", "model"), model)
 
 
 def tied_embeddings(model: nn.Module) -> bool:
     """Whether the head's weight is the input embedding's (``tie_word_embeddings``), on the model before the cut
     (under its LoRA wrapper, if any)."""
-    return ties_embeddings(_causal_lm(model))
+    return ties_embeddings(causal_lm(model))
 
 
 def family_name(model: nn.Module) -> str:
@@ -57,7 +52,7 @@ def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
     base = _base(model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(hasattr(base, n) for n in ("embed_tokens", "norm")) \
-            or not hasattr(_causal_lm(model), "lm_head"):
+            or not hasattr(causal_lm(model), "lm_head"):
         raise ConfigError(f"distributed.pp_size: the '{family_name(model)}' model has no decoder-layer list beside "
                           "its embedding and final norm (model.layers, embed_tokens, norm, lm_head) to cut into "
                           "stages; use pp_size 1")
@@ -111,7 +106,7 @@ def cut_stage(model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_size: int) 
         base.embed_tokens = PipelineIdentityLayer()
     if pp_rank < pp_size - 1:
         base.norm = PipelineIdentityLayer()
-        _causal_lm(model).lm_head = PipelineIdentityLayer()
+        causal_lm(model).lm_head = PipelineIdentityLayer()
     return chunks
 
 
@@ -138,7 +133,7 @@ class TiedEmbedding:
     @property
     def weight(self) -> nn.Parameter | None:
         """The tied weight on this stage (FSDP2's sharded parameter), or None on a middle stage."""
-        return _causal_lm(self.model).get_input_embeddings().weight if self.held else None
+        return causal_lm(self.model).get_input_embeddings().weight if self.held else None
 
     @torch.no_grad()
     def sum_gradients(self) -> None:
@@ -164,7 +159,7 @@ class _OneStageAtATime:
         from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
         self.identity, self.chunks, self.holds_head = PipelineIdentityLayer(), chunks, holds_head
-        self.layers, self.base, self.causal_lm = decoder_layer_list(model), _base(model), _causal_lm(model)
+        self.layers, self.base, self.causal_lm = decoder_layer_list(model), _base(model), causal_lm(model)
         self.running: int | None = None  # the index of the running stage among the rank's (None: not a stage's call)
         self.swapped: list[tuple[nn.Module, str, nn.Module]] = []
         model.register_forward_pre_hook(self._enter)

@@ -64,6 +64,11 @@ def _text_config(model: nn.Module) -> Any:
     return getattr(config, "get_text_config", lambda: config)() if config is not None else None
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model itself: the one a PEFT (LoRA) wrapper holds, else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def ties_embeddings(model: nn.Module) -> bool:
     """Whether ``model``'s head shares the input embedding's weight (on a pipeline stage that holds only one of
     them, as its config says)."""
