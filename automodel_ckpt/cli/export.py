@@ -163,11 +163,8 @@ def calibration_file_examples(path: Path, n: int, tokenizer: object) -> list[lis
         raise UsageError(f"--calibration-data '{path}' cannot be read: {exc.strerror or exc}") from None
     examples: list[list[int]] = []
     with f:
-        for number in range(1, 1 << 62):
+        for number, line in enumerate(iter(lambda: f.readline(LOG_LINE_LIMIT + 1), b""), start=1):
             if len(examples) >= n:
-                break
-            line = f.readline(LOG_LINE_LIMIT + 1)
-            if not line:
                 break
             if len(line) > LOG_LINE_LIMIT:
                 raise UsageError(f"--calibration-data '{path}': line {number} is longer than "
