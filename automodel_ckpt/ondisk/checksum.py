@@ -84,10 +84,7 @@ def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
                 h = hasher(algorithm)  # no mmap here: read it instead
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
+        while n := f.readinto(buf):
             h.update(view[:n])
             size += n
     return size, h.hexdigest()
