@@ -176,12 +176,10 @@ def _pre_tokenizer_name(data: dict[str, Any]) -> str:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     found = re.findall(r"'Regex': '((?:[^'\\]|\\.)*)'", repr(data.get("pre_tokenizer")))
-    pattern = None
     pre = data.get("pre_tokenizer") or {}
-    for item in [pre, *(pre.get("pretokenizers") or [])]:
-        if isinstance(item, dict) and isinstance(item.get("pattern"), dict) and "Regex" in item["pattern"]:
-            pattern = item["pattern"]["Regex"]
-            break
+    pattern = next((item["pattern"]["Regex"] for item in [pre, *(pre.get("pretokenizers") or [])]
+                    if isinstance(item, dict) and isinstance(item.get("pattern"), dict) and "Regex" in item["pattern"]),
+                   None)
     if pattern is None:
         return "gpt-2" if "ByteLevel" in repr(pre) and not found else "default"
     preferred = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
