@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     if args.out is None:
         parser.error("the following arguments are required: --out")
     from automodel_ckpt.evaluation.average import average, last_checkpoints, parse_weights
-    from automodel_ckpt.export import parse_cast_dtype
+    from automodel_ckpt.export import export_lineage, parse_cast_dtype, write_lineage_file
 
     if args.last is not None:
         if len(args.sources) != 1:
@@ -44,8 +44,6 @@ def main(argv: list[str]) -> int:
     except UserError:
         raise UsageError(f"--dtype: unknown dtype '{args.dtype}'; use bf16, fp16, fp32 or fp64") from None
     report = average(sources, weights, args.out, dtype=dtype)
-    from automodel_ckpt.export import export_lineage, write_lineage_file
-
     write_lineage_file(report.out, export_lineage(list(report.sources)))  # every source, by path and fingerprint
     for source, weight in zip(report.sources, report.weights):
         print(f"  {weight:.4f}  {source}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UsageError
+from automodel_ckpt.ondisk import LAYOUT, add_files_to_manifest
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -82,14 +83,11 @@ def main(argv: list[str]) -> int:
             metadata_dir=metadata_dir,
         )
         if rank == 0 and out_url:
-            from automodel_ckpt.ondisk import LAYOUT
             from automodel_ckpt.checkpoint import upload_folder
 
             upload_folder(out, out_url, last=(LAYOUT.HF_CONFIG,))
             print(f"Hugging Face model written to {out_url}", flush=True)
         elif rank == 0:
-            from automodel_ckpt.ondisk import add_files_to_manifest
-
             add_files_to_manifest(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
             print(f"Hugging Face model written to {out}", flush=True)
     finally:
@@ -105,8 +103,6 @@ def main(argv: list[str]) -> int:
 def _ema_source(model_dir: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
     """``--ema``: the checkpoint's ``ema/`` shards, described by its ``model/``'s metadata, exported to
     ``model/consolidated_ema`` unless ``--out`` says where."""
-    from automodel_ckpt.ondisk import LAYOUT
-
     ckpt = model_dir.parent if model_dir.name == LAYOUT.MODEL_DIR else model_dir
     ema = LAYOUT.ema_dir(ckpt)
     if not ema.is_dir() or ema.is_symlink():
@@ -117,7 +113,6 @@ def _ema_source(model_dir: Path, out_dir: Path | None) -> tuple[Path, Path, Path
 
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
     """The local model folder to read (an object store checkpoint's model/ is downloaded first) and the output URL."""
-    from automodel_ckpt.ondisk import LAYOUT
     from automodel_ckpt.checkpoint import is_url, open_for_reading
 
     source, out = str(args.model_dir), args.out

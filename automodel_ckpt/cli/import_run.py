@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         raise UsageError("import runs as one process: start it without --nproc-per-node or torchrun")
     from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.config.instantiate import locate
-    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.loader import load_config, load_yaml, parse_value, split_overrides, to_yaml_data
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.ondisk import list_checkpoints
 
@@ -71,7 +71,6 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
     if out.is_symlink() or (out / LAYOUT.IMPORT_RECIPE).is_symlink():
         raise UsageError(f"--out '{out}': a link; import into a new run folder")
-    from automodel_ckpt.config.loader import load_yaml, parse_value, split_overrides, to_yaml_data
     from automodel_ckpt.interop import recipe as continuing
 
     typed = [(key, parse_value(text)) for key, text in split_overrides(args.overrides)]

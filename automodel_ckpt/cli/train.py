@@ -11,7 +11,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     """Validate the recipe here, then train in-process or under the elastic agent (whose forked workers run
     ``forked``: ``cli.forked_worker``)."""
     from automodel_ckpt.checkpoint import CheckpointConfig
-    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.loader import load_config, to_yaml
     from automodel_ckpt.config.schema import RecipeConfig
     from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.distributed.env import inside_launcher_worker
@@ -26,7 +26,6 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     huge_pages_if_sharded(cfg, opts.world_size)  # before this process's first tensor; its workers inherit it
     mesh, inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
-        from automodel_ckpt.config.loader import to_yaml
         from automodel_ckpt.config.validate import check_parallel_plans
 
         inputs += check_parallel_plans(cfg, mesh)

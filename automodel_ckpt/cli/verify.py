@@ -127,12 +127,10 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from automodel_ckpt.export import is_archive
     from automodel_ckpt.checkpoint import open_for_reading
+    from automodel_ckpt.export import is_archive, is_gguf
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
-    from automodel_ckpt.export import is_gguf
-
     if is_gguf(path):
         ok = verify_gguf_file(path, decode=not args.sizes_only)
     elif is_archive(path) and not args.export:

@@ -24,18 +24,16 @@ def lora_config(peft: Any, model: nn.Module | None = None):
     """
     from peft import LoraConfig, TaskType
 
+    from automodel_ckpt.models.lora_targets import default_targets, lora_exclusions
+
     check_peft_section(peft)
     targets = list(peft.target_modules) if peft.target_modules is not None else None
     exclude = None
     if model is not None:
-        from automodel_ckpt.models.lora_targets import lora_exclusions
-
         exclude = lora_exclusions(model, bool(getattr(peft, "vision_tower", False)))
     if targets is None:
         if model is None:
             raise ConfigError("peft.target_modules: not set, and no model to choose the targets for")
-        from automodel_ckpt.models.lora_targets import default_targets
-
         targets = default_targets(model)
         if not targets:
             raise ConfigError("peft.target_modules: the model has no linear layer to adapt; name the modules to adapt")

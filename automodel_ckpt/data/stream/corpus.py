@@ -193,13 +193,11 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
                 split_parquet_bytes: int = SPLIT_PARQUET_BYTES) -> list[Shard]:
     """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
     glob that matches nothing."""
-    from automodel_ckpt.checkpoint import is_url
+    from automodel_ckpt.checkpoint import check_url, is_url
 
     shards: dict[str, Shard] = {}
     for pattern in source.paths:
         if is_url(pattern):
-            from automodel_ckpt.checkpoint import check_url
-
             check_url(pattern, key, pattern=True)
         fs, inner = filesystem(pattern, storage_options)
         scheme = pattern.split("://", 1)[0] + "://" if is_url(pattern) else ""
