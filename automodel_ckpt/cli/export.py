@@ -72,7 +72,7 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError("--calibration-data and --recipe name the examples of --calibrate N; give --calibrate too")
     if args.calibration_data and args.recipe:
         raise UsageError("--calibration-data and --recipe both name calibration examples; give one of them")
-    from automodel_ckpt.export import open_model
+    from automodel_ckpt.export import export_lineage, lineage_json, open_model, write_lineage_file
 
     where = src.absolute()  # beside SRC as named (a link stays a link)
     stem = where.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)
@@ -96,8 +96,6 @@ def _export(args: argparse.Namespace) -> int:
             if args.dry_run:
                 print(f"would write {out}", flush=True)
                 return 0
-            from automodel_ckpt.export import export_lineage, lineage_json
-
             done = write_gguf(source, plan, out, progress=not args.no_progress, num_threads=max(1, args.num_threads),
                               lineage=lineage_json(export_lineage([src])))
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
@@ -114,8 +112,6 @@ def _export(args: argparse.Namespace) -> int:
             print(f"would write {out}", flush=True)
             return 0
         done = write_int8(source, plan, out, progress=not args.no_progress)
-    from automodel_ckpt.export import export_lineage, write_lineage_file
-
     write_lineage_file(out, export_lineage([src]))
     print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.2f} s)", flush=True)
     return 0
