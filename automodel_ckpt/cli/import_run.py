@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError("training.ema_decay: the source holds no moving average of its weights to import; "
                           "import into a recipe without one (--training.ema_decay null)")
     check_recipe(cfg, 1, inputs=False)
-    from automodel_ckpt.interop import read_source
+    from automodel_ckpt.interop import read_source, recipe as continuing
 
     run = read_source(src, source_limits(cfg))  # every file of the source checked before the recipe is built
     if run.schedule.target is None:
@@ -71,8 +71,6 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
     if out.is_symlink() or (out / LAYOUT.IMPORT_RECIPE).is_symlink():
         raise UsageError(f"--out '{out}': a link; import into a new run folder")
-    from automodel_ckpt.interop import recipe as continuing
-
     typed = [(key, parse_value(text)) for key, text in split_overrides(args.overrides)]
     data, added = continuing.written(load_yaml(args.recipe), typed, run, str(out))
     written = out / LAYOUT.IMPORT_RECIPE

@@ -42,15 +42,13 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
         raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
+    from automodel_ckpt.export import describe_archive as describe, describe_gguf, is_archive, is_gguf, lineage_chain
+
     if args.lineage:
         if args.cost or args.json:
             raise UsageError("--lineage: give it alone (not with --cost or --json)")
-        from automodel_ckpt.export import lineage_chain
-
         print("\n".join(lineage_chain(Path(args.checkpoint_dir))), flush=True)
         return 0
-    from automodel_ckpt.export import describe_archive as describe, describe_gguf, is_archive, is_gguf
-
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
     for matches, what, read, render in ((is_gguf, "a GGUF file", describe_gguf, render_gguf),
                                         (is_archive, "an archive", describe, render_archive)):
