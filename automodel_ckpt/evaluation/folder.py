@@ -11,6 +11,7 @@ written into a hidden sibling and renamed into place only when complete, so a fa
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -116,7 +117,4 @@ def _config_with_dtype(content: bytes, entries: list[Entry]) -> bytes:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in shape) * dtype.itemsize
