@@ -13,6 +13,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The warm launcher's server (harness.py) ends with the session and is reaped by this process, so that the CPU
+    of every command it forked counts in this process's children (``time`` of the suite), not in init's."""
+    from tests.integration import harness
+
+    if harness._warm_launcher.cache_info().currsize:
+        harness._warm_launcher().close()
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder where the embedded tiny base model is created once and shared by every run."""
