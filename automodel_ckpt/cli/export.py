@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import LAYOUT, LOG_LINE_LIMIT, open_regular
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 
@@ -150,8 +150,6 @@ def calibration_file_examples(path: Path, n: int, tokenizer: object) -> list[lis
     ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; read a line at a time, each at most
     ``bounded.LOG_LINE_LIMIT`` bytes (a longer one is refused in one line naming it)."""
     import json
-
-    from automodel_ckpt.ondisk import LOG_LINE_LIMIT, open_regular
 
     try:
         f = os.fdopen(open_regular(path, follow=True), "rb")

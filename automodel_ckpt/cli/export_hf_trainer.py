@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UsageError
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import LAYOUT, LOG_FILE_LIMIT, read_bytes
 
 
 def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | None = None) -> int:
@@ -70,8 +70,6 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
 def _log(path: Path) -> list[dict]:
     """The run's ``training.jsonl`` records (the Trainer's log history), if the run folder has one."""
     try:
-        from automodel_ckpt.ondisk import LOG_FILE_LIMIT, read_bytes
-
         text = read_bytes(path, "the training log", LOG_FILE_LIMIT).decode("utf-8", "replace")
     except (OSError, CheckpointError):
         return []

@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.cli.common import VerbParser
+from automodel_ckpt.cli.common import VerbParser, check_recipe
 from automodel_ckpt.errors import ConfigError, UsageError
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import LAYOUT, list_checkpoints
 
 
 def build_parser() -> VerbParser:
@@ -44,11 +44,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise UsageError("import runs as one process: start it without --nproc-per-node or torchrun")
-    from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.config.loader import load_config, load_yaml, parse_value, split_overrides, to_yaml_data
     from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.ondisk import list_checkpoints
 
     src, out = Path(args.src), Path(args.out)
     # one process holding the whole model: the resume reshards it onto the recipe's own mesh and world size

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from automodel_ckpt.cli.common import VerbParser
+from automodel_ckpt.cli.common import VerbParser, check_recipe
 from automodel_ckpt.shown import allow_colors
 
 
@@ -54,7 +54,6 @@ def main(argv: list[str]) -> int:
     """
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.cli.common import check_recipe
     from automodel_ckpt.data import is_streamed, prepare_to_show, preview_rows
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
 

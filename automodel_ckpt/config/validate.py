@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint import CheckpointConfig
-from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, locate
+from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, instantiate, locate
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, MeshSizes,
                                              resolve_pipeline, resolve_sizes)
@@ -156,7 +156,6 @@ def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
 
     from omegaconf import OmegaConf
 
-    from automodel_ckpt.config.instantiate import instantiate
     from automodel_ckpt.models.materialize import builds_on_meta
 
     model = cfg.model

@@ -88,7 +88,6 @@ def end_process(code: int) -> NoReturn:
     """
     import atexit
     import logging
-    import threading
 
     try:
         pools = sys.modules.get("concurrent.futures.thread")

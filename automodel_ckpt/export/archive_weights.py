@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from automodel_ckpt.export.archive import open_archive
 from automodel_ckpt.ondisk.formats.fastio.common import ST_CODES
-from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
+from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader, read_safetensors
 from automodel_ckpt.ondisk.formats.safetensors_io import tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
@@ -75,8 +75,6 @@ class ArchiveHFReader(ParallelHFReader):
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        from automodel_ckpt.ondisk.formats.fastio.readers import read_safetensors
-
         done = read_safetensors(self, plan, planner, self.threads)
         if done is None:
             raise CheckpointError(f"the archive '{self.archive_path}' holds a tensor that is not read in place")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from automodel_ckpt.ondisk import paths
+from automodel_ckpt.ondisk import layout, paths
 from automodel_ckpt.errors import CheckpointError, first_line
 
 GGUF_MAGIC = b"GGUF"
@@ -46,8 +46,6 @@ _STRING, _ARRAY = 8, 9
 def is_gguf(path: Path) -> bool:
     """Whether ``path`` is a file named ``*.gguf`` or starting with the GGUF magic (a ``.gguf`` file without it is
     then refused by ``open_gguf`` for what it is, rather than read as something else)."""
-    from automodel_ckpt.ondisk import layout
-
     try:
         if not Path(path).is_file():
             return False

@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.models.lora_targets import linear_names
+from automodel_ckpt.models.lora_targets import default_targets, linear_names, lora_exclusions
 
 if TYPE_CHECKING:  # keep check_peft_section importable without torch (the launcher validates recipes early)
     from torch import nn
@@ -23,8 +23,6 @@ def lora_config(peft: Any, model: nn.Module | None = None):
     Without ``target_modules`` in the section, the targets are chosen for ``model``'s family (``lora_targets``).
     """
     from peft import LoraConfig, TaskType
-
-    from automodel_ckpt.models.lora_targets import default_targets, lora_exclusions
 
     check_peft_section(peft)
     targets = list(peft.target_modules) if peft.target_modules is not None else None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from automodel_ckpt.errors import CheckpointError, first_line
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import LAYOUT, load_pt
 
 
 def weights_fingerprint(model: nn.Module) -> str:
@@ -118,8 +118,6 @@ class StoredLogProbs:
         size = os.stat(file).st_size
         if size > limit:
             raise _bad(file, f"are {size} bytes, more than {limit} for {sum(pairs.values())} pairs")
-        from automodel_ckpt.ondisk import load_pt
-
         try:
             saved = load_pt(file)  # regular files only (never through a link, never a FIFO); no code runs
         except CheckpointError as exc:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from automodel_ckpt.ondisk import layout, paths
+from automodel_ckpt.ondisk import layout, manifest, paths
 from automodel_ckpt.checkpoint.locations import check_url, is_url, local_path, normalize
 from automodel_ckpt.checkpoint.objectstore.location import mirror_folder
 from automodel_ckpt.checkpoint.objectstore.run import RemoteRun, fetch, open_run, pulled_from, source_of
@@ -45,8 +45,6 @@ def run_folder(cfg: Any) -> Path:
 
 def stored_files(folder: Path) -> dict[str, int]:
     """``{file: size}`` of a mirrored checkpoint as stored (its manifest), whatever the mirror holds of it."""
-    from automodel_ckpt.ondisk import manifest
-
     try:
         listed = (manifest.read_manifest(folder) or {}).get("files", {})
     except CheckpointError:  # malformed or naming unsafe paths: nothing is known of it (`verify` says what)

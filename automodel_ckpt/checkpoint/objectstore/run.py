@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.checkpoint.objectstore import pieces
-from automodel_ckpt.checkpoint.objectstore.lease import Lease
+from automodel_ckpt.checkpoint.objectstore.lease import Lease, break_lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
 from automodel_ckpt.ondisk.durable import read_pointer, remove_pointer, remove_tree, set_pointer
@@ -287,8 +287,6 @@ class RemoteRun:
 
     def break_lease(self) -> dict[str, Any] | None:
         """Remove the run folder's lease whoever holds it (``ckpt-train gc --break-lease``); the lease removed."""
-        from automodel_ckpt.checkpoint.objectstore.lease import break_lease
-
         return break_lease(self.store)
 
     def gc(self, min_age_seconds: float, *, dry_run: bool = False) -> list[str]:

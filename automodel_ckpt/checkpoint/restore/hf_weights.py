@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.distributed import collective
-from automodel_ckpt.export import is_archive
+from automodel_ckpt.export import ArchiveHFReader, is_archive
 from automodel_ckpt.ondisk.formats.family import DiskTensor, auto_model_class, c_strides, disk_layout
 from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, scratch
 from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
@@ -181,8 +181,6 @@ def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
 def _reader(folder: Path) -> ParallelHFReader:
     """The storage reader of ``folder``: the pages of this rank's pieces, nothing between them."""
     if is_archive(folder):
-        from automodel_ckpt.export import ArchiveHFReader
-
         return ArchiveHFReader(folder, gap=0)
     return ParallelHFReader(folder, gap=0)
 

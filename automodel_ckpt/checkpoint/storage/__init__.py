@@ -16,7 +16,7 @@ from automodel_ckpt.checkpoint import objectstore
 from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.checkpoint.objectstore import (check_url, is_url, open_for_reading, run_folder, source_of,
                                                     stored_files, stored_sharing, streamed_object, upload_folder)
-from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize, open_filesystem
 from automodel_ckpt.checkpoint.objectstore.store import wrap
 from automodel_ckpt.checkpoint.storage.local import LocalRunFolder
 from automodel_ckpt.checkpoint.storage.remote import ObjectStoreRunFolder
@@ -70,7 +70,6 @@ def open_store_run(location: str, key: str) -> RemoteRun:
     """An object-store run folder to maintain (``ckpt-train gc``): its URL checked, readable, and a run folder
     (one line naming what is wrong otherwise)."""
     from automodel_ckpt.ondisk import layout
-    from automodel_ckpt.checkpoint.objectstore.location import mirror_folder, normalize
     from automodel_ckpt.checkpoint.objectstore.run import open_run
     from automodel_ckpt.errors import UserError
 

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.data.stream.corpus import Corpus, is_streamed
-from automodel_ckpt.data.stream.loader import StreamLoader
+from automodel_ckpt.data.stream.loader import StreamLoader, worker_lanes
 from automodel_ckpt.data.stream.stream import StreamSettings
 from automodel_ckpt.data.stream.validation import validation_batches, validation_rows
 from automodel_ckpt.errors import ConfigError
@@ -74,8 +74,6 @@ def streamed_validation(cfg: DictConfig, tokenizer: Any, dims: Any) -> tuple[lis
 
 def lanes_line(loader: StreamLoader, units: int) -> str:
     """How the lanes are read: units, lanes per rank, the redundancy, lanes per worker."""
-    from automodel_ckpt.data.stream.loader import worker_lanes
-
     per_rank = len(loader.my_lanes)
     again = loader.redundancy
     shared = f"each lane read by {again} ranks" if again > 1 else "each lane read once"

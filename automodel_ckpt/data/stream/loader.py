@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from automodel_ckpt.data.loader import MicroBatch
 from automodel_ckpt.data.stream.bounds import check_fields
 from automodel_ckpt.data.stream.corpus import Corpus, Shard
-from automodel_ckpt.data.stream.order import sequence_id
+from automodel_ckpt.data.stream.order import sequence_id, shard_order
 from automodel_ckpt.data.stream.position import (LANES_VERSION, check_corpus, check_lane, check_position,
                                                  lane_counts, lanes_mismatch, old_position_to_lanes)
 from automodel_ckpt.data.stream.readers import DataError
@@ -344,8 +344,6 @@ class StreamLoader:
         if not self.positions:
             return None
         import pickle
-
-        from automodel_ckpt.data.stream.order import shard_order
 
         first = self.positions[min(self.positions)]
         lane = min(self.positions)

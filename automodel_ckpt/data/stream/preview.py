@@ -10,8 +10,8 @@ import numpy as np
 from omegaconf import DictConfig
 
 from automodel_ckpt.data.encode import IGNORE_INDEX
-from automodel_ckpt.data.preview import CLOSE, OPEN
-from automodel_ckpt.data.stream.build import stream_settings, streamed_corpus_of
+from automodel_ckpt.data.preview import CLOSE, OPEN, _segments
+from automodel_ckpt.data.stream.build import build_streamed, stream_settings, streamed_corpus_of
 from automodel_ckpt.data.stream.order import sequence_id
 from automodel_ckpt.data.stream.stream import GlobalStream
 from automodel_ckpt.data.stream.validation import one_pass
@@ -21,8 +21,6 @@ from automodel_ckpt.errors import ConfigError
 def render_sequence(tokenizer: Any, k: int, tokens: list[int], labels: list[int]) -> str:
     """A header line, then each document piece of the sequence on its own line (``+`` where a new one starts), the
     text with a loss marked « » as in the up-front preview."""
-    from automodel_ckpt.data.preview import _segments
-
     eos = getattr(tokenizer, "eos_token_id", None)
     pieces, start = [], 0
     for t, tok in enumerate(tokens):
@@ -67,8 +65,6 @@ def first_ids(cfg: DictConfig, tokenizer: Any, *, rank: int, world_size: int, nu
     """Data-parallel rank ``rank`` of ``world_size``'s first ``num`` sequence ids, as its training loader makes
     them (``build_streamed``, this recipe's lanes, batch and workers): it reads only what that rank reads."""
     from types import SimpleNamespace
-
-    from automodel_ckpt.data.stream.build import build_streamed
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"preview: --rank must be in 0..{world_size - 1}, got {rank}")

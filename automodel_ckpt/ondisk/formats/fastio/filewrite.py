@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from automodel_ckpt.ondisk import durable
+from automodel_ckpt.ondisk import checksum, durable
 from automodel_ckpt.ondisk.formats.fastio import common
 from automodel_ckpt.ondisk.formats.fastio.common import tensor_memory
 
@@ -111,8 +111,6 @@ class _Hasher:
     """The file's checksum (the manifest's algorithm), fed with its bytes in file order from a thread of its own."""
 
     def __init__(self) -> None:
-        from automodel_ckpt.ondisk import checksum
-
         self.algorithm = checksum.default_algorithm()
         self._h = checksum.hasher(self.algorithm)
         self.ok = False

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from automodel_ckpt.ondisk.formats.fastio import metapickle
+
 _PROTOCOL = 3  # no framing: the body's opcodes can be followed by the tail's
 _BUILD, _STOP = pickle.BUILD, pickle.STOP
 
@@ -63,7 +65,7 @@ def body(metadata: Metadata, results: Callable[[], list[list[Any]]], key: str | 
         saved = (metadata.storage_data, metadata.storage_meta)
         metadata.storage_data, metadata.storage_meta = storage, None
         try:
-            data = pickle.dumps(metadata, protocol=_PROTOCOL)
+            data = metapickle.dumps(metadata, protocol=_PROTOCOL)
         finally:
             metadata.storage_data, metadata.storage_meta = saved
         assert data.endswith(_STOP)
