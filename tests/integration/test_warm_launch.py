@@ -63,6 +63,8 @@ def test_variables_read_at_import_time_start_a_new_interpreter(monkeypatch):
     assert not warm.accepts(["python", "x.py"], base)
     # a cache folder of its own: Hugging Face's libraries read it at import only where HF_HOME is not set
     assert warm.accepts([CKPT_TRAIN, "x.yaml"], base | {"XDG_CACHE_HOME": "/c"})
+    # applied again in the forked child (torch._inductor's compile_threads)
+    assert warm.accepts([CKPT_TRAIN, "x.yaml"], base | {"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     unset = {k: v for k, v in base.items() if k != "HF_HOME"}
     assert not WarmLauncher(unset).accepts([CKPT_TRAIN, "x.yaml"], unset | {"XDG_CACHE_HOME": "/c"})
     monkeypatch.setenv("CKPT_TEST_FRESH_PROCESSES", "1")

@@ -35,6 +35,8 @@ FRESH_ENV = "CKPT_TEST_FRESH_PROCESSES"
 IMPORT_TIME = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "OMP_", "MKL_",
                "KMP_", "LD_", "MALLOC_", "GLIBC_", "THP_", "TOKENIZERS", "AUTOMODEL_CKPT_MALLOC", "XDG_", "HOME",
                "TMPDIR", "CUDA", "NCCL", "TRITON", "GLOO")
+#: Read at import time, but applied again by the forked child (``_apply_after_fork``): such a command still runs forked.
+AFTER_FORK = ("TORCHINDUCTOR_COMPILE_THREADS",)
 _MESSAGE = 1 << 20
 
 
@@ -44,7 +46,16 @@ def _import_time(name: str, env: dict[str, str], base: dict[str, str]) -> bool:
     caches (object-store mirrors) read it, when they are used."""
     if name == "XDG_CACHE_HOME" and env.get("HF_HOME") and env.get("HF_HOME") == base.get("HF_HOME"):
         return False
-    return name != "PYTHONPATH" and name.startswith(IMPORT_TIME)
+    return name != "PYTHONPATH" and name not in AFTER_FORK and name.startswith(IMPORT_TIME)
+
+
+def _apply_after_fork() -> None:
+    """In the forked child, its environment in place: what the server's imports read from the environment and the
+    child sets again (``AFTER_FORK``). torch._inductor's ``compile_threads`` (the server imported its config with the
+    server's environment): ``TORCHINDUCTOR_COMPILE_THREADS=1`` compiles in the process, without a pool of workers."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = config.decide_compile_threads()
 
 
 def _stream_fd(stream, default: int) -> tuple[int, int | None, bool]:
@@ -226,6 +237,7 @@ def _become(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _apply_after_fork()
         os.closerange(3, 1 << 16)  # the server's socket and pipes (the server waits for this): a new process has none
         paths = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[1:1] = [p for p in paths if p not in sys.path]
