@@ -4,6 +4,7 @@ tier, every contender's step times). Correctness of the output, not speed."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -23,9 +24,20 @@ def _run(tool: str, *args: str, timeout: int = 900) -> str:
     return proc.stdout
 
 
-def test_bench_async_small_reports_stall_and_run_overhead(tmp_path):
+def _main(tool: str, *args: str, capsys) -> str:
+    """``tools/TOOL.py ARGS`` through its ``main(argv)`` in this process (which has imported what it imports: torch,
+    the package's recipe); what it printed. Its runs are still processes of their own."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))  # the tools import their siblings from their folder
+    capsys.readouterr()
+    importlib.import_module(tool).main(list(args))
+    return capsys.readouterr().out
+
+
+def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys):
     out = tmp_path / "async.json"
-    printed = _run("bench_async.py", "--small", "--nproc", "1", "--modes", "none,sync,async", "--json", str(out))
+    printed = _main("bench_async", "--small", "--nproc", "1", "--modes", "none,sync,async", "--json", str(out),
+                    capsys=capsys)
     report = json.loads(out.read_text())
     assert math.isfinite(report["stall_over_sync"]) and report["stall_over_sync"] > 0
     assert report["stall_over_sync"] == pytest.approx(report["async_stall_seconds"] / report["sync_save_seconds"])
