@@ -1,0 +1,289 @@
+"""The pickle of a DCP ``Metadata`` with its chunk lists and storage table written as numpy records.
+
+At thousands of ranks a ``.metadata`` holds millions of chunks and storage entries; ``pickle.dumps`` spends some
+8 µs on each (a dataclass, its state dict, two ``torch.Size``). Here the rest of the object is pickled by
+``pickle`` itself, with each large chunk list and the storage table left as holes (persistent ids), and each hole
+is then filled with the opcodes ``pickle`` writes for it, built for all its items at once: the same objects load
+(``pickle.loads``, DCP's reader, ``safe_load``). The classes, the state's keys and the strings the items share are
+put in memo slots past the pickler's, once, after the header. Anything of another shape is pickled by ``pickle``.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import pickle
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+from automodel_ckpt.ondisk.formats.fastio.records import NOTE
+
+#: A list or table shorter than this is left to ``pickle``.
+MIN_ITEMS = 256
+_KEYS = {ChunkStorageMetadata: ("offsets", "sizes"), MetadataIndex: ("fqn", "index", "offset"),
+         _StorageInfo: ("relative_path", "offset", "length")}
+_SAMPLES = (ChunkStorageMetadata(torch.Size([0]), torch.Size([1])), MetadataIndex("a", torch.Size([0]), 0),
+            _StorageInfo("a", 0, 1))
+_INFO = ("relative_path", "offset", "length")  # a ``_StorageInfo``'s state: these, ``records.NOTE`` where set
+_INFO_STATES = {_INFO, (*_INFO, "transform_descriptors"), (*_INFO, NOTE), (*_INFO, "transform_descriptors", NOTE)}
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_TUPLE = {0: pickle.EMPTY_TUPLE, 1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
+
+
+def _shapes_known() -> bool:
+    """Whether this torch pickles the three classes as this module writes them (a state dict of those keys)."""
+    import copyreg
+
+    for sample in _SAMPLES:
+        reduced = sample.__reduce_ex__(3)
+        if reduced[0] is not copyreg.__newobj__ or reduced[1] != (type(sample),) or \
+                not isinstance(reduced[2], dict) or tuple(reduced[2]) != _KEYS[type(sample)]:
+            return False
+    return True
+
+
+class _Hole:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return f"\0hole {id(obj)}" if type(obj) is _Hole else None
+
+
+class _Memo:
+    """Memo slots from ``base`` on for the shared objects, and the opcodes that fill them (the prologue)."""
+
+    def __init__(self, base: int) -> None:
+        self.slots: dict[Any, int] = {}
+        self.base, self.prologue = base, io.BytesIO()
+
+    def slot(self, obj: Any) -> int:
+        self.get(obj)
+        return self.slots[(type(obj), obj)]
+
+    def get(self, obj: Any) -> bytes:
+        key = (type(obj), obj)
+        if key not in self.slots:
+            self.slots[key] = slot = self.base + len(self.slots)
+            if isinstance(obj, type):
+                self.prologue.write(pickle.GLOBAL + f"{obj.__module__}\n{obj.__qualname__}\n".encode())
+            elif isinstance(obj, torch.dtype):  # as torch pickles it: ``torch.<name>``
+                self.prologue.write(pickle.GLOBAL + f"torch\n{str(obj).removeprefix('torch.')}\n".encode())
+            else:
+                data = obj.encode("utf-8", "surrogatepass")
+                self.prologue.write(pickle.BINUNICODE + struct.pack("<I", len(data)) + data)
+            self.prologue.write(pickle.LONG_BINPUT + struct.pack("<I", slot) + pickle.POP)
+        return pickle.LONG_BINGET + struct.pack("<I", self.slots[key])
+
+
+class _Records:
+    """Fixed-width records, one per item: constant opcodes and integer columns (``BININT`` or 8-byte ``LONG1``)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.parts = count, []
+
+    def const(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def ints(self, column: np.ndarray) -> None:
+        small = column.size == 0 or (column.min() >= _I32[0] and column.max() <= _I32[1])
+        self.parts.append((pickle.BININT, column.astype("<i4")) if small else (pickle.LONG1 + b"\x08",
+                                                                                column.astype("<i8")))
+
+    def tuple(self, rows: np.ndarray) -> None:
+        """Each row of ``rows`` (``[count, d]``) as a tuple of integers."""
+        many = rows.shape[1] not in _TUPLE
+        self.const(pickle.MARK if many else b"")
+        for j in range(rows.shape[1]):
+            self.ints(rows[:, j])
+        self.const(pickle.TUPLE if many else _TUPLE[rows.shape[1]])
+
+    def size(self, memo: _Memo, dims: np.ndarray | None) -> None:
+        """``torch.Size(row)`` of each row of ``dims`` (``[count, d]``); None: ``None``."""
+        if dims is None:
+            return self.const(pickle.NONE)
+        self.const(memo.get(torch.Size))
+        self.tuple(dims)
+        self.const(pickle.TUPLE1 + pickle.REDUCE)
+
+    def long(self, column: np.ndarray, width: int) -> tuple[bytes, np.ndarray]:
+        """Non-negative integers as ``LONG1`` of ``width`` (>= 8) bytes: a record's width can be set by it."""
+        return (pickle.LONG1 + bytes([width]), np.pad(column.astype("<i8").view(np.uint8).reshape(self.count, 8),
+                                                       ((0, 0), (0, width - 8))))
+
+    def width(self) -> int:
+        return sum(len(p) if isinstance(p, bytes) else len(p[0]) + p[1].nbytes // max(self.count, 1)
+                   for p in self.parts if p is not None)
+
+    def array(self) -> np.ndarray:
+        """``[count, width]`` bytes: each row one item's opcodes."""
+        out = np.empty((self.count, self.width()), dtype=np.uint8)
+        at = 0
+        for part in self.parts:
+            if isinstance(part, bytes):
+                out[:, at:at + len(part)] = np.frombuffer(part, dtype=np.uint8)
+                at += len(part)
+                continue
+            op, column = part
+            out[:, at:at + len(op)] = np.frombuffer(op, dtype=np.uint8)
+            at += len(op)
+            raw = column.view(np.uint8).reshape(self.count, -1)
+            out[:, at:at + raw.shape[1]] = raw
+            at += raw.shape[1]
+        return out
+
+
+def _object(memo: _Memo, cls: type) -> bytes:
+    return memo.get(cls) + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+
+
+def _sizes(values: list[Any], dims: int) -> np.ndarray | None:
+    if {type(v) for v in values} != {torch.Size} or {len(v) for v in values} != {dims}:
+        return None
+    return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64,
+                       count=len(values) * dims).reshape(len(values), dims)
+
+
+def _chunks(memo: _Memo, chunks: list[Any]) -> bytes | None:
+    """The opcodes of a list of chunks, or None if one is not a plain ``ChunkStorageMetadata`` of equal rank."""
+    if {type(c) for c in chunks} != {ChunkStorageMetadata}:
+        return None
+    dims = len(chunks[0].offsets)
+    offsets, sizes = _sizes([c.offsets for c in chunks], dims), _sizes([c.sizes for c in chunks], dims)
+    if offsets is None or sizes is None:
+        return None
+    rec = _Records(len(chunks))
+    rec.const(_object(memo, ChunkStorageMetadata) + memo.get("offsets"))
+    rec.size(memo, offsets)
+    rec.const(memo.get("sizes"))
+    rec.size(memo, sizes)
+    rec.const(pickle.SETITEMS + pickle.BUILD)
+    return pickle.EMPTY_LIST + pickle.MARK + rec.array().tobytes() + pickle.APPENDS
+
+
+def _storage(memo: _Memo, table: dict[Any, Any]) -> bytes | None:
+    """The opcodes of a storage table (``MetadataIndex`` -> ``_StorageInfo``, with or without the writer's
+    ``records.NOTE``), in its order, or None."""
+    keys, infos = list(table), list(table.values())
+    notes = [getattr(v, NOTE, None) for v in infos]
+    if {type(k) for k in keys} != {MetadataIndex} or {type(v) for v in infos} != {_StorageInfo} or \
+            not {tuple(v.__dict__) for v in infos} <= _INFO_STATES or \
+            any(getattr(v, "transform_descriptors", None) is not None for v in infos) or \
+            {type(k.fqn) for k in keys} | {type(v.relative_path) for v in infos} != {str} or \
+            {type(v.offset) for v in infos} | {type(v.length) for v in infos} != {int} or \
+            not {type(n) for n in notes} <= {tuple, type(None)}:
+        return None
+    offsets, indexes = [k.offset for k in keys], [k.index for k in keys]
+    if not {type(o) for o in offsets} <= {torch.Size, type(None)} or \
+            not {type(i) for i in indexes} <= {int, type(None)}:
+        return None
+    noted = [n for n in notes if n is not None]
+    if noted and ({len(n) for n in noted} != {3} or {type(n[0]) for n in noted} != {int} or
+                  {type(n[1]) for n in noted} != {tuple} or {type(n[2]) for n in noted} != {torch.dtype} or
+                  not {type(d) for n in noted for d in n[1]} <= {int}):
+        return None
+    # groups of one record shape: the offset's rank (-1: None), whether there is an index, the note's shape
+    dtypes: dict[Any, int] = {}
+    columns = np.stack([np.array([-1 if o is None else len(o) for o in offsets]), np.array([i is None for i in indexes]),
+                        np.array([-1 if n is None else len(n[1]) for n in notes]),
+                        np.array([-1 if n is None else dtypes.setdefault(n[2], len(dtypes)) for n in notes])]) + 1
+    scale = columns.max(axis=1) + 1
+    kinds, code_of = np.unique(np.ravel_multi_index(tuple(columns), tuple(scale)), return_inverse=True)
+    kinds, dtype_of = np.stack(np.unravel_index(kinds, tuple(scale)), axis=1) - 1, list(dtypes)
+    # the columns, each read once: strings by reference (their memo slots), integers
+    slot = {text: memo.slot(text) for text in {k.fqn for k in keys} | {v.relative_path for v in infos}}
+    fqn_slots = np.array([slot[k.fqn] for k in keys], dtype="<u4")
+    path_slots = np.array([slot[v.relative_path] for v in infos], dtype="<u4")
+    index = np.array([0 if i is None else i for i in indexes], dtype=np.int64)
+    info_offset = np.array([v.offset for v in infos], dtype=np.int64)
+    length = np.array([v.length for v in infos], dtype=np.int64)
+    note_at = np.array([0 if n is None else n[0] for n in notes], dtype=np.int64)
+    built = []
+    for code, (dims, no_index, note_dims, note_dtype) in enumerate(kinds.tolist()):
+        note = None if note_dims < 0 else (note_dims, dtype_of[note_dtype])
+        rows = np.flatnonzero(code_of == code)
+        listed = rows.tolist()
+        starts = None if dims < 0 else _sizes([offsets[i] for i in listed], dims)
+        if dims >= 0 and starts is None:
+            return None
+        rec = _Records(len(rows))
+        rec.const(_object(memo, MetadataIndex) + memo.get("fqn") + pickle.LONG_BINGET)
+        rec.parts.append((b"", fqn_slots[rows]))
+        rec.const(memo.get("index") + (pickle.NONE if no_index else b""))
+        if not no_index:
+            rec.ints(index[rows])
+        rec.const(memo.get("offset"))
+        rec.size(memo, starts)
+        rec.const(pickle.SETITEMS + pickle.BUILD + _object(memo, _StorageInfo) + memo.get("relative_path") +
+                  pickle.LONG_BINGET)
+        rec.parts.append((b"", path_slots[rows]))
+        rec.const(memo.get("offset"))
+        rec.parts.append(None)  # the offset, as wide as makes every record of the table equally wide (below)
+        rec.const(memo.get("length"))
+        rec.ints(length[rows])
+        if note is not None:  # (where the tensor's bytes start, its shape, its dtype)
+            rec.const(memo.get(NOTE))
+            rec.ints(note_at[rows])
+            rec.tuple(np.fromiter(itertools.chain.from_iterable(notes[i][1] for i in listed), dtype=np.int64,
+                                  count=len(listed) * note[0]).reshape(len(listed), note[0]))
+            rec.const(memo.get(note[1]) + pickle.TUPLE3)
+        rec.const(pickle.SETITEMS + pickle.BUILD)
+        built.append((rows, rec, info_offset[rows]))
+    # every record as wide as the widest (its offset's LONG1 takes the difference): the table's order by row
+    widest = max(rec.width() for _, rec, _ in built) + 10
+    if widest - min(rec.width() for _, rec, _ in built) - 2 > 255:
+        return None
+    out = np.empty((len(keys), widest), dtype=np.uint8)
+    for rows, rec, offset in built:
+        rec.parts[rec.parts.index(None)] = rec.long(offset, widest - rec.width() - 2)
+        out[rows] = rec.array()
+    return pickle.EMPTY_DICT + pickle.MARK + out.tobytes() + pickle.SETITEMS
+
+
+def dumps(metadata: Any, protocol: int = 3) -> bytes:
+    """``pickle.dumps(metadata, protocol)`` (2 or 3: no framing), its large parts built as records."""
+    holes: list[tuple[Any, str, _Hole]] = []
+    entries = getattr(metadata, "state_dict_metadata", None) or {}
+    if protocol in (2, 3) and _shapes_known():
+        holes = [(md, "chunks", _Hole(md.chunks)) for md in entries.values()
+                 if type(md) is TensorStorageMetadata and len(md.chunks) >= MIN_ITEMS]
+        if isinstance(getattr(metadata, "storage_data", None), dict) and len(metadata.storage_data) >= MIN_ITEMS:
+            holes.append((metadata, "storage_data", _Hole(metadata.storage_data)))
+    if not holes:
+        return pickle.dumps(metadata, protocol=protocol)
+    out = io.BytesIO()
+    pickler = _Pickler(out, protocol=protocol)
+    for owner, name, hole in holes:
+        setattr(owner, name, hole)
+    try:
+        pickler.dump(metadata)
+    finally:
+        for owner, name, hole in holes:
+            setattr(owner, name, hole.value)
+    data = out.getvalue()
+    memo = _Memo(len(pickler.memo.copy()) + 1)
+    filled = []
+    for _, name, hole in holes:
+        fill = _storage(memo, hole.value) if name == "storage_data" else _chunks(memo, hole.value)
+        if fill is None:
+            return pickle.dumps(metadata, protocol=protocol)
+        pid = f"\0hole {id(hole)}".encode()
+        at = data.index(pickle.BINUNICODE + struct.pack("<I", len(pid)) + pid)
+        end = at + 5 + len(pid)
+        end += {pickle.BINPUT: 2, pickle.LONG_BINPUT: 5}.get(data[end:end + 1], 0)  # the id's memo slot, unused
+        if data[end:end + 1] != pickle.BINPERSID:
+            return pickle.dumps(metadata, protocol=protocol)
+        filled.append((at, end + 1, fill))
+    parts, last = [data[:2], memo.prologue.getvalue()], 2
+    for at, end, fill in sorted(filled, key=lambda f: f[0]):
+        parts += [data[last:at], fill]
+        last = end
+    parts.append(data[last:])
+    return b"".join(parts)

@@ -1,0 +1,90 @@
+"""A ``.metadata``'s pickle with its chunk lists and storage table built as records loads as the same objects as
+``pickle.dumps``'s, in the same order, through ``pickle``, the restricted unpickler and DCP's reader."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+from automodel_ckpt.ondisk.formats.fastio import metapickle
+from automodel_ckpt.ondisk.formats.fastio.records import NOTE
+from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
+
+
+def _metadata(chunks: int, seed: int = 0) -> Metadata:
+    """Tensors of 0 to 5 dimensions cut in ``chunks``; storage entries with and without an index, an offset, the
+    writer's note (1 to 3 dimensions, two dtypes), and offsets past 2**31; a bytes entry."""
+    rng = random.Random(seed)
+    entries, storage = {}, {}
+    for t, dims in enumerate([2, 1, 0, 5, 2, 3]):
+        fqn = f"state.layers.{t}.exp_avg"
+        count = chunks if dims else 1
+        boxes = []
+        for i in range(count):
+            offsets = torch.Size([i * 7] + [rng.randrange(3) for _ in range(dims - 1)]) if dims else torch.Size([])
+            sizes = torch.Size([7] + [rng.randrange(1, 5) for _ in range(dims - 1)]) if dims else torch.Size([])
+            boxes.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+            info = _StorageInfo(f"__{i % 5}_0.distcp", rng.randrange(1 << 34), rng.randrange(1 << 20))
+            if i % 3:
+                setattr(info, NOTE, (rng.randrange(900), tuple(rng.randrange(9) for _ in range(i % 3 + dims % 2)),
+                                     (torch.float32, torch.bfloat16)[i % 2]))
+            storage[MetadataIndex(fqn, offsets, i if t == 4 else None)] = info
+        size = torch.Size([count * 7] + [9] * (dims - 1)) if dims else torch.Size([])
+        entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), size, boxes)
+    entries["param_groups"] = BytesStorageMetadata()
+    storage[MetadataIndex("param_groups")] = _StorageInfo("__0_0.distcp", 5, 6)
+    return Metadata(state_dict_metadata=entries, storage_data=storage, planner_data={"a": ("b",)}, version="1.0.0")
+
+
+def _same(ours: Metadata, theirs: Metadata) -> None:
+    assert ours == theirs
+    assert list(ours.storage_data) == list(theirs.storage_data)
+    def state(info):  # what pickling keeps of a storage entry (``_StorageInfo.__getstate__``: no None fields)
+        return [(k, v) for k, v in vars(info).items() if v is not None]  # in order
+
+    assert [state(v) for v in ours.storage_data.values()] == [state(v) for v in theirs.storage_data.values()]
+    for key, md in theirs.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            assert [(type(c.offsets), type(c.sizes)) for c in ours.state_dict_metadata[key].chunks] == \
+                [(torch.Size, torch.Size)] * len(md.chunks)
+
+
+@pytest.mark.parametrize("chunks", [metapickle.MIN_ITEMS, 700])
+def test_records_load_as_the_objects_pickle_writes(chunks):
+    metadata = _metadata(chunks)
+    data = metapickle.dumps(metadata)
+    assert data != pickle.dumps(metadata, protocol=3)  # the records were used
+    _same(pickle.loads(data), pickle.loads(pickle.dumps(metadata, protocol=3)))  # noqa: S301 - this test's own
+    _same(pickle.loads(data), metadata)  # noqa: S301
+    loaded = pickle.loads(data)  # noqa: S301 - entries as a reader holds them (no None fields): records again
+    assert metapickle.dumps(loaded) != pickle.dumps(loaded, protocol=3)
+    _same(pickle.loads(metapickle.dumps(loaded)), metadata)  # noqa: S301
+
+
+def test_small_or_unusual_metadata_is_pickled_by_pickle():
+    small = _metadata(3)
+    assert metapickle.dumps(small) == pickle.dumps(small, protocol=3)
+    odd = _metadata(400)
+    next(iter(odd.storage_data.values())).extra = "kept"  # a state this module does not write
+    assert metapickle.dumps(odd) == pickle.dumps(odd, protocol=3)
+    box = odd.state_dict_metadata["state.layers.0.exp_avg"].chunks
+    box[5] = ChunkStorageMetadata(offsets=(35, 0), sizes=torch.Size([7, 1]))  # a plain tuple, not a Size
+    assert pickle.loads(metapickle.dumps(odd)).state_dict_metadata["state.layers.0.exp_avg"].chunks[5].offsets \
+        == (35, 0)  # noqa: S301
+
+
+def test_the_restricted_unpickler_and_dcps_reader_read_it(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = _metadata(300)
+    (tmp_path / ".metadata").write_bytes(metapickle.dumps(metadata))
+    _same(load_dcp_metadata(tmp_path / ".metadata"), metadata)
+    theirs = FileSystemReader(tmp_path).read_metadata()
+    theirs.storage_meta = None  # the reader's load id
+    _same(theirs, metadata)
