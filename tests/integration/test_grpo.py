@@ -46,43 +46,40 @@ def straight(work: Path, assets: Path) -> Path:
     return work / "straight"
 
 
-@pytest.fixture(scope="module")
-def killed(work: Path, assets: Path) -> tuple[Path, str]:
-    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "killed",
+def _held_and_killed(work: Path, assets: Path, name: str, hold: dict[str, str]) -> Path:
+    """A run of ``ARGS`` into ``work/name`` whose rank 0 holds the job as ``hold``'s hook says, killed there
+    (SIGKILL to the whole job)."""
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", name,
            "--recipe", grpo_faults.RECIPE]
-    pid_file = work / "stopped.pid"  # rank 0 holds the job mid-generation at step 5: step 3's checkpoint is the latest
-    with open(work / "killed.log", "w") as log:
-        job = start_command(cmd, cwd=work, env=env_for(assets, grpo_faults.env(3, pid_file)), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with open(work / f"{name}.log", "w") as log:
+        job = start_command(cmd, cwd=work, env=env_for(assets, hold), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
-        held = step_faults.stopped(pid_file, job)
+        held = step_faults.stopped(Path(hold["STOP_PID_FILE"]), job)
     finally:
         kill_job(job)
-    assert held is not None, (work / "killed.log").read_text()[-3000:]
-    assert not (work / "killed" / "epoch_0_step_6").exists()
-    assert [r["step"] for r in jsonl(work / "killed" / "training.jsonl")] == [1, 2, 3, 4]  # step 5 never trained
+    assert held is not None, (work / f"{name}.log").read_text()[-3000:]
+    assert not (work / name / "epoch_0_step_6").exists()
+    return work / name
+
+
+@pytest.fixture(scope="module")
+def killed(work: Path, assets: Path) -> tuple[Path, str]:
+    # rank 0 holds the job mid-generation at step 5: step 3's checkpoint is the latest
+    run = _held_and_killed(work, assets, "killed", grpo_faults.env(3, work / "stopped.pid"))
+    assert [r["step"] for r in jsonl(run / "training.jsonl")] == [1, 2, 3, 4]  # step 5 never trained
     rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=2, recipe=RECIPE)
-    return work / "killed", rerun.output
+    return run, rerun.output
 
 
 @pytest.fixture(scope="module")
 def between(work: Path, assets: Path) -> tuple[Path, str]:
-    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "between",
-           "--recipe", grpo_faults.RECIPE]
-    pid_file = work / "between.pid"  # rank 0 holds the job after step 5, between the two passes of rollout batch 3
-    with open(work / "between.log", "w") as log:
-        job = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(5, pid_file)), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        held = step_faults.stopped(pid_file, job)
-    finally:
-        kill_job(job)
-    assert held is not None, (work / "between.log").read_text()[-3000:]
-    rows = jsonl(work / "between" / "training.jsonl")
+    # rank 0 holds the job after step 5, between the two passes over rollout batch 3
+    run = _held_and_killed(work, assets, "between", step_faults.env(5, work / "between.pid"))
+    rows = jsonl(run / "training.jsonl")
     assert [(r["step"], r["grpo_step"], r["rollout_pass"]) for r in rows][-1] == (5, 3, 1)  # one pass of two taken
-    assert not (work / "between" / "epoch_0_step_6").exists()
     rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "between", nproc=2, recipe=RECIPE)
-    return work / "between", rerun.output
+    return run, rerun.output
 
 
 def _rows(run: Path) -> list[tuple]:
