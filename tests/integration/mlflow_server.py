@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -73,15 +72,9 @@ class MlflowServer:
         self.proc = None
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 5 s: a graceful stop waits up to half a minute for clients' idle keep-alive
-        connections to close, and the test server's store is thrown away anyway."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                kill_job(self.proc)
-        self.proc = None
+        """As ``kill``: a graceful stop waits up to half a minute for clients' idle keep-alive connections to close,
+        and the test server's store is thrown away anyway."""
+        self.kill()
 
 
 MISSING = ("needs `mlflow server` (the full mlflow package): run tools/setup.sh, which installs it in "
