@@ -50,7 +50,8 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys):
     for save in report["runs"]["async"][0]["saves"]:
         assert save["stall"] == pytest.approx(save["call"] + save["fence"]) and save["fence"] >= 0
         assert save["capture"] is not None and save["background"] is not None  # the copy and write were timed
-    assert all(s["background"] is None and s["call"] < 0.01 for s in report["runs"]["none"][0]["saves"])
+    sync_call = min(s["call"] for s in report["runs"]["sync"][0]["saves"])  # a save's work, against none at all
+    assert all(s["background"] is None and s["call"] < sync_call for s in report["runs"]["none"][0]["saves"])
     assert "stall_over_sync (median, steady state)" in printed and "| async |" in printed
     parts = report["stall_parts"]  # what the stall is made of, each a median of the steady-state saves
     assert {"snapshot", "small_files", "hand_off", "fence", "other"} <= set(parts)
