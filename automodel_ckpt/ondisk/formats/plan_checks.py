@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
-from itertools import chain, compress
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -21,44 +20,45 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     An item several ranks hold goes to the one with the least planned so far (DCP counts a tensor item as its
     whole tensor's bytes, anything else as 1), walking the items in the order they first appear: rank by rank.
     A rank's load is read only when an item it holds first appears, at that rank: then it holds what was given
-    to it before and its own items before that one, and no rank before it holds the item. So a rank's own sizes
-    are summed only up to the last item that first appears at it, and the rest is done in C (``map``,
-    ``compress``) but for the duplicates."""
+    to it before and its own items before that one, and no rank before it holds the item. So only the ranks at
+    which some item first appears are walked, each up to its last such item; the holders of each item (the set
+    DCP builds, filled in the same order, so that ties go where DCP's go), and each rank's share once every item
+    it holds has a writer, are found in numpy."""
     keys_of = [list(map(_KEY, note.entries)) for note in notes]
-    counts = Counter(chain.from_iterable(keys_of))
-    if len(counts) == sum(map(len, keys_of)):
+    index = {key: i for i, key in enumerate(dict.fromkeys(chain.from_iterable(keys_of)))}  # in first appearance
+    ids_of = [np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys)) for keys in keys_of]
+    every = np.concatenate(ids_of) if ids_of else np.zeros(0, dtype=np.int64)
+    counts = np.bincount(every, minlength=len(index))
+    if counts.max(initial=0) <= 1:
         return [[True] * len(keys) for keys in keys_of]
-    dups = set(compress(counts, map((1).__lt__, counts.values())))
-    del counts
-    places = []  # per rank: the positions of its duplicated items
-    holders: dict[tuple, set[int]] = {}
-    for rank, keys in enumerate(keys_of):
-        at = list(compress(range(len(keys)), map(dups.__contains__, keys)))
-        places.append(at)
-        for j in at:
-            found = holders.get(keys[j])
-            if found is None:
-                found = holders[keys[j]] = set()
-            found.add(rank)
+    dup = counts > 1
+    ranks = np.repeat(np.arange(len(notes)), [len(keys) for keys in keys_of])
+    held = dup[every]
+    dup_ids, dup_ranks = every[held], ranks[held]
+    order = np.argsort(dup_ids, kind="stable")  # by item, each item's holders in rank order
+    dup_ids, dup_ranks = dup_ids[order], dup_ranks[order]
+    cuts = np.flatnonzero(np.diff(dup_ids)) + 1
+    starts = np.concatenate([[0], cuts]).tolist()
+    listed = dup_ranks.tolist()
+    holders = {i: set(listed[a:b]) for i, a, b in zip(dup_ids[starts].tolist(), starts, [*cuts.tolist(), len(listed)])}
+    first = np.full(len(index), -1, dtype=np.int64)
+    first[dup_ids[starts]] = dup_ranks[starts]  # the rank at which each duplicated item first appears
     load = [0] * len(notes)
-    writer: dict[tuple, int] = {}
+    writer = np.full(len(index), -1, dtype=np.int64)
     out = []
-    for rank, (note, keys, at) in enumerate(zip(notes, keys_of, places)):
-        counted, dup_at = 0, set(at)
-        for j in at:
-            key = keys[j]
-            if key in writer:
+    for rank, (note, ids) in enumerate(zip(notes, ids_of)):
+        mine = dup[ids]
+        counted = 0
+        for j in np.flatnonzero(mine & (first[ids] == rank)).tolist():  # the items that first appear here
+            if writer[ids[j]] >= 0:  # held twice by this rank: given at its first
                 continue
             for i in range(counted, j):  # this rank's own items up to this one
-                if i not in dup_at:
+                if not mine[i]:
                     load[rank] += _storage(note, note.entries[i])
             counted = j
-            writer[key] = chosen = min(holders[key], key=load.__getitem__)
+            writer[ids[j]] = chosen = min(holders[int(ids[j])], key=load.__getitem__)
             load[chosen] += _storage(note, note.entries[j])
-        mine = [True] * len(keys)
-        for j in at:
-            mine[j] = writer[keys[j]] == rank
-        out.append(mine)
+        out.append(np.where(mine, writer[ids] == rank, True).tolist())
     return out
 
 

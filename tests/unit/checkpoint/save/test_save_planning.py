@@ -214,6 +214,35 @@ def test_dedup_assigns_as_dcp_where_duplicates_follow_a_ranks_own_items():
         assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
 
 
+def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
+    """HSDP's shape: every replica holds the same items, so loads tie among hundreds of ranks and the writer is
+    the first of DCP's set of holders in its iteration order (not the lowest rank once the set is large)."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from automodel_ckpt.ondisk.formats import plan_checks
+
+    props = TensorProperties(dtype=torch.float32)
+    plans = []
+    for rank in range(600):
+        items = []
+        for name in range(6):  # replicated across 75 groups of 8; the shard of each name depends on rank % 8
+            rows = 8 + name
+            offsets = torch.Size(((rank % 8) * rows, 0))
+            items.append(WriteItem(MetadataIndex(f"w{name}", offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
+                ChunkStorageMetadata(offsets, torch.Size((rows, 3))), props, torch.Size((8 * rows, 3)))))
+        items.append(WriteItem(MetadataIndex(f"own{rank}", torch.Size((0,))), WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size((0,)), torch.Size((rank,))),
+                                                           props, torch.Size((rank,)))))
+        plans.append(SavePlan(items))
+    kept = [{item.index for item in p.items} for p in dedup_save_plans(plans)]
+    notes = [planning.PlanNote("", *planning._encode(p), {}) for p in plans]
+    ours = plan_checks.dedup(notes)
+    assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
+    assert sum(map(sum, ours)) == 8 * 6 + 600
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_planning_pauses_the_collector_and_leaves_what_it_made_to_the_oldest_generation(enabled):
     import gc
