@@ -7,14 +7,9 @@ from typing import Any, Callable
 
 
 def exports_of(table: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """A face's ``_EXPORTS``, name -> (module, its name there), from its table: module -> the names of its members
-    the face hands on, separated by spaces (``face_name=name`` hands a member on under another name)."""
-    out = {}
-    for module, names in table.items():
-        for name in names.split():
-            face_name, _, attr = name.partition("=")
-            out[face_name] = (module, attr or face_name)
-    return out
+    """A face's ``_EXPORTS``, name -> (module, the same name there), from its table: module -> the names of its
+    members the face hands on, separated by spaces (a member keeps its name on the way out)."""
+    return {name: (module, name) for module, names in table.items() for name in names.split()}
 
 
 def lazy_members(package: str, exports: dict[str, tuple[str, str]], namespace: dict[str, Any]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from automodel_ckpt.faces import exports_of, lazy_members
 
-# module below this package -> the names of its members that the face hands on (``face_name=name``: renamed)
+# module below this package -> the names of its members that the face hands on, each under its own name
 _EXPORTS = exports_of({
     # the loaders: one contract
     "contract": "BatchLoader",
@@ -23,10 +23,10 @@ _EXPORTS = exports_of({
     "pairs": "PairData pair_batches prepare_pairs",
     # checks made before training, previews, the built-in tasks' held-out examples
     "checks": "check_data_section check_dataset_paths",
-    "builtin": "heldout_examples addition_problems=problems",
+    "builtin": "heldout_examples addition_problems",
     "shapes": "heldout_vqa_examples",
     # what `ckpt-train preview` shows: rows, pairs, a stream's first sequences, a rank's first ids
-    "preview": "prepare_to_show preview_rows=preview preview_pairs",
+    "preview": "prepare_to_show preview_rows preview_pairs",
     "stream.preview": "preview_stream first_ids",
 })
 

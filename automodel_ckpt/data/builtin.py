@@ -35,7 +35,7 @@ def is_heldout(a: int, b: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def problems(split: str) -> tuple[tuple[int, int], ...]:
+def addition_problems(split: str) -> tuple[tuple[int, int], ...]:
     """All ``(a, b)`` operand pairs of one split, in a fixed order."""
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
@@ -67,7 +67,7 @@ def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = 
 def _arithmetic_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
     import datasets
 
-    pool = problems(split)
+    pool = addition_problems(split)
     rng = random.Random(f"{split}:{seed}")
     drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
     return datasets.Dataset.from_dict(
@@ -145,7 +145,7 @@ def _pair_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
 def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:
     """``n`` distinct ``(prompt, answer)`` pairs of the held-out partition (an accuracy over them counts ``n``
     different problems; ``n`` capped at the partition's size)."""
-    pool = problems("heldout")
+    pool = addition_problems("heldout")
     rng = random.Random(f"heldout-examples:{seed}")
     chosen = rng.sample(pool, k=min(n, len(pool)))
     return [(_prompt(a, b), str(a + b)) for a, b in chosen]

@@ -98,7 +98,7 @@ def preview_pairs(prepared: Any, tokenizer: Any, *, num: int = 3, split: str = "
     print(prepared.report(), file=out)
 
 
-def preview(prepared: PreparedData, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
+def preview_rows(prepared: PreparedData, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
             out: TextIO | None = None) -> None:
     out = out or sys.stdout  # the stream of the moment (not the one at import time: it may be replaced since)
     data = prepared.train if split == "train" else prepared.validation

@@ -14,11 +14,11 @@ from automodel_ckpt.evaluation.tasks.addition.problems import PROBLEMS_FILE, row
 
 
 def test_the_shipped_task_file_holds_the_recipes_held_out_problems_in_generate_pys_order():
-    from automodel_ckpt.data.builtin import heldout_examples, problems
+    from automodel_ckpt.data.builtin import addition_problems, heldout_examples
 
     lines = [json.loads(line) for line in PROBLEMS_FILE.read_text().splitlines()]
     assert lines == rows()  # generated like the recipe's data (`python -m ...problems` writes it again)
-    assert len(lines) == len(problems("heldout"))
+    assert len(lines) == len(addition_problems("heldout"))
     for n in (100, 200):  # examples/generate.py --n N scores the file's first N problems
         assert [(r["prompt"], r["answer"]) for r in lines[:n]] == heldout_examples(n)
 

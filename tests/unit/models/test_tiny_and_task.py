@@ -11,11 +11,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from automodel_ckpt.data.builtin import (
+    addition_problems,
     arithmetic_dataset,
     builtin_task_dataset,
     heldout_examples,
     is_heldout,
-    problems,
 )
 from examples.evaluation import answer_from_ids, generate_answers, generation_accuracy, print_accuracy_report
 from automodel_ckpt.models.tiny import CHARACTERS, TINY_LLAMA_CONFIG, build_tokenizer, ensure_tiny_base
@@ -134,7 +134,7 @@ def test_dataset_is_deterministic_and_seed_dependent() -> None:
 
 
 def test_train_and_heldout_are_disjoint() -> None:
-    train, held = set(problems("train")), set(problems("heldout"))
+    train, held = set(addition_problems("train")), set(addition_problems("heldout"))
     assert not train & held
     assert len(train) + len(held) == 90 * 90
     assert 500 < len(held) < 1100
