@@ -84,13 +84,14 @@ class _Memo:
 
 
 class _Records:
-    """Fixed-width records, one per item: constant opcodes and integer columns (``BININT`` or 8-byte ``LONG1``)."""
+    """Fixed-width records, one per item: parts of constant opcodes, each followed by a column of raw values or
+    none (integers as ``BININT`` or ``LONG1``, memo slots after ``LONG_BINGET``)."""
 
     def __init__(self, count: int) -> None:
         self.count, self.parts = count, []
 
     def const(self, data: bytes) -> None:
-        self.parts.append(data)
+        self.parts.append((data, None))
 
     def ints(self, column: np.ndarray) -> None:
         small = column.size == 0 or (column.min() >= _I32[0] and column.max() <= _I32[1])
@@ -119,21 +120,18 @@ class _Records:
                                                        ((0, 0), (0, width - 8))))
 
     def width(self) -> int:
-        return sum(len(p) if isinstance(p, bytes) else len(p[0]) + p[1].nbytes // max(self.count, 1)
-                   for p in self.parts if p is not None)
+        return sum(len(op) + (0 if column is None else column.nbytes // max(self.count, 1))
+                   for op, column in filter(None, self.parts))
 
     def array(self) -> np.ndarray:
         """``[count, width]`` bytes: each row one item's opcodes."""
         out = np.empty((self.count, self.width()), dtype=np.uint8)
         at = 0
-        for part in self.parts:
-            if isinstance(part, bytes):
-                out[:, at:at + len(part)] = np.frombuffer(part, dtype=np.uint8)
-                at += len(part)
-                continue
-            op, column = part
+        for op, column in self.parts:
             out[:, at:at + len(op)] = np.frombuffer(op, dtype=np.uint8)
             at += len(op)
+            if column is None:
+                continue
             raw = column.view(np.uint8).reshape(self.count, -1)
             out[:, at:at + raw.shape[1]] = raw
             at += raw.shape[1]
