@@ -32,7 +32,7 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     if counts.max(initial=0) <= 1:
         return [[True] * len(keys) for keys in keys_of]
     dup = counts > 1
-    ranks = np.repeat(np.arange(len(notes)), [len(keys) for keys in keys_of])
+    ranks = np.repeat(np.arange(len(notes)), list(map(len, ids_of)))
     held = dup[every]
     dup_ids, dup_ranks = every[held], ranks[held]
     order = np.argsort(dup_ids, kind="stable")  # by item, each item's holders in rank order
@@ -47,18 +47,18 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     writer = np.full(len(index), -1, dtype=np.int64)
     out = []
     for rank, (note, ids) in enumerate(zip(notes, ids_of)):
-        mine = dup[ids]
+        shared = dup[ids]
         counted = 0
-        for j in np.flatnonzero(mine & (first[ids] == rank)).tolist():  # the items that first appear here
+        for j in np.flatnonzero(shared & (first[ids] == rank)).tolist():  # the items that first appear here
             if writer[ids[j]] >= 0:  # held twice by this rank: given at its first
                 continue
             for i in range(counted, j):  # this rank's own items up to this one
-                if not mine[i]:
+                if not shared[i]:
                     load[rank] += _storage(note, note.entries[i])
             counted = j
             writer[ids[j]] = chosen = min(holders[int(ids[j])], key=load.__getitem__)
             load[chosen] += _storage(note, note.entries[j])
-        out.append(np.where(mine, writer[ids] == rank, True).tolist())
+        out.append(np.where(shared, writer[ids] == rank, True).tolist())
     return out
 
 

@@ -189,7 +189,8 @@ def _storage(memo: _Memo, table: dict[Any, Any]) -> bytes | None:
         return None
     # groups of one record shape: the offset's rank (-1: None), whether there is an index, the note's shape
     dtypes: dict[Any, int] = {}
-    columns = np.stack([np.array([-1 if o is None else len(o) for o in offsets]), np.array([i is None for i in indexes]),
+    columns = np.stack([np.array([-1 if o is None else len(o) for o in offsets]),
+                        np.array([i is None for i in indexes]),
                         np.array([-1 if n is None else len(n[1]) for n in notes]),
                         np.array([-1 if n is None else dtypes.setdefault(n[2], len(dtypes)) for n in notes])]) + 1
     scale = columns.max(axis=1) + 1
