@@ -129,16 +129,6 @@ def rank_memory(device: torch.device) -> int:
     return total // max(per_node, 1)
 
 
-#: The replicated model's gradient buckets: a cap of 0 MB closes every bucket after one parameter. DDP lays out its
-#: first iteration's buckets as one buffer in reverse parameter order, then rebuilds them in the order the gradients
-#: became ready; an all-reduce sums each element in an order set by its offset in the buffer (the ring's chunks), and
-#: from 3 ranks on that order changes the last bits. Every launch, a resume included, runs its first step in the
-#: first layout, so a resumed run drifted from a straight one. With one parameter per bucket, an element's offset
-#: is its offset in its own gradient, the same in every layout and every launch: a resume stays bitwise. The
-#: buckets are still reduced as they fill, overlapped with the backward.
-ONE_PARAMETER_BUCKETS = (0,)
-
-
 def wrap(model: nn.Module, choice: Choice, dims: ParallelDims) -> nn.Module:
     """``model`` as ``choice`` holds it: sharded by ``fsdp.shard_model``, replicated by ``replicate`` (which
     builds its reducer at the first forward, once the weights are in place), or as it is."""
@@ -146,10 +136,10 @@ def wrap(model: nn.Module, choice: Choice, dims: ParallelDims) -> nn.Module:
         from automodel_ckpt.distributed.fsdp import shard_model
 
         return shard_model(model, dims, choice.mixed_precision)
-    if choice.kind == REPLICATED:
-        from torch.distributed._composable.replicate import replicate
+    if choice.kind == REPLICATED:  # in a bucket layout every launch reduces alike (``grad_buckets``)
+        from automodel_ckpt.distributed.grad_buckets import replicate_model
 
-        return replicate(model, bucket_cap_mb_list=list(ONE_PARAMETER_BUCKETS))
+        return replicate_model(model)
     return model
 
 

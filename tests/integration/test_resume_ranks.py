@@ -2,7 +2,7 @@
 
 With two ranks a floating-point sum is the same in either order; from three on it is not, so only a run on 3 or
 more ranks shows a resume that sums the ranks' gradients in another order than the straight run (DDP's first-step
-bucket layout did, until each gradient got a bucket of its own: ``distributed.data_parallel.ONE_PARAMETER_BUCKETS``).
+bucket layout did, until every launch reduced each element at one offset: ``distributed.grad_buckets``).
 
 Each case trains a straight run, then the same command as a chain of three launches in one folder:
 1. stopped cleanly by SIGTERM after step 1 (a preemption: it saves step 2 and exits 0);
