@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 
 FRESH_ENV = "CKPT_TEST_FRESH_PROCESSES"
+#: A file to which each command that runs as a new interpreter appends a line: its first arguments and the variables.
+FRESH_LOG = "CKPT_TEST_FRESH_LOG"
 #: Variables read when the server imports torch, transformers, datasets or Python itself: a command that sets them
 #: otherwise than the server runs as a new interpreter.
 IMPORT_TIME = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "OMP_", "MKL_",
@@ -142,7 +144,11 @@ class WarmLauncher:
         if os.environ.get(FRESH_ENV) == "1" or not cmd or Path(cmd[0]).name != "ckpt-train":
             return False
         names = set(env) | set(self.base_env)
-        return not any(_import_time(n, env, self.base_env) and env.get(n) != self.base_env.get(n) for n in names)
+        differ = sorted(n for n in names if _import_time(n, env, self.base_env) and env.get(n) != self.base_env.get(n))
+        if differ and os.environ.get(FRESH_LOG):  # which commands ran as new interpreters, and why
+            with open(os.environ[FRESH_LOG], "a") as log:
+                log.write(json.dumps({"command": cmd[1:4], "variables": differ}) + "\n")
+        return not differ
 
     def _server(self) -> socket.socket:
         if self._proc is None or self._proc.poll() is not None:
