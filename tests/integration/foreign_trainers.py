@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 RECIPE = """\
@@ -93,19 +92,6 @@ def _model(assets: Path, lora: bool):
     return model
 
 
-def _lightning():
-    """``lightning``, imported without leaving its mark on this process's environment: its import sets
-    ``PYTORCH_NVML_BASED_CUDA_CHECK``, and a ``ckpt-train`` command whose environment sets a ``PYTORCH*`` variable the
-    warm launcher's server did not have runs as a new interpreter (``warm_launch``): every later command of this
-    pytest worker would pay its imports again."""
-    had = "PYTORCH_NVML_BASED_CUDA_CHECK" in os.environ
-    import lightning
-
-    if not had:
-        os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-    return lightning
-
-
 class LossTrainer:
     """An HF ``Trainer`` (sequential sampler, the recipe's hyperparameters; ``accumulation`` micro-batches of
     ``BATCH // accumulation`` rows a step; its two groups, biases and norms without ``weight_decay``) recording
@@ -139,7 +125,7 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sha
     same plain loader (``use_distributed_sampler=False``): the gradient averaged over them is each one's, so the
     run is the 1-process run of 8 rows a step, written by two ranks. Lightning relaunches the script for rank 1,
     so it runs as a command of its own (``main`` below)."""
-    L = _lightning()
+    import lightning as L
     import torch
     from transformers import default_data_collator
 

@@ -18,6 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny_llama_sft.yaml"
 CKPT_TRAIN = str(Path(sys.executable).parent / "ckpt-train")
 QUIET = ["--training.progress_bar", "false"]
+#: Variables a verb run in this process (``cli.main(argv)``: ``cli.quiet_third_party``, ``cli.train``'s huge pages) or a
+#: library imported in it (Lightning, lm-eval, scikit-learn through it) sets in ``os.environ``. A command sets what
+#: it needs of them itself, so they are not handed on unless pytest started with them: each is read at import time,
+#: and a command given one would run as a new interpreter instead of forking warm (``warm_launch``).
+SET_IN_THIS_PROCESS = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY",
+                       "THP_MEM_ALLOC_ENABLE", "PYTORCH_NVML_BASED_CUDA_CHECK", "HF_XET_HIGH_PERFORMANCE",
+                       "KMP_DUPLICATE_LIB_OK")
+_STARTED_WITH = {name: os.environ[name] for name in SET_IN_THIS_PROCESS if name in os.environ}
 
 
 @dataclass
@@ -72,7 +80,7 @@ def _warm_launcher():
     """This process's warm launcher (``warm_launch``), its server started on first use."""
     from tests.integration.warm_launch import WarmLauncher
 
-    return WarmLauncher(env_for(Path("/nonexistent")))  # the assets folder is each command's own
+    return WarmLauncher(_handed_on(env_for(Path("/nonexistent"))))  # the assets folder is each command's own
 
 
 def _warm(cmd: list[str], env: dict[str, str]):
@@ -81,11 +89,16 @@ def _warm(cmd: list[str], env: dict[str, str]):
     return launcher if launcher.accepts(cmd, env) else None
 
 
+def _handed_on(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what this process set of ``SET_IN_THIS_PROCESS`` since pytest started."""
+    return {k: v for k, v in env.items() if k not in SET_IN_THIS_PROCESS or _STARTED_WITH.get(k) == v}
+
+
 def run_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None,
                 timeout: float | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)``; a ``ckpt-train`` command runs forked from a server
     that has its imports done (``warm_launch``) when its environment allows."""
-    env = dict(os.environ) if env is None else env
+    env = _handed_on(dict(os.environ) if env is None else env)
     warm = _warm(cmd, env)
     if warm is not None:
         return warm.run(cmd, cwd, env, timeout)
@@ -95,7 +108,7 @@ def run_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, st
 def start_command(cmd: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None, stdout=None,
                   stderr=None, text: bool = False, start_new_session: bool = False):
     """``subprocess.Popen`` with these arguments; a ``ckpt-train`` command forked warm as for ``run_command``."""
-    env = dict(os.environ) if env is None else env
+    env = _handed_on(dict(os.environ) if env is None else env)
     warm = _warm(cmd, env)
     if warm is not None:
         return warm.popen(cmd, cwd, env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration import foreign_trainers as ft
-from tests.integration import warm_launch
+from tests.integration import harness, warm_launch
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl, run_command
 
 
@@ -128,12 +128,14 @@ def test_a_lightning_run_continues_here(tmp_path, assets):
     rows = ft.recipe_rows(recipe)
     # the checkpoint of step 6 of an uninterrupted run, which is the reference: Lightning's own resume from it
     # restarts the epoch of a plain DataLoader
-    read_at_import = lambda: {k: v for k, v in os.environ.items() if k.startswith(warm_launch.IMPORT_TIME)}  # noqa
-    before = read_at_import()
+    def handed_on() -> dict[str, str]:  # what a command is given of the variables read at import
+        return {k: v for k, v in harness._handed_on(dict(os.environ)).items() if k.startswith(warm_launch.IMPORT_TIME)}
+
+    before = handed_on()
     straight = ft.lightning_fit(rows, assets, ft.STEPS, save=tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["six.ckpt"]
-    # Lightning ran in this process and left the variables read at import alone: later commands still fork warm
-    assert read_at_import() == before
+    # Lightning ran in this process (its import sets a PYTORCH_* variable): later commands still fork warm
+    assert handed_on() == before
     done = _import(tmp_path, assets, tmp_path / "six.ckpt", recipe)
     written = _continued_with_the_printed_command(done)
     assert "Lightning records no random generators' state" in done.stdout
