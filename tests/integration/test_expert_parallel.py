@@ -57,7 +57,7 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps, bitwise: bool = Fal
 def _gradients(assets, nproc: int, *families: str) -> str:
     script = Path(__file__).with_name("expert_parallel_gradients.py")
     repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    done = subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks",
                            str(nproc), str(script), *families], capture_output=True, text=True, timeout=600,
                           env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
     assert done.returncode == 0, launch_failure(done)

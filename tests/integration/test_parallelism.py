@@ -174,7 +174,7 @@ def test_model_and_optimizer_tensors_after_a_resume_on_another_mesh_are_those_sa
     for bit what the previous mesh saved."""
     script = Path(__file__).with_name("reshard_tensors.py")
     repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    done = subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks", "4",
                            str(script), str(tmp_path), fmt], capture_output=True, text=True, timeout=600,
                           env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
     assert done.returncode == 0, launch_failure(done)
@@ -190,7 +190,7 @@ def test_sequence_parallel_families_give_the_whole_model_gradients(assets):
     repo = str(Path(__file__).resolve().parents[2])
     families = ["gemma", "phi3", "mixtral", "qwen3_moe"]
     def launch() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        return subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks", "2",
                                str(script), *families], capture_output=True, text=True, timeout=600,
                               env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
 

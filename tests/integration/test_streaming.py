@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from automodel_ckpt.ondisk.metadata import read_metadata
-from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, jsonl, run_command
+from tests.integration.harness import CKPT_TRAIN, REPO, ckpt_train, env_for, jsonl, run_command
 
 KEYS = ("--step_scheduler.global_batch_size", "12", "--step_scheduler.local_batch_size", "2",
         "--data.seq_length", "32", "--data.shuffle_buffer", "50", "--step_scheduler.ckpt_every_steps", "3",
@@ -91,7 +91,7 @@ def test_resume_on_3_with_workers_then_1_then_tp2_sees_the_same_sequences(corpus
             assert got[step]["loss"] == pytest.approx(straight[step]["loss"], abs=1e-5)
     position = tmp_path / "chain" / "epoch_0_step_12" / "dataloader" / "dataloader_dp_rank_0.pt"
     assert position.stat().st_size < 64 * 1024  # row references, not rows
-    shown = run_command([CKPT_TRAIN, "inspect", str(tmp_path / "chain")])
+    shown = run_command([CKPT_TRAIN, "inspect", str(tmp_path / "chain")], env=env_for(assets))
     assert "data position at epoch_0_step_12: 144 sequences; 6 lanes (this rank 6), position " in shown.stdout
     assert f"{12 * 12 * 32} tokens consumed" in shown.stdout
 
