@@ -24,11 +24,11 @@ ONE_BUCKET = [2**40]
 
 
 class ParameterOrder:
-    """The comm hook's state: the process group and each parameter's place in ``model.parameters()`` (read at the
-    first reduction, once the reducer holds the parameters the run trains)."""
+    """The comm hook's state: each parameter's place in ``model.parameters()`` (read at the first reduction, once
+    the reducer holds the parameters the run trains)."""
 
-    def __init__(self, model: Any, group: Any = None) -> None:
-        self.model, self.group, self.place = model, group, None
+    def __init__(self, model: Any) -> None:
+        self.model, self.place = model, None
 
     def of(self, params: list) -> list[int]:
         if self.place is None:
@@ -37,16 +37,17 @@ class ParameterOrder:
 
 
 def canonical_all_reduce(state, bucket):  # no annotations: DDP checks them against its own types
-    """DDP's comm hook (a ``ParameterOrder`` and a ``GradBucket``): the bucket's gradients averaged over the ranks, each element at the offset the model's
-    parameter order gives it, whatever order DDP laid the bucket out in."""
+    """DDP's comm hook (a ``ParameterOrder`` and a ``GradBucket``): the bucket's gradients averaged over the ranks
+    (the default group, which ``replicate_model`` replicates over), each element at the offset the model's parameter
+    order gives it, whatever order DDP laid the bucket out in."""
     import torch
     import torch.distributed as dist
 
     grads = bucket.gradients()  # views into the bucket's buffer
     order = state.of(bucket.parameters())
     flat = torch.cat([grads[i].reshape(-1) for i in order])
-    flat.div_(dist.get_world_size(state.group))
-    future = dist.all_reduce(flat, group=state.group, async_op=True).get_future()
+    flat.div_(dist.get_world_size())
+    future = dist.all_reduce(flat, async_op=True).get_future()
 
     def copy_back(done) -> Any:
         summed, offset = done.value()[0], 0

@@ -50,7 +50,8 @@ def test_the_bucket_is_reduced_in_the_models_parameter_order_and_copied_back_in_
     finally:
         torch.distributed.all_reduce = real
     [flat] = seen  # one call for the whole bucket, its elements in the model's order
-    want = torch.cat([torch.full((p.numel(),), float(next(i for i, q in enumerate(ddp_order) if q is p))) for p in params])
+    place_in_bucket = [next(i for i, q in enumerate(ddp_order) if q is p) for p in params]
+    want = torch.cat([torch.full((p.numel(),), float(i)) for p, i in zip(params, place_in_bucket)])
     assert torch.equal(flat, want)
     assert out is bucket.buf and all(torch.equal(g, torch.full_like(g, float(i))) for i, g in enumerate(grads))
 
