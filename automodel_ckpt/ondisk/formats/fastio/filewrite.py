@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import mmap
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -131,6 +132,9 @@ class _Hasher:
             for start in range(0, view.nbytes, 8 << 20):
                 self._h.update(view[start:start + (8 << 20)])
 
+    def update(self, view: memoryview) -> None:
+        self._h.update(view)
+
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
@@ -148,24 +152,24 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, threads: int) -> None:
+def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, threads: int,
+                  hasher: "_Hasher | None" = None) -> None:
     """Write the file in page-aligned ``DIRECT_CHUNK`` regions, each gathered from the pieces into a page-aligned
-    buffer of its thread and written through ``direct_fd``; the last region's unaligned tail goes through ``fd``.
+    buffer and written through ``direct_fd``; the last region's unaligned tail goes through ``fd``.
 
     The bytes then reach the device without being copied into the page cache first, and a save of many GB does not
-    fill the page cache (nor wait for its writeback at the fsync). Every piece must be CPU bytes (``Lazy.direct``).
+    fill the page cache (nor wait for its writeback at the fsync). Tensors must be contiguous; they may lie on an
+    accelerator, whose bytes are copied into the region's buffer there. With ``hasher`` (pieces that cannot be read
+    in place by a checksum thread: an accelerator's), every region is hashed from its buffer in file order, and the
+    buffer is reused only once it is hashed.
     """
     starts, offset = [], 0
     for piece in pieces:
         starts.append(offset)
         offset += piece_length(piece)
-    local = threading.local()
 
-    def region(lo: int) -> None:
-        if not hasattr(local, "buffer"):
-            local.buffer = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
-            local.tensor = torch.frombuffer(local.buffer, dtype=torch.uint8)
-        buffer, into = memoryview(local.buffer), local.tensor
+    def fill_and_write(buffer: mmap.mmap, into: torch.Tensor, lo: int) -> int:
+        view = memoryview(buffer)
         hi = min(total, lo + DIRECT_CHUNK)
         i = bisect.bisect_right(starts, lo) - 1
         while i < len(pieces) and starts[i] < hi:
@@ -174,17 +178,71 @@ def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, thread
             if b > a and isinstance(piece, Lazy):  # a tensor copy: without the GIL, so threads copy at once
                 into[a - lo:b - lo].copy_(piece.tensor.detach().reshape(-1).view(torch.uint8)[a - at:b - at])
             elif b > a:
-                view = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
-                buffer[a - lo:b - lo] = view[a - at:b - at]
+                source = memoryview(piece).cast("B") if not isinstance(piece, memoryview) else piece
+                view[a - lo:b - lo] = source[a - at:b - at]
             i += 1
         n = hi - lo
         aligned = n // _ALIGN * _ALIGN
         if aligned:
-            _pwrite_all(direct_fd, [buffer[:aligned]], lo)
+            _pwrite_all(direct_fd, [view[:aligned]], lo)
         if n > aligned:
-            _pwrite_all(fd, [buffer[aligned:n]], lo + aligned)
+            _pwrite_all(fd, [view[aligned:n]], lo + aligned)
+        return n
 
-    _run_all(region, list(range(0, total, DIRECT_CHUNK)), threads)
+    regions = list(range(0, total, DIRECT_CHUNK))
+    if hasher is None:
+        local = threading.local()
+
+        def region(lo: int) -> None:
+            if not hasattr(local, "buffer"):
+                local.buffer = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
+                local.tensor = torch.frombuffer(local.buffer, dtype=torch.uint8)
+            fill_and_write(local.buffer, local.tensor, lo)
+
+        _run_all(region, regions, threads)
+        return
+    _write_direct_hashed(fill_and_write, regions, threads, hasher)
+
+
+def _write_direct_hashed(fill_and_write: Any, regions: list[int], threads: int, hasher: "_Hasher") -> None:
+    """The regions written from a pool of buffers handed out in file order, each hashed in file order by the thread
+    that completes the next one, and given back to the pool once hashed; the first failure stops the rest.
+
+    Buffers go to regions in file order, so the earliest region not yet hashed always holds one: the pool
+    (twice the threads) never runs dry for good.
+    """
+    free: queue.Queue = queue.Queue()
+    for _ in range(min(len(regions), 2 * max(1, threads))):
+        buffer = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
+        free.put((buffer, torch.frombuffer(buffer, dtype=torch.uint8)))
+    lock, done, failed = threading.Lock(), {}, threading.Event()
+    next_region = [regions[0] if regions else 0]
+
+    def region(lo: int, slot: tuple[mmap.mmap, torch.Tensor]) -> None:
+        try:
+            n = fill_and_write(slot[0], slot[1], lo)
+            with lock:
+                done[lo] = (slot, n)
+                while next_region[0] in done:
+                    ready, length = done.pop(next_region[0])
+                    hasher.update(memoryview(ready[0])[:length])
+                    free.put(ready)
+                    next_region[0] += DIRECT_CHUNK
+        except BaseException:
+            failed.set()
+            free.put(slot)  # the dispatcher, waiting for a buffer, sees the failure
+            raise
+
+    futures = []
+    with ThreadPoolExecutor(max(1, min(threads, len(regions))), thread_name_prefix="ckpt-write") as pool:
+        for lo in regions:
+            slot = free.get()
+            if failed.is_set():
+                break
+            futures.append(pool.submit(region, lo, slot))
+        for f in futures:
+            f.result()
+    hasher.ok = not failed.is_set()
 
 
 def _run_all(work: Any, items: list[Any], threads: int) -> None:
@@ -211,10 +269,14 @@ def write_file(path: Path, pieces: list[Any], threads: int, written: durable.Wri
     """
     path = Path(path)
     total = sum(piece_length(p) for p in pieces)
-    hash_now = all(not isinstance(p, Lazy) or p.direct for p in pieces)  # else the manifest reads it back
-    hasher = _Hasher() if hash_now else None
-    hash_thread = threading.Thread(target=hasher.feed, args=(pieces,), daemon=True) if hasher else None
+    in_place = all(not isinstance(p, Lazy) or p.direct for p in pieces)  # a checksum thread reads them as they are
+    contiguous = all(not isinstance(p, Lazy) or p.tensor.is_contiguous() for p in pieces)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    direct_fd = _open_direct(path) if contiguous and total >= DIRECT_MIN else None
+    # hashed by a thread of its own (in place), from the O_DIRECT buffers (an accelerator's tensors), or not at all:
+    # then the manifest reads the file back
+    hasher = _Hasher() if in_place or direct_fd is not None else None
+    hash_thread = threading.Thread(target=hasher.feed, args=(pieces,), daemon=True) if in_place else None
     try:
         if hash_thread is not None:
             hash_thread.start()
@@ -232,11 +294,10 @@ def write_file(path: Path, pieces: list[Any], threads: int, written: durable.Wri
             _pwrite_all(fd, views, unit.offset)
             durable.start_writeback(fd, unit.offset, sum(v.nbytes for v in views))
 
-        direct_fd = _open_direct(path) if hash_now and total >= DIRECT_MIN else None
         done = False
         if direct_fd is not None:
             try:
-                _write_direct(fd, direct_fd, pieces, total, threads)
+                _write_direct(fd, direct_fd, pieces, total, threads, None if in_place else hasher)
                 done = True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # disk full and the like are the caller's; EINVAL: O_DIRECT refused
@@ -244,6 +305,8 @@ def write_file(path: Path, pieces: list[Any], threads: int, written: durable.Wri
             finally:
                 os.close(direct_fd)
         if not done:
+            if not in_place:
+                hasher = None  # the buffered path hashes nothing: the manifest reads the file back
             _run_all(write, list(_units(pieces)), threads)
         os.fsync(fd)
     finally:

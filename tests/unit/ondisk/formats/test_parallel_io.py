@@ -455,6 +455,54 @@ def test_large_files_go_past_the_page_cache_byte_for_byte_with_their_checksum(tm
     assert (tmp_path / "again.bin").read_bytes() == expected
 
 
+class _OnAccelerator(filewrite.Lazy):
+    """A tensor whose bytes a checksum thread cannot read in place, as an accelerator's."""
+
+    direct = property(lambda self: False)
+
+
+def test_an_accelerators_tensors_go_past_the_page_cache_hashed_in_file_order(tmp_path, monkeypatch):
+    """Pieces not readable in place (a GPU's) take the O_DIRECT path too: copied into a pool of region buffers,
+    hashed from them in file order (more regions than buffers: each buffer reused only once hashed), and the file's
+    checksum noted without reading it back. A failed region stops the write with its error, never a hang."""
+    from automodel_ckpt.ondisk import checksum, durable
+
+    monkeypatch.setattr(filewrite, "DIRECT_MIN", 0)
+    monkeypatch.setattr(filewrite, "DIRECT_CHUNK", 8192)
+    torch.manual_seed(0)
+    tensors = [torch.randn(50_000), torch.randn(3333).to(torch.bfloat16), torch.randint(0, 9, (77,))]
+    pieces = [b"header" * 17, _OnAccelerator(tensors[0]), memoryview(bytes(range(256)) * 31),
+              filewrite.Lazy(tensors[1]), _OnAccelerator(tensors[2]), b"tail"]
+    expected = b"".join(p.tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(p, filewrite.Lazy)
+                        else bytes(p) for p in pieces)
+    hashers = []
+    real = filewrite._write_direct_hashed
+    monkeypatch.setattr(filewrite, "_write_direct_hashed", lambda *a: hashers.append(a[3]) or real(*a))
+    written = durable.WrittenFiles()
+    path = tmp_path / "file.bin"
+    assert filewrite.write_file(path, pieces, 3, written) == len(expected)
+    assert path.read_bytes() == expected
+    noted = written.get(path)
+    if filewrite._open_direct(path) is None:  # a filesystem that refuses O_DIRECT: written and hashed as before
+        assert not hashers and noted.digest is None
+        return
+    assert len(hashers) == 1 and len(expected) // 8192 > 2 * 3  # more regions than the pool's buffers
+    assert noted.digest == checksum.hash_file(path, noted.algorithm)[1]
+
+    writes = []
+    real_write = filewrite._pwrite_all
+
+    def full_disk(fd, buffers, offset):
+        writes.append(offset)
+        if len(writes) == 5:
+            raise OSError(28, "No space left on device")
+        real_write(fd, buffers, offset)
+
+    monkeypatch.setattr(filewrite, "_pwrite_all", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        filewrite.write_file(tmp_path / "full.bin", pieces, 3, written)
+
+
 def test_small_items_apart_go_to_a_second_file_and_load_back_exactly(tmp_path, monkeypatch):
     """``small_apart`` (a run whose nodes each load their own copy): step counts, hyperparameters and small tensors
     in ``__0_1.distcp``, the large ones in ``__0_0.distcp``, each file's checksum noted; the load is exact."""
