@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from itertools import chain
+from itertools import chain, count
 from operator import itemgetter
 from typing import Any
 
@@ -24,13 +24,17 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     which some item first appears are walked, each up to its last such item; the holders of each item (the set
     DCP builds, filled in the same order, so that ties go where DCP's go), and each rank's share once every item
     it holds has a writer, are found in numpy."""
-    keys_of = [list(map(_KEY, note.entries)) for note in notes]
-    index = {key: i for i, key in enumerate(dict.fromkeys(chain.from_iterable(keys_of)))}  # in first appearance
-    ids_of = [np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys)) for keys in keys_of]
+    # an item's id: its position in the walk where it first appears (so ids follow first appearance), found with
+    # one hash of its key, in C (``setdefault`` keeps the first position given)
+    index: dict[Any, int] = {}
+    position = count()
+    ids_of = [np.fromiter(map(index.setdefault, map(_KEY, note.entries), position), dtype=np.int64,
+                          count=len(note.entries)) for note in notes]
+    ids = next(position)  # every id is below it
     every = np.concatenate(ids_of) if ids_of else np.zeros(0, dtype=np.int64)
-    counts = np.bincount(every, minlength=len(index))
+    counts = np.bincount(every, minlength=ids)
     if counts.max(initial=0) <= 1:
-        return [[True] * len(keys) for keys in keys_of]
+        return [[True] * len(note.entries) for note in notes]
     dup = counts > 1
     ranks = np.repeat(np.arange(len(notes)), list(map(len, ids_of)))
     held = dup[every]
@@ -41,10 +45,10 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     starts = np.concatenate([[0], cuts]).tolist()
     listed = dup_ranks.tolist()
     holders = {i: set(listed[a:b]) for i, a, b in zip(dup_ids[starts].tolist(), starts, [*cuts.tolist(), len(listed)])}
-    first = np.full(len(index), -1, dtype=np.int64)
+    first = np.full(ids, -1, dtype=np.int64)
     first[dup_ids[starts]] = dup_ranks[starts]  # the rank at which each duplicated item first appears
     load = [0] * len(notes)
-    writer = np.full(len(index), -1, dtype=np.int64)
+    writer = np.full(ids, -1, dtype=np.int64)
     out = []
     for rank, (note, ids) in enumerate(zip(notes, ids_of)):
         shared = dup[ids]

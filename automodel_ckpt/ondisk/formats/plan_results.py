@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from automodel_ckpt.ondisk.formats.fastio.metapickle import StorageRows
 from automodel_ckpt.ondisk.formats.fastio.records import NOTE
 
 
@@ -104,6 +105,14 @@ def _expanded(full: list[ResultsNote], needed: bool) -> list[list[WriteResult]]:
     return [n.objects if n.objects is not None else decode(n.tuples or []) for n in full]
 
 
+def rows(full: list[ResultsNote]) -> StorageRows | None:
+    """Every rank's results as the tuples they were sent as (``metapickle.StorageRows``), None where a rank sent
+    objects."""
+    if any(n.tuples is None and n.objects for n in full):
+        return None
+    return StorageRows([n.tuples or [] for n in full])
+
+
 def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
     """Every rank's note with its tuples (from the coordinator's cache where a rank sent its digest only), or
     None when the notes are not ``ResultsNote``s (as DCP gathered them)."""
@@ -152,7 +161,7 @@ def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> An
             if full is None:
                 finish(metadata, results)
             elif needed and hasattr(writer, "finish_kept"):  # a .distcp folder: its .metadata's pickle kept
-                writer.finish_kept(metadata, lambda: _expanded(full, True), key, stamp(full))
+                writer.finish_kept(metadata, lambda: _expanded(full, True), key, stamp(full), lambda: rows(full))
             else:
                 finish(metadata, _expanded(full, needed))
 

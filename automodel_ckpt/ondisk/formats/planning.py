@@ -33,7 +33,6 @@ import dataclasses
 import gc
 import hashlib
 import pickle
-from collections import ChainMap
 from contextlib import contextmanager
 from itertools import chain
 from operator import attrgetter
@@ -297,12 +296,22 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
         md[fqn].chunks = [ChunkStorageMetadata(torch.Size(c_off), shared[c_size]) for c_off, c_size in zip(offs, sizes)]
     metadata = Metadata(md)
     if flatten:
-        metadata = dataclasses.replace(metadata, planner_data=dict(ChainMap(*[n.mappings for n in notes])))
+        metadata = dataclasses.replace(metadata, planner_data=merged_mappings([n.mappings for n in notes]))
     errors = validate(len(notes), metadata, bounds)
     if errors:
         summary = "; ".join(errors)
         raise ValueError(f"Failed to validate global plan: {summary[:500]}{'... (truncated)' if len(summary) > 500 else ''}")
     return hints_of, metadata
+
+
+def merged_mappings(mappings: list[dict]) -> dict:
+    """``dict(ChainMap(*mappings))`` (DCP's merge of the ranks' key mappings: a key's value from the first rank
+    that has it, keys in the order ``ChainMap`` lists them) by one ``update`` per rank, last rank first: ``ChainMap``
+    looks every key up through the ranks in turn (1 s at 1,024 ranks of an optimizer's 2,178 keys)."""
+    merged: dict = {}
+    for mapping in reversed(mappings):
+        merged.update(mapping)
+    return merged
 
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value

@@ -49,26 +49,27 @@ def clear_cache() -> None:
 
 
 def body(metadata: Metadata, results: Callable[[], list[list[Any]]], key: str | None,
-         stamp: tuple[str, ...] | None) -> tuple[bytes, Callable[[], None]]:
+         stamp: tuple[str, ...] | None,
+         rows: Callable[[], metapickle.StorageRows | None] | None = None) -> tuple[bytes, Callable[[], None]]:
     """The body of ``metadata``'s file (its ``version`` set by the caller) with the storage data of ``results``
     (called only when the body is not reused), and what to call once the file is written (the body is kept).
-    ``stamp``: every rank's write-results digest, None when some rank's results have none."""
+    ``stamp``: every rank's write-results digest, None when some rank's results have none. ``rows``: the same
+    results as ``plan_results`` tuples, written without making their objects where ``metapickle`` can; else
+    ``results`` makes them."""
     cached = _BODIES.pop(key, None) if key is not None else None
     if (cached is not None and stamp is not None and cached.stamp == stamp
             and cached.entries is metadata.state_dict_metadata and cached.planner_data is metadata.planner_data
             and cached.version == metadata.version):
         fresh = cached
     else:
-        storage: dict[Any, Any] = {}
-        for rank_results in results():
-            storage.update({r.index: r.storage_data for r in rank_results})
-        saved = (metadata.storage_data, metadata.storage_meta)
-        metadata.storage_data, metadata.storage_meta = storage, None
-        try:
-            data = metapickle.dumps(metadata, protocol=_PROTOCOL)
-        finally:
-            metadata.storage_data, metadata.storage_meta = saved
-        assert data.endswith(_STOP)
+        table = rows() if rows is not None else None
+        data = _pickled(metadata, table) if table is not None else None
+        if data is None:
+            storage: dict[Any, Any] = {}
+            for rank_results in results():
+                storage.update({r.index: r.storage_data for r in rank_results})
+            data = _pickled(metadata, storage)
+        assert data is not None and data.endswith(_STOP)
         fresh = _Body(metadata.state_dict_metadata, metadata.planner_data, stamp or (), metadata.version, data[:-1])
 
     def kept() -> None:
@@ -76,6 +77,16 @@ def body(metadata: Metadata, results: Callable[[], list[list[Any]]], key: str | 
             _BODIES[key] = fresh
 
     return fresh.data, kept
+
+
+def _pickled(metadata: Metadata, storage: Any) -> bytes | None:
+    """``metapickle.dumps`` of ``metadata`` with ``storage`` as its storage data and no ``storage_meta``."""
+    saved = (metadata.storage_data, metadata.storage_meta)
+    metadata.storage_data, metadata.storage_meta = storage, None
+    try:
+        return metapickle.dumps(metadata, protocol=_PROTOCOL)
+    finally:
+        metadata.storage_data, metadata.storage_meta = saved
 
 
 def tail(storage_meta: Any) -> bytes:

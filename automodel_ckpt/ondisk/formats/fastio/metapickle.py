@@ -142,8 +142,8 @@ def _object(memo: _Memo, cls: type) -> bytes:
     return memo.get(cls) + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
 
 
-def _sizes(values: list[Any], dims: int) -> np.ndarray | None:
-    if {type(v) for v in values} != {torch.Size} or {len(v) for v in values} != {dims}:
+def _sizes(values: list[Any], dims: int, kind: type = torch.Size) -> np.ndarray | None:
+    if {type(v) for v in values} != {kind} or {len(v) for v in values} != {dims}:
         return None
     return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64,
                        count=len(values) * dims).reshape(len(values), dims)
@@ -166,20 +166,56 @@ def _chunks(memo: _Memo, chunks: list[Any]) -> bytes | None:
     return pickle.EMPTY_LIST + pickle.MARK + rec.array().tobytes() + pickle.APPENDS
 
 
-def _storage(memo: _Memo, table: dict[Any, Any]) -> bytes | None:
+class StorageRows:
+    """A storage table not yet made of objects: every rank's write results as ``plan_results.encode`` tuples
+    ``(fqn, offset, index, size, file, offset in file, length, note)``, in rank order. ``dumps`` writes it as the
+    table (``MetadataIndex`` -> ``_StorageInfo``) those results make, without making its millions of objects."""
+
+    def __init__(self, ranks: list[list[tuple]]) -> None:
+        self.ranks = ranks
+
+    def __len__(self) -> int:
+        return sum(map(len, self.ranks))
+
+
+def _storage(memo: _Memo, table: Any) -> bytes | None:
     """The opcodes of a storage table (``MetadataIndex`` -> ``_StorageInfo``, with or without the writer's
-    ``records.NOTE``), in its order, or None."""
+    ``records.NOTE``; or ``StorageRows``), in its order, or None."""
+    if isinstance(table, StorageRows):
+        return _storage_rows(memo, table)
     keys, infos = list(table), list(table.values())
     notes = [getattr(v, NOTE, None) for v in infos]
     if {type(k) for k in keys} != {MetadataIndex} or {type(v) for v in infos} != {_StorageInfo} or \
             not {tuple(v.__dict__) for v in infos} <= _INFO_STATES or \
-            any(getattr(v, "transform_descriptors", None) is not None for v in infos) or \
-            {type(k.fqn) for k in keys} | {type(v.relative_path) for v in infos} != {str} or \
-            {type(v.offset) for v in infos} | {type(v.length) for v in infos} != {int} or \
+            any(getattr(v, "transform_descriptors", None) is not None for v in infos):
+        return None
+    return _storage_columns(memo, [k.fqn for k in keys], [k.offset for k in keys], [k.index for k in keys],
+                            [v.relative_path for v in infos], [v.offset for v in infos], [v.length for v in infos],
+                            notes, torch.Size)
+
+
+def _storage_rows(memo: _Memo, table: StorageRows) -> bytes | None:
+    """``_storage`` of the table that ``table``'s write results make (``{result.index: result.storage_data}``
+    over the ranks in order), or None where two results share a key (a table keeps one of them)."""
+    rows = list(itertools.chain.from_iterable(table.ranks))
+    if not rows or {len(r) for r in rows} != {8}:
+        return None
+    fqns, offsets, indexes, _, paths, at, lengths, notes = zip(*rows)
+    if len(set(zip(fqns, offsets))) != len(rows):  # MetadataIndex compares its fqn and offset only
+        return None
+    return _storage_columns(memo, fqns, offsets, indexes, paths, at, lengths, notes, tuple)
+
+
+def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: Any, at: Any, lengths: Any,
+                     notes: Any, offset_type: type) -> bytes | None:
+    """The storage table's opcodes from its columns (each in the table's order): the keys' ``fqn``, ``offset``
+    (``offset_type`` or None) and ``index``, the values' ``relative_path``, ``offset`` and ``length``, and the
+    writer's notes (None where it has none)."""
+    if {type(f) for f in fqns} | {type(p) for p in paths} != {str} or \
+            {type(o) for o in at} | {type(n) for n in lengths} != {int} or \
             not {type(n) for n in notes} <= {tuple, type(None)}:
         return None
-    offsets, indexes = [k.offset for k in keys], [k.index for k in keys]
-    if not {type(o) for o in offsets} <= {torch.Size, type(None)} or \
+    if not {type(o) for o in offsets} <= {offset_type, type(None)} or \
             not {type(i) for i in indexes} <= {int, type(None)}:
         return None
     noted = [n for n in notes if n is not None]
@@ -197,19 +233,19 @@ def _storage(memo: _Memo, table: dict[Any, Any]) -> bytes | None:
     kinds, code_of = np.unique(np.ravel_multi_index(tuple(columns), tuple(scale)), return_inverse=True)
     kinds, dtype_of = np.stack(np.unravel_index(kinds, tuple(scale)), axis=1) - 1, list(dtypes)
     # the columns, each read once: strings by reference (their memo slots), integers
-    slot = {text: memo.slot(text) for text in {k.fqn for k in keys} | {v.relative_path for v in infos}}
-    fqn_slots = np.array([slot[k.fqn] for k in keys], dtype="<u4")
-    path_slots = np.array([slot[v.relative_path] for v in infos], dtype="<u4")
+    slot = {text: memo.slot(text) for text in {*fqns, *paths}}
+    fqn_slots = np.array([slot[f] for f in fqns], dtype="<u4")
+    path_slots = np.array([slot[p] for p in paths], dtype="<u4")
     index = np.array([0 if i is None else i for i in indexes], dtype=np.int64)
-    info_offset = np.array([v.offset for v in infos], dtype=np.int64)
-    length = np.array([v.length for v in infos], dtype=np.int64)
+    info_offset = np.array(at, dtype=np.int64)
+    length = np.array(lengths, dtype=np.int64)
     note_at = np.array([0 if n is None else n[0] for n in notes], dtype=np.int64)
     built = []
     for code, (dims, no_index, note_dims, note_dtype) in enumerate(kinds.tolist()):
         note = None if note_dims < 0 else (note_dims, dtype_of[note_dtype])
         rows = np.flatnonzero(code_of == code)
         listed = rows.tolist()
-        starts = None if dims < 0 else _sizes([offsets[i] for i in listed], dims)
+        starts = None if dims < 0 else _sizes([offsets[i] for i in listed], dims, offset_type)
         if dims >= 0 and starts is None:
             return None
         rec = _Records(len(rows))
@@ -239,24 +275,33 @@ def _storage(memo: _Memo, table: dict[Any, Any]) -> bytes | None:
     widest = max(rec.width() for _, rec, _ in built) + 10
     if widest - min(rec.width() for _, rec, _ in built) - 2 > 255:
         return None
-    out = np.empty((len(keys), widest), dtype=np.uint8)
+    out = np.empty((len(fqns), widest), dtype=np.uint8)
     for rows, rec, offset in built:
         rec.parts[rec.parts.index(None)] = rec.long(offset, widest - rec.width() - 2)
         out[rows] = rec.array()
     return pickle.EMPTY_DICT + pickle.MARK + out.tobytes() + pickle.SETITEMS
 
 
-def dumps(metadata: Any, protocol: int = 3) -> bytes:
-    """``pickle.dumps(metadata, protocol)`` (2 or 3: no framing), its large parts built as records."""
+def _plain(metadata: Any, protocol: int) -> bytes | None:
+    """``pickle``'s own pickle of ``metadata``; None where its storage table is ``StorageRows`` (no objects)."""
+    return None if isinstance(getattr(metadata, "storage_data", None), StorageRows) else \
+        pickle.dumps(metadata, protocol=protocol)
+
+
+def dumps(metadata: Any, protocol: int = 3) -> bytes | None:
+    """``pickle.dumps(metadata, protocol)`` (2 or 3: no framing), its large parts built as records. A storage
+    table given as ``StorageRows`` is written without its objects, or else None is returned (then the caller
+    makes the objects and asks again)."""
     holes: list[tuple[Any, str, _Hole]] = []
     entries = getattr(metadata, "state_dict_metadata", None) or {}
     if protocol in (2, 3) and _shapes_known():
         holes = [(md, "chunks", _Hole(md.chunks)) for md in entries.values()
                  if type(md) is TensorStorageMetadata and len(md.chunks) >= MIN_ITEMS]
-        if isinstance(getattr(metadata, "storage_data", None), dict) and len(metadata.storage_data) >= MIN_ITEMS:
+        if isinstance(getattr(metadata, "storage_data", None), (dict, StorageRows)) and \
+                len(metadata.storage_data) >= MIN_ITEMS:
             holes.append((metadata, "storage_data", _Hole(metadata.storage_data)))
     if not holes:
-        return pickle.dumps(metadata, protocol=protocol)
+        return _plain(metadata, protocol)
     out = io.BytesIO()
     pickler = _Pickler(out, protocol=protocol)
     for owner, name, hole in holes:
@@ -272,13 +317,13 @@ def dumps(metadata: Any, protocol: int = 3) -> bytes:
     for _, name, hole in holes:
         fill = _storage(memo, hole.value) if name == "storage_data" else _chunks(memo, hole.value)
         if fill is None:
-            return pickle.dumps(metadata, protocol=protocol)
+            return _plain(metadata, protocol)
         pid = f"\0hole {id(hole)}".encode()
         at = data.index(pickle.BINUNICODE + struct.pack("<I", len(pid)) + pid)
         end = at + 5 + len(pid)
         end += {pickle.BINPUT: 2, pickle.LONG_BINPUT: 5}.get(data[end:end + 1], 0)  # the id's memo slot, unused
         if data[end:end + 1] != pickle.BINPERSID:
-            return pickle.dumps(metadata, protocol=protocol)
+            return _plain(metadata, protocol)
         filled.append((at, end + 1, fill))
     parts, last = [data[:2], memo.prologue.getvalue()], 2
     for at, end, fill in sorted(filled, key=lambda f: f[0]):

@@ -107,14 +107,14 @@ class ParallelFileSystemWriter(FileSystemWriter):
         self.finish_kept(metadata, lambda: results, None, None)
 
     def finish_kept(self, metadata: Any, results: Callable[[], list[list[WriteResult]]], key: str | None,
-                    stamp: tuple[str, ...] | None) -> None:
+                    stamp: tuple[str, ...] | None, rows: Callable[[], Any] | None = None) -> None:
         """``FileSystemWriter.finish``: the ``.metadata`` file (fsynced), its pickle's body kept across saves of
         an unchanged layout under ``key`` (``metafile``; ``stamp``: every rank's write-results digest, and
-        ``results`` called only when the body is pickled afresh)."""
+        ``results``, or ``rows`` where given, called only when the body is pickled afresh)."""
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
         metadata.version = CURRENT_DCP_VERSION
-        data, kept = metafile.body(metadata, results, key, stamp)
+        data, kept = metafile.body(metadata, results, key, stamp, rows)
         path = Path(self._get_metadata_path(None if self.use_collectives else self.rank))
         metafile.write(path, data, metafile.tail(self.storage_meta()), sync=self.sync_files)
         kept()

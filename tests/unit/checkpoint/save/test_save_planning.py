@@ -257,3 +257,16 @@ def test_planning_pauses_the_collector_and_leaves_what_it_made_to_the_oldest_gen
         assert any(obj is made for obj in gc.get_objects(generation=2))
     finally:
         gc.enable()
+
+
+def test_the_ranks_key_mappings_merge_as_chainmap_merges_them():
+    """Each key from the first rank that has it, the keys in ChainMap's order, as DCP's ``dict(ChainMap(...))``."""
+    import random
+    from collections import ChainMap
+
+    rng = random.Random(3)
+    mappings = [{f"k{rng.randrange(40)}": (rank, rng.random()) for _ in range(rng.randrange(30))} for rank in range(9)]
+    merged = planning.merged_mappings(mappings)
+    expected = dict(ChainMap(*mappings))
+    assert merged == expected and list(merged) == list(expected)
+    assert any(len({m[k][0] for m in mappings if k in m}) > 1 for k in merged)  # keys held by several ranks

@@ -88,3 +88,39 @@ def test_the_restricted_unpickler_and_dcps_reader_read_it(tmp_path):
     theirs = FileSystemReader(tmp_path).read_metadata()
     theirs.storage_meta = None  # the reader's load id
     _same(theirs, metadata)
+
+
+def _rows(metadata: Metadata) -> list[list[tuple]]:
+    """The metadata's storage table as three ranks' write results, as ``plan_results.encode`` sends them."""
+    rows = [(k.fqn, None if k.offset is None else tuple(k.offset), k.index, 1, v.relative_path, v.offset, v.length,
+             getattr(v, NOTE, None)) for k, v in metadata.storage_data.items()]
+    third = len(rows) // 3
+    return [rows[:third], rows[third:2 * third], rows[2 * third:]]
+
+
+def test_a_storage_table_written_from_the_ranks_tuples_is_the_same_pickle():
+    """The storage table straight from every rank's write-result tuples (no ``MetadataIndex`` or ``_StorageInfo``
+    made) is byte for byte the pickle of the table made of objects; two results of one key, which a table keeps
+    once, are left to the objects (the file the same)."""
+    from automodel_ckpt.ondisk.formats.fastio import metafile
+    from automodel_ckpt.ondisk.formats.plan_results import decode
+
+    metadata = _metadata(700)
+    objects = metapickle.dumps(metadata)
+    ranks = _rows(metadata)
+    table, metadata.storage_data = metadata.storage_data, metapickle.StorageRows(ranks)
+    assert metapickle.dumps(metadata) == objects
+    metadata.storage_data = table
+
+    def results():
+        return [decode(r) for r in ranks]
+
+    data, _ = metafile.body(metadata, results, None, None, lambda: metapickle.StorageRows(ranks))
+    assert data == objects[:-1]  # the body: without its STOP
+    twice = [ranks[0], ranks[1], ranks[2] + ranks[0][:1]]  # a key twice: the table keeps the first, last value
+    metadata.storage_data = metapickle.StorageRows(twice)
+    assert metapickle.dumps(metadata) is None
+    metadata.storage_data = table
+    data, _ = metafile.body(metadata, lambda: [decode(r) for r in twice], None, None,
+                            lambda: metapickle.StorageRows(twice))
+    assert data == objects[:-1]
