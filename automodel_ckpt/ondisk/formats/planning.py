@@ -224,6 +224,9 @@ class LinearSavePlanner(DefaultSavePlanner):
 
 #: new tracked objects past which ``gc_paused`` moves them to the oldest generation without a collection
 MANY_OBJECTS = 100_000
+#: ranks from which a save's coordinator runs the whole save in ``gc_paused`` (``sharded``): it then unpickles
+#: every rank's plan and write results, half a million tuples at 256 ranks of a 70B model's optimizer state
+GC_PAUSED_FROM = 256
 
 
 @contextmanager

@@ -6,6 +6,8 @@ At thousands of ranks a ``.metadata`` holds millions of chunks and storage entri
 is then filled with the opcodes ``pickle`` writes for it, built for all its items at once: the same objects load
 (``pickle.loads``, DCP's reader, ``safe_load``). The classes, the state's keys and the strings the items share are
 put in memo slots past the pickler's, once, after the header. Anything of another shape is pickled by ``pickle``.
+The storage table can also be given as the ranks' write results as they were sent (``StorageRows``): it is then
+written without making its ``MetadataIndex`` and ``_StorageInfo`` objects at all.
 """
 
 from __future__ import annotations

@@ -270,3 +270,26 @@ def test_the_ranks_key_mappings_merge_as_chainmap_merges_them():
     expected = dict(ChainMap(*mappings))
     assert merged == expected and list(merged) == list(expected)
     assert any(len({m[k][0] for m in mappings if k in m}) > 1 for k in merged)  # keys held by several ranks
+
+
+@pytest.mark.parametrize("world, rank, paused", [(planning.GC_PAUSED_FROM, 0, True), (planning.GC_PAUSED_FROM, 1, False),
+                                                  (planning.GC_PAUSED_FROM - 1, 0, False)])
+def test_a_large_saves_coordinator_runs_it_without_the_collector(tmp_path, monkeypatch, world, rank, paused):
+    """From GC_PAUSED_FROM ranks on, rank 0 (which unpickles every rank's plan and write results as they are
+    gathered) runs the save with the collector paused, and turns it back on after; other ranks and smaller saves
+    keep it running."""
+    import gc
+
+    import torch.distributed as dist
+
+    from automodel_ckpt.ondisk.formats import sharded
+    from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
+
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(sharded.dcp, "save", lambda *a, **k: seen.append(gc.isenabled()))
+    assert gc.isenabled()
+    sharded._save({}, tmp_path / "optim", ParallelFileSystemWriter(tmp_path / "optim"), None)
+    assert seen == [not paused] and gc.isenabled()
