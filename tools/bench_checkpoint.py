@@ -659,6 +659,9 @@ def main() -> None:
     p.add_argument("--only", choices=("save", "load", "export", "archive", "async", "resume", "mesh"), nargs="+",
                    default=None,
                    help="groups to run (default: save load export, and async with --device cuda)")
+    p.add_argument("--methods", default=None,
+                   help="only these of the groups' methods, comma-separated (e.g. raw_write_direct,"
+                        "ours_save_safetensors,raw_read_direct,ours_load_safetensors: the device ratios alone)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes (one Python loop each) running during the timed runs")
@@ -687,15 +690,6 @@ def main() -> None:
     if not 0.25 <= args.size_gb <= (16 if args.device == "cuda" else 4):
         p.error("--size-gb: between 0.25 and 4 (16 with --device cuda)")
     args.dir = args.dir.resolve()
-
-    layers = layers_for(args.size_gb)
-    model_bytes, nbytes = payload_bytes(layers)
-    fresh(args.dir)
-    (args.dir / "src").mkdir(parents=True)
-    out = args.dir / "out"
-    print(f"{nbytes / 1e9:.2f} GB of state ({model_bytes / 1e9:.2f} GB model, {layers} layers), "
-          f"{args.nproc} rank(s), {args.reps} reps, in {args.dir}", flush=True)
-
     if args.only is None:
         args.only = ["save", "load", "export"] + (["async"] if args.device == "cuda" else []) + ["resume"]
     import bench_mesh
@@ -705,6 +699,22 @@ def main() -> None:
     groups = {"save": SAVE, "load": LOAD, "export": EXPORT, "archive": ("ours_consolidate", *ARCHIVE), "async": ASYNC,
               "resume": (), "mesh": mesh_group}
     methods = [m for g in args.only for m in groups[g]]
+    if args.methods:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in wanted if m not in methods]
+        if unknown:
+            p.error(f"--methods: {', '.join(unknown)} not among the methods of --only {' '.join(args.only)}: "
+                    f"{', '.join(methods)}")
+        methods = [m for m in methods if m in wanted]
+
+    layers = layers_for(args.size_gb)
+    model_bytes, nbytes = payload_bytes(layers)
+    fresh(args.dir)
+    (args.dir / "src").mkdir(parents=True)
+    out = args.dir / "out"
+    print(f"{nbytes / 1e9:.2f} GB of state ({model_bytes / 1e9:.2f} GB model, {layers} layers), "
+          f"{args.nproc} rank(s), {args.reps} reps, in {args.dir}", flush=True)
+
     if not direct_io_supported(args.dir):
         print(f"{args.dir}: the filesystem refuses O_DIRECT; no device write/read reference", flush=True)
         methods = [m for m in methods if not m.endswith("_direct")]

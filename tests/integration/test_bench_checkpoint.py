@@ -71,6 +71,14 @@ def test_size_outside_the_range_is_a_usage_error(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_method_outside_the_groups_is_a_usage_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOL), "--only", "save", "--methods", "raw_write_direct,ours_load_safetensors",
+                           "--dir", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--methods: ours_load_safetensors not among the methods of --only save" in proc.stderr
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("writers,threads", [(1, 1), (2, 3)])
 def test_direct_write_and_read_move_exactly_the_bytes(bench, tmp_path, monkeypatch, writers, threads):
     if not bench.direct_io_supported(tmp_path):
