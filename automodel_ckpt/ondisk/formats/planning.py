@@ -72,13 +72,46 @@ from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 class PlanNote:
     """What a rank sends the coordinator in place of its local plan's items: the plan's fingerprint, and unless
     the plan is unchanged, its items as plain tuples (``_encode``) and the state's key mapping (DCP's
-    ``planner_data``). Unpickling DCP's ``WriteItem`` objects costs the coordinator ~30 us an item (722 items a
-    rank for Llama-3-70B); tuples of strings and ints a fraction of that."""
+    ``planner_data``), both ``Packed``. Unpickling DCP's ``WriteItem`` objects costs the coordinator ~30 us an item
+    (722 items a rank for Llama-3-70B); tuples of strings and ints a fraction of that."""
 
     fingerprint: str
-    entries: list[tuple] | None = None
+    entries: "list[tuple] | Packed | None" = None
     properties: list[Any] | None = None
     mappings: Any = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A large part of a ``PlanNote`` (its items, its key mapping) sent as its pickle and that pickle's digest.
+    The coordinator unpickles each distinct one once and hands the same object to every rank that sent it: every
+    rank of a layout sends the same key mapping, and the ranks that hold the same shards (HSDP's replicas, TP's
+    data-parallel peers) the same items. Unpickling them all was most of the coordinator's time at thousands of
+    ranks, and all of its memory."""
+
+    digest: str
+    data: bytes
+
+
+def pack(value: Any) -> Packed:
+    data = pickle.dumps(value, protocol=4)
+    return Packed(hashlib.blake2b(data, digest_size=16).hexdigest(), data)
+
+
+def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
+    """``notes`` with their packed parts unpickled, each distinct one once."""
+    seen: dict[str, Any] = {}
+
+    def value(part: Any) -> Any:
+        if not isinstance(part, Packed):
+            return part
+        found = seen.get(part.digest)
+        if found is None:
+            found = seen[part.digest] = pickle.loads(part.data)
+        return found
+
+    return [note if not isinstance(note.entries, Packed) and not isinstance(note.mappings, Packed) else
+            dataclasses.replace(note, entries=value(note.entries), mappings=value(note.mappings)) for note in notes]
 
 
 @dataclass(frozen=True)
@@ -174,7 +207,7 @@ class LinearSavePlanner(DefaultSavePlanner):
                 self._cached = cached
                 self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint), usable=False)
                 return self.plan
-        self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint, entries, props, mappings))
+        self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint, pack(entries), props, pack(mappings)))
         return self.plan
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -206,7 +239,7 @@ class LinearSavePlanner(DefaultSavePlanner):
             replies = [SavePlan([], usable=False) for _ in notes]
         else:
             full = []
-            for rank, note in enumerate(notes):
+            for rank, note in enumerate(_unpacked(notes)):
                 if note.entries is None:  # unchanged: the coordinator holds it, or the save cannot go on
                     if entry is None or entry.notes[rank].fingerprint != note.fingerprint:
                         raise ValueError(f"rank {rank} sent an unchanged save plan that the coordinator does not hold")
@@ -312,8 +345,11 @@ def merged_mappings(mappings: list[dict]) -> dict:
     that has it, keys in the order ``ChainMap`` lists them) by one ``update`` per rank, last rank first: ``ChainMap``
     looks every key up through the ranks in turn (1 s at 1,024 ranks of an optimizer's 2,178 keys)."""
     merged: dict = {}
+    done: set[int] = set()
     for mapping in reversed(mappings):
-        merged.update(mapping)
+        if id(mapping) not in done:  # the same mapping again (``Packed``: one object for every rank that sent it)
+            done.add(id(mapping))
+            merged.update(mapping)
     return merged
 
 

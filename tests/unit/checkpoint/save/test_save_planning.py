@@ -293,3 +293,26 @@ def test_a_large_saves_coordinator_runs_it_without_the_collector(tmp_path, monke
     assert gc.isenabled()
     sharded._save({}, tmp_path / "optim", ParallelFileSystemWriter(tmp_path / "optim"), None)
     assert seen == [not paused] and gc.isenabled()
+
+
+def test_the_coordinator_unpickles_each_distinct_packed_part_once(monkeypatch):
+    """HSDP's replicas send the same items and every rank the same key mapping: each distinct pickle is unpickled
+    once, and every rank that sent it gets the same object (the global plan is DCP's: the test above)."""
+    n = 16  # two replica groups of 8
+    notes = []
+    for rank in range(n):
+        planner = planning.LinearSavePlanner(None, world_size=n, rank=rank)
+        planner.mappings, planner.is_coordinator = sim.mappings("tiny"), rank == 0
+        notes.append(pickle.loads(pickle.dumps(planner.outgoing(sim.local_plan("tiny", "hsdp", n, rank)))).planner_data)
+    assert all(isinstance(note.entries, planning.Packed) for note in notes)
+    loads = []
+    real = pickle.loads
+    monkeypatch.setattr(planning.pickle, "loads", lambda data: loads.append(len(data)) or real(data))
+    full = planning._unpacked(notes)
+    distinct = {note.entries.digest for note in notes}
+    assert 1 < len(distinct) < n  # replicas sent the same items, the shards of a replica group different ones
+    assert len(loads) == len(distinct) + 1  # and one key mapping for all
+    for a, b in zip(notes, full):
+        twin = next(f for o, f in zip(notes, full) if o.entries.digest == a.entries.digest)
+        assert b.entries is twin.entries and b.mappings is full[0].mappings
+        assert b.entries == real(a.entries.data) and b.properties == a.properties
