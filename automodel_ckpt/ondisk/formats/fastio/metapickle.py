@@ -16,6 +16,7 @@ import io
 import itertools
 import pickle
 import struct
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ _SAMPLES = (ChunkStorageMetadata(torch.Size([0]), torch.Size([1])), MetadataInde
 _INFO = ("relative_path", "offset", "length")  # a ``_StorageInfo``'s state: these, ``records.NOTE`` where set
 _INFO_STATES = {_INFO, (*_INFO, "transform_descriptors"), (*_INFO, NOTE), (*_INFO, "transform_descriptors", NOTE)}
 _I32 = (-(1 << 31), (1 << 31) - 1)
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 _TUPLE = {0: pickle.EMPTY_TUPLE, 1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 
 
@@ -145,7 +147,7 @@ def _object(memo: _Memo, cls: type) -> bytes:
 
 
 def _sizes(values: list[Any], dims: int, kind: type = torch.Size) -> np.ndarray | None:
-    if {type(v) for v in values} != {kind} or {len(v) for v in values} != {dims}:
+    if set(map(type, values)) != {kind} or set(map(len, values)) != {dims}:
         return None
     return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64,
                        count=len(values) * dims).reshape(len(values), dims)
@@ -213,41 +215,54 @@ def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: 
     """The storage table's opcodes from its columns (each in the table's order): the keys' ``fqn``, ``offset``
     (``offset_type`` or None) and ``index``, the values' ``relative_path``, ``offset`` and ``length``, and the
     writer's notes (None where it has none)."""
-    if {type(f) for f in fqns} | {type(p) for p in paths} != {str} or \
-            {type(o) for o in at} | {type(n) for n in lengths} != {int} or \
-            not {type(n) for n in notes} <= {tuple, type(None)}:
+    # every pass over the columns in C (``map``): millions of rows at thousands of ranks
+    offset_types, index_types, note_types = set(map(type, offsets)), set(map(type, indexes)), set(map(type, notes))
+    if set(map(type, fqns)) | set(map(type, paths)) != {str} or set(map(type, at)) | set(map(type, lengths)) != {int} \
+            or not note_types <= {tuple, type(None)} or not offset_types <= {offset_type, type(None)} \
+            or not index_types <= {int, type(None)}:
         return None
-    if not {type(o) for o in offsets} <= {offset_type, type(None)} or \
-            not {type(i) for i in indexes} <= {int, type(None)}:
+    noted = notes if type(None) not in note_types else [n for n in notes if n is not None]
+    shapes = list(map(_SECOND, noted))
+    if noted and (set(map(len, noted)) != {3} or set(map(type, map(_FIRST, noted))) != {int} or
+                  set(map(type, shapes)) != {tuple} or set(map(type, map(_THIRD, noted))) != {torch.dtype} or
+                  not set(map(type, itertools.chain.from_iterable(shapes))) <= {int}):
         return None
-    noted = [n for n in notes if n is not None]
-    if noted and ({len(n) for n in noted} != {3} or {type(n[0]) for n in noted} != {int} or
-                  {type(n[1]) for n in noted} != {tuple} or {type(n[2]) for n in noted} != {torch.dtype} or
-                  not {type(d) for n in noted for d in n[1]} <= {int}):
-        return None
+    count = len(fqns)
     # groups of one record shape: the offset's rank (-1: None), whether there is an index, the note's shape
     dtypes: dict[Any, int] = {}
-    columns = np.stack([np.array([-1 if o is None else len(o) for o in offsets]),
-                        np.array([i is None for i in indexes]),
-                        np.array([-1 if n is None else len(n[1]) for n in notes]),
-                        np.array([-1 if n is None else dtypes.setdefault(n[2], len(dtypes)) for n in notes])]) + 1
+    if type(None) in offset_types:
+        ranks = np.array([-1 if o is None else len(o) for o in offsets])
+    else:
+        ranks = np.fromiter(map(len, offsets), dtype=np.int64, count=count)
+    no_index = np.array([i is None for i in indexes]) if type(None) in index_types else np.zeros(count, dtype=bool)
+    if type(None) in note_types or not noted:
+        note_ranks = np.array([-1 if n is None else len(n[1]) for n in notes])
+        note_dtypes = np.array([-1 if n is None else dtypes.setdefault(n[2], len(dtypes)) for n in notes])
+    else:
+        note_ranks = np.fromiter(map(len, shapes), dtype=np.int64, count=count)
+        dtypes = {d: i for i, d in enumerate(dict.fromkeys(map(_THIRD, notes)))}  # in first appearance, as above
+        note_dtypes = np.fromiter(map(dtypes.__getitem__, map(_THIRD, notes)), dtype=np.int64, count=count)
+    columns = np.stack([ranks, no_index, note_ranks, note_dtypes]).astype(np.int64) + 1
     scale = columns.max(axis=1) + 1
     kinds, code_of = np.unique(np.ravel_multi_index(tuple(columns), tuple(scale)), return_inverse=True)
     kinds, dtype_of = np.stack(np.unravel_index(kinds, tuple(scale)), axis=1) - 1, list(dtypes)
     # the columns, each read once: strings by reference (their memo slots), integers
     slot = {text: memo.slot(text) for text in {*fqns, *paths}}
-    fqn_slots = np.array([slot[f] for f in fqns], dtype="<u4")
-    path_slots = np.array([slot[p] for p in paths], dtype="<u4")
-    index = np.array([0 if i is None else i for i in indexes], dtype=np.int64)
-    info_offset = np.array(at, dtype=np.int64)
-    length = np.array(lengths, dtype=np.int64)
-    note_at = np.array([0 if n is None else n[0] for n in notes], dtype=np.int64)
+    fqn_slots = np.fromiter(map(slot.__getitem__, fqns), dtype="<u4", count=count)
+    path_slots = np.fromiter(map(slot.__getitem__, paths), dtype="<u4", count=count)
+    index = np.array([0 if i is None else i for i in indexes], dtype=np.int64) if type(None) in index_types else \
+        np.fromiter(indexes, dtype=np.int64, count=count)
+    info_offset = np.fromiter(at, dtype=np.int64, count=count)
+    length = np.fromiter(lengths, dtype=np.int64, count=count)
+    note_at = np.array([0 if n is None else n[0] for n in notes], dtype=np.int64) if type(None) in note_types else \
+        np.fromiter(map(_FIRST, notes), dtype=np.int64, count=count)
     built = []
     for code, (dims, no_index, note_dims, note_dtype) in enumerate(kinds.tolist()):
         note = None if note_dims < 0 else (note_dims, dtype_of[note_dtype])
         rows = np.flatnonzero(code_of == code)
-        listed = rows.tolist()
-        starts = None if dims < 0 else _sizes([offsets[i] for i in listed], dims, offset_type)
+        every = len(kinds) == 1  # one record shape: every row, in order
+        listed = range(count) if every else rows.tolist()
+        starts = None if dims < 0 else _sizes(offsets if every else [offsets[i] for i in listed], dims, offset_type)
         if dims >= 0 and starts is None:
             return None
         rec = _Records(len(rows))
@@ -268,7 +283,8 @@ def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: 
         if note is not None:  # (where the tensor's bytes start, its shape, its dtype)
             rec.const(memo.get(NOTE))
             rec.ints(note_at[rows])
-            rec.tuple(np.fromiter(itertools.chain.from_iterable(notes[i][1] for i in listed), dtype=np.int64,
+            picked = map(_SECOND, notes) if every else (notes[i][1] for i in listed)
+            rec.tuple(np.fromiter(itertools.chain.from_iterable(picked), dtype=np.int64,
                                   count=len(listed) * note[0]).reshape(len(listed), note[0]))
             rec.const(memo.get(note[1]) + pickle.TUPLE3)
         rec.const(pickle.SETITEMS + pickle.BUILD)

@@ -124,3 +124,33 @@ def test_a_storage_table_written_from_the_ranks_tuples_is_the_same_pickle():
     data, _ = metafile.body(metadata, lambda: [decode(r) for r in twice], None, None,
                             lambda: metapickle.StorageRows(twice))
     assert data == objects[:-1]
+
+
+def test_a_table_whose_every_entry_has_an_index_an_offset_and_a_note_loads_the_same():
+    """The table a sharded optimizer writes (every entry an index, an offset and the writer's note: the passes
+    that skip the missing ones): its records, from objects and from the ranks' tuples, load as pickle's objects."""
+    metadata = _metadata(700, seed=5)
+    rng = random.Random(5)
+    table = {}
+    for i, (key, info) in enumerate(metadata.storage_data.items()):
+        if key.offset is None:
+            continue
+        if getattr(info, NOTE, None) is None:
+            setattr(info, NOTE, (rng.randrange(900), (3, 4), (torch.float32, torch.bfloat16, torch.int64)[i % 3]))
+        table[MetadataIndex(key.fqn, key.offset, i)] = info
+    metadata.storage_data = table
+    data = metapickle.dumps(metadata)
+    assert data != pickle.dumps(metadata, protocol=3)  # records, not pickle's own
+    _same(pickle.loads(data), pickle.loads(pickle.dumps(metadata)))
+    metadata.storage_data = metapickle.StorageRows(_rows(metadata))
+    assert metapickle.dumps(metadata) == data
+    # one record shape throughout (one tensor's chunks, notes of one rank and dtype): the columns taken whole
+    first = next(iter(table)).fqn
+    metadata.storage_data = {k: v for k, v in table.items() if k.fqn == first}
+    for info in metadata.storage_data.values():
+        setattr(info, NOTE, (getattr(info, NOTE)[0], (3, 4), torch.float32))
+    assert len(metadata.storage_data) >= metapickle.MIN_ITEMS
+    data = metapickle.dumps(metadata)
+    _same(pickle.loads(data), pickle.loads(pickle.dumps(metadata)))
+    metadata.storage_data = metapickle.StorageRows(_rows(metadata))
+    assert metapickle.dumps(metadata) == data
