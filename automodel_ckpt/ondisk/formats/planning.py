@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import io
 import pickle
 from contextlib import contextmanager
 from itertools import chain
@@ -65,7 +66,7 @@ from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_w
 from torch.distributed.tensor import DTensor
 
 from automodel_ckpt.ondisk.formats.plan_checks import dedup, validate
-from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
+from automodel_ckpt.ondisk.formats.safe_load import RestrictedUnpickler, SafeLoadPlanner
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
         if not isinstance(part, Packed):
             return part
         found = seen.get(part.digest)
-        if found is None:
-            found = seen[part.digest] = pickle.loads(part.data)
+        if found is None:  # plain values only (``_encode``): read by the restricted unpickler
+            found = seen[part.digest] = RestrictedUnpickler(io.BytesIO(part.data)).load()
         return found
 
     return [note if not isinstance(note.entries, Packed) and not isinstance(note.mappings, Packed) else
@@ -155,7 +156,7 @@ def _encode(plan: SavePlan) -> tuple[list[tuple], list[Any]]:
         offset = tuple(wi.index.offset) if wi.index.offset is not None else None
         td = wi.tensor_data
         if td is None:
-            entries.append((wi.index.fqn, wi.type.value, offset, None, None, None, None, wi.bytes_io_data))
+            entries.append((wi.index.fqn, wi.type.value, offset, None, None, None, None, _plain(wi.bytes_io_data)))
             continue
         p = td.properties
         key = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
@@ -165,8 +166,14 @@ def _encode(plan: SavePlan) -> tuple[list[tuple], list[Any]]:
         chunk = td.chunk
         c_off = None if chunk is None else tuple(chunk.offsets)
         entries.append((wi.index.fqn, wi.type.value, offset, offset if c_off == offset else c_off,  # one object
-                        None if chunk is None else tuple(chunk.sizes), tuple(td.size), table[key], wi.bytes_io_data))
+                        None if chunk is None else tuple(chunk.sizes), tuple(td.size), table[key],
+                        _plain(wi.bytes_io_data)))
     return entries, props
+
+
+def _plain(data: Any) -> Any:
+    """A write item's ``bytes_io_data`` (DCP's ``BytesIOWriteData``, or None) as plain values: its fields, sorted."""
+    return None if data is None else tuple(sorted(vars(data).items()))
 
 
 def fingerprint(entries: list[tuple], properties: list[Any], mappings: Any) -> str:
