@@ -27,7 +27,6 @@ Times internals: ``ondisk.formats``, ``ondisk.manifest``, ``ondisk.layout``, ``o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -153,13 +152,6 @@ def optim_results(name: str, plan: SavePlan, rank: int) -> list[WriteResult]:
 
 
 # ------------------------------------------------------------------------------------------ one DCP save
-def _coordinating(n: int) -> Any:
-    """What ``sharded._save`` runs a save's coordinator in at ``n`` ranks: the collector paused from
-    ``planning.GC_PAUSED_FROM`` ranks on."""
-    return planning.gc_paused() if n >= planning.GC_PAUSED_FROM else contextlib.nullcontext()
-
-
-
 _SIZES: dict[tuple[str, int], list[int]] = {}  # (key, ranks) -> each rank's file size in the last save
 
 
@@ -193,7 +185,7 @@ def dcp_save(plan_of: Callable[[int], SavePlan], mappings: Any, n: int, key: str
     gc.freeze()
     gc.enable()
     t0 = time.process_time()
-    with _coordinating(n):  # as sharded._save runs the coordinator's whole save
+    with planning.coordinating(n, 0):  # as sharded._save runs the coordinator's whole save
         replies, metadata = planners[0].create_global_plan([pickle.loads(b) for b in sent])
         scattered = [pickle.dumps(dataclasses.replace(p, storage_data=storage(i))) for i, p in enumerate(replies)]
     seconds = time.process_time() - t0
@@ -271,7 +263,7 @@ def save(name: str, strategy: str, n: int, root: Path, step: int) -> dict[str, A
     writer.set_up_storage_writer(True)
     plan_results.keep_results(writer, optim_key, n, 0)
     t0 = time.process_time()
-    with _coordinating(n):
+    with planning.coordinating(n, 0):
         writer.finish(optim.metadata, [pickle.loads(b) for b in optim.notes])
     metadata_s = time.process_time() - t0
     flags_s, flag_bytes = 0.0, 0

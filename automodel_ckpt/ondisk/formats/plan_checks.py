@@ -30,9 +30,9 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     position = count()
     ids_of = [np.fromiter(map(index.setdefault, map(_KEY, note.entries), position), dtype=np.int64,
                           count=len(note.entries)) for note in notes]
-    ids = next(position)  # every id is below it
+    id_count = next(position)  # every id is below it
     every = np.concatenate(ids_of) if ids_of else np.zeros(0, dtype=np.int64)
-    counts = np.bincount(every, minlength=ids)
+    counts = np.bincount(every, minlength=id_count)
     if counts.max(initial=0) <= 1:
         return [[True] * len(note.entries) for note in notes]
     dup = counts > 1
@@ -45,10 +45,10 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     starts = np.concatenate([[0], cuts]).tolist()
     listed = dup_ranks.tolist()
     holders = {i: set(listed[a:b]) for i, a, b in zip(dup_ids[starts].tolist(), starts, [*cuts.tolist(), len(listed)])}
-    first = np.full(ids, -1, dtype=np.int64)
+    first = np.full(id_count, -1, dtype=np.int64)
     first[dup_ids[starts]] = dup_ranks[starts]  # the rank at which each duplicated item first appears
     load = [0] * len(notes)
-    writer = np.full(ids, -1, dtype=np.int64)
+    writer = np.full(id_count, -1, dtype=np.int64)
     out = []
     for rank, (note, ids) in enumerate(zip(notes, ids_of)):
         shared = dup[ids]

@@ -34,7 +34,7 @@ import gc
 import hashlib
 import io
 import pickle
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from itertools import chain
 from operator import attrgetter
 from dataclasses import dataclass
@@ -95,6 +95,7 @@ class Packed:
 
 
 def pack(value: Any) -> Packed:
+    """``value`` (plain values only) as a ``Packed``."""
     data = pickle.dumps(value, protocol=4)
     return Packed(hashlib.blake2b(data, digest_size=16).hexdigest(), data)
 
@@ -267,6 +268,12 @@ MANY_OBJECTS = 100_000
 #: ranks from which a save's coordinator runs the whole save in ``gc_paused`` (``sharded``): it then unpickles
 #: every rank's plan and write results, half a million tuples at 256 ranks of a 70B model's optimizer state
 GC_PAUSED_FROM = 256
+
+
+def coordinating(world_size: int, rank: int) -> Any:
+    """What a save runs in on ``rank`` of ``world_size``: ``gc_paused`` on the coordinator of a large save (it
+    unpickles every rank's plan and write results as they are gathered), else nothing."""
+    return gc_paused() if rank == 0 and world_size >= GC_PAUSED_FROM else nullcontext()
 
 
 @contextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from concurrent.futures import Future
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,11 +98,8 @@ def _save(state: dict, path: Path, writer, process_group) -> None:
     world, rank = (dist.get_world_size(process_group), dist.get_rank(process_group)) if dist.is_initialized() else (1, 0)
     key = cache_key(path, writer)
     succeeded = plan_results.keep_results(writer, key, world, rank)
-    # the coordinator of a large save unpickles every rank's plan and write results (millions of tuples at
-    # thousands of ranks) as they are gathered: without the collector walking them (planning.gc_paused)
-    paused = planning.gc_paused() if rank == 0 and world >= planning.GC_PAUSED_FROM else nullcontext()
     try:
-        with paused:
+        with planning.coordinating(world, rank):  # a large save's coordinator: the collector paused
             dcp.save(state, storage_writer=writer,
                      planner=planning.LinearSavePlanner(key, world_size=world, rank=rank), process_group=process_group)
     except CheckpointException as exc:  # raised on every rank; one line naming the folder (disk full, ...)

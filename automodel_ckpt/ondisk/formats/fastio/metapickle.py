@@ -202,7 +202,7 @@ def _storage_rows(memo: _Memo, table: StorageRows) -> bytes | None:
     """``_storage`` of the table that ``table``'s write results make (``{result.index: result.storage_data}``
     over the ranks in order), or None where two results share a key (a table keeps one of them)."""
     rows = list(itertools.chain.from_iterable(table.ranks))
-    if not rows or {len(r) for r in rows} != {8}:
+    if not rows or set(map(len, rows)) != {8}:
         return None
     fqns, offsets, indexes, _, paths, at, lengths, notes = zip(*rows)
     if len(set(zip(fqns, offsets))) != len(rows):  # MetadataIndex compares its fqn and offset only
