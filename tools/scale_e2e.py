@@ -10,6 +10,8 @@ here through the product's own code and rank 0's part timed (CPU seconds):
   plan unpickled, the global plan, the replies pickled, every rank's write results unpickled.
 * ``metadata_s``: the optimizer folder's ``.metadata`` written by the product's storage writer (``finish``: the
   write results expanded, the metadata pickled, written and fsynced; ``fastio.metafile``).
+* ``broadcast_s``: the metadata object each DCP save's write step broadcasts to every rank once its ``finish``
+  is done (``plan_results.hollow``), pickled as ``broadcast_object_list`` pickles it (``broadcast_bytes``).
 * ``flags_s``: the failure flags every ``collectively`` step all-gathers (three a save: the small files, the
   fsync, the checksums), unpickled as ``all_gather_object`` unpickles them.
 * ``manifest_s``: ``manifest.seal``'s rank 0 part on a staging folder holding every rank's files (sparse, of the
@@ -262,10 +264,19 @@ def save(name: str, strategy: str, n: int, root: Path, step: int) -> dict[str, A
     writer.reset(optim_dir)
     writer.set_up_storage_writer(True)
     plan_results.keep_results(writer, optim_key, n, 0)
+    given = [model.metadata, optim.metadata]  # the objects each save's finish is given, then DCP broadcasts
+    model.metadata, optim.metadata = (dataclasses.replace(m) for m in given)  # as planned, for --dump-plans
     t0 = time.process_time()
     with planning.coordinating(n, 0):
-        writer.finish(optim.metadata, [pickle.loads(b) for b in optim.notes])
+        writer.finish(given[1], [pickle.loads(b) for b in optim.notes])
     metadata_s = time.process_time() - t0
+    plan_results.hollow(given[0])  # the model's finish (per-rank safetensors shards: nothing more to write)
+    broadcast_s, broadcast_bytes = 0.0, 0
+    for metadata in given:  # the write step's all_reduce: the coordinator pickles, every rank unpickles
+        t0 = time.process_time()
+        data = pickle.dumps(metadata)
+        broadcast_s += time.process_time() - t0
+        broadcast_bytes += len(data)
     flags_s, flag_bytes = 0.0, 0
     for _ in range(FLAG_STEPS):
         s, b = _flags(n)
@@ -287,11 +298,12 @@ def save(name: str, strategy: str, n: int, root: Path, step: int) -> dict[str, A
     lifecycle.publish(root, ckpt, update_lowest_val=False)
     commit_s = time.process_time() - t0
     files = manifest.list_files(root / ckpt)
-    return {"plan_s": model.seconds + optim.seconds, "metadata_s": metadata_s, "flags_s": flags_s,
-            "manifest_s": manifest_s, "commit_s": commit_s,
-            "total_s": model.seconds + optim.seconds + metadata_s + flags_s + manifest_s + commit_s,
+    return {"plan_s": model.seconds + optim.seconds, "metadata_s": metadata_s, "broadcast_s": broadcast_s,
+            "flags_s": flags_s, "manifest_s": manifest_s, "commit_s": commit_s,
+            "total_s": model.seconds + optim.seconds + metadata_s + broadcast_s + flags_s + manifest_s + commit_s,
             "object_store_requests": store_requests(files, n),
             "bytes_to_rank0": model.plan_bytes + optim.plan_bytes + flag_bytes + checksum_bytes,
+            "broadcast_bytes": broadcast_bytes,
             "reused": model.reused and optim.reused, "model": model, "optim": optim, "folder": root / ckpt}
 
 

@@ -321,3 +321,32 @@ def test_the_coordinator_unpickles_each_distinct_packed_part_once(monkeypatch):
         twin = next(f for o, f in zip(notes, full) if o.entries.digest == a.entries.digest)
         assert b.entries is twin.entries and b.mappings is full[0].mappings
         assert b.entries == pickle.loads(a.entries.data) and b.properties == a.properties
+
+
+def test_the_metadata_a_save_broadcasts_is_hollow_and_its_file_whole(tmp_path):
+    """DCP's save broadcasts the metadata its writer's finish was given to every rank (and returns it): emptied
+    once the file is written, so that no save pickles every chunk a second time. The file holds it all, and the
+    next save of the layout still reuses the cached plan and writes the same index."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
+    from automodel_ckpt.ondisk.formats.sharded import cache_key
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2), "step": 3}
+    indexes = []
+    for step in (1, 2):
+        path = tmp_path / "run" / f".staging-{step}" / "optim"
+        writer = ParallelFileSystemWriter(path)
+        key = cache_key(path, writer)
+        done = plan_results.keep_results(writer, key, 1, 0)
+        planner = planning.LinearSavePlanner(key)
+        returned = dcp.save(state, storage_writer=writer, planner=planner)
+        done()
+        assert returned.state_dict_metadata == {} and returned.storage_data is None and returned.planner_data is None
+        assert planner.reused == (step == 2)
+        on_disk = FileSystemReader(path).read_metadata()
+        assert set(on_disk.state_dict_metadata) == {"w", "b", "step"} and len(on_disk.storage_data) == 3
+        assert on_disk.state_dict_metadata["w"].size == torch.Size([3, 4])
+        indexes.append((on_disk.state_dict_metadata, {k: vars(v) for k, v in on_disk.storage_data.items()}))
+    assert indexes[0] == indexes[1]
