@@ -16,27 +16,33 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 def dedup(notes: list[Any]) -> list[list[bool]]:
     """Which rank writes each item (``dedup_save_plans``, the same choices): ``[rank][item]`` True where it does.
-
-    An item several ranks hold goes to the one with the least planned so far (DCP counts a tensor item as its
-    whole tensor's bytes, anything else as 1), walking the items in the order they first appear: rank by rank.
-    A rank's load is read only when an item it holds first appears, at that rank: then it holds what was given
-    to it before and its own items before that one, and no rank before it holds the item. So only the ranks at
-    which some item first appears are walked, each up to its last such item; the holders of each item (the set
-    DCP builds, filled in the same order, so that ties go where DCP's go), and each rank's share once every item
-    it holds has a writer, are found in numpy."""
-    # an item's id: its position in the walk where it first appears (so ids follow first appearance), found with
-    # one hash of its key, in C (``setdefault`` keeps the first position given)
+    ``notes``: the ranks' encoded plans (``planning._encode``); ``owners`` does the walk."""
+    # an item's id: one hash of its key, in C (``setdefault`` keeps the first position given)
     index: dict[Any, int] = {}
     position = count()
     ids_of = [np.fromiter(map(index.setdefault, map(_KEY, note.entries), position), dtype=np.int64,
                           count=len(note.entries)) for note in notes]
-    id_count = next(position)  # every id is below it
+    return [mask.tolist() for mask in owners(ids_of, next(position),
+                                             lambda rank, j: _storage(notes[rank], notes[rank].entries[j]))]
+
+
+def owners(ids_of: list[np.ndarray], id_count: int, weight: Any) -> list[np.ndarray]:
+    """DCP's dedup on item ids: ``ids_of[rank]`` holds an id (below ``id_count``) per item of that rank, equal
+    where two items have the same key (``MetadataIndex``); ``weight(rank, j)``: what DCP counts for that item (its
+    whole tensor's bytes, or 1). Returns each rank's mask of the items it writes.
+
+    An item several ranks hold goes to the one with the least planned so far, walking the items in the order they
+    first appear: rank by rank. A rank's load is read only when an item it holds first appears, at that rank: then
+    it holds what was given to it before and its own items before that one, and no rank before it holds the item.
+    So only the ranks at which some item first appears are walked, each up to its last such item; the holders of
+    each item (the set DCP builds, filled in the same order, so that ties go where DCP's go), and each rank's share
+    once every item it holds has a writer, are found in numpy. How ids are numbered does not matter."""
     every = np.concatenate(ids_of) if ids_of else np.zeros(0, dtype=np.int64)
     counts = np.bincount(every, minlength=id_count)
     if counts.max(initial=0) <= 1:
-        return [[True] * len(note.entries) for note in notes]
+        return [np.ones(len(ids), dtype=bool) for ids in ids_of]
     dup = counts > 1
-    ranks = np.repeat(np.arange(len(notes)), list(map(len, ids_of)))
+    ranks = np.repeat(np.arange(len(ids_of)), list(map(len, ids_of)))
     held = dup[every]
     dup_ids, dup_ranks = every[held], ranks[held]
     order = np.argsort(dup_ids, kind="stable")  # by item, each item's holders in rank order
@@ -47,10 +53,10 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
     holders = {i: set(listed[a:b]) for i, a, b in zip(dup_ids[starts].tolist(), starts, [*cuts.tolist(), len(listed)])}
     first = np.full(id_count, -1, dtype=np.int64)
     first[dup_ids[starts]] = dup_ranks[starts]  # the rank at which each duplicated item first appears
-    load = [0] * len(notes)
+    load = [0] * len(ids_of)
     writer = np.full(id_count, -1, dtype=np.int64)
     out = []
-    for rank, (note, ids) in enumerate(zip(notes, ids_of)):
+    for rank, ids in enumerate(ids_of):
         shared = dup[ids]
         counted = 0
         for j in np.flatnonzero(shared & (first[ids] == rank)).tolist():  # the items that first appear here
@@ -58,11 +64,11 @@ def dedup(notes: list[Any]) -> list[list[bool]]:
                 continue
             for i in range(counted, j):  # this rank's own items up to this one
                 if not shared[i]:
-                    load[rank] += _storage(note, note.entries[i])
+                    load[rank] += weight(rank, i)
             counted = j
             writer[ids[j]] = chosen = min(holders[int(ids[j])], key=load.__getitem__)
-            load[chosen] += _storage(note, note.entries[j])
-        out.append(np.where(shared, writer[ids] == rank, True).tolist())
+            load[chosen] += weight(rank, j)
+        out.append(np.where(shared, writer[ids] == rank, True))
     return out
 
 
@@ -78,7 +84,8 @@ _KEY = itemgetter(0, 2)  # an encoded item's (fqn, offset): DCP's MetadataIndex 
 def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]] | None = None) -> list[str]:
     """DCP's checks of a global plan (every chunk within bounds, no two overlapping, all of them covering the
     tensor when more than one rank saves), without comparing chunks pairwise where they form a grid. ``bounds``:
-    each tensor's chunk offsets and sizes as tuples (else read from the metadata's chunks)."""
+    each tensor's chunk offsets and sizes as lists of tuples or as ``[chunks, dims]`` arrays (else read from the
+    metadata's chunks)."""
     errors: list[str] = []
     irregular: dict[str, Any] = {}
     for key, value in metadata.state_dict_metadata.items():
@@ -88,8 +95,9 @@ def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]
         known = bounds.get(key) if bounds is not None else None
         offs, sizes = known or ([tuple(c.offsets) for c in value.chunks], [tuple(c.sizes) for c in value.chunks])
         shape = (len(value.chunks), len(size))
-        offs = np.fromiter(chain.from_iterable(offs), dtype=np.int64, count=shape[0] * shape[1]).reshape(shape)
-        sizes = np.fromiter(chain.from_iterable(sizes), dtype=np.int64, count=shape[0] * shape[1]).reshape(shape)
+        if not isinstance(offs, np.ndarray):
+            offs = np.fromiter(chain.from_iterable(offs), dtype=np.int64, count=shape[0] * shape[1]).reshape(shape)
+            sizes = np.fromiter(chain.from_iterable(sizes), dtype=np.int64, count=shape[0] * shape[1]).reshape(shape)
         ends = offs + sizes
         for i in np.flatnonzero((offs < 0).any(1) | (sizes < 0).any(1) | (ends > size).any(1)):
             errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} chunk: {value.chunks[i]}")

@@ -3,8 +3,9 @@
 After writing, each rank's storage writer returns one ``WriteResult`` per item it wrote (where its bytes lie),
 and DCP gathers them all on the coordinator for the storage writer's ``finish`` (which writes the ``.metadata``
 file of ``.distcp`` folders; the per-rank safetensors shards need none). Unpickling ``WriteResult`` objects costs
-the coordinator as much as the plans did, at every save. ``keep_results`` makes a rank send them as plain tuples,
-or only their digest when they are those of its last save under the same key (same layout: same files, offsets
+the coordinator as much as the plans did, at every save. ``keep_results`` makes a rank send them as columns
+(``result_columns``: an item list its peers share, packed, and an array of numbers) or plain tuples, or only their
+digest when they are those of its last save under the same key (same layout: same files, offsets
 and lengths), and makes the coordinator rebuild them, from its cache where unchanged, only when its ``finish``
 reads them; where it reads none (per-rank safetensors shards), nothing is sent. A digest the coordinator does not hold fails the save on every rank; an entry is taken out of the
 cache when a save starts and put back when it succeeded, as the plans are (``planning``).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -24,16 +25,28 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from automodel_ckpt.ondisk.formats.fastio.metapickle import StorageRows
 from automodel_ckpt.ondisk.formats.fastio.records import NOTE
+from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, pack
+from automodel_ckpt.ondisk.formats.result_columns import ResultColumns, StorageColumns, joined, split
 
 
 @dataclass(frozen=True)
 class ResultsNote:
-    """One rank's write results: their digest, and unless unchanged, their tuples (``encode``) or the objects
-    themselves (storage data of another kind than ``_StorageInfo``)."""
+    """One rank's write results: their digest, and unless unchanged, their columns (``result_columns``), their
+    tuples (``encode``) or the objects themselves (storage data of another kind than ``_StorageInfo``)."""
 
     digest: str
     tuples: list[tuple] | None = None
     objects: list[WriteResult] | None = None
+    columns: ResultColumns | None = None
+
+    @property
+    def unchanged(self) -> bool:
+        """Whether only the digest was sent (the results of this rank's last save)."""
+        return self.tuples is None and self.objects is None and self.columns is None
+
+    def rows(self) -> list[tuple] | None:
+        """The results as ``encode``'s tuples, None where they were sent as objects."""
+        return joined(self.columns) if self.columns is not None else self.tuples
 
 
 _RANK: dict[tuple[str, int, int], str] = {}  # (key, world size, rank) -> the digest of its last results
@@ -77,7 +90,12 @@ def outgoing(results: list[WriteResult], key: str | None, world_size: int, rank:
         return ResultsNote("", objects=results)
     digest = hashlib.blake2b(pickle.dumps(tuples, protocol=4), digest_size=16).hexdigest()
     last = _RANK.pop((key, world_size, rank), None) if key is not None else None  # back once the save succeeded
-    return ResultsNote(digest) if last == digest else ResultsNote(digest, tuples)
+    if last == digest:
+        return ResultsNote(digest)
+    columns = split(tuples)
+    if columns is None:
+        return ResultsNote(digest, tuples)
+    return ResultsNote(digest, columns=ResultColumns(pack(columns.items), columns.numbers, columns.files))
 
 
 def succeeded(key: str | None, world_size: int, rank: int, note: ResultsNote | None) -> None:
@@ -102,15 +120,18 @@ def stamp(notes: list[ResultsNote]) -> tuple[str, ...] | None:
 def _expanded(full: list[ResultsNote], needed: bool) -> list[list[WriteResult]]:
     if not needed:
         return [[] for _ in full]
-    return [n.objects if n.objects is not None else decode(n.tuples or []) for n in full]
+    return [n.objects if n.objects is not None else decode(n.rows() or []) for n in full]
 
 
-def rows(full: list[ResultsNote]) -> StorageRows | None:
-    """Every rank's results as the tuples they were sent as (``metapickle.StorageRows``), None where a rank sent
-    objects."""
-    if any(n.tuples is None and n.objects for n in full):
+def rows(full: list[ResultsNote]) -> StorageRows | StorageColumns | None:
+    """Every rank's results as they were sent, not made into objects: their columns
+    (``result_columns.StorageColumns``) where every rank sent columns, else their tuples
+    (``metapickle.StorageRows``); None where a rank sent objects."""
+    if any(n.objects for n in full):
         return None
-    return StorageRows([n.tuples or [] for n in full])
+    if all(n.columns is not None for n in full):
+        return StorageColumns([n.columns for n in full])
+    return StorageRows([n.rows() or [] for n in full])
 
 
 def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
@@ -119,18 +140,21 @@ def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
     cache_key = (key, len(notes)) if key is not None else None
     cached = _COORDINATOR.pop(cache_key, None) if cache_key is not None else None
     full: list[ResultsNote] = []
+    unpacked = Unpacker()
     for rank, note in enumerate(notes):
         if not isinstance(note, ResultsNote):
             return None
         if not note.digest and note.objects is None:  # nothing sent: the writer's finish reads no results
             full.append(ResultsNote("", objects=[]))
             continue
-        if note.tuples is None and note.objects is None:
+        if note.unchanged:
             if cached is None or cached[rank].digest != note.digest:
                 raise ValueError(f"rank {rank} sent unchanged write results that the coordinator does not hold")
             note = cached[rank]
+        elif note.columns is not None and isinstance(note.columns.items, Packed):  # each distinct list read once
+            note = replace(note, columns=replace(note.columns, items=unpacked(note.columns.items)))
         full.append(note)
-    if cache_key is not None and all(n.tuples is not None for n in full):
+    if cache_key is not None and all(n.tuples is not None or n.columns is not None for n in full):
         _COORDINATOR[cache_key] = full
     return full
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import io
 import pickle
 from contextlib import contextmanager, nullcontext
 from itertools import chain
@@ -65,8 +64,11 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_wrt_saved_tensor
 from torch.distributed.tensor import DTensor
 
+from automodel_ckpt.ondisk.formats import plan_columns
+from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, pack
 from automodel_ckpt.ondisk.formats.plan_checks import dedup, validate
-from automodel_ckpt.ondisk.formats.safe_load import RestrictedUnpickler, SafeLoadPlanner
+from automodel_ckpt.ondisk.formats.plan_columns import Columns, joined, split
+from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 
 
 @dataclass(frozen=True)
@@ -77,51 +79,28 @@ class PlanNote:
     (722 items a rank for Llama-3-70B); tuples of strings and ints a fraction of that."""
 
     fingerprint: str
-    entries: "list[tuple] | Packed | None" = None
+    entries: "list[tuple] | Packed | Columns | None" = None
     properties: list[Any] | None = None
     mappings: Any = None
 
 
-@dataclass(frozen=True)
-class Packed:
-    """A large part of a ``PlanNote`` (its items, its key mapping) sent as its pickle and that pickle's digest.
-    The coordinator unpickles each distinct one once and hands the same object to every rank that sent it: every
-    rank of a layout sends the same key mapping, and the ranks that hold the same shards (HSDP's replicas, TP's
-    data-parallel peers) the same items. Unpickling them all was most of the coordinator's time at thousands of
-    ranks, and all of its memory."""
-
-    digest: str
-    data: bytes
-
-
-def pack(value: Any) -> Packed:
-    """``value`` (plain values only) as a ``Packed``."""
-    data = pickle.dumps(value, protocol=4)
-    return Packed(hashlib.blake2b(data, digest_size=16).hexdigest(), data)
-
-
 def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
     """``notes`` with their packed parts unpickled, each distinct one once."""
-    seen: dict[str, Any] = {}
+    value = Unpacker()
 
-    def value(part: Any) -> Any:
-        if not isinstance(part, Packed):
-            return part
-        found = seen.get(part.digest)
-        if found is None:  # plain values only (``_encode``): read by the restricted unpickler
-            found = seen[part.digest] = RestrictedUnpickler(io.BytesIO(part.data)).load()
-        return found
+    def entries(part: Any) -> Any:
+        return Columns(value(part.items), part.numbers) if isinstance(part, Columns) else value(part)
 
-    return [note if not isinstance(note.entries, Packed) and not isinstance(note.mappings, Packed) else
-            dataclasses.replace(note, entries=value(note.entries), mappings=value(note.mappings)) for note in notes]
+    return [note if not isinstance(note.entries, (Packed, Columns)) and not isinstance(note.mappings, Packed) else
+            dataclasses.replace(note, entries=entries(note.entries), mappings=value(note.mappings)) for note in notes]
 
 
 @dataclass(frozen=True)
 class PlanReply:
     """What the coordinator sends each rank back: for each of its local items, its index hint in the metadata
-    (``-1``: kept as it is, a plain value; ``None``: another rank writes it)."""
+    (``-1``: kept as it is, a plain value; ``-2``: another rank writes it), as int64 bytes."""
 
-    hints: list[int | None]
+    hints: bytes
 
 
 @dataclass
@@ -215,7 +194,9 @@ class LinearSavePlanner(DefaultSavePlanner):
                 self._cached = cached
                 self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint), usable=False)
                 return self.plan
-        self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint, pack(entries), props, pack(mappings)))
+        columns = split(entries)
+        sent = pack(entries) if columns is None else Columns(pack(columns.items), columns.numbers)
+        self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint, sent, props, pack(mappings)))
         return self.plan
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -256,7 +237,7 @@ class LinearSavePlanner(DefaultSavePlanner):
             with gc_paused():
                 hints, metadata = plan_globally(full, self.flatten_state_dict)
                 entry = _CoordinatorEntry(full, metadata)
-                replies = [SavePlan([], planner_data=PlanReply(h)) for h in hints]
+                replies = [SavePlan([], planner_data=PlanReply(h.tobytes())) for h in hints]
         if cache_key is not None:
             _COORDINATOR_CACHE[cache_key] = entry
         self.metadata = dataclasses.replace(metadata)  # the storage writer sets storage_data on its own copy
@@ -299,16 +280,26 @@ def gc_paused():
             gc.enable()
 
 
-def _apply(items: list[WriteItem], hints: list[int | None]) -> list[WriteItem]:
+def _apply(items: list[WriteItem], hints: bytes) -> list[WriteItem]:
     """A rank's global plan from its local items and the coordinator's hints (as DCP's global plan has them)."""
-    return [item if hint < 0 else dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
-            for item, hint in zip(items, hints, strict=True) if hint is not None]
+    return [item if hint == -1 else dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
+            for item, hint in zip(items, np.frombuffer(hints, dtype=np.int64).tolist(), strict=True) if hint != -2]
 
 
-def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[list[int | None]], Metadata]:
+def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[np.ndarray], Metadata]:
     """DCP's dedup (``dedup_save_plans``: an item several ranks hold goes to the one with the least planned so
     far), global plan (``create_default_global_save_plan``: index hints, the metadata) and merged mappings, on
-    the ranks' encoded plans; validated linearly. Raises ``ValueError`` as DCP does for an invalid plan."""
+    the ranks' encoded plans; validated linearly. Raises ``ValueError`` as DCP does for an invalid plan. Each
+    rank's hints: int64, -1 kept as it is, -2 written by another rank. Ranks that all sent ``Columns`` are
+    planned on them (``plan_columns``) where they fit."""
+    columns = all(isinstance(n.entries, Columns) for n in notes)
+    found = plan_columns.plan(notes) if columns and notes else None
+    if found is not None:
+        hints_of, md, bounds = found
+        return hints_of, _finished(notes, md, bounds, flatten)
+    if columns or any(isinstance(n.entries, Columns) for n in notes):  # given back as tuples
+        notes = [dataclasses.replace(n, entries=joined(n.entries)) if isinstance(n.entries, Columns) else n
+                 for n in notes]
     owners = dedup(notes)
     md: dict[str, Any] = {}
     bounds: dict[str, tuple[list, list]] = {}  # fqn -> its chunks' offsets and sizes, as plain tuples
@@ -338,12 +329,17 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
             hints.append(len(found[0]))
             found[0].append(c_off)
             found[1].append(c_size)
-        hints_of.append(hints)
+        hints_of.append(np.array([-2 if h is None else h for h in hints], dtype=np.int64))
     shared: dict[tuple, torch.Size] = {}  # most chunks share their sizes: one torch.Size each
     for fqn, (offs, sizes) in bounds.items():  # a tensor's chunks made together: near one another in memory
         for c_size in set(sizes) - shared.keys():
             shared[c_size] = torch.Size(c_size)
         md[fqn].chunks = [ChunkStorageMetadata(torch.Size(c_off), shared[c_size]) for c_off, c_size in zip(offs, sizes)]
+    return hints_of, _finished(notes, md, bounds, flatten)
+
+
+def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple], flatten: bool) -> Metadata:
+    """The metadata of entries ``md`` with the ranks' merged key mappings, validated."""
     metadata = Metadata(md)
     if flatten:
         metadata = dataclasses.replace(metadata, planner_data=merged_mappings([n.mappings for n in notes]))
@@ -351,7 +347,7 @@ def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[lis
     if errors:
         summary = "; ".join(errors)
         raise ValueError(f"Failed to validate global plan: {summary[:500]}{'... (truncated)' if len(summary) > 500 else ''}")
-    return hints_of, metadata
+    return metadata
 
 
 def merged_mappings(mappings: list[dict]) -> dict:

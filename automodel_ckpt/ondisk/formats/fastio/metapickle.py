@@ -16,6 +16,7 @@ import io
 import itertools
 import pickle
 import struct
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
@@ -181,12 +182,18 @@ class StorageRows:
     def __len__(self) -> int:
         return sum(map(len, self.ranks))
 
+    def table(self, memo: _Memo) -> Table | None:
+        """The ``Table`` these results make, or None (as ``_storage_rows``)."""
+        return _storage_rows(memo, self)
+
 
 def _storage(memo: _Memo, table: Any) -> bytes | None:
     """The opcodes of a storage table (``MetadataIndex`` -> ``_StorageInfo``, with or without the writer's
-    ``records.NOTE``; or ``StorageRows``), in its order, or None."""
-    if isinstance(table, StorageRows):
-        return _storage_rows(memo, table)
+    ``records.NOTE``; or a table not made of objects: ``StorageRows``, ``result_columns.StorageColumns``, anything
+    whose ``table(memo)`` gives its ``Table``), in its order, or None."""
+    if _unmade(table):
+        made = table.table(memo)
+        return None if made is None else emit(memo, made)
     keys, infos = list(table), list(table.values())
     notes = [getattr(v, NOTE, None) for v in infos]
     if {type(k) for k in keys} != {MetadataIndex} or {type(v) for v in infos} != {_StorageInfo} or \
@@ -198,8 +205,13 @@ def _storage(memo: _Memo, table: Any) -> bytes | None:
                             notes, torch.Size)
 
 
-def _storage_rows(memo: _Memo, table: StorageRows) -> bytes | None:
-    """``_storage`` of the table that ``table``'s write results make (``{result.index: result.storage_data}``
+def _unmade(table: Any) -> bool:
+    """Whether ``table`` is a storage table not made of objects (it gives its ``Table``)."""
+    return not isinstance(table, dict) and callable(getattr(table, "table", None))
+
+
+def _storage_rows(memo: _Memo, table: StorageRows) -> Table | None:
+    """The ``Table`` of the table that ``table``'s write results make (``{result.index: result.storage_data}``
     over the ranks in order), or None where two results share a key (a table keeps one of them)."""
     rows = list(itertools.chain.from_iterable(table.ranks))
     if not rows or set(map(len, rows)) != {8}:
@@ -207,7 +219,34 @@ def _storage_rows(memo: _Memo, table: StorageRows) -> bytes | None:
     fqns, offsets, indexes, _, paths, at, lengths, notes = zip(*rows)
     if len(set(zip(fqns, offsets))) != len(rows):  # MetadataIndex compares its fqn and offset only
         return None
-    return _storage_columns(memo, fqns, offsets, indexes, paths, at, lengths, notes, tuple)
+    return _table(memo, fqns, offsets, indexes, paths, at, lengths, notes, tuple)
+
+
+@dataclass
+class Table:
+    """A storage table as columns, a row per entry in the table's order: the keys' ``fqn`` and the values'
+    ``relative_path`` as memo slots (``_Memo.slot``), the keys' ``index`` (0 where ``no_index``), the values'
+    ``offset`` and ``length``, where the writer's note puts the tensor's bytes (``note_at``), and per record shape
+    (``Shape``) its rows with their keys' offsets and their notes' shapes, ``[rows, rank]`` each."""
+
+    fqn_slots: np.ndarray
+    path_slots: np.ndarray
+    index: np.ndarray
+    info_offset: np.ndarray
+    length: np.ndarray
+    note_at: np.ndarray
+    shapes: list[tuple["Shape", np.ndarray, np.ndarray | None, np.ndarray | None]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One record shape of a storage table: its key's offset's rank (-1: None), whether its key has no index, its
+    note's rank (-1: no note) and dtype."""
+
+    dims: int
+    no_index: bool
+    note_dims: int
+    note_dtype: Any
 
 
 def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: Any, at: Any, lengths: Any,
@@ -215,6 +254,12 @@ def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: 
     """The storage table's opcodes from its columns (each in the table's order): the keys' ``fqn``, ``offset``
     (``offset_type`` or None) and ``index``, the values' ``relative_path``, ``offset`` and ``length``, and the
     writer's notes (None where it has none)."""
+    table = _table(memo, fqns, offsets, indexes, paths, at, lengths, notes, offset_type)
+    return None if table is None else emit(memo, table)
+
+
+def _table(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: Any, at: Any, lengths: Any,
+           notes: Any, offset_type: type) -> Table | None:
     # every pass over the columns in C (``map``): millions of rows at thousands of ranks
     offset_types, index_types, note_types = set(map(type, offsets)), set(map(type, indexes)), set(map(type, notes))
     if set(map(type, fqns)) | set(map(type, paths)) != {str} or set(map(type, at)) | set(map(type, lengths)) != {int} \
@@ -248,62 +293,72 @@ def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: 
     kinds, dtype_of = np.stack(np.unravel_index(kinds, tuple(scale)), axis=1) - 1, list(dtypes)
     # the columns, each read once: strings by reference (their memo slots), integers
     slot = {text: memo.slot(text) for text in {*fqns, *paths}}
-    fqn_slots = np.fromiter(map(slot.__getitem__, fqns), dtype="<u4", count=count)
-    path_slots = np.fromiter(map(slot.__getitem__, paths), dtype="<u4", count=count)
-    index = np.array([0 if i is None else i for i in indexes], dtype=np.int64) if type(None) in index_types else \
-        np.fromiter(indexes, dtype=np.int64, count=count)
-    info_offset = np.fromiter(at, dtype=np.int64, count=count)
-    length = np.fromiter(lengths, dtype=np.int64, count=count)
-    note_at = np.array([0 if n is None else n[0] for n in notes], dtype=np.int64) if type(None) in note_types else \
-        np.fromiter(map(_FIRST, notes), dtype=np.int64, count=count)
-    built = []
-    for code, (dims, no_index, note_dims, note_dtype) in enumerate(kinds.tolist()):
-        note = None if note_dims < 0 else (note_dims, dtype_of[note_dtype])
-        rows = np.flatnonzero(code_of == code)
+    grouped = []
+    for code, (dims, no_idx, note_dims, note_dtype) in enumerate(kinds.tolist()):
+        rows = np.flatnonzero(code_of.reshape(-1) == code)
         every = len(kinds) == 1  # one record shape: every row, in order
         listed = range(count) if every else rows.tolist()
         starts = None if dims < 0 else _sizes(offsets if every else [offsets[i] for i in listed], dims, offset_type)
         if dims >= 0 and starts is None:
             return None
+        note_shapes = None
+        if note_dims >= 0:
+            picked = map(_SECOND, notes) if every else (notes[i][1] for i in listed)
+            note_shapes = np.fromiter(itertools.chain.from_iterable(picked), dtype=np.int64,
+                                      count=len(listed) * note_dims).reshape(len(listed), note_dims)
+        grouped.append((Shape(dims, bool(no_idx), note_dims, None if note_dims < 0 else dtype_of[note_dtype]),
+                        rows, starts, note_shapes))
+    return Table(
+        np.fromiter(map(slot.__getitem__, fqns), dtype="<u4", count=count),
+        np.fromiter(map(slot.__getitem__, paths), dtype="<u4", count=count),
+        np.array([0 if i is None else i for i in indexes], dtype=np.int64) if type(None) in index_types else
+        np.fromiter(indexes, dtype=np.int64, count=count),
+        np.fromiter(at, dtype=np.int64, count=count), np.fromiter(lengths, dtype=np.int64, count=count),
+        np.array([0 if n is None else n[0] for n in notes], dtype=np.int64) if type(None) in note_types else
+        np.fromiter(map(_FIRST, notes), dtype=np.int64, count=count), grouped)
+
+
+def emit(memo: _Memo, table: Table) -> bytes | None:
+    """The opcodes of a storage table given as ``Table`` (a dict of ``MetadataIndex`` -> ``_StorageInfo``, in the
+    table's order), or None where its records cannot be made equally wide."""
+    built = []
+    for shape, rows, starts, note_shapes in table.shapes:
         rec = _Records(len(rows))
         rec.const(_object(memo, MetadataIndex) + memo.get("fqn") + pickle.LONG_BINGET)
-        rec.parts.append((b"", fqn_slots[rows]))
-        rec.const(memo.get("index") + (pickle.NONE if no_index else b""))
-        if not no_index:
-            rec.ints(index[rows])
+        rec.parts.append((b"", table.fqn_slots[rows]))
+        rec.const(memo.get("index") + (pickle.NONE if shape.no_index else b""))
+        if not shape.no_index:
+            rec.ints(table.index[rows])
         rec.const(memo.get("offset"))
         rec.size(memo, starts)
         rec.const(pickle.SETITEMS + pickle.BUILD + _object(memo, _StorageInfo) + memo.get("relative_path") +
                   pickle.LONG_BINGET)
-        rec.parts.append((b"", path_slots[rows]))
+        rec.parts.append((b"", table.path_slots[rows]))
         rec.const(memo.get("offset"))
         rec.parts.append(None)  # the offset, as wide as makes every record of the table equally wide (below)
         rec.const(memo.get("length"))
-        rec.ints(length[rows])
-        if note is not None:  # (where the tensor's bytes start, its shape, its dtype)
+        rec.ints(table.length[rows])
+        if shape.note_dims >= 0:  # (where the tensor's bytes start, its shape, its dtype)
             rec.const(memo.get(NOTE))
-            rec.ints(note_at[rows])
-            picked = map(_SECOND, notes) if every else (notes[i][1] for i in listed)
-            rec.tuple(np.fromiter(itertools.chain.from_iterable(picked), dtype=np.int64,
-                                  count=len(listed) * note[0]).reshape(len(listed), note[0]))
-            rec.const(memo.get(note[1]) + pickle.TUPLE3)
+            rec.ints(table.note_at[rows])
+            rec.tuple(note_shapes)
+            rec.const(memo.get(shape.note_dtype) + pickle.TUPLE3)
         rec.const(pickle.SETITEMS + pickle.BUILD)
-        built.append((rows, rec, info_offset[rows]))
+        built.append((rows, rec, table.info_offset[rows]))
     # every record as wide as the widest (its offset's LONG1 takes the difference): the table's order by row
     widest = max(rec.width() for _, rec, _ in built) + 10
     if widest - min(rec.width() for _, rec, _ in built) - 2 > 255:
         return None
-    out = np.empty((len(fqns), widest), dtype=np.uint8)
+    out = np.empty((len(table.fqn_slots), widest), dtype=np.uint8)
     for rows, rec, offset in built:
         rec.parts[rec.parts.index(None)] = rec.long(offset, widest - rec.width() - 2)
         out[rows] = rec.array()
-    return pickle.EMPTY_DICT + pickle.MARK + out.tobytes() + pickle.SETITEMS
+    return b"".join((pickle.EMPTY_DICT + pickle.MARK, out.data, pickle.SETITEMS))  # one copy of the records
 
 
 def _plain(metadata: Any, protocol: int) -> bytes | None:
-    """``pickle``'s own pickle of ``metadata``; None where its storage table is ``StorageRows`` (no objects)."""
-    return None if isinstance(getattr(metadata, "storage_data", None), StorageRows) else \
-        pickle.dumps(metadata, protocol=protocol)
+    """``pickle``'s own pickle of ``metadata``; None where its storage table is not made of objects."""
+    return None if _unmade(getattr(metadata, "storage_data", None)) else pickle.dumps(metadata, protocol=protocol)
 
 
 def dumps(metadata: Any, protocol: int = 3) -> bytes | None:
@@ -315,8 +370,8 @@ def dumps(metadata: Any, protocol: int = 3) -> bytes | None:
     if protocol in (2, 3) and _shapes_known():
         holes = [(md, "chunks", _Hole(md.chunks)) for md in entries.values()
                  if type(md) is TensorStorageMetadata and len(md.chunks) >= MIN_ITEMS]
-        if isinstance(getattr(metadata, "storage_data", None), (dict, StorageRows)) and \
-                len(metadata.storage_data) >= MIN_ITEMS:
+        storage = getattr(metadata, "storage_data", None)
+        if (isinstance(storage, dict) or _unmade(storage)) and len(storage) >= MIN_ITEMS:
             holes.append((metadata, "storage_data", _Hole(metadata.storage_data)))
     if not holes:
         return _plain(metadata, protocol)

@@ -3,6 +3,7 @@ out of bounds, and a cache that serves an unchanged layout and nothing else."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import pickle
 from pathlib import Path
@@ -37,10 +38,31 @@ def _dcp(layout: str, strategy: str, n: int):
     return planner.create_global_plan(plans)
 
 
+@pytest.fixture
+def planned_on(monkeypatch):
+    """Which way each global plan went: ``"columns"`` (``plan_columns``) or ``"tuples"``; ``force("tuples")``
+    sends every plan the tuple way."""
+    from automodel_ckpt.ondisk.formats import plan_columns
+
+    ways, original = [], plan_columns.plan
+
+    def spying(notes):
+        found = None if ways and ways[0] == "force tuples" else original(notes)
+        ways.append("columns" if found is not None else "tuples")
+        return found
+
+    monkeypatch.setattr(plan_columns, "plan", spying)
+    return ways
+
+
+@pytest.mark.parametrize("way", ["columns", "tuples"])
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "tp-fsdp"])
-def test_plans_and_metadata_are_dcps(strategy):
+def test_plans_and_metadata_are_dcps(strategy, way, planned_on):
     n = 16
+    if way == "tuples":
+        planned_on.append("force tuples")
     ours = sim.save("tiny", strategy, n)
+    assert planned_on[-1] == way
     global_plan, metadata = _dcp("tiny", strategy, n)
     assert [p.items for p in ours["final_plans"]] == [p.items for p in global_plan]
     assert repr([p.items for p in ours["final_plans"]]) == repr([p.items for p in global_plan])  # Size, not tuple
@@ -304,23 +326,133 @@ def test_the_coordinator_unpickles_each_distinct_packed_part_once(monkeypatch):
         planner = planning.LinearSavePlanner(None, world_size=n, rank=rank)
         planner.mappings, planner.is_coordinator = sim.mappings("tiny"), rank == 0
         notes.append(pickle.loads(pickle.dumps(planner.outgoing(sim.local_plan("tiny", "hsdp", n, rank)))).planner_data)
-    assert all(isinstance(note.entries, planning.Packed) for note in notes)
+    assert all(isinstance(note.entries.items, planning.Packed) for note in notes)
     loads = []
 
-    class Counted(planning.RestrictedUnpickler):  # plain values only: the restricted unpickler reads them
+    from automodel_ckpt.ondisk.formats import packed
+
+    class Counted(packed.RestrictedUnpickler):  # plain values only: the restricted unpickler reads them
         def load(self):
             loads.append(1)
             return super().load()
 
-    monkeypatch.setattr(planning, "RestrictedUnpickler", Counted)
+    monkeypatch.setattr(packed, "RestrictedUnpickler", Counted)
     full = planning._unpacked(notes)
-    distinct = {note.entries.digest for note in notes}
-    assert 1 < len(distinct) < n  # replicas sent the same items, the shards of a replica group different ones
-    assert len(loads) == len(distinct) + 1  # and one key mapping for all
+    assert len({note.entries.items.digest for note in notes}) == 1  # every rank holds the same items
+    assert len({note.entries.numbers for note in notes}) == 8  # replicas: the same numbers
+    assert len(loads) == 1 + 1  # and one key mapping for all
     for a, b in zip(notes, full):
-        twin = next(f for o, f in zip(notes, full) if o.entries.digest == a.entries.digest)
-        assert b.entries is twin.entries and b.mappings is full[0].mappings
-        assert b.entries == pickle.loads(a.entries.data) and b.properties == a.properties
+        assert b.entries.items is full[0].entries.items and b.mappings is full[0].mappings
+        assert b.entries.items == pickle.loads(a.entries.items.data) and b.properties == a.properties
+        assert planning.joined(b.entries) == planning._encode(sim.local_plan("tiny", "hsdp", n, notes.index(a)))[0]
+
+
+def _columns(plans):
+    """Each plan's ``PlanNote`` with its items as ``Columns``."""
+    notes = []
+    for plan in plans:
+        entries, props = planning._encode(plan)
+        notes.append(planning.PlanNote("", planning.split(entries), props, {}))
+    assert all(isinstance(n.entries, planning.Columns) for n in notes)
+    return notes
+
+
+def _random_plans(rng, props):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    plans = []
+    for _rank in range(rng.randint(2, 6)):
+        items = []
+        for name in rng.sample(range(8), rng.randint(1, 6)):
+            rows, row = rng.choice([(4, 0), (4, 1), (2, rng.randint(0, 3))])
+            size = torch.Size((16, 3 + name))  # one shape per name
+            offsets = torch.Size((row * rows, 0))
+            items.append(WriteItem(MetadataIndex(f"w{name}", offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
+                ChunkStorageMetadata(offsets, torch.Size((rows, 3 + name))), props, size)))
+        if rng.random() < 0.5:  # a plain value every rank holds
+            items.insert(rng.randint(0, len(items)), WriteItem(MetadataIndex("lr"), WriteItemType.BYTE_IO))
+        plans.append(SavePlan(items))
+    return plans
+
+
+def test_columns_dedup_and_order_chunks_as_dcp_for_ranks_holding_differing_items():
+    """Random plans whose ranks hold differing items (several item lists): the columns' writers, chunk order and
+    index hints are DCP's (``create_default_global_save_plan``: its dedup, then its metadata)."""
+    import random
+
+    from automodel_ckpt.ondisk.formats import plan_columns
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+    rng = random.Random(1)
+    props = TensorProperties(dtype=torch.float32)
+    for _ in range(150):
+        plans = _random_plans(rng, props)
+        theirs, metadata = create_default_global_save_plan(dedup_save_plans(plans))
+        hints_of, md, _ = plan_columns.plan(planning._unpacked(_columns(plans)))
+        ours = [planning._apply(p.items, h.tobytes()) for p, h in zip(plans, hints_of)]
+        assert ours == [p.items for p in theirs] and list(md) == list(metadata.state_dict_metadata)
+        assert repr(md) == repr(metadata.state_dict_metadata)
+
+
+def test_columns_keys_of_differing_tensors_never_meet():
+    """Each item's dedup key is one integer: ``a``'s chunk at 2 (a tensor of 3) and ``b``'s at 0 (a tensor of 1)
+    stay apart, as DCP's ``MetadataIndex`` keeps them, whatever the sizes and the names' order."""
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from automodel_ckpt.ondisk.formats import plan_columns
+
+    props = TensorProperties(dtype=torch.float32)
+
+    def shard(name, offset, rows, total):
+        at = torch.Size((offset,))
+        return WriteItem(MetadataIndex(name, at), WriteItemType.SHARD, tensor_data=TensorWriteData(
+            ChunkStorageMetadata(at, torch.Size((rows,))), props, torch.Size((total,))))
+
+    for a, b in [(3, 1), (1, 3), (5, 2), (2, 7)]:
+        for at in range(a):
+            plans = [SavePlan([shard("a", 0, at, a), shard("b", 0, b, b)]), SavePlan([shard("a", at, a - at, a)])]
+            theirs, metadata = create_default_global_save_plan(dedup_save_plans(plans))
+            hints_of, md, _ = plan_columns.plan(planning._unpacked(_columns(plans)))
+            assert [planning._apply(p.items, h.tobytes()) for p, h in zip(plans, hints_of)] == [p.items for p in theirs]
+            assert repr(md) == repr(metadata.state_dict_metadata)
+
+
+@pytest.mark.parametrize("case", ["out of bounds", "a negative offset", "bytes and a tensor",
+                                  "a chunk apart from its index"])
+def test_plans_that_do_not_fit_columns_go_the_tuple_way_and_fail_as_dcp(case, planned_on):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    props = TensorProperties(dtype=torch.float32)
+
+    def shard(name, offset, rows, total=8):
+        at = torch.Size((offset, 0))
+        return WriteItem(MetadataIndex(name, at), WriteItemType.SHARD, tensor_data=TensorWriteData(
+            ChunkStorageMetadata(at, torch.Size((rows, 2))), props, torch.Size((total, 2))))
+
+    plans = [SavePlan([shard("w", 0, 4)]), SavePlan([shard("w", 4, 4)])]
+    if case == "out of bounds":  # found by the columns' validation
+        plans[1] = SavePlan([shard("w", 4, 6)])
+    elif case == "a negative offset":
+        plans[1] = SavePlan([shard("w", -4, 4)])
+    elif case == "bytes and a tensor":
+        plans[1] = SavePlan([shard("w", 4, 4), WriteItem(MetadataIndex("w"), WriteItemType.BYTE_IO)])
+    else:
+        item = shard("w", 4, 4)
+        plans[1] = SavePlan([dataclasses.replace(item, tensor_data=dataclasses.replace(
+            item.tensor_data, chunk=ChunkStorageMetadata(torch.Size((5, 0)), torch.Size((3, 2)))))])
+    notes = [planning.PlanNote("", planning.split(e) or e, p, {}) for e, p in map(planning._encode, plans)]
+    expected = {"out of bounds": (ValueError, "out of bounds"), "a negative offset": (ValueError, "out of bounds"),
+                "bytes and a tensor": (AssertionError, "not in md"),
+                "a chunk apart from its index": (ValueError, "invalid fill")}[case]
+    with pytest.raises(expected[0], match=expected[1]):
+        planning.plan_globally(planning._unpacked(notes))
+    assert planned_on == {"out of bounds": ["columns"], "a chunk apart from its index": []}.get(case, ["tuples"])
 
 
 def test_the_metadata_a_save_broadcasts_is_hollow_and_its_file_whole(tmp_path):

@@ -154,3 +154,62 @@ def test_a_table_whose_every_entry_has_an_index_an_offset_and_a_note_loads_the_s
     _same(pickle.loads(data), pickle.loads(pickle.dumps(metadata)))
     metadata.storage_data = metapickle.StorageRows(_rows(metadata))
     assert metapickle.dumps(metadata) == data
+
+
+def _columns(ranks: list[list[tuple]]):
+    """Each rank's tuples as ``result_columns.ResultColumns``, their item lists read back as the coordinator
+    reads them (the ranks of one list share it)."""
+    from automodel_ckpt.ondisk.formats.result_columns import split
+
+    shared: dict = {}
+    out = []
+    for rows in ranks:
+        columns = split(rows)
+        assert columns is not None
+        out.append(type(columns)(shared.setdefault(pickle.dumps(columns.items), columns.items), columns.numbers,
+                                 columns.files))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_storage_table_written_from_the_ranks_columns_loads_as_the_objects(seed):
+    """Every rank's write results as columns (items, numbers, files): the table written from them in numpy loads
+    as the table made of objects, in the same order, through pickle and the restricted unpickler; each rank's
+    tuples come back from its columns."""
+    from automodel_ckpt.ondisk.formats.result_columns import StorageColumns, joined
+
+    metadata = _metadata(700, seed=seed)
+    ranks = _rows(metadata)
+    columns = _columns(ranks)
+    assert [joined(c) for c in columns] == ranks
+    table, metadata.storage_data = metadata.storage_data, StorageColumns(columns)
+    data = metapickle.dumps(metadata)
+    assert data is not None
+    metadata.storage_data = table
+    _same(pickle.loads(data), metadata)  # noqa: S301 - this test's own
+    _same(metapickle_loaded(data), metadata)
+
+
+def metapickle_loaded(data: bytes):
+    import io
+
+    from automodel_ckpt.ondisk.formats.safe_load import RestrictedUnpickler
+
+    return RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def test_columns_of_a_rank_that_writes_one_key_twice_are_left_to_the_objects():
+    from automodel_ckpt.ondisk.formats.fastio import metafile
+    from automodel_ckpt.ondisk.formats.plan_results import decode
+    from automodel_ckpt.ondisk.formats.result_columns import StorageColumns
+
+    metadata = _metadata(700)
+    objects = metapickle.dumps(metadata)
+    ranks = _rows(metadata)
+    twice = [ranks[0], ranks[1], ranks[2] + ranks[2][:1]]
+    table, metadata.storage_data = metadata.storage_data, StorageColumns(_columns(twice))
+    assert metapickle.dumps(metadata) is None
+    metadata.storage_data = table
+    data, _ = metafile.body(metadata, lambda: [decode(r) for r in twice], None, None,
+                            lambda: StorageColumns(_columns(twice)))
+    assert data == objects[:-1]

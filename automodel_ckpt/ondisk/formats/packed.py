@@ -1,0 +1,48 @@
+"""Large parts of what every rank sends a save's coordinator, sent as a pickle and its digest, read once each.
+
+Every rank of a layout sends the same key mapping and, in columns (``plan_columns``, ``result_columns``), the same
+list of items (HSDP's replicas, TP's data-parallel peers, FSDP's shards all hold one item per tensor); unpickling
+them all was most of the coordinator's time at thousands of ranks, and all of its memory. So each such part goes
+as ``Packed``, and the coordinator's ``Unpacker`` reads each distinct one once and hands the same object to every
+rank that sent it. Plain values only: read by the restricted unpickler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from automodel_ckpt.ondisk.formats.safe_load import RestrictedUnpickler
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A part sent as its pickle and that pickle's digest."""
+
+    digest: str
+    data: bytes
+
+
+def pack(value: Any) -> Packed:
+    """``value`` (plain values only) as a ``Packed``."""
+    data = pickle.dumps(value, protocol=4)
+    return Packed(hashlib.blake2b(data, digest_size=16).hexdigest(), data)
+
+
+class Unpacker:
+    """The coordinator's reader of the ``Packed`` parts of one save: each distinct one unpickled once."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def __call__(self, part: Any) -> Any:
+        """``part``'s value where it is ``Packed``, else ``part``."""
+        if not isinstance(part, Packed):
+            return part
+        found = self.seen.get(part.digest)
+        if found is None:
+            found = self.seen[part.digest] = RestrictedUnpickler(io.BytesIO(part.data)).load()
+        return found

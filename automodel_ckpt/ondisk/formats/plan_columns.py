@@ -1,0 +1,231 @@
+"""A save's global plan made on columns: every rank's items as one shared list and an array of their numbers.
+
+At thousands of ranks the coordinator of an FSDP save walked some 9 million items one at a time (a 70B model and
+its AdamW moments at 4,096 ranks): unpickling each rank's items, DCP's dedup, the chunk lists and the index
+hints. But every rank of a layout holds the same items (one per tensor, in the state's order: FSDP, HSDP and TP
+shard every tensor) and only their numbers differ (where each rank's chunk starts, its sizes). So a rank sends
+its items without their numbers (``Columns.items``: the same pickle on every rank, which the coordinator reads
+once, ``planning.Packed``) and the numbers as one int64 array; the coordinator keys, dedups, orders and checks
+them in numpy and makes the ``Metadata`` DCP makes. Plans of another shape (a chunk that does not start at its
+index's offset, a name saved twice, an offset outside its tensor) are given back as tuples (``joined``) and
+planned as before (``planning.plan_globally``), which also raises as DCP does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from automodel_ckpt.ondisk.formats.plan_checks import owners
+
+_SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
+_KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or the plan goes the tuple way
+
+
+@dataclass(frozen=True)
+class Columns:
+    """A rank's encoded items (``planning._encode``) in two parts. ``items``: ``(fqn, type, tensor size,
+    properties #, bytes data)`` each (``planning.Packed`` on the wire); ``numbers``: for each tensor item in turn,
+    its offsets then its chunk's sizes (int64, native order), the chunk starting at the index's offset."""
+
+    items: Any
+    numbers: bytes
+
+
+def split(entries: list[tuple]) -> Columns | None:
+    """``entries`` as ``Columns``, or None where an item does not fit them."""
+    items, numbers = [], []
+    for fqn, kind, offset, c_off, c_size, size, prop, data in entries:
+        if (size is None) != (kind == _BYTE_IO):
+            return None
+        if size is None:
+            if offset is not None or c_off is not None or c_size is not None:
+                return None
+            items.append((fqn, kind, None, prop, data))
+            continue
+        if offset is None or c_off != offset or c_size is None or not len(offset) == len(c_size) == len(size):
+            return None
+        items.append((fqn, kind, size, prop, data))
+        numbers += offset
+        numbers += c_size
+    return Columns(items, np.asarray(numbers, dtype=np.int64).tobytes())
+
+
+def joined(columns: Columns) -> list[tuple]:
+    """The entries ``split`` made ``columns`` of."""
+    numbers, at, out = np.frombuffer(columns.numbers, dtype=np.int64).tolist(), 0, []
+    for fqn, kind, size, prop, data in columns.items:
+        if size is None:
+            out.append((fqn, kind, None, None, None, None, None, data))
+            continue
+        d = len(size)
+        offset = tuple(numbers[at:at + d])
+        out.append((fqn, kind, offset, offset, tuple(numbers[at + d:at + 2 * d]), size, prop, data))
+        at += 2 * d
+    return out
+
+
+@dataclass
+class _Items:
+    """One distinct item list's columns: what every rank that sent it shares."""
+
+    items: list[tuple]
+    fqn: np.ndarray  # each item's name, as an id
+    tensor: np.ndarray  # a tensor item (else bytes)
+    shard: np.ndarray  # a shard item
+    sizes: np.ndarray  # [items, width] its tensor's size, 0 past its rank
+    offsets_at: np.ndarray  # [items, width] where its offsets lie in a rank's numbers (``length``: 0 past its rank)
+    sizes_at: np.ndarray  # the same for its chunk's sizes
+    dims: np.ndarray  # its tensor's rank (0 for bytes)
+    weight: list[int]  # what DCP's dedup counts for it: its tensor's bytes, or 1
+    length: int  # how many numbers a rank sends
+    radix: int  # the most offsets one of its tensors has (the product of its size + 1 along each dimension)
+
+
+def _items(items: list[tuple], names: dict[str, int], properties: list[Any], width: int) -> _Items | None:
+    count = len(items)
+    sizes = np.zeros((count, width), dtype=np.int64)
+    offsets_at = np.full((count, width), -1, dtype=np.int64)
+    sizes_at = np.full((count, width), -1, dtype=np.int64)
+    weight, at, radix = [1] * count, 0, 1
+    for j, (_, _, size, prop, _) in enumerate(items):
+        if size is None:
+            continue
+        d = len(size)
+        sizes[j, :d] = size
+        offsets_at[j, :d] = range(at, at + d)
+        sizes_at[j, :d] = range(at + d, at + 2 * d)
+        at += 2 * d
+        radix = max(radix, math.prod(n + 1 for n in size))
+        try:
+            weight[j] = math.prod(size) * properties[prop].dtype.itemsize or 1
+        except (IndexError, AttributeError, TypeError):
+            return None
+    offsets_at[offsets_at < 0] = at  # the pad column (a zero) that follows every rank's numbers
+    sizes_at[sizes_at < 0] = at
+    return _Items(items, np.fromiter((names.setdefault(i[0], len(names)) for i in items), dtype=np.int64, count=count),
+                  np.fromiter((i[2] is not None for i in items), dtype=bool, count=count),
+                  np.fromiter((i[1] == _SHARD for i in items), dtype=bool, count=count),
+                  sizes, offsets_at, sizes_at, np.fromiter((0 if i[2] is None else len(i[2]) for i in items),
+                                                           dtype=np.int64, count=count), weight, at, radix)
+
+
+def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, tuple]] | None:
+    """``planning.plan_globally``'s work on ranks that all sent ``Columns`` (their items unpacked): each rank's
+    index hints (int64: its chunk's place in its tensor's list, -1 kept as it is, -2 another rank writes it), the
+    metadata's entries, and each tensor's chunk offsets and sizes as ``[chunks, dims]`` arrays (for
+    ``plan_checks.validate``). None where the plan does not fit columns (the tuple way then raises as DCP does)."""
+    names: dict[str, int] = {}
+    distinct: dict[int, list[tuple]] = {id(n.entries.items): n.entries.items for n in notes}
+    width = max((len(i[2]) for items in distinct.values() for i in items if i[2] is not None), default=0)
+    made: dict[int, _Items] = {}
+    for note in notes:
+        key = id(note.entries.items)
+        if key not in made:
+            found = _items(note.entries.items, names, note.properties, width)
+            if found is None:
+                return None
+            made[key] = found
+    per_rank = [made[id(n.entries.items)] for n in notes]
+    numbers = [np.frombuffer(n.entries.numbers, dtype=np.int64) for n in notes]
+    if any(len(a) != s.length for a, s in zip(numbers, per_rank)):
+        return None
+    radix = max((s.radix for s in made.values()), default=1)
+    if (2 * len(names) + 2) * (width + 1) * radix >= _KEY_LIMIT:
+        return None
+    offsets, sizes = _gathered(per_rank, numbers)
+    fqn, tensor, shard, extent = (np.concatenate([getattr(s, f) for s in per_rank])
+                                  for f in ("fqn", "tensor", "shard", "sizes"))
+    if (offsets < 0).any() or (offsets > extent).any() or (sizes < 0).any():
+        return None  # a chunk outside its tensor: the tuple way reports it
+    # dedup: an item's key (name, kind, rank, offsets: DCP's ``MetadataIndex``) as one integer: its offsets in the
+    # radix of its tensor's size + 1 (below ``radix``), below its name's, kind's and rank's place times ``radix``
+    place = np.zeros(len(fqn), dtype=np.int64)
+    for d in range(width):
+        place = place * (extent[:, d] + 1) + offsets[:, d]
+    keys = ((fqn * 2 + tensor) * (width + 1) + np.concatenate([s.dims for s in per_rank])) * radix + place
+    ids = np.unique(keys, return_inverse=True)[1].reshape(-1)
+    cuts = np.cumsum([0, *(len(s.fqn) for s in per_rank)]).tolist()
+    ids_of = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    masks = owners(ids_of, int(ids.max(initial=-1)) + 1, lambda rank, j: per_rank[rank].weight[j])
+    taken = np.flatnonzero(np.concatenate(masks)) if masks else np.zeros(0, dtype=np.int64)
+    # what DCP refuses: a name written twice unless as shards of one tensor, or as bytes and as a tensor
+    taken_fqn, taken_tensor, taken_shard = fqn[taken], tensor[taken], shard[taken]
+    once = taken_fqn[~taken_shard]
+    if len(np.unique(once)) != len(once) or np.isin(once, taken_fqn[taken_shard]).any() or \
+            np.isin(taken_fqn[~taken_tensor], taken_fqn[taken_tensor]).any():
+        return None
+    # the hints: a chunk's place among its tensor's chunks, in the order the walk meets them
+    hints = np.full(len(fqn), -2, dtype=np.int64)
+    hints[taken[~taken_tensor]] = -1
+    chunked = taken[taken_tensor]
+    rows = chunked[np.argsort(fqn[chunked], kind="stable")]
+    grouped = fqn[rows]
+    starts = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1]))) if len(rows) else \
+        np.zeros(0, dtype=np.int64)
+    ends = np.append(starts[1:], len(rows)).astype(np.int64)
+    hints[rows] = np.arange(len(rows)) - np.repeat(starts, ends - starts)
+    span = dict(zip(grouped[starts].tolist(), zip(starts.tolist(), ends.tolist())))
+    # the entries, each name where it is first written (as DCP adds them: a tensor's first chunk, a bytes item)
+    rank_of = np.repeat(np.arange(len(notes)), np.diff(cuts))
+    by_id = list(names)
+    md: dict[str, Any] = {}
+    bounds: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    made: dict[tuple, list] = {}
+    for i in np.sort(np.concatenate([rows[starts], taken[~taken_tensor]])).tolist():
+        name, rank = by_id[int(fqn[i])], int(rank_of[i])
+        if not tensor[i]:
+            md[name] = BytesStorageMetadata()
+            continue
+        _, _, size, prop, _ = per_rank[rank].items[i - cuts[rank]]
+        a, b = span[int(fqn[i])]
+        offs, lens = offsets[rows[a:b], :len(size)], sizes[rows[a:b], :len(size)]
+        bounds[name] = (offs, lens)
+        md[name] = TensorStorageMetadata(properties=notes[rank].properties[prop], size=torch.Size(size),
+                                         chunks=_chunks(made, offs, lens))
+    return [hints[a:b] for a, b in zip(cuts[:-1], cuts[1:])], md, bounds
+
+
+def _chunks(made: dict[tuple, list], offsets: np.ndarray, sizes: np.ndarray) -> list:
+    """The ``ChunkStorageMetadata`` list of chunks at ``offsets`` of ``sizes`` (``[chunks, dims]``): the one made
+    already for the same chunks (a model's layers are cut alike, an optimizer's moments as their parameter: tens
+    of lists for 9 million chunks at 4,096 ranks of a 70B model), else new, chunks of one size sharing it. Nothing
+    changes a plan's chunks once made (DCP reads them; ``metapickle`` writes them)."""
+    key = (offsets.shape, offsets.tobytes(), sizes.tobytes())
+    found = made.get(key)
+    if found is None:
+        if len(sizes) and (sizes == sizes[0]).all():
+            one = torch.Size(sizes[0].tolist())
+            lengths: Any = [one] * len(sizes)
+        else:
+            lengths = list(map(torch.Size, sizes.tolist()))
+        found = made[key] = list(map(ChunkStorageMetadata, map(torch.Size, offsets.tolist()), lengths))
+    return found
+
+
+def _gathered(per_rank: list[_Items], numbers: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's items' offsets and chunk sizes, ``[items, width]`` each (0 past a tensor's rank), rank by rank;
+    the ranks that sent one item list gathered at once."""
+    groups: dict[int, list[int]] = {}
+    for rank, s in enumerate(per_rank):
+        groups.setdefault(id(s), []).append(rank)
+    parts: list[Any] = [None] * len(per_rank)
+    for ranks in groups.values():
+        s = per_rank[ranks[0]]
+        stacked = np.zeros((len(ranks), s.length + 1), dtype=np.int64)  # the last column: the pad
+        if s.length:
+            stacked[:, :s.length] = np.stack([numbers[r] for r in ranks])
+        offsets, sizes = stacked[:, s.offsets_at], stacked[:, s.sizes_at]  # [ranks, items, width]
+        if len(groups) == 1:
+            return offsets.reshape(-1, offsets.shape[2]), sizes.reshape(-1, sizes.shape[2])
+        for k, rank in enumerate(ranks):
+            parts[rank] = (offsets[k], sizes[k])
+    if not parts:
+        return np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
