@@ -4,7 +4,8 @@ Every rank of a layout sends the same key mapping and, in columns (``plan_column
 list of items (HSDP's replicas, TP's data-parallel peers, FSDP's shards all hold one item per tensor); unpickling
 them all was most of the coordinator's time at thousands of ranks, and all of its memory. So each such part goes
 as ``Packed``, and the coordinator's ``Unpacker`` reads each distinct one once and hands the same object to every
-rank that sent it. Plain values only: read by the restricted unpickler.
+rank that sent it. Plain values only: read by the restricted unpickler. The numbers beside them go as raw int32
+bytes where they fit (``int_bytes``), else int64.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import io
 import pickle
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from automodel_ckpt.ondisk.formats.safe_load import RestrictedUnpickler
 
@@ -46,3 +49,16 @@ class Unpacker:
         if found is None:
             found = self.seen[part.digest] = RestrictedUnpickler(io.BytesIO(part.data)).load()
         return found
+
+
+def int_bytes(values: list[int]) -> tuple[bytes, int]:
+    """``values`` as native int32 bytes where every one fits, else int64; and that width (4 or 8)."""
+    array = np.asarray(values, dtype=np.int64)
+    if not array.size or (array.min() >= -(1 << 31) and array.max() < (1 << 31)):
+        return array.astype(np.int32).tobytes(), 4
+    return array.tobytes(), 8
+
+
+def ints(data: bytes, width: int) -> np.ndarray:
+    """The integers ``int_bytes`` wrote (int32 or int64, read in place)."""
+    return np.frombuffer(data, dtype=np.int32 if width == 4 else np.int64)

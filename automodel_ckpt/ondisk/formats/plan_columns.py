@@ -5,7 +5,7 @@ its AdamW moments at 4,096 ranks): unpickling each rank's items, DCP's dedup, th
 hints. But every rank of a layout holds the same items (one per tensor, in the state's order: FSDP, HSDP and TP
 shard every tensor) and only their numbers differ (where each rank's chunk starts, its sizes). So a rank sends
 its items without their numbers (``Columns.items``: the same pickle on every rank, which the coordinator reads
-once, ``planning.Packed``) and the numbers as one int64 array; the coordinator keys, dedups, orders and checks
+once, ``packed.Packed``) and the numbers as one integer array (int32 where they fit); the coordinator keys, dedups, orders and checks
 them in numpy and makes the ``Metadata`` DCP makes. Plans of another shape (a chunk that does not start at its
 index's offset, a name saved twice, an offset outside its tensor) are given back as tuples (``joined``) and
 planned as before (``planning.plan_globally``), which also raises as DCP does.
@@ -22,6 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from automodel_ckpt.ondisk.formats.packed import int_bytes, ints
 from automodel_ckpt.ondisk.formats.plan_checks import owners
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
@@ -31,11 +32,12 @@ _KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or t
 @dataclass(frozen=True)
 class Columns:
     """A rank's encoded items (``planning._encode``) in two parts. ``items``: ``(fqn, type, tensor size,
-    properties #, bytes data)`` each (``planning.Packed`` on the wire); ``numbers``: for each tensor item in turn,
-    its offsets then its chunk's sizes (int64, native order), the chunk starting at the index's offset."""
+    properties #, bytes data)`` each (``packed.Packed`` on the wire); ``numbers``: for each tensor item in turn,
+    its offsets then its chunk's sizes (``packed.int_bytes``), the chunk starting at the index's offset."""
 
     items: Any
     numbers: bytes
+    width: int = 8  # bytes an integer: 4 where every number fits int32
 
 
 def split(entries: list[tuple]) -> Columns | None:
@@ -54,12 +56,12 @@ def split(entries: list[tuple]) -> Columns | None:
         items.append((fqn, kind, size, prop, data))
         numbers += offset
         numbers += c_size
-    return Columns(items, np.asarray(numbers, dtype=np.int64).tobytes())
+    return Columns(items, *int_bytes(numbers))
 
 
 def joined(columns: Columns) -> list[tuple]:
     """The entries ``split`` made ``columns`` of."""
-    numbers, at, out = np.frombuffer(columns.numbers, dtype=np.int64).tolist(), 0, []
+    numbers, at, out = ints(columns.numbers, columns.width).tolist(), 0, []
     for fqn, kind, size, prop, data in columns.items:
         if size is None:
             out.append((fqn, kind, None, None, None, None, None, data))
@@ -133,15 +135,23 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
                 return None
             made[key] = found
     per_rank = [made[id(n.entries.items)] for n in notes]
-    numbers = [np.frombuffer(n.entries.numbers, dtype=np.int64) for n in notes]
-    if any(len(a) != s.length for a, s in zip(numbers, per_rank)):
+    if any(len(n.entries.numbers) != n.entries.width * s.length for n, s in zip(notes, per_rank)):
         return None
     radix = max((s.radix for s in made.values()), default=1)
     if (2 * len(names) + 2) * (width + 1) * radix >= _KEY_LIMIT:
         return None
-    offsets, sizes = _gathered(per_rank, numbers)
-    fqn, tensor, shard, extent = (np.concatenate([getattr(s, f) for s in per_rank])
-                                  for f in ("fqn", "tensor", "shard", "sizes"))
+    # the distinct items and numbers sent (HSDP's replicas and TP's data-parallel peers send the same ones): each
+    # source's rows once; every rank reads its own source's
+    source_of: dict[tuple[int, int, bytes], int] = {}
+    source = np.fromiter((source_of.setdefault((id(n.entries.items), n.entries.width, n.entries.numbers),
+                                               len(source_of))
+                          for n in notes), dtype=np.int64, count=len(notes))
+    first_rank = np.unique(source, return_index=True)[1]  # each source's first rank (sources number in that order)
+    sources = [per_rank[r] for r in first_rank.tolist()]
+    offsets, sizes = _gathered(sources, [ints(notes[r].entries.numbers, notes[r].entries.width)
+                                         for r in first_rank.tolist()])
+    fqn, tensor, shard, extent, dims = (np.concatenate([getattr(s, f) for s in sources])
+                                        for f in ("fqn", "tensor", "shard", "sizes", "dims"))
     if (offsets < 0).any() or (offsets > extent).any() or (sizes < 0).any():
         return None  # a chunk outside its tensor: the tuple way reports it
     # dedup: an item's key (name, kind, rank, offsets: DCP's ``MetadataIndex``) as one integer: its offsets in the
@@ -149,47 +159,50 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
     place = np.zeros(len(fqn), dtype=np.int64)
     for d in range(width):
         place = place * (extent[:, d] + 1) + offsets[:, d]
-    keys = ((fqn * 2 + tensor) * (width + 1) + np.concatenate([s.dims for s in per_rank])) * radix + place
-    ids = np.unique(keys, return_inverse=True)[1].reshape(-1)
-    cuts = np.cumsum([0, *(len(s.fqn) for s in per_rank)]).tolist()
-    ids_of = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    ids = np.unique(((fqn * 2 + tensor) * (width + 1) + dims) * radix + place, return_inverse=True)[1].reshape(-1)
+    base = np.cumsum([0, *(len(s.fqn) for s in sources)])
+    of_source = [ids[a:b] for a, b in zip(base[:-1].tolist(), base[1:].tolist())]
+    ids_of = [of_source[c] for c in source.tolist()]
     masks = owners(ids_of, int(ids.max(initial=-1)) + 1, lambda rank, j: per_rank[rank].weight[j])
-    taken = np.flatnonzero(np.concatenate(masks)) if masks else np.zeros(0, dtype=np.int64)
+    cuts = np.cumsum([0, *(len(s.fqn) for s in per_rank)])
+    taken = np.flatnonzero(np.concatenate(masks)) if masks else np.zeros(0, dtype=np.int64)  # in the rank walk
+    taken_rank = np.searchsorted(cuts, taken, side="right") - 1
+    row = base[source[taken_rank]] + (taken - cuts[taken_rank])  # each taken item's row in its source
     # what DCP refuses: a name written twice unless as shards of one tensor, or as bytes and as a tensor
-    taken_fqn, taken_tensor, taken_shard = fqn[taken], tensor[taken], shard[taken]
+    taken_fqn, taken_tensor, taken_shard = fqn[row], tensor[row], shard[row]
     once = taken_fqn[~taken_shard]
     if len(np.unique(once)) != len(once) or np.isin(once, taken_fqn[taken_shard]).any() or \
             np.isin(taken_fqn[~taken_tensor], taken_fqn[taken_tensor]).any():
         return None
     # the hints: a chunk's place among its tensor's chunks, in the order the walk meets them
-    hints = np.full(len(fqn), -2, dtype=np.int64)
+    hints = np.full(int(cuts[-1]), -2, dtype=np.int64)
     hints[taken[~taken_tensor]] = -1
-    chunked = taken[taken_tensor]
-    rows = chunked[np.argsort(fqn[chunked], kind="stable")]
-    grouped = fqn[rows]
-    starts = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1]))) if len(rows) else \
+    chunked = np.flatnonzero(taken_tensor)
+    chunked = chunked[np.argsort(taken_fqn[chunked], kind="stable")]  # by tensor, each in walk order
+    grouped = taken_fqn[chunked]
+    starts = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1]))) if len(chunked) else \
         np.zeros(0, dtype=np.int64)
-    ends = np.append(starts[1:], len(rows)).astype(np.int64)
-    hints[rows] = np.arange(len(rows)) - np.repeat(starts, ends - starts)
+    ends = np.append(starts[1:], len(chunked)).astype(np.int64)
+    hints[taken[chunked]] = np.arange(len(chunked)) - np.repeat(starts, ends - starts)
     span = dict(zip(grouped[starts].tolist(), zip(starts.tolist(), ends.tolist())))
     # the entries, each name where it is first written (as DCP adds them: a tensor's first chunk, a bytes item)
-    rank_of = np.repeat(np.arange(len(notes)), np.diff(cuts))
     by_id = list(names)
     md: dict[str, Any] = {}
     bounds: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    made: dict[tuple, list] = {}
-    for i in np.sort(np.concatenate([rows[starts], taken[~taken_tensor]])).tolist():
-        name, rank = by_id[int(fqn[i])], int(rank_of[i])
-        if not tensor[i]:
+    lists: dict[tuple, list] = {}
+    for t in np.sort(np.concatenate([chunked[starts], np.flatnonzero(~taken_tensor)])).tolist():
+        name, rank = by_id[int(taken_fqn[t])], int(taken_rank[t])
+        if not taken_tensor[t]:
             md[name] = BytesStorageMetadata()
             continue
-        _, _, size, prop, _ = per_rank[rank].items[i - cuts[rank]]
-        a, b = span[int(fqn[i])]
-        offs, lens = offsets[rows[a:b], :len(size)], sizes[rows[a:b], :len(size)]
+        _, _, size, prop, _ = per_rank[rank].items[int(taken[t] - cuts[rank])]
+        a, b = span[int(taken_fqn[t])]
+        rows = row[chunked[a:b]]
+        offs, lens = offsets[rows, :len(size)], sizes[rows, :len(size)]
         bounds[name] = (offs, lens)
         md[name] = TensorStorageMetadata(properties=notes[rank].properties[prop], size=torch.Size(size),
-                                         chunks=_chunks(made, offs, lens))
-    return [hints[a:b] for a, b in zip(cuts[:-1], cuts[1:])], md, bounds
+                                         chunks=_chunks(lists, offs, lens))
+    return [hints[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())], md, bounds
 
 
 def _chunks(made: dict[tuple, list], offsets: np.ndarray, sizes: np.ndarray) -> list:

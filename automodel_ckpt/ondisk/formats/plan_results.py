@@ -95,7 +95,7 @@ def outgoing(results: list[WriteResult], key: str | None, world_size: int, rank:
     columns = split(tuples)
     if columns is None:
         return ResultsNote(digest, tuples)
-    return ResultsNote(digest, columns=ResultColumns(pack(columns.items), columns.numbers, columns.files))
+    return ResultsNote(digest, columns=replace(columns, items=pack(columns.items)))
 
 
 def succeeded(key: str | None, world_size: int, rank: int, note: ResultsNote | None) -> None:

@@ -89,7 +89,7 @@ def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
     value = Unpacker()
 
     def entries(part: Any) -> Any:
-        return Columns(value(part.items), part.numbers) if isinstance(part, Columns) else value(part)
+        return dataclasses.replace(part, items=value(part.items)) if isinstance(part, Columns) else value(part)
 
     return [note if not isinstance(note.entries, (Packed, Columns)) and not isinstance(note.mappings, Packed) else
             dataclasses.replace(note, entries=entries(note.entries), mappings=value(note.mappings)) for note in notes]
@@ -195,7 +195,7 @@ class LinearSavePlanner(DefaultSavePlanner):
                 self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint), usable=False)
                 return self.plan
         columns = split(entries)
-        sent = pack(entries) if columns is None else Columns(pack(columns.items), columns.numbers)
+        sent = pack(entries) if columns is None else dataclasses.replace(columns, items=pack(columns.items))
         self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint, sent, props, pack(mappings)))
         return self.plan
 

@@ -5,7 +5,7 @@ coordinator builds it from every rank's write results: 6 million at 4,096 ranks 
 Sent as tuples (``plan_results.encode``) they cost the coordinator their unpickling and several passes each. But
 the ranks that write the same kind of items (every shard holder of a layout) differ only in numbers: so a rank
 sends ``ResultColumns``: its items without their numbers (``packed.Packed``: one pickle, read once, for all such
-ranks), the numbers as one int64 array and its files' names; ``StorageColumns`` turns every rank's into the
+ranks), the numbers as one integer array (int32 where they fit) and its files' names; ``StorageColumns`` turns every rank's into the
 ``metapickle.Table`` of the storage table in numpy. Results of another shape stay tuples.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from automodel_ckpt.ondisk.formats.fastio.metapickle import Shape, Table
+from automodel_ckpt.ondisk.formats.packed import int_bytes, ints
 
 _NONE = -1
 
@@ -32,6 +33,7 @@ class ResultColumns:
     items: Any
     numbers: bytes
     files: tuple[str, ...]
+    width: int = 8  # bytes an integer: 4 where every number fits int32
 
 
 def split(tuples: list[tuple]) -> ResultColumns | None:
@@ -58,12 +60,13 @@ def split(tuples: list[tuple]) -> ResultColumns | None:
             numbers += note[1]
     if any(not -(1 << 63) <= n < (1 << 63) for n in numbers):
         return None
-    return ResultColumns(items, np.asarray(numbers, dtype=np.int64).tobytes(), tuple(files))
+    data, width = int_bytes(numbers)
+    return ResultColumns(items, data, tuple(files), width)
 
 
 def joined(columns: ResultColumns) -> list[tuple]:
     """The tuples ``split`` made ``columns`` of."""
-    numbers, at, out = np.frombuffer(columns.numbers, dtype=np.int64).tolist(), 0, []
+    numbers, at, out = ints(columns.numbers, columns.width).tolist(), 0, []
     for fqn, dims, has_index, note_dims, dtype in columns.items:
         offset = None
         if dims >= 0:
@@ -187,7 +190,7 @@ class StorageColumns:
             stacked = np.zeros((len(ranks), layout.count + 1), dtype=np.int64)  # the last column: the pad
             try:
                 if layout.count:
-                    stacked[:, :layout.count] = np.stack([np.frombuffer(self.ranks[r].numbers, dtype=np.int64)
+                    stacked[:, :layout.count] = np.stack([ints(self.ranks[r].numbers, self.ranks[r].width)
                                                           for r in ranks])
             except ValueError:  # numbers of another length than the items make
                 return None

@@ -263,6 +263,10 @@ def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
     ours = plan_checks.dedup(notes)
     assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
     assert sum(map(sum, ours)) == 8 * 6 + 600
+    from automodel_ckpt.ondisk.formats import plan_columns  # the columns: each replica's numbers planned once
+
+    hints_of, _, _ = plan_columns.plan(planning._unpacked(_columns(plans)))
+    assert [{i.index for i, h in zip(p.items, hints.tolist()) if h != -2} for p, hints in zip(plans, hints_of)] == kept
 
 
 @pytest.mark.parametrize("enabled", [True, False])
