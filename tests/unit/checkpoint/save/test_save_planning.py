@@ -207,29 +207,18 @@ def test_validation_is_linear_where_dcps_sweep_is_quadratic():
 
 
 def test_dedup_assigns_as_dcp_where_duplicates_follow_a_ranks_own_items():
-    """Random plans mixing items only one rank holds with items several hold, first appearing at any rank, of
-    differing sizes: the writer of each is DCP's (``dedup_save_plans``)."""
+    """Random plans mixing items only one rank holds with items several hold (a plain value among them), first
+    appearing at any rank, of differing sizes: the writer of each is DCP's (``dedup_save_plans``)."""
     import random
 
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     from automodel_ckpt.ondisk.formats import plan_checks
 
     rng = random.Random(0)
     props = TensorProperties(dtype=torch.float32)
     for _ in range(200):
-        plans = []
-        for _rank in range(rng.randint(2, 6)):
-            items = []
-            for name in rng.sample(range(8), rng.randint(1, 6)):
-                rows, row = rng.choice([(4, 0), (4, 1), (2, rng.randint(0, 3))])
-                size = torch.Size((16, 3 + name))  # one shape per name
-                offsets = torch.Size((row * rows, 0))
-                items.append(WriteItem(MetadataIndex(f"w{name}", offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(offsets, torch.Size((rows, 3 + name))), props, size)))
-            plans.append(SavePlan(items))
+        plans = _random_plans(rng, props)
         kept = [{item.index for item in p.items} for p in dedup_save_plans(plans)]
         notes = [planning.PlanNote("", *planning._encode(p), {}) for p in plans]
         ours = plan_checks.dedup(notes)
