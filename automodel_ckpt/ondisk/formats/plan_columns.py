@@ -5,10 +5,10 @@ its AdamW moments at 4,096 ranks): unpickling each rank's items, DCP's dedup, th
 hints. But every rank of a layout holds the same items (one per tensor, in the state's order: FSDP, HSDP and TP
 shard every tensor) and only their numbers differ (where each rank's chunk starts, its sizes). So a rank sends
 its items without their numbers (``Columns.items``: the same pickle on every rank, which the coordinator reads
-once, ``packed.Packed``) and the numbers as one integer array (int32 where they fit); the coordinator keys, dedups, orders and checks
-them in numpy and makes the ``Metadata`` DCP makes. Plans of another shape (a chunk that does not start at its
-index's offset, a name saved twice, an offset outside its tensor) are given back as tuples (``joined``) and
-planned as before (``planning.plan_globally``), which also raises as DCP does.
+once, ``packed.Packed``) and the numbers as one integer array (int32 where they fit); the coordinator keys,
+dedups, orders and checks them in numpy and makes the ``Metadata`` DCP makes. Plans of another shape (a chunk that
+does not start at its index's offset, a name saved twice, an offset outside its tensor) are given back as tuples
+(``joined``) and planned as before (``planning.plan_globally``), which also raises as DCP does.
 """
 
 from __future__ import annotations
@@ -126,15 +126,15 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
     names: dict[str, int] = {}
     distinct: dict[int, list[tuple]] = {id(n.entries.items): n.entries.items for n in notes}
     width = max((len(i[2]) for items in distinct.values() for i in items if i[2] is not None), default=0)
-    made: dict[int, _Items] = {}
-    for note in notes:
-        key = id(note.entries.items)
+    made: dict[tuple, _Items] = {}  # per item list and the properties its numbers refer to (their dtypes)
+    keys = [(id(n.entries.items), *(str(getattr(p, "dtype", p)) for p in n.properties)) for n in notes]
+    for note, key in zip(notes, keys):
         if key not in made:
             found = _items(note.entries.items, names, note.properties, width)
             if found is None:
                 return None
             made[key] = found
-    per_rank = [made[id(n.entries.items)] for n in notes]
+    per_rank = [made[key] for key in keys]
     if any(len(n.entries.numbers) != n.entries.width * s.length for n, s in zip(notes, per_rank)):
         return None
     radix = max((s.radix for s in made.values()), default=1)

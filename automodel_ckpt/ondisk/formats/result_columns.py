@@ -5,8 +5,10 @@ coordinator builds it from every rank's write results: 6 million at 4,096 ranks 
 Sent as tuples (``plan_results.encode``) they cost the coordinator their unpickling and several passes each. But
 the ranks that write the same kind of items (every shard holder of a layout) differ only in numbers: so a rank
 sends ``ResultColumns``: its items without their numbers (``packed.Packed``: one pickle, read once, for all such
-ranks), the numbers as one integer array (int32 where they fit) and its files' names; ``StorageColumns`` turns every rank's into the
-``metapickle.Table`` of the storage table in numpy. Results of another shape stay tuples.
+ranks), the numbers as one integer array (int32 where they fit) and its files' names; ``StorageColumns`` turns
+every rank's into the ``metapickle.Table`` of the storage table in numpy. Results of another shape stay tuples.
+DCP's dedup spreads the items every rank holds (step counts, hyperparameters) over the ranks, so a layout's ranks
+send a few hundred distinct item lists: each is laid out once, in numpy.
 """
 
 from __future__ import annotations
