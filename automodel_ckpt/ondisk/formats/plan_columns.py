@@ -236,7 +236,8 @@ def _gathered(per_rank: list[_Items], numbers: list[np.ndarray]) -> tuple[np.nda
             stacked[:, :s.length] = np.stack([numbers[r] for r in ranks])
         offsets, sizes = stacked[:, s.offsets_at], stacked[:, s.sizes_at]  # [ranks, items, width]
         if len(groups) == 1:
-            return offsets.reshape(-1, offsets.shape[2]), sizes.reshape(-1, sizes.shape[2])
+            shape = (offsets.shape[0] * offsets.shape[1], offsets.shape[2])  # -1 is ambiguous with no dimensions
+            return offsets.reshape(shape), sizes.reshape(shape)
         for k, rank in enumerate(ranks):
             parts[rank] = (offsets[k], sizes[k])
     if not parts:

@@ -475,3 +475,26 @@ def test_the_metadata_a_save_broadcasts_is_hollow_and_its_file_whole(tmp_path):
         assert on_disk.state_dict_metadata["w"].size == torch.Size([3, 4])
         indexes.append((on_disk.state_dict_metadata, {k: vars(v) for k, v in on_disk.storage_data.items()}))
     assert indexes[0] == indexes[1]
+
+
+def test_a_state_of_scalars_and_plain_values_plans_on_columns(tmp_path, planned_on):
+    """No item with a dimension (a 0-dim parameter and its AdamW state, plain values): the columns have no
+    offsets at all, and the plan is DCP's; saved twice through ``dcp.save``, the file holds every entry."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
+    from automodel_ckpt.ondisk.formats.sharded import cache_key
+
+    state = {"w": torch.tensor(2.0), "exp_avg": torch.tensor(0.5), "step": torch.tensor(3.0), "lr": 0.1}
+    for step in (1, 2):
+        path = tmp_path / "run" / f".staging-{step}" / "optim"
+        writer = ParallelFileSystemWriter(path)
+        key = cache_key(path, writer)
+        done = plan_results.keep_results(writer, key, 1, 0)
+        dcp.save(state, storage_writer=writer, planner=planning.LinearSavePlanner(key))
+        done()
+        on_disk = FileSystemReader(path).read_metadata()
+        assert set(on_disk.state_dict_metadata) == {"w", "exp_avg", "step", "lr"}
+        assert on_disk.state_dict_metadata["w"].size == torch.Size([])
+    assert planned_on == ["columns"]  # the second save reused the first's plan
