@@ -74,9 +74,10 @@ from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 @dataclass(frozen=True)
 class PlanNote:
     """What a rank sends the coordinator in place of its local plan's items: the plan's fingerprint, and unless
-    the plan is unchanged, its items as plain tuples (``_encode``) and the state's key mapping (DCP's
-    ``planner_data``), both ``Packed``. Unpickling DCP's ``WriteItem`` objects costs the coordinator ~30 us an item
-    (722 items a rank for Llama-3-70B); tuples of strings and ints a fraction of that."""
+    the plan is unchanged, its items and the state's key mapping (DCP's ``planner_data``), both ``Packed``: the
+    items as ``plan_columns.Columns`` (an item list its peers share, and its numbers) where they fit, else as plain
+    tuples (``_encode``). Unpickling DCP's ``WriteItem`` objects costs the coordinator ~30 us an item (722 items a
+    rank for Llama-3-70B); tuples of strings and ints a fraction of that, columns almost nothing."""
 
     fingerprint: str
     entries: "list[tuple] | Packed | Columns | None" = None
