@@ -62,3 +62,15 @@ def int_bytes(values: list[int]) -> tuple[bytes, int]:
 def ints(data: bytes, width: int) -> np.ndarray:
     """The integers ``int_bytes`` wrote (int32 or int64, read in place)."""
     return np.frombuffer(data, dtype=np.int32 if width == 4 else np.int64)
+
+
+def stacked(numbers: list[np.ndarray], length: int) -> np.ndarray:
+    """The numbers of ranks that sent one item list, as rows ``[ranks, length + 1]`` of int64 whose last column is
+    a zero: where a layout points for a number an item has not got. Raises ``ValueError`` where a rank sent other
+    than ``length`` numbers."""
+    out = np.zeros((len(numbers), length + 1), dtype=np.int64)
+    if length:
+        out[:, :length] = np.stack(numbers)
+    elif any(len(n) for n in numbers):
+        raise ValueError("numbers for an item list that has none")
+    return out

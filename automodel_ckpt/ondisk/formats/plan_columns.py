@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from automodel_ckpt.ondisk.formats.packed import int_bytes, ints
+from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, stacked
 from automodel_ckpt.ondisk.formats.plan_checks import owners
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
@@ -231,10 +231,8 @@ def _gathered(per_rank: list[_Items], numbers: list[np.ndarray]) -> tuple[np.nda
     parts: list[Any] = [None] * len(per_rank)
     for ranks in groups.values():
         s = per_rank[ranks[0]]
-        stacked = np.zeros((len(ranks), s.length + 1), dtype=np.int64)  # the last column: the pad
-        if s.length:
-            stacked[:, :s.length] = np.stack([numbers[r] for r in ranks])
-        offsets, sizes = stacked[:, s.offsets_at], stacked[:, s.sizes_at]  # [ranks, items, width]
+        rows = stacked([numbers[r] for r in ranks], s.length)
+        offsets, sizes = rows[:, s.offsets_at], rows[:, s.sizes_at]  # [ranks, items, width]
         if len(groups) == 1:
             shape = (offsets.shape[0] * offsets.shape[1], offsets.shape[2])  # -1 is ambiguous with no dimensions
             return offsets.reshape(shape), sizes.reshape(shape)

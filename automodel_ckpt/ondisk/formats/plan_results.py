@@ -199,6 +199,7 @@ def hollow(metadata: Any) -> None:
     broadcasts that object to every rank (``all_reduce`` of the write step, which is also ``dcp.save``'s return
     value), pickled on the coordinator and unpickled on each rank at every save: every chunk of every tensor, 3 s
     at 256 ranks of a 70B model and its optimizer, some 16 times that at 4,096. Nothing reads it (``sharded._save``
-    ignores ``dcp.save``'s return; a load reads the file). Only the attributes of this object are replaced: the
-    planner's copy (``planning``), whose entries its cache and ``metafile``'s hold, is untouched."""
+    ignores ``dcp.save``'s return; a load reads the file). Only this object's attributes are replaced: it is the
+    planner's shallow copy of its cached metadata (``planning``), whose entries that cache and ``metafile``'s hold
+    and keep."""
     metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data = {}, None, None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from automodel_ckpt.ondisk.formats.fastio.metapickle import Shape, Table
-from automodel_ckpt.ondisk.formats.packed import int_bytes, ints
+from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, stacked
 
 _NONE = -1
 
@@ -147,7 +147,7 @@ def _layout(items: list[tuple], width: int, note_width: int, shapes: dict[tuple,
                    np.where(note_a >= 0, note_at, place), note_shape, place)
 
 
-def _twice(items: list[tuple], layout: _Layout, stacked: np.ndarray) -> bool:
+def _twice(items: list[tuple], layout: _Layout, numbers: np.ndarray) -> bool:
     """Whether a rank writes one key (``MetadataIndex``: name and offset) twice: among the items whose name and
     offset rank repeat in the list (a rank's several chunks of one tensor), compared by their offsets."""
     seen: dict[tuple, int] = {}
@@ -156,7 +156,7 @@ def _twice(items: list[tuple], layout: _Layout, stacked: np.ndarray) -> bool:
         return False
     counts = np.bincount(name)
     repeated = np.flatnonzero(counts[name] > 1)
-    offsets = stacked[:, layout.offsets[repeated]]  # [ranks, repeated, width]
+    offsets = numbers[:, layout.offsets[repeated]]  # [ranks, repeated, width]
     ranks, n = offsets.shape[0], len(repeated)
     keys = np.concatenate([np.broadcast_to(np.arange(ranks)[:, None, None], (ranks, n, 1)),
                            np.broadcast_to(np.asarray(name)[repeated][None, :, None], (ranks, n, 1)), offsets], axis=2)
@@ -189,39 +189,35 @@ class StorageColumns:
         for ranks in groups.values():
             items = self.ranks[ranks[0]].items
             layout = _layout(items, width, note_width, made)
-            stacked = np.zeros((len(ranks), layout.count + 1), dtype=np.int64)  # the last column: the pad
             try:
-                if layout.count:
-                    stacked[:, :layout.count] = np.stack([ints(self.ranks[r].numbers, self.ranks[r].width)
-                                                          for r in ranks])
+                numbers = stacked([ints(self.ranks[r].numbers, self.ranks[r].width) for r in ranks], layout.count)
             except ValueError:  # numbers of another length than the items make
                 return None
-            if _twice(items, layout, stacked):
+            if _twice(items, layout, numbers):
                 return None
             fqn = np.array([memo.slot(i[0]) for i in items], dtype="<u4")
             shape = np.array([kinds.setdefault(s, len(kinds)) for s in layout.shapes], dtype=np.int64)
-            files = stacked[:, layout.file]
+            files = numbers[:, layout.file]
             for k, rank in enumerate(ranks):
                 names = self.ranks[rank].files
                 if len(items) and (files[k].min() < 0 or files[k].max() >= len(names)):
                     return None
                 slots = np.array([memo.slot(name) for name in names], dtype="<u4")
                 parts[rank] = {"fqn": fqn, "path": slots[files[k]] if len(items) else fqn,
-                               "index": stacked[k, layout.index], "at": stacked[k, layout.at],
-                               "length": stacked[k, layout.length], "note_at": stacked[k, layout.note_at],
-                               "offsets": stacked[k][layout.offsets], "note_shape": stacked[k][layout.note_shape],
+                               "index": numbers[k, layout.index], "at": numbers[k, layout.at],
+                               "length": numbers[k, layout.length], "note_at": numbers[k, layout.note_at],
+                               "offsets": numbers[k][layout.offsets], "note_shape": numbers[k][layout.note_shape],
                                "shape": shape}
         if not parts:
             return None
-        joined_parts = {f: np.concatenate([p[f] for p in parts]) for f in fields}  # type: ignore[index]
-        shape_of = joined_parts["shape"]
+        column = {f: np.concatenate([p[f] for p in parts]) for f in fields}  # type: ignore[index]
         grouped = []
         for kind, code in kinds.items():
-            rows = np.flatnonzero(shape_of == code)
+            rows = np.flatnonzero(column["shape"] == code)
             if not len(rows):
                 continue
-            starts = None if kind.dims < 0 else joined_parts["offsets"][rows, :kind.dims]
-            shapes = None if kind.note_dims < 0 else joined_parts["note_shape"][rows, :kind.note_dims]
+            starts = None if kind.dims < 0 else column["offsets"][rows, :kind.dims]
+            shapes = None if kind.note_dims < 0 else column["note_shape"][rows, :kind.note_dims]
             grouped.append((kind, rows, starts, shapes))
-        j = joined_parts
-        return Table(j["fqn"], j["path"], j["index"], j["at"], j["length"], j["note_at"], grouped)
+        return Table(column["fqn"], column["path"], column["index"], column["at"], column["length"],
+                     column["note_at"], grouped)
