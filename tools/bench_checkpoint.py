@@ -52,6 +52,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -609,8 +610,13 @@ def drop_caches() -> bool:
 BASELINE = "baseline:"  # a method run with the automodel_ckpt of --baseline-tree
 
 
+class ChildFailed(Exception):
+    """A timed child that exited with an error or ran past ``--child-timeout`` (its stderr's tail is the message)."""
+
+
 def run_child(method: str, args: argparse.Namespace, layers: int, nbytes: int) -> dict:
-    """Run one timed child (under ``torch.distributed.run`` when it is distributed)."""
+    """Run one timed child (under ``torch.distributed.run`` when it is distributed). Past ``args.child_timeout``
+    seconds its processes get SIGABRT, so that each prints where it stood (``PYTHONFAULTHANDLER``), then SIGKILL."""
     tree = []
     if method.startswith(BASELINE):
         method, tree = method[len(BASELINE):], ["--tree", str(args.baseline_tree)]
@@ -622,17 +628,43 @@ def run_child(method: str, args: argparse.Namespace, layers: int, nbytes: int) -
                *script]
     else:
         cmd = [sys.executable, *script]
+    spy = os.environ.get("BENCH_SPY")  # "PY_SPY:DIR[:METHOD,...]": those runs sampled by py-spy into DIR/METHOD.txt
+    if spy:
+        binary, folder, *only = spy.split(":")
+        if not only or method in only[0].split(","):
+            cmd = [binary, "record", "-r", "50", "--threads", "--nonblocking", "-f", "raw", "-o",
+                   str(Path(folder) / f"{method}.txt"), "--", *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc)),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
-        proc.wait()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
+        late = False
+        try:
+            proc.wait(timeout=getattr(args, "child_timeout", None))
+        except subprocess.TimeoutExpired:
+            late = True
+            _signal_group(proc, signal.SIGABRT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
         out.seek(0)
         err.seek(0)
+        if late:
+            raise ChildFailed(f"{method}: no result after {args.child_timeout:g} s; where it stood:\n"
+                              f"{err.read()[-6000:]}")
         if proc.returncode:
-            raise SystemExit(f"{method} failed:\n{err.read()[-4000:]}")
+            raise ChildFailed(f"{method} failed:\n{err.read()[-4000:]}")
         lines = [ln for ln in out.read().splitlines() if ln.startswith("{")]
         return json.loads(lines[-1])
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def fresh(path: Path) -> None:
@@ -662,7 +694,9 @@ def main() -> None:
     p.add_argument("--methods", default=None,
                    help="only these of the groups' methods, comma-separated (e.g. raw_write_direct,"
                         "ours_save_safetensors,raw_read_direct,ours_load_safetensors: the device ratios alone)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="the results (rewritten after each timed run)")
+    p.add_argument("--child-timeout", type=float, default=None, metavar="S",
+                   help="a run with no result after S seconds is stopped (its stack printed) and the rest go on")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="N busy processes (one Python loop each) running during the timed runs")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -725,9 +759,21 @@ def main() -> None:
     needed |= {bench_mesh.source_of(m) for m in methods if bench_mesh.source_of(m)}
     if "export" in args.only or "archive" in args.only:
         needed.add("ours_save_safetensors")
-    for method in sorted(needed):  # sources for the reads, written once
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    failed: dict[str, str] = {}
+    for method in sorted(needed):  # sources for the reads, written once (and timed: a timed method's first run)
         fresh(out)
-        run_child(method, args, layers, nbytes)
+        os.sync()
+        time.sleep(1.0)
+        try:
+            r = run_child(method, args, layers, nbytes)
+        except ChildFailed as e:
+            failed[method] = str(e)
+            print(f"  source {method}: {e}", flush=True)
+            continue
+        if method in runs and not args.background_load:
+            runs[method].append(r)
+            print(f"  rep 1 {method}: {r['seconds']:.3f} s (kept as the loads' source)", flush=True)
         target = "raw" if method == "raw_write" else method
         out.rename(args.dir / "src" / target)
     if "archive" in args.only:
@@ -736,42 +782,65 @@ def main() -> None:
     dropped = True
     busy = start_busy(args.background_load)
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    load_after = load_before
+
+    def summary() -> dict:
+        result: dict = {
+            "machine": machine(args.dir) | {"load_average_before": load_before, "load_average_after": load_after},
+            "size_gb": nbytes / 1e9, "payload_bytes": nbytes, "model_bytes": model_bytes, "layers": layers,
+            "nproc": args.nproc, "reps": args.reps, "device": args.device, "page_cache_dropped": dropped,
+            "cpu_count": os.cpu_count(), "torch": _torch_version(), "background_load": args.background_load,
+            "methods": {}, **({"failed": failed} if failed else {}),
+        }
+        for method, rs in runs.items():
+            if not rs:
+                continue
+            size = model_bytes if method in EXPORT + ARCHIVE else nbytes
+            result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
+            if "bytes_on_disk" in rs[0]:  # a save on a mesh: what it put on disk
+                result.setdefault("bytes_on_disk", {})[method] = rs[0]["bytes_on_disk"]
+            for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total"), ("seconds_fence", "+fence"),
+                                  ("seconds_step", "+step"), ("seconds_capture", "+capture")):
+                if extra in rs[0]:
+                    result["methods"][method + suffix] = stats([r[extra] for r in rs], size) | {
+                        "extra_rss_mb": _max_rss(rs)}
+        return result
+
+    def source_of(method: str) -> str | None:
+        plain = method.removeprefix(BASELINE)
+        if plain not in LOAD:
+            return None
+        return "raw_write" if plain.startswith("raw_read") else plain.replace("load", "save")
+
     try:
         for rep in range(args.reps):
             turn = rep % max(1, len(methods))
             order = methods[turn:] + methods[:turn]
             for method in order:
+                if method in failed or len(runs[method]) > rep or source_of(method) in failed:
+                    continue  # failed before, timed already (a source), or its source is missing
                 fresh(out)
                 if method.removeprefix(BASELINE) in LOAD + EXPORT + ARCHIVE + bench_mesh.LOADS:  # reads from storage
                     dropped = drop_caches() and dropped
                 else:
                     os.sync()
                 time.sleep(1.0)  # let the storage settle (deleted files' discards, writeback of other processes)
-                r = run_child(method, args, layers, nbytes)
+                try:
+                    r = run_child(method, args, layers, nbytes)
+                except ChildFailed as e:
+                    failed[method] = str(e)
+                    print(f"  rep {rep + 1} {method}: {e}", flush=True)
+                    continue
                 runs[method].append(r)
                 print(f"  rep {rep + 1} {method}: {r['seconds']:.3f} s", flush=True)
+                if args.json:  # what is measured so far, should the rest not finish
+                    args.json.write_text(json.dumps(summary() | {"partial": True}, indent=2) + "\n")
             fresh(out)
         load_after = os.getloadavg()
     finally:
         stop_busy(busy)
 
-    result: dict = {
-        "machine": machine(args.dir) | {"load_average_before": load_before, "load_average_after": load_after},
-        "size_gb": nbytes / 1e9, "payload_bytes": nbytes, "model_bytes": model_bytes, "layers": layers,
-        "nproc": args.nproc, "reps": args.reps, "device": args.device, "page_cache_dropped": dropped,
-        "cpu_count": os.cpu_count(), "torch": _torch_version(), "background_load": args.background_load, "methods": {},
-    }
-    for method, rs in runs.items():
-        size = model_bytes if method in EXPORT + ARCHIVE else nbytes
-        result["methods"][method] = stats([r["seconds"] for r in rs], size) | {"extra_rss_mb": _max_rss(rs)}
-        if "bytes_on_disk" in rs[0]:  # a save on a mesh: what it put on disk
-            result.setdefault("bytes_on_disk", {})[method] = rs[0]["bytes_on_disk"]
-        for extra, suffix in (("seconds_fsync", "+fsync"), ("seconds_total", "+total"), ("seconds_fence", "+fence"),
-                              ("seconds_step", "+step"), ("seconds_capture", "+capture")):
-            if extra in rs[0]:
-                result["methods"][method + suffix] = stats([r[extra] for r in rs], size) | {
-                    "extra_rss_mb": _max_rss(rs)}
+    result = summary()
     if "resume" in args.only:  # launch to first step, resumed against fresh (tools/bench_resume.py)
         import bench_resume
 
@@ -781,6 +850,8 @@ def main() -> None:
     print_table(result)
     if "resume" in result:
         bench_resume.print_rows(result["resume"])
+    for method, why in failed.items():
+        print(f"\n{method}: {why.splitlines()[0]}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     fresh(args.dir)

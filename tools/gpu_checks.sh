@@ -9,7 +9,9 @@
 #             memory against the host disk's O_DIRECT write and read (tools/bench_checkpoint.py, in ./bench-ckpt,
 #             removed after), and the training time an async save blocks against a sync save (tools/bench_async.py).
 #             Each bench_checkpoint operation is a process of its own that builds the state (about 25 s each at 4 GB
-#             on an H200), so only the device ratios' methods run (METHODS; empty: every method of save and load).
+#             on an H200), so only the device ratios' methods run (METHODS; empty: every method of save and load); a
+#             save that a load reads is timed once, as it writes that source; an operation with no result after
+#             CHILD_S seconds (default 150) is stopped with its stack printed, and the JSON is rewritten after each.
 #
 # A machine without internet gets the packages it lacks as wheels in .whl/, installed into /tmp/site and put first
 # on the path. For a machine with torch 2.11 and Python 3.12 (what the lent H100 and H200 have), fetch them with
@@ -56,7 +58,7 @@ if [ "$what" = checkpoint ] || [ "$what" = all ]; then
     methods=${METHODS-raw_write_direct,ours_save_safetensors,ours_save_torch_save,raw_read_direct,ours_load_safetensors,ours_load_torch_save}
     part checkpoint "${CHECKPOINT_S:-480}" python3 tools/bench_checkpoint.py --device cuda --size-gb "${SIZE_GB:-4}" \
         --nproc 1 --reps 1 --only save load --dir bench-ckpt --json "$out/checkpoint.json" \
-        ${methods:+--methods "$methods"}
+        --child-timeout "${CHILD_S:-150}" ${methods:+--methods "$methods"}
     rm -rf bench-ckpt
     part async "${ASYNC_S:-150}" python3 tools/bench_async.py --device cuda --nproc 1 --layers 12 --steps 121 \
         --every 40 --reps 1 --modes sync,async --json "$out/async.json"

@@ -125,3 +125,16 @@ def test_mesh_rows_compare_each_mesh_with_dp(bench, capsys):
     assert [c.strip() for c in tp.split("|")][7:10] == ["4.00×", "–", "2.00×"]  # vs raw, same threads, vs dp 4
     assert "ours, safetensors, HSDP 2 × 2 put 0.250 GB on disk" in out
     assert "load on a mesh | **ours, safetensors, dp 2 × tp 2**" in out
+
+
+def test_a_run_past_its_time_is_stopped_with_its_stack_and_named(bench, tmp_path):
+    """--child-timeout: a run with no result in time gets SIGABRT (its stack printed by faulthandler), the whole
+    process group goes, and the failure names the method; the bench goes on with the others."""
+    import argparse
+
+    args = argparse.Namespace(dir=tmp_path, nproc=1, device="cpu", baseline_tree=None, child_timeout=0.3)
+    with pytest.raises(bench.ChildFailed) as failed:  # importing torch alone takes longer
+        bench.run_child("raw_write", args, 1, 4096)
+    message = str(failed.value)
+    assert message.startswith("raw_write: no result after 0.3 s; where it stood:")
+    assert "File " in message  # the child's Python stack

@@ -168,8 +168,7 @@ def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, thread
         starts.append(offset)
         offset += piece_length(piece)
 
-    def fill_and_write(buffer: mmap.mmap, into: torch.Tensor, lo: int) -> int:
-        view = memoryview(buffer)
+    def fill_and_write(view: memoryview, into: torch.Tensor, lo: int) -> int:
         hi = min(total, lo + DIRECT_CHUNK)
         i = bisect.bisect_right(starts, lo) - 1
         while i < len(pieces) and starts[i] < hi:
@@ -190,21 +189,37 @@ def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, thread
         return n
 
     regions = list(range(0, total, DIRECT_CHUNK))
+    pinned = any(isinstance(p, Lazy) and p.tensor.is_cuda for p in pieces)
     if hasher is None:
         local = threading.local()
 
         def region(lo: int) -> None:
             if not hasattr(local, "buffer"):
-                local.buffer = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
-                local.tensor = torch.frombuffer(local.buffer, dtype=torch.uint8)
-            fill_and_write(local.buffer, local.tensor, lo)
+                local.buffer = _chunk_buffer(pinned)
+            fill_and_write(*local.buffer, lo)
 
         _run_all(region, regions, threads)
         return
-    _write_direct_hashed(fill_and_write, regions, threads, hasher)
+    _write_direct_hashed(fill_and_write, regions, threads, hasher, pinned)
 
 
-def _write_direct_hashed(fill_and_write: Any, regions: list[int], threads: int, hasher: "_Hasher") -> None:
+def _chunk_buffer(pinned: bool) -> tuple[memoryview, torch.Tensor]:
+    """A page-aligned buffer of ``DIRECT_CHUNK`` bytes, as ``(bytes, uint8 tensor)``: in pinned memory for tensors
+    on a GPU (copied into it by DMA, where pageable memory takes the driver's staged, slower copy), else an
+    anonymous mapping (page-aligned by construction)."""
+    if pinned:
+        try:
+            tensor = torch.empty(DIRECT_CHUNK, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no accelerator to pin for after all
+            tensor = None
+        if tensor is not None and tensor.data_ptr() % _ALIGN == 0:
+            return tensor_memory(tensor, writable=True), tensor
+    buffer = mmap.mmap(-1, DIRECT_CHUNK)
+    return memoryview(buffer), torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _write_direct_hashed(fill_and_write: Any, regions: list[int], threads: int, hasher: "_Hasher",
+                         pinned: bool = False) -> None:
     """The regions written from a pool of buffers handed out in file order, each hashed in file order by the thread
     that completes the next one, and given back to the pool once hashed; the first failure stops the rest.
 
@@ -213,19 +228,18 @@ def _write_direct_hashed(fill_and_write: Any, regions: list[int], threads: int, 
     """
     free: queue.Queue = queue.Queue()
     for _ in range(min(len(regions), 2 * max(1, threads))):
-        buffer = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
-        free.put((buffer, torch.frombuffer(buffer, dtype=torch.uint8)))
+        free.put(_chunk_buffer(pinned))
     lock, done, failed = threading.Lock(), {}, threading.Event()
     next_region = [regions[0] if regions else 0]
 
-    def region(lo: int, slot: tuple[mmap.mmap, torch.Tensor]) -> None:
+    def region(lo: int, slot: tuple[memoryview, torch.Tensor]) -> None:
         try:
             n = fill_and_write(slot[0], slot[1], lo)
             with lock:
                 done[lo] = (slot, n)
                 while next_region[0] in done:
                     ready, length = done.pop(next_region[0])
-                    hasher.update(memoryview(ready[0])[:length])
+                    hasher.update(ready[0][:length])
                     free.put(ready)
                     next_region[0] += DIRECT_CHUNK
         except BaseException:

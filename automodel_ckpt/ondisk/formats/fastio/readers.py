@@ -72,15 +72,17 @@ class ReadJob:
         self.path, self.located, self.offsets, self.lengths, self.target = path, located, offsets, lengths, target
         self.record = record
         self.span = None
-        self.direct = False
+        self.direct = self.in_place = False
         self.runs: list[tuple[int, int]] | None = None
         if located is None:
             self.start, self.nbytes = record
             return
         size_of = itemsize(located.dtype)
         span = contiguous_range(located.shape, offsets, lengths)
-        self.direct = (span is not None and target.device.type == "cpu" and target.is_contiguous()
-                       and target.dtype == located.dtype and tuple(target.shape) == tuple(lengths))
+        # the saved bytes are the target's own: read into it (on the CPU), or copied into it from the read buffer
+        self.in_place = (span is not None and target.is_contiguous() and target.dtype == located.dtype
+                         and tuple(target.shape) == tuple(lengths))
+        self.direct = self.in_place and target.device.type == "cpu"
         if span is not None:
             self.start = located.offset + span[0] * size_of
             self.nbytes = span[1] * size_of
@@ -106,10 +108,11 @@ class ReadJob:
         """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record.
 
         A piece that is not read in place (another dtype or device, part of a saved tensor) gets a buffer when its
-        first bytes arrive, put into place and freed once its last bytes have."""
+        first bytes arrive, put into place and freed once its last bytes have. A target on an accelerator that holds
+        the saved bytes as they are is copied into straight from the read buffers."""
         if self.located is None or self.runs is not None:
             return None
-        if self.direct:
+        if self.in_place:
             return directread.Segment(self.start, self.target.reshape(-1).view(torch.uint8))
         dtype = self.located.dtype
         buffer: list[torch.Tensor] = []

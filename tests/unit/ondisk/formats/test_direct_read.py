@@ -393,3 +393,34 @@ def test_a_failure_while_hashing_never_hangs(tmp_path, monkeypatch, fail_at):
     error = _finishes(lambda: directread.read_files({str(path): [directread.Segment(0, out)]}, 3,
                                                     hash_files={str(path): hasher}))
     assert isinstance(error, OSError if fail_at == "reader" else ValueError)
+
+
+def test_a_target_off_the_cpu_that_holds_the_saved_bytes_is_copied_into_from_the_read_buffers():
+    """A GPU's tensor (here: the meta device) whose dtype and shape are the saved piece's gets the read buffers'
+    bytes copied straight into it: no buffer of its own first (which cost a fault-in and a copy per byte)."""
+    from automodel_ckpt.ondisk.formats.fastio.common import Located
+
+    saved = Located(4096, (8, 4), torch.float32)
+    job = readers.ReadJob("f", saved, (0, 0), (8, 4), torch.empty(8, 4, device="meta"))
+    assert job.in_place and not job.direct  # no preadv into it: it is not host memory
+    segment = job.segment()
+    assert segment.make is None and segment.dest.device.type == "meta"
+    assert (segment.start, segment.nbytes) == (4096, 128)
+    for other in (torch.empty(8, 4, dtype=torch.bfloat16, device="meta"),  # another dtype: cast from a buffer
+                  torch.empty(4, 8, device="meta").t()):  # not contiguous
+        job = readers.ReadJob("f", saved, (0, 0), (8, 4), other)
+        assert not job.in_place and job.segment().make is not None
+    rows = readers.ReadJob("f", saved, (2, 0), (3, 4), torch.empty(3, 4, device="meta"))  # a block of rows
+    assert rows.in_place and (rows.segment().start, rows.segment().nbytes) == (4096 + 32, 48)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_the_direct_write_buffers_are_page_aligned(pinned):
+    """Pinned for a GPU's tensors where an accelerator is there, an anonymous mapping otherwise: aligned either way."""
+    from automodel_ckpt.ondisk.formats.fastio import filewrite
+
+    view, tensor = filewrite._chunk_buffer(pinned)
+    assert view.nbytes == tensor.numel() == filewrite.DIRECT_CHUNK
+    assert tensor.data_ptr() % 4096 == 0
+    view[:3] = b"abc"
+    assert bytes(tensor[:3].tolist()) == b"abc"  # one memory
