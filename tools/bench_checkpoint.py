@@ -660,6 +660,25 @@ def run_child(method: str, args: argparse.Namespace, layers: int, nbytes: int) -
         return json.loads(lines[-1])
 
 
+def _attempt(method: str, label: str, args: argparse.Namespace, layers: int, nbytes: int,
+             failed: dict[str, str]) -> dict | None:
+    """``run_child``'s result, or None with the failure noted in ``failed`` and printed."""
+    try:
+        return run_child(method, args, layers, nbytes)
+    except ChildFailed as e:
+        failed[method] = str(e)
+        print(f"  {label} {method}: {e}", flush=True)
+        return None
+
+
+def _source_of(method: str) -> str | None:
+    """The save whose files a load method reads (None: not a load)."""
+    plain = method.removeprefix(BASELINE)
+    if plain not in LOAD:
+        return None
+    return "raw_write" if plain.startswith("raw_read") else plain.replace("load", "save")
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -755,7 +774,7 @@ def main() -> None:
     if args.baseline_tree:
         methods += [BASELINE + m for m in methods if m.startswith(("ours_save", "ours_load"))]
     # sources for the reads (the baseline tree's loads read the same ones)
-    needed = {"raw_write" if m.startswith("raw_read") else m.replace("load", "save") for m in methods if m in LOAD}
+    needed = {_source_of(m) for m in methods if m in LOAD}
     needed |= {bench_mesh.source_of(m) for m in methods if bench_mesh.source_of(m)}
     if "export" in args.only or "archive" in args.only:
         needed.add("ours_save_safetensors")
@@ -765,11 +784,8 @@ def main() -> None:
         fresh(out)
         os.sync()
         time.sleep(1.0)
-        try:
-            r = run_child(method, args, layers, nbytes)
-        except ChildFailed as e:
-            failed[method] = str(e)
-            print(f"  source {method}: {e}", flush=True)
+        r = _attempt(method, "source", args, layers, nbytes, failed)
+        if r is None:
             continue
         if method in runs and not args.background_load:
             runs[method].append(r)
@@ -806,18 +822,12 @@ def main() -> None:
                         "extra_rss_mb": _max_rss(rs)}
         return result
 
-    def source_of(method: str) -> str | None:
-        plain = method.removeprefix(BASELINE)
-        if plain not in LOAD:
-            return None
-        return "raw_write" if plain.startswith("raw_read") else plain.replace("load", "save")
-
     try:
         for rep in range(args.reps):
             turn = rep % max(1, len(methods))
             order = methods[turn:] + methods[:turn]
             for method in order:
-                if method in failed or len(runs[method]) > rep or source_of(method) in failed:
+                if method in failed or len(runs[method]) > rep or _source_of(method) in failed:
                     continue  # failed before, timed already (a source), or its source is missing
                 fresh(out)
                 if method.removeprefix(BASELINE) in LOAD + EXPORT + ARCHIVE + bench_mesh.LOADS:  # reads from storage
@@ -825,11 +835,8 @@ def main() -> None:
                 else:
                     os.sync()
                 time.sleep(1.0)  # let the storage settle (deleted files' discards, writeback of other processes)
-                try:
-                    r = run_child(method, args, layers, nbytes)
-                except ChildFailed as e:
-                    failed[method] = str(e)
-                    print(f"  rep {rep + 1} {method}: {e}", flush=True)
+                r = _attempt(method, f"rep {rep + 1}", args, layers, nbytes, failed)
+                if r is None:
                     continue
                 runs[method].append(r)
                 print(f"  rep {rep + 1} {method}: {r['seconds']:.3f} s", flush=True)
