@@ -42,7 +42,8 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
            "--step_scheduler.local_batch_size", str(batch // args.nproc),
            "--grpo.num_generations", str(args.num_generations), "--grpo.max_new_tokens", str(args.max_new_tokens),
            "--grpo.temperature", "1.0", "--grpo.num_iterations", "1", "--grpo.beta", "0.0",
-           "--grpo.reward_funcs", "[automodel_ckpt.training.rewards.exact_answer]", "--grpo.reward_weights", "[1.0]"]
+           "--grpo.reward_funcs", "[automodel_ckpt.training.rewards.exact_answer]", "--grpo.reward_weights", "[1.0]",
+           "--grpo.advantage", "normalized"]  # TRL's: (reward - group mean) / group std
     env = dict(os.environ, AUTOMODEL_CKPT_ASSETS=str(work / "assets"), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))))
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)

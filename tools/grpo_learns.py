@@ -84,6 +84,8 @@ def main() -> None:
     args = p.parse_args()
     work = (args.work or Path(tempfile.mkdtemp(prefix="grpo-learns-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    if any((work / name).exists() for name in ("sft", "grpo")):  # its runs would resume from what is there
+        p.error(f"--work {work}: holds sft/ or grpo/ of an earlier run; give an empty or new folder")
     sft_seconds = run(work, "sft", str(REPO / "recipes" / "tiny_llama_sft.yaml"), "--training.progress_bar",
                       "false", "--step_scheduler.max_steps", str(args.sft_steps), "--step_scheduler.ckpt_every_steps",
                       str(args.sft_steps), "--checkpoint.checkpoint_dir", "sft", "--data.val_size", "64",

@@ -143,6 +143,7 @@ class GRPOConfig:
     beta: float = 0.0  # per-token k3 KL penalty to the reference (0: no reference is kept)
     reward_funcs: List[Any] = field(default_factory=_default_rewards)  # dotted names, or {_target_: ..., keyword: value}
     reward_weights: Optional[List[float]] = None  # one per reward function (null: each 1.0)
+    advantage: str = "normalized"  # normalized: (reward - group mean) / group std; share: reward / group total (>= 0)
     prompt_field: str = "prompt"  # the prompt column (a string)
     answer_field: str = "completion"  # the reference answer column, handed to the reward functions
 

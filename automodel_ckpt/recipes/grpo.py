@@ -30,7 +30,7 @@ from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 from automodel_ckpt.training.reference import mix_into
 from automodel_ckpt.training.rewards import score
 from automodel_ckpt.training.rng import rng_untouched
-from automodel_ckpt.training.rollout import IGNORE, clipped_loss, generate, group_advantages, sample_seed, \
+from automodel_ckpt.training.rollout import ADVANTAGES, IGNORE, advantages, clipped_loss, generate, sample_seed, \
     token_log_probs
 
 
@@ -47,6 +47,11 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
         raise ConfigError("grpo.num_iterations and grpo.max_new_tokens must be >= 1")
     if section.beta < 0 or section.epsilon < 0 or section.temperature < 0:
         raise ConfigError("grpo.beta, grpo.epsilon and grpo.temperature must be >= 0")
+    if section.advantage not in ADVANTAGES:
+        raise ConfigError(f"grpo.advantage: {section.advantage!r} is not one of {', '.join(ADVANTAGES)}")
+    if section.advantage == "share" and any(w < 0 for w in (section.reward_weights or ())):
+        raise ConfigError("grpo.reward_weights: share advantages need weights >= 0 (a reward's share of its group's "
+                          "total); use grpo.advantage normalized for negative weights")
 
 
 def reward_function(spec: Any) -> tuple[str, Callable[..., Any]]:
@@ -233,14 +238,14 @@ class GRPO(Algorithm):
         rewards = torch.cat([p[3] for p in parts])
         tensors = self._rows_tensors(rows, completions)
         tensors["rewards"] = rewards
-        tensors["advantages"] = group_advantages(rewards @ self._weights, group)
+        total = rewards @ self._weights
+        tensors["advantages"] = advantages(section.advantage, total, group, [n for n, _ in self._rewards])
         self.rollout.tensors, self.rollout.step, self.rollout.passes = tensors, step, 0
         tensors["old_log_probs"], tensors["ref_log_probs"] = self._log_probs()
         g.grpo_step = step
         g.consumed_prompts += len(prompts)
         g.generated_completions += len(rows)
         g.generated_tokens += sum(len(c) for c in completions)
-        total = rewards @ self._weights
         g.reward_sum += float(total.sum())
         g.reward_square_sum += float((total * total).sum())
 

@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from automodel_ckpt.training.rewards import RewardError
+
 #: A label left out of the loss (the data package's ``IGNORE_INDEX``).
 IGNORE = -100
 
@@ -100,6 +102,27 @@ def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> to
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(mean)
     return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def group_shares(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """Each completion's reward as its share of its group's total (0 where the total is 0): every group that holds
+    a rewarded completion weighs 1 in all, however many of its completions are rewarded. Rewards must be >= 0."""
+    grouped = rewards.double().view(-1, group)
+    total = grouped.sum(dim=1, keepdim=True)
+    return torch.where(total > 0, grouped / total.clamp_min(torch.finfo(torch.float64).tiny),
+                       torch.zeros_like(grouped)).view(-1)
+
+
+ADVANTAGES = {"normalized": group_advantages, "share": group_shares}  # grpo.advantage
+
+
+def advantages(kind: str, rewards: torch.Tensor, group: int, names: list[str]) -> torch.Tensor:
+    """``grpo.advantage`` ``kind`` of the weighted ``rewards`` (reward functions ``names``): shares need rewards
+    >= 0 (one-line ``RewardError`` otherwise)."""
+    if kind == "share" and bool((rewards < 0).any()):
+        raise RewardError(f"grpo.advantage share: a completion's weighted reward is {float(rewards.min()):g}; the "
+                          f"reward functions ({', '.join(names)}) must give >= 0, or use grpo.advantage normalized")
+    return ADVANTAGES[kind](rewards, group)
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel_ckpt.recipes.grpo import take_prompts
 from automodel_ckpt.training.rewards import RewardError, answer_digits, digits_then_eos, exact_answer, score
-from automodel_ckpt.training.rollout import IGNORE, clipped_loss, generate, group_advantages, sample_seed, \
-    token_log_probs
+from automodel_ckpt.training.rollout import ADVANTAGES, IGNORE, advantages, clipped_loss, generate, \
+    group_advantages, group_shares, sample_seed, token_log_probs
 
 EOS, PAD = 1, 0
 
@@ -73,6 +73,20 @@ def test_group_advantages_are_normalised_per_prompt():
     assert adv[:4].tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4),
                                              0.5 / (std + 1e-4)])
     assert adv[4:].tolist() == [0.0] * 4  # every completion alike: no signal, no division by zero
+
+
+def test_share_advantages_give_each_rewarded_group_a_weight_of_one():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0,  0.0, 0.0, 0.0, 0.0,  1.0, 0.0, 0.0, 0.0,  2.0, 1.0, 1.0, 0.0])
+    adv = group_shares(rewards, 4)
+    assert adv.tolist() == [0.5, 0.0, 0.0, 0.5] + [0.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [0.5, 0.25, 0.25, 0.0]
+    assert adv.view(4, 4).sum(1).tolist() == [1.0, 0.0, 1.0, 1.0]  # a group with no reward: no signal, no division
+    assert ADVANTAGES["share"] is group_shares and ADVANTAGES["normalized"] is group_advantages
+    assert advantages("share", rewards, 4, ["exact_answer"]).tolist() == adv.tolist()
+    with pytest.raises(RewardError, match=r"^grpo.advantage share: a completion's weighted reward is -1; the reward "
+                                          r"functions \(exact_answer, digits\) must give >= 0"):
+        advantages("share", torch.tensor([1.0, -1.0]), 2, ["exact_answer", "digits"])
+    assert advantages("normalized", torch.tensor([1.0, -1.0]), 2, ["x"]).tolist() == group_advantages(
+        torch.tensor([1.0, -1.0]), 2).tolist()
 
 
 def test_clipped_loss_and_k3_kl_on_a_hand_example():
@@ -154,7 +168,7 @@ def test_too_long_prompts_warn_once_and_are_counted():
     assert counters.skipped_prompts == 2 and (counters.prompt_epoch, counters.prompt_position) == (1, 1)
 
 
-def test_pipeline_stages_are_refused_in_one_line():
+def test_pipeline_stages_and_bad_advantage_keys_are_refused_in_one_line():
     from omegaconf import OmegaConf
 
     from automodel_ckpt.config.schema import GRPOConfig
@@ -166,3 +180,11 @@ def test_pipeline_stages_are_refused_in_one_line():
         check_section(section, 16, pp_size=2)
     with pytest.raises(ConfigError, match="grpo.num_generations: 4 must be >= 1 and divide"):
         check_section(section, 18, pp_size=1)
+    section.advantage = "rank"
+    with pytest.raises(ConfigError, match="^grpo.advantage: 'rank' is not one of normalized, share$"):
+        check_section(section, 16, pp_size=1)
+    section.advantage, section.reward_weights = "share", [1.0, -0.5]
+    with pytest.raises(ConfigError, match="^grpo.reward_weights: share advantages need weights >= 0"):
+        check_section(section, 16, pp_size=1)
+    section.advantage = "normalized"
+    check_section(section, 16, pp_size=1)  # negative weights are fine there
