@@ -1,7 +1,7 @@
 """GRPO's speed: tokens generated per second and generation's share of a step, beside TRL's GRPOTrainer.
 
     python tools/bench_grpo.py [--steps 12] [--warmup 2] [--num-generations 8] [--prompts 8] [--max-new-tokens 4]
-        [--nproc 1] [--trl-python PATH] [--work DIR] [--json FILE]
+        [--nproc 1] [--device cpu|cuda] [--trl-python PATH] [--work DIR] [--json FILE]
 
 Both sides train the same model (the embedded tiny Llama base, float32, made in ``--work``), on the same prompts
 (the built-in addition task, ``"37+45="``), with the same group size G, prompts per step, ``max_new_tokens``,
@@ -13,6 +13,9 @@ temperature 1, one pass per rollout batch (``num_iterations`` 1), no reference (
 * TRL: ``trl.GRPOTrainer`` on one process, run by ``--trl-python`` (an interpreter where ``import trl`` works, e.g.
   a separate virtual environment: TRL is not a dependency of this package); its generation
   (``_generate_single_turn``) is timed around each call and the step is the time between two step ends.
+
+``--device cuda``: both on the GPU (ours: one GPU per process, as ``ckpt-train`` picks it; TRL without ``use_cpu``);
+``cpu`` (the default) hides any GPU from both.
 
 Prints and writes (``--json``) per side: generated tokens per second of generation, generation's share of the
 step, seconds per step; and ours over TRL's. A TRL that cannot run is reported with its one-line reason.
@@ -45,7 +48,8 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
            "--grpo.reward_funcs", "[automodel_ckpt.training.rewards.exact_answer]", "--grpo.reward_weights", "[1.0]",
            "--grpo.advantage", "normalized"]  # TRL's: (reward - group mean) / group std
     env = dict(os.environ, AUTOMODEL_CKPT_ASSETS=str(work / "assets"), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))))
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
+               **_devices(args.device))
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     (work / "ours.log").write_text(done.stdout + done.stderr)
     if done.returncode:
@@ -58,6 +62,11 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
     gen = sum(r["generation_seconds"] for r in rows)
     step = sum(r["step_seconds"] for r in rows)
     return summary(tokens, gen, step, len(rows))
+
+
+def _devices(device: str) -> dict[str, str]:
+    """Environment that hides the GPUs from a run on ``cpu``."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
 
 
 def summary(tokens: float, gen: float, step: float, steps: int) -> dict[str, float]:
@@ -92,7 +101,7 @@ def trl_side(work: Path, args: argparse.Namespace) -> dict[str, float]:
                         gradient_accumulation_steps=1, num_generations=args.num_generations,
                         max_completion_length=args.max_new_tokens, temperature=1.0, num_iterations=1, beta=0.0,
                         learning_rate=1e-4, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-                        use_cpu=True, bf16=False, seed=42, disable_tqdm=True, dataloader_num_workers=0)
+                        use_cpu=args.device == "cpu", bf16=False, seed=42, disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=exact, args=config, train_dataset=data,
                           processing_class=tokenizer)
     timings: list[tuple[float, int]] = []  # (generation seconds, tokens) per call
@@ -125,6 +134,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--nproc", type=int, default=1, help="processes of our run (TRL's is one)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
     p.add_argument("--trl-python", default=None, help="an interpreter with trl installed (default: skip TRL)")
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)
@@ -143,8 +153,9 @@ def main() -> None:
     if args.trl_python:
         cmd = [args.trl_python, str(Path(__file__).resolve()), "--trl-side", "--work", str(work),
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("steps", "warmup", "num_generations", "prompts", "max_new_tokens")]]
-        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+                 if k in ("steps", "warmup", "num_generations", "prompts", "max_new_tokens", "device")]]
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", **_devices(args.device))
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
         (work / "trl.log").write_text(done.stdout + done.stderr)
         if done.returncode:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU rows of docs/benchmarks.md in one go on one NVIDIA GPU: MFU against torchtitan, save, load, async stall.
 #
-#   bash tools/gpu_checks.sh train|checkpoint|all [OUT]
+#   bash tools/gpu_checks.sh train|checkpoint|grpo|all [OUT]
 #
 # train:      ours (`ckpt-train`, tools/bench_train.py) and torchtitan 0.3.0 (tools/bench_train_torchtitan.py) on
 #             Llama 3.2 1B's shape, 2 rows of 4,096 tokens, bf16, compiled, 13 steps (6..13 timed).
@@ -12,13 +12,16 @@
 #             on an H200), so only the device ratios' methods run (METHODS; empty: every method of save and load); a
 #             save that a load reads is timed once, as it writes that source; an operation with no result after
 #             CHILD_S seconds (default 150) is stopped with its stack printed, and the JSON is rewritten after each.
+# grpo:       GRPO's generation speed and step against TRL's GRPOTrainer on the GPU (tools/bench_grpo.py --device cuda,
+#             the tiny Llama, 16 prompts x 16 completions, 12 steps; TRL from the carried wheels).
 #
 # A machine without internet gets the packages it lacks as wheels in .whl/, installed into /tmp/site and put first
 # on the path. For a machine with torch 2.11 and Python 3.12 (what the lent H100 and H200 have), fetch them with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #       transformers==5.24.0 datasets==5.2.0 omegaconf==2.4.0 peft==0.21.2 dill==0.4.1 multiprocess==0.70.19 \
-#       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1
+#       torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 spmd_types==0.2.3 typeguard==4.6.1 \
+#       trl==1.16.0 accelerate==1.15.0 psutil==7.2.2
 # Every part runs under its own time limit and writes its log and JSON to OUT.
 set -u
 what=${1:-all}
@@ -62,4 +65,9 @@ if [ "$what" = checkpoint ] || [ "$what" = all ]; then
     rm -rf bench-ckpt
     part async "${ASYNC_S:-150}" python3 tools/bench_async.py --device cuda --nproc 1 --layers 12 --steps 121 \
         --every 40 --reps 1 --modes sync,async --json "$out/async.json"
+fi
+if [ "$what" = grpo ] || [ "$what" = all ]; then
+    part grpo "${GRPO_S:-240}" python3 tools/bench_grpo.py --device cuda --steps 12 --warmup 2 --prompts 16 \
+        --num-generations 16 --trl-python python3 --work "$out/grpo-work" --json "$out/grpo.json"
+    rm -rf "$out/grpo-work/assets" "$out/grpo-work/ours" "$out/grpo-work/trl"
 fi
