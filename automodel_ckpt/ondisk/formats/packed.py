@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,20 @@ def pack(value: Any) -> Packed:
     return Packed(hashlib.blake2b(data, digest_size=16).hexdigest(), data)
 
 
+def items_packed(columns: Any) -> Any:
+    """Columns (``plan_columns.Columns``, ``result_columns.ResultColumns``) with their item list ``Packed``."""
+    return replace(columns, items=pack(columns.items))
+
+
+def sharing(values: list[Any]) -> list[list[int]]:
+    """The places of ``values`` grouped by the object each holds (the ranks whose packed item lists were one, and
+    so were read as one object), in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for place, value in enumerate(values):
+        groups.setdefault(id(value), []).append(place)
+    return list(groups.values())
+
+
 class Unpacker:
     """The coordinator's reader of the ``Packed`` parts of one save: each distinct one unpickled once."""
 
@@ -49,6 +63,10 @@ class Unpacker:
         if found is None:
             found = self.seen[part.digest] = RestrictedUnpickler(io.BytesIO(part.data)).load()
         return found
+
+    def items(self, columns: Any) -> Any:
+        """Columns (``items_packed``'s) with their item list read."""
+        return replace(columns, items=self(columns.items))
 
 
 def int_bytes(values: list[int]) -> tuple[bytes, int]:

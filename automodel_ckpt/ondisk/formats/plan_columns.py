@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, stacked
+from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, sharing, stacked
 from automodel_ckpt.ondisk.formats.plan_checks import owners
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
@@ -225,11 +225,9 @@ def _chunks(made: dict[tuple, list], offsets: np.ndarray, sizes: np.ndarray) -> 
 def _gathered(per_rank: list[_Items], numbers: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's items' offsets and chunk sizes, ``[items, width]`` each (0 past a tensor's rank), rank by rank;
     the ranks that sent one item list gathered at once."""
-    groups: dict[int, list[int]] = {}
-    for rank, s in enumerate(per_rank):
-        groups.setdefault(id(s), []).append(rank)
+    groups = sharing(per_rank)
     parts: list[Any] = [None] * len(per_rank)
-    for ranks in groups.values():
+    for ranks in groups:
         s = per_rank[ranks[0]]
         rows = stacked([numbers[r] for r in ranks], s.length)
         offsets, sizes = rows[:, s.offsets_at], rows[:, s.sizes_at]  # [ranks, items, width]

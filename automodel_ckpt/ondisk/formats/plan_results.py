@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from automodel_ckpt.ondisk.formats.fastio.metapickle import StorageRows
 from automodel_ckpt.ondisk.formats.fastio.records import NOTE
-from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, pack
+from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, items_packed
 from automodel_ckpt.ondisk.formats.result_columns import ResultColumns, StorageColumns, joined, split
 
 
@@ -95,7 +95,7 @@ def outgoing(results: list[WriteResult], key: str | None, world_size: int, rank:
     columns = split(tuples)
     if columns is None:
         return ResultsNote(digest, tuples)
-    return ResultsNote(digest, columns=replace(columns, items=pack(columns.items)))
+    return ResultsNote(digest, columns=items_packed(columns))
 
 
 def succeeded(key: str | None, world_size: int, rank: int, note: ResultsNote | None) -> None:
@@ -152,7 +152,7 @@ def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
                 raise ValueError(f"rank {rank} sent unchanged write results that the coordinator does not hold")
             note = cached[rank]
         elif note.columns is not None and isinstance(note.columns.items, Packed):  # each distinct list read once
-            note = replace(note, columns=replace(note.columns, items=unpacked(note.columns.items)))
+            note = replace(note, columns=unpacked.items(note.columns))
         full.append(note)
     if cache_key is not None and all(n.tuples is not None or n.columns is not None for n in full):
         _COORDINATOR[cache_key] = full

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_w
 from torch.distributed.tensor import DTensor
 
 from automodel_ckpt.ondisk.formats import plan_columns
-from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, pack
+from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, items_packed, pack
 from automodel_ckpt.ondisk.formats.plan_checks import dedup, validate
 from automodel_ckpt.ondisk.formats.plan_columns import Columns, joined, split
 from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
@@ -90,7 +90,7 @@ def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
     value = Unpacker()
 
     def entries(part: Any) -> Any:
-        return dataclasses.replace(part, items=value(part.items)) if isinstance(part, Columns) else value(part)
+        return value.items(part) if isinstance(part, Columns) else value(part)
 
     return [note if not isinstance(note.entries, (Packed, Columns)) and not isinstance(note.mappings, Packed) else
             dataclasses.replace(note, entries=entries(note.entries), mappings=value(note.mappings)) for note in notes]
@@ -196,7 +196,7 @@ class LinearSavePlanner(DefaultSavePlanner):
                 self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint), usable=False)
                 return self.plan
         columns = split(entries)
-        sent = pack(entries) if columns is None else dataclasses.replace(columns, items=pack(columns.items))
+        sent = pack(entries) if columns is None else items_packed(columns)
         self.plan = SavePlan([], planner_data=PlanNote(self._fingerprint, sent, props, pack(mappings)))
         return self.plan
 

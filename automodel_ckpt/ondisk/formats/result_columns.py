@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from automodel_ckpt.ondisk.formats.fastio.metapickle import Shape, Table
-from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, stacked
+from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, sharing, stacked
 
 _NONE = -1
 
@@ -176,17 +176,15 @@ class StorageColumns:
     def table(self, memo: Any) -> Table | None:
         """The table's columns, its strings in ``memo``'s slots; None where a rank's numbers do not match its
         items or one rank writes one key twice (a table keeps it once: left to the objects)."""
-        groups: dict[int, list[int]] = {}
-        for rank, columns in enumerate(self.ranks):
-            groups.setdefault(id(columns.items), []).append(rank)
-        every = [i for ranks in groups.values() for i in self.ranks[ranks[0]].items]
+        groups = sharing([columns.items for columns in self.ranks])
+        every = [i for ranks in groups for i in self.ranks[ranks[0]].items]
         width = max((i[1] for i in every), default=0)
         note_width = max((i[3] for i in every), default=0)
         fields = ("fqn", "path", "index", "at", "length", "note_at", "offsets", "note_shape", "shape")
         parts: list[dict[str, np.ndarray] | None] = [None] * len(self.ranks)
         kinds: dict[Shape, int] = {}
         made: dict[tuple, Shape] = {}
-        for ranks in groups.values():
+        for ranks in groups:
             items = self.ranks[ranks[0]].items
             layout = _layout(items, width, note_width, made)
             try:
