@@ -62,6 +62,15 @@ def wait_for(what: str, ready, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.02)
 
 
+def recorded(root: Path) -> dict | None:
+    """The lock file's holder record, or None (no file yet, or the lock taken and its record not yet written)."""
+    try:
+        info = json.loads((root / layout.RUN_LOCK).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def last_step(root: Path) -> int:
     try:
         return max((r["step"] for r in jsonl(root / layout.TRAINING_LOG)), default=0)
@@ -87,8 +96,10 @@ def first_run(tmp_path_factory, assets) -> FirstRun:
     proc = start(cwd, assets, "shared", log)
     lock = RunLock(root)
     try:
-        wait_for("the run to take its checkpoint_dir", lambda: lock.holder() is not None, proc, log)
-        holder = json.loads((root / layout.RUN_LOCK).read_text())
+        # the lock is taken, then its record written: wait for both
+        wait_for("the run to take its checkpoint_dir and record itself",
+                 lambda: lock.holder() is not None and recorded(root) is not None, proc, log)
+        holder = recorded(root)
         job = process_tree(proc.pid)
         for pid in job:
             os.kill(pid, signal.SIGSTOP)
@@ -225,10 +236,7 @@ def _parent(pid: int) -> int:
 
 
 def _holder_pid(root: Path) -> int | None:
-    try:
-        return json.loads((root / layout.RUN_LOCK).read_text())["pid"]
-    except (OSError, ValueError, KeyError):  # not there, or being written
-        return None
+    return (recorded(root) or {}).get("pid")
 
 
 def running_with_data_workers(proc: subprocess.Popen, root: Path, log: Path, *, past: int,
