@@ -5,7 +5,7 @@ Page-aligned O_DIRECT reads into reused buffers, copied into the destination ten
 Why: a load through the page cache copies every byte twice (device to page cache, page cache to the tensor) and
 fills the page cache with gigabytes nobody reads again; an O_DIRECT read lands in a page-aligned buffer of ours,
 from which one ``copy_`` (which releases the GIL, so the threads copy at once) puts it into the tensor. Each thread
-takes the next region of the files (``REGION`` bytes, in file order), reads it and copies it out while the other
+takes the next region of the files (``REGION`` bytes, in file order, regions of a few small items first), reads it and copies it out while the other
 threads' reads are in flight, so reading and copying overlap. A file's unaligned tail is read through the page
 cache into the same buffer. Where a filesystem refuses O_DIRECT (``EINVAL``: tmpfs, some network filesystems) the
 file is read through the page cache with the same buffers.
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 REGION = 8 << 20  # bytes per read (one page-aligned buffer of this size per thread, and a few spare)
 _ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+SMALL_REGION = 1 << 20  # regions below this size (a few small items: another rank's step counts) are read first
 GAP = 1 << 20  # unneeded bytes between two needed ranges of a file that are read rather than skipped
 DIRECT_READ_MIN = 16 << 20  # files from this size on are read with O_DIRECT (smaller ones: page cache)
 ENV = "AUTOMODEL_CKPT_DIRECT_READ"  # "off": always through the page cache; "force": O_DIRECT whatever the size
@@ -299,6 +300,9 @@ def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[
             size = os.stat(path).st_size
         files.append(_File(path, size, wanted(size)))
         regions += _plan(path, size, segments.get(path, []), path in hash_files, index, gap)
+    # small regions first (file order otherwise; hashed ones keep theirs): a few pages of small items, read
+    # while the device's queue is short, rather than behind the large reads, last, on the load's critical path
+    regions.sort(key=lambda r: r.hashed or r.hi - r.lo >= SMALL_REGION)
     read = {path: 0 for path in paths}
     if not regions:
         return read

@@ -40,7 +40,7 @@ def _small(item: Any) -> bool:
 
 
 class ParallelFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` (DCP ``.distcp`` files, one per rank) written by ``write_file``.
+    """``FileSystemWriter`` (DCP ``.distcp`` files, one per rank) written by ``write_file``, the small items first.
 
     ``sync_files`` stays on for the ``.metadata`` file torch writes itself; the data file is fsynced once by
     ``write_file``. ``small_apart``: the small items (plain values, tensors under ``SMALL_ITEM_BYTES``: step counts,
@@ -61,13 +61,17 @@ class ParallelFileSystemWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.transforms.extensions or not self.single_file_per_rank:
             return super().write_data(plan, planner)
-        items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-        items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        # plain values first, then the small tensors, then the large: what every rank reads of another rank's
+        # file (step counts, hyperparameters: DCP writes what all ranks hold once) lies together at its start,
+        # one read, not one read of a few bytes between large tensors per item
+        values = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+        tensors = [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        small = values + [wi for wi in tensors if _small(wi)]
+        large = [wi for wi in tensors if not _small(wi)]
+        items = small + large
         files = [items]  # __R_0.distcp, and with ``small_apart`` __R_1.distcp
-        if self.small_apart:
-            small = [_small(wi) for wi in items]
-            if any(small) and not all(small):
-                files = [[wi for wi, s in zip(items, small) if not s], [wi for wi, s in zip(items, small) if s]]
+        if self.small_apart and small and large:
+            files = [large, small]
         numbered = list(enumerate(files))
         if self.stable is not None:  # the tensors that did not train: a file of their own (``ondisk.incremental``)
             stable = [self.stable(wi.index.fqn) for wi in items]

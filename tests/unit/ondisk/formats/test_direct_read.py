@@ -424,3 +424,30 @@ def test_the_direct_write_buffers_are_page_aligned(pinned):
     assert tensor.data_ptr() % 4096 == 0
     view[:3] = b"abc"
     assert bytes(tensor[:3].tolist()) == b"abc"  # one memory
+
+
+def test_regions_of_a_few_small_items_are_read_before_the_large_ones(tmp_path, monkeypatch):
+    """Another rank's step counts (a few bytes each, gathered in a few pages) are read first, while the device's
+    queue is short, not last behind every large read; the rest keeps its file order; hashed files keep theirs."""
+    monkeypatch.setattr(directread, "REGION", 64 << 10)
+    monkeypatch.setattr(directread, "SMALL_REGION", 16 << 10)
+    monkeypatch.setenv(directread.ENV, "force")
+    large, small, hashed = (str(tmp_path / name) for name in ("a_large.bin", "b_small.bin", "c_hashed.bin"))
+    for path, size in ((large, 256 << 10), (small, 256 << 10), (hashed, 128 << 10)):
+        Path(path).write_bytes(os.urandom(size))
+    order: list[tuple[str, int]] = []
+    real = directread._read_region
+
+    def reading(file, region, buffer):
+        order.append((Path(file.path).name, region.lo))
+        return real(file, region, buffer)
+
+    monkeypatch.setattr(directread, "_read_region", reading)
+    outs = {large: torch.empty(256 << 10, dtype=torch.uint8), small: torch.empty(8, dtype=torch.uint8)}
+    h = checksum.hasher(checksum.CRC32)
+    directread.read_files({large: [directread.Segment(0, outs[large])], small: [directread.Segment(200 << 10, outs[small])]},
+                          threads=1, hash_files={hashed: h})
+    assert order == [("b_small.bin", 200 << 10)] + [("a_large.bin", k << 16) for k in range(4)] + \
+        [("c_hashed.bin", k << 16) for k in range(2)]
+    assert bytes(outs[small].numpy()) == Path(small).read_bytes()[200 << 10:(200 << 10) + 8]
+    assert h.hexdigest() == _crc(Path(hashed).read_bytes())

@@ -7,6 +7,7 @@ In-process, through a one-rank process group.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from pathlib import Path
 
@@ -579,3 +580,22 @@ def test_a_reading_session_starts_every_reader_thread_when_it_opens():
     with session.kept(4):
         assert len(session._active.executor._threads) == session._active.threads == 4
     assert not [t for t in threading.enumerate() if t.name.startswith(session.THREAD_PREFIX)]
+
+
+def test_small_items_lie_together_at_the_start_of_a_ranks_file(tmp_path, monkeypatch):
+    """What another rank reads of this rank's file (step counts, hyperparameters, small tensors) is one stretch at
+    its start, before every large tensor: one read, not a few bytes between large tensors per item."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    monkeypatch.setattr(fastio.writers, "SMALL_ITEM_BYTES", 1024)
+    model, optimizer = model_and_optimizer(0)
+    staged = sharded.stage_optimizer(model, optimizer, tmp_path / "optim", sharded.HostStager(), durable.WrittenFiles())
+    staged.capture()
+    staged.write(None)
+    meta = FileSystemReader(str(tmp_path / "optim")).read_metadata()
+    small, large = [], []
+    for index, info in meta.storage_data.items():
+        item = meta.state_dict_metadata[index.fqn]  # one rank: every tensor in one piece
+        tiny = not hasattr(item, "size") or math.prod(item.size) * item.properties.dtype.itemsize < 1024
+        (small if tiny else large).append(info.offset)
+    assert small and large and max(small) < min(large)
