@@ -18,6 +18,7 @@ from automodel_ckpt.checkpoint import is_url, open_for_reading, source_of, store
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
+from automodel_ckpt.shown import one_line
 from automodel_ckpt.tracking import cost_report, iter_events, render_cost, summarize
 
 _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "MESH", "CONSOLIDATED", "COMPLETE", "POINTERS")
@@ -30,8 +31,8 @@ def build_parser() -> VerbParser:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.add_argument("--cost", action="store_true", help="what checkpoints cost this run, and the Young/Daly interval "
                                                         "for its failure rate (docs/tracking.md)")
-    p.add_argument("--lineage", action="store_true", help="where CHECKPOINT_DIR (a checkpoint, an export folder or a "
-                                                           "GGUF file) came from: its parents back to the base model, "
+    p.add_argument("--lineage", action="store_true", help="where CHECKPOINT_DIR (a checkpoint, a run folder's LATEST, an "
+                                                           "export folder or a GGUF file) came from: its parents back to the base model, "
                                                            "with their fingerprints (docs/inspect-and-diff.md)")
     p.add_argument("--mtbf-hours", type=float, default=None,
                    help="mean time between failures for --cost (default: observed in the run, else 24)")
@@ -47,7 +48,13 @@ def main(argv: list[str]) -> int:
     if args.lineage:
         if args.cost or args.json:
             raise UsageError("--lineage: give it alone (not with --cost or --json)")
-        print("\n".join(lineage_chain(Path(args.checkpoint_dir))), flush=True)
+        target = Path(args.checkpoint_dir)
+        latest = pointer_target(target, LAYOUT.LATEST) if target.is_dir() and not target.is_symlink() \
+            and not (target / LAYOUT.METADATA_FILE).exists() else None
+        if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
+            print(one_line(f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"), flush=True)
+            target = latest
+        print("\n".join(lineage_chain(target)), flush=True)
         return 0
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
     for matches, what, read, render in ((is_gguf, "a GGUF file", describe_gguf, render_gguf),

@@ -141,6 +141,21 @@ def test_inspect_table_and_json_through_the_cli(run_dir, capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(inspect_dir(run_dir)))
 
 
+def test_lineage_of_a_run_folder_is_its_latest_checkpoints(run_dir, capsys):
+    """``inspect RUN --lineage``: the chain of the checkpoint LATEST names, said so; a checkpoint's own as before."""
+    meta = json.loads((run_dir / "epoch_1_step_6" / layout.METADATA_FILE).read_text())
+    meta["lineage"] = {"parents": [{"role": "base model", "path": "/models/base", "fingerprint": "sha256:ab"}]}
+    (run_dir / "epoch_1_step_6" / layout.METADATA_FILE).write_text(json.dumps(meta))
+    assert cli.main(["inspect", str(run_dir), "--lineage"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"'{run_dir}' is a run folder: the lineage of its LATEST, epoch_1_step_6"
+    assert lines[1].startswith(f"lineage of '{run_dir / 'epoch_1_step_6'}' (sha256:")
+    assert lines[2:] == ["  base model: /models/base (sha256:ab) [gone]"]
+    assert cli.main(["inspect", str(run_dir / "epoch_0_step_2"), "--lineage"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["  no lineage recorded (written before lineage was, or not by "
+                                                        "ckpt-train)"]
+
+
 def test_inspect_one_checkpoint_and_dangling_pointers(run_dir):
     (run_dir / "epoch_1_step_6").rename(run_dir / "moved")
     report = inspect_dir(run_dir / "epoch_0_step_2")
