@@ -34,6 +34,9 @@ from automodel_ckpt.training.rollout import ADVANTAGES, IGNORE, advantages, clip
     token_log_probs
 
 
+FLAT_BATCHES_WARNING = 10  # rollout batches in a row with every advantage 0 before the one warning
+
+
 def check_section(section: Any, global_batch: int, pp_size: int) -> None:
     """The ``grpo:`` keys against the batch and the mesh, each problem in one line (``ConfigError``)."""
     if pp_size > 1:
@@ -112,6 +115,7 @@ class GRPO(Algorithm):
         self._generation_seconds = 0.0
         self._train_start = 0.0
         self._warned = False
+        self._flat = 0  # rollout batches in a row whose every advantage is 0 (``_check_signal``)
         self._orders: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------- reference
@@ -240,6 +244,7 @@ class GRPO(Algorithm):
         tensors["rewards"] = rewards
         total = rewards @ self._weights
         tensors["advantages"] = advantages(section.advantage, total, group, [n for n, _ in self._rewards])
+        self._check_signal(tensors["advantages"])
         self.rollout.tensors, self.rollout.step, self.rollout.passes = tensors, step, 0
         tensors["old_log_probs"], tensors["ref_log_probs"] = self._log_probs()
         g.grpo_step = step
@@ -248,6 +253,16 @@ class GRPO(Algorithm):
         g.generated_tokens += sum(len(c) for c in completions)
         g.reward_sum += float(total.sum())
         g.reward_square_sum += float((total * total).sum())
+
+    def _check_signal(self, advantage: torch.Tensor) -> None:
+        """Warn once when ``FLAT_BATCHES_WARNING`` rollout batches in a row taught nothing: within every group all
+        completions were rewarded alike (from a model that never finds the reward: every advantage 0, every loss 0)."""
+        self._flat = self._flat + 1 if not bool(advantage.any()) else 0
+        if self._flat == FLAT_BATCHES_WARNING and self.recipe.env.is_main:
+            warnings.warn(f"grpo: in the last {FLAT_BATCHES_WARNING} rollout batches every group's completions were "
+                          "rewarded alike (every advantage 0): nothing is learned. Start from a model that sometimes "
+                          "earns the reward (an SFT checkpoint: --checkpoint.restore_from, docs/rl.md), or weigh in "
+                          "partial-credit rewards (grpo.reward_weights) with grpo.advantage normalized", stacklevel=2)
 
     def _rows_tensors(self, rows: list[tuple[int, int]], completions: list[list[int]]) -> dict[str, torch.Tensor]:
         tok = self.recipe.tokenizer

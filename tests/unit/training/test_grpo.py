@@ -188,3 +188,26 @@ def test_pipeline_stages_and_bad_advantage_keys_are_refused_in_one_line():
         check_section(section, 16, pp_size=1)
     section.advantage = "normalized"
     check_section(section, 16, pp_size=1)  # negative weights are fine there
+
+
+def test_rollout_batches_that_teach_nothing_are_warned_about_once_in_a_row():
+    """Every advantage 0 (each group's completions rewarded alike: a model that never finds the reward) for
+    ``FLAT_BATCHES_WARNING`` rollout batches in a row: one warning saying what to do; a batch with signal resets."""
+    import warnings
+
+    from automodel_ckpt.recipes import grpo
+
+    algorithm = _algorithm_with_prompts([[1]], seq_length=8, max_new_tokens=4)
+    algorithm._flat = 0
+    flat, signal = torch.zeros(8, dtype=torch.float64), torch.tensor([0.0] * 7 + [1.0], dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for advantage in [flat] * (grpo.FLAT_BATCHES_WARNING - 1) + [signal] + [flat] * (grpo.FLAT_BATCHES_WARNING - 1):
+            algorithm._check_signal(advantage)
+        assert not seen
+        for _ in range(3):
+            algorithm._check_signal(flat)
+    assert len(seen) == 1
+    assert str(seen[0].message).startswith(f"grpo: in the last {grpo.FLAT_BATCHES_WARNING} rollout batches every "
+                                           "group's completions were rewarded alike (every advantage 0)")
+    assert "--checkpoint.restore_from" in str(seen[0].message)
