@@ -35,10 +35,12 @@ class Algorithm:
       and ``validate``;
     - its counters: ``step_done`` after each optimizer step, ``metrics`` and ``validation_metrics`` (logged beside
       the loss), ``save_extra`` (each checkpoint's metadata: ``ckpt-train inspect`` lists it) and ``state_meaning``
-      (the config keys that change what its state means).
+      (the config keys that change what its state means); ``bar_metrics``: those of ``metrics`` the progress bar
+      shows beside the loss.
     """
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset({"recipe"})
+    bar_metrics: ClassVar[tuple[str, ...]] = ()
     #: True while the recipe restores: ``states`` then names all a checkpoint may hold (a state saved only later).
     restoring = False
 

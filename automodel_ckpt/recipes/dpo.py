@@ -98,6 +98,7 @@ class Preference(Algorithm):
     """
 
     ref_model: Any = None
+    bar_metrics = ("reward_accuracy",)
     _split = TRAIN  # which stored reference log-probs a batch reads
     _stored: StoredLogProbs | None = None
     _ref_pipeline: Pipeline | None = None  # under pipeline stages: the reference's forward, staged like the policy's

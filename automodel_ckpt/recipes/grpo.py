@@ -95,6 +95,7 @@ class GRPO(Algorithm):
     started: a LoRA run's reference is its base, adapters disabled)."""
 
     ref_model: Any = None
+    bar_metrics = ("reward",)
 
     def __init__(self, recipe: FinetuneRecipe) -> None:
         super().__init__(recipe)

@@ -18,9 +18,11 @@ class Progress:
             self._bar = tqdm(total=self.total, initial=step, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, mininterval=0.5)
 
-    def update(self, step: int, loss: float, lr: float) -> None:
+    def update(self, step: int, loss: float, lr: float, shown: dict[str, float] | None = None) -> None:
+        """The bar at ``step``: the loss, ``shown`` (an algorithm's numbers: GRPO's reward, DPO's accuracy), the lr."""
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e}", refresh=False)
+            extra = "".join(f" {name}={value:.4f}" for name, value in (shown or {}).items())
+            self._bar.set_postfix_str(f"loss={loss:.4f}{extra} lr={lr:.2e}", refresh=False)
             self._bar.update(step - self._bar.n)
 
     def write(self, message: str) -> None:
