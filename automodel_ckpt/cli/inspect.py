@@ -31,9 +31,10 @@ def build_parser() -> VerbParser:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     p.add_argument("--cost", action="store_true", help="what checkpoints cost this run, and the Young/Daly interval "
                                                         "for its failure rate (docs/tracking.md)")
-    p.add_argument("--lineage", action="store_true", help="where CHECKPOINT_DIR (a checkpoint, a run folder's LATEST, an "
-                                                           "export folder or a GGUF file) came from: its parents back to the base model, "
-                                                           "with their fingerprints (docs/inspect-and-diff.md)")
+    p.add_argument("--lineage", action="store_true",
+                   help="where CHECKPOINT_DIR (a checkpoint, a run folder's LATEST, an export folder or a GGUF file) "
+                        "came from: its parents back to the base model, with their fingerprints "
+                        "(docs/inspect-and-diff.md)")
     p.add_argument("--mtbf-hours", type=float, default=None,
                    help="mean time between failures for --cost (default: observed in the run, else 24)")
     return p
@@ -52,7 +53,8 @@ def main(argv: list[str]) -> int:
         latest = pointer_target(target, LAYOUT.LATEST) if target.is_dir() and not target.is_symlink() \
             and not (target / LAYOUT.METADATA_FILE).exists() else None
         if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
-            print(one_line(f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"), flush=True)
+            said = f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"
+            print(one_line(said), flush=True)
             target = latest
         print("\n".join(lineage_chain(target)), flush=True)
         return 0

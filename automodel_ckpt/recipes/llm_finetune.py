@@ -305,7 +305,8 @@ class FinetuneRecipe(BaseRecipe):
             self.train_log.append(record)
             per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
             self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
-            self.progress.update(sched.step, loss, lr, {k: record[k] for k in self.algorithm.bar_metrics if k in record})
+            shown = {k: record[k] for k in self.algorithm.bar_metrics if k in record}
+            self.progress.update(sched.step, loss, lr, shown)
             self._eval_scores = self._evaluate_and_log() if self._evaluation and self._evaluation.due(sched.step) \
                 else None  # before the step's save: its checkpoint records the scores (checkpoint.monitor)
             # what to save now, saved (a durable checkpoint, validated first when scheduled, or a node-local step)

@@ -5,10 +5,10 @@ Page-aligned O_DIRECT reads into reused buffers, copied into the destination ten
 Why: a load through the page cache copies every byte twice (device to page cache, page cache to the tensor) and
 fills the page cache with gigabytes nobody reads again; an O_DIRECT read lands in a page-aligned buffer of ours,
 from which one ``copy_`` (which releases the GIL, so the threads copy at once) puts it into the tensor. Each thread
-takes the next region of the files (``REGION`` bytes, in file order, regions of a few small items first), reads it and copies it out while the other
-threads' reads are in flight, so reading and copying overlap. A file's unaligned tail is read through the page
-cache into the same buffer. Where a filesystem refuses O_DIRECT (``EINVAL``: tmpfs, some network filesystems) the
-file is read through the page cache with the same buffers.
+takes the next region of the files (``REGION`` bytes, in file order; regions of a few small items first), reads
+it and copies it out while the other threads' reads are in flight, so reading and copying overlap. A file's
+unaligned tail is read through the page cache into the same buffer. Where a filesystem refuses O_DIRECT
+(``EINVAL``: tmpfs, some network filesystems) the file is read through the page cache with the same buffers.
 
 ``hash_files``: files whose checksum is computed while they are read: the whole file is read (including bytes no
 tensor needs, such as headers), and one hasher thread consumes the regions in file order before their buffers are

@@ -445,8 +445,8 @@ def test_regions_of_a_few_small_items_are_read_before_the_large_ones(tmp_path, m
     monkeypatch.setattr(directread, "_read_region", reading)
     outs = {large: torch.empty(256 << 10, dtype=torch.uint8), small: torch.empty(8, dtype=torch.uint8)}
     h = checksum.hasher(checksum.CRC32)
-    directread.read_files({large: [directread.Segment(0, outs[large])], small: [directread.Segment(200 << 10, outs[small])]},
-                          threads=1, hash_files={hashed: h})
+    segments = {large: [directread.Segment(0, outs[large])], small: [directread.Segment(200 << 10, outs[small])]}
+    directread.read_files(segments, threads=1, hash_files={hashed: h})
     assert order == [("b_small.bin", 200 << 10)] + [("a_large.bin", k << 16) for k in range(4)] + \
         [("c_hashed.bin", k << 16) for k in range(2)]
     assert bytes(outs[small].numpy()) == Path(small).read_bytes()[200 << 10:(200 << 10) + 8]
