@@ -396,3 +396,12 @@ def test_instantiate_torch_adamw_with_params(recipe: Path) -> None:
 
 def test_config_is_dictconfig(recipe: Path) -> None:
     assert isinstance(load_config(recipe, [], Recipe), DictConfig)
+
+
+def test_the_tiny_preference_and_rl_recipes_save_beside_the_quickstarts_sft_run() -> None:
+    """After the quickstart (``tiny_llama_sft.yaml`` into ``checkpoints/``), the DPO and GRPO recipes run as the
+    docs give them: each into a folder of its own, not refused as a checkpoint of another run."""
+    recipes = Path(__file__).resolve().parents[3] / "recipes"
+    folders = {name: OmegaConf.load(recipes / f"tiny_llama_{name}.yaml").checkpoint.checkpoint_dir.rstrip("/")
+               for name in ("sft", "dpo", "grpo")}
+    assert folders == {"sft": "checkpoints", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo"}
