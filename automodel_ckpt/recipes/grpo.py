@@ -258,7 +258,8 @@ class GRPO(Algorithm):
     def _check_signal(self, advantage: torch.Tensor) -> None:
         """Warn once when ``FLAT_BATCHES_WARNING`` rollout batches in a row taught nothing: within every group all
         completions were rewarded alike (from a model that never finds the reward: every advantage 0, every loss 0)."""
-        self._flat = self._flat + 1 if not bool(advantage.any()) else 0
+        flat = advantage.numel() == 0 or float(advantage.abs().max()) < 1e-9  # 0 but for a mean's rounding
+        self._flat = self._flat + 1 if flat else 0
         if self._flat == FLAT_BATCHES_WARNING and self.recipe.env.is_main:
             warnings.warn(f"grpo: in the last {FLAT_BATCHES_WARNING} rollout batches every group's completions were "
                           "rewarded alike (every advantage 0): nothing is learned. Start from a model that sometimes "

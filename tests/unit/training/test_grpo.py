@@ -199,7 +199,8 @@ def test_rollout_batches_that_teach_nothing_are_warned_about_once_in_a_row():
 
     algorithm = _algorithm_with_prompts([[1]], seq_length=8, max_new_tokens=4)
     algorithm._flat = 0
-    flat, signal = torch.zeros(8, dtype=torch.float64), torch.tensor([0.0] * 7 + [1.0], dtype=torch.float64)
+    flat = torch.tensor([0.0] * 7 + [-2.8e-13], dtype=torch.float64)  # equal rewards, their mean rounded
+    signal = torch.tensor([0.0] * 7 + [1.0], dtype=torch.float64)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for advantage in [flat] * (grpo.FLAT_BATCHES_WARNING - 1) + [signal] + [flat] * (grpo.FLAT_BATCHES_WARNING - 1):
