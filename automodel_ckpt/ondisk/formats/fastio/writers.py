@@ -64,10 +64,10 @@ class ParallelFileSystemWriter(FileSystemWriter):
         # plain values first, then the small tensors, then the large: what every rank reads of another rank's
         # file (step counts, hyperparameters: DCP writes what all ranks hold once) lies together at its start,
         # one read, not one read of a few bytes between large tensors per item
-        values = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-        tensors = [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-        small = values + [wi for wi in tensors if _small(wi)]
-        large = [wi for wi in tensors if not _small(wi)]
+        small, large = [], []
+        for wi in plan.items:
+            (small if _small(wi) else large).append(wi)
+        small.sort(key=lambda wi: wi.type != WriteItemType.BYTE_IO)  # stable: the values, then the small tensors
         items = small + large
         files = [items]  # __R_0.distcp, and with ``small_apart`` __R_1.distcp
         if self.small_apart and small and large:
