@@ -607,6 +607,18 @@ def drop_caches() -> bool:
         return False
 
 
+def settle(out: Path, drop: bool = False) -> bool:
+    """Before a timed run: ``out`` emptied, dirty pages flushed (and the page cache dropped for a run that reads
+    from storage: ``drop``), then 1 s for the storage to settle (deleted files' discards, writeback of other
+    processes). False when the page cache was to be dropped and could not be."""
+    fresh(out)
+    dropped = drop_caches() if drop else True
+    if not drop:
+        os.sync()
+    time.sleep(1.0)
+    return dropped
+
+
 BASELINE = "baseline:"  # a method run with the automodel_ckpt of --baseline-tree
 
 
@@ -781,9 +793,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     failed: dict[str, str] = {}
     for method in sorted(needed):  # sources for the reads, written once (and timed: a timed method's first run)
-        fresh(out)
-        os.sync()
-        time.sleep(1.0)
+        settle(out)
         r = _attempt(method, "source", args, layers, nbytes, failed)
         if r is None:
             continue
@@ -829,12 +839,8 @@ def main() -> None:
             for method in order:
                 if method in failed or len(runs[method]) > rep or _source_of(method) in failed:
                     continue  # failed before, timed already (a source), or its source is missing
-                fresh(out)
-                if method.removeprefix(BASELINE) in LOAD + EXPORT + ARCHIVE + bench_mesh.LOADS:  # reads from storage
-                    dropped = drop_caches() and dropped
-                else:
-                    os.sync()
-                time.sleep(1.0)  # let the storage settle (deleted files' discards, writeback of other processes)
+                reads = method.removeprefix(BASELINE) in LOAD + EXPORT + ARCHIVE + bench_mesh.LOADS
+                dropped = settle(out, drop=reads) and dropped
                 r = _attempt(method, f"rep {rep + 1}", args, layers, nbytes, failed)
                 if r is None:
                     continue

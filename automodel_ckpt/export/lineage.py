@@ -263,11 +263,15 @@ def lineage_chain(target: str | Path) -> list[str]:
     lines = [one_line(f"lineage of '{target}'" + (f" ({own})" if own else ""))]
     if record is None:
         return lines + ["  no lineage recorded (written before lineage was, or not by ckpt-train)"]
-    _walk(record, 1, lambda depth, text: lines.append("  " * depth + one_line(text)), {str(target.absolute())})
+    _walk(record, 1, lambda depth, text: lines.append("  " * depth + one_line(text)), {str(target.absolute())},
+          set())
     return lines
 
 
-def _walk(record: dict[str, Any], depth: int, add: Any, seen: set[str]) -> None:
+def _walk(record: dict[str, Any], depth: int, add: Any, ancestors: set[str], expanded: set[str]) -> None:
+    """``record``'s parents at ``depth``, each followed by its own. ``ancestors``: the parents on the way down to
+    here (one of them again is a cycle, not followed); ``expanded``: parents whose parents are listed already (a
+    shared ancestor, such as the base model of both a run and the run it was restored from, is listed once)."""
     if depth > MAX_DEPTH:
         add(depth, f"... (more than {MAX_DEPTH} generations: not shown)")
         return
@@ -282,10 +286,12 @@ def _walk(record: dict[str, Any], depth: int, add: Any, seen: set[str]) -> None:
         add(depth, f"{entry.get('role', 'parent')}: {entry.get('path') or entry.get('checkpoint')} "
                    f"({entry.get('fingerprint') or 'no fingerprint'}{extra}) [{status}]")
         key = str(entry.get("path") or id(entry))
-        if key in seen:
-            add(depth + 1, "(seen above: a cycle)")
+        if key in ancestors:
+            add(depth + 1, "(its own ancestor: a cycle, not followed)")
             continue
-        seen.add(key)
+        if key in expanded:
+            add(depth + 1, "(its parents are listed above)")
+            continue
         below = entry.get("lineage")
         if readable and not isinstance(below, dict):
             try:
@@ -294,7 +300,8 @@ def _walk(record: dict[str, Any], depth: int, add: Any, seen: set[str]) -> None:
                 add(depth + 1, str(exc))
                 below = None
         if isinstance(below, dict):
-            _walk(below, depth + 1, add, seen)
+            expanded.add(key)
+            _walk(below, depth + 1, add, ancestors | {key}, expanded)
     if isinstance(data, dict):
         rows = f", rows {data['rows']}" if data.get("rows") else ""
         add(depth, f"training data: {data.get('fingerprint')}{rows}")

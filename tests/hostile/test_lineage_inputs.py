@@ -90,4 +90,18 @@ def test_a_cycle_is_printed_once(capsys, tmp_path):
     _checkpoint(b, [{"role": "resumed from", "path": str(a)}])
     code, out, err = _inspect(capsys, a)
     assert code == 0, err
-    assert "(seen above: a cycle)" in out and len(out.splitlines()) < 8
+    assert "(its own ancestor: a cycle, not followed)" in out and len(out.splitlines()) < 8
+
+
+def test_a_shared_ancestor_is_no_cycle_and_its_parents_are_listed_once(capsys, tmp_path):
+    """A run restored from an SFT run names the same base model as that run did: a diamond, not a cycle. A parent
+    with parents of its own met twice lists them once; one without any is just named again."""
+    base = _checkpoint(tmp_path / "base", [{"role": "converted from", "path": "/the/hub/model"}])
+    sft = _checkpoint(tmp_path / "sft", [{"role": "base model", "path": str(base)}])
+    grpo = _checkpoint(tmp_path / "grpo", [{"role": "base model", "path": str(base)},
+                                           {"role": "restored from", "path": str(sft)}])
+    code, out, err = _inspect(capsys, grpo)
+    assert code == 0, err
+    assert "cycle" not in out, out
+    assert out.count("converted from: /the/hub/model") == 1, out
+    assert out.count(f"base model: {base}") == 2 and out.count("(its parents are listed above)") == 1, out
