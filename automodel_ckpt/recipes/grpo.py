@@ -282,25 +282,37 @@ class GRPO(Algorithm):
                 "old_log_probs": torch.zeros(n, width, dtype=torch.float64),
                 "ref_log_probs": torch.zeros(n, width, dtype=torch.float64)}
 
+    def _one_pass(self) -> bool:
+        """One optimizer step per rollout batch (``num_iterations`` 1): that step's weights are the ones that
+        sampled, so the ratio's denominator is the pass's own log-probs, detached (ratio 1, as TRL does), and the
+        policy's log-probs as sampled are neither computed by a forward of their own nor needed after a save."""
+        return self.grpo_cfg.num_iterations == 1
+
     @torch.no_grad()
     def _log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token of every row: the policy's log-prob now (before the passes) and the reference's (zero
-        without one); each rank computes its share in its training micro-batches, then all are gathered."""
+        """Per token of every row: the policy's log-prob now (before the passes; zero with ``_one_pass``) and the
+        reference's (zero without one); each rank computes its share in its training micro-batches, then all are
+        gathered. Nothing to compute (one pass, no reference): no forward at all."""
         recipe = self.recipe
         t = self.rollout.tensors
         old, ref = torch.zeros_like(t["old_log_probs"]), torch.zeros_like(t["ref_log_probs"])
+        policy_too = not self._one_pass()
+        if not policy_too and self.grpo_cfg.beta <= 0:
+            return old, ref
         recipe.model.eval()
         mine = []
         for mb in self._micro_batches():
-            with recipe.data_parallel.compute(recipe.env.device):
-                logits = recipe._logits(mb)
-            policy = token_log_probs(logits, mb.labels.to(recipe.env.device))
-            reference = self._reference_log_probs(mb)
-            mine.append((mb.sample_ids, policy.double().cpu(), reference))
+            policy = None
+            if policy_too:
+                with recipe.data_parallel.compute(recipe.env.device):
+                    logits = recipe._logits(mb)
+                policy = token_log_probs(logits, mb.labels.to(recipe.env.device)).double().cpu()
+            mine.append((mb.sample_ids, policy, self._reference_log_probs(mb)))
         parts = all_gather_object((recipe.dims.tp_rank, mine)) if recipe.env.world_size > 1 else [(0, mine)]
         for tp_rank, batches in parts:
             for ids, policy, reference in batches if tp_rank == 0 else []:
-                old[ids] = policy
+                if policy is not None:
+                    old[ids] = policy
                 if reference is not None:
                     ref[ids] = reference
         return old, ref
@@ -353,7 +365,8 @@ class GRPO(Algorithm):
         keep = labels != IGNORE  # the completion's tokens; the first column has no logits before it
         keep[:, 0] = False
         ref = target[:, 2 * width:3 * width] if section.beta > 0 else None
-        loss, sums = clipped_loss(logp, target[:, width:2 * width], ref, target[:, -1], keep,
+        sampled = logp.detach() if self._one_pass() else target[:, width:2 * width]
+        loss, sums = clipped_loss(logp, sampled, ref, target[:, -1], keep,
                                   epsilon=section.epsilon, epsilon_high=section.epsilon_high, beta=section.beta)
         self._calls.append(sums)
         return loss

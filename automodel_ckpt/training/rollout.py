@@ -21,13 +21,18 @@ def sample_seed(seed: int, rollout: int, prompt_id: int, index: int) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
+def _forward_names(model: Any) -> set[str]:
+    """The keywords the model's own forward names (a PEFT model's base model's: PEFT passes keywords through)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return set(inspect.signature(type(base).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _cache_key(model: Any) -> str:
     """The keyword a model's forward takes its KV cache by (transformers 5 renamed ``past_key_values`` ``cache``)."""
-    try:
-        names = inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in names else "past_key_values"
+    return "cache" if "cache" in _forward_names(model) else "past_key_values"
 
 
 def _cache_of(out: Any) -> Any:
@@ -45,14 +50,21 @@ def _pick(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> t
     return torch.searchsorted(cdf, target).squeeze(1).clamp_max(logits.shape[-1] - 1)
 
 
+def _keep_key(model: Any) -> str | None:
+    """The keyword by which a model's forward computes logits for the last positions only (``logits_to_keep``), if
+    it takes one: a prompt's other positions need none, and a large vocabulary's logits for them are gigabytes."""
+    return "logits_to_keep" if "logits_to_keep" in _forward_names(model) else None
+
+
 @torch.no_grad()
 def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
              temperature: float, eos_id: int | None, pad_id: int, device: Any = "cpu",
              keep_going: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """Completions of ``prompts`` (token ids), one per seed: a left-padded batch with an attention mask and position
-    ids, the model's own KV cache, each row drawing one uniform per new token from its own generator. A row ends at
-    ``eos_id`` (kept) or after ``max_new_tokens``. ``keep_going(this_batch_done)`` says whether to take another step
-    (a sharded model's forward is collective: every rank steps together); by default the batch stops when done."""
+    ids, the model's own KV cache, each row drawing one uniform per new token from its own generator (all of a row's
+    uniforms are drawn at once: the same numbers as one at a time). A row ends at ``eos_id`` (kept) or after
+    ``max_new_tokens``. ``keep_going(this_batch_done)`` says whether to take another step (a sharded model's forward
+    is collective: every rank steps together); by default the batch stops when done."""
     rows = len(prompts)
     if rows == 0 and keep_going is None:
         return []
@@ -64,24 +76,26 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
         mask[i, width - len(p):] = 1
     if rows == 0:
         mask[0, -1] = 1  # a rank with nothing to sample still steps with the others
-    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    uniforms = torch.zeros((len(ids), max(max_new_tokens, 0)), dtype=torch.float64)
+    for i, s in enumerate(seeds):
+        uniforms[i] = torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
     positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
-    key = _cache_key(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    key, keep = _cache_key(model), _keep_key(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **({keep: 1} if keep else {}))
     past, logits = _cache_of(out), out.logits[:, -1]
     last = positions[:, -1]
     done = torch.zeros(len(ids), dtype=torch.bool)
     done[rows:] = True
-    completions: list[list[int]] = [[] for _ in range(rows)]
+    drawn: list[torch.Tensor] = []  # each step's tokens
+    taken: list[torch.Tensor] = []  # each step: the rows still going (their token is part of the completion)
     for step in range(max_new_tokens):
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens] +
-                      [torch.zeros(len(ids) - rows, dtype=torch.float64)])
-        tokens = _pick(logits.float().cpu(), u, temperature)
-        for i in range(rows):
-            if not done[i]:
-                completions[i].append(int(tokens[i]))
-                done[i] = eos_id is not None and int(tokens[i]) == eos_id
+        tokens = _pick(logits.float().cpu(), uniforms[:, step], temperature)
+        drawn.append(tokens)
+        taken.append(~done)
+        if eos_id is not None:
+            done = done | (tokens == eos_id)
         if step == max_new_tokens - 1:
             break
         finished = bool(done.all())
@@ -92,7 +106,11 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
         out = model(input_ids=tokens.masked_fill(done, pad_id).unsqueeze(1).to(device), attention_mask=mask,
                     position_ids=last.unsqueeze(1), use_cache=True, **{key: past})
         past, logits = _cache_of(out), out.logits[:, -1]
-    return completions
+    if not drawn:
+        return [[] for _ in range(rows)]
+    tokens_by_row = torch.stack(drawn, dim=1)[:rows].tolist()
+    kept_by_row = torch.stack(taken, dim=1)[:rows].tolist()
+    return [[t for t, k in zip(ts, ks) if k] for ts, ks in zip(tokens_by_row, kept_by_row)]
 
 
 def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:

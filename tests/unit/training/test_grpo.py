@@ -46,6 +46,58 @@ def test_batched_generation_equals_one_at_a_time(model):
     assert any(len(c) > 1 for c in batched)  # prompts of different lengths: left padding was exercised
 
 
+def test_each_token_is_the_inverse_cdf_of_the_next_draw_of_the_completions_own_stream(model):
+    """The definition the resume guarantee rests on, decoded the slow way (the whole sequence again for each token,
+    no cache, no padding, one draw at a time), must give what the batched, cached sampler gives."""
+    rows = list(range(len(PROMPTS)))
+    batched = _generate(model, rows)
+    for r, seed in zip(rows, _seeds(rows)):
+        g, seq, slow = torch.Generator().manual_seed(seed), list(PROMPTS[r]), []
+        for _ in range(6):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1].double()
+            cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
+            u = torch.rand(1, generator=g, dtype=torch.float64)
+            token = min(int(torch.searchsorted(cdf, u * cdf[-1])), len(cdf) - 1)
+            slow.append(token)
+            seq.append(token)
+            if token == EOS:
+                break
+        assert batched[r] == slow, r
+
+
+def test_the_prompt_pass_asks_for_the_last_positions_logits_only(model):
+    """A large vocabulary's logits for every prompt position would be gigabytes; only the last one is sampled."""
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(tuple(out.shape)))
+    try:
+        _generate(model, [2, 0])
+    finally:
+        handle.remove()
+    assert seen[0] == (2, 1, 32), seen  # PROMPTS[2] has 6 tokens: 6 positions' logits without logits_to_keep
+
+
+def test_a_lora_model_samples_as_its_base_with_the_base_models_keywords(model):
+    """PEFT passes keywords through: the cache goes by the base model's own name (``past_key_values`` is deprecated
+    in transformers 5 and goes in 5.40) and the prompt pass keeps the last position's logits only. A fresh adapter
+    (B = 0) changes nothing, so its completions are the base's."""
+    import copy
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
+    seen = []
+    handle = lora.get_base_model().lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.shape[1]))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _generate(lora, [0, 1, 2]) == _generate(model, [0, 1, 2])
+    finally:
+        handle.remove()
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert set(seen) == {1}
+
+
 def test_sampling_does_not_depend_on_how_prompts_are_split_across_ranks(model):
     everything = list(range(len(PROMPTS)))
     whole = _generate(model, everything)

@@ -31,12 +31,13 @@ class _Tokenizer:
         return {"input_ids": [list(t) for t in texts]}
 
 
-def _grpo(local_batch_size: int) -> GRPO:
+def _grpo(local_batch_size: int, num_iterations: int = 2) -> GRPO:
     algorithm = GRPO.__new__(GRPO)
     algorithm.recipe = SimpleNamespace(
         tokenizer=_Tokenizer(), dims=SimpleNamespace(dp_size=1, dp_rank=0), env=SimpleNamespace(device="cpu"),
         cfg=OmegaConf.create({"step_scheduler": {"local_batch_size": local_batch_size}}))
-    algorithm.grpo_cfg = OmegaConf.create({"epsilon": 0.2, "epsilon_high": None, "beta": 0.0})
+    algorithm.grpo_cfg = OmegaConf.create({"epsilon": 0.2, "epsilon_high": None, "beta": 0.0,
+                                           "num_iterations": num_iterations})
     algorithm._prompt_ids = [[BOS] + p for p in PROMPTS]  # what GRPO.build_data makes: bos, then the prompt
     algorithm.rollout, algorithm._calls = RolloutBatch(), []
     return algorithm
@@ -59,21 +60,31 @@ def test_a_completion_is_trained_on_the_tokens_and_labels_of_the_supervised_row(
         assert (mb.labels[i, n:] == -100).all()
 
 
-def test_advantage_one_at_the_first_pass_has_the_supervised_loss_gradient():
+@pytest.mark.parametrize("num_iterations", [2, 1])
+def test_advantage_one_at_the_first_pass_has_the_supervised_loss_gradient(num_iterations):
+    """With 2 passes the ratio's denominator is the log-probs as sampled (recorded by a forward of their own); with
+    one pass it is the pass's own log-probs, detached: what is recorded is not read (garbage here), and
+    ``_log_probs`` runs no forward."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=49, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                          bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD))
-    algorithm = _grpo(local_batch_size=2)  # two micro-batches: padding differs between them
+    algorithm = _grpo(local_batch_size=2, num_iterations=num_iterations)  # two micro-batches: padding differs
     rows = [(p, 0) for p in range(len(PROMPTS))]
     t = algorithm._rows_tensors(rows, [a + [EOS] for a in ANSWERS])
     t["advantages"] = torch.ones(len(rows), dtype=torch.float64)
     algorithm.rollout.tensors = t
     batches = algorithm._micro_batches()
-    with torch.no_grad():  # the log-probs as sampled: the same weights (what GRPO._log_probs records)
-        for mb in batches:
-            t["old_log_probs"][mb.sample_ids] = token_log_probs(
-                model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels).double()
+    if num_iterations == 1:
+        algorithm.recipe.model = None  # a forward would fail
+        old, ref = algorithm._log_probs()
+        assert not old.any() and not ref.any()
+        t["old_log_probs"].fill_(-3.0)  # not read: exp(logp + 3) would be no ratio of 1
+    else:
+        with torch.no_grad():  # the log-probs as sampled: the same weights (what GRPO._log_probs records)
+            for mb in batches:
+                t["old_log_probs"][mb.sample_ids] = token_log_probs(
+                    model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels).double()
 
     def gradient(loss_of) -> torch.Tensor:
         model.zero_grad()
