@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import time
 import warnings
 from typing import Any, Callable
@@ -188,7 +189,7 @@ class GRPO(Algorithm):
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
         """A new rollout batch when the last one had its ``num_iterations`` passes, else the same one again."""
         self._generation_seconds = 0.0
-        if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations:
+        if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
             t0 = time.perf_counter()
             self._make_rollout()
             self._generation_seconds = time.perf_counter() - t0
@@ -282,6 +283,11 @@ class GRPO(Algorithm):
                 "old_log_probs": torch.zeros(n, width, dtype=torch.float64),
                 "ref_log_probs": torch.zeros(n, width, dtype=torch.float64)}
 
+    def _made_for_one_pass(self) -> bool:
+        """A rollout batch made at ``num_iterations`` 1 (its log-probs as sampled not recorded: NaN) resumed with
+        more passes: it had its one pass, and no later pass can have its ratio; a new batch is sampled."""
+        return bool(self.rollout.passes and torch.isnan(self.rollout.tensors["old_log_probs"]).any())
+
     def _one_pass(self) -> bool:
         """One optimizer step per rollout batch (``num_iterations`` 1): that step's weights are the ones that
         sampled, so the ratio's denominator is the pass's own log-probs, detached (ratio 1, as TRL does), and the
@@ -290,13 +296,14 @@ class GRPO(Algorithm):
 
     @torch.no_grad()
     def _log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token of every row: the policy's log-prob now (before the passes; zero with ``_one_pass``) and the
-        reference's (zero without one); each rank computes its share in its training micro-batches, then all are
-        gathered. Nothing to compute (one pass, no reference): no forward at all."""
+        """Per token of every row: the policy's log-prob now (before the passes; NaN, not recorded, with
+        ``_one_pass``) and the reference's (zero without one); each rank computes its share in its training
+        micro-batches, then all are gathered. Nothing to compute (one pass, no reference): no forward at all."""
         recipe = self.recipe
         t = self.rollout.tensors
-        old, ref = torch.zeros_like(t["old_log_probs"]), torch.zeros_like(t["ref_log_probs"])
         policy_too = not self._one_pass()
+        old = torch.zeros_like(t["old_log_probs"]) if policy_too else torch.full_like(t["old_log_probs"], math.nan)
+        ref = torch.zeros_like(t["ref_log_probs"])
         if not policy_too and self.grpo_cfg.beta <= 0:
             return old, ref
         recipe.model.eval()

@@ -78,7 +78,7 @@ def test_advantage_one_at_the_first_pass_has_the_supervised_loss_gradient(num_it
     if num_iterations == 1:
         algorithm.recipe.model = None  # a forward would fail
         old, ref = algorithm._log_probs()
-        assert not old.any() and not ref.any()
+        assert old.isnan().all() and not ref.any()  # not recorded
         t["old_log_probs"].fill_(-3.0)  # not read: exp(logp + 3) would be no ratio of 1
     else:
         with torch.no_grad():  # the log-probs as sampled: the same weights (what GRPO._log_probs records)
@@ -98,3 +98,22 @@ def test_advantage_one_at_the_first_pass_has_the_supervised_loss_gradient(num_it
     assert sum(algorithm.loss_count(mb) for mb in batches) == sum(len(a) + 1 for a in ANSWERS)  # the same tokens
     assert [s[0].item() for s in algorithm._calls] == [len(ANSWERS[0]) + len(ANSWERS[1]) + 2, len(ANSWERS[2]) + 1]
     assert pytest.approx(sum(s[1].item() for s in algorithm._calls)) == 0.0  # nothing clipped at ratio 1
+
+
+def test_a_batch_made_for_one_pass_is_not_passed_over_again_by_a_resume_with_more_passes():
+    """A checkpoint of a one-pass run (its rollout's log-probs as sampled not recorded) resumed with
+    ``num_iterations`` 2: the batch had its pass, and a second one would have no ratio, so a new batch is sampled.
+    A batch whose log-probs were recorded gets its second pass."""
+    algorithm = _grpo(local_batch_size=8, num_iterations=2)
+    algorithm.grpo = SimpleNamespace(prompt_epoch=0)
+    rows = [(p, 0) for p in range(len(PROMPTS))]
+    t = algorithm._rows_tensors(rows, [a + [EOS] for a in ANSWERS])
+    t["old_log_probs"].fill_(float("nan"))
+    algorithm.rollout.tensors, algorithm.rollout.passes = t, 1
+    made = []
+    algorithm._make_rollout = lambda: made.append(True)
+    algorithm.next_batch()
+    assert made == [True]
+    t["old_log_probs"].zero_()
+    algorithm.next_batch()
+    assert made == [True]  # the same batch, its second pass
