@@ -1,17 +1,18 @@
 """GRPO end to end (recipes/tiny_llama_grpo.yaml from the random tiny base, real `ckpt-train` launches, gloo).
 
-Shared runs (module scope), 6 optimizer steps of 16 completions (4 prompts x 4), two passes over each rollout batch
+Shared runs (module scope), 6 optimizer steps of 24 completions (6 prompts x 4), two passes over each rollout batch
 (``grpo.num_iterations`` 2) with the k3 KL to a frozen reference, a checkpoint every 3 steps, so the step-3
-checkpoint falls between the two passes over rollout batch 2:
+checkpoint falls between the two passes over rollout batch 2. 3 processes: a sum over 2 ranks is the same in either
+order, over 3 it is not, so a bitwise claim needs 3:
 
-* ``straight``: 2 processes, 6 steps;
+* ``straight``: 3 processes, 6 steps;
 * ``killed``: the same, its rank 0 held mid-generation of rollout batch 3 (step 5: the first new token of each
   completion drawn) and the whole job killed (SIGKILL), then rerun: it resumes from step 3, between the two passes
   over rollout batch 2 (that batch restored with its pass index), and samples rollout batch 3 again;
 * ``between``: the same, its rank 0 held after step 5 (the first of the two passes over rollout batch 3 trained and
   logged, the second not begun) and the whole job killed (SIGKILL), then rerun: it resumes from step 3 and samples
   rollout batch 3 again;
-* ``one``: 1 process restored from the straight run's step-3 checkpoint.
+* ``resumed_on_1`` and ``resumed_on_2``: 1 and 2 processes restored from the straight run's step-3 checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from tests.integration import grpo_faults, step_faults
 from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
 
 RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
-ARGS = ("--dataset.num_samples", "200", "--step_scheduler.global_batch_size", "16", "--step_scheduler.local_batch_size",
+NPROC = 3
+ARGS = ("--dataset.num_samples", "200", "--step_scheduler.global_batch_size", "24", "--step_scheduler.local_batch_size",
         "8", "--step_scheduler.ckpt_every_steps", "3", "--step_scheduler.max_steps", "6", "--grpo.num_iterations", "2",
         "--grpo.beta", "0.04", "--grpo.num_generations", "4", "--checkpoint.save_consolidated", "false",
         # from the random base the exact answer is never found: every reward steers, normalized within each group
@@ -45,14 +47,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(work: Path, assets: Path) -> Path:
-    ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "straight", nproc=2, recipe=RECIPE)
+    ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "straight", nproc=NPROC, recipe=RECIPE)
     return work / "straight"
 
 
 def _held_and_killed(work: Path, assets: Path, name: str, hold: dict[str, str]) -> Path:
     """A run of ``ARGS`` into ``work/name`` whose rank 0 holds the job as ``hold``'s hook says, killed there
     (SIGKILL to the whole job)."""
-    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", name,
+    cmd = [CKPT_TRAIN, "--nproc-per-node", str(NPROC), str(RECIPE), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", name,
            "--recipe", grpo_faults.RECIPE]
     with open(work / f"{name}.log", "w") as log:
         job = start_command(cmd, cwd=work, env=env_for(assets, hold), stdout=log, stderr=subprocess.STDOUT,
@@ -71,7 +73,7 @@ def killed(work: Path, assets: Path) -> tuple[Path, str]:
     # rank 0 holds the job mid-generation at step 5: step 3's checkpoint is the latest
     run = _held_and_killed(work, assets, "killed", grpo_faults.env(3, work / "stopped.pid"))
     assert [r["step"] for r in jsonl(run / "training.jsonl")] == [1, 2, 3, 4]  # step 5 never trained
-    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=2, recipe=RECIPE)
+    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=NPROC, recipe=RECIPE)
     return run, rerun.output
 
 
@@ -81,7 +83,7 @@ def between(work: Path, assets: Path) -> tuple[Path, str]:
     run = _held_and_killed(work, assets, "between", step_faults.env(5, work / "between.pid"))
     rows = jsonl(run / "training.jsonl")
     assert [(r["step"], r["grpo_step"], r["rollout_pass"]) for r in rows][-1] == (5, 3, 1)  # one pass of two taken
-    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "between", nproc=2, recipe=RECIPE)
+    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "between", nproc=NPROC, recipe=RECIPE)
     return run, rerun.output
 
 
@@ -106,15 +108,16 @@ def test_checkpoints_hold_the_counters_and_the_rollout_between_passes_and_inspec
     meta = json.loads((straight / "epoch_0_step_3" / layout.METADATA_FILE).read_text())
     assert meta["extra"]["grpo_step"] == 2 and meta["extra"]["ppo_optimization_step"] == 3
     counters = meta["extra"]["counters"]
-    assert counters["consumed_prompts"] == 8 and counters["generated_completions"] == 32
+    assert counters["consumed_prompts"] == 12 and counters["generated_completions"] == 48
     rollout = torch.load(straight / "epoch_0_step_3" / layout.global_state_file("rollout"), weights_only=True)
     assert (rollout["step"], rollout["passes"]) == (2, 1)  # rollout batch 2, one of its two passes taken
-    assert rollout["input_ids"].shape[0] == 16 and rollout["old_log_probs"].dtype == torch.float64
+    assert rollout["input_ids"].shape[0] == 24 and rollout["old_log_probs"].dtype == torch.float64
+    assert not rollout["old_log_probs"].isnan().any()  # two passes: recorded as sampled
     grpo = torch.load(straight / "epoch_0_step_3" / layout.global_state_file("grpo"), weights_only=True)
-    assert grpo["grpo_step"] == 2 and grpo["prompt_position"] == 8
+    assert grpo["grpo_step"] == 2 and grpo["prompt_position"] == 12
     shown = subprocess.run([CKPT_TRAIN, "inspect", str(straight)], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
-    assert "epoch_0_step_3: grpo_step 2, ppo_optimization_step 3, consumed_prompts 8" in shown.stdout, shown.stdout
+    assert "epoch_0_step_3: grpo_step 2, ppo_optimization_step 3, consumed_prompts 12" in shown.stdout, shown.stdout
 
 
 def test_killed_mid_generation_resumed_between_two_passes_is_bitwise(straight, killed):
@@ -134,10 +137,12 @@ def test_killed_between_two_passes_of_one_rollout_batch_is_bitwise(straight, bet
     assert json.loads((run / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"] == want
 
 
-def test_resumed_on_one_process_samples_the_same_completions(work, assets, straight):
-    ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "one", "--checkpoint.restore_from",
-               str(straight / "epoch_0_step_3"), nproc=1, recipe=RECIPE)
-    got, want = jsonl(work / "one" / "training.jsonl"), jsonl(straight / "training.jsonl")[3:]
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resumed_on_fewer_processes_samples_the_same_completions(work, assets, straight, nproc):
+    name = f"resumed_on_{nproc}"  # 24 completions: 3 micro-batches of 8 on one process, 3 of 4 on each of two
+    ckpt_train(work, assets, *ARGS, "--step_scheduler.local_batch_size", str(8 // nproc), "--checkpoint.checkpoint_dir",
+               name, "--checkpoint.restore_from", str(straight / "epoch_0_step_3"), nproc=nproc, recipe=RECIPE)
+    got, want = jsonl(work / name / "training.jsonl"), jsonl(straight / "training.jsonl")[3:]
     assert [r["step"] for r in got] == [4, 5, 6]
     for key in ("completion_hash", "reward", "grpo_step", "ppo_optimization_step", "rollout_pass"):
         assert [r[key] for r in got] == [r[key] for r in want], key
@@ -153,7 +158,7 @@ def test_started_from_an_sft_checkpoint_its_reference_is_those_weights(work, ass
                "--checkpoint.checkpoint_dir", "sft", nproc=2, recipe=REPO / "recipes" / "tiny_llama_sft.yaml")
     sft = work / "sft" / "epoch_0_step_2"
     ckpt_train(work, assets, *ARGS, "--step_scheduler.max_steps", "2", "--step_scheduler.ckpt_every_steps", "2",
-               "--checkpoint.checkpoint_dir", "from_sft", "--checkpoint.restore_from", str(sft),
+               "--step_scheduler.global_batch_size", "16", "--checkpoint.checkpoint_dir", "from_sft", "--checkpoint.restore_from", str(sft),
                "--checkpoint.load_only", "[model]", nproc=2, recipe=RECIPE)
     rows = jsonl(work / "from_sft" / "training.jsonl")
     assert [(r["step"], r["grpo_step"], r["rollout_pass"]) for r in rows] == [(1, 1, 1), (2, 1, 2)]
