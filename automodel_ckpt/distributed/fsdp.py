@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from automodel_ckpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
 from automodel_ckpt.distributed.mesh import IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, ParallelDims
@@ -99,3 +102,22 @@ def _restore_recorded_outputs(recorded: list[tuple[nn.Module, dict]]) -> None:
 
     for module, flags in recorded:
         _CAN_RECORD_REGISTRY[module] = flags
+
+
+@contextlib.contextmanager
+def gathered_between_forwards(model: nn.Module) -> Iterator[None]:
+    """Inside: each FSDP2 block keeps its gathered parameters after its forward, so a run of forwards with no
+    backward (sampling: one per new token) gathers each block once, not once per forward; after: every block
+    resharded and back to resharding after each forward. The root is left as FSDP2 sets it (it keeps its own
+    parameters gathered after forward anyway). Nothing to do for a model without FSDP2 blocks."""
+    sharded = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    blocks = [m for name, m in sharded.items()  # inside another FSDP2 module: not a root
+              if any(outer != name and (outer == "" or name.startswith(outer + ".")) for outer in sharded)]
+    for block in blocks:
+        block.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.reshard()
+            block.set_reshard_after_forward(True, recurse=False)

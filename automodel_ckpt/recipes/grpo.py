@@ -24,6 +24,7 @@ from automodel_ckpt.config.schema import GRPOConfig
 from automodel_ckpt.data import MicroBatch
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, all_reduce_sum
+from automodel_ckpt.distributed.fsdp import gathered_between_forwards
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.grpo_state import GRPOCounters, RolloutBatch
@@ -209,7 +210,7 @@ class GRPO(Algorithm):
         distributed = recipe.env.world_size > 1
         keep_going = (lambda done: all_reduce_sum(0.0 if done else 1.0).item() > 0) if distributed else None
         recipe.model.eval()
-        with recipe.data_parallel.compute(recipe.env.device):
+        with recipe.data_parallel.compute(recipe.env.device), gathered_between_forwards(recipe.model):
             return generate(recipe.model, [self._prompt_ids[p] for p, _ in rows],
                             [sample_seed(recipe.cfg.seed, step, p, i) for p, i in rows],
                             max_new_tokens=section.max_new_tokens, temperature=section.temperature,
