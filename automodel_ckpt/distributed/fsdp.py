@@ -105,11 +105,15 @@ def _restore_recorded_outputs(recorded: list[tuple[nn.Module, dict]]) -> None:
 
 
 @contextlib.contextmanager
-def gathered_between_forwards(model: nn.Module) -> Iterator[None]:
+def gathered_between_forwards(model: nn.Module, budget: int | None = None) -> Iterator[None]:
     """Inside: each FSDP2 block keeps its gathered parameters after its forward, so a run of forwards with no
     backward (sampling: one per new token) gathers each block once, not once per forward; after: every block
     resharded and back to resharding after each forward. The root is left as FSDP2 sets it (it keeps its own
-    parameters gathered after forward anyway). Nothing to do for a model without FSDP2 blocks."""
+    parameters gathered after forward anyway). Nothing to do for a model without FSDP2 blocks, or whose whole
+    parameters would take more than ``budget`` bytes on a rank (then each forward gathers and reshards, as ever)."""
+    if budget is not None and sum(p.numel() * p.element_size() for p in model.parameters()) > budget:
+        yield
+        return
     sharded = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     blocks = [m for name, m in sharded.items()  # inside another FSDP2 module: not a root
               if any(outer != name and (outer == "" or name.startswith(outer + ".")) for outer in sharded)]

@@ -210,7 +210,9 @@ class GRPO(Algorithm):
         distributed = recipe.env.world_size > 1
         keep_going = (lambda done: all_reduce_sum(0.0 if done else 1.0).item() > 0) if distributed else None
         recipe.model.eval()
-        with recipe.data_parallel.compute(recipe.env.device), gathered_between_forwards(recipe.model):
+        # the whole model gathered for the sampling where its weights take at most a quarter of a rank's memory
+        budget = data_parallel.rank_memory(recipe.env.device) // 4
+        with recipe.data_parallel.compute(recipe.env.device), gathered_between_forwards(recipe.model, budget):
             return generate(recipe.model, [self._prompt_ids[p] for p, _ in rows],
                             [sample_seed(recipe.cfg.seed, step, p, i) for p, i in rows],
                             max_new_tokens=section.max_new_tokens, temperature=section.temperature,

@@ -36,3 +36,6 @@ def test_blocks_stay_gathered_between_forwards_inside_and_are_resharded_after(pr
     assert _sharded_weight(sharded)  # and resharded after each forward again, as before
     with gathered_between_forwards(plain):  # no FSDP2 blocks: nothing to do
         assert generate(plain, prompts, seeds, **kw) == want
+    with gathered_between_forwards(sharded, budget=1024):  # the whole weights would not fit: gathered per forward
+        assert generate(sharded, prompts, seeds, **kw) == want
+        assert _sharded_weight(sharded)
