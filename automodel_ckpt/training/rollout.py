@@ -44,8 +44,10 @@ def _pick(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float) -> t
     """Each row's token by inverse CDF with that row's own uniform (greedy at temperature 0)."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    cdf = probs.cumsum(dim=-1)
+    scaled = logits.double()  # in place from here: a large vocabulary's rows are tens of megabytes per new token
+    if temperature != 1.0:  # x / 1.0 is x
+        scaled.div_(temperature)
+    cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
     target = (uniforms * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target).squeeze(1).clamp_max(logits.shape[-1] - 1)
 
