@@ -13,7 +13,9 @@
 #             save that a load reads is timed once, as it writes that source; an operation with no result after
 #             CHILD_S seconds (default 150) is stopped with its stack printed, and the JSON is rewritten after each.
 # grpo:       GRPO's generation speed and step against TRL's GRPOTrainer on the GPU (tools/bench_grpo.py --device cuda,
-#             the tiny Llama, 16 prompts x 16 completions, 12 steps; TRL from the carried wheels).
+#             the tiny Llama, 16 prompts x 16 completions, 12 steps; TRL from the carried wheels), and whether
+#             sampling on the GPU gives a row the same completion in any batch (tools/sampling_invariance.py, fp32
+#             and bf16: what a resume at another world size needs).
 #
 # A machine without internet gets the packages it lacks as wheels in .whl/, installed into /tmp/site and put first
 # on the path. For a machine with torch 2.11 and Python 3.12 (what the lent H100 and H200 have), fetch them with
@@ -70,4 +72,8 @@ if [ "$what" = grpo ] || [ "$what" = all ]; then
     part grpo "${GRPO_S:-240}" python3 tools/bench_grpo.py --device cuda --steps 12 --warmup 2 --prompts 16 \
         --num-generations 16 --trl-python python3 --work "$out/grpo-work" --json "$out/grpo.json"
     rm -rf "$out/grpo-work/assets" "$out/grpo-work/ours" "$out/grpo-work/trl"
+    for dtype in float32 bfloat16; do
+        part "sampling-$dtype" "${SAMPLING_S:-90}" python3 tools/sampling_invariance.py --device cuda --dtype "$dtype" \
+            --json "$out/sampling-$dtype.json"
+    done
 fi

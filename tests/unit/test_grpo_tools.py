@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
@@ -33,3 +34,15 @@ def test_bench_grpo_hides_the_gpus_from_a_cpu_run_and_checks_its_steps(tmp_path)
     done = subprocess.run([sys.executable, str(TOOLS / "bench_grpo.py"), "--steps", "3", "--warmup", "2", "--work",
                            str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2 and "--steps must exceed --warmup + 1" in done.stderr
+
+
+def test_sampling_invariance_counts_no_difference_on_this_cpu_and_splits_every_row_once():
+    tool = _module("sampling_invariance")
+    assert [list(p) for p in tool.parts(7, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [list(p) for p in tool.parts(7, 7)] == [[i] for i in range(7)]
+    prompts = tool.prompts_for(9, 64)
+    assert len({len(p) for p in prompts}) > 1  # a split changes the left padding
+    args = SimpleNamespace(device="cpu", dtype="float32", rows=5, max_new_tokens=3)
+    result = tool.check("tiny-llama", args)
+    assert result["rows"] == 5 and result["tokens"] > 5
+    assert result["differing"] == {"2 parts": 0, "3 parts": 0, "one at a time": 0}
