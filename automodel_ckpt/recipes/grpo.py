@@ -210,13 +210,17 @@ class GRPO(Algorithm):
         distributed = recipe.env.world_size > 1
         keep_going = (lambda done: all_reduce_sum(0.0 if done else 1.0).item() > 0) if distributed else None
         recipe.model.eval()
-        # the whole model gathered for the sampling where its weights take at most a quarter of a rank's memory
-        budget = data_parallel.rank_memory(recipe.env.device) // 4
-        with recipe.data_parallel.compute(recipe.env.device), gathered_between_forwards(recipe.model, budget):
+        with recipe.data_parallel.compute(recipe.env.device), \
+                gathered_between_forwards(recipe.model, self._gather_budget):
             return generate(recipe.model, [self._prompt_ids[p] for p, _ in rows],
                             [sample_seed(recipe.cfg.seed, step, p, i) for p, i in rows],
                             max_new_tokens=section.max_new_tokens, temperature=section.temperature,
                             eos_id=tok.eos_token_id, pad_id=pad, device=recipe.env.device, keep_going=keep_going)
+
+    @functools.cached_property
+    def _gather_budget(self) -> int:
+        """The whole model stays gathered for sampling where its weights take at most a quarter of a rank's memory."""
+        return data_parallel.rank_memory(self.recipe.env.device) // 4
 
     def _score(self, rows: list[tuple[int, int]], completions: list[list[int]]) -> torch.Tensor:
         """``[rows, functions]``: each reward function's reward of each completion."""

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from automodel_ckpt.distributed.tensor_parallel import causal_lm
 from automodel_ckpt.training.rewards import RewardError
 
 #: A label left out of the loss (the data package's ``IGNORE_INDEX``).
@@ -23,9 +24,8 @@ def sample_seed(seed: int, rollout: int, prompt_id: int, index: int) -> int:
 
 def _forward_names(model: Any) -> set[str]:
     """The keywords the model's own forward names (a PEFT model's base model's: PEFT passes keywords through)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
-        return set(inspect.signature(type(base).forward).parameters)
+        return set(inspect.signature(type(causal_lm(model)).forward).parameters)
     except (TypeError, ValueError):
         return set()
 
@@ -78,7 +78,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
         mask[i, width - len(p):] = 1
     if rows == 0:
         mask[0, -1] = 1  # a rank with nothing to sample still steps with the others
-    uniforms = torch.zeros((len(ids), max(max_new_tokens, 0)), dtype=torch.float64)
+    uniforms = torch.zeros((len(ids), max_new_tokens), dtype=torch.float64)
     for i, s in enumerate(seeds):
         uniforms[i] = torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
     positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
