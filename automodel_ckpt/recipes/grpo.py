@@ -25,9 +25,10 @@ from automodel_ckpt.data import MicroBatch
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, all_reduce_sum
 from automodel_ckpt.distributed.fsdp import gathered_between_forwards
+from automodel_ckpt.distributed.tensor_parallel import causal_lm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.recipes.algorithm import Algorithm
-from automodel_ckpt.recipes.grpo_state import GRPOCounters, RolloutBatch
+from automodel_ckpt.recipes.grpo_state import GRPOCounters, RolloutBatch, RolloutExpected
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 from automodel_ckpt.training.reference import mix_into
 from automodel_ckpt.training.rewards import score
@@ -74,6 +75,18 @@ def reward_function(spec: Any) -> tuple[str, Callable[..., Any]]:
     if not callable(fn):
         raise ConfigError(f"grpo.reward_funcs: {target} is not callable")
     return target.rsplit(".", 1)[-1], functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def vocab_rows(model: Any) -> int:
+    """The token ids ``model`` takes and scores: its input embedding's rows (and its head's, if fewer)."""
+    lm = causal_lm(model)
+    parts = [(getattr(lm, name, lambda: None)(), attr) for name, attr in
+             (("get_input_embeddings", "num_embeddings"), ("get_output_embeddings", "out_features"))]
+    sizes = [s for s in (getattr(module, attr, None) for module, attr in parts) if isinstance(s, int)]
+    config_size = getattr(getattr(lm, "config", None), "vocab_size", None)
+    if not sizes and not isinstance(config_size, int):
+        raise ConfigError("grpo: the model has no input embedding and no config.vocab_size: its token ids are unknown")
+    return min(sizes) if sizes else config_size
 
 
 def take_prompts(order: torch.Tensor, position: int, lengths: list[int], want: int, limit: int
@@ -123,8 +136,16 @@ class GRPO(Algorithm):
 
     # ------------------------------------------------------------------------------------- reference
     def build(self) -> None:
+        """The reference (with ``beta`` > 0, a full fine-tune), and what a checkpoint's rollout batch is checked
+        against: the model's vocabulary, the recipe's batch, group, reward functions and sequence length, the
+        prompts."""
         if self.grpo_cfg.beta > 0 and not self._peft:
             self.ref_model = self.frozen_copy()  # filled in ``restored``
+        cfg = self.recipe.cfg
+        self.rollout.expected = RolloutExpected(
+            rows=cfg.step_scheduler.global_batch_size, group=self.grpo_cfg.num_generations,
+            reward_functions=len(self._rewards), vocab=vocab_rows(self.recipe.model), seq_length=cfg.data.seq_length,
+            prompts=getattr(self, "_prompt_ids", []))
 
     def restored(self) -> None:
         """The reference: the checkpoint's, else the policy as this run starts (a ``restore_from`` SFT model)."""

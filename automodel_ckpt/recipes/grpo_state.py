@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -55,6 +56,25 @@ class GRPOCounters:
 _TENSORS = {"prompt_ids": torch.int64, "sample_index": torch.int64, "input_ids": torch.int64,
             "prompt_length": torch.int64, "length": torch.int64, "old_log_probs": torch.float64,
             "ref_log_probs": torch.float64, "advantages": torch.float64, "rewards": torch.float64}
+#: Each tensor's dimensions as written: ``[rows, width]`` for the token ids and the per-token log-probs,
+#: ``[rows, reward functions]`` for the rewards, ``[rows]`` for the rest.
+_DIMS = {"prompt_ids": 1, "sample_index": 1, "input_ids": 2, "prompt_length": 1, "length": 1, "old_log_probs": 2,
+         "ref_log_probs": 2, "advantages": 1, "rewards": 2}
+#: The lowest per-token log-prob a rollout batch may hold: a float32 log-softmax of a real model's logits stays far
+#: above it, and far below it the ratio ``exp(log p - old)`` of the loss overflows.
+LOG_PROB_FLOOR = -1e4
+
+
+@dataclass(frozen=True)
+class RolloutExpected:
+    """What this run's rollout batch is, from the recipe and the model: a checkpoint's is checked against it."""
+
+    rows: int  # step_scheduler.global_batch_size: one row per completion
+    group: int  # grpo.num_generations: consecutive rows are one prompt's completions, sample index 0, 1, ...
+    reward_functions: int  # len(grpo.reward_funcs): the rewards' columns
+    vocab: int  # token ids are below it (the model's embedding rows)
+    seq_length: int  # data.seq_length: the widest row
+    prompts: Sequence[Sequence[int]]  # each prompt's token ids, by prompt id (what a row starts with)
 
 
 class RolloutBatch:
@@ -63,12 +83,14 @@ class RolloutBatch:
     index, the token ids (prompt then completion, right-padded), the prompt's and the whole row's length, the
     per-token log-probs when it was sampled and the reference's, the advantage and the rewards (one column per
     reward function); and ``step`` (the ``grpo_step`` that made it) and ``passes`` (optimizer passes taken
-    over it). Empty (``rows`` 0) before the first rollout."""
+    over it). Empty (``rows`` 0) before the first rollout. ``expected`` (set once the model and the prompts are
+    built) is what a checkpoint's batch is checked against."""
 
     def __init__(self) -> None:
         self.step = 0
         self.passes = 0
         self.tensors: dict[str, torch.Tensor] = {}
+        self.expected: RolloutExpected | None = None
 
     @property
     def rows(self) -> int:
@@ -78,7 +100,8 @@ class RolloutBatch:
         return {"step": self.step, "passes": self.passes, **{k: v.clone() for k, v in self.tensors.items()}}
 
     def load_state_dict(self, state: Any) -> None:
-        """A checkpoint's rollout batch (untrusted): the tensors it names, of their dtypes and row counts."""
+        """A checkpoint's rollout batch (untrusted): the tensors it names, each checked (``check_rollout``) against
+        the others and, once known, this run's ``expected``; a problem is one line naming the field."""
         if not isinstance(state, dict):
             raise CheckpointError(f"the GRPO rollout batch is a {type(state).__name__}, not a mapping")
         for key in ("step", "passes"):
@@ -87,9 +110,125 @@ class RolloutBatch:
         tensors = {k: v for k, v in state.items() if k in _TENSORS}
         if tensors and set(tensors) != set(_TENSORS):
             raise CheckpointError(f"the GRPO rollout batch lacks {sorted(set(_TENSORS) - set(tensors))}")
-        rows = {len(v) for v in tensors.values() if isinstance(v, torch.Tensor)}
-        for key, value in tensors.items():
-            if not isinstance(value, torch.Tensor) or value.dtype != _TENSORS[key] or len(rows) != 1:
-                raise CheckpointError(f"the GRPO rollout batch: '{key}' is not a {_TENSORS[key]} tensor with one "
-                                      "row per completion")
+        if tensors:
+            check_rollout(tensors, state["passes"], self.expected)
         self.step, self.passes, self.tensors = state["step"], state["passes"], tensors
+
+
+def _bad(key: str, what: str) -> CheckpointError:
+    return CheckpointError(f"the GRPO rollout batch: '{key}' {what}")
+
+
+def _first(values: torch.Tensor, wrong: torch.Tensor) -> tuple[int, Any]:
+    """The first row where ``wrong`` holds, and the value there."""
+    at = tuple(wrong.nonzero()[0].tolist())
+    return at[0], values[at].item()
+
+
+def check_rollout(t: dict[str, torch.Tensor], passes: int, expected: RolloutExpected | None) -> None:
+    """A checkpoint's rollout tensors (untrusted) are what a rollout makes, else one line naming the field: shapes
+    first (nothing allocated from them), then token ids, lengths, prompts, and every number finite and in range.
+    ``expected``: this run's rows, group, reward functions, vocabulary, ``data.seq_length`` and prompts."""
+    for key, value in t.items():
+        if not isinstance(value, torch.Tensor) or value.dtype != _TENSORS[key]:
+            raise _bad(key, f"is not a {_TENSORS[key]} tensor")
+        if value.dim() != _DIMS[key]:
+            raise _bad(key, f"has {value.dim()} dimensions, not {_DIMS[key]}")
+    ids = t["input_ids"]
+    rows, width = ids.shape
+    if expected is not None:
+        if rows != expected.rows:
+            raise _bad("input_ids", f"has {rows} rows, not step_scheduler.global_batch_size ({expected.rows})")
+        if width > expected.seq_length:
+            raise _bad("input_ids", f"is {width} tokens wide, over data.seq_length ({expected.seq_length})")
+    for key, value in t.items():
+        if value.numel() * value.element_size() > value.untyped_storage().nbytes():  # a view: stride 0, overlaps
+            raise _bad(key, f"has the shape {list(value.shape)} over fewer stored values")
+        if len(value) != rows:
+            raise _bad(key, f"has {len(value)} rows, 'input_ids' {rows}")
+    for key in ("old_log_probs", "ref_log_probs"):
+        if t[key].shape != ids.shape:
+            raise _bad(key, f"is {list(t[key].shape)}, not the token ids' {[rows, width]}")
+    if expected is not None:
+        if t["rewards"].shape[1] != expected.reward_functions:
+            raise _bad("rewards", f"has {t['rewards'].shape[1]} columns for {expected.reward_functions} reward "
+                                  "functions (grpo.reward_funcs)")
+    if rows == 0:
+        return
+    _check_rows(t, width, expected)
+    _check_numbers(t, passes, expected)
+
+
+def _check_rows(t: dict[str, torch.Tensor], width: int, expected: RolloutExpected | None) -> None:
+    """Token ids inside the vocabulary; ``0 <= prompt_length < length <= width``; each group one prompt's
+    completions, each row starting with that prompt's tokens."""
+    ids, first, length = t["input_ids"], t["prompt_length"], t["length"]
+    vocab = expected.vocab if expected is not None else None
+    wrong = (ids < 0) | (ids >= vocab) if vocab is not None else ids < 0
+    if bool(wrong.any()):
+        row, value = _first(ids, wrong)
+        inside = f"outside the model's vocabulary (0 to {vocab - 1})" if vocab is not None else "below 0"
+        raise _bad("input_ids", f"holds token id {value} in row {row}, {inside}")
+    if bool((first < 0).any()):
+        row, value = _first(first, first < 0)
+        raise _bad("prompt_length", f"is {value} in row {row}, below 0")
+    wrong = (length < 1) | (length > width)
+    if bool(wrong.any()):
+        row, value = _first(length, wrong)
+        raise _bad("length", f"is {value} in row {row}, not from 1 to the row's width ({width})")
+    if bool((first >= length).any()):
+        row, value = _first(first, first >= length)
+        raise _bad("prompt_length", f"is {value} in row {row}, not below its 'length' ({int(length[row])}): a row "
+                                    "holds a completion of at least one token")
+    pid, index = t["prompt_ids"], t["sample_index"]
+    prompts = len(expected.prompts) if expected is not None else None
+    wrong = (pid < 0) | (pid >= prompts) if prompts is not None else pid < 0
+    if bool(wrong.any()):
+        row, value = _first(pid, wrong)
+        raise _bad("prompt_ids", f"is {value} in row {row}, not a prompt of the dataset"
+                                 + (f" (0 to {prompts - 1})" if prompts is not None else ""))
+    if expected is None:
+        if bool((index < 0).any()):
+            raise _bad("sample_index", f"is {_first(index, index < 0)[1]}, not a sample index")
+        return
+    group = expected.group
+    if not torch.equal(index, torch.arange(len(index)) % group):
+        raise _bad("sample_index", f"is not 0 to {group - 1} in each group of grpo.num_generations ({group}) rows")
+    groups = pid.reshape(-1, group)
+    if bool((groups != groups[:, :1]).any()):
+        raise _bad("prompt_ids", f"differ within a group of grpo.num_generations ({group}) rows")
+    for row, (p, n) in enumerate(zip(pid.tolist(), first.tolist())):
+        prompt = expected.prompts[p]
+        if n != len(prompt):
+            raise _bad("prompt_length", f"is {n} in row {row}; its prompt ({p}) has {len(prompt)} tokens")
+        if ids[row, :n].tolist() != list(prompt):
+            raise _bad("input_ids", f"row {row} does not start with its prompt's ({p}) tokens")
+
+
+def _check_numbers(t: dict[str, torch.Tensor], passes: int, expected: RolloutExpected | None) -> None:
+    """Every number finite and in the range a rollout gives: rewards finite; advantages at most sqrt(group) in size
+    (a group's normalized reward: (n - 1) / sqrt(n) at most; a share: 1 at most); per-token log-probs in
+    [``LOG_PROB_FLOOR``, 0], or the log-probs as sampled all NaN (not recorded) for a batch that had its pass."""
+    rewards = t["rewards"]
+    if not bool(torch.isfinite(rewards).all()):
+        row, value = _first(rewards, ~torch.isfinite(rewards))
+        raise _bad("rewards", f"holds {value} in row {row}, not a finite number")
+    group = expected.group if expected is not None else len(rewards)
+    bound = math.sqrt(group)
+    advantages = t["advantages"]
+    wrong = ~(advantages.abs() <= bound)  # NaN too
+    if bool(wrong.any()):
+        row, value = _first(advantages, wrong)
+        raise _bad("advantages", f"holds {value} in row {row}: an advantage is finite, at most {bound:g} in size "
+                                 f"(the square root of a group of {group})")
+    old = t["old_log_probs"]
+    unrecorded = torch.isnan(old)
+    if bool(unrecorded.any()) and not (bool(unrecorded.all()) and passes >= 1):
+        raise _bad("old_log_probs", "holds NaN: only a batch that had its one pass (passes >= 1) holds NaN, and then "
+                                    "in every place (not recorded)")
+    for key in ("ref_log_probs",) + (() if bool(unrecorded.any()) else ("old_log_probs",)):
+        values = t[key]
+        wrong = ~((values >= LOG_PROB_FLOOR) & (values <= 0))  # NaN too
+        if bool(wrong.any()):
+            row, value = _first(values, wrong)
+            raise _bad(key, f"holds {value} in row {row}: a log-prob is finite, from {LOG_PROB_FLOOR:g} to 0")

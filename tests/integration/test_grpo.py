@@ -12,19 +12,21 @@ order, over 3 it is not, so a bitwise claim needs 3:
 * ``between``: the same, its rank 0 held after step 5 (the first of the two passes over rollout batch 3 trained and
   logged, the second not begun) and the whole job killed (SIGKILL), then rerun: it resumes from step 3 and samples
   rollout batch 3 again;
-* ``resumed_on_1`` and ``resumed_on_2``: 1 and 2 processes restored from the straight run's step-3 checkpoint.
+* ``resumed_on_1`` and ``resumed_on_2``: 1 and 2 processes restored from the straight run's step-3 checkpoint;
+* ``poisoned``: 1 process restored from a copy of that checkpoint whose rollout batch holds a NaN advantage.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import layout, manifest
 from tests.integration import grpo_faults, step_faults
 from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
 
@@ -166,3 +168,24 @@ def test_started_from_an_sft_checkpoint_its_reference_is_those_weights(work, ass
     meta = json.loads((work / "from_sft" / "epoch_0_step_2" / layout.METADATA_FILE).read_text())
     assert (meta["extra"]["grpo_step"], meta["extra"]["ppo_optimization_step"]) == (1, 2)
     assert (work / "from_sft" / "epoch_0_step_2" / "ref_model").exists()
+
+
+def test_a_received_checkpoint_whose_rollout_holds_a_nan_advantage_is_refused_in_one_line(work, assets, straight):
+    """A copy of the step-3 checkpoint, its rollout batch given a NaN advantage and the manifest rewritten to match
+    (as anyone who rewrites a checkpoint can): restored from, it is refused in one line naming the file and the
+    field, exit 3, before any step is trained or saved (the NaN once trained and its weights were saved, exit 0).
+    Every other field and value: tests/hostile/test_grpo_state_inputs.py."""
+    source = work / "poisoned_source" / "epoch_0_step_3"
+    shutil.copytree(straight / "epoch_0_step_3", source, symlinks=True)
+    file = source / layout.global_state_file("rollout")
+    state = torch.load(file, weights_only=True)
+    state["advantages"][5] = float("nan")
+    torch.save(state, file)
+    manifest.seal(source, 0, 1)
+    result = ckpt_train(work, assets, *ARGS, "--step_scheduler.local_batch_size", "8", "--checkpoint.checkpoint_dir",
+                        "poisoned", "--checkpoint.restore_from", str(source), nproc=1, recipe=RECIPE, check=False)
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert result.returncode == 3 and "Traceback" not in result.output, result.output[-3000:]
+    assert errors == [f"error: '{file}': the GRPO rollout batch: 'advantages' holds nan in row 5: an advantage is "
+                      "finite, at most 2 in size (the square root of a group of 4)"], result.output[-3000:]
+    assert not list((work / "poisoned").glob("epoch_*"))
