@@ -31,6 +31,11 @@ class DiskFullError(CheckpointError):
     errno: int | None = None
 
 
+class TrainingError(UserError):
+    """Training reached a state it cannot go on from (a step's loss or gradient norm that is not finite): the run
+    stops before that step is saved."""
+
+
 class UsageError(UserError):
     """A command line the verb cannot parse (unknown flag, missing argument)."""
 

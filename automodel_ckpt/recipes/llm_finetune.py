@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
 from automodel_ckpt.distributed.pipeline import (Pipeline, check_pipeline_model, cut_stage, describe_layers,
                                                  tied_embeddings)
 from automodel_ckpt.distributed.tensor_parallel import clip_grad_norm
+from automodel_ckpt.errors import TrainingError
 from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.freeze import apply_freeze, parameter_line
 from automodel_ckpt.models.lora import apply_lora, lora_summary
@@ -290,6 +292,7 @@ class FinetuneRecipe(BaseRecipe):
             epoch, micro = self.algorithm.next_batch()
             fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
+            refuse_non_finite(sched.step + 1, loss, grad_norm)  # before anything of that step is kept or saved
             if self.ema is not None:
                 self.checkpointer.fence()  # an async save's copy of the average taken first
                 self.ema.update(self.model)
@@ -427,6 +430,16 @@ class FinetuneRecipe(BaseRecipe):
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
         return model_logits(self.model, mb, self.env.device)
+
+
+def refuse_non_finite(step: int, loss: float, grad_norm: float) -> None:
+    """A step whose loss or gradient norm (each the same on every rank: reduced over all of them) is not finite
+    stops the run on every rank (``TrainingError``), before that step's weights are saved."""
+    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if not math.isfinite(value):
+            raise TrainingError(f"step {step}: the {name} is {value}, not a finite number; the run stops before "
+                                "saving the weights it reached (resume from the last checkpoint, with a lower "
+                                "optimizer.lr or other data)")
 
 
 def model_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:

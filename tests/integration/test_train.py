@@ -57,3 +57,19 @@ def test_default_recipe_learns_and_generates(tmp_path, assets, capsys):
     assert code == 0, out[-3000:]
     accuracy = float(out.split("accuracy:")[1].split()[0])
     assert accuracy >= 0.8, out
+
+
+def test_a_step_whose_loss_or_gradient_is_not_finite_stops_the_run_before_it_saves(tmp_path, assets):
+    """A learning rate of 1e38 takes the weights past float32 after the first step: the next step's loss or
+    gradient norm is NaN or infinite. The run stops there in one line, exit non-zero, and the last checkpoint is the
+    step before it (none of the weights it reached is saved)."""
+    result = ckpt_train(tmp_path, assets, *FAST, "--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps",
+                        "1", "--optimizer.lr", "1e38", "--lr_scheduler.warmup_steps", "0", "--data.val_size", "0",
+                        "--checkpoint.checkpoint_dir", "run", check=False)
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert result.returncode != 0 and len(errors) == 1 and "Traceback" not in result.output, result.output[-3000:]
+    stopped = int(errors[0].split("error: step ", 1)[1].split(":")[0])
+    assert "is nan, not a finite number" in errors[0] or "inf, not a finite number" in errors[0], errors[0]
+    saved = sorted(int(p.name.rsplit("_", 1)[1]) for p in (tmp_path / "run").glob("epoch_*_step_*"))
+    assert saved == list(range(1, stopped)), (saved, errors[0])
+    assert [r["step"] for r in jsonl(tmp_path / "run" / "training.jsonl")] == list(range(1, stopped))
