@@ -68,3 +68,17 @@ def allow_colors(enabled: bool) -> None:
 
     if isinstance(sys.stdout, EscapingStream):
         sys.stdout.colors = enabled
+
+
+def shown_value(value: Any, width: int = 40) -> str:
+    """A value read from a file, short and safe to put in a one-line message: a string or a number as its
+    ``repr`` cut to ``width`` characters, a very large integer by its size (its digits are never written out: Python
+    refuses to for more than 4,300 of them), a container by its type and length."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if not isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."

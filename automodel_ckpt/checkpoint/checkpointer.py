@@ -150,7 +150,7 @@ class Checkpointer:
         ``validate_now`` or before a scheduled save (whose metadata then holds the validation loss). Collective.
         """
         due = self._cycle.decide(steps)
-        self._local.tick()
+        self._local.tick(steps)
         self._step = step = steps.step
         val_loss = validate() if validate is not None and (validate_now or due.scheduled) else None
         saved = None

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.retention import check_retention_config
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.checkpoint.save_interval import MTBF_LIMIT_HOURS
 
 AUTO = "auto"  # checkpoint.local.every_steps: auto
 
@@ -152,8 +153,11 @@ class CheckpointConfig:
                               f"got {self.async_write_threads}")
         if not 0 <= self.async_nice <= 19:
             raise ConfigError(f"checkpoint.async_nice: expected a niceness between 0 and 19, got {self.async_nice}")
-        if self.mtbf_hours is not None and not self.mtbf_hours > 0:
-            raise ConfigError(f"checkpoint.mtbf_hours: expected a positive number of hours, got {self.mtbf_hours}")
+        if self.mtbf_hours is not None and (isinstance(self.mtbf_hours, bool) or
+                                            not isinstance(self.mtbf_hours, (int, float)) or
+                                            not 0 < self.mtbf_hours <= MTBF_LIMIT_HOURS):
+            raise ConfigError(f"checkpoint.mtbf_hours: expected a positive number of hours, at most "
+                              f"{MTBF_LIMIT_HOURS:g}, got {str(self.mtbf_hours)[:40]}")
         if self.ckpt_every_minutes is not None and not self.ckpt_every_minutes > 0:
             raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
                               f"got {self.ckpt_every_minutes}")

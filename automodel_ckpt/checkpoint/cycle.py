@@ -78,7 +78,7 @@ class SaveCycle:
         if self._schedule is None:
             self._schedule = SaveSchedule(steps, self._boundary, enabled=self.enabled, local_due=self.local_due)
         if self.interval is not None:
-            self.interval.tick()  # a step ended: the interval's step time
+            self.interval.tick(steps)  # a step ended: the interval's step time
         decision = self._schedule.decide()
         interval = getattr(steps, "save_interval", None)
         if decision.durable and interval is not None:  # before the save: the checkpoint holds the next save's step

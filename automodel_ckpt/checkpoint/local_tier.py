@@ -83,10 +83,10 @@ class LocalTier:
             return self.active and self.interval.schedule.due(step)
         return self.active and step % self.settings.every_steps == 0
 
-    def tick(self) -> None:
+    def tick(self, steps: Any = None) -> None:
         """An optimizer step ended (``every_steps: auto``: the step time)."""
         if self.interval is not None:
-            self.interval.tick()
+            self.interval.tick(steps)
 
     def timed(self, steps: Any, take: Callable[[dict[str, Any], SaveInfo], Any], states: Callable[[], dict[str, Any]],
               info: SaveInfo) -> None:

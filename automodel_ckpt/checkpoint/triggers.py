@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from automodel_ckpt.distributed.env import inside_launcher_worker
+from automodel_ckpt.checkpoint.save_interval import STEP_LIMIT, mtbf_seconds, seconds
 
 
 class PreemptionWatcher:
@@ -212,18 +213,26 @@ class AutoInterval:
     def _interval(self, steps: Any) -> Any:
         return self.schedule if self.schedule is not None else getattr(steps, "save_interval", None)
 
-    def tick(self) -> None:
+    def tick(self, steps: Any = None) -> None:
         """A step ended now: its time is from the end of the step before (or of the save after it); the step time
-        is the median of the last 64, so that a step that validated does not count."""
+        is the median of the last 64, so that a step that validated does not count. At the first one after a
+        resume whose checkpoint held a schedule out of range (``SaveInterval.restored_note``), rank 0 says what was
+        dropped or clamped and which interval the run uses."""
         now = self.clock()
         if self._last is not None:
             self._gaps.append(now - self._last)
         self._last = now
+        interval = self._interval(steps) if steps is not None else None
+        if interval is not None and interval.restored_note:
+            note, interval.restored_note = interval.restored_note, None
+            if self.is_main:
+                self.say(f"warning: {self.label}: the checkpoint's schedule was out of range: {note}")
 
     def _mtbf_local(self) -> float:
+        """This rank's MTBF in seconds (0: none): the config's, else (rank 0) the run's cost log's when in range."""
         if self.mtbf_hours is not None:
-            return float(self.mtbf_hours) * 3600.0
-        return (self.observed_mtbf_s() or 0.0) if self.is_main else 0.0
+            return mtbf_seconds(float(self.mtbf_hours) * 3600.0) or 0.0
+        return (mtbf_seconds(self.observed_mtbf_s()) or 0.0) if self.is_main else 0.0
 
     def measured(self, steps: Any, blocked_s: float) -> None:
         """A durable save after step ``steps.step`` blocked training ``blocked_s`` seconds (collective): one sample
@@ -237,36 +246,45 @@ class AutoInterval:
         cost, step_s, mtbf = self.reduce_max([blocked_s, step_s, self._mtbf_local() if interval.mtbf is None
                                               else 0.0])
         if interval.mtbf is None:  # decided once a run, the same on every rank
-            source = "given" if self.mtbf_hours is not None else "observed" if mtbf > 0 else "assumed"
-            interval.mtbf = [mtbf if mtbf > 0 else DEFAULT_MTBF_HOURS * 3600.0, source]
+            mtbf = mtbf_seconds(mtbf)
+            source = "given" if self.mtbf_hours is not None and mtbf else "observed" if mtbf else "assumed"
+            interval.mtbf = [mtbf or DEFAULT_MTBF_HOURS * 3600.0, source]
         if step_s > 0:
-            interval.sample(cost, step_s)
+            interval.sample(cost, step_s)  # a number out of range is left out
 
     def decide(self, steps: Any) -> None:
         """A scheduled save at step ``steps.step`` is about to take the run's state: the interval from the samples
-        so far (no collective: every rank holds the same samples)."""
+        so far (no collective: every rank holds the same samples). Every number is checked first (a restored
+        schedule's were checked when loaded): the interval stays a whole number in ``[1, the run's last step]``."""
         interval = self._interval(steps)
         if interval is None or not interval.samples or interval.mtbf is None:
             return
         step = steps.step
         cost, step_s = (sorted(s[k] for s in interval.samples)[len(interval.samples) // 2] for k in (0, 1))
         mtbf, source = interval.mtbf
-        if self.mtbf_hours is not None:  # the config's, even where a resume's checkpoint holds another
-            mtbf, source = float(self.mtbf_hours) * 3600.0, "given"
+        if self.mtbf_hours is not None and mtbf_seconds(float(self.mtbf_hours) * 3600.0):  # the config's, even
+            mtbf, source = float(self.mtbf_hours) * 3600.0, "given"  # where a resume's checkpoint holds another
+        if seconds(cost) is None or seconds(step_s, positive=True) is None or mtbf_seconds(mtbf) is None:
+            return
         wanted = self.interval_steps(cost, mtbf, step_s)
+        if not isinstance(wanted, (int, float)) or isinstance(wanted, bool) or wanted != wanted:
+            return
         before = interval.every
         if not interval.change(wanted, step):
             return
-        clamped = "" if interval.every == wanted else f", clamped to [{interval.min_every}, " \
-                                                       f"{interval.max_every or 'no limit'}]"
+        shown = wanted if isinstance(wanted, int) else f"{wanted:.4g}"
+        top = interval.longest
+        clamped = "" if interval.every == wanted else \
+            f", clamped to [{interval.min_every}, {top if top < STEP_LIMIT else 'no limit'}]"
         line = (f"{self.label}: every {interval.every} steps (was {before}): Young/Daly's interval for "
                 f"{cost:.3f} s blocked a {self.noun}, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
-                f"is {wanted} steps{clamped}; next {self.noun} at step {interval.next_step}")
+                f"is {shown} steps{clamped}; next {self.noun} at step {interval.next_step}")
         if self.is_main:
             self.say(line)
         self.note({"event": self.event, "time": time.time(), "step": step, "every_steps": interval.every,
                    "was_every_steps": before, "next_step": interval.next_step, "blocked_s": round(cost, 4),
-                   "step_s": round(step_s, 6), "mtbf_s": mtbf, "mtbf_source": source, "young_daly_steps": wanted,
+                   "step_s": round(step_s, 6), "mtbf_s": mtbf, "mtbf_source": source,
+                   "young_daly_steps": wanted if isinstance(wanted, int) else None,
                    "samples": len(interval.samples), "text": line})
 
 

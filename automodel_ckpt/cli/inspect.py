@@ -20,6 +20,7 @@ from automodel_ckpt.errors import UsageError, UserError
 from automodel_ckpt.jsonsafe import json_safe
 from automodel_ckpt.shown import one_line
 from automodel_ckpt.tracking import cost_report, iter_events, render_cost, summarize
+from automodel_ckpt.checkpoint import MTBF_LIMIT_HOURS
 
 _COLUMNS = ("NAME", "STEP", "EPOCH", "VAL_LOSS", "SIZE", "FAMILY", "FORMAT", "MESH", "CONSOLIDATED", "COMPLETE", "POINTERS")
 
@@ -42,8 +43,8 @@ def build_parser() -> VerbParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.mtbf_hours is not None and (args.mtbf_hours <= 0 or not args.cost):
-        raise UsageError("--mtbf-hours: needs --cost and a number of hours > 0")
+    if args.mtbf_hours is not None and (not 0 < args.mtbf_hours <= MTBF_LIMIT_HOURS or not args.cost):
+        raise UsageError(f"--mtbf-hours: needs --cost and a number of hours above 0, at most {MTBF_LIMIT_HOURS:g}")
     from automodel_ckpt.export import describe_archive as describe, describe_gguf, is_archive, is_gguf, lineage_chain
 
     if args.lineage:

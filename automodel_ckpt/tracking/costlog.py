@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from automodel_ckpt.ondisk import LAYOUT, read_manifest, size_on_disk
 from automodel_ckpt.training.metrics import JsonlLog, log_lines
+from automodel_ckpt.checkpoint import MTBF_LIMIT_HOURS
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
 SIDE_FAILURE = "side_failure"  # side work that failed while training went on (an export, a node-local step...)
@@ -242,7 +243,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         launch.add(record)
         if event == START:  # each launch says its checkpoint.mtbf_hours: the last one's is the run's
             value = _number(record.get("mtbf_hours"))
-            mtbf_hours = value if value is not None and value > 0 else None
+            mtbf_hours = value if value is not None and 0 < value <= MTBF_LIMIT_HOURS else None
         if event == START and record.get("every_steps") == "auto":
             if auto_changes is None:
                 auto_changes, replaced, every = 0, every, None  # the spacing of its saves is the run's interval

@@ -22,11 +22,15 @@ import math
 from dataclasses import dataclass
 
 
+MAX_STEPS = 1 << 62  # an interval in steps is at most this (an interval of seconds over a tiny step time)
+
+
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
-    """Seconds of training between checkpoints that minimise the expected overhead: ``sqrt(2 * cost * mtbf)``."""
-    if cost_s < 0 or mtbf_s <= 0:
-        raise ValueError(f"need cost >= 0 and mtbf > 0, got cost={cost_s}, mtbf={mtbf_s}")
-    return math.sqrt(2.0 * cost_s * mtbf_s)
+    """Seconds of training between checkpoints that minimise the expected overhead: ``sqrt(2 * cost * mtbf)``
+    (``ValueError`` unless both are finite, cost >= 0 and mtbf > 0)."""
+    if not (math.isfinite(cost_s) and math.isfinite(mtbf_s)) or cost_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"need finite cost >= 0 and mtbf > 0, got cost={cost_s}, mtbf={mtbf_s}")
+    return math.sqrt(2.0 * cost_s) * math.sqrt(mtbf_s)  # no overflow of the product
 
 
 def expected_overhead(interval_s: float, cost_s: float, mtbf_s: float, latency_s: float = 0.0) -> float:
@@ -51,13 +55,14 @@ def advise(cost_s: float, mtbf_s: float, step_s: float, *, latency_s: float = 0.
            current_every_steps: float | None = None) -> IntervalAdvice:
     """The advice for checkpoints costing ``cost_s`` on a run of ``step_s`` seconds per step.
 
-    The interval in steps is rounded to the nearest whole step, at least one; the overhead is the one of that whole
+    The interval in steps is rounded to the nearest whole step, from one to ``MAX_STEPS``; the overhead is the one of that whole
     number of steps. ``current_every_steps``: the run's own interval, for comparison.
     """
-    if step_s <= 0:
-        raise ValueError(f"need step time > 0, got {step_s}")
+    if not math.isfinite(step_s) or step_s <= 0:
+        raise ValueError(f"need a finite step time > 0, got {step_s}")
     ideal = young_daly_interval(cost_s, mtbf_s)
-    steps = max(1, round(ideal / step_s))
+    ratio = ideal / step_s  # an infinity where the step time is tiny: the longest interval
+    steps = max(1, round(ratio)) if ratio < MAX_STEPS else MAX_STEPS
     current = current_every_steps * step_s if current_every_steps else None
     return IntervalAdvice(
         interval_s=ideal, interval_steps=steps,

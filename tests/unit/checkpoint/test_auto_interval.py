@@ -223,3 +223,211 @@ def test_the_node_local_keys_are_checked_in_one_line():
             LocalTierConfig(**kwargs)
         assert expected in str(caught.value) and "\n" not in str(caught.value)
     assert CheckpointConfig(local=LocalTierConfig(every_steps="auto")).local.every_steps == "auto"
+
+
+# --- a restored schedule is untrusted: every number checked, out of range dropped or clamped, and said ---------------
+
+NAN, INF = float("nan"), float("inf")
+HOSTILE = [NAN, INF, -INF, -1, 0, 1e308, -1e308, "3", "nan", True, False, None, 2**62, 10**400, 10**5000, [3], {"a": 1},
+           3.0]
+def _id(value) -> str:
+    return f"int of {value.bit_length()} bits" if type(value) is int and value.bit_length() > 64 else repr(value)[:12]
+
+
+GENUINE_AT_4 = {"step": 4, "epoch": 0, "consumed_samples": 4,
+                "save_interval": {"every": 3, "next_step": 7, "samples": [[0.1, 0.5], [0.1, 0.5]],
+                                  "mtbf": [8.0, "given"]}}
+
+
+def _poisoned(where: str, value) -> dict:
+    import copy
+
+    state = copy.deepcopy(GENUINE_AT_4)
+    interval = state["save_interval"]
+    if where in ("every", "next_step", "samples", "mtbf"):
+        interval[where] = value
+    elif where == "sample":
+        interval["samples"][0] = value
+    elif where == "cost":
+        interval["samples"][0][0] = value
+    elif where == "step time":
+        interval["samples"][1][1] = value
+    elif where == "mtbf seconds":
+        interval["mtbf"][0] = value
+    elif where == "mtbf source":
+        interval["mtbf"][1] = value
+    return state
+
+
+def _resume(state: dict, *, max_steps: int = 8, mtbf_hours=None, observed=lambda: None, cost: float = 0.1):
+    """A run of ``max_steps`` resumed from ``state`` with the real Young/Daly rule (``tracking.advise``), the save
+    cycle's calls in its order: the saves, the lines said, the records noted, the schedule."""
+    from automodel_ckpt.tracking import advise
+
+    steps = StepScheduler(max_steps=max_steps, num_epochs=1, steps_per_epoch=max_steps, ckpt_every_steps="auto",
+                          min_every_steps=2, max_every_steps=None)
+    steps.load_state_dict(state)
+    said, notes = [], []
+    auto = AutoInterval(lambda c, m, s: advise(c, m, s).interval_steps, mtbf_hours=mtbf_hours, observed_mtbf_s=observed,
+                        is_main=True, say=said.append, note=notes.append, reduce_max=lambda v: list(v),
+                        clock=lambda: steps.step * 0.5)
+    saves = []
+    while not steps.done:
+        steps.record_step(0, 1)
+        auto.tick(steps)
+        if steps.is_ckpt_step:
+            saves.append(steps.step)
+            due = steps.save_interval.due(steps.step)
+            steps.save_interval.scheduled(steps.step)
+            if due:
+                auto.decide(steps)
+            auto.measured(steps, cost)
+    return saves, said, notes, steps.save_interval
+
+
+def _sane(interval, last_step: int = 8) -> None:
+    import math
+
+    assert type(interval.every) is int and 1 <= interval.every <= last_step
+    assert type(interval.next_step) is int
+    assert all(len(s) == 2 and all(type(v) is float and math.isfinite(v) and 0 <= v <= 1e7 for v in s) and s[1] > 0
+               for s in interval.samples) and len(interval.samples) <= interval.SAMPLES
+    assert interval.mtbf is None or (math.isfinite(interval.mtbf[0]) and interval.mtbf[0] > 0
+                                     and interval.mtbf[1] in ("given", "observed", "assumed"))
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=_id)
+@pytest.mark.parametrize("where", ["every", "next_step", "samples", "sample", "cost", "step time", "mtbf",
+                                   "mtbf seconds", "mtbf source"])
+def test_a_restored_schedule_out_of_range_is_dropped_or_clamped_in_one_warning_never_a_traceback(where, value):
+    saves, said, notes, interval = _resume(_poisoned(where, value))
+    assert saves and saves[-1] == 8 and all(4 < s <= 8 for s in saves) and len(saves) == len(set(saves))
+    _sane(interval)
+    warnings_said = [line for line in said if line.startswith("warning:")]
+    assert len(warnings_said) <= 1 and all("\n" not in line for line in said)
+    for record in notes:  # the interval records hold whole numbers in range
+        assert type(record["every_steps"]) is int and 1 <= record["every_steps"] <= 8
+    again = StepScheduler(max_steps=8, num_epochs=1, steps_per_epoch=8, ckpt_every_steps="auto", min_every_steps=2)
+    again.load_state_dict({"step": 8, "epoch": 0, "consumed_samples": 8,
+                           "save_interval": interval.state_dict()})  # what it saves is in range
+    assert again.save_interval.restored_note is None or "'next_step'" in again.save_interval.restored_note
+
+
+@pytest.mark.parametrize("where,value,says", [
+    ("every", NAN, "'every' is nan"), ("every", "3", "'every' is '3'"), ("every", True, "'every' is True"),
+    ("every", 0, "'every' is 0"), ("every", -1, "'every' is -1"), ("every", 2**62, "'every' is 4611686018427387904"),
+    ("every", 10**7, "past the run's last step 8"), ("next_step", NAN, "'next_step' is nan"),
+    ("next_step", None, "'next_step' is None"), ("next_step", 0, "outside steps 5 to 7"),
+    ("next_step", 4, "outside steps 5 to 7"), ("next_step", -1, "outside steps 5 to 7"),
+    ("cost", NAN, "1 of its 2 cost samples dropped"), ("cost", -1, "1 of its 2 cost samples dropped"),
+    ("cost", 1e308, "1 of its 2 cost samples dropped"), ("cost", "3", "1 of its 2 cost samples dropped"),
+    ("step time", 0, "1 of its 2 cost samples dropped"), ("step time", INF, "1 of its 2 cost samples dropped"),
+    ("sample", None, "1 of its 2 cost samples dropped"), ("sample", [1.0], "1 of its 2 cost samples dropped"),
+    ("samples", "3", "'samples' is '3', not a list"), ("mtbf seconds", 0, "'mtbf' is a list"),
+    ("mtbf seconds", NAN, "'mtbf' is a list"), ("mtbf seconds", 1e308, "'mtbf' is a list"),
+    ("mtbf seconds", -1, "'mtbf' is a list"), ("mtbf seconds", True, "'mtbf' is a list"),
+    ("mtbf source", "mine", "'mtbf' is a list"), ("mtbf", "24", "'mtbf' is '24'"),
+])
+def test_what_was_out_of_range_is_said_once_with_the_interval_the_run_uses(where, value, says):
+    state = _poisoned(where, value)
+    steps = StepScheduler(max_steps=8, num_epochs=1, steps_per_epoch=8, ckpt_every_steps="auto", min_every_steps=2)
+    steps.load_state_dict(state)
+    note = steps.save_interval.restored_note
+    assert note is not None and says in note and "\n" not in note, note
+    assert note.endswith(f"saves every {steps.save_interval.every} steps, the next at step "
+                         f"{steps.save_interval.next_step}")
+    _, said, _, _ = _resume(state)
+    assert len(said) >= 1 and said[0].startswith("warning: Checkpoint interval: the checkpoint's schedule was out of "
+                                                 "range: ") and says in said[0]
+    assert sum(line.startswith("warning:") for line in said) == 1  # said once, at the first step after the resume
+
+
+def test_a_restored_next_save_of_2_62_is_clamped_to_the_interval_and_announced():
+    """Trusted, the resumed run would save only at its end, silently: it saves every 3 steps from the resume."""
+    saves, said, _, interval = _resume(_poisoned("next_step", 2**62))
+    assert saves == [7, 8]
+    assert said[0] == ("warning: Checkpoint interval: the checkpoint's schedule was out of range: 'next_step' is "
+                       "4611686018427387904, outside steps 5 to 7: saves every 3 steps, the next at step 7")
+    straight, said, _, _ = _resume(GENUINE_AT_4)
+    assert straight == saves and not [line for line in said if line.startswith("warning:")]  # the genuine one
+
+
+def test_ten_million_restored_samples_are_not_read_one_by_one():
+    import time
+
+    state = _poisoned("samples", [[NAN, 0.5]] * (10**7 - 8) + [[0.1, 0.5]] * 8)
+    steps = StepScheduler(max_steps=8, num_epochs=1, steps_per_epoch=8, ckpt_every_steps="auto", min_every_steps=2)
+    started = time.perf_counter()
+    steps.load_state_dict(state)
+    assert time.perf_counter() - started < 0.5  # the last 8 looked at, not ten million
+    assert steps.save_interval.samples == [[0.1, 0.5]] * 8
+    assert "9999992 of its 10000000 cost samples dropped" in steps.save_interval.restored_note
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -1, 1e308, "3", True, None, [4], 2**62, 10**5000, 4.0], ids=_id)
+@pytest.mark.parametrize("key", ["step", "epoch", "consumed_samples"])
+def test_restored_step_counters_out_of_range_are_refused_in_one_line(key, value):
+    from automodel_ckpt.errors import CheckpointError
+
+    steps = _steps()
+    with pytest.raises(CheckpointError) as refused:
+        steps.load_state_dict({**GENUINE_AT_4, key: value})
+    assert f"'{key}'" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(CheckpointError):
+        steps.load_state_dict([4, 0, 4])
+
+
+@pytest.mark.parametrize("mtbf_s", [NAN, INF, -1.0, 0.0, 1e308, -1e308])
+def test_an_observed_mtbf_out_of_range_is_not_used(mtbf_s):
+    state = _poisoned("mtbf", None)  # decided again at the next save: from the run's cost log
+    saves, said, notes, interval = _resume(state, observed=lambda: mtbf_s)
+    _sane(interval)
+    assert interval.mtbf[1] == "assumed" and interval.mtbf[0] == 24 * 3600.0
+
+
+@pytest.mark.parametrize("cost,step_s,mtbf_hours", [
+    (1e7, 1e-300, 1e9), (0.0, 1e-300, 1e-300), (1e7, 1e7, 1e9), (5e-324, 5e-324, 1e9), (1e-300, 1e7, 1e-300)])
+def test_the_interval_is_a_whole_number_from_1_to_the_last_step_whatever_the_numbers(cost, step_s, mtbf_hours):
+    state = _poisoned("samples", [[cost, step_s]] * 8)
+    saves, said, notes, interval = _resume(state, mtbf_hours=mtbf_hours, cost=cost)
+    _sane(interval)
+    assert saves[-1] == 8
+
+
+@pytest.mark.parametrize("hours", [NAN, INF, -1.0, 0.0, 1e308, 1e10, True, "3"])
+def test_the_configured_mtbf_is_a_finite_number_of_hours(hours):
+    from automodel_ckpt.checkpoint import CheckpointConfig
+    from automodel_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        CheckpointConfig(mtbf_hours=hours)
+    assert "checkpoint.mtbf_hours" in str(caught.value) and "\n" not in str(caught.value)
+    assert CheckpointConfig(mtbf_hours=1e6).mtbf_hours == 1e6
+
+
+def test_young_daly_in_steps_never_overflows():
+    from automodel_ckpt.tracking import advise
+
+    assert advise(1e7, 3.6e12, 1e-300).interval_steps == 1 << 62
+    assert advise(1e300, 1e300, 1.0).interval_steps == 1 << 62
+    assert advise(0.1, 8.0, 0.5).interval_steps == 3
+    for bad in ((NAN, 1.0, 1.0), (1.0, INF, 1.0), (1.0, 1.0, 0.0), (1.0, 1.0, NAN), (-1.0, 1.0, 1.0)):
+        with pytest.raises(ValueError):
+            advise(*bad)
+
+
+@pytest.mark.parametrize("value", [1e308, INF, NAN, -1.0, "3", True])
+def test_the_cost_report_of_a_log_out_of_range_is_no_traceback(value):
+    from automodel_ckpt.tracking import cost_report, render_cost, summarize
+    from automodel_ckpt.tracking.costreport import one_line
+
+    events = [{"event": "start", "time": 0.0, "step": 0, "every_steps": "auto", "mtbf_hours": value},
+              {"event": "checkpoint", "time": 5.0, "step": 10, "blocked_s": 0.5},
+              {"event": "checkpoint", "time": 6.0, "step": 20, "blocked_s": 0.5},
+              {"event": "interval", "time": 6.0, "step": 20, "every_steps": 4, "was_every_steps": 1},
+              {"event": "end", "time": 7.0, "step": 20, "status": "complete"}]
+    report = cost_report(summarize(events))
+    assert report["mtbf_source"] == "assumed"  # an MTBF out of range is not the run's
+    assert report["advice"]["interval_steps"] >= 1 and one_line(report) and render_cost(report)
+    events[1]["blocked_s"] = events[2]["blocked_s"] = 1e308  # a mean cost of infinity: no advice, no traceback
+    assert cost_report(summarize(events))["advice"] is None

@@ -1,0 +1,176 @@
+"""``ckpt_every_steps: auto``'s schedule (``SaveInterval``), and the bounds its numbers are checked against.
+
+The schedule is part of the run's state: a checkpoint holds it, and a checkpoint folder is untrusted. A restored
+schedule is checked as a stream position is, number by number: the interval and the next save's step must be whole
+numbers of steps, the cost samples pairs of seconds (``SECONDS_LIMIT`` at most), the MTBF a number of seconds
+(``MTBF_LIMIT_HOURS`` at most) with its source. What is out of range is dropped or clamped, never trained on: a
+sample dropped is measured again at the next save, an MTBF dropped is decided again there, a next save past the
+interval from the resumed step comes at that interval; one line says what was dropped and which interval the run
+uses (``restored_note``, said by the save cycle's ``AutoInterval``). Whatever the numbers, the interval is a whole
+number in ``[1, the run's last step]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel_ckpt.shown import shown_value
+
+#: seconds a save blocked training, or a step took, past which a number is no run's (some 116 days)
+SECONDS_LIMIT = 1e7
+#: hours of a mean time between failures past which a number is no cluster's (``checkpoint.mtbf_hours`` included)
+MTBF_LIMIT_HOURS = 1e9
+MTBF_SOURCES = ("given", "observed", "assumed")
+STEP_LIMIT = 1 << 62  # a step number past this is no run's
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def seconds(value: object, *, positive: bool = False) -> float | None:
+    """``value`` as seconds when it is a real number from 0 (above 0 with ``positive``) to ``SECONDS_LIMIT``, else
+    None (NaN, an infinity, a negative, a string, a bool, ...)."""
+    if not _real(value) or not 0 <= value <= SECONDS_LIMIT or (positive and value == 0):  # NaN: never in range
+        return None
+    return float(value)
+
+
+def mtbf_seconds(value: object) -> float | None:
+    """``value`` as an MTBF in seconds when it is a real number above 0 and at most ``MTBF_LIMIT_HOURS``, else None."""
+    if not _real(value) or not 0 < value <= MTBF_LIMIT_HOURS * 3600.0:  # NaN: never in range
+        return None
+    return float(value)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sample(value: object) -> list[float] | None:
+    """A ``[blocked seconds, seconds a step]`` pair of a checkpoint, checked; None when it is not one."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    cost, step_s = seconds(value[0]), seconds(value[1], positive=True)
+    return None if cost is None or step_s is None else [cost, step_s]
+
+
+class SaveInterval:
+    """``step_scheduler.ckpt_every_steps: auto``: the interval in steps, the next step that saves, and what the
+    interval is decided from (the last saves' measured costs, the MTBF), all part of the run's state (checkpointed
+    with the step counters), so that a resume goes on with the schedule a straight run has.
+
+    The first save comes ``min_every_steps`` steps in (a save's cost is measured there); then the save cycle
+    (``checkpoint.triggers.AutoInterval``) decides Young/Daly's interval at each scheduled save, before its state is
+    taken, from the costs measured before it (``samples``), clamped to ``[min_every_steps, max_every_steps]`` and to
+    the run's ``last_step``. The schedule counts from the last scheduled save: saves of the minutes, of a preemption
+    or of the run's end do not move it.
+    """
+
+    SAMPLES = 8  # the last saves' costs a decision reads (their medians)
+
+    def __init__(self, min_every: int = 1, max_every: int | None = None, last_step: int | None = None) -> None:
+        self.min_every, self.max_every, self.last_step = max(1, int(min_every)), max_every, last_step
+        self.every = self.clamp(self.min_every)
+        self.next_step = self.every
+        self.samples: list[list[float]] = []  # [blocked seconds, seconds a step] of the last saves, every rank's MAX
+        self.mtbf: list[Any] | None = None  # [seconds, "given" | "observed" | "assumed"], decided once a run
+        #: what a restored schedule held out of range and which interval the run uses instead (None: nothing)
+        self.restored_note: str | None = None
+
+    @property
+    def longest(self) -> int:
+        """The longest interval: ``max_every_steps``, at most the run's last step (at least 1)."""
+        bounds = [b for b in (self.max_every, self.last_step) if _whole(b) and b >= 1]
+        return min(bounds, default=STEP_LIMIT)
+
+    def clamp(self, every: float) -> int:
+        """``every`` steps as a whole number in ``[min_every_steps, longest]``, at least 1 (an infinity: the
+        longest; NaN: the shortest)."""
+        top = self.longest
+        if not _real(every) or every != every:
+            every = self.min_every
+        return max(1, min(int(max(self.min_every, min(every, top))), top))
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def scheduled(self, step: int) -> None:
+        """Step ``step`` saved: the next scheduled save is ``every`` steps on (when it was a scheduled one)."""
+        if step >= self.next_step:
+            self.next_step = step + self.every
+
+    def change(self, every: float, step: int) -> bool:
+        """Save every ``every`` steps (clamped) from the last scheduled save on, at a step after ``step``; whether
+        the interval changed."""
+        every = self.clamp(every)
+        if every == self.every:
+            return False
+        self.next_step = max(step + 1, self.next_step - self.every + every)
+        self.every = every
+        return True
+
+    def sample(self, blocked_s: float, step_s: float) -> None:
+        """A save's measured cost and the step time then (the same numbers on every rank); one out of range (a
+        clock gone wrong) is left out."""
+        checked = _sample([blocked_s, step_s])
+        if checked is not None:
+            self.samples = [*self.samples, checked][-self.SAMPLES:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"every": self.every, "next_step": self.next_step, "samples": [list(s) for s in self.samples],
+                "mtbf": list(self.mtbf) if self.mtbf else None}
+
+    def load_state_dict(self, state: Any, step: int | None = None) -> None:
+        """A checkpoint's schedule (untrusted) at the resumed ``step``: each number checked; what is out of range is
+        dropped (a sample, the MTBF) or clamped (the interval to ``[1, longest]``, the next save to the interval
+        from ``step``), and ``restored_note`` says so in one line."""
+        problems: list[str] = []
+        if not isinstance(state, dict):
+            problems.append(f"it is a {type(state).__name__}, not a mapping")
+            state = {}
+        every = state.get("every")
+        restored = every if _whole(every) and 1 <= every < STEP_LIMIT else None
+        if restored is None:
+            problems.append(f"'every' is {shown_value(every)}, not a whole number of steps")
+        elif self.last_step and restored > self.last_step:
+            problems.append(f"'every' is {restored} steps, past the run's last step {self.last_step}")
+        self.every = self.clamp(restored if restored is not None else self.min_every)
+        next_step = state.get("next_step")
+        low, high = 1, STEP_LIMIT  # where the run is unknown: any step ahead
+        if _whole(step):  # a genuine schedule saves next within its interval from the resumed step
+            low, high = step + 1, step + (restored or self.every)
+            if self.last_step:
+                high = min(high, max(self.last_step, step + self.every))
+        if not _whole(next_step) or not low <= next_step <= high:
+            problems.append(f"'next_step' is {shown_value(next_step)}, " + (
+                f"outside steps {low} to {high}" if _whole(next_step) else "not a step"))
+            next_step = (step if _whole(step) else 0) + self.every
+        self.next_step = next_step
+        self.samples = self._restored_samples(state.get("samples"), problems)
+        mtbf = state.get("mtbf")
+        self.mtbf = None
+        if mtbf is not None:
+            if isinstance(mtbf, (list, tuple)) and len(mtbf) == 2 and mtbf_seconds(mtbf[0]) is not None and \
+                    isinstance(mtbf[1], str) and mtbf[1] in MTBF_SOURCES:
+                self.mtbf = [float(mtbf[0]), mtbf[1]]
+            else:
+                problems.append(f"'mtbf' is {shown_value(mtbf)}, not [seconds above 0 to {MTBF_LIMIT_HOURS:g} h, "
+                                "its source]: dropped, decided again at the next save")
+        self.restored_note = None if not problems else \
+            f"{'; '.join(problems)}: saves every {self.every} steps, the next at step {self.next_step}"
+
+    def _restored_samples(self, samples: Any, problems: list[str]) -> list[list[float]]:
+        """The last ``SAMPLES`` of a checkpoint's cost samples that are in range (only those are looked at, however
+        many it holds); the others dropped, said in ``problems``."""
+        if samples is None:
+            return []
+        if not isinstance(samples, (list, tuple)):
+            problems.append(f"'samples' is {shown_value(samples)}, not a list: dropped")
+            return []
+        kept = [s for s in map(_sample, samples[-self.SAMPLES:]) if s is not None]
+        if len(kept) < len(samples):
+            problems.append(f"{len(samples) - len(kept)} of its {len(samples)} cost samples dropped (it keeps "
+                            f"{self.SAMPLES}, each [0 to {SECONDS_LIMIT:g} s blocked, above 0 to {SECONDS_LIMIT:g} "
+                            "s a step])")
+        return kept
