@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from automodel_ckpt.distributed.lifeline import mark_launcher
+from automodel_ckpt.distributed.lifeline import mark_launcher, proc_stat
 from automodel_ckpt.errors import ConfigError
 
 
@@ -301,10 +301,9 @@ def worker_pids(parent: int) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
+        fields = proc_stat(entry)
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            if ppid != parent:
+            if fields is None or int(fields[1]) != parent:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()

@@ -158,14 +158,24 @@ def _prctl_set_pdeathsig() -> int:
     return -1 if prctl is None else prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (``[0]`` the state, ``[1]`` the parent's pid,
+    ``[19]`` the start in clock ticks since boot), or None where it cannot be read (no such process, no /proc). The
+    name, in parentheses, may itself hold spaces and parentheses: the fields start after the last ``)``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    _, paren, rest = data.rpartition(b")")
+    return rest.decode("ascii", "replace").split() if paren else None
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     if _HAS_PROC:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-        except (OSError, IndexError):
-            return False
+        fields = proc_stat(pid)
+        return bool(fields) and fields[0] not in ("Z", "X")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

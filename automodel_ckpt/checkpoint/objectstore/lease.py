@@ -28,7 +28,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from automodel_ckpt.distributed.lifeline import alive
+from automodel_ckpt.distributed.lifeline import alive, proc_stat
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.errors import CheckpointError
@@ -56,12 +56,8 @@ def _pid_namespace() -> str:
 
 def _process_start(pid: int) -> str:
     """When process ``pid`` started (clock ticks since boot, from /proc), or "" where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return "" if fields[0] == "Z" else fields[19]  # a zombie has ended
-    except (OSError, IndexError):
-        return ""
+    fields = proc_stat(pid) or []
+    return fields[19] if len(fields) > 19 and fields[0] != "Z" else ""  # a zombie has ended
 
 
 def me() -> dict[str, Any]:
