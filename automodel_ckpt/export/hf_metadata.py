@@ -18,7 +18,6 @@ model/.hf_metadata/
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -30,7 +29,7 @@ import torch
 
 from automodel_ckpt.ondisk import bounded, layout, paths
 from automodel_ckpt.ondisk.formats.safetensors_io import read_header, st_dtype_name, tensor_entries
-from automodel_ckpt.ondisk.durable import copy_regular, remove_tree
+from automodel_ckpt.ondisk.durable import copy_regular, remove_tree, write_json
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -111,7 +110,7 @@ def write_hf_metadata(
     if base is not None:
         original = _original_tensors(base)
         if original is not None:
-            _write_json(folder / layout.ORIGINAL_TENSORS_FILE, original)
+            write_json(folder / layout.ORIGINAL_TENSORS_FILE, original)
     if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = torch.distributed.get_world_size()
     saved = None
@@ -122,7 +121,7 @@ def write_hf_metadata(
             if isinstance(t, torch.Tensor)
         }
     state = {"format_version": FORMAT_VERSION, "world_size": world_size, "tensors": saved}
-    _write_json(folder / layout.SAVED_STATE_FILE, state)
+    write_json(folder / layout.SAVED_STATE_FILE, state)
 
 
 def read_hf_metadata(model_dir: Path) -> HFMetadata:
@@ -212,15 +211,11 @@ def _tensor_info(name: str, value: Mapping[str, Any], source: Path) -> TensorInf
 
 def _save_config(config: Any, folder: Path, filename: str) -> None:
     if isinstance(config, Mapping):
-        _write_json(folder / filename, dict(config))
+        write_json(folder / filename, dict(config))
     elif hasattr(config, "to_json_file"):
         config.to_json_file(str(folder / filename))
     else:
         raise TypeError(f"expected a transformers config or a dict for {filename}, got {type(config).__name__}")
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _read_json(path: Path, *, follow: bool = False) -> Any:

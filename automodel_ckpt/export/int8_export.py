@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.durable import copy_regular, fsync_dir, replace_folder
+from automodel_ckpt.ondisk.durable import copy_regular, fsync_dir, replace_folder, write_json
 from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.ondisk.formats.safetensors_io import encode_header, layout_order, pwrite_all, st_dtype_name
 from automodel_ckpt.errors import CheckpointError, UserError
@@ -257,7 +257,7 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     """config.json with its ``quantization_config``; the generation config and tokenizer files as they are."""
     config = dict(source.config)
     config["quantization_config"] = plan.config
-    (folder / layout.HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_json(folder / layout.HF_CONFIG, config)
     for name in (layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
         if (source.side_dir / name).is_file():  # side_dir: the source's files, checked and copied privately
             copy_regular(source.side_dir / name, folder / name)

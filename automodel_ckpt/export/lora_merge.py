@@ -27,7 +27,7 @@ import torch
 from automodel_ckpt.ondisk import bounded, layout, manifest, paths
 from automodel_ckpt.ondisk.formats.family import auto_model_class, in_memory_dtypes
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
-from automodel_ckpt.ondisk.durable import copy_regular, replace_folder
+from automodel_ckpt.ondisk.durable import copy_regular, replace_folder, write_json
 from automodel_ckpt.errors import CheckpointError, first_line
 
 
@@ -243,7 +243,7 @@ def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
     name = str(dtype).removeprefix("torch.")
     if data.get("dtype") != name:
         data["dtype"] = name
-        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_json(config_file, data)
 
 
 def _swap_in(tmp: Path, out: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import secrets
 import shutil
@@ -42,6 +43,12 @@ def fsync_file(path: Path) -> None:
 def write_durable(path: Path, text: str) -> None:
     """Write a small text file and fsync it: created beside ``path`` and renamed over it (``write_atomic``)."""
     write_atomic(Path(path), text.encode("utf-8"))
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write a JSON file of ours as every one is laid out (indented by 2, keys sorted, one final newline). Not
+    fsynced: the folder it is written into is fsynced or renamed into place as a whole."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -19,7 +19,6 @@ the stages.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import sys
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk.durable import write_json
 from automodel_ckpt.distributed.env import all_gather_object, gather_object
 from automodel_ckpt.errors import CheckpointError, first_line
 
@@ -142,9 +142,9 @@ def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / layout.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    _write_json(folder / layout.ADAPTER_CONFIG, adapter_config)
+    write_json(folder / layout.ADAPTER_CONFIG, adapter_config)
     shutil.copymode(folder / layout.ADAPTER_CONFIG, folder / layout.ADAPTER_WEIGHTS)  # safetensors writes 0600
-    _write_json(folder / layout.PEFT_FULL_CONFIG, automodel_config)
+    write_json(folder / layout.PEFT_FULL_CONFIG, automodel_config)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     elif base_model_path is not None:
@@ -194,7 +194,3 @@ def load_adapter(model: nn.Module, folder: Path) -> None:
                                   "was it saved with another peft.rank?")
         state[name] = tensor
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
