@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.interop import distcp, names, schedules
-from automodel_ckpt.interop.source import (SMALL_PICKLE, ForeignRun, Limits, count, finite, load_pickle, load_record,
-                                           number, plain, read_json, refuse)
+from automodel_ckpt.interop import distcp, names, schedules, trainer_args
+from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SMALL_PICKLE, ForeignRun, Limits, count,
+                                           finite, fraction, load_pickle, load_record, number, plain, read_json,
+                                           refuse)
 from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, MiB, check_path, check_size, path_inside,
                                    read_dcp_folder, regular_file_problem)
+from automodel_ckpt.shown import shown_value
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -58,8 +60,8 @@ def read(src: Path, limits: Limits) -> ForeignRun:
             raise refuse(src, f"it has no {need}: a checkpoint saved with save_only_model carries no training state")
     state = read_json(src / TRAINER_STATE, "the Trainer's state")
     step = count(state.get("global_step"), src / TRAINER_STATE, "global_step")
-    max_steps = count(state.get("max_steps"), src / TRAINER_STATE, "max_steps")
-    per_device = count(state.get("train_batch_size"), src / TRAINER_STATE, "train_batch_size", 1 << 24)
+    max_steps = count(state.get("max_steps"), src / TRAINER_STATE, "max_steps", MAX_SCHEDULE_STEPS, low=1)
+    per_device = count(state.get("train_batch_size"), src / TRAINER_STATE, "train_batch_size", MAX_BATCH, low=1)
     epoch_float = number(state.get("epoch") or 0, src / TRAINER_STATE, "epoch")
     if epoch_float > step + 1:
         raise refuse(src / TRAINER_STATE, f"epoch {epoch_float:g} is past its global_step {step}")
@@ -68,8 +70,8 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     if TRAINING_ARGS not in files:
         raise refuse(src, f"it has no {TRAINING_ARGS}: the schedule's kind and warmup are recorded only there")
     args = {k: plain(v) for k, v in load_record(src / TRAINING_ARGS, "the Trainer's arguments").fields().items()}
-    accum = count(args.get("gradient_accumulation_steps") or 1, src / TRAINING_ARGS, "gradient_accumulation_steps",
-                  1 << 24)
+    args = trainer_args.checked(args, src / TRAINING_ARGS)  # every field it reads: of its type, in its range
+    accum = args.get("gradient_accumulation_steps", 1)
     ranks = [f for f in files if f.startswith("rng_state_") and f.endswith(".pth")]
     world = max(1, len(ranks))
 
@@ -101,7 +103,7 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                     src / rng_file) if rng_file else None
     log = _log(state.get("log_history"), src / TRAINER_STATE)
     global_batch = per_device * accum * world
-    drop_last = bool(args.get("dataloader_drop_last"))
+    drop_last = args.get("dataloader_drop_last", False)
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
                       groups=groups, order=order, schedule=schedule, step=step,
                       position=lambda rows, _batch: _position(step, rows, per_device * world, accum, drop_last),
@@ -166,12 +168,15 @@ def optimizer_slots(opt: Any, where: Path) -> tuple[list[dict[str, torch.Tensor]
         betas = g.get("betas")
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise refuse(where, "a param group without AdamW's betas: only AdamW's state is imported")
-        hyper = {"lr": number(g.get("lr"), where, "lr"), "betas": (number(betas[0], where, "beta1"),
-                                                                    number(betas[1], where, "beta2")),
+        amsgrad = g.get("amsgrad", False)
+        if not isinstance(amsgrad, bool):
+            raise refuse(where, f"a param group's amsgrad is {shown_value(amsgrad)}, not true or false")
+        hyper = {"lr": number(g.get("lr"), where, "lr"), "betas": (fraction(betas[0], where, "beta1", below_one=True),
+                                                                    fraction(betas[1], where, "beta2", below_one=True)),
                  "eps": number(g.get("eps"), where, "eps"),
                  "weight_decay": number(g.get("weight_decay", 0.0), where, "weight_decay"),
                  "initial_lr": number(g.get("initial_lr", g.get("lr")), where, "initial_lr"),
-                 "amsgrad": bool(g.get("amsgrad", False)), "count": len(g["params"])}
+                 "amsgrad": amsgrad, "count": len(g["params"])}
         if hyper["amsgrad"]:
             raise refuse(where, "AdamW with amsgrad: its max_exp_avg_sq has no counterpart here")
         groups.append(hyper)

@@ -22,7 +22,7 @@ import torch
 
 from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
-from automodel_ckpt.interop.source import ForeignRun, Limits, Schedule, count, load_pickle, refuse
+from automodel_ckpt.interop.source import MAX_STEPS, ForeignRun, Limits, Schedule, count, load_pickle, refuse
 from automodel_ckpt.ondisk import read_dcp_folder
 
 SUFFIX = ".ckpt"
@@ -94,7 +94,7 @@ def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
         if count(state.get("last_epoch"), src, "the scheduler's last_epoch") != step:
             raise refuse(src, f"its scheduler stepped {state.get('last_epoch')} times in {step} optimizer steps: a "
                               "schedule per epoch has no counterpart here (interval 'step' has)")
-        schedule = schedules.from_torch_state(state, None, opts[0]["param_groups"][0])
+        schedule = schedules.from_torch_state(state, None, opts[0]["param_groups"][0], src)
     else:
         schedule = Schedule("no scheduler (constant lr)", "automodel_ckpt.training.lr.constant_after_warmup",
                             {"warmup_steps": 0})
@@ -111,10 +111,12 @@ def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
 
 
 def _completed(progress: Any, which: str) -> int:
+    """A loop's count of completed batches (0 where it holds none, or no count)."""
     try:
-        return int(progress[which]["completed"])
-    except (KeyError, TypeError, ValueError):
+        value = progress[which]["completed"]
+    except (KeyError, TypeError, IndexError):
         return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS else 0
 
 
 def _position(step: int, rows: int, batch: int) -> tuple[int, int, int]:

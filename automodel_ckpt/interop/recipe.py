@@ -84,6 +84,20 @@ def needs(run: ForeignRun, data: dict[str, Any], typed: set[str]) -> dict[str, A
     return out
 
 
+def inert(value: Any) -> Any:
+    """A value the import adds to the recipe, as data OmegaConf takes literally: a string's interpolations
+    (``${...}``) escaped (``\\${...}``), in mappings and lists too. The values read from a source are checked
+    numbers before they come here; this keeps any string that might still come from one from being resolved
+    when the recipe is loaded (an ``oc.env`` interpolation would read the environment)."""
+    if isinstance(value, str):
+        return value.replace("\\${", "${").replace("${", "\\${")
+    if isinstance(value, Mapping):
+        return {inert(str(k)): inert(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [inert(v) for v in value]
+    return value
+
+
 def written(original: dict[str, Any], typed: Sequence[tuple[str, Any]], run: ForeignRun,
             run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The recipe to write (``original`` with the ``typed`` overrides, the source's needs and the run folder) and the
@@ -91,7 +105,7 @@ def written(original: dict[str, Any], typed: Sequence[tuple[str, Any]], run: For
     data = copy.deepcopy(original)
     for key, value in typed:
         _set_dotted(data, key, value)
-    added = needs(run, data, {key for key, _ in typed})
+    added = {key: inert(value) for key, value in needs(run, data, {key for key, _ in typed}).items()}
     for key, value in added.items():
         _set_dotted(data, key, value)
     checkpoint = data.get("checkpoint") if isinstance(data.get("checkpoint"), dict) else {}

@@ -9,26 +9,30 @@ every step up to the end equal the source's, or the import stops with the sectio
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.interop.source import Schedule
+from automodel_ckpt.interop.source import (MAX_SCHEDULE_STEPS, MAX_STEPS, Schedule, count, fraction, number,
+                                           refuse)
+from automodel_ckpt.shown import one_line, shown_value
 
 _LR = "automodel_ckpt.training.lr"
 
 
 def from_hf_trainer(args: dict[str, Any], total_steps: int) -> Schedule:
-    """The HF Trainer's ``lr_scheduler_type`` with its warmup (from lr 0, as the Trainer does) over ``total_steps``."""
-    kind = str(args.get("lr_scheduler_type"))
+    """The HF Trainer's ``lr_scheduler_type`` with its warmup (from lr 0, as the Trainer does) over ``total_steps``;
+    ``args``: the Trainer's arguments as ``trainer_args.checked`` returns them (each of its type and range)."""
+    kind = args.get("lr_scheduler_type")
     warmup = args.get("warmup_steps") or 0
     if isinstance(warmup, float) and warmup < 1:  # a ratio, as the Trainer reads it (get_warmup_steps)
         warmup = math.ceil(total_steps * warmup)
     elif not warmup and args.get("warmup_ratio"):
-        warmup = math.ceil(total_steps * float(args["warmup_ratio"]))
+        warmup = math.ceil(total_steps * args["warmup_ratio"])
     warmup = int(warmup)
     extra = args.get("lr_scheduler_kwargs") or {}
-    extra = extra if isinstance(extra, dict) else {}
-    lr = float(args.get("learning_rate") or 0.0)
+    lr = args.get("learning_rate") or 0.0
     described = f"HF Trainer '{kind}' (warmup {warmup} steps, {total_steps} steps)"
     if kind == "linear":
         return Schedule(described, f"{_LR}.linear_decay", {"warmup_steps": warmup}, total_steps)
@@ -36,13 +40,16 @@ def from_hf_trainer(args: dict[str, Any], total_steps: int) -> Schedule:
         return Schedule(described, f"{_LR}.constant_after_warmup",
                         {"warmup_steps": warmup if kind == "constant_with_warmup" else 0}, total_steps)
     if kind in ("cosine", "cosine_with_min_lr"):
-        cycles = float(extra.get("num_cycles", 0.5))
+        cycles = float(extra.get("num_cycles", 0.5))  # checked: a finite number >= 0
         rate = 0.0
         if kind == "cosine_with_min_lr":
             if extra.get("min_lr") is not None:
-                rate = float(extra["min_lr"]) / lr if lr else 0.0
+                rate = extra["min_lr"] / lr if lr else 0.0
             else:
                 rate = float(extra.get("min_lr_rate", 0.0))
+            if not math.isfinite(rate):
+                return Schedule(described, None, why_not="the HF Trainer's min_lr over its learning_rate is no finite "
+                                                         "rate")
         return Schedule(described, f"{_LR}.cosine_decay",
                         {"warmup_steps": warmup, "num_cycles": cycles, "min_lr_rate": rate}, total_steps)
     return Schedule(described, None, why_not=f"the HF Trainer's '{kind}' schedule has no counterpart here "
@@ -50,48 +57,78 @@ def from_hf_trainer(args: dict[str, Any], total_steps: int) -> Schedule:
                                              "constant_with_warmup do)")
 
 
-def from_torch_state(state: dict[str, Any], total_steps: int, group: dict[str, Any] | None = None) -> Schedule:
+def from_torch_state(state: dict[str, Any], total_steps: int | None, group: dict[str, Any] | None = None,
+                     where: Path | str = "the scheduler's state") -> Schedule:
     """A torch scheduler from its ``state_dict`` (which holds its arguments): CosineAnnealingLR, LinearLR, StepLR;
-    OneCycleLR, whose lr and momentum bounds are in the optimizer's param ``group``."""
-    base = state.get("base_lrs") or [0.0]
-    base_lr = float(base[0]) if base and isinstance(base[0], (int, float)) else 0.0
+    OneCycleLR, whose lr and momentum bounds are in the optimizer's param ``group``. Each argument read is checked
+    for its type and range (as torch checks them when it builds the scheduler): a one-line refusal naming ``where``
+    and the argument otherwise."""
+    base = state.get("base_lrs", [0.0])
+    if not isinstance(base, (list, tuple)) or not base:
+        raise refuse(where, f"base_lrs is {shown_value(base)}, not a list of learning rates")
+    base_lr = number(base[0], where, "base_lrs[0]")
     if "_schedule_phases" in state and "_anneal_func_type" in state:
-        return _one_cycle(state, group or {}, base_lr)
+        return _one_cycle(state, group or {}, base_lr, where)
     if {"T_max", "eta_min"} <= state.keys():
-        t_max = int(state["T_max"])
-        ratio = float(state["eta_min"]) / base_lr if base_lr else 0.0
-        return Schedule(f"CosineAnnealingLR (T_max {t_max}, eta_min {state['eta_min']})", f"{_LR}.cosine_annealing",
+        t_max = count(state["T_max"], where, "T_max", MAX_STEPS, low=1)
+        eta_min = number(state["eta_min"], where, "eta_min")
+        ratio = _rate(eta_min / base_lr if base_lr else 0.0, where, "eta_min over base_lrs[0]")
+        return Schedule(f"CosineAnnealingLR (T_max {t_max}, eta_min {eta_min:g})", f"{_LR}.cosine_annealing",
                         {"t_max": t_max, "eta_min_ratio": ratio}, total_steps)
     if {"start_factor", "end_factor", "total_iters"} <= state.keys():
-        kw = {"start_factor": float(state["start_factor"]), "end_factor": float(state["end_factor"]),
-              "total_iters": int(state["total_iters"])}
+        kw = {"start_factor": fraction(state["start_factor"], where, "start_factor"),
+              "end_factor": fraction(state["end_factor"], where, "end_factor"),
+              "total_iters": count(state["total_iters"], where, "total_iters")}
+        if kw["start_factor"] == 0:
+            raise refuse(where, "start_factor is 0, not a number above 0 to 1")
         return Schedule(f"LinearLR ({kw['start_factor']:g} to {kw['end_factor']:g} over {kw['total_iters']} steps)",
                         f"{_LR}.linear_ramp", kw, total_steps)
     if {"step_size", "gamma"} <= state.keys():
-        kw = {"step_size": int(state["step_size"]), "gamma": float(state["gamma"])}
+        kw = {"step_size": count(state["step_size"], where, "step_size", MAX_STEPS, low=1),
+              "gamma": number(state["gamma"], where, "gamma")}
         return Schedule(f"StepLR (every {kw['step_size']} steps x {kw['gamma']:g})", f"{_LR}.step_decay", kw,
                         total_steps)
     if "lr_lambdas" in state:
         return Schedule("LambdaLR", None, why_not="a LambdaLR's function is not in its checkpoint")
-    keys = ", ".join(sorted(str(k) for k in state)[:8])
+    keys = ", ".join(sorted(one_line(str(k))[:40] for k in state)[:8])
     return Schedule("a scheduler", None, why_not=f"its state ({keys}) is no scheduler with a counterpart here "
                                                   "(CosineAnnealingLR, LinearLR, StepLR, OneCycleLR)")
 
 
-def _one_cycle(state: dict[str, Any], group: dict[str, Any], base_lr: float) -> Schedule:
+def _real(value: Any) -> float:
+    """A number of a scheduler's state as a float (NaN and infinities kept, for the caller to refuse): a string, a
+    bool, a tensor or a container is no number (``TypeError``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("not a number")
+    return float(value) if abs(value) <= sys.float_info.max or value != value else math.inf  # a huge int
+
+
+def _rate(value: float, where: Path | str, name: str) -> float:
+    if not math.isfinite(value):
+        raise refuse(where, f"{name} is {value!r}, not a finite rate")
+    return value
+
+
+def _one_cycle(state: dict[str, Any], group: dict[str, Any], base_lr: float, where: Path | str) -> Schedule:
     """OneCycleLR: its phases' ends and the lr (as factors of ``initial_lr``) and beta1 at their bounds."""
     phases, anneal = state["_schedule_phases"], state["_anneal_func_type"]
+    for flag in ("cycle_momentum", "use_beta1"):
+        if not isinstance(state.get(flag, False), bool):
+            raise refuse(where, f"{flag} is {shown_value(state.get(flag))}, not true or false")
+    total = count(state.get("total_steps"), where, "total_steps", MAX_SCHEDULE_STEPS, low=1)
+    if not isinstance(phases, list) or not 1 <= len(phases) <= 3 or not isinstance(anneal, str) or \
+            anneal not in ("cos", "linear") or not base_lr:
+        return Schedule("OneCycleLR", None, why_not="its OneCycleLR's state is not one torch writes")
     try:
-        ends = [float(p["end_step"]) for p in phases]
-        lrs = [float(group[phases[0]["start_lr"]])] + [float(group[p["end_lr"]]) for p in phases]
-        momenta = [float(group[phases[0]["start_momentum"]])] + [float(group[p["end_momentum"]]) for p in phases] \
+        ends = [_real(p["end_step"]) for p in phases]
+        lrs = [_real(group[phases[0]["start_lr"]])] + [_real(group[p["end_lr"]]) for p in phases]
+        momenta = [_real(group[phases[0]["start_momentum"]])] + [_real(group[p["end_momentum"]]) for p in phases] \
             if state.get("cycle_momentum") else None
-    except (KeyError, TypeError, ValueError, IndexError):
+    except (KeyError, TypeError, IndexError):
         return Schedule("OneCycleLR", None, why_not="its OneCycleLR's phases name bounds its optimizer's param "
                                                     "group does not hold")
-    total = int(state.get("total_steps") or 0)
-    if not phases or anneal not in ("cos", "linear") or not base_lr or len(phases) > 3 or \
-            any(not math.isfinite(v) for v in ends + lrs + (momenta or [])):
+    if any(not math.isfinite(v) or v < 0 for v in ends + lrs) or any(not math.isfinite(v / base_lr) for v in lrs) \
+            or any(not 0 <= v < 1 for v in momenta or []):
         return Schedule("OneCycleLR", None, why_not="its OneCycleLR's state is not one torch writes")
     if momenta is not None and not state.get("use_beta1"):
         return Schedule("OneCycleLR", None, why_not="its OneCycleLR cycles an SGD momentum, which AdamW has not")

@@ -11,7 +11,7 @@ Trainer's ``training_args.bin``) into inert records that run no code of theirs.
 from __future__ import annotations
 
 import io
-import math
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +22,17 @@ import torch
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, parse_json
 from automodel_ckpt.ondisk import read_bytes as read_bounded
+from automodel_ckpt.shown import shown_value
 
 MiB = 2**20
 SMALL_PICKLE = 1 * MiB  # scheduler.pt, rng_state.pth, training_args.bin: a few KiB
 STATE_JSON = INDEX_FILE_LIMIT  # trainer_state.json: its log history grows some 150 bytes a logged step
 MAX_STEPS = 1 << 40  # a step, epoch or sample count past this is not a run's
+#: steps of a schedule the import writes (``step_scheduler.max_steps``) and checks the recipe against step by step
+#: (some 2 s a million steps): the longest fine-tuning runs take a few hundred thousand
+MAX_SCHEDULE_STEPS = 10**7
+_LARGEST = sys.float_info.max
+MAX_BATCH = 1 << 24  # rows a device takes a step, or micro-batches accumulated: past this, no run's
 RECORD_MODULES = ("transformers.", "accelerate.", "peft.")  # the objects training_args.bin may name
 SLACK = 16 * MiB  # headers, counters, schedulers and small buffers beside a checkpoint's tensors
 
@@ -97,12 +103,13 @@ def refuse(where: Path | str, why: str) -> CheckpointError:
     return CheckpointError(f"refusing '{where}': {why}")
 
 
-def count(value: object, where: Path | str, name: str, limit: int = MAX_STEPS) -> int:
-    """A non-negative integer count under ``limit`` (one-line refusal naming it otherwise)."""
+def count(value: object, where: Path | str, name: str, limit: int = MAX_STEPS, low: int = 0) -> int:
+    """An integer count from ``low`` to ``limit`` (a float that is whole counts; one-line refusal naming it
+    otherwise)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
-        raise refuse(where, f"{name} is {str(value)[:40]!r}, not a count from 0 to {limit}")
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limit:
+        raise refuse(where, f"{name} is {shown_value(value)}, not a count from {low} to {limit}")
     return value
 
 
@@ -115,9 +122,17 @@ def number(value: object, where: Path | str, name: str) -> float:
 
 def finite(value: object, where: Path | str, name: str) -> float:
     """``value`` as a float if it is a finite int or float (one-line refusal naming it otherwise)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise refuse(where, f"{name} is {str(value)[:40]!r}, not a finite number")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not -_LARGEST <= value <= _LARGEST:  # NaN, infinities, huge ints
+        raise refuse(where, f"{name} is {shown_value(value)}, not a finite number")
     return float(value)
+
+
+def fraction(value: object, where: Path | str, name: str, *, below_one: bool = False) -> float:
+    """A finite number from 0 to 1 (below 1 with ``below_one``: Adam's betas), else a one-line refusal naming it."""
+    value = finite(value, where, name)
+    if not 0 <= value <= 1 or (below_one and value == 1):
+        raise refuse(where, f"{name} is {value!r}, not a number from 0 to 1{' (below 1)' if below_one else ''}")
+    return value
 
 
 def read_bytes(path: Path, what: str, limit: int, *, follow: bool = False) -> bytes:

@@ -62,7 +62,6 @@ def _hf_trainer(folder: Path, model, opt) -> Path:
     import numpy as np
     import torch
     from safetensors.torch import save_file
-    from transformers import TrainingArguments
 
     folder.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
@@ -70,13 +69,20 @@ def _hf_trainer(folder: Path, model, opt) -> Path:
     torch.save({"last_epoch": 1, "base_lrs": [1e-3], "_last_lr": [7.5e-4]}, folder / "scheduler.pt")
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()},
                folder / "rng_state.pth")
-    torch.save(TrainingArguments(output_dir=str(folder.parent / "out"), learning_rate=1e-3, max_steps=4,
-                                 lr_scheduler_type="linear", warmup_steps=0, per_device_train_batch_size=4,
-                                 report_to=[], use_cpu=True), folder / "training_args.bin")
+    torch.save(_training_args(folder), folder / "training_args.bin")
     (folder / "trainer_state.json").write_text(json.dumps({
         "global_step": 1, "max_steps": 4, "train_batch_size": 4, "epoch": 0.25,
         "log_history": [{"epoch": 0.25, "step": 1, "loss": 4.2, "learning_rate": 7.5e-4, "grad_norm": 1.5}]}))
     return folder
+
+
+def _training_args(folder: Path):
+    """The Trainer's arguments of ``checkpoint-1/``: the linear schedule over 4 steps, 4 rows a device."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(folder.parent / "out"), learning_rate=1e-3, max_steps=4,
+                             lr_scheduler_type="linear", warmup_steps=0, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True)
 
 
 def _lightning(path: Path, model, opt) -> Path:
@@ -193,6 +199,163 @@ def logged(key: str, value: object):
     return tamper
 
 
+def argued(key: str, value: object):
+    """``training_args.bin`` with the field ``key`` set to ``value`` (as anyone who pickles the arguments can)."""
+    def tamper(src: Path, outside: Outside | None) -> None:
+        import torch
+
+        args = _training_args(src)
+        object.__setattr__(args, key, value)
+        torch.save(args, src / "training_args.bin")
+    return tamper
+
+
+def stated(key: str, value: object):
+    """``trainer_state.json`` with ``key`` set to ``value`` (NaN and infinities as JSON's ``NaN``, ``Infinity``)."""
+    def tamper(src: Path, outside: Outside | None) -> None:
+        state = json.loads((src / "trainer_state.json").read_text())
+        state[key] = value
+        (src / "trainer_state.json").write_text(json.dumps(state))
+    return tamper
+
+
+def pickled(name: str, change):
+    """The torch-saved file ``name`` (of ``src``, or ``src`` itself) loaded, changed by ``change``, saved again."""
+    def tamper(src: Path, outside: Outside | None) -> None:
+        import torch
+
+        path = src / name if name else src
+        data = torch.load(path, weights_only=True)
+        change(data)
+        torch.save(data, path)
+    return tamper
+
+
+def grouped(key: str, value: object):
+    """The optimizer's first param group with ``key`` set to ``value``."""
+    def change(opt: dict) -> None:
+        opt["param_groups"][0][key] = value
+    return pickled("optimizer.pt", change)
+
+
+def _scheduler_state(kind: str) -> dict:
+    """A torch scheduler's state after one step, as Lightning saves it beside its optimizer."""
+    import torch
+
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    sched = {"cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+             "linear": lambda: torch.optim.lr_scheduler.LinearLR(opt, 0.5, 1.0, 4),
+             "step": lambda: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+             "one_cycle": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=4)}[kind]()
+    opt.step()
+    sched.step()
+    return sched.state_dict()
+
+
+def scheduled_by(kind: str, key: str, value: object):
+    """The Lightning ``.ckpt`` with one ``kind`` scheduler whose ``key`` is ``value``."""
+    def change(ckpt: dict) -> None:
+        ckpt["lr_schedulers"] = [{**_scheduler_state(kind), key: value}]
+    return pickled("", change)
+
+
+NAN, INF = float("nan"), float("inf")
+ENV = "${oc.env:HOME}"  # what OmegaConf would resolve to the environment's value, were it written into a recipe
+
+
+def _id(value: object) -> str:
+    return f"int of {value.bit_length()} bits" if type(value) is int and value.bit_length() > 64 else repr(value)[:16]
+
+
+#: field of training_args.bin -> values out of its type or range
+ARGS = {
+    "learning_rate": ["1e-3", ENV, NAN, INF, -1.0, True, None, [1e-3], 10**400],
+    "warmup_steps": [ENV, NAN, INF, -1, "3", True, [3], 2**62, 1e300, None],
+    "warmup_ratio": [NAN, -0.1, 1.5, "0.1", True, ENV],
+    "weight_decay": [NAN, -1.0, "0.1", True, ENV],
+    "adam_beta1": [1.0, -0.1, NAN, "0.9", 2, ENV],
+    "adam_beta2": [1.0, 1.5, NAN, "0.999", None],
+    "adam_epsilon": [-1.0, NAN, "1e-8", INF],
+    "max_grad_norm": [NAN, -1.0, "1", ENV],
+    "num_train_epochs": [NAN, -1.0, "3", INF, 1e300, ENV],
+    "max_steps": [-2, NAN, "4", 2**62, 4.5, True, ENV],
+    "per_device_train_batch_size": [0, -1, "4", 2**30, NAN, True, ENV],
+    "gradient_accumulation_steps": [0, -1, "2", 2**30, NAN, True, ENV],
+    "lr_scheduler_type": [ENV, 3, None, ["linear"], "x" * 100, "lin ear", "linear\nx"],
+    "lr_scheduler_kwargs": [ENV, 3, [1], {"num_cycles": ENV}, {"num_cycles": NAN}, {"num_cycles": "0.5"},
+                            {"min_lr": -1.0}, {"min_lr": ENV}, {"min_lr_rate": 2.0}, {"min_lr_rate": NAN},
+                            {"num_cycles": True}],
+    "seed": [-1, 2**40, "42", NAN, True, 4.5, ENV, None],
+    "data_seed": [-1, "42", ENV],
+    "dataloader_drop_last": ["false", 1, ENV],
+}
+#: field of trainer_state.json -> values out of its type or range
+STATE = {"global_step": [-1, "1", 2**41, True, None, ENV], "max_steps": [0, 10**8, "4", None, ENV, 2**62],
+         "train_batch_size": [0, "4", 2**30, -4, ENV], "epoch": ["0.25", -1.0, ENV]}
+#: the optimizer's param group -> values out of its type or range
+GROUP = {"lr": ["1e-3", NAN, -1.0, ENV, None], "betas": [(1.0, 0.999), ("0.9", 0.95), (NAN, 0.9), (0.9, 1.5), (-0.1, 0.9)],
+         "eps": [-1.0, "1e-8", NAN], "weight_decay": [NAN, -1.0, "0", ENV], "amsgrad": ["false", 1, None],
+         "initial_lr": [NAN, "1e-3", -1.0]}
+#: a Lightning scheduler's state -> its arguments out of their types or ranges
+SCHEDULERS = {("cosine", "T_max"): [ENV, NAN, 0, -1, 2**62, "4", True], ("cosine", "eta_min"): ["0", NAN, -1.0, ENV],
+              ("cosine", "base_lrs"): ["x", [NAN], [], [ENV]], ("linear", "start_factor"): [0.0, 1.5, "0.5", NAN],
+              ("linear", "end_factor"): [NAN, -0.5, ENV], ("linear", "total_iters"): ["4", -1, NAN],
+              ("step", "step_size"): [0, "2", NAN, ENV], ("step", "gamma"): [NAN, "0.5", -1.0],
+              ("one_cycle", "total_steps"): [ENV, 10**8, 0, NAN], ("one_cycle", "cycle_momentum"): ["true", 1]}
+READS = {
+    **{f"training_args.bin {field}={_id(v)}": ("trainer", argued(field, v), ["training_args.bin", field])
+       for field, values in ARGS.items() for v in values},
+    **{f"trainer_state.json {field}={_id(v)}": ("trainer", stated(field, v), ["trainer_state.json", field])
+       for field, values in STATE.items() for v in values},
+    **{"scheduler.pt last_epoch=" + _id(v): ("trainer", pickled("scheduler.pt", lambda d, v=v: d.update(last_epoch=v)),
+                                            ["scheduler.pt", "last_epoch" if v != 2 else "position"])
+       for v in [ENV, NAN, -1, 2, "1", True]},
+    **{f"optimizer.pt {field}={_id(v)}": ("trainer", grouped(field, v),
+                                          ["optimizer.pt", "beta" if field == "betas" else field])
+       for field, values in GROUP.items() for v in values},
+    **{f"a Lightning {kind} {field}={_id(v)}": ("ckpt", scheduled_by(kind, field, v), ["last.ckpt", field])
+       for (kind, field), values in SCHEDULERS.items() for v in values},
+}
+
+
+@pytest.fixture(scope="module")
+def limits(sources):
+    from automodel_ckpt.cli.import_run import source_limits
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+
+    return source_limits(load_config(str(sources["recipe"]), [], RecipeConfig))
+
+
+@pytest.mark.parametrize("label", READS)
+def test_every_value_the_import_reads_is_checked_for_its_type_and_range(sources, limits, tmp_path, label):
+    """Each value of the Trainer's arguments and state, of the optimizer's groups and of a scheduler that an import
+    reads: a string (one OmegaConf would interpolate included), NaN, an infinity, a bool, a container or a number
+    out of its range is refused in one line naming the file and the field, never a traceback."""
+    from automodel_ckpt.errors import CheckpointError
+    from automodel_ckpt.interop import read_source
+
+    kind, tamper, expected = READS[label]
+    src = tmp_path / sources[kind].name
+    (shutil.copytree if sources[kind].is_dir() else shutil.copyfile)(sources[kind], src)
+    tamper(src, None)
+    with pytest.raises(CheckpointError) as refused:
+        read_source(src, limits)
+    text = str(refused.value)
+    assert "\n" not in text and all(e in text for e in expected), text
+
+
+def test_the_genuine_values_of_each_scheduler_are_read(sources, limits, tmp_path):
+    from automodel_ckpt.interop import read_source
+
+    for kind in ("cosine", "linear", "step"):
+        src = tmp_path / f"{kind}.ckpt"
+        shutil.copyfile(sources["ckpt"], src)
+        key, value = next(iter(_scheduler_state(kind).items()))
+        scheduled_by(kind, key, value)(src, None)
+        assert read_source(src, limits).schedule.target is not None, kind
+
+
 # label -> (source, tamper, texts of the error line, a large file: memory checked)
 LINKS = {
     "trainer_state.json linked outside": ("trainer", link_out("trainer_state.json"), ["trainer_state.json", "symlink"]),
@@ -229,6 +392,15 @@ VALUES = {
     "an infinite grad norm": ("trainer", logged("grad_norm", float("inf")), ["log_history[0].grad_norm"]),
     "a list for the grad norm": ("trainer", logged("grad_norm", [1.0, 2.0]), ["log_history[0].grad_norm"]),
     "a string loss": ("trainer", logged("loss", "low"), ["log_history[0].loss"]),
+    "an interpolation for the warmup": ("trainer", argued("warmup_steps", ENV), ["training_args.bin", "warmup_steps"]),
+    "a NaN warmup": ("trainer", argued("warmup_steps", NAN), ["training_args.bin", "warmup_steps"]),
+    "a string learning rate": ("trainer", argued("learning_rate", "1e-3"), ["training_args.bin", "learning_rate"]),
+    "an interpolation for the cycles": ("trainer", argued("lr_scheduler_kwargs", {"num_cycles": ENV}),
+                                        ["training_args.bin", "lr_scheduler_kwargs.num_cycles"]),
+    "a run of 2**40 steps": ("trainer", stated("max_steps", 2**40), ["trainer_state.json", "max_steps"]),
+    "no rows a step": ("trainer", stated("train_batch_size", 0), ["trainer_state.json", "train_batch_size"]),
+    "a beta of 1.5": ("trainer", grouped("betas", (1.5, 0.999)), ["optimizer.pt", "beta1"]),
+    "an interpolation for T_max": ("ckpt", scheduled_by("cosine", "T_max", ENV), ["last.ckpt", "T_max"]),
 }
 CASES = {**LINKS, **FIFOS, **SIZES, **VALUES}
 

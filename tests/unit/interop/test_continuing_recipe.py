@@ -42,3 +42,23 @@ def test_a_recipe_that_has_them_gets_nothing_and_one_decay_keeps_one_group():
     _, added = continuing.written(RECIPE, [("lr_scheduler", {"_target_": "mine"})], _run((0.1, 0.1)), "r")
     assert "lr_scheduler" not in added and "optimizer._target_" not in added
     assert added["optimizer.weight_decay"] == 0.1
+
+
+def test_no_string_the_import_adds_is_interpolated_when_the_recipe_is_loaded(tmp_path, monkeypatch):
+    """A source's values reach the recipe as checked numbers; a string that would still come (a schedule's argument)
+    is written escaped: loading the recipe takes it literally, never reads the environment."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("IMPORT_SECRET", "leaked")
+    run = _run()
+    run.schedule = Schedule("x", "automodel_ckpt.training.lr.linear_decay",
+                            {"warmup_steps": "${oc.env:IMPORT_SECRET}", "names": ["a${oc.env:IMPORT_SECRET}"],
+                             "nested": {"k": "${oc.env:IMPORT_SECRET,x}"}}, 10)
+    data, added = continuing.written(RECIPE, [], run, "runs/x")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(to_yaml_data(data))
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert loaded["lr_scheduler"]["warmup_steps"] == "${oc.env:IMPORT_SECRET}"
+    assert loaded["lr_scheduler"]["names"] == ["a${oc.env:IMPORT_SECRET}"]
+    assert loaded["lr_scheduler"]["nested"] == {"k": "${oc.env:IMPORT_SECRET,x}"}
+    assert "leaked" not in str(loaded)
