@@ -8,7 +8,7 @@ from automodel_ckpt.sizes import human_size
 from automodel_ckpt.tracking.costlog import RunCosts
 from automodel_ckpt.tracking.interval import advise, expected_overhead
 
-DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none is given (--mtbf-hours)
+DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none is given (--mtbf-hours, mtbf_hours)
 
 
 def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, Any]:
@@ -68,15 +68,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
-def _mtbf(report: dict[str, Any]) -> str:
+TRAINING_FLAG = "--checkpoint.mtbf_hours"  # a training run's override, named by the line at its end
+INSPECT_FLAG = "--mtbf-hours"  # ``ckpt-train inspect --cost``'s
+
+
+def _mtbf(report: dict[str, Any], flag: str) -> str:
+    """``MTBF 24.0 h (where it comes from)``; an assumed one names ``flag``, the option of the reader's own command
+    that sets it."""
     source = report["mtbf_source"]
     why = {"given": "given", "configured": "the run's checkpoint.mtbf_hours", "observed": f"observed: {report['interruptions']} interruption(s)",
-           "assumed": "assumed, no interruption seen; set it with --mtbf-hours"}[source]
+           "assumed": f"assumed, no interruption seen; set it with {flag}"}[source]
     return f"MTBF {_duration(report['mtbf_s'])} ({why})"
 
 
-def one_line(report: dict[str, Any]) -> str:
-    """The line printed at the end of a run ("" when it saved no checkpoint)."""
+def one_line(report: dict[str, Any], flag: str = TRAINING_FLAG) -> str:
+    """The line printed at the end of a run ("" when it saved no checkpoint); ``flag``: the option that sets the
+    MTBF in the command that prints it (a training run's ``--checkpoint.mtbf_hours``)."""
     if not report["checkpoints"]:
         return ""
     text = (f"Checkpoint cost: {report['checkpoints']} checkpoint(s), {report['blocked_per_checkpoint_s']:.3f} s "
@@ -87,7 +94,7 @@ def one_line(report: dict[str, Any]) -> str:
     text += _written(report, "; ")
     advice = report["advice"]
     if advice is not None:
-        text += (f"; Young/Daly interval for {_mtbf(report)}: every {advice['interval_steps']} steps "
+        text += (f"; Young/Daly interval for {_mtbf(report, flag)}: every {advice['interval_steps']} steps "
                  f"({_duration(advice['interval_s'])}), expected overhead {100 * advice['overhead']:.2f}%")
     text += _auto(report)
     return text + _side_work(report)
@@ -161,7 +168,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append("interval advice:            needs at least one checkpoint and one timed step")
         return "\n".join(lines)
     lines += [
-        f"failure rate:               {_mtbf(report)}",
+        f"failure rate:               {_mtbf(report, INSPECT_FLAG)}",
         f"Young/Daly interval:        sqrt(2 x {report['blocked_per_checkpoint_s']:.3f} s x {report['mtbf_s']:.0f} s) = "
         f"{_duration(advice['interval_s'])} = every {advice['interval_steps']} steps, expected overhead "
         f"{100 * advice['overhead']:.2f}%",

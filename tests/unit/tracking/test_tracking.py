@@ -87,9 +87,25 @@ def test_report_uses_the_observed_mtbf_and_else_announces_the_default():
     preempted = _events()[:3] + [{"event": "end", "time": 100.0, "step": 20, "status": "preempted"}]  # no work lost
     assumed = cost_report(summarize(preempted))
     assert assumed["interruptions"] == 0 and assumed["mtbf_source"] == "assumed"
-    assert "assumed" in one_line(assumed) and "--mtbf-hours" in one_line(assumed)
+    assert "assumed" in one_line(assumed) and "set it with --checkpoint.mtbf_hours" in one_line(assumed)
 
     assert "size per checkpoint:        3.7 GiB, written at 1.4 GiB/s" in render(report)  # the one size format
+
+
+def test_the_assumed_mtbf_names_the_flag_of_the_reader_s_own_command(tmp_path):
+    """The line at the end of a training run names the run's override (``--checkpoint.mtbf_hours``), never
+    ``inspect``'s ``--mtbf-hours``; ``inspect --cost`` names its own."""
+    from automodel_ckpt.tracking import RunObserver
+
+    observer = RunObserver(_section(), tmp_path, is_main=True, config_yaml="")
+    observer.start(0, None, every_steps=2)
+    for step in (2, 4):
+        observer.save(lambda: None, step, lambda: None)
+    line = observer.end(4, "complete")
+    assert "assumed, no interruption seen; set it with --checkpoint.mtbf_hours)" in line and "--mtbf-hours" not in line
+    report = render(cost_report(summarize(json.loads(r) for r in (tmp_path / layout.EVENTS_LOG).read_text()
+                                          .splitlines())))
+    assert "set it with --mtbf-hours)" in report and "--checkpoint.mtbf_hours" not in report
 
 
 # --- the trackers ---------------------------------------------------------------------------------
