@@ -95,7 +95,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
         source = _from_folder(merged, stack, side=merged)
         source.kind = "LoRA checkpoint (merged)"
         return source
-    plan = build_plan(model_dir, None, 1 << 62)
+    plan = build_plan(model_dir, None, bounded.COUNT_LIMIT)  # shards of any size: the plan here only reads
     if plan.config is None:
         raise CheckpointError(f"{model_dir} has no {layout.HF_METADATA_DIR} (no config.json): its family is unknown, "
                               "so it cannot be exported to a quantized format")

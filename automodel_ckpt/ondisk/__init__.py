@@ -21,7 +21,7 @@ from automodel_ckpt.faces import exports_of, lazy_members
 _EXPORTS = exports_of({
     "layout_table": "LAYOUT",  # the file and folder names of a run folder and a checkpoint, and their path builders
     "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "
-               "check_size parse_json read_bytes read_json read_yaml yaml_depth_line",
+               "check_size is_count parse_json read_bytes read_json read_yaml yaml_depth_line",
     "paths": "check_path file_kind is_plain_name model_file_in open_regular path_inside regular_file_problem",
     "catalog": "CheckpointRecord list_checkpoints pointer_target pointer_targets quarantined_checkpoints "
                "scan_checkpoints size_on_disk",

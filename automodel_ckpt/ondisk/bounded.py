@@ -48,14 +48,18 @@ MAX_SHAPE_DIMS = 64
 """Dimensions of one tensor (torch itself stops at 64)."""
 MAX_WORLD_SIZE = 1 << 20
 """Ranks recorded as having written a checkpoint (``world_size`` in ``saved_state.json``, ``metadata.json``)."""
+COUNT_LIMIT = 1 << 62
+"""Every count read from a file (``is_count``) is below it: no file, tensor or run reaches it, and the sum of two
+counts still fits an int64."""
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 
 def is_count(value: object) -> bool:
-    """A whole number >= 0 (not a bool) read from a file: a size, an offset, a dimension."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A whole number from 0 to below ``COUNT_LIMIT`` (not a bool) read from a file: a size, an offset, a
+    dimension, a step, a counter."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < COUNT_LIMIT
 
 
 def check_size(size: int, where: str, what: str, limit: int) -> None:

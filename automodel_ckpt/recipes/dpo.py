@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import LAYOUT, is_count
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.config.schema import DPOConfig
 from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, PairData, pair_batches, prepare_pairs
@@ -71,9 +71,9 @@ class PreferenceCounters:
             raise CheckpointError(f"{where} are {_kind(state)}, not a mapping")
         for key, default in vars(PreferenceCounters()).items():
             value = state.get(key, default)
-            if key in _COUNTS and not (type(value) is int and 0 <= value < 1 << 62):
+            if key in _COUNTS and not is_count(value):
                 raise CheckpointError(f"{where}: '{key}' is {_kind(value)}, not a count")
-            if key == "last_sync_step" and not (value is None or type(value) is int and 0 <= value < 1 << 62):
+            if key == "last_sync_step" and not (value is None or is_count(value)):
                 raise CheckpointError(f"{where}: '{key}' is {_kind(value)}, not a step")
             if key in _KEYS and not (value is None or isinstance(value, str) and _HEX.fullmatch(value)):
                 raise CheckpointError(f"{where}: '{key}' is {_kind(value)}, not a fingerprint")

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.ondisk import is_count
 
 _COUNTS = ("grpo_step", "ppo_optimization_step", "consumed_prompts", "generated_completions", "generated_tokens",
            "skipped_prompts", "prompt_epoch", "prompt_position")
@@ -35,7 +36,7 @@ class GRPOCounters:
             raise CheckpointError(f"the GRPO counters are a {type(state).__name__}, not a mapping")
         for key in _COUNTS:
             value = state.get(key, 0)
-            if not (type(value) is int and 0 <= value < 1 << 62):
+            if not is_count(value):
                 raise CheckpointError(f"the GRPO counters: '{key}' is not a count")
             setattr(self, key, value)
         for key in _SUMS:
@@ -105,7 +106,7 @@ class RolloutBatch:
         if not isinstance(state, dict):
             raise CheckpointError(f"the GRPO rollout batch is a {type(state).__name__}, not a mapping")
         for key in ("step", "passes"):
-            if not (type(state.get(key)) is int and 0 <= state[key] < 1 << 62):
+            if not is_count(state.get(key)):
                 raise CheckpointError(f"the GRPO rollout batch: '{key}' is not a count")
         tensors = {k: v for k, v in state.items() if k in _TENSORS}
         if tensors and set(tensors) != set(_TENSORS):

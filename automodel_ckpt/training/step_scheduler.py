@@ -6,7 +6,8 @@ from typing import Any
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.shown import shown_value
-from automodel_ckpt.checkpoint import STEP_LIMIT, SaveInterval
+from automodel_ckpt.checkpoint import SaveInterval
+from automodel_ckpt.ondisk import is_count
 
 AUTO = "auto"
 COUNTERS = ("step", "epoch", "consumed_samples")
@@ -86,7 +87,7 @@ class StepScheduler:
             raise CheckpointError(f"the step counters are a {type(state).__name__}, not a mapping")
         for key in COUNTERS:
             value = state.get(key)
-            if not (type(value) is int and 0 <= value < STEP_LIMIT):
+            if not is_count(value):
                 raise CheckpointError(f"the step counters: '{key}' is {shown_value(value)}, not a count")
         self.step, self.epoch, self.consumed_samples = (state[key] for key in COUNTERS)
         for interval, key in ((self.save_interval, "save_interval"), (self.local_interval, "local_interval")):

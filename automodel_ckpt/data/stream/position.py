@@ -11,6 +11,7 @@ from typing import Any
 
 from automodel_ckpt.data.stream.corpus import Shard
 from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.ondisk import is_count
 
 #: Version of the loader's state: the lane count, the corpus once, each lane's position and counts.
 LANES_VERSION = 3
@@ -59,22 +60,27 @@ def _ints(values: Any, low: int, high: int, what: str) -> None:
         raise _bad(what)
 
 
+def _counts(values: Any, what: str) -> None:
+    if not isinstance(values, list) or not all(is_count(v) for v in values):
+        raise _bad(what)
+
+
 def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
     """One stream's position (a lane's, or the one global stream's) against its sources' unit counts."""
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list) or not isinstance(p.get("pending"), list):
         raise _bad("not a position")
     if len(p["sources"]) != len(sizes):
         raise DataError(f"dataset: the checkpoint's corpus has {len(p['sources'])} sources, this recipe {len(sizes)}")
-    _ints([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], 0, 1 << 62, "counters")
+    _counts([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], "counters")
     for src, n in zip(p["sources"], sizes):
         if not isinstance(src, dict):
             raise _bad("a source")
-        _ints([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")], 0, 1 << 62,
-              "a source's counters")
+        _counts([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")],
+                "a source's counters")
         _ints([src.get("n")], 1, n + 1, "the shards of an epoch")
         _ints([src.get("pos")], 0, src["n"] + 1, "the place in the shard order")
         _ints(src.get("buffer_shards"), 0, n, "the shuffle buffer")
-        _ints(src.get("buffer_keys"), 0, 1 << 62, "the shuffle buffer")
+        _counts(src.get("buffer_keys"), "the shuffle buffer")
         if len(src["buffer_shards"]) != len(src["buffer_keys"]) or len(src["buffer_keys"]) > buffer:
             raise _bad(f"a shuffle buffer of {len(src['buffer_keys'])} rows, more than {buffer}")
     if len(p["pending"]) > draw + 1:
@@ -111,7 +117,7 @@ def check_lane(p: Any, counts: Any, shards: list[list[Shard]], buffer: int, sequ
     _check_stream(p, [len(s) for s in shards], buffer, max(DRAW_BATCH, LANE_DRAW_BATCH))
     if p["sequences"] != max(sequences, 0):
         raise _bad("a lane's sequence count")
-    _ints(counts, 0, 1 << 62, "a lane's counts")
+    _counts(counts, "a lane's counts")
     if len(counts) != 2 + len(shards):
         raise _bad("a lane's counts")
 

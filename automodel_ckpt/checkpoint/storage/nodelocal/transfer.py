@@ -27,7 +27,7 @@ from typing import Any, Generator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from automodel_ckpt.ondisk import layout, paths
+from automodel_ckpt.ondisk import bounded, layout, paths
 from automodel_ckpt.ondisk.checksum import CRC32, hasher
 from automodel_ckpt.errors import CheckpointError, first_line
 
@@ -154,7 +154,7 @@ def receive_stream(src: int, folder: Path, expected: Mapping[str, Any] | None = 
     problems: list[str] = []
     files = header.get("files")
     if not isinstance(files, list) or not all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
-                                              and type(f[1]) is int and f[1] >= 0 for f in files):
+                                              and bounded.is_count(f[1]) for f in files):
         raise CheckpointError(f"{where} is malformed (no list of names and sizes); the stream is broken")  # the stream cannot go on
     if isinstance(header.get("error"), str):
         problems.append(header["error"])
