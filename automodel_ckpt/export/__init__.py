@@ -30,8 +30,9 @@ _EXPORTS = exports_of({
     "archive_weights": "ArchiveHFReader",
     "archive_pack": "pack pack_into pack_summary",
     # where a model came from: its training and export lineage
-    "lineage": "lineage_chain lineage_fingerprint lineage_parent lineage_json training_lineage export_lineage "
-               "data_identity read_lineage write_lineage_file",
+    "lineage": "lineage_fingerprint lineage_parent lineage_json training_lineage export_lineage data_identity "
+               "read_lineage write_lineage_file",
+    "lineage_walk": "lineage_chain",
     # GGUF files for llama.cpp
     "gguf_read": "is_gguf describe_gguf verify_gguf",
     "gguf_export": "plan_gguf write_gguf",

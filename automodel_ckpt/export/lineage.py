@@ -15,8 +15,9 @@ first MiB.
 Where it lives: a checkpoint's ``metadata.json`` (``lineage``), a Hugging Face export folder's ``LINEAGE_FILE``
 (``ondisk.layout``), a GGUF file's ``automodel_ckpt.lineage`` key (JSON text), an archive's copy of the checkpoint's
 metadata. Read back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every
-value escaped when printed, and a parent is only looked at on disk as a regular folder or file, never through a
-link; only its own lineage record is read there, with the same bounded readers.
+value escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
+fingerprints and their own lineage records are read there, with the same bounded readers, within one listing's
+``Reads`` (each folder or file fingerprinted once, a bounded number of bytes in all).
 """
 
 from __future__ import annotations
@@ -24,23 +25,50 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.paths import open_regular
-from automodel_ckpt.shown import one_line
 
 GGUF_KEY = "automodel_ckpt.lineage"  # the GGUF metadata key that holds an export's lineage (JSON text)
 RECORD_LIMIT = bounded.MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
 _INDEX = 64 * bounded.MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
 EMBEDDED_LIMIT = 256 * 1024  # a parent's own lineage embedded in a record at most this large (JSON), else left out
-MAX_DEPTH = 32  # generations printed
 _HEAD = bounded.MiB  # bytes of a file (a GGUF, a .ckpt) its fingerprint reads
 _SAMPLE = 256 * 1024  # bytes of weights read at each end of a safetensors file's data
 _SAMPLED_FILES = 16  # safetensors files whose data is sampled (the others: their headers)
+
+
+# ------------------------------------------------------------------------------------------ one listing's reads
+class ReadsSpent(Exception):
+    """A listing's ``Reads`` would go over its limit: the parent is named, not read."""
+
+
+class Reads:
+    """What one listing (``inspect --lineage``) may still read of the parents it meets, and the fingerprints it has
+    taken: each folder or file fingerprinted once (by device and inode), at most ``limit`` bytes read in all."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.left = limit
+        self.fingerprints: dict[tuple[int, int], str | None] = {}
+
+    def take(self, n: int) -> None:
+        """Count ``n`` bytes about to be read; ``ReadsSpent`` (nothing counted) when they do not fit."""
+        if n > self.left:
+            raise ReadsSpent
+        self.left -= n
+
+
+def _take(reads: Reads | None, n: int) -> None:
+    if reads is not None:
+        reads.take(n)
+
+
+def _size(path: Path, follow: bool, cap: int) -> int:
+    """The bytes a bounded reader reads of ``path`` (at most ``cap`` plus one: a larger file is refused)."""
+    return min(os.stat(path, follow_symlinks=follow).st_size, cap + 1)
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
@@ -52,13 +80,14 @@ def _sha(parts: Iterator[bytes]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def _safetensors_header(path: Path, follow: bool, sample: bool) -> bytes:
+def _safetensors_header(path: Path, follow: bool, sample: bool, reads: Reads | None = None) -> bytes:
     """A safetensors file's header and, with ``sample``, its size and the first and last ``_SAMPLE`` bytes of its
     data (weights trained from the same base have the same header)."""
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
         bounded.check_size(n, f"'{path}'", "a safetensors header", _INDEX)
+        _take(reads, 8 + n + (2 * _SAMPLE if sample else 0))
         out = head + f.read(n)
         if sample:
             size = os.fstat(f.fileno()).st_size
@@ -68,48 +97,72 @@ def _safetensors_header(path: Path, follow: bool, sample: bool) -> bytes:
         return out
 
 
-def _file_head(path: Path, follow: bool) -> bytes:
+def _file_head(path: Path, follow: bool, reads: Reads | None = None) -> bytes:
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
-        return os.fstat(f.fileno()).st_size.to_bytes(8, "little") + f.read(_HEAD)
+        size = os.fstat(f.fileno()).st_size
+        _take(reads, min(size, _HEAD))
+        return size.to_bytes(8, "little") + f.read(_HEAD)
 
 
-def lineage_fingerprint(path: str | Path, *, follow: bool = False) -> str | None:
+def _read_small(path: Path, what: str, follow: bool, reads: Reads | None) -> bytes:
+    _take(reads, _size(path, follow, _INDEX))
+    return bounded.read_bytes(path, what, _INDEX, follow=follow)
+
+
+def lineage_fingerprint(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> str | None:
     """The content fingerprint of a checkpoint, a Hugging Face folder or a file (None: nothing there to read, e.g. a
-    model name on the Hub). ``follow``: links are followed (a path the user named: an HF cache is links)."""
+    model name on the Hub). ``follow``: links are followed (a path the user named: an HF cache is links).
+    ``reads``: a listing's, which takes each folder's or file's fingerprint once and counts the bytes read
+    (``ReadsSpent`` when they would go over its limit)."""
     path = Path(path)
+    key = None
     try:
         if path.is_symlink() and not follow:
             return None
-        if path.is_file():
-            return _sha(iter([_file_head(path, follow)]))
-        if not path.is_dir():
-            return None
-        if (path / layout.METADATA_FILE).is_file():
-            name = layout.MANIFEST_FILE if (path / layout.MANIFEST_FILE).is_file() else layout.METADATA_FILE
-            return _sha(iter([name.encode(), bounded.read_bytes(path / name, "a checkpoint's manifest", _INDEX,
-                                                        follow=follow)]))
-        parts = []
-        for name in (layout.HF_CONFIG, layout.HF_INDEX):
-            if (path / name).is_file():
-                parts.append(name.encode() + b"\0" + bounded.read_bytes(path / name, "a model config", _INDEX,
-                                                                 follow=follow))
-        for i, weights in enumerate(sorted(path.glob("*.safetensors"))[:4096]):
-            parts.append(weights.name.encode() + b"\0" + _safetensors_header(weights, follow, i < _SAMPLED_FILES))
-        return _sha(iter(parts)) if parts else None
+        if reads is not None:
+            st = os.stat(path, follow_symlinks=follow)
+            key = (st.st_dev, st.st_ino)
+            if key in reads.fingerprints:
+                return reads.fingerprints[key]
+        value = _fingerprint(path, follow, reads)
     except (OSError, CheckpointError):
+        value = None
+    if key is not None and reads is not None:
+        reads.fingerprints[key] = value
+    return value
+
+
+def _fingerprint(path: Path, follow: bool, reads: Reads | None) -> str | None:
+    if path.is_file():
+        return _sha(iter([_file_head(path, follow, reads)]))
+    if not path.is_dir():
         return None
+    if (path / layout.METADATA_FILE).is_file():
+        name = layout.MANIFEST_FILE if (path / layout.MANIFEST_FILE).is_file() else layout.METADATA_FILE
+        return _sha(iter([name.encode(), _read_small(path / name, "a checkpoint's manifest", follow, reads)]))
+    parts = []
+    for name in (layout.HF_CONFIG, layout.HF_INDEX):
+        if (path / name).is_file():
+            parts.append(name.encode() + b"\0" + _read_small(path / name, "a model config", follow, reads))
+    for i, weights in enumerate(sorted(path.glob("*.safetensors"))[:4096]):
+        parts.append(weights.name.encode() + b"\0" + _safetensors_header(weights, follow, i < _SAMPLED_FILES, reads))
+    return _sha(iter(parts)) if parts else None
 
 
 # ------------------------------------------------------------------------------------------ records
 def lineage_parent(role: str, path: str | Path, *, follow: bool = False, **extra: Any) -> dict[str, Any]:
     """A parent entry: its role, path (absolute where it is on disk), fingerprint, what ``extra`` adds, and its own
     lineage embedded (when it has one and it is small)."""
+    return _parent(role, path, follow, None, **extra)
+
+
+def _parent(role: str, path: str | Path, follow: bool, reads: Reads | None, **extra: Any) -> dict[str, Any]:
     where = Path(path)
     shown = str(where.absolute()) if where.exists() else str(path)
-    entry: dict[str, Any] = {"role": role, "path": shown, "fingerprint": lineage_fingerprint(where, follow=follow),
-                             **extra}
+    entry: dict[str, Any] = {"role": role, "path": shown,
+                             "fingerprint": lineage_fingerprint(where, follow=follow, reads=reads), **extra}
     try:
-        own = read_lineage(where)
+        own = read_lineage(where, reads=reads)
     except CheckpointError:
         own = None
     if own and len(json.dumps(own)) <= EMBEDDED_LIMIT:
@@ -193,10 +246,10 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
     return {"parents": [entry]}
 
 
-def read_lineage(path: str | Path, *, follow: bool = False) -> dict[str, Any] | None:
+def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> dict[str, Any] | None:
     """The lineage recorded in ``path``: a checkpoint's metadata, an export folder's lineage file (or, for a
     checkpoint's own ``model/consolidated``, the checkpoint), a GGUF file's key. None: none recorded. A record over
-    ``RECORD_LIMIT`` bytes or not a record: one-line ``CheckpointError``."""
+    ``RECORD_LIMIT`` bytes or not a record: one-line ``CheckpointError``. ``reads``: a listing's (``Reads``)."""
     path = Path(path)
     if path.is_symlink() and not follow:
         return None
@@ -204,6 +257,7 @@ def read_lineage(path: str | Path, *, follow: bool = False) -> dict[str, Any] | 
         from automodel_ckpt.export.archive import is_archive
         from automodel_ckpt.export.gguf_read import is_gguf
 
+        _take(reads, RECORD_LIMIT)  # a header walked (arrays and data skipped) for a record of at most this
         if is_gguf(path):
             return read_gguf_lineage(path)
         return read_archive_lineage(path) if is_archive(path) else None
@@ -214,6 +268,7 @@ def read_lineage(path: str | Path, *, follow: bool = False) -> dict[str, Any] | 
         if file.is_symlink() or not file.exists():
             continue
         try:
+            _take(reads, _size(file, False, RECORD_LIMIT))
             data = bounded.read_bytes(file, "a lineage record", RECORD_LIMIT, follow=False)
         except OSError:
             return None
@@ -227,84 +282,8 @@ def read_lineage(path: str | Path, *, follow: bool = False) -> dict[str, Any] | 
     if model_dir.name == layout.MODEL_DIR and (model_dir.parent / layout.METADATA_FILE).is_file() \
             and not model_dir.is_symlink():
         # a checkpoint's own consolidated export: the checkpoint is its parent
-        return {"parents": [lineage_parent("exported from", model_dir.parent)]}
+        return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}
     return None
-
-
-def _status(entry: dict[str, Any]) -> tuple[str, bool]:
-    """How ``entry``'s path is now ("present", "gone", "changed: now ...", "a link: not followed") and whether it
-    may be read (a regular folder or file, not a link)."""
-    if not isinstance(entry.get("path"), str) or not entry["path"]:
-        return "recorded in the archive", False
-    path = Path(entry["path"])
-    try:
-        mode = os.lstat(path).st_mode
-    except (OSError, ValueError):
-        return "gone", False
-    if stat.S_ISLNK(mode):
-        return "a link: not followed", False
-    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-        return "not a folder or file: not read", False
-    recorded = entry.get("fingerprint")
-    if recorded is None:
-        return "present", True
-    now = lineage_fingerprint(path)
-    if now is None or now == recorded:
-        return "present", True
-    return f"changed: now {now}", True
-
-
-def lineage_chain(target: str | Path) -> list[str]:
-    """The lines of ``inspect --lineage``: ``target`` and each generation of parents below it, indented, with
-    fingerprints and whether each parent is still there; every value escaped."""
-    target = Path(target)
-    record = read_lineage(target, follow=True)  # the path the user named
-    own = lineage_fingerprint(target, follow=True)
-    lines = [one_line(f"lineage of '{target}'" + (f" ({own})" if own else ""))]
-    if record is None:
-        return lines + ["  no lineage recorded (written before lineage was, or not by ckpt-train)"]
-    _walk(record, 1, lambda depth, text: lines.append("  " * depth + one_line(text)), {str(target.absolute())},
-          set())
-    return lines
-
-
-def _walk(record: dict[str, Any], depth: int, add: Any, ancestors: set[str], expanded: set[str]) -> None:
-    """``record``'s parents at ``depth``, each followed by its own. ``ancestors``: the parents on the way down to
-    here (one of them again is a cycle, not followed); ``expanded``: parents whose parents are listed already (a
-    shared ancestor, such as the base model of both a run and the run it was restored from, is listed once)."""
-    if depth > MAX_DEPTH:
-        add(depth, f"... (more than {MAX_DEPTH} generations: not shown)")
-        return
-    data = record.get("data")
-    parents = record.get("parents") or []
-    for entry in parents[:256]:
-        if not isinstance(entry, dict):
-            add(depth, "(an entry that is no parent)")
-            continue
-        status, readable = _status(entry)
-        extra = "".join(f", {k} {entry[k]}" for k in ("trainer", "step") if entry.get(k) is not None)
-        add(depth, f"{entry.get('role', 'parent')}: {entry.get('path') or entry.get('checkpoint')} "
-                   f"({entry.get('fingerprint') or 'no fingerprint'}{extra}) [{status}]")
-        key = str(entry.get("path") or id(entry))
-        if key in ancestors:
-            add(depth + 1, "(its own ancestor: a cycle, not followed)")
-            continue
-        if key in expanded:
-            add(depth + 1, "(its parents are listed above)")
-            continue
-        below = entry.get("lineage")
-        if readable and not isinstance(below, dict):
-            try:
-                below = read_lineage(Path(key))
-            except CheckpointError as exc:
-                add(depth + 1, str(exc))
-                below = None
-        if isinstance(below, dict):
-            expanded.add(key)
-            _walk(below, depth + 1, add, ancestors | {key}, expanded)
-    if isinstance(data, dict):
-        rows = f", rows {data['rows']}" if data.get("rows") else ""
-        add(depth, f"training data: {data.get('fingerprint')}{rows}")
 
 
 def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
