@@ -49,3 +49,9 @@ def first_line(exc: BaseException) -> str:
 def warn(message: str) -> None:
     """A warning for the user, attributed to the code that calls this helper."""
     warnings.warn(message, stacklevel=2)
+
+
+#: the exit codes of a process that ended on one of our one-line errors (``UserError`` and its subclasses): its
+#: ``error: ...`` line says everything (the launcher adds nothing of torch's about such a worker)
+USER_ERROR_EXIT_CODES = frozenset({UserError.exit_code, ConfigError.exit_code, CheckpointError.exit_code,
+                                   DiskFullError.exit_code, UsageError.exit_code})

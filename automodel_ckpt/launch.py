@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from automodel_ckpt.distributed.lifeline import mark_launcher, proc_stat
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import USER_ERROR_EXIT_CODES, ConfigError
 
 
 def default_start_method() -> str:
@@ -161,6 +161,7 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
     if opts.max_restarts:  # restarted workers rendezvous on a store of their own: torch's shared rendezvous store
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # keeps the failed attempt's addresses
     mark_launcher()  # the workers end when this process ends, however it ends (distributed/lifeline.py)
+    quiet_failed_worker_logs()
     args = get_args_parser().parse_args(torchrun_args(opts, recipe, overrides))
     forwarder = SignalForwarder(preemption_signal) if preemption_signal else None
     if forwarder is not None and hasattr(args, "signals_to_handle"):  # the agent leaves this signal to us
@@ -200,17 +201,36 @@ def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     args.start_method = "fork"
     config, _, _ = config_from_args(args)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_traceback_for_a_failed_worker)
     sys.stdout.flush()
     sys.stderr.flush()
     elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
 
 
-def _no_traceback_for_a_failed_worker(record: logging.LogRecord) -> bool:
-    """torch's agent logs a failed forked worker with the traceback of its own wait (a failed exec'd worker gets
-    one line): keep the line. The worker has printed its own one-line error."""
-    if str(record.msg).startswith("failed (exitcode"):
-        record.exc_info, record.exc_text = None, None
+#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``, with a traceback of the
+#: agent's own wait for a forked one)
+ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                   "torch.distributed.elastic.agent.server.local_elastic_agent")
+
+
+def quiet_failed_worker_logs() -> None:
+    """Install ``failed_worker_filter`` on torch's elastic loggers (once)."""
+    for name in ELASTIC_LOGGERS:
+        logger = logging.getLogger(name)
+        if failed_worker_filter not in logger.filters:
+            logger.addFilter(failed_worker_filter)
+
+
+def failed_worker_filter(record: logging.LogRecord) -> bool:
+    """torch's agent logs a failed worker as ``failed (exitcode: N) ...``. A worker that ended on one of our
+    one-line errors (``USER_ERROR_EXIT_CODES``) has printed it: the record is dropped, so that one error reads as
+    one line, followed by the launcher's own. Any other failure (a crash, a signal, another exit code) keeps its
+    line, without the traceback of the agent's own wait that a forked worker's gets (the worker printed its own)."""
+    if not str(record.msg).startswith("failed (exitcode"):
+        return True
+    code = record.args[0] if isinstance(record.args, tuple) and record.args else None
+    if isinstance(code, int) and not isinstance(code, bool) and code in USER_ERROR_EXIT_CODES:
+        return False
+    record.exc_info, record.exc_text = None, None
     return True
 
 

@@ -108,8 +108,14 @@ def test_named_restore_from_that_fails_is_an_error_never_a_fallback(work: Path, 
     before = tree(run)
     result = ckpt_train(work, assets, *COMMON, "--checkpoint.checkpoint_dir", run.name, "--step_scheduler.max_steps",
                         "8", "--checkpoint.restore_from", STEP6, nproc=2, check=False)
-    assert result.returncode != 0
+    assert result.returncode == 3  # CheckpointError's, from the launcher as from the worker
     assert "is damaged" in result.output and "Traceback" not in result.output
+    # one error, one line: torch's agent adds no "failed (exitcode: 3)" line (nor its error-file banner) between
+    # the worker's error and the launcher's summary
+    assert "failed (exitcode" not in result.output and "error_file" not in result.output, result.output[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert errors[-1] == "error: training failed on rank 0 (exit code 3); see its message above", errors
+    assert all(line.startswith(("error:", "[rank ")) for line in errors), errors
     assert tree(run) == before
 
 

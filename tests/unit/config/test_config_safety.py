@@ -225,6 +225,46 @@ def _wait_for(ready, done) -> None:
     done.wait(60)
 
 
+def test_torch_s_line_about_a_worker_that_ended_on_our_one_line_error_is_dropped():
+    """A worker that exited with one of our errors' codes printed its ``error:`` line: torch's agent adds nothing
+    (``failed (exitcode: 3) ...``); a crash, a signal or another exit code keeps torch's line (a forked worker's
+    without the agent's own traceback)."""
+    import logging
+
+    from automodel_ckpt.launch import ELASTIC_LOGGERS, quiet_failed_worker_logs
+
+    quiet_failed_worker_logs()
+    quiet_failed_worker_logs()  # once: not twice the filter
+    kept: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record)
+
+    for name in ELASTIC_LOGGERS:
+        logger = logging.getLogger(name)
+        assert len(logger.filters) == len(set(map(id, logger.filters)))
+        handler, level = Keep(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            for code in (2, 3, 4, 1, -9, -15, 137, 5):  # exec'd workers
+                logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", code, 0, 123, "python")
+            try:
+                raise RuntimeError("the agent's own wait")
+            except RuntimeError:  # forked workers: logged with the traceback of the agent's wait
+                for code in (3, -11):
+                    logger.exception("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                                     code, 1, 124, "forked_worker", "fork")
+            logger.warning("Received %s death signal, shutting down workers", "SIGTERM")  # other records: kept
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        assert [r.args[0] for r in kept if str(r.msg).startswith("failed")] == [1, -9, -15, 137, 5, -11], name
+        assert all(r.exc_info is None for r in kept) and "death signal" in kept[-1].getMessage()
+        kept.clear()
+
+
 # ------------------------------------------------------------------------------------- sequence length
 
 def _prepare(tmp_path: Path, seq_length: int):
