@@ -12,7 +12,7 @@ number in ``[1, the run's last step]``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from automodel_ckpt.shown import shown_value
 
@@ -69,14 +69,21 @@ class SaveInterval:
 
     SAMPLES = 8  # the last saves' costs a decision reads (their medians)
 
-    def __init__(self, min_every: int = 1, max_every: int | None = None, last_step: int | None = None) -> None:
-        self.min_every, self.max_every, self.last_step = max(1, int(min_every)), max_every, last_step
-        self.every = self.clamp(self.min_every)
+    def __init__(self, min_every: int = 1, max_every: int | None = None,
+                 last_step: int | Callable[[], int] | None = None) -> None:
+        self.min_every, self.max_every = max(1, int(min_every)), max_every
+        self._last_step = last_step  # the run's last step, or how to read it (it may change: a run in stages)
+        self.every = self.min_every if not _whole(max_every) or max_every < 1 else min(self.min_every, max_every)
         self.next_step = self.every
         self.samples: list[list[float]] = []  # [blocked seconds, seconds a step] of the last saves, every rank's MAX
         self.mtbf: list[Any] | None = None  # [seconds, "given" | "observed" | "assumed"], decided once a run
         #: what a restored schedule held out of range and which interval the run uses instead (None: nothing)
         self.restored_note: str | None = None
+
+    @property
+    def last_step(self) -> int | None:
+        """The run's last step (None: no bound), read when asked."""
+        return self._last_step() if callable(self._last_step) else self._last_step
 
     @property
     def longest(self) -> int:
@@ -126,6 +133,7 @@ class SaveInterval:
         dropped (a sample, the MTBF) or clamped (the interval to ``[1, longest]``, the next save to the interval
         from ``step``), and ``restored_note`` says so in one line."""
         problems: list[str] = []
+        last = self.last_step
         if not isinstance(state, dict):
             problems.append(f"it is a {type(state).__name__}, not a mapping")
             state = {}
@@ -133,15 +141,15 @@ class SaveInterval:
         restored = every if _whole(every) and 1 <= every < STEP_LIMIT else None
         if restored is None:
             problems.append(f"'every' is {shown_value(every)}, not a whole number of steps")
-        elif self.last_step and restored > self.last_step:
-            problems.append(f"'every' is {restored} steps, past the run's last step {self.last_step}")
+        elif last and restored > last:
+            problems.append(f"'every' is {restored} steps, past the run's last step {last}")
         self.every = self.clamp(restored if restored is not None else self.min_every)
         next_step = state.get("next_step")
         low, high = 1, STEP_LIMIT  # where the run is unknown: any step ahead
         if _whole(step):  # a genuine schedule saves next within its interval from the resumed step
             low, high = step + 1, step + (restored or self.every)
-            if self.last_step:
-                high = min(high, max(self.last_step, step + self.every))
+            if last:
+                high = min(high, max(last, step + self.every))
         if not _whole(next_step) or not low <= next_step <= high:
             problems.append(f"'next_step' is {shown_value(next_step)}, " + (
                 f"outside steps {low} to {high}" if _whole(next_step) else "not a step"))

@@ -120,7 +120,8 @@ class BaseRecipe:
             options.setdefault("interval", auto())
         local = self.checkpoint_config.local
         if local.every_steps == "auto" and self.checkpoint_config.enabled:  # the node-local tier's, the same way
-            schedule = SaveInterval(local.min_every_steps, local.max_every_steps, self.step_scheduler.total_steps)
+            steps = self.step_scheduler
+            schedule = SaveInterval(local.min_every_steps, local.max_every_steps, lambda: steps.total_steps)
             self.step_scheduler.local_interval = schedule  # checkpointed with the step counters
             options.setdefault("local_interval", auto(schedule=schedule))
         self.checkpointer = Checkpointer(self.checkpoint_config, self.env, resolved_config_yaml=config_yaml,

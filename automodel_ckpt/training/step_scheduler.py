@@ -35,7 +35,7 @@ class StepScheduler:
         self.num_epochs = num_epochs
         self.steps_per_epoch = steps_per_epoch
         #: ``ckpt_every_steps: auto``: the interval that the save cycle sets (None: a fixed interval, or none)
-        self.save_interval = SaveInterval(min_every_steps, max_every_steps, self.total_steps) \
+        self.save_interval = SaveInterval(min_every_steps, max_every_steps, lambda: self.total_steps) \
             if ckpt_every_steps == AUTO else None
         self.ckpt_every_steps = None if ckpt_every_steps == AUTO else ckpt_every_steps
         #: ``checkpoint.local.every_steps: auto``: the node-local tier's interval (set by the recipe's checkpointer)

@@ -87,3 +87,39 @@ def test_a_tiny_mtbf_makes_young_daly_save_every_few_steps(tmp_path, assets):
         end = following["step"] if following else 14
         expected = [s for s in range(start, end + 1, every)]
         assert [s for s in saved if start <= s <= end and s != 14] == [s for s in expected if s != 14], (change, saved)
+
+
+def test_a_resume_whose_next_save_is_2_62_saves_at_its_interval_and_says_so(tmp_path, assets, straight):
+    """The straight run's step-4 checkpoint, its schedule's next save rewritten to step 2**62 and the checkpoint
+    resealed (as anyone who rewrites a checkpoint can): trusted, the resumed run would save only at its end,
+    silently; it saves at step 7 (every 3 from step 4) and says so in one line."""
+    import os
+    import shutil
+
+    import torch
+
+    from automodel_ckpt.ondisk import manifest
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run, symlinks=True)
+    for step in (7, 8):
+        shutil.rmtree(run / f"epoch_0_step_{step}")
+    for pointer in layout.POINTERS:
+        for name in (pointer, f"{pointer}.txt"):
+            if os.path.lexists(run / name):
+                os.unlink(run / name)
+    checkpoint = run / "epoch_0_step_4"
+    state_file = checkpoint / layout.global_state_file("step_scheduler")
+    state = torch.load(state_file, weights_only=True)
+    assert state["save_interval"]["next_step"] == 7
+    state["save_interval"]["next_step"] = 2**62
+    torch.save(state, state_file)
+    manifest.seal(checkpoint, 0, 1)
+    done = ckpt_train(tmp_path, assets, *ARGS, *CLAMPED, "--checkpoint.checkpoint_dir", "run",
+                      "--checkpoint.restore_from", "epoch_0_step_4")
+    assert _saved(run) == [2, 4, 7, 8]
+    said = [line for line in done.output.splitlines() if "the checkpoint's schedule was out of range" in line]
+    assert said == ["warning: Checkpoint interval: the checkpoint's schedule was out of range: 'next_step' is "
+                    "4611686018427387904, outside steps 5 to 7: saves every 3 steps, the next at step 7"], done.output
+    assert "Traceback" not in done.output
+
