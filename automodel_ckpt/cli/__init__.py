@@ -25,8 +25,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "consolidate": ("consolidate", "CHECKPOINT [--out DIR] [--cast-dtype bf16|fp16|fp32|fp64] [--num-threads N]"),
     "inspect": ("inspect", "CHECKPOINT_DIR|FILE.tar [--json] [--cost [--mtbf-hours H]]"),
     "merge-lora": ("merge_lora", "CHECKPOINT [--out DIR] [--base DIR]"),
-    "export": ("export", "CHECKPOINT|EXPORT_DIR|FILE.tar --to gguf|int8|hf-trainer [--type bf16|f16|q8_0|q4_0] "
-                         "[--scheme w8a8|w4a16] [--calibrate N] [--out PATH] [--dry-run]"),
+    "export": ("export", "CHECKPOINT|EXPORT_DIR|FILE.tar --to TARGET [--out PATH] [--dry-run] [the target's options: "
+                         "ckpt-train export --help]"),
     "pack": ("pack", "CHECKPOINT|EXPORT_DIR|ADAPTER_DIR [--out FILE.tar] [--cast-dtype DTYPE] [--no-progress]"),
     "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR|FILE.tar [--quiet] [--sizes-only] | --export CHECKPOINT"),
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),

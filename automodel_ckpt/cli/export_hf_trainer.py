@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UsageError
+from automodel_ckpt.export import ExportRequest, ExportTarget
 from automodel_ckpt.ondisk import LAYOUT, LOG_FILE_LIMIT, read_bytes
 
 
@@ -83,3 +84,21 @@ def _log(path: Path) -> list[dict]:
                 isinstance(record.get("loss"), (int, float)):
             out.append(record)
     return out
+
+
+class HFTrainerTarget(ExportTarget):
+    """``--to hf-trainer``: the recipe given with ``--recipe`` built, the checkpoint restored into it, and written
+    by ``interop.hf_export``. Its options are the recipe's overrides; the other targets' are not looked at."""
+
+    name = "hf-trainer"
+    summary = "a checkpoint as an HF Trainer checkpoint-N/ folder that Trainer.train resumes"
+    takes_overrides = True
+    checks_other_options = False
+
+    def export(self, request: ExportRequest) -> int:
+        args = request.args
+        return export(request.src, Path(args.out) if args.out else None, Path(args.recipe) if args.recipe else None,
+                      args.overrides)
+
+
+TARGET = HFTrainerTarget()

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.mtbf_hours is not None and (not 0 < args.mtbf_hours <= MTBF_LIMIT_HOURS or not args.cost):
         raise UsageError(f"--mtbf-hours: needs --cost and a number of hours above 0, at most {MTBF_LIMIT_HOURS:g}")
-    from automodel_ckpt.export import describe_archive as describe, describe_gguf, is_archive, is_gguf, lineage_chain
+    from automodel_ckpt.export import describe_archive, identify, is_archive, lineage_chain
 
     if args.lineage:
         if args.cost or args.json:
@@ -60,14 +60,15 @@ def main(argv: list[str]) -> int:
         print("\n".join(lineage_chain(target)), flush=True)
         return 0
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
-    for matches, what, read, render in ((is_gguf, "a GGUF file", describe_gguf, render_gguf),
-                                        (is_archive, "an archive", describe, render_archive)):
-        if matches(local):  # one file: its header, nothing of a run
-            if args.cost:
-                raise UsageError(f"--cost: needs a run folder, not {what}")
-            info = read(local)
-            print(json.dumps(info, indent=2) if args.json else render(info), flush=True)
-            return 0
+    target = identify(local)  # a file of an export target (a GGUF file), asked of the registry
+    if target is not None or is_archive(local):  # one file: its header, nothing of a run
+        what, read, render = (target.noun, target.describe, target.render) if target is not None else \
+            ("an archive", describe_archive, render_archive)
+        if args.cost:
+            raise UsageError(f"--cost: needs a run folder, not {what}")
+        info = read(local)
+        print(json.dumps(info, indent=2) if args.json else render(info), flush=True)
+        return 0
     report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
     if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
         report["checkpoint_dir"] = args.checkpoint_dir
@@ -83,28 +84,17 @@ def render_archive(info: dict[str, Any]) -> str:
     """What an archive holds (``archive.describe_archive``) in a few lines."""
     came = (f" from checkpoint {info['checkpoint']} of run {info['run']} (step {info['step']}, epoch "
             f"{info['epoch']})" if info["checkpoint"] else f" from an {info['source']} folder")
-    if info["source"] == "gguf":  # one GGUF file: `inspect` it unpacked for its model
-        return "\n".join([f"archive {info['archive']}: a GGUF file (inspect it after `tar -xf` for its model)",
+    from automodel_ckpt.export import export_targets
+
+    held = next((t for t in export_targets() if t.noun and t.name == info["source"]), None)
+    if held is not None:  # one file of an export target (a GGUF file): `inspect` it unpacked for its model
+        return "\n".join([f"archive {info['archive']}: {held.noun} (inspect it after `tar -xf` for its model)",
                           f"  {info['files']} members, {human_size(info['bytes'])}"])
     model = f"{info['model_type'] or 'unknown family'}" + (f" ({info['architecture']})" if info["architecture"] else "")
     dtypes = ", ".join(f"{k} {v:,}" for k, v in info["dtypes"].items()) or "no weights"
     return "\n".join([f"archive {info['archive']}: {info['holds']}{came}",
                       f"  model: {model}, {info['parameters']:,} parameters ({dtypes})",
                       f"  {info['files']} members, {human_size(info['bytes'])}"])
-
-
-def render_gguf(info: dict[str, Any]) -> str:
-    """What a GGUF file holds (``gguf_read.describe_gguf``) in a few lines."""
-    types = ", ".join(f"{k} {v:,}" for k, v in info["types"].items()) or "no tensors"
-    arch = info["architecture"] or "unknown architecture"
-    shape = ", ".join(f"{k.replace('_', ' ')} {info[k]}" for k in ("block_count", "embedding_length",
-                                                                    "context_length", "expert_count") if info[k])
-    tokenizer = (f"{info['tokenizer.ggml.model']} tokenizer, {info['vocabulary']:,} tokens"
-                 + (", chat template" if info["chat_template"] else ", no chat template"))
-    return "\n".join([f"GGUF {info['gguf']}: {info['name'] or '(no name)'}, llama.cpp architecture {arch}",
-                      f"  model: {shape}; {info['parameters']:,} parameters ({types})",
-                      f"  {tokenizer}",
-                      f"  {info['tensors']} tensors, {info['metadata_keys']} metadata keys, {human_size(info['bytes'])}"])
 
 
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:

@@ -49,20 +49,6 @@ def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
     return show(verify(path, checksums=checksums), "archive", checksums, quiet)
 
 
-def verify_gguf_file(path: Path, *, decode: bool) -> bool:
-    """Every tensor of a GGUF file inside it, sized for its type (and, unless ``decode`` is off, finite)."""
-    from automodel_ckpt.export import verify_gguf
-
-    report = verify_gguf(path, decode=decode)
-    print(f"GGUF {path} ({report.tensors} tensors, {human_size(report.bytes)}, "
-          f"{'decoded' if decode else 'sizes only'})")
-    for problem in report.problems:
-        print(f"  {problem}")
-    print("  OK: every tensor is whole" + (" and finite" if decode else "") if report.ok
-          else f"  FAILED: {len(report.problems)} problem(s)")
-    return report.ok
-
-
 def show(report: ManifestReport, kind: str, checksums: bool, quiet: bool) -> bool:
     """Print one verdict per file (``quiet``: problems only) and the outcome; whether every file matched."""
     n_files = len([v for v in report.verdicts if v.status != UNEXPECTED_FILE])
@@ -128,11 +114,12 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint import open_for_reading
-    from automodel_ckpt.export import is_archive, is_gguf
+    from automodel_ckpt.export import identify, is_archive
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
-    if is_gguf(path):
-        ok = verify_gguf_file(path, decode=not args.sizes_only)
+    target = identify(path)  # one file of an export target (a GGUF file): checked tensor by tensor
+    if target is not None:
+        ok = target.verify(path, decode=not args.sizes_only)
     elif is_archive(path) and not args.export:
         ok = verify_archive(path, checksums=not args.sizes_only, quiet=args.quiet)
     elif not path.exists():

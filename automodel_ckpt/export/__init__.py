@@ -3,7 +3,9 @@
 A checkpoint's model becomes a Hugging Face folder (``plan``: the plan, shard sources, writer, atomic commit, HF
 metadata, the ``consolidate.sh`` script; ``verify``), one archive file read in place (``archive_pack``, ``archive``,
 ``archive_weights``), a GGUF file (``gguf_*``), an int8 folder (``int8_*``) or a base model with its LoRA adapter
-merged (``lora_merge``); ``model_source`` opens any of them as a source for the others. It reads and writes through
+merged (``lora_merge``); ``model_source`` opens any of them as a source for the others. What ``ckpt-train export
+--to NAME`` writes is a registry of targets (``registry``: one module each, ``target.ExportTarget``, and one
+register line), which ``inspect`` and ``verify`` also ask what a file is. It reads and writes through
 ``automodel_ckpt.ondisk`` (the folder's contract, below it) and never imports the engine
 (``automodel_ckpt.checkpoint``), which imports it.
 
@@ -41,6 +43,9 @@ _EXPORTS = exports_of({
     # int8 folders for vLLM
     "int8_export": "plan_int8 write_int8",
     "int8_read": "is_int8 dequantize_int8",
+    # the targets of `ckpt-train export --to NAME`, by name, and which one a file is
+    "target": "ExportTarget ExportRequest",
+    "registry": "register_target unregister_target get_target export_targets target_names identify DEFAULT_TARGET",
 })
 
 __all__ = sorted(_EXPORTS)

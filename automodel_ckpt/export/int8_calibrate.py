@@ -1,7 +1,7 @@
 """Static activation scales for an int8 export: the largest input each quantized projection sees on given examples.
 
 ``--calibrate N`` runs the model on N examples the user names (a text file, the validation data of a recipe given
-on the command line, else the tokenizer's own vocabulary: the CLI turns them into token ids; nothing here reads
+on the command line, else the tokenizer's own vocabulary: ``int8_target`` turns them into token ids; nothing here reads
 data, and never a checkpoint's recipe copy) and records, for every linear projection the export quantizes, the largest absolute value
 of its input. The ``compressed-tensors`` library turns that range into the projection's ``input_scale``
 (``calculate_qparams``, symmetric int8, one scale per tensor), which vLLM then uses instead of computing a scale for

@@ -23,8 +23,8 @@ _NAMES = (
     # a Hugging Face folder and a PEFT adapter
     "HF_CONFIG HF_GENERATION_CONFIG HF_INDEX HF_SINGLE_WEIGHTS HF_TOKENIZER_FILES ADAPTER_CONFIG ADAPTER_WEIGHTS "
     "PEFT_FULL_CONFIG",
-    # exports beside a checkpoint
-    "ARCHIVE_SUFFIX GGUF_SUFFIX INT8_EXPORT_DIR",
+    # an archive beside a checkpoint
+    "ARCHIVE_SUFFIX",
     # path builders
     "archive_eval_dir consolidated_dir consolidated_ema_dir ema_dir eval_results_file export_tmp_name "
     "global_state_file hf_metadata_dir hf_weights_file is_staging model_dir parse_default_name ref_log_probs_file",

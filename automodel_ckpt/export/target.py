@@ -1,0 +1,82 @@
+"""What an export target is: ``ExportTarget``, the object each target module registers, and the request it gets.
+
+A target is what ``ckpt-train export --to NAME`` writes (a GGUF file, an int8 folder, an HF Trainer checkpoint, ...):
+its options on the verb's command line, the export itself, and, where its output is one file the read-only verbs
+meet, how that file is recognised, described (``inspect``) and checked (``verify``). ``registry`` looks targets up
+by name and asks them what a file is; the verb knows no target by name.
+
+The invariant every target keeps: SRC is only read, and the output appears whole (written beside it, then renamed
+into place) or not at all; a bad SRC or a bad option is one line (the project's ``UserError`` types), never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from automodel_ckpt.ondisk import layout
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """One ``ckpt-train export`` call: its arguments (SRC, ``--out``, ``--dry-run``, ``--no-progress``, ``--recipe``,
+    every target's own options; ``overrides``: the recipe's ``--section.key value`` overrides, for a target that
+    takes them) and what the verb offers from the layers above ``export/``."""
+
+    args: argparse.Namespace
+    #: ``(recipe file, tokenizer, n)`` -> the token ids of the first ``n`` rows of that recipe's validation data
+    #: (else its training data), tokenized as for training: only the CLI may build a user's recipe
+    recipe_examples: Callable[[Path, Any, int], list[list[int]]] | None = None
+
+    @property
+    def src(self) -> Path:
+        return Path(self.args.src)
+
+    def out(self, tail: str) -> Path:
+        """``--out`` when given, else ``tail`` appended to SRC's name beside it (an archive's name without
+        ``.tar``; a link keeps its own name)."""
+        if self.args.out:
+            return Path(self.args.out)
+        where = self.src.absolute()
+        return where.parent / f"{where.name.removesuffix(layout.ARCHIVE_SUFFIX)}{tail}"
+
+
+class ExportTarget:
+    """One export target. Subclasses set ``name`` and ``summary`` and implement ``export``; a target whose output
+    is one file the read-only verbs meet implements ``identify``, ``describe``, ``render`` and ``verify`` too."""
+
+    name: str = ""  # ``--to``'s value
+    summary: str = ""  # what it writes, in a few words (``export --help``)
+    noun: str = ""  # one of its files, in words ("a GGUF file"), where it has a file kind of its own
+    takes_overrides: bool = False  # ``--section.key value`` overrides of ``--recipe`` may follow its arguments
+    checks_other_options: bool = True  # the other targets' options given with this one are refused (``refuse``)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add its own options to the verb's parser (names no other target adds; ``--recipe`` is the verb's)."""
+
+    def refuse(self, args: argparse.Namespace) -> None:
+        """``UsageError`` for an option of its own given while another target was chosen."""
+
+    def export(self, request: ExportRequest) -> int:
+        """Write ``request``'s SRC as this target; the verb's exit code."""
+        raise NotImplementedError
+
+    def identify(self, path: Path) -> bool:
+        """Whether ``path`` is one of its files (its magic checked, nothing else read)."""
+        return False
+
+    def describe(self, path: Path) -> dict[str, Any]:
+        """What the file holds, as plain JSON-ready values (``inspect --json``)."""
+        raise NotImplementedError(f"export target '{self.name}' has no file to describe")
+
+    def render(self, info: dict[str, Any]) -> str:
+        """``describe``'s values in a few lines (``inspect``)."""
+        raise NotImplementedError(f"export target '{self.name}' has no file to describe")
+
+    def verify(self, path: Path, *, decode: bool) -> bool:
+        """Check the file and print its report (``verify``; ``decode`` off: sizes only); whether it is whole."""
+        raise NotImplementedError(f"export target '{self.name}' has no file to verify")
