@@ -33,7 +33,7 @@ def build_parser() -> VerbParser:
     p.add_argument("--cost", action="store_true", help="what checkpoints cost this run, and the Young/Daly interval "
                                                         "for its failure rate (docs/tracking.md)")
     p.add_argument("--lineage", action="store_true",
-                   help="where CHECKPOINT_DIR (a checkpoint, a run folder's LATEST, an export folder or a GGUF file) "
+                   help="where CHECKPOINT_DIR (a checkpoint, a run folder's LATEST, an export folder or file) "
                         "came from: its parents back to the base model, with their fingerprints "
                         "(docs/inspect-and-diff.md)")
     p.add_argument("--mtbf-hours", type=float, default=None,
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(lineage_chain(target)), flush=True)
         return 0
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
-    target = identify(local)  # a file of an export target (a GGUF file), asked of the registry
+    target = identify(local)  # one file an export target wrote, as the registry recognises it
     if target is not None or is_archive(local):  # one file: its header, nothing of a run
         what, read, render = (target.noun, target.describe, target.render) if target is not None else \
             ("an archive", describe_archive, render_archive)
@@ -87,7 +87,7 @@ def render_archive(info: dict[str, Any]) -> str:
     from automodel_ckpt.export import export_targets
 
     held = next((t for t in export_targets() if t.noun and t.name == info["source"]), None)
-    if held is not None:  # one file of an export target (a GGUF file): `inspect` it unpacked for its model
+    if held is not None:  # one file an export target wrote: `inspect` it unpacked for its model
         return "\n".join([f"archive {info['archive']}: {held.noun} (inspect it after `tar -xf` for its model)",
                           f"  {info['files']} members, {human_size(info['bytes'])}"])
     model = f"{info['model_type'] or 'unknown family'}" + (f" ({info['architecture']})" if info["architecture"] else "")

@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.export import identify, is_archive
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
-    target = identify(path)  # one file of an export target (a GGUF file): checked tensor by tensor
+    target = identify(path)  # one file an export target wrote, as the registry recognises it: checked by its target
     if target is not None:
         ok = target.verify(path, decode=not args.sizes_only)
     elif is_archive(path) and not args.export:

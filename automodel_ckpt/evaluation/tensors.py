@@ -46,9 +46,10 @@ class Tensors:
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     side: dict[str, bytes] = field(default_factory=dict)
     saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
-    #: a quantized tensor's rounding: each element's step, given the tensor as read (an int8 folder's, a GGUF's)
+    #: a quantized tensor's rounding: each element's step, given the tensor as read (an int8 folder's, a quantized
+    #: file's)
     steps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
-    formats: dict[str, str] = field(default_factory=dict)  # how a quantized tensor is stored ("int8", "GGUF Q8_0")
+    formats: dict[str, str] = field(default_factory=dict)  # how a quantized tensor is stored (format and type)
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in ``dtypes[name]`` (a checkpoint's: the export's dtype, the base's)."""

@@ -1,7 +1,7 @@
 """The model behind an export SRC (a checkpoint, a Hugging Face folder or an archive), read one tensor at a time.
 
-Quantized exports (GGUF, int8) start from the tensors ``save_pretrained`` would write, under their on-disk names.
-``open_model(src)`` gives them without writing a Hugging Face folder first: a checkpoint's tensors are read from
+The quantized exports (``export --to``) start from the tensors ``save_pretrained`` would write, under their on-disk
+names. ``open_model(src)`` gives them without writing a Hugging Face folder first: a checkpoint's tensors are read from
 its shards through the export's own plan (``plan.build_plan``: the family's on-disk layout, each tensor assembled
 from its pieces when asked for), a folder's and an archive's from their safetensors files by positioned reads. Only
 one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
@@ -45,7 +45,7 @@ class ModelSource:
     #: a quantized tensor's rounding: each element's step (an int8 folder dequantized: ``int8_read``)
     steps: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     kind: str = "export"
-    name: str = ""  # what the model is called (the SRC's name): a GGUF's general.name
+    name: str = ""  # what the model is called (the SRC's name), as a quantized file records it
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> None:
         self.shapes[name], self.dtypes[name], self.readers[name] = tuple(shape), dtype, read
@@ -133,9 +133,9 @@ _SIDE_FILE_LIMIT = 4 * bounded.INDEX_FILE_LIMIT
 def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> ModelSource:
     """The model of a Hugging Face folder the user named. Its files are read only as ``paths.model_file_in`` allows
     (regular files; a Hugging Face cache snapshot's links into its repository's ``blobs/``), and its small files are
-    copied into a private ``side_dir`` first, so that the libraries that read them (the tokenizer's, the GGUF
-    vocabulary's) never meet a link or a file the check did not pass. ``side``: a folder this process wrote itself
-    (a merged LoRA), used as it is."""
+    copied into a private ``side_dir`` first, so that the libraries that read them (the tokenizer's, a quantized
+    export's vocabulary) never meet a link or a file the check did not pass. ``side``: a folder this process wrote
+    itself (a merged LoRA), used as it is."""
     if side is None:
         side = _tmp_dir(stack)
         for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):

@@ -1,6 +1,6 @@
 """What an export target is: ``ExportTarget``, the object each target module registers, and the request it gets.
 
-A target is what ``ckpt-train export --to NAME`` writes (a GGUF file, an int8 folder, an HF Trainer checkpoint, ...):
+A target is what ``ckpt-train export --to NAME`` writes (a quantized file or folder, an HF Trainer checkpoint, ...):
 its options on the verb's command line, the export itself, and, where its output is one file the read-only verbs
 meet, how that file is recognised, described (``inspect``) and checked (``verify``). ``registry`` looks targets up
 by name and asks them what a file is; the verb knows no target by name.
@@ -51,7 +51,7 @@ class ExportTarget:
 
     name: str = ""  # ``--to``'s value
     summary: str = ""  # what it writes, in a few words (``export --help``)
-    noun: str = ""  # one of its files, in words ("a GGUF file"), where it has a file kind of its own
+    noun: str = ""  # one of its files, in words ("a ... file"), where it has a file kind of its own
     takes_overrides: bool = False  # ``--section.key value`` overrides of ``--recipe`` may follow its arguments
     checks_other_options: bool = True  # the other targets' options given with this one are refused (``refuse``)
 
