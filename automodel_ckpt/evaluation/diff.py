@@ -13,6 +13,7 @@ and paths read here are data: printed through the escaping stream, never followe
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import Counter
 from contextlib import ExitStack
@@ -22,10 +23,12 @@ from typing import Any
 
 import torch
 
+from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.evaluation.gguf_side import gguf_alone, gguf_beside
 from automodel_ckpt.evaluation.tensors import Tensors, open_tensors
 from automodel_ckpt.export import is_gguf
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml,
+                                   regular_file_problem)
 
 __all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"]
 
@@ -115,10 +118,13 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
     ckpt_a, ckpt_b = _checkpoint(Path(a)), _checkpoint(Path(b))
     if ckpt_a is not None and ckpt_b is not None:
         recipe_a, recipe_b = (_read(c, LAYOUT.CONFIG_FILE, "yaml") for c in (ckpt_a, ckpt_b))
-        report.recipe = _differences(recipe_a, recipe_b)
-        meta_a, meta_b = (_flat(_read(c, LAYOUT.METADATA_FILE, "json")) for c in (ckpt_a, ckpt_b))
-        report.counters = {k: (meta_a.get(k), meta_b.get(k)) for k in _counter_keys(meta_a, meta_b)
-                           if meta_a.get(k) != meta_b.get(k)}
+        if recipe_a is not None and recipe_b is not None:
+            report.recipe = _differences(recipe_a, recipe_b)
+        meta_a, meta_b = (_read(c, LAYOUT.METADATA_FILE, "json") for c in (ckpt_a, ckpt_b))
+        if meta_a is not None and meta_b is not None:
+            flat_a, flat_b = _flat(meta_a), _flat(meta_b)
+            report.counters = {k: (flat_a.get(k), flat_b.get(k)) for k in _counter_keys(flat_a, flat_b)
+                               if flat_a.get(k) != flat_b.get(k)}
     return report
 
 
@@ -174,18 +180,28 @@ def _rounds_to(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _checkpoint(src: Path) -> Path | None:
-    """``src`` as a checkpoint of ours (its folder), or None (an export, an archive, an adapter folder)."""
-    for folder in (src, src.parent if src.name == "model" else None):
-        if folder is not None and (folder / LAYOUT.METADATA_FILE).is_file() and (folder / LAYOUT.CONFIG_FILE).is_file():
+    """``src`` as a checkpoint of ours (its folder: one with a ``metadata.json`` entry of any kind), or None (an
+    export, an archive, an adapter folder)."""
+    for folder in (src, src.parent if src.name == LAYOUT.MODEL_DIR else None):
+        if folder is not None and folder.is_dir() and os.path.lexists(folder / LAYOUT.METADATA_FILE):
             return folder
     return None
 
 
-def _read(folder: Path, name: str, kind: str) -> dict[str, Any]:
-    if kind == "yaml":
-        value = read_yaml(folder / name, "a checkpoint's recipe", CONFIG_FILE_LIMIT)
-    else:
-        value = read_json(folder / name, "a checkpoint's metadata", SMALL_FILE_LIMIT)
+def _read(folder: Path, name: str, kind: str) -> dict[str, Any] | None:
+    """A checkpoint's recipe or metadata (None: the checkpoint has none). Only a regular file is read: a link, a
+    FIFO, a device or a folder in its place is a one-line ``CheckpointError``, never followed or opened."""
+    path = folder / name
+    what = "a checkpoint's recipe" if kind == "yaml" else "a checkpoint's metadata"
+    try:
+        why = regular_file_problem(path)
+        if why is not None:
+            raise CheckpointError(f"'{path}' is {why}; diff reads {what} only from a regular file")
+        value = read_yaml(path, what, CONFIG_FILE_LIMIT) if kind == "yaml" else read_json(path, what, SMALL_FILE_LIMIT)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # unreadable, or replaced while read
+        raise CheckpointError(f"cannot read '{path}' ({what}): {exc.strerror or first_line(exc)}") from None
     return value if isinstance(value, dict) else {}
 
 

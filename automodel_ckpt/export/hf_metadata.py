@@ -161,11 +161,15 @@ def read_hf_metadata(model_dir: Path) -> HFMetadata:
 
 def _side_files(folder: Path) -> list[Path]:
     """The files of ``.hf_metadata`` an export copies: regular files only (subfolders are not copied); a symlink,
-    FIFO, socket or device there is refused in one line, never followed or read."""
+    FIFO, socket or device there is refused in one line, never followed or read, and so is a folder bearing the name
+    of a file a model folder holds (``tokenizer.json``, ``generation_config.json``, ...)."""
     skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
     passed: list[tuple[str, str]] = []
     files = [folder / rel for rel, _ in paths.walk_regular(folder, passed) if "/" not in rel and rel not in skip]
     passed = [(rel, why) for rel, why in passed if "/" not in rel]
+    passed += [(name, "a folder, not a regular file") for name in (layout.HF_GENERATION_CONFIG,
+                                                                   *layout.HF_TOKENIZER_FILES)
+               if (folder / name).is_dir() and not (folder / name).is_symlink()]
     if passed:
         rel, why = passed[0]
         raise CheckpointError(f"'{folder / rel}' is {why}; an export copies only regular files from "

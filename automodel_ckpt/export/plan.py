@@ -74,8 +74,10 @@ def resolve_model_dir(path: Path) -> Path:
     if inner.is_symlink():
         raise CheckpointError(f"'{inner}' is a symlink, not a folder; folders inside a checkpoint are never "
                               "followed as links")
-    if detect_model_format(path) is None and detect_model_format(inner) is not None:
-        return inner
+    if detect_model_format(path) is None and inner.is_dir():
+        _refuse_links(inner)  # a shard that is a link, a FIFO, a device or a folder is named, not passed over
+        if detect_model_format(inner) is not None:
+            return inner
     return path
 
 
@@ -250,15 +252,20 @@ def _require_every_tensor(model_dir: Path, source: ShardSource, original: dict) 
 
 def _refuse_links(model_dir: Path) -> None:
     """A ``CheckpointError`` naming the first symlink, FIFO, socket or device among the files of ``model_dir``
-    (the shards, DCP files and their index): an export reads only regular files, never through a link."""
+    (the shards, DCP files and their index), or a folder bearing a shard's or the DCP index's name: an export reads
+    only regular files, never through a link."""
     with os.scandir(model_dir) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
-            if entry.is_dir(follow_symlinks=False):
+            if entry.is_dir(follow_symlinks=False) and not _is_model_file_name(entry.name):
                 continue
             why = paths.not_regular(entry.stat(follow_symlinks=False).st_mode)
             if why is not None:
                 raise CheckpointError(f"'{entry.path}' is {why}; an export reads only the regular files of a "
                                       "checkpoint, never through a link: replace it with the file itself")
+
+
+def _is_model_file_name(name: str) -> bool:
+    return name.endswith(".safetensors") or layout.is_dcp_data_file(name) or name == layout.DCP_METADATA
 
 
 def _read_metadata(model_dir: Path) -> HFMetadata | None:
