@@ -285,14 +285,10 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
 def kind_of(src: Path) -> str:
     """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
     ``gguf`` (one GGUF file of `export --to gguf`, checked first as `verify --sizes-only` checks it)."""
-    from automodel_ckpt.export.gguf_read import is_gguf, verify_gguf
+    from automodel_ckpt.export.gguf_read import is_gguf, open_gguf, refuse_misplaced_tensors
 
-    if is_gguf(src):
-        report = verify_gguf(src, decode=False)  # a damaged header raises; a damaged tensor is refused, not shipped
-        if not report.ok:
-            more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-            raise CheckpointError(f"damaged GGUF file '{src}': {report.problems[0]}{more}; it is not packed "
-                                  "(`ckpt-train verify` lists every problem)")
+    if is_gguf(src):  # a damaged header raises; a damaged tensor is refused, not shipped
+        refuse_misplaced_tensors(open_gguf(src), "it is not packed")
         return GGUF
     if not src.is_dir():
         raise UserError(f"'{src}' is not a folder or a GGUF file; pack takes a checkpoint, an export folder, an "

@@ -7,8 +7,10 @@ holds at most ``MAX_ARRAY`` items and the file's arrays together ``MAX_ARRAY_ITE
 their item type and count are kept (a vocabulary of 150,000 tokens is skipped over, not read into memory), and only
 strings of at most ``_SHOWN_STRING`` bytes are read at all. So memory is bounded by the number of keys and tensors,
 never by what the file claims. Whatever does not fit is one ``CheckpointError`` line naming the file.
-``verify_gguf`` then checks every tensor: its bytes lie inside the file, in order, without overlap, sized for its
-type and shape, and (read a block at a time) decode to finite values.
+``tensor_layout`` checks where every tensor's bytes lie: inside the file, without overlap, sized for its type and
+shape (``refuse_misplaced_tensors``: `pack` and `diff` refuse a file that fails it, so each reads at most the file's
+bytes); ``verify_gguf`` reports its problems and checks that every tensor (read a block at a time) decodes to finite
+values.
 """
 
 from __future__ import annotations
@@ -297,33 +299,57 @@ class GGUFReport:
 def verify_gguf(path: Path, *, decode: bool = True) -> GGUFReport:
     """Every tensor of a GGUF file inside it, sized for its type and shape, not overlapping the next; with
     ``decode``, every tensor dequantized (a block at a time) to finite values. A damaged header raises."""
-    from gguf import GGML_QUANT_SIZES
-
     header = open_gguf(path)
-    report = GGUFReport(Path(path), tensors=len(header.tensors), bytes=header.size)
-    end_of_last = header.data_offset
-    fd = paths.open_regular(Path(path), follow=True) if decode else -1
+    placed, problems = tensor_layout(header)
+    report = GGUFReport(Path(path), problems, tensors=len(header.tensors), bytes=header.size)
+    if not decode:
+        return report
+    fd = paths.open_regular(Path(path), follow=True)
     try:
-        for t in sorted(header.tensors, key=lambda t: t.offset):
-            block, size = GGML_QUANT_SIZES[t.tensor_type]
-            start, n = t.offset, t.n_elements
-            want = n // block * size
-            if start < end_of_last:
-                report.problems.append(f"{t.name}: its bytes overlap the previous tensor's")
-            if n % block or (t.dims and t.dims[0] % block):
-                report.problems.append(f"{t.name}: {n} elements are no whole number of {t.tensor_type.name} blocks")
-                continue
-            if start + want > report.bytes:
-                report.problems.append(f"{t.name}: {want} bytes of {t.tensor_type.name} data needed, the file ends "
-                                       "first (truncated)")
-                continue
-            end_of_last = start + want
-            if decode and not _finite(fd, start, want, size, t.tensor_type):
+        for t, nbytes, block_bytes in placed:
+            if not _finite(fd, t.offset, nbytes, block_bytes, t.tensor_type):
                 report.problems.append(f"{t.name}: holds NaN or infinite values")
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
     return report
+
+
+def tensor_layout(header: GGUFHeader) -> tuple[list[tuple[GGUFTensor, int, int]], list[str]]:
+    """Where the tensors' bytes lie: each tensor that is whole blocks and ends inside the file, in the order of its
+    offset, with its byte count and its type's block bytes; and the problems (a tensor no whole number of blocks,
+    one that runs past the end, one whose bytes overlap the previous tensor's). Without problems the tensors'
+    bytes together are at most the file's, so whatever reads each tensor once reads the file at most once."""
+    from gguf import GGML_QUANT_SIZES
+
+    placed: list[tuple[GGUFTensor, int, int]] = []
+    problems: list[str] = []
+    end_of_last = header.data_offset
+    for t in sorted(header.tensors, key=lambda t: t.offset):
+        block, size = GGML_QUANT_SIZES[t.tensor_type]
+        start, n = t.offset, t.n_elements
+        want = n // block * size
+        if start < end_of_last:
+            problems.append(f"{t.name}: its bytes overlap the previous tensor's")
+        if n % block or (t.dims and t.dims[0] % block):
+            problems.append(f"{t.name}: {n} elements are no whole number of {t.tensor_type.name} blocks")
+            continue
+        if start + want > header.size:
+            problems.append(f"{t.name}: {want} bytes of {t.tensor_type.name} data needed, the file ends first "
+                            "(truncated)")
+            continue
+        end_of_last = start + want
+        placed.append((t, want, size))
+    return placed, problems
+
+
+def refuse_misplaced_tensors(header: GGUFHeader, refusal: str) -> None:
+    """A one-line ``CheckpointError`` naming the first of ``tensor_layout``'s problems, and ``refusal`` (what is
+    not done with the file), unless there are none: what `pack` ships and `diff` compares is read once, whole."""
+    problems = tensor_layout(header)[1]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"damaged GGUF file '{header.path}': {problems[0]}{more}; {refusal} (`ckpt-train "
+                              "verify` lists every problem)")
 
 
 def _finite(fd: int, start: int, nbytes: int, block_bytes: int, tensor_type: Any) -> bool:

@@ -1,8 +1,10 @@
 """A GGUF file's tensors read back one at a time (dequantized, with their rounding step), and a model's GGUF mapping.
 
 ``open_gguf_tensors`` reads the header with ``gguf_read.open_gguf`` (bounded: every count and length checked), then
-checks every tensor's bytes lie inside the file, sized for its type and shape, before any is read: a truncated or
-damaged file is one ``CheckpointError`` line. A tensor is read when asked for (positioned reads, one tensor in
+checks every tensor's bytes lie inside the file, sized for its type and shape, none overlapping another's, before
+any is read (``gguf_read.refuse_misplaced_tensors``, as `pack` checks): a truncated or damaged file, or one whose
+tensors share bytes (a few MiB read again for each of thousands of tensors), is one ``CheckpointError`` line, so
+reading every tensor once reads at most the file. A tensor is read when asked for (positioned reads, one tensor in
 memory), dequantized by the ``gguf`` library, in the file's layout (outermost dimension first). Its ``step`` is the
 rounding of its storage type, per element: a float type's half unit in the last place; a block-quantized type's
 step, the block's largest magnitude over the type's levels (``2 ** (bits - 1)``, bits a value's whole bits: 127 for
@@ -23,7 +25,7 @@ import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.export.gguf_arch import OutputTensor, family_for, output_tensors
-from automodel_ckpt.export.gguf_read import GGUFTensor, open_gguf
+from automodel_ckpt.export.gguf_read import GGUFTensor, open_gguf, refuse_misplaced_tensors
 from automodel_ckpt.ondisk import paths
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -74,19 +76,12 @@ class GGUFTensors:
 def open_gguf_tensors(path: Path, stack: Any) -> GGUFTensors:
     """The tensors of the GGUF file ``path``, each checked to lie inside it; the file stays open until ``stack``
     (an ``ExitStack``) closes."""
-    from gguf import GGML_QUANT_SIZES
-
     header = open_gguf(path)
+    refuse_misplaced_tensors(header, "it is not compared")
     fd = paths.open_regular(Path(path), follow=True)
     stack.callback(os.close, fd)
     out = GGUFTensors(Path(path), fd)
     for t in header.tensors:
-        block, size = GGML_QUANT_SIZES[t.tensor_type]
-        if t.n_elements % block or (t.dims and t.dims[0] % block):
-            raise CheckpointError(f"damaged GGUF file '{path}': tensor '{t.name[:80]}' is no whole number of "
-                                  f"{t.tensor_type.name} blocks")
-        if t.offset + t.n_elements // block * size > header.size:
-            raise CheckpointError(f"damaged GGUF file '{path}': tensor '{t.name[:80]}' runs past its end (truncated)")
         out.shapes[t.name] = tuple(reversed(t.dims))
         out.types[t.name] = t.tensor_type.name
         out._entries[t.name] = t

@@ -5,7 +5,9 @@ starts as a GGUF would: a header whose counts claim more entries than the file c
 past the end, a wrong magic or version, or a genuine tiny GGUF cut in half. Run in the corpus's limited child
 processes: one ``error:`` line (verify may report instead), no traceback, and peak memory within 150 MiB of an idle
 child's. A small GGUF whose header is whole but whose tensors are not (data past its end, a tensor cut short, two
-tensors on the same bytes) or whose header is cut is refused by `pack` as `verify` reports it: no archive is written.
+tensors on the same bytes) or whose header is cut is refused by `pack` as `verify` reports it: no archive is written;
+`diff` refuses it by the same check, so that it never reads the same bytes once per tensor (16,384 tensors on one
+spot took minutes).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ DAMAGED = {
     "data offset past the end": ([("w", 8, 2**40)], 32, None, "the file ends first"),
     "a tensor running past the end": ([("w", 8, 0), ("v", 1024, 32)], 64, None, "v: 4096 bytes"),
     "two tensors on the same bytes": ([("w", 8, 0), ("v", 8, 0)], 32, None, "overlap"),
+    "two tensors partly on the same bytes": ([("w", 16, 0), ("v", 16, 32)], 96, None, "v: its bytes overlap"),
     "a header cut short": ([("w" * 100, 8, 0)], 32, 150, "damaged GGUF file"),  # in the tensor's offset
 }
 
@@ -85,3 +88,27 @@ def test_pack_refuses_a_gguf_that_verify_refuses(server, tmp_path, case):
     refused_or_reported(server.run(["verify", path], cwd=tmp_path), expected)
     refused(server.run(["pack", path, "--out", tmp_path / "out.tar"], cwd=tmp_path), expected, "model.gguf")
     assert not any(tmp_path.glob("*.tar*")) and not any(tmp_path.glob(".*tar*"))
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_diff_refuses_a_gguf_that_verify_refuses(server, tmp_path, case):
+    tensors, data, cut, expected = DAMAGED[case]
+    path = _gguf(tmp_path / "model.gguf", tensors, data, cut)
+    good = _gguf(tmp_path / "good.gguf", [("w", 8, 0), ("v", 8, 32)], 64)
+    for pair in ((path, path), (path, good), (good, path)):
+        refused(server.run(["diff", *pair], cwd=tmp_path, timeout=20), expected, "model.gguf")
+
+
+SHARED = {  # 16,384 tensors of 256 KiB each in a file of well under 1 MiB of data: 4 GiB read per side before
+    "all on one spot": [(f"t{i}", 65536, 0) for i in range(16384)],
+    "each overlapping the next": [(f"t{i}", 65536, 32 * i) for i in range(16384)],
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_diff_refuses_thousands_of_tensors_sharing_their_bytes_at_once(server, tmp_path, case):
+    path = _gguf(tmp_path / "model.gguf", SHARED[case], 32 * 16384 + 2**18)
+    outcome = server.run(["diff", path, path], cwd=tmp_path, timeout=20)
+    refused(outcome, "its bytes overlap the previous tensor's", "(and 16382 more); it is not compared")
+    lean(outcome, server.rss)
+    assert outcome.wall < 10, outcome
