@@ -732,3 +732,69 @@ def test_the_format_name_rule_sees_names_and_constants_not_suffixes_or_the_libra
         "line 1: import TORCH_SAVE"]
     assert format_name_spellings('"""Reads safetensors."""\nimport safetensors\nF = "model.safetensors"\n'
                                  'LIMIT = bounded.SAFETENSORS_HEADER\n', names) == []
+
+
+# --- export targets are plug-ins: one module each and one register line, looked up by name (issue #93) ------------
+
+GGUF_FILES_MAX = 12  # issue #93: 17 before; the rest are the diff and lineage readers, the archive and the face
+
+
+def test_export_dispatches_on_no_target_name():
+    """``export --to X`` finds its target in ``export.registry``: no ``args.to ==`` (or ``!=``) chain anywhere, and
+    the verb spells no target's name."""
+    from automodel_ckpt.export import target_names
+
+    chains = {str(p.relative_to(REPO)): n for p in sorted(PACKAGE.rglob("*.py"))
+              if (n := len(re.findall(r"\bargs\.to\s*[!=]=", p.read_text(encoding="utf-8"))))}
+    assert chains == {}
+    verb = PACKAGE / "cli" / "export.py"
+    assert spelled_names(verb.read_text(encoding="utf-8"), set(target_names())) == []
+
+
+def test_gguf_is_known_to_few_files_outside_its_own():
+    """What a GGUF file is lives in ``export/gguf_*`` (``gguf_target`` registers it): the verbs ask the registry,
+    the export verb and ``inspect``/``verify`` name no format. Counted case-insensitively, docstrings included."""
+    outside = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+                     if not (p.parent == PACKAGE / "export" and p.name.startswith("gguf_"))
+                     and "gguf" in p.read_text(encoding="utf-8").lower())
+    assert len(outside) <= GGUF_FILES_MAX, outside
+    assert not {"automodel_ckpt/cli/export.py", "automodel_ckpt/cli/inspect.py", "automodel_ckpt/cli/verify.py"} & \
+        set(outside), outside
+
+
+def _is_count_limit(node: ast.AST) -> bool:
+    """``1 << 62`` or ``2 ** 62`` (whole numbers: ``2.0 ** 62`` bounds a float sum against int64 overflow)."""
+    return isinstance(node, ast.BinOp) and isinstance(node.left, ast.Constant) and \
+        isinstance(node.right, ast.Constant) and type(node.left.value) is int and \
+        (node.left.value, type(node.op), node.right.value) in ((1, ast.LShift, 62), (2, ast.Pow, 62))
+
+
+def count_checks_by_hand(source: str) -> list[str]:
+    """Where ``source`` checks a count against ``1 << 62`` itself (a comparison or a call spelling it), instead of
+    ``bounded.is_count``; a module constant that names the number is not a check."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call):
+            parts = [*node.args, *(k.value for k in node.keywords)]
+        else:
+            continue
+        out += [f"line {node.lineno}" for part in parts if _is_count_limit(part)]
+    return sorted(out)
+
+
+def test_a_count_is_checked_by_bounded_is_count_alone():
+    """``0 <= v < 1 << 62`` is written once, in ``ondisk/bounded.py`` (``is_count``, ``COUNT_LIMIT``); elsewhere the
+    number stands only as a named limit of something else (an interval, a dedup key, a step)."""
+    bounded = PACKAGE / "ondisk" / "bounded.py"
+    offenders = {str(p.relative_to(REPO)): found for p in sorted(PACKAGE.rglob("*.py"))
+                 if p != bounded and (found := count_checks_by_hand(p.read_text(encoding="utf-8")))}
+    assert offenders == {}
+    from automodel_ckpt.ondisk.bounded import COUNT_LIMIT, is_count
+
+    assert COUNT_LIMIT == 1 << 62 and is_count(0) and is_count(COUNT_LIMIT - 1)
+    assert not any(is_count(v) for v in (COUNT_LIMIT, -1, True, 1.0, "1", None))
+    assert count_checks_by_hand("ok = type(v) is int and 0 <= v < 1 << 62\n_ints(xs, 0, 2**62, 'n')\n") == [
+        "line 1", "line 2"]
+    assert count_checks_by_hand("LIMIT = 1 << 62\nok = 0 <= v < LIMIT\n") == []
