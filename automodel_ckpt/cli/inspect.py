@@ -53,11 +53,14 @@ def main(argv: list[str]) -> int:
         target = Path(args.checkpoint_dir)
         latest = pointer_target(target, LAYOUT.LATEST) if target.is_dir() and not target.is_symlink() \
             and not (target / LAYOUT.METADATA_FILE).exists() else None
-        if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
-            said = f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"
-            print(one_line(said), flush=True)
-            target = latest
-        print("\n".join(lineage_chain(target)), flush=True)
+        try:
+            if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
+                said = f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"
+                print(one_line(said), flush=True)
+                target = latest
+            print("\n".join(lineage_chain(target)), flush=True)
+        except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
     target = identify(local)  # one file an export target wrote, as the registry recognises it
