@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from automodel_ckpt.cli.common import VerbParser
-from automodel_ckpt.errors import UsageError, UserError
+from automodel_ckpt.errors import CheckpointError, UsageError, UserError, first_line
 
 _ORDER = ("changed", "only_a", "only_b", "close", "equal")
 
@@ -39,6 +39,11 @@ def main(argv: list[str]) -> int:
     except MemoryError as exc:
         raise UsageError(f"could not allocate the memory one tensor needs ({exc}); run it where there is more") \
             from None
+    except OSError as exc:  # a file of either side that cannot be read (no permission, an I/O error, gone)
+        where = f"'{exc.filename}'" if exc.filename else "a file of either side"
+        failed = CheckpointError(f"cannot read {where}: {exc.strerror or first_line(exc)}")
+        failed.exit_code = 2
+        raise failed from None
     if args.json:
         print(json.dumps(report.as_json(), indent=1))
         return 0 if report.equal else 1

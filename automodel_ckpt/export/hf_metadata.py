@@ -165,7 +165,10 @@ def _side_files(folder: Path) -> list[Path]:
     of a file a model folder holds (``tokenizer.json``, ``generation_config.json``, ...)."""
     skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
     passed: list[tuple[str, str]] = []
-    files = [folder / rel for rel, _ in paths.walk_regular(folder, passed) if "/" not in rel and rel not in skip]
+    try:
+        files = [folder / rel for rel, _ in paths.walk_regular(folder, passed) if "/" not in rel and rel not in skip]
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the folder '{folder}': {exc.strerror or exc}") from None
     passed = [(rel, why) for rel, why in passed if "/" not in rel]
     passed += [(name, "a folder, not a regular file") for name in (layout.HF_GENERATION_CONFIG,
                                                                    *layout.HF_TOKENIZER_FILES)

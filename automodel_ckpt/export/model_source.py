@@ -29,7 +29,7 @@ import torch
 from automodel_ckpt.ondisk import bounded, layout, paths
 from automodel_ckpt.ondisk.durable import copy_regular
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, pread_into, read_header, tensor_entries
-from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
 @dataclass
@@ -102,7 +102,10 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
     side = _tmp_dir(stack)
     (side / layout.HF_CONFIG).write_text(json.dumps(plan.config))
     for path in plan.extra_files:
-        copy_regular(path, side / path.name)
+        try:
+            copy_regular(path, side / path.name)
+        except OSError as exc:  # unreadable, or replaced since the plan passed it
+            raise CheckpointError(f"cannot read '{path}': {exc.strerror or first_line(exc)}") from None
     source = ModelSource(plan.config, side, kind="checkpoint")
     for f in plan.files:
         for t in f.tensors:

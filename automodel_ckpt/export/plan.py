@@ -254,14 +254,18 @@ def _refuse_links(model_dir: Path) -> None:
     """A ``CheckpointError`` naming the first symlink, FIFO, socket or device among the files of ``model_dir``
     (the shards, DCP files and their index), or a folder bearing a shard's or the DCP index's name: an export reads
     only regular files, never through a link."""
-    with os.scandir(model_dir) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            if entry.is_dir(follow_symlinks=False) and not _is_model_file_name(entry.name):
-                continue
-            why = paths.not_regular(entry.stat(follow_symlinks=False).st_mode)
-            if why is not None:
-                raise CheckpointError(f"'{entry.path}' is {why}; an export reads only the regular files of a "
-                                      "checkpoint, never through a link: replace it with the file itself")
+    try:
+        with os.scandir(model_dir) as it:
+            entries = list(it)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the folder '{model_dir}': {exc.strerror or exc}") from None
+    for entry in sorted(entries, key=lambda e: e.name):
+        if entry.is_dir(follow_symlinks=False) and not _is_model_file_name(entry.name):
+            continue
+        why = paths.not_regular(entry.stat(follow_symlinks=False).st_mode)
+        if why is not None:
+            raise CheckpointError(f"'{entry.path}' is {why}; an export reads only the regular files of a "
+                                  "checkpoint, never through a link: replace it with the file itself")
 
 
 def _is_model_file_name(name: str) -> bool:

@@ -2,8 +2,8 @@
 
 Each case replaces one file ``diff`` reads (the recipe, the metadata, the model's config and tensor tables, a shard,
 a DCP file, an adapter's files, a tokenizer file) with a link to a file or FIFO outside, a link to ``/etc/passwd`` or
-``/dev/zero``, a dangling link, a FIFO or a folder, and compares that checkpoint with its genuine original, both ways
-round. The corpus guarantees per run: one ``error:`` line naming the file and exit 2, no traceback, nothing outside
+``/dev/zero``, a dangling link, a FIFO or a folder (or makes it unreadable, where the tests do not run as root), and
+compares that checkpoint with its genuine original, both ways round. The corpus guarantees per run: one ``error:`` line naming the file and exit 2, no traceback, nothing outside
 opened, and an end before the timeout (a FIFO opened for reading would block forever).
 """
 
@@ -73,6 +73,26 @@ def test_a_file_diff_reads_that_is_no_regular_file_is_refused_in_one_line(make_c
             outcome = case.verb("diff", *pair, timeout=TIMEOUT)
             assert outcome.code == 2, f"{label}:\n{outcome}"
             refused(outcome, Path(rel).name)
+
+
+UNREADABLE = ["metadata.json", "config.yaml", "model", HF_METADATA, f"{HF_METADATA}/tokenizer.json", SHARD]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions")
+def test_a_file_or_folder_diff_cannot_read_is_refused_in_one_line(make_case):
+    case = make_case()
+    genuine = case.checkpoint(2)
+    for i, rel in enumerate(UNREADABLE):
+        hostile = case.work / f"hostile_{i}"
+        shutil.copytree(genuine, hostile, symlinks=True)
+        os.chmod(hostile / rel, 0)
+        try:
+            for pair in ((hostile, genuine), (genuine, hostile)):
+                outcome = case.verb("diff", *pair, timeout=TIMEOUT)
+                assert outcome.code == 2, f"{rel}:\n{outcome}"
+                refused(outcome, Path(rel).name, "Permission denied")
+        finally:
+            os.chmod(hostile / rel, 0o755)
 
 
 def test_genuine_checkpoints_compare_their_recipes_and_counters_and_a_missing_recipe_is_left_out(make_case):
