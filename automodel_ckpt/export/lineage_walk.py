@@ -100,6 +100,8 @@ class _Walk:
             self.entry(entry, depth, ancestors)
             if self.full:
                 return
+        if len(parents) > MAX_LISTED:
+            self.add(depth, f"... ({len(parents) - MAX_LISTED} more parents of this record: not shown)")
         data = record.get("data")
         if isinstance(data, dict):
             rows = f", rows {data['rows']}" if data.get("rows") else ""

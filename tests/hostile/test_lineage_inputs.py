@@ -223,3 +223,11 @@ def test_each_folder_is_fingerprinted_once_and_a_listing_reads_a_bounded_amount(
     assert sum("[changed: now sha256:" in line for line in lines) == 99, out[-2000:]
     assert lines[-1] == (f"  restored from: {other} (sha256:0) [present; not compared or followed: this listing has "
                          "read its 6.0 MiB]"), lines[-1]
+
+
+def test_a_record_of_more_than_256_parents_says_how_many_are_not_shown(capsys, tmp_path):
+    ck = _checkpoint(tmp_path / "ck", [{"role": "base model", "path": f"/gone/{i}"} for i in range(300)])
+    code, out, err = _inspect(capsys, ck)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 1 + 256 + 1 and lines[-1] == "  ... (44 more parents of this record: not shown)", lines[-2:]
