@@ -107,7 +107,7 @@ class Checkpointer:
         resolved_config_yaml: str,
         hf: HFArtifacts | None = None,
         say: Callable[[str], None] = print,
-        fingerprint: dict[str, Any] | None = None,
+        fingerprint: dict[str, Any] | None = None, stages: Callable[[dict], tuple] | None = None,  # probe.StageRule
         dims: ParallelDims | None = None,
         side_failure: Callable[[str, str, int], None] | None = None,
         interval: AutoInterval | None = None, local_interval: AutoInterval | None = None,  # ``auto`` intervals
@@ -117,7 +117,7 @@ class Checkpointer:
         self._cfg, self._env, self._say, self._lineage = cfg, env, say, lineage  # lineage: of what resume loaded
         # Per-rank files (data position, RNG) are per data-parallel rank, written by its first tensor-parallel rank.
         self._dims = dims or ParallelDims.single(env.rank, env.world_size)
-        self._fingerprint = fingerprint  # recorded in every checkpoint; resume compares (ondisk/fingerprint.py)
+        self._fingerprint, self._stages = fingerprint, stages  # in every checkpoint; resume compares (fingerprint.py)
         self._run = storage.open_run_folder(cfg, env.rank, env.world_size)  # local folder or object store: once
         self._restored = Restored(None)
         self._time = TrainingTime()
@@ -272,7 +272,7 @@ class Checkpointer:
         if self._local.active and cfg.restore_from is None and not cfg.load_only:
             tiers.append(self._local.recovery(self._run.find(None)))  # first, when newer than the durable newest
         tiers.append(resume.DurableTier(cfg, self._run, self._loader, rank=rank, world_size=world_size,
-                                        fingerprint=self._fingerprint, say=self._say))
+                                        fingerprint=self._fingerprint, say=self._say, stages=self._stages))
         if cfg.load_only:  # when the run has no checkpoint of its own
             tiers.append(initial_weights.StartTier(cfg, self._run, self._loader, states, rank=rank,
                                                    world_size=world_size, say=self._say))

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, NamedTuple
 
-from automodel_ckpt.errors import UsageError
+from automodel_ckpt.errors import ConfigError, UsageError
 from automodel_ckpt.sizes import human_size  # noqa: F401 - every verb prints sizes this one way
 
 
@@ -43,14 +43,31 @@ def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: b
     Returns the mesh the run will have and one line per input saying where it lies. ``fetchable``
     (``--dry-run``): inputs that are only missing from the Hugging Face cache are said, not errors.
     """
+    from automodel_ckpt.config.stages import StagePlan
     from automodel_ckpt.config.validate import check_inputs_exist, validate_config
-    from automodel_ckpt.data import check_data_section, check_dataset_paths
+    from automodel_ckpt.data import check_data_section, check_dataset_paths, is_streamed
+
+    def values(staged: Any) -> None:
+        validate_config(staged, world_size)
+        check_data_section(staged)
 
     mesh = validate_config(cfg, world_size)
     check_data_section(cfg)
+    plan = StagePlan.of(cfg)  # a run in stages: each stage's recipe checked as the recipe is (docs/stages.md)
+    staged = [] if plan is None else [plan.config(i) for i in range(1, len(plan.stages))]
+    if plan is not None:
+        plan.check(values)
+        for i, stage in enumerate(plan.stages[1:]):  # a stream's lanes hold sequences packed from its sources
+            moved = [k for k in stage.values if k.split(".")[0] == "dataset" or k == "data.seq_length"]
+            if moved and is_streamed(cfg.dataset):
+                raise ConfigError(f"stages[{i}] ({stage.name}).set: '{moved[0]}': a streamed corpus keeps its "
+                                  "sources and sequence length across stages in this release (docs/stages.md)")
     if not inputs:
         return Checked(mesh, [])
-    return Checked(mesh, check_inputs_exist(cfg, fetchable=fetchable) + check_dataset_paths(cfg, fetchable=fetchable))
+    found = check_inputs_exist(cfg, fetchable=fetchable)
+    for each in [cfg, *staged]:
+        found += [line for line in check_dataset_paths(each, fetchable=fetchable) if line not in found]
+    return Checked(mesh, found)
 
 
 class Checked(NamedTuple):

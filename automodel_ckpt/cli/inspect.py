@@ -274,6 +274,9 @@ def render_table(report: dict[str, Any]) -> str:
     positioned = [r for r in report["checkpoints"] if r.get("data_position")]
     if positioned:
         out.append(data_position_line(positioned[-1]["name"], positioned[-1]["data_position"]))
+    staged = [r for r in report["checkpoints"] if (r.get("metadata") or {}).get("stages") is not None]
+    if staged:  # a run in stages (docs/stages.md): those its newest checkpoint lists
+        out += stages_lines(staged[-1]["name"], staged[-1]["metadata"])
     quarantined = report.get("quarantined") or []
     if quarantined:
         out.append(f"quarantined (failed to load on resume; kept in {LAYOUT.QUARANTINE_DIR}/, never resumed from):")
@@ -298,6 +301,18 @@ def data_position_line(name: str, position: dict[str, Any]) -> str:
     lanes = (f"; {position['lanes']} lanes (this rank {position.get('lanes_read')}), position "
              f"{position.get('position_bytes', 0) / 1024:.1f} KiB") if position.get("lanes") else ""
     return f"data position at {name}: {position.get('sequences')} sequences{skipped}{lanes}; " + "; ".join(parts)
+
+
+def stages_lines(name: str, meta: dict[str, Any]) -> list[str]:
+    """The stages checkpoint ``name``'s metadata lists, one line each (a list that fails its checks: why)."""
+    from automodel_ckpt.training.stages import describe, read_history
+
+    try:
+        stages, tokens = read_history(meta, f"{name}/{LAYOUT.METADATA_FILE}")
+    except UserError as exc:
+        return [f"stages at {name}: not readable ({exc})"]
+    counted = "" if tokens is None else f", {tokens} tokens trained"
+    return [f"stages at {name} (step {meta.get('step')}{counted}):", *describe(stages)]
 
 
 def _text(value: Any) -> str:

@@ -21,7 +21,7 @@ from automodel_ckpt.ondisk import MAX_DEPTH, yaml_depth_line
 from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
-__all__ = ["load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml", "to_yaml_data"]
+__all__ = ["apply_values", "load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml", "to_yaml_data"]
 
 # YAML 1.1 (PyYAML) reads `1e-4` and `1.0e5` as strings; YAML 1.2 and Python read them as floats.
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
@@ -190,10 +190,13 @@ def _collect_marks(node: yaml.Node, prefix: str, marks: dict[str, int]) -> None:
 class _Source:
     """Where a value came from, to append to error messages."""
 
-    def __init__(self, path: str | None = None, marks: dict[str, int] | None = None, flag: str | None = None):
-        self.path, self.marks, self.flag = path, marks or {}, flag
+    def __init__(self, path: str | None = None, marks: dict[str, int] | None = None, flag: str | None = None,
+                 origin: str | None = None):
+        self.path, self.marks, self.flag, self.origin = path, marks or {}, flag, origin
 
     def fmt(self, full_key: str, msg: str) -> str:
+        if self.origin is not None:
+            return f"{self.origin}: {msg}"
         if self.flag is not None:
             return f"{msg} (from --{self.flag})"
         key = full_key
@@ -225,6 +228,24 @@ def load_config(
         raise ConfigError(f"missing required key{'s' if len(missing) > 1 else ''} " + ", ".join(map(repr, missing)))
     resolve(cfg)  # surface bad interpolations now, not mid-run
     return cfg
+
+
+def apply_values(cfg: DictConfig, values: Mapping[str, Any], origin: str) -> DictConfig:
+    """A copy of ``cfg`` with ``values`` (dotted key -> a value already read from YAML) merged in as overrides are
+    (a mapping merges key by key, a new ``_target_`` starts its section afresh); an unknown key is a one-line
+    ``ConfigError`` with the override's suggestion, prefixed by ``origin`` (``stages[1] (anneal).set``)."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise ConfigError(f"{origin}: {key!r} is not a dotted recipe key (section.key)")
+        for part in reversed(key.split(".")[1:]):
+            value = {part: value}
+        _merge_key(out, "", key.split(".")[0], value, _Source(origin=origin))
+    missing = _missing_keys(out, "")
+    if missing:
+        raise ConfigError(f"{origin}: missing required key {missing[0]!r}")
+    resolve(out)
+    return out
 
 
 def _missing_keys(node: DictConfig | ListConfig, prefix: str) -> list[str]:
@@ -410,6 +431,8 @@ def to_yaml(cfg: DictConfig) -> str:
     """The resolved config as YAML, secrets redacted (``redact.py``): what a checkpoint's ``config.yaml``
     and ``--dry-run`` show. ``load_config`` reads it back to an equal config when it holds no secret."""
     data = redacted(OmegaConf.to_container(resolve(cfg), resolve=False, enum_to_str=True))
+    if isinstance(data, dict) and data.get("stages") == []:
+        del data["stages"]  # a run without stages: its config.yaml as before they existed
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 

@@ -221,3 +221,4 @@ class RecipeConfig:
     dpo: Optional[DPOConfig] = None  # preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)
     grpo: Optional[GRPOConfig] = None  # online RL keys (recipe: automodel_ckpt.recipes.grpo.GRPORecipe)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, MLflow, Weights & Biases (none by default)
+    stages: List[Dict[str, Any]] = field(default_factory=list)  # later stages, each {name, at_step, set: {dotted key: value}}: the run goes on with `set` applied after step at_step (the recipe as written is the first stage, main; docs/stages.md)

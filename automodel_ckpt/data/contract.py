@@ -42,3 +42,12 @@ class BatchLoader(Protocol):
     def summary(self) -> dict[str, Any] | None:
         """Where the loader is, for a checkpoint's metadata and ``inspect`` (``data_position``), or None."""
         ...
+
+    def steps_left(self, num_epochs: int) -> int:
+        """Optimizer steps left until ``num_epochs`` epochs are served from the position (a stream: unbounded)."""
+        ...
+
+    def begin_stage(self) -> str | None:
+        """A new stage of the run starts from the restored position (docs/stages.md): what changes, in one line,
+        or None."""
+        ...

@@ -119,6 +119,22 @@ class GlobalBatchLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self._saved_rows = (state.get("num_rows"), state.get("seed"))
+
+    def steps_left(self, num_epochs: int) -> int:
+        """Optimizer steps left until ``num_epochs`` epochs are served, at this global batch, from the position."""
+        this_epoch = (len(self.data) - self.position) // self.global_batch_size
+        return max(0, this_epoch + (num_epochs - 1 - self.epoch) * self.steps_per_epoch)
+
+    def begin_stage(self) -> str | None:
+        """A new stage (docs/stages.md) goes on from the position, counted in samples of the epoch's order: the next
+        batch is the next ``global_batch_size`` samples, whatever the batch was. Other training rows (another
+        ``dataset:``, rows packed at another length) have another order: they start at their beginning (said)."""
+        rows, seed = getattr(self, "_saved_rows", (len(self.data), self.seed))
+        if (rows, seed) == (len(self.data), self.seed):
+            return None
+        self.epoch, self.position = 0, 0
+        return f"the training rows changed ({rows} -> {len(self.data)}): they start at their beginning, epoch 0"
 
     def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
                       world_size: int) -> dict[str, Any]:

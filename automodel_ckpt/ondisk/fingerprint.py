@@ -23,6 +23,10 @@ from automodel_ckpt.redact import redacted
 
 _FINGERPRINT_VERSION = 1
 
+#: The recipe keys of the fingerprint that a new stage of a run may change (docs/stages.md): the data, the sequence
+#: length, the global batch. A rerun that changes one resumes only as a new stage (``checkpoint.new_stage``).
+STAGE_KEYS = frozenset({"dataset", "data.seq_length", "step_scheduler.global_batch_size"})
+
 # Config keys that never change what the saved weights mean.
 _CONFIG_IGNORED = frozenset({
     "architectures", "attn_implementation", "dtype", "torch_dtype", "transformers_version", "use_cache",
@@ -65,9 +69,10 @@ def _vocabulary(tokenizer: Any) -> dict[str, Any] | None:
     return {"size": len(vocab), "sha256": digest}
 
 
-def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
+def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | None,
+                     free: frozenset[str] = frozenset()) -> str | None:
     """How ``current`` differs from ``saved``, in words (the first part that differs, with its differing keys);
-    None when they match or either is unknown.
+    None when they match or either is unknown. Recipe keys in ``free`` (a new stage's, ``STAGE_KEYS``) may differ.
 
     Checkpoints written before fingerprints existed (no ``saved``) never block.
     """
@@ -97,7 +102,8 @@ def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     if diff:
         return diff
     # redacted on both sides: a checkpoint written before redaction may hold a credential in clear
-    return _dict_difference("recipe", redacted(saved.get("recipe") or {}), redacted(current.get("recipe") or {}))
+    kept = [{k: v for k, v in redacted(fp.get("recipe") or {}).items() if k not in free} for fp in (saved, current)]
+    return _dict_difference("recipe", *kept)
 
 
 def _dict_difference(what: str, saved: dict[str, Any], current: dict[str, Any], shown: int = 3) -> str | None:

@@ -21,6 +21,8 @@ from automodel_ckpt.jsonsafe import json_safe
 
 # Keys of SaveInfo.extra that become top-level metadata fields; other extra keys land under "extra".
 _EXTRA_FIELDS = ("consumed_samples", "val_metrics")
+# ... and those that do only when given: a run in stages (docs/stages.md) lists them and counts its tokens.
+_STAGE_FIELDS = ("stages", "consumed_tokens")
 
 
 def build_metadata(
@@ -70,7 +72,8 @@ def build_metadata(
     }
     if fingerprint is not None:
         meta["fingerprint"] = fingerprint  # what this is a checkpoint of (ondisk/fingerprint.py)
-    rest = {k: v for k, v in extra.items() if k not in _EXTRA_FIELDS}
+    meta |= {k: extra[k] for k in _STAGE_FIELDS if k in extra}
+    rest = {k: v for k, v in extra.items() if k not in _EXTRA_FIELDS + _STAGE_FIELDS}
     if rest:
         meta["extra"] = rest
     return meta

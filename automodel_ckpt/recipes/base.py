@@ -46,6 +46,10 @@ class BaseRecipe:
     restored: Any = None  # what the last restore_checkpoint loaded (``checkpoint.Restored``)
     _preemption: PreemptionWatcher | None = None  # installed by ``run`` before ``setup``
     _observer: RunObserver | None = None  # the trackers and the cost log (``build_checkpointer``)
+    #: Whether the recipe runs in stages (docs/stages.md): its loop stops where a stage ends, its restore begins one.
+    takes_stages: ClassVar[bool] = False
+    #: A run in stages: the step of a checkpoint of another stage that the restore found (set by the restore).
+    rebuild_at: int | None = None
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -53,19 +57,36 @@ class BaseRecipe:
 
     def run(self) -> None:
         """Train to the end, or until preempted (``checkpoint.preemption_signal``); called once on every rank. On
-        return the last save is complete."""
+        return the last save is complete. A run in stages (``stages:``, ``checkpoint.new_stage``; docs/stages.md)
+        is a launch per stage, each built from its stage's recipe (``recipes.stages.run_in_stages``)."""
         if type(self).setup is BaseRecipe.setup:  # neither this template's steps nor a run of its own
             raise NotImplementedError(f"{type(self).__name__} must implement setup() and step(), or run()")
+        from automodel_ckpt.config.stages import StagePlan
+
+        plan = StagePlan.of(self.cfg)
+        if plan is None:
+            self.run_launch()
+            return
+        from automodel_ckpt.recipes.stages import run_in_stages
+
+        run_in_stages(self, plan)
+
+    def run_launch(self) -> int | None:
+        """One launch of the run: setup, restore, train, end. Returns the step the run goes on from in another
+        stage's recipe (its stage ended there, or the restore found a checkpoint of another stage), else None."""
         with PreemptionWatcher.for_run(self.checkpoint_config) as self._preemption:  # a signal during setup counts
             try:
                 self.setup()
                 restored = self.restore_checkpoint()
                 steps = self.step_scheduler
+                if self.rebuild_at is not None:  # a checkpoint of another stage: built again for it
+                    self.finalize_checkpoints()
+                    return self.rebuild_at
                 if steps.done:
                     print(f"Training already complete at step {steps.step} (max {steps.total_steps}); nothing to do",
                           flush=True)
                     self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go
-                    return
+                    return None
                 self._observer.start(steps.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
                                      mtbf_hours=self.checkpoint_config.mtbf_hours,
                                      world_size=self.env.world_size, tier=self.restored.tier,
@@ -79,6 +100,7 @@ class BaseRecipe:
                 if self.env.is_main and stopped:
                     print(f"Preempted by {self._preemption.name} at step {steps.step}: saved {ended.saved}; rerun the "
                           "same command to resume", flush=True)
+                return steps.step if getattr(steps, "stage_ends", False) and not stopped else None
             except BaseException:
                 if self._observer is not None:
                     self._observer.fail()

@@ -32,6 +32,7 @@ from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
 from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.base import BaseRecipe
+from automodel_ckpt.recipes.stages import StageRun
 from automodel_ckpt.training import compile
 from automodel_ckpt.training.ema import EMA
 from automodel_ckpt.evaluation.during_training import InTrainingEval
@@ -66,6 +67,7 @@ class FinetuneRecipe(BaseRecipe):
     pipeline_plan: Any = None
     #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
     ema: EMA | None = None
+    takes_stages = True  # a run in stages (docs/stages.md): ``recipes.stages.StageRun`` is this recipe's
     _evaluation: InTrainingEval | None = None  # the ``evaluation:`` section's tasks (set in ``setup``)
     _eval_scores: dict[str, float] | None = None  # the scores of the step just taken, when it evaluated
 
@@ -73,6 +75,11 @@ class FinetuneRecipe(BaseRecipe):
     def algorithm(self) -> Algorithm:
         """The recipe's algorithm (``algorithm_class``), made on first use."""
         return self.algorithm_class(self)
+
+    @functools.cached_property
+    def _stage_run(self) -> StageRun:
+        """This launch's stages (``_stage_of``: the plan and the stage it is built for, when the run has stages)."""
+        return StageRun(self.cfg, *getattr(self, "_stage_of", ()))
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -91,7 +98,7 @@ class FinetuneRecipe(BaseRecipe):
         optimizer_line = self._build_optimizer()
         self._build_logs(optimizer_line)
         self.build_checkpointer(hf=self.hf_artifacts(), say=self.progress.write, fingerprint=fingerprint,
-                                dims=self.dims)
+                                dims=self.dims, stages=self._stage_run.rule if self._stage_run.active else None)
         algorithm.build()
 
     def _build_model(self) -> tuple[torch.nn.Module, str]:
@@ -115,6 +122,8 @@ class FinetuneRecipe(BaseRecipe):
         if self.env.is_main:
             print(parameter_line(model, frozen), flush=True)
         fingerprint = run_fingerprint(model, self.tokenizer, self._peft_section(), self.state_meaning())
+        self._stage_run.built(model, fingerprint, lambda staged: run_fingerprint(
+            model, recipe=self.state_meaning(staged))["recipe"])  # each stage's, and its seq_length checked
         if cfg.distributed.activation_checkpointing:  # per block, before sharding; parameter names unchanged
             blocks = checkpoint_blocks(model)
             if self.env.is_main:
@@ -238,6 +247,7 @@ class FinetuneRecipe(BaseRecipe):
         if self.ema is not None and "ema" not in self.restored.states:  # a fresh run, or a checkpoint without it
             self.ema.start(self.model)
         self.algorithm.restored()
+        self._stage_run.restored(self)  # a stage that begins at the next step begins
         return restored
 
     def checkpointed_state(self) -> dict[str, Any]:
@@ -248,9 +258,10 @@ class FinetuneRecipe(BaseRecipe):
         """The tokenizer of the folder ``path`` (``tokenizer.pretrained_model_name_or_path``, else the model's)."""
         return build_tokenizer(path)
 
-    def state_meaning(self) -> dict[str, Any]:
-        """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint)."""
-        cfg = self.cfg
+    def state_meaning(self, cfg: Any = None) -> dict[str, Any]:
+        """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint), of this
+        recipe or of ``cfg`` (another stage's)."""
+        cfg = self.cfg if cfg is None else cfg
         meaning = {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "data.seq_length": cfg.data.seq_length,
                    "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
         if cfg.model.get("freeze"):  # what trains is what the optimizer's state covers
@@ -305,9 +316,11 @@ class FinetuneRecipe(BaseRecipe):
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
             record |= self.dataloader.report(fetched)  # a streamed corpus: tokens per source, the wait, bad rows
+            record |= self._stage_run.step(tokens, self._observer)  # a run in stages: the step's stage
             self.train_log.append(record)
             per_source = {f"source_{i}_tokens": t for i, t in enumerate(record.get("source_tokens", []))}
-            self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples})
+            self._observer.log_train(record | per_source | {"consumed_samples": sched.consumed_samples}
+                                     | self._stage_run.tracked())
             shown = {k: record[k] for k in self.algorithm.bar_metrics if k in record}
             self.progress.update(sched.step, loss, lr, shown)
             self._eval_scores = self._evaluate_and_log() if self._evaluation and self._evaluation.due(sched.step) \
@@ -316,7 +329,7 @@ class FinetuneRecipe(BaseRecipe):
             ended = self.checkpointer.step_end(self.checkpointed_state, sched, epoch=epoch, loss=loss,
                                                extra=self._save_extra, validate=self._validate_and_log,
                                                validate_now=sched.is_val_step)
-            if ended.stop:
+            if ended.stop or sched.stage_ends:  # preempted, or this launch's stage ends (saved)
                 break
         self.progress.close()
         return ended
@@ -349,7 +362,7 @@ class FinetuneRecipe(BaseRecipe):
             extra["data_position"] = position
         if self._eval_scores:  # the step's evaluation: rankable by checkpoint.monitor (eval/<task>/<metric>)
             extra["val_metrics"] = dict(self._eval_scores)
-        return extra | self.algorithm.save_extra()  # and the algorithm's counters
+        return extra | self.algorithm.save_extra() | self._stage_run.extra()  # the algorithm's counters, the stages
 
     def report_world_size_change(self, checkpoint: Path) -> None:
         """Say what changed when a checkpoint written on one mesh (W processes) resumes on another."""

@@ -6,7 +6,7 @@ import math
 from functools import partial
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
                                        get_linear_schedule_with_warmup)
 
@@ -31,6 +31,60 @@ def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 10
 
 def constant(optimizer: Optimizer, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, partial(_warmup_cosine_factor, warmup_steps=0, total_steps=total_steps, min_lr_ratio=1.0))
+
+
+def _wsd_factor(step: int, *, warmup_steps: int, total_steps: int, decay_steps: int, min_lr_ratio: float,
+                decay: str) -> float:
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    start = total_steps - decay_steps
+    if decay_steps <= 0 or step < start:
+        return 1.0
+    progress = min(1.0, (step - start) / decay_steps)
+    shape = {"linear": progress, "sqrt": math.sqrt(progress), "cosine": 0.5 * (1.0 - math.cos(math.pi * progress))}
+    return 1.0 - (1.0 - min_lr_ratio) * shape[decay]
+
+
+def wsd(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, decay_steps: int = 0,
+        decay_fraction: float = 0.0, min_lr_ratio: float = 0.0, decay: str = "linear") -> LambdaLR:
+    """Warmup-stable-decay: linear warmup over ``warmup_steps`` (as ``warmup_cosine``'s), the optimizer's lr, then
+    over the last ``decay_steps`` (else ``decay_fraction`` of ``total_steps``; 0: no decay, which a later stage's
+    ``cooldown`` then makes) down to ``min_lr_ratio`` × lr, by a line, ``sqrt`` (1 - sqrt) or ``cosine``."""
+    if decay not in ("linear", "sqrt", "cosine") or not 0.0 <= decay_fraction <= 1.0 or decay_steps < 0:
+        raise ValueError("wsd: decay is linear, sqrt or cosine; decay_steps >= 0; decay_fraction in [0, 1]")
+    steps = decay_steps or round(decay_fraction * total_steps)
+    return LambdaLR(optimizer, partial(_wsd_factor, warmup_steps=warmup_steps, total_steps=total_steps,
+                                       decay_steps=steps, min_lr_ratio=min_lr_ratio, decay=decay))
+
+
+class Cooldown(LRScheduler):
+    """``cooldown``'s schedule: from each group's lr when it begins (its ``initial_lr``, which a stage sets to the
+    lr in force) in a line to ``final_lr`` over ``steps`` steps, then ``final_lr``. ``steps`` and ``final_lr`` are
+    the recipe's, never read back from a checkpoint."""
+
+    _OWN = ("steps", "final_lr")
+
+    def __init__(self, optimizer: Optimizer, steps: int, final_lr: float) -> None:
+        self.steps, self.final_lr = steps, final_lr
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        done = min(max(self.last_epoch, 0), self.steps) / self.steps
+        return [base + (self.final_lr - base) * done for base in self.base_lrs]
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k not in self._OWN}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in self._OWN})
+
+
+def cooldown(optimizer: Optimizer, total_steps: int, steps: int, final_lr: float = 0.0) -> Cooldown:
+    """An annealing stage's schedule (docs/stages.md): linear from the lr in force to ``final_lr`` over ``steps``."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or not math.isfinite(final_lr) \
+            or final_lr < 0:
+        raise ValueError("cooldown: steps is a whole number >= 1 and final_lr a finite lr >= 0")
+    return Cooldown(optimizer, steps, float(final_lr))
 
 
 # The Hugging Face Trainer's schedules are transformers' own functions (an imported run continues on the same learning

@@ -41,13 +41,17 @@ class StepScheduler:
         #: ``checkpoint.local.every_steps: auto``: the node-local tier's interval (set by the recipe's checkpointer)
         self.local_interval: SaveInterval | None = None
         self.val_every_steps = val_every_steps
+        #: a run in stages: this stage ends after this step (saved there; the run goes on in the next stage)
+        self.stop_at: int | None = None
+        #: a run in stages: its last step by the epochs of the data left (set at the restore; None: the formula)
+        self.epochs_end: int | None = None
         self.step = 0
         self.epoch = 0
         self.consumed_samples = 0
 
     @property
     def total_steps(self) -> int:
-        by_epochs = self.steps_per_epoch * self.num_epochs
+        by_epochs = self.steps_per_epoch * self.num_epochs if self.epochs_end is None else self.epochs_end
         return min(by_epochs, self.max_steps) if self.max_steps is not None else by_epochs
 
     def record_step(self, epoch: int, samples: int) -> None:
@@ -61,11 +65,19 @@ class StepScheduler:
 
     @property
     def is_ckpt_step(self) -> bool:
-        """Checkpoint every ``ckpt_every_steps`` (or where the ``auto`` interval is due) and after the last step."""
+        """Checkpoint every ``ckpt_every_steps`` (or where the ``auto`` interval is due), after the last step and
+        where a stage ends."""
+        if self.stage_ends:
+            return True
         if self.save_interval is not None:
             return self.done or self.save_interval.due(self.step)
         every = self.ckpt_every_steps
         return self.done or (every is not None and every > 0 and self.step % every == 0)
+
+    @property
+    def stage_ends(self) -> bool:
+        """The step just taken ends this launch's stage (``stop_at``), before the run's end."""
+        return self.stop_at is not None and self.step == self.stop_at and not self.done
 
     @property
     def is_val_step(self) -> bool:

@@ -6,12 +6,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.ondisk import layout, manifest
-from automodel_ckpt.ondisk.fingerprint import first_difference
+from automodel_ckpt.ondisk.fingerprint import STAGE_KEYS, first_difference
 from automodel_ckpt.ondisk.loadcheck import deferred
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata, load_pt
 from automodel_ckpt.ondisk.formats.safetensors_io import read_header
 from automodel_ckpt.errors import CheckpointError
+
+#: A run in stages: a checkpoint's metadata -> the fingerprint it must have, and whether resuming it starts a stage.
+StageRule = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bool]]
 
 
 def probe(path: Path, *, checksums: bool, rank: int, world_size: int,
@@ -50,13 +53,24 @@ def _readable_pt(file: Path) -> None:
         raise CheckpointError(f"'{file}' is unreadable: {str(exc).split(': ', 1)[-1]}") from None
 
 
-def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path) -> None:
-    """``CheckpointError`` when checkpoint ``path`` belongs to another run (model, tokenizer, data...)."""
-    saved = (read_metadata(path) or {}).get("fingerprint")
-    difference = first_difference(saved, fingerprint)
-    if difference is not None:
+def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path,
+                   stages: StageRule | None = None) -> None:
+    """``CheckpointError`` when checkpoint ``path`` belongs to another run (model, tokenizer, data...). ``stages``
+    (a run in stages, docs/stages.md): given the checkpoint's metadata, the fingerprint it must have and whether
+    resuming it starts a new stage (whose keys, ``STAGE_KEYS``, may then differ)."""
+    meta = read_metadata(path) or {}
+    expected, new_stage = stages(meta) if stages is not None else (fingerprint, False)
+    saved = meta.get("fingerprint")
+    difference = first_difference(saved, expected, STAGE_KEYS if new_stage else frozenset())
+    if difference is None:
+        return
+    if first_difference(saved, expected, STAGE_KEYS) is None:  # the data, the sequence length or the batch only
         raise CheckpointError(
-            f"'{path}' is a checkpoint of another run: {difference}. Use a new checkpoint.checkpoint_dir (this one: "
-            f"'{checkpoint_dir}'), or start from its weights with checkpoint.restore_from={path} and "
-            "checkpoint.load_only=[model]"
-        )
+            f"'{path}' was trained with another recipe: {difference}. To go on with this one as a new stage of the "
+            f"run after its step, rerun with --checkpoint.new_stage NAME (docs/stages.md); or use a new "
+            f"checkpoint.checkpoint_dir (this one: '{checkpoint_dir}')")
+    raise CheckpointError(
+        f"'{path}' is a checkpoint of another run: {difference}. Use a new checkpoint.checkpoint_dir (this one: "
+        f"'{checkpoint_dir}'), or start from its weights with checkpoint.restore_from={path} and "
+        "checkpoint.load_only=[model]"
+    )

@@ -25,7 +25,7 @@ from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
 from automodel_ckpt.checkpoint.restore.decision import Decision
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.checkpoint.restore.fallback import AGAIN, DURABLE
-from automodel_ckpt.checkpoint.restore.probe import check_same_run, probe
+from automodel_ckpt.checkpoint.restore.probe import StageRule, check_same_run, probe
 from automodel_ckpt.errors import CheckpointError, first_line, warn
 from automodel_ckpt.ondisk.loadcheck import DamagedFile
 
@@ -41,13 +41,15 @@ class DurableTier:
     name = DURABLE
 
     def __init__(self, cfg: CheckpointConfig, source: RunFolder, loader: CheckpointLoader, *, rank: int,
-                 world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None]) -> None:
+                 world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None],
+                 stages: StageRule | None = None) -> None:
         self.cfg, self.source, self.loader = cfg, source, loader
         self.rank, self.world_size, self.fingerprint, self.say = rank, world_size, fingerprint, say
+        self.stages = stages
 
     def choose(self, damage: str | None) -> Decision | None:
         return decide(self.cfg, self.source, rank=self.rank, world_size=self.world_size,
-                      fingerprint=self.fingerprint, say=self.say, damaged_while_loading=damage)
+                      fingerprint=self.fingerprint, say=self.say, damaged_while_loading=damage, stages=self.stages)
 
     def load(self, states: dict[str, Any], decision: Decision) -> Loaded | None:
         if decision.path is None:  # a fresh run
@@ -63,13 +65,13 @@ class DurableTier:
 
 def decide(cfg: CheckpointConfig, source: RunFolder, *, rank: int, world_size: int,
            fingerprint: dict[str, Any] | None, say: Callable[[str], None],
-           damaged_while_loading: str | None = None) -> Decision | None:
+           damaged_while_loading: str | None = None, stages: StageRule | None = None) -> Decision | None:
     """Collective: select and check the checkpoint this run resumes (``checkpoint.restore_from``, else the newest).
 
     None: with ``load_only``, the run has no checkpoint of its own: a weights-only start (the next tier's).
     ``damaged_while_loading``: deciding again after the load of the last decision found its checkpoint damaged
     (and set it aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an
-    option. It is that damage, in one line.
+    option. It is that damage, in one line. ``stages``: a run in stages' rule for the fingerprint (``probe``).
     """
     if damaged_while_loading is None:
         if not cfg.enabled and cfg.restore_from is None:
@@ -92,7 +94,7 @@ def decide(cfg: CheckpointConfig, source: RunFolder, *, rank: int, world_size: i
             return Decision()
         unfetched = _fetch(source, path)  # a checkpoint on an object store: its files into the local mirror first
         if unfetched is None:
-            check_same_run(path, fingerprint, source.local)  # every rank reads the same small file: same verdict
+            check_same_run(path, fingerprint, source.local, stages)  # every rank reads the same small file: same verdict
         try:
             if unfetched is not None:  # a missing or unreadable object: damaged like a missing file
                 raise unfetched

@@ -361,6 +361,14 @@ class StreamLoader:
                 "lanes_read": len(self.my_lanes), "position_bytes": len(pickle.dumps(self.state_dict())),
                 "sources": sources}
 
+    def steps_left(self, num_epochs: int) -> int:
+        """Unbounded: a stream has no fixed epoch length (``step_scheduler.max_steps`` ends it)."""
+        return UNBOUNDED_STEPS
+
+    def begin_stage(self) -> str | None:
+        """A new stage (docs/stages.md) goes on from each lane's position: the next sequences of the global order."""
+        return None
+
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "stream", "version": LANES_VERSION, "lanes": self.lanes, "sequences": self.sequences,

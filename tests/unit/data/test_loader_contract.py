@@ -5,6 +5,7 @@ metadata add, so that the recipe never asks which one it has."""
 from __future__ import annotations
 
 import datasets
+import torch
 
 from automodel_ckpt.data.contract import BatchLoader
 from automodel_ckpt.data.loader import GlobalBatchLoader
@@ -61,3 +62,54 @@ def test_the_streamed_loader_keeps_the_contract(tmp_path):
     loader = _streamed(files)
     loader.next_batch()
     assert loader.summary()["sequences"] == 4
+
+
+def _rows(n: int):
+    pairs = [[i, i + 1] for i in range(n)]
+    rows = datasets.Dataset.from_dict({"input_ids": pairs, "labels": pairs, "attention_mask": [[1, 1]] * n,
+                                       "length": [2] * n, "sample_id": list(range(n))})
+    return TokenizedData(rows)
+
+
+def _loader(data, batch: int, world_size: int, rank: int = 0) -> GlobalBatchLoader:
+    return GlobalBatchLoader(data, global_batch_size=batch, local_batch_size=2, rank=rank, world_size=world_size,
+                             seed=5, shuffle=True)
+
+
+def _ids(loader) -> list[int]:
+    loader.next_batch()
+    return loader.last_sample_ids
+
+
+def test_a_new_stage_goes_on_with_the_next_samples_of_the_epochs_order_at_any_batch_and_world_size():
+    """Map-style data across a stage (docs/stages.md): the position is samples of the epoch's order, so after two
+    steps of 4 on 2 ranks, steps of 12 on 3 ranks serve the next 12 samples of that order; no sample of the epoch
+    trained twice or skipped, the incomplete tail left for the next epoch as before."""
+    data = _rows(40)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(5)).tolist()
+    before = _loader(data, 4, 2)
+    first = _ids(before) + _ids(before)
+    state = before.state_dict()
+    after = [_loader(data, 12, 3, rank) for rank in range(3)]
+    for loader in after:
+        loader.load_state_dict(state)
+        assert loader.begin_stage() is None  # the same rows: the position is kept
+    assert after[0].steps_left(num_epochs=2) == 2 + 40 // 12  # 32 samples left of epoch 0, then a whole epoch
+    served = [_ids(loader) for loader in after]
+    assert served[0] == served[1] == served[2] == order[8:20]
+    ranks = [torch.cat([mb.sample_ids for mb in loader_micro]).tolist()
+             for loader_micro in (loader.next_batch()[1] for loader in after)]
+    assert sorted(sum(ranks, [])) == sorted(order[20:32])  # each rank its share of the step, together all of it
+    epoch0 = first + served[0] + after[0].last_sample_ids
+    assert epoch0 == order[:32] and len(set(epoch0)) == 32
+    assert after[0].next_batch()[0] == 1  # 8 samples left, fewer than a batch: the next epoch begins
+
+
+def test_other_training_rows_at_a_new_stage_start_at_their_beginning_and_say_so():
+    before = _loader(_rows(40), 4, 1)
+    _ids(before)
+    other = _loader(_rows(24), 4, 1)
+    other.load_state_dict(before.state_dict())
+    said = other.begin_stage()
+    assert said is not None and "40 -> 24" in said
+    assert (other.epoch, other.position) == (0, 0)

@@ -7,7 +7,9 @@ import json
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from automodel_ckpt.ondisk.fingerprint import first_difference, run_fingerprint
+from automodel_ckpt.checkpoint.restore.probe import check_same_run
+from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.ondisk.fingerprint import STAGE_KEYS, first_difference, run_fingerprint
 from automodel_ckpt.models.tiny import build_tokenizer
 
 
@@ -80,3 +82,45 @@ def test_derived_keys_still_name_a_difference() -> None:
     saved = _roundtrip(run_fingerprint(_model(), None, None, RECIPE))
     words = first_difference(saved, run_fingerprint(_model(hidden_size=64), None, None, RECIPE))
     assert words == "model config keys differ: 'head_dim' is 16 there, 32 here; 'hidden_size' is 32 there, 64 here"
+
+
+STAGED = {"dataset": {"_target_": "a.b"}, "data.seq_length": 16, "step_scheduler.global_batch_size": 48,
+          "model.freeze": ["embed"]}
+
+
+def test_a_new_stage_may_change_the_data_the_sequence_length_and_the_batch_and_nothing_else() -> None:
+    saved = _roundtrip(run_fingerprint(_model(), None, None, STAGED))
+    staged = dict(STAGED, **{"dataset": {"_target_": "a.c"}, "data.seq_length": 64,
+                             "step_scheduler.global_batch_size": 96})
+    assert first_difference(saved, run_fingerprint(_model(), None, None, staged), STAGE_KEYS) is None
+    assert first_difference(saved, run_fingerprint(_model(), None, None, staged)) is not None  # not a new stage
+    frozen = dict(staged, **{"model.freeze": ["head"]})
+    assert first_difference(saved, run_fingerprint(_model(), None, None, frozen), STAGE_KEYS) == \
+        "recipe key 'model.freeze' is [\"embed\"] there, [\"head\"] here"
+    assert first_difference(saved, run_fingerprint(_model(num_hidden_layers=2), None, None, staged), STAGE_KEYS) \
+        .startswith("model config key 'num_hidden_layers'")
+
+
+def _checkpoint(tmp_path, recipe, step=10, stages=None):
+    ckpt = tmp_path / "run" / f"epoch_0_step_{step}"
+    ckpt.mkdir(parents=True)
+    meta = {"step": step, "fingerprint": _roundtrip(run_fingerprint(_model(), None, None, recipe))}
+    (ckpt / "metadata.json").write_text(json.dumps(meta | ({"stages": stages} if stages else {})))
+    return ckpt
+
+
+def test_a_rerun_that_changes_a_stage_key_is_refused_in_one_line_naming_the_flag(tmp_path) -> None:
+    ckpt = _checkpoint(tmp_path, STAGED)
+    bigger = run_fingerprint(_model(), None, None, dict(STAGED, **{"step_scheduler.global_batch_size": 96}))
+    with pytest.raises(CheckpointError) as err:
+        check_same_run(ckpt, bigger, tmp_path / "run")
+    said = str(err.value)
+    assert "recipe key 'step_scheduler.global_batch_size' is 48 there, 96 here" in said
+    assert "--checkpoint.new_stage NAME" in said and "\n" not in said
+    check_same_run(ckpt, bigger, tmp_path / "run", lambda meta: (bigger, True))  # a new stage begins there
+    other = run_fingerprint(_model(num_hidden_layers=2), None, None, STAGED)
+    with pytest.raises(CheckpointError, match="is a checkpoint of another run: model config key"):
+        check_same_run(ckpt, other, tmp_path / "run", lambda meta: (other, True))  # never the model
+    with pytest.raises(CheckpointError, match="new_stage") as err:  # the stage rule's own fingerprint decides
+        check_same_run(ckpt, _roundtrip(run_fingerprint(_model(), None, None, STAGED)), tmp_path / "run",
+                       lambda meta: (bigger, meta["step"] != 10))

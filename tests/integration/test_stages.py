@@ -1,0 +1,154 @@
+"""Runs that change shape (docs/stages.md): stages planned in the recipe and decided at a resume give the same steps,
+a run killed inside a stage resumes bit for bit, and a map-style epoch is trained once across a batch and world-size
+change. One module-scoped set of short runs of the tiny model on the built-in task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from automodel_ckpt.ondisk import LAYOUT
+from tests.integration import step_faults
+from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, run_command,
+                                       start_command)
+from tests.integration.trackers import tensorboard_scalars, tensorboard_texts
+
+ARGS = ("--checkpoint.save_consolidated", "false", "--training.log_sample_ids", "true", "--data.val_size", "32",
+        "--step_scheduler.val_every_steps", "100", "--step_scheduler.ckpt_every_steps", "100",
+        "--step_scheduler.local_batch_size", "8", "--step_scheduler.global_batch_size", "48",
+        "--step_scheduler.max_steps", "8")
+COOLDOWN = {"_target_": "automodel_ckpt.training.lr.cooldown", "steps": 3, "final_lr": 0.0}
+STAGES = [{"name": "big", "at_step": 3, "set": {"step_scheduler.global_batch_size": 96}},
+          {"name": "anneal", "at_step": 6, "set": {"data.seq_length": 24, "lr_scheduler": COOLDOWN}}]
+BIG = ("--step_scheduler.global_batch_size", "96")
+ANNEAL = (*BIG, "--data.seq_length", "24", "--lr_scheduler", json.dumps(COOLDOWN))
+
+
+def _planned(work: Path) -> Path:
+    recipe = yaml.safe_load(RECIPE.read_text()) | {"stages": STAGES}
+    (work / "staged.yaml").write_text(yaml.safe_dump(recipe))
+    return work / "staged.yaml"
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in jsonl(run / LAYOUT.TRAINING_LOG)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, assets):
+    """The planned run (tracked by TensorBoard), the same plan killed inside stage 2 and rerun, the plan decided at
+    resumes in three launches (one refused first: no --checkpoint.new_stage), and a batch of 48 on 2 processes
+    going on at 96 on 3."""
+    work = tmp_path_factory.mktemp("stages")
+    staged = _planned(work)
+    out = {"work": work, "staged": staged}
+    out["planned"] = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "planned",
+                                "--logging.tensorboard", "{}", recipe=staged, nproc=2)
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(staged), *QUIET, *ARGS, "--checkpoint.checkpoint_dir", "killed",
+           "--step_scheduler.ckpt_every_steps", "2", "--recipe", step_faults.RECIPE]
+    pid_file = work / "stopped.pid"  # held after step 5: stage 'big' began at step 4, its step 4 is saved
+    with open(work / "killed.log", "w") as log:
+        job = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(5, pid_file)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out["held"] = step_faults.stopped(pid_file, job)
+    finally:
+        kill_job(job)  # kill -9 of every process of the job
+    out["killed_saved"] = sorted(p.name for p in (work / "killed").glob("epoch_*"))
+    out["rerun"] = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", recipe=staged, nproc=2)
+    decided = (*ARGS, "--checkpoint.checkpoint_dir", "decided")
+    ckpt_train(work, assets, *decided, "--step_scheduler.max_steps", "3", nproc=2)
+    out["refused"] = ckpt_train(work, assets, *decided, *BIG, "--step_scheduler.max_steps", "6", nproc=2, check=False)
+    ckpt_train(work, assets, *decided, *BIG, "--step_scheduler.max_steps", "6", "--checkpoint.new_stage", "big",
+               nproc=2)
+    ckpt_train(work, assets, *decided, *ANNEAL, "--checkpoint.new_stage", "anneal", nproc=2)
+    resized = (*ARGS, "--checkpoint.checkpoint_dir", "resized")
+    ckpt_train(work, assets, *resized, "--step_scheduler.max_steps", "2", nproc=2)
+    out["resized"] = ckpt_train(work, assets, *resized, *BIG, "--step_scheduler.max_steps", "4",
+                                "--checkpoint.new_stage", "big", nproc=3)
+    return out
+
+
+def test_a_planned_run_saves_where_each_stage_begins_and_names_it_at_every_step(runs):
+    run = runs["work"] / "planned"
+    steps = _steps(run)
+    assert [steps[s]["stage"] for s in range(1, 9)] == ["main"] * 3 + ["big"] * 3 + ["anneal"] * 2
+    assert [len(steps[s]["sample_ids"]) for s in range(1, 9)] == [48] * 3 + [96] * 5
+    ids = [i for s in range(1, 9) for i in steps[s]["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 3 * 48 + 5 * 96  # no sample of epoch 0 twice
+    assert {p.name for p in run.glob("epoch_*")} == {"epoch_0_step_3", "epoch_0_step_6", "epoch_0_step_8"}
+    # the anneal stage's cooldown: from the lr in force at its first step to 0 over 3 steps
+    assert steps[8]["lr"] == pytest.approx(steps[7]["lr"] * 2 / 3)
+    meta = json.loads((run / "epoch_0_step_8" / LAYOUT.METADATA_FILE).read_text())
+    assert [(s["name"], s["first_step"], s["samples"], s["changed"]) for s in meta["stages"]] == [
+        ("main", 1, 0, []), ("big", 4, 144, ["step_scheduler.global_batch_size"]),
+        ("anneal", 7, 432, ["data.seq_length", "lr_scheduler"])]
+    assert meta["stages"][2]["lr"] == steps[7]["lr"] and meta["stages"][2]["schedule"] == {"from": 6, "steps": 2}
+    tokens = [s["tokens"] for s in meta["stages"]]
+    assert tokens[0] == 0 < tokens[1] < tokens[2] < meta["consumed_tokens"]
+    boundary = json.loads((run / "epoch_0_step_3" / LAYOUT.METADATA_FILE).read_text())
+    assert [s["name"] for s in boundary["stages"]] == ["main"]  # saved before the stage began
+    assert "Stage 'big' begins at step 4" in runs["planned"].stdout
+
+
+def test_the_trackers_get_the_stage_at_every_step_and_where_each_begins(runs):
+    board = runs["work"] / "planned" / "tensorboard"
+    assert tensorboard_scalars(board, "train/stage") == [(s, float(i)) for s, i in
+                                                         zip(range(1, 9), [0, 0, 0, 1, 1, 1, 2, 2])]
+    texts = " ".join(text for _, _, text in tensorboard_texts(board))
+    assert "stage 'big' begins at step 4" in texts and "stage 'anneal' begins at step 7" in texts
+
+
+def test_a_run_killed_inside_a_stage_and_rerun_gives_the_planned_steps_bit_for_bit(runs):
+    assert runs["held"] is not None, (runs["work"] / "killed.log").read_text()[-3000:]
+    assert runs["killed_saved"] == ["epoch_0_step_2", "epoch_0_step_3", "epoch_0_step_4"]
+    assert "Loading checkpoint from killed/epoch_0_step_4" in runs["rerun"].stdout
+    planned, rerun = _steps(runs["work"] / "planned"), _steps(runs["work"] / "killed")
+    assert sorted(rerun) == list(range(1, 9))
+    for step in range(1, 9):
+        for key in ("loss", "sample_ids", "lr", "stage"):
+            assert rerun[step][key] == planned[step][key], (step, key)
+
+
+def test_the_plan_decided_at_resumes_gives_the_planned_steps_bit_for_bit(runs):
+    refused = runs["refused"]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode != 0 and errors, refused.output[-2000:]
+    assert "recipe key 'step_scheduler.global_batch_size' is 48 there, 96 here" in errors[0]
+    assert "--checkpoint.new_stage NAME" in errors[0]
+    planned, decided = _steps(runs["work"] / "planned"), _steps(runs["work"] / "decided")
+    assert sorted(decided) == list(range(1, 9))
+    for step in range(1, 9):
+        assert (decided[step]["loss"], decided[step]["sample_ids"], decided[step]["lr"]) == \
+               (planned[step]["loss"], planned[step]["sample_ids"], planned[step]["lr"]), step
+    assert [decided[s].get("stage") for s in range(1, 9)] == [None] * 3 + ["big"] * 3 + ["anneal"] * 2
+    meta = json.loads((runs["work"] / "decided" / "epoch_0_step_8" / LAYOUT.METADATA_FILE).read_text())
+    assert [(s["name"], s["first_step"], s["samples"], s["changed"]) for s in meta["stages"]] == [
+        ("main", 1, 0, []), ("big", 4, 144, ["step_scheduler.global_batch_size"]),
+        ("anneal", 7, 432, ["data.seq_length", "lr_scheduler"])]
+
+
+def test_a_batch_of_48_on_2_processes_goes_on_at_96_on_3_with_no_sample_of_the_epoch_twice(runs):
+    assert "Stage 'big' begins at step 3" in runs["resized"].stdout
+    assert "Resuming at world size 3 (checkpoint written by 2)" in runs["resized"].stdout
+    planned, resized = _steps(runs["work"] / "planned"), _steps(runs["work"] / "resized")
+    assert [len(resized[s]["sample_ids"]) for s in range(1, 5)] == [48, 48, 96, 96]
+    ids = [i for s in range(1, 5) for i in resized[s]["sample_ids"]]
+    assert len(ids) == len(set(ids))
+    # the next 96 samples of the epoch's order, whatever the batch before: the planned run's, cut another way
+    order = [i for s in range(1, 6) for i in planned[s]["sample_ids"]]
+    assert ids == order[:len(ids)]
+
+
+def test_inspect_lists_the_stages_of_a_checkpoint(runs):
+    shown = run_command([CKPT_TRAIN, "inspect", str(runs["work"] / "planned")], cwd=runs["work"], timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("stages at epoch_0_step_8 (step 8, ")))
+    assert lines[at + 1].startswith("  main: from step 1 (after 0 samples, 0 tokens): the recipe as written")
+    assert lines[at + 2].startswith("  big: from step 4 (after 144 samples, ")
+    assert lines[at + 3].endswith(": data.seq_length, lr_scheduler")
