@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, NamedTuple
 
-from automodel_ckpt.errors import ConfigError, UsageError
+from automodel_ckpt.errors import UsageError
 from automodel_ckpt.sizes import human_size  # noqa: F401 - every verb prints sizes this one way
 
 
@@ -45,7 +45,7 @@ def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: b
     """
     from automodel_ckpt.config.stages import StagePlan
     from automodel_ckpt.config.validate import check_inputs_exist, validate_config
-    from automodel_ckpt.data import check_data_section, check_dataset_paths, is_streamed
+    from automodel_ckpt.data import check_data_section, check_dataset_paths
 
     def values(staged: Any) -> None:
         validate_config(staged, world_size)
@@ -57,11 +57,7 @@ def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: b
     staged = [] if plan is None else [plan.config(i) for i in range(1, len(plan.stages))]
     if plan is not None:
         plan.check(values)
-        for i, stage in enumerate(plan.stages[1:]):  # a stream's lanes hold sequences packed from its sources
-            moved = [k for k in stage.values if k.split(".")[0] == "dataset" or k == "data.seq_length"]
-            if moved and is_streamed(cfg.dataset):
-                raise ConfigError(f"stages[{i}] ({stage.name}).set: '{moved[0]}': a streamed corpus keeps its "
-                                  "sources and sequence length across stages in this release (docs/stages.md)")
+
     if not inputs:
         return Checked(mesh, [])
     found = check_inputs_exist(cfg, fetchable=fetchable)

@@ -32,6 +32,8 @@ _KEPT = {
     "step_scheduler.num_epochs": "the run's length is the run's",
     "data.shuffle": "the order of an epoch is the run's",
     "data.val_size": "the held-out split is the run's",
+    "data.lanes": "a streamed corpus's order is made over the run's lanes",
+    "data.shuffle_buffer": "a streamed corpus's order is drawn through the run's shuffle buffer",
     "optimizer._target_": "a stage keeps the optimizer and its state",
 }
 

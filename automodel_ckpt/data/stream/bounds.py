@@ -10,8 +10,8 @@ it too (``check_fields``: the refusal then names the checkpoint's file) and agai
   row-group shard (a compressed file's offsets and a whole parquet file's rows are bounded by the read itself:
   ``fetch_rows`` names a row past the end);
 * the counts add up as the stream makes them: the tokens the sources gave are the sequences made times
-  ``seq_length``, the documents taken from the sources' buffers are the documents drawn, the pending ones are
-  among them, each drawn in an epoch its source has reached;
+  ``seq_length`` (since ``packed``, where a stage's new length began), the documents taken from the sources'
+  buffers are the documents drawn, the pending ones are among them, each drawn in an epoch its source has reached;
 * after the pending documents are tokenized (``check_carry``): the carry-over is inside the first of them (none
   without a pending document), so packing never slices past a document.
 
@@ -80,8 +80,10 @@ def check_restored(stream: Any) -> None:
             raise malformed(f"a pending document of epoch {d.epoch}, its source is at epoch "
                             f"{stream.sources[d.source].epoch}")
     tokens = sum(src.tokens for src in stream.sources)
-    if tokens != stream.sequences * seq_length:
-        raise malformed(f"the sources gave {tokens} tokens to {stream.sequences} sequences of {seq_length}")
+    made, given = stream.packed  # where it began packing at this length (a stage's new one; docs/stages.md)
+    if not (made <= stream.sequences and given <= tokens) or tokens - given != (stream.sequences - made) * seq_length:
+        since = f" ({stream.sequences - made} since it began packing at this length)" if made else ""
+        raise malformed(f"the sources gave {tokens} tokens to {stream.sequences} sequences of {seq_length}{since}")
     taken = sum(src.taken for src in stream.sources)
     if taken != stream.docs:
         raise malformed(f"{taken} documents taken from the sources' buffers, {stream.docs} drawn")
@@ -105,7 +107,7 @@ def check_fields(p: dict[str, Any], shards: list[list[Any]], corpus: Any, seq_le
                                                                                   rec["buffer_keys"])]
         sources.append(src)
     check_restored(_View(settings=_View(seq_length=seq_length), sources=sources, docs=p["docs"],
-                         sequences=p["sequences"], trained_epoch=p["epoch"],
+                         sequences=p["sequences"], trained_epoch=p["epoch"], packed=tuple(p.get("packed", (0, 0))),
                          pending=[_View(source=s, shard=sh, key=k, epoch=e) for s, sh, k, e in p["pending"]]))
 
 

@@ -17,7 +17,7 @@ number of ranks (``reshard_state``) takes each lane from a file of a rank that r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -31,6 +31,7 @@ from automodel_ckpt.data.stream.order import sequence_id, shard_order
 from automodel_ckpt.data.stream.position import (LANES_VERSION, check_corpus, check_lane, check_position,
                                                  lane_counts, lanes_mismatch, old_position_to_lanes)
 from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.data.stream.slots import arrange, fresh_source, specs
 from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
 
 __all__ = ["StreamLoader", "check_corpus", "check_position", "lanes_of", "worker_lanes", "UNBOUNDED_STEPS"]
@@ -152,6 +153,16 @@ def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[li
                     yield message[step]
 
 
+def _go_on(position: dict[str, Any], counts: list[int], added: list[list[Shard]], repack: bool) -> None:
+    """A lane's position (checked) made ready for the recipe's stream (docs/stages.md): the sources new to the
+    run start at their beginning; at a new sequence length the lane packs from where it stands, its pending documents
+    and carry-over kept (the tokens since counted from here: ``packed``)."""
+    position["sources"] = [*position["sources"], *(fresh_source(len(units)) for units in added)]
+    counts.extend(0 for _ in added)
+    if repack:
+        position["packed"] = [position["sequences"], sum(int(src["tokens"]) for src in position["sources"])]
+
+
 def _by_lane(value: Any) -> dict[int, Any]:
     """``{lane: value}`` of a checkpoint's mapping (its keys as written: ints, or their digits after JSON)."""
     if value is None:
@@ -188,6 +199,7 @@ class StreamLoader:
                  allow_appended_shards: bool = False, lanes: int = 1,
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None, log_ids: bool = True):
         self.corpus, self.shards, self.tokenizer, self.settings = corpus, shards, tokenizer, settings
+        self.stream_corpus = corpus  # the stream's sources by slot (``slots``): the recipe's, and those it dropped
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
         self.dp_rank, self.dp_size, self.lanes = dp_rank, dp_size, lanes
         self.per_step = global_batch_size // dp_size
@@ -217,8 +229,9 @@ class StreamLoader:
             workers = self.num_workers
             # a worker's message carries at least MESSAGE_SEQUENCES sequences (its steps in one message)
             steps = -(-MESSAGE_SEQUENCES // -(-self.per_step // workers)) if workers else 1
-            share = _Share(self.corpus, self.shards, self.tokenizer, self.settings, self.positions, self.sequences,
-                           self.dp_rank, self.dp_size, self.per_step, self.lanes, max(workers, 1), steps)
+            share = _Share(self.stream_corpus, self.shards, self.tokenizer, self.settings, self.positions,
+                           self.sequences, self.dp_rank, self.dp_size, self.per_step, self.lanes, max(workers, 1),
+                           steps)
             self._iter = iter(share) if not workers else _by_step(iter(DataLoader(
                 _Messages(share), batch_size=None, num_workers=workers, prefetch_factor=4,
                 persistent_workers=False, worker_init_fn=_quiet_stop_signals)), workers)
@@ -373,6 +386,7 @@ class StreamLoader:
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "stream", "version": LANES_VERSION, "lanes": self.lanes, "sequences": self.sequences,
                 "shards": [[s.record() for s in src] for src in self.shards],
+                "source_specs": specs(self.stream_corpus), "seq_length": self.settings.seq_length,
                 "positions": {lane: self.positions[lane] for lane in sorted(self.positions)},
                 "counts": {lane: self.counts[lane] for lane in sorted(self.counts)}}
 
@@ -416,27 +430,29 @@ class StreamLoader:
                             f"{LANES_VERSION}")
         if state.get("lanes") != self.lanes:
             raise DataError(lanes_mismatch(state.get("lanes"), self.lanes))
-        saved_shards = state.get("shards")
-        if not isinstance(saved_shards, list) or len(saved_shards) != len(self.shards):
-            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards or [])} sources, this recipe "
-                            f"{len(self.shards)}")
-        shards = [[Shard(*r) for r in check_corpus([Shard(*r) for r in saved], now, self.allow_appended_shards,
-                                                   i if len(self.shards) > 1 else None)]
-                  for i, (saved, now) in enumerate(zip(saved_shards, self.shards))]
+        slots = arrange(self.corpus, self.shards, state.get("shards"), state.get("source_specs"),
+                        self.allow_appended_shards)
+        saved = slots.shards[:slots.saved]
         sequences = state.get("sequences")
         if not isinstance(sequences, int) or sequences < 0:
             raise DataError("the checkpoint's data position is malformed (its sequence count); resume from another "
+                            "checkpoint")
+        packed = state.get("seq_length", self.settings.seq_length)  # the length its lanes packed at
+        if not isinstance(packed, int) or isinstance(packed, bool) or packed < 2:
+            raise DataError("the checkpoint's data position is malformed (its sequence length); resume from another "
                             "checkpoint")
         positions, counts = _by_lane(state.get("positions")), _by_lane(state.get("counts"))
         if sequences and any(lane not in positions or lane not in counts for lane in self.my_lanes):
             raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
                             "checkpoint")
+        saved_corpus = replace(slots.corpus, sources=slots.corpus.sources[:slots.saved])
         for lane in self.my_lanes:
             if lane in positions:
-                check_lane(positions[lane], counts[lane], shards, self.settings.shuffle_buffer // self.lanes or 1,
+                check_lane(positions[lane], counts[lane], saved, self.settings.shuffle_buffer // self.lanes or 1,
                            -(-(sequences - lane) // self.lanes))
-                check_fields(positions[lane], shards, self.corpus, self.settings.seq_length)
-        self.shards = shards
+                check_fields(positions[lane], saved, saved_corpus, packed)
+                _go_on(positions[lane], counts[lane], slots.shards[slots.saved:], packed != self.settings.seq_length)
+        self.shards, self.stream_corpus = slots.shards, slots.corpus
         self.sequences = sequences
         self.positions = {lane: positions[lane] for lane in self.my_lanes if lane in positions}
         self.counts = {lane: list(counts[lane]) for lane in self.my_lanes if lane in counts}

@@ -38,14 +38,15 @@ def buffer_pick(seed: int, source: int, taken: int, size: int) -> int:
 
 
 def blend_pick(seed: int, doc: int, weights: list[float]) -> int:
-    """The source of the blend's ``doc``-th document: a seeded draw by ``weights`` (which need not sum to 1)."""
+    """The source of the blend's ``doc``-th document: a seeded draw by ``weights`` (which need not sum to 1; a source
+    of weight 0, one a stage dropped, is never drawn)."""
     u = (mix64(seed, 0xB1E4D, doc) >> 11) / float(1 << 53) * sum(weights)
     acc = 0.0
     for i, w in enumerate(weights):
         acc += w
         if u < acc:
             return i
-    return len(weights) - 1
+    return max(i for i, w in enumerate(weights) if w > 0)  # (rounding) the last that may be drawn, never weight 0
 
 
 def sequence_id(tokens: np.ndarray) -> int:

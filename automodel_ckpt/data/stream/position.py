@@ -72,6 +72,9 @@ def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
     if len(p["sources"]) != len(sizes):
         raise DataError(f"dataset: the checkpoint's corpus has {len(p['sources'])} sources, this recipe {len(sizes)}")
     _counts([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], "counters")
+    if "packed" in p and not (isinstance(p["packed"], list) and len(p["packed"]) == 2):
+        raise _bad("where its sequence length began")
+    _counts(p.get("packed", [0, 0]), "where its sequence length began")
     for src, n in zip(p["sources"], sizes):
         if not isinstance(src, dict):
             raise _bad("a source")

@@ -128,6 +128,7 @@ class GlobalStream:
         self.pending: deque[_Doc] = deque()
         self.offset = 0
         self.sequences = 0
+        self.packed = (0, 0)  # the sequences and tokens made when it began packing at this length (a stage's)
         self.skipped = 0
         self.trained_epoch = 0  # the epoch of the document that ended the last sequence
         self.last_skip: str | None = None
@@ -139,9 +140,10 @@ class GlobalStream:
         """The position after the last sequence made: plain ints, strings and lists (checkpointed as is; the
         loader keeps a lane's without the ``shards``, which are the corpus's, kept once)."""
         sources = [s.record(shards) for s in self.sources]
+        packed = {"packed": list(self.packed)} if self.packed != (0, 0) else {}
         return {"version": POSITION_VERSION, "sources": sources, "docs": self.docs,
                 "pending": [[d.source, d.shard, d.key, d.epoch] for d in self.pending], "offset": self.offset,
-                "sequences": self.sequences, "skipped": self.skipped, "epoch": self.trained_epoch}
+                "sequences": self.sequences, "skipped": self.skipped, "epoch": self.trained_epoch, **packed}
 
     def _restore(self, p: dict[str, Any]) -> None:
         if p.get("version") != POSITION_VERSION:
@@ -162,6 +164,7 @@ class GlobalStream:
             wanted.setdefault((d.source, d.shard), set()).add(d.key)
         self.docs, self.offset = int(p["docs"]), int(p["offset"])
         self.sequences, self.skipped = int(p["sequences"]), int(p["skipped"])
+        self.packed = tuple(int(v) for v in p.get("packed", (0, 0)))
         self.trained_epoch = int(p["epoch"])
         check_restored(self)  # every field against the corpus's files and the stream's counts, before a read
         texts = {}

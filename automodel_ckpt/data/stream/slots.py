@@ -1,0 +1,106 @@
+"""A streamed run's sources across stages (docs/stages.md): which of the checkpoint's sources each of the recipe's is.
+
+A stream's sources are kept in slots, in the order they first appeared in the run: slot ``i``'s shard order, buffer
+picks and tokens are keyed by ``i`` for the rest of the run, so a source keeps its own position whatever the other
+sources do. A recipe's source is the checkpoint's slot of the same ``path`` globs (its files checked as a resume
+checks them: ``position.check_corpus``); a source the checkpoint does not have takes a new slot at the end and starts
+at its beginning; a slot the recipe no longer names stays, with weight 0 (its position kept in every checkpoint, so
+that a later stage that names it again continues it; the documents it had drawn are still packed). The blend's
+weights are the recipe's from the stage's first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from automodel_ckpt.data.stream.corpus import FORMATS, Corpus, Shard, Source
+from automodel_ckpt.data.stream.position import check_corpus
+from automodel_ckpt.data.stream.readers import DataError
+
+MAX_SPEC_PATHS = 256  # globs one saved source may list
+
+
+@dataclass
+class Slots:
+    """The stream's sources by slot: their corpus (weights and formats by slot), their shards, how many the
+    checkpoint had (``saved``: the first ones), and which slot each of the recipe's sources is."""
+
+    corpus: Corpus
+    shards: list[list[Shard]]
+    saved: int
+    of_recipe: list[int]
+
+    @property
+    def added(self) -> list[int]:
+        """Slots new at this resume: their sources start at their beginning."""
+        return list(range(self.saved, len(self.shards)))
+
+
+def specs(corpus: Corpus) -> list[list[Any]]:
+    """What a checkpoint records of each slot's source: ``[globs, declared format]``."""
+    return [[list(s.paths), s.format] for s in corpus.sources]
+
+
+def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_specs: Any,
+            allow_appended: bool) -> Slots:
+    """The slots of a stream resumed from a checkpoint with ``saved_shards`` (unit records per slot) and
+    ``saved_specs`` (``specs``; None: written before slots, its sources the recipe's by index), for recipe
+    ``corpus`` whose sources list ``now``."""
+    if not isinstance(saved_shards, list) or not saved_shards or \
+            not all(isinstance(s, list) and s for s in saved_shards):
+        raise DataError("the checkpoint's data position is malformed (its sources); resume from another checkpoint")
+    many = len(corpus.sources) > 1
+    if saved_specs is None:  # a checkpoint written before slots: the same sources, in the same order
+        if len(saved_shards) != len(now):
+            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards)} sources, this recipe "
+                            f"{len(now)}")
+        saved_specs = specs(corpus)
+    _check_specs(saved_specs, len(saved_shards))
+    of_recipe: list[int] = []
+    free = list(range(len(saved_shards)))
+    for source in corpus.sources:
+        match = next((i for i in free if saved_specs[i][0] == list(source.paths)), None)
+        if match is not None:
+            free.remove(match)
+        of_recipe.append(match if match is not None else -1)
+    sources: list[Source] = [Source(list(p), 0.0, f) for p, f in saved_specs]
+    shards: list[list[Shard]] = []
+    for i, saved in enumerate(saved_shards):
+        units = [Shard(*r) for r in _records(saved)]
+        if i in of_recipe:  # named by the recipe: its files checked as a resume checks them
+            j = of_recipe.index(i)
+            units = [Shard(*r) for r in check_corpus(units, now[j], allow_appended, j if many else None)]
+            sources[i] = replace(corpus.sources[j])
+        shards.append(units)
+    for j, slot in enumerate(of_recipe):
+        if slot < 0:  # a source the checkpoint does not have: a new slot, from its beginning
+            of_recipe[j] = len(shards)
+            sources.append(replace(corpus.sources[j]))
+            shards.append(list(now[j]))
+    return Slots(replace(corpus, sources=sources), shards, len(saved_shards), of_recipe)
+
+
+def _check_specs(saved: Any, count: int) -> None:
+    """A checkpoint's ``source_specs``: one ``[globs, format]`` per slot (untrusted)."""
+    if not isinstance(saved, list) or len(saved) != count or not all(
+            isinstance(s, list) and len(s) == 2 and isinstance(s[0], list) and 0 < len(s[0]) <= MAX_SPEC_PATHS
+            and all(isinstance(p, str) and 0 < len(p) <= 4096 for p in s[0])
+            and (s[1] is None or s[1] in set(FORMATS.values())) for s in saved):
+        raise DataError("the checkpoint's data position is malformed (its sources' globs); resume from another "
+                        "checkpoint")
+
+
+def _records(saved: Any) -> list[list[Any]]:
+    """A slot's unit records as written (``Shard.record``), checked for their shape."""
+    if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
+               and isinstance(r[2], str) and all(isinstance(v, int) for v in r[3:]) for r in saved):
+        raise DataError("the checkpoint's data position is malformed (a shard record); resume from another "
+                        "checkpoint")
+    return saved
+
+
+def fresh_source(n: int) -> dict[str, Any]:
+    """A lane's position of a source it has not read yet (``stream._Source.record`` of a new one)."""
+    return {"epoch": 0, "n": n, "pos": 0, "key": 0, "row": 0, "seen": 0, "epoch_rows": 0, "taken": 0, "tokens": 0,
+            "buffer_shards": [], "buffer_keys": []}
