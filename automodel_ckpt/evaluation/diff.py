@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.errors import CheckpointError, first_line
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.gguf_side import gguf_alone, gguf_beside
 from automodel_ckpt.evaluation.tensors import Tensors, open_tensors
 from automodel_ckpt.export import is_gguf
@@ -38,7 +38,8 @@ _TOWER = ("vision_tower", "vision_model", "visual.")
 _PROJECTOR = ("multi_modal_projector", "mm_projector", "image_newline")
 _EMBED = ("embed_tokens", "wte", "wpe", "tok_embeddings", "word_embeddings", "embed_in")
 _HEAD = ("lm_head", "embed_out", "output.weight")
-_COUNTERS = ("step", "epoch", "consumed_samples", "dpo_step", "consumed_pairs", "grpo_step", "ppo_optimization_step")
+_COUNTERS = ("step", "epoch", "consumed_samples", "consumed_tokens", "dpo_step", "consumed_pairs", "grpo_step",
+             "ppo_optimization_step")
 
 
 @dataclass
@@ -125,6 +126,9 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
             flat_a, flat_b = _flat(meta_a), _flat(meta_b)
             report.counters = {k: (flat_a.get(k), flat_b.get(k)) for k in _counter_keys(flat_a, flat_b)
                                if flat_a.get(k) != flat_b.get(k)}
+            stages = _stage(meta_a), _stage(meta_b)
+            if stages[0] != stages[1]:  # a run in stages (docs/stages.md): the stage each side is in
+                report.counters["stage"] = stages
     return report
 
 
@@ -203,6 +207,18 @@ def _read(folder: Path, name: str, kind: str) -> dict[str, Any] | None:
     except OSError as exc:  # unreadable, or replaced while read
         raise CheckpointError(f"cannot read '{path}' ({what}): {exc.strerror or first_line(exc)}") from None
     return value if isinstance(value, dict) else {}
+
+
+def _stage(meta: dict[str, Any]) -> str | None:
+    """The stage a checkpoint's metadata says it is in, ``anneal (from step 21)``; None for a run without stages (or
+    a list of stages that fails its checks)."""
+    from automodel_ckpt.training.stages import read_history
+
+    try:
+        stages, _ = read_history(meta, "metadata")
+    except UserError:
+        return None
+    return f"{stages[-1]['name']} (from step {stages[-1]['first_step']})" if stages else None
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -87,6 +87,10 @@ class _Walk:
         if depth > MAX_DEPTH:
             self.add(depth, f"... (more than {MAX_DEPTH} generations: not shown)")
             return
+        stage = record.get("stage")
+        if isinstance(stage, dict):  # a run in stages (docs/stages.md): a change names the stage before
+            after = f", after stage {stage['after']} of its parent: a stage change" if stage.get("after") else ""
+            self.add(depth, f"stage: {stage.get('name')} (from step {stage.get('first_step')}{after})")
         parents = record.get("parents") or []
         if not isinstance(parents, list):
             self.add(depth, "(parents that are no list)")

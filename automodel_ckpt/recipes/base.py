@@ -50,6 +50,7 @@ class BaseRecipe:
     takes_stages: ClassVar[bool] = False
     #: A run in stages: the step of a checkpoint of another stage that the restore found (set by the restore).
     rebuild_at: int | None = None
+    _lineage: dict[str, Any] | None = None  # what each checkpoint records of where the run came from (rank 0)
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -183,13 +184,14 @@ class BaseRecipe:
         model = self.cfg.get("model")
         data = getattr(getattr(self, "dataloader", None), "data", None)
         try:
-            return training_lineage(model.get("pretrained_model_name_or_path") if model is not None else None,
-                                    restored, self.cfg.checkpoint.get("restore_from"),
-                                    run_folder(self.checkpoint_config), data_identity(self.cfg, data))
+            self._lineage = training_lineage(model.get("pretrained_model_name_or_path") if model is not None else None,
+                                             restored, self.cfg.checkpoint.get("restore_from"),
+                                             run_folder(self.checkpoint_config), data_identity(self.cfg, data))
         except Exception as exc:  # noqa: BLE001 - lineage is a record beside the run: one warning, never its end
             text = f"lineage: not recorded ({type(exc).__name__}: {exc})"
             warnings.warn(text, stacklevel=2)
-            return {"parents": [], "not_recorded": text[:1000]}
+            self._lineage = {"parents": [], "not_recorded": text[:1000]}
+        return self._lineage  # (a run in stages adds the stage it is in once its restore knows it: recipes.stages)
 
     def restore_checkpoint(self) -> Path | None:
         """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any;

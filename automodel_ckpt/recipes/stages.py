@@ -143,6 +143,11 @@ class StageRun:
             self._keep_schedule(recipe)
         sched.epochs_end = step + recipe.dataloader.steps_left(self.cfg.step_scheduler.num_epochs)
         sched.stop_at = self.plan.ends(self.index) if self.plan is not None else None
+        lineage = getattr(recipe, "_lineage", None)
+        if isinstance(lineage, dict):  # each checkpoint's lineage names its stage, and the one before it began here
+            lineage["stage"] = {"name": self.history[-1]["name"], "first_step": self.history[-1]["first_step"],
+                                "after": self.history[-2]["name"] if starting is not None and len(self.history) > 1
+                                else None}
 
     def _metadata(self, path: Path | None) -> dict[str, Any]:
         """The restored checkpoint's metadata (empty: none, or a run without stages that cannot read it)."""

@@ -205,3 +205,18 @@ def test_inspect_lists_the_stages_of_a_checkpoint(runs):
     assert lines[at + 1].startswith("  main: from step 1 (after 0 samples, 0 tokens): the recipe as written")
     assert lines[at + 2].startswith("  big: from step 4 (after 144 samples, ")
     assert lines[at + 3].endswith(": data.seq_length, lr_scheduler")
+
+
+def test_diff_and_lineage_name_a_stage_change_between_two_checkpoints(runs):
+    run = runs["work"] / "planned"
+    diff = run_command([CKPT_TRAIN, "diff", str(run / "epoch_0_step_6"), str(run / "epoch_0_step_8")],
+                       cwd=runs["work"], timeout=120)
+    assert diff.returncode == 1, diff.stderr  # different weights
+    assert "  stage: 'big (from step 4)' -> 'anneal (from step 7)'" in diff.stdout.splitlines()
+    assert "  data.seq_length: 16 -> 24" in diff.stdout.splitlines()
+    lineage = run_command([CKPT_TRAIN, "inspect", "--lineage", str(run / "epoch_0_step_8")], cwd=runs["work"],
+                          timeout=120)
+    lines = [line.strip() for line in lineage.stdout.splitlines()]
+    assert lines[1] == "stage: anneal (from step 7, after stage big of its parent: a stage change)"
+    assert "stage: big (from step 4, after stage main of its parent: a stage change)" in lines
+    assert "stage: main (from step 1)" in lines
