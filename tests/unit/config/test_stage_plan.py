@@ -87,8 +87,8 @@ def test_a_plan_that_cannot_run_is_refused_in_one_line(tmp_path, stages, said):
 @pytest.mark.parametrize("key,said", [
     ("data.seq_lenght", "stages[0] (s).set: unknown key 'data.seq_lenght' (did you mean 'data.seq_length'?)"),
     ("step_schedulr.global_batch_size", "unknown key 'step_schedulr' (did you mean 'step_scheduler'?)"),
-    ("lr_scheduler.min_lr_ratoi", "stages[0] (s): unknown key 'lr_scheduler.min_lr_ratoi' for "
-                                  "automodel_ckpt.training.lr.warmup_cosine (did you mean 'lr_scheduler.min_lr_ratio'?)"),
+    ("lr_scheduler.min_lr_ratoi", "stages[0] (s): unknown key 'lr_scheduler.min_lr_ratoi' for automodel_ckpt"
+                                  ".training.lr.warmup_cosine (did you mean 'lr_scheduler.min_lr_ratio'?)"),
 ])
 def test_a_key_that_is_not_a_recipe_key_is_refused_with_the_suggestion_overrides_give(tmp_path, key, said):
     assert said in _refused(tmp_path, [{"name": "s", "at_step": 5, "set": {key: 3}}])

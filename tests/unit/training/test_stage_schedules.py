@@ -143,3 +143,87 @@ def test_a_crafted_list_of_stages_is_one_line_naming_the_file_and_the_field(meta
     said = str(err.value)
     assert said.startswith("'run/epoch_0_step_25/metadata.json': ") and field in said and "\n" not in said
     assert len(said) < 400
+
+
+def _staged_recipe(tmp_path, stage_set: dict, step: int = 4):
+    """A fine-tune's parts a stage's start works on, real ones (optimizer, schedule, step counters, map-style loader),
+    restored at ``step`` with the plan's stage 1 (``stage_set``) beginning at the next step."""
+    import types
+
+    import datasets
+    import yaml
+
+    from automodel_ckpt.config.instantiate import instantiate
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.stages import StagePlan
+    from automodel_ckpt.data.loader import GlobalBatchLoader
+    from automodel_ckpt.data.tokenize import TokenizedData
+    from automodel_ckpt.recipes.stages import StageRun
+
+    recipe = {"step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": 12},
+              "optimizer": {"_target_": "torch.optim.AdamW", "lr": 0.01, "weight_decay": 0.01},
+              "lr_scheduler": {"_target_": "automodel_ckpt.training.lr.warmup_cosine", "warmup_steps": 2},
+              "stages": [{"name": "s", "at_step": step, "set": stage_set}]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    plan = StagePlan.of(load_config(tmp_path / "r.yaml", [], RecipeConfig))
+    cfg = plan.config(1)
+    rows = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(40)], "labels": [[i, i] for i in range(40)],
+                                       "attention_mask": [[1, 1]] * 40, "length": [2] * 40,
+                                       "sample_id": list(range(40))})
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    schedule = instantiate(plan.config(0).lr_scheduler, "lr_scheduler", optimizer, total_steps=12)
+    for _ in range(step):  # the steps before the stage, under the first stage's schedule
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        schedule.step()
+    sched = StepScheduler(max_steps=12, num_epochs=1, steps_per_epoch=10)
+    for _ in range(step):
+        sched.record_step(0, 4)
+    run = StageRun(cfg, plan, 1)
+    run.built(model, {"recipe": {}}, lambda c: {})
+    said: list[str] = []
+    parts = types.SimpleNamespace(
+        step_scheduler=sched, optimizer=optimizer, lr_scheduler=schedule,
+        dataloader=GlobalBatchLoader(TokenizedData(rows), global_batch_size=4, local_batch_size=2, rank=0,
+                                     world_size=1, seed=1),
+        restored=types.SimpleNamespace(path=None, states=()), env=types.SimpleNamespace(is_main=True),
+        progress=types.SimpleNamespace(write=said.append))
+    return run, parts, optimizer, said
+
+
+def test_a_stage_that_sets_a_schedule_starts_it_at_its_first_step_from_the_lr_in_force(tmp_path):
+    run, recipe, optimizer, said = _staged_recipe(tmp_path, {"lr_scheduler": {
+        "_target_": "automodel_ckpt.training.lr.cooldown", "steps": 4, "final_lr": 0.0},
+        "optimizer.weight_decay": 0.1})
+    in_force = optimizer.param_groups[0]["lr"]
+    moments = {k: v.clone() for k, v in optimizer.state[next(iter(optimizer.state))].items()}
+    run.restored(recipe)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == in_force and group["weight_decay"] == 0.1  # the stage's hyper-parameter applied
+    assert all(torch.equal(optimizer.state[next(iter(optimizer.state))][k], v) for k, v in moments.items())
+    lrs = []
+    for _ in range(5):
+        lrs.append(group["lr"])
+        optimizer.step()
+        recipe.lr_scheduler.step()
+    assert lrs == pytest.approx([in_force * f for f in (1.0, 0.75, 0.5, 0.25, 0.0)])
+    assert run.history[-1]["name"] == "s" and run.history[-1]["first_step"] == 5
+    assert run.history[-1]["schedule"] == {"from": 4, "steps": 8} and run.history[-1]["lr"] == in_force
+    assert recipe.step_scheduler.stop_at is None and said[0].startswith("Stage 's' begins at step 5")
+
+
+def test_a_stage_that_sets_optimizer_lr_starts_its_schedule_from_it(tmp_path):
+    run, recipe, optimizer, _ = _staged_recipe(tmp_path, {"optimizer.lr": 0.002})
+    run.restored(recipe)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.002 * 0.5)  # warmup_cosine's warmup: it says otherwise
+    assert optimizer.param_groups[0]["initial_lr"] == 0.002
+
+
+def test_a_stage_that_sets_no_schedule_keeps_the_one_in_force(tmp_path):
+    run, recipe, optimizer, _ = _staged_recipe(tmp_path, {"step_scheduler.global_batch_size": 8})
+    schedule, lr = recipe.lr_scheduler, optimizer.param_groups[0]["lr"]
+    run.restored(recipe)
+    assert recipe.lr_scheduler is schedule and optimizer.param_groups[0]["lr"] == lr
+    assert run.history[-1]["schedule"] == run.history[0]["schedule"]
