@@ -6,21 +6,28 @@ torch's elastic agent as ``torchrun`` runs it (a rendezvous of its own, each ran
 ``MASTER_ADDR`` ..., a failed rank stopping the others), but with ``start_method="fork"``: this process imports torch,
 transformers and the package's modeling first (``launch.preload``), and each rank starts from those imports instead of
 paying them again in a new interpreter (seconds of CPU a rank). Each rank runs SCRIPT as ``__main__`` with ARGS; a
-rank that fails prints its traceback, and the command exits non-zero as ``torchrun`` does.
+rank that fails prints its traceback, and the command exits non-zero as ``torchrun`` does. A rank still running
+after ``FORKED_RANKS_STACKS_AFTER`` seconds (default 240: every script here takes well under a minute) prints every
+thread's stack and exits, so a hang fails its test with the place it hung instead of waiting for the test's timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import runpy
+import subprocess
 import sys
 import traceback
 import uuid
+from pathlib import Path
 
 
 def _rank(script: str, args: list[str]) -> None:
     from automodel_ckpt.distributed.env import return_on_success
 
     return_on_success()  # the script's ``end_process(0)`` returns here, for the agent to see the rank succeed
+    faulthandler.dump_traceback_later(float(os.environ.get("FORKED_RANKS_STACKS_AFTER", "240")), exit=True)
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -31,6 +38,26 @@ def _rank(script: str, args: list[str]) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         raise
+
+
+def launch(nproc: int, script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` forked ranks from the test process; a launch that failed without an
+    ``AssertionError`` (a rendezvous port taken, a rank that hung and printed its stacks) is launched once more, and
+    a second failure reports both."""
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**env, "PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}
+
+    def once() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks", str(nproc), str(script),
+                               *args], capture_output=True, text=True, timeout=600, env=env)
+
+    done = once()
+    if done.returncode != 0 and "AssertionError" not in done.stderr:
+        first = done.stderr[-3000:]
+        done = once()
+        if done.returncode != 0:
+            done.stderr = f"first launch:\n{first}\nsecond launch:\n{done.stderr}"
+    return done
 
 
 def main(argv: list[str]) -> None:

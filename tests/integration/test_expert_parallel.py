@@ -6,14 +6,13 @@ with its samples and losses; the lr 0 export of an ep 2 run is the base's files 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.family_bases import build_family_base, folder_weights
+from tests.integration import forked_ranks
 from tests.integration.harness import ckpt_train, env_for, jsonl, launch_failure
 
 EP2 = ("--distributed.ep_size", "2")
@@ -55,11 +54,8 @@ def _assert_same_steps(run_dir: Path, straight: Path, steps, bitwise: bool = Fal
 
 
 def _gradients(assets, nproc: int, *families: str) -> str:
-    script = Path(__file__).with_name("expert_parallel_gradients.py")
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks",
-                           str(nproc), str(script), *families], capture_output=True, text=True, timeout=600,
-                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    done = forked_ranks.launch(nproc, Path(__file__).with_name("expert_parallel_gradients.py"), *families,
+                               env=env_for(assets))
     assert done.returncode == 0, launch_failure(done)
     return done.stdout
 

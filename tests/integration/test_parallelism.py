@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.family_bases import folder_weights
+from tests.integration import forked_ranks
 from tests.integration.harness import ckpt_train, env_for, jsonl, launch_failure
 
 BATCH = ("--dataset.num_samples", "2000", "--step_scheduler.global_batch_size", "32", "--step_scheduler.local_batch_size", "8",
@@ -172,11 +172,8 @@ def test_resume_across_strategies_keeps_samples_and_losses(tmp_path, assets):
 def test_model_and_optimizer_tensors_after_a_resume_on_another_mesh_are_those_saved(tmp_path, assets, fmt):
     """dp 4 → dp 2 × tp 2 → HSDP 2 × 2 (reshard_tensors.py): every parameter and AdamW state, gathered whole, bit
     for bit what the previous mesh saved."""
-    script = Path(__file__).with_name("reshard_tensors.py")
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks", "4",
-                           str(script), str(tmp_path), fmt], capture_output=True, text=True, timeout=600,
-                          env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
+    done = forked_ranks.launch(4, Path(__file__).with_name("reshard_tensors.py"), str(tmp_path), fmt,
+                               env=env_for(assets))
     assert done.returncode == 0, launch_failure(done)
     assert f"{fmt}: dp 4 -> dp 2 × tp 2: 84 tensors equal" in done.stdout
     assert f"{fmt}: dp 2 × tp 2 -> HSDP 2 × 2: 84 tensors equal" in done.stdout
@@ -186,19 +183,9 @@ def test_sequence_parallel_families_give_the_whole_model_gradients(assets):
     """Gemma (tied, scaled embeddings), Phi-3 (fused projections), Mixtral (whole experts), Qwen3-MoE (whole
     experts, per-head norms) on tp 2 + SP:
     sequence_parallel_families.py compares the loss and every gradient with the whole model's."""
-    script = Path(__file__).with_name("sequence_parallel_families.py")
-    repo = str(Path(__file__).resolve().parents[2])
     families = ["gemma", "phi3", "mixtral", "qwen3_moe"]
-    def launch() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks", "2",
-                               str(script), *families], capture_output=True, text=True, timeout=600,
-                              env=env_for(assets, {"PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}))
-
-    done = launch()
-    if done.returncode != 0 and "AssertionError" not in done.stderr:  # a launch that failed (a port taken ...)
-        first = launch_failure(done)
-        done = launch()
-        assert done.returncode == 0, f"first launch: {first}\nsecond launch: {launch_failure(done)}"
+    done = forked_ranks.launch(2, Path(__file__).with_name("sequence_parallel_families.py"), *families,
+                               env=env_for(assets))
     assert done.returncode == 0, launch_failure(done)
     for family in families:
         assert f"{family}: tp 2 + SP loss and" in done.stdout
