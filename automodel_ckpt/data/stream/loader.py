@@ -153,14 +153,15 @@ def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[li
                     yield message[step]
 
 
-def _go_on(position: dict[str, Any], counts: list[int], added: list[list[Shard]], repack: bool) -> None:
-    """A lane's position (checked) made ready for the recipe's stream (docs/stages.md): the sources new to the
-    run start at their beginning; at a new sequence length the lane packs from where it stands, its pending documents
-    and carry-over kept (the tokens since counted from here: ``packed``)."""
-    position["sources"] = [*position["sources"], *(fresh_source(len(units)) for units in added)]
-    counts.extend(0 for _ in added)
+def _go_on(position: dict[str, Any], counts: list[int], added: list[list[Shard]],
+           repack: bool) -> tuple[dict[str, Any], list[int]]:
+    """A lane's position and counts (checked) made ready for the recipe's stream (docs/stages.md), as new objects:
+    the sources new to the run start at their beginning; at a new sequence length the lane packs from where it
+    stands, its pending documents and carry-over kept (the tokens since counted from here: ``packed``)."""
+    position = dict(position, sources=[*position["sources"], *(fresh_source(len(units)) for units in added)])
     if repack:
         position["packed"] = [position["sequences"], sum(int(src["tokens"]) for src in position["sources"])]
+    return position, [*counts, *(0 for _ in added)]
 
 
 def _by_lane(value: Any) -> dict[int, Any]:
@@ -451,7 +452,8 @@ class StreamLoader:
                 check_lane(positions[lane], counts[lane], saved, self.settings.shuffle_buffer // self.lanes or 1,
                            -(-(sequences - lane) // self.lanes))
                 check_fields(positions[lane], saved, saved_corpus, packed)
-                _go_on(positions[lane], counts[lane], slots.shards[slots.saved:], packed != self.settings.seq_length)
+                positions[lane], counts[lane] = _go_on(positions[lane], counts[lane], slots.shards[slots.saved:],
+                                                       packed != self.settings.seq_length)
         self.shards, self.stream_corpus = slots.shards, slots.corpus
         self.sequences = sequences
         self.positions = {lane: positions[lane] for lane in self.my_lanes if lane in positions}

@@ -227,3 +227,27 @@ def test_a_stage_that_sets_no_schedule_keeps_the_one_in_force(tmp_path):
     run.restored(recipe)
     assert recipe.lr_scheduler is schedule and optimizer.param_groups[0]["lr"] == lr
     assert run.history[-1]["schedule"] == run.history[0]["schedule"]
+
+
+def test_a_stage_longer_than_the_models_positions_is_refused_once_the_model_is_built(tmp_path):
+    import types
+
+    import yaml
+
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.stages import StagePlan
+    from automodel_ckpt.errors import ConfigError
+    from automodel_ckpt.recipes.stages import StageRun
+
+    recipe = {"data": {"seq_length": 32}, "step_scheduler": {"max_steps": 12},
+              "stages": [{"name": "long", "at_step": 4, "set": {"data.seq_length": 96}}]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    plan = StagePlan.of(load_config(tmp_path / "r.yaml", [], RecipeConfig))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64))
+    with pytest.raises(ConfigError) as err:
+        StageRun(plan.config(0), plan, 0).built(model, {}, lambda cfg: {})
+    assert str(err.value) == ("stages[0] (long): data.seq_length (96) is longer than the model's positions "
+                              "(max_position_embeddings 64)")
+    model.config.max_position_embeddings = 96
+    StageRun(plan.config(0), plan, 0).built(model, {}, lambda cfg: {})

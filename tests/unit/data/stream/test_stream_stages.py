@@ -154,3 +154,25 @@ def test_the_blend_never_draws_a_dropped_source():
     picks = {blend_pick(7, doc, [0.0, 1.0, 0.0, 2.0, 0.0]) for doc in range(2000)}
     assert picks == {1, 3}
     assert np.isclose(sum(blend_pick(7, d, [1.0, 3.0]) for d in range(4000)) / 4000, 0.75, atol=0.03)
+
+
+def test_the_worker_count_and_the_world_size_may_change_with_the_stage(corpora):
+    a, b = corpora
+    before = _loader([(a / "*.jsonl", 1.0)], batch=4)
+    _tokens(before, 3)
+    state = before.state_dict()
+    sources = [(a / "*.jsonl", 0.5), (b / "*.jsonl", 0.5)]
+    alone = _loader(sources, seq_length=24, batch=8)
+    alone.load_state_dict(state)
+    want = _tokens(alone, 3)
+    ranks = []
+    for rank in range(2):  # the stage on 2 ranks, each with 2 DataLoader workers
+        loader = _loader(sources, seq_length=24, batch=8, dp_size=2, dp_rank=rank)
+        loader.num_workers = 2
+        loader.load_state_dict(loader.reshard_state(lambda r: state, 1, rank, 2))
+        ranks.append([mb.input_ids for _ in range(3) for mb in loader.next_batch()[1]])
+    got = []
+    for step in range(3):  # global sequence k is rank k mod 2's
+        for k in range(8):
+            got += ranks[k % 2][step][k // 2].tolist()
+    assert got == want
