@@ -66,7 +66,7 @@ def _resumed_step(ckpt: Any) -> int:
     after its restore and is built again for the right stage when it was wrong."""
     try:
         folder = run_folder(ckpt)
-        target = ckpt.restore_from or LAYOUT.LATEST
+        target = LAYOUT.LATEST if ckpt.load_only else ckpt.restore_from or LAYOUT.LATEST  # load_only: its own first
         if target in (LAYOUT.LATEST, LAYOUT.LOWEST_VAL, LAYOUT.BEST_EVAL):
             path = pointer_target(folder, target)
         else:

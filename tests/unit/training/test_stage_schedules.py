@@ -251,3 +251,28 @@ def test_a_stage_longer_than_the_models_positions_is_refused_once_the_model_is_b
                               "(max_position_embeddings 64)")
     model.config.max_position_embeddings = 96
     StageRun(plan.config(0), plan, 0).built(model, {}, lambda cfg: {})
+
+
+def test_a_launch_guesses_its_stage_from_the_checkpoint_it_will_resume(tmp_path):
+    import json
+    import types
+
+    from automodel_ckpt.recipes.stages import _resumed_step
+
+    run = tmp_path / "run"
+    for step in (3, 6):
+        (run / f"epoch_0_step_{step}").mkdir(parents=True)
+        (run / f"epoch_0_step_{step}" / "metadata.json").write_text(json.dumps({"step": step}))
+    (run / "LATEST").symlink_to("epoch_0_step_6")
+
+    def ckpt(**keys):
+        return types.SimpleNamespace(**({"checkpoint_dir": str(run), "staging_dir": None, "restore_from": None,
+                                         "load_only": None} | keys))
+
+    assert _resumed_step(ckpt()) == 6
+    assert _resumed_step(ckpt(restore_from="epoch_0_step_3")) == 3
+    assert _resumed_step(ckpt(restore_from=str(run / "epoch_0_step_3"))) == 3
+    assert _resumed_step(ckpt(restore_from="/elsewhere/x", load_only=["model"])) == 6  # its own checkpoints first
+    (run / "epoch_0_step_6" / "metadata.json").write_text('{"step": "six"}')
+    assert _resumed_step(ckpt()) == 0  # a guess: the restore checks it, and the launch is built again if wrong
+    assert _resumed_step(ckpt(checkpoint_dir=str(tmp_path / "none"))) == 0
