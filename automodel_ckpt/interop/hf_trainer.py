@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.interop import distcp, names, schedules, trainer_args
+from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SMALL_PICKLE, ForeignRun, Limits, count,
                                            finite, fraction, load_pickle, load_record, number, plain, read_json,
                                            refuse)
@@ -109,6 +110,22 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                       position=lambda rows, _batch: _position(step, rows, per_device * world, accum, drop_last),
                       global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float,
                       adapter_config=adapter_config)
+
+
+class HFTrainerSource(ImportSource):
+    """The HF Trainer's ``checkpoint-N/`` folder: a folder with ``trainer_state.json``."""
+
+    name = "hf-trainer"
+    noun = f"an HF Trainer checkpoint-N/ folder ({TRAINER_STATE})"
+
+    def detect(self, path: Path) -> bool:
+        return is_hf_trainer(path)
+
+    def read(self, path: Path, limits: Limits) -> ForeignRun:
+        return read(path, limits)
+
+
+SOURCE = HFTrainerSource()
 
 
 def _position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) -> tuple[int, int, int]:

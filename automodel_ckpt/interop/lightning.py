@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.interop import distcp, names, schedules
+from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
 from automodel_ckpt.interop.source import MAX_STEPS, ForeignRun, Limits, Schedule, count, load_pickle, refuse
 from automodel_ckpt.ondisk import read_dcp_folder
@@ -69,6 +70,36 @@ def read_file(src: Path, limits: Limits) -> ForeignRun:
     """A Lightning ``.ckpt`` (the file the user named: a link to it is followed) of at most ``limits.checkpoint``
     bytes; one-line refusals."""
     return _read(load_pickle(src, WHAT, limits.checkpoint, follow=True), src, "Lightning checkpoint")
+
+
+class LightningFileSource(ImportSource):
+    """Lightning's ``.ckpt`` file (the file the user names: a link to it is followed)."""
+
+    name = "lightning"
+    noun = f"a Lightning {SUFFIX} file"
+
+    def detect(self, path: Path) -> bool:
+        return is_lightning_file(path)
+
+    def read(self, path: Path, limits: Limits) -> ForeignRun:
+        return read_file(path, limits)
+
+
+class LightningFolderSource(ImportSource):
+    """Lightning's distributed checkpoint folder: DCP entries (``.metadata``) and ``meta.pt``."""
+
+    name = "lightning-dcp"
+    noun = f"a Lightning distributed checkpoint folder ({DCP_METADATA})"
+
+    def detect(self, path: Path) -> bool:
+        return is_lightning_folder(path)
+
+    def read(self, path: Path, limits: Limits) -> ForeignRun:
+        return read_folder(path, limits)
+
+
+FILE_SOURCE = LightningFileSource()
+FOLDER_SOURCE = LightningFolderSource()
 
 
 def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:

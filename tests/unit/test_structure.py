@@ -798,3 +798,64 @@ def test_a_count_is_checked_by_bounded_is_count_alone():
     assert count_checks_by_hand("ok = type(v) is int and 0 <= v < 1 << 62\n_ints(xs, 0, 2**62, 'n')\n") == [
         "line 1", "line 2"]
     assert count_checks_by_hand("LIMIT = 1 << 62\nok = 0 <= v < LIMIT\n") == []
+
+
+# --- import sources are plug-ins: one module each and one register line, asked by the registry (issue #93) ---------
+
+INTEROP = PACKAGE / "interop"
+IMPORT_VERB = PACKAGE / "cli" / "import_run.py"
+
+
+def source_modules() -> set[str]:
+    """The modules of ``interop/`` that define an import source (a subclass of ``ImportSource``)."""
+    return {p.stem for p in INTEROP.glob("*.py") if re.search(r"^class \w+\(ImportSource\)", p.read_text(
+        encoding="utf-8"), re.M)}
+
+
+def source_kind_tests(source: str, modules: set[str]) -> list[str]:
+    """Where ``source`` chooses among import sources itself: an ``if``/``elif``, a ``while`` or a conditional
+    expression whose test asks whether a path is some source's (``X.detect(...)``, or a predicate ``is_*`` of one of
+    the source ``modules``: ``hf_trainer.is_hf_trainer(src)``)."""
+    def asks(test: ast.AST) -> bool:
+        return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+                   (n.func.attr == "detect" or (n.func.attr.startswith("is_") and isinstance(n.func.value, ast.Name)
+                                                and n.func.value.id in modules)) for n in ast.walk(test))
+
+    return [f"line {node.lineno}: a test of a source's kind" for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and asks(node.test)]
+
+
+def test_import_picks_its_source_from_the_registry_alone():
+    """``import SRC`` asks ``interop.registry`` (each source ``detect``s its own checkpoints, asked in registration
+    order by ``identify``): no module of ``interop/`` nor the verb tests a path's kind in an ``if`` chain, only the
+    registry calls ``detect``, and outside the sources' own modules only the registry's register lines name one."""
+    from automodel_ckpt.interop.registry import source_names
+
+    assert len(source_names()) >= 3
+    sources = source_modules()
+    assert {"hf_trainer", "lightning"} <= sources
+    files = sorted(INTEROP.glob("*.py")) + [IMPORT_VERB]
+    chains = {str(p.relative_to(REPO)): f for p in files
+              if (f := source_kind_tests(p.read_text(encoding="utf-8"), sources))}
+    assert chains == {}
+    callers = sorted(str(p.relative_to(REPO)) for p in files if ".detect(" in p.read_text(encoding="utf-8"))
+    assert callers == ["automodel_ckpt/interop/registry.py"]
+    for path in (INTEROP / "__init__.py", INTEROP / "registry.py", IMPORT_VERB):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        registered = {id(n) for call in ast.walk(tree) if isinstance(call, ast.Call) and
+                      getattr(call.func, "id", None) == "register_source" for n in ast.walk(call)}
+        named = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id in sources and id(n) not in registered]
+        assert named == [], f"{path.relative_to(REPO)} names a source at lines {named}"
+
+
+def test_the_source_rule_sees_an_if_chain():
+    chain = ("def read_source(src):\n    if hf_trainer.is_hf_trainer(src):\n        return 1\n"
+             "    elif FILE.detect(src):\n        return 2\n    return 3 if lightning.is_lightning_folder(src) else 4\n")
+    modules = {"hf_trainer", "lightning"}
+    assert source_kind_tests(chain, modules) == ["line 2: a test of a source's kind",
+                                                 "line 4: a test of a source's kind",
+                                                 "line 6: a test of a source's kind"]
+    asked = "def identify(p):\n    if not p.is_dir():\n        return None\n" \
+            "    return next((s for s in SOURCES if s.detect(p)), None)\n"
+    assert source_kind_tests(asked, modules) == []  # a path's own predicates, and the registry's one question

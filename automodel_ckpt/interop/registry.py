@@ -1,0 +1,62 @@
+"""The import sources, by name: each is one module of this package, registered here by one line.
+
+``read_source(path, limits)`` is ``ckpt-train import SRC``'s reading of SRC: the first registered source that
+``detect``s it reads it (``contract.ImportSource``); ``identify(path)`` is that source, ``source_names()`` the
+registered names in order. A source from outside the package is added with ``register_source(source)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.interop import hf_trainer, lightning
+from automodel_ckpt.interop.contract import ImportSource
+from automodel_ckpt.interop.source import ForeignRun, Limits
+
+_SOURCES: dict[str, ImportSource] = {}
+
+
+def register_source(source: ImportSource) -> ImportSource:
+    """Add ``source`` (an ``ImportSource`` with its ``name``); registering a name again replaces its source."""
+    if not source.name or not isinstance(source.name, str) or not source.noun:
+        raise ValueError(f"an import source needs a name and a noun, got {source!r}")
+    _SOURCES[source.name] = source
+    return source
+
+
+def unregister_source(name: str) -> None:
+    """Remove the source ``name`` (a plug-in's, when it is done)."""
+    _SOURCES.pop(str(name), None)
+
+
+register_source(hf_trainer.SOURCE)
+register_source(lightning.FILE_SOURCE)
+register_source(lightning.FOLDER_SOURCE)
+
+
+def source_names() -> list[str]:
+    return list(_SOURCES)
+
+
+def import_sources() -> list[ImportSource]:
+    return list(_SOURCES.values())
+
+
+def identify(path: Path) -> ImportSource | None:
+    """The source whose checkpoint ``path`` is (asked in registration order); None when it is no source's."""
+    return next((s for s in _SOURCES.values() if s.detect(Path(path))), None)
+
+
+def read_source(src: Path, limits: Limits) -> ForeignRun:
+    """The ``ForeignRun`` of ``src``, whichever source it is, its files within ``limits``; a one-line
+    ``CheckpointError`` otherwise."""
+    src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"'{src}' does not exist")
+    source = identify(src)
+    if source is None:
+        nouns = [s.noun for s in _SOURCES.values()]
+        kinds = nouns[0] if len(nouns) == 1 else f"{', '.join(nouns[:-1])} nor {nouns[-1]}"
+        raise CheckpointError(f"'{src}' is {'not' if len(nouns) == 1 else 'neither'} {kinds}")
+    return source.read(src, limits)
