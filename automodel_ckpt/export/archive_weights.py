@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from automodel_ckpt.distributed.dcp_private import hf_storage_info
 from automodel_ckpt.export.archive import open_archive
 from automodel_ckpt.ondisk.formats.fastio.common import ST_CODES
 from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader, read_safetensors
@@ -51,8 +51,9 @@ class ArchiveHFReader(ParallelHFReader):
         return self.headers[path]
 
     def _metadata(self) -> Metadata:
+        HFStorageInfo = hf_storage_info()  # noqa: N806 - DCP's class
         tensors: dict[str, TensorStorageMetadata] = {}
-        storage: dict[MetadataIndex, _HFStorageInfo] = {}
+        storage: dict[MetadataIndex, Any] = {}
         found_in: dict[str, str] = {}
         for member, (_, _, header) in self.headers.items():
             for name, entry in tensor_entries(header).items():
@@ -68,7 +69,7 @@ class ArchiveHFReader(ParallelHFReader):
                 zero = torch.Size([0] * len(shape))
                 tensors[name] = TensorStorageMetadata(TensorProperties(dtype=dtype), shape,
                                                       [ChunkStorageMetadata(offsets=zero, sizes=shape)])
-                storage[MetadataIndex(fqn=name, offset=zero)] = _HFStorageInfo(member, shape, dtype)
+                storage[MetadataIndex(fqn=name, offset=zero)] = HFStorageInfo(member, shape, dtype)
         metadata = Metadata(state_dict_metadata=tensors, storage_data=storage)  # type: ignore[arg-type]
         metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -88,8 +88,10 @@ def load_dcp_piece(piece: Piece) -> torch.Tensor:
 
 def _untransform(piece: Piece, stream: io.IOBase) -> io.IOBase:
     """Undo DCP stream extensions (e.g. compression) recorded for a piece."""
+    from automodel_ckpt.distributed.dcp_private import stream_extensions
+
     try:
-        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+        ExtensionRegistry, StreamTransformExtension = stream_extensions()
     except ImportError:
         raise CheckpointError(f"{piece.file}: pieces use DCP stream transforms this torch cannot read") from None
     for ext in ExtensionRegistry().from_descriptor_list(list(piece.transforms)):

@@ -859,3 +859,72 @@ def test_the_source_rule_sees_an_if_chain():
     asked = "def identify(p):\n    if not p.is_dir():\n        return None\n" \
             "    return next((s for s in SOURCES if s.detect(p)), None)\n"
     assert source_kind_tests(asked, modules) == []  # a path's own predicates, and the registry's one question
+
+
+# --- torch's private DCP names: one shim hands them on, with why each is needed (issue #93) -------------------------
+
+DCP = "torch.distributed.checkpoint"
+DCP_SHIM = PACKAGE / "distributed" / "dcp_private.py"
+DCP_SHIM_TEST = REPO / "tests" / "unit" / "distributed" / "test_dcp_private.py"
+
+
+def private_dcp_uses(source: str) -> list[str]:
+    """Where ``source`` reaches a private name of torch's DCP: an import from a private module
+    (``torch.distributed.checkpoint._hf_utils``) or of a private name (``from ...filesystem import _StorageInfo``,
+    ``from torch.distributed.checkpoint import _version``), ``import`` of a private module, or a private attribute
+    of a DCP module (``torch.distributed.checkpoint.filesystem._StorageInfo``, ``dcp._x`` where ``dcp`` is bound to
+    one)."""
+    def private(dotted: str) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+    out, bound = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == DCP or a.name.startswith(DCP + "."):
+                    out += [f"line {node.lineno}: import {a.name}"] if private(a.name) else []
+                    bound.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and (node.module == DCP or
+                                                                   node.module.startswith(DCP + ".")):
+            out += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names
+                    if private(f"{node.module}.{a.name}")]
+            bound |= {a.asname or a.name for a in node.names}  # a DCP module among them: its attributes count too
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner in bound or owner == DCP or owner.startswith(DCP + "."):
+                out.append(f"line {node.lineno}: {owner}.{node.attr}")
+    return sorted(set(out))
+
+
+def test_private_dcp_names_are_imported_by_one_shim():
+    """torch's private DCP names are reached in two files only: ``distributed/dcp_private.py`` (which says why each
+    is needed and against which torch it was checked), below every room that uses it, and its test; every other
+    module of the package imports them from the shim."""
+    users = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+                   if private_dcp_uses(p.read_text(encoding="utf-8")))
+    assert users == [str(DCP_SHIM.relative_to(REPO))]
+    assert private_dcp_uses(DCP_SHIM_TEST.read_text(encoding="utf-8"))  # the other file: the shim's test
+    assert len(users) + 1 <= 2
+    doc = ast.get_docstring(ast.parse(DCP_SHIM.read_text(encoding="utf-8"))) or ""
+    assert re.search(r"torch \d+\.\d+", doc)
+    shim = importlib.import_module("automodel_ckpt.distributed.dcp_private")
+    assert [n for n in shim.__all__ if f"``{n}" not in doc] == [], "say why each name is needed"
+
+
+def test_the_private_dcp_rule_sees_each_way_in():
+    source = ("from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo\n"
+              "from torch.distributed.checkpoint._hf_utils import FORMAT_KEY\n"
+              "import torch.distributed.checkpoint as dcp\n"
+              "from torch.distributed.checkpoint import default_planner\n"
+              "def f():\n    from torch.distributed.checkpoint import _version\n"
+              "    default_planner._check_box_overlap = dcp._x\n"
+              "    return torch.distributed.checkpoint.filesystem._StoragePrefix\n")
+    assert private_dcp_uses(source) == [
+        "line 1: from torch.distributed.checkpoint.filesystem import _StorageInfo",
+        "line 2: from torch.distributed.checkpoint._hf_utils import FORMAT_KEY",
+        "line 6: from torch.distributed.checkpoint import _version", "line 7: dcp._x",
+        "line 7: default_planner._check_box_overlap", "line 8: torch.distributed.checkpoint.filesystem._StoragePrefix"]
+    assert private_dcp_uses("import torch.distributed.checkpoint as dcp\nfrom torch.distributed.checkpoint.metadata "
+                            "import Metadata\ndcp.save(x)\nself._x = Metadata.__name__\n") == []

@@ -9,9 +9,10 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
-from torch.distributed.checkpoint.default_planner import _validate_global_plan
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
+
+from automodel_ckpt.distributed.dcp_private import validate_global_plan
 
 
 def dedup(notes: list[Any]) -> list[list[bool]]:
@@ -109,7 +110,7 @@ def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]
         if ranks > 1 and volume != math.prod(value.size):
             errors.append(f"key:{key} invalid fill tensor-volume: {math.prod(value.size)} chunks-volume: {volume}")
     if irregular:  # DCP's sweep, on the dimension with the most distinct offsets; its coverage check is above
-        for message in _validate_global_plan([SavePlan([])] * ranks, Metadata(_swept(irregular))):
+        for message in validate_global_plan([SavePlan([])] * ranks, Metadata(_swept(irregular))):
             if "invalid fill" not in message:
                 errors.append(message)
     return errors

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from automodel_ckpt.distributed.dcp_private import StorageInfo
 from automodel_ckpt.ondisk.formats.fastio.metapickle import StorageRows
 from automodel_ckpt.ondisk.formats.fastio.records import NOTE
 from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, items_packed
@@ -64,7 +64,7 @@ def encode(results: list[WriteResult]) -> list[tuple] | None:
     out = []
     for r in results:
         info = r.storage_data
-        if (type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None) is not None
+        if (type(info) is not StorageInfo or getattr(info, "transform_descriptors", None) is not None
                 or set(vars(info)) - {"relative_path", "offset", "length", "transform_descriptors", NOTE}):
             return None
         i = r.index
@@ -76,7 +76,7 @@ def encode(results: list[WriteResult]) -> list[tuple] | None:
 def decode(tuples: list[tuple]) -> list[WriteResult]:
     out = []
     for fqn, offset, index, size, file, at, length, note in tuples:
-        info = _StorageInfo(file, at, length)
+        info = StorageInfo(file, at, length)
         if note is not None:
             setattr(info, NOTE, note)
         out.append(WriteResult(index=MetadataIndex(fqn, offset, index), size_in_bytes=size, storage_data=info))

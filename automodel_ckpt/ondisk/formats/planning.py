@@ -41,8 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import _version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_local_save_plan,
@@ -55,15 +53,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_chunk_list,
-    _create_read_item_for_tensor,
-    _create_read_items,
-    create_read_items_for_chunk_list,
-)
-from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_wrt_saved_tensor
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from automodel_ckpt.distributed.dcp_private import (create_chunk_list, create_read_item_for_tensor, create_read_items,
+                                                 flatten_state_dict, saved_before_2_4, shards_overlap_region)
 from automodel_ckpt.ondisk.formats import plan_columns
 from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, items_packed, pack
 from automodel_ckpt.ondisk.formats.plan_checks import dedup, validate
@@ -410,8 +404,8 @@ def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: lis
         for storage_idx in found:
             storage_idx = int(storage_idx)
             chunk = saved[storage_idx]
-            narrows = _shards_get_overlap_region_wrt_saved_tensor(saved_shard=chunk, current_shard=local)
-            items.append(_create_read_item_for_tensor(
+            narrows = shards_overlap_region(saved_shard=chunk, current_shard=local)
+            items.append(create_read_item_for_tensor(
                 dest_index=dest, dest_offsets=[r[2] for r in narrows],
                 storage_index=MetadataIndex(fqn, chunk.offsets, storage_idx),
                 storage_offsets=[r[1] for r in narrows], lengths=[r[3] for r in narrows]))
@@ -432,10 +426,10 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue
         if isinstance(md, BytesStorageMetadata):
-            requests += _create_read_items(fqn, md, obj)
+            requests += create_read_items(fqn, md, obj)
         else:
             try:
-                chunks = _create_chunk_list(obj)
+                chunks = create_chunk_list(obj)
             except ValueError as ex:
                 raise ValueError(f"Invalid checkpoint metadata for {fqn}, "
                                  f"expected BytesStorageMetadata but found {type(md)}") from ex
@@ -457,11 +451,10 @@ class LocalLoadPlanner(SafeLoadPlanner):
         if self.flatten_state_dict:  # as DefaultLoadPlanner: keys of a checkpoint saved before torch 2.4
             missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
             if missing:
-                _version._derived_version = "2_3"
-                old_state, old_mappings = flatten_state_dict(self.original_state_dict)
+                with saved_before_2_4():
+                    old_state, old_mappings = flatten_state_dict(self.original_state_dict)
                 if set(old_state) & missing:
                     self.state_dict, self.mappings = old_state, old_mappings
-                _version._derived_version = None
         self._local = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         return LoadPlan([], planner_data=self._LOCAL)
 

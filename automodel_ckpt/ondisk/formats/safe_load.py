@@ -315,7 +315,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.source = Path(source)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
+        from automodel_ckpt.distributed.dcp_private import set_element
 
         fqn = read_item.dest_index.fqn
         try:
@@ -333,7 +333,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def _flat(state: dict[str, Any]) -> dict[str, Any]:
     try:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from automodel_ckpt.distributed.dcp_private import flatten_state_dict
 
         flat, _ = flatten_state_dict(state)
         return flat

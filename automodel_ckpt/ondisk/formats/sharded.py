@@ -147,14 +147,15 @@ class Incremental:
 def _trained_names(model: nn.Module) -> frozenset[str]:
     """The state-dict names of the parameters that train (``requires_grad``), as ``get_model_state_dict`` names
     them (wrapper prefixes removed). A name missed here only costs a write: a file is linked only when unchanged."""
+    from automodel_ckpt.distributed.dcp_private import get_fqns
+
+    names: set[str] = set()
     try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                names |= set(get_fqns(model, name))
     except ImportError:  # torch's helper moved: the names as they are
         return frozenset(n for n, p in model.named_parameters() if p.requires_grad)
-    names: set[str] = set()
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            names |= set(_get_fqns(model, name))
     return frozenset(names)
 
 

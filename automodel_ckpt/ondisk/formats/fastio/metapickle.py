@@ -22,17 +22,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
+from automodel_ckpt.distributed.dcp_private import StorageInfo
 from automodel_ckpt.ondisk.formats.fastio.records import NOTE
 
 #: A list or table shorter than this is left to ``pickle``.
 MIN_ITEMS = 256
 _KEYS = {ChunkStorageMetadata: ("offsets", "sizes"), MetadataIndex: ("fqn", "index", "offset"),
-         _StorageInfo: ("relative_path", "offset", "length")}
+         StorageInfo: ("relative_path", "offset", "length")}
 _SAMPLES = (ChunkStorageMetadata(torch.Size([0]), torch.Size([1])), MetadataIndex("a", torch.Size([0]), 0),
-            _StorageInfo("a", 0, 1))
+            StorageInfo("a", 0, 1))
 _INFO = ("relative_path", "offset", "length")  # a ``_StorageInfo``'s state: these, ``records.NOTE`` where set
 _INFO_STATES = {_INFO, (*_INFO, "transform_descriptors"), (*_INFO, NOTE), (*_INFO, "transform_descriptors", NOTE)}
 _I32 = (-(1 << 31), (1 << 31) - 1)
@@ -196,7 +196,7 @@ def _storage(memo: _Memo, table: Any) -> bytes | None:
         return None if made is None else emit(memo, made)
     keys, infos = list(table), list(table.values())
     notes = [getattr(v, NOTE, None) for v in infos]
-    if {type(k) for k in keys} != {MetadataIndex} or {type(v) for v in infos} != {_StorageInfo} or \
+    if {type(k) for k in keys} != {MetadataIndex} or {type(v) for v in infos} != {StorageInfo} or \
             not {tuple(v.__dict__) for v in infos} <= _INFO_STATES or \
             any(getattr(v, "transform_descriptors", None) is not None for v in infos):
         return None
@@ -331,7 +331,7 @@ def emit(memo: _Memo, table: Table) -> bytes | None:
             rec.ints(table.index[rows])
         rec.const(memo.get("offset"))
         rec.size(memo, starts)
-        rec.const(pickle.SETITEMS + pickle.BUILD + _object(memo, _StorageInfo) + memo.get("relative_path") +
+        rec.const(pickle.SETITEMS + pickle.BUILD + _object(memo, StorageInfo) + memo.get("relative_path") +
                   pickle.LONG_BINGET)
         rec.parts.append((b"", table.path_slots[rows]))
         rec.const(memo.get("offset"))

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from automodel_ckpt.distributed.dcp_private import StorageInfo
 from automodel_ckpt.ondisk.paths import open_regular
 from automodel_ckpt.ondisk.formats.fastio import common, directread, session
 from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
@@ -293,7 +293,7 @@ def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int
     items = []
     located: dict[int, Located | None] = {}
     for req in plan.items:
-        info: _StorageInfo = reader.storage_data[req.storage_index]
+        info: StorageInfo = reader.storage_data[req.storage_index]
         if info.transform_descriptors:
             return None
         items.append((str(Path(reader.path) / info.relative_path), info.offset, info.length, req))

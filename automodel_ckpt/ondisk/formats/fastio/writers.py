@@ -11,11 +11,12 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from automodel_ckpt.distributed.dcp_private import StorageInfo, hf_file_name, hf_shard_metadata
 from automodel_ckpt.ondisk import durable, layout
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
@@ -101,7 +102,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
             length = sum(piece_length(p) for p in record)
             pieces += record
             # where the tensor's bytes lie in the record, so that a load need not look inside it
-            info = note_location(_StorageInfo(file_name, offset, length), record)
+            info = note_location(StorageInfo(file_name, offset, length), record)
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             offset += length
         _write_or_link(reuse, Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
@@ -144,8 +145,6 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
         self.stable, self.reuse = stable, reuse
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        from torch.distributed.checkpoint._hf_utils import _gen_file_name
-
         storage_data = plan.storage_data or {}
         if (not plan.items or "fqn_to_index_mapping" in storage_data or self.enable_consolidation
                 or any(wi.type == WriteItemType.BYTE_IO for wi in plan.items)):
@@ -155,31 +154,19 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
             return super().write_data(plan, planner)
         shard = storage_data.get("shard_index")
         if self.stable is None:
-            return _done(self._write_shard(_gen_file_name(1, 1, shard), tensors))
+            return _done(self._write_shard(hf_file_name(1, 1, shard), tensors))
         parts = layout.INCREMENTAL_SHARDS
         trained = [e for e in tensors if not self.stable(e[0].index.fqn)]
         stable = [e for e in tensors if self.stable(e[0].index.fqn)]
-        results = self._write_shard(_gen_file_name(1, parts, shard), trained)
-        return _done(results + self._write_shard(_gen_file_name(2, parts, shard), stable, self.reuse))
+        results = self._write_shard(hf_file_name(1, parts, shard), trained)
+        return _done(results + self._write_shard(hf_file_name(2, parts, shard), stable, self.reuse))
 
     def _write_shard(self, file_name: str, tensors: list[tuple[Any, torch.Tensor]],
                      reuse: Reuse | None = None) -> list[WriteResult]:
         """One safetensors shard of ``tensors`` (write items and their data), in torch's writer's format."""
-        from torch.distributed.checkpoint._hf_utils import (
-            CUSTOM_METADATA_KEY,
-            DCP_VERSION_KEY,
-            FORMAT_KEY,
-            FORMAT_VALUE,
-            HF_DCP_VERSION,
-        )
-
         tensors = sorted(tensors, key=lambda e: (-e[1].element_size(), e[0].index.fqn))
-        header: dict[str, Any] = {"__metadata__": {
-            CUSTOM_METADATA_KEY: json.dumps({wi.index.fqn: {"saved_offsets": list(wi.tensor_data.chunk.offsets)}
-                                             for wi, _ in tensors}),
-            DCP_VERSION_KEY: str(HF_DCP_VERSION),
-            FORMAT_KEY: FORMAT_VALUE,
-        }}
+        header: dict[str, Any] = {"__metadata__": hf_shard_metadata(
+            json.dumps({wi.index.fqn: {"saved_offsets": list(wi.tensor_data.chunk.offsets)} for wi, _ in tensors}))}
         offset = 0
         for wi, t in tensors:
             n = t.numel() * t.element_size()
@@ -193,7 +180,7 @@ class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
             begin = header[wi.index.fqn]["data_offsets"][0]
             pieces.append(Lazy(t))
             results.append(WriteResult(index=wi.index, size_in_bytes=piece_length(pieces[-1]),
-                                       storage_data=_StorageInfo(file_name, 8 + len(head) + begin, piece_length(pieces[-1]))))
+                                       storage_data=StorageInfo(file_name, 8 + len(head) + begin, piece_length(pieces[-1]))))
         _write_or_link(reuse, Path(self.fs.concat_path(self.path, file_name)), pieces, self.threads, self.written)
         return results
 
