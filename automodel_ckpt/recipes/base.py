@@ -13,6 +13,7 @@ from automodel_ckpt.checkpoint import (AutoInterval, Checkpointer, CheckpointCon
                                        run_folder)
 from automodel_ckpt.config.loader import to_yaml
 from automodel_ckpt.distributed.env import DistEnv, init_distributed
+from automodel_ckpt.recipes.stages import StageElsewhere
 from automodel_ckpt.tracking import RunObserver, advise
 from automodel_ckpt.training.rng import seed_everything
 from automodel_ckpt.training.step_scheduler import SaveInterval
@@ -48,8 +49,6 @@ class BaseRecipe:
     _observer: RunObserver | None = None  # the trackers and the cost log (``build_checkpointer``)
     #: Whether the recipe runs in stages (docs/stages.md): its loop stops where a stage ends, its restore begins one.
     takes_stages: ClassVar[bool] = False
-    #: A run in stages: the step of a checkpoint of another stage that the restore found (set by the restore).
-    rebuild_at: int | None = None
     _lineage: dict[str, Any] | None = None  # what each checkpoint records of where the run came from (rank 0)
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -78,11 +77,12 @@ class BaseRecipe:
         with PreemptionWatcher.for_run(self.checkpoint_config) as self._preemption:  # a signal during setup counts
             try:
                 self.setup()
-                restored = self.restore_checkpoint()
-                steps = self.step_scheduler
-                if self.rebuild_at is not None:  # a checkpoint of another stage: built again for it
+                try:
+                    restored = self.restore_checkpoint()
+                except StageElsewhere as elsewhere:  # a checkpoint of another stage: the run built again for it
                     self.finalize_checkpoints()
-                    return self.rebuild_at
+                    return elsewhere.step
+                steps = self.step_scheduler
                 if steps.done:
                     print(f"Training already complete at step {steps.step} (max {steps.total_steps}); nothing to do",
                           flush=True)

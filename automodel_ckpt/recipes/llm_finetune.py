@@ -239,6 +239,7 @@ class FinetuneRecipe(BaseRecipe):
         """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
         when no checkpoint holds the model's weights), then the algorithm's state settled."""
         self.algorithm.restoring = True
+        self._stage_run.hold(self)  # a run in stages: the schedule's state loaded once a stage's start is known
         try:
             restored = super().restore_checkpoint()
         finally:

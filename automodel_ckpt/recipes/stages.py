@@ -30,6 +30,29 @@ from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, 
 from automodel_ckpt.training.stages import read_history, record
 
 
+class StageElsewhere(Exception):
+    """The checkpoint a launch resumes is of another stage than the one it was built for (its guess was wrong, or
+    the restore fell back past a damaged checkpoint): the launch ends without training, and the run is built again
+    for the stage that ``step`` + 1 belongs to."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the checkpoint of step {step} is of another stage")
+        self.step = step
+
+
+class _Held:
+    """The learning-rate schedule's place while a run in stages restores: its saved state held, not loaded, until
+    the restore knows whether a stage begins (a new stage's schedule may be of another kind than the one saved)."""
+
+    state: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state or {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
 def run_in_stages(first: Any, plan: StagePlan) -> None:
     """Run recipe ``first``'s class stage by stage: each launch built from the recipe of the stage its next step
     belongs to, the next launch from where the last one's stage ended (or, when the restore found a checkpoint of
@@ -87,7 +110,6 @@ class StageRun:
         self.active = plan is not None  # also once a restored checkpoint lists stages
         self.history: list[dict[str, Any]] = []
         self.tokens: int | None = 0
-        self.rebuild_at: int | None = None  # the restore found a checkpoint of another stage's: its step
         self._fingerprints: dict[int, dict[str, Any]] = {}
         self._event: str | None = None
 
@@ -109,22 +131,34 @@ class StageRun:
 
     def rule(self, meta: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
         """For the restore (``checkpoint.restore.probe.StageRule``): the fingerprint checkpoint ``meta`` must have
-        (its stage's, by the plan) and whether resuming it starts the stage ``checkpoint.new_stage`` names."""
+        (its stage's, by the plan) and whether resuming it starts the stage ``checkpoint.new_stage`` names. A
+        checkpoint whose next step is in another stage than this launch's: ``StageElsewhere``, before any load (every
+        rank reads the same file: the same verdict)."""
         step = meta.get("step") if is_count(meta.get("step")) else 0
+        if self.plan is not None and self.plan.index_after(step) != self.index:
+            raise StageElsewhere(step)
         expected = self._fingerprints.get(self.plan.index_of(step) if self.plan is not None else 0)
         stages = meta.get("stages")
         last = stages[-1] if isinstance(stages, list) and stages and isinstance(stages[-1], dict) else {}
         return expected, self.new_stage is not None and last.get("name", FIRST) != self.new_stage
 
+    def hold(self, recipe: Any) -> None:
+        """Before the restore of a run in stages: the schedule's saved state is held (``_Held``) for ``restored``."""
+        if self.plan is not None:
+            self._built, recipe.lr_scheduler = recipe.lr_scheduler, _Held()
+
     # ----------------------------------------------------------------------------------- after the restore
     def restored(self, recipe: Any) -> None:
-        """After ``recipe``'s restore: a checkpoint of another stage is rebuilt for (``rebuild_at``); else the
-        stages so far read back, and a stage that begins at the next step begun."""
+        """After ``recipe``'s restore: a checkpoint of another stage (a tier the rule does not see, the node-local
+        one) is ``StageElsewhere``; else the stages so far read back, and a stage that begins at the next step
+        begun."""
         sched = recipe.step_scheduler
         step = sched.step
         if self.plan is not None and self.plan.index_after(step) != self.index:
-            self.rebuild_at = recipe.rebuild_at = step
-            return
+            raise StageElsewhere(step)
+        held = None
+        if isinstance(recipe.lr_scheduler, _Held):
+            held, recipe.lr_scheduler = recipe.lr_scheduler.state, self._built
         path = recipe.restored.path if "step_scheduler" in recipe.restored.states else None
         self.history, self.tokens = read_history(self._metadata(path), f"'{path}/{LAYOUT.METADATA_FILE}'")
         if not self.history and not self.active:
@@ -138,9 +172,9 @@ class StageRun:
             self.tokens = 0 if fresh else None
         starting = self._starting(step, path)
         if starting is not None:
-            self._begin(recipe, *starting)
+            self._begin(recipe, *starting, held)
         else:
-            self._keep_schedule(recipe)
+            self._keep_schedule(recipe, held)
         sched.epochs_end = step + recipe.dataloader.steps_left(self.cfg.step_scheduler.num_epochs)
         sched.stop_at = self.plan.ends(self.index) if self.plan is not None else None
         lineage = getattr(recipe, "_lineage", None)
@@ -190,7 +224,7 @@ class StageRun:
             return []
         return changed_keys(before, OmegaConf.to_container(self.cfg, resolve=True))
 
-    def _begin(self, recipe: Any, name: str, changed: list[str]) -> None:
+    def _begin(self, recipe: Any, name: str, changed: list[str], held: dict[str, Any] | None) -> None:
         """Stage ``name`` begins at the next step: the data from its position, the optimizer's hyper-parameters
         the stage sets, its schedule from the lr in force (a new one where it sets one), its record."""
         sched, optimizer = recipe.step_scheduler, recipe.optimizer
@@ -210,6 +244,8 @@ class StageRun:
             schedule = {"from": step, "steps": max(sched.total_steps - step, 1)}
             recipe.lr_scheduler = instantiate(cfg.lr_scheduler, "lr_scheduler", optimizer,
                                               total_steps=schedule["steps"])
+        else:
+            self._keep_schedule(recipe, held)
         lr = float(optimizer.param_groups[0]["lr"])
         self.history.append(record(name, step + 1, sched.consumed_samples, self.tokens, changed, lr, schedule))
         samples = f"{sched.consumed_samples} samples" + ("" if self.tokens is None else f", {self.tokens} tokens")
@@ -218,17 +254,24 @@ class StageRun:
         if recipe.env.is_main:
             recipe.progress.write(self._event[0].upper() + self._event[1:])
 
-    def _keep_schedule(self, recipe: Any) -> None:
-        """A resume inside a stage: the schedule in force made again for the steps it was made for (a schedule
-        that depends on the run's length keeps the length it began with), its restored state loaded into it."""
+    def _keep_schedule(self, recipe: Any, held: dict[str, Any] | None) -> None:
+        """The schedule in force goes on: made again for the steps it was made for (a schedule that depends on the
+        run's length keeps the length it began with), its saved state (``held``, else what the restore loaded)
+        loaded into it."""
         schedule = self.history[-1]["schedule"]
-        if recipe.step_scheduler.step == 0 or schedule is None or schedule["steps"] is None:
+        steps = None if schedule is None else schedule["steps"]
+        if held is None and (recipe.step_scheduler.step == 0 or steps is None):
             return
         optimizer = recipe.optimizer
-        lrs, state = [g["lr"] for g in optimizer.param_groups], recipe.lr_scheduler.state_dict()
-        recipe.lr_scheduler = instantiate(self.cfg.lr_scheduler, "lr_scheduler", optimizer,
-                                          total_steps=schedule["steps"])
-        recipe.lr_scheduler.load_state_dict(state)
+        lrs, state = [g["lr"] for g in optimizer.param_groups], held or recipe.lr_scheduler.state_dict()
+        if steps is not None:
+            recipe.lr_scheduler = instantiate(self.cfg.lr_scheduler, "lr_scheduler", optimizer, total_steps=steps)
+        try:
+            recipe.lr_scheduler.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"the checkpoint's learning-rate schedule is not this recipe's lr_scheduler "
+                                  f"({type(exc).__name__}: {str(exc)[:80]}); a rerun that changes the schedule "
+                                  "goes on as a new stage (--checkpoint.new_stage NAME, docs/stages.md)") from None
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -81,6 +82,12 @@ def runs(tmp_path_factory, assets):
     out = {"work": work}
     out["planned"] = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "planned",
                                 "--logging.tensorboard", "{}", recipe=staged, nproc=2)
+    # its two newest checkpoints damaged: one of stage main resumes, and the run is built again for the next stage
+    shutil.copytree(work / "planned", work / "healed", symlinks=True)
+    for step in (6, 8):
+        for shard in (work / "healed" / f"epoch_0_step_{step}" / "model").glob("*.safetensors"):
+            shard.write_bytes(shard.read_bytes()[:100])
+    out["healed"] = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "healed", recipe=staged, nproc=2)
     resized = (*ARGS, "--checkpoint.checkpoint_dir", "resized")
     ckpt_train(work, assets, *resized, "--step_scheduler.max_steps", "2", nproc=2)
     out["refused"] = ckpt_train(work, assets, *resized, *BIG, "--step_scheduler.max_steps", "4", nproc=3,
@@ -220,3 +227,13 @@ def test_diff_and_lineage_name_a_stage_change_between_two_checkpoints(runs):
     assert lines[1] == "stage: anneal (from step 7, after stage big of its parent: a stage change)"
     assert "stage: big (from step 4, after stage main of its parent: a stage change)" in lines
     assert "stage: main (from step 1)" in lines
+
+
+def test_a_resume_that_falls_back_to_an_earlier_stage_is_built_again_for_it(runs):
+    healed = runs["healed"].stdout
+    assert healed.count("moved it to") == 2 and "Loading checkpoint from healed/epoch_0_step_3" in healed
+    assert "Stage 'big' begins at step 4" in healed and "Stage 'anneal' begins at step 7" in healed
+    planned, again = _steps(runs["work"] / "planned"), _steps(runs["work"] / "healed")
+    for step in range(1, 9):
+        assert (again[step]["loss"], again[step]["sample_ids"], again[step]["stage"]) == \
+               (planned[step]["loss"], planned[step]["sample_ids"], planned[step]["stage"]), step

@@ -276,3 +276,28 @@ def test_a_launch_guesses_its_stage_from_the_checkpoint_it_will_resume(tmp_path)
     (run / "epoch_0_step_6" / "metadata.json").write_text('{"step": "six"}')
     assert _resumed_step(ckpt()) == 0  # a guess: the restore checks it, and the launch is built again if wrong
     assert _resumed_step(ckpt(checkpoint_dir=str(tmp_path / "none"))) == 0
+
+
+def test_a_new_stage_may_bring_a_schedule_of_another_kind_than_the_one_saved(tmp_path):
+    from automodel_ckpt.training.lr import cooldown
+
+    run, recipe, optimizer, _ = _staged_recipe(tmp_path, {"lr_scheduler": {
+        "_target_": "automodel_ckpt.training.lr.warmup_cosine", "warmup_steps": 1}})
+    saved = cooldown(optimizer, 12, steps=8, final_lr=0.0).state_dict()  # the stage before ended on a cooldown
+    run.hold(recipe)
+    recipe.lr_scheduler.load_state_dict(saved)  # as the restore loads it: held, not loaded
+    run.restored(recipe)
+    assert type(recipe.lr_scheduler).__name__ == "LambdaLR" and run.history[-1]["schedule"]["from"] == 4
+
+
+def test_a_saved_schedule_of_another_kind_than_the_recipes_is_one_line(tmp_path):
+    from automodel_ckpt.errors import CheckpointError
+    from automodel_ckpt.training.lr import cooldown
+
+    run, recipe, optimizer, _ = _staged_recipe(tmp_path, {"step_scheduler.global_batch_size": 8})
+    run.history = []
+    saved = cooldown(optimizer, 12, steps=8, final_lr=0.0).state_dict()
+    run.hold(recipe)
+    recipe.lr_scheduler.load_state_dict(saved)
+    with pytest.raises(CheckpointError, match="is not this recipe's lr_scheduler .*--checkpoint.new_stage NAME"):
+        run.restored(recipe)
