@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
 from automodel_ckpt.distributed.lifeline import mark_launcher, proc_stat
 from automodel_ckpt.errors import USER_ERROR_EXIT_CODES, ConfigError
+
+#: The launcher's folder where each worker also leaves its error line (``cli.common.report``).
+ERRORS_FOLDER = "AUTOMODEL_CKPT_ERRORS"
 
 
 def default_start_method() -> str:
@@ -162,6 +167,8 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # keeps the failed attempt's addresses
     mark_launcher()  # the workers end when this process ends, however it ends (distributed/lifeline.py)
     quiet_failed_worker_logs()
+    errors = tempfile.mkdtemp(prefix="ckpt-train-errors-")
+    os.environ[ERRORS_FOLDER] = errors  # each worker leaves its error line there (cli.common.report)
     args = get_args_parser().parse_args(torchrun_args(opts, recipe, overrides))
     forwarder = SignalForwarder(preemption_signal) if preemption_signal else None
     if forwarder is not None and hasattr(args, "signals_to_handle"):  # the agent leaves this signal to us
@@ -176,6 +183,8 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        for line in other_ranks_errors(errors):
+            print(line, file=sys.stderr, flush=True)
         print(f"error: training failed on rank {rank} (exit code {failure.exitcode}); see its message above",
               file=sys.stderr, flush=True)
         return code
@@ -185,7 +194,29 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
     finally:
         if forwarder is not None:
             forwarder.uninstall()
+        os.environ.pop(ERRORS_FOLDER, None)
+        shutil.rmtree(errors, ignore_errors=True)
     return 0
+
+
+def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:
+    """The error lines this node's workers left in ``folder`` that were not printed yet: rank 0 printed its own;
+    each other rank's line is printed once, with its rank, unless a lower rank left the same line."""
+    lines: dict[str, int] = {}
+    files = []
+    for name in os.listdir(folder):
+        rank = name.removeprefix("rank-")
+        if name.startswith("rank-") and rank.isdigit():
+            files.append((int(rank), name))
+    for rank, name in sorted(files):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                text = f.read(limit)
+        except OSError:
+            continue
+        for line in text.splitlines():
+            lines.setdefault(line, rank)
+    return [f"[rank {rank}] {line}" for line, rank in lines.items() if rank != 0]
 
 
 def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str, overrides: list[str]) -> None:

@@ -8,6 +8,7 @@ import sys
 from typing import Any, NamedTuple
 
 from automodel_ckpt.errors import UsageError
+from automodel_ckpt.launch import ERRORS_FOLDER
 from automodel_ckpt.sizes import human_size  # noqa: F401 - every verb prints sizes this one way
 
 
@@ -29,8 +30,19 @@ def debug_requested(argv: list[str]) -> bool:
 
 
 def report(message: str) -> None:
-    """Print ``message`` to stderr, prefixed with the rank on every rank but 0."""
+    """Print ``message`` to stderr, prefixed with the rank on every rank but 0. Under the launcher each worker
+    leaves it in the launcher's folder instead (rank 0 prints it too), and the launcher prints each other rank's
+    line only where it differs from what was printed: an error every rank meets reads as one line."""
     rank = os.environ.get("RANK")
+    folder = os.environ.get(ERRORS_FOLDER)  # set by the launcher (launch.other_ranks_errors)
+    if folder and rank is not None and rank.isdigit():
+        try:
+            with open(os.path.join(folder, f"rank-{int(rank)}"), "a", encoding="utf-8") as f:
+                f.write(message.replace("\n", " ") + "\n")
+            if rank != "0":
+                return
+        except OSError:  # the folder is gone: the line goes to the stream as usual
+            pass
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     sys.stderr.write(f"{prefix}{message}\n")  # one write: the ranks share the stream, so lines never run together
     sys.stderr.flush()

@@ -116,6 +116,7 @@ def test_named_restore_from_that_fails_is_an_error_never_a_fallback(work: Path, 
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert errors[-1] == "error: training failed on rank 0 (exit code 3); see its message above", errors
     assert all(line.startswith(("error:", "[rank ")) for line in errors), errors
+    assert len(errors) == 2 and "is damaged" in errors[0], errors  # both ranks refuse it: said once, by rank 0
     assert tree(run) == before
 
 

@@ -291,3 +291,26 @@ def test_many_truncated_examples_warn_with_the_seq_length_that_keeps_95_percent_
     whole = _prepare(tmp_path, suggested)
     assert whole.warning is None and whole.train.totals()["truncated"] <= 0.05 * 280
     assert _prepare(tmp_path, suggested - 1).train.totals()["truncated"] > 0.05 * 280  # the smallest such length
+
+
+def test_an_error_every_rank_meets_reads_as_one_line(tmp_path, monkeypatch, capsys):
+    """Under the launcher, rank 0 prints its error line and every rank leaves its own in the launcher's folder; the
+    launcher then prints another rank's line only where no lower rank left the same one."""
+    from automodel_ckpt.cli.common import report
+    from automodel_ckpt.launch import ERRORS_FOLDER, other_ranks_errors
+
+    monkeypatch.setenv(ERRORS_FOLDER, str(tmp_path))
+    for rank, message in ((0, "error: refused"), (1, "error: refused"), (2, "error: rank 2's own shard is torn"),
+                          (3, "error: rank 2's own shard is torn"), (10, "error: refused")):
+        monkeypatch.setenv("RANK", str(rank))
+        report(message)
+    assert capsys.readouterr().err == "error: refused\n"  # rank 0's, at once; the others wait for the launcher
+    assert other_ranks_errors(str(tmp_path)) == ["[rank 2] error: rank 2's own shard is torn"]
+    # a node without rank 0: its lowest rank's line, once
+    (tmp_path / "rank-0").unlink()
+    assert other_ranks_errors(str(tmp_path)) == ["[rank 1] error: refused", "[rank 2] error: rank 2's own shard is torn"]
+    # without the launcher's folder (a verb, or the folder gone): straight to the stream, marked with the rank
+    monkeypatch.setenv(ERRORS_FOLDER, str(tmp_path / "gone"))
+    monkeypatch.setenv("RANK", "1")
+    report("error: refused")
+    assert capsys.readouterr().err == "[rank 1] error: refused\n"
