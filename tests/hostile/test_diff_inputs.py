@@ -54,6 +54,10 @@ READ = {  # the files diff reads of each genuine run's checkpoint
              "model/tokenizer.json"],
 }
 CASES = [(kind, rel) for kind, files in READ.items() for rel in files]
+#: A full run's recipe and metadata (read first, by every comparison) get every replacement; each other file the two that
+#: a read would hang on or misread (a link to a FIFO outside, a folder): a diff is a process of its own each time.
+EVERY = ("metadata.json", "config.yaml")
+SOME = ("linked to a FIFO outside", "a folder")
 
 
 def _genuine(case, kind: str) -> Path:
@@ -64,7 +68,8 @@ def _genuine(case, kind: str) -> Path:
 def test_a_file_diff_reads_that_is_no_regular_file_is_refused_in_one_line(make_case, kind, rel):
     case = make_case(kind)
     genuine = _genuine(case, kind)
-    for i, (label, replace) in enumerate(REPLACEMENTS.items()):
+    replacements = [(k, v) for k, v in REPLACEMENTS.items() if (kind == "full" and rel in EVERY) or k in SOME]
+    for i, (label, replace) in enumerate(replacements):
         hostile = case.work / f"hostile_{i}"
         shutil.copytree(genuine, hostile, symlinks=True)
         (hostile / rel).unlink()
