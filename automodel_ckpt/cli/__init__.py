@@ -30,6 +30,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "pack": ("pack", "CHECKPOINT|EXPORT_DIR|ADAPTER_DIR [--out FILE.tar] [--cast-dtype DTYPE] [--no-progress]"),
     "verify": ("verify", "CHECKPOINT|CHECKPOINT_DIR|FILE.tar [--quiet] [--sizes-only] | --export CHECKPOINT"),
     "plot": ("plot", "CHECKPOINT_DIR [--out FILE.png]"),
+    "report": ("run_report", "RUN_DIR [-o FILE.html]"),
+    "env": ("env", ""),
     "gc": ("gc", "s3://BUCKET/RUN [--min-age-minutes M] [--dry-run]"),
     "preview": ("preview", "RECIPE.yaml [--num N] [--split train|validation] [--color] [--section.key value ...]"),
     "import": ("import_run", "SRC RECIPE.yaml --out RUN_DIR [--section.key value ...]"),
@@ -58,7 +60,8 @@ Any recipe key can be overridden after the recipe: --step_scheduler.max_steps 6 
 
 def usage() -> str:
     lines = ["usage: ckpt-train [launcher flags] RECIPE.yaml [--section.key value ...]"]
-    lines += [f"       ckpt-train {verb} {args} [--debug]" for verb, (_, args) in VERBS.items()]
+    lines += [" ".join(filter(None, ("       ckpt-train", verb, args, "[--debug]")))
+              for verb, (_, args) in VERBS.items()]
     return "\n".join(lines) + "\n" + _LAUNCHER_HELP
 
 

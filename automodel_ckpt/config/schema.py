@@ -181,6 +181,7 @@ class LoggingConfig:
     mlflow: Optional[MLflowConfig] = None  # `mlflow: {}` enables it
     wandb: Optional[WandbConfig] = None  # `wandb: {mode: offline}` enables it
     close_timeout_s: float = 10.0  # the end of a launch waits this long for a tracker making no progress (then gives up)
+    report: bool = False  # rewrite RUN_DIR/report.html (ckpt-train report) at each checkpoint, off the training thread
 
 
 def _default_model() -> Dict[str, Any]:

@@ -125,7 +125,9 @@ def quarantined_checkpoints(checkpoint_dir: Path) -> list[dict[str, Any]]:
         note = note if isinstance(note, dict) else {}
         found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
                       "reason": note.get("reason"), "quarantined_at": note.get("quarantined_at")})
-    return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
+    # a note's time is any JSON value: only a number orders it
+    return sorted(found, key=lambda q: (q["quarantined_at"] if type(q["quarantined_at"]) in (int, float) else 0,
+                                        q["name"]))
 
 
 # --- selection: which checkpoint a run resumes --------------------------------------------------------

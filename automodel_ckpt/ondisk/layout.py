@@ -6,6 +6,7 @@ checkpoint_dir/
   LOWEST_VAL -> epoch_E_step_M
   BEST_EVAL -> epoch_E_step_K       the best by an eval score (checkpoint.monitor: eval/<task>/<metric>) instead
   training.jsonl  validation.jsonl  events.jsonl
+  report.html                       ckpt-train report's page (logging.report: rewritten at each checkpoint)
   tensorboard/  mlflow.db  wandb/   experiment trackers' files, when `logging:` enables them with default places
   .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
   .deleting-epoch_E_step_K/         a checkpoint being pruned (hidden by rename first, then removed)
@@ -76,6 +77,7 @@ BEST_EVAL = "BEST_EVAL"  # LOWEST_VAL's place when checkpoint.monitor is an eval
 POINTERS = (LATEST, LOWEST_VAL, BEST_EVAL)
 TRAINING_LOG = "training.jsonl"
 VALIDATION_LOG = "validation.jsonl"
+REPORT_FILE = "report.html"  # ckpt-train report's page; rewritten at each checkpoint with logging.report
 EVENTS_LOG = "events.jsonl"  # each launch, each save's cost, each end: appended, never truncated (tracking/costlog.py)
 TENSORBOARD_DIR = "tensorboard"  # logging.tensorboard's event files when log_dir is not set
 MLFLOW_DB = "mlflow.db"  # logging.mlflow's SQLite store when tracking_uri is not set

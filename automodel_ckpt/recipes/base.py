@@ -50,6 +50,7 @@ class BaseRecipe:
     #: Whether the recipe runs in stages (docs/stages.md): its loop stops where a stage ends, its restore begins one.
     takes_stages: ClassVar[bool] = False
     _lineage: dict[str, Any] | None = None  # what each checkpoint records of where the run came from (rank 0)
+    _report: Any = None  # logging.report's LiveReport (rank 0)
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -96,6 +97,8 @@ class BaseRecipe:
                 self.finalize_checkpoints()  # async: the last checkpoint is published
                 stopped = ended is not None and ended.stop
                 line = self._observer.end(steps.step, "preempted" if stopped else "complete")
+                if self._report is not None:
+                    self._report.close()  # the page of the launch's end
                 if self.env.is_main and line:
                     print(line, flush=True)
                 if self.env.is_main and stopped:
@@ -133,6 +136,12 @@ class BaseRecipe:
                                      config_yaml=config_yaml)
         if self._observer.tracker.requested:
             self.tracking = self._observer.tracker  # checkpointed: a resume reopens the same tracked runs
+        if self.cfg.logging.get("report") and self.env.is_main:  # the run's page, rewritten off the training thread
+            from automodel_ckpt.report import LiveReport
+
+            self._report = LiveReport(run_folder(self.checkpoint_config))
+            self._observer.on_checkpoint = self._report.request
+            print(f"Report: {self._report.path} (rewritten at each checkpoint; logging.report)", flush=True)
         options.setdefault("lineage", self.lineage_record)
         observer = self._observer
         auto = functools.partial(  # Young/Daly's interval from the costs measured as saves run

@@ -24,6 +24,8 @@ class RunObserver:
     same hyper-parameters.
     """
 
+    on_checkpoint: Callable[[dict[str, Any]], None] | None = None  # called with each save's record (logging.report)
+
     def __init__(self, section: Any, run_dir: Path, *, is_main: bool, config_yaml: str) -> None:
         self.run_dir = Path(run_dir)
         self.is_main = is_main
@@ -113,3 +115,5 @@ class RunObserver:
 
     def _checkpoint_record(self, record: dict[str, Any]) -> None:
         self.tracker.log(checkpoint_metrics(record), int(record.get("at_step", record["step"])))
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(record)
