@@ -95,4 +95,11 @@ if [ "${SETUP_MLFLOW_SERVER:-1}" = 1 ] && [ ! -x "$server/bin/mlflow" ]; then
     fi
   fi
 fi
+# Chromium from Debian's packages, for the browser tests of `ckpt-train report` (tests/integration/test_report_browser.py):
+# installed only in CI, as root, where it is missing; a failure is not fatal (those tests then skip, saying why).
+if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+  echo "setup: installing chromium (the report's browser tests)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+    >/dev/null 2>&1 || echo "setup: could not install chromium; the report's browser tests skip"
+fi
 echo "setup: ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

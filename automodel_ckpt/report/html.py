@@ -22,7 +22,7 @@ h1{font-size:1.4em}h2{font-size:1.15em;border-bottom:1px solid #ccc;margin-top:1
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left}
 pre{background:#f6f6f6;padding:.6em;white-space:pre-wrap;font-size:12px}.none{color:#777;font-style:italic}
 .key span{display:inline-block;margin-right:1em}.key i{display:inline-block;width:.9em;height:.9em;margin-right:.3em}
-svg{background:#fff;border:1px solid #eee}"""
+svg{background:#fff;border:1px solid #eee;width:100%;height:auto}figure{margin:1em 0}"""
 _CSP = "default-src 'none'; style-src 'unsafe-inline'"
 
 
@@ -87,7 +87,7 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], marks: Itera
     xs = [x for pts in series.values() for x, _ in pts] + [m[0] for m in marks]
     ys = [y for pts in series.values() for _, y in pts]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + abs(y0) * 0.1 + 1e-12)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + (abs(y0) * 0.1 or 1.0))
     left, top, w, h = 70, 22, width - 90, height - 50
 
     def px(x: float, y: float) -> str:
@@ -116,7 +116,7 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], marks: Itera
            for i, name in enumerate(series)]
     kinds = sorted({kind for _, kind, _ in marks})
     key += [el("span", el("i", style=f"background:{MARKS[k]}"), f"{k} (line)") for k in kinds]
-    svg = el("svg", parts, xmlns="http://www.w3.org/2000/svg", width=width, height=height, role="img",
+    svg = el("svg", parts, xmlns="http://www.w3.org/2000/svg", viewBox=f"0 0 {width} {height}", role="img",
              aria_label=title)
     return Markup(el("figure", svg, el("div", key, class_="key")))
 

@@ -17,7 +17,7 @@ PAYLOADS = (SCRIPT, ATTR, IMG, JS_URL, CONTROL)
 EVIL = "".join(PAYLOADS)
 # the elements and attributes the page itself uses: anything else came from the folder
 TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "a", "section", "figure", "svg",
-        "text", "rect", "line", "polyline", "circle", "div", "span", "i", "table", "tr", "th", "td", "ul", "li", "pre"}
+        "text", "rect", "line", "polyline", "circle", "div", "span", "i", "table", "tbody", "tr", "th", "td", "ul", "li", "pre"}
 
 
 def _json(path: Path, value: object) -> None:
