@@ -11,6 +11,7 @@ Other hidden folders (``.deleting-*``, temporary pointer files) and symlinks (th
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,11 +124,11 @@ def quarantined_checkpoints(checkpoint_dir: Path) -> list[dict[str, Any]]:
         except (OSError, CheckpointError):
             note = {}
         note = note if isinstance(note, dict) else {}
+        when = note.get("quarantined_at")  # any JSON value: only a finite number is a time
+        when = when if bounded.is_count(when) or (type(when) is float and math.isfinite(when)) else None
         found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
-                      "reason": note.get("reason"), "quarantined_at": note.get("quarantined_at")})
-    # a note's time is any JSON value: only a number orders it
-    return sorted(found, key=lambda q: (q["quarantined_at"] if type(q["quarantined_at"]) in (int, float) else 0,
-                                        q["name"]))
+                      "reason": note.get("reason"), "quarantined_at": when})
+    return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
 
 
 # --- selection: which checkpoint a run resumes --------------------------------------------------------

@@ -108,6 +108,22 @@ def test_the_assumed_mtbf_names_the_flag_of_the_reader_s_own_command(tmp_path):
     assert "set it with --mtbf-hours)" in report and "--checkpoint.mtbf_hours" not in report
 
 
+@pytest.mark.parametrize("when", ["<script>", [1], {"t": 1}, None, True, float("nan"), float("inf"), 10 ** 400])
+def test_a_quarantine_note_whose_time_is_no_number_is_no_fallback_of_this_launch(tmp_path, when):
+    """A received run folder's quarantine note holds any JSON value as its time: only a finite number is a time,
+    so a launch starting on such a folder neither crashes nor reports that checkpoint as moved aside by itself."""
+    from automodel_ckpt.ondisk.catalog import quarantined_checkpoints
+    from automodel_ckpt.tracking import RunObserver
+
+    (tmp_path / layout.QUARANTINE_DIR / "epoch_0_step_2").mkdir(parents=True)
+    text = json.dumps({"step": 2, "reason": "torn", "quarantined_at": when}).replace("Infinity", "1e999")
+    (tmp_path / layout.QUARANTINE_DIR / layout.quarantine_note("epoch_0_step_2")).write_text(text)
+    assert [q["quarantined_at"] for q in quarantined_checkpoints(tmp_path)] == [None]
+    observer = RunObserver(_section(), tmp_path, is_main=True, config_yaml="")
+    observer.start(2, None, every_steps=2)
+    assert json.loads((tmp_path / layout.EVENTS_LOG).read_text().splitlines()[0])["fallbacks"] == []
+
+
 # --- the trackers ---------------------------------------------------------------------------------
 
 
