@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from automodel_ckpt.ondisk import catalog, layout, manifest
+from tests.integration.browser import needs_chromium, report_shows
 from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
 
 DPO_RECIPE = REPO / "recipes" / "tiny_llama_dpo.yaml"
@@ -155,6 +156,13 @@ def test_a_killed_run_with_a_synced_reference_resumes_bitwise(work, assets):
     for step in (4, 6, 8):
         assert not reference(step) & reference(step - 1), step
     assert all(manifest.verify_manifest(c.path).ok for c in catalog.scan_checkpoints(killed))
+
+
+@needs_chromium
+def test_the_report_of_the_killed_and_resumed_run_shows_the_dpo_panel_in_a_browser(work, assets, tmp_path):
+    killed, _ = _synced_killed(work, assets)
+    report_shows(killed, tmp_path, "DPO", "reward margin", "reward accuracy", "reward_chosen", "epoch_0_step_8",
+                 "launches:")
 
 
 def test_a_synced_reference_resumes_bitwise_from_the_node_local_tier(work, assets):

@@ -28,6 +28,7 @@ import torch
 
 from automodel_ckpt.ondisk import layout, manifest
 from tests.integration import grpo_faults, step_faults
+from tests.integration.browser import needs_chromium, report_shows
 from tests.integration.harness import CKPT_TRAIN, QUIET, REPO, ckpt_train, env_for, jsonl, kill_job, start_command
 
 RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
@@ -129,6 +130,14 @@ def test_killed_mid_generation_resumed_between_two_passes_is_bitwise(straight, k
     want = json.loads((straight / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
     got = json.loads((run / "epoch_0_step_6" / layout.METADATA_FILE).read_text())["extra"]
     assert got == want
+
+
+@needs_chromium
+def test_the_report_of_the_killed_and_resumed_run_shows_the_grpo_panel_in_a_browser(killed, tmp_path):
+    run, _ = killed
+    shown = report_shows(run, tmp_path, "GRPO", "reward per function", "KL to the reference", "completion length",
+                         "epoch_0_step_3", "epoch_0_step_6", "launches:")
+    assert "reward_exact_answer" in shown and "started at stepresumed from0-3epoch_0_step_3" in shown, shown[:3000]
 
 
 def test_killed_between_two_passes_of_one_rollout_batch_is_bitwise(straight, between):

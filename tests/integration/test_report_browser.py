@@ -1,80 +1,59 @@
-"""``ckpt-train report`` in a real browser: a run trained with ``logging.report: true`` has its page, which headless
-Chromium loads with no console message and no network request, every panel present with its data, and a screenshot
-that is not blank; the page of a hostile run folder runs nothing. Skipped where Debian's ``chromium`` is not installed
-(tools/setup.sh installs it in CI)."""
+"""``ckpt-train report`` in a real browser: a run trained with ``logging.report: true``, killed mid-run and resumed,
+has its page, which headless Chromium loads with no console message and no network request, every panel present
+with its data, and a screenshot that is not blank; the page of a hostile run folder runs nothing. (The DPO and GRPO
+runs' pages are loaded by ``test_dpo.py`` and ``test_grpo.py``, from their own runs.) Skipped where Debian's
+``chromium`` is not installed (tools/setup.sh installs it in CI)."""
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
-import zlib
+import sys
 from pathlib import Path
 
 import pytest
 
 from automodel_ckpt.report import render
-from tests.hostile.report_folder import Page, code_in, hostile_run
-from tests.integration.harness import ckpt_train
+from tests.hostile.report_folder import code_in, hostile_run
+from tests.integration import step_faults
+from tests.integration.browser import chromium, loads_cleanly, needs_chromium, pixels
+from tests.integration.harness import CKPT_TRAIN, QUIET, RECIPE, REPO, ckpt_train, env_for, kill_job, start_command
 
-CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
-PANELS = ("Curves", "Eval scores", "Checkpoints", "Data", "Cost", "Algorithm", "Lineage")
-
-
-def chromium(page: Path, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
-    """Headless Chromium on ``page``, every host name unresolvable (a request would fail and be logged)."""
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-           "--host-resolver-rules=MAP * ~NOTFOUND", f"--user-data-dir={tmp_path / 'profile'}", "--no-first-run",
-           "--disable-extensions", "--disable-background-networking", "--disable-component-update", *flags,
-           page.as_uri()]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
-
-
-def pixels(png: bytes) -> set[int]:
-    """The distinct byte values of a PNG's decoded rows (a blank page has two or three)."""
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    data, at = b"", 8
-    while at < len(png):
-        length = int.from_bytes(png[at:at + 4], "big")
-        if png[at + 4:at + 8] == b"IDAT":
-            data += png[at + 8:at + 8 + length]
-        at += 12 + length
-    return set(zlib.decompress(data))
+pytestmark = needs_chromium
+ARGS = ("--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2", "--checkpoint.save_consolidated",
+        "false", "--data.val_size", "8", "--logging.report", "true", "--checkpoint.checkpoint_dir", "run")
 
 
 @pytest.fixture(scope="module")
 def reported_run(tmp_path_factory, assets) -> tuple[Path, str]:
-    """A tiny run (1 process, 4 steps, a checkpoint every 2) with ``logging.report: true``: its folder, its output."""
+    """A tiny run (1 process, 4 steps, a checkpoint every 2) with ``logging.report: true``, held after step 3 and
+    killed (SIGKILL), then rerun to its end from step 2's checkpoint: its folder, the rerun's output."""
     cwd = tmp_path_factory.mktemp("reported")
-    done = ckpt_train(cwd, assets, "--step_scheduler.max_steps", "4", "--step_scheduler.ckpt_every_steps", "2",
-                      "--checkpoint.save_consolidated", "false", "--data.val_size", "8", "--logging.report", "true",
-                      "--checkpoint.checkpoint_dir", "run")
+    hold = step_faults.env(3, cwd / "held.pid")
+    with open(cwd / "killed.log", "w") as log:
+        job = start_command([CKPT_TRAIN, str(RECIPE), *QUIET, *ARGS, "--recipe", step_faults.RECIPE], cwd=cwd,
+                            env=env_for(assets, hold), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        held = step_faults.stopped(Path(hold["STOP_PID_FILE"]), job)
+    finally:
+        kill_job(job)
+    assert held is not None, (cwd / "killed.log").read_text()[-3000:]
+    done = ckpt_train(cwd, assets, *ARGS)
+    assert "Loading checkpoint from run/epoch_0_step_2" in done.output
     return cwd / "run", done.output
 
 
-def test_the_page_of_a_run_loads_offline_with_every_panel_and_no_console_message(reported_run, tmp_path):
+def test_the_page_of_a_killed_and_resumed_run_loads_offline_with_every_panel_and_no_console_message(reported_run,
+                                                                                                     tmp_path):
     run, output = reported_run
     page = run / "report.html"
     assert f"Report: {page}" in output or "Report: run/report.html" in output  # the start line says where
-    text = page.read_text(encoding="utf-8")
-    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:|//)""", text, re.I)  # nothing to fetch
-    loaded = chromium(page, tmp_path, "--dump-dom")
-    assert loaded.returncode == 0, loaded.stderr[-2000:]
-    assert "CONSOLE" not in loaded.stderr, loaded.stderr[-2000:]  # no console error, no CSP violation
-    assert not re.search(r"net::ERR_|NOTFOUND", loaded.stderr), loaded.stderr[-2000:]  # no request made
-    dom = loaded.stdout
-    for panel in PANELS:
-        assert f"<h2>{panel}</h2>" in dom, panel
-    shown = "".join(Page(dom).text)
+    shown = loads_cleanly(page, tmp_path)
     for data in ("training loss", "validation loss", "epoch_0_step_2", "epoch_0_step_4", "sizes match",
                  "launches:", "lineage of", "base model"):
         assert data in shown, data
-    assert dom.count("<polyline") >= 3 and code_in(dom) == []
-    shot = tmp_path / "page.png"
-    taken = chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1100,1400", "--hide-scrollbars")
-    assert taken.returncode == 0 and shot.is_file(), taken.stderr[-2000:]
-    assert len(pixels(shot.read_bytes())) > 16  # text, lines and colours, not a blank page
+    assert re.search(r"launches:\s*2", shown), shown[:3000]  # the kill and the resume
+    assert page.read_text(encoding="utf-8").count("<polyline") >= 3
 
 
 def test_the_page_of_a_hostile_folder_runs_nothing_in_the_browser(tmp_path):
@@ -91,3 +70,15 @@ def test_the_page_of_a_hostile_folder_runs_nothing_in_the_browser(tmp_path):
                        "document.body.appendChild(document.createElement('marquee'))</script></body>")
     ran = chromium(control, tmp_path, "--dump-dom")
     assert "<title>ran</title>" in ran.stdout and code_in(ran.stdout) and "CONSOLE" in ran.stderr
+
+
+def test_the_docs_screenshot_tool_draws_each_panel_alone(reported_run, tmp_path):
+    run, _ = reported_run
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report_screenshots
+    finally:
+        sys.path.pop(0)
+    assert report_screenshots.main([str(run), "--out", str(tmp_path / "shot"), "--panels", "cost,curves"]) == 0
+    for anchor in ("cost", "curves"):
+        assert len(pixels((tmp_path / f"shot_{anchor}.png").read_bytes())) > 16, anchor  # drawn, not blank
