@@ -29,7 +29,7 @@ def marks(run: dict[str, Any]) -> list[tuple[float, str, str]]:
             if finite(q.get("step")) is not None]
     out += [(float(step), "deleted", f"step {step}: deleted by retention") for step in run["deleted"]]
     out += [(float(s["first_step"]) - 0.5, "stage", f"stage {s['name']} from step {s['first_step']}")
-            for s in run["stages"]]
+            for s in run["stages"] if s["first_step"] > 1]  # the first: the run's start
     return out
 
 

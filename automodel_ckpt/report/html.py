@@ -39,8 +39,9 @@ def text(value: Any) -> str:
 
 def el(tag: str, *children: Any, **attrs: Any) -> Markup:
     """``<tag attrs>children</tag>``: each child that is not ``Markup`` and each attribute value escaped
-    (``class_`` is ``class``, ``stroke_width`` is ``stroke-width``; None leaves an attribute or child out)."""
-    attributes = "".join(f' {k.rstrip("_").replace("_", "-")}="{html.escape(text(v), quote=True)}"'
+    (``class_`` is ``class``, ``stroke_width`` is ``stroke-width``; None leaves an attribute or child out). A value
+    from a run folder is cut at ``TEXT_LIMIT``; a ``Markup`` value, which the page made (a chart's points), is whole."""
+    attributes = "".join(f' {k.rstrip("_").replace("_", "-")}="{html.escape(v if isinstance(v, Markup) else text(v))}"'
                          for k, v in attrs.items() if v is not None)
     body = "".join(c if isinstance(c, Markup) else html.escape(text(c), quote=False) for c in _flat(children))
     return Markup(f"<{tag}{attributes}>" if tag == "meta" else f"<{tag}{attributes}>{body}</{tag}>")
@@ -110,8 +111,8 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], marks: Itera
             x, y = px(*pts[0]).split(",")
             parts.append(el("circle", el("title", name), cx=x, cy=y, r=3, fill=color))
         else:
-            parts.append(el("polyline", el("title", name), points=" ".join(px(x, y) for x, y in pts), fill="none",
-                            stroke=color, stroke_width=1.5))
+            line = Markup(" ".join(px(x, y) for x, y in pts))  # numbers the page made: never cut
+            parts.append(el("polyline", el("title", name), points=line, fill="none", stroke=color, stroke_width=1.5))
     key = [el("span", el("i", style=f"background:{PALETTE[i % len(PALETTE)]}"), name)
            for i, name in enumerate(series)]
     kinds = sorted({kind for _, kind, _ in marks})

@@ -63,3 +63,17 @@ def test_the_verb_on_a_hostile_folder_writes_the_page_and_names_it(tmp_path, cap
     assert main(["report", str(run), "-o", str(tmp_path / "page.html")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'page.html'}"
     assert code_in((tmp_path / "page.html").read_text(encoding="utf-8")) == []
+
+
+def test_a_long_curve_is_drawn_whole_while_a_long_string_from_the_folder_is_cut(tmp_path):
+    """A chart's points are the page's own numbers: never cut as a string read from the folder is (300 steps drew
+    35 points and a broken attribute a browser refuses)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    name = "n" * 5000
+    (run / "training.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, name: 1.0}) + "\n"
+                                                for s in range(1, 301)))
+    text = render(run)
+    lines = re.findall(r'<polyline points="([^"]*)"', text)
+    assert lines and all(re.fullmatch(r"(-?[\d.]+,-?[\d.]+ ){299}-?[\d.]+,-?[\d.]+", p) for p in lines[:1]), lines[:1]
+    assert name not in text
