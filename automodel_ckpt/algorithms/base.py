@@ -1,0 +1,127 @@
+"""The algorithm contract: what a fine-tune's algorithm (SFT, DPO, GRPO, ...) gives the recipe that holds it."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping, NamedTuple
+
+import torch
+
+from automodel_ckpt.algorithms.context import LossResult, TrainContext
+from automodel_ckpt.config.instantiate import instantiate
+from automodel_ckpt.data import MicroBatch
+from automodel_ckpt.distributed import data_parallel
+from automodel_ckpt.distributed.pipeline import cut_stage
+from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
+from automodel_ckpt.training.rng import rng_untouched
+
+
+class Data(NamedTuple):
+    """An algorithm's map-style data: the training rows (the recipe's ``GlobalBatchLoader`` serves them), this
+    rank's held-out batches (None: no validation), and the report's line."""
+
+    train: Any
+    validation: list[MicroBatch] | None
+    report: str
+
+
+class Numbers(NamedTuple):
+    """A step's or a validation's loss, and the numbers logged beside it (training.jsonl, validation.jsonl,
+    trackers)."""
+
+    loss: float
+    metrics: dict[str, Any]
+
+
+class Algorithm:
+    """What is trained, and how. ``FinetuneRecipe`` holds one (``recipe.algorithm``, of its ``algorithm_class``)
+    made from a ``TrainContext`` (``self.ctx``), and keeps the rest: the mesh, the sharding, the step (gradient
+    sync, pipeline stages, clipping, the optimizer), the loop and the checkpointer. The contract, with no behaviour
+    of its own (``algorithms/sft.py``'s ``Supervised`` is supervised fine-tuning):
+
+    - its state: each public attribute with ``state_dict`` and ``load_state_dict`` is checkpointed under its name
+      beside the recipe's, but those of ``checkpoint_exclude``; ``state_meaning``: the config keys that change what
+      it means; ``build`` makes what it trains with once the recipe's model, data and checkpointer exist (a
+      reference model), ``restored`` settles it after the restore;
+    - its batches: ``build_data`` (map-style data), ``next_batch`` (an online algorithm's, made each step);
+    - its loss: ``loss_count``, ``loss_target``, ``compute_loss`` and ``pipeline_rows`` (the step is the recipe's),
+      and ``validate``;
+    - its counters: ``step_done`` after each optimizer step, ``save_extra`` (each checkpoint's metadata:
+      ``ckpt-train inspect`` lists it); ``bar_metrics``: those of its metrics the progress bar shows.
+    """
+
+    checkpoint_exclude: frozenset[str] = frozenset({"ctx"})
+    bar_metrics: ClassVar[tuple[str, ...]] = ()
+    #: The config keys that change what the algorithm's saved state means (beside the recipe's).
+    state_meaning: Mapping[str, Any] = MappingProxyType({})
+
+    def __init__(self, ctx: TrainContext) -> None:
+        self.ctx = ctx  # made cheaply, before the process group: the config checked, nothing built
+
+    def build(self) -> None:
+        """After the recipe's model, data and checkpointer are built: what else the algorithm trains with."""
+
+    def restored(self, states: set[str]) -> None:
+        """After the restore (the model's weights filled; ``states``: those the checkpoint held): the algorithm's own
+        state settled and checked."""
+
+    def build_data(self) -> Data:
+        """The training rows and this rank's held-out batches."""
+        raise NotImplementedError
+
+    def next_batch(self) -> tuple[int, list[MicroBatch]] | None:
+        """The step's epoch and this rank's micro-batches, made by an online algorithm; None: the recipe's loader's."""
+        return None
+
+    def loss_count(self, mb: MicroBatch) -> torch.Tensor:
+        """What the global batch's loss is the mean over, in this micro-batch."""
+        raise NotImplementedError
+
+    def loss_target(self, mb: MicroBatch) -> Any:
+        """What ``compute_loss`` scores the logits against: a tensor, or a batch of named tensors with
+        ``rows(index)`` (split with the rows into pipeline microbatches)."""
+        raise NotImplementedError
+
+    def compute_loss(self, logits: torch.Tensor, target: Any) -> LossResult:
+        """The summed loss of a batch's rows from the model's logits (on the last pipeline stage under stages), and
+        its metric sums."""
+        raise NotImplementedError
+
+    def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The order the pipeline takes a batch's rows in (its microbatches are consecutive rows), or None: as they
+        are. A loss over several rows (a pair's two) keeps them in one microbatch."""
+        return None
+
+    def validate(self, batches: list[MicroBatch]) -> Numbers:
+        """The held-out batches' loss and metrics."""
+        raise NotImplementedError
+
+    def step_done(self, loss: float, global_count: float, sums: list[torch.Tensor | None]) -> Numbers:
+        """After the optimizer step (``loss``: the recipe's mean over ``global_count``, what ``loss_count`` counted
+        over the global batch; ``sums``: each of this rank's loss calls' metric sums): the counters moved; the step's
+        loss and metrics."""
+        raise NotImplementedError
+
+    def save_extra(self) -> dict[str, Any]:
+        """What each checkpoint's metadata records of the algorithm (its counters, under ``counters``)."""
+        return {}
+
+
+def frozen_copy(ctx: TrainContext) -> tuple[torch.nn.Module, StartingWeights]:
+    """A frozen copy of the policy built as the policy is (on the meta device where it can be, this rank's pipeline
+    stage, sharded like it; a replicated policy's is a whole copy), its storage in place and in eval mode: a
+    reference; and the starting weights that fill it (``fill``)."""
+    cfg, forward = ctx.cfg, ctx.forward
+    weights = StartingWeights(cfg.model, ctx.env.rank, build_whole=lambda: instantiate(cfg.model, "model"))
+    meta = builds_on_meta(cfg.model)
+    with rng_untouched():
+        ref = instantiate(cfg.model, "model", **({"on_meta": True} if meta else {}))
+    if not meta:
+        ref = ref.to(ctx.env.device)
+    ref.requires_grad_(False)
+    if forward.plan is not None:  # this rank's stage of it, cut as the policy's: whole-model names kept
+        cut_stage(ref, forward.plan, ctx.dims.pp_rank, ctx.dims.pp_size)
+    if forward.choice.sharded:
+        ref = data_parallel.wrap(ref, forward.choice, ctx.dims)
+    weights.materialize(ref, ctx.env.device)
+    return ref.eval(), weights
