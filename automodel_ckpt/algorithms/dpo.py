@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext, row_inputs
+from automodel_ckpt.algorithms.sft import map_loader, rank_zero_first
 from automodel_ckpt.ondisk import LAYOUT, is_count
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.config.schema import DPOConfig
@@ -142,24 +143,15 @@ class Preference(Algorithm):
             self.ref_model = self._build_reference()  # a checkpoint's, if it holds one (``restored`` says)
 
     # ------------------------------------------------------------------------------------------ data
-    def build_data(self) -> Data:
-        """The pairs and this rank's held-out batches. Rank 0 tokenizes first (into the cache); the other ranks then
-        read its result."""
+    def build_loader(self) -> Data:
+        """The pairs' loader and this rank's held-out batches."""
         ctx = self.ctx
-        sched = ctx.cfg.step_scheduler
-        if not ctx.env.is_main:
-            barrier()
-        prepared = prepare_pairs(ctx.cfg, ctx.tokenizer)
-        if ctx.env.is_main:
-            barrier()
-        self._pairs = prepared
-        if len(prepared.train) < sched.global_batch_size:
-            raise ConfigError(f"step_scheduler.global_batch_size: {sched.global_batch_size} is "
-                              f"larger than the training set ({len(prepared.train)} pairs)")
+        self._pairs = prepared = rank_zero_first(ctx, lambda: prepare_pairs(ctx.cfg, ctx.tokenizer))
+        loader = map_loader(ctx, prepared.train, "pairs")
         val = prepared.validation
-        batches = pair_batches(val, local_batch_size=sched.local_batch_size, rank=ctx.dims.dp_rank,
+        batches = pair_batches(val, local_batch_size=ctx.cfg.step_scheduler.local_batch_size, rank=ctx.dims.dp_rank,
                                world_size=ctx.dims.dp_size) if val is not None and len(val) else None
-        return Data(prepared.train, batches, prepared.report())
+        return Data(loader, batches, prepared.report())
 
     # ------------------------------------------------------------------------------------- reference
     def _build_reference(self) -> torch.nn.Module:

@@ -22,8 +22,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
-from automodel_ckpt.algorithms.grpo_state import GRPOCounters, RolloutBatch, RolloutExpected
-from automodel_ckpt.algorithms.sft import supervised_data
+from automodel_ckpt.algorithms.grpo_state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
 from automodel_ckpt.config.instantiate import locate
 from automodel_ckpt.config.schema import GRPOConfig
 from automodel_ckpt.data import MicroBatch, prompt_columns
@@ -172,15 +171,22 @@ class GRPO(Algorithm):
             mix_into(self.ref_model, ctx.model, 1.0)  # 0 * x + p: the policy's values exactly
 
     # ------------------------------------------------------------------------------------------ data
-    def build_data(self) -> Data:
-        """The supervised rows (their loader is not read) and the prompts with their answers; no validation."""
-        data, section = supervised_data(self.ctx), self.grpo_cfg
-        self._prompts, self._answers = prompt_columns(self.ctx.cfg, section.prompt_field, section.answer_field, "grpo")
-        tok = self.ctx.tokenizer
+    def build_loader(self) -> Data:
+        """The prompts with their answers, and their loader (``PromptLoader``: each step's share of the rollout
+        batch, the prompts' position its state); no validation."""
+        ctx, section = self.ctx, self.grpo_cfg
+        self._prompts, self._answers = prompt_columns(ctx.cfg, section.prompt_field, section.answer_field, "grpo")
+        tok = ctx.tokenizer
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         encoded = tok(self._prompts, add_special_tokens=False, verbose=False)["input_ids"]
         self._prompt_ids = [bos + list(e) for e in encoded]
-        return Data(data.train, None, data.report)
+        sched = ctx.cfg.step_scheduler
+        per_rollout = sched.global_batch_size // section.num_generations
+        loader = PromptLoader(self._next_rollout, self.grpo, sched.global_batch_size,
+                              sched.global_batch_size // (sched.local_batch_size * ctx.dims.dp_size),
+                              max(1, len(self._prompts) // per_rollout) * section.num_iterations)
+        return Data(loader, None, f"Prompts: {len(self._prompts)} ({section.num_generations} completions each, "
+                                  f"{per_rollout} per rollout batch)")
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
@@ -212,8 +218,9 @@ class GRPO(Algorithm):
         raise ConfigError(f"grpo: fewer than {want} prompts fit in data.seq_length - grpo.max_new_tokens ({limit})")
 
     # ------------------------------------------------------------------------------------- rollouts
-    def next_batch(self) -> tuple[int, list[MicroBatch]]:
-        """A new rollout batch when the last one had its ``num_iterations`` passes, else the same one again."""
+    def _next_rollout(self) -> tuple[int, list[MicroBatch]]:
+        """This step's prompt epoch and micro-batches: a new rollout batch when the last one had its
+        ``num_iterations`` passes, else the same one again."""
         self._generation_seconds = 0.0
         if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
             t0 = time.perf_counter()

@@ -17,8 +17,7 @@ from automodel_ckpt.algorithms.sft import Supervised
 from automodel_ckpt.checkpoint import HFArtifacts, discover_state, run_folder, written_by
 from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
-from automodel_ckpt.data import BatchLoader, GlobalBatchLoader, MicroBatch, build_streamed, is_streamed, \
-    streamed_validation
+from automodel_ckpt.data import BatchLoader, MicroBatch
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import barrier
 from automodel_ckpt.distributed import data_parallel
@@ -62,7 +61,8 @@ class FinetuneRecipe(BaseRecipe):
     pipeline: Any = None
     #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
     data_parallel: Any = None
-    #: The training batches, map-style or streamed: one contract (``data.contract.BatchLoader``).
+    #: The training batches, the algorithm's (map-style, streamed, or generated): one contract
+    #: (``data.contract.BatchLoader``).
     dataloader: BatchLoader
     #: The pipeline's stages and microbatches (``distributed.mesh.PipelinePlan``), with ``distributed.pp_size`` > 1.
     pipeline_plan: Any = None
@@ -181,22 +181,9 @@ class FinetuneRecipe(BaseRecipe):
         ctx.tokenizer, ctx.processor = self.tokenizer, self.processor
 
     def _build_batches(self) -> None:
-        """The training batches (streamed, or the algorithm's map-style data) and this rank's validation batches."""
-        cfg, sched = self.cfg, self.cfg.step_scheduler
-        if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
-            with rng_untouched():
-                self.dataloader, self.data_report = build_streamed(cfg, self.tokenizer, self.dims,
-                                                                   log_ids=cfg.training.log_sample_ids)
-                self.val_batches, held_out = streamed_validation(cfg, self.tokenizer, self.dims)
-            self.data_report += held_out
-            return
+        """The algorithm's loader of the training batches and this rank's validation batches."""
         with rng_untouched():
-            data = self.algorithm.build_data()
-        self.data_report, self.val_batches = data.report, data.validation
-        self.dataloader = GlobalBatchLoader(
-            data.train, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
-            rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-        )
+            self.dataloader, self.val_batches, self.data_report = self.algorithm.build_loader()
 
     def _build_optimizer(self) -> str:
         """The step scheduler, optimizer, learning-rate schedule, RNG state, EMA and evaluation; the optimizer's
@@ -306,8 +293,7 @@ class FinetuneRecipe(BaseRecipe):
         ended = None
         while not sched.done:
             t0 = time.perf_counter()
-            made = self.algorithm.next_batch()  # an online algorithm's, else the loader's
-            epoch, micro = made if made is not None else self.dataloader.next_batch()
+            epoch, micro = self.dataloader.next_batch()
             fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
             refuse_non_finite(sched.step + 1, loss, grad_norm)  # before anything of that step is kept or saved

@@ -289,3 +289,23 @@ def test_the_model_and_recipe_are_known_before_a_resume_loads():
     algorithm.rollout = RolloutBatch()
     algorithm.build()
     assert algorithm.rollout.expected == EXPECTED
+
+
+def test_the_prompt_position_is_counts_and_an_earlier_map_style_position_leaves_the_counters():
+    """The ``dataloader`` state of a GRPO run is its prompt position (``PromptLoader``): each a count, else one line;
+    a checkpoint written before held a map-style loader's position there: the counters' (``grpo``) stands."""
+    from automodel_ckpt.algorithms.grpo_state import GRPOCounters, PromptLoader
+
+    counters = GRPOCounters()
+    loader = PromptLoader(lambda: (0, []), counters, ROWS, 1, 4)
+    counters.prompt_epoch, counters.prompt_position = 2, 5
+    loader.load_state_dict({"epoch": 0, "position": 16, "global_batch_size": ROWS, "seed": 1})  # an earlier one
+    assert loader.state_dict() == {"prompt_epoch": 2, "prompt_position": 5} and loader.epoch == 2
+    loader.load_state_dict({"prompt_epoch": 3, "prompt_position": 1})
+    assert (counters.prompt_epoch, counters.prompt_position) == (3, 1)
+    for state in ({"prompt_epoch": -1, "prompt_position": 0}, {"prompt_epoch": 0, "prompt_position": 2.5},
+                  {"prompt_epoch": True}, [1, 2]):
+        with pytest.raises(CheckpointError) as refused:
+            loader.load_state_dict(state)
+        assert str(refused.value).startswith("the GRPO prompt position") and "\n" not in str(refused.value)
+    assert (counters.prompt_epoch, counters.prompt_position) == (3, 1)

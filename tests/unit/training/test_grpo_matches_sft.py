@@ -114,8 +114,8 @@ def test_a_batch_made_for_one_pass_is_not_passed_over_again_by_a_resume_with_mor
     algorithm.rollout.tensors, algorithm.rollout.passes = t, 1
     made = []
     algorithm._make_rollout = lambda: made.append(True)
-    algorithm.next_batch()
+    algorithm._next_rollout()
     assert made == [True]
     t["old_log_probs"].zero_()
-    algorithm.next_batch()
+    algorithm._next_rollout()
     assert made == [True]  # the same batch, its second pass
