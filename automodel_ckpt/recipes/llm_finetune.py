@@ -64,8 +64,6 @@ class FinetuneRecipe(BaseRecipe):
     #: The training batches, the algorithm's (map-style, streamed, or generated): one contract
     #: (``data.contract.BatchLoader``).
     dataloader: BatchLoader
-    #: The pipeline's stages and microbatches (``distributed.mesh.PipelinePlan``), with ``distributed.pp_size`` > 1.
-    pipeline_plan: Any = None
     #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
     ema: EMA | None = None
     takes_stages = True  # a run in stages (docs/stages.md): ``recipes.stages.StageRun`` is this recipe's
@@ -172,7 +170,6 @@ class FinetuneRecipe(BaseRecipe):
         algorithm = self.algorithm
         forward = Forward(self.model, self.env.device, self.data_parallel, algorithm.compute_loss, plan,
                           rows=algorithm.pipeline_rows)
-        self.pipeline_plan = plan
         self.pipeline = forward.pipeline = (
             Pipeline(self.model, self.dims, plan, self.env.device, forward.staged_loss,
                      rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
