@@ -19,7 +19,7 @@ _EXPORTS = exports_of({
     "stream.corpus": "is_streamed",
     # rows: tokenized supervised data and preference pairs
     "tokenize": "IGNORE_INDEX TokenizedData",
-    "pipeline": "prepare_data",
+    "pipeline": "prepare_data prompt_columns",
     "pairs": "PairData pair_batches prepare_pairs",
     # checks made before training, previews, the built-in tasks' held-out examples
     "checks": "check_data_section check_dataset_paths",

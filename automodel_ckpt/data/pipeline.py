@@ -109,6 +109,16 @@ def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Prep
     return prepared
 
 
+def prompt_columns(cfg: DictConfig, prompt_field: str, answer_field: str, section: str) -> tuple[list[Any], list[str]]:
+    """The dataset's prompts and their answers (as text), for an algorithm that samples its own completions
+    (``section``: its config section, named when a column is missing)."""
+    rows = instantiate(cfg.dataset, "dataset")
+    for key in (prompt_field, answer_field):
+        if key not in rows.column_names:
+            raise ConfigError(f"{section}: the dataset has no '{key}' column (it has {rows.column_names})")
+    return list(rows[prompt_field]), [str(a) for a in rows[answer_field]]
+
+
 class NoLossError(ConfigError):
     """``data.seq_length`` leaves no token with a loss: training refuses; ``prepared`` holds the rows as cut."""
 

@@ -209,26 +209,34 @@ class StageModule(nn.Module):
 
 
 class _StageLoss:
-    """The schedule's loss: each microbatch's summed token loss times ``scale`` (what is backpropagated)."""
+    """The schedule's loss: each microbatch's summed token loss times ``scale`` (what is backpropagated). Torch
+    splits a tensor target into the microbatches; another target (named tensors with ``rows(index)``) is held here,
+    torch splits its row numbers and each microbatch's loss takes those rows."""
 
-    def __init__(self, token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.token_loss_sum, self.scale = token_loss_sum, 1.0
+    def __init__(self, token_loss_sum: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+        self.token_loss_sum, self.scale, self.target = token_loss_sum, 1.0, None
+
+    def split(self, target: Any) -> torch.Tensor:
+        """What the schedule splits into microbatches: a tensor target, or another's row numbers."""
+        self.target = None if isinstance(target, torch.Tensor) else target
+        return target if self.target is None else torch.arange(len(target))
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.token_loss_sum(logits, labels) * self.scale
+        target = labels if self.target is None else self.target.rows(labels)
+        return self.token_loss_sum(logits, target) * self.scale
 
 
 class Pipeline:
     """This rank's stage of the model under torch's schedule (``plan.schedule``) over the pipeline group.
 
-    ``token_loss_sum(logits, labels)``: a microbatch's summed token loss (the recipe's); ``rows``: the rows of a
+    ``token_loss_sum(logits, target)``: a microbatch's summed token loss (the algorithm's); ``rows``: the rows of a
     local batch (``plan.microbatches`` microbatches of one shape); ``tied``: the whole model's head shares the input
     embedding's weight (``tied_embeddings`` before the cut). ``step`` and ``evaluate``
     return the summed token loss of the rows on the last stage, zero on the others.
     """
 
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
-                 token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
+                 token_loss_sum: Callable[[torch.Tensor, Any], torch.Tensor], rows: int,
                  tied: bool = False) -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
@@ -253,19 +261,19 @@ class Pipeline:
         else:
             self.schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.schedule](stages[0], **options)
 
-    def _run(self, run: Callable[..., Any], input_ids: torch.Tensor, labels: torch.Tensor,
+    def _run(self, run: Callable[..., Any], input_ids: torch.Tensor, labels: Any,
              extra: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         self.loss.scale = scale
         args = (input_ids.to(self.device),) if self.first else ()
         kwargs = {k: v.to(self.device) for k, v in extra.items()}
         losses: list[torch.Tensor] = []  # the schedule's, one per microbatch, on the last stage
-        run(*args, target=labels.to(self.device) if self.last else None, losses=losses if self.last else None,
-            return_outputs=False, **kwargs)
+        target = self.loss.split(labels).to(self.device) if self.last else None
+        run(*args, target=target, losses=losses if self.last else None, return_outputs=False, **kwargs)
         if not losses:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([loss.detach().double().cpu() for loss in losses]).sum() / scale
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
+    def step(self, input_ids: torch.Tensor, labels: Any, extra: dict[str, torch.Tensor],
              scale: float) -> torch.Tensor:
         """Forward and backward of one local batch through every stage (gradients accumulate)."""
         return self._run(self.schedule.step, input_ids, labels, extra, scale)
@@ -287,16 +295,16 @@ class Pipeline:
         args = (input_ids.to(self.device),) if self.first else ()
         kwargs = {k: v.to(self.device) for k, v in extra.items()}
         rows: list[torch.Tensor] = []
-        self.schedule.eval(*args, target=labels.to(self.device) if self.last else None,
+        self.schedule.eval(*args, target=self.loss.split(labels).to(self.device) if self.last else None,
                            losses=rows if self.last else None, return_outputs=False, **kwargs)
         return torch.cat([r.detach() for r in rows]) if rows else None
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
+    def evaluate(self, input_ids: torch.Tensor, labels: Any, extra: dict[str, torch.Tensor],
                  ignore_index: int) -> torch.Tensor:
         """Forward only (the schedule's ``eval``). A batch of fewer rows than the training batches (the last
-        validation batch) is filled with copies of its first row whose labels are all ``ignore_index``: the stages
-        exchange microbatches of one shape."""
+        validation batch; labels a tensor) is filled with copies of its first row whose labels are all
+        ``ignore_index``: the stages exchange microbatches of one shape."""
         short = self.rows - len(input_ids)
         if short > 0:
             def fill(t: torch.Tensor, value: int | None = None) -> torch.Tensor:

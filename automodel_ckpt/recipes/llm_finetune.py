@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -12,11 +11,13 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.checkpoint import HFArtifacts, run_folder, written_by
+from automodel_ckpt.algorithms.base import Algorithm
+from automodel_ckpt.algorithms.context import Forward, LossResult, Run, TrainContext
+from automodel_ckpt.algorithms.sft import Supervised
+from automodel_ckpt.checkpoint import HFArtifacts, discover_state, run_folder, written_by
 from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
-from automodel_ckpt.data import (BatchLoader, GlobalBatchLoader, MicroBatch, TokenizedData, build_streamed,
-                                  is_streamed, streamed_validation)
+from automodel_ckpt.data import BatchLoader, MicroBatch
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
 from automodel_ckpt.distributed.env import barrier
 from automodel_ckpt.distributed import data_parallel
@@ -30,7 +31,6 @@ from automodel_ckpt.models.build import build_tokenizer, local_model_path
 from automodel_ckpt.models.freeze import apply_freeze, parameter_line
 from automodel_ckpt.models.lora import apply_lora, lora_summary
 from automodel_ckpt.models.materialize import StartingWeights, builds_on_meta
-from automodel_ckpt.recipes.algorithm import Algorithm
 from automodel_ckpt.recipes.base import BaseRecipe
 from automodel_ckpt.recipes.stages import StageRun
 from automodel_ckpt.training import compile
@@ -48,12 +48,12 @@ class FinetuneRecipe(BaseRecipe):
     wiring around them, is ``BaseRecipe``'s).
 
     Checkpointed state (discovered from the attributes): ``model``, ``optimizer``, ``lr_scheduler``,
-    ``dataloader``, ``rng``, ``step_scheduler``, the algorithm's (``Algorithm.states``) and anything a subclass adds.
+    ``dataloader``, ``rng``, ``step_scheduler``, the algorithm's public state and anything a subclass adds.
     """
 
-    #: What is trained, and how (``recipes/algorithm.py``): the loss, the batches, extra state and counters; a
-    #: subclass names another (``DPORecipe``: preference pairs). Supervised fine-tuning by default.
-    algorithm_class: ClassVar[type[Algorithm]] = Algorithm
+    #: What is trained, and how (``algorithms/``): the loss, the batches, extra state and counters; a subclass
+    #: names another (``DPORecipe``: preference pairs). Supervised fine-tuning by default.
+    algorithm_class: ClassVar[type[Algorithm]] = Supervised
     #: An image-text model's processor (set by ``VLMFinetuneRecipe``): it prepares the images of the data and
     #: is saved beside the weights in place of the tokenizer alone.
     processor: Any = None
@@ -61,20 +61,23 @@ class FinetuneRecipe(BaseRecipe):
     pipeline: Any = None
     #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
     data_parallel: Any = None
-    #: The training batches, map-style or streamed: one contract (``data.contract.BatchLoader``).
+    #: The training batches, the algorithm's (map-style, streamed, or generated): one contract
+    #: (``data.contract.BatchLoader``).
     dataloader: BatchLoader
-    #: The pipeline's stages and microbatches (``distributed.mesh.PipelinePlan``), with ``distributed.pp_size`` > 1.
-    pipeline_plan: Any = None
     #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
     ema: EMA | None = None
     takes_stages = True  # a run in stages (docs/stages.md): ``recipes.stages.StageRun`` is this recipe's
     _evaluation: InTrainingEval | None = None  # the ``evaluation:`` section's tasks (set in ``setup``)
     _eval_scores: dict[str, float] | None = None  # the scores of the step just taken, when it evaluated
+    _step_metrics: dict[str, Any] = {}  # the algorithm's numbers of the step just taken
 
     @functools.cached_property
     def algorithm(self) -> Algorithm:
-        """The recipe's algorithm (``algorithm_class``), made on first use."""
-        return self.algorithm_class(self)
+        """The recipe's algorithm (``algorithm_class``), made on first use from what it may read of the run
+        (``TrainContext``; the rest is filled in as ``setup`` builds it)."""
+        run = Run(self.checkpoint_config, say=lambda line: self.progress.write(line),
+                  fence=lambda: self.checkpointer.fence())
+        return self.algorithm_class(TrainContext(self.cfg, run))
 
     @functools.cached_property
     def _stage_run(self) -> StageRun:
@@ -164,28 +167,20 @@ class FinetuneRecipe(BaseRecipe):
         if not self.data_parallel.sharded:  # a model that fits with room: freed blocks kept for the next step
             keep_freed_memory()
         self.starting_weights.materialize(self.model, self.env.device)
-        self.pipeline_plan = plan
-        self.pipeline = (Pipeline(self.model, self.dims, plan, self.env.device, self.algorithm.compute_loss,
-                                  rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
+        algorithm = self.algorithm
+        forward = Forward(self.model, self.env.device, self.data_parallel, algorithm.compute_loss, plan,
+                          rows=algorithm.pipeline_rows)
+        self.pipeline = forward.pipeline = (
+            Pipeline(self.model, self.dims, plan, self.env.device, forward.staged_loss,
+                     rows=cfg.step_scheduler.local_batch_size, tied=tied) if plan is not None else None)
+        ctx = algorithm.ctx  # what the algorithm reads of the run, now built
+        ctx.env, ctx.dims, ctx.model, ctx.forward = self.env, self.dims, self.model, forward
+        ctx.tokenizer, ctx.processor = self.tokenizer, self.processor
 
     def _build_batches(self) -> None:
-        """The training batches (streamed, or the algorithm's map-style data) and this rank's validation batches."""
-        cfg, sched = self.cfg, self.cfg.step_scheduler
-        if is_streamed(cfg.dataset):  # read as the steps need it, in one global order (data/stream/)
-            with rng_untouched():
-                self.dataloader, self.data_report = build_streamed(cfg, self.tokenizer, self.dims,
-                                                                   log_ids=cfg.training.log_sample_ids)
-                self.val_batches, held_out = streamed_validation(cfg, self.tokenizer, self.dims)
-            self.data_report += held_out
-            return
+        """The algorithm's loader of the training batches and this rank's validation batches."""
         with rng_untouched():
-            train_data, val_data = self.build_data()
-        self.dataloader = GlobalBatchLoader(
-            train_data, global_batch_size=sched.global_batch_size, local_batch_size=sched.local_batch_size,
-            rank=self.dims.dp_rank, world_size=self.dims.dp_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-        )
-        self.val_batches = (self.algorithm.build_val_batches(val_data) if val_data is not None and len(val_data)
-                            else None)
+            self.dataloader, self.val_batches, self.data_report = self.algorithm.build_loader()
 
     def _build_optimizer(self) -> str:
         """The step scheduler, optimizer, learning-rate schedule, RNG state, EMA and evaluation; the optimizer's
@@ -238,22 +233,20 @@ class FinetuneRecipe(BaseRecipe):
     def restore_checkpoint(self) -> Path | None:
         """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
         when no checkpoint holds the model's weights), then the algorithm's state settled."""
-        self.algorithm.restoring = True
         self._stage_run.hold(self)  # a run in stages: the schedule's state loaded once a stage's start is known
-        try:
-            restored = super().restore_checkpoint()
-        finally:
-            self.algorithm.restoring = False
+        restored = super().restore_checkpoint()
         self.starting_weights.fill(self.model, model_loaded="model" in self.restored.states)
         if self.ema is not None and "ema" not in self.restored.states:  # a fresh run, or a checkpoint without it
             self.ema.start(self.model)
-        self.algorithm.restored()
+        self.algorithm.restored(self.restored.states)
         self._stage_run.restored(self)  # a stage that begins at the next step begins
         return restored
 
     def checkpointed_state(self) -> dict[str, Any]:
-        """The recipe's discovered state and the algorithm's."""
-        return super().checkpointed_state() | self.algorithm.states()
+        """The recipe's discovered state and the algorithm's (its public attributes with a state, but those it
+        leaves out: ``checkpoint_exclude``)."""
+        algorithm = self.algorithm
+        return super().checkpointed_state() | discover_state(algorithm, exclude=algorithm.checkpoint_exclude)
 
     def load_tokenizer(self, path: str | None) -> Any:
         """The tokenizer of the folder ``path`` (``tokenizer.pretrained_model_name_or_path``, else the model's)."""
@@ -267,7 +260,7 @@ class FinetuneRecipe(BaseRecipe):
                    "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
         if cfg.model.get("freeze"):  # what trains is what the optimizer's state covers
             meaning["model.freeze"] = OmegaConf.to_container(cfg.model, resolve=True)["freeze"]
-        return meaning | self.algorithm.state_meaning()
+        return meaning | dict(self.algorithm.state_meaning)
 
     def _peft_section(self) -> dict[str, Any] | None:
         return OmegaConf.to_container(self.cfg.peft, resolve=True) if self.cfg.peft is not None else None
@@ -281,10 +274,6 @@ class FinetuneRecipe(BaseRecipe):
             base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
             peft=self._peft_section(),
         )
-
-    def build_data(self) -> tuple[TokenizedData, TokenizedData | None]:
-        """The training and validation data (the algorithm's)."""
-        return self.algorithm.build_data()
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> Any:
@@ -301,7 +290,7 @@ class FinetuneRecipe(BaseRecipe):
         ended = None
         while not sched.done:
             t0 = time.perf_counter()
-            epoch, micro = self.algorithm.next_batch()
+            epoch, micro = self.dataloader.next_batch()
             fetched = time.perf_counter() - t0
             loss, grad_norm, tokens = self.train_step(micro)
             refuse_non_finite(sched.step + 1, loss, grad_norm)  # before anything of that step is kept or saved
@@ -313,7 +302,7 @@ class FinetuneRecipe(BaseRecipe):
             sched.record_step(epoch, self.dataloader.global_batch_size)
             seconds = max(time.perf_counter() - t0, 1e-9)  # the batch fetched, the optimizer step taken
             record = {"step": sched.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)} | self.algorithm.metrics()
+                      "tokens_per_sec": tokens / seconds, "step_seconds": round(seconds, 6)} | self._step_metrics
             if self.cfg.training.log_sample_ids:
                 record["sample_ids"] = self.dataloader.last_sample_ids
             record |= self.dataloader.report(fetched)  # a streamed corpus: tokens per source, the wait, bad rows
@@ -339,11 +328,11 @@ class FinetuneRecipe(BaseRecipe):
         """Validate (when there is held-out data) and log it: validation.jsonl and the trackers."""
         if self.val_batches is None:
             return None
-        val_loss = self.algorithm.validate()
-        val_record = {"step": self.step_scheduler.step, "val_loss": val_loss} | self.algorithm.validation_metrics()
+        validated = self.algorithm.validate(self.val_batches)
+        val_record = {"step": self.step_scheduler.step, "val_loss": validated.loss} | validated.metrics
         self.val_log.append(val_record)
         self._observer.log_validation(val_record)
-        return val_loss
+        return validated.loss
 
     def _evaluate_and_log(self) -> dict[str, float]:
         """The ``evaluation:`` tasks on the current weights (rank 0; collective), logged like validation."""
@@ -394,27 +383,31 @@ class FinetuneRecipe(BaseRecipe):
         averages gradients over the data-parallel ranks (tensor-parallel peers compute the same loss on the same
         rows; counts and losses are summed over the data-parallel ranks only). An algorithm changes the loss
         (``loss_count``, ``loss_target``, ``compute_loss``), never the step: gradient sync, pipeline stages, clipping
-        and the optimizer are this; ``Algorithm.step_done`` then moves its counters and says the step's loss.
+        and the optimizer are this; ``Algorithm.step_done`` then moves its counters and says the step's loss and
+        metrics (from each loss call's metric sums).
         """
-        algorithm = self.algorithm
+        algorithm, forward = self.algorithm, self.algorithm.ctx.forward
         self.model.train()
         counts = torch.stack([sum(algorithm.loss_count(mb) for mb in micro),
                               sum(mb.attention_mask.sum() for mb in micro)])
         global_count, input_tokens = self.dims.sum_over_dp(counts).tolist()
         scale = self.dims.dp_size / max(global_count, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        sums: list[torch.Tensor | None] = []  # each loss call's metric sums
         for i, mb in enumerate(micro):
             # Sharded: each micro-batch's gradients are reduce-scattered when its backward ends, so no rank holds
             # the whole model's unsharded gradients between micro-batches; HSDP's all-reduce across replicas, and a
             # replicated model's all-reduce, wait for the last.
             data_parallel.sync_gradients(self.model, i == len(micro) - 1)
             if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
-                input_ids, target, extra = self.staged_rows(mb, algorithm.loss_target(mb))
+                input_ids, target, extra = forward.staged(mb, algorithm.loss_target(mb))
                 loss_sum += self.pipeline.step(input_ids, target, extra, scale).to(loss_sum.device)
+                sums += forward.staged_sums()
                 continue
-            summed = self.token_loss_sum(mb)
-            (summed * scale).backward()
-            loss_sum += summed.detach()
+            result = self.token_loss_sum(mb)
+            (result.loss * scale).backward()
+            loss_sum += result.loss.detach()
+            sums.append(result.sums)
         # a tied embedding's two stages: gradients summed, counted once in the norm
         uncounted = self.pipeline.share_tied_gradients() if self.pipeline is not None else []
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_grad_norm, self.dims.pp_group,
@@ -424,26 +417,14 @@ class FinetuneRecipe(BaseRecipe):
         # the step's one wait for the device: the logged numbers copied to the host together
         loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum)]).cpu().unbind()
         loss = (self.dims.sum_over_stages(self.dims.sum_over_dp(loss_sum)) / max(global_count, 1.0)).item()
-        return algorithm.step_done(loss, global_count, len(micro)), grad_norm.item(), input_tokens
+        done = algorithm.step_done(loss, global_count, sums)
+        self._step_metrics = done.metrics
+        return done.loss, grad_norm.item(), input_tokens
 
-    def staged_rows(self, mb: MicroBatch, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                         dict[str, torch.Tensor]]:
-        """A batch's token ids, its target and its other row inputs, in ``pipeline_rows`` order."""
-        order, extra = self.algorithm.pipeline_rows(mb), row_inputs(mb)
-        if order is None:
-            return mb.input_ids, target, extra
-        return mb.input_ids[order], target[order.to(target.device)], {k: v[order] for k, v in extra.items()}
-
-    def token_loss_sum(self, mb: MicroBatch) -> torch.Tensor:
-        """A micro-batch's summed loss: its target first (a reference's forward, for a variant), then the model."""
-        target = self.algorithm.loss_target(mb)
-        choice = self.data_parallel
-        with choice.compute(self.env.device) if choice is not None else contextlib.nullcontext():
-            logits = self._logits(mb)  # under autocast where mixed precision is not FSDP2's
-        return self.algorithm.compute_loss(logits, target)
-
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        return model_logits(self.model, mb, self.env.device)
+    def token_loss_sum(self, mb: MicroBatch) -> LossResult:
+        """A micro-batch's summed loss and metric sums: its target first (a reference's forward, for a variant),
+        then the model."""
+        return self.algorithm.ctx.forward.batch_loss(mb, self.algorithm.loss_target(mb))
 
 
 def refuse_non_finite(step: int, loss: float, grad_norm: float) -> None:
@@ -454,25 +435,3 @@ def refuse_non_finite(step: int, loss: float, grad_norm: float) -> None:
             raise TrainingError(f"step {step}: the {name} is {value}, not a finite number; the run stops before "
                                 "saving the weights it reached (resume from the last checkpoint, with a lower "
                                 "optimizer.lr or other data)")
-
-
-def model_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
-    """``model``'s logits for a micro-batch's rows, given what its rows need besides the tokens."""
-    inputs = {"input_ids": mb.input_ids}
-    if mb.pixel_values is not None:  # image-text rows: one image each, placed at its image tokens
-        inputs |= {"attention_mask": mb.attention_mask, "pixel_values": mb.pixel_values}
-    elif mb.position_ids is not None:
-        # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
-        # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
-        inputs["position_ids"] = mb.position_ids
-    elif not bool(mb.attention_mask.all()):  # without padding no mask: attention takes its causal fast path (flash)
-        inputs["attention_mask"] = mb.attention_mask
-    return model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False).logits
-
-
-def row_inputs(mb: MicroBatch) -> dict[str, torch.Tensor]:
-    """What every pipeline stage needs of a batch besides the tokens: packed rows' position ids (transformers then
-    keeps attention inside each example) or the attention mask."""
-    if mb.position_ids is not None:
-        return {"position_ids": mb.position_ids}
-    return {"attention_mask": mb.attention_mask}

@@ -22,8 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.recipes.grpo import GRPO
-from automodel_ckpt.recipes.grpo_state import LOG_PROB_FLOOR, RolloutBatch, RolloutExpected
+from automodel_ckpt.algorithms.grpo import GRPO
+from automodel_ckpt.algorithms.grpo_state import LOG_PROB_FLOOR, RolloutBatch, RolloutExpected
 from automodel_ckpt.training.rollout import advantages, token_log_probs
 
 PAD, BOS, EOS = 0, 1, 2
@@ -36,7 +36,7 @@ EXPECTED = RolloutExpected(rows=ROWS, group=GROUP, reward_functions=2, vocab=VOC
 def genuine(one_pass: bool = False) -> dict[str, Any]:
     """A rollout batch as the recipe makes it: prompts 2 and 0, 4 completions each, two reward functions."""
     algorithm = GRPO.__new__(GRPO)
-    algorithm.recipe = SimpleNamespace(
+    algorithm.ctx = SimpleNamespace(
         tokenizer=SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS), dims=SimpleNamespace(dp_size=1, dp_rank=0),
         cfg=OmegaConf.create({"step_scheduler": {"local_batch_size": ROWS}}))
     algorithm._prompt_ids = PROMPTS
@@ -276,16 +276,36 @@ def test_the_model_and_recipe_are_known_before_a_resume_loads():
     """``GRPO.build`` (the end of setup, before the restore) gives the rollout batch what it is checked against."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from automodel_ckpt.recipes.grpo import vocab_rows
+    from automodel_ckpt.algorithms.grpo import vocab_rows
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
     assert vocab_rows(model) == VOCAB
     algorithm = GRPO.__new__(GRPO)
-    algorithm.recipe = SimpleNamespace(model=model, cfg=OmegaConf.create(
+    algorithm.ctx = SimpleNamespace(model=model, cfg=OmegaConf.create(
         {"step_scheduler": {"global_batch_size": ROWS}, "data": {"seq_length": SEQ_LENGTH}}))
     algorithm.grpo_cfg = OmegaConf.create({"beta": 0.0, "num_generations": GROUP})
     algorithm._peft, algorithm._rewards, algorithm._prompt_ids = False, [("a", None), ("b", None)], PROMPTS
     algorithm.rollout = RolloutBatch()
     algorithm.build()
     assert algorithm.rollout.expected == EXPECTED
+
+
+def test_the_prompt_position_is_counts_and_an_earlier_map_style_position_leaves_the_counters():
+    """The ``dataloader`` state of a GRPO run is its prompt position (``PromptLoader``): each a count, else one line;
+    a checkpoint written before held a map-style loader's position there: the counters' (``grpo``) stands."""
+    from automodel_ckpt.algorithms.grpo_state import GRPOCounters, PromptLoader
+
+    counters = GRPOCounters()
+    loader = PromptLoader(lambda: (0, []), counters, ROWS, 1, 4)
+    counters.prompt_epoch, counters.prompt_position = 2, 5
+    loader.load_state_dict({"epoch": 0, "position": 16, "global_batch_size": ROWS, "seed": 1})  # an earlier one
+    assert loader.state_dict() == {"prompt_epoch": 2, "prompt_position": 5} and loader.epoch == 2
+    loader.load_state_dict({"prompt_epoch": 3, "prompt_position": 1})
+    assert (counters.prompt_epoch, counters.prompt_position) == (3, 1)
+    for state in ({"prompt_epoch": -1, "prompt_position": 0}, {"prompt_epoch": 0, "prompt_position": 2.5},
+                  {"prompt_epoch": True}, [1, 2]):
+        with pytest.raises(CheckpointError) as refused:
+            loader.load_state_dict(state)
+        assert str(refused.value).startswith("the GRPO prompt position") and "\n" not in str(refused.value)
+    assert (counters.prompt_epoch, counters.prompt_position) == (3, 1)

@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from automodel_ckpt.recipes.grpo import GRPO
+from automodel_ckpt.algorithms.grpo import GRPO
 from tests.integration.step_faults import StopAfterStepRecipe
 
 RECIPE = "tests.integration.grpo_faults.StopAfterStepGRPORecipe"
@@ -19,7 +19,7 @@ class StopInRolloutGRPO(GRPO):
 
     def _sample(self, step, rows):
         stop, pid_file = os.environ.get("STOP_IN_ROLLOUT"), os.environ.get("STOP_PID_FILE")
-        if not (stop and pid_file and self.recipe.env.is_main and step == int(stop) and not os.path.exists(pid_file)):
+        if not (stop and pid_file and self.ctx.env.is_main and step == int(stop) and not os.path.exists(pid_file)):
             return super()._sample(step, rows)
         forwards = []
 
@@ -30,7 +30,7 @@ class StopInRolloutGRPO(GRPO):
                 os.rename(pid_file + ".tmp", pid_file)
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-        handle = self.recipe.model.register_forward_pre_hook(hold, with_kwargs=True)
+        handle = self.ctx.model.register_forward_pre_hook(hold, with_kwargs=True)
         try:
             return super()._sample(step, rows)
         finally:

@@ -139,13 +139,11 @@ def _validation_batches(run: Path) -> list[tuple[torch.Tensor, torch.Tensor, tor
     """The run's validation set, rebuilt from its config.yaml exactly as the recipe built it."""
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.data import prepare_data
     from automodel_ckpt.models.build import build_tokenizer
-    from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
     cfg = load_config(run / "epoch_0_step_8" / "config.yaml", [], RecipeConfig)
-    recipe = FinetuneRecipe(cfg)
-    recipe.tokenizer = build_tokenizer(str(_model_dir(run)))
-    _, val = recipe.build_data()
+    val = prepare_data(cfg, build_tokenizer(str(_model_dir(run)))).validation
     return [(val.input_ids, val.attention_mask, val.labels)]
 
 

@@ -192,21 +192,23 @@ def test_preview_args_split_own_flags_from_overrides():
 
 def test_packed_rows_give_each_example_the_loss_it_has_alone(tok):
     """The recipe passes position_ids for packed rows: attention and positions restart at every example."""
-    from types import SimpleNamespace
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from automodel_ckpt.data.loader import micro_batch
     from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
-    from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
+    from automodel_ckpt.algorithms.context import Forward
+    from automodel_ckpt.algorithms.sft import Supervised
 
     torch.manual_seed(0)
     config = LlamaConfig(**TINY_LLAMA_CONFIG)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval()
-    recipe = FinetuneRecipe.__new__(FinetuneRecipe)
-    recipe.model, recipe.env = model, SimpleNamespace(device=torch.device("cpu"))
+    forward = Forward(model, torch.device("cpu"), None, Supervised(None).compute_loss)  # the fine-tune's loss
+
+    def token_loss_sum(mb) -> torch.Tensor:
+        return forward.batch_loss(mb, mb.labels).loss
     from automodel_ckpt.data.builtin import chat_task_dataset
 
     ds = chat_task_dataset(6)
@@ -216,11 +218,11 @@ def test_packed_rows_give_each_example_the_loss_it_has_alone(tok):
     alone = build_rows(encoded, DataSpec(seq_length=64), tok.pad_token_id)
     assert len(packed) < len(alone)
     with torch.no_grad():
-        together = recipe.token_loss_sum(micro_batch(packed, torch.arange(len(packed)))).item()
-        separate = recipe.token_loss_sum(micro_batch(alone, torch.arange(len(alone)))).item()
+        together = token_loss_sum(micro_batch(packed, torch.arange(len(packed)))).item()
+        separate = token_loss_sum(micro_batch(alone, torch.arange(len(alone)))).item()
         mb = micro_batch(packed, torch.arange(len(packed)))
         mb.position_ids = None  # without them the examples would see each other: a different loss
-        leaky = recipe.token_loss_sum(mb).item()
+        leaky = token_loss_sum(mb).item()
     assert together == pytest.approx(separate, rel=1e-5)
     assert abs(leaky - separate) > 1e-3
 

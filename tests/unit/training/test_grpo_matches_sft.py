@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel_ckpt.data.encode import DataSpec, Encoder
-from automodel_ckpt.recipes.algorithm import Algorithm
-from automodel_ckpt.recipes.grpo import GRPO
-from automodel_ckpt.recipes.grpo_state import RolloutBatch
+from automodel_ckpt.algorithms.sft import Supervised
+from automodel_ckpt.algorithms.grpo import GRPO
+from automodel_ckpt.algorithms.grpo_state import RolloutBatch
 from automodel_ckpt.training.rollout import token_log_probs
 
 PAD, BOS, EOS = 0, 1, 2
@@ -33,13 +33,13 @@ class _Tokenizer:
 
 def _grpo(local_batch_size: int, num_iterations: int = 2) -> GRPO:
     algorithm = GRPO.__new__(GRPO)
-    algorithm.recipe = SimpleNamespace(
+    algorithm.ctx = SimpleNamespace(
         tokenizer=_Tokenizer(), dims=SimpleNamespace(dp_size=1, dp_rank=0), env=SimpleNamespace(device="cpu"),
         cfg=OmegaConf.create({"step_scheduler": {"local_batch_size": local_batch_size}}))
     algorithm.grpo_cfg = OmegaConf.create({"epsilon": 0.2, "epsilon_high": None, "beta": 0.0,
                                            "num_iterations": num_iterations})
     algorithm._prompt_ids = [[BOS] + p for p in PROMPTS]  # what GRPO.build_data makes: bos, then the prompt
-    algorithm.rollout, algorithm._calls = RolloutBatch(), []
+    algorithm.rollout = RolloutBatch()
     return algorithm
 
 
@@ -76,7 +76,7 @@ def test_advantage_one_at_the_first_pass_has_the_supervised_loss_gradient(num_it
     algorithm.rollout.tensors = t
     batches = algorithm._micro_batches()
     if num_iterations == 1:
-        algorithm.recipe.model = None  # a forward would fail
+        algorithm.ctx.model = None  # a forward would fail
         old, ref = algorithm._log_probs()
         assert old.isnan().all() and not ref.any()  # not recorded
         t["old_log_probs"].fill_(-3.0)  # not read: exp(logp + 3) would be no ratio of 1
@@ -86,18 +86,20 @@ def test_advantage_one_at_the_first_pass_has_the_supervised_loss_gradient(num_it
                 t["old_log_probs"][mb.sample_ids] = token_log_probs(
                     model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels).double()
 
-    def gradient(loss_of) -> torch.Tensor:
+    def gradient(loss_of) -> tuple[torch.Tensor, list]:
         model.zero_grad()
+        results = []
         for mb in batches:
-            loss_of(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb).backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
+            results.append(loss_of(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb))
+            results[-1].loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), [r.sums for r in results]
 
-    grpo = gradient(lambda logits, mb: algorithm.compute_loss(logits, algorithm.loss_target(mb)))
-    sft = gradient(lambda logits, mb: Algorithm.compute_loss(algorithm, logits, mb.labels))
+    grpo, sums = gradient(lambda logits, mb: algorithm.compute_loss(logits, algorithm.loss_target(mb)))
+    sft, _ = gradient(lambda logits, mb: Supervised.compute_loss(algorithm, logits, mb.labels))
     assert torch.allclose(grpo.float(), sft, rtol=1e-4, atol=1e-6)
     assert sum(algorithm.loss_count(mb) for mb in batches) == sum(len(a) + 1 for a in ANSWERS)  # the same tokens
-    assert [s[0].item() for s in algorithm._calls] == [len(ANSWERS[0]) + len(ANSWERS[1]) + 2, len(ANSWERS[2]) + 1]
-    assert pytest.approx(sum(s[1].item() for s in algorithm._calls)) == 0.0  # nothing clipped at ratio 1
+    assert [s[0].item() for s in sums] == [len(ANSWERS[0]) + len(ANSWERS[1]) + 2, len(ANSWERS[2]) + 1]
+    assert pytest.approx(sum(s[1].item() for s in sums)) == 0.0  # nothing clipped at ratio 1
 
 
 def test_a_batch_made_for_one_pass_is_not_passed_over_again_by_a_resume_with_more_passes():
@@ -112,8 +114,8 @@ def test_a_batch_made_for_one_pass_is_not_passed_over_again_by_a_resume_with_mor
     algorithm.rollout.tensors, algorithm.rollout.passes = t, 1
     made = []
     algorithm._make_rollout = lambda: made.append(True)
-    algorithm.next_batch()
+    algorithm._next_rollout()
     assert made == [True]
     t["old_log_probs"].zero_()
-    algorithm.next_batch()
+    algorithm._next_rollout()
     assert made == [True]  # the same batch, its second pass

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from automodel_ckpt.recipes.algorithm import Algorithm
-from automodel_ckpt.recipes.dpo import Preference
-from automodel_ckpt.recipes.grpo import GRPO
+from automodel_ckpt.algorithms.dpo import Preference
+from automodel_ckpt.algorithms.grpo import GRPO
+from automodel_ckpt.algorithms.sft import Supervised
 from automodel_ckpt.training.preference import METRICS
 from automodel_ckpt.training.progress import Progress
 
@@ -22,6 +22,6 @@ def test_the_bar_shows_the_algorithms_numbers_between_the_loss_and_the_lr():
 
 
 def test_each_algorithm_shows_numbers_it_logs():
-    assert Algorithm.bar_metrics == ()
+    assert Supervised.bar_metrics == ()
     assert GRPO.bar_metrics == ("reward",)  # a key of every GRPO step's record (tests/integration/test_grpo.py)
     assert set(Preference.bar_metrics) <= set(METRICS[1:])  # what a DPO step records beside its loss

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -52,6 +52,63 @@ class GRPOCounters:
                 "consumed_prompts": self.consumed_prompts, "generated_completions": self.generated_completions,
                 "generated_tokens": self.generated_tokens, "skipped_prompts": self.skipped_prompts,
                 "reward_mean_so_far": mean}
+
+
+class PromptLoader:
+    """GRPO's loader (``data.BatchLoader``, checkpointed as ``dataloader``): its state is where the prompts are, the
+    epoch of their order and the position in it (kept in the counters, whose ``grpo`` state also lists them), and
+    each step's micro-batches are ``make()``'s, this rank's share of the rollout batch in use (a new one sampled
+    from the next prompts when the last one had its passes). Saved per rank as a map-style loader's is (the same
+    position on every rank); an earlier checkpoint's ``dataloader`` held a map-style loader's position, not the
+    prompts': the counters' (``grpo``) is the prompts' then."""
+
+    checkpoint_scope = "rank"
+
+    def __init__(self, make: Callable[[], tuple[int, list[Any]]], counters: GRPOCounters, global_batch_size: int,
+                 grad_accum: int, steps_per_epoch: int) -> None:
+        self.make, self.counters = make, counters
+        self.global_batch_size, self.grad_accum, self.steps_per_epoch = global_batch_size, grad_accum, steps_per_epoch
+        self.last_sample_ids: list[int] = []
+
+    @property
+    def epoch(self) -> int:
+        return self.counters.prompt_epoch
+
+    def next_batch(self) -> tuple[int, list[Any]]:
+        return self.make()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompt_epoch": self.counters.prompt_epoch, "prompt_position": self.counters.prompt_position}
+
+    def load_state_dict(self, state: Any) -> None:
+        """A checkpoint's position (untrusted): each a count, else one line; without one (an earlier checkpoint's
+        map-style position) the counters' stands."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"the GRPO prompt position is a {type(state).__name__}, not a mapping")
+        position = {k: state[k] for k in ("prompt_epoch", "prompt_position") if k in state}
+        for key, value in position.items():
+            if not is_count(value):
+                raise CheckpointError(f"the GRPO prompt position: '{key}' is not a count")
+        for key, value in position.items():
+            setattr(self.counters, key, value)
+
+    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
+                      world_size: int) -> dict[str, Any]:
+        """At another world size every rank takes rank 0's position: it is global, not per rank."""
+        return saved(0)
+
+    def report(self, waited: float) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> dict[str, Any] | None:
+        return None
+
+    def steps_left(self, num_epochs: int) -> int:
+        """Optimizer steps left until ``num_epochs`` epochs of prompts are taken (this epoch counted whole)."""
+        return max(0, (num_epochs - self.counters.prompt_epoch) * self.steps_per_epoch)
+
+    def begin_stage(self) -> str | None:
+        return None
 
 
 _TENSORS = {"prompt_ids": torch.int64, "sample_index": torch.int64, "input_ids": torch.int64,

@@ -1,0 +1,1 @@
+"""Training algorithms: what a fine-tune trains and how (its batches, loss, state and counters), each one module."""
