@@ -3,7 +3,8 @@
 Everything a checkpoint folder holds is spelled and read here, versioned by ``layout.LAYOUT_VERSION``: file names
 (``layout``), limits on untrusted files (``bounded``), the path validator (``paths``), metadata, the manifest and
 its checksums, durable writes, the catalog of a run folder, the byte formats (``formats/``: sharded model and
-optimizer state, PEFT adapters, safetensors, the only reader of pickles, parallel file I/O). It never imports the
+optimizer state, PEFT adapters, safetensors, the only reader of pickles), the engine that moves their bytes
+(``fastio/``: parallel file I/O) and the planning of DCP saves (``saveplan/``). It never imports the
 exports (``automodel_ckpt.export``) nor the engine that writes checkpoints (``automodel_ckpt.checkpoint``).
 
 Code outside this package, ``export`` and ``checkpoint`` imports only the names below, each a member of a module here

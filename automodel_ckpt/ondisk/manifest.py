@@ -16,7 +16,7 @@ wrote it: model shards, optimizer state, per-rank files, config, metadata, an in
 itself is not listed; symlinks are neither listed nor followed.
 
 When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
-files get their checksum while they are written, from the same memory (``formats/fastio``, recorded with
+files get their checksum while they are written, from the same memory (``ondisk/fastio``, recorded with
 ``storage.WrittenFiles``, owned by the checkpointer), so they are not read back; the other files were written moments earlier and are hashed
 from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
 size) and rank 0 writes the manifest and fsyncs it.

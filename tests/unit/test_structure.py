@@ -353,13 +353,13 @@ def test_the_ondisk_face_is_what_outside_code_needs():
 
 def test_a_benchmark_that_times_internals_says_so_in_one_line():
     faces = {"automodel_ckpt.ondisk": {"LAYOUT"}}
-    source = '"""Times the planner.\n\nTimes internals: imports ``ondisk.formats`` directly.\n"""\n' \
-             "from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner\n"
-    assert declared_internals(source) == ("automodel_ckpt.ondisk.formats",)
+    source = '"""Times the planner.\n\nTimes internals: imports ``ondisk.saveplan`` directly.\n"""\n' \
+             "from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner\n"
+    assert declared_internals(source) == ("automodel_ckpt.ondisk.saveplan",)
     assert imports_past_the_faces(source, faces)  # past the face, admitted only by the line
     assert past_the_faces(source, faces, tool=True) == []
-    assert past_the_faces(source.replace("``ondisk.formats``", "``ondisk.manifest``"), faces, tool=True) != []
-    assert past_the_faces(source.replace("ondisk.formats``", "ondisk.formatsx``"), faces, tool=True) != []
+    assert past_the_faces(source.replace("``ondisk.saveplan``", "``ondisk.manifest``"), faces, tool=True) != []
+    assert past_the_faces(source.replace("ondisk.saveplan``", "ondisk.saveplanx``"), faces, tool=True) != []
     assert past_the_faces(source, faces, tool=False) != []  # outside tools/ the line admits nothing
 
 
@@ -732,6 +732,31 @@ def test_the_format_name_rule_sees_names_and_constants_not_suffixes_or_the_libra
         "line 1: import TORCH_SAVE"]
     assert format_name_spellings('"""Reads safetensors."""\nimport safetensors\nF = "model.safetensors"\n'
                                  'LIMIT = bounded.SAFETENSORS_HEADER\n', names) == []
+
+
+def not_formats(folder: Path, beside: tuple[Path, ...]) -> list[str]:
+    """The entries of ``folder`` that are no format: a ``fastio`` package, a ``plan*`` module, or a module named as
+    one of the packages ``beside`` it (the I/O engine, the save planning)."""
+    engine = {p.stem for b in beside for p in b.glob("*.py") if p.stem != "__init__"}
+    return sorted(p.name for p in folder.iterdir() if p.name != "__pycache__" and
+                  (p.name == "fastio" or p.name.startswith("plan") or (p.suffix == ".py" and p.stem in engine)))
+
+
+def test_the_formats_package_holds_formats_only():
+    """``ondisk/formats/`` holds the byte formats; the I/O engine is ``ondisk/fastio/`` and the planning of DCP saves
+    ``ondisk/saveplan/``, each a package of its own beside it."""
+    beside = (PACKAGE / "ondisk" / "fastio", PACKAGE / "ondisk" / "saveplan")
+    assert all((b / "__init__.py").is_file() for b in beside)
+    assert not_formats(FORMATS_DIR, beside) == []
+
+
+def test_the_formats_rule_sees_the_engine_and_the_planning(tmp_path):
+    formats, engine = tmp_path / "formats", tmp_path / "fastio"
+    (formats / "fastio").mkdir(parents=True)
+    engine.mkdir()
+    for path in (formats / "plan_checks.py", formats / "records.py", formats / "safe_load.py", engine / "records.py"):
+        path.write_text('"""Planted."""\n')
+    assert not_formats(formats, (engine,)) == ["fastio", "plan_checks.py", "records.py"]
 
 
 # --- export targets are plug-ins: one module each and one register line, looked up by name (issue #93) ------------

@@ -300,7 +300,7 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     if where in ("dcp_write", "edquot", "erofs", "async"):
         import torch.distributed.checkpoint.filesystem as fs
 
-        from automodel_ckpt.ondisk.formats.fastio import filewrite
+        from automodel_ckpt.ondisk.fastio import filewrite
 
         code = {"edquot": errno.EDQUOT, "erofs": errno.EROFS}.get(where, errno.ENOSPC)
         reason = {"edquot": "disk quota exceeded", "erofs": "the filesystem is read-only"}.get(where, reason)
