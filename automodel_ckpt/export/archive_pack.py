@@ -29,6 +29,7 @@ from automodel_ckpt.ondisk import bounded, layout, manifest, paths
 from automodel_ckpt.ondisk.checksum import default_algorithm, hash_range, hasher
 from automodel_ckpt.ondisk.durable import fsync_dir
 from automodel_ckpt.export.archive import ALIGN, PAX_COMMENT
+from automodel_ckpt.export.registry import export_targets, identify
 from automodel_ckpt.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
 from automodel_ckpt.export.sources import require_format
 from automodel_ckpt.export.writer import OutFile, Write, write_into, writes_into
@@ -38,7 +39,7 @@ from automodel_ckpt.redact import redacted
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT, EXPORT, ADAPTER, GGUF = "checkpoint", "export", "adapter", "gguf"
+CHECKPOINT, EXPORT, ADAPTER = "checkpoint", "export", "adapter"  # else the name of the export target of its file
 _WEIGHTS_SUFFIX = ".safetensors"
 _COPY_CHUNK = 8 << 20
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -158,8 +159,9 @@ def _lay_out(entries: list[Entry]) -> tuple[list[tuple[int, bytes]], int, int]:
     where the manifest's header goes."""
     mtime = int(time.time())
     pos, headers = 0, []
+    aligned = (_WEIGHTS_SUFFIX, *(t.suffix for t in export_targets() if t.suffix))  # tensor data: weights, files
     for e in entries:
-        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith((_WEIGHTS_SUFFIX, layout.GGUF_SUFFIX)))
+        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith(aligned))
         headers.append((pos, header))
         e.at = pos + len(header)
         pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
@@ -284,15 +286,16 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
 # --- what goes in ----------------------------------------------------------------------------------------------
 def kind_of(src: Path) -> str:
     """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
-    ``gguf`` (one GGUF file of `export --to gguf`, checked first as `verify --sizes-only` checks it)."""
-    from automodel_ckpt.export.gguf_read import is_gguf, open_gguf, refuse_misplaced_tensors
-
-    if is_gguf(src):  # a damaged header raises; a damaged tensor is refused, not shipped
-        refuse_misplaced_tensors(open_gguf(src), "it is not packed")
-        return GGUF
+    the name of the export target whose one file ``src`` is (``registry.identify``), checked first by its
+    target (``ExportTarget.check``: a damaged file is refused, not shipped)."""
+    target = identify(src)
+    if target is not None:
+        target.check(src, "it is not packed")
+        return target.name
     if not src.is_dir():
-        raise UserError(f"'{src}' is not a folder or a GGUF file; pack takes a checkpoint, an export folder, an "
-                        "adapter folder or a GGUF file")
+        nouns = " or ".join(t.noun for t in export_targets() if t.noun)
+        raise UserError(f"'{src}' is not a folder or {nouns}; pack takes a checkpoint, an export folder, an adapter "
+                        f"folder or {nouns}")
     if (src / layout.METADATA_FILE).is_file() or (src / layout.MODEL_DIR).is_dir():
         return CHECKPOINT
     if (src / layout.ADAPTER_CONFIG).is_file():
@@ -307,7 +310,7 @@ def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], di
     """The members in archive order (the folder's files, its weights, this project's files) and the source."""
     kind = kind_of(src)
     source: dict[str, Any] = {"kind": kind, "name": src.resolve().name}
-    if kind == GGUF:
+    if kind not in (CHECKPOINT, EXPORT, ADAPTER):  # one exported file
         return [Entry(src.name, os.stat(src).st_size, path=src)], source
     if kind != CHECKPOINT:
         return _folder_entries(src, with_ours=True), source

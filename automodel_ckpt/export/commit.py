@@ -1,4 +1,4 @@
-"""Atomic publication of an HF export, and the coordination of the ranks writing it.
+"""Atomic publication of an HF export, the coordination of the ranks writing it, and an export's lineage file.
 
 An export is written into a hidden sibling folder and renamed into place only when every file is complete, so a
 reader never sees a half-written ``consolidated/``; a failure removes the temporary folder. With several ranks,
@@ -8,6 +8,7 @@ initialised, else through marker files in the shared temporary folder.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -218,3 +219,12 @@ def _as_checkpoint_error(error: BaseException) -> BaseException:
         where = f" at {error.filename}" if error.filename else ""
         return CheckpointError(f"consolidation failed{where}: {error.strerror or error}")
     return error
+
+
+def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
+    """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
+    file = Path(folder) / layout.LINEAGE_FILE
+    tmp = file.with_name(f".{layout.LINEAGE_FILE}.partial")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, file)
+    return file

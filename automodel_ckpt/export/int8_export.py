@@ -84,7 +84,7 @@ def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]
     model_type = str(source.config.get("model_type"))
     if model_type not in INT8_FAMILIES:
         raise UserError(f"int8 export does not know the model family '{model_type}'; it exports "
-                        f"{', '.join(INT8_FAMILIES)} (use --to gguf, or the Hugging Face export, for this model)")
+                        f"{', '.join(INT8_FAMILIES)} (use another --to, or the Hugging Face export, for this model)")
     preset, fmt = SCHEMES[scheme_name]
     scheme = preset_name_to_scheme(preset, targets=["Linear"])
     if calibration is not None:

@@ -48,7 +48,7 @@ class Int8Target(ExportTarget):
 
     def export(self, request: ExportRequest) -> int:
         from automodel_ckpt.export.int8_export import plan_int8, write_int8
-        from automodel_ckpt.export.lineage import export_lineage, write_lineage_file
+        from automodel_ckpt.export.commit import write_lineage_file
         from automodel_ckpt.export.model_source import open_model
 
         args, src = request.args, request.src
@@ -67,7 +67,8 @@ class Int8Target(ExportTarget):
                 print(f"would write {out}", flush=True)
                 return 0
             done = write_int8(source, plan, out, progress=not args.no_progress)
-        write_lineage_file(out, export_lineage([src]))
+        if request.lineage:
+            write_lineage_file(out, request.lineage())
         print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.2f} s)", flush=True)
         return 0
 

@@ -13,9 +13,10 @@ index, the header of each weights file and 256 KiB at each end of the data of th
 first MiB.
 
 Where it lives: a checkpoint's ``metadata.json`` (``lineage``), a Hugging Face export folder's ``LINEAGE_FILE``
-(``ondisk.layout``), a GGUF file's ``automodel_ckpt.lineage`` key (JSON text), an archive's copy of the checkpoint's
-metadata. Read back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every
-value escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
+(``ondisk.layout``, written by ``commit.write_lineage_file``), an exported file's own record (JSON text in its
+metadata, read by its export target: ``registry.identify``), an archive's copy of the checkpoint's metadata. Read
+back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every value
+escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
 fingerprints and their own lineage records are read there, with the same bounded readers, within one listing's
 ``Reads`` (each folder or file fingerprinted once, a bounded number of bytes in all).
 """
@@ -32,11 +33,10 @@ from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.paths import open_regular
 
-GGUF_KEY = "automodel_ckpt.lineage"  # the GGUF metadata key that holds an export's lineage (JSON text)
 RECORD_LIMIT = bounded.MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
 _INDEX = 64 * bounded.MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
 EMBEDDED_LIMIT = 256 * 1024  # a parent's own lineage embedded in a record at most this large (JSON), else left out
-_HEAD = bounded.MiB  # bytes of a file (a GGUF, a .ckpt) its fingerprint reads
+_HEAD = bounded.MiB  # bytes of a file (an exported file, a .ckpt) its fingerprint reads
 _SAMPLE = 256 * 1024  # bytes of weights read at each end of a safetensors file's data
 _SAMPLED_FILES = 16  # safetensors files whose data is sampled (the others: their headers)
 
@@ -220,10 +220,8 @@ def _check(record: Any, where: str) -> dict[str, Any]:
     return record
 
 
-def read_gguf_lineage(path: Path) -> dict[str, Any] | None:
-    from automodel_ckpt.export.gguf_read import gguf_lineage_text
-
-    text = gguf_lineage_text(path, RECORD_LIMIT)
+def _file_lineage(path: Path, text: str | None) -> dict[str, Any] | None:
+    """The lineage record an export wrote into the file ``path`` as JSON ``text`` (None: none)."""
     if text is None:
         return None
     return _check(bounded.parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
@@ -248,18 +246,20 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
 
 def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> dict[str, Any] | None:
     """The lineage recorded in ``path``: a checkpoint's metadata, an export folder's lineage file (or, for a
-    checkpoint's own ``model/consolidated``, the checkpoint), a GGUF file's key. None: none recorded. A record over
+    checkpoint's own ``model/consolidated``, the checkpoint), an export target's file's (``target.lineage_text``), an
+    archive's. None: none recorded. A record over
     ``RECORD_LIMIT`` bytes or not a record: one-line ``CheckpointError``. ``reads``: a listing's (``Reads``)."""
     path = Path(path)
     if path.is_symlink() and not follow:
         return None
     if path.is_file():
         from automodel_ckpt.export.archive import is_archive
-        from automodel_ckpt.export.gguf_read import is_gguf
+        from automodel_ckpt.export.registry import identify
 
         _take(reads, RECORD_LIMIT)  # a header walked (arrays and data skipped) for a record of at most this
-        if is_gguf(path):
-            return read_gguf_lineage(path)
+        target = identify(path)
+        if target is not None:
+            return _file_lineage(path, target.lineage_text(path, RECORD_LIMIT))
         return read_archive_lineage(path) if is_archive(path) else None
     if not path.is_dir():
         return None
@@ -285,11 +285,3 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
         return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}
     return None
 
-
-def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
-    """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
-    file = Path(folder) / layout.LINEAGE_FILE
-    tmp = file.with_name(f".{layout.LINEAGE_FILE}.partial")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, file)
-    return file

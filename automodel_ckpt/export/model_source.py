@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -34,18 +35,23 @@ from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 @dataclass
 class ModelSource:
-    """A model's tensors by on-disk name (shape, dtype, and how to read it) and the folder of its small files."""
+    """A model's tensors by on-disk name (shape, dtype, and how to read it), the folder of its small files, and for a
+    quantized one each tensor's rounding: what the exports read and ``diff``, ``average`` and ``eval`` compare."""
 
     config: dict[str, Any]
-    side_dir: Path
+    side_dir: Path | None = None  # a private folder holding copies of its small files (config, tokenizer)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
-    #: a quantized tensor's rounding: each element's step (an int8 folder dequantized: ``int8_read``)
-    steps: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
-    kind: str = "export"
+    #: a quantized tensor's rounding: each element's step, given the tensor as read (an int8 folder dequantized:
+    #: ``int8_read``; a quantized file's)
+    steps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)  # how a quantized tensor is stored (format and type)
+    kind: str = "export"  # what it is: "checkpoint", "archive", "adapter" (a LoRA adapter's own tensors), ...
     name: str = ""  # what the model is called (the SRC's name), as a quantized file records it
+    where: str = ""  # the SRC as the user gave it (for messages)
+    side: dict[str, bytes] = field(default_factory=dict)  # its small files' bytes by name, where a reader took them
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> None:
         self.shapes[name], self.dtypes[name], self.readers[name] = tuple(shape), dtype, read
@@ -59,9 +65,38 @@ class ModelSource:
         gives the export's dtype, the base's); a folder's or an archive's as ``read`` gives it."""
         return self.saved.get(name, self.readers[name])()
 
+    def rounding(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Each element's rounding in this model's format: a quantized tensor's step, else half a unit in the last
+        place of ``dtypes[name]`` (the dtype an export reads: a checkpoint's is the base's)."""
+        if name in self.steps:
+            return self.steps[name](value)
+        dtype = self.dtypes[name]
+        if not dtype.is_floating_point:
+            return torch.zeros((), dtype=torch.float64)
+        return value.double().abs() * (torch.finfo(dtype).eps / 2)
+
     @property
     def nbytes(self) -> int:
         return sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
+
+
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.language_model\.layers)\.(\d+)\.")
+
+
+def layer_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], whose: str) -> int:
+    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers whose
+    tensors are present (``shapes``) before anything loops over it: a count that is no whole number, or that differs
+    from the layers the weight files hold, is one line naming ``whose`` config (a crafted ``config.json`` never
+    sizes a loop or a table)."""
+    key = "n_layer" if "n_layer" in config and "num_hidden_layers" not in config else "num_hidden_layers"
+    value = config.get(key)
+    present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{whose}: config.json's {key} is {str(value)[:40]}, not a number of layers")
+    if value != len(present) or (present and max(present) != value - 1):  # layers 0 .. value-1, none missing
+        raise CheckpointError(f"{whose}: config.json's {key} is {value}, but the weight files hold "
+                              f"{len(present)} layer(s)" + (f" (numbered up to {max(present)})" if present else ""))
+    return value
 
 
 @contextmanager
@@ -78,7 +113,7 @@ def open_model(src: Path) -> Iterator[ModelSource]:
             source = _from_folder(src, stack)
         else:
             source = _from_checkpoint(src, stack)
-        source.name = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX)
+        source.name, source.where = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX), str(src)
         yield source
 
 
