@@ -322,6 +322,6 @@ def seal(staging: Path, n: int, written: WrittenFiles) -> tuple[float, int]:
         sent.append(pickle.dumps(manifest._hash_share(staging, list(share), share, default_algorithm(), written)))
     t0 = time.process_time()
     parts = [pickle.loads(b) for b in sent]  # gathered
-    manifest.write(staging, manifest.build(staging, files, manifest.merge_checksums(parts), default_algorithm(),
+    manifest.write(staging, manifest.build_manifest(staging, files, manifest.merge_checksums(parts), default_algorithm(),
                                            linked=linked))
     return seconds + time.process_time() - t0, sum(map(len, sent))

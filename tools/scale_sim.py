@@ -40,8 +40,7 @@ from automodel_ckpt.ondisk.saveplan.plan_results import outgoing as outgoing_res
 from automodel_ckpt.ondisk.saveplan.plan_results import succeeded as results_succeeded
 from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner, LocalLoadPlanner, read_items_for_chunks
 from automodel_ckpt.ondisk.layout import model_shard_file
-from automodel_ckpt.ondisk.manifest import build as build_manifest
-from automodel_ckpt.ondisk.manifest import dumps as dump_manifest
+from automodel_ckpt.ondisk.manifest import build_manifest, dump_manifest
 from automodel_ckpt.ondisk.manifest import merge_checksums
 
 TP = 8  # ranks per node: the shard group of HSDP, the tensor-parallel group of tp-fsdp

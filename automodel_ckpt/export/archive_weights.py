@@ -24,9 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from automodel_ckpt.distributed.dcp_private import hf_storage_info
 from automodel_ckpt.export.archive import open_archive
-from automodel_ckpt.ondisk.fastio.common import ST_CODES
-from automodel_ckpt.ondisk.fastio.readers import ParallelHFReader, read_safetensors
-from automodel_ckpt.ondisk.formats.safetensors_io import tensor_entries
+from automodel_ckpt.ondisk import ParallelHFReader, ST_CODES, read_safetensors, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
 _WEIGHTS_SUFFIX = ".safetensors"

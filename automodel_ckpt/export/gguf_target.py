@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import UsageError
+from automodel_ckpt.export.gguf_read import GGUF_SUFFIX
 from automodel_ckpt.export.target import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import layout
 from automodel_ckpt.sizes import human_size
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class GGUFTarget(ExportTarget):
     name = NAME
     summary = "one GGUF file for llama.cpp"
     noun = "a GGUF file"
-    suffix = layout.GGUF_SUFFIX
+    suffix = GGUF_SUFFIX
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--type", default="q8_0", help="GGUF storage type: bf16, f16, q8_0 (default) or q4_0")
@@ -55,14 +55,14 @@ class GGUFTarget(ExportTarget):
                 raise UsageError(_ADAPTER_ONLY)
             from automodel_ckpt.export.gguf_adapter import write_gguf_adapter
 
-            out = request.out(f"-lora-{args.type}{layout.GGUF_SUFFIX}")
+            out = request.out(f"-lora-{args.type}{GGUF_SUFFIX}")
             done = write_gguf_adapter(src, out, args.type)
             print(f"GGUF LoRA adapter written to {out} ({human_size(done['bytes'])}, {done['factors']} factors, "
                   f"rank {done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
             return 0
         from automodel_ckpt.export.gguf_export import plan_gguf, write_gguf
 
-        out = request.out(f"-{args.type}{layout.GGUF_SUFFIX}")
+        out = request.out(f"-{args.type}{GGUF_SUFFIX}")
         with open_model(src) as source:
             plan = plan_gguf(source, args.type)
             print(plan.describe(source), flush=True)

@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import bounded, layout
-from automodel_ckpt.ondisk.paths import open_regular
+from automodel_ckpt.ondisk import LAYOUT, MiB, check_size, open_regular, parse_json, read_bytes
 
-RECORD_LIMIT = bounded.MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
-_INDEX = 64 * bounded.MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
+RECORD_LIMIT = MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
+_INDEX = 64 * MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
 EMBEDDED_LIMIT = 256 * 1024  # a parent's own lineage embedded in a record at most this large (JSON), else left out
-_HEAD = bounded.MiB  # bytes of a file (an exported file, a .ckpt) its fingerprint reads
+_HEAD = MiB  # bytes of a file (an exported file, a .ckpt) its fingerprint reads
 _SAMPLE = 256 * 1024  # bytes of weights read at each end of a safetensors file's data
 _SAMPLED_FILES = 16  # safetensors files whose data is sampled (the others: their headers)
 
@@ -86,7 +85,7 @@ def _safetensors_header(path: Path, follow: bool, sample: bool, reads: Reads | N
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        bounded.check_size(n, f"'{path}'", "a safetensors header", _INDEX)
+        check_size(n, f"'{path}'", "a safetensors header", _INDEX)
         _take(reads, 8 + n + (2 * _SAMPLE if sample else 0))
         out = head + f.read(n)
         if sample:
@@ -106,7 +105,7 @@ def _file_head(path: Path, follow: bool, reads: Reads | None = None) -> bytes:
 
 def _read_small(path: Path, what: str, follow: bool, reads: Reads | None) -> bytes:
     _take(reads, _size(path, follow, _INDEX))
-    return bounded.read_bytes(path, what, _INDEX, follow=follow)
+    return read_bytes(path, what, _INDEX, follow=follow)
 
 
 def lineage_fingerprint(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> str | None:
@@ -137,11 +136,11 @@ def _fingerprint(path: Path, follow: bool, reads: Reads | None) -> str | None:
         return _sha(iter([_file_head(path, follow, reads)]))
     if not path.is_dir():
         return None
-    if (path / layout.METADATA_FILE).is_file():
-        name = layout.MANIFEST_FILE if (path / layout.MANIFEST_FILE).is_file() else layout.METADATA_FILE
+    if (path / LAYOUT.METADATA_FILE).is_file():
+        name = LAYOUT.MANIFEST_FILE if (path / LAYOUT.MANIFEST_FILE).is_file() else LAYOUT.METADATA_FILE
         return _sha(iter([name.encode(), _read_small(path / name, "a checkpoint's manifest", follow, reads)]))
     parts = []
-    for name in (layout.HF_CONFIG, layout.HF_INDEX):
+    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_INDEX):
         if (path / name).is_file():
             parts.append(name.encode() + b"\0" + _read_small(path / name, "a model config", follow, reads))
     for i, weights in enumerate(sorted(path.glob("*.safetensors"))[:4096]):
@@ -224,7 +223,7 @@ def _file_lineage(path: Path, text: str | None) -> dict[str, Any] | None:
     """The lineage record an export wrote into the file ``path`` as JSON ``text`` (None: none)."""
     if text is None:
         return None
-    return _check(bounded.parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
+    return _check(parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
 
 
 def read_archive_lineage(path: Path) -> dict[str, Any] | None:
@@ -232,9 +231,9 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(path) as archive:
-        if layout.ARCHIVE_METADATA not in archive.members:
+        if LAYOUT.ARCHIVE_METADATA not in archive.members:
             return None
-        meta = archive.json(layout.ARCHIVE_METADATA, "a lineage record", RECORD_LIMIT)
+        meta = archive.json(LAYOUT.ARCHIVE_METADATA, "a lineage record", RECORD_LIMIT)
     if not isinstance(meta, dict):
         return None
     entry: dict[str, Any] = {"role": "packed from", "path": None, "checkpoint": str(meta.get("name"))[:4096],
@@ -263,23 +262,23 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
         return read_archive_lineage(path) if is_archive(path) else None
     if not path.is_dir():
         return None
-    for name, key in ((layout.METADATA_FILE, "lineage"), (layout.LINEAGE_FILE, None)):
+    for name, key in ((LAYOUT.METADATA_FILE, "lineage"), (LAYOUT.LINEAGE_FILE, None)):
         file = path / name
         if file.is_symlink() or not file.exists():
             continue
         try:
             _take(reads, _size(file, False, RECORD_LIMIT))
-            data = bounded.read_bytes(file, "a lineage record", RECORD_LIMIT, follow=False)
+            data = read_bytes(file, "a lineage record", RECORD_LIMIT, follow=False)
         except OSError:
             return None
-        record = bounded.parse_json(data, f"'{file}'", "a lineage record", RECORD_LIMIT)
+        record = parse_json(data, f"'{file}'", "a lineage record", RECORD_LIMIT)
         if key is not None:
             record = record.get(key) if isinstance(record, dict) else None
             if record is None:
                 return None
         return _check(record, f"'{file}'")
     model_dir = path.parent
-    if model_dir.name == layout.MODEL_DIR and (model_dir.parent / layout.METADATA_FILE).is_file() \
+    if model_dir.name == LAYOUT.MODEL_DIR and (model_dir.parent / LAYOUT.METADATA_FILE).is_file() \
             and not model_dir.is_symlink():
         # a checkpoint's own consolidated export: the checkpoint is its parent
         return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}

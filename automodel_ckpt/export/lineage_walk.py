@@ -26,22 +26,21 @@ from typing import Any
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.export.lineage import Reads, ReadsSpent, lineage_fingerprint, read_lineage
 from automodel_ckpt.export.registry import export_targets
-from automodel_ckpt.ondisk import bounded, layout
-from automodel_ckpt.ondisk.paths import file_kind
+from automodel_ckpt.ondisk import LAYOUT, MiB, file_kind
 from automodel_ckpt.shown import one_line
 from automodel_ckpt.sizes import human_size
 
 MAX_DEPTH = 32  # generations printed
 MAX_PARENTS = 1024  # parent entries one listing prints
 MAX_LISTED = 256  # parents of one record listed
-READ_LIMIT = 2048 * bounded.MiB  # bytes one listing reads of the parents it meets (fingerprints and records)
+READ_LIMIT = 2048 * MiB  # bytes one listing reads of the parents it meets (fingerprints and records)
 #: The kernel's own filesystems: nothing on them is a checkpoint, and reading some of them blocks or leaks.
 _SYSTEM_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "debugfs", "tracefs", "securityfs", "cgroup",
                                  "cgroup2", "configfs", "fusectl", "bpf", "pstore", "efivarfs", "mqueue",
                                  "binfmt_misc", "autofs", "rpc_pipefs", "nsfs", "selinuxfs", "hugetlbfs"})
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 #: A folder holding one of these as a regular file is a checkpoint or an export folder.
-_MARKERS = (layout.METADATA_FILE, layout.LINEAGE_FILE, layout.HF_CONFIG, layout.ADAPTER_CONFIG)
+_MARKERS = (LAYOUT.METADATA_FILE, LAYOUT.LINEAGE_FILE, LAYOUT.HF_CONFIG, LAYOUT.ADAPTER_CONFIG)
 
 
 def lineage_chain(target: str | Path) -> list[str]:
@@ -186,10 +185,10 @@ def parent_problem(path: Path, st: os.stat_result) -> str | None:
     if stat.S_ISDIR(mode):
         return None if _is_model_folder(path) else "a folder that is no checkpoint or export: not read"
     files = [t for t in export_targets() if t.suffix]
-    if path.name.endswith((*(t.suffix for t in files), layout.ARCHIVE_SUFFIX)):
+    if path.name.endswith((*(t.suffix for t in files), LAYOUT.ARCHIVE_SUFFIX)):
         return None
     kinds = "".join(f"{t.noun.partition(' ')[2]} ({t.suffix}) or " for t in files)
-    return f"a file that is no {kinds}archive ({layout.ARCHIVE_SUFFIX}): not read"
+    return f"a file that is no {kinds}archive ({LAYOUT.ARCHIVE_SUFFIX}): not read"
 
 
 def _is_model_folder(path: Path) -> bool:
@@ -202,7 +201,7 @@ def _is_model_folder(path: Path) -> bool:
 
     if any(regular(path / name) for name in _MARKERS):
         return True
-    return path.name == layout.MODEL_DIR and regular(path / ".." / layout.METADATA_FILE)
+    return path.name == LAYOUT.MODEL_DIR and regular(path / ".." / LAYOUT.METADATA_FILE)
 
 
 def _on_system_filesystem(path: Path, st: os.stat_result) -> bool:
@@ -226,7 +225,7 @@ def _system_devices() -> frozenset[int]:
             continue
     try:
         with open("/proc/self/mountinfo", "rb") as f:
-            table = f.read(16 * bounded.MiB).decode("utf-8", "replace")
+            table = f.read(16 * MiB).decode("utf-8", "replace")
     except OSError:
         return frozenset(devices)
     for line in table.splitlines():

@@ -150,7 +150,7 @@ def read_yaml(path: Path, what: str, limit: int = CONFIG_FILE_LIMIT, *, follow: 
     return _parse_yaml(text, f"'{path}'", what)
 
 
-def count(value: object, where: str, field: str, limit: int) -> int:
+def check_count(value: object, where: str, field: str, limit: int) -> int:
     """``value`` as a count (an int from 0 to ``limit``): else a one-line ``CheckpointError`` naming ``field``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
         raise CheckpointError(f"{where}: {field} is {str(value)[:40]}; it must be a whole number from 0 to "

@@ -95,7 +95,7 @@ def assign(files: dict[str, int], world_size: int) -> list[list[str]]:
 # --- writing -----------------------------------------------------------------------------------------
 
 
-def build(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str, *,
+def build_manifest(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str, *,
           linked: int = 0) -> dict[str, Any]:
     """The manifest of ``files``; ``linked``: bytes of them the save hard-linked from an earlier checkpoint instead
     of writing (``checkpoint.incremental``), recorded as ``linked_bytes`` when there are any."""
@@ -118,7 +118,7 @@ def list_files_and_linked(root: Path) -> tuple[dict[str, int], int]:
     return dict(sorted((rel, st.st_size) for rel, st in stats)), sum(st.st_size for _, st in stats if st.st_nlink > 1)
 
 
-def dumps(manifest: dict[str, Any]) -> str:
+def dump_manifest(manifest: dict[str, Any]) -> str:
     """JSON with the header fields first and one line per file (readable, diffable)."""
     head = {k: v for k, v in manifest.items() if k != "files"}
     lines = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
@@ -130,7 +130,7 @@ def dumps(manifest: dict[str, Any]) -> str:
 def write(root: Path, manifest: dict[str, Any]) -> Path:
     """Write and fsync ``manifest.json`` (and the folder entry naming it)."""
     file = Path(root) / layout.MANIFEST_FILE
-    file.write_text(dumps(manifest), encoding="utf-8")
+    file.write_text(dump_manifest(manifest), encoding="utf-8")
     fsync_file(file)
     fsync_dir(Path(root))
     return file
@@ -201,7 +201,7 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     if written is not None:
         written.forget(staging)
     collective.on_main(
-        lambda: write(staging, build(staging, files, merge_checksums(parts or []), algorithm,
+        lambda: write(staging, build_manifest(staging, files, merge_checksums(parts or []), algorithm,
                                      linked=listed.get("linked", 0))),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
@@ -267,10 +267,10 @@ def add_files_to_manifest(folder: Path) -> bool:
     for rel in list_files(Path(folder)):
         size, digest = hash_file(Path(folder) / rel, algorithm)
         files[prefix + rel], checksums[prefix + rel] = size, digest
-    updated = build(checkpoint, files, checksums, algorithm)
+    updated = build_manifest(checkpoint, files, checksums, algorithm)
     updated["layout_version"] = current.get("layout_version", layout.LAYOUT_VERSION)
     tmp = checkpoint / layout.export_tmp_name(layout.MANIFEST_FILE, uuid.uuid4().hex[:8])
-    tmp.write_text(dumps(updated), encoding="utf-8")
+    tmp.write_text(dump_manifest(updated), encoding="utf-8")
     fsync_file(tmp)
     os.replace(tmp, checkpoint / layout.MANIFEST_FILE)
     fsync_dir(checkpoint)
