@@ -6,8 +6,8 @@ metadata, the ``consolidate.sh`` script; ``verify``), one archive file read in p
 a base model with its LoRA adapter merged (``lora_merge``); ``model_source`` opens any of them as a source for the
 others (``ModelSource``). What ``ckpt-train export --to NAME`` writes is a registry of targets (``registry``: one
 module each, ``target.ExportTarget``, and one register line), which ``inspect``, ``verify``, ``diff``, ``pack`` and
-a lineage listing also ask what a file is. It reads and writes through ``automodel_ckpt.ondisk`` (the folder's
-contract, below it) and never imports the engine (``automodel_ckpt.checkpoint``), which imports it.
+a lineage listing also ask what a file is. It reads and writes through ``automodel_ckpt.ondisk``'s face (the
+folder's contract, below it) and never imports the engine (``automodel_ckpt.checkpoint``), which imports it.
 
 Code outside this package imports only the names below, each a member of a module here under its own name
 (``tests/unit/test_structure.py``). The names load on first use.
