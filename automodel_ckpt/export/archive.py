@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import (CHECKSUM_MISMATCH, CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, MISSING,
-                                   ManifestReport, OK, SIZE_MISMATCH, SMALL_FILE_LIMIT, UNEXPECTED_FILE, UNREADABLE,
-                                   Verdict, check_header, check_path, check_size, hash_range, header_length,
-                                   open_regular, parse_header, parse_json, path_problem, tensor_entries)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, ManifestReport, SMALL_FILE_LIMIT,
+                                   UNEXPECTED_FILE, UNREADABLE, Verdict, check_header, check_path, check_size,
+                                   file_verdict, hash_range, header_length, open_regular, parse_header, parse_json,
+                                   path_problem, tensor_entries)
 from automodel_ckpt.errors import CheckpointError, first_line
 
 ALIGN = 4096  # a weights member's data starts at a multiple of this in the archive: mapped in place, page-aligned
@@ -239,20 +239,8 @@ def verify_archive(path: Path, *, checksums: bool = True) -> ManifestReport:
 def _check_member(archive: Archive, rel: str, entry: dict[str, Any], algorithm: str,
                   checksums: bool) -> Verdict:
     m = archive.members.get(rel)
-    if m is None:
-        return Verdict(rel, MISSING)
-    if m.size != entry["size"]:
-        return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, in the archive "
-                                                             f"{m.size}")
-    if checksums:
-        try:
-            digest = hash_range(archive.fd, m.offset, m.size, algorithm)
-        except OSError as exc:
-            return Verdict(rel, UNREADABLE, first_line(exc))
-        if digest != entry["checksum"]:
-            return Verdict(rel, CHECKSUM_MISMATCH,
-                           f"manifest {entry['checksum']}, in the archive {digest}")
-    return Verdict(rel, OK)
+    digest = (lambda: hash_range(archive.fd, m.offset, m.size, algorithm)) if checksums and m else None
+    return file_verdict(rel, entry, m.size if m else None, digest, "in the archive")
 
 
 def describe_archive(path: Path) -> dict[str, Any]:

@@ -33,7 +33,7 @@ _EXPORTS = exports_of({
     "catalog": "CheckpointRecord list_checkpoints pointer_target pointer_targets quarantined_checkpoints "
                "scan_checkpoints size_on_disk",
     "manifest": "CHECKSUM_MISMATCH UNEXPECTED_FILE ManifestReport add_files_to_manifest read_manifest verify_manifest "
-                "MISSING OK SIZE_MISMATCH UNREADABLE Verdict build_manifest dump_manifest",
+                "UNREADABLE Verdict build_manifest dump_manifest file_verdict",
     "metadata": "as_float",
     "fingerprint": "run_fingerprint",
     "incremental": "shared_bytes stored_once",  # checkpoint.incremental: own / shared bytes of a checkpoint

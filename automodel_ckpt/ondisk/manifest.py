@@ -371,15 +371,25 @@ def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, che
         return Verdict(rel, UNREADABLE, first_line(exc))
     if not_regular:
         return Verdict(rel, UNREADABLE, not_regular)
+    return file_verdict(rel, entry, size, (lambda: hash_file(path, algorithm)[1]) if checksums else None, "on disk")
+
+
+def file_verdict(rel: str, entry: dict[str, Any], size: int | None, digest: Callable[[], str] | None,
+                 where: str) -> Verdict:
+    """The verdict of the listed file ``rel`` (its manifest ``entry``) whose bytes number ``size`` (None: it is
+    missing), hashed by ``digest`` when checksums are checked; ``where`` the bytes are ("on disk", "in the
+    archive")."""
+    if size is None:
+        return Verdict(rel, MISSING)
     if size != entry["size"]:
-        return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, on disk {size}")
-    if checksums:
+        return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, {where} {size}")
+    if digest is not None:
         try:
-            _, digest = hash_file(path, algorithm)
+            found = digest()
         except OSError as exc:
             return Verdict(rel, UNREADABLE, first_line(exc))
-        if digest != entry["checksum"]:
-            return Verdict(rel, CHECKSUM_MISMATCH, f"manifest {entry['checksum']}, on disk {digest}")
+        if found != entry["checksum"]:
+            return Verdict(rel, CHECKSUM_MISMATCH, f"manifest {entry['checksum']}, {where} {found}")
     return Verdict(rel, OK)
 
 
