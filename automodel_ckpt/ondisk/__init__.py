@@ -10,9 +10,9 @@ exports (``automodel_ckpt.export``) nor the engine that writes checkpoints (``au
 Code outside this package and ``checkpoint`` (the engine, which writes the folder's bytes and is admitted inside)
 imports only the names below, each a member of a module here under its own name, never a whole module
 (``tests/unit/test_structure.py``): what that code reads, nothing more. The exports (``automodel_ckpt.export``) are
-outside code too: the second group below is what they need of the folder's bytes (safetensors headers and positioned
-reads, the model family's on-disk layout and a format's pieces, durable writes, checksums, the manifest's verdicts),
-and this table is their contract with it. The layout's file names and path builders are one of the names, the table
+outside code too: what they need of the folder's bytes (safetensors headers and positioned reads, the model family's
+on-disk layout and a format's pieces, durable writes, checksums, the manifest's verdicts) is on this table, their
+contract with it. The layout's file names and path builders are one of the names, the table
 ``LAYOUT`` (``LAYOUT.HF_CONFIG``). The modules inside are private to this package and ``checkpoint`` (benchmarks
 that time them aside, each saying so). The names load on first use, so reading a run folder (``inspect``,
 ``verify``) imports no torch.
