@@ -779,7 +779,7 @@ def test_the_formats_rule_sees_the_engine_and_the_planning(tmp_path):
 
 # --- export targets are plug-ins: one module each and one register line, looked up by name (issue #93) ------------
 
-GGUF_FILES_MAX = 4  # 17 before: the register line, the layout's suffix, the archive's description
+GGUF_FILES_MAX = 4  # 17 before; 1 today: the register line
 
 
 def test_export_dispatches_on_no_target_name():
