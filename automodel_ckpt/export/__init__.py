@@ -32,8 +32,7 @@ _EXPORTS = exports_of({
     "archive_weights": "ArchiveHFReader",
     "archive_pack": "pack pack_into pack_summary",
     # where a model came from: its training and export lineage
-    "lineage": "lineage_fingerprint lineage_parent lineage_json training_lineage export_lineage data_identity "
-               "read_lineage",
+    "lineage": "lineage_fingerprint lineage_parent training_lineage export_lineage data_identity read_lineage",
     "commit": "write_lineage_file",
     "lineage_walk": "lineage_chain",
     # an int8 folder read back as a model (its weights dequantized)

@@ -208,10 +208,6 @@ def data_identity(cfg: Any, rows: Any = None) -> dict[str, Any]:
     return out
 
 
-def lineage_json(record: dict[str, Any]) -> str:
-    return json.dumps(record, sort_keys=False, default=str)
-
-
 # ------------------------------------------------------------------------------------------ reading
 def _check(record: Any, where: str) -> dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("parents", []), list):
