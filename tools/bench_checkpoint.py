@@ -42,7 +42,7 @@ ratio to raw, memory the operation adds on rank 0) and writes JSON (``--json``).
 
     python tools/bench_checkpoint.py --dir /path/on/your/storage --size-gb 1 --nproc 1 --reps 5 --json out.json
 
-Times internals: imports ``ondisk.formats`` (the parallel I/O's thread counts its raw I/O uses) directly.
+Times internals: imports ``ondisk.fastio`` (the parallel I/O's thread counts its raw I/O uses) directly.
 """
 
 from __future__ import annotations
@@ -410,14 +410,14 @@ def child(args: argparse.Namespace) -> None:
     result: dict = {}
 
     if method in ("raw_write", "raw_write_mt", "raw_write_direct"):
-        from automodel_ckpt.ondisk.formats.fastio import WRITE_THREADS
+        from automodel_ckpt.ondisk.fastio import WRITE_THREADS
 
         t0 = _start_timing()
         raw_write(out, args.nbytes, args.nproc, 1 if method == "raw_write" else WRITE_THREADS,
                   direct=method == "raw_write_direct")
         result["seconds"] = time.perf_counter() - t0
     elif method in ("raw_read", "raw_read_mt", "raw_read_direct", "raw_read_stream"):
-        from automodel_ckpt.ondisk.formats.fastio import READ_THREADS
+        from automodel_ckpt.ondisk.fastio import READ_THREADS
 
         t0 = _start_timing()
         result["bytes_read"] = raw_read(src / "raw", args.nproc, 1 if method in ("raw_read", "raw_read_stream")

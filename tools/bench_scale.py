@@ -35,7 +35,7 @@ so every phase also carries the cost of running N processes on them: read the gr
 absolute times. ``growth`` is each phase's time at the largest rank count over the smallest, divided by the rank
 ratio: at most 1 means at most linear.
 
-Times internals: imports ``ondisk.formats`` (the planner it times, the caches it clears) directly.
+Times internals: imports ``ondisk.saveplan`` and ``ondisk.fastio`` (the planner it times, its caches) directly.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def worker(out: Path, reps: int, dump: Path | None = None) -> None:
 
     from automodel_ckpt.checkpoint import CheckpointConfig, Checkpointer
     from automodel_ckpt.checkpoint import SaveInfo
-    from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner
+    from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner
     from automodel_ckpt.distributed.env import end_process, init_distributed, shutdown_distributed
 
     env = init_distributed("gloo")
@@ -228,8 +228,8 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
     """The coordinator's CPU seconds at each rank count (see the module docstring), printed and written to ``out``."""
     import scale_sim
 
-    from automodel_ckpt.ondisk.formats.plan_results import clear_cache as clear_results_cache
-    from automodel_ckpt.ondisk.formats.planning import clear_cache as clear_plan_cache
+    from automodel_ckpt.ondisk.saveplan.plan_results import clear_cache as clear_results_cache
+    from automodel_ckpt.ondisk.saveplan.planning import clear_cache as clear_plan_cache
 
     report: dict = {"layout": layout, "strategy": strategy, "tensors": len(scale_sim.params(layout)), "ranks": [],
                     "first_save_s": [], "next_save_s": [], "load_s": [], "reshard_load_s": [],
@@ -272,8 +272,8 @@ def simulate_whole(ranks: list[int], layout: str, strategy: str, out: Path | Non
 
     import scale_e2e
 
-    from automodel_ckpt.ondisk.formats import plan_results, planning
-    from automodel_ckpt.ondisk.formats.fastio import metafile
+    from automodel_ckpt.ondisk.saveplan import plan_results, planning
+    from automodel_ckpt.ondisk.fastio import metafile
 
     report: dict = {"layout": layout, "strategy": strategy, "rows": []}
     for n in ranks:

@@ -24,7 +24,7 @@ here through the product's own code and rank 0's part timed (CPU seconds):
 At more than 64 ranks a simulated rank other than 0 keeps only what the next save needs of it (its fingerprints
 and digests) instead of its final plans: what it sends is the same, the coordinator's work is the real one.
 
-Times internals: ``ondisk.formats``, ``ondisk.manifest``, ``ondisk.layout``, ``ondisk.checksum``, ``ondisk.durable``, ``checkpoint.storage``.
+Times internals: ``ondisk.saveplan``, ``ondisk.fastio``, ``ondisk.manifest``, ``ondisk.layout``, ``ondisk.checksum``, ``ondisk.durable``, ``checkpoint.storage``.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ import automodel_ckpt.ondisk.layout as layout
 import automodel_ckpt.ondisk.manifest as manifest
 from automodel_ckpt.ondisk.checksum import default_algorithm
 from automodel_ckpt.ondisk.durable import WrittenFiles
-from automodel_ckpt.ondisk.formats import plan_results, planning
-from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
-from automodel_ckpt.ondisk.formats.fastio.common import compact
-from automodel_ckpt.ondisk.formats.fastio.filewrite import piece_length
-from automodel_ckpt.ondisk.formats.fastio.records import note_location, torch_save_bytes, torch_save_pieces
-from automodel_ckpt.ondisk.formats.plan_results import ResultsNote
-from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner
+from automodel_ckpt.ondisk.fastio import ParallelFileSystemWriter
+from automodel_ckpt.ondisk.fastio.common import compact
+from automodel_ckpt.ondisk.fastio.filewrite import piece_length
+from automodel_ckpt.ondisk.fastio.records import note_location, torch_save_bytes, torch_save_pieces
+from automodel_ckpt.ondisk.saveplan import plan_results, planning
+from automodel_ckpt.ondisk.saveplan.plan_results import ResultsNote
+from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner
 
 FLAG_STEPS = 3  # ``collectively`` steps of a synchronous save: the small files, the fsync, the checksums
 _PROPS = {dtype: TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
@@ -322,6 +322,6 @@ def seal(staging: Path, n: int, written: WrittenFiles) -> tuple[float, int]:
         sent.append(pickle.dumps(manifest._hash_share(staging, list(share), share, default_algorithm(), written)))
     t0 = time.process_time()
     parts = [pickle.loads(b) for b in sent]  # gathered
-    manifest.write(staging, manifest.build(staging, files, manifest.merge_checksums(parts), default_algorithm(),
+    manifest.write(staging, manifest.build_manifest(staging, files, manifest.merge_checksums(parts), default_algorithm(),
                                            linked=linked))
     return seconds + time.process_time() - t0, sum(map(len, sent))

@@ -10,7 +10,7 @@ it scatters back, unpickling every rank's write results, the manifest's checksum
 the coordinator's own local load plan (``LocalLoadPlanner``'s read items for its chunks, DCP's own), unpickling
 every rank's load plan and scattering them back (DCP's global load plan returns them unchanged).
 
-Times internals: imports ``ondisk.formats``, ``ondisk.manifest`` and ``ondisk.layout`` directly.
+Times internals: imports ``ondisk.saveplan``, ``ondisk.manifest`` and ``ondisk.layout`` directly.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from automodel_ckpt.ondisk import LAYOUT
-from automodel_ckpt.ondisk.formats.plan_results import ResultsNote
-from automodel_ckpt.ondisk.formats.plan_results import incoming as incoming_results
-from automodel_ckpt.ondisk.formats.plan_results import outgoing as outgoing_results
-from automodel_ckpt.ondisk.formats.plan_results import succeeded as results_succeeded
-from automodel_ckpt.ondisk.formats.planning import LinearSavePlanner, LocalLoadPlanner, read_items_for_chunks
+from automodel_ckpt.ondisk.saveplan.plan_results import ResultsNote
+from automodel_ckpt.ondisk.saveplan.plan_results import incoming as incoming_results
+from automodel_ckpt.ondisk.saveplan.plan_results import outgoing as outgoing_results
+from automodel_ckpt.ondisk.saveplan.plan_results import succeeded as results_succeeded
+from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner, LocalLoadPlanner, read_items_for_chunks
 from automodel_ckpt.ondisk.layout import model_shard_file
-from automodel_ckpt.ondisk.manifest import build as build_manifest
-from automodel_ckpt.ondisk.manifest import dumps as dump_manifest
+from automodel_ckpt.ondisk.manifest import build_manifest, dump_manifest
 from automodel_ckpt.ondisk.manifest import merge_checksums
 
 TP = 8  # ranks per node: the shard group of HSDP, the tensor-parallel group of tp-fsdp

@@ -83,12 +83,12 @@ def check_url(url: str, key: str, *, pattern: bool = False) -> None:
         raise ConfigError(f"{key}: '{url}' has an unknown storage scheme '{scheme}://'; use a local path or an "
                           "object store URL such as s3://BUCKET/PREFIX, gs://... or az://...")
     bucket, _, prefix = rest.partition("/")
-    why = paths.problem(bucket)
+    why = paths.path_problem(bucket)
     if why is None and scheme in ("s3", "s3a") and not _S3_BUCKET.match(bucket):
         why = "only letters, digits, '.', '-' and '_'"
     if why is not None:
         raise ConfigError(f"{key}: '{url}' names the bucket {bucket!r}, which is no bucket name ({why})")
-    why = None if pattern or not prefix else "an empty component" if prefix.startswith("/") else paths.problem(prefix)
+    why = None if pattern or not prefix else "an empty component" if prefix.startswith("/") else paths.path_problem(prefix)
     if why is not None:
         raise ConfigError(f"{key}: '{url}' names the key prefix {prefix!r} ({why}); write it as "
                           f"{scheme}://BUCKET/PREFIX, each part of PREFIX a plain name")

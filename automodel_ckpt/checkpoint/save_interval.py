@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from automodel_ckpt.ondisk.bounded import COUNT_LIMIT, is_count
 from automodel_ckpt.shown import shown_value
 
 #: seconds a save blocked training, or a step took, past which a number is no run's (some 116 days)
@@ -21,7 +22,6 @@ SECONDS_LIMIT = 1e7
 #: hours of a mean time between failures past which a number is no cluster's (``checkpoint.mtbf_hours`` included)
 MTBF_LIMIT_HOURS = 1e9
 MTBF_SOURCES = ("given", "observed", "assumed")
-STEP_LIMIT = 1 << 62  # a step number past this is no run's
 
 
 def _real(value: object) -> bool:
@@ -89,7 +89,7 @@ class SaveInterval:
     def longest(self) -> int:
         """The longest interval: ``max_every_steps``, at most the run's last step (at least 1)."""
         bounds = [b for b in (self.max_every, self.last_step) if _whole(b) and b >= 1]
-        return min(bounds, default=STEP_LIMIT)
+        return min(bounds, default=COUNT_LIMIT)  # a step number past the largest count is no run's
 
     def clamp(self, every: float) -> int:
         """``every`` steps as a whole number in ``[min_every_steps, longest]``, at least 1 (an infinity: the
@@ -138,14 +138,14 @@ class SaveInterval:
             problems.append(f"it is a {type(state).__name__}, not a mapping")
             state = {}
         every = state.get("every")
-        restored = every if _whole(every) and 1 <= every < STEP_LIMIT else None
+        restored = every if is_count(every) and every >= 1 else None
         if restored is None:
             problems.append(f"'every' is {shown_value(every)}, not a whole number of steps")
         elif last and restored > last:
             problems.append(f"'every' is {restored} steps, past the run's last step {last}")
         self.every = self.clamp(restored if restored is not None else self.min_every)
         next_step = state.get("next_step")
-        low, high = 1, STEP_LIMIT  # where the run is unknown: any step ahead
+        low, high = 1, COUNT_LIMIT  # where the run is unknown: any step ahead
         if _whole(step):  # a genuine schedule saves next within its interval from the resumed step
             low, high = step + 1, step + (restored or self.every)
             if last:

@@ -30,7 +30,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from automodel_ckpt.distributed.env import inside_launcher_worker
-from automodel_ckpt.checkpoint.save_interval import STEP_LIMIT, mtbf_seconds, seconds
+from automodel_ckpt.checkpoint.save_interval import mtbf_seconds, seconds
+from automodel_ckpt.ondisk.bounded import COUNT_LIMIT
 
 
 class PreemptionWatcher:
@@ -275,7 +276,7 @@ class AutoInterval:
         shown = wanted if isinstance(wanted, int) else f"{wanted:.4g}"
         top = interval.longest
         clamped = "" if interval.every == wanted else \
-            f", clamped to [{interval.min_every}, {top if top < STEP_LIMIT else 'no limit'}]"
+            f", clamped to [{interval.min_every}, {top if top < COUNT_LIMIT else 'no limit'}]"
         line = (f"{self.label}: every {interval.every} steps (was {before}): Young/Daly's interval for "
                 f"{cost:.3f} s blocked a {self.noun}, {step_s:.4f} s a step and an MTBF of {mtbf / 3600:.4g} h ({source}) "
                 f"is {shown} steps{clamped}; next {self.noun} at step {interval.next_step}")

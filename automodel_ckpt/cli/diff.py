@@ -12,11 +12,14 @@ _ORDER = ("changed", "only_a", "only_b", "close", "equal")
 
 
 def build_parser() -> VerbParser:
+    from automodel_ckpt.export import export_targets
+
+    files = " or ".join(t.noun for t in export_targets() if t.noun)  # what the export targets' files are
     p = VerbParser("diff", "Compare two models tensor by tensor (checkpoints at any world size or format, export "
-                           "folders, archives, GGUF files, int8 folders, adapters), one tensor in memory at a time. "
+                           f"folders, archives, int8 folders, adapters, {files}), one tensor in memory at a time. "
                            "Exit 0 when equal, 1 when something changed, 2 on error.")
-    p.add_argument("a", type=Path, help="a checkpoint, an export folder, an archive, a GGUF file, an int8 folder or "
-                                        "an adapter folder")
+    p.add_argument("a", type=Path, help=f"a checkpoint, an export folder, an archive, an int8 folder, an adapter "
+                                        f"folder or {files}")
     p.add_argument("b", type=Path, help="the same kinds")
     p.add_argument("--tolerance", type=float, default=0.0, metavar="T",
                    help="the largest |difference| still counted as equal ('close'; default 0: bitwise)")

@@ -17,8 +17,8 @@ from typing import Any
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.cli.export_hf_trainer import TARGET as HF_TRAINER
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.export import (DEFAULT_TARGET, ExportRequest, ExportTarget, export_targets, get_target,
-                                   register_target)
+from automodel_ckpt.export import (DEFAULT_TARGET, ExportRequest, ExportTarget, export_lineage, export_targets,
+                                   get_target, register_target)
 
 register_target(HF_TRAINER)
 
@@ -63,7 +63,8 @@ def _export(target: ExportTarget, args: argparse.Namespace) -> int:
         for other in export_targets():
             if other is not target:
                 other.refuse(args)
-    return target.export(ExportRequest(args, recipe_examples=_recipe_examples))
+    return target.export(ExportRequest(args, recipe_examples=_recipe_examples,
+                                       lineage=lambda: export_lineage([Path(args.src)])))
 
 
 def _recipe_examples(recipe: str | Path, tokenizer: Any, n: int) -> list[list[int]]:

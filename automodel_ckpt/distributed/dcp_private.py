@@ -7,7 +7,7 @@ torch.distributed.checkpoint``) are bound at module level; the others are import
 did, so a torch that lacks one fails (``ImportError``) only where it is used.
 
 - ``StorageInfo`` (``filesystem._StorageInfo``): where an item's bytes are in a ``.distcp`` file, the storage data
-  a ``FileSystemWriter`` returns and ``.metadata`` pickles. The fast writer and reader (``ondisk.formats.fastio``),
+  a ``FileSystemWriter`` returns and ``.metadata`` pickles. The fast writer and reader (``ondisk.fastio``),
   the metadata pickler and the sent write results (``plan_results``) make and read it as DCP's reader does.
 - ``validate_global_plan`` (``default_planner._validate_global_plan``): DCP's check of a global save plan (chunks in
   bounds, no overlap, the tensor covered), run by ``plan_checks`` on the parts of a plan it cannot prove itself.

@@ -21,7 +21,8 @@ import torch
 
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.evaluation.folder import ST_NAMES, write_folder
-from automodel_ckpt.evaluation.tensors import ADAPTER, Tensors, open_tensors
+from automodel_ckpt.evaluation.tensors import ADAPTER, open_tensors
+from automodel_ckpt.export import ModelSource
 from automodel_ckpt.ondisk import list_checkpoints
 
 __all__ = ["AverageReport", "average", "last_checkpoints", "parse_weights"]
@@ -93,7 +94,7 @@ def average(sources: list[Path], weights: list[float], out: Path, *, dtype: torc
                      max_shard_size=max_shard_size)
         written = sum(math.prod(shape) * d.itemsize for _, shape, d in entries)
         return AverageReport(Path(out), [m.where for m in models], [w / total for w in weights], len(entries),
-                             written, first.kind)
+                             written, ADAPTER if first.kind == ADAPTER else "model")
 
 
 def _out_dtype(source: torch.dtype, override: torch.dtype | None) -> torch.dtype:
@@ -102,7 +103,7 @@ def _out_dtype(source: torch.dtype, override: torch.dtype | None) -> torch.dtype
     return override if override is not None and source.is_floating_point else source
 
 
-def _mean(name: str, models: list[Tensors], weights: list[float], total: float) -> torch.Tensor:
+def _mean(name: str, models: list[ModelSource], weights: list[float], total: float) -> torch.Tensor:
     """The weighted mean of tensor ``name``: one source tensor in memory at a time beside the accumulator."""
     dtype = models[0].dtypes[name]
     if not dtype.is_floating_point:  # an integer buffer (a position table, a mask) is kept, never averaged
@@ -122,13 +123,13 @@ def _mean(name: str, models: list[Tensors], weights: list[float], total: float) 
     return acc.div_(total)
 
 
-def _check_same(a: Tensors, b: Tensors) -> None:
+def _check_same(a: ModelSource, b: ModelSource) -> None:
     """One line when ``b`` is not the same model as ``a``: kind, family, tensor names, shapes, floating or not."""
     def refuse(why: str) -> None:
         raise UserError(f"'{b.where}' is not the same model as '{a.where}': {why}; only checkpoints of one model "
                         "(same tensors and shapes) are averaged")
 
-    if a.kind != b.kind:
+    if (a.kind == ADAPTER) != (b.kind == ADAPTER):
         refuse(f"one is {'a LoRA adapter' if a.kind == ADAPTER else 'a full model'}, the other not")
     family_a, family_b = a.config.get("model_type"), b.config.get("model_type")
     if family_a != family_b:

@@ -1,13 +1,15 @@
 """What differs between two models' tensors, one tensor at a time, and between two checkpoints' recipes and counters.
 
 Each side is read as ``open_tensors`` reads it (a checkpoint at any world size or format, an export folder, an int8
-folder, an archive, an adapter) or as ``gguf_side`` pairs a GGUF file with the other side: a tensor is assembled
-from its shards when asked for, compared with the other side's, and dropped, so memory is bounded by the largest
-tensor. A checkpoint's tensors are compared as saved (its float32 training weights), so a checkpoint against its
-own bf16 export is ``close``: equal once rounded to the coarser dtype. Against a quantized side (a GGUF file, an int8
-folder's weights) a tensor is ``close`` when every element is within the sum of both sides' rounding: the quantized
-format's step (``Tensors.rounding``) and half a unit in the last place of the dtype the export read. Names, values
-and paths read here are data: printed through the escaping stream, never followed.
+folder, an archive, an adapter) or, an export target's file (``export.identify``), as its target pairs it with the
+other side (``ExportTarget.beside``: the other side laid out as the file lays it out, both under the model's names):
+a tensor is assembled from its shards when asked for, compared with the other side's, and dropped, so memory is
+bounded by the largest tensor. A checkpoint's tensors are compared as saved (its float32 training weights), so a
+checkpoint against its own bf16 export is ``close``: equal once rounded to the coarser dtype. Against a quantized
+side (a quantized file, an int8 folder's weights) a tensor is ``close`` when every element is within the sum of both
+sides' rounding: the quantized format's step (``ModelSource.rounding``) and half a unit in the last place of the
+dtype the export read. Names, values and paths read here are data: printed through the escaping stream, never
+followed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
-from automodel_ckpt.evaluation.gguf_side import gguf_alone, gguf_beside
-from automodel_ckpt.evaluation.tensors import Tensors, open_tensors
-from automodel_ckpt.export import is_gguf
+from automodel_ckpt.evaluation.tensors import open_tensors
+from automodel_ckpt.export import ModelSource, identify
 from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml,
                                    regular_file_problem)
 
@@ -132,21 +133,21 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
     return report
 
 
-def _sides(a: Path, b: Path, stack: ExitStack) -> tuple[Tensors, Tensors]:
-    """The two sides' tensors: each as ``open_tensors`` reads it, a GGUF file by the other side's names (two GGUF
-    files by their own)."""
-    gguf_a, gguf_b = is_gguf(a), is_gguf(b)
-    if gguf_a and gguf_b:
-        return gguf_alone(a, stack), gguf_alone(b, stack)
-    if gguf_a:
-        laid, read = gguf_beside(stack.enter_context(open_tensors(b)), a, stack)
+def _sides(a: Path, b: Path, stack: ExitStack) -> tuple[ModelSource, ModelSource]:
+    """The two sides' tensors: each as ``open_tensors`` reads it, an export target's file by the other side's names
+    (two such files by their own)."""
+    file_a, file_b = identify(a), identify(b)
+    if file_a and file_b:
+        return file_a.open_tensors(a, stack), file_b.open_tensors(b, stack)
+    if file_a:
+        laid, read = file_a.beside(stack.enter_context(open_tensors(b)), a, stack)
         return read, laid
-    if gguf_b:
-        return gguf_beside(stack.enter_context(open_tensors(a)), b, stack)
+    if file_b:
+        return file_b.beside(stack.enter_context(open_tensors(a)), b, stack)
     return stack.enter_context(open_tensors(a)), stack.enter_context(open_tensors(b))
 
 
-def _tensor(left: Tensors, right: Tensors, name: str, tolerance: float) -> TensorDiff:
+def _tensor(left: ModelSource, right: ModelSource, name: str, tolerance: float) -> TensorDiff:
     if name not in right.shapes:
         return TensorDiff(ONLY_A)
     if name not in left.shapes:

@@ -13,61 +13,23 @@ adapters gives an adapter. Nothing read here runs a pickle or instantiates a con
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.evaluation.folder import ST_NAMES
-from automodel_ckpt.export import dequantize_int8, is_int8, open_model
+from automodel_ckpt.export import ModelSource, dequantize_int8, is_int8, open_model
 from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, model_file_in, read_bytes, read_json
 
-__all__ = ["MODEL", "ADAPTER", "Tensors", "is_adapter", "open_tensors"]
+__all__ = ["ADAPTER", "is_adapter", "open_tensors"]
 
-MODEL, ADAPTER = "model", "adapter"
+ADAPTER = "adapter"  # the kind of a LoRA adapter's own tensors
 # the small files a model folder may carry beside its weights (config, generation config, tokenizer)
 _MODEL_SIDE = (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES)
 _ADAPTER_SIDE = (LAYOUT.ADAPTER_CONFIG, LAYOUT.PEFT_FULL_CONFIG, *LAYOUT.HF_TOKENIZER_FILES)
-
-
-@dataclass
-class Tensors:
-    """A model's tensors by name (shape, dtype, a reader giving a fresh tensor) and its small files by name."""
-
-    where: str  # the SRC as the user gave it (for messages)
-    kind: str  # MODEL or ADAPTER
-    config: dict[str, Any]  # config.json (a model) or adapter_config.json (an adapter)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-    readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
-    side: dict[str, bytes] = field(default_factory=dict)
-    saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
-    #: a quantized tensor's rounding: each element's step, given the tensor as read (an int8 folder's, a quantized
-    #: file's)
-    steps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
-    formats: dict[str, str] = field(default_factory=dict)  # how a quantized tensor is stored (format and type)
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in ``dtypes[name]`` (a checkpoint's: the export's dtype, the base's)."""
-        return self.readers[name]()
-
-    def read_saved(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in the dtype it was saved in (a checkpoint's float32 training weights)."""
-        return self.saved.get(name, self.readers[name])()
-
-    def rounding(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """Each element's rounding in this side's format: a quantized tensor's step, else half a unit in the last
-        place of ``dtypes[name]`` (the dtype an export reads: a checkpoint's is the base's)."""
-        if name in self.steps:
-            return self.steps[name](value)
-        dtype = self.dtypes[name]
-        if not dtype.is_floating_point:
-            return torch.zeros((), dtype=torch.float64)
-        return value.double().abs() * (torch.finfo(dtype).eps / 2)
 
 
 def is_adapter(src: Path) -> bool:
@@ -77,7 +39,7 @@ def is_adapter(src: Path) -> bool:
 
 
 @contextmanager
-def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Tensors]:
+def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[ModelSource]:
     """The tensors of ``src``; a LoRA adapter as its adapter tensors (``adapters_as_adapters``) or merged into its
     base (a full model: what evaluation needs)."""
     src = Path(src)
@@ -90,11 +52,8 @@ def open_tensors(src: Path, *, adapters_as_adapters: bool = True) -> Iterator[Te
     with open_model(src) as model:
         if is_int8(model.config):
             model = dequantize_int8(model)
-        yield Tensors(str(src), MODEL, dict(model.config), dict(model.shapes), dict(model.dtypes), dict(model.readers),
-                      side=_side_files(model.side_dir, _MODEL_SIDE),
-                      saved={name: model.saved.get(name, read) for name, read in model.readers.items()},
-                      steps={name: lambda value, step=step: step() for name, step in model.steps.items()},
-                      formats=dict.fromkeys(model.steps, "int8"))
+        model.side = _side_files(model.side_dir, _MODEL_SIDE)
+        yield model
 
 
 def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
@@ -112,7 +71,7 @@ def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
     return out
 
 
-def _adapter(src: Path, stack: ExitStack) -> Tensors:
+def _adapter(src: Path, stack: ExitStack) -> ModelSource:
     from safetensors import safe_open
 
     folder = src / LAYOUT.MODEL_DIR if os.path.lexists(src / LAYOUT.MODEL_DIR / LAYOUT.ADAPTER_CONFIG) else src
@@ -130,7 +89,7 @@ def _adapter(src: Path, stack: ExitStack) -> Tensors:
         handle = stack.enter_context(safe_open(str(weights), framework="pt"))
     except Exception as exc:  # safetensors' own checks of the header: sizes, offsets, dtypes
         raise CheckpointError(f"'{weights}' is not a readable safetensors file: {exc}") from None
-    tensors = Tensors(str(src), ADAPTER, config, side=_side_files(folder, _ADAPTER_SIDE))
+    tensors = ModelSource(config, kind=ADAPTER, where=str(src), side=_side_files(folder, _ADAPTER_SIDE))
     for name in handle.keys():
         sliced = handle.get_slice(name)
         tensors.shapes[name] = tuple(int(d) for d in sliced.get_shape())

@@ -1,13 +1,13 @@
-"""Exports of checkpoints: Hugging Face folders, archives, GGUF, int8 and merged LoRA adapters, and their one face.
+"""Exports of checkpoints: Hugging Face folders, archives, quantized models and merged LoRA adapters, and their face.
 
 A checkpoint's model becomes a Hugging Face folder (``plan``: the plan, shard sources, writer, atomic commit, HF
 metadata, the ``consolidate.sh`` script; ``verify``), one archive file read in place (``archive_pack``, ``archive``,
-``archive_weights``), a GGUF file (``gguf_*``), an int8 folder (``int8_*``) or a base model with its LoRA adapter
-merged (``lora_merge``); ``model_source`` opens any of them as a source for the others. What ``ckpt-train export
---to NAME`` writes is a registry of targets (``registry``: one module each, ``target.ExportTarget``, and one
-register line), which ``inspect`` and ``verify`` also ask what a file is. It reads and writes through
-``automodel_ckpt.ondisk`` (the folder's contract, below it) and never imports the engine
-(``automodel_ckpt.checkpoint``), which imports it.
+``archive_weights``), a quantized file or folder (one ``*_target`` module each, and the modules named as it is) or
+a base model with its LoRA adapter merged (``lora_merge``); ``model_source`` opens any of them as a source for the
+others (``ModelSource``). What ``ckpt-train export --to NAME`` writes is a registry of targets (``registry``: one
+module each, ``target.ExportTarget``, and one register line), which ``inspect``, ``verify``, ``diff``, ``pack`` and
+a lineage listing also ask what a file is. It reads and writes through ``automodel_ckpt.ondisk``'s face (the
+folder's contract, below it) and never imports the engine (``automodel_ckpt.checkpoint``), which imports it.
 
 Code outside this package imports only the names below, each a member of a module here under its own name
 (``tests/unit/test_structure.py``). The names load on first use.
@@ -25,23 +25,17 @@ _EXPORTS = exports_of({
     "hf_metadata": "write_hf_metadata",
     "verify": "verify_export print_report",
     # any model folder, archive or checkpoint as a source; LoRA merged into its base
-    "model_source": "open_model",
+    "model_source": "open_model ModelSource",
     "lora_merge": "merge_lora",
     # archives: one file holding a model folder, read in place
     "archive": "is_archive open_archive describe_archive verify_archive",
     "archive_weights": "ArchiveHFReader",
     "archive_pack": "pack pack_into pack_summary",
     # where a model came from: its training and export lineage
-    "lineage": "lineage_fingerprint lineage_parent lineage_json training_lineage export_lineage data_identity "
-               "read_lineage write_lineage_file",
+    "lineage": "lineage_fingerprint lineage_parent training_lineage export_lineage data_identity read_lineage",
+    "commit": "write_lineage_file",
     "lineage_walk": "lineage_chain",
-    # GGUF files for llama.cpp
-    "gguf_read": "is_gguf describe_gguf verify_gguf",
-    "gguf_export": "plan_gguf write_gguf",
-    "gguf_adapter": "write_gguf_adapter",
-    "gguf_tensors": "open_gguf_tensors gguf_mapping",
-    # int8 folders for vLLM
-    "int8_export": "plan_int8 write_int8",
+    # an int8 folder read back as a model (its weights dequantized)
     "int8_read": "is_int8 dequantize_int8",
     # the targets of `ckpt-train export --to NAME`, by name, and which one a file is
     "target": "ExportTarget ExportRequest",

@@ -19,20 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import bounded, layout, manifest, paths
-from automodel_ckpt.ondisk.checksum import hash_range
-from automodel_ckpt.ondisk.formats.safetensors_io import (
-    check_header,
-    header_length,
-    parse_header,
-    tensor_entries,
-)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, ManifestReport, SMALL_FILE_LIMIT,
+                                   UNEXPECTED_FILE, UNREADABLE, Verdict, check_header, check_path, check_size,
+                                   file_verdict, hash_range, header_length, open_regular, parse_header, parse_json,
+                                   path_problem, tensor_entries)
 from automodel_ckpt.errors import CheckpointError, first_line
 
 ALIGN = 4096  # a weights member's data starts at a multiple of this in the archive: mapped in place, page-aligned
 _BLOCK = tarfile.BLOCKSIZE
-_MAX_EXTENDED_HEADER = bounded.SMALL_FILE_LIMIT  # a pax or GNU long-name record's size, checked before tarfile reads it
+_MAX_EXTENDED_HEADER = SMALL_FILE_LIMIT  # a pax or GNU long-name record's size, checked before tarfile reads it
 PAX_COMMENT = "comment"  # the pax keyword readers ignore: a weights member's padding; the manifest's own checksum
+# what an archive's table records of the folder it was packed from; else the export target of its one file
+CHECKPOINT, EXPORT, ADAPTER = "checkpoint", "export", "adapter"
 MAX_MEMBERS = 1 << 16  # a model folder holds tens of files; each member costs memory while the archive is open
 _EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
              tarfile.GNUTYPE_LONGLINK)
@@ -41,7 +39,7 @@ _EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.
 def is_archive(path: Path) -> bool:
     """Whether ``path`` names an archive (a file, or a name ending in ``.tar``) rather than a folder."""
     path = Path(path)
-    return not path.is_dir() and (path.name.endswith(layout.ARCHIVE_SUFFIX) or path.exists())
+    return not path.is_dir() and (path.name.endswith(LAYOUT.ARCHIVE_SUFFIX) or path.exists())
 
 
 @dataclass(frozen=True)
@@ -94,14 +92,14 @@ class Archive:
     def read(self, name: str, what: str, limit: int) -> bytes:
         """The bytes of member ``name`` (at most ``limit``: checked from its header before reading)."""
         m = self.member(name)
-        bounded.check_size(m.size, self.where(name), what, limit)
+        check_size(m.size, self.where(name), what, limit)
         data = os.pread(self.fd, m.size, m.offset)
         if len(data) != m.size:
             raise CheckpointError(f"{self.where(name)} is cut short: the archive ends inside it")
         return data
 
-    def json(self, name: str, what: str, limit: int = bounded.CONFIG_FILE_LIMIT) -> Any:
-        return bounded.parse_json(self.read(name, what, limit), self.where(name), what, limit)
+    def json(self, name: str, what: str, limit: int = CONFIG_FILE_LIMIT) -> Any:
+        return parse_json(self.read(name, what, limit), self.where(name), what, limit)
 
     def safetensors_header(self, name: str) -> tuple[dict[str, Any], int]:
         """``(header, data start in the member)`` of a safetensors member, checked as a file's would be."""
@@ -114,15 +112,15 @@ class Archive:
 
     def manifest(self) -> dict[str, Any]:
         """The archive's manifest, its table checked (sizes, checksums, plain paths); ``CheckpointError`` else."""
-        data = self.json(layout.ARCHIVE_MANIFEST, "an archive manifest", bounded.INDEX_FILE_LIMIT)
+        data = self.json(LAYOUT.ARCHIVE_MANIFEST, "an archive manifest", INDEX_FILE_LIMIT)
         files = data.get("files") if isinstance(data, dict) else None
         if not isinstance(files, dict) or not isinstance(data.get("checksum_algorithm"), str) or not all(
                 isinstance(v, dict) and isinstance(v.get("size"), int) and not isinstance(v.get("size"), bool)
                 and v["size"] >= 0 and isinstance(v.get("checksum"), str) for v in files.values()):
-            raise CheckpointError(f"{self.where(layout.ARCHIVE_MANIFEST)} is malformed (no 'files' table of sizes "
+            raise CheckpointError(f"{self.where(LAYOUT.ARCHIVE_MANIFEST)} is malformed (no 'files' table of sizes "
                                   "and checksums, or no 'checksum_algorithm')")
         for rel in files:
-            paths.check_path(rel, self.where(layout.ARCHIVE_MANIFEST))
+            check_path(rel, self.where(LAYOUT.ARCHIVE_MANIFEST))
         return data
 
 
@@ -131,7 +129,7 @@ def open_archive(path: Path) -> Archive:
     naming the archive and the member otherwise. Only a regular file is opened (never a FIFO or device)."""
     path = Path(path)
     try:
-        fd = paths.open_regular(path, follow=True)  # the file the user named (a cache's link to its blob)
+        fd = open_regular(path, follow=True)  # the file the user named (a cache's link to its blob)
     except FileNotFoundError:
         raise CheckpointError(f"the archive '{path}' does not exist") from None
     except OSError as exc:
@@ -162,8 +160,8 @@ def _members(path: Path, fd: int) -> dict[str, Member]:
                                           "members, the limit for a model archive")
                 name = _plain_name(info.name)
                 if info.isdir():
-                    if name and paths.problem(name):
-                        raise refuse(info.name, f"is a folder with an unsafe name ({paths.problem(name)})")
+                    if name and path_problem(name):
+                        raise refuse(info.name, f"is a folder with an unsafe name ({path_problem(name)})")
                     end = info.offset_data
                     continue
                 if info.issym() or info.islnk():
@@ -171,7 +169,7 @@ def _members(path: Path, fd: int) -> dict[str, Member]:
                 if not info.isreg() or info.issparse():
                     raise refuse(info.name, "is a device, FIFO, sparse file or other special member, not a regular "
                                             "file")
-                why = paths.problem(name)
+                why = path_problem(name)
                 if why is not None:
                     raise refuse(info.name, f"has an unsafe name ({why})")
                 if name in members:
@@ -179,7 +177,7 @@ def _members(path: Path, fd: int) -> dict[str, Member]:
                 if info.offset_data + info.size > size:
                     raise refuse(info.name, f"runs to byte {info.offset_data + info.size}, past the end of the "
                                             f"{size}-byte file")
-                own = info.pax_headers.get(PAX_COMMENT) if name == layout.ARCHIVE_MANIFEST else None
+                own = info.pax_headers.get(PAX_COMMENT) if name == LAYOUT.ARCHIVE_MANIFEST else None
                 members[name] = Member(name, info.offset_data, info.size, own)
                 end = info.offset_data + info.size
         except CheckpointError as exc:
@@ -210,18 +208,18 @@ def _plain_name(name: str) -> str:
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
-def verify_archive(path: Path, *, checksums: bool = True) -> manifest.ManifestReport:
+def verify_archive(path: Path, *, checksums: bool = True) -> ManifestReport:
     """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); members the
     manifest does not list are ``unexpected``; an unreadable manifest is the report's ``problem``. An archive
     ``open_archive`` refuses is a ``CheckpointError``."""
-    report = manifest.ManifestReport(Path(path))
+    report = ManifestReport(Path(path))
     with open_archive(path) as archive:
         try:
-            own = archive.member(layout.ARCHIVE_MANIFEST)
+            own = archive.member(LAYOUT.ARCHIVE_MANIFEST)
             algorithm, _, digest = (own.checksum or "").partition(":")
             if checksums and not digest:  # a plain tar drops the extended header that holds it
-                report.verdicts.append(manifest.Verdict(own.name, manifest.UNREADABLE, "its header holds no "
-                                                        "checksum of it; pack the unpacked folder again"))
+                report.verdicts.append(Verdict(own.name, UNREADABLE, "its header holds no "
+                                               "checksum of it; pack the unpacked folder again"))
             else:
                 report.verdicts.append(_check_member(archive, own.name, {"size": own.size, "checksum": digest},
                                                      algorithm, checksums))
@@ -231,30 +229,18 @@ def verify_archive(path: Path, *, checksums: bool = True) -> manifest.ManifestRe
                 report.verdicts.append(_check_member(archive, rel, entry, report.algorithm, checksums))
                 report.total_bytes += entry["size"]
             for rel in archive.members:
-                if rel not in table["files"] and rel != layout.ARCHIVE_MANIFEST:
-                    report.verdicts.append(manifest.Verdict(rel, manifest.UNEXPECTED_FILE))
+                if rel not in table["files"] and rel != LAYOUT.ARCHIVE_MANIFEST:
+                    report.verdicts.append(Verdict(rel, UNEXPECTED_FILE))
         except CheckpointError as exc:
             report.problem = first_line(exc)
     return report
 
 
 def _check_member(archive: Archive, rel: str, entry: dict[str, Any], algorithm: str,
-                  checksums: bool) -> manifest.Verdict:
+                  checksums: bool) -> Verdict:
     m = archive.members.get(rel)
-    if m is None:
-        return manifest.Verdict(rel, manifest.MISSING)
-    if m.size != entry["size"]:
-        return manifest.Verdict(rel, manifest.SIZE_MISMATCH, f"manifest {entry['size']} bytes, in the archive "
-                                                             f"{m.size}")
-    if checksums:
-        try:
-            digest = hash_range(archive.fd, m.offset, m.size, algorithm)
-        except OSError as exc:
-            return manifest.Verdict(rel, manifest.UNREADABLE, first_line(exc))
-        if digest != entry["checksum"]:
-            return manifest.Verdict(rel, manifest.CHECKSUM_MISMATCH,
-                                    f"manifest {entry['checksum']}, in the archive {digest}")
-    return manifest.Verdict(rel, manifest.OK)
+    digest = (lambda: hash_range(archive.fd, m.offset, m.size, algorithm)) if checksums and m else None
+    return file_verdict(rel, entry, m.size if m else None, digest, "in the archive")
 
 
 def describe_archive(path: Path) -> dict[str, Any]:
@@ -262,11 +248,11 @@ def describe_archive(path: Path) -> dict[str, Any]:
     and where it came from (the run and step of its checkpoint), from its JSON members and safetensors headers."""
     with open_archive(path) as archive:
         table = archive.manifest()
-        config = (archive.json(layout.HF_CONFIG, "a model config") if layout.HF_CONFIG in archive.members else
-                  archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE_LIMIT)
-                  if layout.ADAPTER_CONFIG in archive.members else {})
-        meta = (archive.json(layout.ARCHIVE_METADATA, "checkpoint metadata", bounded.SMALL_FILE_LIMIT)
-                if layout.ARCHIVE_METADATA in archive.members else {})
+        config = (archive.json(LAYOUT.HF_CONFIG, "a model config") if LAYOUT.HF_CONFIG in archive.members else
+                  archive.json(LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
+                  if LAYOUT.ADAPTER_CONFIG in archive.members else {})
+        meta = (archive.json(LAYOUT.ARCHIVE_METADATA, "checkpoint metadata", SMALL_FILE_LIMIT)
+                if LAYOUT.ARCHIVE_METADATA in archive.members else {})
         dtypes: dict[str, int] = {}
         for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
             header, _ = archive.safetensors_header(name)
@@ -276,11 +262,12 @@ def describe_archive(path: Path) -> dict[str, Any]:
         meta = meta if isinstance(meta, dict) else {}
         source = table.get("source") if isinstance(table.get("source"), dict) else {}
         archs = config.get("architectures")
+        kind = str(source.get("kind", ""))  # a folder's kind, else the export target whose one file it holds
         return {
             "archive": str(path),
-            "holds": "adapter" if layout.ADAPTER_CONFIG in archive.members else "GGUF file" if any(
-                n.endswith(layout.GGUF_SUFFIX) for n in archive.members) else "model",
-            "source": str(source.get("kind", "")),
+            "holds": "adapter" if LAYOUT.ADAPTER_CONFIG in archive.members else
+                     "model" if kind in (CHECKPOINT, EXPORT, ADAPTER, "") else "exported file",
+            "source": kind,
             "model_type": str(config.get("model_type") or config.get("peft_type") or ""),
             "architecture": str(archs[0]) if isinstance(archs, list) and archs else "",
             "parameters": sum(dtypes.values()),

@@ -25,20 +25,18 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import yaml
 
-from automodel_ckpt.ondisk import bounded, layout, manifest, paths
-from automodel_ckpt.ondisk.checksum import default_algorithm, hash_range, hasher
-from automodel_ckpt.ondisk.durable import fsync_dir
-from automodel_ckpt.export.archive import ALIGN, PAX_COMMENT
+from automodel_ckpt.ondisk import (LAYOUT, SMALL_FILE_LIMIT, build_manifest, check_path, default_algorithm,
+                                   dump_manifest, exported_format, fsync_dir, hash_range, hasher, model_file_in,
+                                   open_regular, parse_json, pread_full, pwrite_all, read_bytes, read_yaml)
+from automodel_ckpt.export.archive import ADAPTER, ALIGN, CHECKPOINT, EXPORT, PAX_COMMENT
+from automodel_ckpt.export.registry import export_targets, identify
 from automodel_ckpt.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
-from automodel_ckpt.export.sources import require_format
 from automodel_ckpt.export.writer import OutFile, Write, write_into, writes_into
-from automodel_ckpt.ondisk.formats.safetensors_io import pread_full, pwrite_all
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT, EXPORT, ADAPTER, GGUF = "checkpoint", "export", "adapter", "gguf"
 _WEIGHTS_SUFFIX = ".safetensors"
 _COPY_CHUNK = 8 << 20
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -63,9 +61,9 @@ def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size:
     src, out = Path(src), Path(out)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}"
-                        f"{layout.ARCHIVE_SUFFIX})")
+                        f"{LAYOUT.ARCHIVE_SUFFIX})")
     entries, source = _entries(src, parse_cast_dtype(cast_dtype), max_shard_size)
-    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
     except OSError as exc:
@@ -158,8 +156,9 @@ def _lay_out(entries: list[Entry]) -> tuple[list[tuple[int, bytes]], int, int]:
     where the manifest's header goes."""
     mtime = int(time.time())
     pos, headers = 0, []
+    aligned = (_WEIGHTS_SUFFIX, *(t.suffix for t in export_targets() if t.suffix))  # tensor data: weights, files
     for e in entries:
-        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith((_WEIGHTS_SUFFIX, layout.GGUF_SUFFIX)))
+        header = _header(e.name, e.size, mtime, pos, align=e.name.endswith(aligned))
         headers.append((pos, header))
         e.at = pos + len(header)
         pos = e.at + e.size + (-e.size % tarfile.BLOCKSIZE)
@@ -170,10 +169,10 @@ def _manifest_tail(entries: list[Entry], sums: dict[str, str], algorithm: str, s
                    at: int) -> tuple[dict[str, Any], bytes]:
     """The manifest and the archive's last bytes from ``at``: its header (its own checksum in it), the manifest,
     and the end-of-archive blocks (zeros, as tar writes them, up to a whole record)."""
-    table = manifest.build(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
+    table = build_manifest(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
     table = {**{k: v for k, v in table.items() if k != "files"}, "source": source, "files": table["files"]}
-    data = manifest.dumps(table).encode()
-    header = _header(layout.ARCHIVE_MANIFEST, len(data), mtime, at, align=False,
+    data = dump_manifest(table).encode()
+    header = _header(LAYOUT.ARCHIVE_MANIFEST, len(data), mtime, at, align=False,
                      pax={PAX_COMMENT: _checksum_of(data, algorithm)})
     end = at + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
     end += -end % tarfile.RECORDSIZE
@@ -257,7 +256,7 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
     of it by default) to the same place in bytes ``[at, at + size)`` of ``fd``, in the kernel where the
     filesystems allow it."""
     end = size if count is None else first + count
-    with os.fdopen(paths.open_regular(src), "rb", buffering=0) as f:
+    with os.fdopen(open_regular(src), "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != size:
             raise CheckpointError(f"'{src}' changed while it was packed; pack again")
         done, kernel = first, hasattr(os, "copy_file_range")
@@ -284,20 +283,21 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
 # --- what goes in ----------------------------------------------------------------------------------------------
 def kind_of(src: Path) -> str:
     """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
-    ``gguf`` (one GGUF file of `export --to gguf`, checked first as `verify --sizes-only` checks it)."""
-    from automodel_ckpt.export.gguf_read import is_gguf, open_gguf, refuse_misplaced_tensors
-
-    if is_gguf(src):  # a damaged header raises; a damaged tensor is refused, not shipped
-        refuse_misplaced_tensors(open_gguf(src), "it is not packed")
-        return GGUF
+    the name of the export target whose one file ``src`` is (``registry.identify``), checked first by its
+    target (``ExportTarget.check``: a damaged file is refused, not shipped)."""
+    target = identify(src)
+    if target is not None:
+        target.check(src, "it is not packed")
+        return target.name
     if not src.is_dir():
-        raise UserError(f"'{src}' is not a folder or a GGUF file; pack takes a checkpoint, an export folder, an "
-                        "adapter folder or a GGUF file")
-    if (src / layout.METADATA_FILE).is_file() or (src / layout.MODEL_DIR).is_dir():
+        nouns = " or ".join(t.noun for t in export_targets() if t.noun)
+        raise UserError(f"'{src}' is not a folder or {nouns}; pack takes a checkpoint, an export folder, an adapter "
+                        f"folder or {nouns}")
+    if (src / LAYOUT.METADATA_FILE).is_file() or (src / LAYOUT.MODEL_DIR).is_dir():
         return CHECKPOINT
-    if (src / layout.ADAPTER_CONFIG).is_file():
+    if (src / LAYOUT.ADAPTER_CONFIG).is_file():
         return ADAPTER
-    if (src / layout.HF_CONFIG).is_file():
+    if (src / LAYOUT.HF_CONFIG).is_file():
         return EXPORT
     raise UserError(f"'{src}' is neither a checkpoint, a Hugging Face model folder (config.json) nor a PEFT "
                     "adapter folder (adapter_config.json)")
@@ -307,17 +307,17 @@ def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], di
     """The members in archive order (the folder's files, its weights, this project's files) and the source."""
     kind = kind_of(src)
     source: dict[str, Any] = {"kind": kind, "name": src.resolve().name}
-    if kind == GGUF:
+    if kind not in (CHECKPOINT, EXPORT, ADAPTER):  # one exported file
         return [Entry(src.name, os.stat(src).st_size, path=src)], source
     if kind != CHECKPOINT:
         return _folder_entries(src, with_ours=True), source
     source.update(kind=CHECKPOINT, checkpoint=src.name, run=src.resolve().parent.name)
     model_dir = resolve_model_dir(src)
-    if (model_dir / layout.ADAPTER_CONFIG).is_file():
+    if (model_dir / LAYOUT.ADAPTER_CONFIG).is_file():
         source["kind"] = ADAPTER
         entries = _folder_entries(model_dir, with_ours=False)
     else:
-        require_format(model_dir)
+        exported_format(model_dir)
         plan = build_plan(model_dir, cast, max_shard_size)
         entries = [Entry(name, os.lstat(content).st_size, path=content) if isinstance(content, Path) else
                    Entry(name, len(content.encode()), data=content.encode()) for name, content in plan.side_files()]
@@ -329,15 +329,15 @@ def _ours(checkpoint: Path) -> list[Entry]:
     """The checkpoint's recipe (redacted again: a received checkpoint's copy may hold what ours never writes) and
     its metadata."""
     out = []
-    recipe, meta = checkpoint / layout.CONFIG_FILE, checkpoint / layout.METADATA_FILE
+    recipe, meta = checkpoint / LAYOUT.CONFIG_FILE, checkpoint / LAYOUT.METADATA_FILE
     try:
         if os.path.lexists(recipe):
-            text = yaml.safe_dump(redacted(bounded.read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
-            out.append(Entry(layout.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
+            text = yaml.safe_dump(redacted(read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
+            out.append(Entry(LAYOUT.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
         if os.path.lexists(meta):
-            data = bounded.read_bytes(meta, "checkpoint metadata", bounded.SMALL_FILE_LIMIT)
-            bounded.parse_json(data, f"'{meta}'", "checkpoint metadata", bounded.SMALL_FILE_LIMIT)
-            out.append(Entry(layout.ARCHIVE_METADATA, len(data), data=data))
+            data = read_bytes(meta, "checkpoint metadata", SMALL_FILE_LIMIT)
+            parse_json(data, f"'{meta}'", "checkpoint metadata", SMALL_FILE_LIMIT)
+            out.append(Entry(LAYOUT.ARCHIVE_METADATA, len(data), data=data))
     except OSError as exc:
         raise CheckpointError(f"cannot read '{checkpoint}': {first_line(exc)}") from None
     return out
@@ -348,19 +348,19 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
     again); a Hugging Face cache snapshot's links are packed as the blobs they lead to, any other link or special
     file is refused in one line (``paths.model_file_in``). Other subfolders are not packed."""
     entries = []
-    for sub in ("", layout.ARCHIVE_DIR) if with_ours else ("",):
+    for sub in ("", LAYOUT.ARCHIVE_DIR) if with_ours else ("",):
         where = folder / sub if sub else folder
         if sub and (not os.path.isdir(where) or os.path.islink(where)):
             continue
         with os.scandir(where) as it:
             for entry in sorted(it, key=lambda e: e.name):
                 name = f"{sub}/{entry.name}" if sub else entry.name
-                if entry.is_dir(follow_symlinks=False) or name == layout.ARCHIVE_MANIFEST:
+                if entry.is_dir(follow_symlinks=False) or name == LAYOUT.ARCHIVE_MANIFEST:
                     continue
-                real = paths.model_file_in(where, entry.name, "an archive holds only regular files (and a cache "
+                real = model_file_in(where, entry.name, "an archive holds only regular files (and a cache "
                                         "snapshot's blobs), never what another link points to: replace it with the "
                                         "file itself")
-                paths.check_path(name, f"'{folder}'")
+                check_path(name, f"'{folder}'")
                 entries.append(Entry(name, os.lstat(real).st_size, path=real))
     return _ordered(entries)
 
@@ -368,7 +368,7 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
 def _ordered(entries: list[Entry]) -> list[Entry]:
     """Small files first (a reader finds the config and index at the start), then the weights, then ours."""
     def rank(e: Entry) -> tuple[int, str]:
-        ours = e.name.startswith(layout.ARCHIVE_DIR + "/")
+        ours = e.name.startswith(LAYOUT.ARCHIVE_DIR + "/")
         return (2 if ours else 1 if e.name.endswith(_WEIGHTS_SUFFIX) else 0), e.name
 
     return sorted(entries, key=rank)

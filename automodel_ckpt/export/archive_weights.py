@@ -1,6 +1,6 @@
 """Reading the weights of an archive in place: DCP's metadata from its members' safetensors headers, reads at offsets.
 
-``ArchiveHFReader`` is the folder reader (``formats/fastio``'s ``ParallelHFReader``) for an archive: each
+``ArchiveHFReader`` is the folder reader (``ondisk/fastio``'s ``ParallelHFReader``) for an archive: each
 safetensors member is a byte range of the archive file, so a tensor piece is read with ``pread`` (or past the page
 cache) at ``member offset + data start + its offset in the member``, straight into the destination tensor. Nothing
 is extracted or copied to a temporary folder. The archive and every header are checked first (``archive.py``,
@@ -24,9 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from automodel_ckpt.distributed.dcp_private import hf_storage_info
 from automodel_ckpt.export.archive import open_archive
-from automodel_ckpt.ondisk.formats.fastio.common import ST_CODES
-from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader, read_safetensors
-from automodel_ckpt.ondisk.formats.safetensors_io import tensor_entries
+from automodel_ckpt.ondisk import ParallelHFReader, ST_CODES, read_safetensors, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
 _WEIGHTS_SUFFIX = ".safetensors"

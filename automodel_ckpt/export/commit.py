@@ -1,4 +1,4 @@
-"""Atomic publication of an HF export, and the coordination of the ranks writing it.
+"""Atomic publication of an HF export, the coordination of the ranks writing it, and an export's lineage file.
 
 An export is written into a hidden sibling folder and renamed into place only when every file is complete, so a
 reader never sees a half-written ``consolidated/``; a failure removes the temporary folder. With several ranks,
@@ -8,6 +8,7 @@ initialised, else through marker files in the shared temporary folder.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -18,8 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel_ckpt.ondisk import layout, paths
-from automodel_ckpt.ondisk.durable import fsync_dir, remove_tree, replace_folder, write_durable
+from automodel_ckpt.ondisk import LAYOUT, fsync_dir, open_regular, remove_tree, replace_folder, write_durable
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -53,7 +53,7 @@ class Coordinator:
         self.out_dir = out_dir
         self.rank = rank
         self.world_size = world_size
-        self.tmp = out_dir.parent / layout.export_tmp_name(out_dir.name, secrets.token_hex(4))
+        self.tmp = out_dir.parent / LAYOUT.export_tmp_name(out_dir.name, secrets.token_hex(4))
 
     def begin(self) -> Path:
         _make_folder(self.tmp, self.out_dir)
@@ -129,9 +129,9 @@ class _FileCoordinator(Coordinator):
 
     def __init__(self, out_dir: Path, rank: int, world_size: int) -> None:
         super().__init__(out_dir, rank, world_size)
-        self.tmp = out_dir.parent / layout.export_tmp_name(out_dir.name, f"ranks{world_size}")
-        self.marker = self.tmp / layout.export_rank_marker(rank)
-        self.failure = self.tmp / layout.export_rank_failure(rank)
+        self.tmp = out_dir.parent / LAYOUT.export_tmp_name(out_dir.name, f"ranks{world_size}")
+        self.marker = self.tmp / LAYOUT.export_rank_marker(rank)
+        self.failure = self.tmp / LAYOUT.export_rank_failure(rank)
 
     def begin(self) -> Path:
         _make_folder(self.tmp, self.out_dir, exist_ok=True)
@@ -159,12 +159,12 @@ class _FileCoordinator(Coordinator):
         waiting = set(range(1, self.world_size))
         while waiting:
             for r in sorted(waiting):
-                failure = self.tmp / layout.export_rank_failure(r)
+                failure = self.tmp / LAYOUT.export_rank_failure(r)
                 if os.path.lexists(failure):
                     msg = _read_note(failure)
                     shutil.rmtree(self.tmp, ignore_errors=True)
                     raise CheckpointError(f"consolidation failed on rank {r}: {msg}")
-                marker = self.tmp / layout.export_rank_marker(r)
+                marker = self.tmp / LAYOUT.export_rank_marker(r)
                 if os.path.lexists(marker) and _read_note(marker) == fingerprint:
                     waiting.discard(r)
             if waiting:
@@ -191,13 +191,13 @@ def _swap_in(tmp: Path, out_dir: Path, expected: set[str]) -> None:
         if entry.name not in expected:
             remove_tree(entry)
     fsync_dir(tmp)
-    replace_folder(tmp, out_dir, layout.export_old_name(out_dir.name, secrets.token_hex(4)))
+    replace_folder(tmp, out_dir, LAYOUT.export_old_name(out_dir.name, secrets.token_hex(4)))
 
 
 def _read_note(path: Path) -> str:
     """A rank's marker or failure note: its text, or "" when it is no regular file (never followed or waited on)."""
     try:
-        with os.fdopen(paths.open_regular(path), "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return f.read(4096).decode("utf-8", "replace").strip()
     except OSError:
         return ""
@@ -218,3 +218,12 @@ def _as_checkpoint_error(error: BaseException) -> BaseException:
         where = f" at {error.filename}" if error.filename else ""
         return CheckpointError(f"consolidation failed{where}: {error.strerror or error}")
     return error
+
+
+def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
+    """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
+    file = Path(folder) / LAYOUT.LINEAGE_FILE
+    tmp = file.with_name(f".{LAYOUT.LINEAGE_FILE}.partial")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, file)
+    return file

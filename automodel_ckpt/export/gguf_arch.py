@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from automodel_ckpt.errors import CheckpointError, UserError
+from automodel_ckpt.export.model_source import layer_count
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
                      r"\.weight$")
@@ -161,7 +162,7 @@ def output_tensors(family: GGUFFamily, config: dict[str, Any], shapes: dict[str,
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    blocks = block_count(config, shapes)
+    blocks = layer_count(config, shapes, "GGUF export")
     names = gguf.get_tensor_name_map(arch, blocks)  # a map per block: its count was checked against the tensors
     experts: dict[tuple[str, str], dict[int, str]] = {}
     out: list[OutputTensor] = []
@@ -192,24 +193,6 @@ def output_tensors(family: GGUFFamily, config: dict[str, Any], shapes: dict[str,
         embd = next(t for t in out if t.name == "token_embd.weight")
         out.append(OutputTensor("output.weight", embd.shape, embd.sources, kind="output"))
     return sorted(out, key=_order)
-
-
-_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.language_model\.layers)\.(\d+)\.")
-
-
-def block_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> int:
-    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers whose
-    tensors are present before anything loops over it: a count that is no whole number, or that differs from the
-    layers the weight files hold, is one line (a crafted ``config.json`` never sizes a loop or a table)."""
-    key = "n_layer" if "n_layer" in config and "num_hidden_layers" not in config else "num_hidden_layers"
-    value = config.get(key)
-    present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"GGUF export: config.json's {key} is {str(value)[:40]}, not a number of layers")
-    if value != len(present) or (present and max(present) != value - 1):  # layers 0 .. value-1, none missing
-        raise CheckpointError(f"GGUF export: config.json's {key} is {value}, but the weight files hold "
-                              f"{len(present)} layer(s)" + (f" (numbered up to {max(present)})" if present else ""))
-    return value
 
 
 def checked_heads(config: dict[str, Any], key: str, rows: int, fallback: int | None = None, *,

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from automodel_ckpt.ondisk import layout, paths
+from automodel_ckpt.ondisk import open_regular
 from automodel_ckpt.errors import CheckpointError, first_line
 
 GGUF_MAGIC = b"GGUF"
+GGUF_SUFFIX = ".gguf"  # how a GGUF file's name ends
 _VERSIONS = (2, 3)
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, a one-byte key, the value type, a one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, dims, one dim, type, offset
@@ -51,7 +52,7 @@ def is_gguf(path: Path) -> bool:
     try:
         if not Path(path).is_file():
             return False
-        if Path(path).name.endswith(layout.GGUF_SUFFIX):
+        if Path(path).name.endswith(GGUF_SUFFIX):
             return True
         with open(path, "rb") as f:
             return f.read(4) == GGUF_MAGIC
@@ -100,7 +101,7 @@ def open_gguf(path: Path, keep: dict[str, int] | None = None) -> GGUFHeader:
     ``keep``: keys whose string value is read up to that many bytes (a longer one is refused in one line)."""
     path = Path(path)
     try:
-        fd = paths.open_regular(path, follow=True)
+        fd = open_regular(path, follow=True)
     except FileNotFoundError:
         raise CheckpointError(f"the GGUF file '{path}' does not exist") from None
     except OSError as exc:
@@ -304,7 +305,7 @@ def verify_gguf(path: Path, *, decode: bool = True) -> GGUFReport:
     report = GGUFReport(Path(path), problems, tensors=len(header.tensors), bytes=header.size)
     if not decode:
         return report
-    fd = paths.open_regular(Path(path), follow=True)
+    fd = open_regular(Path(path), follow=True)
     try:
         for t, nbytes, block_bytes in placed:
             if not _finite(fd, t.offset, nbytes, block_bytes, t.tensor_type):

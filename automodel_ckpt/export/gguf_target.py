@@ -2,21 +2,27 @@
 
 The export plans (``gguf_export.plan_gguf``: family, tensors, bytes out) and writes tensor by tensor from
 ``model_source.open_model``; ``--adapter`` writes a LoRA checkpoint's adapter as llama.cpp's GGUF LoRA adapter
-(``gguf_adapter``). A GGUF file met by ``inspect`` and ``verify`` is recognised by its magic and read by
-``gguf_read``, streamed and bounded.
+(``gguf_adapter``). A GGUF file met by ``inspect``, ``verify``, ``pack``, ``diff`` and a lineage listing is
+recognised by its magic and read by ``gguf_read``, streamed and bounded; ``diff`` pairs its tensors with a model's
+by ``gguf_side``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import UsageError
+from automodel_ckpt.export.gguf_read import GGUF_SUFFIX
 from automodel_ckpt.export.target import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import layout
 from automodel_ckpt.sizes import human_size
+
+if TYPE_CHECKING:
+    from automodel_ckpt.export.model_source import ModelSource
 
 NAME = "gguf"
 _ADAPTER_ONLY = f"--adapter applies to --to {NAME} (without --dry-run)"
@@ -26,6 +32,7 @@ class GGUFTarget(ExportTarget):
     name = NAME
     summary = "one GGUF file for llama.cpp"
     noun = "a GGUF file"
+    suffix = GGUF_SUFFIX
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--type", default="q8_0", help="GGUF storage type: bf16, f16, q8_0 (default) or q4_0")
@@ -40,7 +47,6 @@ class GGUFTarget(ExportTarget):
             raise UsageError(_ADAPTER_ONLY)
 
     def export(self, request: ExportRequest) -> int:
-        from automodel_ckpt.export.lineage import export_lineage, lineage_json
         from automodel_ckpt.export.model_source import open_model
 
         args, src = request.args, request.src
@@ -49,14 +55,14 @@ class GGUFTarget(ExportTarget):
                 raise UsageError(_ADAPTER_ONLY)
             from automodel_ckpt.export.gguf_adapter import write_gguf_adapter
 
-            out = request.out(f"-lora-{args.type}{layout.GGUF_SUFFIX}")
+            out = request.out(f"-lora-{args.type}{GGUF_SUFFIX}")
             done = write_gguf_adapter(src, out, args.type)
             print(f"GGUF LoRA adapter written to {out} ({human_size(done['bytes'])}, {done['factors']} factors, "
                   f"rank {done['rank']}, alpha {done['alpha']:g}; apply it to the GGUF of {done['base']})", flush=True)
             return 0
         from automodel_ckpt.export.gguf_export import plan_gguf, write_gguf
 
-        out = request.out(f"-{args.type}{layout.GGUF_SUFFIX}")
+        out = request.out(f"-{args.type}{GGUF_SUFFIX}")
         with open_model(src) as source:
             plan = plan_gguf(source, args.type)
             print(plan.describe(source), flush=True)
@@ -64,7 +70,7 @@ class GGUFTarget(ExportTarget):
                 print(f"would write {out}", flush=True)
                 return 0
             done = write_gguf(source, plan, out, progress=not args.no_progress, num_threads=max(1, args.num_threads),
-                              lineage=lineage_json(export_lineage([src])))
+                              lineage=json.dumps(request.lineage(), default=str) if request.lineage else None)
         print(f"GGUF written to {out} ({human_size(done['bytes'])}, {done['tokenizer']} tokenizer, "
               f"{done['seconds']:.2f} s)", flush=True)
         return 0
@@ -105,6 +111,27 @@ class GGUFTarget(ExportTarget):
         print("  OK: every tensor is whole" + (" and finite" if decode else "") if report.ok
               else f"  FAILED: {len(report.problems)} problem(s)")
         return report.ok
+
+    def check(self, path: Path, consequence: str) -> None:
+        """A damaged header raises; a tensor outside the data or over another is refused (``consequence``)."""
+        from automodel_ckpt.export.gguf_read import open_gguf, refuse_misplaced_tensors
+
+        refuse_misplaced_tensors(open_gguf(path), consequence)
+
+    def lineage_text(self, path: Path, limit: int) -> str | None:
+        from automodel_ckpt.export.gguf_read import gguf_lineage_text
+
+        return gguf_lineage_text(path, limit)
+
+    def open_tensors(self, path: Path, stack: ExitStack) -> ModelSource:
+        from automodel_ckpt.export.gguf_side import gguf_alone
+
+        return gguf_alone(path, stack)
+
+    def beside(self, model: ModelSource, path: Path, stack: ExitStack) -> tuple[ModelSource, ModelSource]:
+        from automodel_ckpt.export.gguf_side import gguf_beside
+
+        return gguf_beside(model, path, stack)
 
 
 TARGET = GGUFTarget()

@@ -26,7 +26,7 @@ import torch
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.export.gguf_arch import OutputTensor, family_for, output_tensors
 from automodel_ckpt.export.gguf_read import GGUFTensor, open_gguf, refuse_misplaced_tensors
-from automodel_ckpt.ondisk import paths
+from automodel_ckpt.ondisk import open_regular
 
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
@@ -78,7 +78,7 @@ def open_gguf_tensors(path: Path, stack: Any) -> GGUFTensors:
     (an ``ExitStack``) closes."""
     header = open_gguf(path)
     refuse_misplaced_tensors(header, "it is not compared")
-    fd = paths.open_regular(Path(path), follow=True)
+    fd = open_regular(Path(path), follow=True)
     stack.callback(os.close, fd)
     out = GGUFTensors(Path(path), fd)
     for t in header.tensors:

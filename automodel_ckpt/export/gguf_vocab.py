@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import bounded
+from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, read_json
 from automodel_ckpt.errors import CheckpointError, UserError
 
 _TOKENIZER_JSON = "tokenizer.json"
@@ -42,7 +42,7 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
     if n_vocab > MAX_VOCAB:
         raise CheckpointError(f"GGUF export: the model's embedding has {n_vocab} rows, more than the {MAX_VOCAB} "
                               "tokens a vocabulary is written with")
-    data = bounded.read_json(path, "a tokenizer", bounded.INDEX_FILE_LIMIT)  # side_dir: private copies, checked
+    data = read_json(path, "a tokenizer", INDEX_FILE_LIMIT)  # side_dir: private copies, checked
     model = data.get("model") if isinstance(data, dict) else None
     kind = model.get("type") if isinstance(model, dict) else None
     added = {_token_id(t.get("id"), n_vocab, path): t for t in data.get("added_tokens") or []

@@ -27,16 +27,16 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import bounded, layout, paths
-from automodel_ckpt.ondisk.formats.safetensors_io import read_header, st_dtype_name, tensor_entries
-from automodel_ckpt.ondisk.durable import copy_regular, remove_tree, write_json
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, MAX_WORLD_SIZE, check_count, check_path, copy_regular,
+                                   read_header, read_json, remove_tree, st_dtype_name, tensor_entries, walk_regular,
+                                   write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 # Files of .hf_metadata that describe tensors; everything else is copied verbatim into an export.
-_TENSOR_INFO_FILES = (layout.ORIGINAL_TENSORS_FILE, layout.SAVED_STATE_FILE)
+_TENSOR_INFO_FILES = (LAYOUT.ORIGINAL_TENSORS_FILE, LAYOUT.SAVED_STATE_FILE)
 
 
 @dataclass(frozen=True)
@@ -86,31 +86,31 @@ def write_hf_metadata(
     full shape and dtype, which makes the coverage check exact.
     """
     model_dir = Path(model_dir)
-    folder = layout.hf_metadata_dir(model_dir)
+    folder = LAYOUT.hf_metadata_dir(model_dir)
     remove_tree(folder)
     folder.mkdir(parents=True)
     if hf_config is not None:
-        _save_config(hf_config, folder, layout.HF_CONFIG)
+        _save_config(hf_config, folder, LAYOUT.HF_CONFIG)
     else:
-        logger.warning("no model config given; an export of %s will lack %s", model_dir, layout.HF_CONFIG)
+        logger.warning("no model config given; an export of %s will lack %s", model_dir, LAYOUT.HF_CONFIG)
     base = Path(base_model_path) if base_model_path is not None else None
     if base is not None and not base.is_dir():
         logger.info("base model path %s is not a local folder; no original tensor information recorded", base)
         base = None
     if generation_config is not None:
-        _save_config(generation_config, folder, layout.HF_GENERATION_CONFIG)
-    elif base is not None and (base / layout.HF_GENERATION_CONFIG).is_file():
-        _copy_from_base(base / layout.HF_GENERATION_CONFIG, folder)
+        _save_config(generation_config, folder, LAYOUT.HF_GENERATION_CONFIG)
+    elif base is not None and (base / LAYOUT.HF_GENERATION_CONFIG).is_file():
+        _copy_from_base(base / LAYOUT.HF_GENERATION_CONFIG, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     elif base is not None:
-        for name in layout.HF_TOKENIZER_FILES:
+        for name in LAYOUT.HF_TOKENIZER_FILES:
             if (base / name).is_file():
                 _copy_from_base(base / name, folder)
     if base is not None:
         original = _original_tensors(base)
         if original is not None:
-            write_json(folder / layout.ORIGINAL_TENSORS_FILE, original)
+            write_json(folder / LAYOUT.ORIGINAL_TENSORS_FILE, original)
     if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = torch.distributed.get_world_size()
     saved = None
@@ -121,39 +121,39 @@ def write_hf_metadata(
             if isinstance(t, torch.Tensor)
         }
     state = {"format_version": FORMAT_VERSION, "world_size": world_size, "tensors": saved}
-    write_json(folder / layout.SAVED_STATE_FILE, state)
+    write_json(folder / LAYOUT.SAVED_STATE_FILE, state)
 
 
 def read_hf_metadata(model_dir: Path) -> HFMetadata:
     """Read ``model_dir/.hf_metadata``; a missing folder is a CheckpointError."""
-    folder = layout.hf_metadata_dir(Path(model_dir))
+    folder = LAYOUT.hf_metadata_dir(Path(model_dir))
     if folder.is_symlink():
         raise CheckpointError(f"'{folder}' is a symlink, not a folder; folders inside a checkpoint are never "
                               "followed as links")
     if not folder.is_dir():
-        raise CheckpointError(f"no {layout.HF_METADATA_DIR} folder in {model_dir}")
-    config_path = folder / layout.HF_CONFIG
+        raise CheckpointError(f"no {LAYOUT.HF_METADATA_DIR} folder in {model_dir}")
+    config_path = folder / LAYOUT.HF_CONFIG
     config = _read_json(config_path) if os.path.lexists(config_path) else None
     meta = HFMetadata(folder=folder, config=config)
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"damaged {config_path}: not a JSON object")
-    original_path = folder / layout.ORIGINAL_TENSORS_FILE
-    saved_path = folder / layout.SAVED_STATE_FILE
+    original_path = folder / LAYOUT.ORIGINAL_TENSORS_FILE
+    saved_path = folder / LAYOUT.SAVED_STATE_FILE
     try:
         if os.path.lexists(original_path):
             data = _read_json(original_path)
             meta.original = {name: _tensor_info(name, v, original_path) for name, v in data["tensors"].items()}
-            meta.original_num_files = bounded.count(data["num_files"], str(original_path), "num_files",
-                                                    max(1, len(meta.original)))
+            meta.original_num_files = check_count(data["num_files"], str(original_path), "num_files",
+                                                  max(1, len(meta.original)))
         if os.path.lexists(saved_path):
             data = _read_json(saved_path)
             if data.get("tensors") is not None:
                 meta.saved = {name: _tensor_info(name, v, saved_path) for name, v in data["tensors"].items()}
             if data.get("world_size"):
-                meta.saved_world_size = bounded.count(data["world_size"], str(saved_path), "world_size",
-                                                      bounded.MAX_WORLD_SIZE)
+                meta.saved_world_size = check_count(data["world_size"], str(saved_path), "world_size",
+                                                    MAX_WORLD_SIZE)
     except (KeyError, TypeError, ValueError, AttributeError):
-        raise CheckpointError(f"damaged {folder}: {layout.ORIGINAL_TENSORS_FILE} or {layout.SAVED_STATE_FILE} "
+        raise CheckpointError(f"damaged {folder}: {LAYOUT.ORIGINAL_TENSORS_FILE} or {LAYOUT.SAVED_STATE_FILE} "
                               "lacks its 'tensors' table") from None
     meta.extra_files = _side_files(folder)
     return meta
@@ -163,20 +163,20 @@ def _side_files(folder: Path) -> list[Path]:
     """The files of ``.hf_metadata`` an export copies: regular files only (subfolders are not copied); a symlink,
     FIFO, socket or device there is refused in one line, never followed or read, and so is a folder bearing the name
     of a file a model folder holds (``tokenizer.json``, ``generation_config.json``, ...)."""
-    skip = {layout.HF_CONFIG, *_TENSOR_INFO_FILES}
+    skip = {LAYOUT.HF_CONFIG, *_TENSOR_INFO_FILES}
     passed: list[tuple[str, str]] = []
     try:
-        files = [folder / rel for rel, _ in paths.walk_regular(folder, passed) if "/" not in rel and rel not in skip]
+        files = [folder / rel for rel, _ in walk_regular(folder, passed) if "/" not in rel and rel not in skip]
     except OSError as exc:
         raise CheckpointError(f"cannot read the folder '{folder}': {exc.strerror or exc}") from None
     passed = [(rel, why) for rel, why in passed if "/" not in rel]
-    passed += [(name, "a folder, not a regular file") for name in (layout.HF_GENERATION_CONFIG,
-                                                                   *layout.HF_TOKENIZER_FILES)
+    passed += [(name, "a folder, not a regular file") for name in (LAYOUT.HF_GENERATION_CONFIG,
+                                                                   *LAYOUT.HF_TOKENIZER_FILES)
                if (folder / name).is_dir() and not (folder / name).is_symlink()]
     if passed:
         rel, why = passed[0]
         raise CheckpointError(f"'{folder / rel}' is {why}; an export copies only regular files from "
-                              f"{layout.HF_METADATA_DIR}: replace it with the file itself or remove it")
+                              f"{LAYOUT.HF_METADATA_DIR}: replace it with the file itself or remove it")
     return files
 
 
@@ -191,12 +191,12 @@ def _copy_from_base(source: Path, folder: Path) -> None:
 
 def _original_tensors(base: Path) -> dict[str, Any] | None:
     """Per-tensor dtype, shape and file number of a base HF folder, from its index and safetensors headers."""
-    index_path = base / layout.HF_INDEX
+    index_path = base / LAYOUT.HF_INDEX
     if index_path.is_file():
         weight_map: dict[str, str] = _read_json(index_path, follow=True)["weight_map"]
-        files = sorted({paths.check_path(f, f"'{index_path}'") for f in weight_map.values()})
-    elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
-        files = [layout.HF_SINGLE_WEIGHTS]
+        files = sorted({check_path(f, f"'{index_path}'") for f in weight_map.values()})
+    elif (base / LAYOUT.HF_SINGLE_WEIGHTS).is_file():
+        files = [LAYOUT.HF_SINGLE_WEIGHTS]
     else:
         logger.info("base model %s has no safetensors weights; no original tensor information recorded", base)
         return None
@@ -229,6 +229,6 @@ def _read_json(path: Path, *, follow: bool = False) -> Any:
     """JSON of a file of a checkpoint (never through a link), or with ``follow`` of the base folder the recipe
     names."""
     try:
-        return bounded.read_json(path, "export metadata", bounded.INDEX_FILE_LIMIT, follow=follow)
+        return read_json(path, "export metadata", INDEX_FILE_LIMIT, follow=follow)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None

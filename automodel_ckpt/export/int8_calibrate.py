@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.export.model_source import ModelSource
+from automodel_ckpt.export.model_source import ModelSource, layer_count
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -26,9 +26,7 @@ def input_ranges(source: ModelSource, weights: list[str], examples: list[list[in
 
     if not examples:
         raise UserError("--calibrate: no examples to calibrate with (the calibration data is empty)")
-    from automodel_ckpt.export.gguf_arch import block_count
-
-    block_count(source.config, source.shapes)  # the layer count is the layers present, before anything is built
+    layer_count(source.config, source.shapes, "int8 export")  # the layers present, before anything is built
     try:
         config = AutoConfig.from_pretrained(source.side_dir)  # the source's files, copied privately
         with torch.device("meta"):

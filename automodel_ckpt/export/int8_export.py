@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import layout
-from automodel_ckpt.ondisk.durable import copy_regular, fsync_dir, replace_folder, write_json
+from automodel_ckpt.ondisk import (LAYOUT, copy_regular, encode_header, fsync_dir, layout_order, pwrite_all,
+                                   replace_folder, st_dtype_name, write_json)
 from automodel_ckpt.export.model_source import ModelSource
-from automodel_ckpt.ondisk.formats.safetensors_io import encode_header, layout_order, pwrite_all, st_dtype_name
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size, in_groups
 
@@ -84,7 +83,7 @@ def plan_int8(source: ModelSource, scheme_name: str, calibration: list[list[int]
     model_type = str(source.config.get("model_type"))
     if model_type not in INT8_FAMILIES:
         raise UserError(f"int8 export does not know the model family '{model_type}'; it exports "
-                        f"{', '.join(INT8_FAMILIES)} (use --to gguf, or the Hugging Face export, for this model)")
+                        f"{', '.join(INT8_FAMILIES)} (use another --to, or the Hugging Face export, for this model)")
     preset, fmt = SCHEMES[scheme_name]
     scheme = preset_name_to_scheme(preset, targets=["Linear"])
     if calibration is not None:
@@ -171,7 +170,7 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
     from automodel_ckpt.export.plan import ProgressBar
 
     out = Path(out)
-    if out.exists() and not (out / layout.HF_CONFIG).is_file():
+    if out.exists() and not (out / LAYOUT.HF_CONFIG).is_file():
         raise UserError(f"output folder {out} exists and is not an earlier export; remove it or choose another")
     start = time.perf_counter()
     ranges: dict[str, float] = {}
@@ -179,20 +178,20 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
         from automodel_ckpt.export.int8_calibrate import input_ranges
 
         ranges = input_ranges(source, plan.quantized, plan.calibration)
-    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
     tmp.mkdir(parents=True)
     try:
-        names = [layout.HF_SINGLE_WEIGHTS] if len(plan.files) == 1 else \
-            [layout.hf_weights_file(k + 1, len(plan.files)) for k in range(len(plan.files))]
+        names = [LAYOUT.HF_SINGLE_WEIGHTS] if len(plan.files) == 1 else \
+            [LAYOUT.hf_weights_file(k + 1, len(plan.files)) for k in range(len(plan.files))]
         with ProgressBar(plan.nbytes, progress, "writing int8") as advance:
             for name, entries in zip(names, plan.files):
                 _write_file(tmp / name, entries, source, plan.scheme, advance, ranges)
         if len(names) > 1:
             weight_map = {e[0]: n for n, f in zip(names, plan.files) for e in f}
             index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / layout.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / LAYOUT.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         _side_files(source, plan, tmp)
-        replace_folder(tmp, out, layout.export_old_name(out.name, secrets.token_hex(4)))
+        replace_folder(tmp, out, LAYOUT.export_old_name(out.name, secrets.token_hex(4)))
         fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -257,7 +256,7 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     """config.json with its ``quantization_config``; the generation config and tokenizer files as they are."""
     config = dict(source.config)
     config["quantization_config"] = plan.config
-    write_json(folder / layout.HF_CONFIG, config)
-    for name in (layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
+    write_json(folder / LAYOUT.HF_CONFIG, config)
+    for name in (LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
         if (source.side_dir / name).is_file():  # side_dir: the source's files, checked and copied privately
             copy_regular(source.side_dir / name, folder / name)

@@ -31,7 +31,7 @@ def is_int8(config: dict[str, Any]) -> bool:
 
 def dequantize_int8(source: ModelSource) -> ModelSource:
     """The model of the int8 folder ``source`` with its weights dequantized (module docstring)."""
-    out = ModelSource(source.config, source.side_dir, kind="int8 folder", name=source.name)
+    out = ModelSource(source.config, source.side_dir, kind="int8 folder", name=source.name, where=source.where)
     stems = {n.removesuffix(".weight_scale") for n in source.shapes if n.endswith(".weight_scale")}
     for stem in sorted(stems):
         if f"{stem}.weight_zero_point" in source.shapes:
@@ -49,7 +49,8 @@ def dequantize_int8(source: ModelSource) -> ModelSource:
         integers = (lambda stem=stem, shape=shape: _unpack(source, stem, shape)) if packed else \
             (lambda stem=stem: source.read(f"{stem}.weight").to(torch.float32))
         out.add(f"{stem}.weight", shape, torch.float32, lambda i=integers, s=step: i() * s())
-        out.steps[f"{stem}.weight"] = step
+        out.steps[f"{stem}.weight"] = lambda value, s=step: s()  # the scales, whatever the value
+        out.formats[f"{stem}.weight"] = "int8"
     for name in source.shapes:
         stem, _, kind = name.rpartition(".")
         if stem in stems and (kind in _HIDDEN or kind == "weight"):

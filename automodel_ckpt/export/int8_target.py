@@ -17,7 +17,7 @@ from typing import Any
 
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 from automodel_ckpt.export.target import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import bounded, layout, paths
+from automodel_ckpt.ondisk import LAYOUT, LOG_LINE_LIMIT, open_regular
 from automodel_ckpt.sizes import human_size
 
 NAME = "int8"
@@ -48,7 +48,7 @@ class Int8Target(ExportTarget):
 
     def export(self, request: ExportRequest) -> int:
         from automodel_ckpt.export.int8_export import plan_int8, write_int8
-        from automodel_ckpt.export.lineage import export_lineage, write_lineage_file
+        from automodel_ckpt.export.commit import write_lineage_file
         from automodel_ckpt.export.model_source import open_model
 
         args, src = request.args, request.src
@@ -58,7 +58,7 @@ class Int8Target(ExportTarget):
             raise UsageError(_WITHOUT_CALIBRATE)
         if args.calibration_data and args.recipe:
             raise UsageError("--calibration-data and --recipe both name calibration examples; give one of them")
-        out = request.out(f"-{layout.INT8_EXPORT_DIR}-{args.scheme}")
+        out = request.out(f"-{LAYOUT.INT8_EXPORT_DIR}-{args.scheme}")
         with open_model(src) as source:
             examples, origin = _examples(request, source.side_dir) if args.calibrate else (None, "")
             plan = plan_int8(source, args.scheme, examples, origin)
@@ -67,7 +67,8 @@ class Int8Target(ExportTarget):
                 print(f"would write {out}", flush=True)
                 return 0
             done = write_int8(source, plan, out, progress=not args.no_progress)
-        write_lineage_file(out, export_lineage([src]))
+        if request.lineage:
+            write_lineage_file(out, request.lineage())
         print(f"int8 model written to {out} ({human_size(done['bytes'])}, {done['seconds']:.2f} s)", flush=True)
         return 0
 
@@ -95,9 +96,9 @@ def calibration_file_examples(path: Path, n: int, tokenizer: Any) -> list[list[i
     """The first ``n`` non-empty examples of a text file (one a line) or a ``.jsonl`` file (each record's
     ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; read a line at a time, each at most
     ``bounded.LOG_LINE_LIMIT`` bytes (a longer one is refused in one line naming it)."""
-    limit = bounded.LOG_LINE_LIMIT
+    limit = LOG_LINE_LIMIT
     try:
-        f = os.fdopen(paths.open_regular(path, follow=True), "rb")
+        f = os.fdopen(open_regular(path, follow=True), "rb")
     except OSError as exc:
         raise UsageError(f"--calibration-data '{path}' cannot be read: {exc.strerror or exc}") from None
     examples: list[list[int]] = []

@@ -13,9 +13,10 @@ index, the header of each weights file and 256 KiB at each end of the data of th
 first MiB.
 
 Where it lives: a checkpoint's ``metadata.json`` (``lineage``), a Hugging Face export folder's ``LINEAGE_FILE``
-(``ondisk.layout``), a GGUF file's ``automodel_ckpt.lineage`` key (JSON text), an archive's copy of the checkpoint's
-metadata. Read back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every
-value escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
+(``ondisk.layout``, written by ``commit.write_lineage_file``), an exported file's own record (JSON text in its
+metadata, read by its export target: ``registry.identify``), an archive's copy of the checkpoint's metadata. Read
+back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every value
+escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
 fingerprints and their own lineage records are read there, with the same bounded readers, within one listing's
 ``Reads`` (each folder or file fingerprinted once, a bounded number of bytes in all).
 """
@@ -29,14 +30,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import bounded, layout
-from automodel_ckpt.ondisk.paths import open_regular
+from automodel_ckpt.ondisk import LAYOUT, MiB, check_size, open_regular, parse_json, read_bytes
 
-GGUF_KEY = "automodel_ckpt.lineage"  # the GGUF metadata key that holds an export's lineage (JSON text)
-RECORD_LIMIT = bounded.MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
-_INDEX = 64 * bounded.MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
+RECORD_LIMIT = MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
+_INDEX = 64 * MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
 EMBEDDED_LIMIT = 256 * 1024  # a parent's own lineage embedded in a record at most this large (JSON), else left out
-_HEAD = bounded.MiB  # bytes of a file (a GGUF, a .ckpt) its fingerprint reads
+_HEAD = MiB  # bytes of a file (an exported file, a .ckpt) its fingerprint reads
 _SAMPLE = 256 * 1024  # bytes of weights read at each end of a safetensors file's data
 _SAMPLED_FILES = 16  # safetensors files whose data is sampled (the others: their headers)
 
@@ -86,7 +85,7 @@ def _safetensors_header(path: Path, follow: bool, sample: bool, reads: Reads | N
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        bounded.check_size(n, f"'{path}'", "a safetensors header", _INDEX)
+        check_size(n, f"'{path}'", "a safetensors header", _INDEX)
         _take(reads, 8 + n + (2 * _SAMPLE if sample else 0))
         out = head + f.read(n)
         if sample:
@@ -106,7 +105,7 @@ def _file_head(path: Path, follow: bool, reads: Reads | None = None) -> bytes:
 
 def _read_small(path: Path, what: str, follow: bool, reads: Reads | None) -> bytes:
     _take(reads, _size(path, follow, _INDEX))
-    return bounded.read_bytes(path, what, _INDEX, follow=follow)
+    return read_bytes(path, what, _INDEX, follow=follow)
 
 
 def lineage_fingerprint(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> str | None:
@@ -137,11 +136,11 @@ def _fingerprint(path: Path, follow: bool, reads: Reads | None) -> str | None:
         return _sha(iter([_file_head(path, follow, reads)]))
     if not path.is_dir():
         return None
-    if (path / layout.METADATA_FILE).is_file():
-        name = layout.MANIFEST_FILE if (path / layout.MANIFEST_FILE).is_file() else layout.METADATA_FILE
+    if (path / LAYOUT.METADATA_FILE).is_file():
+        name = LAYOUT.MANIFEST_FILE if (path / LAYOUT.MANIFEST_FILE).is_file() else LAYOUT.METADATA_FILE
         return _sha(iter([name.encode(), _read_small(path / name, "a checkpoint's manifest", follow, reads)]))
     parts = []
-    for name in (layout.HF_CONFIG, layout.HF_INDEX):
+    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_INDEX):
         if (path / name).is_file():
             parts.append(name.encode() + b"\0" + _read_small(path / name, "a model config", follow, reads))
     for i, weights in enumerate(sorted(path.glob("*.safetensors"))[:4096]):
@@ -209,10 +208,6 @@ def data_identity(cfg: Any, rows: Any = None) -> dict[str, Any]:
     return out
 
 
-def lineage_json(record: dict[str, Any]) -> str:
-    return json.dumps(record, sort_keys=False, default=str)
-
-
 # ------------------------------------------------------------------------------------------ reading
 def _check(record: Any, where: str) -> dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("parents", []), list):
@@ -220,13 +215,11 @@ def _check(record: Any, where: str) -> dict[str, Any]:
     return record
 
 
-def read_gguf_lineage(path: Path) -> dict[str, Any] | None:
-    from automodel_ckpt.export.gguf_read import gguf_lineage_text
-
-    text = gguf_lineage_text(path, RECORD_LIMIT)
+def _file_lineage(path: Path, text: str | None) -> dict[str, Any] | None:
+    """The lineage record an export wrote into the file ``path`` as JSON ``text`` (None: none)."""
     if text is None:
         return None
-    return _check(bounded.parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
+    return _check(parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
 
 
 def read_archive_lineage(path: Path) -> dict[str, Any] | None:
@@ -234,9 +227,9 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(path) as archive:
-        if layout.ARCHIVE_METADATA not in archive.members:
+        if LAYOUT.ARCHIVE_METADATA not in archive.members:
             return None
-        meta = archive.json(layout.ARCHIVE_METADATA, "a lineage record", RECORD_LIMIT)
+        meta = archive.json(LAYOUT.ARCHIVE_METADATA, "a lineage record", RECORD_LIMIT)
     if not isinstance(meta, dict):
         return None
     entry: dict[str, Any] = {"role": "packed from", "path": None, "checkpoint": str(meta.get("name"))[:4096],
@@ -248,48 +241,42 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
 
 def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> dict[str, Any] | None:
     """The lineage recorded in ``path``: a checkpoint's metadata, an export folder's lineage file (or, for a
-    checkpoint's own ``model/consolidated``, the checkpoint), a GGUF file's key. None: none recorded. A record over
+    checkpoint's own ``model/consolidated``, the checkpoint), an export target's file's (``target.lineage_text``), an
+    archive's. None: none recorded. A record over
     ``RECORD_LIMIT`` bytes or not a record: one-line ``CheckpointError``. ``reads``: a listing's (``Reads``)."""
     path = Path(path)
     if path.is_symlink() and not follow:
         return None
     if path.is_file():
         from automodel_ckpt.export.archive import is_archive
-        from automodel_ckpt.export.gguf_read import is_gguf
+        from automodel_ckpt.export.registry import identify
 
         _take(reads, RECORD_LIMIT)  # a header walked (arrays and data skipped) for a record of at most this
-        if is_gguf(path):
-            return read_gguf_lineage(path)
+        target = identify(path)
+        if target is not None:
+            return _file_lineage(path, target.lineage_text(path, RECORD_LIMIT))
         return read_archive_lineage(path) if is_archive(path) else None
     if not path.is_dir():
         return None
-    for name, key in ((layout.METADATA_FILE, "lineage"), (layout.LINEAGE_FILE, None)):
+    for name, key in ((LAYOUT.METADATA_FILE, "lineage"), (LAYOUT.LINEAGE_FILE, None)):
         file = path / name
         if file.is_symlink() or not file.exists():
             continue
         try:
             _take(reads, _size(file, False, RECORD_LIMIT))
-            data = bounded.read_bytes(file, "a lineage record", RECORD_LIMIT, follow=False)
+            data = read_bytes(file, "a lineage record", RECORD_LIMIT, follow=False)
         except OSError:
             return None
-        record = bounded.parse_json(data, f"'{file}'", "a lineage record", RECORD_LIMIT)
+        record = parse_json(data, f"'{file}'", "a lineage record", RECORD_LIMIT)
         if key is not None:
             record = record.get(key) if isinstance(record, dict) else None
             if record is None:
                 return None
         return _check(record, f"'{file}'")
     model_dir = path.parent
-    if model_dir.name == layout.MODEL_DIR and (model_dir.parent / layout.METADATA_FILE).is_file() \
+    if model_dir.name == LAYOUT.MODEL_DIR and (model_dir.parent / LAYOUT.METADATA_FILE).is_file() \
             and not model_dir.is_symlink():
         # a checkpoint's own consolidated export: the checkpoint is its parent
         return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}
     return None
 
-
-def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
-    """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
-    file = Path(folder) / layout.LINEAGE_FILE
-    tmp = file.with_name(f".{layout.LINEAGE_FILE}.partial")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, file)
-    return file

@@ -1,11 +1,12 @@
 """`inspect --lineage`: a record's parents walked by identity (device and inode), each read once, in bounded work.
 
 A lineage record read from a folder is data, and so is every path it names. A parent is looked at on disk only when
-it is what a parent can be: a checkpoint of ours (or its ``model/`` folder), an export folder (Hugging Face, int8, an
-adapter, one holding ``automodel_lineage.json``), a GGUF file or an archive (``*.gguf``, ``*.tar``), on an ordinary
-filesystem, reached without a link. Anything else is named with what it is and never opened: a link (``[a link: not
-followed]``), a FIFO, socket or device, a path on ``/proc``, ``/sys`` or ``/dev`` (or any filesystem of the kernel's:
-procfs, sysfs, devtmpfs, ...), a folder that is no checkpoint or export, any other file.
+it is what a parent can be: a checkpoint of ours (or its ``model/`` folder), an export folder (Hugging Face, int8,
+an adapter, one holding ``automodel_lineage.json``), an export target's file (named with its ``suffix``) or an
+archive (``*.tar``), on an ordinary filesystem, reached without a link. Anything else is named with what it is and
+never opened: a link (``[a link: not followed]``), a FIFO, socket or device, a path on ``/proc``, ``/sys`` or
+``/dev`` (or any filesystem of the kernel's: procfs, sysfs, devtmpfs, ...), a folder that is no checkpoint or
+export, any other file.
 
 Parents are told apart by what they are, not how their path is spelled: ``DIR``, ``DIR/.``, ``DIR/./.`` and
 ``../name/DIR`` are one folder, so a record that names itself is a cycle however it spells it, and a parent met again
@@ -24,22 +25,22 @@ from typing import Any
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.export.lineage import Reads, ReadsSpent, lineage_fingerprint, read_lineage
-from automodel_ckpt.ondisk import bounded, layout
-from automodel_ckpt.ondisk.paths import file_kind
+from automodel_ckpt.export.registry import export_targets
+from automodel_ckpt.ondisk import LAYOUT, MiB, file_kind
 from automodel_ckpt.shown import one_line
 from automodel_ckpt.sizes import human_size
 
 MAX_DEPTH = 32  # generations printed
 MAX_PARENTS = 1024  # parent entries one listing prints
 MAX_LISTED = 256  # parents of one record listed
-READ_LIMIT = 2048 * bounded.MiB  # bytes one listing reads of the parents it meets (fingerprints and records)
+READ_LIMIT = 2048 * MiB  # bytes one listing reads of the parents it meets (fingerprints and records)
 #: The kernel's own filesystems: nothing on them is a checkpoint, and reading some of them blocks or leaks.
 _SYSTEM_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "debugfs", "tracefs", "securityfs", "cgroup",
                                  "cgroup2", "configfs", "fusectl", "bpf", "pstore", "efivarfs", "mqueue",
                                  "binfmt_misc", "autofs", "rpc_pipefs", "nsfs", "selinuxfs", "hugetlbfs"})
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 #: A folder holding one of these as a regular file is a checkpoint or an export folder.
-_MARKERS = (layout.METADATA_FILE, layout.LINEAGE_FILE, layout.HF_CONFIG, layout.ADAPTER_CONFIG)
+_MARKERS = (LAYOUT.METADATA_FILE, LAYOUT.LINEAGE_FILE, LAYOUT.HF_CONFIG, LAYOUT.ADAPTER_CONFIG)
 
 
 def lineage_chain(target: str | Path) -> list[str]:
@@ -173,7 +174,7 @@ class _Walk:
 def parent_problem(path: Path, st: os.stat_result) -> str | None:
     """Why the parent at ``path`` (``st``: its ``lstat``) is named but not read (None: it is read): a link, no
     folder or file, on a filesystem of the kernel's, a folder that is no checkpoint or export, a file not named as
-    a GGUF file or an archive is (whose contents then say whether it is one)."""
+    an export target's file (``ExportTarget.suffix``) or an archive is (whose contents then say whether it is one)."""
     mode = st.st_mode
     if stat.S_ISLNK(mode):
         return "a link: not followed"
@@ -183,9 +184,11 @@ def parent_problem(path: Path, st: os.stat_result) -> str | None:
         return "on a filesystem of the kernel's (/proc, /sys, /dev): not read"
     if stat.S_ISDIR(mode):
         return None if _is_model_folder(path) else "a folder that is no checkpoint or export: not read"
-    if path.name.endswith((layout.GGUF_SUFFIX, layout.ARCHIVE_SUFFIX)):
+    files = [t for t in export_targets() if t.suffix]
+    if path.name.endswith((*(t.suffix for t in files), LAYOUT.ARCHIVE_SUFFIX)):
         return None
-    return f"a file that is no GGUF file ({layout.GGUF_SUFFIX}) or archive ({layout.ARCHIVE_SUFFIX}): not read"
+    kinds = "".join(f"{t.noun.partition(' ')[2]} ({t.suffix}) or " for t in files)
+    return f"a file that is no {kinds}archive ({LAYOUT.ARCHIVE_SUFFIX}): not read"
 
 
 def _is_model_folder(path: Path) -> bool:
@@ -198,7 +201,7 @@ def _is_model_folder(path: Path) -> bool:
 
     if any(regular(path / name) for name in _MARKERS):
         return True
-    return path.name == layout.MODEL_DIR and regular(path / ".." / layout.METADATA_FILE)
+    return path.name == LAYOUT.MODEL_DIR and regular(path / ".." / LAYOUT.METADATA_FILE)
 
 
 def _on_system_filesystem(path: Path, st: os.stat_result) -> bool:
@@ -222,7 +225,7 @@ def _system_devices() -> frozenset[int]:
             continue
     try:
         with open("/proc/self/mountinfo", "rb") as f:
-            table = f.read(16 * bounded.MiB).decode("utf-8", "replace")
+            table = f.read(16 * MiB).decode("utf-8", "replace")
     except OSError:
         return frozenset(devices)
     for line in table.splitlines():

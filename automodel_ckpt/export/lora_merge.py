@@ -24,25 +24,24 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import bounded, layout, manifest, paths
-from automodel_ckpt.ondisk.formats.family import auto_model_class, in_memory_dtypes
-from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
-from automodel_ckpt.ondisk.durable import copy_regular, replace_folder, write_json
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, add_files_to_manifest,
+                                   auto_model_class, check_path, copy_regular, in_memory_dtypes, read_header, read_json,
+                                   regular_file_problem, replace_folder, tensor_entries, write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
 
 
 def adapter_folder(path: Path) -> Path:
     """The PEFT adapter folder of a checkpoint (``CHECKPOINT/model``) or the folder itself."""
     path = Path(path)
-    for candidate in (path / layout.MODEL_DIR, path):
+    for candidate in (path / LAYOUT.MODEL_DIR, path):
         if candidate is not path and candidate.is_symlink():
             raise CheckpointError(f"'{candidate}' is a symlink, not a folder; folders inside a checkpoint are never "
                                   "followed as links")
-        if os.path.lexists(candidate / layout.ADAPTER_CONFIG):
+        if os.path.lexists(candidate / LAYOUT.ADAPTER_CONFIG):
             return candidate
     if not path.exists():
         raise CheckpointError(f"'{path}' not found")
-    raise CheckpointError(f"'{path}' holds no {layout.ADAPTER_CONFIG}: not a PEFT checkpoint "
+    raise CheckpointError(f"'{path}' holds no {LAYOUT.ADAPTER_CONFIG}: not a PEFT checkpoint "
                           "(full fine-tuning checkpoints are exported with `ckpt-train consolidate`)")
 
 
@@ -51,11 +50,11 @@ def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
     config = None
     if override is None:
         try:
-            config = bounded.read_json(adapter_dir / layout.ADAPTER_CONFIG, "an adapter config",
-                                        bounded.SMALL_FILE_LIMIT)
+            config = read_json(adapter_dir / LAYOUT.ADAPTER_CONFIG, "an adapter config",
+                                        SMALL_FILE_LIMIT)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {adapter_dir / layout.ADAPTER_CONFIG}: {first_line(exc)}") from None
-    return _base_folder(config, str(adapter_dir / layout.ADAPTER_CONFIG), override)
+            raise CheckpointError(f"cannot read {adapter_dir / LAYOUT.ADAPTER_CONFIG}: {first_line(exc)}") from None
+    return _base_folder(config, str(adapter_dir / LAYOUT.ADAPTER_CONFIG), override)
 
 
 def _base_folder(config: Any, where: str, override: Path | None) -> Path:
@@ -67,23 +66,23 @@ def _base_folder(config: Any, where: str, override: Path | None) -> Path:
         if not name:
             raise CheckpointError(f"{where} names no base model; pass --base DIR")
         base = Path(name)
-    if not (base / layout.HF_CONFIG).is_file():
-        raise CheckpointError(f"base model folder '{base}' not found (or it has no {layout.HF_CONFIG}); "
+    if not (base / LAYOUT.HF_CONFIG).is_file():
+        raise CheckpointError(f"base model folder '{base}' not found (or it has no {LAYOUT.HF_CONFIG}); "
                               "pass --base DIR with the base model the adapter was trained on")
     return base
 
 
 def original_dtypes(base: Path) -> dict[str, torch.dtype]:
     """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
-    index = base / layout.HF_INDEX
+    index = base / LAYOUT.HF_INDEX
     if index.is_file():
-        weight_map = bounded.read_json(index, "a weights index", bounded.INDEX_FILE_LIMIT, follow=True)
+        weight_map = read_json(index, "a weights index", INDEX_FILE_LIMIT, follow=True)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"'{index}' has no 'weight_map' table")
-        files = sorted({paths.check_path(f, f"'{index}'") for f in weight_map.values()})
-    elif (base / layout.HF_SINGLE_WEIGHTS).is_file():
-        files = [layout.HF_SINGLE_WEIGHTS]
+        files = sorted({check_path(f, f"'{index}'") for f in weight_map.values()})
+    elif (base / LAYOUT.HF_SINGLE_WEIGHTS).is_file():
+        files = [LAYOUT.HF_SINGLE_WEIGHTS]
     else:
         return {}
     out: dict[str, torch.dtype] = {}
@@ -138,15 +137,15 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
     if is_archive(Path(checkpoint)):
         return _merge_archive(Path(checkpoint), out, base)
     adapter_dir = adapter_folder(checkpoint)
-    for name in (layout.ADAPTER_CONFIG, layout.ADAPTER_WEIGHTS, layout.ADAPTER_WEIGHTS_PICKLE):
+    for name in (LAYOUT.ADAPTER_CONFIG, LAYOUT.ADAPTER_WEIGHTS, LAYOUT.ADAPTER_WEIGHTS_PICKLE):
         _refuse_unless_regular(adapter_dir / name, "the adapter folder")  # before they are read
     base_dir = base_model_folder(adapter_dir, base)
-    out = Path(out) if out is not None else adapter_dir / layout.MERGED_DIR
-    own_tokenizer = os.path.lexists(adapter_dir / layout.HF_TOKENIZER_CONFIG)
+    out = Path(out) if out is not None else adapter_dir / LAYOUT.MERGED_DIR
+    own_tokenizer = os.path.lexists(adapter_dir / LAYOUT.HF_TOKENIZER_CONFIG)
     side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
                              within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
     _write_merged(merged_model(adapter_dir, base_dir), out, side_files, {})
-    manifest.add_files_to_manifest(out)  # no-op outside a checkpoint
+    add_files_to_manifest(out)  # no-op outside a checkpoint
     return out
 
 
@@ -157,21 +156,21 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(archive_path) as archive:
-        if layout.ADAPTER_CONFIG not in archive.members or layout.ADAPTER_WEIGHTS not in archive.members:
-            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({layout.ADAPTER_CONFIG} and "
-                                  f"{layout.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
-        config = archive.json(layout.ADAPTER_CONFIG, "an adapter config", bounded.SMALL_FILE_LIMIT)
-        archive.safetensors_header(layout.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
-        size = archive.member(layout.ADAPTER_WEIGHTS).size
-        weights = load_safetensors(archive.read(layout.ADAPTER_WEIGHTS, "adapter weights", size))
+        if LAYOUT.ADAPTER_CONFIG not in archive.members or LAYOUT.ADAPTER_WEIGHTS not in archive.members:
+            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({LAYOUT.ADAPTER_CONFIG} and "
+                                  f"{LAYOUT.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
+        config = archive.json(LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
+        archive.safetensors_header(LAYOUT.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
+        size = archive.member(LAYOUT.ADAPTER_WEIGHTS).size
+        weights = load_safetensors(archive.read(LAYOUT.ADAPTER_WEIGHTS, "adapter weights", size))
         tokenizer = {name: archive.read(name, "a tokenizer file", archive.member(name).size)
-                     for name in layout.HF_TOKENIZER_FILES if name in archive.members}
+                     for name in LAYOUT.HF_TOKENIZER_FILES if name in archive.members}
     if not isinstance(config, dict):
-        raise CheckpointError(f"{layout.ADAPTER_CONFIG} of the archive '{archive_path}' is not a JSON object")
-    base_dir = _base_folder(config, f"{layout.ADAPTER_CONFIG} of the archive '{archive_path}'", base)
+        raise CheckpointError(f"{LAYOUT.ADAPTER_CONFIG} of the archive '{archive_path}' is not a JSON object")
+    base_dir = _base_folder(config, f"{LAYOUT.ADAPTER_CONFIG} of the archive '{archive_path}'", base)
     side_files = [] if tokenizer else _side_files(base_dir, follow=True,
                                                   within=None if base is not None else _cache_repo(base_dir))
-    name = archive_path.name.removesuffix(layout.ARCHIVE_SUFFIX)
+    name = archive_path.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)
     out = Path(out) if out is not None else archive_path.parent / f"{name}-merged"
     _write_merged(_merged_from_archive(config, weights, base_dir), out, side_files, tokenizer)
     return out
@@ -180,12 +179,12 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
 def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], side_bytes: dict[str, bytes]) -> None:
     """The merged model and its tokenizer files (copied, or given as bytes) as ``out``, swapped in when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / layout.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
     try:
         model.save_pretrained(str(tmp))
-        _fix_config_dtype(tmp / layout.HF_CONFIG, model.config.dtype)
+        _fix_config_dtype(tmp / LAYOUT.HF_CONFIG, model.config.dtype)
         for weights in tmp.glob("*.safetensors"):  # written owner-only; as readable as the other files
-            shutil.copymode(tmp / layout.HF_CONFIG, weights)
+            shutil.copymode(tmp / LAYOUT.HF_CONFIG, weights)
         for source, follow in side_files:
             try:
                 copy_regular(source, tmp / source.name, follow=follow)
@@ -202,7 +201,7 @@ def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], si
 def _refuse_unless_regular(path: Path, where: str) -> None:
     """A ``CheckpointError`` (one line) when ``path`` exists and is a symlink, FIFO, device or folder."""
     try:
-        why = paths.regular_file_problem(path)
+        why = regular_file_problem(path)
     except FileNotFoundError:
         return
     if why is not None:
@@ -215,7 +214,7 @@ def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tupl
     adapter's must be regular files (``follow`` False); a base folder's may be links (``follow``), which with
     ``within`` must resolve to a regular file below it."""
     found = []
-    for name in layout.HF_TOKENIZER_FILES:
+    for name in LAYOUT.HF_TOKENIZER_FILES:
         path = source / name
         if not os.path.lexists(path):
             continue
@@ -223,7 +222,7 @@ def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tupl
             _refuse_unless_regular(path, "the adapter folder")
         elif within is not None and path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(within):
             raise CheckpointError(f"'{path}' is a symlink leading out of the base model folder '{within}' named by "
-                                  f"{layout.ADAPTER_CONFIG}; pass --base DIR to use a base folder you trust")
+                                  f"{LAYOUT.ADAPTER_CONFIG}; pass --base DIR to use a base folder you trust")
         found.append((path, follow))
     return found
 
@@ -247,4 +246,4 @@ def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
-    replace_folder(tmp, out, layout.export_old_name(out.name, secrets.token_hex(4)))
+    replace_folder(tmp, out, LAYOUT.export_old_name(out.name, secrets.token_hex(4)))

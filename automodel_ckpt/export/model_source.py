@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -26,26 +27,31 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import bounded, layout, paths
-from automodel_ckpt.ondisk.durable import copy_regular
-from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, pread_into, read_header, tensor_entries
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, COUNT_LIMIT, INDEX_FILE_LIMIT, LAYOUT, ST_TO_TORCH, check_size,
+                                   copy_regular, model_file_in, open_regular, pread_into, read_header, read_json,
+                                   tensor_entries)
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
 @dataclass
 class ModelSource:
-    """A model's tensors by on-disk name (shape, dtype, and how to read it) and the folder of its small files."""
+    """A model's tensors by on-disk name (shape, dtype, and how to read it), the folder of its small files, and for a
+    quantized one each tensor's rounding: what the exports read and ``diff``, ``average`` and ``eval`` compare."""
 
     config: dict[str, Any]
-    side_dir: Path
+    side_dir: Path | None = None  # a private folder holding copies of its small files (config, tokenizer)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     readers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     saved: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # a checkpoint's, before the cast
-    #: a quantized tensor's rounding: each element's step (an int8 folder dequantized: ``int8_read``)
-    steps: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
-    kind: str = "export"
+    #: a quantized tensor's rounding: each element's step, given the tensor as read (an int8 folder dequantized:
+    #: ``int8_read``; a quantized file's)
+    steps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)  # how a quantized tensor is stored (format and type)
+    kind: str = "export"  # what it is: "checkpoint", "archive", "adapter" (a LoRA adapter's own tensors), ...
     name: str = ""  # what the model is called (the SRC's name), as a quantized file records it
+    where: str = ""  # the SRC as the user gave it (for messages)
+    side: dict[str, bytes] = field(default_factory=dict)  # its small files' bytes by name, where a reader took them
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> None:
         self.shapes[name], self.dtypes[name], self.readers[name] = tuple(shape), dtype, read
@@ -59,9 +65,38 @@ class ModelSource:
         gives the export's dtype, the base's); a folder's or an archive's as ``read`` gives it."""
         return self.saved.get(name, self.readers[name])()
 
+    def rounding(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Each element's rounding in this model's format: a quantized tensor's step, else half a unit in the last
+        place of ``dtypes[name]`` (the dtype an export reads: a checkpoint's is the base's)."""
+        if name in self.steps:
+            return self.steps[name](value)
+        dtype = self.dtypes[name]
+        if not dtype.is_floating_point:
+            return torch.zeros((), dtype=torch.float64)
+        return value.double().abs() * (torch.finfo(dtype).eps / 2)
+
     @property
     def nbytes(self) -> int:
         return sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
+
+
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.language_model\.layers)\.(\d+)\.")
+
+
+def layer_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], whose: str) -> int:
+    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers whose
+    tensors are present (``shapes``) before anything loops over it: a count that is no whole number, or that differs
+    from the layers the weight files hold, is one line naming ``whose`` config (a crafted ``config.json`` never
+    sizes a loop or a table)."""
+    key = "n_layer" if "n_layer" in config and "num_hidden_layers" not in config else "num_hidden_layers"
+    value = config.get(key)
+    present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{whose}: config.json's {key} is {str(value)[:40]}, not a number of layers")
+    if value != len(present) or (present and max(present) != value - 1):  # layers 0 .. value-1, none missing
+        raise CheckpointError(f"{whose}: config.json's {key} is {value}, but the weight files hold "
+                              f"{len(present)} layer(s)" + (f" (numbered up to {max(present)})" if present else ""))
+    return value
 
 
 @contextmanager
@@ -74,11 +109,11 @@ def open_model(src: Path) -> Iterator[ModelSource]:
             source = _from_archive(src, stack)
         elif not src.is_dir():
             raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder or an archive")
-        elif (src / layout.HF_CONFIG).is_file() and any(src.glob("*.safetensors")):
+        elif (src / LAYOUT.HF_CONFIG).is_file() and any(src.glob("*.safetensors")):
             source = _from_folder(src, stack)
         else:
             source = _from_checkpoint(src, stack)
-        source.name = src.resolve().name.removesuffix(layout.ARCHIVE_SUFFIX)
+        source.name, source.where = src.resolve().name.removesuffix(LAYOUT.ARCHIVE_SUFFIX), str(src)
         yield source
 
 
@@ -87,7 +122,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
     from automodel_ckpt.export.plan import build_plan, resolve_model_dir
 
     model_dir = resolve_model_dir(src)
-    if (model_dir / layout.ADAPTER_CONFIG).is_file() or (src / layout.ADAPTER_CONFIG).is_file():
+    if (model_dir / LAYOUT.ADAPTER_CONFIG).is_file() or (src / LAYOUT.ADAPTER_CONFIG).is_file():
         from automodel_ckpt.export.lora_merge import merge_lora
 
         tmp = _tmp_dir(stack)
@@ -95,12 +130,12 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
         source = _from_folder(merged, stack, side=merged)
         source.kind = "LoRA checkpoint (merged)"
         return source
-    plan = build_plan(model_dir, None, bounded.COUNT_LIMIT)  # shards of any size: the plan here only reads
+    plan = build_plan(model_dir, None, COUNT_LIMIT)  # shards of any size: the plan here only reads
     if plan.config is None:
-        raise CheckpointError(f"{model_dir} has no {layout.HF_METADATA_DIR} (no config.json): its family is unknown, "
+        raise CheckpointError(f"{model_dir} has no {LAYOUT.HF_METADATA_DIR} (no config.json): its family is unknown, "
                               "so it cannot be exported to a quantized format")
     side = _tmp_dir(stack)
-    (side / layout.HF_CONFIG).write_text(json.dumps(plan.config))
+    (side / LAYOUT.HF_CONFIG).write_text(json.dumps(plan.config))
     for path in plan.extra_files:
         try:
             copy_regular(path, side / path.name)
@@ -130,7 +165,7 @@ def _assemble(tensor: Any) -> torch.Tensor:
 _REFUSAL = ("an export reads only a model folder's regular files (and a cache snapshot's links into its own "
             "blobs/), never what another link points to: replace it with the file itself")
 #: The most bytes one small file of a folder (config, tokenizer, chat template) may hold to be copied.
-_SIDE_FILE_LIMIT = 4 * bounded.INDEX_FILE_LIMIT
+_SIDE_FILE_LIMIT = 4 * INDEX_FILE_LIMIT
 
 
 def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> ModelSource:
@@ -141,25 +176,25 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
     itself (a merged LoRA), used as it is."""
     if side is None:
         side = _tmp_dir(stack)
-        for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
+        for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
             try:
-                path = paths.model_file_in(folder, name, _REFUSAL)
-                bounded.check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
-                                   _SIDE_FILE_LIMIT)
+                path = model_file_in(folder, name, _REFUSAL)
+                check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
+                           _SIDE_FILE_LIMIT)
                 copy_regular(path, side / name)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 raise CheckpointError(f"cannot read '{folder / name}': {exc.strerror or exc}") from None
-    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE_LIMIT)
+    config = read_json(side / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT)
     if not isinstance(config, dict):
-        raise CheckpointError(f"{folder / layout.HF_CONFIG} is not a JSON object")
+        raise CheckpointError(f"{folder / LAYOUT.HF_CONFIG} is not a JSON object")
     source = ModelSource(config, side)
     for name in sorted(p.name for p in folder.glob("*.safetensors")):
         path = folder / name
         try:
-            real = paths.model_file_in(folder, name, _REFUSAL)  # itself, or the cache blob it leads to
-            fd = paths.open_regular(real)
+            real = model_file_in(folder, name, _REFUSAL)  # itself, or the cache blob it leads to
+            fd = open_regular(real)
         except OSError as exc:
             raise CheckpointError(f"cannot read '{path}': {exc.strerror or exc}") from None
         stack.callback(os.close, fd)
@@ -202,16 +237,16 @@ def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
         raise UserError(f"'{path}' is a file but not an archive of `ckpt-train pack`; give a checkpoint, an export "
                         "folder or an archive")
     archive = stack.enter_context(open_archive(path))
-    if layout.ADAPTER_CONFIG in archive.members:
+    if LAYOUT.ADAPTER_CONFIG in archive.members:
         raise UserError(f"the archive '{path}' holds a LoRA adapter; export its checkpoint, or `ckpt-train "
                         "merge-lora` it first")
     side = _tmp_dir(stack)
-    for name in (layout.HF_CONFIG, layout.HF_GENERATION_CONFIG, *layout.HF_TOKENIZER_FILES):
+    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
         if name in archive.members:
-            (side / name).write_bytes(archive.read(name, "a model folder's small file", bounded.INDEX_FILE_LIMIT))
-    if not (side / layout.HF_CONFIG).is_file():
-        raise CheckpointError(f"the archive '{path}' has no {layout.HF_CONFIG}")
-    config = bounded.read_json(side / layout.HF_CONFIG, "a model config", bounded.CONFIG_FILE_LIMIT)
+            (side / name).write_bytes(archive.read(name, "a model folder's small file", INDEX_FILE_LIMIT))
+    if not (side / LAYOUT.HF_CONFIG).is_file():
+        raise CheckpointError(f"the archive '{path}' has no {LAYOUT.HF_CONFIG}")
+    config = read_json(side / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT)
     source = ModelSource(config if isinstance(config, dict) else {}, side, kind="archive")
     for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
         header, data_start = archive.safetensors_header(name)

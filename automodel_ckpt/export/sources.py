@@ -12,27 +12,10 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.ondisk import paths
-from automodel_ckpt.ondisk.formats import registry
-from automodel_ckpt.ondisk.formats.base import ModelFormat
-from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor  # noqa: F401 - the export's names
+from automodel_ckpt.ondisk import Piece, ShardSource, SourceTensor  # noqa: F401 - the export's names
+from automodel_ckpt.ondisk import exported_format, open_regular, pread_into
 from automodel_ckpt.export.hf_metadata import TensorInfo
-from automodel_ckpt.ondisk.formats.safetensors_io import pread_into
 from automodel_ckpt.errors import CheckpointError
-
-
-def require_format(folder: Path) -> ModelFormat:
-    """The format of ``folder``'s model files, one the export reads; a CheckpointError when it is absent, holds
-    none, or holds a format that is not exported (a PEFT adapter)."""
-    fmt = registry.detect(folder)
-    if fmt is not None and fmt.export_refusal:
-        raise CheckpointError(f"{folder} {fmt.export_refusal}")
-    if fmt is None:
-        if not folder.exists():
-            raise CheckpointError(f"model folder {folder} does not exist")
-        expected = " or ".join(f.files for f in registry.formats() if not f.export_refusal)
-        raise CheckpointError(f"no model shards in {folder}: expected {expected}")
-    return fmt
 
 
 def open_source(
@@ -47,7 +30,7 @@ def open_source(
     pieces overlap or leave gaps.
     """
     folder = Path(folder)
-    fmt = require_format(folder)
+    fmt = exported_format(folder)
     source = fmt.open_source(folder, saved_world_size)
     _apply_saved_shapes(source, saved)
     for tensor in source.tensors.values():
@@ -59,7 +42,7 @@ def open_source(
 def read_piece(piece: Piece) -> bytearray:
     """The stored bytes of one DCP piece, read with one positioned read."""
     buf = bytearray(piece.length)
-    fd = paths.open_regular(Path(piece.file))
+    fd = open_regular(Path(piece.file))
     try:
         pread_into(fd, memoryview(buf), piece.start, piece.file)
     finally:

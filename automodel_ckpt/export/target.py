@@ -1,9 +1,10 @@
 """What an export target is: ``ExportTarget``, the object each target module registers, and the request it gets.
 
 A target is what ``ckpt-train export --to NAME`` writes (a quantized file or folder, an HF Trainer checkpoint, ...):
-its options on the verb's command line, the export itself, and, where its output is one file the read-only verbs
-meet, how that file is recognised, described (``inspect``) and checked (``verify``). ``registry`` looks targets up
-by name and asks them what a file is; the verb knows no target by name.
+its options on the verb's command line, the export itself, and, where its output is one file the other verbs meet,
+how that file is recognised, described (``inspect``), checked (``verify``, ``pack``), compared (``diff``) and
+followed (its lineage record). ``registry`` looks targets up by name and asks them what a file is; no verb knows a
+target by name.
 
 The invariant every target keeps: SRC is only read, and the output appears whole (written beside it, then renamed
 into place) or not at all; a bad SRC or a bad option is one line (the project's ``UserError`` types), never a
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import LAYOUT
+
+if TYPE_CHECKING:
+    from automodel_ckpt.export.model_source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class ExportRequest:
     #: ``(recipe file, tokenizer, n)`` -> the token ids of the first ``n`` rows of that recipe's validation data
     #: (else its training data), tokenized as for training: only the CLI may build a user's recipe
     recipe_examples: Callable[[Path, Any, int], list[list[int]]] | None = None
+    #: () -> the export's lineage record (SRC by path and fingerprint), for the target to write beside its output
+    lineage: Callable[[], dict[str, Any]] | None = None
 
     @property
     def src(self) -> Path:
@@ -42,16 +49,18 @@ class ExportRequest:
         if self.args.out:
             return Path(self.args.out)
         where = self.src.absolute()
-        return where.parent / f"{where.name.removesuffix(layout.ARCHIVE_SUFFIX)}{tail}"
+        return where.parent / f"{where.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)}{tail}"
 
 
 class ExportTarget:
     """One export target. Subclasses set ``name`` and ``summary`` and implement ``export``; a target whose output
-    is one file the read-only verbs meet implements ``identify``, ``describe``, ``render`` and ``verify`` too."""
+    is one file the other verbs meet sets ``noun`` and ``suffix`` and implements ``identify``, ``describe``,
+    ``render`` and ``verify`` too, and where it can, ``check``, ``lineage_text``, ``open_tensors`` and ``beside``."""
 
     name: str = ""  # ``--to``'s value
     summary: str = ""  # what it writes, in a few words (``export --help``)
     noun: str = ""  # one of its files, in words ("a ... file"), where it has a file kind of its own
+    suffix: str = ""  # how the name of one of its files ends, where it has a file kind of its own
     takes_overrides: bool = False  # ``--section.key value`` overrides of ``--recipe`` may follow its arguments
     checks_other_options: bool = True  # the other targets' options given with this one are refused (``refuse``)
 
@@ -80,3 +89,19 @@ class ExportTarget:
     def verify(self, path: Path, *, decode: bool) -> bool:
         """Check the file and print its report (``verify``; ``decode`` off: sizes only); whether it is whole."""
         raise NotImplementedError(f"export target '{self.name}' has no file to verify")
+
+    def check(self, path: Path, consequence: str) -> None:
+        """A one-line ``CheckpointError`` ending in ``consequence`` when the file is damaged (``pack`` ships only a
+        whole one); quiet otherwise."""
+
+    def lineage_text(self, path: Path, limit: int) -> str | None:
+        """The lineage record an export wrote into the file (JSON text of at most ``limit`` bytes), or None."""
+        return None
+
+    def open_tensors(self, path: Path, stack: ExitStack) -> ModelSource:
+        """The file's tensors by its own names, open until ``stack`` closes (``diff`` of two such files)."""
+        raise NotImplementedError(f"export target '{self.name}' has no file to compare")
+
+    def beside(self, model: ModelSource, path: Path, stack: ExitStack) -> tuple[ModelSource, ModelSource]:
+        """``model`` as this target lays it out, and the file ``path``, both under ``model``'s names (``diff``)."""
+        raise NotImplementedError(f"export target '{self.name}' has no file to compare")

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.ondisk import bounded, layout
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, read_header, read_json, tensor_entries
 from automodel_ckpt.export.plan import resolve_model_dir
 from automodel_ckpt.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
-from automodel_ckpt.ondisk.formats.safetensors_io import read_header, tensor_entries
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -50,13 +49,13 @@ def verify_export(checkpoint: Path) -> ExportReport:
     """Run the three checks on the export of ``checkpoint`` (a checkpoint folder, its ``model/`` folder, or the
     export itself, ``model/consolidated``)."""
     checkpoint = Path(checkpoint)
-    if checkpoint.name == layout.CONSOLIDATED_DIR and (checkpoint / layout.HF_CONFIG).is_file():
+    if checkpoint.name == LAYOUT.CONSOLIDATED_DIR and (checkpoint / LAYOUT.HF_CONFIG).is_file():
         checkpoint = checkpoint.parent  # the export folder given: its model/ folder holds the shards to compare
     model_dir = resolve_model_dir(checkpoint)
-    export_dir = model_dir / layout.CONSOLIDATED_DIR
-    if not (export_dir / layout.HF_CONFIG).is_file():
+    export_dir = model_dir / LAYOUT.CONSOLIDATED_DIR
+    if not (export_dir / LAYOUT.HF_CONFIG).is_file():
         raise CheckpointError(f"no export in {export_dir}; run `ckpt-train consolidate {checkpoint}` first")
-    meta = read_hf_metadata(model_dir) if layout.hf_metadata_dir(model_dir).is_dir() else None
+    meta = read_hf_metadata(model_dir) if LAYOUT.hf_metadata_dir(model_dir).is_dir() else None
     report = ExportReport(export_dir, family=(meta.config or {}).get("model_type") if meta else None)
     model = _reload(export_dir, report) if _config_fits_files(export_dir, report) else None
     if model is not None:
@@ -73,15 +72,15 @@ def _config_fits_files(export_dir: Path, report: ExportReport) -> bool:
     """Before a real model is built: ``config.json``'s layer and expert counts are at most the number of tensors
     in the export's files, and the model it describes, built on the meta device (nothing allocated), has at most
     as many parameters as those files hold. A config asking for a 1T-parameter model never allocates it."""
-    from automodel_ckpt.ondisk.formats.family import auto_model_class
+    from automodel_ckpt.ondisk import auto_model_class
 
-    config_path = export_dir / layout.HF_CONFIG
+    config_path = export_dir / LAYOUT.HF_CONFIG
     tensors = held = 0
     for path in sorted(export_dir.glob("*.safetensors")):
         header, _ = read_header(path)  # entries checked: shapes match their byte ranges inside the file
         for entry in tensor_entries(header).values():
             tensors, held = tensors + 1, held + math.prod(entry["shape"])
-    config = bounded.read_json(config_path, "a model config", bounded.CONFIG_FILE_LIMIT)
+    config = read_json(config_path, "a model config", CONFIG_FILE_LIMIT)
     for key, value in _counts(config):
         if value > tensors:
             report.problems.append(f"'{config_path}': {key} is {value}, more than the {tensors} tensors in the "
@@ -117,7 +116,7 @@ def _counts(value: object, prefix: str = "") -> list[tuple[str, int]]:
 
 
 def _reload(export_dir: Path, report: ExportReport) -> torch.nn.Module | None:
-    from automodel_ckpt.ondisk.formats.family import auto_model_class
+    from automodel_ckpt.ondisk import auto_model_class
 
     try:
         model, info = auto_model_class(export_dir).from_pretrained(export_dir, dtype="auto", output_loading_info=True,

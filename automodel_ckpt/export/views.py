@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from automodel_ckpt.export.sources import Piece, SourceTensor
-from automodel_ckpt.ondisk.formats.family import DiskTensor, c_strides, disk_layout
+from automodel_ckpt.ondisk import DiskTensor, c_strides, disk_layout
 
 
 def on_disk_tensors(tensors: dict[str, SourceTensor], config: Mapping[str, Any] | None,

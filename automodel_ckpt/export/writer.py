@@ -23,15 +23,9 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.ondisk import durable, paths
-from automodel_ckpt.ondisk.formats.family import c_strides
+from automodel_ckpt.ondisk import (c_strides, encode_header, layout_order, open_regular, pwrite_all, st_dtype_name,
+                                   start_writeback)
 from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece
-from automodel_ckpt.ondisk.formats.safetensors_io import (
-    encode_header,
-    layout_order,
-    pwrite_all,
-    st_dtype_name,
-)
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -302,7 +296,7 @@ class _Writer:
 
     # ------------------------------------------------------------------------------------------ helpers
     def _written(self, fd: int, offset: int, nbytes: int) -> None:
-        durable.start_writeback(fd, offset, nbytes)
+        start_writeback(fd, offset, nbytes)
         self.advance(nbytes)
 
     def _src_fd(self, path: Path) -> int:
@@ -312,7 +306,7 @@ class _Writer:
                 fd = self.src_fds.get(path)
                 if fd is None:
                     try:
-                        fd = paths.open_regular(path)  # never through a link, never a FIFO
+                        fd = open_regular(path)  # never through a link, never a FIFO
                     except FileNotFoundError:
                         raise CheckpointError(f"missing shard file {path}") from None
                     except OSError as exc:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, parse_json
+from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, check_count, parse_json
 from automodel_ckpt.ondisk import read_bytes as read_bounded
 from automodel_ckpt.shown import shown_value
 
@@ -104,13 +104,11 @@ def refuse(where: Path | str, why: str) -> CheckpointError:
 
 
 def count(value: object, where: Path | str, name: str, limit: int = MAX_STEPS, low: int = 0) -> int:
-    """An integer count from ``low`` to ``limit`` (a float that is whole counts; one-line refusal naming it
-    otherwise)."""
+    """An integer count from ``low`` to ``limit`` (a float that is whole counts; ``bounded.check_count``'s one-line
+    refusal naming it otherwise)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limit:
-        raise refuse(where, f"{name} is {shown_value(value)}, not a count from {low} to {limit}")
-    return value
+    return check_count(value, f"refusing '{where}'", name, limit, low)
 
 
 def number(value: object, where: Path | str, name: str) -> float:

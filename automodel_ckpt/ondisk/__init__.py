@@ -3,14 +3,19 @@
 Everything a checkpoint folder holds is spelled and read here, versioned by ``layout.LAYOUT_VERSION``: file names
 (``layout``), limits on untrusted files (``bounded``), the path validator (``paths``), metadata, the manifest and
 its checksums, durable writes, the catalog of a run folder, the byte formats (``formats/``: sharded model and
-optimizer state, PEFT adapters, safetensors, the only reader of pickles, parallel file I/O). It never imports the
+optimizer state, PEFT adapters, safetensors, the only reader of pickles), the engine that moves their bytes
+(``fastio/``: parallel file I/O) and the planning of DCP saves (``saveplan/``). It never imports the
 exports (``automodel_ckpt.export``) nor the engine that writes checkpoints (``automodel_ckpt.checkpoint``).
 
-Code outside this package, ``export`` and ``checkpoint`` imports only the names below, each a member of a module here
-under its own name, never a whole module (``tests/unit/test_structure.py``): what that code reads, nothing more. The
-layout's file names and path builders are one of them, the table ``LAYOUT`` (``LAYOUT.HF_CONFIG``). The modules
-inside are private to the three packages (benchmarks that time them aside, each saying so). The names load on first
-use, so reading a run folder (``inspect``, ``verify``) imports no torch.
+Code outside this package and ``checkpoint`` (the engine, which writes the folder's bytes and is admitted inside)
+imports only the names below, each a member of a module here under its own name, never a whole module
+(``tests/unit/test_structure.py``): what that code reads, nothing more. The exports (``automodel_ckpt.export``) are
+outside code too: what they need of the folder's bytes (safetensors headers and positioned reads, the model family's
+on-disk layout and a format's pieces, durable writes, checksums, the manifest's verdicts) is on this table, their
+contract with it. The layout's file names and path builders are one of the names, the table
+``LAYOUT`` (``LAYOUT.HF_CONFIG``). The modules inside are private to this package and ``checkpoint`` (benchmarks
+that time them aside, each saying so). The names load on first use, so reading a run folder (``inspect``,
+``verify``) imports no torch.
 """
 
 from __future__ import annotations
@@ -21,18 +26,33 @@ from automodel_ckpt.faces import exports_of, lazy_members
 _EXPORTS = exports_of({
     "layout_table": "LAYOUT",  # the file and folder names of a run folder and a checkpoint, and their path builders
     "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "
-               "check_size is_count parse_json read_bytes read_json read_yaml yaml_depth_line",
-    "paths": "check_path file_kind is_plain_name model_file_in open_regular path_inside regular_file_problem",
+               "check_size is_count parse_json read_bytes read_json read_yaml yaml_depth_line "
+               "COUNT_LIMIT MAX_WORLD_SIZE check_count",
+    "paths": "check_path file_kind is_plain_name model_file_in open_regular path_inside regular_file_problem "
+             "not_regular path_problem walk_regular",
     "catalog": "CheckpointRecord list_checkpoints pointer_target pointer_targets quarantined_checkpoints "
                "scan_checkpoints size_on_disk",
-    "manifest": "CHECKSUM_MISMATCH UNEXPECTED_FILE ManifestReport add_files_to_manifest read_manifest verify_manifest",
+    "manifest": "CHECKSUM_MISMATCH UNEXPECTED_FILE ManifestReport add_files_to_manifest read_manifest verify_manifest "
+                "UNREADABLE Verdict build_manifest dump_manifest file_verdict",
     "metadata": "as_float",
     "fingerprint": "run_fingerprint",
     "incremental": "shared_bytes stored_once",  # checkpoint.incremental: own / shared bytes of a checkpoint
-    "durable": "write_atomic fsync_file",
+    "durable": "write_atomic fsync_file copy_regular fsync_dir remove_tree replace_folder start_writeback "
+               "write_durable write_json",
     "formats.detect": "detect_model_format",
     "formats.safe_load": "load_pt",
     "formats.dcp_folder": "read_dcp_folder",
+    # what the exports read and write besides the names above: a model folder's bytes
+    "checksum": "default_algorithm hash_range hasher",
+    "outofroom": "export_error",  # a full disk during an export, in one line
+    "formats.registry": "exported_format",  # the format of a model folder the export reads
+    "formats.pieces": "Piece ShardSource SourceTensor",  # a format's tensors as pieces of its files
+    "formats.family": "DiskTensor auto_model_class c_strides disk_layout in_memory_dtypes",
+    "formats.safetensors_io": "ST_TO_TORCH check_header encode_header header_length is_plain_float layout_order "
+                              "parse_header pread_full pread_into pwrite_all read_header st_dtype_name "
+                              "tensor_entries",
+    "fastio.common": "ST_CODES",
+    "fastio.readers": "ParallelHFReader read_safetensors",  # an archive's weights read in place
 })
 
 __all__ = sorted(_EXPORTS)

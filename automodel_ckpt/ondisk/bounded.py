@@ -21,6 +21,7 @@ import yaml
 
 from automodel_ckpt.ondisk import paths
 from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.shown import shown_value
 from automodel_ckpt.sizes import human_size
 
 MiB = 2**20
@@ -150,9 +151,9 @@ def read_yaml(path: Path, what: str, limit: int = CONFIG_FILE_LIMIT, *, follow: 
     return _parse_yaml(text, f"'{path}'", what)
 
 
-def count(value: object, where: str, field: str, limit: int) -> int:
-    """``value`` as a count (an int from 0 to ``limit``): else a one-line ``CheckpointError`` naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-        raise CheckpointError(f"{where}: {field} is {str(value)[:40]}; it must be a whole number from 0 to "
-                              f"{limit}")
+def check_count(value: object, where: str, field: str, limit: int, low: int = 0) -> int:
+    """``value`` as a count (an int from ``low`` to ``limit``): else a one-line ``CheckpointError`` naming
+    ``field``."""
+    if not is_count(value) or not low <= value <= limit:
+        raise CheckpointError(f"{where}: {field} is {shown_value(value)}, not a count from {low} to {limit}")
     return value

@@ -102,7 +102,7 @@ class Reuse:
 
     def write(self, path: Path, pieces: list[Any], threads: int, written: Any = None) -> int:
         """``filewrite.write_file(path, pieces, ...)``, or a hard link to the previous checkpoint's identical file."""
-        from automodel_ckpt.ondisk.formats.fastio.filewrite import piece_length, write_file
+        from automodel_ckpt.ondisk.fastio.filewrite import piece_length, write_file
 
         path = Path(path)
         rel = f"{path.parent.name}/{path.name}"  # the state folder and file: the same place in every checkpoint

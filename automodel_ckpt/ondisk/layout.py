@@ -147,8 +147,7 @@ ARCHIVE_RECIPE = f"{ARCHIVE_DIR}/{CONFIG_FILE}"  # the checkpoint's config.yaml 
 ARCHIVE_METADATA = f"{ARCHIVE_DIR}/{METADATA_FILE}"  # the checkpoint's metadata.json
 ARCHIVE_MANIFEST = f"{ARCHIVE_DIR}/{MANIFEST_FILE}"  # every other member's size and checksum; the last member
 ARCHIVE_SUFFIX = ".tar"
-# --- quantized exports (`ckpt-train export --to gguf|int8`) -----------------------------------------------------
-GGUF_SUFFIX = ".gguf"
+# --- quantized exports (`ckpt-train export --to int8`; each file target names its own suffix) -----------------------
 INT8_EXPORT_DIR = "int8"  # default folder name of an int8 export, beside the checkpoint's consolidated/
 # --- `ckpt-train eval` -----------------------------------------------------------------------------------------
 EVAL_DIR = "eval"  # the harness's results JSON of each task, in the checkpoint or folder evaluated

@@ -16,7 +16,7 @@ wrote it: model shards, optimizer state, per-rank files, config, metadata, an in
 itself is not listed; symlinks are neither listed nor followed.
 
 When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
-files get their checksum while they are written, from the same memory (``formats/fastio``, recorded with
+files get their checksum while they are written, from the same memory (``ondisk/fastio``, recorded with
 ``storage.WrittenFiles``, owned by the checkpointer), so they are not read back; the other files were written moments earlier and are hashed
 from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
 size) and rank 0 writes the manifest and fsyncs it.
@@ -95,7 +95,7 @@ def assign(files: dict[str, int], world_size: int) -> list[list[str]]:
 # --- writing -----------------------------------------------------------------------------------------
 
 
-def build(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str, *,
+def build_manifest(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str, *,
           linked: int = 0) -> dict[str, Any]:
     """The manifest of ``files``; ``linked``: bytes of them the save hard-linked from an earlier checkpoint instead
     of writing (``checkpoint.incremental``), recorded as ``linked_bytes`` when there are any."""
@@ -118,7 +118,7 @@ def list_files_and_linked(root: Path) -> tuple[dict[str, int], int]:
     return dict(sorted((rel, st.st_size) for rel, st in stats)), sum(st.st_size for _, st in stats if st.st_nlink > 1)
 
 
-def dumps(manifest: dict[str, Any]) -> str:
+def dump_manifest(manifest: dict[str, Any]) -> str:
     """JSON with the header fields first and one line per file (readable, diffable)."""
     head = {k: v for k, v in manifest.items() if k != "files"}
     lines = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
@@ -130,7 +130,7 @@ def dumps(manifest: dict[str, Any]) -> str:
 def write(root: Path, manifest: dict[str, Any]) -> Path:
     """Write and fsync ``manifest.json`` (and the folder entry naming it)."""
     file = Path(root) / layout.MANIFEST_FILE
-    file.write_text(dumps(manifest), encoding="utf-8")
+    file.write_text(dump_manifest(manifest), encoding="utf-8")
     fsync_file(file)
     fsync_dir(Path(root))
     return file
@@ -201,7 +201,7 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     if written is not None:
         written.forget(staging)
     collective.on_main(
-        lambda: write(staging, build(staging, files, merge_checksums(parts or []), algorithm,
+        lambda: write(staging, build_manifest(staging, files, merge_checksums(parts or []), algorithm,
                                      linked=listed.get("linked", 0))),
         f"writing '{staging / layout.MANIFEST_FILE}'", rank,
     )
@@ -267,10 +267,10 @@ def add_files_to_manifest(folder: Path) -> bool:
     for rel in list_files(Path(folder)):
         size, digest = hash_file(Path(folder) / rel, algorithm)
         files[prefix + rel], checksums[prefix + rel] = size, digest
-    updated = build(checkpoint, files, checksums, algorithm)
+    updated = build_manifest(checkpoint, files, checksums, algorithm)
     updated["layout_version"] = current.get("layout_version", layout.LAYOUT_VERSION)
     tmp = checkpoint / layout.export_tmp_name(layout.MANIFEST_FILE, uuid.uuid4().hex[:8])
-    tmp.write_text(dumps(updated), encoding="utf-8")
+    tmp.write_text(dump_manifest(updated), encoding="utf-8")
     fsync_file(tmp)
     os.replace(tmp, checkpoint / layout.MANIFEST_FILE)
     fsync_dir(checkpoint)
@@ -371,15 +371,25 @@ def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, che
         return Verdict(rel, UNREADABLE, first_line(exc))
     if not_regular:
         return Verdict(rel, UNREADABLE, not_regular)
+    return file_verdict(rel, entry, size, (lambda: hash_file(path, algorithm)[1]) if checksums else None, "on disk")
+
+
+def file_verdict(rel: str, entry: dict[str, Any], size: int | None, digest: Callable[[], str] | None,
+                 where: str) -> Verdict:
+    """The verdict of the listed file ``rel`` (its manifest ``entry``) whose bytes number ``size`` (None: it is
+    missing), hashed by ``digest`` when checksums are checked; ``where`` the bytes are ("on disk", "in the
+    archive")."""
+    if size is None:
+        return Verdict(rel, MISSING)
     if size != entry["size"]:
-        return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, on disk {size}")
-    if checksums:
+        return Verdict(rel, SIZE_MISMATCH, f"manifest {entry['size']} bytes, {where} {size}")
+    if digest is not None:
         try:
-            _, digest = hash_file(path, algorithm)
+            found = digest()
         except OSError as exc:
             return Verdict(rel, UNREADABLE, first_line(exc))
-        if digest != entry["checksum"]:
-            return Verdict(rel, CHECKSUM_MISMATCH, f"manifest {entry['checksum']}, on disk {digest}")
+        if found != entry["checksum"]:
+            return Verdict(rel, CHECKSUM_MISMATCH, f"manifest {entry['checksum']}, {where} {found}")
     return Verdict(rel, OK)
 
 

@@ -39,7 +39,7 @@ _DRIVE = re.compile(r"^[A-Za-z]:")
 _FSSPEC_SYNTAX = re.compile(r"[*?\[]|::")
 
 
-def problem(rel: object) -> str | None:
+def path_problem(rel: object) -> str | None:
     """Why ``rel`` is not a plain relative path of normal components (None when it is)."""
     if not isinstance(rel, str):
         return f"not a string but a {type(rel).__name__}"
@@ -63,17 +63,17 @@ def problem(rel: object) -> str | None:
 
 def is_plain(rel: object) -> bool:
     """Whether ``rel`` is a plain relative path (see the module docstring)."""
-    return problem(rel) is None
+    return path_problem(rel) is None
 
 
 def is_plain_name(name: object) -> bool:
     """Whether ``name`` is one plain path component: what a checkpoint name (a bucket prefix) must be."""
-    return isinstance(name, str) and "/" not in name and problem(name) is None
+    return isinstance(name, str) and "/" not in name and path_problem(name) is None
 
 
 def check_path(rel: object, where: str) -> str:
     """``rel`` itself if plain; else a ``CheckpointError`` saying that ``where`` names an unsafe path."""
-    why = problem(rel)
+    why = path_problem(rel)
     if why is not None:
         raise CheckpointError(f"{where} names the unsafe path {rel!r} ({why}); only plain relative paths inside "
                               "the checkpoint are read or written")

@@ -82,7 +82,7 @@ def test_an_archive_round_trips_through_an_object_store(trained, assets: Path, s
 def test_a_pack_that_fails_half_way_leaves_nothing_at_the_url(seaweed, tmp_path, monkeypatch) -> None:
     """Parts are already uploaded when a member fails to read: the multipart upload is aborted, no object shows."""
     from automodel_ckpt.checkpoint import objectstore, storage
-    from automodel_ckpt.ondisk import paths
+    from automodel_ckpt.export import archive_pack
     from automodel_ckpt.export.archive_pack import pack_into
     from automodel_ckpt.errors import CheckpointError
 
@@ -99,7 +99,7 @@ def test_a_pack_that_fails_half_way_leaves_nothing_at_the_url(seaweed, tmp_path,
     url = f"s3://{bucket}/models/model.tar"
     fs = seaweed.filesystem()
     uploading = []
-    open_regular = paths.open_regular
+    open_regular = archive_pack.open_regular  # the face's, as the packer reads each member
 
     def failing_second_shard(path, **kw):
         if path.name.startswith("model-00002"):
@@ -107,7 +107,7 @@ def test_a_pack_that_fails_half_way_leaves_nothing_at_the_url(seaweed, tmp_path,
             raise OSError(5, "Input/output error", str(path))
         return open_regular(path, **kw)
 
-    monkeypatch.setattr(paths, "open_regular", failing_second_shard)
+    monkeypatch.setattr(archive_pack, "open_regular", failing_second_shard)
     with pytest.raises(CheckpointError, match="model-00002.*nothing was stored"):
         pack_into(folder, lambda size: storage.streamed_object(url, size, key="--out"), progress=False)
     assert uploading  # the first shard's parts were on their way when the second failed

@@ -18,7 +18,7 @@ from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.export.lora_merge import original_dtypes
-from automodel_ckpt.ondisk.formats.fastio.readers import safetensors_header
+from automodel_ckpt.ondisk.fastio.readers import safetensors_header
 from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
 from automodel_ckpt.ondisk.formats.safetensors_io import read_header
 from automodel_ckpt.checkpoint.objectstore import run

@@ -2,7 +2,7 @@
 
 The model may be sharded in any way (FSDP's ``Shard(0)``, tensor parallelism's ``Shard(1)``, ``Replicate``, on a
 mesh of any shape): DCP plans the reads from each parameter's ``DTensor`` placements, and the safetensors reader
-(``formats/fastio``) reads from the folder's files exactly the byte ranges of the rank's pieces, cast to the
+(``ondisk/fastio``) reads from the folder's files exactly the byte ranges of the rank's pieces, cast to the
 parameter's dtype as ``from_pretrained(dtype=...)`` does. A plain tensor (not sharded) is read whole.
 
 The folder's names are the family's on-disk names; the model's are transformers' in-memory names. The mapping is
@@ -30,8 +30,8 @@ import torch
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.export import ArchiveHFReader, is_archive
 from automodel_ckpt.ondisk.formats.family import DiskTensor, auto_model_class, c_strides, disk_layout
-from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, scratch
-from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
+from automodel_ckpt.ondisk.fastio.common import BYTES_READ, scratch
+from automodel_ckpt.ondisk.fastio.readers import ParallelHFReader
 from automodel_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

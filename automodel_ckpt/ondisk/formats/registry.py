@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.ondisk.formats import adapter, dcp_shards, safetensors_shards
 from automodel_ckpt.ondisk.formats.base import ModelFormat
 
@@ -61,6 +61,20 @@ def detect(folder: Path) -> ModelFormat | None:
     if not folder.is_dir():
         return None
     return next((fmt for fmt in _FORMATS.values() if fmt.detect(folder)), None)
+
+
+def exported_format(folder: Path) -> ModelFormat:
+    """The format of ``folder``'s model files, one the export reads; a ``CheckpointError`` when it is absent, holds
+    none, or holds a format that is not exported (a PEFT adapter)."""
+    fmt = detect(folder)
+    if fmt is not None and fmt.export_refusal:
+        raise CheckpointError(f"{folder} {fmt.export_refusal}")
+    if fmt is None:
+        if not Path(folder).exists():
+            raise CheckpointError(f"model folder {folder} does not exist")
+        expected = " or ".join(f.files for f in _FORMATS.values() if not f.export_refusal)
+        raise CheckpointError(f"no model shards in {folder}: expected {expected}")
+    return fmt
 
 
 def for_model(model: Any, configured: Any) -> ModelFormat:

@@ -9,7 +9,7 @@ This module is the only place of the package that unpickles (tests/unit/test_str
   paths inside its folder and regular files (``paths``).
 * Non-tensor entries of a ``.distcp`` file (optimizer ``param_groups`` values, for example) are unpickled by
   ``SafeLoadPlanner`` with ``torch.load(weights_only=True)``; torch's default planner uses ``weights_only=False``.
-* Tensors are read by DCP with ``weights_only=True`` (``formats/fastio`` locates a tensor record's data with
+* Tensors are read by DCP with ``weights_only=True`` (``ondisk/fastio`` locates a tensor record's data with
   ``TensorRecordUnpickler``, which resolves nothing but inert stand-ins); HF safetensors shards hold no code by
   design; the ``.pt`` state files are read by ``load_pt`` with ``weights_only=True``.
 * ``unpickle_own`` rebuilds a value this process pickled itself a moment before (an async save's small states,
@@ -140,7 +140,7 @@ class StorageRef:
 
 class TensorRecordUnpickler(pickle.Unpickler):
     """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it
-    (``formats/fastio`` locates tensor data with it).
+    (``ondisk/fastio`` locates tensor data with it).
 
     Only the globals a plain tensor's pickle holds are resolved, to inert stand-ins; anything else raises
     ``UnpicklingError`` (the record then goes to ``torch.load(weights_only=True)``).

@@ -15,7 +15,7 @@ from typing import Any
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import bounded, layout
-from automodel_ckpt.ondisk.formats import fastio
+from automodel_ckpt.ondisk import fastio
 from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.ondisk.formats.sharded import ShardsFormat

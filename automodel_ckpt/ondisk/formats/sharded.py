@@ -23,8 +23,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from automodel_ckpt.ondisk.formats import fastio, plan_results, planning, replicated, state_dicts
-from automodel_ckpt.ondisk.formats.fastio import session
+from automodel_ckpt.ondisk import fastio
+from automodel_ckpt.ondisk.fastio import session
+from automodel_ckpt.ondisk.formats import replicated, state_dicts
+from automodel_ckpt.ondisk.saveplan import plan_results, planning
 from automodel_ckpt.ondisk.durable import WrittenFiles
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck

@@ -1,17 +1,21 @@
 """An export target is a module and one register line: a toy target, registered here, runs through `ckpt-train
-export --to toy` in-process, and `inspect` and `verify` ask the registry what its file is."""
+export --to toy` in-process, and `inspect`, `verify`, `pack`, `diff` and the lineage reader ask the registry what its
+file is."""
 
 from __future__ import annotations
 
+import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from automodel_ckpt.cli import main
-from automodel_ckpt.errors import UsageError
-from automodel_ckpt.export import (ExportRequest, ExportTarget, get_target, identify, register_target, target_names,
-                                   unregister_target)
+from automodel_ckpt.errors import CheckpointError, UsageError
+from automodel_ckpt.export import (ExportRequest, ExportTarget, ModelSource, get_target, identify, read_lineage,
+                                   register_target, target_names, unregister_target)
 
 MAGIC = b"TOY-LIST\n"
 
@@ -97,3 +101,53 @@ def test_a_target_s_options_are_its_own(toy, tmp_path, capsys):
     assert "--toy-upper applies to --to toy only" in capsys.readouterr().err
     assert main(["export", str(tmp_path), "--to", "toy", "--calibrate", "2"]) == 2  # int8's option, not the toy's
     assert "--calibrate applies to --to int8 only" in capsys.readouterr().err
+
+
+class ToyFileTarget(ToyTarget):
+    """The toy list as a kind of file the other verbs meet: packed whole, compared by its names, its lineage read."""
+
+    name = "toy-file"
+    suffix = ".toy"
+
+    def check(self, path: Path, consequence: str) -> None:
+        if not path.read_bytes().endswith(b"\n"):
+            raise CheckpointError(f"damaged toy list '{path}': cut short; {consequence}")
+
+    def lineage_text(self, path: Path, limit: int) -> str | None:
+        return json.dumps({"parents": [{"role": "exported from", "path": "model", "fingerprint": None}]})
+
+    def open_tensors(self, path: Path, stack: Any) -> ModelSource:
+        out = ModelSource({}, where=str(path))
+        for name in path.read_bytes()[len(MAGIC):].decode().split():
+            out.add(name, (1,), torch.float32, lambda name=name: torch.tensor([float(len(name))]))
+        return out
+
+    def beside(self, model: ModelSource, path: Path, stack: Any) -> tuple[ModelSource, ModelSource]:
+        return model, self.open_tensors(path, stack)
+
+
+@pytest.fixture
+def toy_file():
+    target = register_target(ToyFileTarget())
+    try:
+        yield target
+    finally:
+        unregister_target(target.name)
+
+
+def test_pack_diff_and_lineage_ask_a_registered_file_target(toy_file, tmp_path, capsys):
+    a, b, cut = tmp_path / "a.toy", tmp_path / "b.toy", tmp_path / "cut.toy"
+    a.write_bytes(MAGIC + b"x\nyy\n")
+    b.write_bytes(MAGIC + b"x\nzzz\n")
+    cut.write_bytes(MAGIC + b"x")
+    assert identify(a) is toy_file
+    assert main(["pack", str(a), "--out", str(tmp_path / "a.tar"), "--no-progress"]) == 0
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        member = tar.getmember(a.name)
+        assert tar.extractfile(member).read() == a.read_bytes()
+        assert member.offset_data % 4096 == 0  # aligned as a file named with a target's suffix
+    assert main(["pack", str(cut), "--out", str(tmp_path / "cut.tar")]) != 0
+    assert "cut short; it is not packed" in capsys.readouterr().err
+    assert main(["diff", str(a), str(a)]) == 0
+    assert main(["diff", str(a), str(b)]) == 1  # yy in a only, zzz in b only
+    assert read_lineage(a)["parents"][0]["role"] == "exported from"

@@ -145,7 +145,7 @@ def test_hash_shares_follow_the_writer_rank():
 def test_crc32_manifest_verifies(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"x" * 1000)
     size, digest = manifest.hash_file(tmp_path / "a.bin", manifest.CRC32)
-    manifest.write(tmp_path, manifest.build(tmp_path, {"a.bin": size}, {"a.bin": digest}, manifest.CRC32))
+    manifest.write(tmp_path, manifest.build_manifest(tmp_path, {"a.bin": size}, {"a.bin": digest}, manifest.CRC32))
     assert manifest.verify_manifest(tmp_path).ok
     flip_byte(tmp_path / "a.bin")
     assert [v.status for v in manifest.verify_manifest(tmp_path).verdicts] == [manifest.CHECKSUM_MISMATCH]
@@ -154,7 +154,7 @@ def test_crc32_manifest_verifies(tmp_path):
 def test_size_check_needs_no_checksum_module(tmp_path, monkeypatch):
     """The size check every load makes never imports the hashing module (xxhash here: made unimportable)."""
     (tmp_path / "a.bin").write_bytes(b"x" * 1000)
-    manifest.write(tmp_path, manifest.build(tmp_path, {"a.bin": 1000}, {"a.bin": "0" * 16}, checksum.XXH3_64))
+    manifest.write(tmp_path, manifest.build_manifest(tmp_path, {"a.bin": 1000}, {"a.bin": "0" * 16}, checksum.XXH3_64))
     monkeypatch.setitem(sys.modules, "xxhash", None)  # ``import xxhash`` raises ImportError
     assert manifest.verify_manifest(tmp_path, checksums=False).ok
     (tmp_path / "a.bin").write_bytes(b"x" * 999)
@@ -300,7 +300,7 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     if where in ("dcp_write", "edquot", "erofs", "async"):
         import torch.distributed.checkpoint.filesystem as fs
 
-        from automodel_ckpt.ondisk.formats.fastio import filewrite
+        from automodel_ckpt.ondisk.fastio import filewrite
 
         code = {"edquot": errno.EDQUOT, "erofs": errno.EROFS}.get(where, errno.ENOSPC)
         reason = {"edquot": "disk quota exceeded", "erofs": "the filesystem is read-only"}.get(where, reason)

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-from automodel_ckpt.ondisk.formats.fastio.readers import runs
+from automodel_ckpt.ondisk.fastio.readers import runs
 
 SHAPE = (6, 10)
 
@@ -35,8 +35,8 @@ def _worker(rank: int, folder: str, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ
-    from automodel_ckpt.ondisk.formats.fastio.readers import ParallelHFReader
+    from automodel_ckpt.ondisk.fastio.common import BYTES_READ
+    from automodel_ckpt.ondisk.fastio.readers import ParallelHFReader
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from automodel_ckpt.ondisk.formats import planning
+from automodel_ckpt.ondisk.saveplan import planning
 
 _SPEC = importlib.util.spec_from_file_location("scale_sim", Path(__file__).parents[4] / "tools" / "scale_sim.py")
 sim = importlib.util.module_from_spec(_SPEC)

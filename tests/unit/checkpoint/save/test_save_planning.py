@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.metadata import TensorProperties
 
-from automodel_ckpt.ondisk.formats import plan_results, planning
+from automodel_ckpt.ondisk.saveplan import plan_results, planning
 
 _SPEC = importlib.util.spec_from_file_location("scale_sim", Path(__file__).parents[4] / "tools" / "scale_sim.py")
 sim = importlib.util.module_from_spec(_SPEC)
@@ -42,7 +42,7 @@ def _dcp(layout: str, strategy: str, n: int):
 def planned_on(monkeypatch):
     """Which way each global plan went: ``"columns"`` (``plan_columns``) or ``"tuples"``; ``force("tuples")``
     sends every plan the tuple way."""
-    from automodel_ckpt.ondisk.formats import plan_columns
+    from automodel_ckpt.ondisk.saveplan import plan_columns
 
     ways, original = [], plan_columns.plan
 
@@ -213,7 +213,7 @@ def test_dedup_assigns_as_dcp_where_duplicates_follow_a_ranks_own_items():
 
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
-    from automodel_ckpt.ondisk.formats import plan_checks
+    from automodel_ckpt.ondisk.saveplan import plan_checks
 
     rng = random.Random(0)
     props = TensorProperties(dtype=torch.float32)
@@ -232,7 +232,7 @@ def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from automodel_ckpt.ondisk.formats import plan_checks
+    from automodel_ckpt.ondisk.saveplan import plan_checks
 
     props = TensorProperties(dtype=torch.float32)
     plans = []
@@ -252,7 +252,7 @@ def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
     ours = plan_checks.dedup(notes)
     assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
     assert sum(map(sum, ours)) == 8 * 6 + 600
-    from automodel_ckpt.ondisk.formats import plan_columns  # the columns: each replica's numbers planned once
+    from automodel_ckpt.ondisk.saveplan import plan_columns  # the columns: each replica's numbers planned once
 
     hints_of, _, _ = plan_columns.plan(planning._unpacked(_columns(plans)))
     assert [{i.index for i, h in zip(p.items, hints.tolist()) if h != -2} for p, hints in zip(plans, hints_of)] == kept
@@ -298,7 +298,7 @@ def test_a_large_saves_coordinator_runs_it_without_the_collector(tmp_path, monke
     import torch.distributed as dist
 
     from automodel_ckpt.ondisk.formats import sharded
-    from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
+    from automodel_ckpt.ondisk.fastio import ParallelFileSystemWriter
 
     seen = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -322,7 +322,7 @@ def test_the_coordinator_unpickles_each_distinct_packed_part_once(monkeypatch):
     assert all(isinstance(note.entries.items, planning.Packed) for note in notes)
     loads = []
 
-    from automodel_ckpt.ondisk.formats import packed
+    from automodel_ckpt.ondisk.saveplan import packed
 
     class Counted(packed.RestrictedUnpickler):  # plain values only: the restricted unpickler reads them
         def load(self):
@@ -374,7 +374,7 @@ def test_columns_dedup_and_order_chunks_as_dcp_for_ranks_holding_differing_items
     index hints are DCP's (``create_default_global_save_plan``: its dedup, then its metadata)."""
     import random
 
-    from automodel_ckpt.ondisk.formats import plan_columns
+    from automodel_ckpt.ondisk.saveplan import plan_columns
     from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
@@ -397,7 +397,7 @@ def test_columns_keys_of_differing_tensors_never_meet():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from automodel_ckpt.ondisk.formats import plan_columns
+    from automodel_ckpt.ondisk.saveplan import plan_columns
 
     props = TensorProperties(dtype=torch.float32)
 
@@ -455,7 +455,7 @@ def test_the_metadata_a_save_broadcasts_is_hollow_and_its_file_whole(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
+    from automodel_ckpt.ondisk.fastio import ParallelFileSystemWriter
     from automodel_ckpt.ondisk.formats.sharded import cache_key
 
     state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2), "step": 3}
@@ -483,7 +483,7 @@ def test_a_state_of_scalars_and_plain_values_plans_on_columns(tmp_path, planned_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from automodel_ckpt.ondisk.formats.fastio import ParallelFileSystemWriter
+    from automodel_ckpt.ondisk.fastio import ParallelFileSystemWriter
     from automodel_ckpt.ondisk.formats.sharded import cache_key
 
     state = {"w": torch.tensor(2.0), "exp_avg": torch.tensor(0.5), "step": torch.tensor(3.0), "lr": 0.1}

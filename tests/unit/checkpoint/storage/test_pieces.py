@@ -98,7 +98,7 @@ def _stage(staging: Path, reuse: Reuse, stable: bytes, trained: bytes) -> Path:
     files = manifest.list_files(staging)
     algorithm = default_algorithm()
     checksums = {rel: hash_file(staging / rel, algorithm)[1] for rel in files}
-    manifest.write(staging, manifest.build(staging, files, checksums, algorithm))
+    manifest.write(staging, manifest.build_manifest(staging, files, checksums, algorithm))
     return staging
 
 

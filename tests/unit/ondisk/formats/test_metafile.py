@@ -11,8 +11,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
-from automodel_ckpt.ondisk.formats import plan_results, planning, sharded
-from automodel_ckpt.ondisk.formats.fastio import metafile
+from automodel_ckpt.ondisk.formats import sharded
+
+from automodel_ckpt.ondisk.saveplan import plan_results, planning
+from automodel_ckpt.ondisk.fastio import metafile
 from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
 
 

@@ -26,7 +26,7 @@ def write_step(folder: Path, name: str, parts: dict[str, bytes], present: list[s
         (step / rel).write_bytes(data)
     algorithm = default_algorithm()
     sums = {rel: hash_file(step / rel, algorithm)[1] for rel in parts}
-    manifest.write(step, manifest.build(step, {rel: len(d) for rel, d in parts.items()}, sums, algorithm))
+    manifest.write(step, manifest.build_manifest(step, {rel: len(d) for rel, d in parts.items()}, sums, algorithm))
     for rel in set(parts) - set(parts if present is None else present):
         (step / rel).unlink()
     return step

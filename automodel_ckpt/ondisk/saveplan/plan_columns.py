@@ -22,8 +22,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, sharing, stacked
-from automodel_ckpt.ondisk.formats.plan_checks import owners
+from automodel_ckpt.ondisk.saveplan.packed import int_bytes, ints, sharing, stacked
+from automodel_ckpt.ondisk.saveplan.plan_checks import owners
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
 _KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or the plan goes the tuple way

@@ -58,10 +58,10 @@ from torch.distributed.tensor import DTensor
 
 from automodel_ckpt.distributed.dcp_private import (create_chunk_list, create_read_item_for_tensor, create_read_items,
                                                  flatten_state_dict, saved_before_2_4, shards_overlap_region)
-from automodel_ckpt.ondisk.formats import plan_columns
-from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, items_packed, pack
-from automodel_ckpt.ondisk.formats.plan_checks import dedup, validate
-from automodel_ckpt.ondisk.formats.plan_columns import Columns, joined, split
+from automodel_ckpt.ondisk.saveplan import plan_columns
+from automodel_ckpt.ondisk.saveplan.packed import Packed, Unpacker, items_packed, pack
+from automodel_ckpt.ondisk.saveplan.plan_checks import dedup, validate
+from automodel_ckpt.ondisk.saveplan.plan_columns import Columns, joined, split
 from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from automodel_ckpt.distributed.dcp_private import StorageInfo
-from automodel_ckpt.ondisk.formats.fastio.records import NOTE
+from automodel_ckpt.ondisk.fastio.records import NOTE
 
 #: A list or table shorter than this is left to ``pickle``.
 MIN_ITEMS = 256

@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import torch
 
 from automodel_ckpt.ondisk import checksum, durable
-from automodel_ckpt.ondisk.formats.fastio import common
-from automodel_ckpt.ondisk.formats.fastio.common import tensor_memory
+from automodel_ckpt.ondisk.fastio import common
+from automodel_ckpt.ondisk.fastio.common import tensor_memory
 
 # --- writing one file --------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
-from automodel_ckpt.ondisk.formats.fastio.common import READ_THREADS, default_threads
+from automodel_ckpt.ondisk.fastio.common import READ_THREADS, default_threads
 
 THREAD_PREFIX = "ckpt-read"
 

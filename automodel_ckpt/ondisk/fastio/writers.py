@@ -19,10 +19,10 @@ from torch.futures import Future
 from automodel_ckpt.distributed.dcp_private import StorageInfo, hf_file_name, hf_shard_metadata
 from automodel_ckpt.ondisk import durable, layout
 from automodel_ckpt.ondisk.incremental import Reuse
-from automodel_ckpt.ondisk.formats.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
-from automodel_ckpt.ondisk.formats.fastio import metafile
-from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy, piece_length, write_file
-from automodel_ckpt.ondisk.formats.fastio.records import note_location, torch_save_bytes, torch_save_pieces
+from automodel_ckpt.ondisk.fastio.common import ST_DTYPES, WRITE_THREADS, compact, default_threads
+from automodel_ckpt.ondisk.fastio import metafile
+from automodel_ckpt.ondisk.fastio.filewrite import Lazy, piece_length, write_file
+from automodel_ckpt.ondisk.fastio.records import note_location, torch_save_bytes, torch_save_pieces
 
 def _done(results: list[WriteResult]) -> Future:
     fut: Future = Future()

@@ -1,4 +1,4 @@
-"""The parallel model/optimizer file writers and readers (formats/fastio): same files as torch's, exact
+"""The parallel model/optimizer file writers and readers (ondisk/fastio): same files as torch's, exact
 round trips, torch's readers read ours and ours read torch's, partial reads, checksums noted while writing.
 
 In-process, through a one-rank process group.
@@ -23,8 +23,9 @@ from torch.distributed.checkpoint import (
 )
 
 from automodel_ckpt.ondisk import manifest, durable
-from automodel_ckpt.ondisk.formats import fastio, registry, sharded
-from automodel_ckpt.ondisk.formats.fastio import common, filewrite, readers, records
+from automodel_ckpt.ondisk import fastio
+from automodel_ckpt.ondisk.formats import registry, sharded
+from automodel_ckpt.ondisk.fastio import common, filewrite, readers, records
 from automodel_ckpt.distributed.env import init_distributed
 
 FORMATS = ("safetensors", "torch_save")
@@ -237,7 +238,7 @@ def test_scratch_memory_is_given_back_to_the_system_as_soon_as_it_is_dropped():
 def test_pieces_not_read_in_place_are_staged_on_scratch_memory(tmp_path, monkeypatch, read_mode):
     """A piece that cannot be read in place (another dtype, as a bf16 base read into fp32 weights; not one run of
     the file) is staged on ``common.scratch`` memory, which the allocator's heap cannot keep after the load."""
-    from automodel_ckpt.ondisk.formats.fastio import directread
+    from automodel_ckpt.ondisk.fastio import directread
 
     monkeypatch.setenv(directread.ENV, read_mode)
     staged = []
@@ -321,7 +322,7 @@ def test_a_note_outside_its_record_or_its_request_is_not_taken():
 def test_a_load_session_shares_threads_and_buffers_and_leaves_none_behind(tmp_path, monkeypatch):
     import threading
 
-    from automodel_ckpt.ondisk.formats.fastio import directread, session
+    from automodel_ckpt.ondisk.fastio import directread, session
 
     monkeypatch.setenv(directread.ENV, "force")  # every file through the page-aligned buffers
     model, optimizer = model_and_optimizer(0)
@@ -548,7 +549,7 @@ def _mount_type(path) -> str | None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/mounts"), reason="needs Linux's mount table")
 def test_memory_filesystems_are_told_apart(tmp_path):
-    from automodel_ckpt.ondisk.formats.fastio import common
+    from automodel_ckpt.ondisk.fastio import common
 
     for path in [tmp_path, *(p for p in ("/dev/shm", "/run") if os.path.isdir(p))]:
         assert common.memory_backed(path) == (_mount_type(path) in ("tmpfs", "ramfs")), path
@@ -557,7 +558,7 @@ def test_memory_filesystems_are_told_apart(tmp_path):
 
 def test_files_in_memory_are_written_from_the_tensors_not_through_o_direct(tmp_path, monkeypatch):
     from automodel_ckpt.ondisk import checksum, durable
-    from automodel_ckpt.ondisk.formats.fastio import common
+    from automodel_ckpt.ondisk.fastio import common
 
     monkeypatch.setattr(filewrite, "DIRECT_MIN", 0)
     monkeypatch.setattr(common, "memory_backed", lambda path: True)  # as /dev/shm is
@@ -575,7 +576,7 @@ def test_a_reading_session_starts_every_reader_thread_when_it_opens():
     first threads (the others started at the first read)."""
     import threading
 
-    from automodel_ckpt.ondisk.formats.fastio import session
+    from automodel_ckpt.ondisk.fastio import session
 
     with session.kept(4):
         assert len(session._active.executor._threads) == session._active.threads == 4

@@ -15,9 +15,9 @@ from torch.futures import Future
 
 from automodel_ckpt.distributed.dcp_private import StorageInfo
 from automodel_ckpt.ondisk.paths import open_regular
-from automodel_ckpt.ondisk.formats.fastio import common, directread, session
-from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
-from automodel_ckpt.ondisk.formats.fastio.records import locate_record, noted_location
+from automodel_ckpt.ondisk.fastio import common, directread, session
+from automodel_ckpt.ondisk.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
+from automodel_ckpt.ondisk.fastio.records import locate_record, noted_location
 from automodel_ckpt.ondisk.formats.safe_load import CachingHFReader, SafeFileSystemReader
 from automodel_ckpt.ondisk.formats.safetensors_io import check_header, header_length, parse_header, pread_full
 from automodel_ckpt.errors import CheckpointError

@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from automodel_ckpt.distributed.dcp_private import StorageInfo
-from automodel_ckpt.ondisk.formats.fastio.metapickle import StorageRows
-from automodel_ckpt.ondisk.formats.fastio.records import NOTE
-from automodel_ckpt.ondisk.formats.packed import Packed, Unpacker, items_packed
-from automodel_ckpt.ondisk.formats.result_columns import ResultColumns, StorageColumns, joined, split
+from automodel_ckpt.ondisk.fastio.metapickle import StorageRows
+from automodel_ckpt.ondisk.fastio.records import NOTE
+from automodel_ckpt.ondisk.saveplan.packed import Packed, Unpacker, items_packed
+from automodel_ckpt.ondisk.saveplan.result_columns import ResultColumns, StorageColumns, joined, split
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> An
         return write_data(plan, planner).then(compact)
 
     def expanding_finish(metadata: Any, results: list[Any]) -> None:
-        from automodel_ckpt.ondisk.formats.planning import gc_paused
+        from automodel_ckpt.ondisk.saveplan.planning import gc_paused
 
         with gc_paused():  # millions of results and chunks at thousands of ranks, no cycles (see gc_paused)
             full = _full_notes(results, key)

@@ -16,9 +16,9 @@ from torch import nn
 
 from automodel_ckpt.ondisk import checksum
 from automodel_ckpt.ondisk.formats import registry, sharded
-from automodel_ckpt.ondisk.formats.fastio import directread, readers
+from automodel_ckpt.ondisk.fastio import directread, readers
 from automodel_ckpt.distributed.env import init_distributed
-from tests.unit.ondisk.formats.test_parallel_io import same, saved_tensor_file, values
+from tests.unit.ondisk.fastio.test_parallel_io import same, saved_tensor_file, values
 
 FORMATS = ("safetensors", "torch_save")
 SHM = Path("/dev/shm")
@@ -398,7 +398,7 @@ def test_a_failure_while_hashing_never_hangs(tmp_path, monkeypatch, fail_at):
 def test_a_target_off_the_cpu_that_holds_the_saved_bytes_is_copied_into_from_the_read_buffers():
     """A GPU's tensor (here: the meta device) whose dtype and shape are the saved piece's gets the read buffers'
     bytes copied straight into it: no buffer of its own first (which cost a fault-in and a copy per byte)."""
-    from automodel_ckpt.ondisk.formats.fastio.common import Located
+    from automodel_ckpt.ondisk.fastio.common import Located
 
     saved = Located(4096, (8, 4), torch.float32)
     job = readers.ReadJob("f", saved, (0, 0), (8, 4), torch.empty(8, 4, device="meta"))
@@ -417,7 +417,7 @@ def test_a_target_off_the_cpu_that_holds_the_saved_bytes_is_copied_into_from_the
 @pytest.mark.parametrize("pinned", [False, True])
 def test_the_direct_write_buffers_are_page_aligned(pinned):
     """Pinned for a GPU's tensors where an accelerator is there, an anonymous mapping otherwise: aligned either way."""
-    from automodel_ckpt.ondisk.formats.fastio import filewrite
+    from automodel_ckpt.ondisk.fastio import filewrite
 
     view, tensor = filewrite._chunk_buffer(pinned)
     assert view.nbytes == tensor.numel() == filewrite.DIRECT_CHUNK

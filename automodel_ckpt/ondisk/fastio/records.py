@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk.formats.fastio.common import Located, itemsize
-from automodel_ckpt.ondisk.formats.fastio.filewrite import Lazy
+from automodel_ckpt.ondisk.fastio.common import Located, itemsize
+from automodel_ckpt.ondisk.fastio.filewrite import Lazy
 from automodel_ckpt.ondisk.formats.safe_load import StorageRef, TensorRecordUnpickler
 
 # --- writing: what torch.save puts around a tensor's bytes -------------------------------------------

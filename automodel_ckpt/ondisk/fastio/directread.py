@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 from automodel_ckpt.ondisk.paths import open_regular
-from automodel_ckpt.ondisk.formats.fastio import session
-from automodel_ckpt.ondisk.formats.fastio.common import BYTES_READ
+from automodel_ckpt.ondisk.fastio import session
+from automodel_ckpt.ondisk.fastio.common import BYTES_READ
 from automodel_ckpt.ondisk.formats.safetensors_io import pread_full
 
 log = logging.getLogger(__name__)

@@ -33,10 +33,10 @@ Anything unusual (stream transforms, tensors of an unknown dtype, non-CPU destin
 recognise) takes torch's own code path for that item, so this package never changes what can be saved or loaded.
 """
 
-from automodel_ckpt.ondisk.formats.fastio.common import READ_THREADS, WRITE_THREADS
-from automodel_ckpt.ondisk.formats.fastio.optim_state import init_optimizer_state
-from automodel_ckpt.ondisk.formats.fastio.readers import ParallelFileSystemReader, ParallelHFReader
-from automodel_ckpt.ondisk.formats.fastio.writers import ParallelFileSystemWriter, ParallelSafetensorsWriter
+from automodel_ckpt.ondisk.fastio.common import READ_THREADS, WRITE_THREADS
+from automodel_ckpt.ondisk.fastio.optim_state import init_optimizer_state
+from automodel_ckpt.ondisk.fastio.readers import ParallelFileSystemReader, ParallelHFReader
+from automodel_ckpt.ondisk.fastio.writers import ParallelFileSystemWriter, ParallelSafetensorsWriter
 
 __all__ = [
     "READ_THREADS",

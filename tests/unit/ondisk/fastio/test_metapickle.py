@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 
-from automodel_ckpt.ondisk.formats.fastio import metapickle
-from automodel_ckpt.ondisk.formats.fastio.records import NOTE
+from automodel_ckpt.ondisk.fastio import metapickle
+from automodel_ckpt.ondisk.fastio.records import NOTE
 from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
 
 
@@ -103,8 +103,8 @@ def test_a_storage_table_written_from_the_ranks_tuples_is_the_same_pickle():
     """The storage table straight from every rank's write-result tuples (no ``MetadataIndex`` or ``_StorageInfo``
     made) is byte for byte the pickle of the table made of objects; two results of one key, which a table keeps
     once, are left to the objects (the file the same)."""
-    from automodel_ckpt.ondisk.formats.fastio import metafile
-    from automodel_ckpt.ondisk.formats.plan_results import decode
+    from automodel_ckpt.ondisk.fastio import metafile
+    from automodel_ckpt.ondisk.saveplan.plan_results import decode
 
     metadata = _metadata(700)
     objects = metapickle.dumps(metadata)
@@ -160,7 +160,7 @@ def test_a_table_whose_every_entry_has_an_index_an_offset_and_a_note_loads_the_s
 def _columns(ranks: list[list[tuple]]):
     """Each rank's tuples as ``result_columns.ResultColumns``, their item lists read back as the coordinator
     reads them (the ranks of one list share it)."""
-    from automodel_ckpt.ondisk.formats.result_columns import split
+    from automodel_ckpt.ondisk.saveplan.result_columns import split
 
     shared: dict = {}
     out = []
@@ -177,7 +177,7 @@ def test_a_storage_table_written_from_the_ranks_columns_loads_as_the_objects(see
     as the table made of objects, in the same order, through pickle and the restricted unpickler; each rank's
     tuples come back from its columns. ``small``: the first rank's numbers fit int32 (sent 4 bytes each), the
     others' do not."""
-    from automodel_ckpt.ondisk.formats.result_columns import StorageColumns, joined
+    from automodel_ckpt.ondisk.saveplan.result_columns import StorageColumns, joined
 
     metadata = _metadata(700, seed=seed)
     if small:
@@ -204,9 +204,9 @@ def metapickle_loaded(data: bytes):
 
 
 def test_columns_of_a_rank_that_writes_one_key_twice_are_left_to_the_objects():
-    from automodel_ckpt.ondisk.formats.fastio import metafile
-    from automodel_ckpt.ondisk.formats.plan_results import decode
-    from automodel_ckpt.ondisk.formats.result_columns import StorageColumns
+    from automodel_ckpt.ondisk.fastio import metafile
+    from automodel_ckpt.ondisk.saveplan.plan_results import decode
+    from automodel_ckpt.ondisk.saveplan.result_columns import StorageColumns
 
     metadata = _metadata(700)
     objects = metapickle.dumps(metadata)

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel_ckpt.ondisk.formats.fastio.metapickle import Shape, Table
-from automodel_ckpt.ondisk.formats.packed import int_bytes, ints, sharing, stacked
+from automodel_ckpt.ondisk.fastio.metapickle import Shape, Table
+from automodel_ckpt.ondisk.saveplan.packed import int_bytes, ints, sharing, stacked
 
 _NONE = -1
 

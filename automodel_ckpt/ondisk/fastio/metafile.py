@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from automodel_ckpt.ondisk.formats.fastio import metapickle
+from automodel_ckpt.ondisk.fastio import metapickle
 
 _PROTOCOL = 3  # no framing: the body's opcodes can be followed by the tail's
 _BUILD, _STOP = pickle.BUILD, pickle.STOP
