@@ -300,14 +300,6 @@ class ParallelDims:
         return self.sizes.tp
 
     @property
-    def replicate_rank(self) -> int:
-        return self.dp_rank // self.sizes.dp_shard
-
-    @property
-    def shard_rank(self) -> int:
-        return self.dp_rank % self.sizes.dp_shard
-
-    @property
     def writes_rank_state(self) -> bool:
         """Whether this rank writes its data-parallel rank's small files (the data position, RNG): the first of
         its tensor-parallel peers and pipeline stages, which hold the same."""

@@ -17,12 +17,11 @@ import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.ondisk import LAYOUT, fsync_file
+from automodel_ckpt.ondisk import LAYOUT, encode_header, fsync_file
 from automodel_ckpt.sizes import in_groups
 
 __all__ = ["ST_NAMES", "Entry", "write_folder"]
@@ -73,16 +72,10 @@ def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tup
 
 
 def _write_safetensors(path: Path, group: list[Entry], produce: Callable[[str], torch.Tensor]) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, dtype in group:
-        nbytes = _nbytes(shape, dtype)
-        header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    header = encode_header([(name, ST_NAMES[dtype], shape, _nbytes(shape, dtype)) for name, shape, dtype in group],
+                           {"format": "pt"})
     with open(path, "xb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.write(header)
         for name, shape, dtype in group:
             tensor = produce(name)
             if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:

@@ -61,11 +61,6 @@ def path_problem(rel: object) -> str | None:
     return None
 
 
-def is_plain(rel: object) -> bool:
-    """Whether ``rel`` is a plain relative path (see the module docstring)."""
-    return path_problem(rel) is None
-
-
 def is_plain_name(name: object) -> bool:
     """Whether ``name`` is one plain path component: what a checkpoint name (a bucket prefix) must be."""
     return isinstance(name, str) and "/" not in name and path_problem(name) is None
