@@ -21,7 +21,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +152,9 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
 
 def _assemble(tensor: Any) -> torch.Tensor:
     """A tensor of a checkpoint built from its shard pieces (a strided view of a saved tensor taken after)."""
-    from automodel_ckpt.export.verify import read_full
+    from automodel_ckpt.export.sources import read_full
 
-    if tensor.view is None:
-        return read_full(tensor)
-    full = read_full(replace(tensor, shape=tensor.base_shape, view=None, base_shape=None))
-    return full.as_strided(tensor.shape, tensor.view[1], tensor.view[0]).contiguous()
+    return read_full(tensor).contiguous()
 
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +49,24 @@ def read_piece(piece: Piece) -> bytearray:
     finally:
         os.close(fd)
     return buf
+
+
+def read_full(tensor: SourceTensor, copy_raw: Callable[[torch.Tensor, Piece], None] | None = None) -> torch.Tensor:
+    """A saved tensor assembled in memory from its pieces (safetensors byte ranges or DCP payloads); a strided view
+    of a saved tensor (``views``) is taken of the whole its pieces tile. ``copy_raw(region, piece)`` puts a byte
+    range's values into their region (default: one positioned read)."""
+    full = torch.empty(tensor.base_shape or tensor.shape, dtype=tensor.dtype)
+    for piece in tensor.pieces:
+        if piece.numel == 0:
+            continue
+        region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))]
+        if not piece.raw:
+            region.copy_(load_dcp_piece(piece))
+        elif copy_raw is not None:
+            copy_raw(region, piece)
+        else:
+            region.copy_(torch.frombuffer(read_piece(piece), dtype=tensor.dtype).view(piece.shape))
+    return full if tensor.view is None else full.as_strided(tensor.shape, tensor.view[1], tensor.view[0])
 
 
 def load_dcp_piece(piece: Piece) -> torch.Tensor:

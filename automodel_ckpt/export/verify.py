@@ -23,7 +23,7 @@ import torch
 
 from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, read_header, read_json, tensor_entries
 from automodel_ckpt.export.plan import resolve_model_dir
-from automodel_ckpt.export.sources import SourceTensor, load_dcp_piece, open_source, read_piece
+from automodel_ckpt.export.sources import open_source, read_full
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.errors import CheckpointError
 
@@ -171,21 +171,6 @@ def _compare_with_base(export_dir: Path, original: dict, report: ExportReport) -
         report.problems.append(
             f"{len(changed)} tensor(s) differ in dtype or shape from the base's files: {_few(changed)}"
         )
-
-
-def read_full(tensor: SourceTensor) -> torch.Tensor:
-    """A saved tensor assembled in memory from its pieces (safetensors byte ranges or DCP payloads)."""
-    full = torch.empty(tensor.shape, dtype=tensor.dtype)
-    for piece in tensor.pieces:
-        if piece.numel == 0:
-            continue
-        region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))]
-        if piece.raw:
-            buf = read_piece(piece)
-            region.copy_(torch.frombuffer(buf, dtype=tensor.dtype).view(piece.shape))
-        else:
-            region.copy_(load_dcp_piece(piece))
-    return full
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

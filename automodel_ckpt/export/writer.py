@@ -25,7 +25,7 @@ import torch
 
 from automodel_ckpt.ondisk import (c_strides, encode_header, layout_order, open_regular, pwrite_all, st_dtype_name,
                                    start_writeback)
-from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece
+from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece, read_full
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -273,26 +273,18 @@ class _Writer:
     def _assemble(self, dst: int, out: OutTensor) -> None:
         """Build the whole tensor in memory from pieces that are not contiguous in it, then write it."""
         src = out.source
-        shape = src.base_shape or src.shape
-        nbytes = max(out.nbytes, math.prod(shape) * src.dtype.itemsize)
+        nbytes = max(out.nbytes, math.prod(src.base_shape or src.shape) * src.dtype.itemsize)
         self.budget.acquire(nbytes)
         try:
-            full = torch.empty(shape, dtype=src.dtype)
-            for piece in src.pieces:
-                if piece.numel == 0:
-                    continue
-                region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))]
-                if piece.raw:
-                    with _mapped(self._src_fd(piece.file), piece.start, piece.numel, src.dtype) as values:
-                        region.copy_(values.view(piece.shape))
-                else:
-                    region.copy_(load_dcp_piece(piece))
-            if src.view is not None:  # a strided part of a saved tensor (see export/views.py)
-                full = full.as_strided(src.shape, src.view[1], src.view[0])
+            full = read_full(src, self._copy_mapped)  # a strided part of a saved tensor: see export/views.py
             pwrite_all(dst, _bytes_of(full.to(out.dtype).reshape(-1)), out.offset)
             self._written(dst, out.offset, out.nbytes)
         finally:
             self.budget.release(nbytes)
+
+    def _copy_mapped(self, region: torch.Tensor, piece: Piece) -> None:
+        with _mapped(self._src_fd(piece.file), piece.start, piece.numel, region.dtype) as values:
+            region.copy_(values.view(piece.shape))
 
     # ------------------------------------------------------------------------------------------ helpers
     def _written(self, fd: int, offset: int, nbytes: int) -> None:
