@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (LAYOUT, copy_regular, encode_header, fsync_dir, layout_order, pwrite_all,
-                                   replace_folder, st_dtype_name, write_json)
+from automodel_ckpt.ondisk import LAYOUT, copy_regular, fsync_dir, pwrite_all, replace_folder, write_json
 from automodel_ckpt.export.model_source import ModelSource
+from automodel_ckpt.export.sources import SourceTensor
+from automodel_ckpt.export.writer import OutFile, OutTensor
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size, in_groups
 
@@ -202,26 +203,20 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
 
 def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any, advance: Any,
                 ranges: dict[str, float]) -> None:
-    by_key = {(e[0], st_dtype_name(e[1])): e for e in entries}
-    ordered = [by_key[k] for k in layout_order(list(by_key))]
-    header = encode_header([(n, st_dtype_name(d), s, math.prod(s) * d.itemsize) for n, d, s, _ in ordered],
-                           {"format": "pt"})
-    offsets, at = {}, len(header)
-    for n, d, s, _ in ordered:
-        offsets[n] = at
-        at += math.prod(s) * d.itemsize
+    out = OutFile(path.name, [OutTensor(SourceTensor(n, s, d), d) for n, d, s, _ in entries])
+    out.lay_out()  # in safetensors' order, each tensor at its offset
+    placed = {t.name: t for t in out.tensors}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, at)
-        pwrite_all(fd, header, 0)
+        os.ftruncate(fd, out.size)
+        pwrite_all(fd, out.header, 0)
         done: set[str] = set()
-        for n, dtype, shape, src in ordered:
+        for n, _, _, src in entries:
             if src in done or n in done:
                 continue
             if n == src:  # kept as it is
-                _put(fd, offsets[n], source.read(src), dtype, shape, n)
+                _put(fd, placed[n], source.read(src), advance)
                 done.add(n)
-                advance(math.prod(shape) * dtype.itemsize)
                 continue
             compressed = quantize_weight(source.read(src), scheme)  # every tensor made of this weight, at once
             if src in ranges:
@@ -230,11 +225,8 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
                 compressed["input_scale"] = input_scale(ranges[src], scheme.input_activations, source.dtypes[src])
             stem = src.removesuffix(".weight")
             for key, value in compressed.items():
-                name = f"{stem}.{key}"
-                entry = next(e for e in ordered if e[0] == name)
-                _put(fd, offsets[name], value, entry[1], entry[2], name)
-                advance(math.prod(entry[2]) * entry[1].itemsize)
-                done.add(name)
+                _put(fd, placed[f"{stem}.{key}"], value, advance)
+                done.add(f"{stem}.{key}")
             done.add(src)
         os.fsync(fd)
     except OSError as exc:
@@ -243,13 +235,15 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
         os.close(fd)
 
 
-def _put(fd: int, offset: int, value: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> None:
-    value = value.to(dtype).contiguous()
-    if tuple(value.shape) != tuple(shape):
-        raise CheckpointError(f"int8 export: '{name}' came out with shape {tuple(value.shape)}, planned {shape}")
+def _put(fd: int, t: OutTensor, value: torch.Tensor, advance: Any) -> None:
+    value = value.to(t.dtype).contiguous()
+    if tuple(value.shape) != tuple(t.source.shape):
+        raise CheckpointError(f"int8 export: '{t.name}' came out with shape {tuple(value.shape)}, planned "
+                              f"{t.source.shape}")
     flat = value.reshape(-1)
     if flat.numel():
-        pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), offset)
+        pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), t.offset)
+    advance(t.nbytes)
 
 
 def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
