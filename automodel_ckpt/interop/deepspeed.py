@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO checkpoints (stage 1, 2 and 3; ``deepspeed.initialize``'s or the HF Trainer's), read into a ``ForeignRun``.
+"""DeepSpeed ZeRO checkpoints (stage 1, 2, 3; of `deepspeed.initialize` or the HF Trainer) read into a ``ForeignRun``.
 
 SRC is a save folder (its ``latest`` names the tag), one ``global_stepN/`` folder, or an HF Trainer ``checkpoint-N/``
 holding one. A tag folder holds the model states (``mp_rank_00_model_states.pt`` at stage 1 and 2, one
@@ -425,10 +425,15 @@ def _trainer(folder: Path, step: int, config: dict, model: dict, groups: list[di
         for g in groups:
             g["initial_lr"] = finite(args.get("learning_rate", g["lr"]), folder, "learning_rate")
     rng_file = folder / "rng_state_0.pth"
-    rng = hf_trainer.rng_state(load_pickle(rng_file, "the random generators' state", SMALL_PICKLE,
-                                                      numpy=True), rng_file) if os.path.lexists(rng_file) else None
+    rng = None
+    if os.path.lexists(rng_file):
+        saved = load_pickle(rng_file, "the random generators' state", SMALL_PICKLE, numpy=True)
+        rng = hf_trainer.rng_state(saved, rng_file)
     drop_last = args.get("dataloader_drop_last", False)
-    position = lambda rows, _b: hf_trainer._position(step, rows, per_device * world, accum, drop_last)  # noqa: E731
-    return (schedule, position, per_device * accum * world, rng, hf_trainer._log(state.get("log_history"),
-                                                                                where_state), epoch_float)
+
+    def position(rows: int, _batch: int) -> tuple[int, int, int]:
+        return hf_trainer.trainer_position(step, rows, per_device * world, accum, drop_last)
+
+    log = hf_trainer.logged_steps(state.get("log_history"), where_state)
+    return schedule, position, per_device * accum * world, rng, log, epoch_float
 

@@ -4,8 +4,8 @@
 trains ``STEPS`` steps of ``deepspeed.initialize``'s engine (fp32, ZeRO ``STAGE``, DeepSpeed's own AdamW and
 scheduler from its config) on the recipe's rows in order, each rank taking its half of each step's batch, saves the
 engine's checkpoint after step ``SAVED_AT`` into ``OUT/ds`` (``latest``, ``global_step6/``), and writes
-``OUT/reference.json`` (each step's loss and lr) and ``OUT/logits.pt`` (the engine's logits at step 6 on
-``interop.check.probe_inputs``).
+``OUT/reference.json`` (each step's loss over its tokens, and lr) and ``OUT/logits.pt`` (the engine's logits at
+step 6 on ``interop.check.probe_inputs``).
 """
 
 from __future__ import annotations
@@ -58,9 +58,12 @@ def main(argv: list[str]) -> None:
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        record["loss"][step] = mean.item() / world
+        # the loss over the step's tokens, as ours reports it (DeepSpeed's gradient is the mean of each rank's:
+        # the same where the ranks hold as many tokens, as at steps 7 to 9 here)
+        tokens = (batch["labels"][:, 1:] != -100).sum()
+        weighed = torch.stack([loss.detach() * tokens, tokens.float()])
+        dist.all_reduce(weighed)
+        record["loss"][step] = (weighed[0] / weighed[1]).item()
         if step == SAVED_AT:
             engine.save_checkpoint(str(out / "ds"))
             with torch.no_grad():
