@@ -405,7 +405,7 @@ def _cosine_ratio(i: int, warmup: int, total: int, low: float) -> float:
 def _trainer(folder: Path, step: int, config: dict, model: dict, groups: list[dict], where: Path,
              notes: list[str]) -> tuple:
     """The HF Trainer's part of its ``checkpoint-N/`` under DeepSpeed: its state (step, batch, data position, log),
-    its schedule where DeepSpeed's config has none, its rank 0's random generators."""
+    its schedule where DeepSpeed's config has none, its (rank 0's) random generators."""
     state = read_json(folder / hf_trainer.TRAINER_STATE, "the Trainer's state")
     where_state = folder / hf_trainer.TRAINER_STATE
     if count(state.get("global_step"), where_state, "global_step") != step:
@@ -424,9 +424,9 @@ def _trainer(folder: Path, step: int, config: dict, model: dict, groups: list[di
         schedule = schedules.from_hf_trainer(args, max_steps)
         for g in groups:
             g["initial_lr"] = finite(args.get("learning_rate", g["lr"]), folder, "learning_rate")
-    rng_file = folder / "rng_state_0.pth"
+    rng_file = next((folder / n for n in (hf_trainer.RNG, "rng_state_0.pth") if os.path.lexists(folder / n)), None)
     rng = None
-    if os.path.lexists(rng_file):
+    if rng_file is not None:
         saved = load_pickle(rng_file, "the random generators' state", SMALL_PICKLE, numpy=True)
         rng = hf_trainer.rng_state(saved, rng_file)
     drop_last = args.get("dataloader_drop_last", False)
