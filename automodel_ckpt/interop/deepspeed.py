@@ -62,7 +62,7 @@ def is_deepspeed(src: Path) -> bool:
             return False
         if TAG.fullmatch(src.name):
             return any(OPTIM.fullmatch(n) for n in os.listdir(src))
-        return os.path.lexists(src / LATEST) or any(TAG.fullmatch(n) for n in os.listdir(src))
+        return any(TAG.fullmatch(n) for n in os.listdir(src))  # beside its latest, or alone
     except OSError:
         return False
 
@@ -134,7 +134,7 @@ class DeepSpeedSource(ImportSource):
     """DeepSpeed's save folder (``latest``), a ``global_stepN/`` folder, or the HF Trainer's folder holding one."""
 
     name = "deepspeed"
-    noun = f"a DeepSpeed checkpoint folder ({LATEST} or global_stepN/)"
+    noun = "a DeepSpeed checkpoint folder (global_stepN/, or one holding it)"
 
     def detect(self, path: Path) -> bool:
         return is_deepspeed(path)
@@ -320,8 +320,11 @@ def _zero3(states: list[Any], shapes: list[list[tuple[str, torch.Size]]], folder
     if offset != length:
         raise refuse(folder, f"each rank holds {length} elements, its parameters' parts {offset}: partition sizes do "
                              "not add up (another model?)")
-    if len(hypers) != len(shapes):  # sub-groups of one param group each: their groups are alike
-        hypers = [hypers[0]] * len(shapes) if all(h == hypers[0] for h in hypers) else hypers[:len(shapes)]
+    if len(hypers) != len(shapes):  # sub-groups cut from the param groups: mapped where the groups are alike
+        if any(h != hypers[0] for h in hypers):
+            raise refuse(folder, f"its {len(shapes)} ZeRO-3 sub-groups come from {len(hypers)} param groups with "
+                                 "different hyperparameters, which the import does not map")
+        hypers = [hypers[0]] * len(shapes)
     return weights, moments, hypers
 
 

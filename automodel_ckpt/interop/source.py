@@ -214,7 +214,7 @@ def load_inert(path: Path, what: str, limit: int, modules: tuple[str, ...], alie
         names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001
         raise refuse(path, f"{what} is unreadable ({type(exc).__name__}: {_first(exc)})") from None
-    alien = [n for n in names if not n.startswith(modules)]
+    alien = sorted(n for n in names if not n.startswith(modules))
     if alien:
         raise refuse(path, f"{what} names {alien[0]!r}, {alien_why}")
     try:

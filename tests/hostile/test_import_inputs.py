@@ -519,7 +519,7 @@ VALUES = {
 }
 DEEPSPEED = {
     "a DeepSpeed partition that would run code": ("deepspeed", ds_payload, [DS_RANK.format(1).split("/")[1],
-                                                                            "pathlib"]),
+                                                                            "names 'builtins.getattr'"]),
     "a DeepSpeed partition linked outside": ("deepspeed", link_out(DS_RANK.format(0)), ["rank_0", "symlink"]),
     "a DeepSpeed tag folder linked outside": ("deepspeed", ds_linked_tag, [DS_TAG, "symlink"]),
     "a DeepSpeed partition a FIFO": ("deepspeed", fifo(DS_RANK.format(1)), ["rank_1", "FIFO"]),
