@@ -75,6 +75,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import a
   "$PY" -c "import automodel_ckpt, torch, transformers, peft, datasets" || { echo "setup: install failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
+# DeepSpeed, for the import tests of its ZeRO checkpoints (tests/integration/test_import_deepspeed.py). PyPI has it
+# as an sdist only: built here without its compiled ops (DS_BUILD_OPS=0) and without build isolation, which would
+# install a CUDA torch to build it. Optional: without it those tests skip.
+if [ "${SETUP_DEEPSPEED:-1}" = 1 ] && ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+  echo "setup: installing deepspeed 0.19.8 (the DeepSpeed import tests)"
+  DS_BUILD_OPS=0 quiet_pip install --no-build-isolation "deepspeed==0.19.8" >/dev/null 2>&1 \
+    || echo "setup: could not install deepspeed; the DeepSpeed import tests skip"
+fi
 # The tracking tests start a real `mlflow server`, which needs the full mlflow package (the test extras have its
 # client, mlflow-skinny). It is installed apart, in $VENV/mlflow-server: it pins pyarrow below the version the
 # project resolves, so installing it into $VENV would downgrade pyarrow. Optional: without it those tests skip.

@@ -23,13 +23,15 @@ from automodel_ckpt.ondisk import LAYOUT, list_checkpoints
 
 
 def build_parser() -> VerbParser:
-    p = VerbParser("import", "Write an HF Trainer checkpoint-N/ folder or a Lightning checkpoint as a checkpoint of "
-                             "RECIPE's run in RUN_DIR, which the recipe resumes from at any world size.")
-    p.add_argument("src", help="an HF Trainer checkpoint-N/ folder, a Lightning .ckpt file or a Lightning "
-                               "distributed checkpoint folder")
+    p = VerbParser("import", "Write an HF Trainer checkpoint-N/ folder, a Lightning or a DeepSpeed checkpoint as a "
+                             "checkpoint of RECIPE's run in RUN_DIR, which the recipe resumes from at any world size.")
+    p.add_argument("src", help="an HF Trainer checkpoint-N/ folder, a Lightning .ckpt file, a Lightning "
+                               "distributed checkpoint folder or a DeepSpeed checkpoint folder")
     p.add_argument("recipe", help="the recipe YAML that continues the run; --section.key value overrides may follow")
     p.add_argument("--out", required=True, help="the run folder to write (the recipe's checkpoint_dir from now on); "
                                                 "it must hold no checkpoint yet")
+    p.add_argument("--check", action="store_true", help="print the logits of the imported model against those of "
+                                                        "the source's weights on fixed probe tokens")
     return p
 
 
@@ -91,6 +93,10 @@ def main(argv: list[str]) -> int:
         recipe.setup()
         say = recipe.progress.write
         counters = apply(run, recipe, str(src), say)
+        if args.check:
+            from automodel_ckpt.interop.check import check_line
+
+            print(check_line(run, recipe.model, str(src)), flush=True)
         from automodel_ckpt.export import lineage_parent
 
         record = recipe.lineage_record(None)

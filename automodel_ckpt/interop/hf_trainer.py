@@ -102,12 +102,12 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     rng_file = RNG if RNG in files else ("rng_state_0.pth" if "rng_state_0.pth" in files else None)
     rng = rng_state(load_pickle(src / rng_file, "the random generators' state", SMALL_PICKLE, numpy=True),
                     src / rng_file) if rng_file else None
-    log = _log(state.get("log_history"), src / TRAINER_STATE)
+    log = logged_steps(state.get("log_history"), src / TRAINER_STATE)
     global_batch = per_device * accum * world
     drop_last = args.get("dataloader_drop_last", False)
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
                       groups=groups, order=order, schedule=schedule, step=step,
-                      position=lambda rows, _batch: _position(step, rows, per_device * world, accum, drop_last),
+                      position=lambda rows, _batch: trainer_position(step, rows, per_device * world, accum, drop_last),
                       global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float,
                       adapter_config=adapter_config)
 
@@ -128,7 +128,7 @@ class HFTrainerSource(ImportSource):
 SOURCE = HFTrainerSource()
 
 
-def _position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) -> tuple[int, int, int]:
+def trainer_position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) -> tuple[int, int, int]:
     """(epoch, steps taken in it, steps per epoch) as the Trainer counts them for ``rows`` training rows."""
     batches = rows // per_step if drop_last else math.ceil(rows / per_step)
     per_epoch = max(batches // accum, 1)
@@ -230,7 +230,7 @@ def rng_state(state: Any, where: Path) -> dict[str, Any] | None:
             "torch": cpu.clone()}
 
 
-def _log(history: Any, where: Path) -> list[dict[str, Any]]:
+def logged_steps(history: Any, where: Path) -> list[dict[str, Any]]:
     """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history, each value a finite
     number (lr and grad_norm may be absent)."""
     if not isinstance(history, list):

@@ -97,6 +97,9 @@ class ForeignRun:
     notes: list[str] = field(default_factory=list)  # what the import cannot carry, said once
     epoch_float: float | None = None  # the source's fractional epoch, where it records one
     adapter_config: dict[str, Any] | None = None  # a PEFT run's adapter_config.json
+    #: the weights as the source's model held them (its training dtype) where they differ from ``weights`` (a
+    #: DeepSpeed run's module beside its fp32 master weights): what ``import --check`` compares against
+    module_weights: dict[str, torch.Tensor] | None = None
 
 
 def refuse(where: Path | str, why: str) -> CheckpointError:
@@ -194,23 +197,30 @@ def plain(value: Any) -> Any:
 def load_record(path: Path, what: str, limit: int = SMALL_PICKLE) -> Record:
     """A pickle of library objects (``training_args.bin``) as ``Record`` stand-ins: each global it names must come
     from ``RECORD_MODULES``, and none of theirs is imported or called."""
+    loaded = load_inert(path, what, limit, RECORD_MODULES, "which no training arguments hold")
+    if not isinstance(loaded, Record):
+        raise refuse(path, f"{what} holds a {type(loaded).__name__}, not training arguments")
+    return loaded
+
+
+def load_inert(path: Path, what: str, limit: int, modules: tuple[str, ...], alien_why: str) -> Any:
+    """A pickle of tensors, containers and objects of ``modules`` (a DeepSpeed checkpoint's loss scaler and
+    enums), each of those objects a ``Record`` stand-in: a global from elsewhere is refused (``alien_why``), and
+    none of theirs is imported or called."""
     data = read_bytes(path, what, limit)
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001
         raise refuse(path, f"{what} is unreadable ({type(exc).__name__}: {_first(exc)})") from None
-    alien = [n for n in names if not n.startswith(RECORD_MODULES)]
+    alien = sorted(n for n in names if not n.startswith(modules))
     if alien:
-        raise refuse(path, f"{what} names {alien[0]!r}, which no training arguments hold")
+        raise refuse(path, f"{what} names {alien[0]!r}, {alien_why}")
     try:
         with torch.serialization.safe_globals([(Record, n) for n in names]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise refuse(path, f"{what} is unreadable ({type(exc).__name__}: {_first(exc)})") from None
-    if not isinstance(loaded, Record):
-        raise refuse(path, f"{what} holds a {type(loaded).__name__}, not training arguments")
-    return loaded
 
 
 def read_json(path: Path, what: str, limit: int = STATE_JSON) -> dict[str, Any]:

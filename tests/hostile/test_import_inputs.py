@@ -108,6 +108,60 @@ def _lightning_folder(folder: Path, model, opt) -> Path:
     return folder
 
 
+DS_TAG = "global_step1"
+DS_RANK = "global_step1/zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+DS_MODEL = "global_step1/mp_rank_00_model_states.pt"
+DS_CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+             "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                               "warmup_num_steps": 2, "total_num_steps": 4,
+                                                               "warmup_type": "linear"}}}
+
+
+def _deepspeed(folder: Path, model, opt) -> Path:
+    """What ``engine.save_checkpoint`` writes for ZeRO-2 on 2 ranks, with DeepSpeed's keys (written here without
+    DeepSpeed): ``latest``, the model states, each rank's half of the flat fp32 weights and of AdamW's moments."""
+    from collections import OrderedDict
+
+    import torch
+
+    world, params = 2, list(model.named_parameters())
+    def halves(tensors):
+        flat = torch.cat([t.detach().flatten() for t in tensors])
+        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % (2 * world))])
+        return list(flat.chunk(world))
+    weights = halves([p for _, p in params])
+    moments = {k: halves([opt.state[p][k] for _, p in params]) for k in ("exp_avg", "exp_avg_sq")}
+    (folder / DS_TAG).mkdir(parents=True)
+    (folder / "latest").write_text(DS_TAG)
+    torch.save({"module": model.state_dict(), "buffer_names": [], "frozen_param_shapes": {}, "shared_params": {},
+                "param_shapes": [OrderedDict((n, p.shape) for n, p in params)], "frozen_param_fragments": {},
+                "lr_scheduler": {"last_batch_iteration": 0}, "global_steps": 1, "global_samples": 4,
+                "dp_world_size": world, "mp_world_size": 1, "ds_config": DS_CONFIG, "ds_version": "0.19.8"},
+               folder / DS_MODEL)
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"} | {"lr": 0.0, "params": [0]}
+    for rank in range(world):
+        state = {0: {"step": torch.tensor(1.0), "exp_avg": moments["exp_avg"][rank].clone(),
+                     "exp_avg_sq": moments["exp_avg_sq"][rank].clone()}}
+        torch.save({"optimizer_state_dict": {
+            "dynamic_loss_scale": False, "overflow": False, "clip_grad": 1.0, "zero_stage": 2,
+            "base_optimizer_state": {"state": state, "param_groups": [group]},
+            "single_partition_of_fp32_groups": [weights[rank].clone()], "group_paddings": [0],
+            "partition_count": [world], "ds_version": "0.19.8"}, "ds_config": DS_CONFIG},
+            folder / DS_RANK.format(rank))
+    return folder
+
+
+def _deepspeed_trainer(folder: Path, trainer: Path, ds: Path) -> Path:
+    """The HF Trainer's ``checkpoint-1/`` saved under DeepSpeed: its state, arguments and generators, with
+    DeepSpeed's ``latest`` and tag folder in place of its weights, optimizer and scheduler files."""
+    shutil.copytree(trainer, folder)
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt"):
+        (folder / name).unlink()
+    shutil.copytree(ds / DS_TAG, folder / DS_TAG)
+    shutil.copyfile(ds / "latest", folder / "latest")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import warnings
@@ -118,12 +172,17 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         warnings.simplefilter("ignore")  # DCP's note that it saves in one process
         made = {"trainer": _hf_trainer(root / "checkpoint-1", model, opt),
                 "ckpt": _lightning(root / "last.ckpt", model, opt),
-                "folder": _lightning_folder(root / "epoch=0-step=1.ckpt", model, opt)}
+                "folder": _lightning_folder(root / "epoch=0-step=1.ckpt", model, opt),
+                "deepspeed": _deepspeed(root / "ds", model, opt)}
+    made["deepspeed-trainer"] = _deepspeed_trainer(root / "under_deepspeed" / "checkpoint-1", made["trainer"],
+                                                   made["deepspeed"])
     return {**made, "recipe": _recipe(root)}
 
 
 def test_the_genuine_sources_are_read(sources):
     """Every case below changes one thing of a source that the import reads whole."""
+    import torch
+
     from automodel_ckpt.cli.import_run import source_limits
     from automodel_ckpt.config.loader import load_config
     from automodel_ckpt.config.schema import RecipeConfig
@@ -131,10 +190,17 @@ def test_the_genuine_sources_are_read(sources):
 
     limits = source_limits(load_config(str(sources["recipe"]), [], RecipeConfig))
     assert limits.checkpoint < 64 * 2**20
-    for kind in ("trainer", "ckpt", "folder"):
+    for kind in ("trainer", "ckpt", "folder", "deepspeed"):
         run = read_source(sources[kind], limits)
         assert run.step == 1 and run.weights, kind
     assert read_source(sources["trainer"], limits).log[0]["lr"] == 7.5e-4
+    run = read_source(sources["deepspeed"], limits)  # every moment put together from the two ranks' halves
+    model, opt = _trained()
+    assert all(torch.equal(run.weights[n], p) and torch.equal(m["exp_avg"], opt.state[p]["exp_avg"])
+               for (n, p), m in zip(model.named_parameters(), run.moments))
+    under = read_source(sources["deepspeed-trainer"], limits)  # the Trainer's position, log and generators
+    assert under.kind.startswith("DeepSpeed ZeRO-2") and under.position(16, 4) == (0, 1, 2) and under.rng is not None
+    assert under.log[0]["loss"] == 4.2 and under.schedule.target.endswith("one_cycle")
 
 
 # --- the tampering ---------------------------------------------------------------------------------------------------
@@ -257,6 +323,55 @@ def scheduled_by(kind: str, key: str, value: object):
     def change(ckpt: dict) -> None:
         ckpt["lr_schedulers"] = [{**_scheduler_state(kind), key: value}]
     return pickled("", change)
+
+
+class _Payload:
+    """Unpickled, it would create ``marker``: code run from a pickle."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def ds_payload(src: Path, outside: Outside) -> None:
+    """Rank 1's partition with an object whose unpickling would create a file outside."""
+    import torch
+
+    data = torch.load(src / DS_RANK.format(1), weights_only=True)
+    data["optimizer_state_dict"]["loss_scaler"] = _Payload(outside.dir / "ran")
+    torch.save(data, src / DS_RANK.format(1))
+
+
+def ds_shape(name: str, shape: tuple[int, ...]):
+    """The model states naming ``name`` of ``shape`` (the partitions unchanged)."""
+    def change(states: dict) -> None:
+        states["param_shapes"][0][name] = torch_size(shape)
+    return pickled(DS_MODEL, change)
+
+
+def torch_size(shape: tuple[int, ...]):
+    import torch
+
+    return torch.Size(shape)
+
+
+def ds_missing(rank: int):
+    def tamper(src: Path, outside: Outside) -> None:
+        (src / DS_RANK.format(rank)).unlink()
+    return tamper
+
+
+def ds_latest(tag: str):
+    def tamper(src: Path, outside: Outside) -> None:
+        (src / "latest").write_text(tag)
+    return tamper
+
+
+def ds_linked_tag(src: Path, outside: Outside) -> None:
+    shutil.rmtree(src / DS_TAG)
+    os.symlink(outside.dir, src / DS_TAG)
 
 
 NAN, INF = float("nan"), float("inf")
@@ -402,7 +517,22 @@ VALUES = {
     "a beta of 1.5": ("trainer", grouped("betas", (1.5, 0.999)), ["optimizer.pt", "beta1"]),
     "an interpolation for T_max": ("ckpt", scheduled_by("cosine", "T_max", ENV), ["last.ckpt", "T_max"]),
 }
-CASES = {**LINKS, **FIFOS, **SIZES, **VALUES}
+DEEPSPEED = {
+    "a DeepSpeed partition that would run code": ("deepspeed", ds_payload, [DS_RANK.format(1).split("/")[1],
+                                                                            "names 'builtins.getattr'"]),
+    "a DeepSpeed partition linked outside": ("deepspeed", link_out(DS_RANK.format(0)), ["rank_0", "symlink"]),
+    "a DeepSpeed tag folder linked outside": ("deepspeed", ds_linked_tag, [DS_TAG, "symlink"]),
+    "a DeepSpeed partition a FIFO": ("deepspeed", fifo(DS_RANK.format(1)), ["rank_1", "FIFO"]),
+    "an 8 GiB DeepSpeed partition": ("deepspeed", sparse(DS_RANK.format(0), HUGE), ["optimizer partitions", "over"]),
+    "8 GiB of DeepSpeed model states": ("deepspeed", sparse(DS_MODEL, HUGE), ["model_states.pt", "over the"]),
+    "a DeepSpeed parameter of an oversized shape": ("deepspeed", ds_shape("lm_head.weight", (2**20, 2**20)),
+                                                     ["partition sizes do not add up"]),
+    "a DeepSpeed rank file missing": ("deepspeed", ds_missing(1), ["a rank file is missing"]),
+    "DeepSpeed's rank 0 missing": ("deepspeed", ds_missing(0), ["no rank 0's optimizer partition"]),
+    "DeepSpeed's latest naming no folder": ("deepspeed", ds_latest("global_step9"), ["global_step9", "torn"]),
+    "DeepSpeed's latest naming a path out": ("deepspeed", ds_latest("../../outside"), ["latest", "not a tag folder"]),
+}
+CASES = {**LINKS, **FIFOS, **SIZES, **VALUES, **DEEPSPEED}
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def test_a_registered_source_is_what_read_source_reads(tmp_path, toy):
     with pytest.raises(CheckpointError, match=r"toy_run.json': step is -1, not a count"):
         read_source(_toy_folder(tmp_path / "bad", -1), Limits(10))
     unregister_source("toy")
-    with pytest.raises(CheckpointError, match=r"is neither an HF Trainer .* nor a Lightning distributed"):
+    with pytest.raises(CheckpointError, match=r"is neither a DeepSpeed .* HF Trainer .* nor a Lightning distributed"):
         read_source(folder, Limits(10))
 
 

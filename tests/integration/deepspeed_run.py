@@ -1,0 +1,79 @@
+"""A real DeepSpeed ZeRO run of the tiny Llama on CPU (gloo), for the import tests: each rank of a torchrun job.
+
+``python -m torch.distributed.run --nproc-per-node 2 -m tests.integration.deepspeed_run STAGE RECIPE ASSETS OUT``
+trains ``STEPS`` steps of ``deepspeed.initialize``'s engine (fp32, ZeRO ``STAGE``, DeepSpeed's own AdamW and
+scheduler from its config) on the recipe's rows in order, each rank taking its half of each step's batch, saves the
+engine's checkpoint after step ``SAVED_AT`` into ``OUT/ds`` (``latest``, ``global_step6/``), and writes
+``OUT/reference.json`` (each step's loss over its tokens, and lr) and ``OUT/logits.pt`` (the engine's logits at
+step 6 on ``interop.check.probe_inputs``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BATCH, STEPS, SAVED_AT = 12, 10, 6
+LR = 3e-3
+SCHEDULERS = {  # DeepSpeed's schedulers, by the stage they are run with
+    2: {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 2,
+                                            "total_num_steps": STEPS, "warmup_type": "linear"}},
+    3: {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_num_steps": 2,
+                                             "total_num_steps": STEPS, "warmup_type": "linear"}},
+}
+
+
+def config(stage: int, world: int) -> dict:
+    return {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
+            "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                      "weight_decay": 0.0, "torch_adam": True}},
+            "scheduler": SCHEDULERS[stage], "zero_optimization": {"stage": stage}}
+
+
+def main(argv: list[str]) -> None:
+    stage, recipe, assets, out = int(argv[0]), Path(argv[1]), Path(argv[2]), Path(argv[3])
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from automodel_ckpt.interop.check import probe_inputs
+    from tests.integration.foreign_trainers import recipe_rows
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    rows = recipe_rows(recipe)
+    model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config(stage, world))
+    micro = BATCH // world
+    record: dict[str, dict[int, float]] = {"loss": {}, "lr": {}}
+    for step in range(1, STEPS + 1):
+        first = (step - 1) * BATCH + rank * micro
+        batch = default_data_collator(rows[first:first + micro])
+        record["lr"][step] = engine.get_lr()[0]
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        # the loss over the step's tokens, as ours reports it (DeepSpeed's gradient is the mean of each rank's:
+        # the same where the ranks hold as many tokens, as at steps 7 to 9 here)
+        tokens = (batch["labels"][:, 1:] != -100).sum()
+        weighed = torch.stack([loss.detach() * tokens, tokens.float()])
+        dist.all_reduce(weighed)
+        record["loss"][step] = (weighed[0] / weighed[1]).item()
+        if step == SAVED_AT:
+            engine.save_checkpoint(str(out / "ds"))
+            with torch.no_grad():
+                logits = engine(input_ids=probe_inputs(model.config.vocab_size)).logits
+            if rank == 0:
+                torch.save(logits.float().cpu(), out / "logits.pt")
+    if rank == 0:
+        (out / "reference.json").write_text(json.dumps(record))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

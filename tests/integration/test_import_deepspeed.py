@@ -1,0 +1,119 @@
+"""A real DeepSpeed ZeRO-2 and ZeRO-3 run (2 CPU ranks, gloo) imported and continued here on 3 and on 1 process:
+its weights and every AdamW moment bitwise, its schedule's lr at steps 7-10, the logits of its engine exactly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration import deepspeed_run as dsr
+from tests.integration import foreign_trainers as ft
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, free_port, jsonl, run_command
+
+pytest.importorskip("deepspeed")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory, assets):
+    """Each stage's run (its save folder ``ds/``, ``reference.json``, ``logits.pt``) and the recipe of its rows."""
+    folder = tmp_path_factory.mktemp("deepspeed")
+    recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR)
+    recipe.write_text(recipe.read_text().replace("global_batch_size: 8", f"global_batch_size: {dsr.BATCH}")
+                      .replace("local_batch_size: 8", f"local_batch_size: {dsr.BATCH}"))
+    runs = {}
+    for stage in (2, 3):
+        out = folder / f"zero{stage}"
+        out.mkdir()
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                  str(free_port()), "-m", "tests.integration.deepspeed_run"]
+        done = run_command([*launch, str(stage), str(recipe), str(assets), str(out)], cwd=REPO,
+                           env=env_for(assets, {"DS_ACCELERATOR": "cpu"}), timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[stage] = out
+    return runs, recipe
+
+
+def _deepspeed_own(tag: Path) -> dict[str, dict]:
+    """DeepSpeed's own ``zero_to_fp32`` on the test's own files: the fp32 weights, and each moment put together the
+    same way (its partitions in the weights' place)."""
+    import torch
+    from deepspeed.utils import zero_to_fp32 as z
+
+    states = z.parse_model_states(z.get_model_state_files(str(tag)))
+    optim = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in z.get_optim_files(str(tag))]
+    stage, world = int(optim[0]["zero_stage"]), len(optim)
+    base = "base_optimizer_state" if stage < 3 else "optimizer_state_dict"
+    flat = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+    out = {}
+    for kind in ("weights", "exp_avg", "exp_avg_sq"):
+        groups = [o[flat] if kind == "weights" else [s[kind] for _, s in sorted(o[base]["state"].items())]
+                  for o in optim]
+        if stage < 3:
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, groups, states, False,
+                                                              optim[0].get("param_alignment_paddings"))
+        else:
+            sd = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(world, groups, states, False))
+        out[kind] = {k: v.contiguous() for k, v in sd.items()}
+    return out
+
+
+def _ours(checkpoint: Path) -> tuple[dict, dict]:
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    weights = {}
+    for shard in sorted((checkpoint / "model").glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    dcp_to_torch_save(str(checkpoint / "optim"), str(checkpoint.parent / "optim.pt"))
+    return weights, torch.load(checkpoint.parent / "optim.pt", weights_only=True)["state"]
+
+
+@pytest.mark.parametrize("stage,nproc", [(2, 3), (3, 1)])
+def test_a_deepspeed_run_continues_here_at_another_world_size(tmp_path, assets, ds_runs, stage, nproc):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.interop.check import probe_inputs
+
+    runs, recipe = ds_runs
+    source = runs[stage]
+    done = run_command([CKPT_TRAIN, "import", str(source / "ds"), str(recipe), "--out", "run", "--check"],
+                       cwd=tmp_path, env=env_for(assets), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Imported DeepSpeed ZeRO-{stage} checkpoint (step 6, 2 ranks) as run/epoch_0_step_6" in done.stdout
+    assert "largest difference 0, bitwise equal" in done.stdout, done.stdout
+    kind = {2: "one_cycle", 3: "cosine_decay"}[stage]
+    assert f"lr_scheduler = {{'_target_': 'automodel_ckpt.training.lr.{kind}'" in done.stdout
+
+    # the weights and every moment bitwise DeepSpeed's own zero_to_fp32 reading of its partitions
+    checkpoint = tmp_path / "run" / "epoch_0_step_6"
+    weights, state = _ours(checkpoint)
+    theirs = _deepspeed_own(source / "ds" / "global_step6")
+    assert sorted(weights) == sorted(theirs["weights"]) == sorted(state)
+    for name, tensor in theirs["weights"].items():
+        assert torch.equal(weights[name], tensor), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
+        assert float(state[name]["step"]) == 6.0
+    # the logits round trip: the imported weights in the model give the DeepSpeed engine's logits, bitwise
+    model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = model(input_ids=probe_inputs(model.config.vocab_size)).logits
+    assert torch.equal(logits, torch.load(source / "logits.pt"))
+
+    reference = json.loads((source / "reference.json").read_text())
+    args = () if nproc == 1 else ("--step_scheduler.local_batch_size", str(dsr.BATCH // nproc))
+    ckpt_train(tmp_path, assets, *args, recipe=tmp_path / "run" / "recipe.yaml", nproc=nproc)
+    records = {r["step"]: r for r in jsonl(tmp_path / "run" / "training.jsonl")}
+    assert sorted(records) == list(range(7, 11))
+    for step in range(7, 11):
+        assert records[step]["lr"] == pytest.approx(reference["lr"][str(step)], rel=1e-9), step
+    gaps = [abs(records[s]["loss"] - reference["loss"][str(s)]) for s in range(7, 11)]
+    print("largest loss difference from DeepSpeed's own continuation:", max(gaps))  # shown with -s
+    assert max(gaps) < 1e-5, (gaps, records, reference)
