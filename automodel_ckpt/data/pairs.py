@@ -24,6 +24,7 @@ from automodel_ckpt.data.encode import DataSpec
 from automodel_ckpt.data.fields import RecordTemplate
 from automodel_ckpt.data.loader import MicroBatch, micro_batch, strided_rows
 from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
+from automodel_ckpt.data.stream.corpus import is_streamed
 from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, content_hash, encode_dataset
 from automodel_ckpt.errors import ConfigError
 
@@ -194,6 +195,9 @@ def encode_pairs(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec, fields: P
 def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
     """Load, split (``data.val_size`` unless ``validation_dataset``), tokenize (cached) and check the recipe's
     preference pairs."""
+    if is_streamed(cfg.get("dataset")):
+        raise ConfigError("dataset: a streamed corpus holds no preference pairs; DPO reads a map-style dataset of "
+                          "prompt, chosen and rejected columns")
     fields = PairFields.from_section(cfg.dpo, cfg.data.prompt_template)
     spec = pair_spec(cfg)
     source: datasets.Dataset = instantiate(cfg.dataset, "dataset")

@@ -111,3 +111,14 @@ def test_the_recipe_check_takes_a_prompt_template_alone_for_pairs_and_refuses_a_
         check_data_section(load_config(dpo, ["--data.completion_template", "answer"], RecipeConfig))
     with pytest.raises(ConfigError, match="set both data.prompt_template and data.completion_template"):
         check_data_section(load_config(sft, ["--data.prompt_template", "Q"], RecipeConfig))
+
+
+def test_a_streamed_corpus_as_preference_pairs_is_refused_in_one_line(tok):
+    from omegaconf import OmegaConf
+
+    from automodel_ckpt.data.pairs import prepare_pairs
+
+    cfg = OmegaConf.create({"dataset": {"_target_": "automodel_ckpt.data.stream.generated.builtin_text_corpus"}})
+    with pytest.raises(ConfigError, match="^dataset: a streamed corpus holds no preference pairs") as refused:
+        prepare_pairs(cfg, tok)
+    assert "\n" not in str(refused.value)
