@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import types
 from typing import Any, Callable, Optional
 
 from automodel_ckpt.errors import ConfigError
@@ -46,16 +48,25 @@ def present(cfg: Any) -> list[AlgorithmSection]:
     return [s for s in _SECTIONS.values() if cfg.get(s.name) is not None]
 
 
+class _WithSections(type):
+    """The type of a schema with sections: pickled as ``with_sections(base)``, made again where it is read."""
+
+
 def with_sections(schema: type) -> type:
     """``schema`` with an optional field per registered section after ``AFTER`` (unchanged without that key)."""
     key = (schema, tuple(_SECTIONS.values()))
     if key not in _SCHEMAS:
-        fields: list[tuple] = []
+        fields: dict[str, Any] = {}
         for f in dataclasses.fields(schema):
-            fields.append((f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory)))
+            fields[f.name] = (f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
             if f.name == AFTER:
-                fields += [(s.name, Optional[s.config], dataclasses.field(default=None)) for s in _SECTIONS.values()]
-        made = dataclasses.make_dataclass(schema.__name__, fields, namespace={"__doc__": schema.__doc__})
-        made.__module__ = schema.__module__  # its other fields' annotations are names of that module
-        _SCHEMAS[key] = made if len(fields) > len(dataclasses.fields(schema)) else schema
+                fields.update({s.name: (Optional[s.config], dataclasses.field(default=None)) for s in registered()})
+        body = {"__annotations__": {k: t for k, (t, _) in fields.items()}, **{k: d for k, (_, d) in fields.items()},
+                "__doc__": schema.__doc__, "_base": schema,
+                "__module__": schema.__module__}  # the base's annotations are names of its module
+        made = types.new_class(schema.__name__, (), {"metaclass": _WithSections}, lambda ns: ns.update(body))
+        _SCHEMAS[key] = dataclasses.dataclass(made) if len(fields) > len(dataclasses.fields(schema)) else schema
     return _SCHEMAS[key]
+
+
+copyreg.pickle(_WithSections, lambda made: (with_sections, (made._base,)))

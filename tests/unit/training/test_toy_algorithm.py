@@ -6,6 +6,7 @@ fine-tune's loop unchanged."""
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def test_a_registered_section_is_loaded_and_checked_by_the_config(toy_section):
     assert _load().get("toy") is None  # absent unless the recipe gives it
     cfg = _load("--toy.share", "0.25")
     assert cfg.toy.share == 0.25
+    assert pickle.loads(pickle.dumps(cfg)).toy.share == 0.25  # a loaded recipe still pickles
     validate_config(cfg, 1)
     with pytest.raises(ConfigError, match=r"toy\.share: expected a value in \(0, 1\], got 2"):
         validate_config(_load("--toy.share", "2"), 1)
