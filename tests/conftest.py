@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+import automodel_ckpt.algorithms  # noqa: F401 - registers the algorithms' recipe sections, as the CLI does
+
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per two CPUs, at least two and at most eight (an end-to-end test runs two ranks).

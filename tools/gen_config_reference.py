@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import automodel_ckpt.algorithms  # noqa: F401 - registers the algorithms' sections, which the reference lists
 from automodel_ckpt.config.reference import render_reference
 
 if __name__ == "__main__":

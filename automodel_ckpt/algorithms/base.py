@@ -37,7 +37,7 @@ class Algorithm:
     """What is trained, and how. ``FinetuneRecipe`` holds one (``recipe.algorithm``, of its ``algorithm_class``)
     made from a ``TrainContext`` (``self.ctx``), and keeps the rest: the mesh, the sharding, the step (gradient
     sync, pipeline stages, clipping, the optimizer), the loop and the checkpointer. The contract, with no behaviour
-    of its own (``algorithms/sft.py``'s ``Supervised`` is supervised fine-tuning):
+    of its own (``algorithms/sft/``'s ``Supervised`` is supervised fine-tuning):
 
     - its state: each public attribute with ``state_dict`` and ``load_state_dict`` is checkpointed under its name
       beside the recipe's, but those of ``checkpoint_exclude``; ``state_meaning``: the config keys that change what

@@ -48,6 +48,16 @@ def report(message: str) -> None:
     sys.stderr.flush()
 
 
+def load_recipe(path: Any, overrides: Any) -> Any:
+    """A recipe file plus overrides, loaded with every algorithm's section (importing ``algorithms`` registers
+    them; their dataclasses import neither torch nor ``datasets``)."""
+    import automodel_ckpt.algorithms  # noqa: F401 - registers the algorithms' sections
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+
+    return load_config(path, overrides, RecipeConfig)
+
+
 def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: bool = False) -> Checked:
     """Every check of a loaded recipe made before training: its values (``config.validate``, ``data.checks``) and,
     with ``inputs``, that its model, tokenizer and dataset paths exist. One-line ``ConfigError``s.

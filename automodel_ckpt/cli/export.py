@@ -70,11 +70,10 @@ def _export(target: ExportTarget, args: argparse.Namespace) -> int:
 def _recipe_examples(recipe: str | Path, tokenizer: Any, n: int) -> list[list[int]]:
     """The token ids of the first ``n`` rows of the user's recipe's validation data (else its training data),
     tokenized as for training. Only a recipe the user names on the command line is built, never a checkpoint's copy."""
-    from automodel_ckpt.config.loader import load_config
-    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.cli.common import load_recipe
     from automodel_ckpt.data import prepare_data
 
-    prepared = prepare_data(load_config(str(recipe), [], RecipeConfig), tokenizer)
+    prepared = prepare_data(load_recipe(str(recipe), []), tokenizer)
     rows = prepared.validation if prepared.validation is not None and len(prepared.validation) else prepared.train
     batch = rows.batch(list(range(min(n, len(rows)))))
     lengths = batch["attention_mask"].sum(dim=1).tolist()

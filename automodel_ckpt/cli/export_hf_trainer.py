@@ -33,15 +33,14 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
         raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {LAYOUT.METADATA_FILE}): --to hf-trainer "
                               "exports a checkpoint folder (epoch_E_step_N)")
     from automodel_ckpt.config.instantiate import locate
-    from automodel_ckpt.config.loader import load_config
-    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.cli.common import load_recipe
     from automodel_ckpt.interop import hf_export
 
     with tempfile.TemporaryDirectory(prefix="hf-trainer-export-") as scratch:
         overrides = ["--checkpoint.checkpoint_dir", scratch, "--checkpoint.restore_from", str(src),
                      "--checkpoint.enabled", "true", "--checkpoint.save_consolidated", "false",
                      "--training.progress_bar", "false", "--distributed.pp_size", "1", "--distributed.tp_size", "1"]
-        cfg = load_config(str(recipe_file), [*(typed or []), *overrides], RecipeConfig)
+        cfg = load_recipe(str(recipe_file), [*(typed or []), *overrides])
         recipe = locate(cfg.recipe, "recipe")(cfg)
         recipe.setup()
         try:

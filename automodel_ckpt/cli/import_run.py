@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.cli.common import VerbParser, check_recipe
+from automodel_ckpt.cli.common import VerbParser, check_recipe, load_recipe
 from automodel_ckpt.errors import ConfigError, UsageError
 from automodel_ckpt.ondisk import LAYOUT, list_checkpoints
 
@@ -47,8 +47,7 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise UsageError("import runs as one process: start it without --nproc-per-node or torchrun")
     from automodel_ckpt.config.instantiate import locate
-    from automodel_ckpt.config.loader import load_config, load_yaml, parse_value, split_overrides, to_yaml_data
-    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.loader import load_yaml, parse_value, split_overrides, to_yaml_data
 
     src, out = Path(args.src), Path(args.out)
     # one process holding the whole model: the resume reshards it onto the recipe's own mesh and world size
@@ -57,7 +56,7 @@ def main(argv: list[str]) -> int:
                    "--distributed.sequence_parallel", "false", "--training.compile", "false"]
     for_import = [*one_process, "--checkpoint.checkpoint_dir", str(out), "--checkpoint.enabled", "true",
                   "--checkpoint.restore_from", "null", "--training.progress_bar", "false"]
-    cfg = load_config(args.recipe, [*args.overrides, *for_import], RecipeConfig)
+    cfg = load_recipe(args.recipe, [*args.overrides, *for_import])
     if cfg.training.get("ema_decay") is not None:
         raise ConfigError("training.ema_decay: the source holds no moving average of its weights to import; "
                           "import into a recipe without one (--training.ema_decay null)")
@@ -79,7 +78,7 @@ def main(argv: list[str]) -> int:
     written.write_text(continuing.header(run, str(src), str(args.recipe), args.overrides, added) + to_yaml_data(data),
                        encoding="utf-8")
     try:
-        cfg = load_config(written, for_import, RecipeConfig)  # the file's run is the one imported
+        cfg = load_recipe(written, for_import)  # the file's run is the one imported
         check_recipe(cfg, 1, inputs=False)
     except BaseException:
         if fresh:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from automodel_ckpt.cli.common import VerbParser, check_recipe
+from automodel_ckpt.cli.common import VerbParser, check_recipe, load_recipe
 from automodel_ckpt.shown import allow_colors
 
 
@@ -52,14 +52,13 @@ def main(argv: list[str]) -> int:
 
     What training refuses only for what the model would see (no token with a loss) is a ``warning:`` line here.
     """
-    from automodel_ckpt.config.loader import load_config
-    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.config.sections import present
     from automodel_ckpt.data import is_streamed, prepare_to_show, preview_rows
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path
 
     args = parse_args(argv)
     allow_colors(args.color)  # our own green marks pass; a control character in the data is still escaped
-    cfg = load_config(args.recipe, args.overrides, RecipeConfig)
+    cfg = load_recipe(args.recipe, args.overrides)
     check_recipe(cfg, smallest_world_size(cfg.distributed))
     model_path = cfg.model.get("pretrained_model_name_or_path")
     if cfg.model.get("embedded") and model_path and local_model_path(model_path) is None:
@@ -80,10 +79,9 @@ def main(argv: list[str]) -> int:
 
         preview_stream(cfg, tokenizer, num=args.num, split=args.split)
         return 0
-    if cfg.get("dpo") is not None:  # preference pairs: each pair's two responses
-        from automodel_ckpt.data import prepare_pairs, preview_pairs
-
-        preview_pairs(prepare_pairs(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
-        return 0
+    for section in present(cfg):  # an algorithm that shows its own rows (each pair's two sides)
+        if section.preview is not None:
+            section.preview(cfg, tokenizer, num=args.num, split=args.split, color=args.color)
+            return 0
     preview_rows(prepare_to_show(cfg, tokenizer), tokenizer, num=args.num, split=args.split, color=args.color)
     return 0

@@ -11,9 +11,8 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     """Validate the recipe here, then train in-process or under the elastic agent (whose forked workers run
     ``forked``: ``cli.forked_worker``)."""
     from automodel_ckpt.checkpoint import CheckpointConfig
-    from automodel_ckpt.config.loader import load_config, to_yaml
-    from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.cli.common import check_recipe
+    from automodel_ckpt.config.loader import to_yaml
+    from automodel_ckpt.cli.common import check_recipe, load_recipe
     from automodel_ckpt.distributed.env import inside_launcher_worker
     from automodel_ckpt.launch import launch_agent, parse_launch_args, preload
 
@@ -22,7 +21,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
         return run_worker(recipe_path, overrides)
     if opts.debug:
         os.environ["AUTOMODEL_CKPT_DEBUG"] = "1"
-    cfg = load_config(recipe_path, overrides, RecipeConfig)
+    cfg = load_recipe(recipe_path, overrides)
     huge_pages_if_sharded(cfg, opts.world_size)  # before this process's first tensor; its workers inherit it
     mesh, inputs = check_recipe(cfg, opts.world_size, fetchable=opts.dry_run)
     if opts.dry_run:
@@ -96,9 +95,7 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     teardown (see there).
     """
     from automodel_ckpt.config.instantiate import locate
-    from automodel_ckpt.config.loader import load_config
-    from automodel_ckpt.config.schema import RecipeConfig
-    from automodel_ckpt.cli.common import check_recipe
+    from automodel_ckpt.cli.common import check_recipe, load_recipe
     from automodel_ckpt.distributed.allocator import return_freed_memory
     from automodel_ckpt.distributed.env import end_process, shutdown_distributed
     from automodel_ckpt.distributed.lifeline import children_die_with_this_process
@@ -106,7 +103,7 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     children_die_with_this_process()  # its DataLoader workers end the moment this rank ends, however it ends
     return_freed_memory()  # freed tensors go back to the OS instead of staying on glibc's heap (unless user-set)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = load_config(recipe_path, overrides, RecipeConfig)
+    cfg = load_recipe(recipe_path, overrides)
     huge_pages_if_sharded(cfg, world_size)  # a worker started by torchrun: before its first tensor
     check_recipe(cfg, world_size, inputs=False)
     fetch_models(cfg)  # started by ckpt-train: already there; by torchrun or srun: one process per cache downloads

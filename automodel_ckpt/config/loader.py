@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationValidationError, OmegaConfBaseException, ValidationError
 
 from automodel_ckpt.ondisk import MAX_DEPTH, yaml_depth_line
+from automodel_ckpt.config.sections import with_sections
 from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
@@ -208,8 +209,9 @@ class _Source:
 def load_config(
     path: str | os.PathLike[str], overrides: Sequence[tuple[str, str]] | Sequence[str], schema: type
 ) -> DictConfig:
-    """Schema defaults, then the YAML recipe, then each override; validated and checked to resolve."""
-    cfg = OmegaConf.structured(schema)
+    """Schema defaults (with the registered algorithms' sections, ``config.sections``), then the YAML recipe, then
+    each override; validated and checked to resolve."""
+    cfg = OmegaConf.structured(with_sections(schema))
     data, marks = _load_yaml_marked(path)
     source = _Source(str(path), marks)
     for key, value in data.items():

@@ -14,6 +14,7 @@ from typing import Any
 
 from automodel_ckpt.config.instantiate import locate
 from automodel_ckpt.config.schema import RecipeConfig
+from automodel_ckpt.config.sections import registered, with_sections
 
 _FIELD_COMMENT = re.compile(r"^\s*(\w+)\s*:[^#]*#\s*(.+?)\s*$")
 # Arguments the recipe passes itself; they are not config keys.
@@ -116,11 +117,12 @@ def render_reference() -> str:
         "checked against its signature when it is built.",
         "",
     ]
-    hints = typing.get_type_hints(RecipeConfig)
-    comments = _comments(RecipeConfig)
+    schema = with_sections(RecipeConfig)  # the algorithms' sections: those registered (``config.sections``)
+    hints = typing.get_type_hints(schema)
+    comments = {**_comments(RecipeConfig), **{s.name: s.meaning for s in registered()}}
     top_rows = []
     sections = []
-    for f in dataclasses.fields(RecipeConfig):
+    for f in dataclasses.fields(schema):
         tp = _unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp):
             sections.append((f.name, tp, comments.get(f.name, ""), _default(f) is None))

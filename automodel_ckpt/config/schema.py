@@ -109,46 +109,6 @@ class PeftConfig:
 
 
 @dataclass
-class DPOConfig:
-    """Preference tuning (docs/preference.md): the loss, its reference model and the preference columns."""
-
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo (reference-free, length-normalised)
-    beta: float = 0.1  # strength of the KL penalty (simpo: the reward scale; 2.0 in the SimPO paper)
-    label_smoothing: float = 0.0  # conservative DPO / robust SimPO: the share of labels assumed flipped, in [0, 0.5)
-    simpo_gamma: float = 0.5  # simpo: the target reward margin, as gamma / beta on the log-prob difference
-    rpo_alpha: Optional[float] = None  # RPO: add alpha x the chosen response's NLL per token (keeps chosen likely)
-    sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps steps
-    ref_model_sync_steps: int = 64  # steps between reference syncs
-    ref_model_mixup_alpha: float = 0.6  # reference <- alpha * policy + (1 - alpha) * reference at each sync
-    precompute_ref_log_probs: bool = False  # reference log-probs computed once, kept with the run; no reference in memory
-    prompt_field: str = "prompt"  # the prompt column (a string, or chat messages)
-    chosen_field: str = "chosen"  # the preferred response (a string, or chat messages ending with it)
-    rejected_field: str = "rejected"  # the dispreferred response, like chosen
-
-
-def _default_rewards() -> List[Any]:
-    return ["automodel_ckpt.training.rewards.exact_answer", "automodel_ckpt.training.rewards.digits_then_eos"]
-
-
-@dataclass
-class GRPOConfig:
-    """Online RL with group-relative advantages (docs/rl.md): sampling, rewards and the clipped loss."""
-
-    num_generations: int = 4  # completions per prompt (a group); global_batch_size counts completions
-    max_new_tokens: int = 8  # a completion's longest length (it ends earlier at end of sequence)
-    temperature: float = 1.0  # sampling temperature (0: greedy)
-    num_iterations: int = 1  # optimizer steps (passes) over each rollout batch (mu)
-    epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: Optional[float] = None  # the upper clip (null: epsilon)
-    beta: float = 0.0  # per-token k3 KL penalty to the reference (0: no reference is kept)
-    reward_funcs: List[Any] = field(default_factory=_default_rewards)  # dotted names, or {_target_: ..., keyword: value}
-    reward_weights: Optional[List[float]] = None  # one per reward function (null: each 1.0)
-    advantage: str = "normalized"  # normalized: (reward - group mean) / group std; share: reward / group total (>= 0)
-    prompt_field: str = "prompt"  # the prompt column (a string)
-    answer_field: str = "completion"  # the reference answer column, handed to the reward functions
-
-
-@dataclass
 class TensorBoardConfig:
     """TensorBoard event files (pip install 'automodel-ckpt[tensorboard]')."""
 
@@ -219,7 +179,5 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint format, location, export, resume and retention
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # benchmark tasks during training, logged as eval/<task>/<metric>
     peft: Optional[PeftConfig] = None  # a `peft:` section turns the fine-tune into LoRA
-    dpo: Optional[DPOConfig] = None  # preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)
-    grpo: Optional[GRPOConfig] = None  # online RL keys (recipe: automodel_ckpt.recipes.grpo.GRPORecipe)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, MLflow, Weights & Biases (none by default)
     stages: List[Dict[str, Any]] = field(default_factory=list)  # later stages, each {name, at_step, set: {dotted key: value}}: the run goes on with `set` applied after step at_step (the recipe as written is the first stage, main; docs/stages.md)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from automodel_ckpt.config.loader import apply_values
+from automodel_ckpt.config.sections import present
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.redact import redacted
 
@@ -120,9 +121,9 @@ def _check_run(cfg: DictConfig, new_stage: Any) -> None:
     """What a run in stages needs: checkpoints (a stage begins at one), an algorithm whose state a stage keeps."""
     if not cfg.checkpoint.get("enabled", True):
         raise ConfigError("stages: a stage begins at a checkpoint of the run; set checkpoint.enabled true")
-    if cfg.get("grpo") is not None:
-        raise ConfigError("stages: an online RL run (grpo:) keeps its rollout batch across steps; it takes no stages "
-                          "yet (docs/stages.md)")
+    refusal = next((s.no_stages for s in present(cfg) if s.no_stages), None)
+    if refusal:
+        raise ConfigError(f"stages: {refusal}")
     if new_stage is not None:
         if not isinstance(new_stage, str) or not _NAME.match(new_stage):
             raise ConfigError(f"checkpoint.new_stage: expected a stage name (letters, digits, _ . -; at most 64), "

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.checkpoint import CheckpointConfig
 from automodel_ckpt.config.instantiate import TARGET_KEY, check_arguments, instantiate, locate
+from automodel_ckpt.config.sections import present
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, MeshSizes,
                                              resolve_pipeline, resolve_sizes)
@@ -85,10 +86,9 @@ def validate_config(cfg: DictConfig, world_size: int) -> MeshSizes:
         from automodel_ckpt.models.freeze import check_freeze_section
 
         check_freeze_section(model.get("freeze"))
-    if cfg.get("dpo") is not None:
-        from automodel_ckpt.training.preference import check_dpo_section
-
-        check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None, pp_size=sizes.pp)
+    for section in present(cfg):  # an algorithm's section: its own checks (``config.sections``)
+        if section.check is not None:
+            section.check(cfg, sizes)
     if cfg.get("peft") is not None:
         from automodel_ckpt.models.lora import check_peft_section
 

@@ -1,13 +1,13 @@
 """Preference tuning (DPO, IPO, hinge, SimPO) of a causal LM: the fine-tune recipe with the preference algorithm.
 
-``Preference`` (``algorithms/dpo.py``) brings the pairs, the pair loss, the reference and the counters. Everything
+``Preference`` (``algorithms/dpo/``) brings the pairs, the pair loss, the reference and the counters. Everything
 else is ``FinetuneRecipe``'s: the CLI, launcher, meshes, formats, async saves, node-local tier, object storage,
 trackers, ``restore_from`` and the export of the policy.
 """
 
 from __future__ import annotations
 
-from automodel_ckpt.algorithms.dpo import Preference
+from automodel_ckpt.algorithms.dpo.algorithm import Preference
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 

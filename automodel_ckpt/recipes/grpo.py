@@ -1,12 +1,12 @@
 """Online RL (GRPO) of a causal LM: the fine-tune recipe with an algorithm that samples, scores and learns.
 
-``GRPO`` (``algorithms/grpo.py``) samples each rollout batch from the policy, scores it and takes the clipped-ratio
+``GRPO`` (``algorithms/grpo/``) samples each rollout batch from the policy, scores it and takes the clipped-ratio
 loss over it; the rest is ``FinetuneRecipe``'s.
 """
 
 from __future__ import annotations
 
-from automodel_ckpt.algorithms.grpo import GRPO
+from automodel_ckpt.algorithms.grpo.algorithm import GRPO
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 

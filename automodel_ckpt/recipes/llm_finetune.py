@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm
 from automodel_ckpt.algorithms.context import Forward, LossResult, Run, TrainContext
-from automodel_ckpt.algorithms.sft import Supervised
+from automodel_ckpt.algorithms.sft.algorithm import Supervised
 from automodel_ckpt.checkpoint import HFArtifacts, discover_state, run_folder, written_by
 from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate

@@ -22,8 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.algorithms.grpo import GRPO
-from automodel_ckpt.algorithms.grpo_state import LOG_PROB_FLOOR, RolloutBatch, RolloutExpected
+from automodel_ckpt.algorithms.grpo.algorithm import GRPO
+from automodel_ckpt.algorithms.grpo.state import LOG_PROB_FLOOR, RolloutBatch, RolloutExpected
 from automodel_ckpt.training.rollout import advantages, token_log_probs
 
 PAD, BOS, EOS = 0, 1, 2
@@ -276,7 +276,7 @@ def test_the_model_and_recipe_are_known_before_a_resume_loads():
     """``GRPO.build`` (the end of setup, before the restore) gives the rollout batch what it is checked against."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from automodel_ckpt.algorithms.grpo import vocab_rows
+    from automodel_ckpt.algorithms.grpo.algorithm import vocab_rows
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
@@ -294,7 +294,7 @@ def test_the_model_and_recipe_are_known_before_a_resume_loads():
 def test_the_prompt_position_is_counts_and_an_earlier_map_style_position_leaves_the_counters():
     """The ``dataloader`` state of a GRPO run is its prompt position (``PromptLoader``): each a count, else one line;
     a checkpoint written before held a map-style loader's position there: the counters' (``grpo``) stands."""
-    from automodel_ckpt.algorithms.grpo_state import GRPOCounters, PromptLoader
+    from automodel_ckpt.algorithms.grpo.state import GRPOCounters, PromptLoader
 
     counters = GRPOCounters()
     loader = PromptLoader(lambda: (0, []), counters, ROWS, 1, 4)

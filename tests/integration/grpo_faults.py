@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from automodel_ckpt.algorithms.grpo import GRPO
+from automodel_ckpt.algorithms.grpo.algorithm import GRPO
 from tests.integration.step_faults import StopAfterStepRecipe
 
 RECIPE = "tests.integration.grpo_faults.StopAfterStepGRPORecipe"

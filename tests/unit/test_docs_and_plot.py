@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from automodel_ckpt.cli import main
+import automodel_ckpt.algorithms  # noqa: F401 - registers the algorithms' sections, which the reference lists
 from automodel_ckpt.config.reference import render_reference
 from automodel_ckpt.cli.plot import make_figure
 

@@ -1,11 +1,13 @@
 """The algorithm seam: algorithms read a narrow context (never the recipe), the base is a contract, losses return
-their metric sums, and each algorithm overrides few hooks. Each rule is shown to see a planted violation."""
+their metric sums, each algorithm overrides few hooks and is one folder whose section the config learns from its
+registry. Each rule is shown to see a planted violation."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "automodel_ckpt"
@@ -15,7 +17,8 @@ MAX_CONTEXT_ATTRIBUTES = 8
 
 
 def _algorithm_modules() -> dict[str, Path]:
-    return {f"automodel_ckpt.algorithms.{p.stem}": p for p in sorted(ALGORITHMS.glob("*.py")) if p.stem != "__init__"}
+    return {"automodel_ckpt." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
+            for p in sorted(ALGORITHMS.rglob("*.py")) if p.stem != "__init__"}
 
 
 def _hooks() -> set[str]:
@@ -121,7 +124,7 @@ def test_losses_return_their_metric_sums_no_side_lists():
 
 def test_grpo_builds_no_supervised_data():
     """GRPO's loader is its prompts' (``PromptLoader``): no supervised rows built beside it."""
-    source = (ALGORITHMS / "grpo.py").read_text(encoding="utf-8")
+    source = (ALGORITHMS / "grpo" / "algorithm.py").read_text(encoding="utf-8")
     assert [word for word in ("super().build_data", "supervised_data", "prepare_data") if word in source] == []
 
 
@@ -141,3 +144,40 @@ def test_the_dataset_is_instantiated_only_in_data():
     assert {k: v for k, v in offenders.items() if v} == {}
     assert dataset_instantiations("rows = instantiate(self.ctx.cfg.dataset, 'dataset')\n") == ["line 1"]
     assert dataset_instantiations("model = instantiate(cfg.model, 'model')\n") == []
+
+
+# --- one folder per algorithm: the schema, its checks and preview learn each section from ``config.sections`` ------
+
+NAMELESS = [PACKAGE / "config" / "schema.py", PACKAGE / "config" / "validate.py", PACKAGE / "config" / "stages.py",
+            PACKAGE / "cli" / "preview.py"]
+
+
+def algorithm_names(source: str, names: set[str]) -> list[str]:
+    """Where ``source`` (docstrings and comments too) names an algorithm: one of ``names`` as a word, any case."""
+    words = re.compile(r"\b(" + "|".join(sorted(names)) + r")", re.IGNORECASE)
+    return [f"line {i}: {m.group(0)}" for i, line in enumerate(source.splitlines(), start=1)
+            for m in words.finditer(line)]
+
+
+def test_the_schema_its_checks_and_preview_name_no_algorithm():
+    import automodel_ckpt.algorithms  # noqa: F401 - registers the sections
+    from automodel_ckpt.config.sections import registered
+
+    folders = {p.name for p in ALGORITHMS.iterdir() if (p / "__init__.py").is_file()}
+    assert {"dpo", "grpo", "sft"} <= folders
+    assert {s.name for s in registered()} == {"dpo", "grpo"}
+    names = folders | {s.name for s in registered()} | {"preference"}
+    offenders = {str(p.relative_to(PACKAGE)): algorithm_names(p.read_text(encoding="utf-8"), names) for p in NAMELESS}
+    assert {k: v for k, v in offenders.items() if v} == {}
+    assert algorithm_names('if cfg.get("dpo") is not None:  # Preference pairs\n', names) == [
+        "line 1: dpo", "line 1: Preference"]
+
+
+def test_each_algorithm_is_its_folder_and_its_section_one_register_line():
+    """``algorithms/`` holds the contract and one folder per algorithm; each section is registered by one line of
+    ``algorithms/__init__.py``."""
+    loose = sorted(p.name for p in ALGORITHMS.glob("*.py"))
+    assert loose == ["__init__.py", "base.py", "context.py"]
+    lines = (ALGORITHMS / "__init__.py").read_text(encoding="utf-8").splitlines()
+    assert [line for line in lines if line.startswith("register_section(")] == [
+        "register_section(_DPO)", "register_section(_GRPO)"]

@@ -199,7 +199,7 @@ def test_packed_rows_give_each_example_the_loss_it_has_alone(tok):
     from automodel_ckpt.data.loader import micro_batch
     from automodel_ckpt.models.tiny import TINY_LLAMA_CONFIG
     from automodel_ckpt.algorithms.context import Forward
-    from automodel_ckpt.algorithms.sft import Supervised
+    from automodel_ckpt.algorithms.sft.algorithm import Supervised
 
     torch.manual_seed(0)
     config = LlamaConfig(**TINY_LLAMA_CONFIG)

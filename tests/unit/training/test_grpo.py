@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from automodel_ckpt.algorithms.grpo import take_prompts
+from automodel_ckpt.algorithms.grpo.algorithm import take_prompts
 from automodel_ckpt.training.rewards import RewardError, answer_digits, digits_then_eos, exact_answer, score
 from automodel_ckpt.training.rollout import ADVANTAGES, IGNORE, advantages, clipped_loss, generate, \
     group_advantages, group_shares, sample_seed, token_log_probs
@@ -210,8 +210,8 @@ def _algorithm_with_prompts(prompt_ids: list[list[int]], seq_length: int, max_ne
 
     from omegaconf import OmegaConf
 
-    from automodel_ckpt.algorithms.grpo import GRPO
-    from automodel_ckpt.algorithms.grpo_state import GRPOCounters
+    from automodel_ckpt.algorithms.grpo.algorithm import GRPO
+    from automodel_ckpt.algorithms.grpo.state import GRPOCounters
 
     algorithm = GRPO.__new__(GRPO)
     algorithm.ctx = SimpleNamespace(cfg=OmegaConf.create({"seed": 1, "data": {"seq_length": seq_length,
@@ -237,9 +237,9 @@ def test_too_long_prompts_warn_once_and_are_counted():
 def test_pipeline_stages_and_bad_advantage_keys_are_refused_in_one_line():
     from omegaconf import OmegaConf
 
-    from automodel_ckpt.config.schema import GRPOConfig
+    from automodel_ckpt.algorithms.grpo.config import GRPOConfig
     from automodel_ckpt.errors import ConfigError
-    from automodel_ckpt.algorithms.grpo import check_section
+    from automodel_ckpt.algorithms.grpo.config import check_section
 
     section = OmegaConf.structured(GRPOConfig)
     with pytest.raises(ConfigError, match="^distributed.pp_size: GRPO samples completions with the whole model"):
@@ -261,7 +261,7 @@ def test_rollout_batches_that_teach_nothing_are_warned_about_once_in_a_row():
     ``FLAT_BATCHES_WARNING`` rollout batches in a row: one warning saying what to do; a batch with signal resets."""
     import warnings
 
-    from automodel_ckpt.algorithms import grpo
+    from automodel_ckpt.algorithms.grpo import algorithm as grpo
 
     algorithm = _algorithm_with_prompts([[1]], seq_length=8, max_new_tokens=4)
     algorithm._flat = 0

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel_ckpt.data.encode import DataSpec, Encoder
-from automodel_ckpt.algorithms.sft import Supervised
-from automodel_ckpt.algorithms.grpo import GRPO
-from automodel_ckpt.algorithms.grpo_state import RolloutBatch
+from automodel_ckpt.algorithms.sft.algorithm import Supervised
+from automodel_ckpt.algorithms.grpo.algorithm import GRPO
+from automodel_ckpt.algorithms.grpo.state import RolloutBatch
 from automodel_ckpt.training.rollout import token_log_probs
 
 PAD, BOS, EOS = 0, 1, 2

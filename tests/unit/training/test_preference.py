@@ -11,10 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from automodel_ckpt.config.schema import DPOConfig
+from automodel_ckpt.algorithms.dpo.config import DPOConfig
 from automodel_ckpt.data.tokenize import IGNORE_INDEX
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.training.preference import PreferenceLoss, check_dpo_section, response_log_probs
+from automodel_ckpt.algorithms.dpo.config import check_dpo_section
+from automodel_ckpt.algorithms.dpo.losses import PreferenceLoss, response_log_probs
 
 # One pair: policy log-probs -3 (chosen, 2 tokens) and -5 (rejected, 4 tokens); reference -4 and -4.
 CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED = -3.0, -5.0, -4.0, -4.0

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from automodel_ckpt.algorithms.dpo import Preference
-from automodel_ckpt.algorithms.grpo import GRPO
-from automodel_ckpt.algorithms.sft import Supervised
-from automodel_ckpt.training.preference import METRICS
+from automodel_ckpt.algorithms.dpo.algorithm import Preference
+from automodel_ckpt.algorithms.grpo.algorithm import GRPO
+from automodel_ckpt.algorithms.sft.algorithm import Supervised
+from automodel_ckpt.algorithms.dpo.losses import METRICS
 from automodel_ckpt.training.progress import Progress
 
 

@@ -100,7 +100,7 @@ def test_the_counters_of_a_checkpoint_are_checked_before_use():
     import pytest
 
     from automodel_ckpt.errors import CheckpointError
-    from automodel_ckpt.algorithms.dpo import PreferenceCounters
+    from automodel_ckpt.algorithms.dpo.algorithm import PreferenceCounters
 
     counters = PreferenceCounters()
     counters.load_state_dict({"dpo_step": 3, "consumed_pairs": 12, "last_sync_step": None,

@@ -8,11 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from automodel_ckpt.algorithms.dpo.config import LOSSES, REFERENCE_FREE
 from automodel_ckpt.errors import ConfigError
 
-LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
-#: Losses with no reference model (SimPO compares the policy's own chosen and rejected log-probs).
-REFERENCE_FREE = frozenset({"simpo"})
 #: The metrics summed over pairs (divided by the pair count when logged), in this order.
 METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
 
@@ -90,27 +88,3 @@ def response_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     flat = logits[:, :-1].flatten(0, 1).float()
     token = -F.cross_entropy(flat, targets.masked_fill(~keep, 0).flatten(), reduction="none").view(targets.shape)
     return (token * keep).sum(dim=1)
-
-
-def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
-    """Raise ConfigError (one line) for a ``dpo:`` value that would fail later."""
-    if dpo.loss not in LOSSES:
-        raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{dpo.loss}'")
-    if not dpo.beta > 0:
-        raise ConfigError(f"dpo.beta: expected a positive number, got {dpo.beta}")
-    if not 0 <= dpo.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing: expected a value in [0, 0.5), got {dpo.label_smoothing}")
-    if dpo.get("rpo_alpha") is not None and dpo.rpo_alpha < 0:
-        raise ConfigError(f"dpo.rpo_alpha: expected a number >= 0 or null, got {dpo.rpo_alpha}")
-    if dpo.ref_model_sync_steps < 1:
-        raise ConfigError(f"dpo.ref_model_sync_steps: expected a positive integer, got {dpo.ref_model_sync_steps}")
-    if not 0 < dpo.ref_model_mixup_alpha <= 1:
-        raise ConfigError(f"dpo.ref_model_mixup_alpha: expected a value in (0, 1], got {dpo.ref_model_mixup_alpha}")
-    reference_free = dpo.loss in REFERENCE_FREE
-    if dpo.sync_ref_model and (peft or dpo.precompute_ref_log_probs or reference_free):
-        why = ("a LoRA reference is the base with its adapters disabled, not a copy to mix into" if peft else
-               "precomputed reference log-probs come from a reference that never changes"
-               if dpo.precompute_ref_log_probs else f"dpo.loss {dpo.loss} uses no reference")
-        raise ConfigError(f"dpo.sync_ref_model: cannot be used here: {why}; set dpo.sync_ref_model: false")
-    if dpo.precompute_ref_log_probs and reference_free:
-        raise ConfigError(f"dpo.precompute_ref_log_probs: dpo.loss {dpo.loss} uses no reference; set it to false")

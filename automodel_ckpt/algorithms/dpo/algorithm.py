@@ -14,17 +14,17 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext, row_inputs
-from automodel_ckpt.algorithms.sft import map_loader, rank_zero_first
+from automodel_ckpt.algorithms.sft.algorithm import map_loader, rank_zero_first
 from automodel_ckpt.ondisk import LAYOUT, is_count
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
-from automodel_ckpt.config.schema import DPOConfig
+from automodel_ckpt.algorithms.dpo.config import DPOConfig
 from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, PairData, pair_batches, prepare_pairs
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, barrier
 from automodel_ckpt.distributed.pipeline import Pipeline
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.models.build import local_model_path
-from automodel_ckpt.training.preference import METRICS, PreferenceLoss, response_log_probs
+from automodel_ckpt.algorithms.dpo.losses import METRICS, PreferenceLoss, response_log_probs
 from automodel_ckpt.training.reference import StoredLogProbs, mix_into, reference_identity, weights_fingerprint
 
 TRAIN, VALIDATION = "train", "validation"

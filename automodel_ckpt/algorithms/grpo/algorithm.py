@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
-from automodel_ckpt.algorithms.grpo_state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
+from automodel_ckpt.algorithms.grpo.state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
 from automodel_ckpt.config.instantiate import locate
-from automodel_ckpt.config.schema import GRPOConfig
+from automodel_ckpt.algorithms.grpo.config import GRPOConfig, check_section
 from automodel_ckpt.data import MicroBatch, prompt_columns
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, all_reduce_sum
@@ -33,31 +33,11 @@ from automodel_ckpt.distributed.tensor_parallel import causal_lm
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.training.reference import mix_into
 from automodel_ckpt.training.rewards import score
-from automodel_ckpt.training.rollout import ADVANTAGES, IGNORE, advantages, clipped_loss, generate, sample_seed, \
+from automodel_ckpt.training.rollout import IGNORE, advantages, clipped_loss, generate, sample_seed, \
     token_log_probs
 
 
 FLAT_BATCHES_WARNING = 10  # rollout batches in a row with every advantage 0 before the one warning
-
-
-def check_section(section: Any, global_batch: int, pp_size: int) -> None:
-    """The ``grpo:`` keys against the batch and the mesh, each problem in one line (``ConfigError``)."""
-    if pp_size > 1:
-        raise ConfigError("distributed.pp_size: GRPO samples completions with the whole model on every rank; "
-                          "pipeline stages are not supported, use pp_size 1")
-    g = section.num_generations
-    if g < 1 or global_batch % g:
-        raise ConfigError(f"grpo.num_generations: {g} must be >= 1 and divide step_scheduler.global_batch_size "
-                          f"({global_batch} completions per rollout)")
-    if section.num_iterations < 1 or section.max_new_tokens < 1:
-        raise ConfigError("grpo.num_iterations and grpo.max_new_tokens must be >= 1")
-    if section.beta < 0 or section.epsilon < 0 or section.temperature < 0:
-        raise ConfigError("grpo.beta, grpo.epsilon and grpo.temperature must be >= 0")
-    if section.advantage not in ADVANTAGES:
-        raise ConfigError(f"grpo.advantage: {section.advantage!r} is not one of {', '.join(ADVANTAGES)}")
-    if section.advantage == "share" and any(w < 0 for w in (section.reward_weights or ())):
-        raise ConfigError("grpo.reward_weights: share advantages need weights >= 0 (a reward's share of its group's "
-                          "total); use grpo.advantage normalized for negative weights")
 
 
 def reward_function(spec: Any) -> tuple[str, Callable[..., Any]]:

@@ -1,0 +1,1 @@
+"""Preference tuning (DPO, IPO, hinge, SimPO): its section (``config``), losses and algorithm (``algorithm``)."""

@@ -1,0 +1,1 @@
+"""Online RL (GRPO): its section (``config``), its prompts and rollout state (``state``) and algorithm."""

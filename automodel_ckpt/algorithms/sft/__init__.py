@@ -1,0 +1,1 @@
+"""Supervised fine-tuning, the default algorithm: no section of its own (``algorithm``)."""
