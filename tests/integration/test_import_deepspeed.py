@@ -19,22 +19,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory, assets):
-    """Each stage's run (its save folder ``ds/``, ``reference.json``, ``logits.pt``) and the recipe of its rows."""
+    """Each stage's run, made when a test first asks for it (its save folder ``ds/``, ``reference.json``,
+    ``logits.pt``), and the recipe of its rows."""
     folder = tmp_path_factory.mktemp("deepspeed")
     recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR)
     recipe.write_text(recipe.read_text().replace("global_batch_size: 8", f"global_batch_size: {dsr.BATCH}")
                       .replace("local_batch_size: 8", f"local_batch_size: {dsr.BATCH}"))
     runs = {}
-    for stage in (2, 3):
-        out = folder / f"zero{stage}"
-        out.mkdir()
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                  str(free_port()), "-m", "tests.integration.deepspeed_run"]
-        done = run_command([*launch, str(stage), str(recipe), str(assets), str(out)], cwd=REPO,
-                           env=env_for(assets, {"DS_ACCELERATOR": "cpu"}), timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[stage] = out
-    return runs, recipe
+
+    def run(stage: int) -> Path:
+        if stage not in runs:
+            out = folder / f"zero{stage}"
+            out.mkdir()
+            launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                      str(free_port()), "-m", "tests.integration.deepspeed_run"]
+            done = run_command([*launch, str(stage), str(recipe), str(assets), str(out)], cwd=REPO,
+                               env=env_for(assets, {"DS_ACCELERATOR": "cpu"}), timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[stage] = out
+        return runs[stage]
+
+    return run, recipe
 
 
 def _deepspeed_own(tag: Path) -> dict[str, dict]:
@@ -80,8 +85,8 @@ def test_a_deepspeed_run_continues_here_at_another_world_size(tmp_path, assets, 
 
     from automodel_ckpt.interop.check import probe_inputs
 
-    runs, recipe = ds_runs
-    source = runs[stage]
+    run, recipe = ds_runs
+    source = run(stage)
     done = run_command([CKPT_TRAIN, "import", str(source / "ds"), str(recipe), "--out", "run", "--check"],
                        cwd=tmp_path, env=env_for(assets), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
