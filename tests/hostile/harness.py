@@ -19,6 +19,7 @@ Run as a script (``python harness.py serve``) this module is the server; it impo
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import json
 import os
 import re
@@ -126,6 +127,15 @@ def _serve() -> None:
         try:
             importlib.import_module(name)
         except ImportError:  # an optional extra (matplotlib, peft) missing: the verb imports it itself
+            pass
+    # Where DeepSpeed is installed (the DeepSpeed import tests), transformers' save_pretrained imports it (through
+    # accelerate's unwrap): imported here, its memory is the idle child's too, not a case's; its one log line goes
+    # to stderr, never into the reply below.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            importlib.import_module("deepspeed")
+        except ImportError:
             pass
     import automodel_ckpt
 
