@@ -29,6 +29,8 @@ def apply(run: ForeignRun, recipe: Any, where: str, say: Callable[[str], None]) 
         raise ConfigError(f"optimizer._target_: the source's state is AdamW's; the recipe builds "
                           f"{type(optimizer).__name__} (use torch.optim.AdamW)")
     _check_adapter(run, model)
+    if run.fit is not None:
+        run.fit(model)
     params = dict(model.named_parameters())
     weights = _weights(run, model, params, where)
     state, group_of = _optimizer_state(run, model, params, where)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.interop import deepspeed, hf_trainer, lightning
+from automodel_ckpt.interop import deepspeed, hf_trainer, lightning, torchtitan
 from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import ForeignRun, Limits
 
@@ -31,6 +31,7 @@ def unregister_source(name: str) -> None:
 
 
 register_source(deepspeed.SOURCE)  # before the HF Trainer: its checkpoint-N/ may hold a DeepSpeed tag folder
+register_source(torchtitan.SOURCE)  # before Lightning's folder: a step-N/ folder holds a DCP .metadata too
 register_source(hf_trainer.SOURCE)
 register_source(lightning.FILE_SOURCE)
 register_source(lightning.FOLDER_SOURCE)

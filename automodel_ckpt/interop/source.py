@@ -100,6 +100,9 @@ class ForeignRun:
     #: the weights as the source's model held them (its training dtype) where they differ from ``weights`` (a
     #: DeepSpeed run's module beside its fp32 master weights): what ``import --check`` compares against
     module_weights: dict[str, torch.Tensor] | None = None
+    #: where the source's tensors take our layout only given the recipe's model (torchtitan's q and k rows, permuted
+    #: for RoPE by its head counts): ``apply`` calls it with the model first; it fills ``weights`` and ``moments``
+    fit: Callable[[Any], None] | None = None
 
 
 def refuse(where: Path | str, why: str) -> CheckpointError:
