@@ -1,13 +1,14 @@
 """`ckpt-train import` of a hostile source: no link followed, no file read past its bound, no value taken unchecked.
 
-Three tiny genuine sources are crafted once per module, as the HF Trainer and Lightning write them, for a recipe whose
-model (a one-layer Llama built from ``model.config``) holds some 13,000 parameters: a Trainer ``checkpoint-N/``, a
-Lightning ``.ckpt`` and a Lightning distributed checkpoint folder. Each case copies one and tampers one file: a link
-out of it (a file, a folder on the way, a data file of the DCP folder) or inside it, a FIFO, a sparse file far larger
-than the recipe's model allows (8 GiB for a ``.ckpt``, a shard or the weights), a value of the Trainer's log history
-that is no finite number. Run through the corpus's limited child processes: one ``error:`` line naming the file,
-non-zero exit, no traceback or memory error, nothing outside opened or copied in (inotify, snapshot), no run folder
-written, and for the large files a peak memory within 150 MiB of an idle child's.
+Tiny genuine sources are crafted once per module, as their trainers write them, for a recipe whose model (a one-layer
+Llama built from ``model.config``) holds some 13,000 parameters: a Trainer ``checkpoint-N/``, a Lightning ``.ckpt``
+and distributed checkpoint folder, a DeepSpeed ZeRO-2 save folder and a torchtitan dump folder (``checkpoint/step-1/``
+and its job config). Each case copies one and tampers one file: a link out of it (a file, a folder on the way, a data
+file of a DCP folder) or inside it, a FIFO, a sparse file far larger than the recipe's model allows (8 GiB for a
+``.ckpt``, a shard or the weights), a DCP ``.metadata`` that would run code or claims a huge tensor, a torn folder, a
+value of the Trainer's log history that is no finite number. Run through the corpus's limited child processes: one
+``error:`` line naming the file, non-zero exit, no traceback or memory error, nothing outside opened or copied in
+(inotify, snapshot), no run folder written, and for the large files a peak memory within 150 MiB of an idle child's.
 """
 
 from __future__ import annotations
@@ -162,6 +163,61 @@ def _deepspeed_trainer(folder: Path, trainer: Path, ds: Path) -> Path:
     return folder
 
 
+TT_STEP = "checkpoint/step-1"
+TT_NAMES = {"embed_tokens": "tok_embeddings", "self_attn.q_proj": "attention.qkv_linear.wq",  # its adapter's map
+            "self_attn.k_proj": "attention.qkv_linear.wk", "self_attn.v_proj": "attention.qkv_linear.wv",
+            "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+            "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+            "post_attention_layernorm": "ffn_norm"}
+TT_JOB = {"lr_scheduler": {"warmup_steps": 2, "total_steps": None, "decay_ratio": None, "decay_type": "linear",
+                           "min_lr_factor": 0.0},
+          "training": {"local_batch_size": 4, "global_batch_size": -1, "steps": 4}, "checkpoint": {"folder": "checkpoint"}}
+
+
+def _torchtitan(folder: Path, model, opt) -> Path:
+    """What torchtitan's ``CheckpointManager`` writes at step 1 into its dump folder, with its keys (written here
+    without torchtitan): the weights under its names, q and k rows permuted back for its RoPE (its adapter's
+    ``from_hf``), the optimizer's state and param group by name with q, k and v fused into one ``wqkv`` slot (its
+    ``FusedQKVLinear``), the scheduler's and trainer's counters, the data loader's pickled state; and its job config
+    (``--debug.save_config_file job_config.json``)."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    heads, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
+
+    def theirs(name: str, t: torch.Tensor) -> torch.Tensor:
+        n = {"q_proj": heads, "k_proj": kv}.get(name.split(".")[-2])
+        return t if n is None else t.reshape(n, 2, t.shape[0] // n // 2, -1).transpose(1, 2).reshape(t.shape)
+
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        per = k.shape[0] // kv
+        return torch.cat([q.reshape(kv, -1, per, q.shape[1]), k.reshape(kv, 1, per, -1), v.reshape(kv, 1, per, -1)],
+                         1).reshape(-1, q.shape[1])
+
+    def tt(name: str) -> str:
+        for ours, their in TT_NAMES.items():
+            name = name.replace(ours, their)
+        return name.removeprefix("model.")
+
+    params = dict(model.named_parameters())
+    flat = {tt(n): theirs(n, p.detach()) for n, p in params.items()}
+    slots = {tt(n): {k: theirs(n, v) if v.dim() else v for k, v in opt.state[p].items()} for n, p in params.items()}
+    qkv = "layers.0.attention.qkv_linear."
+    q, k, v = (slots.pop(qkv + f"{w}.weight") for w in ("wq", "wk", "wv"))
+    slots[qkv + "wqkv.weight"] = {"step": q["step"], **{m: fused(q[m], k[m], v[m]) for m in ("exp_avg", "exp_avg_sq")}}
+    hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"} | {"initial_lr": 1e-3}
+    for name, slot in slots.items():
+        flat |= {f"optimizer.state.{name}.{k}": v for k, v in slot.items()}
+        flat |= {f"optimizer.param_groups.{name}.{k}": v for k, v in hyper.items()}
+    flat |= {"lr_scheduler.last_epoch": 1, "train_state.step": 1, "train_state.ntokens_seen": 32,
+             "dataloader.world_size": 1, "dataloader.dp_rank_0": pickle.dumps({"sample_idx": 4})}
+    dcp.save(flat, checkpoint_id=folder / TT_STEP, no_dist=True)
+    (folder / "job_config.json").write_text(json.dumps(TT_JOB))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import warnings
@@ -173,7 +229,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         made = {"trainer": _hf_trainer(root / "checkpoint-1", model, opt),
                 "ckpt": _lightning(root / "last.ckpt", model, opt),
                 "folder": _lightning_folder(root / "epoch=0-step=1.ckpt", model, opt),
-                "deepspeed": _deepspeed(root / "ds", model, opt)}
+                "deepspeed": _deepspeed(root / "ds", model, opt),
+                "torchtitan": _torchtitan(root / "outputs", model, opt)}
     made["deepspeed-trainer"] = _deepspeed_trainer(root / "under_deepspeed" / "checkpoint-1", made["trainer"],
                                                    made["deepspeed"])
     return {**made, "recipe": _recipe(root)}
@@ -201,6 +258,20 @@ def test_the_genuine_sources_are_read(sources):
     under = read_source(sources["deepspeed-trainer"], limits)  # the Trainer's position, log and generators
     assert under.kind.startswith("DeepSpeed ZeRO-2") and under.position(16, 4) == (0, 1, 2) and under.rng is not None
     assert under.log[0]["loss"] == 4.2 and under.schedule.target.endswith("one_cycle")
+    titan = read_source(sources["torchtitan"], limits)  # its layout once the recipe's model is known: the model's own
+    assert titan.step == 1 and titan.global_batch == 4 and titan.schedule.target.endswith(".wsd")
+    titan.fit(model)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(titan.weights[n], p) for n, p in params.items())
+    assert all(torch.equal(m[k], opt.state[params[n]][k]) for n, m in zip(titan.order(model), titan.moments)
+               for k in ("exp_avg", "exp_avg_sq"))
+    from automodel_ckpt.errors import CheckpointError
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"} |
+                                         {"num_attention_heads": 4}))
+    with pytest.raises(CheckpointError, match=r"wk.weight' is \[16, 32\], not 1 heads of 8: another model"):
+        read_source(sources["torchtitan"], limits).fit(other)
 
 
 # --- the tampering ---------------------------------------------------------------------------------------------------
@@ -374,6 +445,46 @@ def ds_linked_tag(src: Path, outside: Outside) -> None:
     os.symlink(outside.dir, src / DS_TAG)
 
 
+def tt_payload(src: Path, outside: Outside) -> None:
+    """The step folder's DCP ``.metadata`` a pickle whose unpickling would create a file outside."""
+    import pickle
+
+    (src / TT_STEP / ".metadata").write_bytes(pickle.dumps(_Payload(outside.dir / "ran")))
+
+
+def tt_claims(src: Path, outside: Outside) -> None:
+    """The ``.metadata`` claiming a 2**20 x 2**20 ``lm_head.weight`` (4 TiB): its data files hold 100 KiB."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(src / TT_STEP)).read_metadata()  # the file written above: trusted here
+    metadata.state_dict_metadata["lm_head.weight"].size = torch.Size((2**20, 2**20))
+    (src / TT_STEP / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def tt_linked_step(src: Path, outside: Outside) -> None:
+    shutil.rmtree(src / TT_STEP)
+    os.symlink(outside.dir, src / TT_STEP)
+
+
+def removed(rel: str):
+    def tamper(src: Path, outside: Outside) -> None:
+        (src / rel).unlink()
+    return tamper
+
+
+def jobbed(key: str, value: object):
+    """torchtitan's job config with the dotted ``key`` set to ``value``."""
+    def tamper(src: Path, outside: Outside | None) -> None:
+        job = json.loads((src / "job_config.json").read_text())
+        section, field = key.split(".")
+        job[section][field] = value
+        (src / "job_config.json").write_text(json.dumps(job))
+    return tamper
+
+
 NAN, INF = float("nan"), float("inf")
 ENV = "${oc.env:HOME}"  # what OmegaConf would resolve to the environment's value, were it written into a recipe
 
@@ -417,6 +528,11 @@ SCHEDULERS = {("cosine", "T_max"): [ENV, NAN, 0, -1, 2**62, "4", True], ("cosine
               ("linear", "end_factor"): [NAN, -0.5, ENV], ("linear", "total_iters"): ["4", -1, NAN],
               ("step", "step_size"): [0, "2", NAN, ENV], ("step", "gamma"): [NAN, "0.5", -1.0],
               ("one_cycle", "total_steps"): [ENV, 10**8, 0, NAN], ("one_cycle", "cycle_momentum"): ["true", 1]}
+#: torchtitan's job config -> values out of their types or ranges
+JOB = {"lr_scheduler.warmup_steps": [-1, "2", ENV, 2**62, 1.5], "lr_scheduler.min_lr_factor": [1.5, -0.1, "0.1", ENV],
+       "lr_scheduler.decay_type": [ENV, 3, "step"], "lr_scheduler.decay_ratio": [2.0, "0.5", -1.0],
+       "lr_scheduler.total_steps": [0, "4", ENV], "training.steps": [0, "4", 2**62, ENV],
+       "training.local_batch_size": [0, "4", ENV], "training.global_batch_size": [0, "8", 2**62]}
 READS = {
     **{f"training_args.bin {field}={_id(v)}": ("trainer", argued(field, v), ["training_args.bin", field])
        for field, values in ARGS.items() for v in values},
@@ -430,6 +546,8 @@ READS = {
        for field, values in GROUP.items() for v in values},
     **{f"a Lightning {kind} {field}={_id(v)}": ("ckpt", scheduled_by(kind, field, v), ["last.ckpt", field])
        for (kind, field), values in SCHEDULERS.items() for v in values},
+    **{f"torchtitan's {key}={_id(v)}": ("torchtitan", jobbed(key, v), ["job_config.json", key])
+       for key, values in JOB.items() for v in values},
 }
 
 
@@ -532,7 +650,21 @@ DEEPSPEED = {
     "DeepSpeed's latest naming no folder": ("deepspeed", ds_latest("global_step9"), ["global_step9", "torn"]),
     "DeepSpeed's latest naming a path out": ("deepspeed", ds_latest("../../outside"), ["latest", "not a tag folder"]),
 }
-CASES = {**LINKS, **FIFOS, **SIZES, **VALUES, **DEEPSPEED}
+TT_SHARD = f"{TT_STEP}/{SHARD}"
+TORCHTITAN = {
+    "a torchtitan .metadata that would run code": ("torchtitan", tt_payload, [".metadata", "not allowed"]),
+    "a torchtitan tensor of an oversized shape": ("torchtitan", tt_claims, ["metadata claims", "data files hold"]),
+    "an 8 GiB torchtitan data file": ("torchtitan", sparse(TT_SHARD, HUGE), ["its data files", "over the"]),
+    "a torchtitan step folder linked outside": ("torchtitan", tt_linked_step, ["step-1", "symlink"]),
+    "a torchtitan data file linked outside": ("torchtitan", link_out(TT_SHARD), [SHARD, "symlink"]),
+    "a torchtitan job config linked outside": ("torchtitan", link_out("job_config.json"), ["job_config.json",
+                                                                                           "symlink"]),
+    "a torn torchtitan step folder": ("torchtitan", removed(f"{TT_STEP}/.metadata"), ["no complete step-N/"]),
+    "a torchtitan data file missing": ("torchtitan", removed(TT_SHARD), [SHARD, "missing"]),
+    "a torchtitan run without its job config": ("torchtitan", removed("job_config.json"),
+                                                ["lr_scheduler", "--debug.save_config_file"]),
+}
+CASES = {**LINKS, **FIFOS, **SIZES, **VALUES, **DEEPSPEED, **TORCHTITAN}
 
 
 @pytest.fixture
