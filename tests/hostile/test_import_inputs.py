@@ -171,7 +171,8 @@ TT_NAMES = {"embed_tokens": "tok_embeddings", "self_attn.q_proj": "attention.qkv
             "post_attention_layernorm": "ffn_norm"}
 TT_JOB = {"lr_scheduler": {"warmup_steps": 2, "total_steps": None, "decay_ratio": None, "decay_type": "linear",
                            "min_lr_factor": 0.0},
-          "training": {"local_batch_size": 4, "global_batch_size": -1, "steps": 4}, "checkpoint": {"folder": "checkpoint"}}
+          "training": {"local_batch_size": 4, "global_batch_size": -1, "steps": 4},
+          "checkpoint": {"folder": "checkpoint"}}
 
 
 def _torchtitan(folder: Path, model, opt) -> Path:
