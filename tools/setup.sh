@@ -83,6 +83,16 @@ if [ "${SETUP_DEEPSPEED:-1}" = 1 ] && ! "$PY" -c "import importlib.util, sys; sy
   DS_BUILD_OPS=0 quiet_pip install --no-build-isolation "deepspeed==0.19.8" >/dev/null 2>&1 \
     || echo "setup: could not install deepspeed; the DeepSpeed import tests skip"
 fi
+# torchtitan, for the import tests of its checkpoints (tests/integration/test_import_torchtitan.py). No test extra:
+# torchtitan 0.3.0 pins datasets<4.8, which would take the project's datasets and huggingface_hub back a major
+# version. It is installed without its dependencies, with those its checkpointer, optimizers and Llama import (none of
+# them pulls another torch). Optional: without it those tests skip.
+if [ "${SETUP_TORCHTITAN:-1}" = 1 ] && ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchtitan') is None)"; then
+  echo "setup: installing torchtitan 0.3.0 (the torchtitan import tests)"
+  quiet_pip install --no-deps "torchtitan==0.3.0" "torchdata==0.11.0" "torch_checkpointing==0.1.1" "spmd_types==0.2.3" \
+    "tyro==1.0.17" "typeguard==4.6.1" "docstring_parser==0.18.0" >/dev/null 2>&1 \
+    || echo "setup: could not install torchtitan; the torchtitan import tests skip"
+fi
 # The tracking tests start a real `mlflow server`, which needs the full mlflow package (the test extras have its
 # client, mlflow-skinny). It is installed apart, in $VENV/mlflow-server: it pins pyarrow below the version the
 # project resolves, so installing it into $VENV would downgrade pyarrow. Optional: without it those tests skip.
