@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from automodel_ckpt.interop import hf_trainer, names, schedules, trainer_args
 from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, SMALL_PICKLE, ForeignRun, Limits,
                                            Schedule, count, finite, load_inert, load_pickle, load_record, number,
-                                           plain, read_bytes, read_json, refuse)
+                                           plain, read_bytes, read_json, refuse, rows_in_order)
 from automodel_ckpt.ondisk import path_inside, regular_file_problem
 from automodel_ckpt.shown import shown_value
 
@@ -116,7 +117,7 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                                                                     notes)
     else:
         schedule = _schedule(config.get("scheduler"), model.get("lr_scheduler"), step, groups, config, where, notes)
-        position = lambda rows, b: _position(step, rows, b)  # noqa: E731
+        position = partial(rows_in_order, step)
         rng, log, epoch_float = None, [], None
         notes.append("DeepSpeed records no data position nor random generators' state: the run is taken to read "
                      f"the recipe's rows in order, {batch} a step, and the recipe's seed starts the generators")
@@ -335,12 +336,6 @@ def _same_length(part: torch.Tensor, slot: dict[str, torch.Tensor], where: Path,
                                 f"{list(part.shape)}: partition sizes do not add up")
 
 
-def _position(step: int, rows: int, batch: int) -> tuple[int, int, int]:
-    """(epoch, steps taken in it, steps per epoch) of the rows read in order, ``batch`` a step."""
-    per_epoch = max(1, math.ceil(rows / max(batch, 1)))
-    return step // per_epoch, step % per_epoch, per_epoch
-
-
 def _schedule(section: Any, state: Any, step: int, groups: list[dict], config: dict, where: Path,
               notes: list[str]) -> Schedule:
     """DeepSpeed's own scheduler (its config's ``scheduler``), or a client's torch scheduler from its state, or none.
@@ -439,4 +434,3 @@ def _trainer(folder: Path, step: int, config: dict, model: dict, groups: list[di
 
     log = hf_trainer.logged_steps(state.get("log_history"), where_state)
     return schedule, position, per_device * accum * world, rng, log, epoch_float
-

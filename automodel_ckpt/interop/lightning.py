@@ -13,8 +13,8 @@ refused by name).
 
 from __future__ import annotations
 
-import math
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ import torch
 from automodel_ckpt.interop import distcp, names, schedules
 from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
-from automodel_ckpt.interop.source import MAX_STEPS, ForeignRun, Limits, Schedule, count, load_pickle, refuse
+from automodel_ckpt.interop.source import (MAX_STEPS, ForeignRun, Limits, Schedule, count, load_pickle, refuse,
+                                           rows_in_order)
 from automodel_ckpt.ondisk import read_dcp_folder
 
 SUFFIX = ".ckpt"
@@ -135,7 +136,7 @@ def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
     accum = max(1, round(batches / step)) if step and batches else 1
     return ForeignRun(kind=f"{kind} (step {step})", weights=dict(weights), adapter=False,
                       moments=moments, groups=groups, order=order, schedule=schedule, step=step,
-                      position=lambda rows, batch: _position(step, rows, batch), global_batch=None, world_size=1,
+                      position=partial(rows_in_order, step), global_batch=None, world_size=1,
                       rng=None, notes=["Lightning records no random generators' state: the recipe's seed "
                                        "starts them" + (f"; it accumulated {accum} batches a step" if accum > 1
                                                         else "")])
@@ -148,10 +149,3 @@ def _completed(progress: Any, which: str) -> int:
     except (KeyError, TypeError, IndexError):
         return 0
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS else 0
-
-
-def _position(step: int, rows: int, batch: int) -> tuple[int, int, int]:
-    """(epoch, steps taken in it, steps per epoch) of a plain DataLoader of ``batch`` rows a step over ``rows``
-    (its last batch partial, as ``drop_last=False`` leaves it)."""
-    per_epoch = max(1, math.ceil(rows / max(batch, 1)))
-    return step // per_epoch, step % per_epoch, per_epoch

@@ -105,6 +105,13 @@ class ForeignRun:
     fit: Callable[[Any], None] | None = None
 
 
+def rows_in_order(step: int, rows: int, batch: int) -> tuple[int, int, int]:
+    """``ForeignRun.position`` at ``step`` of a run that reads ``rows`` rows in order, ``batch`` a step (a plain
+    ``DataLoader``: the last batch of an epoch partial)."""
+    per_epoch = max(1, -(-rows // max(batch, 1)))
+    return step // per_epoch, step % per_epoch, per_epoch
+
+
 def refuse(where: Path | str, why: str) -> CheckpointError:
     return CheckpointError(f"refusing '{where}': {why}")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from automodel_ckpt.interop import distcp, names
 from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.hf_trainer import optimizer_slots
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, ForeignRun, Limits, Schedule, count,
-                                           fraction, read_json, refuse)
+                                           fraction, read_json, refuse, rows_in_order)
 from automodel_ckpt.ondisk import SMALL_FILE_LIMIT, path_inside, read_dcp_folder
 from automodel_ckpt.shown import shown_value
 
@@ -144,7 +145,7 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     run = ForeignRun(kind=f"torchtitan checkpoint (step {step}, {world} ranks)", weights={}, adapter=False, moments=[],
                      groups=groups, order=names.slot_order(slots, where),
                      schedule=_schedule(config, config_path, step), step=step,
-                     position=lambda rows, batch: _position(step, rows, batch),
+                     position=partial(rows_in_order, step),
                      global_batch=_batch(config, config_path, world), world_size=world, rng=None,
                      notes=["torchtitan's data loader state is the position in its own dataset (not read) and it "
                             "records no random generators: the run is taken to read the recipe's rows in order, "
@@ -252,12 +253,6 @@ def _batch(config: dict[str, Any] | None, path: Path | None, world: int) -> int 
     if training.get("global_batch_size", -1) == -1:
         return count(training.get("local_batch_size", 8), path, "training.local_batch_size", MAX_BATCH, low=1) * world
     return count(training["global_batch_size"], path, "training.global_batch_size", MAX_BATCH, low=1)
-
-
-def _position(step: int, rows: int, batch: int) -> tuple[int, int, int]:
-    """(epoch, steps taken in it, steps per epoch) of the rows read in order, ``batch`` a step."""
-    per_epoch = max(1, -(-rows // max(batch, 1)))
-    return step // per_epoch, step % per_epoch, per_epoch
 
 
 class TorchtitanSource(ImportSource):
