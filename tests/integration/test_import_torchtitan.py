@@ -56,18 +56,47 @@ def titan(tmp_path_factory, assets):
             made["imported"] = folder
         return made["imported"]
 
-    return run, imported
+    return run, imported, recipe
 
 
-def test_a_torchtitan_run_imports_bitwise_and_its_logits_round_trip(assets, titan):
-    import torch
+def _weights(checkpoint: Path) -> dict:
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    weights = {}
+    for shard in sorted((checkpoint / "model").glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    return weights
+
+
+def test_a_torchtitan_step_folder_reads_as_torchtitan_s_own_to_hf(assets, titan):
+    """Read in this process (its dump folder): the weights and moments, in the HF Llama's layout once the model is
+    known, bitwise those that torchtitan's own code gives."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    from automodel_ckpt.interop.check import probe_inputs
+    from automodel_ckpt.cli.import_run import source_limits
+    from automodel_ckpt.config.loader import load_config
+    from automodel_ckpt.config.schema import RecipeConfig
+    from automodel_ckpt.interop import read_source
 
-    run, imported = titan
+    run, _, recipe = titan
+    source = run()
+    titan_run = read_source(source / "dump", source_limits(load_config(str(recipe()), [], RecipeConfig)))
+    assert titan_run.kind == "torchtitan checkpoint (step 6, 2 ranks)" and titan_run.global_batch == ttr.BATCH
+    model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
+    titan_run.fit(model)
+    theirs = torch.load(source / "theirs.pt", weights_only=True)
+    assert sorted(titan_run.weights) == sorted(theirs["weights"])
+    assert all(torch.equal(titan_run.weights[n], t) for n, t in theirs["weights"].items())
+    for name, slot in zip(titan_run.order(model), titan_run.moments):
+        assert all(torch.equal(slot[k], theirs[k][name]) for k in ("exp_avg", "exp_avg_sq")), name
+
+
+def test_a_torchtitan_run_imports_with_its_weights_and_moments_bitwise(titan):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run, imported, _ = titan
     source, folder = run(), imported()
     printed = (folder / "import.out").read_text()
     assert "Imported torchtitan checkpoint (step 6, 2 ranks) as run/epoch_0_step_6" in printed
@@ -77,9 +106,7 @@ def test_a_torchtitan_run_imports_bitwise_and_its_logits_round_trip(assets, tita
 
     # the weights and every moment bitwise torchtitan's own: its adapter's to_hf, its fused QKV split
     checkpoint = folder / "run" / "epoch_0_step_6"
-    weights = {}
-    for shard in sorted((checkpoint / "model").glob("*.safetensors")):
-        weights.update(load_file(str(shard)))
+    weights = _weights(checkpoint)
     dcp_to_torch_save(str(checkpoint / "optim"), str(folder / "optim.pt"))
     state = torch.load(folder / "optim.pt", weights_only=True)["state"]
     theirs = torch.load(source / "theirs.pt", weights_only=True)
@@ -90,15 +117,24 @@ def test_a_torchtitan_run_imports_bitwise_and_its_logits_round_trip(assets, tita
             assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
         assert float(state[name]["step"]) == 6.0
 
+
+def test_the_logits_of_an_imported_torchtitan_run_round_trip(assets, titan):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from automodel_ckpt.interop.check import probe_inputs
+
+    run, imported, _ = titan
+    source, checkpoint = run(), imported() / "run" / "epoch_0_step_6"
     # the way back: torchtitan's model holding the imported weights (its from_hf) has its logits, bitwise
-    back = folder / "back.pt"
+    back = imported() / "back.pt"
     done = run_command([sys.executable, "-m", "tests.integration.torchtitan_run", "--logits", str(assets),
                         str(checkpoint), str(back)], cwd=REPO, env=env_for(assets), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert torch.equal(torch.load(back), torch.load(source / "logits.pt"))
     # the HF Llama holding them: torchtitan's logits but for the last bits of another RoPE and attention
     model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
-    model.load_state_dict(weights)
+    model.load_state_dict(_weights(checkpoint))
     with torch.no_grad():
         logits = model(input_ids=probe_inputs(model.config.vocab_size)).logits
     gap = (logits - torch.load(source / "logits.pt")).abs().max().item()
@@ -108,7 +144,7 @@ def test_a_torchtitan_run_imports_bitwise_and_its_logits_round_trip(assets, tita
 
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_an_imported_torchtitan_run_continues_at_another_world_size(tmp_path, assets, titan, nproc):
-    run, imported = titan
+    run, imported, _ = titan
     reference = json.loads((run() / "reference.json").read_text())
     shutil.copytree(imported() / "run", tmp_path / "run")
     args = () if nproc == 1 else ("--step_scheduler.local_batch_size", str(ttr.BATCH // nproc))

@@ -7,7 +7,8 @@ ranks, and trains ``STEPS`` steps with torchtitan's ``OptimizersContainer`` (Ada
 (linear warmup, cosine decay to ``min_lr_factor``) on the recipe's rows in order, each rank taking its half of each
 step's batch through torchtitan's ``ParallelAwareDataloader``. torchtitan's ``CheckpointManager`` saves at step
 ``SAVED_AT`` into ``OUT/dump/checkpoint/step-6`` (model, optimizer, lr_scheduler, dataloader, train_state: its
-trainer's state); the job config is written as ``--debug.save_config_file`` writes it (``OUT/dump/job_config.json``).
+trainer's state); rank 0 writes the job config as ``--debug.save_config_file job_config.json`` writes it
+(``Trainer.Config.to_dict()`` into ``OUT/dump/``).
 Its trainer (``torchtitan.trainer.Trainer``) is not run: it needs a tokenizer and dataset of its own, and builds its
 model on an accelerator. Rank 0 writes ``OUT/reference.json`` (each step's loss over its tokens, and lr),
 ``OUT/logits.pt`` (the model's logits at step 6 on ``interop.check.probe_inputs``) and ``OUT/theirs.pt``: the weights
@@ -141,11 +142,14 @@ def main(argv: list[str]) -> None:
     fully_shard(model, mesh=mesh)
 
     kwargs = {"lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
-    optimizers = OptimizersContainer(OptimizersContainer.Config(
+    configs = {"optimizer": OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)],
-        implementation="for-loop"), model_parts=[model])
-    schedule = LRSchedulersContainer.Config(warmup_steps=WARMUP, decay_type="cosine", min_lr_factor=MIN_LR_FACTOR)
-    schedulers = schedule.build(optimizers=optimizers, training_steps=STEPS)
+        implementation="for-loop"),
+        "lr_scheduler": LRSchedulersContainer.Config(warmup_steps=WARMUP, decay_type="cosine",
+                                                     min_lr_factor=MIN_LR_FACTOR),
+        "checkpoint": CheckpointManager.Config(enable=True, folder="checkpoint", interval=SAVED_AT, keep_latest_k=0)}
+    optimizers = OptimizersContainer(configs["optimizer"], model_parts=[model])
+    schedulers = configs["lr_scheduler"].build(optimizers=optimizers, training_steps=STEPS)
     micro = BATCH // world
     rows = recipe_rows(recipe)
     mine = [row for step in range(STEPS) for row in rows[step * BATCH + rank * micro:step * BATCH + (rank + 1) * micro]]
@@ -153,17 +157,11 @@ def main(argv: list[str]) -> None:
     state = TrainState()
     dump = out / "dump"
     checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="checkpoint", interval=SAVED_AT, keep_latest_k=0),
-        dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        configs["checkpoint"], dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": state}, sd_adapter=adapter, base_folder=str(dump))
-    if rank == 0:  # as torchtitan's --debug.save_config_file job_config.json writes the job config (its sections)
-        job = {"lr_scheduler": schedule.to_dict(), "optimizer": optimizers_config_dict(kwargs),
-               "training": {"local_batch_size": micro, "global_batch_size": BATCH, "seq_len": 16, "max_norm": 1.0,
-                            "steps": STEPS},
-               "checkpoint": {"folder": "checkpoint", "interval": SAVED_AT},
-               "parallelism": {"data_parallel_shard_degree": world}}
+    if rank == 0:
         dump.mkdir(parents=True, exist_ok=True)
-        (dump / "job_config.json").write_text(json.dumps(job, indent=2))
+        (dump / "job_config.json").write_text(json.dumps(job_config(config, configs, micro), indent=2))
 
     record: dict[str, dict[int, float]] = {"loss": {}, "lr": {}}
     batches = iter(loader)
@@ -198,9 +196,17 @@ def main(argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def optimizers_config_dict(kwargs: dict) -> dict:
-    return {"param_groups": [{"pattern": ".*", "optimizer_name": "AdamW", "optimizer_kwargs": dict(kwargs)}],
-            "implementation": "for-loop"}
+def job_config(model, configs: dict, micro: int) -> dict:
+    """The job config as its trainer writes it with ``--debug.save_config_file`` (``Trainer.Config.to_dict``): the
+    run's model, optimizer, schedule and checkpoint configs, its batch and steps."""
+    from torchtitan.config.configs import TrainingConfig
+    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.trainer import Trainer
+
+    spec = ModelSpec(name="llama3", flavor="tiny", model=model, parallelize_fn=None, pipelining_fn=None,
+                     post_optimizer_build_fn=None, state_dict_adapter=None)
+    training = TrainingConfig(local_batch_size=micro, global_batch_size=BATCH, seq_len=16, steps=STEPS)
+    return Trainer.Config(model_spec=spec, dump_folder="dump", training=training, **configs).to_dict()
 
 
 def _write_theirs(model, optimizers, adapter, fused, probe_inputs, out: Path, rank: int) -> None:
