@@ -182,7 +182,9 @@ def _fit(run: ForeignRun, model: Any, raw: dict[str, torch.Tensor], tensors: lis
     if not isinstance(heads, int) or heads < 1:
         raise refuse(where, "the recipe's model has no num_attention_heads: torchtitan's Llama 3 maps onto an HF Llama")
     kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    if head_dim % 2 or head_dim < 2:
+        raise refuse(where, f"the recipe's model's heads are of {head_dim}, not of pairs that RoPE rotates")
 
     def layout(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if name.endswith(FUSED):
