@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from automodel_ckpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
 from automodel_ckpt.distributed.mesh import IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, ParallelDims
-from automodel_ckpt.distributed.tensor_parallel import apply_tensor_parallel
+from automodel_ckpt.distributed.tensor_parallel import apply_tensor_parallel, causal_lm, ties_embeddings
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.model_parts import vision_tower
 
@@ -38,6 +38,24 @@ def decoder_layers(model: nn.Module, exclude: nn.Module | None = None) -> list[n
     inside = {id(m) for m in exclude.modules()} if exclude is not None else set()
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and id(m) not in inside]
     return list(max(lists, key=len)) if lists else []
+
+
+def vocabulary_ends(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and the output head when untied, each to be its own FSDP2 unit (as torchtitan shards
+    them): the root then no longer holds both gathered from the first forward to the end of the backward, nor the
+    head's unsharded gradient through the whole backward. Tied, or where a model has neither: none."""
+    lm = causal_lm(model)
+    if ties_embeddings(lm):
+        return []
+    ends = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(lm, getter)()
+        except (AttributeError, NotImplementedError):
+            continue
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
+            ends.append(module)
+    return ends
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precision: str | None = None) -> nn.Module:
@@ -75,6 +93,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
     for layer in decoder_layers(model, exclude=tower):
         if any(True for _ in layer.parameters()):  # a pipeline stage's other layers: parameterless placeholders
             fully_shard(layer, **kwargs)
+    for end in vocabulary_ends(model):
+        fully_shard(end, **kwargs)
     fully_shard(model, **kwargs)
     _restore_recorded_outputs(recorded)
     return model

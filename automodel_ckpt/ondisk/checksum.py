@@ -20,7 +20,8 @@ XXH3_64 = "xxh3_64"
 CRC32 = "crc32"
 _CHUNK = 8 << 20
 _MMAP_MIN = 1 << 20
-_MMAP_CHUNK = 64 << 20
+_MMAP_CHUNK = 16 << 20
+_DROP = getattr(mmap, "MADV_DONTNEED", None)
 
 
 
@@ -63,8 +64,9 @@ def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
     """``(bytes read, hex checksum)`` of one regular file (``OSError`` for a symlink, FIFO, device...).
 
     Files of 1 MiB and more are memory-mapped: hashing reads the page cache in place, about twice as fast as
-    copying it through ``read`` (10 vs 5 GB/s measured). Smaller files, and filesystems without mmap, are read in
-    8 MiB chunks into one reused buffer.
+    copying it through ``read`` (10 vs 5 GB/s measured). Each 16 MiB hashed is dropped from the process's mapping
+    (``MADV_DONTNEED``), so its resident memory grows by one chunk, not by the file. Smaller files, and filesystems
+    without mmap, are read in 8 MiB chunks into one reused buffer.
     """
     h = hasher(algorithm)
     size = 0
@@ -77,6 +79,8 @@ def hash_file(path: Path, algorithm: str) -> tuple[int, str]:
                     try:
                         for start in range(0, len(m), _MMAP_CHUNK):
                             h.update(view[start:start + _MMAP_CHUNK])
+                            if _DROP is not None:  # its pages leave this process (the page cache keeps them)
+                                m.madvise(_DROP, start, min(_MMAP_CHUNK, len(m) - start))
                     finally:
                         view.release()
                     return len(m), h.hexdigest()

@@ -39,3 +39,20 @@ def test_blocks_stay_gathered_between_forwards_inside_and_are_resharded_after(pr
     with gathered_between_forwards(sharded, budget=1024):  # the whole weights would not fit: gathered per forward
         assert generate(sharded, prompts, seeds, **kw) == want
         assert _sharded_weight(sharded)
+
+
+def test_an_untied_models_embedding_and_head_are_units_of_their_own_and_a_tied_ones_stay_in_the_root(process_group):
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = data_parallel_mesh(torch.device("cpu"), 1)
+    untied = shard_model(_model(), mesh)  # LlamaConfig's default: untied
+    assert isinstance(untied.model.embed_tokens, FSDPModule) and isinstance(untied.lm_head, FSDPModule)
+    with torch.no_grad():
+        untied(input_ids=torch.tensor([[2, 5, 6]]))
+    assert isinstance(untied.lm_head.weight, DTensor)  # resharded after its forward, not held by the root
+    torch.manual_seed(0)
+    tied = shard_model(LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, tie_word_embeddings=True)), mesh)
+    assert not isinstance(tied.model.embed_tokens, FSDPModule) and not isinstance(tied.lm_head, FSDPModule)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight

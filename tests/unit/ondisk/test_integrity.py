@@ -11,6 +11,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import warnings
@@ -149,6 +150,26 @@ def test_crc32_manifest_verifies(tmp_path):
     assert manifest.verify_manifest(tmp_path).ok
     flip_byte(tmp_path / "a.bin")
     assert [v.status for v in manifest.verify_manifest(tmp_path).verdicts] == [manifest.CHECKSUM_MISMATCH]
+
+
+def _resident(key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) << 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak reset")
+def test_hashing_a_large_file_keeps_one_chunk_resident_not_the_file(tmp_path):
+    """A mapped file's pages count in the process's resident memory: hashing drops each chunk once hashed, so the
+    peak grows by about one chunk (a manifest's checksums of a consolidated export stayed resident on rank 0)."""
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for i in range(12):
+            f.write(bytes([i]) * (8 << 20))  # 96 MiB, in the page cache
+    want = checksum.hasher(checksum.CRC32)
+    want.update(big.read_bytes())
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from what is resident now
+    before = _resident("VmRSS")
+    assert checksum.hash_file(big, checksum.CRC32) == (96 << 20, want.hexdigest())
+    assert _resident("VmHWM") - before < 40 << 20
 
 
 def test_size_check_needs_no_checksum_module(tmp_path, monkeypatch):
