@@ -23,10 +23,10 @@ from automodel_ckpt.ondisk import LAYOUT, list_checkpoints
 
 
 def build_parser() -> VerbParser:
-    p = VerbParser("import", "Write an HF Trainer checkpoint-N/ folder, a Lightning or a DeepSpeed checkpoint as a "
-                             "checkpoint of RECIPE's run in RUN_DIR, which the recipe resumes from at any world size.")
-    p.add_argument("src", help="an HF Trainer checkpoint-N/ folder, a Lightning .ckpt file, a Lightning "
-                               "distributed checkpoint folder or a DeepSpeed checkpoint folder")
+    p = VerbParser("import", "Write an HF Trainer, Lightning, DeepSpeed or torchtitan checkpoint as a checkpoint of "
+                             "RECIPE's run in RUN_DIR, which the recipe resumes from at any world size.")
+    p.add_argument("src", help="an HF Trainer checkpoint-N/ folder, a Lightning .ckpt file or distributed checkpoint "
+                               "folder, a DeepSpeed checkpoint folder or a torchtitan step-N/ folder")
     p.add_argument("recipe", help="the recipe YAML that continues the run; --section.key value overrides may follow")
     p.add_argument("--out", required=True, help="the run folder to write (the recipe's checkpoint_dir from now on); "
                                                 "it must hold no checkpoint yet")
