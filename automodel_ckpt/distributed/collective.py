@@ -13,7 +13,7 @@ import os
 import traceback
 from typing import Callable, TypeVar
 
-from automodel_ckpt.errors import CheckpointError, first_line
+from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 _T = TypeVar("_T")
 
@@ -67,6 +67,29 @@ def on_main(fn: Callable[[], _T], what: str, rank: int) -> _T:
     if not ok:
         raise _failure(what, 0, str(value), caught)
     return value  # type: ignore[return-value]
+
+
+def main_first(make: Callable[[], _T], rank: int) -> _T:
+    """``make()`` on rank 0, then on the other ranks (reading what it left: a tokenized cache, a built base). A
+    failure on rank 0 reaches the others, which raise it too instead of waiting at a barrier that rank 0's exit
+    breaks (a gloo traceback on every rank): bad input the same one-line error (the launcher prints it once),
+    anything else one line naming rank 0."""
+    from automodel_ckpt.distributed.env import broadcast_object
+
+    if rank != 0:
+        failure = broadcast_object(None)
+        if failure is not None:
+            user, text = failure
+            raise UserError(text) if user else CheckpointError(f"rank 0 failed ({text}); see its message above")
+        return make()
+    try:
+        made = make()
+    except BaseException as exc:  # noqa: BLE001 - the other ranks wait in the broadcast below
+        broadcast_object((isinstance(exc, UserError), str(exc) if isinstance(exc, UserError) else
+                          f"{type(exc).__name__}: {first_line(exc)}"))
+        raise
+    broadcast_object(None)
+    return made
 
 
 def _debugging() -> bool:

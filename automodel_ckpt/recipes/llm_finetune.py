@@ -19,7 +19,7 @@ from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.data import BatchLoader, MicroBatch
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
-from automodel_ckpt.distributed.env import barrier
+from automodel_ckpt.distributed.collective import main_first
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.allocator import keep_freed_memory
 from automodel_ckpt.distributed.mesh import build_parallel_dims, resolve_sizes
@@ -221,12 +221,9 @@ class FinetuneRecipe(BaseRecipe):
 
         This package's builders build on the meta device (weights come after sharding); another ``_target_``
         builds the whole model, moved to the device."""
-        if not self.env.is_main:
-            barrier()
         meta = builds_on_meta(self.cfg.model)
-        model = instantiate(self.cfg.model, "model", **({"on_meta": True} if meta else {}))
-        if self.env.is_main:
-            barrier()
+        model = main_first(lambda: instantiate(self.cfg.model, "model", **({"on_meta": True} if meta else {})),
+                           self.env.rank)
         tok_path = self.cfg.tokenizer.pretrained_model_name_or_path or self.cfg.model.get("pretrained_model_name_or_path")
         return self.load_tokenizer(tok_path), model if meta else model.to(self.env.device)
 

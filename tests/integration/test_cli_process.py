@@ -70,6 +70,20 @@ def test_a_bug_in_a_forked_worker_prints_its_traceback(tmp_path, assets):
     assert "error: training failed on rank 0 (exit code 1); see its message above" in result.stderr
 
 
+def test_bad_input_met_on_rank_0_while_the_others_wait_is_one_line_and_no_rank_prints_a_traceback(tmp_path, assets):
+    """Rank 0 prepares the data first while the other ranks wait for it: its failure reaches them as the same error
+    (printed once), not as the broken collective of a rank that exited (a gloo traceback on every other rank)."""
+    from tests.integration.harness import ckpt_train
+
+    result = ckpt_train(tmp_path, assets, "--data.val_size", "100000", "--checkpoint.enabled", "false", nproc=2,
+                        check=False)
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "rank" in line]
+    assert len(errors) == 2 and "leaves no training data" in errors[0], result.stderr[-3000:]
+    assert errors[1] == "error: training failed on rank 0 (exit code 2); see its message above"
+    assert "Traceback" not in result.stderr and "gloo" not in result.stderr
+
+
 def test_forked_workers_start_with_what_building_a_model_imports():
     """What the launcher imports before forking saves every worker the same imports: after ``preload`` a family's
     modeling module adds only itself and its config, and transformers' weight-renaming table is already built."""

@@ -11,19 +11,15 @@ from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
 from automodel_ckpt.data import IGNORE_INDEX, GlobalBatchLoader, MicroBatch, build_streamed, is_streamed, \
     prepare_data, streamed_validation, validation_batches
-from automodel_ckpt.distributed.env import barrier
+from automodel_ckpt.distributed.collective import main_first
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.training.loss import next_token_loss_sum
 
 
 def rank_zero_first(ctx: TrainContext, make: Callable[[], Any]) -> Any:
-    """``make()`` on rank 0 first (tokenizing into the cache), then on the other ranks (reading its result)."""
-    if not ctx.env.is_main:
-        barrier()
-    made = make()
-    if ctx.env.is_main:
-        barrier()
-    return made
+    """``make()`` on rank 0 first (tokenizing into the cache), then on the other ranks (reading its result); its
+    failure on rank 0 is every rank's (``collective.main_first``)."""
+    return main_first(make, ctx.env.rank)
 
 
 def map_loader(ctx: TrainContext, rows: Any, what: str) -> GlobalBatchLoader:
