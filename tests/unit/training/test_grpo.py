@@ -278,3 +278,40 @@ def test_rollout_batches_that_teach_nothing_are_warned_about_once_in_a_row():
     assert str(seen[0].message).startswith(f"grpo: in the last {grpo.FLAT_BATCHES_WARNING} rollout batches every "
                                            "group's completions were rewarded alike (every advantage 0)")
     assert "--checkpoint.restore_from" in str(seen[0].message)
+
+
+def test_transformers_generate_with_the_pick_as_a_logits_processor_gives_the_same_tokens_until_the_model_has_defaults(
+        model):
+    """Why the sampling loop is the product's own (docs/rl.md): ``generate`` with the per-row inverse-CDF pick as its
+    last logits processor gives the same tokens, but it fills every option left unset from the model's own
+    ``generation_config`` (a checkpoint's generation_config.json), and such a default (here a repetition penalty)
+    changes the scores the pick reads."""
+    from copy import deepcopy
+
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    from automodel_ckpt.training.rollout import _pick
+
+    rows = [0, 1, 2, 3, 4, 5]
+    prompts, seeds = [PROMPTS[r] for r in rows], _seeds(rows)
+    width, steps = max(len(p) for p in prompts), 6
+    uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                            for s in seeds])
+
+    class Pick(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            tokens = _pick(scores, uniforms[:, input_ids.shape[1] - width], 1.0)
+            return torch.full_like(scores, -math.inf).scatter_(1, tokens.unsqueeze(1), 0.0)
+
+    def through_generate(m) -> list[list[int]]:
+        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+        out = m.generate(input_ids=ids, attention_mask=(ids != PAD).long(), logits_processor=LogitsProcessorList(
+            [Pick()]), generation_config=GenerationConfig(max_new_tokens=steps, do_sample=False, eos_token_id=EOS,
+                                                          pad_token_id=PAD))
+        return [row[:row.index(EOS) + 1] if EOS in row else row for row in out[:, width:].tolist()]
+
+    ours = _generate(model, rows)
+    assert through_generate(model) == ours
+    with_defaults = deepcopy(model)
+    with_defaults.generation_config.repetition_penalty = 3.0  # as a checkpoint's generation_config.json may set
+    assert through_generate(with_defaults) != ours
