@@ -654,7 +654,7 @@ FLOORS = [
     {"export"},
     {"ondisk", "launch"},
     {"distributed"},
-    {"errors", "faces", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
+    {"errors", "faces", "registry", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
 ]
 
 
