@@ -274,7 +274,7 @@ def test_code_imports_the_three_packages_through_their_faces():
         if found:
             offenders[str(path.relative_to(REPO))] = found
     assert offenders == {}, f"import these through the faces {FACES}: {offenders}"
-    assert _faces_held_to(PACKAGE / "checkpoint" / "save" / "hf_files.py", faces).keys() == {"automodel_ckpt.export"}
+    assert _faces_held_to(PACKAGE / "checkpoint" / "save" / "policy.py", faces).keys() == {"automodel_ckpt.export"}
 
 
 def test_the_exports_enter_ondisk_by_its_face():

@@ -44,6 +44,12 @@ def detect(folder: Path) -> ModelFormat | None:
     return _FORMATS.first(lambda fmt: fmt.detect(folder))
 
 
+def detect_model_format(folder: Path) -> str | None:
+    """The name of the format ``detect`` finds in ``folder``, or None: the one detector every reader uses."""
+    fmt = detect(folder)
+    return fmt.name if fmt is not None else None
+
+
 def exported_format(folder: Path) -> ModelFormat:
     """The format of ``folder``'s model files, one the export reads; a ``CheckpointError`` when it is absent, holds
     none, or holds a format that is not exported (a PEFT adapter)."""
