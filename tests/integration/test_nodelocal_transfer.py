@@ -25,8 +25,10 @@ def _worker(rank: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from automodel_ckpt.ondisk import manifest
-    from automodel_ckpt.checkpoint.storage.nodelocal import (choose, exchange, fill_plan, gather, place,
-                                                             receives_from, scan, sends)
+    from automodel_ckpt.checkpoint.storage.nodelocal.inventory import (choose, fill_plan, gather, receives_from, scan,
+                                                                       sends)
+    from automodel_ckpt.checkpoint.storage.nodelocal.transfer import exchange
+    from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
     from automodel_ckpt.errors import CheckpointError
 
     root = Path(tmp)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from automodel_ckpt.checkpoint.storage.nodelocal import place
+from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
 from automodel_ckpt.errors import CheckpointError
 
 
