@@ -36,7 +36,8 @@ def _worker(rank: int, tmp: str) -> None:
     try:
         # 1. every rank sends its part to its replica on the next node and receives the part it keeps: 0->1->2->0
         placement = place(rank, WORLD, PER_NODE, replicas=1)
-        (holder,), (owner,) = placement.replica_ranks(), placement.held_for()
+        holder, owner = (rank + PER_NODE) % WORLD, (rank - PER_NODE) % WORLD  # the next node's, the previous one's
+        assert placement.copies == 1
         got = exchange({holder: sorted(part(rank))}, root / "parts" / str(rank),
                        {owner: root / "copies" / str(rank)}, chunk_bytes=1024)
         assert got == {owner: sorted(part(owner))}
