@@ -8,6 +8,7 @@ import types
 from typing import Any, Callable, Optional
 
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.registry import Registry
 
 AFTER = "peft"  # a recipe's algorithm sections follow this key, in the order they were registered
 
@@ -24,28 +25,26 @@ class AlgorithmSection:
     no_stages: Optional[str] = None  # why a run with this section takes no ``stages:`` (None: it takes them)
 
 
-_SECTIONS: dict[str, AlgorithmSection] = {}
+_SECTIONS: Registry[AlgorithmSection] = Registry("a recipe section", lambda name, names: ConfigError(
+    f"no recipe section {name!r}; the sections are {', '.join(names)}"))
+unregister_section = _SECTIONS.unregister  # recipes loaded from now on no longer take ``name:`` (a toy section)
 _SCHEMAS: dict[tuple, type] = {}
 
 
 def register_section(section: AlgorithmSection) -> None:
     """Every recipe loaded from now on takes ``section``; a name is registered once."""
-    if _SECTIONS.setdefault(section.name, section) != section:
+    if _SECTIONS.first(lambda s: s.name == section.name) not in (None, section):
         raise ConfigError(f"recipe section {section.name!r} is registered twice")
-
-
-def unregister_section(name: str) -> None:
-    """Recipes loaded from now on no longer take ``name:`` (a test's toy section)."""
-    _SECTIONS.pop(name, None)
+    _SECTIONS.register(section)
 
 
 def registered() -> list[AlgorithmSection]:
-    return list(_SECTIONS.values())
+    return list(_SECTIONS)
 
 
 def present(cfg: Any) -> list[AlgorithmSection]:
     """The registered sections a loaded recipe gives."""
-    return [s for s in _SECTIONS.values() if cfg.get(s.name) is not None]
+    return [s for s in _SECTIONS if cfg.get(s.name) is not None]
 
 
 class _WithSections(type):
@@ -54,7 +53,7 @@ class _WithSections(type):
 
 def with_sections(schema: type) -> type:
     """``schema`` with an optional field per registered section after ``AFTER`` (unchanged without that key)."""
-    key = (schema, tuple(_SECTIONS.values()))
+    key = (schema, tuple(_SECTIONS))
     if key not in _SCHEMAS:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(schema):

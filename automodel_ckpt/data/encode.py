@@ -1,4 +1,8 @@
-"""Turns a batch of records into token ids and loss labels (one example each), as ``datasets.map`` calls it."""
+"""Turns a batch of records into token ids and loss labels (one example each), as ``datasets.map`` calls it.
+
+``RecordEncoder`` does the same for the records of a streamed corpus, through ``Encoder`` as the tokenize-up-front
+path does; a record is kept whole there (never cut to ``seq_length``: the packer carries its tail over).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from bisect import bisect_left
 
 from automodel_ckpt.data.chat import ChatRenderer
 from automodel_ckpt.data.fields import RecordTemplate
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, UserError
 
 IGNORE_INDEX = -100
 MODES = ("chat", "template", "prompt_completion", "text")
@@ -158,3 +162,67 @@ def token_columns(ids: list[list[int]], labels: list[list[int]], batch: dict, in
         "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
         "num_tokens": [len(x) for x in ids],
     }
+
+
+class BadRecord(Exception):
+    """Record ``index`` of a batch cannot be encoded; ``reason`` says why in a few words."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index, self.reason = index, reason
+
+
+class RecordEncoder:
+    """``check(record)``: why a record cannot be encoded (``None``: it can); ``encode(records)``: their
+    ``(ids, labels)``. A record's mode (chat, template, prompt_completion, text) follows ``DataSpec.mode``."""
+
+    def __init__(self, tokenizer: Any, spec: DataSpec) -> None:
+        self.tokenizer, self.spec = tokenizer, spec
+        self._encoders: dict[str, Encoder] = {}
+
+    def mode(self, record: dict[str, Any]) -> str:
+        return self.spec.mode(list(record))
+
+    def check(self, record: dict[str, Any]) -> str | None:
+        try:
+            mode = self.mode(record)
+        except UserError:
+            return (f"no '{self.spec.text_field}', '{self.spec.messages_field}' or '{self.spec.prompt_field}'+"
+                    f"'{self.spec.completion_field}' field (has: {', '.join(sorted(record)[:8])})")
+        s = self.spec
+        if mode == "text" and not isinstance(record.get(s.text_field), str):
+            return f"field '{s.text_field}' is not a string"
+        if mode == "chat" and not isinstance(record.get(s.messages_field), list):
+            return f"field '{s.messages_field}' is not a list of messages"
+        if mode == "prompt_completion" and not all(isinstance(record.get(k), str)
+                                                   for k in (s.prompt_field, s.completion_field)):
+            return f"fields '{s.prompt_field}' and '{s.completion_field}' are not both strings"
+        return None
+
+    def encode(self, records: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
+        """``(ids, labels)`` of each record, in order; ``BadRecord`` names the first that fails."""
+        out: list[tuple[list[int], list[int]] | None] = [None] * len(records)
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            groups.setdefault(self.mode(r), []).append(i)
+        for mode, idx in groups.items():
+            try:
+                encoded = self._encode(mode, [records[i] for i in idx], idx)
+            except Exception:  # noqa: BLE001 - find the record that fails, one at a time
+                for i in idx:
+                    try:
+                        self._encode(mode, [records[i]], [i])
+                    except Exception as exc:  # noqa: BLE001
+                        raise BadRecord(i, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+                raise
+            for i, pair in zip(idx, encoded):
+                out[i] = pair
+        return out  # type: ignore[return-value]
+
+    def _encode(self, mode: str, records: list[dict[str, Any]], indices: list[int]) -> list[tuple[list[int], list[int]]]:
+        if mode not in self._encoders:
+            self._encoders[mode] = Encoder(self.tokenizer, self.spec, mode)
+        keys = {k for r in records for k in r}
+        batch = {k: [r.get(k) for r in records] for k in keys}
+        ids, labels = self._encoders[mode].encode(batch, indices)
+        return [(list(a), list(b)) for a, b in zip(ids, labels)]

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.evaluation.folder import ST_NAMES, write_folder
+from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tensors import ADAPTER, open_tensors
 from automodel_ckpt.export import ModelSource
-from automodel_ckpt.ondisk import list_checkpoints
+from automodel_ckpt.ondisk import is_plain_float, list_checkpoints
 
 __all__ = ["AverageReport", "average", "last_checkpoints", "parse_weights"]
 
@@ -98,7 +98,7 @@ def average(sources: list[Path], weights: list[float], out: Path, *, dtype: torc
 
 
 def _out_dtype(source: torch.dtype, override: torch.dtype | None) -> torch.dtype:
-    if source not in ST_NAMES:
+    if source.is_complex or (source.is_floating_point and not is_plain_float(source)):
         raise UserError(f"tensors of dtype {source} are not averaged")
     return override if override is not None and source.is_floating_point else source
 

@@ -21,14 +21,11 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.ondisk import LAYOUT, encode_header, fsync_file
+from automodel_ckpt.ondisk import LAYOUT, encode_header, fsync_file, st_dtype_name
 from automodel_ckpt.sizes import in_groups
 
-__all__ = ["ST_NAMES", "Entry", "write_folder"]
+__all__ = ["Entry", "write_folder"]
 
-ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-            torch.bool: "BOOL"}
 Entry = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype of one tensor to write
 _DEFAULT_SHARD = 5 * 2**30
 
@@ -72,7 +69,7 @@ def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tup
 
 
 def _write_safetensors(path: Path, group: list[Entry], produce: Callable[[str], torch.Tensor]) -> None:
-    header = encode_header([(name, ST_NAMES[dtype], shape, _nbytes(shape, dtype)) for name, shape, dtype in group],
+    header = encode_header([(name, st_dtype_name(dtype), shape, _nbytes(shape, dtype)) for name, shape, dtype in group],
                            {"format": "pt"})
     with open(path, "xb") as f:
         f.write(header)

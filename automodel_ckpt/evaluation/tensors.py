@@ -17,12 +17,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import torch
-
 from automodel_ckpt.errors import CheckpointError, UserError
-from automodel_ckpt.evaluation.folder import ST_NAMES
 from automodel_ckpt.export import ModelSource, dequantize_int8, is_int8, open_model
-from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, model_file_in, read_bytes, read_json
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, model_file_in, read_bytes,
+                                   read_json)
 
 __all__ = ["ADAPTER", "is_adapter", "open_tensors"]
 
@@ -93,15 +91,9 @@ def _adapter(src: Path, stack: ExitStack) -> ModelSource:
     for name in handle.keys():
         sliced = handle.get_slice(name)
         tensors.shapes[name] = tuple(int(d) for d in sliced.get_shape())
-        tensors.dtypes[name] = _dtype(sliced.get_dtype(), weights)
+        tensors.dtypes[name] = ST_TO_TORCH.get(sliced.get_dtype())
+        if tensors.dtypes[name] is None:
+            raise CheckpointError(f"'{weights}' holds a tensor of dtype {sliced.get_dtype()}, which is not read here")
         tensors.readers[name] = lambda name=name: handle.get_tensor(name)
     return tensors
 
-
-_DTYPES = {name: dtype for dtype, name in ST_NAMES.items()}
-
-
-def _dtype(name: str, where: Path) -> torch.dtype:
-    if name not in _DTYPES:
-        raise CheckpointError(f"'{where}' holds a tensor of dtype {name}, which is not read here")
-    return _DTYPES[name]

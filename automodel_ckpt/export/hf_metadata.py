@@ -191,13 +191,8 @@ def _copy_from_base(source: Path, folder: Path) -> None:
 
 def _original_tensors(base: Path) -> dict[str, Any] | None:
     """Per-tensor dtype, shape and file number of a base HF folder, from its index and safetensors headers."""
-    index_path = base / LAYOUT.HF_INDEX
-    if index_path.is_file():
-        weight_map: dict[str, str] = _read_json(index_path, follow=True)["weight_map"]
-        files = sorted({check_path(f, f"'{index_path}'") for f in weight_map.values()})
-    elif (base / LAYOUT.HF_SINGLE_WEIGHTS).is_file():
-        files = [LAYOUT.HF_SINGLE_WEIGHTS]
-    else:
+    files = weight_files(base)
+    if files is None:
         logger.info("base model %s has no safetensors weights; no original tensor information recorded", base)
         return None
     tensors: dict[str, dict[str, Any]] = {}
@@ -206,6 +201,19 @@ def _original_tensors(base: Path) -> dict[str, Any] | None:
         for fqn, entry in tensor_entries(header).items():
             tensors[fqn] = {"dtype": entry["dtype"], "shape": list(entry["shape"]), "file": number}
     return {"format_version": FORMAT_VERSION, "num_files": len(files), "files": files, "tensors": tensors}
+
+
+def weight_files(base: Path) -> list[str] | None:
+    """The safetensors files of a Hugging Face folder: those its index names (each a plain name), else its one
+    ``model.safetensors``; None when it has neither."""
+    index = base / LAYOUT.HF_INDEX
+    if index.is_file():
+        weight_map = _read_json(index, follow=True)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"'{index}' has no 'weight_map' table")
+        return sorted({check_path(f, f"'{index}'") for f in weight_map.values()})
+    return [LAYOUT.HF_SINGLE_WEIGHTS] if (base / LAYOUT.HF_SINGLE_WEIGHTS).is_file() else None
 
 
 def _tensor_info(name: str, value: Mapping[str, Any], source: Path) -> TensorInfo:

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, add_files_to_manifest,
-                                   auto_model_class, check_path, copy_regular, in_memory_dtypes, read_header, read_json,
-                                   regular_file_problem, replace_folder, tensor_entries, write_json)
+from automodel_ckpt.ondisk import (LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, add_files_to_manifest, auto_model_class,
+                                   copy_regular, in_memory_dtypes, read_header, read_json, regular_file_problem,
+                                   replace_folder, tensor_entries, write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
+from automodel_ckpt.export.hf_metadata import weight_files
 
 
 def adapter_folder(path: Path) -> Path:
@@ -74,19 +75,8 @@ def _base_folder(config: Any, where: str, override: Path | None) -> Path:
 
 def original_dtypes(base: Path) -> dict[str, torch.dtype]:
     """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
-    index = base / LAYOUT.HF_INDEX
-    if index.is_file():
-        weight_map = read_json(index, "a weights index", INDEX_FILE_LIMIT, follow=True)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"'{index}' has no 'weight_map' table")
-        files = sorted({check_path(f, f"'{index}'") for f in weight_map.values()})
-    elif (base / LAYOUT.HF_SINGLE_WEIGHTS).is_file():
-        files = [LAYOUT.HF_SINGLE_WEIGHTS]
-    else:
-        return {}
     out: dict[str, torch.dtype] = {}
-    for name in files:
+    for name in weight_files(base) or []:
         header, _ = read_header(base / name)
         for fqn, entry in tensor_entries(header).items():
             if entry["dtype"] in ST_TO_TORCH:

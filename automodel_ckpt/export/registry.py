@@ -13,21 +13,19 @@ from pathlib import Path
 from automodel_ckpt.errors import UsageError
 from automodel_ckpt.export import gguf_target, int8_target
 from automodel_ckpt.export.target import ExportTarget
+from automodel_ckpt.registry import Registry
 
-_TARGETS: dict[str, ExportTarget] = {}
+_TARGETS: Registry[ExportTarget] = Registry("an export target", lambda name, names: UsageError(
+    f"--to: expected one of {', '.join(names)}, got '{name}'"))
 
 
 def register_target(target: ExportTarget) -> ExportTarget:
     """Add ``target`` (an ``ExportTarget`` with its ``name``); registering a name again replaces its target."""
-    if not target.name or not isinstance(target.name, str) or target.name.startswith("-"):
-        raise ValueError(f"an export target needs a name, got {target!r}")
-    _TARGETS[target.name] = target
-    return target
+    return _TARGETS.register(target)
 
 
 def unregister_target(name: str) -> None:
-    """Remove the target ``name`` (a plug-in's, when it is done)."""
-    _TARGETS.pop(str(name), None)
+    _TARGETS.unregister(name)
 
 
 register_target(gguf_target.TARGET)
@@ -38,21 +36,18 @@ DEFAULT_TARGET = gguf_target.NAME
 
 
 def target_names() -> list[str]:
-    return list(_TARGETS)
-
-
-def export_targets() -> list[ExportTarget]:
-    return list(_TARGETS.values())
+    return _TARGETS.names()
 
 
 def get_target(name: str) -> ExportTarget:
     """The target named ``name``; ``UsageError`` naming the ones there are otherwise."""
-    target = _TARGETS.get(str(name))
-    if target is None:
-        raise UsageError(f"--to: expected one of {', '.join(_TARGETS)}, got '{name}'")
-    return target
+    return _TARGETS.get(name)
+
+
+def export_targets() -> list[ExportTarget]:
+    return list(_TARGETS)
 
 
 def identify(path: Path) -> ExportTarget | None:
     """The target whose file ``path`` is (asked in registration order); None when it is no target's."""
-    return next((t for t in _TARGETS.values() if t.identify(Path(path))), None)
+    return _TARGETS.first(lambda t: t.identify(Path(path)))

@@ -139,36 +139,27 @@ def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: d
 
     check_model_source(pretrained_model_name_or_path, config, embedded)
     torch_dtype = resolve_dtype(dtype)
+    folder = None
     if config is not None:
         cfg_kwargs = dict(config)
-        model_type = cfg_kwargs.pop("model_type", "llama")
-        hf_config = AutoConfig.for_model(model_type, **cfg_kwargs)
-        if attn_implementation:
-            hf_config._attn_implementation = attn_implementation
-        if on_meta:
-            return _on_meta(auto_class, hf_config, torch_dtype)
-        torch.manual_seed(seed)
-        model = auto_class.from_config(hf_config)
-        return model.to(torch_dtype)
-    assert pretrained_model_name_or_path is not None
-    if embedded and local_model_path(pretrained_model_name_or_path) is None:
-        ensure_embedded_base(embedded, pretrained_model_name_or_path)
-    from automodel_ckpt.models.hub import model_folder
+        hf_config = AutoConfig.for_model(cfg_kwargs.pop("model_type", "llama"), **cfg_kwargs)
+    else:
+        assert pretrained_model_name_or_path is not None
+        if embedded and local_model_path(pretrained_model_name_or_path) is None:
+            ensure_embedded_base(embedded, pretrained_model_name_or_path)
+        from automodel_ckpt.models.hub import model_folder
 
-    folder = model_folder(pretrained_model_name_or_path)  # a Hub id: its snapshot, downloaded once if missing
-    hf_config = AutoConfig.from_pretrained(folder)
+        folder = model_folder(pretrained_model_name_or_path)  # a Hub id: its snapshot, downloaded once if missing
+        hf_config = AutoConfig.from_pretrained(folder)
     if attn_implementation:
         hf_config._attn_implementation = attn_implementation
     if on_meta:
-        return _on_meta(auto_class, hf_config, torch_dtype)
-    return auto_class.from_pretrained(folder, config=hf_config, dtype=torch_dtype)
-
-
-def _on_meta(auto_class: Any, hf_config: Any, dtype: "torch.dtype") -> PreTrainedModel:
-    import torch
-
-    with torch.device("meta"):
-        return auto_class.from_config(hf_config, dtype=dtype)
+        with torch.device("meta"):
+            return auto_class.from_config(hf_config, dtype=torch_dtype)
+    if folder is not None:
+        return auto_class.from_pretrained(folder, config=hf_config, dtype=torch_dtype)
+    torch.manual_seed(seed)
+    return auto_class.from_config(hf_config).to(torch_dtype)
 
 
 def no_folder_error(what: str = "tokenizer") -> ConfigError:

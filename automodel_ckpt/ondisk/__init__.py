@@ -39,13 +39,12 @@ _EXPORTS = exports_of({
     "incremental": "shared_bytes stored_once",  # checkpoint.incremental: own / shared bytes of a checkpoint
     "durable": "write_atomic fsync_file copy_regular fsync_dir remove_tree replace_folder start_writeback "
                "write_durable write_json",
-    "formats.detect": "detect_model_format",
     "formats.safe_load": "load_pt",
     "formats.dcp_folder": "read_dcp_folder",
     # what the exports read and write besides the names above: a model folder's bytes
     "checksum": "default_algorithm hash_range hasher",
     "outofroom": "export_error",  # a full disk during an export, in one line
-    "formats.registry": "exported_format",  # the format of a model folder the export reads
+    "formats.registry": "exported_format detect_model_format",  # the format of a model folder the export reads
     "formats.pieces": "Piece ShardSource SourceTensor",  # a format's tensors as pieces of its files
     "formats.family": "DiskTensor auto_model_class c_strides disk_layout in_memory_dtypes",
     "formats.safetensors_io": "ST_TO_TORCH check_header encode_header header_length is_plain_float layout_order "

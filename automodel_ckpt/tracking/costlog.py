@@ -10,7 +10,6 @@ adds ``tracking_behind`` / ``tracking_caught_up`` (a tracker no longer waited fo
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.ondisk import LAYOUT, read_manifest, size_on_disk
-from automodel_ckpt.training.metrics import JsonlLog, log_lines
+from automodel_ckpt.training.metrics import JsonlLog, iter_jsonl
 from automodel_ckpt.checkpoint import MTBF_LIMIT_HOURS
 
 START, CHECKPOINT, END = "start", "checkpoint", "end"
@@ -199,23 +198,10 @@ class RunCosts:
         return (self.wall_s - self.blocked_s) / self.steps if self.steps > 0 and self.wall_s > self.blocked_s else None
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every record of a run's ``events.jsonl`` (this run's own, at its end); ``iter_events`` streams them."""
-    return list(iter_events(run_dir))
-
-
 def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The records of a run's ``events.jsonl`` one at a time, never the file whole (a run folder received from
-    elsewhere may hold a log of any size): a line longer than ``bounded.LOG_LINE_LIMIT`` is skipped without being held,
-    as is a line that is no JSON object (a line cut by a kill mid-write). A link, FIFO or device in the log's place
-    is refused (``UserError``), never followed or waited on."""
-    for line in log_lines(Path(run_dir) / LAYOUT.EVENTS_LOG):
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict):
-            yield record
+    """The records of a run's ``events.jsonl`` one at a time (``iter_jsonl``: a log of any size, a link, FIFO or
+    device in its place refused)."""
+    return iter_jsonl(Path(run_dir) / LAYOUT.EVENTS_LOG)
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:

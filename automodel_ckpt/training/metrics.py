@@ -50,18 +50,19 @@ def _step_of(line: str) -> float:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not os.path.lexists(path):
-        return []
-    out = []
-    for line in log_lines(path):
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except (ValueError, RecursionError):  # RecursionError: a line nested too deeply to be a record
-                continue  # a line cut by a kill mid-write
-    return out
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """A log's records one at a time, never the file whole (``log_lines``); a line that is no JSON object (a line
+    cut by a kill mid-write) is skipped."""
+    for line in log_lines(Path(path)):
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # RecursionError: a line nested too deeply to be a record
+            continue
+        if isinstance(record, dict):
+            yield record
 
 
 def _open_append(path: Path) -> int:

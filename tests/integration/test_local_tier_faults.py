@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.ondisk import catalog
-from automodel_ckpt.checkpoint.storage.nodelocal import choose, scan
+from automodel_ckpt.checkpoint.storage.nodelocal.inventory import choose, scan
 from tests.integration.harness import REPO, ckpt_train
 from tests.integration.shared_runs import STRAIGHT_KEYS, STRAIGHT_STEPS
 from tests.integration.test_disk_full import mounted

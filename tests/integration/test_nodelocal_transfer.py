@@ -25,8 +25,10 @@ def _worker(rank: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from automodel_ckpt.ondisk import manifest
-    from automodel_ckpt.checkpoint.storage.nodelocal import (choose, exchange, fill_plan, gather, place,
-                                                             receives_from, scan, sends)
+    from automodel_ckpt.checkpoint.storage.nodelocal.inventory import (choose, fill_plan, gather, receives_from, scan,
+                                                                       sends)
+    from automodel_ckpt.checkpoint.storage.nodelocal.transfer import exchange
+    from automodel_ckpt.checkpoint.storage.nodelocal.placement import place
     from automodel_ckpt.errors import CheckpointError
 
     root = Path(tmp)
@@ -34,7 +36,8 @@ def _worker(rank: int, tmp: str) -> None:
     try:
         # 1. every rank sends its part to its replica on the next node and receives the part it keeps: 0->1->2->0
         placement = place(rank, WORLD, PER_NODE, replicas=1)
-        (holder,), (owner,) = placement.replica_ranks(), placement.held_for()
+        holder, owner = (rank + PER_NODE) % WORLD, (rank - PER_NODE) % WORLD  # the next node's, the previous one's
+        assert placement.copies == 1
         got = exchange({holder: sorted(part(rank))}, root / "parts" / str(rank),
                        {owner: root / "copies" / str(rank)}, chunk_bytes=1024)
         assert got == {owner: sorted(part(owner))}

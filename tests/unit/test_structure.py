@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle (lazy imports included), no module over 500 lines, components never import
-recipes, a public API, and every pickle read from a checkpoint goes through ``ondisk/formats/safe_load.py``."""
+"""The package's shape: no import cycle (lazy imports included), no module over 500 lines, the package under its size
+ceiling, components never import recipes, a public API, and every pickle read from a checkpoint goes through
+``ondisk/formats/safe_load.py``."""
 
 from __future__ import annotations
 
@@ -101,6 +102,29 @@ def test_no_module_over_500_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}, f"split these by responsibility: {long}"
+
+
+#: The package's size in lines (``find automodel_ckpt -name '*.py' | xargs cat | wc -l``). The goal is 41,000 with this
+#: round's features; the ceiling is where the package stands now, rounded up to the next 100, plus 1,500 for the
+#: features being added beside this change (an engine in ``algorithms/grpo/``, an importer in ``interop/``).
+PACKAGE_LINES_GOAL = 41_000
+PACKAGE_LINES_MAX = 45_000
+
+
+def package_lines(root: Path = PACKAGE) -> int:
+    """The lines of every module below ``root``, as ``wc -l`` counts them."""
+    return sum(p.read_bytes().count(b"\n") for p in root.rglob("*.py"))
+
+
+def test_the_package_stays_under_its_size_ceiling(tmp_path):
+    lines = package_lines()
+    assert lines <= PACKAGE_LINES_MAX, (f"the package is {lines:,} lines, over its ceiling of {PACKAGE_LINES_MAX:,} "
+                                        f"(the goal: {PACKAGE_LINES_GOAL:,}); merge what repeats before adding more")
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\ny = 2\n")
+    (tmp_path / "inner" / "b.py").write_text("z = 3\n")
+    (tmp_path / "notes.md").write_text("not code\n")
+    assert package_lines(tmp_path) == 3  # over a ceiling of 2: the rule sees it
 
 
 def test_every_module_opens_with_a_docstring():
@@ -274,7 +298,7 @@ def test_code_imports_the_three_packages_through_their_faces():
         if found:
             offenders[str(path.relative_to(REPO))] = found
     assert offenders == {}, f"import these through the faces {FACES}: {offenders}"
-    assert _faces_held_to(PACKAGE / "checkpoint" / "save" / "hf_files.py", faces).keys() == {"automodel_ckpt.export"}
+    assert _faces_held_to(PACKAGE / "checkpoint" / "save" / "policy.py", faces).keys() == {"automodel_ckpt.export"}
 
 
 def test_the_exports_enter_ondisk_by_its_face():
@@ -654,7 +678,7 @@ FLOORS = [
     {"export"},
     {"ondisk", "launch"},
     {"distributed"},
-    {"errors", "faces", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
+    {"errors", "faces", "registry", "sizes", "jsonsafe", "redact", "shown", "model_parts", "__init__"},
 ]
 
 

@@ -17,12 +17,12 @@ own checkpoints come first; when it has none, this tier chooses nothing and the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
-from automodel_ckpt.checkpoint.restore.decision import Decision
 from automodel_ckpt.checkpoint.storage.base import RunFolder
 from automodel_ckpt.checkpoint.restore.fallback import AGAIN, DURABLE
 from automodel_ckpt.checkpoint.restore.probe import StageRule, check_same_run, probe
@@ -31,6 +31,19 @@ from automodel_ckpt.ondisk.loadcheck import DamagedFile
 
 if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a run resumes from: ``path`` None, a fresh run; otherwise a checkpoint of the run's own, already checked
+    on every rank, that the loader loads (``restore.loader.CheckpointLoader.load``)."""
+
+    path: Path | None = None
+    fallback: bool = False  # found damaged while loading: set it aside and decide again (an automatic resume)
+
+    @property
+    def fresh(self) -> bool:
+        return self.path is None
 
 
 class DurableTier:

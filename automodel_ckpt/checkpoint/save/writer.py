@@ -28,9 +28,8 @@ from automodel_ckpt.ondisk.formats import registry, sharded
 from automodel_ckpt.ondisk.formats.base import ModelFormat, ModelWriter
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.ondisk.metadata import build_metadata, write_metadata
-from automodel_ckpt.checkpoint.save import diskfull, hf_files, overlap
+from automodel_ckpt.checkpoint.save import diskfull, overlap, policy
 from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
-from automodel_ckpt.checkpoint.save.policy import SavePolicy
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.taken import Taken
 from automodel_ckpt.checkpoint.state import StatePlan
@@ -57,7 +56,7 @@ class SaveWriter:
         self.dir = run.local  # read by ``diskfull.guarded``
         self.config_yaml, self.hf, self.fingerprint, self.time, self.say = config_yaml, hf, fingerprint, time, say
         self.lineage: dict[str, Any] | None = None  # each checkpoint's parents (lineage.py), set by the run
-        self.policy = SavePolicy(settings, is_main=env.is_main)
+        self.policy = policy.SavePolicy(settings, is_main=env.is_main)
         self.retention = settings.retention
         self.resumed_from: str | None = None  # the checkpoint this run resumed from (retention on a store keeps it)
         self.is_async = settings.is_async and overlap.async_supported(env.is_main)
@@ -180,7 +179,7 @@ class SaveWriter:
         """This rank's small files (``LocalFiles``), their contents taken now; on rank 0 with the HF helpers.
         ``fmt``: the format the model folder holds (recorded in metadata.json); ``serialize_later``: the states
         are taken now and serialized when written (``taken``: by the background thread)."""
-        helpers = (functools.partial(hf_files.write_model_helpers, staging / layout.MODEL_DIR, self.hf, fmt)
+        helpers = (functools.partial(policy.write_model_helpers, staging / layout.MODEL_DIR, self.hf, fmt)
                    if plan.models and fmt is self.format else None)
         return capture(
             staging, plan, info, rank=self.env.rank, world_size=self.env.world_size,
@@ -231,12 +230,12 @@ class SaveWriter:
         it (its consolidate.sh exports it later)."""
         rank, model_dir = self.env.rank, pending.staging / layout.MODEL_DIR
         try:
-            collective.collectively(functools.partial(hf_files.export_inline, model_dir, rank, self.env.world_size),
+            collective.collectively(functools.partial(policy.export_inline, model_dir, rank, self.env.world_size),
                                     "consolidating the checkpoint", rank)
             return
         except CheckpointError as exc:
             failure = exc
-        collective.on_main(functools.partial(hf_files.remove_export, model_dir), f"cleaning '{model_dir}'", rank)
+        collective.on_main(functools.partial(policy.remove_export, model_dir), f"cleaning '{model_dir}'", rank)
         if self.env.is_main:
             text = (f"checkpoint {pending.name} is saved without its Hugging Face export ({first_line(failure)}); "
                     f"export it later with its {layout.CONSOLIDATE_SCRIPT}")

@@ -27,11 +27,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from automodel_ckpt.data.encode import DataSpec
+from automodel_ckpt.data.encode import BadRecord, DataSpec, RecordEncoder
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
 from automodel_ckpt.data.stream.bounds import check_carry, check_restored
-from automodel_ckpt.data.stream.encoding import BadRecord, RecordEncoder
 from automodel_ckpt.data.stream.readers import (MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start,
                                                 read_line_range, read_rows)
 

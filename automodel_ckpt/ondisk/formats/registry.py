@@ -13,22 +13,11 @@ from typing import Any
 from automodel_ckpt.errors import CheckpointError, ConfigError
 from automodel_ckpt.ondisk.formats import adapter, dcp_shards, safetensors_shards
 from automodel_ckpt.ondisk.formats.base import ModelFormat
+from automodel_ckpt.registry import Registry
 
-_FORMATS: dict[str, ModelFormat] = {}
-
-
-def register(fmt: ModelFormat) -> ModelFormat:
-    """Add ``fmt`` (a ``base.ModelFormat`` with its ``name``); registering a name again replaces its format."""
-    if not fmt.name or not isinstance(fmt.name, str):
-        raise ValueError(f"a model format needs a name, got {fmt!r}")
-    _FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def unregister(name: str) -> None:
-    """Remove the format ``name`` (a plug-in's, when it is done)."""
-    _FORMATS.pop(str(name), None)
-
+_FORMATS: Registry[ModelFormat] = Registry("a model format", lambda name, names: ConfigError(
+    f"checkpoint.model_save_format: expected one of {', '.join(names)}, got '{name}'"))
+register, unregister, get = _FORMATS.register, _FORMATS.unregister, _FORMATS.get
 
 register(adapter.FORMAT)
 register(safetensors_shards.FORMAT)
@@ -40,19 +29,11 @@ FALLBACK = dcp_shards.NAME
 
 def names(configurable: bool = True) -> list[str]:
     """The registered formats' names, in order; with ``configurable`` only ``model_save_format``'s values."""
-    return [name for name, fmt in _FORMATS.items() if fmt.configurable or not configurable]
+    return [fmt.name for fmt in _FORMATS if fmt.configurable or not configurable]
 
 
 def formats() -> list[ModelFormat]:
-    return list(_FORMATS.values())
-
-
-def get(name: Any) -> ModelFormat:
-    """The format named ``name`` (a string, or a config choice whose ``str`` is one); ``ConfigError`` otherwise."""
-    fmt = _FORMATS.get(str(name))
-    if fmt is None:
-        raise ConfigError(f"checkpoint.model_save_format: expected one of {', '.join(names())}, got '{name}'")
-    return fmt
+    return list(_FORMATS)
 
 
 def detect(folder: Path) -> ModelFormat | None:
@@ -60,7 +41,13 @@ def detect(folder: Path) -> ModelFormat | None:
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    return next((fmt for fmt in _FORMATS.values() if fmt.detect(folder)), None)
+    return _FORMATS.first(lambda fmt: fmt.detect(folder))
+
+
+def detect_model_format(folder: Path) -> str | None:
+    """The name of the format ``detect`` finds in ``folder``, or None: the one detector every reader uses."""
+    fmt = detect(folder)
+    return fmt.name if fmt is not None else None
 
 
 def exported_format(folder: Path) -> ModelFormat:
@@ -72,20 +59,20 @@ def exported_format(folder: Path) -> ModelFormat:
     if fmt is None:
         if not Path(folder).exists():
             raise CheckpointError(f"model folder {folder} does not exist")
-        expected = " or ".join(f.files for f in _FORMATS.values() if not f.export_refusal)
+        expected = " or ".join(f.files for f in _FORMATS if not f.export_refusal)
         raise CheckpointError(f"no model shards in {folder}: expected {expected}")
     return fmt
 
 
 def for_model(model: Any, configured: Any) -> ModelFormat:
     """The format a save writes ``model`` in: one that claims it (a PEFT model's adapter), else ``configured``."""
-    return next((fmt for fmt in _FORMATS.values() if fmt.claims(model)), None) or get(configured)
+    return _FORMATS.first(lambda fmt: fmt.claims(model)) or get(configured)
 
 
 def for_loading(model: Any, folder: Path) -> ModelFormat:
     """The format ``folder`` is loaded into ``model`` with: one that claims the model, else the one detected (when
     it takes such a model), else ``FALLBACK``."""
-    claimed = next((fmt for fmt in _FORMATS.values() if fmt.claims(model)), None)
+    claimed = _FORMATS.first(lambda fmt: fmt.claims(model))
     if claimed is not None:
         return claimed
     found = detect(folder)

@@ -17,7 +17,7 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.tracking import lane as lane_module
 from automodel_ckpt.tracking import tracker as tracker_module
 from automodel_ckpt.tracking.base import Backend
-from automodel_ckpt.tracking.costlog import read_events
+from automodel_ckpt.tracking.costlog import iter_events
 from automodel_ckpt.tracking.observer import RunObserver
 from automodel_ckpt.tracking.tracker import RunTracker
 
@@ -159,7 +159,7 @@ def test_side_failures_are_recorded_sent_and_counted_in_the_report(tmp_path, gat
     observer.side_failure("local_step", "node-local steps are written again: epoch_0_step_6 (after 2 failed)", 6)
     observer.costs.save(lambda: None, 4, lambda: None)  # one checkpoint: the end line is printed
     line = observer.end(4, "complete")
-    failures = [r for r in read_events(tmp_path) if r["event"] == "side_failure"]
+    failures = [r for r in list(iter_events(tmp_path)) if r["event"] == "side_failure"]
     assert [(r["kind"], r["at_step"]) for r in failures] == [("export", 2), ("local_step", 3), ("local_step", 4),
                                                              ("local_step", 6)]
     assert failures[0]["text"] == "the export of epoch_0_step_2 failed (disk full)"
@@ -193,7 +193,7 @@ def test_the_report_says_how_long_tracking_was_behind(tmp_path):
     text = render(report)
     assert "tracking behind:            9.00 s" in text and "local steps abandoned:      1" in text
     (tmp_path / layout.EVENTS_LOG).write_text("".join(json.dumps(e) + "\n" for e in events))
-    assert cost_report(summarize(read_events(tmp_path)))["tracking_behind_s"] == 9.0
+    assert cost_report(summarize(list(iter_events(tmp_path))))["tracking_behind_s"] == 9.0
 
 
 def test_the_end_waits_as_long_as_logging_close_timeout_s_and_refuses_a_bound_out_of_range(tmp_path):

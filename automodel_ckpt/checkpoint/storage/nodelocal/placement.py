@@ -31,16 +31,6 @@ class Placement:
         """The node ``rank`` (default: this rank) runs on."""
         return self._checked(rank) // self.ranks_per_node
 
-    def replica_ranks(self, rank: int | None = None) -> list[int]:
-        """The ranks, each on another node, that keep a copy of ``rank``'s part (default: this rank's)."""
-        rank = self._checked(rank)
-        return [(rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.copies + 1)]
-
-    def held_for(self, rank: int | None = None) -> list[int]:
-        """The ranks whose parts ``rank`` (default: this rank) keeps copies of."""
-        rank = self._checked(rank)
-        return [(rank - k * self.ranks_per_node) % self.world_size for k in range(1, self.copies + 1)]
-
     def _checked(self, rank: int | None) -> int:
         rank = self.rank if rank is None else rank
         if not 0 <= rank < self.world_size:

@@ -10,7 +10,8 @@ import pytest
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.durable import set_pointer
-from automodel_ckpt.checkpoint.storage.nodelocal import abandon, choose, scan
+from automodel_ckpt.checkpoint.storage.nodelocal import abandon
+from automodel_ckpt.checkpoint.storage.nodelocal.inventory import choose, scan
 from tests.unit.checkpoint.storage.nodelocal.test_nodelocal_inventory import PARTS, write_step
 
 OLD, ABANDONED = "epoch_0_step_4", "epoch_0_step_6"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from automodel_ckpt.ondisk import manifest
 from automodel_ckpt.ondisk.checksum import default_algorithm, hash_file
-from automodel_ckpt.checkpoint.storage.nodelocal import (Inventory, StepFiles, Transfer, choose, fill_plan,
-                                                         receives_from, scan, sends)
+from automodel_ckpt.checkpoint.storage.nodelocal.inventory import (Inventory, StepFiles, Transfer, choose, fill_plan,
+                                                                   receives_from, scan, sends)
 from automodel_ckpt.checkpoint.storage.nodelocal.inventory import manifest_digest
 
 PARTS = {"metadata.json": b"{}", "model/shard-0.safetensors": b"a" * 40, "model/shard-1.safetensors": b"b" * 30,

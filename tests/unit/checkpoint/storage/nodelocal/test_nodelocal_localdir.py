@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LocalTierConfig
-from automodel_ckpt.checkpoint.storage.nodelocal import (check_private, check_space, claim, default_folder,
-                                                         read_binding, remove, run_id)
+from automodel_ckpt.checkpoint.storage.nodelocal.localdir import (check_private, check_space, claim, default_folder,
+                                                                  read_binding, remove, run_id)
 from automodel_ckpt.checkpoint.storage.nodelocal import localdir
 from automodel_ckpt.errors import CheckpointError, ConfigError
 
