@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
+from automodel_ckpt.algorithms.grpo.engine import Sync, VLLMEngine
 from automodel_ckpt.algorithms.grpo.state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
 from automodel_ckpt.config.instantiate import locate
 from automodel_ckpt.algorithms.grpo.config import GRPOConfig, check_section
@@ -119,6 +120,8 @@ class GRPO(Algorithm):
         self.rollout = RolloutBatch()
         self._generation_seconds = 0.0
         self._train_start = 0.0
+        self.engine: VLLMEngine | None = None  # grpo.engine vllm (``build``); None: sampled in process
+        self._sync: Sync | None = None  # this step's weight push to the engine, if it made one
         self._warned = False
         self._flat = 0  # rollout batches in a row whose every advantage is 0 (``_check_signal``)
         self._orders: dict[int, torch.Tensor] = {}
@@ -138,10 +141,15 @@ class GRPO(Algorithm):
             rows=cfg.step_scheduler.global_batch_size, group=self.grpo_cfg.num_generations,
             reward_functions=len(self._rewards), vocab=vocab_rows(self.ctx.model), seq_length=cfg.data.seq_length,
             prompts=getattr(self, "_prompt_ids", []))
+        if self.grpo_cfg.engine == "vllm":
+            self.engine = VLLMEngine(self.grpo_cfg.vllm, self.ctx.env.is_main)
+            self.engine.start(self.ctx.model, cfg.data.seq_length)  # starting while the checkpoint loads
 
     def restored(self, states: set[str]) -> None:
         """The reference: the checkpoint's, else the policy as this run starts (a ``restore_from`` SFT model)."""
         ctx = self.ctx
+        if self.engine is not None:
+            self.engine.ready()  # an engine that cannot serve this model: one line, before training
         if self._peft:
             data_parallel.build_reducer(ctx.model, ctx.forward.choice)
         if self.ref_model is None or "ref_model" in states:
@@ -201,11 +209,11 @@ class GRPO(Algorithm):
     def _next_rollout(self) -> tuple[int, list[MicroBatch]]:
         """This step's prompt epoch and micro-batches: a new rollout batch when the last one had its
         ``num_iterations`` passes, else the same one again."""
-        self._generation_seconds = 0.0
+        self._generation_seconds, self._sync = 0.0, None
         if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
             t0 = time.perf_counter()
             self._make_rollout()
-            self._generation_seconds = time.perf_counter() - t0
+            self._generation_seconds = time.perf_counter() - t0 - (self._sync.sync_seconds if self._sync else 0.0)
         self._train_start = time.perf_counter()
         return self.grpo.prompt_epoch, self._micro_batches()
 
@@ -227,6 +235,15 @@ class GRPO(Algorithm):
                             [sample_seed(ctx.cfg.seed, step, p, i) for p, i in rows],
                             max_new_tokens=section.max_new_tokens, temperature=section.temperature,
                             eos_id=tok.eos_token_id, pad_id=pad, device=ctx.env.device, keep_going=keep_going)
+
+    def _engine_sample(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
+        """Every completion of ``rows`` (prompt id, sample index), sampled by the engine (``grpo.engine vllm``): one
+        request per completion, seeded as in process (``sample_seed``)."""
+        ctx, section = self.ctx, self.grpo_cfg
+        return self.engine.sample([self._prompt_ids[p] for p, _ in rows],
+                                  [sample_seed(ctx.cfg.seed, step, p, i) for p, i in rows],
+                                  max_new_tokens=section.max_new_tokens, temperature=section.temperature,
+                                  eos_id=ctx.tokenizer.eos_token_id)
 
     @functools.cached_property
     def _gather_budget(self) -> int:
@@ -254,7 +271,13 @@ class GRPO(Algorithm):
         step = g.grpo_step + 1
         rows = [(p, i) for p in prompts for i in range(group)]
         mine = [rows[r] for r in self._share(len(rows))]
-        completions = self._sample(step, mine)
+        if self.engine is not None:
+            if self.engine.version != g.ppo_optimization_step:  # the weights of the last optimizer step, checked
+                self._sync = self.engine.push(ctx.model, g.ppo_optimization_step)
+            everyone = self._engine_sample(step, rows)
+            completions = [everyone[r] for r in self._share(len(rows))]
+        else:
+            completions = self._sample(step, mine)
         rewards = self._score(mine, completions)
         parts = all_gather_object((ctx.dims.tp_rank, ctx.dims.dp_rank, completions, rewards))
         parts = sorted((p for p in parts if p[0] == 0), key=lambda p: p[1])
@@ -266,6 +289,8 @@ class GRPO(Algorithm):
         tensors["advantages"] = advantages(section.advantage, total, group, [n for n, _ in self._rewards])
         self._check_signal(tensors["advantages"])
         self.rollout.tensors, self.rollout.step, self.rollout.passes = tensors, step, 0
+        self.rollout.weight_version = g.ppo_optimization_step
+        self.rollout.weight_hash = self._sync.weight_hash if self._sync else (self.engine.hash if self.engine else "")
         tensors["old_log_probs"], tensors["ref_log_probs"] = self._log_probs()
         g.grpo_step = step
         g.consumed_prompts += len(prompts)
@@ -404,7 +429,20 @@ class GRPO(Algorithm):
             "kl": kl / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0), "grpo_step": g.grpo_step,
             "ppo_optimization_step": g.ppo_optimization_step, "rollout_pass": self.rollout.passes,
             "generation_seconds": round(self._generation_seconds, 6),
-            "train_seconds": round(time.perf_counter() - self._train_start, 6)})
+            "train_seconds": round(time.perf_counter() - self._train_start, 6)} | self._engine_metrics())
+
+    def _engine_metrics(self) -> dict[str, Any]:
+        """The weights that sampled the rollout batch: their version (optimizer steps taken), and with an engine
+        their hash as pushed, the engine's of what it loaded (equal, or the push stopped the run), and this step's
+        push: its bytes, seconds and share of the step (0 at a step that sampled nothing)."""
+        metrics: dict[str, Any] = {"weight_version": self.rollout.weight_version}
+        if self.engine is None:
+            return metrics
+        sync = self._sync or Sync(self.rollout.weight_hash, self.rollout.weight_hash, 0, 0.0)
+        step = time.perf_counter() - self._train_start + self._generation_seconds + sync.sync_seconds
+        return metrics | {"weight_hash": self.rollout.weight_hash, "engine_weight_hash": sync.engine_weight_hash,
+                          "sync_bytes": sync.sync_bytes, "sync_seconds": round(sync.sync_seconds, 6),
+                          "sync_ratio": round(sync.sync_seconds / step, 6) if step > 0 else 0.0}
 
     def _rollout_metrics(self) -> dict[str, Any]:
         """The rollout batch's numbers (from its saved state: the same after a resume)."""

@@ -9,8 +9,20 @@ from automodel_ckpt.config.sections import AlgorithmSection
 from automodel_ckpt.errors import ConfigError
 
 
+ENGINES = ("transformers", "vllm")  # grpo.engine
+
+
 def _default_rewards() -> List[Any]:
     return ["automodel_ckpt.training.rewards.exact_answer", "automodel_ckpt.training.rewards.digits_then_eos"]
+
+
+@dataclass
+class VLLMSettings:
+    """``grpo.vllm``: where the engine of ``grpo.engine: vllm`` runs (docs/rl.md, Engine)."""
+
+    python: Optional[str] = None  # the vLLM environment's Python (null: .venv-vllm/bin/python, here or the checkout's)
+    url: Optional[str] = None  # an engine already serving (vllm_server.py): used, not started or stopped
+    timeout: float = 600.0  # seconds the engine may take to start, or to answer one request
 
 
 @dataclass
@@ -29,6 +41,8 @@ class GRPOConfig:
     advantage: str = "normalized"  # normalized: (reward - group mean) / group std; share: reward / group total (>= 0)
     prompt_field: str = "prompt"  # the prompt column (a string)
     answer_field: str = "completion"  # the reference answer column, handed to the reward functions
+    engine: str = "transformers"  # what samples: transformers (the training model, in process) or vllm (a server)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
 
 def check_section(section: Any, global_batch: int, pp_size: int) -> None:
@@ -48,6 +62,10 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
 
     if section.advantage not in ADVANTAGES:
         raise ConfigError(f"grpo.advantage: {section.advantage!r} is not one of {', '.join(ADVANTAGES)}")
+    if section.engine not in ENGINES:
+        raise ConfigError(f"grpo.engine: {section.engine!r} is not one of {', '.join(ENGINES)}")
+    if section.engine == "vllm" and section.vllm.timeout <= 0:
+        raise ConfigError("grpo.vllm.timeout must be > 0 seconds")
     if section.advantage == "share" and any(w < 0 for w in (section.reward_weights or ())):
         raise ConfigError("grpo.reward_weights: share advantages need weights >= 0 (a reward's share of its group's "
                           "total); use grpo.advantage normalized for negative weights")
@@ -56,6 +74,8 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
 def check(cfg: Any, sizes: Any) -> None:
     """The ``grpo:`` keys against the batch and the mesh (``config.validate``)."""
     check_section(cfg.grpo, cfg.step_scheduler.global_batch_size, sizes.pp)
+    if cfg.grpo.engine == "vllm" and cfg.get("peft") is not None:
+        raise ConfigError("grpo.engine vllm: a LoRA run (peft:) is not supported yet; use grpo.engine transformers")
 
 
 SECTION = AlgorithmSection("grpo", GRPOConfig, "online RL keys (recipe: automodel_ckpt.recipes.grpo.GRPORecipe)",

@@ -1,0 +1,208 @@
+"""The vLLM engine of ``grpo.engine: vllm``: its process started (or named by URL) and stopped, weights pushed and checked, rollouts sampled."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from automodel_ckpt.algorithms.grpo import vllm_server
+from automodel_ckpt.distributed.env import broadcast_object
+from automodel_ckpt.distributed.tensor_parallel import causal_lm
+from automodel_ckpt.errors import ConfigError, TrainingError
+
+SERVER = Path(vllm_server.__file__)
+DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
+#: the launcher's variables, which would make the engine's own torch.distributed join the trainer's job
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "PYTHONPATH")
+
+
+def engine_python(setting: str | None) -> Path:
+    """``grpo.vllm.python``: as given (a relative path from the working directory), or by default
+    ``.venv-vllm/bin/python`` in the working directory, else in the checkout this package runs from (where
+    ``bash tools/setup.sh --with-vllm`` builds it)."""
+    if setting:
+        found = Path(setting).expanduser()
+        if not found.is_file():
+            raise ConfigError(f"grpo.vllm.python: {setting} is not a file (the vLLM environment's Python)")
+        return found
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        if (root / DEFAULT_PYTHON).is_file():
+            return root / DEFAULT_PYTHON
+    raise ConfigError(f"grpo.engine vllm: no {DEFAULT_PYTHON} here or in {Path(__file__).resolve().parents[3]}: "
+                      "build it with `bash tools/setup.sh --with-vllm`, or set grpo.vllm.python or grpo.vllm.url")
+
+
+@dataclass
+class Sync:
+    """One weight push: the trainer's hash of what it sent, the engine's of what it loaded, the bytes, seconds."""
+
+    weight_hash: str
+    engine_weight_hash: str
+    sync_bytes: int
+    sync_seconds: float
+
+
+class VLLMEngine:
+    """The engine, seen from every rank: rank 0 talks to it over HTTP (starting it unless ``grpo.vllm.url`` names
+    one), the other ranks take part in the collectives (the weights gathered whole, the answers broadcast)."""
+
+    def __init__(self, settings: Any, is_main: bool) -> None:
+        self.settings, self.is_main = settings, is_main
+        self.url: str | None = settings.url.rstrip("/") if settings.url else None
+        self.proc: subprocess.Popen | None = None
+        self.folder: Path | None = None
+        self.sent: set[str] = set()  # parameters the engine holds from an earlier push (a frozen one is not resent)
+        self.version, self.hash = -1, ""  # the weights the engine holds: their version and hash as pushed
+
+    # ------------------------------------------------------------------------------------------ process
+    def start(self, model: Any, max_model_len: int) -> None:
+        """Rank 0: the engine process (``vllm_server.py`` under the vLLM environment's Python, on 127.0.0.1 and a
+        port it picks), built from the model's config with placeholder weights; ``ready`` waits for it."""
+        if not self.is_main or self.url:
+            return
+        python = engine_python(self.settings.python)
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = Path(tempfile.mkdtemp(prefix="vllm-engine-", dir=base))
+        lm = causal_lm(model)
+        lm.config.save_pretrained(str(self.folder))  # config.json: what the engine builds
+        dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC")}
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's ranks share these cores
+        cmd = [str(python), str(SERVER), "--model-dir", str(self.folder), "--dtype", dtype,
+               "--max-model-len", str(max_model_len), "--port-file", str(self.folder / "port")]
+        with open(self.folder / "engine.log", "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env)
+        atexit.register(self.close)
+
+    def ready(self) -> None:
+        """Every rank: rank 0 waits (``grpo.vllm.timeout`` seconds at most) for the engine to answer; a process that
+        ended (a model family this vLLM cannot load) or never answered is one line on every rank."""
+        error = self._wait() if self.is_main else None
+        error = broadcast_object(error)
+        if error:
+            self.close()
+            raise ConfigError(error)
+
+    def _wait(self) -> str | None:
+        deadline = time.monotonic() + self.settings.timeout
+        while self.proc is not None and not (self.folder / "port").exists():
+            if self.proc.poll() is not None:
+                return f"grpo.engine vllm: the engine exited ({self.proc.returncode}): {self._last_log_line()}"
+            if time.monotonic() > deadline:
+                return (f"grpo.engine vllm: the engine did not start within grpo.vllm.timeout "
+                        f"({self.settings.timeout:g} s; log: {self.folder / 'engine.log'})")
+            time.sleep(0.1)
+        if self.proc is not None:
+            self.url = f"http://127.0.0.1:{(self.folder / 'port').read_text().strip()}"
+        try:
+            self._call("GET", "/health")
+        except TrainingError as exc:
+            return f"grpo.engine vllm: {exc}"
+        return None
+
+    def _last_log_line(self) -> str:
+        lines = [ln for ln in (self.folder / "engine.log").read_text(errors="replace").splitlines() if ln.strip()]
+        named = [ln for ln in lines if ln.startswith("vllm_server:")]
+        return (named or lines or ["no output"])[-1].removeprefix("vllm_server: ")
+
+    def close(self) -> None:
+        """Rank 0: the engine it started stopped (asked, then killed) and its folder removed."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                self._call("POST", "/stop", {}, timeout=5)
+                proc.wait(timeout=10)
+            except (TrainingError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+        if self.folder is not None and proc is not None and proc.returncode in (0, -9):
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.settings.timeout) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+            raise TrainingError(f"the vLLM engine at {self.url} answered {path} with {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise TrainingError(f"the vLLM engine at {self.url} did not answer {path}: {exc}") from None
+
+    # ------------------------------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def push(self, model: Any, version: int) -> Sync:
+        """Every rank (a sharded parameter is gathered whole, one at a time): the weights the engine lacks sent to
+        it as ``version`` (every parameter the first time, then those that train: a frozen one never changes),
+        in name order; the engine's hash of what it loaded must equal the trainer's, else one line."""
+        t0 = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, param in sorted(causal_lm(model).named_parameters(), key=lambda item: item[0]):
+            name = name.replace("_orig_mod.", "")
+            if name in self.sent and not param.requires_grad:
+                continue
+            whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+            if self.is_main:
+                tensors[name] = whole.detach().cpu().contiguous()
+        answer: Any = None
+        if self.is_main:
+            answer = self._send(tensors, version)
+        answer = broadcast_object(answer)
+        if isinstance(answer, str):
+            raise TrainingError(answer)
+        self.sent |= set(answer["names"])
+        self.version, self.hash = version, answer["weight_hash"]
+        return Sync(answer["weight_hash"], answer["engine_weight_hash"], answer["bytes"], time.perf_counter() - t0)
+
+    def _send(self, tensors: dict[str, torch.Tensor], version: int) -> dict | str:
+        from safetensors.torch import save_file
+
+        folder = self.folder or Path(tempfile.gettempdir())
+        path = folder / f"weights-{os.getpid()}-{version}.safetensors"
+        mine = vllm_server.weights_hash(sorted(tensors.items()))
+        try:
+            save_file(tensors, str(path))
+            got = self._call("POST", "/load", {"path": str(path), "version": version})
+        except TrainingError as exc:
+            return str(exc)
+        finally:
+            path.unlink(missing_ok=True)
+        if got.get("hash") != mine or got.get("version") != version:
+            return (f"grpo.engine vllm: the engine's weights are not the trainer's after the push of weight version "
+                    f"{version} (engine hash {got.get('hash')}, version {got.get('version')}; trainer's {mine})")
+        return {"weight_hash": mine, "engine_weight_hash": got["hash"], "names": sorted(tensors),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
+               temperature: float, eos_id: int | None) -> list[list[int]]:
+        """Every rank: the completions of ``prompts`` (token ids), one per seed, sampled by the engine (rank 0
+        asks) and broadcast; an engine error is one line on every rank."""
+        answer: Any = None
+        if self.is_main:
+            try:
+                answer = self._call("POST", "/generate", {
+                    "prompts": [list(p) for p in prompts], "seeds": [int(s) for s in seeds],
+                    "temperature": temperature, "max_new_tokens": max_new_tokens, "eos_id": eos_id})["completions"]
+            except TrainingError as exc:
+                answer = str(exc)
+        answer = broadcast_object(answer)
+        if isinstance(answer, str):
+            raise TrainingError(answer)
+        return answer
