@@ -136,11 +136,13 @@ def main() -> int:
     _die_with_parent()
     try:
         engine = Engine(args)
-    except Exception as exc:  # a family this vLLM cannot load: one line, the trainer repeats it
-        import vllm
-
-        print(f"vllm_server: vLLM {vllm.__version__} cannot serve {args.model_dir}: "
-              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+    except Exception as exc:  # no vLLM, or a family this vLLM cannot load: one line, the trainer repeats it
+        try:
+            from vllm import __version__ as version
+        except ImportError:
+            version = "(not installed)"
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"vllm_server: vLLM {version} cannot serve {args.model_dir}: {type(exc).__name__}: {detail}",
               file=sys.stderr, flush=True)
         return 2
     server = HTTPServer((args.host, args.port), _handler(engine))
