@@ -8,6 +8,8 @@ prompts x 4), one pass per rollout batch, a checkpoint every 2 steps, every rewa
 * ``killed``: rank 0 stopped as it asks the engine for rollout batch 3 (weights pushed, nothing sampled), killed
   alone with SIGKILL (its engine must die with it), the rest of the job killed, then rerun: it resumes from step 2,
   pushes the restored weights to a new engine, checks them and samples rollout batches 3 and 4 again.
+
+Beside them: a LoRA run of 2 steps (the adapter pushed alone), and a run whose engine cannot start.
 """
 
 from __future__ import annotations
@@ -129,6 +131,22 @@ def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_
             same = a[key].numpy().tobytes() == b[key].numpy().tobytes() if isinstance(a[key], torch.Tensor) \
                 else a[key] == b[key]  # bytes: NaN (log-probs not recorded at one pass) equals itself
             assert same, (name, key)
+
+
+def test_a_lora_run_pushes_the_base_once_then_only_its_adapter(work, assets):
+    """``peft:``: the engine gets the base's weights at the first push, then the adapter alone (a PEFT adapter
+    folder, sampled with as a vLLM LoRA request): each later push is the adapter's bytes, its hash the engine's."""
+    from safetensors import safe_open
+
+    ckpt_train(work, assets, *ARGS, "--peft.rank", "8", "--step_scheduler.max_steps", "2", "--checkpoint.checkpoint_dir",
+               "lora", nproc=2, recipe=RECIPE)
+    rows = jsonl(work / "lora" / "training.jsonl")
+    with safe_open(str(work / "lora" / "epoch_0_step_2" / "model" / "adapter_model.safetensors"), "pt") as f:
+        adapter = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert [r["weight_version"] for r in rows] == [0, 1]
+    assert rows[0]["sync_bytes"] > 10 * adapter and rows[1]["sync_bytes"] == adapter, (rows, adapter)
+    assert all(r["weight_hash"] == r["engine_weight_hash"] for r in rows) and rows[0]["weight_hash"] != rows[1][
+        "weight_hash"]
 
 
 def test_an_engine_that_cannot_serve_the_model_is_one_line_before_training(work, assets):

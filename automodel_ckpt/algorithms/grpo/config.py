@@ -74,8 +74,6 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
 def check(cfg: Any, sizes: Any) -> None:
     """The ``grpo:`` keys against the batch and the mesh (``config.validate``)."""
     check_section(cfg.grpo, cfg.step_scheduler.global_batch_size, sizes.pp)
-    if cfg.grpo.engine == "vllm" and cfg.get("peft") is not None:
-        raise ConfigError("grpo.engine vllm: a LoRA run (peft:) is not supported yet; use grpo.engine transformers")
 
 
 SECTION = AlgorithmSection("grpo", GRPOConfig, "online RL keys (recipe: automodel_ckpt.recipes.grpo.GRPORecipe)",

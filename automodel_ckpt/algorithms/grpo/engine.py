@@ -24,9 +24,20 @@ from automodel_ckpt.errors import ConfigError, TrainingError
 
 SERVER = Path(vllm_server.__file__)
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
+ADAPTER_PREFIX = "base_model.model."  # a saved PEFT adapter's names
 #: the launcher's variables, which would make the engine's own torch.distributed join the trainer's job
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "PYTHONPATH")
+
+
+def engine_name(name: str) -> str:
+    """A parameter's name as the engine takes it: the base model's checkpoint name, or for a LoRA (PEFT) adapter's
+    weight the name a saved PEFT adapter gives it (``base_model.model.<module>.lora_A.weight``)."""
+    if ".lora_" in name:
+        module, _, rest = name.partition(".lora_")
+        kind, _adapter, leaf = rest.split(".", 2)
+        return f"{ADAPTER_PREFIX}{module}.lora_{kind}.{leaf}"
+    return name.replace(".base_layer.", ".")
 
 
 def engine_python(setting: str | None) -> Path:
@@ -66,6 +77,7 @@ class VLLMEngine:
         self.folder: Path | None = None
         self.sent: set[str] = set()  # parameters the engine holds from an earlier push (a frozen one is not resent)
         self.version, self.hash = -1, ""  # the weights the engine holds: their version and hash as pushed
+        self._adapter: Path | None = None  # the folder of the LoRA adapter the engine samples with
 
     # ------------------------------------------------------------------------------------------ process
     def start(self, model: Any, max_model_len: int) -> None:
@@ -81,8 +93,10 @@ class VLLMEngine:
         dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC")}
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's ranks share these cores
+        lora = getattr(model, "peft_config", {}).get("default")
         cmd = [str(python), str(SERVER), "--model-dir", str(self.folder), "--dtype", dtype,
-               "--max-model-len", str(max_model_len), "--port-file", str(self.folder / "port")]
+               "--max-model-len", str(max_model_len), "--port-file", str(self.folder / "port"),
+               "--lora-rank", str(lora.r if lora is not None else 0)]
         with open(self.folder / "engine.log", "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env)
@@ -154,7 +168,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         for name, param in sorted(causal_lm(model).named_parameters(), key=lambda item: item[0]):
-            name = name.replace("_orig_mod.", "")
+            name = engine_name(name.replace("_orig_mod.", ""))
             if name in self.sent and not param.requires_grad:
                 continue
             whole = param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -162,7 +176,7 @@ class VLLMEngine:
                 tensors[name] = whole.detach().cpu().contiguous()
         answer: Any = None
         if self.is_main:
-            answer = self._send(tensors, version)
+            answer = self._send(tensors, version, getattr(model, "peft_config", {}).get("default"))
         answer = broadcast_object(answer)
         if isinstance(answer, str):
             raise TrainingError(answer)
@@ -170,19 +184,33 @@ class VLLMEngine:
         self.version, self.hash = version, answer["weight_hash"]
         return Sync(answer["weight_hash"], answer["engine_weight_hash"], answer["bytes"], time.perf_counter() - t0)
 
-    def _send(self, tensors: dict[str, torch.Tensor], version: int) -> dict | str:
+    def _send(self, tensors: dict[str, torch.Tensor], version: int, lora: Any) -> dict | str:
+        """Rank 0: the base's tensors in one file, a LoRA adapter's in an adapter folder (kept until the next push:
+        the engine reads it when it first samples with it), and their hashes compared."""
         from safetensors.torch import save_file
 
         folder = self.folder or Path(tempfile.gettempdir())
         path = folder / f"weights-{os.getpid()}-{version}.safetensors"
+        adapter = folder / f"adapter-{os.getpid()}-{version}"
+        base = {k: v for k, v in tensors.items() if not k.startswith(ADAPTER_PREFIX)}
         mine = vllm_server.weights_hash(sorted(tensors.items()))
         try:
-            save_file(tensors, str(path))
-            got = self._call("POST", "/load", {"path": str(path), "version": version})
+            if base:
+                save_file(base, str(path))
+            if lora is not None:
+                lora.save_pretrained(str(adapter))  # adapter_config.json
+                save_file({k: v for k, v in tensors.items() if k.startswith(ADAPTER_PREFIX)},
+                          str(adapter / "adapter_model.safetensors"))
+            got = self._call("POST", "/load", {"path": str(path) if base else None,
+                                               "adapter": str(adapter) if lora is not None else None,
+                                               "version": version})
         except TrainingError as exc:
             return str(exc)
         finally:
             path.unlink(missing_ok=True)
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter, ignore_errors=True)
+        self._adapter = adapter if lora is not None else None
         if got.get("hash") != mine or got.get("version") != version:
             return (f"grpo.engine vllm: the engine's weights are not the trainer's after the push of weight version "
                     f"{version} (engine hash {got.get('hash')}, version {got.get('version')}; trainer's {mine})")

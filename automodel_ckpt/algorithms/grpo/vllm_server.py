@@ -5,8 +5,9 @@ only the standard library, torch, safetensors and vLLM (never ``automodel_ckpt``
 not the product's). The trainer imports ``weights_hash`` from here, so both sides hash alike. Endpoints (JSON):
 
 - ``GET /health``: ``{"vllm": version, "weight_version": n}`` once the engine is built;
-- ``POST /load`` ``{"path": a .safetensors file, "version": n}``: its tensors loaded into the engine in place,
-  answered with their ``hash`` (``weights_hash`` over what was read, name order) and the ``version``;
+- ``POST /load`` ``{"path": a .safetensors file or null, "adapter": a PEFT adapter folder or null, "version": n}``:
+  the file's tensors loaded into the engine in place, the adapter made the one every later request samples with,
+  answered with their ``hash`` (``weights_hash`` over what was read of both, name order) and the ``version``;
 - ``POST /generate`` ``{"prompts": [[ids]], "seeds": [..], "temperature", "max_new_tokens", "eos_id"}``:
   ``{"completions": [[ids]]}``, each request sampled with its own seed (vLLM's per-request ``seed``);
 - ``POST /stop``: the server ends.
@@ -55,18 +56,30 @@ class Engine:
     def __init__(self, args: argparse.Namespace) -> None:
         from vllm import LLM
 
+        lora = {"enable_lora": True, "max_lora_rank": args.lora_rank, "max_loras": 1} if args.lora_rank else {}
         self.llm = LLM(model=args.model_dir, dtype=args.dtype, skip_tokenizer_init=True, load_format="dummy",
                        max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=False,
-                       generation_config="vllm", seed=0)
+                       generation_config="vllm", seed=0, **lora)
         self.version = -1
+        self.adapter: Any = None  # the LoRARequest of the last pushed adapter
 
-    def load(self, path: str, version: int) -> dict[str, Any]:
+    def load(self, path: str | None, adapter: str | None, version: int) -> dict[str, Any]:
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            items = [(name, f.get_tensor(name)) for name in sorted(f.keys())]
+        items: list[tuple[str, torch.Tensor]] = []
+        for file in (path, adapter and os.path.join(adapter, "adapter_model.safetensors")):
+            if file:
+                with safe_open(file, framework="pt") as f:
+                    items += [(name, f.get_tensor(name)) for name in f.keys()]
+        items.sort(key=lambda item: item[0])
         digest = weights_hash(items)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+        if path:
+            base = [item for item in items if not item[0].startswith("base_model.model.")]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(base)})
+        if adapter:
+            from vllm.lora.request import LoRARequest
+
+            self.adapter = LoRARequest(f"policy-{version}", version + 2, adapter)  # a new id: never a cached one
         self.version = version
         return {"hash": digest, "version": version}
 
@@ -79,7 +92,7 @@ class Engine:
                                  stop_token_ids=[eos] if eos is not None else None, ignore_eos=eos is None,
                                  detokenize=False) for seed in req["seeds"]]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if prompts else []
         return {"completions": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
@@ -107,7 +120,7 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             try:
                 if self.path == "/load":
-                    return self._answer(200, engine.load(req["path"], int(req["version"])))
+                    return self._answer(200, engine.load(req.get("path"), req.get("adapter"), int(req["version"])))
                 if self.path == "/generate":
                     return self._answer(200, engine.generate(req))
                 if self.path == "/stop":
@@ -128,6 +141,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--port-file", required=True, help="where the chosen port is written once serving")
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters of this rank are pushed")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
