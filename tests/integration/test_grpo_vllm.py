@@ -9,7 +9,8 @@ prompts x 4), one pass per rollout batch, a checkpoint every 2 steps, every rewa
   alone with SIGKILL (its engine must die with it), the rest of the job killed, then rerun: it resumes from step 2,
   pushes the restored weights to a new engine, checks them and samples rollout batches 3 and 4 again.
 
-Beside them: a LoRA run of 2 steps (the adapter pushed alone), and a run whose engine cannot start.
+Beside them: a run whose engine is killed mid-run (restarted once), a LoRA run of 2 steps (the adapter pushed
+alone), and a run whose engine cannot start.
 """
 
 from __future__ import annotations
@@ -131,6 +132,18 @@ def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_
             same = a[key].numpy().tobytes() == b[key].numpy().tobytes() if isinstance(a[key], torch.Tensor) \
                 else a[key] == b[key]  # bytes: NaN (log-probs not recorded at one pass) equals itself
             assert same, (name, key)
+
+
+def test_an_engine_killed_mid_run_is_restarted_once_and_samples_the_same_completions(work, assets, straight):
+    """Rank 0 kills its engine (SIGKILL) as it asks for rollout batch 3: the run starts a new engine, pushes the
+    weights again, asks again with the same seeds, and every step equals the straight run's."""
+    result = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "engine_killed", "--recipe",
+                        grpo_faults.RECIPE, nproc=2, recipe=RECIPE, env={"KILL_ENGINE_IN_ROLLOUT": "3",
+                                                                          **grpo_faults.env(0, work / "never.pid")})
+    assert "restarting the engine (once), rollout batch 3 asked again" in result.output, result.output[-3000:]
+    got, want = jsonl(work / "engine_killed" / "training.jsonl"), jsonl(straight[0] / "training.jsonl")
+    assert [tuple(r[k] for k in EXACT) for r in got] == [tuple(r[k] for k in EXACT) for r in want]
+    assert got[2]["sync_bytes"] == got[0]["sync_bytes"]  # the new engine got every weight again
 
 
 def test_a_lora_run_pushes_the_base_once_then_only_its_adapter(work, assets):

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
-from automodel_ckpt.algorithms.grpo.engine import Sync, VLLMEngine
+from automodel_ckpt.algorithms.grpo.engine import EngineLost, Sync, VLLMEngine
 from automodel_ckpt.algorithms.grpo.state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
 from automodel_ckpt.config.instantiate import locate
 from automodel_ckpt.algorithms.grpo.config import GRPOConfig, check_section
@@ -31,7 +31,7 @@ from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.env import all_gather_object, all_reduce_sum
 from automodel_ckpt.distributed.fsdp import gathered_between_forwards
 from automodel_ckpt.distributed.tensor_parallel import causal_lm
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, warn
 from automodel_ckpt.training.reference import mix_into
 from automodel_ckpt.training.rewards import score
 from automodel_ckpt.training.rollout import IGNORE, advantages, clipped_loss, generate, sample_seed, \
@@ -236,6 +236,25 @@ class GRPO(Algorithm):
                             max_new_tokens=section.max_new_tokens, temperature=section.temperature,
                             eos_id=tok.eos_token_id, pad_id=pad, device=ctx.env.device, keep_going=keep_going)
 
+    def _engine_rollout(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
+        """The weights of the last optimizer step pushed (if the engine's are older) and checked, then every
+        completion of ``rows`` sampled by the engine; an engine that died or hung is restarted once and asked again,
+        with the same weights and seeds (a second loss stops the run in one line)."""
+        version = self.grpo.ppo_optimization_step
+        for attempt in (1, 2):
+            try:
+                if self.engine.version != version:
+                    self._sync = self.engine.push(self.ctx.model, version)
+                return self._engine_sample(step, rows)
+            except EngineLost as lost:
+                if attempt == 2 or not self.engine.restartable:
+                    raise
+                if self.ctx.env.is_main:
+                    warn(f"grpo.engine vllm: {lost}; restarting the engine (once), rollout batch {step} asked again "
+                         "with the same seeds")
+                self.engine.restart()
+        raise AssertionError("unreachable")
+
     def _engine_sample(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
         """Every completion of ``rows`` (prompt id, sample index), sampled by the engine (``grpo.engine vllm``): one
         request per completion, seeded as in process (``sample_seed``)."""
@@ -272,9 +291,7 @@ class GRPO(Algorithm):
         rows = [(p, i) for p in prompts for i in range(group)]
         mine = [rows[r] for r in self._share(len(rows))]
         if self.engine is not None:
-            if self.engine.version != g.ppo_optimization_step:  # the weights of the last optimizer step, checked
-                self._sync = self.engine.push(ctx.model, g.ppo_optimization_step)
-            everyone = self._engine_sample(step, rows)
+            everyone = self._engine_rollout(step, rows)
             completions = [everyone[r] for r in self._share(len(rows))]
         else:
             completions = self._sample(step, mine)

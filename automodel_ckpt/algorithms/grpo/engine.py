@@ -56,6 +56,10 @@ def engine_python(setting: str | None) -> Path:
                       "build it with `bash tools/setup.sh --with-vllm`, or set grpo.vllm.python or grpo.vllm.url")
 
 
+class EngineLost(TrainingError):
+    """The engine died, or did not answer within ``grpo.vllm.timeout``: an engine the run started is restarted once."""
+
+
 @dataclass
 class Sync:
     """One weight push: the trainer's hash of what it sent, the engine's of what it loaded, the bytes, seconds."""
@@ -75,6 +79,8 @@ class VLLMEngine:
         self.url: str | None = settings.url.rstrip("/") if settings.url else None
         self.proc: subprocess.Popen | None = None
         self.folder: Path | None = None
+        self.restartable = not settings.url  # an engine named by URL is someone else's
+        self._started_with: tuple[Any, int] | None = None
         self.sent: set[str] = set()  # parameters the engine holds from an earlier push (a frozen one is not resent)
         self.version, self.hash = -1, ""  # the weights the engine holds: their version and hash as pushed
         self._adapter: Path | None = None  # the folder of the LoRA adapter the engine samples with
@@ -83,7 +89,8 @@ class VLLMEngine:
     def start(self, model: Any, max_model_len: int) -> None:
         """Rank 0: the engine process (``vllm_server.py`` under the vLLM environment's Python, on 127.0.0.1 and a
         port it picks), built from the model's config with placeholder weights; ``ready`` waits for it."""
-        if not self.is_main or self.url:
+        self._started_with = (model, max_model_len)
+        if not self.is_main or not self.restartable:
             return
         python = engine_python(self.settings.python)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -100,7 +107,18 @@ class VLLMEngine:
         with open(self.folder / "engine.log", "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env)
+        atexit.unregister(self.close)
         atexit.register(self.close)
+
+    def restart(self) -> None:
+        """Every rank: the engine stopped (killed if it must be), started again with placeholder weights and waited
+        for; the next push sends every parameter."""
+        if self.is_main:
+            self.close()
+            self.url = None
+        self.start(*self._started_with)
+        self.ready()
+        self.sent, self.version, self.hash = set(), -1, ""
 
     def ready(self) -> None:
         """Every rank: rank 0 waits (``grpo.vllm.timeout`` seconds at most) for the engine to answer; a process that
@@ -157,7 +175,7 @@ class VLLMEngine:
             detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
             raise TrainingError(f"the vLLM engine at {self.url} answered {path} with {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
-            raise TrainingError(f"the vLLM engine at {self.url} did not answer {path}: {exc}") from None
+            raise EngineLost(f"the vLLM engine at {self.url} did not answer {path}: {exc}") from None
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -177,14 +195,12 @@ class VLLMEngine:
         answer: Any = None
         if self.is_main:
             answer = self._send(tensors, version, getattr(model, "peft_config", {}).get("default"))
-        answer = broadcast_object(answer)
-        if isinstance(answer, str):
-            raise TrainingError(answer)
+        answer = _answer(broadcast_object(answer))
         self.sent |= set(answer["names"])
         self.version, self.hash = version, answer["weight_hash"]
         return Sync(answer["weight_hash"], answer["engine_weight_hash"], answer["bytes"], time.perf_counter() - t0)
 
-    def _send(self, tensors: dict[str, torch.Tensor], version: int, lora: Any) -> dict | str:
+    def _send(self, tensors: dict[str, torch.Tensor], version: int, lora: Any) -> dict:
         """Rank 0: the base's tensors in one file, a LoRA adapter's in an adapter folder (kept until the next push:
         the engine reads it when it first samples with it), and their hashes compared."""
         from safetensors.torch import save_file
@@ -205,15 +221,16 @@ class VLLMEngine:
                                                "adapter": str(adapter) if lora is not None else None,
                                                "version": version})
         except TrainingError as exc:
-            return str(exc)
+            return _failed(exc)
         finally:
             path.unlink(missing_ok=True)
         if self._adapter is not None:
             shutil.rmtree(self._adapter, ignore_errors=True)
         self._adapter = adapter if lora is not None else None
         if got.get("hash") != mine or got.get("version") != version:
-            return (f"grpo.engine vllm: the engine's weights are not the trainer's after the push of weight version "
-                    f"{version} (engine hash {got.get('hash')}, version {got.get('version')}; trainer's {mine})")
+            return _failed(TrainingError(
+                f"grpo.engine vllm: the engine's weights are not the trainer's after the push of weight version "
+                f"{version} (engine hash {got.get('hash')}, version {got.get('version')}; trainer's {mine})"))
         return {"weight_hash": mine, "engine_weight_hash": got["hash"], "names": sorted(tensors),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
@@ -229,8 +246,16 @@ class VLLMEngine:
                     "prompts": [list(p) for p in prompts], "seeds": [int(s) for s in seeds],
                     "temperature": temperature, "max_new_tokens": max_new_tokens, "eos_id": eos_id})["completions"]
             except TrainingError as exc:
-                answer = str(exc)
-        answer = broadcast_object(answer)
-        if isinstance(answer, str):
-            raise TrainingError(answer)
-        return answer
+                answer = _failed(exc)
+        return _answer(broadcast_object(answer))
+
+
+def _failed(exc: TrainingError) -> dict[str, Any]:
+    """Rank 0's error, as every rank raises it (``_answer``)."""
+    return {"error": str(exc), "lost": isinstance(exc, EngineLost)}
+
+
+def _answer(answer: Any) -> Any:
+    if isinstance(answer, dict) and "error" in answer:
+        raise (EngineLost if answer["lost"] else TrainingError)(answer["error"])
+    return answer
