@@ -67,7 +67,9 @@ class Engine:
         from safetensors import safe_open
 
         items: list[tuple[str, torch.Tensor]] = []
-        for file in (path, adapter and os.path.join(adapter, "adapter_model.safetensors")):
+        weights = sorted(os.path.join(adapter, f) for f in os.listdir(adapter) if f.endswith(".safetensors")) \
+            if adapter else []
+        for file in [path] + weights:
             if file:
                 with safe_open(file, framework="pt") as f:
                     items += [(name, f.get_tensor(name)) for name in f.keys()]
