@@ -9,8 +9,8 @@ prompts x 4), one pass per rollout batch, a checkpoint every 2 steps, every rewa
   alone with SIGKILL (its engine must die with it), the rest of the job killed, then rerun: it resumes from step 2,
   pushes the restored weights to a new engine, checks them and samples rollout batches 3 and 4 again.
 
-Beside them: a run whose engine is killed mid-run (restarted once), a LoRA run of 2 steps (the adapter pushed
-alone), and a run whose engine cannot start.
+Beside them: a run whose engine is killed mid-run (restarted once), a run on an engine named by URL, a LoRA run
+of 2 steps (the adapter pushed alone), and a run whose engine cannot start.
 """
 
 from __future__ import annotations
@@ -146,13 +146,39 @@ def test_an_engine_killed_mid_run_is_restarted_once_and_samples_the_same_complet
     assert got[2]["sync_bytes"] == got[0]["sync_bytes"]  # the new engine got every weight again
 
 
+def test_an_engine_named_by_url_is_used_and_left_running(work, assets):
+    """``grpo.vllm.url``: an engine started by hand (the same server) gets the weights and samples; the run
+    neither starts another nor stops it."""
+    folder = work / "by_hand"
+    folder.mkdir()
+    (folder / "config.json").write_text((assets / "tiny_llama_base" / "config.json").read_text())
+    server = subprocess.Popen([str(ENGINE_PYTHON), str(REPO / "automodel_ckpt" / "algorithms" / "grpo" /
+                                                        "vllm_server.py"), "--model-dir", str(folder),
+                               "--max-model-len", "16", "--port-file", str(folder / "port")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "port").exists() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{(folder / 'port').read_text()}"
+        ckpt_train(work, assets, *ARGS, "--grpo.vllm.url", url, "--step_scheduler.max_steps", "2",
+                   "--checkpoint.checkpoint_dir", "by_url", nproc=2, recipe=RECIPE)
+        rows = jsonl(work / "by_url" / "training.jsonl")
+        assert [r["weight_version"] for r in rows] == [0, 1]
+        assert all(r["weight_hash"] == r["engine_weight_hash"] for r in rows)
+        assert server.poll() is None  # still serving
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_a_lora_run_pushes_the_base_once_then_only_its_adapter(work, assets):
     """``peft:``: the engine gets the base's weights at the first push, then the adapter alone (a PEFT adapter
     folder, sampled with as a vLLM LoRA request): each later push is the adapter's bytes, its hash the engine's."""
     from safetensors import safe_open
 
-    ckpt_train(work, assets, *ARGS, "--peft.rank", "8", "--step_scheduler.max_steps", "2", "--checkpoint.checkpoint_dir",
-               "lora", nproc=2, recipe=RECIPE)
+    ckpt_train(work, assets, *ARGS, "--peft.rank", "8", "--step_scheduler.max_steps", "2",
+               "--checkpoint.checkpoint_dir", "lora", nproc=2, recipe=RECIPE)
     rows = jsonl(work / "lora" / "training.jsonl")
     with safe_open(str(work / "lora" / "epoch_0_step_2" / "model" / "adapter_model.safetensors"), "pt") as f:
         adapter = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())

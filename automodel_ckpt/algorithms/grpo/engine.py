@@ -1,4 +1,4 @@
-"""The vLLM engine of ``grpo.engine: vllm``: its process started (or named by URL) and stopped, weights pushed and checked, rollouts sampled."""
+"""GRPO's vLLM engine (``grpo.engine: vllm``): its process started and stopped, weights pushed and checked, sampling."""
 
 from __future__ import annotations
 
