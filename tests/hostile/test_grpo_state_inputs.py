@@ -98,6 +98,18 @@ def test_the_weights_that_sampled_it_are_a_count_and_a_hash(field, value):
     refused(genuine() | {field: value}, field)
 
 
+def test_a_batch_sampled_ahead_has_taken_no_pass():
+    """``next_rollout`` (``grpo.max_staleness`` 1) is a rollout batch, checked as one, never trained on yet."""
+    batch = RolloutBatch()
+    batch.ahead = True
+    batch.expected = EXPECTED
+    batch.load_state_dict(genuine() | {"passes": 0})
+    batch = RolloutBatch()
+    batch.ahead = True
+    with pytest.raises(CheckpointError, match="'passes' is not 0 in the batch sampled ahead"):
+        batch.load_state_dict(genuine())
+
+
 def _set(key: str, at: Any, value: Any) -> Callable[[dict[str, Any]], None]:
     def tamper(state: dict[str, Any]) -> None:
         state[key][at] = value

@@ -134,6 +134,44 @@ def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_
             assert same, (name, key)
 
 
+@pytest.fixture(scope="module")
+def ahead(work: Path, assets: Path) -> tuple[Path, Path]:
+    """``grpo.max_staleness 1``: a straight run, and one whose rank 0 stops as step 4 begins (step 3 trained and
+    logged, rollout batch 4 sampled), killed there (SIGKILL) and rerun: it resumes from step 2, whose checkpoint
+    holds rollout batch 3 (sampled, not trained)."""
+    more = ("--grpo.max_staleness", "1")
+    ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead", nproc=2, recipe=RECIPE)
+    pid_file = work / "ahead_stopped.pid"
+    cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, *more, "--checkpoint.checkpoint_dir",
+           "ahead_killed", "--recipe", grpo_faults.RECIPE]
+    with open(work / "ahead_killed.log", "w") as log:
+        job = start_command(cmd, cwd=work, env=env_for(assets, step_faults.env(3, pid_file)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert step_faults.stopped(pid_file, job) is not None, (work / "ahead_killed.log").read_text()[-3000:]
+    finally:
+        kill_job(job)
+    assert [r["step"] for r in jsonl(work / "ahead_killed" / "training.jsonl")] == [1, 2, 3]
+    ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead_killed", nproc=2, recipe=RECIPE)
+    return work / "ahead", work / "ahead_killed"
+
+
+def test_sampling_a_step_ahead_lags_one_version_and_resumes_on_the_checkpointed_batch(ahead):
+    straight, rerun = ahead
+    rows = jsonl(straight / "training.jsonl")
+    assert [(r["grpo_step"], r["weight_version"], r["weight_lag"]) for r in rows] == [(1, 0, 0), (2, 0, 1), (3, 1, 1),
+                                                                                      (4, 2, 1)]
+    assert all(r["rollout_wait_seconds"] >= 0 for r in rows)
+    next_batch = torch.load(straight / "epoch_0_step_2" / layout.global_state_file("next_rollout"),
+                            weights_only=True)
+    assert (next_batch["step"], next_batch["passes"], next_batch["weight_version"]) == (3, 0, 1)
+    assert not next_batch["old_log_probs"].isnan().any()  # the engine's log-probs as sampled: the ratio's denominator
+    keys = EXACT + ("weight_lag",)
+    # the rerun trained rollout batch 3 from the checkpoint (each batch once), then batch 4 as the straight run did
+    assert [tuple(r[k] for k in keys) for r in jsonl(rerun / "training.jsonl")] == [tuple(r[k] for k in keys)
+                                                                                      for r in rows]
+
+
 def test_an_engine_killed_mid_run_is_restarted_once_and_samples_the_same_completions(work, assets, straight):
     """Rank 0 kills its engine (SIGKILL) as it asks for rollout batch 3: the run starts a new engine, pushes the
     weights again, asks again with the same seeds, and every step equals the straight run's."""

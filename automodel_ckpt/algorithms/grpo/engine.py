@@ -236,18 +236,24 @@ class VLLMEngine:
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
     # ------------------------------------------------------------------------------------------ sampling
-    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
-               temperature: float, eos_id: int | None) -> list[list[int]]:
-        """Every rank: the completions of ``prompts`` (token ids), one per seed, sampled by the engine (rank 0
-        asks) and broadcast; an engine error is one line on every rank."""
-        answer: Any = None
-        if self.is_main:
-            try:
-                answer = self._call("POST", "/generate", {
-                    "prompts": [list(p) for p in prompts], "seeds": [int(s) for s in seeds],
-                    "temperature": temperature, "max_new_tokens": max_new_tokens, "eos_id": eos_id})["completions"]
-            except TrainingError as exc:
-                answer = _failed(exc)
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], **sampling: Any) -> dict[str, Any]:
+        """Every rank: the engine's answer for ``prompts`` (token ids), one completion per seed (``request``'s
+        keywords), asked by rank 0 and broadcast; an engine error is one line on every rank."""
+        return self.collect(self.request(prompts, seeds, **sampling) if self.is_main else None)
+
+    def request(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
+                temperature: float, eos_id: int | None, log_probs: bool = False) -> dict[str, Any]:
+        """Rank 0 (in any thread): the engine's ``completions`` (and with ``log_probs`` each token's log-prob as
+        sampled), or the error as ``collect`` raises it."""
+        try:
+            return self._call("POST", "/generate", {
+                "prompts": [list(p) for p in prompts], "seeds": [int(s) for s in seeds], "temperature": temperature,
+                "max_new_tokens": max_new_tokens, "eos_id": eos_id, "log_probs": log_probs})
+        except TrainingError as exc:
+            return _failed(exc)
+
+    def collect(self, answer: dict[str, Any] | None) -> dict[str, Any]:
+        """Every rank: rank 0's answer (``request``), or its error raised."""
         return _answer(broadcast_object(answer))
 
 

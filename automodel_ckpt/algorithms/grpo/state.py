@@ -151,6 +151,7 @@ class RolloutBatch:
         self.passes = 0
         self.weight_version = 0
         self.weight_hash = ""
+        self.ahead = False  # sampled a step ahead (``next_rollout``): never trained on, so no pass taken
         self.tensors: dict[str, torch.Tensor] = {}
         self.expected: RolloutExpected | None = None
 
@@ -170,6 +171,8 @@ class RolloutBatch:
         for key in ("step", "passes"):
             if not is_count(state.get(key)):
                 raise CheckpointError(f"the GRPO rollout batch: '{key}' is not a count")
+        if self.ahead and state["passes"]:
+            raise CheckpointError("the GRPO rollout batch: 'passes' is not 0 in the batch sampled ahead (next_rollout)")
         version, digest = state.get("weight_version", 0), state.get("weight_hash", "")  # absent before engines
         if not is_count(version):
             raise CheckpointError("the GRPO rollout batch: 'weight_version' is not a count")

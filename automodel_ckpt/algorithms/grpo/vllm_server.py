@@ -8,8 +8,9 @@ not the product's). The trainer imports ``weights_hash`` from here, so both side
 - ``POST /load`` ``{"path": a .safetensors file or null, "adapter": a PEFT adapter folder or null, "version": n}``:
   the file's tensors loaded into the engine in place, the adapter made the one every later request samples with,
   answered with their ``hash`` (``weights_hash`` over what was read of both, name order) and the ``version``;
-- ``POST /generate`` ``{"prompts": [[ids]], "seeds": [..], "temperature", "max_new_tokens", "eos_id"}``:
-  ``{"completions": [[ids]]}``, each request sampled with its own seed (vLLM's per-request ``seed``);
+- ``POST /generate`` ``{"prompts": [[ids]], "seeds": [..], "temperature", "max_new_tokens", "eos_id",
+  "log_probs": bool}``: ``{"completions": [[ids]]}`` (and with ``log_probs`` each token's log-prob as sampled,
+  ``"log_probs": [[float]]``), each request sampled with its own seed (vLLM's per-request ``seed``);
 - ``POST /stop``: the server ends.
 """
 
@@ -92,10 +93,15 @@ class Engine:
         eos = req.get("eos_id")
         params = [SamplingParams(temperature=req["temperature"], max_tokens=req["max_new_tokens"], seed=seed,
                                  stop_token_ids=[eos] if eos is not None else None, ignore_eos=eos is None,
-                                 detokenize=False) for seed in req["seeds"]]
+                                 logprobs=0 if req.get("log_probs") else None, detokenize=False)
+                  for seed in req["seeds"]]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if prompts else []
-        return {"completions": [list(o.outputs[0].token_ids) for o in outputs]}
+        answer: dict[str, Any] = {"completions": [list(o.outputs[0].token_ids) for o in outputs]}
+        if req.get("log_probs"):
+            answer["log_probs"] = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                                   for o in outputs]
+        return answer
 
 
 def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
