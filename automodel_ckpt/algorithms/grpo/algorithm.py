@@ -220,7 +220,7 @@ class GRPO(EngineLoop, Algorithm):
             t0 = time.perf_counter()
             if not self._take_ahead():
                 self._make_rollout()
-            if self.grpo_cfg.max_staleness:
+            if self.grpo_cfg.get("max_staleness"):
                 self._sample_ahead()
             self._generation_seconds = time.perf_counter() - t0 - (self._sync.sync_seconds if self._sync else 0.0)
         self._train_start = time.perf_counter()
