@@ -161,7 +161,8 @@ def test_sampling_a_step_ahead_lags_one_version_and_resumes_on_the_checkpointed_
     rows = jsonl(straight / "training.jsonl")
     assert [(r["grpo_step"], r["weight_version"], r["weight_lag"]) for r in rows] == [(1, 0, 0), (2, 0, 1), (3, 1, 1),
                                                                                       (4, 2, 1)]
-    assert all(r["rollout_wait_seconds"] >= 0 for r in rows)
+    assert all(r["rollout_wait_seconds"] >= 0 and r["weight_hash"] == r["engine_weight_hash"] for r in rows)
+    assert rows[0]["weight_hash"] == rows[1]["weight_hash"]  # batches 1 and 2: both sampled by version 0
     next_batch = torch.load(straight / "epoch_0_step_2" / layout.global_state_file("next_rollout"),
                             weights_only=True)
     assert (next_batch["step"], next_batch["passes"], next_batch["weight_version"]) == (3, 0, 1)

@@ -280,7 +280,8 @@ class GRPO(EngineLoop, Algorithm):
             completions = self._sample(step, [rows[r] for r in share])
         self._fill(self.rollout, step, rows, prompts, completions)
         self.rollout.weight_version = self.grpo.ppo_optimization_step
-        self.rollout.weight_hash = self._sync.weight_hash if self._sync else (self.engine.hash if self.engine else "")
+        self.rollout.weight_hash, self.rollout.engine_hash = (self.engine.hash, self.engine.engine_hash) \
+            if self.engine else ("", "")
         t = self.rollout.tensors
         t["old_log_probs"], t["ref_log_probs"] = self._log_probs()
 

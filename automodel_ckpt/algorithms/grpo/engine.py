@@ -83,7 +83,7 @@ class VLLMEngine:
         self.restartable = not settings.url  # an engine named by URL is someone else's
         self._started_with: tuple[Any, int] | None = None
         self.sent: set[str] = set()  # parameters the engine holds from an earlier push (a frozen one is not resent)
-        self.version, self.hash = -1, ""  # the weights the engine holds: their version and hash as pushed
+        self.version, self.hash, self.engine_hash = -1, "", ""  # the weights it holds: version, hash, its own hash
         self._adapter: Path | None = None  # the folder of the LoRA adapter the engine samples with
 
     # ------------------------------------------------------------------------------------------ process
@@ -119,7 +119,7 @@ class VLLMEngine:
             self.url = None
         self.start(*self._started_with)
         self.ready()
-        self.sent, self.version, self.hash = set(), -1, ""
+        self.sent, self.version, self.hash, self.engine_hash = set(), -1, "", ""
 
     def ready(self) -> None:
         """Every rank: rank 0 waits (``grpo.vllm.timeout`` seconds at most) for the engine to answer; a process that
@@ -198,7 +198,7 @@ class VLLMEngine:
             answer = self._send(tensors, version, getattr(model, "peft_config", {}).get("default"))
         answer = _answer(broadcast_object(answer))
         self.sent |= set(answer["names"])
-        self.version, self.hash = version, answer["weight_hash"]
+        self.version, self.hash, self.engine_hash = version, answer["weight_hash"], answer["engine_weight_hash"]
         return Sync(answer["weight_hash"], answer["engine_weight_hash"], answer["bytes"], time.perf_counter() - t0)
 
     def _send(self, tensors: dict[str, torch.Tensor], version: int, lora: Any) -> dict:

@@ -18,9 +18,9 @@ class Ahead:
     prompts and the weights it is sampled with; rank 0's request runs in a thread until ``wait``."""
 
     def __init__(self, engine: VLLMEngine, step: int, rows: list[tuple[int, int]], prompts: list[int],
-                 version: int, digest: str, request: dict[str, Any] | None) -> None:
+                 version: int, request: dict[str, Any] | None) -> None:
         self.engine, self.step, self.rows, self.prompts = engine, step, rows, prompts
-        self.version, self.digest = version, digest
+        self.version, self.digest, self.engine_digest = version, engine.hash, engine.engine_hash
         self.answer: dict[str, Any] | None = None
         self.thread = threading.Thread(target=self._ask, args=(request,), daemon=True) if request else None
         if self.thread is not None:
@@ -87,8 +87,7 @@ class EngineLoop:
         self._push()
         step, rows, prompts = self._take_rollout()
         request = self._sampling(step, rows) | {"log_probs": True} if self.ctx.env.is_main else None
-        self._ahead = Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, self.engine.hash,
-                            request)
+        self._ahead = Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, request)
 
     def _finish_ahead(self) -> None:
         """After this step's optimizer step, before its save: the next rollout batch received, scored and kept as
@@ -104,7 +103,8 @@ class EngineLoop:
         for row, (start, values) in enumerate(zip(t["prompt_length"].tolist(), answer["log_probs"])):
             old[row, start:start + len(values)] = torch.tensor(values, dtype=torch.float64).clamp_max(0.0)
         t["old_log_probs"] = old
-        self.next_rollout.weight_version, self.next_rollout.weight_hash = ahead.version, ahead.digest
+        batch = self.next_rollout
+        batch.weight_version, batch.weight_hash, batch.engine_hash = ahead.version, ahead.digest, ahead.engine_digest
 
     def _take_ahead(self) -> bool:
         """The rollout batch sampled a step ahead (or restored from the checkpoint) made this step's, if one is."""
@@ -112,8 +112,8 @@ class EngineLoop:
         if ahead is None or ahead.rows == 0:
             return False
         r = self.rollout
-        r.tensors, r.step, r.passes, r.weight_version, r.weight_hash = (
-            ahead.tensors, ahead.step, ahead.passes, ahead.weight_version, ahead.weight_hash)
+        r.tensors, r.step, r.passes, r.weight_version, r.weight_hash, r.engine_hash = (
+            ahead.tensors, ahead.step, ahead.passes, ahead.weight_version, ahead.weight_hash, ahead.engine_hash)
         ahead.tensors, ahead.step, ahead.passes = {}, 0, 0
         return True
 
@@ -125,10 +125,11 @@ class EngineLoop:
         metrics: dict[str, Any] = {"weight_version": self.rollout.weight_version}
         if self.engine is None:
             return metrics
-        sync = self._sync or Sync(self.rollout.weight_hash, self.rollout.weight_hash, 0, 0.0)
+        sync = self._sync or Sync("", "", 0, 0.0)
         step = time.perf_counter() - self._train_start + self._generation_seconds + sync.sync_seconds
         metrics |= {"weight_lag": self.grpo.ppo_optimization_step - 1 - self.rollout.weight_version,
-                    "weight_hash": self.rollout.weight_hash, "engine_weight_hash": sync.engine_weight_hash,
+                    "weight_hash": self.rollout.weight_hash,
+                    "engine_weight_hash": self.rollout.engine_hash or self.rollout.weight_hash,  # restored: checked
                     "sync_bytes": sync.sync_bytes, "sync_seconds": round(sync.sync_seconds, 6),
                     "sync_ratio": round(sync.sync_seconds / step, 6) if step > 0 else 0.0}
         return metrics

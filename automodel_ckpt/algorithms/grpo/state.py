@@ -152,6 +152,7 @@ class RolloutBatch:
         self.weight_version = 0
         self.weight_hash = ""
         self.ahead = False  # sampled a step ahead (``next_rollout``): never trained on, so no pass taken
+        self.engine_hash = ""  # the engine's hash of those weights, as it answered (not saved: equal to weight_hash)
         self.tensors: dict[str, torch.Tensor] = {}
         self.expected: RolloutExpected | None = None
 
