@@ -136,9 +136,9 @@ def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_
 
 @pytest.fixture(scope="module")
 def ahead(work: Path, assets: Path) -> tuple[Path, Path]:
-    """``grpo.max_staleness 1``: a straight run, and one whose rank 0 stops as step 4 begins (step 3 trained and
-    logged, rollout batch 4 sampled), killed there (SIGKILL) and rerun: it resumes from step 2, whose checkpoint
-    holds rollout batch 3 (sampled, not trained)."""
+    """``grpo.max_staleness 1``: a straight run, and one whose rank 0 stops as step 4 trains (step 3 trained and
+    logged, rollout batch 5 being sampled ahead), killed there (SIGKILL) and rerun: it resumes from step 2, whose
+    checkpoint holds rollout batch 3 (sampled, not trained)."""
     more = ("--grpo.max_staleness", "1")
     ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead", nproc=2, recipe=RECIPE)
     pid_file = work / "ahead_stopped.pid"
