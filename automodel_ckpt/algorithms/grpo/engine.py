@@ -95,7 +95,9 @@ class VLLMEngine:
             return
         python = engine_python(self.settings.python)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _remove_orphans(Path(base or tempfile.gettempdir()))
         self.folder = Path(tempfile.mkdtemp(prefix="vllm-engine-", dir=base))
+        (self.folder / "trainer.pid").write_text(str(os.getpid()))
         lm = causal_lm(model)
         lm.config.save_pretrained(str(self.folder))  # config.json: what the engine builds
         dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
@@ -255,6 +257,18 @@ class VLLMEngine:
     def collect(self, answer: dict[str, Any] | None) -> dict[str, Any]:
         """Every rank: rank 0's answer (``request``), or its error raised."""
         return _answer(broadcast_object(answer))
+
+
+def _remove_orphans(base: Path) -> None:
+    """The engine folders of trainers that are gone (killed: nothing removed them; in /dev/shm a weights file
+    being pushed then holds memory)."""
+    for folder in base.glob("vllm-engine-*"):
+        try:
+            os.kill(int((folder / "trainer.pid").read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):  # another user's, or being made
+            pass
 
 
 def _failed(exc: TrainingError) -> dict[str, Any]:

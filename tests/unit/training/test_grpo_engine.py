@@ -1,7 +1,11 @@
 """GRPO's vLLM engine, the parts that need no vLLM: the names it takes, where its Python is found, the weights hash
-both sides compute, rank 0's errors as every rank raises them, and the ``grpo.engine`` keys' checks."""
+both sides compute, rank 0's errors as every rank raises them, the ``grpo.engine`` keys' checks, and the folders
+killed trainers left."""
 
 from __future__ import annotations
+
+import os
+import subprocess
 
 import pytest
 import torch
@@ -9,7 +13,8 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.grpo import engine
 from automodel_ckpt.algorithms.grpo.config import GRPOConfig, check_section
-from automodel_ckpt.algorithms.grpo.engine import EngineLost, _answer, _failed, engine_name, engine_python
+from automodel_ckpt.algorithms.grpo.engine import EngineLost, _answer, _failed, _remove_orphans, engine_name, \
+    engine_python
 from automodel_ckpt.algorithms.grpo.vllm_server import weights_hash
 from automodel_ckpt.errors import ConfigError, TrainingError
 
@@ -68,3 +73,16 @@ def test_the_engine_keys_are_checked_in_one_line(change, message):
         check_section(section, 8, 1)
     check_section(OmegaConf.merge(OmegaConf.structured(GRPOConfig), {"engine": "vllm"}), 8, 1)
     assert OmegaConf.structured(GRPOConfig).engine == "transformers"
+
+
+def test_the_engine_folders_of_trainers_that_are_gone_are_removed(tmp_path):
+    """A killed trainer leaves its engine folder (in /dev/shm: a weights file holds memory): the next start removes
+    it, and keeps a living trainer's and one being made (no pid yet)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name, pid in (("vllm-engine-gone", gone.pid), ("vllm-engine-mine", os.getpid())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer.pid").write_text(str(pid))
+    (tmp_path / "vllm-engine-making").mkdir()
+    _remove_orphans(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vllm-engine-making", "vllm-engine-mine"]
