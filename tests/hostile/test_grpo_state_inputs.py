@@ -85,6 +85,31 @@ def test_a_genuine_batch_loads_and_trains_as_saved():
     load({"step": 0, "passes": 0})  # before the first rollout: empty
 
 
+@pytest.mark.parametrize("field, value", [
+    ("weight_version", -1), ("weight_version", 2**62), ("weight_version", 1.5), ("weight_version", "3"),
+    ("weight_version", True), ("weight_hash", "XYZ"), ("weight_hash", "a" * 65), ("weight_hash", 7),
+    ("weight_hash", "ab\ncd")])
+def test_the_weights_that_sampled_it_are_a_count_and_a_hash(field, value):
+    """``weight_version`` and ``weight_hash`` (an engine's rollout batch, docs/rl.md): a count and a hexadecimal
+    hash, else one line; a batch saved before them loads with version 0 and no hash."""
+    batch = load(genuine() | {"weight_version": 4, "weight_hash": "0123abcd" * 2})
+    assert (batch.weight_version, batch.weight_hash) == (4, "0123abcd" * 2)
+    assert (load(genuine()).weight_version, load(genuine()).weight_hash) == (0, "")
+    refused(genuine() | {field: value}, field)
+
+
+def test_a_batch_sampled_ahead_has_taken_no_pass():
+    """``next_rollout`` (``grpo.max_staleness`` 1) is a rollout batch, checked as one, never trained on yet."""
+    batch = RolloutBatch()
+    batch.ahead = True
+    batch.expected = EXPECTED
+    batch.load_state_dict(genuine() | {"passes": 0})
+    batch = RolloutBatch()
+    batch.ahead = True
+    with pytest.raises(CheckpointError, match="'passes' is not 0 in the batch sampled ahead"):
+        batch.load_state_dict(genuine())
+
+
 def _set(key: str, at: Any, value: Any) -> Callable[[dict[str, Any]], None]:
     def tamper(state: dict[str, Any]) -> None:
         state[key][at] = value
@@ -284,7 +309,7 @@ def test_the_model_and_recipe_are_known_before_a_resume_loads():
     algorithm = GRPO.__new__(GRPO)
     algorithm.ctx = SimpleNamespace(model=model, cfg=OmegaConf.create(
         {"step_scheduler": {"global_batch_size": ROWS}, "data": {"seq_length": SEQ_LENGTH}}))
-    algorithm.grpo_cfg = OmegaConf.create({"beta": 0.0, "num_generations": GROUP})
+    algorithm.grpo_cfg = OmegaConf.create({"beta": 0.0, "num_generations": GROUP, "engine": "transformers"})
     algorithm._peft, algorithm._rewards, algorithm._prompt_ids = False, [("a", None), ("b", None)], PROMPTS
     algorithm.rollout = RolloutBatch()
     algorithm.build()

@@ -37,6 +37,23 @@ class StopInRolloutGRPO(GRPO):
             handle.remove()
 
 
+    def _engine_sample(self, step, rows):
+        """With ``grpo.engine vllm``: rank 0 stops as it is about to ask the engine for rollout batch
+        ``STOP_IN_ROLLOUT`` (the prompts taken, the weights pushed and checked, nothing sampled), or kills its
+        engine then (SIGKILL) at rollout batch ``KILL_ENGINE_IN_ROLLOUT``, once."""
+        kill = os.environ.get("KILL_ENGINE_IN_ROLLOUT")
+        if kill and step == int(kill) and self.ctx.env.is_main and not getattr(self, "_engine_killed", False):
+            self._engine_killed = True
+            self.engine.proc.kill()
+            self.engine.proc.wait()
+        stop, pid_file = os.environ.get("STOP_IN_ROLLOUT"), os.environ.get("STOP_PID_FILE")
+        if stop and pid_file and self.ctx.env.is_main and step == int(stop) and not os.path.exists(pid_file):
+            Path(pid_file + ".tmp").write_text(str(os.getpid()))
+            os.rename(pid_file + ".tmp", pid_file)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super()._engine_sample(step, rows)
+
+
 class StopAfterStepGRPORecipe(StopAfterStepRecipe):
     """``GRPORecipe`` whose rank 0 stops after step ``STOP_AFTER_STEP`` (``tests/integration/step_faults.py``) or
     mid-generation of rollout batch ``STOP_IN_ROLLOUT``."""

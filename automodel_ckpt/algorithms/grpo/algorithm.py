@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
+from automodel_ckpt.algorithms.grpo.engine import Sync, VLLMEngine
+from automodel_ckpt.algorithms.grpo.engine_loop import EngineLoop
 from automodel_ckpt.algorithms.grpo.state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
 from automodel_ckpt.config.instantiate import locate
 from automodel_ckpt.algorithms.grpo.config import GRPOConfig, check_section
@@ -95,7 +97,7 @@ class RolloutRows:
     advantages: torch.Tensor
 
 
-class GRPO(Algorithm):
+class GRPO(EngineLoop, Algorithm):
     """GRPO (``grpo:`` keys, docs/rl.md). Checkpointed beside the fine-tune's state: ``grpo`` (``GRPOCounters``),
     ``rollout`` (``RolloutBatch``) and, with ``beta`` > 0 for a full fine-tune, ``ref_model`` (the policy as the run
     started: a LoRA run's reference is its base, adapters disabled)."""
@@ -119,6 +121,11 @@ class GRPO(Algorithm):
         self.rollout = RolloutBatch()
         self._generation_seconds = 0.0
         self._train_start = 0.0
+        self.engine: VLLMEngine | None = None  # grpo.engine vllm (``build``); None: sampled in process
+        self._sync: Sync | None = None  # this step's weight push to the engine, if it made one
+        if section.max_staleness:
+            self.next_rollout = RolloutBatch()  # sampled a step ahead (checkpointed: a resume trains on it)
+            self.next_rollout.ahead = True
         self._warned = False
         self._flat = 0  # rollout batches in a row whose every advantage is 0 (``_check_signal``)
         self._orders: dict[int, torch.Tensor] = {}
@@ -138,10 +145,17 @@ class GRPO(Algorithm):
             rows=cfg.step_scheduler.global_batch_size, group=self.grpo_cfg.num_generations,
             reward_functions=len(self._rewards), vocab=vocab_rows(self.ctx.model), seq_length=cfg.data.seq_length,
             prompts=getattr(self, "_prompt_ids", []))
+        if self.grpo_cfg.get("max_staleness"):
+            self.next_rollout.expected = self.rollout.expected
+        if self.grpo_cfg.engine == "vllm":
+            self.engine = VLLMEngine(self.grpo_cfg.vllm, self.ctx.env.is_main)
+            self.engine.start(self.ctx.model, cfg.data.seq_length)  # starting while the checkpoint loads
 
     def restored(self, states: set[str]) -> None:
         """The reference: the checkpoint's, else the policy as this run starts (a ``restore_from`` SFT model)."""
         ctx = self.ctx
+        if self.engine is not None:
+            self.engine.ready()  # an engine that cannot serve this model: one line, before training
         if self._peft:
             data_parallel.build_reducer(ctx.model, ctx.forward.choice)
         if self.ref_model is None or "ref_model" in states:
@@ -201,11 +215,14 @@ class GRPO(Algorithm):
     def _next_rollout(self) -> tuple[int, list[MicroBatch]]:
         """This step's prompt epoch and micro-batches: a new rollout batch when the last one had its
         ``num_iterations`` passes, else the same one again."""
-        self._generation_seconds = 0.0
+        self._generation_seconds, self._sync = 0.0, None
         if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
             t0 = time.perf_counter()
-            self._make_rollout()
-            self._generation_seconds = time.perf_counter() - t0
+            if not self._take_ahead():
+                self._make_rollout()
+            if self.grpo_cfg.get("max_staleness"):
+                self._sample_ahead()
+            self._generation_seconds = time.perf_counter() - t0 - (self._sync.sync_seconds if self._sync else 0.0)
         self._train_start = time.perf_counter()
         return self.grpo.prompt_epoch, self._micro_batches()
 
@@ -244,17 +261,37 @@ class GRPO(Algorithm):
         columns = [score(name, fn, prompts, texts, answers, ended) for name, fn in self._rewards]
         return torch.tensor(columns, dtype=torch.float64).T.reshape(len(rows), len(columns))
 
+    def _take_rollout(self) -> tuple[int, list[tuple[int, int]], list[int]]:
+        """The next rollout batch's ``grpo_step``, rows (prompt id, sample index) and prompts (taken)."""
+        group = self.grpo_cfg.num_generations
+        prompts = self._next_prompts(self.ctx.cfg.step_scheduler.global_batch_size // group)
+        return self.grpo.grpo_step + 1, [(p, i) for p in prompts for i in range(group)], prompts
+
     def _make_rollout(self) -> None:
         """The next rollout batch: prompts taken, completions sampled (each rank its share), scored, gathered
         (the same global batch on every rank), advantages normalised per group, log-probs of the policy as
         sampled and of the reference."""
+        step, rows, prompts = self._take_rollout()
+        share = self._share(len(rows))
+        if self.engine is not None:
+            everyone = self._engine_rollout(step, rows)
+            completions = [everyone[r] for r in share]
+        else:
+            completions = self._sample(step, [rows[r] for r in share])
+        self._fill(self.rollout, step, rows, prompts, completions)
+        self.rollout.weight_version = self.grpo.ppo_optimization_step
+        self.rollout.weight_hash, self.rollout.engine_hash = (self.engine.hash, self.engine.engine_hash) \
+            if self.engine else ("", "")
+        t = self.rollout.tensors
+        t["old_log_probs"], t["ref_log_probs"] = self._log_probs()
+
+    def _fill(self, batch: RolloutBatch, step: int, rows: list[tuple[int, int]], prompts: list[int],
+              completions: list[list[int]]) -> None:
+        """``batch`` made from this rank's ``completions`` of its share of ``rows``: scored, gathered (the same
+        global batch on every rank), advantages per group; the counters moved."""
         ctx, section, g = self.ctx, self.grpo_cfg, self.grpo
         group = section.num_generations
-        prompts = self._next_prompts(ctx.cfg.step_scheduler.global_batch_size // group)
-        step = g.grpo_step + 1
-        rows = [(p, i) for p in prompts for i in range(group)]
         mine = [rows[r] for r in self._share(len(rows))]
-        completions = self._sample(step, mine)
         rewards = self._score(mine, completions)
         parts = all_gather_object((ctx.dims.tp_rank, ctx.dims.dp_rank, completions, rewards))
         parts = sorted((p for p in parts if p[0] == 0), key=lambda p: p[1])
@@ -265,8 +302,7 @@ class GRPO(Algorithm):
         total = rewards @ self._weights
         tensors["advantages"] = advantages(section.advantage, total, group, [n for n, _ in self._rewards])
         self._check_signal(tensors["advantages"])
-        self.rollout.tensors, self.rollout.step, self.rollout.passes = tensors, step, 0
-        tensors["old_log_probs"], tensors["ref_log_probs"] = self._log_probs()
+        batch.tensors, batch.step, batch.passes = tensors, step, 0
         g.grpo_step = step
         g.consumed_prompts += len(prompts)
         g.generated_completions += len(rows)
@@ -310,7 +346,7 @@ class GRPO(Algorithm):
         """One optimizer step per rollout batch (``num_iterations`` 1): that step's weights are the ones that
         sampled, so the ratio's denominator is the pass's own log-probs, detached (ratio 1, as TRL does), and the
         policy's log-probs as sampled are neither computed by a forward of their own nor needed after a save."""
-        return self.grpo_cfg.num_iterations == 1
+        return self.grpo_cfg.num_iterations == 1 and not self.grpo_cfg.get("max_staleness")
 
     @torch.no_grad()
     def _log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,11 +436,15 @@ class GRPO(Algorithm):
         self.rollout.passes += 1
         total = torch.stack(sums).sum(dim=0).cpu() if sums else torch.zeros(3, dtype=torch.float64)
         tokens, clipped, kl = self.ctx.dims.sum_over_dp(total).tolist()
-        return Numbers(loss, self._rollout_metrics() | {
+        metrics = self._rollout_metrics() | {
             "kl": kl / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0), "grpo_step": g.grpo_step,
             "ppo_optimization_step": g.ppo_optimization_step, "rollout_pass": self.rollout.passes,
             "generation_seconds": round(self._generation_seconds, 6),
-            "train_seconds": round(time.perf_counter() - self._train_start, 6)})
+            "train_seconds": round(time.perf_counter() - self._train_start, 6)} | self._engine_metrics()
+        if self._ahead is not None:  # the next rollout batch, sampled while this step trained, before the save
+            self._finish_ahead()
+            metrics["rollout_wait_seconds"] = round(self._waited, 6)
+        return Numbers(loss, metrics)
 
     def _rollout_metrics(self) -> dict[str, Any]:
         """The rollout batch's numbers (from its saved state: the same after a resume)."""

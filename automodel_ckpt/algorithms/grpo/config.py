@@ -9,8 +9,20 @@ from automodel_ckpt.config.sections import AlgorithmSection
 from automodel_ckpt.errors import ConfigError
 
 
+ENGINES = ("transformers", "vllm")  # grpo.engine
+
+
 def _default_rewards() -> List[Any]:
     return ["automodel_ckpt.training.rewards.exact_answer", "automodel_ckpt.training.rewards.digits_then_eos"]
+
+
+@dataclass
+class VLLMSettings:
+    """``grpo.vllm``: where the engine of ``grpo.engine: vllm`` runs (docs/rl.md, Engine)."""
+
+    python: Optional[str] = None  # the vLLM environment's Python (null: .venv-vllm/bin/python, here or the checkout's)
+    url: Optional[str] = None  # an engine already serving (vllm_server.py): used, not started or stopped
+    timeout: float = 600.0  # seconds the engine may take to start, or to answer one request
 
 
 @dataclass
@@ -29,6 +41,9 @@ class GRPOConfig:
     advantage: str = "normalized"  # normalized: (reward - group mean) / group std; share: reward / group total (>= 0)
     prompt_field: str = "prompt"  # the prompt column (a string)
     answer_field: str = "completion"  # the reference answer column, handed to the reward functions
+    engine: str = "transformers"  # what samples: transformers (the training model, in process) or vllm (a server)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    max_staleness: int = 0  # 0: synchronous; 1: the next rollout batch sampled (vllm) while this one trains
 
 
 def check_section(section: Any, global_batch: int, pp_size: int) -> None:
@@ -48,6 +63,16 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
 
     if section.advantage not in ADVANTAGES:
         raise ConfigError(f"grpo.advantage: {section.advantage!r} is not one of {', '.join(ADVANTAGES)}")
+    if section.engine not in ENGINES:
+        raise ConfigError(f"grpo.engine: {section.engine!r} is not one of {', '.join(ENGINES)}")
+    if section.engine == "vllm" and section.vllm.timeout <= 0:
+        raise ConfigError("grpo.vllm.timeout must be > 0 seconds")
+    if section.max_staleness not in (0, 1):
+        raise ConfigError(f"grpo.max_staleness: {section.max_staleness} is not 0 (synchronous) or 1 (one rollout "
+                          "batch sampled ahead; more are not supported yet)")
+    if section.max_staleness and (section.engine != "vllm" or section.num_iterations != 1 or section.beta != 0):
+        raise ConfigError("grpo.max_staleness 1 needs grpo.engine vllm (it samples while the trainer trains), "
+                          "grpo.num_iterations 1 and grpo.beta 0")
     if section.advantage == "share" and any(w < 0 for w in (section.reward_weights or ())):
         raise ConfigError("grpo.reward_weights: share advantages need weights >= 0 (a reward's share of its group's "
                           "total); use grpo.advantage normalized for negative weights")

@@ -141,12 +141,18 @@ class RolloutBatch:
     index, the token ids (prompt then completion, right-padded), the prompt's and the whole row's length, the
     per-token log-probs when it was sampled and the reference's, the advantage and the rewards (one column per
     reward function); and ``step`` (the ``grpo_step`` that made it) and ``passes`` (optimizer passes taken
-    over it). Empty (``rows`` 0) before the first rollout. ``expected`` (set once the model and the prompts are
-    built) is what a checkpoint's batch is checked against."""
+    over it); ``weight_version`` (optimizer steps the weights that sampled it had taken) and ``weight_hash`` (the
+    hash of those weights as pushed to the engine, checked against the engine's; "" when sampled in process).
+    Empty (``rows`` 0) before the first rollout. ``expected`` (set once the model and the prompts are built) is
+    what a checkpoint's batch is checked against."""
 
     def __init__(self) -> None:
         self.step = 0
         self.passes = 0
+        self.weight_version = 0
+        self.weight_hash = ""
+        self.ahead = False  # sampled a step ahead (``next_rollout``): never trained on, so no pass taken
+        self.engine_hash = ""  # the engine's hash of those weights, as it answered (not saved: equal to weight_hash)
         self.tensors: dict[str, torch.Tensor] = {}
         self.expected: RolloutExpected | None = None
 
@@ -155,7 +161,8 @@ class RolloutBatch:
         return len(self.tensors["input_ids"]) if self.tensors else 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "passes": self.passes, **{k: v.clone() for k, v in self.tensors.items()}}
+        return {"step": self.step, "passes": self.passes, "weight_version": self.weight_version,
+                "weight_hash": self.weight_hash, **{k: v.clone() for k, v in self.tensors.items()}}
 
     def load_state_dict(self, state: Any) -> None:
         """A checkpoint's rollout batch (untrusted): the tensors it names, each checked (``check_rollout``) against
@@ -165,12 +172,20 @@ class RolloutBatch:
         for key in ("step", "passes"):
             if not is_count(state.get(key)):
                 raise CheckpointError(f"the GRPO rollout batch: '{key}' is not a count")
+        if self.ahead and state["passes"]:
+            raise CheckpointError("the GRPO rollout batch: 'passes' is not 0 in the batch sampled ahead (next_rollout)")
+        version, digest = state.get("weight_version", 0), state.get("weight_hash", "")  # absent before engines
+        if not is_count(version):
+            raise CheckpointError("the GRPO rollout batch: 'weight_version' is not a count")
+        if not (isinstance(digest, str) and len(digest) <= 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise CheckpointError("the GRPO rollout batch: 'weight_hash' is not a hexadecimal hash")
         tensors = {k: v for k, v in state.items() if k in _TENSORS}
         if tensors and set(tensors) != set(_TENSORS):
             raise CheckpointError(f"the GRPO rollout batch lacks {sorted(set(_TENSORS) - set(tensors))}")
         if tensors:
             check_rollout(tensors, state["passes"], self.expected)
         self.step, self.passes, self.tensors = state["step"], state["passes"], tensors
+        self.weight_version, self.weight_hash = version, digest
 
 
 def _bad(key: str, what: str) -> CheckpointError:

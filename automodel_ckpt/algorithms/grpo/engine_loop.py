@@ -1,0 +1,135 @@
+"""GRPO's steps with a vLLM engine: the push before each sample, one restart, and the rollout sampled a step ahead."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from automodel_ckpt.algorithms.grpo.engine import EngineLost, Sync, VLLMEngine
+from automodel_ckpt.errors import warn
+from automodel_ckpt.training.rollout import sample_seed
+
+
+class Ahead:
+    """The next rollout batch, asked of the engine while this step trains (``grpo.max_staleness`` 1): its rows,
+    prompts and the weights it is sampled with; rank 0's request runs in a thread until ``wait``."""
+
+    def __init__(self, engine: VLLMEngine, step: int, rows: list[tuple[int, int]], prompts: list[int],
+                 version: int, request: dict[str, Any] | None) -> None:
+        self.engine, self.step, self.rows, self.prompts = engine, step, rows, prompts
+        self.version, self.digest, self.engine_digest = version, engine.hash, engine.engine_hash
+        self.answer: dict[str, Any] | None = None
+        self.thread = threading.Thread(target=self._ask, args=(request,), daemon=True) if request else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def _ask(self, request: dict[str, Any]) -> None:
+        self.answer = self.engine.request(**request)
+
+    def wait(self) -> tuple[dict[str, Any], float]:
+        """Every rank: the engine's answer (rank 0's, broadcast) and the seconds this rank waited for it."""
+        t0 = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+        return self.engine.collect(self.answer), time.perf_counter() - t0
+
+
+class EngineLoop:
+    """What ``GRPO`` does with an engine (``grpo.engine vllm``): mixed into it, its state and counters are
+    ``GRPO``'s."""
+
+    engine: VLLMEngine | None
+    _sync: Sync | None
+    _ahead: Ahead | None = None
+    _waited = 0.0
+
+    def _engine_rollout(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
+        """The weights of the last optimizer step pushed (if the engine's are older) and checked, then every
+        completion of ``rows`` sampled by the engine; an engine that died or hung is restarted once and asked again,
+        with the same weights and seeds (a second loss stops the run in one line)."""
+        for attempt in (1, 2):
+            try:
+                self._push()
+                return self._engine_sample(step, rows)
+            except EngineLost as lost:
+                if attempt == 2 or not self.engine.restartable:
+                    raise
+                if self.ctx.env.is_main:
+                    warn(f"grpo.engine vllm: {lost}; restarting the engine (once), rollout batch {step} asked again "
+                         "with the same seeds")
+                self.engine.restart()
+        raise AssertionError("unreachable")
+
+    def _push(self) -> None:
+        version = self.grpo.ppo_optimization_step
+        if self.engine.version != version:
+            self._sync = self.engine.push(self.ctx.model, version)
+
+    def _sampling(self, step: int, rows: list[tuple[int, int]]) -> dict[str, Any]:
+        ctx, section = self.ctx, self.grpo_cfg
+        return {"prompts": [self._prompt_ids[p] for p, _ in rows],
+                "seeds": [sample_seed(ctx.cfg.seed, step, p, i) for p, i in rows],
+                "max_new_tokens": section.max_new_tokens, "temperature": section.temperature,
+                "eos_id": ctx.tokenizer.eos_token_id}
+
+    def _engine_sample(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
+        """Every completion of ``rows`` (prompt id, sample index), sampled by the engine: one request per
+        completion, seeded as in process (``sample_seed``)."""
+        return self.engine.sample(**self._sampling(step, rows))["completions"]
+
+    # ---------------------------------------------------------------------------- a step ahead
+    def _sample_ahead(self) -> None:
+        """``grpo.max_staleness`` 1, as this step begins: the weights it trains from pushed, the next rollout
+        batch's prompts taken and asked of the engine; it samples while this step trains (``_finish_ahead``)."""
+        self._push()
+        step, rows, prompts = self._take_rollout()
+        request = self._sampling(step, rows) | {"log_probs": True} if self.ctx.env.is_main else None
+        self._ahead = Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, request)
+
+    def _finish_ahead(self) -> None:
+        """After this step's optimizer step, before its save: the next rollout batch received, scored and kept as
+        ``next_rollout`` with the engine's log-probs as sampled (the ratio's denominator: those weights are one
+        optimizer step behind when it is trained on)."""
+        ahead, self._ahead = self._ahead, None
+        answer, self._waited = ahead.wait()
+        everyone = answer["completions"]
+        self._fill(self.next_rollout, ahead.step, ahead.rows, ahead.prompts,
+                   [everyone[r] for r in self._share(len(ahead.rows))])
+        t = self.next_rollout.tensors
+        old = torch.zeros_like(t["old_log_probs"])
+        for row, (start, values) in enumerate(zip(t["prompt_length"].tolist(), answer["log_probs"])):
+            old[row, start:start + len(values)] = torch.tensor(values, dtype=torch.float64).clamp_max(0.0)
+        t["old_log_probs"] = old
+        batch = self.next_rollout
+        batch.weight_version, batch.weight_hash, batch.engine_hash = ahead.version, ahead.digest, ahead.engine_digest
+
+    def _take_ahead(self) -> bool:
+        """The rollout batch sampled a step ahead (or restored from the checkpoint) made this step's, if one is."""
+        ahead = getattr(self, "next_rollout", None)
+        if ahead is None or ahead.rows == 0:
+            return False
+        r = self.rollout
+        r.tensors, r.step, r.passes, r.weight_version, r.weight_hash, r.engine_hash = (
+            ahead.tensors, ahead.step, ahead.passes, ahead.weight_version, ahead.weight_hash, ahead.engine_hash)
+        ahead.tensors, ahead.step, ahead.passes = {}, 0, 0
+        return True
+
+    def _engine_metrics(self) -> dict[str, Any]:
+        """The weights that sampled the rollout batch: their version (optimizer steps taken), and with an engine
+        their lag behind the weights trained, their hash as pushed, the engine's of what it loaded (equal, or the
+        push stopped the run) and this step's push (bytes, seconds and share of the step: 0 at a step that pushed
+        nothing)."""
+        metrics: dict[str, Any] = {"weight_version": self.rollout.weight_version}
+        if self.engine is None:
+            return metrics
+        sync = self._sync or Sync("", "", 0, 0.0)
+        step = time.perf_counter() - self._train_start + self._generation_seconds + sync.sync_seconds
+        metrics |= {"weight_lag": self.grpo.ppo_optimization_step - 1 - self.rollout.weight_version,
+                    "weight_hash": self.rollout.weight_hash,
+                    "engine_weight_hash": self.rollout.engine_hash or self.rollout.weight_hash,  # restored: checked
+                    "sync_bytes": sync.sync_bytes, "sync_seconds": round(sync.sync_seconds, 6),
+                    "sync_ratio": round(sync.sync_seconds / step, 6) if step > 0 else 0.0}
+        return metrics
