@@ -36,6 +36,7 @@ TAG = re.compile(r"global_step\d+")
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 MODEL_STATES = "mp_rank_00_model_states.pt"  # stage 1 and 2
 ZERO3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")  # a pipeline engine's layers
 MAX_RANKS = 1 << 16
 MODULES = ("deepspeed.",)  # the only objects its pickles may name (as inert records)
 _ALIEN = "which a DeepSpeed checkpoint does not hold"
@@ -78,6 +79,9 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                      folder.is_symlink() else "it is missing: a torn save folder (its latest names no tag folder)")
     trainer = src if os.path.lexists(src / hf_trainer.TRAINER_STATE) else None
     files = set(os.listdir(folder))
+    layer = min((n for n in files if LAYER.fullmatch(n)), default=None)
+    if layer:
+        raise refuse(folder / layer, "a pipeline stage's layers: pipeline parallel runs are not imported")
     optim = _rank_files(folder, files)
     sizes = []
     for name in optim:
@@ -97,7 +101,9 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     if not isinstance(model, dict) or not isinstance(model.get("param_shapes"), list):
         raise refuse(folder / model_name, "not DeepSpeed's model states (no param_shapes)")
     if model.get("frozen_param_shapes"):
-        raise refuse(folder / model_name, "it has frozen parameters, whose fragments the import does not carry")
+        raise refuse(folder / model_name, "it has frozen parameters (a LoRA or PEFT adapter's base, or parameters "
+                                          "without requires_grad), which the optimizer partitions do not hold: "
+                                          "runs that train every parameter are imported")
     shapes = _shapes(model["param_shapes"], folder / model_name)
     weights, moments, hypers = (_zero12 if stage < 3 else _zero3)(states, shapes, folder, optim)
     slot_names = [n for group in shapes for n, _ in group]

@@ -435,6 +435,17 @@ def ds_missing(rank: int):
     return tamper
 
 
+def ds_frozen(states: dict) -> None:
+    """The model states with a frozen parameter, as a LoRA run's base is (out of the optimizer's partitions)."""
+    states["frozen_param_shapes"] = {"model.norm.weight": torch_size((MODEL["hidden_size"],))}
+
+
+def copied(rel: str, to: str):
+    def tamper(src: Path, outside: Outside) -> None:
+        shutil.copyfile(src / rel, src / to)
+    return tamper
+
+
 def ds_latest(tag: str):
     def tamper(src: Path, outside: Outside) -> None:
         (src / "latest").write_text(tag)
@@ -650,6 +661,12 @@ DEEPSPEED = {
     "DeepSpeed's rank 0 missing": ("deepspeed", ds_missing(0), ["no rank 0's optimizer partition"]),
     "DeepSpeed's latest naming no folder": ("deepspeed", ds_latest("global_step9"), ["global_step9", "torn"]),
     "DeepSpeed's latest naming a path out": ("deepspeed", ds_latest("../../outside"), ["latest", "not a tag folder"]),
+    "a DeepSpeed run with frozen parameters": ("deepspeed", pickled(DS_MODEL, ds_frozen),
+                                                ["model_states.pt", "frozen parameters", "LoRA"]),
+    "a tensor-parallel DeepSpeed rank": ("deepspeed", copied(DS_RANK.format(0), f"{DS_TAG}/zero_pp_rank_0_mp_rank_01_"
+                                                         "optim_states.pt"), ["mp_rank_01", "tensor or pipeline"]),
+    "a pipeline-parallel DeepSpeed layer": ("deepspeed", copied(DS_MODEL, f"{DS_TAG}/layer_01-model_00-model_states"
+                                                               ".pt"), ["layer_01-model_00", "pipeline parallel"]),
 }
 TT_SHARD = f"{TT_STEP}/{SHARD}"
 TORCHTITAN = {
