@@ -28,7 +28,7 @@ from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, SMALL_PICKLE, ForeignRun, Limits,
                                            Schedule, count, finite, load_inert, load_pickle, load_record, number,
                                            plain, read_bytes, read_json, refuse, rows_in_order)
-from automodel_ckpt.ondisk import path_inside, regular_file_problem
+from automodel_ckpt.ondisk import LAYOUT, SMALL_FILE_LIMIT, path_inside, regular_file_problem
 from automodel_ckpt.shown import shown_value
 
 LATEST = "latest"
@@ -100,11 +100,8 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     model = _load(folder / model_name, "DeepSpeed's model states", limits.weights)
     if not isinstance(model, dict) or not isinstance(model.get("param_shapes"), list):
         raise refuse(folder / model_name, "not DeepSpeed's model states (no param_shapes)")
-    if model.get("frozen_param_shapes"):
-        raise refuse(folder / model_name, "it has frozen parameters (a LoRA or PEFT adapter's base, or parameters "
-                                          "without requires_grad), which the optimizer partitions do not hold: "
-                                          "runs that train every parameter are imported")
-    shapes = _shapes(model["param_shapes"], folder / model_name)
+    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), folder / model_name)
+    shapes = _shapes(model["param_shapes"], folder / model_name, adapter_config is not None)
     weights, moments, hypers = (_zero12 if stage < 3 else _zero3)(states, shapes, folder, optim)
     slot_names = [n for group in shapes for n, _ in group]
     opt = {"state": dict(enumerate(moments)),
@@ -127,14 +124,16 @@ def read(src: Path, limits: Limits) -> ForeignRun:
         rng, log, epoch_float = None, [], None
         notes.append("DeepSpeed records no data position nor random generators' state: the run is taken to read "
                      f"the recipe's rows in order, {batch} a step, and the recipe's seed starts the generators")
-    module = model.get("module") if stage < 3 else None
+    module = model.get("module") if stage < 3 and adapter_config is None else None
     module = {k: v for k, v in module.items() if isinstance(k, str) and isinstance(v, torch.Tensor) and k in weights} \
         if isinstance(module, dict) else None
     kind = f"DeepSpeed ZeRO-{stage} checkpoint (step {step}, {world} ranks)"
-    return ForeignRun(kind=kind, weights=weights, adapter=False, moments=moments_out, groups=groups,
+    return ForeignRun(kind=kind, weights=weights, adapter=adapter_config is not None, moments=moments_out,
+                      groups=groups,
                       order=names.slot_order(slot_names, where), schedule=schedule, step=step, position=position,
                       global_batch=batch, world_size=world, rng=rng, log=log, notes=notes, epoch_float=epoch_float,
-                      module_weights=module if module and len(module) == len(weights) else None)
+                      module_weights=module if module and len(module) == len(weights) else None,
+                      adapter_config=adapter_config)
 
 
 class DeepSpeedSource(ImportSource):
@@ -199,7 +198,21 @@ def _stage(states: list[Any], where: Path) -> int:
     return stages.pop()
 
 
-def _shapes(param_shapes: list[Any], where: Path) -> list[list[tuple[str, torch.Size]]]:
+def _adapter_config(trainer: Path | None, frozen: Any, where: Path) -> dict | None:
+    """A PEFT run's adapter config: the HF Trainer's ``adapter_config.json`` beside the tag folder (its partitions
+    and model states hold the adapter alone, the Trainer saving without the frozen base, which the recipe's model
+    brings). Other frozen parameters (``frozen_param_shapes``) are refused."""
+    if trainer is not None and os.path.lexists(trainer / LAYOUT.ADAPTER_CONFIG):
+        return read_json(trainer / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
+    if frozen:
+        raise refuse(where, "it has frozen parameters, which the optimizer partitions do not hold, and no "
+                            f"{LAYOUT.ADAPTER_CONFIG} beside it: only a PEFT adapter's frozen base (the HF Trainer's "
+                            "PEFT run) is imported, from the recipe's model")
+    return None
+
+
+def _shapes(param_shapes: list[Any], where: Path, adapter: bool) -> list[list[tuple[str, torch.Size]]]:
+    """Each param group's names and shapes (an adapter's without PEFT's adapter segment, as it saves them)."""
     out = []
     for group in param_shapes:
         if not isinstance(group, dict):
@@ -209,7 +222,7 @@ def _shapes(param_shapes: list[Any], where: Path) -> list[list[tuple[str, torch.
             if not isinstance(name, str) or not isinstance(shape, (torch.Size, tuple, list)) or \
                     not all(isinstance(d, int) and 0 <= d < 2**40 for d in shape):
                 raise refuse(where, f"its param_shapes hold {shown_value(name)}, not a named shape")
-            pairs.append((name, torch.Size(shape)))
+            pairs.append((names.without_adapter(name) if adapter else name, torch.Size(shape)))
         out.append(pairs)
     return out
 

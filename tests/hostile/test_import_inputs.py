@@ -662,7 +662,7 @@ DEEPSPEED = {
     "DeepSpeed's latest naming no folder": ("deepspeed", ds_latest("global_step9"), ["global_step9", "torn"]),
     "DeepSpeed's latest naming a path out": ("deepspeed", ds_latest("../../outside"), ["latest", "not a tag folder"]),
     "a DeepSpeed run with frozen parameters": ("deepspeed", pickled(DS_MODEL, ds_frozen),
-                                                ["model_states.pt", "frozen parameters", "LoRA"]),
+                                                ["model_states.pt", "frozen parameters", "adapter_config.json"]),
     "a tensor-parallel DeepSpeed rank": ("deepspeed", copied(DS_RANK.format(0), f"{DS_TAG}/zero_pp_rank_0_mp_rank_01_"
                                                          "optim_states.pt"), ["mp_rank_01", "tensor or pipeline"]),
     "a pipeline-parallel DeepSpeed layer": ("deepspeed", copied(DS_MODEL, f"{DS_TAG}/layer_01-model_00-model_states"

@@ -23,8 +23,8 @@ PLAIN = "{_target_: automodel_ckpt.training.lr.constant_after_warmup, warmup_ste
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory, assets):
     """Each stage's run, made when a test first asks for it (its save folder ``ds/``, ``reference.json``,
-    ``logits.pt``; stage ``trainer``: the HF Trainer's ``trainer/checkpoint-6/`` in place of ``ds/``), and the
-    recipe of its rows."""
+    ``logits.pt``; ``trainer``, ``trainer-lora``: the HF Trainer's ``trainer/checkpoint-6/`` in place of ``ds/``),
+    and the recipe of its rows."""
     folder = tmp_path_factory.mktemp("deepspeed")
     recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR)
     recipe.write_text(recipe.read_text().replace("global_batch_size: 8", f"global_batch_size: {dsr.BATCH}")
@@ -82,22 +82,24 @@ def _ours(checkpoint: Path) -> tuple[dict, dict]:
     return weights, torch.load(checkpoint.parent / "optim.pt", weights_only=True)["state"]
 
 
-def _imported_bitwise(tmp_path: Path, assets: Path, source: Path, recipe: Path, logits_file: Path) -> str:
+def _imported_bitwise(tmp_path: Path, assets: Path, source: Path, recipe: Path, logits_file: Path,
+                      lora: bool = False) -> str:
     """``ckpt-train import --check`` of ``source`` (its ``global_step6/``, or the folder holding it): the weights and
     every moment bitwise DeepSpeed's own ``zero_to_fp32`` reading of its partitions, the logits round trip exact
-    (the source's model's, ``logits_file``); the import's output."""
+    (the source's model's, ``logits_file``; ``lora``: a PEFT model's, the recipe's base under the adapter); the
+    import's output. Names are compared without PEFT's adapter segment, as it saves an adapter."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from automodel_ckpt.interop.check import probe_inputs
+    from automodel_ckpt.interop.names import without_adapter as plain
 
     done = run_command([CKPT_TRAIN, "import", str(source), str(recipe), "--out", "run", "--check"],
                        cwd=tmp_path, env=env_for(assets), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "largest difference 0, bitwise equal" in done.stdout, done.stdout
     checkpoint = tmp_path / "run" / "epoch_0_step_6"
-    weights, state = _ours(checkpoint)
-    theirs = _deepspeed_own(source / "global_step6")
+    weights, state = (_plain(d) for d in _ours(checkpoint))
+    theirs = {kind: _plain(d) for kind, d in _deepspeed_own(source / "global_step6").items()}
     assert sorted(weights) == sorted(theirs["weights"]) == sorted(state)
     for name, tensor in theirs["weights"].items():
         assert torch.equal(weights[name], tensor), name
@@ -105,12 +107,19 @@ def _imported_bitwise(tmp_path: Path, assets: Path, source: Path, recipe: Path, 
             assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
         assert float(state[name]["step"]) == 6.0
     # the logits round trip: the imported weights in the model give the source's model's logits, bitwise
-    model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
-    model.load_state_dict(weights)
+    model = ft.source_model(assets, lora)
+    ours = {plain(n): n for n in model.state_dict()}
+    model.load_state_dict({ours[k]: v for k, v in weights.items()}, strict=not lora)
     with torch.no_grad():
         logits = model(input_ids=probe_inputs(model.config.vocab_size)).logits
     assert torch.equal(logits, torch.load(logits_file))
     return done.stdout
+
+
+def _plain(named: dict) -> dict:
+    from automodel_ckpt.interop.names import without_adapter
+
+    return {without_adapter(k): v for k, v in named.items()}
 
 
 def _continued(tmp_path: Path, assets: Path, reference: dict, nproc: int) -> dict[int, dict]:
@@ -158,3 +167,17 @@ def test_an_hf_trainer_run_under_deepspeed_continues_here(tmp_path, assets, ds_r
         assert f"run/recipe.yaml: {line} (the source's)" in out, out
     records = _continued(tmp_path, assets, json.loads((source / "reference.json").read_text()), 1)
     assert records[7]["sample_ids"] == list(range(72, 84))  # the rows the Trainer takes next
+
+
+def test_an_hf_trainer_lora_run_under_deepspeed_continues_here(tmp_path, assets, ds_runs):
+    """A PEFT LoRA run of the HF Trainer under DeepSpeed (ZeRO-2): the Trainer saves it without the frozen base, so
+    its partitions and model states hold the adapter alone, its adapter_config.json beside them. The adapter, its
+    moments and the Trainer's schedule come along; the base is the recipe's model's."""
+    run, recipe = ds_runs
+    source = run("trainer-lora")
+    lora = tmp_path / "lora.yaml"
+    lora.write_text(recipe.read_text() + ft.LORA)
+    out = _imported_bitwise(tmp_path, assets, source / "trainer" / "checkpoint-6", lora, source / "logits.pt",
+                            lora=True)
+    assert "Imported DeepSpeed ZeRO-2 checkpoint (step 6, 2 ranks) as run/epoch_0_step_6 (step 6, epoch 0, 72" in out
+    _continued(tmp_path, assets, json.loads((source / "reference.json").read_text()), 1)
