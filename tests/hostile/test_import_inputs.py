@@ -279,9 +279,9 @@ def test_the_genuine_sources_are_read(sources):
 
 
 def link_out(rel: str):
-    """``rel`` a symlink to the file outside."""
+    """``rel`` a symlink to the file outside (in its place, or beside the others)."""
     def tamper(src: Path, outside: Outside) -> None:
-        (src / rel).unlink()
+        (src / rel).unlink(missing_ok=True)
         os.symlink(outside.secret, src / rel)
     return tamper
 
@@ -661,6 +661,8 @@ DEEPSPEED = {
     "DeepSpeed's rank 0 missing": ("deepspeed", ds_missing(0), ["no rank 0's optimizer partition"]),
     "DeepSpeed's latest naming no folder": ("deepspeed", ds_latest("global_step9"), ["global_step9", "torn"]),
     "DeepSpeed's latest naming a path out": ("deepspeed", ds_latest("../../outside"), ["latest", "not a tag folder"]),
+    "a DeepSpeed PEFT run's adapter config linked outside": ("deepspeed-trainer", link_out("adapter_config.json"),
+                                                              ["adapter_config.json", "symlink"]),
     "a DeepSpeed run with frozen parameters": ("deepspeed", pickled(DS_MODEL, ds_frozen),
                                                 ["model_states.pt", "frozen parameters", "adapter_config.json"]),
     "a tensor-parallel DeepSpeed rank": ("deepspeed", copied(DS_RANK.format(0), f"{DS_TAG}/zero_pp_rank_0_mp_rank_01_"
