@@ -64,6 +64,7 @@ def trainer_main(recipe: Path, assets: Path, out: Path, lora: bool = False) -> N
             save_steps=SAVED_AT, save_strategy="steps", learning_rate=LR, lr_scheduler_type="linear", warmup_steps=2,
             weight_decay=DECAY, adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, report_to=[], seed=42,
             train_sampling_strategy="sequential", disable_tqdm=True, deepspeed=zero2, use_cpu=True)
+        torch.manual_seed(0)  # a LoRA adapter's initial values, the same in every run
         return Trainer(model=source_model(assets, lora), args=args, train_dataset=rows,
                        data_collator=default_data_collator, callbacks=[Logits()])
 
