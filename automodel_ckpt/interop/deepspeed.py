@@ -100,8 +100,10 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     model = _load(folder / model_name, "DeepSpeed's model states", limits.weights)
     if not isinstance(model, dict) or not isinstance(model.get("param_shapes"), list):
         raise refuse(folder / model_name, "not DeepSpeed's model states (no param_shapes)")
-    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), folder / model_name)
-    shapes = _shapes(model["param_shapes"], folder / model_name, adapter_config is not None)
+    shapes = _shapes(model["param_shapes"], folder / model_name)
+    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), shapes, folder / model_name)
+    if adapter_config is not None:  # PEFT's names of the adapter, without its segment as it saves them
+        shapes = [[(names.without_adapter(n), shape) for n, shape in group] for group in shapes]
     weights, moments, hypers = (_zero12 if stage < 3 else _zero3)(states, shapes, folder, optim)
     slot_names = [n for group in shapes for n, _ in group]
     opt = {"state": dict(enumerate(moments)),
@@ -198,21 +200,23 @@ def _stage(states: list[Any], where: Path) -> int:
     return stages.pop()
 
 
-def _adapter_config(trainer: Path | None, frozen: Any, where: Path) -> dict | None:
+def _adapter_config(trainer: Path | None, frozen: Any, shapes: list[list[tuple[str, torch.Size]]],
+                    where: Path) -> dict | None:
     """A PEFT run's adapter config: the HF Trainer's ``adapter_config.json`` beside the tag folder (its partitions
     and model states hold the adapter alone, the Trainer saving without the frozen base, which the recipe's model
-    brings). Other frozen parameters (``frozen_param_shapes``) are refused."""
+    brings). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
     if trainer is not None and os.path.lexists(trainer / LAYOUT.ADAPTER_CONFIG):
         return read_json(trainer / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
-    if frozen:
-        raise refuse(where, "it has frozen parameters, which the optimizer partitions do not hold, and no "
-                            f"{LAYOUT.ADAPTER_CONFIG} beside it: only a PEFT adapter's frozen base (the HF Trainer's "
-                            "PEFT run) is imported, from the recipe's model")
+    lora = next((n for group in shapes for n, _ in group if ".lora_" in n), None)
+    if frozen or lora:
+        raise refuse(where, f"it has {'frozen parameters' if frozen else repr(lora)[:200]} and no "
+                            f"{LAYOUT.ADAPTER_CONFIG} beside it: the optimizer partitions hold no frozen parameter, "
+                            "and only the HF Trainer's PEFT run (its adapter config beside the tag folder) is imported "
+                            "as an adapter, on the recipe's model")
     return None
 
 
-def _shapes(param_shapes: list[Any], where: Path, adapter: bool) -> list[list[tuple[str, torch.Size]]]:
-    """Each param group's names and shapes (an adapter's without PEFT's adapter segment, as it saves them)."""
+def _shapes(param_shapes: list[Any], where: Path) -> list[list[tuple[str, torch.Size]]]:
     out = []
     for group in param_shapes:
         if not isinstance(group, dict):
@@ -222,7 +226,7 @@ def _shapes(param_shapes: list[Any], where: Path, adapter: bool) -> list[list[tu
             if not isinstance(name, str) or not isinstance(shape, (torch.Size, tuple, list)) or \
                     not all(isinstance(d, int) and 0 <= d < 2**40 for d in shape):
                 raise refuse(where, f"its param_shapes hold {shown_value(name)}, not a named shape")
-            pairs.append((names.without_adapter(name) if adapter else name, torch.Size(shape)))
+            pairs.append((name, torch.Size(shape)))
         out.append(pairs)
     return out
 

@@ -440,6 +440,13 @@ def ds_frozen(states: dict) -> None:
     states["frozen_param_shapes"] = {"model.norm.weight": torch_size((MODEL["hidden_size"],))}
 
 
+def ds_lora(states: dict) -> None:
+    """The model states naming a LoRA weight, as a bare engine's PEFT model saved without its frozen base does."""
+    shapes = states["param_shapes"][0]
+    name = next(iter(shapes))
+    shapes["model.layers.0.self_attn.q_proj.lora_A.default.weight"] = shapes.pop(name)
+
+
 def copied(rel: str, to: str):
     def tamper(src: Path, outside: Outside) -> None:
         shutil.copyfile(src / rel, src / to)
@@ -665,6 +672,9 @@ DEEPSPEED = {
                                                               ["adapter_config.json", "symlink"]),
     "a DeepSpeed run with frozen parameters": ("deepspeed", pickled(DS_MODEL, ds_frozen),
                                                 ["model_states.pt", "frozen parameters", "adapter_config.json"]),
+    "a bare DeepSpeed engine's LoRA run": ("deepspeed", pickled(DS_MODEL, ds_lora),
+                                           ["'model.layers.0.self_attn.q_proj.lora_A.default.weight'",
+                                            "adapter_config.json"]),
     "a tensor-parallel DeepSpeed rank": ("deepspeed", copied(DS_RANK.format(0), f"{DS_TAG}/zero_pp_rank_0_mp_rank_01_"
                                                          "optim_states.pt"), ["mp_rank_01", "tensor or pipeline"]),
     "a pipeline-parallel DeepSpeed layer": ("deepspeed", copied(DS_MODEL, f"{DS_TAG}/layer_01-model_00-model_states"
