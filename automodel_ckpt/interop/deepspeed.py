@@ -9,7 +9,9 @@ its partition of the fp32 master weights and of AdamW's two moments. The partiti
 is never called on a source): stage 1 and 2 flatten each param group and cut it into equal parts, one a rank; stage
 3 cuts each parameter into equal parts. Every file is a regular file of the folder, reached without following a
 link, bounded by the recipe's model before it is read, and unpickled with ``weights_only=True``, DeepSpeed's own
-objects in it (its loss scaler, an enum, a namedtuple) as inert records (``source.load_inert``).
+objects in it (its loss scaler, an enum, a namedtuple) as inert records (``source.load_inert``). The HF Trainer's PEFT
+run (``adapter_config.json`` beside the tag folder) holds its adapter alone and comes in as one; other frozen
+parameters, and tensor or pipeline parallel ranks, are refused.
 """
 
 from __future__ import annotations
