@@ -9,7 +9,9 @@ its partition of the fp32 master weights and of AdamW's two moments. The partiti
 is never called on a source): stage 1 and 2 flatten each param group and cut it into equal parts, one a rank; stage
 3 cuts each parameter into equal parts. Every file is a regular file of the folder, reached without following a
 link, bounded by the recipe's model before it is read, and unpickled with ``weights_only=True``, DeepSpeed's own
-objects in it (its loss scaler, an enum, a namedtuple) as inert records (``source.load_inert``).
+objects in it (its loss scaler, an enum, a namedtuple) as inert records (``source.load_inert``). The HF Trainer's PEFT
+run (``adapter_config.json`` beside the tag folder) holds its adapter alone and comes in as one; other frozen
+parameters, and tensor or pipeline parallel ranks, are refused.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, SMALL_PICKLE, ForeignRun, Limits,
                                            Schedule, count, finite, load_inert, load_pickle, load_record, number,
                                            plain, read_bytes, read_json, refuse, rows_in_order)
-from automodel_ckpt.ondisk import path_inside, regular_file_problem
+from automodel_ckpt.ondisk import LAYOUT, SMALL_FILE_LIMIT, path_inside, regular_file_problem
 from automodel_ckpt.shown import shown_value
 
 LATEST = "latest"
@@ -36,6 +38,7 @@ TAG = re.compile(r"global_step\d+")
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 MODEL_STATES = "mp_rank_00_model_states.pt"  # stage 1 and 2
 ZERO3_MODEL_STATES = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")  # a pipeline engine's layers
 MAX_RANKS = 1 << 16
 MODULES = ("deepspeed.",)  # the only objects its pickles may name (as inert records)
 _ALIEN = "which a DeepSpeed checkpoint does not hold"
@@ -78,6 +81,9 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                      folder.is_symlink() else "it is missing: a torn save folder (its latest names no tag folder)")
     trainer = src if os.path.lexists(src / hf_trainer.TRAINER_STATE) else None
     files = set(os.listdir(folder))
+    layer = min((n for n in files if LAYER.fullmatch(n)), default=None)
+    if layer:
+        raise refuse(folder / layer, "a pipeline stage's layers: pipeline parallel runs are not imported")
     optim = _rank_files(folder, files)
     sizes = []
     for name in optim:
@@ -96,9 +102,10 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     model = _load(folder / model_name, "DeepSpeed's model states", limits.weights)
     if not isinstance(model, dict) or not isinstance(model.get("param_shapes"), list):
         raise refuse(folder / model_name, "not DeepSpeed's model states (no param_shapes)")
-    if model.get("frozen_param_shapes"):
-        raise refuse(folder / model_name, "it has frozen parameters, whose fragments the import does not carry")
     shapes = _shapes(model["param_shapes"], folder / model_name)
+    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), shapes, folder / model_name)
+    if adapter_config is not None:  # PEFT's names of the adapter, without its segment as it saves them
+        shapes = [[(names.without_adapter(n), shape) for n, shape in group] for group in shapes]
     weights, moments, hypers = (_zero12 if stage < 3 else _zero3)(states, shapes, folder, optim)
     slot_names = [n for group in shapes for n, _ in group]
     opt = {"state": dict(enumerate(moments)),
@@ -121,14 +128,16 @@ def read(src: Path, limits: Limits) -> ForeignRun:
         rng, log, epoch_float = None, [], None
         notes.append("DeepSpeed records no data position nor random generators' state: the run is taken to read "
                      f"the recipe's rows in order, {batch} a step, and the recipe's seed starts the generators")
-    module = model.get("module") if stage < 3 else None
+    module = model.get("module") if stage < 3 and adapter_config is None else None
     module = {k: v for k, v in module.items() if isinstance(k, str) and isinstance(v, torch.Tensor) and k in weights} \
         if isinstance(module, dict) else None
     kind = f"DeepSpeed ZeRO-{stage} checkpoint (step {step}, {world} ranks)"
-    return ForeignRun(kind=kind, weights=weights, adapter=False, moments=moments_out, groups=groups,
+    return ForeignRun(kind=kind, weights=weights, adapter=adapter_config is not None, moments=moments_out,
+                      groups=groups,
                       order=names.slot_order(slot_names, where), schedule=schedule, step=step, position=position,
                       global_batch=batch, world_size=world, rng=rng, log=log, notes=notes, epoch_float=epoch_float,
-                      module_weights=module if module and len(module) == len(weights) else None)
+                      module_weights=module if module and len(module) == len(weights) else None,
+                      adapter_config=adapter_config)
 
 
 class DeepSpeedSource(ImportSource):
@@ -191,6 +200,22 @@ def _stage(states: list[Any], where: Path) -> int:
         raise refuse(where, f"its partitions were cut for {max(worlds)} ranks and it holds {len(states)} rank files: "
                             "a rank file is missing")
     return stages.pop()
+
+
+def _adapter_config(trainer: Path | None, frozen: Any, shapes: list[list[tuple[str, torch.Size]]],
+                    where: Path) -> dict | None:
+    """A PEFT run's adapter config: the HF Trainer's ``adapter_config.json`` beside the tag folder (its partitions
+    and model states hold the adapter alone, the Trainer saving without the frozen base, which the recipe's model
+    brings). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
+    if trainer is not None and os.path.lexists(trainer / LAYOUT.ADAPTER_CONFIG):
+        return read_json(trainer / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
+    lora = next((n for group in shapes for n, _ in group if ".lora_" in n), None)
+    if frozen or lora:
+        raise refuse(where, f"it has {'frozen parameters' if frozen else repr(lora)[:200]} and no "
+                            f"{LAYOUT.ADAPTER_CONFIG} beside it: the optimizer partitions hold no frozen parameter, "
+                            "and only the HF Trainer's PEFT run (its adapter config beside the tag folder) is imported "
+                            "as an adapter, on the recipe's model")
+    return None
 
 
 def _shapes(param_shapes: list[Any], where: Path) -> list[list[tuple[str, torch.Size]]]:

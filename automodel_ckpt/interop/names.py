@@ -45,7 +45,7 @@ def module_order(model: nn.Module) -> list[str]:
     return trainable(model)
 
 
-def _plain(name: str) -> str:
+def without_adapter(name: str) -> str:
     """A name without the PEFT adapter's segment (``...lora_A.default.weight`` -> ``...lora_A.weight``)."""
     return name.replace(f".{ADAPTER}.", ".")
 
@@ -55,7 +55,7 @@ def match_weights(model: nn.Module, theirs: list[str], where: Any, *, adapter: b
     an adapter's, every trainable one. Leftovers either way are refused by name. Their names may carry one prefix
     (a Lightning module's attribute) that ours lack."""
     ours = trainable(model) if adapter else [n for n, _ in model.named_parameters()]
-    by_plain = {_plain(n): n for n in ours}
+    by_plain = {without_adapter(n): n for n in ours}
     prefix = _prefix(list(by_plain), theirs)
     mapping: dict[str, str] = {}
     extra = []
@@ -82,7 +82,7 @@ def slot_order(slot_names: list[str], where: Any):
     name mapped to the model's like the weights' names."""
     def order(model: nn.Module) -> list[str]:
         ours = trainable(model)
-        by_plain = {_plain(n): n for n in ours}
+        by_plain = {without_adapter(n): n for n in ours}
         prefix = _prefix(list(by_plain), slot_names)
         out = []
         for key in slot_names:

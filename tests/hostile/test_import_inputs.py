@@ -279,9 +279,9 @@ def test_the_genuine_sources_are_read(sources):
 
 
 def link_out(rel: str):
-    """``rel`` a symlink to the file outside."""
+    """``rel`` a symlink to the file outside (in its place, or beside the others)."""
     def tamper(src: Path, outside: Outside) -> None:
-        (src / rel).unlink()
+        (src / rel).unlink(missing_ok=True)
         os.symlink(outside.secret, src / rel)
     return tamper
 
@@ -432,6 +432,24 @@ def torch_size(shape: tuple[int, ...]):
 def ds_missing(rank: int):
     def tamper(src: Path, outside: Outside) -> None:
         (src / DS_RANK.format(rank)).unlink()
+    return tamper
+
+
+def ds_frozen(states: dict) -> None:
+    """The model states with a frozen parameter, as a LoRA run's base is (out of the optimizer's partitions)."""
+    states["frozen_param_shapes"] = {"model.norm.weight": torch_size((MODEL["hidden_size"],))}
+
+
+def ds_lora(states: dict) -> None:
+    """The model states naming a LoRA weight, as a bare engine's PEFT model saved without its frozen base does."""
+    shapes = states["param_shapes"][0]
+    name = next(iter(shapes))
+    shapes["model.layers.0.self_attn.q_proj.lora_A.default.weight"] = shapes.pop(name)
+
+
+def copied(rel: str, to: str):
+    def tamper(src: Path, outside: Outside) -> None:
+        shutil.copyfile(src / rel, src / to)
     return tamper
 
 
@@ -650,6 +668,17 @@ DEEPSPEED = {
     "DeepSpeed's rank 0 missing": ("deepspeed", ds_missing(0), ["no rank 0's optimizer partition"]),
     "DeepSpeed's latest naming no folder": ("deepspeed", ds_latest("global_step9"), ["global_step9", "torn"]),
     "DeepSpeed's latest naming a path out": ("deepspeed", ds_latest("../../outside"), ["latest", "not a tag folder"]),
+    "a DeepSpeed PEFT run's adapter config linked outside": ("deepspeed-trainer", link_out("adapter_config.json"),
+                                                              ["adapter_config.json", "symlink"]),
+    "a DeepSpeed run with frozen parameters": ("deepspeed", pickled(DS_MODEL, ds_frozen),
+                                                ["model_states.pt", "frozen parameters", "adapter_config.json"]),
+    "a bare DeepSpeed engine's LoRA run": ("deepspeed", pickled(DS_MODEL, ds_lora),
+                                           ["'model.layers.0.self_attn.q_proj.lora_A.default.weight'",
+                                            "adapter_config.json"]),
+    "a tensor-parallel DeepSpeed rank": ("deepspeed", copied(DS_RANK.format(0), f"{DS_TAG}/zero_pp_rank_0_mp_rank_01_"
+                                                         "optim_states.pt"), ["mp_rank_01", "tensor or pipeline"]),
+    "a pipeline-parallel DeepSpeed layer": ("deepspeed", copied(DS_MODEL, f"{DS_TAG}/layer_01-model_00-model_states"
+                                                               ".pt"), ["layer_01-model_00", "pipeline parallel"]),
 }
 TT_SHARD = f"{TT_STEP}/{SHARD}"
 TORCHTITAN = {

@@ -79,7 +79,7 @@ def recipe_rows(recipe: Path) -> list[dict]:
     return [{k: v[0] for k, v in data.batch([i]).items() if k in keys} for i in range(len(data))]
 
 
-def _model(assets: Path, lora: bool):
+def source_model(assets: Path, lora: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +108,7 @@ class LossTrainer:
             weight_decay=weight_decay,
             adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, train_sampling_strategy="sequential", report_to=[],
             use_cpu=True, seed=42, disable_tqdm=True, save_only_model=False)
-        self.trainer = Trainer(model=_model(assets, lora), args=args, train_dataset=rows,
+        self.trainer = Trainer(model=source_model(assets, lora), args=args, train_dataset=rows,
                                data_collator=default_data_collator)
 
     def train(self, resume: Path | None = None) -> dict[int, float]:
@@ -132,7 +132,7 @@ def lightning_fit(rows: list[dict], assets: Path, steps: int, save: Path, *, sha
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = _model(assets, False)
+            self.model = source_model(assets, False)
             self.losses: dict[int, float] = {}
 
         def configure_model(self) -> None:

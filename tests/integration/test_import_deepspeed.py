@@ -1,9 +1,11 @@
-"""A real DeepSpeed ZeRO-2 and ZeRO-3 run (2 CPU ranks, gloo) imported and continued here on 3 and on 1 process:
-its weights and every AdamW moment bitwise, its schedule's lr at steps 7-10, the logits of its engine exactly."""
+"""A real DeepSpeed ZeRO-2 and ZeRO-3 run and an HF Trainer run with ``deepspeed=`` (2 CPU ranks, gloo) imported and
+continued here on 3 or 1 process: weights and every AdamW moment bitwise, the lr at steps 7-10 its schedule's, the
+logits of its model exactly, the losses within 1e-5 of its own continuation."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,21 +17,23 @@ from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, free_port
 
 pytest.importorskip("deepspeed")
 REPO = Path(__file__).resolve().parents[2]
+PLAIN = "{_target_: automodel_ckpt.training.lr.constant_after_warmup, warmup_steps: 0}"
 
 
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory, assets):
     """Each stage's run, made when a test first asks for it (its save folder ``ds/``, ``reference.json``,
-    ``logits.pt``), and the recipe of its rows."""
+    ``logits.pt``; ``trainer``, ``trainer-lora``: the HF Trainer's ``trainer/checkpoint-6/`` in place of ``ds/``),
+    and the recipe of its rows."""
     folder = tmp_path_factory.mktemp("deepspeed")
     recipe = ft.write_recipe(folder, assets, ft.HF_LINEAR)
     recipe.write_text(recipe.read_text().replace("global_batch_size: 8", f"global_batch_size: {dsr.BATCH}")
                       .replace("local_batch_size: 8", f"local_batch_size: {dsr.BATCH}"))
     runs = {}
 
-    def run(stage: int) -> Path:
+    def run(stage: int | str) -> Path:
         if stage not in runs:
-            out = folder / f"zero{stage}"
+            out = folder / f"run_{stage}"
             out.mkdir()
             launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                       str(free_port()), "-m", "tests.integration.deepspeed_run"]
@@ -78,47 +82,102 @@ def _ours(checkpoint: Path) -> tuple[dict, dict]:
     return weights, torch.load(checkpoint.parent / "optim.pt", weights_only=True)["state"]
 
 
-@pytest.mark.parametrize("stage,nproc", [(2, 3), (3, 1)])
-def test_a_deepspeed_run_continues_here_at_another_world_size(tmp_path, assets, ds_runs, stage, nproc):
+def _imported_bitwise(tmp_path: Path, assets: Path, source: Path, recipe: Path, logits_file: Path,
+                      lora: bool = False) -> str:
+    """``ckpt-train import --check`` of ``source`` (its ``global_step6/``, or the folder holding it): the weights and
+    every moment bitwise DeepSpeed's own ``zero_to_fp32`` reading of its partitions, the logits round trip exact
+    (the source's model's, ``logits_file``; ``lora``: a PEFT model's, the recipe's base under the adapter); the
+    import's output. Names are compared without PEFT's adapter segment, as it saves an adapter."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from automodel_ckpt.interop.check import probe_inputs
+    from automodel_ckpt.interop.names import without_adapter as plain
 
-    run, recipe = ds_runs
-    source = run(stage)
-    done = run_command([CKPT_TRAIN, "import", str(source / "ds"), str(recipe), "--out", "run", "--check"],
+    done = run_command([CKPT_TRAIN, "import", str(source), str(recipe), "--out", "run", "--check"],
                        cwd=tmp_path, env=env_for(assets), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"Imported DeepSpeed ZeRO-{stage} checkpoint (step 6, 2 ranks) as run/epoch_0_step_6" in done.stdout
     assert "largest difference 0, bitwise equal" in done.stdout, done.stdout
-    kind = {2: "one_cycle", 3: "cosine_decay"}[stage]
-    assert f"lr_scheduler = {{'_target_': 'automodel_ckpt.training.lr.{kind}'" in done.stdout
-
-    # the weights and every moment bitwise DeepSpeed's own zero_to_fp32 reading of its partitions
     checkpoint = tmp_path / "run" / "epoch_0_step_6"
-    weights, state = _ours(checkpoint)
-    theirs = _deepspeed_own(source / "ds" / "global_step6")
+    weights, state = (_plain(d) for d in _ours(checkpoint))
+    theirs = {kind: _plain(d) for kind, d in _deepspeed_own(source / "global_step6").items()}
     assert sorted(weights) == sorted(theirs["weights"]) == sorted(state)
     for name, tensor in theirs["weights"].items():
         assert torch.equal(weights[name], tensor), name
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
         assert float(state[name]["step"]) == 6.0
-    # the logits round trip: the imported weights in the model give the DeepSpeed engine's logits, bitwise
-    model = AutoModelForCausalLM.from_pretrained(assets / "tiny_llama_base", dtype=torch.float32)
-    model.load_state_dict(weights)
+    # the logits round trip: the imported weights in the model give the source's model's logits, bitwise
+    model = ft.source_model(assets, lora)
+    ours = {plain(n): n for n in model.state_dict()}
+    model.load_state_dict({ours[k]: v for k, v in weights.items()}, strict=not lora)
     with torch.no_grad():
         logits = model(input_ids=probe_inputs(model.config.vocab_size)).logits
-    assert torch.equal(logits, torch.load(source / "logits.pt"))
+    assert torch.equal(logits, torch.load(logits_file))
+    return done.stdout
 
-    reference = json.loads((source / "reference.json").read_text())
+
+def _plain(named: dict) -> dict:
+    from automodel_ckpt.interop.names import without_adapter
+
+    return {without_adapter(k): v for k, v in named.items()}
+
+
+def _continued(tmp_path: Path, assets: Path, reference: dict, nproc: int) -> dict[int, dict]:
+    """The imported run continued to step 10 on ``nproc`` processes: the lr at steps 7-10 the source's, the losses
+    within 1e-5 of its own continuation's; each step's record."""
     args = () if nproc == 1 else ("--step_scheduler.local_batch_size", str(dsr.BATCH // nproc))
     ckpt_train(tmp_path, assets, *args, recipe=tmp_path / "run" / "recipe.yaml", nproc=nproc)
     records = {r["step"]: r for r in jsonl(tmp_path / "run" / "training.jsonl")}
-    assert sorted(records) == list(range(7, 11))
+    assert sorted(s for s in records if s > 6) == list(range(7, 11))
     for step in range(7, 11):
         assert records[step]["lr"] == pytest.approx(reference["lr"][str(step)], rel=1e-9), step
     gaps = [abs(records[s]["loss"] - reference["loss"][str(s)]) for s in range(7, 11)]
-    print("largest loss difference from DeepSpeed's own continuation:", max(gaps))  # shown with -s
+    print("largest loss difference from the source's own continuation:", max(gaps))  # shown with -s
     assert max(gaps) < 1e-5, (gaps, records, reference)
+    return records
+
+
+@pytest.mark.parametrize("stage,nproc", [(2, 3), (3, 1)])
+def test_a_deepspeed_run_continues_here_at_another_world_size(tmp_path, assets, ds_runs, stage, nproc):
+    run, recipe = ds_runs
+    source = run(stage)
+    out = _imported_bitwise(tmp_path, assets, source / "ds", recipe, source / "logits.pt")
+    assert f"Imported DeepSpeed ZeRO-{stage} checkpoint (step 6, 2 ranks) as run/epoch_0_step_6" in out
+    kind = {2: "one_cycle", 3: "cosine_decay"}[stage]
+    assert f"lr_scheduler = {{'_target_': 'automodel_ckpt.training.lr.{kind}'" in out
+    _continued(tmp_path, assets, json.loads((source / "reference.json").read_text()), nproc)
+
+
+def test_an_hf_trainer_run_under_deepspeed_continues_here(tmp_path, assets, ds_runs):
+    """The HF Trainer's ``checkpoint-6/`` of a ZeRO-2 run, imported into a recipe that knows nothing of it (another
+    schedule and length, one-group AdamW without decay): the Trainer's schedule (not DeepSpeed's: its config has
+    none), its two groups and its data position come along, and the run continues as the Trainer resumed does."""
+    run, recipe = ds_runs
+    source = run("trainer")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(re.sub(r"lr_scheduler: .*", f"lr_scheduler: {PLAIN}", recipe.read_text())
+                     .replace("max_steps: 10", "max_steps: 40"))
+    out = _imported_bitwise(tmp_path, assets, source / "trainer" / "checkpoint-6", plain,
+                            source / "logits.pt")
+    assert ("Imported DeepSpeed ZeRO-2 checkpoint (step 6, 2 ranks) as run/epoch_0_step_6 (step 6, epoch 0, 72 "
+            "samples consumed)") in out
+    for line in ("lr_scheduler = {'_target_': 'automodel_ckpt.training.lr.linear_decay', 'warmup_steps': 2}",
+                 "step_scheduler.max_steps = 10", f"optimizer.weight_decay = {ft.DECAY}",
+                 "optimizer._target_ = automodel_ckpt.training.decay.AdamWNoDecay"):
+        assert f"run/recipe.yaml: {line} (the source's)" in out, out
+    records = _continued(tmp_path, assets, json.loads((source / "reference.json").read_text()), 1)
+    assert records[7]["sample_ids"] == list(range(72, 84))  # the rows the Trainer takes next
+
+
+def test_an_hf_trainer_lora_run_under_deepspeed_continues_here(tmp_path, assets, ds_runs):
+    """A PEFT LoRA run of the HF Trainer under DeepSpeed (ZeRO-2): the Trainer saves it without the frozen base, so
+    its partitions and model states hold the adapter alone, its adapter_config.json beside them. The adapter, its
+    moments and the Trainer's schedule come along; the base is the recipe's model's."""
+    run, recipe = ds_runs
+    source = run("trainer-lora")
+    lora = tmp_path / "lora.yaml"
+    lora.write_text(recipe.read_text() + ft.LORA)
+    out = _imported_bitwise(tmp_path, assets, source / "trainer" / "checkpoint-6", lora, source / "logits.pt",
+                            lora=True)
+    assert "Imported DeepSpeed ZeRO-2 checkpoint (step 6, 2 ranks) as run/epoch_0_step_6 (step 6, epoch 0, 72" in out
+    _continued(tmp_path, assets, json.loads((source / "reference.json").read_text()), 1)

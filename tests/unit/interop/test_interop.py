@@ -84,6 +84,31 @@ def test_one_cycle_lr_continues_as_ours_lr_and_beta1(kwargs):
     assert "beta1" not in state and set(state) >= {"last_epoch", "base_lrs"}
 
 
+@pytest.mark.parametrize("kind,total", [("WarmupLR", {}), ("WarmupDecayLR", {"total_num_steps": 20})])
+def test_a_deepspeed_warmup_saved_inside_it_continues_exactly(kind, total):
+    """DeepSpeed's own scheduler, stepped as its engine steps it (once after each optimizer step) and saved at
+    step 6 of a 10-step linear warmup: ours, read from its state, has its lr at every later step, inside the
+    warmup (7-11) and after it, to the end of a decay (the import's max_steps)."""
+    from automodel_ckpt.interop.deepspeed import _schedule
+
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    params = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.25, "warmup_num_steps": 10, "warmup_type": "linear", **total}
+    opt = _optimizer()
+    theirs = getattr(lr_schedules, kind)(opt, **params)
+    used = {}
+    for step in range(1, TOTAL + 1):
+        used[step] = opt.param_groups[0]["lr"]
+        opt.step()
+        theirs.step()
+        if step == 6:
+            saved, groups = theirs.state_dict(), [{"lr": opt.param_groups[0]["lr"]}]
+    schedule = _schedule({"type": kind, "params": params}, saved, 6, groups, {}, Path("global_step6"), [])
+    assert groups[0]["initial_lr"] == 0.25 and schedule.total_steps == total.get("total_num_steps")
+    steps = range(7, total.get("total_num_steps", TOTAL) + 1)
+    ours = [schedules.factor(schedule, step - 1) * 0.25 for step in steps]
+    assert ours == pytest.approx([used[step] for step in steps], rel=1e-12, abs=1e-15)
+
+
 def test_a_recipe_without_one_cycle_beta1_is_refused():
     theirs_opt = _optimizer()
     theirs = torch.optim.lr_scheduler.OneCycleLR(theirs_opt, max_lr=1.0, total_steps=TOTAL)
