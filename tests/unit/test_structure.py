@@ -104,11 +104,11 @@ def test_no_module_over_500_lines():
     assert long == {}, f"split these by responsibility: {long}"
 
 
-#: The package's size in lines (``find automodel_ckpt -name '*.py' | xargs cat | wc -l``). The goal is 41,000 with this
-#: round's features; the ceiling is where the package stands now, rounded up to the next 100, plus 1,500 for the
-#: features being added beside this change (an engine in ``algorithms/grpo/``, an importer in ``interop/``).
+#: The package's size in lines (``find automodel_ckpt -name '*.py' | xargs cat | wc -l``). The goal is 41,000; the
+#: ceiling is where the package stands with the vLLM engine and the DeepSpeed and torchtitan imports (44,455 lines),
+#: rounded up to the next 100: a ratchet, lowered as code is merged.
 PACKAGE_LINES_GOAL = 41_000
-PACKAGE_LINES_MAX = 45_000
+PACKAGE_LINES_MAX = 44_500
 
 
 def package_lines(root: Path = PACKAGE) -> int:
