@@ -31,8 +31,12 @@ Reported as ratios:
   and ``fence`` (the next optimizer step's wait for the background copy);
 * ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` runs (median steps/s over the
   repetitions; ``run_overhead_async``, ...);
+* ``run_overhead_spread_<mode>``: the smallest and largest loss of one repetition (against the median ``none``);
 * ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
   whose cores training keeps busy, this is what the checkpoints take from training;
+* ``background_cpu_per_checkpoint_<mode>``: of those, what ran off the training thread (the kernel's per-thread
+  accounting: the process's CPU less the training thread's ``thread_time``, against ``none``): the save's
+  background thread and its writer, hashing and fsync pools;
 * ``staging``: ours (``async``) against torch's (``torch_stager``), medians of the steady-state saves: training
   blocked (save call + fence wait), the background copy, until durable (from the call's return to the checkpoint
   written and synced: ours also publishes it), the step after a save and the steps while the background works
@@ -152,6 +156,7 @@ class BenchRecipe(FinetuneRecipe):
         out = super().train_step(micro)
         end = time.perf_counter()
         self._timings["steps"].append({"seconds": end - t0, "end": end, "cpu": time.process_time(),
+                                       "thread_cpu": time.thread_time(),  # this (the training) thread's own
                                        "background": busy or self._background_busy()})
         return out
 
@@ -234,6 +239,7 @@ class BenchRecipe(FinetuneRecipe):
             self._timings["saves"][-1]["finalize"] = time.perf_counter() - t0
         self._timings["end"] = time.perf_counter()
         self._timings["cpu_end"] = time.process_time()
+        self._timings["thread_cpu_end"] = time.thread_time()
         return out
 
     def run(self) -> None:
@@ -290,6 +296,10 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
     timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
     timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
+    # the kernel's per-thread accounting: the training thread's CPU, and the rest of the process's (the save's
+    # background thread and its writer, hashing and fsync pools, the data loader, torch's own threads)
+    timings["training_thread_cpu_seconds"] = timings["thread_cpu_end"] - steps[0]["thread_cpu"]
+    timings["other_threads_cpu_seconds"] = timings["cpu_seconds"] - timings["training_thread_cpu_seconds"]
     return timings
 
 
@@ -340,6 +350,12 @@ def summary(results: dict[str, list[dict]]) -> dict:
                 cpu = statistics.median(r["cpu_seconds"] - per_step * (len(r["steps"]) - 1) for r in ok[mode]) / saves
             out[f"run_overhead_{mode}"] = lost
             out[f"cpu_per_checkpoint_{mode}"] = cpu
+            if mode in ok and "none" in ok:  # each repetition's loss against the median run without checkpoints
+                each = sorted(1 - r["steps_per_second"] / rate["none"] for r in ok[mode])
+                out[f"run_overhead_spread_{mode}"] = [each[0], each[-1]]
+                idle = statistics.median(r["other_threads_cpu_seconds"] for r in ok["none"])
+                out[f"background_cpu_per_checkpoint_{mode}"] = statistics.median(
+                    r["other_threads_cpu_seconds"] - idle for r in ok[mode]) / saves
     out["steps_per_second"] = rate
     return out
 
@@ -362,18 +378,20 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
         parts = ratios.get("stall_parts") or {}
         if parts:
             lines.append("stall parts (median ms): " + ", ".join(f"{k} {1000 * v:.2f}" for k, v in parts.items()))
-    lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints | CPU s per checkpoint | "
-              "step time median (s) |", "|---|---|---|---|---|"]
+    lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints (min to max) | CPU s per checkpoint "
+              "| of which off the training thread | step time median (s) |", "|---|---|---|---|---|---|"]
     for mode, runs in results.items():
         good = [r for r in runs if "failed" not in r]
         if not good:
-            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - |")
+            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - | - |")
             continue
         lost, cpu = ratios.get(f"run_overhead_{mode}"), ratios.get(f"cpu_per_checkpoint_{mode}")
+        spread, off = ratios.get(f"run_overhead_spread_{mode}"), ratios.get(f"background_cpu_per_checkpoint_{mode}")
         med = statistics.median(x["seconds"] for r in good for x in r["steps"][1:] or r["steps"])
-        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | "
-                     f"{'-' if lost is None else f'{100 * lost:+.1f}%'} | {'-' if cpu is None else f'{cpu:.2f}'} "
-                     f"| {med:.3f} |")
+        lost_text = "-" if lost is None else f"{100 * lost:+.1f}%" + (
+            f" ({100 * spread[0]:+.1f}% to {100 * spread[1]:+.1f}%)" if spread else "")
+        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | {lost_text} | "
+                     f"{'-' if cpu is None else f'{cpu:.2f}'} | {'-' if off is None else f'{off:.2f}'} | {med:.3f} |")
     return "\n".join(lines)
 
 

@@ -47,12 +47,19 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys):
         [run] = report["runs"][mode]  # one repetition in the small mode
         assert [s["step"] for s in run["saves"]] == [2, 4, 5] and run["saves"][-1]["final"]
         assert len(run["steps"]) == 5 and run["cpu_seconds"] > 0
+        # the kernel's per-thread accounting: the training thread's share and the rest of the process's add up
+        assert 0 < run["training_thread_cpu_seconds"] <= run["cpu_seconds"]
+        others = run["cpu_seconds"] - run["training_thread_cpu_seconds"]
+        assert run["other_threads_cpu_seconds"] == pytest.approx(others)
+        low, high = report[f"run_overhead_spread_{mode}"]  # one repetition: its loss is the median's
+        assert low == high == pytest.approx(lost) and math.isfinite(report[f"background_cpu_per_checkpoint_{mode}"])
     for save in report["runs"]["async"][0]["saves"]:
         assert save["stall"] == pytest.approx(save["call"] + save["fence"]) and save["fence"] >= 0
         assert save["capture"] is not None and save["background"] is not None  # the copy and write were timed
     sync_call = min(s["call"] for s in report["runs"]["sync"][0]["saves"])  # a save's work, against none at all
     assert all(s["background"] is None and s["call"] < sync_call for s in report["runs"]["none"][0]["saves"])
     assert "stall_over_sync (median, steady state)" in printed and "| async |" in printed
+    assert "of which off the training thread" in printed
     parts = report["stall_parts"]  # what the stall is made of, each a median of the steady-state saves
     assert {"snapshot", "small_files", "hand_off", "fence", "other"} <= set(parts)
     assert all(math.isfinite(v) and v >= 0 for v in parts.values()) and "stall parts" in printed
