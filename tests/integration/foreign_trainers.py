@@ -79,6 +79,19 @@ def recipe_rows(recipe: Path) -> list[dict]:
     return [{k: v[0] for k, v in data.batch([i]).items() if k in keys} for i in range(len(data))]
 
 
+def assert_imported_as_theirs(weights: dict, state: dict, theirs: dict, step: int) -> None:
+    """The imported checkpoint's weights and optimizer ``state`` (by parameter name) are the source's own reading
+    (``theirs``: ``weights``, ``exp_avg``, ``exp_avg_sq`` by name), bit for bit, each parameter at ``step``."""
+    import torch
+
+    assert sorted(weights) == sorted(theirs["weights"]) == sorted(state)
+    for name, tensor in theirs["weights"].items():
+        assert torch.equal(weights[name], tensor), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
+        assert float(state[name]["step"]) == step
+
+
 def source_model(assets: Path, lora: bool):
     import torch
     from transformers import AutoModelForCausalLM

@@ -100,12 +100,7 @@ def _imported_bitwise(tmp_path: Path, assets: Path, source: Path, recipe: Path, 
     checkpoint = tmp_path / "run" / "epoch_0_step_6"
     weights, state = (_plain(d) for d in _ours(checkpoint))
     theirs = {kind: _plain(d) for kind, d in _deepspeed_own(source / "global_step6").items()}
-    assert sorted(weights) == sorted(theirs["weights"]) == sorted(state)
-    for name, tensor in theirs["weights"].items():
-        assert torch.equal(weights[name], tensor), name
-        for moment in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
-        assert float(state[name]["step"]) == 6.0
+    ft.assert_imported_as_theirs(weights, state, theirs, 6)
     # the logits round trip: the imported weights in the model give the source's model's logits, bitwise
     model = ft.source_model(assets, lora)
     ours = {plain(n): n for n in model.state_dict()}

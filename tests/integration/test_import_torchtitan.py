@@ -110,12 +110,7 @@ def test_a_torchtitan_run_imports_with_its_weights_and_moments_bitwise(titan):
     dcp_to_torch_save(str(checkpoint / "optim"), str(folder / "optim.pt"))
     state = torch.load(folder / "optim.pt", weights_only=True)["state"]
     theirs = torch.load(source / "theirs.pt", weights_only=True)
-    assert sorted(weights) == sorted(theirs["weights"]) == sorted(state)
-    for name, tensor in theirs["weights"].items():
-        assert torch.equal(weights[name], tensor), name
-        for moment in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[name][moment], theirs[moment][name]), (name, moment)
-        assert float(state[name]["step"]) == 6.0
+    ft.assert_imported_as_theirs(weights, state, theirs, 6)
 
 
 def test_the_logits_of_an_imported_torchtitan_run_round_trip(assets, titan):
