@@ -25,6 +25,8 @@ from automodel_ckpt.faces import exports_of, lazy_members
 # module below this package -> the names of its members that the face hands on
 _EXPORTS = exports_of({
     "layout_table": "LAYOUT",  # the file and folder names of a run folder and a checkpoint, and their path builders
+    # the run, checkpoint, model, Hugging Face and archive folders: their files' paths as properties
+    "folders": "Archive CheckpointFolder HFFolder ModelFolder RunFolder old_sibling tmp_sibling",
     "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "
                "check_size is_count parse_json read_bytes read_json read_yaml yaml_depth_line "
                "COUNT_LIMIT MAX_WORLD_SIZE check_count",
