@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from automodel_ckpt.ondisk import LAYOUT, read_manifest, size_on_disk
+from automodel_ckpt.ondisk import RunFolder, read_manifest, size_on_disk
 from automodel_ckpt.training.metrics import JsonlLog, iter_jsonl
 from automodel_ckpt.checkpoint import MTBF_LIMIT_HOURS
 
@@ -71,7 +71,7 @@ class CheckpointCosts:
     """
 
     def __init__(self, run_dir: Path, *, enabled: bool, on_record: Callable[[dict[str, Any]], None]) -> None:
-        self.log = JsonlLog(Path(run_dir) / LAYOUT.EVENTS_LOG, enabled=enabled)
+        self.log = JsonlLog(RunFolder(run_dir).events_log, enabled=enabled)
         self.on_record = on_record
         self._started = time.time()
         self._blocked = 0.0
@@ -201,7 +201,7 @@ class RunCosts:
 def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
     """The records of a run's ``events.jsonl`` one at a time (``iter_jsonl``: a log of any size, a link, FIFO or
     device in its place refused)."""
-    return iter_jsonl(Path(run_dir) / LAYOUT.EVENTS_LOG)
+    return iter_jsonl(RunFolder(run_dir).events_log)
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import RunFolder
 from automodel_ckpt.tracking.base import Backend, OpenContext, flatten
 
 PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
@@ -25,10 +25,10 @@ def default_store(run_dir: Path) -> str:
     """The tracking URI of ``logging.mlflow`` without ``tracking_uri``: a SQLite database in the run folder
     (MLflow's recommended local store, which ``mlflow ui`` and ``MlflowClient`` open as they are), or the file store
     ``mlruns/`` that an earlier version left there, continued (a real folder only, never a link)."""
-    legacy = Path(run_dir) / LAYOUT.MLFLOW_DIR
+    legacy = RunFolder(run_dir).mlflow_dir
     if legacy.is_dir() and not legacy.is_symlink():
         return legacy.resolve().as_uri()
-    return _SQLITE + str((Path(run_dir) / LAYOUT.MLFLOW_DB).resolve())
+    return _SQLITE + str(RunFolder(run_dir).mlflow_db.resolve())
 
 
 class MLflowBackend(Backend):
@@ -68,7 +68,7 @@ class MLflowBackend(Backend):
             database = Path(uri[len(_SQLITE):])
             if database.is_symlink() or (database.exists() and not database.is_file()):
                 raise OSError(f"'{database}' is not a regular file: the store is not written through it")
-            artifacts = (database.parent / LAYOUT.MLFLOW_ARTIFACTS).as_uri()
+            artifacts = RunFolder(database.parent).mlflow_artifacts.as_uri()
             for quiet in ("alembic", "mlflow.store.db.utils"):  # "Creating initial MLflow database tables..."
                 logging.getLogger(quiet).setLevel(logging.WARNING)
             if not database.exists():
@@ -77,11 +77,11 @@ class MLflowBackend(Backend):
             # MLflow keeps its file store in maintenance mode and asks for this opt-in; the store works as before
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             if not self.section.get("tracking_uri"):
-                store = Path(ctx.run_dir) / LAYOUT.MLFLOW_DIR
+                store = RunFolder(ctx.run_dir).mlflow_dir
                 warnings.warn(f"logging.mlflow: continuing the file store '{store}' of an earlier version; MLflow's "
                               f"own tools open it only with MLFLOW_ALLOW_FILE_STORE=true. To move it: mlflow "
                               f"migrate-filestore --source {store} --target {_SQLITE}{store.parent.resolve()}/"
-                              f"{LAYOUT.MLFLOW_DB}, then remove '{store}' (the next launch starts a new tracked "
+                              f"{RunFolder.mlflow_db}, then remove '{store}' (the next launch starts a new tracked "
                               "run in the database)", stacklevel=2)
         from mlflow.tracking import MlflowClient
 
@@ -190,7 +190,7 @@ def _create_store(database: Path, artifacts: str) -> None:
     while MLflow creates them (seconds) leaves no half-made database for the next launch to trip on."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    new = database.with_name(LAYOUT.MLFLOW_DB_NEW)
+    new = database.with_name(RunFolder.mlflow_db_new)
     new.unlink(missing_ok=True)
     SqlAlchemyStore(_SQLITE + str(new), artifacts).engine.dispose()
     os.replace(new, database)

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import RunFolder
 from automodel_ckpt.tracking.base import Backend, OpenContext
 
 
@@ -28,7 +28,7 @@ class TensorBoardBackend(Backend):
     appends = True  # a new event file without ``purge_step``: the points join the run's, nothing is dropped
 
     def location(self, run_dir: Path, run_name: str) -> str:
-        return os.path.abspath(self.section.get("log_dir") or Path(run_dir) / LAYOUT.TENSORBOARD_DIR)
+        return os.path.abspath(self.section.get("log_dir") or RunFolder(run_dir).tensorboard)
 
     def same_location(self, saved: Any, location: str) -> bool:
         return isinstance(saved, str) and "\0" not in saved and os.path.abspath(saved) == location

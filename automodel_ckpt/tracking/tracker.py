@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from automodel_ckpt.errors import ConfigError
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import RunFolder
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
 from automodel_ckpt.tracking.costlog import BEHIND
 from automodel_ckpt.tracking.lane import EVENT, METRICS, Lane
@@ -197,13 +197,13 @@ class RunTracker:
     def _history(self, first: int, last: int) -> list[tuple[int, dict[str, float]]]:
         """The run's logged metrics of steps ``first..last`` from its logs, merged by step."""
         rows: dict[int, dict[str, float]] = {}
-        sources = ((LAYOUT.TRAINING_LOG, train_metrics), (LAYOUT.VALIDATION_LOG, validation_metrics))
-        for name, convert in sources:
-            for record in read_jsonl(self.run_dir / name):
+        run = RunFolder(self.run_dir)
+        for log, convert in ((run.training_log, train_metrics), (run.validation_log, validation_metrics)):
+            for record in read_jsonl(log):
                 step = record.get("step")
                 if isinstance(step, int) and first <= step <= last:
                     rows.setdefault(step, {}).update(convert(record))
-        for record in read_jsonl(self.run_dir / LAYOUT.EVENTS_LOG):  # the last record of a step wins
+        for record in read_jsonl(run.events_log):  # the last record of a step wins
             step = record.get("at_step", record.get("step"))
             if record.get("event") == "checkpoint" and isinstance(step, int) and first <= step <= last:
                 rows.setdefault(step, {}).update(checkpoint_metrics(record))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from automodel_ckpt.errors import CheckpointError, first_line
-from automodel_ckpt.ondisk import LAYOUT, load_pt
+from automodel_ckpt.ondisk import HFFolder, load_pt
 
 
 def weights_fingerprint(model: nn.Module) -> str:
@@ -38,7 +38,7 @@ def reference_identity(model_section: Mapping[str, Any], base_folder: str | None
     files: list[Any] = []
     if base_folder is not None and Path(base_folder).is_dir():
         folder = Path(base_folder)
-        config = folder / LAYOUT.HF_CONFIG
+        config = HFFolder(folder).config
         files.append(config.read_text() if config.is_file() else None)
         files += sorted((f.name, f.stat().st_size) for f in folder.glob("*.safetensors"))
     payload = json.dumps([dict(model_section), files, adapters_disabled], sort_keys=True, default=str)
