@@ -140,11 +140,11 @@ def step_decay(optimizer: Optimizer, total_steps: int, step_size: int, gamma: fl
 
 def _one_cycle_value(step: int, *, ends: list[float], values: list[float], anneal: str) -> float:
     """torch's ``OneCycleLR`` interpolation: phase ``i`` goes from ``values[i]`` to ``values[i + 1]`` until step
-    ``ends[i]``, by half a cosine (``anneal`` "cos") or a line ("linear"); the last phase goes on past its end."""
+    ``ends[i]``, by half a cosine (``anneal`` "cos") or a line ("linear"); past the last end, its last value."""
     start = 0.0
     for i, end in enumerate(ends):
         if step <= end or i == len(ends) - 1:
-            pct = (step - start) / (end - start)
+            pct = min(1.0, (step - start) / (end - start))
             a, b = values[i], values[i + 1]
             if anneal == "cos":
                 return b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1)

@@ -60,7 +60,8 @@ def test_torch_schedulers_from_their_state_are_ours(make):
                                     {"cycle_momentum": False, "div_factor": 10.0, "final_div_factor": 100.0}])
 def test_one_cycle_lr_continues_as_ours_lr_and_beta1(kwargs):
     """torch's OneCycleLR and ours step side by side: the same lr and beta1 after every step, and ours read from a
-    checkpoint of torch's at step 9 goes on as torch's does."""
+    checkpoint of torch's at step 9 goes on as torch's does. At ``TOTAL``, a step torch never trains with, torch
+    goes on past its last phase (below 0 when linear) and ours holds its last lr."""
     from automodel_ckpt.training.lr import one_cycle
 
     theirs_opt = _optimizer()
@@ -72,13 +73,16 @@ def test_one_cycle_lr_continues_as_ours_lr_and_beta1(kwargs):
     ours = one_cycle(ours_opt, TOTAL, **schedule.kwargs)
     for step in range(TOTAL + 1):
         group, mine = theirs_opt.param_groups[0], ours_opt.param_groups[0]
+        if step == TOTAL:
+            assert mine["lr"] == last
+            break
         assert mine["lr"] == pytest.approx(group["lr"], rel=1e-12), step
         assert mine["betas"] == pytest.approx(group["betas"], rel=1e-12), step
         assert schedules.factor(schedule, step) * theirs.base_lrs[0] == pytest.approx(group["lr"], rel=1e-12)
-        if step < TOTAL:
-            for opt, sched in ((theirs_opt, theirs), (ours_opt, ours)):
-                opt.step()
-                sched.step()
+        last = mine["lr"]
+        for opt, sched in ((theirs_opt, theirs), (ours_opt, ours)):
+            opt.step()
+            sched.step()
     schedules.check_recipe_schedule(schedule, ours, TOTAL)  # the recipe's section is the source's
     state = ours.state_dict()
     assert "beta1" not in state and set(state) >= {"last_epoch", "base_lrs"}

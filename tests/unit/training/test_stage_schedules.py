@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.training.lr import cooldown, wsd
+from automodel_ckpt.training.lr import cooldown, one_cycle, wsd
 from automodel_ckpt.training.stages import describe, read_history, record
 from automodel_ckpt.training.step_scheduler import StepScheduler
 
@@ -64,6 +64,14 @@ def test_wsd_warms_up_holds_and_decays_over_its_last_steps():
 def test_wsd_refuses_what_it_cannot_draw(kwargs):
     with pytest.raises(ValueError, match="wsd"):
         wsd(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5), 10, **kwargs)
+
+
+@pytest.mark.parametrize("anneal", ["linear", "cos"])
+def test_one_cycle_holds_its_last_value_past_its_end(anneal):
+    """A run that goes on past the schedule's last step (a longer resume) trains at its final lr, never below it."""
+    got = _lrs(lambda o: one_cycle(o, total_steps=4, ends=[2.0, 4.0], factors=[0.1, 1.0, 0.1], anneal=anneal), 12)
+    assert got[:5] == pytest.approx([0.1, 0.55, 1.0, 0.55, 0.1])
+    assert got[4:] == pytest.approx([0.1] * 8)
 
 
 def test_a_stage_ends_after_its_step_with_a_checkpoint_there_and_not_at_the_run_end():
