@@ -1,13 +1,7 @@
 """The checkpoint engine: what to save (discovered state), saving, restoring, where run folders live; its public face.
 
-``Checkpointer`` saves and restores a recipe's discovered state on every rank together; ``CheckpointConfig`` is the
-``checkpoint:`` section (validated when made); ``discover_state`` finds what a recipe checkpoints. Below it the
-engine's rooms: ``save/``, ``restore/``, ``storage/`` (a local folder, an object store, the node-local tier) and
-``objectstore/`` (private to ``storage/``). What a checkpoint folder holds, byte for byte, is
-``automodel_ckpt.ondisk``'s: the engine imports it, never the other way round.
-
-Code outside this package and ``ondisk`` imports only the names below (``tests/unit/test_structure.py``). The
-names load on first use, so light modules (``config``, ``locations``) import without torch.
+It imports ``ondisk``, never the other way round. Code outside imports only the names below, loaded on first use
+(light modules import without torch).
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background c
 
 
 class CheckpointerStats:
-    """What tools and reports read of a checkpointer, read-only: its folder, the last restore, the save in flight
-    and where the last save spent its time."""
+    """What tools and reports read of a checkpointer: its folder, the save in flight, what saves cost."""
 
     def __init__(self, checkpointer: Checkpointer) -> None:
         self._of = checkpointer
@@ -40,38 +39,24 @@ class CheckpointerStats:
         return self._of._run.local
 
     @property
-    def enabled(self) -> bool:
-        """Whether this run saves checkpoints (``checkpoint.enabled``)."""
-        return bool(self._of._cfg.enabled)
-
-    @property
-    def restored(self) -> Restored:
-        """What the last restore loaded (its path None: nothing, a fresh start), its tier and time."""
-        return self._of._restored
-
-    @property
     def is_async(self) -> bool:
-        """Whether saves copy now and write in the background (``checkpoint.is_async``, where torch allows)."""
         return self._of._writer.is_async
 
     @property
     def background(self) -> overlap.Overlapped | None:
-        """The background work of the async save in flight (fence wait, copy time, writes, completion), or None."""
         return self._of._writer.background
 
     @property
     def in_flight(self) -> bool:
-        """Whether an async save is still to be completed by ``wait``/``finalize``."""
         return self._of._writer.in_flight
 
     @property
     def last_save_seconds(self) -> dict[str, float]:
-        """Where the last ``save`` call spent its time, by phase (``save.phases``)."""
+        """Where the last ``save`` call spent its time, by phase (``save.phases``); the next, after the writes."""
         return self._of._writer.last_save_seconds
 
     @property
     def last_complete_seconds(self) -> dict[str, float]:
-        """The same for the steps after the model and optimizer files were written."""
         return self._of._writer.last_complete_seconds
 
     @property
@@ -81,22 +66,15 @@ class CheckpointerStats:
 
     @property
     def local_steps_abandoned(self) -> int:
-        """How many node-local steps this launch abandoned (each said in one warning line)."""
         return self._of._local.steps_abandoned
 
 
 class Checkpointer:
-    """Writes ``epoch_E_step_N/`` (see ``layout``) from discovered state and restores state from it.
+    """Writes ``epoch_E_step_N/`` from discovered state and restores state from it; with ``checkpoint.enabled:
+    false`` a save is a no-op and a restore still carries out an explicit ``restore_from``.
 
-    Always present in a recipe: with ``checkpoint.enabled: false`` a save is a no-op (returns None) and a restore
-    still carries out an explicit ``restore_from``. The run folder (``storage``) is opened once; the save steps
-    live in ``save/`` (``SaveWriter``), the load steps in ``restore/`` (each tier chooses, ``CheckpointLoader``
-    loads).
-
-    A recipe makes four calls: ``resume`` (before training), ``step_end`` (after each optimizer step: the save cycle
-    decides what to save, by steps, minutes, the preemption signal or the node-local tier, and this saves it),
-    ``fence`` (before changing saved tensors in place) and ``finalize`` (at the end, or ``failed=True`` when an
-    error ends the run). Tools also ``save``, ``wait`` for and ``load`` a checkpoint directly, and read ``stats``.
+    A recipe calls ``resume``, ``step_end`` after each optimizer step, ``fence`` before changing saved tensors in
+    place and ``finalize`` (``failed=True`` when an error ends the run). Tools also ``save``, ``wait``, ``load``.
     """
 
     def __init__(
@@ -142,13 +120,10 @@ class Checkpointer:
     def step_end(self, states: States, steps: Steps, *, epoch: int, loss: float,
                  extra: Callable[[], dict[str, Any]] | None = None, validate: Callable[[], float] | None = None,
                  validate_now: bool = False) -> StepEnded:
-        """After optimizer step ``steps.step``, on every rank: the save cycle decides what to save; this saves it.
-
-        A durable checkpoint on the step schedule (``steps.is_ckpt_step``), every ``ckpt_every_minutes`` or on the
-        preemption signal; else a node-local step when one is due. ``states()`` is the discovered state and
-        ``extra()`` what the checkpoint's metadata records, both asked only for a save; ``validate()`` runs when
-        ``validate_now`` or before a scheduled save (whose metadata then holds the validation loss). Collective.
-        """
+        """Collective, after optimizer step ``steps.step``: a durable checkpoint on the step schedule, the minutes or
+        the preemption signal, else a node-local step when due. ``states()`` and ``extra()`` (the metadata's) are
+        asked only for a save; ``validate()`` runs when ``validate_now`` or before a scheduled save (which records
+        its loss)."""
         due = self._cycle.decide(steps)
         self._local.tick(steps)
         self._step = step = steps.step
@@ -165,23 +140,14 @@ class Checkpointer:
         return StepEnded(saved=saved, val_loss=val_loss, preempted=due.preempt, stop=due.preempt and not steps.done)
 
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
-        """Save ``states`` as ``epoch_E_step_N/``; returns its path (None when checkpointing is disabled).
-
-        Synchronous: the checkpoint is complete and published when this returns. With ``is_async`` this returns
-        at once: small states and small tensors are copied now; a background thread copies the model and optimizer
-        tensors (the next ``optimizer.step()`` waits for that copy: ``fence``), writes the copy, then completes the
-        checkpoint (sync, seal, publish, prune; with an inline HF export: the next ``save`` or ``finalize`` does).
-        A save that runs out of room removes its staging folder and raises ``DiskFullError`` (``diskfull``).
-        """
+        """Save ``states`` as ``epoch_E_step_N/``; its path (None when disabled). Published on return, or with
+        ``is_async`` completed in the background (docs/async.md). Out of room: ``DiskFullError``, staging removed."""
         if not self._cfg.enabled:
             return None
         return self._writer.write_checkpoint(plan_state(states), info)
 
     def _save_local(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
-        """Take a node-local step of ``states``: the call returns once the state is copied; writing it, its
-        copies on other nodes and its commit run in the background (``local_tier``). None when the tier is off, and
-        when the step is skipped or abandoned: a local step that cannot be written never stops training (a warning
-        says so)."""
+        """A node-local step (``local_tier``); None when off, skipped or abandoned: it never stops training."""
         return self._local.save(states, info)
 
     def _save_now(self, states: States, info: SaveInfo) -> Path | None:
@@ -198,34 +164,23 @@ class Checkpointer:
         return self._writer.background
 
     def _report_local_faults(self) -> None:
-        """Node-local steps abandoned (or written again) since the last call, to the observer (events.jsonl and the
-        trackers)."""
+        """Node-local steps abandoned or rewritten since the last call, to the observer."""
         if self._observer is not None:
             for line in self._local.faults():
                 self._observer.side_failure("local_step", line, self._step)
 
     def fence(self) -> None:
-        """Wait until the async save in flight has copied the live model and optimizer state (if it has not yet).
-
-        Call before changing saved tensors in place; ``optimizer.step()`` of a checkpointed optimizer calls it by
-        itself (a step pre-hook installed by ``save``). Cheap when nothing is in flight.
-        """
+        """Wait until the async save in flight copied the live state; a checkpointed optimizer's pre-hook calls it."""
         self._writer.fence()
         self._local.fence()
 
     def wait(self) -> Path | None:
-        """Wait for the async save in flight, if any, to be complete; returns its path once published.
-
-        Collective. A failure of the background work on any rank raises one ``CheckpointError`` on every rank;
-        the unfinished checkpoint is then never published (its staging folder is removed by the next save)."""
+        """Collective: the async save in flight published (its path); a failure on any rank raises on every rank and
+        nothing is published."""
         return self._writer.wait()
 
     def finalize(self, *, failed: bool = False) -> Path | None:
-        """End of training: complete the save in flight (``wait``); release staging buffers, folder lock, lease.
-
-        ``failed=True`` (an error ends the run): let this rank's background writes end, without collectives and
-        without publishing (``_abandon``).
-        """
+        """End of training: ``wait``, then release buffers, lock and lease; ``failed=True``: ``_abandon``."""
         if failed:
             self._abandon()
             return None
@@ -248,24 +203,17 @@ class Checkpointer:
         return path
 
     def _abandon(self) -> None:
-        """Training failed: the wait for this rank's background writes is bounded by ``ABANDON_WAIT_SECONDS`` in
-        all (a write whose peer rank has died would otherwise block until the collective timeout, 30 minutes by
-        default). Writes still running then are left to the process exit; their staging buffers are not released
-        under them."""
+        """Training failed: wait at most ``ABANDON_WAIT_SECONDS`` for this rank's background writes (one whose peer
+        died would block until the collective timeout), with no collectives; later ones are left to the exit."""
         self._writer.abandon(ABANDON_WAIT_SECONDS)
         self._local.abandon(ABANDON_WAIT_SECONDS)  # its node-local steps stay for the restart
         self._run.release(keep_lock=True)  # an object store's lease: the next run need not wait for it to expire
 
     # ------------------------------------------------------------------------------------------ restore
     def resume(self, states: dict[str, Any]) -> Restored:
-        """Restore what ``checkpoint.restore_from`` selects into ``states``, then training begins
-        (``ckpt_every_minutes`` count from now): what was loaded (its path None: a fresh start), from where.
-
-        Auto-resume falls back past damaged checkpoints and refuses another run's checkpoints; ``load_only``
-        starts a new run from a checkpoint's (or an HF / adapter folder's) weights. One loop
-        (``restore.fallback``) asks each tier in turn (node-local, durable, the weights-only start) to choose, loads,
-        and falls back.
-        """
+        """Restore what ``checkpoint.restore_from`` selects into ``states`` (path None: a fresh start); the minutes
+        count from now. Each tier in turn (node-local, durable, ``load_only``'s start) chooses, loads, or falls
+        back past a damaged checkpoint (``restore.fallback``)."""
         started = time.perf_counter()
         rank, world_size, cfg = self._env.rank, self._env.world_size, self._cfg
         tiers: list[fallback.Tier] = []
@@ -288,8 +236,7 @@ class Checkpointer:
         self._took(self._loader.load(states, Path(path)), DURABLE, time.perf_counter())
 
     def _took(self, loaded: Loaded | None, tier: str, started: float) -> None:
-        """Record what a restore loaded: its states, its tier and time; for a resumed run its name and training
-        time."""
+        """Record what a restore loaded; a resumed run's name and training time."""
         if loaded is None:
             return
         self._restored = Restored(loaded.path, loaded.states, tier, time.perf_counter() - started)

@@ -21,8 +21,7 @@ class _Choice(str, Enum):
 
 
 class ModelSaveFormat(_Choice):
-    """The built-in values of ``checkpoint.model_save_format``; a format registered as a plug-in
-    (``ondisk.formats.registry``) is accepted too, as its name."""
+    """The built-in values of ``checkpoint.model_save_format``; a registered plug-in's name is accepted too."""
 
     SAFETENSORS = "safetensors"  # per-rank Hugging Face safetensors shards
     TORCH_SAVE = "torch_save"  # DCP .distcp files
@@ -120,11 +119,9 @@ class CheckpointConfig:
     local: LocalTierConfig = field(default_factory=LocalTierConfig)  # node-local steps (docs/fast-recovery.md)
 
     def __post_init__(self) -> None:
-        """Validate once and canonicalise: enums for the choices, aliases resolved, empty restore_from unset.
+        """Validate once and canonicalise (enums, aliases, empty restore_from unset), however it is made."""
+        from automodel_ckpt.checkpoint.locations import check_location
 
-        Runs whenever a ``CheckpointConfig`` is made, including by ``OmegaConf.to_object`` (``from_section``), so
-        every holder of one sees checked, canonical values and nothing normalises again.
-        """
         self.model_save_format = _model_save_format(self.model_save_format)
         mode = _CONSOLIDATION_ALIASES.get(str(self.save_consolidated).strip().lower())
         if mode is None:
@@ -133,9 +130,9 @@ class CheckpointConfig:
         self.save_consolidated = mode
         if not str(self.checkpoint_dir).strip():
             raise ConfigError("checkpoint.checkpoint_dir: must not be empty")
-        _check_location(self.checkpoint_dir, "checkpoint.checkpoint_dir")
+        check_location(self.checkpoint_dir, "checkpoint.checkpoint_dir")  # a URL never becomes a local path
         if self.restore_from is not None:
-            _check_location(self.restore_from, "checkpoint.restore_from")
+            check_location(self.restore_from, "checkpoint.restore_from")
         if self.restore_from is not None and not str(self.restore_from).strip():
             self.restore_from = None  # `--checkpoint.restore_from ""` means "not set": resume from the latest
         self.mode = _choice(MonitorMode, self.mode, "checkpoint.mode")
@@ -171,14 +168,6 @@ class CheckpointConfig:
         return section if isinstance(section, cls) else OmegaConf.to_object(section)
 
 
-def _check_location(location: object, key: str) -> None:
-    """A URL location must name an object store whose backend is installed, and a bucket and prefix of the right
-    shape (it never becomes a local path); a local path must not read as a mistyped URL."""
-    from automodel_ckpt.checkpoint.locations import check_location
-
-    check_location(location, key)
-
-
 def _choice(kind: type[_Choice], value: object, key: str) -> Any:
     try:
         return kind(str(value).strip().lower())
@@ -187,8 +176,7 @@ def _choice(kind: type[_Choice], value: object, key: str) -> Any:
 
 
 def _model_save_format(value: object) -> Any:
-    """A registered model format's name (``ondisk.formats.registry.names``): a built-in one as its
-    ``ModelSaveFormat``, a plug-in's as the string."""
+    """A registered model format's name: a built-in one as its ``ModelSaveFormat``, a plug-in's as the string."""
     from automodel_ckpt.ondisk.formats import registry
 
     name = str(value).strip().lower()

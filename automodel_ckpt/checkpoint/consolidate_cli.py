@@ -1,7 +1,6 @@
 """Compatibility entry point: ``consolidate.sh`` files of checkpoints written by 0.1.0 run this module.
 
-It runs the ``ckpt-train consolidate`` verb's module (``automodel_ckpt.cli.consolidate``) as the program, with the
-same arguments, as ``python -m`` would: the engine imports nothing of the verbs above it.
+It runs ``automodel_ckpt.cli.consolidate`` as ``python -m`` would: the engine imports nothing of the verbs.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The save cycle: at each step's end, what to save (steps, minutes, preemption, node-local tier).
 
-``Checkpointer.step_end`` is the one call a recipe makes after each optimizer step. It asks the ``SaveCycle`` what
-is due (``SaveSchedule``, ``triggers``: one all-reduce at most), then acts: it validates first when a scheduled save
-records a validation loss, saves a durable checkpoint or takes a node-local step, times the save for the cost
-report (the run's ``SaveObserver``), and reports the node-local steps abandoned since the last call. The recipe
-learns what happened from ``StepEnded``: what was saved, and whether to stop (preempted).
+``SaveCycle`` asks the ``SaveSchedule`` (one all-reduce at most); ``Checkpointer.step_end`` validates, saves and
+times; the recipe learns from ``StepEnded`` what was saved and whether to stop.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ States = Callable[[], dict[str, Any]]
 
 
 class SaveObserver(Protocol):
-    """What the run's observer hears of saves (``tracking.RunObserver`` is one): each save timed, the final wait
-    timed, side work that failed (``kind``: ``local_step``, ...)."""
+    """What the run's observer (``tracking.RunObserver``) hears: each save and the final wait timed, side failures."""
 
     def save(self, save: Callable[[], Path | None], step: int, background: Callable[[], Any], *,
              preemption: bool = False) -> Path | None: ...
@@ -43,8 +39,7 @@ class Restored:
 
 @dataclass(frozen=True)
 class StepEnded:
-    """What ``step_end`` did: the durable checkpoint it saved (if any), the validation loss (if it validated), and
-    whether the run stops now (preempted before its last step: ``finalize`` and return)."""
+    """What ``step_end`` did: the checkpoint it saved, the validation loss, and whether to stop (preempted)."""
 
     saved: Path | None = None
     val_loss: float | None = None
@@ -53,8 +48,7 @@ class StepEnded:
 
 
 class SaveCycle:
-    """The step-end decision for one run: what is due now (``SaveSchedule``); the minutes count from ``start``
-    (training begins). It decides only: the checkpointer acts on the answer, and tells it what it saved."""
+    """The step-end decision of one run (the minutes count from ``start``); the checkpointer acts on it."""
 
     def __init__(self, every_minutes: float | None, preemption: PreemptionWatcher | None, *, enabled: bool,
                  local_due: Callable[[int], bool], interval: AutoInterval | None = None) -> None:
@@ -71,8 +65,7 @@ class SaveCycle:
         self._boundary = StepBoundary(self.preemption, TimeTrigger(self.every_minutes))
 
     def decide(self, steps: Steps) -> SaveDecision:
-        """What to save after optimizer step ``steps.step``, on every rank (one all-reduce, if minutes or a signal
-        apply)."""
+        """What to save after optimizer step ``steps.step``, on every rank (one all-reduce at most)."""
         if self._boundary is None:
             self.start()
         if self._schedule is None:
@@ -89,8 +82,7 @@ class SaveCycle:
         return decision
 
     def saved(self) -> None:
-        """The durable checkpoint that ``decide`` asked for is saved (the minutes count again from now; an ``auto``
-        interval measures this save's cost for its next decision: collective)."""
+        """The durable checkpoint asked for is saved: the minutes restart; ``auto`` measures it (collective)."""
         self._schedule.saved()
         if self.interval is not None:
             self.interval.measured(self._schedule.steps, self.blocked_s)

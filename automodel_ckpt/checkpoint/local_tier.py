@@ -1,10 +1,7 @@
 """The node-local tier (``checkpoint.local``): a step every few steps into node-local folders, and recovery from it.
 
-A local step is a checkpoint like a durable one (same files, a manifest with checksums), written by a second
-``SaveWriter`` in the background (the step waits only for the snapshot) into a ``storage.nodelocal`` run folder:
-each node writes its own folder and sends copies of its parts to other nodes. A resume takes the newest local step
-every file of which checks out on some node, when it is newer than the durable tier's newest; the step is made
-whole on every node, then loaded like a durable checkpoint (any world size, any layout). docs/fast-recovery.md.
+A local step is a checkpoint like a durable one, written in the background by a second ``SaveWriter`` into a
+``storage.nodelocal`` run folder (docs/fast-recovery.md).
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ from automodel_ckpt.errors import CheckpointError, first_line
 
 
 class LocalTier:
-    """The node-local tier of one run; inert when ``checkpoint.local.every_steps`` is 0; with ``auto``, its interval
-    set by an ``AutoInterval`` from what its steps cost (``scheduled``, ``measured``)."""
+    """The node-local tier of one run; inert when ``every_steps`` is 0; with ``auto``, timed by an ``AutoInterval``."""
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, *, config_yaml: str, hf: HFArtifacts,
                  fingerprint: dict[str, Any] | None, time: TrainingTime, say: Callable[[str], None],
@@ -90,9 +86,7 @@ class LocalTier:
 
     def timed(self, steps: Any, take: Callable[[dict[str, Any], SaveInfo], Any], states: Callable[[], dict[str, Any]],
               info: SaveInfo) -> None:
-        """``take(states(), info)``: the local step after ``steps.step``; with ``every_steps: auto`` the schedule moves
-        on and the interval is decided first (from the local steps' costs measured before it), then the step is
-        timed: what it blocked training is the next sample (collective)."""
+        """``take(states(), info)``; with ``auto`` the interval decided first and the step timed (collective)."""
         if self.interval is None:
             take(states(), info)
             return
@@ -103,8 +97,7 @@ class LocalTier:
         self.interval.measured(steps, time.perf_counter() - started)
 
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
-        """Snapshot ``states`` now; write, copy to other nodes and commit them in the background. None when the tier
-        is off, and when this step is skipped or abandoned (``retry``): a local step never stops training."""
+        """Snapshot ``states``; write, copy and commit in the background. None when off, skipped or abandoned."""
         if not self.active:
             return None
         self._settle()  # the step before: committed everywhere, or abandoned everywhere
@@ -152,8 +145,8 @@ class LocalTier:
                 self._report(f"node-local steps are written again: {name} (after {ended} failed in a row)")
 
     def _failed(self, error: BaseException | None, name: str) -> bool:
-        """Collective: whether the step ``name`` failed on any rank; if so it is abandoned on every rank: its files
-        removed from every node, one warning with the cause, the next tries spaced out (``retry.Backoff``)."""
+        """Collective: whether step ``name`` failed on any rank; then it is abandoned on every node, one warning says
+        why, and the next tries are spaced out (``retry.Backoff``)."""
         outcomes = all_gather_object(retry.Outcome.of(error, self.run.local if self.run.leads else None,
                                                       self._need))
         cause = retry.verdict(outcomes)
@@ -208,8 +201,7 @@ class LocalTier:
             self.writer.abandon(seconds)
 
     def recovery(self, durable: Path | None) -> LocalRecovery:
-        """This tier in a restore's fall-back loop (``restore.fallback``), where it goes first: its newest local
-        step complete somewhere and newer than ``durable`` (the durable tier's newest)."""
+        """This tier first in a restore's fall-back loop: its newest local step newer than ``durable``'s newest."""
         return LocalRecovery(self, durable)
 
 
@@ -227,8 +219,7 @@ class LocalRecovery:
         self._checked_whole = False  # after a damaged load: every file of every local step checked by the scan
 
     def choose(self, damage: str | None) -> Path | None:
-        """This node's whole copy of the step chosen, or None (none newer than the durable tier's newest, or it
-        could not be made whole)."""
+        """This node's whole copy of the step chosen; None when none is newer or it could not be made whole."""
         tier = self.tier
         skipped: list[str] = []
         chosen, inventories = recover.newest_step(tier.run, skipped, leave=None if self._checked_whole else deferred)
@@ -264,8 +255,7 @@ class LocalRecovery:
         return NEXT
 
     def _hand_over(self, name: str, exc: CheckpointError) -> None:
-        """The step ``name`` cannot be loaded (every rank learns so alike): say so, and leave it to the durable tier;
-        an error when that holds no checkpoint."""
+        """Step ``name`` cannot be loaded (alike on every rank): say so and leave it to the durable tier."""
         if self.durable is None:
             raise CheckpointError(f"the node-local step {name} failed to load ({first_line(exc)}) "
                                   "and the durable tier holds no checkpoint to resume from instead") from None

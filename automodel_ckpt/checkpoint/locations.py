@@ -1,10 +1,7 @@
 """What a configured checkpoint location is: a local path or an object-store URL (syntax and installed backend, no I/O).
 
-``check_url`` is the one check of a URL's shape, made wherever a URL is configured or given (the launcher checks the
-recipe's before anything is built): a known store scheme whose backend is installed, a bucket of a name the store
-accepts, and a key prefix of plain path components (``ondisk.paths``: no ``..``, ``.`` or empty component, no glob
-character or control character). ``check_location`` adds, for a location that is no URL, the refusal of one that
-reads as a store URL with a slash missing (``s3:/bucket/run``), which would otherwise become a local folder.
+``check_url`` is the one check of a URL's shape (a known scheme with its backend, a valid bucket, plain key
+components); ``check_location`` also refuses a path that reads as a URL with a slash missing (``s3:/bucket/run``).
 """
 
 from __future__ import annotations
@@ -55,8 +52,7 @@ def split(url: str) -> tuple[str, str]:
 
 
 def check_location(location: object, key: str) -> None:
-    """``ConfigError`` (one line) for a URL that ``check_url`` refuses, or a local path that reads as a store URL
-    with a slash missing (``s3:/bucket/run``, ``gs:bucket``)."""
+    """``ConfigError`` for a URL ``check_url`` refuses, or a path that reads as a URL missing a slash (``s3:/b``)."""
     text = str(location).strip()
     if is_url(text):
         check_url(text, key)

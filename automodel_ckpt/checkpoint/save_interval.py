@@ -1,13 +1,7 @@
 """``ckpt_every_steps: auto``'s schedule (``SaveInterval``), and the bounds its numbers are checked against.
 
-The schedule is part of the run's state: a checkpoint holds it, and a checkpoint folder is untrusted. A restored
-schedule is checked as a stream position is, number by number: the interval and the next save's step must be whole
-numbers of steps, the cost samples pairs of seconds (``SECONDS_LIMIT`` at most), the MTBF a number of seconds
-(``MTBF_LIMIT_HOURS`` at most) with its source. What is out of range is dropped or clamped, never trained on: a
-sample dropped is measured again at the next save, an MTBF dropped is decided again there, a next save past the
-interval from the resumed step comes at that interval; one line says what was dropped and which interval the run
-uses (``restored_note``, said by the save cycle's ``AutoInterval``). Whatever the numbers, the interval is a whole
-number in ``[1, the run's last step]``.
+Restored from an untrusted checkpoint, a number out of range is dropped or clamped, never trained on, and said in
+one line; the interval is always a whole number in ``[1, the run's last step]``.
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ def _real(value: object) -> bool:
 
 
 def seconds(value: object, *, positive: bool = False) -> float | None:
-    """``value`` as seconds when it is a real number from 0 (above 0 with ``positive``) to ``SECONDS_LIMIT``, else
-    None (NaN, an infinity, a negative, a string, a bool, ...)."""
+    """``value`` as seconds when a real number in 0 (above with ``positive``) to ``SECONDS_LIMIT``, else None."""
     if not _real(value) or not 0 <= value <= SECONDS_LIMIT or (positive and value == 0):  # NaN: never in range
         return None
     return float(value)
@@ -56,16 +49,10 @@ def _sample(value: object) -> list[float] | None:
 
 
 class SaveInterval:
-    """``step_scheduler.ckpt_every_steps: auto``: the interval in steps, the next step that saves, and what the
-    interval is decided from (the last saves' measured costs, the MTBF), all part of the run's state (checkpointed
-    with the step counters), so that a resume goes on with the schedule a straight run has.
-
-    The first save comes ``min_every_steps`` steps in (a save's cost is measured there); then the save cycle
-    (``checkpoint.triggers.AutoInterval``) decides Young/Daly's interval at each scheduled save, before its state is
-    taken, from the costs measured before it (``samples``), clamped to ``[min_every_steps, max_every_steps]`` and to
-    the run's ``last_step``. The schedule counts from the last scheduled save: saves of the minutes, of a preemption
-    or of the run's end do not move it.
-    """
+    """``ckpt_every_steps: auto``: the interval, the next step that saves, and the costs and MTBF it is decided
+    from (``AutoInterval``), all checkpointed with the step counters. The first save is ``min_every_steps`` in; the
+    interval is clamped to ``[min_every_steps, max_every_steps]`` and ``last_step``, and counts from the last
+    scheduled save (the minutes', a preemption's or the end's do not move it)."""
 
     SAMPLES = 8  # the last saves' costs a decision reads (their medians)
 
@@ -92,8 +79,7 @@ class SaveInterval:
         return min(bounds, default=COUNT_LIMIT)  # a step number past the largest count is no run's
 
     def clamp(self, every: float) -> int:
-        """``every`` steps as a whole number in ``[min_every_steps, longest]``, at least 1 (an infinity: the
-        longest; NaN: the shortest)."""
+        """``every`` as a whole number in ``[min_every_steps, longest]`` (infinity: the longest; NaN: the shortest)."""
         top = self.longest
         if not _real(every) or every != every:
             every = self.min_every
@@ -108,8 +94,7 @@ class SaveInterval:
             self.next_step = step + self.every
 
     def change(self, every: float, step: int) -> bool:
-        """Save every ``every`` steps (clamped) from the last scheduled save on, at a step after ``step``; whether
-        the interval changed."""
+        """Save every ``every`` steps (clamped) from the last scheduled save; whether the interval changed."""
         every = self.clamp(every)
         if every == self.every:
             return False
@@ -118,8 +103,7 @@ class SaveInterval:
         return True
 
     def sample(self, blocked_s: float, step_s: float) -> None:
-        """A save's measured cost and the step time then (the same numbers on every rank); one out of range (a
-        clock gone wrong) is left out."""
+        """A save's cost and the step time then (alike on every rank); one out of range is left out."""
         checked = _sample([blocked_s, step_s])
         if checked is not None:
             self.samples = [*self.samples, checked][-self.SAMPLES:]
@@ -129,9 +113,7 @@ class SaveInterval:
                 "mtbf": list(self.mtbf) if self.mtbf else None}
 
     def load_state_dict(self, state: Any, step: int | None = None) -> None:
-        """A checkpoint's schedule (untrusted) at the resumed ``step``: each number checked; what is out of range is
-        dropped (a sample, the MTBF) or clamped (the interval to ``[1, longest]``, the next save to the interval
-        from ``step``), and ``restored_note`` says so in one line."""
+        """A checkpoint's schedule (untrusted) at ``step``: out-of-range numbers dropped or clamped, and said."""
         problems: list[str] = []
         last = self.last_step
         if not isinstance(state, dict):
@@ -169,8 +151,7 @@ class SaveInterval:
             f"{'; '.join(problems)}: saves every {self.every} steps, the next at step {self.next_step}"
 
     def _restored_samples(self, samples: Any, problems: list[str]) -> list[list[float]]:
-        """The last ``SAMPLES`` of a checkpoint's cost samples that are in range (only those are looked at, however
-        many it holds); the others dropped, said in ``problems``."""
+        """The last ``SAMPLES`` of a checkpoint's cost samples that are in range; the others said in ``problems``."""
         if samples is None:
             return []
         if not isinstance(samples, (list, tuple)):

@@ -1,16 +1,7 @@
 """Discovers a recipe's checkpointed state: every attribute with both `state_dict` and `load_state_dict`.
 
-The rule is deliberately small so it can be stated in one sentence in the docs:
-
-* every public instance attribute (name not starting with ``_``) whose value has callable ``state_dict`` and
-  ``load_state_dict`` is saved and restored under its attribute name;
-* names listed in the recipe's ``checkpoint_exclude`` are skipped (the explicit opt-out);
-* how it is stored depends on what it is, not on its name: an ``nn.Module`` or an ``Optimizer`` is sharded state
-  written through torch.distributed.checkpoint; an object whose class sets ``checkpoint_scope = "rank"`` gets one
-  file per rank (dataloader position, RNG); anything else is global and written once by rank 0;
-* an ``nn.Module`` with ``checkpoint_optional = True`` (a preference run's reference model, saved only once it
-  differs from its starting weights) is skipped on restore when the checkpoint does not hold it, and is then not
-  among the states the restore reports as loaded.
+Public attributes only, less ``checkpoint_exclude``, each stored by what it is (docs/checkpointing.md); a module with
+``checkpoint_optional = True`` is skipped on restore when the checkpoint lacks it.
 """
 
 from __future__ import annotations
@@ -51,8 +42,7 @@ def _kind_of(value: Any) -> str:
 
 @dataclass
 class StatePlan:
-    """Discovered state grouped by how it is stored, decided once per save (``plan_state``); ``model_for`` pairs
-    each optimizer with its model."""
+    """Discovered state grouped by how it is stored, once per save; ``model_for`` pairs an optimizer with its model."""
 
     models: dict[str, nn.Module]
     optimizers: dict[str, Optimizer]

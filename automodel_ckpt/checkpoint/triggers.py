@@ -1,21 +1,9 @@
 """When a run saves: one ``SaveSchedule`` decision per step for every kind of save, and the preemption signal.
 
-``SaveSchedule`` is asked once per step for a durable checkpoint (every ``step_scheduler.ckpt_every_steps`` and at
-the end, every ``checkpoint.ckpt_every_minutes``, on a preemption signal) or a node-local step (every
-``checkpoint.local.every_steps``) and answers with one ``SaveDecision``.
-
-The minutes and the signal are decided at a step boundary by every rank together, with one small all-reduce (MAX) per step: a signal
-seen by any rank, or a timer due on any rank (so the slowest clock counts), makes every rank save the same step.
-
-Signals. ``PreemptionWatcher`` turns the configured signal (``checkpoint.preemption_signal``, SIGTERM by default)
-into a flag that the next step boundary reads. What a repeated signal does depends on who receives it:
-
-* a process started by the launcher (a worker) ignores repeats: the launcher forwards the signal it receives,
-  and schedulers such as Slurm also signal every process, so one preemption may arrive twice;
-* a process running alone (``--nproc-per-node 1``) treats a second signal as "stop now": the default action.
-
-The launcher side (forwarding the signal to the workers) is in ``automodel_ckpt.launch``; the one step-end call
-that asks the schedule and acts on its answer is ``cycle.SaveCycle`` (``Checkpointer.step_end``).
+The minutes and the signal are agreed at each step boundary with one MAX all-reduce: a signal seen by any rank, or a
+timer due on any rank (the slowest clock counts), makes every rank save the same step. A launcher's worker ignores
+a repeated signal (one preemption may reach it twice, directly and forwarded); a process alone stops at the second
+(docs/async.md). ``cycle.SaveCycle`` acts on the decision.
 """
 
 from __future__ import annotations
@@ -46,9 +34,7 @@ class PreemptionWatcher:
 
     @classmethod
     def for_run(cls, cfg: Any) -> PreemptionWatcher:
-        """The watcher of a run's ``checkpoint:`` section (``preemption_signal``, none when saving is off); a
-        launcher's worker ignores repeats. Use it as ``with PreemptionWatcher.for_run(cfg) as preemption:`` around
-        the whole run, setup included (a signal during setup is seen at the first step boundary)."""
+        """The watcher of a run's ``checkpoint:``; a ``with`` around the whole run, setup included."""
         return cls(cfg.preemption_signal if cfg.enabled else None, repeat_stops=not inside_launcher_worker())
 
     def __enter__(self) -> PreemptionWatcher:
@@ -106,20 +92,16 @@ class TimeTrigger:
         return self.every_s is not None and self.clock() - self.last >= self.every_s
 
     def reset(self) -> None:
-        """A checkpoint was just saved: the next one is due ``every_minutes`` from now."""
         self.last = self.clock()
 
 
 @dataclass(frozen=True)
 class Boundary:
-    """What every rank agreed on at a step boundary."""
-
     preempt: bool = False
     time_due: bool = False
 
 
 def _all_reduce_max(values: Sequence[float]) -> list[float]:
-    """The elementwise maximum of ``values`` over every rank (flags as 0 or 1, seconds, hours)."""
     import torch.distributed as dist
 
     t = torch.tensor(list(values), dtype=torch.float64)
@@ -129,16 +111,11 @@ def _all_reduce_max(values: Sequence[float]) -> list[float]:
 
 
 class StepBoundary:
-    """One agreement per step on "preempted?" and "a timed save is due?" (a single MAX all-reduce).
-
-    Whether it runs at all depends only on the config, the same on every rank, so the collective stays matched.
-    """
+    """One MAX all-reduce a step ("preempted?", "timed save due?"), run or not by the config alone (matched)."""
 
     def __init__(self, watcher: PreemptionWatcher, timer: TimeTrigger,
                  reduce_max: Callable[[Sequence[float]], list[float]] = _all_reduce_max) -> None:
-        self.watcher = watcher
-        self.timer = timer
-        self.reduce_max = reduce_max
+        self.watcher, self.timer, self.reduce_max = watcher, timer, reduce_max
 
     @property
     def enabled(self) -> bool:
@@ -155,7 +132,7 @@ class StepBoundary:
 
 
 class Steps(Protocol):
-    """The step counter a schedule reads (``training.step_scheduler.StepScheduler`` is one)."""
+    """The step counter a schedule reads (``StepScheduler``)."""
 
     step: int
 
@@ -180,22 +157,10 @@ DEFAULT_MTBF_HOURS = 24.0  # with no checkpoint.mtbf_hours and no interruption i
 
 
 class AutoInterval:
-    """``step_scheduler.ckpt_every_steps: auto``: Young/Daly's interval from what the run's saves blocked the
-    training thread, the step time and the MTBF, set on the run's ``SaveInterval`` (clamped there).
-
-    ``interval_steps(cost_s, mtbf_s, step_s)``: the interval in steps (``tracking.advise``'s). After each durable
-    save (``measured``, collective) one MAX all-reduce of (blocked seconds, seconds a step, MTBF) makes every rank
-    hold the same sample, kept in the ``SaveInterval`` (its last 8). At each scheduled save, before the save's state
-    is taken (``decide``), the interval is decided from the samples' medians: so the checkpoint holds the interval,
-    the next due step and the samples the decision read, and a resume from it goes on where a straight run goes on.
-    The save's own cost enters the next decision. Every rank measures its own save and steps (the median of the last
-    steps' times). The MTBF is ``checkpoint.mtbf_hours``; else the interruptions in the run's cost log at the first
-    save (rank 0 reads ``observed_mtbf_s``), else 24 h, decided once and kept in the ``SaveInterval``. Each change
-    is one line (``say``, rank 0) and an ``interval`` record (``note``: events.jsonl and the trackers).
-
-    ``checkpoint.local.every_steps: auto`` is the same rule for the node-local tier: ``schedule`` is its own
-    ``SaveInterval`` (checkpointed with the step counters as ``local_interval``), the costs measured are a local
-    step's, and its changes are ``Node-local interval`` lines and ``local_interval`` records.
+    """``ckpt_every_steps: auto``: Young/Daly's interval (``interval_steps(cost_s, mtbf_s, step_s)``) from what the
+    saves blocked, the step time and the MTBF, set on the run's ``SaveInterval`` (docs/tracking.md). It is decided
+    before a save takes its state, from samples in that state, so a resume goes on as a straight run does.
+    ``schedule``: the node-local tier's own ``SaveInterval`` (``local.every_steps: auto``, docs/fast-recovery.md).
     """
 
     def __init__(self, interval_steps: Callable[[float, float, float], int], *, mtbf_hours: float | None,
@@ -215,10 +180,8 @@ class AutoInterval:
         return self.schedule if self.schedule is not None else getattr(steps, "save_interval", None)
 
     def tick(self, steps: Any = None) -> None:
-        """A step ended now: its time is from the end of the step before (or of the save after it); the step time
-        is the median of the last 64, so that a step that validated does not count. At the first one after a
-        resume whose checkpoint held a schedule out of range (``SaveInterval.restored_note``), rank 0 says what was
-        dropped or clamped and which interval the run uses."""
+        """A step ended now (the step time is the median of the last 64: a step that validated does not count); after
+        a resume whose schedule was out of range, rank 0 says what was dropped."""
         now = self.clock()
         if self._last is not None:
             self._gaps.append(now - self._last)
@@ -236,8 +199,7 @@ class AutoInterval:
         return (mtbf_seconds(self.observed_mtbf_s()) or 0.0) if self.is_main else 0.0
 
     def measured(self, steps: Any, blocked_s: float) -> None:
-        """A durable save after step ``steps.step`` blocked training ``blocked_s`` seconds (collective): one sample
-        more, the same on every rank."""
+        """Collective: a durable save blocked training ``blocked_s``: one sample more, the same on every rank."""
         interval = self._interval(steps)
         if interval is None:
             return
@@ -254,9 +216,8 @@ class AutoInterval:
             interval.sample(cost, step_s)  # a number out of range is left out
 
     def decide(self, steps: Any) -> None:
-        """A scheduled save at step ``steps.step`` is about to take the run's state: the interval from the samples
-        so far (no collective: every rank holds the same samples). Every number is checked first (a restored
-        schedule's were checked when loaded): the interval stays a whole number in ``[1, the run's last step]``."""
+        """Before a scheduled save takes the state: the interval from the samples (the same on every rank, no
+        collective), each number checked first so that it stays a whole number in ``[1, the run's last step]``."""
         interval = self._interval(steps)
         if interval is None or not interval.samples or interval.mtbf is None:
             return
@@ -297,7 +258,6 @@ class SaveSchedule:
         self.steps, self.boundary, self.enabled, self.local_due = steps, boundary, enabled, local_due
 
     def decide(self) -> SaveDecision:
-        """Collective (``StepBoundary.check``): what to save after the step just recorded."""
         agreed = self.boundary.check()
         scheduled = self.enabled and (self.steps.is_ckpt_step or agreed.time_due)
         durable = scheduled or (self.enabled and agreed.preempt)
@@ -305,5 +265,4 @@ class SaveSchedule:
         return SaveDecision(durable=durable, local=local, preempt=agreed.preempt, scheduled=scheduled)
 
     def saved(self) -> None:
-        """A durable checkpoint was just saved: the minutes count from now."""
         self.boundary.saved()

@@ -53,10 +53,8 @@ def stored_files(folder: Path) -> dict[str, int]:
 
 
 def stored_sharing(run_mirror: Path, names: list[str]) -> tuple[dict[str, tuple[int, int]], int] | None:
-    """``({checkpoint: (own bytes, shared bytes)}, bytes stored)`` of the checkpoints ``names`` of a run folder's
-    mirror that this process pulled, when any of them stores files as the run's pieces (``checkpoint.incremental``):
-    a piece another of them references too is shared, and stored once. None otherwise (a local folder, no pieces, a
-    record that cannot be read: ``verify`` names it)."""
+    """``({checkpoint: (own bytes, shared bytes)}, bytes stored)`` of ``names`` in a mirror this process pulled
+    whose checkpoints store pieces; None otherwise (a local folder, no pieces, an unreadable record)."""
     from automodel_ckpt.checkpoint.objectstore import pieces
 
     url = pulled_from(Path(run_mirror) / names[0]) if names else None
@@ -91,9 +89,7 @@ def fetch_collectively(path: Path, storage_options: dict[str, Any] | None, rank:
 
 def open_for_reading(location: str | Path, storage_options: dict[str, Any] | None = None, *,
                      fetch_all: bool = False, only: str | None = None, key: str = "path") -> Path:
-    """A local folder to read ``location`` from: itself when local; for a URL, a mirror of the run folder (or of
-    the one checkpoint it names) with the committed checkpoints' catalog files, and with ``fetch_all`` all of
-    their files (``only``: those below this folder of each checkpoint)."""
+    """A local folder to read ``location`` from: itself, or a URL's mirror (``fetch_all``: with every file)."""
     if not is_url(location):
         return local_path(str(location))
     location = str(location)
@@ -157,11 +153,9 @@ def fetch_object(url: str, storage_options: dict[str, Any] | None, key: str) -> 
 
 @contextlib.contextmanager
 def streamed_object(url: str, size: int, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A file (``write``, and the ``part_size`` it is sent in) whose bytes go to the object ``url`` (checked, an
-    error naming ``key``) as they are written (``size``: about how many there will be): the store's own buffered
-    writer, a multipart upload in parts of ``PART_SIZE`` bytes, more when ``size`` bytes would need over
-    ``_MAX_PARTS`` parts. The object appears when the block ends without an error; otherwise (an error, an
-    interrupt) the upload is aborted and nothing appears."""
+    """A file whose bytes go to the object ``url`` as written, a multipart upload in parts of ``PART_SIZE`` (more
+    when ``size`` would need over ``_MAX_PARTS``); the object appears when the block ends without an error, else
+    the upload is aborted. Errors name ``key``."""
     check_url(url, key)
     parent, _, name = normalize(url).rpartition("/")
     store = ObjectStore(parent, storage_options)
@@ -189,8 +183,7 @@ class _Upload:
 
 
 def _abort(file: Any) -> None:
-    """Abort an upload without committing it: never ``close`` (which commits), and mark it closed so that
-    garbage collection does not close it either."""
+    """Abort an upload never committing it: never ``close`` it, and mark it closed so that GC does not either."""
     try:
         file.discard()
     except Exception as exc:  # noqa: BLE001 - the error that got us here is the one to report
@@ -215,8 +208,7 @@ def _fresh_folder() -> Path:
 
 def upload_folder(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
                   last: tuple[str, ...] = ()) -> None:
-    """Upload every file below ``folder`` to ``url`` (same relative keys); the ``last`` names after all others
-    (for a Hugging Face folder, ``config.json``: a reader never sees a config without its weights)."""
+    """Upload ``folder`` to ``url``, the ``last`` names after all others (a config never without its weights)."""
     from automodel_ckpt.ondisk.manifest import list_files
 
     check_url(url, "--out")

@@ -1,19 +1,7 @@
 """One run at a time on an object-store run folder: a lease object with its holder, a heartbeat and an expiry.
 
-A run takes the lease (``layout.LEASE_OBJECT`` in the run folder) before it touches anything there, keeps it fresh
-from a background thread, and removes it when it ends. A second run on the same URL is refused in one line naming
-the holder, unless the lease has expired (no heartbeat for ``_EXPIRY_SECONDS``) or its holder is a process of this
-machine that no longer exists (a killed run never blocks a rerun on the same machine).
-
-Limits (plain S3 has no compare-and-swap on an object that this code relies on):
-
-- taking the lease is read, write, read back: two runs that start within the same fraction of a second can both
-  read "free" and both write; the later write wins, and the run whose lease was overwritten finds out at its next
-  heartbeat (within ``_HEARTBEAT_SECONDS``) and refuses to save from then on;
-- expiry compares the holder's clock (the time it wrote) with the reader's clock: clocks that disagree by more than
-  ``_EXPIRY_SECONDS - _HEARTBEAT_SECONDS`` can take a live lease for expired;
-- after a crash on another machine the next run waits until the lease expires, or the user removes it
-  (``ckpt-train gc URL --break-lease``).
+A second run is refused naming the holder, unless the lease expired or its holder is a gone process of this machine;
+with no compare-and-swap on S3, its limits are docs/object-storage.md's.
 """
 
 from __future__ import annotations
@@ -61,8 +49,7 @@ def _process_start(pid: int) -> str:
 
 
 def me() -> dict[str, Any]:
-    """This process as a lease holder: host, machine boot, pid namespace (containers), pid and the pid's start
-    (which tells a reused pid apart)."""
+    """This process as a lease holder: host, boot, pid namespace, pid and its start (a reused pid apart)."""
     pid = os.getpid()
     return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid_ns": _pid_namespace(), "pid": pid,
             "pid_start": _process_start(pid)}
@@ -96,11 +83,7 @@ class Lease:
     def __init__(self, store: ObjectStore, key: str = "checkpoint.checkpoint_dir", *,
                  clock: Callable[[], float] = time.time, expiry: float = _EXPIRY_SECONDS,
                  heartbeat: float = _HEARTBEAT_SECONDS) -> None:
-        self.store = store
-        self.key = key
-        self.clock = clock
-        self.expiry = expiry
-        self.heartbeat = heartbeat
+        self.store, self.key, self.clock, self.expiry, self.heartbeat = store, key, clock, expiry, heartbeat
         self.token = uuid.uuid4().hex
         self.holder = me()
         self.started = clock()

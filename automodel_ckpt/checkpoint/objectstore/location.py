@@ -12,11 +12,7 @@ from typing import Any
 from automodel_ckpt.checkpoint.locations import local_path, normalize, split
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """The fsspec filesystem for ``url``: endpoint and credentials from the standard environment (for S3:
-    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``~/.aws``) and ``storage_options``.
-
-    Listings are never cached: a checkpoint committed by another process must be seen at once.
-    """
+    """The fsspec filesystem for ``url``; listings never cached (another process's commit must be seen at once)."""
     import fsspec
 
     for noisy in ("botocore", "aiobotocore", "s3fs"):  # "Found credentials in ..." on every client
@@ -40,10 +36,7 @@ def _cache_root() -> Path:
 
 
 def mirror_folder(url: str, staging_dir: str | None, role: str = "run") -> Path:
-    """The local folder a run (``role="run"``) or a reading verb (``"read"``) keeps for ``url``.
-
-    A run's writes are staged there before upload and its loads cached there; ``checkpoint.staging_dir`` sets it.
-    """
+    """The local folder a run (staging, cache) or a reading verb keeps for ``url``; ``staging_dir`` sets it."""
     if staging_dir:
         return local_path(staging_dir)
     url = normalize(url)

@@ -1,26 +1,9 @@
 """A run folder's pieces on an object store: stable files stored once by content key, referenced, counted, collected.
 
-With ``checkpoint.incremental`` each rank writes the tensors that do not train in a stable file of its own and
-computes the file's content key while writing it (``ondisk.incremental``: 32 hex digits). On a local disk the next
-checkpoint hard-links that file when its key is unchanged. An object store has no links, so the same sharing is
-done by name: the file is uploaded once, as ``<run>/layout.PIECES_DIR/<key>``, and each checkpoint that holds it
-lists it in its reference record ``<name>/layout.PIECE_REFS`` (``{"pieces_version": 1, "files": {file: key}}``)
-instead of holding an object of its own. A hard link is the local form of the same thing: there the filesystem
-names the bytes (an inode) and counts the names; here the key names the bytes and the records are the names.
-
-- A save (every rank, its share, ``put``): a stable file whose piece is in the store with the file's size is not
-  uploaded; a new one is, before the commit object. Rank 0 then writes the record, then the commit object (``run``).
-- A fetch (``sources``) reads the record and downloads each listed file from its piece into the checkpoint's
-  folder: every reader sees the folder as it was written. A referenced piece that is missing is one line naming it.
-- A piece is deleted (``collect``) only when no record of the run folder names it (a committed checkpoint's, a
-  quarantined one's, a leftover's: each counts), so only after the commit object of the last checkpoint naming it
-  is gone: a kill at any point leaves at most unreferenced pieces (orphans), which the next save or ``ckpt-train
-  gc`` collects. The pieces are listed before the records are read: a piece uploaded meanwhile is not taken.
-
-A record is untrusted: its size is bounded (``bounded.INDEX_FILE_LIMIT``, as a manifest), every key must be 32 lowercase
-hex digits (never a path: ``..`` or ``/`` in a key is refused here, since some stores accept them), and every file
-it names must be one the checkpoint's manifest lists. Only objects below ``PIECES_DIR`` whose name is a key are
-ever deleted.
+An object store has no hard links, so ``checkpoint.incremental``'s stable files are shared by name, each checkpoint
+listing its pieces in a record (docs/object-storage.md). A piece is deleted only when no record names it, and the
+pieces are listed before the records are read: a kill leaves at most orphans. A record is untrusted (bounded, keys
+of 32 hex digits, never a path, files its manifest lists); only objects named by a key are ever deleted.
 """
 
 from __future__ import annotations
@@ -48,9 +31,7 @@ def record_text(refs: dict[str, str]) -> str:
 
 
 def parse_record(data: str | bytes, where: str, listed: Iterable[str] | None = None) -> dict[str, str]:
-    """``{file: key}`` of the record read from ``where``. Each problem is one line: over ``bounded.INDEX_FILE_LIMIT`` or
-    nested too deep, not JSON, not a record of this version, a key that is not 32 hex digits, a file that
-    ``listed`` (the checkpoint manifest's files, when given) lacks."""
+    """``{file: key}`` of the record read from ``where``, each problem one line; ``listed``: the manifest's files."""
     table = bounded.parse_json(data, where, _WHAT, bounded.INDEX_FILE_LIMIT)
     if not isinstance(table, dict) or table.get("pieces_version") != _VERSION or not isinstance(table.get("files"),
                                                                                               dict):
@@ -77,9 +58,7 @@ def unreferenced(pieces: Iterable[str], records: Iterable[dict[str, str]]) -> li
 
 def sharing(files: dict[str, dict[str, int]],
             records: dict[str, dict[str, str]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """``({checkpoint: (own bytes, shared bytes)}, bytes stored)`` of the checkpoints whose files (``{file: size}``,
-    their manifests') and records are given: a file stored as a piece that another of these checkpoints names too
-    is shared; the bytes stored count each piece once."""
+    """``({checkpoint: (own bytes, shared bytes)}, bytes stored)``, a piece two name shared and stored once."""
     users: dict[str, set[str]] = {}
     for name, refs in records.items():
         for key in refs.values():
@@ -106,9 +85,7 @@ def piece_key(store: ObjectStore, key: str) -> str:
 
 
 def put(store: ObjectStore, staging: Path, share: list[str], sizes: dict[str, int]) -> dict[str, tuple[str, bool]]:
-    """Every rank, its ``share`` of the staged checkpoint ``staging``: each stable file this process wrote there
-    (``incremental.key_of``) stored as a piece; only those whose piece is not in the store with the file's size
-    (``sizes``) are uploaded. Returns ``{file: (key, reused)}``; the other files of the share are the caller's."""
+    """Every rank: its ``share``'s stable files as pieces, uploaded only where new; ``{file: (key, reused)}``."""
     refs: dict[str, tuple[str, bool]] = {}
     new: dict[str, str] = {}  # file -> its piece's object key
     for rel in share:
@@ -134,15 +111,13 @@ def write_record(store: ObjectStore, name: str, refs: dict[str, str]) -> None:
 
 
 def read_record(store: ObjectStore, name: str, listed: Iterable[str]) -> dict[str, str]:
-    """Checkpoint ``name``'s ``{file: key}`` (empty when it has no record: written whole, or before pieces
-    existed); ``listed``: its manifest's files."""
+    """Checkpoint ``name``'s ``{file: key}`` (empty without a record); ``listed``: its manifest's files."""
     text = store.read_text(name, layout.PIECE_REFS, limit=bounded.INDEX_FILE_LIMIT)
     return {} if text is None else parse_record(text, f"'{store.url_of(name, layout.PIECE_REFS)}'", listed)
 
 
 def present(store: ObjectStore) -> dict[str, dict[str, Any]]:
-    """The pieces in the store, ``{key: listing entry}``, from one listing; an object there whose name is not a
-    key is not a piece (never fetched, never deleted)."""
+    """The pieces in the store, ``{key: listing entry}``, from one listing; other names there are no pieces."""
     head = store.key(layout.PIECES_DIR).lstrip("/") + "/"
     found = {}
     for info in store.objects(layout.PIECES_DIR):
@@ -155,8 +130,7 @@ def present(store: ObjectStore) -> dict[str, dict[str, Any]]:
 
 def sources(store: ObjectStore, name: str, refs: dict[str, str],
             rels: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
-    """For the files ``rels`` of checkpoint ``name`` that ``refs`` stores as pieces: ``({file: object key},
-    {file: listed size})``, from one listing. A piece missing from the store is one line naming it."""
+    """``({file: object key}, {file: listed size})`` of ``rels`` stored as pieces; a missing one is one line."""
     wanted = {rel: refs[rel] for rel in rels if rel in refs}
     if not wanted:
         return {}, {}
@@ -171,8 +145,7 @@ def sources(store: ObjectStore, name: str, refs: dict[str, str],
 
 
 def records(store: ObjectStore, names: Iterable[str]) -> dict[str, dict[str, str]]:
-    """``{prefix: {file: key}}`` of the prefixes ``names`` that hold a record (small reads, in one batch); a
-    record that cannot be read as one is a ``CheckpointError`` naming it."""
+    """``{prefix: {file: key}}`` of the prefixes ``names`` that hold a record, read in one batch."""
     keys = {store.key(n, layout.PIECE_REFS): n for n in names}
     got = store.cat_small(list(keys), bounded.INDEX_FILE_LIMIT)
     return {keys[k]: parse_record(data, f"'{store.scheme}://{k}'") for k, data in got.items()}
@@ -180,9 +153,7 @@ def records(store: ObjectStore, names: Iterable[str]) -> dict[str, dict[str, str
 
 def collect(store: ObjectStore, names: Iterable[str], min_age_seconds: float | None = None, *,
             dry_run: bool = False) -> list[str]:
-    """Delete the pieces that no record of the prefixes ``names`` names; ``min_age_seconds``: only those written
-    longer ago than that (a younger one may belong to a save in flight; one whose time the listing does not give is
-    kept). Returns the keys deleted (with ``dry_run``, that would be)."""
+    """Delete the pieces no record of ``names`` names (with ``min_age_seconds``: only older, dated ones)."""
     there = present(store)  # before the records: a piece uploaded from now on is not taken
     if not there:
         return []

@@ -1,29 +1,7 @@
 """A run folder on an object store worked through a local mirror: pull the catalog, fetch, upload, commit, prune, gc.
 
-The mirror (``checkpoint.staging_dir``) has the local layout, so selection, retention and loading run unchanged on
-it; this module keeps it and the store in step. The commit protocol, with no rename on an object store:
-
-1. every rank writes its files into the mirror's staging folder (the local save path, unchanged);
-2. every rank uploads its share of the files under their final keys ``<name>/<file>`` (in parallel, multipart,
-   streamed from disk), and all ranks agree that every upload succeeded;
-3. rank 0 uploads the training logs (a resume cuts off the steps after the checkpoint it restores, so logs ahead
-   of the store's newest checkpoint are harmless), then ``<name>/manifest.json``, the commit object: from then on,
-   and not before, the checkpoint exists for every reader, with its steps already in the logs; then the pointer
-   objects ``LATEST`` / ``LOWEST_VAL`` and the logs again (anything recorded meanwhile);
-4. the mirror keeps only the small catalog files of the checkpoint (``layout.CATALOG_FILES``).
-
-Readers list only prefixes that hold a commit object. Retention deletes the commit object first. Only what this
-project wrote is ever deleted: a save writes ``<name>/layout.UPLOAD_MARKER`` before any other object of its prefix
-(and a delete removes it last), so a prefix with that marker and no commit object is the leftover of a save that was
-killed; a later save of the run deletes it, ``ckpt-train gc`` deletes the ones older than a minimum age (an upload
-in progress is younger). A prefix without the marker is never deleted, whatever it holds. In the mirror, only
-folders that hold a checkpoint's catalog files or a staging name are removed, and a ``staging_dir`` that already
-holds other files is refused. A run holds the run folder's lease (``lease``) from ``prepare`` to its end.
-
-With ``checkpoint.incremental`` the stable files are stored once, as the run folder's pieces (``pieces``): step 2
-uploads only the new ones, step 3 writes the checkpoint's reference record before the commit object, a fetch
-downloads each referenced file from its piece, and the pieces no record names any more are deleted after the
-deletes that freed them (retention, the next save's removal of leftovers) and by ``gc``.
+The mirror has the local layout, so selection, retention and loading run unchanged on it; the commit protocol and
+the upload marker are docs/object-storage.md's.
 """
 
 from __future__ import annotations
@@ -67,8 +45,7 @@ class RemoteRun:
 
     # --- start of a run or a verb: the catalog -------------------------------------------------------
     def prepare(self, key: str = "checkpoint.checkpoint_dir", lease: Lease | None = None) -> None:
-        """Rank 0, before training: check access (one-line error), take the run folder's lease (one line naming
-        the holder if another run has it), mark the URL as a run folder, then pull the catalog into the mirror."""
+        """Rank 0, before training: check access, take the lease, mark the URL as a run folder, pull the catalog."""
         problem = self.store.access_problem(key)
         if problem:
             raise CheckpointError(problem)
@@ -135,9 +112,7 @@ class RemoteRun:
         return names
 
     def _claim_mirror(self) -> None:
-        """Refuse a mirror folder that already holds files this project did not write: it would remove folders
-        there. Ours holds ``layout.OBJECT_STORE_SOURCE`` (written by the first pull); ``layout.RUN_LOCK`` is taken
-        before it."""
+        """Refuse a mirror with files not ours (a pull removes folders): ours holds ``OBJECT_STORE_SOURCE``."""
         if self.mirror.is_dir() and not (self.mirror / layout.OBJECT_STORE_SOURCE).is_file() \
                 and any(p.name != layout.RUN_LOCK for p in self.mirror.iterdir()):  # the lock: this run's own
             raise CheckpointError(
@@ -152,24 +127,19 @@ class RemoteRun:
         return [n for n in self.store.committed() if n not in quarantined]
 
     def leftovers(self) -> list[str]:
-        """Prefixes this project wrote that hold no commit object (the upload marker, no manifest): saves that
-        never committed, or deletions that were interrupted. A prefix without the marker is never one."""
+        """Prefixes with the upload marker and no commit object: saves never committed, deletions interrupted."""
         return self._scan()[1]
 
     def _scan(self) -> tuple[list[str], list[str]]:
-        """``(prefixes, leftovers)`` of the run folder."""
         names = [n for n in self.store.prefixes() if n != layout.QUARANTINE_DIR]
         committed = set(self.store.committed(names))
         return names, [n for n in names if n not in committed and self.store.exists(n, layout.UPLOAD_MARKER)]
 
     # --- a save ----------------------------------------------------------------------------------------
     def before_save(self, name: str) -> list[str]:
-        """Rank 0, before a save: refuse an existing checkpoint (or a prefix of that name this project did not
-        write); delete leftovers of earlier, unfinished saves; write the upload marker, the prefix's first object.
-
-        At most one save of a run is in flight, and it starts only after the previous one committed or failed: any
-        marked prefix without a commit object now is a leftover. Returns the names deleted.
-        """
+        """Rank 0, before a save: refuse an existing checkpoint or a foreign prefix of that name, delete the
+        leftovers (one save in flight at most, so a marked prefix without a commit object now is one) and write the
+        upload marker, the prefix's first object. Returns the names deleted."""
         if self.lease is not None:
             self.lease.check()
         if wrap(f"checking '{self.store.url_of(name)}'", lambda: self.store.exists(name, layout.MANIFEST_FILE)):
@@ -194,8 +164,7 @@ class RemoteRun:
         return leftovers
 
     def upload_share(self, staging: Path, name: str, rank: int, world_size: int) -> dict[str, tuple[str, bool]]:
-        """Every rank: upload its share of the staged files (the manifest excluded) under their final keys, the
-        stable files it wrote as pieces (only the new ones uploaded); returns ``{file: (piece key, reused)}``."""
+        """Every rank: upload its share of the staged files but the manifest, new stable files as pieces."""
         files = manifest.list_files(staging)
         share = manifest.assign(files, world_size)[rank]
         refs = wrap(f"uploading to '{self.store.url}/{layout.PIECES_DIR}'",
@@ -205,13 +174,9 @@ class RemoteRun:
         return refs
 
     def upload_commit_object(self, staging: Path, name: str, refs: dict[str, tuple[str, bool]] | None = None) -> None:
-        """Rank 0, after every rank's uploads succeeded: the reference record of the files stored as pieces
-        (``refs``, every rank's ``upload_share``), the logs, then the commit object (the manifest).
-
-        The logs go first: a job killed right after the commit object leaves a checkpoint a rerun resumes from,
-        and the steps up to it must already be in the store's ``training.jsonl``. With pieces, the manifest's
-        ``linked_bytes`` becomes the bytes this save took from pieces already stored instead of uploading them (what
-        the cost report counts as not written)."""
+        """Rank 0, once every rank's uploads succeeded: the pieces' record (``refs``), the logs (a rerun resuming
+        from the commit finds its steps logged), then the commit object. With pieces, the manifest's
+        ``linked_bytes`` is the bytes taken from pieces already stored (what the cost report counts as unwritten)."""
         if refs:
             wrap(f"uploading '{self.store.url_of(name, layout.PIECE_REFS)}'",
                  lambda: pieces.write_record(self.store, name, {rel: key for rel, (key, _) in refs.items()}))
@@ -226,8 +191,7 @@ class RemoteRun:
              lambda: self.store.upload(staging, [layout.MANIFEST_FILE], name))
 
     def after_publish(self, final: Path) -> None:
-        """Rank 0, once the mirror published checkpoint ``final``: the pointer objects and the logs, then the
-        mirror's copy of the checkpoint's files is dropped (catalog files kept)."""
+        """Rank 0, once the mirror published ``final``: the pointers and logs, then ``evict``."""
         self.push_pointers()
         self.push_logs()
         self.evict(final)
@@ -256,16 +220,14 @@ class RemoteRun:
 
     # --- retention, quarantine, gc ---------------------------------------------------------------------
     def delete(self, names: list[str]) -> None:
-        """Rank 0: delete committed checkpoints (each commit object first, its record with the rest of its prefix),
-        then the pieces no checkpoint names any more."""
+        """Rank 0: delete committed checkpoints (commit object first), then the pieces none names any more."""
         for name in names:
             wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_checkpoint(n))
         if names:
             self.collect_pieces()
 
     def collect_pieces(self) -> list[str]:
-        """Rank 0 of the run holding the lease (no save in flight): delete the pieces that no record of the run
-        folder names. A failure is a warning: it leaves orphans, which the next collection takes."""
+        """Rank 0, between saves: delete the pieces no record names (a failure, a warning, leaves orphans)."""
         try:
             deleted = wrap(f"collecting the unreferenced pieces of '{self.url}'",
                            lambda: pieces.collect(self.store, self.store.prefixes()))
@@ -278,7 +240,7 @@ class RemoteRun:
         return deleted
 
     def quarantine(self, name: str, reason: str) -> None:
-        """Rank 0: mark checkpoint ``name`` as unloadable (a note object): never listed or selected again."""
+        """Rank 0: a note object marks ``name`` unloadable, never listed or selected again."""
         note = {"name": name, "reason": reason, "quarantined_at": now()}
         wrap(f"quarantining '{self.store.url_of(name)}'",
              lambda: self.store.write_text(json.dumps(note) + "\n", layout.QUARANTINE_DIR,
@@ -286,12 +248,11 @@ class RemoteRun:
         self.push_pointers()
 
     def break_lease(self) -> dict[str, Any] | None:
-        """Remove the run folder's lease whoever holds it (``ckpt-train gc --break-lease``); the lease removed."""
+        """``ckpt-train gc --break-lease``: remove the lease whoever holds it; returns it."""
         return break_lease(self.store)
 
     def gc(self, min_age_seconds: float, *, dry_run: bool = False) -> list[str]:
-        """Delete leftovers whose newest object is older than ``min_age_seconds`` (younger ones may be uploads
-        in progress). Returns the names deleted (with ``dry_run``, that would be: nothing is deleted)."""
+        """Delete the leftovers older than ``min_age_seconds`` (younger: uploading); the names deleted."""
         deleted = []
         for name in wrap(f"listing '{self.url}'", self.leftovers):
             newest = self.store.newest_write(name)
@@ -307,9 +268,8 @@ class RemoteRun:
         return self.store.url_of(layout.PIECES_DIR, key)
 
     def gc_pieces(self, min_age_seconds: float, *, dry_run: bool = False, gone: Iterable[str] = ()) -> list[str] | None:
-        """The pieces no record names and written longer than ``min_age_seconds`` ago, deleted (``dry_run``: only
-        listed, the records of the prefixes ``gone`` left out as if deleted); None, deleting nothing, while a live run
-        holds the lease (its saves collect them)."""
+        """Delete the pieces no record names, older than ``min_age_seconds`` (``dry_run``: list them, the prefixes
+        ``gone`` counted as deleted); None while a live run holds the lease (its saves collect them)."""
         lease = Lease(self.store, "gc")
         current = lease.read()
         if current is not None and current.get("token") and not lease.free(current):
@@ -321,11 +281,8 @@ class RemoteRun:
 
 
 def _extends(local: Path, remote: str) -> bool:
-    """Whether the mirror's log ``local`` begins with the store's copy ``remote`` and goes further.
-
-    The store's logs are pushed with durable checkpoints; a run that also takes node-local steps logs the steps
-    after the last push only here. A resume from such a step cuts the lines after it (``truncate_after``) and
-    must find the steps before it, so the longer copy of the same history is kept; a copy that differs is the
+    """Whether the mirror's log ``local`` begins with the store's copy ``remote`` and goes further: node-local
+    steps after the last push are logged only here, and a resume from one needs them; a copy that differs is the
     store's (another machine continued the run)."""
     expected = remote.encode("utf-8")
     try:
@@ -336,8 +293,7 @@ def _extends(local: Path, remote: str) -> bool:
 
 
 def _made_here(folder: Path) -> bool:
-    """Whether a mirror subfolder is one this project makes: a checkpoint (its catalog files), a save or delete in
-    progress (a staging name), or an empty folder. Anything else is left where it is."""
+    """Whether a mirror subfolder is this project's: a checkpoint, a staging or deleting name, or empty."""
     if folder.name.startswith((layout.STAGING_PREFIX, layout.DELETING_PREFIX)):
         return True
     return (folder / layout.MANIFEST_FILE).is_file() or (folder / layout.METADATA_FILE).is_file() \
@@ -351,16 +307,13 @@ _PULLED: dict[str, str] = {}  # mirror folder (real path) -> the URL this proces
 
 
 def pulled_from(folder: Path) -> str | None:
-    """The URL to fetch checkpoint ``folder``'s files from: only for a mirror this process pulled itself. A note
-    found in a folder (``layout.OBJECT_STORE_SOURCE``) never chooses where this process reads with the user's
-    credentials: a folder received from elsewhere may name any bucket."""
+    """The URL to fetch ``folder``'s files from, only for a mirror this process pulled: a folder's note never
+    chooses where the user's credentials read (a folder received from elsewhere may name any bucket)."""
     return _PULLED.get(os.path.realpath(Path(folder).parent))
 
 
 def source_of(folder: Path) -> str | None:
-    """The URL of the run folder whose mirror holds checkpoint ``folder``, or None for a local checkpoint: what
-    names a mirrored checkpoint in messages (read from the mirror's note; never used to fetch, see
-    ``pulled_from``)."""
+    """The run folder's URL from the mirror's note, for messages only (never to fetch); None for a local one."""
     note = Path(folder).parent / layout.OBJECT_STORE_SOURCE
     try:
         return str(bounded.read_json(note, "a mirror note", bounded.SMALL_FILE_LIMIT)["url"])
@@ -370,11 +323,7 @@ def source_of(folder: Path) -> str | None:
 
 def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None, rank: int | None = None,
           world_size: int | None = None, only: str | None = None) -> None:
-    """Download the files of mirrored checkpoint ``folder`` the mirror lacks (every rank of a node takes a share).
-
-    ``url`` is the run folder's (``source_of``). Files already there with their manifest size are kept.
-    ``only``: just the files below this folder of the checkpoint (``model/`` for an export).
-    """
+    """Download a share (per rank of the node) of the files mirrored ``folder`` lacks; ``only``: below that folder."""
     folder = Path(folder)
     rank = int(os.environ.get("LOCAL_RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if world_size is None else world_size
@@ -404,11 +353,9 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
 
 
 def check_fetch(folder: Path, url: str, sizes: dict[str, int], remote: dict[str, int]) -> dict[str, int]:
-    """Before any download: what to fetch, and how many bytes of each. A file the listing lacks is not fetched
-    (the checks after it report it missing); one listed shorter than its manifest size is fetched as it is (they
-    report the size mismatch); one listed longer is refused in one line, and so are files that together do not fit
-    in the free space of the mirror's filesystem: no listing or manifest makes a download larger than the other
-    says."""
+    """The bytes to fetch of each file, before any download. One the listing lacks, or lists shorter, is left to
+    the checks after it; one listed longer than its manifest size, or a total over the mirror's free space, is
+    refused: neither the listing nor the manifest makes a download larger than the other says."""
     fetched = {}
     for rel, size in sizes.items():
         if rel not in remote:

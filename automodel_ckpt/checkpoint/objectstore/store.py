@@ -1,8 +1,4 @@
-"""One run folder on an object store as the commit protocol uses it: listing, small objects, transfers, deletion.
-
-Committed checkpoints are the prefixes holding a commit object; uploads and downloads run many files at once;
-a checkpoint is deleted commit object first.
-"""
+"""One run folder on an object store as the commit protocol uses it: listing, small objects, transfers, deletion."""
 
 from __future__ import annotations
 
@@ -80,13 +76,8 @@ class ObjectStore:
 
     # --- listing -----------------------------------------------------------------------------------
     def prefixes(self) -> list[str]:
-        """Names of the prefixes directly below the run folder (committed or not).
-
-        A listing is untrusted: a prefix whose name is not one plain path component (``..``, ``.``, an empty
-        name, a backslash or control character) is never taken for a checkpoint, fetched into or removed from a
-        local folder, or deleted; it is logged and left alone. The run's pieces (``layout.PIECES_DIR``) are no
-        checkpoint and are not listed.
-        """
+        """The prefixes directly below the run folder, the pieces' left out. A listing is untrusted: a name that is
+        not one plain path component is logged and never used or deleted."""
         try:
             entries = self.fs.ls(self.root, detail=True, refresh=True)
         except FileNotFoundError:
@@ -120,8 +111,7 @@ class ObjectStore:
 
     # --- small objects -------------------------------------------------------------------------------
     def read_text(self, *parts: str, limit: int = bounded.SMALL_FILE_LIMIT) -> str | None:
-        """A small object's text (None when it does not exist); an object over ``limit`` bytes is refused in one
-        line after ``limit + 1`` bytes were read, never read whole."""
+        """A small object's text (None if absent); over ``limit`` bytes it is refused, never read whole."""
         try:
             data = self.fs.cat_file(self.key(*parts), start=0, end=limit + 1)
         except FileNotFoundError:
@@ -133,8 +123,7 @@ class ObjectStore:
             raise CheckpointError(f"'{self.url_of(*parts)}' is not UTF-8 text") from None
 
     def cat_small(self, keys: list[str], limit: int) -> dict[str, bytes]:
-        """``{key: bytes}`` of the objects of ``keys`` that exist, each refused in one line when over ``limit``
-        bytes (at most ``limit + 1`` bytes of each are read)."""
+        """``{key: bytes}`` of the objects of ``keys`` that exist, each refused when over ``limit`` bytes."""
         if not keys:
             return {}
         got = self.fs.cat_ranges(keys, [0] * len(keys), [limit + 1] * len(keys), on_error="return")
@@ -167,8 +156,7 @@ class ObjectStore:
 
     # --- bulk transfers ------------------------------------------------------------------------------
     def upload(self, local_root: Path, rels: list[str], name: str, keys: dict[str, str] | None = None) -> None:
-        """Upload ``local_root/rel`` to ``name/rel`` for every rel (to ``keys[rel]`` where given: an object key of
-        the store): many files at once, each streamed from disk."""
+        """Upload ``local_root/rel`` to ``name/rel`` (or ``keys[rel]``), many files at once, streamed from disk."""
         if not rels:
             return
         keys = keys or {}
@@ -178,15 +166,9 @@ class ObjectStore:
 
     def download(self, name: str, rels: list[str], local_root: Path, sizes: dict[str, int] | None = None,
                  sources: dict[str, str] | None = None) -> None:
-        """Fetch ``name/rel`` (``sources[rel]`` where given: an object key of the store) into ``local_root/rel``
-        (each through a temporary name, renamed when complete).
-
-        Every file is cut into ranges of at most ``RANGE`` bytes, and ``_BATCH`` ranged GETs run at once, whatever
-        the files: one large shard downloads on many connections, as a multipart upload sends it. Each range is
-        written at its offset, so memory stays below ``_BATCH * RANGE``. ``sizes``: the files' sizes when known
-        (the manifest's). An object of another size is downloaded whole, as it is: the checks after the download
-        (``verify``, the check before a load) report it against the manifest.
-        """
+        """Fetch ``name/rel`` (or the object ``sources[rel]``) into ``local_root/rel``, renamed when complete, in
+        ranges of ``RANGE`` bytes with ``_BATCH`` GETs at once (a large shard on many connections, memory below
+        ``_BATCH * RANGE``). An object of another size than ``sizes`` says is fetched as it is, for the checks."""
         if not rels:
             return
         sizes, sources = dict(sizes or {}), sources or {}
@@ -250,8 +232,7 @@ class ObjectStore:
         self.delete_prefix(name)
 
     def delete_prefix(self, name: str) -> None:
-        """Delete every object of prefix ``name``, its upload marker last: a delete that is interrupted leaves a
-        prefix still recognised as this project's (a leftover that the next save or ``gc`` deletes)."""
+        """Delete prefix ``name``, its upload marker last (an interrupted delete leaves a leftover, still ours)."""
         marker = self.key(name, layout.UPLOAD_MARKER)
         rest = [info["name"] for info in self.objects(name) if info["name"].rstrip("/") != marker]
         if rest:
@@ -260,8 +241,7 @@ class ObjectStore:
 
 
 def plain_names(parent: str, keys: Iterable[str]) -> list[str]:
-    """The names below ``parent`` of the listed ``keys`` that are plain names (``paths.is_plain_name``), sorted;
-    the others (``..``, an empty name, a key not below ``parent``, ...) are logged and dropped."""
+    """The plain names below ``parent`` of the listed ``keys``, sorted; the others logged and dropped."""
     head = parent.strip("/") + "/"
     names = []
     for key in keys:

@@ -1,9 +1,7 @@
 """The one choose-verify-fall-back loop of a restore, for every tier (node-local, durable, start) and every storage.
 
-A tier chooses what to load (its newest checkpoint that passes the checks before a load, the damaged ones set aside
-on the way, or a fresh start), the loop loads it, and a failure while loading goes back to the tier that chose it:
-it sets the checkpoint aside and is asked again (``AGAIN``), hands over to the next tier (``NEXT``), or lets the
-failure stand (None: raised).
+A tier chooses, the loop loads, and a failure while loading goes back to the tier: it sets the checkpoint aside and
+is asked again (``AGAIN``), hands over (``NEXT``), or lets the failure stand (None).
 """
 
 from __future__ import annotations
@@ -23,12 +21,10 @@ class Tier(Protocol):
     name: str  # "local" or "durable" (a weights-only start too): where the restore loaded from
 
     def choose(self, damage: str | None) -> Any | None:
-        """What to load next (None: nothing here, try the next tier). ``damage``: why the last choice failed while
-        loading, in one line (None on the first call)."""
+        """What to load next (None: try the next tier); ``damage``: why the last choice failed loading."""
 
     def load(self, states: dict[str, Any], choice: Any) -> Any:
-        """Load ``choice`` into ``states`` (in the order of every ``load`` of the engine: the states first); what was
-        loaded (None: nothing, a fresh start)."""
+        """Load ``choice`` into ``states``; what was loaded (None: nothing, a fresh start)."""
 
     def failed(self, choice: Any, exc: CheckpointError) -> str | None:
         """``choice`` failed while loading: ``AGAIN`` or ``NEXT`` (after setting it aside), or None (raised)."""

@@ -1,22 +1,8 @@
 """Reading a Hugging Face model folder (or an archive of one) into a sharded model: each rank reads its own slices.
 
-The model may be sharded in any way (FSDP's ``Shard(0)``, tensor parallelism's ``Shard(1)``, ``Replicate``, on a
-mesh of any shape): DCP plans the reads from each parameter's ``DTensor`` placements, and the safetensors reader
-(``ondisk/fastio``) reads from the folder's files exactly the byte ranges of the rank's pieces, cast to the
-parameter's dtype as ``from_pretrained(dtype=...)`` does. A plain tensor (not sharded) is read whole.
-
-The folder's names are the family's on-disk names; the model's are transformers' in-memory names. The mapping is
-the export's (``formats/family.disk_layout``: the family's conversions, reversed): a renamed tensor is read under
-its on-disk name; tied copies are not read (they share the tensor of the weight they are tied to). A tensor that
-the family builds from parts of several on-disk tensors (a fused mixture-of-experts stack: one on-disk tensor per
-expert and projection) is filled part by part: a part that is a box of the fused tensor (an expert's rows) is read
-only by the ranks whose slice it meets, and only that overlap is copied, so a stack sharded over its experts costs
-each rank its own experts' bytes. A part that is not a box (none of the supported families has one) makes its
-tensor read whole on every rank, put together and sliced.
-
-``load_hf_folder`` reads any HF weights a run may start from: a folder's safetensors files as above, an archive of
-one (``ckpt-train pack``) in place, or a folder of PyTorch ``.bin`` files only, which transformers reads on rank 0
-and torch broadcasts into every rank's shards.
+DCP plans the reads from each parameter's placements and the safetensors reader reads just the rank's byte ranges;
+on-disk names map to the model's through the export's ``disk_layout``, reversed. A part of a fused tensor (an
+expert of a stack) that is a box of it is read only by the ranks whose slice it meets; one that is not, whole.
 """
 
 from __future__ import annotations
@@ -38,11 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def in_memory_names(model: Any) -> tuple[Any, dict[str, str]]:
-    """``(transformers model, {in-memory name: its key in that model's state dict})``.
-
-    For a PEFT model the transformers model is the one PEFT wraps, whose adapted layers keep their weight under
-    ``base_layer``; its adapters (``lora_A``, ...) are left out.
-    """
+    """``(transformers model, {in-memory name: state-dict key})``; a PEFT model's base, adapters left out."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     adapters = _adapter_keys(base)
     return base, {key.replace(".base_layer.", "."): key for key in base.state_dict() if key not in adapters}
@@ -61,14 +43,8 @@ def _adapter_keys(base: Any) -> set[str]:
 
 def local_part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The part of ``full`` (a whole tensor) that ``target`` (a ``DTensor`` or a plain tensor) holds on this rank."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(target, DTensor):
-        return full
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    start, size = _region(target)
+    return full[tuple(slice(o, o + n) for o, n in zip(start, size))]
 
 
 def _local(target: torch.Tensor) -> torch.Tensor:
@@ -76,12 +52,8 @@ def _local(target: torch.Tensor) -> torch.Tensor:
 
 
 def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) -> int:
-    """Collective: the weights of HF folder ``folder`` into ``model`` (sharded or not); returns this rank's bytes read.
-
-    Every parameter of the transformers model must be in the folder (or tied to one that is); a buffer that is
-    not (rotary tables and the like) is left as it is. Adapters of a PEFT model are not read. ``folder`` may be an
-    archive of one (``ckpt-train pack``), read in place (``export.archive_weights``).
-    """
+    """Collective: HF folder (or archive) ``folder``'s weights into ``model``; this rank's bytes read. Every
+    parameter must be there (or tied to one that is); a buffer that is not (rotary tables) is left as it is."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -143,11 +115,7 @@ def load_hf_weights(model: Any, folder: Path, *, buffers_optional: bool = True) 
 
 
 def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
-    """Collective: the weights of HF folder ``folder`` (or an archive of one) into ``model`` (sharded or not).
-
-    Each rank reads only its own slices of the folder's safetensors files (``load_hf_weights``: the family's on-disk
-    names, tied weights and fused layouts mapped to the model's own, as transformers maps them).
-    """
+    """Collective: HF folder (or archive) ``folder`` into ``model``; ``.bin`` files only: rank 0 reads, broadcast."""
     if not is_archive(folder) and not any(Path(folder).glob("*.safetensors")):  # PyTorch .bin weights only
         _load_on_rank0(model, folder, rank)
     else:
@@ -155,11 +123,7 @@ def load_hf_folder(model: Any, folder: Path, rank: int) -> None:
 
 
 def _load_on_rank0(model: Any, folder: Path, rank: int) -> None:
-    """Collective: the weights of HF folder ``folder`` without safetensors files, read once on rank 0.
-
-    transformers reads the folder (its on-disk names, tied weights and fused layouts mapped to the model's own),
-    and torch broadcasts each tensor from rank 0 into every rank's shards.
-    """
+    """Collective: transformers reads ``folder`` on rank 0, torch broadcasts it into every rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     def read() -> dict[str, torch.Tensor]:
@@ -198,8 +162,7 @@ def _region(target: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 class _Box:
-    """Where an on-disk part lies in its in-memory tensor, when it is a box of it: a start and a size per dimension
-    of the tensor, and for each dimension of the part the tensor's dimension it runs along."""
+    """Where an on-disk part lies in its in-memory tensor when it is a box of it; ``dims``: the axes it runs along."""
 
     def __init__(self, start: list[int], size: list[int], dims: list[int | None]):
         self.start, self.size, self.dims = start, size, dims

@@ -1,15 +1,7 @@
 """The weights-only start (``load_only``): a new run from a checkpoint's states, an HF or an adapter folder's weights.
 
-Continued training on new data starts from a trained model but not from its optimizer, schedule or data position:
-``checkpoint.load_only: [model]`` loads just the named states of ``restore_from`` and leaves the rest as the recipe
-built it (a fresh optimizer, step 0). ``restore_from`` may be one of this project's checkpoints (any subset of its
-discovered state), a Hugging Face model folder such as a checkpoint's ``model/consolidated`` (``model`` only;
-transformers maps its on-disk names to the model's) or an archive of one (``ckpt-train pack``, read in place), or a
-PEFT adapter folder (``model`` only, for a LoRA run).
-
-``StartTier`` is this start in the restore's fall-back loop (``fallback.first_loaded``), after the durable tier:
-the run's own checkpoints come first (a rerun of a run that started from other weights resumes itself), and only
-when it has none does this tier choose (``start_from``) and load.
+Only the named states of ``restore_from`` load, the rest as the recipe built it; ``StartTier`` comes after the
+durable tier, so a rerun of such a run resumes itself.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ class Start:
 
 
 class StartTier:
-    """The weights-only start in the restore's fall-back loop, asked when the durable tier holds nothing of the run's
-    own. Nothing is set aside: a failure while loading stands."""
+    """The weights-only start, asked when the run has no checkpoint; a failure while loading stands."""
 
     name = DURABLE  # where the restore loaded from, as the run reports it (``restored_tier``)
 
@@ -85,10 +76,7 @@ class StartTier:
 
 def start_from(cfg: CheckpointConfig, source: RunFolder, states: list[str], *, model_is_peft: bool, rank: int,
                world_size: int) -> Start:
-    """Collective: check that the ``load_only`` states of ``restore_from`` can be loaded into ``states``.
-
-    A checkpoint is fetched and probed; a Hugging Face or adapter folder is checked against the recipe's model.
-    """
+    """Collective: check that ``restore_from``'s ``load_only`` states can be loaded into ``states``."""
     only, restore_from = list(cfg.load_only or []), str(cfg.restore_from)
     unknown = [name for name in only if name not in states]
     if unknown:

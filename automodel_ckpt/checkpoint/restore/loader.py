@@ -1,10 +1,7 @@
 """Loads a checkpoint into a recipe's states on every rank: fetch and check, then each state, resharded where needed.
 
-Model states are read by their format (``formats.registry``: the one detected, or a PEFT adapter's), optimizer
-states through DCP (any world size, any mesh: ``formats.sharded``); global state from rank 0's file; per-rank state
-(data position, RNG) per data-parallel rank, and when the data-parallel size changed through the object's own
-``reshard_state``. What it loads was chosen by a tier of the restore (``restore.resume``, ``restore.initial_weights``,
-``local_tier``).
+Models by their format, optimizers through DCP (any world size or mesh), global state from rank 0's file, per-rank
+state per data-parallel rank (``reshard_state`` when that size changed). A tier of the restore chose it.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ from automodel_ckpt.errors import CheckpointError, UserError, first_line, warn
 
 @dataclass(frozen=True)
 class Loaded:
-    """What a restore loaded: the checkpoint or weights folder, the states it filled, and, for a checkpoint that
-    continues its run, the training seconds it recorded (None otherwise)."""
+    """What a restore loaded: the folder, the states filled, and a continued run's recorded training seconds."""
 
     path: Path
     states: tuple[str, ...]
@@ -48,8 +44,7 @@ class CheckpointLoader:
         self.cfg, self.env, self.dims, self.run, self.say = cfg, env, dims, run, say
 
     def load(self, states: dict[str, Any], path: Path, *, checked: bool = False, fresh_run: bool = False) -> Loaded:
-        """Load ``states`` from checkpoint ``path``. ``checked``: its files were already checked against the
-        manifest (``restore.probe``); ``fresh_run``: the states start a new run (``load_only``)."""
+        """Load ``states`` from ``path``; ``checked``: probed already; ``fresh_run``: a ``load_only`` start."""
         path = Path(path)
         with sharded.reading():  # the reader threads start now, beside the checks and the planning
             if self.env.is_main:

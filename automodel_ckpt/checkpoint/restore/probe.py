@@ -19,11 +19,7 @@ StageRule = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bool]]
 
 def probe(path: Path, *, checksums: bool, rank: int, world_size: int,
           warn: Callable[[str], None] | None = None) -> None:
-    """Raise ``CheckpointError`` if ``path`` cannot be loaded; reads headers and indexes only, changes nothing.
-
-    Run on every rank (inside ``collective.collectively``): the manifest check splits checksum work over ranks;
-    rank 0 reads every safetensors header and DCP index; each rank reads the per-rank files it will load.
-    """
+    """Every rank: ``CheckpointError`` if ``path`` cannot be loaded, reading headers and indexes only."""
     path = Path(path)
     manifest.check_before_load(path, checksums=checksums, rank=rank, world_size=world_size, warn=warn,
                                leave=deferred)  # the model and optimizer files: hashed by the load
@@ -55,9 +51,7 @@ def _readable_pt(file: Path) -> None:
 
 def check_same_run(path: Path, fingerprint: dict[str, Any] | None, checkpoint_dir: Path,
                    stages: StageRule | None = None) -> None:
-    """``CheckpointError`` when checkpoint ``path`` belongs to another run (model, tokenizer, data...). ``stages``
-    (a run in stages, docs/stages.md): given the checkpoint's metadata, the fingerprint it must have and whether
-    resuming it starts a new stage (whose keys, ``STAGE_KEYS``, may then differ)."""
+    """``CheckpointError`` when ``path`` belongs to another run; ``stages``: a run in stages' rule."""
     meta = read_metadata(path) or {}
     expected, new_stage = stages(meta) if stages is not None else (fingerprint, False)
     saved = meta.get("fingerprint")

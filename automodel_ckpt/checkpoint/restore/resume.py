@@ -1,18 +1,9 @@
 """What a run resumes from: the newest checkpoint that loads, checked before any state changes; damaged ones quarantined.
 
-Auto-resume picks the newest complete checkpoint. A checkpoint can still be damaged after it was published (a bad
-disk block, a truncated copy, a partial sync to another filesystem). Before anything is loaded, every rank checks
-the candidate together (``probe``): its manifest (sizes always, checksums with ``verify_on_load``), the headers of
-its safetensors files, its DCP ``.metadata`` files and its small ``.pt`` state files. If that fails anywhere, every
-rank sees the same failure; rank 0 moves the checkpoint to ``quarantine/`` (kept for inspection, never listed as a
-checkpoint, named by no pointer), repoints ``LATEST``/``LOWEST_VAL``, and the next newest is tried. Because the
-check comes first, a resume after a fallback is bitwise the resume from that older checkpoint.
-
-An explicitly named ``restore_from`` that fails is an error, never a silent fallback; so is any failure with
-``checkpoint.on_load_error: error``. ``decide`` returns the ``Decision``; ``DurableTier`` is this in the restore's one
-fall-back loop (``fallback.first_loaded``), the loader loading the checkpoint decided. With ``load_only`` the run's
-own checkpoints come first; when it has none, this tier chooses nothing and the weights-only start
-(``initial_weights.StartTier``, the next tier) starts it from ``restore_from``.
+Every rank checks the candidate together (``probe``) before anything is loaded; a failure anywhere quarantines it
+on rank 0 and the next newest is tried, so a resume after a fallback is bitwise the resume from that older one. An
+explicit ``restore_from`` that fails, or any failure with ``on_load_error: error``, is an error. ``DurableTier`` is
+this tier of ``fallback.first_loaded``; with ``load_only`` the run's own checkpoints come first.
 """
 
 from __future__ import annotations
@@ -35,8 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Decision:
-    """What a run resumes from: ``path`` None, a fresh run; otherwise a checkpoint of the run's own, already checked
-    on every rank, that the loader loads (``restore.loader.CheckpointLoader.load``)."""
+    """What a run resumes from: ``path`` None, a fresh run; else a checkpoint checked on every rank."""
 
     path: Path | None = None
     fallback: bool = False  # found damaged while loading: set it aside and decide again (an automatic resume)
@@ -79,13 +69,9 @@ class DurableTier:
 def decide(cfg: CheckpointConfig, source: RunFolder, *, rank: int, world_size: int,
            fingerprint: dict[str, Any] | None, say: Callable[[str], None],
            damaged_while_loading: str | None = None, stages: StageRule | None = None) -> Decision | None:
-    """Collective: select and check the checkpoint this run resumes (``checkpoint.restore_from``, else the newest).
-
-    None: with ``load_only``, the run has no checkpoint of its own: a weights-only start (the next tier's).
-    ``damaged_while_loading``: deciding again after the load of the last decision found its checkpoint damaged
-    (and set it aside, ``set_aside``); some state already holds its bytes, so starting fresh is no longer an
-    option. It is that damage, in one line. ``stages``: a run in stages' rule for the fingerprint (``probe``).
-    """
+    """Collective: select and check the checkpoint this run resumes; None with ``load_only`` and none of its own.
+    ``damaged_while_loading``: the damage that set the last decision aside mid-load, in one line (some state holds
+    its bytes, so a fresh start is no longer an option). ``stages``: a run in stages' fingerprint rule."""
     if damaged_while_loading is None:
         if not cfg.enabled and cfg.restore_from is None:
             return Decision()

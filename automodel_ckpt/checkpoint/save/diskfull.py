@@ -21,8 +21,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def state_bytes(objects: Iterable[Any], *, local: bool = False) -> int:
-    """The tensor bytes of models (their ``state_dict``) and optimizers (their ``state``), at their global size;
-    with ``local``, only this rank's shards of sharded tensors."""
+    """The tensor bytes of models and optimizers at their global size; with ``local``, this rank's shards."""
     total = 0
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
@@ -38,11 +37,8 @@ def state_bytes(objects: Iterable[Any], *, local: bool = False) -> int:
 
 
 def _raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Iterable[Any], rank: int) -> None:
-    """Collective, after a save failed on every rank: if it ran out of room, remove its staging folder (rank 0)
-    and raise the same one-line ``DiskFullError`` on every rank; otherwise return (the caller re-raises ``exc``).
-
-    The bytes needed: the newest complete checkpoint's size on disk, or the state's tensor bytes if larger.
-    """
+    """Collective, after a save failed: if out of room, rank 0 removes the staging folder and every rank raises
+    one ``DiskFullError`` naming the bytes needed (the newest checkpoint's or the state's, the larger)."""
     code = out_of_room(exc)
     if code is None or isinstance(exc, DiskFullError):  # None: another failure; DiskFullError: settled already
         return
@@ -65,11 +61,7 @@ def _raise_if_out_of_room(exc: BaseException, checkpoint_dir: Path, objects: Ite
 
 
 def guarded(method: _F) -> _F:
-    """A ``Checkpointer`` method whose failure, if it ran out of room, becomes ``_raise_if_out_of_room``'s error.
-
-    Reads the checkpointer's ``dir``, ``env.rank`` and ``_saved_objects`` (the state of its last ``save``); does
-    nothing where its ``settles_full_disk`` is False (the node-local tier abandons such a step itself).
-    """
+    """A writer method whose out-of-room failure is settled on every rank, unless ``settles_full_disk`` is False."""
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:

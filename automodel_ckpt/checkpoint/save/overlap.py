@@ -46,8 +46,7 @@ class _Staged(Protocol):
 
 
 def default_write_threads(cpu_count: int | None = None, local_ranks: int | None = None) -> int:
-    """Writer threads per rank when ``checkpoint.async_write_threads`` is unset: the cores left per local rank
-    after its training thread, between 1 and ``WRITE_THREADS_MAX``."""
+    """Writer threads per rank by default: the cores left per local rank, 1 to ``WRITE_THREADS_MAX``."""
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return max(1, min(WRITE_THREADS_MAX, cores // max(1, ranks) - 1))
@@ -84,9 +83,8 @@ class Overlapped:
 
 
 class BackgroundThread:
-    """One daemon thread at niceness ``nice`` that runs the background work of async saves one after the other,
-    kept from save to save: handing a save over is a queue put, not a thread start (which waits until the new
-    thread runs: milliseconds on a busy host). Started at the first save; ``close`` lets it end after its work."""
+    """One daemon thread at niceness ``nice`` for the async saves' background work, kept from save to save (a
+    queue put, not a thread start of milliseconds); ``close`` lets it end after its work."""
 
     def __init__(self, nice: int, name: str = "ckpt-async") -> None:
         self.nice, self.name = nice, name
@@ -113,14 +111,9 @@ class BackgroundThread:
 def start(items: list[_Staged], process_group: Any, *, nice: int,
           before_writes: Callable[[], Any] | None = None, after_writes: Callable[[], Any] | None = None,
           name: str = "ckpt-async", thread: BackgroundThread | None = None) -> Overlapped:
-    """Capture every item, run ``before_writes`` (e.g. reserve the staging folder), write each item in order,
-    then run ``after_writes``, on one daemon thread at niceness ``nice`` (``thread``'s, kept for the next save;
-    without it, a thread of its own).
-
-    ``before_writes`` and the writes are collective on ``process_group``: every rank runs them, in the same order.
-    A rank whose capture or ``before_writes`` failed still enters every write, which then fails on every rank
-    (one error, no hang).
-    """
+    """Capture every item, then ``before_writes``, each write in order and ``after_writes`` on one daemon thread
+    (``thread``'s, else its own) at niceness ``nice``. They are collective on ``process_group``: a rank whose
+    capture or ``before_writes`` failed still enters every write, which then fails on every rank (no hang)."""
     job = Overlapped(writes=[Future() for _ in items], completed=Future() if after_writes is not None else None)
     ready = _device_work_so_far()
 
@@ -176,8 +169,7 @@ def _device_work_so_far() -> Any:
 
 @contextlib.contextmanager
 def _copy_stream(ready: Any):
-    """On a GPU: copy on a stream of its own that starts after ``ready``, so the device-to-host copies overlap
-    the next step's kernels instead of queueing behind them; ends when the copies have landed."""
+    """On a GPU: copy on its own stream after ``ready``, overlapping the next step's kernels; ends when landed."""
     if ready is None:
         yield
         return

@@ -24,8 +24,7 @@ class SavePolicy:
         self._warned: set[str] = set()
 
     def consolidate_now(self, info: SaveInfo) -> bool:
-        """Whether this save of a full model exports a Hugging Face folder inline (``save_consolidated``). An
-        adapter is never exported: its folder is Hugging Face-ready already (``ckpt-train merge-lora`` merges it)."""
+        """Whether this save exports a Hugging Face folder inline; never an adapter (Hugging Face-ready already)."""
         mode = self.settings.save_consolidated
         wanted = mode == "every" or (mode == "final" and info.is_final)
         if not wanted:
@@ -45,12 +44,8 @@ class SavePolicy:
             warnings.warn(message, stacklevel=3)
 
     def is_new_best(self, run: RunFolder, staged: Path) -> bool:
-        """Rank 0: whether the staged checkpoint beats the run's best so far by ``checkpoint.monitor``.
-
-        Both values are read from the checkpoints' metadata on disk, so a restarted run compares against the best
-        of every earlier run. LOWEST_VAL means "best by monitor": with ``mode: max`` it follows the highest value.
-        Non-finite values never win.
-        """
+        """Rank 0: whether the staged checkpoint beats the best on disk (every launch's) by ``checkpoint.monitor``;
+        LOWEST_VAL is "best by monitor" (the highest with ``mode: max``). Non-finite values never win."""
         best = run.best()
         return run.monitor.beats(read_metadata(staged), read_metadata(best) if best else None)
 

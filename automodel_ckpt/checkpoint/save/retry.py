@@ -1,9 +1,7 @@
 """A node-local step that failed: what every rank agrees went wrong, and when the tier tries a step again.
 
-The node-local tier loses a step, never the run: a local step that cannot be written is abandoned on every rank.
-Both decisions here are pure functions of what every rank already holds, so every rank takes the same one:
-``verdict`` of the outcomes all ranks gathered (``Outcome``, one per rank), and ``Backoff``, a count of the due
-steps to skip after each failure (0 after the first: the next due step is tried; then 1, 2, 4, ... capped).
+A failed local step is abandoned on every rank, never the run; ``verdict`` and ``Backoff`` are pure functions of
+what every rank holds, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ _REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota e
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one rank saw of a local step: its failure (one line) or None, and, from a rank that acts for its
-    folder, that folder, its free bytes and the bytes a step takes there."""
+    """What one rank saw of a local step: its failure line or None, and its folder's room where it acts for it."""
 
     error: str | None = None
     code: int | None = None  # ENOSPC, EDQUOT or EROFS behind the failure (``ondisk.outofroom.out_of_room``), else None
@@ -51,11 +48,8 @@ class Outcome:
 
 
 def verdict(outcomes: list[Outcome]) -> str | None:
-    """The cause of the step's failure, in words, when it failed on any rank; None when it succeeded everywhere.
-
-    Out of room (on any rank): the reason, the folder with the least free space and its numbers, and what was
-    being done (a read-only filesystem: the reason and the first failing rank's line). Otherwise the first failing
-    rank's line."""
+    """The cause of the step's failure on any rank, in words (out of room: the fullest folder's numbers; else the
+    first failing rank's line); None when it succeeded everywhere."""
     failed = [o for o in outcomes if o.error is not None]
     if not failed:
         return None

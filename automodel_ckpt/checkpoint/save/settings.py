@@ -7,8 +7,7 @@ from automodel_ckpt.ondisk.retention import RetentionPolicy
 
 
 class WriteSettings:
-    """What a ``SaveWriter`` reads of the ``checkpoint:`` section, and nothing else of it: the section itself for
-    the durable tier (``durable``), a local step's fixed choices for the node-local tier (``node_local``)."""
+    """What a ``SaveWriter`` reads of the ``checkpoint:`` section: ``durable``'s or ``node_local``'s choices."""
 
     def __init__(self, cfg: CheckpointConfig, *, node_local: bool = False) -> None:
         self._cfg, self.node_local = cfg, node_local
@@ -20,8 +19,7 @@ class WriteSettings:
 
     @classmethod
     def for_node_local(cls, cfg: CheckpointConfig) -> WriteSettings:
-        """A node-local step (``checkpoint.local``): always in the background, never exported, named by the default
-        template, the ``local.keep`` most recent kept; its format and writer threads as the section says."""
+        """A node-local step: in the background, never exported, default names, the ``local.keep`` newest kept."""
         return cls(cfg, node_local=True)
 
     @property

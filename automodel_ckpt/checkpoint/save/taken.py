@@ -1,11 +1,8 @@
 """A small state's value taken at the save, in memory, and serialized as ``torch.save`` would have then, later.
 
-An async save takes the per-rank and global states (data position, RNG, scheduler) when it is made, and writes
-them in the background. ``torch.save`` on the training thread costs a Python call per pickled object (its
-``persistent_id``: the RNG's 625 integers each); ``Taken`` pickles the value with the C pickler instead, its
-tensors cloned aside, and ``bytes()`` rebuilds it and runs ``torch.save`` on that copy, off the training thread: the
-same bytes, except that tensors which shared memory (views of one storage) are saved each with its own. Only plain
-tensors are set aside; a subclass (a ``Parameter``) is pickled by its own reduction around its data, a plain tensor.
+The C pickler takes it on the training thread (``torch.save`` there costs a Python call per object), its plain
+tensors cloned aside (a ``Parameter`` is pickled by its own reduction); ``bytes()`` runs ``torch.save`` off it: the
+same bytes, but views of one storage are saved each on its own.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """One save at a time on every rank: the state's files written now or in the background, then the checkpoint completed.
 
-A save runs these steps (docs/architecture.md walks them): name it and reserve its staging folder in the run
-folder; write the model and optimizer files (or, with ``checkpoint.is_async``, copy them to host buffers and write
-them on a background thread); write each rank's small files (taken at the save); then complete it: the inline
-Hugging Face export if one is due, fsync, the manifest, the upload to where it is kept, the commit (pointers
-included) and retention. Every step that can fail on one rank is collective, so every rank raises the same error.
+The steps (reserve, write or stage, small files, then export, fsync, manifest, upload, commit, retention) are
+docs/architecture.md's. Every step that can fail on one rank is collective, so every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -104,7 +101,7 @@ class SaveWriter:
                                       step=info.step)
         reserve_in_background = self._reserves_in_background(plan, pending.consolidate, bool(claimed))
         if not reserve_in_background:
-            self._reserve(name)
+            self.run.reserve(name)
         clock.mark("reserve")
         staged = self._write_or_stage(plan, formats, pending.staging)
         clock.mark("copy_small" if self.is_async else "write_sharded")
@@ -119,7 +116,7 @@ class SaveWriter:
         if staged:  # captured, written one at a time (then completed), on the checkpoint group by one thread
             pending.job = overlap.start(
                 staged, self._group, nice=self.settings.nice,
-                before_writes=(functools.partial(self._on_group, self._reserve, name)
+                before_writes=(functools.partial(self._on_group, self.run.reserve, name)
                                if reserve_in_background else None),
                 after_writes=(functools.partial(self._on_group, self._complete, pending)
                               if completes_in_background else None),
@@ -136,20 +133,14 @@ class SaveWriter:
         return path
 
     def _reserves_in_background(self, plan: StatePlan, consolidate: bool, claimed: bool) -> bool:
-        """Whether the background thread reserves the staging folder (after the copy): only for an async save
-        that writes nothing into it now (a model in a format that claims it, a PEFT adapter, is written at once)
-        and completes in the background."""
+        """Whether the background thread reserves the staging folder (an async save writing nothing into it now)."""
         return (self.is_async and not consolidate and not claimed and self.run.reserves_in_background
                 and bool(plan.models or plan.optimizers))
 
-    def _reserve(self, name: str) -> Path:
-        return self.run.reserve(name)
-
     def _write_or_stage(self, plan: StatePlan, formats: dict[str, ModelFormat],
                         staging: Path) -> list[sharded.StagedSave]:
-        """The model and optimizer files: written now (collective; DCP raises on every rank if any rank fails),
-        or with ``is_async`` copied now and returned, to be written in the background, each model in its format
-        (``formats``; a format that stages nothing, as a PEFT adapter's, writes now)."""
+        """The model and optimizer files, written now (collective), or with ``is_async`` copied now and returned to
+        be written in the background (a format that stages nothing, as a PEFT adapter's, writes now)."""
         stager, staged = self._host_stager() if self.is_async else None, []
         for attr, model in plan.models.items():
             fmt = formats[attr]
@@ -176,9 +167,7 @@ class SaveWriter:
 
     def _small_files(self, staging: Path, plan: StatePlan, info: SaveInfo, fmt: ModelFormat, *,
                      serialize_later: bool = False) -> LocalFiles:
-        """This rank's small files (``LocalFiles``), their contents taken now; on rank 0 with the HF helpers.
-        ``fmt``: the format the model folder holds (recorded in metadata.json); ``serialize_later``: the states
-        are taken now and serialized when written (``taken``: by the background thread)."""
+        """This rank's small files (``capture``); ``fmt``: the model folder's format, recorded in the metadata."""
         helpers = (functools.partial(policy.write_model_helpers, staging / layout.MODEL_DIR, self.hf, fmt)
                    if plan.models and fmt is self.format else None)
         return capture(
@@ -191,8 +180,7 @@ class SaveWriter:
         )
 
     def _complete(self, pending: overlap.PendingSave) -> Path:
-        """The steps after the model and optimizer files are written: the small files (when not written yet),
-        the inline export, fsync, manifest, upload, commit, retention."""
+        """The steps after the model and optimizer files are written."""
         rank, world, staging, name = self.env.rank, self.env.world_size, pending.staging, pending.name
         if pending.writes:
             collective.collectively(functools.partial(_wait_writes, pending.writes),
@@ -225,9 +213,8 @@ class SaveWriter:
         return path
 
     def _export_inline(self, pending: overlap.PendingSave) -> None:
-        """The inline Hugging Face export (``save_consolidated``), side work: if it fails on any rank, what it left
-        is removed, rank 0 warns once and reports it (``side_failure``), and the checkpoint is completed without
-        it (its consolidate.sh exports it later)."""
+        """The inline Hugging Face export, side work: a failure on any rank removes what it left, rank 0 warns and
+        reports it, and the checkpoint is completed without it (its consolidate.sh exports it later)."""
         rank, model_dir = self.env.rank, pending.staging / layout.MODEL_DIR
         try:
             collective.collectively(functools.partial(policy.export_inline, model_dir, rank, self.env.world_size),
@@ -244,7 +231,7 @@ class SaveWriter:
                 self.side_failure("export", text, pending.step)
 
     def _prune(self) -> None:
-        """Apply the retention rules on rank 0; a failure is a warning, the checkpoint just saved stands."""
+        """Retention on rank 0; a failure is a warning, the checkpoint just saved stands."""
         try:
             deleted = self.run.prune(self.retention, self.resumed_from)
         except CheckpointError as exc:
@@ -256,21 +243,16 @@ class SaveWriter:
 
     # ------------------------------------------------------------------------------------------ in flight
     def fence(self) -> None:
-        """Wait until the async save in flight has copied the live state (see ``Checkpointer.fence``)."""
         pending = self._pending
         if pending is not None and pending.job is not None:
             pending.job.fence()
 
     def _install_fence(self, optimizer: Any) -> None:
         if id(optimizer) not in self._fences and hasattr(optimizer, "register_step_pre_hook"):
-            self._fences[id(optimizer)] = optimizer.register_step_pre_hook(self._fence_hook)
-
-    def _fence_hook(self, *_: Any) -> None:
-        self.fence()
+            self._fences[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.fence())
 
     @diskfull.guarded
     def wait(self) -> Path | None:
-        """Complete the async save in flight, if any; see ``Checkpointer.wait``."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.job is not None and pending.job.completed is not None:
             return pending.job.completed.result()  # published in the background (or failed there, on every rank)
@@ -302,8 +284,7 @@ class SaveWriter:
         return self._stager
 
     def close(self) -> None:
-        """Release the host staging buffers, the background thread (once its work is done) and the optimizers'
-        fences."""
+        """Release the host buffers, the background thread (once done) and the optimizers' fences."""
         self._thread.close()
         if self._stager is not None:
             self._stager.close()
@@ -328,11 +309,7 @@ def _wait_writes(writes: list[tuple[Any, Path]]) -> None:
 
 @dataclass
 class LocalFiles:
-    """The contents of a rank's small files, taken when the save was made; ``write`` puts them in ``staging``.
-
-    Taking them at the save is what makes an async checkpoint the state of its step: the scheduler, the data
-    position, the RNG and user state go on changing while the background thread writes.
-    """
+    """A rank's small files, taken at the save (an async checkpoint is its step's state while training goes on)."""
 
     staging: Path
     files: dict[Path, bytes | Taken] = field(default_factory=dict)  # a ``Taken`` state is serialized when written
@@ -352,13 +329,9 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
          write_after: Callable[[], None] | None = None, dp_rank: int | None = -1,
          mesh: dict[str, int] | None = None, lineage: dict[str, Any] | None = None,
          serialize_later: bool = False) -> LocalFiles:
-    """This rank's files, their contents taken now: per-rank state; on rank 0 (``rank == 0``) also global state,
-    ``config.yaml``, ``losses.json`` and ``metadata.json`` (and ``write_after``, run after them). With
-    ``serialize_later`` the states are taken now (``Taken``) and serialized when the files are written.
-
-    Per-rank state is per data-parallel rank: ``dp_rank`` names its files (-1: ``rank``, a 1-D mesh), None writes
-    none (a tensor-parallel peer of the rank that writes them). ``mesh``: the sizes recorded in the metadata.
-    """
+    """This rank's small files, taken now: per-rank state; on rank 0 also global state, config, losses and metadata
+    (then ``write_after``). ``serialize_later``: serialized when written. Per-rank files are per data-parallel
+    rank ``dp_rank`` (-1: ``rank``; None: none, a tensor-parallel peer of the rank that writes them)."""
     if dp_rank == -1:
         dp_rank = rank
     per_rank = plan.per_rank if dp_rank is not None else {}
@@ -386,14 +359,12 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
 
 
 def _pt_bytes(obj: Any) -> bytes:
-    """``obj.state_dict()`` as ``torch.save`` writes it, taken now."""
     buffer = io.BytesIO()
     torch.save(obj.state_dict(), buffer)
     return buffer.getvalue()
 
 
 def _taken(obj: Any) -> Taken:
-    """``obj.state_dict()`` taken now, serialized as ``torch.save`` writes it when written (``Taken.bytes``)."""
     return Taken(obj.state_dict())
 
 

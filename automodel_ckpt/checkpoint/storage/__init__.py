@@ -1,10 +1,6 @@
 """Where run folders live, and the one way in for the recipe and every verb: a local folder or an object store.
 
-``open_run_folder`` returns the ``RunFolder`` (``base``) a training run saves through: ``LocalRunFolder``
-(``local``) or ``ObjectStoreRunFolder`` (``remote``, which extends the local one). A new kind of storage is one
-more class here and one more line in ``open_run_folder``. The verbs read through ``open_for_reading`` (a local
-folder to read, whatever the location is) and the recipe finds its folder with ``run_folder``. ``objectstore/``
-is this package's own: nothing outside ``storage/`` imports it (``tests/unit/test_structure.py``).
+A new kind of storage is a class and a line in ``open_run_folder``; ``objectstore/`` is this package's own.
 """
 
 from __future__ import annotations
@@ -46,9 +42,7 @@ def open_run_folder(cfg: Any, rank: int, world_size: int) -> RunFolder:
 
 
 def share_run_file(cfg: Any, path: Path) -> None:
-    """After writing ``path``, a file of the run folder outside any checkpoint (a preference run's precomputed
-    log-probs): stored where the run folder lives. A local folder holds it already; an object store gets it from the
-    mirror, under the same name in the run folder."""
+    """After writing ``path``, a run-folder file outside any checkpoint: an object store gets it from the mirror."""
     remote = objectstore.attach(cfg)
     if remote is not None:
         rel = Path(path).relative_to(run_folder(cfg)).as_posix()
@@ -56,8 +50,7 @@ def share_run_file(cfg: Any, path: Path) -> None:
 
 
 def fetch_run_file(cfg: Any, path: Path) -> bool:
-    """Whether ``path``, a file of the run folder outside any checkpoint, is here: fetched into the mirror from an
-    object store that holds it (another machine's run wrote it), else as the local folder has it."""
+    """Whether run-folder file ``path`` is here, fetched into the mirror where the store holds it."""
     remote = objectstore.attach(cfg)
     if remote is not None and not Path(path).is_file():
         rel = Path(path).relative_to(run_folder(cfg)).as_posix()
@@ -67,8 +60,7 @@ def fetch_run_file(cfg: Any, path: Path) -> bool:
 
 
 def open_store_run(location: str, key: str) -> RemoteRun:
-    """An object-store run folder to maintain (``ckpt-train gc``): its URL checked, readable, and a run folder
-    (one line naming what is wrong otherwise)."""
+    """An object-store run folder to maintain (``ckpt-train gc``), checked; one line naming what is wrong."""
     from automodel_ckpt.ondisk import layout
     from automodel_ckpt.checkpoint.objectstore.run import open_run
     from automodel_ckpt.errors import UserError

@@ -1,9 +1,7 @@
 """Checkpoint lifecycle across ranks: reserve a staging folder, publish it, prune old checkpoints.
 
-A checkpoint becomes visible only when complete: every rank writes into ``.staging-<name>``, the files and
-folders are fsynced, ranks agree that nobody failed, and rank 0 renames the folder into place and then swaps the
-pointers (``collective`` makes a failure on any rank raise the same error on every rank instead of hanging).
-Which checkpoint to resume is chosen in ``catalog``.
+Every rank writes into ``.staging-<name>``; once fsynced and agreed, rank 0 renames it into place and swaps the
+pointers (``collective``: a failure on any rank raises the same error on every rank instead of hanging).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def reserve(checkpoint_dir: Path, name: str) -> Path:
 
 
 def discard_staging(checkpoint_dir: Path) -> list[str]:
-    """Rank 0: remove the ``.staging-*`` folders of unfinished saves (a symlink or file of that name is removed
-    itself, never followed); returns their names."""
+    """Rank 0: remove the ``.staging-*`` folders of unfinished saves, following no link; their names."""
     removed = []
     for leftover in Path(checkpoint_dir).iterdir():
         if layout.is_staging(leftover.name):
@@ -49,8 +46,7 @@ def discard_staging(checkpoint_dir: Path) -> list[str]:
 
 
 def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool, best: str = layout.LOWEST_VAL) -> Path:
-    """Rank 0: rename the staged checkpoint into place, then point LATEST (and the best-by-monitor pointer
-    ``best``: LOWEST_VAL, or BEST_EVAL for an eval score) at it."""
+    """Rank 0: rename the staged checkpoint into place, then point LATEST (and the ``best`` pointer) at it."""
     staging = checkpoint_dir / layout.staging_name(name)
     final = checkpoint_dir / name
     staging.rename(final)
@@ -63,13 +59,9 @@ def publish(checkpoint_dir: Path, name: str, *, update_lowest_val: bool, best: s
 
 def prune(checkpoint_dir: Path, policy: RetentionPolicy, monitor: str, best_metric_key: str | None = None,
           protected: Iterable[str] = ()) -> list[str]:
-    """Rank 0, after publish: delete the checkpoints the retention policy gives up (see ``retention``).
-
-    Pointer targets, the ``protected`` names and the newest checkpoint are never deleted, staging folders never
-    touched. Each checkpoint
-    is first hidden by a rename (so a crash mid-delete never leaves a half-deleted checkpoint that looks
-    complete), then removed. A checkpoint that cannot be deleted is a warning, never an error.
-    """
+    """Rank 0, after publish: delete what the policy gives up, never a pointer's target, ``protected`` or the
+    newest, nor a staging folder. Each is hidden by a rename first (a crash never leaves a half-deleted one that
+    looks complete); a failure is a warning."""
     checkpoint_dir = Path(checkpoint_dir)
     for leftover in checkpoint_dir.iterdir():
         if leftover.name.startswith(layout.DELETING_PREFIX):

@@ -1,9 +1,7 @@
 """An object-store run folder (``checkpoint_dir: s3://bucket/run``): the local mirror's steps plus the store's.
 
-Saves are written into the mirror exactly as into a local folder (``LocalRunFolder``, which this extends); each
-rank then uploads its share (its stable files as the run's pieces, only the new ones: ``objectstore.pieces``) and
-rank 0 commits: the reference record of the pieces, the commit object, then the mirror's publish, then the pointer
-objects (``objectstore.run``). The run holds the mirror's ``flock`` and the bucket's lease (``objectstore.lease``).
+Saves go into the mirror as into a local folder (``LocalRunFolder``, extended here); each rank uploads its share,
+rank 0 commits (``objectstore.run``). The run holds the mirror's ``flock`` and the bucket's lease.
 """
 
 from __future__ import annotations

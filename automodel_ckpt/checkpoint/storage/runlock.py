@@ -1,34 +1,11 @@
 """One run per local checkpoint folder: an exclusive ``flock`` on ``<checkpoint_dir>/.run.lock`` for the run's life.
 
-Two runs writing into one ``checkpoint_dir`` destroy each other's work: a save removes the ``.staging-*`` folders it
-finds (they are leftovers of a killed run, unless another run is writing them), both move ``LATEST``, both prune.
-So the run that owns the folder holds a lock on it from before its first write until training ends:
-
-* rank 0 takes the lock (``hold``, collective) before any rank creates anything in the folder, and the other ranks
-  learn the outcome from it: if the folder is taken, every rank raises the same one-line error naming the holder
-  (host, pid, since when), which the lock file records;
-* the lock is ``flock(LOCK_EX)`` on an open file: the kernel drops it when the holder's last descriptor closes, so
-  a run that dies in any way (SIGKILL and the OOM killer included) never blocks the next one. A run that ends
-  normally removes the file (``release``: at the end of training, else at exit); a killed one leaves it with stale
-  contents, which the next run overwrites;
-* no other process ever holds the lock: the descriptor is close-on-exec, and a process forked by the holder (a
-  DataLoader worker, any ``os.fork``) closes its copy first thing (``_forget_in_child``, an at-fork hook),
-  so a rank's forked children, which may outlive it for a few seconds, never keep the folder taken;
-* a run that finds the folder held by a killed run (the recorded holder, or its launcher, is dead on this host: what
-  still holds the lock is a process it left behind, e.g. one ending after it) waits up to ``KILLED_RUN_WAIT_SECONDS``
-  for the lock, saying so in one line, then takes it or is refused as below; a live holder is refused at once;
-* within one process the lock is shared: a second ``RunLock`` on the same folder is the same run and counts up;
-* the lock file is opened without following a link and without waiting on a FIFO: a symlink, FIFO or anything
-  but a regular file in its place is refused in one line (remove it), never written through, truncated or
-  deleted; the release removes the file only while it is still the one this run holds;
-* reading verbs (``inspect``, ``verify``) take no lock; ``consolidate`` writes only its export folder, which
-  replaces itself by rename, and takes none either.
-
-Limits: ``flock`` is advisory (only this program's runs honour it) and per host on some network filesystems: NFS
-(v4, or v3 with lockd) maps it to a byte-range lock that other clients see, Lustre only with the ``flock`` mount
-option (``localflock`` makes it per node), and where the filesystem refuses locks (ENOLCK, EOPNOTSUPP) the run
-warns and goes on without one. An object-store ``checkpoint_dir`` is locked through its local mirror folder here;
-the bucket itself needs a lease (``objectstore``).
+Two runs in one folder would remove each other's staging folders, move each other's ``LATEST`` and prune. Rank 0
+takes the lock before any rank writes (``hold``, collective) and records its holder; the kernel drops it however
+the holder dies, and no forked child keeps it (close-on-exec, ``_forget_in_child``). What a killed run left holding
+it is waited for up to ``KILLED_RUN_WAIT_SECONDS``. Within one process it is shared and counted. The lock file is
+never opened through a link or a FIFO. Its limits (advisory, per host on some network filesystems) are in
+docs/checkpointing.md; an object store's bucket needs a lease (``objectstore``).
 """
 
 from __future__ import annotations
@@ -78,8 +55,7 @@ _POLL_SECONDS = 0.05
 
 
 class RunLock:
-    """The lock of one checkpoint folder: ``acquire`` (or ``FolderInUseError`` naming the holder), ``release``,
-    and ``holder`` (who has it, as recorded in the lock file). The same three calls fit a lease on an object store."""
+    """The lock of one checkpoint folder: ``acquire``, ``release``, ``holder``, the same calls as a store's lease."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -91,7 +67,6 @@ class RunLock:
         return self._mine
 
     def acquire(self) -> None:
-        """Take the folder for this run; ``FolderInUseError`` (one line naming the holder) if another run has it."""
         if self._mine:
             return
         key = self._key()
@@ -108,7 +83,7 @@ class RunLock:
             self._mine = True
 
     def release(self) -> None:
-        """Give the folder up (the last holder in this process removes the lock file). Idempotent."""
+        """Idempotent; the last holder in this process removes the lock file."""
         if not self._mine:
             return
         self._mine = False
@@ -124,14 +99,12 @@ class RunLock:
             _drop(key, held.fd)
 
     def holder(self) -> str | None:
-        """Who holds the lock (host, pid, since when), or None when nobody does. Never takes it; a lock file that
-        is a symlink, FIFO or other non-regular file is refused (``CheckpointError``)."""
+        """Who holds the lock (host, pid, since when), or None; never takes it."""
         held, info = self._record()
         return _describe(info) if held else None
 
     def refuse_if_held(self) -> None:
-        """``FolderInUseError`` if another run holds the folder now (a check before starting workers, which then
-        take the lock themselves); what a killed run left holding it is waited for first (``_Wait``)."""
+        """The launcher's check before starting workers (which take the lock themselves)."""
         waiting = _Wait(self.folder)
         while True:
             held, info = self._record()
@@ -163,13 +136,11 @@ class RunLock:
             _close(fd)
 
     def _key(self) -> str:
-        """This process's key for the lock: the lock file's path in the resolved folder (the folder is the user's
-        to name, through links if they like; the lock file itself is never resolved)."""
+        """The lock file's path in the resolved folder (the folder may be named through links, the file never)."""
         return os.path.join(os.path.realpath(self.folder), layout.RUN_LOCK)
 
     def _open(self, flags: int) -> int:
-        """The lock file opened with ``flags``, never through a symlink nor waiting on a FIFO; ``OSError`` with
-        errno ``ELOOP`` or ``EFTYPE``-like ``EINVAL`` when it is no regular file."""
+        """The lock file opened never through a symlink nor waiting on a FIFO; ``OSError`` if not a regular file."""
         fd = os.open(self._key(), flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         _OPEN.add(fd)
         try:
@@ -230,8 +201,7 @@ class RunLock:
 
 
 def _drop(path: str, fd: int) -> None:
-    """Remove the lock file, only if the name still is the very file ``fd`` holds (never a link or a file put in
-    its place), then let the lock go."""
+    """Remove the lock file only while the name is still the file ``fd`` holds, then let the lock go."""
     with contextlib.suppress(OSError):
         if os.path.samestat(os.lstat(path), os.fstat(fd)):
             os.unlink(path)  # while still locked: a run that opened this file meanwhile retries on a new one
@@ -244,8 +214,7 @@ def _close(fd: int) -> None:
 
 
 def _forget_in_child() -> None:
-    """In a process just forked (a DataLoader worker...): close its copies of the lock descriptors, so that only the
-    run's own process ever holds the lock (closing a copy leaves the parent's lock as it is), and hold nothing."""
+    """In a forked child (a DataLoader worker): close its copies of the lock descriptors (the parent keeps the lock)."""
     global _MUTEX
     _MUTEX = threading.Lock()  # another thread of the parent may have held it at the fork
     for fd in set(_OPEN) | {held.fd for held in _HELD.values()}:
@@ -260,8 +229,7 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Wait:
-    """Waiting for what a killed run left holding the lock: ``on(record)`` says whether to try again (after a short
-    pause, once the line saying so is printed) or to refuse: the holder is alive, or the wait is over."""
+    """Waiting for what a killed run left holding the lock: ``on(record)`` is whether to try again."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.seconds = folder, KILLED_RUN_WAIT_SECONDS
@@ -283,8 +251,7 @@ class _Wait:
 
 
 def _killed(info: dict | None) -> str | None:
-    """``pid P, launcher pid L`` when the record names a run of this host that was killed: its process, or its
-    launcher, is gone (what holds the lock then is a process it left behind, ending too); None otherwise."""
+    """``pid P, launcher pid L`` when the record names a run of this host whose process or launcher is gone."""
     if not info or info.get("host") != socket.gethostname():
         return None
     pid, launcher = info.get("pid"), info.get("launcher_pid")
@@ -297,8 +264,7 @@ def _killed(info: dict | None) -> str | None:
 
 @atexit.register
 def release_all_locks() -> None:
-    """At exit, whatever path the run ends by (short of being killed, when the kernel drops the lock anyway); a
-    failed rank that leaves without exit handlers calls it itself."""
+    """At exit; a failed rank that leaves without exit handlers calls it itself."""
     with _MUTEX:
         for path, entry in _HELD.items():
             _drop(path, entry.fd)
@@ -306,8 +272,7 @@ def release_all_locks() -> None:
 
 
 def hold(folder: Path, rank: int) -> RunLock:
-    """Collective: rank 0 takes ``folder`` for this run before any rank writes into it; if another run has it,
-    every rank raises the same one-line ``FolderInUseError``. The other ranks' lock objects hold nothing."""
+    """Collective: rank 0 takes ``folder`` before any rank writes; if taken, every rank raises ``FolderInUseError``."""
     lock = RunLock(folder)
 
     def take() -> str | None:

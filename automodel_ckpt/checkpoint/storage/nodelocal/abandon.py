@@ -1,11 +1,7 @@
 """Removing an abandoned local step from the node-local folders so that no resume selects it, wherever a kill stops it.
 
-A local step that failed somewhere is abandoned on every node. What a node's folder may hold of it: its staging
-folder, and, where the commit went through on this node but failed on another, the committed step itself. A resume
-never takes a step that any node still holds a staging folder of (``inventory.choose``), so the cleanup runs in two
-collective phases: first every node ``hide``s its committed copy (one rename to ``.deleting-<name>``: atomic) and
-drops the pointer naming it; only once every node has, every node ``clear``s its staging and hidden folders. A kill
-at any point leaves either a staging folder of the step somewhere (the step is passed over) or no committed copy.
+Two collective phases: every node ``hide``s its committed copy (one rename) before any ``clear``s its staging
+folders, and a resume never takes a step some node still stages.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ Hook = Callable[[str], None]
 
 
 def hide(folder: Path, name: str, at: Hook | None = None) -> list[str]:
-    """Phase one: the committed copy of ``name`` in ``folder``, if any, renamed out of every resume's sight, and the
-    pointers naming it removed. One line per thing that failed; never raises. ``at`` is called with ``"hide"`` and
-    ``"pointers"`` before each part (a test stops it there)."""
+    """Phase one: ``name``'s committed copy renamed out of sight and its pointers removed; one line per failure,
+    never raises. ``at`` (a test's stop) is called with ``"hide"`` and ``"pointers"``."""
     folder = Path(folder)
     if not folder.is_dir():
         return []

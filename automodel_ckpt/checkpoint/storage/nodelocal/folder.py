@@ -1,10 +1,7 @@
 """The node-local tier as a kind of run folder: each node writes its own folder, copies go to other nodes' folders.
 
-It keeps ``storage.base.RunFolder``'s promises with folders that are not shared (``shared = False``): every node's
-first rank makes the staging folder in its own folder, the manifest lists the files of every node, ``upload``
-sends each node's parts to the nodes that keep copies (``replicate``), and ``commit`` renames the step into place
-on every node once every copy is written. Steps are not fsynced (``durable = False``): a RAM disk's copy is gone
-with its node anyway, and the copies on other nodes are what survives. Which step a resume takes is ``recover``'s.
+Unshared folders: ``upload`` sends each node's parts to their keepers, ``commit`` renames on every node; nothing is
+fsynced (a RAM disk dies with its node; the copies elsewhere are what survives).
 """
 
 from __future__ import annotations
@@ -37,9 +34,7 @@ class NodeLocalRunFolder(LocalRunFolder):
     def __init__(self, folder: Path, placement: Placement, *, run_id: str, fingerprint: Any, monitor: Monitor,
                  default_folder: bool, say: Any = print) -> None:
         super().__init__(folder, placement.rank, monitor=monitor)
-        self.placement = placement
-        self.run_id = run_id
-        self.fingerprint = fingerprint
+        self.placement, self.run_id, self.fingerprint = placement, run_id, fingerprint
         self.default_folder = default_folder  # under /dev/shm/automodel-ckpt-<user>/: that parent is made private
         self.say = say
         self.folder_ids: list[str] = []  # by rank: which folder each rank writes (ranks sharing one agree)
@@ -54,8 +49,7 @@ class NodeLocalRunFolder(LocalRunFolder):
         return f"{self.local / name} (node-local)"
 
     def acquire(self) -> None:
-        """Collective: every node's folder made private and bound to this run (a stale step of another recipe is
-        removed, another run's folder refused), then which ranks share which folder."""
+        """Collective: every node's folder made private and bound to this run, then which ranks share which folder."""
         first_on_node = self.rank % self.placement.ranks_per_node == 0
         notes = collective.collectively(self._claim if first_on_node else list, f"preparing '{self.local}'",
                                         self.rank)
@@ -67,8 +61,7 @@ class NodeLocalRunFolder(LocalRunFolder):
         return localdir.claim(self.local, self.run_id, self.fingerprint, private_parent=self.default_folder)
 
     def release(self, *, keep_lock: bool = False) -> None:
-        """A finished run (``keep_lock`` False) removes its node-local steps; a failed one keeps them for its
-        restart."""
+        """A finished run (``keep_lock`` False) removes its node-local steps; a failed one keeps them."""
         if keep_lock or not self.folder_ids or not self.leads:
             return
         for pointer in layout.POINTERS:
@@ -113,8 +106,7 @@ class NodeLocalRunFolder(LocalRunFolder):
             raise CheckpointError(f"'{self.local}' is not writable")
 
     def remake(self) -> list[str]:
-        """Collective: each node's folder made again (private, bound to this run) where it was removed; the
-        folders made again, on every rank."""
+        """Collective: each node's folder made again where it was removed; the folders remade, on every rank."""
         def here() -> str | None:
             if not self.leads or os.path.lexists(self.local):
                 return None

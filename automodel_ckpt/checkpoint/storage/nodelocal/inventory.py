@@ -1,10 +1,6 @@
 """What the node-local folders hold, which step a resume takes from them, and which rank sends which files.
 
-Each rank scans its node's folder (``scan``): for each complete local step (``epoch_E_step_S`` with its
-``manifest.json``) the files there that match the manifest, and a digest of the manifest; and the steps it holds a
-staging folder of (a step unfinished on some node is never chosen). Every node's copy of a
-step holds the step's whole manifest but only the files of the parts that node keeps. After ``gather`` (one
-``Inventory`` per rank), ``choose`` and ``fill_plan`` are pure functions of the gathered data, so every rank
+After ``scan`` and ``gather``, ``choose`` and ``fill_plan`` are pure functions of the gathered data: every rank
 computes the same answer without another round of messages.
 """
 
@@ -75,10 +71,7 @@ def manifest_digest(content: dict[str, Any]) -> str:
 
 def scan(folder: Path, *, checksums: bool = True, threads: int = 4, leave: Callable[[str], bool] | None = None
          ) -> Inventory:
-    """What ``folder`` holds: each complete local step's files that match its manifest (sizes; with ``checksums``
-    also checksums, in the manifest's algorithm, except for the files ``leave`` names: their checksums are left to
-    the load, which computes them as it reads them). Staging and quarantined folders, links and folders without a
-    manifest are passed over (``skipped`` names the last two)."""
+    """What ``folder`` holds: each complete step's files that match its manifest (``leave``'s: sizes only)."""
     folder = Path(folder)
     st = os.stat(folder)
     steps: dict[str, StepFiles] = {}
@@ -136,10 +129,8 @@ def _scan_step(path: Path, name: str, parsed: tuple[int, int], checksums: bool, 
 
 
 def choose(inventories: dict[int, Inventory], skipped: list[str] | None = None) -> Chosen | None:
-    """The newest local step (by step, then epoch) whose manifest is the same wherever it is held and each of whose
-    files checks out on some rank; None when there is none. A step that some folder still holds a staging folder
-    of is never chosen: its commit did not go through everywhere (killed half-way, or abandoned and being removed:
-    ``abandon``). Each newer step passed over is appended to ``skipped`` with the reason, in one line."""
+    """The newest step with the same manifest everywhere and every file checking out on some rank, never one a
+    folder still stages (its commit did not go through everywhere); passed-over steps go to ``skipped``."""
     unfinished = {n for rank in sorted(inventories) for n in inventories[rank].unfinished}
     holders: dict[str, list[StepFiles]] = {}
     for rank in sorted(inventories):
@@ -170,10 +161,8 @@ def _note(skipped: list[str] | None, line: str) -> None:
 
 
 def fill_plan(inventories: dict[int, Inventory], chosen: Chosen) -> list[Transfer]:
-    """Which rank sends which files of ``chosen`` so that every node's folder holds all of them (and the manifest):
-    each missing file from a rank whose folder holds it in a form that checks out, preferring a sender on the same
-    host, then the sender with the fewest bytes to send so far; the files a folder lacks are spread over the ranks
-    that share it (fewest bytes to receive first)."""
+    """Which rank sends which files of ``chosen`` so every node holds them all: a sender on the same host first,
+    then the least loaded; a folder's missing files spread over the ranks that share it."""
     folders: dict[str, list[int]] = {}
     for rank in sorted(inventories):
         folders.setdefault(inventories[rank].folder_id, []).append(rank)

@@ -1,10 +1,7 @@
 """The node-local folder of a run: where it is, private to its user, bound to one run, its room, its removal.
 
-By default ``/dev/shm/automodel-ckpt-<user>/<run id>``, the run id being a short digest of where the run folder is
-(``checkpoint_dir`` resolved to an absolute path, or its URL), so reruns of one run find their folder again and two
-runs never share one. The folder (and the per-user parent) is made mode 0700 and refused, in one line, when it is a
-symlink, another user's, or open to other users. A binding file records the run id and a digest of the run's
-fingerprint: another run's folder is refused; the same run's folder written before the recipe changed is emptied.
+By default ``/dev/shm/automodel-ckpt-<user>/<run id>``, mode 0700, bound to its run by a file that refuses another
+run's folder (docs/fast-recovery.md).
 """
 
 from __future__ import annotations
@@ -54,9 +51,8 @@ def _user() -> str:
 
 
 def claim(folder: Path, run: str, fingerprint: Any, *, private_parent: bool = False) -> list[str]:
-    """Make ``folder`` (mode 0700; with ``private_parent`` its parent too, the per-user one), check that it is
-    private, and bind it to the run ``run`` with ``fingerprint`` (the run's fingerprint, any JSON-able value).
-    Returns warnings for the caller to show; ``CheckpointError`` in one line when the folder cannot be used."""
+    """Make ``folder`` private (mode 0700, with ``private_parent`` its parent too) and bind it to ``run`` and its
+    ``fingerprint``; warnings to show, or ``CheckpointError`` when it cannot be used."""
     folder = Path(folder)
     if private_parent:
         _make_private(folder.parent)
@@ -81,8 +77,7 @@ def _make_private(folder: Path) -> None:
 
 
 def check_private(folder: Path) -> None:
-    """``CheckpointError`` (one line) unless ``folder`` is a real folder of this user that no one else can read or
-    write; it is opened without following a link."""
+    """``CheckpointError`` unless ``folder`` is a real folder of this user's that no one else can use."""
     if os.path.islink(folder):
         raise CheckpointError(f"{_KEY}: '{folder}' is a symlink; a node-local folder is never reached through a "
                               "link: name the folder itself")
@@ -139,8 +134,7 @@ def _bind(folder: Path, run: str, fingerprint: Any) -> list[str]:
 
 
 def read_binding(folder: Path) -> dict[str, Any] | None:
-    """The run ``folder`` is bound to (``run_id``, ``fingerprint``), None when it has no binding file;
-    ``CheckpointError`` when the file is not ours (a link, a special file, not our JSON)."""
+    """The run ``folder`` is bound to (id, fingerprint), None without a binding; ``CheckpointError`` if not ours."""
     file = Path(folder) / layout.LOCAL_BINDING
     if not os.path.lexists(file):
         return None
@@ -169,9 +163,7 @@ def _remove_steps(folder: Path) -> int:
 
 
 def check_space(folder: Path, step_bytes: int, keep: int, copies: int) -> None:
-    """``CheckpointError`` in one line, with the numbers, unless ``folder`` has room for ``keep`` local steps and
-    the one being written, each of ``step_bytes`` (this node's parts) and ``copies`` copies of other nodes' parts:
-    ``(keep + 1) * step_bytes * (1 + copies)`` bytes."""
+    """``CheckpointError`` with the numbers unless ``folder`` holds ``(keep + 1) * step_bytes * (1 + copies)``."""
     need = (keep + 1) * step_bytes * (1 + copies)
     free = shutil.disk_usage(folder).free
     if need > free:
@@ -183,9 +175,8 @@ def check_space(folder: Path, step_bytes: int, keep: int, copies: int) -> None:
 
 
 def remove(folder: Path, run: str) -> bool:
-    """Remove the run ``run``'s node-local folder once the run finished: only what this product wrote there (its
-    steps, its binding), following no link, then the folder if it is empty. Nothing is removed from a folder bound
-    to no run or to another. Whether the folder is gone."""
+    """Remove run ``run``'s finished node-local folder: only what this product wrote, following no link, then the
+    folder if empty; nothing of a folder bound to no run or another. Whether it is gone."""
     folder = Path(folder)
     if os.path.islink(folder) or not folder.is_dir():
         return False

@@ -1,9 +1,7 @@
 """Which node each rank is on, and which ranks on other nodes keep copies of whose part.
 
-Nodes are homogeneous: ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1`` are node ``n`` (torchrun's
-numbering, ``ranks_per_node`` being its ``LOCAL_WORLD_SIZE``). The ``k``-th copy of rank ``r``'s part is kept by
-rank ``(r + k * ranks_per_node) mod world_size``, ``k = 1 .. copies``: the same local rank on the ``k``-th next node,
-so every copy of a part is on another node, and losing any ``copies`` nodes loses no part.
+Node ``n`` is ranks ``n * ranks_per_node`` on (torchrun's numbering); copy ``k = 1 .. copies`` of rank ``r``'s part
+is kept by rank ``(r + k * ranks_per_node) mod world_size``, on another node each.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ class Placement:
 
 
 def place(rank: int, world_size: int, ranks_per_node: int, replicas: int) -> Placement:
-    """The placement of ``world_size`` ranks, ``ranks_per_node`` on each node, with ``replicas`` copies of each part
-    asked for (fewer when there are not that many other nodes: ``warning`` says so)."""
+    """The placement of ``world_size`` ranks, ``replicas`` copies of each part (fewer, with a ``warning``)."""
     if ranks_per_node < 1 or world_size < 1 or world_size % ranks_per_node:
         raise CheckpointError(f"checkpoint.local: {world_size} ranks cannot be spread evenly over nodes of "
                               f"{ranks_per_node} ranks (LOCAL_WORLD_SIZE); node-local steps need nodes of the same "

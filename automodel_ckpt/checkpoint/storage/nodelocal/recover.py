@@ -1,11 +1,7 @@
 """Which node-local step a resume takes, and making it whole on every node before it is loaded.
 
-Every folder's first rank checks its steps against their manifests (sizes; checksums of every file, or, with
-``leave``, of the small ones, the model and optimizer files then hashed by each rank as its load reads them: either
-way a copy is never trusted unchecked); the inventories are gathered; the newest step each of whose files checks
-out on some node is chosen (``inventory.choose``); the files a node lacks are sent to it (``inventory.fill_plan``,
-then ``transfer``), each checked on arrival. Then every node holds the whole step and it loads like a durable
-checkpoint, at any world size.
+The newest step each of whose files checks out on some node (a copy is never trusted unchecked) is chosen, and
+the files a node lacks are sent to it.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ from automodel_ckpt.distributed.env import all_gather_object, current_group
 
 def newest_step(run: NodeLocalRunFolder, skipped: list[str], *, leave: Callable[[str], bool] | None = None
                 ) -> tuple[Chosen | None, dict[int, Inventory]]:
-    """Collective: the newest local step whose every file checks out on some node (None when there is none), and
-    every rank's inventory; each newer step passed over is added to ``skipped`` in one line. ``leave``: files only
-    size-checked here, whose checksums the load computes as it reads them (``disk.loadcheck``)."""
+    """Collective: the newest local step whole on some node (or None) and every inventory; ``skipped`` grows."""
     own = collective.collectively(lambda: scan(run.local, leave=leave) if run.leads else _empty(run),
                                   "checking the node-local steps", run.rank)
     inventories = gather(own, current_group())

@@ -1,9 +1,7 @@
 """Copies of a local step's parts on other nodes: which rank sends which staged file to which, decided alike everywhere.
 
-After a local step is sealed, each node's folder holds the files its ranks wrote (node 0's also the files only rank
-0 writes: the manifest, metadata, global state). A node keeps, besides its own, the parts of the ``copies`` nodes
-before it (``placement``: rank ``r``'s copies are on the next nodes) and every file no one rank owns (small), so
-each node's copy of the step is self-describing (its manifest) and losing any ``copies`` nodes loses no part.
+A node keeps its own parts, those of the ``copies`` nodes before it (``placement``) and every file no one rank owns,
+so each node's copy is self-describing and losing any ``copies`` nodes loses no part.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ def _size(listings: list[dict[str, int]], holders: dict[str, list[int]], rel: st
 
 
 def copy_parts(staging: Path, rank: int, folder_ids: list[str], placement: Placement) -> None:
-    """Collective (on this thread's group): the staged step's copies sent and received (``plan``), each received
-    file checked against the step's manifest as it arrives."""
+    """Collective: the staged step's copies sent and received (``plan``), each checked as it arrives."""
     listing = manifest.list_files(staging)
     if (staging / layout.MANIFEST_FILE).is_file():
         listing[layout.MANIFEST_FILE] = (staging / layout.MANIFEST_FILE).stat().st_size

@@ -1,17 +1,10 @@
 """Files sent between ranks over a gloo process group: point to point, in bounded chunks, checked on arrival.
 
-Each pair (sender, receiver) is one stream of messages, in order: the header's length, the header (JSON: the files'
-relative names and sizes, or the sender's one-line error), every file's bytes in chunks of at most ``_CHUNK_BYTES``,
-then the trailer's length and the trailer (JSON: what went wrong while sending, if anything). ``exchange`` moves
-every stream of a rank forward by one message per round: it posts the round's ``isend``/``irecv`` of all its
-streams, then waits for them all. Both ends of a stream post its ``i``-th message in their ``i``-th round, so
-whatever the pairs (every rank may send and receive, to and from several ranks) no rank waits for another that is
-waiting for it, and a rank holds at most one chunk per stream in memory.
-
-A received name is untrusted: only a plain relative path (``disk.paths``) is written, below the receiving folder,
-through no symlinked folder, into a new file (``O_EXCL | O_NOFOLLOW``) renamed into place once its size (and, when
-the manifest lists it, its checksum) is right. A refused file's bytes are read and dropped, so the stream goes on;
-every problem is raised at the end, on both ends of the stream, as one ``CheckpointError``.
+A stream per (sender, receiver): header, chunks of at most ``_CHUNK_BYTES``, trailer. ``exchange`` posts one message
+of every stream of a rank per round, and both ends post a stream's ``i``-th message in their ``i``-th round, so no
+rank waits on one waiting for it and a rank holds one chunk per stream. A received name is untrusted: a plain
+relative path only, written into a new file (``O_EXCL | O_NOFOLLOW``) renamed once its size and checksum are right;
+every problem is one ``CheckpointError`` on both ends, at the end of the stream.
 """
 
 from __future__ import annotations
@@ -41,11 +34,9 @@ _Stream = Generator[torch.Tensor, None, list[str]]
 
 def exchange(outgoing: Mapping[int, Sequence[str]], src_root: Path, incoming: Mapping[int, Path], group: Any = None,
              *, expected: Mapping[str, Any] | None = None, chunk_bytes: int = _CHUNK_BYTES) -> dict[int, list[str]]:
-    """Send the files ``outgoing[dst]`` (relative names below ``src_root``) to each rank ``dst``, and receive what
-    each rank ``src`` of ``incoming`` sends into the folder ``incoming[src]`` (created if missing). Ranks are global
-    ranks of ``group`` (default: every rank). ``expected``: a manifest (``manifest.read_manifest``) whose entries the
-    received files it lists must match (size and checksum). Returns the names received from each sender;
-    ``CheckpointError`` (after every stream has ended) for anything refused or failed, on both ends."""
+    """Send ``outgoing[dst]`` (names below ``src_root``) to each global rank ``dst`` and receive from each ``src``
+    into ``incoming[src]``; ``expected``: a manifest the received files must match. The names received per
+    sender; ``CheckpointError`` on both ends, once every stream ended, for anything refused or failed."""
     me = dist.get_rank()
     if me in outgoing or me in incoming:
         raise ValueError(f"rank {me} cannot send files to itself")
@@ -147,8 +138,7 @@ def _read_into(f: Any, piece: torch.Tensor) -> int:
 
 def receive_stream(src: int, folder: Path, expected: Mapping[str, Any] | None = None, chunk_bytes: int = _CHUNK_BYTES,
                    received: list[str] | None = None) -> _Stream:
-    """The messages received from rank ``src``: files written below ``folder`` (their names appended to
-    ``received``), checked against the manifest ``expected`` where it lists them; returns its problems."""
+    """Receive rank ``src``'s files below ``folder`` (names into ``received``), checked; its problems."""
     where = f"the header from rank {src} (into '{folder}')"
     header = yield from _receive_json(src)
     problems: list[str] = []
@@ -196,8 +186,7 @@ def _receive_json(src: int) -> Generator[torch.Tensor, None, dict[str, Any]]:
 
 
 class _Sink:
-    """One received file: written to a new hidden file beside its place and renamed there once it checks out, or
-    (refused) its bytes dropped; ``problem`` says why."""
+    """One received file: a new hidden file renamed into place once it checks out, or dropped (``problem``)."""
 
     def __init__(self, folder: Path, rel: str, size: int, entry: Any, algorithm: str, where: str,
                  seen: set[str]) -> None:
@@ -270,8 +259,7 @@ class _Sink:
 
 
 def _make_folders(root: Path, rel: str, where: str) -> None:
-    """Create ``root`` and the folders on the way to ``root / rel`` (mode 0700), refusing a symlink or a file found
-    on the way instead of following it."""
+    """Create the folders to ``root / rel`` (mode 0700), refusing a symlink or file on the way."""
     folder = Path(root)
     if not os.path.lexists(folder):
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
