@@ -1,14 +1,7 @@
 """Points added afterwards to a run's tracked runs at a step they already have: what `ckpt-train eval` logs there.
 
-A checkpoint names its run's trackers (its ``config.yaml``'s ``logging:``) and the tracked runs they opened (its
-``tracking`` state: each backend's run id and where it wrote). ``annotate`` reopens those same runs as they are and
-adds the given metrics at the given step: no run is created, nothing is replayed, replaced or purged, a run's status
-and parameters stay its training's. Where a backend writes is worked out from the recipe as training does
-(``Backend.location``), and must be where the checkpoint says its run was kept. Since the recipe copy came with
-the checkpoint, a tracker outside the run folder (a ``log_dir`` elsewhere, a store or server an MLflow
-``tracking_uri`` names, which the environment's credentials would be sent to) is written to only when the caller
-allows it.
-W&B is not annotated: its history takes only increasing steps.
+The runs the checkpoint names are reopened as they are, where its recipe says training kept them; a tracker outside
+the run folder (credentials would go there) only when the caller allows it. W&B takes only increasing steps: not it.
 """
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ from automodel_ckpt.tracking.tracker import BACKENDS, RUN_ID
 
 def annotate(section: Any, run_dir: Path, saved: Any, metrics: dict[str, float], step: int, *,
              outside: bool = False) -> list[str]:
-    """Add ``metrics`` at ``step`` to the tracked runs of ``section`` (a recipe's ``logging:``) that ``saved`` (a
-    checkpoint's tracking state) names; one line per tracker saying where the points went, or why not."""
+    """Add ``metrics`` at ``step`` to the tracked runs ``saved`` names; one line per tracker, where or why not."""
     if not isinstance(section, dict) or not metrics:
         return []
     saved = saved if isinstance(saved, dict) else {}

@@ -26,14 +26,9 @@ class OpenContext:
 
 
 class Backend:
-    """One tracker. Every call runs on the tracking thread of rank 0, in order; an exception disables the backend.
-
-    ``open`` returns the state that lets a later launch reopen the same tracked run (saved in each checkpoint).
-    ``durable``: after ``flush`` returns, what was logged survives a SIGKILL of the whole job (a resume then replays
-    only what came after the checkpoint); when False, a resume replays the run's whole history into a new segment.
-    ``acknowledged``: a ``log_metrics`` that returns has made its data durable, so a checkpoint may count it
-    without waiting for a ``flush``.
-    """
+    """One tracker, called on rank 0's tracking thread in order; an exception disables it. ``open`` returns what
+    reopens the run later. ``durable``: what a ``flush`` returned on survives a SIGKILL (else a resume replays the
+    whole history); ``acknowledged``: a returned ``log_metrics`` is durable already, no ``flush`` needed."""
 
     name = ""
     module = ""  # the package that must be importable
@@ -44,17 +39,15 @@ class Backend:
     appends = False  # ``open`` with ``ctx.append``: points added later to a tracked run at steps it already has
 
     def local_path(self, location: str) -> Path | None:
-        """The file or folder ``location`` writes to; None for a server (credentials from the environment are sent
-        there)."""
+        """The file or folder ``location`` writes to; None for a server."""
         return Path(location)
 
     def __init__(self, section: Any) -> None:
         self.section = section  # the backend's `logging.<name>` config node
 
     def location(self, run_dir: Path, run_name: str) -> str:
-        """Where this backend writes or sends the run's data: from the recipe's section and its defaults alone,
-        never from a checkpoint (a received checkpoint must not redirect the metrics, nor the credentials sent
-        with them). Default: the run folder."""
+        """Where this backend writes: from the recipe alone, never a checkpoint (which must not redirect the metrics
+        nor the credentials). Default: the run folder."""
         return os.path.abspath(run_dir)
 
     def same_location(self, saved: Any, location: str) -> bool:
@@ -62,13 +55,11 @@ class Backend:
         return isinstance(saved, str) and saved == location
 
     def open(self, ctx: OpenContext) -> dict[str, Any]:
-        """Open (``ctx.saved`` holds a run id: reopen) the tracked run at ``ctx.location``; the state that lets a
-        later launch reopen it."""
+        """Open (or with ``ctx.saved``'s run id, reopen) the tracked run; the state that reopens it later."""
         raise NotImplementedError
 
     def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """The state known before ``open`` (from the restored ``saved`` state): checkpoints record it even while
-        the backend is still opening. Default: none (a checkpoint then waits for ``open``, if the backend is durable)."""
+        """The state known before ``open`` (restored), which checkpoints record while it opens. Default: none."""
         return {}
 
     def first_replay_step(self, confirmed_step: int) -> int:

@@ -1,11 +1,7 @@
 """What checkpoints cost a run: timed on the training thread, recorded in ``events.jsonl``, summarised for reports.
 
-``events.jsonl`` (rank 0, in the run folder, appended across every resume, never truncated) holds one line per
-event: ``start`` (each launch: the step it starts from, the checkpoint it resumed from), ``checkpoint`` (each save:
-the seconds the training thread was blocked, the background seconds, the bytes, the write rate) and ``end`` (a run
-that finished or was preempted). A launch with no ``end`` followed by another ``start`` was interrupted. Side work
-adds ``tracking_behind`` / ``tracking_caught_up`` (a tracker no longer waited for, and when it had caught up) and
-``side_failure`` (an export, a node-local step... that failed while training went on).
+``events.jsonl`` (rank 0, appended across resumes, never truncated) holds ``start``, ``checkpoint``, ``end`` and
+side-work records; a ``start`` with no ``end`` before the next was interrupted (docs/report.md).
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ BEHIND, CAUGHT_UP = "tracking_behind", "tracking_caught_up"  # a tracker not wai
 
 
 def written_bytes(path: Path) -> int | None:
-    """The bytes a published checkpoint's save wrote: its manifest's total less what it hard-linked from an earlier
-    checkpoint (``checkpoint.incremental``: ``linked_bytes``); None where it linked nothing."""
+    """The bytes a checkpoint's save wrote, less what it linked (``linked_bytes``); None where it linked nothing."""
     try:
         table = read_manifest(path) or {}
         linked = table.get("linked_bytes")
@@ -63,12 +58,8 @@ class _InFlight:
 
 
 class CheckpointCosts:
-    """Times each save on the training thread and appends its ``checkpoint`` record (rank 0 writes).
-
-    Sync save: blocked = the save call. Async save: blocked = the save call plus the time the next optimizer step
-    waited at the fence; background = from the call's return to the end of the background writes and publish.
-    ``on_record`` receives every record (the trackers log it).
-    """
+    """Times each save and appends its ``checkpoint`` record (rank 0). Blocked: the save call, plus an async save's
+    wait at the next step's fence; background: from the call's return to the publish. The trackers get each."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, on_record: Callable[[dict[str, Any]], None]) -> None:
         self.log = JsonlLog(RunFolder(run_dir).events_log, enabled=enabled)
@@ -199,15 +190,12 @@ class RunCosts:
 
 
 def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The records of a run's ``events.jsonl`` one at a time (``iter_jsonl``: a log of any size, a link, FIFO or
-    device in its place refused)."""
+    """The records of a run's ``events.jsonl``, one at a time (``iter_jsonl``)."""
     return iter_jsonl(RunFolder(run_dir).events_log)
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
-    """The costs of the launches in ``events`` (``iter_events``), aggregated on the way: memory stays bounded
-    whatever their number (medians from at most ``_Sample.KEEP`` values), and a field of the wrong type is left
-    out, never a traceback."""
+    """The costs of ``events``' launches in bounded memory; a field of the wrong type is left out."""
     launches = interruptions = steps = checkpoints = failures = abandoned = 0
     wall = behind = blocked_sum = 0.0
     launch: _Launch | None = None
@@ -278,9 +266,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
 
 
 class _Launch:
-    """One launch's aggregates: its first and last times, its first and largest steps, whether it ended, and the
-    seconds during which at least one tracker was behind (``tracking_behind`` to its backend's next
-    ``tracking_caught_up``, or to the launch's last record), swept in the order the records were written."""
+    """One launch's times, steps, whether it ended, and the seconds at least one tracker was behind."""
 
     def __init__(self) -> None:
         self.first_time = self.last_time = None  # type: float | None
@@ -338,8 +324,7 @@ class _Mean:
 
 
 class _Sample:
-    """Values for a median: all of them up to ``KEEP`` (every real run), then a uniform sample of ``KEEP``
-    (reservoir sampling, seeded: the same file gives the same report)."""
+    """Values for a median: all up to ``KEEP``, then a seeded reservoir sample (the same file, the same report)."""
 
     KEEP = 1 << 16
 
@@ -377,8 +362,7 @@ def _whole(value: Any) -> bool:
 
 
 def _abandons(record: dict[str, Any]) -> bool:
-    """Whether a ``local_step`` side failure is a step abandoned (its other lines: steps written again after
-    failures, a folder made again)."""
+    """Whether a ``local_step`` side failure abandoned a step."""
     return " abandoned" in str(record.get("text", ""))
 
 

@@ -12,9 +12,8 @@ DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none i
 
 
 def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, Any]:
-    """Plain JSON-ready numbers: measured costs, the MTBF used (and where it comes from: ``mtbf_hours`` given here,
-    else the run's ``checkpoint.mtbf_hours``, else its interruptions, else 24 h), the advice if computable; for
-    ``ckpt_every_steps: auto``, the overhead it paid beside the fixed interval it replaced."""
+    """JSON-ready numbers: the costs, the MTBF and its source (given, the run's, its interruptions, else 24 h), the
+    advice, and for ``auto`` its overhead beside the fixed interval it replaced."""
     if mtbf_hours is not None:
         mtbf_s, source = mtbf_hours * 3600.0, "given"
     elif costs.mtbf_hours is not None:
@@ -73,8 +72,7 @@ INSPECT_FLAG = "--mtbf-hours"  # ``ckpt-train inspect --cost``'s
 
 
 def _mtbf(report: dict[str, Any], flag: str) -> str:
-    """``MTBF 24.0 h (where it comes from)``; an assumed one names ``flag``, the option of the reader's own command
-    that sets it."""
+    """``MTBF 24.0 h (where it comes from)``; an assumed one names ``flag``, the option that sets it."""
     source = report["mtbf_source"]
     why = {"given": "given", "configured": "the run's checkpoint.mtbf_hours", "observed": f"observed: {report['interruptions']} interruption(s)",
            "assumed": f"assumed, no interruption seen; set it with {flag}"}[source]
@@ -82,8 +80,7 @@ def _mtbf(report: dict[str, Any], flag: str) -> str:
 
 
 def one_line(report: dict[str, Any], flag: str = TRAINING_FLAG) -> str:
-    """The line printed at the end of a run ("" when it saved no checkpoint); ``flag``: the option that sets the
-    MTBF in the command that prints it (a training run's ``--checkpoint.mtbf_hours``)."""
+    """The line printed at the end of a run ("" without checkpoints); ``flag``: the option that sets the MTBF."""
     if not report["checkpoints"]:
         return ""
     text = (f"Checkpoint cost: {report['checkpoints']} checkpoint(s), {report['blocked_per_checkpoint_s']:.3f} s "
@@ -101,8 +98,7 @@ def one_line(report: dict[str, Any], flag: str = TRAINING_FLAG) -> str:
 
 
 def _auto(report: dict[str, Any]) -> str:
-    """The end line's note on ``ckpt_every_steps: auto``: the expected overhead at the spacing its saves came at,
-    beside the fixed interval it replaced ("" without both)."""
+    """The end line's ``auto`` note: its expected overhead beside the fixed interval it replaced ("" without both)."""
     auto = report.get("auto")
     if not auto or auto["overhead"] is None or auto["replaced_overhead"] is None:
         return ""

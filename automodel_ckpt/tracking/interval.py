@@ -1,19 +1,10 @@
 """The checkpoint interval that minimises expected lost time (Young/Daly), and the overhead at any interval.
 
-A run that checkpoints every ``interval`` seconds of training, each checkpoint costing ``cost`` seconds of the
-training thread, and that fails on average once every ``mtbf`` seconds, loses per second of wall time about
-
     overhead(interval) = cost / interval  +  (interval / 2 + latency) / mtbf
-
-the first term the checkpoints themselves, the second the work redone after a failure: on average half an interval,
-plus ``latency`` (an async checkpoint counts only once its background writes are complete). Its minimum is
-Young's interval (J. W. Young, 1974; first order of J. T. Daly, 2006):
-
     interval* = sqrt(2 * cost * mtbf)        overhead(interval*) = sqrt(2 * cost / mtbf) + latency / mtbf
 
-Assumptions: failures are independent with a constant rate (exponential inter-arrival times), the checkpoint cost
-and the step time are constant, ``cost`` is much smaller than ``mtbf``, and the restart time (relaunch, restore) is
-left out (it adds ``restart / mtbf`` at every interval and does not move the optimum).
+``latency``: an async checkpoint counts once its background writes are complete. The assumptions (independent
+failures at a constant rate, constant costs, ``cost`` much smaller than ``mtbf``) are docs/tracking.md's.
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ MAX_STEPS = 1 << 62  # an interval in steps is at most this (an interval of seco
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
-    """Seconds of training between checkpoints that minimise the expected overhead: ``sqrt(2 * cost * mtbf)``
-    (``ValueError`` unless both are finite, cost >= 0 and mtbf > 0)."""
+    """``sqrt(2 * cost * mtbf)`` seconds (``ValueError`` unless finite, cost >= 0 and mtbf > 0)."""
     if not (math.isfinite(cost_s) and math.isfinite(mtbf_s)) or cost_s < 0 or mtbf_s <= 0:
         raise ValueError(f"need finite cost >= 0 and mtbf > 0, got cost={cost_s}, mtbf={mtbf_s}")
     return math.sqrt(2.0 * cost_s) * math.sqrt(mtbf_s)  # no overflow of the product
@@ -53,11 +43,8 @@ class IntervalAdvice:
 
 def advise(cost_s: float, mtbf_s: float, step_s: float, *, latency_s: float = 0.0,
            current_every_steps: float | None = None) -> IntervalAdvice:
-    """The advice for checkpoints costing ``cost_s`` on a run of ``step_s`` seconds per step.
-
-    The interval in steps is rounded to the nearest whole step, from one to ``MAX_STEPS``; the overhead is the one of that whole
-    number of steps. ``current_every_steps``: the run's own interval, for comparison.
-    """
+    """The advice for checkpoints costing ``cost_s`` at ``step_s`` a step: the interval rounded to a whole step in
+    ``[1, MAX_STEPS]`` and that interval's overhead; ``current_every_steps``: the run's own, for comparison."""
     if not math.isfinite(step_s) or step_s <= 0:
         raise ValueError(f"need a finite step time > 0, got {step_s}")
     ideal = young_daly_interval(cost_s, mtbf_s)

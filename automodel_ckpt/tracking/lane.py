@@ -17,15 +17,10 @@ METRICS, EVENT, CONTROL = "metrics", "event", "control"  # what a queued call ca
 
 
 class Lane:
-    """The queue and thread of one backend.
-
-    ``state``: what reopens its tracked run. ``delivered``: the last step whose metrics the backend accepted;
-    ``durable``: the last step it had made durable (after a ``flush``, or at once for a backend whose calls are
-    ``acknowledged``); ``confirmed``: what a checkpoint may record as delivered (never past a dropped record).
-    A call that raises is one warning; the backend's later calls are skipped and counted (markers still pass).
-    At most ``max_metrics`` metric records wait for a backend that is behind: past that the oldest are dropped
-    first and counted (one warning at the first); events and control calls are never dropped.
-    """
+    """The queue and thread of one backend. ``delivered``: the last step it accepted; ``durable``: the last it made
+    durable; ``confirmed``: what a checkpoint may record (never past a dropped record). A call that raises is one
+    warning and skips the later ones; past ``max_metrics`` waiting, the oldest metrics are dropped (counted), never
+    events or control calls."""
 
     def __init__(self, backend: Backend, *, max_metrics: int | None = None) -> None:
         self.backend = backend
@@ -85,8 +80,7 @@ class Lane:
         return done
 
     def stop(self, timeout: float = 0.0) -> bool:
-        """Let the thread end once everything queued has run; wait at most ``timeout`` for that. Whether it ended
-        (a thread still in a call is a daemon: the process exits without it)."""
+        """Let the thread end once its queue has run, waiting at most ``timeout``; whether it ended."""
         with self._cond:
             self._items.append(None)
             self._cond.notify()
@@ -98,8 +92,7 @@ class Lane:
         return not self._thread.is_alive()
 
     def mark_behind(self, since: float) -> bool:
-        """The training thread stops waiting for this backend: True when it is behind now (calls still queued or
-        running), False when it has caught up meanwhile."""
+        """Training stops waiting for this backend: whether it is behind now (False: caught up meanwhile)."""
         with self._cond:
             if not self._items and self._running is None:
                 return False

@@ -22,9 +22,8 @@ RUN_KEY_TAG = "automodel_ckpt.run_key"  # set on the tracked run when created: `
 
 
 def default_store(run_dir: Path) -> str:
-    """The tracking URI of ``logging.mlflow`` without ``tracking_uri``: a SQLite database in the run folder
-    (MLflow's recommended local store, which ``mlflow ui`` and ``MlflowClient`` open as they are), or the file store
-    ``mlruns/`` that an earlier version left there, continued (a real folder only, never a link)."""
+    """``logging.mlflow``'s default URI: a SQLite database in the run folder (MLflow's recommended local store), or
+    an earlier version's file store ``mlruns/`` there, continued (a real folder only)."""
     legacy = RunFolder(run_dir).mlflow_dir
     if legacy.is_dir() and not legacy.is_symlink():
         return legacy.resolve().as_uri()
@@ -32,13 +31,9 @@ def default_store(run_dir: Path) -> str:
 
 
 class MLflowBackend(Backend):
-    """``logging.mlflow``: ``MlflowClient`` on ``tracking_uri`` (default: ``default_store``).
-
-    MLflow keeps every value logged for a step (its metric history is append-only), so a resume cannot replace the
-    steps a crashed launch logged after the restored checkpoint: they appear twice, and the run gets the tag
-    ``resumed.step_N`` marking where the later values start. Readers keep the last value logged for each step
-    (``last_per_step``).
-    """
+    """``logging.mlflow``: ``MlflowClient`` on ``tracking_uri`` (default: ``default_store``). Its history is
+    append-only, so steps a crashed launch logged past the checkpoint appear twice: the tag ``resumed.step_N``
+    marks where the later values start, and readers keep each step's last (``last_per_step``)."""
 
     name = "mlflow"
     module = "mlflow"
@@ -125,8 +120,7 @@ class MLflowBackend(Backend):
         return {"run_id": run_id}
 
     def initial_state(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """A key tagged on the run when it is created: a checkpoint saved before the run was (a slow store, a
-        server down) still lets a resume find and reopen it."""
+        """A key tagged on the run at creation: a checkpoint saved before the run existed still finds it."""
         return {"run_key": saved.get("run_key") or uuid.uuid4().hex}
 
     def _find(self, experiment: str, key: str | None) -> str | None:
@@ -138,9 +132,7 @@ class MLflowBackend(Backend):
         return runs[0].info.run_id if runs else None
 
     def _steps_present(self, run_id: str, last: int) -> dict[str, set[int]]:
-        """The steps up to ``last`` the reopened run already has, per source (``train``, ``val``, ``checkpoint``:
-        each source's values of a step arrive in one call), so a replay sends only what the store lacks, even where
-        the restored checkpoint had confirmed less."""
+        """The steps up to ``last`` the reopened run has, per source, so a replay sends only what it lacks."""
         return {source: {m.step for m in self.client.get_metric_history(run_id, key) if m.step <= last}
                 for source, key in _PRESENCE_KEYS.items()}
 
@@ -197,8 +189,7 @@ def _create_store(database: Path, artifacts: str) -> None:
 
 
 def last_per_step(history: list[Any]) -> list[Any]:
-    """An MLflow metric history with one entry per step, the last logged (highest timestamp; later in the list on
-    a tie), sorted by step: the series a resumed run means."""
+    """An MLflow history with each step's last value (highest timestamp, later on a tie), sorted by step."""
     latest: dict[int, tuple[int, int, Any]] = {}
     for order, metric in enumerate(history):
         key = (metric.timestamp, order)

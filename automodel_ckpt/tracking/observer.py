@@ -18,11 +18,7 @@ from automodel_ckpt.tracking.tracker import RunTracker, checkpoint_metrics, trai
 
 
 class RunObserver:
-    """The trackers of ``logging:`` (``tracker``, recipe state when any is configured) and the cost log, rank 0.
-
-    ``config_yaml`` is the resolved recipe exactly as each checkpoint's config.yaml holds it: the trackers log the
-    same hyper-parameters.
-    """
+    """The trackers of ``logging:`` and the cost log, rank 0; they log ``config_yaml``'s hyper-parameters."""
 
     on_checkpoint: Callable[[dict[str, Any]], None] | None = None  # called with each save's record (logging.report)
 
@@ -61,8 +57,7 @@ class RunObserver:
 
     def save(self, save: Callable[[], Path | None], step: int, background: Callable[[], Any], *,
              preemption: bool = False) -> Path | None:
-        """Run the recipe's save, timed (see ``CheckpointCosts``): the trackers catch up first, untimed (the
-        checkpoint saves the steps they have made durable)."""
+        """Run the recipe's save, timed (``CheckpointCosts``), after an untimed catch-up of the trackers."""
         self.tracker.flush()
         path = self.costs.save(save, step, background, preemption=preemption)
         if preemption:
@@ -73,28 +68,23 @@ class RunObserver:
         return self.costs.finalize(finalize, step)
 
     def observed_mtbf_s(self) -> float | None:
-        """The mean time between failures the run's cost log shows (its wall time over its interruptions), or None
-        when it shows no interruption (rank 0)."""
+        """The MTBF the run's cost log shows (wall time over interruptions), None without any (rank 0)."""
         costs = summarize(iter_events(self.run_dir)) if self.is_main else None
         return costs.wall_s / costs.interruptions if costs is not None and costs.interruptions else None
 
     def interval(self, record: dict[str, Any]) -> None:
-        """The save interval changed (``step_scheduler.ckpt_every_steps: auto``): an ``interval`` record in
-        events.jsonl and an event to the trackers."""
+        """The ``auto`` save interval changed: an ``interval`` record and an event to the trackers."""
         self.costs.note(record)
         self.tracker.event("interval", record["text"], int(record["step"]))
 
     def side_failure(self, kind: str, text: str, step: int) -> None:
-        """Side work failed and training goes on (``kind``: ``export``, ``local_step``, ``cost_report``...): a
-        ``side_failure`` record in events.jsonl, an event to the trackers, counted. Rank 0 records; any rank and any
-        thread may call it (the others only count)."""
+        """Side work failed, training goes on: recorded, told to the trackers, counted (any rank or thread may call)."""
         self.side_failures[kind] = self.side_failures.get(kind, 0) + 1
         self.costs.note({"event": SIDE_FAILURE, "time": time.time(), "kind": kind, "text": text, "at_step": step})
         self.tracker.event(f"side_failure.{kind}", text, step)
 
     def end(self, step: int, status: str) -> str:
-        """The launch ends (``complete`` or ``preempted``): close the trackers, record it (last: after what the
-        trackers noted while closing); the cost line."""
+        """The launch ends: close the trackers, then record it; the cost line."""
         end = self.costs.end_record(step, status)
         line = ""
         if self.is_main:

@@ -13,12 +13,8 @@ from automodel_ckpt.tracking.base import Backend, OpenContext
 
 
 class TensorBoardBackend(Backend):
-    """``logging.tensorboard``: ``torch.utils.tensorboard.SummaryWriter`` into ``log_dir`` (default ``tensorboard/``).
-
-    Every launch opens a new event file in the same folder with ``purge_step`` = the first step it logs: TensorBoard's
-    readers then drop the events at and after that step from the earlier files, so the steps a crashed launch logged
-    after the restored checkpoint are replaced, not duplicated.
-    """
+    """``logging.tensorboard``: a ``SummaryWriter`` into ``log_dir`` (default ``tensorboard/``). Each launch's event
+    file has ``purge_step`` = its first step, so readers replace what a crashed launch logged past the checkpoint."""
 
     name = "tensorboard"
     module = "tensorboard"

@@ -1,13 +1,7 @@
 """The run's experiment trackers behind one object: logs off the training thread, its run ids saved in checkpoints.
 
-``RunTracker`` is recipe state (it has ``state_dict``/``load_state_dict``, so every checkpoint saves it): the state
-is each backend's run id and the last step it had made durable. A resume restores it before ``start``, which reopens
-the same tracked runs and replays from the run's own logs (``training.jsonl``, ``validation.jsonl``,
-``events.jsonl``, already cut back to the restored step) whatever a backend may lack up to that step. Only rank 0
-logs. Each backend's calls run on its own background thread, in order; a failing backend is a warning and is
-dropped, training goes on. The training thread waits for a tracker at most ``FLUSH_TIMEOUT_S`` before a checkpoint
-(and not at all while that tracker stays behind) and, at the end of the launch, as long as it makes progress and at
-most ``CLOSE_TIMEOUT_S`` without any.
+A resume reopens the same tracked runs and replays from the run's own logs what a backend lacks. Only rank 0 logs,
+each backend on its own thread; a failing backend is a warning and is dropped (docs/tracking.md).
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ def train_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 
 def validation_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """``validation.jsonl`` record -> ``val/<key>`` scalars (``val_loss`` -> ``val/loss``); an evaluation's
-    ``eval/<task>/<metric>`` keeps its name, as logged live."""
+    """``validation.jsonl`` record -> ``val/<key>`` scalars; an evaluation's ``eval/...`` keeps its name."""
     return {(k if k.startswith("eval/") else f"val/{k.removeprefix('val_')}"): float(v) for k, v in record.items()
             if k not in SKIPPED and _number(v)}
 
@@ -91,18 +84,14 @@ class RunTracker:
 
     # --- recipe state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Each backend's run id and last durable step; waits (bounded) for the durable trackers to catch up. A
-        backend that failed keeps its run id and the step it had confirmed: a resume reopens that run and replays
-        the rest."""
+        """Each backend's run id and last durable step, after a bounded wait; a failed one keeps what it confirmed."""
         self.flush()
         return {lane.backend.name: {**lane.state, "location": lane.location,
                                     "confirmed_step": lane.confirmed if lane.backend.durable else 0}
                 for lane in self._lanes if lane.state}
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Wait at most ``timeout`` until every durable backend has written what was queued so far. A backend not
-        done by then is behind (one warning) and is not waited for again until it has caught up (the others: no
-        wait, a resume replays their history anyway)."""
+        """Wait at most ``timeout`` for the durable backends; one not done is behind: one warning, not waited for."""
         self._notes()
         began = time.time()
         waiting = []
@@ -162,9 +151,7 @@ class RunTracker:
             self.event(kind, text, step)
 
     def _reusable(self, backend: Backend, location: str, step: int) -> dict[str, Any]:
-        """The restored state of ``backend`` when the checkpoint saved it for this same ``location`` (its run id
-        and confirmed step, checked); else nothing, with one warning: a new tracked run starts there and the run's
-        history is replayed into it. Nothing in a checkpoint chooses where the metrics go."""
+        """``backend``'s restored state if saved for this ``location``; else nothing, one warning, a new run."""
         saved = self._saved.get(backend.name)
         if not isinstance(saved, dict) or not saved:
             return {}
@@ -229,9 +216,7 @@ class RunTracker:
 
     @staticmethod
     def _wait_for_progress(lanes: list[Lane], idle: float) -> None:
-        """Wait until every lane has ended; give up once none has finished a call for ``idle`` seconds. A tracker
-        still catching up at the end (a replay to a slow server) finishes: what ends the wait is a call that makes
-        no progress, never the time the calls take in all."""
+        """Wait until every lane ended, giving up once none finished a call for ``idle`` seconds."""
         last, progressed = -1, time.monotonic()
         while True:
             alive = [lane for lane in lanes if not lane.join(0.0)]
@@ -245,9 +230,7 @@ class RunTracker:
             alive[0].join(min(left, 0.1))
 
     def close(self, status: str, timeout: float | None = None) -> int:
-        """End of the launch: flush and close every backend (``status``: complete, preempted, failed), waiting as
-        long as they make progress, but at most ``timeout`` (default ``logging.close_timeout_s``) without any; the
-        number of metric records and events not delivered (one warning if any)."""
+        """End of the launch: flush and close every backend (``timeout`` without progress); records undelivered."""
         timeout = self.close_timeout if timeout is None else timeout
         self._notes()
         lanes, self._lanes = self._lanes, []

@@ -10,14 +10,9 @@ from automodel_ckpt.tracking.base import Backend, OpenContext
 
 
 class WandbBackend(Backend):
-    """``logging.wandb``: ``wandb.init(id=..., resume="allow")`` with the id saved in each checkpoint.
-
-    W&B buffers what it writes (its ``.wandb`` file is flushed every few seconds and at ``finish``), so a SIGKILL
-    loses the last seconds; and offline, each launch writes its own ``offline-run-*-ID`` folder. So a resume replays
-    the run's history from its logs into the new launch: offline, the newest folder of the id holds every step
-    once; online, W&B keeps the first value it received for a step (steps must increase), and the replay fills what
-    the server lacks.
-    """
+    """``logging.wandb``: ``wandb.init(id=..., resume="allow")``, the id in each checkpoint. W&B buffers (a SIGKILL
+    loses seconds) and offline writes a folder per launch, so a resume replays the run's history: offline, the
+    newest folder holds every step once; online, the server keeps a step's first value and the replay fills gaps."""
 
     name = "wandb"
     module = "wandb"
