@@ -1,16 +1,8 @@
 """``training.compile``: each decoder block compiled by ``torch.compile`` (as torchtitan does), where it pays.
 
-Blocks are compiled in place (``nn.Module.compile``: the parameter names, hence checkpoints, are unchanged), before
-the model is sharded or replicated. Compiling is deterministic for a given model, shapes and machine: a run and its
-resume compile the same kernels, so the resume stays exact. ``auto`` compiles on CUDA, where the compiled blocks
-run faster from the first steps on. On CPU, compiling costs each process half a minute to a minute of its cores
-once (26M and 120M Llamas on two cores, cold cache), and the compiled blocks then take 3% (120M) to 5% (26M)
-off a step (docs/benchmarks.md, ``tools/bench_train.py``): ``auto`` compiles there when a process's
-step is large enough (``6 x parameters x tokens per step``, at least ``CPU_STEP_FLOP``: about a second of two
-cores, a 26M Llama at 2,048 tokens per step is 3.2e11) and the run long enough to repay it (with
-``step_scheduler.max_steps`` set, at least ``CPU_RUN_FLOP`` of such work over the run: a 26M Llama's 940 steps, a
-120M one's 200). The test suite's tiny models (1e8 to 1e10 per step) stay uncompiled. The estimate depends on the
-configuration alone, never on the step a run resumes from: a resume decides as its run did.
+In place (parameter names, hence checkpoints, unchanged) and deterministic, so a resume stays exact. ``auto``: on
+CUDA, and on CPU above ``CPU_STEP_FLOP`` a step and ``CPU_RUN_FLOP`` a run, from the configuration alone
+(docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -45,10 +37,7 @@ def step_flop(parameters: int, tokens: int) -> float:
 
 def decide(setting: object, device: torch.device, step_work: float = 0.0,
            steps: int | None = None) -> tuple[bool, str]:
-    """Whether blocks are compiled under ``training.compile`` (``setting``) on ``device``, and the start line.
-
-    ``step_work``: a process's FLOP per optimizer step (``step_flop``); ``steps``: the run's ``max_steps``, if set.
-    """
+    """Whether blocks are compiled, and the start line; ``step_work``: FLOP a step; ``steps``: ``max_steps``."""
     value = check(setting)
     if value != "auto":
         return value == "true", f"torch.compile: {'on' if value == 'true' else 'off'} (training.compile: {value})"

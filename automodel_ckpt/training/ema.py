@@ -11,13 +11,9 @@ from automodel_ckpt.errors import ConfigError
 class EMA(nn.Module):
     """``ema = decay * ema + (1 - decay) * weight`` for every trainable parameter, after each optimizer step.
 
-    Each average is a float32 tensor placed as its parameter is: a DTensor with the same mesh and placements when
-    the model is sharded (so torch.distributed.checkpoint reshards it on a resume at another world size), a plain
-    tensor when every rank holds the model whole. It is an ``nn.Module`` whose state dict has the model's own
-    parameter names (a tree of empty modules mirrors the model's), so a checkpoint stores it as it stores a model:
-    ``ema/`` beside ``model/``, in the model's format, and ``ckpt-train consolidate CK --ema`` exports it as a
-    Hugging Face folder. A checkpoint written without it (``checkpoint_optional``) leaves it to start from the
-    restored weights (``start``).
+    Each average is float32, placed as its parameter (a DTensor alike when sharded: DCP reshards it on a resume).
+    Its state dict has the model's parameter names, so a checkpoint stores it as a model (``ema/``, exported with
+    ``consolidate --ema``); a checkpoint without it (``checkpoint_optional``) leaves it to ``start`` from the weights.
     """
 
     checkpoint_optional = True  # a checkpoint of a run without EMA still resumes: the average starts there

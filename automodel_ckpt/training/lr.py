@@ -20,11 +20,8 @@ def _warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min
 
 
 def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 10, min_lr_ratio: float = 0.1) -> LambdaLR:
-    """Linear warmup to the optimizer's lr over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` × lr.
-
-    The factor is a ``functools.partial`` of a module function, so the scheduler's state_dict holds only numbers
-    and loads with ``torch.load(weights_only=True)``.
-    """
+    """Linear warmup to the optimizer's lr over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` × lr. The
+    factor is a ``partial`` of a module function: the state_dict holds only numbers (``weights_only`` loads it)."""
     factor = partial(_warmup_cosine_factor, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
     return LambdaLR(optimizer, factor)
 
@@ -47,9 +44,8 @@ def _wsd_factor(step: int, *, warmup_steps: int, total_steps: int, decay_steps: 
 
 def wsd(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, decay_steps: int = 0,
         decay_fraction: float = 0.0, min_lr_ratio: float = 0.0, decay: str = "linear") -> LambdaLR:
-    """Warmup-stable-decay: linear warmup over ``warmup_steps`` (as ``warmup_cosine``'s), the optimizer's lr, then
-    over the last ``decay_steps`` (else ``decay_fraction`` of ``total_steps``; 0: no decay, which a later stage's
-    ``cooldown`` then makes) down to ``min_lr_ratio`` × lr, by a line, ``sqrt`` (1 - sqrt) or ``cosine``."""
+    """Warmup-stable-decay: ``warmup_cosine``'s warmup, then over the last ``decay_steps`` (or ``decay_fraction``;
+    0: none, a later ``cooldown``'s) to ``min_lr_ratio`` × lr, by a line, ``sqrt`` or ``cosine``."""
     if decay not in ("linear", "sqrt", "cosine") or not 0.0 <= decay_fraction <= 1.0 or decay_steps < 0:
         raise ValueError("wsd: decay is linear, sqrt or cosine; decay_steps >= 0; decay_fraction in [0, 1]")
     steps = decay_steps or round(decay_fraction * total_steps)
@@ -58,9 +54,7 @@ def wsd(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, decay_ste
 
 
 class Cooldown(LRScheduler):
-    """``cooldown``'s schedule: from each group's lr when it begins (its ``initial_lr``, which a stage sets to the
-    lr in force) in a line to ``final_lr`` over ``steps`` steps, then ``final_lr``. ``steps`` and ``final_lr`` are
-    the recipe's, never read back from a checkpoint."""
+    """Linear from each group's ``initial_lr`` to ``final_lr`` over ``steps`` (the recipe's, never a checkpoint's)."""
 
     _OWN = ("steps", "final_lr")
 
@@ -110,8 +104,7 @@ def linear_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) 
 
 def cosine_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, num_cycles: float = 0.5,
                  min_lr_rate: float = 0.0) -> LambdaLR:
-    """The HF Trainer's ``cosine`` (``min_lr_rate`` 0) and ``cosine_with_min_lr``: warmup from 0, then cosine to
-    ``min_lr_rate`` × lr."""
+    """The HF Trainer's ``cosine`` and ``cosine_with_min_lr``: warmup from 0, cosine to ``min_lr_rate`` × lr."""
     return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup_steps, total_steps, num_cycles=num_cycles,
                                                        min_lr_rate=min_lr_rate)
 

@@ -15,7 +15,6 @@ from automodel_ckpt.errors import UserError, first_line
 from automodel_ckpt.jsonsafe import json_safe
 
 
-
 class JsonlLog:
     """One JSON object per line, flushed at every write so a killed run keeps everything it logged."""
 
@@ -38,8 +37,8 @@ class JsonlLog:
         """Drop records of steps after ``step``: a resumed run rewrites the steps it repeats."""
         if not self.enabled or not os.path.lexists(self.path):
             return
-        kept = [line for line in _read_log(self.path).splitlines() if _step_of(line) <= step]
-        write_atomic(self.path, "".join(line + "\n" for line in kept).encode("utf-8"))
+        kept = [line.rstrip("\n") + "\n" for line in log_lines(self.path) if _step_of(line) <= step]
+        write_atomic(self.path, "".join(kept).encode("utf-8"))
 
 
 def _step_of(line: str) -> float:
@@ -54,8 +53,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """A log's records one at a time, never the file whole (``log_lines``); a line that is no JSON object (a line
-    cut by a kill mid-write) is skipped."""
+    """A log's records one at a time (``log_lines``); a line that is no JSON object (cut by a kill) is skipped."""
     for line in log_lines(Path(path)):
         try:
             record = json.loads(line)
@@ -66,8 +64,7 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _open_append(path: Path) -> int:
-    """``path`` opened for appending, created if missing; a symlink, FIFO or anything but a regular file there is
-    refused (``UserError``), never written through."""
+    """``path`` opened for appending; anything but a regular file there is refused (``UserError``)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      0o644)
@@ -86,7 +83,7 @@ def _open_append(path: Path) -> int:
 
 def log_lines(path: Path) -> Iterator[str]:
     """A log's lines, read one at a time (a run folder received from elsewhere may hold a log of any size); a line
-    longer than ``bounded.LOG_LINE_LIMIT`` is skipped, never held whole. Opened as ``_read_log`` opens it."""
+    longer than ``bounded.LOG_LINE_LIMIT`` is skipped, never held whole; anything but a regular file is refused."""
     try:
         f = os.fdopen(open_regular(path), "rb")
     except FileNotFoundError:
@@ -101,16 +98,3 @@ def log_lines(path: Path) -> Iterator[str]:
                     line = f.readline(LOG_LINE_LIMIT + 1)
                 continue
             yield line.decode("utf-8", "replace")
-
-
-def _read_log(path: Path) -> str:
-    """A log's text; a symlink, FIFO or device in its place is refused (``UserError``), never followed or waited
-    on."""
-    try:
-        with os.fdopen(open_regular(path), "rb") as f:
-            return f.read().decode("utf-8", "replace")
-    except FileNotFoundError:
-        return ""
-    except OSError as exc:
-        raise UserError(f"cannot read the log '{path}': {first_line(exc)}; logs are read only as regular files: "
-                        "remove it") from None

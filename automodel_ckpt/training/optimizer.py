@@ -1,10 +1,7 @@
 """Which implementation a torch optimizer runs: the fastest the device has, unless the recipe names one.
 
-torch's ``Adam``/``AdamW``/``SGD``/... take ``fused`` and ``foreach``; left unset, torch runs its single-tensor loop on
-CPU (a Python loop over every parameter, several kernels each), and ``foreach`` on CUDA. The fused kernels (one
-pass over all parameters of a dtype and device) are the fastest where torch has them, on CPU and CUDA alike, and are
-what the Hugging Face Trainer picks by default. The implementation changes how a step is computed, never what the
-optimizer's state holds: a checkpoint of one implementation resumes under another.
+torch's fused kernels where it has them (the HF Trainer's default), else its default; it never changes the state,
+so a checkpoint of one implementation resumes under another.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ def implementation(target: Any, settings: Mapping[str, Any], params: Iterable[to
 
 
 def _fused_supported(target: Any, params: list[torch.Tensor]) -> bool:
-    """Whether torch has a fused kernel of ``target`` for every parameter (floating point, on one supported
-    device type); torch raises at construction otherwise."""
+    """Whether torch has a fused ``target`` for every parameter (floating point, one supported device type)."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     if not params or target not in _FUSED:

@@ -33,8 +33,7 @@ def _plain_name(name: str) -> str:
 
 
 def reference_identity(model_section: Mapping[str, Any], base_folder: str | None, *, adapters_disabled: bool) -> str:
-    """What the reference is, without reading its weights: the ``model:`` section, the base folder's config and
-    the names and sizes of its weight files, and whether it is a LoRA model with its adapters disabled."""
+    """What the reference is, without reading its weights: its section, config, weight files, LoRA disabled."""
     files: list[Any] = []
     if base_folder is not None and Path(base_folder).is_dir():
         folder = Path(base_folder)
@@ -47,10 +46,8 @@ def reference_identity(model_section: Mapping[str, Any], base_folder: str | None
 
 @torch.no_grad()
 def mix_into(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
-    """TR-DPO's soft update, in place on each rank's shards: ``reference <- alpha * policy + (1 - alpha) *
-    reference``. Parameters laid out alike are mixed shard by shard; where the layouts differ (a frozen reference
-    that FSDP2 left on the tensor-parallel mesh alone) the policy's parameter is gathered whole, one at a time,
-    and each rank mixes in its own part."""
+    """TR-DPO's soft update on each rank's shards, ``reference <- alpha * policy + (1 - alpha) * reference``;
+    where the layouts differ the policy's parameter is gathered whole, one at a time."""
     from automodel_ckpt.checkpoint import local_part
 
     ref_params = {_plain_name(n): p for n, p in reference.named_parameters()}
@@ -73,14 +70,9 @@ def _layout(tensor: torch.Tensor) -> Any:
 
 
 class StoredLogProbs:
-    """Precomputed reference log-probs of a run's pairs: ``{split: float64 tensor [2, pairs]}`` (summed log-probs
-    of the chosen and the rejected response of each pair row), in one file named by ``key`` (data and reference).
-
-    The file is untrusted (a run folder travels): it is read only as a regular file whose folder resolves inside
-    the run folder (never through a link), at most the size its tables can take, through the safe loader
-    (tensors and plain data, no code), and each table must be ``[2, pairs]`` of finite numbers for exactly the
-    run's pairs; anything else is one line naming the file (``CheckpointError``).
-    """
+    """Precomputed reference log-probs of a run's pairs, ``{split: float64 [2, pairs]}`` (chosen, rejected), in one
+    file named by ``key``. Untrusted: a regular file inside the run folder (no link), bounded, loaded safely, each
+    table ``[2, pairs]`` of finite numbers for exactly the run's pairs; else one line naming the file."""
 
     def __init__(self, key: str, tables: dict[str, torch.Tensor]) -> None:
         self.key, self.tables = key, tables
@@ -93,8 +85,7 @@ class StoredLogProbs:
         return got[0], got[1]
 
     def save(self, file: Path, root: Path) -> None:
-        """Written under a temporary name and moved into place: a reader never sees half a file; never written
-        through a folder that leads out of the run folder ``root``."""
+        """Written under a temporary name and moved into place, never through a folder outside the run folder."""
         _inside(Path(root), Path(file))
         file.parent.mkdir(parents=True, exist_ok=True)
         _inside(Path(root), Path(file))  # the folder just made (or found) is still the run folder's own
@@ -104,10 +95,7 @@ class StoredLogProbs:
 
     @classmethod
     def load(cls, file: Path, key: str, *, root: Path, pairs: Mapping[str, int]) -> "StoredLogProbs | None":
-        """The stored log-probs of ``key`` for ``pairs`` (``{split: number of pairs}``), or None when the file is
-        absent (or holds another key, a table for other data): ``CheckpointError`` naming the file when it is a
-        link, leads out of the run folder ``root``, is not a regular file, is larger than its tables can be, is not
-        a table file (a pickle of anything else included), or a table is short, long or not finite."""
+        """``key``'s stored log-probs for ``pairs`` (None: absent or another key's); ``CheckpointError`` naming it."""
         file = Path(file)
         _inside(Path(root), file)
         if not os.path.lexists(file):
@@ -159,8 +147,7 @@ def _what(value: Any) -> str:
 
 
 def _inside(root: Path, file: Path) -> None:
-    """``file``'s folder, links resolved, is inside the run folder ``root`` (resolved too): ``CheckpointError``
-    otherwise (a linked ``ref_log_probs`` folder would read or write elsewhere)."""
+    """``CheckpointError`` unless ``file``'s folder, links resolved, is inside the run folder ``root``."""
     top = os.path.realpath(root)
     where = os.path.realpath(file.parent)
     if where != top and not where.startswith(top.rstrip(os.sep) + os.sep):

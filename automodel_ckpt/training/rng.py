@@ -19,12 +19,7 @@ def seed_everything(seed: int) -> None:
 
 @contextmanager
 def rng_untouched() -> Iterator[None]:
-    """Python, NumPy and torch generators leave the block as they entered it.
-
-    For work that happens once or only on some ranks (creating an embedded base, building a tokenizer, warming a
-    cache): whatever random numbers it draws, the training stream after it is the same on every rank and in every
-    run with the same seed.
-    """
+    """Python, NumPy and torch generators leave the block as they entered it (work done once or on some ranks)."""
     saved = RNGState().state_dict()
     try:
         yield
@@ -33,8 +28,7 @@ def rng_untouched() -> Iterator[None]:
 
 
 class RNGState:
-    """Saved per data-parallel rank (``rng/rng_dp_rank_R.pt``): each rank's generators continue exactly after a
-    resume (tensor-parallel peers draw the same numbers and share their data-parallel rank's file)."""
+    """Saved per data-parallel rank (its tensor-parallel peers draw alike): generators continue exactly."""
 
     checkpoint_scope = "rank"
 
@@ -61,11 +55,8 @@ class RNGState:
 
     def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
                       world_size: int) -> dict[str, Any]:
-        """A rank that existed when the checkpoint was written keeps its own generators.
-
-        A rank that did not (the job grew) gets generators seeded from a hash of rank 0's saved torch generator
-        state and its own rank: deterministic, different per rank, and different at every checkpoint.
-        """
+        """A rank that existed at the save keeps its generators; a new one (the job grew) is seeded from a hash of
+        rank 0's saved torch state and its rank: deterministic, different per rank and per checkpoint."""
         if rank < saved_world_size:
             return saved(rank)
         reference = saved(0)["torch"]

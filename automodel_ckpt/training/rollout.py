@@ -16,8 +16,7 @@ IGNORE = -100
 
 
 def sample_seed(seed: int, rollout: int, prompt_id: int, index: int) -> int:
-    """The seed of one completion's random stream: a function of (run seed, rollout step, prompt id, sample index)
-    only, so no batching, padding, rank or world size changes it."""
+    """One completion's seed, from (run seed, rollout step, prompt id, sample index) only: no batching changes it."""
     digest = hashlib.sha256(f"grpo/{seed}/{rollout}/{prompt_id}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
@@ -62,11 +61,9 @@ def _keep_key(model: Any) -> str | None:
 def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
              temperature: float, eos_id: int | None, pad_id: int, device: Any = "cpu",
              keep_going: Callable[[bool], bool] | None = None) -> list[list[int]]:
-    """Completions of ``prompts`` (token ids), one per seed: a left-padded batch with an attention mask and position
-    ids, the model's own KV cache, each row drawing one uniform per new token from its own generator (all of a row's
-    uniforms are drawn at once: the same numbers as one at a time). A row ends at ``eos_id`` (kept) or after
-    ``max_new_tokens``. ``keep_going(this_batch_done)`` says whether to take another step (a sharded model's forward
-    is collective: every rank steps together); by default the batch stops when done."""
+    """Completions of ``prompts``, one per seed: a left-padded batch on the model's KV cache, each row drawing its
+    uniforms from its own generator, ending at ``eos_id`` (kept) or ``max_new_tokens``. ``keep_going(done)``: whether
+    to step again (a sharded forward is collective); by default until the batch is done."""
     rows = len(prompts)
     if rows == 0 and keep_going is None:
         return []
@@ -116,8 +113,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
 
 
 def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
-    """Each completion's reward less its group's mean, over the group's standard deviation (+ ``eps``): rows are
-    consecutive groups of ``group`` completions of one prompt."""
+    """Each completion's reward less its group's mean, over its std (+ ``eps``); a group is ``group`` rows."""
     grouped = rewards.double().view(-1, group)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(mean)
@@ -137,8 +133,7 @@ ADVANTAGES = {"normalized": group_advantages, "share": group_shares}  # grpo.adv
 
 
 def advantages(kind: str, rewards: torch.Tensor, group: int, names: list[str]) -> torch.Tensor:
-    """``grpo.advantage`` ``kind`` of the weighted ``rewards`` (reward functions ``names``): shares need rewards
-    >= 0 (one-line ``RewardError`` otherwise)."""
+    """``grpo.advantage`` ``kind`` of the weighted ``rewards``; shares need rewards >= 0 (``RewardError``)."""
     if kind == "share" and bool((rewards < 0).any()):
         raise RewardError(f"grpo.advantage share: a completion's weighted reward is {float(rewards.min()):g}; the "
                           f"reward functions ({', '.join(names)}) must give >= 0, or use grpo.advantage normalized")
@@ -158,10 +153,8 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def clipped_loss(logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
                  keep: torch.Tensor, *, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's per-token loss summed over the kept tokens, and its sums ``[tokens, clipped, kl]``.
-
-    Per token: ``-min(r A, clip(r, 1-eps, 1+eps_high) A) + beta * k3``, ``r = exp(logp - old)``,
-    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's unbiased, always non-negative KL estimate)."""
+    """GRPO's per-token loss summed over the kept tokens, and ``[tokens, clipped, kl]``: ``-min(r A, clip(r, 1-eps,
+    1+eps_high) A) + beta * k3``, ``r = exp(logp - old)``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's)."""
     keep = keep.to(logp.dtype)
     high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(logp - old)

@@ -1,11 +1,7 @@
 """A run's stages so far (docs/stages.md): the records each checkpoint's metadata lists, checked when read back.
 
-A record says where a stage began: its ``name``, ``first_step``, the samples and tokens trained before it
-(``samples``, ``tokens``; tokens None where a run did not count them yet), the recipe keys it ``changed``, the
-learning rate in force at its first step (``lr``) and the schedule it trained on (``schedule``: the step the
-schedule's own step 0 followed, ``from``, and the ``steps`` it was made for; None: as the recipe builds it). A
-checkpoint's metadata holds the list (``stages``) and the tokens counted so far (``consumed_tokens``). What is read
-back from a checkpoint is untrusted: each field is checked, and a bad one is one line naming the file and the field.
+A record: ``name``, ``first_step``, ``samples``, ``tokens``, the keys it ``changed``, the ``lr`` at its first step and
+its ``schedule`` (``from``, ``steps``); read back, each field is untrusted, a bad one one line naming it.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ def record(name: str, first_step: int, samples: int, tokens: int | None, changed
 
 
 def read_history(meta: dict[str, Any], where: str) -> tuple[list[dict[str, Any]], int | None]:
-    """The stages a checkpoint's metadata (``meta``, read from ``where``) lists, each field checked, and its token
-    count; ``([], None)`` when it lists none (a run without stages, or written before them)."""
+    """The stages ``meta`` lists, each field checked, and its token count; ``([], None)`` when none."""
     stages, tokens = meta.get("stages"), meta.get("consumed_tokens")
     if stages is None:
         return [], None

@@ -14,11 +14,7 @@ COUNTERS = ("step", "epoch", "consumed_samples")
 
 
 class StepScheduler:
-    """Training progress as three counters, plus the rules that read them.
-
-    ``step`` is the number of optimizer steps completed (1-based in logs), ``epoch`` the epoch of the last
-    step taken, ``consumed_samples`` the global number of training samples consumed so far.
-    """
+    """Training progress (steps done, the last step's epoch, samples consumed) and the rules that read it."""
 
     def __init__(
         self,
@@ -31,9 +27,7 @@ class StepScheduler:
         min_every_steps: int = 1,
         max_every_steps: int | None = None,
     ) -> None:
-        self.max_steps = max_steps
-        self.num_epochs = num_epochs
-        self.steps_per_epoch = steps_per_epoch
+        self.max_steps, self.num_epochs, self.steps_per_epoch = max_steps, num_epochs, steps_per_epoch
         #: ``ckpt_every_steps: auto``: the interval that the save cycle sets (None: a fixed interval, or none)
         self.save_interval = SaveInterval(min_every_steps, max_every_steps, lambda: self.total_steps) \
             if ckpt_every_steps == AUTO else None
@@ -65,8 +59,7 @@ class StepScheduler:
 
     @property
     def is_ckpt_step(self) -> bool:
-        """Checkpoint every ``ckpt_every_steps`` (or where the ``auto`` interval is due), after the last step and
-        where a stage ends."""
+        """Every ``ckpt_every_steps`` (or where ``auto`` is due), after the last step and where a stage ends."""
         if self.stage_ends:
             return True
         if self.save_interval is not None:
@@ -93,8 +86,7 @@ class StepScheduler:
         return state
 
     def load_state_dict(self, state: Any) -> None:
-        """A checkpoint's counters (untrusted): each a count, else one line; an ``auto`` interval's schedule is
-        checked by its ``SaveInterval`` (out-of-range numbers dropped or clamped, and said)."""
+        """A checkpoint's counters (untrusted), each a count; an ``auto`` schedule checked by ``SaveInterval``."""
         if not isinstance(state, dict):
             raise CheckpointError(f"the step counters are a {type(state).__name__}, not a mapping")
         for key in COUNTERS:
