@@ -120,10 +120,9 @@ class Checkpointer:
     def step_end(self, states: States, steps: Steps, *, epoch: int, loss: float,
                  extra: Callable[[], dict[str, Any]] | None = None, validate: Callable[[], float] | None = None,
                  validate_now: bool = False) -> StepEnded:
-        """Collective, after optimizer step ``steps.step``: a durable checkpoint on the step schedule, the minutes or
-        the preemption signal, else a node-local step when due. ``states()`` and ``extra()`` (the metadata's) are
-        asked only for a save; ``validate()`` runs when ``validate_now`` or before a scheduled save (which records
-        its loss)."""
+        """Collective, after optimizer step ``steps.step``: a durable checkpoint if due (steps, minutes, preemption),
+        else a node-local step if due. ``states()``/``extra()`` are asked only for a save; ``validate()`` runs when
+        ``validate_now`` or before a scheduled save."""
         due = self._cycle.decide(steps)
         self._local.tick(steps)
         self._step = step = steps.step
@@ -211,9 +210,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------ restore
     def resume(self, states: dict[str, Any]) -> Restored:
-        """Restore what ``checkpoint.restore_from`` selects into ``states`` (path None: a fresh start); the minutes
-        count from now. Each tier in turn (node-local, durable, ``load_only``'s start) chooses, loads, or falls
-        back past a damaged checkpoint (``restore.fallback``)."""
+        """Restore what ``checkpoint.restore_from`` selects into ``states`` (path None: a fresh start); each tier in
+        turn (node-local, durable, ``load_only``'s start) chooses, loads or falls back (``restore.fallback``)."""
         started = time.perf_counter()
         rank, world_size, cfg = self._env.rank, self._env.world_size, self._cfg
         tiers: list[fallback.Tier] = []

@@ -100,8 +100,7 @@ class CheckpointConfig:
     on_load_error: str = "fallback"  # fallback | error: what auto-resume does when the newest checkpoint is damaged
     load_only: Optional[List[str]] = None  # with restore_from: load only these states (e.g. [model]), a new run
     new_stage: Optional[str] = None  # a rerun whose recipe changes the data, sequence length, batch or schedule goes on as a new stage of this name after the step it resumes (docs/stages.md)
-    # Retention (docs/retention.md): a checkpoint survives pruning if ANY rule keeps it; nothing is deleted unless
-    # max_recent_checkpoints or save_top_k is set.
+    # Retention (docs/retention.md): kept if ANY rule keeps it; none deleted without max_recent_checkpoints/save_top_k
     max_recent_checkpoints: Optional[int] = None  # keep the K most recent complete checkpoints
     save_top_k: Optional[int] = None  # keep the K best by `monitor` (checkpoints without a finite value never rank)
     keep_steps: List[int] = field(default_factory=list)  # milestone steps whose checkpoints are never deleted

@@ -206,10 +206,9 @@ class LocalTier:
 
 
 class LocalRecovery:
-    """The node-local tier in a restore's fall-back loop. Choosing takes the newest local step complete on some node
-    and makes it whole on every node; the model and optimizer files are checked as the load reads them. Where that
-    finds one damaged, every file of every local step is checked before choosing again (another copy, an older
-    step); a second failure, or any other (making the step whole included), hands over to the durable tier."""
+    """The node-local tier in a restore's loop: the newest local step complete somewhere, made whole everywhere and
+    checked as it loads; a damaged file makes every file checked before choosing again, and a second failure (or
+    any other) hands over to the durable tier."""
 
     name = LOCAL
 

@@ -58,8 +58,8 @@ class _InFlight:
 
 
 class CheckpointCosts:
-    """Times each save and appends its ``checkpoint`` record (rank 0). Blocked: the save call, plus an async save's
-    wait at the next step's fence; background: from the call's return to the publish. The trackers get each."""
+    """Times each save and appends its ``checkpoint`` record (rank 0): blocked, the call plus an async save's wait
+    at the next step's fence; background, from the call's return to the publish."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, on_record: Callable[[dict[str, Any]], None]) -> None:
         self.log = JsonlLog(RunFolder(run_dir).events_log, enabled=enabled)
@@ -117,8 +117,8 @@ class CheckpointCosts:
 
     def _record(self, flight: _InFlight, *, background_s: float | None, at_step: int,
                 extra_blocked: float = 0.0) -> None:
-        """Append the ``checkpoint`` record of ``flight``; ``at_step``: the training step it is known at (an async
-        save's record waits for the next save; trackers log it at that step, since their steps only increase)."""
+        """Append ``flight``'s ``checkpoint`` record, logged at ``at_step`` (an async save's waits for the next save,
+        and the trackers' steps only increase)."""
         fence = float(getattr(flight.job, "fence_seconds", 0.0) or 0.0)
         blocked = flight.call_s + fence + extra_blocked
         self._blocked += blocked

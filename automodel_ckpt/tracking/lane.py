@@ -17,10 +17,8 @@ METRICS, EVENT, CONTROL = "metrics", "event", "control"  # what a queued call ca
 
 
 class Lane:
-    """The queue and thread of one backend. ``delivered``: the last step it accepted; ``durable``: the last it made
-    durable; ``confirmed``: what a checkpoint may record (never past a dropped record). A call that raises is one
-    warning and skips the later ones; past ``max_metrics`` waiting, the oldest metrics are dropped (counted), never
-    events or control calls."""
+    """The queue and thread of one backend. ``confirmed``: what a checkpoint may record (never past a dropped record);
+    a call that raises is one warning and skips the later ones; past ``max_metrics`` the oldest metrics go."""
 
     def __init__(self, backend: Backend, *, max_metrics: int | None = None) -> None:
         self.backend = backend

@@ -178,8 +178,7 @@ class MLflowBackend(Backend):
 
 
 def _create_store(database: Path, artifacts: str) -> None:
-    """A new SQLite store, its tables created under another name and then renamed into place: a launch killed
-    while MLflow creates them (seconds) leaves no half-made database for the next launch to trip on."""
+    """A new SQLite store, created under another name and renamed: a launch killed meanwhile leaves no half-made one."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     new = database.with_name(RunFolder.mlflow_db_new)

@@ -13,8 +13,8 @@ from automodel_ckpt.tracking.base import Backend, OpenContext
 
 
 class TensorBoardBackend(Backend):
-    """``logging.tensorboard``: a ``SummaryWriter`` into ``log_dir`` (default ``tensorboard/``). Each launch's event
-    file has ``purge_step`` = its first step, so readers replace what a crashed launch logged past the checkpoint."""
+    """``logging.tensorboard``: a ``SummaryWriter`` into ``log_dir``; each launch's file has ``purge_step`` = its
+    first step, so readers replace what a crashed launch logged past the checkpoint."""
 
     name = "tensorboard"
     module = "tensorboard"

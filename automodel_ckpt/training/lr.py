@@ -81,10 +81,8 @@ def cooldown(optimizer: Optimizer, total_steps: int, steps: int, final_lr: float
     return Cooldown(optimizer, steps, float(final_lr))
 
 
-# The Hugging Face Trainer's schedules are transformers' own functions (an imported run continues on the same learning
-# rates, docs/import.md): its warmup starts at lr 0 (step 0's factor is 0), unlike warmup_cosine's. torch's
-# schedulers below are written in closed form: torch's own step from their last value, so a resume would not
-# restore them from the step alone.
+# The HF Trainer's schedules are transformers' own (an import continues on its lrs, docs/import.md; warmup from 0).
+# torch's are in closed form here: torch's step from their last value, which a resume cannot restore from the step.
 def _cosine_annealing_factor(step: int, *, t_max: int, eta_min_ratio: float) -> float:
     return eta_min_ratio + (1.0 - eta_min_ratio) * (1.0 + math.cos(math.pi * step / t_max)) / 2.0
 

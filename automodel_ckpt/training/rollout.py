@@ -61,9 +61,9 @@ def _keep_key(model: Any) -> str | None:
 def generate(model: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
              temperature: float, eos_id: int | None, pad_id: int, device: Any = "cpu",
              keep_going: Callable[[bool], bool] | None = None) -> list[list[int]]:
-    """Completions of ``prompts``, one per seed: a left-padded batch on the model's KV cache, each row drawing its
-    uniforms from its own generator, ending at ``eos_id`` (kept) or ``max_new_tokens``. ``keep_going(done)``: whether
-    to step again (a sharded forward is collective); by default until the batch is done."""
+    """Completions of ``prompts``, one per seed, on the model's KV cache, each row's uniforms from its own generator,
+    ending at ``eos_id`` (kept) or ``max_new_tokens``; ``keep_going(done)``: whether to step again (a sharded
+    forward is collective: every rank steps together)."""
     rows = len(prompts)
     if rows == 0 and keep_going is None:
         return []

@@ -153,9 +153,8 @@ def fetch_object(url: str, storage_options: dict[str, Any] | None, key: str) -> 
 
 @contextlib.contextmanager
 def streamed_object(url: str, size: int, *, key: str, storage_options: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A file whose bytes go to the object ``url`` as written, a multipart upload in parts of ``PART_SIZE`` (more
-    when ``size`` would need over ``_MAX_PARTS``); the object appears when the block ends without an error, else
-    the upload is aborted. Errors name ``key``."""
+    """A file whose bytes go to the object ``url`` as written, in multipart parts of ``PART_SIZE`` (or more); the
+    object appears when the block ends without an error, else the upload is aborted."""
     check_url(url, key)
     parent, _, name = normalize(url).rpartition("/")
     store = ObjectStore(parent, storage_options)

@@ -137,9 +137,8 @@ class RemoteRun:
 
     # --- a save ----------------------------------------------------------------------------------------
     def before_save(self, name: str) -> list[str]:
-        """Rank 0, before a save: refuse an existing checkpoint or a foreign prefix of that name, delete the
-        leftovers (one save in flight at most, so a marked prefix without a commit object now is one) and write the
-        upload marker, the prefix's first object. Returns the names deleted."""
+        """Rank 0, before a save: refuse an existing or foreign prefix ``name``, delete the leftovers (one save in
+        flight at most: a marked prefix without a commit object is one) and write the upload marker first."""
         if self.lease is not None:
             self.lease.check()
         if wrap(f"checking '{self.store.url_of(name)}'", lambda: self.store.exists(name, layout.MANIFEST_FILE)):
@@ -174,9 +173,8 @@ class RemoteRun:
         return refs
 
     def upload_commit_object(self, staging: Path, name: str, refs: dict[str, tuple[str, bool]] | None = None) -> None:
-        """Rank 0, once every rank's uploads succeeded: the pieces' record (``refs``), the logs (a rerun resuming
-        from the commit finds its steps logged), then the commit object. With pieces, the manifest's
-        ``linked_bytes`` is the bytes taken from pieces already stored (what the cost report counts as unwritten)."""
+        """Rank 0, once every upload succeeded: the pieces' record, the logs (a rerun finds its steps logged), then the
+        commit object; with pieces, ``linked_bytes`` is what was taken from stored pieces."""
         if refs:
             wrap(f"uploading '{self.store.url_of(name, layout.PIECE_REFS)}'",
                  lambda: pieces.write_record(self.store, name, {rel: key for rel, (key, _) in refs.items()}))
@@ -281,9 +279,8 @@ class RemoteRun:
 
 
 def _extends(local: Path, remote: str) -> bool:
-    """Whether the mirror's log ``local`` begins with the store's copy ``remote`` and goes further: node-local
-    steps after the last push are logged only here, and a resume from one needs them; a copy that differs is the
-    store's (another machine continued the run)."""
+    """Whether the mirror's log ``local`` extends the store's copy ``remote``: node-local steps after the last push
+    are logged only here (a copy that differs is the store's: another machine continued the run)."""
     expected = remote.encode("utf-8")
     try:
         with open(local, "rb") as f:
@@ -353,9 +350,8 @@ def fetch(folder: Path, url: str, storage_options: dict[str, Any] | None = None,
 
 
 def check_fetch(folder: Path, url: str, sizes: dict[str, int], remote: dict[str, int]) -> dict[str, int]:
-    """The bytes to fetch of each file, before any download. One the listing lacks, or lists shorter, is left to
-    the checks after it; one listed longer than its manifest size, or a total over the mirror's free space, is
-    refused: neither the listing nor the manifest makes a download larger than the other says."""
+    """The bytes to fetch of each file, checked before any download: one listed longer than its manifest size, or
+    a total over the mirror's free space, is refused (one the listing lacks or shortens is left to the checks)."""
     fetched = {}
     for rel, size in sizes.items():
         if rel not in remote:

@@ -166,9 +166,8 @@ class ObjectStore:
 
     def download(self, name: str, rels: list[str], local_root: Path, sizes: dict[str, int] | None = None,
                  sources: dict[str, str] | None = None) -> None:
-        """Fetch ``name/rel`` (or the object ``sources[rel]``) into ``local_root/rel``, renamed when complete, in
-        ranges of ``RANGE`` bytes with ``_BATCH`` GETs at once (a large shard on many connections, memory below
-        ``_BATCH * RANGE``). An object of another size than ``sizes`` says is fetched as it is, for the checks."""
+        """Fetch ``name/rel`` (or ``sources[rel]``) into ``local_root/rel`` in ranges of ``RANGE``, ``_BATCH`` GETs
+        at once (memory below ``_BATCH * RANGE``); an object of another size than ``sizes`` is fetched as it is."""
         if not rels:
             return
         sizes, sources = dict(sizes or {}), sources or {}

@@ -37,9 +37,8 @@ class Decision:
 
 
 class DurableTier:
-    """The durable tier (``checkpoint_dir``, any kind of storage) in the restore's fall-back loop: ``decide``
-    chooses (a fresh start too), the loader loads the checkpoint chosen, and a checkpoint found damaged while
-    loading (a checksum computed as it is read) is set aside and the choice made again."""
+    """The durable tier in the restore's loop: ``decide`` chooses (a fresh start too), the loader loads, and a
+    checkpoint found damaged while loading is set aside and the choice made again."""
 
     name = DURABLE
 

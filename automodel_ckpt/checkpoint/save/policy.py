@@ -51,8 +51,8 @@ class SavePolicy:
 
 
 def write_model_helpers(model_dir: Path, hf: HFArtifacts, fmt: ModelFormat) -> None:
-    """Rank 0: config, generation config and tokenizer beside the model's files; ``consolidate.sh`` where the
-    model format exports inline (``exports_inline``; the others export with ``ckpt-train consolidate``)."""
+    """Rank 0: config, generation config and tokenizer beside the model's files, and ``consolidate.sh`` where the
+    format exports inline (the others export with ``ckpt-train consolidate``)."""
     from automodel_ckpt.export import render_consolidate_script, write_hf_metadata
 
     write_hf_metadata(model_dir, hf_config=hf.hf_config, generation_config=hf.generation_config,

@@ -153,8 +153,7 @@ class SaveWriter:
             if stager is None:
                 sharded.save_optimizer(plan.model_for(attr), optim, folder, written=self.written)
                 continue
-            # where each node loads its own copy, a rank checks whole every file it reads from: the small items
-            # every rank reads go to a small file of their own (``fastio.ParallelFileSystemWriter``)
+            # each node loading its own copy checks whole every file it reads: the small items go to a file apart
             staged.append(sharded.stage_optimizer(plan.model_for(attr), optim, folder, stager, self.written,
                                                   threads=self.write_threads, small_apart=not self.run.shared))
             self._install_fence(optim)
@@ -329,9 +328,8 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
          write_after: Callable[[], None] | None = None, dp_rank: int | None = -1,
          mesh: dict[str, int] | None = None, lineage: dict[str, Any] | None = None,
          serialize_later: bool = False) -> LocalFiles:
-    """This rank's small files, taken now: per-rank state; on rank 0 also global state, config, losses and metadata
-    (then ``write_after``). ``serialize_later``: serialized when written. Per-rank files are per data-parallel
-    rank ``dp_rank`` (-1: ``rank``; None: none, a tensor-parallel peer of the rank that writes them)."""
+    """This rank's small files, taken now: per-rank state (per data-parallel rank ``dp_rank``; -1: ``rank``; None:
+    none), on rank 0 also global state, config, losses, metadata, then ``write_after``."""
     if dp_rank == -1:
         dp_rank = rank
     per_rank = plan.per_rank if dp_rank is not None else {}

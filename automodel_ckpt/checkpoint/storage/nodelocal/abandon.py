@@ -45,8 +45,8 @@ def hide(folder: Path, name: str, at: Hook | None = None) -> list[str]:
 
 
 def clear(folder: Path, at: Hook | None = None) -> list[str]:
-    """Phase two: the staging and hidden folders in ``folder`` removed (nothing is being written when it runs),
-    following no link. One line per folder left; never raises. ``at`` is called with ``"clear"`` first."""
+    """Phase two: the staging and hidden folders in ``folder`` removed, following no link; one line per folder left,
+    never raises. ``at`` is called with ``"clear"`` first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []

@@ -117,9 +117,8 @@ class NodeLocalRunFolder(LocalRunFolder):
         return [m for m in all_gather_object(made) if m]
 
     def discard(self, name: str) -> list[str]:
-        """Collective, never failing: every node removes what it holds of the abandoned step ``name`` and the
-        leftovers of unfinished steps, in ``abandon``'s two phases (every committed copy hidden before any staging
-        folder goes); the lines saying what could not be removed, on every rank."""
+        """Collective, never failing: every node removes what it holds of abandoned ``name`` and unfinished steps, in
+        ``abandon``'s two phases; the lines saying what could not be removed, on every rank."""
         lines: list[str] = []
         for phase in (lambda: abandon.hide(self.local, name), lambda: abandon.clear(self.local)):
             mine: list[str] = []
