@@ -1,13 +1,10 @@
 """Who is who on the device mesh: the pipeline, data-parallel (replicate × shard), tensor- and expert-parallel sizes.
 
-Computed once from the ``distributed:`` keys and the world size, then passed down: the data loader, validation,
-the per-rank checkpoint files and the loss reductions ask this object for the data-parallel rank and size, never
-the global rank. Ranks are laid out with pipeline stages outermost and tensor parallelism innermost
-(``global rank = pp rank × (dp × tp) + dp rank × tp + tp rank``), so the tensor-parallel peers of a data-parallel
-rank sit next to each other (on one node, where the links are fastest), a data-parallel rank is
-``replicate × dp_shard + shard``, and the data-parallel rank (which keys the data position and per-rank state) is the
-same whatever the number of stages. Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks
-of a shard group (whole groups of tensor-parallel peers); every data-parallel rank still reads its own rows.
+Computed once from the ``distributed:`` keys and the world size; the data, the per-rank files and the loss
+reductions ask it for the data-parallel rank, never the global rank. ``global rank = pp rank × (dp × tp) + dp rank
+× tp + tp rank``: tensor-parallel peers sit together (one node), and the data-parallel rank
+(``replicate × dp_shard + shard``) is the same whatever the number of stages. Experts are spread over groups of
+``ep`` consecutive ranks of a shard group (whole groups of tensor-parallel peers).
 """
 
 from __future__ import annotations
@@ -23,11 +20,9 @@ from automodel_ckpt.errors import ConfigError
 
 #: Keys recognised in ``distributed:`` whose strategies are not implemented: refused unless 1 or null.
 UNSUPPORTED = {"cp_size": "context parallelism"}
-#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's ``Schedule1F1B``, ``ScheduleGPipe`` and
-#: ``ScheduleInterleaved1F1B``, the last with several stages per rank).
+#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's schedules of these names).
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-#: Tensor parallelism does not split an image-text model yet: refused before launch for the package's image-text
-#: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
+#: Refused before launch (``config/validate.py``) or when the model is sharded (``fsdp.shard_model``).
 IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
                          "use tp_size 1")
 #: The ``distributed:`` keys the mesh sizes depend on.
@@ -63,9 +58,7 @@ class MeshSizes:
         return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1 and self.ep == 1
 
     def describe(self) -> str:
-        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``pp 4``,
-        ``dp 2 × ep 2``; ``... + SP`` with sequence parallelism (which a checkpoint does not record: its tensors are
-        the same)."""
+        """``dp 4``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``dp 2 × ep 2``, ``... + SP``."""
         parts = []
         if self.dp_replicate > 1:
             parts.append(f"HSDP {self.dp_replicate} × {self.dp_shard}")
@@ -166,9 +159,8 @@ def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """How a run's pipeline runs: torch's schedule by name, the microbatches each local batch is cut into, the stages
-    each rank holds (``interleaved_1f1b``: stage ``r + k × pp`` on rank ``r``) and the number of decoder layers of
-    each stage (None: an even split, the first stages taking one more of a remainder)."""
+    """How a run's pipeline runs: torch's schedule, microbatches per local batch, stages per rank
+    (``interleaved_1f1b``: stage ``r + k × pp`` on rank ``r``) and each stage's decoder layers (None: even)."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -198,9 +190,8 @@ class PipelinePlan:
 
 def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
                      num_layers: int | None = None) -> PipelinePlan:
-    """The pipeline the ``distributed.pp_*`` keys ask for on ``sizes``; one-line ``ConfigError`` otherwise.
-
-    ``num_layers``: the model's decoder layers, when known (the stage split is checked against them)."""
+    """The pipeline the ``distributed.pp_*`` keys ask for on ``sizes`` (checked against ``num_layers`` if known);
+    one-line ``ConfigError`` otherwise."""
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
     pp = sizes.pp
     schedule = str(get("pp_schedule", None) or "1f1b").lower()
@@ -255,13 +246,9 @@ def _size(value: Any, key: str, default: int | None) -> int:
 class ParallelDims:
     """This rank's place on the mesh, and the meshes and groups each job uses.
 
-    ``fsdp_mesh``: what ``fully_shard`` shards (and, with HSDP, replicates) over; ``tp_mesh``: what tensor
-    parallelism splits over (None without it); ``dp_group``: the group that sums losses and token counts (None: every
-    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(dp_shard × tp / ep, ep)``
-    (``(dp_replicate, ...)`` with HSDP), named ``efsdp`` (what ``fully_shard`` shards the experts over, within a
-    replica group) and ``ep`` (what the experts are spread over), and ``batch_mesh``: the ranks that hold the same
-    rows (the tensor-parallel peers; without tensor parallelism, a third dimension of the expert mesh of this rank
-    alone).
+    ``dp_group``: the group that sums losses and token counts (None: every rank). With expert parallelism,
+    ``expert_mesh`` is ``([dp_replicate,] efsdp, ep)``: ``fully_shard`` shards the experts over ``efsdp``, spreads
+    them over ``ep``; ``batch_mesh``: the ranks that hold the same rows (the tensor-parallel peers, else this rank).
     """
 
     sizes: MeshSizes
@@ -327,13 +314,8 @@ class ParallelDims:
 
 
 def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> ParallelDims:
-    """Create the device mesh of ``sizes`` (collective: every rank calls it, in the same order).
-
-    The default (1-D) layout is the mesh FSDP2 has always used, ``("dp",)`` (with expert parallelism too, beside the
-    expert mesh); otherwise the dimensions larger than one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``
-    (``dp_shard`` always: ``fully_shard`` then has a mesh to work on, of one rank under tensor parallelism alone or
-    one rank per stage).
-    """
+    """Create the device mesh of ``sizes`` (collective): ``("dp",)`` for the 1-D default, else the dimensions
+    larger than one of ``pp``, ``dp_replicate``, ``dp_shard`` (always: ``fully_shard`` needs one) and ``tp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     expert_mesh = None

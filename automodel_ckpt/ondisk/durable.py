@@ -107,12 +107,8 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing ``nbytes`` at ``offset`` of ``fd`` back to storage now, without waiting for it.
-
-    Called as soon as a chunk is written, it overlaps disk I/O with the copying of later chunks, so the one fsync
-    per file at the end has little left to do. Linux ``sync_file_range``; elsewhere (or if libc lacks it) nothing,
-    and fsync does it all. Errors are harmless: the fsync that follows reports any that matter.
-    """
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` back now (Linux ``sync_file_range``; elsewhere nothing),
+    so the fsync at the end has little left. Errors are ignored: that fsync reports any that matter."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, nbytes)
 
@@ -154,12 +150,8 @@ def _stamp(path: Path) -> tuple[int, ...]:
 
 
 class WrittenFiles:
-    """The files one writer (a ``Checkpointer``) wrote: whether each was fsynced, and its checksum if computed then.
-
-    ``fsync_tree`` skips a file recorded as synced and the manifest uses the recorded checksum instead of reading
-    the file back, as long as the file is unchanged (same inode, size, mtime and ctime). Thread-safe: background
-    writes record their files from their own threads.
-    """
+    """The files one ``Checkpointer`` wrote: whether each was fsynced, and its checksum if computed then; used
+    while the file is unchanged (inode, size, mtime, ctime). Thread-safe."""
 
     def __init__(self) -> None:
         self._files: dict[str, tuple[tuple[int, ...], _Written]] = {}
@@ -195,11 +187,8 @@ class WrittenFiles:
 
 
 def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenFiles | None = None) -> None:
-    """fsync this rank's share of the files below ``root``, then (rank 0) every folder, deepest first.
-
-    Files ``written`` records as fsynced already are not synced again; the rest are synced by a few threads at
-    once (the filesystem can then commit them together).
-    """
+    """fsync this rank's share of the files below ``root`` not synced already (a few threads at once), then (rank
+    0) every folder, deepest first."""
     todo = []
     for i, path in enumerate(files_under(root)):
         if i % world_size == rank:
@@ -218,11 +207,8 @@ def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenF
 
 
 def set_pointer(checkpoint_dir: Path, pointer: str, target_name: str) -> None:
-    """Point ``checkpoint_dir/pointer`` at ``target_name``: a relative symlink swapped in by rename.
-
-    ``rename`` over the old link is atomic, so a reader sees the old or the new target, never neither. Where
-    symlinks are not supported, ``POINTER.txt`` holds the name instead (also replaced by rename).
-    """
+    """Point ``checkpoint_dir/pointer`` at ``target_name``: a relative symlink swapped in by rename (atomic),
+    or ``POINTER.txt`` holding the name where symlinks are not supported."""
     checkpoint_dir = Path(checkpoint_dir)
     link = checkpoint_dir / pointer
     tmp = checkpoint_dir / f".{pointer}.tmp-{secrets.token_hex(6)}"
@@ -275,10 +261,8 @@ def remove_tree(path: Path) -> None:
 
 
 def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
-    """Rename the finished folder ``tmp`` to ``out``, replacing an existing ``out`` without a moment of absence.
-
-    The existing folder is renamed aside to ``old_name`` first (restored if the swap fails) and deleted after.
-    """
+    """Rename the finished folder ``tmp`` to ``out``; an existing ``out`` is renamed aside to ``old_name`` first
+    (restored if the swap fails) and deleted after."""
     out = Path(out)
     old = None
     if out.exists() or out.is_symlink():

@@ -1,27 +1,9 @@
 """``manifest.json``: the size and checksum of every file of a checkpoint, written last, just before publish.
 
-Format (docs/integrity.md)::
-
-    {
-      "manifest_version": 1,
-      "layout_version": 1,
-      "checksum_algorithm": "xxh3_64",
-      "total_bytes": 7812345,
-      "linked_bytes": 345678,      (checkpoint.incremental, when any: files hard-linked from an earlier checkpoint)
-      "files": {"config.yaml": {"size": 1234, "checksum": "9f3c51e0a1b2c3d4"}, ...}
-    }
-
-``files`` lists every regular file below the checkpoint folder (paths relative to it, ``/``-separated), whoever
-wrote it: model shards, optimizer state, per-rank files, config, metadata, an inline HF export. The manifest
-itself is not listed; symlinks are neither listed nor followed.
-
-When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
-files get their checksum while they are written, from the same memory (``ondisk/fastio``, recorded with
-``storage.WrittenFiles``, owned by the checkpointer), so they are not read back; the other files were written moments earlier and are hashed
-from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
-size) and rank 0 writes the manifest and fsyncs it.
-
-Checksums: see ``checksum`` (xxHash3-64, CRC32 where ``xxhash`` is missing); the manifest names its algorithm.
+The format is in docs/integrity.md: every regular file below the checkpoint folder (relative ``/`` paths; not the
+manifest itself, no symlinks) with its size and checksum. Computed in ``Checkpointer.save`` after the fsync step:
+the model and optimizer files' checksums were taken while they were written (``fastio``), the rest are hashed from
+the page cache, each rank taking a share; rank 0 writes the manifest.
 """
 
 from __future__ import annotations
@@ -356,8 +338,7 @@ class ManifestReport:
 
 def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
                resolved: dict[str, str] | None = None) -> Verdict:
-    """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read_manifest`` has checked
-    that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too).
+    """The verdict of one listed file: only a regular file inside ``root`` is looked at (no symlink out of it).
     ``resolved``: the folders resolved so far (``paths.path_inside``)."""
     try:
         path = paths.path_inside(Path(root), rel, "the manifest", resolved)
@@ -376,9 +357,8 @@ def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, che
 
 def file_verdict(rel: str, entry: dict[str, Any], size: int | None, digest: Callable[[], str] | None,
                  where: str) -> Verdict:
-    """The verdict of the listed file ``rel`` (its manifest ``entry``) whose bytes number ``size`` (None: it is
-    missing), hashed by ``digest`` when checksums are checked; ``where`` the bytes are ("on disk", "in the
-    archive")."""
+    """The verdict of listed file ``rel`` of ``size`` bytes (None: missing), hashed by ``digest`` when checksums
+    are checked; ``where``: "on disk", "in the archive"."""
     if size is None:
         return Verdict(rel, MISSING)
     if size != entry["size"]:
@@ -401,10 +381,7 @@ def verify_manifest(
     unexpected: bool = True,
     threads: int = 1,
 ) -> ManifestReport:
-    """Check ``checkpoint``'s files against its manifest (``only``: just these listed files).
-
-    Never raises for a damaged checkpoint: problems are in the report.
-    """
+    """Check ``checkpoint``'s files against its manifest (``only``: just these); problems go in the report."""
     checkpoint = Path(checkpoint)
     report = ManifestReport(checkpoint)
     try:

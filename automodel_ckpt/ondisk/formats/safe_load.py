@@ -1,21 +1,11 @@
 """Loading never runs code from a checkpoint, and load failures become one-line ``CheckpointError`` messages.
 
-This module is the only place of the package that unpickles (tests/unit/test_structure.py enforces it):
-
-* DCP's ``.metadata`` is a pickle. ``load_dcp_metadata`` (used by ``SafeFileSystemReader``, resume's check and the
-  HF export) reads it with ``RestrictedUnpickler``, which resolves only the classes DCP metadata is made of (and the
-  builtin and torch value types they hold); any other global (``os.system``, ``builtins.eval``,
-  ``subprocess.Popen`` ...) is refused before it can be called. The data files it names must be plain relative
-  paths inside its folder and regular files (``paths``).
-* Non-tensor entries of a ``.distcp`` file (optimizer ``param_groups`` values, for example) are unpickled by
-  ``SafeLoadPlanner`` with ``torch.load(weights_only=True)``; torch's default planner uses ``weights_only=False``.
-* Tensors are read by DCP with ``weights_only=True`` (``ondisk/fastio`` locates a tensor record's data with
-  ``TensorRecordUnpickler``, which resolves nothing but inert stand-ins); HF safetensors shards hold no code by
-  design; the ``.pt`` state files are read by ``load_pt`` with ``weights_only=True``.
-* ``unpickle_own`` rebuilds a value this process pickled itself a moment before (an async save's small states,
-  ``checkpoint/save/taken.py``), never bytes read from a file.
-* ``check_fits`` compares a checkpoint's keys and shapes with the state about to be loaded, and
-  ``load_failure`` / ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
+The only module that unpickles (tests/unit/test_structure.py; docs/security.md): DCP's ``.metadata`` through
+``RestrictedUnpickler`` (only the classes DCP metadata is made of), the non-tensor entries of a ``.distcp`` file
+and the ``.pt`` files with ``weights_only=True`` (torch's default planner does not), tensor records located with
+``TensorRecordUnpickler`` (inert stand-ins only); ``unpickle_own`` only what this process pickled a moment before.
+``check_fits`` compares a checkpoint's keys and shapes with the state to load, and ``load_failure`` /
+``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
 """
 
 from __future__ import annotations
@@ -139,12 +129,8 @@ class StorageRef:
 
 
 class TensorRecordUnpickler(pickle.Unpickler):
-    """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it
-    (``ondisk/fastio`` locates tensor data with it).
-
-    Only the globals a plain tensor's pickle holds are resolved, to inert stand-ins; anything else raises
-    ``UnpicklingError`` (the record then goes to ``torch.load(weights_only=True)``).
-    """
+    """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it: a
+    plain tensor's globals become inert stand-ins, anything else raises ``UnpicklingError`` (then ``torch.load``)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -182,9 +168,8 @@ def unpickle_own(data: bytes, aside: tuple[str, str], resolve: Any) -> Any:
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem: a file over
-    ``bounded.DCP_METADATA``, a global not allowed, constructor calls past the budget, entries of the wrong types,
-    sizes or chunk boxes (``check_entries``)."""
+    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem (size, a
+    global not allowed, constructor calls past the budget, ``check_entries``)."""
     path = Path(path)
     try:
         with os.fdopen(paths.open_regular(path), "rb") as f:
@@ -346,9 +331,8 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | None = None) -> list[str]:
-    """Human-readable differences between the state to load and a checkpoint's metadata, sorted by key.
-
-    ``held``: the keys some rank holds (a pipeline stage holds only its own; None: this rank's)."""
+    """Differences between the state to load and a checkpoint's metadata, sorted by key; ``held``: the keys some
+    rank holds (a pipeline stage holds only its own; None: this rank's)."""
     want = _flat(state)
     have = metadata.state_dict_metadata
     held = set(want) if held is None else held | set(want)
@@ -371,9 +355,7 @@ def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | Non
 
 def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int = 5,
                held: set[str] | None = None) -> None:
-    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model.
-
-    ``held``: the keys any rank holds, when ranks hold different parts of the model (pipeline stages)."""
+    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model."""
     diffs = _differences(state, metadata, held)
     if diffs:
         raise CheckpointError(_misfit(path, diffs, limit))

@@ -41,12 +41,9 @@ from automodel_ckpt.ondisk.formats.safe_load import (
 
 def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, threads: int | None = None,
             small_apart: bool = False, incremental: Incremental | None = None):
-    """The storage writer of ``fmt`` (a ``ShardsFormat``, or ``DCP_FILES``), writing in parallel from the tensors'
-    memory (see ``fastio``); each file fsynced once, with its checksum noted in ``written``. ``threads``: writer
-    threads (default ``fastio.WRITE_THREADS``); ``small_apart``: DCP's small items in a file of their own;
-    ``incremental``: a model's stable tensors in files of their own, hard-linked from the previous checkpoint when
-    unchanged (``ondisk.incremental``).
-    """
+    """The storage writer of ``fmt`` (a ``ShardsFormat``, or ``DCP_FILES``): parallel, each file fsynced once and
+    its checksum noted in ``written``. ``small_apart``: DCP's small items in a file of their own; ``incremental``:
+    stable tensors in files of their own, hard-linked from the previous checkpoint when unchanged."""
     extra: dict[str, Any] = {} if threads is None else {"threads": threads}
     if incremental is not None:
         extra |= {"stable": incremental.stable, "reuse": incremental.reuse}
@@ -54,9 +51,8 @@ def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, thread
 
 
 def _reader(path: Path, fmt: Any, check: LoadCheck | None = None):
-    """The storage reader of ``fmt``: it never unpickles code (see ``safe_load``), reads the checkpoint's metadata
-    once, and reads the tensors into the state being loaded (``fastio``: past the page cache for large files).
-    ``check``: the files' checksums are computed as they are read (``loadcheck``)."""
+    """The storage reader of ``fmt``: never unpickles code (``safe_load``), reads the metadata once and the tensors
+    in place (``fastio``). ``check``: checksums computed as the files are read (``loadcheck``)."""
     return fmt.storage_reader(path, check)
 
 
@@ -86,9 +82,8 @@ class ShardsFormat(ModelFormat):
 
 
 def cache_key(path: Path, writer: Any) -> str:
-    """The plan and results caches' key of a save into ``path`` (``<root>/<staging folder>/<state folder>``): the
-    root and the state folder, not the step's folder. Each root has its own: the node-local tier's steps, written in
-    the background, may overlap a durable save of the same state, and a cache entry is out while a save is on."""
+    """The plan caches' key of a save into ``<root>/<staging folder>/<state folder>``: the root and the state
+    folder. Each root has its own: a node-local save may overlap a durable save of the same state."""
     return f"{path.parent.parent}/{path.name}:{type(writer).__name__}"
 
 
@@ -214,13 +209,9 @@ def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
 
 
 class StagedSave:
-    """A model or optimizer state for a background save.
-
-    Made on the training thread with ``state`` from ``_freeze`` (small tensors and plain values copied
-    already, large tensors still the live ones); ``capture`` makes the saved layout's views of it (``shards``: a
-    replicated model's shards, decided on the training thread) and copies the rest into the stager's host buffers
-    (in the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
-    """
+    """A model or optimizer state for a background save, made on the training thread from ``_freeze``'s state:
+    ``capture`` copies the large tensors into the stager's host buffers (before the next optimizer step may run),
+    ``write`` writes the copy through ``dcp.save``."""
 
     def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: Any,
                  written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False,
@@ -290,9 +281,8 @@ def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostSta
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
                     written: WrittenFiles | None = None, *, threads: int | None = None,
                     small_apart: bool = False) -> StagedSave:
-    """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
-    (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
-    the small items in a file of their own (``_writer``)."""
+    """The first half of a background ``save_optimizer``: small values (which the LR scheduler may change) copied
+    now, the moments left for ``StagedSave.capture``."""
     state = _freeze(state_dicts.optimizer_state_dict(model, optimizer))
     return StagedSave(f"optim:{path.name}", state, stager, path, DCP_FILES, written, threads, small_apart,
                       shards=replicated.optimizer_shards(model))
@@ -318,10 +308,7 @@ _SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a back
 
 
 def _freeze(state: Any, eager=None) -> Any:
-    """``state`` with its plain values and small tensors copied now; larger tensors stay the live ones.
-
-    ``eager(key)``: top-level keys whose tensors are copied now whatever their size.
-    """
+    """``state`` with its plain values and small tensors copied now (all tensors of keys where ``eager(key)``)."""
     with torch.no_grad():
         return _frozen(state, eager, "")
 
@@ -346,15 +333,9 @@ def wait_async_save(future: Future, path: Path) -> None:
 
 
 class HostStager:
-    """Copies state dicts into host-memory buffers that are kept for the next save (the "staging" of a save).
-
-    The first save of a state allocates its buffers (DTensors keep their sharding, on a host copy of their local
-    shard); later saves only copy into them, so staging costs one memory copy of the state. A state whose structure
-    changed (an optimizer that gained its moments) gets new buffers. Pinned memory and non-blocking copies where
-    the state lives on an accelerator. Holds a second copy of the model and optimizer state in host memory.
-    Buffers it drops (replaced, or at ``close``) are pinned blocks the accelerator's host caching allocator would
-    keep for good: they are given back (``release_pinned``) before new ones are made.
-    """
+    """Copies state dicts into host buffers kept for the next save (one memory copy a save; DTensors keep their
+    sharding). A changed structure gets new buffers. Pinned where the state is on an accelerator; dropped pinned
+    buffers are given back (``release_pinned``: the host caching allocator would keep them) before new ones."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, Any] = {}

@@ -1,30 +1,20 @@
 """Save and load planning linear in the rank count, save plans cached across saves of one layout.
 
-``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` with two changes, both on the coordinator's side:
+``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` with two changes on the coordinator's side:
 
-* **Linear validation.** DCP checks that no two chunks of a tensor overlap with a sweep along the tensor's longest
-  dimension; when the shards are cut along another one (FSDP's dim 0 of ``down_proj``, ``k_proj``: 8,192 x 28,672
-  and 1,024 x 8,192 in Llama-3-70B) every chunk is active at once and the sweep compares every pair: quadratic in
-  the rank count (36.8 s of planning at 1,024 ranks, 722 tensors). Here a tensor's chunks pass when, along every
-  dimension, their distinct intervals tile the dimension exactly and no two chunks start at the same offsets: each
-  chunk is then one cell of a grid, so none overlaps another; with the volume check (kept from DCP), every cell is
-  present. Every layout FSDP, HSDP and TP produce is such a grid; anything else falls back to the sweep, on the
-  dimension with the most distinct offsets. Chunks without elements (the shards past the end of a dimension that
-  has fewer rows than ranks) only need to lie within bounds. The checks and DCP's dedup: ``plan_checks``.
-* **A cache across saves.** Each rank fingerprints its local plan (the items, their offsets, sizes and dtypes, the
-  state's key mapping). When it equals the one of this rank's last save under the same ``key`` (a state folder
-  of the checkpoint, e.g. ``model``), the rank sends the coordinator a plan with no items and the fingerprint; when
-  every rank does, and the coordinator holds the same fingerprints for every rank, the cached global plan and
-  metadata are reused and every rank gets an empty plan back (then writes its cached final plan). Anything else
-  (another world size, strategy, parameter set, shape or dtype) is planned afresh and replaces the cache. An entry
-  is taken out of the cache when a save starts and put back only when its plan is final, so a save that fails
-  leaves nothing stale; the coordinator refuses (on every rank) a fingerprint it does not hold.
+* **Linear validation** (``plan_checks``). DCP's overlap sweep runs along a tensor's longest dimension, and is
+  quadratic in the rank count when the shards are cut along another one (FSDP's dim 0 of ``down_proj``). Here a
+  tensor's chunks pass when they are distinct cells of one grid (along each dimension their intervals tile it);
+  with DCP's volume check every cell is present. Anything else falls back to the sweep. Empty chunks need only
+  lie within bounds.
+* **A cache across saves.** Each rank fingerprints its local plan; when it equals this rank's last one under the
+  same ``key`` (a state folder, e.g. ``model``) it sends only the fingerprint, and when every rank does the
+  coordinator reuses its global plan and metadata. An entry leaves the cache when a save starts and comes back
+  only when its plan is final, so a failed save leaves nothing stale; an unknown fingerprint fails the save.
+  (Torch's ``enable_plan_caching`` keys its cache by class name: a model and an optimizer save evict each other.)
 
-Loads: ``LocalLoadPlanner`` keeps each rank's load plan to itself and finds its read items with
-``read_items_for_chunks`` (DCP's own, found in one pass over a tensor's saved chunks, not DCP's quadratic sweep).
-
-Torch's own ``enable_plan_caching`` keys its class-level cache by the planner's class name, so a model save and
-an optimizer save evict each other's entries at every checkpoint; its validation is the sweep above.
+Loads: ``LocalLoadPlanner`` keeps each rank's load plan to itself, its read items found in one pass over a
+tensor's saved chunks. Measurements: docs/benchmarks.md (scale).
 """
 
 from __future__ import annotations
@@ -67,11 +57,9 @@ from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 
 @dataclass(frozen=True)
 class PlanNote:
-    """What a rank sends the coordinator in place of its local plan's items: the plan's fingerprint, and unless
-    the plan is unchanged, its items and the state's key mapping (DCP's ``planner_data``), both ``Packed``: the
-    items as ``plan_columns.Columns`` (an item list its peers share, and its numbers) where they fit, else as plain
-    tuples (``_encode``). Unpickling DCP's ``WriteItem`` objects costs the coordinator ~30 us an item (722 items a
-    rank for Llama-3-70B); tuples of strings and ints a fraction of that, columns almost nothing."""
+    """What a rank sends the coordinator in place of its plan's items (~30 us each to unpickle as ``WriteItem``):
+    the fingerprint, and unless unchanged, the items (``Columns`` where they fit, else ``_encode``'s tuples) and
+    the key mapping, both ``Packed``."""
 
     fingerprint: str
     entries: "list[tuple] | Packed | Columns | None" = None
@@ -92,8 +80,7 @@ def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
 
 @dataclass(frozen=True)
 class PlanReply:
-    """What the coordinator sends each rank back: for each of its local items, its index hint in the metadata
-    (``-1``: kept as it is, a plain value; ``-2``: another rank writes it), as int64 bytes."""
+    """Each local item's index hint in the metadata, as int64 bytes (-1: kept as it is; -2: another rank's)."""
 
     hints: bytes
 
@@ -122,8 +109,7 @@ def clear_cache() -> None:
 
 
 def _encode(plan: SavePlan) -> tuple[list[tuple], list[Any]]:
-    """``plan``'s items as ``(fqn, type, offset, chunk offsets, chunk sizes, size, properties #, bytes data)``,
-    the distinct ``TensorProperties`` apart."""
+    """``plan``'s items as ``(fqn, type, offset, chunk offsets, chunk sizes, size, properties #, bytes data)``."""
     table: dict[Any, int] = {}
     props: list[Any] = []
     entries = []
@@ -152,17 +138,14 @@ def _plain(data: Any) -> Any:
 
 
 def fingerprint(entries: list[tuple], properties: list[Any], mappings: Any) -> str:
-    """A digest of what decides the global plan and the metadata: every item (kind, key, offsets, sizes, the
-    tensor's size and properties) and the state's key mapping."""
+    """A digest of what decides the global plan and the metadata: the items and the state's key mapping."""
     props = [(str(p.dtype), str(p.layout), p.requires_grad, str(p.memory_format), p.pin_memory) for p in properties]
     return hashlib.blake2b(pickle.dumps((entries, props, mappings), protocol=4), digest_size=16).hexdigest()
 
 
 class LinearSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` with linear validation, compact plans on the wire and a global plan cached per
-    ``key`` (see the module's docstring). ``key``: the state being saved (one per state folder); None plans every
-    save afresh. ``world_size`` and ``rank``: this rank's place in the group the save runs on. The final plan of
-    every rank and the metadata are those ``DefaultSavePlanner`` makes."""
+    """``DefaultSavePlanner``'s plans and metadata, validated linearly and cached per ``key`` (a state folder;
+    None plans every save afresh). ``world_size``, ``rank``: this rank's place in the save's group."""
 
     def __init__(self, key: str | None = None, *, world_size: int = 1, rank: int = 0) -> None:
         super().__init__()
@@ -177,8 +160,7 @@ class LinearSavePlanner(DefaultSavePlanner):
         return self.outgoing(create_default_local_save_plan(self.state_dict, self.is_coordinator))
 
     def outgoing(self, plan: SavePlan) -> SavePlan:
-        """What this rank sends the coordinator for its local ``plan``: a ``PlanNote`` of its items, or of its
-        fingerprint alone when the plan is this rank's last one under ``key``."""
+        """The ``PlanNote`` this rank sends for ``plan``: its fingerprint alone when it is this rank's last one."""
         mappings = self.mappings if self.flatten_state_dict else None
         self._local = SavePlan(plan.items, planner_data=mappings)
         entries, props = _encode(plan)
@@ -239,30 +221,21 @@ class LinearSavePlanner(DefaultSavePlanner):
         return replies, self.metadata
 
 
-#: new tracked objects past which ``gc_paused`` moves them to the oldest generation without a collection
-MANY_OBJECTS = 100_000
-#: ranks from which a save's coordinator runs the whole save in ``gc_paused`` (``sharded``): it then unpickles
-#: every rank's plan and write results, half a million tuples at 256 ranks of a 70B model's optimizer state
-GC_PAUSED_FROM = 256
+MANY_OBJECTS = 100_000  # new tracked objects past which ``gc_paused`` moves them to the oldest generation
+GC_PAUSED_FROM = 256  # ranks from which a save's coordinator runs the whole save in ``gc_paused``
 
 
 def coordinating(world_size: int, rank: int) -> Any:
-    """What a save runs in on ``rank`` of ``world_size``: ``gc_paused`` on the coordinator of a large save (it
-    unpickles every rank's plan and write results as they are gathered), else nothing."""
+    """``gc_paused`` on the coordinator of a large save (it unpickles every rank's plan and results), else nothing."""
     return gc_paused() if rank == 0 and world_size >= GC_PAUSED_FROM else nullcontext()
 
 
 @contextmanager
 def gc_paused():
-    """No cyclic garbage collection while millions of objects that form no cycles are made (chunks, indices): each
-    collection walks every object made since the last one, and a full one every object held, which made planning
-    superlinear (at 1,024 ranks, 3.3 of the coordinator's 6.2 s were collections right after the plan).
-
-    On the way out, when more than ``MANY_OBJECTS`` were made, they are moved as they are into the oldest
-    generation (``gc.freeze`` then ``gc.unfreeze``, two list splices): no young collection walks them, nor are
-    they counted towards a full one; the global plan and metadata are long-lived anyway (cached until the layout
-    changes). Objects the process froze before are unfrozen with them, into the same generation (telling them
-    apart would take ``gc.get_freeze_count``, which walks every frozen object)."""
+    """No cyclic garbage collection while millions of acyclic objects are made (chunks, indices): collections
+    made planning superlinear. On the way out, past ``MANY_OBJECTS`` new ones, they move to the oldest
+    generation (``gc.freeze`` then ``gc.unfreeze``): they are long-lived (cached), and no young collection walks
+    them. Objects the process froze before are unfrozen with them."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -276,17 +249,15 @@ def gc_paused():
 
 
 def _apply(items: list[WriteItem], hints: bytes) -> list[WriteItem]:
-    """A rank's global plan from its local items and the coordinator's hints (as DCP's global plan has them)."""
+    """A rank's global plan from its local items and the coordinator's hints."""
     return [item if hint == -1 else dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
             for item, hint in zip(items, np.frombuffer(hints, dtype=np.int64).tolist(), strict=True) if hint != -2]
 
 
 def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[np.ndarray], Metadata]:
-    """DCP's dedup (``dedup_save_plans``: an item several ranks hold goes to the one with the least planned so
-    far), global plan (``create_default_global_save_plan``: index hints, the metadata) and merged mappings, on
-    the ranks' encoded plans; validated linearly. Raises ``ValueError`` as DCP does for an invalid plan. Each
-    rank's hints: int64, -1 kept as it is, -2 written by another rank. Ranks that all sent ``Columns`` are
-    planned on them (``plan_columns``) where they fit."""
+    """DCP's dedup, global plan (index hints, metadata) and merged mappings on the ranks' encoded plans, on
+    columns where every rank's fit them (``plan_columns``), validated linearly; raises as DCP does. Hints: int64,
+    -1 kept as it is, -2 written by another rank."""
     columns = all(isinstance(n.entries, Columns) for n in notes)
     found = plan_columns.plan(notes) if columns and notes else None
     if found is not None:
@@ -346,9 +317,8 @@ def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple
 
 
 def merged_mappings(mappings: list[dict]) -> dict:
-    """``dict(ChainMap(*mappings))`` (DCP's merge of the ranks' key mappings: a key's value from the first rank
-    that has it, keys in the order ``ChainMap`` lists them) by one ``update`` per rank, last rank first: ``ChainMap``
-    looks every key up through the ranks in turn (1 s at 1,024 ranks of an optimizer's 2,178 keys)."""
+    """``dict(ChainMap(*mappings))`` (DCP's merge) by one ``update`` per rank, last first: ``ChainMap`` looks
+    every key up through every rank."""
     merged: dict = {}
     done: set[int] = set()
     for mapping in reversed(mappings):
@@ -359,22 +329,14 @@ def merged_mappings(mappings: list[dict]) -> dict:
 
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
-
-
 _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
-
-
 _FEW_CHUNKS = 16  # a tensor saved in at most this many chunks is searched by DCP itself (tens of microseconds less)
 
 
 def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: list[ChunkStorageMetadata]) -> list:
-    """DCP's ``create_read_items_for_chunk_list``, the same ``ReadItem`` objects in the same order, with the
-    saved chunks overlapping each local chunk found in numpy. DCP sweeps along the tensor's longest dimension;
-    when the chunks are cut along another one (FSDP's dim 0 of ``k_proj``, ``down_proj``) every saved chunk stays
-    active and is inserted into a sorted list: quadratic in the rank count. Here each local chunk is compared with
-    every saved chunk at once (linear), and its overlaps ordered as DCP's active list holds them: by their end
-    along the sweep dimension, then by index. Chunks of differing ranks, and tensors of few chunks, go to DCP's
-    own search."""
+    """DCP's ``create_read_items_for_chunk_list`` (the same items, same order) linear in the saved chunks: each
+    local chunk is compared with all of them at once in numpy, its overlaps ordered as DCP's sweep meets them (by
+    end along the sweep dimension, then index). Few chunks, or chunks of differing ranks, go to DCP's own."""
     saved = md.chunks
     if not local_chunks or not saved:
         return []
@@ -438,10 +400,8 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
 
 
 class LocalLoadPlanner(SafeLoadPlanner):
-    """``SafeLoadPlanner`` that keeps its local load plan to itself. DCP's global load plan returns every rank's
-    plan unchanged, and our storage readers prepare none: gathering them only cost the coordinator unpickling
-    every rank's read items. Each rank sends an empty plan and reads with its own, made by ``local_load_plan``
-    (linear in the number of saved chunks)."""
+    """``SafeLoadPlanner`` that keeps its local load plan to itself (DCP's global load plan changes none, and
+    gathering them cost the coordinator unpickling every rank's items): each rank sends an empty plan."""
 
     _LOCAL = "local"
 
