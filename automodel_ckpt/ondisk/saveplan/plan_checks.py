@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from itertools import chain, count
-from operator import itemgetter
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -13,16 +12,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from automodel_ckpt.distributed.dcp_private import validate_global_plan
-
-
-def dedup(notes: list[Any]) -> list[list[bool]]:
-    """Which rank writes each item (``dedup_save_plans``'s choices): ``[rank][item]`` True where it does."""
-    index: dict[Any, int] = {}
-    position = count()
-    ids_of = [np.fromiter(map(index.setdefault, map(_KEY, note.entries), position), dtype=np.int64,
-                          count=len(note.entries)) for note in notes]
-    return [mask.tolist() for mask in owners(ids_of, next(position),
-                                             lambda rank, j: _storage(notes[rank], notes[rank].entries[j]))]
 
 
 def owners(ids_of: list[np.ndarray], id_count: int, weight: Any) -> list[np.ndarray]:
@@ -67,15 +56,6 @@ def owners(ids_of: list[np.ndarray], id_count: int, weight: Any) -> list[np.ndar
     return out
 
 
-def _storage(note: Any, entry: tuple) -> int:
-    """What DCP's dedup counts for an item: its whole tensor's bytes, or 1."""
-    size = entry[5]
-    return (math.prod(size) * note.properties[entry[6]].dtype.itemsize if size is not None else 0) or 1
-
-
-_KEY = itemgetter(0, 2)  # an encoded item's (fqn, offset): DCP's MetadataIndex as a dedup key
-
-
 def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]] | None = None) -> list[str]:
     """DCP's checks of a global plan (chunks within bounds, none overlapping, covering the tensor when several
     ranks save), without pairwise compares where they form a grid. ``bounds``: chunk offsets and sizes per tensor."""
@@ -109,8 +89,7 @@ def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]
 
 
 def _is_grid(size: Any, offs: Any, ends: Any, sizes: Any) -> bool:
-    """Whether the non-empty chunks are distinct cells of one grid (along each dimension their distinct intervals
-    partition it, and no two chunks start at the same offsets): then no two overlap."""
+    """Whether the non-empty chunks are distinct cells of one grid (then no two overlap)."""
     full = (sizes > 0).all(axis=1)
     offs, ends = offs[full], ends[full]
     if len(offs) < 2:

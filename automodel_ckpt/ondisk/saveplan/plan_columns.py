@@ -4,8 +4,8 @@ Every rank of a layout holds the same items (one per tensor: FSDP, HSDP and TP s
 numbers differ (each chunk's offsets and sizes). So a rank sends its items without their numbers (one ``Packed``
 pickle the coordinator reads once) and the numbers as one integer array, and the coordinator keys, dedups, orders
 and checks them in numpy, making the ``Metadata`` DCP makes. Plans of another shape (a chunk apart from its
-index's offset, a name saved twice, an offset outside its tensor) go back as tuples (``joined``) to
-``planning.plan_globally``, which raises as DCP does.
+index's offset, a name saved twice, an offset outside its tensor) are planned by DCP's own functions
+(``planning.plan_globally``), which raise as DCP does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from automodel_ckpt.ondisk.saveplan.packed import int_bytes, ints, sharing, stac
 from automodel_ckpt.ondisk.saveplan.plan_checks import owners
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
-_KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or the plan goes the tuple way
+_KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or DCP plans it
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,7 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
     radix = max((s.radix for s in made.values()), default=1)
     if (2 * len(names) + 2) * (width + 1) * radix >= _KEY_LIMIT:
         return None
-    # the distinct items and numbers sent (HSDP's replicas and TP's data-parallel peers send the same ones): each
-    # source's rows once; every rank reads its own source's
+    # the distinct items and numbers sent (replicas send the same): each source's rows once
     source_of: dict[tuple[int, int, bytes], int] = {}
     source = np.fromiter((source_of.setdefault((id(n.entries.items), n.entries.width, n.entries.numbers),
                                                len(source_of))
@@ -147,7 +146,7 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
     fqn, tensor, shard, extent, dims = (np.concatenate([getattr(s, f) for s in sources])
                                         for f in ("fqn", "tensor", "shard", "sizes", "dims"))
     if (offsets < 0).any() or (offsets > extent).any() or (sizes < 0).any():
-        return None  # a chunk outside its tensor: the tuple way reports it
+        return None  # a chunk outside its tensor: DCP's way reports it
     # dedup: an item's key (name, kind, rank, offsets: DCP's ``MetadataIndex``) as one integer: its offsets in the
     # radix of its tensor's size + 1 (below ``radix``), below its name's, kind's and rank's place times ``radix``
     place = np.zeros(len(fqn), dtype=np.int64)
@@ -200,8 +199,7 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
 
 
 def _chunks(made: dict[tuple, list], offsets: np.ndarray, sizes: np.ndarray) -> list:
-    """The ``ChunkStorageMetadata`` list of chunks at ``offsets`` of ``sizes``: the one made already for the same
-    chunks (layers are cut alike), else new. Nothing changes a plan's chunks once made."""
+    """The chunk list at ``offsets`` of ``sizes``: the one made already for the same chunks (layers are cut alike)."""
     key = (offsets.shape, offsets.tobytes(), sizes.tobytes())
     found = made.get(key)
     if found is None:

@@ -31,35 +31,29 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import (
-    DefaultSavePlanner,
-    create_default_local_save_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner, create_default_global_save_plan,
+                                                          create_default_local_save_plan)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
 from automodel_ckpt.distributed.dcp_private import (create_chunk_list, create_read_item_for_tensor, create_read_items,
-                                                 flatten_state_dict, saved_before_2_4, shards_overlap_region)
+                                                 dedup_save_plans, flatten_state_dict, saved_before_2_4,
+                                                 shards_overlap_region)
 from automodel_ckpt.ondisk.saveplan import plan_columns
 from automodel_ckpt.ondisk.saveplan.packed import Packed, Unpacker, items_packed, pack
-from automodel_ckpt.ondisk.saveplan.plan_checks import dedup, validate
+from automodel_ckpt.ondisk.saveplan.plan_checks import validate
 from automodel_ckpt.ondisk.saveplan.plan_columns import Columns, joined, split
 from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 
 
 @dataclass(frozen=True)
 class PlanNote:
-    """What a rank sends the coordinator in place of its plan's items (~30 us each to unpickle as ``WriteItem``):
-    the fingerprint, and unless unchanged, the items (``Columns`` where they fit, else ``_encode``'s tuples) and
-    the key mapping, both ``Packed``."""
+    """What a rank sends in place of its plan's items (~30 us each to unpickle): the fingerprint, and unless
+    unchanged, the items (``Columns`` where they fit, else ``_encode``'s tuples) and key mapping, ``Packed``."""
 
     fingerprint: str
     entries: "list[tuple] | Packed | Columns | None" = None
@@ -144,8 +138,7 @@ def fingerprint(entries: list[tuple], properties: list[Any], mappings: Any) -> s
 
 
 class LinearSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner``'s plans and metadata, validated linearly and cached per ``key`` (a state folder;
-    None plans every save afresh). ``world_size``, ``rank``: this rank's place in the save's group."""
+    """``DefaultSavePlanner``'s plans and metadata, validated linearly, cached per ``key`` (None: never)."""
 
     def __init__(self, key: str | None = None, *, world_size: int = 1, rank: int = 0) -> None:
         super().__init__()
@@ -255,56 +248,45 @@ def _apply(items: list[WriteItem], hints: bytes) -> list[WriteItem]:
 
 
 def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[np.ndarray], Metadata]:
-    """DCP's dedup, global plan (index hints, metadata) and merged mappings on the ranks' encoded plans, on
-    columns where every rank's fit them (``plan_columns``), validated linearly; raises as DCP does. Hints: int64,
-    -1 kept as it is, -2 written by another rank."""
-    columns = all(isinstance(n.entries, Columns) for n in notes)
-    found = plan_columns.plan(notes) if columns and notes else None
-    if found is not None:
-        hints_of, md, bounds = found
-        return hints_of, _finished(notes, md, bounds, flatten)
-    if columns or any(isinstance(n.entries, Columns) for n in notes):  # given back as tuples
-        notes = [dataclasses.replace(n, entries=joined(n.entries)) if isinstance(n.entries, Columns) else n
-                 for n in notes]
-    owners = dedup(notes)
-    md: dict[str, Any] = {}
-    bounds: dict[str, tuple[list, list]] = {}  # fqn -> its chunks' offsets and sizes, as plain tuples
+    """DCP's dedup, global plan (index hints, metadata) and merged mappings on the ranks' encoded plans, validated
+    linearly: on columns (``plan_columns``) where every rank's fit them, else by DCP's own functions on the items
+    decoded (plans of another shape, rare: DCP's are quadratic), raising as DCP does. Hints: int64, -1 kept as it
+    is, -2 written by another rank."""
+    if notes and all(isinstance(n.entries, Columns) for n in notes):
+        found = plan_columns.plan(notes)
+        if found is not None:
+            hints_of, md, bounds = found
+            return hints_of, _finished(notes, md, bounds, flatten)
+    plans = [SavePlan(_decoded(note)) for note in notes]
+    finals, metadata = create_default_global_save_plan(dedup_save_plans(plans))
     hints_of = []
-    for rank, note in enumerate(notes):
-        hints: list[int | None] = []
-        for (fqn, kind, offset, c_off, c_size, size, prop, _), owner in zip(note.entries, owners[rank]):
-            if not owner:
-                hints.append(None)
-                continue
-            if kind != _SHARD and fqn in md:
-                raise AssertionError("item.index.fqn not in md")
-            if kind == _BYTE_IO:
-                md[fqn] = BytesStorageMetadata()
-                hints.append(-1)
-                continue
-            if size is None:
-                raise AssertionError("item.tensor_data is not None")
-            found = bounds.get(fqn)
-            if found is None:
-                if fqn in md:  # as DCP: a tensor chunk of a name saved as bytes
-                    raise AttributeError("'BytesStorageMetadata' object has no attribute 'chunks'")
-                md[fqn] = TensorStorageMetadata(properties=note.properties[prop], size=torch.Size(size), chunks=[])
-                found = bounds[fqn] = ([], [])
-            if c_off is None:
-                raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
-            hints.append(len(found[0]))
-            found[0].append(c_off)
-            found[1].append(c_size)
-        hints_of.append(np.array([-2 if h is None else h for h in hints], dtype=np.int64))
-    shared: dict[tuple, torch.Size] = {}  # most chunks share their sizes: one torch.Size each
-    for fqn, (offs, sizes) in bounds.items():  # a tensor's chunks made together: near one another in memory
-        for c_size in set(sizes) - shared.keys():
-            shared[c_size] = torch.Size(c_size)
-        md[fqn].chunks = [ChunkStorageMetadata(torch.Size(c_off), shared[c_size]) for c_off, c_size in zip(offs, sizes)]
-    return hints_of, _finished(notes, md, bounds, flatten)
+    for plan, final in zip(plans, finals):  # a rank's kept items are its items in order, less those deduped
+        kept, hints = iter(final.items), []
+        found = next(kept, None)
+        for item in plan.items:
+            if found is not None and found.index == item.index:
+                hints.append(-1 if found.index.index is None else found.index.index)
+                found = next(kept, None)
+            else:
+                hints.append(-2)
+        hints_of.append(np.array(hints, dtype=np.int64))
+    return hints_of, _finished(notes, metadata.state_dict_metadata, None, flatten)
 
 
-def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple], flatten: bool) -> Metadata:
+def _decoded(note: PlanNote) -> list[WriteItem]:
+    """A rank's encoded items (``_encode``, or ``Columns``) as DCP's ``WriteItem`` objects again."""
+    items = []
+    for fqn, kind, offset, c_off, c_size, size, prop, data in (
+            joined(note.entries) if isinstance(note.entries, Columns) else note.entries):
+        chunk = None if c_off is None else ChunkStorageMetadata(torch.Size(c_off), torch.Size(c_size))
+        tensor = None if size is None else TensorWriteData(chunk, note.properties[prop], torch.Size(size))
+        items.append(WriteItem(MetadataIndex(fqn, None if offset is None else torch.Size(offset)), WriteItemType(kind),
+                               bytes_io_data=None if data is None else BytesIOWriteData(**dict(data)),
+                               tensor_data=tensor))
+    return items
+
+
+def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple] | None, flatten: bool) -> Metadata:
     """The metadata of entries ``md`` with the ranks' merged key mappings, validated."""
     metadata = Metadata(md)
     if flatten:
@@ -317,8 +299,7 @@ def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple
 
 
 def merged_mappings(mappings: list[dict]) -> dict:
-    """``dict(ChainMap(*mappings))`` (DCP's merge) by one ``update`` per rank, last first: ``ChainMap`` looks
-    every key up through every rank."""
+    """``dict(ChainMap(*mappings))`` (DCP's merge) by one ``update`` per rank, last first: linear in the ranks."""
     merged: dict = {}
     done: set[int] = set()
     for mapping in reversed(mappings):
@@ -328,7 +309,6 @@ def merged_mappings(mappings: list[dict]) -> dict:
     return merged
 
 
-_SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
 _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
 _FEW_CHUNKS = 16  # a tensor saved in at most this many chunks is searched by DCP itself (tens of microseconds less)
 
@@ -400,8 +380,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
 
 
 class LocalLoadPlanner(SafeLoadPlanner):
-    """``SafeLoadPlanner`` that keeps its local load plan to itself (DCP's global load plan changes none, and
-    gathering them cost the coordinator unpickling every rank's items): each rank sends an empty plan."""
+    """``SafeLoadPlanner`` that keeps its local load plan to itself (DCP's global plan changes none): sends none."""
 
     _LOCAL = "local"
 
