@@ -34,8 +34,7 @@ IMAGE_TEXT_EP_REFUSAL = ("distributed.ep_size: expert parallelism for image-text
 
 @dataclass(frozen=True)
 class MeshSizes:
-    """The sizes of the mesh: ``pp`` pipeline stages, each of ``dp_replicate × dp_shard`` data-parallel ranks, each
-    ``tp`` tensor-parallel ranks; the experts spread over groups of ``ep`` ranks."""
+    """The sizes of the mesh: ``pp`` stages × ``dp_replicate`` × ``dp_shard`` × ``tp``; experts over ``ep`` ranks."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -73,15 +72,13 @@ class MeshSizes:
         return " × ".join(parts) + (" + SP" if self.sequence_parallel else "")
 
     def record(self) -> dict[str, int]:
-        """What a checkpoint's metadata records (``mesh``; ``pp`` only with pipeline stages, ``ep`` only with expert
-        parallelism)."""
+        """What a checkpoint's metadata records (``mesh``; ``pp`` and ``ep`` only when above 1)."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp} | (
             {"pp": self.pp} if self.pp > 1 else {}) | ({"ep": self.ep} if self.ep > 1 else {})
 
     @classmethod
     def from_record(cls, record: Any, world_size: int) -> MeshSizes:
-        """The sizes a checkpoint recorded (without ``pp``: one stage; without ``ep``: no expert parallelism); a
-        checkpoint without a record was written on a 1-D mesh."""
+        """The sizes a checkpoint recorded (missing ``pp``, ``ep``: 1); without a record, a 1-D mesh."""
         if isinstance(record, dict):
             with contextlib.suppress(TypeError, ValueError):
                 return cls(int(record.get("dp_replicate", 1)), int(record.get("dp_shard", 1)), int(record.get("tp", 1)),
@@ -90,8 +87,7 @@ class MeshSizes:
 
 
 def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
-    """The mesh the ``distributed:`` section asks for on ``world_size`` ranks; one-line ``ConfigError`` otherwise.
-    Worked out once per process: the config check and the recipe get the same object."""
+    """The mesh ``distributed:`` asks for on ``world_size`` ranks (cached); one-line ``ConfigError`` otherwise."""
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
     values = tuple((key, type(v), tuple(v) if isinstance(v, (list, ListConfig)) else v)
                    for key, v in ((key, get(key, None)) for key in _KEYS))  # the type too: True == 1, and is no size
@@ -145,8 +141,7 @@ def _resolve(values: tuple[tuple[str, type, Any], ...], world_size: int) -> Mesh
 
 
 def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int) -> None:
-    """Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks of a shard group (whole groups
-    of tensor-parallel peers), within each pipeline stage; sizes that do not fit are one-line ``ConfigError``s."""
+    """Expert-parallel sizes that do not fit a shard group of whole tensor-parallel groups: ``ConfigError``."""
     if ep % tp:
         raise ConfigError(f"distributed.ep_size ({ep}) must be a multiple of tp_size ({tp}): tensor-parallel peers "
                           "share their rows, and an ep group holds whole groups of them; change distributed.ep_size")
@@ -190,8 +185,7 @@ class PipelinePlan:
 
 def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
                      num_layers: int | None = None) -> PipelinePlan:
-    """The pipeline the ``distributed.pp_*`` keys ask for on ``sizes`` (checked against ``num_layers`` if known);
-    one-line ``ConfigError`` otherwise."""
+    """The pipeline ``distributed.pp_*`` asks for on ``sizes`` (and ``num_layers``); one-line ``ConfigError`` else."""
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
     pp = sizes.pp
     schedule = str(get("pp_schedule", None) or "1f1b").lower()
@@ -288,13 +282,11 @@ class ParallelDims:
 
     @property
     def writes_rank_state(self) -> bool:
-        """Whether this rank writes its data-parallel rank's small files (the data position, RNG): the first of
-        its tensor-parallel peers and pipeline stages, which hold the same."""
+        """Whether this rank writes its data-parallel rank's small files: the first of its peers and stages."""
         return self.tp_rank == 0 and self.pp_rank == 0
 
     def sum_over_dp(self, value: Any) -> Any:
-        """``value`` summed over the data-parallel ranks (float64 on the CPU): each tensor-parallel peer gets the
-        same total, which counts every data-parallel rank's value once."""
+        """``value`` summed over the data-parallel ranks (float64 on the CPU), each counted once."""
         from automodel_ckpt.distributed.env import all_reduce_sum
 
         return all_reduce_sum(value, group=self.dp_group)

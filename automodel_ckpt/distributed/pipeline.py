@@ -28,8 +28,7 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def tied_embeddings(model: nn.Module) -> bool:
-    """Whether the head's weight is the input embedding's (``tie_word_embeddings``), on the model before the cut
-    (under its LoRA wrapper, if any)."""
+    """Whether the head's weight is the input embedding's, on the model before the cut."""
     return ties_embeddings(causal_lm(model))
 
 
@@ -38,8 +37,7 @@ def family_name(model: nn.Module) -> str:
 
 
 def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
-    """The family's decoder layers (``model.layers``, beside ``embed_tokens`` and ``norm``); a one-line
-    ``ConfigError`` for a family laid out otherwise."""
+    """The family's decoder layers (``model.layers``); a ``ConfigError`` for a family laid out otherwise."""
     base = _base(model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(hasattr(base, n) for n in ("embed_tokens", "norm")) \
@@ -204,8 +202,7 @@ class _StageLoss:
 
 
 class Pipeline:
-    """This rank's stage of the model under torch's schedule (``plan.schedule``) over the pipeline group.
-    ``step`` and ``evaluate`` return the summed token loss on the last stage, zero on the others."""
+    """This rank's stage under torch's schedule; ``step``, ``evaluate``: the token loss sum on the last stage, else 0."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
                  token_loss_sum: Callable[[torch.Tensor, Any], torch.Tensor], rows: int,
@@ -251,8 +248,7 @@ class Pipeline:
         return self._run(self.schedule.step, input_ids, labels, extra, scale)
 
     def share_tied_gradients(self) -> list[nn.Parameter]:
-        """After a batch's last ``step``: the tied gradient summed over its two stages; returns the parameters left
-        out of the gradient norm (the last stage's copy of the tied weight)."""
+        """After a batch's last ``step``: the tied gradient summed; returns the parameters the norm leaves out."""
         if self.tied is None:
             return []
         self.tied.sum_gradients()
@@ -273,8 +269,7 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: Any, extra: dict[str, torch.Tensor],
                  ignore_index: int) -> torch.Tensor:
-        """Forward only. A short batch is filled with copies of its first row labelled ``ignore_index``: the
-        stages exchange microbatches of one shape."""
+        """Forward only; a short batch is filled with copies of its first row labelled ``ignore_index``."""
         short = self.rows - len(input_ids)
         if short > 0:
             def fill(t: torch.Tensor, value: int | None = None) -> torch.Tensor:

@@ -57,8 +57,7 @@ def causal_lm(model: nn.Module) -> nn.Module:
 
 
 def ties_embeddings(model: nn.Module) -> bool:
-    """Whether ``model``'s head shares the input embedding's weight (on a pipeline stage that holds only one of
-    them, as its config says)."""
+    """Whether ``model``'s head shares the input embedding's weight (on a stage holding one: as its config says)."""
     try:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -98,8 +97,7 @@ def _assembled_plan(model: nn.Module) -> dict[str, str]:
 
 
 def without_experts(plan: dict[str, str]) -> dict[str, str]:
-    """``plan`` less the fused experts of a mixture-of-experts block: the ``moe_tp_experts`` entries and every
-    entry under them, which then stay whole (replicated) on every tensor-parallel rank."""
+    """``plan`` less the fused experts (``moe_tp_experts`` and every entry under it), which stay whole."""
     experts = [k for k, v in plan.items() if v == EXPERTS_STYLE]
     return {k: v for k, v in plan.items() if not any(k == e or k.startswith(f"{e}.") for e in experts)}
 

@@ -46,8 +46,7 @@ def write_durable(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: object) -> None:
-    """Write a JSON file of ours as every one is laid out (indented by 2, keys sorted, one final newline). Not
-    fsynced: the folder it is written into is fsynced or renamed into place as a whole."""
+    """Write a JSON file of ours (indent 2, keys sorted, final newline); not fsynced: its folder is, as a whole."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -72,8 +71,7 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 def copy_regular(src: Path, dst: Path, *, follow: bool = False) -> None:
-    """Copy the regular file ``src`` (a symlink only with ``follow``; never a FIFO or device: ``OSError``) to a
-    new ``dst``, replacing whatever is there by rename (``write_atomic``'s way); fsynced."""
+    """Copy the regular file ``src`` (a symlink only with ``follow``) to ``dst`` as ``write_atomic`` writes."""
     tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(6)}"
     with os.fdopen(paths.open_regular(Path(src), follow=follow), "rb") as source:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
@@ -107,8 +105,7 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing ``nbytes`` at ``offset`` of ``fd`` back now (Linux ``sync_file_range``; elsewhere nothing),
-    so the fsync at the end has little left. Errors are ignored: that fsync reports any that matter."""
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` back now (``sync_file_range``); the fsync reports errors."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, nbytes)
 
@@ -132,9 +129,6 @@ def files_under(root: Path) -> list[Path]:
     return [Path(root) / rel for rel, _ in paths.walk_regular(root)]
 
 
-# --- files this process wrote: synced already? checksum computed while writing? -----------------------
-
-
 @dataclass(frozen=True)
 class _Written:
     """What the writer of a file recorded about it (``WrittenFiles.note``)."""
@@ -150,8 +144,7 @@ def _stamp(path: Path) -> tuple[int, ...]:
 
 
 class WrittenFiles:
-    """The files one ``Checkpointer`` wrote: whether each was fsynced, and its checksum if computed then; used
-    while the file is unchanged (inode, size, mtime, ctime). Thread-safe."""
+    """The files one ``Checkpointer`` wrote, fsynced or not, with their checksums while unchanged. Thread-safe."""
 
     def __init__(self) -> None:
         self._files: dict[str, tuple[tuple[int, ...], _Written]] = {}
@@ -187,8 +180,7 @@ class WrittenFiles:
 
 
 def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenFiles | None = None) -> None:
-    """fsync this rank's share of the files below ``root`` not synced already (a few threads at once), then (rank
-    0) every folder, deepest first."""
+    """fsync this rank's share of the files below ``root`` not synced yet, then (rank 0) every folder, deepest first."""
     todo = []
     for i, path in enumerate(files_under(root)):
         if i % world_size == rank:
@@ -207,8 +199,7 @@ def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenF
 
 
 def set_pointer(checkpoint_dir: Path, pointer: str, target_name: str) -> None:
-    """Point ``checkpoint_dir/pointer`` at ``target_name``: a relative symlink swapped in by rename (atomic),
-    or ``POINTER.txt`` holding the name where symlinks are not supported."""
+    """Point ``checkpoint_dir/pointer`` at ``target_name``: a relative symlink (else ``POINTER.txt``) renamed in."""
     checkpoint_dir = Path(checkpoint_dir)
     link = checkpoint_dir / pointer
     tmp = checkpoint_dir / f".{pointer}.tmp-{secrets.token_hex(6)}"
@@ -250,8 +241,7 @@ def remove_pointer(checkpoint_dir: Path, pointer: str) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a folder of ours and everything below it, following no link: a symlink (or a file) found in its
-    place is removed itself, never what it points to."""
+    """Remove a folder of ours and everything below it, following no link (a symlink in its place is removed)."""
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         with contextlib.suppress(OSError):
@@ -261,8 +251,7 @@ def remove_tree(path: Path) -> None:
 
 
 def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
-    """Rename the finished folder ``tmp`` to ``out``; an existing ``out`` is renamed aside to ``old_name`` first
-    (restored if the swap fails) and deleted after."""
+    """Rename ``tmp`` to ``out``, an existing ``out`` moved aside to ``old_name`` (restored on failure) and deleted."""
     out = Path(out)
     old = None
     if out.exists() or out.is_symlink():

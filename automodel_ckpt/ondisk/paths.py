@@ -1,12 +1,11 @@
 """Paths named by untrusted input (manifests, DCP metadata, index files, bucket listings): the one validator.
 
-A path taken from a checkpoint, manifest, ``.metadata``, index file or bucket listing (docs/security.md) is used
-only if it is *plain*: a relative POSIX path of normal components (no ``.``/``..``/empty component, backslash,
-control character, drive, component over 255 bytes, nor ``*``, ``?``, ``[`` or ``::``, which an object-store
-client reads as a glob or a URL chain), reached from its root without a symlinked folder on the way, a final
-symlink not leading out. Only regular files are read (``open_regular``: never blocks on a FIFO); a link only into
-a Hugging Face cache snapshot's ``blobs/`` (``model_file_in``). Anything else is a ``CheckpointError`` naming the
-path and where it came from.
+A path taken from a checkpoint, manifest, ``.metadata``, index file or bucket listing (docs/security.md) is used only if
+it is *plain*: a relative POSIX path of normal components (no ``.``/``..``/empty component, backslash, control
+character, drive, component over 255 bytes, nor ``*``, ``?``, ``[`` or ``::``, which an object-store client reads as a
+glob or a URL chain), reached from its root without a symlinked folder on the way, a final symlink not leading out. Only
+regular files are read (``open_regular``: never blocks on a FIFO); a link only into a Hugging Face cache snapshot's
+``blobs/`` (``model_file_in``). Anything else is a ``CheckpointError`` naming the path and where it came from.
 """
 
 from __future__ import annotations
@@ -106,8 +105,8 @@ def _refuse_leading_out(root: Path, link: Path, rel: object, where: str) -> None
 
 
 def walk_regular(root: Path, passed: list[tuple[str, str]] | None = None) -> Iterator[tuple[str, int]]:
-    """``(relative path, size)`` of every regular file below ``root``, sorted, no link followed; each link or
-    special file is appended to ``passed`` as ``(relative path, why)``. A folder removed meanwhile is skipped."""
+    """``(relative path, size)`` of the regular files below ``root``, sorted, no link followed; each link or special
+    file goes to ``passed`` as ``(relative path, why)``."""
     for rel, st in regular_stats(root, passed):
         yield rel, st.st_size
 
@@ -176,8 +175,7 @@ def read_text(path: Path, *, follow: bool = False) -> str:
 
 
 def regular_file_problem(path: Path) -> str | None:
-    """Why ``path`` (not followed if a symlink) is no regular file; None when it is one. ``FileNotFoundError``
-    propagates."""
+    """Why ``path`` (not followed if a symlink) is no regular file; None when it is one."""
     return not_regular(os.lstat(path).st_mode)
 
 

@@ -46,8 +46,8 @@ _TORCH_VALUE_TYPES = (torch.dtype, torch.memory_format, torch.layout)
 
 
 class _Budget:
-    """The values that the constructor calls of one pickle have copied so far, refused past a limit: a pickle
-    that passes one large memoized list to a constructor again and again cannot make it copy gigabytes."""
+    """The values one pickle's constructor calls have copied, refused past a limit (one memoized list, again and
+    again, cannot make it copy gigabytes)."""
 
     def __init__(self, limit: int) -> None:
         self.left = limit
@@ -60,8 +60,7 @@ class _Budget:
             raise pickle.UnpicklingError("its constructor calls copy more values than its size allows")
 
     def guard(self, real: type) -> type:
-        """A stand-in for class ``real`` that charges each call (``REDUCE``) or ``__new__`` (``NEWOBJ``) and
-        returns an instance of ``real`` itself."""
+        """A stand-in for class ``real`` that charges each call or ``__new__`` and returns a ``real``."""
         budget = self
 
         class Charged(type):
@@ -77,8 +76,7 @@ class _Budget:
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals DCP metadata needs; anything else raises ``UnpicklingError``.
-    ``budget``: how many values its constructor calls may copy (``_Budget``)."""
+    """An unpickler resolving only the globals DCP metadata needs (else ``UnpicklingError``), within ``budget``."""
 
     def __init__(self, file: Any, budget: int = _BUDGET_FLOOR) -> None:
         super().__init__(file)
@@ -162,14 +160,12 @@ class _OwnUnpickler(pickle.Unpickler):
 
 
 def unpickle_own(data: bytes, aside: tuple[str, str], resolve: Any) -> Any:
-    """A value this process pickled itself (``checkpoint.save.taken``: in memory, never read from a file); the
-    global ``aside`` (module, name) it refers to is ``resolve``."""
+    """A value this process pickled itself (never read from a file); its global ``aside`` is ``resolve``."""
     return _OwnUnpickler(data, aside, resolve).load()
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem (size, a
-    global not allowed, constructor calls past the budget, ``check_entries``)."""
+    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem."""
     path = Path(path)
     try:
         with os.fdopen(paths.open_regular(path), "rb") as f:
@@ -236,8 +232,7 @@ def _is_box(value: object, dims: int | None) -> bool:
 
 
 def _check_storage_files(metadata: Metadata, path: Path) -> None:
-    """Every data file the metadata names is a plain relative path inside its folder and, where it exists, a
-    regular file (a FIFO or device would hang the reader, a symlink could lead anywhere)."""
+    """Every data file the metadata names is a plain relative path inside its folder and, if it exists, regular."""
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         return
@@ -313,9 +308,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-# --- does the checkpoint fit the state? ---------------------------------------------------------------
-
-
 def _flat(state: dict[str, Any]) -> dict[str, Any]:
     try:
         from automodel_ckpt.distributed.dcp_private import flatten_state_dict
@@ -331,8 +323,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | None = None) -> list[str]:
-    """Differences between the state to load and a checkpoint's metadata, sorted by key; ``held``: the keys some
-    rank holds (a pipeline stage holds only its own; None: this rank's)."""
+    """Differences between the state to load and a checkpoint's metadata, by key; ``held``: the keys some rank holds."""
     want = _flat(state)
     have = metadata.state_dict_metadata
     held = set(want) if held is None else held | set(want)
@@ -363,13 +354,8 @@ def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int
 
 def _misfit(path: Path, diffs: list[str], limit: int = 5) -> str:
     more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
-    return (
-        f"checkpoint '{path}' does not fit this model ({len(diffs)} keys differ; was it saved from another "
-        f"model or config?): " + "; ".join(diffs[:limit]) + more
-    )
-
-
-# --- one-line failures ----------------------------------------------------------------------------------
+    return (f"checkpoint '{path}' does not fit this model ({len(diffs)} keys differ; was it saved from another "
+            f"model or config?): " + "; ".join(diffs[:limit]) + more)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -404,8 +390,7 @@ def save_failure(exc: BaseException, path: Path) -> CheckpointError:
 
 
 def load_pt(file: Path) -> Any:
-    """A small ``.pt`` state file (tensors and plain data only, ``weights_only``; a regular file, never a FIFO or
-    device); a one-line ``CheckpointError`` if unreadable."""
+    """A small regular ``.pt`` state file, ``weights_only``; a one-line ``CheckpointError`` if unreadable."""
     try:
         with open(paths.open_regular(Path(file)), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)

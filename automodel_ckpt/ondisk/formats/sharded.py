@@ -15,12 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.optim import Optimizer
 
 from automodel_ckpt.ondisk import fastio
@@ -31,12 +27,7 @@ from automodel_ckpt.ondisk.durable import WrittenFiles
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck
 from automodel_ckpt.ondisk.formats.base import ModelFormat
-from automodel_ckpt.ondisk.formats.safe_load import (
-    check_fits,
-    load_failure,
-    root_cause,
-    save_failure,
-)
+from automodel_ckpt.ondisk.formats.safe_load import check_fits, load_failure, root_cause, save_failure
 
 
 def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, threads: int | None = None,
@@ -51,14 +42,12 @@ def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, thread
 
 
 def _reader(path: Path, fmt: Any, check: LoadCheck | None = None):
-    """The storage reader of ``fmt``: never unpickles code (``safe_load``), reads the metadata once and the tensors
-    in place (``fastio``). ``check``: checksums computed as the files are read (``loadcheck``)."""
+    """The storage reader of ``fmt`` (``check``: checksums computed as the files are read)."""
     return fmt.storage_reader(path, check)
 
 
 class DcpFiles:
-    """DCP's ``.distcp`` files: one ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart``
-    the small items in ``__R_1.distcp`` (``fastio.ParallelFileSystemWriter``). Optimizer state is always saved so."""
+    """DCP's ``.distcp`` files (``__R_0``, and ``__R_1`` with ``small_apart``): always the optimizer's format."""
 
     def storage_writer(self, path: Path, written: WrittenFiles | None, *, small_apart: bool = False, **extra: Any):
         return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
@@ -71,8 +60,7 @@ DCP_FILES = DcpFiles()
 
 
 class ShardsFormat(ModelFormat):
-    """A model format written and read through DCP by every rank (its own pieces, any world size on load):
-    subclasses give ``storage_writer(path, written, *, small_apart, **extra)`` and ``storage_reader(path, check)``."""
+    """A model format every rank writes and reads through DCP: subclasses give ``storage_writer``/``storage_reader``."""
 
     def writer(self, *, rank: int, reuse: Reuse | None = None, hf: Any = None) -> ModelShards:
         return ModelShards(self, reuse)
@@ -88,8 +76,7 @@ def cache_key(path: Path, writer: Any) -> str:
 
 
 def _save(state: dict, path: Path, writer, process_group) -> None:
-    """``dcp.save`` planned by ``planning.LinearSavePlanner`` and its write results sent by ``plan_results``:
-    both cached per state folder (``path``'s name) and writer, so a save of an unchanged layout sends digests."""
+    """``dcp.save`` with plans and write results cached per state folder and writer (``planning``, ``plan_results``)."""
     import torch.distributed as dist
 
     world, rank = (dist.get_world_size(process_group), dist.get_rank(process_group)) if dist.is_initialized() else (1, 0)
@@ -142,8 +129,7 @@ class Incremental:
 
 
 def _trained_names(model: nn.Module) -> frozenset[str]:
-    """The state-dict names of the parameters that train (``requires_grad``), as ``get_model_state_dict`` names
-    them (wrapper prefixes removed). A name missed here only costs a write: a file is linked only when unchanged."""
+    """The state-dict names of the parameters that train (a name missed here only costs a write)."""
     from automodel_ckpt.distributed.dcp_private import get_fqns
 
     names: set[str] = set()
@@ -173,8 +159,7 @@ def _optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
 
 
 def reading():
-    """A context in which loads share reader threads and read buffers (``fastio.session``): one checkpoint's
-    folders read one after the other without starting threads or mapping buffers again for each."""
+    """A context in which loads share reader threads and read buffers (``fastio.session``)."""
     return session.kept()
 
 
@@ -187,8 +172,7 @@ def load_model(model: nn.Module, path: Path, fmt: ShardsFormat, process_group=No
 
 
 def _loaded_in_place(model: nn.Module, state: dict) -> bool:
-    """Whether the load wrote every value into the model's own memory (the state dict's tensors are views of the
-    parameters and buffers, and DCP loads into them), so that ``set_model_state_dict`` would copy each onto itself."""
+    """Whether the load wrote every value into the model's own memory (``set_model_state_dict`` would copy nothing)."""
     current = get_model_state_dict(model)
     if current.keys() != state.keys():
         return False
@@ -269,8 +253,7 @@ class StagedSave:
 
 def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostStager, written: WrittenFiles | None = None,
                 *, threads: int | None = None, reuse: Reuse | None = None) -> StagedSave:
-    """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
-    change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
+    """The first half of a background ``save_model``: small tensors and buffers copied now, the parameters later."""
     buffers = {name for name, _ in model.named_buffers()}
     state = _freeze(state_dicts.model_state_dict(model), eager=lambda key: key in buffers)
     incremental = Incremental(model, reuse) if reuse is not None else None
@@ -281,8 +264,7 @@ def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostSta
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
                     written: WrittenFiles | None = None, *, threads: int | None = None,
                     small_apart: bool = False) -> StagedSave:
-    """The first half of a background ``save_optimizer``: small values (which the LR scheduler may change) copied
-    now, the moments left for ``StagedSave.capture``."""
+    """The first half of a background ``save_optimizer``: small values copied now, the moments later."""
     state = _freeze(state_dicts.optimizer_state_dict(model, optimizer))
     return StagedSave(f"optim:{path.name}", state, stager, path, DCP_FILES, written, threads, small_apart,
                       shards=replicated.optimizer_shards(model))
@@ -366,8 +348,7 @@ class HostStager:
 
 
 def release_pinned() -> None:
-    """Give the pinned host blocks no tensor uses back to the OS (torch's host caching allocator keeps them); a
-    no-op where no accelerator is in use, and where torch has no such call (before 2.13: the blocks stay cached)."""
+    """Give unused pinned host blocks back to the OS (where an accelerator is in use and torch >= 2.13 can)."""
     empty = getattr(getattr(torch.accelerator, "memory", None), "empty_host_cache", None)
     if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         empty()

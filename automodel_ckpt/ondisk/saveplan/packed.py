@@ -1,7 +1,6 @@
 """Large parts of what every rank sends a save's coordinator, sent as a pickle and its digest, read once each.
 
-Every rank of a layout sends the same key mapping and item list; the coordinator's ``Unpacker`` reads each
-distinct one once (with the restricted unpickler) and hands the same object to every rank that sent it.
+The coordinator's ``Unpacker`` reads each distinct one once (restricted unpickler), one object for every sender.
 """
 
 from __future__ import annotations

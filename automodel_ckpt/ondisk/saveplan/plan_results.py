@@ -1,10 +1,8 @@
 """The write results every rank sends the coordinator after a DCP save: compact, and cached across saves.
 
-DCP gathers every rank's ``WriteResult`` objects on the coordinator for the writer's ``finish`` (the ``.metadata``
-of ``.distcp`` folders; per-rank safetensors shards read none, and then nothing is sent). ``keep_results`` makes a
-rank send them as columns (``result_columns``) or plain tuples, or only their digest when they are those of its
-last save under the same key; the coordinator rebuilds them, from its cache where unchanged, only when ``finish``
-reads them. An unknown digest fails the save; the cache is kept as the plans' is (``planning``).
+``keep_results`` makes a rank send its ``WriteResult``s as columns or tuples, or only their digest when unchanged
+since its last save under the key (nothing where ``finish`` reads none); the coordinator rebuilds them only for
+``finish``. An unknown digest fails the save; the cache is kept as the plans' is (``planning``).
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from automodel_ckpt.ondisk.saveplan.result_columns import ResultColumns, Storage
 
 @dataclass(frozen=True)
 class ResultsNote:
-    """One rank's write results: their digest, and unless unchanged, their columns, tuples (``encode``) or the
-    objects themselves (storage data other than ``_StorageInfo``)."""
+    """One rank's write results: their digest, and unless unchanged, their columns, tuples or objects."""
 
     digest: str
     tuples: list[tuple] | None = None
@@ -54,8 +51,7 @@ def clear_cache() -> None:
 
 
 def encode(results: list[WriteResult]) -> list[tuple] | None:
-    """``(fqn, offset, index, size_in_bytes, file, offset in file, length, note)`` per result, or None when a
-    result's storage data is not a plain ``_StorageInfo``."""
+    """``(fqn, offset, index, size, file, offset in file, length, note)`` per result; None for other storage data."""
     out = []
     for r in results:
         info = r.storage_data
@@ -118,8 +114,7 @@ def _expanded(full: list[ResultsNote], needed: bool) -> list[list[WriteResult]]:
 
 
 def rows(full: list[ResultsNote]) -> StorageRows | StorageColumns | None:
-    """Every rank's results as sent: ``StorageColumns`` where all sent columns, else ``StorageRows``; None where a
-    rank sent objects."""
+    """Every rank's results as sent (``StorageColumns``, else ``StorageRows``); None where a rank sent objects."""
     if any(n.objects for n in full):
         return None
     if all(n.columns is not None for n in full):
@@ -152,8 +147,7 @@ def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
 
 
 def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> Any:
-    """Make ``writer`` send its results as ``outgoing`` makes them and ``finish`` read them whole; returns what to
-    call once the save succeeded on every rank."""
+    """Make ``writer`` send its results compact and ``finish`` read them whole; returns what to call on success."""
     write_data, finish = writer.write_data, writer.finish
     needed = not (isinstance(writer, HuggingFaceStorageWriter) and writer.save_distributed
                   and not writer.enable_consolidation)

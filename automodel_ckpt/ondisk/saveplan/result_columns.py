@@ -163,8 +163,7 @@ class StorageColumns:
         return sum(len(r.items) for r in self.ranks)
 
     def table(self, memo: Any) -> Table | None:
-        """The table's columns, its strings in ``memo``'s slots; None where a rank's numbers do not match its
-        items or it writes one key twice (left to the objects)."""
+        """The table's columns (strings in ``memo``'s slots); None where numbers and items differ or a key repeats."""
         groups = sharing([columns.items for columns in self.ranks])
         every = [i for ranks in groups for i in self.ranks[ranks[0]].items]
         width = max((i[1] for i in every), default=0)
