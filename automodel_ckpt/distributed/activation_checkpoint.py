@@ -1,8 +1,6 @@
 """Activation checkpointing per transformer block: each block's activations are recomputed in the backward pass.
 
-transformers' own (``activation_checkpointing_enable``, non-reentrant) checkpoints each block's ``forward``, not
-``__call__``, so FSDP2's hooks run once, and leaves the module tree (and so every name) as it is. The recompute
-uses the random state the block ran with: losses and gradients, and exact resume, are unchanged.
+transformers' own (non-reentrant, each block's ``forward``: FSDP2's hooks run once, names unchanged, exact resume).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Host memory that training frees goes back to the OS (glibc's thresholds pinned) or, for a model that fits, is kept.
 
-glibc's mapping threshold rises to the size of each mapped block freed (up to 32 MiB), after which freed tensors
-stay resident on its heap; ``return_freed_memory`` pins both thresholds at 1 MiB, and ``huge_pages_for_tensors``
-turns on torch's transparent huge pages so what is given back is faulted in again 2 MiB at a time. A model that
-fits each rank with room to spare takes ``keep_freed_memory`` instead: every block from the heap, trimmed only
-past 2 GiB. Numbers and reasons: docs/large-models.md. A user's own allocator settings (``LD_PRELOAD``,
-``MALLOC_*``, ``GLIBC_TUNABLES``, ``THP_MEM_ALLOC_ENABLE``) win; ``AUTOMODEL_CKPT_MALLOC=default`` keeps glibc's.
+Why, the numbers, and a user's own settings winning: docs/large-models.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Steps every rank takes together: one rank's failure raises the same error on every rank, instead of a hang.
 
-``collectively`` runs a step on every rank and all-gathers who failed; ``on_main`` runs it on rank 0 and
-broadcasts the result or the failure. Both reach their collective even on ``KeyboardInterrupt`` (raised again
-after). With ``--debug`` the other ranks' message carries the failing rank's traceback too.
+``collectively`` all-gathers who failed, ``on_main`` broadcasts rank 0's result or failure, both even on Ctrl-C
+(raised again after); with ``--debug`` the other ranks' message carries the failing rank's traceback.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """How the data-parallel ranks hold the model (``distributed.dp_shard``): sharded by FSDP2, replicated, or unwrapped.
 
-For a model whose whole state fits comfortably on every rank, FSDP2's gathers are communication for nothing: torch's
-``replicate`` (DDP's bucketed all-reduce) keeps a copy per rank; one process wraps nothing. ``auto`` replicates when
-parameters, gradients and AdamW's moments take at most ``REPLICATED_SHARE`` of one rank's memory, else (and always
-with tensor, pipeline or expert parallelism or HSDP) FSDP2. Names, checkpoints and data order are the same either
-way. Replicated and unwrapped models compute under ``torch.autocast`` of ``distributed.mixed_precision``.
+``auto``'s rule and what each choice costs: docs/parallelism.md. Names, checkpoints and data order are the same.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Expert parallelism from a model family's own plan (transformers' ``base_model_ep_plan``), under FSDP2.
 
-transformers' own styles apply as they are: ``grouped_gemm`` shards each fused expert weight on the expert
-dimension over the ``ep`` mesh, ``ep_dispatch_experts`` sends each routed token to its expert's rank and back by
-all-to-all (tensor-parallel peers, which share their rows, each send a slice). The experts are then sharded by
-``fully_shard`` over their copies (``efsdp``), the rest as without experts. Parameters keep their whole-model
-names and global shapes: each expert is saved once and reshards to any mesh.
+transformers' own styles; parameters keep whole-model names and global shapes (docs/parallelism.md).
 """
 
 from __future__ import annotations

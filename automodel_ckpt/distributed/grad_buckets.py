@@ -1,10 +1,6 @@
 """The replicated model's gradient all-reduce: a bucket layout whose summation order is the same in every launch.
 
-An all-reduce's summation order follows an element's offset in its buffer (from 3 ranks it changes the last
-bits), and DDP rebuilds its buckets after every launch's first step, so a resumed run would drift. Two layouts
-keep every element at one offset: one parameter per bucket (a 0 MB cap; overlapped with the backward, for NCCL),
-or one bucket copied into one buffer in ``model.parameters()`` order (``canonical_all_reduce``; gloo costs about a
-millisecond of CPU a call, so on CPUs one call a step is faster).
+Why (DDP rebuilds its buckets after every launch's first step) and the two layouts: docs/parallelism.md.
 """
 
 from __future__ import annotations

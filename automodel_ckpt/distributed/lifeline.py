@@ -1,11 +1,6 @@
 """Workers die with their launcher: a parent-death signal, and a watchdog on the launcher's pid as a fallback.
 
-torch's elastic agent starts each worker in a session of its own, so a SIGKILL of the launcher's group does not
-reach the workers, which would train on and publish into a folder the next run uses (docs/security.md). So each
-worker first (``bind_to_launcher``) arms ``PR_SET_PDEATHSIG`` and checks the launcher (``LAUNCHER_PID_ENV``, else
-its parent) is still its parent; a daemon thread checks it every ``POLL_SECONDS`` (the only guard off Linux); and
-rank 0 checks again before publishing (``stop_if_orphaned``). An orphan prints one line and ends with SIGKILL. A
-rank's own forked children (DataLoader workers) die with it the same way (``children_die_with_this_process``).
+Why (torch's agent starts each worker in a session of its own) and the three guards: docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Who is who on the device mesh: the pipeline, data-parallel (replicate × shard), tensor- and expert-parallel sizes.
 
-Computed once from the ``distributed:`` keys and the world size; the data, the per-rank files and the loss
-reductions ask it for the data-parallel rank, never the global rank. ``global rank = pp rank × (dp × tp) + dp rank
-× tp + tp rank``: tensor-parallel peers sit together (one node), and the data-parallel rank
-(``replicate × dp_shard + shard``) is the same whatever the number of stages. Experts are spread over groups of
-``ep`` consecutive ranks of a shard group (whole groups of tensor-parallel peers).
+The data, the per-rank files and the losses use its data-parallel rank; the layout: docs/parallelism.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Pipeline stages cut from a causal LM with whole-model names, trained and evaluated by torch's pipelining schedules.
 
-Each stage is the whole model with the other stages' modules replaced by transformers' ``PipelineIdentityLayer``:
-every parameter keeps its whole-model name, so the checkpoint, the base read and the export need no stage
-knowledge, and the model's own ``forward`` runs each stage (from ``inputs_embeds`` past the first). A tied head is
-held as Megatron holds it: the last stage keeps the embedding module too, and ``TiedEmbedding`` sums its gradient
-over the two stages. A LoRA model is cut inside its wrapper. With ``interleaved_1f1b`` a rank holds several stages
-(``r``, ``r + pp_size``, ...) in one model, each stage's forward passing the others' layers through.
+Every parameter keeps its whole-model name, so no checkpoint or export knows of stages (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -202,7 +197,7 @@ class _StageLoss:
 
 
 class Pipeline:
-    """This rank's stage under torch's schedule; ``step``, ``evaluate``: the token loss sum on the last stage, else 0."""
+    """This rank's stage under torch's schedule; ``step``, ``evaluate``: the token loss sum (last stage), else 0."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
                  token_loss_sum: Callable[[torch.Tensor, Any], torch.Tensor], rows: int,

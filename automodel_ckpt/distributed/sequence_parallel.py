@@ -1,11 +1,6 @@
 """Sequence parallelism: the residual stream between the tensor-parallel regions split along the sequence.
 
-Derived from the family's tensor-parallel plan, as torchtitan does for Llama: the activations outside the split
-projections are ``Shard(1)`` (``seq_length / tp`` positions a rank). The norms are ``SequenceParallel()``; a block
-with split projections gathers its input (``PrepareModuleInput``) and its ``rowwise`` outputs reduce-scatter; a
-MoE block's replicated output is cut; the embedding gives ``Shard(1)``, the head replicated logits. The residual
-stream stays a ``DTensor`` of the whole sequence's shape. How a layer calls a block (keyword or positional) is read
-from its ``forward``.
+Derived from the family's tensor-parallel plan, as torchtitan does for Llama; each style: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def _call_layouts(layer: nn.Module, child: str, family: str) -> dict[str, Any]:
-    """How ``layer.forward`` passes the hidden states to ``layer.<child>`` (positional or keyword), or ``ConfigError``."""
+    """How ``layer.forward`` passes the hidden states to ``layer.<child>`` (positional, keyword), or ``ConfigError``."""
     refuse = ConfigError(f"distributed.sequence_parallel: cannot tell how the '{family}' decoder layer passes the "
                          f"hidden states to its '{child}'; set sequence_parallel to false")
     try:

@@ -1,11 +1,6 @@
 """Tensor parallelism from a model family's own plan (transformers' ``base_model_tp_plan``), applied with torch.
 
-The plan is translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` and applied with
-``parallelize_module``, so the parameters are DTensors that ``fully_shard`` also shards and DCP saves and reshards
-(the families' attention reshapes with ``-1`` heads: no model change). Fused MoE experts (``moe_tp_experts`` and
-its entries) are left out: replicated over the tensor-parallel ranks like a norm (their input is replicated), and
-split over the data-parallel ranks unless expert parallelism spreads them. ``replicated_with_grad_allreduce``
-(Qwen3's per-head ``q_norm`` / ``k_norm``) is torch's ``SequenceParallel`` on the heads dimension.
+With torch's ``parallelize_module``; fused MoE experts stay whole on every rank (docs/parallelism.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Limits on what an untrusted file may ask for: JSON/YAML sizes and nesting, header and pickle sizes, counts.
 
-Every JSON or YAML file read goes through ``read_json`` / ``parse_json`` / ``read_yaml``: its size checked (from
-``fstat``) before a byte is read, its nesting depth (a linear scan) before a recursive parser runs; over a limit, a
-one-line ``CheckpointError``. docs/security.md lists the limits.
+``read_json`` / ``parse_json`` / ``read_yaml`` check size and nesting before a parser runs (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """A checkpoint_dir read as records, and the choice of the checkpoint to resume: what every reader looks at.
 
-A folder is a checkpoint when it holds ``metadata.json`` or has the default ``epoch_E_step_N`` name; counters come
-from the metadata. ``.staging-*`` folders are listed only on request, as incomplete; other hidden folders and
-symlinks (the pointers) never.
+A checkpoint holds ``metadata.json`` or has the default name; ``.staging-*`` ones are listed only on request.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Durable filesystem steps: early writeback, fsync of files and folders, atomic pointer swaps, pointer resolution.
 
-Our own files in a run folder (pointers, notes, markers, copies) are written without following a link: a new file
-is created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over its place, which replaces a symlink or FIFO
-found there instead of writing through it.
+Our own files are created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over their place.
 """
 
 from __future__ import annotations

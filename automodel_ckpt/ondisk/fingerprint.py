@@ -1,11 +1,6 @@
 """What a checkpoint is a checkpoint of: the run fingerprint recorded in metadata.json and compared on resume.
 
-A rerun into a ``checkpoint_dir`` resumes whatever is there; if the recipe now names another model or data, that
-would be a shape error deep in torch or a silent mix. Recorded: the model class and its architecture config (less
-dtype, attention implementation, caching, versions), every parameter's name and shape, a hash of the tokenizer's
-vocabulary, the PEFT settings, and the recipe keys that give the data position and optimizer state their meaning
-(data, sequence length, global batch), redacted (``redact.py``). What may change between runs (world size, local
-batch, ``max_steps``, logging, intervals, credentials) is left out.
+What is recorded, and what is left out so that it may change between runs: docs/checkpointing.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Incremental saves: a file whose bytes equal the previous published checkpoint's is hard-linked there, not written.
 
-The tensors that did not train go in a file of their own (``layout.stable_part``), hashed from memory
-(``content_key``); when key and size equal the same file's in the checkpoint this writer published last, and that
-file is still the one it wrote (inode, size, mtime), it is hard-linked. After a resume the checkpoint resumed from
-is read back and hashed (``adopt``). Every folder still holds every file, and where a link fails the file is
-written (docs/checkpointing.md). An object store shares by content key instead (``key_of``, ``objectstore/pieces``).
+Every folder still holds every file, and where a link fails the file is written: docs/checkpointing.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Checksums of a checkpoint's model and optimizer files computed while the load reads them (``verify_on_load``).
 
-``manifest.check_before_load`` leaves these files (``deferred``) to the load, which hashes each as its bytes arrive, so
-the largest files are read once. Each rank hashes its share (``manifest.assign``), reading a file whole where it needs
-part; files of its share no load reads are hashed in ``finish``. A mismatch raises ``DamagedFile`` on every rank. Where
-each node loads its own copy (node-local tier), each rank hashes every file it reads (``of_reads``).
+Each rank hashes its share as the bytes arrive; a mismatch raises ``DamagedFile`` on every rank.
 """
 
 from __future__ import annotations

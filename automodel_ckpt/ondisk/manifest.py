@@ -1,9 +1,6 @@
 """``manifest.json``: the size and checksum of every file of a checkpoint, written last, just before publish.
 
-The format is in docs/integrity.md: every regular file below the checkpoint folder (relative ``/`` paths; not the
-manifest itself, no symlinks) with its size and checksum. Computed in ``Checkpointer.save`` after the fsync step:
-the model and optimizer files' checksums were taken while they were written (``fastio``), the rest are hashed from
-the page cache, each rank taking a share; rank 0 writes the manifest.
+The format: docs/integrity.md. Each rank hashes a share (fastio's from memory), rank 0 writes the manifest.
 """
 
 from __future__ import annotations

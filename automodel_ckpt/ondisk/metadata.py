@@ -1,6 +1,5 @@
 """``metadata.json``: what a checkpoint is, in one small file rank 0 writes into every checkpoint.
 
-It identifies a folder as a checkpoint and holds the counters resume reads and the metrics retention ranks by.
 Non-finite floats are written as the JSON-lines logs write them: NaN as null, infinities as "inf"/"-inf".
 """
 

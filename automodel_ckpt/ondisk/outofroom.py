@@ -1,7 +1,6 @@
 """A write that runs out of room (ENOSPC, EDQUOT, a read-only filesystem) as one line: folder, bytes needed, free.
 
-Recognised by the ``errno`` of an ``OSError`` in the chain (or a DCP ``CheckpointException``'s failures) and, as
-failures reach other ranks as text, by the system's message for it.
+Recognised by an ``OSError``'s ``errno`` in the chain, or (failures reach other ranks as text) its message.
 """
 
 from __future__ import annotations

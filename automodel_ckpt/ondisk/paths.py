@@ -1,11 +1,7 @@
 """Paths named by untrusted input (manifests, DCP metadata, index files, bucket listings): the one validator.
 
-A path taken from a checkpoint, manifest, ``.metadata``, index file or bucket listing (docs/security.md) is used only if
-it is *plain*: a relative POSIX path of normal components (no ``.``/``..``/empty component, backslash, control
-character, drive, component over 255 bytes, nor ``*``, ``?``, ``[`` or ``::``, which an object-store client reads as a
-glob or a URL chain), reached from its root without a symlinked folder on the way, a final symlink not leading out. Only
-regular files are read (``open_regular``: never blocks on a FIFO); a link only into a Hugging Face cache snapshot's
-``blobs/`` (``model_file_in``). Anything else is a ``CheckpointError`` naming the path and where it came from.
+A path is used only if *plain* and reached without a symlinked folder on the way; only regular files are read, a
+link only into a Hugging Face cache snapshot's ``blobs/``. The exact rules: docs/integrity.md (safe loading).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Which checkpoints pruning deletes: a pure policy over checkpoint records, pointer targets and the config's rules.
 
-Nothing here touches the filesystem, so the rules (docs/retention.md: a complete checkpoint survives if any rule
-keeps it; an incomplete one is never counted, ranked or deleted; best: finite values, ties to the earlier step) are
-property-checked on plain values. ``is_better`` also moves LOWEST_VAL, so ``save_top_k: 1`` keeps exactly its one.
+Nothing here touches the filesystem, so the rules (docs/retention.md) are property-checked on plain values.
 """
 
 from __future__ import annotations

@@ -64,8 +64,7 @@ def tensor_memory(t: torch.Tensor, writable: bool = False) -> memoryview:
 
 
 def scratch(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` on an anonymous mapping of its own, returned to the system once dropped: a load's
-    short-lived buffers would otherwise stay resident on glibc's heap (its mapping threshold rises after a free)."""
+    """A tensor of ``shape`` on a mapping of its own, returned once dropped (not resident on glibc's heap)."""
     nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * itemsize(dtype)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)

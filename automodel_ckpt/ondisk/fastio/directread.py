@@ -1,10 +1,6 @@
 """Reading checkpoint files past the page cache, their checksums computed from the same buffers on the way.
 
-Through the page cache every byte is copied twice and the cache fills with gigabytes read once; here each thread
-reads the next ``REGION`` of the files with O_DIRECT into a page-aligned buffer and ``copy_``s it out (without
-the GIL) while the others read. Unaligned tails, and filesystems that refuse O_DIRECT, go through the page cache
-into the same buffers. Files in ``hash_files`` are read whole, one hasher thread taking the regions in file order
-before their buffers are reused: verifying on load costs no second read.
+Threads read regions with O_DIRECT into aligned buffers and copy out; ``hash_files`` hashed from them in order.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def wanted(size: int) -> bool:
 
 
 class Segment:
-    """Bytes ``[start, start + nbytes)`` of a file for a flat uint8 tensor: ``dest``, or ``make()``'s when the first
-    bytes arrive; ``done()`` runs once all have (a buffer lives only while its bytes stream in)."""
+    """Bytes ``[start, start + nbytes)`` of a file for ``dest`` (or ``make()``'s, made late); ``done()`` after."""
 
     __slots__ = ("start", "nbytes", "dest", "make", "done", "_left", "_lock")
 

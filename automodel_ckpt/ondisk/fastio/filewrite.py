@@ -1,8 +1,4 @@
-"""Writing one checkpoint file from tensor memory, its checksum computed on the way.
-
-Planned layout, positioned writes from several threads (straight to the device for large files), early writeback,
-one fsync.
-"""
+"""Writing one checkpoint file from tensor memory, its checksum computed on the way."""
 
 from __future__ import annotations
 

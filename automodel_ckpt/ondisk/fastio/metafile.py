@@ -1,9 +1,6 @@
 """A ``.distcp`` folder's ``.metadata`` file, its pickle kept across saves of an unchanged layout.
 
-Between saves of one layout only ``storage_meta`` (the folder, the save's id) changes, so the file is two pickled parts
-that load as one ``Metadata``: the **body**, everything else, kept while the plan (``planning``'s cache) and every
-rank's write results (``plan_results``' digests) are unchanged, and a **tail** that sets ``storage_meta`` (a second
-``BUILD``). The body leaves the cache while a save is on: a failed save leaves nothing stale.
+A **body** kept while the plan and results are unchanged, and a **tail** that sets ``storage_meta``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The pickle of a DCP ``Metadata`` with its chunk lists and storage table written as numpy records.
 
-``pickle`` writes the object with each large chunk list and the storage table left as holes (persistent ids),
-each then filled with the opcodes ``pickle`` would write, built for all its items at once (about 8 µs an item
-less): the same objects load. Shared classes, keys and strings go in memo slots past the pickler's. Anything of
-another shape is left to ``pickle``; a table given as sent (``StorageRows``) is written without its objects.
+The large parts are pickle holes filled with the opcodes ``pickle`` would write: the same objects load.
 """
 
 from __future__ import annotations
@@ -85,8 +82,7 @@ class _Memo:
 
 
 class _Records:
-    """Fixed-width records, one per item: parts of constant opcodes, each followed by a column of raw values or
-    none (integers as ``BININT`` or ``LONG1``, memo slots after ``LONG_BINGET``)."""
+    """Fixed-width records, one per item: constant opcodes, each followed by a column of raw values or none."""
 
     def __init__(self, count: int) -> None:
         self.count, self.parts = count, []
@@ -347,8 +343,7 @@ def _plain(metadata: Any, protocol: int) -> bytes | None:
 
 
 def dumps(metadata: Any, protocol: int = 3) -> bytes | None:
-    """``pickle.dumps(metadata, protocol)`` (2 or 3), its large parts built as records; None where a table given
-    without objects cannot be written so (the caller makes them and asks again)."""
+    """``pickle.dumps(metadata, protocol)`` (2 or 3), large parts as records; None: make the table's objects first."""
     holes: list[tuple[Any, str, _Hole]] = []
     entries = getattr(metadata, "state_dict_metadata", None) or {}
     if protocol in (2, 3) and _shapes_known():

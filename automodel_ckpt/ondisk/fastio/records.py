@@ -71,8 +71,7 @@ def _record_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None
 
 
 def torch_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
-    """What ``torch.save`` writes for a tensor of ``shape`` and ``dtype`` (seven entries, each aligned to 64 bytes,
-    zip64 trailer: about 1.5 KiB), ``None`` where its data goes; None when it cannot be found."""
+    """What ``torch.save`` writes around a tensor of ``shape`` and ``dtype`` (zip64: any size), or None."""
     stand_in = torch.empty(shape, dtype=dtype)  # pages never touched: costs no memory
     nbytes = stand_in.numel() * stand_in.element_size()
     recorder = _Recorder(stand_in.data_ptr() if nbytes else -1)
@@ -201,8 +200,7 @@ def note_location(info: Any, pieces: list[Any]) -> Any:
 
 
 def noted_location(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Located | None:
-    """Where ``info``'s record keeps its tensor, as its writer noted it (``NOTE``), if that note is well formed,
-    lies inside the record and holds the requested piece (``offsets``, ``lengths``); None: look the record up."""
+    """Where ``info``'s record keeps its tensor as its writer noted it, if well formed and holding the piece."""
     note = getattr(info, NOTE, None)
     if not (isinstance(note, tuple) and len(note) == 3):
         return None

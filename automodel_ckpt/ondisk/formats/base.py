@@ -1,7 +1,6 @@
 """What a checkpoint model format is to the engine: ``ModelFormat``, the object each format module registers.
 
-A format writes a model's state into a model folder (or stages it), loads it into a model of any sharding,
-recognises its files and opens them for the export. ``registry`` looks formats up.
+A format writes, stages, loads, recognises and opens for the export a model's files; ``registry`` finds it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """A DCP folder another program wrote (``.metadata`` + ``*.distcp``), read whole into this process's memory.
 
-Without a process group, tensors whole (assembled by DCP's own load planner), other entries as they were, all
-through ``safe_load``; the tensors' total size is bounded before anything is allocated.
+Without a process group, through ``safe_load``; the tensors' total size is bounded before anything is allocated.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ SLACK = 1 << 20  # bytes a folder's tensors may claim past its data files' size 
 
 
 def read_dcp_folder(folder: Path, limit: int | None = None, what: str = "a DCP folder") -> dict[str, Any]:
-    """``{flat key: tensor or object}`` of DCP folder ``folder`` of at most ``limit`` bytes, else ``CheckpointError``."""
+    """``{flat key: tensor or object}`` of DCP folder ``folder`` (at most ``limit`` bytes, else ``CheckpointError``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 

@@ -1,11 +1,6 @@
 """On-disk tensor layout of a model family: which saved tensor, and which part of it, each exported tensor is.
 
-Checkpoints keep transformers' *in-memory* names and shapes; on disk some families differ (fused experts stored
-per expert, renamed layers, tied weights once), and the export must write what ``save_pretrained`` writes. So
-transformers is asked: the model is built on the meta device, its tied copies dropped as ``save_pretrained`` drops
-them, and ``revert_weight_conversion`` run on meta tensors with copies made no-ops, so each result is a *view* of
-the saved tensor it comes from. A conversion that combines several saved tensors is reported, and the export then
-keeps the in-memory names.
+Asked of transformers itself, so that a family it adds exports in its own layout: docs/consolidation.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """PEFT adapters as the model state of a checkpoint: one Hugging Face PEFT folder, written by rank 0.
 
-``model/`` is a folder ``peft.AutoPeftModelForCausalLM.from_pretrained`` loads as it is (docs/peft.md): the full
-adapter tensors are gathered to rank 0 (under pipeline stages each tensor once from a rank that holds it), which
-writes it; a load reads it on every rank, each keeping its own shards: bit-identical whatever the world size.
+``model/`` is a folder PEFT loads as it is (docs/peft.md); a load is bit-identical whatever the world size.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Loading never runs code from a checkpoint, and load failures become one-line ``CheckpointError`` messages.
 
-The only module that unpickles (tests/unit/test_structure.py; docs/security.md): DCP's ``.metadata`` through
-``RestrictedUnpickler`` (only the classes DCP metadata is made of), the non-tensor entries of a ``.distcp`` file
-and the ``.pt`` files with ``weights_only=True`` (torch's default planner does not), tensor records located with
-``TensorRecordUnpickler`` (inert stand-ins only); ``unpickle_own`` only what this process pickled a moment before.
+The only module that unpickles (tests/unit/test_structure.py); its rules: docs/integrity.md (safe loading).
 ``check_fits`` compares a checkpoint's keys and shapes with the state to load, and ``load_failure`` /
 ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
 """

@@ -1,9 +1,7 @@
 """A model's and its optimizer's state dicts as ``torch.distributed.checkpoint`` gives them, cheap to take again.
 
-Torch's ``get_*_state_dict`` walk the whole model at every call, most of an async save's cost to the training
-thread. The first call asks torch and keeps its answer's layout; later ones lay out ``model.state_dict()`` and the
-optimizer's live state the same way, asking torch again whenever they no longer match. A layout is kept only where
-it gives exactly torch's answer (checked when made). A parameter moved to another module path is not seen.
+The first call asks torch and keeps its answer's layout; later ones lay out the live state the same way, asking
+torch again whenever it no longer matches (a layout is kept only where it gives exactly torch's answer).
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ def owners(ids_of: list[np.ndarray], id_count: int, weight: Any) -> list[np.ndar
 
 
 def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]] | None = None) -> list[str]:
-    """DCP's checks of a global plan (chunks within bounds, none overlapping, covering the tensor when several
-    ranks save), without pairwise compares where they form a grid. ``bounds``: chunk offsets and sizes per tensor."""
+    """DCP's checks of a global plan (in bounds, no overlap, the tensor covered), linear where chunks form a grid."""
     errors: list[str] = []
     irregular: dict[str, Any] = {}
     for key, value in metadata.state_dict_metadata.items():

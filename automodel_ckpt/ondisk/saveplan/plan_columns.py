@@ -1,11 +1,6 @@
 """A save's global plan made on columns: every rank's items as one shared list and an array of their numbers.
 
-Every rank of a layout holds the same items (one per tensor: FSDP, HSDP and TP shard every tensor); only their
-numbers differ (each chunk's offsets and sizes). So a rank sends its items without their numbers (one ``Packed``
-pickle the coordinator reads once) and the numbers as one integer array, and the coordinator keys, dedups, orders
-and checks them in numpy, making the ``Metadata`` DCP makes. Plans of another shape (a chunk apart from its
-index's offset, a name saved twice, an offset outside its tensor) are planned by DCP's own functions
-(``planning.plan_globally``), which raise as DCP does.
+A layout's ranks hold the same items, only their numbers differ; other plans are DCP's (``plan_globally``).
 """
 
 from __future__ import annotations
@@ -115,8 +110,7 @@ def _items(items: list[tuple], names: dict[str, int], properties: list[Any], wid
 
 
 def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, tuple]] | None:
-    """``planning.plan_globally`` on ranks that all sent ``Columns``: each rank's hints, the metadata's entries
-    and each tensor's chunk offsets and sizes (``[chunks, dims]``, for ``validate``); None where it does not fit."""
+    """``plan_globally`` on ``Columns``: hints, metadata entries, each tensor's chunks; None where it does not fit."""
     names: dict[str, int] = {}
     distinct: dict[int, list[tuple]] = {id(n.entries.items): n.entries.items for n in notes}
     width = max((len(i[2]) for items in distinct.values() for i in items if i[2] is not None), default=0)

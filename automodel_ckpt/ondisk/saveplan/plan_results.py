@@ -1,8 +1,7 @@
 """The write results every rank sends the coordinator after a DCP save: compact, and cached across saves.
 
-``keep_results`` makes a rank send its ``WriteResult``s as columns or tuples, or only their digest when unchanged
-since its last save under the key (nothing where ``finish`` reads none); the coordinator rebuilds them only for
-``finish``. An unknown digest fails the save; the cache is kept as the plans' is (``planning``).
+Sent as columns or tuples, or as a digest when unchanged since the last save under the key; the coordinator keeps
+them as ``planning`` keeps plans, and a digest it does not hold fails the save.
 """
 
 from __future__ import annotations

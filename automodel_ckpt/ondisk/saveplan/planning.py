@@ -1,20 +1,8 @@
 """Save and load planning linear in the rank count, save plans cached across saves of one layout.
 
-``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` with two changes on the coordinator's side:
-
-* **Linear validation** (``plan_checks``). DCP's overlap sweep runs along a tensor's longest dimension, and is
-  quadratic in the rank count when the shards are cut along another one (FSDP's dim 0 of ``down_proj``). Here a
-  tensor's chunks pass when they are distinct cells of one grid (along each dimension their intervals tile it);
-  with DCP's volume check every cell is present. Anything else falls back to the sweep. Empty chunks need only
-  lie within bounds.
-* **A cache across saves.** Each rank fingerprints its local plan; when it equals this rank's last one under the
-  same ``key`` (a state folder, e.g. ``model``) it sends only the fingerprint, and when every rank does the
-  coordinator reuses its global plan and metadata. An entry leaves the cache when a save starts and comes back
-  only when its plan is final, so a failed save leaves nothing stale; an unknown fingerprint fails the save.
-  (Torch's ``enable_plan_caching`` keys its cache by class name: a model and an optimizer save evict each other.)
-
-Loads: ``LocalLoadPlanner`` keeps each rank's load plan to itself, its read items found in one pass over a
-tensor's saved chunks. Measurements: docs/benchmarks.md (scale).
+``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` validated linearly (``plan_checks``) with its plans cached
+across saves of an unchanged layout; ``LocalLoadPlanner`` keeps each rank's load plan to itself. The rules and
+why: docs/checkpointing.md; measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
