@@ -1,13 +1,6 @@
 """Activation checkpointing per transformer block: each block's activations are recomputed in the backward pass.
 
-transformers' own activation checkpointing (``activation_checkpointing_enable``, non-reentrant
-``torch.utils.checkpoint``) marks every repeated block of the model, the vision tower's included. It checkpoints a
-block's ``forward`` rather than its ``__call__``, so FSDP2's hooks (all-gather before the block, reshard after)
-stay outside the checkpoint and run once; and it leaves the module tree as it is, so the parameter names, and with
-them every checkpoint, the fingerprint and the export, are the same with and without it. A block keeps only its
-input for the backward pass and recomputes the rest with the random state it ran with (dropout draws the same
-numbers), so losses and gradients are those of a run without it and exact resume is unchanged. The cost is one more
-forward pass per block.
+transformers' own (non-reentrant, each block's ``forward``: FSDP2's hooks run once, names unchanged, exact resume).
 """
 
 from __future__ import annotations
@@ -22,10 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
-    """Checkpoint every transformer block of ``model`` (a transformers model, LoRA-wrapped or not); return how many.
-
-    Call it before ``fully_shard``.
-    """
+    """Checkpoint every transformer block of ``model`` (LoRA-wrapped or not), before ``fully_shard``; how many."""
     from transformers import PreTrainedModel
     from transformers.modeling_layers import GradientCheckpointingLayer
 

@@ -1,10 +1,7 @@
 """Steps every rank takes together: one rank's failure raises the same error on every rank, instead of a hang.
 
-``collectively`` runs a step on every rank and all-gathers who failed; ``on_main`` runs it on rank 0 and
-broadcasts the result or the failure. Both always reach their collective, even when the step is interrupted
-(``KeyboardInterrupt``): the other ranks learn of the failure, and the interrupt is raised again afterwards.
-The error raised on the failing rank is chained to the original exception, so ``--debug`` shows its traceback;
-with ``--debug`` (``AUTOMODEL_CKPT_DEBUG=1``) the other ranks' message carries the failing rank's traceback too.
+``collectively`` all-gathers who failed, ``on_main`` broadcasts rank 0's result or failure, both even on Ctrl-C
+(raised again after); with ``--debug`` the other ranks' message carries the failing rank's traceback.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ def gathered(fn: Callable[[], _T], what: str, rank: int) -> list[_T]:
 
 
 def _together(fn: Callable[[], _T], what: str, rank: int, *, share: bool) -> tuple[_T, list[_T]]:
-    """Run ``fn`` on every rank and gather each rank's failure (and with ``share`` its result) in one round:
-    this rank's result, and every rank's (None without ``share``)."""
+    """Run ``fn`` on every rank, gathering failures (and with ``share`` results) in one round: ``(mine, every)``."""
     from automodel_ckpt.distributed.env import all_gather_object  # torch: imported by the ranks, not by verbs
 
     result: _T | None = None
@@ -70,10 +66,8 @@ def on_main(fn: Callable[[], _T], what: str, rank: int) -> _T:
 
 
 def main_first(make: Callable[[], _T], rank: int) -> _T:
-    """``make()`` on rank 0, then on the other ranks (reading what it left: a tokenized cache, a built base). A
-    failure on rank 0 reaches the others, which raise it too instead of waiting at a barrier that rank 0's exit
-    breaks (a gloo traceback on every rank): bad input the same one-line error (the launcher prints it once),
-    anything else one line naming rank 0."""
+    """``make()`` on rank 0, then on the others (reading what it left); a failure on rank 0 is raised on every
+    rank (bad input as the same one-line error, anything else one line naming rank 0), not a barrier's hang."""
     from automodel_ckpt.distributed.env import broadcast_object
 
     if rank != 0:

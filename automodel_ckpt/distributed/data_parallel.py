@@ -1,17 +1,6 @@
 """How the data-parallel ranks hold the model (``distributed.dp_shard``): sharded by FSDP2, replicated, or unwrapped.
 
-FSDP2 (``fully_shard`` per decoder block) keeps 1/N of the parameters, gradients and optimizer state per rank and
-all-gathers each block's parameters before its forward and backward, and reduce-scatters its gradients after. For a
-model whose whole state fits comfortably on every rank that is communication and bookkeeping for nothing: plain
-data parallelism (torch's composable ``replicate``, DDP's bucketed all-reduce overlapped with the backward) keeps a
-whole copy per rank and exchanges each gradient once; one process wraps nothing at all. ``auto`` picks replication
-when the replicated state (parameters, gradients and AdamW's two moments) takes at most ``REPLICATED_SHARE`` of the
-memory one rank has (the GPU's, or the machine's divided by the processes on the node), FSDP2 otherwise, and always
-FSDP2 with tensor, pipeline or expert parallelism or HSDP (their meshes are FSDP2's). The parameter names, the
-checkpoints and the data order are the same whatever the choice: a checkpoint of one resumes under the other.
-
-With ``distributed.mixed_precision`` FSDP2 casts the parameters for compute; replicated and unwrapped models
-compute under ``torch.autocast`` of the same dtype instead (``Choice.compute``).
+``auto``'s rule and what each choice costs: docs/parallelism.md. Names, checkpoints and data order are the same.
 """
 
 from __future__ import annotations
@@ -66,8 +55,7 @@ class Choice:
 
 def choose(setting: str | None, dims: ParallelDims, model: nn.Module, device: torch.device,
            mixed_precision: str | None = None, memory: int | None = None) -> Choice:
-    """The strategy ``distributed.dp_shard`` (``setting``) asks for on this mesh, for ``model`` (on any device:
-    only its parameters' sizes are read); ``memory``: a rank's memory (default: ``rank_memory(device)``)."""
+    """The strategy ``distributed.dp_shard`` (``setting``) asks for ``model`` on this mesh, given ``memory``."""
     setting, meshed = check(setting, dims.sizes)
     if setting == "full":
         return Choice(SHARDED, "distributed.dp_shard: full", mixed_precision)
@@ -86,8 +74,7 @@ def choose(setting: str | None, dims: ParallelDims, model: nn.Module, device: to
 
 
 def check(setting: str | None, sizes: MeshSizes) -> tuple[str, list[str]]:
-    """``distributed.dp_shard`` normalised, and the other parallelisms of ``sizes`` (which shard with FSDP2); a
-    one-line ``ConfigError`` for an unknown value or ``none`` beside them."""
+    """``distributed.dp_shard`` normalised; a ``ConfigError`` for an unknown value or ``none`` beside other meshes."""
     value = str(setting or "auto").lower()
     if value not in SETTINGS:
         raise ConfigError(f"distributed.dp_shard: expected one of {', '.join(SETTINGS)}, got '{setting}'")
@@ -100,8 +87,7 @@ def check(setting: str | None, sizes: MeshSizes) -> tuple[str, list[str]]:
 
 
 def replicated_bytes(model: nn.Module) -> int:
-    """Bytes one rank holds when the model is replicated: every parameter, and for each trainable one its gradient
-    and AdamW's two moments (each of the parameter's size)."""
+    """Bytes a rank holds replicated: every parameter, and per trainable one its gradient and AdamW's moments."""
     total = 0
     for p in model.parameters():
         size = p.numel() * p.element_size()
@@ -110,8 +96,7 @@ def replicated_bytes(model: nn.Module) -> int:
 
 
 def rank_memory(device: torch.device) -> int:
-    """The memory one rank may count on: its GPU's, or the machine's (its cgroup's limit, if lower) divided by the
-    processes on this node."""
+    """The memory one rank may count on: its GPU's, or the machine's (or cgroup's) over this node's processes."""
     if device.type == "cuda":
         import torch
 
@@ -130,8 +115,7 @@ def rank_memory(device: torch.device) -> int:
 
 
 def wrap(model: nn.Module, choice: Choice, dims: ParallelDims) -> nn.Module:
-    """``model`` as ``choice`` holds it: sharded by ``fsdp.shard_model``, replicated by ``replicate`` (which
-    builds its reducer at the first forward, once the weights are in place), or as it is."""
+    """``model`` as ``choice`` holds it: sharded by ``fsdp.shard_model``, replicated by ``replicate``, or as it is."""
     if choice.sharded:
         from automodel_ckpt.distributed.fsdp import shard_model
 
@@ -144,8 +128,7 @@ def wrap(model: nn.Module, choice: Choice, dims: ParallelDims) -> nn.Module:
 
 
 def build_reducer(model: nn.Module, choice: Choice) -> None:
-    """A replicated model's reducer built now, with its weights in place, rather than at its first forward (which
-    may run with no trainable parameter: a LoRA model with its adapters disabled, as a reference)."""
+    """A replicated model's reducer built now, not at its first forward (which may train nothing: a reference)."""
     if choice.kind != REPLICATED:
         return
     from torch.distributed._composable.replicate import replicate

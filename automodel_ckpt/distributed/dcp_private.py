@@ -2,33 +2,21 @@
 
 Checked against torch 2.13.0 (the package supports torch>=2.7). Each is here because DCP offers no public way to do
 what it does; when torch moves or renames one, this module and ``tests/unit/distributed/test_dcp_private.py`` are
-what change. The names imported by DCP's own modules at import time (every one of them is, with ``import
-torch.distributed.checkpoint``) are bound at module level; the others are imported when called, as their callers
-did, so a torch that lacks one fails (``ImportError``) only where it is used.
+what change. Names DCP itself imports at import time are bound at module level; the others are imported when
+called, so a torch that lacks one fails only where it is used. Each name, and why (its source is beside it):
 
-- ``StorageInfo`` (``filesystem._StorageInfo``): where an item's bytes are in a ``.distcp`` file, the storage data
-  a ``FileSystemWriter`` returns and ``.metadata`` pickles. The fast writer and reader (``ondisk.fastio``),
-  the metadata pickler and the sent write results (``plan_results``) make and read it as DCP's reader does.
-- ``validate_global_plan`` (``default_planner._validate_global_plan``): DCP's check of a global save plan (chunks in
-  bounds, no overlap, the tensor covered), run by ``plan_checks`` on the parts of a plan it cannot prove itself.
-- ``flatten_state_dict`` (``_nested_dict``): a nested state dict's flat keys and mappings, as DCP's planners
-  flatten it (``planning``'s load planner; ``safe_load``'s report of what a checkpoint lacks).
-- ``saved_before_2_4()`` (``_version._derived_version``): the flat keys of a checkpoint saved by torch < 2.4, as
-  ``DefaultLoadPlanner`` reads one (``planning``).
-- ``create_chunk_list``, ``create_read_item_for_tensor``, ``create_read_items`` (``planner_helpers._create_*``)
-  and ``shards_overlap_region`` (``resharding._shards_get_overlap_region_wrt_saved_tensor``): the read items of a
-  load, made exactly as DCP makes them, by ``planning``'s one-pass load planner.
-- ``hf_storage_info()`` (``_hf_utils._HFStorageInfo``): where a tensor is in a safetensors file, the storage data
-  DCP's Hugging Face reader takes (``export.archive_weights`` reads an archive's weights with it).
-- ``hf_file_name(index, total, shard)`` (``_hf_utils._gen_file_name``) and ``hf_shard_metadata(custom)``
-  (``_hf_utils``' header keys and version): a safetensors shard named and headed as torch's Hugging Face writer
-  writes it (``fastio.writers``).
-- ``get_fqns(model, name)`` (``state_dict._get_fqns``): a parameter's state-dict names, wrapper prefixes removed, as
-  ``get_model_state_dict`` names them (``sharded``: the names that train).
-- ``stream_extensions()`` (``_extension``'s ``ExtensionRegistry``, ``StreamTransformExtension``): undo the stream
-  transforms (compression) DCP recorded for a piece (``export.sources``).
-- ``set_element(root, path, value)`` (``_traverse.set_element``): put a loaded byte entry back into a nested state
-  dict by its mapping, as DCP's loader does (``safe_load``).
+- ``StorageInfo``: where an item's bytes are in a ``.distcp`` file, made and read by ``fastio`` and ``plan_results``.
+- ``validate_global_plan``: DCP's check of a global save plan, run by ``plan_checks`` where it proves nothing.
+- ``dedup_save_plans``: DCP's dedup, for the save plans ``planning`` cannot plan on columns.
+- ``flatten_state_dict``: a nested state dict's flat keys and mappings, as DCP's planners flatten it.
+- ``saved_before_2_4()``: the flat keys of a checkpoint saved by torch < 2.4, as ``DefaultLoadPlanner`` reads one.
+- ``create_chunk_list``, ``create_read_item_for_tensor``, ``create_read_items``, ``shards_overlap_region``: a
+  load's read items made as DCP makes them, by ``planning``'s one-pass load planner.
+- ``hf_storage_info()``: where a tensor is in a safetensors file (``export.archive_weights``).
+- ``hf_file_name(index, total, shard)``, ``hf_shard_metadata(custom)``: a shard named and headed as torch's writer.
+- ``get_fqns(model, name)``: a parameter's state-dict names as ``get_model_state_dict`` names them.
+- ``stream_extensions()``: undo the stream transforms DCP recorded for a piece (``export.sources``).
+- ``set_element(root, path, value)``: put a loaded byte entry back into a nested state dict, as DCP's loader does.
 """
 
 from __future__ import annotations
@@ -38,19 +26,18 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _validate_global_plan as validate_global_plan
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list as create_chunk_list
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_tensor as create_read_item_for_tensor
 from torch.distributed.checkpoint.planner_helpers import _create_read_items as create_read_items
-from torch.distributed.checkpoint.resharding import (
-    _shards_get_overlap_region_wrt_saved_tensor as shards_overlap_region,
-)
+from torch.distributed.checkpoint.resharding import _shards_get_overlap_region_wrt_saved_tensor as shards_overlap_region
 
 __all__ = ["StorageInfo", "validate_global_plan", "flatten_state_dict", "saved_before_2_4", "create_chunk_list",
            "create_read_item_for_tensor", "create_read_items", "shards_overlap_region", "hf_storage_info",
-           "hf_file_name", "hf_shard_metadata", "get_fqns", "stream_extensions", "set_element"]
+           "hf_file_name", "hf_shard_metadata", "get_fqns", "stream_extensions", "set_element", "dedup_save_plans"]
 
 
 @contextmanager
@@ -78,15 +65,9 @@ def hf_file_name(index: int, total: int, shard: int | None = None) -> str:
 
 
 def hf_shard_metadata(custom: str) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors shard as torch's Hugging Face writer writes it: ``custom`` (the JSON of
-    each tensor's saved offsets), the DCP version and the format."""
-    from torch.distributed.checkpoint._hf_utils import (
-        CUSTOM_METADATA_KEY,
-        DCP_VERSION_KEY,
-        FORMAT_KEY,
-        FORMAT_VALUE,
-        HF_DCP_VERSION,
-    )
+    """The ``__metadata__`` of a safetensors shard as torch's Hugging Face writer writes it (``custom``: offsets)."""
+    from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE,
+                                                        HF_DCP_VERSION)
 
     return {CUSTOM_METADATA_KEY: custom, DCP_VERSION_KEY: str(HF_DCP_VERSION), FORMAT_KEY: FORMAT_VALUE}
 

@@ -39,10 +39,7 @@ def default_backend() -> str:
 
 
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> DistEnv:
-    """Join the job's process group (a one-rank group when run in-process) and pick the device.
-
-    A one-rank group keeps a single code path: FSDP2, DCP and the collectives behave the same for 1 and N ranks.
-    """
+    """Join the job's process group (a one-rank group in-process: one code path for 1 and N ranks), pick the device."""
     backend = backend or default_backend()
     timeout = datetime.timedelta(minutes=timeout_minutes)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -73,19 +70,9 @@ def shutdown_distributed() -> None:
 
 
 def end_process(code: int) -> NoReturn:
-    """End a process, with exit status ``code``, without the interpreter's teardown.
-
-    When a run returns, its work is durable: checkpoints are fsynced and published, logs are written line by line.
-    What is left are threads that torch runs in C++. gloo's worker threads, for one, can still hold the last
-    reference to a collective's tensor for a moment after the collective completed; freeing it takes the GIL to
-    release the tensor's Python object. If the interpreter is finalizing by then, CPython ends that thread with a
-    forced unwind, C++ turns that into ``std::terminate`` ("terminate called without an active exception"), and a
-    finished job exits -6 and is reported failed. The window is tiny on an idle host and common under CPU
-    contention. So this runs the interpreter's exit handlers and joins this process's own threads while everything
-    is alive, flushes the standard streams, and leaves with ``os._exit``, which never finalizes. The launcher and
-    every verb that loaded torch leave this way too (``cli.main``): the teardown of torch and transformers costs a
-    second or more of CPU and gives nothing back to a process that is ending.
-    """
+    """End a process with exit status ``code`` without the interpreter's teardown: exit handlers run and this
+    process's threads are joined, streams flushed, then ``os._exit``. A gloo thread freeing a tensor while the
+    interpreter finalizes ends in ``std::terminate`` (a finished job exiting -6); the teardown also costs seconds."""
     import atexit
     import logging
 
@@ -107,8 +94,7 @@ def end_process(code: int) -> NoReturn:
         os._exit(code)
 
 
-#: Set in a worker forked by the launcher (``cli.forked_worker``): torch's agent counts a worker done when its
-#: function returns, so ``end_process(0)`` unwinds to it (multiprocessing then ends the process with ``os._exit``).
+#: Set in a worker forked by the launcher: ``end_process(0)`` unwinds to torch's agent, which counts it done.
 _RETURN_ON_SUCCESS = False
 
 
@@ -119,8 +105,7 @@ def return_on_success() -> None:
 
 
 def all_reduce_sum(value: float | torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum over ranks (of ``group``; default: every rank), as float64 on the CPU group (exact for counts, stable
-    for losses)."""
+    """Sum over the ranks of ``group`` (default: all) as float64 on the CPU group (exact counts, stable losses)."""
     t = torch.as_tensor(value, dtype=torch.float64).clone()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -132,8 +117,7 @@ _THREAD = threading.local()
 
 @contextlib.contextmanager
 def collectives_on(group: Any):
-    """This thread's ``broadcast_object``, ``all_gather_object`` and ``barrier`` run on ``group`` (a group of every
-    rank, e.g. checkpointing's own) instead of the default group, whose collectives belong to training."""
+    """This thread's object collectives and ``barrier`` run on ``group`` (checkpointing's), not training's default."""
     before = getattr(_THREAD, "group", None)
     _THREAD.group = group
     try:

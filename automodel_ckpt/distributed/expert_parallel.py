@@ -1,16 +1,6 @@
 """Expert parallelism from a model family's own plan (transformers' ``base_model_ep_plan``), under FSDP2.
 
-transformers ships, with each mixture-of-experts family's config, which parameters hold the experts and which module
-dispatches tokens to them (``layers.*.mlp.experts.gate_up_proj: grouped_gemm``, ``layers.*.mlp.experts:
-ep_dispatch_experts``). Its own styles apply here as they are: ``grouped_gemm`` makes each fused expert weight a
-``DTensor`` sharded on the expert dimension over the ``ep`` mesh (each rank holds ``num_experts / ep`` whole
-experts, and the module's expert count becomes the local one), and ``ep_dispatch_experts`` sends each routed token
-to its expert's rank and the result back with all-to-all (``AllToAllEP``), gradients included. Every data-parallel
-rank keeps its own rows; tensor-parallel peers, which share theirs, each send a slice of them (an ``ep`` group is made
-of whole groups of peers). The experts module is then sharded by ``fully_shard`` over the expert copies only
-(``efsdp``: data-parallel × tensor-parallel size / ``ep``), as transformers' FSDP does for these modules, and the
-rest of the model over the data-parallel ranks as without experts. A parameter keeps its whole-model name and
-global shape, so the checkpoint holds each expert once and reshards to any other mesh.
+transformers' own styles; parameters keep whole-model names and global shapes (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -29,8 +19,7 @@ DISPATCH = "ep_dispatch_experts"
 
 
 def expert_plan(model: nn.Module) -> dict[str, str]:
-    """``{path pattern: style}``: the plan transformers assembles for ``model`` (``base_model_ep_plan`` under the
-    base model's prefix); empty for a family without experts."""
+    """``{path pattern: style}``: the plan transformers assembles for ``model``; empty without experts."""
     return dict(getattr(model, "ep_plan", None) or {})
 
 
@@ -50,9 +39,7 @@ def _expanded(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
-    """The expanded plan for ``model`` (under its LoRA wrapper, if any) on ``ep_size`` ranks; one-line
-    ``ConfigError`` when there is none or it cannot apply (a style not applied here, experts that do not split
-    evenly, no mixture-of-experts layer)."""
+    """The expanded plan for ``model`` on ``ep_size`` ranks; ``ConfigError`` when there is none or it cannot apply."""
     model = causal_lm(model)
     family = family_name(model)
     plan = expert_plan(model)
@@ -78,10 +65,8 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> dict[str, str]:
 
 
 def apply_expert_parallel(model: nn.Module, expert_mesh: Any, batch_mesh: Any) -> list[nn.Module]:
-    """Spread the experts of ``model`` (on the meta device, before ``fully_shard``) over ``expert_mesh["ep"]`` with
-    transformers' styles; returns the modules that dispatch tokens to them (``shard_experts`` shards those).
-
-    ``batch_mesh``: the ranks that hold the same rows (tensor-parallel peers): each sends its own slice of them."""
+    """Spread the experts of ``model`` (meta device, before ``fully_shard``) over ``expert_mesh["ep"]``; returns
+    the modules that dispatch tokens to them. ``batch_mesh``: the ranks that hold the same rows."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     model = causal_lm(model)
@@ -92,14 +77,9 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: Any, batch_mesh: Any) -
 
 
 def shard_experts(experts: list[nn.Module], expert_mesh: Any, dp_size: int, **fsdp_kwargs: Any) -> None:
-    """``fully_shard`` each experts module over the copies of the experts (``efsdp``; with HSDP, sharded within a
-    replica group and replicated across them), before its decoder layer.
-
-    An expert's gradient already sums the rows of every rank of its ``ep`` group (the all-to-all's backward), and the
-    reduction over the copies adds the other groups': it covers the whole global batch, which the loss scales as
-    the data-parallel average, so it is divided by the data-parallel size, not the number of copies. FSDP2 applies
-    such a factor locally when told to sum (gloo has no pre-multiplied sum), as transformers does.
-    """
+    """``fully_shard`` each experts module over the experts' copies (``efsdp``), before its decoder layer. Its
+    gradient sums the whole global batch (the all-to-all's backward, then the copies), so it is divided by the
+    data-parallel size, not the number of copies (applied locally: gloo has no pre-multiplied sum)."""
     from torch.distributed.fsdp import fully_shard
 
     names = expert_mesh.mesh_dim_names

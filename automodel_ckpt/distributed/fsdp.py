@@ -33,17 +33,14 @@ def mixed_precision_policy(name: str | None) -> MixedPrecisionPolicy | None:
 
 
 def decoder_layers(model: nn.Module, exclude: nn.Module | None = None) -> list[nn.Module]:
-    """The repeated transformer blocks: the largest ``nn.ModuleList`` in the model (``model.layers`` for Llama),
-    outside ``exclude`` (a vision tower) if given."""
+    """The repeated transformer blocks: the largest ``nn.ModuleList`` in the model outside ``exclude``."""
     inside = {id(m) for m in exclude.modules()} if exclude is not None else set()
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and id(m) not in inside]
     return list(max(lists, key=len)) if lists else []
 
 
 def vocabulary_ends(model: nn.Module) -> list[nn.Module]:
-    """The input embedding and the output head when untied, each to be its own FSDP2 unit (as torchtitan shards
-    them): the root then no longer holds both gathered from the first forward to the end of the backward, nor the
-    head's unsharded gradient through the whole backward. Tied, or where a model has neither: none."""
+    """The untied input embedding and output head, each its own FSDP2 unit (as torchtitan shards them)."""
     lm = causal_lm(model)
     if ties_embeddings(lm):
         return []
@@ -59,15 +56,9 @@ def vocabulary_ends(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precision: str | None = None) -> nn.Module:
-    """``fully_shard`` each decoder layer, then the root, so parameters are gathered one block at a time.
-
-    An image-text model's vision tower is sharded the same way, each of its blocks, then the tower as a whole.
-    ``mesh``: a data-parallel mesh, or the run's ``ParallelDims``: then its projections are first split over the
-    tensor-parallel mesh by the family's plan, and ``fully_shard`` shards over the data-parallel mesh (with HSDP,
-    the 2-D replicate × shard mesh: shard within a group, replicate across groups). With expert parallelism the
-    experts are first spread over the expert mesh by the family's plan, and each experts module sharded over the
-    copies of its experts (``expert_parallel.py``).
-    """
+    """``fully_shard`` each decoder layer (and vision block), then the root: parameters gathered a block at a time.
+    ``mesh``: a data-parallel mesh, or the run's ``ParallelDims``, whose tensor- and expert-parallel plans apply
+    first."""
     experts: list[nn.Module] = []
     dims = mesh if isinstance(mesh, ParallelDims) else None
     if dims is not None:
@@ -101,11 +92,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
 
 
 def _recorded_outputs(model: nn.Module) -> list[tuple[nn.Module, dict]]:
-    """Which outputs (hidden states, attentions) each transformers (sub)model can record, keyed by its class.
-
-    ``fully_shard`` swaps a module's class for an FSDP subclass, under which transformers no longer finds them:
-    a LLaVA vision tower would then return no hidden states to pick its image features from.
-    """
+    """Which outputs each transformers (sub)model can record, by class: under ``fully_shard``'s subclass
+    transformers no longer finds them (a LLaVA vision tower would return no hidden states)."""
     try:
         from transformers.modeling_utils import PreTrainedModel
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
@@ -126,11 +114,8 @@ def _restore_recorded_outputs(recorded: list[tuple[nn.Module, dict]]) -> None:
 
 @contextlib.contextmanager
 def gathered_between_forwards(model: nn.Module, budget: int | None = None) -> Iterator[None]:
-    """Inside: each FSDP2 block keeps its gathered parameters after its forward, so a run of forwards with no
-    backward (sampling: one per new token) gathers each block once, not once per forward; after: every block
-    resharded and back to resharding after each forward. The root is left as FSDP2 sets it (it keeps its own
-    parameters gathered after forward anyway). Nothing to do for a model without FSDP2 blocks, or whose whole
-    parameters would take more than ``budget`` bytes on a rank (then each forward gathers and reshards, as ever)."""
+    """Inside, FSDP2 blocks keep their gathered parameters after forward (sampling gathers each once, not once
+    per token); after, all resharded. Nothing without FSDP2 blocks or past ``budget`` bytes of parameters."""
     if budget is not None and sum(p.numel() * p.element_size() for p in model.parameters()) > budget:
         yield
         return

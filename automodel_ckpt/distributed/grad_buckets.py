@@ -1,17 +1,6 @@
 """The replicated model's gradient all-reduce: a bucket layout whose summation order is the same in every launch.
 
-An all-reduce sums each element in an order set by its offset in the buffer it reduces (the ring's chunks), and
-from 3 ranks on that order changes the last bits. DDP lays out its first iteration's buckets in one order and then
-rebuilds them in the order the gradients became ready; every launch, a resume included, runs its first step in the
-first layout, so a resumed run would drift from a straight one. Two layouts keep every element at one offset:
-
-- **One parameter per bucket** (a cap of 0 MB): an element's offset is its offset in its own gradient. The buckets
-  are reduced as they fill, overlapped with the backward: the layout for GPUs (NCCL), where an all-reduce is cheap
-  to start.
-- **One bucket, reduced in the model's parameter order** (``canonical_all_reduce``): every gradient in one bucket
-  whatever DDP's order in it, copied into one buffer in ``model.parameters()`` order, all-reduced once, copied
-  back. Gloo's TCP all-reduce costs about a millisecond of CPU per call before it moves a byte (a tiny model's
-  forty one-parameter buckets cost as much CPU as its step), so on CPUs one call a step is the fast layout.
+Why (DDP rebuilds its buckets after every launch's first step) and the two layouts: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -24,8 +13,7 @@ ONE_BUCKET = [2**40]
 
 
 class ParameterOrder:
-    """The comm hook's state: each parameter's place in ``model.parameters()`` (read at the first reduction, once
-    the reducer holds the parameters the run trains)."""
+    """The comm hook's state: each parameter's place in ``model.parameters()`` (read at the first reduction)."""
 
     def __init__(self, model: Any) -> None:
         self.model, self.place = model, None
@@ -37,9 +25,7 @@ class ParameterOrder:
 
 
 def canonical_all_reduce(state, bucket):  # no annotations: DDP checks them against its own types
-    """DDP's comm hook (a ``ParameterOrder`` and a ``GradBucket``): the bucket's gradients averaged over the ranks
-    (the default group, which ``replicate_model`` replicates over), each element at the offset the model's parameter
-    order gives it, whatever order DDP laid the bucket out in."""
+    """DDP's comm hook: the bucket's gradients averaged, each element at its offset in the model's parameter order."""
     import torch
     import torch.distributed as dist
 

@@ -1,28 +1,6 @@
 """Workers die with their launcher: a parent-death signal, and a watchdog on the launcher's pid as a fallback.
 
-torch's elastic agent (run inside the ``ckpt-train`` process) starts each worker in a session of its own, so a
-SIGKILL of the launcher's process group (a user's ``kill -9``, the OOM killer, a wrapper script) does not reach
-the workers: without this they would train on as orphans and keep publishing checkpoints into a folder the next
-run already uses. So every worker, first thing (``bind_to_launcher``, from ``python -m automodel_ckpt``):
-
-* asks Linux to SIGKILL it when its parent dies (``prctl(PR_SET_PDEATHSIG)``). The parent is the process (the
-  thread, in fact: torch starts workers from the agent's main thread) that started the worker: the launcher. Then
-  it checks that the launcher is still its parent: if the launcher died before the signal was armed, the worker
-  was already handed to another parent and stops at once;
-* starts a daemon thread that checks every ``POLL_SECONDS`` that its parent has not changed and that the launcher
-  is alive (elsewhere than on Linux this is the only guard; on Linux it also covers a launcher that is not the
-  direct parent, e.g. a wrapper in between);
-* before it publishes a checkpoint, rank 0 checks the same (``stop_if_orphaned``): a worker that outlived its
-  launcher never completes a save.
-
-A worker that finds its launcher gone prints one line and ends with SIGKILL, as the signal would have ended it.
-The launcher names itself to its workers in ``LAUNCHER_PID_ENV``; a worker started by plain ``torchrun`` binds to
-its parent, torchrun's agent.
-
-A rank's own children die with it the same way (``children_die_with_this_process``, at the start of every rank): a
-process it forks from its main thread (its DataLoader workers) is SIGKILLed when the rank dies, instead of noticing
-it seconds later (torch's DataLoader workers check their parent every 5 s); one forked after the rank died already
-ends at once. (They never hold the checkpoint folder's lock either: ``checkpoint/storage/runlock.py``.)
+Why (torch's agent starts each worker in a session of its own) and the three guards: docs/security.md.
 """
 
 from __future__ import annotations
@@ -94,9 +72,8 @@ def stop_if_orphaned(doing: str) -> None:
 
 
 def children_die_with_this_process() -> None:
-    """Every process forked from now on by this one's main thread (its DataLoader workers...) ends when this
-    process ends, however it ends: an at-fork hook arms the parent-death signal in each child. (The signal follows
-    the thread that forked: a child forked by another thread, which may end first, is left as it is.)"""
+    """Every process this one's main thread forks from now on ends when this process ends (an at-fork hook arms
+    the parent-death signal; it follows the forking thread, so other threads' children are left as they are)."""
     global _children_bound
     if _children_bound or not hasattr(os, "register_at_fork") or _prctl() is None:
         return
@@ -159,9 +136,8 @@ def _prctl_set_pdeathsig() -> int:
 
 
 def proc_stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command's name (``[0]`` the state, ``[1]`` the parent's pid,
-    ``[19]`` the start in clock ticks since boot), or None where it cannot be read (no such process, no /proc). The
-    name, in parentheses, may itself hold spaces and parentheses: the fields start after the last ``)``."""
+    """The fields of ``/proc/<pid>/stat`` after the command's name (after its last ``)``: ``[0]`` the state, ``[1]``
+    the parent's pid, ``[19]`` the start in clock ticks), or None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()

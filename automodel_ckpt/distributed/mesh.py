@@ -1,13 +1,6 @@
 """Who is who on the device mesh: the pipeline, data-parallel (replicate × shard), tensor- and expert-parallel sizes.
 
-Computed once from the ``distributed:`` keys and the world size, then passed down: the data loader, validation,
-the per-rank checkpoint files and the loss reductions ask this object for the data-parallel rank and size, never
-the global rank. Ranks are laid out with pipeline stages outermost and tensor parallelism innermost
-(``global rank = pp rank × (dp × tp) + dp rank × tp + tp rank``), so the tensor-parallel peers of a data-parallel
-rank sit next to each other (on one node, where the links are fastest), a data-parallel rank is
-``replicate × dp_shard + shard``, and the data-parallel rank (which keys the data position and per-rank state) is the
-same whatever the number of stages. Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks
-of a shard group (whole groups of tensor-parallel peers); every data-parallel rank still reads its own rows.
+The data, the per-rank files and the losses use its data-parallel rank; the layout: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -23,11 +16,9 @@ from automodel_ckpt.errors import ConfigError
 
 #: Keys recognised in ``distributed:`` whose strategies are not implemented: refused unless 1 or null.
 UNSUPPORTED = {"cp_size": "context parallelism"}
-#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's ``Schedule1F1B``, ``ScheduleGPipe`` and
-#: ``ScheduleInterleaved1F1B``, the last with several stages per rank).
+#: The pipeline schedules ``distributed.pp_schedule`` accepts (torch's schedules of these names).
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-#: Tensor parallelism does not split an image-text model yet: refused before launch for the package's image-text
-#: builder (``config/validate.py``) and, for any other, when the model is sharded (``fsdp.shard_model``).
+#: Refused before launch (``config/validate.py``) or when the model is sharded (``fsdp.shard_model``).
 IMAGE_TEXT_TP_REFUSAL = ("distributed.tp_size: tensor parallelism for image-text models is not supported yet; "
                          "use tp_size 1")
 #: The ``distributed:`` keys the mesh sizes depend on.
@@ -39,8 +30,7 @@ IMAGE_TEXT_EP_REFUSAL = ("distributed.ep_size: expert parallelism for image-text
 
 @dataclass(frozen=True)
 class MeshSizes:
-    """The sizes of the mesh: ``pp`` pipeline stages, each of ``dp_replicate × dp_shard`` data-parallel ranks, each
-    ``tp`` tensor-parallel ranks; the experts spread over groups of ``ep`` ranks."""
+    """The sizes of the mesh: ``pp`` stages × ``dp_replicate`` × ``dp_shard`` × ``tp``; experts over ``ep`` ranks."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -63,9 +53,7 @@ class MeshSizes:
         return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1 and self.ep == 1
 
     def describe(self) -> str:
-        """``dp 4``, ``dp 2 × tp 2``, ``tp 2``, ``HSDP 2 × 2``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``pp 4``,
-        ``dp 2 × ep 2``; ``... + SP`` with sequence parallelism (which a checkpoint does not record: its tensors are
-        the same)."""
+        """``dp 4``, ``HSDP 2 × 2 × tp 2``, ``dp 2 × pp 2``, ``dp 2 × ep 2``, ``... + SP``."""
         parts = []
         if self.dp_replicate > 1:
             parts.append(f"HSDP {self.dp_replicate} × {self.dp_shard}")
@@ -80,15 +68,13 @@ class MeshSizes:
         return " × ".join(parts) + (" + SP" if self.sequence_parallel else "")
 
     def record(self) -> dict[str, int]:
-        """What a checkpoint's metadata records (``mesh``; ``pp`` only with pipeline stages, ``ep`` only with expert
-        parallelism)."""
+        """What a checkpoint's metadata records (``mesh``; ``pp`` and ``ep`` only when above 1)."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp} | (
             {"pp": self.pp} if self.pp > 1 else {}) | ({"ep": self.ep} if self.ep > 1 else {})
 
     @classmethod
     def from_record(cls, record: Any, world_size: int) -> MeshSizes:
-        """The sizes a checkpoint recorded (without ``pp``: one stage; without ``ep``: no expert parallelism); a
-        checkpoint without a record was written on a 1-D mesh."""
+        """The sizes a checkpoint recorded (missing ``pp``, ``ep``: 1); without a record, a 1-D mesh."""
         if isinstance(record, dict):
             with contextlib.suppress(TypeError, ValueError):
                 return cls(int(record.get("dp_replicate", 1)), int(record.get("dp_shard", 1)), int(record.get("tp", 1)),
@@ -97,8 +83,7 @@ class MeshSizes:
 
 
 def resolve_sizes(section: Any, world_size: int) -> MeshSizes:
-    """The mesh the ``distributed:`` section asks for on ``world_size`` ranks; one-line ``ConfigError`` otherwise.
-    Worked out once per process: the config check and the recipe get the same object."""
+    """The mesh ``distributed:`` asks for on ``world_size`` ranks (cached); one-line ``ConfigError`` otherwise."""
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
     values = tuple((key, type(v), tuple(v) if isinstance(v, (list, ListConfig)) else v)
                    for key, v in ((key, get(key, None)) for key in _KEYS))  # the type too: True == 1, and is no size
@@ -152,8 +137,7 @@ def _resolve(values: tuple[tuple[str, type, Any], ...], world_size: int) -> Mesh
 
 
 def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int) -> None:
-    """Expert parallelism spreads the experts over groups of ``ep`` consecutive ranks of a shard group (whole groups
-    of tensor-parallel peers), within each pipeline stage; sizes that do not fit are one-line ``ConfigError``s."""
+    """Expert-parallel sizes that do not fit a shard group of whole tensor-parallel groups: ``ConfigError``."""
     if ep % tp:
         raise ConfigError(f"distributed.ep_size ({ep}) must be a multiple of tp_size ({tp}): tensor-parallel peers "
                           "share their rows, and an ep group holds whole groups of them; change distributed.ep_size")
@@ -166,9 +150,8 @@ def _check_expert_sizes(ep: int, dp_shard: int, tp: int, pp: int, replicate: int
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """How a run's pipeline runs: torch's schedule by name, the microbatches each local batch is cut into, the stages
-    each rank holds (``interleaved_1f1b``: stage ``r + k × pp`` on rank ``r``) and the number of decoder layers of
-    each stage (None: an even split, the first stages taking one more of a remainder)."""
+    """How a run's pipeline runs: torch's schedule, microbatches per local batch, stages per rank
+    (``interleaved_1f1b``: stage ``r + k × pp`` on rank ``r``) and each stage's decoder layers (None: even)."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -198,9 +181,7 @@ class PipelinePlan:
 
 def resolve_pipeline(section: Any, sizes: MeshSizes, local_batch_size: int,
                      num_layers: int | None = None) -> PipelinePlan:
-    """The pipeline the ``distributed.pp_*`` keys ask for on ``sizes``; one-line ``ConfigError`` otherwise.
-
-    ``num_layers``: the model's decoder layers, when known (the stage split is checked against them)."""
+    """The pipeline ``distributed.pp_*`` asks for on ``sizes`` (and ``num_layers``); one-line ``ConfigError`` else."""
     get = section.get if hasattr(section, "get") else lambda key, default=None: getattr(section, key, default)
     pp = sizes.pp
     schedule = str(get("pp_schedule", None) or "1f1b").lower()
@@ -255,13 +236,9 @@ def _size(value: Any, key: str, default: int | None) -> int:
 class ParallelDims:
     """This rank's place on the mesh, and the meshes and groups each job uses.
 
-    ``fsdp_mesh``: what ``fully_shard`` shards (and, with HSDP, replicates) over; ``tp_mesh``: what tensor
-    parallelism splits over (None without it); ``dp_group``: the group that sums losses and token counts (None: every
-    rank, as without tensor parallelism). With expert parallelism, ``expert_mesh``: ``(dp_shard × tp / ep, ep)``
-    (``(dp_replicate, ...)`` with HSDP), named ``efsdp`` (what ``fully_shard`` shards the experts over, within a
-    replica group) and ``ep`` (what the experts are spread over), and ``batch_mesh``: the ranks that hold the same
-    rows (the tensor-parallel peers; without tensor parallelism, a third dimension of the expert mesh of this rank
-    alone).
+    ``dp_group``: the group that sums losses and token counts (None: every rank). With expert parallelism,
+    ``expert_mesh`` is ``([dp_replicate,] efsdp, ep)``: ``fully_shard`` shards the experts over ``efsdp``, spreads
+    them over ``ep``; ``batch_mesh``: the ranks that hold the same rows (the tensor-parallel peers, else this rank).
     """
 
     sizes: MeshSizes
@@ -301,13 +278,11 @@ class ParallelDims:
 
     @property
     def writes_rank_state(self) -> bool:
-        """Whether this rank writes its data-parallel rank's small files (the data position, RNG): the first of
-        its tensor-parallel peers and pipeline stages, which hold the same."""
+        """Whether this rank writes its data-parallel rank's small files: the first of its peers and stages."""
         return self.tp_rank == 0 and self.pp_rank == 0
 
     def sum_over_dp(self, value: Any) -> Any:
-        """``value`` summed over the data-parallel ranks (float64 on the CPU): each tensor-parallel peer gets the
-        same total, which counts every data-parallel rank's value once."""
+        """``value`` summed over the data-parallel ranks (float64 on the CPU), each counted once."""
         from automodel_ckpt.distributed.env import all_reduce_sum
 
         return all_reduce_sum(value, group=self.dp_group)
@@ -327,13 +302,8 @@ class ParallelDims:
 
 
 def build_parallel_dims(sizes: MeshSizes, rank: int, device_type: str) -> ParallelDims:
-    """Create the device mesh of ``sizes`` (collective: every rank calls it, in the same order).
-
-    The default (1-D) layout is the mesh FSDP2 has always used, ``("dp",)`` (with expert parallelism too, beside the
-    expert mesh); otherwise the dimensions larger than one, named ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp``
-    (``dp_shard`` always: ``fully_shard`` then has a mesh to work on, of one rank under tensor parallelism alone or
-    one rank per stage).
-    """
+    """Create the device mesh of ``sizes`` (collective): ``("dp",)`` for the 1-D default, else the dimensions
+    larger than one of ``pp``, ``dp_replicate``, ``dp_shard`` (always: ``fully_shard`` needs one) and ``tp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     expert_mesh = None

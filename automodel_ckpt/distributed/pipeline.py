@@ -1,20 +1,6 @@
 """Pipeline stages cut from a causal LM with whole-model names, trained and evaluated by torch's pipelining schedules.
 
-Each stage is the whole model with the modules of the other stages replaced by transformers' parameterless
-``PipelineIdentityLayer`` at the same place: its decoder layers, the embedding on the first stage only, the final
-norm and the head on the last only. Every parameter a stage holds keeps its whole-model name, so its
-``state_dict`` is a subset of the whole model's and the checkpoint, the base read and the export need no stage
-knowledge. The model's own ``forward`` runs each stage: the first from the token ids, the others from the hidden
-states received (``inputs_embeds``); the position embeddings and the causal mask are computed on every stage as the
-model computes them.
-
-A head tied to the input embedding (``tie_word_embeddings``) is held as Megatron holds it: the last stage keeps the
-embedding module too, unused, whose weight is its head's, so both stages hold the tied weight under the whole
-model's names; ``TiedEmbedding`` sums its gradient over the two stages, which keeps the copies equal. A LoRA (PEFT)
-model is cut the same way, inside its wrapper: each stage holds the adapters of its own modules.
-
-With ``interleaved_1f1b`` a rank holds several stages (``r``, ``r + pp_size``, ...) in that one model: the layers of
-all of them are kept, and each stage's forward passes the rank's other layers through (``_OneStageAtATime``).
+Every parameter keeps its whole-model name, so no checkpoint or export knows of stages (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -37,8 +23,7 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def tied_embeddings(model: nn.Module) -> bool:
-    """Whether the head's weight is the input embedding's (``tie_word_embeddings``), on the model before the cut
-    (under its LoRA wrapper, if any)."""
+    """Whether the head's weight is the input embedding's, on the model before the cut."""
     return ties_embeddings(causal_lm(model))
 
 
@@ -47,8 +32,7 @@ def family_name(model: nn.Module) -> str:
 
 
 def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
-    """The family's decoder layers (``model.layers``, beside ``embed_tokens`` and ``norm``); a one-line
-    ``ConfigError`` for a family laid out otherwise."""
+    """The family's decoder layers (``model.layers``); a ``ConfigError`` for a family laid out otherwise."""
     base = _base(model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(hasattr(base, n) for n in ("embed_tokens", "norm")) \
@@ -85,13 +69,8 @@ def describe_layers(chunks: list[range]) -> str:
 
 
 def cut_stage(model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_size: int) -> list[range]:
-    """Keep on ``model`` (on the meta device, before sharding) only the modules of pipeline rank ``pp_rank``'s
-    stages; returns the decoder layers of each (one range, or one per stage with ``interleaved_1f1b``).
-
-    The first rank holds the embedding (its first stage is the model's first), the last rank the final norm and the
-    head (its last stage is the model's last). With tied embeddings the last rank keeps the embedding module as
-    well: its weight is the head's, so the rank holds the tied weight under both whole-model names, as the whole
-    model does (its forward never calls it)."""
+    """Keep on ``model`` (meta device, before sharding) only pipeline rank ``pp_rank``'s stages' modules; returns
+    each stage's decoder layers. With tied embeddings the last rank keeps the embedding module too (never called)."""
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
     layers = decoder_layer_list(model)
@@ -111,12 +90,8 @@ def cut_stage(model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_size: int) 
 
 
 class TiedEmbedding:
-    """The input embedding's weight shared with the head across the first and the last stage.
-
-    Both copies start equal (the base read, a checkpoint or the seeded build gives both stages the same values);
-    ``sum_gradients`` sums their gradients over the two stages (an all-reduce of each rank's FSDP2 shard with its peer
-    at the same data- and tensor-parallel position, which holds the same slice), so the optimizer keeps them equal.
-    Collective on construction: every rank takes part in making the groups of the first and last stage."""
+    """The input embedding's weight shared with the head across the first and the last stage: both copies start
+    equal and ``sum_gradients`` all-reduces each FSDP2 shard with its peer's, so they stay equal. Collective."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
         import torch.distributed as dist
@@ -150,10 +125,8 @@ class TiedEmbedding:
 
 
 class _OneStageAtATime:
-    """Which of a rank's stages the model's next forward runs (``interleaved_1f1b``): while it runs, the decoder
-    layers of the rank's other stages are the identity, and so are the final norm and the head unless it is the
-    model's last stage. Swapped by a forward pre-hook that runs after FSDP2's own (prepended), so FSDP2's first
-    forward has seen every module; a forward hook puts them back, on an error too."""
+    """Which of a rank's stages the next forward runs (``interleaved_1f1b``): the other stages' layers (and the
+    norm and head but on the last) are the identity meanwhile, swapped by a pre-hook after FSDP2's own."""
 
     def __init__(self, model: nn.Module, chunks: list[range], holds_head: bool) -> None:
         from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
@@ -187,9 +160,7 @@ class _OneStageAtATime:
 
 
 class StageModule(nn.Module):
-    """What a pipeline stage runs: the stage's model from token ids (first stage) or hidden states (the others) to
-    hidden states, or to logits on the last stage. ``kwargs``: the attention mask or position ids of the rows.
-    ``interleave``/``slot``: with several stages per rank, which of the rank's stages this one is."""
+    """What a pipeline stage runs: token ids or hidden states to hidden states (logits on the last stage)."""
 
     def __init__(self, model: nn.Module, first: bool, interleave: _OneStageAtATime | None = None,
                  slot: int = 0) -> None:
@@ -209,9 +180,8 @@ class StageModule(nn.Module):
 
 
 class _StageLoss:
-    """The schedule's loss: each microbatch's summed token loss times ``scale`` (what is backpropagated). Torch
-    splits a tensor target into the microbatches; another target (named tensors with ``rows(index)``) is held here,
-    torch splits its row numbers and each microbatch's loss takes those rows."""
+    """The schedule's loss: each microbatch's summed token loss times ``scale``. A target that is no tensor (with
+    ``rows(index)``) is held here, and torch splits its row numbers."""
 
     def __init__(self, token_loss_sum: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
         self.token_loss_sum, self.scale, self.target = token_loss_sum, 1.0, None
@@ -227,13 +197,7 @@ class _StageLoss:
 
 
 class Pipeline:
-    """This rank's stage of the model under torch's schedule (``plan.schedule``) over the pipeline group.
-
-    ``token_loss_sum(logits, target)``: a microbatch's summed token loss (the algorithm's); ``rows``: the rows of a
-    local batch (``plan.microbatches`` microbatches of one shape); ``tied``: the whole model's head shares the input
-    embedding's weight (``tied_embeddings`` before the cut). ``step`` and ``evaluate``
-    return the summed token loss of the rows on the last stage, zero on the others.
-    """
+    """This rank's stage under torch's schedule; ``step``, ``evaluate``: the token loss sum (last stage), else 0."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
                  token_loss_sum: Callable[[torch.Tensor, Any], torch.Tensor], rows: int,
@@ -279,9 +243,7 @@ class Pipeline:
         return self._run(self.schedule.step, input_ids, labels, extra, scale)
 
     def share_tied_gradients(self) -> list[nn.Parameter]:
-        """After the last ``step`` of a batch: the tied embedding's gradient summed over its two stages; returns the
-        parameters this stage leaves out of the gradient norm (its copy of the tied weight on the last stage), which
-        is then counted once."""
+        """After a batch's last ``step``: the tied gradient summed; returns the parameters the norm leaves out."""
         if self.tied is None:
             return []
         self.tied.sum_gradients()
@@ -302,9 +264,7 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: Any, extra: dict[str, torch.Tensor],
                  ignore_index: int) -> torch.Tensor:
-        """Forward only (the schedule's ``eval``). A batch of fewer rows than the training batches (the last
-        validation batch; labels a tensor) is filled with copies of its first row whose labels are all
-        ``ignore_index``: the stages exchange microbatches of one shape."""
+        """Forward only; a short batch is filled with copies of its first row labelled ``ignore_index``."""
         short = self.rows - len(input_ids)
         if short > 0:
             def fill(t: torch.Tensor, value: int | None = None) -> torch.Tensor:

@@ -1,22 +1,6 @@
 """Sequence parallelism: the residual stream between the tensor-parallel regions split along the sequence.
 
-Derived from the family's tensor-parallel plan and applied with torch's styles, as torchtitan does for Llama. Plain
-tensor parallelism leaves every activation outside the split projections (the embedding output, the norms, the
-residual additions, the final norm's output) whole on each tensor-parallel rank; here they are ``Shard(1)``: each
-rank holds ``seq_length / tp`` positions of them.
-
-- the norms that are direct children of a decoder layer or of the base model: ``SequenceParallel()`` (computed on
-  this rank's positions; their weight's gradient is summed over the tensor-parallel ranks);
-- a block of a decoder layer that holds split projections (attention, a dense MLP): ``PrepareModuleInput``
-  gathers its input, ``Shard(1)`` → ``Replicate`` (one all-gather), and its ``rowwise`` projections give
-  ``Shard(1)`` (a reduce-scatter instead of the all-reduce);
-- a mixture-of-experts block (whole experts): input gathered as above, output (replicated) cut to ``Shard(1)``;
-- the input embedding gives ``Shard(1)`` (reduce-scatter; tied embeddings, whole, are only cut); the head gathers
-  its input and gives replicated logits, as without sequence parallelism.
-
-The residual stream stays a ``DTensor`` of the whole sequence's shape, so the model code that reads it (position
-ids, the causal mask) sees the full length. How a decoder layer calls a block (the hidden states as a keyword,
-``self_attn(hidden_states=...)``, or positionally, ``mlp(x)``) is read from the layer's ``forward``.
+Derived from the family's tensor-parallel plan, as torchtitan does for Llama; each style: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -45,8 +29,7 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def _call_layouts(layer: nn.Module, child: str, family: str) -> dict[str, Any]:
-    """How ``layer.forward`` passes the hidden states to ``layer.<child>``: ``{"positional": n}`` (first of ``n``
-    positional arguments) or ``{"keyword": name}``; ``ConfigError`` when it cannot be read."""
+    """How ``layer.forward`` passes the hidden states to ``layer.<child>`` (positional, keyword), or ``ConfigError``."""
     refuse = ConfigError(f"distributed.sequence_parallel: cannot tell how the '{family}' decoder layer passes the "
                          f"hidden states to its '{child}'; set sequence_parallel to false")
     try:
@@ -75,8 +58,7 @@ def _call_layouts(layer: nn.Module, child: str, family: str) -> dict[str, Any]:
 
 
 def _gathered_input(layer: nn.Module, child: str, family: str, *, output: bool = False) -> Any:
-    """The style that gathers the hidden states ``layer`` passes to ``layer.<child>`` (and, with ``output``, cuts its
-    replicated output back to ``Shard(1)``)."""
+    """The style gathering the hidden states ``layer`` passes ``layer.<child>`` (``output``: cut back after)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
 
@@ -95,9 +77,8 @@ def _gathered_input(layer: nn.Module, child: str, family: str, *, output: bool =
 
 def sequence_parallel_plan(model: nn.Module, plan: dict[str, str], experts: list[str], styles: dict[str, Any],
                            family: str) -> dict[str, Any]:
-    """``{module path: style}`` for ``parallelize_module``: ``plan`` (patterns → plan styles, experts left out)
-    with the residual stream split along the sequence; ``experts``: the plan's fused-experts patterns; ``styles``:
-    the plain tensor-parallel style of each plan style. One-line ``ConfigError`` for what it cannot place."""
+    """``{module path: style}``: ``plan`` with the residual stream split along the sequence (``experts``: the
+    fused-experts patterns; ``styles``: each plan style's torch style); ``ConfigError`` for what it cannot place."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)

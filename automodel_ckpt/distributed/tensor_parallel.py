@@ -1,24 +1,6 @@
 """Tensor parallelism from a model family's own plan (transformers' ``base_model_tp_plan``), applied with torch.
 
-transformers ships, with each family's config, which projection splits how (``"colwise"``, ``"rowwise"``, ...).
-Its own ``tp_plan="auto"`` path applies that plan at load time with hooks of its own; here the same plan is
-translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` styles and applied with ``parallelize_module`` on
-the tensor-parallel mesh, so the parameters become DTensors that ``fully_shard`` then also shards over the
-data-parallel mesh, and that DCP saves, reshards and loads like any other. The attention modules of the families
-reshape with ``-1`` heads, so a rank computes its ``heads / tp`` heads without any change to the model code.
-
-Mixture-of-experts families (Mixtral, Qwen3-MoE, ...) keep their fused experts whole on every tensor-parallel rank:
-the plan's ``moe_tp_experts`` module and every entry under it (``packed_colwise`` gate/up, ``rowwise`` down) are
-left out, so the experts and their router are replicated over the tensor-parallel ranks and sharded over the
-data-parallel ranks by ``fully_shard``, like a norm. This stays consistent: the block's input (a norm of the
-residual) is replicated, a module with whole weights computes the whole output from it, and the colwise/rowwise
-pairs left (attention, a dense MLP, a shared expert) are each kept or left out together. The cost is memory:
-the experts, most of such a model, are split only over the data-parallel ranks, unless expert parallelism
-(``expert_parallel.py``) spreads them over groups of whole tensor-parallel groups.
-``replicated_with_grad_allreduce`` (the per-head ``q_norm`` / ``k_norm`` of Qwen3 and others, between a colwise and
-a rowwise projection) is torch's ``SequenceParallel`` on the heads dimension: the
-weight is replicated, the input holds this rank's heads, and the weight's partial gradient is summed over the
-tensor-parallel ranks when FSDP2 reduces it.
+With torch's ``parallelize_module``; fused MoE experts stay whole on every rank (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -70,8 +52,7 @@ def causal_lm(model: nn.Module) -> nn.Module:
 
 
 def ties_embeddings(model: nn.Module) -> bool:
-    """Whether ``model``'s head shares the input embedding's weight (on a pipeline stage that holds only one of
-    them, as its config says)."""
+    """Whether ``model``'s head shares the input embedding's weight (on a stage holding one: as its config says)."""
     try:
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -88,10 +69,8 @@ def family_name(model: nn.Module) -> str:
 
 
 def family_plan(model: nn.Module) -> dict[str, str]:
-    """``{module path pattern: style}`` for ``model``: the plan transformers assembles for the model (the
-    config's ``base_model_tp_plan`` under the base model's prefix, plus the embeddings and the head), or the
-    config's plan alone. Tied embeddings stay whole on every tensor-parallel rank: the input embedding and the
-    head share one weight, which the two styles would each make a parameter of its own."""
+    """``{module path pattern: style}``: the plan transformers assembles for ``model`` (else the config's). Tied
+    embeddings stay whole: the two styles would each make a parameter of the one shared weight."""
     return without_experts(_assembled_plan(model))
 
 
@@ -113,8 +92,7 @@ def _assembled_plan(model: nn.Module) -> dict[str, str]:
 
 
 def without_experts(plan: dict[str, str]) -> dict[str, str]:
-    """``plan`` less the fused experts of a mixture-of-experts block: the ``moe_tp_experts`` entries and every
-    entry under them, which then stay whole (replicated) on every tensor-parallel rank."""
+    """``plan`` less the fused experts (``moe_tp_experts`` and every entry under it), which stay whole."""
     experts = [k for k, v in plan.items() if v == EXPERTS_STYLE]
     return {k: v for k, v in plan.items() if not any(k == e or k.startswith(f"{e}.") for e in experts)}
 
@@ -178,13 +156,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, stages: Any = None,
                    uncounted: Iterable[nn.Parameter] = ()) -> torch.Tensor:
-    """``clip_grad_norm_`` for gradients that live on different meshes (tensor-parallel projections on the 2-D
-    mesh, the rest on the data-parallel one) or on different pipeline stages (``stages``: their process group): one
-    total norm over all of them, then every gradient scaled by it. ``uncounted``: parameters whose gradient another
-    stage holds too and counts (a tied embedding's copy); they are scaled, not counted.
-
-    With one mesh (or none) and one stage this is ``torch.nn.utils.clip_grad_norm_`` itself.
-    """
+    """``clip_grad_norm_`` over gradients on different meshes or pipeline stages (``stages``: their group): one
+    total norm. ``uncounted``: scaled, not counted (a tied copy another stage counts). One mesh: torch's own."""
     params = [p for p in parameters if p.grad is not None]
     limit = max_norm if max_norm else float("inf")
     skipped = {id(p) for p in uncounted}

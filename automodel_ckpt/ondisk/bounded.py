@@ -1,11 +1,6 @@
 """Limits on what an untrusted file may ask for: JSON/YAML sizes and nesting, header and pickle sizes, counts.
 
-Every JSON or YAML file read from a checkpoint, an export, an adapter or base folder, a run folder or a bucket goes
-through ``read_json`` / ``parse_json`` / ``read_yaml`` here: its size is checked (from ``fstat``, before a byte is
-read) against the limit of its kind, and its nesting depth (a linear scan, before a recursive parser runs) against
-``MAX_DEPTH``. A file over a limit is a one-line ``CheckpointError`` naming the file and the limit. The limits are
-generous for the largest real models, small enough that no file can make a reader use gigabytes or recurse
-until Python gives up; docs/security.md lists them.
+``read_json`` / ``parse_json`` / ``read_yaml`` check size and nesting before a parser runs (docs/security.md).
 """
 
 from __future__ import annotations
@@ -58,22 +53,18 @@ _BRACKET = re.compile(rb"[\[\]{}]")
 
 
 def is_count(value: object) -> bool:
-    """A whole number from 0 to below ``COUNT_LIMIT`` (not a bool) read from a file: a size, an offset, a
-    dimension, a step, a counter."""
+    """A whole number from 0 to below ``COUNT_LIMIT`` (not a bool): a size, offset, dimension, step, counter."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < COUNT_LIMIT
 
 
 def check_size(size: int, where: str, what: str, limit: int) -> None:
-    """``CheckpointError`` when ``size`` bytes exceed ``limit``: "'x' is 80.0 MiB, over the 64.0 MiB limit for
-    a manifest"."""
+    """``CheckpointError`` when ``size`` bytes exceed ``limit``: "'x' is 80.0 MiB, over the 64.0 MiB limit for ..."."""
     if size > limit:
         raise CheckpointError(f"{where} is {human_size(size)}, over the {human_size(limit)} limit for {what}")
 
 
 def read_bytes(path: Path, what: str, limit: int, *, follow: bool = False) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes (checked before reading; a symlink only with
-    ``follow``, for a folder the user named). ``OSError`` as ``paths.open_regular`` raises it
-    (``FileNotFoundError`` when missing); ``CheckpointError`` when too large."""
+    """The bytes of a regular file of at most ``limit`` bytes; ``CheckpointError`` when larger."""
     where = f"'{path}'"
     with os.fdopen(paths.open_regular(Path(path), follow=follow), "rb") as f:
         check_size(os.fstat(f.fileno()).st_size, where, what, limit)
@@ -83,8 +74,7 @@ def read_bytes(path: Path, what: str, limit: int, *, follow: bool = False) -> by
 
 
 def depth_problem(data: bytes | str) -> str | None:
-    """Why JSON text nests too deeply (None when it does not), from one linear scan of its brackets outside
-    strings, so that the recursive parser never starts on it."""
+    """Why JSON text nests too deeply (None when not), from a linear scan, before the recursive parser starts."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
         return None
@@ -94,8 +84,7 @@ def depth_problem(data: bytes | str) -> str | None:
 
 
 def parse_json(data: bytes | str, where: str, what: str, limit: int | None = None) -> Any:
-    """JSON ``data`` read from ``where`` (a file or an object), checked for size and nesting first; every problem
-    is a one-line ``CheckpointError`` naming ``where``."""
+    """JSON ``data`` from ``where``, size and nesting checked first; problems: ``CheckpointError`` naming ``where``."""
     size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
     check_size(size, where, what, limit if limit is not None else INDEX_FILE_LIMIT)
     why = depth_problem(data)
@@ -114,8 +103,7 @@ def read_json(path: Path, what: str, limit: int, *, follow: bool = False) -> Any
 
 
 def yaml_depth_line(text: str) -> int | None:
-    """The 1-based line where YAML ``text`` nests deeper than ``MAX_DEPTH`` (None when it does not), from the
-    event stream (which PyYAML produces without recursion); ``yaml.YAMLError`` when it is not YAML."""
+    """The line where YAML ``text`` nests deeper than ``MAX_DEPTH`` (or None), from PyYAML's non-recursive events."""
     depth = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
@@ -128,8 +116,7 @@ def yaml_depth_line(text: str) -> int | None:
 
 
 def _parse_yaml(text: str, where: str, what: str) -> Any:
-    """``yaml.safe_load`` of ``text`` read from ``where``, refused in one line when it nests too deeply or is
-    not YAML."""
+    """``yaml.safe_load`` of ``text`` from ``where``, refused in one line when too deep or not YAML."""
     try:
         line = yaml_depth_line(text)
         if line is not None:
@@ -152,8 +139,7 @@ def read_yaml(path: Path, what: str, limit: int = CONFIG_FILE_LIMIT, *, follow: 
 
 
 def check_count(value: object, where: str, field: str, limit: int, low: int = 0) -> int:
-    """``value`` as a count (an int from ``low`` to ``limit``): else a one-line ``CheckpointError`` naming
-    ``field``."""
+    """``value`` as a count (an int from ``low`` to ``limit``): else a one-line ``CheckpointError`` naming ``field``."""
     if not is_count(value) or not low <= value <= limit:
         raise CheckpointError(f"{where}: {field} is {shown_value(value)}, not a count from {low} to {limit}")
     return value

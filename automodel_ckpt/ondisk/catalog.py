@@ -1,12 +1,6 @@
 """A checkpoint_dir read as records, and the choice of the checkpoint to resume: what every reader looks at.
 
-Restore selection, retention, ``ckpt-train inspect``, ``verify`` and ``plot`` all list checkpoints through
-``scan_checkpoints`` and resolve pointers through ``pointer_target``.
-
-A folder is a checkpoint when it holds ``metadata.json`` (whatever name template made its name) or, for folders
-written without one, when its name has the default ``epoch_E_step_N`` form. Counters come from the metadata, not
-from the name. ``.staging-*`` folders are checkpoints still being written: listed only on request, as incomplete.
-Other hidden folders (``.deleting-*``, temporary pointer files) and symlinks (the pointers) are never records.
+A checkpoint holds ``metadata.json`` or has the default name; ``.staging-*`` ones are listed only on request.
 """
 
 from __future__ import annotations
@@ -63,8 +57,7 @@ def _record(path: Path) -> CheckpointRecord | None:
 
 @dataclass(frozen=True)
 class Monitor:
-    """"Best by monitor": metric ``name`` (of validation set ``key``) as recorded in each checkpoint's metadata;
-    with ``mode: min`` the lowest wins, with ``max`` the highest. Non-finite values never win."""
+    """"Best by monitor": metric ``name`` (of set ``key``) in each checkpoint's metadata, by ``mode``; finite only."""
 
     name: str = "val_loss"
     key: str | None = None
@@ -94,11 +87,8 @@ def pointer_targets(checkpoint_dir: Path) -> dict[str, str | None]:
 
 def candidates(records: Iterable[CheckpointRecord], monitor: str, best_metric_key: str | None = None) -> list[Candidate]:
     """The records as retention sees them: name, step, monitored metric, completeness."""
-    return [
-        Candidate(r.name, r.step, metric_value(r.metadata, monitor, best_metric_key), r.complete)
-        for r in records
-        if r.step is not None
-    ]
+    return [Candidate(r.name, r.step, metric_value(r.metadata, monitor, best_metric_key), r.complete)
+            for r in records if r.step is not None]
 
 
 def size_on_disk(path: Path) -> int:
@@ -107,10 +97,7 @@ def size_on_disk(path: Path) -> int:
 
 
 def quarantined_checkpoints(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    """Checkpoints that resume moved aside as damaged (``disk.quarantine``): never records of ``scan_checkpoints``.
-
-    ``{name, path, step, reason, quarantined_at}`` each, oldest first.
-    """
+    """Checkpoints resume moved aside as damaged: ``{name, path, step, reason, quarantined_at}``, oldest first."""
     folder = Path(checkpoint_dir) / layout.QUARANTINE_DIR
     if folder.is_symlink() or not folder.is_dir():
         return []
@@ -129,9 +116,6 @@ def quarantined_checkpoints(checkpoint_dir: Path) -> list[dict[str, Any]]:
         found.append({"name": entry.name, "path": str(entry), "step": note.get("step"),
                       "reason": note.get("reason"), "quarantined_at": when})
     return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
-
-
-# --- selection: which checkpoint a run resumes --------------------------------------------------------
 
 
 
@@ -158,10 +142,7 @@ def _dangling_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
 
 
 def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """LATEST's target; the newest published checkpoint when LATEST is missing, dangling or behind.
-
-    LATEST can lag only if a run died between publishing a checkpoint and swapping the pointer.
-    """
+    """LATEST's target; the newest published checkpoint when LATEST is missing, dangling or behind."""
     found = list_checkpoints(checkpoint_dir)
     target = pointer_target(checkpoint_dir, layout.LATEST)
     if not found:
@@ -187,11 +168,9 @@ def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path
     if restore_from == layout.LATEST:
         if dangling is not None:
             existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
-            raise CheckpointError(
-                f"checkpoint.restore_from: LATEST points to '{dangling}', which is not a checkpoint in "
-                f"{checkpoint_dir} (checkpoints there: {existing}); name one, or unset restore_from to resume "
-                "from the newest"
-            )
+            raise CheckpointError(f"checkpoint.restore_from: LATEST points to '{dangling}', which is not a checkpoint "
+                                  f"in {checkpoint_dir} (checkpoints there: {existing}); name one, or unset "
+                                  "restore_from to resume from the newest")
         found = latest_checkpoint(checkpoint_dir)
     elif restore_from in (layout.LOWEST_VAL, layout.BEST_EVAL):
         found = pointer_target(checkpoint_dir, restore_from)
@@ -204,7 +183,6 @@ def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path
         found = candidate if candidate.is_dir() and not layout.is_staging(candidate.name) else None
     if found is None:
         existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
-        raise CheckpointError(
-            f"checkpoint.restore_from: '{restore_from}' not found in {checkpoint_dir} (checkpoints there: {existing})"
-        )
+        raise CheckpointError(f"checkpoint.restore_from: '{restore_from}' not found in {checkpoint_dir} "
+                              f"(checkpoints there: {existing})")
     return found

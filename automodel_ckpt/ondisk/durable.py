@@ -1,8 +1,6 @@
 """Durable filesystem steps: early writeback, fsync of files and folders, atomic pointer swaps, pointer resolution.
 
-Our own files in a run folder (pointers, notes, markers, copies) are written without following a link: a new file
-is created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over its place, which replaces a symlink or FIFO
-found there instead of writing through it.
+Our own files are created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over their place.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ def write_durable(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: object) -> None:
-    """Write a JSON file of ours as every one is laid out (indented by 2, keys sorted, one final newline). Not
-    fsynced: the folder it is written into is fsynced or renamed into place as a whole."""
+    """Write a JSON file of ours (indent 2, keys sorted, final newline); not fsynced: its folder is, as a whole."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -72,8 +69,7 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 def copy_regular(src: Path, dst: Path, *, follow: bool = False) -> None:
-    """Copy the regular file ``src`` (a symlink only with ``follow``; never a FIFO or device: ``OSError``) to a
-    new ``dst``, replacing whatever is there by rename (``write_atomic``'s way); fsynced."""
+    """Copy the regular file ``src`` (a symlink only with ``follow``) to ``dst`` as ``write_atomic`` writes."""
     tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(6)}"
     with os.fdopen(paths.open_regular(Path(src), follow=follow), "rb") as source:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
@@ -107,12 +103,7 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing ``nbytes`` at ``offset`` of ``fd`` back to storage now, without waiting for it.
-
-    Called as soon as a chunk is written, it overlaps disk I/O with the copying of later chunks, so the one fsync
-    per file at the end has little left to do. Linux ``sync_file_range``; elsewhere (or if libc lacks it) nothing,
-    and fsync does it all. Errors are harmless: the fsync that follows reports any that matter.
-    """
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` back now (``sync_file_range``); the fsync reports errors."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, nbytes)
 
@@ -136,9 +127,6 @@ def files_under(root: Path) -> list[Path]:
     return [Path(root) / rel for rel, _ in paths.walk_regular(root)]
 
 
-# --- files this process wrote: synced already? checksum computed while writing? -----------------------
-
-
 @dataclass(frozen=True)
 class _Written:
     """What the writer of a file recorded about it (``WrittenFiles.note``)."""
@@ -154,12 +142,7 @@ def _stamp(path: Path) -> tuple[int, ...]:
 
 
 class WrittenFiles:
-    """The files one writer (a ``Checkpointer``) wrote: whether each was fsynced, and its checksum if computed then.
-
-    ``fsync_tree`` skips a file recorded as synced and the manifest uses the recorded checksum instead of reading
-    the file back, as long as the file is unchanged (same inode, size, mtime and ctime). Thread-safe: background
-    writes record their files from their own threads.
-    """
+    """The files one ``Checkpointer`` wrote, fsynced or not, with their checksums while unchanged. Thread-safe."""
 
     def __init__(self) -> None:
         self._files: dict[str, tuple[tuple[int, ...], _Written]] = {}
@@ -195,11 +178,7 @@ class WrittenFiles:
 
 
 def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenFiles | None = None) -> None:
-    """fsync this rank's share of the files below ``root``, then (rank 0) every folder, deepest first.
-
-    Files ``written`` records as fsynced already are not synced again; the rest are synced by a few threads at
-    once (the filesystem can then commit them together).
-    """
+    """fsync this rank's share of the files below ``root`` not synced yet, then (rank 0) every folder, deepest first."""
     todo = []
     for i, path in enumerate(files_under(root)):
         if i % world_size == rank:
@@ -218,11 +197,7 @@ def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenF
 
 
 def set_pointer(checkpoint_dir: Path, pointer: str, target_name: str) -> None:
-    """Point ``checkpoint_dir/pointer`` at ``target_name``: a relative symlink swapped in by rename.
-
-    ``rename`` over the old link is atomic, so a reader sees the old or the new target, never neither. Where
-    symlinks are not supported, ``POINTER.txt`` holds the name instead (also replaced by rename).
-    """
+    """Point ``checkpoint_dir/pointer`` at ``target_name``: a relative symlink (else ``POINTER.txt``) renamed in."""
     checkpoint_dir = Path(checkpoint_dir)
     link = checkpoint_dir / pointer
     tmp = checkpoint_dir / f".{pointer}.tmp-{secrets.token_hex(6)}"
@@ -264,8 +239,7 @@ def remove_pointer(checkpoint_dir: Path, pointer: str) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a folder of ours and everything below it, following no link: a symlink (or a file) found in its
-    place is removed itself, never what it points to."""
+    """Remove a folder of ours and everything below it, following no link (a symlink in its place is removed)."""
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         with contextlib.suppress(OSError):
@@ -275,10 +249,7 @@ def remove_tree(path: Path) -> None:
 
 
 def replace_folder(tmp: Path, out: Path, old_name: str) -> None:
-    """Rename the finished folder ``tmp`` to ``out``, replacing an existing ``out`` without a moment of absence.
-
-    The existing folder is renamed aside to ``old_name`` first (restored if the swap fails) and deleted after.
-    """
+    """Rename ``tmp`` to ``out``, an existing ``out`` moved aside to ``old_name`` (restored on failure) and deleted."""
     out = Path(out)
     old = None
     if out.exists() or out.is_symlink():

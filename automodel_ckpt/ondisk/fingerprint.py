@@ -1,16 +1,6 @@
 """What a checkpoint is a checkpoint of: the run fingerprint recorded in metadata.json and compared on resume.
 
-A rerun into a ``checkpoint_dir`` resumes whatever is there. If the recipe now names another model (another size,
-another family, another tokenizer, other LoRA settings, other data), resuming would load state that does not belong
-to it: at best a shape error deep inside torch, at worst a silent mix. The fingerprint records, at every save, what
-the state means, and resume compares it with the run before anything is loaded.
-
-What is recorded: the model class and its architecture config (minus keys that do not change the weights' meaning:
-dtype, attention implementation, caching, versions), every parameter's name and shape, a hash of the tokenizer's
-vocabulary, the PEFT settings, and the recipe keys that change what the saved data position and optimizer state
-mean (the data source, the sequence length, the global batch). What may change between runs is left out on
-purpose: world size, local batch size, ``max_steps``, logging, checkpoint interval, and credentials: the recipe
-keys are recorded redacted (``redact.py``), so a rotated token resumes and no secret reaches metadata.json.
+What is recorded, and what is left out so that it may change between runs: docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -23,8 +13,7 @@ from automodel_ckpt.redact import redacted
 
 _FINGERPRINT_VERSION = 1
 
-#: The recipe keys of the fingerprint that a new stage of a run may change (docs/stages.md): the data, the sequence
-#: length, the global batch. A rerun that changes one resumes only as a new stage (``checkpoint.new_stage``).
+#: The recipe keys a new stage of a run may change (docs/stages.md); a rerun that changes one resumes only as one.
 STAGE_KEYS = frozenset({"dataset", "data.seq_length", "step_scheduler.global_batch_size"})
 
 # Config keys that never change what the saved weights mean.
@@ -38,8 +27,7 @@ _CONFIG_IGNORED = frozenset({
 
 def run_fingerprint(model: Any, tokenizer: Any = None, peft: dict[str, Any] | None = None,
                     recipe: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fingerprint of a run that trains ``model`` (call it before sharding, or after: names and global shapes
-    are the same)."""
+    """The fingerprint of a run that trains ``model`` (before or after sharding: the same)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {
         "version": _FINGERPRINT_VERSION,
@@ -71,11 +59,8 @@ def _vocabulary(tokenizer: Any) -> dict[str, Any] | None:
 
 def first_difference(saved: dict[str, Any] | None, current: dict[str, Any] | None,
                      free: frozenset[str] = frozenset()) -> str | None:
-    """How ``current`` differs from ``saved``, in words (the first part that differs, with its differing keys);
-    None when they match or either is unknown. Recipe keys in ``free`` (a new stage's, ``STAGE_KEYS``) may differ.
-
-    Checkpoints written before fingerprints existed (no ``saved``) never block.
-    """
+    """How ``current`` differs from ``saved``, in words (the first differing part and its keys); None when they
+    match or either is unknown. Recipe keys in ``free`` (a new stage's, ``STAGE_KEYS``) may differ."""
     if not saved or not current or saved.get("version") != current.get("version"):
         return None
     if saved.get("model_class") != current.get("model_class"):

@@ -1,23 +1,6 @@
 """Incremental saves: a file whose bytes equal the previous published checkpoint's is hard-linked there, not written.
 
-With ``checkpoint.incremental`` the model writers put each rank's tensors that did not train (frozen parameters,
-buffers, a preference run's reference) in a file of their own (``layout.stable_part``). Before writing that file,
-its bytes are hashed from memory (``content_key``: xxh3-128, or BLAKE2b where ``xxhash`` is missing); when the key
-and size equal those of the same file in the checkpoint this writer published last, and that file is still the very
-one it wrote (same inode, size and modification time), the new checkpoint's staging folder gets a hard link to it.
-The first save after a resume compares with the checkpoint resumed from, whose files it reads back and hashes
-(``adopt``): another process wrote them.
-
-Every checkpoint folder therefore still holds every file: retention and prune (a deleted checkpoint only drops a
-link), crash safety (a published folder never loses a file; a staging folder is discarded as before), ``verify``,
-consolidate, export, ``pack``, ``restore_from`` and resuming at another world size are unchanged. Where links do not
-exist or the previous file is gone (another filesystem, an object store's local mirror that was emptied) the file
-is written, so nothing depends on the link succeeding. A file stored once is damaged once: ``verify`` then names it
-in every checkpoint that holds it.
-
-An object store has no links: there the same sharing is done by content key. ``key_of`` gives the uploader the key
-computed here for each stable file this process wrote or linked, and the file is uploaded once, as a piece of the
-run folder named by that key (``checkpoint/objectstore/pieces.py``).
+Every folder still holds every file, and where a link fails the file is written: docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -46,8 +29,7 @@ def _hasher() -> Any:
 
 
 def key_of(path: Path) -> str | None:
-    """The content key of the stable file at ``path`` when a ``Reuse`` of this process wrote or linked it there and
-    it is still that file (same inode, size and modification time); None otherwise."""
+    """The content key of the stable file at ``path`` when this process wrote or linked it and it is unchanged."""
     where = os.path.abspath(os.fspath(path))
     with _KEYS_LOCK:
         known = _KEYS.get(where)
@@ -87,11 +69,7 @@ class _Kept:
 
 
 class Reuse:
-    """The stable files of the checkpoint this writer published last, and those of the save being made.
-
-    ``begin`` starts a save, ``write`` writes or links one of its files, ``published`` makes its files the ones the
-    next save compares with. Thread-safe (background writes call ``write``).
-    """
+    """The stable files of the checkpoint this writer published last, and of the save being made. Thread-safe."""
 
     def __init__(self) -> None:
         self._previous: dict[str, _Kept] = {}
@@ -151,10 +129,7 @@ class Reuse:
             self._keyed = []
 
     def adopt(self, folder: Path) -> None:
-        """A resumed run, before its first save: compare with ``folder``, the checkpoint it resumed from. Another
-        process wrote its files, so none is trusted by inode: a file is linked only once its bytes, read back,
-        hash to the new file's key (one read of the stable part per launch; at another world size the files differ
-        and are written)."""
+        """Before a resumed run's first save: compare with ``folder``, whose files are linked only once hashed."""
         with self._lock:
             if not self._previous:
                 self._adopted = Path(folder)
@@ -216,8 +191,7 @@ def _link_same_bytes(source: Path, path: Path, size: int, key: str) -> bool:
 
 
 def shared_bytes(folder: Path) -> tuple[int, int]:
-    """``(own bytes, shared bytes)`` of the regular files below ``folder``: a file with more than one link is
-    shared (the same bytes another checkpoint holds, stored once)."""
+    """``(own bytes, shared bytes)`` of the regular files below ``folder`` (shared: more than one link)."""
     own = shared = 0
     for _, st in paths.regular_stats(Path(folder)):
         if st.st_nlink > 1:

@@ -1,15 +1,6 @@
 """Checksums of a checkpoint's model and optimizer files computed while the load reads them (``verify_on_load``).
 
-With ``verify_on_load`` every file of a checkpoint is checked against its manifest before a resume continues.
-Hashing the model and optimizer files before loading them would read the largest files twice; instead the check
-before loading (``manifest.check_before_load``) leaves those files (``deferred``) to the load, which hashes each
-one as its bytes arrive (``fastio.directread``). Each rank hashes the files of its share (``manifest.assign``, the
-same split as the check before loading), reading a file whole where it needs only part of it; files of its share
-that no load on this rank reads (a state not loaded) are hashed at the end (``finish``). A mismatch raises
-``DamagedFile`` on every rank: the checkpoint is damaged, and some state may already hold its bytes.
-
-Where every node loads its own copy of the checkpoint (the node-local tier), the ranks do not share one set of
-files: there each rank hashes every file it reads from, whole, and no other (``of_reads``).
+Each rank hashes its share as the bytes arrive; a mismatch raises ``DamagedFile`` on every rank.
 """
 
 from __future__ import annotations
@@ -32,8 +23,7 @@ class DamagedFile(CheckpointError):
 
 
 def deferred(rel: str) -> bool:
-    """Whether the checksum of manifest-listed file ``rel`` is left to the load: the model and optimizer data files
-    of a state folder (not an HF export inside the checkpoint, nor the small files)."""
+    """Whether the load checks listed file ``rel``: a state folder's model and optimizer data files."""
     parts = Path(rel).parts
     if len(parts) != 2:
         return False
@@ -76,8 +66,7 @@ class LoadCheck:
         return cls(checkpoint, pending, str(data.get("checksum_algorithm", manifest.CRC32)), reads_only=True)
 
     def hashers(self, folder: Path, reading: Iterable[str] = ()) -> dict[str, Any]:
-        """``{path: hasher}`` of the pending files in ``folder`` (for ``directread.read_files``); ``reading``: the
-        files the load at hand reads from (with ``of_reads``, only those are hashed)."""
+        """``{path: hasher}`` of the pending files in ``folder``; ``reading``: what the load reads (``of_reads``)."""
         folder = Path(folder).resolve()
         read = {os.path.realpath(p) for p in reading}
         self._read |= read & set(self.pending)
@@ -97,8 +86,7 @@ class LoadCheck:
                 f"{expected}, on disk {digest}) (`ckpt-train verify {self.checkpoint}` lists every file)")
 
     def finish(self) -> None:
-        """Hash the pending files no load read (a state not loaded; with ``of_reads``, the files read but not
-        hashed on the way); ``DamagedFile`` on a mismatch."""
+        """Hash the pending files no load hashed on the way; ``DamagedFile`` on a mismatch."""
         for path, (rel, expected) in sorted(self.pending.items()):
             if not self._reads_only or path in self._read:
                 self._compare(rel, hash_file(Path(path), self.algorithm)[1], expected)

@@ -1,27 +1,6 @@
 """``manifest.json``: the size and checksum of every file of a checkpoint, written last, just before publish.
 
-Format (docs/integrity.md)::
-
-    {
-      "manifest_version": 1,
-      "layout_version": 1,
-      "checksum_algorithm": "xxh3_64",
-      "total_bytes": 7812345,
-      "linked_bytes": 345678,      (checkpoint.incremental, when any: files hard-linked from an earlier checkpoint)
-      "files": {"config.yaml": {"size": 1234, "checksum": "9f3c51e0a1b2c3d4"}, ...}
-    }
-
-``files`` lists every regular file below the checkpoint folder (paths relative to it, ``/``-separated), whoever
-wrote it: model shards, optimizer state, per-rank files, config, metadata, an inline HF export. The manifest
-itself is not listed; symlinks are neither listed nor followed.
-
-When it is computed: in ``Checkpointer.save`` after the fsync step and before publish. The model and optimizer
-files get their checksum while they are written, from the same memory (``ondisk/fastio``, recorded with
-``storage.WrittenFiles``, owned by the checkpointer), so they are not read back; the other files were written moments earlier and are hashed
-from the page cache. Each rank takes a share (the files it wrote itself where the name tells, the rest balanced by
-size) and rank 0 writes the manifest and fsyncs it.
-
-Checksums: see ``checksum`` (xxHash3-64, CRC32 where ``xxhash`` is missing); the manifest names its algorithm.
+The format: docs/integrity.md. Each rank hashes a share (fastio's from memory), rank 0 writes the manifest.
 """
 
 from __future__ import annotations
@@ -35,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from automodel_ckpt.ondisk import bounded, layout, paths
 from automodel_ckpt.ondisk.checksum import CRC32, default_algorithm, hash_file, hasher
-from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_dir, fsync_file
+from automodel_ckpt.ondisk.durable import WrittenFiles, fsync_dir, fsync_file, write_atomic
 from automodel_ckpt.errors import CheckpointError, first_line
 
 _MANIFEST_VERSION = 1
@@ -47,9 +26,6 @@ CHECKSUM_MISMATCH = "checksum mismatch"
 MISSING = "missing"
 UNEXPECTED_FILE = "unexpected file"
 UNREADABLE = "unreadable"
-
-
-# --- which rank hashes what --------------------------------------------------------------------------
 
 
 def list_files(root: Path) -> dict[str, int]:
@@ -92,13 +68,9 @@ def assign(files: dict[str, int], world_size: int) -> list[list[str]]:
     return shares
 
 
-# --- writing -----------------------------------------------------------------------------------------
-
-
 def build_manifest(root: Path, files: dict[str, int], checksums: dict[str, str], algorithm: str, *,
           linked: int = 0) -> dict[str, Any]:
-    """The manifest of ``files``; ``linked``: bytes of them the save hard-linked from an earlier checkpoint instead
-    of writing (``checkpoint.incremental``), recorded as ``linked_bytes`` when there are any."""
+    """The manifest of ``files``; ``linked``: bytes of them hard-linked (``linked_bytes``, when any)."""
     table: dict[str, Any] = {
         "manifest_version": _MANIFEST_VERSION,
         "layout_version": layout.LAYOUT_VERSION,
@@ -112,8 +84,7 @@ def build_manifest(root: Path, files: dict[str, int], checksums: dict[str, str],
 
 
 def list_files_and_linked(root: Path) -> tuple[dict[str, int], int]:
-    """``list_files(root)`` and the bytes of those files with more than one link, from one walk: in a folder being
-    sealed, the files a save took from an earlier checkpoint by hard link (``incremental``) rather than wrote."""
+    """``list_files(root)`` and the bytes of those files with more than one link (hard-linked), from one walk."""
     stats = [(rel, st) for rel, st in paths.regular_stats(root) if rel != layout.MANIFEST_FILE]
     return dict(sorted((rel, st.st_size) for rel, st in stats)), sum(st.st_size for _, st in stats if st.st_nlink > 1)
 
@@ -138,8 +109,7 @@ def write(root: Path, manifest: dict[str, Any]) -> Path:
 
 def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: str,
                 written: WrittenFiles | None) -> dict[str, str]:
-    """Checksums of ``rels``: the one computed while a file was written (recorded in ``written``) if the file is
-    unchanged since, else hashed now (a few files at once)."""
+    """Checksums of ``rels``: those ``written`` recorded for unchanged files, else hashed now (a few at once)."""
     out = {}
     todo = []
     for rel in rels:
@@ -152,9 +122,8 @@ def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: s
     def one(rel: str) -> tuple[str, str]:
         size, digest = hash_file(root / rel, algorithm)
         if size != files[rel]:
-            raise CheckpointError(
-                f"'{root / rel}' changed while the manifest was computed ({files[rel]} -> {size} bytes)"
-            )
+            raise CheckpointError(f"'{root / rel}' changed while the manifest was computed ({files[rel]} -> {size} "
+                                  "bytes)")
         return rel, digest
 
     if len(todo) > 1:
@@ -167,14 +136,9 @@ def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: s
 
 def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None = None, *,
          shared: bool = True) -> None:
-    """Collective: every rank hashes its share of ``staging``'s files; rank 0 writes the manifest.
-
-    Checksums ``written`` recorded while the files were written are used instead of reading the files back.
-    ``shared``: every rank sees the same ``staging`` folder; otherwise (node-local folders) each rank lists its
-    own, the manifest lists them all, and each file is hashed by a rank that holds it.
-
-    A failure on any rank raises the same ``CheckpointError`` on every rank (the checkpoint is then not published).
-    """
+    """Collective: every rank hashes its share of ``staging``'s files (using ``written``'s checksums), rank 0
+    writes the manifest; a failure raises the same ``CheckpointError`` on every rank. ``shared`` False (node-local
+    folders): each rank lists its own and each file is hashed by a rank that holds it."""
     from automodel_ckpt.distributed import collective
     from automodel_ckpt.distributed.env import gather_object, scatter_object
 
@@ -194,17 +158,14 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
     else:
         algorithm, files, shares = _plan_apart(staging, rank, world_size)
         share = {rel: files[rel] for rel in shares[rank]}
-    mine = collective.collectively(
-        lambda: _hash_share(staging, list(share), share, algorithm, written), f"checksumming '{staging}'", rank
-    )
+    mine = collective.collectively(lambda: _hash_share(staging, list(share), share, algorithm, written),
+                                   f"checksumming '{staging}'", rank)
     parts = gather_object(mine)  # rank 0 receives one share per rank; every other rank sends its own only
     if written is not None:
         written.forget(staging)
-    collective.on_main(
-        lambda: write(staging, build_manifest(staging, files, merge_checksums(parts or []), algorithm,
-                                     linked=listed.get("linked", 0))),
-        f"writing '{staging / layout.MANIFEST_FILE}'", rank,
-    )
+    collective.on_main(lambda: write(staging, build_manifest(staging, files, merge_checksums(parts or []), algorithm,
+                                                             linked=listed.get("linked", 0))),
+                       f"writing '{staging / layout.MANIFEST_FILE}'", rank)
 
 
 def merge_checksums(parts: Iterable[dict[str, str]]) -> dict[str, str]:
@@ -247,13 +208,8 @@ def _find_checkpoint(path: Path) -> Path | None:
 
 
 def add_files_to_manifest(folder: Path) -> bool:
-    """Record in its checkpoint's manifest the files of ``folder``, written after the save (an offline export).
-
-    Entries below ``folder`` are replaced by its current files; the manifest is swapped in by rename. Returns
-    False (and changes nothing) when ``folder`` is not inside a checkpoint with a manifest. Run on one rank.
-    """
-    import uuid
-
+    """Replace in its checkpoint's manifest the entries below ``folder`` by its files, written after the save (an
+    offline export), by rename; False (nothing changed) outside a checkpoint with a manifest. One rank."""
     checkpoint = _find_checkpoint(folder)
     if checkpoint is None:
         return False
@@ -269,15 +225,9 @@ def add_files_to_manifest(folder: Path) -> bool:
         files[prefix + rel], checksums[prefix + rel] = size, digest
     updated = build_manifest(checkpoint, files, checksums, algorithm)
     updated["layout_version"] = current.get("layout_version", layout.LAYOUT_VERSION)
-    tmp = checkpoint / layout.export_tmp_name(layout.MANIFEST_FILE, uuid.uuid4().hex[:8])
-    tmp.write_text(dump_manifest(updated), encoding="utf-8")
-    fsync_file(tmp)
-    os.replace(tmp, checkpoint / layout.MANIFEST_FILE)
+    write_atomic(checkpoint / layout.MANIFEST_FILE, dump_manifest(updated).encode("utf-8"))
     fsync_dir(checkpoint)
     return True
-
-
-# --- reading and checking ----------------------------------------------------------------------------
 
 
 def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
@@ -290,10 +240,8 @@ def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
     except OSError as exc:
         raise CheckpointError(f"'{file}' is unreadable: {first_line(exc)}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not all(
-        isinstance(v, dict) and bounded.is_count(v.get("size")) and isinstance(v.get("checksum"), str)
-        for v in files.values()
-    ):
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and bounded.is_count(v.get("size"))
+                                              and isinstance(v.get("checksum"), str) for v in files.values()):
         raise CheckpointError(f"'{file}' is malformed (no 'files' table of sizes and checksums)")
     for rel in files:  # untrusted: every listed path must stay inside the checkpoint
         paths.check_path(rel, f"'{file}'")
@@ -315,10 +263,8 @@ def check_layout_version(checkpoint: Path) -> None:
     for name in (layout.MANIFEST_FILE, layout.METADATA_FILE):
         version = _declared_version(checkpoint / name)
         if version is not None and version > layout.LAYOUT_VERSION:
-            raise CheckpointError(
-                f"checkpoint '{checkpoint}' was written by a newer automodel-ckpt "
-                f"(layout {version} > {layout.LAYOUT_VERSION}, {name}); upgrade automodel-ckpt to load it"
-            )
+            raise CheckpointError(f"checkpoint '{checkpoint}' was written by a newer automodel-ckpt (layout {version} "
+                                  f"> {layout.LAYOUT_VERSION}, {name}); upgrade automodel-ckpt to load it")
 
 
 @dataclass
@@ -356,9 +302,7 @@ class ManifestReport:
 
 def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool,
                resolved: dict[str, str] | None = None) -> Verdict:
-    """The verdict of one listed file; only a regular file inside ``root`` is looked at (``read_manifest`` has checked
-    that ``rel`` is a plain relative path; here a symlink on the way out of ``root`` is refused too).
-    ``resolved``: the folders resolved so far (``paths.path_inside``)."""
+    """The verdict of one listed file: only a regular file inside ``root`` is looked at (no symlink out of it)."""
     try:
         path = paths.path_inside(Path(root), rel, "the manifest", resolved)
         st = os.lstat(path)
@@ -376,9 +320,7 @@ def _check_file(root: Path, rel: str, entry: dict[str, Any], algorithm: str, che
 
 def file_verdict(rel: str, entry: dict[str, Any], size: int | None, digest: Callable[[], str] | None,
                  where: str) -> Verdict:
-    """The verdict of the listed file ``rel`` (its manifest ``entry``) whose bytes number ``size`` (None: it is
-    missing), hashed by ``digest`` when checksums are checked; ``where`` the bytes are ("on disk", "in the
-    archive")."""
+    """The verdict of listed file ``rel`` of ``size`` bytes (None: missing); ``where``: "on disk", "in the archive"."""
     if size is None:
         return Verdict(rel, MISSING)
     if size != entry["size"]:
@@ -393,18 +335,9 @@ def file_verdict(rel: str, entry: dict[str, Any], size: int | None, digest: Call
     return Verdict(rel, OK)
 
 
-def verify_manifest(
-    checkpoint: Path,
-    *,
-    checksums: bool = True,
-    only: Iterable[str] | None = None,
-    unexpected: bool = True,
-    threads: int = 1,
-) -> ManifestReport:
-    """Check ``checkpoint``'s files against its manifest (``only``: just these listed files).
-
-    Never raises for a damaged checkpoint: problems are in the report.
-    """
+def verify_manifest(checkpoint: Path, *, checksums: bool = True, only: Iterable[str] | None = None,
+                    unexpected: bool = True, threads: int = 1) -> ManifestReport:
+    """Check ``checkpoint``'s files against its manifest (``only``: just these); problems go in the report."""
     checkpoint = Path(checkpoint)
     report = ManifestReport(checkpoint)
     try:
@@ -457,12 +390,8 @@ def summarize(report: ManifestReport, limit: int = 3) -> str:
 def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_size: int,
                       warn: Callable[[str], None] | None = None, leave: Callable[[str], bool] | None = None) -> None:
     """Raise ``CheckpointError`` if ``checkpoint`` is from a newer layout or its files do not match its manifest.
-
-    Run on every rank (inside ``collective.collectively``): rank 0 checks that every listed file exists with its
-    size; with ``checksums`` each rank also hashes its share. Files the manifest does not list are ignored here
-    (``ckpt-train verify`` reports them). A checkpoint without a manifest loads with a warning. ``leave``: files
-    whose checksum the load computes while reading them (``loadcheck``), only size-checked here.
-    """
+    On every rank: rank 0 checks each listed file's size, and with ``checksums`` each rank hashes its share except
+    ``leave`` (the load hashes those). Unlisted files are ignored; no manifest: a warning."""
     checkpoint = Path(checkpoint)
     check_layout_version(checkpoint)
     manifest = read_manifest(checkpoint)
@@ -485,7 +414,5 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
         for v in bad:
             seen.setdefault(v.path, v)
         merged = ManifestReport(checkpoint, sorted(seen.values(), key=lambda v: v.path), problem)
-        raise CheckpointError(
-            f"checkpoint '{checkpoint}' is damaged: {summarize(merged)} "
-            f"(`ckpt-train verify {checkpoint}` lists every file)"
-        )
+        raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: {summarize(merged)} "
+                              f"(`ckpt-train verify {checkpoint}` lists every file)")

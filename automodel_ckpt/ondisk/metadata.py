@@ -1,8 +1,6 @@
 """``metadata.json``: what a checkpoint is, in one small file rank 0 writes into every checkpoint.
 
-It is what identifies a folder as a checkpoint (whatever its name template), where resume reads the counters
-(not from the folder name), what retention and LOWEST_VAL rank by, and what ``ckpt-train inspect`` shows.
-Non-finite floats are written the way the JSON-lines logs write them: NaN as null, infinities as "inf"/"-inf".
+Non-finite floats are written as the JSON-lines logs write them: NaN as null, infinities as "inf"/"-inf".
 """
 
 from __future__ import annotations
@@ -25,26 +23,11 @@ _EXTRA_FIELDS = ("consumed_samples", "val_metrics")
 _STAGE_FIELDS = ("stages", "consumed_tokens")
 
 
-def build_metadata(
-    *,
-    name: str,
-    epoch: int,
-    step: int,
-    train_loss: float | None,
-    val_loss: float | None,
-    is_final: bool,
-    extra: dict[str, Any] | None = None,
-    world_size: int,
-    model_save_format: str,
-    training_seconds: float | None = None,
-    fingerprint: dict[str, Any] | None = None,
-    mesh: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """The metadata of a checkpoint being saved now.
-
-    ``val_metrics`` holds every validation metric: ``val_loss`` plus what ``extra["val_metrics"]`` adds, either
-    flat (``{"accuracy": 0.9}``) or per named validation set (``{"squad": {"val_loss": 1.2}}``).
-    """
+def build_metadata(*, name: str, epoch: int, step: int, train_loss: float | None, val_loss: float | None,
+                   is_final: bool, extra: dict[str, Any] | None = None, world_size: int, model_save_format: str,
+                   training_seconds: float | None = None, fingerprint: dict[str, Any] | None = None,
+                   mesh: dict[str, int] | None = None) -> dict[str, Any]:
+    """The metadata of a checkpoint being saved now; ``val_metrics`` flat or per set (``{"squad": {...}}``)."""
     import torch
 
     from automodel_ckpt import __version__
@@ -112,8 +95,7 @@ def as_float(value: Any) -> float | None:
 
 
 def metric_value(meta: dict[str, Any] | None, monitor: str, best_metric_key: str | None = None) -> float | None:
-    """The monitored metric recorded in ``meta``: ``val_metrics[monitor]``, or with ``best_metric_key`` (a named
-    validation set) ``val_metrics[best_metric_key][monitor]``; None when the checkpoint did not record it."""
+    """``val_metrics[monitor]`` (of set ``best_metric_key`` if given) recorded in ``meta``, or None."""
     if not meta:
         return None
     metrics = meta.get("val_metrics")

@@ -1,8 +1,6 @@
 """A write that runs out of room (ENOSPC, EDQUOT, a read-only filesystem) as one line: folder, bytes needed, free.
 
-Failures reach the other ranks as text (``collective``), so a failure is recognised both by the ``errno`` of an
-``OSError`` in the exception's chain (or in a DCP ``CheckpointException``'s per-rank failures) and by the
-operating system's message for that errno in the text. ``checkpoint.save.diskfull`` settles a failed save with it.
+Recognised by an ``OSError``'s ``errno`` in the chain, or (failures reach other ranks as text) its message.
 """
 
 from __future__ import annotations

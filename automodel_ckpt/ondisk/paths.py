@@ -1,26 +1,7 @@
 """Paths named by untrusted input (manifests, DCP metadata, index files, bucket listings): the one validator.
 
-Everything read from a checkpoint folder, a manifest, a DCP ``.metadata``, a ``model.safetensors.index.json`` or an
-object-store listing is untrusted: a checkpoint may come from a colleague, a download or a shared bucket. A path
-taken from there is used only if it is *plain*:
-
-* a relative POSIX path of normal components: not empty, not absolute, no ``.`` or ``..`` component, no empty
-  component (``a//b``, a trailing ``/``), no backslash, NUL or other control character, no drive (``C:``), no
-  component longer than 255 bytes, no ``*``, ``?``, ``[`` or ``::`` (an object-store client would expand the
-  first three as a glob and read ``::`` as a chain of URLs: the key would stand for other keys);
-* joined to its root it is reached without following a link: no folder on the way is a symlink (even one that
-  stays inside the root), and a final symlink may not lead out of the root.
-
-A bucket prefix taken for a checkpoint name is one such component. Only regular files are read or hashed:
-``open_regular`` refuses symlinks, FIFOs, devices and sockets before a single byte is read (and never blocks on a
-FIFO); ``read_text`` reads a checkpoint's small files (metadata, manifest, config, pointer) through it, without
-following a link unless told to (a Hugging Face cache folder the user named is made of links into its blobs).
-``walk_regular`` lists the regular files below a folder without entering a linked folder, and names the links and
-special files it passed over. ``model_file_in`` is the one rule for a model folder the user names (an export's or
-`pack`'s source): a regular file is read, and a link only where the folder is a Hugging Face cache snapshot
-(``<repo>/snapshots/<revision>``) and the link leads to a regular file directly in that repository's real
-``blobs/`` folder; every other link, FIFO or device is refused in one line. Anything else is a ``CheckpointError`` naming the path and where it came from: the
-checkpoint is damaged (resume's fallback and quarantine apply) or the verb fails in one line.
+A path is used only if *plain* and reached without a symlinked folder on the way; only regular files are read, a
+link only into a Hugging Face cache snapshot's ``blobs/``. The exact rules: docs/integrity.md (safe loading).
 """
 
 from __future__ import annotations
@@ -84,9 +65,8 @@ class UnsafePathError(CheckpointError):
 
 
 def path_inside(root: Path, rel: object, where: str, cache: dict[str, str] | None = None) -> Path:
-    """``root / rel`` after ``check_path``, refused (``UnsafePathError``) when a folder on the way is a symlink (inside
-    ``root`` or not) or the path itself is a symlink leading out of ``root``. Nothing is created; the path need not
-    exist. ``cache``: folders checked already, kept by a caller that checks many paths below one root."""
+    """``root / rel`` after ``check_path``; ``UnsafePathError`` when a folder on the way is a symlink or the path a
+    symlink out of ``root``. The path need not exist. ``cache``: folders checked already below ``root``."""
     root = Path(root)
     path = root / check_path(rel, where)
     folder = root
@@ -121,9 +101,8 @@ def _refuse_leading_out(root: Path, link: Path, rel: object, where: str) -> None
 
 
 def walk_regular(root: Path, passed: list[tuple[str, str]] | None = None) -> Iterator[tuple[str, int]]:
-    """``(relative path, size)`` of every regular file below ``root``, sorted by path, reached without following
-    a link: a symlinked folder is not entered. Each symlink, FIFO, socket or device found is appended to ``passed``
-    as ``(relative path, why)``. A folder removed while it is walked is skipped."""
+    """``(relative path, size)`` of the regular files below ``root``, sorted, no link followed; each link or special
+    file goes to ``passed`` as ``(relative path, why)``."""
     for rel, st in regular_stats(root, passed):
         yield rel, st.st_size
 
@@ -161,12 +140,8 @@ def _walk(folder: Path, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
 
 
 def open_regular(path: Path, *, follow: bool = False) -> int:
-    """A read-only file descriptor of ``path`` if it is a regular file (not a FIFO, device, socket or folder;
-    not a symlink either unless ``follow``: a Hugging Face cache folder is made of symlinks into its blobs).
-
-    ``OSError`` otherwise (``FileNotFoundError`` when it does not exist). A FIFO is opened without blocking and
-    refused before it is read.
-    """
+    """A read-only descriptor of ``path`` if it is a regular file (a symlink only with ``follow``), else
+    ``OSError`` (``FileNotFoundError`` when missing). A FIFO is opened without blocking and refused."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -190,16 +165,13 @@ def open_regular(path: Path, *, follow: bool = False) -> int:
 
 
 def read_text(path: Path, *, follow: bool = False) -> str:
-    """The UTF-8 text of a small file read from a checkpoint (metadata, manifest, config, pointer): only a regular
-    file is read (a symlink only with ``follow``, for a folder the user named); a symlink, FIFO or device is refused
-    (``OSError``) instead of being followed or blocking forever."""
+    """The UTF-8 text of a small regular file of a checkpoint (through ``open_regular``)."""
     with os.fdopen(open_regular(Path(path), follow=follow), "rb") as f:
         return f.read().decode("utf-8")
 
 
 def regular_file_problem(path: Path) -> str | None:
-    """Why ``path`` (not followed if a symlink) is no regular file; None when it is one. ``FileNotFoundError``
-    propagates."""
+    """Why ``path`` (not followed if a symlink) is no regular file; None when it is one."""
     return not_regular(os.lstat(path).st_mode)
 
 
@@ -219,9 +191,9 @@ def file_kind(mode: int) -> str:
 
 
 def cache_blob(folder: Path, link: Path) -> Path | None:
-    """The blob the symlink ``link`` (an entry of ``folder``) leads to, when ``folder`` is a Hugging Face cache
-    snapshot (``<repo>/snapshots/<revision>``, wherever it lies) and the link, followed all the way, ends at a regular
-    file directly in ``<repo>/blobs/``, itself a real folder; None for any other link."""
+    """The blob the symlink ``link`` of ``folder`` leads to, when ``folder`` is a Hugging Face cache snapshot
+    (``<repo>/snapshots/<revision>``) and the link ends at a regular file directly in the real ``<repo>/blobs/``;
+    None for any other link."""
     snapshot = Path(os.path.realpath(folder))
     if snapshot.parent.name != "snapshots":
         return None
@@ -236,11 +208,8 @@ def cache_blob(folder: Path, link: Path) -> Path | None:
 
 
 def model_file_in(folder: Path, name: str, refusal: str) -> Path:
-    """The path to read for the file ``name`` of the model folder ``folder``: itself when it is a regular file, the
-    blob it leads to when it is a Hugging Face cache snapshot's link (``cache_blob``). Anything else (a link leading
-    anywhere else, a FIFO, a device, a folder) is a one-line ``CheckpointError``: "'PATH' is a symlink, not a regular
-    file or a link into its Hugging Face cache repository's blobs/; ``refusal``". ``FileNotFoundError`` when it
-    does not exist."""
+    """The path to read for ``name`` of model folder ``folder``: itself when a regular file, its blob when a cache
+    snapshot's link (``cache_blob``); anything else a one-line ``CheckpointError`` ending in ``refusal``."""
     path = Path(folder) / name
     mode = os.lstat(path).st_mode
     if stat.S_ISREG(mode):

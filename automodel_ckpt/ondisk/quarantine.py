@@ -17,11 +17,8 @@ from automodel_ckpt.errors import CheckpointError
 
 def quarantine(checkpoint_dir: Path, name: str, reason: str, *, monitor: str = "val_loss",
                best_metric_key: str | None = None, mode: str = "min") -> Path:
-    """Rank 0: move checkpoint ``name`` to ``quarantine/`` with a note saying why; repoint the pointers.
-
-    ``LATEST`` then names the newest checkpoint left (or is removed), ``LOWEST_VAL`` the best one left by
-    ``monitor`` (or is removed). Returns the checkpoint's new path.
-    """
+    """Rank 0: move checkpoint ``name`` to ``quarantine/`` with a note saying why, and point LATEST and
+    LOWEST_VAL at the newest and best left (or remove them); returns its new path."""
     checkpoint_dir = Path(checkpoint_dir)
     folder = _own_folder(checkpoint_dir / layout.QUARANTINE_DIR)
     target = folder / name
@@ -40,8 +37,7 @@ def quarantine(checkpoint_dir: Path, name: str, reason: str, *, monitor: str = "
 
 
 def _own_folder(folder: Path) -> Path:
-    """``folder``, created if missing; a symlink or anything but a real folder in its place is refused: nothing is
-    moved or written through a link out of the run folder."""
+    """``folder``, created if missing; anything but a real folder in its place (a symlink) is refused."""
     try:
         folder.mkdir()
     except FileExistsError:

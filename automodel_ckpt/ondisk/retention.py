@@ -1,19 +1,6 @@
 """Which checkpoints pruning deletes: a pure policy over checkpoint records, pointer targets and the config's rules.
 
-Nothing here touches the filesystem, so the rule can be stated, tested and property-checked on plain values:
-
-* pruning is active only when ``max_recent_checkpoints`` or ``save_top_k`` is set; otherwise every checkpoint
-  is kept (``keep_steps`` alone only protects, it never causes a deletion);
-* when active, a complete checkpoint survives if ANY of these keeps it:
-  - it is one of the ``max_recent_checkpoints`` newest complete checkpoints (by step);
-  - it is one of the ``save_top_k`` best by the monitored metric (finite values only; ties go to the earlier step);
-  - its step is one of ``keep_steps``;
-  - a pointer (LATEST, LOWEST_VAL) targets it;
-  - it is the newest complete checkpoint;
-* a checkpoint still being written (incomplete) is never counted, ranked or deleted.
-
-The same "better" relation decides when LOWEST_VAL moves (``is_better``), so the best checkpoint by the monitor is
-always the one LOWEST_VAL designates and ``save_top_k: 1`` keeps exactly that one.
+Nothing here touches the filesystem, so the rules (docs/retention.md) are property-checked on plain values.
 """
 
 from __future__ import annotations
@@ -44,12 +31,8 @@ class RetentionPolicy:
 
     @classmethod
     def from_config(cls, cfg: Any) -> RetentionPolicy:
-        return cls(
-            max_recent=cfg.max_recent_checkpoints,
-            top_k=cfg.save_top_k,
-            mode=cfg.mode,
-            keep_steps=frozenset(int(s) for s in (cfg.keep_steps or ())),
-        )
+        return cls(max_recent=cfg.max_recent_checkpoints, top_k=cfg.save_top_k, mode=cfg.mode,
+                   keep_steps=frozenset(int(s) for s in (cfg.keep_steps or ())))
 
 
 @dataclass(frozen=True)
@@ -98,9 +81,6 @@ def to_delete(records: Iterable[Candidate], policy: RetentionPolicy, protected: 
     records = list(records)
     keep = survivors(records, policy, protected)
     return [r.name for r in sorted(records, key=lambda r: r.step) if r.complete and r.name not in keep]
-
-
-# --- config validation -------------------------------------------------------------------------------------
 
 
 def check_retention_config(cfg: Any) -> None:

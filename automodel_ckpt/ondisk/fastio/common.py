@@ -41,8 +41,7 @@ _MEMORY_FILESYSTEMS = (0x01021994, 0x858458F6)  # statfs f_type of tmpfs and ram
 
 
 def memory_backed(path: str | os.PathLike) -> bool:
-    """Whether ``path`` lies on a filesystem held in memory (tmpfs, ramfs: ``/dev/shm``), where bypassing the page
-    cache (O_DIRECT) gains nothing and costs a copy through an aligned buffer. False where it cannot be told."""
+    """Whether ``path`` lies on a filesystem in memory (tmpfs, ramfs), where O_DIRECT only costs a copy."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -65,13 +64,7 @@ def tensor_memory(t: torch.Tensor, writable: bool = False) -> memoryview:
 
 
 def scratch(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` (a number of elements: flat) on memory of its own (an anonymous mapping), returned to
-    the system as soon as the tensor is dropped.
-
-    For the short-lived buffers of a load (a piece read in another dtype, then cast into place): the allocator's
-    heap would keep them after they are freed (glibc raises its mapping threshold after freeing a large block, so the
-    next ones land on the heap and stay resident), and a load of many pieces would end holding more than it reads.
-    """
+    """A tensor of ``shape`` on a mapping of its own, returned once dropped (not resident on glibc's heap)."""
     nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * itemsize(dtype)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)

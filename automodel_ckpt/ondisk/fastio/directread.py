@@ -1,18 +1,6 @@
 """Reading checkpoint files past the page cache, their checksums computed from the same buffers on the way.
 
-Page-aligned O_DIRECT reads into reused buffers, copied into the destination tensors by several threads.
-
-Why: a load through the page cache copies every byte twice (device to page cache, page cache to the tensor) and
-fills the page cache with gigabytes nobody reads again; an O_DIRECT read lands in a page-aligned buffer of ours,
-from which one ``copy_`` (which releases the GIL, so the threads copy at once) puts it into the tensor. Each thread
-takes the next region of the files (``REGION`` bytes, in file order; regions of a few small items first), reads
-it and copies it out while the other threads' reads are in flight, so reading and copying overlap. A file's
-unaligned tail is read through the page cache into the same buffer. Where a filesystem refuses O_DIRECT
-(``EINVAL``: tmpfs, some network filesystems) the file is read through the page cache with the same buffers.
-
-``hash_files``: files whose checksum is computed while they are read: the whole file is read (including bytes no
-tensor needs, such as headers), and one hasher thread consumes the regions in file order before their buffers are
-reused, so verifying a checkpoint on load costs no second read.
+Threads read regions with O_DIRECT into aligned buffers and copy out; ``hash_files`` hashed from them in order.
 """
 
 from __future__ import annotations
@@ -57,9 +45,7 @@ def wanted(size: int) -> bool:
 
 
 class Segment:
-    """Bytes ``[start, start + nbytes)`` of a file, to be copied into a flat uint8 tensor: ``dest``, or one that
-    ``make()`` creates when the first of its bytes arrive; ``done()`` runs (on a reader thread) once all of them
-    have (so a buffer for a piece that cannot be read in place lives only while its bytes stream in)."""
+    """Bytes ``[start, start + nbytes)`` of a file for ``dest`` (or ``make()``'s, made late); ``done()`` after."""
 
     __slots__ = ("start", "nbytes", "dest", "make", "done", "_left", "_lock")
 
@@ -283,13 +269,9 @@ def _copy_out(region: _Region, tensor: torch.Tensor) -> None:
 
 def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[str, int] | None = None,
                hash_files: dict[str, Any] | None = None, gap: int = GAP) -> dict[str, int]:
-    """Copy every segment's bytes from its file into its ``dest``; returns ``{path: bytes read}``.
-
-    ``sizes``: the files' sizes where already known. ``hash_files``: ``{path: hasher}`` (``update``) of files to be
-    read whole and fed to the hasher in order (a path may have no segments). Files ``wanted`` says are read with
-    O_DIRECT where allowed, the others through the page cache (same buffers, same threads). ``gap``: unneeded
-    bytes between two needed ranges that are read rather than skipped (0: only the pages of the needed ranges).
-    """
+    """Copy every segment's bytes from its file into its ``dest``; returns ``{path: bytes read}``. ``hash_files``:
+    ``{path: hasher}`` of files read whole and hashed in order. ``gap``: unneeded bytes between two needed ranges
+    read rather than skipped."""
     hash_files = hash_files or {}
     paths = sorted(set(segments) | set(hash_files))
     files: list[_File] = []
@@ -300,8 +282,7 @@ def read_files(segments: dict[str, list[Segment]], threads: int, *, sizes: dict[
             size = os.stat(path).st_size
         files.append(_File(path, size, wanted(size)))
         regions += _plan(path, size, segments.get(path, []), path in hash_files, index, gap)
-    # small regions first (file order otherwise; hashed ones keep theirs): a few pages of small items, read
-    # while the device's queue is short, rather than behind the large reads, last, on the load's critical path
+    # small regions first (else file order; hashed ones keep theirs): not last, behind the large reads
     regions.sort(key=lambda r: r.hashed or r.hi - r.lo >= SMALL_REGION)
     read = {path: 0 for path in paths}
     if not regions:

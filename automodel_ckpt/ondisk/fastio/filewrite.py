@@ -1,8 +1,4 @@
-"""Writing one checkpoint file from tensor memory, its checksum computed on the way.
-
-Planned layout, positioned writes from several threads (straight to the device for large files), early writeback,
-one fsync.
-"""
+"""Writing one checkpoint file from tensor memory, its checksum computed on the way."""
 
 from __future__ import annotations
 
@@ -140,9 +136,7 @@ class _Hasher:
 
 
 def _open_direct(path: Path) -> int | None:
-    """A second descriptor of ``path`` that writes past the page cache; None where the filesystem refuses it, or
-    holds its files in memory (tmpfs: there the plain writes from the tensors' memory copy each byte once, where
-    O_DIRECT would gather them into an aligned buffer first)."""
+    """A second descriptor of ``path`` that writes past the page cache; None where refused, or on tmpfs."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag or common.memory_backed(path):
         return None
@@ -154,15 +148,9 @@ def _open_direct(path: Path) -> int | None:
 
 def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, threads: int,
                   hasher: "_Hasher | None" = None) -> None:
-    """Write the file in page-aligned ``DIRECT_CHUNK`` regions, each gathered from the pieces into a page-aligned
-    buffer and written through ``direct_fd``; the last region's unaligned tail goes through ``fd``.
-
-    The bytes then reach the device without being copied into the page cache first, and a save of many GB does not
-    fill the page cache (nor wait for its writeback at the fsync). Tensors must be contiguous; they may lie on an
-    accelerator, whose bytes are copied into the region's buffer there. With ``hasher`` (pieces that cannot be read
-    in place by a checksum thread: an accelerator's), every region is hashed from its buffer in file order, and the
-    buffer is reused only once it is hashed.
-    """
+    """Write the file in page-aligned ``DIRECT_CHUNK`` regions, each gathered from the (contiguous, maybe
+    accelerator) pieces into an aligned buffer and written through ``direct_fd``; the unaligned tail through
+    ``fd``. With ``hasher``, each region is hashed from its buffer in file order before the buffer is reused."""
     starts, offset = [], 0
     for piece in pieces:
         starts.append(offset)
@@ -204,9 +192,7 @@ def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, thread
 
 
 def _chunk_buffer(pinned: bool) -> tuple[memoryview, torch.Tensor]:
-    """A page-aligned buffer of ``DIRECT_CHUNK`` bytes, as ``(bytes, uint8 tensor)``: in pinned memory for tensors
-    on a GPU (copied into it by DMA, where pageable memory takes the driver's staged, slower copy), else an
-    anonymous mapping (page-aligned by construction)."""
+    """A page-aligned ``DIRECT_CHUNK`` buffer as ``(bytes, uint8 tensor)``: pinned for a GPU's tensors, else mapped."""
     if pinned:
         try:
             tensor = torch.empty(DIRECT_CHUNK, dtype=torch.uint8, pin_memory=True)
@@ -220,12 +206,9 @@ def _chunk_buffer(pinned: bool) -> tuple[memoryview, torch.Tensor]:
 
 def _write_direct_hashed(fill_and_write: Any, regions: list[int], threads: int, hasher: "_Hasher",
                          pinned: bool = False) -> None:
-    """The regions written from a pool of buffers handed out in file order, each hashed in file order by the thread
-    that completes the next one, and given back to the pool once hashed; the first failure stops the rest.
-
-    Buffers go to regions in file order, so the earliest region not yet hashed always holds one: the pool
-    (twice the threads) never runs dry for good.
-    """
+    """The regions written from a pool of buffers handed out in file order, hashed in file order and given back
+    once hashed (so the earliest unhashed region always holds one: the pool never runs dry); the first failure
+    stops the rest."""
     free: queue.Queue = queue.Queue()
     for _ in range(min(len(regions), 2 * max(1, threads))):
         free.put(_chunk_buffer(pinned))
@@ -277,10 +260,7 @@ def _run_all(work: Any, items: list[Any], threads: int) -> None:
 
 
 def write_file(path: Path, pieces: list[Any], threads: int, written: durable.WrittenFiles | None = None) -> int:
-    """Write ``pieces`` back to back into ``path`` (created or truncated) and fsync it; returns its size.
-
-    Records the file in ``written`` as synced, with its checksum, for ``fsync_tree`` and the manifest.
-    """
+    """Write ``pieces`` into ``path``, fsynced and recorded in ``written`` with its checksum; returns its size."""
     path = Path(path)
     total = sum(piece_length(p) for p in pieces)
     in_place = all(not isinstance(p, Lazy) or p.direct for p in pieces)  # a checksum thread reads them as they are

@@ -1,19 +1,6 @@
 """A ``.distcp`` folder's ``.metadata`` file, its pickle kept across saves of an unchanged layout.
 
-Torch's ``FileSystemWriter.finish`` pickles the whole ``Metadata`` at every save: every chunk of every tensor and
-every item's storage location, millions of objects at thousands of ranks (an optimizer's moments: two chunks a
-parameter a rank), although a save of the same layout writes the same ones. Only ``storage_meta`` (the folder and
-the save's id) changes from save to save.
-
-So the file is written as two pickled parts that load as one ``Metadata``: the **body**, everything but
-``storage_meta`` (pickled once and kept while the layout and the write results are unchanged), and a **tail** that
-sets ``storage_meta`` on it (a second ``BUILD``, the same opcode the body ends with). ``pickle.load``, DCP's
-reader and ``safe_load.load_dcp_metadata`` read it as the same object torch's writer would have written.
-
-The body is reused only when the coordinator reused its cached plan (the same ``state_dict_metadata`` and
-``planner_data`` objects: ``planning``'s cache) and every rank's write results are those of the last save (their
-digests: ``plan_results``); it is taken out of the cache while a save is on and put back once its file is written,
-so a failed save leaves nothing stale.
+A **body** kept while the plan and results are unchanged, and a **tail** that sets ``storage_meta``.
 """
 
 from __future__ import annotations
@@ -51,11 +38,9 @@ def clear_cache() -> None:
 def body(metadata: Metadata, results: Callable[[], list[list[Any]]], key: str | None,
          stamp: tuple[str, ...] | None,
          rows: Callable[[], metapickle.StorageRows | None] | None = None) -> tuple[bytes, Callable[[], None]]:
-    """The body of ``metadata``'s file (its ``version`` set by the caller) with the storage data of ``results``
-    (called only when the body is not reused), and what to call once the file is written (the body is kept).
-    ``stamp``: every rank's write-results digest, None when some rank's results have none. ``rows``: the same
-    results as ``plan_results`` tuples, written without making their objects where ``metapickle`` can; else
-    ``results`` makes them."""
+    """The body of ``metadata``'s file and what to call once the file is written (keeping it). ``results`` (or
+    ``rows``, written without objects where ``metapickle`` can) is called only when the body is not reused;
+    ``stamp``: every rank's write-results digest, or None."""
     cached = _BODIES.pop(key, None) if key is not None else None
     if (cached is not None and stamp is not None and cached.stamp == stamp
             and cached.entries is metadata.state_dict_metadata and cached.planner_data is metadata.planner_data
@@ -90,15 +75,13 @@ def _pickled(metadata: Metadata, storage: Any) -> bytes | None:
 
 
 def tail(storage_meta: Any) -> bytes:
-    """The opcodes that set ``storage_meta`` on the body's object, then end the pickle. Its memo slots start at 0
-    again: they replace the body's, which nothing after the body reads."""
+    """The opcodes that set ``storage_meta`` on the body's object and end the pickle (memo slots from 0 again)."""
     part = pickle.dumps({"storage_meta": storage_meta}, protocol=_PROTOCOL)
     return part[2:-1] + _BUILD + _STOP  # without its PROTO header and STOP
 
 
 def write(path: Path, data: bytes, end: bytes, *, sync: bool) -> None:
-    """``data`` then ``end`` into ``path`` through a temporary file renamed over it, fsynced when ``sync``: as
-    ``FileSystemWriter.finish`` writes the file."""
+    """``data`` then ``end`` into ``path`` as ``FileSystemWriter.finish`` writes it (fsynced when ``sync``)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -1,13 +1,6 @@
 """The pickle of a DCP ``Metadata`` with its chunk lists and storage table written as numpy records.
 
-At thousands of ranks a ``.metadata`` holds millions of chunks and storage entries; ``pickle.dumps`` spends some
-8 µs on each (a dataclass, its state dict, two ``torch.Size``). Here the rest of the object is pickled by
-``pickle`` itself, with each large chunk list and the storage table left as holes (persistent ids), and each hole
-is then filled with the opcodes ``pickle`` writes for it, built for all its items at once: the same objects load
-(``pickle.loads``, DCP's reader, ``safe_load``). The classes, the state's keys and the strings the items share are
-put in memo slots past the pickler's, once, after the header. Anything of another shape is pickled by ``pickle``.
-The storage table can also be given as the ranks' write results as they were sent (``StorageRows``): it is then
-written without making its ``MetadataIndex`` and ``_StorageInfo`` objects at all.
+The large parts are pickle holes filled with the opcodes ``pickle`` would write: the same objects load.
 """
 
 from __future__ import annotations
@@ -89,8 +82,7 @@ class _Memo:
 
 
 class _Records:
-    """Fixed-width records, one per item: parts of constant opcodes, each followed by a column of raw values or
-    none (integers as ``BININT`` or ``LONG1``, memo slots after ``LONG_BINGET``)."""
+    """Fixed-width records, one per item: constant opcodes, each followed by a column of raw values or none."""
 
     def __init__(self, count: int) -> None:
         self.count, self.parts = count, []
@@ -172,9 +164,7 @@ def _chunks(memo: _Memo, chunks: list[Any]) -> bytes | None:
 
 
 class StorageRows:
-    """A storage table not yet made of objects: every rank's write results as ``plan_results.encode`` tuples
-    ``(fqn, offset, index, size, file, offset in file, length, note)``, in rank order. ``dumps`` writes it as the
-    table (``MetadataIndex`` -> ``_StorageInfo``) those results make, without making its millions of objects."""
+    """A storage table not yet made of objects: every rank's ``plan_results.encode`` tuples, in rank order."""
 
     def __init__(self, ranks: list[list[tuple]]) -> None:
         self.ranks = ranks
@@ -188,9 +178,7 @@ class StorageRows:
 
 
 def _storage(memo: _Memo, table: Any) -> bytes | None:
-    """The opcodes of a storage table (``MetadataIndex`` -> ``_StorageInfo``, with or without the writer's
-    ``records.NOTE``; or a table not made of objects: ``StorageRows``, ``result_columns.StorageColumns``, anything
-    whose ``table(memo)`` gives its ``Table``), in its order, or None."""
+    """The opcodes of a storage table (a dict, or anything whose ``table(memo)`` gives its ``Table``), or None."""
     if _unmade(table):
         made = table.table(memo)
         return None if made is None else emit(memo, made)
@@ -211,8 +199,7 @@ def _unmade(table: Any) -> bool:
 
 
 def _storage_rows(memo: _Memo, table: StorageRows) -> Table | None:
-    """The ``Table`` of the table that ``table``'s write results make (``{result.index: result.storage_data}``
-    over the ranks in order), or None where two results share a key (a table keeps one of them)."""
+    """The ``Table`` that ``table``'s write results make, or None where two results share a key."""
     rows = list(itertools.chain.from_iterable(table.ranks))
     if not rows or set(map(len, rows)) != {8}:
         return None
@@ -224,10 +211,8 @@ def _storage_rows(memo: _Memo, table: StorageRows) -> Table | None:
 
 @dataclass
 class Table:
-    """A storage table as columns, a row per entry in the table's order: the keys' ``fqn`` and the values'
-    ``relative_path`` as memo slots (``_Memo.slot``), the keys' ``index`` (0 where ``no_index``), the values'
-    ``offset`` and ``length``, where the writer's note puts the tensor's bytes (``note_at``), and per record shape
-    (``Shape``) its rows with their keys' offsets and their notes' shapes, ``[rows, rank]`` each."""
+    """A storage table as columns, a row per entry: ``fqn`` and ``path`` as memo slots, the key's ``index``, the
+    value's ``at``, ``length`` and ``note_at``, and per ``Shape`` its rows' offsets and note shapes."""
 
     fqn_slots: np.ndarray
     path_slots: np.ndarray
@@ -240,8 +225,7 @@ class Table:
 
 @dataclass(frozen=True)
 class Shape:
-    """One record shape of a storage table: its key's offset's rank (-1: None), whether its key has no index, its
-    note's rank (-1: no note) and dtype."""
+    """A storage record's shape: its key's offset rank (-1: None), no index, its note's rank (-1: none), dtype."""
 
     dims: int
     no_index: bool
@@ -251,9 +235,7 @@ class Shape:
 
 def _storage_columns(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: Any, at: Any, lengths: Any,
                      notes: Any, offset_type: type) -> bytes | None:
-    """The storage table's opcodes from its columns (each in the table's order): the keys' ``fqn``, ``offset``
-    (``offset_type`` or None) and ``index``, the values' ``relative_path``, ``offset`` and ``length``, and the
-    writer's notes (None where it has none)."""
+    """The storage table's opcodes from its columns, each in the table's order."""
     table = _table(memo, fqns, offsets, indexes, paths, at, lengths, notes, offset_type)
     return None if table is None else emit(memo, table)
 
@@ -319,8 +301,7 @@ def _table(memo: _Memo, fqns: Any, offsets: Any, indexes: Any, paths: Any, at: A
 
 
 def emit(memo: _Memo, table: Table) -> bytes | None:
-    """The opcodes of a storage table given as ``Table`` (a dict of ``MetadataIndex`` -> ``_StorageInfo``, in the
-    table's order), or None where its records cannot be made equally wide."""
+    """The opcodes of a storage table given as ``Table``, or None where its records cannot be made equally wide."""
     built = []
     for shape, rows, starts, note_shapes in table.shapes:
         rec = _Records(len(rows))
@@ -362,9 +343,7 @@ def _plain(metadata: Any, protocol: int) -> bytes | None:
 
 
 def dumps(metadata: Any, protocol: int = 3) -> bytes | None:
-    """``pickle.dumps(metadata, protocol)`` (2 or 3: no framing), its large parts built as records. A storage
-    table given as ``StorageRows`` is written without its objects, or else None is returned (then the caller
-    makes the objects and asks again)."""
+    """``pickle.dumps(metadata, protocol)`` (2 or 3), large parts as records; None: make the table's objects first."""
     holes: list[tuple[Any, str, _Hole]] = []
     entries = getattr(metadata, "state_dict_metadata", None) or {}
     if protocol in (2, 3) and _shapes_known():

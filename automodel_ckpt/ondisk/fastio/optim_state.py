@@ -17,14 +17,9 @@ class _UninitialisedZeros(torch.overrides.TorchFunctionMode):
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Create the optimizer's state without an optimizer step, so there is state to load into.
-
-    torch's ``get_optimizer_state_dict`` otherwise runs ``step()`` on zero gradients, which costs several passes
-    over the whole state. Uses the optimizer's own lazy initialisation (``_init_group``, as torch's optimizers
-    have), with the moments allocated but not zero-filled: the caller loads every value (``load_optimizer``
-    clears the state again if that fails). Returns False, changing nothing, where ``_init_group`` is not
-    available or does not create every parameter's state (torch's way then applies).
-    """
+    """Create the optimizer's state to load into without torch's ``step()`` on zero gradients: its own
+    ``_init_group``, the moments allocated but not filled (the caller loads every value). False, changing
+    nothing, where that does not create every parameter's state."""
     if optimizer.state:
         return True
     init_group = getattr(optimizer, "_init_group", None)

@@ -23,8 +23,7 @@ from automodel_ckpt.ondisk.formats.safetensors_io import check_header, header_le
 from automodel_ckpt.errors import CheckpointError
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
-    """``(first element, element count)`` when the piece ``offsets``/``lengths`` of a C-contiguous tensor of
-    ``shape`` is one contiguous run of elements, else None."""
+    """``(first element, count)`` when piece ``offsets``/``lengths`` of ``shape`` is one contiguous run, else None."""
     j = len(shape) - 1
     while j >= 0 and offsets[j] == 0 and lengths[j] == shape[j]:
         j -= 1
@@ -46,8 +45,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[list[int], int]:
-    """``(first elements, run length)``: the piece ``offsets``/``lengths`` of a C-contiguous tensor of ``shape``
-    as runs of consecutive elements, in order (a column block of a matrix: one run per row)."""
+    """``(first elements, run length)``: piece ``offsets``/``lengths`` of ``shape`` as runs of consecutive elements."""
     j = len(shape) - 1
     while j > 0 and offsets[j] == 0 and lengths[j] == shape[j]:
         j -= 1
@@ -61,11 +59,8 @@ def runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, .
 
 
 class ReadJob:
-    """One request: the saved piece's bytes read straight into the destination, or via a buffer and ``copy_``.
-
-    ``located`` None: a torch.save record this module does not recognise, read whole and loaded by ``torch.load``
-    (what torch's reader does for every record).
-    """
+    """One request: the saved piece read straight into the destination, or via a buffer and ``copy_``
+    (``located`` None: an unrecognised record, loaded by ``torch.load`` as torch's reader does)."""
 
     def __init__(self, path: str, located: Located | None, offsets: tuple[int, ...], lengths: tuple[int, ...],
                  target: torch.Tensor, record: tuple[int, int] | None = None) -> None:
@@ -105,11 +100,7 @@ class ReadJob:
         _pread_into(fd, tensor_memory(self.target, writable=True)[s:s + n], self.start + s)
 
     def segment(self) -> directread.Segment | None:
-        """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record.
-
-        A piece that is not read in place (another dtype or device, part of a saved tensor) gets a buffer when its
-        first bytes arrive, put into place and freed once its last bytes have. A target on an accelerator that holds
-        the saved bytes as they are is copied into straight from the read buffers."""
+        """This job as bytes of its file to copy into place (``directread``); None: an unrecognised record."""
         if self.located is None or self.runs is not None:
             return None
         if self.in_place:
@@ -186,11 +177,9 @@ def _open_fd(path: str, advice: int | None) -> int:
 
 def run_reads(jobs: list[ReadJob], threads: int, hash_files: dict[str, Any] | None = None,
               on_hashed: Callable[[], None] | None = None, gap: int = directread.GAP) -> None:
-    """Every job's bytes. Large files (``directread.wanted``) and files to hash (``hash_files``: ``{path:
-    hasher}``) are read past the page cache in page-aligned regions (``directread``); the rest with ``preadv``
-    straight into the targets, each thread reading one consecutive stretch of the files with a descriptor of its
-    own (so the kernel sees sequential reads and reads ahead). ``on_hashed``: called once the hashed files are
-    read, before anything else may fail (a damaged record that ``torch.load`` refuses: the checksum tells first)."""
+    """Every job's bytes: large files and files to hash past the page cache (``directread``), the rest with
+    ``preadv``, each thread one consecutive stretch (the kernel reads ahead). ``on_hashed``: called once the
+    hashed files are read, before anything else may fail (so a damaged record's checksum tells first)."""
     hash_files = {os.path.realpath(p): h for p, h in (hash_files or {}).items()}
     sizes: dict[str, int] = {}
     real: dict[str, str] = {}
@@ -246,8 +235,7 @@ def _finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPla
 
 
 def safetensors_header(fd: int, path: str = "") -> tuple[int, dict[str, Any]]:
-    """``(data start, header)`` of an open safetensors file, its length, entries and byte ranges checked as
-    ``safetensors_io.read_header`` checks them (one-line ``CheckpointError`` naming ``path``)."""
+    """``(data start, header)`` of an open safetensors file, checked as ``safetensors_io.read_header`` checks."""
     size = os.fstat(fd).st_size
     n = header_length(os.pread(fd, 8, 0), size, path)
     raw = os.pread(fd, n, 8)
@@ -282,14 +270,8 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
 
 def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                 hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
-    """``FileSystemReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead.
-
-    First every tensor record is located: where the writer noted it in the metadata (``records.NOTE``), else from
-    the record itself (its zip entries and pickled shape, a few small reads at its start and end, in ``threads``
-    threads); then the data is read as in ``read_safetensors``. A record that is not a plain
-    tensor is loaded by ``torch.load``, as torch's reader would; byte entries (optimizer ``param_groups`` values
-    ...) go to ``planner.load_bytes`` as before.
-    """
+    """``FileSystemReader.read_data`` with the records located (from ``records.NOTE``, else their zip entries)
+    and read as ``read_safetensors`` reads; other records through ``torch.load``; None: use torch's instead."""
     items = []
     located: dict[int, Located | None] = {}
     for req in plan.items:
@@ -358,10 +340,7 @@ class _Checked:
 
 
 class ParallelHFReader(_Checked, CachingHFReader):
-    """``CachingHFReader`` whose reads go straight into the destination tensors (``read_safetensors``).
-
-    ``gap``: in files read past the page cache, unneeded bytes between two needed ranges that are read rather than
-    skipped (0: a rank reads the pages of its own pieces only)."""
+    """``CachingHFReader`` whose reads go straight into the destination tensors (``gap``: see ``directread``)."""
 
     def __init__(self, path: str | os.PathLike, *, threads: int = READ_THREADS, check: Any = None,
                  gap: int = directread.GAP) -> None:
@@ -374,8 +353,7 @@ class ParallelHFReader(_Checked, CachingHFReader):
         return self._read(read_safetensors, plan, planner)
 
     def header(self, path: str) -> tuple[str, int, dict[str, Any]]:
-        """``(file to read, where its tensor data starts in it, header)`` of the safetensors file ``path`` names
-        (a file of the folder here; a member of an archive for ``export.archive_weights.ArchiveHFReader``)."""
+        """``(file to read, data start, header)`` of the safetensors file ``path`` names (an archive overrides it)."""
         fd = _open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
         try:
             start, header = safetensors_header(fd, path)

@@ -57,9 +57,8 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def _record_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
-    """What surrounds the bytes of a contiguous CPU tensor of ``shape`` and ``dtype`` in its record, ``None`` where its
-    data goes (``compact_template``, else torch's own ``torch_template``); None when neither can be made. The same for
-    every tensor of that shape and dtype, so cached."""
+    """What surrounds a tensor's bytes in its record, ``None`` where they go (``compact_template``, else
+    ``torch_template``); None when neither can be made. Cached per shape and dtype."""
     key = (tuple(shape), dtype)
     with _TEMPLATES_LOCK:
         if key in _TEMPLATES:
@@ -72,8 +71,7 @@ def _record_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None
 
 
 def torch_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
-    """What ``torch.save`` writes for a tensor of ``shape`` and ``dtype`` (seven entries, each aligned to 64 bytes,
-    zip64 trailer: about 1.5 KiB), ``None`` where its data goes; None when it cannot be found."""
+    """What ``torch.save`` writes around a tensor of ``shape`` and ``dtype`` (zip64: any size), or None."""
     stand_in = torch.empty(shape, dtype=dtype)  # pages never touched: costs no memory
     nbytes = stand_in.numel() * stand_in.element_size()
     recorder = _Recorder(stand_in.data_ptr() if nbytes else -1)
@@ -105,8 +103,7 @@ def torch_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] 
 
 
 class _Entries:
-    """Stands in for torch's zip writer in ``torch.serialization._save``: keeps each entry's name and bytes (the
-    tensor's storage as ``None``)."""
+    """Stands in for torch's zip writer: keeps each entry's name and bytes (the tensor's storage as ``None``)."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, bytes | None, int]] = []
@@ -135,12 +132,9 @@ def _file_format_version() -> bytes:
 
 
 def compact_template(shape: torch.Size, dtype: torch.dtype) -> list[bytes | None] | None:
-    """A torch.save record of a tensor of ``shape`` and ``dtype`` holding only what ``torch.load`` reads:
-    ``data.pkl`` (torch's own pickle of the tensor), ``byteorder``, ``data/0`` and ``version``, stored, unpadded,
-    with a zip32 trailer (about 0.6 KiB instead of torch's 1.5 KiB: torch omits nothing that a record needs;
-    ``.format_version``, ``.storage_alignment`` and ``.data/serialization_id`` only serve ``mmap`` loads and
-    tracing, and ``torch.load`` reads archives without them, as torch wrote them before those existed). ``None``
-    where the data goes; None where the record would need zip64 or torch's internals moved (``torch_template``)."""
+    """A torch.save record holding only what ``torch.load`` reads (``data.pkl``, ``byteorder``, ``data/0``,
+    ``version``; stored, unpadded, zip32): about 0.6 KiB to torch's 1.5 (the rest serves ``mmap`` loads and
+    tracing). ``None`` where the data goes; None where zip64 is needed or torch's internals moved."""
     stand_in = torch.empty(shape, dtype=dtype)  # pages never touched: costs no memory
     nbytes = stand_in.numel() * stand_in.element_size()
     if nbytes >= _COMPACT_MAX:
@@ -188,8 +182,7 @@ def torch_save_pieces(tensor: torch.Tensor) -> list[Any] | None:
     return [Lazy(tensor) if part is None else part for part in template]
 
 
-#: The attribute of a ``.distcp`` record's ``_StorageInfo`` (pickled with it in ``.metadata``) where the writer notes
-#: where the tensor's bytes lie: ``(offset in the record, shape, dtype)``. Readers without it look the record up.
+#: The ``_StorageInfo`` attribute where the writer notes ``(offset in the record, shape, dtype)`` of a tensor.
 NOTE = "tensor_bytes"
 
 
@@ -207,8 +200,7 @@ def note_location(info: Any, pieces: list[Any]) -> Any:
 
 
 def noted_location(info: Any, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Located | None:
-    """Where ``info``'s record keeps its tensor, as its writer noted it (``NOTE``), if that note is well formed,
-    lies inside the record and holds the requested piece (``offsets``, ``lengths``); None: look the record up."""
+    """Where ``info``'s record keeps its tensor as its writer noted it, if well formed and holding the piece."""
     note = getattr(info, NOTE, None)
     if not (isinstance(note, tuple) and len(note) == 3):
         return None
@@ -266,8 +258,7 @@ class _FileView(io.RawIOBase):
 
 
 def _zip_entries(fd: int, offset: int, length: int) -> dict[str, tuple[int, int]] | None:
-    """``{name without the archive folder: (absolute data offset, size)}`` of a torch.save zip archive stored
-    uncompressed at ``offset``; None if it is not one."""
+    """``{name: (absolute data offset, size)}`` of an uncompressed torch.save archive at ``offset``, or None."""
     try:
         with zipfile.ZipFile(_FileView(fd, offset, length)) as archive:
             infos = archive.infolist()

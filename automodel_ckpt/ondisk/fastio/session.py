@@ -1,9 +1,6 @@
 """Reader threads and page-aligned read buffers kept for all the reads of one load (model, optimizer, ...).
 
-Without a session every read call starts its threads and maps (and faults in, and unmaps) its buffers again; a
-load of a model and its optimizer does that twice, on the critical path. Inside ``kept()`` the calls share one
-thread pool, started when the session opens (while the load still plans), and hand their buffers on to the next.
-Outside a session everything works as before, per call.
+Inside ``kept()`` read calls share one thread pool, started while the load plans, and their buffers.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ class _Session:
         self.threads = threads
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
         self.spare: dict[int, list[mmap.mmap]] = {}
-        # Every thread starts now, beside the planning of the first read. The executor starts a thread for a task
-        # only while none is idle: tasks that return at once are taken by the first threads, and the others would
-        # start on the first read's critical path. Each of these tasks waits until all of them run.
+        # Every thread starts now (an executor starts one only while none is idle): each task waits for all to run.
         started = threading.Barrier(threads)
         for _ in range(threads):
             self.executor.submit(_wait_for_the_others, started)
@@ -86,9 +81,8 @@ class _Borrowed:
 
 @contextlib.contextmanager
 def pool(workers: int) -> Iterator[Any]:
-    """An executor of ``workers`` threads: the session's (already started) where it has that many and this is not
-    one of its threads (a task waiting for tasks of its own pool could wait for ever), else threads of this call's
-    own. On leaving, every task submitted has finished, as with an executor's ``with``."""
+    """An executor of ``workers`` threads: the session's (unless called from one of them), else new; on leaving,
+    every task has finished."""
     session = _active
     if session is None or workers > session.threads or threading.current_thread().name.startswith(THREAD_PREFIX):
         with ThreadPoolExecutor(workers, thread_name_prefix=THREAD_PREFIX) as own:

@@ -41,14 +41,9 @@ def _small(item: Any) -> bool:
 
 
 class ParallelFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` (DCP ``.distcp`` files, one per rank) written by ``write_file``, the small items first.
-
-    ``sync_files`` stays on for the ``.metadata`` file torch writes itself; the data file is fsynced once by
-    ``write_file``. ``small_apart``: the small items (plain values, tensors under ``SMALL_ITEM_BYTES``: step counts,
-    hyperparameters, what DCP writes once for every rank) go to a second file, ``__R_1.distcp``. Every rank reads
-    those of every other rank, and a rank that checks each file it reads from, whole (``disk.loadcheck.of_reads``),
-    then hashes another rank's small file, not its large one.
-    """
+    """``FileSystemWriter`` (one ``.distcp`` file per rank) written by ``write_file``, the small items first.
+    ``small_apart``: those in ``__R_1.distcp`` (every rank reads them, and a load that checks each file it reads
+    then hashes that small file, not the large one)."""
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
                  written: durable.WrittenFiles | None = None, small_apart: bool = False,
@@ -62,9 +57,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         if self.transforms.extensions or not self.single_file_per_rank:
             return super().write_data(plan, planner)
-        # plain values first, then the small tensors, then the large: what every rank reads of another rank's
-        # file (step counts, hyperparameters: DCP writes what all ranks hold once) lies together at its start,
-        # one read, not one read of a few bytes between large tensors per item
+        # plain values, small tensors, then the large: what every rank reads of another's file is one read
         small, large = [], []
         for wi in plan.items:
             (small if _small(wi) else large).append(wi)
@@ -113,9 +106,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
 
     def finish_kept(self, metadata: Any, results: Callable[[], list[list[WriteResult]]], key: str | None,
                     stamp: tuple[str, ...] | None, rows: Callable[[], Any] | None = None) -> None:
-        """``FileSystemWriter.finish``: the ``.metadata`` file (fsynced), its pickle's body kept across saves of
-        an unchanged layout under ``key`` (``metafile``; ``stamp``: every rank's write-results digest, and
-        ``results``, or ``rows`` where given, called only when the body is pickled afresh)."""
+        """``FileSystemWriter.finish``, the ``.metadata``'s body kept across saves under ``key`` (``metafile``)."""
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
         metadata.version = CURRENT_DCP_VERSION
@@ -128,11 +119,7 @@ class ParallelFileSystemWriter(FileSystemWriter):
 
 
 class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
-    """``HuggingFaceStorageWriter(save_distributed=True)``: one safetensors shard per rank, written by ``write_file``.
-
-    The shard holds the same header (tensor names, shapes, dtypes, ``DCP_SHARDING_INFO`` offsets) as torch's
-    writer produces, tensors ordered by alignment then name as ``safetensors`` orders them.
-    """
+    """``HuggingFaceStorageWriter(save_distributed=True)`` written by ``write_file``: the same header as torch's."""
 
     def __init__(self, path: str | os.PathLike, *, threads: int = WRITE_THREADS,
                  written: durable.WrittenFiles | None = None, stable: Callable[[str], bool] | None = None,

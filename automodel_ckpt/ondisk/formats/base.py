@@ -1,8 +1,6 @@
 """What a checkpoint model format is to the engine: ``ModelFormat``, the object each format module registers.
 
-The engine asks a format to write a model's state into a checkpoint's model folder (or stage it for a background
-write), to load it back into a model of any sharding, to recognise its files in a folder, and to open them for the
-Hugging Face export; and the few per-format questions a save asks (below). ``registry`` looks formats up.
+A format writes, stages, loads, recognises and opens for the export a model's files; ``registry`` finds it.
 """
 
 from __future__ import annotations
@@ -16,13 +14,11 @@ class ModelWriter(Protocol):
 
     def write_model(self, model: Any, path: Path, stager: Any, written: Any = None,
                     threads: int | None = None) -> Any:
-        """Collective: ``model``'s state into the folder ``path``; returns a ``sharded.StagedSave`` to be written
-        in the background, or None when the files are written already."""
+        """Collective: ``model``'s state into ``path``; a ``sharded.StagedSave`` for the background, or None."""
 
 
 class ModelFormat:
-    """One model format. Subclasses set ``name`` and implement ``detect``, ``writer``, ``load`` and, when the
-    Hugging Face export reads it, ``open_source``."""
+    """One model format: ``name``, ``detect``, ``writer``, ``load`` and, where the export reads it, ``open_source``."""
 
     name: str = ""  # ``checkpoint.model_save_format``'s value, recorded in metadata.json
     files: str = ""  # its files, as an error names them ("shard-*.safetensors files")
@@ -44,13 +40,11 @@ class ModelFormat:
         return True
 
     def writer(self, *, rank: int, reuse: Any = None, hf: Any = None) -> ModelWriter:
-        """The object a save writes models with: ``reuse`` (``checkpoint.incremental``, where the format links
-        unchanged files), ``hf`` (``info.HFArtifacts``: base model path, tokenizer, PEFT section)."""
+        """What a save writes models with: ``reuse`` (``checkpoint.incremental``), ``hf`` (``info.HFArtifacts``)."""
         raise NotImplementedError
 
     def load(self, model: Any, folder: Path, check: Any = None) -> None:
-        """Collective: load ``folder`` into ``model``'s current sharding (any world size); ``check``: a
-        ``loadcheck.LoadCheck`` that checksums the files read, where the format reads through it."""
+        """Collective: load ``folder`` into ``model``'s sharding; ``check``: checksums the files it reads."""
         raise NotImplementedError
 
     def open_source(self, folder: Path, saved_world_size: int | None = None) -> Any:

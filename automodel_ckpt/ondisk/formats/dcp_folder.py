@@ -1,10 +1,6 @@
 """A DCP folder another program wrote (``.metadata`` + ``*.distcp``), read whole into this process's memory.
 
-``read_dcp_folder`` reads every entry of the folder, as saved, without a process group: tensors whole (their
-chunks, from any number of writer ranks, assembled by DCP's own load planner), other entries (an optimizer's
-``param_groups`` values) as the objects they were. The metadata is read by ``safe_load``'s restricted unpickler,
-the other entries with ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), and the tensors' total size is
-bounded by the bytes the folder's data files hold, and those by the caller's limit, before anything is allocated.
+Without a process group, through ``safe_load``; the tensors' total size is bounded before anything is allocated.
 """
 
 from __future__ import annotations
@@ -24,9 +20,7 @@ SLACK = 1 << 20  # bytes a folder's tensors may claim past its data files' size 
 
 
 def read_dcp_folder(folder: Path, limit: int | None = None, what: str = "a DCP folder") -> dict[str, Any]:
-    """``{key: tensor or object}`` of every entry of the DCP folder ``folder`` (keys as DCP flattened them:
-    ``model.layer.weight``, ``optimizer.param_groups.0.lr``), its data files of at most ``limit`` bytes together
-    (``what`` it holds names the limit); one-line ``CheckpointError`` otherwise."""
+    """``{flat key: tensor or object}`` of DCP folder ``folder`` (at most ``limit`` bytes, else ``CheckpointError``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 

@@ -1,8 +1,6 @@
 """The ``torch_save`` model format: DCP's ``.distcp`` files and their ``.metadata``, the optimizer's format too.
 
-One ``__R_0.distcp`` per rank (``FileSystemWriter``'s); the Hugging Face export reads the pieces its metadata
-names (read by the restricted unpickler: a pickle from a checkpoint never runs code). Exported with
-``ckpt-train consolidate``, never inline.
+One ``__R_0.distcp`` per rank; exported with ``ckpt-train consolidate``, never inline.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ FORMAT = DcpShards()
 
 
 def _open_dcp(folder: Path) -> ShardSource:
-    """The pieces named by ``folder/.metadata``, read by the restricted unpickler (a pickle from a checkpoint
-    never runs code; its file names stay inside ``folder``)."""
+    """The pieces named by ``folder/.metadata`` (restricted unpickler; file names inside ``folder``)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
@@ -72,9 +69,8 @@ def _open_dcp(folder: Path) -> ShardSource:
             if not (bounded.is_count(info.offset) and bounded.is_count(info.length)):
                 raise CheckpointError(f"damaged DCP metadata {where}: a piece of '{name}' has no byte range")
             if info.offset + info.length > sizes[rel]:
-                raise CheckpointError(
-                    f"truncated shard file {path}: holds {sizes[rel]} bytes, needs {info.offset + info.length}"
-                )
+                raise CheckpointError(f"truncated shard file {path}: holds {sizes[rel]} bytes, needs "
+                                      f"{info.offset + info.length}")
             transforms = tuple(getattr(info, "transform_descriptors", None) or ())
             piece = Piece(path, tuple(chunk.offsets), tuple(chunk.sizes), info.offset, info.length, False, transforms)
             if not transforms and info.length < piece.numel * tensor.dtype.itemsize:
@@ -88,8 +84,7 @@ def _open_dcp(folder: Path) -> ShardSource:
 
 
 def _check_disjoint_bytes(tensors: Any, where: Path) -> None:
-    """No two pieces share bytes of a file (sorted by file and offset: O(n log n)): every byte an export writes is
-    backed by bytes of its own in the shards."""
+    """No two pieces share bytes of a file: every byte an export writes has bytes of its own in the shards."""
     ranges = sorted((p.file, p.start, p.start + p.length, t.name) for t in tensors for p in t.pieces if p.length)
     for (file_a, _, end, first), (file_b, start, _, second) in zip(ranges, ranges[1:]):
         if file_a == file_b and start < end:

@@ -1,20 +1,6 @@
 """On-disk tensor layout of a model family: which saved tensor, and which part of it, each exported tensor is.
 
-Training checkpoints keep the names and shapes transformers uses *in memory* (they serve exact resume and
-resharding). Several families store their weights differently on disk: mixture-of-experts layers are fused in
-memory (``mlp.experts.gate_up_proj``) but stored per expert (``block_sparse_moe.experts.3.w1.weight``), heads and
-layers are renamed on load, tied weights exist twice in memory and once on disk. ``save_pretrained`` reverses
-all of that; the export must write exactly what it writes.
-
-Rather than keep a table per family, this module asks transformers itself. It builds the model from its config
-on the meta device (no memory, no weights), drops the tied copies exactly as ``save_pretrained`` does
-(``remove_tied_weights_from_state_dict``) and runs ``revert_weight_conversion`` (the family's conversion mapping,
-reversed) on meta tensors standing for the saved ones. While it runs, copies (``clone``/``contiguous``) are
-turned into no-ops, so every resulting tensor stays a *view* of the saved tensor it comes from: its storage
-offset, sizes and strides say exactly which elements of that tensor it holds. A family added to transformers
-therefore exports in its own layout without a change here. Conversions that combine several saved tensors into
-one on-disk tensor (none of the families transformers fuses today) are reported, and the export then keeps the
-in-memory names.
+Asked of transformers itself, so that a family it adds exports in its own layout: docs/consolidation.md.
 """
 
 from __future__ import annotations
@@ -58,19 +44,11 @@ def family_of(config: Mapping[str, Any] | None) -> str | None:
     return str(value) if value else None
 
 
-def disk_layout(
-    config: Mapping[str, Any] | None, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-    base_names: Collection[str] | None = None,
-) -> dict[str, DiskTensor] | None:
-    """On-disk name -> where it lies in the saved tensors ``saved`` (name -> (shape, dtype)).
-
-    ``base_names``, the base folder's own tensor names, decide the conversions that depend on how the base was
-    stored (e.g. the ``vision_model.`` level of a CLIP vision tower that older LLaVA folders keep): as
-    ``from_pretrained`` does, only the conversions that match a base name are reverted. Without them, the layout is
-    the one ``save_pretrained`` writes for a model built from its config.
-    None when the family is unknown to this transformers or its layout cannot be expressed as views of single
-    saved tensors: the export then keeps the saved names (logged).
-    """
+def disk_layout(config: Mapping[str, Any] | None, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                base_names: Collection[str] | None = None) -> dict[str, DiskTensor] | None:
+    """On-disk name -> where it lies in the saved tensors ``saved`` (name -> (shape, dtype)); None when the layout
+    is no views of single saved tensors. ``base_names``: the base folder's names, which decide, as in
+    ``from_pretrained``, the conversions that depend on how the base was stored (older LLaVA's ``vision_model.``)."""
     family = family_of(config)
     if family is None:
         return None
@@ -98,10 +76,8 @@ def disk_layout(
         root = tensor if id(tensor) in by_id else tensor._base
         source = by_id.get(id(root)) if root is not None else None
         if source is None:
-            logger.warning(
-                "%s: on-disk tensor '%s' combines several saved tensors, which the streaming export does not "
-                "support; the export keeps the saved names", family, name,
-            )  # fmt: skip
+            logger.warning("%s: on-disk tensor '%s' combines several saved tensors, which the streaming export does "
+                           "not support; the export keeps the saved names", family, name)
             return None
         out[name] = DiskTensor(name, source, tuple(tensor.shape), tensor.storage_offset(), tuple(tensor.stride()))
     if dropped:
@@ -111,10 +87,7 @@ def disk_layout(
 
 
 def in_memory_dtypes(model: Any, disk_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.dtype]:
-    """Dtypes of the base's on-disk tensors (``disk_dtypes``) under ``model``'s in-memory names.
-
-    A fused expert stack takes the dtype of the per-expert tensors it is made of.
-    """
+    """Dtypes of the base's on-disk tensors under ``model``'s in-memory names (a fused stack: its experts')."""
     state = model.state_dict()
     disk = disk_layout(model.config.to_dict(), {k: (tuple(v.shape), v.dtype) for k, v in state.items()},
                        base_names=list(disk_dtypes))
@@ -128,8 +101,7 @@ def in_memory_dtypes(model: Any, disk_dtypes: Mapping[str, torch.dtype]) -> dict
 
 
 def _meta_model(config: dict[str, Any]) -> Any | None:
-    """The family's causal LM (or image-text-to-text model, e.g. LLaVA) built from ``config`` on the meta device,
-    or None when transformers lacks it."""
+    """The family's model built from ``config`` on the meta device, or None when transformers lacks it."""
     from transformers import AutoConfig
 
     family = config.pop("model_type")
@@ -158,8 +130,7 @@ def _record_conversions_of(model: Any, base_names: Collection[str]) -> None:
 
 
 def auto_model_class(config: Any) -> Any:
-    """The transformers auto class that builds a model of ``config`` (a config object, or a model folder):
-    ``AutoModelForImageTextToText`` for image-text families (LLaVA, Qwen2-VL, ...), else ``AutoModelForCausalLM``."""
+    """The transformers auto class for ``config`` (or a model folder): image-text-to-text, else causal LM."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not hasattr(config, "model_type"):

@@ -1,20 +1,6 @@
 """PEFT adapters as the model state of a checkpoint: one Hugging Face PEFT folder, written by rank 0.
 
-A LoRA run trains a few megabytes of adapter weights on top of a frozen base, so sharding them buys nothing.
-Instead ``model/`` is a folder that ``peft.AutoPeftModelForCausalLM.from_pretrained`` loads as it is::
-
-    model/
-      adapter_config.json          peft.LoraConfig, with base_model_name_or_path = the base's absolute local path
-      adapter_model.safetensors    the LoRA tensors only, PEFT key names (``...q_proj.lora_A.weight``, no adapter name)
-      automodel_peft_config.json   the recipe's ``peft:`` section as used, and what it adapted
-      tokenizer files
-
-Saving is collective: every rank takes part in gathering the full (unsharded) adapter tensors to rank 0's CPU,
-then rank 0 writes the folder. Under pipeline stages each rank holds only its stage's adapters (under the whole
-model's names): the ranks that hold adapters rank 0 lacks send theirs to it, each tensor once, so the folder is
-the one a run without stages writes. Loading reads the file on every rank and lets each rank keep its own shards
-(a stage its own adapters), so the restored weights are bit-identical to the saved ones whatever the world size or
-the stages.
+``model/`` is a folder PEFT loads as it is (docs/peft.md); a load is bit-identical whatever the world size.
 """
 
 from __future__ import annotations
@@ -58,14 +44,9 @@ def trainable_names(model: nn.Module) -> list[str]:
 
 
 def peft_key_map(model: nn.Module, names: list[str]) -> dict[str, str]:
-    """``{model state-dict name: adapter file key}`` for ``names``, computed by PEFT's own save-side mapping.
-
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` becomes
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``. PEFT's ``get_peft_model_state_dict`` is run
-    on placeholder values that carry each name's index, so the mapping is exactly what PEFT itself would write and
-    its inverse (used for loading) is exact too. A trainable parameter PEFT would not save is an error: a resume
-    would silently lose it.
-    """
+    """``{model state-dict name: adapter file key}``, by running PEFT's ``get_peft_model_state_dict`` on
+    placeholders (``...lora_A.default.weight`` -> ``...lora_A.weight``). A trainable parameter PEFT would not save
+    is an error: a resume would silently lose it."""
     from peft.utils import get_peft_model_state_dict
 
     placeholders = {name: torch.tensor(i) for i, name in enumerate(names)}
@@ -74,10 +55,8 @@ def peft_key_map(model: nn.Module, names: list[str]) -> dict[str, str]:
     out = {names[int(index)]: key for key, index in mapped.items()}
     unsaved = [n for n in names if n not in out]
     if unsaved:
-        raise CheckpointError(
-            f"{len(unsaved)} trainable parameter(s) are not part of the PEFT adapter (e.g. '{unsaved[0]}'); "
-            "a PEFT checkpoint holds adapter weights only"
-        )
+        raise CheckpointError(f"{len(unsaved)} trainable parameter(s) are not part of the PEFT adapter (e.g. "
+                              f"'{unsaved[0]}'); a PEFT checkpoint holds adapter weights only")
     return out
 
 
@@ -95,10 +74,7 @@ def adapter_config_dict(model: nn.Module, base_model_path: Path | None) -> dict[
 
 def save_adapter(model: nn.Module, folder: Path, *, rank: int, base_model_path: Path | None = None,
                  tokenizer: Any = None, peft_section: dict[str, Any] | None = None) -> None:
-    """Collective: gather the full adapter tensors to rank 0, which writes ``folder`` (see the module docstring).
-
-    Every rank must call this; a failure on rank 0 is raised on every rank.
-    """
+    """Collective: gather the full adapter tensors to rank 0, which writes ``folder``; its failure raises on all."""
     names = trainable_names(model)
     maps = collective.gathered(lambda: peft_key_map(model, names), f"naming the adapter of '{folder}'", rank)
     keys = maps[rank]
@@ -168,12 +144,8 @@ def _read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_adapter(model: nn.Module, folder: Path) -> None:
-    """Collective: restore the adapter weights of ``model`` (sharded or not) from a PEFT folder.
-
-    Every rank reads the file and keeps its own shards of the full tensors (a pipeline stage, its own adapters).
-    The adapter must fit the model exactly: the same set of LoRA tensors as the ranks hold together, with the same
-    shapes (a different rank or target list is an error).
-    """
+    """Collective: restore ``model``'s adapter weights from a PEFT folder, each rank keeping its own shards; the
+    LoRA tensors must be exactly those the ranks hold together, of the same shapes."""
     names = trainable_names(model)
     keys = peft_key_map(model, names)
     expected = set().union(*all_gather_object(sorted(keys.values())))  # every stage's

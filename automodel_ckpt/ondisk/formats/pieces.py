@@ -1,7 +1,6 @@
 """A model folder's tensors as pieces of files: what a format's export source (``ModelFormat.open_source``) returns.
 
-Each piece is one rank's box of a tensor at a byte range of a file, raw C-order bytes or a ``torch.save`` payload;
-the Hugging Face export (``export.sources``) checks their coverage and reads them one piece at a time.
+The Hugging Face export (``export.sources``) checks their coverage and reads them one piece at a time.
 """
 
 from __future__ import annotations
@@ -15,12 +14,8 @@ import torch
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's part of a tensor: a box at ``offsets`` of size ``shape`` inside the full tensor.
-
-    safetensors pieces are raw C-order bytes at ``[start, start + length)`` of ``file``; DCP pieces are a
-    ``torch.save`` payload there (``raw`` False), possibly with stream transforms (``transforms``); ``select``
-    then takes elements ``[a, b)`` of the stored payload (a piece cut to part of an exported tensor).
-    """
+    """One rank's box of a tensor at ``offsets`` of size ``shape``: raw C-order bytes at ``[start, start + length)``
+    of ``file``, or a ``torch.save`` payload (``raw`` False, maybe ``transforms``) whose elements ``select`` takes."""
 
     file: Path
     offsets: tuple[int, ...]

@@ -1,8 +1,6 @@
 """The model formats, by name: each is one module of this package, registered here by one line.
 
-``get(name)`` is ``checkpoint.model_save_format``'s format, ``detect(folder)`` the one whose files a folder holds
-(asked in registration order: an adapter first, its weights are a ``.safetensors`` file too), ``names()`` the
-values ``model_save_format`` accepts. A format from outside the package is added with ``register(fmt)``.
+``detect(folder)`` asks in registration order (an adapter first: its weights are a ``.safetensors`` file too).
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ def detect_model_format(folder: Path) -> str | None:
 
 
 def exported_format(folder: Path) -> ModelFormat:
-    """The format of ``folder``'s model files, one the export reads; a ``CheckpointError`` when it is absent, holds
-    none, or holds a format that is not exported (a PEFT adapter)."""
+    """The format of ``folder``'s model files the export reads; ``CheckpointError`` for none or one not exported."""
     fmt = detect(folder)
     if fmt is not None and fmt.export_refusal:
         raise CheckpointError(f"{folder} {fmt.export_refusal}")
@@ -70,8 +67,7 @@ def for_model(model: Any, configured: Any) -> ModelFormat:
 
 
 def for_loading(model: Any, folder: Path) -> ModelFormat:
-    """The format ``folder`` is loaded into ``model`` with: one that claims the model, else the one detected (when
-    it takes such a model), else ``FALLBACK``."""
+    """The format to load ``folder`` into ``model``: one claiming the model, else the detected, else ``FALLBACK``."""
     claimed = _FORMATS.first(lambda fmt: fmt.claims(model))
     if claimed is not None:
         return claimed

@@ -1,8 +1,6 @@
 """A model every rank holds whole (replicated), saved as FSDP2's shards: each rank's slice of each tensor as a view.
 
-``model_shards`` and ``optimizer_shards`` decide from the model, on the calling thread, what turns its state dicts
-into the state saved: for a replicated model, its parameters and moments as ``Shard(0)`` views (no copy: every
-rank writes its own slice, and the files are those a sharded run writes); else nothing (``unchanged``).
+No copy: every rank writes its own ``Shard(0)`` slice, and the files are those a sharded run writes.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ def unchanged(state: dict) -> dict:
 
 
 def model_shards(model: nn.Module) -> Callable[[dict], dict]:
-    """What turns ``model``'s state dict into the state saved, decided now from the model: for a replicated model
-    its parameters' views as shards, else nothing. Applying it takes no collective and reads no module, so a
-    background save applies it in the background (``sharded.StagedSave.capture``)."""
+    """What turns ``model``'s state dict into the state saved (for a replicated model, its shards' views), decided
+    now: applying it needs no collective nor module, so a background save applies it in the background."""
     mesh = _replicated_mesh(model)
     if mesh is None:
         return unchanged
@@ -45,8 +42,7 @@ def _moments_as_shards(state: dict, *, mesh: Any) -> dict:
 
 
 def _replicated_mesh(model: nn.Module):
-    """The data-parallel mesh of a model that every rank holds whole (``distributed.data_parallel``: replicated
-    over several ranks; its parameters are plain tensors), or None (sharded, or one rank)."""
+    """The data-parallel mesh of a model every rank holds whole (replicated), or None (sharded, or one rank)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -67,8 +63,7 @@ def _world_mesh(device_type: str, world_size: int):
 
 
 def _as_shards(value: Any, mesh) -> Any:
-    """A replicated tensor (of one dimension or more) as a view of this rank's FSDP2 shard of it (``Shard(0)``),
-    without a copy: every rank writes its own slice, and the files are those a sharded run writes."""
+    """A replicated tensor (1-D or more) as a view of this rank's FSDP2 ``Shard(0)`` of it, without a copy."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

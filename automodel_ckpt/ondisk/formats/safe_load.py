@@ -1,21 +1,8 @@
 """Loading never runs code from a checkpoint, and load failures become one-line ``CheckpointError`` messages.
 
-This module is the only place of the package that unpickles (tests/unit/test_structure.py enforces it):
-
-* DCP's ``.metadata`` is a pickle. ``load_dcp_metadata`` (used by ``SafeFileSystemReader``, resume's check and the
-  HF export) reads it with ``RestrictedUnpickler``, which resolves only the classes DCP metadata is made of (and the
-  builtin and torch value types they hold); any other global (``os.system``, ``builtins.eval``,
-  ``subprocess.Popen`` ...) is refused before it can be called. The data files it names must be plain relative
-  paths inside its folder and regular files (``paths``).
-* Non-tensor entries of a ``.distcp`` file (optimizer ``param_groups`` values, for example) are unpickled by
-  ``SafeLoadPlanner`` with ``torch.load(weights_only=True)``; torch's default planner uses ``weights_only=False``.
-* Tensors are read by DCP with ``weights_only=True`` (``ondisk/fastio`` locates a tensor record's data with
-  ``TensorRecordUnpickler``, which resolves nothing but inert stand-ins); HF safetensors shards hold no code by
-  design; the ``.pt`` state files are read by ``load_pt`` with ``weights_only=True``.
-* ``unpickle_own`` rebuilds a value this process pickled itself a moment before (an async save's small states,
-  ``checkpoint/save/taken.py``), never bytes read from a file.
-* ``check_fits`` compares a checkpoint's keys and shapes with the state about to be loaded, and
-  ``load_failure`` / ``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
+The only module that unpickles (tests/unit/test_structure.py); its rules: docs/integrity.md (safe loading).
+``check_fits`` compares a checkpoint's keys and shapes with the state to load, and ``load_failure`` /
+``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
 """
 
 from __future__ import annotations
@@ -56,8 +43,8 @@ _TORCH_VALUE_TYPES = (torch.dtype, torch.memory_format, torch.layout)
 
 
 class _Budget:
-    """The values that the constructor calls of one pickle have copied so far, refused past a limit: a pickle
-    that passes one large memoized list to a constructor again and again cannot make it copy gigabytes."""
+    """The values one pickle's constructor calls have copied, refused past a limit (one memoized list, again and
+    again, cannot make it copy gigabytes)."""
 
     def __init__(self, limit: int) -> None:
         self.left = limit
@@ -70,8 +57,7 @@ class _Budget:
             raise pickle.UnpicklingError("its constructor calls copy more values than its size allows")
 
     def guard(self, real: type) -> type:
-        """A stand-in for class ``real`` that charges each call (``REDUCE``) or ``__new__`` (``NEWOBJ``) and
-        returns an instance of ``real`` itself."""
+        """A stand-in for class ``real`` that charges each call or ``__new__`` and returns a ``real``."""
         budget = self
 
         class Charged(type):
@@ -87,8 +73,7 @@ class _Budget:
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals DCP metadata needs; anything else raises ``UnpicklingError``.
-    ``budget``: how many values its constructor calls may copy (``_Budget``)."""
+    """An unpickler resolving only the globals DCP metadata needs (else ``UnpicklingError``), within ``budget``."""
 
     def __init__(self, file: Any, budget: int = _BUDGET_FLOOR) -> None:
         super().__init__(file)
@@ -139,12 +124,8 @@ class StorageRef:
 
 
 class TensorRecordUnpickler(pickle.Unpickler):
-    """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it
-    (``ondisk/fastio`` locates tensor data with it).
-
-    Only the globals a plain tensor's pickle holds are resolved, to inert stand-ins; anything else raises
-    ``UnpicklingError`` (the record then goes to ``torch.load(weights_only=True)``).
-    """
+    """Reads a torch.save'd tensor's pickle into (storage, storage offset, size, stride) without building it: a
+    plain tensor's globals become inert stand-ins, anything else raises ``UnpicklingError`` (then ``torch.load``)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
@@ -176,15 +157,12 @@ class _OwnUnpickler(pickle.Unpickler):
 
 
 def unpickle_own(data: bytes, aside: tuple[str, str], resolve: Any) -> Any:
-    """A value this process pickled itself (``checkpoint.save.taken``: in memory, never read from a file); the
-    global ``aside`` (module, name) it refers to is ``resolve``."""
+    """A value this process pickled itself (never read from a file); its global ``aside`` is ``resolve``."""
     return _OwnUnpickler(data, aside, resolve).load()
 
 
 def load_dcp_metadata(path: Path) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem: a file over
-    ``bounded.DCP_METADATA``, a global not allowed, constructor calls past the budget, entries of the wrong types,
-    sizes or chunk boxes (``check_entries``)."""
+    """Unpickle a DCP ``.metadata`` file safely; ``CheckpointError`` naming the file on any problem."""
     path = Path(path)
     try:
         with os.fdopen(paths.open_regular(path), "rb") as f:
@@ -251,8 +229,7 @@ def _is_box(value: object, dims: int | None) -> bool:
 
 
 def _check_storage_files(metadata: Metadata, path: Path) -> None:
-    """Every data file the metadata names is a plain relative path inside its folder and, where it exists, a
-    regular file (a FIFO or device would hang the reader, a symlink could lead anywhere)."""
+    """Every data file the metadata names is a plain relative path inside its folder and, if it exists, regular."""
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         return
@@ -328,9 +305,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-# --- does the checkpoint fit the state? ---------------------------------------------------------------
-
-
 def _flat(state: dict[str, Any]) -> dict[str, Any]:
     try:
         from automodel_ckpt.distributed.dcp_private import flatten_state_dict
@@ -346,9 +320,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | None = None) -> list[str]:
-    """Human-readable differences between the state to load and a checkpoint's metadata, sorted by key.
-
-    ``held``: the keys some rank holds (a pipeline stage holds only its own; None: this rank's)."""
+    """Differences between the state to load and a checkpoint's metadata, by key; ``held``: the keys some rank holds."""
     want = _flat(state)
     have = metadata.state_dict_metadata
     held = set(want) if held is None else held | set(want)
@@ -371,9 +343,7 @@ def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | Non
 
 def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int = 5,
                held: set[str] | None = None) -> None:
-    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model.
-
-    ``held``: the keys any rank holds, when ranks hold different parts of the model (pipeline stages)."""
+    """Raise ``CheckpointError`` listing the first differing keys if ``path`` holds state of another model."""
     diffs = _differences(state, metadata, held)
     if diffs:
         raise CheckpointError(_misfit(path, diffs, limit))
@@ -381,13 +351,8 @@ def check_fits(state: dict[str, Any], metadata: Metadata, path: Path, limit: int
 
 def _misfit(path: Path, diffs: list[str], limit: int = 5) -> str:
     more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
-    return (
-        f"checkpoint '{path}' does not fit this model ({len(diffs)} keys differ; was it saved from another "
-        f"model or config?): " + "; ".join(diffs[:limit]) + more
-    )
-
-
-# --- one-line failures ----------------------------------------------------------------------------------
+    return (f"checkpoint '{path}' does not fit this model ({len(diffs)} keys differ; was it saved from another "
+            f"model or config?): " + "; ".join(diffs[:limit]) + more)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -422,8 +387,7 @@ def save_failure(exc: BaseException, path: Path) -> CheckpointError:
 
 
 def load_pt(file: Path) -> Any:
-    """A small ``.pt`` state file (tensors and plain data only, ``weights_only``; a regular file, never a FIFO or
-    device); a one-line ``CheckpointError`` if unreadable."""
+    """A small regular ``.pt`` state file, ``weights_only``; a one-line ``CheckpointError`` if unreadable."""
     try:
         with open(paths.open_regular(Path(file)), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)

@@ -22,9 +22,8 @@ _METADATA_KEY = "__metadata__"
 # safetensors' own limit on a header; a bigger length means the file is not safetensors.
 _MAX_HEADER_BYTES = bounded.SAFETENSORS_HEADER
 
-# safetensors dtype names, in the order of safetensors' own ``Dtype`` enum. safetensors lays tensors out sorted by
-# this order, largest first, then by name: following it keeps every tensor aligned to its element size and makes
-# our files byte-identical to ``safetensors.torch.save_file`` for the same tensors.
+# safetensors dtype names in its ``Dtype`` enum's order, by which (largest first, then by name) it lays tensors out:
+# every tensor aligned, our files byte-identical to ``safetensors.torch.save_file``'s.
 _DTYPE_ORDER = (
     "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
     "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
@@ -47,8 +46,7 @@ _TORCH_NAMES = {
 
 @cache
 def _torch_dtypes() -> dict[str, torch.dtype]:
-    """safetensors name -> torch dtype, for the names this torch build knows (older builds lack some fp8 kinds).
-    Built on first use: reading and checking headers (``inspect``, ``verify``) needs no torch."""
+    """safetensors name -> torch dtype this torch knows; built on first use (headers alone need no torch)."""
     import torch
 
     return {st: getattr(torch, name) for st, name in _TORCH_NAMES.items()
@@ -84,12 +82,8 @@ def is_plain_float(dtype: torch.dtype) -> bool:
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """``(header, data_start)`` of a safetensors file, reading only its first bytes.
-
-    Raises CheckpointError naming the file when the header is missing, cut short, over safetensors' own size limit
-    or not JSON, when an entry is malformed (``check_header``), or when the path is no regular file (a FIFO or a
-    device is never read).
-    """
+    """``(header, data_start)`` of a safetensors file, reading only its first bytes; ``CheckpointError`` naming the
+    file when the header is missing, short, too large, not JSON or malformed, or the path no regular file."""
     path = Path(path)
     try:
         with os.fdopen(open_regular(path, follow=True), "rb") as f:
@@ -135,9 +129,8 @@ def parse_header(raw: bytes, path: Path | str) -> dict[str, Any]:
 
 
 def check_header(header: dict[str, Any], data_len: int, path: Path | str) -> None:
-    """Every entry of a header has a known dtype, a shape of non-negative integers whose bytes are its byte range,
-    and a range inside the data area (``data_len`` bytes); no two ranges overlap (sorted: O(n log n)). The number
-    of entries is bounded by the header's size. One-line ``CheckpointError`` naming the file and the tensor."""
+    """Every entry has a known dtype, a shape whose bytes are its byte range, and a range inside the data area
+    (``data_len`` bytes), none overlapping; else a one-line ``CheckpointError`` naming the file and the tensor."""
     meta = header.get(_METADATA_KEY)
     if meta is not None and not isinstance(meta, dict):
         raise CheckpointError(f"damaged safetensors file {path}: {_METADATA_KEY} is not a JSON object")
@@ -187,11 +180,8 @@ def layout_order(items: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None) -> bytes:
-    """Length prefix + JSON header for ``(name, st_dtype, shape, nbytes)`` entries laid out back to back.
-
-    The JSON is padded with spaces to a multiple of 8 bytes so the data section (and every tensor, given
-    ``layout_order``) starts aligned, as safetensors itself does.
-    """
+    """Length prefix + JSON header for ``(name, st_dtype, shape, nbytes)`` entries laid out back to back, padded
+    with spaces to a multiple of 8 bytes as safetensors does (every tensor aligned, given ``layout_order``)."""
     header: dict[str, Any] = {}
     if metadata:
         header[_METADATA_KEY] = metadata

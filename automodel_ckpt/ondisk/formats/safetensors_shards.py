@@ -1,9 +1,6 @@
 """The ``safetensors`` model format: per-rank Hugging Face safetensors shards, the default.
 
-Every rank writes its own ``shard-0000R-...`` file holding its local pieces and their offsets
-(``HuggingFaceStorageWriter(save_distributed=True)``'s format); nothing is gathered. A folder of plain Hugging Face
-weight files (saved from full tensors) reads as this format too. Its saves write ``consolidate.sh`` and may export
-a Hugging Face folder inline (``save_consolidated``); a PEFT model's adapter folder is safetensors already.
+Every rank writes its own ``shard-0000R-...`` file; a folder of plain Hugging Face weights reads as this format too.
 """
 
 from __future__ import annotations

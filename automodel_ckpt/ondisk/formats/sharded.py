@@ -1,7 +1,6 @@
 """Sharded model and optimizer state through torch.distributed.checkpoint, in the files of a format's storage.
 
-The model formats that write through DCP (``safetensors_shards``, ``dcp_shards``) are ``ShardsFormat``s: each names
-its storage writer and reader; optimizer state is always DCP ``.distcp`` files (``DCP_FILES``).
+``ShardsFormat``s name their storage writer and reader; optimizer state is always ``.distcp`` files (``DCP_FILES``).
 """
 
 from __future__ import annotations
@@ -15,12 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.optim import Optimizer
 
 from automodel_ckpt.ondisk import fastio
@@ -31,22 +26,14 @@ from automodel_ckpt.ondisk.durable import WrittenFiles
 from automodel_ckpt.ondisk.incremental import Reuse
 from automodel_ckpt.ondisk.loadcheck import DamagedFile, LoadCheck
 from automodel_ckpt.ondisk.formats.base import ModelFormat
-from automodel_ckpt.ondisk.formats.safe_load import (
-    check_fits,
-    load_failure,
-    root_cause,
-    save_failure,
-)
+from automodel_ckpt.ondisk.formats.safe_load import check_fits, load_failure, root_cause, save_failure
 
 
 def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, threads: int | None = None,
             small_apart: bool = False, incremental: Incremental | None = None):
-    """The storage writer of ``fmt`` (a ``ShardsFormat``, or ``DCP_FILES``), writing in parallel from the tensors'
-    memory (see ``fastio``); each file fsynced once, with its checksum noted in ``written``. ``threads``: writer
-    threads (default ``fastio.WRITE_THREADS``); ``small_apart``: DCP's small items in a file of their own;
-    ``incremental``: a model's stable tensors in files of their own, hard-linked from the previous checkpoint when
-    unchanged (``ondisk.incremental``).
-    """
+    """The storage writer of ``fmt`` (a ``ShardsFormat``, or ``DCP_FILES``): parallel, each file fsynced once and
+    its checksum noted in ``written``. ``small_apart``: DCP's small items in a file of their own; ``incremental``:
+    stable tensors in files of their own, hard-linked from the previous checkpoint when unchanged."""
     extra: dict[str, Any] = {} if threads is None else {"threads": threads}
     if incremental is not None:
         extra |= {"stable": incremental.stable, "reuse": incremental.reuse}
@@ -54,15 +41,12 @@ def _writer(path: Path, fmt: Any, written: WrittenFiles | None = None, *, thread
 
 
 def _reader(path: Path, fmt: Any, check: LoadCheck | None = None):
-    """The storage reader of ``fmt``: it never unpickles code (see ``safe_load``), reads the checkpoint's metadata
-    once, and reads the tensors into the state being loaded (``fastio``: past the page cache for large files).
-    ``check``: the files' checksums are computed as they are read (``loadcheck``)."""
+    """The storage reader of ``fmt`` (``check``: checksums computed as the files are read)."""
     return fmt.storage_reader(path, check)
 
 
 class DcpFiles:
-    """DCP's ``.distcp`` files: one ``__R_0.distcp`` per rank (``FileSystemWriter``'s), and with ``small_apart``
-    the small items in ``__R_1.distcp`` (``fastio.ParallelFileSystemWriter``). Optimizer state is always saved so."""
+    """DCP's ``.distcp`` files (``__R_0``, and ``__R_1`` with ``small_apart``): always the optimizer's format."""
 
     def storage_writer(self, path: Path, written: WrittenFiles | None, *, small_apart: bool = False, **extra: Any):
         return fastio.ParallelFileSystemWriter(path, written=written, small_apart=small_apart, **extra)
@@ -75,8 +59,7 @@ DCP_FILES = DcpFiles()
 
 
 class ShardsFormat(ModelFormat):
-    """A model format written and read through DCP by every rank (its own pieces, any world size on load):
-    subclasses give ``storage_writer(path, written, *, small_apart, **extra)`` and ``storage_reader(path, check)``."""
+    """A model format every rank writes and reads through DCP: subclasses give ``storage_writer``/``storage_reader``."""
 
     def writer(self, *, rank: int, reuse: Reuse | None = None, hf: Any = None) -> ModelShards:
         return ModelShards(self, reuse)
@@ -86,15 +69,13 @@ class ShardsFormat(ModelFormat):
 
 
 def cache_key(path: Path, writer: Any) -> str:
-    """The plan and results caches' key of a save into ``path`` (``<root>/<staging folder>/<state folder>``): the
-    root and the state folder, not the step's folder. Each root has its own: the node-local tier's steps, written in
-    the background, may overlap a durable save of the same state, and a cache entry is out while a save is on."""
+    """The plan caches' key of a save into ``<root>/<staging folder>/<state folder>``: the root and the state
+    folder. Each root has its own: a node-local save may overlap a durable save of the same state."""
     return f"{path.parent.parent}/{path.name}:{type(writer).__name__}"
 
 
 def _save(state: dict, path: Path, writer, process_group) -> None:
-    """``dcp.save`` planned by ``planning.LinearSavePlanner`` and its write results sent by ``plan_results``:
-    both cached per state folder (``path``'s name) and writer, so a save of an unchanged layout sends digests."""
+    """``dcp.save`` with plans and write results cached per state folder and writer (``planning``, ``plan_results``)."""
     import torch.distributed as dist
 
     world, rank = (dist.get_world_size(process_group), dist.get_rank(process_group)) if dist.is_initialized() else (1, 0)
@@ -147,8 +128,7 @@ class Incremental:
 
 
 def _trained_names(model: nn.Module) -> frozenset[str]:
-    """The state-dict names of the parameters that train (``requires_grad``), as ``get_model_state_dict`` names
-    them (wrapper prefixes removed). A name missed here only costs a write: a file is linked only when unchanged."""
+    """The state-dict names of the parameters that train (a name missed here only costs a write)."""
     from automodel_ckpt.distributed.dcp_private import get_fqns
 
     names: set[str] = set()
@@ -178,8 +158,7 @@ def _optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
 
 
 def reading():
-    """A context in which loads share reader threads and read buffers (``fastio.session``): one checkpoint's
-    folders read one after the other without starting threads or mapping buffers again for each."""
+    """A context in which loads share reader threads and read buffers (``fastio.session``)."""
     return session.kept()
 
 
@@ -192,8 +171,7 @@ def load_model(model: nn.Module, path: Path, fmt: ShardsFormat, process_group=No
 
 
 def _loaded_in_place(model: nn.Module, state: dict) -> bool:
-    """Whether the load wrote every value into the model's own memory (the state dict's tensors are views of the
-    parameters and buffers, and DCP loads into them), so that ``set_model_state_dict`` would copy each onto itself."""
+    """Whether the load wrote every value into the model's own memory (``set_model_state_dict`` would copy nothing)."""
     current = get_model_state_dict(model)
     if current.keys() != state.keys():
         return False
@@ -214,13 +192,9 @@ def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_g
 
 
 class StagedSave:
-    """A model or optimizer state for a background save.
-
-    Made on the training thread with ``state`` from ``_freeze`` (small tensors and plain values copied
-    already, large tensors still the live ones); ``capture`` makes the saved layout's views of it (``shards``: a
-    replicated model's shards, decided on the training thread) and copies the rest into the stager's host buffers
-    (in the background, before the next optimizer step may run), ``write`` writes the copy through ``dcp.save``.
-    """
+    """A model or optimizer state for a background save, made on the training thread from ``_freeze``'s state:
+    ``capture`` copies the large tensors into the stager's host buffers (before the next optimizer step may run),
+    ``write`` writes the copy through ``dcp.save``."""
 
     def __init__(self, key: str, state: dict, stager: HostStager, path: Path, fmt: Any,
                  written: WrittenFiles | None = None, threads: int | None = None, small_apart: bool = False,
@@ -278,8 +252,7 @@ class StagedSave:
 
 def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostStager, written: WrittenFiles | None = None,
                 *, threads: int | None = None, reuse: Reuse | None = None) -> StagedSave:
-    """The first half of a background ``save_model``: its small tensors and buffers (which a forward pass may
-    change, e.g. running statistics) copied now, the parameters left for ``StagedSave.capture``."""
+    """The first half of a background ``save_model``: small tensors and buffers copied now, the parameters later."""
     buffers = {name for name, _ in model.named_buffers()}
     state = _freeze(state_dicts.model_state_dict(model), eager=lambda key: key in buffers)
     incremental = Incremental(model, reuse) if reuse is not None else None
@@ -290,9 +263,7 @@ def stage_model(model: nn.Module, path: Path, fmt: ShardsFormat, stager: HostSta
 def stage_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, stager: HostStager,
                     written: WrittenFiles | None = None, *, threads: int | None = None,
                     small_apart: bool = False) -> StagedSave:
-    """The first half of a background ``save_optimizer``: step counts, hyperparameters and other small values
-    (which the LR scheduler may change) copied now, the moments left for ``StagedSave.capture``. ``small_apart``:
-    the small items in a file of their own (``_writer``)."""
+    """The first half of a background ``save_optimizer``: small values copied now, the moments later."""
     state = _freeze(state_dicts.optimizer_state_dict(model, optimizer))
     return StagedSave(f"optim:{path.name}", state, stager, path, DCP_FILES, written, threads, small_apart,
                       shards=replicated.optimizer_shards(model))
@@ -318,10 +289,7 @@ _SMALL_TENSOR_BYTES = 64 << 10  # tensors up to this size are copied when a back
 
 
 def _freeze(state: Any, eager=None) -> Any:
-    """``state`` with its plain values and small tensors copied now; larger tensors stay the live ones.
-
-    ``eager(key)``: top-level keys whose tensors are copied now whatever their size.
-    """
+    """``state`` with its plain values and small tensors copied now (all tensors of keys where ``eager(key)``)."""
     with torch.no_grad():
         return _frozen(state, eager, "")
 
@@ -346,15 +314,9 @@ def wait_async_save(future: Future, path: Path) -> None:
 
 
 class HostStager:
-    """Copies state dicts into host-memory buffers that are kept for the next save (the "staging" of a save).
-
-    The first save of a state allocates its buffers (DTensors keep their sharding, on a host copy of their local
-    shard); later saves only copy into them, so staging costs one memory copy of the state. A state whose structure
-    changed (an optimizer that gained its moments) gets new buffers. Pinned memory and non-blocking copies where
-    the state lives on an accelerator. Holds a second copy of the model and optimizer state in host memory.
-    Buffers it drops (replaced, or at ``close``) are pinned blocks the accelerator's host caching allocator would
-    keep for good: they are given back (``release_pinned``) before new ones are made.
-    """
+    """Copies state dicts into host buffers kept for the next save (one memory copy a save; DTensors keep their
+    sharding). A changed structure gets new buffers. Pinned where the state is on an accelerator; dropped pinned
+    buffers are given back (``release_pinned``: the host caching allocator would keep them) before new ones."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, Any] = {}
@@ -385,8 +347,7 @@ class HostStager:
 
 
 def release_pinned() -> None:
-    """Give the pinned host blocks no tensor uses back to the OS (torch's host caching allocator keeps them); a
-    no-op where no accelerator is in use, and where torch has no such call (before 2.13: the blocks stay cached)."""
+    """Give unused pinned host blocks back to the OS (where an accelerator is in use and torch >= 2.13 can)."""
     empty = getattr(getattr(torch.accelerator, "memory", None), "empty_host_cache", None)
     if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         empty()

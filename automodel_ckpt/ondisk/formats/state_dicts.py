@@ -1,14 +1,7 @@
 """A model's and its optimizer's state dicts as ``torch.distributed.checkpoint`` gives them, cheap to take again.
 
-``get_model_state_dict`` and ``get_optimizer_state_dict`` walk the whole model at every call (each parameter's
-name resolved through its modules), which is most of what an async save costs the training thread. The first call
-here asks torch and keeps the layout of its answer: the model's ``state_dict()`` keys and the names torch gives
-them; the optimizer's parameters, their names and its groups' keys. Later calls take ``model.state_dict()`` and the
-optimizer's live ``state`` and ``param_groups`` (what torch reads too) and lay them out the same way; whenever they
-no longer match that layout (a parameter added or replaced, a state not yet made, a group's keys changed) torch
-is asked again. A layout is kept only where it gives exactly torch's answer (checked when it is made), so a wrapper
-torch handles itself (FSDP1, state-dict hooks) is always asked of torch. The names of the optimizer's parameters
-are those of the first call: a parameter moved to another module path, the same tensor kept, is not seen.
+The first call asks torch and keeps its answer's layout; later ones lay out the live state the same way, asking
+torch again whenever it no longer matches (a layout is kept only where it gives exactly torch's answer).
 """
 
 from __future__ import annotations
@@ -53,8 +46,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, An
 
 
 class _ModelLayout:
-    """``model.state_dict()``'s keys, in order, and which of them torch's answer holds under which name, in its
-    order (torch moves a key it renames, a wrapper's prefix removed, to the end)."""
+    """``model.state_dict()``'s keys and which torch's answer holds under which name, in its (own) order."""
 
     def __init__(self, keys: list[str], pairs: list[tuple[str, str]]) -> None:
         self.keys, self.pairs = keys, pairs

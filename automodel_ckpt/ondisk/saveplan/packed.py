@@ -1,11 +1,6 @@
 """Large parts of what every rank sends a save's coordinator, sent as a pickle and its digest, read once each.
 
-Every rank of a layout sends the same key mapping and, in columns (``plan_columns``, ``result_columns``), the same
-list of items (HSDP's replicas, TP's data-parallel peers, FSDP's shards all hold one item per tensor); unpickling
-them all was most of the coordinator's time at thousands of ranks, and all of its memory. So each such part goes
-as ``Packed``, and the coordinator's ``Unpacker`` reads each distinct one once and hands the same object to every
-rank that sent it. Plain values only: read by the restricted unpickler. The numbers beside them go as raw int32
-bytes where they fit (``int_bytes``), else int64.
+The coordinator's ``Unpacker`` reads each distinct one once (restricted unpickler), one object for every sender.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ class Packed:
 
 
 def pack(value: Any) -> Packed:
-    """``value`` (plain values only) as a ``Packed``."""
     data = pickle.dumps(value, protocol=4)
     return Packed(hashlib.blake2b(data, digest_size=16).hexdigest(), data)
 
@@ -41,8 +35,7 @@ def items_packed(columns: Any) -> Any:
 
 
 def sharing(values: list[Any]) -> list[list[int]]:
-    """The places of ``values`` grouped by the object each holds (the ranks whose packed item lists were one, and
-    so were read as one object), in order of first appearance."""
+    """The places of ``values`` grouped by the object each holds, in order of first appearance."""
     groups: dict[int, list[int]] = {}
     for place, value in enumerate(values):
         groups.setdefault(id(value), []).append(place)
@@ -56,7 +49,6 @@ class Unpacker:
         self.seen: dict[str, Any] = {}
 
     def __call__(self, part: Any) -> Any:
-        """``part``'s value where it is ``Packed``, else ``part``."""
         if not isinstance(part, Packed):
             return part
         found = self.seen.get(part.digest)
@@ -65,7 +57,6 @@ class Unpacker:
         return found
 
     def items(self, columns: Any) -> Any:
-        """Columns (``items_packed``'s) with their item list read."""
         return replace(columns, items=self(columns.items))
 
 
@@ -83,9 +74,8 @@ def ints(data: bytes, width: int) -> np.ndarray:
 
 
 def stacked(numbers: list[np.ndarray], length: int) -> np.ndarray:
-    """The numbers of ranks that sent one item list, as rows ``[ranks, length + 1]`` of int64 whose last column is
-    a zero: where a layout points for a number an item has not got. Raises ``ValueError`` where a rank sent other
-    than ``length`` numbers."""
+    """The numbers of ranks that sent one item list as int64 rows ``[ranks, length + 1]``, the last column a zero
+    (where a layout points for a number an item has not got); ``ValueError`` for a rank of other than ``length``."""
     out = np.zeros((len(numbers), length + 1), dtype=np.int64)
     if length:
         out[:, :length] = np.stack(numbers)

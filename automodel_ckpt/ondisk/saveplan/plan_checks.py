@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from itertools import chain, count
-from operator import itemgetter
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -15,29 +14,13 @@ from torch.distributed.checkpoint.planner import SavePlan
 from automodel_ckpt.distributed.dcp_private import validate_global_plan
 
 
-def dedup(notes: list[Any]) -> list[list[bool]]:
-    """Which rank writes each item (``dedup_save_plans``, the same choices): ``[rank][item]`` True where it does.
-    ``notes``: the ranks' encoded plans (``planning._encode``); ``owners`` does the walk."""
-    # an item's id: one hash of its key, in C (``setdefault`` keeps the first position given)
-    index: dict[Any, int] = {}
-    position = count()
-    ids_of = [np.fromiter(map(index.setdefault, map(_KEY, note.entries), position), dtype=np.int64,
-                          count=len(note.entries)) for note in notes]
-    return [mask.tolist() for mask in owners(ids_of, next(position),
-                                             lambda rank, j: _storage(notes[rank], notes[rank].entries[j]))]
-
-
 def owners(ids_of: list[np.ndarray], id_count: int, weight: Any) -> list[np.ndarray]:
-    """DCP's dedup on item ids: ``ids_of[rank]`` holds an id (below ``id_count``) per item of that rank, equal
-    where two items have the same key (``MetadataIndex``); ``weight(rank, j)``: what DCP counts for that item (its
-    whole tensor's bytes, or 1). Returns each rank's mask of the items it writes.
+    """DCP's dedup on item ids (``ids_of[rank]``: an id below ``id_count`` per item, equal for equal keys;
+    ``weight(rank, j)``: its tensor's bytes, or 1): each rank's mask of the items it writes.
 
-    An item several ranks hold goes to the one with the least planned so far, walking the items in the order they
-    first appear: rank by rank. A rank's load is read only when an item it holds first appears, at that rank: then
-    it holds what was given to it before and its own items before that one, and no rank before it holds the item.
-    So only the ranks at which some item first appears are walked, each up to its last such item; the holders of
-    each item (the set DCP builds, filled in the same order, so that ties go where DCP's go), and each rank's share
-    once every item it holds has a writer, are found in numpy. How ids are numbered does not matter."""
+    An item several ranks hold goes to the one with the least planned so far, in order of first appearance. A
+    rank's load matters only where an item first appears at it, so only those ranks are walked, each up to its last
+    such item; the holders (DCP's set, filled in the same order, so ties go where DCP's go) are found in numpy."""
     every = np.concatenate(ids_of) if ids_of else np.zeros(0, dtype=np.int64)
     counts = np.bincount(every, minlength=id_count)
     if counts.max(initial=0) <= 1:
@@ -73,20 +56,8 @@ def owners(ids_of: list[np.ndarray], id_count: int, weight: Any) -> list[np.ndar
     return out
 
 
-def _storage(note: Any, entry: tuple) -> int:
-    """What DCP's dedup counts for an item: its whole tensor's bytes, or 1."""
-    size = entry[5]
-    return (math.prod(size) * note.properties[entry[6]].dtype.itemsize if size is not None else 0) or 1
-
-
-_KEY = itemgetter(0, 2)  # an encoded item's (fqn, offset): DCP's MetadataIndex as a dedup key
-
-
 def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]] | None = None) -> list[str]:
-    """DCP's checks of a global plan (every chunk within bounds, no two overlapping, all of them covering the
-    tensor when more than one rank saves), without comparing chunks pairwise where they form a grid. ``bounds``:
-    each tensor's chunk offsets and sizes as lists of tuples or as ``[chunks, dims]`` arrays (else read from the
-    metadata's chunks)."""
+    """DCP's checks of a global plan (in bounds, no overlap, the tensor covered), linear where chunks form a grid."""
     errors: list[str] = []
     irregular: dict[str, Any] = {}
     for key, value in metadata.state_dict_metadata.items():
@@ -117,9 +88,7 @@ def validate(ranks: int, metadata: Metadata, bounds: dict[str, tuple[list, list]
 
 
 def _is_grid(size: Any, offs: Any, ends: Any, sizes: Any) -> bool:
-    """Whether the non-empty chunks are distinct cells of one grid: along each dimension their distinct
-    intervals, sorted, follow one another from 0 to the end (a partition), and no two chunks start at the same
-    offsets. Then no two overlap. Sorting in numpy (1-D keys); no pair of chunks compared."""
+    """Whether the non-empty chunks are distinct cells of one grid (then no two overlap)."""
     full = (sizes > 0).all(axis=1)
     offs, ends = offs[full], ends[full]
     if len(offs) < 2:
@@ -152,8 +121,7 @@ def _is_grid(size: Any, offs: Any, ends: Any, sizes: Any) -> bool:
 
 
 def _swept(irregular: dict[str, Any]) -> dict[str, Any]:
-    """``irregular``'s tensors with the dimension of most distinct offsets made the longest, so that DCP's sweep
-    (along the longest) runs along it and the chunks rarely stay active together."""
+    """``irregular``'s tensors with the dimension of most distinct offsets made the longest, for DCP's sweep."""
     out = {}
     for key, value in irregular.items():
         best = max(range(len(value.size)), key=lambda d: len({c.offsets[d] for c in value.chunks}))

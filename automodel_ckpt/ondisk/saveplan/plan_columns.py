@@ -1,14 +1,6 @@
 """A save's global plan made on columns: every rank's items as one shared list and an array of their numbers.
 
-At thousands of ranks the coordinator of an FSDP save walked some 9 million items one at a time (a 70B model and
-its AdamW moments at 4,096 ranks): unpickling each rank's items, DCP's dedup, the chunk lists and the index
-hints. But every rank of a layout holds the same items (one per tensor, in the state's order: FSDP, HSDP and TP
-shard every tensor) and only their numbers differ (where each rank's chunk starts, its sizes). So a rank sends
-its items without their numbers (``Columns.items``: the same pickle on every rank, which the coordinator reads
-once, ``packed.Packed``) and the numbers as one integer array (int32 where they fit); the coordinator keys,
-dedups, orders and checks them in numpy and makes the ``Metadata`` DCP makes. Plans of another shape (a chunk that
-does not start at its index's offset, a name saved twice, an offset outside its tensor) are given back as tuples
-(``joined``) and planned as before (``planning.plan_globally``), which also raises as DCP does.
+A layout's ranks hold the same items, only their numbers differ; other plans are DCP's (``plan_globally``).
 """
 
 from __future__ import annotations
@@ -26,14 +18,13 @@ from automodel_ckpt.ondisk.saveplan.packed import int_bytes, ints, sharing, stac
 from automodel_ckpt.ondisk.saveplan.plan_checks import owners
 
 _SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
-_KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or the plan goes the tuple way
+_KEY_LIMIT = 1 << 62  # the dedup keys (one integer an item) stay below it, or DCP plans it
 
 
 @dataclass(frozen=True)
 class Columns:
-    """A rank's encoded items (``planning._encode``) in two parts. ``items``: ``(fqn, type, tensor size,
-    properties #, bytes data)`` each (``packed.Packed`` on the wire); ``numbers``: for each tensor item in turn,
-    its offsets then its chunk's sizes (``packed.int_bytes``), the chunk starting at the index's offset."""
+    """A rank's encoded items: ``items`` ``(fqn, type, tensor size, properties #, bytes data)`` each, and
+    ``numbers``, for each tensor item its offsets then its chunk's sizes (``packed.int_bytes``)."""
 
     items: Any
     numbers: bytes
@@ -119,10 +110,7 @@ def _items(items: list[tuple], names: dict[str, int], properties: list[Any], wid
 
 
 def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, tuple]] | None:
-    """``planning.plan_globally``'s work on ranks that all sent ``Columns`` (their items unpacked): each rank's
-    index hints (int64: its chunk's place in its tensor's list, -1 kept as it is, -2 another rank writes it), the
-    metadata's entries, and each tensor's chunk offsets and sizes as ``[chunks, dims]`` arrays (for
-    ``plan_checks.validate``). None where the plan does not fit columns (the tuple way then raises as DCP does)."""
+    """``plan_globally`` on ``Columns``: hints, metadata entries, each tensor's chunks; None where it does not fit."""
     names: dict[str, int] = {}
     distinct: dict[int, list[tuple]] = {id(n.entries.items): n.entries.items for n in notes}
     width = max((len(i[2]) for items in distinct.values() for i in items if i[2] is not None), default=0)
@@ -140,8 +128,7 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
     radix = max((s.radix for s in made.values()), default=1)
     if (2 * len(names) + 2) * (width + 1) * radix >= _KEY_LIMIT:
         return None
-    # the distinct items and numbers sent (HSDP's replicas and TP's data-parallel peers send the same ones): each
-    # source's rows once; every rank reads its own source's
+    # the distinct items and numbers sent (replicas send the same): each source's rows once
     source_of: dict[tuple[int, int, bytes], int] = {}
     source = np.fromiter((source_of.setdefault((id(n.entries.items), n.entries.width, n.entries.numbers),
                                                len(source_of))
@@ -153,7 +140,7 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
     fqn, tensor, shard, extent, dims = (np.concatenate([getattr(s, f) for s in sources])
                                         for f in ("fqn", "tensor", "shard", "sizes", "dims"))
     if (offsets < 0).any() or (offsets > extent).any() or (sizes < 0).any():
-        return None  # a chunk outside its tensor: the tuple way reports it
+        return None  # a chunk outside its tensor: DCP's way reports it
     # dedup: an item's key (name, kind, rank, offsets: DCP's ``MetadataIndex``) as one integer: its offsets in the
     # radix of its tensor's size + 1 (below ``radix``), below its name's, kind's and rank's place times ``radix``
     place = np.zeros(len(fqn), dtype=np.int64)
@@ -206,10 +193,7 @@ def plan(notes: list[Any]) -> tuple[list[np.ndarray], dict[str, Any], dict[str, 
 
 
 def _chunks(made: dict[tuple, list], offsets: np.ndarray, sizes: np.ndarray) -> list:
-    """The ``ChunkStorageMetadata`` list of chunks at ``offsets`` of ``sizes`` (``[chunks, dims]``): the one made
-    already for the same chunks (a model's layers are cut alike, an optimizer's moments as their parameter: tens
-    of lists for 9 million chunks at 4,096 ranks of a 70B model), else new, chunks of one size sharing it. Nothing
-    changes a plan's chunks once made (DCP reads them; ``metapickle`` writes them)."""
+    """The chunk list at ``offsets`` of ``sizes``: the one made already for the same chunks (layers are cut alike)."""
     key = (offsets.shape, offsets.tobytes(), sizes.tobytes())
     found = made.get(key)
     if found is None:
@@ -223,8 +207,7 @@ def _chunks(made: dict[tuple, list], offsets: np.ndarray, sizes: np.ndarray) -> 
 
 
 def _gathered(per_rank: list[_Items], numbers: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's items' offsets and chunk sizes, ``[items, width]`` each (0 past a tensor's rank), rank by rank;
-    the ranks that sent one item list gathered at once."""
+    """Every rank's items' offsets and chunk sizes, ``[items, width]`` each (0 past a tensor's rank), rank by rank."""
     groups = sharing(per_rank)
     parts: list[Any] = [None] * len(per_rank)
     for ranks in groups:

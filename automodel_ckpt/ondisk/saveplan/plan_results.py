@@ -1,14 +1,7 @@
 """The write results every rank sends the coordinator after a DCP save: compact, and cached across saves.
 
-After writing, each rank's storage writer returns one ``WriteResult`` per item it wrote (where its bytes lie),
-and DCP gathers them all on the coordinator for the storage writer's ``finish`` (which writes the ``.metadata``
-file of ``.distcp`` folders; the per-rank safetensors shards need none). Unpickling ``WriteResult`` objects costs
-the coordinator as much as the plans did, at every save. ``keep_results`` makes a rank send them as columns
-(``result_columns``: an item list its peers share, packed, and an array of numbers) or plain tuples, or only their
-digest when they are those of its last save under the same key (same layout: same files, offsets
-and lengths), and makes the coordinator rebuild them, from its cache where unchanged, only when its ``finish``
-reads them; where it reads none (per-rank safetensors shards), nothing is sent. A digest the coordinator does not hold fails the save on every rank; an entry is taken out of the
-cache when a save starts and put back when it succeeded, as the plans are (``planning``).
+Sent as columns or tuples, or as a digest when unchanged since the last save under the key; the coordinator keeps
+them as ``planning`` keeps plans, and a digest it does not hold fails the save.
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ from automodel_ckpt.ondisk.saveplan.result_columns import ResultColumns, Storage
 
 @dataclass(frozen=True)
 class ResultsNote:
-    """One rank's write results: their digest, and unless unchanged, their columns (``result_columns``), their
-    tuples (``encode``) or the objects themselves (storage data of another kind than ``_StorageInfo``)."""
+    """One rank's write results: their digest, and unless unchanged, their columns, tuples or objects."""
 
     digest: str
     tuples: list[tuple] | None = None
@@ -41,7 +33,6 @@ class ResultsNote:
 
     @property
     def unchanged(self) -> bool:
-        """Whether only the digest was sent (the results of this rank's last save)."""
         return self.tuples is None and self.objects is None and self.columns is None
 
     def rows(self) -> list[tuple] | None:
@@ -59,8 +50,7 @@ def clear_cache() -> None:
 
 
 def encode(results: list[WriteResult]) -> list[tuple] | None:
-    """``(fqn, offset, index, size_in_bytes, file, offset in file, length, note)`` per result, or None when a
-    result's storage data is not a plain ``_StorageInfo``."""
+    """``(fqn, offset, index, size, file, offset in file, length, note)`` per result; None for other storage data."""
     out = []
     for r in results:
         info = r.storage_data
@@ -105,8 +95,7 @@ def succeeded(key: str | None, world_size: int, rank: int, note: ResultsNote | N
 
 
 def incoming(notes: list[Any], key: str | None, *, needed: bool) -> list[list[WriteResult]]:
-    """The coordinator's view of every rank's results (``needed``: rebuilt as ``WriteResult`` objects, else
-    empty lists)."""
+    """Every rank's results on the coordinator: ``WriteResult`` lists where ``needed``, else empty lists."""
     full = _full_notes(notes, key)
     return notes if full is None else _expanded(full, needed)
 
@@ -124,9 +113,7 @@ def _expanded(full: list[ResultsNote], needed: bool) -> list[list[WriteResult]]:
 
 
 def rows(full: list[ResultsNote]) -> StorageRows | StorageColumns | None:
-    """Every rank's results as they were sent, not made into objects: their columns
-    (``result_columns.StorageColumns``) where every rank sent columns, else their tuples
-    (``metapickle.StorageRows``); None where a rank sent objects."""
+    """Every rank's results as sent (``StorageColumns``, else ``StorageRows``); None where a rank sent objects."""
     if any(n.objects for n in full):
         return None
     if all(n.columns is not None for n in full):
@@ -135,8 +122,7 @@ def rows(full: list[ResultsNote]) -> StorageRows | StorageColumns | None:
 
 
 def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
-    """Every rank's note with its tuples (from the coordinator's cache where a rank sent its digest only), or
-    None when the notes are not ``ResultsNote``s (as DCP gathered them)."""
+    """Every rank's note whole (from the cache where it sent its digest only); None for DCP's own results."""
     cache_key = (key, len(notes)) if key is not None else None
     cached = _COORDINATOR.pop(cache_key, None) if cache_key is not None else None
     full: list[ResultsNote] = []
@@ -160,8 +146,7 @@ def _full_notes(notes: list[Any], key: str | None) -> list[ResultsNote] | None:
 
 
 def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> Any:
-    """Make ``writer`` send its write results as ``outgoing`` makes them, and its ``finish`` read them through
-    ``incoming``. Returns what to call once the save succeeded on every rank."""
+    """Make ``writer`` send its results compact and ``finish`` read them whole; returns what to call on success."""
     write_data, finish = writer.write_data, writer.finish
     needed = not (isinstance(writer, HuggingFaceStorageWriter) and writer.save_distributed
                   and not writer.enable_consolidation)
@@ -195,11 +180,7 @@ def keep_results(writer: Any, key: str | None, world_size: int, rank: int) -> An
 
 
 def hollow(metadata: Any) -> None:
-    """Empty the ``Metadata`` object a save's ``finish`` was given, once its file is written: DCP's save then
-    broadcasts that object to every rank (``all_reduce`` of the write step, which is also ``dcp.save``'s return
-    value), pickled on the coordinator and unpickled on each rank at every save: every chunk of every tensor, 3 s
-    at 256 ranks of a 70B model and its optimizer, some 16 times that at 4,096. Nothing reads it (``sharded._save``
-    ignores ``dcp.save``'s return; a load reads the file). Only this object's attributes are replaced: it is the
-    planner's shallow copy of its cached metadata (``planning``), whose entries that cache and ``metafile``'s hold
-    and keep."""
+    """Empty the ``Metadata`` a save's ``finish`` was given once its file is written: DCP then broadcasts it to
+    every rank (``dcp.save``'s return, which nothing reads), every chunk of every tensor. It is the planner's
+    shallow copy of its cached metadata, so only its attributes are replaced."""
     metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data = {}, None, None

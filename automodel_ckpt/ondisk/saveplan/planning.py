@@ -1,30 +1,8 @@
 """Save and load planning linear in the rank count, save plans cached across saves of one layout.
 
-``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` with two changes, both on the coordinator's side:
-
-* **Linear validation.** DCP checks that no two chunks of a tensor overlap with a sweep along the tensor's longest
-  dimension; when the shards are cut along another one (FSDP's dim 0 of ``down_proj``, ``k_proj``: 8,192 x 28,672
-  and 1,024 x 8,192 in Llama-3-70B) every chunk is active at once and the sweep compares every pair: quadratic in
-  the rank count (36.8 s of planning at 1,024 ranks, 722 tensors). Here a tensor's chunks pass when, along every
-  dimension, their distinct intervals tile the dimension exactly and no two chunks start at the same offsets: each
-  chunk is then one cell of a grid, so none overlaps another; with the volume check (kept from DCP), every cell is
-  present. Every layout FSDP, HSDP and TP produce is such a grid; anything else falls back to the sweep, on the
-  dimension with the most distinct offsets. Chunks without elements (the shards past the end of a dimension that
-  has fewer rows than ranks) only need to lie within bounds. The checks and DCP's dedup: ``plan_checks``.
-* **A cache across saves.** Each rank fingerprints its local plan (the items, their offsets, sizes and dtypes, the
-  state's key mapping). When it equals the one of this rank's last save under the same ``key`` (a state folder
-  of the checkpoint, e.g. ``model``), the rank sends the coordinator a plan with no items and the fingerprint; when
-  every rank does, and the coordinator holds the same fingerprints for every rank, the cached global plan and
-  metadata are reused and every rank gets an empty plan back (then writes its cached final plan). Anything else
-  (another world size, strategy, parameter set, shape or dtype) is planned afresh and replaces the cache. An entry
-  is taken out of the cache when a save starts and put back only when its plan is final, so a save that fails
-  leaves nothing stale; the coordinator refuses (on every rank) a fingerprint it does not hold.
-
-Loads: ``LocalLoadPlanner`` keeps each rank's load plan to itself and finds its read items with
-``read_items_for_chunks`` (DCP's own, found in one pass over a tensor's saved chunks, not DCP's quadratic sweep).
-
-Torch's own ``enable_plan_caching`` keys its class-level cache by the planner's class name, so a model save and
-an optimizer save evict each other's entries at every checkpoint; its validation is the sweep above.
+``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` validated linearly (``plan_checks``) with its plans cached
+across saves of an unchanged layout; ``LocalLoadPlanner`` keeps each rank's load plan to itself. The rules and
+why: docs/checkpointing.md; measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,37 +19,29 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import (
-    DefaultSavePlanner,
-    create_default_local_save_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner, create_default_global_save_plan,
+                                                          create_default_local_save_plan)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
 from automodel_ckpt.distributed.dcp_private import (create_chunk_list, create_read_item_for_tensor, create_read_items,
-                                                 flatten_state_dict, saved_before_2_4, shards_overlap_region)
+                                                 dedup_save_plans, flatten_state_dict, saved_before_2_4,
+                                                 shards_overlap_region)
 from automodel_ckpt.ondisk.saveplan import plan_columns
 from automodel_ckpt.ondisk.saveplan.packed import Packed, Unpacker, items_packed, pack
-from automodel_ckpt.ondisk.saveplan.plan_checks import dedup, validate
+from automodel_ckpt.ondisk.saveplan.plan_checks import validate
 from automodel_ckpt.ondisk.saveplan.plan_columns import Columns, joined, split
 from automodel_ckpt.ondisk.formats.safe_load import SafeLoadPlanner
 
 
 @dataclass(frozen=True)
 class PlanNote:
-    """What a rank sends the coordinator in place of its local plan's items: the plan's fingerprint, and unless
-    the plan is unchanged, its items and the state's key mapping (DCP's ``planner_data``), both ``Packed``: the
-    items as ``plan_columns.Columns`` (an item list its peers share, and its numbers) where they fit, else as plain
-    tuples (``_encode``). Unpickling DCP's ``WriteItem`` objects costs the coordinator ~30 us an item (722 items a
-    rank for Llama-3-70B); tuples of strings and ints a fraction of that, columns almost nothing."""
+    """What a rank sends in place of its plan's items (~30 us each to unpickle): the fingerprint, and unless
+    unchanged, the items (``Columns`` where they fit, else ``_encode``'s tuples) and key mapping, ``Packed``."""
 
     fingerprint: str
     entries: "list[tuple] | Packed | Columns | None" = None
@@ -92,8 +62,7 @@ def _unpacked(notes: list[PlanNote]) -> list[PlanNote]:
 
 @dataclass(frozen=True)
 class PlanReply:
-    """What the coordinator sends each rank back: for each of its local items, its index hint in the metadata
-    (``-1``: kept as it is, a plain value; ``-2``: another rank writes it), as int64 bytes."""
+    """Each local item's index hint in the metadata, as int64 bytes (-1: kept as it is; -2: another rank's)."""
 
     hints: bytes
 
@@ -122,8 +91,7 @@ def clear_cache() -> None:
 
 
 def _encode(plan: SavePlan) -> tuple[list[tuple], list[Any]]:
-    """``plan``'s items as ``(fqn, type, offset, chunk offsets, chunk sizes, size, properties #, bytes data)``,
-    the distinct ``TensorProperties`` apart."""
+    """``plan``'s items as ``(fqn, type, offset, chunk offsets, chunk sizes, size, properties #, bytes data)``."""
     table: dict[Any, int] = {}
     props: list[Any] = []
     entries = []
@@ -152,17 +120,13 @@ def _plain(data: Any) -> Any:
 
 
 def fingerprint(entries: list[tuple], properties: list[Any], mappings: Any) -> str:
-    """A digest of what decides the global plan and the metadata: every item (kind, key, offsets, sizes, the
-    tensor's size and properties) and the state's key mapping."""
+    """A digest of what decides the global plan and the metadata: the items and the state's key mapping."""
     props = [(str(p.dtype), str(p.layout), p.requires_grad, str(p.memory_format), p.pin_memory) for p in properties]
     return hashlib.blake2b(pickle.dumps((entries, props, mappings), protocol=4), digest_size=16).hexdigest()
 
 
 class LinearSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` with linear validation, compact plans on the wire and a global plan cached per
-    ``key`` (see the module's docstring). ``key``: the state being saved (one per state folder); None plans every
-    save afresh. ``world_size`` and ``rank``: this rank's place in the group the save runs on. The final plan of
-    every rank and the metadata are those ``DefaultSavePlanner`` makes."""
+    """``DefaultSavePlanner``'s plans and metadata, validated linearly, cached per ``key`` (None: never)."""
 
     def __init__(self, key: str | None = None, *, world_size: int = 1, rank: int = 0) -> None:
         super().__init__()
@@ -177,8 +141,7 @@ class LinearSavePlanner(DefaultSavePlanner):
         return self.outgoing(create_default_local_save_plan(self.state_dict, self.is_coordinator))
 
     def outgoing(self, plan: SavePlan) -> SavePlan:
-        """What this rank sends the coordinator for its local ``plan``: a ``PlanNote`` of its items, or of its
-        fingerprint alone when the plan is this rank's last one under ``key``."""
+        """The ``PlanNote`` this rank sends for ``plan``: its fingerprint alone when it is this rank's last one."""
         mappings = self.mappings if self.flatten_state_dict else None
         self._local = SavePlan(plan.items, planner_data=mappings)
         entries, props = _encode(plan)
@@ -239,30 +202,21 @@ class LinearSavePlanner(DefaultSavePlanner):
         return replies, self.metadata
 
 
-#: new tracked objects past which ``gc_paused`` moves them to the oldest generation without a collection
-MANY_OBJECTS = 100_000
-#: ranks from which a save's coordinator runs the whole save in ``gc_paused`` (``sharded``): it then unpickles
-#: every rank's plan and write results, half a million tuples at 256 ranks of a 70B model's optimizer state
-GC_PAUSED_FROM = 256
+MANY_OBJECTS = 100_000  # new tracked objects past which ``gc_paused`` moves them to the oldest generation
+GC_PAUSED_FROM = 256  # ranks from which a save's coordinator runs the whole save in ``gc_paused``
 
 
 def coordinating(world_size: int, rank: int) -> Any:
-    """What a save runs in on ``rank`` of ``world_size``: ``gc_paused`` on the coordinator of a large save (it
-    unpickles every rank's plan and write results as they are gathered), else nothing."""
+    """``gc_paused`` on the coordinator of a large save (it unpickles every rank's plan and results), else nothing."""
     return gc_paused() if rank == 0 and world_size >= GC_PAUSED_FROM else nullcontext()
 
 
 @contextmanager
 def gc_paused():
-    """No cyclic garbage collection while millions of objects that form no cycles are made (chunks, indices): each
-    collection walks every object made since the last one, and a full one every object held, which made planning
-    superlinear (at 1,024 ranks, 3.3 of the coordinator's 6.2 s were collections right after the plan).
-
-    On the way out, when more than ``MANY_OBJECTS`` were made, they are moved as they are into the oldest
-    generation (``gc.freeze`` then ``gc.unfreeze``, two list splices): no young collection walks them, nor are
-    they counted towards a full one; the global plan and metadata are long-lived anyway (cached until the layout
-    changes). Objects the process froze before are unfrozen with them, into the same generation (telling them
-    apart would take ``gc.get_freeze_count``, which walks every frozen object)."""
+    """No cyclic garbage collection while millions of acyclic objects are made (chunks, indices): collections
+    made planning superlinear. On the way out, past ``MANY_OBJECTS`` new ones, they move to the oldest
+    generation (``gc.freeze`` then ``gc.unfreeze``): they are long-lived (cached), and no young collection walks
+    them. Objects the process froze before are unfrozen with them."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -276,64 +230,51 @@ def gc_paused():
 
 
 def _apply(items: list[WriteItem], hints: bytes) -> list[WriteItem]:
-    """A rank's global plan from its local items and the coordinator's hints (as DCP's global plan has them)."""
+    """A rank's global plan from its local items and the coordinator's hints."""
     return [item if hint == -1 else dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
             for item, hint in zip(items, np.frombuffer(hints, dtype=np.int64).tolist(), strict=True) if hint != -2]
 
 
 def plan_globally(notes: list[PlanNote], flatten: bool = True) -> tuple[list[np.ndarray], Metadata]:
-    """DCP's dedup (``dedup_save_plans``: an item several ranks hold goes to the one with the least planned so
-    far), global plan (``create_default_global_save_plan``: index hints, the metadata) and merged mappings, on
-    the ranks' encoded plans; validated linearly. Raises ``ValueError`` as DCP does for an invalid plan. Each
-    rank's hints: int64, -1 kept as it is, -2 written by another rank. Ranks that all sent ``Columns`` are
-    planned on them (``plan_columns``) where they fit."""
-    columns = all(isinstance(n.entries, Columns) for n in notes)
-    found = plan_columns.plan(notes) if columns and notes else None
-    if found is not None:
-        hints_of, md, bounds = found
-        return hints_of, _finished(notes, md, bounds, flatten)
-    if columns or any(isinstance(n.entries, Columns) for n in notes):  # given back as tuples
-        notes = [dataclasses.replace(n, entries=joined(n.entries)) if isinstance(n.entries, Columns) else n
-                 for n in notes]
-    owners = dedup(notes)
-    md: dict[str, Any] = {}
-    bounds: dict[str, tuple[list, list]] = {}  # fqn -> its chunks' offsets and sizes, as plain tuples
+    """DCP's dedup, global plan (index hints, metadata) and merged mappings on the ranks' encoded plans, validated
+    linearly: on columns (``plan_columns``) where every rank's fit them, else by DCP's own functions on the items
+    decoded (plans of another shape, rare: DCP's are quadratic), raising as DCP does. Hints: int64, -1 kept as it
+    is, -2 written by another rank."""
+    if notes and all(isinstance(n.entries, Columns) for n in notes):
+        found = plan_columns.plan(notes)
+        if found is not None:
+            hints_of, md, bounds = found
+            return hints_of, _finished(notes, md, bounds, flatten)
+    plans = [SavePlan(_decoded(note)) for note in notes]
+    finals, metadata = create_default_global_save_plan(dedup_save_plans(plans))
     hints_of = []
-    for rank, note in enumerate(notes):
-        hints: list[int | None] = []
-        for (fqn, kind, offset, c_off, c_size, size, prop, _), owner in zip(note.entries, owners[rank]):
-            if not owner:
-                hints.append(None)
-                continue
-            if kind != _SHARD and fqn in md:
-                raise AssertionError("item.index.fqn not in md")
-            if kind == _BYTE_IO:
-                md[fqn] = BytesStorageMetadata()
-                hints.append(-1)
-                continue
-            if size is None:
-                raise AssertionError("item.tensor_data is not None")
-            found = bounds.get(fqn)
-            if found is None:
-                if fqn in md:  # as DCP: a tensor chunk of a name saved as bytes
-                    raise AttributeError("'BytesStorageMetadata' object has no attribute 'chunks'")
-                md[fqn] = TensorStorageMetadata(properties=note.properties[prop], size=torch.Size(size), chunks=[])
-                found = bounds[fqn] = ([], [])
-            if c_off is None:
-                raise AssertionError(f"Cannot create MD for tensor without bounds. FQN: {fqn}")
-            hints.append(len(found[0]))
-            found[0].append(c_off)
-            found[1].append(c_size)
-        hints_of.append(np.array([-2 if h is None else h for h in hints], dtype=np.int64))
-    shared: dict[tuple, torch.Size] = {}  # most chunks share their sizes: one torch.Size each
-    for fqn, (offs, sizes) in bounds.items():  # a tensor's chunks made together: near one another in memory
-        for c_size in set(sizes) - shared.keys():
-            shared[c_size] = torch.Size(c_size)
-        md[fqn].chunks = [ChunkStorageMetadata(torch.Size(c_off), shared[c_size]) for c_off, c_size in zip(offs, sizes)]
-    return hints_of, _finished(notes, md, bounds, flatten)
+    for plan, final in zip(plans, finals):  # a rank's kept items are its items in order, less those deduped
+        kept, hints = iter(final.items), []
+        found = next(kept, None)
+        for item in plan.items:
+            if found is not None and found.index == item.index:
+                hints.append(-1 if found.index.index is None else found.index.index)
+                found = next(kept, None)
+            else:
+                hints.append(-2)
+        hints_of.append(np.array(hints, dtype=np.int64))
+    return hints_of, _finished(notes, metadata.state_dict_metadata, None, flatten)
 
 
-def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple], flatten: bool) -> Metadata:
+def _decoded(note: PlanNote) -> list[WriteItem]:
+    """A rank's encoded items (``_encode``, or ``Columns``) as DCP's ``WriteItem`` objects again."""
+    items = []
+    for fqn, kind, offset, c_off, c_size, size, prop, data in (
+            joined(note.entries) if isinstance(note.entries, Columns) else note.entries):
+        chunk = None if c_off is None else ChunkStorageMetadata(torch.Size(c_off), torch.Size(c_size))
+        tensor = None if size is None else TensorWriteData(chunk, note.properties[prop], torch.Size(size))
+        items.append(WriteItem(MetadataIndex(fqn, None if offset is None else torch.Size(offset)), WriteItemType(kind),
+                               bytes_io_data=None if data is None else BytesIOWriteData(**dict(data)),
+                               tensor_data=tensor))
+    return items
+
+
+def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple] | None, flatten: bool) -> Metadata:
     """The metadata of entries ``md`` with the ranks' merged key mappings, validated."""
     metadata = Metadata(md)
     if flatten:
@@ -346,9 +287,7 @@ def _finished(notes: list[PlanNote], md: dict[str, Any], bounds: dict[str, tuple
 
 
 def merged_mappings(mappings: list[dict]) -> dict:
-    """``dict(ChainMap(*mappings))`` (DCP's merge of the ranks' key mappings: a key's value from the first rank
-    that has it, keys in the order ``ChainMap`` lists them) by one ``update`` per rank, last rank first: ``ChainMap``
-    looks every key up through the ranks in turn (1 s at 1,024 ranks of an optimizer's 2,178 keys)."""
+    """``dict(ChainMap(*mappings))`` (DCP's merge) by one ``update`` per rank, last first: linear in the ranks."""
     merged: dict = {}
     done: set[int] = set()
     for mapping in reversed(mappings):
@@ -358,23 +297,14 @@ def merged_mappings(mappings: list[dict]) -> dict:
     return merged
 
 
-_SHARD, _BYTE_IO = WriteItemType.SHARD.value, WriteItemType.BYTE_IO.value
-
-
 _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
-
-
 _FEW_CHUNKS = 16  # a tensor saved in at most this many chunks is searched by DCP itself (tens of microseconds less)
 
 
 def read_items_for_chunks(fqn: str, md: TensorStorageMetadata, local_chunks: list[ChunkStorageMetadata]) -> list:
-    """DCP's ``create_read_items_for_chunk_list``, the same ``ReadItem`` objects in the same order, with the
-    saved chunks overlapping each local chunk found in numpy. DCP sweeps along the tensor's longest dimension;
-    when the chunks are cut along another one (FSDP's dim 0 of ``k_proj``, ``down_proj``) every saved chunk stays
-    active and is inserted into a sorted list: quadratic in the rank count. Here each local chunk is compared with
-    every saved chunk at once (linear), and its overlaps ordered as DCP's active list holds them: by their end
-    along the sweep dimension, then by index. Chunks of differing ranks, and tensors of few chunks, go to DCP's
-    own search."""
+    """DCP's ``create_read_items_for_chunk_list`` (the same items, same order) linear in the saved chunks: each
+    local chunk is compared with all of them at once in numpy, its overlaps ordered as DCP's sweep meets them (by
+    end along the sweep dimension, then index). Few chunks, or chunks of differing ranks, go to DCP's own."""
     saved = md.chunks
     if not local_chunks or not saved:
         return []
@@ -438,10 +368,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
 
 
 class LocalLoadPlanner(SafeLoadPlanner):
-    """``SafeLoadPlanner`` that keeps its local load plan to itself. DCP's global load plan returns every rank's
-    plan unchanged, and our storage readers prepare none: gathering them only cost the coordinator unpickling
-    every rank's read items. Each rank sends an empty plan and reads with its own, made by ``local_load_plan``
-    (linear in the number of saved chunks)."""
+    """``SafeLoadPlanner`` that keeps its local load plan to itself (DCP's global plan changes none): sends none."""
 
     _LOCAL = "local"
 

@@ -1,14 +1,6 @@
 """A rank's write results as columns: one item list its peers share and an array of numbers, for the ``.metadata``.
 
-A ``.distcp`` folder's ``.metadata`` holds one storage entry per item written (where its bytes lie), and the
-coordinator builds it from every rank's write results: 6 million at 4,096 ranks of a 70B model's AdamW state.
-Sent as tuples (``plan_results.encode``) they cost the coordinator their unpickling and several passes each. But
-the ranks that write the same kind of items (every shard holder of a layout) differ only in numbers: so a rank
-sends ``ResultColumns``: its items without their numbers (``packed.Packed``: one pickle, read once, for all such
-ranks), the numbers as one integer array (int32 where they fit) and its files' names; ``StorageColumns`` turns
-every rank's into the ``metapickle.Table`` of the storage table in numpy. Results of another shape stay tuples.
-DCP's dedup spreads the items every rank holds (step counts, hyperparameters) over the ranks, so a layout's ranks
-send a few hundred distinct item lists: each is laid out once, in numpy.
+The ranks that write the same kind of items differ only in numbers; results of another shape stay tuples.
 """
 
 from __future__ import annotations
@@ -28,9 +20,8 @@ _NONE = -1
 @dataclass(frozen=True)
 class ResultColumns:
     """One rank's results. ``items``: ``(fqn, offset rank or -1, has an index, note's shape rank or -1, note's
-    dtype name or None)`` each; ``numbers``: for each item in turn its offsets, its index (where it has one), its
-    size in bytes, its file (a place in ``files``), its offset and length in that file, then where the writer's
-    note puts the tensor's bytes and the tensor's shape (where it has a note)."""
+    dtype name or None)``; ``numbers``: per item its offsets, index (if any), size in bytes, file (a place in
+    ``files``), offset and length in it, then the note's data offset and tensor shape (if any)."""
 
     items: Any
     numbers: bytes
@@ -39,8 +30,7 @@ class ResultColumns:
 
 
 def split(tuples: list[tuple]) -> ResultColumns | None:
-    """``plan_results.encode``'s tuples ``(fqn, offset, index, size, file, offset in file, length, note)`` as
-    ``ResultColumns``, or None where one does not fit them (types other than those the writers make)."""
+    """``plan_results.encode``'s tuples as ``ResultColumns``, or None where one does not fit them."""
     items, numbers, files = [], [], {}
     for fqn, offset, index, size, file, at, length, note in tuples:
         if type(fqn) is not str or type(file) is not str or not _ints(size, at, length) or \
@@ -117,8 +107,7 @@ class _Layout:
 
 
 def _layout(items: list[tuple], width: int, note_width: int, shapes: dict[tuple, Shape]) -> _Layout:
-    """``items``' layout, in numpy (hundreds of distinct lists at thousands of ranks: DCP's dedup spreads the
-    items every rank holds, such as step counts, over the ranks); ``shapes``: the record shapes made so far."""
+    """``items``' layout, in numpy; ``shapes``: the record shapes made so far."""
     count = len(items)
     if not count:
         empty = np.zeros(0, dtype=np.int64)
@@ -148,8 +137,7 @@ def _layout(items: list[tuple], width: int, note_width: int, shapes: dict[tuple,
 
 
 def _twice(items: list[tuple], layout: _Layout, numbers: np.ndarray) -> bool:
-    """Whether a rank writes one key (``MetadataIndex``: name and offset) twice: among the items whose name and
-    offset rank repeat in the list (a rank's several chunks of one tensor), compared by their offsets."""
+    """Whether a rank writes one key (``MetadataIndex``: name and offset) twice."""
     seen: dict[tuple, int] = {}
     name = [seen.setdefault((i[0], i[1]), len(seen)) for i in items]
     if len(seen) == len(items):
@@ -164,8 +152,7 @@ def _twice(items: list[tuple], layout: _Layout, numbers: np.ndarray) -> bool:
 
 
 class StorageColumns:
-    """A storage table given as every rank's ``ResultColumns`` (their items unpacked), in rank order: the table
-    ``{MetadataIndex: _StorageInfo}`` their results make, as ``metapickle.Table`` (``table``)."""
+    """Every rank's ``ResultColumns`` (items unpacked), in rank order: a storage table for ``metapickle``."""
 
     def __init__(self, ranks: list[ResultColumns]) -> None:
         self.ranks = ranks
@@ -174,8 +161,7 @@ class StorageColumns:
         return sum(len(r.items) for r in self.ranks)
 
     def table(self, memo: Any) -> Table | None:
-        """The table's columns, its strings in ``memo``'s slots; None where a rank's numbers do not match its
-        items or one rank writes one key twice (a table keeps it once: left to the objects)."""
+        """The table's columns (strings in ``memo``'s slots); None where numbers and items differ or a key repeats."""
         groups = sharing([columns.items for columns in self.ranks])
         every = [i for ranks in groups for i in self.ranks[ranks[0]].items]
         width = max((i[1] for i in every), default=0)

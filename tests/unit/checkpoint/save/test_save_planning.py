@@ -213,16 +213,16 @@ def test_dedup_assigns_as_dcp_where_duplicates_follow_a_ranks_own_items():
 
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
-    from automodel_ckpt.ondisk.saveplan import plan_checks
+    from automodel_ckpt.ondisk.saveplan import plan_columns
 
     rng = random.Random(0)
     props = TensorProperties(dtype=torch.float32)
     for _ in range(200):
         plans = _random_plans(rng, props)
         kept = [{item.index for item in p.items} for p in dedup_save_plans(plans)]
-        notes = [planning.PlanNote("", *planning._encode(p), {}) for p in plans]
-        ours = plan_checks.dedup(notes)
-        assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
+        hints_of, _, _ = plan_columns.plan(planning._unpacked(_columns(plans)))
+        assert [{i.index for i, h in zip(p.items, hints.tolist()) if h != -2} for p, hints in zip(plans, hints_of)] \
+            == kept
 
 
 def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
@@ -232,7 +232,7 @@ def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from automodel_ckpt.ondisk.saveplan import plan_checks
+    from automodel_ckpt.ondisk.saveplan import plan_columns  # the columns: each replica's numbers planned once
 
     props = TensorProperties(dtype=torch.float32)
     plans = []
@@ -248,14 +248,9 @@ def test_dedup_breaks_ties_as_dcp_among_hundreds_of_holders():
                                                            props, torch.Size((rank,)))))
         plans.append(SavePlan(items))
     kept = [{item.index for item in p.items} for p in dedup_save_plans(plans)]
-    notes = [planning.PlanNote("", *planning._encode(p), {}) for p in plans]
-    ours = plan_checks.dedup(notes)
-    assert [{i.index for i, mine in zip(p.items, flags) if mine} for p, flags in zip(plans, ours)] == kept
-    assert sum(map(sum, ours)) == 8 * 6 + 600
-    from automodel_ckpt.ondisk.saveplan import plan_columns  # the columns: each replica's numbers planned once
-
     hints_of, _, _ = plan_columns.plan(planning._unpacked(_columns(plans)))
     assert [{i.index for i, h in zip(p.items, hints.tolist()) if h != -2} for p, hints in zip(plans, hints_of)] == kept
+    assert sum(int((hints != -2).sum()) for hints in hints_of) == 8 * 6 + 600
 
 
 @pytest.mark.parametrize("enabled", [True, False])
