@@ -1,6 +1,7 @@
 """A real DeepSpeed ZeRO run of the tiny Llama on CPU (gloo), for the import tests: each rank of a torchrun job.
 
-``python -m torch.distributed.run --nproc-per-node 2 -m tests.integration.deepspeed_run STAGE RECIPE ASSETS OUT``
+``python -m tests.integration.forked_ranks 2 tests/integration/deepspeed_run.py STAGE RECIPE ASSETS OUT`` (or
+``torchrun --nproc-per-node 2``)
 trains ``STEPS`` steps of ``deepspeed.initialize``'s engine (fp32, ZeRO ``STAGE``, DeepSpeed's own AdamW and
 scheduler from its config) on the recipe's rows in order, each rank taking its half of each step's batch, saves the
 engine's checkpoint after step ``SAVED_AT`` into ``OUT/ds`` (``latest``, ``global_step6/``), and writes

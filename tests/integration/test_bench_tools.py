@@ -24,20 +24,23 @@ def _run(tool: str, *args: str, timeout: int = 900) -> str:
     return proc.stdout
 
 
-def _main(tool: str, *args: str, capsys) -> str:
-    """``tools/TOOL.py ARGS`` through its ``main(argv)`` in this process (which has imported what it imports: torch,
-    the package's recipe); what it printed. Its runs are still processes of their own."""
+def _main(tool: str, *args: str, capsys, monkeypatch) -> str:
+    """``tools/TOOL.py ARGS`` through its ``main`` in this process (which has imported what it imports: torch,
+    the package's recipe) instead of a new interpreter; what it printed. Its runs are still processes of their own.
+    A ``main()`` without parameters reads ``sys.argv``."""
     if str(TOOLS) not in sys.path:
         sys.path.insert(0, str(TOOLS))  # the tools import their siblings from their folder
+    main = importlib.import_module(tool).main
+    monkeypatch.setattr(sys, "argv", [str(TOOLS / f"{tool}.py"), *args])
     capsys.readouterr()
-    importlib.import_module(tool).main(list(args))
+    main(list(args)) if main.__code__.co_argcount else main()
     return capsys.readouterr().out
 
 
-def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys):
+def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys, monkeypatch):
     out = tmp_path / "async.json"
     printed = _main("bench_async", "--small", "--nproc", "1", "--modes", "none,sync,async", "--json", str(out),
-                    capsys=capsys)
+                    capsys=capsys, monkeypatch=monkeypatch)
     report = json.loads(out.read_text())
     assert math.isfinite(report["stall_over_sync"]) and report["stall_over_sync"] > 0
     assert report["stall_over_sync"] == pytest.approx(report["async_stall_seconds"] / report["sync_save_seconds"])
@@ -65,9 +68,9 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys):
     assert all(math.isfinite(v) and v >= 0 for v in parts.values()) and "stall parts" in printed
 
 
-def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path):
+def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path, capsys, monkeypatch):
     out = tmp_path / "scale.json"
-    printed = _run("bench_scale.py", "--small", "--json", str(out))
+    printed = _main("bench_scale", "--small", "--json", str(out), capsys=capsys, monkeypatch=monkeypatch)
     report = json.loads(out.read_text())
     assert report["ranks"] == [2, 3]
     for phase in ("reserve", "plan_local", "plan_global", "write_sharded", "manifest", "publish", "save", "load"):
@@ -80,10 +83,10 @@ def test_bench_scale_small_reports_every_phase_per_rank_count(tmp_path):
     assert "| manifest (s) |" in printed
 
 
-def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_path):
+def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_path, capsys, monkeypatch):
     out = tmp_path / "memory.json"
-    printed = _run("bench_memory.py", "--size", "20MB", "--nprocs", "1", "--steps", "1", "--work", str(tmp_path),
-                   "--activation-checkpointing", "off", "--json", str(out))
+    printed = _main("bench_memory", "--size", "20MB", "--nprocs", "1", "--steps", "1", "--work", str(tmp_path),
+                    "--activation-checkpointing", "off", "--json", str(out), capsys=capsys, monkeypatch=monkeypatch)
     report = json.loads(out.read_text())
     [run] = [r for r in report["runs"] if not r["activation_checkpointing"]]
     [rank] = run["ranks"]
@@ -93,10 +96,10 @@ def test_bench_memory_small_reports_the_setup_peak_against_the_ranks_share(tmp_p
     assert "setup peak MiB" in printed
 
 
-def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path):
+def test_bench_memory_setup_only_stops_before_the_first_step(tmp_path, capsys, monkeypatch):
     out = tmp_path / "memory.json"
-    printed = _run("bench_memory.py", "--size", "20MB", "--nprocs", "1", "--steps", "0", "--work", str(tmp_path),
-                   "--activation-checkpointing", "off", "--json", str(out))
+    printed = _main("bench_memory", "--size", "20MB", "--nprocs", "1", "--steps", "0", "--work", str(tmp_path),
+                    "--activation-checkpointing", "off", "--json", str(out), capsys=capsys, monkeypatch=monkeypatch)
     [run] = [r for r in json.loads(out.read_text())["runs"] if not r["activation_checkpointing"]]
     [rank] = run["ranks"]
     assert "steps_peak" not in rank and rank["steps_over_state"] is None  # no step was taken
@@ -135,10 +138,10 @@ def test_bench_recovery_small_kills_a_node_and_resumes_from_each_tier(tmp_path, 
     assert "| from the local tier | local |" in printed and "local stall / durable stall" in printed
 
 
-def test_bench_train_tiny_times_every_contender(tmp_path):
+def test_bench_train_tiny_times_every_contender(tmp_path, capsys, monkeypatch):
     out = tmp_path / "train.json"
-    printed = _run("bench_train.py", "--sizes", "tiny", "--nprocs", "1", "--steps", "3", "--reps", "1",
-                   "--work", str(tmp_path / "work"), "--json", str(out))
+    printed = _main("bench_train", "--sizes", "tiny", "--nprocs", "1", "--steps", "3", "--reps", "1",
+                    "--work", str(tmp_path / "work"), "--json", str(out), capsys=capsys, monkeypatch=monkeypatch)
     report = json.loads(out.read_text())
     [group] = report["results"]
     assert (group["size"], group["nproc"]) == ("tiny", 1) and report["sizes"]["tiny"]["parameters"] > 0

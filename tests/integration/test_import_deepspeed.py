@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration import deepspeed_run as dsr
 from tests.integration import foreign_trainers as ft
-from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, free_port, jsonl, run_command
+from tests.integration import forked_ranks
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl, run_command
 
 pytest.importorskip("deepspeed")
-REPO = Path(__file__).resolve().parents[2]
 PLAIN = "{_target_: automodel_ckpt.training.lr.constant_after_warmup, warmup_steps: 0}"
 
 
@@ -35,10 +34,8 @@ def ds_runs(tmp_path_factory, assets):
         if stage not in runs:
             out = folder / f"run_{stage}"
             out.mkdir()
-            launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                      str(free_port()), "-m", "tests.integration.deepspeed_run"]
-            done = run_command([*launch, str(stage), str(recipe), str(assets), str(out)], cwd=REPO,
-                               env=env_for(assets, {"DS_ACCELERATOR": "cpu"}), timeout=600)
+            done = forked_ranks.launch(2, Path(dsr.__file__), str(stage), str(recipe), str(assets), str(out),
+                                       env=env_for(assets, {"DS_ACCELERATOR": "cpu"}))
             assert done.returncode == 0, done.stderr[-3000:]
             runs[stage] = out
         return runs[stage]

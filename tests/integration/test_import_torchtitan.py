@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration import foreign_trainers as ft
+from tests.integration import forked_ranks
 from tests.integration import torchtitan_run as ttr
-from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, free_port, jsonl, run_command
+from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl, run_command
 
 pytest.importorskip("torchtitan")
 REPO = Path(__file__).resolve().parents[2]
@@ -38,10 +39,8 @@ def titan(tmp_path_factory, assets):
         if "run" not in made:
             out = folder / "source"
             out.mkdir()
-            launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                      str(free_port()), "-m", "tests.integration.torchtitan_run"]
-            done = run_command([*launch, str(recipe()), str(assets), str(out)], cwd=REPO, env=env_for(assets),
-                               timeout=600)
+            done = forked_ranks.launch(2, Path(ttr.__file__), str(recipe()), str(assets), str(out),
+                                       env=env_for(assets))
             assert done.returncode == 0, done.stderr[-3000:]
             made["run"] = out
         return made["run"]

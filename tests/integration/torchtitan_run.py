@@ -1,6 +1,6 @@
 """A real torchtitan run of the tiny Llama's shape on CPU (gloo), for the import tests: each rank of a torchrun job.
 
-``python -m torch.distributed.run --nproc-per-node 2 -m tests.integration.torchtitan_run RECIPE ASSETS OUT`` builds
+``python -m tests.integration.forked_ranks 2 tests/integration/torchtitan_run.py RECIPE ASSETS OUT`` builds
 torchtitan's own Llama 3 (``Llama3Model``, fused QKV as its registry's flavors have it) in the tiny Llama's shape,
 loads the tiny base into it through torchtitan's ``Llama3StateDictAdapter.from_hf``, shards it with FSDP2 over the two
 ranks, and trains ``STEPS`` steps with torchtitan's ``OptimizersContainer`` (AdamW) and ``LRSchedulersContainer``
