@@ -17,7 +17,7 @@ from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UsageError
 from automodel_ckpt.export import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import LAYOUT, LOG_FILE_LIMIT, read_bytes
+from automodel_ckpt.ondisk import LOG_FILE_LIMIT, CheckpointFolder, RunFolder, read_bytes
 
 
 def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | None = None) -> int:
@@ -26,11 +26,11 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
         raise UsageError("export --to hf-trainer runs as one process")
     if recipe is None:
         raise UsageError("export --to hf-trainer: give --recipe RECIPE.yaml, the recipe that trained the checkpoint "
-                         f"(its {LAYOUT.CONFIG_FILE} is a copy, never run as a recipe)")
+                         f"(its {CheckpointFolder.config} is a copy, never run as a recipe)")
     src = src.absolute()
     recipe_file = Path(recipe)
-    if not (src / LAYOUT.METADATA_FILE).is_file():
-        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {LAYOUT.METADATA_FILE}): --to hf-trainer "
+    if not CheckpointFolder(src).metadata.is_file():
+        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {CheckpointFolder.metadata}): --to hf-trainer "
                               "exports a checkpoint folder (epoch_E_step_N)")
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.cli.common import load_recipe
@@ -48,7 +48,7 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
                 raise CheckpointError(f"'{src}' did not load")
             step = recipe.step_scheduler.step
             target = Path(out) if out is not None else src.parent / f"{src.name}-hf-trainer" / f"checkpoint-{step}"
-            log = _log(src.parent / LAYOUT.TRAINING_LOG)
+            log = _log(RunFolder(src.parent).training_log)
             staging = target.with_name(f".{target.name}.partial")
             shutil.rmtree(staging, ignore_errors=True)
             args = hf_export.write(recipe, staging, log)

@@ -19,7 +19,7 @@ from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser, check_recipe, load_recipe
 from automodel_ckpt.errors import ConfigError, UsageError
-from automodel_ckpt.ondisk import LAYOUT, list_checkpoints
+from automodel_ckpt.ondisk import RunFolder, list_checkpoints
 
 
 def build_parser() -> VerbParser:
@@ -68,11 +68,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
     if out.is_dir() and list_checkpoints(out):
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
-    if out.is_symlink() or (out / LAYOUT.IMPORT_RECIPE).is_symlink():
+    if out.is_symlink() or RunFolder(out).import_recipe.is_symlink():
         raise UsageError(f"--out '{out}': a link; import into a new run folder")
     typed = [(key, parse_value(text)) for key, text in split_overrides(args.overrides)]
     data, added = continuing.written(load_yaml(args.recipe), typed, run, str(out))
-    written = out / LAYOUT.IMPORT_RECIPE
+    written = RunFolder(out).import_recipe
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written.write_text(continuing.header(run, str(src), str(args.recipe), args.overrides, added) + to_yaml_data(data),

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import LAYOUT, pointer_target
+from automodel_ckpt.ondisk import CheckpointFolder, RunFolder, pointer_target
 from automodel_ckpt.checkpoint import MTBF_LIMIT_HOURS, is_url, open_for_reading
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
@@ -45,11 +45,11 @@ def main(argv: list[str]) -> int:
         if args.cost or args.json:
             raise UsageError("--lineage: give it alone (not with --cost or --json)")
         target = Path(args.checkpoint_dir)
-        latest = pointer_target(target, LAYOUT.LATEST) if target.is_dir() and not target.is_symlink() \
-            and not (target / LAYOUT.METADATA_FILE).exists() else None
+        latest = pointer_target(target, RunFolder.latest) if target.is_dir() and not target.is_symlink() \
+            and not CheckpointFolder(target).metadata.exists() else None
         try:
             if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
-                said = f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"
+                said = f"'{target}' is a run folder: the lineage of its {RunFolder.latest}, {latest.name}"
                 print(one_line(said), flush=True)
                 target = latest
             print("\n".join(lineage_chain(target)), flush=True)
@@ -97,11 +97,11 @@ def render_archive(info: dict[str, Any]) -> str:
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
     """``--cost``: the cost report of the run folder ``path`` (or of the run of the checkpoint it names)."""
     path = Path(path).expanduser()
-    if (path / LAYOUT.METADATA_FILE).is_file():
+    if CheckpointFolder(path).metadata.is_file():
         path = path.resolve().parent
     costs = summarize(iter_events(path))  # streamed: a log of any size is read in bounded memory
     if not costs.launches:
-        raise UserError(f"'{path}' has no {LAYOUT.EVENTS_LOG} (or no record in it): the cost report needs a run "
+        raise UserError(f"'{path}' has no {RunFolder.events_log} (or no record in it): the cost report needs a run "
                         "folder trained with checkpoint costs recorded (this version or later)")
     return {"checkpoint_dir": str(path), **cost_report(costs, mtbf_hours)}
 
@@ -158,12 +158,12 @@ def render_table(report: dict[str, Any]) -> str:
         out += stages_lines(staged[-1]["name"], staged[-1]["metadata"])
     quarantined = report.get("quarantined") or []
     if quarantined:
-        out.append(f"quarantined (failed to load on resume; kept in {LAYOUT.QUARANTINE_DIR}/, never resumed from):")
+        out.append(f"quarantined (failed to load on resume; kept in {RunFolder.quarantine}/, never resumed from):")
         for q in quarantined:
             out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
     for name, pointer in report["pointers"].items():
         if pointer["target"] is None:
-            if name != LAYOUT.BEST_EVAL:  # set only where a score is monitored: unset says nothing
+            if name != RunFolder.best_eval:  # set only where a score is monitored: unset says nothing
                 out.append(f"{name}: not set")
         elif not pointer["exists"]:
             out.append(f"{name} -> {pointer['target']} (missing)")

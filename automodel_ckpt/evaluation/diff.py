@@ -28,7 +28,7 @@ import torch
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.tensors import open_tensors
 from automodel_ckpt.export import ModelSource, identify
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml,
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, CheckpointFolder, read_json, read_yaml,
                                    regular_file_problem)
 
 __all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"]
@@ -119,10 +119,10 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
             report.tensors[name] = _tensor(left, right, name, tolerance)
     ckpt_a, ckpt_b = _checkpoint(Path(a)), _checkpoint(Path(b))
     if ckpt_a is not None and ckpt_b is not None:
-        recipe_a, recipe_b = (_read(c, LAYOUT.CONFIG_FILE, "yaml") for c in (ckpt_a, ckpt_b))
+        recipe_a, recipe_b = (_read(CheckpointFolder(c).config, "yaml") for c in (ckpt_a, ckpt_b))
         if recipe_a is not None and recipe_b is not None:
             report.recipe = _differences(recipe_a, recipe_b)
-        meta_a, meta_b = (_read(c, LAYOUT.METADATA_FILE, "json") for c in (ckpt_a, ckpt_b))
+        meta_a, meta_b = (_read(CheckpointFolder(c).metadata, "json") for c in (ckpt_a, ckpt_b))
         if meta_a is not None and meta_b is not None:
             flat_a, flat_b = _flat(meta_a), _flat(meta_b)
             report.counters = {k: (flat_a.get(k), flat_b.get(k)) for k in _counter_keys(flat_a, flat_b)
@@ -187,16 +187,15 @@ def _rounds_to(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _checkpoint(src: Path) -> Path | None:
     """``src`` as a checkpoint of ours (its folder: one with a ``metadata.json`` entry of any kind), or None (an
     export, an archive, an adapter folder)."""
-    for folder in (src, src.parent if src.name == LAYOUT.MODEL_DIR else None):
-        if folder is not None and folder.is_dir() and os.path.lexists(folder / LAYOUT.METADATA_FILE):
+    for folder in (src, src.parent if src.name == CheckpointFolder.model else None):
+        if folder is not None and folder.is_dir() and os.path.lexists(CheckpointFolder(folder).metadata):
             return folder
     return None
 
 
-def _read(folder: Path, name: str, kind: str) -> dict[str, Any] | None:
+def _read(path: Path, kind: str) -> dict[str, Any] | None:
     """A checkpoint's recipe or metadata (None: the checkpoint has none). Only a regular file is read: a link, a
     FIFO, a device or a folder in its place is a one-line ``CheckpointError``, never followed or opened."""
-    path = folder / name
     what = "a checkpoint's recipe" if kind == "yaml" else "a checkpoint's metadata"
     try:
         why = regular_file_problem(path)

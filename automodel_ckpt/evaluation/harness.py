@@ -31,7 +31,8 @@ from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tasks import TASKS_DIR
 from automodel_ckpt.evaluation.tensors import open_tensors
-from automodel_ckpt.ondisk import LAYOUT, add_files_to_manifest, is_plain_name, list_checkpoints, write_atomic
+from automodel_ckpt.ondisk import (Archive, CheckpointFolder, HFFolder, add_files_to_manifest, is_plain_name,
+                                   list_checkpoints, write_atomic)
 
 __all__ = ["EvalSettings", "evaluate", "load_model", "results_dir", "scores", "targets", "task_manager",
            "write_results"]
@@ -67,8 +68,8 @@ def targets(src: Path, only: list[str] | None = None) -> list[Path]:
 
 def _is_model_folder(path: Path) -> bool:
     """A checkpoint or a model folder of one (not a run folder holding checkpoints)."""
-    return any((path / name).exists() for name in (LAYOUT.METADATA_FILE, LAYOUT.HF_CONFIG, LAYOUT.ADAPTER_CONFIG,
-                                                   LAYOUT.MODEL_DIR))
+    ckpt, hf = CheckpointFolder(path), HFFolder(path)
+    return any(p.exists() for p in (ckpt.metadata, hf.config, hf.adapter_config, ckpt.model.path))
 
 
 def results_dir(src: Path) -> Path:
@@ -76,8 +77,8 @@ def results_dir(src: Path) -> Path:
     export folder, or beside an archive."""
     src = Path(src)
     if src.is_file():
-        return LAYOUT.archive_eval_dir(src)
-    if src.name == LAYOUT.MODEL_DIR and (src.parent / LAYOUT.METADATA_FILE).is_file():
+        return Archive(src).eval
+    if src.name == CheckpointFolder.model and CheckpointFolder(src.parent).metadata.is_file():
         return src.parent
     return src
 
@@ -111,7 +112,7 @@ def load_model(src: Path) -> Iterator[tuple[Any, Any]]:
 
     with open_tensors(src, adapters_as_adapters=False) as tensors, \
             tempfile.TemporaryDirectory(prefix="ckpt-eval-") as tmp:
-        if not any(name in tensors.side for name in LAYOUT.HF_TOKENIZER_FILES):
+        if not any(name in tensors.side for name in HFFolder.TOKENIZER_FILES):
             raise CheckpointError(f"'{src}' carries no tokenizer files; evaluate an export folder that has them")
         folder = Path(tmp) / "model"
         entries = [(name, tensors.shapes[name], tensors.dtypes[name]) for name in tensors.shapes]
@@ -215,7 +216,7 @@ def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) ->
         one = {key: ({k: v for k, v in value.items() if k == task} if isinstance(value, dict) and task in value
                      else value) for key, value in results.items()}
         one["source"] = str(src)
-        path = LAYOUT.eval_results_file(owner, task)
+        path = CheckpointFolder(owner).eval_results(task)
         if path.parent.is_symlink() or (path.parent.exists() and not path.parent.is_dir()):
             raise CheckpointError(f"'{path.parent}' is a symlink or a file, not a folder; results are never written "
                                   "through a link: remove it and evaluate again")

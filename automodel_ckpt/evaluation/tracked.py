@@ -12,7 +12,7 @@ from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.evaluation.during_training import metric_name
-from automodel_ckpt.ondisk import LAYOUT, load_pt, read_yaml, scan_checkpoints
+from automodel_ckpt.ondisk import CheckpointFolder, load_pt, read_yaml, scan_checkpoints
 
 TRACKING_STATE = "tracking"  # the recipe attribute whose state holds the tracked runs' ids (RunTracker)
 
@@ -22,7 +22,7 @@ def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, outside
     per tracker (where the points went, or why not); [] when ``checkpoint`` is not a checkpoint of a tracked run."""
     checkpoint = Path(checkpoint)
     record = next((r for r in scan_checkpoints(checkpoint.parent) if r.path.name == checkpoint.name), None)
-    recipe = checkpoint / LAYOUT.CONFIG_FILE
+    recipe = CheckpointFolder(checkpoint).config
     if record is None or record.step is None or not recipe.is_file():
         return []
     try:
@@ -32,7 +32,7 @@ def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, outside
     section = config.get("logging") if isinstance(config, dict) else None
     if not isinstance(section, dict):
         return []
-    state_file = checkpoint / LAYOUT.global_state_file(TRACKING_STATE)
+    state_file = CheckpointFolder(checkpoint).state_file(TRACKING_STATE)
     saved = load_pt(state_file) if state_file.is_file() else {}
     from automodel_ckpt.tracking import annotate
 

@@ -30,7 +30,7 @@ from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, SMALL_PICKLE, ForeignRun, Limits,
                                            Schedule, count, finite, load_inert, load_pickle, load_record, number,
                                            plain, read_bytes, read_json, refuse, rows_in_order)
-from automodel_ckpt.ondisk import LAYOUT, SMALL_FILE_LIMIT, path_inside, regular_file_problem
+from automodel_ckpt.ondisk import SMALL_FILE_LIMIT, HFFolder, path_inside, regular_file_problem
 from automodel_ckpt.shown import shown_value
 
 LATEST = "latest"
@@ -207,12 +207,12 @@ def _adapter_config(trainer: Path | None, frozen: Any, shapes: list[list[tuple[s
     """A PEFT run's adapter config: the HF Trainer's ``adapter_config.json`` beside the tag folder (its partitions
     and model states hold the adapter alone, the Trainer saving without the frozen base, which the recipe's model
     brings). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
-    if trainer is not None and os.path.lexists(trainer / LAYOUT.ADAPTER_CONFIG):
-        return read_json(trainer / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
+    if trainer is not None and os.path.lexists(HFFolder(trainer).adapter_config):
+        return read_json(HFFolder(trainer).adapter_config, "the adapter's config", SMALL_FILE_LIMIT)
     lora = next((n for group in shapes for n, _ in group if ".lora_" in n), None)
     if frozen or lora:
         raise refuse(where, f"it has {'frozen parameters' if frozen else repr(lora)[:200]} and no "
-                            f"{LAYOUT.ADAPTER_CONFIG} beside it: the optimizer partitions hold no frozen parameter, "
+                            f"{HFFolder.adapter_config} beside it: the optimizer partitions hold no frozen parameter, "
                             "and only the HF Trainer's PEFT run (its adapter config beside the tag folder) is imported "
                             "as an adapter, on the recipe's model")
     return None

@@ -22,8 +22,8 @@ from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SMALL_PICKLE, ForeignRun, Limits, count,
                                            finite, fraction, load_pickle, load_record, number, plain, read_json,
                                            refuse)
-from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, MiB, check_path, check_size, path_inside,
-                                   read_dcp_folder, regular_file_problem)
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, SMALL_FILE_LIMIT, HFFolder, MiB, check_path, check_size,
+                                   path_inside, read_dcp_folder, regular_file_problem)
 from automodel_ckpt.shown import shown_value
 
 TRAINER_STATE = "trainer_state.json"
@@ -31,9 +31,9 @@ TRAINING_ARGS = "training_args.bin"
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG = "rng_state.pth"
-MODEL = LAYOUT.HF_SINGLE_WEIGHTS
-MODEL_INDEX = LAYOUT.HF_INDEX
-ADAPTER = LAYOUT.ADAPTER_WEIGHTS
+MODEL = HFFolder.single_weights
+MODEL_INDEX = HFFolder.index
+ADAPTER = HFFolder.adapter_weights
 FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME, model 0: {"model": state} by DCP
 FSDP_OPTIMIZER = "optimizer_0"  # accelerate's OPTIMIZER_NAME, optimizer 0: {"optimizer": state} by DCP
 MAX_LOG = 1_000_000
@@ -79,9 +79,9 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     adapter = ADAPTER in files
     adapter_config = None
     if adapter:
-        if LAYOUT.ADAPTER_CONFIG not in files:
-            raise refuse(src, f"its adapter has no {LAYOUT.ADAPTER_CONFIG}")
-        adapter_config = read_json(src / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
+        if HFFolder.adapter_config not in files:
+            raise refuse(src, f"its adapter has no {HFFolder.adapter_config}")
+        adapter_config = read_json(HFFolder(src).adapter_config, "the adapter's config", SMALL_FILE_LIMIT)
     if sharded:  # FSDP's state dicts name every parameter: slots are matched by name
         weights = distcp.weights(read_dcp_folder(src / FSDP_MODEL, limits.weights, _FOR_WEIGHTS), "model",
                                  src / FSDP_MODEL)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import UserError, first_line
-from automodel_ckpt.ondisk import LAYOUT, MiB, is_count, open_regular
+from automodel_ckpt.ondisk import MiB, RunFolder, is_count, open_regular
 from automodel_ckpt.tracking import iter_events, summarize
 from automodel_ckpt.training.metrics import log_lines
 
@@ -96,6 +96,6 @@ def events(run_dir: Path) -> Events:
 
 def run_logs(run_dir: Path) -> dict[str, Any]:
     """The training and validation records (with notes when sampled) and the events of ``run_dir``."""
-    train, train_note = records(Path(run_dir) / LAYOUT.TRAINING_LOG)
-    val, val_note = records(Path(run_dir) / LAYOUT.VALIDATION_LOG)
+    train, train_note = records(RunFolder(run_dir).training_log)
+    val, val_note = records(RunFolder(run_dir).validation_log)
     return {"train": train, "val": val, "notes": [n for n in (train_note, val_note) if n], "events": events(run_dir)}
