@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.interop import hf_trainer, names, schedules, trainer_args
+from automodel_ckpt.interop import hf_trainer, names, schedules
 from automodel_ckpt.interop.contract import ImportSource
-from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, SMALL_PICKLE, ForeignRun, Limits,
-                                           Schedule, count, finite, load_inert, load_pickle, load_record, number,
-                                           plain, read_bytes, read_json, refuse, rows_in_order)
+from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, ForeignRun, Limits, Schedule, count,
+                                           finite, load_inert, number, plain, read_bytes, read_json, refuse,
+                                           rows_in_order)
 from automodel_ckpt.ondisk import SMALL_FILE_LIMIT, HFFolder, path_inside, regular_file_problem
 from automodel_ckpt.shown import shown_value
 
@@ -99,11 +99,12 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     model_name = MODEL_STATES if stage < 3 else ZERO3_MODEL_STATES.format(0)
     if model_name not in files:
         raise refuse(folder, f"it has no {model_name}: a torn tag folder")
-    model = _load(folder / model_name, "DeepSpeed's model states", limits.weights)
+    where = folder / model_name
+    model = _load(where, "DeepSpeed's model states", limits.weights)
     if not isinstance(model, dict) or not isinstance(model.get("param_shapes"), list):
-        raise refuse(folder / model_name, "not DeepSpeed's model states (no param_shapes)")
-    shapes = _shapes(model["param_shapes"], folder / model_name)
-    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), shapes, folder / model_name)
+        raise refuse(where, "not DeepSpeed's model states (no param_shapes)")
+    shapes = _shapes(model["param_shapes"], where)
+    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), shapes, where)
     if adapter_config is not None:  # PEFT's names of the adapter, without its segment as it saves them
         shapes = [[(names.without_adapter(n), shape) for n, shape in group] for group in shapes]
     weights, moments, hypers = (_zero12 if stage < 3 else _zero3)(states, shapes, folder, optim)
@@ -113,29 +114,30 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                                                       sum(len(g) for g in shapes[:i + 1]))))
                             for i, h in enumerate(hypers)]}
     moments_out, groups = hf_trainer.optimizer_slots(opt, folder / optim[0])
-    step = count(model.get("global_steps"), folder / model_name, "global_steps")
+    step = count(model.get("global_steps"), where, "global_steps")
     config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
-    batch = count(config.get("train_batch_size", 1), folder / model_name, "train_batch_size", MAX_BATCH, low=1)
-    world = count(model.get("dp_world_size", len(optim)), folder / model_name, "dp_world_size", MAX_RANKS, low=1)
-    where = folder / model_name
+    batch = count(config.get("train_batch_size", 1), where, "train_batch_size", MAX_BATCH, low=1)
+    world = count(model.get("dp_world_size", len(optim)), where, "dp_world_size", MAX_RANKS, low=1)
     notes = []
-    if trainer is not None:
-        schedule, position, batch, rng, log, epoch_float = _trainer(trainer, step, config, model, groups, where,
-                                                                    notes)
+    state = hf_trainer.read_trainer(trainer, step) if trainer is not None else None
+    if state is not None and not config.get("scheduler"):  # the Trainer's schedule, its base lr its learning_rate
+        schedule = schedules.from_hf_trainer(state.args, state.max_steps)
+        for g in groups:
+            g["initial_lr"] = finite(state.args.get("learning_rate", g["lr"]), trainer, "learning_rate")
     else:
         schedule = _schedule(config.get("scheduler"), model.get("lr_scheduler"), step, groups, config, where, notes)
-        position = partial(rows_in_order, step)
-        rng, log, epoch_float = None, [], None
+    if state is None:
         notes.append("DeepSpeed records no data position nor random generators' state: the run is taken to read "
                      f"the recipe's rows in order, {batch} a step, and the recipe's seed starts the generators")
+    fields = state.fields(world) if state else {"position": partial(rows_in_order, step), "global_batch": batch,
+                                                "rng": None}
     module = model.get("module") if stage < 3 and adapter_config is None else None
     module = {k: v for k, v in module.items() if isinstance(k, str) and isinstance(v, torch.Tensor) and k in weights} \
         if isinstance(module, dict) else None
     kind = f"DeepSpeed ZeRO-{stage} checkpoint (step {step}, {world} ranks)"
     return ForeignRun(kind=kind, weights=weights, adapter=adapter_config is not None, moments=moments_out,
-                      groups=groups,
-                      order=names.slot_order(slot_names, where), schedule=schedule, step=step, position=position,
-                      global_batch=batch, world_size=world, rng=rng, log=log, notes=notes, epoch_float=epoch_float,
+                      groups=groups, order=names.slot_order(slot_names, where), schedule=schedule, step=step,
+                      world_size=world, notes=notes, **fields,
                       module_weights=module if module and len(module) == len(weights) else None,
                       adapter_config=adapter_config)
 
@@ -424,38 +426,3 @@ def _cosine_ratio(i: int, warmup: int, total: int, low: float) -> float:
     progress = min(1.0, (i - warmup + 1) / max(1, total - warmup))
     return max(0.0, low + (1.0 - low) * (1 + math.cos(math.pi * progress)) / 2)
 
-
-def _trainer(folder: Path, step: int, config: dict, model: dict, groups: list[dict], where: Path,
-             notes: list[str]) -> tuple:
-    """The HF Trainer's part of its ``checkpoint-N/`` under DeepSpeed: its state (step, batch, data position, log),
-    its schedule where DeepSpeed's config has none, its (rank 0's) random generators."""
-    state = read_json(folder / hf_trainer.TRAINER_STATE, "the Trainer's state")
-    where_state = folder / hf_trainer.TRAINER_STATE
-    if count(state.get("global_step"), where_state, "global_step") != step:
-        raise refuse(where_state, f"its global_step is not DeepSpeed's {step}")
-    max_steps = count(state.get("max_steps"), where_state, "max_steps", MAX_SCHEDULE_STEPS, low=1)
-    per_device = count(state.get("train_batch_size"), where_state, "train_batch_size", MAX_BATCH, low=1)
-    epoch_float = number(state.get("epoch") or 0, where_state, "epoch")
-    args = {k: plain(v) for k, v in load_record(folder / hf_trainer.TRAINING_ARGS, "the Trainer's arguments")
-            .fields().items()}
-    args = trainer_args.checked(args, folder / hf_trainer.TRAINING_ARGS)
-    accum = args.get("gradient_accumulation_steps", 1)
-    world = count(model.get("dp_world_size", 1), where, "dp_world_size", MAX_RANKS, low=1)
-    if config.get("scheduler"):
-        schedule = _schedule(config["scheduler"], model.get("lr_scheduler"), step, groups, config, where, notes)
-    else:
-        schedule = schedules.from_hf_trainer(args, max_steps)
-        for g in groups:
-            g["initial_lr"] = finite(args.get("learning_rate", g["lr"]), folder, "learning_rate")
-    rng_file = next((folder / n for n in (hf_trainer.RNG, "rng_state_0.pth") if os.path.lexists(folder / n)), None)
-    rng = None
-    if rng_file is not None:
-        saved = load_pickle(rng_file, "the random generators' state", SMALL_PICKLE, numpy=True)
-        rng = hf_trainer.rng_state(saved, rng_file)
-    drop_last = args.get("dataloader_drop_last", False)
-
-    def position(rows: int, _batch: int) -> tuple[int, int, int]:
-        return hf_trainer.trainer_position(step, rows, per_device * world, accum, drop_last)
-
-    log = hf_trainer.logged_steps(state.get("log_history"), where_state)
-    return schedule, position, per_device * accum * world, rng, log, epoch_float

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +60,8 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     for need in (SCHEDULER,) if sharded else (OPTIMIZER, SCHEDULER):
         if need not in files:
             raise refuse(src, f"it has no {need}: a checkpoint saved with save_only_model carries no training state")
-    state = read_json(src / TRAINER_STATE, "the Trainer's state")
-    step = count(state.get("global_step"), src / TRAINER_STATE, "global_step")
-    max_steps = count(state.get("max_steps"), src / TRAINER_STATE, "max_steps", MAX_SCHEDULE_STEPS, low=1)
-    per_device = count(state.get("train_batch_size"), src / TRAINER_STATE, "train_batch_size", MAX_BATCH, low=1)
-    epoch_float = number(state.get("epoch") or 0, src / TRAINER_STATE, "epoch")
-    if epoch_float > step + 1:
-        raise refuse(src / TRAINER_STATE, f"epoch {epoch_float:g} is past its global_step {step}")
-    if step > max_steps:
-        raise refuse(src / TRAINER_STATE, f"global_step {step} is past its max_steps {max_steps}")
-    if TRAINING_ARGS not in files:
-        raise refuse(src, f"it has no {TRAINING_ARGS}: the schedule's kind and warmup are recorded only there")
-    args = {k: plain(v) for k, v in load_record(src / TRAINING_ARGS, "the Trainer's arguments").fields().items()}
-    args = trainer_args.checked(args, src / TRAINING_ARGS)  # every field it reads: of its type, in its range
-    accum = args.get("gradient_accumulation_steps", 1)
-    ranks = [f for f in files if f.startswith("rng_state_") and f.endswith(".pth")]
-    world = max(1, len(ranks))
-
+    trainer = read_trainer(src)
+    step, world = trainer.step, max(1, sum(f.startswith("rng_state_") and f.endswith(".pth") for f in files))
     adapter = ADAPTER in files
     adapter_config = None
     if adapter:
@@ -98,18 +84,56 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     sched = load_pickle(src / SCHEDULER, "the scheduler's state", SMALL_PICKLE)
     if not isinstance(sched, dict) or count(sched.get("last_epoch"), src / SCHEDULER, "last_epoch") != step:
         raise refuse(src / SCHEDULER, f"its position is not the checkpoint's step {step}")
-    schedule = schedules.from_hf_trainer(args, max_steps)
-    rng_file = RNG if RNG in files else ("rng_state_0.pth" if "rng_state_0.pth" in files else None)
-    rng = rng_state(load_pickle(src / rng_file, "the random generators' state", SMALL_PICKLE, numpy=True),
-                    src / rng_file) if rng_file else None
-    log = logged_steps(state.get("log_history"), src / TRAINER_STATE)
-    global_batch = per_device * accum * world
-    drop_last = args.get("dataloader_drop_last", False)
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
-                      groups=groups, order=order, schedule=schedule, step=step,
-                      position=lambda rows, _batch: trainer_position(step, rows, per_device * world, accum, drop_last),
-                      global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float,
-                      adapter_config=adapter_config)
+                      groups=groups, order=order, schedule=schedules.from_hf_trainer(trainer.args, trainer.max_steps),
+                      step=step, world_size=world, adapter_config=adapter_config, **trainer.fields(world))
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What the Trainer's own files of a ``checkpoint-N/`` say: ``trainer_state.json``, ``training_args.bin``
+    (``trainer_args.checked``) and rank 0's random generators."""
+
+    step: int
+    max_steps: int
+    per_device: int  # rows a device takes a micro-batch
+    epoch: float
+    args: dict[str, Any]
+    rng: dict[str, Any] | None
+    log: list[dict[str, Any]]
+
+    def fields(self, world: int) -> dict[str, Any]:
+        """The ``ForeignRun`` fields it gives, for a run on ``world`` data-parallel ranks."""
+        accum = self.args.get("gradient_accumulation_steps", 1)
+        per_step, drop_last = self.per_device * world, self.args.get("dataloader_drop_last", False)
+        return {"position": lambda rows, _: trainer_position(self.step, rows, per_step, accum, drop_last),
+                "global_batch": per_step * accum, "rng": self.rng, "log": self.log, "epoch_float": self.epoch}
+
+
+def read_trainer(src: Path, step: int | None = None) -> TrainerState:
+    """The Trainer's files of ``src``, each value checked; ``step``: the one the optimizer's files say (DeepSpeed's),
+    which ``global_step`` must be."""
+    files, where = set(os.listdir(src)), src / TRAINER_STATE
+    state = read_json(where, "the Trainer's state")
+    global_step = count(state.get("global_step"), where, "global_step")
+    if step is not None and global_step != step:
+        raise refuse(where, f"its global_step {global_step} is not its optimizer's step {step}")
+    max_steps = count(state.get("max_steps"), where, "max_steps", MAX_SCHEDULE_STEPS, low=1)
+    per_device = count(state.get("train_batch_size"), where, "train_batch_size", MAX_BATCH, low=1)
+    epoch = number(state.get("epoch") or 0, where, "epoch")
+    if epoch > global_step + 1:
+        raise refuse(where, f"epoch {epoch:g} is past its global_step {global_step}")
+    if global_step > max_steps:
+        raise refuse(where, f"global_step {global_step} is past its max_steps {max_steps}")
+    if TRAINING_ARGS not in files:
+        raise refuse(src, f"it has no {TRAINING_ARGS}: the schedule's kind and warmup are recorded only there")
+    args = {k: plain(v) for k, v in load_record(src / TRAINING_ARGS, "the Trainer's arguments").fields().items()}
+    args = trainer_args.checked(args, src / TRAINING_ARGS)  # every field it reads: of its type, in its range
+    rng_file = next((src / n for n in (RNG, "rng_state_0.pth") if n in files), None)
+    rng = None if rng_file is None else \
+        rng_state(load_pickle(rng_file, "the random generators' state", SMALL_PICKLE, numpy=True), rng_file)
+    log = logged_steps(state.get("log_history"), where)
+    return TrainerState(global_step, max_steps, per_device, epoch, args, rng, log)
 
 
 class HFTrainerSource(ImportSource):
