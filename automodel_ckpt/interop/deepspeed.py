@@ -1,18 +1,12 @@
 """DeepSpeed ZeRO checkpoints (stage 1, 2, 3; of `deepspeed.initialize` or the HF Trainer) read into a ``ForeignRun``.
 
 SRC is a save folder (its ``latest`` names the tag), one ``global_stepN/`` folder, or an HF Trainer ``checkpoint-N/``
-holding one. A tag folder holds the model states (``mp_rank_00_model_states.pt`` at stage 1 and 2, one
-``zero_pp_rank_R_mp_rank_00_model_states.pt`` a rank at stage 3: parameter names and shapes, the config, the
-scheduler's position, the step) and one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` a data-parallel rank:
-its partition of the fp32 master weights and of AdamW's two moments. The partitions are put together here, as
-``deepspeed.utils.zero_to_fp32`` puts the weights together (its reader unpickles with ``weights_only=False``, so it
-is never called on a source): stage 1 and 2 flatten each param group and cut it into equal parts, one a rank; stage
-3 cuts each parameter into equal parts. Every file is a regular file of the folder, reached without following a
-link, bounded by the recipe's model before it is read, and unpickled with ``weights_only=True``, DeepSpeed's own
-objects in it (its loss scaler, an enum, a namedtuple) as inert records (``source.load_inert``). The HF Trainer's PEFT
-run (``adapter_config.json`` beside the tag folder) holds its adapter alone and comes in as one; other frozen
-parameters, and tensor or pipeline parallel ranks, are refused.
-"""
+holding one. The ranks' partitions of the fp32 weights and AdamW's moments are put together here as
+``deepspeed.utils.zero_to_fp32`` puts the weights together (its reader unpickles with ``weights_only=False``, so it is
+never called on a source): stage 1 and 2 cut each flattened param group into equal parts, one a rank; stage 3 cuts
+each parameter. Every pickle is read with ``weights_only=True``, DeepSpeed's own objects in it as inert records. The HF
+Trainer's PEFT run (``adapter_config.json`` beside the tag folder) comes in as its adapter; other frozen parameters,
+and tensor or pipeline parallel ranks, are refused. docs/import.md lists the files."""
 
 from __future__ import annotations
 
@@ -206,9 +200,8 @@ def _stage(states: list[Any], where: Path) -> int:
 
 def _adapter_config(trainer: Path | None, frozen: Any, shapes: list[list[tuple[str, torch.Size]]],
                     where: Path) -> dict | None:
-    """A PEFT run's adapter config: the HF Trainer's ``adapter_config.json`` beside the tag folder (its partitions
-    and model states hold the adapter alone, the Trainer saving without the frozen base, which the recipe's model
-    brings). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
+    """A PEFT run's adapter config: the HF Trainer's beside the tag folder (it saves the adapter alone, the recipe's
+    model brings the base). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
     if trainer is not None and os.path.lexists(HFFolder(trainer).adapter_config):
         return read_json(HFFolder(trainer).adapter_config, "the adapter's config", SMALL_FILE_LIMIT)
     lora = next((n for group in shapes for n, _ in group if ".lora_" in n), None)

@@ -1,11 +1,7 @@
 """A recipe's restored state written as an HF Trainer ``checkpoint-N/`` that the Trainer resumes.
 
-``Trainer.train(resume_from_checkpoint=...)`` continues it: weights (or a PEFT adapter), ``optimizer.pt`` in the
-Trainer's order and groups, ``scheduler.pt``, ``rng_state.pth`` and ``trainer_state.json``.
-
-The Trainer rebuilds its schedule from its own arguments and keeps only the position from ``scheduler.pt``, so the
-export says which arguments continue ours (``trainer_arguments``), or refuses a schedule the Trainer has not.
-"""
+The Trainer rebuilds its schedule from its own arguments (only the position is read from ``scheduler.pt``), so the
+export says which arguments continue ours (``trainer_arguments``), or refuses a schedule the Trainer has not."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """The Hugging Face Trainer's ``checkpoint-N/`` folder, read into a ``ForeignRun`` (and its names for writing one).
 
-Read: ``model.safetensors`` (or its shards and index; ``adapter_model.safetensors`` for a PEFT run),
-``optimizer.pt`` (or, saved by FSDP with a sharded state dict, the DCP folders ``pytorch_model_fsdp_0/`` and
-``optimizer_0/``, as accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write them), ``scheduler.pt``,
-``trainer_state.json``, ``training_args.bin`` (as inert records) and ``rng_state.pth`` / ``rng_state_R.pth``.
-Every file is a regular file of the folder, reached without following a link, size-bounded (the weights and the
-optimizer's state by the recipe's model: ``source.Limits``), and every value checked before use.
-"""
+Its files (docs/import.md lists them, the FSDP layout's DCP folders too) are each read as a regular file of the
+folder, bounded by the recipe's model (``source.Limits``), and every value is checked before use."""
 
 from __future__ import annotations
 
@@ -160,8 +155,7 @@ def trainer_position(step: int, rows: int, per_step: int, accum: int, drop_last:
 
 
 def _weights(src: Path, files: set[str], adapter: bool, limits: Limits) -> dict[str, torch.Tensor]:
-    """The weight files' tensors: each file a regular file of ``src`` (no folder on the way a link), their sizes
-    together within ``limits.weights`` before one is read."""
+    """The weight files' tensors, each a regular file of ``src``, their sizes together within ``limits.weights``."""
     from safetensors.torch import load_file
 
     if adapter:
@@ -255,8 +249,8 @@ def rng_state(state: Any, where: Path) -> dict[str, Any] | None:
 
 
 def logged_steps(history: Any, where: Path) -> list[dict[str, Any]]:
-    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history, each value a finite
-    number (lr and grad_norm may be absent)."""
+    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history, each a finite number (lr
+    and grad_norm may be absent)."""
     if not isinstance(history, list):
         return []
     if len(history) > MAX_LOG:
