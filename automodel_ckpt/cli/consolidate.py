@@ -71,17 +71,9 @@ def main(argv: list[str]) -> int:
                 dist.init_process_group("gloo")
                 started_group = True
             rank, world_size = dist.get_rank(), dist.get_world_size()
-        out = consolidate(
-            model_dir,
-            out_dir,
-            cast_dtype=args.cast_dtype,
-            num_threads=args.num_threads,
-            max_shard_size=max_shard_size,
-            rank=rank,
-            world_size=world_size,
-            progress=not args.no_progress,
-            metadata_dir=metadata_dir,
-        )
+        out = consolidate(model_dir, out_dir, cast_dtype=args.cast_dtype, num_threads=args.num_threads,
+                          max_shard_size=max_shard_size, rank=rank, world_size=world_size,
+                          progress=not args.no_progress, metadata_dir=metadata_dir)
         if rank == 0 and out_url:
             from automodel_ckpt.checkpoint import upload_folder
 

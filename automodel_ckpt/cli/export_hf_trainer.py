@@ -1,11 +1,8 @@
 """`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder.
 
-The run's recipe, given on the command line (``--recipe RECIPE.yaml``, with the ``--section.key value`` overrides
-the run had, as every verb takes them: the checkpoint's own ``config.yaml`` is a copy that may name any code, and is
-never built), is built in this process as a 1-process run, the checkpoint
-restored into it (resharded from any world size), and its state written by ``interop.hf_export``. The checkpoint's
-run folder is only read: the build's own run folder is a temporary one.
-"""
+The run's recipe given with ``--recipe`` (never the checkpoint's ``config.yaml``, a copy that may name any code) is
+built as a 1-process run in a temporary run folder, the checkpoint restored into it and written by
+``interop.hf_export``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """`ckpt-train import SRC RECIPE.yaml --out RUN_DIR`: another trainer's checkpoint as our checkpoint of its step.
 
-The recipe is loaded and checked, its model built on the meta device to bound the source's files (``source_limits``);
-the source is read and checked (``interop.read_source``); then the recipe is built in this process as a 1-process
-run builds it (world size 1, its own model, optimizer, scheduler, data and step scheduler), the source's state is
-put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``. The
-recipe built is ``RUN_DIR/recipe.yaml`` (``interop.recipe``): the given one with the overrides typed, what the source
-needs (its schedule, length, optimizer settings and groups) and ``checkpoint_dir: RUN_DIR``; ``ckpt-train
-RUN_DIR/recipe.yaml``, the command printed, continues the run at any world size.
-"""
+The source is read and checked within bounds from the recipe's model (``source_limits``), ``RUN_DIR/recipe.yaml``
+written (``interop.recipe``), that recipe built as a 1-process run, the source's state put into it
+(``interop.apply``) and saved; the printed command continues it at any world size. docs/import.md."""
 
 from __future__ import annotations
 

@@ -109,19 +109,11 @@ def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
 def render_table(report: dict[str, Any]) -> str:
     lines = [[*_COLUMNS]]
     for r in report["checkpoints"]:
-        lines.append([
-            r["name"],
-            _text(r["step"]),
-            _text(r["epoch"]),
-            f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"]),
-            human_size(r["size_bytes"]),
-            _text(r.get("family")),
-            _text(r["format"]),
-            _text(r.get("mesh")),
-            "yes" if r["consolidated"] else "no",
-            "yes" if r["complete"] else "no",
-            ", ".join(r["pointers"]) or "-",
-        ])
+        val = f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"])
+        lines.append([r["name"], _text(r["step"]), _text(r["epoch"]), val, human_size(r["size_bytes"]),
+                      _text(r.get("family")), _text(r["format"]), _text(r.get("mesh")),
+                      "yes" if r["consolidated"] else "no", "yes" if r["complete"] else "no",
+                      ", ".join(r["pointers"]) or "-"])
     if any(r.get("shared_bytes") for r in report["checkpoints"]):  # checkpoint.incremental: own / shared bytes
         lines[0].append("OWN / SHARED")
         for line, r in zip(lines[1:], report["checkpoints"]):
@@ -133,10 +125,8 @@ def render_table(report: dict[str, Any]) -> str:
             line.append(", ".join(f"{k} {v:.4f}" for k, v in (r.get("eval") or {}).items()) or "-")
     widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     numeric = {1, 2, 3, 4}
-    out = [
-        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-        for row in lines
-    ]
+    out = ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+           .rstrip() for row in lines]
     counted = [r for r in report["checkpoints"] if r.get("counters")]
     if counted:
         out.append("counters:")

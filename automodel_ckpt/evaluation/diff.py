@@ -1,16 +1,9 @@
 """What differs between two models' tensors, one tensor at a time, and between two checkpoints' recipes and counters.
 
-Each side is read as ``open_tensors`` reads it (a checkpoint at any world size or format, an export folder, an int8
-folder, an archive, an adapter) or, an export target's file (``export.identify``), as its target pairs it with the
-other side (``ExportTarget.beside``: the other side laid out as the file lays it out, both under the model's names):
-a tensor is assembled from its shards when asked for, compared with the other side's, and dropped, so memory is
-bounded by the largest tensor. A checkpoint's tensors are compared as saved (its float32 training weights), so a
-checkpoint against its own bf16 export is ``close``: equal once rounded to the coarser dtype. Against a quantized
-side (a quantized file, an int8 folder's weights) a tensor is ``close`` when every element is within the sum of both
-sides' rounding: the quantized format's step (``ModelSource.rounding``) and half a unit in the last place of the
-dtype the export read. Names, values and paths read here are data: printed through the escaping stream, never
-followed.
-"""
+Each side is read as ``open_tensors`` reads it, or, an export target's file, as its target pairs it with the other
+side (``ExportTarget.beside``); a tensor is compared and dropped, so memory is bounded by the largest one. A checkpoint
+against its own bf16 export is ``close`` (equal once rounded to the coarser dtype); against a quantized side, within
+both sides' rounding (``ModelSource.rounding`` and half an ulp of the read dtype). docs/inspect-and-diff.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """A Hugging Face model or adapter folder written tensor by tensor: one tensor in memory at a time, atomic by rename.
 
-Every tensor's name, shape and dtype is known before the first byte is written, so each safetensors file's header
-is written first and the tensors follow in order, each produced (``produce(name)``), written and dropped. The
-files are those the consolidate export writes: ``model-K-of-F.safetensors`` with ``model.safetensors.index.json``
-(cut at ``max_shard_size``), ``config.json`` with its ``dtype`` set to the written one, and the small files given
-(generation config, tokenizer); an adapter is ``adapter_model.safetensors`` beside its config. The folder is
-written into a hidden sibling and renamed into place only when complete, so a failure leaves nothing behind.
-"""
+Every tensor's name, shape and dtype is known first, so each safetensors header is written before its tensors, each
+produced, written and dropped. The files are the consolidate export's (``config.json``'s ``dtype`` the one written);
+the folder is written into a hidden sibling and renamed into place when complete."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """`ckpt-train eval`: a checkpoint's model built from its own tensors, scored by lm-evaluation-harness's HF model class.
 
-The model is read as the checkpoint holds it: its tensors straight from the shards (any world size, safetensors or
-DCP; ``tensors.open_tensors``, a LoRA checkpoint merged into its base), written tensor by tensor into a private
-temporary Hugging Face folder (``folder.write_folder``: the consolidate export's files, never the checkpoint's own
-``consolidated/``, which may be stale or absent) and loaded by transformers from there with safetensors only and no
-remote code. Before anything is allocated, the config's model is built on the meta device and must not hold more
-parameters than the files do (a config cannot ask for a model larger than its weights). The harness then runs on
-that model through its own class, ``lm_eval.models.huggingface.HFLM(pretrained=<model>, tokenizer=...)``, with
-tasks from its registry and the ones the product ships (``tasks/``, passed as ``TaskManager(include_path=...)``).
-Results: the harness's table, and its results JSON of each task in ``eval/<task>.json`` beside what was evaluated
-(``layout.eval_results_file``; a checkpoint's manifest records them, so ``verify`` stays clean).
-"""
+The tensors are read from the shards (``tensors.open_tensors``) into a private temporary Hugging Face folder (never
+the checkpoint's ``consolidated/``, which may be stale or absent) that transformers loads with safetensors only and
+no remote code, once the config's model, built on the meta device, is known to be no larger than its files. Results:
+the harness's table, and each task's JSON in ``eval/<task>.json`` beside what was evaluated. docs/evaluation.md."""
 
 from __future__ import annotations
 
@@ -203,9 +196,8 @@ def _stderr_closed() -> Iterator[None]:
 
 
 def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) -> list[Path]:
-    """The harness's results JSON of each task (its own keys, only that task's entries; each document's answers
-    under ``samples`` when they were logged) in ``eval/<task>.json`` beside ``src``; a checkpoint's manifest
-    records them."""
+    """The harness's results JSON of each task (only that task's entries; the answers under ``samples`` when logged)
+    in ``eval/<task>.json`` beside ``src``, in a checkpoint's manifest (``verify`` stays clean)."""
     from lm_eval.utils import handle_non_serializable
 
     owner = results_dir(src)

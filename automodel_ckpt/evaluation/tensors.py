@@ -1,14 +1,8 @@
 """One model's tensors, read one at a time: a checkpoint (any world size and format), an export or int8 folder, an archive, an adapter.
 
-A full model comes from ``export.open_model`` (the quantized exports' reader): its tensors under their on-disk
-names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them
-(the base's), or as saved (``read_saved``: what averaging accumulates); a LoRA checkpoint there is merged into its base.
-An int8 folder (compressed-tensors, ``export --to int8``) gives its weights dequantized with their scales, each with
-its rounding step (``steps``, for ``diff``). A LoRA adapter folder (``adapter_config.json`` and
-``adapter_model.safetensors``, a PEFT checkpoint's ``model/``) is read as its adapter tensors, so that averaging
-adapters gives an adapter. Nothing read here runs a pickle or instantiates a config: sizes are checked by
-``ondisk.bounded``, only regular files are read.
-"""
+A full model comes from ``export.open_model`` in the dtypes its Hugging Face export gives them (``read_saved``: as
+saved); an int8 folder's weights dequantized, each with its rounding step; a LoRA adapter folder as its adapter
+tensors, so averaging adapters gives an adapter. Nothing read here runs a pickle or instantiates a config."""
 
 from __future__ import annotations
 

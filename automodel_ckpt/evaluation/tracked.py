@@ -1,10 +1,7 @@
-"""A checkpoint's scores as points on its run's trackers, at the checkpoint's step: what `ckpt-train eval` logs there.
+"""A checkpoint's scores logged to its run's trackers at its step: what `ckpt-train eval` adds there.
 
-The trackers are those of the checkpoint's recipe copy (``config.yaml``'s ``logging:``), the tracked runs those its
-``tracking`` state names (the run ids training saved in every checkpoint); ``automodel_ckpt.tracking.annotate``
-reopens them as they are and adds ``eval/<task>/<metric>`` at the checkpoint's step, the names an evaluation during
-training logs. Anything else (an export folder, an archive, a run without ``logging:``) logs nothing.
-"""
+The trackers are those of the checkpoint's recipe copy (``logging:``), reopened on the runs its ``tracking`` state
+names (``tracking.annotate``), under the names an evaluation during training logs; anything else logs nothing."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """``ckpt-train report``: one self-contained HTML page of a run folder (curves, checkpoints, data, cost, lineage).
 
-``render(run_dir)`` reads the run folder through the bounded readers (``runinfo``: the checkpoints as ``inspect``
-lists them; ``logs``: the logs sampled or streamed) and returns the page; every string from the folder is escaped
-by ``html.el``. ``write`` writes it atomically; ``LiveReport`` rewrites ``RUN_DIR/report.html`` off the training
-thread while a run trains (``logging.report``). docs/report.md shows each panel.
-"""
+The run folder is read through bounded readers (``runinfo``, ``logs``) and every string from it escaped (``html.el``);
+``LiveReport`` rewrites ``RUN_DIR/report.html`` off the training thread (``logging.report``). docs/report.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """A run's logs read within bounds: training.jsonl and validation.jsonl sampled, events.jsonl streamed once.
 
-A log up to ``WHOLE_LIMIT`` bytes is read line by line (``log_lines``: a line over ``LOG_LINE_LIMIT`` is skipped)
-and thinned to ``MAX_POINTS`` records; a larger one (a run folder received from elsewhere may hold a log of any
-size) is read at ``MAX_POINTS`` evenly spaced offsets, ``PROBE`` bytes each: at most some 16 MiB of any log. The
-events log is streamed as ``inspect --cost`` streams it, keeping at most ``MAX_KEPT`` records of each kind.
-"""
+A log up to ``WHOLE_LIMIT`` bytes is read whole and thinned to ``MAX_POINTS`` records; a larger one is read at
+``MAX_POINTS`` evenly spaced offsets, ``PROBE`` bytes each. Events keep at most ``MAX_KEPT`` records of each kind."""
 
 from __future__ import annotations
 
