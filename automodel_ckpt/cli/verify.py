@@ -43,13 +43,6 @@ def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool)
     return show(verify_manifest(path, checksums=checksums, threads=max(1, threads)), "checkpoint", checksums, quiet)
 
 
-def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
-    """Every member of an archive (``ckpt-train pack``) against its manifest, read in place."""
-    from automodel_ckpt.export import verify_archive as verify
-
-    return show(verify(path, checksums=checksums), "archive", checksums, quiet)
-
-
 def show(report: ManifestReport, kind: str, checksums: bool, quiet: bool) -> bool:
     """Print one verdict per file (``quiet``: problems only) and the outcome; whether every file matched."""
     n_files = len([v for v in report.verdicts if v.status != UNEXPECTED_FILE])
@@ -115,14 +108,14 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint import open_for_reading
-    from automodel_ckpt.export import identify, is_archive
+    from automodel_ckpt.export import identify, is_archive, verify_archive
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
     target = identify(path)  # one file an export target wrote, as the registry recognises it: checked by its target
     if target is not None:
         ok = target.verify(path, decode=not args.sizes_only)
-    elif is_archive(path) and not args.export:
-        ok = verify_archive(path, checksums=not args.sizes_only, quiet=args.quiet)
+    elif is_archive(path) and not args.export:  # every member against its manifest, read in place
+        ok = show(verify_archive(path, checksums=not args.sizes_only), "archive", not args.sizes_only, args.quiet)
     elif not path.exists():
         raise UserError(f"'{path}' does not exist")
     elif not path.is_dir():

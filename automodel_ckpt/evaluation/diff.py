@@ -12,7 +12,7 @@ import os
 import re
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +44,8 @@ class TensorDiff:
     changed_fraction: float | None = None
     note: str = ""  # a shape or dtype change
 
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "max_abs": self.max_abs, "rel_l2": self.rel_l2}
-        if self.changed_fraction is not None:
-            out["changed_fraction"] = self.changed_fraction
-        if self.note:
-            out["note"] = self.note
-        return out
+    def as_json(self) -> dict[str, Any]:  # a changed fraction and a note only where there is one
+        return {k: v for k, v in asdict(self).items() if k in ("max_abs", "rel_l2") or v not in (None, "")}
 
 
 @dataclass
