@@ -1,7 +1,8 @@
 """The `ckpt-train` entry point: training (the default verb) and the utility verbs, with one-line errors.
 
 Each verb is one module of this package with ``main(argv) -> int``, registered in ``VERBS``; it parses with
-``common.VerbParser`` and raises ``UserError``s, which ``run`` turns into ``error: ...`` and an exit code."""
+``common.VerbParser`` and raises ``UserError``s, which ``run`` turns into ``error: ...`` and an exit code.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 The targets are ``export``'s registry: ``--to`` finds one by name. ``--to hf-trainer``, which builds the run's
 recipe, is registered here (only the CLI may build a recipe), and so is what a target may need from above
-``export/``: a recipe's data, tokenized as for training (``_recipe_examples``)."""
+``export/``: a recipe's data, tokenized as for training (``_recipe_examples``).
+"""
 
 from __future__ import annotations
 

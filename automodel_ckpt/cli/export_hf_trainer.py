@@ -2,7 +2,8 @@
 
 The run's recipe given with ``--recipe`` (never the checkpoint's ``config.yaml``, a copy that may name any code) is
 built as a 1-process run in a temporary run folder, the checkpoint restored into it and written by
-``interop.hf_export``."""
+``interop.hf_export``.
+"""
 
 from __future__ import annotations
 

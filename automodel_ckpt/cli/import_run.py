@@ -2,7 +2,8 @@
 
 The source is read and checked within bounds from the recipe's model (``source_limits``), ``RUN_DIR/recipe.yaml``
 written (``interop.recipe``), that recipe built as a 1-process run, the source's state put into it
-(``interop.apply``) and saved; the printed command continues it at any world size. docs/import.md."""
+(``interop.apply``) and saved; the printed command continues it at any world size. docs/import.md.
+"""
 
 from __future__ import annotations
 

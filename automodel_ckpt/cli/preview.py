@@ -1,6 +1,7 @@
 """`ckpt-train preview RECIPE.yaml [overrides]`: the first rows as the model sees them, loss spans marked, counts.
 
-No GPU, processes or model: the recipe's data tokenized (through the cache) and rendered by ``data.preview``."""
+No GPU, processes or model: the recipe's data tokenized (through the cache) and rendered by ``data.preview``.
+"""
 
 from __future__ import annotations
 

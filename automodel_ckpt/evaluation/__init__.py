@@ -2,4 +2,5 @@
 
 ``tensors`` reads one model's tensors one at a time and ``folder`` writes a Hugging Face folder the same way;
 ``average`` and ``harness`` build on them. ``during_training`` scores the live weights, ``tracked`` logs `eval`'s
-scores to the run's trackers, ``tasks/`` holds the task definitions the product ships. docs/evaluation.md."""
+scores to the run's trackers, ``tasks/`` holds the task definitions the product ships. docs/evaluation.md.
+"""

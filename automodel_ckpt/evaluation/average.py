@@ -2,7 +2,8 @@
 
 Each tensor is accumulated in float32 (float64 where a source holds it) one source tensor at a time, as saved (a
 checkpoint's training weights, not cast first), then written and dropped (``tools/bench_average.py``). Sources of
-different models are refused in one line before anything is written; adapters average into an adapter."""
+different models are refused in one line before anything is written; adapters average into an adapter.
+"""
 
 from __future__ import annotations
 

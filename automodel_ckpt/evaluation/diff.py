@@ -3,7 +3,8 @@
 Each side is read as ``open_tensors`` reads it, or, an export target's file, as its target pairs it with the other
 side (``ExportTarget.beside``); a tensor is compared and dropped, so memory is bounded by the largest one. A checkpoint
 against its own bf16 export is ``close`` (equal once rounded to the coarser dtype); against a quantized side, within
-both sides' rounding (``ModelSource.rounding`` and half an ulp of the read dtype). docs/inspect-and-diff.md."""
+both sides' rounding (``ModelSource.rounding`` and half an ulp of the read dtype). docs/inspect-and-diff.md.
+"""
 
 from __future__ import annotations
 

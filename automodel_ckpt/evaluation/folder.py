@@ -2,7 +2,8 @@
 
 Every tensor's name, shape and dtype is known first, so each safetensors header is written before its tensors, each
 produced, written and dropped. The files are the consolidate export's (``config.json``'s ``dtype`` the one written);
-the folder is written into a hidden sibling and renamed into place when complete."""
+the folder is written into a hidden sibling and renamed into place when complete.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The tensors are read from the shards (``tensors.open_tensors``) into a private temporary Hugging Face folder (never
 the checkpoint's ``consolidated/``, which may be stale or absent) that transformers loads with safetensors only and
 no remote code, once the config's model, built on the meta device, is known to be no larger than its files. Results:
-the harness's table, and each task's JSON in ``eval/<task>.json`` beside what was evaluated. docs/evaluation.md."""
+the harness's table, and each task's JSON in ``eval/<task>.json`` beside what was evaluated. docs/evaluation.md.
+"""
 
 from __future__ import annotations
 

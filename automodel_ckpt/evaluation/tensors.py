@@ -2,7 +2,8 @@
 
 A full model comes from ``export.open_model`` in the dtypes its Hugging Face export gives them (``read_saved``: as
 saved); an int8 folder's weights dequantized, each with its rounding step; a LoRA adapter folder as its adapter
-tensors, so averaging adapters gives an adapter. Nothing read here runs a pickle or instantiates a config."""
+tensors, so averaging adapters gives an adapter. Nothing read here runs a pickle or instantiates a config.
+"""
 
 from __future__ import annotations
 

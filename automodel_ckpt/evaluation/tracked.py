@@ -1,7 +1,8 @@
 """A checkpoint's scores logged to its run's trackers at its step: what `ckpt-train eval` adds there.
 
 The trackers are those of the checkpoint's recipe copy (``logging:``), reopened on the runs its ``tracking`` state
-names (``tracking.annotate``), under the names an evaluation during training logs; anything else logs nothing."""
+names (``tracking.annotate``), under the names an evaluation during training logs; anything else logs nothing.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 ``registry`` finds the source (``contract.ImportSource``: one module and one ``register_source`` line each), which
 reads the run into a ``source.ForeignRun`` within ``source.Limits``; ``apply`` loads it into a recipe;
-``hf_export`` writes a recipe's state as an HF Trainer ``checkpoint-N/``. docs/import.md."""
+``hf_export`` writes a recipe's state as an HF Trainer ``checkpoint-N/``. docs/import.md.
+"""
 
 from __future__ import annotations
 

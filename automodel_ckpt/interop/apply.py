@@ -1,7 +1,8 @@
 """A ``ForeignRun`` put into a recipe built as for training: weights, AdamW state, schedule, counters, data, RNG.
 
 Everything is checked before anything is set: a tensor unaccounted for or of another shape is refused by name. What
-differs from the source and changes the run (its global batch, its epoch length) is a line for ``say``."""
+differs from the source and changes the run (its global batch, its epoch length) is a line for ``say``.
+"""
 
 from __future__ import annotations
 

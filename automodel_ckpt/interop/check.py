@@ -1,7 +1,8 @@
 """``ckpt-train import --check``: the imported model's logits against those of the source's weights.
 
 On fixed probe token ids: the recipe's model as imported, and a copy holding the source's weights in their own dtype.
-Bitwise equal for an fp32 source, else within one bf16 ulp of the larger logit."""
+Bitwise equal for an fp32 source, else within one bf16 ulp of the larger logit.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 A source reads one trainer's kind of checkpoint into a ``source.ForeignRun`` (docs/import.md). ``detect`` decides
 from the names and kinds of entries, or a bounded read of a regular file: it never follows a link inside the path and
 never raises. ``read`` reads every file through ``source``'s bounded readers within ``limits`` and checks each value
-before use: bad input is one ``CheckpointError`` line naming the file and the field."""
+before use: bad input is one ``CheckpointError`` line naming the file and the field.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ holding one. The ranks' partitions of the fp32 weights and AdamW's moments are p
 never called on a source): stage 1 and 2 cut each flattened param group into equal parts, one a rank; stage 3 cuts
 each parameter. Every pickle is read with ``weights_only=True``, DeepSpeed's own objects in it as inert records. The HF
 Trainer's PEFT run (``adapter_config.json`` beside the tag folder) comes in as its adapter; other frozen parameters,
-and tensor or pipeline parallel ranks, are refused. docs/import.md lists the files."""
+and tensor or pipeline parallel ranks, are refused. docs/import.md lists the files.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 ``ondisk.read_dcp_folder`` reads a folder whole; here its flattened keys are put back together: ``<model>.<name>``
 -> the weights, ``<optimizer>.state.<name>.<moment>`` and ``<optimizer>.param_groups.<i>.<key>`` -> an optimizer
-``state_dict`` with its parameters named, as ``get_optimizer_state_dict`` names them."""
+``state_dict`` with its parameters named, as ``get_optimizer_state_dict`` names them.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The Hugging Face Trainer's ``checkpoint-N/`` folder, read into a ``ForeignRun`` (and its names for writing one).
 
 Its files (docs/import.md lists them, the FSDP layout's DCP folders too) are each read as a regular file of the
-folder, bounded by the recipe's model (``source.Limits``), and every value is checked before use."""
+folder, bounded by the recipe's model (``source.Limits``), and every value is checked before use.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 The folder (``FSDPStrategy(state_dict_type="sharded")``, ``ModelParallelStrategy``) holds the weights and optimizer
 state as DCP entries and the rest of the ``.ckpt`` in ``meta.pt``. Lightning records neither its batch size nor its
-generators (the recipe's are taken); the optimizer's slots follow the module's ``parameters()`` order."""
+generators (the recipe's are taken); the optimizer's slots follow the module's ``parameters()`` order.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 ``RUN_DIR/recipe.yaml`` is the recipe file as given, the typed overrides applied, then the source's own settings
 where the user typed none (``needs``), and ``checkpoint_dir: RUN_DIR``. The import builds that file, so the run it
-continues is the one the file describes; a comment header records where it came from."""
+continues is the one the file describes; a comment header records where it came from.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The import sources, by name: each is one module of this package, registered here by one line.
 
 The first registered source that ``detect``s SRC reads it (``read_source``); ``register_source`` adds one from
-outside."""
+outside.
+"""
 
 from __future__ import annotations
 

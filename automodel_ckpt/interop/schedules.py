@@ -2,7 +2,8 @@
 
 A source's scheduler file holds its position, not its formula: that comes from the HF Trainer's arguments or a torch
 scheduler's state. The recipe's ``lr_scheduler`` decides the schedule on every resume, so its factor must be the
-source's at every step up to the end."""
+source's at every step up to the end.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Every file is read by ``read_bytes`` (a regular file, no link followed, its size checked first against its kind's
 limit or ``Limits``); a pickle is unpickled with ``weights_only=True`` (``load_pickle``), library objects in it as
-inert ``Record``s that run no code of theirs (``load_inert``, ``load_record``)."""
+inert ``Record``s that run no code of theirs (``load_inert``, ``load_record``).
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ it), or the job's dump folder holding ``checkpoint/`` and the job config (``--de
 record of the schedule. A step folder is read whole by ``ondisk.read_dcp_folder``; its data loader state is never
 unpickled. The names, the fused QKV split and the RoPE permutation of q and k rows are torchtitan's own
 (``Llama3StateDictAdapter.to_hf``, ``FusedQKVLinear``), written out here: importing its adapter needs triton. The head
-counts come from the recipe's model (``ForeignRun.fit``). docs/import.md lists the entries."""
+counts come from the recipe's model (``ForeignRun.fit``). docs/import.md lists the entries.
+"""
 
 from __future__ import annotations
 

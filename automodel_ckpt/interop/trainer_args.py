@@ -2,7 +2,8 @@
 
 The file arrives as inert records (``source.load_record``); each field read, or that says how the run was trained,
 must be of its type and range, else one line names the file and the field. A string is never taken for a number:
-``"${oc.env:HOME}"`` would be interpolated if it reached the recipe the import writes."""
+``"${oc.env:HOME}"`` would be interpolated if it reached the recipe the import writes.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """``ckpt-train report``: one self-contained HTML page of a run folder (curves, checkpoints, data, cost, lineage).
 
 The run folder is read through bounded readers (``runinfo``, ``logs``) and every string from it escaped (``html.el``);
-``LiveReport`` rewrites ``RUN_DIR/report.html`` off the training thread (``logging.report``). docs/report.md."""
+``LiveReport`` rewrites ``RUN_DIR/report.html`` off the training thread (``logging.report``). docs/report.md.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The page's markup: an element builder that escapes every text and attribute, inline SVG charts, the page shell.
 
 Only what ``el`` made (``Markup``) passes unescaped; tag and attribute names are its callers' constants. The page
-loads nothing (no script, link or image source) and its Content-Security-Policy forbids them all."""
+loads nothing (no script, link or image source) and its Content-Security-Policy forbids them all.
+"""
 
 from __future__ import annotations
 

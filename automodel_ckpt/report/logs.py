@@ -1,7 +1,8 @@
 """A run's logs read within bounds: training.jsonl and validation.jsonl sampled, events.jsonl streamed once.
 
 A log up to ``WHOLE_LIMIT`` bytes is read whole and thinned to ``MAX_POINTS`` records; a larger one is read at
-``MAX_POINTS`` evenly spaced offsets, ``PROBE`` bytes each. Events keep at most ``MAX_KEPT`` records of each kind."""
+``MAX_POINTS`` evenly spaced offsets, ``PROBE`` bytes each. Events keep at most ``MAX_KEPT`` records of each kind.
+"""
 
 from __future__ import annotations
 
