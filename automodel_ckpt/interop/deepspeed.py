@@ -142,12 +142,8 @@ class DeepSpeedSource(ImportSource):
 
     name = "deepspeed"
     noun = "a DeepSpeed checkpoint folder (global_stepN/, or one holding it)"
-
-    def detect(self, path: Path) -> bool:
-        return is_deepspeed(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read(path, limits)
+    detect = staticmethod(is_deepspeed)
+    read = staticmethod(read)
 
 
 SOURCE = DeepSpeedSource()

@@ -137,12 +137,8 @@ class HFTrainerSource(ImportSource):
 
     name = "hf-trainer"
     noun = f"an HF Trainer checkpoint-N/ folder ({TRAINER_STATE})"
-
-    def detect(self, path: Path) -> bool:
-        return is_hf_trainer(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read(path, limits)
+    detect = staticmethod(is_hf_trainer)
+    read = staticmethod(read)
 
 
 SOURCE = HFTrainerSource()

@@ -72,12 +72,8 @@ class LightningFileSource(ImportSource):
 
     name = "lightning"
     noun = f"a Lightning {SUFFIX} file"
-
-    def detect(self, path: Path) -> bool:
-        return is_lightning_file(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read_file(path, limits)
+    detect = staticmethod(is_lightning_file)
+    read = staticmethod(read_file)
 
 
 class LightningFolderSource(ImportSource):
@@ -85,12 +81,8 @@ class LightningFolderSource(ImportSource):
 
     name = "lightning-dcp"
     noun = f"a Lightning distributed checkpoint folder ({DCP_METADATA})"
-
-    def detect(self, path: Path) -> bool:
-        return is_lightning_folder(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read_folder(path, limits)
+    detect = staticmethod(is_lightning_folder)
+    read = staticmethod(read_folder)
 
 
 FILE_SOURCE = LightningFileSource()

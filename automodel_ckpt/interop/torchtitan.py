@@ -254,12 +254,8 @@ class TorchtitanSource(ImportSource):
 
     name = "torchtitan"
     noun = "a torchtitan checkpoint (step-N/, or a folder holding step-N/ or checkpoint/step-N/)"
-
-    def detect(self, path: Path) -> bool:
-        return is_torchtitan(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read(path, limits)
+    detect = staticmethod(is_torchtitan)
+    read = staticmethod(read)
 
 
 SOURCE = TorchtitanSource()
