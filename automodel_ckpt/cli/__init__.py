@@ -1,8 +1,7 @@
 """The `ckpt-train` entry point: training (the default verb) and the utility verbs, with one-line errors.
 
-Each verb is one module of this package with ``main(argv) -> int``; ``VERBS`` registers it under its name with
-its usage line. A verb module parses with ``common.VerbParser`` (``--debug`` and one-line argument errors) and
-raises the project's ``UserError`` types; ``run`` turns those into ``error: ...`` and an exit code.
+Each verb is one module of this package with ``main(argv) -> int``, registered in ``VERBS``; it parses with
+``common.VerbParser`` and raises ``UserError``s, which ``run`` turns into ``error: ...`` and an exit code.
 """
 
 from __future__ import annotations
@@ -105,11 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def forked_worker(recipe: str, overrides: list[str]) -> None:
-    """A worker forked by the launcher: become what ``python -m automodel_ckpt RECIPE ...`` would be, then train.
-
-    A session of its own (as torch starts subprocess workers), the signal handlers and streams of a fresh process
-    (the launcher's forward or stop the job), and the thread count the agent set (torch read its own at import).
-    """
+    """A worker forked by the launcher, become what ``python -m automodel_ckpt RECIPE ...`` would be, then trained: a
+    session of its own, a fresh process's signal handlers and streams, and the thread count the agent set."""
     import atexit
     import signal
 
@@ -161,11 +157,8 @@ def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
 
 
 def exit_code(code: int) -> int:
-    """How a process ends with ``code``; a rank of a multi-process job (any verb) never meets interpreter teardown.
-
-    A finished rank leaves through ``end_process`` (torch's C++ threads may still be running, see there); a failed
-    rank leaves at once, skipping process-group teardown: the other ranks may be gone already.
-    """
+    """How a process ends with ``code``: a rank of a multi-process job never meets interpreter teardown (a finished one
+    leaves through ``end_process``; a failed one at once, skipping process-group teardown: its peers may be gone)."""
     if os.environ.get("WORLD_SIZE", "1") == "1":
         return code
     if code == 0:

@@ -59,12 +59,9 @@ def load_recipe(path: Any, overrides: Any) -> Any:
 
 
 def check_recipe(cfg: Any, world_size: int, *, inputs: bool = True, fetchable: bool = False) -> Checked:
-    """Every check of a loaded recipe made before training: its values (``config.validate``, ``data.checks``) and,
-    with ``inputs``, that its model, tokenizer and dataset paths exist. One-line ``ConfigError``s.
-
-    Returns the mesh the run will have and one line per input saying where it lies. ``fetchable``
-    (``--dry-run``): inputs that are only missing from the Hugging Face cache are said, not errors.
-    """
+    """Every check of a loaded recipe before training (``config.validate``, ``data.checks``; with ``inputs``, that its
+    model, tokenizer and dataset paths exist): the mesh and one line per input saying where it lies. ``fetchable``
+    (``--dry-run``): inputs only missing from the Hugging Face cache are said, not errors."""
     from automodel_ckpt.config.stages import StagePlan
     from automodel_ckpt.config.validate import check_inputs_exist, validate_config
     from automodel_ckpt.data import check_data_section, check_dataset_paths

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UsageError
-from automodel_ckpt.ondisk import LAYOUT, add_files_to_manifest
+from automodel_ckpt.ondisk import CheckpointFolder, HFFolder, add_files_to_manifest
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -71,21 +71,13 @@ def main(argv: list[str]) -> int:
                 dist.init_process_group("gloo")
                 started_group = True
             rank, world_size = dist.get_rank(), dist.get_world_size()
-        out = consolidate(
-            model_dir,
-            out_dir,
-            cast_dtype=args.cast_dtype,
-            num_threads=args.num_threads,
-            max_shard_size=max_shard_size,
-            rank=rank,
-            world_size=world_size,
-            progress=not args.no_progress,
-            metadata_dir=metadata_dir,
-        )
+        out = consolidate(model_dir, out_dir, cast_dtype=args.cast_dtype, num_threads=args.num_threads,
+                          max_shard_size=max_shard_size, rank=rank, world_size=world_size,
+                          progress=not args.no_progress, metadata_dir=metadata_dir)
         if rank == 0 and out_url:
             from automodel_ckpt.checkpoint import upload_folder
 
-            upload_folder(out, out_url, last=(LAYOUT.HF_CONFIG,))
+            upload_folder(out, out_url, last=(HFFolder.config,))
             print(f"Hugging Face model written to {out_url}", flush=True)
         elif rank == 0:
             add_files_to_manifest(out)  # an export into a published checkpoint joins its manifest, so verify stays clean
@@ -103,12 +95,12 @@ def main(argv: list[str]) -> int:
 def _ema_source(model_dir: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
     """``--ema``: the checkpoint's ``ema/`` shards, described by its ``model/``'s metadata, exported to
     ``model/consolidated_ema`` unless ``--out`` says where."""
-    ckpt = model_dir.parent if model_dir.name == LAYOUT.MODEL_DIR else model_dir
-    ema = LAYOUT.ema_dir(ckpt)
+    ckpt = CheckpointFolder(model_dir.parent if model_dir.name == CheckpointFolder.model else model_dir)
+    ema = ckpt.ema.path
     if not ema.is_dir() or ema.is_symlink():
-        raise UsageError(f"consolidate --ema: '{ckpt}' holds no EMA weights ({LAYOUT.EMA_DIR}/ is written by a run "
-                         "with training.ema_decay)")
-    return ema, out_dir or LAYOUT.consolidated_ema_dir(ckpt), LAYOUT.model_dir(ckpt)
+        raise UsageError(f"consolidate --ema: '{ckpt.path}' holds no EMA weights ({CheckpointFolder.ema}/ is written "
+                         "by a run with training.ema_decay)")
+    return ema, out_dir or ckpt.model.consolidated_ema.path, ckpt.model.path
 
 
 def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
@@ -124,9 +116,9 @@ def _localize(args: object, world_size: int) -> tuple[Path, str | None]:
                          "torchrun")
     if out is None:
         raise UsageError(f"consolidate: give --out (a local folder or an object store URL) for '{source}'")
-    checkpoint = source.rstrip("/").removesuffix("/" + LAYOUT.MODEL_DIR)
-    local = open_for_reading(checkpoint, fetch_all=True, only=LAYOUT.MODEL_DIR, key="consolidate")
-    return local / LAYOUT.MODEL_DIR, out_url
+    checkpoint = source.rstrip("/").removesuffix("/" + CheckpointFolder.model)
+    local = open_for_reading(checkpoint, fetch_all=True, only=CheckpointFolder.model, key="consolidate")
+    return CheckpointFolder(local).model.path, out_url
 
 
 def script_main() -> int:

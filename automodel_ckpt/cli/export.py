@@ -1,10 +1,8 @@
 """`ckpt-train export SRC --to TARGET`: a checkpoint, an export folder or an archive in another program's format.
 
-The targets are ``export``'s registry (``register_target``): each adds its own options to this verb and writes its
-output; ``--to`` finds one by name, and nothing here branches on a target's name. The one target that builds the
-run's recipe, ``--to hf-trainer`` (``export_hf_trainer``), is registered here: only the CLI may build a recipe. So
-is the one thing a target may need from above ``export/``: a recipe's data, tokenized as for training
-(``_recipe_examples``).
+The targets are ``export``'s registry: ``--to`` finds one by name. ``--to hf-trainer``, which builds the run's
+recipe, is registered here (only the CLI may build a recipe), and so is what a target may need from above
+``export/``: a recipe's data, tokenized as for training (``_recipe_examples``).
 """
 
 from __future__ import annotations

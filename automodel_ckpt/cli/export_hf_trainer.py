@@ -1,10 +1,8 @@
 """`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder.
 
-The run's recipe, given on the command line (``--recipe RECIPE.yaml``, with the ``--section.key value`` overrides
-the run had, as every verb takes them: the checkpoint's own ``config.yaml`` is a copy that may name any code, and is
-never built), is built in this process as a 1-process run, the checkpoint
-restored into it (resharded from any world size), and its state written by ``interop.hf_export``. The checkpoint's
-run folder is only read: the build's own run folder is a temporary one.
+The run's recipe given with ``--recipe`` (never the checkpoint's ``config.yaml``, a copy that may name any code) is
+built as a 1-process run in a temporary run folder, the checkpoint restored into it and written by
+``interop.hf_export``.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UsageError
 from automodel_ckpt.export import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import LAYOUT, LOG_FILE_LIMIT, read_bytes
+from automodel_ckpt.ondisk import LOG_FILE_LIMIT, CheckpointFolder, RunFolder, read_bytes
 
 
 def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | None = None) -> int:
@@ -26,11 +24,11 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
         raise UsageError("export --to hf-trainer runs as one process")
     if recipe is None:
         raise UsageError("export --to hf-trainer: give --recipe RECIPE.yaml, the recipe that trained the checkpoint "
-                         f"(its {LAYOUT.CONFIG_FILE} is a copy, never run as a recipe)")
+                         f"(its {CheckpointFolder.config} is a copy, never run as a recipe)")
     src = src.absolute()
     recipe_file = Path(recipe)
-    if not (src / LAYOUT.METADATA_FILE).is_file():
-        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {LAYOUT.METADATA_FILE}): --to hf-trainer "
+    if not CheckpointFolder(src).metadata.is_file():
+        raise CheckpointError(f"'{src}' is not a checkpoint of ours (no {CheckpointFolder.metadata}): --to hf-trainer "
                               "exports a checkpoint folder (epoch_E_step_N)")
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.cli.common import load_recipe
@@ -48,7 +46,7 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
                 raise CheckpointError(f"'{src}' did not load")
             step = recipe.step_scheduler.step
             target = Path(out) if out is not None else src.parent / f"{src.name}-hf-trainer" / f"checkpoint-{step}"
-            log = _log(src.parent / LAYOUT.TRAINING_LOG)
+            log = _log(RunFolder(src.parent).training_log)
             staging = target.with_name(f".{target.name}.partial")
             shutil.rmtree(staging, ignore_errors=True)
             args = hf_export.write(recipe, staging, log)

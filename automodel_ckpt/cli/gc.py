@@ -36,17 +36,13 @@ def main(argv: list[str]) -> int:
         holder = (lease or {}).get("holder") or {}
         print(f"no lease on {url}" if lease is None else
               f"removed the lease of {url} (held by host {holder.get('host', '?')}, pid {holder.get('pid', '?')})")
-    if args.dry_run:
-        stale = run.gc(args.min_age_minutes * 60, dry_run=True)
-        for name in stale:
-            print(f"would delete {run.store.url_of(name)}/ (an upload that never committed)")
-        _pieces(run, args.min_age_minutes * 60, dry_run=True, gone=stale)
-        return 0
-    deleted = run.gc(args.min_age_minutes * 60)
-    for name in deleted:
-        print(f"deleted {run.store.url_of(name)}/ (an upload that never committed)")
-    print(f"gc: {len(deleted)} leftover(s) deleted from {url}")
-    _pieces(run, args.min_age_minutes * 60, dry_run=False)
+    min_age, dry = args.min_age_minutes * 60, args.dry_run
+    stale = run.gc(min_age, dry_run=dry)
+    for name in stale:
+        print(f"{'would delete' if dry else 'deleted'} {run.store.url_of(name)}/ (an upload that never committed)")
+    if not dry:
+        print(f"gc: {len(stale)} leftover(s) deleted from {url}")
+    _pieces(run, min_age, dry_run=dry, gone=stale if dry else None)
     return 0
 
 

@@ -1,12 +1,8 @@
 """`ckpt-train import SRC RECIPE.yaml --out RUN_DIR`: another trainer's checkpoint as our checkpoint of its step.
 
-The recipe is loaded and checked, its model built on the meta device to bound the source's files (``source_limits``);
-the source is read and checked (``interop.read_source``); then the recipe is built in this process as a 1-process
-run builds it (world size 1, its own model, optimizer, scheduler, data and step scheduler), the source's state is
-put into those objects (``interop.apply``) and the normal checkpoint save writes ``RUN_DIR/epoch_E_step_N``. The
-recipe built is ``RUN_DIR/recipe.yaml`` (``interop.recipe``): the given one with the overrides typed, what the source
-needs (its schedule, length, optimizer settings and groups) and ``checkpoint_dir: RUN_DIR``; ``ckpt-train
-RUN_DIR/recipe.yaml``, the command printed, continues the run at any world size.
+The source is read and checked within bounds from the recipe's model (``source_limits``), ``RUN_DIR/recipe.yaml``
+written (``interop.recipe``), that recipe built as a 1-process run, the source's state put into it
+(``interop.apply``) and saved; the printed command continues it at any world size. docs/import.md.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser, check_recipe, load_recipe
 from automodel_ckpt.errors import ConfigError, UsageError
-from automodel_ckpt.ondisk import LAYOUT, list_checkpoints
+from automodel_ckpt.ondisk import RunFolder, list_checkpoints
 
 
 def build_parser() -> VerbParser:
@@ -68,11 +64,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
     if out.is_dir() and list_checkpoints(out):
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
-    if out.is_symlink() or (out / LAYOUT.IMPORT_RECIPE).is_symlink():
+    if out.is_symlink() or RunFolder(out).import_recipe.is_symlink():
         raise UsageError(f"--out '{out}': a link; import into a new run folder")
     typed = [(key, parse_value(text)) for key, text in split_overrides(args.overrides)]
     data, added = continuing.written(load_yaml(args.recipe), typed, run, str(out))
-    written = out / LAYOUT.IMPORT_RECIPE
+    written = RunFolder(out).import_recipe
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written.write_text(continuing.header(run, str(src), str(args.recipe), args.overrides, added) + to_yaml_data(data),

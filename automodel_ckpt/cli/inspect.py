@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import LAYOUT, pointer_target
+from automodel_ckpt.ondisk import CheckpointFolder, RunFolder, pointer_target
 from automodel_ckpt.checkpoint import MTBF_LIMIT_HOURS, is_url, open_for_reading
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UsageError, UserError
@@ -45,11 +45,11 @@ def main(argv: list[str]) -> int:
         if args.cost or args.json:
             raise UsageError("--lineage: give it alone (not with --cost or --json)")
         target = Path(args.checkpoint_dir)
-        latest = pointer_target(target, LAYOUT.LATEST) if target.is_dir() and not target.is_symlink() \
-            and not (target / LAYOUT.METADATA_FILE).exists() else None
+        latest = pointer_target(target, RunFolder.latest) if target.is_dir() and not target.is_symlink() \
+            and not CheckpointFolder(target).metadata.exists() else None
         try:
             if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
-                said = f"'{target}' is a run folder: the lineage of its {LAYOUT.LATEST}, {latest.name}"
+                said = f"'{target}' is a run folder: the lineage of its {RunFolder.latest}, {latest.name}"
                 print(one_line(said), flush=True)
                 target = latest
             print("\n".join(lineage_chain(target)), flush=True)
@@ -97,11 +97,11 @@ def render_archive(info: dict[str, Any]) -> str:
 def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
     """``--cost``: the cost report of the run folder ``path`` (or of the run of the checkpoint it names)."""
     path = Path(path).expanduser()
-    if (path / LAYOUT.METADATA_FILE).is_file():
+    if CheckpointFolder(path).metadata.is_file():
         path = path.resolve().parent
     costs = summarize(iter_events(path))  # streamed: a log of any size is read in bounded memory
     if not costs.launches:
-        raise UserError(f"'{path}' has no {LAYOUT.EVENTS_LOG} (or no record in it): the cost report needs a run "
+        raise UserError(f"'{path}' has no {RunFolder.events_log} (or no record in it): the cost report needs a run "
                         "folder trained with checkpoint costs recorded (this version or later)")
     return {"checkpoint_dir": str(path), **cost_report(costs, mtbf_hours)}
 
@@ -109,19 +109,11 @@ def cost_of(path: Path, mtbf_hours: float | None) -> dict[str, Any]:
 def render_table(report: dict[str, Any]) -> str:
     lines = [[*_COLUMNS]]
     for r in report["checkpoints"]:
-        lines.append([
-            r["name"],
-            _text(r["step"]),
-            _text(r["epoch"]),
-            f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"]),
-            human_size(r["size_bytes"]),
-            _text(r.get("family")),
-            _text(r["format"]),
-            _text(r.get("mesh")),
-            "yes" if r["consolidated"] else "no",
-            "yes" if r["complete"] else "no",
-            ", ".join(r["pointers"]) or "-",
-        ])
+        val = f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else _text(r["val_loss"])
+        lines.append([r["name"], _text(r["step"]), _text(r["epoch"]), val, human_size(r["size_bytes"]),
+                      _text(r.get("family")), _text(r["format"]), _text(r.get("mesh")),
+                      "yes" if r["consolidated"] else "no", "yes" if r["complete"] else "no",
+                      ", ".join(r["pointers"]) or "-"])
     if any(r.get("shared_bytes") for r in report["checkpoints"]):  # checkpoint.incremental: own / shared bytes
         lines[0].append("OWN / SHARED")
         for line, r in zip(lines[1:], report["checkpoints"]):
@@ -133,10 +125,8 @@ def render_table(report: dict[str, Any]) -> str:
             line.append(", ".join(f"{k} {v:.4f}" for k, v in (r.get("eval") or {}).items()) or "-")
     widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     numeric = {1, 2, 3, 4}
-    out = [
-        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-        for row in lines
-    ]
+    out = ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+           .rstrip() for row in lines]
     counted = [r for r in report["checkpoints"] if r.get("counters")]
     if counted:
         out.append("counters:")
@@ -158,12 +148,12 @@ def render_table(report: dict[str, Any]) -> str:
         out += stages_lines(staged[-1]["name"], staged[-1]["metadata"])
     quarantined = report.get("quarantined") or []
     if quarantined:
-        out.append(f"quarantined (failed to load on resume; kept in {LAYOUT.QUARANTINE_DIR}/, never resumed from):")
+        out.append(f"quarantined (failed to load on resume; kept in {RunFolder.quarantine}/, never resumed from):")
         for q in quarantined:
             out.append(f"  {q['name']}  step {_text(q['step'])}: {q['reason'] or 'reason not recorded'}")
     for name, pointer in report["pointers"].items():
         if pointer["target"] is None:
-            if name != LAYOUT.BEST_EVAL:  # set only where a score is monitored: unset says nothing
+            if name != RunFolder.best_eval:  # set only where a score is monitored: unset says nothing
                 out.append(f"{name}: not set")
         elif not pointer["exists"]:
             out.append(f"{name} -> {pointer['target']} (missing)")

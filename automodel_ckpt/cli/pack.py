@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import CheckpointFolder
 from automodel_ckpt.cli.common import VerbParser
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
                           progress=not args.no_progress)
         print(f"archive written to {args.out} ({summary(table)})", flush=True)
         return 0
-    out = Path(args.out) if args.out else src.parent / f"{src.resolve().name}{LAYOUT.ARCHIVE_SUFFIX}"
+    out = Path(args.out) if args.out else CheckpointFolder(src).archive
     table = pack(src, out, cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
                  progress=not args.no_progress)
     print(f"archive written to {out} ({summary(table)})", flush=True)

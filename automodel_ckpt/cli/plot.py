@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from automodel_ckpt.ondisk import LAYOUT, pointer_target, scan_checkpoints, write_atomic
+from automodel_ckpt.ondisk import RunFolder, pointer_target, scan_checkpoints, write_atomic
 from automodel_ckpt.cli.common import VerbParser
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.training.metrics import read_jsonl
@@ -45,9 +45,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
 def make_figure(run_dir: Path):
     run_dir = Path(run_dir)
-    train = read_jsonl(run_dir / LAYOUT.TRAINING_LOG)
+    train = read_jsonl(RunFolder(run_dir).training_log)
     if not train:
-        raise UserError(f"no {LAYOUT.TRAINING_LOG} in '{run_dir}': nothing to plot")
+        raise UserError(f"no {RunFolder.training_log} in '{run_dir}': nothing to plot")
     try:
         import matplotlib
 
@@ -55,7 +55,7 @@ def make_figure(run_dir: Path):
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("ckpt-train plot needs matplotlib: pip install 'automodel-ckpt[plot]'") from None
-    val = read_jsonl(run_dir / LAYOUT.VALIDATION_LOG)
+    val = read_jsonl(RunFolder(run_dir).validation_log)
 
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, height_ratios=[3, 1])
     steps = [r["step"] for r in train]
@@ -63,7 +63,7 @@ def make_figure(run_dir: Path):
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss",
                 color="tab:orange", markersize=4)
-    best = pointer_target(run_dir, LAYOUT.LOWEST_VAL)
+    best = pointer_target(run_dir, RunFolder.lowest_val)
     for i, ckpt in enumerate(scan_checkpoints(run_dir)):
         ax.axvline(ckpt.step, color="gray", linestyle=":", linewidth=1,
                    label="checkpoint" if i == 0 else None)

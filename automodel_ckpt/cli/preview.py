@@ -1,7 +1,6 @@
 """`ckpt-train preview RECIPE.yaml [overrides]`: the first rows as the model sees them, loss spans marked, counts.
 
-Runs without a GPU, processes or a model: it loads the recipe, tokenizes its data (through the cache) and prints
-``data.preview``'s rendering.
+No GPU, processes or model: the recipe's data tokenized (through the cache) and rendered by ``data.preview``.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def smallest_world_size(distributed: Any) -> int:
-    """The fewest processes the ``distributed:`` sizes run on: the recipe is checked as for such a run (the rows are
-    the same on any number); a size that is not a positive integer counts 1 and is refused by the check itself."""
+    """The fewest processes the ``distributed:`` sizes run on (the rows are the same on any number); a size that is
+    not a positive integer counts 1, for the check to refuse."""
     def size(key: str, default: int) -> int:
         value = distributed.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
@@ -48,10 +47,8 @@ def smallest_world_size(distributed: Any) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Load the recipe, tokenize its data (through the cache) and print the preview; no model, no processes.
-
-    What training refuses only for what the model would see (no token with a loss) is a ``warning:`` line here.
-    """
+    """Print the preview; what training refuses only for what the model would see (no token with a loss) is a
+    ``warning:`` line here."""
     from automodel_ckpt.config.sections import present
     from automodel_ckpt.data import is_streamed, prepare_to_show, preview_rows
     from automodel_ckpt.models.build import build_tokenizer, ensure_embedded_base, local_model_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from automodel_ckpt.cli.common import VerbParser
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import RunFolder
 
 
 def build_parser() -> VerbParser:
@@ -22,6 +22,6 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.report import write
 
     run_dir = open_for_reading(args.run_dir, key="report")
-    out = args.out or (Path(LAYOUT.REPORT_FILE) if is_url(args.run_dir) else None)
+    out = args.out or (Path(RunFolder.report) if is_url(args.run_dir) else None)
     print(f"wrote {write(run_dir, out)}")
     return 0

@@ -49,12 +49,10 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
 
 
 def huge_pages_if_sharded(cfg, world_size: int) -> None:
-    """torch's huge pages for tensors (``allocator.huge_pages_for_tensors``) where the recipe shards the model for
-    sure (``distributed.dp_shard: full``, or tensor, pipeline or expert parallelism, HSDP): what a sharded model's
-    pinned thresholds fault in, 2 MiB at a time. A model that fits, replicated or unwrapped, keeps its freed
-    blocks instead (``allocator.keep_freed_memory``), and huge pages would only cost it time. Reads the config
-    alone, before the checks: they import model code, which makes tensors. The mesh is worked out here, once
-    (``resolve_sizes`` keeps it for the checks and the recipe)."""
+    """torch's huge pages for tensors where the recipe surely shards the model (``dp_shard: full``, tensor, pipeline
+    or expert parallelism, HSDP): a sharded model's pinned thresholds fault them in 2 MiB at a time, while a model that
+    fits keeps its freed blocks and huge pages would only cost it time. From the config alone, before the checks (they
+    import model code, which makes tensors)."""
     from automodel_ckpt.distributed import data_parallel
     from automodel_ckpt.distributed.allocator import huge_pages_for_tensors
     from automodel_ckpt.distributed.mesh import resolve_sizes
@@ -70,12 +68,8 @@ def huge_pages_if_sharded(cfg, world_size: int) -> None:
 
 
 def fetch_models(cfg) -> None:
-    """Download a Hub model (and tokenizer) missing from the Hugging Face cache: once per node, in the launcher.
-
-    Workers started another way (torchrun, srun) fetch it themselves before the process group exists (a download
-    never races a collective's timeout): the first process to take the cache's lock downloads, the others wait for
-    it (``models.hub``).
-    """
+    """Download a Hub model (and tokenizer) missing from the Hugging Face cache, once per node, in the launcher (workers
+    started by torchrun or srun fetch it themselves before the process group exists: ``models.hub``)."""
     from automodel_ckpt.models.hub import is_hub_id, model_folder
 
     model = cfg.model
@@ -88,12 +82,8 @@ def fetch_models(cfg) -> None:
 
 
 def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
-    """Train in this process (one rank of the job): the recipe class the config names, ``cls(cfg).run()``.
-
-    After a finished run the process ends here, with status 0. A failure raises, and ``cli.main`` reports it.
-    Success ends the process through ``end_process``: torch's C++ threads must not meet the interpreter's
-    teardown (see there).
-    """
+    """Train in this process (one rank of the job): ``cls(cfg).run()`` of the recipe class the config names. A finished
+    run ends the process through ``end_process`` (torch's C++ threads must not meet teardown); a failure raises."""
     from automodel_ckpt.config.instantiate import locate
     from automodel_ckpt.cli.common import check_recipe, load_recipe
     from automodel_ckpt.distributed.allocator import return_freed_memory

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from automodel_ckpt.ondisk import (CHECKSUM_MISMATCH, LAYOUT, UNEXPECTED_FILE, ManifestReport, pointer_targets,
-                                   scan_checkpoints, verify_manifest)
+from automodel_ckpt.ondisk import (CHECKSUM_MISMATCH, UNEXPECTED_FILE, CheckpointFolder, ManifestReport, RunFolder,
+                                   pointer_targets, scan_checkpoints, verify_manifest)
 from automodel_ckpt.cli.common import VerbParser, human_size
 from automodel_ckpt.errors import UserError
 
@@ -34,19 +34,13 @@ def build_parser() -> VerbParser:
 
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` looks like one checkpoint folder (rather than a checkpoint_dir)."""
-    return (path / LAYOUT.MANIFEST_FILE).exists() or (path / LAYOUT.METADATA_FILE).exists() or \
-        LAYOUT.parse_default_name(path.name) is not None or (path / LAYOUT.MODEL_DIR).is_dir()
+    ckpt = CheckpointFolder(path)
+    return ckpt.manifest.exists() or ckpt.metadata.exists() or RunFolder.parse_default_name(path.name) is not None \
+        or ckpt.model.is_dir()
 
 
 def verify_checkpoint(path: Path, *, checksums: bool, threads: int, quiet: bool) -> bool:
     return show(verify_manifest(path, checksums=checksums, threads=max(1, threads)), "checkpoint", checksums, quiet)
-
-
-def verify_archive(path: Path, *, checksums: bool, quiet: bool) -> bool:
-    """Every member of an archive (``ckpt-train pack``) against its manifest, read in place."""
-    from automodel_ckpt.export import verify_archive as verify
-
-    return show(verify(path, checksums=checksums), "archive", checksums, quiet)
 
 
 def show(report: ManifestReport, kind: str, checksums: bool, quiet: bool) -> bool:
@@ -55,7 +49,7 @@ def show(report: ManifestReport, kind: str, checksums: bool, quiet: bool) -> boo
     head = f"{kind} {report.checkpoint}"
     if report.problem is None:
         what = "sizes" if not checksums else report.algorithm
-        head += f" ({n_files} files, {human_size(report.total_bytes)}, layout {LAYOUT.LAYOUT_VERSION}, {what})"
+        head += f" ({n_files} files, {human_size(report.total_bytes)}, layout {CheckpointFolder.VERSION}, {what})"
     print(head)
     width = max(len(CHECKSUM_MISMATCH), len(UNEXPECTED_FILE))
     for v in report.verdicts:
@@ -92,14 +86,14 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
             pointer_problems += 1
         else:
             print(f"pointer {pointer} -> {target}: ok")
-    latest = pointers[LAYOUT.LATEST]
+    latest = pointers[RunFolder.latest]
     if refs and latest in names and refs[-1].name != latest:
         print(f"note: LATEST is behind the newest checkpoint {refs[-1].name} (a run stopped between publishing it "
               "and moving LATEST); resume picks the newest")
     if refs and latest is None:
         print(f"note: no LATEST pointer; resume picks the newest checkpoint {refs[-1].name}")
     for leftover in sorted(root.iterdir()):
-        if leftover.is_dir() and LAYOUT.is_staging(leftover.name):
+        if leftover.is_dir() and RunFolder.is_staging(leftover.name):
             print(f"note: {leftover.name} is an interrupted save: never loaded, removed by the next save")
     ok = not bad and not pointer_problems
     if ok:
@@ -114,14 +108,14 @@ def verify_dir(root: Path, *, checksums: bool, threads: int, quiet: bool) -> boo
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from automodel_ckpt.checkpoint import open_for_reading
-    from automodel_ckpt.export import identify, is_archive
+    from automodel_ckpt.export import identify, is_archive, verify_archive
 
     path = open_for_reading(args.path, fetch_all=True, key="verify")  # a URL's archive: downloaded once
     target = identify(path)  # one file an export target wrote, as the registry recognises it: checked by its target
     if target is not None:
         ok = target.verify(path, decode=not args.sizes_only)
-    elif is_archive(path) and not args.export:
-        ok = verify_archive(path, checksums=not args.sizes_only, quiet=args.quiet)
+    elif is_archive(path) and not args.export:  # every member against its manifest, read in place
+        ok = show(verify_archive(path, checksums=not args.sizes_only), "archive", not args.sizes_only, args.quiet)
     elif not path.exists():
         raise UserError(f"'{path}' does not exist")
     elif not path.is_dir():

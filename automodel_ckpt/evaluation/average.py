@@ -1,13 +1,8 @@
 """The uniform or weighted mean of several models' weights, streamed tensor by tensor: what `ckpt-train average` runs.
 
-Each output tensor is accumulated in float32 (float64 when a source holds float64) across the sources, one source
-tensor read at a time in the dtype it was saved in (a checkpoint's training weights, not cast to the base's first),
-then written and dropped: memory holds one source tensor, the accumulator and the tensor being written, never a
-whole model (``tools/bench_average.py`` measures it). Sources are read as ``tensors``
-reads them: checkpoints of any world size and format straight from their shards, export folders, archives; LoRA
-adapters average into an adapter. Sources of different models (other tensor names, shapes or families) are refused
-in one line before anything is written. The result is a Hugging Face folder (``folder``), which transformers loads
-and a run's ``checkpoint.restore_from`` (with ``load_only: [model]``) starts from; an adapter is an adapter folder.
+Each tensor is accumulated in float32 (float64 where a source holds it) one source tensor at a time, as saved (a
+checkpoint's training weights, not cast first), then written and dropped (``tools/bench_average.py``). Sources of
+different models are refused in one line before anything is written; adapters average into an adapter.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """What differs between two models' tensors, one tensor at a time, and between two checkpoints' recipes and counters.
 
-Each side is read as ``open_tensors`` reads it (a checkpoint at any world size or format, an export folder, an int8
-folder, an archive, an adapter) or, an export target's file (``export.identify``), as its target pairs it with the
-other side (``ExportTarget.beside``: the other side laid out as the file lays it out, both under the model's names):
-a tensor is assembled from its shards when asked for, compared with the other side's, and dropped, so memory is
-bounded by the largest tensor. A checkpoint's tensors are compared as saved (its float32 training weights), so a
-checkpoint against its own bf16 export is ``close``: equal once rounded to the coarser dtype. Against a quantized
-side (a quantized file, an int8 folder's weights) a tensor is ``close`` when every element is within the sum of both
-sides' rounding: the quantized format's step (``ModelSource.rounding``) and half a unit in the last place of the
-dtype the export read. Names, values and paths read here are data: printed through the escaping stream, never
-followed.
+Each side is read as ``open_tensors`` reads it, or, an export target's file, as its target pairs it with the other
+side (``ExportTarget.beside``); a tensor is compared and dropped, so memory is bounded by the largest one. A checkpoint
+against its own bf16 export is ``close`` (equal once rounded to the coarser dtype); against a quantized side, within
+both sides' rounding (``ModelSource.rounding`` and half an ulp of the read dtype). docs/inspect-and-diff.md.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import os
 import re
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +22,7 @@ import torch
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.tensors import open_tensors
 from automodel_ckpt.export import ModelSource, identify
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, read_json, read_yaml,
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, CheckpointFolder, read_json, read_yaml,
                                    regular_file_problem)
 
 __all__ = ["EQUAL", "CLOSE", "CHANGED", "ONLY_A", "ONLY_B", "DiffReport", "diff"]
@@ -51,13 +45,8 @@ class TensorDiff:
     changed_fraction: float | None = None
     note: str = ""  # a shape or dtype change
 
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "max_abs": self.max_abs, "rel_l2": self.rel_l2}
-        if self.changed_fraction is not None:
-            out["changed_fraction"] = self.changed_fraction
-        if self.note:
-            out["note"] = self.note
-        return out
+    def as_json(self) -> dict[str, Any]:  # a changed fraction and a note only where there is one
+        return {k: v for k, v in asdict(self).items() if k in ("max_abs", "rel_l2") or v not in (None, "")}
 
 
 @dataclass
@@ -119,10 +108,10 @@ def diff(a: Path, b: Path, *, tolerance: float = 0.0) -> DiffReport:
             report.tensors[name] = _tensor(left, right, name, tolerance)
     ckpt_a, ckpt_b = _checkpoint(Path(a)), _checkpoint(Path(b))
     if ckpt_a is not None and ckpt_b is not None:
-        recipe_a, recipe_b = (_read(c, LAYOUT.CONFIG_FILE, "yaml") for c in (ckpt_a, ckpt_b))
+        recipe_a, recipe_b = (_read(CheckpointFolder(c).config, "yaml") for c in (ckpt_a, ckpt_b))
         if recipe_a is not None and recipe_b is not None:
             report.recipe = _differences(recipe_a, recipe_b)
-        meta_a, meta_b = (_read(c, LAYOUT.METADATA_FILE, "json") for c in (ckpt_a, ckpt_b))
+        meta_a, meta_b = (_read(CheckpointFolder(c).metadata, "json") for c in (ckpt_a, ckpt_b))
         if meta_a is not None and meta_b is not None:
             flat_a, flat_b = _flat(meta_a), _flat(meta_b)
             report.counters = {k: (flat_a.get(k), flat_b.get(k)) for k in _counter_keys(flat_a, flat_b)
@@ -187,16 +176,15 @@ def _rounds_to(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _checkpoint(src: Path) -> Path | None:
     """``src`` as a checkpoint of ours (its folder: one with a ``metadata.json`` entry of any kind), or None (an
     export, an archive, an adapter folder)."""
-    for folder in (src, src.parent if src.name == LAYOUT.MODEL_DIR else None):
-        if folder is not None and folder.is_dir() and os.path.lexists(folder / LAYOUT.METADATA_FILE):
+    for folder in (src, src.parent if src.name == CheckpointFolder.model else None):
+        if folder is not None and folder.is_dir() and os.path.lexists(CheckpointFolder(folder).metadata):
             return folder
     return None
 
 
-def _read(folder: Path, name: str, kind: str) -> dict[str, Any] | None:
+def _read(path: Path, kind: str) -> dict[str, Any] | None:
     """A checkpoint's recipe or metadata (None: the checkpoint has none). Only a regular file is read: a link, a
     FIFO, a device or a folder in its place is a one-line ``CheckpointError``, never followed or opened."""
-    path = folder / name
     what = "a checkpoint's recipe" if kind == "yaml" else "a checkpoint's metadata"
     try:
         why = regular_file_problem(path)

@@ -19,16 +19,11 @@ def metric_name(task: str, metric: str) -> str:
 
 
 class InTrainingEval:
-    """Every ``every_steps`` steps, the model's weights gathered whole on rank 0 (collective: every rank calls
-    ``run``), loaded into a fresh copy of the model built from its config (a LoRA model's adapter merged into the
-    copy's base), and scored there by the harness (``automodel_ckpt.evaluation``'s ``evaluate``); the scores reach
-    every rank. The training model, its RNG streams and its data are untouched, so a run with evaluation trains
-    exactly as one without. Pipeline stages are refused: no rank holds the whole model, and gathering it would
-    cross the stages.
-    """
+    """Every ``every_steps`` steps: the weights gathered whole on rank 0 (collective), loaded into a fresh copy of the
+    model (a LoRA model's adapter merged into it), scored there by the harness, the scores sent to every rank. The
+    training model, its RNG streams and its data are untouched. Pipeline stages are refused: no rank holds the model."""
 
     def __init__(self, section: Any, *, is_main: bool, pp_size: int, peft: bool = False) -> None:
-        # ``peft``: a LoRA run, scored with its adapter merged into the copy (``scoring_copy``)
         self.every = section.every_steps
         self.tasks = tuple(str(t) for t in section.tasks or ())
         self.limit, self.batch_size, self.is_main = section.limit, int(section.batch_size), is_main

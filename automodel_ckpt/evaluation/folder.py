@@ -1,11 +1,8 @@
 """A Hugging Face model or adapter folder written tensor by tensor: one tensor in memory at a time, atomic by rename.
 
-Every tensor's name, shape and dtype is known before the first byte is written, so each safetensors file's header
-is written first and the tensors follow in order, each produced (``produce(name)``), written and dropped. The
-files are those the consolidate export writes: ``model-K-of-F.safetensors`` with ``model.safetensors.index.json``
-(cut at ``max_shard_size``), ``config.json`` with its ``dtype`` set to the written one, and the small files given
-(generation config, tokenizer); an adapter is ``adapter_model.safetensors`` beside its config. The folder is
-written into a hidden sibling and renamed into place only when complete, so a failure leaves nothing behind.
+Every tensor's name, shape and dtype is known first, so each safetensors header is written before its tensors, each
+produced, written and dropped. The files are the consolidate export's (``config.json``'s ``dtype`` the one written);
+the folder is written into a hidden sibling and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from pathlib import Path
 import torch
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.ondisk import LAYOUT, encode_header, fsync_file, st_dtype_name
+from automodel_ckpt.ondisk import HFFolder, encode_header, fsync_file, st_dtype_name, tmp_sibling
 from automodel_ckpt.sizes import in_groups
 
 __all__ = ["Entry", "write_folder"]
@@ -37,12 +34,12 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"'{out}' exists and is not empty; choose another --out or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     tmp.mkdir()
     try:
         files = _files(entries, adapter, max_shard_size)
         for name, content in side.items():
-            if name == LAYOUT.HF_CONFIG and not adapter:
+            if name == HFFolder.config and not adapter:
                 content = _config_with_dtype(content, entries)
             _write_bytes(tmp / name, content)
         for file_name, group in files:
@@ -51,7 +48,7 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
             weight_map = {name: file_name for file_name, group in files for name, _, _ in group}
             total = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            _write_bytes(tmp / LAYOUT.HF_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            _write_bytes(HFFolder(tmp).index, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -63,9 +60,9 @@ def write_folder(out: Path, entries: list[Entry], produce: Callable[[str], torch
 
 def _files(entries: list[Entry], adapter: bool, max_shard_size: int) -> list[tuple[str, list[Entry]]]:
     if adapter:
-        return [(LAYOUT.ADAPTER_WEIGHTS, list(entries))]
+        return [(HFFolder.adapter_weights, list(entries))]
     groups = in_groups(entries, lambda entry: _nbytes(entry[1], entry[2]), max_shard_size) or [[]]
-    return [(LAYOUT.hf_weights_file(k + 1, len(groups)), group) for k, group in enumerate(groups)]
+    return [(HFFolder.weights_name(k + 1, len(groups)), group) for k, group in enumerate(groups)]
 
 
 def _write_safetensors(path: Path, group: list[Entry], produce: Callable[[str], torch.Tensor]) -> None:

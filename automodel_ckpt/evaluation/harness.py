@@ -1,15 +1,9 @@
 """`ckpt-train eval`: a checkpoint's model built from its own tensors, scored by lm-evaluation-harness's HF model class.
 
-The model is read as the checkpoint holds it: its tensors straight from the shards (any world size, safetensors or
-DCP; ``tensors.open_tensors``, a LoRA checkpoint merged into its base), written tensor by tensor into a private
-temporary Hugging Face folder (``folder.write_folder``: the consolidate export's files, never the checkpoint's own
-``consolidated/``, which may be stale or absent) and loaded by transformers from there with safetensors only and no
-remote code. Before anything is allocated, the config's model is built on the meta device and must not hold more
-parameters than the files do (a config cannot ask for a model larger than its weights). The harness then runs on
-that model through its own class, ``lm_eval.models.huggingface.HFLM(pretrained=<model>, tokenizer=...)``, with
-tasks from its registry and the ones the product ships (``tasks/``, passed as ``TaskManager(include_path=...)``).
-Results: the harness's table, and its results JSON of each task in ``eval/<task>.json`` beside what was evaluated
-(``layout.eval_results_file``; a checkpoint's manifest records them, so ``verify`` stays clean).
+The tensors are read from the shards (``tensors.open_tensors``) into a private temporary Hugging Face folder (never
+the checkpoint's ``consolidated/``, which may be stale or absent) that transformers loads with safetensors only and
+no remote code, once the config's model, built on the meta device, is known to be no larger than its files. Results:
+the harness's table, and each task's JSON in ``eval/<task>.json`` beside what was evaluated. docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -31,7 +25,8 @@ from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tasks import TASKS_DIR
 from automodel_ckpt.evaluation.tensors import open_tensors
-from automodel_ckpt.ondisk import LAYOUT, add_files_to_manifest, is_plain_name, list_checkpoints, write_atomic
+from automodel_ckpt.ondisk import (Archive, CheckpointFolder, HFFolder, add_files_to_manifest, is_plain_name,
+                                   list_checkpoints, write_atomic)
 
 __all__ = ["EvalSettings", "evaluate", "load_model", "results_dir", "scores", "targets", "task_manager",
            "write_results"]
@@ -67,8 +62,8 @@ def targets(src: Path, only: list[str] | None = None) -> list[Path]:
 
 def _is_model_folder(path: Path) -> bool:
     """A checkpoint or a model folder of one (not a run folder holding checkpoints)."""
-    return any((path / name).exists() for name in (LAYOUT.METADATA_FILE, LAYOUT.HF_CONFIG, LAYOUT.ADAPTER_CONFIG,
-                                                   LAYOUT.MODEL_DIR))
+    ckpt, hf = CheckpointFolder(path), HFFolder(path)
+    return any(p.exists() for p in (ckpt.metadata, hf.config, hf.adapter_config, ckpt.model.path))
 
 
 def results_dir(src: Path) -> Path:
@@ -76,8 +71,8 @@ def results_dir(src: Path) -> Path:
     export folder, or beside an archive."""
     src = Path(src)
     if src.is_file():
-        return LAYOUT.archive_eval_dir(src)
-    if src.name == LAYOUT.MODEL_DIR and (src.parent / LAYOUT.METADATA_FILE).is_file():
+        return Archive(src).eval
+    if src.name == CheckpointFolder.model and CheckpointFolder(src.parent).metadata.is_file():
         return src.parent
     return src
 
@@ -111,7 +106,7 @@ def load_model(src: Path) -> Iterator[tuple[Any, Any]]:
 
     with open_tensors(src, adapters_as_adapters=False) as tensors, \
             tempfile.TemporaryDirectory(prefix="ckpt-eval-") as tmp:
-        if not any(name in tensors.side for name in LAYOUT.HF_TOKENIZER_FILES):
+        if not any(name in tensors.side for name in HFFolder.TOKENIZER_FILES):
             raise CheckpointError(f"'{src}' carries no tokenizer files; evaluate an export folder that has them")
         folder = Path(tmp) / "model"
         entries = [(name, tensors.shapes[name], tensors.dtypes[name]) for name in tensors.shapes]
@@ -202,9 +197,8 @@ def _stderr_closed() -> Iterator[None]:
 
 
 def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) -> list[Path]:
-    """The harness's results JSON of each task (its own keys, only that task's entries; each document's answers
-    under ``samples`` when they were logged) in ``eval/<task>.json`` beside ``src``; a checkpoint's manifest
-    records them."""
+    """The harness's results JSON of each task (only that task's entries; the answers under ``samples`` when logged)
+    in ``eval/<task>.json`` beside ``src``, in a checkpoint's manifest (``verify`` stays clean)."""
     from lm_eval.utils import handle_non_serializable
 
     owner = results_dir(src)
@@ -215,7 +209,7 @@ def write_results(results: dict[str, Any], src: Path, tasks: tuple[str, ...]) ->
         one = {key: ({k: v for k, v in value.items() if k == task} if isinstance(value, dict) and task in value
                      else value) for key, value in results.items()}
         one["source"] = str(src)
-        path = LAYOUT.eval_results_file(owner, task)
+        path = CheckpointFolder(owner).eval_results(task)
         if path.parent.is_symlink() or (path.parent.exists() and not path.parent.is_dir()):
             raise CheckpointError(f"'{path.parent}' is a symlink or a file, not a folder; results are never written "
                                   "through a link: remove it and evaluate again")

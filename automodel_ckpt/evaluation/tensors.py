@@ -1,13 +1,8 @@
 """One model's tensors, read one at a time: a checkpoint (any world size and format), an export or int8 folder, an archive, an adapter.
 
-A full model comes from ``export.open_model`` (the quantized exports' reader): its tensors under their on-disk
-names, each assembled from the checkpoint's shards when asked for, in the dtypes the Hugging Face export gives them
-(the base's), or as saved (``read_saved``: what averaging accumulates); a LoRA checkpoint there is merged into its base.
-An int8 folder (compressed-tensors, ``export --to int8``) gives its weights dequantized with their scales, each with
-its rounding step (``steps``, for ``diff``). A LoRA adapter folder (``adapter_config.json`` and
-``adapter_model.safetensors``, a PEFT checkpoint's ``model/``) is read as its adapter tensors, so that averaging
-adapters gives an adapter. Nothing read here runs a pickle or instantiates a config: sizes are checked by
-``ondisk.bounded``, only regular files are read.
+A full model comes from ``export.open_model`` in the dtypes its Hugging Face export gives them (``read_saved``: as
+saved); an int8 folder's weights dequantized, each with its rounding step; a LoRA adapter folder as its adapter
+tensors, so averaging adapters gives an adapter. Nothing read here runs a pickle or instantiates a config.
 """
 
 from __future__ import annotations
@@ -19,21 +14,21 @@ from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.export import ModelSource, dequantize_int8, is_int8, open_model
-from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, model_file_in, read_bytes,
-                                   read_json)
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, SMALL_FILE_LIMIT, ST_TO_TORCH, CheckpointFolder, HFFolder,
+                                   model_file_in, read_bytes, read_json)
 
 __all__ = ["ADAPTER", "is_adapter", "open_tensors"]
 
 ADAPTER = "adapter"  # the kind of a LoRA adapter's own tensors
 # the small files a model folder may carry beside its weights (config, generation config, tokenizer)
-_MODEL_SIDE = (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES)
-_ADAPTER_SIDE = (LAYOUT.ADAPTER_CONFIG, LAYOUT.PEFT_FULL_CONFIG, *LAYOUT.HF_TOKENIZER_FILES)
+_MODEL_SIDE = (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES)
+_ADAPTER_SIDE = (HFFolder.adapter_config, HFFolder.peft_full_config, *HFFolder.TOKENIZER_FILES)
 
 
 def is_adapter(src: Path) -> bool:
     """A LoRA adapter: a PEFT checkpoint (its ``model/`` holds ``adapter_config.json``) or an adapter folder."""
     src = Path(src)
-    return src.is_dir() and any(os.path.lexists(d / LAYOUT.ADAPTER_CONFIG) for d in (src, src / LAYOUT.MODEL_DIR))
+    return src.is_dir() and any(os.path.lexists(d.adapter_config) for d in (HFFolder(src), CheckpointFolder(src).model))
 
 
 @contextmanager
@@ -72,17 +67,18 @@ def _side_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
 def _adapter(src: Path, stack: ExitStack) -> ModelSource:
     from safetensors import safe_open
 
-    folder = src / LAYOUT.MODEL_DIR if os.path.lexists(src / LAYOUT.MODEL_DIR / LAYOUT.ADAPTER_CONFIG) else src
+    model = CheckpointFolder(src).model
+    folder = model.path if os.path.lexists(model.adapter_config) else src
     if folder is not src and folder.is_symlink():
         raise CheckpointError(f"'{folder}' is a symlink; folders inside a checkpoint are never followed as links")
-    config = read_json(model_file_in(folder, LAYOUT.ADAPTER_CONFIG, "it is not read"), "an adapter config",
+    config = read_json(model_file_in(folder, HFFolder.adapter_config, "it is not read"), "an adapter config",
                                SMALL_FILE_LIMIT, follow=True)
     if not isinstance(config, dict):
-        raise CheckpointError(f"'{folder / LAYOUT.ADAPTER_CONFIG}' is not a JSON object")
-    if not os.path.lexists(folder / LAYOUT.ADAPTER_WEIGHTS):
-        raise CheckpointError(f"'{folder}' has no {LAYOUT.ADAPTER_WEIGHTS} (an adapter stored as a pickle is never "
+        raise CheckpointError(f"'{HFFolder(folder).adapter_config}' is not a JSON object")
+    if not os.path.lexists(HFFolder(folder).adapter_weights):
+        raise CheckpointError(f"'{folder}' has no {HFFolder.adapter_weights} (an adapter stored as a pickle is never "
                               "read)")
-    weights = model_file_in(folder, LAYOUT.ADAPTER_WEIGHTS, "it is not read")
+    weights = model_file_in(folder, HFFolder.adapter_weights, "it is not read")
     try:
         handle = stack.enter_context(safe_open(str(weights), framework="pt"))
     except Exception as exc:  # safetensors' own checks of the header: sizes, offsets, dtypes

@@ -1,9 +1,7 @@
-"""A checkpoint's scores as points on its run's trackers, at the checkpoint's step: what `ckpt-train eval` logs there.
+"""A checkpoint's scores logged to its run's trackers at its step: what `ckpt-train eval` adds there.
 
-The trackers are those of the checkpoint's recipe copy (``config.yaml``'s ``logging:``), the tracked runs those its
-``tracking`` state names (the run ids training saved in every checkpoint); ``automodel_ckpt.tracking.annotate``
-reopens them as they are and adds ``eval/<task>/<metric>`` at the checkpoint's step, the names an evaluation during
-training logs. Anything else (an export folder, an archive, a run without ``logging:``) logs nothing.
+The trackers are those of the checkpoint's recipe copy (``logging:``), reopened on the runs its ``tracking`` state
+names (``tracking.annotate``), under the names an evaluation during training logs; anything else logs nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from pathlib import Path
 
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.evaluation.during_training import metric_name
-from automodel_ckpt.ondisk import LAYOUT, load_pt, read_yaml, scan_checkpoints
+from automodel_ckpt.ondisk import CheckpointFolder, load_pt, read_yaml, scan_checkpoints
 
 TRACKING_STATE = "tracking"  # the recipe attribute whose state holds the tracked runs' ids (RunTracker)
 
@@ -22,7 +20,7 @@ def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, outside
     per tracker (where the points went, or why not); [] when ``checkpoint`` is not a checkpoint of a tracked run."""
     checkpoint = Path(checkpoint)
     record = next((r for r in scan_checkpoints(checkpoint.parent) if r.path.name == checkpoint.name), None)
-    recipe = checkpoint / LAYOUT.CONFIG_FILE
+    recipe = CheckpointFolder(checkpoint).config
     if record is None or record.step is None or not recipe.is_file():
         return []
     try:
@@ -32,7 +30,7 @@ def log_scores(checkpoint: Path, scores: dict[str, dict[str, float]], *, outside
     section = config.get("logging") if isinstance(config, dict) else None
     if not isinstance(section, dict):
         return []
-    state_file = checkpoint / LAYOUT.global_state_file(TRACKING_STATE)
+    state_file = CheckpointFolder(checkpoint).state_file(TRACKING_STATE)
     saved = load_pt(state_file) if state_file.is_file() else {}
     from automodel_ckpt.tracking import annotate
 

@@ -1,10 +1,8 @@
-"""Other trainers' checkpoints: an HF Trainer or Lightning run read into one shape and put into a recipe, and back.
+"""Other trainers' checkpoints (HF Trainer, Lightning, DeepSpeed, torchtitan) read into one shape, put into a recipe.
 
-``read_source(path, limits)`` reads an HF Trainer ``checkpoint-N/`` folder, a Lightning ``.ckpt`` file or a
-Lightning distributed checkpoint folder into a ``ForeignRun`` (``source``), its files bounded by ``source.Limits``
-(from the recipe's model): the sources are ``registry``'s, each one module and one ``register_source`` line
-(``contract.ImportSource``); ``apply`` loads the run into a recipe built as for training; ``hf_export`` writes a
-recipe's restored state as an HF Trainer ``checkpoint-N/``. docs/import.md.
+``registry`` finds the source (``contract.ImportSource``: one module and one ``register_source`` line each), which
+reads the run into a ``source.ForeignRun`` within ``source.Limits``; ``apply`` loads it into a recipe;
+``hf_export`` writes a recipe's state as an HF Trainer ``checkpoint-N/``. docs/import.md.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ __all__ = ["read_source"]
 
 
 def read_source(src: Path, limits: Any) -> Any:
-    """The ``ForeignRun`` of ``src``, whichever registered source it is, its files within ``limits``
-    (``source.Limits``); a one-line ``CheckpointError`` otherwise (``registry.read_source``)."""
+    """``registry.read_source``, imported on first use."""
     from automodel_ckpt.interop.registry import read_source as read
 
     return read(src, limits)

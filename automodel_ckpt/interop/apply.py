@@ -1,9 +1,7 @@
 """A ``ForeignRun`` put into a recipe built as for training: weights, AdamW state, schedule, counters, data, RNG.
 
-The recipe is duck-typed (``model``, ``optimizer``, ``lr_scheduler``, ``step_scheduler``, ``dataloader``, ``rng``,
-``train_log``, ``starting_weights``): the one a 1-process run of ``ckpt-train`` builds. Everything is checked
-before anything is set: a tensor unaccounted for or of another shape is refused by name. What differs from the
-source and changes the run (its global batch, its epoch length) is a line for ``say``.
+Everything is checked before anything is set: a tensor unaccounted for or of another shape is refused by name. What
+differs from the source and changes the run (its global batch, its epoch length) is a line for ``say``.
 """
 
 from __future__ import annotations

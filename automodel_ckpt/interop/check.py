@@ -1,9 +1,7 @@
-"""The logits round trip of an import (``ckpt-train import --check``): the source's weights against the imported model.
+"""``ckpt-train import --check``: the imported model's logits against those of the source's weights.
 
-``probe_inputs`` are fixed token ids (no tokenizer, no data: the same for every model of a vocabulary). ``compare``
-runs the recipe's model, as the import loaded it, and a copy of it holding the source's weights as the source saved
-them (their own dtype: bf16 where the run trained in bf16), on those inputs, and says how far the logits are apart:
-bitwise for an fp32 source, within a bf16 ulp of the larger logit otherwise.
+On fixed probe token ids: the recipe's model as imported, and a copy holding the source's weights in their own dtype.
+Bitwise equal for an fp32 source, else within one bf16 ulp of the larger logit.
 """
 
 from __future__ import annotations
@@ -53,8 +51,8 @@ def compare(model: Any, source: dict[str, torch.Tensor]) -> str:
 
 
 def check_line(run: Any, model: Any, where: str) -> str:
-    """``compare`` for an imported ``run`` (``source.ForeignRun``) and the recipe's ``model`` it was put into: the
-    source's weights as its model held them (``module_weights`` where it has them), under our names."""
+    """``compare`` for an imported ``run`` and the ``model`` it was put into: the source's weights as its model held
+    them (``module_weights`` where it has them)."""
     from automodel_ckpt.interop import names
 
     held = run.module_weights or run.weights

@@ -1,17 +1,12 @@
 """DeepSpeed ZeRO checkpoints (stage 1, 2, 3; of `deepspeed.initialize` or the HF Trainer) read into a ``ForeignRun``.
 
 SRC is a save folder (its ``latest`` names the tag), one ``global_stepN/`` folder, or an HF Trainer ``checkpoint-N/``
-holding one. A tag folder holds the model states (``mp_rank_00_model_states.pt`` at stage 1 and 2, one
-``zero_pp_rank_R_mp_rank_00_model_states.pt`` a rank at stage 3: parameter names and shapes, the config, the
-scheduler's position, the step) and one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` a data-parallel rank:
-its partition of the fp32 master weights and of AdamW's two moments. The partitions are put together here, as
-``deepspeed.utils.zero_to_fp32`` puts the weights together (its reader unpickles with ``weights_only=False``, so it
-is never called on a source): stage 1 and 2 flatten each param group and cut it into equal parts, one a rank; stage
-3 cuts each parameter into equal parts. Every file is a regular file of the folder, reached without following a
-link, bounded by the recipe's model before it is read, and unpickled with ``weights_only=True``, DeepSpeed's own
-objects in it (its loss scaler, an enum, a namedtuple) as inert records (``source.load_inert``). The HF Trainer's PEFT
-run (``adapter_config.json`` beside the tag folder) holds its adapter alone and comes in as one; other frozen
-parameters, and tensor or pipeline parallel ranks, are refused.
+holding one. The ranks' partitions of the fp32 weights and AdamW's moments are put together here as
+``deepspeed.utils.zero_to_fp32`` puts the weights together (its reader unpickles with ``weights_only=False``, so it is
+never called on a source): stage 1 and 2 cut each flattened param group into equal parts, one a rank; stage 3 cuts
+each parameter. Every pickle is read with ``weights_only=True``, DeepSpeed's own objects in it as inert records. The HF
+Trainer's PEFT run (``adapter_config.json`` beside the tag folder) comes in as its adapter; other frozen parameters,
+and tensor or pipeline parallel ranks, are refused. docs/import.md lists the files.
 """
 
 from __future__ import annotations
@@ -25,12 +20,12 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.interop import hf_trainer, names, schedules, trainer_args
+from automodel_ckpt.interop import hf_trainer, names, schedules
 from automodel_ckpt.interop.contract import ImportSource
-from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, SMALL_PICKLE, ForeignRun, Limits,
-                                           Schedule, count, finite, load_inert, load_pickle, load_record, number,
-                                           plain, read_bytes, read_json, refuse, rows_in_order)
-from automodel_ckpt.ondisk import LAYOUT, SMALL_FILE_LIMIT, path_inside, regular_file_problem
+from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SLACK, ForeignRun, Limits, Schedule, count,
+                                           finite, load_inert, number, plain, read_bytes, read_json, refuse,
+                                           rows_in_order)
+from automodel_ckpt.ondisk import SMALL_FILE_LIMIT, HFFolder, path_inside, regular_file_problem
 from automodel_ckpt.shown import shown_value
 
 LATEST = "latest"
@@ -99,11 +94,12 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     model_name = MODEL_STATES if stage < 3 else ZERO3_MODEL_STATES.format(0)
     if model_name not in files:
         raise refuse(folder, f"it has no {model_name}: a torn tag folder")
-    model = _load(folder / model_name, "DeepSpeed's model states", limits.weights)
+    where = folder / model_name
+    model = _load(where, "DeepSpeed's model states", limits.weights)
     if not isinstance(model, dict) or not isinstance(model.get("param_shapes"), list):
-        raise refuse(folder / model_name, "not DeepSpeed's model states (no param_shapes)")
-    shapes = _shapes(model["param_shapes"], folder / model_name)
-    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), shapes, folder / model_name)
+        raise refuse(where, "not DeepSpeed's model states (no param_shapes)")
+    shapes = _shapes(model["param_shapes"], where)
+    adapter_config = _adapter_config(trainer, model.get("frozen_param_shapes"), shapes, where)
     if adapter_config is not None:  # PEFT's names of the adapter, without its segment as it saves them
         shapes = [[(names.without_adapter(n), shape) for n, shape in group] for group in shapes]
     weights, moments, hypers = (_zero12 if stage < 3 else _zero3)(states, shapes, folder, optim)
@@ -113,29 +109,30 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                                                       sum(len(g) for g in shapes[:i + 1]))))
                             for i, h in enumerate(hypers)]}
     moments_out, groups = hf_trainer.optimizer_slots(opt, folder / optim[0])
-    step = count(model.get("global_steps"), folder / model_name, "global_steps")
+    step = count(model.get("global_steps"), where, "global_steps")
     config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
-    batch = count(config.get("train_batch_size", 1), folder / model_name, "train_batch_size", MAX_BATCH, low=1)
-    world = count(model.get("dp_world_size", len(optim)), folder / model_name, "dp_world_size", MAX_RANKS, low=1)
-    where = folder / model_name
+    batch = count(config.get("train_batch_size", 1), where, "train_batch_size", MAX_BATCH, low=1)
+    world = count(model.get("dp_world_size", len(optim)), where, "dp_world_size", MAX_RANKS, low=1)
     notes = []
-    if trainer is not None:
-        schedule, position, batch, rng, log, epoch_float = _trainer(trainer, step, config, model, groups, where,
-                                                                    notes)
+    state = hf_trainer.read_trainer(trainer, step) if trainer is not None else None
+    if state is not None and not config.get("scheduler"):  # the Trainer's schedule, its base lr its learning_rate
+        schedule = schedules.from_hf_trainer(state.args, state.max_steps)
+        for g in groups:
+            g["initial_lr"] = finite(state.args.get("learning_rate", g["lr"]), trainer, "learning_rate")
     else:
         schedule = _schedule(config.get("scheduler"), model.get("lr_scheduler"), step, groups, config, where, notes)
-        position = partial(rows_in_order, step)
-        rng, log, epoch_float = None, [], None
+    if state is None:
         notes.append("DeepSpeed records no data position nor random generators' state: the run is taken to read "
                      f"the recipe's rows in order, {batch} a step, and the recipe's seed starts the generators")
+    fields = state.fields(world) if state else {"position": partial(rows_in_order, step), "global_batch": batch,
+                                                "rng": None}
     module = model.get("module") if stage < 3 and adapter_config is None else None
     module = {k: v for k, v in module.items() if isinstance(k, str) and isinstance(v, torch.Tensor) and k in weights} \
         if isinstance(module, dict) else None
     kind = f"DeepSpeed ZeRO-{stage} checkpoint (step {step}, {world} ranks)"
     return ForeignRun(kind=kind, weights=weights, adapter=adapter_config is not None, moments=moments_out,
-                      groups=groups,
-                      order=names.slot_order(slot_names, where), schedule=schedule, step=step, position=position,
-                      global_batch=batch, world_size=world, rng=rng, log=log, notes=notes, epoch_float=epoch_float,
+                      groups=groups, order=names.slot_order(slot_names, where), schedule=schedule, step=step,
+                      world_size=world, notes=notes, **fields,
                       module_weights=module if module and len(module) == len(weights) else None,
                       adapter_config=adapter_config)
 
@@ -145,12 +142,8 @@ class DeepSpeedSource(ImportSource):
 
     name = "deepspeed"
     noun = "a DeepSpeed checkpoint folder (global_stepN/, or one holding it)"
-
-    def detect(self, path: Path) -> bool:
-        return is_deepspeed(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read(path, limits)
+    detect = staticmethod(is_deepspeed)
+    read = staticmethod(read)
 
 
 SOURCE = DeepSpeedSource()
@@ -204,15 +197,14 @@ def _stage(states: list[Any], where: Path) -> int:
 
 def _adapter_config(trainer: Path | None, frozen: Any, shapes: list[list[tuple[str, torch.Size]]],
                     where: Path) -> dict | None:
-    """A PEFT run's adapter config: the HF Trainer's ``adapter_config.json`` beside the tag folder (its partitions
-    and model states hold the adapter alone, the Trainer saving without the frozen base, which the recipe's model
-    brings). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
-    if trainer is not None and os.path.lexists(trainer / LAYOUT.ADAPTER_CONFIG):
-        return read_json(trainer / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
+    """A PEFT run's adapter config: the HF Trainer's beside the tag folder (it saves the adapter alone, the recipe's
+    model brings the base). Other frozen parameters (``frozen_param_shapes``) or LoRA weights are refused."""
+    if trainer is not None and os.path.lexists(HFFolder(trainer).adapter_config):
+        return read_json(HFFolder(trainer).adapter_config, "the adapter's config", SMALL_FILE_LIMIT)
     lora = next((n for group in shapes for n, _ in group if ".lora_" in n), None)
     if frozen or lora:
         raise refuse(where, f"it has {'frozen parameters' if frozen else repr(lora)[:200]} and no "
-                            f"{LAYOUT.ADAPTER_CONFIG} beside it: the optimizer partitions hold no frozen parameter, "
+                            f"{HFFolder.adapter_config} beside it: the optimizer partitions hold no frozen parameter, "
                             "and only the HF Trainer's PEFT run (its adapter config beside the tag folder) is imported "
                             "as an adapter, on the recipe's model")
     return None
@@ -424,38 +416,3 @@ def _cosine_ratio(i: int, warmup: int, total: int, low: float) -> float:
     progress = min(1.0, (i - warmup + 1) / max(1, total - warmup))
     return max(0.0, low + (1.0 - low) * (1 + math.cos(math.pi * progress)) / 2)
 
-
-def _trainer(folder: Path, step: int, config: dict, model: dict, groups: list[dict], where: Path,
-             notes: list[str]) -> tuple:
-    """The HF Trainer's part of its ``checkpoint-N/`` under DeepSpeed: its state (step, batch, data position, log),
-    its schedule where DeepSpeed's config has none, its (rank 0's) random generators."""
-    state = read_json(folder / hf_trainer.TRAINER_STATE, "the Trainer's state")
-    where_state = folder / hf_trainer.TRAINER_STATE
-    if count(state.get("global_step"), where_state, "global_step") != step:
-        raise refuse(where_state, f"its global_step is not DeepSpeed's {step}")
-    max_steps = count(state.get("max_steps"), where_state, "max_steps", MAX_SCHEDULE_STEPS, low=1)
-    per_device = count(state.get("train_batch_size"), where_state, "train_batch_size", MAX_BATCH, low=1)
-    epoch_float = number(state.get("epoch") or 0, where_state, "epoch")
-    args = {k: plain(v) for k, v in load_record(folder / hf_trainer.TRAINING_ARGS, "the Trainer's arguments")
-            .fields().items()}
-    args = trainer_args.checked(args, folder / hf_trainer.TRAINING_ARGS)
-    accum = args.get("gradient_accumulation_steps", 1)
-    world = count(model.get("dp_world_size", 1), where, "dp_world_size", MAX_RANKS, low=1)
-    if config.get("scheduler"):
-        schedule = _schedule(config["scheduler"], model.get("lr_scheduler"), step, groups, config, where, notes)
-    else:
-        schedule = schedules.from_hf_trainer(args, max_steps)
-        for g in groups:
-            g["initial_lr"] = finite(args.get("learning_rate", g["lr"]), folder, "learning_rate")
-    rng_file = next((folder / n for n in (hf_trainer.RNG, "rng_state_0.pth") if os.path.lexists(folder / n)), None)
-    rng = None
-    if rng_file is not None:
-        saved = load_pickle(rng_file, "the random generators' state", SMALL_PICKLE, numpy=True)
-        rng = hf_trainer.rng_state(saved, rng_file)
-    drop_last = args.get("dataloader_drop_last", False)
-
-    def position(rows: int, _batch: int) -> tuple[int, int, int]:
-        return hf_trainer.trainer_position(step, rows, per_device * world, accum, drop_last)
-
-    log = hf_trainer.logged_steps(state.get("log_history"), where_state)
-    return schedule, position, per_device * accum * world, rng, log, epoch_float

@@ -1,10 +1,8 @@
-"""Another trainer's DCP folders as the weights and optimizer ``state_dict`` its single-file checkpoint would hold.
+"""Another trainer's DCP folders (Lightning's distributed checkpoint, the HF Trainer's FSDP layout) as state dicts.
 
-The folders are Lightning's distributed checkpoint and the HF Trainer's FSDP layout.
-``ondisk.read_dcp_folder`` reads a folder whole (its metadata through the restricted unpickler, its other entries
-with ``weights_only=True``); here its flattened keys are put back together: ``<model>.<name>`` -> the weights,
-``<optimizer>.state.<name>.<moment>`` and ``<optimizer>.param_groups.<i>.<key>`` -> ``{"state", "param_groups"}``
-with parameters named, as ``FSDP.optim_state_dict`` and ``get_optimizer_state_dict`` name them.
+``ondisk.read_dcp_folder`` reads a folder whole; here its flattened keys are put back together: ``<model>.<name>``
+-> the weights, ``<optimizer>.state.<name>.<moment>`` and ``<optimizer>.param_groups.<i>.<key>`` -> an optimizer
+``state_dict`` with its parameters named, as ``get_optimizer_state_dict`` names them.
 """
 
 from __future__ import annotations

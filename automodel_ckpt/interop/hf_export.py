@@ -1,15 +1,11 @@
 """A recipe's restored state written as an HF Trainer ``checkpoint-N/`` that the Trainer resumes.
 
-``Trainer.train(resume_from_checkpoint=...)`` continues it: weights (or a PEFT adapter), ``optimizer.pt`` in the
-Trainer's order and groups, ``scheduler.pt``, ``rng_state.pth`` and ``trainer_state.json``.
-
-The Trainer rebuilds its schedule from its own arguments and keeps only the position from ``scheduler.pt``, so the
+The Trainer rebuilds its schedule from its own arguments (only the position is read from ``scheduler.pt``), so the
 export says which arguments continue ours (``trainer_arguments``), or refuses a schedule the Trainer has not.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -96,18 +92,14 @@ def write(recipe: Any, out: Path, log: list[dict[str, Any]]) -> dict[str, Any]:
     loader = recipe.dataloader
     per_epoch = max(loader.steps_per_epoch, 1)
     epoch = sched.epoch + (loader.position // loader.global_batch_size) / per_epoch
-    state_json = {"global_step": sched.step, "max_steps": sched.total_steps, "epoch": epoch,
-                  "train_batch_size": loader.global_batch_size, "num_train_epochs": recipe.cfg.step_scheduler.num_epochs,
-                  "logging_steps": 1, "eval_steps": 500, "save_steps": sched.step, "total_flos": 0.0,
-                  "log_history": [{"step": r["step"], "loss": r["loss"], "learning_rate": r.get("lr"),
-                                   "grad_norm": r.get("grad_norm")} for r in log if r.get("step", 0) <= sched.step],
-                  "best_metric": None, "best_model_checkpoint": None, "is_local_process_zero": True,
-                  "is_world_process_zero": True, "is_hyper_param_search": False, "trial_name": None,
-                  "trial_params": None,
-                  "stateful_callbacks": {"TrainerControl": {"args": {
-                      "should_epoch_stop": False, "should_evaluate": False, "should_log": False,
-                      "should_save": False, "should_training_stop": False}, "attributes": {}}}}
-    (out / hf_trainer.TRAINER_STATE).write_text(json.dumps(state_json, indent=2) + "\n")
+    from transformers import TrainerControl, TrainerState
+
+    history = [{"step": r["step"], "loss": r["loss"], "learning_rate": r.get("lr"), "grad_norm": r.get("grad_norm")}
+               for r in log if r.get("step", 0) <= sched.step]
+    TrainerState(epoch=epoch, global_step=sched.step, max_steps=sched.total_steps, logging_steps=1, eval_steps=500,
+                 save_steps=sched.step, train_batch_size=loader.global_batch_size,
+                 num_train_epochs=recipe.cfg.step_scheduler.num_epochs, log_history=history,
+                 stateful_callbacks=[TrainerControl()]).save_to_json(str(out / hf_trainer.TRAINER_STATE))
     return args | {"learning_rate": group.get("initial_lr", group["lr"]), "weight_decay": group["weight_decay"],
                    "adam_beta1": group["betas"][0], "adam_beta2": group["betas"][1], "adam_epsilon": group["eps"],
                    "max_grad_norm": float(recipe.cfg.training.max_grad_norm),

@@ -1,17 +1,14 @@
 """The Hugging Face Trainer's ``checkpoint-N/`` folder, read into a ``ForeignRun`` (and its names for writing one).
 
-Read: ``model.safetensors`` (or its shards and index; ``adapter_model.safetensors`` for a PEFT run),
-``optimizer.pt`` (or, saved by FSDP with a sharded state dict, the DCP folders ``pytorch_model_fsdp_0/`` and
-``optimizer_0/``, as accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` write them), ``scheduler.pt``,
-``trainer_state.json``, ``training_args.bin`` (as inert records) and ``rng_state.pth`` / ``rng_state_R.pth``.
-Every file is a regular file of the folder, reached without following a link, size-bounded (the weights and the
-optimizer's state by the recipe's model: ``source.Limits``), and every value checked before use.
+Its files (docs/import.md lists them, the FSDP layout's DCP folders too) are each read as a regular file of the
+folder, bounded by the recipe's model (``source.Limits``), and every value is checked before use.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +19,8 @@ from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import (MAX_BATCH, MAX_SCHEDULE_STEPS, SMALL_PICKLE, ForeignRun, Limits, count,
                                            finite, fraction, load_pickle, load_record, number, plain, read_json,
                                            refuse)
-from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, MiB, check_path, check_size, path_inside,
-                                   read_dcp_folder, regular_file_problem)
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, SMALL_FILE_LIMIT, HFFolder, MiB, check_path, check_size,
+                                   path_inside, read_dcp_folder, regular_file_problem)
 from automodel_ckpt.shown import shown_value
 
 TRAINER_STATE = "trainer_state.json"
@@ -31,9 +28,9 @@ TRAINING_ARGS = "training_args.bin"
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG = "rng_state.pth"
-MODEL = LAYOUT.HF_SINGLE_WEIGHTS
-MODEL_INDEX = LAYOUT.HF_INDEX
-ADAPTER = LAYOUT.ADAPTER_WEIGHTS
+MODEL = HFFolder.single_weights
+MODEL_INDEX = HFFolder.index
+ADAPTER = HFFolder.adapter_weights
 FSDP_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME, model 0: {"model": state} by DCP
 FSDP_OPTIMIZER = "optimizer_0"  # accelerate's OPTIMIZER_NAME, optimizer 0: {"optimizer": state} by DCP
 MAX_LOG = 1_000_000
@@ -59,29 +56,14 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     for need in (SCHEDULER,) if sharded else (OPTIMIZER, SCHEDULER):
         if need not in files:
             raise refuse(src, f"it has no {need}: a checkpoint saved with save_only_model carries no training state")
-    state = read_json(src / TRAINER_STATE, "the Trainer's state")
-    step = count(state.get("global_step"), src / TRAINER_STATE, "global_step")
-    max_steps = count(state.get("max_steps"), src / TRAINER_STATE, "max_steps", MAX_SCHEDULE_STEPS, low=1)
-    per_device = count(state.get("train_batch_size"), src / TRAINER_STATE, "train_batch_size", MAX_BATCH, low=1)
-    epoch_float = number(state.get("epoch") or 0, src / TRAINER_STATE, "epoch")
-    if epoch_float > step + 1:
-        raise refuse(src / TRAINER_STATE, f"epoch {epoch_float:g} is past its global_step {step}")
-    if step > max_steps:
-        raise refuse(src / TRAINER_STATE, f"global_step {step} is past its max_steps {max_steps}")
-    if TRAINING_ARGS not in files:
-        raise refuse(src, f"it has no {TRAINING_ARGS}: the schedule's kind and warmup are recorded only there")
-    args = {k: plain(v) for k, v in load_record(src / TRAINING_ARGS, "the Trainer's arguments").fields().items()}
-    args = trainer_args.checked(args, src / TRAINING_ARGS)  # every field it reads: of its type, in its range
-    accum = args.get("gradient_accumulation_steps", 1)
-    ranks = [f for f in files if f.startswith("rng_state_") and f.endswith(".pth")]
-    world = max(1, len(ranks))
-
+    trainer = read_trainer(src)
+    step, world = trainer.step, max(1, sum(f.startswith("rng_state_") and f.endswith(".pth") for f in files))
     adapter = ADAPTER in files
     adapter_config = None
     if adapter:
-        if LAYOUT.ADAPTER_CONFIG not in files:
-            raise refuse(src, f"its adapter has no {LAYOUT.ADAPTER_CONFIG}")
-        adapter_config = read_json(src / LAYOUT.ADAPTER_CONFIG, "the adapter's config", SMALL_FILE_LIMIT)
+        if HFFolder.adapter_config not in files:
+            raise refuse(src, f"its adapter has no {HFFolder.adapter_config}")
+        adapter_config = read_json(HFFolder(src).adapter_config, "the adapter's config", SMALL_FILE_LIMIT)
     if sharded:  # FSDP's state dicts name every parameter: slots are matched by name
         weights = distcp.weights(read_dcp_folder(src / FSDP_MODEL, limits.weights, _FOR_WEIGHTS), "model",
                                  src / FSDP_MODEL)
@@ -98,18 +80,56 @@ def read(src: Path, limits: Limits) -> ForeignRun:
     sched = load_pickle(src / SCHEDULER, "the scheduler's state", SMALL_PICKLE)
     if not isinstance(sched, dict) or count(sched.get("last_epoch"), src / SCHEDULER, "last_epoch") != step:
         raise refuse(src / SCHEDULER, f"its position is not the checkpoint's step {step}")
-    schedule = schedules.from_hf_trainer(args, max_steps)
-    rng_file = RNG if RNG in files else ("rng_state_0.pth" if "rng_state_0.pth" in files else None)
-    rng = rng_state(load_pickle(src / rng_file, "the random generators' state", SMALL_PICKLE, numpy=True),
-                    src / rng_file) if rng_file else None
-    log = logged_steps(state.get("log_history"), src / TRAINER_STATE)
-    global_batch = per_device * accum * world
-    drop_last = args.get("dataloader_drop_last", False)
     return ForeignRun(kind=f"HF Trainer checkpoint (step {step})", weights=weights, adapter=adapter, moments=moments,
-                      groups=groups, order=order, schedule=schedule, step=step,
-                      position=lambda rows, _batch: trainer_position(step, rows, per_device * world, accum, drop_last),
-                      global_batch=global_batch, world_size=world, rng=rng, log=log, epoch_float=epoch_float,
-                      adapter_config=adapter_config)
+                      groups=groups, order=order, schedule=schedules.from_hf_trainer(trainer.args, trainer.max_steps),
+                      step=step, world_size=world, adapter_config=adapter_config, **trainer.fields(world))
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What the Trainer's own files of a ``checkpoint-N/`` say: ``trainer_state.json``, ``training_args.bin``
+    (``trainer_args.checked``) and rank 0's random generators."""
+
+    step: int
+    max_steps: int
+    per_device: int  # rows a device takes a micro-batch
+    epoch: float
+    args: dict[str, Any]
+    rng: dict[str, Any] | None
+    log: list[dict[str, Any]]
+
+    def fields(self, world: int) -> dict[str, Any]:
+        """The ``ForeignRun`` fields it gives, for a run on ``world`` data-parallel ranks."""
+        accum = self.args.get("gradient_accumulation_steps", 1)
+        per_step, drop_last = self.per_device * world, self.args.get("dataloader_drop_last", False)
+        return {"position": lambda rows, _: trainer_position(self.step, rows, per_step, accum, drop_last),
+                "global_batch": per_step * accum, "rng": self.rng, "log": self.log, "epoch_float": self.epoch}
+
+
+def read_trainer(src: Path, step: int | None = None) -> TrainerState:
+    """The Trainer's files of ``src``, each value checked; ``step``: the one the optimizer's files say (DeepSpeed's),
+    which ``global_step`` must be."""
+    files, where = set(os.listdir(src)), src / TRAINER_STATE
+    state = read_json(where, "the Trainer's state")
+    global_step = count(state.get("global_step"), where, "global_step")
+    if step is not None and global_step != step:
+        raise refuse(where, f"its global_step {global_step} is not its optimizer's step {step}")
+    max_steps = count(state.get("max_steps"), where, "max_steps", MAX_SCHEDULE_STEPS, low=1)
+    per_device = count(state.get("train_batch_size"), where, "train_batch_size", MAX_BATCH, low=1)
+    epoch = number(state.get("epoch") or 0, where, "epoch")
+    if epoch > global_step + 1:
+        raise refuse(where, f"epoch {epoch:g} is past its global_step {global_step}")
+    if global_step > max_steps:
+        raise refuse(where, f"global_step {global_step} is past its max_steps {max_steps}")
+    if TRAINING_ARGS not in files:
+        raise refuse(src, f"it has no {TRAINING_ARGS}: the schedule's kind and warmup are recorded only there")
+    args = {k: plain(v) for k, v in load_record(src / TRAINING_ARGS, "the Trainer's arguments").fields().items()}
+    args = trainer_args.checked(args, src / TRAINING_ARGS)  # every field it reads: of its type, in its range
+    rng_file = next((src / n for n in (RNG, "rng_state_0.pth") if n in files), None)
+    rng = None if rng_file is None else \
+        rng_state(load_pickle(rng_file, "the random generators' state", SMALL_PICKLE, numpy=True), rng_file)
+    log = logged_steps(state.get("log_history"), where)
+    return TrainerState(global_step, max_steps, per_device, epoch, args, rng, log)
 
 
 class HFTrainerSource(ImportSource):
@@ -117,12 +137,8 @@ class HFTrainerSource(ImportSource):
 
     name = "hf-trainer"
     noun = f"an HF Trainer checkpoint-N/ folder ({TRAINER_STATE})"
-
-    def detect(self, path: Path) -> bool:
-        return is_hf_trainer(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read(path, limits)
+    detect = staticmethod(is_hf_trainer)
+    read = staticmethod(read)
 
 
 SOURCE = HFTrainerSource()
@@ -136,8 +152,7 @@ def trainer_position(step: int, rows: int, per_step: int, accum: int, drop_last:
 
 
 def _weights(src: Path, files: set[str], adapter: bool, limits: Limits) -> dict[str, torch.Tensor]:
-    """The weight files' tensors: each file a regular file of ``src`` (no folder on the way a link), their sizes
-    together within ``limits.weights`` before one is read."""
+    """The weight files' tensors, each a regular file of ``src``, their sizes together within ``limits.weights``."""
     from safetensors.torch import load_file
 
     if adapter:
@@ -231,8 +246,8 @@ def rng_state(state: Any, where: Path) -> dict[str, Any] | None:
 
 
 def logged_steps(history: Any, where: Path) -> list[dict[str, Any]]:
-    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history, each value a finite
-    number (lr and grad_norm may be absent)."""
+    """The logged training steps (step, loss, lr, grad_norm) of the Trainer's log history, each a finite number (lr
+    and grad_norm may be absent)."""
     if not isinstance(history, list):
         return []
     if len(history) > MAX_LOG:

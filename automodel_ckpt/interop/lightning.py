@@ -1,14 +1,8 @@
 """Lightning's ``.ckpt`` file, and its distributed checkpoint folder, read into a ``ForeignRun``.
 
-A ``.ckpt`` carries ``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``global_step`` and ``loops``. The
-folder that ``FSDPStrategy(state_dict_type="sharded")`` and ``ModelParallelStrategy`` write holds the weights
-(``model`` or ``state_dict``) and each optimizer's state (``optimizer_0``) as DCP entries (``.metadata`` +
-``*.distcp``, read by ``interop.distcp``) and everything else of the ``.ckpt`` in ``meta.pt``.
-
-Lightning records neither its batch size nor its random generators: the recipe's global batch is taken as the
-source's, and the generators start from the recipe's seed. The optimizer's slots follow the module's
-``parameters()`` order (what ``configure_optimizers`` passes in the common case; a slot of another shape is
-refused by name).
+The folder (``FSDPStrategy(state_dict_type="sharded")``, ``ModelParallelStrategy``) holds the weights and optimizer
+state as DCP entries and the rest of the ``.ckpt`` in ``meta.pt``. Lightning records neither its batch size nor its
+generators (the recipe's are taken); the optimizer's slots follow the module's ``parameters()`` order.
 """
 
 from __future__ import annotations
@@ -78,12 +72,8 @@ class LightningFileSource(ImportSource):
 
     name = "lightning"
     noun = f"a Lightning {SUFFIX} file"
-
-    def detect(self, path: Path) -> bool:
-        return is_lightning_file(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read_file(path, limits)
+    detect = staticmethod(is_lightning_file)
+    read = staticmethod(read_file)
 
 
 class LightningFolderSource(ImportSource):
@@ -91,12 +81,8 @@ class LightningFolderSource(ImportSource):
 
     name = "lightning-dcp"
     noun = f"a Lightning distributed checkpoint folder ({DCP_METADATA})"
-
-    def detect(self, path: Path) -> bool:
-        return is_lightning_folder(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read_folder(path, limits)
+    detect = staticmethod(is_lightning_folder)
+    read = staticmethod(read_folder)
 
 
 FILE_SOURCE = LightningFileSource()
@@ -117,7 +103,7 @@ def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:
     moments, groups = optimizer_slots(opts[0], src)
     slots = [p for g in opts[0]["param_groups"] for p in g["params"]]
     named = all(isinstance(p, str) for p in slots)  # an FSDP optimizer state (consolidated): slots by name
-    order = names.slot_order(slots, src) if named else names.module_order
+    order = names.slot_order(slots, src) if named else names.trainable  # parameters() order
     scheds = ckpt.get("lr_schedulers") or []
     if not isinstance(scheds, list) or len(scheds) > 1 or (scheds and not isinstance(scheds[0], dict)):
         raise refuse(src, "it holds more than one learning-rate scheduler")

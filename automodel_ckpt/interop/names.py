@@ -40,11 +40,6 @@ def hf_trainer_order(model: nn.Module) -> list[str]:
     return decay + no_decay
 
 
-def module_order(model: nn.Module) -> list[str]:
-    """A module's ``parameters()`` order, as ``configure_optimizers`` usually passes them (trainable only)."""
-    return trainable(model)
-
-
 def without_adapter(name: str) -> str:
     """A name without the PEFT adapter's segment (``...lora_A.default.weight`` -> ``...lora_A.weight``)."""
     return name.replace(f".{ADAPTER}.", ".")
@@ -55,19 +50,11 @@ def match_weights(model: nn.Module, theirs: list[str], where: Any, *, adapter: b
     an adapter's, every trainable one. Leftovers either way are refused by name. Their names may carry one prefix
     (a Lightning module's attribute) that ours lack."""
     ours = trainable(model) if adapter else [n for n, _ in model.named_parameters()]
-    by_plain = {without_adapter(n): n for n in ours}
-    prefix = _prefix(list(by_plain), theirs)
-    mapping: dict[str, str] = {}
-    extra = []
-    for key in theirs:
-        name = by_plain.get(key[len(prefix):]) if key.startswith(prefix) else None
-        if name is None:
-            extra.append(key)
-        else:
-            mapping[name] = key
+    pairs, prefix = _matched(ours, theirs)
+    mapping = {name: key for key, name in pairs if name is not None}
     missing = [n for n in ours if n not in mapping]
-    tied = _tied_names(model)
-    extra = [k for k in extra if k[len(prefix):] not in tied]  # a tied weight saved under both names
+    tied = _tied_names(model)  # a tied weight saved under both names
+    extra = [k for k, name in pairs if name is None and k[len(prefix):] not in tied]
     if missing:
         raise refuse(where, f"holds no weight for the model's '{missing[0]}'"
                             + (f" ({len(missing)} missing)" if len(missing) > 1 else ""))
@@ -81,19 +68,20 @@ def slot_order(slot_names: list[str], where: Any):
     """The ``order`` of an optimizer whose slots are named (an FSDP optimizer state, consolidated): each slot's
     name mapped to the model's like the weights' names."""
     def order(model: nn.Module) -> list[str]:
-        ours = trainable(model)
-        by_plain = {without_adapter(n): n for n in ours}
-        prefix = _prefix(list(by_plain), slot_names)
-        out = []
-        for key in slot_names:
-            name = by_plain.get(key[len(prefix):]) if key.startswith(prefix) else None
-            if name is None:
-                raise refuse(where, f"its optimizer holds state for '{key}', which the recipe's model does not "
-                                    "train")
-            out.append(name)
-        return out
+        pairs, _ = _matched(trainable(model), slot_names)
+        stray = next((key for key, name in pairs if name is None), None)
+        if stray is not None:
+            raise refuse(where, f"its optimizer holds state for '{stray}', which the recipe's model does not train")
+        return [name for _, name in pairs]
 
     return order
+
+
+def _matched(ours: list[str], theirs: list[str]) -> tuple[list[tuple[str, str | None]], str]:
+    """Each of ``theirs`` with our name for it (None: none), and the one prefix theirs carry that ours lack."""
+    by_plain = {without_adapter(n): n for n in ours}
+    prefix = _prefix(list(by_plain), theirs)
+    return [(key, by_plain.get(key[len(prefix):]) if key.startswith(prefix) else None) for key in theirs], prefix
 
 
 def _prefix(ours: list[str], theirs: list[str]) -> str:

@@ -1,12 +1,8 @@
 """The recipe that continues an imported run: the user's recipe with what the source needs, written to the run folder.
 
-``ckpt-train import SRC RECIPE.yaml --out RUN_DIR`` reads the source's schedule and optimizer groups; rather than
-asking the user to restate them as overrides of both commands, it writes ``RUN_DIR/recipe.yaml``: the recipe file
-as given, the overrides typed on the command line applied, then the source's own settings where the user typed none
-(the ``lr_scheduler`` section, ``step_scheduler.max_steps`` where the schedule ends at a step, the optimizer's lr,
-betas, eps and weight decay, and ``AdamWNoDecay`` where the source's groups keep biases and norms out of the decay),
-with ``checkpoint.checkpoint_dir: RUN_DIR``. The import builds that file, so the run it continues is the one that
-file describes. A header of comments records where it came from (every value escaped: a path may hold anything).
+``RUN_DIR/recipe.yaml`` is the recipe file as given, the typed overrides applied, then the source's own settings
+where the user typed none (``needs``), and ``checkpoint_dir: RUN_DIR``. The import builds that file, so the run it
+continues is the one the file describes; a comment header records where it came from.
 """
 
 from __future__ import annotations
@@ -85,10 +81,8 @@ def needs(run: ForeignRun, data: dict[str, Any], typed: set[str]) -> dict[str, A
 
 
 def inert(value: Any) -> Any:
-    """A value the import adds to the recipe, as data OmegaConf takes literally: a string's interpolations
-    (``${...}``) escaped (``\\${...}``), in mappings and lists too. The values read from a source are checked
-    numbers before they come here; this keeps any string that might still come from one from being resolved
-    when the recipe is loaded (an ``oc.env`` interpolation would read the environment)."""
+    """A value the import adds, as data OmegaConf takes literally: a string's ``${...}`` escaped, in mappings and lists
+    too (a source's ``oc.env`` interpolation would read the environment when the recipe is loaded)."""
     if isinstance(value, str):
         return value.replace("\\${", "${").replace("${", "\\${")
     if isinstance(value, Mapping):

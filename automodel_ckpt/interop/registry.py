@@ -1,8 +1,7 @@
 """The import sources, by name: each is one module of this package, registered here by one line.
 
-``read_source(path, limits)`` is ``ckpt-train import SRC``'s reading of SRC: the first registered source that
-``detect``s it reads it (``contract.ImportSource``); ``identify(path)`` is that source, ``source_names()`` the
-registered names in order. A source from outside the package is added with ``register_source(source)``.
+The first registered source that ``detect``s SRC reads it (``read_source``); ``register_source`` adds one from
+outside.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ def identify(path: Path) -> ImportSource | None:
 
 
 def read_source(src: Path, limits: Limits) -> ForeignRun:
-    """The ``ForeignRun`` of ``src``, whichever source it is, its files within ``limits``; a one-line
-    ``CheckpointError`` otherwise."""
+    """The ``ForeignRun`` of ``src`` within ``limits``; a one-line ``CheckpointError`` otherwise."""
     src = Path(src)
     if not src.exists():
         raise CheckpointError(f"'{src}' does not exist")

@@ -1,9 +1,8 @@
 """Another trainer's learning-rate schedule as one of ours (``training/lr.py``), and the check that a recipe has it.
 
-A source's scheduler file holds its position (``last_epoch``), not its formula; the formula comes from the HF
-Trainer's arguments or from a torch scheduler's own state (which holds its arguments). The recipe's
-``lr_scheduler`` section decides the schedule on every resume, so an import checks it: the recipe's factors at
-every step up to the end equal the source's, or the import stops with the section to write.
+A source's scheduler file holds its position, not its formula: that comes from the HF Trainer's arguments or a torch
+scheduler's state. The recipe's ``lr_scheduler`` decides the schedule on every resume, so its factor must be the
+source's at every step up to the end.
 """
 
 from __future__ import annotations
@@ -59,10 +58,8 @@ def from_hf_trainer(args: dict[str, Any], total_steps: int) -> Schedule:
 
 def from_torch_state(state: dict[str, Any], total_steps: int | None, group: dict[str, Any] | None = None,
                      where: Path | str = "the scheduler's state") -> Schedule:
-    """A torch scheduler from its ``state_dict`` (which holds its arguments): CosineAnnealingLR, LinearLR, StepLR;
-    OneCycleLR, whose lr and momentum bounds are in the optimizer's param ``group``. Each argument read is checked
-    for its type and range (as torch checks them when it builds the scheduler): a one-line refusal naming ``where``
-    and the argument otherwise."""
+    """A torch scheduler from its ``state_dict``: CosineAnnealingLR, LinearLR, StepLR, or OneCycleLR (its bounds in the
+    param ``group``). Each argument is checked as torch checks it; a one-line refusal naming ``where`` otherwise."""
     base = state.get("base_lrs", [0.0])
     if not isinstance(base, (list, tuple)) or not base:
         raise refuse(where, f"base_lrs is {shown_value(base)}, not a list of learning rates")
@@ -96,8 +93,7 @@ def from_torch_state(state: dict[str, Any], total_steps: int | None, group: dict
 
 
 def _real(value: Any) -> float:
-    """A number of a scheduler's state as a float (NaN and infinities kept, for the caller to refuse): a string, a
-    bool, a tensor or a container is no number (``TypeError``)."""
+    """A scheduler state's number as a float (NaN and infinities kept, refused by the caller); ``TypeError`` else."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError("not a number")
     return float(value) if abs(value) <= sys.float_info.max or value != value else math.inf  # a huge int

@@ -1,11 +1,8 @@
 """What another trainer's checkpoint holds, in one shape (``ForeignRun``), and the bounded, allowlisted reads.
 
-Every file of a foreign checkpoint is read by ``read_bytes``: a regular file, reached without following a link (the
-``.ckpt`` file the user names aside), its size checked before a byte is read against a limit of its kind; the
-weights and optimizer state against ``Limits``, from the model the recipe builds. A pickle is then unpickled by
-``load_pickle`` with ``torch.load(weights_only=True)``, which builds tensors, numbers, strings and containers only;
-``numpy`` allows the few other types an RNG file needs, and ``load_record`` reads a file of objects (the HF
-Trainer's ``training_args.bin``) into inert records that run no code of theirs.
+Every file is read by ``read_bytes`` (a regular file, no link followed, its size checked first against its kind's
+limit or ``Limits``); a pickle is unpickled with ``weights_only=True`` (``load_pickle``), library objects in it as
+inert ``Record``s that run no code of theirs (``load_inert``, ``load_record``).
 """
 
 from __future__ import annotations
@@ -117,8 +114,7 @@ def refuse(where: Path | str, why: str) -> CheckpointError:
 
 
 def count(value: object, where: Path | str, name: str, limit: int = MAX_STEPS, low: int = 0) -> int:
-    """An integer count from ``low`` to ``limit`` (a float that is whole counts; ``bounded.check_count``'s one-line
-    refusal naming it otherwise)."""
+    """An integer from ``low`` to ``limit`` (a whole float counts); ``bounded.check_count``'s refusal otherwise."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return check_count(value, f"refusing '{where}'", name, limit, low)
@@ -147,8 +143,7 @@ def fraction(value: object, where: Path | str, name: str, *, below_one: bool = F
 
 
 def read_bytes(path: Path, what: str, limit: int, *, follow: bool = False) -> bytes:
-    """The bytes of the regular file ``path``, opened without following a link (``follow``: the file the user
-    named), its size checked against ``limit`` before a byte is read; one-line refusals."""
+    """``ondisk.read_bytes`` (a regular file, followed only with ``follow``, size checked first); one-line refusals."""
     try:
         return read_bounded(Path(path), what, limit, follow=follow)
     except FileNotFoundError:
@@ -166,8 +161,8 @@ def _numpy_types() -> list[Any]:
 
 
 def load_pickle(path: Path, what: str, limit: int, *, numpy: bool = False, follow: bool = False) -> Any:
-    """A torch-saved file of tensors, numbers and containers (with ``numpy``: a NumPy RNG state's array too), read
-    (``read_bytes``) and unpickled with ``torch.load(weights_only=True)``; one-line refusals."""
+    """``read_bytes``, then ``torch.load(weights_only=True)`` (``numpy``: a NumPy RNG state's array too); one-line
+    refusals."""
     data = read_bytes(path, what, limit, follow=follow)
     try:
         with torch.serialization.safe_globals(_numpy_types() if numpy else []), warnings.catch_warnings():
@@ -214,9 +209,8 @@ def load_record(path: Path, what: str, limit: int = SMALL_PICKLE) -> Record:
 
 
 def load_inert(path: Path, what: str, limit: int, modules: tuple[str, ...], alien_why: str) -> Any:
-    """A pickle of tensors, containers and objects of ``modules`` (a DeepSpeed checkpoint's loss scaler and
-    enums), each of those objects a ``Record`` stand-in: a global from elsewhere is refused (``alien_why``), and
-    none of theirs is imported or called."""
+    """A pickle of tensors, containers and objects of ``modules`` (each a ``Record`` stand-in, never imported or
+    called); a global from elsewhere is refused (``alien_why``)."""
     data = read_bytes(path, what, limit)
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))

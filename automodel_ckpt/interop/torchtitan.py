@@ -1,19 +1,11 @@
 """torchtitan checkpoints (its ``CheckpointManager``'s ``step-N/`` DCP folders, Llama 3) read into a ``ForeignRun``.
 
-SRC is one ``step-N/`` folder, the folder holding them (``checkpoint.folder``: the newest complete one, with its
-``.metadata``, as torchtitan's own loader picks it), or the job's dump folder holding ``checkpoint/`` and the job
-config that ``--debug.save_config_file NAME.json`` writes there. A step folder holds, flattened by DCP, the model's
-weights under torchtitan's names (``layers.0.attention.qkv_linear.wq.weight``), the optimizer's state and param
-group of each parameter by name (``optimizer.state.<name>.exp_avg``, ``optimizer.param_groups.<name>.lr``; a fused
-QKV projection's as one ``wqkv`` slot), ``lr_scheduler.last_epoch``, ``train_state.step`` and each data-parallel
-rank's data loader state (a pickle inside the entry, never unpickled: it is the position in torchtitan's own
-dataset). It is read whole by the safe DCP reader (``ondisk.read_dcp_folder``).
-
-The names, the fused QKV split and the permutation of q and k rows for RoPE are torchtitan's own
-(``Llama3StateDictAdapter.to_hf`` and ``FusedQKVLinear``'s state-dict hook), written out here: importing its adapter
-imports its whole model package, which needs triton at module level. The head counts come from the recipe's model
-(``ForeignRun.fit``). The schedule (warmup, decay type and ratio, ``min_lr_factor``, steps) is not in a
-checkpoint, only its position: it is read from the job config in SRC, and without one the import refuses to guess.
+SRC is one ``step-N/`` folder, the folder holding them (the newest complete one is read, as torchtitan's loader picks
+it), or the job's dump folder holding ``checkpoint/`` and the job config (``--debug.save_config_file``): the only
+record of the schedule. A step folder is read whole by ``ondisk.read_dcp_folder``; its data loader state is never
+unpickled. The names, the fused QKV split and the RoPE permutation of q and k rows are torchtitan's own
+(``Llama3StateDictAdapter.to_hf``, ``FusedQKVLinear``), written out here: importing its adapter needs triton. The head
+counts come from the recipe's model (``ForeignRun.fit``). docs/import.md lists the entries.
 """
 
 from __future__ import annotations
@@ -262,12 +254,8 @@ class TorchtitanSource(ImportSource):
 
     name = "torchtitan"
     noun = "a torchtitan checkpoint (step-N/, or a folder holding step-N/ or checkpoint/step-N/)"
-
-    def detect(self, path: Path) -> bool:
-        return is_torchtitan(path)
-
-    def read(self, path: Path, limits: Limits) -> ForeignRun:
-        return read(path, limits)
+    detect = staticmethod(is_torchtitan)
+    read = staticmethod(read)
 
 
 SOURCE = TorchtitanSource()

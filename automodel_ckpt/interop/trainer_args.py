@@ -1,17 +1,14 @@
 """The HF Trainer's arguments (``training_args.bin``) an import reads, each checked for its type and range.
 
-``training_args.bin`` is read as inert records (``source.load_record``): whatever its fields hold arrives here as
-plain data, and nothing of it is used before ``checked`` has seen it. Each field the import reads, or that says how
-the run was trained (its learning rate and optimizer settings, warmup, schedule and its arguments, length, batch
-sizes, gradient accumulation, seeds), must be of its type and within its range, else the import is refused in one
-line naming the file and the field. A string is never taken for a number: ``"1e-3"`` or ``"${oc.env:HOME}"`` (which
-OmegaConf would interpolate if it reached a recipe) for a learning rate is refused, so no value of the source reaches
-the recipe the import writes but as a checked number.
+The file arrives as inert records (``source.load_record``); each field read, or that says how the run was trained,
+must be of its type and range, else one line names the file and the field. A string is never taken for a number:
+``"${oc.env:HOME}"`` would be interpolated if it reached the recipe the import writes.
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,18 +53,9 @@ def _flag(value: Any, where: Path, name: str) -> bool:
     return value
 
 
-def _seed(value: Any, where: Path, name: str) -> int:
-    return count(value, where, name, SEED_LIMIT)
-
-
-def _batch(value: Any, where: Path, name: str) -> int:
-    return count(value, where, name, MAX_BATCH, low=1)
-
-
-def _beta(value: Any, where: Path, name: str) -> float:
-    return fraction(value, where, name, below_one=True)
-
-
+_seed = partial(count, limit=SEED_LIMIT)
+_batch = partial(count, limit=MAX_BATCH, low=1)
+_beta = partial(fraction, below_one=True)
 #: the scheduler's arguments an import reads (``lr_scheduler_kwargs``): each a finite number >= 0, a rate at most 1
 _KWARGS: dict[str, Callable[[Any, Path, str], Any]] = {"num_cycles": number, "min_lr": number, "min_lr_rate": fraction}
 

@@ -1,9 +1,7 @@
 """``ckpt-train report``: one self-contained HTML page of a run folder (curves, checkpoints, data, cost, lineage).
 
-``render(run_dir)`` reads the run folder through the bounded readers (``runinfo``: the checkpoints as ``inspect``
-lists them; ``logs``: the logs sampled or streamed) and returns the page; every string from the folder is escaped
-by ``html.el``. ``write`` writes it atomically; ``LiveReport`` rewrites ``RUN_DIR/report.html`` off the training
-thread while a run trains (``logging.report``). docs/report.md shows each panel.
+The run folder is read through bounded readers (``runinfo``, ``logs``) and every string from it escaped (``html.el``);
+``LiveReport`` rewrites ``RUN_DIR/report.html`` off the training thread (``logging.report``). docs/report.md.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.errors import UserError, first_line
-from automodel_ckpt.ondisk import LAYOUT, is_count, write_atomic
+from automodel_ckpt.ondisk import CheckpointFolder, RunFolder, is_count, write_atomic
 from automodel_ckpt.report import checkpoints as tables
 from automodel_ckpt.report import curves
 from automodel_ckpt.report.html import page
@@ -34,7 +32,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise UserError(f"run folder '{run_dir}' not found")
-    if (run_dir / LAYOUT.METADATA_FILE).is_file():  # a checkpoint named: its run folder
+    if CheckpointFolder(run_dir).metadata.is_file():  # a checkpoint named: its run folder
         run_dir = run_dir.resolve().parent
     listing = inspect_dir(run_dir)
     logs = run_logs(run_dir)
@@ -44,7 +42,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     stages, problem = [], None
     if staged:
         try:
-            stages = read_history(staged[-1]["metadata"], f"{staged[-1]['name']}/{LAYOUT.METADATA_FILE}")[0]
+            stages = read_history(staged[-1]["metadata"], f"{staged[-1]['name']}/{CheckpointFolder.metadata}")[0]
         except UserError as exc:
             problem = f"stages not readable: {first_line(exc)}"
     return {"dir": run_dir, "checkpoints": listing, "logs": logs, "stages": stages, "stages_problem": problem,
@@ -59,7 +57,7 @@ def render(run_dir: Path) -> str:
 def write(run_dir: Path, out: Path | None = None) -> Path:
     """Write the page (default ``run_dir/report.html``) and return its path."""
     text = render(run_dir)
-    out = Path(out) if out is not None else Path(run_dir) / LAYOUT.REPORT_FILE
+    out = Path(out) if out is not None else RunFolder(run_dir).report
     write_atomic(out, text.encode("utf-8"))  # a link or FIFO at ``out`` is replaced, never written through
     return out
 
@@ -69,7 +67,7 @@ class LiveReport:
     each checkpoint); a failure is one warning, and training goes on."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LAYOUT.REPORT_FILE
+        self.run_dir, self.path = Path(run_dir), RunFolder(run_dir).report
         self._due, self._stop = threading.Event(), False
         self._thread = threading.Thread(target=self._loop, name="ckpt-report", daemon=True)
         self._thread.start()

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, is_count, read_yaml, verify_manifest
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, Archive, CheckpointFolder, is_count, read_yaml, verify_manifest
 from automodel_ckpt.report.curves import MAX_SERIES, points
 from automodel_ckpt.report.html import Markup, chart, el, finite, lines, none, table
 from automodel_ckpt.report.runinfo import data_position_line
@@ -22,7 +22,7 @@ def retention(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, str]:
     if not complete:
         return {}
     try:
-        cfg = read_yaml(Path(run_dir) / complete[-1]["name"] / LAYOUT.CONFIG_FILE, "a checkpoint's config",
+        cfg = read_yaml(CheckpointFolder(Path(run_dir) / complete[-1]["name"]).config, "a checkpoint's config",
                         CONFIG_FILE_LIMIT)
         cfg = cfg.get("checkpoint") if isinstance(cfg, dict) else None
     except (OSError, UserError):
@@ -141,11 +141,11 @@ def lineage(run: dict[str, Any]) -> Markup:
         parts.append(none("no complete checkpoint: no lineage recorded"))
     parts.append(lines(["stages:", *describe(run["stages"])]) if run["stages"] else
                  none(run["stages_problem"] or "one stage: the recipe as written (no stages listed)"))
-    exports = [f"{r['name']}/{what}" for r in rows for what, path in
-               (("consolidated (a Hugging Face folder)", LAYOUT.consolidated_dir(Path(run["dir"]) / r["name"])),
-                ("consolidated EMA", LAYOUT.consolidated_ema_dir(Path(run["dir"]) / r["name"])))
-               if path.is_dir() and not path.is_symlink()]
-    exports += [f"{r['name']}{LAYOUT.ARCHIVE_SUFFIX}" for r in rows
-                if (Path(run["dir"]) / f"{r['name']}{LAYOUT.ARCHIVE_SUFFIX}").is_file()]
+    models = [(r["name"], CheckpointFolder(Path(run["dir"]) / r["name"]).model) for r in rows]
+    exports = [f"{name}/{what}" for name, model in models for what, path in
+               (("consolidated (a Hugging Face folder)", model.consolidated.path),
+                ("consolidated EMA", model.consolidated_ema.path)) if path.is_dir() and not path.is_symlink()]
+    exports += [f"{r['name']}{Archive.SUFFIX}" for r in rows
+                if (Path(run["dir"]) / f"{r['name']}{Archive.SUFFIX}").is_file()]
     parts.append(el("ul", [el("li", e) for e in exports]) if exports else none("no export in the run folder"))
     return Markup("".join(parts))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import RunFolder
 from automodel_ckpt.report.html import Markup, chart, el, finite, none, table
 
 MAX_SERIES = 12  # lines of one chart whose names come from a log (reward functions, eval tasks, sources)
@@ -47,7 +47,8 @@ def curves(run: dict[str, Any]) -> Markup:
 def evals(run: dict[str, Any]) -> Markup:
     rows = [r for r in run["checkpoints"]["checkpoints"] if r.get("eval")]
     best = [el("li", f"{name} -> {p['target']}" + ("" if p["exists"] else " (missing)"))
-            for name, p in run["checkpoints"]["pointers"].items() if p["target"] is not None and name != LAYOUT.LATEST]
+            for name, p in run["checkpoints"]["pointers"].items()
+            if p["target"] is not None and name != RunFolder.latest]
     parts = [el("ul", best) if best else none("no best-checkpoint pointer (LOWEST_VAL, BEST_EVAL) is set")]
     if not rows:
         return Markup("".join(parts + [none("no checkpoint of this run was evaluated (ckpt-train eval)")]))

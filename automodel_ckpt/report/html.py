@@ -1,9 +1,7 @@
 """The page's markup: an element builder that escapes every text and attribute, inline SVG charts, the page shell.
 
-Nothing here concatenates a string from a run folder into markup: ``el`` escapes its children and attribute values
-(``html.escape``, control characters shown as ``\\xNN``), and only what ``el`` made (``Markup``) passes unescaped.
-Tag and attribute names are this module's callers' constants. The page loads nothing: no script, no link, no image
-source, and a Content-Security-Policy that forbids them all.
+Only what ``el`` made (``Markup``) passes unescaped; tag and attribute names are its callers' constants. The page
+loads nothing (no script, link or image source) and its Content-Security-Policy forbids them all.
 """
 
 from __future__ import annotations

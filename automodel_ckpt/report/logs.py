@@ -1,9 +1,7 @@
 """A run's logs read within bounds: training.jsonl and validation.jsonl sampled, events.jsonl streamed once.
 
-A log up to ``WHOLE_LIMIT`` bytes is read line by line (``log_lines``: a line over ``LOG_LINE_LIMIT`` is skipped)
-and thinned to ``MAX_POINTS`` records; a larger one (a run folder received from elsewhere may hold a log of any
-size) is read at ``MAX_POINTS`` evenly spaced offsets, ``PROBE`` bytes each: at most some 16 MiB of any log. The
-events log is streamed as ``inspect --cost`` streams it, keeping at most ``MAX_KEPT`` records of each kind.
+A log up to ``WHOLE_LIMIT`` bytes is read whole and thinned to ``MAX_POINTS`` records; a larger one is read at
+``MAX_POINTS`` evenly spaced offsets, ``PROBE`` bytes each. Events keep at most ``MAX_KEPT`` records of each kind.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import UserError, first_line
-from automodel_ckpt.ondisk import LAYOUT, MiB, is_count, open_regular
+from automodel_ckpt.ondisk import MiB, RunFolder, is_count, open_regular
 from automodel_ckpt.tracking import iter_events, summarize
 from automodel_ckpt.training.metrics import log_lines
 
@@ -96,6 +94,6 @@ def events(run_dir: Path) -> Events:
 
 def run_logs(run_dir: Path) -> dict[str, Any]:
     """The training and validation records (with notes when sampled) and the events of ``run_dir``."""
-    train, train_note = records(Path(run_dir) / LAYOUT.TRAINING_LOG)
-    val, val_note = records(Path(run_dir) / LAYOUT.VALIDATION_LOG)
+    train, train_note = records(RunFolder(run_dir).training_log)
+    val, val_note = records(RunFolder(run_dir).validation_log)
     return {"train": train, "val": val, "notes": [n for n in (train_note, val_note) if n], "events": events(run_dir)}

@@ -10,9 +10,10 @@ from automodel_ckpt.checkpoint import source_of, stored_files, stored_sharing
 from automodel_ckpt.distributed.mesh import MeshSizes
 from automodel_ckpt.errors import UserError
 from automodel_ckpt.jsonsafe import json_safe
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, CheckpointRecord,
-                                   as_float, pointer_target, pointer_targets, quarantined_checkpoints, read_json,
-                                   scan_checkpoints, shared_bytes, size_on_disk, stored_once)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, SMALL_FILE_LIMIT, CheckpointFolder,
+                                   CheckpointRecord, HFFolder, ModelFolder, as_float, pointer_target, pointer_targets,
+                                   quarantined_checkpoints, read_json, scan_checkpoints, shared_bytes, size_on_disk,
+                                   stored_once)
 
 
 def inspect_dir(path: Path) -> dict[str, Any]:
@@ -21,7 +22,7 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise UserError(f"checkpoint folder '{path}' not found")
     only = None
-    if (path / LAYOUT.METADATA_FILE).is_file():  # a checkpoint itself: show its row in its run folder
+    if CheckpointFolder(path).metadata.is_file():  # a checkpoint itself: show its row in its run folder
         path, only = path.resolve().parent, path.resolve().name
     pointers = pointer_targets(path)
     records = scan_checkpoints(path, include_incomplete=True)
@@ -66,8 +67,8 @@ def _row(record: CheckpointRecord, pointers: dict[str, str | None],
         "family": model_family(record.path),
         "format": meta.get("model_save_format") or _detected_format(record.path),
         "mesh": _mesh(meta),
-        "consolidated": LAYOUT.consolidated_dir(record.path).is_dir() if stored is None else
-        any(rel.startswith(f"{LAYOUT.MODEL_DIR}/{LAYOUT.CONSOLIDATED_DIR}/") for rel in stored),
+        "consolidated": CheckpointFolder(record.path).model.consolidated.is_dir() if stored is None else
+        any(rel.startswith(f"{CheckpointFolder.model}/{ModelFolder.consolidated}/") for rel in stored),
         "complete": record.complete,
         "pointers": [p for p, target in pointers.items() if target == record.name],
         "data_position": extra.get("data_position"),
@@ -79,11 +80,12 @@ def _row(record: CheckpointRecord, pointers: dict[str, str | None],
 def eval_scores(ckpt: Path) -> dict[str, float] | None:
     """``ckpt-train eval``'s scores kept in the checkpoint: ``{"task/metric": value}``, the first metric of each
     task (None when it was never evaluated; a results file that cannot be read is left out)."""
-    folder = Path(ckpt) / LAYOUT.EVAL_DIR
+    pattern = CheckpointFolder(ckpt).eval_results("*")
+    folder = pattern.parent
     if folder.is_symlink() or not folder.is_dir():
         return None
     scores: dict[str, float] = {}
-    for path in sorted(folder.glob(f"*{LAYOUT.EVAL_SUFFIX}")):
+    for path in sorted(folder.glob(pattern.name)):
         try:
             results = read_json(path, "eval results", INDEX_FILE_LIMIT).get("results") or {}
             for task, values in results.items():
@@ -100,7 +102,7 @@ def _detected_format(checkpoint: Path) -> str | None:
     then are the format modules (and torch with them) imported: reading a run folder needs neither."""
     from automodel_ckpt.ondisk import detect_model_format
 
-    return detect_model_format(LAYOUT.model_dir(checkpoint))
+    return detect_model_format(CheckpointFolder(checkpoint).model.path)
 
 
 def _mesh(meta: dict[str, Any]) -> str | None:
@@ -115,12 +117,12 @@ def _mesh(meta: dict[str, Any]) -> str | None:
 
 def model_family(ckpt: Path) -> str | None:
     """The model's ``model_type`` (llama, mixtral, ...), from the saved HF config or the adapter's base."""
-    model = LAYOUT.model_dir(ckpt)
-    candidates = [(LAYOUT.hf_metadata_dir(model) / LAYOUT.HF_CONFIG, False)]
+    model = CheckpointFolder(ckpt).model
+    candidates = [(model.hf_metadata.config, False)]
     with contextlib.suppress(OSError, TypeError, AttributeError, UserError):
-        adapter = read_json(model / LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
+        adapter = read_json(model.adapter_config, "an adapter config", SMALL_FILE_LIMIT)
         if adapter.get("base_model_name_or_path"):  # a base folder, maybe a Hugging Face cache snapshot of links
-            candidates.append((Path(adapter["base_model_name_or_path"]) / LAYOUT.HF_CONFIG, True))
+            candidates.append((HFFolder(adapter["base_model_name_or_path"]).config, True))
     for path, follow in candidates:
         try:
             value = read_json(path, "a model config", CONFIG_FILE_LIMIT, follow=follow).get("model_type")
@@ -148,7 +150,7 @@ def stages_lines(name: str, meta: dict[str, Any]) -> list[str]:
     from automodel_ckpt.training.stages import describe, read_history
 
     try:
-        stages, tokens = read_history(meta, f"{name}/{LAYOUT.METADATA_FILE}")
+        stages, tokens = read_history(meta, f"{name}/{CheckpointFolder.metadata}")
     except UserError as exc:
         return [f"stages at {name}: not readable ({exc})"]
     counted = "" if tokens is None else f", {tokens} tokens trained"
