@@ -163,11 +163,11 @@ def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
         return []
     with contextlib.ExitStack() as scratch:
         if model.get("config") is None:
-            from automodel_ckpt.ondisk import LAYOUT
+            from automodel_ckpt.ondisk import HFFolder
             from automodel_ckpt.models.hub import CACHED, LOCAL, model_source
 
             name = str(model.get("pretrained_model_name_or_path") or "")
-            if model.get("embedded") and not (Path(name).expanduser() / LAYOUT.HF_CONFIG).is_file():
+            if model.get("embedded") and not HFFolder(Path(name).expanduser()).config.is_file():
                 model = OmegaConf.create(OmegaConf.to_container(model, resolve=True))
                 folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="automodel-ckpt-dry-run-"))
                 model.pretrained_model_name_or_path = str(Path(folder) / "base")

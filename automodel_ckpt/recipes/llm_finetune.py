@@ -15,7 +15,7 @@ from automodel_ckpt.algorithms.base import Algorithm
 from automodel_ckpt.algorithms.context import Forward, LossResult, Run, TrainContext
 from automodel_ckpt.algorithms.sft.algorithm import Supervised
 from automodel_ckpt.checkpoint import HFArtifacts, discover_state, run_folder, written_by
-from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
+from automodel_ckpt.ondisk import RunFolder, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.data import BatchLoader, MicroBatch
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
@@ -208,8 +208,8 @@ class FinetuneRecipe(BaseRecipe):
     def _build_logs(self, optimizer_line: str) -> None:
         """training.jsonl, validation.jsonl and the progress bar; the setup's report lines."""
         run_dir = run_folder(self.checkpoint_config)  # checkpoint_dir, or the local mirror of an object-store URL
-        self.train_log = JsonlLog(run_dir / LAYOUT.TRAINING_LOG, enabled=self.env.is_main)
-        self.val_log = JsonlLog(run_dir / LAYOUT.VALIDATION_LOG, enabled=self.env.is_main)
+        self.train_log = JsonlLog(RunFolder(run_dir).training_log, enabled=self.env.is_main)
+        self.val_log = JsonlLog(RunFolder(run_dir).validation_log, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps,
                                  enabled=self.env.is_main and self.cfg.training.progress_bar)
         if self.env.is_main:

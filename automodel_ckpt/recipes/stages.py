@@ -25,8 +25,8 @@ from automodel_ckpt.checkpoint import run_folder
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.stages import FIRST, StagePlan, changed_keys
 from automodel_ckpt.errors import CheckpointError, ConfigError
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, is_count, pointer_target, read_json,
-                                   read_yaml)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, CheckpointFolder, RunFolder, is_count,
+                                   pointer_target, read_json, read_yaml)
 from automodel_ckpt.training.stages import read_history, record
 
 
@@ -89,12 +89,12 @@ def _resumed_step(ckpt: Any) -> int:
     after its restore and is built again for the right stage when it was wrong."""
     try:
         folder = run_folder(ckpt)
-        target = LAYOUT.LATEST if ckpt.load_only else ckpt.restore_from or LAYOUT.LATEST  # load_only: its own first
-        if target in (LAYOUT.LATEST, LAYOUT.LOWEST_VAL, LAYOUT.BEST_EVAL):
+        target = RunFolder.latest if ckpt.load_only else ckpt.restore_from or RunFolder.latest  # load_only: own first
+        if target in (RunFolder.latest, RunFolder.lowest_val, RunFolder.best_eval):
             path = pointer_target(folder, target)
         else:
-            path = Path(target) if (Path(target) / LAYOUT.METADATA_FILE).is_file() else folder / target
-        step = read_json(path / LAYOUT.METADATA_FILE, "checkpoint metadata", SMALL_FILE_LIMIT).get("step")
+            path = Path(target) if CheckpointFolder(target).metadata.is_file() else folder / target
+        step = read_json(CheckpointFolder(path).metadata, "checkpoint metadata", SMALL_FILE_LIMIT).get("step")
     except (OSError, TypeError, AttributeError, CheckpointError):
         return 0
     return step if is_count(step) else 0
@@ -160,7 +160,7 @@ class StageRun:
         if isinstance(recipe.lr_scheduler, _Held):
             held, recipe.lr_scheduler = recipe.lr_scheduler.state, self._built
         path = recipe.restored.path if "step_scheduler" in recipe.restored.states else None
-        self.history, self.tokens = read_history(self._metadata(path), f"'{path}/{LAYOUT.METADATA_FILE}'")
+        self.history, self.tokens = read_history(self._metadata(path), f"'{path}/{CheckpointFolder.metadata}'")
         if not self.history and not self.active:
             return  # a run without stages: nothing of this
         self.active = True
@@ -188,7 +188,7 @@ class StageRun:
         if path is None:
             return {}
         try:
-            meta = read_json(path / LAYOUT.METADATA_FILE, "checkpoint metadata", SMALL_FILE_LIMIT)
+            meta = read_json(CheckpointFolder(path).metadata, "checkpoint metadata", SMALL_FILE_LIMIT)
             return meta if isinstance(meta, dict) else {}
         except (OSError, CheckpointError):
             if self.active:
@@ -219,7 +219,7 @@ class StageRun:
         if path is None:
             return []
         try:
-            before = read_yaml(path / LAYOUT.CONFIG_FILE, "a checkpoint's recipe copy", CONFIG_FILE_LIMIT)
+            before = read_yaml(CheckpointFolder(path).config, "a checkpoint's recipe copy", CONFIG_FILE_LIMIT)
         except (OSError, CheckpointError):
             return []
         return changed_keys(before, OmegaConf.to_container(self.cfg, resolve=True))

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext, row_inputs
 from automodel_ckpt.algorithms.sft.algorithm import map_loader, rank_zero_first
-from automodel_ckpt.ondisk import LAYOUT, is_count
+from automodel_ckpt.ondisk import RunFolder, is_count
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.algorithms.dpo.config import DPOConfig
 from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, PairData, pair_batches, prepare_pairs
@@ -247,7 +247,7 @@ class Preference(Algorithm):
                                   "the same data and base")
         self.dpo.ref_log_probs_key = key
         root = run_folder(checkpoint)
-        file = LAYOUT.ref_log_probs_file(root, key)
+        file = RunFolder(root).ref_log_probs(key)
         pairs = {TRAIN: len(data.train), **({VALIDATION: len(data.validation)} if data.validation is not None else {})}
         # an object store's copy into this node's mirror; every rank reads it, or every rank computes
         stored = StoredLogProbs.load(file, key, root=root, pairs=pairs) \

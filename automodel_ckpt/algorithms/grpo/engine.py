@@ -21,7 +21,7 @@ from automodel_ckpt.algorithms.grpo import vllm_server
 from automodel_ckpt.distributed.env import broadcast_object
 from automodel_ckpt.distributed.tensor_parallel import causal_lm
 from automodel_ckpt.errors import ConfigError, TrainingError
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import HFFolder
 
 SERVER = Path(vllm_server.__file__)
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
@@ -219,7 +219,7 @@ class VLLMEngine:
             if lora is not None:
                 lora.save_pretrained(str(adapter))  # adapter_config.json
                 save_file({k: v for k, v in tensors.items() if k.startswith(ADAPTER_PREFIX)},
-                          str(adapter / LAYOUT.ADAPTER_WEIGHTS))
+                          str(HFFolder(adapter).adapter_weights))
             got = self._call("POST", "/load", {"path": str(path) if base else None,
                                                "adapter": str(adapter) if lora is not None else None,
                                                "version": version})
