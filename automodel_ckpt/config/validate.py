@@ -119,11 +119,8 @@ def check_importable(path: str, key: str) -> None:
 
 
 def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:
-    """Missing model or tokenizer paths, reported before any process starts (dataset paths: ``data.checks``).
-
-    Returns one line per input saying where it lies (local folder, cached, to be downloaded, unavailable offline).
-    A Hub id missing from the cache while offline is an error unless ``fetchable`` (``--dry-run`` only says so).
-    """
+    """Missing model or tokenizer paths, before any process starts; one line per input saying where it lies (a Hub
+    id missing offline is an error unless ``fetchable``)."""
     from automodel_ckpt.models.build import check_model_source, no_folder_error
     from automodel_ckpt.models.hub import is_hub_id, model_source
 
@@ -145,12 +142,8 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
 
 
 def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
-    """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
-    and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
-    would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does
-    not. An embedded base not created yet is created in a temporary folder for the check (the run creates it where
-    the recipe says). Nothing for a Hub model not on this machine yet or from a builder of another package.
-    """
+    """``--dry-run`` with tensor, pipeline or expert parallelism: the plans checked against the model built on the
+    meta device, as the workers would; one line each (an embedded base is created in a temporary folder)."""
     import contextlib
     import tempfile
 

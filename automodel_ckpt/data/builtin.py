@@ -27,9 +27,7 @@ _SPLITS = ("train", "heldout")
 
 
 def is_heldout(a: int, b: int) -> bool:
-    """Whether ``a + b`` is held out: a stable hash of the problem (not Python's salted ``hash``), the same on every
-    run and machine, so no seed or sample count moves a held-out problem into training (accuracy on them measures
-    generalisation, not memorisation)."""
+    """Whether ``a + b`` is held out, by a stable hash of the problem: no seed or sample count moves it to training."""
     digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % 100 < HELDOUT_BUCKETS
 
@@ -53,9 +51,8 @@ def _prompt(a: int, b: int) -> str:
 
 
 def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
-    """Addition problems ``"37+45="`` -> ``"82"`` drawn uniformly, with replacement, from one split's fixed problems:
-    columns ``id`` (0..n-1), ``prompt`` and ``completion`` (trained on as ``prompt + completion`` + end of sequence).
-    The same ``(num_samples, seed, split)`` always yields the same rows."""
+    """Addition problems ``"37+45="`` -> ``"82"`` drawn with replacement from one split (columns ``id``, ``prompt``,
+    ``completion``); the same arguments always yield the same rows."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     if num_samples < 0:
@@ -92,11 +89,7 @@ builtin_task_dataset = arithmetic_dataset
 
 def chat_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train",
                       system: str | None = None) -> datasets.Dataset:
-    """The built-in task as chats: ``messages`` = [system?], user ``"37+45="``, assistant ``"82"``.
-
-    The same problems as :func:`arithmetic_dataset` with the same arguments; rendered with the embedded
-    tokenizer's chat template, so the offline path covers chat data too.
-    """
+    """The problems of :func:`arithmetic_dataset` as chats: [system?], user ``"37+45="``, assistant ``"82"``."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     arguments = {"num_samples": num_samples, "seed": seed, "split": split, "system": system}
@@ -121,8 +114,7 @@ def near_miss(a: int, b: int, rng: random.Random) -> int:
 
 
 def preference_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
-    """The built-in task as preference pairs: ``prompt`` ``"37+45="``, ``chosen`` ``"82"``, ``rejected`` a near
-    miss (``"81"``, ``"72"``, ...). The same problems as :func:`arithmetic_dataset` with the same arguments."""
+    """The problems of :func:`arithmetic_dataset` as pairs: ``chosen`` ``"82"``, ``rejected`` a near miss (``"81"``)."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     arguments = {"num_samples": num_samples, "seed": seed, "split": split}
@@ -143,8 +135,7 @@ def _pair_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
 
 
 def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:
-    """``n`` distinct ``(prompt, answer)`` pairs of the held-out partition (an accuracy over them counts ``n``
-    different problems; ``n`` capped at the partition's size)."""
+    """``n`` (at most all) distinct ``(prompt, answer)`` pairs of the held-out partition."""
     pool = addition_problems("heldout")
     rng = random.Random(f"heldout-examples:{seed}")
     chosen = rng.sample(pool, k=min(n, len(pool)))

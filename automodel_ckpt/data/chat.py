@@ -25,13 +25,8 @@ def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
 
 
 class ChatRenderer:
-    """Renders conversations and finds which characters are trained.
-
-    An assistant turn's span runs from the end of the conversation so far rendered with the generation prompt to
-    the end of the conversation rendered up to and including that turn: the reply and the template's end-of-turn
-    marker, without the role header. This works for any template that renders a conversation's prefixes as
-    prefixes of its full text (the usual ones do); one that does not is reported with the record number.
-    """
+    """Renders conversations and finds which characters are trained: an assistant turn's reply and end-of-turn
+    marker, without the role header, for any template that renders prefixes of a conversation as prefixes."""
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None, loss: str = "assistant") -> None:
         if loss not in CHAT_LOSS_MODES:
@@ -42,10 +37,7 @@ class ChatRenderer:
         self._header, self._end_of_turn = self._probe()
 
     def _probe(self) -> tuple[str, str] | tuple[None, None]:
-        """What the template writes before a reply (the generation prompt) and after it (the end of the turn).
-
-        With both known, one rendering per conversation finds every reply; without, each turn is rendered.
-        """
+        """What the template writes before a reply and after it; with both, one rendering finds every reply."""
         user = [{"role": "user", "content": "ping"}]
         try:
             asked = self._render(user)

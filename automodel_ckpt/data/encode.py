@@ -60,12 +60,8 @@ class DataSpec:
 
 
 class Encoder:
-    """``encoder(batch, indices)`` -> ``input_ids``, ``labels``, ``sample_id``, ``num_tokens`` per record.
-
-    prompt/completion (and templates): ``bos prompt completion eos``, loss on ``completion eos``. text: ``bos text
-    eos``, loss everywhere. chat: the template's rendering, loss on the spans :class:`ChatRenderer` finds. Ids are
-    cut to ``seq_length``; ``num_tokens`` keeps the length before the cut, so truncation can be counted.
-    """
+    """``encoder(batch, indices)`` -> ``input_ids``, ``labels``, ``sample_id``, ``num_tokens`` (before the cut to
+    ``seq_length``) per record; the loss on ``completion eos``, on all of a text, or on a chat's assistant spans."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec, mode: str) -> None:
         self.tokenizer = tokenizer
@@ -104,11 +100,8 @@ class Encoder:
         return prompts, completions
 
     def _encode(self, texts: list[str], offsets: bool = False) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-        """Token ids (and character offsets) of ``texts``, without added special tokens, in one batched call.
-
-        A fast tokenizer's Rust backend is called directly: the same ids as ``tokenizer(texts)``, without
-        converting every encoding to Python dictionaries first.
-        """
+        """Token ids (and character offsets) of ``texts``, no special tokens added, from a fast tokenizer's backend
+        directly (the same ids as ``tokenizer(texts)``, without Python dictionaries)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             encodings = backend.encode_batch(texts, add_special_tokens=False)
@@ -173,8 +166,7 @@ class BadRecord(Exception):
 
 
 class RecordEncoder:
-    """``check(record)``: why a record cannot be encoded (``None``: it can); ``encode(records)``: their
-    ``(ids, labels)``. A record's mode (chat, template, prompt_completion, text) follows ``DataSpec.mode``."""
+    """``check(record)``: why a record cannot be encoded (``None``: it can); ``encode(records)``: ``(ids, labels)``."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec) -> None:
         self.tokenizer, self.spec = tokenizer, spec

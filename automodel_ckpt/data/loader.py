@@ -30,14 +30,10 @@ def micro_batch(data: TokenizedData, idx: torch.Tensor) -> MicroBatch:
 
 
 class GlobalBatchLoader:
-    """Yields, per optimizer step, this rank's micro-batches of one global batch.
-
-    Epoch ``e`` visits the rows in ``randperm(n, seed + e)`` order (or in order without shuffle). A global batch
-    is the next ``global_batch_size`` rows of that order; it is cut into ``grad_accum`` micro-steps of
-    ``local_batch_size × world_size`` rows, and rank ``r`` takes the ``r``-th slice of each micro-step (``rank`` and
-    ``world_size`` are the data-parallel ones: tensor-parallel peers take the same rows). The state
-    is only ``(epoch, position)``, the same on every rank, so a run resumed with another world size sees exactly
-    the samples an uninterrupted run would. An incomplete last global batch of an epoch is skipped.
+    """Per optimizer step, this rank's micro-batches of one global batch: the next ``global_batch_size`` rows of
+    epoch ``e``'s ``randperm(n, seed + e)`` order, each micro-step's ``r``-th slice to data-parallel rank ``r``.
+    The state is ``(epoch, position)``, the same on every rank, so a resume at another world size sees the same
+    samples. An incomplete last global batch of an epoch is skipped.
     """
 
     checkpoint_scope = "rank"
@@ -104,8 +100,7 @@ class GlobalBatchLoader:
         return epoch, micro
 
     def report(self, waited: float) -> dict[str, Any]:
-        """Nothing beside the step's own numbers (``data.contract.BatchLoader``): the rows were tokenized before
-        training."""
+        """Nothing beside the step's own numbers: the rows were tokenized before training."""
         return {}
 
     def summary(self) -> dict[str, Any] | None:
@@ -127,9 +122,8 @@ class GlobalBatchLoader:
         return max(0, this_epoch + (num_epochs - 1 - self.epoch) * self.steps_per_epoch)
 
     def begin_stage(self) -> str | None:
-        """A new stage (docs/stages.md) goes on from the position, counted in samples of the epoch's order: the next
-        batch is the next ``global_batch_size`` samples, whatever the batch was. Other training rows (another
-        ``dataset:``, rows packed at another length) have another order: they start at their beginning (said)."""
+        """A new stage goes on from the position in samples of the epoch's order; other training rows (another
+        ``dataset:`` or length) start at their beginning (said)."""
         rows, seed = getattr(self, "_saved_rows", (len(self.data), self.seed))
         if (rows, seed) == (len(self.data), self.seed):
             return None
@@ -143,11 +137,8 @@ class GlobalBatchLoader:
 
 
 def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
-    """Every validation row exactly once over all ranks: rank ``r`` takes rows ``r, r+W, r+2W, ...``.
-
-    Every rank gets the same number of batches (FSDP forwards are collective): a rank short of rows fills its
-    last batch with copies of row 0 whose labels are all ignored, so they add nothing to the loss.
-    """
+    """Every validation row once over all ranks, as many batches on every rank (forwards are collective): a
+    rank short of rows fills with row 0, its labels all ignored."""
     batches = []
     for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)

@@ -83,10 +83,7 @@ def _split(encoded: datasets.Dataset, val_size: float, seed: int) -> tuple[datas
 
 
 def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> PreparedData:
-    """Load, tokenize (cached), split and pad or pack the recipe's data.
-
-    With an image-text ``processor``, records with an image column also get the image's pixel values.
-    """
+    """Load, tokenize (cached), split and pad or pack the recipe's data (with an image-text ``processor``, images)."""
     spec = data_spec(cfg)
     pad = pad_token_id(tokenizer)
     source: datasets.Dataset = instantiate(cfg.dataset, "dataset")
@@ -128,12 +125,8 @@ class NoLossError(ConfigError):
 
 
 def check_lengths(prepared: PreparedData, encoded: datasets.Dataset) -> str | None:
-    """Refuse rows without a single token that takes the loss (``NoLossError``); a warning when many examples
-    are cut short.
-
-    Both name the ``data.seq_length`` that keeps 95% of the examples whole (the lengths are known from the
-    tokenization, so this costs one pass over a column, made only when there is something to say).
-    """
+    """Refuse rows with no token that takes the loss; warn when many examples are cut short. Both name the
+    ``data.seq_length`` that keeps 95% of the examples whole."""
     seq_length = prepared.spec.seq_length
     totals = prepared.train.totals()
     if not totals["examples"]:

@@ -1,8 +1,7 @@
 """A streamed corpus's checkpointed position read back: its corpus, its lane count and each lane's bounds checked.
 
-A position read from a checkpoint is untrusted: every count and index that drives a read is checked against its
-bounds, and every file it names must be in the recipe's own listing (``check_corpus``), so a damaged or foreign
-file can make a resume neither read other files nor read more than a position may.
+Untrusted: every count and index that drives a read is bounded, and every file it names must be in the recipe's
+own listing (``check_corpus``).
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def lane_counts(stream: Any) -> list[int]:
 
 def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
                  source: int | None = None) -> list[list[Any]]:
-    """The unit records to resume with: the checkpoint's, plus (with ``allow_appended``) the units of files added
-    since, read from the next epoch on. A file changed or gone, or one added without the override: ``DataError``.
-    Files are compared (path, size, version), so units cut differently since still match their file."""
+    """The unit records to resume with: the checkpoint's, plus (``allow_appended``) those of files added since;
+    a file changed or gone, or added without it, is ``DataError``. Files compare by path, size and version."""
     where = f"dataset.sources[{source}]" if source is not None else "dataset"
     current = {s.path: s for s in now}
     for s in saved:
@@ -95,8 +93,7 @@ def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
 
 
 def check_position(p: Any, shuffle_buffer: int) -> None:
-    """The one global stream's position of a checkpoint written before lanes (shape and bounds; its files are
-    checked against the recipe's listing by ``check_corpus``)."""
+    """The shape and bounds of the one global stream's position of a checkpoint written before lanes."""
     from automodel_ckpt.data.stream.stream import DRAW_BATCH
 
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list):
@@ -113,8 +110,7 @@ def check_position(p: Any, shuffle_buffer: int) -> None:
 
 
 def check_lane(p: Any, counts: Any, shards: list[list[Shard]], buffer: int, sequences: int) -> None:
-    """A lane's position and counts (``lane_counts``) against the corpus's units, the lane's buffer size and the
-    number of sequences the lane made before the step the checkpoint ends."""
+    """A lane's position and counts against the corpus's units, its buffer size and the sequences it made."""
     from automodel_ckpt.data.stream.stream import DRAW_BATCH, LANE_DRAW_BATCH
 
     _check_stream(p, [len(s) for s in shards], buffer, max(DRAW_BATCH, LANE_DRAW_BATCH))
@@ -126,8 +122,7 @@ def check_lane(p: Any, counts: Any, shards: list[list[Shard]], buffer: int, sequ
 
 
 def old_position_to_lanes(p: Any, lanes: int, shuffle_buffer: int) -> dict[str, Any] | None:
-    """The loader's state from a checkpoint written before lanes (one global stream), which resumes exactly with
-    ``data.lanes: 1`` (the same order, bit for bit); with another lane count: ``DataError`` saying so."""
+    """The state of a checkpoint written before lanes: exact with ``data.lanes: 1``, else ``DataError``."""
     if p is None:
         return None
     if lanes != 1:

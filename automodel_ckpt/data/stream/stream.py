@@ -1,22 +1,8 @@
 """One lane of a streamed corpus: its packed sequences and its position (small, exact).
 
-The corpus's order is made over a fixed number of lanes (``data.lanes``; docs/data.md, "Lanes"): lane ``l`` reads
-the units ``i`` of each epoch's seeded unit order with ``i mod lanes == l`` (a source of fewer units than lanes:
-the unit ``l mod n``), through its own shuffle buffer (``data.shuffle_buffer // lanes`` rows), blend draws and
-packing, its choices seeded by ``(seed, lane)``. With one lane this is the corpus's one global stream, as before
-lanes. The loader interleaves the lanes (global sequence ``k`` is lane ``k mod lanes``'s). The position of a lane
-after any of its sequences (``GlobalStream.position``) is:
-
-* per source: the shard list (its identity, append-only), the epoch, how many shards this epoch reads, where in
-  the epoch's shard order and in the shard the next row is, the shuffle buffer as row references, and how many rows
-  left the buffer (the seeded picks are a function of that count: ``order.buffer_pick``);
-* the blend's document count (its picks likewise: ``order.blend_pick``);
-* the documents drawn but not packed yet, as row references, and how many tokens of the first are packed already
-  (the carry-over);
-* the sequences made, the tokens each source gave them, the bad rows skipped.
-
-Restoring reads back only the rows it references (at most ``shuffle_buffer`` per source plus a batch of pending
-documents): the time to resume does not depend on how far into the corpus the run is.
+Lane ``l`` reads the units ``i`` of each epoch's seeded unit order with ``i mod lanes == l``, through its own
+shuffle buffer, blend draws and packing, seeded by ``(seed, lane)``; one lane is the corpus's one global stream. Its
+position holds row references, not rows, so a resume reads back only those (docs/data.md, "The position").
 """
 
 from __future__ import annotations
