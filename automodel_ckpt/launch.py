@@ -19,8 +19,7 @@ ERRORS_FOLDER = "AUTOMODEL_CKPT_ERRORS"
 
 
 def default_start_method() -> str:
-    """``fork`` on Linux without GPUs; ``exec`` elsewhere: a GPU driver initialised by anything the launcher imports
-    would be unusable in forked workers, and other systems fork less safely."""
+    """``fork`` on Linux without GPUs (a GPU driver initialised before a fork is unusable), else ``exec``."""
     gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
     return "fork" if sys.platform.startswith("linux") and not gpu else "exec"
 

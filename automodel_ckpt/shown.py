@@ -30,8 +30,7 @@ def _code(match: re.Match[str]) -> str:
 
 
 class EscapingStream:
-    """A text stream that writes through to ``stream`` with ``escaped`` text; everything else is ``stream``'s.
-    ``colors``: SGR colour sequences (``ESC[32m``) pass through, for output that asked for colour."""
+    """``stream`` writing ``escaped`` text (``colors``: SGR colour sequences pass through)."""
 
     def __init__(self, stream: TextIO, *, colors: bool = False) -> None:
         self.stream = stream
@@ -66,8 +65,7 @@ def allow_colors(enabled: bool) -> None:
 
 
 def shown_value(value: Any, width: int = 40) -> str:
-    """A value read from a file, short and safe in a one-line message: its ``repr`` cut to ``width``, a huge integer
-    by its size (Python refuses to write more than 4,300 digits), a container by its type and length."""
+    """A value read from a file, short and safe in a one-line message (a huge integer: by its size, never digits)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits"
     if isinstance(value, (list, tuple, dict, set)):

@@ -70,8 +70,7 @@ class Algorithm:
         raise NotImplementedError
 
     def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
-        """The order the pipeline takes a batch's rows in (None: as they are): a loss over several rows (a pair's
-        two) keeps them in one microbatch."""
+        """The order the pipeline takes a batch's rows in (None: as they are), keeping a pair in one microbatch."""
         return None
 
     def validate(self, batches: list[MicroBatch]) -> Numbers:
@@ -79,8 +78,7 @@ class Algorithm:
         raise NotImplementedError
 
     def step_done(self, loss: float, global_count: float, sums: list[torch.Tensor | None]) -> Numbers:
-        """After the optimizer step (``loss``: the mean over ``global_count``; ``sums``: this rank's loss calls'
-        metric sums): the counters moved; the step's loss and metrics."""
+        """After the optimizer step (``sums``: this rank's loss calls'): the counters moved; the step's numbers."""
         raise NotImplementedError
 
     def save_extra(self) -> dict[str, Any]:
@@ -89,8 +87,7 @@ class Algorithm:
 
 
 def frozen_copy(ctx: TrainContext) -> tuple[torch.nn.Module, StartingWeights]:
-    """A frozen copy of the policy built as the policy is (this rank's stage, sharded like it), in eval mode: a
-    reference; and the starting weights that fill it."""
+    """A frozen copy of the policy, built and sharded as it is, and the starting weights that fill it."""
     cfg, forward = ctx.cfg, ctx.forward
     weights = StartingWeights(cfg.model, ctx.env.rank, build_whole=lambda: instantiate(cfg.model, "model"))
     meta = builds_on_meta(cfg.model)

@@ -69,8 +69,7 @@ class Forward:
         return result.loss
 
     def staged_sums(self) -> list[torch.Tensor | None]:
-        """The metric sums of the last schedule run's microbatches (on the last stage). Torch's schedule may call the
-        loss once first to infer the backward's shapes: those calls are left out."""
+        """The last schedule run's microbatches' metric sums, less torch's first calls that infer the shapes."""
         kept = self._kept[len(self._kept) - self.plan.microbatches:] if self._kept else []
         self._kept = []
         return kept
@@ -86,8 +85,7 @@ class Forward:
 
 @dataclass
 class TrainContext:
-    """Everything an algorithm reads of the run; the recipe fills it in as it builds (the policy and the forward
-    before the algorithm's data)."""
+    """Everything an algorithm reads of the run, filled in as the recipe builds it."""
 
     cfg: Any
     run: Run

@@ -155,8 +155,7 @@ def instantiate(node: Mapping[str, Any] | DictConfig, section: str, /, *args: An
 
 
 def check_arguments(node: Mapping[str, Any] | DictConfig, section: str) -> None:
-    """A ``_target_`` section's keys and value types against its target's signature, before any process starts
-    (a target in a ``file.py`` is left to ``instantiate``: importing runs the file)."""
+    """A ``_target_`` section's keys and values against its target's signature (a ``file.py`` target's: not)."""
     config = _plain(node, section)
     if not isinstance(config, Mapping) or not isinstance(config.get(TARGET_KEY), str) or ":" in config[TARGET_KEY]:
         return

@@ -203,11 +203,9 @@ class _Source:
         return f"{self.path}:{self.marks[key]}: {msg}" if key else f"{self.path}: {msg}"
 
 
-def load_config(
-    path: str | os.PathLike[str], overrides: Sequence[tuple[str, str]] | Sequence[str], schema: type
-) -> DictConfig:
-    """Schema defaults (with the registered algorithms' sections, ``config.sections``), then the YAML recipe, then
-    each override; validated and checked to resolve."""
+def load_config(path: str | os.PathLike[str], overrides: Sequence[tuple[str, str]] | Sequence[str],
+                schema: type) -> DictConfig:
+    """Schema defaults and algorithms' sections, the recipe, then each override; validated and resolved."""
     cfg = OmegaConf.structured(with_sections(schema))
     data, marks = _load_yaml_marked(path)
     source = _Source(str(path), marks)
@@ -230,8 +228,7 @@ def load_config(
 
 
 def apply_values(cfg: DictConfig, values: Mapping[str, Any], origin: str) -> DictConfig:
-    """A copy of ``cfg`` with ``values`` (dotted key -> value) merged in as overrides are; an unknown key is a
-    ``ConfigError`` prefixed by ``origin``."""
+    """A copy of ``cfg`` with ``values`` (dotted key -> value) merged in as overrides are, errors naming ``origin``."""
     out = copy.deepcopy(cfg)
     for key, value in values.items():
         if not isinstance(key, str) or not _KEY_RE.match(key):

@@ -130,8 +130,7 @@ def _check_run(cfg: DictConfig, new_stage: Any) -> None:
 def _entry(index: int, entry: Any, after: int, max_steps: int | None) -> Stage:
     """Entry ``index`` of ``stages:``, checked: its keys, name, step and what it sets."""
     if not isinstance(entry, dict):
-        raise ConfigError(f"stages[{index}]: expected a mapping with name, at_step and set, got "
-                          f"{type(entry).__name__}")
+        raise ConfigError(f"stages[{index}]: expected a mapping with name, at_step and set, got {type(entry).__name__}")
     here = where(index, entry.get("name"))
     extra = sorted(str(k) for k in entry if k not in _ENTRY)
     if extra:

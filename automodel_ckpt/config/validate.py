@@ -34,14 +34,12 @@ def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: in
         raise ConfigError(
             f"step_scheduler.global_batch_size ({global_batch_size}) must be a multiple of local_batch_size × "
             f"data-parallel size ({local_batch_size} × {dp_size} = {per_micro_step}); change "
-            "step_scheduler.global_batch_size or step_scheduler.local_batch_size"
-        )
+            "step_scheduler.global_batch_size or step_scheduler.local_batch_size")
     return global_batch_size // per_micro_step
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> MeshSizes:
-    """Raise ConfigError (one line) for values that would fail later (the ``data:`` keys: ``data.checks``); returns
-    the mesh the run will have."""
+    """Raise ConfigError (one line) for values that would fail later; the mesh the run will have."""
     sched = cfg.step_scheduler
     positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
     positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
@@ -119,8 +117,7 @@ def check_importable(path: str, key: str) -> None:
 
 
 def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:
-    """Missing model or tokenizer paths, before any process starts; one line per input saying where it lies (a Hub
-    id missing offline is an error unless ``fetchable``)."""
+    """Missing model or tokenizer paths before any process starts; one line per input saying where it lies."""
     from automodel_ckpt.models.build import check_model_source, no_folder_error
     from automodel_ckpt.models.hub import is_hub_id, model_source
 

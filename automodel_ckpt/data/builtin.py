@@ -38,12 +38,8 @@ def addition_problems(split: str) -> tuple[tuple[int, int], ...]:
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
     want_heldout = split == "heldout"
-    return tuple(
-        (a, b)
-        for a in range(MIN_OPERAND, MAX_OPERAND + 1)
-        for b in range(MIN_OPERAND, MAX_OPERAND + 1)
-        if is_heldout(a, b) == want_heldout
-    )
+    operands = range(MIN_OPERAND, MAX_OPERAND + 1)
+    return tuple((a, b) for a in operands for b in operands if is_heldout(a, b) == want_heldout)
 
 
 def _prompt(a: int, b: int) -> str:
@@ -51,8 +47,7 @@ def _prompt(a: int, b: int) -> str:
 
 
 def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
-    """Addition problems ``"37+45="`` -> ``"82"`` drawn with replacement from one split (columns ``id``, ``prompt``,
-    ``completion``); the same arguments always yield the same rows."""
+    """Addition problems ``"37+45="`` -> ``"82"`` drawn with replacement from one split, the same for one seed."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     if num_samples < 0:
@@ -68,19 +63,10 @@ def _arithmetic_rows(num_samples: int, seed: int, split: str) -> datasets.Datase
     rng = random.Random(f"{split}:{seed}")
     drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
     return datasets.Dataset.from_dict(
-        {
-            "id": list(range(num_samples)),
-            "prompt": [_prompt(a, b) for a, b in drawn],
-            "completion": [str(a + b) for a, b in drawn],
-        },
-        features=datasets.Features(
-            {
-                "id": datasets.Value("int64"),
-                "prompt": datasets.Value("string"),
-                "completion": datasets.Value("string"),
-            }
-        ),
-    )
+        {"id": list(range(num_samples)), "prompt": [_prompt(a, b) for a, b in drawn],
+         "completion": [str(a + b) for a, b in drawn]},
+        features=datasets.Features({"id": datasets.Value("int64"), "prompt": datasets.Value("string"),
+                                    "completion": datasets.Value("string")}))
 
 
 #: Task-neutral name of the built-in dataset factory (same signature as :func:`arithmetic_dataset`).

@@ -55,8 +55,7 @@ class DataSpec:
             f"dataset: records need a '{self.messages_field}' column, '{self.prompt_field}'+"
             f"'{self.completion_field}' columns or a '{self.text_field}' column, got {sorted(columns)} "
             "(set data.messages_field / data.prompt_field / data.completion_field / data.text_field, or build them "
-            "with data.prompt_template and data.completion_template)"
-        )
+            "with data.prompt_template and data.completion_template)")
 
 
 class Encoder:
@@ -100,8 +99,7 @@ class Encoder:
         return prompts, completions
 
     def _encode(self, texts: list[str], offsets: bool = False) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-        """Token ids (and character offsets) of ``texts``, no special tokens added, from a fast tokenizer's backend
-        directly (the same ids as ``tokenizer(texts)``, without Python dictionaries)."""
+        """Token ids (and character offsets) of ``texts``, no special tokens, from a fast tokenizer's backend."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             encodings = backend.encode_batch(texts, add_special_tokens=False)
@@ -149,12 +147,9 @@ def token_columns(ids: list[list[int]], labels: list[list[int]], batch: dict, in
     ids_col = batch.get("id")  # an integer id column names the samples; otherwise the record number does
     if ids_col is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids_col):
         ids_col = None
-    return {
-        "input_ids": [x[:n] for x in ids],
-        "labels": [x[:n] for x in labels],
-        "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
-        "num_tokens": [len(x) for x in ids],
-    }
+    return {"input_ids": [x[:n] for x in ids], "labels": [x[:n] for x in labels],
+            "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
+            "num_tokens": [len(x) for x in ids]}
 
 
 class BadRecord(Exception):

@@ -12,8 +12,7 @@ from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 
 @dataclass
 class MicroBatch:
-    """Rows of one forward pass. ``position_ids`` (packed rows only) restart at every example in a row;
-    ``pixel_values`` (image records only) hold each row's image as the processor prepared it."""
+    """Rows of one forward pass; ``position_ids``: packed rows only; ``pixel_values``: image records only."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -38,24 +37,10 @@ class GlobalBatchLoader:
 
     checkpoint_scope = "rank"
 
-    def __init__(
-        self,
-        data: TokenizedData,
-        *,
-        global_batch_size: int,
-        local_batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle: bool = True,
-    ) -> None:
-        self.data = data
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.shuffle = shuffle
+    def __init__(self, data: TokenizedData, *, global_batch_size: int, local_batch_size: int, rank: int,
+                 world_size: int, seed: int, shuffle: bool = True) -> None:
+        self.data, self.global_batch_size, self.local_batch_size = data, global_batch_size, local_batch_size
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.grad_accum = global_batch_size // (local_batch_size * world_size)
         self.epoch = 0
         self.position = 0
@@ -70,11 +55,8 @@ class GlobalBatchLoader:
     def _epoch_order(self) -> torch.Tensor:
         if self._order_epoch != self.epoch:
             n = len(self.data)
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._order = torch.randperm(n, generator=g)
-            else:
-                self._order = torch.arange(n)
+            self._order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
+                if self.shuffle else torch.arange(n)
             self._order_epoch = self.epoch
         assert self._order is not None
         return self._order
@@ -122,8 +104,7 @@ class GlobalBatchLoader:
         return max(0, this_epoch + (num_epochs - 1 - self.epoch) * self.steps_per_epoch)
 
     def begin_stage(self) -> str | None:
-        """A new stage goes on from the position in samples of the epoch's order; other training rows (another
-        ``dataset:`` or length) start at their beginning (said)."""
+        """A new stage goes on from the position; other training rows start at their beginning (said)."""
         rows, seed = getattr(self, "_saved_rows", (len(self.data), self.seed))
         if (rows, seed) == (len(self.data), self.seed):
             return None
@@ -149,8 +130,8 @@ def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int,
 
 def strided_rows(n: int, *, local_batch_size: int, rank: int, world_size: int
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s share of ``n`` rows in batches: rows ``rank, rank+W, ...``, as many on every rank (a rank
-    short of rows gets row 0 again), each batch's row indices with a mask of the rows that are its own."""
+    """Rank ``rank``'s rows ``rank, rank+W, ...`` in batches, padded with row 0 to as many on every rank, each with
+    a mask of its own rows."""
     per_rank = -(-n // world_size)
     idx = torch.arange(rank, n, world_size)
     real = torch.ones(per_rank, dtype=torch.bool)

@@ -188,8 +188,7 @@ def encode_pairs(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec, fields: P
 
 
 def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
-    """Load, split (``data.val_size`` unless ``validation_dataset``), tokenize (cached) and check the recipe's
-    preference pairs."""
+    """Load, split, tokenize (cached) and check the recipe's preference pairs."""
     if is_streamed(cfg.get("dataset")):
         raise ConfigError("dataset: a streamed corpus holds no preference pairs; DPO reads a map-style dataset of "
                           "prompt, chosen and rejected columns")

@@ -37,8 +37,7 @@ class CacheInfo:
 
 @dataclass
 class TokenizedData:
-    """Rows of ``seq_length`` tokens memory-mapped from Arrow, read on demand by ``batch(idx)``; ``sample_ids``: each
-    row's (first) example; ``position_ids``: packed rows only."""
+    """Rows of ``seq_length`` tokens memory-mapped from Arrow, read on demand; ``sample_ids``: each row's example."""
 
     rows: datasets.Dataset
     caches: list[CacheInfo] = field(default_factory=list)

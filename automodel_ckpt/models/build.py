@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import ConfigError, first_line
 
@@ -81,15 +79,9 @@ def check_model_source(pretrained_model_name_or_path: str | None, config: dict |
     return f"model.pretrained_model_name_or_path {source.describe()}"
 
 
-def build_causal_lm(
-    pretrained_model_name_or_path: str | None = None,
-    config: dict[str, Any] | None = None,
-    embedded: str | None = None,
-    dtype: str = "float32",
-    attn_implementation: str | None = None,
-    seed: int = 0,
-    on_meta: bool = False,
-) -> PreTrainedModel:
+def build_causal_lm(pretrained_model_name_or_path: str | None = None, config: dict[str, Any] | None = None,
+                    embedded: str | None = None, dtype: str = "float32", attn_implementation: str | None = None,
+                    seed: int = 0, on_meta: bool = False) -> PreTrainedModel:
     """A causal LM with parameters in ``dtype``: from ``config`` and ``seed``, else read from the folder (an
     ``embedded`` base is created there on first use); ``on_meta``: without weights (``models/materialize.py``)."""
     from transformers import AutoModelForCausalLM
@@ -98,15 +90,9 @@ def build_causal_lm(
                   seed, on_meta)
 
 
-def build_image_text_model(
-    pretrained_model_name_or_path: str | None = None,
-    config: dict[str, Any] | None = None,
-    embedded: str | None = None,
-    dtype: str = "float32",
-    attn_implementation: str | None = None,
-    seed: int = 0,
-    on_meta: bool = False,
-) -> PreTrainedModel:
+def build_image_text_model(pretrained_model_name_or_path: str | None = None, config: dict[str, Any] | None = None,
+                           embedded: str | None = None, dtype: str = "float32", attn_implementation: str | None = None,
+                           seed: int = 0, on_meta: bool = False) -> PreTrainedModel:
     """An image-text-to-text model (LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`; a ``config`` block names its
     ``model_type`` and holds ``text_config`` and ``vision_config``."""
     from transformers import AutoModelForImageTextToText

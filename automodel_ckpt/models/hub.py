@@ -76,8 +76,7 @@ def fetch_command(repo_id: str) -> str:
 
 
 def cached_snapshot(repo_id: str, weights: bool = True) -> Path | None:
-    """The complete cached snapshot of ``repo_id`` (with its config and safetensors weights, if ``weights``), or
-    None; never touches the network."""
+    """The complete cached snapshot of ``repo_id`` (with weights, if ``weights``), or None; no network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
 
@@ -105,8 +104,7 @@ def _has_all_weights(folder: Path) -> bool:
 
 
 def model_source(name: str, key: str = "model.pretrained_model_name_or_path", weights: bool = True) -> ModelSource:
-    """Where ``name`` lies now (``ConfigError`` naming ``key``: neither a folder nor a Hub id); ``weights=False``
-    for a tokenizer, which needs no config.json and no weights."""
+    """Where ``name`` lies now (``weights=False``: a tokenizer's, no config.json); else ``ConfigError``."""
     p = Path(name).expanduser()
     if (p / "config.json").exists() or (not weights and p.is_dir()):
         return ModelSource(name, LOCAL, p, key)
@@ -154,15 +152,13 @@ def _download(repo_id: str, key: str, weights: bool) -> Path:
     except RepositoryNotFoundError as exc:
         if _status(exc) in (401, 403):  # the Hub answers 401 for a private repo and for a missing one alike
             raise ConfigError(_gated_message(repo_id, key)) from None
-        raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} "
-                          "(nor a local folder)") from None
+        raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} (nor a local folder)") from None
     except OfflineModeIsEnabled:
         raise ConfigError(_offline_message(repo_id, key)) from None
     except HfHubHTTPError as exc:
         if _status(exc) in (401, 403):
             raise ConfigError(_gated_message(repo_id, key)) from None
-        raise ConfigError(f"{key}: downloading '{repo_id}' failed: "
-                          f"{first_line(exc)}") from None
+        raise ConfigError(f"{key}: downloading '{repo_id}' failed: {first_line(exc)}") from None
     except _network_errors() as exc:  # no network: DNS, refused connection, timeout
         raise ConfigError(f"{_offline_message(repo_id, key)} ({type(exc).__name__})") from None
     return Path(folder)
@@ -190,8 +186,7 @@ def _status(exc: Exception) -> int | None:
 
 def _offline_message(repo_id: str, key: str) -> str:
     return (f"{key}: '{repo_id}' is neither a local folder nor in the Hugging Face cache ({_cache_dir()}), and the "
-            f"Hub cannot be reached (offline); fetch it where the Hub is reachable with: "
-            f"{fetch_command(repo_id)}")
+            f"Hub cannot be reached (offline); fetch it where the Hub is reachable with: {fetch_command(repo_id)}")
 
 
 def _gated_message(repo_id: str, key: str) -> str:

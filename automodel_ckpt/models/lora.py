@@ -29,26 +29,17 @@ def lora_config(peft: Any, model: nn.Module | None = None):
 
     check_peft_section(peft)
     targets = list(peft.target_modules) if peft.target_modules is not None else None
-    exclude = None
-    if model is not None:
-        exclude = lora_exclusions(model, bool(getattr(peft, "vision_tower", False)))
+    exclude = lora_exclusions(model, bool(getattr(peft, "vision_tower", False))) if model is not None else None
     if targets is None:
         if model is None:
             raise ConfigError("peft.target_modules: not set, and no model to choose the targets for")
         targets = default_targets(model)
         if not targets:
             raise ConfigError("peft.target_modules: the model has no linear layer to adapt; name the modules to adapt")
-    return LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
-        r=int(peft.rank),
-        lora_alpha=float(peft.alpha),
-        lora_dropout=float(peft.dropout),
-        target_modules=targets,
-        bias=str(peft.bias),
-        use_rslora=bool(peft.use_rslora),
-        init_lora_weights=bool(peft.init_lora_weights),
-        exclude_modules=exclude,
-    )
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(peft.rank), lora_alpha=float(peft.alpha),
+                      lora_dropout=float(peft.dropout), target_modules=targets, bias=str(peft.bias),
+                      use_rslora=bool(peft.use_rslora), init_lora_weights=bool(peft.init_lora_weights),
+                      exclude_modules=exclude)
 
 
 def check_peft_section(peft: Any) -> None:
@@ -111,8 +102,7 @@ def default_targets(model: nn.Module) -> list[str]:
 
 
 def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
-    """A PEFT ``exclude_modules`` regex keeping LoRA out of an image-text model's projector and, unless
-    ``vision_tower``, its vision tower; None for a text model."""
+    """A PEFT ``exclude_modules`` regex for an image-text model's projector and vision tower; None for text."""
     from automodel_ckpt.model_parts import vision_module_paths
 
     paths = vision_module_paths(model, towers=not vision_tower)

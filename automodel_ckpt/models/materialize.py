@@ -34,8 +34,7 @@ def builds_on_meta(node: Mapping[str, Any]) -> bool:
 
 
 class StartingWeights:
-    """Where a meta-built model's first weights come from (``model:`` section ``node``), filled on every rank;
-    ``build_whole`` builds it as a one-rank run would (rank 0, for a config-built model)."""
+    """Where a meta-built model's first weights come from, filled on every rank (``build_whole``: a one-rank build)."""
 
     def __init__(self, node: Mapping[str, Any], rank: int, build_whole: Callable[[], nn.Module]) -> None:
         self.node = dict(node)
@@ -80,8 +79,7 @@ class StartingWeights:
         self._record["params"] = _held(model)
 
     def fill(self, model: nn.Module, *, model_loaded: bool) -> None:
-        """Collective: the first weights of whatever a checkpoint did not fill (``model_loaded``: the restore loaded
-        the model's state, a PEFT model's being its adapters)."""
+        """Collective: the first weights of whatever the restore did not fill (a PEFT model's restore: its adapters)."""
         if not self.on_meta:
             return
         peft = hasattr(model, "get_base_model")
@@ -151,8 +149,7 @@ def materialize_module(model: nn.Module, device: torch.device | str) -> None:
 
 
 def init_buffers(base: nn.Module) -> None:
-    """A materialised transformers model's buffers (rotary tables, ...) computed by its own initialisation, every
-    parameter marked as initialised so it is left as it is."""
+    """A materialised transformers model's buffers (rotary tables) computed by its own init, parameters untouched."""
     from transformers import PreTrainedModel
 
     if not isinstance(base, PreTrainedModel):

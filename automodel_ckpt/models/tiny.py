@@ -121,8 +121,7 @@ def name_generic_tokenizer(folder: Path) -> None:
 
 
 def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
-    """``path`` holding the embedded base model (bf16, two shards, tokenizer), created if absent: the same library
-    versions write identical bytes on every machine."""
+    """``path`` holding the embedded base model, created if absent (the same bytes on every machine)."""
     return ensure_model_folder(path, _write_base)
 
 

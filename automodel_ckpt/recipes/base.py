@@ -46,8 +46,7 @@ class BaseRecipe:
         self.checkpoint_config: CheckpointConfig = CheckpointConfig.from_section(cfg.checkpoint)
 
     def run(self) -> None:
-        """Train to the end, or until preempted; on return the last save is complete. A run in stages
-        (docs/stages.md) is a launch per stage, each built from its stage's recipe."""
+        """Train to the end or until preempted (a launch per stage), the last save complete on return."""
         if type(self).setup is BaseRecipe.setup:  # neither this template's steps nor a run of its own
             raise NotImplementedError(f"{type(self).__name__} must implement setup() and step(), or run()")
         from automodel_ckpt.config.stages import StagePlan
@@ -146,8 +145,7 @@ class BaseRecipe:
         return self.checkpointer
 
     def train(self) -> Any:
-        """``step()`` to the end or until preempted, each record logged and then saved when due; the last
-        ``StepEnded`` (None: no step)."""
+        """``step()`` to the end or until preempted, logged and saved when due; the last ``StepEnded``."""
         steps, ended = self.step_scheduler, None
         while not steps.done:
             record = self.step()
@@ -187,7 +185,6 @@ class BaseRecipe:
         return self._lineage  # (a run in stages adds the stage it is in once its restore knows it: recipes.stages)
 
     def restore_checkpoint(self) -> Path | None:
-        """Restore what ``checkpoint.restore_from`` selects (auto: the newest that loads); ``self.restored`` says
-        what it loaded."""
+        """Restore what ``checkpoint.restore_from`` selects; ``self.restored`` says what it loaded."""
         self.restored = self.checkpointer.resume(self.checkpointed_state())
         return self.restored.path

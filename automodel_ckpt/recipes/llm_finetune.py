@@ -120,8 +120,7 @@ class FinetuneRecipe(BaseRecipe):
         return model, fingerprint
 
     def _cut_stage(self, model: torch.nn.Module) -> tuple[Any, bool]:
-        """This rank's pipeline stage, cut on the meta device (whole-model names kept): the plan, and whether the
-        first and last stages share a tied weight."""
+        """This rank's pipeline stage, cut on the meta device: the plan, and whether a tied weight spans stages."""
         if self.dims.pp_size <= 1:
             return None, False
         cfg = self.cfg
@@ -173,8 +172,7 @@ class FinetuneRecipe(BaseRecipe):
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
-            min_every_steps=sched.min_every_steps, max_every_steps=sched.max_every_steps,
-        )
+            min_every_steps=sched.min_every_steps, max_every_steps=sched.max_every_steps)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         chosen, optimizer_line = implementation(locate(cfg.optimizer.get("_target_"), "optimizer._target_"),
                                                 cfg.optimizer, trainable)
@@ -201,8 +199,7 @@ class FinetuneRecipe(BaseRecipe):
                 self.progress.write(line)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
-        """Rank 0 builds first (an embedded base is created once). This package's builders build on the meta device;
-        another ``_target_`` builds the whole model, moved to the device."""
+        """Rank 0 builds first (an embedded base is created once); another package's model is moved to the device."""
         meta = builds_on_meta(self.cfg.model)
         model = main_first(lambda: instantiate(self.cfg.model, "model", **({"on_meta": True} if meta else {})),
                            self.env.rank)
@@ -230,8 +227,7 @@ class FinetuneRecipe(BaseRecipe):
         return build_tokenizer(path)
 
     def state_meaning(self, cfg: Any = None) -> dict[str, Any]:
-        """The recipe keys that change what saved state means (in each checkpoint's fingerprint), of this recipe
-        or of ``cfg`` (another stage's)."""
+        """The recipe keys that change what saved state means (the fingerprint's), of this or ``cfg``'s stage."""
         cfg = self.cfg if cfg is None else cfg
         meaning = {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "data.seq_length": cfg.data.seq_length,
                    "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
@@ -244,13 +240,11 @@ class FinetuneRecipe(BaseRecipe):
 
     def hf_artifacts(self) -> HFArtifacts:
         model = self.model
-        return HFArtifacts(
-            hf_config=getattr(model, "config", None),
-            generation_config=getattr(model, "generation_config", None),
-            tokenizer=self.processor if self.processor is not None else self.tokenizer,
-            base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
-            peft=self._peft_section(),
-        )
+        return HFArtifacts(hf_config=getattr(model, "config", None),
+                           generation_config=getattr(model, "generation_config", None),
+                           tokenizer=self.processor if self.processor is not None else self.tokenizer,
+                           base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
+                           peft=self._peft_section())
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> Any:

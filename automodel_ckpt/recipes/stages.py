@@ -74,8 +74,7 @@ def run_in_stages(first: Any, plan: StagePlan) -> None:
 
 
 def _resumed_step(ckpt: Any) -> int:
-    """The step of the checkpoint a launch will most likely resume, read before anything is built (0: none). A
-    guess: the launch checks it after its restore."""
+    """A guess of the step a launch resumes, read before anything is built (0: none); checked after the restore."""
     try:
         folder = run_folder(ckpt)
         target = RunFolder.latest if ckpt.load_only else ckpt.restore_from or RunFolder.latest  # load_only: own first

@@ -185,8 +185,7 @@ class Preference(Algorithm):
         self.checkpoint_exclude = Algorithm.checkpoint_exclude | (frozenset() if saved else {"ref_model"})
 
     def _settle_reference(self, loaded: bool) -> None:
-        """A reference the checkpoint did not hold: filled from the starting weights and checked against the
-        recorded fingerprint (a synced reference must come from the checkpoint)."""
+        """A reference not restored: from the starting weights, checked against the recorded fingerprint."""
         ctx = self.ctx
         if loaded:
             if ctx.env.is_main:

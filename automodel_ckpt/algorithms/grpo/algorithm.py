@@ -85,8 +85,7 @@ def take_prompts(order: torch.Tensor, position: int, lengths: list[int], want: i
 
 @dataclass
 class RolloutRows:
-    """A micro-batch's rows of the rollout batch: labels, per-token log-probs as sampled and the reference's, and
-    each row's advantage."""
+    """A micro-batch's rows of the rollout batch: labels, log-probs as sampled and the reference's, advantages."""
 
     labels: torch.Tensor
     old_log_probs: torch.Tensor
@@ -131,8 +130,7 @@ class GRPO(EngineLoop, Algorithm):
 
     # ------------------------------------------------------------------------------------- reference
     def build(self) -> None:
-        """The reference (``beta`` > 0, a full fine-tune), what a checkpoint's rollout batch is checked against, and
-        the engine."""
+        """The reference, what a checkpoint's rollout batch is checked against, and the engine."""
         if self.grpo_cfg.beta > 0 and not self._peft:
             self.ref_model, self._ref_weights = frozen_copy(self.ctx)  # filled in ``restored``
         cfg = self.ctx.cfg
@@ -261,8 +259,7 @@ class GRPO(EngineLoop, Algorithm):
         return self.grpo.grpo_step + 1, [(p, i) for p in prompts for i in range(group)], prompts
 
     def _make_rollout(self) -> None:
-        """The next rollout batch: completions sampled (each rank its share), scored and gathered (``_fill``), and the
-        log-probs of the policy as sampled and of the reference."""
+        """The next rollout batch: sampled, scored and gathered, with the policy's and the reference's log-probs."""
         step, rows, prompts = self._take_rollout()
         share = self._share(len(rows))
         if self.engine is not None:
@@ -279,8 +276,7 @@ class GRPO(EngineLoop, Algorithm):
 
     def _fill(self, batch: RolloutBatch, step: int, rows: list[tuple[int, int]], prompts: list[int],
               completions: list[list[int]]) -> None:
-        """``batch`` from this rank's ``completions``: scored, gathered (the same on every rank), advantages per
-        group; the counters moved."""
+        """``batch`` from this rank's ``completions``: scored, gathered, advantages per group; counters moved."""
         ctx, section, g = self.ctx, self.grpo_cfg, self.grpo
         group = section.num_generations
         mine = [rows[r] for r in self._share(len(rows))]
@@ -329,8 +325,7 @@ class GRPO(EngineLoop, Algorithm):
                 "ref_log_probs": torch.zeros(n, width, dtype=torch.float64)}
 
     def _made_for_one_pass(self) -> bool:
-        """A batch made at ``num_iterations`` 1 (log-probs as sampled: NaN) resumed with more passes: a new one is
-        sampled, since no later pass can have its ratio."""
+        """A one-pass batch (log-probs as sampled: NaN) resumed with more passes: a new one is sampled."""
         return bool(self.rollout.passes and torch.isnan(self.rollout.tensors["old_log_probs"]).any())
 
     def _one_pass(self) -> bool:

@@ -85,8 +85,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------ process
     def start(self, model: Any, max_model_len: int) -> None:
-        """Rank 0: the engine process (``vllm_server.py``, on 127.0.0.1) built from the model's config with
-        placeholder weights; ``ready`` waits for it."""
+        """Rank 0: the engine process, built from the model's config with placeholder weights."""
         self._started_with = (model, max_model_len)
         if not self.is_main or not self.restartable:
             return
@@ -120,8 +119,7 @@ class VLLMEngine:
         self.sent, self.version, self.hash, self.engine_hash = set(), -1, "", ""
 
     def ready(self) -> None:
-        """Every rank: rank 0 waits (``grpo.vllm.timeout``) for the engine to answer; one that ended or never
-        answered is one line on every rank."""
+        """Every rank: rank 0 waits for the engine; one that ended or never answered is one line on every rank."""
         error = self._wait() if self.is_main else None
         error = broadcast_object(error)
         if error:
@@ -199,8 +197,7 @@ class VLLMEngine:
         return Sync(answer["weight_hash"], answer["engine_weight_hash"], answer["bytes"], time.perf_counter() - t0)
 
     def _send(self, tensors: dict[str, torch.Tensor], version: int, lora: Any) -> dict:
-        """Rank 0: the base's tensors in one file, a LoRA adapter's in a folder (kept until the next push), and their
-        hashes compared."""
+        """Rank 0: the base's tensors in one file, a LoRA adapter's in a folder; the hashes compared."""
         from safetensors.torch import save_file
 
         folder = self.folder or Path(tempfile.gettempdir())

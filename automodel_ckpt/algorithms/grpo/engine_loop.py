@@ -38,8 +38,7 @@ class Ahead:
 
 
 class EngineLoop:
-    """What ``GRPO`` does with an engine (``grpo.engine vllm``): mixed into it, its state and counters are
-    ``GRPO``'s."""
+    """What ``GRPO`` does with an engine (``grpo.engine vllm``), mixed into it."""
 
     engine: VLLMEngine | None
     _sync: Sync | None
@@ -115,8 +114,7 @@ class EngineLoop:
         return True
 
     def _engine_metrics(self) -> dict[str, Any]:
-        """The weights that sampled the rollout batch: their version, and with an engine their lag, hashes and this
-        step's push (bytes, seconds, share of the step)."""
+        """The weights that sampled the rollout batch: version, lag, hashes, and this step's push."""
         metrics: dict[str, Any] = {"weight_version": self.rollout.weight_version}
         if self.engine is None:
             return metrics

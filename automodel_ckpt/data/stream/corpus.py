@@ -145,8 +145,7 @@ def _globs(value: Any, key: str) -> list[str]:
 
 
 def file_format(path: str, format: str | None, strict: bool = True) -> str:
-    """``format`` if set, else the format of the suffix under any compression suffix (unknown: ``ConfigError``, or
-    ``""`` when not ``strict``)."""
+    """``format`` if set, else the suffix's under any compression (unknown: ``ConfigError``, or ``""``)."""
     if format is not None:
         if format not in set(FORMATS.values()):
             raise ConfigError(f"dataset.format: expected one of json, text, parquet, arrow, got '{format}'")
@@ -186,8 +185,7 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
 
 def list_source(source: Source, storage_options: dict[str, Any] | None, key: str,
                 split_parquet_bytes: int = SPLIT_PARQUET_BYTES) -> list[Shard]:
-    """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
-    glob that matches nothing."""
+    """The source's shards, sorted by path; ``ConfigError`` for a glob that matches nothing."""
     from automodel_ckpt.checkpoint import check_url, is_url
 
     shards: dict[str, Shard] = {}
@@ -230,8 +228,7 @@ def is_compressed(path: str) -> bool:
 
 def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] | None, format: str | None,
                min_range_bytes: int = MIN_RANGE_BYTES) -> list[Shard]:
-    """``units`` cut finer (row groups, byte ranges of at least ``min_range_bytes``, in order) when there are fewer of
-    them than ``lanes``, so that a small corpus still fills every lane."""
+    """``units`` cut finer (row groups, byte ranges) when fewer than ``lanes``: a small corpus fills every lane."""
     if len(units) >= lanes:
         return units
     out: list[Shard] = []

@@ -40,8 +40,7 @@ def lanes_of(rank: int, dp: int, lanes: int) -> list[int]:
 
 
 def worker_lanes(rank: int, dp: int, worker: int, workers: int, lanes: int) -> list[int]:
-    """The lanes worker ``worker`` of ``workers`` of rank ``rank`` computes (its sequences: the rank's ``j``-th with
-    ``j mod workers == worker``, global ``k = rank + j * dp``)."""
+    """The lanes worker ``worker`` of rank ``rank`` computes (the rank's ``j``-th sequences, ``j mod workers``)."""
     g = math.gcd(dp * workers, lanes)
     return [lane for lane in range(lanes) if lane % g == (rank + worker * dp) % g]
 
@@ -131,8 +130,7 @@ class _Messages(IterableDataset):
 
 
 def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[list[_Item]]:
-    """One list per worker and step again, worker 0 first each step, from the DataLoader's messages (one of each
-    worker in turn, each of the same number of steps)."""
+    """One list per worker and step again, worker 0 first each step, from the DataLoader's messages."""
     while True:
         batch = [message for _, message in zip(range(workers), messages)]  # (range first: no message lost)
         if not batch:
@@ -276,8 +274,7 @@ class StreamLoader:
         return self.epoch, micro
 
     def _reduce(self, error: str | None) -> str | None:
-        """Sum the lanes' counts over the ranks (each lane counted once); bad data met by a rank stops every rank at
-        the same step, with the first rank's message."""
+        """The lanes' counts summed over the ranks; bad data met by one rank stops every rank, with its message."""
         width = 2 + len(self.shards)
         if self.gather is None or self.dp_size == 1:  # this rank's lanes (all of them at dp 1)
             own = list(self.counts.values())
@@ -336,8 +333,7 @@ class StreamLoader:
             {"skipped_rows": skipped} if skipped else {})
 
     def summary(self) -> dict[str, Any] | None:
-        """Where the stream is, for a checkpoint's metadata and ``inspect``: the sequences, the lanes, the position's
-        size, and per source where this rank's first lane reads."""
+        """Where the stream is, for a checkpoint's metadata and ``inspect``."""
         if not self.positions:
             return None
         import pickle

@@ -22,8 +22,7 @@ def lanes_mismatch(saved: Any, now: int) -> str:
 
 
 def lane_counts(stream: Any) -> list[int]:
-    """What a lane reports to the step's totals: ``[epoch of the data trained on, bad rows skipped, tokens per
-    source ...]``."""
+    """A lane's part of the step's totals: ``[epoch trained on, bad rows skipped, tokens per source ...]``."""
     return [int(stream.trained_epoch), int(stream.skipped), *[int(t) for t in stream.source_tokens()]]
 
 

@@ -125,8 +125,7 @@ def _opened(path: str, storage_options: dict[str, Any] | None, key: int, row: in
 
 def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
            row: int, max_bytes: int, stop: int | None = None) -> Iterator[Row]:
-    """The rows of a json-lines or text file from the line at ``key``; with ``stop``, only those starting before it
-    (``read_line_range``)."""
+    """The rows of a line file from the line at ``key`` (with ``stop``: those starting before it)."""
     f, failed = _opened(path, storage_options, key, row)
     if failed is not None:
         yield failed
@@ -201,8 +200,7 @@ def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None,
 
 
 def _arrow_batches(path: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    """``(first row, rows)`` of each record batch of an Arrow IPC file (file or stream format, as the Hugging Face
-    datasets cache writes them), in order."""
+    """``(first row, rows)`` of each record batch of an Arrow IPC file (file or stream format), in order."""
     import pyarrow as pa
 
     f = _open(path, storage_options, compression=None)
@@ -241,8 +239,7 @@ def _arrow(path: str, storage_options: dict[str, Any] | None, key: int, max_byte
 
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
               row: int = 0, stop: int = -1, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
-    """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order; parquet: up to row
-    ``stop`` (a row-group shard's end; -1: the file's); a row over ``max_bytes`` is a bad row."""
+    """The rows of ``path`` from the one at ``key`` (numbered from ``row``) up to row ``stop`` (-1: the end)."""
     if fmt == "parquet":
         return _parquet(path, text_field, storage_options, key, stop, max_bytes)
     if fmt == "arrow":
@@ -252,8 +249,7 @@ def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, A
 
 def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None,
                keys: Iterable[int], max_bytes: int = MAX_RECORD_BYTES) -> dict[int, dict[str, Any]]:
-    """The texts of the rows at ``keys`` (a resume's shuffle buffer and carry-over); ``DataError`` if one cannot be
-    read back (the file changed)."""
+    """The texts of the rows at ``keys``; ``DataError`` if one cannot be read back (the file changed)."""
     wanted = sorted(set(keys))
     out: dict[int, dict[str, Any]] = {}
     if not wanted:
@@ -318,8 +314,7 @@ class _UpTo:
 
 def line_start(path: str, storage_options: dict[str, Any] | None, offset: int,
                max_bytes: int = MAX_RECORD_BYTES) -> int:
-    """The offset of the first line starting at or after ``offset`` in an uncompressed line file (``offset`` itself
-    when the file cannot be read: its reader says why)."""
+    """The first line's offset at or after ``offset`` in a line file (``offset`` if unreadable: its reader says)."""
     if offset <= 0:
         return 0
     with contextlib.suppress(OSError, ValueError):

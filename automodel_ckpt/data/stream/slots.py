@@ -39,16 +39,14 @@ def specs(corpus: Corpus) -> list[list[Any]]:
 
 def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_specs: Any,
             allow_appended: bool) -> Slots:
-    """The slots of a stream resumed from a checkpoint's ``saved_shards`` and ``saved_specs`` (None: before slots,
-    the sources the recipe's by index), for recipe ``corpus`` whose sources list ``now``."""
+    """The slots of a stream resumed from a checkpoint's shards and specs (None: the recipe's sources by index)."""
     if not isinstance(saved_shards, list) or not saved_shards or \
             not all(isinstance(s, list) and s for s in saved_shards):
         raise DataError("the checkpoint's data position is malformed (its sources); resume from another checkpoint")
     many = len(corpus.sources) > 1
     if saved_specs is None:  # a checkpoint written before slots: the same sources, in the same order
         if len(saved_shards) != len(now):
-            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards)} sources, this recipe "
-                            f"{len(now)}")
+            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards)} sources, this recipe {len(now)}")
         saved_specs = specs(corpus)
     _check_specs(saved_specs, len(saved_shards))
     of_recipe: list[int] = []
@@ -89,8 +87,7 @@ def _records(saved: Any) -> list[list[Any]]:
     """A slot's unit records as written (``Shard.record``), checked for their shape."""
     if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
                and isinstance(r[2], str) and all(isinstance(v, int) for v in r[3:]) for r in saved):
-        raise DataError("the checkpoint's data position is malformed (a shard record); resume from another "
-                        "checkpoint")
+        raise DataError("the checkpoint's data position is malformed (a shard record); resume from another checkpoint")
     return saved
 
 

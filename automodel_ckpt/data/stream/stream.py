@@ -91,8 +91,7 @@ class _Source:
 
 
 class GlobalStream:
-    """``next_sequence()`` -> the next ``seq_length`` tokens of lane ``lane`` of ``lanes`` (one lane: the corpus's
-    one global order); ``position()``."""
+    """``next_sequence()``: the next ``seq_length`` tokens of lane ``lane`` of ``lanes``; ``position()``."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
                  position: dict[str, Any] | None = None, lane: int = 0, lanes: int = 1) -> None:
@@ -122,8 +121,7 @@ class GlobalStream:
 
     # ------------------------------------------------------------------------------------------ position
     def position(self, shards: bool = True) -> dict[str, Any]:
-        """The position after the last sequence made: plain ints, strings and lists (checkpointed as is; the
-        loader keeps a lane's without the ``shards``, which are the corpus's, kept once)."""
+        """The position after the last sequence made, in plain ints, strings and lists (``shards``: the unit list)."""
         sources = [s.record(shards) for s in self.sources]
         packed = {"packed": list(self.packed)} if self.packed != (0, 0) else {}
         return {"version": POSITION_VERSION, "sources": sources, "docs": self.docs,
@@ -165,9 +163,7 @@ class GlobalStream:
 
     # --------------------------------------------------------------------------------------- sequences
     def next_sequence(self) -> np.ndarray:
-        """The next sequence: documents joined (each ends with EOS), the tail of a long one carried over; its loss
-        labels (the records' own: every token for text, the completion or the assistant turns otherwise) are in
-        ``last_labels``."""
+        """The next sequence: documents joined, the tail of a long one carried over; its labels in ``last_labels``."""
         n = self.settings.seq_length
         out = np.empty(n, dtype=np.int64)
         labels = np.empty(n, dtype=np.int64)
@@ -261,8 +257,7 @@ class GlobalStream:
         return src.order_cache[2]
 
     def _read(self, src: _Source) -> _Doc:
-        """The next good row of ``src`` in this epoch's reading order (bad ones skipped and counted, or
-        ``DataError``); ``_EpochEnd`` when the epoch has no more."""
+        """The next good row of ``src`` in this epoch's order (bad ones skipped); ``_EpochEnd`` after the last."""
         mine = self._order(src)
         while src.pos < len(mine):
             shard = mine[src.pos]
