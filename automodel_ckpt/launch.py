@@ -226,8 +226,7 @@ def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str
     elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
 
 
-#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``, with a traceback of the
-#: agent's own wait for a forked one)
+#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``)
 ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                    "torch.distributed.elastic.agent.server.local_elastic_agent")
 
@@ -339,12 +338,4 @@ def worker_pids(parent: int) -> list[int]:
             continue
         if b"automodel_ckpt" in cmdline or cmdline == own:  # started as `-m automodel_ckpt`, or forked
             found.append(int(entry))
-    if not entries:  # no /proc (macOS): psutil, if installed
-        try:
-            import psutil
-
-            found = [c.pid for c in psutil.Process(parent).children()
-                     if any("automodel_ckpt" in part for part in c.cmdline())]
-        except Exception:  # noqa: BLE001 - no way to find them: the signal then stops the job as torch does
-            found = []
-    return sorted(found)
+    return sorted(found)  # none without /proc: the signal then stops the job as torch does

@@ -1,8 +1,4 @@
-"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction.
-
-Its preference form (``preference_task_dataset``) pairs each problem's right sum (chosen) with a near miss
-(rejected): off by one in the last digit or by ten in the first.
-"""
+"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction."""
 
 from __future__ import annotations
 
@@ -14,13 +10,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
     import datasets
 
-#: Operands are two-digit numbers, ``MIN_OPERAND..MAX_OPERAND`` inclusive (90 x 90 problems): the fixed prompt shape
-#: ``"ab+cd="`` puts every digit at the same position in every example, which a small model picks up faster.
+#: Two-digit operands, inclusive: the fixed shape ``"ab+cd="`` puts every digit in one place, learned faster.
 MIN_OPERAND: int = 10
 MAX_OPERAND: int = 99
 
-#: A problem is held out when its hash lands in the first ``HELDOUT_BUCKETS`` of 100 buckets.
-#: 10 of 100 keeps about 800 problems the model never trains on.
+#: A problem is held out when its hash lands in the first ``HELDOUT_BUCKETS`` of 100 (about 800 problems).
 HELDOUT_BUCKETS: int = 10
 
 _SPLITS = ("train", "heldout")

@@ -1,7 +1,4 @@
-"""The one contract every training data loader keeps: the map-style ``GlobalBatchLoader`` and the streamed one.
-
-A recipe holds its loader as ``BatchLoader`` and never asks which one it has.
-"""
+"""The one contract every training data loader keeps (map-style or streamed): a recipe never asks which it has."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Turns a batch of records into token ids and loss labels (one example each), as ``datasets.map`` calls it.
 
-``RecordEncoder`` does the same for the records of a streamed corpus, through ``Encoder`` as the tokenize-up-front
-path does; a record is kept whole there (never cut to ``seq_length``: the packer carries its tail over).
+``RecordEncoder`` does the same for a streamed corpus, keeping a record whole (the packer carries its tail over).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Generated (built-in) datasets kept as Arrow files in the Hugging Face datasets cache, named by what made them.
 
-Made once from their arguments alone (under ``automodel_ckpt/generated/`` of ``HF_DATASETS_CACHE``), then mapped by
-every rank and later start, their tokenization cached beside them like any file-backed dataset's.
+Made once from their arguments alone, then mapped by every rank and later start, their tokenization cached beside.
 """
 
 from __future__ import annotations

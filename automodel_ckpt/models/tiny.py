@@ -24,8 +24,7 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>")
 #: Every ordinary character the tokenizer knows, one token each. Anything else maps to ``<unk>``.
 CHARACTERS: str = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:?.,"
 
-#: Chat template of the embedded tokenizer: ``<s>user: hi system: ... assistant: reply</s>``. It renders only
-#: characters of :data:`CHARACTERS` (plus the special tokens), so lower-case chats over that alphabet round-trip.
+#: Chat template of the embedded tokenizer (``<s>user: hi assistant: reply</s>``), in :data:`CHARACTERS` only.
 CHAT_TEMPLATE: str = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' + message['content'] }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ ' ' }}{% endif %}{% endfor %}"

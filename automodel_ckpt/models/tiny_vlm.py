@@ -25,8 +25,7 @@ PATCH_SIZE: int = 8
 #: Image tokens per image: one per patch (the CLIP class token is dropped, LLaVA's "default" strategy).
 NUM_IMAGE_TOKENS: int = (IMAGE_SIZE // PATCH_SIZE) ** 2
 
-#: Chat template of the processor: the text template of the embedded tokenizer, with ``{"type": "image"}`` content
-#: items rendered as :data:`IMAGE_TOKEN`; content may be a string or a list of ``image``/``text`` items.
+#: The embedded tokenizer's chat template, with ``{"type": "image"}`` content items rendered as :data:`IMAGE_TOKEN`.
 VLM_CHAT_TEMPLATE: str = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm
-from automodel_ckpt.algorithms.context import Forward, LossResult, Run, TrainContext
+from automodel_ckpt.algorithms.context import Forward, Run, TrainContext
 from automodel_ckpt.algorithms.sft.algorithm import Supervised
 from automodel_ckpt.checkpoint import HFArtifacts, discover_state, run_folder, written_by
 from automodel_ckpt.ondisk import RunFolder, run_fingerprint
@@ -85,7 +85,8 @@ class FinetuneRecipe(BaseRecipe):
         model, fingerprint = self._build_model()
         plan, tied = self._cut_stage(model)
         self._shard(self._compiled(model), plan, tied)
-        self._build_batches()
+        with rng_untouched():  # the training batches and this rank's validation batches
+            self.dataloader, self.val_batches, self.data_report = algorithm.build_loader()
         optimizer_line = self._build_optimizer()
         self._build_logs(optimizer_line)
         self.build_checkpointer(hf=self.hf_artifacts(), say=self.progress.write, fingerprint=fingerprint,
@@ -160,11 +161,6 @@ class FinetuneRecipe(BaseRecipe):
         ctx = algorithm.ctx  # what the algorithm reads of the run, now built
         ctx.env, ctx.dims, ctx.model, ctx.forward = self.env, self.dims, self.model, forward
         ctx.tokenizer, ctx.processor = self.tokenizer, self.processor
-
-    def _build_batches(self) -> None:
-        """The algorithm's loader of the training batches and this rank's validation batches."""
-        with rng_untouched():
-            self.dataloader, self.val_batches, self.data_report = self.algorithm.build_loader()
 
     def _build_optimizer(self) -> str:
         """The step scheduler, optimizer, lr schedule, RNG state, EMA and evaluation; returns the optimizer's line."""
@@ -368,7 +364,7 @@ class FinetuneRecipe(BaseRecipe):
                 loss_sum += self.pipeline.step(input_ids, target, extra, scale).to(loss_sum.device)
                 sums += forward.staged_sums()
                 continue
-            result = self.token_loss_sum(mb)
+            result = forward.batch_loss(mb, algorithm.loss_target(mb))  # its target first (a reference's forward)
             (result.loss * scale).backward()
             loss_sum += result.loss.detach()
             sums.append(result.sums)
@@ -384,10 +380,6 @@ class FinetuneRecipe(BaseRecipe):
         done = algorithm.step_done(loss, global_count, sums)
         self._step_metrics = done.metrics
         return done.loss, grad_norm.item(), input_tokens
-
-    def token_loss_sum(self, mb: MicroBatch) -> LossResult:
-        """A micro-batch's summed loss and metric sums: its target first, then the model."""
-        return self.algorithm.ctx.forward.batch_loss(mb, self.algorithm.loss_target(mb))
 
 
 def refuse_non_finite(step: int, loss: float, grad_norm: float) -> None:

@@ -108,12 +108,10 @@ class PromptLoader:
 _TENSORS = {"prompt_ids": torch.int64, "sample_index": torch.int64, "input_ids": torch.int64,
             "prompt_length": torch.int64, "length": torch.int64, "old_log_probs": torch.float64,
             "ref_log_probs": torch.float64, "advantages": torch.float64, "rewards": torch.float64}
-#: Each tensor's dimensions as written: ``[rows, width]`` for the token ids and the per-token log-probs,
-#: ``[rows, reward functions]`` for the rewards, ``[rows]`` for the rest.
+#: Each tensor's dimensions: ``[rows, width]`` (ids, log-probs), ``[rows, reward functions]``, or ``[rows]``.
 _DIMS = {"prompt_ids": 1, "sample_index": 1, "input_ids": 2, "prompt_length": 1, "length": 1, "old_log_probs": 2,
          "ref_log_probs": 2, "advantages": 1, "rewards": 2}
-#: The lowest per-token log-prob a rollout batch may hold: a float32 log-softmax of a real model's logits stays far
-#: above it, and far below it the ratio ``exp(log p - old)`` of the loss overflows.
+#: The lowest log-prob a rollout batch may hold: far below a real log-softmax, far above where ``exp`` overflows.
 LOG_PROB_FLOOR = -1e4
 
 

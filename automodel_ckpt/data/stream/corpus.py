@@ -10,13 +10,11 @@ from typing import Any
 
 from automodel_ckpt.errors import ConfigError
 
-#: A parquet file larger than this is read as one shard per row group (a finer shard order; the footer is read once
-#: when the corpus is listed).
+#: A parquet file larger than this is one shard per row group (its footer read once, when the corpus is listed).
 SPLIT_PARQUET_BYTES = 256 * 2**20
 HUB_FILES = "**/*.parquet"  # a Hub dataset's files read by default (the Hub stores most datasets as parquet)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w.%-]+)?")  # OWNER/NAME[@REVISION] (a branch as refs%2Fconvert%2Fparquet)
-#: A byte range of an uncompressed json-lines or text file cut to fill the lanes is at least this long (a range
-#: holds whole lines: those that start inside it).
+#: The shortest byte range a line file is cut into to fill the lanes (a range holds the lines that start in it).
 MIN_RANGE_BYTES = 64 * 2**10
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",

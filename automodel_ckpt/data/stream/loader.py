@@ -20,7 +20,7 @@ from automodel_ckpt.data.stream.bounds import check_fields
 from automodel_ckpt.data.stream.corpus import Corpus, Shard
 from automodel_ckpt.data.stream.order import sequence_id, shard_order
 from automodel_ckpt.data.stream.position import (LANES_VERSION, check_corpus, check_lane, check_position,
-                                                 lane_counts, lanes_mismatch, old_position_to_lanes)
+                                                 lane_counts, lanes_mismatch, malformed, old_position_to_lanes)
 from automodel_ckpt.data.stream.readers import DataError
 from automodel_ckpt.data.stream.slots import arrange, fresh_source, specs
 from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
@@ -88,8 +88,7 @@ class _Share(IterableDataset):
             made = {lane: -(-(self.start - lane) // L) for lane in mine}
             for lane, p in self.positions.items():
                 if lane in made and int(p["sequences"]) != made[lane]:
-                    raise DataError("the checkpoint's data position is malformed (a lane's count); resume from "
-                                    "another checkpoint")
+                    raise malformed("a lane's count")
 
             def advance(lane: int, until: int) -> tuple[np.ndarray, np.ndarray] | None:
                 """Lane ``lane`` up to its sequence ``until`` (exclusive), returning its last one."""
@@ -157,7 +156,7 @@ def _by_lane(value: Any) -> dict[int, Any]:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit())
                                               for k in value):
-        raise DataError("the checkpoint's data position is malformed (its lanes); resume from another checkpoint")
+        raise malformed("its lanes")
     return {int(k): v for k, v in value.items()}
 
 
@@ -391,8 +390,7 @@ class StreamLoader:
             got = files[owner]
             positions, counts = _by_lane(got.get("positions")), _by_lane(got.get("counts"))
             if got.get("sequences") != first.get("sequences") or lane not in positions or lane not in counts:
-                raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
-                                "checkpoint")
+                raise malformed("a lane missing")
             out["positions"][lane], out["counts"][lane] = positions[lane], counts[lane]
         return out
 
@@ -414,16 +412,13 @@ class StreamLoader:
         saved = slots.shards[:slots.saved]
         sequences = state.get("sequences")
         if not isinstance(sequences, int) or sequences < 0:
-            raise DataError("the checkpoint's data position is malformed (its sequence count); resume from another "
-                            "checkpoint")
+            raise malformed("its sequence count")
         packed = state.get("seq_length", self.settings.seq_length)  # the length its lanes packed at
         if not isinstance(packed, int) or isinstance(packed, bool) or packed < 2:
-            raise DataError("the checkpoint's data position is malformed (its sequence length); resume from another "
-                            "checkpoint")
+            raise malformed("its sequence length")
         positions, counts = _by_lane(state.get("positions")), _by_lane(state.get("counts"))
         if sequences and any(lane not in positions or lane not in counts for lane in self.my_lanes):
-            raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
-                            "checkpoint")
+            raise malformed("a lane missing")
         saved_corpus = replace(slots.corpus, sources=slots.corpus.sources[:slots.saved])
         for lane in self.my_lanes:
             if lane in positions:

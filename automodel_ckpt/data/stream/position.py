@@ -1,7 +1,6 @@
 """A streamed corpus's checkpointed position read back: its corpus, its lane count and each lane's bounds checked.
 
-Untrusted: every count and index that drives a read is bounded, and every file it names must be in the recipe's
-own listing (``check_corpus``).
+Untrusted: every count and index that drives a read is bounded, and every file it names is the recipe's own.
 """
 
 from __future__ import annotations
@@ -48,33 +47,34 @@ def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
     return [s.record() for s in [*saved, *added]]
 
 
-def _bad(what: str) -> DataError:
+def malformed(what: str) -> DataError:
+    """A checkpoint's data position that is not one a run writes: what of it, in one line."""
     return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
 
 
 def _ints(values: Any, low: int, high: int, what: str) -> None:
     if not isinstance(values, list) or not all(isinstance(v, int) and low <= v < high for v in values):
-        raise _bad(what)
+        raise malformed(what)
 
 
 def _counts(values: Any, what: str) -> None:
     if not isinstance(values, list) or not all(is_count(v) for v in values):
-        raise _bad(what)
+        raise malformed(what)
 
 
 def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
     """One stream's position (a lane's, or the one global stream's) against its sources' unit counts."""
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list) or not isinstance(p.get("pending"), list):
-        raise _bad("not a position")
+        raise malformed("not a position")
     if len(p["sources"]) != len(sizes):
         raise DataError(f"dataset: the checkpoint's corpus has {len(p['sources'])} sources, this recipe {len(sizes)}")
     _counts([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], "counters")
     if "packed" in p and not (isinstance(p["packed"], list) and len(p["packed"]) == 2):
-        raise _bad("where its sequence length began")
+        raise malformed("where its sequence length began")
     _counts(p.get("packed", [0, 0]), "where its sequence length began")
     for src, n in zip(p["sources"], sizes):
         if not isinstance(src, dict):
-            raise _bad("a source")
+            raise malformed("a source")
         _counts([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")],
                 "a source's counters")
         _ints([src.get("n")], 1, n + 1, "the shards of an epoch")
@@ -82,13 +82,13 @@ def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
         _ints(src.get("buffer_shards"), 0, n, "the shuffle buffer")
         _counts(src.get("buffer_keys"), "the shuffle buffer")
         if len(src["buffer_shards"]) != len(src["buffer_keys"]) or len(src["buffer_keys"]) > buffer:
-            raise _bad(f"a shuffle buffer of {len(src['buffer_keys'])} rows, more than {buffer}")
+            raise malformed(f"a shuffle buffer of {len(src['buffer_keys'])} rows, more than {buffer}")
     if len(p["pending"]) > draw + 1:
-        raise _bad("too many pending documents")
+        raise malformed("too many pending documents")
     for d in p["pending"]:
         if not (isinstance(d, list) and len(d) == 4 and all(isinstance(v, int) for v in d)
                 and 0 <= d[0] < len(sizes) and 0 <= d[1] < sizes[d[0]] and d[2] >= 0 and d[3] >= 0):
-            raise _bad("a pending document")
+            raise malformed("a pending document")
 
 
 def check_position(p: Any, shuffle_buffer: int) -> None:
@@ -96,14 +96,14 @@ def check_position(p: Any, shuffle_buffer: int) -> None:
     from automodel_ckpt.data.stream.stream import DRAW_BATCH
 
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list):
-        raise _bad("not a position")
+        raise malformed("not a position")
     sizes = []
     for src in p["sources"]:
         if not isinstance(src, dict) or not isinstance(src.get("shards"), list) or not src["shards"]:
-            raise _bad("a source without shards")
+            raise malformed("a source without shards")
         if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
                    and all(isinstance(v, int) for v in r[3:]) for r in src["shards"]):
-            raise _bad("a shard record")
+            raise malformed("a shard record")
         sizes.append(len(src["shards"]))
     _check_stream(p, sizes, shuffle_buffer, DRAW_BATCH)
 
@@ -114,10 +114,10 @@ def check_lane(p: Any, counts: Any, shards: list[list[Shard]], buffer: int, sequ
 
     _check_stream(p, [len(s) for s in shards], buffer, max(DRAW_BATCH, LANE_DRAW_BATCH))
     if p["sequences"] != max(sequences, 0):
-        raise _bad("a lane's sequence count")
+        raise malformed("a lane's sequence count")
     _counts(counts, "a lane's counts")
     if len(counts) != 2 + len(shards):
-        raise _bad("a lane's counts")
+        raise malformed("a lane's counts")
 
 
 def old_position_to_lanes(p: Any, lanes: int, shuffle_buffer: int) -> dict[str, Any] | None:
