@@ -240,8 +240,7 @@ def quiet_failed_worker_logs() -> None:
 
 
 def failed_worker_filter(record: logging.LogRecord) -> bool:
-    """Drop torch's ``failed (exitcode: N)`` record of a worker that printed one of our one-line errors
-    (``USER_ERROR_EXIT_CODES``); any other failure keeps its line, without the agent's own traceback."""
+    """Drop torch's ``failed (exitcode: N)`` record of a worker that printed our one-line error; else no traceback."""
     if not str(record.msg).startswith("failed (exitcode"):
         return True
     code = record.args[0] if isinstance(record.args, tuple) and record.args else None
@@ -275,8 +274,7 @@ def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
 
 
 class SignalForwarder:
-    """Forwards the preemption signal to the workers, once (torch starts each in a session of its own, so the
-    launcher's process group does not reach them); a second signal is torch's ``SignalException``."""
+    """Forwards the preemption signal to the workers (each in a session of its own), once."""
 
     def __init__(self, signal_name: str) -> None:
         import signal

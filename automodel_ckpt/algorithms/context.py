@@ -30,8 +30,7 @@ class LossResult:
 
 @dataclass
 class Forward:
-    """How the policy runs a batch: under the data-parallel choice, or through this rank's pipeline stage, whose
-    schedule calls ``loss`` (the algorithm's ``compute_loss``) per microbatch and keeps each call's metric sums."""
+    """How the policy runs a batch: under the data-parallel choice, or through this rank's pipeline stage."""
 
     model: torch.nn.Module
     device: torch.device

@@ -130,8 +130,7 @@ def _build_nested(value: Any, key: str) -> Any:
 
 def instantiate(node: Mapping[str, Any] | DictConfig, section: str, /, *args: Any, recursive: bool = False,
                 **extra: Any) -> Any:
-    """Call ``node["_target_"]`` with ``*args``, the node's other keys and ``extra`` (which wins); ``recursive``:
-    nested ``_target_`` mappings built first. ``section`` names ``node`` in messages."""
+    """Call ``node["_target_"]`` with ``*args``, the node's other keys and ``extra`` (which wins)."""
     if node is None or (isinstance(node, DictConfig) and node._is_none()):
         raise ConfigError(f"{section}: nothing to build (the section is null)")
     config = _plain(node, section)

@@ -139,8 +139,7 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
 
 
 def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
-    """``--dry-run`` with tensor, pipeline or expert parallelism: the plans checked against the model built on the
-    meta device, as the workers would; one line each (an embedded base is created in a temporary folder)."""
+    """``--dry-run`` with tensor, pipeline or expert parallelism: the plans checked on a meta-device model."""
     import contextlib
     import tempfile
 

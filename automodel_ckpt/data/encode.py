@@ -58,8 +58,7 @@ class DataSpec:
 
 
 class Encoder:
-    """``encoder(batch, indices)`` -> ``input_ids``, ``labels``, ``sample_id``, ``num_tokens`` (before the cut to
-    ``seq_length``) per record; the loss on ``completion eos``, on all of a text, or on a chat's assistant spans."""
+    """``encoder(batch, indices)``: each record's ids and labels cut to ``seq_length`` (``num_tokens``: uncut)."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec, mode: str) -> None:
         self.tokenizer = tokenizer

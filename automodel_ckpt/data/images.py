@@ -42,8 +42,7 @@ def image_spec(processor: Any) -> ImageSpec:
 
 
 class ImageChatEncoder:
-    """``encoder(batch, indices)``: :class:`Encoder`'s chat encoding, each record's one image token expanded to the
-    processor's tokens for an image (no loss on them), plus the image's ``pixel_values``."""
+    """:class:`Encoder`'s chat encoding, the image token expanded to the image's tokens (no loss), and its pixels."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec, processor: Any, images: ImageSpec) -> None:
         # The chat template: the recipe's, else the processor's (where image-text models keep theirs).

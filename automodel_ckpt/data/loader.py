@@ -118,8 +118,7 @@ class GlobalBatchLoader:
 
 
 def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
-    """Every validation row once over all ranks, as many batches on every rank (forwards are collective): a
-    rank short of rows fills with row 0, its labels all ignored."""
+    """Every validation row once over all ranks (``strided_rows``), the filling rows' labels all ignored."""
     batches = []
     for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)
@@ -130,8 +129,7 @@ def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int,
 
 def strided_rows(n: int, *, local_batch_size: int, rank: int, world_size: int
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s rows ``rank, rank+W, ...`` in batches, padded with row 0 to as many on every rank, each with
-    a mask of its own rows."""
+    """Rank ``rank``'s rows ``rank, rank+W, ...`` in batches, as many on every rank (row 0 fills; the mask: own)."""
     per_rank = -(-n // world_size)
     idx = torch.arange(rank, n, world_size)
     real = torch.ones(per_rank, dtype=torch.bool)

@@ -214,8 +214,7 @@ def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
 
 
 def pair_batches(data: PairData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
-    """Every pair once over all ranks, as many batches on every rank: a rank short of pairs fills with pair 0,
-    sample id -1, which every sum leaves out."""
+    """Every pair once over all ranks (``strided_rows``), the filling pairs' sample id -1 (left out of sums)."""
     batches = []
     for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)

@@ -62,8 +62,7 @@ def _messages(question: str, answer: str | None) -> list[dict[str, Any]]:
 
 def shapes_vqa_dataset(num_samples: int = 4000, seed: int = 1234, split: str = "train",
                        image_size: int = 32) -> datasets.Dataset:
-    """Columns ``id``, ``image`` and ``messages`` (user: image + question, assistant: answer), each image drawn
-    from its split's own seeded stream: no held-out image is ever trained on."""
+    """Columns ``id``, ``image`` and ``messages``, each image from its split's own seeded stream (disjoint splits)."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     if split not in _SPLITS:

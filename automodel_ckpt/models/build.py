@@ -93,8 +93,7 @@ def build_causal_lm(pretrained_model_name_or_path: str | None = None, config: di
 def build_image_text_model(pretrained_model_name_or_path: str | None = None, config: dict[str, Any] | None = None,
                            embedded: str | None = None, dtype: str = "float32", attn_implementation: str | None = None,
                            seed: int = 0, on_meta: bool = False) -> PreTrainedModel:
-    """An image-text-to-text model (LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`; a ``config`` block names its
-    ``model_type`` and holds ``text_config`` and ``vision_config``."""
+    """An image-text-to-text model (LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`."""
     from transformers import AutoModelForImageTextToText
 
     return _build(AutoModelForImageTextToText, pretrained_model_name_or_path, config, embedded, dtype,

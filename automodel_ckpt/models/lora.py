@@ -57,8 +57,7 @@ def check_peft_section(peft: Any) -> None:
 
 
 def apply_lora(model: nn.Module, peft: Any) -> nn.Module:
-    """``model`` wrapped by ``peft.get_peft_model``: base weights frozen, LoRA weights trainable (from the seeded
-    torch RNG, the same on every rank). Call it before sharding."""
+    """``model`` wrapped by ``peft.get_peft_model`` (adapters from the seeded RNG), before sharding."""
     from peft import get_peft_model
 
     config = lora_config(peft, model)

@@ -44,8 +44,7 @@ def _vocab() -> dict[str, int]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer, built offline: each character of :data:`CHARACTERS` is one token, decoded back
-    unchanged. Encoding prepends ``<s>`` (Llama's convention) and never appends ``</s>``."""
+    """The character-level tokenizer: one token a character; encoding prepends ``<s>``, never appends ``</s>``."""
     vocab = _vocab()
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # every single character its own word: the word-level model acts as a character-level one (spaces included)

@@ -75,8 +75,7 @@ class FinetuneRecipe(BaseRecipe):
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        """The mesh, the model (on the meta device: its weights come at the restore), its pipeline stage, compilation
-        and sharding, the batches, the optimizer, the logs, the checkpointer, and what the algorithm adds."""
+        """The run, built in order (the model on the meta device: its weights come at the restore)."""
         cfg, algorithm = self.cfg, self.algorithm  # the algorithm first: its config is checked before any build
         self.setup_distributed()
         # who is who: data-parallel and tensor-parallel ranks (everything per rank below is per data-parallel rank)

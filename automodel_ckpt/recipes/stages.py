@@ -24,8 +24,7 @@ from automodel_ckpt.training.stages import read_history, record
 
 
 class StageElsewhere(Exception):
-    """The checkpoint a launch resumes is of another stage than it was built for: the launch ends without
-    training, and the run is built again for the stage that ``step`` + 1 belongs to."""
+    """The checkpoint a launch resumes is of another stage: the run is built again for step ``step`` + 1's."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"the checkpoint of step {step} is of another stage")
@@ -33,8 +32,7 @@ class StageElsewhere(Exception):
 
 
 class _Held:
-    """The lr schedule's place during a staged restore: its state held until the restore knows whether a stage
-    begins (a new stage's schedule may be of another kind than the one saved)."""
+    """The lr schedule's place during a staged restore: its state held until a stage's start is known."""
 
     state: dict[str, Any] | None = None
 

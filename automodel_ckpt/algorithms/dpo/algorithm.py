@@ -79,8 +79,7 @@ class PreferenceCounters:
 
 @dataclass
 class PairTarget:
-    """Per row (every chosen row, then every rejected row): its labels, the reference's summed log-prob (0 without
-    a reference) and whether its pair counts (1.0 or 0.0)."""
+    """Per row (chosen rows, then rejected): labels, the reference's summed log-prob (or 0), whether it counts."""
 
     labels: torch.Tensor
     ref: torch.Tensor
@@ -345,8 +344,7 @@ class Preference(Algorithm):
 
     def _metrics(self, sums: list[torch.Tensor | None], prefix: str, count: float, local: bool
                  ) -> tuple[float, dict[str, Any]]:
-        """The loss and metrics of the loss calls' ``sums``, summed over the stages and the data-parallel ranks, each
-        the mean over ``count`` pairs (the global batch's, or this rank's: ``local``, summed with them)."""
+        """The loss and metrics of ``sums`` over stages and ranks, each a mean over ``count`` (``local``: summed)."""
         total = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.env.device)
         for call in sums:
             total += call

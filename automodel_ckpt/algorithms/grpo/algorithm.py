@@ -70,8 +70,7 @@ def vocab_rows(model: Any) -> int:
 
 def take_prompts(order: torch.Tensor, position: int, lengths: list[int], want: int, limit: int
                  ) -> tuple[list[int], int, int]:
-    """The next ``want`` (fewer at the order's end) prompt ids of ``order`` from ``position`` that fit ``limit``: (ids,
-    the position after them, how many were skipped as too long)."""
+    """The next ``want`` prompt ids of ``order`` from ``position`` that fit ``limit``, the position after, skipped."""
     ids, skipped = [], 0
     while position < len(order) and len(ids) < want:
         pid = int(order[position])
@@ -94,8 +93,7 @@ class RolloutRows:
 
 
 class GRPO(EngineLoop, Algorithm):
-    """GRPO (``grpo:`` keys); checkpoints ``grpo``, ``rollout`` and, with ``beta`` > 0 for a full fine-tune,
-    ``ref_model`` (the policy as the run started; a LoRA run's reference is its base, adapters disabled)."""
+    """GRPO (``grpo:`` keys); ``ref_model`` (``beta`` > 0, full fine-tune) is the policy as the run started."""
 
     ref_model: Any = None
     bar_metrics = ("reward",)
@@ -335,8 +333,7 @@ class GRPO(EngineLoop, Algorithm):
 
     @torch.no_grad()
     def _log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token of every row: the policy's log-prob before the passes (NaN with ``_one_pass``) and the
-        reference's (zero without one), each rank computing its share, then gathered."""
+        """Per token: the policy's log-prob before the passes (NaN with ``_one_pass``) and the reference's (or 0)."""
         ctx = self.ctx
         t = self.rollout.tensors
         policy_too = not self._one_pass()

@@ -69,8 +69,7 @@ class Sync:
 
 
 class VLLMEngine:
-    """The engine, seen from every rank: rank 0 talks to it over HTTP (starting it unless ``grpo.vllm.url`` names
-    one), the other ranks take part in the collectives (the weights gathered whole, the answers broadcast)."""
+    """The engine from every rank: rank 0 talks to it over HTTP, every rank takes part in the collectives."""
 
     def __init__(self, settings: Any, is_main: bool) -> None:
         self.settings, self.is_main = settings, is_main

@@ -14,8 +14,7 @@ from automodel_ckpt.training.rollout import sample_seed
 
 
 class Ahead:
-    """The next rollout batch, asked of the engine while this step trains (``grpo.max_staleness`` 1): its rows,
-    prompts and the weights it is sampled with; rank 0's request runs in a thread until ``wait``."""
+    """The next rollout batch, asked of the engine while this step trains (rank 0's request: a thread)."""
 
     def __init__(self, engine: VLLMEngine, step: int, rows: list[tuple[int, int]], prompts: list[int],
                  version: int, request: dict[str, Any] | None) -> None:
@@ -79,8 +78,7 @@ class EngineLoop:
 
     # ---------------------------------------------------------------------------- a step ahead
     def _sample_ahead(self) -> None:
-        """``grpo.max_staleness`` 1: this step's weights pushed and the next rollout batch asked of the engine, which
-        samples while this step trains."""
+        """``grpo.max_staleness`` 1: this step's weights pushed, the next rollout batch asked of the engine."""
         self._push()
         step, rows, prompts = self._take_rollout()
         request = self._sampling(step, rows) | {"log_probs": True} if self.ctx.env.is_main else None

@@ -21,8 +21,7 @@ import torch
 
 
 def weights_hash(items: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A SHA-256 of named tensors (name, dtype, shape, bytes), in the order given: the trainer hashes what it
-    sends, the engine what it loads, both in name order."""
+    """A SHA-256 of named tensors (name, dtype, shape, bytes) in the order given, by the trainer and the engine."""
     h = hashlib.sha256()
     for name, tensor in items:
         t = tensor.detach().cpu().contiguous()

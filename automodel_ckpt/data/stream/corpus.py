@@ -24,8 +24,7 @@ _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 
 @dataclass(frozen=True)
 class Shard:
-    """One unit of a source (a file, a parquet row group ``first`` to ``stop``, or a byte range of a line file) and
-    what the file was when listed (local: mtime in ns; object store: ETag)."""
+    """A source's unit (a file, row group or byte range) and its file's version (mtime in ns, or ETag)."""
 
     path: str
     size: int
@@ -78,8 +77,7 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
                     storage_options: dict[str, Any] | None = None, max_sequences: int | None = None,
                     split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20, hub: str | None = None,
                     files: str | list[str] = HUB_FILES) -> Corpus:
-    """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` globs, a blend's ``sources``, or a Hub
-    dataset's ``files``; ``max_sequences``: a validation stream's length."""
+    """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` globs, a blend's ``sources``, or a ``hub``."""
     if hub is not None:
         if path is not None or sources is not None:
             raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")

@@ -142,8 +142,7 @@ def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[li
 
 def _go_on(position: dict[str, Any], counts: list[int], added: list[list[Shard]],
            repack: bool) -> tuple[dict[str, Any], list[int]]:
-    """A lane's checked position and counts, as new objects, for the recipe's stream (docs/stages.md): new sources
-    start at their beginning; at a new sequence length the lane packs on from where it stands (``packed``)."""
+    """A lane's position and counts, as new objects, with the stage's new sources and sequence length."""
     position = dict(position, sources=[*position["sources"], *(fresh_source(len(units)) for units in added)])
     if repack:
         position["packed"] = [position["sequences"], sum(int(src["tokens"]) for src in position["sources"])]
@@ -172,8 +171,7 @@ def _quiet_stop_signals(_worker: int) -> None:
 
 
 class StreamLoader:
-    """Per optimizer step, this rank's micro-batches of the next global batch of the lanes' interleaving; its state
-    is the position of every lane this rank reads (one file per data-parallel rank)."""
+    """Per step, this rank's micro-batches of the lanes' interleaving; its state: the positions of its lanes."""
 
     checkpoint_scope = "rank"
 

@@ -27,8 +27,7 @@ def lane_counts(stream: Any) -> list[int]:
 
 def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
                  source: int | None = None) -> list[list[Any]]:
-    """The unit records to resume with: the checkpoint's, plus (``allow_appended``) those of files added since;
-    a file changed or gone, or added without it, is ``DataError``. Files compare by path, size and version."""
+    """The checkpoint's unit records (and, ``allow_appended``, new files'); a file changed or gone: ``DataError``."""
     where = f"dataset.sources[{source}]" if source is not None else "dataset"
     current = {s.path: s for s in now}
     for s in saved:

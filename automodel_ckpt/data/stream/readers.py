@@ -57,8 +57,7 @@ def _why(exc: BaseException) -> str:
 
 
 def bounded_lines(f: Any, max_bytes: int) -> Iterator[tuple[bytes | None, int]]:
-    """``(line, length)`` of each line of ``f`` from where it is, newline included; ``line`` is ``None`` for one longer
-    than ``max_bytes`` (never more than that plus one chunk in memory)."""
+    """``(line, length)`` of each line of ``f`` from where it is; ``line`` is None for one over ``max_bytes``."""
     pieces: list[bytes] = []
     held, over = 0, False
     while True:
