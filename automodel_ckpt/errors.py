@@ -6,10 +6,7 @@ import warnings
 
 
 class UserError(Exception):
-    """A problem the user can fix (bad config, missing file, damaged checkpoint).
-
-    The CLI prints ``error: <message>`` and exits with ``exit_code``; ``--debug`` shows the traceback.
-    """
+    """A problem the user can fix: the CLI prints ``error: <message>`` and exits with ``exit_code``."""
 
     exit_code = 2
 
@@ -32,8 +29,7 @@ class DiskFullError(CheckpointError):
 
 
 class TrainingError(UserError):
-    """Training reached a state it cannot go on from (a step's loss or gradient norm that is not finite): the run
-    stops before that step is saved."""
+    """Training cannot go on (a non-finite loss or gradient norm): the run stops before that step is saved."""
 
 
 class UsageError(UserError):
@@ -51,7 +47,6 @@ def warn(message: str) -> None:
     warnings.warn(message, stacklevel=2)
 
 
-#: the exit codes of a process that ended on one of our one-line errors (``UserError`` and its subclasses): its
-#: ``error: ...`` line says everything (the launcher adds nothing of torch's about such a worker)
+#: the exit codes of a process that ended on one of our one-line errors, which say everything
 USER_ERROR_EXIT_CODES = frozenset({UserError.exit_code, ConfigError.exit_code, CheckpointError.exit_code,
                                    DiskFullError.exit_code, UsageError.exit_code})

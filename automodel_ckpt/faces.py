@@ -7,17 +7,13 @@ from typing import Any, Callable
 
 
 def exports_of(table: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """A face's ``_EXPORTS``, name -> (module, the same name there), from its table: module -> the names of its
-    members the face hands on, separated by spaces (a member keeps its name on the way out)."""
+    """A face's ``_EXPORTS`` (name -> (module, name)) from its table: module -> its names, separated by spaces."""
     return {name: (module, name) for module, names in table.items() for name in names.split()}
 
 
 def lazy_members(package: str, exports: dict[str, tuple[str, str]], namespace: dict[str, Any]
                  ) -> Callable[[str], Any]:
-    """The ``__getattr__`` of the face ``package``: ``exports`` maps a name to (module, its name there), the module
-    a submodule's bare name, a relative one (``.storage``) or an absolute one. A member is imported when first
-    asked for and kept in the face's ``namespace``, so a verb that reads a run folder imports only what it uses
-    (no torch)."""
+    """The face ``package``'s ``__getattr__``: each member imported on first use, so a verb imports only that."""
 
     def __getattr__(name: str) -> Any:
         if name not in exports:

@@ -19,8 +19,7 @@ ERRORS_FOLDER = "AUTOMODEL_CKPT_ERRORS"
 
 
 def default_start_method() -> str:
-    """``fork`` on Linux without GPUs; ``exec`` elsewhere: a GPU driver initialised by anything the launcher imports
-    would be unusable in forked workers, and other systems fork less safely."""
+    """``fork`` on Linux without GPUs (a GPU driver initialised before a fork is unusable), else ``exec``."""
     gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
     return "fork" if sys.platform.startswith("linux") and not gpu else "exec"
 
@@ -63,25 +62,11 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
         if token in ("--debug", "--dry-run"):
             setattr(opts, token[2:].replace("-", "_"), True)
             i += 1
-            continue
-        name, eq, value = token.lstrip("-").partition("=")
-        key = name.replace("-", "_")
-        if key not in _FLAGS:
+        elif _flag_key(token) in _FLAGS:
+            i = _set_flag(argv, i, opts)
+        else:
             raise ConfigError(f"unknown launcher flag '{token}' (launcher flags go before the recipe; "
                               "config overrides like --a.b value go after it)")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{token} needs a value")
-            value = argv[i + 1]
-            i += 1
-        i += 1
-        if key in _INT_FLAGS:
-            try:
-                setattr(opts, key, int(value))
-            except ValueError:
-                raise ConfigError(f"--{name}: expected an integer, got '{value}'") from None
-        else:
-            setattr(opts, key, value)
     if i >= len(argv):
         raise ConfigError("missing recipe: ckpt-train [launcher flags] RECIPE.yaml [--key value ...]")
     recipe, rest = argv[i], argv[i + 1:]
@@ -105,27 +90,37 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
     return opts, recipe, rest
 
 
+def _flag_key(token: str) -> str:
+    return token.partition("=")[0].lstrip("-").replace("-", "_")
+
+
+def _set_flag(argv: list[str], i: int, opts: LaunchOptions) -> int:
+    """Set the launcher flag ``argv[i]`` (``--name value`` or ``--name=value``); the index after it."""
+    name, eq, value = argv[i].partition("=")
+    if not eq:
+        if i + 1 >= len(argv):
+            raise ConfigError(f"{name} needs a value")
+        value, i = argv[i + 1], i + 1
+    key = _flag_key(name)
+    try:
+        setattr(opts, key, int(value) if key in _INT_FLAGS else value)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got '{value}'") from None
+    return i + 1
+
+
 def _launcher_flags_after_recipe(rest: list[str], opts: LaunchOptions) -> list[str]:
     """Take launcher flags written after the recipe (``--nproc-per-node=2``): no config key has their names."""
     out: list[str] = []
     i = 0
     while i < len(rest):
-        name, eq, value = rest[i].partition("=")
-        key = name[2:].replace("-", "_") if name.startswith("--") else ""
-        if key not in _FLAGS:  # an override: its value (the next token, without `=`) is never a flag
-            step = 1 if eq or not name.startswith("--") else 2
-            out.extend(rest[i:i + step])
-            i += step
+        name, eq, _ = rest[i].partition("=")
+        if name.startswith("--") and _flag_key(name) in _FLAGS:
+            i = _set_flag(rest, i, opts)
             continue
-        if not eq:
-            if i + 1 >= len(rest):
-                raise ConfigError(f"{name} needs a value")
-            value, i = rest[i + 1], i + 1
-        i += 1
-        try:
-            setattr(opts, key, int(value) if key in _INT_FLAGS else value)
-        except ValueError:
-            raise ConfigError(f"{name}: expected an integer, got '{value}'") from None
+        step = 1 if eq or not name.startswith("--") else 2  # an override: its value (without `=`) is never a flag
+        out.extend(rest[i:i + step])
+        i += step
     return out
 
 
@@ -149,11 +144,8 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
                  preemption_signal: str | None = None, forked: Callable[[str, list[str]], None] | None = None) -> int:
     """Run torch's elastic agent in this process; return the workers' exit code.
 
-    ``preemption_signal`` (e.g. ``SIGTERM``): when this process receives it, the signal is forwarded to the
-    workers, which save a checkpoint at their next step and exit 0; so does this process then. torch's agent
-    would instead stop the workers (the signal, then SIGKILL after ``--shutdown-timeout``) and fail; it keeps
-    doing that for a second signal. ``forked``: what a worker forked from this process runs on the recipe and
-    overrides (``--start-method fork``; the CLI's ``forked_worker``).
+    ``preemption_signal`` is forwarded to the workers, which save at their next step and exit 0 (torch's agent would
+    stop them and fail, as it still does on a second signal). ``forked``: what a forked worker runs.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -200,8 +192,7 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
 
 
 def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:
-    """The error lines this node's workers left in ``folder`` that were not printed yet: rank 0 printed its own;
-    each other rank's line is printed once, with its rank, unless a lower rank left the same line."""
+    """The error lines of this node's workers other than rank 0 (which printed its own), each once, with its rank."""
     lines: dict[str, int] = {}
     files = []
     for name in os.listdir(folder):
@@ -220,9 +211,7 @@ def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:
 
 
 def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str, overrides: list[str]) -> None:
-    """torch's ``run(args)`` with the workers forked from this process (``--start-method fork``) instead of started
-    as new interpreters: they begin with torch, transformers, datasets and the recipe already imported
-    (``preload``), which saves each worker the seconds those imports take (each restart too)."""
+    """torch's ``run(args)`` with the workers forked from this process, their imports already done (``preload``)."""
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
@@ -237,8 +226,7 @@ def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str
     elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
 
 
-#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``, with a traceback of the
-#: agent's own wait for a forked one)
+#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``)
 ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                    "torch.distributed.elastic.agent.server.local_elastic_agent")
 
@@ -252,10 +240,7 @@ def quiet_failed_worker_logs() -> None:
 
 
 def failed_worker_filter(record: logging.LogRecord) -> bool:
-    """torch's agent logs a failed worker as ``failed (exitcode: N) ...``. A worker that ended on one of our
-    one-line errors (``USER_ERROR_EXIT_CODES``) has printed it: the record is dropped, so that one error reads as
-    one line, followed by the launcher's own. Any other failure (a crash, a signal, another exit code) keeps its
-    line, without the traceback of the agent's own wait that a forked worker's gets (the worker printed its own)."""
+    """Drop torch's ``failed (exitcode: N)`` record of a worker that printed our one-line error; else no traceback."""
     if not str(record.msg).startswith("failed (exitcode"):
         return True
     code = record.args[0] if isinstance(record.args, tuple) and record.args else None
@@ -271,13 +256,9 @@ _FAMILY_SHARED = ("transformers.generation.utils", "transformers.masking_utils",
 
 
 def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
-    """Import, in the launcher, what every worker imports first: the recipe's module when it is one of the
-    package's (another one is the user's code: it runs in the workers only, as before, and the package's own
-    fine-tuning recipe stands in for its imports), DCP, transformers' model classes with what every family's
-    modeling module imports (generation, masks, rotary embeddings, layers: a second a worker otherwise pays when it
-    builds the model), transformers' table of weight renamings (a thousand regular expressions, compiled on first use
-    by the base read and the export) and the modules in ``extra``. Forked workers start with them
-    (``--start-method``)."""
+    """Import in the launcher what every forked worker imports first: the recipe's module if it is the package's
+    (a user's module runs in the workers only), DCP, transformers' model classes and what every family's modeling
+    module imports, its table of weight renamings, and ``extra``."""
     import importlib
 
     module = recipe_target.rpartition(".")[0] if ":" not in recipe_target else ""
@@ -293,13 +274,7 @@ def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:
 
 
 class SignalForwarder:
-    """The launcher's handler of the preemption signal: pass it on to the workers, once.
-
-    torch's agent starts each worker in a session of its own, so a signal sent to the launcher's process group
-    does not reach them; this forwards it to the launcher's worker processes (children running
-    ``automodel_ckpt``). A second signal raises torch's ``SignalException``: the agent then stops the workers
-    (the signal again, SIGKILL after ``--shutdown-timeout``, 30 s by default) and the launcher fails.
-    """
+    """Forwards the preemption signal to the workers (each in a session of its own), once."""
 
     def __init__(self, signal_name: str) -> None:
         import signal
@@ -337,8 +312,7 @@ class SignalForwarder:
 
 
 def worker_pids(parent: int) -> list[int]:
-    """The worker processes the launcher ``parent`` started (its children running ``automodel_ckpt``, or forked
-    from it: running its command line)."""
+    """The launcher ``parent``'s workers: its children running ``automodel_ckpt`` or its own command line."""
     found = []
     try:
         with open(f"/proc/{parent}/cmdline", "rb") as f:
@@ -362,12 +336,4 @@ def worker_pids(parent: int) -> list[int]:
             continue
         if b"automodel_ckpt" in cmdline or cmdline == own:  # started as `-m automodel_ckpt`, or forked
             found.append(int(entry))
-    if not entries:  # no /proc (macOS): psutil, if installed
-        try:
-            import psutil
-
-            found = [c.pid for c in psutil.Process(parent).children()
-                     if any("automodel_ckpt" in part for part in c.cmdline())]
-        except Exception:  # noqa: BLE001 - no way to find them: the signal then stops the job as torch does
-            found = []
-    return sorted(found)
+    return sorted(found)  # none without /proc: the signal then stops the job as torch does

@@ -1,17 +1,9 @@
 """Which config values are secrets, and the copy of a config with them replaced, for everything that leaves memory.
 
-A recipe can carry credentials: ``checkpoint.storage_options`` (``key``, ``secret``, ``token`` ...) or a
-dataset's ``token``, written inline or as ``${oc.env:VAR}``. The live config keeps them (the run needs them);
-every copy that is written or shown (a checkpoint's ``config.yaml``, ``--dry-run``, the run fingerprint in
-``metadata.json``, tracker hyper-parameters, error messages) goes through :func:`redacted` first, after
-interpolation, so a resolved environment variable is never written either.
-
-The rule is by key name, case-insensitive, on the words of the name (``aws_secret_access_key``,
-``hfToken``, ``api-key``): a key is secret when a word is one of :data:`SECRET_WORDS`, when it is ``key`` or
-``token`` on its own, or when ``key``/``token`` follows a word of :data:`SECRET_QUALIFIERS` (``access_key``,
-``hf_token``, ``aws_session_token``). ``pad_token``, ``best_metric_key`` or ``max_tokens`` are not secrets.
-Every value under a ``storage_options`` mapping is redacted whatever its key, and a password in a URL
-(``https://user:PASSWORD@host``) is redacted wherever it appears.
+The live config keeps its credentials; every copy written or shown goes through :func:`redacted` after interpolation
+(docs/security.md). A key is secret when a word of its name is in :data:`SECRET_WORDS`, is ``key`` or ``token``
+alone, or is ``key``/``token`` after a word of :data:`SECRET_QUALIFIERS` (``pad_token`` is not); every value under
+``storage_options`` and a password in a URL are redacted too.
 """
 
 from __future__ import annotations
@@ -65,11 +57,7 @@ def redact_text(text: str) -> str:
 
 
 def redacted(cfg: Any) -> Any:
-    """A plain copy of ``cfg`` (an OmegaConf config, a mapping, a list or a scalar), interpolations resolved,
-    with every secret value replaced by ``"<redacted>"``; the keys and the shape are kept.
-
-    A secret's ``null`` stays ``null`` (an unset credential reveals nothing and says it is unset).
-    """
+    """A plain copy of ``cfg``, interpolations resolved, every secret value ``"<redacted>"`` (a ``null`` stays)."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if isinstance(cfg, (DictConfig, ListConfig)):

@@ -9,8 +9,7 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Plug-ins by their ``name``, in registration order; ``missing(name, names)`` is the error ``get`` raises for
-    a name none has."""
+    """Plug-ins by their ``name``, in registration order; ``get`` raises ``missing(name, names)`` for an unknown one."""
 
     def __init__(self, what: str, missing: Callable[[Any, list[str]], Exception]) -> None:
         self.what, self._missing = what, missing

@@ -1,12 +1,8 @@
 """Text on the user's terminal: control characters escaped, so that no name read from a folder can drive it.
 
-A checkpoint's name, a quarantine reason, a metadata value or a file name in an error may come from a folder
-someone else made. Printed raw, an escape sequence in it could retitle the terminal, rewrite earlier lines or hide
-text, and a newline could forge a line of our own. Every verb's standard output and error pass through
-``EscapingStream`` (``cli.main`` installs it), which writes such characters as ``\\x1b``-style escapes: C0
-controls but newline and tab (a carriage return only where a write begins: progress bars redraw that way), DEL,
-C1 controls, and the bidirectional-text controls that reorder what a line seems to say. ``--color`` output of our
-own passes its SGR colour sequences through.
+A name read from someone else's folder, printed raw, could retitle the terminal, rewrite lines or forge one. Every
+verb's output passes through ``EscapingStream``, which writes C0 controls (but newline, tab and a leading carriage
+return), DEL, C1 and bidirectional controls as ``\\x1b``-style escapes.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ def escaped(text: str) -> str:
 
 
 def one_line(text: str) -> str:
-    """``text`` as one line: ``escaped``, its newlines and tabs written as ``\\n`` and ``\\t`` (an error or a
-    warning is one line: a name holding a newline must not forge a second one)."""
+    """``text`` as one line: ``escaped``, its newlines and tabs written as ``\\n`` and ``\\t``."""
     return escaped(text.strip()).replace("\n", "\\n").replace("\t", "\\t")
 
 
@@ -35,8 +30,7 @@ def _code(match: re.Match[str]) -> str:
 
 
 class EscapingStream:
-    """A text stream that writes through to ``stream`` with ``escaped`` text; everything else is ``stream``'s.
-    ``colors``: SGR colour sequences (``ESC[32m``) pass through, for output that asked for colour."""
+    """``stream`` writing ``escaped`` text (``colors``: SGR colour sequences pass through)."""
 
     def __init__(self, stream: TextIO, *, colors: bool = False) -> None:
         self.stream = stream
@@ -71,9 +65,7 @@ def allow_colors(enabled: bool) -> None:
 
 
 def shown_value(value: Any, width: int = 40) -> str:
-    """A value read from a file, short and safe to put in a one-line message: a string or a number as its
-    ``repr`` cut to ``width`` characters, a very large integer by its size (its digits are never written out: Python
-    refuses to for more than 4,300 of them), a container by its type and length."""
+    """A value read from a file, short and safe in a one-line message (a huge integer: by its size, never digits)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits"
     if isinstance(value, (list, tuple, dict, set)):

@@ -19,8 +19,7 @@ def human_size(size: int) -> str:
 
 
 def in_groups(items: Iterable[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
-    """``items`` in order, cut into groups of at most ``limit`` in total ``size``: a group ends where the next item
-    would take it over (an item over ``limit`` stands alone). No group for no items."""
+    """``items`` in order, in groups of at most ``limit`` in total ``size`` (an item over ``limit`` stands alone)."""
     groups: list[list[T]] = []
     used = 0
     for item in items:

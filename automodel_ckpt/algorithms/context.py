@@ -13,8 +13,7 @@ from automodel_ckpt.data import IGNORE_INDEX, MicroBatch
 
 @dataclass
 class Run:
-    """What the run does for an algorithm besides the model: its checkpoint section (the run folder, ``load_only``),
-    a line said beside the progress bar (rank 0's), and the fence that waits for an async save's copy."""
+    """The run's services: its checkpoint section, a line said beside the progress bar, the async save's fence."""
 
     checkpoint: Any  # checkpoint.CheckpointConfig
     say: Callable[[str], None]
@@ -31,9 +30,7 @@ class LossResult:
 
 @dataclass
 class Forward:
-    """How the policy runs a batch: under the data-parallel choice (autocast where mixed precision is not FSDP2's),
-    or through this rank's pipeline stage. ``loss`` is the algorithm's ``compute_loss``; under pipeline stages the
-    schedule calls it once per microbatch (``staged_loss``) and each call's metric sums are kept until taken."""
+    """How the policy runs a batch: under the data-parallel choice, or through this rank's pipeline stage."""
 
     model: torch.nn.Module
     device: torch.device
@@ -71,17 +68,14 @@ class Forward:
         return result.loss
 
     def staged_sums(self) -> list[torch.Tensor | None]:
-        """The metric sums of the last schedule run's microbatches (on the last stage; none on the others). Torch's
-        schedule also calls the loss once before a run's microbatches when it infers the backward's shapes (the
-        first step, the first after a validation): those calls come first and are left out."""
+        """The last schedule run's microbatches' metric sums, less torch's first calls that infer the shapes."""
         kept = self._kept[len(self._kept) - self.plan.microbatches:] if self._kept else []
         self._kept = []
         return kept
 
     @torch.no_grad()
     def evaluate(self, mb: MicroBatch, target: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """A held-out batch's summed loss (float64, on the host; zero on a pipeline stage before the last) and its
-        loss calls' metric sums."""
+        """A held-out batch's summed loss (float64, on the host; zero before the last stage) and its metric sums."""
         if self.pipeline is None:
             result = self.batch_loss(mb, target)
             return result.loss.double().cpu(), [result.sums]
@@ -90,10 +84,7 @@ class Forward:
 
 @dataclass
 class TrainContext:
-    """Everything an algorithm reads of the run: the config (its own section included), the run's services, this
-    process (rank, world size, device), the mesh's ranks and sums, the policy, the tokenizer and an image-text
-    model's processor, and how the policy runs (``Forward``). The recipe fills in what it builds as it builds it
-    (the policy and the forward before the algorithm's data)."""
+    """Everything an algorithm reads of the run, filled in as the recipe builds it."""
 
     cfg: Any
     run: Run
@@ -111,8 +102,7 @@ def model_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -
     if mb.pixel_values is not None:  # image-text rows: one image each, placed at its image tokens
         inputs |= {"attention_mask": mb.attention_mask, "pixel_values": mb.pixel_values}
     elif mb.position_ids is not None:
-        # Packed rows: transformers derives per-example causal masks from position ids that restart, when there
-        # is neither a 2-D mask nor a KV cache; attention then stays inside each example.
+        # packed rows: position ids that restart keep attention inside each example (no 2-D mask, no KV cache)
         inputs["position_ids"] = mb.position_ids
     elif not bool(mb.attention_mask.all()):  # without padding no mask: attention takes its causal fast path (flash)
         inputs["attention_mask"] = mb.attention_mask
@@ -120,8 +110,7 @@ def model_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -
 
 
 def row_inputs(mb: MicroBatch) -> dict[str, torch.Tensor]:
-    """What every pipeline stage needs of a batch besides the tokens: packed rows' position ids (transformers then
-    keeps attention inside each example) or the attention mask."""
+    """What every pipeline stage needs of a batch besides the tokens: packed rows' position ids, or the mask."""
     if mb.position_ids is not None:
         return {"position_ids": mb.position_ids}
     return {"attention_mask": mb.attention_mask}

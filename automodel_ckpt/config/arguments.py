@@ -1,11 +1,8 @@
 """Whether a config value fits the parameter of a ``_target_`` it is passed to: the annotation, else the default.
 
-``--optimizer.lr abc`` reaches ``torch.optim.AdamW(lr="abc")``, which fails deep inside with Python's
-"'<=' not supported between instances of 'float' and 'str'". Checked here first, it is one line naming the key
-and the type expected. The check only refuses what it is sure of: values YAML can produce (numbers, strings,
-booleans, lists, mappings, null) against the plain types of an annotation (``int``, ``float``, ``bool``, ``str``,
-``Literal``, lists, tuples, mappings, unions of them). Anything else (a class, ``Any``, an annotation that cannot
-be evaluated) is left to the target; without an annotation a number or boolean default only refuses a string.
+``--optimizer.lr abc`` is one line naming the key, not a failure deep inside AdamW. Only what is sure is refused: YAML
+values against plain annotations (``int``, ``float``, ``bool``, ``str``, ``Literal``, containers, unions); anything
+else is left to the target, and without an annotation a number or boolean default only refuses a string.
 """
 
 from __future__ import annotations
@@ -42,9 +39,7 @@ def check_value(target: Any, param: inspect.Parameter, value: Any, key: str, tar
 
 
 def _annotation(target: Any, param: inspect.Parameter) -> Any:
-    """The parameter's annotation, resolved in the target's module (``from __future__ import annotations``) by
-    ``typing.get_type_hints``, one parameter at a time: a name imported only for type checkers leaves that one
-    unknown, not the others."""
+    """The parameter's annotation, resolved alone (a name imported for type checkers leaves only it unknown)."""
     ann = param.annotation
     if not isinstance(ann, str):
         return ann

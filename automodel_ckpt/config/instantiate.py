@@ -28,10 +28,7 @@ RECIPE_KEYS: dict[str, tuple[str, ...]] = {"model": ("freeze",)}
 
 
 def locate(path: str, key: str | None = None) -> Any:
-    """Import ``pkg.mod.Name`` (attributes may nest: ``pkg.mod.Class.method``) or ``path/to/file.py:Name``.
-
-    ``key`` (e.g. ``"model._target_"``) only makes error messages say which setting was wrong.
-    """
+    """Import ``pkg.mod.Name`` (or ``pkg.mod.Class.method``) or ``path/to/file.py:Name``; ``key`` names the setting."""
     where = f" for {key}" if key else ""
 
     def fail(reason: str) -> ConfigError:
@@ -133,11 +130,7 @@ def _build_nested(value: Any, key: str) -> Any:
 
 def instantiate(node: Mapping[str, Any] | DictConfig, section: str, /, *args: Any, recursive: bool = False,
                 **extra: Any) -> Any:
-    """Call ``node["_target_"]`` with ``*args``, the node's other keys and ``extra`` (``extra`` wins).
-
-    ``section`` is the config path of ``node`` (e.g. ``"optimizer"``), used in error messages.
-    With ``recursive=True``, nested mappings that have their own ``_target_`` are built first.
-    """
+    """Call ``node["_target_"]`` with ``*args``, the node's other keys and ``extra`` (which wins)."""
     if node is None or (isinstance(node, DictConfig) and node._is_none()):
         raise ConfigError(f"{section}: nothing to build (the section is null)")
     config = _plain(node, section)
@@ -161,11 +154,7 @@ def instantiate(node: Mapping[str, Any] | DictConfig, section: str, /, *args: An
 
 
 def check_arguments(node: Mapping[str, Any] | DictConfig, section: str) -> None:
-    """Check a ``_target_`` section's keys and value types against its target's signature, without calling it.
-
-    Made before any process starts (``validate_config``): a typo or ``--optimizer.lr abc`` is one line then,
-    not a failure minutes later. Targets in a ``file.py`` are left to ``instantiate`` (importing runs the file).
-    """
+    """A ``_target_`` section's keys and values against its target's signature (a ``file.py`` target's: not)."""
     config = _plain(node, section)
     if not isinstance(config, Mapping) or not isinstance(config.get(TARGET_KEY), str) or ":" in config[TARGET_KEY]:
         return

@@ -22,7 +22,8 @@ from automodel_ckpt.config.sections import with_sections
 from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
 from automodel_ckpt.errors import ConfigError
 
-__all__ = ["apply_values", "load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml", "to_yaml_data"]
+__all__ = ["apply_values", "load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml",
+           "to_yaml_data"]
 
 # YAML 1.1 (PyYAML) reads `1e-4` and `1.0e5` as strings; YAML 1.2 and Python read them as floats.
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
@@ -139,12 +140,8 @@ ALIAS_BUDGET = 10_000  # values that YAML aliases may add to a recipe once expan
 
 
 def _check_aliases(root: yaml.Node, path: str | os.PathLike[str]) -> None:
-    """Refuse a document whose aliases expand it by more than ``ALIAS_BUDGET`` values, or refer to themselves.
-
-    Aliases share nodes, so nested ones (``b: [*a, *a, ...]``, ``c: [*b, *b, ...]``) grow a small file
-    exponentially once expanded, which every later step (merge, validation, ``to_yaml``) would do. The expanded
-    size is counted once per distinct node, so the check itself is linear in the file.
-    """
+    """Refuse a document whose aliases expand it by more than ``ALIAS_BUDGET`` values, or refer to themselves:
+    nested aliases grow a small file exponentially once expanded. Counted once per node: linear in the file."""
     sizes: dict[int, int] = {}
     open_: set[int] = set()
     distinct = 0
@@ -206,11 +203,9 @@ class _Source:
         return f"{self.path}:{self.marks[key]}: {msg}" if key else f"{self.path}: {msg}"
 
 
-def load_config(
-    path: str | os.PathLike[str], overrides: Sequence[tuple[str, str]] | Sequence[str], schema: type
-) -> DictConfig:
-    """Schema defaults (with the registered algorithms' sections, ``config.sections``), then the YAML recipe, then
-    each override; validated and checked to resolve."""
+def load_config(path: str | os.PathLike[str], overrides: Sequence[tuple[str, str]] | Sequence[str],
+                schema: type) -> DictConfig:
+    """Schema defaults and algorithms' sections, the recipe, then each override; validated and resolved."""
     cfg = OmegaConf.structured(with_sections(schema))
     data, marks = _load_yaml_marked(path)
     source = _Source(str(path), marks)
@@ -233,9 +228,7 @@ def load_config(
 
 
 def apply_values(cfg: DictConfig, values: Mapping[str, Any], origin: str) -> DictConfig:
-    """A copy of ``cfg`` with ``values`` (dotted key -> a value already read from YAML) merged in as overrides are
-    (a mapping merges key by key, a new ``_target_`` starts its section afresh); an unknown key is a one-line
-    ``ConfigError`` with the override's suggestion, prefixed by ``origin`` (``stages[1] (anneal).set``)."""
+    """A copy of ``cfg`` with ``values`` (dotted key -> value) merged in as overrides are, errors naming ``origin``."""
     out = copy.deepcopy(cfg)
     for key, value in values.items():
         if not isinstance(key, str) or not _KEY_RE.match(key):
@@ -430,8 +423,7 @@ def _escape_literals(node: DictConfig | ListConfig) -> None:
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    """The resolved config as YAML, secrets redacted (``redact.py``): what a checkpoint's ``config.yaml``
-    and ``--dry-run`` show. ``load_config`` reads it back to an equal config when it holds no secret."""
+    """The resolved config as YAML, secrets redacted: a checkpoint's ``config.yaml``, ``load_config``'s to read back."""
     data = redacted(OmegaConf.to_container(resolve(cfg), resolve=False, enum_to_str=True))
     if isinstance(data, dict) and data.get("stages") == []:
         del data["stages"]  # a run without stages: its config.yaml as before they existed

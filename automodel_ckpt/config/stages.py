@@ -1,10 +1,7 @@
 """A run's stages (``stages:``, docs/stages.md): the plan read from the recipe and checked, and each stage's recipe.
 
-The recipe as written is the first stage, ``main``, from step 1. Each entry of ``stages:`` names a stage that begins
-after optimizer step ``at_step`` (its first step is ``at_step + 1``) with ``set`` applied to the recipe of the stage
-before it: dotted keys and their values, merged as command-line overrides are. A stage changes how the run goes on
-(the batch, the data, the sequence length, the schedule), never what its checkpoints are checkpoints of: the model,
-the tokenizer, LoRA, the seed, the parallelism, the checkpoint folder and an algorithm's own keys stay the run's.
+The recipe as written is stage ``main``; each entry of ``stages:`` begins after step ``at_step`` with ``set`` merged
+into the stage before it, as overrides are. A stage changes how the run goes on, never what its checkpoints are of.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ def where(index: int, name: Any) -> str:
 
 
 class StagePlan:
-    """The stages planned in a recipe, in order: ``main`` (the recipe as written), then each of ``stages:``. The
-    recipe of each is made once, on first use (``config``)."""
+    """The stages planned in a recipe, ``main`` first; each one's recipe made on first use (``config``)."""
 
     def __init__(self, base: DictConfig, planned: list[Stage]) -> None:
         self.base = base
@@ -64,8 +60,7 @@ class StagePlan:
 
     @classmethod
     def of(cls, cfg: DictConfig) -> StagePlan | None:
-        """The plan of recipe ``cfg``, checked (one-line ``ConfigError``); None for a run without stages (no
-        ``stages:`` and no ``checkpoint.new_stage``)."""
+        """The plan of recipe ``cfg``, checked; None for a run without stages."""
         entries = OmegaConf.to_container(cfg.stages, resolve=True) if cfg.get("stages") else []
         new_stage = cfg.checkpoint.get("new_stage")
         if not entries and new_stage is None:
@@ -108,8 +103,7 @@ class StagePlan:
         return self._configs[index]
 
     def check(self, check: Callable[[DictConfig], Any]) -> None:
-        """``check`` (a recipe's checks before training) of each planned stage's recipe, its message prefixed by
-        the stage."""
+        """``check`` of each planned stage's recipe, its message prefixed by the stage."""
         for i, stage in enumerate(self.stages[1:], start=1):
             try:
                 check(self.config(i))
@@ -136,8 +130,7 @@ def _check_run(cfg: DictConfig, new_stage: Any) -> None:
 def _entry(index: int, entry: Any, after: int, max_steps: int | None) -> Stage:
     """Entry ``index`` of ``stages:``, checked: its keys, name, step and what it sets."""
     if not isinstance(entry, dict):
-        raise ConfigError(f"stages[{index}]: expected a mapping with name, at_step and set, got "
-                          f"{type(entry).__name__}")
+        raise ConfigError(f"stages[{index}]: expected a mapping with name, at_step and set, got {type(entry).__name__}")
     here = where(index, entry.get("name"))
     extra = sorted(str(k) for k in entry if k not in _ENTRY)
     if extra:
@@ -173,9 +166,8 @@ def _check_key(here: str, key: str) -> None:
 
 
 def changed_keys(before: Any, after: dict[str, Any], most: int = 64) -> list[str]:
-    """The dotted keys of the sections a stage may change whose values differ between recipe ``before`` (a
-    checkpoint's ``config.yaml``: untrusted, any shape) and recipe ``after``, sorted, at most ``most``; a section
-    whose ``_target_`` changed is one key; the run's length (``max_steps``, ``num_epochs``) is no stage's."""
+    """The sorted dotted keys (at most ``most``) a stage may change that differ between ``before`` (untrusted) and
+    ``after``; a section whose ``_target_`` changed is one key; the run's length is no stage's."""
     found: list[str] = []
 
     def walk(key: str, a: Any, b: Any) -> None:

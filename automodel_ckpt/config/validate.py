@@ -34,14 +34,12 @@ def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: in
         raise ConfigError(
             f"step_scheduler.global_batch_size ({global_batch_size}) must be a multiple of local_batch_size × "
             f"data-parallel size ({local_batch_size} × {dp_size} = {per_micro_step}); change "
-            "step_scheduler.global_batch_size or step_scheduler.local_batch_size"
-        )
+            "step_scheduler.global_batch_size or step_scheduler.local_batch_size")
     return global_batch_size // per_micro_step
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> MeshSizes:
-    """Raise ConfigError (one line) for values that would fail later (the ``data:`` keys: ``data.checks``); returns
-    the mesh the run will have."""
+    """Raise ConfigError (one line) for values that would fail later; the mesh the run will have."""
     sched = cfg.step_scheduler
     positive(sched.global_batch_size, "step_scheduler.global_batch_size", allow_none=False)
     positive(sched.local_batch_size, "step_scheduler.local_batch_size", allow_none=False)
@@ -119,11 +117,7 @@ def check_importable(path: str, key: str) -> None:
 
 
 def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:
-    """Missing model or tokenizer paths, reported before any process starts (dataset paths: ``data.checks``).
-
-    Returns one line per input saying where it lies (local folder, cached, to be downloaded, unavailable offline).
-    A Hub id missing from the cache while offline is an error unless ``fetchable`` (``--dry-run`` only says so).
-    """
+    """Missing model or tokenizer paths before any process starts; one line per input saying where it lies."""
     from automodel_ckpt.models.build import check_model_source, no_folder_error
     from automodel_ckpt.models.hub import is_hub_id, model_source
 
@@ -145,12 +139,7 @@ def check_inputs_exist(cfg: DictConfig, *, fetchable: bool = False) -> list[str]
 
 
 def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
-    """``--dry-run`` with ``tp_size``, ``pp_size`` or ``ep_size`` > 1: the family's tensor- and expert-parallel plans
-    and the pipeline's stages checked against the model, built on the meta device (no weights read), as the workers
-    would check them once built. One line saying each applies; the workers' one-line ``ConfigError`` when one does
-    not. An embedded base not created yet is created in a temporary folder for the check (the run creates it where
-    the recipe says). Nothing for a Hub model not on this machine yet or from a builder of another package.
-    """
+    """``--dry-run`` with tensor, pipeline or expert parallelism: the plans checked on a meta-device model."""
     import contextlib
     import tempfile
 
@@ -163,11 +152,11 @@ def check_parallel_plans(cfg: DictConfig, sizes: MeshSizes) -> list[str]:
         return []
     with contextlib.ExitStack() as scratch:
         if model.get("config") is None:
-            from automodel_ckpt.ondisk import LAYOUT
+            from automodel_ckpt.ondisk import HFFolder
             from automodel_ckpt.models.hub import CACHED, LOCAL, model_source
 
             name = str(model.get("pretrained_model_name_or_path") or "")
-            if model.get("embedded") and not (Path(name).expanduser() / LAYOUT.HF_CONFIG).is_file():
+            if model.get("embedded") and not HFFolder(Path(name).expanduser()).config.is_file():
                 model = OmegaConf.create(OmegaConf.to_container(model, resolve=True))
                 folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="automodel-ckpt-dry-run-"))
                 model.pretrained_model_name_or_path = str(Path(folder) / "base")

@@ -1,9 +1,7 @@
 """Datasets (built-in, local files, the Hugging Face cache), cached tokenization into rows, preview, and the loaders.
 
-The face of the package: code outside it imports the names below. They load on first use, so the launcher checks
-a recipe's data section (``check_data_section``) without importing ``datasets``. Every training loader keeps one
-contract, ``BatchLoader`` (``contract``): the map-style ``GlobalBatchLoader`` over tokenized rows, and the
-streamed loader that ``build_streamed`` makes for a corpus read as the steps need it (``stream/``).
+The package's face; its names load on first use, so the launcher checks a recipe's data section without importing
+``datasets``. Every training loader keeps one contract, ``BatchLoader``.
 """
 
 from __future__ import annotations

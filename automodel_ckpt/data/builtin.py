@@ -1,8 +1,4 @@
-"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction.
-
-Its preference form (``preference_task_dataset``) pairs each problem's right sum (chosen) with a near miss
-(rejected): off by one in the last digit or by ten in the first.
-"""
+"""Built-in offline task: two-digit addition, with a train/held-out split that is disjoint by construction."""
 
 from __future__ import annotations
 
@@ -14,22 +10,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where rows are made: checking a recipe's dataset section needs none of it
     import datasets
 
-#: Operands are two-digit numbers, ``MIN_OPERAND..MAX_OPERAND`` inclusive (90 x 90 problems): the fixed prompt shape
-#: ``"ab+cd="`` puts every digit at the same position in every example, which a small model picks up faster.
+#: Two-digit operands, inclusive: the fixed shape ``"ab+cd="`` puts every digit in one place, learned faster.
 MIN_OPERAND: int = 10
 MAX_OPERAND: int = 99
 
-#: A problem is held out when its hash lands in the first ``HELDOUT_BUCKETS`` of 100 buckets.
-#: 10 of 100 keeps about 800 problems the model never trains on.
+#: A problem is held out when its hash lands in the first ``HELDOUT_BUCKETS`` of 100 (about 800 problems).
 HELDOUT_BUCKETS: int = 10
 
 _SPLITS = ("train", "heldout")
 
 
 def is_heldout(a: int, b: int) -> bool:
-    """Whether ``a + b`` is held out: a stable hash of the problem (not Python's salted ``hash``), the same on every
-    run and machine, so no seed or sample count moves a held-out problem into training (accuracy on them measures
-    generalisation, not memorisation)."""
+    """Whether ``a + b`` is held out, by a stable hash of the problem: no seed or sample count moves it to training."""
     digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % 100 < HELDOUT_BUCKETS
 
@@ -40,12 +32,8 @@ def addition_problems(split: str) -> tuple[tuple[int, int], ...]:
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
     want_heldout = split == "heldout"
-    return tuple(
-        (a, b)
-        for a in range(MIN_OPERAND, MAX_OPERAND + 1)
-        for b in range(MIN_OPERAND, MAX_OPERAND + 1)
-        if is_heldout(a, b) == want_heldout
-    )
+    operands = range(MIN_OPERAND, MAX_OPERAND + 1)
+    return tuple((a, b) for a in operands for b in operands if is_heldout(a, b) == want_heldout)
 
 
 def _prompt(a: int, b: int) -> str:
@@ -53,9 +41,7 @@ def _prompt(a: int, b: int) -> str:
 
 
 def arithmetic_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
-    """Addition problems ``"37+45="`` -> ``"82"`` drawn uniformly, with replacement, from one split's fixed problems:
-    columns ``id`` (0..n-1), ``prompt`` and ``completion`` (trained on as ``prompt + completion`` + end of sequence).
-    The same ``(num_samples, seed, split)`` always yields the same rows."""
+    """Addition problems ``"37+45="`` -> ``"82"`` drawn with replacement from one split, the same for one seed."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     if num_samples < 0:
@@ -71,19 +57,10 @@ def _arithmetic_rows(num_samples: int, seed: int, split: str) -> datasets.Datase
     rng = random.Random(f"{split}:{seed}")
     drawn = [pool[rng.randrange(len(pool))] for _ in range(num_samples)]
     return datasets.Dataset.from_dict(
-        {
-            "id": list(range(num_samples)),
-            "prompt": [_prompt(a, b) for a, b in drawn],
-            "completion": [str(a + b) for a, b in drawn],
-        },
-        features=datasets.Features(
-            {
-                "id": datasets.Value("int64"),
-                "prompt": datasets.Value("string"),
-                "completion": datasets.Value("string"),
-            }
-        ),
-    )
+        {"id": list(range(num_samples)), "prompt": [_prompt(a, b) for a, b in drawn],
+         "completion": [str(a + b) for a, b in drawn]},
+        features=datasets.Features({"id": datasets.Value("int64"), "prompt": datasets.Value("string"),
+                                    "completion": datasets.Value("string")}))
 
 
 #: Task-neutral name of the built-in dataset factory (same signature as :func:`arithmetic_dataset`).
@@ -92,11 +69,7 @@ builtin_task_dataset = arithmetic_dataset
 
 def chat_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train",
                       system: str | None = None) -> datasets.Dataset:
-    """The built-in task as chats: ``messages`` = [system?], user ``"37+45="``, assistant ``"82"``.
-
-    The same problems as :func:`arithmetic_dataset` with the same arguments; rendered with the embedded
-    tokenizer's chat template, so the offline path covers chat data too.
-    """
+    """The problems of :func:`arithmetic_dataset` as chats: [system?], user ``"37+45="``, assistant ``"82"``."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     arguments = {"num_samples": num_samples, "seed": seed, "split": split, "system": system}
@@ -121,8 +94,7 @@ def near_miss(a: int, b: int, rng: random.Random) -> int:
 
 
 def preference_task_dataset(num_samples: int = 20000, seed: int = 1234, split: str = "train") -> datasets.Dataset:
-    """The built-in task as preference pairs: ``prompt`` ``"37+45="``, ``chosen`` ``"82"``, ``rejected`` a near
-    miss (``"81"``, ``"72"``, ...). The same problems as :func:`arithmetic_dataset` with the same arguments."""
+    """The problems of :func:`arithmetic_dataset` as pairs: ``chosen`` ``"82"``, ``rejected`` a near miss (``"81"``)."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     arguments = {"num_samples": num_samples, "seed": seed, "split": split}
@@ -143,8 +115,7 @@ def _pair_rows(num_samples: int, seed: int, split: str) -> datasets.Dataset:
 
 
 def heldout_examples(n: int = 200, seed: int = 4321) -> list[tuple[str, str]]:
-    """``n`` distinct ``(prompt, answer)`` pairs of the held-out partition (an accuracy over them counts ``n``
-    different problems; ``n`` capped at the partition's size)."""
+    """``n`` (at most all) distinct ``(prompt, answer)`` pairs of the held-out partition."""
     pool = addition_problems("heldout")
     rng = random.Random(f"heldout-examples:{seed}")
     chosen = rng.sample(pool, k=min(n, len(pool)))

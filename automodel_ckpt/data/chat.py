@@ -19,19 +19,12 @@ def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
     if not template:
         raise ConfigError(
             "tokenizer.chat_template: the tokenizer has no chat template, so 'messages' data cannot be rendered; "
-            "set tokenizer.chat_template to a Jinja template (see docs/data.md) or use a tokenizer that has one"
-        )
+            "set tokenizer.chat_template to a Jinja template (see docs/data.md) or use a tokenizer that has one")
     return template
 
 
 class ChatRenderer:
-    """Renders conversations and finds which characters are trained.
-
-    An assistant turn's span runs from the end of the conversation so far rendered with the generation prompt to
-    the end of the conversation rendered up to and including that turn: the reply and the template's end-of-turn
-    marker, without the role header. This works for any template that renders a conversation's prefixes as
-    prefixes of its full text (the usual ones do); one that does not is reported with the record number.
-    """
+    """Renders conversations and finds the trained characters: each assistant reply and its end-of-turn marker."""
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None, loss: str = "assistant") -> None:
         if loss not in CHAT_LOSS_MODES:
@@ -42,10 +35,7 @@ class ChatRenderer:
         self._header, self._end_of_turn = self._probe()
 
     def _probe(self) -> tuple[str, str] | tuple[None, None]:
-        """What the template writes before a reply (the generation prompt) and after it (the end of the turn).
-
-        With both known, one rendering per conversation finds every reply; without, each turn is rendered.
-        """
+        """What the template writes before a reply and after it; with both, one rendering finds every reply."""
         user = [{"role": "user", "content": "ping"}]
         try:
             asked = self._render(user)
@@ -91,8 +81,7 @@ class ChatRenderer:
         return text, spans
 
     def _find_spans(self, text: str, messages: list[dict], turns: set[int]) -> list[tuple[int, int]] | None:
-        """Spans from one rendering: each message's content in order, a reply right after the generation prompt
-        and followed by the end-of-turn text. None when the template changes the text (then render turn by turn)."""
+        """Spans from one rendering (each reply between the generation prompt and the end of turn), else None."""
         if self._header is None or self._end_of_turn is None:
             return None
         spans, cursor = [], 0
@@ -119,13 +108,11 @@ class ChatRenderer:
     def _prefix(self, messages: list[dict], generation_prompt: bool, full: str, record_number: int) -> str:
         prefix = self._render(messages, add_generation_prompt=generation_prompt) if messages or generation_prompt \
             else ""
-        if not full.startswith(prefix):
-            # Some templates render the last turn differently (e.g. drop reasoning of earlier turns only).
+        if not full.startswith(prefix):  # a template that renders the last turn differently (reasoning dropped)
             raise ConfigError(
                 f"dataset: record {record_number}: the chat template does not render the conversation's first "
                 f"{len(messages)} message(s) as a prefix of the whole, so the assistant turns cannot be located; "
-                "set data.chat_loss: all, or set tokenizer.chat_template to a template that does"
-            )
+                "set data.chat_loss: all, or set tokenizer.chat_template to a template that does")
         return prefix
 
 

@@ -39,11 +39,7 @@ def check_data_section(cfg: DictConfig) -> None:
 
 
 def check_dataset_paths(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:
-    """A local dataset path that does not exist (and names no dataset in the Hugging Face cache): one line.
-
-    With ``fetchable`` (``--dry-run``) a Hub dataset missing from the cache is not an error: the returned lines say
-    so, with the command that fetches it.
-    """
+    """A dataset path that exists nowhere is one line (with ``fetchable``, a Hub dataset to fetch is only said)."""
     from automodel_ckpt.data.files import hub_dataset_cached, is_hub_id
 
     lines: list[str] = []

@@ -1,9 +1,4 @@
-"""The one contract every training data loader keeps: the map-style ``GlobalBatchLoader`` and the streamed one.
-
-A recipe holds its loader as ``BatchLoader`` and never asks which one it has: it takes each step's batch, saves and
-restores the loader's position like any state, logs what ``report`` adds to a step's record and records what
-``summary`` says in each checkpoint's metadata. ``tests/unit/data/test_contract.py`` holds both loaders to it.
-"""
+"""The one contract every training data loader keeps (map-style or streamed): a recipe never asks which it has."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ class BatchLoader(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def report(self, waited: float) -> dict[str, Any]:
-        """What the step just served adds to its record in training.jsonl and the trackers (``waited``: seconds
-        the step waited for its batch); empty when there is nothing to say."""
+        """What the step just served adds to its record (``waited``: seconds spent waiting for the batch)."""
         ...
 
     def summary(self) -> dict[str, Any] | None:
@@ -48,6 +42,5 @@ class BatchLoader(Protocol):
         ...
 
     def begin_stage(self) -> str | None:
-        """A new stage of the run starts from the restored position (docs/stages.md): what changes, in one line,
-        or None."""
+        """A new stage starts from the restored position: what changes, in one line, or None."""
         ...

@@ -1,7 +1,6 @@
 """Turns a batch of records into token ids and loss labels (one example each), as ``datasets.map`` calls it.
 
-``RecordEncoder`` does the same for the records of a streamed corpus, through ``Encoder`` as the tokenize-up-front
-path does; a record is kept whole there (never cut to ``seq_length``: the packer carries its tail over).
+``RecordEncoder`` does the same for a streamed corpus, keeping a record whole (the packer carries its tail over).
 """
 
 from __future__ import annotations
@@ -55,17 +54,11 @@ class DataSpec:
             f"dataset: records need a '{self.messages_field}' column, '{self.prompt_field}'+"
             f"'{self.completion_field}' columns or a '{self.text_field}' column, got {sorted(columns)} "
             "(set data.messages_field / data.prompt_field / data.completion_field / data.text_field, or build them "
-            "with data.prompt_template and data.completion_template)"
-        )
+            "with data.prompt_template and data.completion_template)")
 
 
 class Encoder:
-    """``encoder(batch, indices)`` -> ``input_ids``, ``labels``, ``sample_id``, ``num_tokens`` per record.
-
-    prompt/completion (and templates): ``bos prompt completion eos``, loss on ``completion eos``. text: ``bos text
-    eos``, loss everywhere. chat: the template's rendering, loss on the spans :class:`ChatRenderer` finds. Ids are
-    cut to ``seq_length``; ``num_tokens`` keeps the length before the cut, so truncation can be counted.
-    """
+    """``encoder(batch, indices)``: each record's ids and labels cut to ``seq_length`` (``num_tokens``: uncut)."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec, mode: str) -> None:
         self.tokenizer = tokenizer
@@ -104,11 +97,7 @@ class Encoder:
         return prompts, completions
 
     def _encode(self, texts: list[str], offsets: bool = False) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-        """Token ids (and character offsets) of ``texts``, without added special tokens, in one batched call.
-
-        A fast tokenizer's Rust backend is called directly: the same ids as ``tokenizer(texts)``, without
-        converting every encoding to Python dictionaries first.
-        """
+        """Token ids (and character offsets) of ``texts``, no special tokens, from a fast tokenizer's backend."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             encodings = backend.encode_batch(texts, add_special_tokens=False)
@@ -156,12 +145,9 @@ def token_columns(ids: list[list[int]], labels: list[list[int]], batch: dict, in
     ids_col = batch.get("id")  # an integer id column names the samples; otherwise the record number does
     if ids_col is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids_col):
         ids_col = None
-    return {
-        "input_ids": [x[:n] for x in ids],
-        "labels": [x[:n] for x in labels],
-        "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
-        "num_tokens": [len(x) for x in ids],
-    }
+    return {"input_ids": [x[:n] for x in ids], "labels": [x[:n] for x in labels],
+            "sample_id": [int(ids_col[k]) if ids_col is not None else i for k, i in enumerate(indices)],
+            "num_tokens": [len(x) for x in ids]}
 
 
 class BadRecord(Exception):
@@ -173,8 +159,7 @@ class BadRecord(Exception):
 
 
 class RecordEncoder:
-    """``check(record)``: why a record cannot be encoded (``None``: it can); ``encode(records)``: their
-    ``(ids, labels)``. A record's mode (chat, template, prompt_completion, text) follows ``DataSpec.mode``."""
+    """``check(record)``: why a record cannot be encoded (``None``: it can); ``encode(records)``: ``(ids, labels)``."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec) -> None:
         self.tokenizer, self.spec = tokenizer, spec

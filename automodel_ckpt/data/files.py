@@ -48,12 +48,7 @@ def load_hub_dataset(repo_id: str, name: str | None, split: str) -> datasets.Dat
 
 def load_local_dataset(path: str, split: str = "train", format: str | None = None,
                        name: str | None = None) -> datasets.Dataset:
-    """Load ``path`` (a file, a glob, a folder, or a Hub dataset id in the local cache) without the network.
-
-    A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` is loaded with ``load_from_disk``;
-    any other folder is read as the files inside it with the builder of their extension. A Hub id such as
-    ``rajpurkar/squad`` (with ``name``, the dataset's configuration, if it has several) is read from the cache.
-    """
+    """Load ``path`` (a file, a glob, a folder, or a cached Hub dataset id and ``name``) without the network."""
     import datasets
 
     if is_hub_id(path):

@@ -1,9 +1,6 @@
 """Generated (built-in) datasets kept as Arrow files in the Hugging Face datasets cache, named by what made them.
 
-A built-in dataset is made from its arguments alone, so the rows for the same arguments are the same on every start.
-Made once and written into the cache (``HF_DATASETS_CACHE``, under ``automodel_ckpt/generated/``), they are mapped
-from there afterwards, by every rank and every later start: nothing is drawn again, and their tokenization is cached
-beside them like any file-backed dataset's (``data/tokenize.py``), so rank 0 tokenizes and the other ranks read.
+Made once from their arguments alone, then mapped by every rank and later start, their tokenization cached beside.
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ GENERATED_VERSION = 1
 
 
 def kept_on_disk(name: str, arguments: dict[str, Any], make: Callable[[], datasets.Dataset]) -> datasets.Dataset:
-    """The dataset ``make()`` returns for ``arguments``, from its file in the cache (made and written on a miss).
-
-    The file is written under a temporary name and moved into place (``datasets.map``), so concurrent starts never
-    read half a file; all of them then map the same file, with the same fingerprint.
-    """
+    """The dataset ``make()`` returns for ``arguments``, from its file in the cache (made and moved in on a miss)."""
     import datasets
 
     key = hashlib.sha256(json.dumps([GENERATED_VERSION, name, arguments], sort_keys=True, default=str)

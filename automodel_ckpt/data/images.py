@@ -42,11 +42,7 @@ def image_spec(processor: Any) -> ImageSpec:
 
 
 class ImageChatEncoder:
-    """``encoder(batch, indices)``: the chat encoding of :class:`Encoder`, each image token expanded to the number
-    of tokens the processor gives one image (no loss on them), plus the image's ``pixel_values``.
-
-    One image per record (column ``spec.image_field``), placed where the chat template writes the image token.
-    """
+    """:class:`Encoder`'s chat encoding, the image token expanded to the image's tokens (no loss), and its pixels."""
 
     def __init__(self, tokenizer: Any, spec: DataSpec, processor: Any, images: ImageSpec) -> None:
         # The chat template: the recipe's, else the processor's (where image-text models keep theirs).

@@ -12,8 +12,7 @@ from automodel_ckpt.data.tokenize import IGNORE_INDEX, TokenizedData
 
 @dataclass
 class MicroBatch:
-    """Rows of one forward pass. ``position_ids`` (packed rows only) restart at every example in a row;
-    ``pixel_values`` (image records only) hold each row's image as the processor prepared it."""
+    """Rows of one forward pass; ``position_ids``: packed rows only; ``pixel_values``: image records only."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -30,36 +29,18 @@ def micro_batch(data: TokenizedData, idx: torch.Tensor) -> MicroBatch:
 
 
 class GlobalBatchLoader:
-    """Yields, per optimizer step, this rank's micro-batches of one global batch.
-
-    Epoch ``e`` visits the rows in ``randperm(n, seed + e)`` order (or in order without shuffle). A global batch
-    is the next ``global_batch_size`` rows of that order; it is cut into ``grad_accum`` micro-steps of
-    ``local_batch_size × world_size`` rows, and rank ``r`` takes the ``r``-th slice of each micro-step (``rank`` and
-    ``world_size`` are the data-parallel ones: tensor-parallel peers take the same rows). The state
-    is only ``(epoch, position)``, the same on every rank, so a run resumed with another world size sees exactly
-    the samples an uninterrupted run would. An incomplete last global batch of an epoch is skipped.
+    """Per optimizer step, this rank's micro-batches of one global batch: the next ``global_batch_size`` rows of
+    epoch ``e``'s ``randperm(n, seed + e)`` order, each micro-step's ``r``-th slice to data-parallel rank ``r``.
+    The state is ``(epoch, position)``, the same on every rank, so a resume at another world size sees the same
+    samples. An incomplete last global batch of an epoch is skipped.
     """
 
     checkpoint_scope = "rank"
 
-    def __init__(
-        self,
-        data: TokenizedData,
-        *,
-        global_batch_size: int,
-        local_batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle: bool = True,
-    ) -> None:
-        self.data = data
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.shuffle = shuffle
+    def __init__(self, data: TokenizedData, *, global_batch_size: int, local_batch_size: int, rank: int,
+                 world_size: int, seed: int, shuffle: bool = True) -> None:
+        self.data, self.global_batch_size, self.local_batch_size = data, global_batch_size, local_batch_size
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.grad_accum = global_batch_size // (local_batch_size * world_size)
         self.epoch = 0
         self.position = 0
@@ -74,11 +55,8 @@ class GlobalBatchLoader:
     def _epoch_order(self) -> torch.Tensor:
         if self._order_epoch != self.epoch:
             n = len(self.data)
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._order = torch.randperm(n, generator=g)
-            else:
-                self._order = torch.arange(n)
+            self._order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
+                if self.shuffle else torch.arange(n)
             self._order_epoch = self.epoch
         assert self._order is not None
         return self._order
@@ -104,8 +82,7 @@ class GlobalBatchLoader:
         return epoch, micro
 
     def report(self, waited: float) -> dict[str, Any]:
-        """Nothing beside the step's own numbers (``data.contract.BatchLoader``): the rows were tokenized before
-        training."""
+        """Nothing beside the step's own numbers: the rows were tokenized before training."""
         return {}
 
     def summary(self) -> dict[str, Any] | None:
@@ -127,9 +104,7 @@ class GlobalBatchLoader:
         return max(0, this_epoch + (num_epochs - 1 - self.epoch) * self.steps_per_epoch)
 
     def begin_stage(self) -> str | None:
-        """A new stage (docs/stages.md) goes on from the position, counted in samples of the epoch's order: the next
-        batch is the next ``global_batch_size`` samples, whatever the batch was. Other training rows (another
-        ``dataset:``, rows packed at another length) have another order: they start at their beginning (said)."""
+        """A new stage goes on from the position; other training rows start at their beginning (said)."""
         rows, seed = getattr(self, "_saved_rows", (len(self.data), self.seed))
         if (rows, seed) == (len(self.data), self.seed):
             return None
@@ -143,11 +118,7 @@ class GlobalBatchLoader:
 
 
 def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
-    """Every validation row exactly once over all ranks: rank ``r`` takes rows ``r, r+W, r+2W, ...``.
-
-    Every rank gets the same number of batches (FSDP forwards are collective): a rank short of rows fills its
-    last batch with copies of row 0 whose labels are all ignored, so they add nothing to the loss.
-    """
+    """Every validation row once over all ranks (``strided_rows``), the filling rows' labels all ignored."""
     batches = []
     for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)
@@ -158,8 +129,7 @@ def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int,
 
 def strided_rows(n: int, *, local_batch_size: int, rank: int, world_size: int
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s share of ``n`` rows in batches: rows ``rank, rank+W, ...``, as many on every rank (a rank
-    short of rows gets row 0 again), each batch's row indices with a mask of the rows that are its own."""
+    """Rank ``rank``'s rows ``rank, rank+W, ...`` in batches, as many on every rank (row 0 fills; the mask: own)."""
     per_rank = -(-n // world_size)
     idx = torch.arange(rank, n, world_size)
     real = torch.ones(per_rank, dtype=torch.bool)

@@ -9,13 +9,9 @@ from automodel_ckpt.sizes import in_groups
 
 
 class RowBuilder:
-    """``builder(batch)`` -> rows of ``seq_length`` tokens, for a batched ``datasets.map``.
-
-    Padding: one example per row, right-padded with ``pad_id``. Packing: examples are placed whole, in order,
-    into the current row until the next one does not fit; the rest of the row is padding. Each row carries
-    ``position_ids`` that restart at 0 at every example (the padding tail is a block of its own), so the model's
-    attention stays inside each example, and the first token of an example takes no loss (nothing before it in
-    the row predicts it). ``length`` counts real tokens; ``sample_id`` is the row's first example.
+    """``builder(batch)`` -> rows of ``seq_length`` tokens, for a batched ``datasets.map``: one example per row,
+    right-padded, or examples packed whole in order. A packed row's ``position_ids`` restart at every example, whose
+    first token takes no loss; ``sample_id`` is the row's first example.
     """
 
     def __init__(self, seq_length: int, packing: bool, pad_id: int) -> None:

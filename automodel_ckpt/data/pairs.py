@@ -1,11 +1,8 @@
 """Preference pairs: each record's prompt with its chosen and its rejected response, as two aligned sets of rows.
 
-A record is ``prompt``/``chosen``/``rejected`` strings (scored: the response and end-of-sequence, as an SFT
-completion; ``data.prompt_template`` may render the prompt from the record's fields, as for SFT), or chat: ``chosen`` and ``rejected`` are message lists (whole conversations, or the reply turns after a
-``prompt`` message list), rendered with the chat template and scored on the last assistant turn only. Each side is
-tokenized by the SFT encoder (``encode.Encoder``, cached by ``tokenize``) into padded rows of ``data.seq_length``
-tokens; row ``i`` of the chosen set and row ``i`` of the rejected set are one pair, and a batch of pairs is the
-chosen rows followed by the rejected rows (one forward for both, as TRL's concatenated forward).
+A record is ``prompt``/``chosen``/``rejected`` strings or chats (scored on the last assistant turn), each side
+tokenized by the SFT encoder; row ``i`` of each set is one pair, and a batch is the chosen rows then the rejected
+rows (one forward for both, as TRL's concatenated forward). Formats: docs/preference.md.
 """
 
 from __future__ import annotations
@@ -101,9 +98,7 @@ def side_view(ds: datasets.Dataset, fields: PairFields, side: str, mode: str) ->
 
 
 class PairData:
-    """Aligned chosen and rejected rows (``TokenizedData`` each); ``batch(idx)`` gives the chosen rows of ``idx``
-    then their rejected rows, so a ``GlobalBatchLoader`` over pairs yields micro-batches of 2 x pairs rows (and
-    ``sample_ids`` of the pairs: their row numbers)."""
+    """Aligned chosen and rejected rows; ``batch(idx)`` gives the chosen rows of ``idx`` then their rejected rows."""
 
     def __init__(self, chosen: TokenizedData, rejected: TokenizedData) -> None:
         if len(chosen) != len(rejected):
@@ -193,8 +188,7 @@ def encode_pairs(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec, fields: P
 
 
 def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
-    """Load, split (``data.val_size`` unless ``validation_dataset``), tokenize (cached) and check the recipe's
-    preference pairs."""
+    """Load, split, tokenize (cached) and check the recipe's preference pairs."""
     if is_streamed(cfg.get("dataset")):
         raise ConfigError("dataset: a streamed corpus holds no preference pairs; DPO reads a map-style dataset of "
                           "prompt, chosen and rejected columns")
@@ -220,9 +214,7 @@ def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
 
 
 def pair_batches(data: PairData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
-    """Every pair exactly once over all ranks (rank ``r``: pairs ``r, r+W, ...``), the same number of batches on
-    every rank (forwards are collective): a rank short of pairs fills its last batch with copies of pair 0 whose
-    sample id is -1, which every sum leaves out."""
+    """Every pair once over all ranks (``strided_rows``), the filling pairs' sample id -1 (left out of sums)."""
     batches = []
     for b, keep in strided_rows(len(data), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         mb = micro_batch(data, b)

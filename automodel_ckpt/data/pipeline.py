@@ -22,10 +22,9 @@ def data_spec(cfg: DictConfig) -> DataSpec:
     return DataSpec(
         seq_length=int(d.seq_length), packing=bool(d.packing), prompt_field=d.prompt_field,
         completion_field=d.completion_field, text_field=d.text_field, messages_field=d.messages_field,
-        image_field=d.image_field, prompt_template=d.prompt_template, completion_template=d.completion_template, chat_loss=d.chat_loss,
-        chat_template=cfg.tokenizer.get("chat_template"), num_proc=d.num_proc, map_batch_size=int(d.map_batch_size),
-        cache_dir=d.cache_dir,
-    )
+        image_field=d.image_field, prompt_template=d.prompt_template, completion_template=d.completion_template,
+        chat_loss=d.chat_loss, chat_template=cfg.tokenizer.get("chat_template"), num_proc=d.num_proc,
+        map_batch_size=int(d.map_batch_size), cache_dir=d.cache_dir)
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -74,8 +73,7 @@ def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[i
 
 
 def _split(encoded: datasets.Dataset, val_size: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """The training and held-out selections of ``split_indices``, fingerprinted by what decides them (hashing the
-    index lists themselves, as ``select`` would, costs longer than the selection)."""
+    """The selections of ``split_indices``, fingerprinted by what decides them (hashing the lists costs more)."""
     train_idx, val_idx = split_indices(len(encoded), val_size, seed)
     fingerprint = Hasher.hash((encoded._fingerprint, len(encoded), val_size, seed))
     val = encoded.select(val_idx, new_fingerprint=f"{fingerprint}-val") if val_idx else None
@@ -83,10 +81,7 @@ def _split(encoded: datasets.Dataset, val_size: float, seed: int) -> tuple[datas
 
 
 def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> PreparedData:
-    """Load, tokenize (cached), split and pad or pack the recipe's data.
-
-    With an image-text ``processor``, records with an image column also get the image's pixel values.
-    """
+    """Load, tokenize (cached), split and pad or pack the recipe's data (with an image-text ``processor``, images)."""
     spec = data_spec(cfg)
     pad = pad_token_id(tokenizer)
     source: datasets.Dataset = instantiate(cfg.dataset, "dataset")
@@ -110,8 +105,7 @@ def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Prep
 
 
 def prompt_columns(cfg: DictConfig, prompt_field: str, answer_field: str, section: str) -> tuple[list[Any], list[str]]:
-    """The dataset's prompts and their answers (as text), for an algorithm that samples its own completions
-    (``section``: its config section, named when a column is missing)."""
+    """The dataset's prompts and answers, for an algorithm that samples its completions (``section`` names it)."""
     rows = instantiate(cfg.dataset, "dataset")
     for key in (prompt_field, answer_field):
         if key not in rows.column_names:
@@ -128,12 +122,7 @@ class NoLossError(ConfigError):
 
 
 def check_lengths(prepared: PreparedData, encoded: datasets.Dataset) -> str | None:
-    """Refuse rows without a single token that takes the loss (``NoLossError``); a warning when many examples
-    are cut short.
-
-    Both name the ``data.seq_length`` that keeps 95% of the examples whole (the lengths are known from the
-    tokenization, so this costs one pass over a column, made only when there is something to say).
-    """
+    """Refuse rows with no loss; warn when many examples are cut short (naming the 95th percentile length)."""
     seq_length = prepared.spec.seq_length
     totals = prepared.train.totals()
     if not totals["examples"]:

@@ -18,8 +18,7 @@ _GREEN, _RESET = "\033[32m", "\033[0m"
 
 
 def prepare_to_show(cfg: Any, tokenizer: Any) -> PreparedData:
-    """``prepare_data``, with its warning shown; a ``data.seq_length`` that training refuses (no token with a
-    loss) is a warning here too, since the rows show why."""
+    """``prepare_data``, its warning shown (a ``seq_length`` training refuses too: the rows show why)."""
     try:
         prepared = prepare_data(cfg, tokenizer)
     except NoLossError as exc:
@@ -58,10 +57,8 @@ def render_row(tokenizer: Any, data: TokenizedData, row: int, color: bool = Fals
     lines = [head]
     for k, s in enumerate(starts):
         e = starts[k + 1] if k + 1 < len(starts) else length
-        text = "".join(
-            (f"{_GREEN}{piece}{_RESET}" if color else f"{OPEN}{piece}{CLOSE}") if on else piece
-            for piece, on in _segments(tokenizer, ids[s:e], trained[s:e])
-        )
+        text = "".join((f"{_GREEN}{piece}{_RESET}" if color else f"{OPEN}{piece}{CLOSE}") if on else piece
+                       for piece, on in _segments(tokenizer, ids[s:e], trained[s:e]))
         if cut and k == len(starts) - 1:
             text += CUT
         lines.append(("  + " if k else "    ") + text.replace("\n", "\n    "))

@@ -62,11 +62,7 @@ def _messages(question: str, answer: str | None) -> list[dict[str, Any]]:
 
 def shapes_vqa_dataset(num_samples: int = 4000, seed: int = 1234, split: str = "train",
                        image_size: int = 32) -> datasets.Dataset:
-    """Columns ``id``, ``image`` (a datasets ``Image``) and ``messages``: user = image + question, assistant = answer.
-
-    Every image is drawn fresh from a seeded stream of its own split (``train`` or ``heldout``), so the same
-    arguments always give the same records and no held-out image is ever trained on.
-    """
+    """Columns ``id``, ``image`` and ``messages``, each image from its split's own seeded stream (disjoint splits)."""
     from automodel_ckpt.data.generated import kept_on_disk
 
     if split not in _SPLITS:

@@ -37,11 +37,7 @@ class CacheInfo:
 
 @dataclass
 class TokenizedData:
-    """Rows of ``seq_length`` tokens, memory-mapped from Arrow; ``labels`` is IGNORE_INDEX where no loss is taken.
-
-    ``batch(idx)`` reads rows on demand, so a large set never sits in Python lists. ``sample_ids`` maps each row
-    to its (first) example. ``position_ids`` exist for packed rows only.
-    """
+    """Rows of ``seq_length`` tokens memory-mapped from Arrow, read on demand; ``sample_ids``: each row's example."""
 
     rows: datasets.Dataset
     caches: list[CacheInfo] = field(default_factory=list)
@@ -149,11 +145,7 @@ def _cached_map(ds: datasets.Dataset, fn: Any, *, name: str, fingerprint: str, s
 
 def encode_dataset(ds: datasets.Dataset, tokenizer: Any, spec: DataSpec,
                    processor: Any = None) -> tuple[datasets.Dataset, CacheInfo]:
-    """One tokenized example per record: ``input_ids``, ``labels``, ``sample_id``, ``num_tokens``.
-
-    With an image-text ``processor`` and an image column (``spec.image_field``), chat records also get their
-    image's ``pixel_values`` (see :mod:`automodel_ckpt.data.images`).
-    """
+    """One tokenized example per record (with an image-text ``processor``, its image's ``pixel_values`` too)."""
     mode = spec.mode(ds.column_names)
     images = None
     if processor is not None and spec.image_field in ds.column_names:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import ConfigError, first_line
 
@@ -28,10 +26,7 @@ def resolve_dtype(name: str) -> "torch.dtype":
 
 
 def local_model_path(path: str | None) -> Path | None:
-    """The local folder of ``path``: the folder itself, or for a hub id its snapshot in the Hugging Face cache.
-
-    None when it is neither (a missing folder, or a hub id that is not cached).
-    """
+    """The local folder of ``path`` (a folder, or a cached hub id's snapshot), else None."""
     if not path:
         return None
     p = Path(path).expanduser()
@@ -63,10 +58,7 @@ def ensure_embedded_base(name: str, path: str) -> Path:
 
 def check_model_source(pretrained_model_name_or_path: str | None, config: dict | None, embedded: str | None, *,
                        offline_ok: bool = False) -> str:
-    """Fail early, with one line, when the model can be neither read nor downloaded; else say where it lies.
-
-    ``offline_ok``: a Hub id missing from the cache while offline is only said (``--dry-run``), not an error.
-    """
+    """One line when the model can be neither read nor downloaded (``offline_ok``: only said); else where it lies."""
     if config is None and not pretrained_model_name_or_path:
         raise ConfigError("model: set model.pretrained_model_name_or_path (a local HF folder) or a model.config block")
     if config is not None and pretrained_model_name_or_path:
@@ -87,44 +79,21 @@ def check_model_source(pretrained_model_name_or_path: str | None, config: dict |
     return f"model.pretrained_model_name_or_path {source.describe()}"
 
 
-def build_causal_lm(
-    pretrained_model_name_or_path: str | None = None,
-    config: dict[str, Any] | None = None,
-    embedded: str | None = None,
-    dtype: str = "float32",
-    attn_implementation: str | None = None,
-    seed: int = 0,
-    on_meta: bool = False,
-) -> PreTrainedModel:
-    """A causal LM with parameters in ``dtype`` (the training dtype; the base may be stored in another).
-
-    With ``config`` the weights are initialised from ``seed``; otherwise they are read from the folder.
-    ``attn_implementation`` (``eager``, ``sdpa``, ``flash_attention_2``, ...) overrides transformers' own choice
-    for the family (sdpa where the family supports it, else eager).
-    ``embedded`` names a built-in base created at ``pretrained_model_name_or_path`` on first use.
-    ``on_meta``: the model is built on the meta device, without weights (``models/materialize.py`` gives each rank
-    its own part of them once sharded).
-    """
+def build_causal_lm(pretrained_model_name_or_path: str | None = None, config: dict[str, Any] | None = None,
+                    embedded: str | None = None, dtype: str = "float32", attn_implementation: str | None = None,
+                    seed: int = 0, on_meta: bool = False) -> PreTrainedModel:
+    """A causal LM with parameters in ``dtype``: from ``config`` and ``seed``, else read from the folder (an
+    ``embedded`` base is created there on first use); ``on_meta``: without weights (``models/materialize.py``)."""
     from transformers import AutoModelForCausalLM
 
     return _build(AutoModelForCausalLM, pretrained_model_name_or_path, config, embedded, dtype, attn_implementation,
                   seed, on_meta)
 
 
-def build_image_text_model(
-    pretrained_model_name_or_path: str | None = None,
-    config: dict[str, Any] | None = None,
-    embedded: str | None = None,
-    dtype: str = "float32",
-    attn_implementation: str | None = None,
-    seed: int = 0,
-    on_meta: bool = False,
-) -> PreTrainedModel:
-    """An image-text-to-text model (``AutoModelForImageTextToText``: LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`.
-
-    A ``config`` block names its family with ``model_type`` (e.g. ``llava``) and holds ``text_config`` and
-    ``vision_config`` sections.
-    """
+def build_image_text_model(pretrained_model_name_or_path: str | None = None, config: dict[str, Any] | None = None,
+                           embedded: str | None = None, dtype: str = "float32", attn_implementation: str | None = None,
+                           seed: int = 0, on_meta: bool = False) -> PreTrainedModel:
+    """An image-text-to-text model (LLaVA, Qwen2-VL, ...), as :func:`build_causal_lm`."""
     from transformers import AutoModelForImageTextToText
 
     return _build(AutoModelForImageTextToText, pretrained_model_name_or_path, config, embedded, dtype,

@@ -44,8 +44,7 @@ def _module_parameters(module: Any) -> set[int]:
 
 
 def _group(model: nn.Module, group: str) -> set[int]:
-    """The parameters (by identity) of a named group of ``model``: the family's own accessors where transformers
-    has them (``get_input_embeddings``, ``get_output_embeddings``), the vision parts by their module names."""
+    """The parameters (by identity) of a named group of ``model``: transformers' accessors, else module names."""
     if group == "vision_tower":
         found: set[int] = set()
         named = dict(model.named_modules())
@@ -86,8 +85,7 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def resolve_freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """The names of ``model``'s parameters the patterns name (in the model's order), or a one-line ``ConfigError``
-    for the first pattern that names none (a group the model does not have included)."""
+    """The names of ``model``'s parameters the patterns name, in order; ``ConfigError`` for one that names none."""
     params = list(model.named_parameters())
     chosen: set[int] = set()
     for pattern in patterns:
@@ -105,8 +103,7 @@ def resolve_freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
 
 
 def apply_freeze(model: nn.Module, patterns: Any) -> list[str]:
-    """Stop training the parameters ``model.freeze`` names (``requires_grad`` False: no gradient, and no optimizer
-    state, the optimizer being built over the trainable parameters only); returns their names."""
+    """Stop training (no gradient, no optimizer state) the parameters ``model.freeze`` names; their names."""
     patterns = check_freeze_section(patterns)
     if not patterns:
         return []

@@ -1,13 +1,8 @@
 """Where a model source lies (local folder, Hugging Face cache, Hub) and its one download per node, safetensors only.
 
-A recipe names its base either as a local folder or as a Hub id (``meta-llama/Llama-3.2-1B``). A Hub id resolves
-to its snapshot in the Hugging Face cache; when that snapshot is missing or incomplete it is downloaded with
-``huggingface_hub.snapshot_download``: the top-level config, tokenizer and generation files and the
-``*.safetensors`` weights, never ``.bin``/``.pth``/``.pt`` pickles. The launcher does it once per node, before the
-workers start (``cli.train.fetch_models``); a worker that finds the snapshot still missing (a job
-started by torchrun or srun directly) downloads it under a file lock in the cache, so one process per cache
-downloads and the others wait, then read the same snapshot. With ``HF_HUB_OFFLINE=1`` or no network, one line says
-what is missing and the command that fetches it.
+A Hub id resolves to its snapshot in the Hugging Face cache, downloaded if missing (config, tokenizer and
+``*.safetensors``, never pickles) by the launcher once per node, or by a worker under a file lock in the cache.
+Offline, one line says what is missing and the command that fetches it.
 """
 
 from __future__ import annotations
@@ -81,8 +76,7 @@ def fetch_command(repo_id: str) -> str:
 
 
 def cached_snapshot(repo_id: str, weights: bool = True) -> Path | None:
-    """The complete cached snapshot of ``repo_id`` (with its config and safetensors weights, if ``weights``), or
-    None; never touches the network."""
+    """The complete cached snapshot of ``repo_id`` (with weights, if ``weights``), or None; no network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
 
@@ -110,8 +104,7 @@ def _has_all_weights(folder: Path) -> bool:
 
 
 def model_source(name: str, key: str = "model.pretrained_model_name_or_path", weights: bool = True) -> ModelSource:
-    """Where ``name`` lies now; ``ConfigError`` (one line, naming ``key``) when it is neither a local folder nor a
-    Hub id. ``weights=False`` for a tokenizer: its folder needs no config.json and its repo no weights."""
+    """Where ``name`` lies now (``weights=False``: a tokenizer's, no config.json); else ``ConfigError``."""
     p = Path(name).expanduser()
     if (p / "config.json").exists() or (not weights and p.is_dir()):
         return ModelSource(name, LOCAL, p, key)
@@ -125,11 +118,7 @@ def model_source(name: str, key: str = "model.pretrained_model_name_or_path", we
 
 
 def model_folder(name: str, key: str = "model.pretrained_model_name_or_path", weights: bool = True) -> Path:
-    """The local folder of ``name``: the folder itself, or the snapshot of a Hub id, downloaded first if missing.
-
-    Every process may call this: the first to take the cache's lock for ``name`` downloads, the others wait for it
-    and then find the snapshot complete.
-    """
+    """The local folder of ``name``: the folder itself, or a Hub id's snapshot, downloaded (under a lock) if missing."""
     source = model_source(name, key, weights)
     if source.path is not None:
         return source.path
@@ -163,15 +152,13 @@ def _download(repo_id: str, key: str, weights: bool) -> Path:
     except RepositoryNotFoundError as exc:
         if _status(exc) in (401, 403):  # the Hub answers 401 for a private repo and for a missing one alike
             raise ConfigError(_gated_message(repo_id, key)) from None
-        raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} "
-                          "(nor a local folder)") from None
+        raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} (nor a local folder)") from None
     except OfflineModeIsEnabled:
         raise ConfigError(_offline_message(repo_id, key)) from None
     except HfHubHTTPError as exc:
         if _status(exc) in (401, 403):
             raise ConfigError(_gated_message(repo_id, key)) from None
-        raise ConfigError(f"{key}: downloading '{repo_id}' failed: "
-                          f"{first_line(exc)}") from None
+        raise ConfigError(f"{key}: downloading '{repo_id}' failed: {first_line(exc)}") from None
     except _network_errors() as exc:  # no network: DNS, refused connection, timeout
         raise ConfigError(f"{_offline_message(repo_id, key)} ({type(exc).__name__})") from None
     return Path(folder)
@@ -199,8 +186,7 @@ def _status(exc: Exception) -> int | None:
 
 def _offline_message(repo_id: str, key: str) -> str:
     return (f"{key}: '{repo_id}' is neither a local folder nor in the Hugging Face cache ({_cache_dir()}), and the "
-            f"Hub cannot be reached (offline); fetch it where the Hub is reachable with: "
-            f"{fetch_command(repo_id)}")
+            f"Hub cannot be reached (offline); fetch it where the Hub is reachable with: {fetch_command(repo_id)}")
 
 
 def _gated_message(repo_id: str, key: str) -> str:

@@ -1,11 +1,8 @@
 """LoRA: wrap a causal LM with Hugging Face PEFT adapters so that only the adapter weights train.
 
-With ``peft.target_modules`` unset the targets are chosen for the family: PEFT's own default for it where PEFT has
-one (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: ``q_proj``/``v_proj`` for Llama, ``c_attn`` for GPT-2,
-...), otherwise every linear layer except the output head. Mixture-of-experts models adapt attention only by
-default: their experts are fused parameters rather than linear layers, and routers are best left alone; name
-expert modules in ``target_modules`` to adapt them where PEFT supports it. Image-text models take the defaults of
-their language model's family; their vision tower and projector are left out unless asked for (``lora_exclusions``).
+Without ``peft.target_modules``: PEFT's default for the family, else every linear layer but the head; attention only
+for mixture-of-experts models (fused experts, routers left alone); an image-text model's vision tower and projector
+are left out unless asked for (docs/peft.md).
 """
 
 from __future__ import annotations
@@ -27,34 +24,22 @@ _ATTENTION_HINTS = ("attn", "attention")
 
 
 def lora_config(peft: Any, model: nn.Module | None = None):
-    """The ``peft.LoraConfig`` of a recipe's ``peft:`` section (a ``PeftConfig`` or any object with its fields).
-
-    Without ``target_modules`` in the section, the targets are chosen for ``model``'s family (``default_targets``).
-    """
+    """The ``peft.LoraConfig`` of a recipe's ``peft:`` section; targets chosen for ``model``'s family if unset."""
     from peft import LoraConfig, TaskType
 
     check_peft_section(peft)
     targets = list(peft.target_modules) if peft.target_modules is not None else None
-    exclude = None
-    if model is not None:
-        exclude = lora_exclusions(model, bool(getattr(peft, "vision_tower", False)))
+    exclude = lora_exclusions(model, bool(getattr(peft, "vision_tower", False))) if model is not None else None
     if targets is None:
         if model is None:
             raise ConfigError("peft.target_modules: not set, and no model to choose the targets for")
         targets = default_targets(model)
         if not targets:
             raise ConfigError("peft.target_modules: the model has no linear layer to adapt; name the modules to adapt")
-    return LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
-        r=int(peft.rank),
-        lora_alpha=float(peft.alpha),
-        lora_dropout=float(peft.dropout),
-        target_modules=targets,
-        bias=str(peft.bias),
-        use_rslora=bool(peft.use_rslora),
-        init_lora_weights=bool(peft.init_lora_weights),
-        exclude_modules=exclude,
-    )
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(peft.rank), lora_alpha=float(peft.alpha),
+                      lora_dropout=float(peft.dropout), target_modules=targets, bias=str(peft.bias),
+                      use_rslora=bool(peft.use_rslora), init_lora_weights=bool(peft.init_lora_weights),
+                      exclude_modules=exclude)
 
 
 def check_peft_section(peft: Any) -> None:
@@ -72,12 +57,7 @@ def check_peft_section(peft: Any) -> None:
 
 
 def apply_lora(model: nn.Module, peft: Any) -> nn.Module:
-    """``model`` wrapped by ``peft.get_peft_model``: base weights frozen, LoRA weights trainable.
-
-    Call it before FSDP sharding: ``fully_shard`` then shards frozen and trainable parameters of a decoder layer
-    together and reduces gradients of the trainable ones only. The adapter weights are initialised from the torch
-    RNG, which the recipe seeds identically on every rank.
-    """
+    """``model`` wrapped by ``peft.get_peft_model`` (adapters from the seeded RNG), before sharding."""
     from peft import get_peft_model
 
     config = lora_config(peft, model)
@@ -121,8 +101,7 @@ def default_targets(model: nn.Module) -> list[str]:
 
 
 def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
-    """A PEFT ``exclude_modules`` regex keeping LoRA out of an image-text model's projector and, unless
-    ``vision_tower``, its vision tower; None for a text model."""
+    """A PEFT ``exclude_modules`` regex for an image-text model's projector and vision tower; None for text."""
     from automodel_ckpt.model_parts import vision_module_paths
 
     paths = vision_module_paths(model, towers=not vision_tower)
@@ -132,10 +111,7 @@ def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
 
 
 def linear_names(model: nn.Module, attention_only: bool = False) -> set[str]:
-    """Suffixes of the model's linear (and GPT-2 Conv1D) layers, output head excluded.
-
-    ``attention_only`` keeps those inside an attention block (a module path containing ``attn``/``attention``).
-    """
+    """Suffixes of the model's linear (and GPT-2 Conv1D) layers but the head; ``attention_only``: in attention."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = set()
     for path, module in model.named_modules():

@@ -1,21 +1,9 @@
 """A model built on the meta device gets its first weights once sharded: each rank materialises only its own part.
 
-The order (``recipes/llm_finetune.py``):
-
-1. the model is built on the meta device (``build_causal_lm(..., on_meta=True)``): no storage, no weights;
-2. LoRA wraps it as it would a real one (``kept_parameters``: the adapters PEFT draws from the seeded RNG are
-   created for real, and kept, before PEFT moves them to the meta device of their base layer);
-3. it is sharded (``fully_shard``, any mesh);
-4. ``materialize``: ``to_empty`` gives each rank storage for its own shards only, and the buffers that are in no
-   weight file (rotary tables, ...) are computed by transformers' own initialisation (``initialize_weights`` with
-   every parameter marked as initialised);
-5. once the recipe knows whether a checkpoint filled the model (``fill``): the base folder's slices are read by
-   each rank (``checkpoint/restore/hf_weights.py``), or, for a model built from a ``config`` block, rank 0 builds the
-   model from the seed exactly as without sharding and torch broadcasts it, tensor by tensor, into every rank's
-   shards (``set_model_state_dict(..., broadcast_from_rank0=True)``): the one path where one rank holds the whole
-   model. A checkpoint that is restored fills the model instead, and the base is never read.
-
-A model from any other builder (a custom ``model._target_``) is built whole as before; nothing here applies.
+Built on meta, wrapped by LoRA (``kept_parameters`` keeps the adapters PEFT draws from the seeded RNG), sharded,
+then ``materialize`` gives each rank storage for its own shards and computes the buffers no weight file holds;
+``fill`` then reads the base folder's slices, or (a ``config``-built model) rank 0 builds it from the seed and
+broadcasts it, unless a restored checkpoint filled it. A custom ``model._target_`` is built whole; nothing here applies.
 """
 
 from __future__ import annotations
@@ -36,8 +24,7 @@ logger = logging.getLogger(__name__)
 #: The builders that can build on the meta device (``on_meta=True``).
 META_BUILDERS = frozenset({"automodel_ckpt.models.build.build_causal_lm",
                            "automodel_ckpt.models.build.build_image_text_model"})
-#: A folder where every rank writes what its materialisation held and read (``rank<R>.json``), for tests and
-#: benchmarks.
+#: A folder where every rank writes what its materialisation held and read (``rank<R>.json``), for tests.
 RECORD_ENV = "AUTOMODEL_CKPT_LOAD_RECORD"
 
 
@@ -47,11 +34,7 @@ def builds_on_meta(node: Mapping[str, Any]) -> bool:
 
 
 class StartingWeights:
-    """Where a meta-built model's first weights come from, and the filling of them on every rank.
-
-    ``node``: the ``model:`` section. ``rank``: this process's global rank. ``build_whole``: builds the model whole
-    from ``node`` as a one-rank run would (rank 0 calls it for a config-built model).
-    """
+    """Where a meta-built model's first weights come from, filled on every rank (``build_whole``: a one-rank build)."""
 
     def __init__(self, node: Mapping[str, Any], rank: int, build_whole: Callable[[], nn.Module]) -> None:
         self.node = dict(node)
@@ -69,8 +52,7 @@ class StartingWeights:
     # ------------------------------------------------------------------------------------ before sharding
     @contextmanager
     def kept_parameters(self) -> Iterator[None]:
-        """Parameters created with storage inside the block (LoRA adapters on a meta model) keep their values,
-        which ``fill`` copies into the materialised model."""
+        """Parameters created with storage inside the block (LoRA adapters) keep their values, for ``fill``."""
         if not self.on_meta:
             yield
             return
@@ -97,8 +79,7 @@ class StartingWeights:
         self._record["params"] = _held(model)
 
     def fill(self, model: nn.Module, *, model_loaded: bool) -> None:
-        """Collective: the first weights of whatever a checkpoint did not fill (``model_loaded``: a restore loaded
-        the model's state: a full model's weights, or a PEFT model's adapters)."""
+        """Collective: the first weights of whatever the restore did not fill (a PEFT model's restore: its adapters)."""
         if not self.on_meta:
             return
         peft = hasattr(model, "get_base_model")
@@ -154,8 +135,7 @@ class StartingWeights:
 
 
 def materialize_module(model: nn.Module, device: torch.device | str) -> None:
-    """``to_empty`` on ``device`` (storage for this rank's shards only, values undefined), tied weights tied again
-    where ``to_empty`` made two tensors of one (FSDP keeps them one), and the buffers computed (``init_buffers``)."""
+    """``to_empty`` on ``device`` (this rank's shards, values undefined), tied weights tied again, buffers computed."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tied = _tied_groups(base)
     model.to_empty(device=device)
@@ -169,8 +149,7 @@ def materialize_module(model: nn.Module, device: torch.device | str) -> None:
 
 
 def init_buffers(base: nn.Module) -> None:
-    """Compute the buffers of a materialised transformers model as its own initialisation does (rotary tables and
-    the like), leaving every parameter as it is."""
+    """A materialised transformers model's buffers (rotary tables) computed by its own init, parameters untouched."""
     from transformers import PreTrainedModel
 
     if not isinstance(base, PreTrainedModel):

@@ -15,16 +15,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = [
-    "BASE_SEED",
-    "CHARACTERS",
-    "CHAT_TEMPLATE",
-    "SPECIAL_TOKENS",
-    "TINY_LLAMA_CONFIG",
-    "build_tokenizer",
-    "ensure_model_folder",
-    "ensure_tiny_base",
-]
+__all__ = ["BASE_SEED", "CHARACTERS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TINY_LLAMA_CONFIG", "build_tokenizer",
+           "ensure_model_folder", "ensure_tiny_base"]
 
 #: Special tokens, in id order: ``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3.
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>")
@@ -32,8 +24,7 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>")
 #: Every ordinary character the tokenizer knows, one token each. Anything else maps to ``<unk>``.
 CHARACTERS: str = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:?.,"
 
-#: Chat template of the embedded tokenizer: ``<s>user: hi system: ... assistant: reply</s>``. It renders only
-#: characters of :data:`CHARACTERS` (plus the special tokens), so lower-case chats over that alphabet round-trip.
+#: Chat template of the embedded tokenizer (``<s>user: hi assistant: reply</s>``), in :data:`CHARACTERS` only.
 CHAT_TEMPLATE: str = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' + message['content'] }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ ' ' }}{% endif %}{% endfor %}"
@@ -53,31 +44,16 @@ def _vocab() -> dict[str, int]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer, built offline: each character of :data:`CHARACTERS` is one token, so text over
-    that alphabet encodes to ``len(text)`` ids after the prefix and decodes back unchanged (``Fuse`` joins tokens
-    without spaces). Encoding prepends ``<s>`` (Llama's convention) and never appends ``</s>``: training sees
-    ``<s> prompt completion </s>``, generation starts from ``<s> prompt``; ``add_special_tokens=False`` gives the
-    bare ids. :data:`CHAT_TEMPLATE` renders ``messages`` conversations."""
+    """The character-level tokenizer: one token a character; encoding prepends ``<s>``, never appends ``</s>``."""
     vocab = _vocab()
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # Splitting on "any single character" makes every character its own word, so the
-    # word-level model acts as a character-level one (spaces included).
+    # every single character its own word: the word-level model acts as a character-level one (spaces included)
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A",
-        pair="<s> $A <s> $B",
-        special_tokens=[("<s>", vocab["<s>"])],
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        model_max_length=_MAX_POSITIONS,
-        padding_side="right",
-    )
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        unk_token="<unk>", model_max_length=_MAX_POSITIONS, padding_side="right")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -85,26 +61,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def _tiny_llama_config() -> dict[str, Any]:
     vocab = _vocab()
     return {
-        "vocab_size": len(vocab),
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": _MAX_POSITIONS,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        # Wider than the usual 0.02: at width 128 that leaves attention almost uniform
-        # and the built-in task then stalls on a long loss plateau before it is learned.
+        "vocab_size": len(vocab), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+        # wider than the usual 0.02: at width 128 that leaves attention almost uniform and the task plateaus long
         "initializer_range": 0.06,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "use_cache": True,
-        "bos_token_id": vocab["<s>"],
-        "eos_token_id": vocab["</s>"],
-        "pad_token_id": vocab["<pad>"],
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "use_cache": True,
+        "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"], "pad_token_id": vocab["<pad>"],
     }
 
 
@@ -113,9 +76,8 @@ TINY_LLAMA_CONFIG: dict[str, Any] = _tiny_llama_config()
 
 
 def _deterministic_init(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Overwrite every parameter with values identical on every machine: NumPy's PCG64 normal stream (plain IEEE
-    arithmetic, drawn in a fixed parameter order), where torch's CPU kernels, vectorised per instruction set, give
-    different floats on different CPUs for one seed. Norm weights start at one, as in the reference Llama init."""
+    """Every parameter from NumPy's PCG64 normal stream, identical on every machine (torch's CPU kernels, vectorised
+    per instruction set, differ between CPUs for one seed); norm weights start at one."""
     rng = np.random.Generator(np.random.PCG64(seed))
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
@@ -127,8 +89,7 @@ def _deterministic_init(model: torch.nn.Module, seed: int, std: float) -> None:
 
 
 def _shard_limit(model: torch.nn.Module) -> int:
-    """A shard size (bytes) that splits ``model``'s bf16 weights into two files: just above half of the total, the
-    greedy sharder closes the first file past the halfway mark (no tensor is anywhere near half of the model)."""
+    """A shard size (bytes) just above half of ``model``'s bf16 weights: the greedy sharder writes two files."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return int(math.ceil(total * 0.55))
 
@@ -151,30 +112,20 @@ def _write_base(folder: Path) -> None:
 
 
 def name_generic_tokenizer(folder: Path) -> None:
-    """Name the generic fast-tokenizer class in ``folder``'s tokenizer config, so that older transformers releases
-    load the folder too (newer ones map it to their tokenizers backend)."""
+    """Name the generic fast-tokenizer class in ``folder``'s tokenizer config, for older transformers releases."""
     path = folder / "tokenizer_config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"},
                                indent=2, sort_keys=True) + "\n")
 
 
 def ensure_tiny_base(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` holding the embedded base model, creating it first (:func:`ensure_model_folder`) if absent.
-
-    A complete Hugging Face folder: ``config.json`` (``dtype`` bfloat16), bf16 weights in two safetensors shards and
-    their index, ``generation_config.json`` and the tokenizer files. Creation is seeded and platform-independent:
-    the same library versions write identical bytes on every machine.
-    """
+    """``path`` holding the embedded base model, created if absent (the same bytes on every machine)."""
     return ensure_model_folder(path, _write_base)
 
 
 def ensure_model_folder(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
-    """``path`` holding a model folder, written by ``write(folder)`` into a temporary sibling and renamed into place.
-
-    An existing model folder (one with ``config.json``) is returned untouched; an existing empty directory is
-    filled; any other existing path is refused rather than overwritten. If another process wins the race, its
-    (identical) folder is used.
-    """
+    """``path`` holding a model folder, written by ``write(folder)`` into a temporary sibling and renamed into place:
+    an existing model folder is kept, an empty folder filled, anything else refused; a lost race uses the winner's."""
     target = Path(path)
     if (target / "config.json").is_file():
         return target
@@ -190,8 +141,7 @@ def ensure_model_folder(path: str | os.PathLike[str], write: Callable[[Path], No
             file.chmod(0o644)
         try:
             os.rename(staging, target)
-        except OSError:
-            # Lost the race: another process renamed its folder into place first.
+        except OSError:  # lost the race: another process renamed its folder into place first
             if not (target / "config.json").is_file():
                 raise
     finally:

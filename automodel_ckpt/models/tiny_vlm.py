@@ -25,8 +25,7 @@ PATCH_SIZE: int = 8
 #: Image tokens per image: one per patch (the CLIP class token is dropped, LLaVA's "default" strategy).
 NUM_IMAGE_TOKENS: int = (IMAGE_SIZE // PATCH_SIZE) ** 2
 
-#: Chat template of the processor: the text template of the embedded tokenizer, with ``{"type": "image"}`` content
-#: items rendered as :data:`IMAGE_TOKEN`; content may be a string or a list of ``image``/``text`` items.
+#: The embedded tokenizer's chat template, with ``{"type": "image"}`` content items rendered as :data:`IMAGE_TOKEN`.
 VLM_CHAT_TEMPLATE: str = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
@@ -54,8 +53,7 @@ def build_processor() -> Any:
 
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        do_center_crop=True, do_resize=True, do_normalize=True, do_convert_rgb=True,
-    )
+        do_center_crop=True, do_resize=True, do_normalize=True, do_convert_rgb=True)
     return LlavaProcessor(image_processor=image_processor, tokenizer=build_vlm_tokenizer(),
                           patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
                           image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
@@ -94,9 +92,8 @@ def _write_base(folder: Path) -> None:
                 param.fill_(1.0 if name.endswith(".weight") else 0.0)
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-    # Written in the layout of the LLaVA folders on the Hub, which vLLM reads: all of the family's conversions
-    # reverted, the CLIP tower's own ``vision_model.`` level included (``vision_tower.vision_model.*``), as
-    # save_pretrained does for a model loaded from such a folder.
+    # the layout of the Hub's LLaVA folders, which vLLM reads (``vision_tower.vision_model.*``), as save_pretrained
+    # writes a model loaded from one
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)  # noqa: SLF001
@@ -108,7 +105,5 @@ def _write_base(folder: Path) -> None:
 
 
 def ensure_tiny_vlm_base(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` holding the embedded VLM base, created as the text base is (``tiny.ensure_tiny_base``) if
-    absent: its folder as the text base's, with a ``llava`` config and the processor's files
-    (``processor_config.json``, ``preprocessor_config.json``) and chat template."""
+    """``path`` holding the embedded VLM base (``llava``, with the processor's files), created as the text base is."""
     return ensure_model_folder(path, _write_base)

@@ -20,24 +20,13 @@ from automodel_ckpt.training.step_scheduler import SaveInterval
 
 
 class BaseRecipe:
-    """What `ckpt-train` runs: ``recipe: my_pkg.MyRecipe`` in the YAML names a subclass.
+    """What `ckpt-train` runs: ``recipe: my_pkg.MyRecipe`` in the YAML names a subclass (docs/custom-recipes.md).
 
-    The contract: every rank constructs the class with the validated config (``MyRecipe(cfg)``: an OmegaConf
-    node of the recipe schema, cheap to build, no process group yet) and calls ``run()`` once; ``run`` trains to
-    the end (or until preempted) and returns with the last checkpoint complete.
-
-    ``run`` is the run's wiring, one copy for every recipe: the preemption watcher first (a signal during setup
-    counts), then the subclass's ``setup``, the restore, the observer's start, ``train`` and the end (the last save
-    complete, the trackers closed), or on an exception the failure (the trackers told, background writes ended
-    without publishing). A subclass writes ``setup`` (``setup_distributed()`` first, its model, data, optimizer and
-    ``step_scheduler``, ``build_checkpointer()`` last) and ``step`` (one optimizer step: its record); a recipe
-    with its own loop overrides ``train``.
-
-    Checkpointing is by discovery: every public attribute with ``state_dict`` and ``load_state_dict`` is saved
-    and restored under its name (``self.my_state = MyState()`` is checkpointed automatically); list attribute
-    names in ``checkpoint_exclude`` to keep them out. The loop makes four calls of the checkpointer: ``resume``
-    (``restore_checkpoint``), ``step_end`` after each optimizer step (it decides what to save and saves it),
-    ``fence`` before changing saved tensors in place, and ``finalize``.
+    Every rank constructs it with the validated config (cheap: no process group yet) and calls ``run()`` once,
+    which returns with the last checkpoint complete. A subclass writes ``setup`` (``setup_distributed()`` first,
+    ``build_checkpointer()`` last) and ``step``, or overrides ``train`` for a loop of its own. Every public
+    attribute with ``state_dict`` and ``load_state_dict`` is checkpointed under its name, but
+    ``checkpoint_exclude``.
     """
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
@@ -57,9 +46,7 @@ class BaseRecipe:
         self.checkpoint_config: CheckpointConfig = CheckpointConfig.from_section(cfg.checkpoint)
 
     def run(self) -> None:
-        """Train to the end, or until preempted (``checkpoint.preemption_signal``); called once on every rank. On
-        return the last save is complete. A run in stages (``stages:``, ``checkpoint.new_stage``; docs/stages.md)
-        is a launch per stage, each built from its stage's recipe (``recipes.stages.run_in_stages``)."""
+        """Train to the end or until preempted (a launch per stage), the last save complete on return."""
         if type(self).setup is BaseRecipe.setup:  # neither this template's steps nor a run of its own
             raise NotImplementedError(f"{type(self).__name__} must implement setup() and step(), or run()")
         from automodel_ckpt.config.stages import StagePlan
@@ -73,8 +60,7 @@ class BaseRecipe:
         run_in_stages(self, plan)
 
     def run_launch(self) -> int | None:
-        """One launch of the run: setup, restore, train, end. Returns the step the run goes on from in another
-        stage's recipe (its stage ended there, or the restore found a checkpoint of another stage), else None."""
+        """Setup, restore, train, end. Returns the step the run goes on from in another stage's recipe, else None."""
         with PreemptionWatcher.for_run(self.checkpoint_config) as self._preemption:  # a signal during setup counts
             try:
                 self.setup()
@@ -118,8 +104,7 @@ class BaseRecipe:
         return self._observer
 
     def setup(self) -> None:
-        """Build the run: ``setup_distributed()``, the state (model, optimizer, ``step_scheduler``, ...), then
-        ``build_checkpointer()``."""
+        """``setup_distributed()``, the state (model, optimizer, ``step_scheduler``, ...), ``build_checkpointer()``."""
         raise NotImplementedError(f"{type(self).__name__} must implement setup()")
 
     def setup_distributed(self) -> DistEnv:
@@ -129,8 +114,7 @@ class BaseRecipe:
         return self.env
 
     def build_checkpointer(self, **options: Any) -> Checkpointer:
-        """The run's observer (the trackers of ``logging:``, the cost log) and ``self.checkpointer``, given the
-        preemption watcher and the observer; ``options`` are the Checkpointer's others (``hf``, ``say``, ...)."""
+        """The run's observer (trackers, cost log) and ``self.checkpointer``; ``options`` are the Checkpointer's."""
         config_yaml = to_yaml(self.cfg)  # as each checkpoint's config.yaml: also the trackers' hyper-parameters
         self._observer = RunObserver(self.cfg.logging, run_folder(self.checkpoint_config), is_main=self.env.is_main,
                                      config_yaml=config_yaml)
@@ -161,8 +145,7 @@ class BaseRecipe:
         return self.checkpointer
 
     def train(self) -> Any:
-        """Step to the end, or until preempted: ``step()``, its record logged (trackers; printed by rank 0), then the
-        checkpointer's step end (it saves what is due). Returns the last ``StepEnded`` (None: no step)."""
+        """``step()`` to the end or until preempted, logged and saved when due; the last ``StepEnded``."""
         steps, ended = self.step_scheduler, None
         while not steps.done:
             record = self.step()
@@ -186,8 +169,7 @@ class BaseRecipe:
         return self.checkpointer.finalize()
 
     def lineage_record(self, restored: Path | None) -> dict[str, Any]:
-        """This run's parents (``export/lineage.py``): its base model, the checkpoint it restored or resumed from, its
-        training data; what each of its checkpoints records."""
+        """This run's parents (base model, restored checkpoint, data): what each of its checkpoints records."""
         from automodel_ckpt.export import data_identity, training_lineage
 
         model = self.cfg.get("model")
@@ -203,7 +185,6 @@ class BaseRecipe:
         return self._lineage  # (a run in stages adds the stage it is in once its restore knows it: recipes.stages)
 
     def restore_checkpoint(self) -> Path | None:
-        """Restore the checkpoint that ``checkpoint.restore_from`` selects (auto: the newest that loads), if any;
-        ``self.restored`` says what it loaded (its states, tier and time)."""
+        """Restore what ``checkpoint.restore_from`` selects; ``self.restored`` says what it loaded."""
         self.restored = self.checkpointer.resume(self.checkpointed_state())
         return self.restored.path

@@ -1,8 +1,4 @@
-"""Online RL (GRPO) of a causal LM: the fine-tune recipe with an algorithm that samples, scores and learns.
-
-``GRPO`` (``algorithms/grpo/``) samples each rollout batch from the policy, scores it and takes the clipped-ratio
-loss over it; the rest is ``FinetuneRecipe``'s.
-"""
+"""Online RL (GRPO) of a causal LM: the fine-tune recipe with an algorithm that samples, scores and learns."""
 
 from __future__ import annotations
 
@@ -11,7 +7,6 @@ from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 
 class GRPORecipe(FinetuneRecipe):
-    """:class:`FinetuneRecipe` trained online (``grpo:`` keys, docs/rl.md): its algorithm is :class:`GRPO`, whose
-    state (``grpo``, ``rollout``, ``ref_model``) is checkpointed beside the fine-tune's."""
+    """:class:`FinetuneRecipe` trained online (``grpo:`` keys, docs/rl.md)."""
 
     algorithm_class = GRPO

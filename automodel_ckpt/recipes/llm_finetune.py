@@ -12,10 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm
-from automodel_ckpt.algorithms.context import Forward, LossResult, Run, TrainContext
+from automodel_ckpt.algorithms.context import Forward, Run, TrainContext
 from automodel_ckpt.algorithms.sft.algorithm import Supervised
 from automodel_ckpt.checkpoint import HFArtifacts, discover_state, run_folder, written_by
-from automodel_ckpt.ondisk import LAYOUT, run_fingerprint
+from automodel_ckpt.ondisk import RunFolder, run_fingerprint
 from automodel_ckpt.config.instantiate import instantiate, locate
 from automodel_ckpt.data import BatchLoader, MicroBatch
 from automodel_ckpt.distributed.activation_checkpoint import checkpoint_blocks
@@ -44,26 +44,16 @@ from automodel_ckpt.training.step_scheduler import StepScheduler
 
 
 class FinetuneRecipe(BaseRecipe):
-    """Builds everything from the config in ``setup``; ``train`` trains, validates and checkpoints (``run``, the
-    wiring around them, is ``BaseRecipe``'s).
+    """``setup`` builds everything from the config; ``train`` trains, validates and checkpoints. Checkpointed state
+    is discovered from the attributes: model, optimizer, schedules, dataloader, rng, the algorithm's public state."""
 
-    Checkpointed state (discovered from the attributes): ``model``, ``optimizer``, ``lr_scheduler``,
-    ``dataloader``, ``rng``, ``step_scheduler``, the algorithm's public state and anything a subclass adds.
-    """
-
-    #: What is trained, and how (``algorithms/``): the loss, the batches, extra state and counters; a subclass
-    #: names another (``DPORecipe``: preference pairs). Supervised fine-tuning by default.
+    #: What is trained, and how (``algorithms/``); a subclass names another (``DPORecipe``).
     algorithm_class: ClassVar[type[Algorithm]] = Supervised
-    #: An image-text model's processor (set by ``VLMFinetuneRecipe``): it prepares the images of the data and
-    #: is saved beside the weights in place of the tokenizer alone.
+    #: An image-text model's processor (``VLMFinetuneRecipe``), saved beside the weights in place of the tokenizer.
     processor: Any = None
-    #: This rank's pipeline stage under its schedule, with ``distributed.pp_size`` > 1 (set in ``setup``).
-    pipeline: Any = None
-    #: How the data-parallel ranks hold the model (``distributed.data_parallel.Choice``, set in ``setup``).
-    data_parallel: Any = None
-    #: The training batches, the algorithm's (map-style, streamed, or generated): one contract
-    #: (``data.contract.BatchLoader``).
-    dataloader: BatchLoader
+    pipeline: Any = None  # this rank's pipeline stage, with ``distributed.pp_size`` > 1
+    data_parallel: Any = None  # how the data-parallel ranks hold the model (``distributed.data_parallel.Choice``)
+    dataloader: BatchLoader  # the algorithm's training batches
     #: The moving average of the trainable weights, with ``training.ema_decay`` (checkpointed as ``ema``).
     ema: EMA | None = None
     takes_stages = True  # a run in stages (docs/stages.md): ``recipes.stages.StageRun`` is this recipe's
@@ -73,22 +63,19 @@ class FinetuneRecipe(BaseRecipe):
 
     @functools.cached_property
     def algorithm(self) -> Algorithm:
-        """The recipe's algorithm (``algorithm_class``), made on first use from what it may read of the run
-        (``TrainContext``; the rest is filled in as ``setup`` builds it)."""
+        """``algorithm_class`` on a ``TrainContext``, which ``setup`` fills as it builds the run."""
         run = Run(self.checkpoint_config, say=lambda line: self.progress.write(line),
                   fence=lambda: self.checkpointer.fence())
         return self.algorithm_class(TrainContext(self.cfg, run))
 
     @functools.cached_property
     def _stage_run(self) -> StageRun:
-        """This launch's stages (``_stage_of``: the plan and the stage it is built for, when the run has stages)."""
+        """This launch's stages (``_stage_of``: the plan and the stage it is built for)."""
         return StageRun(self.cfg, *getattr(self, "_stage_of", ()))
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        """The run, built in order: the mesh, the model (on the meta device: its weights come at the restore), its
-        pipeline stage, compilation and sharding, the batches, the optimizer, the logs, the checkpointer, and
-        what the algorithm adds."""
+        """The run, built in order (the model on the meta device: its weights come at the restore)."""
         cfg, algorithm = self.cfg, self.algorithm  # the algorithm first: its config is checked before any build
         self.setup_distributed()
         # who is who: data-parallel and tensor-parallel ranks (everything per rank below is per data-parallel rank)
@@ -97,7 +84,8 @@ class FinetuneRecipe(BaseRecipe):
         model, fingerprint = self._build_model()
         plan, tied = self._cut_stage(model)
         self._shard(self._compiled(model), plan, tied)
-        self._build_batches()
+        with rng_untouched():  # the training batches and this rank's validation batches
+            self.dataloader, self.val_batches, self.data_report = algorithm.build_loader()
         optimizer_line = self._build_optimizer()
         self._build_logs(optimizer_line)
         self.build_checkpointer(hf=self.hf_artifacts(), say=self.progress.write, fingerprint=fingerprint,
@@ -107,10 +95,8 @@ class FinetuneRecipe(BaseRecipe):
     def _build_model(self) -> tuple[torch.nn.Module, str]:
         """The model and tokenizer, LoRA, frozen parameters, activation checkpointing; the run's fingerprint."""
         cfg = self.cfg
-        # One-time work (creating the embedded base on rank 0 alone, loading, tokenizing) draws no number from the
-        # training stream: the same seed gives the same run on every rank, first run in a fresh clone included.
-        # The model is built on the meta device and each rank materialises its own shards (models/materialize.py);
-        # its weights are filled once restore_checkpoint knows whether a checkpoint fills them.
+        # One-time work draws no number from the training stream, so a seed gives the same run on every rank.
+        # Built on the meta device; the weights are filled once restore_checkpoint knows whether a checkpoint does.
         self.starting_weights = StartingWeights(cfg.model, self.env.rank,
                                                build_whole=lambda: instantiate(cfg.model, "model"))
         with rng_untouched():
@@ -134,8 +120,7 @@ class FinetuneRecipe(BaseRecipe):
         return model, fingerprint
 
     def _cut_stage(self, model: torch.nn.Module) -> tuple[Any, bool]:
-        """With pipeline stages, this rank's stage, cut on the meta device (whole-model names kept): the plan, and
-        whether the first and the last stage then hold a shared (tied) weight."""
+        """This rank's pipeline stage, cut on the meta device: the plan, and whether a tied weight spans stages."""
         if self.dims.pp_size <= 1:
             return None, False
         cfg = self.cfg
@@ -147,8 +132,7 @@ class FinetuneRecipe(BaseRecipe):
         return plan, tied
 
     def _compiled(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``training.compile``: each block compiled in place when it pays, before sharding or replication
-        (torchtitan's order)."""
+        """``training.compile``: each block compiled in place when it pays, before sharding (torchtitan's order)."""
         sched = self.cfg.step_scheduler
         tokens = sched.global_batch_size * self.cfg.data.seq_length // self.dims.dp_size  # a process's, each step
         work = compile.step_flop(sum(p.numel() for p in model.parameters()), tokens)
@@ -177,20 +161,13 @@ class FinetuneRecipe(BaseRecipe):
         ctx.env, ctx.dims, ctx.model, ctx.forward = self.env, self.dims, self.model, forward
         ctx.tokenizer, ctx.processor = self.tokenizer, self.processor
 
-    def _build_batches(self) -> None:
-        """The algorithm's loader of the training batches and this rank's validation batches."""
-        with rng_untouched():
-            self.dataloader, self.val_batches, self.data_report = self.algorithm.build_loader()
-
     def _build_optimizer(self) -> str:
-        """The step scheduler, optimizer, learning-rate schedule, RNG state, EMA and evaluation; the optimizer's
-        line."""
+        """The step scheduler, optimizer, lr schedule, RNG state, EMA and evaluation; returns the optimizer's line."""
         cfg, sched = self.cfg, self.cfg.step_scheduler
         self.step_scheduler = StepScheduler(
             max_steps=sched.max_steps, num_epochs=sched.num_epochs, ckpt_every_steps=sched.ckpt_every_steps,
             val_every_steps=sched.val_every_steps, steps_per_epoch=self.dataloader.steps_per_epoch,
-            min_every_steps=sched.min_every_steps, max_every_steps=sched.max_every_steps,
-        )
+            min_every_steps=sched.min_every_steps, max_every_steps=sched.max_every_steps)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         chosen, optimizer_line = implementation(locate(cfg.optimizer.get("_target_"), "optimizer._target_"),
                                                 cfg.optimizer, trainable)
@@ -208,8 +185,8 @@ class FinetuneRecipe(BaseRecipe):
     def _build_logs(self, optimizer_line: str) -> None:
         """training.jsonl, validation.jsonl and the progress bar; the setup's report lines."""
         run_dir = run_folder(self.checkpoint_config)  # checkpoint_dir, or the local mirror of an object-store URL
-        self.train_log = JsonlLog(run_dir / LAYOUT.TRAINING_LOG, enabled=self.env.is_main)
-        self.val_log = JsonlLog(run_dir / LAYOUT.VALIDATION_LOG, enabled=self.env.is_main)
+        self.train_log = JsonlLog(RunFolder(run_dir).training_log, enabled=self.env.is_main)
+        self.val_log = JsonlLog(RunFolder(run_dir).validation_log, enabled=self.env.is_main)
         self.progress = Progress(self.step_scheduler.total_steps,
                                  enabled=self.env.is_main and self.cfg.training.progress_bar)
         if self.env.is_main:
@@ -217,10 +194,7 @@ class FinetuneRecipe(BaseRecipe):
                 self.progress.write(line)
 
     def build_model_and_tokenizer(self) -> tuple[Any, torch.nn.Module]:
-        """Rank 0 builds first, so an embedded base is created once before the other ranks read it.
-
-        This package's builders build on the meta device (weights come after sharding); another ``_target_``
-        builds the whole model, moved to the device."""
+        """Rank 0 builds first (an embedded base is created once); another package's model is moved to the device."""
         meta = builds_on_meta(self.cfg.model)
         model = main_first(lambda: instantiate(self.cfg.model, "model", **({"on_meta": True} if meta else {})),
                            self.env.rank)
@@ -228,8 +202,7 @@ class FinetuneRecipe(BaseRecipe):
         return self.load_tokenizer(tok_path), model if meta else model.to(self.env.device)
 
     def restore_checkpoint(self) -> Path | None:
-        """The checkpoint restore, then the starting weights of whatever it did not fill (the base is read only
-        when no checkpoint holds the model's weights), then the algorithm's state settled."""
+        """The restore, then the starting weights of whatever it did not fill, then the algorithm's state."""
         self._stage_run.hold(self)  # a run in stages: the schedule's state loaded once a stage's start is known
         restored = super().restore_checkpoint()
         self.starting_weights.fill(self.model, model_loaded="model" in self.restored.states)
@@ -240,8 +213,7 @@ class FinetuneRecipe(BaseRecipe):
         return restored
 
     def checkpointed_state(self) -> dict[str, Any]:
-        """The recipe's discovered state and the algorithm's (its public attributes with a state, but those it
-        leaves out: ``checkpoint_exclude``)."""
+        """The recipe's discovered state and the algorithm's (less its ``checkpoint_exclude``)."""
         algorithm = self.algorithm
         return super().checkpointed_state() | discover_state(algorithm, exclude=algorithm.checkpoint_exclude)
 
@@ -250,8 +222,7 @@ class FinetuneRecipe(BaseRecipe):
         return build_tokenizer(path)
 
     def state_meaning(self, cfg: Any = None) -> dict[str, Any]:
-        """The recipe keys that change what saved state means (recorded in each checkpoint's fingerprint), of this
-        recipe or of ``cfg`` (another stage's)."""
+        """The recipe keys that change what saved state means (the fingerprint's), of this or ``cfg``'s stage."""
         cfg = self.cfg if cfg is None else cfg
         meaning = {"dataset": OmegaConf.to_container(cfg.dataset, resolve=True), "data.seq_length": cfg.data.seq_length,
                    "step_scheduler.global_batch_size": cfg.step_scheduler.global_batch_size}
@@ -264,21 +235,17 @@ class FinetuneRecipe(BaseRecipe):
 
     def hf_artifacts(self) -> HFArtifacts:
         model = self.model
-        return HFArtifacts(
-            hf_config=getattr(model, "config", None),
-            generation_config=getattr(model, "generation_config", None),
-            tokenizer=self.processor if self.processor is not None else self.tokenizer,
-            base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
-            peft=self._peft_section(),
-        )
+        return HFArtifacts(hf_config=getattr(model, "config", None),
+                           generation_config=getattr(model, "generation_config", None),
+                           tokenizer=self.processor if self.processor is not None else self.tokenizer,
+                           base_model_path=local_model_path(self.cfg.model.get("pretrained_model_name_or_path")),
+                           peft=self._peft_section())
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> Any:
-        """From the restored step to the end, or until preempted: each step taken, logged, evaluated when due and
-        handed to the checkpointer (which validates before a scheduled save). Returns the last ``StepEnded``."""
+        """From the restored step to the end, or until preempted; returns the last ``StepEnded``."""
         sched = self.step_scheduler
-        # Lines past the restored step (or all of them on a fresh start) are from a run that died before its
-        # next checkpoint; this run logs those steps again.
+        # lines past the restored step are from a run that died before its next checkpoint: logged again
         self.train_log.truncate_after(sched.step)
         self.val_log.truncate_after(sched.step)
         if self.restored.path is not None:
@@ -375,13 +342,10 @@ class FinetuneRecipe(BaseRecipe):
     def train_step(self, micro: list[MicroBatch]) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm, tokens).
 
-        The loss is the mean over what the algorithm's ``loss_count`` counts (every label token) of the global
-        batch, whatever the mesh: each rank scales its summed losses by ``dp_size / global_count`` because FSDP
-        averages gradients over the data-parallel ranks (tensor-parallel peers compute the same loss on the same
-        rows; counts and losses are summed over the data-parallel ranks only). An algorithm changes the loss
-        (``loss_count``, ``loss_target``, ``compute_loss``), never the step: gradient sync, pipeline stages, clipping
-        and the optimizer are this; ``Algorithm.step_done`` then moves its counters and says the step's loss and
-        metrics (from each loss call's metric sums).
+        The loss is the mean over what ``loss_count`` counts in the global batch, whatever the mesh: each rank
+        scales its summed losses by ``dp_size / global_count`` because FSDP averages gradients over the
+        data-parallel ranks (tensor-parallel peers compute the same loss on the same rows). An algorithm changes
+        the loss, never the step.
         """
         algorithm, forward = self.algorithm, self.algorithm.ctx.forward
         self.model.train()
@@ -392,16 +356,14 @@ class FinetuneRecipe(BaseRecipe):
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         sums: list[torch.Tensor | None] = []  # each loss call's metric sums
         for i, mb in enumerate(micro):
-            # Sharded: each micro-batch's gradients are reduce-scattered when its backward ends, so no rank holds
-            # the whole model's unsharded gradients between micro-batches; HSDP's all-reduce across replicas, and a
-            # replicated model's all-reduce, wait for the last.
+            # sharded: reduce-scattered after each backward; the all-reduce of HSDP or a replica waits for the last
             data_parallel.sync_gradients(self.model, i == len(micro) - 1)
             if self.pipeline is not None:  # every stage: the last one's summed loss, zero on the others
                 input_ids, target, extra = forward.staged(mb, algorithm.loss_target(mb))
                 loss_sum += self.pipeline.step(input_ids, target, extra, scale).to(loss_sum.device)
                 sums += forward.staged_sums()
                 continue
-            result = self.token_loss_sum(mb)
+            result = forward.batch_loss(mb, algorithm.loss_target(mb))  # its target first (a reference's forward)
             (result.loss * scale).backward()
             loss_sum += result.loss.detach()
             sums.append(result.sums)
@@ -418,15 +380,9 @@ class FinetuneRecipe(BaseRecipe):
         self._step_metrics = done.metrics
         return done.loss, grad_norm.item(), input_tokens
 
-    def token_loss_sum(self, mb: MicroBatch) -> LossResult:
-        """A micro-batch's summed loss and metric sums: its target first (a reference's forward, for a variant),
-        then the model."""
-        return self.algorithm.ctx.forward.batch_loss(mb, self.algorithm.loss_target(mb))
-
 
 def refuse_non_finite(step: int, loss: float, grad_norm: float) -> None:
-    """A step whose loss or gradient norm (each the same on every rank: reduced over all of them) is not finite
-    stops the run on every rank (``TrainingError``), before that step's weights are saved."""
+    """A non-finite loss or gradient norm (the same on every rank) stops the run before the step is saved."""
     for name, value in (("loss", loss), ("gradient norm", grad_norm)):
         if not math.isfinite(value):
             raise TrainingError(f"step {step}: the {name} is {value}, not a finite number; the run stops before "

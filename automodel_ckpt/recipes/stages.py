@@ -1,15 +1,8 @@
 """A run in stages at run time (docs/stages.md): the recipe each stage is built from, and what a stage's start does.
 
-A run whose recipe plans ``stages:`` (``config.stages.StagePlan``) is a sequence of launches in one process: each
-builds the recipe of the stage that its next step belongs to, restores the newest checkpoint, trains until its
-stage ends (the step scheduler's ``stop_at``: a checkpoint is saved there), and the next launch resumes from that
-checkpoint with the next stage's recipe. A rerun given ``--checkpoint.new_stage NAME`` takes the same path after
-its restore: planned or decided at a resume, a stage begins the same way, so the two give the same steps.
-
-Where a stage begins (``StageRun.restored``): the data goes on from its position (``BatchLoader.begin_stage``), the
-optimizer's state is kept (the hyper-parameters the stage sets are applied to it), and a stage that sets
-``lr_scheduler`` or ``optimizer.lr`` starts its schedule at its first step from the lr in force there (or the
-``optimizer.lr`` it sets). Its record (``training.stages``) goes into every checkpoint's metadata after it.
+A run that plans ``stages:`` is a sequence of launches in one process, each built from the recipe of the stage its
+next step belongs to and trained until that stage ends (saved there). ``--checkpoint.new_stage NAME`` begins a stage
+at a resume the same way, so planned and decided stages give the same steps.
 """
 
 from __future__ import annotations
@@ -25,15 +18,13 @@ from automodel_ckpt.checkpoint import run_folder
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.config.stages import FIRST, StagePlan, changed_keys
 from automodel_ckpt.errors import CheckpointError, ConfigError
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, is_count, pointer_target, read_json,
-                                   read_yaml)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, CheckpointFolder, RunFolder, is_count,
+                                   pointer_target, read_json, read_yaml)
 from automodel_ckpt.training.stages import read_history, record
 
 
 class StageElsewhere(Exception):
-    """The checkpoint a launch resumes is of another stage than the one it was built for (its guess was wrong, or
-    the restore fell back past a damaged checkpoint): the launch ends without training, and the run is built again
-    for the stage that ``step`` + 1 belongs to."""
+    """The checkpoint a launch resumes is of another stage: the run is built again for step ``step`` + 1's."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"the checkpoint of step {step} is of another stage")
@@ -41,8 +32,7 @@ class StageElsewhere(Exception):
 
 
 class _Held:
-    """The learning-rate schedule's place while a run in stages restores: its saved state held, not loaded, until
-    the restore knows whether a stage begins (a new stage's schedule may be of another kind than the one saved)."""
+    """The lr schedule's place during a staged restore: its state held until a stage's start is known."""
 
     state: dict[str, Any] | None = None
 
@@ -54,9 +44,7 @@ class _Held:
 
 
 def run_in_stages(first: Any, plan: StagePlan) -> None:
-    """Run recipe ``first``'s class stage by stage: each launch built from the recipe of the stage its next step
-    belongs to, the next launch from where the last one's stage ended (or, when the restore found a checkpoint of
-    another stage, from that checkpoint, built for its stage)."""
+    """Run recipe ``first``'s class stage by stage, each launch built for the stage its next step belongs to."""
     if not getattr(first, "takes_stages", False):
         raise ConfigError(f"stages: recipe {type(first).__name__} takes no stages (docs/stages.md: the fine-tune "
                           "recipes do)")
@@ -84,25 +72,22 @@ def run_in_stages(first: Any, plan: StagePlan) -> None:
 
 
 def _resumed_step(ckpt: Any) -> int:
-    """The step of the checkpoint a launch will most likely resume (``restore_from``, else ``LATEST``), read from
-    its metadata before anything is built; 0 when there is none or it cannot be read. A guess: the launch checks it
-    after its restore and is built again for the right stage when it was wrong."""
+    """A guess of the step a launch resumes, read before anything is built (0: none); checked after the restore."""
     try:
         folder = run_folder(ckpt)
-        target = LAYOUT.LATEST if ckpt.load_only else ckpt.restore_from or LAYOUT.LATEST  # load_only: its own first
-        if target in (LAYOUT.LATEST, LAYOUT.LOWEST_VAL, LAYOUT.BEST_EVAL):
+        target = RunFolder.latest if ckpt.load_only else ckpt.restore_from or RunFolder.latest  # load_only: own first
+        if target in (RunFolder.latest, RunFolder.lowest_val, RunFolder.best_eval):
             path = pointer_target(folder, target)
         else:
-            path = Path(target) if (Path(target) / LAYOUT.METADATA_FILE).is_file() else folder / target
-        step = read_json(path / LAYOUT.METADATA_FILE, "checkpoint metadata", SMALL_FILE_LIMIT).get("step")
+            path = Path(target) if CheckpointFolder(target).metadata.is_file() else folder / target
+        step = read_json(CheckpointFolder(path).metadata, "checkpoint metadata", SMALL_FILE_LIMIT).get("step")
     except (OSError, TypeError, AttributeError, CheckpointError):
         return 0
     return step if is_count(step) else 0
 
 
 class StageRun:
-    """The stages of one launch of a fine-tune recipe: the fingerprint each stage's checkpoints have, what the
-    restore found, the start of a stage there, and each step's stage."""
+    """The stages of one launch: each stage's fingerprint, the start of a stage at the restore, each step's stage."""
 
     def __init__(self, cfg: DictConfig, plan: StagePlan | None = None, index: int = 0) -> None:
         self.cfg, self.plan, self.index = cfg, plan, index
@@ -115,8 +100,7 @@ class StageRun:
 
     # ---------------------------------------------------------------------------------- before the restore
     def built(self, model: Any, fingerprint: dict[str, Any], recipe_of: Callable[[DictConfig], dict]) -> None:
-        """The model is built: each planned stage's fingerprint (``recipe_of``: its recipe section), and each
-        stage's ``data.seq_length`` within the model's positions."""
+        """Each planned stage's fingerprint (``recipe_of``: its recipe section); its seq_length checked."""
         self._fingerprints[0] = fingerprint
         if self.plan is None:
             return
@@ -130,10 +114,8 @@ class StageRun:
                                   f"(max_position_embeddings {positions})")
 
     def rule(self, meta: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
-        """For the restore (``checkpoint.restore.probe.StageRule``): the fingerprint checkpoint ``meta`` must have
-        (its stage's, by the plan) and whether resuming it starts the stage ``checkpoint.new_stage`` names. A
-        checkpoint whose next step is in another stage than this launch's: ``StageElsewhere``, before any load (every
-        rank reads the same file: the same verdict)."""
+        """For the restore: the fingerprint checkpoint ``meta`` must have, and whether resuming it starts the stage
+        ``checkpoint.new_stage`` names. Another stage's checkpoint: ``StageElsewhere``, before any load."""
         step = meta.get("step") if is_count(meta.get("step")) else 0
         if self.plan is not None and self.plan.index_after(step) != self.index:
             raise StageElsewhere(step)
@@ -149,9 +131,8 @@ class StageRun:
 
     # ----------------------------------------------------------------------------------- after the restore
     def restored(self, recipe: Any) -> None:
-        """After ``recipe``'s restore: a checkpoint of another stage (a tier the rule does not see, the node-local
-        one) is ``StageElsewhere``; else the stages so far read back, and a stage that begins at the next step
-        begun."""
+        """After the restore: another stage's checkpoint (the node-local tier the rule does not see) is
+        ``StageElsewhere``; else the stages read back, and one that begins at the next step begun."""
         sched = recipe.step_scheduler
         step = sched.step
         if self.plan is not None and self.plan.index_after(step) != self.index:
@@ -160,7 +141,7 @@ class StageRun:
         if isinstance(recipe.lr_scheduler, _Held):
             held, recipe.lr_scheduler = recipe.lr_scheduler.state, self._built
         path = recipe.restored.path if "step_scheduler" in recipe.restored.states else None
-        self.history, self.tokens = read_history(self._metadata(path), f"'{path}/{LAYOUT.METADATA_FILE}'")
+        self.history, self.tokens = read_history(self._metadata(path), f"'{path}/{CheckpointFolder.metadata}'")
         if not self.history and not self.active:
             return  # a run without stages: nothing of this
         self.active = True
@@ -188,7 +169,7 @@ class StageRun:
         if path is None:
             return {}
         try:
-            meta = read_json(path / LAYOUT.METADATA_FILE, "checkpoint metadata", SMALL_FILE_LIMIT)
+            meta = read_json(CheckpointFolder(path).metadata, "checkpoint metadata", SMALL_FILE_LIMIT)
             return meta if isinstance(meta, dict) else {}
         except (OSError, CheckpointError):
             if self.active:
@@ -219,7 +200,7 @@ class StageRun:
         if path is None:
             return []
         try:
-            before = read_yaml(path / LAYOUT.CONFIG_FILE, "a checkpoint's recipe copy", CONFIG_FILE_LIMIT)
+            before = read_yaml(CheckpointFolder(path).config, "a checkpoint's recipe copy", CONFIG_FILE_LIMIT)
         except (OSError, CheckpointError):
             return []
         return changed_keys(before, OmegaConf.to_container(self.cfg, resolve=True))
@@ -255,9 +236,7 @@ class StageRun:
             recipe.progress.write(self._event[0].upper() + self._event[1:])
 
     def _keep_schedule(self, recipe: Any, held: dict[str, Any] | None) -> None:
-        """The schedule in force goes on: made again for the steps it was made for (a schedule that depends on the
-        run's length keeps the length it began with), its saved state (``held``, else what the restore loaded)
-        loaded into it."""
+        """The schedule in force goes on: made again for the steps it began with, its saved state loaded."""
         schedule = self.history[-1]["schedule"]
         steps = None if schedule is None else schedule["steps"]
         if held is None and (recipe.step_scheduler.step == 0 or steps is None):

@@ -16,14 +16,8 @@ _NO_VALUE_CHECKS = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 class VLMFinetuneRecipe(FinetuneRecipe):
-    """:class:`FinetuneRecipe` for image + ``messages`` data (docs/vlm.md).
-
-    The model comes from ``model:`` (``build_image_text_model``); the processor (image processor, tokenizer, chat
-    template) from the tokenizer folder, by default the model's. The processor prepares every record's image,
-    the chat template places its image tokens, and the checkpoint's Hugging Face files are the processor's, so
-    an export loads with ``AutoModelForImageTextToText`` and ``AutoProcessor``. Training, checkpointing and
-    resume are the LLM recipe's.
-    """
+    """:class:`FinetuneRecipe` for image + ``messages`` data (docs/vlm.md): the processor, from the tokenizer folder,
+    prepares every image and is saved with the checkpoint, so an export loads with ``AutoProcessor``."""
 
     def load_tokenizer(self, path: str | None) -> Any:
         self.processor = build_processor(path)
@@ -39,22 +33,15 @@ class VLMFinetuneRecipe(FinetuneRecipe):
 
 
 def freeze_unused_parameters(model: torch.nn.Module, processor: Any) -> list[str]:
-    """Stop training the parameters an image-text forward never reaches; returns their names.
-
-    LLaVA-style models read image features from one hidden layer of the vision tower, so the tower's later layers
-    and final norm get no gradient. The optimizer would then hold no state for them until some step gives them one,
-    and a checkpoint's optimizer state would not cover the model. One probe forward and backward on a blank image
-    finds them (every rank alike: the same model, the same probe).
-    """
+    """Stop training the parameters an image-text forward never reaches (a LLaVA tower's layers after the one it
+    reads), whose optimizer state would otherwise be missing; found by one probe on a blank image. Their names."""
     from PIL import Image
 
     probe = processor(text=[processor.image_token + "a"], images=[Image.new("RGB", (64, 64))], return_tensors="pt")
     device = next(model.parameters()).device
     was_training = model.training
     model.train()
-    # On the meta device (shapes and the graph only, all the probe needs) nothing may depend on a value: transformers'
-    # checks of values (image tokens against image features) are turned off by its own switch, the probe's attention
-    # mask (all ones) is left out and a cache is used, so that no mask is derived from values.
+    # on the meta device nothing may depend on a value: transformers' value checks off, no mask, a cache used
     meta = device.type == "meta"
     checks = os.environ.get(_NO_VALUE_CHECKS)
     if meta:

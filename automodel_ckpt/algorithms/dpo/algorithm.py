@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext, row_inputs
 from automodel_ckpt.algorithms.sft.algorithm import map_loader, rank_zero_first
-from automodel_ckpt.ondisk import LAYOUT, is_count
+from automodel_ckpt.ondisk import RunFolder, is_count
 from automodel_ckpt.checkpoint import fetch_run_file, run_folder, share_run_file
 from automodel_ckpt.algorithms.dpo.config import DPOConfig
 from automodel_ckpt.data import IGNORE_INDEX, MicroBatch, PairData, pair_batches, prepare_pairs
@@ -28,8 +28,6 @@ from automodel_ckpt.algorithms.dpo.losses import METRICS, PreferenceLoss, respon
 from automodel_ckpt.training.reference import StoredLogProbs, mix_into, reference_identity, weights_fingerprint
 
 TRAIN, VALIDATION = "train", "validation"
-
-
 _COUNTS = ("dpo_step", "consumed_pairs", "ref_syncs")
 _KEYS = ("reference_fingerprint", "ref_log_probs_key")
 _HEX = re.compile(r"[0-9a-f]{1,64}")
@@ -45,9 +43,7 @@ def _kind(value: Any) -> str:
 
 
 class PreferenceCounters:
-    """The algorithm's counters and the reference's record (checkpointed as ``dpo``): optimizer steps and pairs
-    consumed, reference syncs, and what the reference is (the base's weights fingerprint, the key of the stored
-    log-probs), checked on resume."""
+    """The counters and the reference's record, checked on resume (checkpointed as ``dpo``)."""
 
     def __init__(self) -> None:
         self.dpo_step = 0
@@ -61,8 +57,7 @@ class PreferenceCounters:
         return dict(vars(self))
 
     def load_state_dict(self, state: Any) -> None:
-        """The counters of a checkpoint (untrusted): each of the type it has here, else one line (``CheckpointError``;
-        the checkpoint's loader adds the file's name)."""
+        """A checkpoint's (untrusted) counters: each of the type it has here, else ``CheckpointError``."""
         where = "the preference counters"
         if not isinstance(state, dict):
             raise CheckpointError(f"{where} are {_kind(state)}, not a mapping")
@@ -84,8 +79,7 @@ class PreferenceCounters:
 
 @dataclass
 class PairTarget:
-    """What a batch of pairs is scored against, per row (every chosen row, then every rejected row): its labels, the
-    reference's summed log-prob of its response (0 without a reference) and whether its pair counts (1.0 or 0.0)."""
+    """Per row (chosen rows, then rejected): labels, the reference's summed log-prob (or 0), whether it counts."""
 
     labels: torch.Tensor
     ref: torch.Tensor
@@ -101,15 +95,10 @@ class PairTarget:
 
 
 class Preference(Algorithm):
-    """Preference tuning (``dpo:`` keys, docs/preference.md): the batches are pairs (every chosen row, then every
-    rejected row), the loss a pair loss (``objective``) against a reference, and ``dpo`` its counters.
+    """Preference tuning (``dpo:`` keys, docs/preference.md): pairs, a pair loss against a reference, counters.
 
-    The reference: for a full fine-tune a frozen copy of the model, built on the meta device and sharded like the
-    policy, filled from the starting weights and checked against the base's fingerprint recorded in the counters
-    (it is saved only from its first ``sync_ref_model`` mix on, as ``ref_model``, resharded on resume like the
-    policy); for LoRA the policy with its adapters disabled; with ``precompute_ref_log_probs`` none in memory, its
-    log-probs read from the run folder (computed once). Checkpointed beside the fine-tune's state: ``dpo``
-    (``PreferenceCounters``) and, once synced, ``ref_model``.
+    The reference is a frozen copy of the model (checkpointed as ``ref_model`` from its first sync on), the policy
+    with its LoRA adapters disabled, or its log-probs stored in the run folder (``precompute_ref_log_probs``).
     """
 
     ref_model: Any = None
@@ -134,8 +123,7 @@ class Preference(Algorithm):
         self.state_meaning = {"dpo.fields": [section.prompt_field, section.chosen_field, section.rejected_field]}
 
     def build(self) -> None:
-        """The reference: the policy's pipeline stages with adapters disabled (LoRA), or a frozen copy (a full
-        fine-tune whose reference log-probs are not stored)."""
+        """The reference: the policy with adapters disabled (LoRA, staged), or a frozen copy."""
         ctx = self.ctx
         if ctx.forward.pipeline is not None and self._peft and self.objective.needs_reference:
             self._ref_pipeline = self._stage_reference(ctx.model)  # the policy with its adapters disabled
@@ -163,15 +151,13 @@ class Preference(Algorithm):
         return ref
 
     def _stage_reference(self, model: torch.nn.Module) -> Pipeline:
-        """The reference's forward under the policy's pipeline plan: each row's summed log-prob, on the last
-        stage (a forward only: no tied gradients to sum)."""
+        """The reference's forward under the policy's pipeline plan: each row's summed log-prob, on the last stage."""
         ctx = self.ctx
         return Pipeline(model, ctx.dims, ctx.forward.plan, ctx.env.device, _row_log_probs,
                         rows=ctx.cfg.step_scheduler.local_batch_size)
 
     def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
-        """Under pipeline stages, each microbatch of the schedule holds whole pairs: its chosen rows, then their
-        rejected rows (a batch is every chosen row, then every rejected row)."""
+        """Under pipeline stages, each microbatch holds whole pairs: its chosen rows, then their rejected rows."""
         forward = self.ctx.forward
         if forward.pipeline is None:
             return None
@@ -181,8 +167,7 @@ class Preference(Algorithm):
         return torch.cat([torch.cat([b, b + half]) for b in blocks])
 
     def restored(self, states: set[str]) -> None:
-        """The reference settled (the checkpoint's, else the starting weights, checked), the stored log-probs read.
-        A reference that no sync made differ from its starting weights is not saved (until one does)."""
+        """The reference settled and checked, the stored log-probs read; a reference is saved once a sync changed it."""
         ctx = self.ctx
         if self._peft:  # its first forward may be the reference's, adapters disabled: nothing trainable then
             data_parallel.build_reducer(ctx.model, ctx.forward.choice)
@@ -199,8 +184,7 @@ class Preference(Algorithm):
         self.checkpoint_exclude = Algorithm.checkpoint_exclude | (frozenset() if saved else {"ref_model"})
 
     def _settle_reference(self, loaded: bool) -> None:
-        """A reference the checkpoint did not hold: filled from the starting weights and checked against the
-        fingerprint the run recorded (a synced reference must come from the checkpoint)."""
+        """A reference not restored: from the starting weights, checked against the recorded fingerprint."""
         ctx = self.ctx
         if loaded:
             if ctx.env.is_main:
@@ -247,7 +231,7 @@ class Preference(Algorithm):
                                   "the same data and base")
         self.dpo.ref_log_probs_key = key
         root = run_folder(checkpoint)
-        file = LAYOUT.ref_log_probs_file(root, key)
+        file = RunFolder(root).ref_log_probs(key)
         pairs = {TRAIN: len(data.train), **({VALIDATION: len(data.validation)} if data.validation is not None else {})}
         # an object store's copy into this node's mirror; every rank reads it, or every rank computes
         stored = StoredLogProbs.load(file, key, root=root, pairs=pairs) \
@@ -304,8 +288,7 @@ class Preference(Algorithm):
 
     # ------------------------------------------------------------------------------------- log-probs
     def _log_probs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor | None:
-        """Per row: the summed log-probs of the scored tokens (through the reference's pipeline: on the last stage,
-        None on the others)."""
+        """Per row: the summed log-probs of the scored tokens (None on a pipeline stage before the last)."""
         if self._ref_pipeline is not None:
             return self._ref_pipeline.forward_rows(mb.input_ids, mb.labels, row_inputs(mb))
         logits = self.ctx.forward.logits(mb, model)
@@ -349,8 +332,7 @@ class Preference(Algorithm):
         return PairTarget(mb.labels.to(device), ref, keep)
 
     def compute_loss(self, logits: torch.Tensor, target: PairTarget) -> LossResult:
-        """The summed pair losses of the batch's pairs from the policy's logits (``objective``), and the metrics of
-        the pairs added up (training counts every pair, validation only those that count)."""
+        """The summed pair losses and metric sums (training counts every pair, validation only those that count)."""
         labels, ref, keep = target.labels.to(logits.device), target.ref.to(logits.device), target.keep
         half = len(labels) // 2
         sums = response_log_probs(logits, labels, IGNORE_INDEX).double()
@@ -362,9 +344,7 @@ class Preference(Algorithm):
 
     def _metrics(self, sums: list[torch.Tensor | None], prefix: str, count: float, local: bool
                  ) -> tuple[float, dict[str, Any]]:
-        """The loss and metrics of the loss calls' ``sums`` (each pipeline microbatch's on the last stage; none on
-        the others), summed over the stages and the data-parallel ranks, each the mean over ``count`` pairs (the
-        global batch's, or this rank's: ``local``, summed with them)."""
+        """The loss and metrics of ``sums`` over stages and ranks, each a mean over ``count`` (``local``: summed)."""
         total = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.env.device)
         for call in sums:
             total += call
@@ -379,8 +359,7 @@ class Preference(Algorithm):
 
     # ------------------------------------------------------------------------------------------ step
     def step_done(self, loss: float, global_count: float, sums: list[torch.Tensor | None]) -> Numbers:
-        """After the fine-tune's step with the pair loss: the counters, the TR-DPO sync and the step's metrics; the
-        step's loss is the mean over the global batch's pairs."""
+        """The counters, the TR-DPO sync and the step's metrics (the loss: the mean over the global batch's pairs)."""
         self.dpo.dpo_step += 1
         self.dpo.consumed_pairs += int(global_count)
         self._maybe_sync_reference()
@@ -388,8 +367,7 @@ class Preference(Algorithm):
         return Numbers(loss, metrics | {"dpo_step": self.dpo.dpo_step, "consumed_pairs": self.dpo.consumed_pairs})
 
     def _maybe_sync_reference(self) -> None:
-        """TR-DPO: every ``ref_model_sync_steps`` steps the policy is mixed into the reference (which from then on
-        is checkpointed state)."""
+        """TR-DPO: every ``ref_model_sync_steps`` steps the policy is mixed into the reference (then checkpointed)."""
         cfg = self.dpo_cfg
         if not cfg.sync_ref_model or self.ref_model is None or self.dpo.dpo_step % cfg.ref_model_sync_steps:
             return

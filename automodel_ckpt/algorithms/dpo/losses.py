@@ -38,15 +38,8 @@ class PreferenceLoss:
     def __call__(self, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
                  ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor,
                  rejected_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(losses, chosen_rewards, rejected_rewards)`` per pair, as TRL's ``DPOTrainer`` (sigmoid, ipo, hinge)
-        and ``CPOTrainer`` (simpo) define them; rewards are detached.
-
-        ``chosen``/``rejected`` (and the reference's): each response's summed log-prob; ``*_tokens``: how many
-        tokens each sums. IPO's loss takes the log-ratios per token (its rewards, as TRL's, the summed ones);
-        SimPO's loss and rewards take the mean log-probs, and no reference. Sigmoid with ``label_smoothing`` is
-        conservative DPO (the label assumed flipped with that probability). ``rpo_alpha`` adds RPO's term: alpha
-        times the chosen response's negative log-likelihood per token (TRL's ``rpo_alpha``, taken per pair).
-        """
+        """``(losses, chosen_rewards, rejected_rewards)`` per pair, as TRL's ``DPOTrainer`` and ``CPOTrainer`` define
+        them (docs/preference.md's table); ``chosen``/``rejected``: summed log-probs of ``*_tokens`` tokens each."""
         beta, ls = self.beta, self.label_smoothing
         if self.loss == "simpo":
             chosen, rejected = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)

@@ -1,10 +1,8 @@
 """Online RL (GRPO) as an algorithm: each step's batches sampled from the policy, scored, and learned from.
 
-``GRPO`` is an ``Algorithm`` (``algorithms/base.py``): each rollout batch is ``global_batch_size`` completions,
-``grpo.num_generations`` per prompt, sampled from the current policy; its rewards (``grpo.reward_funcs``) are
-normalised within each prompt's group; ``grpo.num_iterations`` optimizer steps then take the clipped-ratio loss
-over it (with a k3 KL penalty to the starting policy when ``grpo.beta`` > 0). Its checkpoints hold every counter,
-the prompt position and the rollout batch still in use (docs/rl.md): a resume continues bit for bit.
+Each rollout batch's rewards are normalised within each prompt's group, then ``grpo.num_iterations`` optimizer steps
+take the clipped-ratio loss over it (docs/rl.md). Checkpoints hold every counter, the prompt position and the
+rollout batch in use: a resume continues bit for bit.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ FLAT_BATCHES_WARNING = 10  # rollout batches in a row with every advantage 0 bef
 
 
 def reward_function(spec: Any) -> tuple[str, Callable[..., Any]]:
-    """A ``grpo.reward_funcs`` entry (a dotted name, or a mapping with ``_target_`` and keyword arguments): its
-    short name and the function."""
+    """A ``grpo.reward_funcs`` entry (a dotted name, or ``_target_`` and keyword arguments): its name, the function."""
     if isinstance(spec, str):
         target, kwargs = spec, {}
     elif hasattr(spec, "get") and isinstance(spec.get("_target_"), str):
@@ -73,8 +70,7 @@ def vocab_rows(model: Any) -> int:
 
 def take_prompts(order: torch.Tensor, position: int, lengths: list[int], want: int, limit: int
                  ) -> tuple[list[int], int, int]:
-    """The next ``want`` prompt ids of ``order`` from ``position`` whose length fits ``limit``: (ids, the position
-    after them, how many were skipped as too long). Fewer than ``want`` when the order ends."""
+    """The next ``want`` prompt ids of ``order`` from ``position`` that fit ``limit``, the position after, skipped."""
     ids, skipped = [], 0
     while position < len(order) and len(ids) < want:
         pid = int(order[position])
@@ -88,8 +84,7 @@ def take_prompts(order: torch.Tensor, position: int, lengths: list[int], want: i
 
 @dataclass
 class RolloutRows:
-    """A micro-batch's rows of the rollout batch, what the loss scores the logits against: per row its labels (the
-    completion's tokens), the per-token log-probs as sampled and the reference's, and its advantage."""
+    """A micro-batch's rows of the rollout batch: labels, log-probs as sampled and the reference's, advantages."""
 
     labels: torch.Tensor
     old_log_probs: torch.Tensor
@@ -98,9 +93,7 @@ class RolloutRows:
 
 
 class GRPO(EngineLoop, Algorithm):
-    """GRPO (``grpo:`` keys, docs/rl.md). Checkpointed beside the fine-tune's state: ``grpo`` (``GRPOCounters``),
-    ``rollout`` (``RolloutBatch``) and, with ``beta`` > 0 for a full fine-tune, ``ref_model`` (the policy as the run
-    started: a LoRA run's reference is its base, adapters disabled)."""
+    """GRPO (``grpo:`` keys); ``ref_model`` (``beta`` > 0, full fine-tune) is the policy as the run started."""
 
     ref_model: Any = None
     bar_metrics = ("reward",)
@@ -135,9 +128,7 @@ class GRPO(EngineLoop, Algorithm):
 
     # ------------------------------------------------------------------------------------- reference
     def build(self) -> None:
-        """The reference (with ``beta`` > 0, a full fine-tune), and what a checkpoint's rollout batch is checked
-        against: the model's vocabulary, the recipe's batch, group, reward functions and sequence length, the
-        prompts."""
+        """The reference, what a checkpoint's rollout batch is checked against, and the engine."""
         if self.grpo_cfg.beta > 0 and not self._peft:
             self.ref_model, self._ref_weights = frozen_copy(self.ctx)  # filled in ``restored``
         cfg = self.ctx.cfg
@@ -166,8 +157,7 @@ class GRPO(EngineLoop, Algorithm):
 
     # ------------------------------------------------------------------------------------------ data
     def build_loader(self) -> Data:
-        """The prompts with their answers, and their loader (``PromptLoader``: each step's share of the rollout
-        batch, the prompts' position its state); no validation."""
+        """The prompts with their answers, and their ``PromptLoader``; no validation."""
         ctx, section = self.ctx, self.grpo_cfg
         self._prompts, self._answers = prompt_columns(ctx.cfg, section.prompt_field, section.answer_field, "grpo")
         tok = ctx.tokenizer
@@ -213,8 +203,7 @@ class GRPO(EngineLoop, Algorithm):
 
     # ------------------------------------------------------------------------------------- rollouts
     def _next_rollout(self) -> tuple[int, list[MicroBatch]]:
-        """This step's prompt epoch and micro-batches: a new rollout batch when the last one had its
-        ``num_iterations`` passes, else the same one again."""
+        """This step's prompt epoch and micro-batches: a new rollout batch once the last had its passes."""
         self._generation_seconds, self._sync = 0.0, None
         if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
             t0 = time.perf_counter()
@@ -268,9 +257,7 @@ class GRPO(EngineLoop, Algorithm):
         return self.grpo.grpo_step + 1, [(p, i) for p in prompts for i in range(group)], prompts
 
     def _make_rollout(self) -> None:
-        """The next rollout batch: prompts taken, completions sampled (each rank its share), scored, gathered
-        (the same global batch on every rank), advantages normalised per group, log-probs of the policy as
-        sampled and of the reference."""
+        """The next rollout batch: sampled, scored and gathered, with the policy's and the reference's log-probs."""
         step, rows, prompts = self._take_rollout()
         share = self._share(len(rows))
         if self.engine is not None:
@@ -287,8 +274,7 @@ class GRPO(EngineLoop, Algorithm):
 
     def _fill(self, batch: RolloutBatch, step: int, rows: list[tuple[int, int]], prompts: list[int],
               completions: list[list[int]]) -> None:
-        """``batch`` made from this rank's ``completions`` of its share of ``rows``: scored, gathered (the same
-        global batch on every rank), advantages per group; the counters moved."""
+        """``batch`` from this rank's ``completions``: scored, gathered, advantages per group; counters moved."""
         ctx, section, g = self.ctx, self.grpo_cfg, self.grpo
         group = section.num_generations
         mine = [rows[r] for r in self._share(len(rows))]
@@ -311,8 +297,7 @@ class GRPO(EngineLoop, Algorithm):
         g.reward_square_sum += float((total * total).sum())
 
     def _check_signal(self, advantage: torch.Tensor) -> None:
-        """Warn once when ``FLAT_BATCHES_WARNING`` rollout batches in a row taught nothing: within every group all
-        completions were rewarded alike (from a model that never finds the reward: every advantage 0, every loss 0)."""
+        """Warn once when ``FLAT_BATCHES_WARNING`` rollout batches in a row had every advantage 0 (nothing learned)."""
         flat = advantage.numel() == 0 or float(advantage.abs().max()) < 1e-9  # 0 but for a mean's rounding
         self._flat = self._flat + 1 if flat else 0
         if self._flat == FLAT_BATCHES_WARNING and self.ctx.env.is_main:
@@ -338,21 +323,17 @@ class GRPO(EngineLoop, Algorithm):
                 "ref_log_probs": torch.zeros(n, width, dtype=torch.float64)}
 
     def _made_for_one_pass(self) -> bool:
-        """A rollout batch made at ``num_iterations`` 1 (its log-probs as sampled not recorded: NaN) resumed with
-        more passes: it had its one pass, and no later pass can have its ratio; a new batch is sampled."""
+        """A one-pass batch (log-probs as sampled: NaN) resumed with more passes: a new one is sampled."""
         return bool(self.rollout.passes and torch.isnan(self.rollout.tensors["old_log_probs"]).any())
 
     def _one_pass(self) -> bool:
-        """One optimizer step per rollout batch (``num_iterations`` 1): that step's weights are the ones that
-        sampled, so the ratio's denominator is the pass's own log-probs, detached (ratio 1, as TRL does), and the
-        policy's log-probs as sampled are neither computed by a forward of their own nor needed after a save."""
+        """One optimizer step per rollout batch: the weights that sampled are the step's, so the ratio's denominator
+        is the pass's own log-probs, detached (ratio 1, as TRL does), with no forward of their own."""
         return self.grpo_cfg.num_iterations == 1 and not self.grpo_cfg.get("max_staleness")
 
     @torch.no_grad()
     def _log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token of every row: the policy's log-prob now (before the passes; NaN, not recorded, with
-        ``_one_pass``) and the reference's (zero without one); each rank computes its share in its training
-        micro-batches, then all are gathered. Nothing to compute (one pass, no reference): no forward at all."""
+        """Per token: the policy's log-prob before the passes (NaN with ``_one_pass``) and the reference's (or 0)."""
         ctx = self.ctx
         t = self.rollout.tensors
         policy_too = not self._one_pass()

@@ -21,7 +21,7 @@ from automodel_ckpt.algorithms.grpo import vllm_server
 from automodel_ckpt.distributed.env import broadcast_object
 from automodel_ckpt.distributed.tensor_parallel import causal_lm
 from automodel_ckpt.errors import ConfigError, TrainingError
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import HFFolder
 
 SERVER = Path(vllm_server.__file__)
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
@@ -32,8 +32,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def engine_name(name: str) -> str:
-    """A parameter's name as the engine takes it: the base model's checkpoint name, or for a LoRA (PEFT) adapter's
-    weight the name a saved PEFT adapter gives it (``base_model.model.<module>.lora_A.weight``)."""
+    """A parameter's name as the engine takes it: the base's checkpoint name, or a saved PEFT adapter's."""
     if ".lora_" in name:
         module, _, rest = name.partition(".lora_")
         kind, _adapter, leaf = rest.split(".", 2)
@@ -42,9 +41,7 @@ def engine_name(name: str) -> str:
 
 
 def engine_python(setting: str | None) -> Path:
-    """``grpo.vllm.python``: as given (a relative path from the working directory), or by default
-    ``.venv-vllm/bin/python`` in the working directory, else in the checkout this package runs from (where
-    ``bash tools/setup.sh --with-vllm`` builds it)."""
+    """``grpo.vllm.python`` as given, else ``.venv-vllm/bin/python`` in the working directory or this checkout."""
     if setting:
         found = Path(setting).expanduser()
         if not found.is_file():
@@ -72,8 +69,7 @@ class Sync:
 
 
 class VLLMEngine:
-    """The engine, seen from every rank: rank 0 talks to it over HTTP (starting it unless ``grpo.vllm.url`` names
-    one), the other ranks take part in the collectives (the weights gathered whole, the answers broadcast)."""
+    """The engine from every rank: rank 0 talks to it over HTTP, every rank takes part in the collectives."""
 
     def __init__(self, settings: Any, is_main: bool) -> None:
         self.settings, self.is_main = settings, is_main
@@ -88,8 +84,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------ process
     def start(self, model: Any, max_model_len: int) -> None:
-        """Rank 0: the engine process (``vllm_server.py`` under the vLLM environment's Python, on 127.0.0.1 and a
-        port it picks), built from the model's config with placeholder weights; ``ready`` waits for it."""
+        """Rank 0: the engine process, built from the model's config with placeholder weights."""
         self._started_with = (model, max_model_len)
         if not self.is_main or not self.restartable:
             return
@@ -114,8 +109,7 @@ class VLLMEngine:
         atexit.register(self.close)
 
     def restart(self) -> None:
-        """Every rank: the engine stopped (killed if it must be), started again with placeholder weights and waited
-        for; the next push sends every parameter."""
+        """Every rank: the engine stopped and started again; the next push sends every parameter."""
         if self.is_main:
             self.close()
             self.url = None
@@ -124,8 +118,7 @@ class VLLMEngine:
         self.sent, self.version, self.hash, self.engine_hash = set(), -1, "", ""
 
     def ready(self) -> None:
-        """Every rank: rank 0 waits (``grpo.vllm.timeout`` seconds at most) for the engine to answer; a process that
-        ended (a model family this vLLM cannot load) or never answered is one line on every rank."""
+        """Every rank: rank 0 waits for the engine; one that ended or never answered is one line on every rank."""
         error = self._wait() if self.is_main else None
         error = broadcast_object(error)
         if error:
@@ -183,9 +176,8 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
     def push(self, model: Any, version: int) -> Sync:
-        """Every rank (a sharded parameter is gathered whole, one at a time): the weights the engine lacks sent to
-        it as ``version`` (every parameter the first time, then those that train: a frozen one never changes),
-        in name order; the engine's hash of what it loaded must equal the trainer's, else one line."""
+        """Every rank: the weights the engine lacks (every parameter the first time, then those that train), gathered
+        one at a time, sent as ``version``; the engine's hash of what it loaded must equal the trainer's."""
         t0 = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         for name, param in sorted(causal_lm(model).named_parameters(), key=lambda item: item[0]):
@@ -204,8 +196,7 @@ class VLLMEngine:
         return Sync(answer["weight_hash"], answer["engine_weight_hash"], answer["bytes"], time.perf_counter() - t0)
 
     def _send(self, tensors: dict[str, torch.Tensor], version: int, lora: Any) -> dict:
-        """Rank 0: the base's tensors in one file, a LoRA adapter's in an adapter folder (kept until the next push:
-        the engine reads it when it first samples with it), and their hashes compared."""
+        """Rank 0: the base's tensors in one file, a LoRA adapter's in a folder; the hashes compared."""
         from safetensors.torch import save_file
 
         folder = self.folder or Path(tempfile.gettempdir())
@@ -219,7 +210,7 @@ class VLLMEngine:
             if lora is not None:
                 lora.save_pretrained(str(adapter))  # adapter_config.json
                 save_file({k: v for k, v in tensors.items() if k.startswith(ADAPTER_PREFIX)},
-                          str(adapter / LAYOUT.ADAPTER_WEIGHTS))
+                          str(HFFolder(adapter).adapter_weights))
             got = self._call("POST", "/load", {"path": str(path) if base else None,
                                                "adapter": str(adapter) if lora is not None else None,
                                                "version": version})
@@ -239,14 +230,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------ sampling
     def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], **sampling: Any) -> dict[str, Any]:
-        """Every rank: the engine's answer for ``prompts`` (token ids), one completion per seed (``request``'s
-        keywords), asked by rank 0 and broadcast; an engine error is one line on every rank."""
+        """Every rank: the engine's completions of ``prompts``, one per seed, asked by rank 0 and broadcast."""
         return self.collect(self.request(prompts, seeds, **sampling) if self.is_main else None)
 
     def request(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
                 temperature: float, eos_id: int | None, log_probs: bool = False) -> dict[str, Any]:
-        """Rank 0 (in any thread): the engine's ``completions`` (and with ``log_probs`` each token's log-prob as
-        sampled), or the error as ``collect`` raises it."""
+        """Rank 0 (any thread): the engine's ``completions`` (with ``log_probs``: as sampled), or its error."""
         try:
             return self._call("POST", "/generate", {
                 "prompts": [list(p) for p in prompts], "seeds": [int(s) for s in seeds], "temperature": temperature,
@@ -260,8 +249,7 @@ class VLLMEngine:
 
 
 def _remove_orphans(base: Path) -> None:
-    """The engine folders of trainers that are gone (killed: nothing removed them; in /dev/shm a weights file
-    being pushed then holds memory)."""
+    """Remove the engine folders of trainers that are gone (killed: in /dev/shm their files hold memory)."""
     for folder in base.glob("vllm-engine-*"):
         try:
             os.kill(int((folder / "trainer.pid").read_text()), 0)

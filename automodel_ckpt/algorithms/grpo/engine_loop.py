@@ -14,8 +14,7 @@ from automodel_ckpt.training.rollout import sample_seed
 
 
 class Ahead:
-    """The next rollout batch, asked of the engine while this step trains (``grpo.max_staleness`` 1): its rows,
-    prompts and the weights it is sampled with; rank 0's request runs in a thread until ``wait``."""
+    """The next rollout batch, asked of the engine while this step trains (rank 0's request: a thread)."""
 
     def __init__(self, engine: VLLMEngine, step: int, rows: list[tuple[int, int]], prompts: list[int],
                  version: int, request: dict[str, Any] | None) -> None:
@@ -38,8 +37,7 @@ class Ahead:
 
 
 class EngineLoop:
-    """What ``GRPO`` does with an engine (``grpo.engine vllm``): mixed into it, its state and counters are
-    ``GRPO``'s."""
+    """What ``GRPO`` does with an engine (``grpo.engine vllm``), mixed into it."""
 
     engine: VLLMEngine | None
     _sync: Sync | None
@@ -47,9 +45,8 @@ class EngineLoop:
     _waited = 0.0
 
     def _engine_rollout(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
-        """The weights of the last optimizer step pushed (if the engine's are older) and checked, then every
-        completion of ``rows`` sampled by the engine; an engine that died or hung is restarted once and asked again,
-        with the same weights and seeds (a second loss stops the run in one line)."""
+        """The last step's weights pushed and checked, then every completion of ``rows`` sampled by the engine; an
+        engine that died or hung is restarted once and asked again the same."""
         for attempt in (1, 2):
             try:
                 self._push()
@@ -76,23 +73,20 @@ class EngineLoop:
                 "eos_id": ctx.tokenizer.eos_token_id}
 
     def _engine_sample(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
-        """Every completion of ``rows`` (prompt id, sample index), sampled by the engine: one request per
-        completion, seeded as in process (``sample_seed``)."""
+        """Every completion of ``rows`` sampled by the engine, seeded as in process (``sample_seed``)."""
         return self.engine.sample(**self._sampling(step, rows))["completions"]
 
     # ---------------------------------------------------------------------------- a step ahead
     def _sample_ahead(self) -> None:
-        """``grpo.max_staleness`` 1, as this step begins: the weights it trains from pushed, the next rollout
-        batch's prompts taken and asked of the engine; it samples while this step trains (``_finish_ahead``)."""
+        """``grpo.max_staleness`` 1: this step's weights pushed, the next rollout batch asked of the engine."""
         self._push()
         step, rows, prompts = self._take_rollout()
         request = self._sampling(step, rows) | {"log_probs": True} if self.ctx.env.is_main else None
         self._ahead = Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, request)
 
     def _finish_ahead(self) -> None:
-        """After this step's optimizer step, before its save: the next rollout batch received, scored and kept as
-        ``next_rollout`` with the engine's log-probs as sampled (the ratio's denominator: those weights are one
-        optimizer step behind when it is trained on)."""
+        """Before the step's save: the next rollout batch received, scored and kept as ``next_rollout`` with the
+        engine's log-probs as sampled (the ratio's denominator: those weights are one step behind)."""
         ahead, self._ahead = self._ahead, None
         answer, self._waited = ahead.wait()
         everyone = answer["completions"]
@@ -118,10 +112,7 @@ class EngineLoop:
         return True
 
     def _engine_metrics(self) -> dict[str, Any]:
-        """The weights that sampled the rollout batch: their version (optimizer steps taken), and with an engine
-        their lag behind the weights trained, their hash as pushed, the engine's of what it loaded (equal, or the
-        push stopped the run) and this step's push (bytes, seconds and share of the step: 0 at a step that pushed
-        nothing)."""
+        """The weights that sampled the rollout batch: version, lag, hashes, and this step's push."""
         metrics: dict[str, Any] = {"weight_version": self.rollout.weight_version}
         if self.engine is None:
             return metrics

@@ -17,9 +17,7 @@ _SUMS = ("reward_sum", "reward_square_sum")
 
 
 class GRPOCounters:
-    """Counters (checkpointed as ``grpo``): rollout batches made (``grpo_step``), optimizer steps
-    (``ppo_optimization_step``), prompts consumed and skipped, completions and tokens generated, the rewards'
-    running sums, and the prompt data position (epoch, position in that epoch's order)."""
+    """Counters (checkpointed as ``grpo``), the rewards' running sums and the prompts' epoch and position."""
 
     def __init__(self) -> None:
         for key in _COUNTS:
@@ -55,12 +53,9 @@ class GRPOCounters:
 
 
 class PromptLoader:
-    """GRPO's loader (``data.BatchLoader``, checkpointed as ``dataloader``): its state is where the prompts are, the
-    epoch of their order and the position in it (kept in the counters, whose ``grpo`` state also lists them), and
-    each step's micro-batches are ``make()``'s, this rank's share of the rollout batch in use (a new one sampled
-    from the next prompts when the last one had its passes). Saved per rank as a map-style loader's is (the same
-    position on every rank); an earlier checkpoint's ``dataloader`` held a map-style loader's position, not the
-    prompts': the counters' (``grpo``) is the prompts' then."""
+    """GRPO's loader (checkpointed as ``dataloader``): its state is the prompts' epoch and position (kept in the
+    counters), each step's micro-batches ``make()``'s share of the rollout batch in use. Saved per rank, the same
+    on every rank."""
 
     checkpoint_scope = "rank"
 
@@ -81,8 +76,7 @@ class PromptLoader:
         return {"prompt_epoch": self.counters.prompt_epoch, "prompt_position": self.counters.prompt_position}
 
     def load_state_dict(self, state: Any) -> None:
-        """A checkpoint's position (untrusted): each a count, else one line; without one (an earlier checkpoint's
-        map-style position) the counters' stands."""
+        """A checkpoint's position (untrusted): each a count, else one line; without one the counters' stands."""
         if not isinstance(state, dict):
             raise CheckpointError(f"the GRPO prompt position is a {type(state).__name__}, not a mapping")
         position = {k: state[k] for k in ("prompt_epoch", "prompt_position") if k in state}
@@ -114,12 +108,10 @@ class PromptLoader:
 _TENSORS = {"prompt_ids": torch.int64, "sample_index": torch.int64, "input_ids": torch.int64,
             "prompt_length": torch.int64, "length": torch.int64, "old_log_probs": torch.float64,
             "ref_log_probs": torch.float64, "advantages": torch.float64, "rewards": torch.float64}
-#: Each tensor's dimensions as written: ``[rows, width]`` for the token ids and the per-token log-probs,
-#: ``[rows, reward functions]`` for the rewards, ``[rows]`` for the rest.
+#: Each tensor's dimensions: ``[rows, width]`` (ids, log-probs), ``[rows, reward functions]``, or ``[rows]``.
 _DIMS = {"prompt_ids": 1, "sample_index": 1, "input_ids": 2, "prompt_length": 1, "length": 1, "old_log_probs": 2,
          "ref_log_probs": 2, "advantages": 1, "rewards": 2}
-#: The lowest per-token log-prob a rollout batch may hold: a float32 log-softmax of a real model's logits stays far
-#: above it, and far below it the ratio ``exp(log p - old)`` of the loss overflows.
+#: The lowest log-prob a rollout batch may hold: far below a real log-softmax, far above where ``exp`` overflows.
 LOG_PROB_FLOOR = -1e4
 
 
@@ -137,14 +129,9 @@ class RolloutExpected:
 
 class RolloutBatch:
     """The rollout batch in use (checkpointed as ``rollout``): every completion of the global batch, the same on
-    every rank (a resume at another world size takes its share of it). Per row: the prompt's id and the sample's
-    index, the token ids (prompt then completion, right-padded), the prompt's and the whole row's length, the
-    per-token log-probs when it was sampled and the reference's, the advantage and the rewards (one column per
-    reward function); and ``step`` (the ``grpo_step`` that made it) and ``passes`` (optimizer passes taken
-    over it); ``weight_version`` (optimizer steps the weights that sampled it had taken) and ``weight_hash`` (the
-    hash of those weights as pushed to the engine, checked against the engine's; "" when sampled in process).
-    Empty (``rows`` 0) before the first rollout. ``expected`` (set once the model and the prompts are built) is
-    what a checkpoint's batch is checked against."""
+    every rank; per row its ids, lengths, log-probs, advantage and rewards (``_TENSORS``). ``step``: the
+    ``grpo_step`` that made it; ``passes``: optimizer passes over it; ``weight_version`` and ``weight_hash``: the
+    weights that sampled it ("" in process). ``expected`` is what a checkpoint's batch is checked against."""
 
     def __init__(self) -> None:
         self.step = 0
@@ -165,8 +152,7 @@ class RolloutBatch:
                 "weight_hash": self.weight_hash, **{k: v.clone() for k, v in self.tensors.items()}}
 
     def load_state_dict(self, state: Any) -> None:
-        """A checkpoint's rollout batch (untrusted): the tensors it names, each checked (``check_rollout``) against
-        the others and, once known, this run's ``expected``; a problem is one line naming the field."""
+        """A checkpoint's (untrusted) rollout batch, checked by ``check_rollout``."""
         if not isinstance(state, dict):
             raise CheckpointError(f"the GRPO rollout batch is a {type(state).__name__}, not a mapping")
         for key in ("step", "passes"):
@@ -199,9 +185,8 @@ def _first(values: torch.Tensor, wrong: torch.Tensor) -> tuple[int, Any]:
 
 
 def check_rollout(t: dict[str, torch.Tensor], passes: int, expected: RolloutExpected | None) -> None:
-    """A checkpoint's rollout tensors (untrusted) are what a rollout makes, else one line naming the field: shapes
-    first (nothing allocated from them), then token ids, lengths, prompts, and every number finite and in range.
-    ``expected``: this run's rows, group, reward functions, vocabulary, ``data.seq_length`` and prompts."""
+    """A checkpoint's rollout tensors are what a rollout makes, else one line naming the field: shapes first
+    (nothing allocated from them), then token ids, lengths, prompts, and every number finite and in range."""
     for key, value in t.items():
         if not isinstance(value, torch.Tensor) or value.dtype != _TENSORS[key]:
             raise _bad(key, f"is not a {_TENSORS[key]} tensor")
@@ -222,10 +207,9 @@ def check_rollout(t: dict[str, torch.Tensor], passes: int, expected: RolloutExpe
     for key in ("old_log_probs", "ref_log_probs"):
         if t[key].shape != ids.shape:
             raise _bad(key, f"is {list(t[key].shape)}, not the token ids' {[rows, width]}")
-    if expected is not None:
-        if t["rewards"].shape[1] != expected.reward_functions:
-            raise _bad("rewards", f"has {t['rewards'].shape[1]} columns for {expected.reward_functions} reward "
-                                  "functions (grpo.reward_funcs)")
+    if expected is not None and t["rewards"].shape[1] != expected.reward_functions:
+        raise _bad("rewards", f"has {t['rewards'].shape[1]} columns for {expected.reward_functions} reward "
+                              "functions (grpo.reward_funcs)")
     if rows == 0:
         return
     _check_rows(t, width, expected)
@@ -279,9 +263,8 @@ def _check_rows(t: dict[str, torch.Tensor], width: int, expected: RolloutExpecte
 
 
 def _check_numbers(t: dict[str, torch.Tensor], passes: int, expected: RolloutExpected | None) -> None:
-    """Every number finite and in the range a rollout gives: rewards finite; advantages at most sqrt(group) in size
-    (a group's normalized reward: (n - 1) / sqrt(n) at most; a share: 1 at most); per-token log-probs in
-    [``LOG_PROB_FLOOR``, 0], or the log-probs as sampled all NaN (not recorded) for a batch that had its pass."""
+    """Rewards finite; advantages at most sqrt(group) in size (a normalized group reward is (n - 1) / sqrt(n) at
+    most); log-probs in [``LOG_PROB_FLOOR``, 0], or those as sampled all NaN for a batch that had its one pass."""
     rewards = t["rewards"]
     if not bool(torch.isfinite(rewards).all()):
         row, value = _first(rewards, ~torch.isfinite(rewards))

@@ -1,17 +1,8 @@
 """The vLLM engine process of ``grpo.engine: vllm``: an HTTP server on 127.0.0.1 that loads pushed weights and samples.
 
-Run by the vLLM environment's Python as a script (``python vllm_server.py --model-dir D --port-file F``); it imports
-only the standard library, torch, safetensors and vLLM (never ``automodel_ckpt``: that environment's transformers is
-not the product's). The trainer imports ``weights_hash`` from here, so both sides hash alike. Endpoints (JSON):
-
-- ``GET /health``: ``{"vllm": version, "weight_version": n}`` once the engine is built;
-- ``POST /load`` ``{"path": a .safetensors file or null, "adapter": a PEFT adapter folder or null, "version": n}``:
-  the file's tensors loaded into the engine in place, the adapter made the one every later request samples with,
-  answered with their ``hash`` (``weights_hash`` over what was read of both, name order) and the ``version``;
-- ``POST /generate`` ``{"prompts": [[ids]], "seeds": [..], "temperature", "max_new_tokens", "eos_id",
-  "log_probs": bool}``: ``{"completions": [[ids]]}`` (and with ``log_probs`` each token's log-prob as sampled,
-  ``"log_probs": [[float]]``), each request sampled with its own seed (vLLM's per-request ``seed``);
-- ``POST /stop``: the server ends.
+Run by the vLLM environment's Python as a script; it imports only the standard library, torch, safetensors and vLLM
+(never ``automodel_ckpt``: that environment's transformers is not the product's). The trainer imports
+``weights_hash`` from here, so both sides hash alike. Its endpoints: docs/rl.md, "The process".
 """
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ import torch
 
 
 def weights_hash(items: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A SHA-256 of named tensors (name, dtype, shape, bytes), in the order given: the trainer hashes what it
-    sends, the engine what it loads, both in name order."""
+    """A SHA-256 of named tensors (name, dtype, shape, bytes) in the order given, by the trainer and the engine."""
     h = hashlib.sha256()
     for name, tensor in items:
         t = tensor.detach().cpu().contiguous()
@@ -41,8 +31,7 @@ def weights_hash(items: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies (a trainer killed with -9 leaves no
-    engine behind)."""
+    """Linux: SIGKILL when the process that started this one dies (no engine left behind a killed trainer)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_DEATHSIG
     except OSError:

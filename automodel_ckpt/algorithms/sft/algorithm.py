@@ -17,8 +17,7 @@ from automodel_ckpt.training.loss import next_token_loss_sum
 
 
 def rank_zero_first(ctx: TrainContext, make: Callable[[], Any]) -> Any:
-    """``make()`` on rank 0 first (tokenizing into the cache), then on the other ranks (reading its result); its
-    failure on rank 0 is every rank's (``collective.main_first``)."""
+    """``make()`` on rank 0 first (tokenizing into the cache), then on the others; a failure is every rank's."""
     return main_first(make, ctx.env.rank)
 
 
@@ -34,8 +33,7 @@ def map_loader(ctx: TrainContext, rows: Any, what: str) -> GlobalBatchLoader:
 
 
 def supervised_data(ctx: TrainContext) -> Data:
-    """The supervised rows' loader, streamed (read as the steps need it, in one global order: ``data/stream/``) or
-    of the tokenized rows, and this rank's held-out batches: every held-out row once over the data-parallel ranks."""
+    """The supervised rows' loader (streamed, or of the tokenized rows) and this rank's held-out batches."""
     cfg = ctx.cfg
     if is_streamed(cfg.dataset):
         loader, report = build_streamed(cfg, ctx.tokenizer, ctx.dims, log_ids=cfg.training.log_sample_ids)
@@ -53,8 +51,7 @@ def supervised_data(ctx: TrainContext) -> Data:
 
 
 class Supervised(Algorithm):
-    """Supervised fine-tuning: the batches are the tokenized rows, the loss each label token's next-token loss
-    (``training.loss``; labels ``IGNORE_INDEX`` left out), the mean over the global batch's label tokens."""
+    """Supervised fine-tuning: the mean next-token loss over the global batch's label tokens (``training.loss``)."""
 
     def build_loader(self) -> Data:
         return supervised_data(self.ctx)

@@ -1,21 +1,8 @@
 """A restored stream position's fields against their real bounds: rows in their files, counts that add up.
 
-A position read from a checkpoint is untrusted. Its shape, its indices into the shard list and its buffer size are
-checked when the loader reads it (``position``); what only the corpus knows is checked here, when the loader reads
-it too (``check_fields``: the refusal then names the checkpoint's file) and again when a stream restores it
-(``GlobalStream._restore``), before any row is read back or any token packed:
-
-* every row reference (the shuffle buffer's, the pending documents', the next row of the shard being read) lies
-  inside its file: a byte offset below the size of an uncompressed json-lines or text file, a row number inside a
-  row-group shard (a compressed file's offsets and a whole parquet file's rows are bounded by the read itself:
-  ``fetch_rows`` names a row past the end);
-* the counts add up as the stream makes them: the tokens the sources gave are the sequences made times
-  ``seq_length`` (since ``packed``, where a stage's new length began), the documents taken from the sources'
-  buffers are the documents drawn, the pending ones are among them, each drawn in an epoch its source has reached;
-* after the pending documents are tokenized (``check_carry``): the carry-over is inside the first of them (none
-  without a pending document), so packing never slices past a document.
-
-Each failure is one line (``DataError``) saying which field, and the value against its bound.
+A checkpoint's position is untrusted: ``position`` checks its shape; here, before any row is read back, every row
+reference lies inside its file, the counts add up as the stream makes them (tokens = sequences x ``seq_length``
+since ``packed``), and the carry-over lies inside the first pending document. Each failure is one ``DataError`` line.
 """
 
 from __future__ import annotations
@@ -59,8 +46,7 @@ def _doc_bound(stream: Any, doc: Any, what: str) -> None:
 
 
 def check_restored(stream: Any) -> None:
-    """The fields of a position just restored into ``stream`` (a ``GlobalStream``) against the corpus's files and the
-    stream's own counts; ``DataError`` (one line) for the first that is out of bounds."""
+    """A position just restored into ``stream`` against the corpus's files and its own counts."""
     seq_length = int(stream.settings.seq_length)
     for src in stream.sources:
         where = f"source {src.index}"
@@ -94,9 +80,7 @@ def check_restored(stream: Any) -> None:
 
 
 def check_fields(p: dict[str, Any], shards: list[list[Any]], corpus: Any, seq_length: int) -> None:
-    """``check_restored`` of a position as read from a checkpoint (one stream's: a lane's, or the one global stream's;
-    its shape already checked), against the corpus's ``shards`` (``Shard`` lists, one per source) of ``corpus``:
-    when the checkpoint is loaded, so that the refusal names its file."""
+    """``check_restored`` of one lane's position as read from a checkpoint, so that the refusal names its file."""
     from automodel_ckpt.data.stream.corpus import file_format
 
     sources = []
@@ -112,8 +96,7 @@ def check_fields(p: dict[str, Any], shards: list[list[Any]], corpus: Any, seq_le
 
 
 def check_carry(stream: Any) -> None:
-    """After the pending documents are tokenized: the carry-over (``offset``: tokens of the first already packed)
-    is inside the first of them, and 0 when none is pending."""
+    """The carry-over (``offset``: tokens of the first pending document already packed) inside it; 0 without one."""
     if not stream.pending:
         if stream.offset:
             raise malformed(f"a carry-over of {stream.offset} tokens and no pending document")

@@ -32,8 +32,7 @@ def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:
 
 
 def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) -> tuple[StreamLoader, str]:
-    """``(loader, report line)`` of the streamed ``dataset:``: the shards listed (the corpus's identity), read in
-    lanes over the data-parallel ranks (the held-out batches: ``streamed_validation``)."""
+    """``(loader, report line)`` of the streamed ``dataset:``, read in lanes over the data-parallel ranks."""
     lanes = cfg.data.lanes
     if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
         raise ConfigError(f"data.lanes: expected a positive integer, got {lanes!r}")
@@ -57,8 +56,7 @@ def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) ->
 
 
 def streamed_validation(cfg: DictConfig, tokenizer: Any, dims: Any) -> tuple[list | None, str]:
-    """``(this rank's held-out micro-batches or None, report suffix)`` of a streamed run's ``validation_dataset:``
-    (streamed too: read whole, once, in the training stream's rendering)."""
+    """``(this rank's held-out micro-batches or None, report suffix)``: a streamed ``validation_dataset:`` read once."""
     if cfg.validation_dataset is None:
         return None, ""
     if not is_streamed(cfg.validation_dataset):

@@ -10,13 +10,11 @@ from typing import Any
 
 from automodel_ckpt.errors import ConfigError
 
-#: A parquet file larger than this is read as one shard per row group (a finer shard order; the footer is read once
-#: when the corpus is listed).
+#: A parquet file larger than this is one shard per row group (its footer read once, when the corpus is listed).
 SPLIT_PARQUET_BYTES = 256 * 2**20
 HUB_FILES = "**/*.parquet"  # a Hub dataset's files read by default (the Hub stores most datasets as parquet)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w.%-]+)?")  # OWNER/NAME[@REVISION] (a branch as refs%2Fconvert%2Fparquet)
-#: A byte range of an uncompressed json-lines or text file cut to fill the lanes is at least this long (a range
-#: holds whole lines: those that start inside it).
+#: The shortest byte range a line file is cut into to fill the lanes (a range holds the lines that start in it).
 MIN_RANGE_BYTES = 64 * 2**10
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
@@ -26,9 +24,7 @@ _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 
 @dataclass(frozen=True)
 class Shard:
-    """One unit of a source: a file, a row group of a parquet file (rows ``first`` to ``stop``), or a byte range of an
-    uncompressed json-lines or text file (the lines that start at bytes ``first`` to ``stop - 1``): where it is and
-    what the file was when listed (local: mtime in ns; object store: ETag)."""
+    """A source's unit (a file, row group or byte range) and its file's version (mtime in ns, or ETag)."""
 
     path: str
     size: int
@@ -81,11 +77,7 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
                     storage_options: dict[str, Any] | None = None, max_sequences: int | None = None,
                     split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20, hub: str | None = None,
                     files: str | list[str] = HUB_FILES) -> Corpus:
-    """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` (a glob or a list of globs, local or
-    ``s3://``), ``sources: [{path, weight, format}]`` for a blend, or ``hub: OWNER/NAME[@REVISION]``, a Hub dataset's
-    ``files`` (globs inside its repository; default its parquet files); ``format`` json | text | parquet | arrow (None:
-    from the suffix); ``text_field`` the documents' column (None: ``data.text_field``); ``max_sequences`` the number of
-    sequences a validation stream holds; a parquet file larger than ``split_parquet_mb`` is one shard per row group."""
+    """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` globs, a blend's ``sources``, or a ``hub``."""
     if hub is not None:
         if path is not None or sources is not None:
             raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
@@ -149,8 +141,7 @@ def _globs(value: Any, key: str) -> list[str]:
 
 
 def file_format(path: str, format: str | None, strict: bool = True) -> str:
-    """``json``, ``text`` or ``parquet``: ``format`` if set, else from the suffix under any compression suffix
-    (``strict`` False: an unknown suffix is ``""`` instead of a ``ConfigError``)."""
+    """``format`` if set, else the suffix's under any compression (unknown: ``ConfigError``, or ``""``)."""
     if format is not None:
         if format not in set(FORMATS.values()):
             raise ConfigError(f"dataset.format: expected one of json, text, parquet, arrow, got '{format}'")
@@ -172,8 +163,7 @@ _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 
 
 def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """``(fsspec filesystem, path within it)`` for a local path or an object-store URL: endpoint and credentials
-    as for ``checkpoint_dir`` (``storage_options``, then the standard environment); one per process."""
+    """``(fsspec filesystem, path within it)``, credentials as for ``checkpoint_dir``; one per process."""
     import fsspec
 
     from automodel_ckpt.checkpoint import is_url
@@ -191,8 +181,7 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
 
 def list_source(source: Source, storage_options: dict[str, Any] | None, key: str,
                 split_parquet_bytes: int = SPLIT_PARQUET_BYTES) -> list[Shard]:
-    """The source's shards, sorted by path (a large parquet file: its row groups in order): ``ConfigError`` for a
-    glob that matches nothing."""
+    """The source's shards, sorted by path; ``ConfigError`` for a glob that matches nothing."""
     from automodel_ckpt.checkpoint import check_url, is_url
 
     shards: dict[str, Shard] = {}
@@ -235,10 +224,7 @@ def is_compressed(path: str) -> bool:
 
 def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] | None, format: str | None,
                min_range_bytes: int = MIN_RANGE_BYTES) -> list[Shard]:
-    """``units`` cut finer when there are fewer of them than ``lanes``, so that a small corpus still fills every
-    lane: a parquet file into its row groups, an uncompressed json-lines or text file into about
-    ``lanes * size / total`` byte ranges of at least ``min_range_bytes`` (the order of units is kept: by path, then
-    by place in the file). With as many units as lanes (or one lane) they are returned as they are."""
+    """``units`` cut finer (row groups, byte ranges) when fewer than ``lanes``: a small corpus fills every lane."""
     if len(units) >= lanes:
         return units
     out: list[Shard] = []
@@ -257,8 +243,7 @@ def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] |
 
 
 def _row_group_shards(whole: Shard, storage_options: dict[str, Any] | None) -> list[Shard]:
-    """A large parquet file as one shard per row group (the whole file if its footer cannot be read: the reader
-    then names the problem when it gets there)."""
+    """A large parquet file as one shard per row group (the whole file if its footer cannot be read)."""
     import pyarrow.parquet as pq
 
     from automodel_ckpt.data.stream.regular import open_regular  # a local file: a FIFO is never waited on

@@ -36,8 +36,7 @@ def _document(rng: random.Random) -> str:
 
 
 def corpus_folder(num_files: int, docs_per_file: int, seed: int, split: str) -> Path:
-    """The folder of the corpus for these arguments, written on first use (to a temporary folder, then renamed:
-    concurrent starts never see half of it)."""
+    """The corpus folder of these arguments, written on first use (to a temporary folder, then renamed)."""
     import datasets
 
     if split not in _SPLITS:
@@ -64,8 +63,7 @@ def corpus_folder(num_files: int, docs_per_file: int, seed: int, split: str) -> 
 
 def builtin_text_corpus(num_files: int = 64, docs_per_file: int = 200, seed: int = 1234, split: str = "train",
                         max_sequences: int | None = None) -> Corpus:
-    """Generated short English sentences and two-digit additions, ``num_files`` json-lines files of
-    ``docs_per_file`` documents (``split`` train or heldout: different files), streamed like any corpus."""
+    """Generated sentences and additions in ``num_files`` json-lines files per ``split``, streamed like any corpus."""
     if num_files < 1 or docs_per_file < 1:
         raise ValueError("num_files and docs_per_file must be >= 1")
     folder = corpus_folder(num_files, docs_per_file, seed, split)

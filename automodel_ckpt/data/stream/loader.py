@@ -1,17 +1,8 @@
 """The streamed loader: each reader computes only the lanes its sequences come from; the position is per lane.
 
-The corpus's order is made over ``lanes`` lanes (``data.lanes``, fixed for a run; ``stream.GlobalStream`` is one
-lane). Global sequence ``k`` is the ``k // lanes``-th sequence of lane ``k mod lanes`` and goes to data-parallel
-rank ``k mod dp``. Rank ``r`` thus needs the lanes ``l`` with ``l mod g == r mod g`` (``g = gcd(dp, lanes)``): when
-``dp`` divides ``lanes``, ``lanes / dp`` lanes of its own; otherwise ``dp / g`` ranks compute each lane (the stated
-redundancy). A rank's ``j``-th sequence comes from DataLoader worker ``j mod W``, which computes only the lanes of
-its own sequences (disjoint among workers when ``dp * W`` divides ``lanes``).
-
-At the end of each step every worker brings its lanes to the step's boundary and attaches their positions to its
-last sequence of the step, so after a step the loader holds the position of each lane it reads. That is what a
-checkpoint stores, per data-parallel rank, keyed by lane (``checkpoint_scope = "rank"``); a resume on another
-number of ranks (``reshard_state``) takes each lane from a file of a rank that read it. The counts reported per step
-(tokens per source, bad rows, the epoch) are summed over the ranks, each lane counted by one rank.
+Global sequence ``k`` is the ``k // lanes``-th sequence of lane ``k mod lanes`` and goes to data-parallel rank
+``k mod dp``; a rank's ``j``-th sequence comes from DataLoader worker ``j mod W``. A checkpoint stores, per rank,
+each lane's position after the step, keyed by lane (docs/data.md, "The order" and "The position").
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from automodel_ckpt.data.stream.bounds import check_fields
 from automodel_ckpt.data.stream.corpus import Corpus, Shard
 from automodel_ckpt.data.stream.order import sequence_id, shard_order
 from automodel_ckpt.data.stream.position import (LANES_VERSION, check_corpus, check_lane, check_position,
-                                                 lane_counts, lanes_mismatch, old_position_to_lanes)
+                                                 lane_counts, lanes_mismatch, malformed, old_position_to_lanes)
 from automodel_ckpt.data.stream.readers import DataError
 from automodel_ckpt.data.stream.slots import arrange, fresh_source, specs
 from automodel_ckpt.data.stream.stream import GlobalStream, StreamSettings
@@ -49,8 +40,7 @@ def lanes_of(rank: int, dp: int, lanes: int) -> list[int]:
 
 
 def worker_lanes(rank: int, dp: int, worker: int, workers: int, lanes: int) -> list[int]:
-    """The lanes worker ``worker`` of ``workers`` of rank ``rank`` computes (its sequences: the rank's ``j``-th with
-    ``j mod workers == worker``, global ``k = rank + j * dp``)."""
+    """The lanes worker ``worker`` of rank ``rank`` computes (the rank's ``j``-th sequences, ``j mod workers``)."""
     g = math.gcd(dp * workers, lanes)
     return [lane for lane in range(lanes) if lane % g == (rank + worker * dp) % g]
 
@@ -65,10 +55,9 @@ class _Item:
 
 
 class _Share(IterableDataset):
-    """One rank's sequences from the global sequence ``start`` on; in a worker, that worker's: one list of
-    ``_Item`` per step, the last carrying the worker's lanes' positions. ``steps_per_message`` > 1 (``messages``):
-    a worker sends that many steps' lists in one message, so that a rank with few sequences a step (many ranks)
-    does not pay the hand-over to its main process once for every one or two sequences."""
+    """One rank's (in a worker, that worker's) sequences from global sequence ``start`` on: one list of ``_Item``
+    per step, the last carrying the worker's lanes' positions; ``messages`` sends several steps at once, since the
+    hand-over's cost is per message."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
                  positions: dict[int, dict[str, Any]], start: int, dp_rank: int, dp_size: int, per_step: int,
@@ -99,8 +88,7 @@ class _Share(IterableDataset):
             made = {lane: -(-(self.start - lane) // L) for lane in mine}
             for lane, p in self.positions.items():
                 if lane in made and int(p["sequences"]) != made[lane]:
-                    raise DataError("the checkpoint's data position is malformed (a lane's count); resume from "
-                                    "another checkpoint")
+                    raise malformed("a lane's count")
 
             def advance(lane: int, until: int) -> tuple[np.ndarray, np.ndarray] | None:
                 """Lane ``lane`` up to its sequence ``until`` (exclusive), returning its last one."""
@@ -141,8 +129,7 @@ class _Messages(IterableDataset):
 
 
 def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[list[_Item]]:
-    """One list per worker and step again, in the order the loader takes them (worker 0 first each step): the
-    DataLoader hands out one message of each worker in turn, each message holding the same number of steps."""
+    """One list per worker and step again, worker 0 first each step, from the DataLoader's messages."""
     while True:
         batch = [message for _, message in zip(range(workers), messages)]  # (range first: no message lost)
         if not batch:
@@ -155,9 +142,7 @@ def _by_step(messages: Iterator[list[list[_Item]]], workers: int) -> Iterator[li
 
 def _go_on(position: dict[str, Any], counts: list[int], added: list[list[Shard]],
            repack: bool) -> tuple[dict[str, Any], list[int]]:
-    """A lane's position and counts (checked) made ready for the recipe's stream (docs/stages.md), as new objects:
-    the sources new to the run start at their beginning; at a new sequence length the lane packs from where it
-    stands, its pending documents and carry-over kept (the tokens since counted from here: ``packed``)."""
+    """A lane's position and counts, as new objects, with the stage's new sources and sequence length."""
     position = dict(position, sources=[*position["sources"], *(fresh_source(len(units)) for units in added)])
     if repack:
         position["packed"] = [position["sequences"], sum(int(src["tokens"]) for src in position["sources"])]
@@ -170,14 +155,13 @@ def _by_lane(value: Any) -> dict[int, Any]:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit())
                                               for k in value):
-        raise DataError("the checkpoint's data position is malformed (its lanes); resume from another checkpoint")
+        raise malformed("its lanes")
     return {int(k): v for k, v in value.items()}
 
 
 def _quiet_stop_signals(_worker: int) -> None:
-    """A DataLoader worker leaves the signals that stop or preempt a run to its rank (a scheduler may send them to
-    every process): SIGINT and SIGUSR1/2 are ignored, and SIGTERM (also how the DataLoader ends its workers) ends the
-    worker with exit code 0, which the DataLoader does not report as a failure, so the rank's save goes on."""
+    """A worker leaves stop and preemption signals to its rank: SIGINT and SIGUSR1/2 ignored, SIGTERM (also how the
+    DataLoader ends its workers) exits 0, which the DataLoader does not report as a failure."""
     import os
     import signal
 
@@ -187,11 +171,7 @@ def _quiet_stop_signals(_worker: int) -> None:
 
 
 class StreamLoader:
-    """Yields, per optimizer step, this rank's micro-batches of the next global batch of the lanes' interleaving.
-
-    ``state_dict`` is the position of every lane this rank reads after the last step (one file per data-parallel
-    rank); ``load_state_dict`` and ``reshard_state`` check the corpus and the lane count against the checkpoint's.
-    """
+    """Per step, this rank's micro-batches of the lanes' interleaving; its state: the positions of its lanes."""
 
     checkpoint_scope = "rank"
 
@@ -291,8 +271,7 @@ class StreamLoader:
         return self.epoch, micro
 
     def _reduce(self, error: str | None) -> str | None:
-        """Sum the lanes' counts over the ranks (each lane counted by the lowest rank that reads it) and whether a
-        rank met bad data; every rank then stops at the same step, with the first rank's message."""
+        """The lanes' counts summed over the ranks; bad data met by one rank stops every rank, with its message."""
         width = 2 + len(self.shards)
         if self.gather is None or self.dp_size == 1:  # this rank's lanes (all of them at dp 1)
             own = list(self.counts.values())
@@ -345,16 +324,13 @@ class StreamLoader:
         return self.totals[1] if self.totals else 0
 
     def report(self, waited: float) -> dict[str, Any]:
-        """A step's record (``data.contract.BatchLoader``): the tokens each source gave so far, how long the step
-        waited for its batch, the bad rows skipped so far (when any)."""
+        """A step's record: the tokens each source gave so far, the wait for the batch, the bad rows skipped."""
         skipped = self.skipped_rows
         return {"source_tokens": self.source_tokens, "data_wait_seconds": round(waited, 6)} | (
             {"skipped_rows": skipped} if skipped else {})
 
     def summary(self) -> dict[str, Any] | None:
-        """Where the stream is, for a checkpoint's metadata and ``inspect``: the sequences made, the lanes and how
-        many this rank reads, the size of its position, and per source the epoch, the tokens consumed and where
-        this rank's first lane reads (its shard's place in the lane's order, its path, the next row)."""
+        """Where the stream is, for a checkpoint's metadata and ``inspect``."""
         if not self.positions:
             return None
         import pickle
@@ -393,8 +369,7 @@ class StreamLoader:
 
     def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_dp: int, rank: int,
                       dp: int) -> dict[str, Any]:
-        """This rank's state from the files of a checkpoint written by ``saved_dp`` ranks: each of its lanes from
-        the file of the lowest rank that read it."""
+        """This rank's state from a checkpoint of ``saved_dp`` ranks: each lane from the lowest rank that read it."""
         first = saved(0)
         if first.get("version") != LANES_VERSION:
             return first  # one global position, the same in every file (load_state_dict decides)
@@ -413,8 +388,7 @@ class StreamLoader:
             got = files[owner]
             positions, counts = _by_lane(got.get("positions")), _by_lane(got.get("counts"))
             if got.get("sequences") != first.get("sequences") or lane not in positions or lane not in counts:
-                raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
-                                "checkpoint")
+                raise malformed("a lane missing")
             out["positions"][lane], out["counts"][lane] = positions[lane], counts[lane]
         return out
 
@@ -436,16 +410,13 @@ class StreamLoader:
         saved = slots.shards[:slots.saved]
         sequences = state.get("sequences")
         if not isinstance(sequences, int) or sequences < 0:
-            raise DataError("the checkpoint's data position is malformed (its sequence count); resume from another "
-                            "checkpoint")
+            raise malformed("its sequence count")
         packed = state.get("seq_length", self.settings.seq_length)  # the length its lanes packed at
         if not isinstance(packed, int) or isinstance(packed, bool) or packed < 2:
-            raise DataError("the checkpoint's data position is malformed (its sequence length); resume from another "
-                            "checkpoint")
+            raise malformed("its sequence length")
         positions, counts = _by_lane(state.get("positions")), _by_lane(state.get("counts"))
         if sequences and any(lane not in positions or lane not in counts for lane in self.my_lanes):
-            raise DataError("the checkpoint's data position is malformed (a lane missing); resume from another "
-                            "checkpoint")
+            raise malformed("a lane missing")
         saved_corpus = replace(slots.corpus, sources=slots.corpus.sources[:slots.saved])
         for lane in self.my_lanes:
             if lane in positions:

@@ -38,8 +38,7 @@ def buffer_pick(seed: int, source: int, taken: int, size: int) -> int:
 
 
 def blend_pick(seed: int, doc: int, weights: list[float]) -> int:
-    """The source of the blend's ``doc``-th document: a seeded draw by ``weights`` (which need not sum to 1; a source
-    of weight 0, one a stage dropped, is never drawn)."""
+    """The source of the blend's ``doc``-th document: a seeded draw by ``weights`` (any sum; 0: never drawn)."""
     u = (mix64(seed, 0xB1E4D, doc) >> 11) / float(1 << 53) * sum(weights)
     acc = 0.0
     for i, w in enumerate(weights):

@@ -1,8 +1,6 @@
 """A streamed corpus's checkpointed position read back: its corpus, its lane count and each lane's bounds checked.
 
-A position read from a checkpoint is untrusted: every count and index that drives a read is checked against its
-bounds, and every file it names must be in the recipe's own listing (``check_corpus``), so a damaged or foreign
-file can make a resume neither read other files nor read more than a position may.
+Untrusted: every count and index that drives a read is bounded, and every file it names is the recipe's own.
 """
 
 from __future__ import annotations
@@ -23,16 +21,13 @@ def lanes_mismatch(saved: Any, now: int) -> str:
 
 
 def lane_counts(stream: Any) -> list[int]:
-    """What a lane reports to the step's totals: ``[epoch of the data trained on, bad rows skipped, tokens per
-    source ...]``."""
+    """A lane's part of the step's totals: ``[epoch trained on, bad rows skipped, tokens per source ...]``."""
     return [int(stream.trained_epoch), int(stream.skipped), *[int(t) for t in stream.source_tokens()]]
 
 
 def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
                  source: int | None = None) -> list[list[Any]]:
-    """The unit records to resume with: the checkpoint's, plus (with ``allow_appended``) the units of files added
-    since, read from the next epoch on. A file changed or gone, or one added without the override: ``DataError``.
-    Files are compared (path, size, version), so units cut differently since still match their file."""
+    """The checkpoint's unit records (and, ``allow_appended``, new files'); a file changed or gone: ``DataError``."""
     where = f"dataset.sources[{source}]" if source is not None else "dataset"
     current = {s.path: s for s in now}
     for s in saved:
@@ -51,33 +46,34 @@ def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
     return [s.record() for s in [*saved, *added]]
 
 
-def _bad(what: str) -> DataError:
+def malformed(what: str) -> DataError:
+    """A checkpoint's data position that is not one a run writes: what of it, in one line."""
     return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
 
 
 def _ints(values: Any, low: int, high: int, what: str) -> None:
     if not isinstance(values, list) or not all(isinstance(v, int) and low <= v < high for v in values):
-        raise _bad(what)
+        raise malformed(what)
 
 
 def _counts(values: Any, what: str) -> None:
     if not isinstance(values, list) or not all(is_count(v) for v in values):
-        raise _bad(what)
+        raise malformed(what)
 
 
 def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
     """One stream's position (a lane's, or the one global stream's) against its sources' unit counts."""
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list) or not isinstance(p.get("pending"), list):
-        raise _bad("not a position")
+        raise malformed("not a position")
     if len(p["sources"]) != len(sizes):
         raise DataError(f"dataset: the checkpoint's corpus has {len(p['sources'])} sources, this recipe {len(sizes)}")
     _counts([p.get(k) for k in ("docs", "offset", "sequences", "skipped", "epoch")], "counters")
     if "packed" in p and not (isinstance(p["packed"], list) and len(p["packed"]) == 2):
-        raise _bad("where its sequence length began")
+        raise malformed("where its sequence length began")
     _counts(p.get("packed", [0, 0]), "where its sequence length began")
     for src, n in zip(p["sources"], sizes):
         if not isinstance(src, dict):
-            raise _bad("a source")
+            raise malformed("a source")
         _counts([src.get(k) for k in ("epoch", "key", "row", "seen", "epoch_rows", "taken", "tokens")],
                 "a source's counters")
         _ints([src.get("n")], 1, n + 1, "the shards of an epoch")
@@ -85,49 +81,46 @@ def _check_stream(p: Any, sizes: list[int], buffer: int, draw: int) -> None:
         _ints(src.get("buffer_shards"), 0, n, "the shuffle buffer")
         _counts(src.get("buffer_keys"), "the shuffle buffer")
         if len(src["buffer_shards"]) != len(src["buffer_keys"]) or len(src["buffer_keys"]) > buffer:
-            raise _bad(f"a shuffle buffer of {len(src['buffer_keys'])} rows, more than {buffer}")
+            raise malformed(f"a shuffle buffer of {len(src['buffer_keys'])} rows, more than {buffer}")
     if len(p["pending"]) > draw + 1:
-        raise _bad("too many pending documents")
+        raise malformed("too many pending documents")
     for d in p["pending"]:
         if not (isinstance(d, list) and len(d) == 4 and all(isinstance(v, int) for v in d)
                 and 0 <= d[0] < len(sizes) and 0 <= d[1] < sizes[d[0]] and d[2] >= 0 and d[3] >= 0):
-            raise _bad("a pending document")
+            raise malformed("a pending document")
 
 
 def check_position(p: Any, shuffle_buffer: int) -> None:
-    """The one global stream's position of a checkpoint written before lanes (shape and bounds; its files are
-    checked against the recipe's listing by ``check_corpus``)."""
+    """The shape and bounds of the one global stream's position of a checkpoint written before lanes."""
     from automodel_ckpt.data.stream.stream import DRAW_BATCH
 
     if not isinstance(p, dict) or not isinstance(p.get("sources"), list):
-        raise _bad("not a position")
+        raise malformed("not a position")
     sizes = []
     for src in p["sources"]:
         if not isinstance(src, dict) or not isinstance(src.get("shards"), list) or not src["shards"]:
-            raise _bad("a source without shards")
+            raise malformed("a source without shards")
         if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
                    and all(isinstance(v, int) for v in r[3:]) for r in src["shards"]):
-            raise _bad("a shard record")
+            raise malformed("a shard record")
         sizes.append(len(src["shards"]))
     _check_stream(p, sizes, shuffle_buffer, DRAW_BATCH)
 
 
 def check_lane(p: Any, counts: Any, shards: list[list[Shard]], buffer: int, sequences: int) -> None:
-    """A lane's position and counts (``lane_counts``) against the corpus's units, the lane's buffer size and the
-    number of sequences the lane made before the step the checkpoint ends."""
+    """A lane's position and counts against the corpus's units, its buffer size and the sequences it made."""
     from automodel_ckpt.data.stream.stream import DRAW_BATCH, LANE_DRAW_BATCH
 
     _check_stream(p, [len(s) for s in shards], buffer, max(DRAW_BATCH, LANE_DRAW_BATCH))
     if p["sequences"] != max(sequences, 0):
-        raise _bad("a lane's sequence count")
+        raise malformed("a lane's sequence count")
     _counts(counts, "a lane's counts")
     if len(counts) != 2 + len(shards):
-        raise _bad("a lane's counts")
+        raise malformed("a lane's counts")
 
 
 def old_position_to_lanes(p: Any, lanes: int, shuffle_buffer: int) -> dict[str, Any] | None:
-    """The loader's state from a checkpoint written before lanes (one global stream), which resumes exactly with
-    ``data.lanes: 1`` (the same order, bit for bit); with another lane count: ``DataError`` saying so."""
+    """The state of a checkpoint written before lanes: exact with ``data.lanes: 1``, else ``DataError``."""
     if p is None:
         return None
     if lanes != 1:

@@ -19,8 +19,7 @@ from automodel_ckpt.errors import ConfigError
 
 
 def render_sequence(tokenizer: Any, k: int, tokens: list[int], labels: list[int]) -> str:
-    """A header line, then each document piece of the sequence on its own line (``+`` where a new one starts), the
-    text with a loss marked « » as in the up-front preview."""
+    """A header, then each document piece on its own line (``+``: a new one), the text with a loss marked « »."""
     eos = getattr(tokenizer, "eos_token_id", None)
     pieces, start = [], 0
     for t, tok in enumerate(tokens):
@@ -62,8 +61,7 @@ def preview_stream(cfg: DictConfig, tokenizer: Any, *, num: int = 3, split: str 
 
 
 def first_ids(cfg: DictConfig, tokenizer: Any, *, rank: int, world_size: int, num: int) -> list[int]:
-    """Data-parallel rank ``rank`` of ``world_size``'s first ``num`` sequence ids, as its training loader makes
-    them (``build_streamed``, this recipe's lanes, batch and workers): it reads only what that rank reads."""
+    """Data-parallel rank ``rank``'s first ``num`` sequence ids, as its training loader makes them."""
     from types import SimpleNamespace
 
     if not 0 <= rank < world_size:

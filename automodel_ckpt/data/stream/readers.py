@@ -1,14 +1,9 @@
 """Rows of one shard from a position, and rows fetched back by reference: json lines, plain text, parquet.
 
-A row's reference (``key``) is what finds it again: the byte offset of its line (json lines, text; in a compressed
-file, the offset in the decompressed stream, reached by decompressing up to it), or its row number (parquet: the row
-group is found from the footer; Arrow IPC files: the record batches before it are read). Bad input never raises here: it comes back as a row whose
-``error`` says what is wrong, so the stream decides whether to skip it (``data.skip_bad_rows``) or stop.
-
-Only regular files are opened (a local path is stat'ed, links resolved, before it is opened, and the opened file is
-checked to be that same file): a FIFO, a device or a socket is a bad file, never read. Lines are read through a
-bounded reader: a line longer than ``max_bytes`` (``data.max_record_bytes``) is read through in chunks, never held,
-and comes back as a bad row naming its byte offset; a parquet or arrow row larger than that likewise.
+A row's reference (``key``) is the byte offset of its line (in a compressed file, in the decompressed stream) or its
+row number (parquet, Arrow). Bad input never raises here: it comes back as a row whose ``error`` says what is wrong,
+and the stream decides whether to skip it. Only regular files are opened (a FIFO, a device or a socket is a bad
+file), and a row longer than ``max_bytes`` is read through in chunks, never held, and is a bad row.
 """
 
 from __future__ import annotations
@@ -62,9 +57,7 @@ def _why(exc: BaseException) -> str:
 
 
 def bounded_lines(f: Any, max_bytes: int) -> Iterator[tuple[bytes | None, int]]:
-    """``(line, length)`` of each line of the binary file ``f`` from where it is, newline included; ``line`` is
-    ``None`` for one longer than ``max_bytes`` (its newline not counted): it is read through in chunks, never held
-    whole. Never more than ``max_bytes`` plus one chunk in memory, whatever the file holds."""
+    """``(line, length)`` of each line of ``f`` from where it is; ``line`` is None for one over ``max_bytes``."""
     pieces: list[bytes] = []
     held, over = 0, False
     while True:
@@ -131,8 +124,7 @@ def _opened(path: str, storage_options: dict[str, Any] | None, key: int, row: in
 
 def _lines(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
            row: int, max_bytes: int, stop: int | None = None) -> Iterator[Row]:
-    """The rows of a json-lines or text file from the line at ``key``; with ``stop``, only those starting before it
-    (``read_line_range``)."""
+    """The rows of a line file from the line at ``key`` (with ``stop``: those starting before it)."""
     f, failed = _opened(path, storage_options, key, row)
     if failed is not None:
         yield failed
@@ -207,8 +199,7 @@ def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None,
 
 
 def _arrow_batches(path: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    """``(first row, rows)`` of each record batch of an Arrow IPC file (file or stream format, as the Hugging Face
-    datasets cache writes them), in order."""
+    """``(first row, rows)`` of each record batch of an Arrow IPC file (file or stream format), in order."""
     import pyarrow as pa
 
     f = _open(path, storage_options, compression=None)
@@ -247,8 +238,7 @@ def _arrow(path: str, storage_options: dict[str, Any] | None, key: int, max_byte
 
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
               row: int = 0, stop: int = -1, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
-    """The rows of ``path`` from the one at ``key`` (numbered from ``row``), in file order; parquet: up to row
-    ``stop`` (a row-group shard's end; -1: the file's); a row over ``max_bytes`` is a bad row."""
+    """The rows of ``path`` from the one at ``key`` (numbered from ``row``) up to row ``stop`` (-1: the end)."""
     if fmt == "parquet":
         return _parquet(path, text_field, storage_options, key, stop, max_bytes)
     if fmt == "arrow":
@@ -258,8 +248,7 @@ def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, A
 
 def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None,
                keys: Iterable[int], max_bytes: int = MAX_RECORD_BYTES) -> dict[int, dict[str, Any]]:
-    """The texts of the rows at ``keys`` (a resume's shuffle buffer and packing carry-over): one read each, or one
-    per row group; ``DataError`` if one cannot be read back (the file changed)."""
+    """The texts of the rows at ``keys``; ``DataError`` if one cannot be read back (the file changed)."""
     wanted = sorted(set(keys))
     out: dict[int, dict[str, Any]] = {}
     if not wanted:
@@ -310,8 +299,7 @@ def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, 
 
 
 class _UpTo:
-    """A binary file read in pieces that end at ``stop`` and past it in small ones (a byte range's last line ends
-    after its range: what is read past the range stays small)."""
+    """A binary file read in pieces that end at ``stop``, and past it in small ones (a range's last line)."""
 
     def __init__(self, f: Any, pos: int, stop: int) -> None:
         self.f, self.pos, self.stop = f, pos, stop
@@ -325,8 +313,7 @@ class _UpTo:
 
 def line_start(path: str, storage_options: dict[str, Any] | None, offset: int,
                max_bytes: int = MAX_RECORD_BYTES) -> int:
-    """The offset of the first line starting at or after ``offset`` in an uncompressed line file (the line before it
-    belongs to the byte range before); ``offset`` itself when the file cannot be read (its reader says why)."""
+    """The first line's offset at or after ``offset`` in a line file (``offset`` if unreadable: its reader says)."""
     if offset <= 0:
         return 0
     with contextlib.suppress(OSError, ValueError):
@@ -339,6 +326,5 @@ def line_start(path: str, storage_options: dict[str, Any] | None, offset: int,
 
 def read_line_range(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
                     row: int, stop: int, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
-    """The rows of a byte range of an uncompressed json-lines or text file from the line at ``key``: those starting
-    before ``stop`` (a line that starts in the range is read to its end)."""
+    """The rows of a byte range of a line file from the line at ``key``: those starting before ``stop``."""
     return _lines(path, fmt, text_field, storage_options, key, row, max_bytes, stop)

@@ -1,12 +1,8 @@
 """A streamed run's sources across stages (docs/stages.md): which of the checkpoint's sources each of the recipe's is.
 
-A stream's sources are kept in slots, in the order they first appeared in the run: slot ``i``'s shard order, buffer
-picks and tokens are keyed by ``i`` for the rest of the run, so a source keeps its own position whatever the other
-sources do. A recipe's source is the checkpoint's slot of the same ``path`` globs (its files checked as a resume
-checks them: ``position.check_corpus``); a source the checkpoint does not have takes a new slot at the end and starts
-at its beginning; a slot the recipe no longer names stays, with weight 0 (its position kept in every checkpoint, so
-that a later stage that names it again continues it; the documents it had drawn are still packed). The blend's
-weights are the recipe's from the stage's first step.
+Sources keep slots in the order they first appeared, so each keeps its own position whatever the others do: a
+recipe's source is the checkpoint's slot of the same ``path`` globs, a new one takes a new slot, and a slot the
+recipe no longer names stays with weight 0 (a later stage may continue it).
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ MAX_SPEC_PATHS = 256  # globs one saved source may list
 
 @dataclass
 class Slots:
-    """The stream's sources by slot: their corpus (weights and formats by slot), their shards, how many the
-    checkpoint had (``saved``: the first ones), and which slot each of the recipe's sources is."""
+    """The sources by slot: their corpus, shards, how many the checkpoint had, and the recipe's sources' slots."""
 
     corpus: Corpus
     shards: list[list[Shard]]
@@ -44,17 +39,14 @@ def specs(corpus: Corpus) -> list[list[Any]]:
 
 def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_specs: Any,
             allow_appended: bool) -> Slots:
-    """The slots of a stream resumed from a checkpoint with ``saved_shards`` (unit records per slot) and
-    ``saved_specs`` (``specs``; None: written before slots, its sources the recipe's by index), for recipe
-    ``corpus`` whose sources list ``now``."""
+    """The slots of a stream resumed from a checkpoint's shards and specs (None: the recipe's sources by index)."""
     if not isinstance(saved_shards, list) or not saved_shards or \
             not all(isinstance(s, list) and s for s in saved_shards):
         raise DataError("the checkpoint's data position is malformed (its sources); resume from another checkpoint")
     many = len(corpus.sources) > 1
     if saved_specs is None:  # a checkpoint written before slots: the same sources, in the same order
         if len(saved_shards) != len(now):
-            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards)} sources, this recipe "
-                            f"{len(now)}")
+            raise DataError(f"dataset: the checkpoint's corpus has {len(saved_shards)} sources, this recipe {len(now)}")
         saved_specs = specs(corpus)
     _check_specs(saved_specs, len(saved_shards))
     of_recipe: list[int] = []
@@ -95,8 +87,7 @@ def _records(saved: Any) -> list[list[Any]]:
     """A slot's unit records as written (``Shard.record``), checked for their shape."""
     if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
                and isinstance(r[2], str) and all(isinstance(v, int) for v in r[3:]) for r in saved):
-        raise DataError("the checkpoint's data position is malformed (a shard record); resume from another "
-                        "checkpoint")
+        raise DataError("the checkpoint's data position is malformed (a shard record); resume from another checkpoint")
     return saved
 
 

@@ -1,22 +1,8 @@
 """One lane of a streamed corpus: its packed sequences and its position (small, exact).
 
-The corpus's order is made over a fixed number of lanes (``data.lanes``; docs/data.md, "Lanes"): lane ``l`` reads
-the units ``i`` of each epoch's seeded unit order with ``i mod lanes == l`` (a source of fewer units than lanes:
-the unit ``l mod n``), through its own shuffle buffer (``data.shuffle_buffer // lanes`` rows), blend draws and
-packing, its choices seeded by ``(seed, lane)``. With one lane this is the corpus's one global stream, as before
-lanes. The loader interleaves the lanes (global sequence ``k`` is lane ``k mod lanes``'s). The position of a lane
-after any of its sequences (``GlobalStream.position``) is:
-
-* per source: the shard list (its identity, append-only), the epoch, how many shards this epoch reads, where in
-  the epoch's shard order and in the shard the next row is, the shuffle buffer as row references, and how many rows
-  left the buffer (the seeded picks are a function of that count: ``order.buffer_pick``);
-* the blend's document count (its picks likewise: ``order.blend_pick``);
-* the documents drawn but not packed yet, as row references, and how many tokens of the first are packed already
-  (the carry-over);
-* the sequences made, the tokens each source gave them, the bad rows skipped.
-
-Restoring reads back only the rows it references (at most ``shuffle_buffer`` per source plus a batch of pending
-documents): the time to resume does not depend on how far into the corpus the run is.
+Lane ``l`` reads the units ``i`` of each epoch's seeded unit order with ``i mod lanes == l``, through its own
+shuffle buffer, blend draws and packing, seeded by ``(seed, lane)``; one lane is the corpus's one global stream. Its
+position holds row references, not rows, so a resume reads back only those (docs/data.md, "The position").
 """
 
 from __future__ import annotations
@@ -105,8 +91,7 @@ class _Source:
 
 
 class GlobalStream:
-    """``next_sequence()`` -> the next ``seq_length`` tokens of lane ``lane`` of ``lanes`` (one lane: the corpus's
-    one global order); ``position()``."""
+    """``next_sequence()``: the next ``seq_length`` tokens of lane ``lane`` of ``lanes``; ``position()``."""
 
     def __init__(self, corpus: Corpus, shards: list[list[Shard]], tokenizer: Any, settings: StreamSettings,
                  position: dict[str, Any] | None = None, lane: int = 0, lanes: int = 1) -> None:
@@ -136,8 +121,7 @@ class GlobalStream:
 
     # ------------------------------------------------------------------------------------------ position
     def position(self, shards: bool = True) -> dict[str, Any]:
-        """The position after the last sequence made: plain ints, strings and lists (checkpointed as is; the
-        loader keeps a lane's without the ``shards``, which are the corpus's, kept once)."""
+        """The position after the last sequence made, in plain ints, strings and lists (``shards``: the unit list)."""
         sources = [s.record(shards) for s in self.sources]
         packed = {"packed": list(self.packed)} if self.packed != (0, 0) else {}
         return {"version": POSITION_VERSION, "sources": sources, "docs": self.docs,
@@ -179,9 +163,7 @@ class GlobalStream:
 
     # --------------------------------------------------------------------------------------- sequences
     def next_sequence(self) -> np.ndarray:
-        """The next sequence: documents joined (each ends with EOS), the tail of a long one carried over; its loss
-        labels (the records' own: every token for text, the completion or the assistant turns otherwise) are in
-        ``last_labels``."""
+        """The next sequence: documents joined, the tail of a long one carried over; its labels in ``last_labels``."""
         n = self.settings.seq_length
         out = np.empty(n, dtype=np.int64)
         labels = np.empty(n, dtype=np.int64)
@@ -275,8 +257,7 @@ class GlobalStream:
         return src.order_cache[2]
 
     def _read(self, src: _Source) -> _Doc:
-        """The next good row of ``src`` in this epoch's reading order (bad ones skipped and counted, or
-        ``DataError``); ``_EpochEnd`` when the epoch has no more."""
+        """The next good row of ``src`` in this epoch's order (bad ones skipped); ``_EpochEnd`` after the last."""
         mine = self._order(src)
         while src.pos < len(mine):
             shard = mine[src.pos]

@@ -24,8 +24,7 @@ def one_pass(settings: StreamSettings) -> StreamSettings:
 
 
 def validation_rows(corpus: Corpus, tokenizer: Any, settings: StreamSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, labels)`` of the first ``corpus.max_sequences`` sequences (fewer if one pass over the corpus holds
-    fewer): no shuffle."""
+    """``(tokens, labels)`` of the first ``corpus.max_sequences`` sequences of one pass, unshuffled."""
     stream = GlobalStream(corpus, corpus.list_shards("validation_dataset"), tokenizer, one_pass(settings))
     rows, labels = [], []
     for tokens in itertools.islice(stream, corpus.max_sequences or DEFAULT_SEQUENCES):
@@ -39,8 +38,7 @@ def validation_rows(corpus: Corpus, tokenizer: Any, settings: StreamSettings) ->
 
 def validation_batches(rows: torch.Tensor, row_labels: torch.Tensor, *, local_batch_size: int, rank: int,
                        world_size: int) -> list[MicroBatch]:
-    """Every row once over all ranks (rank ``r``: rows ``r, r+W, ...``); a rank short of rows gets copies of row 0
-    whose labels are all ignored, so every rank runs the same number of forwards."""
+    """Every row once over all ranks (``strided_rows``), filling rows' labels all ignored."""
     batches = []
     for b, keep in strided_rows(len(rows), local_batch_size=local_batch_size, rank=rank, world_size=world_size):
         r = rows[b]
