@@ -25,9 +25,10 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import yaml
 
-from automodel_ckpt.ondisk import (LAYOUT, SMALL_FILE_LIMIT, build_manifest, check_path, default_algorithm,
-                                   dump_manifest, exported_format, fsync_dir, hash_range, hasher, model_file_in,
-                                   open_regular, parse_json, pread_full, pwrite_all, read_bytes, read_yaml)
+from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, Archive, CheckpointFolder, HFFolder, build_manifest, check_path,
+                                   default_algorithm, dump_manifest, exported_format, fsync_dir, hash_range, hasher,
+                                   model_file_in, open_regular, parse_json, pread_full, pwrite_all, read_bytes,
+                                   read_yaml, tmp_sibling)
 from automodel_ckpt.export.archive import ADAPTER, ALIGN, CHECKPOINT, EXPORT, PAX_COMMENT
 from automodel_ckpt.export.registry import export_targets, identify
 from automodel_ckpt.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
@@ -61,9 +62,9 @@ def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size:
     src, out = Path(src), Path(out)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}"
-                        f"{LAYOUT.ARCHIVE_SUFFIX})")
+                        f"{Archive.SUFFIX})")
     entries, source = _entries(src, parse_cast_dtype(cast_dtype), max_shard_size)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
     except OSError as exc:
@@ -172,7 +173,7 @@ def _manifest_tail(entries: list[Entry], sums: dict[str, str], algorithm: str, s
     table = build_manifest(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
     table = {**{k: v for k, v in table.items() if k != "files"}, "source": source, "files": table["files"]}
     data = dump_manifest(table).encode()
-    header = _header(LAYOUT.ARCHIVE_MANIFEST, len(data), mtime, at, align=False,
+    header = _header(Archive.MANIFEST, len(data), mtime, at, align=False,
                      pax={PAX_COMMENT: _checksum_of(data, algorithm)})
     end = at + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
     end += -end % tarfile.RECORDSIZE
@@ -293,11 +294,11 @@ def kind_of(src: Path) -> str:
         nouns = " or ".join(t.noun for t in export_targets() if t.noun)
         raise UserError(f"'{src}' is not a folder or {nouns}; pack takes a checkpoint, an export folder, an adapter "
                         f"folder or {nouns}")
-    if (src / LAYOUT.METADATA_FILE).is_file() or (src / LAYOUT.MODEL_DIR).is_dir():
+    if CheckpointFolder(src).metadata.is_file() or CheckpointFolder(src).model.is_dir():
         return CHECKPOINT
-    if (src / LAYOUT.ADAPTER_CONFIG).is_file():
+    if HFFolder(src).adapter_config.is_file():
         return ADAPTER
-    if (src / LAYOUT.HF_CONFIG).is_file():
+    if HFFolder(src).config.is_file():
         return EXPORT
     raise UserError(f"'{src}' is neither a checkpoint, a Hugging Face model folder (config.json) nor a PEFT "
                     "adapter folder (adapter_config.json)")
@@ -313,7 +314,7 @@ def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], di
         return _folder_entries(src, with_ours=True), source
     source.update(kind=CHECKPOINT, checkpoint=src.name, run=src.resolve().parent.name)
     model_dir = resolve_model_dir(src)
-    if (model_dir / LAYOUT.ADAPTER_CONFIG).is_file():
+    if HFFolder(model_dir).adapter_config.is_file():
         source["kind"] = ADAPTER
         entries = _folder_entries(model_dir, with_ours=False)
     else:
@@ -329,15 +330,15 @@ def _ours(checkpoint: Path) -> list[Entry]:
     """The checkpoint's recipe (redacted again: a received checkpoint's copy may hold what ours never writes) and
     its metadata."""
     out = []
-    recipe, meta = checkpoint / LAYOUT.CONFIG_FILE, checkpoint / LAYOUT.METADATA_FILE
+    recipe, meta = CheckpointFolder(checkpoint).config, CheckpointFolder(checkpoint).metadata
     try:
         if os.path.lexists(recipe):
             text = yaml.safe_dump(redacted(read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
-            out.append(Entry(LAYOUT.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
+            out.append(Entry(Archive.RECIPE, len(text.encode()), data=text.encode()))
         if os.path.lexists(meta):
             data = read_bytes(meta, "checkpoint metadata", SMALL_FILE_LIMIT)
             parse_json(data, f"'{meta}'", "checkpoint metadata", SMALL_FILE_LIMIT)
-            out.append(Entry(LAYOUT.ARCHIVE_METADATA, len(data), data=data))
+            out.append(Entry(Archive.METADATA, len(data), data=data))
     except OSError as exc:
         raise CheckpointError(f"cannot read '{checkpoint}': {first_line(exc)}") from None
     return out
@@ -348,14 +349,14 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
     again); a Hugging Face cache snapshot's links are packed as the blobs they lead to, any other link or special
     file is refused in one line (``paths.model_file_in``). Other subfolders are not packed."""
     entries = []
-    for sub in ("", LAYOUT.ARCHIVE_DIR) if with_ours else ("",):
+    for sub in ("", Archive.DIR) if with_ours else ("",):
         where = folder / sub if sub else folder
         if sub and (not os.path.isdir(where) or os.path.islink(where)):
             continue
         with os.scandir(where) as it:
             for entry in sorted(it, key=lambda e: e.name):
                 name = f"{sub}/{entry.name}" if sub else entry.name
-                if entry.is_dir(follow_symlinks=False) or name == LAYOUT.ARCHIVE_MANIFEST:
+                if entry.is_dir(follow_symlinks=False) or name == Archive.MANIFEST:
                     continue
                 real = model_file_in(where, entry.name, "an archive holds only regular files (and a cache "
                                         "snapshot's blobs), never what another link points to: replace it with the "
@@ -368,7 +369,7 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
 def _ordered(entries: list[Entry]) -> list[Entry]:
     """Small files first (a reader finds the config and index at the start), then the weights, then ours."""
     def rank(e: Entry) -> tuple[int, str]:
-        ours = e.name.startswith(LAYOUT.ARCHIVE_DIR + "/")
+        ours = e.name.startswith(Archive.DIR + "/")
         return (2 if ours else 1 if e.name.endswith(_WEIGHTS_SUFFIX) else 0), e.name
 
     return sorted(entries, key=rank)

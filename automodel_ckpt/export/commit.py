@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel_ckpt.ondisk import LAYOUT, fsync_dir, open_regular, remove_tree, replace_folder, write_durable
+from automodel_ckpt.ondisk import (HFFolder, fsync_dir, old_sibling, open_regular, remove_tree, replace_folder,
+                                   tmp_sibling, write_durable)
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -53,7 +54,7 @@ class Coordinator:
         self.out_dir = out_dir
         self.rank = rank
         self.world_size = world_size
-        self.tmp = out_dir.parent / LAYOUT.export_tmp_name(out_dir.name, secrets.token_hex(4))
+        self.tmp = tmp_sibling(out_dir, secrets.token_hex(4))
 
     def begin(self) -> Path:
         _make_folder(self.tmp, self.out_dir)
@@ -129,9 +130,9 @@ class _FileCoordinator(Coordinator):
 
     def __init__(self, out_dir: Path, rank: int, world_size: int) -> None:
         super().__init__(out_dir, rank, world_size)
-        self.tmp = out_dir.parent / LAYOUT.export_tmp_name(out_dir.name, f"ranks{world_size}")
-        self.marker = self.tmp / LAYOUT.export_rank_marker(rank)
-        self.failure = self.tmp / LAYOUT.export_rank_failure(rank)
+        self.tmp = tmp_sibling(out_dir, f"ranks{world_size}")
+        self.marker = HFFolder(self.tmp).rank_done(rank)
+        self.failure = HFFolder(self.tmp).rank_failed(rank)
 
     def begin(self) -> Path:
         _make_folder(self.tmp, self.out_dir, exist_ok=True)
@@ -159,12 +160,12 @@ class _FileCoordinator(Coordinator):
         waiting = set(range(1, self.world_size))
         while waiting:
             for r in sorted(waiting):
-                failure = self.tmp / LAYOUT.export_rank_failure(r)
+                failure = HFFolder(self.tmp).rank_failed(r)
                 if os.path.lexists(failure):
                     msg = _read_note(failure)
                     shutil.rmtree(self.tmp, ignore_errors=True)
                     raise CheckpointError(f"consolidation failed on rank {r}: {msg}")
-                marker = self.tmp / LAYOUT.export_rank_marker(r)
+                marker = HFFolder(self.tmp).rank_done(r)
                 if os.path.lexists(marker) and _read_note(marker) == fingerprint:
                     waiting.discard(r)
             if waiting:
@@ -191,7 +192,7 @@ def _swap_in(tmp: Path, out_dir: Path, expected: set[str]) -> None:
         if entry.name not in expected:
             remove_tree(entry)
     fsync_dir(tmp)
-    replace_folder(tmp, out_dir, LAYOUT.export_old_name(out_dir.name, secrets.token_hex(4)))
+    replace_folder(tmp, out_dir, old_sibling(out_dir, secrets.token_hex(4)).name)
 
 
 def _read_note(path: Path) -> str:
@@ -222,8 +223,8 @@ def _as_checkpoint_error(error: BaseException) -> BaseException:
 
 def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
     """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
-    file = Path(folder) / LAYOUT.LINEAGE_FILE
-    tmp = file.with_name(f".{LAYOUT.LINEAGE_FILE}.partial")
+    file = HFFolder(folder).lineage
+    tmp = file.with_name(f".{HFFolder.lineage}.partial")
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, file)
     return file

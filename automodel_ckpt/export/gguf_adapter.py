@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, fsync_dir, read_json
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, HFFolder, fsync_dir, read_json, tmp_sibling
 from automodel_ckpt.export.gguf_arch import checked_heads, family_for, permute_rotary
 from automodel_ckpt.errors import CheckpointError, UserError
 
@@ -41,36 +41,36 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
     if type_name not in _TYPES:
         raise UserError(f"--adapter: the LoRA factors are written in bf16 or f16, not {type_name}; add --type f16")
     adapter = adapter_folder(Path(src))
-    settings = read_json(adapter / LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
+    settings = read_json(HFFolder(adapter).adapter_config, "an adapter config", SMALL_FILE_LIMIT)
     if not isinstance(settings, dict) or settings.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"--adapter: {adapter / LAYOUT.ADAPTER_CONFIG} is not a LoRA adapter")
+        raise UserError(f"--adapter: {HFFolder(adapter).adapter_config} is not a LoRA adapter")
     if settings.get("modules_to_save"):
         raise UserError("--adapter: this adapter trains whole modules beside its LoRA factors "
                         f"({', '.join(settings['modules_to_save'])}); export it merged (without --adapter)")
     base = base_model_folder(adapter)
-    config = read_json(base / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT, follow=True)
+    config = read_json(HFFolder(base).config, "a model config", CONFIG_FILE_LIMIT, follow=True)
     family = family_for(config)
     if family.conv1d or family.moe:
         raise UserError(f"--adapter: {config.get('model_type')} adapters are not written as GGUF adapters yet; "
                         "export the checkpoint merged (without --adapter)")
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    weights = adapter / LAYOUT.ADAPTER_WEIGHTS
+    weights = HFFolder(adapter).adapter_weights
     if not weights.is_file():
-        raise CheckpointError(f"{adapter} has no {LAYOUT.ADAPTER_WEIGHTS}")
+        raise CheckpointError(f"{adapter} has no {HFFolder.adapter_weights}")
     with safe_open(str(weights), framework="pt") as f:
         keys = list(f.keys())
     names = gguf.get_tensor_name_map(arch, _blocks(config, keys, base))  # the adapter's layers only: bounded
     rank, alpha = settings.get("r") or 0, settings.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or \
             not isinstance(alpha if alpha is not None else 0, (int, float)) or isinstance(alpha, bool):
-        raise CheckpointError(f"--adapter: {adapter / LAYOUT.ADAPTER_CONFIG} gives the rank {str(rank)[:40]} and "
+        raise CheckpointError(f"--adapter: {HFFolder(adapter).adapter_config} gives the rank {str(rank)[:40]} and "
                               f"alpha {str(alpha)[:40]}; expected numbers")
     alpha = float(alpha if alpha is not None else rank)
     if settings.get("use_rslora"):
         alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
     dtype, qname = _TYPES[type_name]
     out = Path(out)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
     try:
         with safe_open(str(weights), framework="pt") as f:

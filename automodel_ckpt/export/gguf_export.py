@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel_ckpt.ondisk import LAYOUT, fsync_dir
+from automodel_ckpt.ondisk import fsync_dir, tmp_sibling
 from automodel_ckpt.export.gguf_arch import GGUFFamily, OutputTensor, add_hparams, family_for, output_tensors
 from automodel_ckpt.export.gguf_read import GGUF_SUFFIX
 from automodel_ckpt.export.model_source import ModelSource
@@ -118,7 +118,7 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
     out = Path(out)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a folder; give the GGUF file's name (e.g. model{GGUF_SUFFIX})")
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     start = time.perf_counter()
     writer = _writer_class()(tmp, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, plan.family.arch)])
     try:

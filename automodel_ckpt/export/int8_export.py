@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import LAYOUT, copy_regular, fsync_dir, pwrite_all, replace_folder, write_json
+from automodel_ckpt.ondisk import (HFFolder, copy_regular, fsync_dir, old_sibling, pwrite_all, replace_folder,
+                                   tmp_sibling, write_json)
 from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.export.sources import SourceTensor
 from automodel_ckpt.export.writer import OutFile, OutTensor
@@ -171,7 +172,7 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
     from automodel_ckpt.export.plan import ProgressBar
 
     out = Path(out)
-    if out.exists() and not (out / LAYOUT.HF_CONFIG).is_file():
+    if out.exists() and not HFFolder(out).config.is_file():
         raise UserError(f"output folder {out} exists and is not an earlier export; remove it or choose another")
     start = time.perf_counter()
     ranges: dict[str, float] = {}
@@ -179,20 +180,20 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
         from automodel_ckpt.export.int8_calibrate import input_ranges
 
         ranges = input_ranges(source, plan.quantized, plan.calibration)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     tmp.mkdir(parents=True)
     try:
-        names = [LAYOUT.HF_SINGLE_WEIGHTS] if len(plan.files) == 1 else \
-            [LAYOUT.hf_weights_file(k + 1, len(plan.files)) for k in range(len(plan.files))]
+        names = [HFFolder.single_weights] if len(plan.files) == 1 else \
+            [HFFolder.weights_name(k + 1, len(plan.files)) for k in range(len(plan.files))]
         with ProgressBar(plan.nbytes, progress, "writing int8") as advance:
             for name, entries in zip(names, plan.files):
                 _write_file(tmp / name, entries, source, plan.scheme, advance, ranges)
         if len(names) > 1:
             weight_map = {e[0]: n for n, f in zip(names, plan.files) for e in f}
             index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / LAYOUT.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            HFFolder(tmp).index.write_text(json.dumps(index, indent=2) + "\n")
         _side_files(source, plan, tmp)
-        replace_folder(tmp, out, LAYOUT.export_old_name(out.name, secrets.token_hex(4)))
+        replace_folder(tmp, out, old_sibling(out, secrets.token_hex(4)).name)
         fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -250,7 +251,7 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     """config.json with its ``quantization_config``; the generation config and tokenizer files as they are."""
     config = dict(source.config)
     config["quantization_config"] = plan.config
-    write_json(folder / LAYOUT.HF_CONFIG, config)
-    for name in (LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
+    write_json(HFFolder(folder).config, config)
+    for name in (HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
         if (source.side_dir / name).is_file():  # side_dir: the source's files, checked and copied privately
             copy_regular(source.side_dir / name, folder / name)

@@ -17,7 +17,7 @@ from typing import Any
 
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 from automodel_ckpt.export.target import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import LAYOUT, LOG_LINE_LIMIT, open_regular
+from automodel_ckpt.ondisk import LOG_LINE_LIMIT, ModelFolder, open_regular
 from automodel_ckpt.sizes import human_size
 
 NAME = "int8"
@@ -58,7 +58,7 @@ class Int8Target(ExportTarget):
             raise UsageError(_WITHOUT_CALIBRATE)
         if args.calibration_data and args.recipe:
             raise UsageError("--calibration-data and --recipe both name calibration examples; give one of them")
-        out = request.out(f"-{LAYOUT.INT8_EXPORT_DIR}-{args.scheme}")
+        out = request.out(f"-{ModelFolder.int8}-{args.scheme}")
         with open_model(src) as source:
             examples, origin = _examples(request, source.side_dir) if args.calibrate else (None, "")
             plan = plan_int8(source, args.scheme, examples, origin)

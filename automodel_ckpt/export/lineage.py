@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import LAYOUT, MiB, check_size, open_regular, parse_json, read_bytes
+from automodel_ckpt.ondisk import (Archive, CheckpointFolder, HFFolder, MiB, check_size, open_regular, parse_json,
+                                   read_bytes)
 
 RECORD_LIMIT = MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
 _INDEX = 64 * MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
@@ -136,11 +137,11 @@ def _fingerprint(path: Path, follow: bool, reads: Reads | None) -> str | None:
         return _sha(iter([_file_head(path, follow, reads)]))
     if not path.is_dir():
         return None
-    if (path / LAYOUT.METADATA_FILE).is_file():
-        name = LAYOUT.MANIFEST_FILE if (path / LAYOUT.MANIFEST_FILE).is_file() else LAYOUT.METADATA_FILE
+    if CheckpointFolder(path).metadata.is_file():
+        name = CheckpointFolder.manifest if CheckpointFolder(path).manifest.is_file() else CheckpointFolder.metadata
         return _sha(iter([name.encode(), _read_small(path / name, "a checkpoint's manifest", follow, reads)]))
     parts = []
-    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_INDEX):
+    for name in (HFFolder.config, HFFolder.index):
         if (path / name).is_file():
             parts.append(name.encode() + b"\0" + _read_small(path / name, "a model config", follow, reads))
     for i, weights in enumerate(sorted(path.glob("*.safetensors"))[:4096]):
@@ -227,9 +228,9 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(path) as archive:
-        if LAYOUT.ARCHIVE_METADATA not in archive.members:
+        if Archive.METADATA not in archive.members:
             return None
-        meta = archive.json(LAYOUT.ARCHIVE_METADATA, "a lineage record", RECORD_LIMIT)
+        meta = archive.json(Archive.METADATA, "a lineage record", RECORD_LIMIT)
     if not isinstance(meta, dict):
         return None
     entry: dict[str, Any] = {"role": "packed from", "path": None, "checkpoint": str(meta.get("name"))[:4096],
@@ -258,7 +259,7 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
         return read_archive_lineage(path) if is_archive(path) else None
     if not path.is_dir():
         return None
-    for name, key in ((LAYOUT.METADATA_FILE, "lineage"), (LAYOUT.LINEAGE_FILE, None)):
+    for name, key in ((CheckpointFolder.metadata, "lineage"), (HFFolder.lineage, None)):
         file = path / name
         if file.is_symlink() or not file.exists():
             continue
@@ -274,7 +275,7 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
                 return None
         return _check(record, f"'{file}'")
     model_dir = path.parent
-    if model_dir.name == LAYOUT.MODEL_DIR and (model_dir.parent / LAYOUT.METADATA_FILE).is_file() \
+    if model_dir.name == CheckpointFolder.model and CheckpointFolder(model_dir.parent).metadata.is_file() \
             and not model_dir.is_symlink():
         # a checkpoint's own consolidated export: the checkpoint is its parent
         return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}

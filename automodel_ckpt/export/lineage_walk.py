@@ -26,7 +26,7 @@ from typing import Any
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.export.lineage import Reads, ReadsSpent, lineage_fingerprint, read_lineage
 from automodel_ckpt.export.registry import export_targets
-from automodel_ckpt.ondisk import LAYOUT, MiB, file_kind
+from automodel_ckpt.ondisk import Archive, CheckpointFolder, HFFolder, MiB, file_kind
 from automodel_ckpt.shown import one_line
 from automodel_ckpt.sizes import human_size
 
@@ -40,7 +40,7 @@ _SYSTEM_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "debugfs
                                  "binfmt_misc", "autofs", "rpc_pipefs", "nsfs", "selinuxfs", "hugetlbfs"})
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 #: A folder holding one of these as a regular file is a checkpoint or an export folder.
-_MARKERS = (LAYOUT.METADATA_FILE, LAYOUT.LINEAGE_FILE, LAYOUT.HF_CONFIG, LAYOUT.ADAPTER_CONFIG)
+_MARKERS = (CheckpointFolder.metadata, HFFolder.lineage, HFFolder.config, HFFolder.adapter_config)
 
 
 def lineage_chain(target: str | Path) -> list[str]:
@@ -185,10 +185,10 @@ def parent_problem(path: Path, st: os.stat_result) -> str | None:
     if stat.S_ISDIR(mode):
         return None if _is_model_folder(path) else "a folder that is no checkpoint or export: not read"
     files = [t for t in export_targets() if t.suffix]
-    if path.name.endswith((*(t.suffix for t in files), LAYOUT.ARCHIVE_SUFFIX)):
+    if path.name.endswith((*(t.suffix for t in files), Archive.SUFFIX)):
         return None
     kinds = "".join(f"{t.noun.partition(' ')[2]} ({t.suffix}) or " for t in files)
-    return f"a file that is no {kinds}archive ({LAYOUT.ARCHIVE_SUFFIX}): not read"
+    return f"a file that is no {kinds}archive ({Archive.SUFFIX}): not read"
 
 
 def _is_model_folder(path: Path) -> bool:
@@ -201,7 +201,7 @@ def _is_model_folder(path: Path) -> bool:
 
     if any(regular(path / name) for name in _MARKERS):
         return True
-    return path.name == LAYOUT.MODEL_DIR and regular(path / ".." / LAYOUT.METADATA_FILE)
+    return path.name == CheckpointFolder.model and regular(path / ".." / CheckpointFolder.metadata)
 
 
 def _on_system_filesystem(path: Path, st: os.stat_result) -> bool:

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, add_files_to_manifest, auto_model_class,
-                                   copy_regular, in_memory_dtypes, read_header, read_json, regular_file_problem,
-                                   replace_folder, tensor_entries, write_json)
+from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, ST_TO_TORCH, Archive, CheckpointFolder, HFFolder, ModelFolder,
+                                   add_files_to_manifest, auto_model_class, copy_regular, in_memory_dtypes,
+                                   old_sibling, read_header, read_json, regular_file_problem, replace_folder,
+                                   tensor_entries, tmp_sibling, write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.export.hf_metadata import weight_files
 
@@ -34,15 +35,15 @@ from automodel_ckpt.export.hf_metadata import weight_files
 def adapter_folder(path: Path) -> Path:
     """The PEFT adapter folder of a checkpoint (``CHECKPOINT/model``) or the folder itself."""
     path = Path(path)
-    for candidate in (path / LAYOUT.MODEL_DIR, path):
+    for candidate in (CheckpointFolder(path).model.path, path):
         if candidate is not path and candidate.is_symlink():
             raise CheckpointError(f"'{candidate}' is a symlink, not a folder; folders inside a checkpoint are never "
                                   "followed as links")
-        if os.path.lexists(candidate / LAYOUT.ADAPTER_CONFIG):
+        if os.path.lexists(HFFolder(candidate).adapter_config):
             return candidate
     if not path.exists():
         raise CheckpointError(f"'{path}' not found")
-    raise CheckpointError(f"'{path}' holds no {LAYOUT.ADAPTER_CONFIG}: not a PEFT checkpoint "
+    raise CheckpointError(f"'{path}' holds no {HFFolder.adapter_config}: not a PEFT checkpoint "
                           "(full fine-tuning checkpoints are exported with `ckpt-train consolidate`)")
 
 
@@ -51,11 +52,11 @@ def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
     config = None
     if override is None:
         try:
-            config = read_json(adapter_dir / LAYOUT.ADAPTER_CONFIG, "an adapter config",
+            config = read_json(HFFolder(adapter_dir).adapter_config, "an adapter config",
                                         SMALL_FILE_LIMIT)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {adapter_dir / LAYOUT.ADAPTER_CONFIG}: {first_line(exc)}") from None
-    return _base_folder(config, str(adapter_dir / LAYOUT.ADAPTER_CONFIG), override)
+            raise CheckpointError(f"cannot read {HFFolder(adapter_dir).adapter_config}: {first_line(exc)}") from None
+    return _base_folder(config, str(HFFolder(adapter_dir).adapter_config), override)
 
 
 def _base_folder(config: Any, where: str, override: Path | None) -> Path:
@@ -67,8 +68,8 @@ def _base_folder(config: Any, where: str, override: Path | None) -> Path:
         if not name:
             raise CheckpointError(f"{where} names no base model; pass --base DIR")
         base = Path(name)
-    if not (base / LAYOUT.HF_CONFIG).is_file():
-        raise CheckpointError(f"base model folder '{base}' not found (or it has no {LAYOUT.HF_CONFIG}); "
+    if not HFFolder(base).config.is_file():
+        raise CheckpointError(f"base model folder '{base}' not found (or it has no {HFFolder.config}); "
                               "pass --base DIR with the base model the adapter was trained on")
     return base
 
@@ -127,11 +128,11 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
     if is_archive(Path(checkpoint)):
         return _merge_archive(Path(checkpoint), out, base)
     adapter_dir = adapter_folder(checkpoint)
-    for name in (LAYOUT.ADAPTER_CONFIG, LAYOUT.ADAPTER_WEIGHTS, LAYOUT.ADAPTER_WEIGHTS_PICKLE):
+    for name in (HFFolder.adapter_config, HFFolder.adapter_weights, HFFolder.adapter_weights_pickle):
         _refuse_unless_regular(adapter_dir / name, "the adapter folder")  # before they are read
     base_dir = base_model_folder(adapter_dir, base)
-    out = Path(out) if out is not None else adapter_dir / LAYOUT.MERGED_DIR
-    own_tokenizer = os.path.lexists(adapter_dir / LAYOUT.HF_TOKENIZER_CONFIG)
+    out = Path(out) if out is not None else ModelFolder(adapter_dir).merged.path
+    own_tokenizer = os.path.lexists(HFFolder(adapter_dir).tokenizer_config)
     side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
                              within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
     _write_merged(merged_model(adapter_dir, base_dir), out, side_files, {})
@@ -146,21 +147,21 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(archive_path) as archive:
-        if LAYOUT.ADAPTER_CONFIG not in archive.members or LAYOUT.ADAPTER_WEIGHTS not in archive.members:
-            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({LAYOUT.ADAPTER_CONFIG} and "
-                                  f"{LAYOUT.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
-        config = archive.json(LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
-        archive.safetensors_header(LAYOUT.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
-        size = archive.member(LAYOUT.ADAPTER_WEIGHTS).size
-        weights = load_safetensors(archive.read(LAYOUT.ADAPTER_WEIGHTS, "adapter weights", size))
+        if HFFolder.adapter_config not in archive.members or HFFolder.adapter_weights not in archive.members:
+            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({HFFolder.adapter_config} and "
+                                  f"{HFFolder.adapter_weights}); a full model's archive needs no merge")
+        config = archive.json(HFFolder.adapter_config, "an adapter config", SMALL_FILE_LIMIT)
+        archive.safetensors_header(HFFolder.adapter_weights)  # checked as a file's would be, before it is parsed
+        size = archive.member(HFFolder.adapter_weights).size
+        weights = load_safetensors(archive.read(HFFolder.adapter_weights, "adapter weights", size))
         tokenizer = {name: archive.read(name, "a tokenizer file", archive.member(name).size)
-                     for name in LAYOUT.HF_TOKENIZER_FILES if name in archive.members}
+                     for name in HFFolder.TOKENIZER_FILES if name in archive.members}
     if not isinstance(config, dict):
-        raise CheckpointError(f"{LAYOUT.ADAPTER_CONFIG} of the archive '{archive_path}' is not a JSON object")
-    base_dir = _base_folder(config, f"{LAYOUT.ADAPTER_CONFIG} of the archive '{archive_path}'", base)
+        raise CheckpointError(f"{HFFolder.adapter_config} of the archive '{archive_path}' is not a JSON object")
+    base_dir = _base_folder(config, f"{HFFolder.adapter_config} of the archive '{archive_path}'", base)
     side_files = [] if tokenizer else _side_files(base_dir, follow=True,
                                                   within=None if base is not None else _cache_repo(base_dir))
-    name = archive_path.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)
+    name = archive_path.name.removesuffix(Archive.SUFFIX)
     out = Path(out) if out is not None else archive_path.parent / f"{name}-merged"
     _write_merged(_merged_from_archive(config, weights, base_dir), out, side_files, tokenizer)
     return out
@@ -169,12 +170,12 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
 def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], side_bytes: dict[str, bytes]) -> None:
     """The merged model and its tokenizer files (copied, or given as bytes) as ``out``, swapped in when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     try:
         model.save_pretrained(str(tmp))
-        _fix_config_dtype(tmp / LAYOUT.HF_CONFIG, model.config.dtype)
+        _fix_config_dtype(HFFolder(tmp).config, model.config.dtype)
         for weights in tmp.glob("*.safetensors"):  # written owner-only; as readable as the other files
-            shutil.copymode(tmp / LAYOUT.HF_CONFIG, weights)
+            shutil.copymode(HFFolder(tmp).config, weights)
         for source, follow in side_files:
             try:
                 copy_regular(source, tmp / source.name, follow=follow)
@@ -204,7 +205,7 @@ def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tupl
     adapter's must be regular files (``follow`` False); a base folder's may be links (``follow``), which with
     ``within`` must resolve to a regular file below it."""
     found = []
-    for name in LAYOUT.HF_TOKENIZER_FILES:
+    for name in HFFolder.TOKENIZER_FILES:
         path = source / name
         if not os.path.lexists(path):
             continue
@@ -212,7 +213,7 @@ def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tupl
             _refuse_unless_regular(path, "the adapter folder")
         elif within is not None and path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(within):
             raise CheckpointError(f"'{path}' is a symlink leading out of the base model folder '{within}' named by "
-                                  f"{LAYOUT.ADAPTER_CONFIG}; pass --base DIR to use a base folder you trust")
+                                  f"{HFFolder.adapter_config}; pass --base DIR to use a base folder you trust")
         found.append((path, follow))
     return found
 
@@ -236,4 +237,4 @@ def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
-    replace_folder(tmp, out, LAYOUT.export_old_name(out.name, secrets.token_hex(4)))
+    replace_folder(tmp, out, old_sibling(out, secrets.token_hex(4)).name)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, COUNT_LIMIT, INDEX_FILE_LIMIT, LAYOUT, ST_TO_TORCH, check_size,
-                                   copy_regular, model_file_in, open_regular, pread_into, read_header, read_json,
-                                   tensor_entries)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, COUNT_LIMIT, INDEX_FILE_LIMIT, ST_TO_TORCH, Archive, HFFolder,
+                                   ModelFolder, check_size, copy_regular, model_file_in, open_regular, pread_into,
+                                   read_header, read_json, tensor_entries)
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -109,11 +109,11 @@ def open_model(src: Path) -> Iterator[ModelSource]:
             source = _from_archive(src, stack)
         elif not src.is_dir():
             raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder or an archive")
-        elif (src / LAYOUT.HF_CONFIG).is_file() and any(src.glob("*.safetensors")):
+        elif HFFolder(src).config.is_file() and any(src.glob("*.safetensors")):
             source = _from_folder(src, stack)
         else:
             source = _from_checkpoint(src, stack)
-        source.name, source.where = src.resolve().name.removesuffix(LAYOUT.ARCHIVE_SUFFIX), str(src)
+        source.name, source.where = src.resolve().name.removesuffix(Archive.SUFFIX), str(src)
         yield source
 
 
@@ -122,7 +122,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
     from automodel_ckpt.export.plan import build_plan, resolve_model_dir
 
     model_dir = resolve_model_dir(src)
-    if (model_dir / LAYOUT.ADAPTER_CONFIG).is_file() or (src / LAYOUT.ADAPTER_CONFIG).is_file():
+    if HFFolder(model_dir).adapter_config.is_file() or HFFolder(src).adapter_config.is_file():
         from automodel_ckpt.export.lora_merge import merge_lora
 
         tmp = _tmp_dir(stack)
@@ -132,10 +132,10 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
         return source
     plan = build_plan(model_dir, None, COUNT_LIMIT)  # shards of any size: the plan here only reads
     if plan.config is None:
-        raise CheckpointError(f"{model_dir} has no {LAYOUT.HF_METADATA_DIR} (no config.json): its family is unknown, "
+        raise CheckpointError(f"{model_dir} has no {ModelFolder.hf_metadata} (no config.json): its family is unknown, "
                               "so it cannot be exported to a quantized format")
     side = _tmp_dir(stack)
-    (side / LAYOUT.HF_CONFIG).write_text(json.dumps(plan.config))
+    HFFolder(side).config.write_text(json.dumps(plan.config))
     for path in plan.extra_files:
         try:
             copy_regular(path, side / path.name)
@@ -173,7 +173,7 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
     itself (a merged LoRA), used as it is."""
     if side is None:
         side = _tmp_dir(stack)
-        for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
+        for name in (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
             try:
                 path = model_file_in(folder, name, _REFUSAL)
                 check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
@@ -183,9 +183,9 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
                 continue
             except OSError as exc:
                 raise CheckpointError(f"cannot read '{folder / name}': {exc.strerror or exc}") from None
-    config = read_json(side / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT)
+    config = read_json(HFFolder(side).config, "a model config", CONFIG_FILE_LIMIT)
     if not isinstance(config, dict):
-        raise CheckpointError(f"{folder / LAYOUT.HF_CONFIG} is not a JSON object")
+        raise CheckpointError(f"{HFFolder(folder).config} is not a JSON object")
     source = ModelSource(config, side)
     for name in sorted(p.name for p in folder.glob("*.safetensors")):
         path = folder / name
@@ -234,16 +234,16 @@ def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
         raise UserError(f"'{path}' is a file but not an archive of `ckpt-train pack`; give a checkpoint, an export "
                         "folder or an archive")
     archive = stack.enter_context(open_archive(path))
-    if LAYOUT.ADAPTER_CONFIG in archive.members:
+    if HFFolder.adapter_config in archive.members:
         raise UserError(f"the archive '{path}' holds a LoRA adapter; export its checkpoint, or `ckpt-train "
                         "merge-lora` it first")
     side = _tmp_dir(stack)
-    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
+    for name in (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
         if name in archive.members:
             (side / name).write_bytes(archive.read(name, "a model folder's small file", INDEX_FILE_LIMIT))
-    if not (side / LAYOUT.HF_CONFIG).is_file():
-        raise CheckpointError(f"the archive '{path}' has no {LAYOUT.HF_CONFIG}")
-    config = read_json(side / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT)
+    if not HFFolder(side).config.is_file():
+        raise CheckpointError(f"the archive '{path}' has no {HFFolder.config}")
+    config = read_json(HFFolder(side).config, "a model config", CONFIG_FILE_LIMIT)
     source = ModelSource(config if isinstance(config, dict) else {}, side, kind="archive")
     for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
         header, data_start = archive.safetensors_header(name)

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (LAYOUT, ST_TO_TORCH, copy_regular, detect_model_format, export_error,
-                                   exported_format, is_plain_float, not_regular, write_durable)
+from automodel_ckpt.ondisk import (ST_TO_TORCH, CheckpointFolder, HFFolder, ModelFolder, copy_regular,
+                                   detect_model_format, export_error, exported_format, is_plain_float, not_regular,
+                                   write_durable)
 from automodel_ckpt.export.commit import make_coordinator
 from automodel_ckpt.export.script import render_consolidate_script
 from automodel_ckpt.export.sources import ShardSource, open_source
@@ -68,7 +69,7 @@ def parse_cast_dtype(value: str | None) -> torch.dtype | None:
 def resolve_model_dir(path: Path) -> Path:
     """Accept a checkpoint folder (``epoch_0_step_4``) or its ``model/`` folder; return the one holding shards."""
     path = Path(path)
-    inner = LAYOUT.model_dir(path)
+    inner = CheckpointFolder(path).model.path
     if inner.is_symlink():
         raise CheckpointError(f"'{inner}' is a symlink, not a folder; folders inside a checkpoint are never "
                               "followed as links")
@@ -107,7 +108,7 @@ def consolidate(
     it (a checkpoint's ``ema/``): every tensor of the model must be among them.
     """
     model_dir = resolve_model_dir(Path(model_dir)) if metadata_dir is None else Path(model_dir)
-    out_dir = Path(out_dir) if out_dir is not None else model_dir / LAYOUT.CONSOLIDATED_DIR
+    out_dir = Path(out_dir) if out_dir is not None else ModelFolder(model_dir).consolidated.path
     cast = parse_cast_dtype(cast_dtype)
     if world_size < 1 or not 0 <= rank < world_size:
         raise UserError(f"bad rank {rank} for world size {world_size}")
@@ -144,7 +145,7 @@ def _check_out_dir(model_dir: Path, out_dir: Path) -> None:
     model_real, out_real = model_dir.resolve(), out_dir.resolve()
     if out_real == model_real or out_real in model_real.parents:
         raise UserError(f"output folder {out_dir} must not be the model folder or contain it")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / LAYOUT.HF_INDEX).is_file():
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not HFFolder(out_dir).index.is_file():
         raise UserError(f"output folder {out_dir} exists and is not an earlier export; remove it or choose another")
 
 
@@ -169,8 +170,8 @@ class ExportPlan:
         return [f for f in self.files if owner[f.name] == rank]
 
     def expected_names(self) -> set[str]:
-        names = {f.name for f in self.files} | {LAYOUT.HF_INDEX} | {p.name for p in self.extra_files}
-        return names | ({LAYOUT.HF_CONFIG} if self.config is not None else set())
+        names = {f.name for f in self.files} | {HFFolder.index} | {p.name for p in self.extra_files}
+        return names | ({HFFolder.config} if self.config is not None else set())
 
     def fingerprint(self) -> str:
         """Identifies this exact export (sources, files, dtypes); ranks agree on it before the rename."""
@@ -199,10 +200,10 @@ class ExportPlan:
 
     def side_files(self) -> list[tuple[str, str | Path]]:
         """``(name, text or the file to copy)`` of every file of the export besides the weights."""
-        out: list[tuple[str, str | Path]] = [(LAYOUT.HF_INDEX, json.dumps(self.index(), indent=2, sort_keys=True)
+        out: list[tuple[str, str | Path]] = [(HFFolder.index, json.dumps(self.index(), indent=2, sort_keys=True)
                                               + "\n")]
         if self.config is not None:
-            out.append((LAYOUT.HF_CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n"))
+            out.append((HFFolder.config, json.dumps(self.config, indent=2, sort_keys=True) + "\n"))
         return out + [(path.name, path) for path in self.extra_files]
 
 
@@ -211,8 +212,8 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int,
     """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata`` (of
     ``metadata_dir`` when given: the model's, for shards saved apart from it; see ``consolidate``)."""
     _refuse_links(model_dir)
-    if metadata_dir is not None and not LAYOUT.hf_metadata_dir(Path(metadata_dir)).is_dir():
-        raise CheckpointError(f"'{metadata_dir}' has no {LAYOUT.HF_METADATA_DIR} to describe '{model_dir}' (a LoRA "
+    if metadata_dir is not None and not ModelFolder(metadata_dir).hf_metadata.is_dir():
+        raise CheckpointError(f"'{metadata_dir}' has no {ModelFolder.hf_metadata} to describe '{model_dir}' (a LoRA "
                               "checkpoint's EMA holds adapter weights, which are not exported)")
     meta = _read_metadata(model_dir if metadata_dir is None else Path(metadata_dir))
     if meta is not None and metadata_dir is not None:
@@ -226,7 +227,6 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int,
     dtypes = _output_dtypes(source, original, cast)
     tensors = [OutTensor(source.tensors[name], dtypes[name]) for name in sorted(source.tensors, key=_natural_key)]
     if original is not None and meta is not None and meta.original_num_files:
-        _check_num_files(meta)
         files = _files_like_base(tensors, original, meta.original_num_files)
     else:
         files = _files_by_size(tensors, max_shard_size)
@@ -267,14 +267,14 @@ def _refuse_links(model_dir: Path) -> None:
 
 
 def _is_model_file_name(name: str) -> bool:
-    return name.endswith(".safetensors") or LAYOUT.is_dcp_data_file(name) or name == LAYOUT.DCP_METADATA
+    return name.endswith(".safetensors") or ModelFolder.is_dcp_data_file(name) or name == ModelFolder.dcp_metadata
 
 
 def _read_metadata(model_dir: Path) -> HFMetadata | None:
-    if not LAYOUT.hf_metadata_dir(model_dir).is_dir():
+    if not ModelFolder(model_dir).hf_metadata.is_dir():
         logger.warning(
             "%s has no %s folder: the export gets weights and index only (no %s, no tokenizer)",
-            model_dir, LAYOUT.HF_METADATA_DIR, LAYOUT.HF_CONFIG,
+            model_dir, ModelFolder.hf_metadata, HFFolder.config,
         )  # fmt: skip
         return None
     return read_hf_metadata(model_dir)
@@ -305,19 +305,9 @@ def _output_dtypes(source: ShardSource, original: dict | None, cast: torch.dtype
     return out
 
 
-def _check_num_files(meta: HFMetadata) -> None:
-    """The number of output files the base recorded is at most its number of tensors (each file of the base held
-    one at least): a small file cannot ask for a billion output files."""
-    listed = len(meta.original or {})
-    if not 1 <= int(meta.original_num_files or 0) <= max(1, listed):
-        raise CheckpointError(f"'{meta.folder / LAYOUT.ORIGINAL_TENSORS_FILE}': num_files is "
-                              f"{meta.original_num_files}, more than the {listed} tensors it lists (each file of "
-                              "the base model holds one at least)")
-
-
 def _files_like_base(tensors: list[OutTensor], original: dict, num_files: int) -> list[OutFile]:
     """Each tensor in the same file number as in the base model; tensors new since the base go to the last file."""
-    files = [OutFile(LAYOUT.hf_weights_file(k, num_files)) for k in range(1, num_files + 1)]
+    files = [OutFile(HFFolder.weights_name(k, num_files)) for k in range(1, num_files + 1)]
     new = []
     for t in tensors:
         info = original.get(t.name)
@@ -333,7 +323,7 @@ def _files_like_base(tensors: list[OutTensor], original: dict, num_files: int) -
 def _files_by_size(tensors: list[OutTensor], max_shard_size: int) -> list[OutFile]:
     """Greedy split in name order (natural sort): a new file starts when the next tensor would not fit."""
     groups = in_groups(tensors, lambda t: t.nbytes, max_shard_size) or [[]]
-    return [OutFile(LAYOUT.hf_weights_file(k, len(groups)), g) for k, g in enumerate(groups, start=1)]
+    return [OutFile(HFFolder.weights_name(k, len(groups)), g) for k, g in enumerate(groups, start=1)]
 
 
 def _set_config_dtype(config: dict[str, Any], files: list[OutFile]) -> None:

@@ -8,7 +8,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import ModelFolder
 
 _TEMPLATE = "templates/consolidate.sh"
 
@@ -25,8 +25,8 @@ def render_consolidate_script(model_dir: Path) -> None:
     text = resources.files("automodel_ckpt.ondisk").joinpath(_TEMPLATE).read_text(encoding="utf-8")
     text = text.replace("@PYTHON@", shlex.quote(sys.executable or "python3"))
     text = text.replace("@PACKAGE_ROOT@", shlex.quote(_source_root()))
-    target = model_dir / LAYOUT.CONSOLIDATE_SCRIPT
-    tmp = model_dir / f".{LAYOUT.CONSOLIDATE_SCRIPT}.tmp-{os.getpid()}"
+    target = ModelFolder(model_dir).consolidate_script
+    tmp = model_dir / f".{ModelFolder.consolidate_script}.tmp-{os.getpid()}"
     tmp.write_text(text, encoding="utf-8")
     tmp.chmod(0o755)
     os.replace(tmp, target)

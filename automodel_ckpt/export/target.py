@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import Archive
 
 if TYPE_CHECKING:
     from automodel_ckpt.export.model_source import ModelSource
@@ -49,7 +49,7 @@ class ExportRequest:
         if self.args.out:
             return Path(self.args.out)
         where = self.src.absolute()
-        return where.parent / f"{where.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)}{tail}"
+        return where.parent / f"{where.name.removesuffix(Archive.SUFFIX)}{tail}"
 
 
 class ExportTarget:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, read_header, read_json, tensor_entries
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, HFFolder, ModelFolder, read_header, read_json, tensor_entries
 from automodel_ckpt.export.plan import resolve_model_dir
 from automodel_ckpt.export.sources import open_source, read_full
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
@@ -49,13 +49,13 @@ def verify_export(checkpoint: Path) -> ExportReport:
     """Run the three checks on the export of ``checkpoint`` (a checkpoint folder, its ``model/`` folder, or the
     export itself, ``model/consolidated``)."""
     checkpoint = Path(checkpoint)
-    if checkpoint.name == LAYOUT.CONSOLIDATED_DIR and (checkpoint / LAYOUT.HF_CONFIG).is_file():
+    if checkpoint.name == ModelFolder.consolidated and HFFolder(checkpoint).config.is_file():
         checkpoint = checkpoint.parent  # the export folder given: its model/ folder holds the shards to compare
     model_dir = resolve_model_dir(checkpoint)
-    export_dir = model_dir / LAYOUT.CONSOLIDATED_DIR
-    if not (export_dir / LAYOUT.HF_CONFIG).is_file():
+    export_dir = ModelFolder(model_dir).consolidated.path
+    if not HFFolder(export_dir).config.is_file():
         raise CheckpointError(f"no export in {export_dir}; run `ckpt-train consolidate {checkpoint}` first")
-    meta = read_hf_metadata(model_dir) if LAYOUT.hf_metadata_dir(model_dir).is_dir() else None
+    meta = read_hf_metadata(model_dir) if ModelFolder(model_dir).hf_metadata.is_dir() else None
     report = ExportReport(export_dir, family=(meta.config or {}).get("model_type") if meta else None)
     model = _reload(export_dir, report) if _config_fits_files(export_dir, report) else None
     if model is not None:
@@ -74,7 +74,7 @@ def _config_fits_files(export_dir: Path, report: ExportReport) -> bool:
     as many parameters as those files hold. A config asking for a 1T-parameter model never allocates it."""
     from automodel_ckpt.ondisk import auto_model_class
 
-    config_path = export_dir / LAYOUT.HF_CONFIG
+    config_path = HFFolder(export_dir).config
     tensors = held = 0
     for path in sorted(export_dir.glob("*.safetensors")):
         header, _ = read_header(path)  # entries checked: shapes match their byte ranges inside the file
