@@ -1,13 +1,9 @@
-"""A model archive read in place: its members' places checked as untrusted input, their bytes, and the manifest check.
+"""A model archive read in place: its members checked as untrusted input, their bytes, and the manifest check.
 
-An archive (``ckpt-train pack``, ``export/archive_pack.py``) is an uncompressed POSIX tar holding a Hugging Face or adapter
-folder's files and, in ``automodel/``, the recipe, the metadata and a manifest of every other member's size and
-checksum. Nothing is ever extracted: a member is a byte range ``[offset, offset + size)`` of the archive file, read
-with ``pread`` or mapped. An archive from elsewhere is untrusted, so ``open_archive`` refuses in one line
-(``CheckpointError`` naming the archive and the member) a member whose name is not a plain relative path
-(``disk/paths.py``), a link (symbolic or hard), a device, FIFO or sparse file, a name listed twice, a header or data
-running past the end of the file, extended headers over 1 MiB, more than ``MAX_MEMBERS`` members, or a header
-that is not a tar header.
+An archive (``ckpt-train pack``; docs/archive.md) is an uncompressed tar, never extracted: a member is a byte range
+of the file, read with ``pread`` or mapped. ``open_archive`` refuses in one line a member whose name is not a plain
+relative path, a link, a device, FIFO or sparse file, a name listed twice, bytes past the end of the file, extended
+headers over 1 MiB, more than ``MAX_MEMBERS`` members, or a header that is not a tar header.
 """
 
 from __future__ import annotations
@@ -73,9 +69,6 @@ class OpenArchive:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -125,8 +118,8 @@ class OpenArchive:
 
 
 def open_archive(path: Path) -> OpenArchive:
-    """The archive at ``path``, every member checked (see the module docstring); ``CheckpointError`` in one line
-    naming the archive and the member otherwise. Only a regular file is opened (never a FIFO or device)."""
+    """The archive at ``path`` (a regular file), every member checked; else a one-line ``CheckpointError`` naming
+    the archive and the member."""
     path = Path(path)
     try:
         fd = open_regular(path, follow=True)  # the file the user named (a cache's link to its blob)
@@ -209,9 +202,8 @@ def _plain_name(name: str) -> str:
 
 # --- checks ----------------------------------------------------------------------------------------------------
 def verify_archive(path: Path, *, checksums: bool = True) -> ManifestReport:
-    """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); members the
-    manifest does not list are ``unexpected``; an unreadable manifest is the report's ``problem``. An archive
-    ``open_archive`` refuses is a ``CheckpointError``."""
+    """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); an unreadable
+    manifest is the report's ``problem``, an archive ``open_archive`` refuses a ``CheckpointError``."""
     report = ManifestReport(Path(path))
     with open_archive(path) as archive:
         try:
@@ -244,8 +236,8 @@ def _check_member(archive: OpenArchive, rel: str, entry: dict[str, Any], algorit
 
 
 def describe_archive(path: Path) -> dict[str, Any]:
-    """What ``inspect`` shows of an archive: what it holds (model family, parameters by dtype, files and bytes)
-    and where it came from (the run and step of its checkpoint), from its JSON members and safetensors headers."""
+    """What ``inspect`` shows of an archive: what it holds and where it came from, from its JSON members and
+    safetensors headers."""
     with open_archive(path) as archive:
         table = archive.manifest()
         config = (archive.json(HFFolder.config, "a model config") if HFFolder.config in archive.members else

@@ -1,9 +1,7 @@
 """Atomic publication of an HF export, the coordination of the ranks writing it, and an export's lineage file.
 
-An export is written into a hidden sibling folder and renamed into place only when every file is complete, so a
-reader never sees a half-written ``consolidated/``; a failure removes the temporary folder. With several ranks,
-rank 0 renames once all ranks report success, through torch.distributed when a process group of that size is
-initialised, else through marker files in the shared temporary folder.
+An export is written into a hidden sibling folder, renamed into place only when every file is complete and removed
+on failure; with several ranks, rank 0 renames once all report success (through the process group, else markers).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ class ExportPlan(Protocol):
 
     def fingerprint(self) -> str: ...
 
+
 logger = logging.getLogger(__name__)
 
 _RANK_WAIT_TIMEOUT_S = 6 * 3600.0  # rank 0 waits this long for other ranks' files in file-coordinated runs
@@ -51,9 +50,7 @@ class Coordinator:
     """Single process: a private temporary folder, renamed into place on success, removed on failure."""
 
     def __init__(self, out_dir: Path, rank: int, world_size: int) -> None:
-        self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
+        self.out_dir, self.rank, self.world_size = out_dir, rank, world_size
         self.tmp = tmp_sibling(out_dir, secrets.token_hex(4))
 
     def begin(self) -> Path:
@@ -121,12 +118,9 @@ class _DistCoordinator(Coordinator):
 
 
 class _FileCoordinator(Coordinator):
-    """Ranks without a process group: a shared temporary folder named after the world size, and marker files.
-
-    Every rank writes its files, then a marker holding the plan fingerprint; rank 0 waits for all markers with
-    its own fingerprint (stale ones from an interrupted run do not match or describe identical files), then
-    renames the folder. A failing rank leaves a failure file that makes rank 0 give up and clean up.
-    """
+    """Ranks without a process group share a temporary folder named after the world size. Each leaves a marker
+    holding the plan fingerprint (a stale one from an interrupted run does not match, or describes identical files)
+    or a failure note; rank 0 waits for every marker, then renames, or gives up and cleans up on a failure."""
 
     def __init__(self, out_dir: Path, rank: int, world_size: int) -> None:
         super().__init__(out_dir, rank, world_size)

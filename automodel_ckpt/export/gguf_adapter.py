@@ -1,28 +1,25 @@
 """`export --to gguf --adapter`: a LoRA checkpoint's adapter as a GGUF LoRA adapter for llama.cpp's ``--lora``.
 
-llama.cpp applies it to the GGUF of the adapter's base. The format is llama.cpp's (as its ``convert_lora_to_gguf.py`` writes it), written with the ``gguf`` library:
-``general.type`` ``adapter``, ``adapter.type`` ``lora``, ``adapter.lora.alpha``, and for each adapted weight its
-``lora_a`` (rank x in) and ``lora_b`` (out x rank) under the GGUF name of that weight (``blk.0.attn_q.weight.lora_a``).
-llama.cpp scales the product by alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with the alpha
-that gives its scale. What the base's export does to a weight is done to the factor it reaches: Llama's query and
-key rows are permuted, so ``lora_b``'s rows are. Families whose weights are transposed or stacked in a GGUF (GPT-2,
-the mixtures of experts) are refused, as is an adapter that trains whole modules beside its LoRA factors.
+The format is llama.cpp's ``convert_lora_to_gguf.py``'s: each adapted weight's ``lora_a`` and ``lora_b`` under its
+GGUF name, and ``adapter.lora.alpha`` (llama.cpp scales by alpha / rank, so an rsLoRA adapter gets the alpha that
+gives its scale). What the base's export does to a weight is done to the factor it reaches (Llama's rotary
+permutation of ``lora_b``'s rows); families whose weights are transposed or stacked in a GGUF are refused, as is an
+adapter that trains whole modules.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, HFFolder, fsync_dir, read_json, tmp_sibling
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, HFFolder, read_json
 from automodel_ckpt.export.gguf_arch import checked_heads, family_for, permute_rotary
+from automodel_ckpt.export.gguf_export import gguf_file
 from automodel_ckpt.errors import CheckpointError, UserError
 
 _FACTOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
@@ -70,36 +67,24 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
         alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
     dtype, qname = _TYPES[type_name]
     out = Path(out)
-    tmp = tmp_sibling(out, secrets.token_hex(4))
-    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            factors = _factors(list(f.keys()), names, weights)
-            writer.add_type(gguf.GGUFType.ADAPTER)
-            writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-            for gguf_name, key, which, module in factors:
-                value = f.get_tensor(key)
-                if which == "B" and family.llama_rope and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
-                    heads = _heads(config, "num_attention_heads", value.shape[0]) if ".attn_q." in gguf_name \
-                        else _heads(config, "num_key_value_heads", value.shape[0], config.get("num_attention_heads"))
-                    value = permute_rotary(value, heads)
-                qtype = getattr(gguf.GGMLQuantizationType, qname)
-                data = value.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
-                writer.add_tensor(f"{gguf_name}.lora_{which.lower()}", data, raw_dtype=qtype,
-                                  raw_shape=quant_shape_to_byte_shape(tuple(value.shape), qtype))
+    with gguf_file(out, gguf.MODEL_ARCH_NAMES[arch]) as writer, safe_open(str(weights), framework="pt") as f:
+        factors = _factors(list(f.keys()), names, weights)
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        for gguf_name, key, which, module in factors:
+            value = f.get_tensor(key)
+            if which == "B" and family.llama_rope and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+                heads = _heads(config, "num_attention_heads", value.shape[0]) if ".attn_q." in gguf_name \
+                    else _heads(config, "num_key_value_heads", value.shape[0], config.get("num_attention_heads"))
+                value = permute_rotary(value, heads)
+            qtype = getattr(gguf.GGMLQuantizationType, qname)
+            data = value.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+            writer.add_tensor(f"{gguf_name}.lora_{which.lower()}", data, raw_dtype=qtype,
+                              raw_shape=quant_shape_to_byte_shape(tuple(value.shape), qtype))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.flush()
-        os.fsync(writer.fout[0].fileno())
-        writer.close()
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return {"bytes": out.stat().st_size, "factors": len(factors), "rank": rank, "alpha": alpha,
             "base": str(base)}
 

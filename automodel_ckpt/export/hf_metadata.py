@@ -1,10 +1,7 @@
 """The hidden ``model/.hf_metadata/`` folder: what a Hugging Face export needs besides the weights.
 
-A training checkpoint stores weights as DCP shards in the dtype they were trained in. Turning them back into a
-Hugging Face folder later (possibly on another machine, without the base model) needs the model config, the
-generation config, the tokenizer, and, to be faithful to the base model, each tensor's original dtype and the
-file it lived in. All of that is captured here at save time. Only safetensors *headers* of the base model are
-read, never its tensors, so this is cheap even for very large models.
+Captured at save time, so that an export later (elsewhere, without the base model) is faithful to the base: its
+configs, tokenizer, and each tensor's original dtype and file, from the base's safetensors *headers* only.
 
 ```
 model/.hf_metadata/
@@ -74,14 +71,10 @@ def write_hf_metadata(
 ) -> None:
     """Write ``model_dir/.hf_metadata/`` (replacing an existing one).
 
-    ``hf_config``/``generation_config`` are transformers config objects (or plain dicts); ``tokenizer`` is
-    anything with ``save_pretrained``. Without a tokenizer or generation config, the base folder's own files are
-    copied.
-
-    A missing *last* shard file is invisible in the other shards (they only say where their own pieces go), so
-    the number of saving ranks is recorded: ``world_size``, by default that of the initialised process group.
-    ``state_dict`` (the model state as given to DCP, DTensors allowed), if given, also records every tensor's
-    full shape and dtype, which makes the coverage check exact.
+    ``hf_config``/``generation_config``: transformers configs or dicts; ``tokenizer``: anything with
+    ``save_pretrained``; missing ones are copied from the base folder. ``world_size`` (default: the process
+    group's) is recorded because a missing *last* shard file is invisible in the others; ``state_dict`` (DTensors
+    allowed) records every tensor's full shape and dtype, which makes the coverage check exact.
     """
     model_dir = Path(model_dir)
     meta_dir = ModelFolder(model_dir).hf_metadata
@@ -114,11 +107,8 @@ def write_hf_metadata(
         world_size = torch.distributed.get_world_size()
     saved = None
     if state_dict is not None:
-        saved = {
-            name: {"dtype": st_dtype_name(t.dtype), "shape": list(t.shape)}
-            for name, t in state_dict.items()
-            if isinstance(t, torch.Tensor)
-        }
+        saved = {name: {"dtype": st_dtype_name(t.dtype), "shape": list(t.shape)}
+                 for name, t in state_dict.items() if isinstance(t, torch.Tensor)}
     state = {"format_version": FORMAT_VERSION, "world_size": world_size, "tensors": saved}
     write_json(meta_dir.saved_state, state)
 
@@ -159,10 +149,8 @@ def read_hf_metadata(model_dir: Path) -> HFMetadata:
 
 
 def _side_files(folder: Path, skip: set[str]) -> list[Path]:
-    """The files of ``.hf_metadata`` an export copies: regular files only (subfolders are not copied); a symlink,
-    FIFO, socket or device there is refused in one line, never followed or read, and so is a folder bearing the name
-    of a file a model folder holds (``tokenizer.json``, ``generation_config.json``, ...). The ``skip``
-    files describe the model and are never copied."""
+    """The regular files of ``.hf_metadata`` an export copies (not ``skip``, which describe the model); a link,
+    FIFO, socket or device there is refused in one line, and so is a folder named as a model folder's file."""
     passed: list[tuple[str, str]] = []
     try:
         files = [folder / rel for rel, _ in walk_regular(folder, passed) if "/" not in rel and rel not in skip]
@@ -180,8 +168,8 @@ def _side_files(folder: Path, skip: set[str]) -> list[Path]:
 
 
 def _copy_from_base(source: Path, folder: Path) -> None:
-    """Copy a side file of the base model folder the recipe names (a Hugging Face cache folder is made of links
-    into its blobs: followed) into ``folder``; a FIFO or device there is refused (``CheckpointError``)."""
+    """Copy a file of the base folder the recipe names (links followed: an HF cache is links into its blobs) into
+    ``folder``; a FIFO or device there is refused (``CheckpointError``)."""
     try:
         copy_regular(source, folder / source.name, follow=True)
     except OSError as exc:
@@ -233,8 +221,7 @@ def _save_config(config: Any, folder: Path, filename: str) -> None:
 
 
 def _read_json(path: Path, *, follow: bool = False) -> Any:
-    """JSON of a file of a checkpoint (never through a link), or with ``follow`` of the base folder the recipe
-    names."""
+    """JSON of a checkpoint's file (never through a link), or with ``follow`` of the base folder the recipe names."""
     try:
         return read_json(path, "export metadata", INDEX_FILE_LIMIT, follow=follow)
     except OSError as e:

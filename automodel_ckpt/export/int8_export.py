@@ -1,15 +1,10 @@
 """`export --to int8`: a compressed-tensors folder that vLLM serves (W8A8 int8, or W4A16), streamed tensor by tensor.
 
-The scheme, the config block (``quantization_config``) and the encoding of every quantized weight are the
-``compressed-tensors`` library's: its presets (``W8A8``: int8 weights per output channel, int8 activations with
-dynamic per-token scales, or static per-tensor ones from ``--calibrate N`` examples (``int8_calibrate``);
-``W4A16``: int4 weights in groups), its ``calculate_qparams`` for the scales from each row's range (round to
-nearest), and its compressors (``int-quantized``: an int8 ``weight`` and its ``weight_scale``; ``pack-quantized``:
-int4 packed into int32 ``weight_packed``, ``weight_scale``, ``weight_shape``).
-Every linear projection of the decoder layers is quantized; the embeddings, ``lm_head``, norms and biases keep the
-base's dtype. Each weight is read, quantized and written before the next one: memory is bounded by the largest
-tensor. The safetensors files are laid out from the plan (header first, then each tensor at its offset), written
-under a hidden name beside ``out`` and renamed into place when complete.
+The scheme, the ``quantization_config`` block and every quantized weight's encoding are the ``compressed-tensors``
+library's (presets ``W8A8``, with static activation scales from ``--calibrate N`` examples, and ``W4A16``; its
+``calculate_qparams`` and compressors). The decoder layers' linear projections are quantized; embeddings,
+``lm_head``, norms and biases keep the base's dtype. One weight is in memory at a time, each written at its planned
+offset into a folder beside ``out``, renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -122,16 +117,11 @@ def _compressed_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     """The tensors the library's compressor makes of one weight (shapes from a meta run of it)."""
     stem = name.removesuffix(".weight")
     meta = torch.empty(shape, dtype=dtype, device="meta")
-    scale = torch.empty(_scale_shape(shape, scheme), dtype=dtype, device="meta")
+    groups = shape[1] // scheme.weights.group_size if scheme.weights.strategy == "group" else 1
+    scale = torch.empty((shape[0], groups), dtype=dtype, device="meta")
     compressed = _compressor(scheme).compress({"weight": meta, "weight_scale": scale}, scheme)
     return [(f"{stem}.{key}", torch.int64, (len(shape),), name) if key == "weight_shape"
             else (f"{stem}.{key}", value.dtype, tuple(value.shape), name) for key, value in compressed.items()]
-
-
-def _scale_shape(shape: tuple[int, ...], scheme: Any) -> tuple[int, ...]:
-    if scheme.weights.strategy == "group":
-        return (shape[0], shape[1] // scheme.weights.group_size)
-    return (shape[0], 1)
 
 
 def _compressor(scheme: Any) -> Any:
@@ -169,7 +159,7 @@ def _split(entries: list[tuple[str, torch.dtype, tuple[int, ...], str]]) -> list
 
 def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Write ``plan`` of ``source`` as a folder at ``out`` (replacing an earlier one); returns bytes and seconds."""
-    from automodel_ckpt.export.plan import ProgressBar
+    from automodel_ckpt.export.plan import progress_bar
 
     out = Path(out)
     if out.exists() and not HFFolder(out).config.is_file():
@@ -185,7 +175,7 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
     try:
         names = [HFFolder.single_weights] if len(plan.files) == 1 else \
             [HFFolder.weights_name(k + 1, len(plan.files)) for k in range(len(plan.files))]
-        with ProgressBar(plan.nbytes, progress, "writing int8") as advance:
+        with progress_bar(plan.nbytes, progress, "writing int8") as advance:
             for name, entries in zip(names, plan.files):
                 _write_file(tmp / name, entries, source, plan.scheme, advance, ranges)
         if len(names) > 1:

@@ -1,10 +1,8 @@
 """``--to int8``: a compressed-tensors int8 folder for vLLM, with static activation scales from examples the user names.
 
-The export plans (``int8_export.plan_int8``) and writes from ``model_source.open_model``. ``--calibrate N`` takes
-its examples only from what the user names: ``--calibration-data`` (a text file, read here a line at a time),
-``--recipe`` (the user's own recipe: its data, tokenized as for training, which the CLI reads: it alone may build a
-recipe), else the tokenizer's own vocabulary. A checkpoint's, export's or archive's ``config.yaml`` is never read as
-a recipe: a ``_target_`` in it would run.
+``--calibrate N`` takes its examples only from what the user names: ``--calibration-data`` (a text file),
+``--recipe`` (its data, which only the CLI may build), else the tokenizer's own vocabulary. A checkpoint's, export's
+or archive's ``config.yaml`` is never read as a recipe: a ``_target_`` in it would run.
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ def _examples(request: ExportRequest, tokenizer_dir: Path) -> tuple[list[list[in
 
 def calibration_file_examples(path: Path, n: int, tokenizer: Any) -> list[list[int]]:
     """The first ``n`` non-empty examples of a text file (one a line) or a ``.jsonl`` file (each record's
-    ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; read a line at a time, each at most
-    ``bounded.LOG_LINE_LIMIT`` bytes (a longer one is refused in one line naming it)."""
+    ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; a line over ``LOG_LINE_LIMIT`` bytes is refused."""
     limit = LOG_LINE_LIMIT
     try:
         f = os.fdopen(open_regular(path, follow=True), "rb")

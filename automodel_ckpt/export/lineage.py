@@ -1,24 +1,11 @@
 """Where a checkpoint or an export came from: its parents, each by path and by content fingerprint.
 
-A lineage record is ``{"parents": [...], "data": {...}}``. Each parent is ``{"role", "path", "fingerprint"}`` (and
-what its role adds: an import's ``trainer`` and ``step``), with the parent's own parents embedded below it, so
-that the chain reads whole when a parent folder is gone. Roles: ``base model`` (``model.pretrained_model_name_or_
-path``), ``restored from`` (``checkpoint.restore_from``), ``resumed from`` (the checkpoint a launch continued),
-``imported from`` (another trainer's checkpoint) and ``exported from`` (the checkpoint an export, an archive, an
-average or an HF Trainer folder was written from: an average lists each of its sources).
-
-Fingerprints are cheap and bounded, never a read of all the weights: a checkpoint of ours by its manifest (the size
-and checksum of every file) or else its metadata; a Hugging Face folder by its ``config.json``, its safetensors
-index, the header of each weights file and 256 KiB at each end of the data of the first 16; a file by its size and
-first MiB.
-
-Where it lives: a checkpoint's ``metadata.json`` (``lineage``), a Hugging Face export folder's ``LINEAGE_FILE``
-(``ondisk.layout``, written by ``commit.write_lineage_file``), an exported file's own record (JSON text in its
-metadata, read by its export target: ``registry.identify``), an archive's copy of the checkpoint's metadata. Read
-back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every value
-escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
-fingerprints and their own lineage records are read there, with the same bounded readers, within one listing's
-``Reads`` (each folder or file fingerprinted once, a bounded number of bytes in all).
+A record is ``{"parents": [...], "data": {...}}``; each parent is ``{"role", "path", "fingerprint"}`` (plus what its
+role adds) with its own record embedded, so the chain reads whole when a parent is gone. Fingerprints are bounded
+reads, never all the weights. Records live in a checkpoint's ``metadata.json``, an export folder's
+``automodel_lineage.json``, an exported file's metadata (read by its target) and an archive's copy of the checkpoint's
+metadata; read back they are untrusted data of at most ``RECORD_LIMIT`` bytes. docs/inspect-and-diff.md#lineage says
+what each role and fingerprint is; ``lineage_walk`` which parents are looked at on disk.
 """
 
 from __future__ import annotations
@@ -98,6 +85,7 @@ def _safetensors_header(path: Path, follow: bool, sample: bool, reads: Reads | N
 
 
 def _file_head(path: Path, follow: bool, reads: Reads | None = None) -> bytes:
+    """A file's size and first ``_HEAD`` bytes."""
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         _take(reads, min(size, _HEAD))
@@ -110,10 +98,8 @@ def _read_small(path: Path, what: str, follow: bool, reads: Reads | None) -> byt
 
 
 def lineage_fingerprint(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> str | None:
-    """The content fingerprint of a checkpoint, a Hugging Face folder or a file (None: nothing there to read, e.g. a
-    model name on the Hub). ``follow``: links are followed (a path the user named: an HF cache is links).
-    ``reads``: a listing's, which takes each folder's or file's fingerprint once and counts the bytes read
-    (``ReadsSpent`` when they would go over its limit)."""
+    """The content fingerprint of a checkpoint, a Hugging Face folder or a file (None: nothing to read, e.g. a Hub
+    name). ``follow``: links are followed (a path the user named: an HF cache is links). ``reads``: a listing's."""
     path = Path(path)
     key = None
     try:
@@ -241,10 +227,9 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
 
 
 def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> dict[str, Any] | None:
-    """The lineage recorded in ``path``: a checkpoint's metadata, an export folder's lineage file (or, for a
-    checkpoint's own ``model/consolidated``, the checkpoint), an export target's file's (``target.lineage_text``), an
-    archive's. None: none recorded. A record over
-    ``RECORD_LIMIT`` bytes or not a record: one-line ``CheckpointError``. ``reads``: a listing's (``Reads``)."""
+    """The lineage recorded in ``path`` (a checkpoint, an export folder, an export target's file, an archive; a
+    checkpoint's own ``model/consolidated`` has the checkpoint as parent), or None. A record over ``RECORD_LIMIT``
+    bytes or not a record: one-line ``CheckpointError``."""
     path = Path(path)
     if path.is_symlink() and not follow:
         return None
@@ -277,7 +262,6 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
     model_dir = path.parent
     if model_dir.name == CheckpointFolder.model and CheckpointFolder(model_dir.parent).metadata.is_file() \
             and not model_dir.is_symlink():
-        # a checkpoint's own consolidated export: the checkpoint is its parent
         return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}
     return None
 

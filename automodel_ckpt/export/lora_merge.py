@@ -1,16 +1,12 @@
 """Fold a PEFT checkpoint's LoRA adapter into its base, as a full Hugging Face model.
 
-The base named in ``adapter_config.json`` is loaded in float32, the adapter applied with PEFT and merged
-(``merge_and_unload``: W + scale * B @ A), and every tensor is cast back to the dtype it has in the base's own
-safetensors files (bf16 for the embedded base), so the merged folder is as large and as loadable as the base.
-``save_pretrained`` writes it in the family's on-disk layout (experts per expert, tied weights once).
-The folder is written under a hidden temporary name and renamed into place when complete; inside a checkpoint,
-the checkpoint's manifest is updated to list the new files.
+The base is loaded in float32, the adapter merged with PEFT (``merge_and_unload``), and every tensor cast back to its
+dtype in the base's own files, so the merged folder is as large and as loadable as the base. It is written beside
+``out`` and renamed into place; inside a checkpoint, the manifest then lists the new files.
 
-The adapter folder is untrusted: its files are read, and its tokenizer files copied, only as regular files reached
-without following a link (a symlink, FIFO or device there is refused in one line: the merged folder needs them).
-The base folder may be a Hugging Face cache snapshot, made of links into its repository's ``blobs/``: named with
-``--base``, its links are followed; named by ``adapter_config.json``, only links that stay inside that repository.
+The adapter folder is untrusted: its files are read only as regular files, never through a link. A base folder may
+be a cache snapshot (links into ``blobs/``): named with ``--base``, its links are followed; named by
+``adapter_config.json``, only links that stay inside that repository.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
     config = None
     if override is None:
         try:
-            config = read_json(HFFolder(adapter_dir).adapter_config, "an adapter config",
-                                        SMALL_FILE_LIMIT)
+            config = read_json(HFFolder(adapter_dir).adapter_config, "an adapter config", SMALL_FILE_LIMIT)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {HFFolder(adapter_dir).adapter_config}: {first_line(exc)}") from None
     return _base_folder(config, str(HFFolder(adapter_dir).adapter_config), override)
@@ -183,7 +178,7 @@ def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], si
                 raise CheckpointError(f"cannot copy '{source}' into the merged folder: {first_line(exc)}") from None
         for name, data in side_bytes.items():
             (tmp / name).write_bytes(data)
-        _swap_in(tmp, out)
+        replace_folder(tmp, out, old_sibling(out, secrets.token_hex(4)).name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -201,9 +196,8 @@ def _refuse_unless_regular(path: Path, where: str) -> None:
 
 
 def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tuple[Path, bool]]:
-    """The tokenizer files of ``source`` to copy into the merged folder, checked before the merge starts: an
-    adapter's must be regular files (``follow`` False); a base folder's may be links (``follow``), which with
-    ``within`` must resolve to a regular file below it."""
+    """The tokenizer files of ``source`` to copy, checked before the merge: an adapter's must be regular files
+    (``follow`` False); a base folder's may be links, which with ``within`` must resolve below it."""
     found = []
     for name in HFFolder.TOKENIZER_FILES:
         path = source / name
@@ -234,7 +228,3 @@ def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
     if data.get("dtype") != name:
         data["dtype"] = name
         write_json(config_file, data)
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    replace_folder(tmp, out, old_sibling(out, secrets.token_hex(4)).name)

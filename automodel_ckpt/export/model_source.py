@@ -1,15 +1,10 @@
 """The model behind an export SRC (a checkpoint, a Hugging Face folder or an archive), read one tensor at a time.
 
-The quantized exports (``export --to``) start from the tensors ``save_pretrained`` would write, under their on-disk
-names. ``open_model(src)`` gives them without writing a Hugging Face folder first: a checkpoint's tensors are read from
-its shards through the export's own plan (``plan.build_plan``: the family's on-disk layout, each tensor assembled
-from its pieces when asked for), a folder's and an archive's from their safetensors files by positioned reads. Only
-one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
-The small files (config, tokenizer, chat template) lie in ``side_dir``, a private temporary folder holding copies
-(a checkpoint's ``.hf_metadata``, an archive's members, a folder's files once checked), so no library reading them
-meets a link. A folder's files are read only as ``paths.model_file_in`` allows: regular files, and a Hugging Face
-cache snapshot's links into its repository's ``blobs/``; any other link is refused in one line. A LoRA checkpoint is merged into its
-base first (``merge_lora``, into that temporary folder): that step holds the model in memory, as `merge-lora` does.
+``open_model(src)`` gives the tensors ``save_pretrained`` would write, under their on-disk names, without writing a
+Hugging Face folder first: a checkpoint's through the export's own plan, a folder's and an archive's by positioned
+reads, one tensor in memory at a time. The small files (config, tokenizer) are copied into ``side_dir``, a private
+temporary folder, so no library reading them meets a link; a folder's files are read only as ``model_file_in``
+allows. A LoRA checkpoint is merged into its base first, which holds the model in memory, as `merge-lora` does.
 """
 
 from __future__ import annotations
@@ -84,10 +79,8 @@ _LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.language_model\.la
 
 
 def layer_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], whose: str) -> int:
-    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers whose
-    tensors are present (``shapes``) before anything loops over it: a count that is no whole number, or that differs
-    from the layers the weight files hold, is one line naming ``whose`` config (a crafted ``config.json`` never
-    sizes a loop or a table)."""
+    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers in
+    ``shapes`` before anything loops over it: a crafted ``config.json`` never sizes a loop or a table."""
     key = "n_layer" if "n_layer" in config and "num_hidden_layers" not in config else "num_hidden_layers"
     value = config.get(key)
     present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
@@ -143,8 +136,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
             raise CheckpointError(f"cannot read '{path}': {exc.strerror or first_line(exc)}") from None
     source = ModelSource(plan.config, side, kind="checkpoint")
     for f in plan.files:
-        for t in f.tensors:
-            # in the dtype the Hugging Face export gives it (the base's), so both make the same file
+        for t in f.tensors:  # in the Hugging Face export's dtype (the base's), so both make the same file
             source.add(t.name, t.source.shape, t.dtype, lambda s=t.source, d=t.dtype: _assemble(s).to(d))
             source.saved[t.name] = lambda s=t.source: _assemble(s)
     return source
@@ -158,19 +150,14 @@ def _assemble(tensor: Any) -> torch.Tensor:
 
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------
-#: What a folder's file that is neither regular nor a cache snapshot's link gets (``paths.model_file_in``).
 _REFUSAL = ("an export reads only a model folder's regular files (and a cache snapshot's links into its own "
             "blobs/), never what another link points to: replace it with the file itself")
-#: The most bytes one small file of a folder (config, tokenizer, chat template) may hold to be copied.
-_SIDE_FILE_LIMIT = 4 * INDEX_FILE_LIMIT
+_SIDE_FILE_LIMIT = 4 * INDEX_FILE_LIMIT  # bytes of one small file of a folder (config, tokenizer) copied
 
 
 def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> ModelSource:
-    """The model of a Hugging Face folder the user named. Its files are read only as ``paths.model_file_in`` allows
-    (regular files; a Hugging Face cache snapshot's links into its repository's ``blobs/``), and its small files are
-    copied into a private ``side_dir`` first, so that the libraries that read them (the tokenizer's, a quantized
-    export's vocabulary) never meet a link or a file the check did not pass. ``side``: a folder this process wrote
-    itself (a merged LoRA), used as it is."""
+    """The model of a Hugging Face folder the user named, its small files copied into a private ``side_dir`` first
+    (module docstring). ``side``: a folder this process wrote itself (a merged LoRA), used as it is."""
     if side is None:
         side = _tmp_dir(stack)
         for name in (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):

@@ -1,13 +1,10 @@
 """Export a checkpoint's sharded model to a Hugging Face folder, streaming, dtype-faithful and atomic.
 
-``consolidate(model_dir)`` turns ``epoch_E_step_N/model/`` (per-rank safetensors shards or DCP files) into
-``model/consolidated/``: ``model-K-of-F.safetensors`` files, their index, ``config.json``, the generation config
-and tokenizer files kept in ``model/.hf_metadata``. When the base model came from an HF folder, every tensor
-returns to its original dtype and file number, so the export diffs cleanly against the base. Tensors are
-written under the names and in the layout ``save_pretrained`` gives the model family (``formats/family.py``):
-tied weights once, mixture-of-experts weights per expert. Tensors are
-streamed piece by piece (see ``consolidate_writer``); the whole model is never held in memory. The export is
-written into a hidden sibling folder and renamed into place only when complete.
+``consolidate(model_dir)`` turns ``model/`` (per-rank safetensors shards or DCP files) into ``model/consolidated/``
+with the config and tokenizer kept in ``model/.hf_metadata``. With a base from an HF folder, every tensor returns to
+its original dtype and file number, so the export diffs cleanly against the base; names and layout are those
+``save_pretrained`` gives the family. Tensors stream piece by piece (the model is never held in memory) into a
+hidden sibling folder, renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,12 +43,8 @@ __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate
 
 logger = logging.getLogger(__name__)
 
-CAST_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp64": torch.float64,
-}
+CAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                                       "fp64": torch.float64}
 _CAST_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
                  "float64": "fp64", "double": "fp64"}  # fmt: skip
 
@@ -80,32 +74,20 @@ def resolve_model_dir(path: Path) -> Path:
     return path
 
 
-def consolidate(
-    model_dir: Path,
-    out_dir: Path | None = None,
-    *,
-    cast_dtype: str | None = None,
-    num_threads: int = 5,
-    max_shard_size: int = 5 * 2**30,
-    rank: int = 0,
-    world_size: int = 1,
-    progress: bool = True,
-    metadata_dir: Path | None = None,
-) -> Path:
+def consolidate(model_dir: Path, out_dir: Path | None = None, *, cast_dtype: str | None = None, num_threads: int = 5,
+                max_shard_size: int = 5 * 2**30, rank: int = 0, world_size: int = 1, progress: bool = True,
+                metadata_dir: Path | None = None) -> Path:
     """Export the model in ``model_dir`` to ``out_dir`` (default ``model_dir/consolidated``); returns ``out_dir``.
 
-    Dtypes: each floating tensor returns to its dtype in the base model; without base information it keeps its
-    saved dtype. ``cast_dtype`` (bf16, fp16, fp32, fp64) overrides that for floating tensors; fp8 and integer
-    tensors are never cast. Files: a tensor goes to the same file number as in the base model; without base
-    information tensors are split into files of at most ``max_shard_size`` bytes.
+    A floating tensor gets ``cast_dtype``, else its base model's dtype, else its saved one (fp8 and integer tensors
+    are never cast); it goes to its file number in the base, else files of at most ``max_shard_size`` bytes.
 
-    With ``world_size > 1`` every rank calls this; output files are divided among ranks by size and the result is
-    byte-identical to a single-process run. Ranks coordinate through torch.distributed when it is initialised
-    with that world size, else through marker files: then ranks other than 0 return as soon as their own files
-    are written, and rank 0 waits for theirs before it renames the folder.
+    With ``world_size > 1`` every rank calls this and writes its share of the files (byte-identical to one
+    process); ranks meet through torch.distributed when it is initialised with that world size, else through
+    marker files (rank 0 waits for the others' before it renames the folder).
 
-    ``metadata_dir``: the ``model/`` folder whose ``.hf_metadata`` describes the model, for shards saved apart from
-    it (a checkpoint's ``ema/``): every tensor of the model must be among them.
+    ``metadata_dir``: the ``model/`` folder whose ``.hf_metadata`` describes shards saved apart from it (a
+    checkpoint's ``ema/``), which must then hold every tensor of the model.
     """
     model_dir = resolve_model_dir(Path(model_dir)) if metadata_dir is None else Path(model_dir)
     out_dir = Path(out_dir) if out_dir is not None else ModelFolder(model_dir).consolidated.path
@@ -125,15 +107,13 @@ def consolidate(
         plan = build_plan(model_dir, cast, max_shard_size, metadata_dir)
         mine = plan.files_for_rank(rank, world_size)
         nbytes = total_bytes(mine)
-        with ProgressBar(nbytes, progress and rank == 0) as advance:
+        with progress_bar(nbytes, progress and rank == 0) as advance:
             write_files(mine, tmp, num_threads, advance)
         if rank == 0:
             plan.write_side_files(tmp)
         elapsed = time.perf_counter() - start
-        logger.info(
-            "rank %d wrote %d file(s), %s in %.1f s (%s/s)",
-            rank, len(mine), human_size(nbytes), elapsed, human_size(int(nbytes / max(elapsed, 1e-9))),
-        )  # fmt: skip
+        logger.info("rank %d wrote %d file(s), %s in %.1f s (%s/s)", rank, len(mine), human_size(nbytes), elapsed,
+                    human_size(int(nbytes / max(elapsed, 1e-9))))
     except BaseException as e:  # noqa: BLE001 - every rank must take part in the final step, even after a failure
         error = export_error(e, out_dir, total_bytes(plan.files_for_rank(0, 1)) if plan else None)
     coordinator.end(error, plan)
@@ -185,10 +165,8 @@ class ExportPlan:
         weight_map = {t.name: f.name for f in self.files for t in f.tensors}
         total_size = sum(t.nbytes for f in self.files for t in f.tensors)
         params = sum(t.source.numel for f in self.files for t in f.tensors)
-        return {
-            "metadata": {"total_size": total_size, "total_parameters": params},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
+        return {"metadata": {"total_size": total_size, "total_parameters": params},
+                "weight_map": dict(sorted(weight_map.items()))}
 
     def write_side_files(self, folder: Path) -> None:
         """Index, config and the files kept in ``.hf_metadata`` (rank 0 only)."""
@@ -249,9 +227,8 @@ def _require_every_tensor(model_dir: Path, source: ShardSource, original: dict) 
 
 
 def _refuse_links(model_dir: Path) -> None:
-    """A ``CheckpointError`` naming the first symlink, FIFO, socket or device among the files of ``model_dir``
-    (the shards, DCP files and their index), or a folder bearing a shard's or the DCP index's name: an export reads
-    only regular files, never through a link."""
+    """A ``CheckpointError`` naming the first link, FIFO, socket or device among ``model_dir``'s files, or a folder
+    bearing a shard's or the DCP index's name: an export reads only regular files, never through a link."""
     try:
         with os.scandir(model_dir) as it:
             entries = list(it)
@@ -272,10 +249,8 @@ def _is_model_file_name(name: str) -> bool:
 
 def _read_metadata(model_dir: Path) -> HFMetadata | None:
     if not ModelFolder(model_dir).hf_metadata.is_dir():
-        logger.warning(
-            "%s has no %s folder: the export gets weights and index only (no %s, no tokenizer)",
-            model_dir, ModelFolder.hf_metadata, HFFolder.config,
-        )  # fmt: skip
+        logger.warning("%s has no %s folder: the export gets weights and index only (no %s, no tokenizer)",
+                       model_dir, ModelFolder.hf_metadata, HFFolder.config)
         return None
     return read_hf_metadata(model_dir)
 
@@ -296,12 +271,9 @@ def _output_dtypes(source: ShardSource, original: dict | None, cast: torch.dtype
             orig = None
         out[name] = cast or orig or saved
     if unrestorable:
-        msg = (
-            f"{len(unrestorable)} tensor(s) were quantized or packed in the base model but are saved as floats; "
-            f"they are exported as floats, not re-quantized: {', '.join(unrestorable[:5])}"
-            + (" ..." if len(unrestorable) > 5 else "")
-        )
-        warnings.warn(msg, stacklevel=3)  # one report: the CLI shows warnings as `warning: ...` lines
+        warnings.warn(f"{len(unrestorable)} tensor(s) were quantized or packed in the base model but are saved as "
+                      f"floats; they are exported as floats, not re-quantized: {', '.join(unrestorable[:5])}"
+                      + (" ..." if len(unrestorable) > 5 else ""), stacklevel=3)  # the CLI shows it in one line
     return out
 
 
@@ -346,27 +318,18 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-class ProgressBar:
-    """tqdm bar over output bytes, shown only when asked and stderr is a terminal."""
+@contextmanager
+def progress_bar(total: int, enabled: bool, desc: str = "consolidating") -> Iterator[Callable[[int], None]]:
+    """``advance(n)`` of a tqdm bar over output bytes (any thread), shown only when asked and stderr is a terminal."""
+    if not (enabled and sys.stderr.isatty()):
+        yield lambda n: None
+        return
+    from tqdm import tqdm
 
-    def __init__(self, total: int, enabled: bool, desc: str = "consolidating") -> None:
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
-
-    def __enter__(self) -> Callable[[int], None]:
-        if self.bar is None:
-            return lambda n: None
-        lock = threading.Lock()
-
+    lock = threading.Lock()
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
         def advance(n: int) -> None:
             with lock:
-                self.bar.update(n)  # type: ignore[union-attr]
+                bar.update(n)
 
-        return advance
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        yield advance

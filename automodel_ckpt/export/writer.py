@@ -1,10 +1,8 @@
 """Streams tensor pieces from shard files into output safetensors files, a bounded amount of memory at a time.
 
-Every output file's layout (header, tensor offsets) is fixed before any byte is written, so each piece can be
-written straight to its final position with positioned writes, by any thread, in any order. Row-split pieces
-(FSDP shards) are contiguous in the output: they are copied in the kernel (``copy_file_range``) when no dtype
-change is needed, else converted in small chunks. Only pieces that are not contiguous in the output (e.g. a
-column split) need the whole tensor assembled in memory.
+Every output file's layout is fixed before a byte is written, so each piece goes straight to its place, by any
+thread, in any order. Pieces contiguous in the output (row-split FSDP shards) are copied in the kernel, or converted
+in small chunks; only others (a column split) are assembled whole in memory.
 """
 
 from __future__ import annotations
@@ -173,13 +171,10 @@ class _Writer:
                 pwrite_all(fd, f.header, 0)
             except OSError as e:
                 raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
-        self.write([(self.dst_fds[f.name], t) for f in files for t in f.tensors])
-        self.run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
-
-    def write(self, tensors: list[tuple[int, OutTensor]]) -> None:
-        """Every ``(file descriptor, tensor)``'s bytes at the tensor's offset in that file."""
+        tensors = [(self.dst_fds[f.name], t) for f in files for t in f.tensors]
         self.size_budget(tensors)
         self.run_all([w.run for dst, t in tensors for w in self.writes(dst, t)])
+        self.run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
 
     def size_budget(self, tensors: list[tuple[int, OutTensor]]) -> None:
         """Room for the largest tensor that is assembled in memory."""
@@ -292,25 +287,20 @@ class _Writer:
         self.advance(nbytes)
 
     def _src_fd(self, path: Path) -> int:
-        fd = self.src_fds.get(path)
-        if fd is None:
-            with self.lock:
-                fd = self.src_fds.get(path)
-                if fd is None:
-                    try:
-                        fd = open_regular(path)  # never through a link, never a FIFO
-                    except FileNotFoundError:
-                        raise CheckpointError(f"missing shard file {path}") from None
-                    except OSError as exc:
-                        raise CheckpointError(f"cannot read shard file {path}: {first_line(exc)}") from None
-                    self.src_fds[path] = fd
+        with self.lock:
+            fd = self.src_fds.get(path)
+            if fd is None:
+                try:
+                    fd = self.src_fds[path] = open_regular(path)  # never through a link, never a FIFO
+                except FileNotFoundError:
+                    raise CheckpointError(f"missing shard file {path}") from None
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read shard file {path}: {first_line(exc)}") from None
         return fd
 
     def _out_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
         """A per-thread reusable tensor of ``count`` elements: fresh pages are costly, reused ones are not."""
-        bufs = getattr(self.local, "out", None)
-        if bufs is None:
-            bufs = self.local.out = {}
+        bufs = self.local.__dict__.setdefault("out", {})
         buf = bufs.get(dtype)
         if buf is None or buf.numel() < count:
             buf = bufs[dtype] = torch.empty(max(count, _CONVERT_CHUNK // dtype.itemsize), dtype=dtype)
@@ -319,12 +309,8 @@ class _Writer:
 
 @contextmanager
 def _mapped(fd: int, offset: int, count: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """``count`` values at byte ``offset`` of a file, as a tensor over a private read mapping of just that range.
-
-    Converting straight from the page cache saves a copy; mapping only the range, and unmapping it right
-    after, keeps the process's resident memory bounded. The tensor must not be used after the block: it
-    points into the mapping. Copy-on-write, so the file can never be modified through it.
-    """
+    """``count`` values at byte ``offset`` of a file, as a tensor over a copy-on-write mapping of just that range
+    (no copy out of the page cache, resident memory bounded); it must not be used after the block."""
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     with mmap.mmap(fd, offset + count * dtype.itemsize - start, offset=start, access=mmap.ACCESS_COPY) as mm:
         yield torch.frombuffer(mm, dtype=dtype, count=count, offset=offset - start)
