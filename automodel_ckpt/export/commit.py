@@ -218,7 +218,5 @@ def _as_checkpoint_error(error: BaseException) -> BaseException:
 def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
     """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
     file = HFFolder(folder).lineage
-    tmp = file.with_name(f".{HFFolder.lineage}.partial")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, file)
+    write_durable(file, json.dumps(record, indent=2, default=str) + "\n")
     return file

@@ -10,6 +10,7 @@ none overlapping, before any is read: reading every tensor once reads at most th
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from contextlib import ExitStack
@@ -45,14 +46,7 @@ def gguf_beside(model: ModelSource, path: Path, stack: ExitStack) -> tuple[Model
     file = open_gguf_tensors(path, stack)
     mapping = gguf_mapping(model.config, model.shapes)
     laid, read = ModelSource(model.config, where=model.where), ModelSource({}, kind=_KIND, where=str(path))
-    last: dict[str, Any] = {}
-
-    def whole(gguf_name: str) -> torch.Tensor:  # a stacked tensor read once for all its experts
-        if last.get("name") != gguf_name:
-            last.clear()
-            last.update(name=gguf_name, value=file.read(gguf_name))
-        return last["value"]
-
+    whole = functools.lru_cache(maxsize=1)(file.read)  # a stacked tensor read once for all its experts
     made: set[str] = set()
     for t in mapping:
         if t.name not in file.shapes:  # the model's tensors the file lacks

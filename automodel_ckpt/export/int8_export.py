@@ -26,7 +26,7 @@ from automodel_ckpt.ondisk import (HFFolder, copy_regular, fsync_dir, old_siblin
                                    tmp_sibling, write_json)
 from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.export.sources import SourceTensor
-from automodel_ckpt.export.writer import OutFile, OutTensor
+from automodel_ckpt.export.writer import OutFile, OutTensor, bytes_of
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size, in_groups
 
@@ -227,13 +227,10 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
 
 
 def _put(fd: int, t: OutTensor, value: torch.Tensor, advance: Any) -> None:
-    value = value.to(t.dtype).contiguous()
     if tuple(value.shape) != tuple(t.source.shape):
         raise CheckpointError(f"int8 export: '{t.name}' came out with shape {tuple(value.shape)}, planned "
                               f"{t.source.shape}")
-    flat = value.reshape(-1)
-    if flat.numel():
-        pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), t.offset)
+    pwrite_all(fd, bytes_of(value.to(t.dtype)), t.offset)
     advance(t.nbytes)
 
 

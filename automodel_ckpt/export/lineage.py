@@ -202,13 +202,6 @@ def _check(record: Any, where: str) -> dict[str, Any]:
     return record
 
 
-def _file_lineage(path: Path, text: str | None) -> dict[str, Any] | None:
-    """The lineage record an export wrote into the file ``path`` as JSON ``text`` (None: none)."""
-    if text is None:
-        return None
-    return _check(parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
-
-
 def read_archive_lineage(path: Path) -> dict[str, Any] | None:
     """An archive's lineage: the checkpoint it was packed from (its metadata's name) and that checkpoint's parents."""
     from automodel_ckpt.export.archive import open_archive
@@ -239,8 +232,10 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
 
         _take(reads, RECORD_LIMIT)  # a header walked (arrays and data skipped) for a record of at most this
         target = identify(path)
-        if target is not None:
-            return _file_lineage(path, target.lineage_text(path, RECORD_LIMIT))
+        if target is not None:  # the record an export wrote into its file, as JSON text
+            text = target.lineage_text(path, RECORD_LIMIT)
+            return None if text is None else _check(parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT),
+                                                    f"'{path}'")
         return read_archive_lineage(path) if is_archive(path) else None
     if not path.is_dir():
         return None

@@ -155,10 +155,8 @@ class ExportPlan:
 
     def fingerprint(self) -> str:
         """Identifies this exact export (sources, files, dtypes); ranks agree on it before the rename."""
-        desc = {
-            "sources": self.source.fingerprint(),
-            "files": [[f.name, [[t.name, str(t.dtype), t.offset] for t in f.tensors]] for f in self.files],
-        }
+        desc = {"sources": self.source.fingerprint(),
+                "files": [[f.name, [[t.name, str(t.dtype), t.offset] for t in f.tensors]] for f in self.files]}
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
     def index(self) -> dict[str, Any]:

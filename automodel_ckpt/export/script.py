@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from importlib import resources
 from pathlib import Path
 
-from automodel_ckpt.ondisk import ModelFolder
+from automodel_ckpt.ondisk import ModelFolder, write_atomic
 
 _TEMPLATE = "templates/consolidate.sh"
 
@@ -22,10 +21,8 @@ def render_consolidate_script(model_dir: Path) -> None:
     text = text.replace("@PYTHON@", shlex.quote(sys.executable or "python3"))
     text = text.replace("@PACKAGE_ROOT@", shlex.quote(_source_root()))
     target = ModelFolder(model_dir).consolidate_script
-    tmp = model_dir / f".{ModelFolder.consolidate_script}.tmp-{os.getpid()}"
-    tmp.write_text(text, encoding="utf-8")
-    tmp.chmod(0o755)
-    os.replace(tmp, target)
+    write_atomic(target, text.encode("utf-8"))
+    target.chmod(0o755)
 
 
 def _source_root() -> str:

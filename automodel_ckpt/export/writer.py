@@ -235,12 +235,12 @@ class _Writer:
         if src_dtype == out.dtype:
             if not (self.kernel_copy and self._kernel_copy(fd, dst, src_pos, dst_pos, nbytes)):
                 with _mapped(fd, src_pos, count, src_dtype) as values:
-                    pwrite_all(dst, _bytes_of(values), dst_pos)
+                    pwrite_all(dst, bytes_of(values), dst_pos)
         else:
             converted = self._out_buffer(out.dtype, count)
             with _mapped(fd, src_pos, count, src_dtype) as values:
                 converted.copy_(values)  # converts straight from the page cache: no intermediate copy
-            pwrite_all(dst, _bytes_of(converted), dst_pos)
+            pwrite_all(dst, bytes_of(converted), dst_pos)
         self._written(dst, dst_pos, count * out.dtype.itemsize)
 
     def _kernel_copy(self, src: int, dst: int, src_pos: int, dst_pos: int, nbytes: int) -> bool:
@@ -262,7 +262,7 @@ class _Writer:
     def _write_loaded(self, dst: int, out: OutTensor, piece: Piece, elem: int) -> None:
         tensor = load_dcp_piece(piece).to(out.dtype).reshape(-1)
         pos = out.offset + elem * out.dtype.itemsize
-        pwrite_all(dst, _bytes_of(tensor), pos)
+        pwrite_all(dst, bytes_of(tensor), pos)
         self._written(dst, pos, tensor.numel() * out.dtype.itemsize)
 
     def _assemble(self, dst: int, out: OutTensor) -> None:
@@ -272,7 +272,7 @@ class _Writer:
         self.budget.acquire(nbytes)
         try:
             full = read_full(src, self._copy_mapped)  # a strided part of a saved tensor: see export/views.py
-            pwrite_all(dst, _bytes_of(full.to(out.dtype).reshape(-1)), out.offset)
+            pwrite_all(dst, bytes_of(full.to(out.dtype).reshape(-1)), out.offset)
             self._written(dst, out.offset, out.nbytes)
         finally:
             self.budget.release(nbytes)
@@ -331,7 +331,7 @@ def _contiguous_box(offsets: tuple[int, ...], shape: tuple[int, ...], full: tupl
     return True
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     flat = tensor.contiguous().reshape(-1)
     if flat.numel() == 0:
