@@ -56,8 +56,7 @@ def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size:
     place; returns its manifest."""
     src, out = Path(src), Path(out)
     if out.is_dir():
-        raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}"
-                        f"{Archive.SUFFIX})")
+        raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}{Archive.SUFFIX})")
     entries, source = _entries(src, parse_cast_dtype(cast_dtype), max_shard_size)
     tmp = tmp_sibling(out, secrets.token_hex(4))
     try:

@@ -139,7 +139,10 @@ class _FileCoordinator(Coordinator):
             if self.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             else:
-                _write_quietly(self.failure, first_line(error))
+                try:
+                    write_durable(self.failure, first_line(error))
+                except OSError:
+                    logger.warning("could not record the failure in %s", self.failure)
             raise _as_checkpoint_error(error)
         assert plan is not None
         fingerprint = plan.fingerprint()
@@ -196,13 +199,6 @@ def _read_note(path: Path) -> str:
             return f.read(4096).decode("utf-8", "replace").strip()
     except OSError:
         return ""
-
-
-def _write_quietly(path: Path, text: str) -> None:
-    try:
-        write_durable(path, text)
-    except OSError:
-        logger.warning("could not record the failure in %s", path)
 
 
 def _as_checkpoint_error(error: BaseException) -> BaseException:
