@@ -1,16 +1,10 @@
 """Exports of checkpoints: Hugging Face folders, archives, quantized models and merged LoRA adapters, and their face.
 
-A checkpoint's model becomes a Hugging Face folder (``plan``: the plan, shard sources, writer, atomic commit, HF
-metadata, the ``consolidate.sh`` script; ``verify``), one archive file read in place (``archive_pack``, ``archive``,
-``archive_weights``), a quantized file or folder (one ``*_target`` module each, and the modules named as it is) or
-a base model with its LoRA adapter merged (``lora_merge``); ``model_source`` opens any of them as a source for the
-others (``ModelSource``). What ``ckpt-train export --to NAME`` writes is a registry of targets (``registry``: one
-module each, ``target.ExportTarget``, and one register line), which ``inspect``, ``verify``, ``diff``, ``pack`` and
-a lineage listing also ask what a file is. It reads and writes through ``automodel_ckpt.ondisk``'s face (the
-folder's contract, below it) and never imports the engine (``automodel_ckpt.checkpoint``), which imports it.
-
-Code outside this package imports only the names below, each a member of a module here under its own name
-(``tests/unit/test_structure.py``). The names load on first use.
+A checkpoint's model becomes a Hugging Face folder (``plan`` and the modules it uses; ``verify``), an archive read in
+place (``archive*``), a quantized file or folder (one ``*_target`` module each, in ``registry``) or a base with its
+LoRA adapter merged (``lora_merge``); ``model_source`` opens any of them as a source for the others. It works
+through ``automodel_ckpt.ondisk``'s face and never imports the engine (``automodel_ckpt.checkpoint``), which imports
+it. Code outside imports only the names below (``tests/unit/test_structure.py``), loaded on first use.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""A model archive read in place: its members' places checked as untrusted input, their bytes, and the manifest check.
+"""A model archive read in place: its members checked as untrusted input, their bytes, and the manifest check.
 
-An archive (``ckpt-train pack``, ``export/archive_pack.py``) is an uncompressed POSIX tar holding a Hugging Face or adapter
-folder's files and, in ``automodel/``, the recipe, the metadata and a manifest of every other member's size and
-checksum. Nothing is ever extracted: a member is a byte range ``[offset, offset + size)`` of the archive file, read
-with ``pread`` or mapped. An archive from elsewhere is untrusted, so ``open_archive`` refuses in one line
-(``CheckpointError`` naming the archive and the member) a member whose name is not a plain relative path
-(``disk/paths.py``), a link (symbolic or hard), a device, FIFO or sparse file, a name listed twice, a header or data
-running past the end of the file, extended headers over 1 MiB, more than ``MAX_MEMBERS`` members, or a header
-that is not a tar header.
+An archive (``ckpt-train pack``; docs/archive.md) is an uncompressed tar, never extracted: a member is a byte range
+of the file, read with ``pread`` or mapped. ``open_archive`` refuses in one line a member whose name is not a plain
+relative path, a link, a device, FIFO or sparse file, a name listed twice, bytes past the end of the file, extended
+headers over 1 MiB, more than ``MAX_MEMBERS`` members, or a header that is not a tar header.
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, LAYOUT, ManifestReport, SMALL_FILE_LIMIT,
-                                   UNEXPECTED_FILE, UNREADABLE, Verdict, check_header, check_path, check_size,
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, INDEX_FILE_LIMIT, SMALL_FILE_LIMIT, UNEXPECTED_FILE, UNREADABLE,
+                                   Archive, HFFolder, ManifestReport, Verdict, check_header, check_path, check_size,
                                    file_verdict, hash_range, header_length, open_regular, parse_header, parse_json,
                                    path_problem, tensor_entries)
 from automodel_ckpt.errors import CheckpointError, first_line
@@ -39,7 +35,7 @@ _EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.
 def is_archive(path: Path) -> bool:
     """Whether ``path`` names an archive (a file, or a name ending in ``.tar``) rather than a folder."""
     path = Path(path)
-    return not path.is_dir() and (path.name.endswith(LAYOUT.ARCHIVE_SUFFIX) or path.exists())
+    return not path.is_dir() and (path.name.endswith(Archive.SUFFIX) or path.exists())
 
 
 @dataclass(frozen=True)
@@ -63,19 +59,16 @@ class _BoundedTarInfo(tarfile.TarInfo):
         return super()._proc_member(tarfile_)
 
 
-class Archive:
+class OpenArchive:
     """An archive opened for reading: ``members`` by name, each checked to lie inside the file."""
 
     def __init__(self, path: Path, fd: int, members: dict[str, Member]) -> None:
         self.path, self.fd, self.members = Path(path), fd, members
 
-    def __enter__(self) -> Archive:
+    def __enter__(self) -> OpenArchive:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -112,21 +105,21 @@ class Archive:
 
     def manifest(self) -> dict[str, Any]:
         """The archive's manifest, its table checked (sizes, checksums, plain paths); ``CheckpointError`` else."""
-        data = self.json(LAYOUT.ARCHIVE_MANIFEST, "an archive manifest", INDEX_FILE_LIMIT)
+        data = self.json(Archive.MANIFEST, "an archive manifest", INDEX_FILE_LIMIT)
         files = data.get("files") if isinstance(data, dict) else None
         if not isinstance(files, dict) or not isinstance(data.get("checksum_algorithm"), str) or not all(
                 isinstance(v, dict) and isinstance(v.get("size"), int) and not isinstance(v.get("size"), bool)
                 and v["size"] >= 0 and isinstance(v.get("checksum"), str) for v in files.values()):
-            raise CheckpointError(f"{self.where(LAYOUT.ARCHIVE_MANIFEST)} is malformed (no 'files' table of sizes "
+            raise CheckpointError(f"{self.where(Archive.MANIFEST)} is malformed (no 'files' table of sizes "
                                   "and checksums, or no 'checksum_algorithm')")
         for rel in files:
-            check_path(rel, self.where(LAYOUT.ARCHIVE_MANIFEST))
+            check_path(rel, self.where(Archive.MANIFEST))
         return data
 
 
-def open_archive(path: Path) -> Archive:
-    """The archive at ``path``, every member checked (see the module docstring); ``CheckpointError`` in one line
-    naming the archive and the member otherwise. Only a regular file is opened (never a FIFO or device)."""
+def open_archive(path: Path) -> OpenArchive:
+    """The archive at ``path`` (a regular file), every member checked; else a one-line ``CheckpointError`` naming
+    the archive and the member."""
     path = Path(path)
     try:
         fd = open_regular(path, follow=True)  # the file the user named (a cache's link to its blob)
@@ -135,7 +128,7 @@ def open_archive(path: Path) -> Archive:
     except OSError as exc:
         raise CheckpointError(f"the archive '{path}' cannot be read: {first_line(exc)}") from None
     try:
-        return Archive(path, fd, _members(path, fd))
+        return OpenArchive(path, fd, _members(path, fd))
     except BaseException:
         os.close(fd)
         raise
@@ -177,7 +170,7 @@ def _members(path: Path, fd: int) -> dict[str, Member]:
                 if info.offset_data + info.size > size:
                     raise refuse(info.name, f"runs to byte {info.offset_data + info.size}, past the end of the "
                                             f"{size}-byte file")
-                own = info.pax_headers.get(PAX_COMMENT) if name == LAYOUT.ARCHIVE_MANIFEST else None
+                own = info.pax_headers.get(PAX_COMMENT) if name == Archive.MANIFEST else None
                 members[name] = Member(name, info.offset_data, info.size, own)
                 end = info.offset_data + info.size
         except CheckpointError as exc:
@@ -209,13 +202,12 @@ def _plain_name(name: str) -> str:
 
 # --- checks ----------------------------------------------------------------------------------------------------
 def verify_archive(path: Path, *, checksums: bool = True) -> ManifestReport:
-    """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); members the
-    manifest does not list are ``unexpected``; an unreadable manifest is the report's ``problem``. An archive
-    ``open_archive`` refuses is a ``CheckpointError``."""
+    """Every member against the archive's manifest (sizes; checksums unless ``checksums`` is False); an unreadable
+    manifest is the report's ``problem``, an archive ``open_archive`` refuses a ``CheckpointError``."""
     report = ManifestReport(Path(path))
     with open_archive(path) as archive:
         try:
-            own = archive.member(LAYOUT.ARCHIVE_MANIFEST)
+            own = archive.member(Archive.MANIFEST)
             algorithm, _, digest = (own.checksum or "").partition(":")
             if checksums and not digest:  # a plain tar drops the extended header that holds it
                 report.verdicts.append(Verdict(own.name, UNREADABLE, "its header holds no "
@@ -229,14 +221,14 @@ def verify_archive(path: Path, *, checksums: bool = True) -> ManifestReport:
                 report.verdicts.append(_check_member(archive, rel, entry, report.algorithm, checksums))
                 report.total_bytes += entry["size"]
             for rel in archive.members:
-                if rel not in table["files"] and rel != LAYOUT.ARCHIVE_MANIFEST:
+                if rel not in table["files"] and rel != Archive.MANIFEST:
                     report.verdicts.append(Verdict(rel, UNEXPECTED_FILE))
         except CheckpointError as exc:
             report.problem = first_line(exc)
     return report
 
 
-def _check_member(archive: Archive, rel: str, entry: dict[str, Any], algorithm: str,
+def _check_member(archive: OpenArchive, rel: str, entry: dict[str, Any], algorithm: str,
                   checksums: bool) -> Verdict:
     m = archive.members.get(rel)
     digest = (lambda: hash_range(archive.fd, m.offset, m.size, algorithm)) if checksums and m else None
@@ -244,15 +236,15 @@ def _check_member(archive: Archive, rel: str, entry: dict[str, Any], algorithm: 
 
 
 def describe_archive(path: Path) -> dict[str, Any]:
-    """What ``inspect`` shows of an archive: what it holds (model family, parameters by dtype, files and bytes)
-    and where it came from (the run and step of its checkpoint), from its JSON members and safetensors headers."""
+    """What ``inspect`` shows of an archive: what it holds and where it came from, from its JSON members and
+    safetensors headers."""
     with open_archive(path) as archive:
         table = archive.manifest()
-        config = (archive.json(LAYOUT.HF_CONFIG, "a model config") if LAYOUT.HF_CONFIG in archive.members else
-                  archive.json(LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
-                  if LAYOUT.ADAPTER_CONFIG in archive.members else {})
-        meta = (archive.json(LAYOUT.ARCHIVE_METADATA, "checkpoint metadata", SMALL_FILE_LIMIT)
-                if LAYOUT.ARCHIVE_METADATA in archive.members else {})
+        config = (archive.json(HFFolder.config, "a model config") if HFFolder.config in archive.members else
+                  archive.json(HFFolder.adapter_config, "an adapter config", SMALL_FILE_LIMIT)
+                  if HFFolder.adapter_config in archive.members else {})
+        meta = (archive.json(Archive.METADATA, "checkpoint metadata", SMALL_FILE_LIMIT)
+                if Archive.METADATA in archive.members else {})
         dtypes: dict[str, int] = {}
         for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
             header, _ = archive.safetensors_header(name)
@@ -265,7 +257,7 @@ def describe_archive(path: Path) -> dict[str, Any]:
         kind = str(source.get("kind", ""))  # a folder's kind, else the export target whose one file it holds
         return {
             "archive": str(path),
-            "holds": "adapter" if LAYOUT.ADAPTER_CONFIG in archive.members else
+            "holds": "adapter" if HFFolder.adapter_config in archive.members else
                      "model" if kind in (CHECKPOINT, EXPORT, ADAPTER, "") else "exported file",
             "source": kind,
             "model_type": str(config.get("model_type") or config.get("peft_type") or ""),

@@ -1,13 +1,8 @@
 """Writing one archive of a model: a checkpoint's export streamed into it, or an export or adapter folder's files.
 
-``pack(src, out)`` lays out every member before a byte is written (names, sizes, headers, offsets), so each member
-is written straight to its place in the archive file: a checkpoint's export by the export's own writer
-(``writer.write_into``: the shards' bytes are copied or converted into the archive, never staged on disk), files
-by ``copy_file_range``. Each weights member gets an extended header padded (a pax ``comment`` record) so that its
-data starts at a multiple of ``archive.ALIGN``. Every member is then hashed from the archive, the manifest is
-written last (its own checksum in its extended header), and the archive, written under a hidden name beside
-``out``, is fsynced and renamed into place. ``pack_into(src, open_stream)`` writes the same bytes strictly forward
-into a stream (an object store's multipart upload), a window of about one part at a time, hashing as it goes.
+Every member is laid out before a byte is written, so each is written straight to its place: a checkpoint's export
+by the export's own writer (never staged on disk), files by ``copy_file_range``. A weights member's pax ``comment``
+pads its data to a multiple of ``archive.ALIGN``. The manifest comes last, its own checksum in its extended header.
 """
 
 from __future__ import annotations
@@ -25,12 +20,13 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import yaml
 
-from automodel_ckpt.ondisk import (LAYOUT, SMALL_FILE_LIMIT, build_manifest, check_path, default_algorithm,
-                                   dump_manifest, exported_format, fsync_dir, hash_range, hasher, model_file_in,
-                                   open_regular, parse_json, pread_full, pwrite_all, read_bytes, read_yaml)
+from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, Archive, CheckpointFolder, HFFolder, build_manifest, check_path,
+                                   default_algorithm, dump_manifest, exported_format, fsync_dir, hash_range, hasher,
+                                   model_file_in, open_regular, parse_json, pread_full, pwrite_all, read_bytes,
+                                   read_yaml, tmp_sibling)
 from automodel_ckpt.export.archive import ADAPTER, ALIGN, CHECKPOINT, EXPORT, PAX_COMMENT
 from automodel_ckpt.export.registry import export_targets, identify
-from automodel_ckpt.export.plan import ProgressBar, build_plan, parse_cast_dtype, resolve_model_dir
+from automodel_ckpt.export.plan import build_plan, parse_cast_dtype, progress_bar, resolve_model_dir
 from automodel_ckpt.export.writer import OutFile, Write, write_into, writes_into
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
@@ -56,14 +52,13 @@ class Entry:
 
 def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size: int = 5 * 2**30,
          num_threads: int = 5, progress: bool = True) -> dict[str, Any]:
-    """Write the archive of ``src`` (a checkpoint, an export folder or an adapter folder) to ``out``; returns its
-    manifest. See the module docstring."""
+    """Write the archive of ``src`` (a checkpoint, an export or adapter folder) beside ``out``, then rename it into
+    place; returns its manifest."""
     src, out = Path(src), Path(out)
     if out.is_dir():
-        raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}"
-                        f"{LAYOUT.ARCHIVE_SUFFIX})")
+        raise UserError(f"--out '{out}' is a folder; give the archive's file name (e.g. {src.name}{Archive.SUFFIX})")
     entries, source = _entries(src, parse_cast_dtype(cast_dtype), max_shard_size)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
     except OSError as exc:
@@ -90,7 +85,7 @@ def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: i
     headers, mtime, end = _lay_out(entries)
     for at, header in headers:
         pwrite_all(fd, header, at)
-    with ProgressBar(sum(e.size for e in entries), progress, "packing") as advance:
+    with progress_bar(sum(e.size for e in entries), progress, "packing") as advance:
         write_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
         for e in entries:
             if e.data is not None:
@@ -107,13 +102,11 @@ def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: i
 def pack_into(src: Path, open_stream: Callable[[int], ContextManager[Any]], *, cast_dtype: str | None = None,
               max_shard_size: int = 5 * 2**30, num_threads: int = 5, progress: bool = True) -> dict[str, Any]:
     """Write the archive of ``src`` strictly forward into the stream ``open_stream(size)`` opens (``write`` and
-    ``part_size``: an object store's upload; ``size``: about the archive's size); returns its manifest.
+    ``part_size``: an object store's upload); returns its manifest.
 
-    Every member's place is known before a byte is written, so the archive is produced a window of about
-    ``part_size`` bytes at a time: the window's writes (headers, the export's tensor chunks, file chunks) run on
-    the threads into an in-memory scratch file, its bytes are hashed into their members' checksums and handed to
-    the stream (while the next window is produced), and the scratch file is emptied. The manifest, last, follows.
-    Nothing is written to disk; a failure reaches the stream's block, which then commits nothing.
+    A window of about ``part_size`` bytes at a time is written by the threads into an in-memory scratch file,
+    hashed, handed to the stream while the next is produced, and dropped: nothing is written to disk, and a failure
+    reaches the stream's block, which then commits nothing.
     """
     entries, source = _entries(Path(src), parse_cast_dtype(cast_dtype), max_shard_size)
     headers, mtime, end = _lay_out(entries)
@@ -122,14 +115,15 @@ def pack_into(src: Path, open_stream: Callable[[int], ContextManager[Any]], *, c
     scratch = _scratch_file()
     try:
         with (open_stream(end) as stream, ThreadPoolExecutor(1, thread_name_prefix="upload") as sender,
-              ProgressBar(sum(e.size for e in entries), progress, "packing") as advance,
+              progress_bar(sum(e.size for e in entries), progress, "packing") as advance,
               writes_into([(e.out, e.at) for e in entries if e.out is not None], scratch, num_threads, advance)
               as (tensor_writes, run)):
             writes = sorted(tensor_writes + _member_writes(entries, headers, scratch, advance), key=lambda w: w.start)
             sending = None
             for lo, hi, batch in _windows(writes, stream.part_size, end):
                 run(batch)
-                window = _read_all(scratch, lo, hi)
+                window = bytearray(hi - lo)
+                pread_full(scratch, memoryview(window), lo)  # never written (sparse) or past the end: zeros
                 os.ftruncate(scratch, 0)  # its memory is given back; later windows lie past it
                 view = memoryview(window)
                 for e in entries:
@@ -172,8 +166,10 @@ def _manifest_tail(entries: list[Entry], sums: dict[str, str], algorithm: str, s
     table = build_manifest(Path("."), {e.name: e.size for e in entries}, sums, algorithm)
     table = {**{k: v for k, v in table.items() if k != "files"}, "source": source, "files": table["files"]}
     data = dump_manifest(table).encode()
-    header = _header(LAYOUT.ARCHIVE_MANIFEST, len(data), mtime, at, align=False,
-                     pax={PAX_COMMENT: _checksum_of(data, algorithm)})
+    digest = hasher(algorithm)
+    digest.update(data)
+    header = _header(Archive.MANIFEST, len(data), mtime, at, align=False,
+                     pax={PAX_COMMENT: f"{algorithm}:{digest.hexdigest()}"})
     end = at + len(header) + len(data) + (-len(data) % tarfile.BLOCKSIZE) + 2 * tarfile.BLOCKSIZE
     end += -end % tarfile.RECORDSIZE
     return table, header + data + bytes(end - at - len(header) - len(data))
@@ -181,8 +177,7 @@ def _manifest_tail(entries: list[Entry], sums: dict[str, str], algorithm: str, s
 
 def _member_writes(entries: list[Entry], headers: list[tuple[int, bytes]], fd: int,
                    advance: Callable[[int], None]) -> list[Write]:
-    """The writes of the tar headers, the small members and the files' chunks (the export's come from its
-    writer)."""
+    """The writes of the tar headers, the small members and the files' chunks (not the export's)."""
     writes = [Write(at, len(h), lambda at=at, h=h: pwrite_all(fd, h, at)) for at, h in headers]
     for e in entries:
         if e.data is not None:
@@ -218,19 +213,6 @@ def _scratch_file() -> int:
     return os.dup(tempfile.TemporaryFile().fileno())
 
 
-def _read_all(fd: int, lo: int, hi: int) -> bytearray:
-    """Bytes ``[lo, hi)`` of ``fd``; those never written read as zeros (the scratch file is sparse)."""
-    out = bytearray(hi - lo)
-    pread_full(fd, memoryview(out), lo)  # past the file's end: zeros
-    return out
-
-
-def _checksum_of(data: bytes, algorithm: str) -> str:
-    h = hasher(algorithm)
-    h.update(data)
-    return f"{algorithm}:{h.hexdigest()}"
-
-
 def _header(name: str, size: int, mtime: int, at: int, *, align: bool, pax: dict[str, str] | None = None) -> bytes:
     """The tar header of a member whose header starts at byte ``at``; with ``align``, padded so that its data
     starts at a multiple of ``ALIGN`` (every length here is a multiple of the 512-byte block, so widening the
@@ -252,9 +234,8 @@ def _header(name: str, size: int, mtime: int, at: int, *, align: bool, pax: dict
 
 def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None], first: int = 0,
                count: int | None = None) -> None:
-    """Bytes ``[first, first + count)`` of the regular file ``src`` of ``size`` bytes (never through a link; all
-    of it by default) to the same place in bytes ``[at, at + size)`` of ``fd``, in the kernel where the
-    filesystems allow it."""
+    """Bytes ``[first, first + count)`` (default: all) of the regular file ``src`` (never a link) of ``size`` bytes
+    to ``fd`` from ``at + first``, in the kernel where the filesystems allow it."""
     end = size if count is None else first + count
     with os.fdopen(open_regular(src), "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != size:
@@ -282,9 +263,8 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
 
 # --- what goes in ----------------------------------------------------------------------------------------------
 def kind_of(src: Path) -> str:
-    """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` (a PEFT adapter folder) or
-    the name of the export target whose one file ``src`` is (``registry.identify``), checked first by its
-    target (``ExportTarget.check``: a damaged file is refused, not shipped)."""
+    """``checkpoint``, ``export`` (a Hugging Face folder, an int8 export too), ``adapter`` or the name of the export
+    target whose file ``src`` is (checked first: a damaged file is refused, not shipped)."""
     target = identify(src)
     if target is not None:
         target.check(src, "it is not packed")
@@ -293,11 +273,11 @@ def kind_of(src: Path) -> str:
         nouns = " or ".join(t.noun for t in export_targets() if t.noun)
         raise UserError(f"'{src}' is not a folder or {nouns}; pack takes a checkpoint, an export folder, an adapter "
                         f"folder or {nouns}")
-    if (src / LAYOUT.METADATA_FILE).is_file() or (src / LAYOUT.MODEL_DIR).is_dir():
+    if CheckpointFolder(src).metadata.is_file() or CheckpointFolder(src).model.is_dir():
         return CHECKPOINT
-    if (src / LAYOUT.ADAPTER_CONFIG).is_file():
+    if HFFolder(src).adapter_config.is_file():
         return ADAPTER
-    if (src / LAYOUT.HF_CONFIG).is_file():
+    if HFFolder(src).config.is_file():
         return EXPORT
     raise UserError(f"'{src}' is neither a checkpoint, a Hugging Face model folder (config.json) nor a PEFT "
                     "adapter folder (adapter_config.json)")
@@ -313,7 +293,7 @@ def _entries(src: Path, cast: Any, max_shard_size: int) -> tuple[list[Entry], di
         return _folder_entries(src, with_ours=True), source
     source.update(kind=CHECKPOINT, checkpoint=src.name, run=src.resolve().parent.name)
     model_dir = resolve_model_dir(src)
-    if (model_dir / LAYOUT.ADAPTER_CONFIG).is_file():
+    if HFFolder(model_dir).adapter_config.is_file():
         source["kind"] = ADAPTER
         entries = _folder_entries(model_dir, with_ours=False)
     else:
@@ -329,15 +309,15 @@ def _ours(checkpoint: Path) -> list[Entry]:
     """The checkpoint's recipe (redacted again: a received checkpoint's copy may hold what ours never writes) and
     its metadata."""
     out = []
-    recipe, meta = checkpoint / LAYOUT.CONFIG_FILE, checkpoint / LAYOUT.METADATA_FILE
+    recipe, meta = CheckpointFolder(checkpoint).config, CheckpointFolder(checkpoint).metadata
     try:
         if os.path.lexists(recipe):
             text = yaml.safe_dump(redacted(read_yaml(recipe, "a checkpoint's recipe copy")), sort_keys=False)
-            out.append(Entry(LAYOUT.ARCHIVE_RECIPE, len(text.encode()), data=text.encode()))
+            out.append(Entry(Archive.RECIPE, len(text.encode()), data=text.encode()))
         if os.path.lexists(meta):
             data = read_bytes(meta, "checkpoint metadata", SMALL_FILE_LIMIT)
             parse_json(data, f"'{meta}'", "checkpoint metadata", SMALL_FILE_LIMIT)
-            out.append(Entry(LAYOUT.ARCHIVE_METADATA, len(data), data=data))
+            out.append(Entry(Archive.METADATA, len(data), data=data))
     except OSError as exc:
         raise CheckpointError(f"cannot read '{checkpoint}': {first_line(exc)}") from None
     return out
@@ -345,17 +325,16 @@ def _ours(checkpoint: Path) -> list[Entry]:
 
 def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
     """The regular files of ``folder`` (and, ``with_ours``, of its ``automodel/``: an unpacked archive packs
-    again); a Hugging Face cache snapshot's links are packed as the blobs they lead to, any other link or special
-    file is refused in one line (``paths.model_file_in``). Other subfolders are not packed."""
+    again); a cache snapshot's links are packed as their blobs, any other link or special file is refused."""
     entries = []
-    for sub in ("", LAYOUT.ARCHIVE_DIR) if with_ours else ("",):
+    for sub in ("", Archive.DIR) if with_ours else ("",):
         where = folder / sub if sub else folder
         if sub and (not os.path.isdir(where) or os.path.islink(where)):
             continue
         with os.scandir(where) as it:
             for entry in sorted(it, key=lambda e: e.name):
                 name = f"{sub}/{entry.name}" if sub else entry.name
-                if entry.is_dir(follow_symlinks=False) or name == LAYOUT.ARCHIVE_MANIFEST:
+                if entry.is_dir(follow_symlinks=False) or name == Archive.MANIFEST:
                     continue
                 real = model_file_in(where, entry.name, "an archive holds only regular files (and a cache "
                                         "snapshot's blobs), never what another link points to: replace it with the "
@@ -368,7 +347,7 @@ def _folder_entries(folder: Path, *, with_ours: bool) -> list[Entry]:
 def _ordered(entries: list[Entry]) -> list[Entry]:
     """Small files first (a reader finds the config and index at the start), then the weights, then ours."""
     def rank(e: Entry) -> tuple[int, str]:
-        ours = e.name.startswith(LAYOUT.ARCHIVE_DIR + "/")
+        ours = e.name.startswith(Archive.DIR + "/")
         return (2 if ours else 1 if e.name.endswith(_WEIGHTS_SUFFIX) else 0), e.name
 
     return sorted(entries, key=rank)

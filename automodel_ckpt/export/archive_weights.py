@@ -1,10 +1,8 @@
 """Reading the weights of an archive in place: DCP's metadata from its members' safetensors headers, reads at offsets.
 
-``ArchiveHFReader`` is the folder reader (``ondisk/fastio``'s ``ParallelHFReader``) for an archive: each
-safetensors member is a byte range of the archive file, so a tensor piece is read with ``pread`` (or past the page
-cache) at ``member offset + data start + its offset in the member``, straight into the destination tensor. Nothing
-is extracted or copied to a temporary folder. The archive and every header are checked first (``archive.py``,
-``safetensors_io``): a member or a tensor range that does not lie inside the archive is refused in one line.
+``ArchiveHFReader`` is ``ParallelHFReader`` for an archive: a tensor piece is read straight into its destination at
+``member offset + data start + its offset``, nothing extracted. The archive and every header are checked first: a
+member or a tensor range outside the archive is refused in one line.
 """
 
 from __future__ import annotations
@@ -13,14 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 
 from automodel_ckpt.distributed.dcp_private import hf_storage_info
 from automodel_ckpt.export.archive import open_archive

@@ -1,9 +1,7 @@
 """Atomic publication of an HF export, the coordination of the ranks writing it, and an export's lineage file.
 
-An export is written into a hidden sibling folder and renamed into place only when every file is complete, so a
-reader never sees a half-written ``consolidated/``; a failure removes the temporary folder. With several ranks,
-rank 0 renames once all ranks report success, through torch.distributed when a process group of that size is
-initialised, else through marker files in the shared temporary folder.
+An export is written into a hidden sibling folder, renamed into place only when every file is complete and removed
+on failure; with several ranks, rank 0 renames once all report success (through the process group, else markers).
 """
 
 from __future__ import annotations
@@ -19,7 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel_ckpt.ondisk import LAYOUT, fsync_dir, open_regular, remove_tree, replace_folder, write_durable
+from automodel_ckpt.ondisk import (HFFolder, fsync_dir, old_sibling, open_regular, remove_tree, replace_folder,
+                                   tmp_sibling, write_durable)
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -29,6 +28,7 @@ class ExportPlan(Protocol):
     def expected_names(self) -> set[str]: ...
 
     def fingerprint(self) -> str: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,8 @@ class Coordinator:
     """Single process: a private temporary folder, renamed into place on success, removed on failure."""
 
     def __init__(self, out_dir: Path, rank: int, world_size: int) -> None:
-        self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.tmp = out_dir.parent / LAYOUT.export_tmp_name(out_dir.name, secrets.token_hex(4))
+        self.out_dir, self.rank, self.world_size = out_dir, rank, world_size
+        self.tmp = tmp_sibling(out_dir, secrets.token_hex(4))
 
     def begin(self) -> Path:
         _make_folder(self.tmp, self.out_dir)
@@ -120,18 +118,15 @@ class _DistCoordinator(Coordinator):
 
 
 class _FileCoordinator(Coordinator):
-    """Ranks without a process group: a shared temporary folder named after the world size, and marker files.
-
-    Every rank writes its files, then a marker holding the plan fingerprint; rank 0 waits for all markers with
-    its own fingerprint (stale ones from an interrupted run do not match or describe identical files), then
-    renames the folder. A failing rank leaves a failure file that makes rank 0 give up and clean up.
-    """
+    """Ranks without a process group share a temporary folder named after the world size. Each leaves a marker
+    holding the plan fingerprint (a stale one from an interrupted run does not match, or describes identical files)
+    or a failure note; rank 0 waits for every marker, then renames, or gives up and cleans up on a failure."""
 
     def __init__(self, out_dir: Path, rank: int, world_size: int) -> None:
         super().__init__(out_dir, rank, world_size)
-        self.tmp = out_dir.parent / LAYOUT.export_tmp_name(out_dir.name, f"ranks{world_size}")
-        self.marker = self.tmp / LAYOUT.export_rank_marker(rank)
-        self.failure = self.tmp / LAYOUT.export_rank_failure(rank)
+        self.tmp = tmp_sibling(out_dir, f"ranks{world_size}")
+        self.marker = HFFolder(self.tmp).rank_done(rank)
+        self.failure = HFFolder(self.tmp).rank_failed(rank)
 
     def begin(self) -> Path:
         _make_folder(self.tmp, self.out_dir, exist_ok=True)
@@ -144,7 +139,10 @@ class _FileCoordinator(Coordinator):
             if self.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             else:
-                _write_quietly(self.failure, first_line(error))
+                try:
+                    write_durable(self.failure, first_line(error))
+                except OSError:
+                    logger.warning("could not record the failure in %s", self.failure)
             raise _as_checkpoint_error(error)
         assert plan is not None
         fingerprint = plan.fingerprint()
@@ -159,12 +157,12 @@ class _FileCoordinator(Coordinator):
         waiting = set(range(1, self.world_size))
         while waiting:
             for r in sorted(waiting):
-                failure = self.tmp / LAYOUT.export_rank_failure(r)
+                failure = HFFolder(self.tmp).rank_failed(r)
                 if os.path.lexists(failure):
                     msg = _read_note(failure)
                     shutil.rmtree(self.tmp, ignore_errors=True)
                     raise CheckpointError(f"consolidation failed on rank {r}: {msg}")
-                marker = self.tmp / LAYOUT.export_rank_marker(r)
+                marker = HFFolder(self.tmp).rank_done(r)
                 if os.path.lexists(marker) and _read_note(marker) == fingerprint:
                     waiting.discard(r)
             if waiting:
@@ -191,7 +189,7 @@ def _swap_in(tmp: Path, out_dir: Path, expected: set[str]) -> None:
         if entry.name not in expected:
             remove_tree(entry)
     fsync_dir(tmp)
-    replace_folder(tmp, out_dir, LAYOUT.export_old_name(out_dir.name, secrets.token_hex(4)))
+    replace_folder(tmp, out_dir, old_sibling(out_dir, secrets.token_hex(4)).name)
 
 
 def _read_note(path: Path) -> str:
@@ -201,13 +199,6 @@ def _read_note(path: Path) -> str:
             return f.read(4096).decode("utf-8", "replace").strip()
     except OSError:
         return ""
-
-
-def _write_quietly(path: Path, text: str) -> None:
-    try:
-        write_durable(path, text)
-    except OSError:
-        logger.warning("could not record the failure in %s", path)
 
 
 def _as_checkpoint_error(error: BaseException) -> BaseException:
@@ -222,8 +213,6 @@ def _as_checkpoint_error(error: BaseException) -> BaseException:
 
 def write_lineage_file(folder: str | Path, record: dict[str, Any]) -> Path:
     """``record`` as ``folder``'s lineage file (an export folder: Hugging Face, int8, HF Trainer), written whole."""
-    file = Path(folder) / LAYOUT.LINEAGE_FILE
-    tmp = file.with_name(f".{LAYOUT.LINEAGE_FILE}.partial")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, file)
+    file = HFFolder(folder).lineage
+    write_durable(file, json.dumps(record, indent=2, default=str) + "\n")
     return file

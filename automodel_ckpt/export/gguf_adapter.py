@@ -1,28 +1,25 @@
 """`export --to gguf --adapter`: a LoRA checkpoint's adapter as a GGUF LoRA adapter for llama.cpp's ``--lora``.
 
-llama.cpp applies it to the GGUF of the adapter's base. The format is llama.cpp's (as its ``convert_lora_to_gguf.py`` writes it), written with the ``gguf`` library:
-``general.type`` ``adapter``, ``adapter.type`` ``lora``, ``adapter.lora.alpha``, and for each adapted weight its
-``lora_a`` (rank x in) and ``lora_b`` (out x rank) under the GGUF name of that weight (``blk.0.attn_q.weight.lora_a``).
-llama.cpp scales the product by alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with the alpha
-that gives its scale. What the base's export does to a weight is done to the factor it reaches: Llama's query and
-key rows are permuted, so ``lora_b``'s rows are. Families whose weights are transposed or stacked in a GGUF (GPT-2,
-the mixtures of experts) are refused, as is an adapter that trains whole modules beside its LoRA factors.
+The format is llama.cpp's ``convert_lora_to_gguf.py``'s: each adapted weight's ``lora_a`` and ``lora_b`` under its
+GGUF name, and ``adapter.lora.alpha`` (llama.cpp scales by alpha / rank, so an rsLoRA adapter gets the alpha that
+gives its scale). What the base's export does to a weight is done to the factor it reaches (Llama's rotary
+permutation of ``lora_b``'s rows); families whose weights are transposed or stacked in a GGUF are refused, as is an
+adapter that trains whole modules.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, SMALL_FILE_LIMIT, fsync_dir, read_json
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, SMALL_FILE_LIMIT, HFFolder, read_json
 from automodel_ckpt.export.gguf_arch import checked_heads, family_for, permute_rotary
+from automodel_ckpt.export.gguf_export import gguf_file
 from automodel_ckpt.errors import CheckpointError, UserError
 
 _FACTOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
@@ -41,65 +38,53 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
     if type_name not in _TYPES:
         raise UserError(f"--adapter: the LoRA factors are written in bf16 or f16, not {type_name}; add --type f16")
     adapter = adapter_folder(Path(src))
-    settings = read_json(adapter / LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
+    settings = read_json(HFFolder(adapter).adapter_config, "an adapter config", SMALL_FILE_LIMIT)
     if not isinstance(settings, dict) or settings.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"--adapter: {adapter / LAYOUT.ADAPTER_CONFIG} is not a LoRA adapter")
+        raise UserError(f"--adapter: {HFFolder(adapter).adapter_config} is not a LoRA adapter")
     if settings.get("modules_to_save"):
         raise UserError("--adapter: this adapter trains whole modules beside its LoRA factors "
                         f"({', '.join(settings['modules_to_save'])}); export it merged (without --adapter)")
     base = base_model_folder(adapter)
-    config = read_json(base / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT, follow=True)
+    config = read_json(HFFolder(base).config, "a model config", CONFIG_FILE_LIMIT, follow=True)
     family = family_for(config)
     if family.conv1d or family.moe:
         raise UserError(f"--adapter: {config.get('model_type')} adapters are not written as GGUF adapters yet; "
                         "export the checkpoint merged (without --adapter)")
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    weights = adapter / LAYOUT.ADAPTER_WEIGHTS
+    weights = HFFolder(adapter).adapter_weights
     if not weights.is_file():
-        raise CheckpointError(f"{adapter} has no {LAYOUT.ADAPTER_WEIGHTS}")
+        raise CheckpointError(f"{adapter} has no {HFFolder.adapter_weights}")
     with safe_open(str(weights), framework="pt") as f:
         keys = list(f.keys())
     names = gguf.get_tensor_name_map(arch, _blocks(config, keys, base))  # the adapter's layers only: bounded
     rank, alpha = settings.get("r") or 0, settings.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or \
             not isinstance(alpha if alpha is not None else 0, (int, float)) or isinstance(alpha, bool):
-        raise CheckpointError(f"--adapter: {adapter / LAYOUT.ADAPTER_CONFIG} gives the rank {str(rank)[:40]} and "
+        raise CheckpointError(f"--adapter: {HFFolder(adapter).adapter_config} gives the rank {str(rank)[:40]} and "
                               f"alpha {str(alpha)[:40]}; expected numbers")
     alpha = float(alpha if alpha is not None else rank)
     if settings.get("use_rslora"):
         alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
     dtype, qname = _TYPES[type_name]
     out = Path(out)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
-    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            factors = _factors(list(f.keys()), names, weights)
-            writer.add_type(gguf.GGUFType.ADAPTER)
-            writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-            for gguf_name, key, which, module in factors:
-                value = f.get_tensor(key)
-                if which == "B" and family.llama_rope and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
-                    heads = _heads(config, "num_attention_heads", value.shape[0]) if ".attn_q." in gguf_name \
-                        else _heads(config, "num_key_value_heads", value.shape[0], config.get("num_attention_heads"))
-                    value = permute_rotary(value, heads)
-                qtype = getattr(gguf.GGMLQuantizationType, qname)
-                data = value.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
-                writer.add_tensor(f"{gguf_name}.lora_{which.lower()}", data, raw_dtype=qtype,
-                                  raw_shape=quant_shape_to_byte_shape(tuple(value.shape), qtype))
+    with gguf_file(out, gguf.MODEL_ARCH_NAMES[arch]) as writer, safe_open(str(weights), framework="pt") as f:
+        factors = _factors(list(f.keys()), names, weights)
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        for gguf_name, key, which, module in factors:
+            value = f.get_tensor(key)
+            if which == "B" and family.llama_rope and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+                heads = _heads(config, "num_attention_heads", value.shape[0]) if ".attn_q." in gguf_name \
+                    else _heads(config, "num_key_value_heads", value.shape[0], config.get("num_attention_heads"))
+                value = permute_rotary(value, heads)
+            qtype = getattr(gguf.GGMLQuantizationType, qname)
+            data = value.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+            writer.add_tensor(f"{gguf_name}.lora_{which.lower()}", data, raw_dtype=qtype,
+                              raw_shape=quant_shape_to_byte_shape(tuple(value.shape), qtype))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.flush()
-        os.fsync(writer.fout[0].fileno())
-        writer.close()
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return {"bytes": out.stat().st_size, "factors": len(factors), "rank": rank, "alpha": alpha,
             "base": str(base)}
 

@@ -1,11 +1,8 @@
 """Which model families a GGUF export knows, and for each its llama.cpp architecture, hyperparameters and tensors.
 
 A family is listed when both llama.cpp and transformers' GGUF reader run it. Names come from the ``gguf`` library's
-own ``TensorNameMap`` for the architecture (on-disk Hugging Face names in, ``blk.N.attn_q.weight`` out); what
-llama.cpp's converter does to values besides renaming is repeated here, per family, and nothing else:
-Llama's query and key rows are permuted into llama.cpp's rotary layout, GPT-2's Conv1D weights are transposed,
-Gemma 2's norm weights get the 1 that transformers adds at run time, per-expert weights are stacked into one tensor per layer (``ffn_gate_exps``), and GPT-2's tied output is written
-beside the embedding. Any other family is refused in one line before any work (``family_for``).
+``TensorNameMap``; what llama.cpp's converter does to values besides renaming is repeated here per family
+(``GGUFFamily``'s flags; experts stacked per layer), and nothing else. Any other family is refused in one line.
 """
 
 from __future__ import annotations
@@ -52,10 +49,6 @@ _FAMILIES: dict[str, GGUFFamily] = {
 }
 
 
-def known_families() -> list[str]:
-    return sorted(_FAMILIES)
-
-
 def family_for(config: dict[str, Any]) -> GGUFFamily:
     """The GGUF shape of the model of ``config``; a one-line ``UserError`` for a family GGUF export does not know,
     or a configuration llama.cpp would run differently from transformers."""
@@ -63,7 +56,7 @@ def family_for(config: dict[str, Any]) -> GGUFFamily:
     family = _FAMILIES.get(model_type)
     if family is None:
         raise UserError(f"GGUF export does not know the model family '{model_type}'; it exports "
-                        f"{', '.join(known_families())} (families that llama.cpp and transformers' GGUF reader "
+                        f"{', '.join(sorted(_FAMILIES))} (families that llama.cpp and transformers' GGUF reader "
                         "both run); use the Hugging Face export (`ckpt-train consolidate`) for this model")
     rope = rope_parameters(config)
     if rope.get("rope_type", "default") not in ("default", None):
@@ -157,7 +150,8 @@ class OutputTensor:
     kind: str = ""  # "norm", "router", "position", "embedding", "output" or "" (what picks its storage type)
 
 
-def output_tensors(family: GGUFFamily, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[OutputTensor]:
+def output_tensors(family: GGUFFamily, config: dict[str, Any],
+                   shapes: dict[str, tuple[int, ...]]) -> list[OutputTensor]:
     """Every GGUF tensor of the model whose on-disk tensors have ``shapes``, in llama.cpp's order."""
     import gguf
 

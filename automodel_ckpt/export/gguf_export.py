@@ -1,15 +1,10 @@
 """`export --to gguf`: a model written as one GGUF file for llama.cpp, streamed tensor by tensor.
 
-Everything is encoded by the ``gguf`` library (llama.cpp's own Python package): ``GGUFWriter`` writes the header,
-the metadata and the tensor table, ``gguf.quants`` quantizes each tensor (``q8_0``, ``q4_0``; the float types
-``bf16``, ``f16`` and ``f32`` are torch's own casts, which round as ``gguf.quants`` does and use every core).
-The plan comes first (family, every tensor's GGUF name, shape and storage type: ``--dry-run`` prints it), the
-header and table are written from it, then each tensor is read from the source, converted and appended, and
-dropped before the next one: memory is bounded by the largest tensor (a stacked expert tensor of one layer for a
-mixture of experts) times the threads that convert ahead (``num_threads``), never the model. Storage types follow llama.cpp's converter: norms, biases, routers and
-position embeddings stay F32; a row whose length is not a multiple of the block size falls back to F16; with
-``q4_0`` the embedding and output layers get ``q8_0`` (llama.cpp's own ``q4_0`` keeps them at higher precision
-too). The file is written under a hidden name beside ``out`` and renamed into place once complete and fsynced.
+The ``gguf`` library (llama.cpp's own) writes the header and quantizes (``q8_0``, ``q4_0``; float types are torch's
+casts, which round as ``gguf.quants`` does and use every core). The plan (``--dry-run`` prints it) fixes every
+tensor's GGUF name, shape and storage type; then each tensor is read, converted, appended and dropped, so memory is
+bounded by the largest tensor times the threads converting ahead, never the model. The file is written beside
+``out`` and renamed into place once complete and fsynced.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel_ckpt.ondisk import LAYOUT, fsync_dir
+from automodel_ckpt.ondisk import fsync_dir, tmp_sibling
 from automodel_ckpt.export.gguf_arch import GGUFFamily, OutputTensor, add_hparams, family_for, output_tensors
 from automodel_ckpt.export.gguf_read import GGUF_SUFFIX
 from automodel_ckpt.export.model_source import ModelSource
@@ -84,6 +79,8 @@ def plan_gguf(source: ModelSource, type_name: str) -> GGUFPlan:
 
 
 def _storage_type(t: OutputTensor, wanted: Any) -> Any:
+    """As llama.cpp's converter: norms, routers and position embeddings F32; with ``q4_0`` the embedding and output
+    ``q8_0``; a row that is no whole number of blocks F16."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
     if t.kind in ("norm", "router", "position"):
@@ -106,63 +103,71 @@ def _nbytes(shape: tuple[int, ...], qtype: Any) -> int:
 def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool = True,
                num_threads: int = 1, lineage: str | None = None) -> dict[str, Any]:
     """Write ``plan`` of ``source`` to ``out``; returns what was written (bytes, seconds, tokenizer model).
-
-    With ``num_threads`` > 1, that many tensors are read and quantized ahead of the one being written (NumPy and torch
-    release the interpreter's lock while they compute): memory is then bounded by that many of the largest tensor.
+    ``num_threads`` tensors are converted ahead of the one being written (NumPy and torch release the GIL);
     ``lineage``: the export's lineage record (JSON text), written as the ``automodel_ckpt.lineage`` key."""
     import gguf
+    from gguf.quants import quant_shape_to_byte_shape
 
     from automodel_ckpt.export.gguf_vocab import add_vocab
-    from automodel_ckpt.export.plan import ProgressBar
+    from automodel_ckpt.export.plan import progress_bar
 
     out = Path(out)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a folder; give the GGUF file's name (e.g. model{GGUF_SUFFIX})")
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
     start = time.perf_counter()
-    writer = _writer_class()(tmp, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, plan.family.arch)])
     try:
-        _metadata(writer, source, plan)
-        if lineage is not None:
-            writer.add_string("automodel_ckpt.lineage", lineage)
-        vocab_rows = _vocab_rows(plan)
-        tokenizer_model = add_vocab(writer, source.side_dir, vocab_rows, plan.family.required_tokens)
-        for t, qtype in plan.tensors:
-            writer.add_tensor_info(t.name, _byte_shape(t.shape, qtype), np.dtype(np.uint8), _nbytes(t.shape, qtype),
-                                   raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        with ProgressBar(plan.nbytes, progress, "writing GGUF") as advance, \
-                ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="gguf") as pool:
-            waiting = iter(plan.tensors)
-            ahead: deque[Future[np.ndarray]] = deque()
-            for t, qtype in islice(waiting, max(1, num_threads)):
-                ahead.append(pool.submit(_encode, t, qtype, source))
-            while ahead:
-                data = ahead.popleft().result()  # in the plan's order, as the tensor table lists them
-                following = next(waiting, None)
-                if following is not None:
-                    ahead.append(pool.submit(_encode, *following, source))
-                writer.write_tensor_data(data)
-                advance(data.nbytes)
-                del data
+        with gguf_file(out, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, plan.family.arch)]) as writer:
+            _metadata(writer, source, plan)
+            if lineage is not None:
+                writer.add_string("automodel_ckpt.lineage", lineage)
+            vocab_rows = _vocab_rows(plan)
+            tokenizer_model = add_vocab(writer, source.side_dir, vocab_rows, plan.family.required_tokens)
+            for t, qtype in plan.tensors:
+                writer.add_tensor_info(t.name, tuple(quant_shape_to_byte_shape(t.shape, qtype)), np.dtype(np.uint8),
+                                       _nbytes(t.shape, qtype), raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            with progress_bar(plan.nbytes, progress, "writing GGUF") as advance, \
+                    ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="gguf") as pool:
+                waiting = iter(plan.tensors)
+                ahead: deque[Future[np.ndarray]] = deque()
+                for t, qtype in islice(waiting, max(1, num_threads)):
+                    ahead.append(pool.submit(_encode, t, qtype, source))
+                while ahead:
+                    data = ahead.popleft().result()  # in the plan's order, as the tensor table lists them
+                    following = next(waiting, None)
+                    if following is not None:
+                        ahead.append(pool.submit(_encode, *following, source))
+                    writer.write_tensor_data(data)
+                    advance(data.nbytes)
+                    del data
+    except OSError as exc:
+        raise CheckpointError(f"GGUF export to '{out}' failed: {exc.strerror or exc}"
+                              + (f" ({exc.filename})" if exc.filename else "")) from None
+    seconds = time.perf_counter() - start
+    logger.info("GGUF written to %s: %s in %.1f s", out, human_size(out.stat().st_size), seconds)
+    return {"bytes": out.stat().st_size, "seconds": seconds, "tokenizer": tokenizer_model,
+            "read_bytes": source.nbytes}
+
+
+@contextmanager
+def gguf_file(out: Path, arch_name: str) -> Iterator[Any]:
+    """A ``GGUFWriter`` (empty arrays allowed) into a hidden file beside ``out``, fsynced and renamed into place when
+    the block ends, removed when it fails."""
+    tmp = tmp_sibling(out, secrets.token_hex(4))
+    writer = _writer_class()(tmp, arch_name)
+    try:
+        yield writer
         writer.flush()
         os.fsync(writer.fout[0].fileno())
         writer.close()
         os.replace(tmp, out)
         fsync_dir(out.parent)
-    except BaseException as exc:
+    except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"GGUF export to '{out}' failed: {exc.strerror or exc}"
-                                  + (f" ({exc.filename})" if exc.filename else "")) from None
         raise
-    seconds = time.perf_counter() - start
-    logger.info("GGUF written to %s: %s in %.1f s", out, human_size(out.stat().st_size), seconds)
-    return {"bytes": out.stat().st_size, "seconds": seconds, "tokenizer": tokenizer_model,
-            "read_bytes": source.nbytes}
 
 
 def _writer_class() -> type:
@@ -210,12 +215,6 @@ def _vocab_rows(plan: GGUFPlan) -> int:
     if embd is None:
         raise CheckpointError("the model has no token embedding (model.embed_tokens / wte); it cannot be exported")
     return embd.shape[0]
-
-
-def _byte_shape(shape: tuple[int, ...], qtype: Any) -> tuple[int, ...]:
-    from gguf.quants import quant_shape_to_byte_shape
-
-    return tuple(quant_shape_to_byte_shape(shape, qtype))
 
 
 def _encode(t: OutputTensor, qtype: Any, source: ModelSource) -> np.ndarray:

@@ -1,16 +1,11 @@
 """Reading a GGUF file that may be hostile: its header and metadata for `inspect` and `pack`, every tensor for `verify`.
 
-The header is walked here, streamed, once: every count and length it holds is checked against the bytes left in
-the file and against a cap before it is used. The key and tensor counts must fit the file (each entry takes bytes
-of its own) and stay under ``MAX_KEYS`` / ``MAX_TENSORS``; a string or an array must end inside the file; an array
-holds at most ``MAX_ARRAY`` items and the file's arrays together ``MAX_ARRAY_ITEMS``. Arrays are never held: only
-their item type and count are kept (a vocabulary of 150,000 tokens is skipped over, not read into memory), and only
-strings of at most ``_SHOWN_STRING`` bytes are read at all. So memory is bounded by the number of keys and tensors,
-never by what the file claims. Whatever does not fit is one ``CheckpointError`` line naming the file.
-``tensor_layout`` checks where every tensor's bytes lie: inside the file, without overlap, sized for its type and
-shape (``refuse_misplaced_tensors``: `pack` and `diff` refuse a file that fails it, so each reads at most the file's
-bytes); ``verify_gguf`` reports its problems and checks that every tensor (read a block at a time) decodes to finite
-values.
+The header is walked once, streamed: every count and length is checked against the bytes left in the file and a cap
+(``MAX_KEYS``, ``MAX_TENSORS``, ``MAX_ARRAY``, ``MAX_ARRAY_ITEMS``) before it is used. Arrays are skipped, never held
+(only their item type and count), and strings over ``_SHOWN_STRING`` bytes are never read, so memory is bounded by
+the number of keys and tensors, never by what the file claims; what does not fit is one ``CheckpointError`` line.
+``tensor_layout`` checks every tensor's bytes lie inside the file without overlap (so `pack` and `diff` read at most
+the file's bytes); ``verify_gguf`` also decodes every tensor to finite values.
 """
 
 from __future__ import annotations
@@ -96,8 +91,7 @@ class GGUFHeader:
 
 
 def open_gguf(path: Path, keep: dict[str, int] | None = None) -> GGUFHeader:
-    """The header of the GGUF file ``path``, walked and bounded (module docstring); one-line ``CheckpointError``
-    otherwise. The file is the one the user named: a link to it is followed, a FIFO or device is refused.
+    """The header of the GGUF file ``path`` the user named (a link followed, a FIFO or device refused), bounded;
     ``keep``: keys whose string value is read up to that many bytes (a longer one is refused in one line)."""
     path = Path(path)
     try:
@@ -124,8 +118,7 @@ def open_gguf(path: Path, keep: dict[str, int] | None = None) -> GGUFHeader:
 
 
 def gguf_lineage_text(path: Path, limit: int, key: str = "automodel_ckpt.lineage") -> str | None:
-    """The lineage record (JSON text) an export wrote into the GGUF file ``path`` (None: none), read up to ``limit``
-    bytes: a longer one is refused in one line."""
+    """The lineage record (JSON text, at most ``limit`` bytes) an export wrote into the GGUF file, or None."""
     value = open_gguf(path, keep={key: limit}).values.get(key)
     return value if isinstance(value, str) else None
 
@@ -280,9 +273,7 @@ def describe_gguf(path: Path) -> dict[str, Any]:
 
 
 def _value(value: Any) -> Any:
-    if isinstance(value, GGUFArray):
-        return f"(an array of {value.count})"
-    return value
+    return f"(an array of {value.count})" if isinstance(value, GGUFArray) else value
 
 
 @dataclass
@@ -316,10 +307,9 @@ def verify_gguf(path: Path, *, decode: bool = True) -> GGUFReport:
 
 
 def tensor_layout(header: GGUFHeader) -> tuple[list[tuple[GGUFTensor, int, int]], list[str]]:
-    """Where the tensors' bytes lie: each tensor that is whole blocks and ends inside the file, in the order of its
-    offset, with its byte count and its type's block bytes; and the problems (a tensor no whole number of blocks,
-    one that runs past the end, one whose bytes overlap the previous tensor's). Without problems the tensors'
-    bytes together are at most the file's, so whatever reads each tensor once reads the file at most once."""
+    """``(tensor, bytes, block bytes)`` of each tensor of whole blocks inside the file, by offset, and the problems
+    (not whole blocks, past the end, overlapping the previous): without any, the tensors' bytes are at most the
+    file's."""
     from gguf import GGML_QUANT_SIZES
 
     placed: list[tuple[GGUFTensor, int, int]] = []
@@ -344,8 +334,8 @@ def tensor_layout(header: GGUFHeader) -> tuple[list[tuple[GGUFTensor, int, int]]
 
 
 def refuse_misplaced_tensors(header: GGUFHeader, refusal: str) -> None:
-    """A one-line ``CheckpointError`` naming the first of ``tensor_layout``'s problems, and ``refusal`` (what is
-    not done with the file), unless there are none: what `pack` ships and `diff` compares is read once, whole."""
+    """A one-line ``CheckpointError`` naming the first of ``tensor_layout``'s problems and ``refusal`` (what is not
+    done with the file), if any."""
     problems = tensor_layout(header)[1]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -1,29 +1,16 @@
 """A GGUF file as one side of `diff`: its tensors read back (dequantized, with their rounding) and paired by name.
 
-A GGUF file names its tensors as llama.cpp does (``blk.0.attn_q.weight``) and stores some in another layout. The
-other side (a checkpoint, a folder, an archive, an int8 folder) is put through the GGUF export's own mapping
-(``gguf_mapping``: names, the rotary permutation, Conv1D transposes, norms plus one, experts stacked per
-layer), one tensor at a time, and compared with the file's tensor dequantized: in the file's layout, under the
-model's name (a stacked expert tensor as one entry per expert; the tied output GPT-2 writes beside the embedding
-under its GGUF name). A file's tensor the mapping does not make is listed under its GGUF name. Two GGUF files are
-compared by their GGUF names. Each file tensor carries its storage type's rounding step
-(``open_gguf_tensors``), so a model and its own GGUF export are ``close``.
-
-``open_gguf_tensors`` reads the header with ``gguf_read.open_gguf`` (bounded: every count and length checked), then
-checks every tensor's bytes lie inside the file, sized for its type and shape, none overlapping another's, before
-any is read (``gguf_read.refuse_misplaced_tensors``, as `pack` checks): a truncated or damaged file, or one whose
-tensors share bytes (a few MiB read again for each of thousands of tensors), is one ``CheckpointError`` line, so
-reading every tensor once reads at most the file. A tensor is read when asked for (positioned reads, one tensor in
-memory), dequantized by the ``gguf`` library, in the file's layout (outermost dimension first). Its ``step`` is the
-rounding of its storage type, per element: a float type's half unit in the last place; a block-quantized type's
-step, the block's largest magnitude over the type's levels (``2 ** (bits - 1)``, bits a value's whole bits: 127 for
-``q8_0``, 8 for ``q4_0``), one step being the most round-to-nearest loses where the range clamps.
-``gguf_mapping`` is the export's own mapping of a model's tensors (``gguf_arch``: names, rotary permutation, Conv1D
-transposes, stacked experts, norms plus one) for a model of ``config`` with tensors of ``shapes``.
+The other side (a checkpoint, a folder, an archive, an int8 folder) is put through the GGUF export's own mapping
+(``gguf_mapping``), one tensor at a time, and compared with the file's tensor dequantized, in the file's layout,
+under the model's name (a stacked expert tensor as one entry per expert); a file's tensor the mapping does not make
+keeps its GGUF name, and two GGUF files are compared by those. Each file tensor carries its storage type's rounding
+step, so a model and its own GGUF export are ``close``. Every tensor's bytes are checked to lie inside the file,
+none overlapping, before any is read: reading every tensor once reads at most the file.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from contextlib import ExitStack
@@ -59,14 +46,7 @@ def gguf_beside(model: ModelSource, path: Path, stack: ExitStack) -> tuple[Model
     file = open_gguf_tensors(path, stack)
     mapping = gguf_mapping(model.config, model.shapes)
     laid, read = ModelSource(model.config, where=model.where), ModelSource({}, kind=_KIND, where=str(path))
-    last: dict[str, Any] = {}
-
-    def whole(gguf_name: str) -> torch.Tensor:  # a stacked tensor read once for all its experts
-        if last.get("name") != gguf_name:
-            last.clear()
-            last.update(name=gguf_name, value=file.read(gguf_name))
-        return last["value"]
-
+    whole = functools.lru_cache(maxsize=1)(file.read)  # a stacked tensor read once for all its experts
     made: set[str] = set()
     for t in mapping:
         if t.name not in file.shapes:  # the model's tensors the file lacks
@@ -107,7 +87,6 @@ def _add(out: ModelSource, file: Any, name: str, gguf_name: str, shape: tuple[in
     out.formats[name] = f"GGUF {file.types[gguf_name]}"
 
 
-
 @dataclass
 class GGUFTensors:
     """The tensors of a GGUF file by name: shape (outermost first) and storage type name; read one at a time."""
@@ -138,7 +117,9 @@ class GGUFTensors:
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shapes[name])
 
     def step(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """Each element's rounding step in the tensor ``name`` read as ``value`` (module docstring)."""
+        """Each element's rounding step in the tensor ``name`` read as ``value``: a float type's half unit in the
+        last place; a block type's, the block's largest magnitude over its levels (``2 ** (bits - 1)``: 127 for
+        ``q8_0``), the most round-to-nearest loses where the range clamps."""
         from gguf import GGML_QUANT_SIZES
 
         kind = self.types[name]

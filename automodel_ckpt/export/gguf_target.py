@@ -1,10 +1,7 @@
 """``--to gguf``: one GGUF file for llama.cpp (a whole model, or a LoRA checkpoint's adapter), and what a GGUF file is.
 
-The export plans (``gguf_export.plan_gguf``: family, tensors, bytes out) and writes tensor by tensor from
-``model_source.open_model``; ``--adapter`` writes a LoRA checkpoint's adapter as llama.cpp's GGUF LoRA adapter
-(``gguf_adapter``). A GGUF file met by ``inspect``, ``verify``, ``pack``, ``diff`` and a lineage listing is
-recognised by its magic and read by ``gguf_read``, streamed and bounded; ``diff`` pairs its tensors with a model's
-by ``gguf_side``.
+The export is ``gguf_export`` (``--adapter``: ``gguf_adapter``); a GGUF file the other verbs meet is read by
+``gguf_read``, streamed and bounded, and ``diff`` pairs its tensors with a model's by ``gguf_side``.
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automodel_ckpt.errors import UsageError
-from automodel_ckpt.export.gguf_read import GGUF_SUFFIX
+from automodel_ckpt.export.gguf_read import (GGUF_SUFFIX, describe_gguf, gguf_lineage_text, is_gguf, open_gguf,
+                                             refuse_misplaced_tensors, verify_gguf)
 from automodel_ckpt.export.target import ExportRequest, ExportTarget
 from automodel_ckpt.sizes import human_size
 
@@ -76,13 +74,9 @@ class GGUFTarget(ExportTarget):
         return 0
 
     def identify(self, path: Path) -> bool:
-        from automodel_ckpt.export.gguf_read import is_gguf
-
         return is_gguf(path)
 
     def describe(self, path: Path) -> dict[str, Any]:
-        from automodel_ckpt.export.gguf_read import describe_gguf
-
         return describe_gguf(path)
 
     def render(self, info: dict[str, Any]) -> str:
@@ -101,8 +95,6 @@ class GGUFTarget(ExportTarget):
 
     def verify(self, path: Path, *, decode: bool) -> bool:
         """Every tensor of a GGUF file inside it, sized for its type (and, unless ``decode`` is off, finite)."""
-        from automodel_ckpt.export.gguf_read import verify_gguf
-
         report = verify_gguf(path, decode=decode)
         print(f"GGUF {path} ({report.tensors} tensors, {human_size(report.bytes)}, "
               f"{'decoded' if decode else 'sizes only'})")
@@ -114,13 +106,9 @@ class GGUFTarget(ExportTarget):
 
     def check(self, path: Path, consequence: str) -> None:
         """A damaged header raises; a tensor outside the data or over another is refused (``consequence``)."""
-        from automodel_ckpt.export.gguf_read import open_gguf, refuse_misplaced_tensors
-
         refuse_misplaced_tensors(open_gguf(path), consequence)
 
     def lineage_text(self, path: Path, limit: int) -> str | None:
-        from automodel_ckpt.export.gguf_read import gguf_lineage_text
-
         return gguf_lineage_text(path, limit)
 
     def open_tensors(self, path: Path, stack: ExitStack) -> ModelSource:

@@ -1,17 +1,10 @@
 """A Hugging Face tokenizer as GGUF metadata: tokens, their types and scores, merges, special tokens, chat template.
 
-``tokenizer.json`` decides the GGUF tokenizer model, as llama.cpp's converter does:
-
-- byte-level BPE (GPT-2, Llama 3, Qwen) is ``gpt2``: the vocabulary in id order, the merges, and the
-  pre-tokenizer named by its split expression (``qwen2``, ``llama-bpe``, ...);
-- sentencepiece-style BPE (byte fallback, ``▁`` for spaces: Llama 2, Mistral) is ``llama``, read by the ``gguf``
-  library's own ``LlamaHfVocab`` (tokens, scores, types);
-- a word-level vocabulary of single characters (the embedded tiny tokenizer) is exactly a byte-level BPE with no
-  merges: ``gpt2`` with its characters in the byte alphabet and an empty merge list.
-
-Special token ids, whether BOS/EOS are added, and the chat template come from the ``gguf`` library's
-``SpecialVocab``, so llama.cpp's chat uses the template the model was trained with. Any other tokenizer is refused
-in one line.
+``tokenizer.json`` decides the GGUF tokenizer model, as llama.cpp's converter does: byte-level BPE (GPT-2, Llama 3,
+Qwen) is ``gpt2``, with the pre-tokenizer named by its split expression; sentencepiece-style BPE (byte fallback,
+``▁``: Llama 2, Mistral) is ``llama``, read by ``gguf``'s ``LlamaHfVocab``; a word-level vocabulary of single
+characters is a byte-level BPE with no merges. Special tokens and the chat template come from ``gguf``'s
+``SpecialVocab``. Any other tokenizer is refused in one line.
 """
 
 from __future__ import annotations
@@ -25,9 +18,7 @@ from automodel_ckpt.ondisk import INDEX_FILE_LIMIT, read_json
 from automodel_ckpt.errors import CheckpointError, UserError
 
 _TOKENIZER_JSON = "tokenizer.json"
-#: The most rows an embedding may have to be written as a vocabulary (one token each): 4 times the largest
-#: vocabulary published (262,144), so that a crafted tensor shape cannot make millions of placeholder tokens.
-MAX_VOCAB = 1 << 20
+MAX_VOCAB = 1 << 20  # embedding rows written as tokens: 4 times the largest vocabulary published; a crafted shape
 
 
 def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ...] = ()) -> str:
@@ -175,8 +166,8 @@ def _pre_tokenizer_name(data: dict[str, Any]) -> str:
     """llama.cpp's name of the pre-tokenizer of a byte-level BPE, found from its split expression."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
-    found = re.findall(r"'Regex': '((?:[^'\\]|\\.)*)'", repr(data.get("pre_tokenizer")))
     pre = data.get("pre_tokenizer") or {}
+    found = re.findall(r"'Regex': '((?:[^'\\]|\\.)*)'", repr(pre))
     pattern = next((item["pattern"]["Regex"] for item in [pre, *(pre.get("pretokenizers") or [])]
                     if isinstance(item, dict) and isinstance(item.get("pattern"), dict) and "Regex" in item["pattern"]),
                    None)

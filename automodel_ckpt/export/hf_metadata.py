@@ -1,10 +1,7 @@
 """The hidden ``model/.hf_metadata/`` folder: what a Hugging Face export needs besides the weights.
 
-A training checkpoint stores weights as DCP shards in the dtype they were trained in. Turning them back into a
-Hugging Face folder later (possibly on another machine, without the base model) needs the model config, the
-generation config, the tokenizer, and, to be faithful to the base model, each tensor's original dtype and the
-file it lived in. All of that is captured here at save time. Only safetensors *headers* of the base model are
-read, never its tensors, so this is cheap even for very large models.
+Captured at save time, so that an export later (elsewhere, without the base model) is faithful to the base: its
+configs, tokenizer, and each tensor's original dtype and file, from the base's safetensors *headers* only.
 
 ```
 model/.hf_metadata/
@@ -27,16 +24,14 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, LAYOUT, MAX_WORLD_SIZE, check_count, check_path, copy_regular,
-                                   read_header, read_json, remove_tree, st_dtype_name, tensor_entries, walk_regular,
-                                   write_json)
+from automodel_ckpt.ondisk import (INDEX_FILE_LIMIT, MAX_WORLD_SIZE, HFFolder, ModelFolder, check_count, check_path,
+                                   copy_regular, read_header, read_json, remove_tree, st_dtype_name, tensor_entries,
+                                   walk_regular, write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-# Files of .hf_metadata that describe tensors; everything else is copied verbatim into an export.
-_TENSOR_INFO_FILES = (LAYOUT.ORIGINAL_TENSORS_FILE, LAYOUT.SAVED_STATE_FILE)
 
 
 @dataclass(frozen=True)
@@ -76,69 +71,63 @@ def write_hf_metadata(
 ) -> None:
     """Write ``model_dir/.hf_metadata/`` (replacing an existing one).
 
-    ``hf_config``/``generation_config`` are transformers config objects (or plain dicts); ``tokenizer`` is
-    anything with ``save_pretrained``. Without a tokenizer or generation config, the base folder's own files are
-    copied.
-
-    A missing *last* shard file is invisible in the other shards (they only say where their own pieces go), so
-    the number of saving ranks is recorded: ``world_size``, by default that of the initialised process group.
-    ``state_dict`` (the model state as given to DCP, DTensors allowed), if given, also records every tensor's
-    full shape and dtype, which makes the coverage check exact.
+    ``hf_config``/``generation_config``: transformers configs or dicts; ``tokenizer``: anything with
+    ``save_pretrained``; missing ones are copied from the base folder. ``world_size`` (default: the process
+    group's) is recorded because a missing *last* shard file is invisible in the others; ``state_dict`` (DTensors
+    allowed) records every tensor's full shape and dtype, which makes the coverage check exact.
     """
     model_dir = Path(model_dir)
-    folder = LAYOUT.hf_metadata_dir(model_dir)
+    meta_dir = ModelFolder(model_dir).hf_metadata
+    folder = meta_dir.path
     remove_tree(folder)
     folder.mkdir(parents=True)
     if hf_config is not None:
-        _save_config(hf_config, folder, LAYOUT.HF_CONFIG)
+        _save_config(hf_config, folder, HFFolder.config)
     else:
-        logger.warning("no model config given; an export of %s will lack %s", model_dir, LAYOUT.HF_CONFIG)
+        logger.warning("no model config given; an export of %s will lack %s", model_dir, HFFolder.config)
     base = Path(base_model_path) if base_model_path is not None else None
     if base is not None and not base.is_dir():
         logger.info("base model path %s is not a local folder; no original tensor information recorded", base)
         base = None
     if generation_config is not None:
-        _save_config(generation_config, folder, LAYOUT.HF_GENERATION_CONFIG)
-    elif base is not None and (base / LAYOUT.HF_GENERATION_CONFIG).is_file():
-        _copy_from_base(base / LAYOUT.HF_GENERATION_CONFIG, folder)
+        _save_config(generation_config, folder, HFFolder.generation_config)
+    elif base is not None and HFFolder(base).generation_config.is_file():
+        _copy_from_base(HFFolder(base).generation_config, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
     elif base is not None:
-        for name in LAYOUT.HF_TOKENIZER_FILES:
+        for name in HFFolder.TOKENIZER_FILES:
             if (base / name).is_file():
                 _copy_from_base(base / name, folder)
     if base is not None:
         original = _original_tensors(base)
         if original is not None:
-            write_json(folder / LAYOUT.ORIGINAL_TENSORS_FILE, original)
+            write_json(meta_dir.original_tensors, original)
     if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = torch.distributed.get_world_size()
     saved = None
     if state_dict is not None:
-        saved = {
-            name: {"dtype": st_dtype_name(t.dtype), "shape": list(t.shape)}
-            for name, t in state_dict.items()
-            if isinstance(t, torch.Tensor)
-        }
+        saved = {name: {"dtype": st_dtype_name(t.dtype), "shape": list(t.shape)}
+                 for name, t in state_dict.items() if isinstance(t, torch.Tensor)}
     state = {"format_version": FORMAT_VERSION, "world_size": world_size, "tensors": saved}
-    write_json(folder / LAYOUT.SAVED_STATE_FILE, state)
+    write_json(meta_dir.saved_state, state)
 
 
 def read_hf_metadata(model_dir: Path) -> HFMetadata:
     """Read ``model_dir/.hf_metadata``; a missing folder is a CheckpointError."""
-    folder = LAYOUT.hf_metadata_dir(Path(model_dir))
+    meta_dir = ModelFolder(model_dir).hf_metadata
+    folder = meta_dir.path
     if folder.is_symlink():
         raise CheckpointError(f"'{folder}' is a symlink, not a folder; folders inside a checkpoint are never "
                               "followed as links")
     if not folder.is_dir():
-        raise CheckpointError(f"no {LAYOUT.HF_METADATA_DIR} folder in {model_dir}")
-    config_path = folder / LAYOUT.HF_CONFIG
+        raise CheckpointError(f"no {ModelFolder.hf_metadata} folder in {model_dir}")
+    config_path = meta_dir.config
     config = _read_json(config_path) if os.path.lexists(config_path) else None
     meta = HFMetadata(folder=folder, config=config)
     if config is not None and not isinstance(config, dict):
         raise CheckpointError(f"damaged {config_path}: not a JSON object")
-    original_path = folder / LAYOUT.ORIGINAL_TENSORS_FILE
-    saved_path = folder / LAYOUT.SAVED_STATE_FILE
+    original_path, saved_path = meta_dir.original_tensors, meta_dir.saved_state
     try:
         if os.path.lexists(original_path):
             data = _read_json(original_path)
@@ -153,36 +142,34 @@ def read_hf_metadata(model_dir: Path) -> HFMetadata:
                 meta.saved_world_size = check_count(data["world_size"], str(saved_path), "world_size",
                                                     MAX_WORLD_SIZE)
     except (KeyError, TypeError, ValueError, AttributeError):
-        raise CheckpointError(f"damaged {folder}: {LAYOUT.ORIGINAL_TENSORS_FILE} or {LAYOUT.SAVED_STATE_FILE} "
+        raise CheckpointError(f"damaged {folder}: {original_path.name} or {saved_path.name} "
                               "lacks its 'tensors' table") from None
-    meta.extra_files = _side_files(folder)
+    meta.extra_files = _side_files(folder, {config_path.name, original_path.name, saved_path.name})
     return meta
 
 
-def _side_files(folder: Path) -> list[Path]:
-    """The files of ``.hf_metadata`` an export copies: regular files only (subfolders are not copied); a symlink,
-    FIFO, socket or device there is refused in one line, never followed or read, and so is a folder bearing the name
-    of a file a model folder holds (``tokenizer.json``, ``generation_config.json``, ...)."""
-    skip = {LAYOUT.HF_CONFIG, *_TENSOR_INFO_FILES}
+def _side_files(folder: Path, skip: set[str]) -> list[Path]:
+    """The regular files of ``.hf_metadata`` an export copies (not ``skip``, which describe the model); a link,
+    FIFO, socket or device there is refused in one line, and so is a folder named as a model folder's file."""
     passed: list[tuple[str, str]] = []
     try:
         files = [folder / rel for rel, _ in walk_regular(folder, passed) if "/" not in rel and rel not in skip]
     except OSError as exc:
         raise CheckpointError(f"cannot read the folder '{folder}': {exc.strerror or exc}") from None
     passed = [(rel, why) for rel, why in passed if "/" not in rel]
-    passed += [(name, "a folder, not a regular file") for name in (LAYOUT.HF_GENERATION_CONFIG,
-                                                                   *LAYOUT.HF_TOKENIZER_FILES)
+    passed += [(name, "a folder, not a regular file") for name in (HFFolder.generation_config,
+                                                                   *HFFolder.TOKENIZER_FILES)
                if (folder / name).is_dir() and not (folder / name).is_symlink()]
     if passed:
         rel, why = passed[0]
         raise CheckpointError(f"'{folder / rel}' is {why}; an export copies only regular files from "
-                              f"{LAYOUT.HF_METADATA_DIR}: replace it with the file itself or remove it")
+                              f"{ModelFolder.hf_metadata}: replace it with the file itself or remove it")
     return files
 
 
 def _copy_from_base(source: Path, folder: Path) -> None:
-    """Copy a side file of the base model folder the recipe names (a Hugging Face cache folder is made of links
-    into its blobs: followed) into ``folder``; a FIFO or device there is refused (``CheckpointError``)."""
+    """Copy a file of the base folder the recipe names (links followed: an HF cache is links into its blobs) into
+    ``folder``; a FIFO or device there is refused (``CheckpointError``)."""
     try:
         copy_regular(source, folder / source.name, follow=True)
     except OSError as exc:
@@ -206,14 +193,14 @@ def _original_tensors(base: Path) -> dict[str, Any] | None:
 def weight_files(base: Path) -> list[str] | None:
     """The safetensors files of a Hugging Face folder: those its index names (each a plain name), else its one
     ``model.safetensors``; None when it has neither."""
-    index = base / LAYOUT.HF_INDEX
+    index = HFFolder(base).index
     if index.is_file():
         weight_map = _read_json(index, follow=True)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"'{index}' has no 'weight_map' table")
         return sorted({check_path(f, f"'{index}'") for f in weight_map.values()})
-    return [LAYOUT.HF_SINGLE_WEIGHTS] if (base / LAYOUT.HF_SINGLE_WEIGHTS).is_file() else None
+    return [HFFolder.single_weights] if HFFolder(base).single_weights.is_file() else None
 
 
 def _tensor_info(name: str, value: Mapping[str, Any], source: Path) -> TensorInfo:
@@ -234,8 +221,7 @@ def _save_config(config: Any, folder: Path, filename: str) -> None:
 
 
 def _read_json(path: Path, *, follow: bool = False) -> Any:
-    """JSON of a file of a checkpoint (never through a link), or with ``follow`` of the base folder the recipe
-    names."""
+    """JSON of a checkpoint's file (never through a link), or with ``follow`` of the base folder the recipe names."""
     try:
         return read_json(path, "export metadata", INDEX_FILE_LIMIT, follow=follow)
     except OSError as e:

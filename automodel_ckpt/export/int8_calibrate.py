@@ -1,12 +1,9 @@
 """Static activation scales for an int8 export: the largest input each quantized projection sees on given examples.
 
-``--calibrate N`` runs the model on N examples the user names (a text file, the validation data of a recipe given
-on the command line, else the tokenizer's own vocabulary: ``int8_target`` turns them into token ids; nothing here reads
-data, and never a checkpoint's recipe copy) and records, for every linear projection the export quantizes, the largest absolute value
-of its input. The ``compressed-tensors`` library turns that range into the projection's ``input_scale``
-(``calculate_qparams``, symmetric int8, one scale per tensor), which vLLM then uses instead of computing a scale for
-every token. Unlike the export itself this holds the whole model in memory (built from its config, then given the
-source's tensors), once, for the forward passes.
+``--calibrate N`` runs the model on the token ids ``int8_target`` makes of N examples and records the largest
+absolute input of every projection the export quantizes; ``compressed-tensors`` turns that range into its
+``input_scale`` (symmetric int8, one per tensor), which vLLM uses instead of a scale per token. Unlike the export,
+this holds the whole model in memory, once.
 """
 
 from __future__ import annotations
@@ -64,6 +61,7 @@ def input_ranges(source: ModelSource, weights: list[str], examples: list[list[in
 def _recorder(ranges: dict[str, float], key: str) -> Any:
     def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         ranges[key] = max(ranges[key], float(args[0].detach().abs().max()))
+
     return record
 
 

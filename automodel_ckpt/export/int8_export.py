@@ -1,15 +1,10 @@
 """`export --to int8`: a compressed-tensors folder that vLLM serves (W8A8 int8, or W4A16), streamed tensor by tensor.
 
-The scheme, the config block (``quantization_config``) and the encoding of every quantized weight are the
-``compressed-tensors`` library's: its presets (``W8A8``: int8 weights per output channel, int8 activations with
-dynamic per-token scales, or static per-tensor ones from ``--calibrate N`` examples (``int8_calibrate``);
-``W4A16``: int4 weights in groups), its ``calculate_qparams`` for the scales from each row's range (round to
-nearest), and its compressors (``int-quantized``: an int8 ``weight`` and its ``weight_scale``; ``pack-quantized``:
-int4 packed into int32 ``weight_packed``, ``weight_scale``, ``weight_shape``).
-Every linear projection of the decoder layers is quantized; the embeddings, ``lm_head``, norms and biases keep the
-base's dtype. Each weight is read, quantized and written before the next one: memory is bounded by the largest
-tensor. The safetensors files are laid out from the plan (header first, then each tensor at its offset), written
-under a hidden name beside ``out`` and renamed into place when complete.
+The scheme, the ``quantization_config`` block and every quantized weight's encoding are the ``compressed-tensors``
+library's (presets ``W8A8``, with static activation scales from ``--calibrate N`` examples, and ``W4A16``; its
+``calculate_qparams`` and compressors). The decoder layers' linear projections are quantized; embeddings,
+``lm_head``, norms and biases keep the base's dtype. One weight is in memory at a time, each written at its planned
+offset into a folder beside ``out``, renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -27,10 +22,11 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import LAYOUT, copy_regular, fsync_dir, pwrite_all, replace_folder, write_json
+from automodel_ckpt.ondisk import (HFFolder, copy_regular, fsync_dir, old_sibling, pwrite_all, replace_folder,
+                                   tmp_sibling, write_json)
 from automodel_ckpt.export.model_source import ModelSource
 from automodel_ckpt.export.sources import SourceTensor
-from automodel_ckpt.export.writer import OutFile, OutTensor
+from automodel_ckpt.export.writer import OutFile, OutTensor, bytes_of
 from automodel_ckpt.errors import CheckpointError, UserError
 from automodel_ckpt.sizes import human_size, in_groups
 
@@ -121,16 +117,11 @@ def _compressed_entries(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     """The tensors the library's compressor makes of one weight (shapes from a meta run of it)."""
     stem = name.removesuffix(".weight")
     meta = torch.empty(shape, dtype=dtype, device="meta")
-    scale = torch.empty(_scale_shape(shape, scheme), dtype=dtype, device="meta")
+    groups = shape[1] // scheme.weights.group_size if scheme.weights.strategy == "group" else 1
+    scale = torch.empty((shape[0], groups), dtype=dtype, device="meta")
     compressed = _compressor(scheme).compress({"weight": meta, "weight_scale": scale}, scheme)
     return [(f"{stem}.{key}", torch.int64, (len(shape),), name) if key == "weight_shape"
             else (f"{stem}.{key}", value.dtype, tuple(value.shape), name) for key, value in compressed.items()]
-
-
-def _scale_shape(shape: tuple[int, ...], scheme: Any) -> tuple[int, ...]:
-    if scheme.weights.strategy == "group":
-        return (shape[0], shape[1] // scheme.weights.group_size)
-    return (shape[0], 1)
 
 
 def _compressor(scheme: Any) -> Any:
@@ -168,10 +159,10 @@ def _split(entries: list[tuple[str, torch.dtype, tuple[int, ...], str]]) -> list
 
 def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Write ``plan`` of ``source`` as a folder at ``out`` (replacing an earlier one); returns bytes and seconds."""
-    from automodel_ckpt.export.plan import ProgressBar
+    from automodel_ckpt.export.plan import progress_bar
 
     out = Path(out)
-    if out.exists() and not (out / LAYOUT.HF_CONFIG).is_file():
+    if out.exists() and not HFFolder(out).config.is_file():
         raise UserError(f"output folder {out} exists and is not an earlier export; remove it or choose another")
     start = time.perf_counter()
     ranges: dict[str, float] = {}
@@ -179,20 +170,20 @@ def write_int8(source: ModelSource, plan: Int8Plan, out: Path, *, progress: bool
         from automodel_ckpt.export.int8_calibrate import input_ranges
 
         ranges = input_ranges(source, plan.quantized, plan.calibration)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     tmp.mkdir(parents=True)
     try:
-        names = [LAYOUT.HF_SINGLE_WEIGHTS] if len(plan.files) == 1 else \
-            [LAYOUT.hf_weights_file(k + 1, len(plan.files)) for k in range(len(plan.files))]
-        with ProgressBar(plan.nbytes, progress, "writing int8") as advance:
+        names = [HFFolder.single_weights] if len(plan.files) == 1 else \
+            [HFFolder.weights_name(k + 1, len(plan.files)) for k in range(len(plan.files))]
+        with progress_bar(plan.nbytes, progress, "writing int8") as advance:
             for name, entries in zip(names, plan.files):
                 _write_file(tmp / name, entries, source, plan.scheme, advance, ranges)
         if len(names) > 1:
             weight_map = {e[0]: n for n, f in zip(names, plan.files) for e in f}
             index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / LAYOUT.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            HFFolder(tmp).index.write_text(json.dumps(index, indent=2) + "\n")
         _side_files(source, plan, tmp)
-        replace_folder(tmp, out, LAYOUT.export_old_name(out.name, secrets.token_hex(4)))
+        replace_folder(tmp, out, old_sibling(out, secrets.token_hex(4)).name)
         fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -236,13 +227,10 @@ def _write_file(path: Path, entries: list[Any], source: ModelSource, scheme: Any
 
 
 def _put(fd: int, t: OutTensor, value: torch.Tensor, advance: Any) -> None:
-    value = value.to(t.dtype).contiguous()
     if tuple(value.shape) != tuple(t.source.shape):
         raise CheckpointError(f"int8 export: '{t.name}' came out with shape {tuple(value.shape)}, planned "
                               f"{t.source.shape}")
-    flat = value.reshape(-1)
-    if flat.numel():
-        pwrite_all(fd, memoryview(flat.view(torch.uint8).numpy()), t.offset)
+    pwrite_all(fd, bytes_of(value.to(t.dtype)), t.offset)
     advance(t.nbytes)
 
 
@@ -250,7 +238,7 @@ def _side_files(source: ModelSource, plan: Int8Plan, folder: Path) -> None:
     """config.json with its ``quantization_config``; the generation config and tokenizer files as they are."""
     config = dict(source.config)
     config["quantization_config"] = plan.config
-    write_json(folder / LAYOUT.HF_CONFIG, config)
-    for name in (LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
+    write_json(HFFolder(folder).config, config)
+    for name in (HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
         if (source.side_dir / name).is_file():  # side_dir: the source's files, checked and copied privately
             copy_regular(source.side_dir / name, folder / name)

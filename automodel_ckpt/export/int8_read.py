@@ -1,13 +1,9 @@
 """An int8 folder read back: each quantized weight dequantized with its scales, and the step of its rounding.
 
-A compressed-tensors folder (``config.json``'s ``quantization_config``, format ``int-quantized`` or
-``pack-quantized``: what ``int8_export`` writes) holds, for each quantized weight ``X.weight``, the integers
-(``X.weight``, int8; or ``X.weight_packed``, int4 in int32, with ``X.weight_shape``) and ``X.weight_scale`` (one per
-row, or per group of a row). ``dequantize_int8`` gives the folder's model with ``X.weight`` as ``integers x scale`` in
-float32 (the int4 values unpacked by the library's ``unpack_from_int32``) and the scales, activation scales and
-shapes hidden; ``ModelSource.steps[X.weight]`` is the scale of each element: one step of the rounding that made it
-(round to nearest: at most half a step, a whole one where the range clamps). Only symmetric schemes are read (a zero
-point is refused in one line). The tensors stay read one at a time, as the folder's are.
+For each quantized weight ``X.weight`` a compressed-tensors folder holds its integers (``X.weight`` int8, or
+``X.weight_packed`` int4 in int32 with ``X.weight_shape``) and ``X.weight_scale`` (per row or group).
+``dequantize_int8`` gives ``X.weight`` as ``integers x scale`` in float32, the rest hidden, and as its
+``steps`` each element's scale: one step of the rounding that made it. Only symmetric schemes are read.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``--to int8``: a compressed-tensors int8 folder for vLLM, with static activation scales from examples the user names.
 
-The export plans (``int8_export.plan_int8``) and writes from ``model_source.open_model``. ``--calibrate N`` takes
-its examples only from what the user names: ``--calibration-data`` (a text file, read here a line at a time),
-``--recipe`` (the user's own recipe: its data, tokenized as for training, which the CLI reads: it alone may build a
-recipe), else the tokenizer's own vocabulary. A checkpoint's, export's or archive's ``config.yaml`` is never read as
-a recipe: a ``_target_`` in it would run.
+``--calibrate N`` takes its examples only from what the user names: ``--calibration-data`` (a text file),
+``--recipe`` (its data, which only the CLI may build), else the tokenizer's own vocabulary. A checkpoint's, export's
+or archive's ``config.yaml`` is never read as a recipe: a ``_target_`` in it would run.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 
 from automodel_ckpt.errors import CheckpointError, UsageError, first_line
 from automodel_ckpt.export.target import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import LAYOUT, LOG_LINE_LIMIT, open_regular
+from automodel_ckpt.ondisk import LOG_LINE_LIMIT, ModelFolder, open_regular
 from automodel_ckpt.sizes import human_size
 
 NAME = "int8"
@@ -58,7 +56,7 @@ class Int8Target(ExportTarget):
             raise UsageError(_WITHOUT_CALIBRATE)
         if args.calibration_data and args.recipe:
             raise UsageError("--calibration-data and --recipe both name calibration examples; give one of them")
-        out = request.out(f"-{LAYOUT.INT8_EXPORT_DIR}-{args.scheme}")
+        out = request.out(f"-{ModelFolder.int8}-{args.scheme}")
         with open_model(src) as source:
             examples, origin = _examples(request, source.side_dir) if args.calibrate else (None, "")
             plan = plan_int8(source, args.scheme, examples, origin)
@@ -94,8 +92,7 @@ def _examples(request: ExportRequest, tokenizer_dir: Path) -> tuple[list[list[in
 
 def calibration_file_examples(path: Path, n: int, tokenizer: Any) -> list[list[int]]:
     """The first ``n`` non-empty examples of a text file (one a line) or a ``.jsonl`` file (each record's
-    ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; read a line at a time, each at most
-    ``bounded.LOG_LINE_LIMIT`` bytes (a longer one is refused in one line naming it)."""
+    ``"text"``), tokenized and cut at ``_MAX_EXAMPLE_TOKENS``; a line over ``LOG_LINE_LIMIT`` bytes is refused."""
     limit = LOG_LINE_LIMIT
     try:
         f = os.fdopen(open_regular(path, follow=True), "rb")

@@ -1,24 +1,11 @@
 """Where a checkpoint or an export came from: its parents, each by path and by content fingerprint.
 
-A lineage record is ``{"parents": [...], "data": {...}}``. Each parent is ``{"role", "path", "fingerprint"}`` (and
-what its role adds: an import's ``trainer`` and ``step``), with the parent's own parents embedded below it, so
-that the chain reads whole when a parent folder is gone. Roles: ``base model`` (``model.pretrained_model_name_or_
-path``), ``restored from`` (``checkpoint.restore_from``), ``resumed from`` (the checkpoint a launch continued),
-``imported from`` (another trainer's checkpoint) and ``exported from`` (the checkpoint an export, an archive, an
-average or an HF Trainer folder was written from: an average lists each of its sources).
-
-Fingerprints are cheap and bounded, never a read of all the weights: a checkpoint of ours by its manifest (the size
-and checksum of every file) or else its metadata; a Hugging Face folder by its ``config.json``, its safetensors
-index, the header of each weights file and 256 KiB at each end of the data of the first 16; a file by its size and
-first MiB.
-
-Where it lives: a checkpoint's ``metadata.json`` (``lineage``), a Hugging Face export folder's ``LINEAGE_FILE``
-(``ondisk.layout``, written by ``commit.write_lineage_file``), an exported file's own record (JSON text in its
-metadata, read by its export target: ``registry.identify``), an archive's copy of the checkpoint's metadata. Read
-back it is data: at most ``RECORD_LIMIT`` bytes (1 MiB) (a larger record is refused in one line), every value
-escaped when printed; ``lineage_walk`` says which parents named in it are looked at on disk, and only their
-fingerprints and their own lineage records are read there, with the same bounded readers, within one listing's
-``Reads`` (each folder or file fingerprinted once, a bounded number of bytes in all).
+A record is ``{"parents": [...], "data": {...}}``; each parent is ``{"role", "path", "fingerprint"}`` (plus what its
+role adds) with its own record embedded, so the chain reads whole when a parent is gone. Fingerprints are bounded
+reads, never all the weights. Records live in a checkpoint's ``metadata.json``, an export folder's
+``automodel_lineage.json``, an exported file's metadata (read by its target) and an archive's copy of the checkpoint's
+metadata; read back they are untrusted data of at most ``RECORD_LIMIT`` bytes. docs/inspect-and-diff.md#lineage says
+what each role and fingerprint is; ``lineage_walk`` which parents are looked at on disk.
 """
 
 from __future__ import annotations
@@ -30,7 +17,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from automodel_ckpt.errors import CheckpointError
-from automodel_ckpt.ondisk import LAYOUT, MiB, check_size, open_regular, parse_json, read_bytes
+from automodel_ckpt.ondisk import (Archive, CheckpointFolder, HFFolder, MiB, check_size, open_regular, parse_json,
+                                   read_bytes)
 
 RECORD_LIMIT = MiB  # bytes of a lineage record read back (a metadata.json holding one included): a small file
 _INDEX = 64 * MiB  # bytes of a manifest, a config, an index or a safetensors header a fingerprint reads
@@ -97,6 +85,7 @@ def _safetensors_header(path: Path, follow: bool, sample: bool, reads: Reads | N
 
 
 def _file_head(path: Path, follow: bool, reads: Reads | None = None) -> bytes:
+    """A file's size and first ``_HEAD`` bytes."""
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         _take(reads, min(size, _HEAD))
@@ -109,10 +98,8 @@ def _read_small(path: Path, what: str, follow: bool, reads: Reads | None) -> byt
 
 
 def lineage_fingerprint(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> str | None:
-    """The content fingerprint of a checkpoint, a Hugging Face folder or a file (None: nothing there to read, e.g. a
-    model name on the Hub). ``follow``: links are followed (a path the user named: an HF cache is links).
-    ``reads``: a listing's, which takes each folder's or file's fingerprint once and counts the bytes read
-    (``ReadsSpent`` when they would go over its limit)."""
+    """The content fingerprint of a checkpoint, a Hugging Face folder or a file (None: nothing to read, e.g. a Hub
+    name). ``follow``: links are followed (a path the user named: an HF cache is links). ``reads``: a listing's."""
     path = Path(path)
     key = None
     try:
@@ -136,11 +123,11 @@ def _fingerprint(path: Path, follow: bool, reads: Reads | None) -> str | None:
         return _sha(iter([_file_head(path, follow, reads)]))
     if not path.is_dir():
         return None
-    if (path / LAYOUT.METADATA_FILE).is_file():
-        name = LAYOUT.MANIFEST_FILE if (path / LAYOUT.MANIFEST_FILE).is_file() else LAYOUT.METADATA_FILE
+    if CheckpointFolder(path).metadata.is_file():
+        name = CheckpointFolder.manifest if CheckpointFolder(path).manifest.is_file() else CheckpointFolder.metadata
         return _sha(iter([name.encode(), _read_small(path / name, "a checkpoint's manifest", follow, reads)]))
     parts = []
-    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_INDEX):
+    for name in (HFFolder.config, HFFolder.index):
         if (path / name).is_file():
             parts.append(name.encode() + b"\0" + _read_small(path / name, "a model config", follow, reads))
     for i, weights in enumerate(sorted(path.glob("*.safetensors"))[:4096]):
@@ -215,21 +202,14 @@ def _check(record: Any, where: str) -> dict[str, Any]:
     return record
 
 
-def _file_lineage(path: Path, text: str | None) -> dict[str, Any] | None:
-    """The lineage record an export wrote into the file ``path`` as JSON ``text`` (None: none)."""
-    if text is None:
-        return None
-    return _check(parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT), f"'{path}'")
-
-
 def read_archive_lineage(path: Path) -> dict[str, Any] | None:
     """An archive's lineage: the checkpoint it was packed from (its metadata's name) and that checkpoint's parents."""
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(path) as archive:
-        if LAYOUT.ARCHIVE_METADATA not in archive.members:
+        if Archive.METADATA not in archive.members:
             return None
-        meta = archive.json(LAYOUT.ARCHIVE_METADATA, "a lineage record", RECORD_LIMIT)
+        meta = archive.json(Archive.METADATA, "a lineage record", RECORD_LIMIT)
     if not isinstance(meta, dict):
         return None
     entry: dict[str, Any] = {"role": "packed from", "path": None, "checkpoint": str(meta.get("name"))[:4096],
@@ -240,10 +220,9 @@ def read_archive_lineage(path: Path) -> dict[str, Any] | None:
 
 
 def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None = None) -> dict[str, Any] | None:
-    """The lineage recorded in ``path``: a checkpoint's metadata, an export folder's lineage file (or, for a
-    checkpoint's own ``model/consolidated``, the checkpoint), an export target's file's (``target.lineage_text``), an
-    archive's. None: none recorded. A record over
-    ``RECORD_LIMIT`` bytes or not a record: one-line ``CheckpointError``. ``reads``: a listing's (``Reads``)."""
+    """The lineage recorded in ``path`` (a checkpoint, an export folder, an export target's file, an archive; a
+    checkpoint's own ``model/consolidated`` has the checkpoint as parent), or None. A record over ``RECORD_LIMIT``
+    bytes or not a record: one-line ``CheckpointError``."""
     path = Path(path)
     if path.is_symlink() and not follow:
         return None
@@ -253,12 +232,14 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
 
         _take(reads, RECORD_LIMIT)  # a header walked (arrays and data skipped) for a record of at most this
         target = identify(path)
-        if target is not None:
-            return _file_lineage(path, target.lineage_text(path, RECORD_LIMIT))
+        if target is not None:  # the record an export wrote into its file, as JSON text
+            text = target.lineage_text(path, RECORD_LIMIT)
+            return None if text is None else _check(parse_json(text, f"'{path}'", "a lineage record", RECORD_LIMIT),
+                                                    f"'{path}'")
         return read_archive_lineage(path) if is_archive(path) else None
     if not path.is_dir():
         return None
-    for name, key in ((LAYOUT.METADATA_FILE, "lineage"), (LAYOUT.LINEAGE_FILE, None)):
+    for name, key in ((CheckpointFolder.metadata, "lineage"), (HFFolder.lineage, None)):
         file = path / name
         if file.is_symlink() or not file.exists():
             continue
@@ -274,9 +255,8 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
                 return None
         return _check(record, f"'{file}'")
     model_dir = path.parent
-    if model_dir.name == LAYOUT.MODEL_DIR and (model_dir.parent / LAYOUT.METADATA_FILE).is_file() \
+    if model_dir.name == CheckpointFolder.model and CheckpointFolder(model_dir.parent).metadata.is_file() \
             and not model_dir.is_symlink():
-        # a checkpoint's own consolidated export: the checkpoint is its parent
         return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}
     return None
 

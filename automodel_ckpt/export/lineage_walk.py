@@ -1,18 +1,10 @@
 """`inspect --lineage`: a record's parents walked by identity (device and inode), each read once, in bounded work.
 
-A lineage record read from a folder is data, and so is every path it names. A parent is looked at on disk only when
-it is what a parent can be: a checkpoint of ours (or its ``model/`` folder), an export folder (Hugging Face, int8,
-an adapter, one holding ``automodel_lineage.json``), an export target's file (named with its ``suffix``) or an
-archive (``*.tar``), on an ordinary filesystem, reached without a link. Anything else is named with what it is and
-never opened: a link (``[a link: not followed]``), a FIFO, socket or device, a path on ``/proc``, ``/sys`` or
-``/dev`` (or any filesystem of the kernel's: procfs, sysfs, devtmpfs, ...), a folder that is no checkpoint or
-export, any other file.
-
-Parents are told apart by what they are, not how their path is spelled: ``DIR``, ``DIR/.``, ``DIR/./.`` and
-``../name/DIR`` are one folder, so a record that names itself is a cycle however it spells it, and a parent met again
-lists its parents once. The listing's ``Reads`` fingerprints each folder or file once and reads at most
-``READ_LIMIT`` bytes in all; at most ``MAX_PARENTS`` parents are listed and ``MAX_DEPTH`` generations, each cap said
-in one line when reached.
+A record and every path it names are data: a parent is looked at on disk only when it is what a parent can be (a
+checkpoint or its ``model/``, an export folder, an export target's file, an archive) on an ordinary filesystem,
+reached without a link; anything else is named with what it is and never opened (``parent_problem``). A record that
+names itself, however spelled, is a cycle. Each cap (``READ_LIMIT``, ``MAX_PARENTS``, ``MAX_DEPTH``) is said in one
+line when reached; docs/inspect-and-diff.md#lineage shows a listing.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ from typing import Any
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.export.lineage import Reads, ReadsSpent, lineage_fingerprint, read_lineage
 from automodel_ckpt.export.registry import export_targets
-from automodel_ckpt.ondisk import LAYOUT, MiB, file_kind
+from automodel_ckpt.ondisk import Archive, CheckpointFolder, HFFolder, MiB, file_kind
 from automodel_ckpt.shown import one_line
 from automodel_ckpt.sizes import human_size
 
@@ -40,7 +32,7 @@ _SYSTEM_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "debugfs
                                  "binfmt_misc", "autofs", "rpc_pipefs", "nsfs", "selinuxfs", "hugetlbfs"})
 _SYSTEM_DIRS = ("/proc", "/sys", "/dev")
 #: A folder holding one of these as a regular file is a checkpoint or an export folder.
-_MARKERS = (LAYOUT.METADATA_FILE, LAYOUT.LINEAGE_FILE, LAYOUT.HF_CONFIG, LAYOUT.ADAPTER_CONFIG)
+_MARKERS = (CheckpointFolder.metadata, HFFolder.lineage, HFFolder.config, HFFolder.adapter_config)
 
 
 def lineage_chain(target: str | Path) -> list[str]:
@@ -79,10 +71,8 @@ class _Walk:
         self.lines.append("  " * depth + one_line(text))
 
     def parents(self, record: dict[str, Any], depth: int, ancestors: frozenset[Any]) -> None:
-        """``record``'s parents at ``depth``, each followed by its own. ``ancestors``: the identities of the parents
-        on the way down to here (one of them again is a cycle, not followed); ``expanded``: parents whose parents
-        are listed already (a shared ancestor, such as the base model of both a run and the run it was restored
-        from, is listed once)."""
+        """``record``'s parents at ``depth``, each followed by its own. ``ancestors``: the identities on the way down
+        (one again is a cycle, not followed); a parent in ``expanded`` (a shared base model) lists its parents once."""
         if self.full:
             return
         if depth > MAX_DEPTH:
@@ -172,9 +162,8 @@ class _Walk:
 
 
 def parent_problem(path: Path, st: os.stat_result) -> str | None:
-    """Why the parent at ``path`` (``st``: its ``lstat``) is named but not read (None: it is read): a link, no
-    folder or file, on a filesystem of the kernel's, a folder that is no checkpoint or export, a file not named as
-    an export target's file (``ExportTarget.suffix``) or an archive is (whose contents then say whether it is one)."""
+    """Why the parent at ``path`` (``st``: its ``lstat``) is named but not read, or None: it is read (a file named as
+    an export target's or an archive is, and its contents then say whether it is one)."""
     mode = st.st_mode
     if stat.S_ISLNK(mode):
         return "a link: not followed"
@@ -185,10 +174,10 @@ def parent_problem(path: Path, st: os.stat_result) -> str | None:
     if stat.S_ISDIR(mode):
         return None if _is_model_folder(path) else "a folder that is no checkpoint or export: not read"
     files = [t for t in export_targets() if t.suffix]
-    if path.name.endswith((*(t.suffix for t in files), LAYOUT.ARCHIVE_SUFFIX)):
+    if path.name.endswith((*(t.suffix for t in files), Archive.SUFFIX)):
         return None
     kinds = "".join(f"{t.noun.partition(' ')[2]} ({t.suffix}) or " for t in files)
-    return f"a file that is no {kinds}archive ({LAYOUT.ARCHIVE_SUFFIX}): not read"
+    return f"a file that is no {kinds}archive ({Archive.SUFFIX}): not read"
 
 
 def _is_model_folder(path: Path) -> bool:
@@ -201,12 +190,11 @@ def _is_model_folder(path: Path) -> bool:
 
     if any(regular(path / name) for name in _MARKERS):
         return True
-    return path.name == LAYOUT.MODEL_DIR and regular(path / ".." / LAYOUT.METADATA_FILE)
+    return path.name == CheckpointFolder.model and regular(path / ".." / CheckpointFolder.metadata)
 
 
 def _on_system_filesystem(path: Path, st: os.stat_result) -> bool:
-    """Whether ``path`` lies on one of the kernel's filesystems: its device is one of theirs, or its real path is
-    below ``/proc``, ``/sys`` or ``/dev``."""
+    """Whether ``path``'s device is a kernel filesystem's, or its real path is below one of ``_SYSTEM_DIRS``."""
     if st.st_dev in _system_devices():
         return True
     real = os.path.realpath(path)
@@ -215,8 +203,7 @@ def _on_system_filesystem(path: Path, st: os.stat_result) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _system_devices() -> frozenset[int]:
-    """The devices of ``/proc``, ``/sys``, ``/dev`` and of every mount of a filesystem of ``_SYSTEM_FILESYSTEMS``
-    (from this process's mount table)."""
+    """The devices of ``_SYSTEM_DIRS`` and of every mount of ``_SYSTEM_FILESYSTEMS`` in this process's mount table."""
     devices = set()
     for top in _SYSTEM_DIRS:
         try:

@@ -1,16 +1,12 @@
 """Fold a PEFT checkpoint's LoRA adapter into its base, as a full Hugging Face model.
 
-The base named in ``adapter_config.json`` is loaded in float32, the adapter applied with PEFT and merged
-(``merge_and_unload``: W + scale * B @ A), and every tensor is cast back to the dtype it has in the base's own
-safetensors files (bf16 for the embedded base), so the merged folder is as large and as loadable as the base.
-``save_pretrained`` writes it in the family's on-disk layout (experts per expert, tied weights once).
-The folder is written under a hidden temporary name and renamed into place when complete; inside a checkpoint,
-the checkpoint's manifest is updated to list the new files.
+The base is loaded in float32, the adapter merged with PEFT (``merge_and_unload``), and every tensor cast back to its
+dtype in the base's own files, so the merged folder is as large and as loadable as the base. It is written beside
+``out`` and renamed into place; inside a checkpoint, the manifest then lists the new files.
 
-The adapter folder is untrusted: its files are read, and its tokenizer files copied, only as regular files reached
-without following a link (a symlink, FIFO or device there is refused in one line: the merged folder needs them).
-The base folder may be a Hugging Face cache snapshot, made of links into its repository's ``blobs/``: named with
-``--base``, its links are followed; named by ``adapter_config.json``, only links that stay inside that repository.
+The adapter folder is untrusted: its files are read only as regular files, never through a link. A base folder may
+be a cache snapshot (links into ``blobs/``): named with ``--base``, its links are followed; named by
+``adapter_config.json``, only links that stay inside that repository.
 """
 
 from __future__ import annotations
@@ -24,9 +20,10 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (LAYOUT, SMALL_FILE_LIMIT, ST_TO_TORCH, add_files_to_manifest, auto_model_class,
-                                   copy_regular, in_memory_dtypes, read_header, read_json, regular_file_problem,
-                                   replace_folder, tensor_entries, write_json)
+from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, ST_TO_TORCH, Archive, CheckpointFolder, HFFolder, ModelFolder,
+                                   add_files_to_manifest, auto_model_class, copy_regular, in_memory_dtypes,
+                                   old_sibling, read_header, read_json, regular_file_problem, replace_folder,
+                                   tensor_entries, tmp_sibling, write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
 from automodel_ckpt.export.hf_metadata import weight_files
 
@@ -34,15 +31,15 @@ from automodel_ckpt.export.hf_metadata import weight_files
 def adapter_folder(path: Path) -> Path:
     """The PEFT adapter folder of a checkpoint (``CHECKPOINT/model``) or the folder itself."""
     path = Path(path)
-    for candidate in (path / LAYOUT.MODEL_DIR, path):
+    for candidate in (CheckpointFolder(path).model.path, path):
         if candidate is not path and candidate.is_symlink():
             raise CheckpointError(f"'{candidate}' is a symlink, not a folder; folders inside a checkpoint are never "
                                   "followed as links")
-        if os.path.lexists(candidate / LAYOUT.ADAPTER_CONFIG):
+        if os.path.lexists(HFFolder(candidate).adapter_config):
             return candidate
     if not path.exists():
         raise CheckpointError(f"'{path}' not found")
-    raise CheckpointError(f"'{path}' holds no {LAYOUT.ADAPTER_CONFIG}: not a PEFT checkpoint "
+    raise CheckpointError(f"'{path}' holds no {HFFolder.adapter_config}: not a PEFT checkpoint "
                           "(full fine-tuning checkpoints are exported with `ckpt-train consolidate`)")
 
 
@@ -51,11 +48,10 @@ def base_model_folder(adapter_dir: Path, override: Path | None = None) -> Path:
     config = None
     if override is None:
         try:
-            config = read_json(adapter_dir / LAYOUT.ADAPTER_CONFIG, "an adapter config",
-                                        SMALL_FILE_LIMIT)
+            config = read_json(HFFolder(adapter_dir).adapter_config, "an adapter config", SMALL_FILE_LIMIT)
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {adapter_dir / LAYOUT.ADAPTER_CONFIG}: {first_line(exc)}") from None
-    return _base_folder(config, str(adapter_dir / LAYOUT.ADAPTER_CONFIG), override)
+            raise CheckpointError(f"cannot read {HFFolder(adapter_dir).adapter_config}: {first_line(exc)}") from None
+    return _base_folder(config, str(HFFolder(adapter_dir).adapter_config), override)
 
 
 def _base_folder(config: Any, where: str, override: Path | None) -> Path:
@@ -67,8 +63,8 @@ def _base_folder(config: Any, where: str, override: Path | None) -> Path:
         if not name:
             raise CheckpointError(f"{where} names no base model; pass --base DIR")
         base = Path(name)
-    if not (base / LAYOUT.HF_CONFIG).is_file():
-        raise CheckpointError(f"base model folder '{base}' not found (or it has no {LAYOUT.HF_CONFIG}); "
+    if not HFFolder(base).config.is_file():
+        raise CheckpointError(f"base model folder '{base}' not found (or it has no {HFFolder.config}); "
                               "pass --base DIR with the base model the adapter was trained on")
     return base
 
@@ -127,11 +123,11 @@ def merge_lora(checkpoint: Path, out: Path | None = None, base: Path | None = No
     if is_archive(Path(checkpoint)):
         return _merge_archive(Path(checkpoint), out, base)
     adapter_dir = adapter_folder(checkpoint)
-    for name in (LAYOUT.ADAPTER_CONFIG, LAYOUT.ADAPTER_WEIGHTS, LAYOUT.ADAPTER_WEIGHTS_PICKLE):
+    for name in (HFFolder.adapter_config, HFFolder.adapter_weights, HFFolder.adapter_weights_pickle):
         _refuse_unless_regular(adapter_dir / name, "the adapter folder")  # before they are read
     base_dir = base_model_folder(adapter_dir, base)
-    out = Path(out) if out is not None else adapter_dir / LAYOUT.MERGED_DIR
-    own_tokenizer = os.path.lexists(adapter_dir / LAYOUT.HF_TOKENIZER_CONFIG)
+    out = Path(out) if out is not None else ModelFolder(adapter_dir).merged.path
+    own_tokenizer = os.path.lexists(HFFolder(adapter_dir).tokenizer_config)
     side_files = _side_files(adapter_dir if own_tokenizer else base_dir, follow=not own_tokenizer,
                              within=None if own_tokenizer or base is not None else _cache_repo(base_dir))
     _write_merged(merged_model(adapter_dir, base_dir), out, side_files, {})
@@ -146,21 +142,21 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
     from automodel_ckpt.export.archive import open_archive
 
     with open_archive(archive_path) as archive:
-        if LAYOUT.ADAPTER_CONFIG not in archive.members or LAYOUT.ADAPTER_WEIGHTS not in archive.members:
-            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({LAYOUT.ADAPTER_CONFIG} and "
-                                  f"{LAYOUT.ADAPTER_WEIGHTS}); a full model's archive needs no merge")
-        config = archive.json(LAYOUT.ADAPTER_CONFIG, "an adapter config", SMALL_FILE_LIMIT)
-        archive.safetensors_header(LAYOUT.ADAPTER_WEIGHTS)  # checked as a file's would be, before it is parsed
-        size = archive.member(LAYOUT.ADAPTER_WEIGHTS).size
-        weights = load_safetensors(archive.read(LAYOUT.ADAPTER_WEIGHTS, "adapter weights", size))
+        if HFFolder.adapter_config not in archive.members or HFFolder.adapter_weights not in archive.members:
+            raise CheckpointError(f"the archive '{archive_path}' holds no PEFT adapter ({HFFolder.adapter_config} and "
+                                  f"{HFFolder.adapter_weights}); a full model's archive needs no merge")
+        config = archive.json(HFFolder.adapter_config, "an adapter config", SMALL_FILE_LIMIT)
+        archive.safetensors_header(HFFolder.adapter_weights)  # checked as a file's would be, before it is parsed
+        size = archive.member(HFFolder.adapter_weights).size
+        weights = load_safetensors(archive.read(HFFolder.adapter_weights, "adapter weights", size))
         tokenizer = {name: archive.read(name, "a tokenizer file", archive.member(name).size)
-                     for name in LAYOUT.HF_TOKENIZER_FILES if name in archive.members}
+                     for name in HFFolder.TOKENIZER_FILES if name in archive.members}
     if not isinstance(config, dict):
-        raise CheckpointError(f"{LAYOUT.ADAPTER_CONFIG} of the archive '{archive_path}' is not a JSON object")
-    base_dir = _base_folder(config, f"{LAYOUT.ADAPTER_CONFIG} of the archive '{archive_path}'", base)
+        raise CheckpointError(f"{HFFolder.adapter_config} of the archive '{archive_path}' is not a JSON object")
+    base_dir = _base_folder(config, f"{HFFolder.adapter_config} of the archive '{archive_path}'", base)
     side_files = [] if tokenizer else _side_files(base_dir, follow=True,
                                                   within=None if base is not None else _cache_repo(base_dir))
-    name = archive_path.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)
+    name = archive_path.name.removesuffix(Archive.SUFFIX)
     out = Path(out) if out is not None else archive_path.parent / f"{name}-merged"
     _write_merged(_merged_from_archive(config, weights, base_dir), out, side_files, tokenizer)
     return out
@@ -169,12 +165,12 @@ def _merge_archive(archive_path: Path, out: Path | None, base: Path | None) -> P
 def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], side_bytes: dict[str, bytes]) -> None:
     """The merged model and its tokenizer files (copied, or given as bytes) as ``out``, swapped in when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / LAYOUT.export_tmp_name(out.name, secrets.token_hex(4))
+    tmp = tmp_sibling(out, secrets.token_hex(4))
     try:
         model.save_pretrained(str(tmp))
-        _fix_config_dtype(tmp / LAYOUT.HF_CONFIG, model.config.dtype)
+        _fix_config_dtype(HFFolder(tmp).config, model.config.dtype)
         for weights in tmp.glob("*.safetensors"):  # written owner-only; as readable as the other files
-            shutil.copymode(tmp / LAYOUT.HF_CONFIG, weights)
+            shutil.copymode(HFFolder(tmp).config, weights)
         for source, follow in side_files:
             try:
                 copy_regular(source, tmp / source.name, follow=follow)
@@ -182,7 +178,7 @@ def _write_merged(model: Any, out: Path, side_files: list[tuple[Path, bool]], si
                 raise CheckpointError(f"cannot copy '{source}' into the merged folder: {first_line(exc)}") from None
         for name, data in side_bytes.items():
             (tmp / name).write_bytes(data)
-        _swap_in(tmp, out)
+        replace_folder(tmp, out, old_sibling(out, secrets.token_hex(4)).name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -200,11 +196,10 @@ def _refuse_unless_regular(path: Path, where: str) -> None:
 
 
 def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tuple[Path, bool]]:
-    """The tokenizer files of ``source`` to copy into the merged folder, checked before the merge starts: an
-    adapter's must be regular files (``follow`` False); a base folder's may be links (``follow``), which with
-    ``within`` must resolve to a regular file below it."""
+    """The tokenizer files of ``source`` to copy, checked before the merge: an adapter's must be regular files
+    (``follow`` False); a base folder's may be links, which with ``within`` must resolve below it."""
     found = []
-    for name in LAYOUT.HF_TOKENIZER_FILES:
+    for name in HFFolder.TOKENIZER_FILES:
         path = source / name
         if not os.path.lexists(path):
             continue
@@ -212,7 +207,7 @@ def _side_files(source: Path, *, follow: bool, within: Path | None) -> list[tupl
             _refuse_unless_regular(path, "the adapter folder")
         elif within is not None and path.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(within):
             raise CheckpointError(f"'{path}' is a symlink leading out of the base model folder '{within}' named by "
-                                  f"{LAYOUT.ADAPTER_CONFIG}; pass --base DIR to use a base folder you trust")
+                                  f"{HFFolder.adapter_config}; pass --base DIR to use a base folder you trust")
         found.append((path, follow))
     return found
 
@@ -233,7 +228,3 @@ def _fix_config_dtype(config_file: Path, dtype: Any) -> None:
     if data.get("dtype") != name:
         data["dtype"] = name
         write_json(config_file, data)
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    replace_folder(tmp, out, LAYOUT.export_old_name(out.name, secrets.token_hex(4)))

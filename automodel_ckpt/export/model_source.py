@@ -1,15 +1,10 @@
 """The model behind an export SRC (a checkpoint, a Hugging Face folder or an archive), read one tensor at a time.
 
-The quantized exports (``export --to``) start from the tensors ``save_pretrained`` would write, under their on-disk
-names. ``open_model(src)`` gives them without writing a Hugging Face folder first: a checkpoint's tensors are read from
-its shards through the export's own plan (``plan.build_plan``: the family's on-disk layout, each tensor assembled
-from its pieces when asked for), a folder's and an archive's from their safetensors files by positioned reads. Only
-one tensor is in memory at a time (the caller's), so memory is bounded by the largest tensor, never the model.
-The small files (config, tokenizer, chat template) lie in ``side_dir``, a private temporary folder holding copies
-(a checkpoint's ``.hf_metadata``, an archive's members, a folder's files once checked), so no library reading them
-meets a link. A folder's files are read only as ``paths.model_file_in`` allows: regular files, and a Hugging Face
-cache snapshot's links into its repository's ``blobs/``; any other link is refused in one line. A LoRA checkpoint is merged into its
-base first (``merge_lora``, into that temporary folder): that step holds the model in memory, as `merge-lora` does.
+``open_model(src)`` gives the tensors ``save_pretrained`` would write, under their on-disk names, without writing a
+Hugging Face folder first: a checkpoint's through the export's own plan, a folder's and an archive's by positioned
+reads, one tensor in memory at a time. The small files (config, tokenizer) are copied into ``side_dir``, a private
+temporary folder, so no library reading them meets a link; a folder's files are read only as ``model_file_in``
+allows. A LoRA checkpoint is merged into its base first, which holds the model in memory, as `merge-lora` does.
 """
 
 from __future__ import annotations
@@ -27,9 +22,9 @@ from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, COUNT_LIMIT, INDEX_FILE_LIMIT, LAYOUT, ST_TO_TORCH, check_size,
-                                   copy_regular, model_file_in, open_regular, pread_into, read_header, read_json,
-                                   tensor_entries)
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, COUNT_LIMIT, INDEX_FILE_LIMIT, ST_TO_TORCH, Archive, HFFolder,
+                                   ModelFolder, check_size, copy_regular, model_file_in, open_regular, pread_into,
+                                   read_header, read_json, tensor_entries)
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 
 
@@ -84,10 +79,8 @@ _LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.language_model\.la
 
 
 def layer_count(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], whose: str) -> int:
-    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers whose
-    tensors are present (``shapes``) before anything loops over it: a count that is no whole number, or that differs
-    from the layers the weight files hold, is one line naming ``whose`` config (a crafted ``config.json`` never
-    sizes a loop or a table)."""
+    """The layer count of ``config`` (``num_hidden_layers``, GPT-2's ``n_layer``), checked against the layers in
+    ``shapes`` before anything loops over it: a crafted ``config.json`` never sizes a loop or a table."""
     key = "n_layer" if "n_layer" in config and "num_hidden_layers" not in config else "num_hidden_layers"
     value = config.get(key)
     present = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
@@ -109,11 +102,11 @@ def open_model(src: Path) -> Iterator[ModelSource]:
             source = _from_archive(src, stack)
         elif not src.is_dir():
             raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder or an archive")
-        elif (src / LAYOUT.HF_CONFIG).is_file() and any(src.glob("*.safetensors")):
+        elif HFFolder(src).config.is_file() and any(src.glob("*.safetensors")):
             source = _from_folder(src, stack)
         else:
             source = _from_checkpoint(src, stack)
-        source.name, source.where = src.resolve().name.removesuffix(LAYOUT.ARCHIVE_SUFFIX), str(src)
+        source.name, source.where = src.resolve().name.removesuffix(Archive.SUFFIX), str(src)
         yield source
 
 
@@ -122,7 +115,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
     from automodel_ckpt.export.plan import build_plan, resolve_model_dir
 
     model_dir = resolve_model_dir(src)
-    if (model_dir / LAYOUT.ADAPTER_CONFIG).is_file() or (src / LAYOUT.ADAPTER_CONFIG).is_file():
+    if HFFolder(model_dir).adapter_config.is_file() or HFFolder(src).adapter_config.is_file():
         from automodel_ckpt.export.lora_merge import merge_lora
 
         tmp = _tmp_dir(stack)
@@ -132,10 +125,10 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
         return source
     plan = build_plan(model_dir, None, COUNT_LIMIT)  # shards of any size: the plan here only reads
     if plan.config is None:
-        raise CheckpointError(f"{model_dir} has no {LAYOUT.HF_METADATA_DIR} (no config.json): its family is unknown, "
+        raise CheckpointError(f"{model_dir} has no {ModelFolder.hf_metadata} (no config.json): its family is unknown, "
                               "so it cannot be exported to a quantized format")
     side = _tmp_dir(stack)
-    (side / LAYOUT.HF_CONFIG).write_text(json.dumps(plan.config))
+    HFFolder(side).config.write_text(json.dumps(plan.config))
     for path in plan.extra_files:
         try:
             copy_regular(path, side / path.name)
@@ -143,8 +136,7 @@ def _from_checkpoint(src: Path, stack: ExitStack) -> ModelSource:
             raise CheckpointError(f"cannot read '{path}': {exc.strerror or first_line(exc)}") from None
     source = ModelSource(plan.config, side, kind="checkpoint")
     for f in plan.files:
-        for t in f.tensors:
-            # in the dtype the Hugging Face export gives it (the base's), so both make the same file
+        for t in f.tensors:  # in the Hugging Face export's dtype (the base's), so both make the same file
             source.add(t.name, t.source.shape, t.dtype, lambda s=t.source, d=t.dtype: _assemble(s).to(d))
             source.saved[t.name] = lambda s=t.source: _assemble(s)
     return source
@@ -158,22 +150,17 @@ def _assemble(tensor: Any) -> torch.Tensor:
 
 
 # --- a Hugging Face folder ---------------------------------------------------------------------------------------
-#: What a folder's file that is neither regular nor a cache snapshot's link gets (``paths.model_file_in``).
 _REFUSAL = ("an export reads only a model folder's regular files (and a cache snapshot's links into its own "
             "blobs/), never what another link points to: replace it with the file itself")
-#: The most bytes one small file of a folder (config, tokenizer, chat template) may hold to be copied.
-_SIDE_FILE_LIMIT = 4 * INDEX_FILE_LIMIT
+_SIDE_FILE_LIMIT = 4 * INDEX_FILE_LIMIT  # bytes of one small file of a folder (config, tokenizer) copied
 
 
 def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> ModelSource:
-    """The model of a Hugging Face folder the user named. Its files are read only as ``paths.model_file_in`` allows
-    (regular files; a Hugging Face cache snapshot's links into its repository's ``blobs/``), and its small files are
-    copied into a private ``side_dir`` first, so that the libraries that read them (the tokenizer's, a quantized
-    export's vocabulary) never meet a link or a file the check did not pass. ``side``: a folder this process wrote
-    itself (a merged LoRA), used as it is."""
+    """The model of a Hugging Face folder the user named, its small files copied into a private ``side_dir`` first
+    (module docstring). ``side``: a folder this process wrote itself (a merged LoRA), used as it is."""
     if side is None:
         side = _tmp_dir(stack)
-        for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
+        for name in (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
             try:
                 path = model_file_in(folder, name, _REFUSAL)
                 check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
@@ -183,9 +170,9 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
                 continue
             except OSError as exc:
                 raise CheckpointError(f"cannot read '{folder / name}': {exc.strerror or exc}") from None
-    config = read_json(side / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT)
+    config = read_json(HFFolder(side).config, "a model config", CONFIG_FILE_LIMIT)
     if not isinstance(config, dict):
-        raise CheckpointError(f"{folder / LAYOUT.HF_CONFIG} is not a JSON object")
+        raise CheckpointError(f"{HFFolder(folder).config} is not a JSON object")
     source = ModelSource(config, side)
     for name in sorted(p.name for p in folder.glob("*.safetensors")):
         path = folder / name
@@ -234,16 +221,16 @@ def _from_archive(path: Path, stack: ExitStack) -> ModelSource:
         raise UserError(f"'{path}' is a file but not an archive of `ckpt-train pack`; give a checkpoint, an export "
                         "folder or an archive")
     archive = stack.enter_context(open_archive(path))
-    if LAYOUT.ADAPTER_CONFIG in archive.members:
+    if HFFolder.adapter_config in archive.members:
         raise UserError(f"the archive '{path}' holds a LoRA adapter; export its checkpoint, or `ckpt-train "
                         "merge-lora` it first")
     side = _tmp_dir(stack)
-    for name in (LAYOUT.HF_CONFIG, LAYOUT.HF_GENERATION_CONFIG, *LAYOUT.HF_TOKENIZER_FILES):
+    for name in (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
         if name in archive.members:
             (side / name).write_bytes(archive.read(name, "a model folder's small file", INDEX_FILE_LIMIT))
-    if not (side / LAYOUT.HF_CONFIG).is_file():
-        raise CheckpointError(f"the archive '{path}' has no {LAYOUT.HF_CONFIG}")
-    config = read_json(side / LAYOUT.HF_CONFIG, "a model config", CONFIG_FILE_LIMIT)
+    if not HFFolder(side).config.is_file():
+        raise CheckpointError(f"the archive '{path}' has no {HFFolder.config}")
+    config = read_json(HFFolder(side).config, "a model config", CONFIG_FILE_LIMIT)
     source = ModelSource(config if isinstance(config, dict) else {}, side, kind="archive")
     for name in sorted(n for n in archive.members if n.endswith(".safetensors") and "/" not in n):
         header, data_start = archive.safetensors_header(name)

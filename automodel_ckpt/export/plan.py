@@ -1,13 +1,10 @@
 """Export a checkpoint's sharded model to a Hugging Face folder, streaming, dtype-faithful and atomic.
 
-``consolidate(model_dir)`` turns ``epoch_E_step_N/model/`` (per-rank safetensors shards or DCP files) into
-``model/consolidated/``: ``model-K-of-F.safetensors`` files, their index, ``config.json``, the generation config
-and tokenizer files kept in ``model/.hf_metadata``. When the base model came from an HF folder, every tensor
-returns to its original dtype and file number, so the export diffs cleanly against the base. Tensors are
-written under the names and in the layout ``save_pretrained`` gives the model family (``formats/family.py``):
-tied weights once, mixture-of-experts weights per expert. Tensors are
-streamed piece by piece (see ``consolidate_writer``); the whole model is never held in memory. The export is
-written into a hidden sibling folder and renamed into place only when complete.
+``consolidate(model_dir)`` turns ``model/`` (per-rank safetensors shards or DCP files) into ``model/consolidated/``
+with the config and tokenizer kept in ``model/.hf_metadata``. With a base from an HF folder, every tensor returns to
+its original dtype and file number, so the export diffs cleanly against the base; names and layout are those
+``save_pretrained`` gives the family. Tensors stream piece by piece (the model is never held in memory) into a
+hidden sibling folder, renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -22,15 +19,17 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from automodel_ckpt.ondisk import (LAYOUT, ST_TO_TORCH, copy_regular, detect_model_format, export_error,
-                                   exported_format, is_plain_float, not_regular, write_durable)
+from automodel_ckpt.ondisk import (ST_TO_TORCH, CheckpointFolder, HFFolder, ModelFolder, copy_regular,
+                                   detect_model_format, export_error, exported_format, is_plain_float, not_regular,
+                                   write_durable)
 from automodel_ckpt.export.commit import make_coordinator
 from automodel_ckpt.export.script import render_consolidate_script
 from automodel_ckpt.export.sources import ShardSource, open_source
@@ -44,12 +43,8 @@ __all__ = ["CAST_DTYPES", "consolidate", "parse_cast_dtype", "render_consolidate
 
 logger = logging.getLogger(__name__)
 
-CAST_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp64": torch.float64,
-}
+CAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                                       "fp64": torch.float64}
 _CAST_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
                  "float64": "fp64", "double": "fp64"}  # fmt: skip
 
@@ -68,7 +63,7 @@ def parse_cast_dtype(value: str | None) -> torch.dtype | None:
 def resolve_model_dir(path: Path) -> Path:
     """Accept a checkpoint folder (``epoch_0_step_4``) or its ``model/`` folder; return the one holding shards."""
     path = Path(path)
-    inner = LAYOUT.model_dir(path)
+    inner = CheckpointFolder(path).model.path
     if inner.is_symlink():
         raise CheckpointError(f"'{inner}' is a symlink, not a folder; folders inside a checkpoint are never "
                               "followed as links")
@@ -79,35 +74,23 @@ def resolve_model_dir(path: Path) -> Path:
     return path
 
 
-def consolidate(
-    model_dir: Path,
-    out_dir: Path | None = None,
-    *,
-    cast_dtype: str | None = None,
-    num_threads: int = 5,
-    max_shard_size: int = 5 * 2**30,
-    rank: int = 0,
-    world_size: int = 1,
-    progress: bool = True,
-    metadata_dir: Path | None = None,
-) -> Path:
+def consolidate(model_dir: Path, out_dir: Path | None = None, *, cast_dtype: str | None = None, num_threads: int = 5,
+                max_shard_size: int = 5 * 2**30, rank: int = 0, world_size: int = 1, progress: bool = True,
+                metadata_dir: Path | None = None) -> Path:
     """Export the model in ``model_dir`` to ``out_dir`` (default ``model_dir/consolidated``); returns ``out_dir``.
 
-    Dtypes: each floating tensor returns to its dtype in the base model; without base information it keeps its
-    saved dtype. ``cast_dtype`` (bf16, fp16, fp32, fp64) overrides that for floating tensors; fp8 and integer
-    tensors are never cast. Files: a tensor goes to the same file number as in the base model; without base
-    information tensors are split into files of at most ``max_shard_size`` bytes.
+    A floating tensor gets ``cast_dtype``, else its base model's dtype, else its saved one (fp8 and integer tensors
+    are never cast); it goes to its file number in the base, else files of at most ``max_shard_size`` bytes.
 
-    With ``world_size > 1`` every rank calls this; output files are divided among ranks by size and the result is
-    byte-identical to a single-process run. Ranks coordinate through torch.distributed when it is initialised
-    with that world size, else through marker files: then ranks other than 0 return as soon as their own files
-    are written, and rank 0 waits for theirs before it renames the folder.
+    With ``world_size > 1`` every rank calls this and writes its share of the files (byte-identical to one
+    process); ranks meet through torch.distributed when it is initialised with that world size, else through
+    marker files (rank 0 waits for the others' before it renames the folder).
 
-    ``metadata_dir``: the ``model/`` folder whose ``.hf_metadata`` describes the model, for shards saved apart from
-    it (a checkpoint's ``ema/``): every tensor of the model must be among them.
+    ``metadata_dir``: the ``model/`` folder whose ``.hf_metadata`` describes shards saved apart from it (a
+    checkpoint's ``ema/``), which must then hold every tensor of the model.
     """
     model_dir = resolve_model_dir(Path(model_dir)) if metadata_dir is None else Path(model_dir)
-    out_dir = Path(out_dir) if out_dir is not None else model_dir / LAYOUT.CONSOLIDATED_DIR
+    out_dir = Path(out_dir) if out_dir is not None else ModelFolder(model_dir).consolidated.path
     cast = parse_cast_dtype(cast_dtype)
     if world_size < 1 or not 0 <= rank < world_size:
         raise UserError(f"bad rank {rank} for world size {world_size}")
@@ -124,15 +107,13 @@ def consolidate(
         plan = build_plan(model_dir, cast, max_shard_size, metadata_dir)
         mine = plan.files_for_rank(rank, world_size)
         nbytes = total_bytes(mine)
-        with ProgressBar(nbytes, progress and rank == 0) as advance:
+        with progress_bar(nbytes, progress and rank == 0) as advance:
             write_files(mine, tmp, num_threads, advance)
         if rank == 0:
             plan.write_side_files(tmp)
         elapsed = time.perf_counter() - start
-        logger.info(
-            "rank %d wrote %d file(s), %s in %.1f s (%s/s)",
-            rank, len(mine), human_size(nbytes), elapsed, human_size(int(nbytes / max(elapsed, 1e-9))),
-        )  # fmt: skip
+        logger.info("rank %d wrote %d file(s), %s in %.1f s (%s/s)", rank, len(mine), human_size(nbytes), elapsed,
+                    human_size(int(nbytes / max(elapsed, 1e-9))))
     except BaseException as e:  # noqa: BLE001 - every rank must take part in the final step, even after a failure
         error = export_error(e, out_dir, total_bytes(plan.files_for_rank(0, 1)) if plan else None)
     coordinator.end(error, plan)
@@ -144,7 +125,7 @@ def _check_out_dir(model_dir: Path, out_dir: Path) -> None:
     model_real, out_real = model_dir.resolve(), out_dir.resolve()
     if out_real == model_real or out_real in model_real.parents:
         raise UserError(f"output folder {out_dir} must not be the model folder or contain it")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / LAYOUT.HF_INDEX).is_file():
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not HFFolder(out_dir).index.is_file():
         raise UserError(f"output folder {out_dir} exists and is not an earlier export; remove it or choose another")
 
 
@@ -169,25 +150,21 @@ class ExportPlan:
         return [f for f in self.files if owner[f.name] == rank]
 
     def expected_names(self) -> set[str]:
-        names = {f.name for f in self.files} | {LAYOUT.HF_INDEX} | {p.name for p in self.extra_files}
-        return names | ({LAYOUT.HF_CONFIG} if self.config is not None else set())
+        names = {f.name for f in self.files} | {HFFolder.index} | {p.name for p in self.extra_files}
+        return names | ({HFFolder.config} if self.config is not None else set())
 
     def fingerprint(self) -> str:
         """Identifies this exact export (sources, files, dtypes); ranks agree on it before the rename."""
-        desc = {
-            "sources": self.source.fingerprint(),
-            "files": [[f.name, [[t.name, str(t.dtype), t.offset] for t in f.tensors]] for f in self.files],
-        }
+        desc = {"sources": self.source.fingerprint(),
+                "files": [[f.name, [[t.name, str(t.dtype), t.offset] for t in f.tensors]] for f in self.files]}
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
     def index(self) -> dict[str, Any]:
         weight_map = {t.name: f.name for f in self.files for t in f.tensors}
         total_size = sum(t.nbytes for f in self.files for t in f.tensors)
         params = sum(t.source.numel for f in self.files for t in f.tensors)
-        return {
-            "metadata": {"total_size": total_size, "total_parameters": params},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
+        return {"metadata": {"total_size": total_size, "total_parameters": params},
+                "weight_map": dict(sorted(weight_map.items()))}
 
     def write_side_files(self, folder: Path) -> None:
         """Index, config and the files kept in ``.hf_metadata`` (rank 0 only)."""
@@ -199,10 +176,10 @@ class ExportPlan:
 
     def side_files(self) -> list[tuple[str, str | Path]]:
         """``(name, text or the file to copy)`` of every file of the export besides the weights."""
-        out: list[tuple[str, str | Path]] = [(LAYOUT.HF_INDEX, json.dumps(self.index(), indent=2, sort_keys=True)
+        out: list[tuple[str, str | Path]] = [(HFFolder.index, json.dumps(self.index(), indent=2, sort_keys=True)
                                               + "\n")]
         if self.config is not None:
-            out.append((LAYOUT.HF_CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n"))
+            out.append((HFFolder.config, json.dumps(self.config, indent=2, sort_keys=True) + "\n"))
         return out + [(path.name, path) for path in self.extra_files]
 
 
@@ -211,8 +188,8 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int,
     """Decide every tensor's output dtype, file and offset from the shard headers and ``.hf_metadata`` (of
     ``metadata_dir`` when given: the model's, for shards saved apart from it; see ``consolidate``)."""
     _refuse_links(model_dir)
-    if metadata_dir is not None and not LAYOUT.hf_metadata_dir(Path(metadata_dir)).is_dir():
-        raise CheckpointError(f"'{metadata_dir}' has no {LAYOUT.HF_METADATA_DIR} to describe '{model_dir}' (a LoRA "
+    if metadata_dir is not None and not ModelFolder(metadata_dir).hf_metadata.is_dir():
+        raise CheckpointError(f"'{metadata_dir}' has no {ModelFolder.hf_metadata} to describe '{model_dir}' (a LoRA "
                               "checkpoint's EMA holds adapter weights, which are not exported)")
     meta = _read_metadata(model_dir if metadata_dir is None else Path(metadata_dir))
     if meta is not None and metadata_dir is not None:
@@ -226,7 +203,6 @@ def build_plan(model_dir: Path, cast: torch.dtype | None, max_shard_size: int,
     dtypes = _output_dtypes(source, original, cast)
     tensors = [OutTensor(source.tensors[name], dtypes[name]) for name in sorted(source.tensors, key=_natural_key)]
     if original is not None and meta is not None and meta.original_num_files:
-        _check_num_files(meta)
         files = _files_like_base(tensors, original, meta.original_num_files)
     else:
         files = _files_by_size(tensors, max_shard_size)
@@ -249,9 +225,8 @@ def _require_every_tensor(model_dir: Path, source: ShardSource, original: dict) 
 
 
 def _refuse_links(model_dir: Path) -> None:
-    """A ``CheckpointError`` naming the first symlink, FIFO, socket or device among the files of ``model_dir``
-    (the shards, DCP files and their index), or a folder bearing a shard's or the DCP index's name: an export reads
-    only regular files, never through a link."""
+    """A ``CheckpointError`` naming the first link, FIFO, socket or device among ``model_dir``'s files, or a folder
+    bearing a shard's or the DCP index's name: an export reads only regular files, never through a link."""
     try:
         with os.scandir(model_dir) as it:
             entries = list(it)
@@ -267,15 +242,13 @@ def _refuse_links(model_dir: Path) -> None:
 
 
 def _is_model_file_name(name: str) -> bool:
-    return name.endswith(".safetensors") or LAYOUT.is_dcp_data_file(name) or name == LAYOUT.DCP_METADATA
+    return name.endswith(".safetensors") or ModelFolder.is_dcp_data_file(name) or name == ModelFolder.dcp_metadata
 
 
 def _read_metadata(model_dir: Path) -> HFMetadata | None:
-    if not LAYOUT.hf_metadata_dir(model_dir).is_dir():
-        logger.warning(
-            "%s has no %s folder: the export gets weights and index only (no %s, no tokenizer)",
-            model_dir, LAYOUT.HF_METADATA_DIR, LAYOUT.HF_CONFIG,
-        )  # fmt: skip
+    if not ModelFolder(model_dir).hf_metadata.is_dir():
+        logger.warning("%s has no %s folder: the export gets weights and index only (no %s, no tokenizer)",
+                       model_dir, ModelFolder.hf_metadata, HFFolder.config)
         return None
     return read_hf_metadata(model_dir)
 
@@ -296,28 +269,15 @@ def _output_dtypes(source: ShardSource, original: dict | None, cast: torch.dtype
             orig = None
         out[name] = cast or orig or saved
     if unrestorable:
-        msg = (
-            f"{len(unrestorable)} tensor(s) were quantized or packed in the base model but are saved as floats; "
-            f"they are exported as floats, not re-quantized: {', '.join(unrestorable[:5])}"
-            + (" ..." if len(unrestorable) > 5 else "")
-        )
-        warnings.warn(msg, stacklevel=3)  # one report: the CLI shows warnings as `warning: ...` lines
+        warnings.warn(f"{len(unrestorable)} tensor(s) were quantized or packed in the base model but are saved as "
+                      f"floats; they are exported as floats, not re-quantized: {', '.join(unrestorable[:5])}"
+                      + (" ..." if len(unrestorable) > 5 else ""), stacklevel=3)  # the CLI shows it in one line
     return out
-
-
-def _check_num_files(meta: HFMetadata) -> None:
-    """The number of output files the base recorded is at most its number of tensors (each file of the base held
-    one at least): a small file cannot ask for a billion output files."""
-    listed = len(meta.original or {})
-    if not 1 <= int(meta.original_num_files or 0) <= max(1, listed):
-        raise CheckpointError(f"'{meta.folder / LAYOUT.ORIGINAL_TENSORS_FILE}': num_files is "
-                              f"{meta.original_num_files}, more than the {listed} tensors it lists (each file of "
-                              "the base model holds one at least)")
 
 
 def _files_like_base(tensors: list[OutTensor], original: dict, num_files: int) -> list[OutFile]:
     """Each tensor in the same file number as in the base model; tensors new since the base go to the last file."""
-    files = [OutFile(LAYOUT.hf_weights_file(k, num_files)) for k in range(1, num_files + 1)]
+    files = [OutFile(HFFolder.weights_name(k, num_files)) for k in range(1, num_files + 1)]
     new = []
     for t in tensors:
         info = original.get(t.name)
@@ -333,7 +293,7 @@ def _files_like_base(tensors: list[OutTensor], original: dict, num_files: int) -
 def _files_by_size(tensors: list[OutTensor], max_shard_size: int) -> list[OutFile]:
     """Greedy split in name order (natural sort): a new file starts when the next tensor would not fit."""
     groups = in_groups(tensors, lambda t: t.nbytes, max_shard_size) or [[]]
-    return [OutFile(LAYOUT.hf_weights_file(k, len(groups)), g) for k, g in enumerate(groups, start=1)]
+    return [OutFile(HFFolder.weights_name(k, len(groups)), g) for k, g in enumerate(groups, start=1)]
 
 
 def _set_config_dtype(config: dict[str, Any], files: list[OutFile]) -> None:
@@ -356,27 +316,18 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-class ProgressBar:
-    """tqdm bar over output bytes, shown only when asked and stderr is a terminal."""
+@contextmanager
+def progress_bar(total: int, enabled: bool, desc: str = "consolidating") -> Iterator[Callable[[int], None]]:
+    """``advance(n)`` of a tqdm bar over output bytes (any thread), shown only when asked and stderr is a terminal."""
+    if not (enabled and sys.stderr.isatty()):
+        yield lambda n: None
+        return
+    from tqdm import tqdm
 
-    def __init__(self, total: int, enabled: bool, desc: str = "consolidating") -> None:
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
-
-    def __enter__(self) -> Callable[[int], None]:
-        if self.bar is None:
-            return lambda n: None
-        lock = threading.Lock()
-
+    lock = threading.Lock()
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
         def advance(n: int) -> None:
             with lock:
-                self.bar.update(n)  # type: ignore[union-attr]
+                bar.update(n)
 
-        return advance
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        yield advance

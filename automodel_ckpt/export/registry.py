@@ -1,9 +1,7 @@
 """The export targets, by name: each is one module of this package, registered here by one line.
 
-``get_target(name)`` is ``ckpt-train export --to NAME``'s target, ``target_names()`` the values ``--to`` accepts
-(in registration order), ``identify(path)`` the target whose file ``path`` is (``inspect``, ``verify``). A target
-from outside the package (one that needs a layer above ``export/``, as ``--to hf-trainer`` builds the run's recipe
-in the CLI) is added with ``register_target(target)`` by the code that owns it.
+A target that needs a layer above ``export/`` (``--to hf-trainer`` builds the run's recipe in the CLI) is added
+with ``register_target(target)`` by the code that owns it.
 """
 
 from __future__ import annotations

@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from importlib import resources
 from pathlib import Path
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import ModelFolder, write_atomic
 
 _TEMPLATE = "templates/consolidate.sh"
 
 
 def render_consolidate_script(model_dir: Path) -> None:
-    """Write ``model_dir/consolidate.sh`` (mode 755) bound to this interpreter and this copy of the package.
-
-    The interpreter that wrote the checkpoint is the one most likely to have compatible torch/transformers;
-    the package location lets the script work when the package is used from a source tree rather than
-    installed. Both are only defaults: the script falls back to ``python3`` when the path is gone, and honours
-    ``PYTHON``.
-    """
+    """Write ``model_dir/consolidate.sh`` (mode 755) bound by default to this interpreter (the likeliest to have a
+    compatible torch and transformers) and this copy of the package (a source tree too); the script falls back to
+    ``python3`` when that path is gone, and honours ``PYTHON``."""
     model_dir = Path(model_dir)
     text = resources.files("automodel_ckpt.ondisk").joinpath(_TEMPLATE).read_text(encoding="utf-8")
     text = text.replace("@PYTHON@", shlex.quote(sys.executable or "python3"))
     text = text.replace("@PACKAGE_ROOT@", shlex.quote(_source_root()))
-    target = model_dir / LAYOUT.CONSOLIDATE_SCRIPT
-    tmp = model_dir / f".{LAYOUT.CONSOLIDATE_SCRIPT}.tmp-{os.getpid()}"
-    tmp.write_text(text, encoding="utf-8")
-    tmp.chmod(0o755)
-    os.replace(tmp, target)
+    target = ModelFolder(model_dir).consolidate_script
+    write_atomic(target, text.encode("utf-8"))
+    target.chmod(0o755)
 
 
 def _source_root() -> str:

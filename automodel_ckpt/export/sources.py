@@ -19,17 +19,11 @@ from automodel_ckpt.export.hf_metadata import TensorInfo
 from automodel_ckpt.errors import CheckpointError
 
 
-def open_source(
-    folder: Path, saved: dict[str, TensorInfo] | None = None, saved_world_size: int | None = None
-) -> ShardSource:
-    """Index the shards of ``folder``.
-
-    ``saved`` (full shapes recorded at save time) makes the coverage check exact; ``saved_world_size`` (ranks
-    that wrote the files) catches a missing last shard file, which the other files cannot reveal.
-
-    Raises CheckpointError naming the file for a missing, truncated or damaged shard, and for tensors whose
-    pieces overlap or leave gaps.
-    """
+def open_source(folder: Path, saved: dict[str, TensorInfo] | None = None,
+                saved_world_size: int | None = None) -> ShardSource:
+    """Index the shards of ``folder``: ``CheckpointError`` naming the file for a missing, truncated or damaged
+    shard, or pieces that overlap or leave gaps. ``saved`` (full shapes recorded at save time) makes the coverage
+    check exact; ``saved_world_size`` catches a missing last shard file, which the other files cannot reveal."""
     folder = Path(folder)
     fmt = exported_format(folder)
     source = fmt.open_source(folder, saved_world_size)
@@ -77,7 +71,8 @@ def load_dcp_piece(piece: Piece) -> torch.Tensor:
     try:
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for damaged payloads
-        raise CheckpointError(f"damaged shard file {piece.file}: cannot read a piece at byte {piece.start} ({e})") from None
+        raise CheckpointError(f"damaged shard file {piece.file}: cannot read a piece at byte {piece.start} "
+                              f"({e})") from None
     if piece.select is not None:
         a, b = piece.select
         if b - a != math.prod(piece.shape) or b > tensor.numel():
@@ -112,21 +107,17 @@ def _apply_saved_shapes(source: ShardSource, saved: dict[str, TensorInfo] | None
         if tensor is None:
             raise CheckpointError(f"tensor '{name}' is missing from the shard files in {source.folder}")
         if len(info.shape) != len(tensor.shape) or any(a > b for a, b in zip(tensor.shape, info.shape)):
-            raise CheckpointError(
-                f"tensor '{name}' in {source.folder} has pieces outside its saved shape {list(info.shape)}"
-            )
+            raise CheckpointError(f"tensor '{name}' in {source.folder} has pieces outside its saved shape "
+                                  f"{list(info.shape)}")
         tensor.shape = info.shape
 
 
 def _drop_replicas(tensor: SourceTensor) -> None:
     """Keep one of several pieces with the same box: replicated (unsharded) tensors may be saved by every rank."""
-    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    kept = []
+    kept: dict[tuple[tuple[int, ...], tuple[int, ...]], Piece] = {}
     for p in tensor.pieces:
-        if (p.offsets, p.shape) not in seen:
-            seen.add((p.offsets, p.shape))
-            kept.append(p)
-    tensor.pieces = kept
+        kept.setdefault((p.offsets, p.shape), p)
+    tensor.pieces = list(kept.values())
 
 
 _PAIRWISE_MAX = 512  # pieces whose boxes are compared pair by pair where they form no grid (about 10^5 pairs)
@@ -160,13 +151,10 @@ def check_coverage(tensor: SourceTensor, folder: Path) -> None:
                 break
             end = p.offsets[0] + p.shape[0]
         stop = min([p.offsets[0] for p in pieces if p.offsets[0] > end] + [shape[0]])
-        raise CheckpointError(
-            f"rows {end}..{stop} of '{tensor.name}' are in no shard file in {folder} (missing shard file?)"
-        )
-    raise CheckpointError(
-        f"'{tensor.name}' is only partly covered by the shard files in {folder} "
-        f"({covered} of {math.prod(shape)} elements; missing shard file?)"
-    )
+        raise CheckpointError(f"rows {end}..{stop} of '{tensor.name}' are in no shard file in {folder} (missing "
+                              "shard file?)")
+    raise CheckpointError(f"'{tensor.name}' is only partly covered by the shard files in {folder} "
+                          f"({covered} of {math.prod(shape)} elements; missing shard file?)")
 
 
 def _first_overlap(pieces: list[Piece], dim: int, name: str, folder: Path) -> tuple[Piece, Piece] | None:

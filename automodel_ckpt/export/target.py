@@ -1,14 +1,9 @@
 """What an export target is: ``ExportTarget``, the object each target module registers, and the request it gets.
 
-A target is what ``ckpt-train export --to NAME`` writes (a quantized file or folder, an HF Trainer checkpoint, ...):
-its options on the verb's command line, the export itself, and, where its output is one file the other verbs meet,
-how that file is recognised, described (``inspect``), checked (``verify``, ``pack``), compared (``diff``) and
-followed (its lineage record). ``registry`` looks targets up by name and asks them what a file is; no verb knows a
-target by name.
-
-The invariant every target keeps: SRC is only read, and the output appears whole (written beside it, then renamed
-into place) or not at all; a bad SRC or a bad option is one line (the project's ``UserError`` types), never a
-traceback.
+A target is what ``ckpt-train export --to NAME`` writes: its options, the export, and, where its output is one file
+the other verbs meet, how that file is recognised, described, checked, compared and followed; no verb knows a
+target by name. Every target keeps one invariant: SRC is only read, and the output appears whole (written beside
+it, then renamed) or not at all; a bad SRC or option is one line (``UserError``), never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import Archive
 
 if TYPE_CHECKING:
     from automodel_ckpt.export.model_source import ModelSource
@@ -49,7 +44,7 @@ class ExportRequest:
         if self.args.out:
             return Path(self.args.out)
         where = self.src.absolute()
-        return where.parent / f"{where.name.removesuffix(LAYOUT.ARCHIVE_SUFFIX)}{tail}"
+        return where.parent / f"{where.name.removesuffix(Archive.SUFFIX)}{tail}"
 
 
 class ExportTarget:

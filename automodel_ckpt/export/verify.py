@@ -1,14 +1,9 @@
 """``ckpt-train verify --export CHECKPOINT``: the exported HF folder reloads in transformers and matches the shards.
 
-Three checks, each printed as a line, any failure making the command fail:
-
-1. transformers loads ``model/consolidated/`` with no missing, unexpected or mismatched keys;
-2. every tensor of the reloaded model (transformers' in-memory names, the names the checkpoint's shards use)
-   equals the shard tensor cast to the exported dtype, bit for bit;
-3. the export's tensor names, shapes and dtypes are those of the base model's own files (when the base came from
-   an HF folder; ``.hf_metadata/original_tensors.json``); an export cast to another dtype reports that change.
-
-The reload needs memory for the whole model, in its exported dtypes; shard tensors are read one at a time.
+Three checks, any failure failing the command: transformers loads ``model/consolidated/`` with no missing,
+unexpected or mismatched keys; every reloaded tensor equals the shard tensor cast to its dtype, bit for bit; names,
+shapes and dtypes are the base's own files' (where recorded; a cast reports its change). The reload holds the whole
+model; shard tensors are read one at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, LAYOUT, read_header, read_json, tensor_entries
+from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, HFFolder, ModelFolder, read_header, read_json, tensor_entries
 from automodel_ckpt.export.plan import resolve_model_dir
 from automodel_ckpt.export.sources import open_source, read_full
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
@@ -49,13 +44,13 @@ def verify_export(checkpoint: Path) -> ExportReport:
     """Run the three checks on the export of ``checkpoint`` (a checkpoint folder, its ``model/`` folder, or the
     export itself, ``model/consolidated``)."""
     checkpoint = Path(checkpoint)
-    if checkpoint.name == LAYOUT.CONSOLIDATED_DIR and (checkpoint / LAYOUT.HF_CONFIG).is_file():
+    if checkpoint.name == ModelFolder.consolidated and HFFolder(checkpoint).config.is_file():
         checkpoint = checkpoint.parent  # the export folder given: its model/ folder holds the shards to compare
     model_dir = resolve_model_dir(checkpoint)
-    export_dir = model_dir / LAYOUT.CONSOLIDATED_DIR
-    if not (export_dir / LAYOUT.HF_CONFIG).is_file():
+    export_dir = ModelFolder(model_dir).consolidated.path
+    if not HFFolder(export_dir).config.is_file():
         raise CheckpointError(f"no export in {export_dir}; run `ckpt-train consolidate {checkpoint}` first")
-    meta = read_hf_metadata(model_dir) if LAYOUT.hf_metadata_dir(model_dir).is_dir() else None
+    meta = read_hf_metadata(model_dir) if ModelFolder(model_dir).hf_metadata.is_dir() else None
     report = ExportReport(export_dir, family=(meta.config or {}).get("model_type") if meta else None)
     model = _reload(export_dir, report) if _config_fits_files(export_dir, report) else None
     if model is not None:
@@ -74,7 +69,7 @@ def _config_fits_files(export_dir: Path, report: ExportReport) -> bool:
     as many parameters as those files hold. A config asking for a 1T-parameter model never allocates it."""
     from automodel_ckpt.ondisk import auto_model_class
 
-    config_path = export_dir / LAYOUT.HF_CONFIG
+    config_path = HFFolder(export_dir).config
     tensors = held = 0
     for path in sorted(export_dir.glob("*.safetensors")):
         header, _ = read_header(path)  # entries checked: shapes match their byte ranges inside the file
@@ -147,9 +142,8 @@ def _compare_with_shards(model: torch.nn.Module, model_dir: Path, meta, report: 
             differ.append(f"{name} (values)")
         report.tensors += 1
     if differ:
-        report.problems.append(
-            f"{len(differ)} tensor(s) of the reloaded model differ from the checkpoint: {_few(differ)}"
-        )
+        report.problems.append(f"{len(differ)} tensor(s) of the reloaded model differ from the checkpoint: "
+                               f"{_few(differ)}")
 
 
 def _compare_with_base(export_dir: Path, original: dict, report: ExportReport) -> None:
@@ -162,15 +156,12 @@ def _compare_with_base(export_dir: Path, original: dict, report: ExportReport) -
         report.problems.append(f"{len(extra)} tensor(s) the base's files do not have: {_few(extra)}")
     if missing:
         report.problems.append(f"{len(missing)} tensor(s) of the base's files missing: {_few(missing)}")
-    changed = [
-        f"{k} ({exported[k][0]} {list(exported[k][1])}, base {original[k].dtype} {list(original[k].shape)})"
-        for k in sorted(set(exported) & set(original))
-        if exported[k] != (original[k].dtype, tuple(original[k].shape))
-    ]
+    changed = [f"{k} ({exported[k][0]} {list(exported[k][1])}, base {original[k].dtype} {list(original[k].shape)})"
+               for k in sorted(set(exported) & set(original))
+               if exported[k] != (original[k].dtype, tuple(original[k].shape))]
     if changed:
-        report.problems.append(
-            f"{len(changed)} tensor(s) differ in dtype or shape from the base's files: {_few(changed)}"
-        )
+        report.problems.append(f"{len(changed)} tensor(s) differ in dtype or shape from the base's files: "
+                               f"{_few(changed)}")
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

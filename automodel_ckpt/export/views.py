@@ -1,9 +1,8 @@
 """Source tensors for parts of saved tensors: the shard pieces an on-disk tensor is read from.
 
-An on-disk tensor is a view of one saved tensor (``family.DiskTensor``). When it is a run of consecutive
-elements (per-expert weights of a fused expert stack, a renamed or identical tensor), its pieces are the saved
-pieces cut to that run: still read straight from the shard files, streamed, never assembled in memory. Any
-other view (e.g. a transpose) is read by assembling the saved tensor and taking the view (``SourceTensor.view``).
+An on-disk tensor that is a run of consecutive elements of a saved one (an expert of a fused stack, a renamed
+tensor) gets the saved pieces cut to that run, still streamed from the shard files; any other view (a transpose)
+is read by assembling the saved tensor and taking the view (``SourceTensor.view``).
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ def on_disk_tensors(tensors: dict[str, SourceTensor], config: Mapping[str, Any] 
     return tensors if disk is None else apply_disk_layout(tensors, disk)
 
 
-def apply_disk_layout(
-    tensors: Mapping[str, SourceTensor], disk: Mapping[str, DiskTensor]
-) -> dict[str, SourceTensor]:
+def apply_disk_layout(tensors: Mapping[str, SourceTensor], disk: Mapping[str, DiskTensor]) -> dict[str, SourceTensor]:
     """The source tensors under their on-disk names; saved tensors the layout does not mention are left out."""
     out: dict[str, SourceTensor] = {}
     for name, view in disk.items():
@@ -78,14 +75,9 @@ def _flat_range(piece: Piece, full: tuple[int, ...]) -> tuple[int, int] | None:
     return first, first + piece.numel
 
 
-def flat_boxes(
-    first: int, end: int, shape: tuple[int, ...]
-) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """Split the element range ``[first, end)`` of a C-order tensor of ``shape`` into boxes.
-
-    Each box is ``(start, offsets, box_shape)`` with ``start`` its first element relative to ``first``; every box
-    is itself a run of consecutive elements (its leading dimensions are 1, its trailing ones full).
-    """
+def flat_boxes(first: int, end: int, shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """The element range ``[first, end)`` of a C-order tensor of ``shape`` as boxes ``(start, offsets, box_shape)``
+    (``start`` relative to ``first``), each a run of consecutive elements (leading dimensions 1, trailing full)."""
     if first >= end:
         return []
     if not shape:

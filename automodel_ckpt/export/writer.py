@@ -1,10 +1,8 @@
 """Streams tensor pieces from shard files into output safetensors files, a bounded amount of memory at a time.
 
-Every output file's layout (header, tensor offsets) is fixed before any byte is written, so each piece can be
-written straight to its final position with positioned writes, by any thread, in any order. Row-split pieces
-(FSDP shards) are contiguous in the output: they are copied in the kernel (``copy_file_range``) when no dtype
-change is needed, else converted in small chunks. Only pieces that are not contiguous in the output (e.g. a
-column split) need the whole tensor assembled in memory.
+Every output file's layout is fixed before a byte is written, so each piece goes straight to its place, by any
+thread, in any order. Pieces contiguous in the output (row-split FSDP shards) are copied in the kernel, or converted
+in small chunks; only others (a column split) are assembled whole in memory.
 """
 
 from __future__ import annotations
@@ -173,13 +171,10 @@ class _Writer:
                 pwrite_all(fd, f.header, 0)
             except OSError as e:
                 raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from None
-        self.write([(self.dst_fds[f.name], t) for f in files for t in f.tensors])
-        self.run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
-
-    def write(self, tensors: list[tuple[int, OutTensor]]) -> None:
-        """Every ``(file descriptor, tensor)``'s bytes at the tensor's offset in that file."""
+        tensors = [(self.dst_fds[f.name], t) for f in files for t in f.tensors]
         self.size_budget(tensors)
         self.run_all([w.run for dst, t in tensors for w in self.writes(dst, t)])
+        self.run_all([lambda fd=fd, name=name: self._fsync(fd, folder / name) for name, fd in self.dst_fds.items()])
 
     def size_budget(self, tensors: list[tuple[int, OutTensor]]) -> None:
         """Room for the largest tensor that is assembled in memory."""
@@ -240,12 +235,12 @@ class _Writer:
         if src_dtype == out.dtype:
             if not (self.kernel_copy and self._kernel_copy(fd, dst, src_pos, dst_pos, nbytes)):
                 with _mapped(fd, src_pos, count, src_dtype) as values:
-                    pwrite_all(dst, _bytes_of(values), dst_pos)
+                    pwrite_all(dst, bytes_of(values), dst_pos)
         else:
             converted = self._out_buffer(out.dtype, count)
             with _mapped(fd, src_pos, count, src_dtype) as values:
                 converted.copy_(values)  # converts straight from the page cache: no intermediate copy
-            pwrite_all(dst, _bytes_of(converted), dst_pos)
+            pwrite_all(dst, bytes_of(converted), dst_pos)
         self._written(dst, dst_pos, count * out.dtype.itemsize)
 
     def _kernel_copy(self, src: int, dst: int, src_pos: int, dst_pos: int, nbytes: int) -> bool:
@@ -267,7 +262,7 @@ class _Writer:
     def _write_loaded(self, dst: int, out: OutTensor, piece: Piece, elem: int) -> None:
         tensor = load_dcp_piece(piece).to(out.dtype).reshape(-1)
         pos = out.offset + elem * out.dtype.itemsize
-        pwrite_all(dst, _bytes_of(tensor), pos)
+        pwrite_all(dst, bytes_of(tensor), pos)
         self._written(dst, pos, tensor.numel() * out.dtype.itemsize)
 
     def _assemble(self, dst: int, out: OutTensor) -> None:
@@ -277,7 +272,7 @@ class _Writer:
         self.budget.acquire(nbytes)
         try:
             full = read_full(src, self._copy_mapped)  # a strided part of a saved tensor: see export/views.py
-            pwrite_all(dst, _bytes_of(full.to(out.dtype).reshape(-1)), out.offset)
+            pwrite_all(dst, bytes_of(full.to(out.dtype).reshape(-1)), out.offset)
             self._written(dst, out.offset, out.nbytes)
         finally:
             self.budget.release(nbytes)
@@ -292,25 +287,20 @@ class _Writer:
         self.advance(nbytes)
 
     def _src_fd(self, path: Path) -> int:
-        fd = self.src_fds.get(path)
-        if fd is None:
-            with self.lock:
-                fd = self.src_fds.get(path)
-                if fd is None:
-                    try:
-                        fd = open_regular(path)  # never through a link, never a FIFO
-                    except FileNotFoundError:
-                        raise CheckpointError(f"missing shard file {path}") from None
-                    except OSError as exc:
-                        raise CheckpointError(f"cannot read shard file {path}: {first_line(exc)}") from None
-                    self.src_fds[path] = fd
+        with self.lock:
+            fd = self.src_fds.get(path)
+            if fd is None:
+                try:
+                    fd = self.src_fds[path] = open_regular(path)  # never through a link, never a FIFO
+                except FileNotFoundError:
+                    raise CheckpointError(f"missing shard file {path}") from None
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read shard file {path}: {first_line(exc)}") from None
         return fd
 
     def _out_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
         """A per-thread reusable tensor of ``count`` elements: fresh pages are costly, reused ones are not."""
-        bufs = getattr(self.local, "out", None)
-        if bufs is None:
-            bufs = self.local.out = {}
+        bufs = self.local.__dict__.setdefault("out", {})
         buf = bufs.get(dtype)
         if buf is None or buf.numel() < count:
             buf = bufs[dtype] = torch.empty(max(count, _CONVERT_CHUNK // dtype.itemsize), dtype=dtype)
@@ -319,12 +309,8 @@ class _Writer:
 
 @contextmanager
 def _mapped(fd: int, offset: int, count: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """``count`` values at byte ``offset`` of a file, as a tensor over a private read mapping of just that range.
-
-    Converting straight from the page cache saves a copy; mapping only the range, and unmapping it right
-    after, keeps the process's resident memory bounded. The tensor must not be used after the block: it
-    points into the mapping. Copy-on-write, so the file can never be modified through it.
-    """
+    """``count`` values at byte ``offset`` of a file, as a tensor over a copy-on-write mapping of just that range
+    (no copy out of the page cache, resident memory bounded); it must not be used after the block."""
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     with mmap.mmap(fd, offset + count * dtype.itemsize - start, offset=start, access=mmap.ACCESS_COPY) as mm:
         yield torch.frombuffer(mm, dtype=dtype, count=count, offset=offset - start)
@@ -345,7 +331,7 @@ def _contiguous_box(offsets: tuple[int, ...], shape: tuple[int, ...], full: tupl
     return True
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     flat = tensor.contiguous().reshape(-1)
     if flat.numel() == 0:
