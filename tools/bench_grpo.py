@@ -55,9 +55,9 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
     (work / "ours.log").write_text(done.stdout + done.stderr)
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    from automodel_ckpt.ondisk import LAYOUT
+    from automodel_ckpt.ondisk import RunFolder
 
-    log = (work / "ours" / LAYOUT.TRAINING_LOG).read_text()
+    log = RunFolder(work / "ours").training_log.read_text()
     rows = [json.loads(line) for line in log.splitlines()][args.warmup:]
     tokens = sum(r["completion_length"] * batch for r in rows)
     gen = sum(r["generation_seconds"] for r in rows)

@@ -65,7 +65,7 @@ import threading
 import time
 from pathlib import Path
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import RunFolder
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,7 +302,7 @@ class ObjectStore:
 
     def newest_checkpoint_bytes(self) -> int | None:
         """The size of the checkpoint the store's ``LATEST`` names."""
-        latest = f"{self.prefix}/{LAYOUT.LATEST}"
+        latest = f"{self.prefix}/{RunFolder.latest}"
         if not self.fs.exists(latest):
             return None
         return self.fs.du(f"{self.prefix}/{self.fs.cat_file(latest).decode().strip()}")
@@ -390,11 +390,11 @@ class Runs:
         return f"--- {tag}, node {rank}:\n{text[-2000:]}"
 
     def records(self) -> dict[int, dict]:
-        lines = (self.logs / LAYOUT.TRAINING_LOG).read_text().splitlines()
+        lines = RunFolder(self.logs).training_log.read_text().splitlines()
         return {r["step"]: r for r in map(json.loads, lines)}
 
     def last_start(self) -> dict:
-        lines = (self.logs / LAYOUT.EVENTS_LOG).read_text().splitlines()
+        lines = RunFolder(self.logs).events_log.read_text().splitlines()
         return [e for e in map(json.loads, lines) if e["event"] == "start"][-1]
 
     def clear(self) -> None:
@@ -407,7 +407,7 @@ class Runs:
         """The size of the durable checkpoint ``LATEST`` names."""
         if self.store:
             return self.store.newest_checkpoint_bytes()
-        latest = self.ckpt_dir / LAYOUT.LATEST
+        latest = RunFolder(self.ckpt_dir).latest
         return tree_bytes(latest.resolve()) if latest.exists() else None
 
     def keep(self, kept: Path) -> None:

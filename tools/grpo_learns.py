@@ -52,19 +52,19 @@ def last_checkpoint(run_dir: Path) -> Path:
 
 def exact_match(work: Path, checkpoint: Path, limit: int) -> float:
     """``ckpt-train eval --tasks addition``'s exact match of ``checkpoint`` (its first ``limit`` problems)."""
-    from automodel_ckpt.ondisk import LAYOUT
+    from automodel_ckpt.ondisk import CheckpointFolder
 
     run(work, f"eval_{checkpoint.parent.name}", "eval", str(checkpoint), "--tasks", "addition", "--limit",
         str(limit), "--no-track")
-    results = json.loads(LAYOUT.eval_results_file(checkpoint, "addition").read_text())
+    results = json.loads(CheckpointFolder(checkpoint).eval_results("addition").read_text())
     return float(results["results"]["addition"]["exact_match,none"])
 
 
 def reward_curve(run_dir: Path, points: int = 10) -> list[dict[str, float]]:
     """The training reward (exact answer) averaged over ``points`` stretches of the run."""
-    from automodel_ckpt.ondisk import LAYOUT
+    from automodel_ckpt.ondisk import RunFolder
 
-    rows = [json.loads(line) for line in (run_dir / LAYOUT.TRAINING_LOG).read_text().splitlines()]
+    rows = [json.loads(line) for line in RunFolder(run_dir).training_log.read_text().splitlines()]
     size = max(1, len(rows) // points)
     return [{"steps": f"{part[0]['step']}-{part[-1]['step']}",
              "exact_answer": round(sum(r["reward_exact_answer"] for r in part) / len(part), 3)}

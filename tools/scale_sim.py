@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import CheckpointFolder
 from automodel_ckpt.ondisk.saveplan.plan_results import ResultsNote
 from automodel_ckpt.ondisk.saveplan.plan_results import incoming as incoming_results
 from automodel_ckpt.ondisk.saveplan.plan_results import outgoing as outgoing_results
@@ -198,7 +198,7 @@ def _manifest(n: int) -> tuple[int, float]:
     gather sends it; rank 0 merges them and writes the manifest's text."""
     shares = []
     for rank in range(n):
-        files = {f"{LAYOUT.MODEL_DIR}/{model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
+        files = {f"{CheckpointFolder.model}/{model_shard_file(rank, rank + 1, n)}": hashlib.sha256(b"%d" % rank).hexdigest(),
                  f"rng/rng_dp_rank_{rank}.pt": hashlib.sha256(b"r%d" % rank).hexdigest()}
         shares.append(pickle.dumps(files))
     t0 = time.process_time()

@@ -40,9 +40,9 @@ def run_once(index: int, work: Path, assets: Path, extra: list[str], consolidate
     env = dict(os.environ, AUTOMODEL_CKPT_ASSETS=str(assets), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     if consolidate and proc.returncode == 0:
-        from automodel_ckpt.ondisk import LAYOUT
+        from automodel_ckpt.ondisk import RunFolder
 
-        script = run_dir / LAYOUT.LATEST / LAYOUT.MODEL_DIR / LAYOUT.CONSOLIDATE_SCRIPT
+        script = RunFolder(run_dir).checkpoint(RunFolder.latest).model.consolidate_script
         proc = subprocess.run(["bash", str(script)], cwd=work, env=dict(env, NPROC_PER_NODE="2"),
                               capture_output=True, text=True, timeout=900)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -12,8 +12,8 @@ imports only the names below, each a member of a module here under its own name,
 (``tests/unit/test_structure.py``): what that code reads, nothing more. The exports (``automodel_ckpt.export``) are
 outside code too: what they need of the folder's bytes (safetensors headers and positioned reads, the model family's
 on-disk layout and a format's pieces, durable writes, checksums, the manifest's verdicts) is on this table, their
-contract with it. The layout's file names and path builders are one of the names, the table
-``LAYOUT`` (``LAYOUT.HF_CONFIG``). The modules inside are private to this package and ``checkpoint`` (benchmarks
+contract with it. The layout's files reach outside code as folder objects (``folders``:
+``CheckpointFolder(ckpt).model.consolidated.config``). The modules inside are private to this package and ``checkpoint`` (benchmarks
 that time them aside, each saying so). The names load on first use, so reading a run folder (``inspect``,
 ``verify``) imports no torch.
 """
@@ -24,7 +24,6 @@ from automodel_ckpt.faces import exports_of, lazy_members
 
 # module below this package -> the names of its members that the face hands on
 _EXPORTS = exports_of({
-    "layout_table": "LAYOUT",  # the file and folder names of a run folder and a checkpoint, and their path builders
     # the run, checkpoint, model, Hugging Face and archive folders: their files' paths as properties
     "folders": "Archive CheckpointFolder HFFolder ModelFolder RunFolder old_sibling tmp_sibling",
     "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from automodel_ckpt.ondisk import LAYOUT
+from automodel_ckpt.ondisk import CheckpointFolder, RunFolder
 from tests.integration import step_faults
 from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, jsonl, kill_job, run_command,
                                        start_command)
@@ -48,7 +48,7 @@ def _planned(work: Path) -> Path:
 
 
 def _steps(run: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in jsonl(run / LAYOUT.TRAINING_LOG)}
+    return {r["step"]: r for r in jsonl(RunFolder(run).training_log)}
 
 
 def _corpus(work: Path) -> tuple[Path, Path]:
@@ -127,14 +127,14 @@ def test_a_planned_run_saves_where_each_stage_begins_and_names_it_at_every_step(
     assert {p.name for p in run.glob("epoch_*")} == {"epoch_0_step_3", "epoch_0_step_6", "epoch_0_step_8"}
     # the anneal stage's cooldown: from the lr in force at its first step to 0 over 3 steps
     assert steps[8]["lr"] == pytest.approx(steps[7]["lr"] * 2 / 3)
-    meta = json.loads((run / "epoch_0_step_8" / LAYOUT.METADATA_FILE).read_text())
+    meta = json.loads((CheckpointFolder(run / "epoch_0_step_8").metadata).read_text())
     assert [(s["name"], s["first_step"], s["samples"], s["changed"]) for s in meta["stages"]] == [
         ("main", 1, 0, []), ("big", 4, 144, ["step_scheduler.global_batch_size"]),
         ("anneal", 7, 432, ["data.seq_length", "lr_scheduler"])]
     assert meta["stages"][2]["lr"] == steps[7]["lr"] and meta["stages"][2]["schedule"] == {"from": 6, "steps": 2}
     tokens = [s["tokens"] for s in meta["stages"]]
     assert tokens[0] == 0 < tokens[1] < tokens[2] < meta["consumed_tokens"]
-    boundary = json.loads((run / "epoch_0_step_3" / LAYOUT.METADATA_FILE).read_text())
+    boundary = json.loads((CheckpointFolder(run / "epoch_0_step_3").metadata).read_text())
     assert [s["name"] for s in boundary["stages"]] == ["main"]  # saved before the stage began
     assert "Stage 'big' begins at step 4" in runs["planned"].stdout
 
@@ -157,7 +157,7 @@ def test_a_streamed_run_planned_in_three_stages_counts_each_source_from_its_boun
     assert steps[7]["source_tokens"][1] > 0  # and its documents are trained in the mix stage
     tokens = [sum(steps[s]["source_tokens"]) for s in range(1, 11)]
     assert [b - a for a, b in zip([0, *tokens], tokens)] == [8 * 32] * 3 + [16 * 32] * 4 + [16 * 48] * 3
-    meta = json.loads((runs["work"] / "s_planned" / "epoch_0_step_10" / LAYOUT.METADATA_FILE).read_text())
+    meta = json.loads((CheckpointFolder(runs["work"] / "s_planned" / "epoch_0_step_10").metadata).read_text())
     assert [(s["name"], s["first_step"], s["samples"], s["tokens"]) for s in meta["stages"]] == [
         ("main", 1, 0, 0), ("mix", 4, 24, 24 * 32), ("anneal", 8, 88, 24 * 32 + 64 * 32)]
     assert meta["extra"]["data_position"]["sequences"] == 136
@@ -181,7 +181,7 @@ def test_the_plan_decided_at_resumes_in_three_launches_gives_the_planned_steps_b
         for key in ("loss", "sample_ids", "lr", "source_tokens"):
             assert decided[step][key] == planned[step][key], (step, key)
     assert [decided[s].get("stage") for s in range(1, 11)] == [None] * 3 + ["mix"] * 4 + ["anneal"] * 3
-    meta = json.loads((runs["work"] / "s_decided" / "epoch_0_step_10" / LAYOUT.METADATA_FILE).read_text())
+    meta = json.loads((CheckpointFolder(runs["work"] / "s_decided" / "epoch_0_step_10").metadata).read_text())
     assert [(s["name"], s["first_step"], s["samples"], s["changed"]) for s in meta["stages"]] == [
         ("main", 1, 0, []), ("mix", 4, 24, ["dataset.sources", "step_scheduler.global_batch_size"]),
         ("anneal", 8, 88, ["data.seq_length", "lr_scheduler"])]

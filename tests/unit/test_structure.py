@@ -236,8 +236,9 @@ REPO = PACKAGE.parent
 ADMITS = {"automodel_ckpt.ondisk": ("ondisk", "checkpoint"), "automodel_ckpt.export": ("export",),
           "automodel_ckpt.checkpoint": ("checkpoint",)}
 # the names outside code needs from the checkpoint folder's face (issue #78: 108 before; 44 while the exports went
-# past it; 91 with what the exports need: safetensors I/O, the family's layout, durable writes, the manifest's verdicts)
-ONDISK_FACE_MAX = 99
+# past it; 91 with what the exports need: safetensors I/O, the family's layout, durable writes, the manifest's verdicts;
+# 97 since the layout's table became its five folder objects and two sibling builders)
+ONDISK_FACE_MAX = 97
 TIMES_INTERNALS = "Times internals:"
 
 
@@ -310,8 +311,8 @@ def test_the_exports_enter_ondisk_by_its_face():
     offenders = {str(p.relative_to(REPO)): found for p in sorted((PACKAGE / "export").glob("*.py"))
                  if (found := _past_the_faces(p, {"automodel_ckpt.ondisk": faces["automodel_ckpt.ondisk"]}))}
     assert offenders == {}
-    planted = "from automodel_ckpt.ondisk import LAYOUT\nfrom automodel_ckpt.ondisk.durable import fsync_dir\n"
-    assert imports_past_the_faces(planted, {"automodel_ckpt.ondisk": {"LAYOUT"}}) == [
+    planted = "from automodel_ckpt.ondisk import RunFolder\nfrom automodel_ckpt.ondisk.durable import fsync_dir\n"
+    assert imports_past_the_faces(planted, {"automodel_ckpt.ondisk": {"RunFolder"}}) == [
         "line 2: from automodel_ckpt.ondisk.durable import ..."]
 
 
@@ -371,30 +372,32 @@ def _outside_code() -> list[Path]:
 
 
 def test_the_ondisk_face_is_what_outside_code_needs():
-    """At most ``ONDISK_FACE_MAX`` names, each imported by code outside ``ondisk`` and the engine. The layout's file
-    names and path builders are one of them, the table ``LAYOUT``: each of its members is ``layout``'s own under its own
-    name, and read outside (``LAYOUT.NAME``); no other name of the face is ``layout``'s."""
-    from automodel_ckpt.ondisk import layout
-    from automodel_ckpt.ondisk.layout_table import LAYOUT
+    """At most ``ONDISK_FACE_MAX`` names, each imported by code outside ``ondisk`` and the engine. The layout's files
+    reach outside code only as folder objects (``folders``: ``CheckpointFolder(ck).model.consolidated.config``): no
+    name of the face is ``layout``'s, no outside code reads a table of its names (``LAYOUT``), and every file of a
+    folder object is a name ``layout`` spells."""
+    from automodel_ckpt.ondisk import folders, layout
 
     ondisk = importlib.import_module("automodel_ckpt.ondisk")
     assert len(ondisk.__all__) <= ONDISK_FACE_MAX, len(ondisk.__all__)
     assert [n for n, (module, _) in ondisk._EXPORTS.items() if module == "layout"] == []
-    members = {n for n in vars(LAYOUT) if not n.startswith("_")}
-    assert [n for n in members if getattr(LAYOUT, n) is not getattr(layout, n)] == []
-    imported, read = set(), set()
+    spelled = {v for v in vars(layout).values() if isinstance(v, str)}
+    entries = {(c.__name__, k): e.name for c in vars(folders).values() if isinstance(c, type)
+               for k, e in vars(c).items() if isinstance(e, folders._Entry)}
+    assert len(entries) > 30 and {k: n for k, n in entries.items() if n not in spelled} == {}
+    imported, tables = set(), []
     for path in _outside_code():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module == "automodel_ckpt.ondisk":
                 imported |= {a.name for a in node.names}
-            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "LAYOUT":
-                read.add(node.attr)
-    pending = {"Archive", "CheckpointFolder", "HFFolder", "ModelFolder", "RunFolder", "old_sibling", "tmp_sibling"}
-    assert set(ondisk.__all__) - imported - pending == set(), "no outside code needs these: leave them to the modules"
+            elif isinstance(node, ast.Name) and node.id == "LAYOUT":
+                tables.append(str(path.relative_to(REPO)))
+    assert set(ondisk.__all__) - imported == set(), "no outside code needs these: leave them to the modules"
+    assert tables == [], "name the layout's files through the folder objects (ondisk/folders.py)"
 
 
 def test_a_benchmark_that_times_internals_says_so_in_one_line():
-    faces = {"automodel_ckpt.ondisk": {"LAYOUT"}}
+    faces = {"automodel_ckpt.ondisk": {"RunFolder"}}
     source = '"""Times the planner.\n\nTimes internals: imports ``ondisk.saveplan`` directly.\n"""\n' \
              "from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner\n"
     assert declared_internals(source) == ("automodel_ckpt.ondisk.saveplan",)
