@@ -12,7 +12,7 @@ from automodel_ckpt.faces import exports_of, lazy_members
 _EXPORTS = exports_of({
     ".checkpointer": "Checkpointer",
     ".triggers": "PreemptionWatcher AutoInterval",
-    ".save_interval": "SaveInterval MTBF_LIMIT_HOURS",  # ckpt_every_steps: auto's schedule
+    ".save_interval": "SaveInterval MTBF_LIMIT_HOURS DEFAULT_MTBF_HOURS",  # ckpt_every_steps: auto's schedule
     ".config": "CheckpointConfig ConsolidationMode LoadErrorPolicy ModelSaveFormat MonitorMode",
     ".state": "StatePlan discover_state plan_state",
     # what a save wrote (its types are the checkpoint folder's, in ondisk; named by this face alone)

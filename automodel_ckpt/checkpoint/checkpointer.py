@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,43 +31,19 @@ ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background c
 class CheckpointerStats:
     """What tools and reports read of a checkpointer: its folder, the save in flight, what saves cost."""
 
+    dir = property(attrgetter("_of._run.local"), doc="The run's local folder, or an object store's mirror.")
+    is_async = property(attrgetter("_of._writer.is_async"))
+    background = property(attrgetter("_of._writer.background"))  # an overlap.Overlapped, or None
+    in_flight = property(attrgetter("_of._writer.in_flight"))
+    last_save_seconds = property(attrgetter("_of._writer.last_save_seconds"),
+                                 doc="Where the last ``save`` call spent its time, by phase (``save.phases``).")
+    last_complete_seconds = property(attrgetter("_of._writer.last_complete_seconds"))  # the rest, after the writes
+    resumed_from = property(attrgetter("_of._writer.resumed_from"),
+                            doc="The checkpoint this run resumed from (retention on an object store keeps it).")
+    local_steps_abandoned = property(attrgetter("_of._local.steps_abandoned"))
+
     def __init__(self, checkpointer: Checkpointer) -> None:
         self._of = checkpointer
-
-    @property
-    def dir(self) -> Path:
-        """The run's local folder: ``checkpoint_dir`` itself, or an object store's mirror."""
-        return self._of._run.local
-
-    @property
-    def is_async(self) -> bool:
-        return self._of._writer.is_async
-
-    @property
-    def background(self) -> overlap.Overlapped | None:
-        return self._of._writer.background
-
-    @property
-    def in_flight(self) -> bool:
-        return self._of._writer.in_flight
-
-    @property
-    def last_save_seconds(self) -> dict[str, float]:
-        """Where the last ``save`` call spent its time, by phase (``save.phases``); the next, after the writes."""
-        return self._of._writer.last_save_seconds
-
-    @property
-    def last_complete_seconds(self) -> dict[str, float]:
-        return self._of._writer.last_complete_seconds
-
-    @property
-    def resumed_from(self) -> str | None:
-        """The name of the checkpoint this run resumed from (retention on an object store keeps it)."""
-        return self._of._writer.resumed_from
-
-    @property
-    def local_steps_abandoned(self) -> int:
-        return self._of._local.steps_abandoned
 
 
 class Checkpointer:

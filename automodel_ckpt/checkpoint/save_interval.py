@@ -15,6 +15,7 @@ from automodel_ckpt.shown import shown_value
 SECONDS_LIMIT = 1e7
 #: hours of a mean time between failures past which a number is no cluster's (``checkpoint.mtbf_hours`` included)
 MTBF_LIMIT_HOURS = 1e9
+DEFAULT_MTBF_HOURS = 24.0  # assumed with no mtbf_hours given and no interruption in the run's cost log
 MTBF_SOURCES = ("given", "observed", "assumed")
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from automodel_ckpt.distributed.env import inside_launcher_worker
-from automodel_ckpt.checkpoint.save_interval import mtbf_seconds, seconds
+from automodel_ckpt.checkpoint.save_interval import DEFAULT_MTBF_HOURS, mtbf_seconds, seconds
 from automodel_ckpt.ondisk.bounded import COUNT_LIMIT
 
 
@@ -151,9 +151,6 @@ class SaveDecision:
     local: bool = False  # a node-local step now (never beside a durable checkpoint, never after the last step)
     preempt: bool = False  # preempted: save, then stop
     scheduled: bool = False  # the durable save is one of the schedule's (not only the preemption's): validated first
-
-
-DEFAULT_MTBF_HOURS = 24.0  # with no checkpoint.mtbf_hours and no interruption in the run's cost log
 
 
 class AutoInterval:

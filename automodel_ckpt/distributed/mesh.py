@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from omegaconf import ListConfig
@@ -264,17 +265,9 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self.rank // (self.sizes.dp * self.sizes.tp)
 
-    @property
-    def pp_size(self) -> int:
-        return self.sizes.pp
-
-    @property
-    def dp_size(self) -> int:
-        return self.sizes.dp
-
-    @property
-    def tp_size(self) -> int:
-        return self.sizes.tp
+    pp_size = property(attrgetter("sizes.pp"))
+    dp_size = property(attrgetter("sizes.dp"))
+    tp_size = property(attrgetter("sizes.tp"))
 
     @property
     def writes_rank_state(self) -> bool:

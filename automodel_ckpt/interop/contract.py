@@ -9,15 +9,21 @@ before use: bad input is one ``CheckpointError`` line naming the file and the fi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from automodel_ckpt.interop.source import ForeignRun, Limits
 
 
 class ImportSource:
-    """One import source. Subclasses set ``name`` and ``noun`` and implement ``detect`` and ``read``."""
+    """One import source: given its ``name``, ``noun``, ``detect`` and ``read``, or a subclass setting them."""
 
     name: str = ""  # a short name ("hf-trainer"): the registry's key
     noun: str = ""  # one of its checkpoints, in words, with what marks it ("a Lightning .ckpt file")
+
+    def __init__(self, name: str = "", noun: str = "", detect: Callable[[Path], bool] | None = None,
+                 read: Callable[[Path, Limits], ForeignRun] | None = None) -> None:
+        given = {"name": name, "noun": noun, "detect": detect, "read": read}
+        self.__dict__.update({k: v for k, v in given.items() if v})
 
     def detect(self, path: Path) -> bool:
         """Whether ``path`` is one of its checkpoints (names and kinds of entries, or a bounded read; no raise)."""

@@ -137,16 +137,9 @@ def read(src: Path, limits: Limits) -> ForeignRun:
                       adapter_config=adapter_config)
 
 
-class DeepSpeedSource(ImportSource):
-    """DeepSpeed's save folder (``latest``), a ``global_stepN/`` folder, or the HF Trainer's folder holding one."""
-
-    name = "deepspeed"
-    noun = "a DeepSpeed checkpoint folder (global_stepN/, or one holding it)"
-    detect = staticmethod(is_deepspeed)
-    read = staticmethod(read)
-
-
-SOURCE = DeepSpeedSource()
+# DeepSpeed's save folder (``latest``), a ``global_stepN/`` folder, or the HF Trainer's folder holding one
+SOURCE = ImportSource("deepspeed", "a DeepSpeed checkpoint folder (global_stepN/, or one holding it)",
+                      is_deepspeed, read)
 
 
 def _load(path: Path, what: str, limit: int) -> Any:

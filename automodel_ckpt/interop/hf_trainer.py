@@ -132,16 +132,7 @@ def read_trainer(src: Path, step: int | None = None) -> TrainerState:
     return TrainerState(global_step, max_steps, per_device, epoch, args, rng, log)
 
 
-class HFTrainerSource(ImportSource):
-    """The HF Trainer's ``checkpoint-N/`` folder: a folder with ``trainer_state.json``."""
-
-    name = "hf-trainer"
-    noun = f"an HF Trainer checkpoint-N/ folder ({TRAINER_STATE})"
-    detect = staticmethod(is_hf_trainer)
-    read = staticmethod(read)
-
-
-SOURCE = HFTrainerSource()
+SOURCE = ImportSource("hf-trainer", f"an HF Trainer checkpoint-N/ folder ({TRAINER_STATE})", is_hf_trainer, read)
 
 
 def trainer_position(step: int, rows: int, per_step: int, accum: int, drop_last: bool) -> tuple[int, int, int]:

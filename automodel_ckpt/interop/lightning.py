@@ -67,26 +67,10 @@ def read_file(src: Path, limits: Limits) -> ForeignRun:
     return _read(load_pickle(src, WHAT, limits.checkpoint, follow=True), src, "Lightning checkpoint")
 
 
-class LightningFileSource(ImportSource):
-    """Lightning's ``.ckpt`` file (the file the user names: a link to it is followed)."""
-
-    name = "lightning"
-    noun = f"a Lightning {SUFFIX} file"
-    detect = staticmethod(is_lightning_file)
-    read = staticmethod(read_file)
-
-
-class LightningFolderSource(ImportSource):
-    """Lightning's distributed checkpoint folder: DCP entries (``.metadata``) and ``meta.pt``."""
-
-    name = "lightning-dcp"
-    noun = f"a Lightning distributed checkpoint folder ({DCP_METADATA})"
-    detect = staticmethod(is_lightning_folder)
-    read = staticmethod(read_folder)
-
-
-FILE_SOURCE = LightningFileSource()
-FOLDER_SOURCE = LightningFolderSource()
+FILE_SOURCE = ImportSource("lightning", f"a Lightning {SUFFIX} file", is_lightning_file, read_file)
+# Lightning's distributed checkpoint folder: DCP entries (``.metadata``) and ``meta.pt``
+FOLDER_SOURCE = ImportSource("lightning-dcp", f"a Lightning distributed checkpoint folder ({DCP_METADATA})",
+                             is_lightning_folder, read_folder)
 
 
 def _read(ckpt: Any, src: Path, kind: str) -> ForeignRun:

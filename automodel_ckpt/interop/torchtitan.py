@@ -249,13 +249,5 @@ def _batch(config: dict[str, Any] | None, path: Path | None, world: int) -> int 
     return count(training["global_batch_size"], path, "training.global_batch_size", MAX_BATCH, low=1)
 
 
-class TorchtitanSource(ImportSource):
-    """torchtitan's ``step-N/`` folder, the checkpoint folder holding them, or the job's dump folder."""
-
-    name = "torchtitan"
-    noun = "a torchtitan checkpoint (step-N/, or a folder holding step-N/ or checkpoint/step-N/)"
-    detect = staticmethod(is_torchtitan)
-    read = staticmethod(read)
-
-
-SOURCE = TorchtitanSource()
+SOURCE = ImportSource("torchtitan", "a torchtitan checkpoint (step-N/, or a folder holding step-N/ or "
+                      "checkpoint/step-N/)", is_torchtitan, read)

@@ -36,6 +36,7 @@ _EXPORTS = exports_of({
     "manifest": "CHECKSUM_MISMATCH UNEXPECTED_FILE ManifestReport add_files_to_manifest read_manifest verify_manifest "
                 "UNREADABLE Verdict build_manifest dump_manifest file_verdict",
     "metadata": "as_float",
+    "retention": "RetentionPolicy",  # the report says why each checkpoint is kept
     "fingerprint": "run_fingerprint",
     "incremental": "shared_bytes stored_once",  # checkpoint.incremental: own / shared bytes of a checkpoint
     "durable": "write_atomic fsync_file copy_regular fsync_dir remove_tree replace_folder start_writeback "

@@ -57,13 +57,10 @@ class LoadCheck:
     @classmethod
     def of_reads(cls, checkpoint: Path) -> LoadCheck | None:
         """Every deferred file of ``checkpoint`` that a load on this rank reads from; None without a manifest."""
-        data = manifest.read_manifest(checkpoint) or {}
-        listed = data.get("files")
-        if not listed:
-            return None
-        pending = {str(Path(checkpoint, rel).resolve()): (rel, str(entry["checksum"]))
-                   for rel, entry in listed.items() if deferred(rel)}
-        return cls(checkpoint, pending, str(data.get("checksum_algorithm", manifest.CRC32)), reads_only=True)
+        check = cls.plan(checkpoint, 0, 1)  # one rank's share: every deferred file
+        if check is not None:
+            check._reads_only = True
+        return check
 
     def hashers(self, folder: Path, reading: Iterable[str] = ()) -> dict[str, Any]:
         """``{path: hasher}`` of the pending files in ``folder``; ``reading``: what the load reads (``of_reads``)."""

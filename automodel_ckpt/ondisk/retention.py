@@ -23,6 +23,7 @@ class RetentionPolicy:
     top_k: int | None = None
     mode: str = "min"
     keep_steps: frozenset[int] = frozenset()
+    monitor: str = "val_loss"  # what top_k ranks by, for the reasons' words
 
     @property
     def prunes(self) -> bool:
@@ -32,7 +33,25 @@ class RetentionPolicy:
     @classmethod
     def from_config(cls, cfg: Any) -> RetentionPolicy:
         return cls(max_recent=cfg.max_recent_checkpoints, top_k=cfg.save_top_k, mode=cfg.mode,
-                   keep_steps=frozenset(int(s) for s in (cfg.keep_steps or ())))
+                   keep_steps=frozenset(int(s) for s in (cfg.keep_steps or ())), monitor=str(cfg.monitor))
+
+    def reasons(self, complete: Iterable[tuple[str, int, float | None]],
+                protected: Iterable[str] = ()) -> dict[str, list[str]]:
+        """Why pruning keeps each complete checkpoint, by name, from its ``(name, step, monitored value)`` (an empty
+        list: no rule keeps it); ``protected`` holds the pointer targets."""
+        complete = sorted(complete, key=lambda r: r[1])
+        sign = 1.0 if self.mode == "min" else -1.0
+        ranked = sorted((r for r in complete if _is_finite(r[2])), key=lambda r: (sign * r[2], r[1]))
+        recent, best = (complete[-self.max_recent:] if self.max_recent else []), ranked[: self.top_k or 0]
+        protected, out = set(protected), {}
+        for r in complete:
+            why = ["a pointer names it"] if r[0] in protected else []
+            why += ["the newest"] if r is complete[-1] else []
+            why += [f"one of the {self.max_recent} most recent"] if r in recent else []
+            why += [f"one of the {self.top_k} best by {self.monitor}"] if r in best else []
+            why += ["its step is in keep_steps"] if r[1] in self.keep_steps else []
+            out[r[0]] = why
+        return out
 
 
 @dataclass(frozen=True)
@@ -60,20 +79,8 @@ def is_better(candidate: float | None, current: float | None, mode: str) -> bool
 
 def survivors(records: Iterable[Candidate], policy: RetentionPolicy, protected: Iterable[str] = ()) -> set[str]:
     """Names of the complete checkpoints that pruning keeps; ``protected`` holds the pointer targets."""
-    complete = sorted((r for r in records if r.complete), key=lambda r: r.step)
-    names = {r.name for r in complete}
-    if not policy.prunes or not complete:
-        return names
-    keep = names & set(protected)
-    keep.add(complete[-1].name)
-    if policy.max_recent is not None and policy.max_recent > 0:
-        keep.update(r.name for r in complete[-policy.max_recent:])
-    if policy.top_k is not None and policy.top_k > 0:
-        sign = 1.0 if policy.mode == "min" else -1.0
-        ranked = sorted((r for r in complete if _is_finite(r.metric)), key=lambda r: (sign * r.metric, r.step))
-        keep.update(r.name for r in ranked[: policy.top_k])
-    keep.update(r.name for r in complete if r.step in policy.keep_steps)
-    return keep
+    why = policy.reasons([(r.name, r.step, r.metric) for r in records if r.complete], protected)
+    return {name for name, kept in why.items() if kept or not policy.prunes}
 
 
 def to_delete(records: Iterable[Candidate], policy: RetentionPolicy, protected: Iterable[str] = ()) -> list[str]:

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from automodel_ckpt.errors import UserError
-from automodel_ckpt.ondisk import CONFIG_FILE_LIMIT, Archive, CheckpointFolder, is_count, read_yaml, verify_manifest
+from automodel_ckpt.ondisk import (CONFIG_FILE_LIMIT, Archive, CheckpointFolder, RetentionPolicy, is_count, read_yaml,
+                                   verify_manifest)
 from automodel_ckpt.report.curves import MAX_SERIES, points
 from automodel_ckpt.report.html import Markup, chart, el, finite, lines, none, table
 from automodel_ckpt.report.runinfo import data_position_line
@@ -28,28 +29,21 @@ def retention(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, str]:
     except (OSError, UserError):
         cfg = None
     cfg = cfg if isinstance(cfg, dict) else {}
-    recent, top = (v if is_count(v) and v > 0 else None
-                   for v in (cfg.get("max_recent_checkpoints"), cfg.get("save_top_k")))
     keep = cfg.get("keep_steps") if isinstance(cfg.get("keep_steps"), list) else []
-    keep = {s for s in keep[:_MAX_KEEP_STEPS] if is_count(s)}
-    monitor, sign = str(cfg.get("monitor") or "val_loss"), -1.0 if cfg.get("mode") == "max" else 1.0
+    recent, top = (v if is_count(v) else None for v in (cfg.get("max_recent_checkpoints"), cfg.get("save_top_k")))
+    policy = RetentionPolicy(recent, top, "max" if cfg.get("mode") == "max" else "min",
+                             frozenset(s for s in keep[:_MAX_KEEP_STEPS] if is_count(s)),
+                             str(cfg.get("monitor") or "val_loss"))
 
     def metric(r: dict[str, Any]) -> float | None:
         extra = (r.get("metadata") or {}).get("extra")
         scores = extra.get("val_metrics") if isinstance(extra, dict) else None
-        return finite(r["val_loss"] if monitor == "val_loss" else scores.get(monitor)
+        return finite(r["val_loss"] if policy.monitor == "val_loss" else scores.get(policy.monitor)
                       if isinstance(scores, dict) else None)
 
-    ranked = sorted((r for r in complete if metric(r) is not None), key=lambda r: (sign * metric(r), r["step"]))
-    out = {}
-    for r in complete:
-        why = [f"{p} points at it" for p in r["pointers"]]
-        why += ["the newest"] if r is complete[-1] else []
-        why += [f"one of the {recent} most recent"] if recent and r in complete[-recent:] else []
-        why += [f"one of the {top} best by {monitor}"] if top and r in ranked[:top] else []
-        why += ["its step is in keep_steps"] if r["step"] in keep else []
-        out[r["name"]] = "; ".join(why) or ("no rule deletes checkpoints" if not (recent or top) else "-")
-    return out
+    why = policy.reasons([(r["name"], r["step"], metric(r)) for r in complete])
+    return {r["name"]: "; ".join([f"{p} points at it" for p in r["pointers"]] + why[r["name"]])
+            or ("-" if policy.prunes else "no rule deletes checkpoints") for r in complete}
 
 
 def _verified(row: dict[str, Any], run_dir: Path) -> str:

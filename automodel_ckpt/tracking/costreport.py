@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from automodel_ckpt.checkpoint import DEFAULT_MTBF_HOURS
 from automodel_ckpt.sizes import human_size
 from automodel_ckpt.tracking.costlog import RunCosts
 from automodel_ckpt.tracking.interval import advise, expected_overhead
-
-DEFAULT_MTBF_HOURS = 24.0  # assumed when the run saw no interruption and none is given (--mtbf-hours, mtbf_hours)
 
 
 def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, Any]:

@@ -896,9 +896,9 @@ IMPORT_VERB = PACKAGE / "cli" / "import_run.py"
 
 
 def source_modules() -> set[str]:
-    """The modules of ``interop/`` that define an import source (a subclass of ``ImportSource``)."""
-    return {p.stem for p in INTEROP.glob("*.py") if re.search(r"^class \w+\(ImportSource\)", p.read_text(
-        encoding="utf-8"), re.M)}
+    """The modules of ``interop/`` that define an import source (an ``ImportSource``, or a subclass of it)."""
+    return {p.stem for p in INTEROP.glob("*.py")
+            if re.search(r"^(class \w+\(ImportSource\)|\w+ = ImportSource\()", p.read_text(encoding="utf-8"), re.M)}
 
 
 def source_kind_tests(source: str, modules: set[str]) -> list[str]:

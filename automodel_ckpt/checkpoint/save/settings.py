@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from automodel_ckpt.checkpoint.config import CheckpointConfig
 from automodel_ckpt.ondisk.retention import RetentionPolicy
 
@@ -22,9 +24,10 @@ class WriteSettings:
         """A node-local step: in the background, never exported, default names, the ``local.keep`` newest kept."""
         return cls(cfg, node_local=True)
 
-    @property
-    def model_save_format(self) -> str:
-        return self._cfg.model_save_format
+    model_save_format = property(attrgetter("_cfg.model_save_format"))
+    write_threads = property(attrgetter("_cfg.async_write_threads"),
+                             doc="Background writer threads per rank (None: ``overlap.default_write_threads``).")
+    nice = property(attrgetter("_cfg.async_nice"), doc="Niceness added to the background threads.")
 
     @property
     def name_template(self) -> str:
@@ -39,16 +42,6 @@ class WriteSettings:
     def incremental(self) -> bool:
         """The model's stable tensors apart, hard-linked from the last checkpoint when unchanged (durable tier)."""
         return not self.node_local and bool(self._cfg.incremental)
-
-    @property
-    def write_threads(self) -> int | None:
-        """Background writer threads per rank (None: ``overlap.default_write_threads``)."""
-        return self._cfg.async_write_threads
-
-    @property
-    def nice(self) -> int:
-        """Niceness added to the background threads."""
-        return self._cfg.async_nice
 
     @property
     def save_consolidated(self) -> str:

@@ -16,8 +16,6 @@ from automodel_ckpt.ondisk.retention import RetentionPolicy, to_delete
 from automodel_ckpt.ondisk.durable import fsync_dir, remove_tree, set_pointer
 from automodel_ckpt.errors import CheckpointError
 
-# --- the steps -------------------------------------------------------------------------------------
-
 
 def reserve(checkpoint_dir: Path, name: str) -> Path:
     """Rank 0: create ``.staging-<name>`` after removing leftovers of interrupted saves. Never overwrites."""
