@@ -7,15 +7,15 @@ built as a 1-process run in a temporary run folder, the checkpoint restored into
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from automodel_ckpt.errors import CheckpointError, UsageError
+from automodel_ckpt.errors import CheckpointError, UsageError, UserError
 from automodel_ckpt.export import ExportRequest, ExportTarget
-from automodel_ckpt.ondisk import LOG_FILE_LIMIT, CheckpointFolder, RunFolder, read_bytes
+from automodel_ckpt.ondisk import CheckpointFolder, RunFolder
+from automodel_ckpt.training.metrics import iter_jsonl
 
 
 def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | None = None) -> int:
@@ -68,19 +68,10 @@ def export(src: Path, out: Path | None, recipe: Path | None, typed: list[str] | 
 def _log(path: Path) -> list[dict]:
     """The run's ``training.jsonl`` records (the Trainer's log history), if the run folder has one."""
     try:
-        text = read_bytes(path, "the training log", LOG_FILE_LIMIT).decode("utf-8", "replace")
-    except (OSError, CheckpointError):
+        records = list(iter_jsonl(path))
+    except UserError:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and \
-                isinstance(record.get("loss"), (int, float)):
-            out.append(record)
-    return out
+    return [r for r in records if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))]
 
 
 class HFTrainerTarget(ExportTarget):

@@ -26,7 +26,7 @@ from automodel_ckpt.faces import exports_of, lazy_members
 _EXPORTS = exports_of({
     # the run, checkpoint, model, Hugging Face and archive folders: their files' paths as properties
     "folders": "Archive CheckpointFolder HFFolder ModelFolder RunFolder old_sibling tmp_sibling",
-    "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "
+    "bounded": "CONFIG_FILE_LIMIT INDEX_FILE_LIMIT LOG_LINE_LIMIT MAX_DEPTH SMALL_FILE_LIMIT MiB "
                "check_size is_count parse_json read_bytes read_json read_yaml yaml_depth_line "
                "COUNT_LIMIT MAX_WORLD_SIZE check_count",
     "paths": "check_path file_kind is_plain_name model_file_in open_regular path_inside regular_file_problem "
