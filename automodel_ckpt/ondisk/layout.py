@@ -397,24 +397,3 @@ def archive_eval_dir(archive: Path) -> Path:
     """Where ``ckpt-train eval`` puts an archive's results: beside it, ``model.tar`` -> ``model.eval/``."""
     archive = Path(archive)
     return archive.parent / f"{archive.name.removesuffix(ARCHIVE_SUFFIX)}.{EVAL_DIR}"
-
-
-def model_dir(ckpt: Path) -> Path:
-    return ckpt / MODEL_DIR
-
-
-def consolidated_dir(ckpt: Path) -> Path:
-    return ckpt / MODEL_DIR / CONSOLIDATED_DIR
-
-
-def ema_dir(ckpt: Path) -> Path:
-    return ckpt / EMA_DIR
-
-
-def consolidated_ema_dir(ckpt: Path) -> Path:
-    return ckpt / MODEL_DIR / CONSOLIDATED_EMA_DIR
-
-
-def hf_metadata_dir(model_folder: Path) -> Path:
-    """Hidden folder beside the model shards holding what a Hugging Face export needs besides weights."""
-    return model_folder / HF_METADATA_DIR

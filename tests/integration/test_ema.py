@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from automodel_ckpt.export import consolidate
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import CheckpointFolder, layout
 from tests.integration import step_faults
 from tests.integration.harness import (CKPT_TRAIN, QUIET, RECIPE, ckpt_train, env_for, kill_job, losses,
                                        run_command, start_command)
@@ -26,12 +26,12 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def _ema(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's EMA weights, whole, in float32: its ema/ shards exported as a Hugging Face folder."""
-    return _tensors(consolidate(layout.ema_dir(ckpt), out, cast_dtype="fp32", progress=False,
-                                metadata_dir=layout.model_dir(ckpt)))
+    return _tensors(consolidate(CheckpointFolder(ckpt).ema.path, out, cast_dtype="fp32", progress=False,
+                                metadata_dir=CheckpointFolder(ckpt).model.path))
 
 
 def _model(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    return _tensors(consolidate(layout.model_dir(ckpt), out, cast_dtype="fp32", progress=False))
+    return _tensors(consolidate(CheckpointFolder(ckpt).model.path, out, cast_dtype="fp32", progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_consolidate_ema_writes_a_hugging_face_folder_that_loads(tmp_path, strai
     done = run_command([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--no-progress"], env=env_for(assets),
                        timeout=300)
     assert done.returncode == 0, done.stderr
-    folder = layout.consolidated_ema_dir(ckpt)
+    folder = CheckpointFolder(ckpt).model.consolidated_ema.path
     model = AutoModelForCausalLM.from_pretrained(folder)
     ema = _ema(ckpt, tmp_path / "fp32")
     for name, param in model.named_parameters():
@@ -108,7 +108,7 @@ def test_consolidate_ema_writes_a_hugging_face_folder_that_loads(tmp_path, strai
     plain = run_command([CKPT_TRAIN, "consolidate", str(tmp_path / "nothing"), "--ema"], env=env_for(assets),
                         timeout=300)
     assert plain.returncode != 0 and "holds no EMA weights" in plain.stderr
-    shutil.rmtree(layout.hf_metadata_dir(layout.model_dir(ckpt)))  # as a LoRA checkpoint's adapter folder
+    shutil.rmtree(CheckpointFolder(ckpt).model.hf_metadata.path)  # as a LoRA checkpoint's adapter folder
     adapter = run_command([CKPT_TRAIN, "consolidate", str(ckpt), "--ema", "--out", str(tmp_path / "out")],
                           env=env_for(assets), timeout=300)
     assert adapter.returncode != 0 and "has no .hf_metadata" in adapter.stderr

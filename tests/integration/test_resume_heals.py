@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from automodel_ckpt.ondisk import layout
+from automodel_ckpt.ondisk import CheckpointFolder, layout
 from tests.integration.harness import CKPT_TRAIN, RECIPE, ckpt_train, env_for, losses, run_command, tree
 
 COMMON = ("--step_scheduler.ckpt_every_steps", "2", "--step_scheduler.val_every_steps", "2", "--data.val_size", "64")
@@ -185,7 +185,7 @@ def test_rerun_with_one_process_resumes(work: Path, assets: Path) -> None:
 @pytest.mark.parametrize("source", ["checkpoint", "consolidated"])
 def test_load_only_model_starts_a_new_run_from_the_weights(work: Path, assets: Path, source: str) -> None:
     six = _run(work, assets, "six", 6)
-    origin = six / STEP6 if source == "checkpoint" else layout.consolidated_dir(six / STEP6)
+    origin = six / STEP6 if source == "checkpoint" else CheckpointFolder(six / STEP6).model.consolidated.path
     name = f"from-{source}"
     ckpt_train(work, assets, *COMMON, "--checkpoint.checkpoint_dir", name, "--step_scheduler.max_steps", "2",
                "--checkpoint.restore_from", str(origin), "--checkpoint.load_only", "[model]", "--optimizer.lr", "0",
@@ -198,7 +198,7 @@ def test_load_only_model_starts_a_new_run_from_the_weights(work: Path, assets: P
         now = _model_tensors(new / layout.MODEL_DIR)
     else:  # the export (base dtypes) of the new run equals the folder it started from
         saved = _model_tensors(origin)
-        now = _model_tensors(layout.consolidated_dir(new))
+        now = _model_tensors(CheckpointFolder(new).model.consolidated.path)
     assert saved.keys() == now.keys()
     assert all(torch.equal(saved[k], now[k]) for k in saved)
     log = [json.loads(line) for line in (work / name / layout.TRAINING_LOG).read_text().splitlines()]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from automodel_ckpt.ondisk import bounded, layout, manifest
+from automodel_ckpt.ondisk import ModelFolder, bounded, layout, manifest
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.export.lora_merge import original_dtypes
@@ -148,8 +148,8 @@ def test_index_json(value):
        st.sampled_from([layout.ORIGINAL_TENSORS_FILE, layout.SAVED_STATE_FILE, layout.HF_CONFIG]))
 def test_export_metadata(value, name):
     model = folder()
-    layout.hf_metadata_dir(model).mkdir()
-    (layout.hf_metadata_dir(model) / name).write_text(json.dumps(value))
+    ModelFolder(model).hf_metadata.path.mkdir()
+    (ModelFolder(model).hf_metadata / name).write_text(json.dumps(value))
     meta = refused_or(read_hf_metadata, model)
     if meta is not None and meta.original_num_files is not None:
         assert 0 <= meta.original_num_files <= max(1, len(meta.original or {}))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from automodel_ckpt import cli
-from automodel_ckpt.ondisk import catalog, layout
+from automodel_ckpt.ondisk import CheckpointFolder, catalog, layout
 from automodel_ckpt.cli.inspect import human_size, inspect_dir, render_table
 from automodel_ckpt.ondisk.metadata import as_float, build_metadata, metric_value, read_metadata, write_metadata
 from automodel_ckpt.ondisk.durable import set_pointer
@@ -25,8 +25,8 @@ def make(root: Path, name: str, step: int | None, *, val: float | None = None, e
     if fmt == "torch_save":
         (folder / "model" / layout.DCP_METADATA).write_bytes(b"")
     if consolidated:
-        layout.consolidated_dir(folder).mkdir()
-        (layout.consolidated_dir(folder) / layout.hf_weights_file(1, 1)).write_bytes(b"\0" * size)
+        CheckpointFolder(folder).model.consolidated.path.mkdir(parents=True)
+        (CheckpointFolder(folder).model.consolidated / layout.hf_weights_file(1, 1)).write_bytes(b"\0" * size)
     if meta:
         write_metadata(folder, build_metadata(
             name=name, epoch=epoch, step=step, train_loss=2.0, val_loss=val, is_final=False,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel_ckpt.ondisk import bounded, layout, manifest
+from automodel_ckpt.ondisk import ModelFolder, bounded, layout, manifest
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.export import sources
 from automodel_ckpt.export.sources import Piece, SourceTensor, check_coverage
@@ -214,7 +214,7 @@ def test_a_gap_is_reported_after_the_pieces_are_found_disjoint():
 def test_a_small_file_cannot_ask_for_a_billion_output_files(tmp_path):
     from automodel_ckpt.export.hf_metadata import read_hf_metadata
 
-    folder = layout.hf_metadata_dir(tmp_path)
+    folder = ModelFolder(tmp_path).hf_metadata.path
     folder.mkdir()
     note = json.dumps({"num_files": 10**9, "tensors": {"w": {"dtype": "F32", "shape": [2], "file": 1}}})
     (folder / layout.ORIGINAL_TENSORS_FILE).write_text(note)
