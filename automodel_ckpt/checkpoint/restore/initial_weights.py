@@ -16,7 +16,7 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.export import is_archive, open_archive
 from automodel_ckpt.ondisk.formats import peft as peft_format
-from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.checkpoint.storage.base import RunStorage
 from automodel_ckpt.checkpoint.restore.fallback import DURABLE
 from automodel_ckpt.checkpoint.restore.hf_weights import load_hf_folder
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
@@ -43,7 +43,7 @@ class StartTier:
 
     name = DURABLE  # where the restore loaded from, as the run reports it (``restored_tier``)
 
-    def __init__(self, cfg: CheckpointConfig, source: RunFolder, loader: CheckpointLoader, states: dict[str, Any], *,
+    def __init__(self, cfg: CheckpointConfig, source: RunStorage, loader: CheckpointLoader, states: dict[str, Any], *,
                  rank: int, world_size: int, say: Callable[[str], None]) -> None:
         self.cfg, self.source, self.loader, self.states = cfg, source, loader, states
         self.rank, self.world_size, self.say = rank, world_size, say
@@ -74,7 +74,7 @@ class StartTier:
         return None
 
 
-def start_from(cfg: CheckpointConfig, source: RunFolder, states: list[str], *, model_is_peft: bool, rank: int,
+def start_from(cfg: CheckpointConfig, source: RunStorage, states: list[str], *, model_is_peft: bool, rank: int,
                world_size: int) -> Start:
     """Collective: check that ``restore_from``'s ``load_only`` states can be loaded into ``states``."""
     only, restore_from = list(cfg.load_only or []), str(cfg.restore_from)

@@ -20,7 +20,7 @@ from automodel_ckpt.ondisk.metadata import read_metadata, saved_mesh
 from automodel_ckpt.ondisk.formats import registry, sharded
 from automodel_ckpt.ondisk.formats.safe_load import load_pt
 from automodel_ckpt.checkpoint.state import plan_state
-from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.checkpoint.storage.base import RunStorage
 from automodel_ckpt.distributed.env import DistEnv, barrier
 from automodel_ckpt.distributed.mesh import ParallelDims
 from automodel_ckpt.errors import CheckpointError, UserError, first_line, warn
@@ -39,7 +39,7 @@ class Loaded:
 class CheckpointLoader:
     """Loads checkpoints of ``run`` into states, on every rank."""
 
-    def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunFolder,
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, dims: ParallelDims, run: RunStorage,
                  say: Callable[[str], None]) -> None:
         self.cfg, self.env, self.dims, self.run, self.say = cfg, env, dims, run, say
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from automodel_ckpt.distributed import collective
 from automodel_ckpt.checkpoint.config import CheckpointConfig, LoadErrorPolicy
-from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.checkpoint.storage.base import RunStorage
 from automodel_ckpt.checkpoint.restore.fallback import AGAIN, DURABLE
 from automodel_ckpt.checkpoint.restore.probe import StageRule, check_same_run, probe
 from automodel_ckpt.errors import CheckpointError, first_line, warn
@@ -42,7 +42,7 @@ class DurableTier:
 
     name = DURABLE
 
-    def __init__(self, cfg: CheckpointConfig, source: RunFolder, loader: CheckpointLoader, *, rank: int,
+    def __init__(self, cfg: CheckpointConfig, source: RunStorage, loader: CheckpointLoader, *, rank: int,
                  world_size: int, fingerprint: dict[str, Any] | None, say: Callable[[str], None],
                  stages: StageRule | None = None) -> None:
         self.cfg, self.source, self.loader = cfg, source, loader
@@ -65,7 +65,7 @@ class DurableTier:
         return AGAIN
 
 
-def decide(cfg: CheckpointConfig, source: RunFolder, *, rank: int, world_size: int,
+def decide(cfg: CheckpointConfig, source: RunStorage, *, rank: int, world_size: int,
            fingerprint: dict[str, Any] | None, say: Callable[[str], None],
            damaged_while_loading: str | None = None, stages: StageRule | None = None) -> Decision | None:
     """Collective: select and check the checkpoint this run resumes; None with ``load_only`` and none of its own.
@@ -107,7 +107,7 @@ def decide(cfg: CheckpointConfig, source: RunFolder, *, rank: int, world_size: i
         return Decision(path, fallback=fallback)
 
 
-def set_aside(source: RunFolder, path: Path, exc: CheckpointError, *, rank: int, say: Callable[[str], None]) -> None:
+def set_aside(source: RunStorage, path: Path, exc: CheckpointError, *, rank: int, say: Callable[[str], None]) -> None:
     """Collective: quarantine damaged checkpoint ``path`` and say so."""
     reason = first_line(exc)
     if reason.startswith(f"checking '{path}' failed on rank "):  # keep what is wrong, not the wrapper
@@ -119,7 +119,7 @@ def set_aside(source: RunFolder, path: Path, exc: CheckpointError, *, rank: int,
             "and resuming from the newest checkpoint before it")
 
 
-def _fetch(source: RunFolder, path: Path) -> CheckpointError | None:
+def _fetch(source: RunStorage, path: Path) -> CheckpointError | None:
     try:
         source.fetch(path)
     except CheckpointError as exc:

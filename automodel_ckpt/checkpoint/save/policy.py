@@ -12,7 +12,7 @@ from automodel_ckpt.ondisk.formats import registry
 from automodel_ckpt.ondisk.formats.base import ModelFormat
 from automodel_ckpt.ondisk.info import HFArtifacts, SaveInfo
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
-from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.checkpoint.storage.base import RunStorage
 
 
 class SavePolicy:
@@ -43,7 +43,7 @@ class SavePolicy:
             self._warned.add(what)
             warnings.warn(message, stacklevel=3)
 
-    def is_new_best(self, run: RunFolder, staged: Path) -> bool:
+    def is_new_best(self, run: RunStorage, staged: Path) -> bool:
         """Rank 0: whether the staged checkpoint beats the best on disk (every launch's) by ``checkpoint.monitor``;
         LOWEST_VAL is "best by monitor" (the highest with ``mode: max``). Non-finite values never win."""
         best = run.best()

@@ -30,7 +30,7 @@ from automodel_ckpt.checkpoint.save.phases import PhaseClock, TrainingTime
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.taken import Taken
 from automodel_ckpt.checkpoint.state import StatePlan
-from automodel_ckpt.checkpoint.storage.base import RunFolder
+from automodel_ckpt.checkpoint.storage.base import RunStorage
 from automodel_ckpt.distributed.env import DistEnv, barrier, collectives_on
 from automodel_ckpt.distributed.lifeline import stop_if_orphaned
 from automodel_ckpt.distributed.mesh import ParallelDims
@@ -42,7 +42,7 @@ _T = TypeVar("_T")
 class SaveWriter:
     """Writes checkpoints into ``run``; at most one save in flight (``wait`` completes it)."""
 
-    def __init__(self, settings: WriteSettings, env: DistEnv, dims: ParallelDims, run: RunFolder, *,
+    def __init__(self, settings: WriteSettings, env: DistEnv, dims: ParallelDims, run: RunStorage, *,
                  config_yaml: str, hf: HFArtifacts, fingerprint: dict[str, Any] | None, time: TrainingTime,
                  say: Callable[[str], None], settle_full_disk: bool = True,
                  side_failure: Callable[[str, str, int], None] | None = None) -> None:

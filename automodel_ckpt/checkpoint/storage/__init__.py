@@ -19,7 +19,7 @@ from automodel_ckpt.checkpoint.storage.remote import ObjectStoreRunFolder
 
 if TYPE_CHECKING:
     from automodel_ckpt.checkpoint.objectstore.run import RemoteRun
-    from automodel_ckpt.checkpoint.storage.base import RunFolder
+    from automodel_ckpt.checkpoint.storage.base import RunStorage
 
 __all__ = ["LocalRunFolder", "ObjectStoreRunFolder", "fetch_run_file", "is_url", "monitor_of", "open_filesystem",
            "open_for_reading", "open_run_folder", "open_store_run", "run_folder", "share_run_file", "source_of",
@@ -31,7 +31,7 @@ def monitor_of(cfg: Any) -> Monitor:
     return Monitor(cfg.monitor, cfg.best_metric_key, str(cfg.mode))
 
 
-def open_run_folder(cfg: Any, rank: int, world_size: int) -> RunFolder:
+def open_run_folder(cfg: Any, rank: int, world_size: int) -> RunStorage:
     """The run folder ``checkpoint.checkpoint_dir`` names (nothing is created or taken yet: ``acquire``)."""
     remote = objectstore.attach(cfg)
     if remote is not None:

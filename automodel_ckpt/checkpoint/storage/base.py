@@ -15,7 +15,7 @@ from automodel_ckpt.ondisk.catalog import Monitor
 from automodel_ckpt.ondisk.retention import RetentionPolicy
 
 
-class RunFolder(Protocol):
+class RunStorage(Protocol):
     """A run folder (see the module docstring). Methods marked "rank 0" run there only; the rest are collective."""
 
     local: Path

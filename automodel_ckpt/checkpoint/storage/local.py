@@ -18,7 +18,7 @@ from automodel_ckpt.errors import CheckpointError
 
 
 class LocalRunFolder:
-    """``storage.base.RunFolder`` for a folder on disk; also the local half of an object-store run folder."""
+    """``storage.base.RunStorage`` for a folder on disk; also the local half of an object-store run folder."""
 
     reserves_in_background = True
     shared = True

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class ObjectStoreRunFolder(LocalRunFolder):
-    """``storage.base.RunFolder`` for a run folder on an object store, worked through its local mirror."""
+    """``storage.base.RunStorage`` for a run folder on an object store, worked through its local mirror."""
 
     reserves_in_background = False  # the store is checked (and its upload marker written) before the copy
 

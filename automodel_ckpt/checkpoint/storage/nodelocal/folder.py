@@ -25,7 +25,7 @@ from automodel_ckpt.errors import CheckpointError, first_line
 
 
 class NodeLocalRunFolder(LocalRunFolder):
-    """``storage.base.RunFolder`` for one node's folder of the node-local tier (see the module docstring)."""
+    """``storage.base.RunStorage`` for one node's folder of the node-local tier (see the module docstring)."""
 
     reserves_in_background = True
     shared = False

@@ -1,4 +1,4 @@
-"""The storage contract: every kind of run folder keeps the interface's promises (``storage.base.RunFolder``).
+"""The storage contract: every kind of run folder keeps the interface's promises (``storage.base.RunStorage``).
 
 Each test runs once per kind: a local folder, an object store (a real S3 server, SeaweedFS) through its mirror, and
 a node's folder of the node-local tier (one node here: ``tests/integration/test_fast_recovery.py`` has two).
