@@ -31,7 +31,7 @@ class DPOConfig:
     rejected_field: str = "rejected"  # the dispreferred response, like chosen
 
 
-def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
+def check_dpo_section(dpo: Any, *, peft: bool) -> None:
     """Raise ConfigError (one line) for a ``dpo:`` value that would fail later."""
     if dpo.loss not in LOSSES:
         raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{dpo.loss}'")
@@ -57,7 +57,7 @@ def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
 
 def check(cfg: Any, sizes: Any) -> None:
     """The ``dpo:`` keys against the rest of the recipe (``config.validate``)."""
-    check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None, pp_size=sizes.pp)
+    check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None)
 
 
 def preview(cfg: Any, tokenizer: Any, *, num: int, split: str, color: bool) -> None:
