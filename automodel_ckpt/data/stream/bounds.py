@@ -10,13 +10,9 @@ from __future__ import annotations
 from types import SimpleNamespace as _View
 from typing import Any
 
-from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.data.stream.readers import malformed
 
 _COUNTERS = ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens")
-
-
-def malformed(what: str) -> DataError:
-    return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
 
 
 def _uncompressed(path: str) -> bool:
