@@ -93,7 +93,7 @@ def default_targets(model: nn.Module) -> list[str]:
     peft_default = [m for m in PEFT_DEFAULTS.get(family or "", []) if m in present]
     if peft_default:
         return peft_default
-    return sorted(linear_names(model, attention_only=is_moe(model)))
+    return sorted(linear_names(model, attention_only="experts" in present))  # mixture-of-experts: attention only
 
 
 def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
@@ -117,11 +117,6 @@ def linear_names(model: nn.Module, attention_only: bool = False) -> set[str]:
             continue
         names.add(path.rsplit(".", 1)[-1])
     return names
-
-
-def is_moe(model: nn.Module) -> bool:
-    """Whether ``model`` has mixture-of-experts layers (a module named ``experts``)."""
-    return any(path.rsplit(".", 1)[-1] == "experts" for path, _ in model.named_modules())
 
 
 def _is_linear(module: nn.Module) -> bool:
