@@ -78,7 +78,8 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
     expect(opts.nproc_per_node >= 1, "--nproc-per-node", "at least 1", opts.nproc_per_node)
     expect(opts.nnodes >= 1, "--nnodes", "at least 1", opts.nnodes)
     expect(opts.max_restarts >= 0, "--max-restarts", "0 or more", opts.max_restarts)
-    expect(opts.start_method in START_METHODS, "--start-method", f"one of {', '.join(START_METHODS)}", opts.start_method)
+    methods = f"one of {', '.join(START_METHODS)}"
+    expect(opts.start_method in START_METHODS, "--start-method", methods, opts.start_method)
     expect(0 <= opts.node_rank < opts.nnodes, "--node-rank", f"0..{opts.nnodes - 1}", opts.node_rank)
     if opts.nnodes > 1 and not (opts.rdzv_endpoint or opts.master_addr):
         raise ConfigError("--nnodes > 1 needs --master-addr/--master-port or --rdzv-endpoint HOST:PORT")
