@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from automodel_ckpt.data import GlobalPosition
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import is_count
 
@@ -52,7 +53,7 @@ class GRPOCounters:
                 "reward_mean_so_far": mean}
 
 
-class PromptLoader:
+class PromptLoader(GlobalPosition):
     """GRPO's loader (checkpointed as ``dataloader``): its state is the prompts' epoch and position (kept in the
     counters), each step's micro-batches ``make()``'s share of the rollout batch in use. Saved per rank, the same
     on every rank."""
@@ -85,17 +86,6 @@ class PromptLoader:
                 raise CheckpointError(f"the GRPO prompt position: '{key}' is not a count")
         for key, value in position.items():
             setattr(self.counters, key, value)
-
-    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
-                      world_size: int) -> dict[str, Any]:
-        """At another world size every rank takes rank 0's position: it is global, not per rank."""
-        return saved(0)
-
-    def report(self, waited: float) -> dict[str, Any]:
-        return {}
-
-    def summary(self) -> dict[str, Any] | None:
-        return None
 
     def steps_left(self, num_epochs: int) -> int:
         """Optimizer steps left until ``num_epochs`` epochs of prompts are taken (this epoch counted whole)."""
