@@ -51,11 +51,6 @@ def check_dpo_section(dpo: Any, *, peft: bool) -> None:
         raise ConfigError(f"dpo.precompute_ref_log_probs: dpo.loss {dpo.loss} uses no reference; set it to false")
 
 
-def check(cfg: Any, sizes: Any) -> None:
-    """The ``dpo:`` keys against the rest of the recipe (``config.validate``)."""
-    check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None)
-
-
 def preview(cfg: Any, tokenizer: Any, *, num: int, split: str, color: bool) -> None:
     """``ckpt-train preview``: each pair's two responses."""
     from automodel_ckpt.data import prepare_pairs, preview_pairs
@@ -64,4 +59,5 @@ def preview(cfg: Any, tokenizer: Any, *, num: int, split: str, color: bool) -> N
 
 
 SECTION = AlgorithmSection("dpo", DPOConfig, "preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)",
-                           check=check, preview=preview)
+                           check=lambda cfg, sizes: check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None),
+                           preview=preview)
