@@ -45,8 +45,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> MeshSizes:
     positive(sched.max_steps, "step_scheduler.max_steps")
     positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
     every = sched.ckpt_every_steps
-    if isinstance(every, str) and every != "auto" or isinstance(every, (bool, float)):
-        raise ConfigError(f"step_scheduler.ckpt_every_steps: expected a positive integer or auto, got {every!r}")
+    expect(not (isinstance(every, str) and every != "auto" or isinstance(every, (bool, float))),
+           "step_scheduler.ckpt_every_steps", "a positive integer or auto", every)
     positive(None if every == "auto" else every, "step_scheduler.ckpt_every_steps")
     positive(sched.get("min_every_steps", 1), "step_scheduler.min_every_steps", allow_none=False)
     positive(sched.get("max_every_steps"), "step_scheduler.max_every_steps")
