@@ -36,6 +36,12 @@ class UsageError(UserError):
     """A command line the verb cannot parse (unknown flag, missing argument)."""
 
 
+def expect(ok: bool, key: str, expected: str, value: object) -> None:
+    """``ConfigError`` "KEY: expected EXPECTED, got VALUE" unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message, or its type name when it has none."""
     text = str(exc).strip()

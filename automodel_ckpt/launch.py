@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from automodel_ckpt.distributed.lifeline import mark_launcher, proc_stat
-from automodel_ckpt.errors import USER_ERROR_EXIT_CODES, ConfigError
+from automodel_ckpt.errors import USER_ERROR_EXIT_CODES, ConfigError, expect
 
 #: The launcher's folder where each worker also leaves its error line (``cli.common.report``).
 ERRORS_FOLDER = "AUTOMODEL_CKPT_ERRORS"
@@ -75,16 +75,12 @@ def parse_launch_args(argv: list[str]) -> tuple[LaunchOptions, str, list[str]]:
             setattr(opts, flag[2:].replace("-", "_"), True)
             rest = [a for a in rest if a != flag]
     rest = _launcher_flags_after_recipe(rest, opts)
-    if opts.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node: expected at least 1, got {opts.nproc_per_node}")
-    if opts.nnodes < 1:
-        raise ConfigError(f"--nnodes: expected at least 1, got {opts.nnodes}")
-    if opts.max_restarts < 0:
-        raise ConfigError(f"--max-restarts: expected 0 or more, got {opts.max_restarts}")
-    if opts.start_method not in START_METHODS:
-        raise ConfigError(f"--start-method: expected one of {', '.join(START_METHODS)}, got '{opts.start_method}'")
-    if not 0 <= opts.node_rank < opts.nnodes:
-        raise ConfigError(f"--node-rank: expected 0..{opts.nnodes - 1}, got {opts.node_rank}")
+    expect(opts.nproc_per_node >= 1, "--nproc-per-node", "at least 1", opts.nproc_per_node)
+    expect(opts.nnodes >= 1, "--nnodes", "at least 1", opts.nnodes)
+    expect(opts.max_restarts >= 0, "--max-restarts", "0 or more", opts.max_restarts)
+    methods = f"one of {', '.join(START_METHODS)}"
+    expect(opts.start_method in START_METHODS, "--start-method", methods, opts.start_method)
+    expect(0 <= opts.node_rank < opts.nnodes, "--node-rank", f"0..{opts.nnodes - 1}", opts.node_rank)
     if opts.nnodes > 1 and not (opts.rdzv_endpoint or opts.master_addr):
         raise ConfigError("--nnodes > 1 needs --master-addr/--master-port or --rdzv-endpoint HOST:PORT")
     return opts, recipe, rest

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["PROJECTOR_NAMES", "VISION_TOWER_NAMES", "is_image_text", "vision_tower", "vision_module_paths"]
+__all__ = ["PROJECTOR_NAMES", "VISION_TOWER_NAMES", "vision_tower", "vision_module_paths"]
 
 #: Module names of the vision encoder (LLaVA and most others: ``vision_tower``; Qwen2-VL: ``visual``).
 VISION_TOWER_NAMES: tuple[str, ...] = ("vision_tower", "visual")
@@ -19,10 +19,6 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     """The vision encoder of an image-text model, or None for a text model."""
     return next((module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_TOWER_NAMES),
                 None)
-
-
-def is_image_text(model: nn.Module) -> bool:
-    return vision_tower(model) is not None
 
 
 def vision_module_paths(model: nn.Module, *, towers: bool = True, projectors: bool = True) -> list[str]:

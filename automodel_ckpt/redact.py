@@ -34,14 +34,10 @@ _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _URL_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
 
 
-def _words(name: str) -> list[str]:
-    return [w.lower() for w in _WORD.findall(name)]
-
-
 def is_secret_key(name: Any) -> bool:
     """Whether a config key's name says its value is a credential (the last part of a dotted key counts)."""
     text = str(name).rpartition(".")[2]
-    words = _words(text)
+    words = [w.lower() for w in _WORD.findall(text)]
     if not words:
         return False
     if len(words) == 1 and words[0] in _NOUNS:

@@ -8,15 +8,17 @@ else is left to the target, and without an annotation a number or boolean defaul
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
+import enum
 import inspect
 import types
 import typing
 from typing import Any
 
-from automodel_ckpt.config.loader import describe_value
 from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.redact import REDACTED, is_secret_key
 
-__all__ = ["check_value"]
+__all__ = ["check_value", "describe_value", "type_name"]
 
 _SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
               collections.abc.Collection, collections.abc.MutableSequence)
@@ -35,7 +37,7 @@ def check_value(target: Any, param: inspect.Parameter, value: Any, key: str, tar
         else:
             return
     if _accepts(tp, value) is False:
-        raise ConfigError(f"{key}: expected {_type_name(tp)} for {target_name}, got {describe_value(value, key)}")
+        raise ConfigError(f"{key}: expected {type_name(tp)} for {target_name}, got {describe_value(value, key)}")
 
 
 def _annotation(target: Any, param: inspect.Parameter) -> Any:
@@ -102,22 +104,36 @@ def _items_fit(origin: Any, args: tuple[Any, ...], items: list[Any]) -> bool | N
     return False if False in results else True
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A type as a config error names it: ``int or null``, ``a list of str``, ``one of 'a', 'b'``."""
+    if tp is Any or tp is None:
+        return "any"
     members = _members(tp)
     if members is not None:
-        names = [_type_name(m) for m in members if m is not type(None) and not _is_tensor(m)]
+        names = [type_name(m) for m in members if m is not type(None) and not _is_tensor(m)]
         text = " or ".join(dict.fromkeys(names)) or "a value"
         return f"{text} or null" if type(None) in members else text
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in args)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return f"{tp.__name__} (one of " + ", ".join(m.name for m in tp) + ")"
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return f"a {tp.__name__} mapping"
     if (origin or tp) in _MAPPINGS:
         return "a mapping"
     if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-        return f"a list of {len(args)} ({', '.join(_type_name(a) for a in args)})"
+        return f"a list of {len(args)} ({', '.join(type_name(a) for a in args)})"
     if (origin or tp) in _SEQUENCES:
-        return f"a list of {_type_name(args[0])}" if args else "a list"
+        return f"a list of {type_name(args[0])}" if args else "a list"
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def describe_value(value: Any, key: str = "") -> str:
+    """A value for an error message; a secret's (by its key, ``redact.py``) is never shown."""
+    if value is not None and (is_secret_key(key) or "storage_options" in key.split(".")):
+        return f"{REDACTED} ({type(value).__name__})"
+    return "null" if value is None else f"{value!r} ({type(value).__name__})"
 
 
 def _is_tensor(tp: Any) -> bool:

@@ -45,29 +45,25 @@ def locate(path: str, key: str | None = None) -> Any:
         raise fail("expected 'pkg.module.Name' or 'file.py:Name'")
     obj = _import(parts[0], fail)
     for i in range(1, len(parts)):
-        module_name = ".".join(parts[:i + 1])
         if hasattr(obj, parts[i]):
             obj = getattr(obj, parts[i])
             continue
-        if inspect.ismodule(obj):
-            try:
-                obj = importlib.import_module(module_name)
-                continue
-            except ModuleNotFoundError as exc:
-                if exc.name != module_name:
-                    raise fail(str(exc)) from None
-            except Exception as exc:  # noqa: BLE001 - any failure while importing user code is a config problem
-                raise fail(f"{type(exc).__name__}: {exc}") from None
-        return _get_attrs(obj, parts[i:], ".".join(parts[:i]), fail)
+        module = _import(".".join(parts[:i + 1]), fail, missing_ok=True) if inspect.ismodule(obj) else None
+        if module is None:
+            return _get_attrs(obj, parts[i:], ".".join(parts[:i]), fail)
+        obj = module
     return obj
 
 
-def _import(name: str, fail: Any) -> Any:
+def _import(name: str, fail: Any, missing_ok: bool = False) -> Any:
+    """The module ``name``; None where ``missing_ok`` and it is not there (an attribute, then)."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
+        if missing_ok and exc.name == name:
+            return None
         raise fail(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure while importing user code is a config problem
         raise fail(f"{type(exc).__name__}: {exc}") from None
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import enum
 import os
 import re
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationValidationError, OmegaConfBaseException, ValidationError
 
 from automodel_ckpt.ondisk import MAX_DEPTH, yaml_depth_line
+from automodel_ckpt.config.arguments import describe_value, type_name
 from automodel_ckpt.config.sections import with_sections
-from automodel_ckpt.redact import REDACTED, is_secret_key, redacted
+from automodel_ckpt.redact import redacted
 from automodel_ckpt.errors import ConfigError
 
 __all__ = ["apply_values", "load_config", "load_yaml", "parse_value", "resolve", "split_overrides", "to_yaml",
@@ -338,34 +337,9 @@ def _all_keys(node: DictConfig, prefix: str) -> list[str]:
 def _expected(parent: DictConfig, key: Any) -> str:
     node = parent._get_node(key) if key in list(parent.keys()) else None
     if node is None:
-        return _type_str(parent._metadata.element_type)
-    name = _type_str(node._metadata.ref_type)
+        return type_name(parent._metadata.element_type)
+    name = type_name(node._metadata.ref_type)
     return f"{name} or null" if node._metadata.optional and name != "any" else name
-
-
-def _type_str(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any or tp is None:
-        return "any"
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is typing.Union:
-        inner = " or ".join(_type_str(a) for a in args if a is not type(None))
-        return f"{inner} or null" if type(None) in args else inner
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return f"{tp.__name__} (one of " + ", ".join(m.name for m in tp) + ")"
-    if _is_structured(tp):
-        return f"a {tp.__name__} mapping"
-    if isinstance(tp, type) and origin is None:
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def describe_value(value: Any, key: str = "") -> str:
-    """A value for an error message; a secret's (by its key, ``redact.py``) is never shown."""
-    if value is not None and (is_secret_key(key) or "storage_options" in key.split(".")):
-        return f"{REDACTED} ({type(value).__name__})"
-    return "null" if value is None else f"{value!r} ({type(value).__name__})"
 
 
 def _join(prefix: str, key: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -144,20 +145,9 @@ class LoggingConfig:
     report: bool = False  # rewrite RUN_DIR/report.html (ckpt-train report) at each checkpoint, off the training thread
 
 
-def _default_model() -> Dict[str, Any]:
-    return {"_target_": "automodel_ckpt.models.build.build_causal_lm"}
-
-
-def _default_dataset() -> Dict[str, Any]:
-    return {"_target_": "automodel_ckpt.data.builtin.builtin_task_dataset"}
-
-
-def _default_optimizer() -> Dict[str, Any]:
-    return {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.95]}
-
-
-def _default_lr_scheduler() -> Dict[str, Any]:
-    return {"_target_": "automodel_ckpt.training.lr.warmup_cosine", "warmup_steps": 10, "min_lr_ratio": 0.1}
+def _target(name: str, **kwargs: Any) -> Any:
+    """A ``_target_`` section's default, a fresh copy for each config."""
+    return field(default_factory=lambda: copy.deepcopy({"_target_": name, **kwargs}))
 
 
 @dataclass
@@ -166,14 +156,14 @@ class RecipeConfig:
 
     recipe: str = "automodel_ckpt.recipes.llm_finetune.FinetuneRecipe"  # recipe class (dotted or file.py:Class)
     seed: int = 42  # seeds Python, NumPy and torch, the data order and the validation split
-    model: Dict[str, Any] = field(default_factory=_default_model)  # causal LM to fine-tune: a local HF folder or a config block
+    model: Dict[str, Any] = _target("automodel_ckpt.models.build.build_causal_lm")  # causal LM to fine-tune: a local HF folder or a config block
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # tokenizer folder
-    dataset: Dict[str, Any] = field(default_factory=_default_dataset)  # training examples: messages, prompt/completion or text columns (docs/data.md)
+    dataset: Dict[str, Any] = _target("automodel_ckpt.data.builtin.builtin_task_dataset")  # training examples: messages, prompt/completion or text columns (docs/data.md)
     validation_dataset: Optional[Dict[str, Any]] = None  # held-out examples; default: data.val_size of the training data
     data: DataConfig = field(default_factory=DataConfig)  # tokenization and the validation split
     step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)  # batch sizes, length of the run, validation and checkpoint intervals
-    optimizer: Dict[str, Any] = field(default_factory=_default_optimizer)  # optimizer, called with the trainable parameters
-    lr_scheduler: Dict[str, Any] = field(default_factory=_default_lr_scheduler)  # learning-rate schedule, called with the optimizer and total_steps
+    optimizer: Dict[str, Any] = _target("torch.optim.AdamW", lr=1e-3, weight_decay=0.01, betas=[0.9, 0.95])  # optimizer, called with the trainable parameters
+    lr_scheduler: Dict[str, Any] = _target("automodel_ckpt.training.lr.warmup_cosine", warmup_steps=10, min_lr_ratio=0.1)  # learning-rate schedule, called with the optimizer and total_steps
     training: TrainingConfig = field(default_factory=TrainingConfig)  # gradient clipping and logging
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # process group and FSDP2 settings
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint format, location, export, resume and retention

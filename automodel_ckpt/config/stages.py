@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from automodel_ckpt.config.loader import apply_values
 from automodel_ckpt.config.sections import present
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 from automodel_ckpt.redact import redacted
 
 FIRST = "main"  # the first stage's name: the recipe as written
@@ -119,9 +119,8 @@ def _check_run(cfg: DictConfig, new_stage: Any) -> None:
     if refusal:
         raise ConfigError(f"stages: {refusal}")
     if new_stage is not None:
-        if not isinstance(new_stage, str) or not _NAME.match(new_stage):
-            raise ConfigError(f"checkpoint.new_stage: expected a stage name (letters, digits, _ . -; at most 64), "
-                              f"got {str(new_stage)[:80]!r}")
+        expect(isinstance(new_stage, str) and bool(_NAME.match(new_stage)), "checkpoint.new_stage",
+               "a stage name (letters, digits, _ . -; at most 64)", str(new_stage)[:80])
         if cfg.checkpoint.get("load_only"):
             raise ConfigError("checkpoint.new_stage: a weights-only start (checkpoint.load_only) is a new run, not a "
                               "new stage of one; leave one of them out")
@@ -136,9 +135,8 @@ def _entry(index: int, entry: Any, after: int, max_steps: int | None) -> Stage:
     if extra:
         raise ConfigError(f"{here}: unknown key '{extra[0]}' (a stage has name, at_step and set)")
     name, at_step, values = entry.get("name"), entry.get("at_step"), entry.get("set")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError(f"stages[{index}].name: expected a name (letters, digits, _ . -; at most 64 characters), "
-                          f"got {str(name)[:80]!r}")
+    expect(isinstance(name, str) and bool(_NAME.match(name)), f"stages[{index}].name",
+           "a name (letters, digits, _ . -; at most 64 characters)", str(name)[:80])
     if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step <= after:
         raise ConfigError(f"{here}.at_step: expected a step after {after} (where the stage before it "
                           f"{'begins' if index else 'begins: the recipe as written, from step 1'}), got "

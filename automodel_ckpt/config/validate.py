@@ -12,7 +12,7 @@ from automodel_ckpt.config.sections import present
 from automodel_ckpt.distributed import data_parallel
 from automodel_ckpt.distributed.mesh import (IMAGE_TEXT_EP_REFUSAL, IMAGE_TEXT_TP_REFUSAL, MeshSizes,
                                              resolve_pipeline, resolve_sizes)
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 from automodel_ckpt.training import compile
 
 #: The package's image-text builder, whose models tensor parallelism does not split yet.
@@ -23,8 +23,7 @@ def positive(value: int | None, key: str, allow_none: bool = True) -> None:
     """``ConfigError`` unless ``value`` is a positive integer (or None, where ``allow_none``)."""
     if value is None and allow_none:
         return
-    if value is None or value < 1:
-        raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    expect(value is not None and value >= 1, key, "a positive integer", value)
 
 
 def check_batch_sizes(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
@@ -46,8 +45,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> MeshSizes:
     positive(sched.max_steps, "step_scheduler.max_steps")
     positive(sched.num_epochs, "step_scheduler.num_epochs", allow_none=False)
     every = sched.ckpt_every_steps
-    if isinstance(every, str) and every != "auto" or isinstance(every, (bool, float)):
-        raise ConfigError(f"step_scheduler.ckpt_every_steps: expected a positive integer or auto, got {every!r}")
+    expect(not (isinstance(every, str) and every != "auto" or isinstance(every, (bool, float))),
+           "step_scheduler.ckpt_every_steps", "a positive integer or auto", every)
     positive(None if every == "auto" else every, "step_scheduler.ckpt_every_steps")
     positive(sched.get("min_every_steps", 1), "step_scheduler.min_every_steps", allow_none=False)
     positive(sched.get("max_every_steps"), "step_scheduler.max_every_steps")

@@ -12,7 +12,7 @@ from automodel_ckpt.faces import exports_of, lazy_members
 _EXPORTS = exports_of({
     # the loaders: one contract
     "contract": "BatchLoader",
-    "loader": "GlobalBatchLoader MicroBatch validation_batches",
+    "loader": "GlobalBatchLoader GlobalPosition MicroBatch validation_batches",
     "stream.build": "build_streamed streamed_validation",
     "stream.corpus": "is_streamed",
     # rows: tokenized supervised data and preference pairs

@@ -8,15 +8,14 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.config.validate import positive
 from automodel_ckpt.data.chat import CHAT_LOSS_MODES
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 
 
 def check_data_section(cfg: DictConfig) -> None:
     """Raise ConfigError (one line) for a ``data:`` value that would fail later."""
-    if cfg.data.seq_length < 2:
-        raise ConfigError(f"data.seq_length: expected at least 2, got {cfg.data.seq_length}")
-    if cfg.data.chat_loss not in CHAT_LOSS_MODES:
-        raise ConfigError(f"data.chat_loss: expected one of {', '.join(CHAT_LOSS_MODES)}, got '{cfg.data.chat_loss}'")
+    expect(cfg.data.seq_length >= 2, "data.seq_length", "at least 2", cfg.data.seq_length)
+    expect(cfg.data.chat_loss in CHAT_LOSS_MODES, "data.chat_loss", f"one of {', '.join(CHAT_LOSS_MODES)}",
+           cfg.data.chat_loss)
     if cfg.get("dpo") is not None and cfg.data.completion_template is not None:
         raise ConfigError("data.completion_template: a preference pair's responses are its dpo.chosen_field and "
                           "dpo.rejected_field columns; set data.prompt_template alone")
@@ -27,15 +26,12 @@ def check_data_section(cfg: DictConfig) -> None:
     positive(cfg.data.map_batch_size, "data.map_batch_size", allow_none=False)
     positive(cfg.data.shuffle_buffer, "data.shuffle_buffer", allow_none=False)
     positive(cfg.data.max_record_bytes, "data.max_record_bytes", allow_none=False)
-    for key in ("num_workers", "skip_bad_rows"):
-        if cfg.data[key] < 0:
-            raise ConfigError(f"data.{key}: expected >= 0, got {cfg.data[key]}")
+    for key in ("num_workers", "skip_bad_rows", "val_size"):
+        expect(cfg.data[key] >= 0, f"data.{key}", ">= 0", cfg.data[key])
     from automodel_ckpt.data.stream.corpus import is_streamed
 
     if is_streamed(cfg.get("dataset")) and cfg.step_scheduler.max_steps is None:
         raise ConfigError("step_scheduler.max_steps: a streamed dataset has no fixed length; set max_steps")
-    if cfg.data.val_size < 0:
-        raise ConfigError(f"data.val_size: expected >= 0, got {cfg.data.val_size}")
 
 
 def check_dataset_paths(cfg: DictConfig, *, fetchable: bool = False) -> list[str]:

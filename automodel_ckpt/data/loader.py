@@ -28,7 +28,22 @@ def micro_batch(data: TokenizedData, idx: torch.Tensor) -> MicroBatch:
                       rows["position_ids"], rows.get("pixel_values"))
 
 
-class GlobalBatchLoader:
+class GlobalPosition:
+    """A loader whose position is global, the same on every rank: nothing to add per step or to a checkpoint."""
+
+    def report(self, waited: float) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> dict[str, Any] | None:
+        return None
+
+    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
+                      world_size: int) -> dict[str, Any]:
+        """At another world size every rank takes rank 0's position: it is global, not per rank."""
+        return saved(0)
+
+
+class GlobalBatchLoader(GlobalPosition):
     """Per optimizer step, this rank's micro-batches of one global batch: the next ``global_batch_size`` rows of
     epoch ``e``'s ``randperm(n, seed + e)`` order, each micro-step's ``r``-th slice to data-parallel rank ``r``.
     The state is ``(epoch, position)``, the same on every rank, so a resume at another world size sees the same
@@ -81,14 +96,6 @@ class GlobalBatchLoader:
         self.position += self.global_batch_size
         return epoch, micro
 
-    def report(self, waited: float) -> dict[str, Any]:
-        """Nothing beside the step's own numbers: the rows were tokenized before training."""
-        return {}
-
-    def summary(self) -> dict[str, Any] | None:
-        """None: the position is the state itself, ``(epoch, position)``."""
-        return None
-
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "global_batch_size": self.global_batch_size,
                 "world_size": self.world_size, "rank": self.rank, "num_rows": len(self.data), "seed": self.seed}
@@ -110,11 +117,6 @@ class GlobalBatchLoader:
             return None
         self.epoch, self.position = 0, 0
         return f"the training rows changed ({rows} -> {len(self.data)}): they start at their beginning, epoch 0"
-
-    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
-                      world_size: int) -> dict[str, Any]:
-        """At another world size every rank takes rank 0's position: it is global, not per rank."""
-        return saved(0)
 
 
 def validation_batches(data: TokenizedData, *, local_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:

@@ -20,7 +20,9 @@ class RowBuilder:
         self.pad_id = pad_id
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        groups = self._groups([len(x) for x in batch["input_ids"]])
+        lengths = [len(x) for x in batch["input_ids"]]
+        singles = [[k] for k in range(len(lengths))]
+        groups = in_groups(range(len(lengths)), lambda k: lengths[k], self.n) if self.packing else singles
         rows = len(groups)
         ids = np.full((rows, self.n), self.pad_id, dtype=np.int32)
         labels = np.full((rows, self.n), IGNORE_INDEX, dtype=np.int32)
@@ -49,8 +51,3 @@ class RowBuilder:
         if "pixel_values" in batch:  # image examples are never packed: row r is example r
             out["pixel_values"] = batch["pixel_values"]
         return out
-
-    def _groups(self, lengths: list[int]) -> list[list[int]]:
-        if not self.packing:
-            return [[k] for k in range(len(lengths))]
-        return in_groups(range(len(lengths)), lambda k: lengths[k], self.n)

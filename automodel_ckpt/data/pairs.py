@@ -22,7 +22,8 @@ from automodel_ckpt.data.fields import RecordTemplate
 from automodel_ckpt.data.loader import MicroBatch, micro_batch, strided_rows
 from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
 from automodel_ckpt.data.stream.corpus import is_streamed
-from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, content_hash, encode_dataset
+from automodel_ckpt.data.tokenize import (CacheInfo, TokenizedData, build_rows, cache_line, content_hash,
+                                          encode_dataset)
 from automodel_ckpt.errors import ConfigError
 
 SIDES = ("chosen", "rejected")
@@ -159,12 +160,7 @@ class PreparedPairs:
                  f"{t['truncated']} truncated responses"]
         if self.validation is not None:
             parts.append(f"validation {len(self.validation)} pairs")
-        files = [c for c in self.caches if c.path is not None]
-        if files and all(c.hit for c in files):
-            parts.append(f"tokenization cached (loaded {files[0].path.parent})")
-        else:
-            parts.append(f"tokenized in {sum(c.seconds for c in self.caches):.1f}s")
-        return "; ".join(parts)
+        return "; ".join([*parts, cache_line(self.caches)])
 
 
 def pair_spec(cfg: DictConfig) -> DataSpec:

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.data.encode import DataSpec
-from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, encode_dataset
+from automodel_ckpt.data.tokenize import CacheInfo, TokenizedData, build_rows, cache_line, encode_dataset
 from automodel_ckpt.errors import ConfigError
 
 
@@ -53,14 +53,7 @@ class PreparedData:
                  f"{t['tokens']} tokens, {t['trained_tokens']} with loss, {t['truncated']} truncated examples"]
         if self.validation is not None:
             parts.append(f"validation {self.validation.totals()['examples']} examples")
-        files = [c for c in self.caches if c.path is not None]
-        if not files:
-            parts.append(f"tokenized in memory in {sum(c.seconds for c in self.caches):.1f}s")
-        elif all(c.hit for c in files):
-            parts.append(f"tokenization cached (loaded {files[0].path.parent})")
-        else:
-            parts.append(f"tokenized in {sum(c.seconds for c in self.caches):.1f}s, cached in {files[0].path.parent}")
-        return "; ".join(parts)
+        return "; ".join([*parts, cache_line(self.caches)])
 
 
 def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]]:

@@ -78,14 +78,19 @@ def render_counts(prepared: PreparedData) -> str:
     return "\n".join(lines)
 
 
+def _shown(prepared: Any, split: str, color: bool, what: str, out: TextIO | None) -> tuple[TextIO, Any, str]:
+    """The stream to print to (the one of the moment, not of import time), the split's data, how marks look."""
+    data = prepared.train if split == "train" else prepared.validation
+    if data is None:
+        raise ConfigError(f"preview: this recipe has no validation {what} (data.val_size is 0 and no "
+                          "validation_dataset)")
+    return out or sys.stdout, data, "green" if color else f"{OPEN}marked{CLOSE}"
+
+
 def preview_pairs(prepared: Any, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
                   out: TextIO | None = None) -> None:
     """Preference pairs (``data.pairs.PreparedPairs``): each pair's chosen and rejected rows, scored text marked."""
-    out = out or sys.stdout
-    data = prepared.train if split == "train" else prepared.validation
-    if data is None:
-        raise ConfigError("preview: this recipe has no validation pairs (data.val_size is 0 and no validation_dataset)")
-    marks = "green" if color else f"{OPEN}marked{CLOSE}"
+    out, data, marks = _shown(prepared, split, color, "pairs", out)
     print(f"First {min(num, len(data))} of {len(data)} {split} pairs; the scored text (the response whose "
           f"log-probs the loss compares) is {marks}, the prompt is context only:", file=out)
     for row in range(min(num, len(data))):
@@ -97,11 +102,7 @@ def preview_pairs(prepared: Any, tokenizer: Any, *, num: int = 3, split: str = "
 
 def preview_rows(prepared: PreparedData, tokenizer: Any, *, num: int = 3, split: str = "train", color: bool = False,
             out: TextIO | None = None) -> None:
-    out = out or sys.stdout  # the stream of the moment (not the one at import time: it may be replaced since)
-    data = prepared.train if split == "train" else prepared.validation
-    if data is None:
-        raise ConfigError("preview: this recipe has no validation data (data.val_size is 0 and no validation_dataset)")
-    marks = "green" if color else f"{OPEN}marked{CLOSE}"
+    out, data, marks = _shown(prepared, split, color, "data", out)
     print(f"First {min(num, len(data))} of {len(data)} {split} sequences; text with loss is {marks}, the rest is "
           "masked:", file=out)
     for row in range(min(num, len(data))):

@@ -35,6 +35,16 @@ class CacheInfo:
     seconds: float
 
 
+def cache_line(caches: list[CacheInfo]) -> str:
+    """A data report's part on tokenization: in memory, loaded from the cache, or tokenized and cached."""
+    files = [c for c in caches if c.path is not None]
+    if not files:
+        return f"tokenized in memory in {sum(c.seconds for c in caches):.1f}s"
+    if all(c.hit for c in files):
+        return f"tokenization cached (loaded {files[0].path.parent})"
+    return f"tokenized in {sum(c.seconds for c in caches):.1f}s, cached in {files[0].path.parent}"
+
+
 @dataclass
 class TokenizedData:
     """Rows of ``seq_length`` tokens memory-mapped from Arrow, read on demand; ``sample_ids``: each row's example."""

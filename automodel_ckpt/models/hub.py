@@ -147,17 +147,14 @@ def _download(repo_id: str, key: str, weights: bool) -> Path:
         logger.info("downloading %s from %s into %s", repo_id, _endpoint(), _cache_dir())
         print(f"Downloading {repo_id} (config, tokenizer, safetensors) into {_cache_dir()}{who}", flush=True)
         folder = snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
-    except GatedRepoError:
-        raise ConfigError(_gated_message(repo_id, key)) from None
-    except RepositoryNotFoundError as exc:
-        if _status(exc) in (401, 403):  # the Hub answers 401 for a private repo and for a missing one alike
-            raise ConfigError(_gated_message(repo_id, key)) from None
-        raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} (nor a local folder)") from None
     except OfflineModeIsEnabled:
         raise ConfigError(_offline_message(repo_id, key)) from None
-    except HfHubHTTPError as exc:
-        if _status(exc) in (401, 403):
+    except HfHubHTTPError as exc:  # GatedRepoError and RepositoryNotFoundError among them
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, GatedRepoError) or status in (401, 403):  # 401: a private repo or a missing one alike
             raise ConfigError(_gated_message(repo_id, key)) from None
+        if isinstance(exc, RepositoryNotFoundError):
+            raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} (nor a local folder)") from None
         raise ConfigError(f"{key}: downloading '{repo_id}' failed: {first_line(exc)}") from None
     except _network_errors() as exc:  # no network: DNS, refused connection, timeout
         raise ConfigError(f"{_offline_message(repo_id, key)} ({type(exc).__name__})") from None
@@ -177,11 +174,6 @@ def _network_errors() -> tuple[type[BaseException], ...]:
             continue
         found += [getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), type)]
     return tuple(found)
-
-
-def _status(exc: Exception) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
 
 
 def _offline_message(repo_id: str, key: str) -> str:

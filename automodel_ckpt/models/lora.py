@@ -11,7 +11,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 
 if TYPE_CHECKING:  # keep check_peft_section importable without torch (the launcher validates recipes early)
     from torch import nn
@@ -44,14 +44,10 @@ def lora_config(peft: Any, model: nn.Module | None = None):
 
 def check_peft_section(peft: Any) -> None:
     """One-line ``ConfigError`` for values of the ``peft:`` section that PEFT would reject later or obscurely."""
-    if str(peft.method).lower() not in METHODS:
-        raise ConfigError(f"peft.method: expected one of {', '.join(METHODS)}, got '{peft.method}'")
-    if int(peft.rank) < 1:
-        raise ConfigError(f"peft.rank: expected a positive integer, got {peft.rank}")
-    if not 0.0 <= float(peft.dropout) < 1.0:
-        raise ConfigError(f"peft.dropout: expected a value in [0, 1), got {peft.dropout}")
-    if str(peft.bias) not in BIAS_MODES:
-        raise ConfigError(f"peft.bias: expected one of {', '.join(BIAS_MODES)}, got '{peft.bias}'")
+    expect(str(peft.method).lower() in METHODS, "peft.method", f"one of {', '.join(METHODS)}", peft.method)
+    expect(int(peft.rank) >= 1, "peft.rank", "a positive integer", peft.rank)
+    expect(0.0 <= float(peft.dropout) < 1.0, "peft.dropout", "a value in [0, 1)", peft.dropout)
+    expect(str(peft.bias) in BIAS_MODES, "peft.bias", f"one of {', '.join(BIAS_MODES)}", peft.bias)
     if peft.target_modules is not None and not list(peft.target_modules):
         raise ConfigError("peft.target_modules: expected at least one module name (e.g. q_proj)")
 
@@ -97,7 +93,7 @@ def default_targets(model: nn.Module) -> list[str]:
     peft_default = [m for m in PEFT_DEFAULTS.get(family or "", []) if m in present]
     if peft_default:
         return peft_default
-    return sorted(linear_names(model, attention_only=is_moe(model)))
+    return sorted(linear_names(model, attention_only="experts" in present))  # mixture-of-experts: attention only
 
 
 def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
@@ -121,11 +117,6 @@ def linear_names(model: nn.Module, attention_only: bool = False) -> set[str]:
             continue
         names.add(path.rsplit(".", 1)[-1])
     return names
-
-
-def is_moe(model: nn.Module) -> bool:
-    """Whether ``model`` has mixture-of-experts layers (a module named ``experts``)."""
-    return any(path.rsplit(".", 1)[-1] == "experts" for path, _ in model.named_modules())
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -137,9 +137,11 @@ class StartingWeights:
 def materialize_module(model: nn.Module, device: torch.device | str) -> None:
     """``to_empty`` on ``device`` (this rank's shards, values undefined), tied weights tied again, buffers computed."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    tied = _tied_groups(base)
+    by_id: dict[int, list[str]] = {}  # a tied weight: one parameter under several names
+    for name, param in base.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
     model.to_empty(device=device)
-    for group in tied:
+    for group in (names for names in by_id.values() if len(names) > 1):
         first = base.get_parameter(group[0])
         for name in group[1:]:
             if base.get_parameter(name) is not first:
@@ -164,13 +166,6 @@ def init_buffers(base: nn.Module) -> None:
     base.initialize_weights()
     for param in flagged:
         del param._is_hf_initialized
-
-
-def _tied_groups(base: nn.Module) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, param in base.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _held(model: nn.Module) -> list[dict[str, Any]]:

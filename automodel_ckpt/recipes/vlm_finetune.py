@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
+from unittest import mock
 
 import torch
 
 from automodel_ckpt.models.build import build_processor
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe
 
-logger = logging.getLogger(__name__)
 _NO_VALUE_CHECKS = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
@@ -43,19 +42,14 @@ def freeze_unused_parameters(model: torch.nn.Module, processor: Any) -> list[str
     model.train()
     # on the meta device nothing may depend on a value: transformers' value checks off, no mask, a cache used
     meta = device.type == "meta"
-    checks = os.environ.get(_NO_VALUE_CHECKS)
     if meta:
-        os.environ[_NO_VALUE_CHECKS] = "1"
         probe.pop("attention_mask", None)
     try:
-        out = model(**{k: v.to(device) for k, v in probe.items()}, use_cache=meta)
-        out.logits.float().sum().backward()
+        with mock.patch.dict(os.environ, {_NO_VALUE_CHECKS: "1"} if meta else {}):  # restored after
+            out = model(**{k: v.to(device) for k, v in probe.items()}, use_cache=meta)
+            out.logits.float().sum().backward()
     finally:
         model.train(was_training)
-        if checks is None:
-            os.environ.pop(_NO_VALUE_CHECKS, None)
-        else:
-            os.environ[_NO_VALUE_CHECKS] = checks
     unused = []
     for name, param in model.named_parameters():
         if param.requires_grad and param.grad is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import os
@@ -153,7 +154,8 @@ class Preference(Algorithm):
     def _stage_reference(self, model: torch.nn.Module) -> Pipeline:
         """The reference's forward under the policy's pipeline plan: each row's summed log-prob, on the last stage."""
         ctx = self.ctx
-        return Pipeline(model, ctx.dims, ctx.forward.plan, ctx.env.device, _row_log_probs,
+        return Pipeline(model, ctx.dims, ctx.forward.plan, ctx.env.device,
+                        functools.partial(response_log_probs, ignore_index=IGNORE_INDEX),
                         rows=ctx.cfg.step_scheduler.local_batch_size)
 
     def pipeline_rows(self, mb: MicroBatch) -> torch.Tensor | None:
@@ -392,8 +394,3 @@ class Preference(Algorithm):
 
     def save_extra(self) -> dict[str, Any]:
         return {"counters": self.dpo.shown()}
-
-
-def _row_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-prob of its response (the reference pipeline's per-row output)."""
-    return response_log_probs(logits, labels, IGNORE_INDEX)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from automodel_ckpt.config.sections import AlgorithmSection
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 #: Losses with no reference model (SimPO compares the policy's own chosen and rejected log-probs).
@@ -31,20 +31,16 @@ class DPOConfig:
     rejected_field: str = "rejected"  # the dispreferred response, like chosen
 
 
-def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
+def check_dpo_section(dpo: Any, *, peft: bool) -> None:
     """Raise ConfigError (one line) for a ``dpo:`` value that would fail later."""
-    if dpo.loss not in LOSSES:
-        raise ConfigError(f"dpo.loss: expected one of {', '.join(LOSSES)}, got '{dpo.loss}'")
-    if not dpo.beta > 0:
-        raise ConfigError(f"dpo.beta: expected a positive number, got {dpo.beta}")
-    if not 0 <= dpo.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing: expected a value in [0, 0.5), got {dpo.label_smoothing}")
-    if dpo.get("rpo_alpha") is not None and dpo.rpo_alpha < 0:
-        raise ConfigError(f"dpo.rpo_alpha: expected a number >= 0 or null, got {dpo.rpo_alpha}")
-    if dpo.ref_model_sync_steps < 1:
-        raise ConfigError(f"dpo.ref_model_sync_steps: expected a positive integer, got {dpo.ref_model_sync_steps}")
-    if not 0 < dpo.ref_model_mixup_alpha <= 1:
-        raise ConfigError(f"dpo.ref_model_mixup_alpha: expected a value in (0, 1], got {dpo.ref_model_mixup_alpha}")
+    expect(dpo.loss in LOSSES, "dpo.loss", f"one of {', '.join(LOSSES)}", dpo.loss)
+    expect(dpo.beta > 0, "dpo.beta", "a positive number", dpo.beta)
+    expect(0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "a value in [0, 0.5)", dpo.label_smoothing)
+    rpo = dpo.get("rpo_alpha")
+    expect(rpo is None or rpo >= 0, "dpo.rpo_alpha", "a number >= 0 or null", rpo)
+    expect(dpo.ref_model_sync_steps >= 1, "dpo.ref_model_sync_steps", "a positive integer", dpo.ref_model_sync_steps)
+    alpha = dpo.ref_model_mixup_alpha
+    expect(0 < alpha <= 1, "dpo.ref_model_mixup_alpha", "a value in (0, 1]", alpha)
     reference_free = dpo.loss in REFERENCE_FREE
     if dpo.sync_ref_model and (peft or dpo.precompute_ref_log_probs or reference_free):
         why = ("a LoRA reference is the base with its adapters disabled, not a copy to mix into" if peft else
@@ -55,11 +51,6 @@ def check_dpo_section(dpo: Any, *, peft: bool, pp_size: int) -> None:
         raise ConfigError(f"dpo.precompute_ref_log_probs: dpo.loss {dpo.loss} uses no reference; set it to false")
 
 
-def check(cfg: Any, sizes: Any) -> None:
-    """The ``dpo:`` keys against the rest of the recipe (``config.validate``)."""
-    check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None, pp_size=sizes.pp)
-
-
 def preview(cfg: Any, tokenizer: Any, *, num: int, split: str, color: bool) -> None:
     """``ckpt-train preview``: each pair's two responses."""
     from automodel_ckpt.data import prepare_pairs, preview_pairs
@@ -68,4 +59,5 @@ def preview(cfg: Any, tokenizer: Any, *, num: int, split: str, color: bool) -> N
 
 
 SECTION = AlgorithmSection("dpo", DPOConfig, "preference tuning keys (recipe: automodel_ckpt.recipes.dpo.DPORecipe)",
-                           check=check, preview=preview)
+                           check=lambda cfg, sizes: check_dpo_section(cfg.dpo, peft=cfg.get("peft") is not None),
+                           preview=preview)

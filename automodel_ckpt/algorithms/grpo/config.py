@@ -78,11 +78,8 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
                           "total); use grpo.advantage normalized for negative weights")
 
 
-def check(cfg: Any, sizes: Any) -> None:
-    """The ``grpo:`` keys against the batch and the mesh (``config.validate``)."""
-    check_section(cfg.grpo, cfg.step_scheduler.global_batch_size, sizes.pp)
-
-
 SECTION = AlgorithmSection("grpo", GRPOConfig, "online RL keys (recipe: automodel_ckpt.recipes.grpo.GRPORecipe)",
-                           check=check, no_stages="an online RL run (grpo:) keeps its rollout batch across steps; it "
+                           check=lambda cfg, sizes: check_section(cfg.grpo, cfg.step_scheduler.global_batch_size,
+                                                                  sizes.pp),
+                           no_stages="an online RL run (grpo:) keeps its rollout batch across steps; it "
                            "takes no stages yet (docs/stages.md)")

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from automodel_ckpt.data import GlobalPosition
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.ondisk import is_count
 
@@ -52,7 +53,7 @@ class GRPOCounters:
                 "reward_mean_so_far": mean}
 
 
-class PromptLoader:
+class PromptLoader(GlobalPosition):
     """GRPO's loader (checkpointed as ``dataloader``): its state is the prompts' epoch and position (kept in the
     counters), each step's micro-batches ``make()``'s share of the rollout batch in use. Saved per rank, the same
     on every rank."""
@@ -85,17 +86,6 @@ class PromptLoader:
                 raise CheckpointError(f"the GRPO prompt position: '{key}' is not a count")
         for key, value in position.items():
             setattr(self.counters, key, value)
-
-    def reshard_state(self, saved: Callable[[int], dict[str, Any]], saved_world_size: int, rank: int,
-                      world_size: int) -> dict[str, Any]:
-        """At another world size every rank takes rank 0's position: it is global, not per rank."""
-        return saved(0)
-
-    def report(self, waited: float) -> dict[str, Any]:
-        return {}
-
-    def summary(self) -> dict[str, Any] | None:
-        return None
 
     def steps_left(self, num_epochs: int) -> int:
         """Optimizer steps left until ``num_epochs`` epochs of prompts are taken (this epoch counted whole)."""
@@ -184,6 +174,13 @@ def _first(values: torch.Tensor, wrong: torch.Tensor) -> tuple[int, Any]:
     return at[0], values[at].item()
 
 
+def _refuse(key: str, values: torch.Tensor, wrong: torch.Tensor, verb: str, tail: str) -> None:
+    """``_bad``: "KEY VERB VALUE in row ROW TAIL" at the first place where ``wrong`` holds, if any."""
+    if bool(wrong.any()):
+        row, value = _first(values, wrong)
+        raise _bad(key, f"{verb} {value} in row {row}{tail}")
+
+
 def check_rollout(t: dict[str, torch.Tensor], passes: int, expected: RolloutExpected | None) -> None:
     """A checkpoint's rollout tensors are what a rollout makes, else one line naming the field: shapes first
     (nothing allocated from them), then token ids, lengths, prompts, and every number finite and in range."""
@@ -222,17 +219,10 @@ def _check_rows(t: dict[str, torch.Tensor], width: int, expected: RolloutExpecte
     ids, first, length = t["input_ids"], t["prompt_length"], t["length"]
     vocab = expected.vocab if expected is not None else None
     wrong = (ids < 0) | (ids >= vocab) if vocab is not None else ids < 0
-    if bool(wrong.any()):
-        row, value = _first(ids, wrong)
-        inside = f"outside the model's vocabulary (0 to {vocab - 1})" if vocab is not None else "below 0"
-        raise _bad("input_ids", f"holds token id {value} in row {row}, {inside}")
-    if bool((first < 0).any()):
-        row, value = _first(first, first < 0)
-        raise _bad("prompt_length", f"is {value} in row {row}, below 0")
-    wrong = (length < 1) | (length > width)
-    if bool(wrong.any()):
-        row, value = _first(length, wrong)
-        raise _bad("length", f"is {value} in row {row}, not from 1 to the row's width ({width})")
+    inside = f"outside the model's vocabulary (0 to {vocab - 1})" if vocab is not None else "below 0"
+    _refuse("input_ids", ids, wrong, "holds token id", f", {inside}")
+    _refuse("prompt_length", first, first < 0, "is", ", below 0")
+    _refuse("length", length, (length < 1) | (length > width), "is", f", not from 1 to the row's width ({width})")
     if bool((first >= length).any()):
         row, value = _first(first, first >= length)
         raise _bad("prompt_length", f"is {value} in row {row}, not below its 'length' ({int(length[row])}): a row "
@@ -240,10 +230,8 @@ def _check_rows(t: dict[str, torch.Tensor], width: int, expected: RolloutExpecte
     pid, index = t["prompt_ids"], t["sample_index"]
     prompts = len(expected.prompts) if expected is not None else None
     wrong = (pid < 0) | (pid >= prompts) if prompts is not None else pid < 0
-    if bool(wrong.any()):
-        row, value = _first(pid, wrong)
-        raise _bad("prompt_ids", f"is {value} in row {row}, not a prompt of the dataset"
-                                 + (f" (0 to {prompts - 1})" if prompts is not None else ""))
+    _refuse("prompt_ids", pid, wrong, "is", ", not a prompt of the dataset"
+            + (f" (0 to {prompts - 1})" if prompts is not None else ""))
     if expected is None:
         if bool((index < 0).any()):
             raise _bad("sample_index", f"is {_first(index, index < 0)[1]}, not a sample index")
@@ -266,17 +254,12 @@ def _check_numbers(t: dict[str, torch.Tensor], passes: int, expected: RolloutExp
     """Rewards finite; advantages at most sqrt(group) in size (a normalized group reward is (n - 1) / sqrt(n) at
     most); log-probs in [``LOG_PROB_FLOOR``, 0], or those as sampled all NaN for a batch that had its one pass."""
     rewards = t["rewards"]
-    if not bool(torch.isfinite(rewards).all()):
-        row, value = _first(rewards, ~torch.isfinite(rewards))
-        raise _bad("rewards", f"holds {value} in row {row}, not a finite number")
+    _refuse("rewards", rewards, ~torch.isfinite(rewards), "holds", ", not a finite number")
     group = expected.group if expected is not None else len(rewards)
     bound = math.sqrt(group)
     advantages = t["advantages"]
-    wrong = ~(advantages.abs() <= bound)  # NaN too
-    if bool(wrong.any()):
-        row, value = _first(advantages, wrong)
-        raise _bad("advantages", f"holds {value} in row {row}: an advantage is finite, at most {bound:g} in size "
-                                 f"(the square root of a group of {group})")
+    _refuse("advantages", advantages, ~(advantages.abs() <= bound), "holds",  # ~: NaN too
+            f": an advantage is finite, at most {bound:g} in size (the square root of a group of {group})")
     old = t["old_log_probs"]
     unrecorded = torch.isnan(old)
     if bool(unrecorded.any()) and not (bool(unrecorded.all()) and passes >= 1):
@@ -284,7 +267,5 @@ def _check_numbers(t: dict[str, torch.Tensor], passes: int, expected: RolloutExp
                                     "in every place (not recorded)")
     for key in ("ref_log_probs",) + (() if bool(unrecorded.any()) else ("old_log_probs",)):
         values = t[key]
-        wrong = ~((values >= LOG_PROB_FLOOR) & (values <= 0))  # NaN too
-        if bool(wrong.any()):
-            row, value = _first(values, wrong)
-            raise _bad(key, f"holds {value} in row {row}: a log-prob is finite, from {LOG_PROB_FLOOR:g} to 0")
+        _refuse(key, values, ~((values >= LOG_PROB_FLOOR) & (values <= 0)), "holds",  # ~: NaN too
+                f": a log-prob is finite, from {LOG_PROB_FLOOR:g} to 0")

@@ -10,13 +10,9 @@ from __future__ import annotations
 from types import SimpleNamespace as _View
 from typing import Any
 
-from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.data.stream.readers import malformed
 
 _COUNTERS = ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens")
-
-
-def malformed(what: str) -> DataError:
-    return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
 
 
 def _uncompressed(path: str) -> bool:
@@ -105,10 +101,10 @@ def check_carry(stream: Any) -> None:
     n = len(first.tokens or [])
     if not 0 <= stream.offset < n:
         src = stream.sources[first.source]
-        raise malformed(f"a carry-over of {stream.offset} tokens into {_ref(src, first)}, a document of {n} tokens")
+        raise malformed(f"a carry-over of {stream.offset} tokens into {doc_ref(src, first)}, a document of {n} tokens")
 
 
-def _ref(src: Any, doc: Any) -> str:
+def doc_ref(src: Any, doc: Any) -> str:
     """A row reference in words: the file and the row (parquet, arrow) or its byte offset."""
     if not 0 <= doc.shard < len(src.shards):
         return f"shard {doc.shard}"

@@ -11,7 +11,7 @@ from automodel_ckpt.data.stream.corpus import Corpus, is_streamed
 from automodel_ckpt.data.stream.loader import StreamLoader, worker_lanes
 from automodel_ckpt.data.stream.stream import StreamSettings
 from automodel_ckpt.data.stream.validation import validation_batches, validation_rows
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 
 
 def stream_settings(cfg: DictConfig) -> StreamSettings:
@@ -34,8 +34,8 @@ def streamed_corpus_of(cfg: DictConfig, section: str) -> Corpus:
 def build_streamed(cfg: DictConfig, tokenizer: Any, dims: Any, log_ids: bool) -> tuple[StreamLoader, str]:
     """``(loader, report line)`` of the streamed ``dataset:``, read in lanes over the data-parallel ranks."""
     lanes = cfg.data.lanes
-    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-        raise ConfigError(f"data.lanes: expected a positive integer, got {lanes!r}")
+    expect(isinstance(lanes, int) and not isinstance(lanes, bool) and lanes >= 1, "data.lanes", "a positive integer",
+           lanes)
     corpus = streamed_corpus_of(cfg, "dataset")
     shards = corpus.list_shards(lanes=lanes)
     settings = stream_settings(cfg)

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 
 #: A parquet file larger than this is one shard per row group (its footer read once, when the corpus is listed).
 SPLIT_PARQUET_BYTES = 256 * 2**20
@@ -100,8 +100,7 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
                 raise ConfigError(f"dataset.sources[{i}]: unknown key '{next(iter(s))}' (keys: path, weight, format)")
         if not listed:
             raise ConfigError("dataset.sources: empty")
-    if max_sequences is not None and max_sequences < 1:
-        raise ConfigError(f"dataset.max_sequences: expected a positive integer, got {max_sequences}")
+    expect(max_sequences is None or max_sequences >= 1, "dataset.max_sequences", "a positive integer", max_sequences)
     return Corpus(listed, text_field, dict(storage_options) if storage_options else None, max_sequences,
                   int(split_parquet_mb * 2**20))
 
@@ -127,8 +126,8 @@ def hub_globs(hub: str, files: list[str]) -> list[str]:
             any(part in (".", "..") for part in hub.partition("@")[0].split("/")):
         raise ConfigError(f"dataset.hub: expected a Hub dataset id OWNER/NAME (optionally @REVISION), got {hub!r}")
     for pattern in files:
-        if pattern.startswith("/") or ".." in pattern.split("/"):
-            raise ConfigError(f"dataset.files: expected globs inside the dataset's repository, got {pattern!r}")
+        expect(not pattern.startswith("/") and ".." not in pattern.split("/"), "dataset.files",
+               "globs inside the dataset's repository", pattern)
     return [f"hf://datasets/{hub}/{pattern}" for pattern in files]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from automodel_ckpt.data.stream.corpus import Shard
-from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.data.stream.readers import DataError, malformed
 from automodel_ckpt.ondisk import is_count
 
 #: Version of the loader's state: the lane count, the corpus once, each lane's position and counts.
@@ -44,11 +44,6 @@ def check_corpus(saved: list[Shard], now: list[Shard], allow_appended: bool,
         raise DataError(f"{where}: {len({s.path for s in added})} shard(s) added since the checkpoint (first: "
                         f"'{added[0].path}'); --data.allow_appended_shards true reads them from the next epoch on")
     return [s.record() for s in [*saved, *added]]
-
-
-def malformed(what: str) -> DataError:
-    """A checkpoint's data position that is not one a run writes: what of it, in one line."""
-    return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
 
 
 def _ints(values: Any, low: int, high: int, what: str) -> None:

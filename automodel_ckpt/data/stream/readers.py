@@ -28,6 +28,11 @@ class DataError(UserError):
     """A streamed file or row that cannot be read: one line naming the file and the row."""
 
 
+def malformed(what: str) -> DataError:
+    """A checkpoint's data position that is not one a run writes: what of it, in one line."""
+    return DataError(f"the checkpoint's data position is malformed ({what}); resume from another checkpoint")
+
+
 @dataclass
 class Row:
     key: int  # where the row is found again (byte offset or row number)

@@ -12,7 +12,7 @@ from typing import Any
 
 from automodel_ckpt.data.stream.corpus import FORMATS, Corpus, Shard, Source
 from automodel_ckpt.data.stream.position import check_corpus
-from automodel_ckpt.data.stream.readers import DataError
+from automodel_ckpt.data.stream.readers import DataError, malformed
 
 MAX_SPEC_PATHS = 256  # globs one saved source may list
 
@@ -42,7 +42,7 @@ def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_spe
     """The slots of a stream resumed from a checkpoint's shards and specs (None: the recipe's sources by index)."""
     if not isinstance(saved_shards, list) or not saved_shards or \
             not all(isinstance(s, list) and s for s in saved_shards):
-        raise DataError("the checkpoint's data position is malformed (its sources); resume from another checkpoint")
+        raise malformed("its sources")
     many = len(corpus.sources) > 1
     if saved_specs is None:  # a checkpoint written before slots: the same sources, in the same order
         if len(saved_shards) != len(now):
@@ -79,15 +79,14 @@ def _check_specs(saved: Any, count: int) -> None:
             isinstance(s, list) and len(s) == 2 and isinstance(s[0], list) and 0 < len(s[0]) <= MAX_SPEC_PATHS
             and all(isinstance(p, str) and 0 < len(p) <= 4096 for p in s[0])
             and (s[1] is None or s[1] in set(FORMATS.values())) for s in saved):
-        raise DataError("the checkpoint's data position is malformed (its sources' globs); resume from another "
-                        "checkpoint")
+        raise malformed("its sources' globs")
 
 
 def _records(saved: Any) -> list[list[Any]]:
     """A slot's unit records as written (``Shard.record``), checked for their shape."""
     if not all(isinstance(r, list) and len(r) in (3, 5) and isinstance(r[0], str) and isinstance(r[1], int)
                and isinstance(r[2], str) and all(isinstance(v, int) for v in r[3:]) for r in saved):
-        raise DataError("the checkpoint's data position is malformed (a shard record); resume from another checkpoint")
+        raise malformed("a shard record")
     return saved
 
 

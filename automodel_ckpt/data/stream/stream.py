@@ -16,7 +16,7 @@ import numpy as np
 from automodel_ckpt.data.encode import BadRecord, DataSpec, RecordEncoder
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
-from automodel_ckpt.data.stream.bounds import check_carry, check_restored
+from automodel_ckpt.data.stream.bounds import check_carry, check_restored, doc_ref
 from automodel_ckpt.data.stream.readers import (MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start,
                                                 read_line_range, read_rows)
 
@@ -215,17 +215,12 @@ class GlobalStream:
             try:
                 encoded = self.encoder.encode([d.record for d in todo])
             except BadRecord as bad:
-                self._bad(f"{self._where(todo[bad.index])}: {bad.reason}")
+                self._bad(f"{doc_ref(self.sources[todo[bad.index].source], todo[bad.index])}: {bad.reason}")
                 docs.remove(todo.pop(bad.index))
                 continue
             for d, (ids, labels) in zip(todo, encoded):
                 d.tokens, d.labels = ids, labels
             return
-
-    def _where(self, doc: _Doc) -> str:
-        src = self.sources[doc.source]
-        path = src.shards[doc.shard].path
-        return f"{path} row {doc.key}" if src.fmt[doc.shard] in ("parquet", "arrow") else f"{path} row at byte {doc.key}"
 
     def _take(self, src: _Source) -> _Doc:
         """The next document of ``src`` out of its shuffle buffer (filled first). The buffer does not span epochs:

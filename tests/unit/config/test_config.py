@@ -198,7 +198,7 @@ def test_unknown_key_elsewhere_and_no_match(recipe: Path) -> None:
         ("step_scheduler.shuffle", "maybe", "step_scheduler.shuffle: expected bool, got 'maybe' (str)"),
         ("step_scheduler.name", "null", "step_scheduler.name: expected str, got null"),
         ("step_scheduler.tag", "[1]", "step_scheduler.tag: expected str or null, got [1] (list)"),
-        ("step_scheduler.milestones", "[1,x]", "step_scheduler.milestones: expected List[int], got [1, 'x'] (list)"),
+        ("step_scheduler.milestones", "[1,x]", "step_scheduler.milestones: expected a list of int, got [1, 'x'] (list)"),
         ("step_scheduler.mode", "hours", "step_scheduler.mode: expected one of 'steps', 'epochs', got 'hours' (str)"),
         ("step_scheduler.precision", "fp8", "expected Precision (one of FP32, BF16), got 'fp8' (str)"),
         ("step_scheduler", "3", "step_scheduler: expected a StepScheduler mapping, got 3 (int)"),

@@ -90,15 +90,15 @@ def test_response_log_probs_sum_the_labelled_tokens_scored_one_position_earlier(
 def test_bad_dpo_keys_are_one_line_refusals(override, message):
     section = OmegaConf.merge(OmegaConf.structured(DPOConfig), override)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
-        check_dpo_section(section, peft=False, pp_size=1)
+        check_dpo_section(section, peft=False)
     assert "\n" not in str(err.value)
 
 
 def test_lora_with_a_synced_reference_is_refused_and_pipeline_stages_are_not():
     section = OmegaConf.merge(OmegaConf.structured(DPOConfig), {"sync_ref_model": True})
     with pytest.raises(ConfigError, match="adapters disabled"):
-        check_dpo_section(section, peft=True, pp_size=1)
-    check_dpo_section(OmegaConf.structured(DPOConfig), peft=False, pp_size=2)  # the reference staged as the policy
+        check_dpo_section(section, peft=True)
+    check_dpo_section(OmegaConf.structured(DPOConfig), peft=False)
 
 
 # ---------------------------------------------------------------------------- TRL itself (opt-in: pip install trl)

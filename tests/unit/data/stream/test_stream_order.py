@@ -150,7 +150,7 @@ def test_templates_render_records_and_only_the_completion_takes_the_loss(tmp_pat
     broken = GlobalStream(bad, bad.list_shards(), TOK, StreamSettings(
         seq_length=12, seed=0, shuffle=False, spec=DataSpec(seq_length=12, prompt_template="{question}=",
                                                             completion_template="{a}")))
-    with pytest.raises(DataError, match=r"qa\.jsonl row at byte 0: .*question"):
+    with pytest.raises(DataError, match=r"qa\.jsonl' row at byte 0: .*question"):
         broken.next_sequence()
 
 
