@@ -1,16 +1,8 @@
 """The hidden ``model/.hf_metadata/`` folder: what a Hugging Face export needs besides the weights.
 
 Captured at save time, so that an export later (elsewhere, without the base model) is faithful to the base: its
-configs, tokenizer, and each tensor's original dtype and file, from the base's safetensors *headers* only.
-
-```
-model/.hf_metadata/
-  config.json  generation_config.json  tokenizer files ...
-  original_tensors.json   {"format_version": 1, "num_files": F, "files": [...],
-                           "tensors": {fqn: {"dtype": "BF16", "shape": [...], "file": K}}}   (base from an HF folder)
-  saved_state.json        {"format_version": 1, "world_size": N,           number of ranks that wrote the shards
-                           "tensors": {fqn: {"dtype": "F32", "shape": [...]}} or null}
-```
+configs, tokenizer, and each tensor's original dtype and file, from the base's safetensors *headers* only; the
+files' formats are in docs/consolidation.md.
 """
 
 from __future__ import annotations
