@@ -7,7 +7,6 @@ pads its data to a multiple of ``archive.ALIGN``. The manifest comes last, its o
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -27,7 +26,7 @@ from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, Archive, CheckpointFolder, 
 from automodel_ckpt.export.archive import ADAPTER, ALIGN, CHECKPOINT, EXPORT, PAX_COMMENT
 from automodel_ckpt.export.registry import export_targets, identify
 from automodel_ckpt.export.plan import build_plan, parse_cast_dtype, progress_bar, resolve_model_dir
-from automodel_ckpt.export.writer import OutFile, Write, write_into, writes_into
+from automodel_ckpt.export.writer import OutFile, Write, kernel_copy, write_into, writes_into
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
 
@@ -83,15 +82,10 @@ def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size:
 def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: int,
            progress: bool) -> dict[str, Any]:
     headers, mtime, end = _lay_out(entries)
-    for at, header in headers:
-        pwrite_all(fd, header, at)
     with progress_bar(sum(e.size for e in entries), progress, "packing") as advance:
         write_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
-        for e in entries:
-            if e.data is not None:
-                pwrite_all(fd, e.data, e.at)
-            elif e.path is not None:
-                _copy_into(e.path, e.size, fd, e.at, advance)
+        for w in _member_writes(entries, headers, fd, advance):
+            w.run()
     algorithm = default_algorithm()
     sums = {e.name: hash_range(fd, e.at, e.size, algorithm) for e in entries}
     table, tail = _manifest_tail(entries, sums, algorithm, source, mtime, end)
@@ -184,8 +178,7 @@ def _member_writes(entries: list[Entry], headers: list[tuple[int, bytes]], fd: i
             writes.append(Write(e.at, e.size, lambda e=e: pwrite_all(fd, e.data, e.at)))
         elif e.path is not None:
             writes += [Write(e.at + first, min(_COPY_CHUNK, e.size - first),
-                             lambda e=e, first=first: _copy_into(e.path, e.size, fd, e.at, advance, first,
-                                                                 min(_COPY_CHUNK, e.size - first)))
+                             lambda e=e, first=first: _copy_into(e.path, e.size, fd, e.at, advance, first))
                        for first in range(0, e.size, _COPY_CHUNK)]
     return writes
 
@@ -232,33 +225,24 @@ def _header(name: str, size: int, mtime: int, at: int, *, align: bool, pax: dict
         width += gap
 
 
-def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None], first: int = 0,
-               count: int | None = None) -> None:
-    """Bytes ``[first, first + count)`` (default: all) of the regular file ``src`` (never a link) of ``size`` bytes
-    to ``fd`` from ``at + first``, in the kernel where the filesystems allow it."""
-    end = size if count is None else first + count
+def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], None], first: int) -> None:
+    """The chunk from byte ``first`` of the regular file ``src`` (never a link) of ``size`` bytes to ``fd`` from
+    ``at + first``, in the kernel where the filesystems allow it."""
+    end = min(size, first + _COPY_CHUNK)
+    changed = f"'{src}' changed while it was packed; pack again"
     with os.fdopen(open_regular(src), "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != size:
-            raise CheckpointError(f"'{src}' changed while it was packed; pack again")
-        done, kernel = first, hasattr(os, "copy_file_range")
+            raise CheckpointError(changed)
+        if kernel_copy(f.fileno(), fd, first, at + first, end - first, advance):
+            return
+        done = first
         while done < end:
-            n = min(_COPY_CHUNK, end - done)
-            if kernel:
-                try:
-                    n = os.copy_file_range(f.fileno(), fd, n, done, at + done)
-                except OSError as exc:
-                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    kernel = False
-                    continue
-            else:
-                chunk = os.pread(f.fileno(), n, done)
-                pwrite_all(fd, chunk, at + done)
-                n = len(chunk)
-            if n == 0:
-                raise CheckpointError(f"'{src}' changed while it was packed; pack again")
-            done += n
-            advance(n)
+            chunk = os.pread(f.fileno(), min(_COPY_CHUNK, end - done), done)
+            if not chunk:
+                raise CheckpointError(changed)
+            pwrite_all(fd, chunk, at + done)
+            done += len(chunk)
+            advance(len(chunk))
 
 
 # --- what goes in ----------------------------------------------------------------------------------------------

@@ -1,16 +1,8 @@
 """The hidden ``model/.hf_metadata/`` folder: what a Hugging Face export needs besides the weights.
 
 Captured at save time, so that an export later (elsewhere, without the base model) is faithful to the base: its
-configs, tokenizer, and each tensor's original dtype and file, from the base's safetensors *headers* only.
-
-```
-model/.hf_metadata/
-  config.json  generation_config.json  tokenizer files ...
-  original_tensors.json   {"format_version": 1, "num_files": F, "files": [...],
-                           "tensors": {fqn: {"dtype": "BF16", "shape": [...], "file": K}}}   (base from an HF folder)
-  saved_state.json        {"format_version": 1, "world_size": N,           number of ranks that wrote the shards
-                           "tensors": {fqn: {"dtype": "F32", "shape": [...]}} or null}
-```
+configs, tokenizer, and each tensor's original dtype and file, from the base's safetensors *headers* only; the
+files' formats are in docs/consolidation.md.
 """
 
 from __future__ import annotations
@@ -100,8 +92,10 @@ def write_hf_metadata(
             if (base / name).is_file():
                 _copy_from_base(base / name, folder)
     if base is not None:
-        original = _original_tensors(base)
-        if original is not None:
+        original = original_tensors(base)
+        if original is None:
+            logger.info("base model %s has no safetensors weights; no original tensor information recorded", base)
+        else:
             write_json(meta_dir.original_tensors, original)
     if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = torch.distributed.get_world_size()
@@ -176,11 +170,11 @@ def _copy_from_base(source: Path, folder: Path) -> None:
         raise CheckpointError(f"cannot copy '{source}' from the base model folder: {first_line(exc)}") from None
 
 
-def _original_tensors(base: Path) -> dict[str, Any] | None:
-    """Per-tensor dtype, shape and file number of a base HF folder, from its index and safetensors headers."""
+def original_tensors(base: Path) -> dict[str, Any] | None:
+    """Per-tensor dtype, shape and file number of a base HF folder, from its index and safetensors headers; None
+    when it has no safetensors weights."""
     files = weight_files(base)
     if files is None:
-        logger.info("base model %s has no safetensors weights; no original tensor information recorded", base)
         return None
     tensors: dict[str, dict[str, Any]] = {}
     for number, name in enumerate(files, start=1):

@@ -22,10 +22,10 @@ import torch
 
 from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, ST_TO_TORCH, Archive, CheckpointFolder, HFFolder, ModelFolder,
                                    add_files_to_manifest, auto_model_class, copy_regular, in_memory_dtypes,
-                                   old_sibling, read_header, read_json, regular_file_problem, replace_folder,
-                                   tensor_entries, tmp_sibling, write_json)
+                                   old_sibling, read_json, regular_file_problem, replace_folder, tmp_sibling,
+                                   write_json)
 from automodel_ckpt.errors import CheckpointError, first_line
-from automodel_ckpt.export.hf_metadata import weight_files
+from automodel_ckpt.export.hf_metadata import original_tensors
 
 
 def adapter_folder(path: Path) -> Path:
@@ -71,13 +71,8 @@ def _base_folder(config: Any, where: str, override: Path | None) -> Path:
 
 def original_dtypes(base: Path) -> dict[str, torch.dtype]:
     """Each tensor's dtype in the base folder's safetensors files (read from their headers only)."""
-    out: dict[str, torch.dtype] = {}
-    for name in weight_files(base) or []:
-        header, _ = read_header(base / name)
-        for fqn, entry in tensor_entries(header).items():
-            if entry["dtype"] in ST_TO_TORCH:
-                out[fqn] = ST_TO_TORCH[entry["dtype"]]
-    return out
+    tensors = (original_tensors(base) or {"tensors": {}})["tensors"]
+    return {fqn: ST_TO_TORCH[entry["dtype"]] for fqn, entry in tensors.items() if entry["dtype"] in ST_TO_TORCH}
 
 
 def merged_model(adapter_dir: Path, base: Path) -> Any:

@@ -142,6 +142,25 @@ class _Budget:
             self.cond.notify_all()
 
 
+def kernel_copy(src: int, dst: int, src_pos: int, dst_pos: int, nbytes: int,
+                advance: Callable[[int], None] = lambda n: None) -> bool:
+    """Copy ``nbytes`` between two files inside the kernel, ``advance`` told each step; False (nothing copied) where
+    the filesystem pair does not support it. A source that ends early raises: it changed under us."""
+    done = 0
+    try:
+        while done < nbytes and hasattr(os, "copy_file_range"):
+            n = os.copy_file_range(src, dst, min(_COPY_CHUNK, nbytes - done), src_pos + done, dst_pos + done)
+            if n == 0:
+                raise CheckpointError("a source file ended early: it changed while it was copied")
+            done += n
+            advance(n)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF) and done == 0:
+            return False
+        raise
+    return done == nbytes
+
+
 class _Writer:
     def __init__(self, num_threads: int, advance: Callable[[int], None]) -> None:
         self.num_threads = max(1, num_threads)
@@ -150,7 +169,7 @@ class _Writer:
         self.dst_fds: dict[str, int] = {}
         self.lock = threading.Lock()
         self.local = threading.local()
-        self.kernel_copy = hasattr(os, "copy_file_range")
+        self.kernel_copy = True
         self.budget = _Budget(_MIN_ASSEMBLY_BUDGET)
 
     def __enter__(self) -> _Writer:
@@ -233,7 +252,8 @@ class _Writer:
         nbytes = count * src_dtype.itemsize
         fd = self._src_fd(piece.file)
         if src_dtype == out.dtype:
-            if not (self.kernel_copy and self._kernel_copy(fd, dst, src_pos, dst_pos, nbytes)):
+            self.kernel_copy = self.kernel_copy and kernel_copy(fd, dst, src_pos, dst_pos, nbytes)
+            if not self.kernel_copy:  # stop trying once the filesystem pair refused
                 with _mapped(fd, src_pos, count, src_dtype) as values:
                     pwrite_all(dst, bytes_of(values), dst_pos)
         else:
@@ -242,22 +262,6 @@ class _Writer:
                 converted.copy_(values)  # converts straight from the page cache: no intermediate copy
             pwrite_all(dst, bytes_of(converted), dst_pos)
         self._written(dst, dst_pos, count * out.dtype.itemsize)
-
-    def _kernel_copy(self, src: int, dst: int, src_pos: int, dst_pos: int, nbytes: int) -> bool:
-        """Copy inside the kernel; False (and stop trying) where the filesystem pair does not support it."""
-        done = 0
-        try:
-            while done < nbytes:
-                n = os.copy_file_range(src, dst, nbytes - done, src_pos + done, dst_pos + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "source ended early")
-                done += n
-        except OSError as e:
-            if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF) and done == 0:
-                self.kernel_copy = False
-                return False
-            raise
-        return True
 
     def _write_loaded(self, dst: int, out: OutTensor, piece: Piece, elem: int) -> None:
         tensor = load_dcp_piece(piece).to(out.dtype).reshape(-1)

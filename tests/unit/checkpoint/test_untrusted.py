@@ -282,13 +282,13 @@ def test_dcp_metadata_naming_files_outside_its_folder_is_refused(templates, tmp_
 
 
 def test_an_index_naming_files_outside_the_base_folder_is_refused(tmp_path):
-    from automodel_ckpt.export.hf_metadata import _original_tensors
+    from automodel_ckpt.export.hf_metadata import original_tensors
 
     base = tmp_path / "base"
     base.mkdir()
     (base / layout.HF_INDEX).write_text(json.dumps({"weight_map": {"w": "../../etc/model.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"names the unsafe path '../../etc/model.safetensors'"):
-        _original_tensors(base)
+        original_tensors(base)
 
 
 # --- the validator, as properties -----------------------------------------------------------------------------------
