@@ -139,14 +139,12 @@ def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
     quiet_third_party(debug)
     try:
         return verb(argv)
-    except UserError as exc:
+    except (UserError, MemoryError) as exc:
         if debug:
             traceback.print_exc()
-        report(f"error: {one_line(str(exc))}")
-        return exc.exit_code
-    except MemoryError as exc:
-        if debug:
-            traceback.print_exc()
+        if isinstance(exc, UserError):
+            report(f"error: {one_line(str(exc))}")
+            return exc.exit_code
         detail = f" ({one_line(str(exc))})" if str(exc) else ""
         report(f"error: this process could not allocate the memory it needed{detail}; free memory, or run it "
                "where there is more (--debug shows where)")

@@ -19,9 +19,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 
 def parse_size(text: str) -> int:
     """``"5GB"`` -> 5e9 bytes, ``"5GiB"`` -> 5 * 2**30 (Hugging Face's convention); a plain number is bytes."""
     m = _SIZE_RE.match(str(text))
-    if not m:
-        raise UsageError(f"--max-shard-size: bad size '{text}'; use e.g. 5GB, 500MB or 2GiB")
-    unit = (m.group(2) or "").lower().removesuffix("b")
+    unit = (m.group(2) or "").lower().removesuffix("b") if m else None
     if unit not in _UNITS:
         raise UsageError(f"--max-shard-size: bad size '{text}'; use e.g. 5GB, 500MB or 2GiB")
     size = int(float(m.group(1)) * _UNITS[unit])

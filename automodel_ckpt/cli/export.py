@@ -1,8 +1,7 @@
 """`ckpt-train export SRC --to TARGET`: a checkpoint, an export folder or an archive in another program's format.
 
-The targets are ``export``'s registry: ``--to`` finds one by name. ``--to hf-trainer``, which builds the run's
-recipe, is registered here (only the CLI may build a recipe), and so is what a target may need from above
-``export/``: a recipe's data, tokenized as for training (``_recipe_examples``).
+``--to`` names a target of ``export``'s registry. Only the CLI may build a recipe, so ``--to hf-trainer`` is
+registered here, and so is ``_recipe_examples`` (a recipe's data tokenized as for training) for the targets.
 """
 
 from __future__ import annotations

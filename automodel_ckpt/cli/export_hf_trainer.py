@@ -1,9 +1,4 @@
-"""`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder.
-
-The run's recipe given with ``--recipe`` (never the checkpoint's ``config.yaml``, a copy that may name any code) is
-built as a 1-process run in a temporary run folder, the checkpoint restored into it and written by
-``interop.hf_export``.
-"""
+"""`ckpt-train export CHECKPOINT --to hf-trainer --out DIR`: a checkpoint as an HF Trainer ``checkpoint-N/`` folder."""
 
 from __future__ import annotations
 
@@ -75,7 +70,8 @@ def _log(path: Path) -> list[dict]:
 
 
 class HFTrainerTarget(ExportTarget):
-    """``--to hf-trainer``: the recipe given with ``--recipe`` built, the checkpoint restored into it, and written
+    """``--to hf-trainer``: the recipe given with ``--recipe`` (never the checkpoint's ``config.yaml``, a copy that may
+    name any code) built as a 1-process run in a temporary run folder, the checkpoint restored into it, and written
     by ``interop.hf_export``. Its options are the recipe's overrides; the other targets' are not looked at."""
 
     name = "hf-trainer"

@@ -1,8 +1,6 @@
 """`ckpt-train import SRC RECIPE.yaml --out RUN_DIR`: another trainer's checkpoint as our checkpoint of its step.
 
-The source is read and checked within bounds from the recipe's model (``source_limits``), ``RUN_DIR/recipe.yaml``
-written (``interop.recipe``), that recipe built as a 1-process run, the source's state put into it
-(``interop.apply``) and saved; the printed command continues it at any world size. docs/import.md.
+How (checked source, written recipe, 1-process build, state applied and saved): docs/import.md.
 """
 
 from __future__ import annotations

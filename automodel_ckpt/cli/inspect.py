@@ -47,31 +47,26 @@ def main(argv: list[str]) -> int:
         target = Path(args.checkpoint_dir)
         latest = pointer_target(target, RunFolder.latest) if target.is_dir() and not target.is_symlink() \
             and not CheckpointFolder(target).metadata.exists() else None
-        try:
-            if latest is not None:  # a run folder: the chain of the checkpoint its LATEST names
-                said = f"'{target}' is a run folder: the lineage of its {RunFolder.latest}, {latest.name}"
-                print(one_line(said), flush=True)
-                target = latest
-            print("\n".join(lineage_chain(target)), flush=True)
-        except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
-    target = identify(local)  # one file an export target wrote, as the registry recognises it
-    if target is not None or is_archive(local):  # one file: its header, nothing of a run
-        what, read, render = (target.noun, target.describe, target.render) if target is not None else \
-            ("an archive", describe_archive, render_archive)
-        if args.cost:
-            raise UsageError(f"--cost: needs a run folder, not {what}")
-        info = read(local)
-        print(json.dumps(info, indent=2) if args.json else render(info), flush=True)
-        return 0
-    report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
-    if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
-        report["checkpoint_dir"] = args.checkpoint_dir
+        said = [] if latest is None else [  # a run folder: the chain of the checkpoint its LATEST names
+            one_line(f"'{target}' is a run folder: the lineage of its {RunFolder.latest}, {latest.name}")]
+        text = "\n".join([*said, *lineage_chain(latest or target)])
+    else:
+        local = open_for_reading(args.checkpoint_dir, key="inspect")  # a URL's archive: downloaded once
+        target = identify(local)  # one file an export target wrote, as the registry recognises it
+        if target is not None or is_archive(local):  # one file: its header, nothing of a run
+            what, read, render = (target.noun, target.describe, target.render) if target is not None else \
+                ("an archive", describe_archive, render_archive)
+            if args.cost:
+                raise UsageError(f"--cost: needs a run folder, not {what}")
+            info = read(local)
+            print(json.dumps(info, indent=2) if args.json else render(info), flush=True)
+            return 0
+        report = cost_of(local, args.mtbf_hours) if args.cost else inspect_dir(local)
+        if is_url(args.checkpoint_dir):  # listed through a local mirror; show where it really is
+            report["checkpoint_dir"] = args.checkpoint_dir
+        text = json.dumps(report, indent=2) if args.json else render_cost(report) if args.cost else render_table(report)
     try:
-        text = render_cost(report) if args.cost else render_table(report)
-        print(json.dumps(report, indent=2) if args.json else text, flush=True)
+        print(text, flush=True)
     except BrokenPipeError:  # e.g. `| head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

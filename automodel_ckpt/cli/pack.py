@@ -28,16 +28,14 @@ def main(argv: list[str]) -> int:
     from automodel_ckpt.export import pack, pack_into, pack_summary as summary
 
     src = Path(args.src)
+    options = {"cast_dtype": args.cast_dtype, "num_threads": max(1, args.num_threads), "progress": not args.no_progress}
     if args.out and is_url(args.out):
         signal.signal(signal.SIGTERM, _interrupted)  # aborts the upload as Ctrl-C does: nothing left at the URL
-        table = pack_into(src, lambda size: streamed_object(args.out, size, key="--out"),
-                          cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
-                          progress=not args.no_progress)
-        print(f"archive written to {args.out} ({summary(table)})", flush=True)
-        return 0
-    out = Path(args.out) if args.out else CheckpointFolder(src).archive
-    table = pack(src, out, cast_dtype=args.cast_dtype, num_threads=max(1, args.num_threads),
-                 progress=not args.no_progress)
+        out = args.out
+        table = pack_into(src, lambda size: streamed_object(out, size, key="--out"), **options)
+    else:
+        out = Path(args.out) if args.out else CheckpointFolder(src).archive
+        table = pack(src, out, **options)
     print(f"archive written to {out} ({summary(table)})", flush=True)
     return 0
 
