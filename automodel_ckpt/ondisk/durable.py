@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from automodel_ckpt.ondisk import layout, paths
 
@@ -51,13 +51,27 @@ def write_json(path: Path, data: object) -> None:
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Put ``data`` at ``path``: written to a new file beside it (never through a link), fsynced, renamed over
     ``path``. Whatever was at ``path`` (a file, a symlink, a FIFO) is replaced, never written through."""
+    with _replacing(path, mode) as fd:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def copy_regular(src: Path, dst: Path, *, follow: bool = False) -> None:
+    """Copy the regular file ``src`` (a symlink only with ``follow``) to ``dst`` as ``write_atomic`` writes."""
+    with os.fdopen(paths.open_regular(Path(src), follow=follow), "rb") as source, _replacing(dst) as fd:
+        with os.fdopen(fd, "wb", closefd=False) as target:
+            shutil.copyfileobj(source, target, 8 << 20)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, mode: int = 0o644) -> Iterator[int]:
+    """The descriptor of a new file beside ``path``, fsynced and renamed over ``path`` (removed on failure)."""
     tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            yield fd
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -66,25 +80,6 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def copy_regular(src: Path, dst: Path, *, follow: bool = False) -> None:
-    """Copy the regular file ``src`` (a symlink only with ``follow``) to ``dst`` as ``write_atomic`` writes."""
-    tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(6)}"
-    with os.fdopen(paths.open_regular(Path(src), follow=follow), "rb") as source:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644)
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as target:
-                shutil.copyfileobj(source, target, 8 << 20)
-            os.fsync(fd)
-            os.close(fd)
-            os.replace(tmp, dst)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], int] | None:

@@ -146,16 +146,28 @@ def _plan(path: str, size: int, segments: list[Segment], whole: bool, index: int
     return regions
 
 
-class _Ordered:
+class _Abortable:
+    """A condition whose waiters stop waiting once ``abort`` is called (one failed reader stops them all)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.failed = False
+
+    def abort(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+
+class _Ordered(_Abortable):
     """Feeds hashed regions to their files' hashers in file order, on one thread, then frees their buffers."""
 
     def __init__(self, order: list[tuple[int, int]], hashers: dict[int, Any], release: Any) -> None:
+        super().__init__()
         self.order = order  # (region number, file number) of the regions to hash, in file order
         self.hashers = hashers
         self.release = release
         self.ready: dict[int, tuple[Any, int]] = {}
-        self.cond = threading.Condition()
-        self.failed = False
         self.thread = threading.Thread(target=self._run, name="ckpt-read-hash", daemon=True)
         self.error: BaseException | None = None
         self.on_error: Any = None
@@ -163,11 +175,6 @@ class _Ordered:
     def put(self, number: int, buffer: Any, n: int) -> None:
         with self.cond:
             self.ready[number] = (buffer, n)
-            self.cond.notify_all()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.failed = True
             self.cond.notify_all()
 
     def _run(self) -> None:
@@ -181,8 +188,7 @@ class _Ordered:
     def _consume(self) -> None:
         for number, file in self.order:
             with self.cond:
-                while number not in self.ready and not self.failed:
-                    self.cond.wait()
+                self.cond.wait_for(lambda: number in self.ready or self.failed)
                 if self.failed:
                     return
                 buffer, n = self.ready.pop(number)
@@ -190,19 +196,17 @@ class _Ordered:
             self.release(buffer)
 
 
-class _Pool:
+class _Pool(_Abortable):
     """Page-aligned buffers of ``REGION`` bytes (anonymous mappings are page-aligned), reused for every read."""
 
     def __init__(self, count: int) -> None:
+        super().__init__()
         self.free = session.buffers(count, REGION)  # a load's earlier reads may have left some
         self.all = list(self.free)
-        self.cond = threading.Condition()
-        self.failed = False
 
     def get(self) -> Any:
         with self.cond:
-            while not self.free and not self.failed:
-                self.cond.wait()
+            self.cond.wait_for(lambda: self.free or self.failed)
             if self.failed:
                 raise _Aborted
             return self.free.pop()
@@ -211,11 +215,6 @@ class _Pool:
         with self.cond:
             self.free.append(buffer)
             self.cond.notify()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.failed = True
-            self.cond.notify_all()
 
     def close(self) -> None:
         if not self.failed and session.give_back(self.all, REGION):

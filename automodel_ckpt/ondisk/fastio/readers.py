@@ -210,17 +210,22 @@ def _preadv_reads(jobs: list[ReadJob], threads: int) -> None:
         return
 
     def work(group: list[tuple[str, int, int, Any]]) -> None:
-        fds: dict[str, int] = {}
-        try:
-            for path, _start, _n, read in group:
-                if path not in fds:
-                    fds[path] = _open_fd(path, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
-                read(fds[path])
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        _each_with_fd(group, getattr(os, "POSIX_FADV_SEQUENTIAL", None), lambda fd, task: task[3](fd))
 
     _in_threads(_split_even(tasks, max(1, min(threads, len(tasks)))), work)
+
+
+def _each_with_fd(group: list[tuple[Any, ...]], advice: int | None, use: Callable[[int, tuple], None]) -> None:
+    """``use(fd, item)`` for every item of ``group`` (its path first), each file opened once."""
+    fds: dict[str, int] = {}
+    try:
+        for item in group:
+            if item[0] not in fds:
+                fds[item[0]] = _open_fd(item[0], advice)
+            use(fds[item[0]], item)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPlanner) -> Future:
@@ -288,15 +293,10 @@ def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int
     unknown = [it for it in tensors if id(it[3]) not in located]
 
     def locate(group: list[tuple[str, int, int, Any]]) -> None:
-        fds: dict[str, int] = {}
-        try:
-            for path, offset, length, req in group:
-                if path not in fds:
-                    fds[path] = _open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
-                located[id(req)] = locate_record(fds[path], offset, length)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        def one(fd: int, item: tuple[str, int, int, Any]) -> None:
+            located[id(item[3])] = locate_record(fd, item[1], item[2])
+
+        _each_with_fd(group, getattr(os, "POSIX_FADV_RANDOM", None), one)
 
     if unknown:  # records of another writer: a few small reads each
         _in_threads(_split_even(unknown, max(1, min(threads, len(unknown)))), locate)
