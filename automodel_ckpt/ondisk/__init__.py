@@ -1,21 +1,13 @@
 """The checkpoint folder and its bytes: the contract with every checkpoint on disk, and its one public face.
 
-Everything a checkpoint folder holds is spelled and read here, versioned by ``layout.LAYOUT_VERSION``: file names
-(``layout``), limits on untrusted files (``bounded``), the path validator (``paths``), metadata, the manifest and
-its checksums, durable writes, the catalog of a run folder, the byte formats (``formats/``: sharded model and
-optimizer state, PEFT adapters, safetensors, the only reader of pickles), the engine that moves their bytes
-(``fastio/``: parallel file I/O) and the planning of DCP saves (``saveplan/``). It never imports the
-exports (``automodel_ckpt.export``) nor the engine that writes checkpoints (``automodel_ckpt.checkpoint``).
-
-Code outside this package and ``checkpoint`` (the engine, which writes the folder's bytes and is admitted inside)
-imports only the names below, each a member of a module here under its own name, never a whole module
-(``tests/unit/test_structure.py``): what that code reads, nothing more. The exports (``automodel_ckpt.export``) are
-outside code too: what they need of the folder's bytes (safetensors headers and positioned reads, the model family's
-on-disk layout and a format's pieces, durable writes, checksums, the manifest's verdicts) is on this table, their
-contract with it. The layout's files reach outside code as folder objects (``folders``:
-``CheckpointFolder(ckpt).model.consolidated.config``). The modules inside are private to this package and ``checkpoint`` (benchmarks
-that time them aside, each saying so). The names load on first use, so reading a run folder (``inspect``,
-``verify``) imports no torch.
+Everything a checkpoint folder holds is spelled and read here, versioned by ``layout.LAYOUT_VERSION``: file names,
+limits on untrusted files, the path validator, metadata, the manifest and its checksums, durable writes, the
+catalog, the byte formats (``formats/``), the I/O engine (``fastio/``) and DCP save planning (``saveplan/``). It
+never imports the exports nor the engine that writes checkpoints (``checkpoint``). Code outside this package and
+``checkpoint`` imports only the names below (``tests/unit/test_structure.py``), each a member of a module here under
+its own name; for the exports they are their contract with the folder's bytes. The layout's files reach outside
+code as folder objects (``CheckpointFolder(ckpt).model.consolidated.config``). Names load on first use, so reading
+a run folder (``inspect``, ``verify``) imports no torch.
 """
 
 from __future__ import annotations

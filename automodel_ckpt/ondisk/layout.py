@@ -1,65 +1,7 @@
 """Every on-disk name of a checkpoint directory, in one place.
 
-```
-checkpoint_dir/
-  LATEST -> epoch_E_step_N          relative symlink (LATEST.txt holds the name where links fail)
-  LOWEST_VAL -> epoch_E_step_M
-  BEST_EVAL -> epoch_E_step_K       the best by an eval score (checkpoint.monitor: eval/<task>/<metric>) instead
-  training.jsonl  validation.jsonl  events.jsonl
-  report.html                       ckpt-train report's page (logging.report: rewritten at each checkpoint)
-  tensorboard/  mlflow.db  wandb/   experiment trackers' files, when `logging:` enables them with default places
-  .staging-epoch_E_step_N/          a checkpoint being written; never selected, removed on the next save
-  .deleting-epoch_E_step_K/         a checkpoint being pruned (hidden by rename first, then removed)
-  quarantine/                       checkpoints that failed to load on resume, kept for inspection
-    epoch_E_step_N/  epoch_E_step_N.json     the checkpoint as it was, and why it was moved (step, reason, time)
-  .object-store.json                the URL this folder mirrors (checkpoint_dir on an object store, see below)
-  .run.lock                         the running run's lock (flock) and who holds it; removed when the run ends
-  ref_log_probs/<key>.pt            a preference run's precomputed reference log-probs, named by its data and
-                                    reference (dpo.precompute_ref_log_probs); read by every resume
-  epoch_E_step_N/
-    metadata.json  config.yaml  losses.json  step_scheduler.pt  <attr>.pt  (dpo.pt: a preference run's counters)
-    manifest.json                    every other file's size and checksum; written last, before publish
-    model/       shard-0000R-model-0000K-of-0000F.safetensors + consolidate.sh   (safetensors)
-                 __R_0.distcp + .metadata                                         (torch_save)
-                 checkpoint.incremental: two files per rank, trained / stable tensors (INCREMENTAL_SHARDS)
-                 .hf_metadata/  config.json, generation_config.json, tokenizer files,
-                                original_tensors.json, saved_state.json                  (HF export inputs)
-                 consolidated/  model-0000K-of-0000F.safetensors, config.json, ... (HF export)
-                 .consolidated.tmp-XXXX/  an export being written; renamed to consolidated/ when complete
-                 adapter_config.json, adapter_model.safetensors, automodel_peft_config.json,
-                 tokenizer files                                                   (PEFT: instead of the above)
-                 merged/        full HF model of base + adapter (`ckpt-train merge-lora`)
-    optim/       __R_0.distcp + .metadata          (node-local steps: + __R_1.distcp, the small items apart)
-    ref_model/   a preference run's reference once synced from the policy (dpo.sync_ref_model): as model/
-    ema/         the moving average of the trainable weights (training.ema_decay), float32: as model/'s shards;
-                 `ckpt-train consolidate CK --ema` exports it to model/consolidated_ema/
-    dataloader/dataloader_dp_rank_R.pt
-    rng/rng_dp_rank_R.pt
-    eval/<task>.json                 `ckpt-train eval`'s results: the harness's own results JSON of one task
-```
-
-On an object store (``checkpoint_dir: s3://bucket/run``) the same names are object keys below the URL, with no
-staging prefix: ``manifest.json`` is the commit object (a checkpoint exists once it does), ``LATEST`` and
-``LOWEST_VAL`` are small objects holding the target's name, and ``quarantine/<name>.json`` marks a checkpoint that
-failed to load. The run works in a local mirror folder (``checkpoint.staging_dir``) with the local layout above.
-Three more objects say what this project wrote there: ``.automodel-ckpt-run.json`` in the run folder (written at
-the start of every run: what makes a URL a run folder for ``gc``), ``<name>/.automodel-ckpt-upload.json`` (the
-first object of every checkpoint's prefix: a prefix without it is never deleted) and ``.automodel-ckpt-lease.json``
-(the lease of the run now writing there). With ``checkpoint.incremental`` a stable file (the tensors that do not
-train) is stored once, as ``.automodel-ckpt-pieces/<key>`` (its content key: 32 hex digits), and a checkpoint that
-uses it holds ``<name>/pieces.json`` (its files stored as pieces: file -> key) instead of the file.
-
-A node-local folder (``checkpoint.local``: a RAM disk or local NVMe on each node, private to its user)::
-
-    /dev/shm/automodel-ckpt-<user>/    the per-user parent of the default folders (mode 0700)
-      <run id>/                        one run's folder (mode 0700; or checkpoint.local.dir)
-        .automodel-ckpt-local.json     the run it is bound to: run id and a digest of the run's fingerprint
-        epoch_E_step_S/                a local step: this node's parts and the copies it keeps for other nodes,
-                                       with the step's whole manifest.json (files of other parts are absent)
-        .staging-epoch_E_step_S/       a local step being written
-
-An archive (``ckpt-train pack``, a ``.tar`` file) holds a Hugging Face or adapter folder's files at its top and
-``automodel/config.yaml``, ``automodel/metadata.json`` and ``automodel/manifest.json`` (the last member).
+docs/checkpointing.md ("Every name") maps each name below to its place in a run folder, a checkpoint, an object
+store, a node-local folder and an archive.
 """
 
 from __future__ import annotations

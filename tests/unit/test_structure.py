@@ -108,7 +108,7 @@ def test_no_module_over_500_lines():
 #: ceiling is where the package stands with the vLLM engine and the DeepSpeed and torchtitan imports (44,455 lines),
 #: rounded up to the next 100: a ratchet, lowered as code is merged.
 PACKAGE_LINES_GOAL = 41_000
-PACKAGE_LINES_MAX = 44_700
+PACKAGE_LINES_MAX = 41_100
 
 
 def package_lines(root: Path = PACKAGE) -> int:
