@@ -179,11 +179,12 @@ class Archive(Folder):
 
     @property
     def eval(self) -> Path:  # type: ignore[override]
-        """Where ``ckpt-train eval`` puts the archive's results: beside it, ``model.tar`` -> ``model.eval/``."""
+        """The folder beside the archive whose ``eval/`` holds its results: ``model.tar`` -> ``model.eval/``."""
         return _L.archive_eval_dir(self.path)
 
     def eval_results(self, task: str) -> Path:
-        return self.eval / f"{task}{_L.EVAL_SUFFIX}"
+        """``ckpt-train eval``'s results of ``task`` for the archive: ``model.eval/eval/<task>.json``."""
+        return _L.eval_results_file(self.eval, task)
 
 
 def tmp_sibling(path: str | os.PathLike[str], tag: str) -> Path:

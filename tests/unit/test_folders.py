@@ -14,7 +14,8 @@ def test_a_property_is_a_path_and_the_class_attribute_its_name(tmp_path):
     assert isinstance(ckpt.model, ModelFolder) and ckpt.model.path == tmp_path / "epoch_0_step_3" / layout.MODEL_DIR
     assert ckpt.model.consolidated.config == ckpt.path / "model" / "consolidated" / "config.json"
     assert ckpt.model.hf_metadata.original_tensors.name == layout.ORIGINAL_TENSORS_FILE
-    assert HFFolder.adapter_config == "adapter_config.json" and HFFolder.weights_name(1, 2) == "model-00001-of-00002.safetensors"
+    assert HFFolder.adapter_config == "adapter_config.json"
+    assert HFFolder.weights_name(1, 2) == "model-00001-of-00002.safetensors"
     assert ckpt.state_file("step_scheduler") == ckpt.path / "step_scheduler.pt"
     assert ckpt.eval_results("addition") == ckpt.path / "eval" / "addition.json"
     assert RunFolder(tmp_path).latest == tmp_path / "LATEST" and RunFolder.latest == "LATEST"
@@ -32,7 +33,7 @@ def test_a_folder_is_path_like(tmp_path):
 
 def test_archives_and_siblings(tmp_path):
     tar = Archive(tmp_path / "model.tar")
-    assert tar.eval == tmp_path / "model.eval" and tar.eval_results("t") == tmp_path / "model.eval" / "t.json"
+    assert tar.eval == tmp_path / "model.eval" and tar.eval_results("t") == tmp_path / "model.eval" / "eval" / "t.json"
     assert Archive.MANIFEST == f"{layout.ARCHIVE_DIR}/{layout.MANIFEST_FILE}"
     assert CheckpointFolder(tmp_path / "ck").archive == tmp_path / "ck.tar"
     assert tmp_sibling(tmp_path / "out.gguf", "ab") == tmp_path / ".out.gguf.tmp-ab"
