@@ -170,6 +170,7 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
             run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        rank = failure_origin(errors, rank)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         for line in other_ranks_errors(errors):
             print(line, file=sys.stderr, flush=True)
@@ -185,6 +186,16 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
         os.environ.pop(ERRORS_FOLDER, None)
         shutil.rmtree(errors, ignore_errors=True)
     return 0
+
+
+def failure_origin(folder: str, rank: int) -> int:
+    """The rank whose failure ``rank`` raised again (left by ``cli.common.report``), else ``rank``: the rank that
+    failed, not whichever of the ranks meeting its error exited first."""
+    try:
+        with open(os.path.join(folder, f"origin-{rank}"), encoding="utf-8") as f:
+            return int(f.read(32))
+    except (OSError, ValueError):
+        return rank
 
 
 def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:

@@ -143,7 +143,7 @@ def run(verb: Callable[[list[str]], int], argv: list[str]) -> int:
         if debug:
             traceback.print_exc()
         if isinstance(exc, UserError):
-            report(f"error: {one_line(str(exc))}")
+            report(f"error: {one_line(str(exc))}", origin=getattr(exc, "failed_rank", None))
             return exc.exit_code
         detail = f" ({one_line(str(exc))})" if str(exc) else ""
         report(f"error: this process could not allocate the memory it needed{detail}; free memory, or run it "

@@ -29,16 +29,20 @@ def debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get("AUTOMODEL_CKPT_DEBUG") == "1"
 
 
-def report(message: str) -> None:
+def report(message: str, origin: int | None = None) -> None:
     """Print ``message`` to stderr, prefixed with the rank on every rank but 0. Under the launcher each worker
     leaves it in the launcher's folder instead (rank 0 prints it too), and the launcher prints each other rank's
-    line only where it differs from what was printed: an error every rank meets reads as one line."""
+    line only where it differs from what was printed: an error every rank meets reads as one line. ``origin``: the
+    rank the error came from (``distributed.collective``), which the launcher names whichever rank exits first."""
     rank = os.environ.get("RANK")
     folder = os.environ.get(ERRORS_FOLDER)  # set by the launcher (launch.other_ranks_errors)
     if folder and rank is not None and rank.isdigit():
         try:
             with open(os.path.join(folder, f"rank-{int(rank)}"), "a", encoding="utf-8") as f:
                 f.write(message.replace("\n", " ") + "\n")
+            if origin is not None:
+                with open(os.path.join(folder, f"origin-{int(rank)}"), "w", encoding="utf-8") as f:
+                    f.write(str(origin))
             if rank != "0":
                 return
         except OSError:  # the folder is gone: the line goes to the stream as usual

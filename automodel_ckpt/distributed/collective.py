@@ -74,7 +74,9 @@ def main_first(make: Callable[[], _T], rank: int) -> _T:
         failure = broadcast_object(None)
         if failure is not None:
             user, text = failure
-            raise UserError(text) if user else CheckpointError(f"rank 0 failed ({text}); see its message above")
+            error = UserError(text) if user else CheckpointError(f"rank 0 failed ({text}); see its message above")
+            error.failed_rank = 0  # type: ignore[attr-defined] - the launcher names it (cli.common.report)
+            raise error
         return make()
     try:
         made = make()
@@ -109,4 +111,5 @@ def _failure(what: str, rank: int, description: str, cause: BaseException | None
         message += f"\n--- traceback on rank {rank} ---\n{rest.rstrip()}"
     error = CheckpointError(message)
     error.__cause__ = cause
+    error.failed_rank = rank  # type: ignore[attr-defined] - the launcher names it (cli.common.report)
     return error

@@ -314,3 +314,29 @@ def test_an_error_every_rank_meets_reads_as_one_line(tmp_path, monkeypatch, caps
     monkeypatch.setenv("RANK", "1")
     report("error: refused")
     assert capsys.readouterr().err == "[rank 1] error: refused\n"
+
+
+def test_the_launcher_names_the_rank_an_error_came_from_whichever_rank_exits_first(tmp_path, monkeypatch):
+    """A rank raising another rank's failure (``distributed.collective``) leaves where it came from: the launcher
+    names that rank even when the rank that only met it again exits first."""
+    from automodel_ckpt.cli import run
+    from automodel_ckpt.distributed.collective import _failure
+    from automodel_ckpt.errors import UserError
+    from automodel_ckpt.launch import ERRORS_FOLDER, failure_origin
+
+    monkeypatch.setenv(ERRORS_FOLDER, str(tmp_path))
+    received = _failure("data preparation", 2, "ValueError: bad row", None)
+    assert received.failed_rank == 2
+
+    def raising(error):
+        def verb(argv):
+            raise error
+        return verb
+
+    monkeypatch.setenv("RANK", "1")
+    assert run(raising(received), []) == received.exit_code
+    monkeypatch.setenv("RANK", "3")
+    assert run(raising(UserError("its own")), []) == UserError.exit_code
+    assert failure_origin(str(tmp_path), 1) == 2  # rank 1 exited first with rank 2's failure
+    assert failure_origin(str(tmp_path), 3) == 3  # its own error
+    assert failure_origin(str(tmp_path / "gone"), 1) == 1
