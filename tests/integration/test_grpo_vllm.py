@@ -9,8 +9,8 @@ prompts x 4), one pass per rollout batch, a checkpoint every 2 steps, every rewa
   alone with SIGKILL (its engine must die with it), the rest of the job killed, then rerun: it resumes from step 2,
   pushes the restored weights to a new engine, checks them and samples rollout batches 3 and 4 again.
 
-Beside them: a run whose engine is killed mid-run (restarted once), a run on an engine named by URL, a LoRA run
-of 2 steps (the adapter pushed alone), and a run whose engine cannot start.
+The rerun also loses its engine as it asks for rollout batch 4 (restarted once). Beside them: a LoRA run of 2 steps
+on an engine named by URL (the adapter pushed alone), and a run whose engine cannot start.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def killed(work: Path, assets: Path) -> tuple[Path, str, bool]:
         kill_job(job)
     run = work / "killed"
     assert [r["step"] for r in jsonl(run / "training.jsonl")] == [1, 2]
-    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=2, recipe=RECIPE)
+    rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", "--recipe", grpo_faults.RECIPE,
+                       nproc=2, recipe=RECIPE, env={"KILL_ENGINE_IN_ROLLOUT": "4",
+                                                    **grpo_faults.env(0, work / "never.pid")})
     return run, rerun.output, engine_died
 
 
@@ -117,11 +119,15 @@ def test_each_step_records_the_weights_that_sampled_it_and_the_engine_holds_the_
 
 
 def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_as_the_straight_run(straight, killed):
+    """The rerun also loses its engine (SIGKILL from rank 0) as it asks for rollout batch 4: it starts a new engine,
+    pushes every weight again, asks again with the same seeds, and every step still equals the straight run's."""
     run, output, engine_died = killed
     assert engine_died, "the engine outlived its trainer (rank 0 killed with SIGKILL)"
     assert "Loading checkpoint from" in output and "epoch_0_step_2" in output, output[-3000:]
+    assert "restarting the engine (once), rollout batch 4 asked again" in output, output[-3000:]
     got, want = jsonl(run / "training.jsonl"), jsonl(straight[0] / "training.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]  # steps 3 and 4 once each, after the resume
+    assert got[3]["sync_bytes"] == got[0]["sync_bytes"]  # the new engine got every weight again
     # counters, prompts, weight versions and hashes, and the completions (vLLM is batch invariant here: docs/rl.md)
     assert [tuple(r[k] for k in EXACT) for r in got] == [tuple(r[k] for k in EXACT) for r in want]
     for name in ("grpo", "rollout"):  # the final checkpoints' counters and rollout batch, bit for bit
@@ -173,51 +179,31 @@ def test_sampling_a_step_ahead_lags_one_version_and_resumes_on_the_checkpointed_
                                                                                       for r in rows]
 
 
-def test_an_engine_killed_mid_run_is_restarted_once_and_samples_the_same_completions(work, assets, straight):
-    """Rank 0 kills its engine (SIGKILL) as it asks for rollout batch 3: the run starts a new engine, pushes the
-    weights again, asks again with the same seeds, and every step equals the straight run's."""
-    result = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "engine_killed", "--recipe",
-                        grpo_faults.RECIPE, nproc=2, recipe=RECIPE, env={"KILL_ENGINE_IN_ROLLOUT": "3",
-                                                                          **grpo_faults.env(0, work / "never.pid")})
-    assert "restarting the engine (once), rollout batch 3 asked again" in result.output, result.output[-3000:]
-    got, want = jsonl(work / "engine_killed" / "training.jsonl"), jsonl(straight[0] / "training.jsonl")
-    assert [tuple(r[k] for k in EXACT) for r in got] == [tuple(r[k] for k in EXACT) for r in want]
-    assert got[2]["sync_bytes"] == got[0]["sync_bytes"]  # the new engine got every weight again
+def test_a_lora_run_on_an_engine_named_by_url_pushes_the_base_once_then_only_its_adapter(work, assets):
+    """``grpo.vllm.url``: an engine started by hand (the same server) gets the weights and samples; the run neither
+    starts another nor stops it. ``peft:``: the engine gets the base's weights at the first push, then the adapter
+    alone (a PEFT adapter folder, sampled with as a vLLM LoRA request): each later push is the adapter's bytes, its
+    hash the engine's."""
+    from safetensors import safe_open
 
-
-def test_an_engine_named_by_url_is_used_and_left_running(work, assets):
-    """``grpo.vllm.url``: an engine started by hand (the same server) gets the weights and samples; the run
-    neither starts another nor stops it."""
     folder = work / "by_hand"
     folder.mkdir()
     (folder / "config.json").write_text((assets / "tiny_llama_base" / "config.json").read_text())
     server = subprocess.Popen([str(ENGINE_PYTHON), str(REPO / "automodel_ckpt" / "algorithms" / "grpo" /
                                                         "vllm_server.py"), "--model-dir", str(folder),
-                               "--max-model-len", "16", "--port-file", str(folder / "port")],
+                               "--max-model-len", "16", "--lora-rank", "8", "--port-file", str(folder / "port")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (folder / "port").exists() and server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         url = f"http://127.0.0.1:{(folder / 'port').read_text()}"
-        ckpt_train(work, assets, *ARGS, "--grpo.vllm.url", url, "--step_scheduler.max_steps", "2",
-                   "--checkpoint.checkpoint_dir", "by_url", nproc=2, recipe=RECIPE)
-        rows = jsonl(work / "by_url" / "training.jsonl")
-        assert [r["weight_version"] for r in rows] == [0, 1]
-        assert all(r["weight_hash"] == r["engine_weight_hash"] for r in rows)
+        ckpt_train(work, assets, *ARGS, "--grpo.vllm.url", url, "--peft.rank", "8", "--step_scheduler.max_steps", "2",
+                   "--checkpoint.checkpoint_dir", "lora", nproc=2, recipe=RECIPE)
         assert server.poll() is None  # still serving
     finally:
         server.kill()
         server.wait()
-
-
-def test_a_lora_run_pushes_the_base_once_then_only_its_adapter(work, assets):
-    """``peft:``: the engine gets the base's weights at the first push, then the adapter alone (a PEFT adapter
-    folder, sampled with as a vLLM LoRA request): each later push is the adapter's bytes, its hash the engine's."""
-    from safetensors import safe_open
-
-    ckpt_train(work, assets, *ARGS, "--peft.rank", "8", "--step_scheduler.max_steps", "2",
-               "--checkpoint.checkpoint_dir", "lora", nproc=2, recipe=RECIPE)
     rows = jsonl(work / "lora" / "training.jsonl")
     with safe_open(str(work / "lora" / "epoch_0_step_2" / "model" / "adapter_model.safetensors"), "pt") as f:
         adapter = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
