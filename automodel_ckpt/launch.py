@@ -189,13 +189,21 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
 
 
 def failure_origin(folder: str, rank: int) -> int:
-    """The rank whose failure ``rank`` raised again (left by ``cli.common.report``), else ``rank``: the rank that
-    failed, not whichever of the ranks meeting its error exited first."""
-    try:
-        with open(os.path.join(folder, f"origin-{rank}"), encoding="utf-8") as f:
-            return int(f.read(32))
-    except (OSError, ValueError):
-        return rank
+    """The rank whose failure ``rank`` raised again (left by ``cli.common.report``), else the lowest rank of this node
+    that left the same error: the rank that failed, not whichever of the ranks meeting its error exited first."""
+    def read(name: str) -> str | None:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                return f.read(1 << 16)
+        except OSError:
+            return None
+
+    origin, own = read(f"origin-{rank}"), read(f"rank-{rank}")
+    if origin is not None and origin.isdigit():
+        return int(origin)
+    same = [int(n[5:]) for n in os.listdir(folder) if n.startswith("rank-") and n[5:].isdigit() and own is not None
+            and read(n) == own] if os.path.isdir(folder) else []
+    return min(same, default=rank)
 
 
 def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:

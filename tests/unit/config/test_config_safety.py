@@ -339,4 +339,7 @@ def test_the_launcher_names_the_rank_an_error_came_from_whichever_rank_exits_fir
     assert run(raising(UserError("its own")), []) == UserError.exit_code
     assert failure_origin(str(tmp_path), 1) == 2  # rank 1 exited first with rank 2's failure
     assert failure_origin(str(tmp_path), 3) == 3  # its own error
+    monkeypatch.setenv("RANK", "2")
+    assert run(raising(UserError("its own")), []) == UserError.exit_code
+    assert failure_origin(str(tmp_path), 3) == 2  # the same error met by ranks 2 and 3: the lowest names it
     assert failure_origin(str(tmp_path / "gone"), 1) == 1
