@@ -283,9 +283,9 @@ class _Launch:
             step = record["step"]
             self.first_step = step if self.first_step is None else self.first_step
             self.max_step = step if self.max_step is None else max(self.max_step, step)
-        if not _is_time(t) or not math.isfinite(t):
+        t = _number(t)
+        if t is None:
             return
-        t = float(t)
         self.first_time = t if self.first_time is None else min(self.first_time, t)
         self.last_time = t if self.last_time is None else max(self.last_time, t)
         backend = str(record.get("backend"))[:64]
@@ -364,7 +364,3 @@ def _whole(value: Any) -> bool:
 def _abandons(record: dict[str, Any]) -> bool:
     """Whether a ``local_step`` side failure abandoned a step."""
     return " abandoned" in str(record.get("text", ""))
-
-
-def _is_time(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
