@@ -217,10 +217,6 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
     return out
 
 
-def is_compressed(path: str) -> bool:
-    return path.lower().endswith(_COMPRESSED)
-
-
 def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] | None, format: str | None,
                min_range_bytes: int = MIN_RANGE_BYTES) -> list[Shard]:
     """``units`` cut finer (row groups, byte ranges) when fewer than ``lanes``: a small corpus fills every lane."""
@@ -230,7 +226,7 @@ def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] |
     total = sum(u.size for u in units if u.stop < 0) or 1
     for u in units:
         fmt = file_format(u.path, format)
-        if u.stop >= 0 or fmt == "arrow" or (fmt != "parquet" and is_compressed(u.path)):
+        if u.stop >= 0 or fmt == "arrow" or (fmt != "parquet" and u.path.lower().endswith(_COMPRESSED)):
             out.append(u)
         elif fmt == "parquet":
             out.extend(_row_group_shards(u, storage_options))

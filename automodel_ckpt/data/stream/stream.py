@@ -17,8 +17,7 @@ from automodel_ckpt.data.encode import BadRecord, DataSpec, RecordEncoder
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
 from automodel_ckpt.data.stream.bounds import check_carry, check_restored, doc_ref
-from automodel_ckpt.data.stream.readers import (MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start,
-                                                read_line_range, read_rows)
+from automodel_ckpt.data.stream.readers import MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start, read_rows
 
 #: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
 DRAW_BATCH = 64
@@ -263,9 +262,7 @@ class GlobalStream:
                 if src.seen == 0 and src.key < sh.first:  # a row-group or byte-range unit starts inside its file
                     src.key = line_start(sh.path, opts, sh.first, limit) if ranged else sh.first
                     src.row = 0 if ranged else sh.first
-                src.rows = (read_line_range(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop,
-                                            limit) if ranged else
-                            read_rows(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop, limit))
+                src.rows = read_rows(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop, limit)
             row = next(src.rows, None)
             if row is None:
                 if src.seen == 0 and not ranged:
