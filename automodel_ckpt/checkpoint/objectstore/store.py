@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -282,7 +281,3 @@ def wrap(what: str, fn: Any) -> Any:
         raise
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp raise many types
         raise CheckpointError(f"{what}: {type(exc).__name__}: {first_line(exc)}") from exc
-
-
-def now() -> float:
-    return time.time()
