@@ -19,17 +19,12 @@ MAX_SPEC_PATHS = 256  # globs one saved source may list
 
 @dataclass
 class Slots:
-    """The sources by slot: their corpus, shards, how many the checkpoint had, and the recipe's sources' slots."""
+    """The sources by slot: their corpus, shards, and how many the checkpoint had (the slots after: new, read from
+    their beginning)."""
 
     corpus: Corpus
     shards: list[list[Shard]]
     saved: int
-    of_recipe: list[int]
-
-    @property
-    def added(self) -> list[int]:
-        """Slots new at this resume: their sources start at their beginning."""
-        return list(range(self.saved, len(self.shards)))
 
 
 def specs(corpus: Corpus) -> list[list[Any]]:
@@ -67,10 +62,9 @@ def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_spe
         shards.append(units)
     for j, slot in enumerate(of_recipe):
         if slot < 0:  # a source the checkpoint does not have: a new slot, from its beginning
-            of_recipe[j] = len(shards)
             sources.append(replace(corpus.sources[j]))
             shards.append(list(now[j]))
-    return Slots(replace(corpus, sources=sources), shards, len(saved_shards), of_recipe)
+    return Slots(replace(corpus, sources=sources), shards, len(saved_shards))
 
 
 def _check_specs(saved: Any, count: int) -> None:
