@@ -78,12 +78,10 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
                     split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20, hub: str | None = None,
                     files: str | list[str] = HUB_FILES) -> Corpus:
     """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` globs, a blend's ``sources``, or a ``hub``."""
-    if hub is not None:
-        if path is not None or sources is not None:
-            raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
-        path = hub_globs(hub, _globs(files, "dataset.files"))
-    if (path is None) == (sources is None):
+    if sum(x is not None for x in (path, sources, hub)) != 1:
         raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
+    if hub is not None:
+        path = hub_globs(hub, _globs(files, "dataset.files"))
     if path is not None:
         listed = [Source(_globs(path, "dataset.path"), 1.0, format)]
     else:
