@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from automodel_ckpt.data.stream.bounds import COUNTERS
 from automodel_ckpt.data.stream.corpus import FORMATS, Corpus, Shard, Source
 from automodel_ckpt.data.stream.position import check_corpus
 from automodel_ckpt.data.stream.readers import DataError, malformed
@@ -86,5 +87,4 @@ def _records(saved: Any) -> list[list[Any]]:
 
 def fresh_source(n: int) -> dict[str, Any]:
     """A lane's position of a source it has not read yet (``stream._Source.record`` of a new one)."""
-    return {"epoch": 0, "n": n, "pos": 0, "key": 0, "row": 0, "seen": 0, "epoch_rows": 0, "taken": 0, "tokens": 0,
-            "buffer_shards": [], "buffer_keys": []}
+    return {**dict.fromkeys(COUNTERS, 0), "n": n, "buffer_shards": [], "buffer_keys": []}
