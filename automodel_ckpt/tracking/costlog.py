@@ -197,7 +197,7 @@ def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
 def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
     """The costs of ``events``' launches in bounded memory; a field of the wrong type is left out."""
     launches = interruptions = steps = checkpoints = failures = abandoned = 0
-    wall = behind = blocked_sum = 0.0
+    wall = behind = 0.0
     launch: _Launch | None = None
     blocked, background, sizes, writes = _Mean(), _Mean(), _Mean(), _Mean()
     rates, gaps = _Sample(), _Sample()
@@ -229,11 +229,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
                 replaced = record["was_every_steps"]
         elif event == CHECKPOINT:
             checkpoints += 1
-            value = _number(record.get("blocked_s"))
-            if value is not None:
-                blocked.add(value)
-                blocked_sum += value
-            for mean, key in ((background, "background_s"), (sizes, "bytes")):
+            for mean, key in ((blocked, "blocked_s"), (background, "background_s"), (sizes, "bytes")):
                 value = _number(record.get(key))
                 if value is not None and (key != "bytes" or value):
                     mean.add(value)
@@ -259,7 +255,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         tracking_behind_s=behind, side_failures=failures, local_steps_abandoned=abandoned,
         written_per_checkpoint=writes.mean(),
         launches=launches, interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=checkpoints,
-        blocked_s=blocked_sum, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
+        blocked_s=blocked.total, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
         bytes_per_checkpoint=sizes.mean(), write_gbps=rates.median() if rates.count else None, every_steps=every,
         auto_changes=auto_changes, auto_every_steps=auto_every, replaced_every_steps=replaced, mtbf_hours=mtbf_hours,
     )
