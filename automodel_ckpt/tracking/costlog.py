@@ -216,7 +216,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
             launch, launches = _Launch(), launches + 1
         launch.add(record)
         if event == START:  # each launch says its checkpoint.mtbf_hours: the last one's is the run's
-            value = _number(record.get("mtbf_hours"))
+            value = finite_number(record.get("mtbf_hours"))
             mtbf_hours = value if value is not None and 0 < value <= MTBF_LIMIT_HOURS else None
         if event == START and record.get("every_steps") == "auto":
             if auto_changes is None:
@@ -230,13 +230,13 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         elif event == CHECKPOINT:
             checkpoints += 1
             for mean, key in ((blocked, "blocked_s"), (background, "background_s"), (sizes, "bytes")):
-                value = _number(record.get(key))
+                value = finite_number(record.get(key))
                 if value is not None and (key != "bytes" or value):
                     mean.add(value)
-            value = _number(record.get("written_bytes", record.get("bytes")))  # before: every byte was written
+            value = finite_number(record.get("written_bytes", record.get("bytes")))  # before: every byte was written
             if value:
                 writes.add(value)
-            rate = _number(record.get("write_gbps"))
+            rate = finite_number(record.get("write_gbps"))
             if rate:
                 rates.add(rate)
             step = record.get("step")
@@ -279,7 +279,7 @@ class _Launch:
             step = record["step"]
             self.first_step = step if self.first_step is None else self.first_step
             self.max_step = step if self.max_step is None else max(self.max_step, step)
-        t = _number(t)
+        t = finite_number(t)
         if t is None:
             return
         self.first_time = t if self.first_time is None else min(self.first_time, t)
@@ -345,7 +345,7 @@ class _Sample:
 _MAX_BACKENDS = 64
 
 
-def _number(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
     """A finite number of a record, else None (a string, a list, NaN or infinity is left out)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
