@@ -16,6 +16,7 @@ from automodel_ckpt.checkpoint.local_tier import LocalTier
 from automodel_ckpt.checkpoint.restore import fallback, initial_weights, resume
 from automodel_ckpt.checkpoint.restore.fallback import DURABLE
 from automodel_ckpt.checkpoint.restore.loader import CheckpointLoader, Loaded
+from automodel_ckpt.checkpoint.save import overlap
 from automodel_ckpt.checkpoint.save.phases import TrainingTime
 from automodel_ckpt.checkpoint.save.settings import WriteSettings
 from automodel_ckpt.checkpoint.save.writer import SaveWriter
@@ -131,10 +132,12 @@ class Checkpointer:
     def _observed_save(self, save: Callable[[], Path | None], step: int, preemption: bool) -> Path | None:
         """``save()``, timed for the cost report (the observer) and for the save cycle (an ``auto`` interval)."""
         started, observer = time.perf_counter(), self._observer
-        path = save() if observer is None else observer.save(save, step, lambda: self._writer.background,
-                                                             preemption=preemption)
+        path = save() if observer is None else observer.save(save, step, self._background, preemption=preemption)
         self._cycle.blocked_s = time.perf_counter() - started
         return path
+
+    def _background(self) -> overlap.Overlapped | None:
+        return self._writer.background
 
     def _report_local_faults(self) -> None:
         """Node-local steps abandoned or rewritten since the last call, to the observer."""
