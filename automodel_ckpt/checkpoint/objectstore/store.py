@@ -139,12 +139,8 @@ class ObjectStore:
     def sizes(self, name: str) -> dict[str, int]:
         """``{relative path: size}`` of the objects below prefix ``name``, from one listing."""
         head = self.key(name).lstrip("/") + "/"
-        out = {}
-        for info in self.objects(name):
-            key = str(info["name"]).lstrip("/")
-            if key.startswith(head):
-                out[key[len(head):]] = int(info.get("size") or 0)
-        return out
+        return {key[len(head):]: int(info.get("size") or 0) for info in self.objects(name)
+                if (key := str(info["name"]).lstrip("/")).startswith(head)}
 
     def write_text(self, text: str, *parts: str) -> None:
         self.fs.pipe_file(self.key(*parts), text.encode("utf-8"))
