@@ -1,4 +1,4 @@
-"""Plug-ins by name (model formats, export targets, recipe sections): the one registry class they share."""
+"""Plug-ins by name (model formats, export targets, import sources, recipe sections): one registry class for all."""
 
 from __future__ import annotations
 

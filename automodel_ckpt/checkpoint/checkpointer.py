@@ -81,7 +81,7 @@ class Checkpointer:
         hf = hf or HFArtifacts()
         if side_failure is None and observer is not None:
             side_failure = observer.side_failure
-        self._writer = SaveWriter(WriteSettings.durable(cfg), env, self._dims, self._run,
+        self._writer = SaveWriter(WriteSettings(cfg), env, self._dims, self._run,
                                   config_yaml=resolved_config_yaml, hf=hf, fingerprint=fingerprint, time=self._time,
                                   say=say, side_failure=side_failure)
         self._loader = CheckpointLoader(cfg, env, self._dims, self._run, say)

@@ -19,11 +19,9 @@ class BatchLoader(Protocol):
     @property
     def epoch(self) -> int:
         """The epoch of the data served last."""
-        ...
 
     def next_batch(self) -> tuple[int, list[MicroBatch]]:
         """The next step's micro-batches, and the epoch they belong to."""
-        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -31,16 +29,12 @@ class BatchLoader(Protocol):
 
     def report(self, waited: float) -> dict[str, Any]:
         """What the step just served adds to its record (``waited``: seconds spent waiting for the batch)."""
-        ...
 
     def summary(self) -> dict[str, Any] | None:
         """Where the loader is, for a checkpoint's metadata and ``inspect`` (``data_position``), or None."""
-        ...
 
     def steps_left(self, num_epochs: int) -> int:
         """Optimizer steps left until ``num_epochs`` epochs are served from the position (a stream: unbounded)."""
-        ...
 
     def begin_stage(self) -> str | None:
         """A new stage starts from the restored position: what changes, in one line, or None."""
-        ...

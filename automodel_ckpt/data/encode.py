@@ -88,13 +88,8 @@ class Encoder:
     def _prompts(self, batch: dict[str, list], indices: list[int]) -> tuple[list[str], list[str]]:
         if self.templates is None:
             return batch[self.spec.prompt_field], batch[self.spec.completion_field]
-        keys = list(batch)
-        prompts, completions = [], []
-        for k, i in enumerate(indices):
-            record = {key: batch[key][k] for key in keys}
-            prompts.append(self.templates[0].render(record, i))
-            completions.append(self.templates[1].render(record, i))
-        return prompts, completions
+        records = [({key: batch[key][k] for key in batch}, i) for k, i in enumerate(indices)]
+        return [self.templates[0].render(*r) for r in records], [self.templates[1].render(*r) for r in records]
 
     def _encode(self, texts: list[str], offsets: bool = False) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
         """Token ids (and character offsets) of ``texts``, no special tokens, from a fast tokenizer's backend."""
@@ -123,14 +118,11 @@ class Encoder:
 
     def _chat(self, batch: dict[str, list], indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         assert self.chat is not None
-        texts, spans = [], []
-        for messages, i in zip(batch[self.spec.messages_field], indices):
-            text, trained = self.chat.render(messages, i, self.spec.messages_field)
-            texts.append(text)
-            spans.append(trained)
-        all_ids, all_offsets = self._encode(texts, offsets=True)
+        rendered = [self.chat.render(messages, i, self.spec.messages_field)
+                    for messages, i in zip(batch[self.spec.messages_field], indices)]
+        all_ids, all_offsets = self._encode([text for text, _ in rendered], offsets=True)
         labels_out = []
-        for ids, offsets, trained in zip(all_ids, all_offsets, spans):
+        for ids, offsets, (_, trained) in zip(all_ids, all_offsets, rendered):
             starts = [o[0] for o in offsets]
             labels = [IGNORE_INDEX] * len(ids)
             for s, e in trained:  # tokens that start inside a span take the loss

@@ -20,7 +20,7 @@ from automodel_ckpt.config.instantiate import instantiate
 from automodel_ckpt.data.encode import DataSpec
 from automodel_ckpt.data.fields import RecordTemplate
 from automodel_ckpt.data.loader import MicroBatch, micro_batch, strided_rows
-from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_indices
+from automodel_ckpt.data.pipeline import data_spec, pad_token_id, split_rows
 from automodel_ckpt.data.stream.corpus import is_streamed
 from automodel_ckpt.data.tokenize import (CacheInfo, TokenizedData, build_rows, cache_line, content_hash,
                                           encode_dataset)
@@ -196,10 +196,8 @@ def prepare_pairs(cfg: DictConfig, tokenizer: Any) -> PreparedPairs:
         train_source, val_source = source, instantiate(cfg.validation_dataset, "validation_dataset")
         pair_mode(val_source, fields)
     else:
-        train_idx, val_idx = split_indices(len(source), cfg.data.val_size, cfg.seed)
-        key = content_hash(source._fingerprint, len(source), cfg.data.val_size, cfg.seed)
-        train_source = source.select(train_idx, new_fingerprint=f"{key}-train")
-        val_source = source.select(val_idx, new_fingerprint=f"{key}-val") if val_idx else None
+        train_source, val_source = split_rows(source, cfg.data.val_size, cfg.seed, key=content_hash(
+            source._fingerprint, len(source), cfg.data.val_size, cfg.seed))
     train = encode_pairs(train_source, tokenizer, spec, fields, mode)
     train.check_scored(spec.seq_length)
     val = encode_pairs(val_source, tokenizer, spec, fields, mode) if val_source is not None and len(val_source) \

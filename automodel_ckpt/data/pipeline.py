@@ -65,12 +65,13 @@ def split_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[i
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
-def _split(encoded: datasets.Dataset, val_size: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """The selections of ``split_indices``, fingerprinted by what decides them (hashing the lists costs more)."""
-    train_idx, val_idx = split_indices(len(encoded), val_size, seed)
-    fingerprint = Hasher.hash((encoded._fingerprint, len(encoded), val_size, seed))
-    val = encoded.select(val_idx, new_fingerprint=f"{fingerprint}-val") if val_idx else None
-    return encoded.select(train_idx, new_fingerprint=f"{fingerprint}-train"), val
+def split_rows(ds: datasets.Dataset, val_size: float, seed: int,
+               key: str | None = None) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """The selections of ``split_indices``, fingerprinted by ``key`` or what decides them (not the lists: slower)."""
+    train_idx, val_idx = split_indices(len(ds), val_size, seed)
+    fingerprint = key or Hasher.hash((ds._fingerprint, len(ds), val_size, seed))
+    val = ds.select(val_idx, new_fingerprint=f"{fingerprint}-val") if val_idx else None
+    return ds.select(train_idx, new_fingerprint=f"{fingerprint}-train"), val
 
 
 def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> PreparedData:
@@ -86,7 +87,7 @@ def prepare_data(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Prep
         caches.append(val_info)
         train_encoded = encoded
     else:
-        train_encoded, val_encoded = _split(encoded, cfg.data.val_size, cfg.seed)
+        train_encoded, val_encoded = split_rows(encoded, cfg.data.val_size, cfg.seed)
     train = build_rows(train_encoded, spec, pad)
     caches += train.caches
     val = build_rows(val_encoded, spec, pad) if val_encoded is not None and len(val_encoded) else None

@@ -79,14 +79,9 @@ def average(sources: list[Path], weights: list[float], out: Path, *, dtype: torc
         for other in models[1:]:
             _check_same(first, other)
         entries = [(name, first.shapes[name], _out_dtype(first.dtypes[name], dtype)) for name in first.shapes]
-
         out_dtypes = {n: d for n, _, d in entries}
-
-        def produce(name: str) -> torch.Tensor:
-            return _mean(name, models, weights, total).to(out_dtypes[name])
-
-        write_folder(out, entries, produce, first.side, adapter=first.kind == ADAPTER,
-                     max_shard_size=max_shard_size)
+        write_folder(out, entries, lambda name: _mean(name, models, weights, total).to(out_dtypes[name]), first.side,
+                     adapter=first.kind == ADAPTER, max_shard_size=max_shard_size)
         written = sum(math.prod(shape) * d.itemsize for _, shape, d in entries)
         return AverageReport(Path(out), [m.where for m in models], [w / total for w in weights], len(entries),
                              written, ADAPTER if first.kind == ADAPTER else "model")

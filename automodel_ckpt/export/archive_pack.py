@@ -26,7 +26,7 @@ from automodel_ckpt.ondisk import (SMALL_FILE_LIMIT, Archive, CheckpointFolder, 
 from automodel_ckpt.export.archive import ADAPTER, ALIGN, CHECKPOINT, EXPORT, PAX_COMMENT
 from automodel_ckpt.export.registry import export_targets, identify
 from automodel_ckpt.export.plan import build_plan, parse_cast_dtype, progress_bar, resolve_model_dir
-from automodel_ckpt.export.writer import OutFile, Write, kernel_copy, write_into, writes_into
+from automodel_ckpt.export.writer import OutFile, Write, kernel_copy, writes_into
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
 
@@ -82,8 +82,10 @@ def pack(src: Path, out: Path, *, cast_dtype: str | None = None, max_shard_size:
 def _write(fd: int, entries: list[Entry], source: dict[str, Any], num_threads: int,
            progress: bool) -> dict[str, Any]:
     headers, mtime, end = _lay_out(entries)
-    with progress_bar(sum(e.size for e in entries), progress, "packing") as advance:
-        write_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
+    with (progress_bar(sum(e.size for e in entries), progress, "packing") as advance,
+          writes_into([(e.out, e.at) for e in entries if e.out is not None], fd, num_threads, advance)
+          as (writes, run)):
+        run(writes)
         for w in _member_writes(entries, headers, fd, advance):
             w.run()
     algorithm = default_algorithm()

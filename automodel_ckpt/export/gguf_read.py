@@ -259,15 +259,13 @@ def describe_gguf(path: Path) -> dict[str, Any]:
     from gguf import GGML_QUANT_SIZES
 
     types: Counter[str] = Counter()
-    params = 0
     for t in header.tensors:
         block, size = GGML_QUANT_SIZES[t.tensor_type]
         if t.offset + t.n_elements // block * size > header.size:
             raise CheckpointError(f"damaged GGUF file '{path}': tensor '{t.name[:80]}' runs past its end "
                                   "(truncated; `ckpt-train verify` checks every tensor)")
         types[t.tensor_type.name] += t.n_elements
-        params += t.n_elements
-    info["parameters"] = params
+    info["parameters"] = sum(types.values())
     info["types"] = dict(sorted(types.items()))
     return info
 

@@ -41,12 +41,8 @@ def add_vocab(writer: Any, side_dir: Path, n_vocab: int, required: tuple[str, ..
     if kind in ("BPE", "WordLevel") and not isinstance(model.get("vocab"), dict):
         raise CheckpointError(f"'{path}': the {kind} tokenizer's vocab is not a mapping of tokens to ids")
     if kind == "BPE" and (model.get("byte_fallback") or _uses_metaspace(data)):
-        vocab = gguf.LlamaHfVocab(side_dir)
-        tokens, scores, types = [], [], []
-        for text, score, token_type in vocab.all_tokens():
-            tokens.append(text)
-            scores.append(score)
-            types.append(token_type)
+        rows = list(gguf.LlamaHfVocab(side_dir).all_tokens())  # (text, score, type) of each token
+        tokens, scores, types = ([row[k] for row in rows] for k in range(3))
         _pad(tokens, types, n_vocab, scores)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")

@@ -42,11 +42,8 @@ def input_ranges(source: ModelSource, weights: list[str], examples: list[list[in
     if unexpected or any(not name.endswith("lm_head.weight") for name in missing):
         raise UserError(f"--calibrate: the model does not take the export's tensors ({(unexpected or missing)[0]})")
     ranges: dict[str, float] = {name: 0.0 for name in weights}
-    hooks = []
-    for name, module in model.named_modules():
-        key = f"{name}.weight"
-        if key in ranges:
-            hooks.append(module.register_forward_pre_hook(_recorder(ranges, key)))
+    hooks = [module.register_forward_pre_hook(_recorder(ranges, f"{name}.weight"))
+             for name, module in model.named_modules() if f"{name}.weight" in ranges]
     model.eval()
     try:
         with torch.no_grad():

@@ -136,13 +136,10 @@ def _fingerprint(path: Path, follow: bool, reads: Reads | None) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ records
-def lineage_parent(role: str, path: str | Path, *, follow: bool = False, **extra: Any) -> dict[str, Any]:
+def lineage_parent(role: str, path: str | Path, *, follow: bool = False, reads: Reads | None = None,
+                   **extra: Any) -> dict[str, Any]:
     """A parent entry: its role, path (absolute where it is on disk), fingerprint, what ``extra`` adds, and its own
-    lineage embedded (when it has one and it is small)."""
-    return _parent(role, path, follow, None, **extra)
-
-
-def _parent(role: str, path: str | Path, follow: bool, reads: Reads | None, **extra: Any) -> dict[str, Any]:
+    lineage embedded (when it has one and it is small). ``reads``: a listing's."""
     where = Path(path)
     shown = str(where.absolute()) if where.exists() else str(path)
     entry: dict[str, Any] = {"role": role, "path": shown,
@@ -257,6 +254,6 @@ def read_lineage(path: str | Path, *, follow: bool = False, reads: Reads | None 
     model_dir = path.parent
     if model_dir.name == CheckpointFolder.model and CheckpointFolder(model_dir.parent).metadata.is_file() \
             and not model_dir.is_symlink():
-        return {"parents": [_parent("exported from", model_dir.parent, False, reads)]}
+        return {"parents": [lineage_parent("exported from", model_dir.parent, reads=reads)]}
     return None
 

@@ -31,7 +31,7 @@ def apply_disk_layout(tensors: Mapping[str, SourceTensor], disk: Mapping[str, Di
         source = tensors[view.source]
         if view.is_whole(source.shape):
             out[name] = SourceTensor(name, source.shape, source.dtype, list(source.pieces))
-        elif view.contiguous and all(_flat_range(p, source.shape) is not None for p in source.pieces if p.numel):
+        elif view.contiguous and all(flat_range(p, source.shape) is not None for p in source.pieces if p.numel):
             out[name] = _slice(source, view)
         else:
             out[name] = SourceTensor(name, view.shape, source.dtype, list(source.pieces),
@@ -44,7 +44,7 @@ def _slice(source: SourceTensor, view: DiskTensor) -> SourceTensor:
     first, last = view.offset, view.offset + math.prod(view.shape)
     pieces: list[Piece] = []
     for piece in source.pieces:
-        span = _flat_range(piece, source.shape) if piece.numel else None
+        span = flat_range(piece, source.shape) if piece.numel else None
         if span is None:
             continue
         lo, hi = max(first, span[0]), min(last, span[1])
@@ -63,7 +63,7 @@ def _slice(source: SourceTensor, view: DiskTensor) -> SourceTensor:
     return SourceTensor(view.name, view.shape, source.dtype, pieces)
 
 
-def _flat_range(piece: Piece, full: tuple[int, ...]) -> tuple[int, int] | None:
+def flat_range(piece: Piece, full: tuple[int, ...]) -> tuple[int, int] | None:
     """``[first, end)`` element range of a piece in its full tensor, or None when it is not one run."""
     for d, size in enumerate(piece.shape):
         if size != 1:

@@ -24,6 +24,7 @@ import torch
 from automodel_ckpt.ondisk import (c_strides, encode_header, layout_order, open_regular, pwrite_all, st_dtype_name,
                                    start_writeback)
 from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece, read_full
+from automodel_ckpt.export.views import flat_range
 from automodel_ckpt.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
@@ -87,13 +88,6 @@ class Write:
     start: int
     size: int
     run: Callable[[], None]
-
-
-def write_into(placed: list[tuple[OutFile, int]], fd: int, num_threads: int, advance: Callable[[int], None]) -> None:
-    """Write each ``(file, start)`` into the open file ``fd`` from its byte ``start`` on (the members of an
-    archive); syncing ``fd`` is the caller's."""
-    with writes_into(placed, fd, num_threads, advance) as (writes, run):
-        run(writes)
 
 
 @contextmanager
@@ -322,17 +316,7 @@ def _mapped(fd: int, offset: int, count: int, dtype: torch.dtype) -> Iterator[to
 
 def _streamable(tensor: SourceTensor) -> bool:
     """Whether every piece is one contiguous run of the full tensor (true for row-split FSDP shards)."""
-    return tensor.view is None and all(_contiguous_box(p.offsets, p.shape, tensor.shape)
-                                       for p in tensor.pieces if p.numel)
-
-
-def _contiguous_box(offsets: tuple[int, ...], shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
-    if len(offsets) != len(full):
-        return False
-    for d, size in enumerate(shape):
-        if size != 1:
-            return all(offsets[i] == 0 and shape[i] == full[i] for i in range(d + 1, len(shape)))
-    return True
+    return tensor.view is None and all(flat_range(p, tensor.shape) is not None for p in tensor.pieces if p.numel)
 
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -7,6 +7,7 @@ differs from the source and changes the run (its global batch, its epoch length)
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -109,12 +110,8 @@ def _optimizer_state(run: ForeignRun, model: Any, params: dict[str, Any],
     if len(order) != len(run.moments):
         raise refuse(where, f"its optimizer holds {len(run.moments)} parameters, the recipe's model trains "
                             f"{len(order)}: another model or another set of trainable parameters")
-    group_of = {}
-    slot = 0
-    for index, g in enumerate(run.groups):
-        for name in order[slot:slot + g["count"]]:
-            group_of[name] = index
-        slot += g["count"]
+    starts = [0, *accumulate(g["count"] for g in run.groups)]
+    group_of = {name: i for i, g in enumerate(run.groups) for name in order[starts[i]:starts[i] + g["count"]]}
     state = {}
     for slot, (name, moments) in enumerate(zip(order, run.moments)):
         param = params[name]

@@ -17,10 +17,6 @@ from automodel_ckpt.interop.source import refuse
 STATE, GROUPS = "state", "param_groups"
 
 
-def top_keys(flat: dict[str, Any]) -> set[str]:
-    return {k.split(".", 1)[0] for k in flat}
-
-
 def weights(flat: dict[str, Any], prefix: str, where: Path) -> dict[str, torch.Tensor]:
     """The tensors under ``prefix.`` (the model's entry), named without it."""
     out = {k[len(prefix) + 1:]: v for k, v in flat.items() if k.startswith(prefix + ".")}

@@ -47,7 +47,7 @@ def read_folder(src: Path, limits: Limits) -> ForeignRun:
     if not isinstance(ckpt, dict):
         raise refuse(src / META, "not Lightning's checkpoint metadata")
     flat = read_dcp_folder(src, limits.checkpoint, WHAT)
-    tops = distcp.top_keys(flat)
+    tops = {k.split(".", 1)[0] for k in flat}  # the entries: the model's, the optimizers'
     model = [k for k in MODEL_KEYS if k in tops]
     if len(model) != 1:
         raise refuse(src, "it holds " + ("no" if not model else "two") + " model entries ('model' of FSDPStrategy, "

@@ -12,21 +12,21 @@ from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.interop import deepspeed, hf_trainer, lightning, torchtitan
 from automodel_ckpt.interop.contract import ImportSource
 from automodel_ckpt.interop.source import ForeignRun, Limits
+from automodel_ckpt.registry import Registry
 
-_SOURCES: dict[str, ImportSource] = {}
+_SOURCES: Registry[ImportSource] = Registry("an import source", lambda name, names: KeyError(name))  # never ``get``
 
 
 def register_source(source: ImportSource) -> ImportSource:
     """Add ``source`` (an ``ImportSource`` with its ``name``); registering a name again replaces its source."""
-    if not source.name or not isinstance(source.name, str) or not source.noun:
+    if not source.noun:
         raise ValueError(f"an import source needs a name and a noun, got {source!r}")
-    _SOURCES[source.name] = source
-    return source
+    return _SOURCES.register(source)
 
 
 def unregister_source(name: str) -> None:
     """Remove the source ``name`` (a plug-in's, when it is done)."""
-    _SOURCES.pop(str(name), None)
+    _SOURCES.unregister(name)
 
 
 register_source(deepspeed.SOURCE)  # before the HF Trainer: its checkpoint-N/ may hold a DeepSpeed tag folder
@@ -37,16 +37,12 @@ register_source(lightning.FOLDER_SOURCE)
 
 
 def source_names() -> list[str]:
-    return list(_SOURCES)
-
-
-def import_sources() -> list[ImportSource]:
-    return list(_SOURCES.values())
+    return _SOURCES.names()
 
 
 def identify(path: Path) -> ImportSource | None:
     """The source whose checkpoint ``path`` is (asked in registration order); None when it is no source's."""
-    return next((s for s in _SOURCES.values() if s.detect(Path(path))), None)
+    return _SOURCES.first(lambda s: s.detect(Path(path)))
 
 
 def read_source(src: Path, limits: Limits) -> ForeignRun:
@@ -56,7 +52,7 @@ def read_source(src: Path, limits: Limits) -> ForeignRun:
         raise CheckpointError(f"'{src}' does not exist")
     source = identify(src)
     if source is None:
-        nouns = [s.noun for s in _SOURCES.values()]
+        nouns = [s.noun for s in _SOURCES]
         kinds = nouns[0] if len(nouns) == 1 else f"{', '.join(nouns[:-1])} nor {nouns[-1]}"
         raise CheckpointError(f"'{src}' is {'not' if len(nouns) == 1 else 'neither'} {kinds}")
     return source.read(src, limits)

@@ -85,9 +85,5 @@ def checked(args: dict[str, Any], where: Path) -> dict[str, Any]:
     """The fields of ``args`` (``training_args.bin``'s, as plain data) that ``FIELDS`` names, each checked (absent:
     left out; None: left out where the Trainer allows it to be unset); a one-line ``CheckpointError`` naming the
     file and the field otherwise."""
-    out: dict[str, Any] = {}
-    for name, check in FIELDS.items():
-        if name not in args or (args[name] is None and name in _UNSETTABLE):
-            continue
-        out[name] = check(args[name], where, name)
-    return out
+    return {name: check(args[name], where, name) for name, check in FIELDS.items()
+            if name in args and not (args[name] is None and name in _UNSETTABLE)}

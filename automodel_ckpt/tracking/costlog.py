@@ -197,7 +197,7 @@ def iter_events(run_dir: Path) -> Iterator[dict[str, Any]]:
 def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
     """The costs of ``events``' launches in bounded memory; a field of the wrong type is left out."""
     launches = interruptions = steps = checkpoints = failures = abandoned = 0
-    wall = behind = blocked_sum = 0.0
+    wall = behind = 0.0
     launch: _Launch | None = None
     blocked, background, sizes, writes = _Mean(), _Mean(), _Mean(), _Mean()
     rates, gaps = _Sample(), _Sample()
@@ -216,7 +216,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
             launch, launches = _Launch(), launches + 1
         launch.add(record)
         if event == START:  # each launch says its checkpoint.mtbf_hours: the last one's is the run's
-            value = _number(record.get("mtbf_hours"))
+            value = finite_number(record.get("mtbf_hours"))
             mtbf_hours = value if value is not None and 0 < value <= MTBF_LIMIT_HOURS else None
         if event == START and record.get("every_steps") == "auto":
             if auto_changes is None:
@@ -229,18 +229,14 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
                 replaced = record["was_every_steps"]
         elif event == CHECKPOINT:
             checkpoints += 1
-            value = _number(record.get("blocked_s"))
-            if value is not None:
-                blocked.add(value)
-                blocked_sum += value
-            for mean, key in ((background, "background_s"), (sizes, "bytes")):
-                value = _number(record.get(key))
+            for mean, key in ((blocked, "blocked_s"), (background, "background_s"), (sizes, "bytes")):
+                value = finite_number(record.get(key))
                 if value is not None and (key != "bytes" or value):
                     mean.add(value)
-            value = _number(record.get("written_bytes", record.get("bytes")))  # before: every byte was written
+            value = finite_number(record.get("written_bytes", record.get("bytes")))  # before: every byte was written
             if value:
                 writes.add(value)
-            rate = _number(record.get("write_gbps"))
+            rate = finite_number(record.get("write_gbps"))
             if rate:
                 rates.add(rate)
             step = record.get("step")
@@ -259,7 +255,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> RunCosts:
         tracking_behind_s=behind, side_failures=failures, local_steps_abandoned=abandoned,
         written_per_checkpoint=writes.mean(),
         launches=launches, interruptions=interruptions, wall_s=wall, steps=steps, checkpoints=checkpoints,
-        blocked_s=blocked_sum, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
+        blocked_s=blocked.total, blocked_per_checkpoint_s=blocked.mean(), background_per_checkpoint_s=background.mean(),
         bytes_per_checkpoint=sizes.mean(), write_gbps=rates.median() if rates.count else None, every_steps=every,
         auto_changes=auto_changes, auto_every_steps=auto_every, replaced_every_steps=replaced, mtbf_hours=mtbf_hours,
     )
@@ -283,9 +279,9 @@ class _Launch:
             step = record["step"]
             self.first_step = step if self.first_step is None else self.first_step
             self.max_step = step if self.max_step is None else max(self.max_step, step)
-        if not _is_time(t) or not math.isfinite(t):
+        t = finite_number(t)
+        if t is None:
             return
-        t = float(t)
         self.first_time = t if self.first_time is None else min(self.first_time, t)
         self.last_time = t if self.last_time is None else max(self.last_time, t)
         backend = str(record.get("backend"))[:64]
@@ -349,7 +345,7 @@ class _Sample:
 _MAX_BACKENDS = 64
 
 
-def _number(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
     """A finite number of a record, else None (a string, a list, NaN or infinity is left out)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -364,7 +360,3 @@ def _whole(value: Any) -> bool:
 def _abandons(record: dict[str, Any]) -> bool:
     """Whether a ``local_step`` side failure abandoned a step."""
     return " abandoned" in str(record.get("text", ""))
-
-
-def _is_time(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

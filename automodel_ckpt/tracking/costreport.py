@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import asdict
 from typing import Any
 
 from automodel_ckpt.checkpoint import DEFAULT_MTBF_HOURS
@@ -34,18 +36,10 @@ def cost_report(costs: RunCosts, mtbf_hours: float | None = None) -> dict[str, A
         "local_steps_abandoned": costs.local_steps_abandoned,
     }
     cost, step_s = costs.blocked_per_checkpoint_s, costs.step_s
-    advice = None
     if cost is not None and step_s:
-        try:  # a log's numbers out of range (an infinite mean, an MTBF of 1e308 hours): no advice
-            advice = advise(cost, mtbf_s, step_s, latency_s=costs.background_per_checkpoint_s or 0.0,
-                            current_every_steps=costs.every_steps)
-        except ValueError:
-            advice = None
-    if advice is not None:
-        report["advice"] = {
-            "interval_s": advice.interval_s, "interval_steps": advice.interval_steps, "overhead": advice.overhead,
-            "current_interval_s": advice.current_interval_s, "current_overhead": advice.current_overhead,
-        }
+        with contextlib.suppress(ValueError):  # a log's numbers out of range (an infinite mean, an MTBF of 1e308 h)
+            report["advice"] = asdict(advise(cost, mtbf_s, step_s, latency_s=costs.background_per_checkpoint_s or 0.0,
+                                             current_every_steps=costs.every_steps))
     if costs.auto_changes is not None:  # ckpt_every_steps: auto, beside the fixed interval it replaced
         fixed, paid = costs.replaced_every_steps, costs.every_steps
         timed = cost is not None and bool(step_s)

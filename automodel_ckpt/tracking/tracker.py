@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import time
 import warnings
@@ -18,7 +17,7 @@ from typing import Any, Callable
 from automodel_ckpt.errors import ConfigError
 from automodel_ckpt.ondisk import RunFolder
 from automodel_ckpt.tracking.base import Backend, OpenContext, require_installed
-from automodel_ckpt.tracking.costlog import BEHIND
+from automodel_ckpt.tracking.costlog import BEHIND, finite_number
 from automodel_ckpt.tracking.lane import EVENT, METRICS, Lane
 from automodel_ckpt.tracking.mlflow_backend import MLflowBackend
 from automodel_ckpt.tracking.tensorboard_backend import TensorBoardBackend
@@ -38,23 +37,19 @@ RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracked run's id as the tracker
 
 def train_metrics(record: dict[str, Any]) -> dict[str, float]:
     """``training.jsonl`` record -> ``train/<key>`` scalars."""
-    return {f"train/{k}": float(v) for k, v in record.items() if k not in SKIPPED and _number(v)}
+    return {f"train/{k}": float(v) for k, v in record.items() if k not in SKIPPED and finite_number(v) is not None}
 
 
 def validation_metrics(record: dict[str, Any]) -> dict[str, float]:
     """``validation.jsonl`` record -> ``val/<key>`` scalars; an evaluation's ``eval/...`` keeps its name."""
     return {(k if k.startswith("eval/") else f"val/{k.removeprefix('val_')}"): float(v) for k, v in record.items()
-            if k not in SKIPPED and _number(v)}
+            if k not in SKIPPED and finite_number(v) is not None}
 
 
 def checkpoint_metrics(record: dict[str, Any]) -> dict[str, float]:
     """``events.jsonl`` checkpoint record -> ``checkpoint/<key>`` scalars."""
     keys = ("blocked_s", "background_s", "bytes", "write_gbps", "wall_share")
-    return {f"checkpoint/{k}": float(record[k]) for k in keys if _number(record.get(k))}
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return {f"checkpoint/{k}": float(record[k]) for k in keys if finite_number(record.get(k)) is not None}
 
 
 class RunTracker:

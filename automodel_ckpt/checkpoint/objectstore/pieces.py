@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from automodel_ckpt.ondisk import bounded, layout
 from automodel_ckpt.ondisk.incremental import key_of
-from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, mtime_of, now
+from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, mtime_of
 from automodel_ckpt.errors import CheckpointError
 
 KEY = re.compile(r"[0-9a-f]{32}")
@@ -159,7 +160,7 @@ def collect(store: ObjectStore, names: Iterable[str], min_age_seconds: float | N
         return []
     orphans = unreferenced(there, records(store, names).values())
     if min_age_seconds is not None:
-        t = now()
+        t = time.time()
         orphans = [k for k in orphans if (m := mtime_of(there[k])) is not None and t - m >= min_age_seconds]
     if orphans and not dry_run:
         store.fs.rm([piece_key(store, k) for k in orphans])

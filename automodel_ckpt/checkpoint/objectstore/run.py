@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -20,7 +21,7 @@ from automodel_ckpt.ondisk import bounded, layout, manifest
 from automodel_ckpt.checkpoint.objectstore import pieces
 from automodel_ckpt.checkpoint.objectstore.lease import Lease, break_lease
 from automodel_ckpt.checkpoint.objectstore.location import normalize
-from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, now, wrap
+from automodel_ckpt.checkpoint.objectstore.store import ObjectStore, wrap
 from automodel_ckpt.ondisk.durable import read_pointer, remove_pointer, remove_tree, set_pointer
 from automodel_ckpt.errors import CheckpointError
 from automodel_ckpt.sizes import human_size
@@ -56,7 +57,7 @@ class RemoteRun:
             self.lease.start_heartbeat()
             atexit.register(self.release)
             if not wrap(f"reading '{self.url}'", lambda: self.store.exists(layout.RUN_MARKER)):
-                note = {"written_by": "automodel-ckpt", "first_run": now(), "host": socket.gethostname()}
+                note = {"written_by": "automodel-ckpt", "first_run": time.time(), "host": socket.gethostname()}
                 wrap(f"marking '{self.url}' as a run folder",
                      lambda: self.store.write_text(json.dumps(note) + "\n", layout.RUN_MARKER))
             self.pull()
@@ -157,7 +158,7 @@ class RemoteRun:
                 f"checkpoint '{self.store.url_of(name)}' already holds objects that ckpt-train did not write (no "
                 f"{layout.UPLOAD_MARKER}); they are never deleted: move them, or use another "
                 "checkpoint.checkpoint_dir or checkpoint.name_template")
-        marker = {"checkpoint": name, "started": now(), "host": socket.gethostname(), "pid": os.getpid()}
+        marker = {"checkpoint": name, "started": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
         wrap(f"starting the upload of '{self.store.url_of(name)}'",
              lambda: self.store.write_text(json.dumps(marker) + "\n", name, layout.UPLOAD_MARKER))
         return leftovers
@@ -239,7 +240,7 @@ class RemoteRun:
 
     def quarantine(self, name: str, reason: str) -> None:
         """Rank 0: a note object marks ``name`` unloadable, never listed or selected again."""
-        note = {"name": name, "reason": reason, "quarantined_at": now()}
+        note = {"name": name, "reason": reason, "quarantined_at": time.time()}
         wrap(f"quarantining '{self.store.url_of(name)}'",
              lambda: self.store.write_text(json.dumps(note) + "\n", layout.QUARANTINE_DIR,
                                            layout.quarantine_note(name)))
@@ -254,8 +255,8 @@ class RemoteRun:
         deleted = []
         for name in wrap(f"listing '{self.url}'", self.leftovers):
             newest = self.store.newest_write(name)
-            if newest is not None and now() - newest < min_age_seconds:
-                logger.info("keeping '%s': written %.0f s ago, may still be uploading", name, now() - newest)
+            if newest is not None and time.time() - newest < min_age_seconds:
+                logger.info("keeping '%s': written %.0f s ago, may still be uploading", name, time.time() - newest)
                 continue
             if not dry_run:
                 wrap(f"deleting '{self.store.url_of(name)}'", lambda n=name: self.store.delete_prefix(n))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -140,12 +139,8 @@ class ObjectStore:
     def sizes(self, name: str) -> dict[str, int]:
         """``{relative path: size}`` of the objects below prefix ``name``, from one listing."""
         head = self.key(name).lstrip("/") + "/"
-        out = {}
-        for info in self.objects(name):
-            key = str(info["name"]).lstrip("/")
-            if key.startswith(head):
-                out[key[len(head):]] = int(info.get("size") or 0)
-        return out
+        return {key[len(head):]: int(info.get("size") or 0) for info in self.objects(name)
+                if (key := str(info["name"]).lstrip("/")).startswith(head)}
 
     def write_text(self, text: str, *parts: str) -> None:
         self.fs.pipe_file(self.key(*parts), text.encode("utf-8"))
@@ -282,7 +277,3 @@ def wrap(what: str, fn: Any) -> Any:
         raise
     except Exception as exc:  # noqa: BLE001 - botocore/aiohttp raise many types
         raise CheckpointError(f"{what}: {type(exc).__name__}: {first_line(exc)}") from exc
-
-
-def now() -> float:
-    return time.time()

@@ -98,8 +98,8 @@ class CheckpointLoader:
         saved_dp = saved_mesh(path).dp
         dp_rank, dp_size = self.dims.dp_rank, self.dims.dp_size
         if saved_dp != dp_size and hasattr(obj, "reshard_state"):
-            saved = functools.partial(_load_rank_file, path, attr)
-            _named(path / attr, lambda: obj.load_state_dict(obj.reshard_state(saved, saved_dp, dp_rank, dp_size)))
+            _named(path / attr, lambda: obj.load_state_dict(obj.reshard_state(
+                lambda rank: load_pt(path / layout.rank_state_file(attr, rank)), saved_dp, dp_rank, dp_size)))
         else:
             self._load_file(attr, obj, path / layout.rank_state_file(attr, dp_rank))
 
@@ -122,10 +122,6 @@ def _named(where: Path, load: Callable[[], None]) -> None:
         if str(where) not in str(exc):
             exc.args = (f"'{where}': {first_line(exc)}",)
         raise
-
-
-def _load_rank_file(path: Path, attr: str, rank: int) -> Any:
-    return load_pt(path / layout.rank_state_file(attr, rank))
 
 
 def _require(folder: Path) -> Path:

@@ -6,6 +6,7 @@ what every rank holds, so every rank decides alike.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from dataclasses import dataclass
@@ -35,11 +36,8 @@ class Outcome:
     def of(cls, error: BaseException | None, folder: Path | None, need: int | None) -> "Outcome":
         """This rank's outcome; ``folder`` None on a rank that does not act for its folder."""
         free = None
-        if folder is not None:
-            try:
-                free = shutil.disk_usage(folder).free
-            except OSError:  # removed, unreadable: no number to give
-                free = None
+        with contextlib.suppress(OSError):  # removed, unreadable: no number to give
+            free = shutil.disk_usage(folder).free if folder is not None else None
         if error is None:
             return cls(None, None, str(folder) if folder else None, free, need)
         text = first_line(error) if isinstance(error, CheckpointError) else \

@@ -9,15 +9,10 @@ from automodel_ckpt.ondisk.retention import RetentionPolicy
 
 
 class WriteSettings:
-    """What a ``SaveWriter`` reads of the ``checkpoint:`` section: ``durable``'s or ``node_local``'s choices."""
+    """What a ``SaveWriter`` reads of the ``checkpoint:`` section: as it says (durable), or ``node_local``'s choices."""
 
     def __init__(self, cfg: CheckpointConfig, *, node_local: bool = False) -> None:
         self._cfg, self.node_local = cfg, node_local
-
-    @classmethod
-    def durable(cls, cfg: CheckpointConfig) -> WriteSettings:
-        """The checkpoints in ``checkpoint_dir``: as the section says."""
-        return cls(cfg)
 
     @classmethod
     def for_node_local(cls, cfg: CheckpointConfig) -> WriteSettings:

@@ -12,7 +12,7 @@ from typing import Any
 
 from automodel_ckpt.data.stream.readers import malformed
 
-_COUNTERS = ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens")
+COUNTERS = ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens")  # a source's, in record order
 
 
 def _uncompressed(path: str) -> bool:
@@ -82,7 +82,7 @@ def check_fields(p: dict[str, Any], shards: list[list[Any]], corpus: Any, seq_le
     sources = []
     for i, (rec, listed) in enumerate(zip(p["sources"], shards)):
         src = _View(index=i, shards=listed, fmt=[file_format(s.path, corpus.sources[i].format) for s in listed],
-                    **{k: rec[k] for k in _COUNTERS})
+                    **{k: rec[k] for k in COUNTERS})
         src.buffer = [_View(source=i, shard=sh, key=k, epoch=0) for sh, k in zip(rec["buffer_shards"],
                                                                                   rec["buffer_keys"])]
         sources.append(src)

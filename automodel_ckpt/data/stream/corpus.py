@@ -78,12 +78,10 @@ def streamed_corpus(path: str | list[str] | None = None, sources: list[dict[str,
                     split_parquet_mb: float = SPLIT_PARQUET_BYTES / 2**20, hub: str | None = None,
                     files: str | list[str] = HUB_FILES) -> Corpus:
     """A corpus read as a stream (docs/data.md, "Streaming"): ``path`` globs, a blend's ``sources``, or a ``hub``."""
-    if hub is not None:
-        if path is not None or sources is not None:
-            raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
-        path = hub_globs(hub, _globs(files, "dataset.files"))
-    if (path is None) == (sources is None):
+    if sum(x is not None for x in (path, sources, hub)) != 1:
         raise ConfigError("dataset: a streamed corpus takes one of dataset.path, dataset.sources, dataset.hub")
+    if hub is not None:
+        path = hub_globs(hub, _globs(files, "dataset.files"))
     if path is not None:
         listed = [Source(_globs(path, "dataset.path"), 1.0, format)]
     else:
@@ -217,10 +215,6 @@ def list_source(source: Source, storage_options: dict[str, Any] | None, key: str
     return out
 
 
-def is_compressed(path: str) -> bool:
-    return path.lower().endswith(_COMPRESSED)
-
-
 def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] | None, format: str | None,
                min_range_bytes: int = MIN_RANGE_BYTES) -> list[Shard]:
     """``units`` cut finer (row groups, byte ranges) when fewer than ``lanes``: a small corpus fills every lane."""
@@ -230,7 +224,7 @@ def fill_lanes(units: list[Shard], lanes: int, storage_options: dict[str, Any] |
     total = sum(u.size for u in units if u.stop < 0) or 1
     for u in units:
         fmt = file_format(u.path, format)
-        if u.stop >= 0 or fmt == "arrow" or (fmt != "parquet" and is_compressed(u.path)):
+        if u.stop >= 0 or fmt == "arrow" or (fmt != "parquet" and u.path.lower().endswith(_COMPRESSED)):
             out.append(u)
         elif fmt == "parquet":
             out.extend(_row_group_shards(u, storage_options))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Iterable, Iterator
 
 from automodel_ckpt.data.stream.corpus import filesystem
@@ -162,10 +163,7 @@ def _parquet_file(path: str, storage_options: dict[str, Any] | None) -> Any:
 
 
 def _group_starts(pf: Any) -> list[int]:
-    starts = [0]
-    for g in range(pf.metadata.num_row_groups):
-        starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
-    return starts
+    return [0, *accumulate(pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups))]
 
 
 def _parquet(path: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
@@ -243,12 +241,13 @@ def _arrow(path: str, storage_options: dict[str, Any] | None, key: int, max_byte
 
 def read_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int = 0,
               row: int = 0, stop: int = -1, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
-    """The rows of ``path`` from the one at ``key`` (numbered from ``row``) up to row ``stop`` (-1: the end)."""
+    """The rows of ``path`` from the one at ``key`` (numbered from ``row``) up to row ``stop`` (-1: the end); of a
+    line file, those starting before byte ``stop``."""
     if fmt == "parquet":
         return _parquet(path, text_field, storage_options, key, stop, max_bytes)
     if fmt == "arrow":
         return _arrow(path, storage_options, key, max_bytes)
-    return _lines(path, fmt, text_field, storage_options, key, row, max_bytes)
+    return _lines(path, fmt, text_field, storage_options, key, row, max_bytes, stop if stop >= 0 else None)
 
 
 def fetch_rows(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None,
@@ -327,9 +326,3 @@ def line_start(path: str, storage_options: dict[str, Any] | None, offset: int,
             for _, length in bounded_lines(_UpTo(f, offset - 1, offset), max_bytes):
                 return offset - 1 + length
     return offset
-
-
-def read_line_range(path: str, fmt: str, text_field: str, storage_options: dict[str, Any] | None, key: int,
-                    row: int, stop: int, max_bytes: int = MAX_RECORD_BYTES) -> Iterator[Row]:
-    """The rows of a byte range of a line file from the line at ``key``: those starting before ``stop``."""
-    return _lines(path, fmt, text_field, storage_options, key, row, max_bytes, stop)

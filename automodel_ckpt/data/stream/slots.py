@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from automodel_ckpt.data.stream.bounds import COUNTERS
 from automodel_ckpt.data.stream.corpus import FORMATS, Corpus, Shard, Source
 from automodel_ckpt.data.stream.position import check_corpus
 from automodel_ckpt.data.stream.readers import DataError, malformed
@@ -19,17 +20,12 @@ MAX_SPEC_PATHS = 256  # globs one saved source may list
 
 @dataclass
 class Slots:
-    """The sources by slot: their corpus, shards, how many the checkpoint had, and the recipe's sources' slots."""
+    """The sources by slot: their corpus, shards, and how many the checkpoint had (the slots after: new, read from
+    their beginning)."""
 
     corpus: Corpus
     shards: list[list[Shard]]
     saved: int
-    of_recipe: list[int]
-
-    @property
-    def added(self) -> list[int]:
-        """Slots new at this resume: their sources start at their beginning."""
-        return list(range(self.saved, len(self.shards)))
 
 
 def specs(corpus: Corpus) -> list[list[Any]]:
@@ -67,10 +63,9 @@ def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_spe
         shards.append(units)
     for j, slot in enumerate(of_recipe):
         if slot < 0:  # a source the checkpoint does not have: a new slot, from its beginning
-            of_recipe[j] = len(shards)
             sources.append(replace(corpus.sources[j]))
             shards.append(list(now[j]))
-    return Slots(replace(corpus, sources=sources), shards, len(saved_shards), of_recipe)
+    return Slots(replace(corpus, sources=sources), shards, len(saved_shards))
 
 
 def _check_specs(saved: Any, count: int) -> None:
@@ -92,5 +87,4 @@ def _records(saved: Any) -> list[list[Any]]:
 
 def fresh_source(n: int) -> dict[str, Any]:
     """A lane's position of a source it has not read yet (``stream._Source.record`` of a new one)."""
-    return {"epoch": 0, "n": n, "pos": 0, "key": 0, "row": 0, "seen": 0, "epoch_rows": 0, "taken": 0, "tokens": 0,
-            "buffer_shards": [], "buffer_keys": []}
+    return {**dict.fromkeys(COUNTERS, 0), "n": n, "buffer_shards": [], "buffer_keys": []}

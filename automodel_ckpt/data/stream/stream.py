@@ -16,9 +16,8 @@ import numpy as np
 from automodel_ckpt.data.encode import BadRecord, DataSpec, RecordEncoder
 from automodel_ckpt.data.stream import order
 from automodel_ckpt.data.stream.corpus import Corpus, Shard, file_format
-from automodel_ckpt.data.stream.bounds import check_carry, check_restored, doc_ref
-from automodel_ckpt.data.stream.readers import (MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start,
-                                                read_line_range, read_rows)
+from automodel_ckpt.data.stream.bounds import COUNTERS, check_carry, check_restored, doc_ref
+from automodel_ckpt.data.stream.readers import MAX_RECORD_BYTES, DataError, Row, fetch_rows, line_start, read_rows
 
 #: Documents drawn and tokenized together (one tokenizer call): the pending documents a position lists.
 DRAW_BATCH = 64
@@ -84,9 +83,7 @@ class _Source:
 
     def record(self, shards: bool = True) -> dict[str, Any]:
         listed = {"shards": [s.record() for s in self.shards]} if shards else {}
-        return {**listed, "epoch": self.epoch, "n": self.n, "pos": self.pos,
-                "key": self.key, "row": self.row, "seen": self.seen, "epoch_rows": self.epoch_rows,
-                "taken": self.taken, "tokens": self.tokens,
+        return {**listed, **{k: getattr(self, k) for k in COUNTERS},
                 "buffer_shards": [d.shard for d in self.buffer], "buffer_keys": [d.key for d in self.buffer]}
 
 
@@ -137,7 +134,7 @@ class GlobalStream:
             if "shards" in rec:
                 src.shards = [Shard(*r) for r in rec["shards"]]
                 src.fmt = [file_format(x.path, self.corpus.sources[src.index].format) for x in src.shards]
-            for name in ("epoch", "n", "pos", "key", "row", "seen", "epoch_rows", "taken", "tokens"):
+            for name in COUNTERS:
                 setattr(src, name, int(rec[name]))
             src.buffer = [_Doc(src.index, int(sh), int(k), {}) for sh, k in zip(rec["buffer_shards"], rec["buffer_keys"])]
             for d in src.buffer:
@@ -263,9 +260,7 @@ class GlobalStream:
                 if src.seen == 0 and src.key < sh.first:  # a row-group or byte-range unit starts inside its file
                     src.key = line_start(sh.path, opts, sh.first, limit) if ranged else sh.first
                     src.row = 0 if ranged else sh.first
-                src.rows = (read_line_range(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop,
-                                            limit) if ranged else
-                            read_rows(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop, limit))
+                src.rows = read_rows(sh.path, src.fmt[shard], self.text_field, opts, src.key, src.row, sh.stop, limit)
             row = next(src.rows, None)
             if row is None:
                 if src.seen == 0 and not ranged:

@@ -26,14 +26,11 @@ def one_pass(settings: StreamSettings) -> StreamSettings:
 def validation_rows(corpus: Corpus, tokenizer: Any, settings: StreamSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, labels)`` of the first ``corpus.max_sequences`` sequences of one pass, unshuffled."""
     stream = GlobalStream(corpus, corpus.list_shards("validation_dataset"), tokenizer, one_pass(settings))
-    rows, labels = [], []
-    for tokens in itertools.islice(stream, corpus.max_sequences or DEFAULT_SEQUENCES):
-        rows.append(tokens)
-        labels.append(stream.last_labels)
-    if not rows:
+    read = [(t, stream.last_labels) for t in itertools.islice(stream, corpus.max_sequences or DEFAULT_SEQUENCES)]
+    if not read:
         empty = torch.zeros(0, settings.seq_length, dtype=torch.long)
         return empty, empty
-    return torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(labels))
+    return torch.from_numpy(np.stack([t for t, _ in read])), torch.from_numpy(np.stack([y for _, y in read]))
 
 
 def validation_batches(rows: torch.Tensor, row_labels: torch.Tensor, *, local_batch_size: int, rank: int,

@@ -14,7 +14,7 @@ def _cfg(**overrides):
 
 def test_durable_settings_are_the_section_read_at_each_save():
     cfg = _cfg()
-    settings = WriteSettings.durable(cfg)
+    settings = WriteSettings(cfg)  # the durable tier's: as the section says
     assert (settings.model_save_format, settings.name_template, settings.is_async) == ("torch_save", "s{step}", False)
     assert (settings.write_threads, settings.nice, settings.save_consolidated) == (3, 5, "every")
     assert settings.retention.max_recent == 7
