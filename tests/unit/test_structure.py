@@ -104,11 +104,9 @@ def test_no_module_over_500_lines():
     assert long == {}, f"split these by responsibility: {long}"
 
 
-#: The package's size in lines (``find automodel_ckpt -name '*.py' | xargs cat | wc -l``). The goal is 41,000; the
-#: ceiling is where the package stands with the vLLM engine and the DeepSpeed and torchtitan imports (44,455 lines),
-#: rounded up to the next 100: a ratchet, lowered as code is merged.
-PACKAGE_LINES_GOAL = 41_000
-PACKAGE_LINES_MAX = 41_100
+#: The package's size in lines (``find automodel_ckpt -name '*.py' | xargs cat | wc -l``), with stages, the vLLM
+#: engine, the DeepSpeed and torchtitan imports and the run report: a ceiling that new features pay for by merging.
+PACKAGE_LINES_MAX = 41_000
 
 
 def package_lines(root: Path = PACKAGE) -> int:
@@ -118,8 +116,8 @@ def package_lines(root: Path = PACKAGE) -> int:
 
 def test_the_package_stays_under_its_size_ceiling(tmp_path):
     lines = package_lines()
-    assert lines <= PACKAGE_LINES_MAX, (f"the package is {lines:,} lines, over its ceiling of {PACKAGE_LINES_MAX:,} "
-                                        f"(the goal: {PACKAGE_LINES_GOAL:,}); merge what repeats before adding more")
+    assert lines <= PACKAGE_LINES_MAX, (f"the package is {lines:,} lines, over its ceiling of {PACKAGE_LINES_MAX:,}; "
+                                        "merge what repeats before adding more")
     (tmp_path / "inner").mkdir()
     (tmp_path / "a.py").write_text("x = 1\ny = 2\n")
     (tmp_path / "inner" / "b.py").write_text("z = 3\n")
