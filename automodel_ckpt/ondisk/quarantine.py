@@ -49,7 +49,7 @@ def _own_folder(folder: Path) -> Path:
 
 
 def _repoint(checkpoint_dir: Path, gone: str, monitor: Monitor) -> None:
-    remaining = catalog.list_checkpoints(checkpoint_dir)
+    remaining = catalog.scan_checkpoints(checkpoint_dir)
     pointers = catalog.pointer_targets(checkpoint_dir)
     if pointers.get(layout.LATEST) == gone:
         if remaining:
