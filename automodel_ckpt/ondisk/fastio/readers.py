@@ -36,7 +36,6 @@ def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: 
     return sum(o * s for o, s in zip(offsets, strides)), math.prod(lengths)
 
 
-
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     n = pread_full(fd, view, offset)
     BYTES_READ.add(n)
@@ -272,7 +271,6 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
     return _finish_reads(done, planner)
 
 
-
 def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                 hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``FileSystemReader.read_data`` with the records located (from ``records.NOTE``, else their zip entries)
@@ -318,7 +316,6 @@ def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int
             planner.load_bytes(req, io.BytesIO(data))
     run_reads(jobs, threads, hash_files, on_hashed)
     return _finish_reads(done, planner)
-
 
 
 class _Checked:
