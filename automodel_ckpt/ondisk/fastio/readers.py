@@ -18,8 +18,7 @@ from automodel_ckpt.ondisk.fastio import common, directread, session
 from automodel_ckpt.ondisk.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.ondisk.fastio.records import locate_record, noted_location
 from automodel_ckpt.ondisk.formats.safe_load import CachingHFReader, SafeFileSystemReader
-from automodel_ckpt.ondisk.formats.safetensors_io import check_header, header_length, parse_header, pread_full
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.ondisk.formats.safetensors_io import header_at, pread_full
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
     """``(first element, count)`` when piece ``offsets``/``lengths`` of ``shape`` is one contiguous run, else None."""
@@ -225,18 +224,6 @@ def _finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPla
 # safetensors --------------------------------------------------------------------------------------
 
 
-def safetensors_header(fd: int, path: str = "") -> tuple[int, dict[str, Any]]:
-    """``(data start, header)`` of an open safetensors file, checked as ``safetensors_io.read_header`` checks."""
-    size = os.fstat(fd).st_size
-    n = header_length(os.pread(fd, 8, 0), size, path)
-    raw = os.pread(fd, n, 8)
-    if len(raw) != n:
-        raise CheckpointError(f"truncated safetensors file {path}: header cut short")
-    header = parse_header(raw, path)
-    check_header(header, size - 8 - n, path)
-    return 8 + n, header
-
-
 def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                      hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``HuggingFaceStorageReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead."""
@@ -340,7 +327,7 @@ class ParallelHFReader(_Checked, CachingHFReader):
         """``(file to read, data start, header)`` of the safetensors file ``path`` names (an archive overrides it)."""
         fd = _open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
         try:
-            start, header = safetensors_header(fd, path)
+            header, start = header_at(fd, path)
         finally:
             os.close(fd)
         return path, start, header
