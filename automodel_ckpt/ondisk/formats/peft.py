@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import logging
 import shutil
 import sys
 from pathlib import Path
@@ -20,8 +19,6 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.durable import write_json
 from automodel_ckpt.distributed.env import all_gather_object, gather_object
 from automodel_ckpt.errors import CheckpointError, first_line
-
-logger = logging.getLogger(__name__)
 
 _FORMAT_VERSION = 1
 _ADAPTER_NAME = "default"  # PEFT's name of the single adapter a recipe trains
