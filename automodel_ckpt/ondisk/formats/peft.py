@@ -59,11 +59,7 @@ def peft_key_map(model: nn.Module, names: list[str]) -> dict[str, str]:
 
 def adapter_config_dict(model: nn.Module, base_model_path: Path | None) -> dict[str, Any]:
     """``adapter_config.json`` content: the LoRA config as PEFT writes it, naming the local base folder."""
-    config = model.peft_config[_ADAPTER_NAME]
-    data = config.to_dict()
-    for key, value in data.items():
-        if isinstance(value, set):
-            data[key] = sorted(value)
+    data = {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config[_ADAPTER_NAME].to_dict().items()}
     data["inference_mode"] = True
     data["base_model_name_or_path"] = str(Path(base_model_path).resolve()) if base_model_path is not None else None
     return data
@@ -136,8 +132,7 @@ def _read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except Exception as exc:  # noqa: BLE001 - a damaged file must be one line, not a traceback
-        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") \
-            from None
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
 
 
 def load_adapter(model: nn.Module, folder: Path) -> None:

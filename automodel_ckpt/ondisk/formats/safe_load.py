@@ -57,7 +57,8 @@ class _Budget:
             raise pickle.UnpicklingError("its constructor calls copy more values than its size allows")
 
     def guard(self, real: type) -> type:
-        """A stand-in for class ``real`` that charges each call or ``__new__`` and returns a ``real``."""
+        """A stand-in for ``real`` (a class or a function) that charges each call (a class's ``__new__`` too) and
+        returns what ``real`` does."""
         budget = self
 
         class Charged(type):
@@ -93,15 +94,7 @@ class RestrictedUnpickler(pickle.Unpickler):
                 found = obj
         if found is None:
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
-        if isinstance(found, type):
-            return self._budget.guard(found)
-        budget = self._budget
-
-        def charged(*args: Any, **kwargs: Any) -> Any:
-            budget.charge(args, kwargs)
-            return found(*args, **kwargs)
-
-        return charged
+        return self._budget.guard(found)
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
