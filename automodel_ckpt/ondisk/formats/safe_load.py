@@ -308,10 +308,6 @@ def _flat(state: dict[str, Any]) -> dict[str, Any]:
         return dict(state)
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
-    return tuple(value.size()) if isinstance(value, torch.Tensor) else None
-
-
 def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | None = None) -> list[str]:
     """Differences between the state to load and a checkpoint's metadata, by key; ``held``: the keys some rank holds."""
     want = _flat(state)
@@ -324,13 +320,9 @@ def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | Non
         elif key not in want:
             if key not in held:
                 out.append(f"{key}: in the checkpoint, not in the model")
-        else:
-            saved = have[key]
-            mine = _shape(want[key])
-            if isinstance(saved, BytesStorageMetadata) or mine is None:
-                continue
-            if tuple(saved.size) != mine:
-                out.append(f"{key}: shape {list(saved.size)} in the checkpoint, {list(mine)} in the model")
+        elif (isinstance(want[key], torch.Tensor) and not isinstance(have[key], BytesStorageMetadata)
+              and tuple(have[key].size) != tuple(want[key].size())):
+            out.append(f"{key}: shape {list(have[key].size)} in the checkpoint, {list(want[key].size())} in the model")
     return out
 
 
