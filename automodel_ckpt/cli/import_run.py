@@ -13,7 +13,7 @@ from typing import Any
 
 from automodel_ckpt.cli.common import VerbParser, check_recipe, load_recipe
 from automodel_ckpt.errors import ConfigError, UsageError
-from automodel_ckpt.ondisk import RunFolder, list_checkpoints
+from automodel_ckpt.ondisk import RunFolder, scan_checkpoints
 
 
 def build_parser() -> VerbParser:
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     run = read_source(src, source_limits(cfg))  # every file of the source checked before the recipe is built
     if run.schedule.target is None:
         raise ConfigError(f"lr_scheduler: {run.schedule.why_not}")
-    if out.is_dir() and list_checkpoints(out):
+    if out.is_dir() and scan_checkpoints(out):
         raise UsageError(f"--out '{out}' holds checkpoints already: import into a new run folder")
     if out.is_symlink() or RunFolder(out).import_recipe.is_symlink():
         raise UsageError(f"--out '{out}': a link; import into a new run folder")
@@ -101,9 +101,9 @@ def main(argv: list[str]) -> int:
     except BaseException:
         if getattr(recipe, "checkpointer", None) is not None:
             recipe.checkpointer.finalize(failed=True)
-        if fresh and out.is_dir() and not list_checkpoints(out):
+        if fresh and out.is_dir() and not scan_checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)  # the folder this import made, with nothing in it
-        elif not list_checkpoints(out):
+        elif not scan_checkpoints(out):
             written.unlink(missing_ok=True)
         raise
     for key, value in added.items():

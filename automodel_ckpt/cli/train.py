@@ -97,8 +97,6 @@ def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:
     huge_pages_if_sharded(cfg, world_size)  # a worker started by torchrun: before its first tensor
     check_recipe(cfg, world_size, inputs=False)
     fetch_models(cfg)  # started by ckpt-train: already there; by torchrun or srun: one process per cache downloads
-    recipe_cls = locate(cfg.recipe, "recipe")
-    recipe = recipe_cls(cfg)
-    recipe.run()
+    locate(cfg.recipe, "recipe")(cfg).run()
     shutdown_distributed()
     end_process(0)

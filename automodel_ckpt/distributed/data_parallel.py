@@ -88,11 +88,7 @@ def check(setting: str | None, sizes: MeshSizes) -> tuple[str, list[str]]:
 
 def replicated_bytes(model: nn.Module) -> int:
     """Bytes a rank holds replicated: every parameter, and per trainable one its gradient and AdamW's moments."""
-    total = 0
-    for p in model.parameters():
-        size = p.numel() * p.element_size()
-        total += size * (4 if p.requires_grad else 1)
-    return total
+    return sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
 
 
 def rank_memory(device: torch.device) -> int:

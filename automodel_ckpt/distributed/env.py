@@ -34,13 +34,9 @@ def inside_launcher_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def default_backend() -> str:
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> DistEnv:
     """Join the job's process group (a one-rank group in-process: one code path for 1 and N ranks), pick the device."""
-    backend = backend or default_backend()
+    backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(minutes=timeout_minutes)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():

@@ -62,13 +62,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
     experts: list[nn.Module] = []
     dims = mesh if isinstance(mesh, ParallelDims) else None
     if dims is not None:
+        if (dims.tp_mesh is not None or dims.expert_mesh is not None) and vision_tower(model) is not None:
+            raise ConfigError(IMAGE_TEXT_TP_REFUSAL if dims.tp_mesh is not None else IMAGE_TEXT_EP_REFUSAL)
         if dims.tp_mesh is not None:
-            if vision_tower(model) is not None:
-                raise ConfigError(IMAGE_TEXT_TP_REFUSAL)
             apply_tensor_parallel(model, dims.tp_mesh, dims.sizes.sequence_parallel)
         if dims.expert_mesh is not None:
-            if vision_tower(model) is not None:
-                raise ConfigError(IMAGE_TEXT_EP_REFUSAL)
             experts = apply_expert_parallel(model, dims.expert_mesh, dims.batch_mesh)
         mesh = dims.fsdp_mesh
     policy = mixed_precision_policy(mixed_precision)

@@ -121,10 +121,8 @@ def _prctl():
     if not _PRCTL:
         prctl = None
         if sys.platform.startswith("linux"):
-            try:
+            with contextlib.suppress(OSError, AttributeError):  # no prctl: the watchdog alone guards
                 prctl = ctypes.CDLL(None, use_errno=True).prctl
-            except (OSError, AttributeError):  # no prctl: the watchdog alone guards
-                prctl = None
         _PRCTL.append(prctl)
     return _PRCTL[0]
 

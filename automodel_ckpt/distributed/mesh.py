@@ -60,12 +60,7 @@ class MeshSizes:
             parts.append(f"HSDP {self.dp_replicate} × {self.dp_shard}")
         elif self.dp_shard > 1 or (self.tp == 1 and self.pp == 1):
             parts.append(f"dp {self.dp_shard}")
-        if self.pp > 1:
-            parts.append(f"pp {self.pp}")
-        if self.tp > 1:
-            parts.append(f"tp {self.tp}")
-        if self.ep > 1:
-            parts.append(f"ep {self.ep}")
+        parts += [f"{name} {size}" for name, size in (("pp", self.pp), ("tp", self.tp), ("ep", self.ep)) if size > 1]
         return " × ".join(parts) + (" + SP" if self.sequence_parallel else "")
 
     def record(self) -> dict[str, int]:

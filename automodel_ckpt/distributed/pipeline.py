@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from automodel_ckpt.distributed.mesh import PipelinePlan, ParallelDims, resolve_pipeline
-from automodel_ckpt.distributed.tensor_parallel import causal_lm, ties_embeddings
+from automodel_ckpt.distributed.tensor_parallel import causal_lm, family_name, ties_embeddings
 from automodel_ckpt.errors import ConfigError
 
 
@@ -25,10 +25,6 @@ def _base(model: nn.Module) -> nn.Module:
 def tied_embeddings(model: nn.Module) -> bool:
     """Whether the head's weight is the input embedding's, on the model before the cut."""
     return ties_embeddings(causal_lm(model))
-
-
-def family_name(model: nn.Module) -> str:
-    return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
 
 
 def decoder_layer_list(model: nn.Module) -> nn.ModuleList:

@@ -16,8 +16,6 @@ from torch import nn
 from automodel_ckpt.distributed.plan_paths import check_plan, module_paths
 from automodel_ckpt.errors import ConfigError
 
-logger = logging.getLogger(__name__)
-
 
 def _styles() -> dict[str, Callable[[], Any]]:
     from torch.distributed.tensor import Replicate

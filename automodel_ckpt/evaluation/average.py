@@ -18,7 +18,7 @@ from automodel_ckpt.errors import UserError
 from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tensors import ADAPTER, open_tensors
 from automodel_ckpt.export import ModelSource
-from automodel_ckpt.ondisk import is_plain_float, list_checkpoints
+from automodel_ckpt.ondisk import is_plain_float, scan_checkpoints
 
 __all__ = ["AverageReport", "average", "last_checkpoints", "parse_weights"]
 
@@ -41,7 +41,7 @@ def last_checkpoints(run_dir: Path, k: int) -> list[Path]:
         raise UserError(f"--last must be at least 1, got {k}")
     if not Path(run_dir).is_dir():
         raise UserError(f"'{run_dir}' is not a run folder (a checkpoint_dir)")
-    found = list_checkpoints(Path(run_dir))
+    found = scan_checkpoints(Path(run_dir))
     if len(found) < k:
         names = ", ".join(r.name for r in found) or "none"
         raise UserError(f"--last {k}: '{run_dir}' has {len(found)} checkpoint(s) ({names})")

@@ -26,7 +26,7 @@ from automodel_ckpt.evaluation.folder import write_folder
 from automodel_ckpt.evaluation.tasks import TASKS_DIR
 from automodel_ckpt.evaluation.tensors import open_tensors
 from automodel_ckpt.ondisk import (Archive, CheckpointFolder, HFFolder, add_files_to_manifest, is_plain_name,
-                                   list_checkpoints, write_atomic)
+                                   scan_checkpoints, write_atomic)
 
 __all__ = ["EvalSettings", "evaluate", "load_model", "results_dir", "scores", "targets", "task_manager",
            "write_results"]
@@ -46,7 +46,7 @@ def targets(src: Path, only: list[str] | None = None) -> list[Path]:
     src = Path(src)
     if not src.exists():
         raise UserError(f"'{src}' does not exist; give a checkpoint, an export folder, an archive or a run folder")
-    records = list_checkpoints(src) if src.is_dir() and not _is_model_folder(src) else []
+    records = scan_checkpoints(src) if src.is_dir() and not _is_model_folder(src) else []
     if not records:
         if only:
             raise UserError(f"--only names checkpoints of a run folder; '{src}' is not one")

@@ -45,23 +45,15 @@ def _module_parameters(module: Any) -> set[int]:
 
 def _group(model: nn.Module, group: str) -> set[int]:
     """The parameters (by identity) of a named group of ``model``: transformers' accessors, else module names."""
-    if group == "vision_tower":
-        found: set[int] = set()
-        named = dict(model.named_modules())
-        for path in vision_module_paths(model, towers=True, projectors=False):
-            found |= _module_parameters(named[path])
-        return found
-    if group == "embeddings":
-        getter = getattr(model, "get_input_embeddings", None)
-        return _module_parameters(_call(getter))
-    if group == "lm_head":
-        getter = getattr(model, "get_output_embeddings", None)
-        return _module_parameters(_call(getter))
-    # language_model: everything outside the vision tower and the projector (decoder, embeddings, head)
+    if group in ("embeddings", "lm_head"):
+        getter = {"embeddings": "get_input_embeddings", "lm_head": "get_output_embeddings"}[group]
+        return _module_parameters(_call(getattr(model, getter, None)))
     named = dict(model.named_modules())
-    vision: set[int] = set()
-    for path in vision_module_paths(model):
-        vision |= _module_parameters(named[path])
+    if group == "vision_tower":
+        paths = vision_module_paths(model, towers=True, projectors=False)
+        return {i for path in paths for i in _module_parameters(named[path])}
+    # language_model: everything outside the vision tower and the projector (decoder, embeddings, head)
+    vision = {i for path in vision_module_paths(model) for i in _module_parameters(named[path])}
     return {id(p) for p in model.parameters()} - vision
 
 
@@ -122,16 +114,9 @@ def apply_freeze(model: nn.Module, patterns: Any) -> list[str]:
 
 def parameter_line(model: nn.Module, patterns: Sequence[str] | None = None) -> str:
     """The start line: how many parameters train and how many are frozen (a tied weight counted once)."""
-    seen: set[int] = set()
-    trainable = frozen = 0
-    for p in model.parameters():  # parameters() yields a shared weight once
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.requires_grad:
-            trainable += p.numel()
-        else:
-            frozen += p.numel()
+    params = list(model.parameters())  # a shared weight once
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
     why = f" (model.freeze: {', '.join(patterns)})" if patterns else ""
     return f"Parameters: {_count(trainable)} trainable / {_count(frozen)} frozen{why}"
 

@@ -152,7 +152,8 @@ def _download(repo_id: str, key: str, weights: bool) -> Path:
     except HfHubHTTPError as exc:  # GatedRepoError and RepositoryNotFoundError among them
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if isinstance(exc, GatedRepoError) or status in (401, 403):  # 401: a private repo or a missing one alike
-            raise ConfigError(_gated_message(repo_id, key)) from None
+            raise ConfigError(f"{key}: '{repo_id}' is gated or private: accept its licence at {_endpoint()}/{repo_id} "
+                              "and set HF_TOKEN (or run `hf auth login`)") from None
         if isinstance(exc, RepositoryNotFoundError):
             raise ConfigError(f"{key}: '{repo_id}' not found on {_endpoint()} (nor a local folder)") from None
         raise ConfigError(f"{key}: downloading '{repo_id}' failed: {first_line(exc)}") from None
@@ -179,11 +180,6 @@ def _network_errors() -> tuple[type[BaseException], ...]:
 def _offline_message(repo_id: str, key: str) -> str:
     return (f"{key}: '{repo_id}' is neither a local folder nor in the Hugging Face cache ({_cache_dir()}), and the "
             f"Hub cannot be reached (offline); fetch it where the Hub is reachable with: {fetch_command(repo_id)}")
-
-
-def _gated_message(repo_id: str, key: str) -> str:
-    return (f"{key}: '{repo_id}' is gated or private: accept its licence at "
-            f"{_endpoint()}/{repo_id} and set HF_TOKEN (or run `hf auth login`)")
 
 
 def _cache_dir() -> str:

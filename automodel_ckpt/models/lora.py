@@ -101,22 +101,15 @@ def lora_exclusions(model: nn.Module, vision_tower: bool = False) -> str | None:
     from automodel_ckpt.model_parts import vision_module_paths
 
     paths = vision_module_paths(model, towers=not vision_tower)
-    if not paths:
-        return None
-    return "^(" + "|".join(re.escape(p) for p in paths) + r")(\..*)?$"
+    return "^(" + "|".join(re.escape(p) for p in paths) + r")(\..*)?$" if paths else None
 
 
 def linear_names(model: nn.Module, attention_only: bool = False) -> set[str]:
     """Suffixes of the model's linear (and GPT-2 Conv1D) layers but the head; ``attention_only``: in attention."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = set()
-    for path, module in model.named_modules():
-        if module is head or not _is_linear(module):
-            continue
-        if attention_only and not any(h in part for part in path.split(".")[:-1] for h in _ATTENTION_HINTS):
-            continue
-        names.add(path.rsplit(".", 1)[-1])
-    return names
+    return {path.rsplit(".", 1)[-1] for path, module in model.named_modules()
+            if module is not head and _is_linear(module)
+            and (not attention_only or any(h in part for part in path.split(".")[:-1] for h in _ATTENTION_HINTS))}
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -9,7 +9,6 @@ broadcasts it, unless a restored checkpoint filled it. A custom ``model._target_
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -18,8 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 #: The builders that can build on the meta device (``on_meta=True``).
 META_BUILDERS = frozenset({"automodel_ckpt.models.build.build_causal_lm",

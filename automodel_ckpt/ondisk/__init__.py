@@ -23,8 +23,7 @@ _EXPORTS = exports_of({
                "COUNT_LIMIT MAX_WORLD_SIZE check_count",
     "paths": "check_path file_kind is_plain_name model_file_in open_regular path_inside regular_file_problem "
              "not_regular path_problem walk_regular",
-    "catalog": "CheckpointRecord list_checkpoints pointer_target pointer_targets quarantined_checkpoints "
-               "scan_checkpoints size_on_disk",
+    "catalog": "CheckpointRecord pointer_target pointer_targets quarantined_checkpoints scan_checkpoints size_on_disk",
     "manifest": "CHECKSUM_MISMATCH UNEXPECTED_FILE ManifestReport add_files_to_manifest read_manifest verify_manifest "
                 "UNREADABLE Verdict build_manifest dump_manifest file_verdict",
     "metadata": "as_float",

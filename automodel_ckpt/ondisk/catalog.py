@@ -118,12 +118,6 @@ def quarantined_checkpoints(checkpoint_dir: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda q: (q["quarantined_at"] or 0, q["name"]))
 
 
-
-def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointRecord]:
-    """Published checkpoints, oldest first (``scan_checkpoints`` without the incomplete ones)."""
-    return scan_checkpoints(checkpoint_dir)
-
-
 def pointer_target(checkpoint_dir: Path, pointer: str) -> Path | None:
     """The checkpoint a pointer designates, if it exists and is published."""
     name = read_pointer(checkpoint_dir, pointer)
@@ -143,7 +137,7 @@ def _dangling_pointer(checkpoint_dir: Path, pointer: str) -> str | None:
 
 def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
     """LATEST's target; the newest published checkpoint when LATEST is missing, dangling or behind."""
-    found = list_checkpoints(checkpoint_dir)
+    found = scan_checkpoints(checkpoint_dir)
     target = pointer_target(checkpoint_dir, layout.LATEST)
     if not found:
         return target
@@ -167,7 +161,7 @@ def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path
         return found
     if restore_from == layout.LATEST:
         if dangling is not None:
-            existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
+            existing = ", ".join(r.name for r in scan_checkpoints(checkpoint_dir)) or "none"
             raise CheckpointError(f"checkpoint.restore_from: LATEST points to '{dangling}', which is not a checkpoint "
                                   f"in {checkpoint_dir} (checkpoints there: {existing}); name one, or unset "
                                   "restore_from to resume from the newest")
@@ -182,7 +176,7 @@ def resolve_restore_from(checkpoint_dir: Path, restore_from: str | None) -> Path
             candidate = checkpoint_dir / restore_from
         found = candidate if candidate.is_dir() and not layout.is_staging(candidate.name) else None
     if found is None:
-        existing = ", ".join(r.name for r in list_checkpoints(checkpoint_dir)) or "none"
+        existing = ", ".join(r.name for r in scan_checkpoints(checkpoint_dir)) or "none"
         raise CheckpointError(f"checkpoint.restore_from: '{restore_from}' not found in {checkpoint_dir} "
                               f"(checkpoints there: {existing})")
     return found

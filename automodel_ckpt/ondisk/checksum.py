@@ -22,7 +22,6 @@ _MMAP_CHUNK = 16 << 20
 _DROP = getattr(mmap, "MADV_DONTNEED", None)
 
 
-
 def default_algorithm() -> str:
     """The algorithm new manifests use: xxh3_64 when ``xxhash`` is installed, else crc32."""
     try:

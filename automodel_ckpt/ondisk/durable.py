@@ -168,23 +168,16 @@ class WrittenFiles:
         """Drop the records of files below ``root`` (once they are no longer needed)."""
         prefix = os.path.join(os.path.abspath(root), "")
         with self._lock:
-            for key in [k for k in self._files if k.startswith(prefix)]:
-                del self._files[key]
+            self._files = {k: v for k, v in self._files.items() if not k.startswith(prefix)}
 
 
 def fsync_tree(root: Path, rank: int = 0, world_size: int = 1, written: WrittenFiles | None = None) -> None:
     """fsync this rank's share of the files below ``root`` not synced yet, then (rank 0) every folder, deepest first."""
-    todo = []
-    for i, path in enumerate(files_under(root)):
-        if i % world_size == rank:
-            known = written.get(path) if written is not None else None
-            if known is None or not known.synced:
-                todo.append(path)
-    if len(todo) > 1:
+    todo = [path for path in files_under(root)[rank::world_size]
+            if written is None or (known := written.get(path)) is None or not known.synced]
+    if todo:
         with ThreadPoolExecutor(min(8, len(todo)), thread_name_prefix="ckpt-fsync") as pool:
             list(pool.map(fsync_file, todo))
-    elif todo:
-        fsync_file(todo[0])
     if rank == 0:
         dirs = sorted(paths.folders_under(root), key=lambda rel: rel.count("/"), reverse=True)
         for d in [*(Path(root) / rel for rel in dirs), Path(root)]:

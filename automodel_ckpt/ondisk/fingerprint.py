@@ -116,6 +116,4 @@ def _show(value: Any) -> str:
 
 def _plain(value: Any) -> Any:
     """JSON-shaped copy (what metadata.json will hold), so a saved and a current fingerprint compare equal."""
-    if value is None:
-        return None
     return json.loads(json.dumps(value, default=str, sort_keys=True))

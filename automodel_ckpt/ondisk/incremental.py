@@ -192,13 +192,9 @@ def _link_same_bytes(source: Path, path: Path, size: int, key: str) -> bool:
 
 def shared_bytes(folder: Path) -> tuple[int, int]:
     """``(own bytes, shared bytes)`` of the regular files below ``folder`` (shared: more than one link)."""
-    own = shared = 0
-    for _, st in paths.regular_stats(Path(folder)):
-        if st.st_nlink > 1:
-            shared += st.st_size
-        else:
-            own += st.st_size
-    return own, shared
+    stats = [st for _, st in paths.regular_stats(Path(folder))]
+    shared = sum(st.st_size for st in stats if st.st_nlink > 1)
+    return sum(st.st_size for st in stats) - shared, shared
 
 
 def stored_once(folders: list[Path]) -> int:

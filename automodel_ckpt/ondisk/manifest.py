@@ -126,11 +126,9 @@ def _hash_share(root: Path, rels: list[str], files: dict[str, int], algorithm: s
                                   "bytes)")
         return rel, digest
 
-    if len(todo) > 1:
+    if todo:
         with ThreadPoolExecutor(min(4, len(todo)), thread_name_prefix="ckpt-hash") as pool:
             out.update(pool.map(one, todo))
-    else:
-        out.update(one(rel) for rel in todo)
     return out
 
 
@@ -170,10 +168,7 @@ def seal(staging: Path, rank: int, world_size: int, written: WrittenFiles | None
 
 def merge_checksums(parts: Iterable[dict[str, str]]) -> dict[str, str]:
     """Every rank's ``{relative path: checksum}`` as one mapping (rank 0, once per save: linear in the ranks)."""
-    checksums: dict[str, str] = {}
-    for part in parts:
-        checksums.update(part)
-    return checksums
+    return {rel: digest for part in parts for rel, digest in part.items()}
 
 
 def _plan_apart(staging: Path, rank: int, world_size: int) -> tuple[str, dict[str, int], list[list[str]]]:
@@ -369,9 +364,8 @@ def verify_manifest(checkpoint: Path, *, checksums: bool = True, only: Iterable[
     else:
         report.verdicts = [check(rel) for rel in names]
     if unexpected and only is None:
-        for rel in list_files(checkpoint):
-            if rel not in listed:
-                report.verdicts.append(Verdict(rel, UNEXPECTED_FILE, "not in the manifest"))
+        report.verdicts += [Verdict(rel, UNEXPECTED_FILE, "not in the manifest") for rel in list_files(checkpoint)
+                            if rel not in listed]
     report.verdicts.sort(key=lambda v: v.path)
     return report
 
@@ -410,9 +404,7 @@ def check_before_load(checkpoint: Path, *, checksums: bool, rank: int, world_siz
     bad = [v for r in reports for v in r.bad]
     problem = next((r.problem for r in reports if r.problem), None)
     if problem or bad:
-        seen: dict[str, Verdict] = {}
-        for v in bad:
-            seen.setdefault(v.path, v)
+        seen = {v.path: v for v in reversed(bad)}  # the first verdict of each file
         merged = ManifestReport(checkpoint, sorted(seen.values(), key=lambda v: v.path), problem)
         raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: {summarize(merged)} "
                               f"(`ckpt-train verify {checkpoint}` lists every file)")

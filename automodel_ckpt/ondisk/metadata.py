@@ -82,16 +82,12 @@ def read_metadata(checkpoint: Path) -> dict[str, Any] | None:
 
 def as_float(value: Any) -> float | None:
     """A metric read back from JSON: numbers and "inf"/"-inf"/"nan" strings become floats, anything else None."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
-    if isinstance(value, (int, float)):
+    try:
         return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    except ValueError:  # a string that is no number
+        return None
 
 
 def metric_value(meta: dict[str, Any] | None, monitor: str, best_metric_key: str | None = None) -> float | None:

@@ -49,17 +49,13 @@ def _own_folder(folder: Path) -> Path:
 
 
 def _repoint(checkpoint_dir: Path, gone: str, monitor: Monitor) -> None:
-    remaining = catalog.list_checkpoints(checkpoint_dir)
+    remaining = catalog.scan_checkpoints(checkpoint_dir)
     pointers = catalog.pointer_targets(checkpoint_dir)
-    if pointers.get(layout.LATEST) == gone:
-        if remaining:
-            set_pointer(checkpoint_dir, layout.LATEST, remaining[-1].name)
-        else:
-            remove_pointer(checkpoint_dir, layout.LATEST)
     named = layout.best_pointer(monitor.name)  # LOWEST_VAL, or BEST_EVAL for an eval score
-    if pointers.get(named) == gone:
-        best = monitor.best(remaining)
-        if best is not None:
-            set_pointer(checkpoint_dir, named, best.name)
+    for pointer, now in ((layout.LATEST, remaining[-1] if remaining else None), (named, monitor.best(remaining))):
+        if pointers.get(pointer) != gone:
+            continue
+        if now is not None:
+            set_pointer(checkpoint_dir, pointer, now.name)
         else:
-            remove_pointer(checkpoint_dir, named)
+            remove_pointer(checkpoint_dir, pointer)

@@ -154,7 +154,7 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_0(work, assets, delivery
     assert read_pointer(run_dir, layout.LATEST) == name  # complete and published before the job exited
     assert manifest.verify_manifest(run_dir / name, checksums=True).ok
     assert not list(run_dir.glob(".staging-*"))
-    assert [c.step for c in catalog.list_checkpoints(run_dir)][-1] == step
+    assert [c.step for c in catalog.scan_checkpoints(run_dir)][-1] == step
     reference = _reference(work, assets)
     assert losses(run_dir) == reference[:step]  # the steps it trained are the uninterrupted run's
     if _resumes_exactly(delivery):
@@ -186,7 +186,7 @@ def test_kill_during_an_overlapped_snapshot_publishes_nothing_and_resumes_from_t
     finally:
         kill_job(proc)
     assert losses(run_dir) == _reference(work, assets)[:4]  # step 5 never finished: it waited at the fence
-    assert [c.name for c in catalog.list_checkpoints(run_dir)] == ["epoch_0_step_2"]
+    assert [c.name for c in catalog.scan_checkpoints(run_dir)] == ["epoch_0_step_2"]
     assert read_pointer(run_dir, layout.LATEST) == "epoch_0_step_2"
     assert not (run_dir / "epoch_0_step_4").exists()
     assert not (run_dir / layout.staging_name("epoch_0_step_4")).exists()  # reserved only after the copy

@@ -92,7 +92,7 @@ def test_full_disk_fails_in_one_line_and_rerun_resumes(work, assets, disk, case)
     assert leftovers == []
     assert read_pointer(disk / "ckpt", layout.LATEST) == first.name
     assert sorted(p.relative_to(first).as_posix() for p in first.rglob("*")) == before
-    assert [r.name for r in catalog.list_checkpoints(disk / "ckpt")] == [first.name]
+    assert [r.name for r in catalog.scan_checkpoints(disk / "ckpt")] == [first.name]
 
     _resize(disk, ROOMY)
     rerun = ckpt_train(work, assets, *args, "--step_scheduler.max_steps", "4", nproc=2)
@@ -129,7 +129,7 @@ def test_an_inline_export_out_of_room_is_one_warning_and_the_checkpoint_is_saved
     assert len(warned) == 1 and "no space left on device" in warned[0], done.output[-3000:]
     assert "Traceback" not in done.output
     assert read_pointer(disk / "ckpt", layout.LATEST) == second.name
-    assert [r.name for r in catalog.list_checkpoints(disk / "ckpt")] == [first.name, second.name]
+    assert [r.name for r in catalog.scan_checkpoints(disk / "ckpt")] == [first.name, second.name]
     assert not [p for p in (second / layout.MODEL_DIR).iterdir() if "consolidated" in p.name]  # nothing half-written
     events = [json.loads(line) for line in (disk / "ckpt" / layout.EVENTS_LOG).read_text().splitlines()]
     failures = [e for e in events if e["event"] == "side_failure"]

@@ -28,7 +28,7 @@ MLFLOW = ("--logging.mlflow.experiment", "evaluated")  # the straight run only (
 
 
 def _checkpoints(run: Path) -> dict[str, dict]:
-    return {r.name: r.metadata for r in catalog.list_checkpoints(run)}
+    return {r.name: r.metadata for r in catalog.scan_checkpoints(run)}
 
 
 @pytest.fixture(scope="module")

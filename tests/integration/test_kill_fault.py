@@ -123,7 +123,7 @@ def run_round(cwd: Path, assets: Path, ckpt_dir: str, log: Path, plan: dict | No
 def check_dir(root: Path, before: set[str]) -> tuple[set[str], list[str], dict]:
     """Invariants of a checkpoint_dir after a kill: (complete checkpoints, failures, facts)."""
     failures = []
-    complete = {r.name for r in catalog.list_checkpoints(root)}
+    complete = {r.name for r in catalog.scan_checkpoints(root)}
     lost = sorted(before - complete)
     if lost:
         failures.append(f"complete checkpoints lost: {lost}")

@@ -50,7 +50,7 @@ def test_a_full_local_folder_costs_one_local_step_not_the_run(tmp_path, tmpfs, a
     assert _lines(out, "node-local steps are written again") == [
         "node-local steps are written again: epoch_0_step_7 (after 1 failed in a row)"]
     assert "error" not in out.lower() and "Traceback" not in out
-    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
+    assert [r.name for r in catalog.scan_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
     _same_losses(tmp_path / "run", _records(straight_runs.get(1)), 1)  # as without the tier, bitwise
     seen = dict(line.split(": ", 1) for line in listing.read_text().splitlines())
     assert "epoch_0_step_5" in seen["6"].split()  # the step before the filling is kept
@@ -72,7 +72,7 @@ def test_a_read_only_local_filesystem_costs_one_local_step(tmp_path, tmpfs, asse
     assert len(abandoned) == 1 and abandoned[0].startswith(
         "warning: node-local step epoch_0_step_6 abandoned: the filesystem is read-only ("), out[-3000:]
     assert len(_lines(out, "node-local steps are written again: epoch_0_step_7")) == 1
-    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
+    assert [r.name for r in catalog.scan_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
     _same_losses(tmp_path / "run", _records(straight_runs.get(1)), 1)
 
 
@@ -85,7 +85,7 @@ def test_a_removed_local_folder_is_made_again(tmp_path, tmpfs, assets):
     assert not _lines(out, "abandoned:")
     seen = dict(line.split(": ", 1) for line in listing.read_text().splitlines())
     assert "epoch_0_step_6" in seen["7"].split()  # written into the folder made again
-    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
+    assert [r.name for r in catalog.scan_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
 
 
 def test_a_peer_that_cannot_write_its_copy_costs_one_local_step(tmp_path, tmpfs, assets, straight_runs):
@@ -119,7 +119,7 @@ def test_a_peer_folder_full_two_nodes_resume_from_a_complete_step(tmp_path, tmpf
     inventories = {r: scan(folder) for r, folder in enumerate(dirs)}
     assert [sorted(inv.steps) for inv in inventories.values()] == [["epoch_0_step_5"], ["epoch_0_step_5"]]
     assert choose(inventories).name == "epoch_0_step_5"
-    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4"]
+    assert [r.name for r in catalog.scan_checkpoints(tmp_path / "run")] == ["epoch_0_step_4"]
 
     out = _two_nodes(tmp_path, assets, *EVERY_STEP, env={"FILLER": str(tmpfs / "filler")}, dirs=dirs)
     start = _starts(tmp_path / "run")[-1]
@@ -128,4 +128,4 @@ def test_a_peer_folder_full_two_nodes_resume_from_a_complete_step(tmp_path, tmpf
     assert len(again) == 2 and all("checking the node-local folder's room failed on rank 1" in line for line in again)
     assert "the next due node-local step is skipped" in again[1]  # the second failure in a row: one skipped
     _same_losses(tmp_path / "run", _records(straight_runs.get(2)), 6)
-    assert [r.name for r in catalog.list_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]
+    assert [r.name for r in catalog.scan_checkpoints(tmp_path / "run")] == ["epoch_0_step_4", "epoch_0_step_8"]

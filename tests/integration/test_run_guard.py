@@ -164,7 +164,7 @@ def test_workers_die_with_their_launcher_and_a_kill_storm_then_a_rerun_gives_the
         assert not alive, f"kill {kill}: workers {alive} outlived their launcher"
         # nothing trained or published after the kill (a step or save already under way may complete)
         assert last_step(root) <= at_kill + 1, f"kill {kill}: training went on from step {at_kill}"
-        published = [r.step for r in catalog.list_checkpoints(root)] if root.exists() else []
+        published = [r.step for r in catalog.scan_checkpoints(root)] if root.exists() else []
         assert max(published, default=0) <= at_kill + 1, f"kill {kill}: published {published} after step {at_kill}"
         assert "already exists" not in log.read_text()
     rerun = ckpt_train(tmp_path, assets, *ARGS, "--checkpoint.checkpoint_dir", "storm", nproc=2, timeout=TIMEOUT)
@@ -245,7 +245,7 @@ def running_with_data_workers(proc: subprocess.Popen, root: Path, log: Path, *, 
     rank 0's pid (the lock's holder, another than ``not_rank0``) and its data workers' pids."""
     def ready() -> bool:
         ranks, holder = children(proc.pid), _holder_pid(root)
-        newest = max((r.step for r in catalog.list_checkpoints(root)), default=0) if root.exists() else 0
+        newest = max((r.step for r in catalog.scan_checkpoints(root)), default=0) if root.exists() else 0
         return (newest >= past and holder in ranks and holder != not_rank0 and len(ranks) == 3
                 and all(len(children(r)) == 2 for r in ranks))
 

@@ -18,9 +18,8 @@ from automodel_ckpt.ondisk import ModelFolder, bounded, layout, manifest
 from automodel_ckpt.ondisk.metadata import read_metadata
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.export.lora_merge import original_dtypes
-from automodel_ckpt.ondisk.fastio.readers import safetensors_header
 from automodel_ckpt.ondisk.formats.safe_load import load_dcp_metadata
-from automodel_ckpt.ondisk.formats.safetensors_io import read_header
+from automodel_ckpt.ondisk.formats.safetensors_io import header_at, read_header
 from automodel_ckpt.checkpoint.objectstore import run
 from automodel_ckpt.checkpoint.objectstore.store import plain_names
 from automodel_ckpt.errors import UserError
@@ -99,7 +98,7 @@ def test_safetensors_header(data):
         header, start = got
         assert isinstance(header, dict) and start <= len(data)
     with open(path, "rb") as f:
-        refused_or(safetensors_header, f.fileno(), str(path))
+        refused_or(header_at, f.fileno(), str(path))
 
 
 def dcp_like(value: object) -> bytes:

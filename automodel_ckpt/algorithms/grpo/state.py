@@ -47,10 +47,8 @@ class GRPOCounters:
     def shown(self) -> dict[str, Any]:
         """What ``ckpt-train inspect`` lists (the checkpoint's metadata holds it)."""
         mean = self.reward_sum / self.generated_completions if self.generated_completions else None
-        return {"grpo_step": self.grpo_step, "ppo_optimization_step": self.ppo_optimization_step,
-                "consumed_prompts": self.consumed_prompts, "generated_completions": self.generated_completions,
-                "generated_tokens": self.generated_tokens, "skipped_prompts": self.skipped_prompts,
-                "reward_mean_so_far": mean}
+        return {key: getattr(self, key) for key in _COUNTS if not key.startswith("prompt_")} | {
+            "reward_mean_so_far": mean}
 
 
 class PromptLoader(GlobalPosition):

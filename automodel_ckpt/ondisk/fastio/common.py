@@ -96,7 +96,6 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 ST_CODES = {code: dtype for dtype, code in ST_DTYPES.items()}
 
 
-
 def compact(tensor: torch.Tensor) -> torch.Tensor:
     """What torch's writer saves: the tensor on the CPU, with a storage of its own size."""
     t = tensor.cpu()

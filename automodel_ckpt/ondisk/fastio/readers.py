@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import io
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -19,22 +18,12 @@ from automodel_ckpt.ondisk.fastio import common, directread, session
 from automodel_ckpt.ondisk.fastio.common import BYTES_READ, READ_THREADS, ST_CODES, Located, default_threads, itemsize, tensor_memory
 from automodel_ckpt.ondisk.fastio.records import locate_record, noted_location
 from automodel_ckpt.ondisk.formats.safe_load import CachingHFReader, SafeFileSystemReader
-from automodel_ckpt.ondisk.formats.safetensors_io import check_header, header_length, parse_header, pread_full
-from automodel_ckpt.errors import CheckpointError
+from automodel_ckpt.ondisk.formats.safetensors_io import header_at, pread_full
 
 def contiguous_range(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
     """``(first element, count)`` when piece ``offsets``/``lengths`` of ``shape`` is one contiguous run, else None."""
-    j = len(shape) - 1
-    while j >= 0 and offsets[j] == 0 and lengths[j] == shape[j]:
-        j -= 1
-    if any(lengths[i] != 1 for i in range(j)):
-        return None
-    stride, strides = 1, [0] * len(shape)
-    for i in range(len(shape) - 1, -1, -1):
-        strides[i] = stride
-        stride *= shape[i]
-    return sum(o * s for o, s in zip(offsets, strides)), math.prod(lengths)
-
+    starts, run = runs(shape, offsets, lengths)
+    return (starts[0], run) if len(starts) == 1 else None
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
@@ -46,6 +35,8 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 def runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[list[int], int]:
     """``(first elements, run length)``: piece ``offsets``/``lengths`` of ``shape`` as runs of consecutive elements."""
+    if not shape:
+        return [0], 1
     j = len(shape) - 1
     while j > 0 and offsets[j] == 0 and lengths[j] == shape[j]:
         j -= 1
@@ -66,27 +57,21 @@ class ReadJob:
                  target: torch.Tensor, record: tuple[int, int] | None = None) -> None:
         self.path, self.located, self.offsets, self.lengths, self.target = path, located, offsets, lengths, target
         self.record = record
-        self.span = None
         self.direct = self.in_place = False
         self.runs: list[tuple[int, int]] | None = None
         if located is None:
             self.start, self.nbytes = record
             return
         size_of = itemsize(located.dtype)
-        span = contiguous_range(located.shape, offsets, lengths)
+        starts, run = runs(located.shape, offsets, lengths)
         # the saved bytes are the target's own: read into it (on the CPU), or copied into it from the read buffer
-        self.in_place = (span is not None and target.is_contiguous() and target.dtype == located.dtype
+        self.in_place = (len(starts) == 1 and target.is_contiguous() and target.dtype == located.dtype
                          and tuple(target.shape) == tuple(lengths))
         self.direct = self.in_place and target.device.type == "cpu"
-        if span is not None:
-            self.start = located.offset + span[0] * size_of
-            self.nbytes = span[1] * size_of
-        else:  # several runs (a block of columns, ...): only their bytes are read, run by run
-            starts, run = runs(located.shape, offsets, lengths)
-            self.start = located.offset + starts[0] * size_of
-            self.nbytes = len(starts) * run * size_of
+        self.start = located.offset + starts[0] * size_of
+        self.nbytes = len(starts) * run * size_of
+        if len(starts) > 1:  # several runs (a block of columns, ...): only their bytes are read, run by run
             self.runs = [(located.offset + first * size_of, run * size_of) for first in starts]
-        self.span = span
 
     def tasks(self) -> list[tuple[int, int, Callable[[int], None]]]:
         """``(file offset, bytes, read(fd))``: a direct read in ``common.CHUNK`` pieces, else one task."""
@@ -239,18 +224,6 @@ def _finish_reads(reqs_targets: list[tuple[Any, torch.Tensor]], planner: LoadPla
 # safetensors --------------------------------------------------------------------------------------
 
 
-def safetensors_header(fd: int, path: str = "") -> tuple[int, dict[str, Any]]:
-    """``(data start, header)`` of an open safetensors file, checked as ``safetensors_io.read_header`` checks."""
-    size = os.fstat(fd).st_size
-    n = header_length(os.pread(fd, 8, 0), size, path)
-    raw = os.pread(fd, n, 8)
-    if len(raw) != n:
-        raise CheckpointError(f"truncated safetensors file {path}: header cut short")
-    header = parse_header(raw, path)
-    check_header(header, size - 8 - n, path)
-    return 8 + n, header
-
-
 def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
                      hash_files: dict[str, Any] | None = None, on_hashed: Any = None) -> Future | None:
     """``HuggingFaceStorageReader.read_data`` with ``preadv`` into the destinations; None: use torch's instead."""
@@ -270,7 +243,6 @@ def read_safetensors(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads:
         done.append((req, target))
     run_reads(jobs, threads, hash_files, on_hashed, gap=getattr(reader, "gap", directread.GAP))
     return _finish_reads(done, planner)
-
 
 
 def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int,
@@ -320,7 +292,6 @@ def _read_distcp(reader: Any, plan: LoadPlan, planner: LoadPlanner, threads: int
     return _finish_reads(done, planner)
 
 
-
 class _Checked:
     """A reader's optional ``check`` (``loadcheck.LoadCheck``): the folder's files of its share hashed while read."""
 
@@ -356,7 +327,7 @@ class ParallelHFReader(_Checked, CachingHFReader):
         """``(file to read, data start, header)`` of the safetensors file ``path`` names (an archive overrides it)."""
         fd = _open_fd(path, getattr(os, "POSIX_FADV_RANDOM", None))
         try:
-            start, header = safetensors_header(fd, path)
+            header, start = header_at(fd, path)
         finally:
             os.close(fd)
         return path, start, header

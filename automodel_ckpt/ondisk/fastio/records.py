@@ -255,8 +255,6 @@ class _FileView(io.RawIOBase):
         return len(data)
 
 
-
-
 def _zip_entries(fd: int, offset: int, length: int) -> dict[str, tuple[int, int]] | None:
     """``{name: (absolute data offset, size)}`` of an uncompressed torch.save archive at ``offset``, or None."""
     try:

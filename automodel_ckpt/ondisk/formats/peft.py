@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import logging
 import shutil
 import sys
 from pathlib import Path
@@ -20,8 +19,6 @@ from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.durable import write_json
 from automodel_ckpt.distributed.env import all_gather_object, gather_object
 from automodel_ckpt.errors import CheckpointError, first_line
-
-logger = logging.getLogger(__name__)
 
 _FORMAT_VERSION = 1
 _ADAPTER_NAME = "default"  # PEFT's name of the single adapter a recipe trains
@@ -62,11 +59,7 @@ def peft_key_map(model: nn.Module, names: list[str]) -> dict[str, str]:
 
 def adapter_config_dict(model: nn.Module, base_model_path: Path | None) -> dict[str, Any]:
     """``adapter_config.json`` content: the LoRA config as PEFT writes it, naming the local base folder."""
-    config = model.peft_config[_ADAPTER_NAME]
-    data = config.to_dict()
-    for key, value in data.items():
-        if isinstance(value, set):
-            data[key] = sorted(value)
+    data = {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config[_ADAPTER_NAME].to_dict().items()}
     data["inference_mode"] = True
     data["base_model_name_or_path"] = str(Path(base_model_path).resolve()) if base_model_path is not None else None
     return data
@@ -139,8 +132,7 @@ def _read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except Exception as exc:  # noqa: BLE001 - a damaged file must be one line, not a traceback
-        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") \
-            from None
+        raise CheckpointError(f"cannot read '{file}': {first_line(exc)}") from None
 
 
 def load_adapter(model: nn.Module, folder: Path) -> None:

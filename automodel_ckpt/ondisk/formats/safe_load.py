@@ -57,7 +57,8 @@ class _Budget:
             raise pickle.UnpicklingError("its constructor calls copy more values than its size allows")
 
     def guard(self, real: type) -> type:
-        """A stand-in for class ``real`` that charges each call or ``__new__`` and returns a ``real``."""
+        """A stand-in for ``real`` (a class or a function) that charges each call (a class's ``__new__`` too) and
+        returns what ``real`` does."""
         budget = self
 
         class Charged(type):
@@ -93,15 +94,7 @@ class RestrictedUnpickler(pickle.Unpickler):
                 found = obj
         if found is None:
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
-        if isinstance(found, type):
-            return self._budget.guard(found)
-        budget = self._budget
-
-        def charged(*args: Any, **kwargs: Any) -> Any:
-            budget.charge(args, kwargs)
-            return found(*args, **kwargs)
-
-        return charged
+        return self._budget.guard(found)
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent references are not allowed in checkpoint metadata")
@@ -315,10 +308,6 @@ def _flat(state: dict[str, Any]) -> dict[str, Any]:
         return dict(state)
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
-    return tuple(value.size()) if isinstance(value, torch.Tensor) else None
-
-
 def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | None = None) -> list[str]:
     """Differences between the state to load and a checkpoint's metadata, by key; ``held``: the keys some rank holds."""
     want = _flat(state)
@@ -331,13 +320,9 @@ def _differences(state: dict[str, Any], metadata: Metadata, held: set[str] | Non
         elif key not in want:
             if key not in held:
                 out.append(f"{key}: in the checkpoint, not in the model")
-        else:
-            saved = have[key]
-            mine = _shape(want[key])
-            if isinstance(saved, BytesStorageMetadata) or mine is None:
-                continue
-            if tuple(saved.size) != mine:
-                out.append(f"{key}: shape {list(saved.size)} in the checkpoint, {list(mine)} in the model")
+        elif (isinstance(want[key], torch.Tensor) and not isinstance(have[key], BytesStorageMetadata)
+              and tuple(have[key].size) != tuple(want[key].size())):
+            out.append(f"{key}: shape {list(have[key].size)} in the checkpoint, {list(want[key].size())} in the model")
     return out
 
 

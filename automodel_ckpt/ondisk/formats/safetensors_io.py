@@ -87,15 +87,20 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     path = Path(path)
     try:
         with os.fdopen(open_regular(path, follow=True), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header_len = header_length(f.read(_HEADER_LEN_BYTES), size, path)
-            raw = f.read(header_len)
+            return header_at(f.fileno(), path)
     except FileNotFoundError:
         raise CheckpointError(f"missing safetensors file {path}") from None
     except IsADirectoryError:
         raise CheckpointError(f"expected a safetensors file, found a folder: {path}") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from None
+
+
+def header_at(fd: int, path: Path | str) -> tuple[dict[str, Any], int]:
+    """``read_header`` of the open safetensors file ``fd`` (``path`` names it in errors); ``OSError`` propagates."""
+    size = os.fstat(fd).st_size
+    header_len = header_length(os.pread(fd, _HEADER_LEN_BYTES, 0), size, path)
+    raw = os.pread(fd, header_len, _HEADER_LEN_BYTES)
     if len(raw) < header_len:
         raise CheckpointError(f"truncated safetensors file {path}: header cut short")
     header = parse_header(raw, path)

@@ -5,7 +5,6 @@ Every rank writes its own ``shard-0000R-...`` file; a folder of plain Hugging Fa
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,6 @@ from automodel_ckpt.ondisk import fastio
 from automodel_ckpt.ondisk.formats.pieces import Piece, ShardSource, SourceTensor
 from automodel_ckpt.ondisk.formats.safetensors_io import ST_TO_TORCH, read_header, tensor_entries
 from automodel_ckpt.ondisk.formats.sharded import ShardsFormat
-
-logger = logging.getLogger(__name__)
 
 NAME = "safetensors"
 _SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
@@ -76,10 +73,8 @@ def _open_safetensors(folder: Path, saved_world_size: int | None) -> ShardSource
                     not all(bounded.is_count(o) for o in offsets):
                 raise CheckpointError(f"damaged shard file {path}: offsets of '{name}' do not match its shape")
             piece = Piece(path, tuple(offsets), shape, data_start + begin, end - begin)
-            tensor = tensors.get(name)
-            if tensor is None:
-                tensors[name] = tensor = SourceTensor(name, (), dtype)
-            elif tensor.dtype != dtype:
+            tensor = tensors.setdefault(name, SourceTensor(name, (), dtype))
+            if tensor.dtype != dtype:
                 raise CheckpointError(f"shard file {path}: '{name}' is {dtype} here but {tensor.dtype} elsewhere")
             tensor.pieces.append(piece)
     for tensor in tensors.values():

@@ -173,17 +173,8 @@ def load_model(model: nn.Module, path: Path, fmt: ShardsFormat, process_group=No
 def _loaded_in_place(model: nn.Module, state: dict) -> bool:
     """Whether the load wrote every value into the model's own memory (``set_model_state_dict`` would copy nothing)."""
     current = get_model_state_dict(model)
-    if current.keys() != state.keys():
-        return False
-    for key, value in state.items():
-        own = current[key]
-        if not (isinstance(value, torch.Tensor) and isinstance(own, torch.Tensor)) or type(value) is not type(own):
-            return False
-        a, b = (value.to_local(), own.to_local()) if hasattr(value, "to_local") else (value, own)
-        if (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) != (b.data_ptr(), b.shape, b.stride(), b.dtype,
-                                                                      b.device):
-            return False
-    return True
+    return current.keys() == state.keys() and all(
+        isinstance(value, torch.Tensor) and state_dicts.same_value(value, current[key]) for key, value in state.items())
 
 
 def save_optimizer(model: nn.Module, optimizer: Optimizer, path: Path, process_group=None,

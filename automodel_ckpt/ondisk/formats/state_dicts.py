@@ -64,7 +64,7 @@ class _ModelLayout:
         layout = cls(list(raw), pairs)
         rebuilt = layout.rebuild(model, raw)
         if rebuilt is None or list(rebuilt) != list(torch_state) or not all(
-                _same_value(rebuilt[k], v) for k, v in torch_state.items()):
+                same_value(rebuilt[k], v) for k, v in torch_state.items()):
             return _NEVER
         return layout
 
@@ -131,7 +131,7 @@ def _has_hooks(optimizer: Optimizer) -> bool:
                 or getattr(optimizer, "_optimizer_state_dict_post_hooks", None))
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """The same tensor memory seen the same way (or the same plain value)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if type(a) is not type(b):
@@ -155,9 +155,9 @@ def _same_optimizer_state(rebuilt: dict[str, Any], torch_state: dict[str, Any]) 
     for name, values in theirs.items():
         own = mine[name]
         if own is not values and (list(own) != list(values)
-                                  or not all(_same_value(own[k], v) for k, v in values.items())):
+                                  or not all(same_value(own[k], v) for k, v in values.items())):
             return False
     for own, group in zip(rebuilt["param_groups"], torch_state["param_groups"]):
-        if list(own) != list(group) or not all(_same_value(own[k], v) for k, v in group.items()):
+        if list(own) != list(group) or not all(same_value(own[k], v) for k, v in group.items()):
             return False
     return True

@@ -81,7 +81,7 @@ def test_scan_identifies_checkpoints_by_metadata_then_default_names(tmp_path):
     incomplete = [(r.name, r.step) for r in catalog.scan_checkpoints(tmp_path, include_incomplete=True)
                   if not r.complete]
     assert incomplete == [(".staging-ck_11", 11), (".staging-epoch_0_step_12", 12), (".staging-whatever", None)]
-    assert [r.step for r in catalog.list_checkpoints(tmp_path)] == [2, 5, 9, 10]
+    assert [r.step for r in catalog.scan_checkpoints(tmp_path)] == [2, 5, 9, 10]
     assert catalog.scan_checkpoints(tmp_path / "missing") == []
 
 

@@ -350,7 +350,7 @@ def test_disk_full_during_save_keeps_previous_checkpoints(saved, monkeypatch, ca
     assert "free there" in message and "'epoch_0_step_2' and the pointers are untouched" in message
     monkeypatch.undo()
     assert not list(ckpt.stats.dir.glob(layout.STAGING_PREFIX + "*"))  # removed at once
-    assert [r.name for r in catalog.list_checkpoints(ckpt.stats.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
+    assert [r.name for r in catalog.scan_checkpoints(ckpt.stats.dir)] == ["epoch_0_step_1", "epoch_0_step_2"]
     assert os.readlink(ckpt.stats.dir / layout.LATEST) == "epoch_0_step_2"
     assert catalog.resolve_restore_from(ckpt.stats.dir, None) == second
     code, out = verify_cli(capsys, ckpt.stats.dir)

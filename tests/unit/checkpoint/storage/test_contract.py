@@ -48,7 +48,7 @@ class Kind:
     def committed(self) -> list[str]:
         """The checkpoints a new reader lists (for a store: what its objects say, not this process's mirror)."""
         folder = storage.open_for_reading(self.location)
-        return [r.name for r in catalog.list_checkpoints(folder)]
+        return [r.name for r in catalog.scan_checkpoints(folder)]
 
     def pointer(self, name: str) -> str | None:
         folder = storage.open_for_reading(self.location)
