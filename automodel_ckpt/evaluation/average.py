@@ -22,8 +22,6 @@ from automodel_ckpt.ondisk import is_plain_float, scan_checkpoints
 
 __all__ = ["AverageReport", "average", "last_checkpoints", "parse_weights"]
 
-_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
 
 @dataclass
 class AverageReport:

@@ -7,7 +7,6 @@ pads its data to a multiple of ``archive.ALIGN``. The manifest comes last, its o
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import tarfile
@@ -30,7 +29,6 @@ from automodel_ckpt.export.writer import OutFile, Write, kernel_copy, writes_int
 from automodel_ckpt.errors import CheckpointError, UserError, first_line
 from automodel_ckpt.redact import redacted
 
-logger = logging.getLogger(__name__)
 
 _WEIGHTS_SUFFIX = ".safetensors"
 _COPY_CHUNK = 8 << 20

@@ -8,7 +8,6 @@ model; shard tensors are read one at a time.
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from automodel_ckpt.export.sources import open_source, read_full
 from automodel_ckpt.export.hf_metadata import read_hf_metadata
 from automodel_ckpt.errors import CheckpointError
 
-logger = logging.getLogger(__name__)
 _SHOWN = 5
 
 

@@ -8,7 +8,6 @@ in small chunks; only others (a column split) are assembled whole in memory.
 from __future__ import annotations
 
 import errno
-import logging
 import math
 import mmap
 import os
@@ -27,7 +26,6 @@ from automodel_ckpt.export.sources import Piece, SourceTensor, load_dcp_piece, r
 from automodel_ckpt.export.views import flat_range
 from automodel_ckpt.errors import CheckpointError, first_line
 
-logger = logging.getLogger(__name__)
 
 _COPY_CHUNK = 32 * 2**20  # bytes per copy task: big enough to stream, small enough to spread over threads
 _CONVERT_CHUNK = 16 * 2**20  # source bytes converted at a time, per thread

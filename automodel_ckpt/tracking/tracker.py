@@ -7,7 +7,6 @@ each backend on its own thread; a failing backend is a warning and is dropped (d
 from __future__ import annotations
 
 import functools
-import logging
 import re
 import time
 import warnings
@@ -24,7 +23,6 @@ from automodel_ckpt.tracking.tensorboard_backend import TensorBoardBackend
 from automodel_ckpt.tracking.wandb_backend import WandbBackend
 from automodel_ckpt.training.metrics import read_jsonl
 
-logger = logging.getLogger(__name__)
 
 BACKENDS: tuple[type[Backend], ...] = (TensorBoardBackend, MLflowBackend, WandbBackend)
 FLUSH_TIMEOUT_S = 2.0  # how long a checkpoint waits for a tracker to catch up (then it is behind: not waited for)

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
 import socket
 import stat
@@ -31,7 +30,6 @@ from automodel_ckpt.ondisk import layout, paths
 from automodel_ckpt.distributed.lifeline import LAUNCHER_PID_ENV, alive as _alive
 from automodel_ckpt.errors import CheckpointError
 
-logger = logging.getLogger(__name__)
 
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _NOT_REGULAR = (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR, errno.ENOTDIR)  # a link, FIFO, folder...
