@@ -233,7 +233,7 @@ def _copy_into(src: Path, size: int, fd: int, at: int, advance: Callable[[int], 
     with os.fdopen(open_regular(src), "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != size:
             raise CheckpointError(changed)
-        if kernel_copy(f.fileno(), fd, first, at + first, end - first, advance):
+        if kernel_copy(f.fileno(), fd, first, at + first, end - first, advance, changed):
             return
         done = first
         while done < end:

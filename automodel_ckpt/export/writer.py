@@ -135,15 +135,15 @@ class _Budget:
 
 
 def kernel_copy(src: int, dst: int, src_pos: int, dst_pos: int, nbytes: int,
-                advance: Callable[[int], None] = lambda n: None) -> bool:
+                advance: Callable[[int], None] = lambda n: None, changed: str = "a source file changed") -> bool:
     """Copy ``nbytes`` between two files inside the kernel, ``advance`` told each step; False (nothing copied) where
-    the filesystem pair does not support it. A source that ends early raises: it changed under us."""
+    the filesystem pair does not support it. A source that ends early changed under us: ``changed`` is raised."""
     done = 0
     try:
         while done < nbytes and hasattr(os, "copy_file_range"):
             n = os.copy_file_range(src, dst, min(_COPY_CHUNK, nbytes - done), src_pos + done, dst_pos + done)
             if n == 0:
-                raise CheckpointError("a source file ended early: it changed while it was copied")
+                raise CheckpointError(changed)
             done += n
             advance(n)
     except OSError as e:
@@ -244,7 +244,8 @@ class _Writer:
         nbytes = count * src_dtype.itemsize
         fd = self._src_fd(piece.file)
         if src_dtype == out.dtype:
-            self.kernel_copy = self.kernel_copy and kernel_copy(fd, dst, src_pos, dst_pos, nbytes)
+            self.kernel_copy = self.kernel_copy and kernel_copy(
+                fd, dst, src_pos, dst_pos, nbytes, changed=f"'{piece.file}' ended early: it changed while it was read")
             if not self.kernel_copy:  # stop trying once the filesystem pair refused
                 with _mapped(fd, src_pos, count, src_dtype) as values:
                     pwrite_all(dst, bytes_of(values), dst_pos)

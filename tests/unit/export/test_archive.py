@@ -333,3 +333,22 @@ def test_merge_lora_reads_an_archived_adapter_in_place_and_merges_as_from_the_fo
 def test_merge_lora_of_a_full_models_archive_is_one_line(packed, capsys):
     assert cli_main(["merge-lora", str(packed)]) != 0
     assert "holds no PEFT adapter" in capsys.readouterr().err
+
+
+def test_a_source_that_ends_during_a_kernel_copy_is_named_in_one_line(tmp_path):
+    """The kernel copy of an export or an archive meets a source file shorter than its plan: the error names the
+    file (as its caller words it), nothing is reported as copied past the end."""
+    import os
+
+    from automodel_ckpt.export.writer import kernel_copy
+
+    src, dst = tmp_path / "shard.safetensors", tmp_path / "out"
+    src.write_bytes(b"x" * 100)
+    copied: list[int] = []
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        if not hasattr(os, "copy_file_range") or not kernel_copy(s.fileno(), d.fileno(), 0, 0, 10):
+            pytest.skip("this filesystem copies in user space (no copy_file_range)")
+        with pytest.raises(CheckpointError, match=r"^'.*shard\.safetensors' changed while it was packed; pack again$"):
+            kernel_copy(s.fileno(), d.fileno(), 0, 0, 200, copied.append,
+                        f"'{src}' changed while it was packed; pack again")
+    assert sum(copied) == 100
