@@ -191,38 +191,36 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
 def failure_origin(folder: str, rank: int) -> int:
     """The rank whose failure ``rank`` raised again (left by ``cli.common.report``), else the lowest rank of this node
     that left the same error: the rank that failed, not whichever of the ranks meeting its error exited first."""
-    def read(name: str) -> str | None:
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-                return f.read(1 << 16)
-        except OSError:
-            return None
-
-    origin, own = read(f"origin-{rank}"), read(f"rank-{rank}")
-    if origin is not None and origin.isdigit():
+    left = _left(folder)
+    origin = left.get(f"origin-{rank}", "")
+    if origin.isdigit():
         return int(origin)
-    same = [int(n[5:]) for n in os.listdir(folder) if n.startswith("rank-") and n[5:].isdigit() and own is not None
-            and read(n) == own] if os.path.isdir(folder) else []
-    return min(same, default=rank)
+    own = left.get(f"rank-{rank}")
+    return min((int(name[5:]) for name, text in left.items() if name.startswith("rank-") and text == own),
+               default=rank)
 
 
 def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:
     """The error lines of this node's workers other than rank 0 (which printed its own), each once, with its rank."""
     lines: dict[str, int] = {}
-    files = []
-    for name in os.listdir(folder):
-        rank = name.removeprefix("rank-")
-        if name.startswith("rank-") and rank.isdigit():
-            files.append((int(rank), name))
-    for rank, name in sorted(files):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-                text = f.read(limit)
-        except OSError:
-            continue
-        for line in text.splitlines():
+    left = _left(folder, limit)
+    for rank in sorted(int(name[5:]) for name in left if name.startswith("rank-")):
+        for line in left[f"rank-{rank}"].splitlines():
             lines.setdefault(line, rank)
     return [f"[rank {rank}] {line}" for line, rank in lines.items() if rank != 0]
+
+
+def _left(folder: str, limit: int = 1 << 16) -> dict[str, str]:
+    """What the workers left in ``folder`` (``rank-R``: error lines, ``origin-R``: where the error began), by name."""
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            kind, _, rank = name.partition("-")
+            if kind in ("rank", "origin") and rank.isdigit():
+                with contextlib.suppress(OSError), open(os.path.join(folder, name), encoding="utf-8",
+                                                        errors="replace") as f:
+                    found[name] = f.read(limit)
+    return found
 
 
 def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str, overrides: list[str]) -> None:
