@@ -239,9 +239,9 @@ def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str
     elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
 
 
-#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``)
+#: torch's loggers that report a failed worker (``failed (exitcode: N) local_rank: ...``) and the ending of the others
 ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
-                   "torch.distributed.elastic.agent.server.local_elastic_agent")
+                   "torch.distributed.elastic.agent.server.local_elastic_agent", "torch.multiprocessing.spawn")
 
 
 def quiet_failed_worker_logs() -> None:
@@ -253,7 +253,11 @@ def quiet_failed_worker_logs() -> None:
 
 
 def failed_worker_filter(record: logging.LogRecord) -> bool:
-    """Drop torch's ``failed (exitcode: N)`` record of a worker that printed our one-line error; else no traceback."""
+    """Drop torch's ``failed (exitcode: N)`` record of a worker that printed our one-line error (else no traceback),
+    and its ``Terminating process PID`` of each rank still running when one failed: the launcher's last line names
+    the rank that failed."""
+    if str(record.msg).startswith("Terminating process"):
+        return False
     if not str(record.msg).startswith("failed (exitcode"):
         return True
     code = record.args[0] if isinstance(record.args, tuple) and record.args else None

@@ -228,7 +228,7 @@ def _wait_for(ready, done) -> None:
 def test_torch_s_line_about_a_worker_that_ended_on_our_one_line_error_is_dropped():
     """A worker that exited with one of our errors' codes printed its ``error:`` line: torch's agent adds nothing
     (``failed (exitcode: 3) ...``); a crash, a signal or another exit code keeps torch's line (a forked worker's
-    without the agent's own traceback)."""
+    without the agent's own traceback). The ranks still running when one failed end without a line each."""
     import logging
 
     from automodel_ckpt.launch import ELASTIC_LOGGERS, quiet_failed_worker_logs
@@ -256,12 +256,14 @@ def test_torch_s_line_about_a_worker_that_ended_on_our_one_line_error_is_dropped
                 for code in (3, -11):
                     logger.exception("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
                                      code, 1, 124, "forked_worker", "fork")
+            logger.warning("Terminating process %s via signal SIGTERM", 6396)  # a rank ended because another failed
             logger.warning("Received %s death signal, shutting down workers", "SIGTERM")  # other records: kept
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)
         assert [r.args[0] for r in kept if str(r.msg).startswith("failed")] == [1, -9, -15, 137, 5, -11], name
         assert all(r.exc_info is None for r in kept) and "death signal" in kept[-1].getMessage()
+        assert not any("Terminating" in r.getMessage() for r in kept)
         kept.clear()
 
 
