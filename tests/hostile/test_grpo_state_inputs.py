@@ -110,6 +110,29 @@ def test_a_batch_sampled_ahead_has_taken_no_pass():
         batch.load_state_dict(genuine())
 
 
+def test_batches_sampled_ahead_fill_the_first_slots_in_order_and_move_up_as_each_is_taken():
+    """``grpo.max_staleness`` K: a checkpoint's ``next_rollout``, ``next_rollout_2``, ... fill the first slots in the
+    order they were sampled, else one line before training; each step takes the first, the rest move up."""
+    def slots(*steps: int) -> GRPO:
+        algorithm = GRPO.__new__(GRPO)
+        algorithm.rollout, algorithm._slots = RolloutBatch(), []
+        for step in steps:
+            algorithm._slots.append(RolloutBatch(ahead=True))
+            if step:
+                algorithm._slots[-1].load_state_dict(genuine() | {"passes": 0, "step": step})
+        return algorithm
+
+    for bad in ((0, 6), (6, 5), (5, 5, 0)):
+        with pytest.raises(CheckpointError, match=r"not the first slots in sampling order \(rollout batches"):
+            slots(*bad)._check_slots()
+    held = slots(5, 6, 0)
+    held._check_slots()
+    assert held._take_ahead() and held.rollout.step == 5 and held.rollout.passes == 0
+    assert [(s.step, s.rows) for s in held._slots] == [(6, ROWS), (0, 0), (0, 0)]
+    assert held._take_ahead() and held.rollout.step == 6 and not held._take_ahead()
+    assert not slots()._take_ahead()  # grpo.max_staleness 0: nothing is held ahead
+
+
 def _set(key: str, at: Any, value: Any) -> Callable[[dict[str, Any]], None]:
     def tamper(state: dict[str, Any]) -> None:
         state[key][at] = value
@@ -311,9 +334,10 @@ def test_the_model_and_recipe_are_known_before_a_resume_loads():
         {"step_scheduler": {"global_batch_size": ROWS}, "data": {"seq_length": SEQ_LENGTH}}))
     algorithm.grpo_cfg = OmegaConf.create({"beta": 0.0, "num_generations": GROUP, "engine": "transformers"})
     algorithm._peft, algorithm._rewards, algorithm._prompt_ids = False, [("a", None), ("b", None)], PROMPTS
-    algorithm.rollout = RolloutBatch()
+    algorithm.rollout, algorithm._slots = RolloutBatch(), [RolloutBatch(ahead=True), RolloutBatch(ahead=True)]
     algorithm.build()
     assert algorithm.rollout.expected == EXPECTED
+    assert all(slot.expected == EXPECTED for slot in algorithm._slots)  # grpo.max_staleness 2: its batches ahead
 
 
 def test_the_prompt_position_is_counts_and_an_earlier_map_style_position_leaves_the_counters():

@@ -142,10 +142,10 @@ def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_
 
 @pytest.fixture(scope="module")
 def ahead(work: Path, assets: Path) -> tuple[Path, Path]:
-    """``grpo.max_staleness 1``: a straight run, and one whose rank 0 stops as step 4 trains (step 3 trained and
-    logged, rollout batch 5 being sampled ahead), killed there (SIGKILL) and rerun: it resumes from step 2, whose
-    checkpoint holds rollout batch 3 (sampled, not trained)."""
-    more = ("--grpo.max_staleness", "1")
+    """``grpo.max_staleness 2``: a straight run, and one whose rank 0 stops as step 4 trains (step 3 trained and
+    logged, rollout batch 6 being sampled ahead), killed there (SIGKILL) and rerun: it resumes from step 2, whose
+    checkpoint holds rollout batches 3 and 4 (sampled, not trained)."""
+    more = ("--grpo.max_staleness", "2")
     ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead", nproc=2, recipe=RECIPE)
     pid_file = work / "ahead_stopped.pid"
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), *QUIET, *ARGS, *more, "--checkpoint.checkpoint_dir",
@@ -162,19 +162,21 @@ def ahead(work: Path, assets: Path) -> tuple[Path, Path]:
     return work / "ahead", work / "ahead_killed"
 
 
-def test_sampling_a_step_ahead_lags_one_version_and_resumes_on_the_checkpointed_batch(ahead):
+def test_sampling_two_steps_ahead_lags_two_versions_and_resumes_on_the_checkpointed_batches(ahead):
     straight, rerun = ahead
     rows = jsonl(straight / "training.jsonl")
-    assert [(r["grpo_step"], r["weight_version"], r["weight_lag"]) for r in rows] == [(1, 0, 0), (2, 0, 1), (3, 1, 1),
-                                                                                      (4, 2, 1)]
+    # batches 1-3 sampled by version 0 (1 as the run starts, 2 before step 1 trains, 3 while it trains), then batch
+    # n + 2 by the weights step n trains from: the lag grows to 2 and stays
+    assert [(r["grpo_step"], r["weight_version"], r["weight_lag"]) for r in rows] == [(1, 0, 0), (2, 0, 1), (3, 0, 2),
+                                                                                      (4, 1, 2)]
     assert all(r["rollout_wait_seconds"] >= 0 and r["weight_hash"] == r["engine_weight_hash"] for r in rows)
-    assert rows[0]["weight_hash"] == rows[1]["weight_hash"]  # batches 1 and 2: both sampled by version 0
-    next_batch = torch.load(straight / "epoch_0_step_2" / layout.global_state_file("next_rollout"),
-                            weights_only=True)
-    assert (next_batch["step"], next_batch["passes"], next_batch["weight_version"]) == (3, 0, 1)
-    assert not next_batch["old_log_probs"].isnan().any()  # the engine's log-probs as sampled: the ratio's denominator
+    assert rows[0]["weight_hash"] == rows[1]["weight_hash"] == rows[2]["weight_hash"] != rows[3]["weight_hash"]
+    for name, expected in (("next_rollout", (3, 0, 0)), ("next_rollout_2", (4, 0, 1))):
+        held = torch.load(straight / "epoch_0_step_2" / layout.global_state_file(name), weights_only=True)
+        assert (held["step"], held["passes"], held["weight_version"]) == expected, name
+        assert not held["old_log_probs"].isnan().any()  # the engine's log-probs as sampled: the ratio's denominator
     keys = EXACT + ("weight_lag",)
-    # the rerun trained rollout batch 3 from the checkpoint (each batch once), then batch 4 as the straight run did
+    # the rerun trained rollout batches 3 and 4 from the checkpoint (each batch once), as the straight run did
     assert [tuple(r[k] for k in keys) for r in jsonl(rerun / "training.jsonl")] == [tuple(r[k] for k in keys)
                                                                                       for r in rows]
 

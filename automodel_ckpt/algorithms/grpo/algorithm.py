@@ -116,9 +116,10 @@ class GRPO(EngineLoop, Algorithm):
         self._train_start = 0.0
         self.engine: VLLMEngine | None = None  # grpo.engine vllm (``build``); None: sampled in process
         self._sync: Sync | None = None  # this step's weight push to the engine, if it made one
-        if section.max_staleness:
-            self.next_rollout = RolloutBatch()  # sampled a step ahead (checkpointed: a resume trains on it)
-            self.next_rollout.ahead = True
+        self._slots: list[RolloutBatch] = []  # grpo.max_staleness K: the next K batches, sampled ahead
+        for k in range(1, section.max_staleness + 1):  # checkpointed (next_rollout, next_rollout_2, ...): resumed on
+            self._slots.append(RolloutBatch(ahead=True))
+            setattr(self, "next_rollout" + (f"_{k}" if k > 1 else ""), self._slots[-1])
         self._warned = False
         self._flat = 0  # rollout batches in a row whose every advantage is 0 (``_check_signal``)
         self._orders: dict[int, torch.Tensor] = {}
@@ -136,8 +137,8 @@ class GRPO(EngineLoop, Algorithm):
             rows=cfg.step_scheduler.global_batch_size, group=self.grpo_cfg.num_generations,
             reward_functions=len(self._rewards), vocab=vocab_rows(self.ctx.model), seq_length=cfg.data.seq_length,
             prompts=getattr(self, "_prompt_ids", []))
-        if self.grpo_cfg.get("max_staleness"):
-            self.next_rollout.expected = self.rollout.expected
+        for slot in self._slots:
+            slot.expected = self.rollout.expected
         if self.grpo_cfg.engine == "vllm":
             self.engine = VLLMEngine(self.grpo_cfg.vllm, self.ctx.env.is_main)
             self.engine.start(self.ctx.model, cfg.data.seq_length)  # starting while the checkpoint loads
@@ -147,6 +148,7 @@ class GRPO(EngineLoop, Algorithm):
         ctx = self.ctx
         if self.engine is not None:
             self.engine.ready()  # an engine that cannot serve this model: one line, before training
+        self._check_slots()
         if self._peft:
             data_parallel.build_reducer(ctx.model, ctx.forward.choice)
         if self.ref_model is None or "ref_model" in states:
@@ -418,7 +420,7 @@ class GRPO(EngineLoop, Algorithm):
         total = torch.stack(sums).sum(dim=0).cpu() if sums else torch.zeros(3, dtype=torch.float64)
         tokens, clipped, kl = self.ctx.dims.sum_over_dp(total).tolist()
         metrics = self._rollout_metrics() | {
-            "kl": kl / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0), "grpo_step": g.grpo_step,
+            "kl": kl / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0), "grpo_step": self.rollout.step,
             "ppo_optimization_step": g.ppo_optimization_step, "rollout_pass": self.rollout.passes,
             "generation_seconds": round(self._generation_seconds, 6),
             "train_seconds": round(time.perf_counter() - self._train_start, 6)} | self._engine_metrics()

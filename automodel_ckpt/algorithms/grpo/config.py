@@ -10,6 +10,7 @@ from automodel_ckpt.errors import ConfigError
 
 
 ENGINES = ("transformers", "vllm")  # grpo.engine
+MAX_STALENESS = 8  # grpo.max_staleness: rollout batches held ahead at most (each is in every checkpoint)
 
 
 def _default_rewards() -> List[Any]:
@@ -43,7 +44,7 @@ class GRPOConfig:
     answer_field: str = "completion"  # the reference answer column, handed to the reward functions
     engine: str = "transformers"  # what samples: transformers (the training model, in process) or vllm (a server)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
-    max_staleness: int = 0  # 0: synchronous; 1: the next rollout batch sampled (vllm) while this one trains
+    max_staleness: int = 0  # 0: synchronous; K: rollout batches sampled (vllm) K optimizer steps ahead of training
 
 
 def check_section(section: Any, global_batch: int, pp_size: int) -> None:
@@ -67,12 +68,12 @@ def check_section(section: Any, global_batch: int, pp_size: int) -> None:
         raise ConfigError(f"grpo.engine: {section.engine!r} is not one of {', '.join(ENGINES)}")
     if section.engine == "vllm" and section.vllm.timeout <= 0:
         raise ConfigError("grpo.vllm.timeout must be > 0 seconds")
-    if section.max_staleness not in (0, 1):
-        raise ConfigError(f"grpo.max_staleness: {section.max_staleness} is not 0 (synchronous) or 1 (one rollout "
-                          "batch sampled ahead; more are not supported yet)")
+    if not 0 <= section.max_staleness <= MAX_STALENESS:
+        raise ConfigError(f"grpo.max_staleness: {section.max_staleness} is not 0 (synchronous) to {MAX_STALENESS} "
+                          "(rollout batches sampled that many optimizer steps ahead)")
     if section.max_staleness and (section.engine != "vllm" or section.num_iterations != 1 or section.beta != 0):
-        raise ConfigError("grpo.max_staleness 1 needs grpo.engine vllm (it samples while the trainer trains), "
-                          "grpo.num_iterations 1 and grpo.beta 0")
+        raise ConfigError(f"grpo.max_staleness {section.max_staleness} needs grpo.engine vllm (it samples while the "
+                          "trainer trains), grpo.num_iterations 1 and grpo.beta 0")
     if section.advantage == "share" and any(w < 0 for w in (section.reward_weights or ())):
         raise ConfigError("grpo.reward_weights: share advantages need weights >= 0 (a reward's share of its group's "
                           "total); use grpo.advantage normalized for negative weights")

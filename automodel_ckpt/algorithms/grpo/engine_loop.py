@@ -1,20 +1,21 @@
-"""GRPO's steps with a vLLM engine: the push before each sample, one restart, and the rollout sampled a step ahead."""
+"""GRPO's steps with a vLLM engine: the push before each sample, one restart, and rollouts sampled steps ahead."""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from automodel_ckpt.algorithms.grpo.engine import EngineLost, Sync, VLLMEngine
-from automodel_ckpt.errors import warn
+from automodel_ckpt.algorithms.grpo.state import RolloutBatch
+from automodel_ckpt.errors import CheckpointError, warn
 from automodel_ckpt.training.rollout import sample_seed
 
 
 class Ahead:
-    """The next rollout batch, asked of the engine while this step trains (rank 0's request: a thread)."""
+    """A rollout batch asked of the engine ahead, while this step trains (rank 0's request: a thread)."""
 
     def __init__(self, engine: VLLMEngine, step: int, rows: list[tuple[int, int]], prompts: list[int],
                  version: int, request: dict[str, Any] | None) -> None:
@@ -42,6 +43,7 @@ class EngineLoop:
     engine: VLLMEngine | None
     _sync: Sync | None
     _ahead: Ahead | None = None
+    _slots: Sequence[RolloutBatch] = ()  # grpo.max_staleness K: the next K rollout batches, sampled ahead
     _waited = 0.0
 
     def _engine_rollout(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
@@ -76,40 +78,53 @@ class EngineLoop:
         """Every completion of ``rows`` sampled by the engine, seeded as in process (``sample_seed``)."""
         return self.engine.sample(**self._sampling(step, rows))["completions"]
 
-    # ---------------------------------------------------------------------------- a step ahead
+    # ---------------------------------------------------------------------------- steps ahead
     def _sample_ahead(self) -> None:
-        """``grpo.max_staleness`` 1: this step's weights pushed, the next rollout batch asked of the engine."""
+        """``grpo.max_staleness`` K: this step's weights pushed, then the rollout batch K steps ahead asked of the
+        engine; the empty slots before it (as a run starts, or resumes with fewer) filled first, synchronously."""
         self._push()
+        for _ in range(sum(slot.rows == 0 for slot in self._slots) - 1):
+            self._ask_ahead()
+            self._finish_ahead()
+        self._ask_ahead()
+
+    def _ask_ahead(self) -> None:
         step, rows, prompts = self._take_rollout()
         request = self._sampling(step, rows) | {"log_probs": True} if self.ctx.env.is_main else None
         self._ahead = Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, request)
 
     def _finish_ahead(self) -> None:
-        """Before the step's save: the next rollout batch received, scored and kept as ``next_rollout`` with the
-        engine's log-probs as sampled (the ratio's denominator: those weights are one step behind)."""
+        """Before the step's save: the batch asked ahead received, scored and kept in the first empty slot
+        (``next_rollout``, ``next_rollout_2``, ...) with the engine's log-probs as sampled (the ratio's denominator:
+        those weights are behind the ones that will train on it)."""
         ahead, self._ahead = self._ahead, None
         answer, self._waited = ahead.wait()
         everyone = answer["completions"]
-        self._fill(self.next_rollout, ahead.step, ahead.rows, ahead.prompts,
-                   [everyone[r] for r in self._share(len(ahead.rows))])
-        t = self.next_rollout.tensors
+        batch = next(slot for slot in self._slots if slot.rows == 0)
+        self._fill(batch, ahead.step, ahead.rows, ahead.prompts, [everyone[r] for r in self._share(len(ahead.rows))])
+        t = batch.tensors
         old = torch.zeros_like(t["old_log_probs"])
         for row, (start, values) in enumerate(zip(t["prompt_length"].tolist(), answer["log_probs"])):
             old[row, start:start + len(values)] = torch.tensor(values, dtype=torch.float64).clamp_max(0.0)
         t["old_log_probs"] = old
-        batch = self.next_rollout
         batch.weight_version, batch.weight_hash, batch.engine_hash = ahead.version, ahead.digest, ahead.engine_digest
 
     def _take_ahead(self) -> bool:
-        """The rollout batch sampled a step ahead (or restored from the checkpoint) made this step's, if one is."""
-        ahead = getattr(self, "next_rollout", None)
-        if ahead is None or ahead.rows == 0:
+        """The next batch sampled ahead (or restored from the checkpoint) made this step's, the slots behind it
+        moved up, if one is."""
+        if not self._slots or self._slots[0].rows == 0:
             return False
-        r = self.rollout
-        r.tensors, r.step, r.passes, r.weight_version, r.weight_hash, r.engine_hash = (
-            ahead.tensors, ahead.step, ahead.passes, ahead.weight_version, ahead.weight_hash, ahead.engine_hash)
-        ahead.tensors, ahead.step, ahead.passes = {}, 0, 0
+        for to, source in zip([self.rollout, *self._slots], [*self._slots, RolloutBatch()]):
+            for name in ("tensors", "step", "passes", "weight_version", "weight_hash", "engine_hash"):
+                setattr(to, name, getattr(source, name))
         return True
+
+    def _check_slots(self) -> None:
+        """A checkpoint's batches sampled ahead fill the first slots, in the order they were sampled."""
+        steps = [slot.step for slot in self._slots if slot.rows]
+        if any(slot.rows == 0 for slot in self._slots[:len(steps)]) or steps != sorted(set(steps)):
+            raise CheckpointError(f"the GRPO batches sampled ahead (next_rollout, next_rollout_2, ...) are not the "
+                                  f"first slots in sampling order (rollout batches {steps})")
 
     def _engine_metrics(self) -> dict[str, Any]:
         """The weights that sampled the rollout batch: version, lag, hashes, and this step's push."""

@@ -121,12 +121,12 @@ class RolloutBatch:
     ``grpo_step`` that made it; ``passes``: optimizer passes over it; ``weight_version`` and ``weight_hash``: the
     weights that sampled it ("" in process). ``expected`` is what a checkpoint's batch is checked against."""
 
-    def __init__(self) -> None:
+    def __init__(self, ahead: bool = False) -> None:
         self.step = 0
         self.passes = 0
         self.weight_version = 0
         self.weight_hash = ""
-        self.ahead = False  # sampled a step ahead (``next_rollout``): never trained on, so no pass taken
+        self.ahead = ahead  # sampled ahead (``next_rollout``, ``_2``, ...): never trained on, so no pass taken
         self.engine_hash = ""  # the engine's hash of those weights, as it answered (not saved: equal to weight_hash)
         self.tensors: dict[str, torch.Tensor] = {}
         self.expected: RolloutExpected | None = None

@@ -63,7 +63,8 @@ def test_rank_0s_error_is_raised_alike_on_every_rank_a_lost_engine_as_one():
 
 @pytest.mark.parametrize("change, message", [({"engine": "sglang"}, "grpo.engine: 'sglang' is not one of"),
                                              ({"engine": "vllm", "vllm": {"timeout": 0}}, "grpo.vllm.timeout"),
-                                             ({"engine": "vllm", "max_staleness": 2}, "more are not supported yet"),
+                                             ({"engine": "vllm", "max_staleness": 9}, "is not 0 .synchronous. to 8"),
+                                             ({"engine": "vllm", "max_staleness": -1}, "is not 0 .synchronous. to 8"),
                                              ({"max_staleness": 1}, "needs grpo.engine vllm"),
                                              ({"engine": "vllm", "max_staleness": 1, "beta": 0.04},
                                               "grpo.num_iterations 1 and grpo.beta 0")])
@@ -71,7 +72,9 @@ def test_the_engine_keys_are_checked_in_one_line(change, message):
     section = OmegaConf.merge(OmegaConf.structured(GRPOConfig), change)
     with pytest.raises(ConfigError, match=message):
         check_section(section, 8, 1)
-    check_section(OmegaConf.merge(OmegaConf.structured(GRPOConfig), {"engine": "vllm"}), 8, 1)
+    for staleness in (0, 1, 2, 8):
+        check_section(OmegaConf.merge(OmegaConf.structured(GRPOConfig), {"engine": "vllm", "max_staleness": staleness}),
+                      8, 1)
     assert OmegaConf.structured(GRPOConfig).engine == "transformers"
 
 
