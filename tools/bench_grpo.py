@@ -2,7 +2,7 @@
 
     python tools/bench_grpo.py [--steps 12] [--warmup 2] [--num-generations 8] [--prompts 8] [--max-new-tokens 4]
         [--nproc 1] [--device cpu|cuda] [--engine transformers|vllm] [--model tiny|qwen2.5-0.5b-width]
-        [--trl-python PATH] [--work DIR] [--json FILE]
+        [--trl-python PATH] [--trl-vllm] [--work DIR] [--json FILE]
 
 Both sides train the same model (``--model``: the embedded tiny Llama base, or a 2-layer Qwen2 of Qwen2.5-0.5B's
 width and vocabulary, randomly initialised with the tiny tokenizer; float32, made in ``--work``), on the same prompts
@@ -15,7 +15,9 @@ temperature 1, one pass per rollout batch (``num_iterations`` 1), no reference (
   generation); per step ``training.jsonl``'s ``generation_seconds``, ``step_seconds`` and ``completion_length``;
 * TRL: ``trl.GRPOTrainer`` on one process, run by ``--trl-python`` (an interpreter where ``import trl`` works, e.g.
   a separate virtual environment: TRL is not a dependency of this package); its generation
-  (``_generate_single_turn``) is timed around each call and the step is the time between two step ends.
+  (``_generate_single_turn``) is timed around each call and the step is the time between two step ends. With
+  ``--trl-vllm`` TRL samples with vLLM in its own process (``use_vllm``, ``vllm_mode`` colocate), its weight syncs
+  left out of generation as ours are; ``--trl-python`` then needs the vLLM TRL supports (TRL 1.16: 0.22 to 0.31).
 
 ``--device cuda``: both on the GPU (ours: one GPU per process, as ``ckpt-train`` picks it; TRL without ``use_cpu``);
 ``cpu`` (the default) hides any GPU from both.
@@ -128,18 +130,32 @@ def trl_side(work: Path, args: argparse.Namespace) -> dict[str, float]:
                         gradient_accumulation_steps=1, num_generations=args.num_generations,
                         max_completion_length=args.max_new_tokens, temperature=1.0, num_iterations=1, beta=0.0,
                         learning_rate=1e-4, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-                        use_cpu=args.device == "cpu", bf16=False, seed=42, disable_tqdm=True, dataloader_num_workers=0)
+                        use_cpu=args.device == "cpu", bf16=False, seed=42, disable_tqdm=True, dataloader_num_workers=0,
+                        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
+                           if args.trl_vllm else {}))
     trainer = GRPOTrainer(model=model, reward_funcs=exact, args=config, train_dataset=data,
                           processing_class=tokenizer)
     timings: list[tuple[float, int]] = []  # (generation seconds, tokens) per call
     ends: list[float] = []
     generate = trainer._generate_single_turn
 
+    synced = [0.0]  # seconds of TRL's weight syncs to its vLLM, left out of generation as ours are
+
     def timed(*a, **k):
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), synced[0]
         completion_ids, logprobs = generate(*a, **k)
-        timings.append((time.perf_counter() - t0, sum(len(c) for c in completion_ids)))
+        timings.append((time.perf_counter() - t0 - (synced[0] - before), sum(len(c) for c in completion_ids)))
         return completion_ids, logprobs
+
+    if args.trl_vllm:
+        sync = trainer.vllm_generation.sync_weights
+
+        def timed_sync(*a, **k):
+            t0 = time.perf_counter()
+            sync(*a, **k)
+            synced[0] += time.perf_counter() - t0
+
+        trainer.vllm_generation.sync_weights = timed_sync
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, *_, **__):
@@ -165,6 +181,8 @@ def main() -> None:
     p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers", help="what samples ours")
     p.add_argument("--model", choices=("tiny", "qwen2.5-0.5b-width"), default="tiny", help="what both sides train")
     p.add_argument("--trl-python", default=None, help="an interpreter with trl installed (default: skip TRL)")
+    p.add_argument("--trl-vllm", action="store_true", help="TRL samples with vLLM in its process (use_vllm, "
+                   "vllm_mode colocate): --trl-python needs vllm too")
     p.add_argument("--work", type=Path)
     p.add_argument("--json", type=Path)
     p.add_argument("--trl-side", action="store_true", help=argparse.SUPPRESS)
@@ -182,7 +200,8 @@ def main() -> None:
     if args.trl_python:
         cmd = [args.trl_python, str(Path(__file__).resolve()), "--trl-side", "--work", str(work),
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("steps", "warmup", "num_generations", "prompts", "max_new_tokens", "device", "model")]]
+                 if k in ("steps", "warmup", "num_generations", "prompts", "max_new_tokens", "device", "model")],
+               *(["--trl-vllm"] if args.trl_vllm else [])]
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", **_devices(args.device))
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
