@@ -29,7 +29,10 @@ class DiskFullError(CheckpointError):
 
 
 class TrainingError(UserError):
-    """Training cannot go on (a non-finite loss or gradient norm): the run stops before that step is saved."""
+    """Training cannot go on (a non-finite loss or gradient norm): the run stops before that step is saved. With
+    ``save_last_step`` (raised as the next step begins, nothing of it changed) the last complete step is saved first."""
+
+    save_last_step = False
 
 
 class UsageError(UserError):

@@ -78,6 +78,7 @@ class Checkpointer:
         self._time = TrainingTime()
         self._observer = observer
         self._step = 0  # the last step ended (the final wait's cost is recorded at it)
+        self._unsaved: tuple | None = None  # the last step's (states, info, extra) where it was not saved durably
         hf = hf or HFArtifacts()
         if side_failure is None and observer is not None:
             side_failure = observer.side_failure
@@ -113,6 +114,7 @@ class Checkpointer:
             self._local.timed(steps, self._save_local, states, SaveInfo(
                 epoch, step, loss, val_loss, is_final=False, extra=extra() if extra else {}))
         self._report_local_faults()
+        self._unsaved = None if due.durable else (states, SaveInfo(epoch, step, loss, val_loss, is_final=False), extra)
         return StepEnded(saved=saved, val_loss=val_loss, preempted=due.preempt, stop=due.preempt and not steps.done)
 
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
@@ -155,9 +157,15 @@ class Checkpointer:
         nothing is published."""
         return self._writer.wait()
 
-    def finalize(self, *, failed: bool = False) -> Path | None:
-        """End of training: ``wait``, then release buffers, lock and lease; ``failed=True``: ``_abandon``."""
-        if failed:
+    def finalize(self, *, failed: bool = False, save_last: bool = False) -> Path | None:
+        """End of training: ``wait``, then release buffers, lock and lease; ``failed=True``: ``_abandon``, unless
+        ``save_last`` (an error every rank met as the next step began, ``TrainingError.save_last_step``): then the
+        last step is saved first where it was not, and the run ends as a finished one (its saves published)."""
+        if failed and save_last and self._unsaved is not None:
+            states, info, extra = self._unsaved
+            info.extra = extra() if extra else {}
+            self._observed_save(functools.partial(self._save_now, states, info), info.step, False)
+        if failed and not save_last:
             self._abandon()
             return None
         if self._observer is None:

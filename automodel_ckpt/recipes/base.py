@@ -91,11 +91,12 @@ class BaseRecipe:
                     print(f"Preempted by {self._preemption.name} at step {steps.step}: saved {ended.saved}; rerun the "
                           "same command to resume", flush=True)
                 return steps.step if getattr(steps, "stage_ends", False) and not stopped else None
-            except BaseException:
+            except BaseException as exc:
                 if self._observer is not None:
                     self._observer.fail()
                 if hasattr(self, "checkpointer"):  # unless setup failed before building it: nothing to let end
-                    self.checkpointer.finalize(failed=True)  # background writes end; nothing half-written published
+                    # background writes end, nothing half-written published; the last step kept where it may be
+                    self.checkpointer.finalize(failed=True, save_last=getattr(exc, "save_last_step", False))
                 raise
 
     @property

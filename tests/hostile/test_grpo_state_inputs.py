@@ -131,6 +131,18 @@ def test_batches_sampled_ahead_fill_the_first_slots_in_order_and_move_up_as_each
     assert [(s.step, s.rows) for s in held._slots] == [(6, ROWS), (0, 0), (0, 0)]
     assert held._take_ahead() and held.rollout.step == 6 and not held._take_ahead()
     assert not slots()._take_ahead()  # grpo.max_staleness 0: nothing is held ahead
+    # an engine lost as a step asks for its batch: the counters and every batch put back as the last step left them
+    from automodel_ckpt.algorithms.grpo.state import GRPOCounters
+
+    held = slots(5, 6, 0)
+    held.grpo = GRPOCounters()
+    held.grpo.grpo_step, held.grpo.prompt_position = 6, 12
+    kept = held._kept()
+    assert held._take_ahead()
+    held.grpo.grpo_step, held.grpo.prompt_position = 7, 14  # the next batch's prompts taken, its request lost
+    held._put_back(kept)
+    assert (held.grpo.grpo_step, held.grpo.prompt_position, held.rollout.rows) == (6, 12, 0)
+    assert [(s.step, s.rows) for s in held._slots] == [(5, ROWS), (6, ROWS), (0, 0)]
 
 
 def _set(key: str, at: Any, value: Any) -> Callable[[dict[str, Any]], None]:

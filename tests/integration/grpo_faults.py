@@ -40,10 +40,12 @@ class StopInRolloutGRPO(GRPO):
     def _engine_sample(self, step, rows):
         """With ``grpo.engine vllm``: rank 0 stops as it is about to ask the engine for rollout batch
         ``STOP_IN_ROLLOUT`` (the prompts taken, the weights pushed and checked, nothing sampled), or kills its
-        engine then (SIGKILL) at rollout batch ``KILL_ENGINE_IN_ROLLOUT``, once."""
-        kill = os.environ.get("KILL_ENGINE_IN_ROLLOUT")
-        if kill and step == int(kill) and self.ctx.env.is_main and not getattr(self, "_engine_killed", False):
-            self._engine_killed = True
+        engine then (SIGKILL) at the rollout batches ``KILL_ENGINE_IN_ROLLOUT`` lists ("3,4,4": at batch 3 once, at
+        batch 4 twice: its restarted engine too)."""
+        kills = [int(s) for s in os.environ.get("KILL_ENGINE_IN_ROLLOUT", "").split(",") if s]
+        done = self.__dict__.setdefault("_engine_kills", [])
+        if self.ctx.env.is_main and done.count(step) < kills.count(step):
+            done.append(step)
             self.engine.proc.kill()
             self.engine.proc.wait()
         stop, pid_file = os.environ.get("STOP_IN_ROLLOUT"), os.environ.get("STOP_PID_FILE")

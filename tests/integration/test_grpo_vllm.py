@@ -9,8 +9,10 @@ prompts x 4), one pass per rollout batch, a checkpoint every 2 steps, every rewa
   alone with SIGKILL (its engine must die with it), the rest of the job killed, then rerun: it resumes from step 2,
   pushes the restored weights to a new engine, checks them and samples rollout batches 3 and 4 again.
 
-The rerun also loses its engine as it asks for rollout batch 4 (restarted once). Beside them: a LoRA run of 2 steps
-on an engine named by URL (the adapter pushed alone), and a run whose engine cannot start.
+The rerun also loses its engine as it asks for rollout batch 3 (restarted once, step 3 trains), then twice as it asks
+for batch 4 (its restarted engine too): it stops in one line after saving step 3, and a last launch trains step 4.
+Beside them: a LoRA run of 2 steps on an engine named by URL (the adapter pushed alone), and a run whose engine
+cannot start.
 """
 
 from __future__ import annotations
@@ -102,9 +104,10 @@ def killed(work: Path, assets: Path) -> tuple[Path, str, bool]:
     run = work / "killed"
     assert [r["step"] for r in jsonl(run / "training.jsonl")] == [1, 2]
     rerun = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", "--recipe", grpo_faults.RECIPE,
-                       nproc=2, recipe=RECIPE, env={"KILL_ENGINE_IN_ROLLOUT": "4",
-                                                    **grpo_faults.env(0, work / "never.pid")})
-    return run, rerun.output, engine_died
+                       nproc=2, recipe=RECIPE, check=False, env={"KILL_ENGINE_IN_ROLLOUT": "3,4,4",
+                                                                 **grpo_faults.env(0, work / "never.pid")})
+    last = ckpt_train(work, assets, *ARGS, "--checkpoint.checkpoint_dir", "killed", nproc=2, recipe=RECIPE)
+    return run, rerun, last.output, engine_died
 
 
 def test_each_step_records_the_weights_that_sampled_it_and_the_engine_holds_the_trainers(straight):
@@ -119,12 +122,19 @@ def test_each_step_records_the_weights_that_sampled_it_and_the_engine_holds_the_
 
 
 def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_as_the_straight_run(straight, killed):
-    """The rerun also loses its engine (SIGKILL from rank 0) as it asks for rollout batch 4: it starts a new engine,
-    pushes every weight again, asks again with the same seeds, and every step still equals the straight run's."""
-    run, output, engine_died = killed
+    """The rerun also loses its engine (SIGKILL from rank 0) as it asks for rollout batch 3: it starts a new engine,
+    pushes every weight again and asks again with the same seeds. Lost twice as it asks for batch 4, it stops in one
+    line after saving step 3 (its counters and batch as that step ended), and the next launch trains step 4. Every
+    step still equals the straight run's: no rollout lost or counted twice."""
+    run, rerun, output, engine_died = killed
     assert engine_died, "the engine outlived its trainer (rank 0 killed with SIGKILL)"
-    assert "Loading checkpoint from" in output and "epoch_0_step_2" in output, output[-3000:]
-    assert "restarting the engine (once), rollout batch 4 asked again" in output, output[-3000:]
+    assert "Loading checkpoint from" in rerun.output and "epoch_0_step_2" in rerun.output, rerun.output[-3000:]
+    assert "restarting the engine (once), rollout batch 3 asked again" in rerun.output, rerun.output[-3000:]
+    assert "restarting the engine (once), rollout batch 4 asked again" in rerun.output, rerun.output[-3000:]
+    assert rerun.returncode == 2 and "Traceback" not in rerun.output, rerun.output[-3000:]
+    errors = [line for line in rerun.stderr.splitlines() if line.startswith("error:")]
+    assert errors[0].startswith("error: the vLLM engine at") and len(errors) == 2, errors  # and the launcher's line
+    assert "Loading checkpoint from" in output and "epoch_0_step_3" in output, output[-3000:]  # saved as it stopped
     got, want = jsonl(run / "training.jsonl"), jsonl(straight[0] / "training.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]  # steps 3 and 4 once each, after the resume
     assert got[3]["sync_bytes"] == got[0]["sync_bytes"]  # the new engine got every weight again

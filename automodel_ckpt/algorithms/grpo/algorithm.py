@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from automodel_ckpt.algorithms.base import Algorithm, Data, Numbers, frozen_copy
 from automodel_ckpt.algorithms.context import LossResult, TrainContext
-from automodel_ckpt.algorithms.grpo.engine import Sync, VLLMEngine
+from automodel_ckpt.algorithms.grpo.engine import EngineLost, Sync, VLLMEngine
 from automodel_ckpt.algorithms.grpo.engine_loop import EngineLoop
 from automodel_ckpt.algorithms.grpo.state import GRPOCounters, PromptLoader, RolloutBatch, RolloutExpected
 from automodel_ckpt.config.instantiate import locate
@@ -208,11 +208,16 @@ class GRPO(EngineLoop, Algorithm):
         """This step's prompt epoch and micro-batches: a new rollout batch once the last had its passes."""
         self._generation_seconds, self._sync = 0.0, None
         if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
-            t0 = time.perf_counter()
-            if not self._take_ahead():
-                self._make_rollout()
-            if self.grpo_cfg.get("max_staleness"):
-                self._sample_ahead()
+            t0, kept = time.perf_counter(), self._kept()
+            try:
+                if not self._take_ahead():
+                    self._make_rollout()
+                if self.grpo_cfg.get("max_staleness"):
+                    self._sample_ahead()
+            except EngineLost as lost:  # lost again after its restart: the last step's state back, and saved
+                self._put_back(kept)
+                lost.save_last_step = True
+                raise
             self._generation_seconds = time.perf_counter() - t0 - (self._sync.sync_seconds if self._sync else 0.0)
         self._train_start = time.perf_counter()
         return self.grpo.prompt_epoch, self._micro_batches()

@@ -14,6 +14,9 @@ from automodel_ckpt.errors import CheckpointError, warn
 from automodel_ckpt.training.rollout import sample_seed
 
 
+_BATCH_FIELDS = ("tensors", "step", "passes", "weight_version", "weight_hash", "engine_hash")  # what moves with a batch
+
+
 class Ahead:
     """A rollout batch asked of the engine ahead, while this step trains (rank 0's request: a thread)."""
 
@@ -115,9 +118,21 @@ class EngineLoop:
         if not self._slots or self._slots[0].rows == 0:
             return False
         for to, source in zip([self.rollout, *self._slots], [*self._slots, RolloutBatch()]):
-            for name in ("tensors", "step", "passes", "weight_version", "weight_hash", "engine_hash"):
+            for name in _BATCH_FIELDS:
                 setattr(to, name, getattr(source, name))
         return True
+
+    def _kept(self) -> tuple[dict[str, Any], list[tuple[RolloutBatch, list[Any]]]]:
+        """The counters and the batches as a step begins (what a new rollout replaces, never changes in place)."""
+        batches = (self.rollout, *self._slots)
+        return self.grpo.state_dict(), [(b, [getattr(b, n) for n in _BATCH_FIELDS]) for b in batches]
+
+    def _put_back(self, kept: tuple[dict[str, Any], list[tuple[RolloutBatch, list[Any]]]]) -> None:
+        counters, batches = kept
+        self.grpo.load_state_dict(counters)
+        for batch, values in batches:
+            for name, value in zip(_BATCH_FIELDS, values):
+                setattr(batch, name, value)
 
     def _check_slots(self) -> None:
         """A checkpoint's batches sampled ahead fill the first slots, in the order they were sampled."""

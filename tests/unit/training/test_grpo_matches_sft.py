@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from automodel_ckpt.data.encode import DataSpec, Encoder
 from automodel_ckpt.algorithms.sft.algorithm import Supervised
 from automodel_ckpt.algorithms.grpo.algorithm import GRPO
-from automodel_ckpt.algorithms.grpo.state import RolloutBatch
+from automodel_ckpt.algorithms.grpo.state import GRPOCounters, RolloutBatch
 from automodel_ckpt.training.rollout import token_log_probs
 
 PAD, BOS, EOS = 0, 1, 2
@@ -107,7 +107,7 @@ def test_a_batch_made_for_one_pass_is_not_passed_over_again_by_a_resume_with_mor
     ``num_iterations`` 2: the batch had its pass, and a second one would have no ratio, so a new batch is sampled.
     A batch whose log-probs were recorded gets its second pass."""
     algorithm = _grpo(local_batch_size=8, num_iterations=2)
-    algorithm.grpo = SimpleNamespace(prompt_epoch=0)
+    algorithm.grpo = GRPOCounters()
     rows = [(p, 0) for p in range(len(PROMPTS))]
     t = algorithm._rows_tensors(rows, [a + [EOS] for a in ANSWERS])
     t["old_log_probs"].fill_(float("nan"))
