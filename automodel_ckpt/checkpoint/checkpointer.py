@@ -28,6 +28,12 @@ from automodel_ckpt.distributed.mesh import ParallelDims
 ABANDON_WAIT_SECONDS = 60.0  # how long a failing run waits for its background checkpoint writes
 
 
+def _step_info(epoch: int, step: int, loss: float, val_loss: float | None,
+               extra: Callable[[], dict[str, Any]] | None, final: bool) -> SaveInfo:
+    """What a save of a step records, ``extra()`` asked as it is made."""
+    return SaveInfo(epoch, step, loss, val_loss, is_final=final, extra=extra() if extra else {})
+
+
 class CheckpointerStats:
     """What tools and reports read of a checkpointer: its folder, the save in flight, what saves cost."""
 
@@ -78,7 +84,7 @@ class Checkpointer:
         self._time = TrainingTime()
         self._observer = observer
         self._step = 0  # the last step ended (the final wait's cost is recorded at it)
-        self._unsaved: tuple | None = None  # the last step's (states, info, extra) where it was not saved durably
+        self._unsaved: tuple | None = None  # the last step's (states, info maker) where it was not saved durably
         hf = hf or HFArtifacts()
         if side_failure is None and observer is not None:
             side_failure = observer.side_failure
@@ -106,15 +112,14 @@ class Checkpointer:
         self._step = step = steps.step
         val_loss = validate() if validate is not None and (validate_now or due.scheduled) else None
         saved = None
+        info = functools.partial(_step_info, epoch, step, loss, val_loss, extra)
         if due.durable:
-            info = SaveInfo(epoch, step, loss, val_loss, is_final=steps.done, extra=extra() if extra else {})
-            saved = self._observed_save(functools.partial(self._save_now, states, info), step, due.preempt)
+            saved = self._observed_save(functools.partial(self._save_now, states, info(steps.done)), step, due.preempt)
             self._cycle.saved()
         elif due.local:  # node-local: the snapshot only (every_steps auto: decided before it, then timed)
-            self._local.timed(steps, self._save_local, states, SaveInfo(
-                epoch, step, loss, val_loss, is_final=False, extra=extra() if extra else {}))
+            self._local.timed(steps, self._save_local, states, info(False))
         self._report_local_faults()
-        self._unsaved = None if due.durable else (states, SaveInfo(epoch, step, loss, val_loss, is_final=False), extra)
+        self._unsaved = None if due.durable else (states, info)  # ``finalize(save_last=True)`` saves it
         return StepEnded(saved=saved, val_loss=val_loss, preempted=due.preempt, stop=due.preempt and not steps.done)
 
     def save(self, states: dict[str, Any], info: SaveInfo) -> Path | None:
@@ -162,9 +167,8 @@ class Checkpointer:
         ``save_last`` (an error every rank met as the next step began, ``TrainingError.save_last_step``): then the
         last step is saved first where it was not, and the run ends as a finished one (its saves published)."""
         if failed and save_last and self._unsaved is not None:
-            states, info, extra = self._unsaved
-            info.extra = extra() if extra else {}
-            self._observed_save(functools.partial(self._save_now, states, info), info.step, False)
+            states, info = self._unsaved
+            self._observed_save(functools.partial(self._save_now, states, info(False)), self._step, False)
         if failed and not save_last:
             self._abandon()
             return None

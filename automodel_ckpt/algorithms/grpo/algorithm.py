@@ -212,7 +212,7 @@ class GRPO(EngineLoop, Algorithm):
             try:
                 if not self._take_ahead():
                     self._make_rollout()
-                if self.grpo_cfg.get("max_staleness"):
+                if self._slots:  # grpo.max_staleness
                     self._sample_ahead()
             except EngineLost as lost:  # lost again after its restart: the last step's state back, and saved
                 self._put_back(kept)
