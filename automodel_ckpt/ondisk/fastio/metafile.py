@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from automodel_ckpt.ondisk import durable
 from automodel_ckpt.ondisk.fastio import metapickle
+from automodel_ckpt.ondisk.fastio.filewrite import write_file
 
 _PROTOCOL = 3  # no framing: the body's opcodes can be followed by the tail's
 _BUILD, _STOP = pickle.BUILD, pickle.STOP
@@ -80,13 +82,20 @@ def tail(storage_meta: Any) -> bytes:
     return part[2:-1] + _BUILD + _STOP  # without its PROTO header and STOP
 
 
-def write(path: Path, data: bytes, end: bytes, *, sync: bool) -> None:
-    """``data`` then ``end`` into ``path`` as ``FileSystemWriter.finish`` writes it (fsynced when ``sync``)."""
+def write(path: Path, data: bytes, end: bytes, *, sync: bool, threads: int = 1,
+          written: durable.WrittenFiles | None = None) -> None:
+    """``data`` then ``end`` into ``path`` as ``FileSystemWriter.finish`` writes it; fsynced when ``sync``, then by
+    ``write_file`` (a large file past the page cache, hashed as it is written: its checksum noted in ``written``)."""
     tmp = path.with_name(path.name + ".tmp")
+    if sync:
+        mine = durable.WrittenFiles()
+        write_file(tmp, [data, end], threads, mine)
+        known = mine.get(tmp)
+        os.replace(tmp, path)
+        if written is not None:
+            written.note(path, synced=True, algorithm=known and known.algorithm, digest=known and known.digest)
+        return
     with open(tmp, "wb") as f:
         f.write(data)
         f.write(end)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -112,10 +112,11 @@ class ParallelFileSystemWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         data, kept = metafile.body(metadata, results, key, stamp, rows)
         path = Path(self._get_metadata_path(None if self.use_collectives else self.rank))
-        metafile.write(path, data, metafile.tail(self.storage_meta()), sync=self.sync_files)
+        metafile.write(path, data, metafile.tail(self.storage_meta()), sync=self.sync_files, threads=self.threads,
+                       written=self.written)
         kept()
-        if self.written is not None:
-            self.written.note(path, synced=self.sync_files)
+        if self.written is not None and not self.sync_files:
+            self.written.note(path, synced=False)
 
 
 class ParallelSafetensorsWriter(HuggingFaceStorageWriter):

@@ -153,18 +153,17 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
     sharded.save_model(model, tmp_path / "model", registry.get("safetensors"), written=written)
     sharded.save_optimizer(model, optimizer, tmp_path / "optim", written=written)
     algorithm = manifest.default_algorithm()
-    for f in ["model/shard-00001-model-00001-of-00001.safetensors", "optim/__0_0.distcp"]:
+    for f in ["model/shard-00001-model-00001-of-00001.safetensors", "optim/__0_0.distcp", "optim/.metadata"]:
         known = written.get(tmp_path / f)
         assert known is not None and known.synced and known.algorithm == algorithm
         assert known.digest == manifest.hash_file(tmp_path / f, algorithm)[1]
-    assert written.get(tmp_path / "optim" / ".metadata").synced
     assert durable.WrittenFiles().get(tmp_path / "optim" / "__0_0.distcp") is None  # no process-wide registry
 
     hashed = []
     real = manifest.hash_file
     monkeypatch.setattr(manifest, "hash_file", lambda p, a: hashed.append(Path(p).name) or real(p, a))
     manifest.seal(tmp_path, 0, 1, written)
-    assert sorted(hashed) == [".metadata"]  # the two data files were not read back
+    assert hashed == []  # no file read back, the DCP ``.metadata`` included (hashed as it was written)
     assert manifest.verify_manifest(tmp_path).ok
     assert written.get(tmp_path / "optim" / "__0_0.distcp") is None  # forgotten once sealed
 

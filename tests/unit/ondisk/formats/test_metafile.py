@@ -81,3 +81,19 @@ def test_a_changed_layout_or_result_is_pickled_afresh(tmp_path, monkeypatch):
     again = _save(tmp_path, 4, _state(rows=5))
     assert "Metadata" in pickled
     assert load_dcp_metadata(again).state_dict_metadata == load_dcp_metadata(changed).state_dict_metadata
+
+
+def test_a_large_file_is_written_past_the_page_cache_and_its_checksum_noted(tmp_path, monkeypatch):
+    """From ``DIRECT_MIN`` on the file goes through ``write_file`` (O_DIRECT where the filesystem takes it): the bytes
+    are the body then the tail, and the checksum noted is the file's, so the manifest need not read it back."""
+    from automodel_ckpt.ondisk import durable, manifest
+    from automodel_ckpt.ondisk.fastio import filewrite
+
+    monkeypatch.setattr(filewrite, "DIRECT_MIN", 1 << 16)
+    body, end = bytes(range(256)) * 1025, b"tail."  # not a multiple of the page: the last part is written buffered
+    written, path = durable.WrittenFiles(), tmp_path / ".metadata"
+    metafile.write(path, body, end, sync=True, threads=2, written=written)
+    assert path.read_bytes() == body + end and not (tmp_path / ".metadata.tmp").exists()
+    known = written.get(path)
+    assert known is not None and known.synced
+    assert known.digest == manifest.hash_file(path, known.algorithm)[1]
