@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import pickle
+import resource
 import statistics
 import subprocess
 import sys
@@ -261,7 +262,7 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
     return report
 
 
-E2E_FIELDS = ("plan_s", "metadata_s", "broadcast_s", "flags_s", "manifest_s", "commit_s", "total_s",
+E2E_FIELDS = ("plan_s", "metadata_s", "metadata_wall_s", "broadcast_s", "flags_s", "manifest_s", "commit_s", "total_s",
               "object_store_requests", "bytes_to_rank0", "broadcast_bytes")
 
 
@@ -277,7 +278,7 @@ def simulate_whole(ranks: list[int], layout: str, strategy: str, out: Path | Non
 
     report: dict = {"layout": layout, "strategy": strategy, "rows": []}
     for n in ranks:
-        root = Path(tempfile.mkdtemp(prefix="bench_scale_e2e_"))
+        root, started = Path(tempfile.mkdtemp(prefix="bench_scale_e2e_")), time.perf_counter()
         try:
             first = scale_e2e.save(layout, strategy, n, root, 1)
             assert not first["reused"], "a first save planned afresh"
@@ -296,8 +297,11 @@ def simulate_whole(ranks: list[int], layout: str, strategy: str, out: Path | Non
             shutil.rmtree(root, ignore_errors=True)
             for module in (planning, plan_results, metafile):
                 module.clear_cache()
-        row = {"ranks": n, "first": {k: first[k] for k in E2E_FIELDS}, "next": {k: following[k] for k in E2E_FIELDS}}
+        row = {"ranks": n, "first": {k: first[k] for k in E2E_FIELDS}, "next": {k: following[k] for k in E2E_FIELDS},
+               "wall_s": time.perf_counter() - started,  # both saves, with the simulation's own set-up
+               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)}  # the process so far
         report["rows"].append(row)
+        print(f"{n} ranks: {row['wall_s']:.0f} s of wall time, peak {row['peak_rss_gib']:.2f} GiB", flush=True)
         for which in ("first", "next"):
             print(f"{n} ranks, {which}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                                        for k, v in row[which].items()), flush=True)

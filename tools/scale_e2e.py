@@ -9,7 +9,8 @@ here through the product's own code and rank 0's part timed (CPU seconds):
   parameters, its step counts and hyperparameters held by every rank), through ``LinearSavePlanner``: every rank's
   plan unpickled, the global plan, the replies pickled, every rank's write results unpickled.
 * ``metadata_s``: the optimizer folder's ``.metadata`` written by the product's storage writer (``finish``: the
-  write results expanded, the metadata pickled, written and fsynced; ``fastio.metafile``).
+  write results expanded, the metadata pickled, written and fsynced; ``fastio.metafile``); ``metadata_wall_s``
+  its wall time (a large file is written past the page cache: the disk's time, not the CPU's).
 * ``broadcast_s``: the metadata object each DCP save's write step broadcasts to every rank once its ``finish``
   is done (``plan_results.hollow``), pickled as ``broadcast_object_list`` pickles it (``broadcast_bytes``).
 * ``flags_s``: the failure flags every ``collectively`` step all-gathers (three a save: the small files, the
@@ -58,7 +59,7 @@ from automodel_ckpt.ondisk.fastio.filewrite import piece_length
 from automodel_ckpt.ondisk.fastio.records import note_location, torch_save_bytes, torch_save_pieces
 from automodel_ckpt.ondisk.saveplan import plan_results, planning
 from automodel_ckpt.ondisk.saveplan.plan_results import ResultsNote
-from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner
+from automodel_ckpt.ondisk.saveplan.planning import LinearSavePlanner, PlanNote
 
 FLAG_STEPS = 3  # ``collectively`` steps of a synchronous save: the small files, the fsync, the checksums
 _PROPS = {dtype: TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
@@ -179,7 +180,14 @@ def dcp_save(plan_of: Callable[[int], SavePlan], mappings: Any, n: int, key: str
     for rank in range(n):
         planner = LinearSavePlanner(key, world_size=n, rank=rank)
         planner.mappings, planner.is_coordinator = mappings, rank == 0
-        sent.append(pickle.dumps(planner.outgoing(plan_of(rank))))
+        again = light and rank and (key, n, rank) in planning._RANK_CACHE
+        if again and rank > 1:
+            sent.append(_unchanged(planner, key, n, rank))
+        else:
+            shortcut = _unchanged(LinearSavePlanner(key, world_size=n, rank=rank), key, n, rank, check=True) \
+                if again else None
+            sent.append(pickle.dumps(planner.outgoing(plan_of(rank))))
+            assert shortcut in (None, sent[-1]), "a light rank's unchanged plan sends its fingerprint alone"
         planner.plan = None
         if light and rank:
             planner._local = None  # made again for its final plan: the simulation holds one rank's items at a time
@@ -223,6 +231,15 @@ def dcp_save(plan_of: Callable[[int], SavePlan], mappings: Any, n: int, key: str
                  sum(map(len, sent)) + sum(map(len, notes)), planners[0].reused, sizes)
 
 
+def _unchanged(planner: LinearSavePlanner, key: str, n: int, rank: int, check: bool = False) -> bytes:
+    """What ``outgoing`` sends for a rank's plan unchanged since its last save (its fingerprint alone), without
+    making the plan again: a light rank's next save. ``check``: rank 1's, made both ways, must be equal."""
+    cached = planning._RANK_CACHE.get((key, n, rank)) if check else planning._RANK_CACHE.pop((key, n, rank))
+    planner._fingerprint, planner._cached = cached.fingerprint, cached
+    planner.plan = SavePlan([], planner_data=PlanNote(cached.fingerprint), usable=False)
+    return pickle.dumps(planner.plan)
+
+
 # ------------------------------------------------------------------------------------------ the whole save
 def _flags(n: int) -> tuple[float, int]:
     """One ``collectively`` step's failure flags on rank 0: every rank's ``None``, as ``all_gather_object`` sends
@@ -260,16 +277,17 @@ def save(name: str, strategy: str, n: int, root: Path, step: int) -> dict[str, A
     optim = dcp_save(lambda r: optim_local_plan(name, strategy, n, r), optim_mappings(name), n, optim_key,
                      needed=True, storage=lambda i: _StoragePrefix(f"__{i}_"),
                      results_of=lambda plan, r: optim_results(name, plan, r))
-    writer = ParallelFileSystemWriter(optim_dir)
+    written, algorithm = WrittenFiles(), default_algorithm()  # as the checkpointer's: what its writers noted
+    writer = ParallelFileSystemWriter(optim_dir, written=written)
     writer.reset(optim_dir)
     writer.set_up_storage_writer(True)
     plan_results.keep_results(writer, optim_key, n, 0)
     given = [model.metadata, optim.metadata]  # the objects each save's finish is given, then DCP broadcasts
     model.metadata, optim.metadata = (dataclasses.replace(m) for m in given)  # as planned, for --dump-plans
-    t0 = time.process_time()
+    t0, wall = time.process_time(), time.perf_counter()
     with planning.coordinating(n, 0):
         writer.finish(given[1], [pickle.loads(b) for b in optim.notes])
-    metadata_s = time.process_time() - t0
+    metadata_s, metadata_wall_s = time.process_time() - t0, time.perf_counter() - wall
     plan_results.hollow(given[0])  # the model's finish (per-rank safetensors shards: nothing more to write)
     broadcast_s, broadcast_bytes = 0.0, 0
     for metadata in given:  # the write step's all_reduce: the coordinator pickles, every rank unpickles
@@ -283,7 +301,6 @@ def save(name: str, strategy: str, n: int, root: Path, step: int) -> dict[str, A
         flags_s, flag_bytes = flags_s + s, flag_bytes + b
 
     # every rank's files, of the layout's sizes (sparse); the data files' checksums noted as their writers note them
-    written, algorithm = WrittenFiles(), default_algorithm()
     for rank in range(n):
         for rel, size in ((f"{layout.MODEL_DIR}/{scale_sim.model_shard_file(rank, rank + 1, n)}", model.sizes[rank]),
                           (f"optim/__{rank}_0.distcp", optim.sizes[rank]), (f"rng/rng_dp_rank_{rank}.pt", 1400)):
@@ -299,7 +316,7 @@ def save(name: str, strategy: str, n: int, root: Path, step: int) -> dict[str, A
     commit_s = time.process_time() - t0
     files = manifest.list_files(root / ckpt)
     return {"plan_s": model.seconds + optim.seconds, "metadata_s": metadata_s, "broadcast_s": broadcast_s,
-            "flags_s": flags_s, "manifest_s": manifest_s, "commit_s": commit_s,
+            "flags_s": flags_s, "manifest_s": manifest_s, "commit_s": commit_s, "metadata_wall_s": metadata_wall_s,
             "total_s": model.seconds + optim.seconds + metadata_s + broadcast_s + flags_s + manifest_s + commit_s,
             "object_store_requests": store_requests(files, n),
             "bytes_to_rank0": model.plan_bytes + optim.plan_bytes + flag_bytes + checksum_bytes,

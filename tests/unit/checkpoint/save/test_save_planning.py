@@ -493,3 +493,18 @@ def test_a_state_of_scalars_and_plain_values_plans_on_columns(tmp_path, planned_
         assert set(on_disk.state_dict_metadata) == {"w", "exp_avg", "step", "lr"}
         assert on_disk.state_dict_metadata["w"].size == torch.Size([])
     assert planned_on == ["columns"]  # the second save reused the first's plan
+
+
+@pytest.mark.parametrize("shape", [(32000, 64), (128, 8), (10, 3), (7, 5, 2), (1, 4), (130, 2)])
+@pytest.mark.parametrize("n", [8, 64, 256])
+def test_the_simulations_strided_shards_are_dtensors_at_every_rank(shape, n):
+    """TP then FSDP: the closed form the simulation uses for FSDP's dim-0 shard strided inside TP's (DTensor's own
+    splits an arange of the dim at every call: minutes at 4,096 ranks) is DTensor's at every rank, empty shards too."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = (n // sim.TP, sim.TP)
+    placements = sim._placements("tp-fsdp", "q_proj.weight", len(shape))
+    for rank in range(n):
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, [rank // sim.TP, rank % sim.TP],
+                                                                placements)
+        assert sim._strided(shape, mesh, rank) == (tuple(sizes), tuple(offsets)), rank
