@@ -43,6 +43,13 @@ Reported as ratios:
   (what the background costs training beyond the fence), peak RSS of rank 0 over the ``none`` runs, and the
   ratios torch / ours.
 
+* ``cpu_parts_per_checkpoint_<mode>`` (with ``--profile DIR``: every process of each run sampled by py-spy,
+  ``tools/save_parts.py``): each part's CPU seconds per checkpoint and rank, snapshot, serialization, checksums,
+  write, fsync, manifest, publish, retention, the rest of the save, and training (py-spy's own sampling adds some
+  CPU to the profiled runs: take their throughput from runs without it).
+
+``--every 1`` checkpoints every step.
+
 ``--device cpu`` hides the GPUs (``CUDA_VISIBLE_DEVICES=``); ``--device cuda`` trains on one GPU per process.
 
 ``--json OUT`` writes these (and the raw numbers) to OUT. Not a test: the default takes about ten minutes here.
@@ -66,6 +73,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_async_torch beside this file
 
 import bench_async_torch  # noqa: E402
+import save_parts  # noqa: E402
 
 from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe  # noqa: E402
 
@@ -254,6 +262,7 @@ class BenchRecipe(FinetuneRecipe):
             Path(out, f"rank{self.env.rank}.json").write_text(json.dumps(self._timings, indent=1))
 
 
+PROFILE_RATE = 100  # py-spy's samples per second with --profile
 TRACKING = {"tensorboard": "  tensorboard: {}", "mlflow": "  mlflow: {}", "wandb": "  wandb: {mode: offline}"}
 
 
@@ -284,6 +293,11 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "automodel_ckpt", "--nproc-per-node", str(args.nproc), str(recipe_file)]
+    raw = None
+    if args.profile:  # every process of the run sampled (save_parts.py); its CPU counts in this run's figures
+        raw = args.profile / f"{mode}_{len(list(args.profile.glob(f'{mode}_*.raw')))}.raw"
+        cmd = [args.py_spy, "record", "--subprocesses", "--threads", "--format", "raw", "--rate", str(PROFILE_RATE),
+               "-o", str(raw), "--", *cmd]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -291,7 +305,7 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     if proc.returncode != 0:
         return {"mode": mode, "failed": (proc.stdout + proc.stderr)[-2000:]}
     timings = json.loads((out / "rank0.json").read_text())
-    timings["wall"] = wall
+    timings["wall"], timings["nproc"] = wall, args.nproc
     steps = timings["steps"]
     timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
     timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
@@ -300,6 +314,8 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     # background thread and its writer, hashing and fsync pools, the data loader, torch's own threads)
     timings["training_thread_cpu_seconds"] = timings["thread_cpu_end"] - steps[0]["thread_cpu"]
     timings["other_threads_cpu_seconds"] = timings["cpu_seconds"] - timings["training_thread_cpu_seconds"]
+    if raw is not None and raw.exists():
+        timings["cpu_parts"] = save_parts.parts(raw, PROFILE_RATE)  # every rank, the whole run
     return timings
 
 
@@ -357,6 +373,11 @@ def summary(results: dict[str, list[dict]]) -> dict:
                 out[f"background_cpu_per_checkpoint_{mode}"] = statistics.median(
                     r["other_threads_cpu_seconds"] - idle for r in ok[mode]) / saves
     out["steps_per_second"] = rate
+    for mode, runs in ok.items():  # --profile: each part's CPU seconds per checkpoint and rank (medians)
+        profiled = [r for r in runs if r.get("cpu_parts") and r["saves"]]
+        if profiled:
+            out[f"cpu_parts_per_checkpoint_{mode}"] = {part: statistics.median(
+                r["cpu_parts"][part] / len(r["saves"]) / r["nproc"] for r in profiled) for part in save_parts.PARTS}
     return out
 
 
@@ -392,6 +413,11 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
             f" ({100 * spread[0]:+.1f}% to {100 * spread[1]:+.1f}%)" if spread else "")
         lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | {lost_text} | "
                      f"{'-' if cpu is None else f'{cpu:.2f}'} | {'-' if off is None else f'{off:.2f}'} | {med:.3f} |")
+    for mode in results:
+        found = ratios.get(f"cpu_parts_per_checkpoint_{mode}")
+        if found:
+            lines.append(f"{mode}: CPU s per checkpoint and rank, by part: " +
+                         ", ".join(f"{part} {value:.4f}" for part, value in found.items()))
     return "\n".join(lines)
 
 
@@ -412,7 +438,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--small", action="store_true", help="a tiny model and few steps (checks the tool)")
     parser.add_argument("--json", type=Path, default=None, help="write the ratios and raw numbers here")
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="sample every run with py-spy into this folder: the save's CPU by part (save_parts.py)")
+    parser.add_argument("--py-spy", default="py-spy", help="the py-spy program (pip install py-spy)")
     args = parser.parse_args(argv)
+    if args.profile:
+        if shutil.which(args.py_spy) is None:
+            parser.error(f"--profile: {args.py_spy} not found (pip install py-spy, or --py-spy PATH)")
+        args.profile.mkdir(parents=True, exist_ok=True)
     args.hidden, args.intermediate, args.heads = HIDDEN, INTERMEDIATE, 12
     modes = list(STAGERS[args.stager]) if args.stager else [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.small:
