@@ -126,7 +126,7 @@ checkpoint:
   model_save_format: safetensors
   save_consolidated: false
   is_async: {is_async}
-{logging}"""
+{keep}{logging}"""
 
 
 class BenchRecipe(FinetuneRecipe):
@@ -283,7 +283,8 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     recipe_file.write_text(RECIPE.format(
         recipe=f"{Path(__file__).resolve()}:BenchRecipe", base=base, hidden=args.hidden,
         intermediate=args.intermediate, heads=args.heads, layers=args.layers, steps=args.steps, every=args.every,
-        gbs=2 * args.nproc, ckpt_dir=ckpt_dir, is_async=str(mode == "async").lower(), logging=_logging(args.tracking)))
+        gbs=2 * args.nproc, ckpt_dir=ckpt_dir, is_async=str(mode == "async").lower(), logging=_logging(args.tracking),
+        keep=f"  max_recent_checkpoints: {args.keep}\n" if args.keep else ""))
     out = work / f"timings_{mode}"
     out.mkdir(exist_ok=True)
     env = dict(os.environ, BENCH_ASYNC_OUT=str(out), BENCH_ASYNC_MODE=mode,
@@ -427,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=61)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--reps", type=int, default=2, help="runs per mode, interleaved")
+    parser.add_argument("--keep", type=int, default=None,
+                        help="checkpoint.max_recent_checkpoints: retention deletes the older ones (default: all kept)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--stager", choices=sorted(STAGERS), default=None,
@@ -486,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
     if staging:
         print("\n" + bench_async_torch.compare_table(staging, ratios))
     report = ratios | {"staging": staging, "device": args.device, "state_bytes": state, "nproc": args.nproc,
-                       "steps": args.steps, "every": args.every, "reps": args.reps, "tracking": args.tracking,
+                       "steps": args.steps, "every": args.every, "reps": args.reps, "keep": args.keep, "tracking": args.tracking,
                        "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_start": load_start,
                        "load_average": os.getloadavg(), "runs": results}
     if args.json:
