@@ -56,6 +56,18 @@ class StopInRolloutGRPO(GRPO):
         return super()._engine_sample(step, rows)
 
 
+    def _asked(self, step, rows, prompts):
+        """With ``grpo.max_staleness``: rank 0 kills its engine (SIGKILL) as it asks for rollout batch ``step`` ahead,
+        at the batches ``KILL_ENGINE_AHEAD`` lists ("5,5": at batch 5 twice, its restarted engine too)."""
+        kills = [int(s) for s in os.environ.get("KILL_ENGINE_AHEAD", "").split(",") if s]
+        done = self.__dict__.setdefault("_ahead_kills", [])
+        if self.ctx.env.is_main and done.count(step) < kills.count(step):
+            done.append(step)
+            self.engine.proc.kill()
+            self.engine.proc.wait()
+        return super()._asked(step, rows, prompts)
+
+
 class StopAfterStepGRPORecipe(StopAfterStepRecipe):
     """``GRPORecipe`` whose rank 0 stops after step ``STOP_AFTER_STEP`` (``tests/integration/step_faults.py``) or
     mid-generation of rollout batch ``STOP_IN_ROLLOUT``."""

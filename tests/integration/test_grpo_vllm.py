@@ -22,6 +22,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,10 +152,11 @@ def test_killed_mid_rollout_the_rerun_pushes_the_restored_weights_and_continues_
 
 
 @pytest.fixture(scope="module")
-def ahead(work: Path, assets: Path) -> tuple[Path, Path]:
+def ahead(work: Path, assets: Path) -> tuple[Path, Path, Any]:
     """``grpo.max_staleness 2``: a straight run, and one whose rank 0 stops as step 4 trains (step 3 trained and
     logged, rollout batch 6 being sampled ahead), killed there (SIGKILL) and rerun: it resumes from step 2, whose
-    checkpoint holds rollout batches 3 and 4 (sampled, not trained)."""
+    checkpoint holds rollout batches 3 and 4 (sampled, not trained). The rerun loses its engine as step 3 asks for
+    batch 5 ahead, and its restarted engine too: it saves step 3 and stops."""
     more = ("--grpo.max_staleness", "2")
     ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead", nproc=2, recipe=RECIPE)
     pid_file = work / "ahead_stopped.pid"
@@ -168,12 +170,14 @@ def ahead(work: Path, assets: Path) -> tuple[Path, Path]:
     finally:
         kill_job(job)
     assert [r["step"] for r in jsonl(work / "ahead_killed" / "training.jsonl")] == [1, 2, 3]
-    ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead_killed", nproc=2, recipe=RECIPE)
-    return work / "ahead", work / "ahead_killed"
+    lost = ckpt_train(work, assets, *ARGS, *more, "--checkpoint.checkpoint_dir", "ahead_killed", "--recipe",
+                      grpo_faults.RECIPE, nproc=2, recipe=RECIPE, check=False,
+                      env={"KILL_ENGINE_AHEAD": "5,5", **grpo_faults.env(0, work / "never.pid")})
+    return work / "ahead", work / "ahead_killed", lost
 
 
 def test_sampling_two_steps_ahead_lags_two_versions_and_resumes_on_the_checkpointed_batches(ahead):
-    straight, rerun = ahead
+    straight, rerun, _ = ahead
     rows = jsonl(straight / "training.jsonl")
     # batches 1-3 sampled by version 0 (1 as the run starts, 2 before step 1 trains, 3 while it trains), then batch
     # n + 2 by the weights step n trains from: the lag grows to 2 and stays
@@ -186,9 +190,33 @@ def test_sampling_two_steps_ahead_lags_two_versions_and_resumes_on_the_checkpoin
         assert (held["step"], held["passes"], held["weight_version"]) == expected, name
         assert not held["old_log_probs"].isnan().any()  # the engine's log-probs as sampled: the ratio's denominator
     keys = EXACT + ("weight_lag",)
-    # the rerun trained rollout batches 3 and 4 from the checkpoint (each batch once), as the straight run did
+    # the rerun trained rollout batch 3 from the checkpoint, as the straight run did (then stopped: the next test)
     assert [tuple(r[k] for k in keys) for r in jsonl(rerun / "training.jsonl")] == [tuple(r[k] for k in keys)
-                                                                                      for r in rows]
+                                                                                      for r in rows[:3]]
+
+
+def test_an_engine_lost_twice_as_a_batch_is_asked_ahead_saves_that_step_and_no_prompt_is_lost(ahead):
+    """Step 3 trained, the engine killed as batch 5 is asked ahead, restarted and killed again: the run gives batch
+    5's prompts back, leaves its slot empty, saves step 3 and stops in one line. That checkpoint holds batch 4 as
+    the straight run sampled it, and has taken the prompts the straight run had after batch 4: a resume samples
+    batch 5 from the same prompts (none skipped, none taken twice)."""
+    straight, rerun, lost = ahead
+    assert "restarting the engine (once), rollout batch 5 asked again" in lost.output, lost.output[-3000:]
+    assert lost.returncode == 2 and "Traceback" not in lost.output, lost.output[-3000:]
+    errors = [line for line in lost.stderr.splitlines() if line.startswith("error:")]
+    assert errors[0].startswith("error: the vLLM engine at") and len(errors) == 2, errors  # and the launcher's line
+
+    def held(run: Path, step: int, name: str) -> dict:
+        return torch.load(run / f"epoch_0_step_{step}" / layout.global_state_file(name), weights_only=True)
+
+    assert held(rerun, 3, "next_rollout_2")["step"] == 0, "batch 5's slot left empty"
+    kept, sampled = held(rerun, 3, "next_rollout"), held(straight, 2, "next_rollout_2")
+    assert kept.keys() == sampled.keys() and kept["step"] == 4
+    assert all(kept[k].numpy().tobytes() == sampled[k].numpy().tobytes() if isinstance(kept[k], torch.Tensor)
+               else kept[k] == sampled[k] for k in kept)  # bit for bit, the log-probs as sampled included
+    a, b = held(rerun, 3, "grpo"), held(straight, 2, "grpo")
+    assert (a["grpo_step"], a["ppo_optimization_step"]) == (4, 3)
+    assert {k: v for k, v in a.items() if "prompt" in k} == {k: v for k, v in b.items() if "prompt" in k}
 
 
 def test_a_lora_run_on_an_engine_named_by_url_pushes_the_base_once_then_only_its_adapter(work, assets):

@@ -210,6 +210,9 @@ class GRPO(EngineLoop, Algorithm):
         if self.rollout.rows == 0 or self.rollout.passes >= self.grpo_cfg.num_iterations or self._made_for_one_pass():
             t0, kept = time.perf_counter(), self._kept()
             try:
+                if self._lost is not None:  # lost twice as the last step asked ahead: that step saved, then stop
+                    lost, self._lost = self._lost, None
+                    raise lost
                 if not self._take_ahead():
                     self._make_rollout()
                 if self._slots:  # grpo.max_staleness

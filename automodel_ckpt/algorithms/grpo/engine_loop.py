@@ -23,6 +23,7 @@ class Ahead:
     def __init__(self, engine: VLLMEngine, step: int, rows: list[tuple[int, int]], prompts: list[int],
                  version: int, request: dict[str, Any] | None) -> None:
         self.engine, self.step, self.rows, self.prompts = engine, step, rows, prompts
+        self.before: tuple[int, int, int] = (0, 0, 0)  # the prompt counters before its prompts were taken
         self.version, self.digest, self.engine_digest = version, engine.hash, engine.engine_hash
         self.answer: dict[str, Any] | None = None
         self.thread = threading.Thread(target=self._ask, args=(request,), daemon=True) if request else None
@@ -48,6 +49,7 @@ class EngineLoop:
     _ahead: Ahead | None = None
     _slots: Sequence[RolloutBatch] = ()  # grpo.max_staleness K: the next K rollout batches, sampled ahead
     _waited = 0.0
+    _lost: EngineLost | None = None  # lost again as a batch was asked ahead: raised as the next step begins
 
     def _engine_rollout(self, step: int, rows: list[tuple[int, int]]) -> list[list[int]]:
         """The last step's weights pushed and checked, then every completion of ``rows`` sampled by the engine; an
@@ -92,16 +94,26 @@ class EngineLoop:
         self._ask_ahead()
 
     def _ask_ahead(self) -> None:
-        step, rows, prompts = self._take_rollout()
+        g = self.grpo
+        before = (g.prompt_epoch, g.prompt_position, g.skipped_prompts)
+        self._ahead = self._asked(*self._take_rollout())
+        self._ahead.before = before
+
+    def _asked(self, step: int, rows: list[tuple[int, int]], prompts: list[int]) -> Ahead:
         request = self._sampling(step, rows) | {"log_probs": True} if self.ctx.env.is_main else None
-        self._ahead = Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, request)
+        return Ahead(self.engine, step, rows, prompts, self.grpo.ppo_optimization_step, request)
 
     def _finish_ahead(self) -> None:
         """Before the step's save: the batch asked ahead received, scored and kept in the first empty slot
         (``next_rollout``, ``next_rollout_2``, ...) with the engine's log-probs as sampled (the ratio's denominator:
         those weights are behind the ones that will train on it)."""
         ahead, self._ahead = self._ahead, None
-        answer, self._waited = ahead.wait()
+        try:
+            answer, self._waited = ahead.wait()
+        except EngineLost as lost:
+            ahead, answer = self._ask_again(ahead, lost)
+            if answer is None:
+                return
         everyone = answer["completions"]
         batch = next(slot for slot in self._slots if slot.rows == 0)
         self._fill(batch, ahead.step, ahead.rows, ahead.prompts, [everyone[r] for r in self._share(len(ahead.rows))])
@@ -111,6 +123,28 @@ class EngineLoop:
             old[row, start:start + len(values)] = torch.tensor(values, dtype=torch.float64).clamp_max(0.0)
         t["old_log_probs"] = old
         batch.weight_version, batch.weight_hash, batch.engine_hash = ahead.version, ahead.digest, ahead.engine_digest
+
+    def _ask_again(self, ahead: Ahead, lost: EngineLost) -> tuple[Ahead, dict[str, Any] | None]:
+        """The engine lost while a batch was asked ahead (this step trained): restarted once and the batch asked
+        again, its rows and seeds, of this step's weights (the ones it was asked of went with the engine: its
+        ``weight_version`` says so). Lost again: its prompts given back, its slot left empty, this step whole; the
+        run stops as the next step begins, after saving this one (``_lost``)."""
+        try:
+            if not self.engine.restartable:
+                raise lost
+            if self.ctx.env.is_main:
+                warn(f"grpo.engine vllm: {lost}; restarting the engine (once), rollout batch {ahead.step} asked "
+                     "again with the same seeds and this step's weights")
+            self.engine.restart()
+            self._push()
+            again = self._asked(ahead.step, ahead.rows, ahead.prompts)
+            answer, self._waited = again.wait()
+            return again, answer
+        except EngineLost as failed:
+            g = self.grpo
+            g.prompt_epoch, g.prompt_position, g.skipped_prompts = ahead.before
+            self._lost = failed
+            return ahead, None
 
     def _take_ahead(self) -> bool:
         """The next batch sampled ahead (or restored from the checkpoint) made this step's, the slots behind it
