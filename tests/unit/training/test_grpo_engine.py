@@ -89,3 +89,20 @@ def test_the_engine_folders_of_trainers_that_are_gone_are_removed(tmp_path):
     (tmp_path / "vllm-engine-making").mkdir()
     _remove_orphans(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vllm-engine-making", "vllm-engine-mine"]
+
+
+def test_an_engine_that_hangs_is_lost_once_its_request_times_out(tmp_path):
+    """A hung engine (it takes the request and never answers) is an ``EngineLost`` after ``grpo.vllm.timeout``, the
+    error a dead one gives: the same restart follows (tested with a dead engine in test_grpo_vllm.py)."""
+    import socket
+
+    from automodel_ckpt.algorithms.grpo.config import VLLMSettings
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        hung = engine.VLLMEngine(VLLMSettings(url=f"http://127.0.0.1:{server.getsockname()[1]}", timeout=0.5),
+                                 is_main=True)
+        answer = hung.request([[1, 2]], [7], max_new_tokens=2, temperature=1.0, eos_id=None)
+        with pytest.raises(EngineLost, match="did not answer /generate: timed out"):
+            _answer(answer)  # what every rank raises (``collect`` broadcasts it first)
