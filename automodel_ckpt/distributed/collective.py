@@ -76,6 +76,8 @@ def main_first(make: Callable[[], _T], rank: int) -> _T:
             user, text = failure
             error = UserError(text) if user else CheckpointError(f"rank 0 failed ({text}); see its message above")
             error.failed_rank = 0  # type: ignore[attr-defined] - the launcher names it (cli.common.report)
+            if not user:  # the code rank 0 ends with (its exception's), whichever rank the launcher sees end first
+                error.exit_code = 1  # type: ignore[misc]
             raise error
         return make()
     try:
