@@ -489,9 +489,9 @@ def main(argv: list[str] | None = None) -> dict:
     if staging:
         print("\n" + bench_async_torch.compare_table(staging, ratios))
     report = ratios | {"staging": staging, "device": args.device, "state_bytes": state, "nproc": args.nproc,
-                       "steps": args.steps, "every": args.every, "reps": args.reps, "keep": args.keep, "tracking": args.tracking,
-                       "cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_start": load_start,
-                       "load_average": os.getloadavg(), "runs": results}
+                       "steps": args.steps, "every": args.every, "reps": args.reps, "keep": args.keep,
+                       "tracking": args.tracking, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                       "load_average_start": load_start, "load_average": os.getloadavg(), "runs": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"json: {args.json}")

@@ -262,8 +262,8 @@ def simulate(ranks: list[int], layout: str, strategy: str, out: Path | None, dum
     return report
 
 
-E2E_FIELDS = ("plan_s", "metadata_s", "metadata_wall_s", "broadcast_s", "flags_s", "manifest_s", "commit_s", "total_s",
-              "object_store_requests", "bytes_to_rank0", "broadcast_bytes")
+E2E_FIELDS = ("plan_s", "metadata_s", "metadata_wall_s", "broadcast_s", "flags_s", "manifest_s", "commit_s",
+              "total_s", "object_store_requests", "bytes_to_rank0", "broadcast_bytes")
 
 
 def simulate_whole(ranks: list[int], layout: str, strategy: str, out: Path | None, dump: Path | None = None) -> dict:

@@ -42,12 +42,7 @@ class StopInRolloutGRPO(GRPO):
         ``STOP_IN_ROLLOUT`` (the prompts taken, the weights pushed and checked, nothing sampled), or kills its
         engine then (SIGKILL) at the rollout batches ``KILL_ENGINE_IN_ROLLOUT`` lists ("3,4,4": at batch 3 once, at
         batch 4 twice: its restarted engine too)."""
-        kills = [int(s) for s in os.environ.get("KILL_ENGINE_IN_ROLLOUT", "").split(",") if s]
-        done = self.__dict__.setdefault("_engine_kills", [])
-        if self.ctx.env.is_main and done.count(step) < kills.count(step):
-            done.append(step)
-            self.engine.proc.kill()
-            self.engine.proc.wait()
+        self._kill_engine("KILL_ENGINE_IN_ROLLOUT", step)
         stop, pid_file = os.environ.get("STOP_IN_ROLLOUT"), os.environ.get("STOP_PID_FILE")
         if stop and pid_file and self.ctx.env.is_main and step == int(stop) and not os.path.exists(pid_file):
             Path(pid_file + ".tmp").write_text(str(os.getpid()))
@@ -55,17 +50,20 @@ class StopInRolloutGRPO(GRPO):
             os.kill(os.getpid(), signal.SIGSTOP)
         return super()._engine_sample(step, rows)
 
-
     def _asked(self, step, rows, prompts):
         """With ``grpo.max_staleness``: rank 0 kills its engine (SIGKILL) as it asks for rollout batch ``step`` ahead,
         at the batches ``KILL_ENGINE_AHEAD`` lists ("5,5": at batch 5 twice, its restarted engine too)."""
-        kills = [int(s) for s in os.environ.get("KILL_ENGINE_AHEAD", "").split(",") if s]
-        done = self.__dict__.setdefault("_ahead_kills", [])
+        self._kill_engine("KILL_ENGINE_AHEAD", step)
+        return super()._asked(step, rows, prompts)
+
+    def _kill_engine(self, variable: str, step: int) -> None:
+        """Rank 0 kills its engine (SIGKILL) at rollout batch ``step`` as often as ``variable``'s list names it."""
+        kills = [int(s) for s in os.environ.get(variable, "").split(",") if s]
+        done = self.__dict__.setdefault("_kills", {}).setdefault(variable, [])
         if self.ctx.env.is_main and done.count(step) < kills.count(step):
             done.append(step)
             self.engine.proc.kill()
             self.engine.proc.wait()
-        return super()._asked(step, rows, prompts)
 
 
 class StopAfterStepGRPORecipe(StopAfterStepRecipe):

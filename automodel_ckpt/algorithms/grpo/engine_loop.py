@@ -129,22 +129,22 @@ class EngineLoop:
         again, its rows and seeds, of this step's weights (the ones it was asked of went with the engine: its
         ``weight_version`` says so). Lost again: its prompts given back, its slot left empty, this step whole; the
         run stops as the next step begins, after saving this one (``_lost``)."""
-        try:
-            if not self.engine.restartable:
-                raise lost
+        if self.engine.restartable:
             if self.ctx.env.is_main:
                 warn(f"grpo.engine vllm: {lost}; restarting the engine (once), rollout batch {ahead.step} asked "
                      "again with the same seeds and this step's weights")
-            self.engine.restart()
-            self._push()
-            again = self._asked(ahead.step, ahead.rows, ahead.prompts)
-            answer, self._waited = again.wait()
-            return again, answer
-        except EngineLost as failed:
-            g = self.grpo
-            g.prompt_epoch, g.prompt_position, g.skipped_prompts = ahead.before
-            self._lost = failed
-            return ahead, None
+            try:
+                self.engine.restart()
+                self._push()
+                again = self._asked(ahead.step, ahead.rows, ahead.prompts)
+                answer, self._waited = again.wait()
+                return again, answer
+            except EngineLost as failed:
+                lost = failed
+        g = self.grpo
+        g.prompt_epoch, g.prompt_position, g.skipped_prompts = ahead.before
+        self._lost = lost
+        return ahead, None
 
     def _take_ahead(self) -> bool:
         """The next batch sampled ahead (or restored from the checkpoint) made this step's, the slots behind it

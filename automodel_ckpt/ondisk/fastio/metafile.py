@@ -84,18 +84,16 @@ def tail(storage_meta: Any) -> bytes:
 
 def write(path: Path, data: bytes, end: bytes, *, sync: bool, threads: int = 1,
           written: durable.WrittenFiles | None = None) -> None:
-    """``data`` then ``end`` into ``path`` as ``FileSystemWriter.finish`` writes it; fsynced when ``sync``, then by
-    ``write_file`` (a large file past the page cache, hashed as it is written: its checksum noted in ``written``)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """``data`` then ``end`` into ``path`` as ``FileSystemWriter.finish`` writes it, noted in ``written``; fsynced when
+    ``sync``, then by ``write_file`` (a large file past the page cache, hashed as it is written)."""
+    tmp, mine = path.with_name(path.name + ".tmp"), durable.WrittenFiles()
     if sync:
-        mine = durable.WrittenFiles()
         write_file(tmp, [data, end], threads, mine)
-        known = mine.get(tmp)
-        os.replace(tmp, path)
-        if written is not None:
-            written.note(path, synced=True, algorithm=known and known.algorithm, digest=known and known.digest)
-        return
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.write(end)
+    else:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.write(end)
+    known = mine.get(tmp)
     os.replace(tmp, path)
+    if written is not None:
+        written.note(path, synced=sync, algorithm=known and known.algorithm, digest=known and known.digest)

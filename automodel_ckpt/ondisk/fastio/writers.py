@@ -115,8 +115,6 @@ class ParallelFileSystemWriter(FileSystemWriter):
         metafile.write(path, data, metafile.tail(self.storage_meta()), sync=self.sync_files, threads=self.threads,
                        written=self.written)
         kept()
-        if self.written is not None and not self.sync_files:
-            self.written.note(path, synced=False)
 
 
 class ParallelSafetensorsWriter(HuggingFaceStorageWriter):
