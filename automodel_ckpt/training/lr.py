@@ -7,8 +7,6 @@ from functools import partial
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
-from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
-                                       get_linear_schedule_with_warmup)
 
 
 def _warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -81,7 +79,8 @@ def cooldown(optimizer: Optimizer, total_steps: int, steps: int, final_lr: float
     return Cooldown(optimizer, steps, float(final_lr))
 
 
-# The HF Trainer's schedules are transformers' own (an import continues on its lrs, docs/import.md; warmup from 0).
+# The HF Trainer's schedules are transformers' own (an import continues on its lrs, docs/import.md; warmup from 0),
+# imported when used: transformers.optimization imports the Trainer's utilities and PEFT (a second of every launch).
 # torch's are in closed form here: torch's step from their last value, which a resume cannot restore from the step.
 def _cosine_annealing_factor(step: int, *, t_max: int, eta_min_ratio: float) -> float:
     return eta_min_ratio + (1.0 - eta_min_ratio) * (1.0 + math.cos(math.pi * step / t_max)) / 2.0
@@ -97,18 +96,24 @@ def _step_decay_factor(step: int, *, step_size: int, gamma: float) -> float:
 
 def linear_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
     """The HF Trainer's ``linear``: warmup from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
+    from transformers.optimization import get_linear_schedule_with_warmup
+
     return get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
 
 
 def cosine_decay(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, num_cycles: float = 0.5,
                  min_lr_rate: float = 0.0) -> LambdaLR:
     """The HF Trainer's ``cosine`` and ``cosine_with_min_lr``: warmup from 0, cosine to ``min_lr_rate`` × lr."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
     return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup_steps, total_steps, num_cycles=num_cycles,
                                                        min_lr_rate=min_lr_rate)
 
 
 def constant_after_warmup(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
     """The HF Trainer's ``constant`` (no warmup) and ``constant_with_warmup``: warmup from 0, then the lr."""
+    from transformers.optimization import get_constant_schedule_with_warmup
+
     return get_constant_schedule_with_warmup(optimizer, warmup_steps)
 
 

@@ -86,11 +86,15 @@ def test_bad_input_met_on_rank_0_while_the_others_wait_is_one_line_and_no_rank_p
 
 def test_forked_workers_start_with_what_building_a_model_imports():
     """What the launcher imports before forking saves every worker the same imports: after ``preload`` a family's
-    modeling module adds only itself and its config, and transformers' weight-renaming table is already built."""
+    modeling module adds only itself and its config, and transformers' weight-renaming table is already built.
+    Validating a recipe (its learning-rate schedules among the targets) imports neither PEFT nor the Trainer's
+    utilities (a second of every launch, through ``transformers.optimization``)."""
     script = (
         "import json, sys\n"
         "from automodel_ckpt.launch import preload\n"
         "preload('automodel_ckpt.recipes.llm_finetune.FinetuneRecipe')\n"
+        "import automodel_ckpt.config.validate, automodel_ckpt.training.lr\n"
+        "print('heavy', [m for m in ('peft', 'transformers.trainer_utils') if m in sys.modules])\n"
         "import transformers.conversion_mapping as cm\n"
         "print('table', cm._checkpoint_conversion_mapping_cache is not None)\n"
         "before = set(sys.modules)\n"
@@ -100,8 +104,9 @@ def test_forked_workers_start_with_what_building_a_model_imports():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0] == "table True"
-    new = json.loads(lines[1].removeprefix("new "))
+    assert lines[0] == "heavy []", lines[0]
+    assert lines[1] == "table True"
+    new = json.loads(lines[2].removeprefix("new "))
     assert all(name.startswith("transformers.models.qwen2") for name in new), new
 
 
