@@ -51,10 +51,10 @@ class Seaweed:
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1", **extra}
 
     def filesystem(self):
-        import s3fs
+        """A new filesystem on this server, opened as the product opens one (botocore's models parsed once)."""
+        from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
 
-        return s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=self.endpoint,
-                                 use_listings_cache=False, skip_instance_cache=True)
+        return open_filesystem("s3://", {"key": ACCESS_KEY, "secret": SECRET_KEY, "endpoint_url": self.endpoint})
 
     def new_bucket(self, prefix: str = "t") -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"

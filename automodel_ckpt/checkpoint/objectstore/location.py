@@ -26,7 +26,31 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
         # fail fast on a wrong endpoint instead of retrying for minutes
         options["config_kwargs"] = {"connect_timeout": 10, "retries": {"max_attempts": 3, "mode": "standard"}}
     options.update(storage_options or {})
+    if scheme in ("s3", "s3a") and "session" not in options:
+        options = _with_shared_models(options)
     return fsspec.filesystem(scheme, **options)
+
+
+_LOADER: list[Any] = []  # this process's loader of botocore's service models (JSON parsed once, then cached in it)
+_FSSPEC_OPTIONS = ("use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache")
+
+
+def _with_shared_models(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with a new aiobotocore session (credentials resolved afresh, as s3fs would make it) that shares
+    the process's parsed service models: each session parsing them again cost 0.12 s of CPU per filesystem opened
+    (every verb, store and streamed reader on S3), 8 ms with them shared."""
+    import inspect
+
+    import aiobotocore.session
+    import s3fs
+
+    named = set(inspect.signature(s3fs.S3FileSystem.__init__).parameters) | set(_FSSPEC_OPTIONS)
+    session_kwargs = {k: v for k, v in options.items() if k not in named}  # e.g. profile: s3fs hands these on
+    session = aiobotocore.session.AioSession(**session_kwargs)
+    if not _LOADER:
+        _LOADER.append(session.get_component("data_loader"))
+    session.register_component("data_loader", _LOADER[0])
+    return {k: v for k, v in options.items() if k not in session_kwargs} | {"session": session}
 
 
 def _cache_root() -> Path:

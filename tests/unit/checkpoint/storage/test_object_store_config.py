@@ -86,3 +86,21 @@ def test_verbs_keep_urls_intact(verb):
     parser = importlib.import_module(f"automodel_ckpt.cli.{verb}").build_parser()
     args = parser.parse_args(["s3://bucket/run"])
     assert "s3://bucket/run" in [str(v) for v in vars(args).values()]
+
+
+def test_s3_filesystems_share_the_parsed_service_models_not_the_session(monkeypatch):
+    """Each S3 filesystem gets a session of its own (credentials resolved again, a profile honoured) that shares the
+    process's loader of botocore's service models: parsed once, not again for every verb, store and reader."""
+    pytest.importorskip("s3fs")
+    from automodel_ckpt.checkpoint.objectstore.location import open_filesystem
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    opened = [open_filesystem("s3://b/run", {"endpoint_url": "http://127.0.0.1:9"}) for _ in range(2)]
+    opened.append(open_filesystem("s3://b/run", {"endpoint_url": "http://127.0.0.1:9", "profile": None}))
+    sessions = [fs.session for fs in opened]
+    assert len({id(s) for s in sessions}) == 3
+    assert len({id(s.get_component("data_loader")) for s in sessions}) == 1
+    assert all(fs.kwargs == {} for fs in opened)  # a session option went to the session, not to the client
+    given = open_filesystem("s3://b/run", {"endpoint_url": "http://127.0.0.1:9", "session": sessions[0]})
+    assert given.session is sessions[0]
