@@ -50,7 +50,7 @@ class _Item:
     tokens: np.ndarray | None
     labels: np.ndarray | None = None
     sequence_id: int = 0
-    lanes: dict[int, Any] = field(default_factory=dict)  # lane -> (position, counts) at the step's end
+    lanes: dict[int, Any] = field(default_factory=dict)  # lane -> (position, counts) at the step's end, if it moved
     error: str | None = None
 
 
@@ -100,6 +100,7 @@ class _Share(IterableDataset):
 
             j = worker
             chunk: list[_Item] = []
+            sent: dict[int, int] = {}  # lane -> its count at the last position sent (a lane's state moves only with it)
             while True:
                 k = self.start + r + j * dp
                 lane = k % L
@@ -109,8 +110,11 @@ class _Share(IterableDataset):
                 if k + W * dp >= end:  # this worker's last sequence of the step: its lanes to the boundary
                     for other in mine:
                         advance(other, end)
+                    # the positions of the lanes that moved since the last step (every lane at the first): the
+                    # others' are those last sent, and a step's sequences come from few of a worker's many lanes
                     chunk[-1].lanes = {x: (streams[x].position(shards=False), lane_counts(streams[x]))
-                                       for x in mine}
+                                       for x in mine if sent.get(x) != made[x]}
+                    sent.update((x, made[x]) for x in chunk[-1].lanes)
                     yield chunk
                     chunk = []
                 j += W
