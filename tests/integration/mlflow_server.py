@@ -46,6 +46,9 @@ class MlflowServer:
                "--backend-store-uri", f"sqlite:///{self.folder / 'store.db'}",
                "--artifacts-destination", str(self.folder / "artifacts")]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        # no job runner: it and its task consumers (15 processes importing all of mlflow at each start, a minute and
+        # a half of CPU over the suite) serve MLflow's GenAI jobs, not tracking; and they outlive a SIGKILLed server
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
