@@ -14,7 +14,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     from automodel_ckpt.config.loader import to_yaml
     from automodel_ckpt.cli.common import check_recipe, load_recipe
     from automodel_ckpt.distributed.env import inside_launcher_worker
-    from automodel_ckpt.launch import launch_agent, parse_launch_args, preload
+    from automodel_ckpt.launch import family_module, launch_agent, parse_launch_args, preload
 
     opts, recipe_path, overrides = parse_launch_args(argv)
     if inside_launcher_worker():
@@ -42,7 +42,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     fetch_models(cfg)  # a Hub model missing from the cache: downloaded once per node, before any worker starts
     if opts.needs_agent:
         if opts.start_method == "fork":
-            preload(str(cfg.recipe), ("peft",) if cfg.get("peft") else ())
+            preload(str(cfg.recipe), (("peft",) if cfg.get("peft") else ()) + family_module(cfg.model))
         preemption = ckpt.preemption_signal if ckpt.enabled else None
         return launch_agent(opts, recipe_path, overrides, preemption_signal=preemption, forked=forked)
     return run_worker(recipe_path, overrides)

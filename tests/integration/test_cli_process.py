@@ -110,6 +110,24 @@ def test_forked_workers_start_with_what_building_a_model_imports():
     assert all(name.startswith("transformers.models.qwen2") for name in new), new
 
 
+def test_the_launcher_preloads_the_family_it_can_tell_without_building_the_model(tmp_path):
+    """``family_module``: the recipe's model family from ``model.config`` or a local folder's config.json, imported
+    before the fork (every worker would import it); nothing where it cannot tell, and the worker reports the rest."""
+    from omegaconf import OmegaConf
+
+    from automodel_ckpt.launch import family_module
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    assert family_module(OmegaConf.create({"config": {"hidden_size": 8}})) == \
+        ("transformers.models.llama.modeling_llama",)  # what the builder defaults to
+    assert family_module(OmegaConf.create({"pretrained_model_name_or_path": str(tmp_path)})) == \
+        ("transformers.models.qwen2.modeling_qwen2",)
+    (tmp_path / "config.json").write_text("{not json")
+    for model in ({"pretrained_model_name_or_path": str(tmp_path)}, {"pretrained_model_name_or_path": "/no/such"},
+                  {"config": {"model_type": 7}}):
+        assert family_module(OmegaConf.create(model)) == ()
+
+
 def test_inspect_and_verify_of_a_run_folder_never_import_torch(straight_runs):
     """Reading a run folder (JSON, manifests, checksums, safetensors headers) needs no torch: the verbs answer in a
     fraction of a second instead of the seconds torch's import takes."""

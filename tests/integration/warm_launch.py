@@ -284,7 +284,9 @@ def serve(sock: socket.socket) -> None:
     import automodel_ckpt.config.loader  # noqa: F401
     from automodel_ckpt.launch import preload
 
-    preload("automodel_ckpt.recipes.llm_finetune.FinetuneRecipeForNextTokenPrediction")
+    # and the tiny recipes' family, which each launcher would import before forking (``launch.family_module``)
+    preload("automodel_ckpt.recipes.llm_finetune.FinetuneRecipeForNextTokenPrediction",
+            ("transformers.models.llama.modeling_llama",))
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
