@@ -23,6 +23,9 @@ import uuid
 from pathlib import Path
 
 
+PRELOAD_ENV = "FORKED_RANKS_PRELOAD"  # modules to import before the fork, comma-separated
+
+
 def _rank(script: str, args: list[str]) -> None:
     from automodel_ckpt.distributed.env import return_on_success
 
@@ -40,12 +43,14 @@ def _rank(script: str, args: list[str]) -> None:
         raise
 
 
-def launch(nproc: int, script: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def launch(nproc: int, script: Path, *args: str, env: dict[str, str],
+           preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` forked ranks from the test process; a launch that failed without an
     ``AssertionError`` (a rendezvous port taken, a rank that hung and printed its stacks) is launched once more, and
-    a second failure reports both."""
+    a second failure reports both. ``preload``: modules every rank imports (DeepSpeed), imported once before the
+    fork."""
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**env, "PYTHONPATH": repo, "PYTHONWARNINGS": "ignore"}
+    env = {**env, "PYTHONPATH": repo, "PYTHONWARNINGS": "ignore", PRELOAD_ENV: ",".join(preload)}
 
     def once() -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "tests.integration.forked_ranks", str(nproc), str(script),
@@ -66,7 +71,8 @@ def main(argv: list[str]) -> None:
 
     from automodel_ckpt.launch import preload
 
-    preload("automodel_ckpt.recipes.llm_finetune.FinetuneRecipeForNextTokenPrediction")
+    preload("automodel_ckpt.recipes.llm_finetune.FinetuneRecipeForNextTokenPrediction",
+            tuple(name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
                           monitor_interval=0.1)

@@ -16,6 +16,9 @@ from tests.integration import forked_ranks
 from tests.integration.harness import CKPT_TRAIN, ckpt_train, env_for, jsonl, run_command
 
 pytest.importorskip("deepspeed")
+#: what each DeepSpeed rank imports (DeepSpeed, its ZeRO optimizer check's Muon module, the Trainer), imported once
+#: before the ranks fork
+DEEPSPEED = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "transformers.trainer")
 PLAIN = "{_target_: automodel_ckpt.training.lr.constant_after_warmup, warmup_steps: 0}"
 
 
@@ -35,7 +38,7 @@ def ds_runs(tmp_path_factory, assets):
             out = folder / f"run_{stage}"
             out.mkdir()
             done = forked_ranks.launch(2, Path(dsr.__file__), str(stage), str(recipe), str(assets), str(out),
-                                       env=env_for(assets, {"DS_ACCELERATOR": "cpu"}))
+                                       env=env_for(assets, {"DS_ACCELERATOR": "cpu"}), preload=DEEPSPEED)
             assert done.returncode == 0, done.stderr[-3000:]
             runs[stage] = out
         return runs[stage]
