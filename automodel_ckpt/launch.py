@@ -9,7 +9,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from automodel_ckpt.distributed.lifeline import mark_launcher, proc_stat
 from automodel_ckpt.errors import USER_ERROR_EXIT_CODES, ConfigError, expect
@@ -270,31 +270,6 @@ def failed_worker_filter(record: logging.LogRecord) -> bool:
 #: What the modeling module of every transformers family imports first (``models/llama/modeling_llama.py``, ...).
 _FAMILY_SHARED = ("transformers.generation.utils", "transformers.masking_utils", "transformers.modeling_layers",
                   "transformers.modeling_rope_utils", "transformers.cache_utils", "transformers.integrations")
-
-
-def family_module(model: Any) -> tuple[str, ...]:
-    """The modeling module of the recipe's model family, where the launcher can tell it without building anything
-    (``model.config``'s ``model_type``, or a local folder's ``config.json``): imported once before the fork instead
-    of in every worker. ``()`` where it cannot tell (the worker imports it then)."""
-    import json
-
-    from automodel_ckpt.models.build import local_model_path
-
-    try:
-        config = model.get("config")
-        if config is not None:
-            kind = config.get("model_type", "llama")
-        else:
-            folder = local_model_path(model.get("pretrained_model_name_or_path"))
-            kind = json.loads((folder / "config.json").read_text())["model_type"] if folder is not None else None
-        if not isinstance(kind, str):
-            return ()
-        from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-        name = model_type_to_module_name(kind)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the worker says what is wrong, in one line
-        return ()
-    return (f"transformers.models.{name}.modeling_{name}",)
 
 
 def preload(recipe_target: str, extra: tuple[str, ...] = ()) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 
 def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None) -> int:
@@ -14,7 +14,7 @@ def main(argv: list[str], forked: Callable[[str, list[str]], None] | None = None
     from automodel_ckpt.config.loader import to_yaml
     from automodel_ckpt.cli.common import check_recipe, load_recipe
     from automodel_ckpt.distributed.env import inside_launcher_worker
-    from automodel_ckpt.launch import family_module, launch_agent, parse_launch_args, preload
+    from automodel_ckpt.launch import launch_agent, parse_launch_args, preload
 
     opts, recipe_path, overrides = parse_launch_args(argv)
     if inside_launcher_worker():
@@ -79,6 +79,27 @@ def fetch_models(cfg) -> None:
     tok = cfg.tokenizer.pretrained_model_name_or_path
     if tok and is_hub_id(str(tok)):
         model_folder(str(tok), "tokenizer.pretrained_model_name_or_path", weights=False)
+
+
+def family_module(model: Any) -> tuple[str, ...]:
+    """The modeling module of the model's family where the launcher can tell it without building anything (the
+    recipe's ``model.config``, a local folder's config): imported once before the fork, not by every worker."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from automodel_ckpt.models.build import local_model_path
+
+    try:
+        config = model.get("config")
+        if config is None:
+            folder = local_model_path(model.get("pretrained_model_name_or_path"))
+            if folder is None:
+                return ()
+            config = PretrainedConfig.get_config_dict(str(folder))[0]
+        name = model_type_to_module_name(config.get("model_type", "llama"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the worker says what is wrong, if anything
+        return ()
+    return (f"transformers.models.{name}.modeling_{name}",)
 
 
 def run_worker(recipe_path: str, overrides: list[str]) -> NoReturn:

@@ -152,6 +152,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     return model
 
 
+def _unclipped(total: torch.Tensor, limit: float) -> bool:
+    """Whether ``clip_grads_with_norm_`` would scale by exactly 1 (its coefficient as it computes it, clamped): then
+    it is skipped, bit for bit the same. On the CPU only (on an accelerator, asking waits for the device)."""
+    return total.device.type == "cpu" and bool(torch.clamp(limit / (total + 1e-6), max=1.0) == 1.0)
+
+
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, stages: Any = None,
                    uncounted: Iterable[nn.Parameter] = ()) -> torch.Tensor:
     """``clip_grad_norm_`` over gradients on different meshes or pipeline stages (``stages``: their group): one
@@ -162,9 +168,12 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, s
     groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
     for p in params:
         groups[getattr(p.grad, "device_mesh", None)].append(p)
-    if len(groups) <= 1 and stages is None and not skipped:
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if len(groups) <= 1 and stages is None and not skipped:  # torch's clip_grad_norm_, in its two parts
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if not _unclipped(total, limit):
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+        return total
     squares = []
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")
     level = quiet.level
@@ -185,6 +194,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, s
     if stages is not None:  # each stage's squared norm, summed over the stages
         torch.distributed.all_reduce(total, group=stages)
     total = total.sqrt().float()
+    if _unclipped(total, limit):
+        return total
     with implicit_replication():  # the plain total scales DTensor gradients
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, limit, total.to(members[0].grad.device))

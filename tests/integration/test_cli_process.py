@@ -115,7 +115,7 @@ def test_the_launcher_preloads_the_family_it_can_tell_without_building_the_model
     before the fork (every worker would import it); nothing where it cannot tell, and the worker reports the rest."""
     from omegaconf import OmegaConf
 
-    from automodel_ckpt.launch import family_module
+    from automodel_ckpt.cli.train import family_module
 
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     assert family_module(OmegaConf.create({"config": {"hidden_size": 8}})) == \

@@ -284,7 +284,7 @@ def serve(sock: socket.socket) -> None:
     import automodel_ckpt.config.loader  # noqa: F401
     from automodel_ckpt.launch import preload
 
-    # and the tiny recipes' family, which each launcher would import before forking (``launch.family_module``)
+    # and the tiny recipes' family, which each launcher would import before forking (``cli.train.family_module``)
     preload("automodel_ckpt.recipes.llm_finetune.FinetuneRecipeForNextTokenPrediction",
             ("transformers.models.llama.modeling_llama",))
     wake_read, wake_write = os.pipe()

@@ -297,3 +297,24 @@ def test_dry_run_checks_the_stages_of_an_embedded_base_not_created_yet(capsys, t
                                                                            "--distributed.pp_schedule",
                                                                            "interleaved_1f1b"])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e-3, None])
+def test_the_norm_and_the_clipped_gradients_are_torchs_bit_for_bit_and_unclipped_ones_are_left_alone(monkeypatch,
+                                                                                                       max_norm):
+    """One mesh: torch's ``clip_grad_norm_`` in its two parts, the scaling skipped where its coefficient clamps to 1
+    (a multiplication by exactly 1)."""
+    torch.manual_seed(0)
+    ours, theirs = [torch.nn.Parameter(torch.randn(7, 5)) for _ in range(3)], []
+    for p in ours:
+        p.grad = torch.randn_like(p) * 0.05
+        theirs.append(torch.nn.Parameter(p.detach().clone()))
+        theirs[-1].grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(theirs, max_norm if max_norm else float("inf"))
+    scaled = []
+    real = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: scaled.append(1) or real(*a, **k))
+    got = clip_grad_norm(ours, max_norm)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+    assert scaled == ([1] if max_norm == 1e-3 else [])  # the norm here is about 0.3
