@@ -1,8 +1,9 @@
 """Suite-wide test options: slow tests run only with RUN_SLOW=1; `-n auto` picks the worker count; the files of
-long multi-process runs are handed to the workers first."""
+long multi-process runs are handed to the workers first; the garbage collector runs less often."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -29,8 +30,17 @@ LONG_FILES = ("test_resume_ranks.py", "test_vlm.py", "test_object_store.py", "te
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # the garbage collector's passes, less often: each worker's heap (torch, transformers, DeepSpeed ...) grows
+    # through the run, and the full passes over it took 18.8 of the unit tests' 105 s (4.4 s with these thresholds)
+    gc.set_threshold(100_000, 50, 50)
     if hasattr(config.option, "loadscopereorder"):  # xdist's default: files with the most tests first
         config.option.loadscopereorder = False
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported lives to the end: frozen out of the garbage collector's passes (``gc.freeze``)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _cost_order(item: pytest.Item) -> tuple[int, int]:
