@@ -87,7 +87,7 @@ def family_module(model: Any) -> tuple[str, ...]:
     from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    from automodel_ckpt.models.build import local_model_path
+    from automodel_ckpt.models.build import DEFAULT_MODEL_TYPE, local_model_path
 
     try:
         config = model.get("config")
@@ -96,7 +96,7 @@ def family_module(model: Any) -> tuple[str, ...]:
             if folder is None:
                 return ()
             config = PretrainedConfig.get_config_dict(str(folder))[0]
-        name = model_type_to_module_name(config.get("model_type", "llama"))
+        name = model_type_to_module_name(config.get("model_type", DEFAULT_MODEL_TYPE))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the worker says what is wrong, if anything
         return ()
     return (f"transformers.models.{name}.modeling_{name}",)

@@ -25,6 +25,9 @@ def resolve_dtype(name: str) -> "torch.dtype":
         raise ConfigError(f"model.dtype: expected one of {', '.join(_DTYPES)}, got '{name}'") from None
 
 
+DEFAULT_MODEL_TYPE = "llama"  # the family of a `model.config` that names none
+
+
 def local_model_path(path: str | None) -> Path | None:
     """The local folder of ``path`` (a folder, or a cached hub id's snapshot), else None."""
     if not path:
@@ -111,7 +114,7 @@ def _build(auto_class: Any, pretrained_model_name_or_path: str | None, config: d
     folder = None
     if config is not None:
         cfg_kwargs = dict(config)
-        hf_config = AutoConfig.for_model(cfg_kwargs.pop("model_type", "llama"), **cfg_kwargs)
+        hf_config = AutoConfig.for_model(cfg_kwargs.pop("model_type", DEFAULT_MODEL_TYPE), **cfg_kwargs)
     else:
         assert pretrained_model_name_or_path is not None
         if embedded and local_model_path(pretrained_model_name_or_path) is None:
