@@ -204,6 +204,32 @@ def _freeze(pid: int) -> list[int]:
     return stopped
 
 
+class JobTimeout(subprocess.TimeoutExpired):
+    """A command past its timeout; its message ends with the tail of what it printed, the stacks that
+    ``dump_stacks`` had each of its processes print included."""
+
+    def __str__(self) -> str:
+        lines = (self.stderr or "").splitlines() if isinstance(self.stderr, str) else []
+        tail = "\n".join(line for line in lines if not line.startswith("Extension modules:"))[-12000:]
+        return f"{super().__str__()}\n--- the end of its stderr ---\n{tail}"
+
+
+def dump_stacks(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
+    """Where each process of a job that hangs stands, in the job's stderr: the job is stopped (``_freeze``), then
+    each process, the workers first, is sent SIGABRT and let run alone until it ends (up to ``wait_s``), so that the
+    others neither react to its end nor print over it. A process forked from the warm launcher's server prints its
+    threads' Python stacks (``faulthandler``); a job of new interpreters just ends."""
+    for pid in reversed(_freeze(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + wait_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
 def kill_job(proc: subprocess.Popen) -> int:
     """SIGKILL the launcher's process group and every descendant; wait until all are gone. Returns #processes.
 

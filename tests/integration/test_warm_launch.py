@@ -46,8 +46,11 @@ def test_a_warm_launch_past_its_timeout_is_killed_with_its_workers(tmp_path, war
     cmd = [CKPT_TRAIN, "--nproc-per-node", "2", str(RECIPE), "--training.progress_bar", "false",
            "--step_scheduler.max_steps", "100000", "--checkpoint.enabled", "false"]
     before = set(process_tree(os.getpid()))
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         warm.run(cmd, tmp_path, env_for(assets), timeout=5)
+    # before the kill each of its processes printed where it stood, and the failure shows it
+    assert "Fatal Python error: Aborted" in str(timed_out.value)
+    assert "(most recent call first)" in str(timed_out.value)
     assert set(process_tree(os.getpid())) - before <= {warm._proc.pid}  # the server only: no launcher, no worker
     assert warm.run([CKPT_TRAIN, "--version"], tmp_path, env_for(assets), timeout=60).returncode == 0
 

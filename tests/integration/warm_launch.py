@@ -18,6 +18,7 @@ does every command when ``CKPT_TEST_FRESH_PROCESSES=1``; ``XDG_CACHE_HOME`` alon
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
@@ -213,10 +214,11 @@ class WarmLauncher:
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                from tests.integration.harness import kill_job
+                from tests.integration.harness import JobTimeout, dump_stacks, kill_job
 
+                dump_stacks(proc)  # where each process stood, in the job's stderr
                 kill_job(proc)
-                raise subprocess.TimeoutExpired(cmd, timeout, *(p.read_text(errors="replace") for p in paths))
+                raise JobTimeout(cmd, timeout, *(p.read_text(errors="replace") for p in paths))
             return subprocess.CompletedProcess(cmd, code, *(p.read_text(errors="replace") for p in paths))
 
     def close(self) -> None:
@@ -278,6 +280,7 @@ def serve(sock: socket.socket) -> None:
     """The server: import what a launch imports, then fork one child per request and report its pid and status."""
     # no huge pages for tensors: ``ckpt-train`` turns them on only for a recipe that shards for sure
     # (``cli.train.huge_pages_if_sharded``), and most tests replicate; a sharded test only steps slower here
+    faulthandler.enable()  # every process forked from here prints its threads' stacks on SIGABRT (``dump_stacks``)
     import automodel_ckpt.checkpoint  # noqa: F401
     import automodel_ckpt.cli.common  # noqa: F401
     import automodel_ckpt.cli.train  # noqa: F401
