@@ -40,7 +40,7 @@ def titan(tmp_path_factory, assets):
             out = folder / "source"
             out.mkdir()
             done = forked_ranks.launch(2, Path(ttr.__file__), str(recipe()), str(assets), str(out),
-                                       env=env_for(assets))
+                                       env=env_for(assets), preload=ttr.PRELOAD)
             assert done.returncode == 0, done.stderr[-3000:]
             made["run"] = out
         return made["run"]

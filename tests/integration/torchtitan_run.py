@@ -50,6 +50,13 @@ def import_torchtitan() -> None:
     sys.modules.setdefault(KERNELS, stub)
 
 
+#: What each rank imports, imported once before the ranks fork (``forked_ranks.launch(preload=...)``): this module
+#: first, whose import puts the kernels' placeholder in place.
+PRELOAD = ("tests.integration.torchtitan_run", "torchtitan.models.llama3",
+           "torchtitan.models.common.attention", "torchtitan.components.checkpoint",
+           "torchtitan.components.dataloader", "torchtitan.components.optimizer", "torchtitan.trainer")
+
+
 def model_config(hf_config: dict):
     """torchtitan's ``Llama3Model.Config`` in the shape of an HF Llama's ``config.json`` (as its registry's flavors
     are built: fused QKV, FlexAttention, complex RoPE without scaling)."""
@@ -255,6 +262,8 @@ def logits_of(assets: Path, checkpoint: Path, out: Path) -> None:
     with torch.no_grad():
         torch.save(model(ids, positions=torch.arange(ids.shape[1]).expand(ids.shape[0], -1)).float(), out)
 
+
+import_torchtitan()  # on import: a launcher preloading torchtitan (``PRELOAD``) imports this module first
 
 if __name__ == "__main__":
     if sys.argv[1] == "--logits":
