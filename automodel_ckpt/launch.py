@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -236,6 +237,7 @@ def _run_forking(args, entrypoint: Callable[[str, list[str]], None], recipe: str
     config, _, _ = config_from_args(args)
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()  # the imports out of the workers' garbage collections (neither scanned again nor copied)
     elastic_launch(config=config, entrypoint=entrypoint)(recipe, list(overrides))
 
 

@@ -13,6 +13,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from gc import set_threshold as gc_threshold  # (``gc`` is a verb's module here)
 
 from automodel_ckpt import __version__
 from automodel_ckpt.cli.common import debug_requested, report
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from automodel_ckpt.distributed.lifeline import bind_to_launcher
 
     bind_to_launcher()  # a worker of the launcher (any verb): first thing, it ends when the launcher ends
+    gc_threshold(10_000, 10, 10)  # the start's imports and builds scanned less often (-25% CPU; see recipes.base)
     own_command = argv is None  # the console script or ``python -m automodel_ckpt``, not a caller's list
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,6 +76,7 @@ class BaseRecipe:
                           flush=True)
                     self.finalize_checkpoints()  # a run that ends: its folder lock and node-local steps go
                     return None
+                gc.set_threshold(700, 10, 10)  # Python's pace for the steps (``cli.main`` slowed it for the start)
                 self._observer.start(steps.step, restored, every_steps=self.cfg.step_scheduler.ckpt_every_steps,
                                      mtbf_hours=self.checkpoint_config.mtbf_hours,
                                      world_size=self.env.world_size, tier=self.restored.tier,

@@ -142,3 +142,30 @@ def test_inspect_and_verify_of_a_run_folder_never_import_torch(straight_runs):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "codes [0, 0, 0] torch False", proc.stdout[-3000:]
+
+
+def test_a_command_starts_with_a_slower_garbage_collector_and_its_workers_step_at_pythons(tmp_path, assets):
+    """``ckpt-train`` scans its start's long-lived objects less often (imports and builds: a quarter of importing
+    torch and transformers), the launcher freezes its imports out of the workers' collections before it forks them,
+    and each worker steps at Python's own pace."""
+    from tests.integration.harness import ckpt_train
+
+    script = "import gc\nfrom automodel_ckpt.cli import main\nmain(['--version'])\nprint(gc.get_threshold())\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "(10000, 10, 10)", proc.stdout + proc.stderr
+    (tmp_path / "pace_recipe.py").write_text(
+        "import gc, json, os\n"
+        "from automodel_ckpt.recipes.llm_finetune import FinetuneRecipe\n"
+        "class PaceRecipe(FinetuneRecipe):\n"
+        "    def train_step(self, micro):\n"
+        "        out = os.path.join(os.environ['PACE_OUT'], f'rank{self.env.rank}.json')\n"
+        "        if not os.path.exists(out):\n"
+        "            with open(out, 'w') as f:\n"
+        "                json.dump({'threshold': gc.get_threshold(), 'frozen': gc.get_freeze_count()}, f)\n"
+        "        return super().train_step(micro)\n")
+    ckpt_train(tmp_path, assets, "--recipe", "pace_recipe.PaceRecipe", "--checkpoint.enabled", "false",
+               "--step_scheduler.max_steps", "1", nproc=2, env={"PYTHONPATH": str(tmp_path), "PACE_OUT": str(tmp_path)})
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["threshold"] == [700, 10, 10], seen
+        assert seen["frozen"] > 100_000, seen  # torch, transformers and the package, imported before the fork

@@ -120,8 +120,7 @@ class SaveWriter:
                                if reserve_in_background else None),
                 after_writes=(functools.partial(self._on_group, self._complete, pending)
                               if completes_in_background else None),
-                thread=self._thread,
-            )
+                thread=self._thread)
             pending.writes = [(future, item.path) for future, item in zip(pending.job.writes, staged)]
             clock.mark("start_background")
             self._pending = pending
@@ -345,8 +344,7 @@ def capture(staging: Path, plan: StatePlan, info: SaveInfo, *, rank: int, world_
         name=staging.name[len(layout.STAGING_PREFIX):], epoch=info.epoch, step=info.step,
         train_loss=info.train_loss, val_loss=info.val_loss, is_final=info.is_final, extra=info.extra,
         world_size=world_size, model_save_format=model_save_format, training_seconds=training_seconds,
-        fingerprint=fingerprint, mesh=mesh,
-    )
+        fingerprint=fingerprint, mesh=mesh)
     lineage = out.metadata.get("extra", {}).pop("lineage", lineage)  # a tool's own (an import's) wins
     if not out.metadata.get("extra", True):
         del out.metadata["extra"]
