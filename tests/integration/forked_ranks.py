@@ -14,6 +14,7 @@ thread's stack and exits, so a hang fails its test with the place it hung instea
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import runpy
 import subprocess
@@ -67,6 +68,7 @@ def launch(nproc: int, script: Path, *args: str, env: dict[str, str],
 
 def main(argv: list[str]) -> None:
     nproc, script, args = int(argv[0]), argv[1], argv[2:]
+    gc.set_threshold(10_000, 10, 10)  # as ``ckpt-train`` starts: the imports scanned less often
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from automodel_ckpt.launch import preload
@@ -78,6 +80,7 @@ def main(argv: list[str]) -> None:
                           monitor_interval=0.1)
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()  # as ``launch._run_forking``: the imports out of the ranks' collections
     elastic_launch(config, entrypoint=_rank)(script, args)
 
 

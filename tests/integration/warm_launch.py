@@ -19,6 +19,7 @@ does every command when ``CKPT_TEST_FRESH_PROCESSES=1``; ``XDG_CACHE_HOME`` alon
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import select
@@ -281,6 +282,7 @@ def serve(sock: socket.socket) -> None:
     # no huge pages for tensors: ``ckpt-train`` turns them on only for a recipe that shards for sure
     # (``cli.train.huge_pages_if_sharded``), and most tests replicate; a sharded test only steps slower here
     faulthandler.enable()  # every process forked from here prints its threads' stacks on SIGABRT (``dump_stacks``)
+    gc.set_threshold(10_000, 10, 10)  # as ``ckpt-train`` starts: the imports scanned less often
     import automodel_ckpt.checkpoint  # noqa: F401
     import automodel_ckpt.cli.common  # noqa: F401
     import automodel_ckpt.cli.train  # noqa: F401
@@ -290,6 +292,8 @@ def serve(sock: socket.socket) -> None:
     # and the tiny recipes' family, which each launcher would import before forking (``cli.train.family_module``)
     preload("automodel_ckpt.recipes.llm_finetune.FinetuneRecipeForNextTokenPrediction",
             ("transformers.models.llama.modeling_llama",))
+    gc.collect()
+    gc.freeze()  # what every command inherits, out of its garbage collector's passes (neither visited nor copied)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
