@@ -169,16 +169,15 @@ def _serve() -> None:
 
 def _settle() -> None:
     """What every case inherits, settled once before the first fork: torch's operator libraries' finalizers left out
-    of the exit handlers a case runs (each unregisters its kernels, 10-50 ms at every case's end, in a process that
-    ``os._exit`` ends next), and the preloaded objects frozen out of the garbage collector's passes (``gc.freeze``:
-    a case's collections neither visit them nor copy their pages)."""
+    of the exit handlers a case runs, as the package's own processes leave them (``env._keep_torch_libraries``,
+    where the checkout under test has it), and the preloaded objects frozen out of the garbage collector's passes
+    (``gc.freeze``: a case's collections neither visit them nor copy their pages)."""
     import gc
-    import weakref
 
-    for handle in list(getattr(weakref.finalize, "_registry", ())):
-        func = (handle.peek() or (None, None))[1]
-        if getattr(func, "__module__", "") == "torch.library" and func.__name__ == "_del_library":
-            handle.atexit = False
+    with contextlib.suppress(ImportError):
+        from automodel_ckpt.distributed.env import _keep_torch_libraries
+
+        _keep_torch_libraries()
     gc.collect()
     gc.freeze()
 
