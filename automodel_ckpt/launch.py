@@ -197,8 +197,7 @@ def failure_origin(folder: str, rank: int) -> int:
     if origin.isdigit():
         return int(origin)
     own = left.get(f"rank-{rank}")
-    return min((int(name[5:]) for name, text in left.items() if name.startswith("rank-") and text == own),
-               default=rank)
+    return min((int(name[5:]) for name, text in left.items() if name.startswith("rank-") and text == own), default=rank)
 
 
 def other_ranks_errors(folder: str, limit: int = 1 << 16) -> list[str]:

@@ -147,8 +147,7 @@ class LocalTier:
     def _failed(self, error: BaseException | None, name: str) -> bool:
         """Collective: whether step ``name`` failed on any rank; then it is abandoned on every node, one warning says
         why, and the next tries are spaced out (``retry.Backoff``)."""
-        outcomes = all_gather_object(retry.Outcome.of(error, self.run.local if self.run.leads else None,
-                                                      self._need))
+        outcomes = all_gather_object(retry.Outcome.of(error, self.run.local if self.run.leads else None, self._need))
         cause = retry.verdict(outcomes)
         if cause is None:
             return False

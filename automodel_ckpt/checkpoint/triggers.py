@@ -203,8 +203,7 @@ class AutoInterval:
         gaps = sorted(self._gaps)
         self._last = self.clock()  # the save's time is no step's
         step_s = gaps[len(gaps) // 2] if gaps else 0.0
-        cost, step_s, mtbf = self.reduce_max([blocked_s, step_s, self._mtbf_local() if interval.mtbf is None
-                                              else 0.0])
+        cost, step_s, mtbf = self.reduce_max([blocked_s, step_s, self._mtbf_local() if interval.mtbf is None else 0.0])
         if interval.mtbf is None:  # decided once a run, the same on every rank
             mtbf = mtbf_seconds(mtbf)
             source = "given" if self.mtbf_hours is not None and mtbf else "observed" if mtbf else "assumed"

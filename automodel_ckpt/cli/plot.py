@@ -65,8 +65,7 @@ def make_figure(run_dir: Path):
                 color="tab:orange", markersize=4)
     best = pointer_target(run_dir, RunFolder.lowest_val)
     for i, ckpt in enumerate(scan_checkpoints(run_dir)):
-        ax.axvline(ckpt.step, color="gray", linestyle=":", linewidth=1,
-                   label="checkpoint" if i == 0 else None)
+        ax.axvline(ckpt.step, color="gray", linestyle=":", linewidth=1, label="checkpoint" if i == 0 else None)
         if best is not None and ckpt.name == best.name:
             val_loss = (ckpt.metadata or {}).get("val_loss")
             y = val_loss if isinstance(val_loss, (int, float)) else ax.get_ylim()[1]

@@ -233,8 +233,7 @@ class Pipeline:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([loss.detach().double().cpu() for loss in losses]).sum() / scale
 
-    def step(self, input_ids: torch.Tensor, labels: Any, extra: dict[str, torch.Tensor],
-             scale: float) -> torch.Tensor:
+    def step(self, input_ids: torch.Tensor, labels: Any, extra: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         """Forward and backward of one local batch through every stage (gradients accumulate)."""
         return self._run(self.schedule.step, input_ids, labels, extra, scale)
 

@@ -228,8 +228,7 @@ def verify_archive(path: Path, *, checksums: bool = True) -> ManifestReport:
     return report
 
 
-def _check_member(archive: OpenArchive, rel: str, entry: dict[str, Any], algorithm: str,
-                  checksums: bool) -> Verdict:
+def _check_member(archive: OpenArchive, rel: str, entry: dict[str, Any], algorithm: str, checksums: bool) -> Verdict:
     m = archive.members.get(rel)
     digest = (lambda: hash_range(archive.fd, m.offset, m.size, algorithm)) if checksums and m else None
     return file_verdict(rel, entry, m.size if m else None, digest, "in the archive")

@@ -85,8 +85,7 @@ def write_gguf_adapter(src: Path, out: Path, type_name: str) -> dict[str, Any]:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-    return {"bytes": out.stat().st_size, "factors": len(factors), "rank": rank, "alpha": alpha,
-            "base": str(base)}
+    return {"bytes": out.stat().st_size, "factors": len(factors), "rank": rank, "alpha": alpha, "base": str(base)}
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")

@@ -147,8 +147,7 @@ def write_gguf(source: ModelSource, plan: GGUFPlan, out: Path, *, progress: bool
                               + (f" ({exc.filename})" if exc.filename else "")) from None
     seconds = time.perf_counter() - start
     logger.info("GGUF written to %s: %s in %.1f s", out, human_size(out.stat().st_size), seconds)
-    return {"bytes": out.stat().st_size, "seconds": seconds, "tokenizer": tokenizer_model,
-            "read_bytes": source.nbytes}
+    return {"bytes": out.stat().st_size, "seconds": seconds, "tokenizer": tokenizer_model, "read_bytes": source.nbytes}
 
 
 @contextmanager

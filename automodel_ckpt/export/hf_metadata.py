@@ -133,8 +133,7 @@ def read_hf_metadata(model_dir: Path) -> HFMetadata:
             if data.get("tensors") is not None:
                 meta.saved = {name: _tensor_info(name, v, saved_path) for name, v in data["tensors"].items()}
             if data.get("world_size"):
-                meta.saved_world_size = check_count(data["world_size"], str(saved_path), "world_size",
-                                                    MAX_WORLD_SIZE)
+                meta.saved_world_size = check_count(data["world_size"], str(saved_path), "world_size", MAX_WORLD_SIZE)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise CheckpointError(f"damaged {folder}: {original_path.name} or {saved_path.name} "
                               "lacks its 'tensors' table") from None

@@ -163,8 +163,7 @@ def _from_folder(folder: Path, stack: ExitStack, side: Path | None = None) -> Mo
         for name in (HFFolder.config, HFFolder.generation_config, *HFFolder.TOKENIZER_FILES):
             try:
                 path = model_file_in(folder, name, _REFUSAL)
-                check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file",
-                           _SIDE_FILE_LIMIT)
+                check_size(os.stat(path).st_size, f"'{folder / name}'", "a model folder's small file", _SIDE_FILE_LIMIT)
                 copy_regular(path, side / name)
             except FileNotFoundError:
                 continue

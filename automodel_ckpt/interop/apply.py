@@ -132,8 +132,7 @@ def _optimizer_state(run: ForeignRun, model: Any, params: dict[str, Any],
         step = moments["step"]
         if step.numel() != 1 or not math.isfinite(float(step)) or not 0 <= float(step) <= MAX_STEPS:
             raise refuse(where, f"its step for '{name}' is not a count")
-        state[name] = {"step": step.reshape(()).to(torch.float32),
-                       **{k: moments[k].to(param.dtype) for k in MOMENTS}}
+        state[name] = {"step": step.reshape(()).to(torch.float32), **{k: moments[k].to(param.dtype) for k in MOMENTS}}
     return state, group_of
 
 

@@ -238,7 +238,6 @@ def read_json(path: Path, what: str, limit: int = STATE_JSON) -> dict[str, Any]:
 def _first(exc: BaseException) -> str:
     """The line of an unpickling error that says what was refused (torch's names the global), else its first."""
     text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    named = [line for line in text if line.startswith(("Unsupported", "Trying to", "Can only"))
-             or "GLOBAL" in line]
+    named = [line for line in text if line.startswith(("Unsupported", "Trying to", "Can only")) or "GLOBAL" in line]
     line = (named or text or [type(exc).__name__])[0]
     return line.split(" was not an allowed global")[0][:200]

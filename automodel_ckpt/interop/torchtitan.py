@@ -229,8 +229,7 @@ def _schedule(config: dict[str, Any] | None, path: Path | None, step: int) -> Sc
     if kind not in ("linear", "sqrt", "cosine"):
         raise refuse(path, f"lr_scheduler.decay_type is {shown_value(kind)}, not linear, sqrt or cosine")
     low = fraction(section.get("min_lr_factor", 0.0), path, "lr_scheduler.min_lr_factor")
-    warmup = min(count(section.get("warmup_steps", 200), path, "lr_scheduler.warmup_steps", MAX_SCHEDULE_STEPS),
-                 steps)
+    warmup = min(count(section.get("warmup_steps", 200), path, "lr_scheduler.warmup_steps", MAX_SCHEDULE_STEPS), steps)
     ratio = section.get("decay_ratio")
     decay = steps - warmup if ratio is None else \
         min(round(steps * fraction(ratio, path, "lr_scheduler.decay_ratio")), steps - warmup)

@@ -136,8 +136,7 @@ class FinetuneRecipe(BaseRecipe):
         sched = self.cfg.step_scheduler
         tokens = sched.global_batch_size * self.cfg.data.seq_length // self.dims.dp_size  # a process's, each step
         work = compile.step_flop(sum(p.numel() for p in model.parameters()), tokens)
-        compiled, self._compile_line = compile.decide(self.cfg.training.compile, self.env.device, work,
-                                                      sched.max_steps)
+        compiled, self._compile_line = compile.decide(self.cfg.training.compile, self.env.device, work, sched.max_steps)
         if compiled:
             compile.compile_blocks(model)
         return model

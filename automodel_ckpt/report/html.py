@@ -111,8 +111,7 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], marks: Itera
         else:
             line = Markup(" ".join(px(x, y) for x, y in pts))  # numbers the page made: never cut
             parts.append(el("polyline", el("title", name), points=line, fill="none", stroke=color, stroke_width=1.5))
-    key = [el("span", el("i", style=f"background:{PALETTE[i % len(PALETTE)]}"), name)
-           for i, name in enumerate(series)]
+    key = [el("span", el("i", style=f"background:{PALETTE[i % len(PALETTE)]}"), name) for i, name in enumerate(series)]
     kinds = sorted({kind for _, kind, _ in marks})
     key += [el("span", el("i", style=f"background:{MARKS[k]}"), f"{k} (line)") for k in kinds]
     svg = el("svg", parts, xmlns="http://www.w3.org/2000/svg", viewBox=f"0 0 {width} {height}", role="img",

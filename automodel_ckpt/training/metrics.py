@@ -66,8 +66,7 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 def _open_append(path: Path) -> int:
     """``path`` opened for appending; anything but a regular file there is refused (``UserError``)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             raise

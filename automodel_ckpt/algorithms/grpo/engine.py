@@ -103,8 +103,7 @@ class VLLMEngine:
                "--max-model-len", str(max_model_len), "--port-file", str(self.folder / "port"),
                "--lora-rank", str(lora.r if lora is not None else 0)]
         with open(self.folder / "engine.log", "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         atexit.unregister(self.close)
         atexit.register(self.close)
 

@@ -17,8 +17,7 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w.%-]+)?")  # OWNER/NAME[@REVISION] (a
 #: The shortest byte range a line file is cut into to fill the lanes (a range holds the lines that start in it).
 MIN_RANGE_BYTES = 64 * 2**10
 #: The file formats a streamed source reads, by suffix (after a compression suffix such as .gz or .zst).
-FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet",
-           ".arrow": "arrow"}
+FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text", ".parquet": "parquet", ".arrow": "arrow"}
 _COMPRESSED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 
 

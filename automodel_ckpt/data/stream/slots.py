@@ -33,8 +33,7 @@ def specs(corpus: Corpus) -> list[list[Any]]:
     return [[list(s.paths), s.format] for s in corpus.sources]
 
 
-def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_specs: Any,
-            allow_appended: bool) -> Slots:
+def arrange(corpus: Corpus, now: list[list[Shard]], saved_shards: Any, saved_specs: Any, allow_appended: bool) -> Slots:
     """The slots of a stream resumed from a checkpoint's shards and specs (None: the recipe's sources by index)."""
     if not isinstance(saved_shards, list) or not saved_shards or \
             not all(isinstance(s, list) and s for s in saved_shards):

@@ -51,8 +51,7 @@ class NodeLocalRunFolder(LocalRunFolder):
     def acquire(self) -> None:
         """Collective: every node's folder made private and bound to this run, then which ranks share which folder."""
         first_on_node = self.rank % self.placement.ranks_per_node == 0
-        notes = collective.collectively(self._claim if first_on_node else list, f"preparing '{self.local}'",
-                                        self.rank)
+        notes = collective.collectively(self._claim if first_on_node else list, f"preparing '{self.local}'", self.rank)
         for note in notes:
             self.say(f"warning: {note}")
         self.folder_ids = all_gather_object(folder_id(self.local))

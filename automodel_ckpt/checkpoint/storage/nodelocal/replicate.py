@@ -31,8 +31,7 @@ def plan(listings: list[dict[str, int]], folder_ids: list[str], placement: Place
     pairs: dict[tuple[int, int], list[str]] = {}
     for folder, ranks in sorted(folders.items()):
         have = listings[ranks[0]]
-        kept_for = {(placement.node_of(r) - k) % placement.nodes for r in ranks
-                    for k in range(1, placement.copies + 1)}
+        kept_for = {(placement.node_of(r) - k) % placement.nodes for r in ranks for k in range(1, placement.copies + 1)}
         wanted = set(shared) | {rel for s, listing in enumerate(listings) if placement.node_of(s) in kept_for
                                 for rel in listing}
         for rel in sorted(wanted - set(have), key=lambda r: (-_size(listings, holders, r), r)):
