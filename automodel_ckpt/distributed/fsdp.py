@@ -84,9 +84,29 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | ParallelDims, mixed_precisi
             fully_shard(layer, **kwargs)
     for end in vocabulary_ends(model):
         fully_shard(end, **kwargs)
+        if isinstance(end, nn.Embedding):  # its backward reads the token ids, not the weight: not gathered there
+            end.set_unshard_in_backward(False)
     fully_shard(model, **kwargs)
+    if mesh.device_type == "cpu":  # a collective is done as it returns: memory buys no overlap (docs/large-models.md)
+        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            unit.set_modules_to_backward_prefetch([unit])  # itself, gathered already: no block gathered ahead
+            with contextlib.suppress(ValueError):  # a unit of several parameter groups (experts) keeps FSDP2's own
+                unit.set_custom_reduce_scatter(_FreedReduceScatter())
     _restore_recorded_outputs(recorded)
     return model
+
+
+class _FreedReduceScatter:
+    """FSDP2's gradient reduce-scatter, its input freed as the call returns (FSDP2 keeps it until the next one's)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        work = torch.distributed.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if not async_op:
+            input_tensor.untyped_storage().resize_(0)
+        return work
 
 
 def _recorded_outputs(model: nn.Module) -> list[tuple[nn.Module, dict]]:
