@@ -103,7 +103,7 @@ class _FreedReduceScatter:
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        work = torch.distributed.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = torch.distributed.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
         if not async_op:
             input_tensor.untyped_storage().resize_(0)
         return work
