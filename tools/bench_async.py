@@ -32,6 +32,10 @@ Reported as ratios:
 * ``run_overhead_<mode>``: the fraction of tokens/s lost against the ``none`` runs (median steps/s over the
   repetitions; ``run_overhead_async``, ...);
 * ``run_overhead_spread_<mode>``: the smallest and largest loss of one repetition (against the median ``none``);
+* ``steady_overhead_<mode>`` (and ``_spread_``): the same over whole save cycles only, from the end of step
+  ``--every`` (its save next) to the end of the last multiple of ``--every`` before the last step: every cycle has
+  ``--every`` steps and one checkpoint, and the run's final save (one step after the last cycle's) and the wait for
+  it at the end, which a long run spreads over many cycles, are left out;
 * ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
   whose cores training keeps busy, this is what the checkpoints take from training;
 * ``background_cpu_per_checkpoint_<mode>``: of those, what ran off the training thread (the kernel's per-thread
@@ -310,6 +314,9 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     steps = timings["steps"]
     timings["run_seconds"] = timings["end"] - steps[0]["end"]  # from the end of the first (warm-up) step
     timings["steps_per_second"] = (len(steps) - 1) / timings["run_seconds"]
+    first, last = args.every, (len(steps) - 1) // args.every * args.every  # whole save cycles, not the final save
+    if last > first:  # from the end of step `every` (its save next) to the end of the last such step before the end
+        timings["steady_steps_per_second"] = (last - first) / (steps[last - 1]["end"] - steps[first - 1]["end"])
     timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
     # the kernel's per-thread accounting: the training thread's CPU, and the rest of the process's (the save's
     # background thread and its writer, hashing and fsync pools, the data loader, torch's own threads)
@@ -367,6 +374,12 @@ def summary(results: dict[str, list[dict]]) -> dict:
                 cpu = statistics.median(r["cpu_seconds"] - per_step * (len(r["steps"]) - 1) for r in ok[mode]) / saves
             out[f"run_overhead_{mode}"] = lost
             out[f"cpu_per_checkpoint_{mode}"] = cpu
+            cycles = {m: [r["steady_steps_per_second"] for r in runs if "steady_steps_per_second" in r]
+                      for m, runs in ok.items()}
+            if cycles.get(mode) and cycles.get("none"):  # whole save cycles only: no final save, no wait for it
+                each = sorted(1 - r / statistics.median(cycles["none"]) for r in cycles[mode])
+                out[f"steady_overhead_{mode}"] = 1 - statistics.median(cycles[mode]) / statistics.median(cycles["none"])
+                out[f"steady_overhead_spread_{mode}"] = [each[0], each[-1]]
             if mode in ok and "none" in ok:  # each repetition's loss against the median run without checkpoints
                 each = sorted(1 - r["steps_per_second"] / rate["none"] for r in ok[mode])
                 out[f"run_overhead_spread_{mode}"] = [each[0], each[-1]]
@@ -400,19 +413,23 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
         parts = ratios.get("stall_parts") or {}
         if parts:
             lines.append("stall parts (median ms): " + ", ".join(f"{k} {1000 * v:.2f}" for k, v in parts.items()))
-    lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints (min to max) | CPU s per checkpoint "
-              "| of which off the training thread | step time median (s) |", "|---|---|---|---|---|---|"]
+    lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints (min to max) | steady state: lost (min "
+              "to max) | CPU s per checkpoint | of which off the training thread | step time median (s) |",
+              "|---|---|---|---|---|---|---|"]
     for mode, runs in results.items():
         good = [r for r in runs if "failed" not in r]
         if not good:
-            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - | - |")
+            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - | - | - |")
             continue
         lost, cpu = ratios.get(f"run_overhead_{mode}"), ratios.get(f"cpu_per_checkpoint_{mode}")
         spread, off = ratios.get(f"run_overhead_spread_{mode}"), ratios.get(f"background_cpu_per_checkpoint_{mode}")
         med = statistics.median(x["seconds"] for r in good for x in r["steps"][1:] or r["steps"])
         lost_text = "-" if lost is None else f"{100 * lost:+.1f}%" + (
             f" ({100 * spread[0]:+.1f}% to {100 * spread[1]:+.1f}%)" if spread else "")
-        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | {lost_text} | "
+        steady, steady_spread = ratios.get(f"steady_overhead_{mode}"), ratios.get(f"steady_overhead_spread_{mode}")
+        steady_text = "-" if steady is None else f"{100 * steady:+.1f}% ({100 * steady_spread[0]:+.1f}% to " \
+                                                  f"{100 * steady_spread[1]:+.1f}%)"
+        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | {lost_text} | {steady_text} | "
                      f"{'-' if cpu is None else f'{cpu:.2f}'} | {'-' if off is None else f'{off:.2f}'} | {med:.3f} |")
     for mode in results:
         found = ratios.get(f"cpu_parts_per_checkpoint_{mode}")

@@ -55,6 +55,9 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys, monk
         others = run["cpu_seconds"] - run["training_thread_cpu_seconds"]
         assert run["other_threads_cpu_seconds"] == pytest.approx(others)
         low, high = report[f"run_overhead_spread_{mode}"]  # one repetition: its loss is the median's
+        steps = run["steps"]  # whole save cycles: the end of step 2 (saved next) to the end of step 4 (before its save)
+        assert run["steady_steps_per_second"] == pytest.approx(2 / (steps[3]["end"] - steps[1]["end"]))
+        assert report[f"steady_overhead_spread_{mode}"] == [pytest.approx(report[f"steady_overhead_{mode}"])] * 2
         assert low == high == pytest.approx(lost) and math.isfinite(report[f"background_cpu_per_checkpoint_{mode}"])
     for save in report["runs"]["async"][0]["saves"]:
         assert save["stall"] == pytest.approx(save["call"] + save["fence"]) and save["fence"] >= 0
@@ -62,7 +65,7 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys, monk
     sync_call = min(s["call"] for s in report["runs"]["sync"][0]["saves"])  # a save's work, against none at all
     assert all(s["background"] is None and s["call"] < sync_call for s in report["runs"]["none"][0]["saves"])
     assert "stall_over_sync (median, steady state)" in printed and "| async |" in printed
-    assert "of which off the training thread" in printed
+    assert "of which off the training thread" in printed and "steady state: lost" in printed
     parts = report["stall_parts"]  # what the stall is made of, each a median of the steady-state saves
     assert {"snapshot", "small_files", "hand_off", "fence", "other"} <= set(parts)
     assert all(math.isfinite(v) and v >= 0 for v in parts.values()) and "stall parts" in printed
