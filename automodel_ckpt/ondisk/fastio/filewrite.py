@@ -19,7 +19,8 @@ from automodel_ckpt.ondisk import checksum, durable
 from automodel_ckpt.ondisk.fastio import common
 from automodel_ckpt.ondisk.fastio.common import tensor_memory
 
-DIRECT_MIN = 64 << 20  # files from this size on are written with O_DIRECT where the filesystem allows it
+DIRECT_MIN = 1 << 20  # files from this size on are written with O_DIRECT where the filesystem allows it (a
+# page-cache copy and its writeback took 40% of an async save's background CPU from training: docs/benchmarks.md)
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write (one page-aligned buffer of this size per writer thread)
 _ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 

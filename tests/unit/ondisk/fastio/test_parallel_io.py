@@ -456,6 +456,22 @@ def test_large_files_go_past_the_page_cache_byte_for_byte_with_their_checksum(tm
     assert (tmp_path / "again.bin").read_bytes() == expected
 
 
+def test_a_file_of_a_mebibyte_goes_past_the_page_cache_and_a_smaller_one_through_it(tmp_path, monkeypatch):
+    """A model shard of tens of MB written through the page cache cost an async save 0.06 of its 0.15 background CPU
+    seconds a checkpoint (the copy into the cache and its writeback), taken from training on busy cores."""
+    calls = []
+    real = filewrite._write_direct
+    monkeypatch.setattr(filewrite, "_write_direct", lambda *a: calls.append(a[3]) or real(*a))
+    big, small = torch.randn(1 << 18), torch.randn((1 << 18) - 1024)  # 1 MiB, and 4 KiB under it
+    filewrite.write_file(tmp_path / "big.bin", [filewrite.Lazy(big)], 2)
+    filewrite.write_file(tmp_path / "small.bin", [filewrite.Lazy(small)], 2)
+    assert (tmp_path / "big.bin").read_bytes() == big.numpy().tobytes()
+    assert (tmp_path / "small.bin").read_bytes() == small.numpy().tobytes()
+    if filewrite._open_direct(tmp_path / "big.bin") is None:
+        pytest.skip("this filesystem refuses O_DIRECT (tmpfs): every file goes through the page cache")
+    assert calls == [1 << 20]
+
+
 class _OnAccelerator(filewrite.Lazy):
     """A tensor whose bytes a checksum thread cannot read in place, as an accelerator's."""
 
