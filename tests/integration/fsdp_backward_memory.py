@@ -27,7 +27,7 @@ def main() -> None:
     return_freed_memory()
     env = init_distributed("gloo", 10)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=3,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=1024, intermediate_size=4096, num_hidden_layers=3,
                                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False))
     block = 4 * sum(p.numel() for p in model.model.layers[0].parameters())
     model = shard_model(model, data_parallel_mesh(torch.device("cpu"), env.world_size))
