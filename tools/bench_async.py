@@ -353,6 +353,14 @@ def stall_parts(saves: list[dict]) -> dict:
     return parts
 
 
+def _lost(rates: list[float], without: list[float]) -> tuple[float, list[float]]:
+    """The fraction of steps/s lost, median of ``rates`` against the median of ``without`` (the runs without
+    checkpoints), and each repetition's smallest and largest loss against that median."""
+    reference = statistics.median(without)
+    each = sorted(1 - r / reference for r in rates)
+    return 1 - statistics.median(rates) / reference, [each[0], each[-1]]
+
+
 def summary(results: dict[str, list[dict]]) -> dict:
     """The ratios (see the module docstring) over every repetition; a mode that failed or did not run has None."""
     ok = {m: [r for r in runs if "failed" not in r] for m, runs in results.items()}
@@ -364,28 +372,25 @@ def summary(results: dict[str, list[dict]]) -> dict:
         out |= {"stall_over_sync": asyn / sync, "sync_save_seconds": sync, "async_stall_seconds": asyn,
                 "stall_parts": stall_parts([s for r in ok["async"] for s in steady(r["saves"])])}
     rate = {m: statistics.median(r["steps_per_second"] for r in runs) for m, runs in ok.items()}
+    cycles = {m: [r["steady_steps_per_second"] for r in runs if "steady_steps_per_second" in r]
+              for m, runs in ok.items()}  # whole save cycles only: no final save, no wait for it
     for mode in MODES[1:]:
         if mode in results:
             lost = cpu = None
             if mode in ok and "none" in ok:
-                lost = 1 - rate[mode] / rate["none"]
+                lost, out[f"run_overhead_spread_{mode}"] = _lost([r["steps_per_second"] for r in ok[mode]],
+                                                                 [r["steps_per_second"] for r in ok["none"]])
                 saves = statistics.median(len(r["saves"]) for r in ok[mode]) or 1
                 per_step = statistics.median(r["cpu_seconds"] / (len(r["steps"]) - 1) for r in ok["none"])
                 cpu = statistics.median(r["cpu_seconds"] - per_step * (len(r["steps"]) - 1) for r in ok[mode]) / saves
-            out[f"run_overhead_{mode}"] = lost
-            out[f"cpu_per_checkpoint_{mode}"] = cpu
-            cycles = {m: [r["steady_steps_per_second"] for r in runs if "steady_steps_per_second" in r]
-                      for m, runs in ok.items()}
-            if cycles.get(mode) and cycles.get("none"):  # whole save cycles only: no final save, no wait for it
-                each = sorted(1 - r / statistics.median(cycles["none"]) for r in cycles[mode])
-                out[f"steady_overhead_{mode}"] = 1 - statistics.median(cycles[mode]) / statistics.median(cycles["none"])
-                out[f"steady_overhead_spread_{mode}"] = [each[0], each[-1]]
-            if mode in ok and "none" in ok:  # each repetition's loss against the median run without checkpoints
-                each = sorted(1 - r["steps_per_second"] / rate["none"] for r in ok[mode])
-                out[f"run_overhead_spread_{mode}"] = [each[0], each[-1]]
                 idle = statistics.median(r["other_threads_cpu_seconds"] for r in ok["none"])
                 out[f"background_cpu_per_checkpoint_{mode}"] = statistics.median(
                     r["other_threads_cpu_seconds"] - idle for r in ok[mode]) / saves
+            out[f"run_overhead_{mode}"] = lost
+            out[f"cpu_per_checkpoint_{mode}"] = cpu
+            if cycles.get(mode) and cycles.get("none"):
+                out[f"steady_overhead_{mode}"], out[f"steady_overhead_spread_{mode}"] = _lost(cycles[mode],
+                                                                                            cycles["none"])
     out["steps_per_second"] = rate
     for mode, runs in ok.items():  # --profile: each part's CPU seconds per checkpoint and rank (medians)
         profiled = [r for r in runs if r.get("cpu_parts") and r["saves"]]
