@@ -142,8 +142,7 @@ def launch_agent(opts: LaunchOptions, recipe: str, overrides: list[str], *,
     """Run torch's elastic agent in this process; return the workers' exit code.
 
     ``preemption_signal`` is forwarded to the workers, which save at their next step and exit 0 (torch's agent would
-    stop them and fail, as it still does on a second signal). ``forked``: what a forked worker runs.
-    """
+    stop them and fail, as it still does on a second signal). ``forked``: what a forked worker runs."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

@@ -36,8 +36,7 @@ class Algorithm:
     from a ``TrainContext``, and keeps the mesh, the sharding, the step, the loop and the checkpointer.
 
     Each public attribute with ``state_dict`` is checkpointed under its name (but ``checkpoint_exclude``);
-    ``bar_metrics`` are the metrics the progress bar shows.
-    """
+    ``bar_metrics`` are the metrics the progress bar shows."""
 
     checkpoint_exclude: frozenset[str] = frozenset({"ctx"})
     bar_metrics: ClassVar[tuple[str, ...]] = ()

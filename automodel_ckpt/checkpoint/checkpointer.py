@@ -57,8 +57,7 @@ class Checkpointer:
     false`` a save is a no-op and a restore still carries out an explicit ``restore_from``.
 
     A recipe calls ``resume``, ``step_end`` after each optimizer step, ``fence`` before changing saved tensors in
-    place and ``finalize`` (``failed=True`` when an error ends the run). Tools also ``save``, ``wait``, ``load``.
-    """
+    place and ``finalize`` (``failed=True`` when an error ends the run). Tools also ``save``, ``wait``, ``load``."""
 
     def __init__(
         self,

@@ -157,8 +157,7 @@ class AutoInterval:
     """``ckpt_every_steps: auto``: Young/Daly's interval (``interval_steps(cost_s, mtbf_s, step_s)``) from what the
     saves blocked, the step time and the MTBF, set on the run's ``SaveInterval`` (docs/tracking.md). It is decided
     before a save takes its state, from samples in that state, so a resume goes on as a straight run does.
-    ``schedule``: the node-local tier's own ``SaveInterval`` (``local.every_steps: auto``, docs/fast-recovery.md).
-    """
+    ``schedule``: the node-local tier's own ``SaveInterval`` (``local.every_steps: auto``, docs/fast-recovery.md)."""
 
     def __init__(self, interval_steps: Callable[[float, float, float], int], *, mtbf_hours: float | None,
                  observed_mtbf_s: Callable[[], float | None], is_main: bool, say: Callable[[str], None],

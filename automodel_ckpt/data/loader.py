@@ -44,11 +44,10 @@ class GlobalPosition:
 
 
 class GlobalBatchLoader(GlobalPosition):
-    """Per optimizer step, this rank's micro-batches of one global batch: the next ``global_batch_size`` rows of
-    epoch ``e``'s ``randperm(n, seed + e)`` order, each micro-step's ``r``-th slice to data-parallel rank ``r``.
-    The state is ``(epoch, position)``, the same on every rank, so a resume at another world size sees the same
-    samples. An incomplete last global batch of an epoch is skipped.
-    """
+    """Per optimizer step, this rank's micro-batches of one global batch: the next ``global_batch_size`` rows of epoch
+    ``e``'s ``randperm(n, seed + e)`` order, each micro-step's ``r``-th slice to data-parallel rank ``r``. The state is
+    ``(epoch, position)``, the same on every rank, so a resume at another world size sees the same samples. An
+    incomplete last global batch of an epoch is skipped."""
 
     checkpoint_scope = "rank"
 

@@ -11,8 +11,7 @@ from automodel_ckpt.sizes import in_groups
 class RowBuilder:
     """``builder(batch)`` -> rows of ``seq_length`` tokens, for a batched ``datasets.map``: one example per row,
     right-padded, or examples packed whole in order. A packed row's ``position_ids`` restart at every example, whose
-    first token takes no loss; ``sample_id`` is the row's first example.
-    """
+    first token takes no loss; ``sample_id`` is the row's first example."""
 
     def __init__(self, seq_length: int, packing: bool, pad_id: int) -> None:
         self.n = seq_length

@@ -234,8 +234,7 @@ class ParallelDims:
 
     ``dp_group``: the group that sums losses and token counts (None: every rank). With expert parallelism,
     ``expert_mesh`` is ``([dp_replicate,] efsdp, ep)``: ``fully_shard`` shards the experts over ``efsdp``, spreads
-    them over ``ep``; ``batch_mesh``: the ranks that hold the same rows (the tensor-parallel peers, else this rank).
-    """
+    them over ``ep``; ``batch_mesh``: the ranks that hold the same rows (the tensor-parallel peers, else this rank)."""
 
     sizes: MeshSizes
     rank: int

@@ -100,8 +100,7 @@ def pack_into(src: Path, open_stream: Callable[[int], ContextManager[Any]], *, c
 
     A window of about ``part_size`` bytes at a time is written by the threads into an in-memory scratch file,
     hashed, handed to the stream while the next is produced, and dropped: nothing is written to disk, and a failure
-    reaches the stream's block, which then commits nothing.
-    """
+    reaches the stream's block, which then commits nothing."""
     entries, source = _entries(Path(src), parse_cast_dtype(cast_dtype), max_shard_size)
     headers, mtime, end = _lay_out(entries)
     algorithm = default_algorithm()

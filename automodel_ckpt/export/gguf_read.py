@@ -305,9 +305,8 @@ def verify_gguf(path: Path, *, decode: bool = True) -> GGUFReport:
 
 
 def tensor_layout(header: GGUFHeader) -> tuple[list[tuple[GGUFTensor, int, int]], list[str]]:
-    """``(tensor, bytes, block bytes)`` of each tensor of whole blocks inside the file, by offset, and the problems
-    (not whole blocks, past the end, overlapping the previous): without any, the tensors' bytes are at most the
-    file's."""
+    """``(tensor, bytes, block bytes)`` of each tensor of whole blocks inside the file, by offset, and the problems (not
+    whole blocks, past the end, overlapping the previous): without any, the tensors' bytes are at most the file's."""
     from gguf import GGML_QUANT_SIZES
 
     placed: list[tuple[GGUFTensor, int, int]] = []

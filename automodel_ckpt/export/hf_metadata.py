@@ -66,8 +66,7 @@ def write_hf_metadata(
     ``hf_config``/``generation_config``: transformers configs or dicts; ``tokenizer``: anything with
     ``save_pretrained``; missing ones are copied from the base folder. ``world_size`` (default: the process
     group's) is recorded because a missing *last* shard file is invisible in the others; ``state_dict`` (DTensors
-    allowed) records every tensor's full shape and dtype, which makes the coverage check exact.
-    """
+    allowed) records every tensor's full shape and dtype, which makes the coverage check exact."""
     model_dir = Path(model_dir)
     meta_dir = ModelFolder(model_dir).hf_metadata
     folder = meta_dir.path

@@ -87,8 +87,7 @@ def consolidate(model_dir: Path, out_dir: Path | None = None, *, cast_dtype: str
     marker files (rank 0 waits for the others' before it renames the folder).
 
     ``metadata_dir``: the ``model/`` folder whose ``.hf_metadata`` describes shards saved apart from it (a
-    checkpoint's ``ema/``), which must then hold every tensor of the model.
-    """
+    checkpoint's ``ema/``), which must then hold every tensor of the model."""
     model_dir = resolve_model_dir(Path(model_dir)) if metadata_dir is None else Path(model_dir)
     out_dir = Path(out_dir) if out_dir is not None else ModelFolder(model_dir).consolidated.path
     cast = parse_cast_dtype(cast_dtype)

@@ -38,9 +38,8 @@ def is_lightning_folder(src: Path) -> bool:
 
 
 def read_folder(src: Path, limits: Limits) -> ForeignRun:
-    """A Lightning distributed checkpoint folder, as the ``.ckpt`` it would consolidate to: its files regular files
-    of the folder, reached without following a link, its data files within ``limits.checkpoint``; one-line
-    refusals."""
+    """A Lightning distributed checkpoint folder, as the ``.ckpt`` it would consolidate to: its files regular files of
+    the folder, reached without following a link, its data files within ``limits.checkpoint``; one-line refusals."""
     if not os.path.lexists(src / META):
         raise refuse(src, f"it has no {META}: not a Lightning distributed checkpoint")
     ckpt = load_pickle(src / META, "Lightning's checkpoint metadata", MAX_META)

@@ -25,8 +25,7 @@ def trainable(model: nn.Module) -> list[str]:
 
 
 def hf_trainer_groups(model: nn.Module) -> tuple[list[str], list[str]]:
-    """The HF Trainer's two param groups: trainable parameters with weight decay, and those without (biases,
-    norms)."""
+    """The HF Trainer's two param groups: trainable parameters with weight decay, and those without (biases, norms)."""
     in_layernorm = {f"{m}.{n}" if m else n for m, mod in model.named_modules() if isinstance(mod, nn.LayerNorm)
                     for n, _ in mod.named_parameters(recurse=False)}
     names = trainable(model)

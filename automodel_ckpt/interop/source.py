@@ -73,8 +73,7 @@ class ForeignRun:
 
     ``weights``: tensors under the source's names; ``moments``: AdamW state per optimizer slot (the source's
     parameter order), each ``{"step", "exp_avg", "exp_avg_sq"}``; ``groups``: each param group's hyperparameters
-    with ``count`` (slots in it); ``order``: given our model, the name of each slot (``interop.names``).
-    """
+    with ``count`` (slots in it); ``order``: given our model, the name of each slot (``interop.names``)."""
 
     kind: str
     weights: dict[str, torch.Tensor]

@@ -27,8 +27,7 @@ class BaseRecipe:
     which returns with the last checkpoint complete. A subclass writes ``setup`` (``setup_distributed()`` first,
     ``build_checkpointer()`` last) and ``step``, or overrides ``train`` for a loop of its own. Every public
     attribute with ``state_dict`` and ``load_state_dict`` is checkpointed under its name, but
-    ``checkpoint_exclude``.
-    """
+    ``checkpoint_exclude``."""
 
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset()
     checkpointer: Checkpointer  # built by ``build_checkpointer`` at the end of setup

@@ -344,8 +344,7 @@ class FinetuneRecipe(BaseRecipe):
         The loss is the mean over what ``loss_count`` counts in the global batch, whatever the mesh: each rank
         scales its summed losses by ``dp_size / global_count`` because FSDP averages gradients over the
         data-parallel ranks (tensor-parallel peers compute the same loss on the same rows). An algorithm changes
-        the loss, never the step.
-        """
+        the loss, never the step."""
         algorithm, forward = self.algorithm, self.algorithm.ctx.forward
         self.model.train()
         counts = torch.stack([sum(algorithm.loss_count(mb) for mb in micro),

@@ -99,8 +99,7 @@ class Preference(Algorithm):
     """Preference tuning (``dpo:`` keys, docs/preference.md): pairs, a pair loss against a reference, counters.
 
     The reference is a frozen copy of the model (checkpointed as ``ref_model`` from its first sync on), the policy
-    with its LoRA adapters disabled, or its log-probs stored in the run folder (``precompute_ref_log_probs``).
-    """
+    with its LoRA adapters disabled, or its log-probs stored in the run folder (``precompute_ref_log_probs``)."""
 
     ref_model: Any = None
     bar_metrics = ("reward_accuracy",)

@@ -21,8 +21,10 @@ from automodel_ckpt.ondisk.fastio.common import tensor_memory
 
 DIRECT_MIN = 1 << 20  # files from this size on are written with O_DIRECT where the filesystem allows it (a
 # page-cache copy and its writeback took 40% of an async save's background CPU from training: docs/benchmarks.md)
-DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write (one page-aligned buffer of this size per writer thread)
+DIRECT_CHUNK = 2 << 20  # bytes per O_DIRECT write (one page-aligned buffer of this size per writer thread)
 _ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+_SPARE: dict[int, list] = {}  # mapped region buffers by size, kept for the next file and save: a new mapping's first
+_SPARE_LOCK = threading.Lock()  # touch (a page fault a page) took an async save more CPU than the copies into it
 
 
 class Lazy:
@@ -178,16 +180,23 @@ def _write_direct(fd: int, direct_fd: int, pieces: list[Any], total: int, thread
     regions = list(range(0, total, DIRECT_CHUNK))
     pinned = any(isinstance(p, Lazy) and p.tensor.is_cuda for p in pieces)
     if hasher is None:
-        local = threading.local()
+        local, made = threading.local(), []
 
         def region(lo: int) -> None:
             if not hasattr(local, "buffer"):
                 local.buffer = _chunk_buffer(pinned)
+                made.append(local.buffer)
             fill_and_write(*local.buffer, lo)
 
         _run_all(region, regions, threads)
-        return
+        return _keep(made, pinned)
     _write_direct_hashed(fill_and_write, regions, threads, hasher, pinned)
+
+
+def _keep(slots: list[tuple[memoryview, torch.Tensor]], pinned: bool) -> None:
+    with _SPARE_LOCK:  # at most two files' pools of 2 x WRITE_THREADS buffers
+        (spare := _SPARE.setdefault(DIRECT_CHUNK, [])).extend([] if pinned else slots)
+        del spare[4 * common.WRITE_THREADS:]
 
 
 def _chunk_buffer(pinned: bool) -> tuple[memoryview, torch.Tensor]:
@@ -199,6 +208,9 @@ def _chunk_buffer(pinned: bool) -> tuple[memoryview, torch.Tensor]:
             tensor = None
         if tensor is not None and tensor.data_ptr() % _ALIGN == 0:
             return tensor_memory(tensor, writable=True), tensor
+    with _SPARE_LOCK:
+        if spare := _SPARE.get(DIRECT_CHUNK):
+            return spare.pop()
     buffer = mmap.mmap(-1, DIRECT_CHUNK)
     return memoryview(buffer), torch.frombuffer(buffer, dtype=torch.uint8)
 
@@ -239,6 +251,7 @@ def _write_direct_hashed(fill_and_write: Any, regions: list[int], threads: int, 
         for f in futures:
             f.result()
     hasher.ok = not failed.is_set()
+    _keep([free.get() for _ in range(free.qsize())], pinned)
 
 
 def _run_all(work: Any, items: list[Any], threads: int) -> None:
