@@ -11,7 +11,8 @@
    ``--lr`` or further overrides after ``--`` say otherwise; timed;
 4. the same eval of GRPO's last checkpoint.
 
-Prints and writes (``--json``) both exact matches, the gain, GRPO's minutes and its training reward along the way.
+Prints and writes (``--json``) both exact matches, the gain, GRPO's minutes, its training reward along the way and
+the vector kernels torch ran (``ATEN_CPU_CAPABILITY=avx2 python tools/grpo_learns.py ...``: AVX2's on any machine).
 The issue's bar: a gain of at least 0.15, or at least 0.9, in at most 10 minutes of GRPO on 2 CPUs.
 Minutes on CPU; a slow check, not a CI test.
 """
@@ -29,6 +30,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+def cpu_capability() -> str:
+    """The vector kernels torch dispatches to in the runs (``ATEN_CPU_CAPABILITY=avx2`` picks AVX2 on an AVX-512
+    machine: the last bits of the runs follow them)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def run(work: Path, name: str, *args: str, nproc: int | None = None) -> float:
@@ -106,7 +115,8 @@ def main() -> None:
               "overrides": overrides[6:], "exact_match_sft": before, "exact_match_grpo": after,
               "gain": round(after - before, 4), "sft_minutes": round(sft_seconds / 60, 2),
               "grpo_minutes": round(grpo_seconds / 60, 2), "reward_curve": reward_curve(work / "grpo"),
-              "bar_met": (after - before >= 0.15 or after >= 0.9) and grpo_seconds <= 600}
+              "bar_met": (after - before >= 0.15 or after >= 0.9) and grpo_seconds <= 600,
+              "torch_cpu_capability": cpu_capability()}
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
