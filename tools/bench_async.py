@@ -36,6 +36,10 @@ Reported as ratios:
   ``--every`` (its save next) to the end of the last multiple of ``--every`` before the last step: every cycle has
   ``--every`` steps and one checkpoint, and the run's final save (one step after the last cycle's) and the wait for
   it at the end, which a long run spreads over many cycles, are left out;
+* ``within_run_cost_<mode>`` (and ``_spread_``): the same cycles measured inside each run, against its own steps:
+  the save calls, plus how far the cycles' steps sum above their median (the steps beside the background work and
+  the fence wait), less that sum in the runs without checkpoints, over a cycle of typical steps. The machine's drift
+  between runs, which moves a run's steps/s by a few percent, cancels in it;
 * ``cpu_per_checkpoint_<mode>``: the CPU seconds a checkpoint adds (rank 0's process, against ``none``): on a host
   whose cores training keeps busy, this is what the checkpoints take from training;
 * ``background_cpu_per_checkpoint_<mode>``: of those, what ran off the training thread (the kernel's per-thread
@@ -317,6 +321,12 @@ def run_mode(work: Path, base: Path, args, mode: str) -> dict:
     first, last = args.every, (len(steps) - 1) // args.every * args.every  # whole save cycles, not the final save
     if last > first:  # from the end of step `every` (its save next) to the end of the last such step before the end
         timings["steady_steps_per_second"] = (last - first) / (steps[last - 1]["end"] - steps[first - 1]["end"])
+        # within the run: the window's steps above their own median, and the save calls in it, per cycle
+        window, calls = steps[first:last], [x["call"] for x in timings["saves"] if first <= x["step"] < last]
+        typical = statistics.median(x["seconds"] for x in window)
+        timings["typical_step_seconds"], timings["cycle_steps"] = typical, args.every
+        timings["excess_seconds_per_cycle"] = (sum(x["seconds"] - typical for x in window) + sum(calls)) / (
+            (last - first) // args.every)
     timings["cpu_seconds"] = timings["cpu_end"] - steps[0]["cpu"]  # rank 0's process, same span
     # the kernel's per-thread accounting: the training thread's CPU, and the rest of the process's (the save's
     # background thread and its writer, hashing and fsync pools, the data loader, torch's own threads)
@@ -361,6 +371,17 @@ def _lost(rates: list[float], without: list[float]) -> tuple[float, list[float]]
     return 1 - statistics.median(rates) / reference, [each[0], each[-1]]
 
 
+def _within(runs: list[dict], without: list[dict]) -> tuple[float, list[float]]:
+    """What a save costs the steps within each run (the save call, and the steps of the save cycles above their
+    median, less the same excess of the runs without checkpoints), as a share of a cycle of typical steps of the
+    runs without: the median over the repetitions, and the smallest and largest. A machine's drift from one run
+    to the next, which moves the runs' steps/s by a few percent, cancels in it."""
+    base = statistics.median(r["excess_seconds_per_cycle"] for r in without)
+    cycle = statistics.median(r["typical_step_seconds"] * r["cycle_steps"] for r in without)
+    each = sorted((r["excess_seconds_per_cycle"] - base) / cycle for r in runs)
+    return statistics.median(each), [each[0], each[-1]]
+
+
 def summary(results: dict[str, list[dict]]) -> dict:
     """The ratios (see the module docstring) over every repetition; a mode that failed or did not run has None."""
     ok = {m: [r for r in runs if "failed" not in r] for m, runs in results.items()}
@@ -391,6 +412,7 @@ def summary(results: dict[str, list[dict]]) -> dict:
             if cycles.get(mode) and cycles.get("none"):
                 out[f"steady_overhead_{mode}"], out[f"steady_overhead_spread_{mode}"] = _lost(cycles[mode],
                                                                                             cycles["none"])
+                out[f"within_run_cost_{mode}"], out[f"within_run_cost_spread_{mode}"] = _within(ok[mode], ok["none"])
     out["steps_per_second"] = rate
     for mode, runs in ok.items():  # --profile: each part's CPU seconds per checkpoint and rank (medians)
         profiled = [r for r in runs if r.get("cpu_parts") and r["saves"]]
@@ -419,12 +441,13 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
         if parts:
             lines.append("stall parts (median ms): " + ", ".join(f"{k} {1000 * v:.2f}" for k, v in parts.items()))
     lines += ["", "| run | steps/s (median) | tokens/s lost vs no checkpoints (min to max) | steady state: lost (min "
-              "to max) | CPU s per checkpoint | of which off the training thread | step time median (s) |",
-              "|---|---|---|---|---|---|---|"]
+              "to max) | within the runs: lost (min to max) | CPU s per checkpoint | of which off the training thread | step "
+              "time median (s) |", "|---|---|---|---|---|---|---|---|"]
     for mode, runs in results.items():
         good = [r for r in runs if "failed" not in r]
         if not good:
-            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - | - | - |")
+            lines.append(f"| {mode} | failed: {runs[0]['failed'].strip().splitlines()[-1][:120]} | - | - | - | - | - "
+                         "| - |")
             continue
         lost, cpu = ratios.get(f"run_overhead_{mode}"), ratios.get(f"cpu_per_checkpoint_{mode}")
         spread, off = ratios.get(f"run_overhead_spread_{mode}"), ratios.get(f"background_cpu_per_checkpoint_{mode}")
@@ -434,7 +457,10 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
         steady, steady_spread = ratios.get(f"steady_overhead_{mode}"), ratios.get(f"steady_overhead_spread_{mode}")
         steady_text = "-" if steady is None else f"{100 * steady:+.1f}% ({100 * steady_spread[0]:+.1f}% to " \
                                                   f"{100 * steady_spread[1]:+.1f}%)"
-        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | {lost_text} | {steady_text} | "
+        within, within_spread = ratios.get(f"within_run_cost_{mode}"), ratios.get(f"within_run_cost_spread_{mode}")
+        within_text = "-" if within is None else f"{100 * within:+.1f}% ({100 * within_spread[0]:+.1f}% to " \
+                                                  f"{100 * within_spread[1]:+.1f}%)"
+        lines.append(f"| {mode} | {ratios['steps_per_second'][mode]:.3f} | {lost_text} | {steady_text} | {within_text} | "
                      f"{'-' if cpu is None else f'{cpu:.2f}'} | {'-' if off is None else f'{off:.2f}'} | {med:.3f} |")
     for mode in results:
         found = ratios.get(f"cpu_parts_per_checkpoint_{mode}")

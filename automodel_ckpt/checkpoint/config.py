@@ -8,10 +8,11 @@ from typing import Any, Dict, List, Optional
 
 from automodel_ckpt.ondisk import layout
 from automodel_ckpt.ondisk.retention import check_retention_config
-from automodel_ckpt.errors import ConfigError
+from automodel_ckpt.errors import ConfigError, expect
 from automodel_ckpt.checkpoint.save_interval import MTBF_LIMIT_HOURS
 
 AUTO = "auto"  # checkpoint.local.every_steps: auto
+IDLE = "idle"  # checkpoint.async_nice: idle
 
 class _Choice(str, Enum):
     """A config value from a fixed set: a ``str`` (YAML, OmegaConf and comparisons see the plain value)."""
@@ -114,7 +115,7 @@ class CheckpointConfig:
     ckpt_every_minutes: Optional[float] = None  # also save when this many minutes passed since the last save
     mtbf_hours: Optional[float] = None  # mean time between failures for step_scheduler.ckpt_every_steps: auto (null: observed in the run's events.jsonl, else 24)
     async_write_threads: Optional[int] = None  # background writer threads per rank (null: cores per local rank - 1, 1..4)
-    async_nice: int = 10  # niceness added to the background threads (0-19): training gets the CPU first; 0 on big nodes
+    async_nice: Any = IDLE  # the background threads' priority: idle (Linux's SCHED_IDLE: only cores nothing else wants) or a niceness added, 0-19 (0 on big nodes)
     local: LocalTierConfig = field(default_factory=LocalTierConfig)  # node-local steps (docs/fast-recovery.md)
 
     def __post_init__(self) -> None:
@@ -145,19 +146,17 @@ class CheckpointConfig:
                                   "consolidated Hugging Face folder or a PEFT adapter folder to start from")
         check_retention_config(self)
         self.preemption_signal = normalize_signal_name(self.preemption_signal)
-        if self.async_write_threads is not None and not self.async_write_threads >= 1:
-            raise ConfigError(f"checkpoint.async_write_threads: expected a positive number of threads (or null), "
-                              f"got {self.async_write_threads}")
-        if not 0 <= self.async_nice <= 19:
-            raise ConfigError(f"checkpoint.async_nice: expected a niceness between 0 and 19, got {self.async_nice}")
+        expect(self.async_write_threads is None or self.async_write_threads >= 1, "checkpoint.async_write_threads",
+               "a positive number of threads (or null)", self.async_write_threads)
+        expect(self.async_nice == IDLE or type(self.async_nice) is int and 0 <= self.async_nice <= 19,
+               "checkpoint.async_nice", "idle or a niceness between 0 and 19", self.async_nice)
         if self.mtbf_hours is not None and (isinstance(self.mtbf_hours, bool) or
                                             not isinstance(self.mtbf_hours, (int, float)) or
                                             not 0 < self.mtbf_hours <= MTBF_LIMIT_HOURS):
             raise ConfigError(f"checkpoint.mtbf_hours: expected a positive number of hours, at most "
                               f"{MTBF_LIMIT_HOURS:g}, got {str(self.mtbf_hours)[:40]}")
-        if self.ckpt_every_minutes is not None and not self.ckpt_every_minutes > 0:
-            raise ConfigError(f"checkpoint.ckpt_every_minutes: expected a positive number of minutes, "
-                              f"got {self.ckpt_every_minutes}")
+        expect(self.ckpt_every_minutes is None or self.ckpt_every_minutes > 0, "checkpoint.ckpt_every_minutes",
+               "a positive number of minutes", self.ckpt_every_minutes)
 
     @classmethod
     def from_section(cls, section: Any) -> CheckpointConfig:

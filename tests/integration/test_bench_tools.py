@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,13 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys, monk
         steps = run["steps"]  # whole save cycles: the end of step 2 (saved next) to the end of step 4 (before its save)
         assert run["steady_steps_per_second"] == pytest.approx(2 / (steps[3]["end"] - steps[1]["end"]))
         assert report[f"steady_overhead_spread_{mode}"] == [pytest.approx(report[f"steady_overhead_{mode}"])] * 2
+        window = [x["seconds"] for x in steps[2:4]]  # within the run: the cycle's steps above their median, the call
+        typical, call = statistics.median(window), run["saves"][0]["call"]
+        assert run["excess_seconds_per_cycle"] == pytest.approx(sum(x - typical for x in window) + call)
+        [none] = report["runs"]["none"]
+        cost = (run["excess_seconds_per_cycle"] - none["excess_seconds_per_cycle"]) / (2 * none["typical_step_seconds"])
+        assert report[f"within_run_cost_{mode}"] == pytest.approx(cost)
+        assert report[f"within_run_cost_spread_{mode}"] == [pytest.approx(cost)] * 2
         assert low == high == pytest.approx(lost) and math.isfinite(report[f"background_cpu_per_checkpoint_{mode}"])
     for save in report["runs"]["async"][0]["saves"]:
         assert save["stall"] == pytest.approx(save["call"] + save["fence"]) and save["fence"] >= 0
@@ -66,6 +74,7 @@ def test_bench_async_small_reports_stall_and_run_overhead(tmp_path, capsys, monk
     assert all(s["background"] is None and s["call"] < sync_call for s in report["runs"]["none"][0]["saves"])
     assert "stall_over_sync (median, steady state)" in printed and "| async |" in printed
     assert "of which off the training thread" in printed and "steady state: lost" in printed
+    assert "within the runs: lost" in printed
     parts = report["stall_parts"]  # what the stall is made of, each a median of the steady-state saves
     assert {"snapshot", "small_files", "hand_off", "fence", "other"} <= set(parts)
     assert all(math.isfinite(v) and v >= 0 for v in parts.values()) and "stall parts" in printed

@@ -52,8 +52,13 @@ def default_write_threads(cpu_count: int | None = None, local_ranks: int | None 
     return max(1, min(WRITE_THREADS_MAX, cores // max(1, ranks) - 1))
 
 
-def lower_priority(nice: int) -> None:
-    """Raise the calling thread's niceness by ``nice`` (Linux: per thread; the threads it starts inherit it)."""
+def lower_priority(nice: int | str) -> None:
+    """The calling thread under Linux's ``SCHED_IDLE`` for ``idle`` (only on cores nothing else wants; else niceness
+    19), or its niceness raised by ``nice`` (per thread; the threads it starts inherit either)."""
+    if nice == "idle" and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):  # refused: the lowest niceness instead
+            return os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    nice = 19 if nice == "idle" else nice
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
     try:

@@ -22,7 +22,7 @@ class WriteSettings:
     model_save_format = property(attrgetter("_cfg.model_save_format"))
     write_threads = property(attrgetter("_cfg.async_write_threads"),
                              doc="Background writer threads per rank (None: ``overlap.default_write_threads``).")
-    nice = property(attrgetter("_cfg.async_nice"), doc="Niceness added to the background threads.")
+    nice = property(attrgetter("_cfg.async_nice"), doc="The background threads' priority: idle, or a niceness added.")
 
     @property
     def name_template(self) -> str:
