@@ -7,8 +7,7 @@ never imports the exports nor the engine that writes checkpoints (``checkpoint``
 ``checkpoint`` imports only the names below (``tests/unit/test_structure.py``), each a member of a module here under
 its own name; for the exports they are their contract with the folder's bytes. The layout's files reach outside
 code as folder objects (``CheckpointFolder(ckpt).model.consolidated.config``). Names load on first use, so reading
-a run folder (``inspect``, ``verify``) imports no torch.
-"""
+a run folder (``inspect``, ``verify``) imports no torch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Limits on what an untrusted file may ask for: JSON/YAML sizes and nesting, header and pickle sizes, counts.
 
-``read_json`` / ``parse_json`` / ``read_yaml`` check size and nesting before a parser runs (docs/security.md).
-"""
+``read_json`` / ``parse_json`` / ``read_yaml`` check size and nesting before a parser runs (docs/security.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A checkpoint_dir read as records, and the choice of the checkpoint to resume: what every reader looks at.
 
-A checkpoint holds ``metadata.json`` or has the default name; ``.staging-*`` ones are listed only on request.
-"""
+A checkpoint holds ``metadata.json`` or has the default name; ``.staging-*`` ones are listed only on request."""
 
 from __future__ import annotations
 

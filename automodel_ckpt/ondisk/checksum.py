@@ -1,7 +1,6 @@
 """File checksums for manifests: the algorithms (xxHash3-64, CRC32 as a fallback), hashers, whole files and ranges.
 
-A manifest names its algorithm, so either verifies either. Checksums detect corruption, not deliberate tampering.
-"""
+A manifest names its algorithm, so either verifies either. Checksums detect corruption, not deliberate tampering."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Durable filesystem steps: early writeback, fsync of files and folders, atomic pointer swaps, pointer resolution.
 
-Our own files are created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over their place.
-"""
+Our own files are created under a fresh name (``O_EXCL | O_NOFOLLOW``) and renamed over their place."""
 
 from __future__ import annotations
 

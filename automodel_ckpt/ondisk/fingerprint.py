@@ -1,7 +1,6 @@
 """What a checkpoint is a checkpoint of: the run fingerprint recorded in metadata.json and compared on resume.
 
-What is recorded, and what is left out so that it may change between runs: docs/checkpointing.md.
-"""
+What is recorded, and what is left out so that it may change between runs: docs/checkpointing.md."""
 
 from __future__ import annotations
 

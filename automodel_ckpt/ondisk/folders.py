@@ -4,8 +4,7 @@ Outside ``ondisk`` and ``checkpoint``, code names a file of the layout through t
 ``CheckpointFolder(ckpt).model.consolidated.config`` is a path, and ``HFFolder.adapter_config`` (on the class) is
 that file's bare name, for a message or a member of an archive. ``layout`` still spells every name; these objects
 only say where each one lives. A folder object is path-like (``os.fspath``, ``open``) and ``folder / "x"`` is a
-``Path``.
-"""
+``Path``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Incremental saves: a file whose bytes equal the previous published checkpoint's is hard-linked there, not written.
 
-Every folder still holds every file, and where a link fails the file is written: docs/checkpointing.md.
-"""
+Every folder still holds every file, and where a link fails the file is written: docs/checkpointing.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Every on-disk name of a checkpoint directory, in one place.
 
 docs/checkpointing.md ("Every name") maps each name below to its place in a run folder, a checkpoint, an object
-store, a node-local folder and an archive.
-"""
+store, a node-local folder and an archive."""
 
 from __future__ import annotations
 

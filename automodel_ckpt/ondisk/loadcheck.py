@@ -1,7 +1,6 @@
 """Checksums of a checkpoint's model and optimizer files computed while the load reads them (``verify_on_load``).
 
-Each rank hashes its share as the bytes arrive; a mismatch raises ``DamagedFile`` on every rank.
-"""
+Each rank hashes its share as the bytes arrive; a mismatch raises ``DamagedFile`` on every rank."""
 
 from __future__ import annotations
 

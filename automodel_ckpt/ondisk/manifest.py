@@ -1,7 +1,6 @@
 """``manifest.json``: the size and checksum of every file of a checkpoint, written last, just before publish.
 
-The format: docs/integrity.md. Each rank hashes a share (fastio's from memory), rank 0 writes the manifest.
-"""
+The format: docs/integrity.md. Each rank hashes a share (fastio's from memory), rank 0 writes the manifest."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``metadata.json``: what a checkpoint is, in one small file rank 0 writes into every checkpoint.
 
-Non-finite floats are written as the JSON-lines logs write them: NaN as null, infinities as "inf"/"-inf".
-"""
+Non-finite floats are written as the JSON-lines logs write them: NaN as null, infinities as "inf"/"-inf"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A write that runs out of room (ENOSPC, EDQUOT, a read-only filesystem) as one line: folder, bytes needed, free.
 
-Recognised by an ``OSError``'s ``errno`` in the chain, or (failures reach other ranks as text) its message.
-"""
+Recognised by an ``OSError``'s ``errno`` in the chain, or (failures reach other ranks as text) its message."""
 
 from __future__ import annotations
 

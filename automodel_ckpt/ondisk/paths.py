@@ -1,8 +1,7 @@
 """Paths named by untrusted input (manifests, DCP metadata, index files, bucket listings): the one validator.
 
 A path is used only if *plain* and reached without a symlinked folder on the way; only regular files are read, a
-link only into a Hugging Face cache snapshot's ``blobs/``. The exact rules: docs/integrity.md (safe loading).
-"""
+link only into a Hugging Face cache snapshot's ``blobs/``. The exact rules: docs/integrity.md (safe loading)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Which checkpoints pruning deletes: a pure policy over checkpoint records, pointer targets and the config's rules.
 
-Nothing here touches the filesystem, so the rules (docs/retention.md) are property-checked on plain values.
-"""
+Nothing here touches the filesystem, so the rules (docs/retention.md) are property-checked on plain values."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ Threads read regions with O_DIRECT into aligned buffers and copy out; ``hash_fil
 Why: through the page cache a load copies every byte twice and fills the cache with gigabytes read once; an O_DIRECT
 read lands in our aligned buffer, and one ``copy_`` (which releases the GIL) puts it in place while the other
 threads' reads are in flight. Where a filesystem refuses O_DIRECT (``EINVAL``: tmpfs) the same buffers read through
-the page cache.
-"""
+the page cache."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A ``.distcp`` folder's ``.metadata`` file, its pickle kept across saves of an unchanged layout.
 
-A **body** kept while the plan and results are unchanged, and a **tail** that sets ``storage_meta``.
-"""
+A **body** kept while the plan and results are unchanged, and a **tail** that sets ``storage_meta``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The pickle of a DCP ``Metadata`` with its chunk lists and storage table written as numpy records.
 
-The large parts are pickle holes filled with the opcodes ``pickle`` would write: the same objects load.
-"""
+The large parts are pickle holes filled with the opcodes ``pickle`` would write: the same objects load."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Reader threads and page-aligned read buffers kept for all the reads of one load (model, optimizer, ...).
 
-Inside ``kept()`` read calls share one thread pool, started while the load plans, and their buffers.
-"""
+Inside ``kept()`` read calls share one thread pool, started while the load plans, and their buffers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The ``adapter`` model format: a PEFT model's Hugging Face adapter folder (``peft``), whatever the configuration.
 
-A PEFT model is saved so whatever ``checkpoint.model_save_format`` names; the folder is never exported.
-"""
+A PEFT model is saved so whatever ``checkpoint.model_save_format`` names; the folder is never exported."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a checkpoint model format is to the engine: ``ModelFormat``, the object each format module registers.
 
-A format writes, stages, loads, recognises and opens for the export a model's files; ``registry`` finds it.
-"""
+A format writes, stages, loads, recognises and opens for the export a model's files; ``registry`` finds it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A DCP folder another program wrote (``.metadata`` + ``*.distcp``), read whole into this process's memory.
 
-Without a process group, through ``safe_load``; the tensors' total size is bounded before anything is allocated.
-"""
+Without a process group, through ``safe_load``; the tensors' total size is bounded before anything is allocated."""
 
 from __future__ import annotations
 

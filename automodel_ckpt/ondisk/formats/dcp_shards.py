@@ -1,7 +1,6 @@
 """The ``torch_save`` model format: DCP's ``.distcp`` files and their ``.metadata``, the optimizer's format too.
 
-One ``__R_0.distcp`` per rank; exported with ``ckpt-train consolidate``, never inline.
-"""
+One ``__R_0.distcp`` per rank; exported with ``ckpt-train consolidate``, never inline."""
 
 from __future__ import annotations
 

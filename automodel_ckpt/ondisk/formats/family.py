@@ -1,7 +1,6 @@
 """On-disk tensor layout of a model family: which saved tensor, and which part of it, each exported tensor is.
 
-Asked of transformers itself, so that a family it adds exports in its own layout: docs/consolidation.md.
-"""
+Asked of transformers itself, so that a family it adds exports in its own layout: docs/consolidation.md."""
 
 from __future__ import annotations
 

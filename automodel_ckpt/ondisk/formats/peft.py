@@ -1,7 +1,6 @@
 """PEFT adapters as the model state of a checkpoint: one Hugging Face PEFT folder, written by rank 0.
 
-``model/`` is a folder PEFT loads as it is (docs/peft.md); a load is bit-identical whatever the world size.
-"""
+``model/`` is a folder PEFT loads as it is (docs/peft.md); a load is bit-identical whatever the world size."""
 
 from __future__ import annotations
 

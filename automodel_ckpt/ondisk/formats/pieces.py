@@ -1,7 +1,6 @@
 """A model folder's tensors as pieces of files: what a format's export source (``ModelFormat.open_source``) returns.
 
-The Hugging Face export (``export.sources``) checks their coverage and reads them one piece at a time.
-"""
+The Hugging Face export (``export.sources``) checks their coverage and reads them one piece at a time."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The model formats, by name: each is one module of this package, registered here by one line.
 
-``detect(folder)`` asks in registration order (an adapter first: its weights are a ``.safetensors`` file too).
-"""
+``detect(folder)`` asks in registration order (an adapter first: its weights are a ``.safetensors`` file too)."""
 
 from __future__ import annotations
 

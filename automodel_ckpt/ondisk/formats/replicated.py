@@ -1,7 +1,6 @@
 """A model every rank holds whole (replicated), saved as FSDP2's shards: each rank's slice of each tensor as a view.
 
-No copy: every rank writes its own ``Shard(0)`` slice, and the files are those a sharded run writes.
-"""
+No copy: every rank writes its own ``Shard(0)`` slice, and the files are those a sharded run writes."""
 
 from __future__ import annotations
 
@@ -63,13 +62,21 @@ def _world_mesh(device_type: str, world_size: int):
 
 
 def _as_shards(value: Any, mesh) -> Any:
-    """A replicated tensor (1-D or more) as a view of this rank's FSDP2 ``Shard(0)`` of it, without a copy."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    """A replicated tensor (1-D or more) as a view of this rank's FSDP2 ``Shard(0)`` of it, without a copy, made as
+    ``DTensor.from_local`` makes it but from a placement worked out once per shape (``_shard_of``)."""
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
         return value
-    placements = [Shard(0)]
-    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.detach().narrow(0, offset[0], shape[0])
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+    start, length, spec = _shard_of(value.shape, value.stride(), value.dtype, mesh)
+    return DTensor(value.detach().narrow(0, start, length), spec, requires_grad=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_of(shape: torch.Size, stride: tuple, dtype: torch.dtype, mesh: Any) -> tuple[int, int, Any]:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, (Shard(0),))
+    return offset[0], local[0], DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(shape, stride, dtype))

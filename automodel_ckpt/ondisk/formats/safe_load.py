@@ -2,8 +2,7 @@
 
 The only module that unpickles (tests/unit/test_structure.py); its rules: docs/integrity.md (safe loading).
 ``check_fits`` compares a checkpoint's keys and shapes with the state to load, and ``load_failure`` /
-``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder.
-"""
+``save_failure`` turn DCP's multi-rank tracebacks into one line naming the folder."""
 
 from __future__ import annotations
 

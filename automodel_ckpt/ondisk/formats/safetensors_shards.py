@@ -1,7 +1,6 @@
 """The ``safetensors`` model format: per-rank Hugging Face safetensors shards, the default.
 
-Every rank writes its own ``shard-0000R-...`` file; a folder of plain Hugging Face weights reads as this format too.
-"""
+Every rank writes its own ``shard-0000R-...`` file; a folder of plain Hugging Face weights reads as this format too."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Sharded model and optimizer state through torch.distributed.checkpoint, in the files of a format's storage.
 
-``ShardsFormat``s name their storage writer and reader; optimizer state is always ``.distcp`` files (``DCP_FILES``).
-"""
+``ShardsFormat``s name their storage writer and reader; optimizer state is always ``.distcp`` files (``DCP_FILES``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A model's and its optimizer's state dicts as ``torch.distributed.checkpoint`` gives them, cheap to take again.
 
 The first call asks torch and keeps its answer's layout; later ones lay out the live state the same way, asking
-torch again whenever it no longer matches (a layout is kept only where it gives exactly torch's answer).
-"""
+torch again whenever it no longer matches (a layout is kept only where it gives exactly torch's answer)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Large parts of what every rank sends a save's coordinator, sent as a pickle and its digest, read once each.
 
-The coordinator's ``Unpacker`` reads each distinct one once (restricted unpickler), one object for every sender.
-"""
+The coordinator's ``Unpacker`` reads each distinct one once (restricted unpickler), one object for every sender."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A save's global plan made on columns: every rank's items as one shared list and an array of their numbers.
 
-A layout's ranks hold the same items, only their numbers differ; other plans are DCP's (``plan_globally``).
-"""
+A layout's ranks hold the same items, only their numbers differ; other plans are DCP's (``plan_globally``)."""
 
 from __future__ import annotations
 

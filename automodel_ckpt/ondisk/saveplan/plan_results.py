@@ -1,8 +1,7 @@
 """The write results every rank sends the coordinator after a DCP save: compact, and cached across saves.
 
 Sent as columns or tuples, or as a digest when unchanged since the last save under the key; the coordinator keeps
-them as ``planning`` keeps plans, and a digest it does not hold fails the save.
-"""
+them as ``planning`` keeps plans, and a digest it does not hold fails the save."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 ``LinearSavePlanner`` is DCP's ``DefaultSavePlanner`` validated linearly (``plan_checks``) with its plans cached
 across saves of an unchanged layout; ``LocalLoadPlanner`` keeps each rank's load plan to itself. The rules and
-why: docs/checkpointing.md; measurements: docs/benchmarks.md.
-"""
+why: docs/checkpointing.md; measurements: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -71,6 +70,8 @@ class PlanReply:
 class _RankEntry:
     fingerprint: str
     final_plan: SavePlan
+    shape: list | None = None  # what the state planned was made of (``_shape``), and its local plan
+    local: SavePlan | None = None
 
 
 @dataclass
@@ -82,6 +83,21 @@ class _CoordinatorEntry:
 #: per process: (key, world size, rank) -> this rank's last final plan; (key, world size) -> the coordinator's
 _RANK_CACHE: dict[tuple[str, int, int], _RankEntry] = {}
 _COORDINATOR_CACHE: dict[tuple[str, int], _CoordinatorEntry] = {}
+
+
+def _shape(state: dict, coordinator: bool) -> list | None:
+    """What DCP's local save plan of ``state`` is made of; None where that cannot be told (it is made anew)."""
+    out: list = [coordinator]
+    for key, v in state.items():
+        local = v._local_tensor if type(v) is DTensor else v
+        if type(local) in (torch.Tensor, torch.nn.Parameter):
+            what = v._spec if local is not v else (v.shape, v.dtype, v.layout)
+            out.append((key, what, local.requires_grad, local.is_pinned()))
+        elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
+            return None  # another tensor subclass, or an object that makes its own write items
+        else:
+            out.append(key)
+    return out
 
 
 def clear_cache() -> None:
@@ -135,10 +151,16 @@ class LinearSavePlanner(DefaultSavePlanner):
         self._fingerprint: str | None = None
         self._local: SavePlan | None = None
         self._cached: _RankEntry | None = None
+        self._made: tuple = (None, None)  # (``_shape`` of the state, the local plan made of it)
 
     # ----------------------------------------------------------------------------------------- every rank
     def create_local_plan(self) -> SavePlan:
-        return self.outgoing(create_default_local_save_plan(self.state_dict, self.is_coordinator))
+        """DCP's local plan, or the one this rank made for a state of the same ``_shape`` at its last save."""
+        shape = _shape(self.state_dict, self.is_coordinator)
+        kept = _RANK_CACHE.get((self.key, self.world_size, self.rank))
+        self._made = shape, kept.local if shape is not None and kept is not None and kept.shape == shape else \
+            create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        return self.outgoing(self._made[1])
 
     def outgoing(self, plan: SavePlan) -> SavePlan:
         """The ``PlanNote`` this rank sends for ``plan``: its fingerprint alone when it is this rank's last one."""
@@ -168,7 +190,7 @@ class LinearSavePlanner(DefaultSavePlanner):
             final = SavePlan(_apply(self._local.items, new_plan.planner_data.hints), storage_data=new_plan.storage_data,
                              planner_data=self._local.planner_data)
         if self.key is not None and self._fingerprint is not None:
-            _RANK_CACHE[(self.key, self.world_size, self.rank)] = _RankEntry(self._fingerprint, final)
+            _RANK_CACHE[(self.key, self.world_size, self.rank)] = _RankEntry(self._fingerprint, final, *self._made)
         self.plan = final
         return final
 

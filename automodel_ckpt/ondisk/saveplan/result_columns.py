@@ -1,7 +1,6 @@
 """A rank's write results as columns: one item list its peers share and an array of numbers, for the ``.metadata``.
 
-The ranks that write the same kind of items differ only in numbers; results of another shape stay tuples.
-"""
+The ranks that write the same kind of items differ only in numbers; results of another shape stay tuples."""
 
 from __future__ import annotations
 

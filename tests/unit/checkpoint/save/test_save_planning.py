@@ -508,3 +508,41 @@ def test_the_simulations_strided_shards_are_dtensors_at_every_rank(shape, n):
         sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, [rank // sim.TP, rank % sim.TP],
                                                                 placements)
         assert sim._strided(shape, mesh, rank) == (tuple(sizes), tuple(offsets)), rank
+
+
+def test_an_unchanged_state_reuses_its_local_plan_and_a_changed_one_is_planned_again(tmp_path, process_group,
+                                                                                      monkeypatch):
+    """The local plan is made once per state of one shape (DTensor specs, shapes, dtypes, gradient flags, keys):
+    a tensor that now needs gradients, or a key more, plans anew, and the files say so."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from automodel_ckpt.ondisk.fastio import ParallelFileSystemWriter
+    from automodel_ckpt.ondisk.formats.sharded import cache_key
+
+    made, original = [], planning.create_default_local_save_plan
+    monkeypatch.setattr(planning, "create_default_local_save_plan", lambda *a: made.append(1) or original(*a))
+    mesh = init_device_mesh("cpu", (1,))
+    state = {"w": torch.zeros(3, 4), "d": distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]), "step": 3}
+
+    def save(step: int) -> dict:
+        path = tmp_path / "run" / f".staging-{step}" / "optim"
+        writer = ParallelFileSystemWriter(path)
+        done = plan_results.keep_results(writer, cache_key(path, writer), 1, 0)
+        dcp.save(state, storage_writer=writer, planner=planning.LinearSavePlanner(cache_key(path, writer)))
+        done()
+        return FileSystemReader(path).read_metadata().state_dict_metadata
+
+    save(1)
+    state["w"].add_(1.0)  # values change, the shape does not
+    assert set(save(2)) == {"w", "d", "step"} and len(made) == 1
+    state["w"].requires_grad_(True)
+    assert save(3)["w"].properties.requires_grad and len(made) == 2
+    state["extra"] = torch.ones(5)
+    assert save(4)["extra"].size == torch.Size([5]) and len(made) == 3
+    state["d"] = distribute_tensor(torch.ones(6, 2), mesh, [Shard(0)])
+    assert save(5)["d"].size == torch.Size([6, 2]) and len(made) == 4
+    assert planning._shape({"t": torch.nn.Parameter(torch.ones(1))}, True) is not None
+    assert planning._shape({"odd": torch.ones(2).as_subclass(type("Sub", (torch.Tensor,), {}))}, True) is None
