@@ -1,6 +1,6 @@
 """Async checkpoints against sync ones and against none: stall per checkpoint, and whole-run throughput.
 
-    python tools/bench_async.py [--nproc 2] [--steps 61] [--every 20] [--layers 2] [--reps 2] [--modes ...] [--json OUT]
+    python tools/bench_async.py [--nproc 2] [--steps 201] [--every 20] [--layers 2] [--reps 2] [--modes ...] [--json OUT]
     python tools/bench_async.py --small --json OUT      # a tiny model and few steps: checks the tool, not speed
     python tools/bench_async.py --tracking tensorboard  # the same with experiment tracking on (docs/tracking.md)
 
@@ -60,7 +60,8 @@ Reported as ratios:
 
 ``--device cpu`` hides the GPUs (``CUDA_VISIBLE_DEVICES=``); ``--device cuda`` trains on one GPU per process.
 
-``--json OUT`` writes these (and the raw numbers) to OUT. Not a test: the default takes about ten minutes here.
+``--json OUT`` writes these (and the raw numbers) to OUT. Not a test: the default takes about ten minutes here (each
+run about 30 s: ten save cycles, so that one run's noise averages out over them).
 """
 
 from __future__ import annotations
@@ -473,7 +474,7 @@ def table(results: dict[str, list[dict]], ratios: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=61)
+    parser.add_argument("--steps", type=int, default=201)  # ten save cycles a run: a run's own noise averages out
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--reps", type=int, default=2, help="runs per mode, interleaved")
     parser.add_argument("--keep", type=int, default=None,
