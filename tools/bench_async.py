@@ -56,6 +56,9 @@ Reported as ratios:
   write, fsync, manifest, publish, retention, the rest of the save, and training (py-spy's own sampling adds some
   CPU to the profiled runs: take their throughput from runs without it).
 
+Each step's record also holds ``run_delay``: how long the training thread had waited, runnable, for a core so far
+(``/proc/thread-self/schedstat``): what the save's threads and anything else at training's priority took from it.
+
 ``--every 1`` checkpoints every step.
 
 ``--device cpu`` hides the GPUs (``CUDA_VISIBLE_DEVICES=``); ``--device cuda`` trains on one GPU per process.
@@ -138,6 +141,14 @@ checkpoint:
 {keep}{logging}"""
 
 
+def _run_delay() -> float | None:
+    """Seconds this thread has waited, runnable, for a core so far (the kernel's schedstat; None where there is none)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class BenchRecipe(FinetuneRecipe):
     """The fine-tuning recipe, timing its steps and checkpoints into ``$BENCH_ASYNC_OUT`` (one JSON per rank).
 
@@ -174,6 +185,7 @@ class BenchRecipe(FinetuneRecipe):
         end = time.perf_counter()
         self._timings["steps"].append({"seconds": end - t0, "end": end, "cpu": time.process_time(),
                                        "thread_cpu": time.thread_time(),  # this (the training) thread's own
+                                       "run_delay": _run_delay(),
                                        "background": busy or self._background_busy()})
         return out
 

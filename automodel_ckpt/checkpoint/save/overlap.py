@@ -52,20 +52,29 @@ def default_write_threads(cpu_count: int | None = None, local_ranks: int | None 
     return max(1, min(WRITE_THREADS_MAX, cores // max(1, ranks) - 1))
 
 
-def lower_priority(nice: int | str) -> None:
-    """The calling thread under Linux's ``SCHED_IDLE`` for ``idle`` (only on cores nothing else wants; else niceness
-    19), or its niceness raised by ``nice`` (per thread; the threads it starts inherit either)."""
+def lower_priority(nice: int | str, tid: int = 0) -> None:
+    """Thread ``tid`` (0: the calling one) under Linux's ``SCHED_IDLE`` for ``idle`` (only on cores nothing else
+    wants; else niceness 19), or its niceness raised by ``nice`` (per thread; the threads it starts inherit either)."""
     if nice == "idle" and hasattr(os, "SCHED_IDLE"):
         with contextlib.suppress(OSError):  # refused: the lowest niceness instead
-            return os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     nice = 19 if nice == "idle" else nice
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
     try:
-        tid = threading.get_native_id()
+        tid = tid or threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as exc:  # not fatal: the writes just compete with training at the same priority
         logger.debug("cannot lower the checkpoint thread's priority: %s", exc)
+
+
+def threads_lowered(make: Callable[[], Any], nice: int | str, tasks: str = "/proc/self/task") -> Any:
+    """``make()``, each thread it starts (a process group's transport threads) under ``lower_priority(nice)``."""
+    before = set(os.listdir(tasks)) if os.path.isdir(tasks) else None
+    made = make()
+    for tid in set(os.listdir(tasks)) - before if before is not None else ():
+        lower_priority(nice, int(tid))
+    return made
 
 
 @dataclass

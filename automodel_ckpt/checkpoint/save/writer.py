@@ -74,7 +74,7 @@ class SaveWriter:
         if self.is_async:  # collective: every rank creates it, in the same order
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")
+            self._group = overlap.threads_lowered(lambda: dist.new_group(backend="gloo"), settings.nice)
 
     # ------------------------------------------------------------------------------------------ a save
     @diskfull.guarded

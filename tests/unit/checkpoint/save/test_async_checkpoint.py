@@ -378,6 +378,32 @@ def test_idle_background_threads_run_under_sched_idle_and_their_writers_too():
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # training's thread untouched
 
 
+def test_the_save_process_groups_transport_threads_run_under_sched_idle_and_training_s_do_not(process_group):
+    """The background save's collectives travel on its own gloo group, whose threads (the TCP loop, the work
+    queue's) are made on the training thread: they are lowered too, and the training group's are not."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from automodel_ckpt.checkpoint.save import overlap
+
+    if not hasattr(os, "SCHED_IDLE") or not Path("/proc/self/task").is_dir():
+        pytest.skip("no SCHED_IDLE or /proc here (Linux only)")
+
+    def policies() -> dict[str, int]:  # thread id -> scheduling policy (the 41st field of its stat)
+        return {t.name: int((t / "stat").read_text().rsplit(")", 1)[1].split()[38])
+                for t in Path("/proc/self/task").iterdir()}
+
+    before = policies()
+    group = overlap.threads_lowered(lambda: dist.new_group(backend="gloo"), "idle")
+    made = {tid: policy for tid, policy in policies().items() if tid not in before}
+    assert made and set(made.values()) == {os.SCHED_IDLE}  # the group's threads
+    assert policies()[str(threading.get_native_id())] == os.SCHED_OTHER  # the thread that made it untouched
+    dist.barrier(group=group)  # the lowered group still carries collectives
+    dist.destroy_process_group(group)
+
+
 def test_async_save_meets_no_collective_and_reserves_its_folder_in_the_background(env, tmp_path, capture_gate,
                                                                                     monkeypatch):
     """save() returns without a collective on the training thread (no rank waits for another there); the staging
