@@ -91,7 +91,7 @@ def _shape(state: dict, coordinator: bool) -> list | None:
     for key, v in state.items():
         local = v._local_tensor if type(v) is DTensor else v
         if type(local) in (torch.Tensor, torch.nn.Parameter):
-            what = v._spec if local is not v else (v.shape, v.dtype, v.layout)
+            what = v._spec if type(v) is DTensor else (v.shape, v.dtype, v.layout)
             out.append((key, what, local.requires_grad, local.is_pinned()))
         elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
             return None  # another tensor subclass, or an object that makes its own write items
@@ -156,7 +156,7 @@ class LinearSavePlanner(DefaultSavePlanner):
     # ----------------------------------------------------------------------------------------- every rank
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, or the one this rank made for a state of the same ``_shape`` at its last save."""
-        shape = _shape(self.state_dict, self.is_coordinator)
+        shape = _shape(self.state_dict, self.is_coordinator) if self.key is not None else None  # else never kept
         kept = _RANK_CACHE.get((self.key, self.world_size, self.rank))
         self._made = shape, kept.local if shape is not None and kept is not None and kept.shape == shape else \
             create_default_local_save_plan(self.state_dict, self.is_coordinator)
